@@ -1,0 +1,99 @@
+"""`Function`: one differentiable op, its forward and backward side by side.
+
+    class Mul(Function):
+        @staticmethod
+        def forward(ctx, a, b):          # arrays in, array out
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, grad):         # d(loss)/d(out) in, one gradient per input out
+            a, b = ctx.saved
+            return grad * b, grad * a
+
+`Mul.apply(x, y)` does the plumbing once, for every op: unwraps Tensors to arrays, calls
+forward, wraps the result, and records the graph edge if any input needs a gradient.
+Non-Tensor arguments (Python numbers, axes, index arrays) pass straight through and get
+`None` as their gradient. Gradients whose shape differs from the input's because forward
+broadcast are summed back here, in `Function._reduce_to`, the one place broadcasting is undone.
+Tests: tests/test_autograd.py, tests/test_gradcheck.py.
+"""
+from minidist.autograd.tensor import Tensor, is_grad_enabled
+
+
+class Context:
+    """Scratch space an op's forward leaves for its backward."""
+
+    def __init__(self):
+        self.saved = ()
+
+    def save_for_backward(self, *values):
+        self.saved = values
+
+
+class Function:
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        ctx = Context()
+        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        try:
+            out = cls.forward(ctx, *arrays, **kwargs)
+        except (ValueError, TypeError, IndexError) as e:
+            shapes = ", ".join(str(getattr(a, "shape", type(a).__name__)) for a in arrays)
+            raise type(e)(f"{cls.__name__}({shapes}): {e}") from e
+        needs_grad = is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args)
+        result = Tensor(out, requires_grad=needs_grad)
+        if needs_grad:
+            result._fn = cls
+            result._ctx = ctx
+            result._parents = tuple(a if isinstance(a, Tensor) and a.requires_grad else None
+                                    for a in args)
+        return result
+
+    @classmethod
+    def _backward(cls, ctx, grad, parents):
+        """Run backward and check its result: one gradient per input, shaped like the input."""
+        grads = cls.backward(ctx, grad)
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        if len(grads) != len(parents):
+            raise RuntimeError(f"{cls.__name__}.backward returned {len(grads)} gradients "
+                               f"for {len(parents)} inputs")
+        out = []
+        for g, p in zip(grads, parents):
+            if p is None or g is None:
+                out.append(None)
+                continue
+            g = cls._reduce_to(g, p.shape)
+            if g.dtype != p.dtype:
+                g = g.astype(p.dtype)
+            out.append(g)
+        return out
+
+    @classmethod
+    def _reduce_to(cls, grad, shape):
+        """Undo broadcasting: sum `grad` over the axes forward stretched to reach its shape."""
+        if grad.shape == tuple(shape):
+            return grad
+        extra = grad.ndim - len(shape)
+        if extra < 0:
+            raise RuntimeError(f"{cls.__name__}.backward: gradient of shape {grad.shape} "
+                               f"for an input of shape {tuple(shape)}")
+        axes = tuple(range(extra)) + tuple(
+            extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1)
+        grad = grad.sum(axis=axes, keepdims=True) if axes else grad
+        grad = grad.reshape(grad.shape[extra:]) if extra else grad
+        if grad.shape != tuple(shape):
+            raise RuntimeError(f"{cls.__name__}.backward: gradient of shape {grad.shape} "
+                               f"does not reduce to the input's shape {tuple(shape)}")
+        return grad

@@ -1,0 +1,217 @@
+"""`Tensor`: one numpy/cupy array (`.data`), its gradient (`.grad`), and the graph behind it.
+
+A Tensor made by an op remembers the op (`_fn`), what the op saved (`_ctx`) and its inputs
+(`_parents`). `loss.backward()` walks that graph once, in reverse topological order, and:
+  - hands each op the gradient of its output, which is complete by the time we reach it;
+  - accumulates leaf gradients with `+=` into `.grad` (so gradient accumulation across
+    backward calls works, and a tensor used twice gets both contributions);
+  - fires a leaf's hooks (`register_grad_hook`) as soon as its last contribution for this
+    backward has arrived: DDP starts a bucket's all-reduce there, ZeRO-2 its reduce-scatter;
+  - frees each op's saved arrays as soon as its backward has run.
+The walk is a loop, not recursion, so a deep graph cannot hit Python's recursion limit.
+Tests: tests/test_autograd.py.
+"""
+import contextlib
+
+from minidist import backend
+
+_grad_enabled = [True]
+
+
+def is_grad_enabled():
+    return _grad_enabled[-1]
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Ops inside build no graph: for evaluation, sampling and optimizer updates."""
+    _grad_enabled.append(False)
+    try:
+        yield
+    finally:
+        _grad_enabled.pop()
+
+
+class Tensor:
+
+    def __init__(self, data, requires_grad=False, dtype=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        if not hasattr(data, "__array__") or dtype is not None:
+            xp = backend.xp_of(data) if hasattr(data, "__array__") else backend.get_xp()
+            data = xp.asarray(data, dtype=dtype or _default_dtype(data))
+        self.data = data
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._fn = None         # the Function that made this tensor (None for a leaf)
+        self._ctx = None        # what that Function saved for its backward
+        self._parents = ()      # its Tensor inputs (None where no gradient is needed)
+        self._hooks = []
+
+    # ---- plain properties -----------------------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._fn is None)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        op = f", fn={self._fn.__name__}" if self._fn else ""
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}{grad}{op})"
+
+    def item(self):
+        return self.data.item()
+
+    def numpy(self):
+        """The data as a numpy array (copied from the GPU if needed)."""
+        return backend.to_host(self.data)
+
+    def detach(self):
+        """The same array, cut off from the graph."""
+        return Tensor(self.data)
+
+    def register_grad_hook(self, fn):
+        """Call `fn(self)` once `self.grad` holds this backward's full contribution (leaves only).
+        Returns a handle whose `remove()` unregisters it."""
+        if not self.is_leaf:
+            raise RuntimeError("register_grad_hook is for leaf tensors (parameters)")
+        self._hooks.append(fn)
+        return _HookHandle(self._hooks, fn)
+
+    # ---- backward -------------------------------------------------------------------------
+    def backward(self, grad=None):
+        """Accumulate d(self)/d(leaf) into every leaf's `.grad` that requires one."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad "
+                               "(no input of the ops that made it requires a gradient)")
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward() on a non-scalar tensor of shape {self.shape} "
+                                   "needs an explicit gradient of the same shape")
+            grad = backend.xp_of(self.data).ones_like(self.data)
+        grad = grad.data if isinstance(grad, Tensor) else grad
+        if grad.shape != self.shape:
+            raise ValueError(f"backward(): gradient of shape {grad.shape} "
+                             f"for a tensor of shape {self.shape}")
+        if self.is_leaf:
+            _accumulate(self, grad)
+            _fire_hooks(self)
+            return
+        order, pending = _topological_order(self)
+        grads = {id(self): grad}
+        for node in reversed(order):                      # outputs before their inputs
+            g = grads.pop(id(node), None)                 # complete: all consumers ran
+            if node._ctx is None:
+                raise RuntimeError("backward through a graph that was already freed "
+                                   "(a second backward over the same ops)")
+            in_grads = (node._fn._backward(node._ctx, g, node._parents) if g is not None
+                        else [None] * len(node._parents))
+            node._ctx = None                              # free saved arrays as we go
+            for p, pg in zip(node._parents, in_grads):
+                if p is None:
+                    continue
+                if p.is_leaf:
+                    if pg is not None:
+                        _accumulate(p, pg)
+                    pending[id(p)] -= 1
+                    if pending[id(p)] == 0:
+                        _fire_hooks(p)
+                elif pg is not None:
+                    prev = grads.get(id(p))
+                    grads[id(p)] = pg if prev is None else prev + pg
+            node._parents = ()
+
+    # ---- operators: each one op, called in plain sight -------------------------------------
+    def __add__(self, other): return ops.Add.apply(self, other)
+    def __radd__(self, other): return ops.Add.apply(other, self)
+    def __sub__(self, other): return ops.Sub.apply(self, other)
+    def __rsub__(self, other): return ops.Sub.apply(other, self)
+    def __mul__(self, other): return ops.Mul.apply(self, other)
+    def __rmul__(self, other): return ops.Mul.apply(other, self)
+    def __truediv__(self, other): return ops.Div.apply(self, other)
+    def __rtruediv__(self, other): return ops.Div.apply(other, self)
+    def __neg__(self): return ops.Neg.apply(self)
+    def __pow__(self, exponent): return ops.Pow.apply(self, exponent)
+    def __matmul__(self, other): return ops.MatMul.apply(self, other)
+    def __getitem__(self, index): return ops.GetItem.apply(self, index)
+
+    def sum(self, axis=None, keepdims=False): return ops.Sum.apply(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False): return ops.Mean.apply(self, axis, keepdims)
+    def max(self, axis=None, keepdims=False): return ops.Max.apply(self, axis, keepdims)
+    def exp(self): return ops.Exp.apply(self)
+    def log(self): return ops.Log.apply(self)
+    def sqrt(self): return ops.Sqrt.apply(self)
+    def tanh(self): return ops.Tanh.apply(self)
+    def relu(self): return ops.Relu.apply(self)
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return ops.Reshape.apply(self, tuple(shape))
+
+    def transpose(self, *axes):
+        """Permute axes (all of them, like numpy); no axes reverses them."""
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return ops.Transpose.apply(self, tuple(axes) or None)
+
+    permute = transpose
+    T = property(lambda self: self.transpose())
+
+    def masked_fill(self, mask, value): return ops.MaskedFill.apply(self, mask, value)
+    def astype(self, dtype): return ops.Cast.apply(self, dtype)
+
+
+def _default_dtype(data):
+    """Python floats become float32 (minidist's default); ints and bools keep their kind."""
+    import numpy as np
+    kind = np.asarray(data).dtype.kind
+    return "float32" if kind == "f" else None
+
+
+def _accumulate(leaf, grad):
+    if leaf.grad is None:
+        leaf.grad = grad.copy()        # never alias an array an op may still own
+    else:
+        leaf.grad += grad
+
+
+def _fire_hooks(leaf):
+    for hook in list(leaf._hooks):
+        hook(leaf)
+
+
+def _topological_order(root):
+    """Interior nodes reachable from `root`, each after all of its inputs (iterative DFS),
+    and for each leaf the number of graph edges into it (its pending contributions)."""
+    order, visited, pending = [], {id(root)}, {}
+    stack = [(root, iter(root._parents))]
+    while stack:
+        node, parents = stack[-1]
+        for p in parents:
+            if p is None:
+                continue
+            if p.is_leaf:
+                pending[id(p)] = pending.get(id(p), 0) + 1
+            elif id(p) not in visited:
+                visited.add(id(p))
+                stack.append((p, iter(p._parents)))
+                break
+        else:                          # every input of `node` is placed: place node
+            stack.pop()
+            order.append(node)
+    return order, pending
+
+
+class _HookHandle:
+    def __init__(self, hooks, fn):
+        self._hooks, self._fn = hooks, fn
+
+    def remove(self):
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+from minidist.autograd import ops  # noqa: E402  (ops imports Tensor: import it after the class)

@@ -1,0 +1,229 @@
+"""The array backend: numpy on the CPU, cupy on a GPU, chosen in one place.
+
+Every op finds its array module with `xp_of(array)`; nothing else in minidist decides
+between numpy and cupy. This module also owns the things that depend on the machine rather
+than the model: which GPU a rank uses (its local rank), how many BLAS threads a rank may run
+(cores on this node / ranks on this node), host <-> device moves, seeding and memory stats.
+
+CuPy is imported lazily and only when asked for, so the package and the whole CPU test suite
+work on a machine with no CUDA at all. Tests: tests/test_backend.py.
+"""
+import ctypes
+import os
+import sys
+
+_state = {}
+
+# (local rank, local size) environment variables set by common launchers, in lookup order.
+_LOCAL_ENV = (
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),                          # MPICH / Hydra
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),    # Open MPI
+    ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),                            # PMIx / Cray
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),                      # srun
+)
+
+
+def local_rank_and_size():
+    """(rank among the processes on this node, number of processes on this node).
+
+    Read from the launcher's environment, so it is known before MPI is initialised;
+    (0, 1) when not launched by an MPI launcher.
+    """
+    for rank_var, size_var in _LOCAL_ENV:
+        if rank_var in os.environ:
+            rank = int(os.environ[rank_var])
+            size = os.environ.get(size_var, "").split("(")[0]  # SLURM writes "2(x3)"
+            return rank, max(int(size) if size.isdigit() else 1, rank + 1)
+    return 0, 1
+
+
+def available_cores():
+    """Cores this process may run on (its CPU affinity), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def default_threads():
+    """BLAS threads per rank: cores on this node shared among the ranks on it, at least 1."""
+    return max(1, available_cores() // local_rank_and_size()[1])
+
+
+# -------------------------------------------------------------------------------------------
+# BLAS threads
+# -------------------------------------------------------------------------------------------
+
+_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+               "VECLIB_MAXIMUM_THREADS")
+
+# Environment variables are read once, when numpy loads its BLAS: set them first, so 4 ranks on
+# 2 cores don't each start a thread per core. A value the user exported wins (setdefault).
+_threads_env = os.environ.get("MINIDIST_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS")
+for _var in _THREAD_ENV:
+    os.environ.setdefault(_var, _threads_env or str(default_threads()))
+
+import numpy as np  # noqa: E402  (after the thread environment is set)
+
+_state.update(xp=np, device="cpu", device_id=None)
+_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
+            "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+            "MKL_Set_Num_Threads")
+
+
+def _loaded_blas_libraries():
+    """Paths of the BLAS libraries mapped into this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if "blas" in p.lower() or "mkl_rt" in p.lower())
+
+
+def set_blas_threads(n=None):
+    """Limit BLAS (OpenBLAS/MKL) to `n` threads in this process; default `default_threads()`.
+
+    Environment variables only work before numpy loads its BLAS, so we also call the
+    library's own setter through ctypes, which works at any time. Returns the number set.
+    """
+    n = int(n or default_threads())
+    for var in _THREAD_ENV:  # inherited by anything this process starts
+        os.environ[var] = str(n)
+    for path in _loaded_blas_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _SETTERS:
+            if hasattr(lib, name):
+                getattr(lib, name)(ctypes.c_int(n))
+    _state["threads"] = n
+    return n
+
+
+def blas_threads():
+    """The thread count last set by `set_blas_threads`."""
+    return _state.get("threads")
+
+
+# numpy may have been imported before minidist (then the variables above came too late):
+# apply the limit through the library itself as well.
+set_blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+
+
+# -------------------------------------------------------------------------------------------
+# numpy or cupy
+# -------------------------------------------------------------------------------------------
+
+def cupy_module():
+    """The cupy module if it imports and sees at least one GPU, else None. Never raises."""
+    if "cupy" in _state:
+        return _state["cupy"]
+    try:
+        import cupy
+        ok = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # not installed, no driver, no device: all mean "no cupy"
+        cupy, ok = None, False
+    _state["cupy"] = cupy if ok else None
+    return _state["cupy"]
+
+
+def set_device(device=None):
+    """Choose where arrays live: "cpu", "cuda", or "auto" (cuda if a GPU is usable).
+
+    `device=None` reads the MINIDIST_DEVICE environment variable (default "auto").
+    On cuda, each rank takes GPU `local_rank % device_count`. Returns "cpu" or "cuda".
+    """
+    device = device or os.environ.get("MINIDIST_DEVICE", "auto")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
+    cp = cupy_module() if device in ("auto", "cuda") else None
+    if device == "cuda" and cp is None:
+        raise RuntimeError("--device cuda asked for, but cupy is not installed or sees no GPU "
+                           "(pip install -e '.[cuda]')")
+    if cp is None:
+        _state.update(xp=np, device="cpu", device_id=None)
+        return "cpu"
+    device_id = local_rank_and_size()[0] % cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(device_id).use()
+    _state.update(xp=cp, device="cuda", device_id=device_id)
+    return "cuda"
+
+
+def get_xp():
+    """The array module of the current device (numpy until `set_device` picks cuda)."""
+    return _state["xp"]
+
+
+def device():
+    """"cpu" or "cuda": the current device."""
+    return _state["device"]
+
+
+def is_cupy(a):
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def xp_of(*arrays):
+    """The array module (numpy or cupy) that owns these arrays; numpy for plain scalars."""
+    for a in arrays:
+        if is_cupy(a):
+            return sys.modules["cupy"]
+    return np
+
+
+def to_host(a):
+    """A numpy copy (cupy) or view (numpy) of `a`."""
+    return a.get() if is_cupy(a) else np.asarray(a)
+
+
+def to_device(a, xp=None):
+    """`a` as an array of `xp` (default: the current device's module)."""
+    xp = xp or get_xp()
+    return xp.asarray(a)
+
+
+def synchronize():
+    """Wait for queued GPU work (a no-op on the CPU); call before reading a timer."""
+    if _state["device"] == "cuda":
+        sys.modules["cupy"].cuda.Device().synchronize()
+
+
+# -------------------------------------------------------------------------------------------
+# randomness and memory
+# -------------------------------------------------------------------------------------------
+
+def rng(seed):
+    """A host numpy Generator. Parameters are initialised on the host and then moved, so the
+    same seed gives the same numbers on CPU and GPU, and a sharded init can cut a full one."""
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def seed_all(seed):
+    """Seed the legacy global generators of numpy (and cupy, if in use)."""
+    np.random.seed(seed % 2**32)
+    if _state["device"] == "cuda":
+        sys.modules["cupy"].random.seed(seed % 2**32)
+
+
+def memory_stats():
+    """Memory in use by this process, in bytes.
+
+    cpu: {"rss"} resident set size. cuda: also {"pool_used", "pool_total"} from CuPy's
+    default memory pool (what arrays hold vs what the pool has taken from the driver).
+    """
+    stats = {"rss": _rss_bytes()}
+    if _state["device"] == "cuda":
+        pool = sys.modules["cupy"].get_default_memory_pool()
+        stats.update(pool_used=int(pool.used_bytes()), pool_total=int(pool.total_bytes()))
+    return stats
+
+
+def _rss_bytes():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource  # macOS: peak, not current, but the best available without psutil
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
