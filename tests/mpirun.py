@@ -1,0 +1,50 @@
+"""Run a script under `mpiexec -n K` in a subprocess, with a timeout, never hanging the suite.
+
+The job runs in its own process group (its own session); on timeout the whole group is killed,
+so a deadlocked collective becomes a failed test with each rank's output, not a stuck CI.
+
+    out = run_mpi(4, "tests/scripts/comm_check.py", "--algo", "ring")
+"""
+import os
+import signal
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpi_env(**extra):
+    """Environment for test jobs: one BLAS thread per rank (ranks outnumber cores here)."""
+    env = dict(os.environ)
+    env.update(MINIDIST_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def mpiexec():
+    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else "mpiexec"
+
+
+def run_mpi(nprocs, script, *args, timeout=120, env=None, check=True):
+    """Run `python script args...` on `nprocs` ranks; return the CompletedProcess.
+
+    With `check`, a non-zero exit or a timeout raises AssertionError carrying the output.
+    """
+    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, script, *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    return result
