@@ -19,6 +19,23 @@ broadcast are summed back here, in `Function._reduce_to`, the one place broadcas
 Tests: tests/test_autograd.py, tests/test_gradcheck.py.
 """
 from minidist.autograd.tensor import Tensor, is_grad_enabled
+from minidist.backend import xp_of
+
+
+def _describe(a):
+    """"(4, 3) float32" for an array, the type name for anything else."""
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return f"{tuple(a.shape)} {a.dtype}"
+    return type(a).__name__
+
+
+def _named_error(cls, arrays, e):
+    """The same kind of error, its message prefixed with the op and its inputs' shapes."""
+    msg = f"{cls.__name__}({', '.join(_describe(a) for a in arrays)}): {e}"
+    try:
+        return type(e)(msg)
+    except Exception:                     # an exception type with a different constructor
+        return TypeError(msg) if isinstance(e, TypeError) else ValueError(msg)
 
 
 class Context:
@@ -26,6 +43,7 @@ class Context:
 
     def __init__(self):
         self.saved = ()
+        self.needs_input_grad = ()   # per argument: does it want a gradient? (skip if not)
 
     def save_for_backward(self, *values):
         self.saved = values
@@ -44,14 +62,17 @@ class Function:
     @classmethod
     def apply(cls, *args, **kwargs):
         ctx = Context()
+        enabled = is_grad_enabled()
+        ctx.needs_input_grad = tuple(enabled and isinstance(a, Tensor) and a.requires_grad
+                                     for a in args)
+        needs_grad = any(ctx.needs_input_grad)
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
         try:
             out = cls.forward(ctx, *arrays, **kwargs)
         except (ValueError, TypeError, IndexError) as e:
-            shapes = ", ".join(str(getattr(a, "shape", type(a).__name__)) for a in arrays)
-            raise type(e)(f"{cls.__name__}({shapes}): {e}") from e
-        needs_grad = is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args)
+            raise _named_error(cls, arrays, e) from e
+        if not isinstance(out, xp_of(out).ndarray):   # numpy reductions give scalars
+            out = xp_of(out).asarray(out)
         result = Tensor(out, requires_grad=needs_grad)
         if needs_grad:
             result._fn = cls

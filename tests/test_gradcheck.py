@@ -1,0 +1,169 @@
+"""Every Function's backward against central differences (float64), and its forward against a
+NumPy formula, from one table. `test_every_function_is_in_the_table` fails when an op is
+added to ops/indexing/fused without a row here.
+
+Run: python -m pytest -q tests/test_gradcheck.py
+"""
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from minidist import backend
+from minidist.autograd import Function, Tensor, fused as F, ops
+from minidist.autograd import indexing
+from minidist.autograd.gradcheck import gradcheck
+
+
+def T(a, grad=True):
+    return Tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape)
+
+
+def away_from_zero(*shape, seed=0):
+    """Values with |v| in [0.5, 1.5]: no kinks (relu, max ties) within eps."""
+    x = np.random.default_rng(seed).uniform(0.5, 1.5, shape)
+    return x * np.where(np.random.default_rng(seed + 1).random(shape) < 0.5, -1, 1)
+
+
+@dataclass
+class Case:
+    id: str
+    covers: tuple                       # the Function classes this row exercises
+    fn: Callable                        # Tensors -> Tensor (or list of Tensors)
+    inputs: Callable                    # () -> list of Tensors / other args for fn
+    ref: Callable = None                # numpy formula over the inputs' arrays
+    atol: float = 1e-6
+    eps: float = 1e-6
+
+
+IDX = np.array([[1, 0, 3], [3, 3, 2]])          # repeated ids: scatter-add must add up
+MASK = np.array([[True, False, False, True]])   # broadcasts over rows
+COND = np.array([[True, False, True, False], [False, False, True, True], [True] * 4])
+
+CASES = [
+    Case("add_broadcast", (ops.Add,), lambda a, b: a + b,
+         lambda: [T(randn(3, 4)), T(randn(4))], np.add),
+    Case("add_both_broadcast", (ops.Add,), lambda a, b: a + b,
+         lambda: [T(randn(2, 1, 3)), T(randn(4, 1))], np.add),
+    Case("sub", (ops.Sub,), lambda a, b: a - b,
+         lambda: [T(randn(3, 1)), T(randn(1, 4))], np.subtract),
+    Case("rsub_scalar", (ops.Sub,), lambda a: 2.0 - a, lambda: [T(randn(5))], lambda a: 2 - a),
+    Case("mul_broadcast", (ops.Mul,), lambda a, b: a * b,
+         lambda: [T(randn(2, 3, 4)), T(randn(3, 1))], np.multiply),
+    Case("div", (ops.Div,), lambda a, b: a / b,
+         lambda: [T(randn(3, 4)), T(away_from_zero(4))], np.divide),
+    Case("rdiv_scalar", (ops.Div,), lambda a: 1.0 / a,
+         lambda: [T(away_from_zero(3, 2))], lambda a: 1 / a),
+    Case("neg", (ops.Neg,), lambda a: -a, lambda: [T(randn(3, 4))], np.negative),
+    Case("pow_scalar", (ops.Pow,), lambda a: a ** 3, lambda: [T(randn(3, 4))],
+         lambda a: a ** 3),
+    Case("pow_tensor", (ops.Pow,), lambda a, e: a ** e,
+         lambda: [T(np.abs(away_from_zero(3, 2))), T(randn(2))], np.power),
+    Case("exp", (ops.Exp,), lambda a: a.exp(), lambda: [T(randn(3, 4))], np.exp),
+    Case("log", (ops.Log,), lambda a: a.log(), lambda: [T(np.abs(away_from_zero(3, 4)))],
+         np.log),
+    Case("sqrt", (ops.Sqrt,), lambda a: a.sqrt(), lambda: [T(np.abs(away_from_zero(4)))],
+         np.sqrt),
+    Case("tanh", (ops.Tanh,), lambda a: a.tanh(), lambda: [T(randn(3, 4))], np.tanh),
+    Case("relu", (ops.Relu,), lambda a: a.relu(), lambda: [T(away_from_zero(3, 4))],
+         lambda a: np.maximum(a, 0)),
+    Case("sum_all", (ops.Sum,), lambda a: a.sum(), lambda: [T(randn(3, 4))], np.sum),
+    Case("sum_axes_keepdims", (ops.Sum,), lambda a: a.sum(axis=(0, 2), keepdims=True),
+         lambda: [T(randn(2, 3, 4))], lambda a: a.sum(axis=(0, 2), keepdims=True)),
+    Case("mean_axis", (ops.Mean,), lambda a: a.mean(axis=-1), lambda: [T(randn(2, 3, 4))],
+         lambda a: a.mean(axis=-1)),
+    Case("max_axis", (ops.Max,), lambda a: a.max(axis=1), lambda: [T(randn(3, 5))],
+         lambda a: a.max(axis=1)),
+    Case("max_all_keepdims", (ops.Max,), lambda a: a.max(keepdims=True),
+         lambda: [T(randn(3, 5))], lambda a: a.max(keepdims=True)),
+    Case("matmul_2d", (ops.MatMul,), ops.matmul, lambda: [T(randn(3, 4)), T(randn(4, 5))],
+         np.matmul),
+    Case("matmul_batched_weight", (ops.MatMul,), ops.matmul,
+         lambda: [T(randn(2, 3, 4)), T(randn(4, 5))], np.matmul),
+    Case("matmul_broadcast_batch", (ops.MatMul,), ops.matmul,
+         lambda: [T(randn(2, 1, 3, 4)), T(randn(5, 4, 2))], np.matmul),
+    Case("matmul_2d_by_batched", (ops.MatMul,), ops.matmul,
+         lambda: [T(randn(3, 4)), T(randn(2, 4, 5))], np.matmul),
+    Case("matmul_vec_mat", (ops.MatMul,), ops.matmul, lambda: [T(randn(4)), T(randn(2, 4, 3))],
+         np.matmul),
+    Case("matmul_mat_vec", (ops.MatMul,), ops.matmul, lambda: [T(randn(2, 3, 4)), T(randn(4))],
+         np.matmul),
+    Case("matmul_vec_vec", (ops.MatMul,), ops.matmul, lambda: [T(randn(4)), T(randn(4))],
+         np.matmul),
+    Case("reshape", (ops.Reshape,), lambda a: a.reshape(4, 3), lambda: [T(randn(2, 6))],
+         lambda a: a.reshape(4, 3)),
+    Case("transpose_axes", (ops.Transpose,), lambda a: a.transpose(2, 0, 1),
+         lambda: [T(randn(2, 3, 4))], lambda a: a.transpose(2, 0, 1)),
+    Case("transpose_reverse", (ops.Transpose,), lambda a: a.T, lambda: [T(randn(2, 3))],
+         lambda a: a.T),
+    Case("cast_float32", (ops.Cast,), lambda a: ops.cast(a, "float32").astype("float64"),
+         lambda: [T(randn(3, 4))], lambda a: a, atol=1e-4, eps=1e-2),
+    Case("getitem_slices", (indexing.GetItem,), lambda a: a[1:, ::2, None],
+         lambda: [T(randn(3, 4))], lambda a: a[1:, ::2, None]),
+    Case("getitem_repeated_ids", (indexing.GetItem,), lambda a: a[np.array([0, 2, 0]), 1:],
+         lambda: [T(randn(3, 4))], lambda a: a[np.array([0, 2, 0]), 1:]),
+    Case("masked_fill", (indexing.MaskedFill,), lambda a: ops.masked_fill(a, MASK, -7.0),
+         lambda: [T(randn(3, 4))], lambda a: np.where(MASK, -7.0, a)),
+    Case("where", (indexing.Where,), lambda a, b: ops.where(COND, a, b),
+         lambda: [T(randn(3, 4)), T(randn(4))], lambda a, b: np.where(COND, a, b)),
+    Case("concat", (indexing.Concat,), lambda a, b: ops.concat([a, b, a], axis=1),
+         lambda: [T(randn(2, 3)), T(randn(2, 1))], lambda a, b: np.concatenate([a, b, a], 1)),
+    Case("split_sizes", (indexing.SplitJoin, indexing.SplitPart),
+         lambda a: ops.split(a, [1, 3, 2], axis=-1), lambda: [T(randn(2, 6))]),
+    Case("split_one_piece_unused", (indexing.SplitJoin, indexing.SplitPart),
+         lambda a: ops.split(a, 3, axis=0)[2] * 2.0, lambda: [T(randn(6, 2))]),
+    Case("embedding", (indexing.Embedding,), lambda w: ops.embedding(w, IDX),
+         lambda: [T(randn(5, 3))], lambda w: w[IDX]),
+    Case("dropout", (indexing.Dropout,), lambda a: ops.dropout(a, 0.4, backend.rng(7)),
+         lambda: [T(randn(4, 5))]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_backward_matches_central_differences(case):
+    gradcheck(case.fn, case.inputs(), name=case.id, eps=case.eps, atol=case.atol)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.ref], ids=lambda c: c.id)
+def test_forward_matches_numpy_formula(case):
+    inputs = case.inputs()
+    got = case.fn(*inputs).data
+    want = case.ref(*[x.data if isinstance(x, Tensor) else x for x in inputs])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=case.atol)
+
+
+def _functions_in(module):
+    return {c for _, c in inspect.getmembers(module, inspect.isclass)
+            if issubclass(c, Function) and c is not Function and c.__module__ == module.__name__}
+
+
+def test_every_function_is_in_the_table():
+    covered = {c for case in CASES for c in case.covers}
+    every = _functions_in(ops) | _functions_in(indexing) | _functions_in(F)
+    missing = sorted(c.__name__ for c in every - covered)
+    assert not missing, f"Functions with no gradient check in CASES: {missing}"
+
+
+def test_gradcheck_failure_names_op_input_and_index():
+    class BadSquare(Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return a * a
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, = ctx.saved
+            g = 2 * a * grad
+            g[1, 2] += 1.0                    # the bug: one element off
+            return g
+
+    with pytest.raises(AssertionError, match=r"bad_square: gradient of input 0 "
+                                             r"\(shape \(3, 4\)\) wrong at index \(1, 2\)"):
+        gradcheck(BadSquare.apply, [T(randn(3, 4))], name="bad_square")
