@@ -13,7 +13,7 @@ import pytest
 
 from minidist import backend
 from minidist.autograd import Function, Tensor, fused as F, ops
-from minidist.autograd import indexing
+from minidist.autograd import attention, indexing
 from minidist.autograd.gradcheck import gradcheck
 
 
@@ -122,7 +122,72 @@ CASES = [
          lambda: [T(randn(5, 3))], lambda w: w[IDX]),
     Case("dropout", (indexing.Dropout,), lambda a: ops.dropout(a, 0.4, backend.rng(7)),
          lambda: [T(randn(4, 5))]),
+] + [
+    Case("layer_norm", (F.LayerNorm,), F.layer_norm,
+         lambda: [T(randn(2, 3, 5)), T(randn(5)), T(randn(5))], lambda x, w, b: ref_ln(x, w, b)),
+    Case("layer_norm_no_bias", (F.LayerNorm,), lambda x, w: F.layer_norm(x, w, None),
+         lambda: [T(randn(4, 6)), T(randn(6))], lambda x, w: ref_ln(x, w, 0)),
+    Case("gelu", (F.Gelu,), F.gelu, lambda: [T(2 * randn(3, 5))], lambda x: ref_gelu(x)),
+    Case("softmax", (F.Softmax,), F.softmax, lambda: [T(randn(3, 5))],
+         lambda x: ref_softmax(x, -1)),
+    Case("softmax_axis0", (F.Softmax,), lambda x: F.softmax(x, axis=0),
+         lambda: [T(randn(3, 5))], lambda x: ref_softmax(x, 0)),
+    Case("log_softmax", (F.LogSoftmax,), F.log_softmax, lambda: [T(randn(3, 5))],
+         lambda x: np.log(ref_softmax(x, -1))),
+    Case("cross_entropy_ignore", (F.CrossEntropy,), lambda z: F.cross_entropy(z, TARGETS),
+         lambda: [T(randn(2, 3, 5))], lambda z: ref_ce(z, TARGETS, -1)),
+    Case("cross_entropy_2d", (F.CrossEntropy,), lambda z: F.cross_entropy(z, TARGETS[0], 9),
+         lambda: [T(randn(3, 5))], lambda z: ref_ce(z, TARGETS[0], 9)),
+    Case("causal_attention", (attention.CausalAttention,), F.causal_attention,
+         lambda: [T(randn(2, 2, 4, 3, seed=i)) for i in range(3)], lambda *a: ref_attn(*a)),
+    Case("causal_attention_dropout", (attention.CausalAttention,),
+         lambda q, k, v: F.causal_attention(q, k, v, 0.3, backend.rng(1)),
+         lambda: [T(randn(2, 2, 4, 3, seed=i)) for i in range(3)]),
+    Case("causal_self_attention", (attention.CausalSelfAttention,),
+         lambda x: F.causal_self_attention(x, 2), lambda: [T(randn(2, 4, 12))],
+         lambda x: ref_self_attn(x, 2)),
+    Case("causal_self_attention_dropout", (attention.CausalSelfAttention,),
+         lambda x: F.causal_self_attention(x, 2, 0.2, backend.rng(3)),
+         lambda: [T(randn(2, 4, 12))]),
 ]
+
+TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
+
+
+# ---- NumPy formulas, written the obvious (slow, unfused) way -------------------------------
+
+def ref_ln(x, w, b, eps=1e-5):
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def ref_gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def ref_softmax(x, axis):
+    e = np.exp(x - x.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
+
+
+def ref_ce(z, t, ignore):
+    logp = np.log(ref_softmax(z, -1)).reshape(-1, z.shape[-1])
+    t = t.reshape(-1)
+    keep = t != ignore
+    return -logp[np.arange(len(t))[keep], t[keep]].mean()
+
+
+def ref_attn(q, k, v):
+    T, hs = q.shape[-2:]
+    s = q @ k.swapaxes(-1, -2) / np.sqrt(hs)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    return ref_softmax(s, -1) @ v
+
+
+def ref_self_attn(x, nh):
+    B, T, C3 = x.shape
+    q, k, v = (a.reshape(B, T, nh, -1).transpose(0, 2, 1, 3) for a in np.split(x, 3, -1))
+    return ref_attn(q, k, v).transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -145,7 +210,8 @@ def _functions_in(module):
 
 def test_every_function_is_in_the_table():
     covered = {c for case in CASES for c in case.covers}
-    every = _functions_in(ops) | _functions_in(indexing) | _functions_in(F)
+    every = (_functions_in(ops) | _functions_in(indexing) | _functions_in(F)
+             | _functions_in(attention))
     missing = sorted(c.__name__ for c in every - covered)
     assert not missing, f"Functions with no gradient check in CASES: {missing}"
 

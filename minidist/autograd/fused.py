@@ -1,1 +1,234 @@
-"""placeholder"""
+"""Fused ops: one Function per layer, backward written by hand and commented term by term.
+
+Composing layer_norm or softmax from primitives works (tests do it, to check these), but
+every primitive saves its own inputs and makes its own temporaries. Here each forward saves
+only what the backward formula needs, works in place (`out=`) on as few full-size buffers
+as it can, and keeps float32 in float32. `examples/bench_fused.py` measures the difference.
+
+Shapes: N rows of C features (layer norm), V classes (cross-entropy). float16 inputs are
+computed in float32 inside (statistics, exp and log sums lose too much in float16) and the
+results cast back. Attention lives in attention.py and is re-exported here.
+Tests: tests/test_fused.py, tests/test_gradcheck.py.
+"""
+import math
+
+from minidist.autograd.function import Function
+from minidist.backend import xp_of
+
+
+def _f32(a):
+    """float16 -> float32 for the arithmetic; anything else unchanged (no copy)."""
+    return a.astype("float32") if a is not None and a.dtype == "float16" else a
+
+
+# ---- layer norm ------------------------------------------------------------------------------
+
+class LayerNorm(Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps=1e-5):
+        xp, dtype = xp_of(x), x.dtype
+        x, w, b = _f32(x), _f32(w), _f32(b)
+        if w.shape != x.shape[-1:] or (b is not None and b.shape != w.shape):
+            raise ValueError("weight and bias must have the shape of x's last axis")
+        xhat = x - x.mean(axis=-1, keepdims=True)                 # x - mean
+        out = xp.multiply(xhat, xhat)
+        var = out.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)                          # (..., 1)
+        xhat *= rstd                                             # normalized x
+        xp.multiply(xhat, w, out=out)
+        if b is not None:
+            out += b
+        ctx.save_for_backward(xhat, rstd, w)
+        return out.astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, w = ctx.saved
+        xp, grad = xp_of(grad), _f32(grad)
+        C = xhat.shape[-1]
+        db = grad.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[2] else None  # y = ... + b
+        tmp = xp.multiply(grad, xhat)                             # y = xhat * w + ...
+        dw = tmp.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, db, None
+        # dxhat = grad * w; with xhat = (x - mean) * rstd, through mean and var:
+        # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        dx = xp.multiply(grad, w)                                 # dxhat
+        xp.multiply(dx, xhat, out=tmp)
+        m2 = tmp.mean(axis=-1, keepdims=True)                     # mean(dxhat * xhat)
+        dx -= dx.mean(axis=-1, keepdims=True)                     # - mean(dxhat)
+        xp.multiply(xhat, m2, out=tmp)
+        dx -= tmp                                                 # - xhat * mean(dxhat xhat)
+        dx *= rstd
+        return dx, dw, db, None
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5):
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+# ---- GELU ------------------------------------------------------------------------------------
+
+_K = math.sqrt(2.0 / math.pi)
+_A = 0.044715
+
+
+class Gelu(Function):
+    """GPT-2's tanh approximation: y = x/2 (1 + tanh(k (x + a x^3))), k = sqrt(2/pi).
+    Saves only x; backward recomputes the tanh (one array less held per MLP)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = xp_of(x)
+        ctx.save_for_backward(x)
+        y = xp.multiply(x, x)
+        y *= _A
+        y += 1.0
+        y *= x
+        y *= _K                                    # u = k (x + a x^3)
+        xp.tanh(y, out=y)                          # t = tanh(u)
+        y += 1.0
+        y *= x
+        y *= 0.5                                   # x/2 (1 + t)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved
+        xp = xp_of(x)
+        # dy/dx = 1/2 (1 + t)                      from the x/2 factor
+        #       + x/2 (1 - t^2) k (1 + 3 a x^2)    through t = tanh(u), du/dx = k (1 + 3 a x^2)
+        #       = (1 + t) (1/2 + x/2 k (1 + 3 a x^2) (1 - t))
+        t = xp.multiply(x, x)
+        d = t * (3 * _A)
+        t *= _A
+        t += 1.0
+        t *= x
+        t *= _K
+        xp.tanh(t, out=t)                          # t
+        d += 1.0
+        d *= x
+        d *= 0.5 * _K                              # x/2 k (1 + 3 a x^2)
+        xp.subtract(1.0, t, out=t)                 # 1 - t
+        d *= t
+        d += 0.5
+        xp.subtract(2.0, t, out=t)                 # 1 + t
+        d *= t
+        d *= grad
+        return d
+
+
+def gelu(x):
+    return Gelu.apply(x)
+
+
+# ---- softmax and log-softmax -----------------------------------------------------------------
+
+class Softmax(Function):
+    """p = exp(x - max) / sum(exp(x - max)) along `axis`."""
+
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        xp, dtype = xp_of(x), x.dtype
+        p = _f32(x) - x.max(axis=axis, keepdims=True)           # max: exp cannot overflow
+        xp.exp(p, out=p)
+        p /= p.sum(axis=axis, keepdims=True)
+        ctx.save_for_backward(p)
+        ctx.axis = axis
+        return p.astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, = ctx.saved
+        # dx_i = sum_j grad_j dp_j/dx_i = sum_j grad_j p_j (delta_ij - p_i)
+        #      = p_i (grad_i - sum_j grad_j p_j)
+        dx = _f32(grad) * p
+        s = dx.sum(axis=ctx.axis, keepdims=True)                  # sum_j grad_j p_j
+        xp_of(p).subtract(grad, s, out=dx)
+        dx *= p
+        return dx, None
+
+
+def softmax(x, axis=-1):
+    return Softmax.apply(x, axis)
+
+
+class LogSoftmax(Function):
+    """out = x - max - log(sum(exp(x - max))) along `axis`."""
+
+    @staticmethod
+    def forward(ctx, x, axis=-1):
+        xp, dtype = xp_of(x), x.dtype
+        out = _f32(x) - x.max(axis=axis, keepdims=True)
+        lse = xp.log(xp.exp(out).sum(axis=axis, keepdims=True))
+        out -= lse
+        ctx.save_for_backward(out)
+        ctx.axis = axis
+        return out.astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, = ctx.saved
+        xp = xp_of(out)
+        # out_j = x_j - lse, d lse / dx_i = softmax_i = exp(out_i):
+        # dx_i = grad_i - softmax_i * sum_j grad_j
+        dx = xp.exp(out)
+        dx *= _f32(grad).sum(axis=ctx.axis, keepdims=True)
+        xp.subtract(grad, dx, out=dx)
+        return dx, None
+
+
+def log_softmax(x, axis=-1):
+    return LogSoftmax.apply(x, axis)
+
+
+# ---- cross-entropy ---------------------------------------------------------------------------
+
+class CrossEntropy(Function):
+    """Mean over non-ignored rows of -log softmax(logits)[target]; logits (..., V)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index=-1):
+        xp, V = xp_of(logits), logits.shape[-1]
+        if targets.dtype.kind not in "iu":
+            raise TypeError(f"targets must be integers, not {targets.dtype}")
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError("targets must have the shape of logits without its last axis")
+        z, t = _f32(logits).reshape(-1, V), targets.reshape(-1)
+        valid = t != ignore_index
+        t = xp.where(valid, t, 0)                                # any in-range id
+        rows = xp.arange(len(t))
+        m = z.max(axis=-1, keepdims=True)
+        p = z - m
+        target_logit = p[rows, t]                                # z_t - max
+        xp.exp(p, out=p)
+        s = p.sum(axis=-1)
+        p /= s[:, None]                                          # softmax, saved
+        n = max(int(valid.sum()), 1)      # all ignored: loss 0, gradient 0 (not nan)
+        loss = ((xp.log(s) - target_logit) * valid).sum() / n    # lse - z_t, averaged
+        ctx.save_for_backward(p, t, valid)
+        ctx.n, ctx.shape, ctx.dtype = n, logits.shape, logits.dtype
+        return xp.asarray(loss, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, t, valid = ctx.saved
+        ctx.saved = ()                   # the softmax buffer becomes the gradient: no copy
+        # loss = 1/n sum_i (lse_i - z_{i,t_i}):  dloss/dz_ij = (p_ij - [j == t_i]) / n
+        p[xp_of(p).arange(len(t)), t] -= 1.0
+        if not valid.all():
+            p[~valid] = 0.0                                      # ignored rows add nothing
+        p *= grad.astype(p.dtype) / ctx.n
+        return p.reshape(ctx.shape), None, None
+
+
+def cross_entropy(logits, targets, ignore_index=-1):
+    """Scalar mean cross-entropy of logits (N, V) or (B, T, V) against integer targets
+    (N,) or (B, T); rows whose target is `ignore_index` count neither in the sum nor in n."""
+    return CrossEntropy.apply(logits, targets, ignore_index)
+
+
+from minidist.autograd.attention import (  # noqa: E402,F401  (re-exported: F.<name>)
+    CausalAttention, CausalSelfAttention, causal_attention, causal_self_attention)

@@ -1,0 +1,145 @@
+"""Causal scaled-dot-product attention as one fused Function (re-exported by `fused`).
+
+Dimensions: B batch, nh heads, T sequence, hs head size, C = nh * hs.
+
+    S = q k^T / sqrt(hs)          (B, nh, T, T)  scores
+    P = softmax(S + causal mask)  (B, nh, T, T)  -inf above the diagonal: no peeking ahead
+    y = dropout(P) v              (B, nh, T, hs)
+
+Saved for backward: q, k, v (inputs), P and the dropout mask. The backward uses
+FlashAttention's identity sum_j P_ij dP_ij = g_i . y_i, a (B, nh, T) row sum over hs instead
+of over a (T, T) temporary. `CausalSelfAttention` also does GPT-2's head split and merge
+inside, so a model's graph has one node per attention, not a chain of reshapes/transposes.
+All matmuls are batched over B*nh. Tests: tests/test_fused.py, tests/test_gradcheck.py.
+"""
+import math
+
+from minidist import backend
+from minidist.autograd.function import Function
+from minidist.backend import xp_of
+
+_MASKS = {}
+
+
+def _causal_bias(xp, T, dtype):
+    """(T, T): 0 on and below the diagonal, -inf above; cached per (module, T, dtype)."""
+    key = (xp.__name__, T, str(dtype))
+    if key not in _MASKS:
+        i = xp.arange(T)
+        _MASKS[key] = xp.where(i[None, :] > i[:, None], -math.inf, 0.0).astype(dtype)
+    return _MASKS[key]
+
+
+def _keep_mask(rng, shape, p, xp):
+    """Dropout's mask, the same contract as ops.dropout: rng.random(shape) >= p."""
+    keep = rng.random(shape, dtype="float32") >= p
+    return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
+
+
+def _attn_forward(q, k, v, dropout_p, rng):
+    """y and what backward needs: (P, keep mask or None, dropout scale)."""
+    xp = xp_of(q)
+    T, hs = q.shape[-2], q.shape[-1]
+    P = xp.matmul(q, xp.swapaxes(k, -1, -2))                 # (B, nh, T, T)
+    P *= 1.0 / math.sqrt(hs)                                 # S
+    P += _causal_bias(xp, T, P.dtype)
+    P -= P.max(axis=-1, keepdims=True)                       # the diagonal is always finite
+    xp.exp(P, out=P)
+    P /= P.sum(axis=-1, keepdims=True)                       # P = softmax(S)
+    if dropout_p <= 0:
+        return xp.matmul(P, v), (P, None, 1.0)
+    keep = _keep_mask(rng, P.shape, dropout_p, xp)
+    scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
+    Pd = P * keep
+    Pd *= scale
+    return xp.matmul(Pd, v), (P, keep, scale)                # (B, nh, T, hs)
+
+
+def _attn_backward(g, gy, q, k, v, saved, out):
+    """Write dq, dk, dv into out[0], out[1], out[2]. g: dL/dy (B, nh, T, hs);
+    gy: sum_d g*y over hs, (B, nh, T, 1)."""
+    xp = xp_of(g)
+    P, keep, scale = saved
+    kT = xp.swapaxes
+    dP = xp.matmul(g, kT(v, -1, -2))                         # y = Pd v: dPd = g v^T
+    if keep is None:
+        xp.matmul(kT(P, -1, -2), g, out=out[2])              #           dv = P^T g
+    else:
+        Pd = P * keep
+        Pd *= scale
+        xp.matmul(kT(Pd, -1, -2), g, out=out[2])             #           dv = Pd^T g
+        dP *= keep                                           # dP = dPd * keep * scale
+        dP *= scale
+    # softmax: dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij'), and that sum is g_i . y_i
+    dP -= gy
+    dP *= P                                                  # masked P_ij = 0: no gradient
+    dP *= 1.0 / math.sqrt(q.shape[-1])                       # S = q k^T / sqrt(hs)
+    xp.matmul(dP, k, out=out[0])                             # dq = dS k
+    xp.matmul(kT(dP, -1, -2), q, out=out[1])                 # dk = dS^T q
+
+
+class CausalAttention(Function):
+    """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p=0.0, rng=None):
+        if not (q.shape == k.shape == v.shape) or q.ndim < 2:
+            raise ValueError("q, k, v must have one shape (B, nh, T, hs)")
+        y, saved = _attn_forward(q, k, v, dropout_p, rng)
+        ctx.save_for_backward(q, k, v, y, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, y, saved = ctx.saved
+        xp = xp_of(grad)
+        gy = (grad * y).sum(axis=-1, keepdims=True)
+        out = xp.empty((3,) + q.shape, q.dtype)
+        _attn_backward(grad, gy, q, k, v, saved, out)
+        return out[0], out[1], out[2], None, None
+
+
+def causal_attention(q, k, v, dropout_p=0.0, rng=None):
+    """Causal attention over heads already split: (B, nh, T, hs) each, scale 1/sqrt(hs).
+    Dropout on the attention weights follows ops.dropout's rng contract."""
+    return CausalAttention.apply(q, k, v, dropout_p, rng)
+
+
+class CausalSelfAttention(Function):
+    """GPT-2's fused c_attn output (B, T, 3C), q|k|v along the last axis -> y (B, T, C),
+    heads split inside and merged back: y[b, t, h*hs:(h+1)*hs] is head h's output."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, dropout_p=0.0, rng=None):
+        xp = xp_of(qkv)
+        B, T, C3 = qkv.shape
+        if C3 % 3 or (C3 // 3) % n_head:
+            raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
+        C = C3 // 3
+        hs = C // n_head
+        heads = xp.ascontiguousarray(                       # (3, B, nh, T, hs), one copy
+            qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4))
+        yh, saved = _attn_forward(heads[0], heads[1], heads[2], dropout_p, rng)
+        y = yh.transpose(0, 2, 1, 3).reshape(B, T, C)        # merge heads: (B, T, C)
+        ctx.save_for_backward(heads, y, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        heads, y, saved = ctx.saved
+        xp = xp_of(grad)
+        _, B, nh, T, hs = heads.shape
+        g4 = grad.reshape(B, T, nh, hs)
+        gh = xp.ascontiguousarray(g4.transpose(0, 2, 1, 3))  # (B, nh, T, hs)
+        gy = (g4 * y.reshape(B, T, nh, hs)).sum(axis=-1)     # (B, T, nh): g_i . y_i
+        gy = gy.transpose(0, 2, 1)[..., None]                # (B, nh, T, 1)
+        dheads = xp.empty_like(heads)                        # dq | dk | dv, head layout
+        _attn_backward(gh, gy, heads[0], heads[1], heads[2], saved, dheads)
+        dqkv = dheads.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hs)
+        return dqkv, None, None, None
+
+
+def causal_self_attention(qkv, n_head, dropout_p=0.0, rng=None):
+    """(B, T, 3C) -> (B, T, C) causal self-attention with n_head heads of size C/n_head.
+    With tensor parallelism pass the local shard (B, T, 3C/tp) and n_head/tp."""
+    return CausalSelfAttention.apply(qkv, n_head, dropout_p, rng)
