@@ -1,0 +1,12 @@
+"""Layers and the GPT-2 model.
+
+    from minidist.nn import GPT, GPTConfig, gpt_init, Module, Parameter, Linear, ...
+
+Tests: tests/test_nn.py, tests/test_gpt.py, tests/test_pretrained.py.
+"""
+from minidist.nn.module import Module, ModuleDict, ModuleList, Parameter
+from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from minidist.nn.gpt import GPT, Block, GPTConfig, gpt_init, gpt_param_specs
+
+__all__ = ["Module", "ModuleDict", "ModuleList", "Parameter", "Dropout", "Embedding",
+           "LayerNorm", "Linear", "GPT", "Block", "GPTConfig", "gpt_init", "gpt_param_specs"]

@@ -1,0 +1,275 @@
+"""GPT-2, read bottom-up: attention -> MLP -> Block -> GPT (pre-LN, tanh GELU, tied embedding).
+
+Dimensions, named once:
+    B batch (sequences), T time (tokens per sequence, <= block_size), C n_embd,
+    nh n_head, hs = C // nh head size, V vocab_size, L n_layer.
+
+Contracts other layers build on:
+  - `gpt_init(config, seed)` gives the FULL model's initial parameters on the host, by GPT-2
+    name, in model order. Each parameter draws from its own stream, `rng([seed, crc32(name)])`,
+    so a pipeline stage can initialise only its blocks (`names=`) and tensor parallelism can
+    cut shards out of the full arrays: every layout starts from the same numbers.
+    `GPT(config, seed, dtype)` is built from it and moved to the current device.
+  - `forward` is three separate pieces, `embed` -> `run_blocks` -> `head`, so a pipeline
+    stage can run only its own.
+  - The token embedding is one Parameter used twice (lookup and output head); both gradient
+    contributions accumulate into its `.grad`.
+Save/load in GPT-2's Hugging Face format: minidist/nn/pretrained.py.
+Tests: tests/test_gpt.py.
+"""
+import math
+import zlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from minidist import backend
+from minidist.autograd import Tensor, no_grad
+from minidist.autograd import fused as F
+from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from minidist.nn.module import Module, ModuleDict, ModuleList
+
+_DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = 50257
+    dropout: float = 0.0
+    bias: bool = True         # biases in Linear and LayerNorm layers, as in GPT-2
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, not {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
+                             f"({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# ---- initialisation ------------------------------------------------------------------------
+
+def gpt_param_specs(config):
+    """name -> (shape, init) for every parameter, in model order. init is a std (normal),
+    "zeros" or "ones". Residual projections get std 0.02 / sqrt(2 L) (GPT-2's scaling: the
+    residual stream sums 2 L of them)."""
+    C, V, T, L = config.n_embd, config.vocab_size, config.block_size, config.n_layer
+    std, proj_std = 0.02, 0.02 / math.sqrt(2 * L)
+    specs = {"transformer.wte.weight": ((V, C), std), "transformer.wpe.weight": ((T, C), std)}
+
+    def linear(name, n_in, n_out, w_std):
+        specs[name + ".weight"] = ((n_in, n_out), w_std)
+        if config.bias:
+            specs[name + ".bias"] = ((n_out,), "zeros")
+
+    def norm(name):
+        specs[name + ".weight"] = ((C,), "ones")
+        if config.bias:
+            specs[name + ".bias"] = ((C,), "zeros")
+
+    for i in range(L):
+        h = f"transformer.h.{i}."
+        norm(h + "ln_1")
+        linear(h + "attn.c_attn", C, 3 * C, std)
+        linear(h + "attn.c_proj", C, C, proj_std)
+        norm(h + "ln_2")
+        linear(h + "mlp.c_fc", C, 4 * C, std)
+        linear(h + "mlp.c_proj", 4 * C, C, proj_std)
+    norm("transformer.ln_f")
+    return specs
+
+
+def gpt_init(config, seed, names=None, dtype="float32"):
+    """The initial parameters as host numpy arrays: name -> array, in model order.
+
+    Normal draws are made in float64 from `backend.rng([seed, crc32(name)])` and then cast,
+    so float32 and float64 runs start from the same numbers (to float32 precision).
+    `names` restricts the result to those parameters (a pipeline stage's own).
+    """
+    out = {}
+    for name, (shape, init) in gpt_param_specs(config).items():
+        if names is not None and name not in names:
+            continue
+        if init == "zeros":
+            a = np.zeros(shape)
+        elif init == "ones":
+            a = np.ones(shape)
+        else:
+            a = backend.rng([seed, zlib.crc32(name.encode())]).standard_normal(shape) * init
+        out[name] = a.astype(dtype)
+    return out
+
+
+# ---- layers --------------------------------------------------------------------------------
+
+class CausalSelfAttention(Module):
+
+    def __init__(self, config, dtype="float32"):
+        super().__init__()
+        C = config.n_embd
+        self.c_attn = Linear(C, 3 * C, bias=config.bias, dtype=dtype)
+        self.c_proj = Linear(C, C, bias=config.bias, dtype=dtype)
+        self.attn_dropout = Dropout(config.dropout)
+        self.resid_dropout = Dropout(config.dropout)
+        self.n_head = config.n_head
+
+    def forward(self, x):                                          # (B, T, C)
+        qkv = self.c_attn(x)                                       # (B, T, 3C)
+        p = self.attn_dropout.p if self.training else 0.0          # on attention weights
+        y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
+
+
+class MLP(Module):
+
+    def __init__(self, config, dtype="float32"):
+        super().__init__()
+        C = config.n_embd
+        self.c_fc = Linear(C, 4 * C, bias=config.bias, dtype=dtype)
+        self.c_proj = Linear(4 * C, C, bias=config.bias, dtype=dtype)
+        self.dropout = Dropout(config.dropout)
+
+    def forward(self, x):                                          # (B, T, C)
+        h = F.gelu(self.c_fc(x))                                   # (B, T, 4C)
+        return self.dropout(self.c_proj(h))                        # (B, T, C)
+
+
+class Block(Module):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config, dtype="float32"):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.attn = CausalSelfAttention(config, dtype)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x):                                          # (B, T, C)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))                          # (B, T, C)
+
+
+class GPT(Module):
+
+    def __init__(self, config, seed=0, dtype="float32"):
+        super().__init__()
+        self.config = config
+        C, p = config.n_embd, config.dropout
+        self.transformer = ModuleDict(
+            wte=Embedding(config.vocab_size, C, dtype=dtype),
+            wpe=Embedding(config.block_size, C, dtype=dtype),
+            drop=Dropout(p),
+            h=ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
+        self.load_state_dict(gpt_init(config, seed, dtype=dtype))
+        self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
+
+    def set_dropout_rng(self, rng):
+        """Point every Dropout layer at one generator (its state goes into checkpoints)."""
+        self.dropout_rng = rng
+        for _, m in self.named_modules():
+            if isinstance(m, Dropout):
+                m.rng = rng
+
+    # ---- forward, in three pieces a pipeline stage can call separately ---------------------
+    def forward(self, idx, targets=None):
+        """idx (B, T) ints -> logits (B, T, V), and the mean cross-entropy against targets
+        (B, T) (-1 = ignore) or None."""
+        x = self.embed(idx)                                        # (B, T, C)
+        x = self.run_blocks(x)                                     # (B, T, C)
+        return self.head(x, targets)                               # (B, T, V), loss
+
+    def embed(self, idx):
+        """Token plus position embedding: idx (B, T) -> (B, T, C)."""
+        idx = self._check_idx(idx)
+        T = idx.shape[1]
+        pos = backend.xp_of(idx).arange(T)                         # (T,)
+        tok = self.transformer.wte(idx)                            # (B, T, C)
+        return self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
+
+    def run_blocks(self, x, blocks=None):
+        """x (B, T, C) through `blocks` (default: all of them) -> (B, T, C)."""
+        for block in (self.transformer.h if blocks is None else blocks):
+            x = block(x)
+        return x
+
+    def head(self, x, targets=None):
+        """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V),
+        and the loss if targets are given."""
+        x = self.transformer.ln_f(x)                               # (B, T, C)
+        B, T, C = x.shape
+        w_t = self.transformer.wte.weight.T                        # (C, V), wte reused
+        logits = (x.reshape(B * T, C) @ w_t).reshape(B, T, -1)     # (B, T, V)
+        if targets is None:
+            return logits, None
+        targets = backend.to_device(targets, backend.xp_of(logits.data))
+        return logits, F.cross_entropy(logits, targets, ignore_index=-1)
+
+    def _check_idx(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        xp = backend.xp_of(self.transformer.wte.weight.data)
+        idx = backend.to_device(idx, xp)
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise ValueError(f"GPT expects idx of integer dtype and shape (B, T), got "
+                             f"{idx.dtype} {tuple(idx.shape)}")
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
+                             f"{self.config.block_size}")
+        return idx
+
+    # ---- sampling --------------------------------------------------------------------------
+    def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
+        """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n).
+
+        Deterministic: draws come from `backend.rng(seed)`. temperature 0 means greedy.
+        Runs in eval mode (no dropout) and restores the previous mode.
+        """
+        rng, was_training = backend.rng(seed), self.training
+        idx = np.array(backend.to_host(idx), dtype=np.int64)
+        self.eval()
+        try:
+            with no_grad():
+                for _ in range(n):
+                    ctx = idx[:, -self.config.block_size:]            # (B, <=block_size)
+                    x = self.run_blocks(self.embed(ctx))               # (B, T, C)
+                    logits, _ = self.head(x[:, -1:, :])                # (B, 1, V)
+                    nxt = _sample(backend.to_host(logits.data)[:, -1, :], temperature,
+                                  top_k, rng)
+                    idx = np.concatenate([idx, nxt[:, None]], axis=1)  # (B, T + 1)
+        finally:
+            self.train(was_training)
+        return idx
+
+    # ---- GPT-2 checkpoints (minidist/nn/pretrained.py) --------------------------------------
+    def save_pretrained(self, directory, dtype="float32"):
+        from minidist.nn.pretrained import save_pretrained
+        save_pretrained(self, directory, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype="float32", dropout=None):
+        from minidist.nn.pretrained import load_pretrained
+        return load_pretrained(cls, directory, dtype=dtype, dropout=dropout)
+
+
+def _sample(logits, temperature, top_k, rng):
+    """One token per row of logits (B, V), on the host in float64 for reproducibility."""
+    logits = logits.astype(np.float64)
+    if temperature == 0:
+        return logits.argmax(axis=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = np.sort(logits, axis=-1)[:, -top_k][:, None]            # (B, 1)
+        logits = np.where(logits < kth, -np.inf, logits)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    u = rng.random((probs.shape[0], 1))                              # (B, 1)
+    return np.minimum((probs.cumsum(axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)

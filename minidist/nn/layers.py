@@ -1,0 +1,83 @@
+"""The four layers GPT is made of: Linear, Embedding, LayerNorm, Dropout.
+
+Each holds its Parameters and calls one op; the math lives in minidist/autograd.
+`Linear.weight` is `(in_features, out_features)` and computes `x @ W + b`: GPT-2's layout
+(its Conv1D), so GPT-2 checkpoints load without transposes.
+
+Layers are created with placeholder values (zeros, ones for LayerNorm's gain) unless given an
+`rng`; GPT fills its parameters from `gpt_init` instead (minidist/nn/gpt.py), so one function
+decides the initial numbers of every parallel layout.
+Tests: tests/test_nn.py.
+"""
+from minidist import backend
+from minidist.autograd import fused as F
+from minidist.autograd import ops
+from minidist.nn.module import Module, Parameter
+
+
+def _param(shape, dtype, fill=0.0, rng=None, std=0.02, decay=True):
+    """A Parameter on the current device: N(0, std) from the host `rng`, or `fill`."""
+    xp = backend.get_xp()
+    if rng is not None:
+        host = rng.standard_normal(shape) * std
+        return Parameter(backend.to_device(host.astype(dtype)), decay=decay)
+    return Parameter(xp.full(shape, fill, dtype=dtype), decay=decay)
+
+
+class Linear(Module):
+    """y = x @ W + b with W of shape (in_features, out_features)."""
+
+    def __init__(self, in_features, out_features, bias=True, dtype="float32", rng=None):
+        super().__init__()
+        self.weight = _param((in_features, out_features), dtype, rng=rng)
+        self.bias = _param((out_features,), dtype, decay=False) if bias else None
+
+    def forward(self, x):                                        # (..., in)
+        lead = x.shape[:-1]
+        y = x.reshape(-1, x.shape[-1]) @ self.weight             # (N, out): one GEMM
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, y.shape[-1])                     # (..., out)
+
+
+class Embedding(Module):
+    """Row lookup: idx (...) of ints -> (..., embedding_dim)."""
+
+    def __init__(self, num_embeddings, embedding_dim, dtype="float32", rng=None):
+        super().__init__()
+        self.weight = _param((num_embeddings, embedding_dim), dtype, rng=rng, decay=False)
+
+    def forward(self, idx):
+        return ops.embedding(self.weight, idx)
+
+
+class LayerNorm(Module):
+    """Normalise the last axis to zero mean and unit variance, then scale and shift.
+    `bias=False` drops the shift (GPTConfig.bias)."""
+
+    def __init__(self, ndim, bias=True, eps=1e-5, dtype="float32"):
+        super().__init__()
+        self.weight = _param((ndim,), dtype, fill=1.0, decay=False)
+        self.bias = _param((ndim,), dtype, decay=False) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class Dropout(Module):
+    """Zero each element with probability p in training and scale the rest by 1/(1-p).
+
+    Its random numbers come from `self.rng`, which GPT points at one generator shared by all
+    its dropout layers (saved in checkpoints, so a resumed run draws the same masks).
+    """
+
+    def __init__(self, p=0.0, rng=None):
+        super().__init__()
+        self.p = p
+        self.rng = rng
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        return ops.dropout(x, self.p, self.rng, training=True)

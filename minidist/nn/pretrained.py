@@ -1,0 +1,130 @@
+"""GPT-2 interop: a directory Hugging Face's `GPT2LMHeadModel.from_pretrained(dir)` loads as is,
+and the reverse, including the real GPT-2 checkpoints (gpt2, gpt2-medium, ...) a user downloaded.
+
+    dir/config.json         GPT2Config fields: n_layer, n_head, n_embd, n_positions, vocab_size,
+                            activation_function "gelu_new" (the tanh GELU), tie_word_embeddings
+    dir/model.safetensors   our state dict as is: same names ("transformer.h.0.attn.c_attn
+                            .weight"), same (in, out) layout as GPT-2's Conv1D, no lm_head.weight
+                            (tied to transformer.wte.weight, as HF writes it), metadata
+                            {"format": "pt"} (HF refuses files without it)
+
+Reading accepts names with or without the "transformer." prefix (the original GPT-2 upload has
+none), skips the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias` that old files
+carry, and checks lm_head.weight, if present, equals wte. A model with `bias=False` is written
+with zero biases (HF's GPT-2 always has them; the function is the same) and "minidist_bias":
+false in config.json, which we read back.
+Tests: tests/test_pretrained.py.
+"""
+import json
+import os
+
+import numpy as np
+
+from minidist import backend
+from minidist.nn.safetensors import load_file, save_file
+
+_PREFIX = "transformer."
+
+
+def hf_config(config):
+    """GPT2Config's fields (config.json) for a GPTConfig."""
+    gpt2_vocab = config.vocab_size == 50257
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.block_size,
+        "n_ctx": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout, "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+        "bos_token_id": 50256 if gpt2_vocab else None,
+        "eos_token_id": 50256 if gpt2_vocab else None,
+        "minidist_bias": config.bias,
+    }
+
+
+def save_pretrained(model, directory, dtype="float32"):
+    """Write config.json and model.safetensors (parameters cast to `dtype`) into `directory`."""
+    from minidist.nn.gpt import gpt_param_specs
+    from minidist.nn.gpt import GPTConfig
+    config = model.config
+    state = {n: backend.to_host(a).astype(dtype) for n, a in model.state_dict().items()}
+    if not config.bias:           # HF's GPT-2 always has biases: zeros compute the same
+        full = gpt_param_specs(GPTConfig(**{**config.to_dict(), "bias": True}))
+        state = {n: state[n] if n in state else np.zeros(shape, dtype)
+                 for n, (shape, _) in full.items()}
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".model.safetensors.tmp{os.getpid()}")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(config), f, indent=2)
+
+
+def read_config(directory):
+    """A GPTConfig from a GPT-2 config.json."""
+    from minidist.nn.gpt import GPTConfig
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"from_pretrained: no config.json in {directory!r}")
+    with open(path) as f:
+        hf = json.load(f)
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"from_pretrained: {path} is a {hf['model_type']!r} model, not gpt2")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"from_pretrained: activation {hf['activation_function']!r} is not "
+                         "GPT-2's tanh GELU")
+    return GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                     block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                     vocab_size=hf["vocab_size"], dropout=float(hf.get("resid_pdrop", 0.0)),
+                     bias=bool(hf.get("minidist_bias", True)))
+
+
+def read_state(directory, config):
+    """Our state dict (host arrays, our names) from dir/model.safetensors, checked against
+    `config`; errors name the offending tensors."""
+    from minidist.nn.gpt import gpt_param_specs
+    path = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(path):
+        bins = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (f" (found {bins}: PyTorch pickles are not read; re-save the model with "
+                "safe_serialization=True)" if bins else "")
+        raise FileNotFoundError(f"from_pretrained: no model.safetensors in {directory!r}{hint}")
+    raw, _ = load_file(path)
+    state = {}
+    for name, a in raw.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")) and a.ndim == 4:
+            continue                                # old files' causal-mask buffers
+        state[name if name.startswith((_PREFIX, "lm_head.")) else _PREFIX + name] = a
+    head = state.pop("lm_head.weight", None)
+    specs = gpt_param_specs(config)
+    if not config.bias:                             # the zero biases save_pretrained added
+        for name in [n for n in state if n.endswith(".bias") and n not in specs]:
+            if np.any(state.pop(name)):
+                raise ValueError(f"from_pretrained: {name} is not zero but config.json says "
+                                 "minidist_bias: false")
+    missing = [n for n in specs if n not in state]
+    unexpected = [n for n in state if n not in specs]
+    if missing or unexpected:
+        raise ValueError(f"from_pretrained: {path} does not match the config: missing "
+                         f"{missing[:6]}, unexpected {unexpected[:6]}")
+    for name, (shape, _) in specs.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"from_pretrained: {name} has shape {tuple(state[name].shape)} "
+                             f"in {path}, config.json implies {shape}")
+    if head is not None and not np.array_equal(head, state[_PREFIX + "wte.weight"]):
+        raise ValueError(f"from_pretrained: {path} has an lm_head.weight different from "
+                         "transformer.wte.weight; minidist's GPT ties them")
+    return state
+
+
+def load_pretrained(cls, directory, dtype="float32", dropout=None):
+    """`cls` (GPT) built from a GPT-2 directory, parameters cast to `dtype`, on the device."""
+    config = read_config(directory)
+    if dropout is not None:
+        config.dropout = dropout
+    state = read_state(directory, config)
+    model = cls(config, seed=0, dtype=dtype)
+    model.load_state_dict(state)
+    return model

@@ -1,0 +1,84 @@
+"""AdamW (Loshchilov & Hutter): Adam with weight decay applied to the weights, not the gradient.
+
+For each parameter p with gradient g, at step t (1-based):
+    p <- p * (1 - lr * wd)                                   decoupled decay
+    m <- b1 m + (1 - b1) g                                   first moment
+    v <- b2 v + (1 - b2) g^2                                 second moment
+    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+the same formula as torch.optim.AdamW. `adamw_update` does it in place on raw arrays with one
+scratch buffer, so ZeRO can run it on flat shards; `AdamW` keeps m, v per parameter.
+By default, biases, LayerNorm and embedding weights get no decay (Parameter.decay).
+Tests: tests/test_optim.py.
+"""
+import math
+
+from minidist.backend import xp_of
+from minidist.optim.optimizer import Optimizer, wants_decay
+
+
+def adamw_update(p, g, m, v, step, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                 scratch=None):
+    """One AdamW step on arrays of one shape, in place on p, m, v. `step` is 1-based.
+    `scratch` (same shape and dtype as p) avoids allocating a temporary."""
+    xp = xp_of(p)
+    tmp = scratch if scratch is not None else xp.empty_like(p)
+    if weight_decay:
+        p *= 1.0 - lr * weight_decay
+    m *= beta1                                       # m = b1 m + (1 - b1) g
+    xp.multiply(g, 1.0 - beta1, out=tmp)
+    m += tmp
+    v *= beta2                                       # v = b2 v + (1 - b2) g^2
+    xp.multiply(g, g, out=tmp)
+    tmp *= 1.0 - beta2
+    v += tmp
+    xp.sqrt(v, out=tmp)                              # denominator sqrt(v_hat) + eps
+    tmp *= 1.0 / math.sqrt(1.0 - beta2 ** step)
+    tmp += eps
+    xp.divide(m, tmp, out=tmp)                       # m / denom, then the bias-corrected lr
+    tmp *= lr / (1.0 - beta1 ** step)
+    p -= tmp
+
+
+class AdamW(Optimizer):
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps,
+                         weight_decay=weight_decay)
+
+    def _default_groups(self, groups):
+        """One group given without its own weight_decay splits into decay / no-decay."""
+        if len(groups) != 1 or "weight_decay" in groups[0]:
+            return groups
+        g = groups[0]
+        pairs = list(zip(g["names"], g["params"]))
+        split = [{**g, "names": [n for n, p in pairs if wants_decay(p) == want],
+                  "params": [p for n, p in pairs if wants_decay(p) == want]}
+                 for want in (True, False)]
+        split[1]["weight_decay"] = 0.0
+        return [s for s in split if s["params"]]
+
+    def _update(self, p, grad, state, group):
+        if "exp_avg" not in state:
+            xp = xp_of(p)
+            state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(p), xp.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                     scratch=_scratch(self, p))
+
+
+def _scratch(opt, p):
+    """One reusable temporary per (shape, dtype), so a step allocates nothing after the first."""
+    bufs = opt.__dict__.setdefault("_scratch", {})
+    key = (p.shape, p.dtype.str, type(p).__module__)
+    if key not in bufs:
+        bufs[key] = xp_of(p).empty_like(p)
+    return bufs[key]
+
+
+def decay_split(named_params):
+    """(decayed, not decayed) names under the default rule, for logs and tests."""
+    named_params = list(named_params)
+    return ([n for n, p in named_params if wants_decay(p)],
+            [n for n, p in named_params if not wants_decay(p)])

@@ -1,0 +1,124 @@
+"""The optimizer base: parameter groups, per-parameter state, zero_grad, state_dict.
+
+An optimizer takes
+  - a list of Parameters,
+  - a list of (name, Parameter) pairs (`model.named_parameters()`): state is then saved by
+    name, so a checkpoint is readable and survives reordering, or
+  - a list of groups, dicts {"params": [...], "lr": ..., ...} overriding the defaults.
+Subclasses implement `_update(p, grad, state, group)` on raw arrays; the math itself is a
+plain function on arrays (`adamw_update`, `sgd_update`) that ZeRO applies to flat shards.
+Tests: tests/test_optim.py.
+"""
+import numpy as np
+
+from minidist import backend
+
+
+class Optimizer:
+    defaults = {}
+
+    def __init__(self, params, **overrides):
+        self.defaults = {**self.defaults, **overrides}
+        self.param_groups = []
+        for group in self._default_groups(_as_groups(params)):
+            self.param_groups.append({**self.defaults, **group})
+        self.state = {}                          # parameter name -> {state arrays, "step"}
+        names = [n for g in self.param_groups for n in g["names"]]
+        if len(set(names)) != len(names):
+            raise ValueError("a parameter appears twice in the optimizer's groups")
+
+    def _default_groups(self, groups):
+        return groups
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self):
+        """Update every parameter that has a gradient, in place."""
+        for group in self.param_groups:
+            for name, p in zip(group["names"], group["params"]):
+                if p.grad is None:
+                    continue
+                state = self.state.setdefault(name, {"step": 0})
+                state["step"] += 1
+                self._update(p.data, p.grad, state, group)
+
+    def _update(self, p, grad, state, group):
+        raise NotImplementedError
+
+    def zero_grad(self):
+        """Drop gradients (None, not zeros: no memory held, and the first += is a copy)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def set_lr(self, lr):
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    @property
+    def params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    # ---- state -----------------------------------------------------------------------------
+    def state_arrays(self):
+        """Every array the optimizer holds (for the memory ledger)."""
+        for state in self.state.values():
+            yield from (v for v in state.values() if hasattr(v, "nbytes"))
+
+    def state_dict(self):
+        """{"groups": hyperparameters per group (no params), "state": {name: {key: host
+        array or int}}}: JSON for the groups, arrays for the state."""
+        groups = [{k: v for k, v in g.items() if k not in ("params", "names")}
+                  for g in self.param_groups]
+        state = {n: {k: (backend.to_host(v).copy() if hasattr(v, "shape") else v)
+                     for k, v in s.items()} for n, s in self.state.items()}
+        return {"groups": groups, "state": state}
+
+    def load_state_dict(self, sd):
+        if len(sd["groups"]) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(sd['groups'])} groups, this "
+                             f"optimizer {len(self.param_groups)}")
+        params = {n: p for g in self.param_groups for n, p in zip(g["names"], g["params"])}
+        unknown = [n for n in sd["state"] if n not in params]
+        if unknown:
+            raise ValueError(f"optimizer state for unknown parameters {unknown[:6]}")
+        for group, saved in zip(self.param_groups, sd["groups"]):
+            group.update(saved)
+        self.state = {}
+        for name, s in sd["state"].items():
+            p = params[name].data
+            self.state[name] = {k: (_like(v, p, name, k) if hasattr(v, "shape") else int(v))
+                                for k, v in s.items()}
+
+
+def _like(value, p, name, key):
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"optimizer state {name}.{key} has shape {tuple(value.shape)}, "
+                         f"the parameter {tuple(p.shape)}")
+    return backend.xp_of(p).array(backend.to_device(value, backend.xp_of(p)), dtype=p.dtype)
+
+
+def _as_groups(params):
+    """Normalise the three accepted forms to [{"params": [...], "names": [...], ...}]."""
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups, count = [], 0
+    for g in params:
+        g = dict(g)
+        items = list(g["params"])
+        names = []
+        for item in items:
+            names.append(item[0] if isinstance(item, tuple) else f"param{count}")
+            count += 1
+        g["params"] = [item[1] if isinstance(item, tuple) else item for item in items]
+        g["names"] = names
+        groups.append(g)
+    return groups
+
+
+def wants_decay(p):
+    """Default weight-decay rule: a Parameter's own `decay` flag (False on biases, LayerNorm
+    and embedding weights), else decay matrices (ndim >= 2) only."""
+    return bool(getattr(p, "decay", np.ndim(p.data) >= 2))
