@@ -37,8 +37,8 @@ class Tensor:
     def __init__(self, data, requires_grad=False, dtype=None):
         if isinstance(data, Tensor):
             data = data.data
-        if not hasattr(data, "__array__") or dtype is not None:
-            xp = backend.xp_of(data) if hasattr(data, "__array__") else backend.get_xp()
+        xp = backend.xp_of(data) if hasattr(data, "__array__") else backend.get_xp()
+        if dtype is not None or not isinstance(data, xp.ndarray):   # lists, numbers, np.float64
             data = xp.asarray(data, dtype=dtype or _default_dtype(data))
         self.data = data
         self.grad = None
@@ -165,7 +165,10 @@ class Tensor:
 
 
 def _default_dtype(data):
-    """Python floats become float32 (minidist's default); ints and bools keep their kind."""
+    """Python floats become float32 (minidist's default); ints and bools keep their kind,
+    and anything that already has a dtype (a numpy scalar) keeps it."""
+    if hasattr(data, "dtype"):
+        return None
     import numpy as np
     kind = np.asarray(data).dtype.kind
     return "float32" if kind == "f" else None

@@ -1,0 +1,302 @@
+"""The engine: dtypes, accumulation, hooks, freeing, deep graphs, no_grad, errors, and the
+ops whose behaviour is more than a gradient (split's one buffer, embedding's scatter-add,
+dropout's seed contract, cast's dtypes). Gradients themselves: tests/test_gradcheck.py.
+
+Run: python -m pytest -q tests/test_autograd.py
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra.numpy import mutually_broadcastable_shapes
+
+from minidist import backend
+from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad, ops
+from minidist.autograd.gradcheck import gradcheck
+
+rng = np.random.default_rng(0)
+
+
+def P(*shape, dtype=np.float64):
+    """A parameter-like leaf."""
+    return Tensor(rng.standard_normal(shape).astype(dtype), requires_grad=True)
+
+
+# ---- dtypes --------------------------------------------------------------------------------
+
+def test_python_floats_default_to_float32():
+    assert Tensor([1.0, 2.0]).dtype == np.float32 and Tensor(3.0).dtype == np.float32
+    assert Tensor([1, 2]).dtype.kind == "i"
+    assert Tensor(np.zeros(2)).dtype == np.float64          # an array keeps its dtype
+    s = Tensor(np.float64(2.0))                             # a numpy scalar: a 0-d array
+    assert s.dtype == np.float64 and isinstance(s.data, np.ndarray) and s.shape == ()
+
+
+def test_float32_stays_float32_through_ops_and_scalars():
+    x = P(3, 4, dtype=np.float32)
+    y = ((x * 0.5 + 1) * np.float64(2.0) / np.float64(3.0)).exp().sum()
+    assert y.dtype == np.float32
+    y.backward()
+    assert x.grad.dtype == np.float32
+
+
+def test_mixed_float_arrays_are_an_error_naming_op_and_dtypes():
+    with pytest.raises(TypeError, match=r"Mul\(\(3, 4\) float32, \(4,\) float64\).*mixed"):
+        P(3, 4, dtype=np.float32) * P(4)
+
+
+def test_cast_forward_dtype_and_gradient_cast_back():
+    x = P(3, dtype=np.float32)
+    h = ops.cast(x, "float16")
+    assert h.dtype == np.float16
+    (h * 2.0).sum().backward()
+    assert x.grad.dtype == np.float32
+    np.testing.assert_array_equal(x.grad, 2.0)
+
+
+# ---- accumulation --------------------------------------------------------------------------
+
+def test_leaf_used_twice_gets_both_contributions():
+    x = P(3)
+    (x * x + x).sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * x.data + 1)
+
+
+def test_interior_node_used_twice():
+    x = P(3)
+    h = x * 3.0
+    (h * h + h).sum().backward()                            # d/dx = 3 (2h + 1)
+    np.testing.assert_allclose(x.grad, 3 * (2 * h.data + 1))
+
+
+def test_x_plus_x_same_array_to_both_inputs():
+    x = P(2, 2)
+    h = x * 1.0
+    (h + h).sum().backward()
+    np.testing.assert_allclose(x.grad, 2.0)
+
+
+def test_grads_accumulate_across_backward_calls():
+    x = P(4)
+    (x * 2.0).sum().backward()
+    (x * 3.0).sum().backward()
+    np.testing.assert_allclose(x.grad, 5.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=mutually_broadcastable_shapes(num_shapes=2, max_dims=3, max_side=3),
+       op=st.sampled_from(["add", "sub", "mul", "div"]))
+def test_broadcasting_gradients(shapes, op):
+    a, b = (Tensor(rng.uniform(0.5, 2.0, s), requires_grad=True) for s in shapes.input_shapes)
+    fn = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+          "mul": lambda a, b: a * b, "div": lambda a, b: a / b}[op]
+    assert fn(a, b).shape == shapes.result_shape
+    gradcheck(fn, [a, b], name=f"{op}{shapes.input_shapes}")
+
+
+# ---- hooks ---------------------------------------------------------------------------------
+
+def test_hooks_fire_once_after_grad_complete_in_reverse_usage_order():
+    w1, w2, tied = P(4, 4), P(4, 4), P(4, 4)
+    x = Tensor(rng.standard_normal((2, 4)))
+    fired = []
+
+    def hook(name):
+        def fn(p):
+            fired.append((name, p.grad.copy()))
+        return fn
+
+    for name, p in (("w1", w1), ("w2", w2), ("tied", tied)):
+        p.register_grad_hook(hook(name))
+    h = (x @ tied).tanh()                    # tied used first ...
+    h = (h @ w1).tanh()
+    h = (h @ w2) @ tied                      # ... and last, like GPT-2's wte
+    h.sum().backward()
+    names = [n for n, _ in fired]
+    assert sorted(names) == ["tied", "w1", "w2"]            # exactly once each
+    assert names.index("w2") < names.index("w1")            # reverse of use
+    for name, grad_at_hook in fired:                        # complete when it fired
+        np.testing.assert_array_equal(grad_at_hook, {"w1": w1, "w2": w2, "tied": tied}[name].grad)
+
+
+def test_hook_on_leaf_backward_and_removal():
+    x = P(1)
+    calls = []
+    handle = x.register_grad_hook(lambda p: calls.append(1))
+    x.sum().backward()
+    x.backward()
+    handle.remove()
+    x.sum().backward()
+    assert calls == [1, 1]
+
+
+def test_hook_only_on_leaves():
+    with pytest.raises(RuntimeError, match="leaf"):
+        (P(2) * 2.0).register_grad_hook(lambda p: None)
+
+
+# ---- freeing, depth, no_grad ---------------------------------------------------------------
+
+def test_backward_frees_the_graph_and_second_backward_raises():
+    x = P(3)
+    h = x.exp()
+    loss = (h * h).sum()
+    loss.backward()
+    assert h._ctx is None and loss._ctx is None and loss._parents == ()
+    with pytest.raises(RuntimeError, match="already freed"):
+        loss.backward()
+
+
+def test_deep_chain_has_no_recursion_limit():
+    x = P(2)
+    y = x
+    for _ in range(10_000):
+        y = y + 1.0
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad, 1.0)
+    z = x
+    for _ in range(30_000):                  # never backpropagated: dropping it must not crash
+        z = z * 1.0
+    del z
+
+
+def test_no_grad_builds_no_graph_and_restores_state():
+    x = P(3)
+    with no_grad():
+        assert not is_grad_enabled()
+        y = x * 2.0
+        with no_grad():
+            pass
+        assert not is_grad_enabled()
+    assert is_grad_enabled()
+    assert not y.requires_grad and y._fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.sum().backward()
+    with pytest.raises(ZeroDivisionError), no_grad():
+        1 / 0
+    assert is_grad_enabled()
+
+
+def test_detach_item_and_properties():
+    x = P(2, 3)
+    d = (x * 2.0).detach()
+    assert not d.requires_grad and d._fn is None and d.shape == (2, 3)
+    assert d.ndim == 2 and d.size == 6 and d.dtype == np.float64 and len(d) == 2
+    assert isinstance(x.sum().item(), float)
+
+
+def test_constants_get_no_gradient_work():
+    seen = []
+
+    class Spy(Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            seen.append(ctx.needs_input_grad)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, grad
+
+    Spy.apply(P(2), np.ones(2))
+    with no_grad():
+        Spy.apply(P(2), P(2))
+    assert seen == [(True, False), (False, False)]
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def test_matmul_shape_mismatch_names_op_and_shapes():
+    with pytest.raises(ValueError, match=r"MatMul\(\(2, 3\) float64, \(4, 5\) float64\): "
+                                         r"inner dimensions differ: 3 .* vs 4"):
+        P(2, 3) @ P(4, 5)
+
+
+def test_broadcast_mismatch_names_op_and_shapes():
+    with pytest.raises(ValueError, match=r"Add\(\(3, 4\) float64, \(5,\) float64\)"):
+        P(3, 4) + P(5)
+
+
+def test_backward_on_non_scalar_needs_a_gradient():
+    with pytest.raises(RuntimeError, match=r"non-scalar tensor of shape \(2, 3\)"):
+        (P(2, 3) * 2.0).backward()
+    with pytest.raises(ValueError, match=r"gradient of shape \(3,\) for a tensor of shape"):
+        (P(2, 3) * 2.0).backward(np.ones(3))
+
+
+def test_embedding_rejects_float_ids():
+    with pytest.raises(TypeError, match=r"Embedding\(\(5, 3\) float64, \(2,\) float64\).*int"):
+        ops.embedding(P(5, 3), np.array([1.0, 2.0]))
+
+
+def test_split_rejects_uneven_sections():
+    with pytest.raises(ValueError, match=r"split: axis 1 of shape \(2, 5\)"):
+        ops.split(P(2, 5), 2, axis=1)
+
+
+# ---- op behaviour beyond gradients ---------------------------------------------------------
+
+def test_split_with_another_consumer_and_unused_piece():
+    x = P(4, 6)
+    a, b, c = ops.split(x, [2, 1, 3], axis=1)
+    (a.sum() * 2.0 + (x * 3.0).sum() + c.sum()).backward()
+    want = np.full((4, 6), 3.0)
+    want[:, :2] += 2.0
+    want[:, 3:] += 1.0
+    np.testing.assert_array_equal(x.grad, want)
+    assert [p.shape for p in (a, b, c)] == [(4, 2), (4, 1), (4, 3)]
+
+
+def test_split_without_grad_returns_views():
+    x = Tensor(np.arange(6.0))
+    parts = ops.split(x, 3)
+    assert [p.data.base is x.data for p in parts] == [True] * 3
+
+
+@pytest.mark.parametrize("vocab", [7, 50257])
+def test_embedding_scatter_add_matches_add_at(vocab):
+    w = P(vocab, 4)
+    idx = rng.integers(0, min(vocab, 20), size=(3, 50))      # many repeats
+    g = rng.standard_normal((3, 50, 4))
+    ops.embedding(w, idx).backward(g)
+    want = np.zeros((vocab, 4))
+    np.add.at(want, idx.reshape(-1), g.reshape(-1, 4))
+    np.testing.assert_allclose(w.grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_seed_contract():
+    x = Tensor(np.ones((50, 40), np.float32), requires_grad=True)
+    a = ops.dropout(x, 0.25, backend.rng(11))
+    b = ops.dropout(x, 0.25, backend.rng(11))
+    np.testing.assert_array_equal(a.data, b.data)
+    keep = backend.rng(11).random(x.shape, dtype="float32") >= 0.25   # the documented mask
+    np.testing.assert_allclose(a.data, keep / 0.75, rtol=1e-6)
+    assert a.dtype == np.float32
+    a.sum().backward()
+    np.testing.assert_allclose(x.grad, keep / 0.75, rtol=1e-6)
+    assert ops.dropout(x, 0.0, None) is x and ops.dropout(x, 0.5, None, training=False) is x
+    assert not ops.dropout(x, 1.0, backend.rng(0)).data.any()
+    with pytest.raises(ValueError, match="probability"):
+        ops.dropout(x, 1.5, backend.rng(0))
+
+
+def test_max_splits_gradient_between_ties():
+    x = Tensor(np.array([[1.0, 3.0, 3.0]]), requires_grad=True)
+    x.max(axis=1).sum().backward()
+    np.testing.assert_array_equal(x.grad, [[0.0, 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "matmul", "exp", "tanh", "relu", "sum", "gelu",
+                                "embedding"])
+def test_float16_forward_backward(op):
+    from minidist.autograd import fused as F
+    x = Tensor(rng.standard_normal((4, 8)).astype(np.float16), requires_grad=True)
+    w = Tensor(rng.standard_normal((8, 8)).astype(np.float16), requires_grad=True)
+    fn = {"add": lambda: x + w[:4], "mul": lambda: x * w[:4], "matmul": lambda: x @ w,
+          "exp": lambda: x.exp(), "tanh": lambda: x.tanh(), "relu": lambda: x.relu(),
+          "sum": lambda: x.sum(axis=0), "gelu": lambda: F.gelu(x),
+          "embedding": lambda: ops.embedding(w, np.array([1, 1, 3]))}[op]
+    out = fn()
+    assert out.dtype == np.float16
+    out.sum().backward()
+    for t in (x, w):
+        assert t.grad is None or (t.grad.dtype == np.float16 and np.isfinite(t.grad).all())
