@@ -123,6 +123,10 @@ CASES = [
     Case("dropout", (indexing.Dropout,), lambda a: ops.dropout(a, 0.4, backend.rng(7)),
          lambda: [T(randn(4, 5))]),
 ] + [
+    Case("linear", (F.Linear,), F.linear,
+         lambda: [T(randn(2, 3, 4)), T(randn(4, 5)), T(randn(5))], lambda x, w, b: x @ w + b),
+    Case("linear_no_bias", (F.Linear,), lambda x, w: F.linear(x, w),
+         lambda: [T(randn(3, 4)), T(randn(4, 2))], np.matmul),
     Case("layer_norm", (F.LayerNorm,), F.layer_norm,
          lambda: [T(randn(2, 3, 5)), T(randn(5)), T(randn(5))], lambda x, w, b: ref_ln(x, w, b)),
     Case("layer_norm_no_bias", (F.LayerNorm,), lambda x, w: F.layer_norm(x, w, None),

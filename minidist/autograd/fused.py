@@ -10,6 +10,7 @@ computed in float32 inside (statistics, exp and log sums lose too much in float1
 results cast back. Attention lives in attention.py and is re-exported here.
 Tests: tests/test_fused.py, tests/test_gradcheck.py.
 """
+import contextlib
 import math
 
 from minidist.autograd.function import Function
@@ -19,6 +20,37 @@ from minidist.backend import xp_of
 def _f32(a):
     """float16 -> float32 for the arithmetic; anything else unchanged (no copy)."""
     return a.astype("float32") if a is not None and a.dtype == "float16" else a
+
+
+# ---- linear --------------------------------------------------------------------------------
+
+class Linear(Function):
+    """y = x @ W + b for x (..., in), W (in, out), b (out,) or None: one GEMM over all the
+    leading axes, the bias added in place (no second (N, out) array), one graph node."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None):
+        x2 = x.reshape(-1, x.shape[-1])                          # (N, in)
+        out = x2 @ w                                             # (N, out)
+        if b is not None:
+            out += b
+        ctx.save_for_backward(x2, w)
+        ctx.shape = x.shape
+        return out.reshape(x.shape[:-1] + (w.shape[1],))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w = ctx.saved
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g2 = grad.reshape(-1, w.shape[1])                        # (N, out)
+        dx = (g2 @ w.T).reshape(ctx.shape) if need_x else None   # dL/dx = g W^T
+        dw = x2.T @ g2 if need_w else None                       # dL/dW = x^T g
+        db = g2.sum(axis=0) if need_b else None                  # dL/db = sum over rows
+        return dx, dw, db
+
+
+def linear(x, weight, bias=None):
+    return Linear.apply(x, weight, bias)
 
 
 # ---- layer norm ------------------------------------------------------------------------------
@@ -75,47 +107,55 @@ _K = math.sqrt(2.0 / math.pi)
 _A = 0.044715
 
 
+def _quiet(xp):
+    """numpy warns when exp overflows to inf; here inf is the right answer."""
+    return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
+
+
 class Gelu(Function):
-    """GPT-2's tanh approximation: y = x/2 (1 + tanh(k (x + a x^3))), k = sqrt(2/pi).
-    Saves only x; backward recomputes the tanh (one array less held per MLP)."""
+    """GPT-2's tanh approximation: y = x/2 (1 + tanh(u)), u = k (x + a x^3), k = sqrt(2/pi),
+    computed as y = x * sigmoid(2u) = x / (1 + exp(-2u)) (the same function: one exp, which
+    is cheaper than tanh, and fewer passes). Saves only x; backward recomputes the exp."""
 
     @staticmethod
     def forward(ctx, x):
-        xp = xp_of(x)
+        xp, dtype = xp_of(x), x.dtype
         ctx.save_for_backward(x)
+        x = _f32(x)                                # float16's x^3 overflows at |x| ~ 40
         y = xp.multiply(x, x)
-        y *= _A
+        y *= -2 * _K * _A
+        y -= 2 * _K
+        y *= x                                     # -2u = -2k (x + a x^3)
+        with _quiet(xp):
+            xp.exp(y, out=y)                       # exp(-2u); inf for x << 0 is fine:
         y += 1.0
-        y *= x
-        y *= _K                                    # u = k (x + a x^3)
-        xp.tanh(y, out=y)                          # t = tanh(u)
-        y += 1.0
-        y *= x
-        y *= 0.5                                   # x/2 (1 + t)
-        return y
+        xp.divide(x, y, out=y)                     # x / inf = -0
+        return y.astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved
-        xp = xp_of(x)
-        # dy/dx = 1/2 (1 + t)                      from the x/2 factor
-        #       + x/2 (1 - t^2) k (1 + 3 a x^2)    through t = tanh(u), du/dx = k (1 + 3 a x^2)
-        #       = (1 + t) (1/2 + x/2 k (1 + 3 a x^2) (1 - t))
-        t = xp.multiply(x, x)
-        d = t * (3 * _A)
-        t *= _A
-        t += 1.0
-        t *= x
-        t *= _K
-        xp.tanh(t, out=t)                          # t
+        xp, x = xp_of(x), _f32(x)
+        # y = x s, s = sigmoid(2u) = 1 / (1 + exp(-2u)), ds/d(2u) = s (1 - s)
+        # dy/dx = s                                 (from the x factor)
+        #       + x s (1 - s) 2k (1 + 3 a x^2)      (through s, d(2u)/dx = 2k (1 + 3 a x^2))
+        #       = d s (1 - s) + s                   with d = x 2k (1 + 3 a x^2)
+        s = xp.multiply(x, x)
+        d = s * (6 * _K * _A)
+        d += 2 * _K
+        d *= x                                     # d
+        s *= -2 * _K * _A
+        s -= 2 * _K
+        s *= x                                     # -2u
+        with _quiet(xp):
+            xp.exp(s, out=s)                       # may be inf for x << 0 ...
+        s += 1.0
+        xp.reciprocal(s, out=s)                    # ... then s = 0, exactly right
+        d *= s                                     # d s      (bounded, unlike d exp(-2u))
+        xp.subtract(1.0, s, out=s)                 # 1 - s
+        d *= s                                     # d s (1 - s)
         d += 1.0
-        d *= x
-        d *= 0.5 * _K                              # x/2 k (1 + 3 a x^2)
-        xp.subtract(1.0, t, out=t)                 # 1 - t
-        d *= t
-        d += 0.5
-        xp.subtract(2.0, t, out=t)                 # 1 + t
-        d *= t
+        d -= s                                     # + s
         d *= grad
         return d
 

@@ -11,6 +11,13 @@ from minidist.autograd import ops
 from minidist.backend import xp_of
 
 
+def linear(x, weight, bias=None):
+    lead = x.shape[:-1]
+    y = x.reshape(-1, x.shape[-1]) @ weight
+    y = y if bias is None else y + bias
+    return y.reshape(*lead, y.shape[-1])
+
+
 def layer_norm(x, weight, bias=None, eps=1e-5):
     mean = x.mean(axis=-1, keepdims=True)
     xc = x - mean
