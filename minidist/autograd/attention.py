@@ -9,7 +9,7 @@ Dimensions: B batch, nh heads, T sequence, hs head size, C = nh * hs.
 Saved for backward: q, k, v (inputs), P and the dropout mask. The backward uses
 FlashAttention's identity sum_j P_ij dP_ij = g_i . y_i, a (B, nh, T) row sum over hs instead
 of over a (T, T) temporary. `CausalSelfAttention` also does GPT-2's head split and merge
-inside, so a model's graph has one node per attention, not a chain of reshapes/transposes.
+inside, as strided views, so a model's graph has one node per attention and no copies.
 All matmuls are batched over B*nh. Tests: tests/test_fused.py, tests/test_gradcheck.py.
 """
 import math
@@ -36,8 +36,8 @@ def _keep_mask(rng, shape, p, xp):
     return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
 
 
-def _attn_forward(q, k, v, dropout_p, rng):
-    """y and what backward needs: (P, keep mask or None, dropout scale)."""
+def _attn_forward(q, k, v, dropout_p, rng, out):
+    """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
     P = xp.matmul(q, xp.swapaxes(k, -1, -2))                 # (B, nh, T, T)
@@ -47,12 +47,14 @@ def _attn_forward(q, k, v, dropout_p, rng):
     xp.exp(P, out=P)
     P /= P.sum(axis=-1, keepdims=True)                       # P = softmax(S)
     if dropout_p <= 0:
-        return xp.matmul(P, v), (P, None, 1.0)
+        xp.matmul(P, v, out=out)                             # y = P v
+        return P, None, 1.0
     keep = _keep_mask(rng, P.shape, dropout_p, xp)
     scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
     Pd = P * keep
     Pd *= scale
-    return xp.matmul(Pd, v), (P, keep, scale)                # (B, nh, T, hs)
+    xp.matmul(Pd, v, out=out)                                # y = dropout(P) v
+    return P, keep, scale
 
 
 def _attn_backward(g, gy, q, k, v, saved, out):
@@ -85,7 +87,8 @@ class CausalAttention(Function):
     def forward(ctx, q, k, v, dropout_p=0.0, rng=None):
         if not (q.shape == k.shape == v.shape) or q.ndim < 2:
             raise ValueError("q, k, v must have one shape (B, nh, T, hs)")
-        y, saved = _attn_forward(q, k, v, dropout_p, rng)
+        y = xp_of(q).empty(q.shape, q.dtype)
+        saved = _attn_forward(q, k, v, dropout_p, rng, y)
         ctx.save_for_backward(q, k, v, y, saved)
         return y
 
@@ -105,9 +108,17 @@ def causal_attention(q, k, v, dropout_p=0.0, rng=None):
     return CausalAttention.apply(q, k, v, dropout_p, rng)
 
 
+def _heads(a, n_head):
+    """(B, T, 3C) -> a (3, B, nh, T, hs) view, no copy: each (T, hs) matrix is strided
+    (row stride 3C) in a way BLAS takes directly, so the matmuls read qkv in place."""
+    B, T, C3 = a.shape
+    return a.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
+
+
 class CausalSelfAttention(Function):
     """GPT-2's fused c_attn output (B, T, 3C), q|k|v along the last axis -> y (B, T, C),
-    heads split inside and merged back: y[b, t, h*hs:(h+1)*hs] is head h's output."""
+    heads split inside and merged back: y[b, t, h*hs:(h+1)*hs] is head h's output.
+    Split and merge are strided views: no transposed copies in forward or backward."""
 
     @staticmethod
     def forward(ctx, qkv, n_head, dropout_p=0.0, rng=None):
@@ -115,27 +126,25 @@ class CausalSelfAttention(Function):
         B, T, C3 = qkv.shape
         if C3 % 3 or (C3 // 3) % n_head:
             raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
-        C = C3 // 3
-        hs = C // n_head
-        heads = xp.ascontiguousarray(                       # (3, B, nh, T, hs), one copy
-            qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4))
-        yh, saved = _attn_forward(heads[0], heads[1], heads[2], dropout_p, rng)
-        y = yh.transpose(0, 2, 1, 3).reshape(B, T, C)        # merge heads: (B, T, C)
-        ctx.save_for_backward(heads, y, saved)
+        q, k, v = _heads(qkv, n_head)                        # (B, nh, T, hs) views
+        y = xp.empty((B, T, C3 // 3), qkv.dtype)             # (B, T, C)
+        yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        saved = _attn_forward(q, k, v, dropout_p, rng, yh)
+        ctx.save_for_backward(qkv, y, saved)
+        ctx.n_head = n_head
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        heads, y, saved = ctx.saved
-        xp = xp_of(grad)
-        _, B, nh, T, hs = heads.shape
-        g4 = grad.reshape(B, T, nh, hs)
-        gh = xp.ascontiguousarray(g4.transpose(0, 2, 1, 3))  # (B, nh, T, hs)
-        gy = (g4 * y.reshape(B, T, nh, hs)).sum(axis=-1)     # (B, T, nh): g_i . y_i
+        qkv, y, saved = ctx.saved
+        xp, nh = xp_of(grad), ctx.n_head
+        B, T, C = grad.shape
+        g4 = grad.reshape(B, T, nh, C // nh)                 # (B, T, nh, hs)
+        gy = (g4 * y.reshape(B, T, nh, C // nh)).sum(axis=-1)    # (B, T, nh): g_i . y_i
         gy = gy.transpose(0, 2, 1)[..., None]                # (B, nh, T, 1)
-        dheads = xp.empty_like(heads)                        # dq | dk | dv, head layout
-        _attn_backward(gh, gy, heads[0], heads[1], heads[2], saved, dheads)
-        dqkv = dheads.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hs)
+        dqkv = xp.empty_like(qkv)                            # (B, T, 3C)
+        q, k, v = _heads(qkv, nh)
+        _attn_backward(g4.transpose(0, 2, 1, 3), gy, q, k, v, saved, _heads(dqkv, nh))
         return dqkv, None, None, None
 
 

@@ -202,21 +202,21 @@ class LogSoftmax(Function):
     def forward(ctx, x, axis=-1):
         xp, dtype = xp_of(x), x.dtype
         out = _f32(x) - x.max(axis=axis, keepdims=True)
-        lse = xp.log(xp.exp(out).sum(axis=axis, keepdims=True))
-        out -= lse
-        ctx.save_for_backward(out)
+        p = xp.exp(out)
+        s = p.sum(axis=axis, keepdims=True)
+        p /= s                                                   # softmax, saved
+        out -= xp.log(s)
+        ctx.save_for_backward(p)
         ctx.axis = axis
         return out.astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
-        out, = ctx.saved
-        xp = xp_of(out)
-        # out_j = x_j - lse, d lse / dx_i = softmax_i = exp(out_i):
-        # dx_i = grad_i - softmax_i * sum_j grad_j
-        dx = xp.exp(out)
-        dx *= _f32(grad).sum(axis=ctx.axis, keepdims=True)
-        xp.subtract(grad, dx, out=dx)
+        p, = ctx.saved
+        # out_j = x_j - lse, d lse / dx_i = softmax_i = p_i:
+        # dx_i = grad_i - p_i * sum_j grad_j
+        dx = p * _f32(grad).sum(axis=ctx.axis, keepdims=True)
+        xp_of(p).subtract(grad, dx, out=dx)
         return dx, None
 
 

@@ -1,0 +1,126 @@
+"""Fused ops vs the same layers composed from primitive ops: time and memory.
+
+    python examples/bench_fused.py --threads 1
+
+For each op at the GPT reference sizes (B=16, T=128, C=256, nh=4, float32) prints one JSON
+line: forward+backward time (median), the bytes the graph keeps for backward (arrays
+referenced from the ops' saved state, except the inputs' and the output's own buffers,
+which exist whatever the op saves), and the peak bytes numpy allocated during
+forward+backward (tracemalloc).
+The composed versions are minidist/autograd/reference.py.
+"""
+import argparse
+import json
+import time
+import tracemalloc
+
+import numpy as np
+
+from minidist import backend
+from minidist.autograd import Tensor, fused as F, reference as R
+
+B, T, C, NH = 16, 128, 256, 4
+
+
+def cases(rng):
+    def t(*shape):
+        return Tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True)
+    targets = rng.integers(0, 256, (B, T))
+    big_v = rng.integers(0, 8192, (8, 64))
+    return [
+        ("linear", (B, T, C, 4 * C), F.linear, R.linear, [t(B, T, C), t(C, 4 * C), t(4 * C)]),
+        ("layer_norm", (B, T, C), F.layer_norm, R.layer_norm, [t(B, T, C), t(C), t(C)]),
+        ("gelu", (B, T, 4 * C), F.gelu, R.gelu, [t(B, T, 4 * C)]),
+        ("softmax", (B, NH, T, T), F.softmax, R.softmax, [t(B, NH, T, T)]),
+        ("log_softmax", (B * T, 256), F.log_softmax, R.log_softmax, [t(B * T, 256)]),
+        ("cross_entropy", (B, T, 256), lambda z: F.cross_entropy(z, targets),
+         lambda z: R.cross_entropy(z, targets), [t(B, T, 256)]),
+        ("cross_entropy_v8192", (8, 64, 8192), lambda z: F.cross_entropy(z, big_v),
+         lambda z: R.cross_entropy(z, big_v), [t(8, 64, 8192)]),
+        ("causal_self_attention", (B, T, 3 * C, NH), lambda x: F.causal_self_attention(x, NH),
+         lambda x: R.causal_self_attention(x, NH), [t(B, T, 3 * C)]),
+    ]
+
+
+def _root(a):
+    while isinstance(getattr(a, "base", None), np.ndarray):
+        a = a.base
+    return a
+
+
+def _arrays(obj, out):
+    """Every ndarray reachable through tuples, lists and a context's attributes."""
+    if isinstance(obj, np.ndarray):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _arrays(o, out)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for o in vars(obj).values():
+            _arrays(o, out)
+
+
+def saved_bytes(out, inputs):
+    """Bytes of distinct buffers the graph behind `out` keeps for backward, beyond the
+    inputs' and the output's."""
+    arrays, stack, seen = [], [out], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or node._ctx is None:
+            continue
+        seen.add(id(node))
+        _arrays(node._ctx, arrays)
+        stack.extend(node._parents)
+    skip = {id(_root(x.data)) for x in inputs + [out]}
+    roots = {id(_root(a)): _root(a) for a in arrays}
+    return sum(r.nbytes for k, r in roots.items() if k not in skip)
+
+
+def step(fn, inputs, grad):
+    for x in inputs:
+        x.grad = None
+    out = fn(*inputs)
+    out.backward(grad)
+    return out
+
+
+def measure(fn, inputs, repeats):
+    out = fn(*inputs)
+    grad = np.ones_like(out.data)
+    held = saved_bytes(out, inputs)
+    del out
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        step(fn, inputs, grad)
+        times.append(time.perf_counter() - t)
+    tracemalloc.start()
+    step(fn, inputs, grad)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return float(np.median(times[1:])), held, peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--only", default=None, help="run just this op")
+    args = p.parse_args()
+    backend.set_blas_threads(args.threads)
+    for name, shape, fused, composed, inputs in cases(np.random.default_rng(0)):
+        if args.only and name != args.only:
+            continue
+        tf, sf, pf = measure(fused, inputs, args.repeats)
+        tc, sc, pc = measure(composed, inputs, args.repeats)
+        mb = 2.0 ** 20
+        print(json.dumps({
+            "op": name, "shape": shape, "fused_ms": round(tf * 1e3, 2),
+            "composed_ms": round(tc * 1e3, 2), "speedup": round(tc / tf, 2),
+            "fused_saved_mb": round(sf / mb, 2), "composed_saved_mb": round(sc / mb, 2),
+            "fused_peak_mb": round(pf / mb, 2), "composed_peak_mb": round(pc / mb, 2),
+            "threads": args.threads}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
