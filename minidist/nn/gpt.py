@@ -226,6 +226,21 @@ class GPT(Module):
                              f"{self.config.block_size}")
         return idx
 
+    def flops_per_token(self, T=None):
+        """Model FLOPs per trained token (forward + backward) at sequence length T:
+
+            6 * N  +  12 * L * T * C
+        N counts the weights that take part in matmuls: each block's c_attn, c_proj, c_fc,
+        c_proj (12 C^2 per layer) and the tied output head (V C); embeddings lookups, biases
+        and LayerNorms are not matmuls. Each such weight costs 2 FLOPs per token forward and
+        4 backward. Attention's QK^T and AV are 2 * 2 T C per token per layer forward, times 3
+        for forward + backward, counted over the full T x T (the causal mask saves nothing
+        in our implementation) -- the PaLM / nanoGPT convention."""
+        c = self.config
+        T = c.block_size if T is None else T
+        n_matmul = c.n_layer * 12 * c.n_embd ** 2 + c.vocab_size * c.n_embd
+        return 6 * n_matmul + 12 * c.n_layer * T * c.n_embd
+
     # ---- sampling --------------------------------------------------------------------------
     def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
         """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n).

@@ -33,11 +33,7 @@ class Linear(Module):
         self.bias = _param((out_features,), dtype, decay=False) if bias else None
 
     def forward(self, x):                                        # (..., in)
-        lead = x.shape[:-1]
-        y = x.reshape(-1, x.shape[-1]) @ self.weight             # (N, out): one GEMM
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, y.shape[-1])                     # (..., out)
+        return F.linear(x, self.weight, self.bias)               # (..., out): one GEMM
 
 
 class Embedding(Module):

@@ -55,11 +55,18 @@ class Module:
     def named_parameters(self, prefix=""):
         """(name, Parameter) pairs, depth first in assignment order, each Parameter once."""
         seen = set()
-        for mod_name, mod in self.named_modules(prefix):
-            for name, value in vars(mod).items():
-                if isinstance(value, Parameter) and id(value) not in seen:
-                    seen.add(id(value))
-                    yield (f"{mod_name}.{name}" if mod_name else name), value
+        for name, p in self._walk_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _walk_parameters(self, prefix):
+        for name, value in vars(self).items():
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(value, Parameter):
+                yield full, value
+            elif isinstance(value, Module):
+                yield from value._walk_parameters(full)
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]

@@ -1,0 +1,74 @@
+"""Time one GPT training step (forward, backward, clip, AdamW) and compare the model's FLOP/s
+with a large float32 matmul's in the same process and thread count.
+
+    python examples/bench_step.py --n-layer 4 --n-head 4 --n-embd 256 --block-size 128 \\
+        --batch-size 16 --threads 1
+
+prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
+"flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from minidist import backend
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW, clip_grad_norm
+from minidist.train.args import add_model_args
+
+
+def matmul_gflops(xp, n=2048, repeats=5):
+    """Best-of-`repeats` FLOP/s of an (n x n) @ (n x n) float32 matmul, in GFLOP/s."""
+    a = xp.asarray(backend.rng(0).standard_normal((n, n)), dtype=xp.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        a @ a
+        backend.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def main():
+    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    threads = backend.set_blas_threads(args.threads)
+    backend.set_device(args.device)
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       block_size=args.block_size, vocab_size=args.vocab_size,
+                       dropout=args.dropout, bias=args.bias)
+    model = GPT(config, seed=args.seed, dtype=args.dtype)
+    opt = AdamW(model.named_parameters(), lr=1e-4)
+    r = np.random.default_rng(args.seed)
+    x = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
+    y = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        clip_grad_norm(opt.params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        backend.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    dt = float(np.median(times))
+    tokens = args.batch_size * args.block_size
+    model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
+    mm = matmul_gflops(backend.get_xp())
+    print(json.dumps({"ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
+                      "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
+                      "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
+                      "device": backend.device(), "dtype": args.dtype,
+                      "ms_min": round(min(times) * 1e3, 2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""GPT: GPT-2 names and shapes, the init contract, gradients (float64 finite differences of the
+whole model's loss), overfitting one batch, generation, and errors on bad input."""
+import numpy as np
+import pytest
+
+from minidist.autograd import no_grad
+from minidist.nn import GPT, GPTConfig, gpt_init, gpt_param_specs
+from minidist.optim import AdamW
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=11)
+
+
+def _batch(config, B=2, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.integers(0, config.vocab_size, (B, config.block_size))
+    return x, r.integers(0, config.vocab_size, (B, config.block_size))
+
+
+def test_gpt2_small_names_shapes_and_count():
+    specs = gpt_param_specs(GPTConfig())                    # GPT-2 small (124M)
+    assert sum(int(np.prod(s)) for s, _ in specs.values()) == 124_439_808
+    assert list(specs)[:4] == ["transformer.wte.weight", "transformer.wpe.weight",
+                               "transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias"]
+    assert specs["transformer.h.11.attn.c_attn.weight"][0] == (768, 2304)
+    assert specs["transformer.h.0.mlp.c_proj.weight"][0] == (3072, 768)
+    assert list(specs)[-1] == "transformer.ln_f.bias"
+
+
+def test_model_parameters_follow_the_specs_in_order():
+    for bias in (True, False):
+        config = GPTConfig(**{**TINY.to_dict(), "bias": bias})
+        model = GPT(config)
+        specs = gpt_param_specs(config)
+        assert [(n, p.shape) for n, p in model.named_parameters()] == [
+            (n, s) for n, (s, _) in specs.items()]
+        assert all(not n.endswith(".bias") for n in specs) or bias
+
+
+def test_init_contract_deterministic_by_name_and_cast_from_float64():
+    full = gpt_init(TINY, seed=3)
+    again = gpt_init(TINY, seed=3)
+    assert all(np.array_equal(full[n], again[n]) for n in full)
+    part = gpt_init(TINY, seed=3, names=["transformer.h.1.attn.c_attn.weight"])
+    np.testing.assert_array_equal(part["transformer.h.1.attn.c_attn.weight"],
+                                  full["transformer.h.1.attn.c_attn.weight"])
+    f64 = gpt_init(TINY, seed=3, dtype="float64")
+    np.testing.assert_array_equal(f64["transformer.wte.weight"].astype(np.float32),
+                                  full["transformer.wte.weight"])
+    assert not np.array_equal(gpt_init(TINY, seed=4)["transformer.wte.weight"],
+                              full["transformer.wte.weight"])
+    model = GPT(TINY, seed=3)
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.data, full[name], err_msg=name)
+
+
+def test_init_statistics_follow_gpt2():
+    config = GPTConfig(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=512)
+    init = gpt_init(config, seed=0, dtype="float64")
+    assert init["transformer.wte.weight"].std() == pytest.approx(0.02, rel=0.02)
+    assert init["transformer.h.0.attn.c_proj.weight"].std() == pytest.approx(0.02 / 4, rel=0.03)
+    assert init["transformer.h.0.mlp.c_proj.weight"].std() == pytest.approx(0.02 / 4, rel=0.03)
+    assert np.all(init["transformer.h.0.ln_1.weight"] == 1)
+    assert np.all(init["transformer.h.0.attn.c_attn.bias"] == 0)
+
+
+def test_forward_shapes_and_loss_none_without_targets():
+    model = GPT(TINY)
+    x, y = _batch(TINY)
+    logits, loss = model(x)
+    assert logits.shape == (2, 6, 11) and loss is None
+    logits, loss = model(x[:, :4], y[:, :4])
+    assert logits.shape == (2, 4, 11) and loss.shape == ()
+    assert abs(loss.item() - np.log(11)) < 0.5                # near uniform at init
+
+
+def test_tied_embedding_is_one_parameter_with_both_gradients():
+    model = GPT(TINY, dtype="float64")
+    x, y = _batch(TINY)
+    _, loss = model(x, y)
+    loss.backward()
+    g = model.transformer.wte.weight.grad
+    unused = np.setdiff1d(np.arange(11), x)                   # rows never looked up
+    assert len(unused) and np.abs(g[unused]).max() > 0      # still get the head's gradient
+
+
+def test_whole_model_gradient_matches_finite_differences():
+    config = GPTConfig(**{**TINY.to_dict(), "block_size": 5})
+    model = GPT(config, seed=1, dtype="float64")
+    x, y = _batch(config, seed=2)
+    y[0, 1] = -1                                              # an ignored target too
+    _, loss = model(x, y)
+    loss.backward()
+    params = dict(model.named_parameters())
+    r = np.random.default_rng(0)
+    for name in ["transformer.wte.weight", "transformer.wpe.weight",
+                 "transformer.h.0.ln_1.weight", "transformer.h.0.attn.c_attn.weight",
+                 "transformer.h.1.attn.c_proj.bias", "transformer.h.1.mlp.c_fc.weight",
+                 "transformer.ln_f.bias"]:
+        p = params[name]
+        for _ in range(3):
+            i = tuple(int(r.integers(0, n)) for n in p.shape)
+            orig, eps = p.data[i], 1e-6
+            with no_grad():
+                p.data[i] = orig + eps
+                plus = model(x, y)[1].item()
+                p.data[i] = orig - eps
+                minus = model(x, y)[1].item()
+            p.data[i] = orig
+            numeric = (plus - minus) / (2 * eps)
+            assert p.grad[i] == pytest.approx(numeric, rel=1e-5, abs=1e-9), (name, i)
+
+
+def test_tiny_model_overfits_a_fixed_batch():
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=32)
+    model = GPT(config, seed=0)
+    opt = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.0)
+    x, y = _batch(config, B=4)
+    for _ in range(150):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.05
+
+
+def test_generate_is_deterministic_under_a_seed_and_crops_context():
+    model = GPT(TINY, seed=0)
+    prompt = np.array([[1, 2, 3]])
+    a = model.generate(prompt, 10, temperature=1.0, top_k=5, seed=7)
+    b = model.generate(prompt, 10, temperature=1.0, top_k=5, seed=7)
+    c = model.generate(prompt, 10, temperature=1.0, top_k=5, seed=8)
+    assert a.shape == (1, 13) and np.array_equal(a, b) and not np.array_equal(a, c)
+    assert np.array_equal(a[:, :3], prompt) and a.max() < 11
+    greedy = model.generate(prompt, 4, temperature=0)
+    logits, _ = model(prompt)
+    assert greedy[0, 3] == logits.data[0, -1].argmax()
+    assert model.training                                      # mode restored
+
+
+def test_dropout_masks_are_seeded_and_off_in_eval():
+    config = GPTConfig(**{**TINY.to_dict(), "dropout": 0.3})
+    x, y = _batch(config)
+    losses = [GPT(config, seed=5)(x, y)[1].item() for _ in range(2)]
+    assert losses[0] == losses[1]
+    model = GPT(config, seed=5)
+    assert model(x, y)[1].item() != model(x, y)[1].item()     # the generator moves on
+    model.eval()
+    assert model(x, y)[1].item() == model(x, y)[1].item()
+
+
+def test_bad_input_is_a_clear_error():
+    model = GPT(TINY)
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(np.zeros((1, 7), np.int64))
+    with pytest.raises(ValueError, match="integer dtype and shape"):
+        model(np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=10, n_head=3)
+
+
+def test_flops_per_token_formula():
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256)
+    model = GPT(config)
+    n = 4 * 12 * 256 ** 2 + 256 * 256
+    assert model.flops_per_token() == 6 * n + 12 * 4 * 128 * 256
