@@ -202,21 +202,20 @@ class LogSoftmax(Function):
     def forward(ctx, x, axis=-1):
         xp, dtype = xp_of(x), x.dtype
         out = _f32(x) - x.max(axis=axis, keepdims=True)
-        p = xp.exp(out)
-        s = p.sum(axis=axis, keepdims=True)
-        p /= s                                                   # softmax, saved
+        e = xp.exp(out)                                          # exp(x - max)
+        s = e.sum(axis=axis, keepdims=True)
         out -= xp.log(s)
-        ctx.save_for_backward(p)
+        ctx.save_for_backward(e, s)                              # softmax = e / s, lazily
         ctx.axis = axis
         return out.astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
-        p, = ctx.saved
-        # out_j = x_j - lse, d lse / dx_i = softmax_i = p_i:
-        # dx_i = grad_i - p_i * sum_j grad_j
-        dx = p * _f32(grad).sum(axis=ctx.axis, keepdims=True)
-        xp_of(p).subtract(grad, dx, out=dx)
+        e, s = ctx.saved
+        # out_j = x_j - lse, d lse / dx_i = softmax_i = e_i / s:
+        # dx_i = grad_i - softmax_i * sum_j grad_j
+        dx = e * (_f32(grad).sum(axis=ctx.axis, keepdims=True) / s)
+        xp_of(e).subtract(grad, dx, out=dx)
         return dx, None
 
 
