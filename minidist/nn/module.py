@@ -109,10 +109,8 @@ class Module:
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)} "
                                  f"in the state dict but {tuple(p.shape)} in the model")
-            xp = backend.xp_of(p.data)
-            p.data = xp.asarray(backend.to_device(value, xp), dtype=p.dtype)
-            if p.data is value:          # never share a buffer with the caller's dict
-                p.data = p.data.copy()
+            xp = backend.xp_of(p.data)     # a copy: never share (or keep read-only) the
+            p.data = xp.array(backend.to_device(value, xp), dtype=p.dtype)  # caller's buffer
         return missing, unexpected
 
 

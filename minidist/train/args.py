@@ -1,0 +1,70 @@
+"""The command-line flags of examples/train_gpt.py and examples/bench_step.py, in one place.
+
+DESIGN.md fixes the names (--dp --tp --pp --zero --comm --device --dtype --amp
+--ckpt-activations --n-layer --n-head --n-embd --block-size --batch-size --grad-accum
+--micro-batches --steps --lr --seed --data --eval-every --save --resume --log-json --trace
+--sample); the rest are ours. `--batch-size` is global, in sequences.
+Tests: tests/test_train.py.
+"""
+import argparse
+
+
+def add_model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=int, default=4)
+    g.add_argument("--n-head", type=int, default=4)
+    g.add_argument("--n-embd", type=int, default=128)
+    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--no-bias", dest="bias", action="store_false",
+                   help="no biases in Linear and LayerNorm layers")
+    g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--seed", type=int, default=1337)
+    return p
+
+
+def add_parallel_args(p):
+    g = p.add_argument_group("parallelism (later issues; refused politely for now)")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel ranks")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
+    g.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
+    g.add_argument("--amp", action="store_true", help="float16 compute, float32 master")
+    g.add_argument("--ckpt-activations", action="store_true")
+    return p
+
+
+def add_train_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="stop (and --save) at this step; the lr schedule still spans --steps")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
+    g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
+    g.add_argument("--data", default=None,
+                   help="text file or folder of text files (default: Python's stdlib sources)")
+    g.add_argument("--cache-dir", default=None, help="where token files are cached")
+    g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
+    g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
+    g.add_argument("--log-every", type=int, default=25)
+    g.add_argument("--save", default=None, metavar="DIR")
+    g.add_argument("--save-every", type=int, default=0, help="0: at evals and at the end")
+    g.add_argument("--resume", default=None, metavar="DIR")
+    g.add_argument("--log-json", default=None, metavar="FILE")
+    g.add_argument("--trace", default=None, metavar="FILE")
+    g.add_argument("--sample", type=int, default=400, help="characters sampled at the end")
+    g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto)")
+    return p
+
+
+def train_parser():
+    p = argparse.ArgumentParser(description="Train a GPT (see README: GPT on one process).")
+    return add_train_args(add_parallel_args(add_model_args(p)))

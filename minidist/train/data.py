@@ -1,0 +1,188 @@
+"""Training data: byte-level tokens in a memory-mapped file, and batches that are a pure
+function of (seed, split, step).
+
+Text -> tokens: the byte tokenizer (vocab 256: token = byte value), so any text file works and
+no vocabulary file is needed. Sources:
+  - `--data PATH`: a text file, or a folder of text files (read recursively, sorted; hidden
+    entries skipped);
+  - no `--data`: the `.py` sources of this Python's standard library, which every machine
+    that runs minidist already has (site-packages excluded).
+Train/val split: with 20 or more files, whole files go to val when crc32(relative path) % 10
+== 0 (held-out documents); with fewer, the last 10% of each file goes to val.
+
+Cache: tokens are written once to `train.bin` / `val.bin` (uint8) plus `meta.json`, in
+`.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or $MINIDIST_CACHE,
+or `--cache-dir`) when that place is not writable: always so for the standard library,
+whose directory may be read-only. The key hashes the file list, sizes and mtimes, so edited
+data is re-tokenised. Files are built in a temporary directory and renamed into place.
+
+Batches: `get_batch(seed, split, step, batch_size, block_size)` draws batch_size random
+windows from a generator seeded by (seed, split, step) and returns the GLOBAL batch (x, y),
+int64 numpy arrays (B, T) with y = x shifted by one. Data-parallel ranks slice their rows;
+a resumed run needs only the step.
+Tests: tests/test_data.py.
+"""
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+import zlib
+
+import numpy as np
+
+_SPLITS = {"train": 0, "val": 1}
+_VERSION = 1
+
+
+class DataError(ValueError):
+    """Bad or missing training data; the message says what and where."""
+
+
+class ByteTokenizer:
+    """Text <-> token ids, one token per UTF-8 byte."""
+    vocab_size = 256
+    name = "bytes"
+
+    def encode(self, text):
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids):
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", "replace")
+
+
+def stdlib_root():
+    return sysconfig.get_paths()["stdlib"]
+
+
+def list_files(path=None):
+    """(root, sorted relative paths) of the text files to train on."""
+    if path is None:
+        root, skip, suffix = stdlib_root(), {"site-packages", "dist-packages"}, ".py"
+    else:
+        if not os.path.exists(path):
+            raise DataError(f"--data {path}: no such file or directory")
+        if os.path.isfile(path):
+            return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
+        root, skip, suffix = path, set(), ""
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
+                         and x != "__pycache__")
+        for n in sorted(names):
+            if not n.startswith(".") and n.endswith(suffix):
+                files.append(os.path.relpath(os.path.join(d, n), root))
+    if not files:
+        raise DataError(f"--data {path or root}: no text files found")
+    return root, sorted(files)
+
+
+def _cache_key(root, files):
+    h = hashlib.sha256(f"v{_VERSION} bytes {os.path.abspath(root)}".encode())
+    for f in files:
+        st = os.stat(os.path.join(root, f))
+        h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_root():
+    return os.environ.get("MINIDIST_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "minidist")
+
+
+def _cache_dir(path, root, files, cache_dir):
+    key = _cache_key(root, files)
+    if cache_dir:
+        return os.path.join(cache_dir, key)
+    if path is None:
+        return os.path.join(default_cache_root(), f"stdlib-py{sysconfig.get_python_version()}"
+                            f"-{key}")
+    beside = os.path.join(root if os.path.isdir(path) else os.path.dirname(
+        os.path.abspath(path)), ".minidist-cache")
+    if os.access(os.path.dirname(beside), os.W_OK):
+        return os.path.join(beside, key)
+    return os.path.join(default_cache_root(), key)
+
+
+def _split_files(root, files):
+    """Bytes of train and val text: held-out files, or each file's last 10%."""
+    train, val = [], []
+    by_file = len(files) >= 20
+    for f in files:
+        with open(os.path.join(root, f), "rb") as fh:
+            data = fh.read()
+        if data and not data.endswith(b"\n"):
+            data += b"\n"
+        if by_file:
+            (val if zlib.crc32(f.encode()) % 10 == 0 else train).append(data)
+        else:
+            cut = int(len(data) * 0.9)
+            train.append(data[:cut])
+            val.append(data[cut:])
+    return b"".join(train), b"".join(val)
+
+
+def _build(root, files, out_dir):
+    train, val = _split_files(root, files)
+    counts = np.bincount(np.frombuffer(train, np.uint8), minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    meta = {"version": _VERSION, "tokenizer": "bytes", "vocab_size": 256, "root": root,
+            "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
+            "unigram_entropy": float(-(p * np.log(p)).sum())}
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
+    try:
+        for name, blob in (("train.bin", train), ("val.bin", val)):
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(blob)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.rename(tmp, out_dir)          # atomic; loses quietly to another process's build
+    except OSError:
+        if not os.path.isfile(os.path.join(out_dir, "meta.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TokenData:
+    """The train and val token streams of one corpus, memory-mapped from the cache.
+
+    `.vocab_size`, `.tokenizer`, `.unigram_entropy` (nats per token of the train split's byte
+    frequencies: the loss of a model that ignores context), `.source` (for logs).
+    """
+
+    def __init__(self, path=None, cache_dir=None):
+        root, files = list_files(path)
+        self.cache = _cache_dir(path, root, files, cache_dir)
+        if not os.path.isfile(os.path.join(self.cache, "meta.json")):
+            _build(root, files, self.cache)
+        with open(os.path.join(self.cache, "meta.json")) as f:
+            self.meta = json.load(f)
+        self.tokenizer = ByteTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
+        self.unigram_entropy = self.meta["unigram_entropy"]
+        self.source = path or f"the Python {sysconfig.get_python_version()} standard library"
+        self.splits = {}
+        for split in _SPLITS:
+            if self.meta[f"{split}_tokens"] == 0:
+                raise DataError(f"{self.source}: the {split} split is empty "
+                                f"({len(files)} files, {self.meta['train_tokens']} tokens)")
+            self.splits[split] = np.memmap(os.path.join(self.cache, f"{split}.bin"),
+                                           dtype=np.uint8, mode="r")
+
+    def get_batch(self, seed, split, step, batch_size, block_size):
+        """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
+        block_size), y[i, t] = the token after x[i, t]."""
+        data = self.splits[split]
+        last_start = len(data) - block_size - 1
+        if last_start < 0:
+            raise DataError(f"{self.source}: the {split} split has {len(data)} tokens, fewer "
+                            f"than block_size + 1 = {block_size + 1}")
+        rng = np.random.Generator(np.random.PCG64([seed, _SPLITS[split], step]))
+        starts = rng.integers(0, last_start + 1, size=batch_size)              # (B,)
+        window = data[starts[:, None] + np.arange(block_size + 1)]             # (B, T + 1)
+        window = window.astype(np.int64)
+        return window[:, :-1], window[:, 1:]

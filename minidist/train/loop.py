@@ -1,0 +1,148 @@
+"""The training loop every strategy shares: one step is
+
+    batch (seed, step) -> this rank's rows -> forward/backward over --grad-accum micro-batches
+    -> gradient sync -> global grad-norm clip -> AdamW step -> loss averaged over ranks
+
+with the schedule's lr, logs and --log-json rows from rank 0 (`print0`), periodic val loss,
+checkpoints (--save, --resume) and a text sample at the end. What a parallel run does
+differently lives in its Strategy (minidist/train/strategy.py); this file does not change.
+Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG and
+the step, and batches depend only on (seed, step).
+Tests: tests/test_train.py.
+"""
+import json
+import os
+import time
+
+from minidist import backend
+from minidist.autograd import no_grad
+from minidist.nn import GPTConfig
+from minidist.optim import WarmupCosine, clip_grad_norm
+from minidist.train import memory
+from minidist.train.data import TokenData
+from minidist.train.strategy import make_strategy
+
+
+class Logger:
+    """Rank 0's output: `print0` for people, `json0` for --log-json (one object per line)."""
+
+    def __init__(self, rank, log_json=None):
+        self.rank, self.log_json = rank, log_json
+
+    def print0(self, *args):
+        if self.rank == 0:
+            print(*args, flush=True)
+
+    def json0(self, row):
+        if self.rank == 0 and self.log_json:
+            with open(self.log_json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+@no_grad()
+def evaluate(model, data, seed, batch_size, block_size, iters):
+    """Mean val loss over `iters` fixed batches (the same ones at every eval)."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(iters):
+        x, y = data.get_batch(seed, "val", i, batch_size, block_size)
+        total += float(model(x, y)[1].item())
+    model.train(was_training)
+    return total / iters
+
+
+def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
+    idx = data.tokenizer.encode(prompt)[None, :]
+    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed)
+    return data.tokenizer.decode(out[0])
+
+
+def _rng_states(model):
+    return {"dropout": model.dropout_rng.bit_generator.state}
+
+
+def _config(args, data):
+    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                     block_size=args.block_size, vocab_size=data.vocab_size,
+                     dropout=args.dropout, bias=args.bias)
+
+
+def train(args):
+    """Run the training described by the parsed flags; returns the final summary dict."""
+    strategy = make_strategy(args)
+    log = Logger(strategy.rank, args.log_json)
+    threads = backend.set_blas_threads(args.threads)
+    device = backend.set_device(args.device)
+    data = TokenData(args.data, args.cache_dir)
+    config = _config(args, data)
+    model = strategy.build_model(config, args.seed, args.dtype)
+    opt = strategy.build_optimizer(model, args)
+    schedule = WarmupCosine(args.lr, args.warmup if args.warmup is not None else
+                            args.steps // 20, args.steps,
+                            args.min_lr if args.min_lr is not None else args.lr / 10)
+    start = 0
+    if args.resume:
+        state = strategy.load(args.resume, model, opt)
+        start = state["step"]
+        model.dropout_rng.bit_generator.state = state["rng"]["dropout"]
+        log.print0(f"resumed from {args.resume} at step {start}")
+    log.print0(f"data: {data.source} ({data.meta['train_tokens']:,} train / "
+               f"{data.meta['val_tokens']:,} val tokens, cache {data.cache})")
+    log.print0(f"model: {model.num_parameters():,} parameters, {config}, {args.dtype} on "
+               f"{device}, {threads} BLAS thread(s), {strategy.world_size} process(es)")
+    tokens_per_step = args.batch_size * args.block_size
+    val_loss, t_start = None, time.perf_counter()
+    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    for step in range(start, stop):
+        t0 = time.perf_counter()
+        lr = schedule(step)
+        opt.set_lr(lr)
+        x, y = strategy.local_rows(*data.get_batch(args.seed, "train", step,
+                                                   args.batch_size, args.block_size))
+        loss, act = strategy.forward_backward(model, x, y, args.grad_accum,
+                                              measure=bool(args.log_json))
+        strategy.sync_grads(model)
+        norm = clip_grad_norm(opt.params, args.grad_clip, strategy.sum_sq_across_ranks)
+        opt.step()
+        mem = memory.ledger(model.parameters(), opt, act) if args.log_json else None
+        opt.zero_grad()
+        loss = strategy.global_mean(loss)
+        backend.synchronize()
+        dt = time.perf_counter() - t0
+        log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                   "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
+                   "comm_bytes": strategy.comm_bytes()})
+        if step % args.log_every == 0 or step == stop - 1:
+            log.print0(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                       f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.1f} ms/step")
+        last = step == stop - 1
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
+            val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
+                                args.eval_iters)
+            log.print0(f"step {step:5d} | val loss {val_loss:.4f} (unigram entropy "
+                       f"{data.unigram_entropy:.4f})")
+        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)
+                          or (not args.save_every and args.eval_every
+                              and (step + 1) % args.eval_every == 0)):
+            strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
+    return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
+
+
+def _finish(args, strategy, log, model, data, val_loss, seconds):
+    if val_loss is None:              # nothing trained (resumed at the end): measure anyway
+        val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
+                            args.eval_iters)
+    text = ""
+    if args.sample and strategy.rank == 0:
+        text = sample_text(model, data, args.sample, args.seed)
+        log.print0("---- sample ----\n" + text + "\n----------------")
+    summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
+               "steps": args.steps, "train_seconds": seconds, "sample": text}
+    log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
+               f"{data.unigram_entropy:.4f} (a model that ignores context); "
+               f"{seconds:.1f} s of training")
+    log.json0(summary)
+    if args.save and strategy.rank == 0:
+        os.makedirs(args.save, exist_ok=True)
+    return summary

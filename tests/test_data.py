@@ -1,0 +1,100 @@
+"""Data: byte tokenizer, file and folder sources, the cache beside the data (or in the home
+cache when that is read-only), the train/val split, and batches as a pure function of
+(seed, split, step)."""
+import os
+
+import numpy as np
+import pytest
+
+from minidist.train.data import ByteTokenizer, DataError, TokenData, list_files
+
+
+def _folder(tmp_path, n_files, size=400):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    for i in range(n_files):
+        where = d / "sub" if i % 2 else d
+        (where / f"f{i:02d}.txt").write_text(f"# file {i}\n" + "abc def\n" * (size // 8))
+    (d / ".hidden").write_text("never read")
+    return d
+
+
+def test_byte_tokenizer_round_trip_including_utf8():
+    tok = ByteTokenizer()
+    ids = tok.encode("def f():\n    return 'é'")
+    assert ids.dtype == np.int64 and ids.max() < 256 and tok.vocab_size == 256
+    assert tok.decode(ids) == "def f():\n    return 'é'"
+
+
+def test_single_file_is_split_by_its_tail_and_cached_beside_it(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_text("hello world\n" * 100)                      # 1200 bytes
+    data = TokenData(str(path))
+    assert data.meta["train_tokens"] == 1080 and data.meta["val_tokens"] == 120
+    assert data.cache.startswith(str(tmp_path / ".minidist-cache"))
+    assert os.path.isfile(os.path.join(data.cache, "train.bin"))
+    assert isinstance(data.splits["train"], np.memmap)
+    again = TokenData(str(path))                                # reuses the cache
+    assert again.cache == data.cache
+    path.write_text("changed\n" * 100)
+    os.utime(path, ns=(1, 1))
+    assert TokenData(str(path)).cache != data.cache            # edited data: new cache
+
+
+def test_folder_holds_out_whole_files_and_skips_hidden(tmp_path):
+    d = _folder(tmp_path, 30)
+    root, files = list_files(str(d))
+    assert len(files) == 30 and not any(".hidden" in f for f in files)
+    assert "sub/f01.txt" in files
+    data = TokenData(str(d))
+    total = sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    assert data.meta["train_tokens"] + data.meta["val_tokens"] == total
+    assert 0 < data.meta["val_tokens"] < total / 2
+
+
+def test_read_only_folder_caches_in_home_cache(tmp_path, monkeypatch):
+    if os.geteuid() == 0:
+        monkeypatch.setattr(os, "access", lambda *a, **k: False)   # root ignores chmod
+    d = _folder(tmp_path, 3)
+    os.chmod(d, 0o555)
+    monkeypatch.setenv("MINIDIST_CACHE", str(tmp_path / "home-cache"))
+    try:
+        data = TokenData(str(d))
+    finally:
+        os.chmod(d, 0o755)
+    assert data.cache.startswith(str(tmp_path / "home-cache"))
+
+
+def test_batches_are_a_pure_function_of_seed_split_step(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_bytes(bytes(range(256)) * 20)
+    data = TokenData(str(path), cache_dir=str(tmp_path / "c"))
+    x, y = data.get_batch(1, "train", 5, batch_size=4, block_size=8)
+    x2, y2 = TokenData(str(path), cache_dir=str(tmp_path / "c")).get_batch(1, "train", 5, 4, 8)
+    assert x.shape == y.shape == (4, 8) and x.dtype == np.int64
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    assert np.array_equal(y[:, :-1], x[:, 1:])                  # y is x shifted by one
+    assert np.array_equal((x[:, 1:] - x[:, :-1]) % 256, np.ones((4, 7)))
+    assert not np.array_equal(x, data.get_batch(1, "train", 6, 4, 8)[0])
+    assert not np.array_equal(x, data.get_batch(2, "train", 5, 4, 8)[0])
+    assert not np.array_equal(x, data.get_batch(1, "val", 5, 4, 8)[0])
+
+
+def test_default_corpus_is_the_stdlib_python_sources():
+    root, files = list_files(None)
+    assert len(files) > 100 and all(f.endswith(".py") for f in files)
+    assert not any("site-packages" in f for f in files)
+    assert "os.py" in files
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="no such file or directory"):
+        TokenData(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no text files"):
+        TokenData(str(tmp_path / "empty"))
+    small = tmp_path / "small.txt"
+    small.write_text("tiny text here\n")
+    data = TokenData(str(small))
+    with pytest.raises(DataError, match="fewer than block_size"):
+        data.get_batch(0, "val", 0, 2, 64)
