@@ -141,3 +141,20 @@ def test_cross_entropy_rejects_float_targets():
     with pytest.raises(TypeError, match=r"CrossEntropy\(\(2, 3\) float32, \(2,\) float64.*"
                                         r"integers"):
         F.cross_entropy(Tensor(np.zeros((2, 3), np.float32)), np.array([0.0, 1.0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PAIRS)
+def test_cupy_matches_numpy(name, device):
+    """The same fused op on the GPU: python -m pytest -m gpu --device cuda tests/test_fused.py"""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    cp = backend.get_xp()
+    out_n, grads_n = _run(PAIRS[name][0], _inputs(name, np.float64))
+    inputs = [Tensor(cp.asarray(x.data), requires_grad=True) for x in _inputs(name, np.float64)]
+    out = PAIRS[name][0](*inputs)                  # host targets/masks are moved by the ops
+    w = np.random.default_rng(5).standard_normal(out.shape)
+    (out * Tensor(cp.asarray(w))).sum().backward()
+    np.testing.assert_allclose(backend.to_host(out.data), out_n, rtol=1e-10, atol=1e-12)
+    for x, g in zip(inputs, grads_n):
+        np.testing.assert_allclose(backend.to_host(x.grad), g, rtol=1e-9, atol=1e-12)

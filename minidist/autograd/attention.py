@@ -36,6 +36,16 @@ def _keep_mask(rng, shape, p, xp):
     return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
 
 
+def _matmul_into(a, b, out):
+    """out[...] = a @ b. numpy writes straight into a strided `out`; elsewhere (cupy) we do
+    not rely on matmul's `out=` accepting non-contiguous views."""
+    xp = xp_of(a)
+    if backend.is_cupy(out):
+        out[...] = xp.matmul(a, b)
+    else:
+        xp.matmul(a, b, out=out)
+
+
 def _attn_forward(q, k, v, dropout_p, rng, out):
     """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
     xp = xp_of(q)
@@ -47,13 +57,13 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
     xp.exp(P, out=P)
     P /= P.sum(axis=-1, keepdims=True)                       # P = softmax(S)
     if dropout_p <= 0:
-        xp.matmul(P, v, out=out)                             # y = P v
+        _matmul_into(P, v, out)                              # y = P v
         return P, None, 1.0
     keep = _keep_mask(rng, P.shape, dropout_p, xp)
     scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
     Pd = P * keep
     Pd *= scale
-    xp.matmul(Pd, v, out=out)                                # y = dropout(P) v
+    _matmul_into(Pd, v, out)                                 # y = dropout(P) v
     return P, keep, scale
 
 
@@ -65,19 +75,19 @@ def _attn_backward(g, gy, q, k, v, saved, out):
     kT = xp.swapaxes
     dP = xp.matmul(g, kT(v, -1, -2))                         # y = Pd v: dPd = g v^T
     if keep is None:
-        xp.matmul(kT(P, -1, -2), g, out=out[2])              #           dv = P^T g
+        _matmul_into(kT(P, -1, -2), g, out[2])               #           dv = P^T g
     else:
         Pd = P * keep
         Pd *= scale
-        xp.matmul(kT(Pd, -1, -2), g, out=out[2])             #           dv = Pd^T g
+        _matmul_into(kT(Pd, -1, -2), g, out[2])              #           dv = Pd^T g
         dP *= keep                                           # dP = dPd * keep * scale
         dP *= scale
     # softmax: dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij'), and that sum is g_i . y_i
     dP -= gy
     dP *= P                                                  # masked P_ij = 0: no gradient
     dP *= 1.0 / math.sqrt(q.shape[-1])                       # S = q k^T / sqrt(hs)
-    xp.matmul(dP, k, out=out[0])                             # dq = dS k
-    xp.matmul(kT(dP, -1, -2), q, out=out[1])                 # dk = dS^T q
+    _matmul_into(dP, k, out[0])                              # dq = dS k
+    _matmul_into(kT(dP, -1, -2), q, out[1])                  # dk = dS^T q
 
 
 class CausalAttention(Function):

@@ -235,7 +235,7 @@ class CrossEntropy(Function):
             raise TypeError(f"targets must be integers, not {targets.dtype}")
         if targets.shape != logits.shape[:-1]:
             raise ValueError("targets must have the shape of logits without its last axis")
-        z, t = _f32(logits).reshape(-1, V), targets.reshape(-1)
+        z, t = _f32(logits).reshape(-1, V), xp.asarray(targets).reshape(-1)  # to the device
         valid = t != ignore_index
         t = xp.where(valid, t, 0)                                # any in-range id
         rows = xp.arange(len(t))

@@ -7,13 +7,18 @@ both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd.py.
 """
 from minidist import backend
 from minidist.autograd.function import Function
+from minidist.autograd.ops import _same_float   # ops imports this module after defining it
 from minidist.autograd.tensor import Tensor, is_grad_enabled
 from minidist.backend import xp_of
 
 
-def _same_float(a, b):
-    from minidist.autograd.ops import _same_float as same
-    return same(a, b)
+def _add_at(out, index, values):
+    """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU)."""
+    if backend.is_cupy(out):
+        import cupyx
+        cupyx.scatter_add(out, index, values)
+    else:
+        xp_of(out).add.at(out, index, values)
 
 
 # ---- indexing ------------------------------------------------------------------------------
@@ -46,7 +51,7 @@ class GetItem(Function):
         if _is_basic(ctx.index):
             g[ctx.index] = grad                        # each element picked at most once
         else:
-            xp_of(grad).add.at(g, ctx.index, grad)     # repeated indices add up
+            _add_at(g, ctx.index, grad)                # repeated indices add up
         return g, None
 
 
@@ -62,8 +67,10 @@ class Where(Function):
     @staticmethod
     def forward(ctx, cond, a, b):
         a, b = _same_float(a, b)
+        xp = xp_of(a, b, cond)
+        cond = xp.asarray(cond)                          # a host mask to the device
         ctx.save_for_backward(cond)
-        return xp_of(a, b, cond).where(cond, a, b)
+        return xp.where(cond, a, b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -84,6 +91,7 @@ class MaskedFill(Function):
 
     @staticmethod
     def forward(ctx, a, mask, value):
+        mask = xp_of(a).asarray(mask)                    # a host mask to the device
         ctx.save_for_backward(mask)
         return xp_of(a).where(mask, a.dtype.type(value), a)
 
@@ -201,10 +209,10 @@ def scatter_add_rows(out, idx, rows):
 
     numpy: sort the indices, sum each run of equal ones with one `add.reduceat`, write
     each distinct row once (about 6x faster than `np.add.at` at vocab 50257).
-    cupy: `add.at`, which is atomic adds on the GPU."""
+    cupy: atomic adds on the GPU."""
     xp = xp_of(out, rows)
     if backend.is_cupy(out):
-        xp.add.at(out, idx, rows)
+        _add_at(out, idx, rows)
         return out
     order = xp.argsort(idx, kind="stable")
     sorted_idx = idx[order]
@@ -220,6 +228,7 @@ class Embedding(Function):
     def forward(ctx, weight, idx):
         if idx.dtype.kind not in "iu":
             raise TypeError(f"embedding ids must be integers, not {idx.dtype}")
+        idx = xp_of(weight).asarray(idx)                 # host ids to the weight's device
         ctx.save_for_backward(idx)
         ctx.shape = weight.shape
         return xp_of(weight).take(weight, idx, axis=0)
