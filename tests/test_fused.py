@@ -16,9 +16,9 @@ TARGETS = np.array([[3, -1, 0, 7], [7, 1, -1, 2]])
 
 def _inputs(kind, dtype):
     r = np.random.default_rng(1)
-    shapes = {"linear": [(2, 4, 8), (8, 5), (5,)], "ln": [(2, 4, 8), (8,), (8,)], "gelu": [(2, 4, 8)], "softmax": [(2, 4, 8)],
-              "log_softmax": [(2, 4, 8)], "ce": [(2, 4, 8)],
-              "attn": [(2, 2, 4, 3)] * 3, "self_attn": [(2, 4, 12)]}[kind]
+    shapes = {"linear": [(2, 4, 8), (8, 5), (5,)], "ln": [(2, 4, 8), (8,), (8,)],
+              "gelu": [(2, 4, 8)], "softmax": [(2, 4, 8)], "log_softmax": [(2, 4, 8)],
+              "ce": [(2, 4, 8)], "attn": [(2, 2, 4, 3)] * 3, "self_attn": [(2, 4, 12)]}[kind]
     return [Tensor(r.standard_normal(s).astype(dtype), requires_grad=True) for s in shapes]
 
 
