@@ -39,6 +39,12 @@ def test_float32_stays_float32_through_ops_and_scalars():
     assert x.grad.dtype == np.float32
 
 
+def test_float64_seed_gradient_does_not_promote():
+    x = P(2, 3, dtype=np.float32)
+    (x * 2.0).backward(np.ones((2, 3)))
+    assert x.grad.dtype == np.float32
+
+
 def test_mixed_float_arrays_are_an_error_naming_op_and_dtypes():
     with pytest.raises(TypeError, match=r"Mul\(\(3, 4\) float32, \(4,\) float64\).*mixed"):
         P(3, 4, dtype=np.float32) * P(4)

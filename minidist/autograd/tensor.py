@@ -97,6 +97,7 @@ class Tensor:
         if grad.shape != self.shape:
             raise ValueError(f"backward(): gradient of shape {grad.shape} "
                              f"for a tensor of shape {self.shape}")
+        grad = grad.astype(self.dtype, copy=False)       # a float64 seed must not promote
         if self.is_leaf:
             _accumulate(self, grad)
             _fire_hooks(self)
