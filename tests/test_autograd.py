@@ -99,6 +99,16 @@ def test_broadcasting_gradients(shapes, op):
     gradcheck(fn, [a, b], name=f"{op}{shapes.input_shapes}")
 
 
+@settings(max_examples=20, deadline=None)
+@given(shapes=mutually_broadcastable_shapes(signature=np.matmul.signature, max_dims=2,
+                                            max_side=3))
+def test_matmul_broadcasting_gradients(shapes):
+    """1-D operands, batch broadcasting on either side: numpy's matmul rules."""
+    a, b = (Tensor(rng.standard_normal(s), requires_grad=True) for s in shapes.input_shapes)
+    assert ops.matmul(a, b).shape == shapes.result_shape
+    gradcheck(ops.matmul, [a, b], name=f"matmul{shapes.input_shapes}")
+
+
 # ---- hooks ---------------------------------------------------------------------------------
 
 def test_hooks_fire_once_after_grad_complete_in_reverse_usage_order():
