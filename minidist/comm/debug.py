@@ -1,0 +1,107 @@
+"""Turning distributed hangs into errors: same-call checks, and aborting the job on an error.
+
+Two classic ways a distributed program dies silently:
+
+1. Ranks disagree about the next collective (one calls all_reduce on 10 floats, another on 12,
+   or all_gather): MPI hangs or corrupts memory. With debug mode on (`MINIDIST_DEBUG=1` or
+   `enable()`), every collective first all-gathers a small signature (sequence number, op, size,
+   dtype, root) over the group and, if they differ, raises `CollectiveMismatch` on every rank,
+   naming which ranks called what. If some rank never arrives at all, the check gives up after
+   `MINIDIST_DEBUG_TIMEOUT` seconds (default 300) and raises on the ranks that did.
+2. One rank raises and exits, the others wait forever for its messages. `install_abort_handler`
+   (installed when the world group is created) replaces `sys.excepthook`: print the traceback,
+   then `MPI.COMM_WORLD.Abort(1)`, which makes mpiexec kill every rank at once.
+
+Tests: tests/test_comm.py::test_debug_mismatch, ::test_raise_on_one_rank_aborts.
+"""
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0"),
+          "timeout": float(os.environ.get("MINIDIST_DEBUG_TIMEOUT", "300"))}
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+REDUCTIONS = ("", "sum", "avg", "max", "min")
+DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of a group called different collectives (or sizes, dtypes, roots) at one point."""
+
+
+def enable(timeout=None):
+    _state["on"] = True
+    if timeout is not None:
+        _state["timeout"] = float(timeout)
+
+
+def disable():
+    _state["on"] = False
+
+
+def enabled():
+    return _state["on"]
+
+
+def _index(table, name):
+    return table.index(name) if name in table else -1
+
+
+def _describe(row):
+    seq, op, red, count, dtype, root = (int(x) for x in row)
+    red = f" {REDUCTIONS[red]}" if red > 0 else ""
+    dt = DTYPES[dtype] if dtype >= 0 else "other dtype"
+    where = f", root={root}" if OPS[op] == "broadcast" else ""
+    return f"#{seq} {OPS[op]}{red}(count={count}, {dt}{where})"
+
+
+def check_same_call(comm, group, seq, op, count, dtype, reduction="", root=0):
+    """Raise CollectiveMismatch on every rank of `comm` unless all ranks are about to run the
+    same collective: same sequence number, op, reduction, element count, dtype and root."""
+    sig = np.array([seq, _index(OPS, op), _index(REDUCTIONS, reduction), count,
+                    _index(DTYPES, str(dtype)), root], dtype=np.int64)
+    table = np.empty((comm.Get_size(), sig.size), dtype=np.int64)
+    request = comm.Iallgather(sig, table)
+    deadline = time.monotonic() + _state["timeout"]
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveMismatch(
+                f"group {group!r}: not every rank reached collective {_describe(sig)} within "
+                f"{_state['timeout']:.0f} s (MINIDIST_DEBUG_TIMEOUT); some rank is elsewhere")
+        time.sleep(1e-4)
+    if (table == table[0]).all():
+        return
+    calls = {}
+    for rank, row in enumerate(table):
+        calls.setdefault(_describe(row), []).append(rank)
+    detail = "; ".join(f"ranks {ranks} called {call}" for call, ranks in calls.items())
+    raise CollectiveMismatch(f"group {group!r}: ranks disagree on the next collective: {detail}")
+
+
+def install_abort_handler():
+    """An uncaught exception on any rank prints its traceback and aborts the whole MPI job, so
+    the other ranks do not wait forever in their next collective. Safe to call twice."""
+    if getattr(sys.excepthook, "_minidist_abort", False):
+        return
+    previous = sys.excepthook
+
+    def abort_on_exception(etype, value, tb):
+        if MPI.COMM_WORLD.Get_size() == 1:
+            return previous(etype, value, tb)
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"[rank {rank}] uncaught exception; aborting the whole MPI job\n")
+        sys.stderr.write("".join(traceback.format_exception(etype, value, tb)))
+        sys.stderr.flush()
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    abort_on_exception._minidist_abort = True
+    sys.excepthook = abort_on_exception
+    threading.excepthook = lambda args: abort_on_exception(args.exc_type, args.exc_value,
+                                                           args.exc_traceback)

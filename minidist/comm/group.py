@@ -1,0 +1,268 @@
+"""ProcessGroup: a set of ranks, the collectives they run together, and how they run them.
+
+    world = ProcessGroup.world(algo="ring")         # every rank; installs the abort handler
+    pair = world.new_group([0, 1])                  # call on every rank; None outside [0, 1]
+    world.all_reduce(grads, op="avg")               # in place, returns when done
+    work = world.all_reduce(bucket, async_op=True)  # returns at once ...
+    work.wait()                                     # ... done (and bucket reduced) after this
+
+Attributes: `rank`, `size` (in this group), `name`, `algo`, `comm` (the mpi4py communicator),
+`ranks` (the group's members as COMM_WORLD ranks, in group order).
+
+Collectives act in place on C-contiguous xp arrays (numpy or cupy; flattened, so think 1-D):
+`all_reduce(buf, op)`, `reduce_scatter(out, inp, op)`, `all_gather(out, inp)`,
+`broadcast(buf, root)`, `barrier()`; point-to-point `send(buf, peer)`, `recv(buf, peer)`.
+`op` is "sum", "avg", "max" or "min". Every call takes `async_op`; with True it returns a Work
+whose `wait()` finishes it. Every rank of the group must issue the same collectives in the same
+order (debug mode checks it: minidist/comm/debug.py).
+
+Uneven lengths: reduce_scatter and all_gather cut a length-n buffer with `chunk_bounds(n,
+size)` (numpy.array_split's rule: the first n % size ranks get one element more). Rank r's `out`
+of reduce_scatter, and `inp` of all_gather, is chunk r: `group.chunk(n)` gives its bounds.
+`all_gather(out, out[lo:hi])` (in place) is allowed, and `reduce_scatter(buf[lo:hi], buf)`.
+
+Algorithms, per group: "ring" (minidist/comm/ring.py), "naive" (naive.py), "mpi" (mpi.py),
+"nccl" (nccl.py, cupy arrays only; imported only when asked for). Communication runs on the
+group's private duplicates of `comm` (one for collectives, one for send/recv), never on `comm`
+itself, so user traffic on `comm` cannot be mistaken for ours.
+
+Tests: tests/test_comm.py and tests/scripts/comm_check.py (run by it under mpiexec).
+"""
+import atexit
+
+from mpi4py import MPI
+
+from minidist.comm import debug, mpi, naive, ring, trace
+from minidist.comm.channel import Channel
+from minidist.comm.ring import chunk_bounds
+from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
+                                   ready_event, write_back)
+from minidist.comm.stream import CompletedWork, RequestWork, Stream
+from minidist.backend import xp_of
+
+ALGOS = ("ring", "naive", "mpi", "nccl")
+REDUCE_OPS = ("sum", "avg", "max", "min")
+P2P_TAG = 0
+_groups = []  # live groups: their threads must stop before MPI_Finalize (see _shutdown)
+
+
+class ProcessGroup:
+    """The ranks of one mpi4py communicator, with collectives by algorithm `algo`."""
+
+    def __init__(self, comm, algo="ring", name="world"):
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, not {algo!r}")
+        self.comm, self.algo, self.name = comm, algo, name
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(self.size)),
+                                               MPI.COMM_WORLD.Get_group())
+        self._coll = comm.Dup()  # collectives, in issue order (the stream's, or the caller's)
+        self._p2p = comm.Dup()   # send/recv, which may run beside a queued collective
+        self._stream = Stream(f"minidist-comm-{name}")
+        # the stream thread calls MPI beside the main thread: that needs THREAD_MULTIPLE
+        self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._seq = 0
+        self._scratch = {}
+        self._algo = {"ring": ring, "naive": naive, "mpi": mpi}.get(algo)
+        self._nccl = None
+        if algo == "nccl":
+            from minidist.comm import nccl   # imports cupy: only when asked for
+            self._algo, self._nccl = nccl, nccl.NcclComm(self._coll)
+        _groups.append(self)
+
+    @classmethod
+    def world(cls, algo="ring"):
+        """All ranks (MPI.COMM_WORLD). Also installs the abort-on-exception hook."""
+        debug.install_abort_handler()
+        trace.set_rank(MPI.COMM_WORLD.Get_rank())
+        return cls(MPI.COMM_WORLD, algo, "world")
+
+    def new_group(self, ranks, algo=None, name=None):
+        """A group of `ranks` (ranks of this group, in the new group's order). Collective:
+        call on every rank of this group; returns None on ranks not in `ranks`."""
+        ranks = list(ranks)
+        member = self.rank in ranks
+        comm = self.comm.Split(0 if member else MPI.UNDEFINED,
+                               ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}{ranks}")
+
+    def split(self, color, key=None, algo=None, name=None):
+        """MPI_Comm_split: ranks with the same `color` form a group, ordered by `key`
+        (default: rank here). Collective over this group."""
+        comm = self.comm.Split(color, self.rank if key is None else key)
+        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}/{color}")
+
+    def chunk(self, n):
+        """(start, stop) of this rank's chunk of a length-n buffer (see chunk_bounds)."""
+        return chunk_bounds(n, self.size)[self.rank]
+
+    def __repr__(self):
+        return (f"ProcessGroup(name={self.name!r}, algo={self.algo!r}, rank={self.rank}, "
+                f"size={self.size}, ranks={self.ranks})")
+
+    # ---------------------------------------------------------------------------------------
+    # collectives
+    # ---------------------------------------------------------------------------------------
+
+    def all_reduce(self, buf, op="sum", async_op=False):
+        """buf = buf reduced over the group (sum, avg, max or min), in place."""
+        buf = _flat(buf)
+        _check_op(op)
+        return self._issue("all_reduce", buf, None, buf.size, async_op, op, 0,
+                           lambda ch, out, _: self._algo.all_reduce(ch, out, op))
+
+    def reduce_scatter(self, out, inp, op="sum", async_op=False):
+        """out = chunk `rank` of inp, reduced over the group. out.size == chunk(inp.size)."""
+        out, inp = _flat(out), _flat(inp)
+        _check_op(op)
+        _check_chunk(self, "reduce_scatter", "out", out, inp)
+        return self._issue("reduce_scatter", out, inp, inp.size, async_op, op, 0,
+                           lambda ch, o, i: self._algo.reduce_scatter(ch, o, i, op))
+
+    def all_gather(self, out, inp, async_op=False):
+        """out = every rank's inp, concatenated in rank order. inp.size == chunk(out.size)."""
+        out, inp = _flat(out), _flat(inp)
+        _check_chunk(self, "all_gather", "inp", inp, out)
+        return self._issue("all_gather", out, inp, out.size, async_op, "", 0,
+                           lambda ch, o, i: self._algo.all_gather(ch, o, i))
+
+    def broadcast(self, buf, root=0, async_op=False):
+        """buf = root's buf on every rank (root: a rank of this group)."""
+        buf = _flat(buf)
+        return self._issue("broadcast", buf, None, buf.size, async_op, "", root,
+                           lambda ch, out, _: self._algo.broadcast(ch, out, root))
+
+    def barrier(self, async_op=False):
+        """Return once every rank of the group has reached its barrier."""
+        return self._issue("barrier", None, None, 0, async_op, "", 0,
+                           lambda ch, out, inp: ch.comm.Barrier())
+
+    def synchronize(self):
+        """Wait until every collective issued so far on this group has finished."""
+        self._stream.synchronize()
+
+    def _issue(self, op, out, inp, count, async_op, reduction, root, body):
+        """Number the call, then run it: queued on the stream, or here after the queue."""
+        self._seq += 1
+        args = (self._seq, op, out, inp, count, reduction, root, body, async_op,
+                trace.now(), ready_event(out, inp) if async_op else None)
+        label = f"{op} #{self._seq} on group {self.name!r}"
+        if async_op and self._threads_ok:
+            return self._stream.submit(lambda: self._run(*args), label)
+        self._stream.synchronize()  # everything issued before this call goes first
+        self._run(*args)
+        return CompletedWork(label) if async_op else None
+
+    def _run(self, seq, op, out, inp, count, reduction, root, body, is_async, issued, ready):
+        """Run one collective: debug check, staging, the algorithm, counters and trace."""
+        if ready is not None:
+            ready.synchronize()      # the caller's GPU kernels that produce `out`/`inp`
+        dtype = "" if out is None else str(out.dtype)
+        with device_of(out):
+            if debug.enabled():
+                debug.check_same_call(self._coll, self.name, seq, op, count, dtype,
+                                      reduction, root)
+            nbytes = count * (0 if out is None else out.itemsize)
+            trace.count_call(self.name, op, nbytes, nominal=self.algo in ("mpi", "nccl"))
+            ch = Channel(self._coll, self.name, op, self._get_scratch, self._nccl)
+            start = trace.now()
+            if self.algo == "nccl" or out is None:
+                body(ch, out, inp)
+            else:
+                with host_staging(out, inp) as (h_out, h_inp):
+                    body(ch, h_out, h_inp)
+            end = trace.now()
+        if trace.enabled():
+            trace.record(dict(seq=seq, op=op, algo=self.algo, group=self.name, dtype=dtype,
+                              bytes=nbytes, issued=issued, start=start, end=end,
+                              reduction=reduction, root=root, **{"async": is_async}))
+
+    def _get_scratch(self, slot, n, like):
+        """A cached work array per (slot, xp, dtype), grown as needed, never shrunk."""
+        xp = xp_of(like)
+        key = (slot, xp.__name__, like.dtype.str)
+        if key not in self._scratch or self._scratch[key].size < n:
+            self._scratch[key] = xp.empty(max(n, 1), dtype=like.dtype)
+        return self._scratch[key][:n]
+
+    # ---------------------------------------------------------------------------------------
+    # point to point
+    # ---------------------------------------------------------------------------------------
+
+    def send(self, buf, peer, async_op=False, tag=P2P_TAG):
+        """Send buf to rank `peer` of this group (matched by its recv with the same tag)."""
+        buf = _flat(buf)
+        host = mpi_buffer(buf)
+        device_ready(buf)
+        return self._p2p_call("send", buf, peer, async_op, self._p2p.Isend(host, peer, tag),
+                              host)
+
+    def recv(self, buf, peer, async_op=False, tag=P2P_TAG):
+        """Receive into buf from rank `peer` of this group."""
+        buf = _flat(buf)
+        host = mpi_buffer(buf)   # received into, then copied to the GPU if staged
+        return self._p2p_call("recv", buf, peer, async_op, self._p2p.Irecv(host, peer, tag),
+                              host, lambda: write_back(buf, host))
+
+    def _p2p_call(self, op, buf, peer, async_op, request, host, on_done=None):
+        issued = trace.now()
+        if op == "send":
+            trace.count_sent(self.name, "send", buf.nbytes)
+        trace.count_call(self.name, op, buf.nbytes)
+
+        def done():
+            if on_done is not None:
+                on_done()
+            if trace.enabled():
+                trace.record(dict(seq=0, op=op, algo="mpi", group=self.name,
+                                  dtype=str(buf.dtype), bytes=buf.nbytes, issued=issued,
+                                  start=issued, end=trace.now(), peer=peer,
+                                  **{"async": async_op}))
+        work = RequestWork(request, f"{op} with rank {peer} of group {self.name!r}", done)
+        work._keep = host                     # the buffer must outlive the request
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def destroy(self):
+        """Stop the stream thread and free the private communicators."""
+        self._stream.close()
+        for comm in (self._coll, self._p2p):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        self._coll = self._p2p = MPI.COMM_NULL
+        if self in _groups:
+            _groups.remove(self)
+
+
+def _flat(buf):
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"collectives need C-contiguous buffers, got shape {buf.shape} with "
+                         f"strides {buf.strides}; pass a flat buffer or x.copy()")
+    return buf.reshape(-1)
+
+
+def _check_op(op):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, not {op!r}")
+
+
+def _check_chunk(group, name, which, chunk, full):
+    lo, hi = group.chunk(full.size)
+    if chunk.size != hi - lo:
+        raise ValueError(f"{name}: rank {group.rank} of {group.size} owns elements [{lo}:{hi}) "
+                         f"of {full.size}, so `{which}` must have {hi - lo} elements, not "
+                         f"{chunk.size} (see chunk_bounds)")
+    if chunk.dtype != full.dtype:
+        raise ValueError(f"{name}: out and inp dtypes differ ({chunk.dtype} vs {full.dtype})")
+
+
+@atexit.register
+def _shutdown():
+    """Finish queued work and stop stream threads before mpi4py's MPI_Finalize (atexit runs
+    last-registered first, and mpi4py registered its finalizer when it was imported)."""
+    for group in list(_groups):
+        group._stream.close()

@@ -1,0 +1,95 @@
+"""The MPI library's own collectives: the reference the hand-written ring is measured against.
+
+Allreduce, Reduce_scatter(_block), Allgather(v) and Bcast, on the group's private
+communicator. MPICH and Open MPI pick an algorithm per message size (recursive doubling for
+small messages, reduce-scatter + all-gather for large ones), so this is both a cross-check for
+the ring's numbers and the bar for its speed. Uneven chunks use the "v" variants with the
+counts from `chunk_bounds`, so every algorithm cuts buffers the same way.
+
+`start_all_reduce` & co. are MPI's non-blocking collectives (MPI_Iallreduce, ...). They are not
+what `async_op=True` uses: MPICH moves their data only while some thread is inside an MPI call
+(unless MPIR_CVAR_ASYNC_PROGRESS=1 starts a progress thread), so a request started before a
+long numpy computation mostly waits until `Wait()`. ProcessGroup instead runs the blocking
+collective on its communication thread (minidist/comm/stream.py), which keeps calling MPI.
+examples/bench_collectives.py --overlap measures both.
+
+MPI's traffic cannot be observed from Python: the counters get the ring's byte count for the
+same call, marked nominal.
+
+Tests: tests/test_comm.py (ring and naive cross-checked against these).
+"""
+from mpi4py import MPI
+
+from minidist.comm.ring import chunk_bounds, ring_bytes, same_buffer
+
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def _counts(n, size):
+    """Chunk lengths and offsets, for the "v" collectives and Reduce_scatter."""
+    bounds = chunk_bounds(n, size)
+    return [hi - lo for lo, hi in bounds], [lo for lo, _ in bounds]
+
+
+def mpi_all_reduce(ch, buf, op="sum"):
+    ch.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
+    if op == "avg":
+        buf /= ch.size
+    ch.count_nominal(ring_bytes("all_reduce", buf.size, buf.itemsize, ch.rank, ch.size))
+
+
+def mpi_reduce_scatter(ch, out, inp, op="sum"):
+    counts, _ = _counts(inp.size, ch.size)
+    lo = sum(counts[:ch.rank])
+    if same_buffer(out, inp[lo:lo + out.size]):   # MPI forbids aliased send/receive buffers
+        copy = ch.scratch(1, inp.size, inp)
+        copy[...] = inp
+        inp = copy
+    if len(set(counts)) == 1:
+        ch.comm.Reduce_scatter_block(inp, out, op=MPI_OPS[op])
+    else:
+        ch.comm.Reduce_scatter(inp, out, counts, op=MPI_OPS[op])
+    if op == "avg":
+        out /= ch.size
+    ch.count_nominal(ring_bytes("reduce_scatter", inp.size, inp.itemsize, ch.rank, ch.size))
+
+
+def mpi_all_gather(ch, out, inp):
+    counts, displs = _counts(out.size, ch.size)
+    lo = displs[ch.rank]
+    send = MPI.IN_PLACE if same_buffer(out[lo:lo + inp.size], inp) else inp
+    if len(set(counts)) == 1:
+        ch.comm.Allgather(send, out)
+    else:
+        ch.comm.Allgatherv(send, [out, (counts, displs)])
+    ch.count_nominal(ring_bytes("all_gather", out.size, out.itemsize, ch.rank, ch.size))
+
+
+def mpi_broadcast(ch, buf, root=0):
+    ch.comm.Bcast(buf, root=root)
+    ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
+
+
+def start_all_reduce(comm, buf, op="sum"):
+    """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
+    return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
+
+
+def start_reduce_scatter(comm, out, inp, op="sum"):
+    return comm.Ireduce_scatter(inp, out, _counts(inp.size, comm.Get_size())[0], op=MPI_OPS[op])
+
+
+def start_all_gather(comm, out, inp):
+    counts, displs = _counts(out.size, comm.Get_size())
+    return comm.Iallgatherv(inp, [out, (counts, displs)])
+
+
+def start_broadcast(comm, buf, root=0):
+    return comm.Ibcast(buf, root=root)
+
+
+# the names ProcessGroup dispatches on, one per algorithm module
+all_reduce = mpi_all_reduce
+reduce_scatter = mpi_reduce_scatter
+all_gather = mpi_all_gather
+broadcast = mpi_broadcast

