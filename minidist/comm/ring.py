@@ -125,8 +125,8 @@ def ring_reduce_scatter(ch, out, inp, op="sum"):
         send_idx, recv_idx = reduce_scatter_step(rank, world, step)
         (s0, s1), (r0, r1) = bounds[send_idx], bounds[recv_idx]
         send = inp[s0:s1] if step == 0 else acc[:s1 - s0]   # acc = what we finished last step
-        ch.sendrecv(send, right, tmp[:r1 - r0], left,
-                    note=f"step {step}: chunk {send_idx} -> {right}, chunk {recv_idx} <- {left}")
+        ch.sendrecv(send, right, tmp[:r1 - r0], left, note=f"reduce-scatter step {step}: "
+                    f"chunk {send_idx} -> rank {right}, chunk {recv_idx} <- rank {left}")
         # fold in our own copy of the arriving chunk; after the last step it is chunk `rank`
         dst = out if step == world - 2 else acc[:r1 - r0]
         reduce_into(op, tmp[:r1 - r0], inp[r0:r1], out=dst)
@@ -145,8 +145,8 @@ def ring_all_gather(ch, out, inp):
     for step in range(world - 1):
         send_idx, recv_idx = all_gather_step(rank, world, step)
         (s0, s1), (r0, r1) = bounds[send_idx], bounds[recv_idx]
-        ch.sendrecv(out[s0:s1], right, out[r0:r1], left,
-                    note=f"step {step}: chunk {send_idx} -> {right}, chunk {recv_idx} <- {left}")
+        ch.sendrecv(out[s0:s1], right, out[r0:r1], left, note=f"all-gather step {step}: "
+                    f"chunk {send_idx} -> rank {right}, chunk {recv_idx} <- rank {left}")
 
 
 def ring_all_reduce(ch, buf, op="sum"):
@@ -173,7 +173,7 @@ def chain_broadcast(ch, buf, root=0, segment_bytes=SEGMENT_BYTES):
         recv = empty if recv_idx is None else buf[segs[recv_idx][0]:segs[recv_idx][1]]
         ch.sendrecv(send, MPI.PROC_NULL if send_idx is None else right,
                     recv, MPI.PROC_NULL if recv_idx is None else left,
-                    note=f"step {step}: segment {send_idx} -> {right}, {recv_idx} <- {left}")
+                    note=f"chain step {step}: segment {send_idx} -> {right}, {recv_idx} <- {left}")
 
 
 # the names ProcessGroup dispatches on, one per algorithm module

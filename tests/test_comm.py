@@ -1,0 +1,143 @@
+"""The communication layer: ring schedule, chunking, simulation, and the real collectives.
+
+Pure tests (schedule, chunk_bounds, simulation) run in-process. Distributed ones start
+mpiexec through tests/mpirun.py (with a timeout; a hang is a failure, not a stuck suite);
+each docstring gives the command to run it by hand.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_scatter_step,
+                                ring_bytes)
+from minidist.comm.simulate import simulate_all_reduce, simulate_broadcast
+from mpirun import ROOT, mpi_env, run_mpi
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_chunk_bounds_cover_and_balance(n, size):
+    bounds = chunk_bounds(n, size)
+    assert len(bounds) == size and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))           # contiguous
+    lengths = [hi - lo for lo, hi in bounds]
+    assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
+    assert lengths == [len(c) for c in np.array_split(np.arange(n), size)]  # numpy's rule
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_ring_schedule(world):
+    """Every receive matches the left neighbour's send; rank r ends reduce-scatter owning
+    chunk r; each phase sends every chunk but one."""
+    for step_fn in (reduce_scatter_step, all_gather_step):
+        for step in range(world - 1):
+            for r in range(world):
+                assert step_fn(r, world, step)[1] == step_fn((r - 1) % world, world, step)[0]
+    for r in range(world):
+        if world > 1:
+            assert reduce_scatter_step(r, world, world - 2)[1] == r
+            assert all_gather_step(r, world, 0)[0] == r
+        sent = {reduce_scatter_step(r, world, s)[0] for s in range(world - 1)}
+        assert sent == set(range(world)) - {r} or world == 1
+
+
+def test_chain_schedule_pipelines():
+    """Each segment reaches every rank exactly once, one hop per step after the root."""
+    world, nseg = 5, 4
+    for pos in range(1, world):
+        got = [chain_step(pos, world, t, nseg)[1] for t in range(nseg + world - 2)]
+        assert [g for g in got if g is not None] == list(range(nseg))
+        assert got.index(0) == pos - 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ring_bytes_theory(world):
+    """2(N-1)/N x bytes per rank for all-reduce when the length divides; within one element
+    per phase otherwise."""
+    n = 1024 * world
+    assert all(ring_bytes("all_reduce", n, 4, r, world) == 2 * (world - 1) * n * 4 // world
+               for r in range(world))
+    for r in range(world):
+        got = ring_bytes("all_reduce", n + 1, 4, r, world)
+        assert abs(got - 2 * (world - 1) * (n + 1) * 4 / world) <= 2 * 4
+
+
+@pytest.mark.parametrize("world,n,op", [(1, 5, "sum"), (2, 3, "sum"), (3, 10, "max"),
+                                        (4, 10, "sum"), (5, 7, "avg"), (4, 2, "min")])
+def test_simulation_matches_sum(world, n, op):
+    """The single-process simulation (ring.py's schedule) computes the reduction exactly."""
+    rng = np.random.default_rng(world * 100 + n)
+    inputs = [rng.integers(-50, 50, n).astype(np.float64) for _ in range(world)]
+    outputs = simulate_all_reduce(inputs, op=op, show=lambda *_: None)
+    expect = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}[op](inputs, axis=0)
+    for out in outputs:
+        np.testing.assert_allclose(out, expect, rtol=1e-12)
+    bufs = simulate_broadcast(np.arange(n, dtype=float), world, root=world - 1,
+                              show=lambda *_: None)
+    assert all(np.array_equal(b, np.arange(n)) for b in bufs)
+
+
+def test_ring_walkthrough_example():
+    """python examples/ring_walkthrough.py --ranks 3 --n 7 --broadcast"""
+    out = subprocess.run([sys.executable, "examples/ring_walkthrough.py", "--ranks", "3",
+                          "--n", "7", "--broadcast"], cwd=ROOT, env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "reduce-scatter step 1" in out.stdout and ": OK" in out.stdout
+
+
+def test_import_does_not_import_cupy_and_detects_cuda_awareness():
+    """The PyPI mpich wheel is not CUDA-aware; MINIDIST_CUDA_AWARE_MPI overrides it."""
+    code = ("import sys, minidist.comm as c; assert 'cupy' not in sys.modules; "
+            "print(c.cuda_aware_mpi())")
+    for env, expect in (({}, "False"), ({"MINIDIST_CUDA_AWARE_MPI": "1"}, "True")):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(**env),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == expect, (out.stdout, out.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_collectives(nprocs, tmp_path):
+    """All collectives x algorithms (ring, naive, mpi) x dtypes x odd lengths, async, p2p,
+    counters, sub-groups, 2x2 mesh, debug mismatch, Chrome trace. By hand:
+    mpiexec -n 4 python tests/scripts/comm_check.py --trace /tmp/comm.json"""
+    path = tmp_path / "trace.json"
+    out = run_mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180)
+    assert f"comm_check OK: {nprocs} ranks" in out.stdout
+    events = json.loads(path.read_text())["traceEvents"]
+    rows = {e["pid"] for e in events if e["ph"] == "X"}
+    assert rows == set(range(nprocs)), "one row per rank"
+    assert {"all_reduce", "reduce_scatter", "all_gather", "broadcast"} <= \
+        {e["name"] for e in events if e["ph"] == "X"}
+
+
+@pytest.mark.mpi
+def test_raise_on_one_rank_aborts():
+    """A raise on one rank ends the whole job quickly (MPI Abort), never a hang. By hand:
+    mpiexec -n 4 python tests/scripts/comm_small.py abort"""
+    start = time.monotonic()
+    out = run_mpi(4, "tests/scripts/comm_small.py", "abort", timeout=60, check=False)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "boom on rank 1" in out.stderr and "aborting the whole MPI job" in out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_trace_log_every_collective_and_step():
+    """MINIDIST_TRACE=2 logs each collective (seq, op, algo, group, dtype, bytes, times) and
+    each ring step. By hand: MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log"""
+    out = run_mpi(2, "tests/scripts/comm_small.py", "log", env=mpi_env(MINIDIST_TRACE=2))
+    for rank in (0, 1):
+        assert (f"[rank {rank}] #1 all_reduce algo=ring group=world dtype=float32 bytes=28"
+                in out.stderr), out.stderr
+        assert f"[rank {rank}] #2 broadcast" in out.stderr
+    assert "reduce-scatter step 0: chunk" in out.stderr and "all-gather step 0" in out.stderr
