@@ -40,11 +40,11 @@ def add_parallel_args(p):
 
 def add_train_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--steps", type=int, default=800)
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--lr", type=float, default=4e-3)
     g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
     g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
     g.add_argument("--weight-decay", type=float, default=0.1)

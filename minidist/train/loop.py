@@ -11,7 +11,6 @@ the step, and batches depend only on (seed, step).
 Tests: tests/test_train.py.
 """
 import json
-import os
 import time
 
 from minidist import backend
@@ -68,6 +67,41 @@ def _config(args, data):
                      dropout=args.dropout, bias=args.bias)
 
 
+def train_step(strategy, model, opt, x, y, args):
+    """One optimizer step on the GLOBAL batch (x, y): this rank's rows, forward/backward over
+    --grad-accum micro-batches, gradient sync, global clip, update. Returns (loss averaged
+    over ranks, grad norm before clipping, memory ledger or None)."""
+    x, y = strategy.local_rows(x, y)
+    loss, act = strategy.forward_backward(model, x, y, args.grad_accum,
+                                          measure=bool(args.log_json))
+    strategy.sync_grads(model)
+    norm = clip_grad_norm(opt.params, args.grad_clip, strategy.sum_sq_across_ranks)
+    opt.step()
+    mem = memory.ledger(model.parameters(), opt, act) if args.log_json else None
+    opt.zero_grad()
+    return strategy.global_mean(loss), norm, mem
+
+
+def _schedule(args):
+    return WarmupCosine(args.lr, args.warmup if args.warmup is not None else args.steps // 20,
+                        args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+
+
+def _resume(args, strategy, log, model, opt):
+    state = strategy.load(args.resume, model, opt)
+    model.dropout_rng.bit_generator.state = state["rng"]["dropout"]
+    saved = state.get("extra", {})
+    changed = [k for k in _MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+    log.print0(f"resumed from {args.resume} at step {state['step']}" + (
+        f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
+        " one)" if changed else ""))
+    return state["step"]
+
+
+_MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_accum",
+               "weight_decay", "grad_clip", "data")
+
+
 def train(args):
     """Run the training described by the parsed flags; returns the final summary dict."""
     strategy = make_strategy(args)
@@ -75,22 +109,17 @@ def train(args):
     threads = backend.set_blas_threads(args.threads)
     device = backend.set_device(args.device)
     data = TokenData(args.data, args.cache_dir)
-    config = _config(args, data)
-    model = strategy.build_model(config, args.seed, args.dtype)
+    model = strategy.build_model(_config(args, data), args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)
-    schedule = WarmupCosine(args.lr, args.warmup if args.warmup is not None else
-                            args.steps // 20, args.steps,
-                            args.min_lr if args.min_lr is not None else args.lr / 10)
-    start = 0
-    if args.resume:
-        state = strategy.load(args.resume, model, opt)
-        start = state["step"]
-        model.dropout_rng.bit_generator.state = state["rng"]["dropout"]
-        log.print0(f"resumed from {args.resume} at step {start}")
+    schedule = _schedule(args)
+    start = _resume(args, strategy, log, model, opt) if args.resume else 0
     log.print0(f"data: {data.source} ({data.meta['train_tokens']:,} train / "
                f"{data.meta['val_tokens']:,} val tokens, cache {data.cache})")
-    log.print0(f"model: {model.num_parameters():,} parameters, {config}, {args.dtype} on "
-               f"{device}, {threads} BLAS thread(s), {strategy.world_size} process(es)")
+    log.print0(f"model: {model.num_parameters():,} parameters, {model.config}, {args.dtype} "
+               f"on {device}, {threads} BLAS thread(s), {strategy.world_size} process(es); "
+               f"unigram entropy of the data {data.unigram_entropy:.4f} nats/token")
+    if args.trace:
+        log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
@@ -98,33 +127,24 @@ def train(args):
         t0 = time.perf_counter()
         lr = schedule(step)
         opt.set_lr(lr)
-        x, y = strategy.local_rows(*data.get_batch(args.seed, "train", step,
-                                                   args.batch_size, args.block_size))
-        loss, act = strategy.forward_backward(model, x, y, args.grad_accum,
-                                              measure=bool(args.log_json))
-        strategy.sync_grads(model)
-        norm = clip_grad_norm(opt.params, args.grad_clip, strategy.sum_sq_across_ranks)
-        opt.step()
-        mem = memory.ledger(model.parameters(), opt, act) if args.log_json else None
-        opt.zero_grad()
-        loss = strategy.global_mean(loss)
+        x, y = data.get_batch(args.seed, "train", step, args.batch_size, args.block_size)
+        loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         backend.synchronize()
         dt = time.perf_counter() - t0
         log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
                    "comm_bytes": strategy.comm_bytes()})
-        if step % args.log_every == 0 or step == stop - 1:
+        last = step == stop - 1
+        if step % args.log_every == 0 or last:
             log.print0(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.1f} ms/step")
-        last = step == stop - 1
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                                 args.eval_iters)
             log.print0(f"step {step:5d} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
-        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)
-                          or (not args.save_every and args.eval_every
-                              and (step + 1) % args.eval_every == 0)):
+        every = args.save_every or args.eval_every
+        if args.save and (last or (every and (step + 1) % every == 0)):
             strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
 
@@ -143,6 +163,4 @@ def _finish(args, strategy, log, model, data, val_loss, seconds):
                f"{data.unigram_entropy:.4f} (a model that ignores context); "
                f"{seconds:.1f} s of training")
     log.json0(summary)
-    if args.save and strategy.rank == 0:
-        os.makedirs(args.save, exist_ok=True)
     return summary
