@@ -104,13 +104,14 @@ def test_import_does_not_import_cupy_and_detects_cuda_awareness():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_collectives(nprocs, tmp_path):
+@pytest.mark.parametrize("nprocs,wait", [(2, "poll"), (3, "block"), (4, "auto")])
+def test_collectives(nprocs, wait, tmp_path):
     """All collectives x algorithms (ring, naive, mpi) x dtypes x odd lengths, async, p2p,
-    counters, sub-groups, 2x2 mesh, debug mismatch, Chrome trace. By hand:
-    mpiexec -n 4 python tests/scripts/comm_check.py --trace /tmp/comm.json"""
+    counters, sub-groups, 2x2 mesh, debug mismatch, Chrome trace, under each wait policy.
+    By hand: MINIDIST_COMM_WAIT=auto mpiexec -n 4 python tests/scripts/comm_check.py"""
     path = tmp_path / "trace.json"
-    out = run_mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180)
+    out = run_mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180,
+                  env=mpi_env(MINIDIST_COMM_WAIT=wait))
     assert f"comm_check OK: {nprocs} ranks" in out.stdout
     events = json.loads(path.read_text())["traceEvents"]
     rows = {e["pid"] for e in events if e["ph"] == "X"}

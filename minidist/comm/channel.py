@@ -3,7 +3,8 @@
 `ring.py` and `naive.py` never touch MPI directly: they call `ch.sendrecv`, `ch.send` and
 `ch.recv` on a `Channel`, which adds the bytes this rank sends to `trace` counters (so the
 counters are what really went to MPI, not a formula) and, under `MINIDIST_TRACE=2`, logs each
-step. A `Channel` lives for one collective call: it knows the group, the op being run, and
+step. Every wait goes through `progress.wait_all`, which decides between MPI's spinning wait
+and polling that lets other ranks have the core (ranks outnumbering cores). A `Channel` lives for one collective call: it knows the group, the op being run, and
 where the group keeps its scratch buffers.
 
 Tests: tests/test_comm.py (bytes counted by the channel equal the ring's theory).
@@ -11,6 +12,7 @@ Tests: tests/test_comm.py (bytes counted by the channel equal the ring's theory)
 from mpi4py import MPI
 
 from minidist.comm import trace
+from minidist.comm.progress import wait_all
 from minidist.comm.staging import device_ready
 
 COLL_TAG = 7  # collectives on the group's private communicator; p2p uses another communicator
@@ -27,9 +29,11 @@ class Channel:
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, note=""):
         """Send `sendbuf` to `dest` while receiving `recvbuf` from `source` (either may be
-        MPI.PROC_NULL). Both at once, so a ring of blocking calls cannot deadlock."""
+        MPI.PROC_NULL). Both at once, so a ring of blocking calls cannot deadlock: MPI_Sendrecv,
+        written as Irecv + Isend + wait so that the wait can be polite."""
         device_ready(sendbuf)
-        self.comm.Sendrecv(sendbuf, dest, COLL_TAG, recvbuf, source, COLL_TAG)
+        wait_all([self.comm.Irecv(recvbuf, source, COLL_TAG),
+                  self.comm.Isend(sendbuf, dest, COLL_TAG)])
         sent = sendbuf.nbytes if dest != MPI.PROC_NULL else 0
         trace.count_sent(self.group, self.op, sent)
         if trace.log_steps():
@@ -38,13 +42,13 @@ class Channel:
 
     def send(self, buf, dest, note=""):
         device_ready(buf)
-        self.comm.Send(buf, dest, COLL_TAG)
+        wait_all([self.comm.Isend(buf, dest, COLL_TAG)])
         trace.count_sent(self.group, self.op, buf.nbytes)
         if trace.log_steps():
             trace.log(f"{self.op} {note}: sent {buf.nbytes} B to {dest}")
 
     def recv(self, buf, source, note=""):
-        self.comm.Recv(buf, source, COLL_TAG)
+        wait_all([self.comm.Irecv(buf, source, COLL_TAG)])
         if trace.log_steps():
             trace.log(f"{self.op} {note}: received {buf.nbytes} B from {source}")
 

@@ -63,6 +63,7 @@ class ProcessGroup:
         self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._seq = 0
         self._scratch = {}
+        self._inflight = []      # async send/recv Works: their buffers must outlive them
         self._algo = {"ring": ring, "naive": naive, "mpi": mpi}.get(algo)
         self._nccl = None
         if algo == "nccl":
@@ -140,8 +141,11 @@ class ProcessGroup:
                            lambda ch, out, inp: ch.comm.Barrier())
 
     def synchronize(self):
-        """Wait until every collective issued so far on this group has finished."""
+        """Wait until every collective and send/recv issued so far on this group finished."""
         self._stream.synchronize()
+        for work in self._inflight:
+            work.wait()
+        self._inflight = []
 
     def _issue(self, op, out, inp, count, async_op, reduction, root, body):
         """Number the call, then run it: queued on the stream, or here after the queue."""
@@ -222,7 +226,8 @@ class ProcessGroup:
                                   **{"async": async_op}))
         work = RequestWork(request, f"{op} with rank {peer} of group {self.name!r}", done)
         work._keep = host                     # the buffer must outlive the request
-        if async_op:
+        if async_op:   # keep it even if the caller drops the handle; forget finished ones
+            self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
             return work
         work.wait()
         return None
@@ -266,3 +271,5 @@ def _shutdown():
     last-registered first, and mpi4py registered its finalizer when it was imported)."""
     for group in list(_groups):
         group._stream.close()
+        for work in group._inflight:
+            work.wait()

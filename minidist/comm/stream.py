@@ -22,6 +22,7 @@ import time
 import traceback
 
 from minidist.comm import trace
+from minidist.comm.progress import wait_all
 
 
 class Work:
@@ -113,7 +114,7 @@ class RequestWork(Work):
 
     def wait(self, timeout=None):
         if timeout is None:
-            self.request.Wait()
+            wait_all([self.request])
         elif not self._test_until(timeout):
             return False
         self._complete()

@@ -1,0 +1,161 @@
+"""Collective bandwidth, nccl-tests style: one JSON line per (op, algorithm, size).
+
+    mpiexec -n 4 python examples/bench_collectives.py                     # all ops and algos
+    mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,mpi \\
+        --min-bytes 8M --max-bytes 64M --repeats 5
+    mpiexec -n 2 python examples/bench_collectives.py --overlap          # async progress
+
+Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
+nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for reduce_scatter
+and all_gather, x 1 for broadcast, which is the bandwidth a link must carry, comparable across
+rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's input, all_gather's
+output). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
+(the best, because other processes share this machine's cores). Rank 0 prints the lines on
+stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
+all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce).
+"""
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.backend import get_xp, set_device, synchronize
+from minidist.comm import ProcessGroup, mpi as mpi_algo
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def parse_bytes(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units \
+        else int(text)
+
+
+def sizes(lo, hi, factor):
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def make_call(group, op, nbytes, dtype):
+    """A zero-argument function running `op` once on `nbytes` of `dtype`."""
+    xp, n = get_xp(), nbytes // np.dtype(dtype).itemsize
+    full = xp.ones(n, dtype=dtype)
+    lo, hi = group.chunk(n)
+    part = xp.ones(hi - lo, dtype=dtype)
+    return {"all_reduce": lambda: group.all_reduce(full),
+            "reduce_scatter": lambda: group.reduce_scatter(part, full),
+            "all_gather": lambda: group.all_gather(full, part),
+            "broadcast": lambda: group.broadcast(full)}[op]
+
+
+def time_call(group, call, iters, warmup, repeats):
+    """Seconds per call: mean over `iters`, slowest rank, best of `repeats`."""
+    for _ in range(warmup):
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        group.comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(iters):
+            call()
+        synchronize()
+        best = min(best, group.comm.allreduce((time.perf_counter() - t) / iters, op=MPI.MAX))
+    return best
+
+
+def bench(args):
+    results = []
+    groups = {algo: ProcessGroup.world(algo) for algo in args.algos}
+    for op in args.ops:
+        for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
+            for algo, group in groups.items():
+                call = make_call(group, op, nbytes, args.dtype)
+                iters = args.iters or max(2, min(50, (32 << 20) // nbytes))
+                t = time_call(group, call, iters, args.warmup, args.repeats)
+                n = group.size
+                algbw = nbytes / t / 1e9
+                row = {"op": op, "algo": algo, "ranks": n, "bytes": nbytes, "time_s": t,
+                       "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](n)}
+                results.append(row)
+                if group.rank == 0:
+                    print(json.dumps(row), flush=True)
+    return results
+
+
+def ratio_table(results, num="ring", den="mpi"):
+    """busbw(num) / busbw(den) per (op, size), printed on stderr."""
+    by = {(r["op"], r["algo"], r["bytes"]): r["busbw_GBps"] for r in results}
+    lines = [f"{'op':<15}{'bytes':>10}  {num:>8} GB/s  {den:>8} GB/s  {num}/{den}"]
+    for (op, algo, nbytes), bw in by.items():
+        if algo == num and (op, den, nbytes) in by:
+            ref = by[(op, den, nbytes)]
+            lines.append(f"{op:<15}{nbytes:>10}  {bw:>13.3f}  {ref:>13.3f}  {bw / ref:.2f}")
+    sys.stderr.write("\n".join(lines) + "\n")
+
+
+def overlap(args):
+    """Seconds for: compute alone, all-reduce alone, both via the stream thread, both via
+    MPI_Iallreduce started before the compute and waited after it."""
+    group = ProcessGroup.world("ring")
+    n = args.max_bytes // 4
+    buf, a = np.ones(n, np.float32), np.random.default_rng(0).standard_normal((512, 512))
+
+    def compute():
+        for _ in range(args.compute_iters):
+            a @ a   # BLAS: releases the GIL
+
+    def thread_both():
+        work = group.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    def iallreduce_both():
+        req = mpi_algo.start_all_reduce(group.comm, buf)
+        compute()
+        req.Wait()
+    cases = {"compute": compute, "all_reduce": lambda: group.all_reduce(buf),
+             "thread_async": thread_both, "mpi_iallreduce": iallreduce_both}
+    row = {k: time_call(group, f, args.iters or 3, 1, args.repeats) for k, f in cases.items()}
+    hidden = lambda t: (row["compute"] + row["all_reduce"] - t) / min(row["compute"],  # noqa
+                                                                      row["all_reduce"])
+    row.update(ranks=group.size, bytes=args.max_bytes, hidden_thread=hidden(row["thread_async"]),
+               hidden_iallreduce=hidden(row["mpi_iallreduce"]))
+    if group.rank == 0:
+        print(json.dumps(row), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
+    p.add_argument("--algos", default="ring,naive,mpi", type=lambda s: s.split(","),
+                   help="comma list of ring, naive, mpi, nccl (nccl: --device cuda)")
+    p.add_argument("--min-bytes", default="4K", type=parse_bytes)
+    p.add_argument("--max-bytes", default="64M", type=parse_bytes)
+    p.add_argument("--factor", default=2, type=int, help="size step (nccl-tests' -f)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--iters", type=int, default=0, help="calls timed per repeat (0: by size)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
+    p.add_argument("--compute-iters", type=int, default=20, help="512^2 matmuls (--overlap)")
+    args = p.parse_args()
+    set_device(args.device)
+    if args.overlap:
+        return overlap(args)
+    results = bench(args)
+    if MPI.COMM_WORLD.Get_rank() == 0 and {"ring", "mpi"} <= set(args.algos):
+        ratio_table(results)
+
+
+if __name__ == "__main__":
+    main()

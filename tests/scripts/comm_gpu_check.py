@@ -1,0 +1,43 @@
+"""Collectives on cupy arrays: host staging for ring/naive/mpi, NCCL where there are GPUs.
+
+    MINIDIST_DEVICE=cuda mpiexec -n 2 python tests/scripts/comm_gpu_check.py ring,mpi,nccl
+
+Run by tests/test_comm_gpu.py (marked gpu). Not run on the development machine (no GPU).
+"""
+import sys
+
+import cupy as cp
+import numpy as np
+
+from minidist.backend import set_device
+from minidist.comm import ProcessGroup, trace
+
+set_device("cuda")
+for algo in sys.argv[1].split(","):
+    g = ProcessGroup.world(algo)
+    g.name = f"gpu-{algo}"
+    r, N = g.rank, g.size
+    for n in (1, N + 1, 1001, 65537):
+        buf = cp.full(n, r + 1, dtype=cp.float32)
+        g.all_reduce(buf)
+        assert cp.allclose(buf, N * (N + 1) / 2), (algo, n)
+        buf = cp.full(n, r + 1, dtype=cp.float64)
+        g.all_reduce(buf, op="avg", async_op=True).wait()
+        assert cp.allclose(buf, (N + 1) / 2), (algo, n, "async avg")
+        lo, hi = g.chunk(n)
+        out = cp.empty(hi - lo, dtype=cp.float32)
+        g.reduce_scatter(out, cp.arange(n, dtype=cp.float32) * (r + 1))
+        assert cp.allclose(out, cp.arange(lo, hi) * N * (N + 1) / 2), (algo, n, "rs")
+        full = cp.zeros(n, dtype=cp.float32)
+        g.all_gather(full, cp.arange(lo, hi, dtype=cp.float32))
+        assert cp.array_equal(full, cp.arange(n, dtype=cp.float32)), (algo, n, "ag")
+        bc = cp.full(n, r, dtype=cp.float32)
+        g.broadcast(bc, root=N - 1)
+        assert (bc == N - 1).all(), (algo, n, "bcast")
+    got = cp.empty(5)
+    g.send(cp.full(5, float(r)), (r + 1) % N, async_op=True)
+    g.recv(got, (r - 1) % N)
+    assert (got == (r - 1) % N).all(), (algo, "p2p")
+    assert trace.counters(g.name)["all_reduce"]["calls"] > 0
+    if r == 0:
+        print(f"comm_gpu_check OK: {algo} on {N} ranks, host buffers {np.__name__}")
