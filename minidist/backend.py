@@ -173,6 +173,29 @@ def xp_of(*arrays):
     return np
 
 
+def is_half(dtype):
+    """float16, or bfloat16 (ml_dtypes' numpy extension type, which is not of kind "f")."""
+    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
+def matmul(a, b, out=None):
+    """a @ b (numpy's rules), into `out` if given.
+
+    NumPy has no float16 BLAS: its float16 matmul is a plain C loop, ~50x slower than float32
+    on this repository's CPU. So on the CPU, float16 operands are multiplied in float32 and the
+    product is rounded to float16 -- the numbers a GPU's float16 GEMM gives too (tensor cores
+    multiply float16 and accumulate in float32), at float32 BLAS speed. CPU "float16" is thus
+    float16 storage with float32 matmuls. CuPy runs the real float16 GEMM.
+    """
+    if is_half(a.dtype) and not is_cupy(a):
+        prod = np.matmul(a.astype(np.float32), b.astype(np.float32))
+        if out is None:
+            return prod.astype(a.dtype)
+        out[...] = prod
+        return out
+    return xp_of(a).matmul(a, b) if out is None else xp_of(a).matmul(a, b, out=out)
+
+
 def to_host(a):
     """A numpy copy (cupy) or view (numpy) of `a`."""
     return a.get() if is_cupy(a) else np.asarray(a)

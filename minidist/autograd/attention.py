@@ -16,7 +16,7 @@ import math
 
 from minidist import backend
 from minidist.autograd.function import Function
-from minidist.backend import xp_of
+from minidist.backend import matmul as _mm, xp_of
 
 _MASKS = {}
 
@@ -39,18 +39,17 @@ def _keep_mask(rng, shape, p, xp):
 def _matmul_into(a, b, out):
     """out[...] = a @ b. numpy writes straight into a strided `out`; elsewhere (cupy) we do
     not rely on matmul's `out=` accepting non-contiguous views."""
-    xp = xp_of(a)
     if backend.is_cupy(out):
-        out[...] = xp.matmul(a, b)
+        out[...] = _mm(a, b)
     else:
-        xp.matmul(a, b, out=out)
+        _mm(a, b, out=out)
 
 
 def _attn_forward(q, k, v, dropout_p, rng, out):
     """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
-    P = xp.matmul(q, xp.swapaxes(k, -1, -2))                 # (B, nh, T, T)
+    P = _mm(q, xp.swapaxes(k, -1, -2))                       # (B, nh, T, T)
     P *= 1.0 / math.sqrt(hs)                                 # S
     P += _causal_bias(xp, T, P.dtype)
     P -= P.max(axis=-1, keepdims=True)                       # the diagonal is always finite
@@ -73,7 +72,7 @@ def _attn_backward(g, gy, q, k, v, saved, out):
     xp = xp_of(g)
     P, keep, scale = saved
     kT = xp.swapaxes
-    dP = xp.matmul(g, kT(v, -1, -2))                         # y = Pd v: dPd = g v^T
+    dP = _mm(g, kT(v, -1, -2))                               # y = Pd v: dPd = g v^T
     if keep is None:
         _matmul_into(kT(P, -1, -2), g, out[2])               #           dv = P^T g
     else:

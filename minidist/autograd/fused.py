@@ -7,19 +7,20 @@ as it can, and keeps float32 in float32. `examples/bench_fused.py` measures the 
 
 Shapes: N rows of C features (layer norm), V classes (cross-entropy). float16 inputs are
 computed in float32 inside (statistics, exp and log sums lose too much in float16) and the
-results cast back. Attention lives in attention.py and is re-exported here.
+results cast back, except cross-entropy's scalar loss, which stays float32 (mixed precision
+scales it by 2^16 before backward). Attention lives in attention.py and is re-exported here.
 Tests: tests/test_fused.py, tests/test_gradcheck.py.
 """
 import contextlib
 import math
 
 from minidist.autograd.function import Function
-from minidist.backend import xp_of
+from minidist.backend import is_half, matmul as _mm, xp_of
 
 
 def _f32(a):
-    """float16 -> float32 for the arithmetic; anything else unchanged (no copy)."""
-    return a.astype("float32") if a is not None and a.dtype == "float16" else a
+    """float16 (or bfloat16) -> float32 for the arithmetic; anything else unchanged (no copy)."""
+    return a.astype("float32") if a is not None and is_half(a.dtype) else a
 
 
 # ---- linear --------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, w, b=None):
         x2 = x.reshape(-1, x.shape[-1])                          # (N, in)
-        out = x2 @ w                                             # (N, out)
+        out = _mm(x2, w)                                         # (N, out)
         if b is not None:
             out += b
         ctx.save_for_backward(x2, w)
@@ -43,8 +44,8 @@ class Linear(Function):
         x2, w = ctx.saved
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = grad.reshape(-1, w.shape[1])                        # (N, out)
-        dx = (g2 @ w.T).reshape(ctx.shape) if need_x else None   # dL/dx = g W^T
-        dw = x2.T @ g2 if need_w else None                       # dL/dW = x^T g
+        dx = _mm(g2, w.T).reshape(ctx.shape) if need_x else None  # dL/dx = g W^T
+        dw = _mm(x2.T, g2) if need_w else None                   # dL/dW = x^T g
         db = g2.sum(axis=0) if need_b else None                  # dL/db = sum over rows
         return dx, dw, db
 
@@ -249,7 +250,9 @@ class CrossEntropy(Function):
         loss = ((xp.log(s) - target_logit) * valid).sum() / n    # lse - z_t, averaged
         ctx.save_for_backward(p, t, valid)
         ctx.n, ctx.shape, ctx.dtype = n, logits.shape, logits.dtype
-        return xp.asarray(loss, dtype=logits.dtype)
+        # a 16-bit loss would keep 3 digits, and mixed precision's loss scale (2^16) times
+        # its gradient would overflow float16: the scalar loss stays float32
+        return xp.asarray(loss, dtype="float32" if is_half(logits.dtype) else logits.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -13,7 +13,7 @@ Two rules every backward here follows:
 constants. Tests: tests/test_gradcheck.py (every op), tests/test_autograd.py.
 """
 from minidist.autograd.function import Function
-from minidist.backend import xp_of
+from minidist.backend import matmul as _mm, xp_of
 
 
 def _same_float(a, b):
@@ -259,7 +259,7 @@ class MatMul(Function):
             raise ValueError(f"inner dimensions differ: {a.shape[-1]} (last of a) vs "
                              f"{b.shape[-2 if b.ndim > 1 else 0]} (first core axis of b)")
         ctx.save_for_backward(a, b)
-        return a @ b
+        return _mm(a, b)                                 # float16 on CPU: see backend
 
     @staticmethod
     def backward(ctx, grad):
@@ -274,14 +274,14 @@ class MatMul(Function):
             g = xp.expand_dims(g, -1)                    # (.., n, m)
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = g @ xp.swapaxes(b2, -1, -2)             # dL/da = g b^T
+            ga = _mm(g, xp.swapaxes(b2, -1, -2))         # dL/da = g b^T
             ga = ga[..., 0, :] if a.ndim == 1 else ga
         if ctx.needs_input_grad[1]:
             if b2.ndim == 2 and a2.ndim > 2:             # x (B, T, k) @ W (k, m): one GEMM
                 k, m = b2.shape                          # over B*T rows, not B then a sum
-                gb = a2.reshape(-1, k).T @ g.reshape(-1, m)
+                gb = _mm(a2.reshape(-1, k).T, g.reshape(-1, m))
             else:
-                gb = xp.swapaxes(a2, -1, -2) @ g         # dL/db = a^T g
+                gb = _mm(xp.swapaxes(a2, -1, -2), g)     # dL/db = a^T g
             gb = gb[..., 0] if b.ndim == 1 else gb
         return ga, gb
 
