@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Tensor, no_grad
+from minidist.autograd import Tensor, is_grad_enabled, no_grad
+from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
 from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, ModuleDict, ModuleList
@@ -172,6 +173,13 @@ class GPT(Module):
             ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
         self.load_state_dict(gpt_init(config, seed, dtype=dtype))
         self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
+        self.checkpointing = False
+
+    def set_checkpointing(self, on=True):
+        """Activation checkpointing (--ckpt-activations): each block keeps only its input and
+        is recomputed inside backward (minidist/autograd/recompute.py). Same numbers."""
+        self.checkpointing = bool(on)
+        return self
 
     def set_dropout_rng(self, rng):
         """Point every Dropout layer at one generator (its state goes into checkpoints)."""
@@ -198,8 +206,10 @@ class GPT(Module):
 
     def run_blocks(self, x, blocks=None):
         """x (B, T, C) through `blocks` (default: all of them) -> (B, T, C)."""
+        recompute = self.checkpointing and is_grad_enabled()
         for block in (self.transformer.h if blocks is None else blocks):
-            x = block(x)
+            x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
+                else block(x)
         return x
 
     def head(self, x, targets=None):
