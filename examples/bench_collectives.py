@@ -13,7 +13,8 @@ rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's input, 
 output). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
 (the best, because other processes share this machine's cores). Rank 0 prints the lines on
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
-all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce).
+all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce): "hidden" is the
+fraction of the shorter of the two that disappeared from the total (1: perfect overlap).
 """
 import argparse
 import json
@@ -103,15 +104,20 @@ def ratio_table(results, num="ring", den="mpi"):
 
 
 def overlap(args):
-    """Seconds for: compute alone, all-reduce alone, both via the stream thread, both via
-    MPI_Iallreduce started before the compute and waited after it."""
+    """Seconds for: compute alone, all-reduce alone, both through the stream thread
+    (async_op=True), both through MPI_Iallreduce started before the compute and waited after.
+    The compute (512x512 float64 matmuls, which release the GIL) is sized to take about as
+    long as the all-reduce, so perfect overlap would halve the time of doing both."""
     group = ProcessGroup.world("ring")
-    n = args.max_bytes // 4
-    buf, a = np.ones(n, np.float32), np.random.default_rng(0).standard_normal((512, 512))
+    buf = np.zeros(args.max_bytes // 4, np.float32)
+    a = np.random.default_rng(0).standard_normal((512, 512))
+    t_comm = time_call(group, lambda: group.all_reduce(buf), 3, 1, args.repeats)
+    t_mm = time_call(group, lambda: a @ a, 5, 1, args.repeats)
+    reps = args.compute_iters or max(1, round(t_comm / t_mm))
 
     def compute():
-        for _ in range(args.compute_iters):
-            a @ a   # BLAS: releases the GIL
+        for _ in range(reps):
+            a @ a
 
     def thread_both():
         work = group.all_reduce(buf, async_op=True)
@@ -124,11 +130,13 @@ def overlap(args):
         req.Wait()
     cases = {"compute": compute, "all_reduce": lambda: group.all_reduce(buf),
              "thread_async": thread_both, "mpi_iallreduce": iallreduce_both}
-    row = {k: time_call(group, f, args.iters or 3, 1, args.repeats) for k, f in cases.items()}
-    hidden = lambda t: (row["compute"] + row["all_reduce"] - t) / min(row["compute"],  # noqa
-                                                                      row["all_reduce"])
-    row.update(ranks=group.size, bytes=args.max_bytes, hidden_thread=hidden(row["thread_async"]),
-               hidden_iallreduce=hidden(row["mpi_iallreduce"]))
+    row = {k: time_call(group, f, 3, 1, args.repeats) for k, f in cases.items()}
+    serial = row["compute"] + row["all_reduce"]
+    row.update(ranks=group.size, bytes=args.max_bytes, matmuls=reps,
+               hidden_thread=(serial - row["thread_async"]) / min(row["compute"],
+                                                                  row["all_reduce"]),
+               hidden_iallreduce=(serial - row["mpi_iallreduce"]) / min(row["compute"],
+                                                                        row["all_reduce"]))
     if group.rank == 0:
         print(json.dumps(row), flush=True)
 
@@ -147,7 +155,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
-    p.add_argument("--compute-iters", type=int, default=20, help="512^2 matmuls (--overlap)")
+    p.add_argument("--compute-iters", type=int, default=0,
+                   help="512^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()
     set_device(args.device)
     if args.overlap:

@@ -142,3 +142,31 @@ def test_trace_log_every_collective_and_step():
                 in out.stderr), out.stderr
         assert f"[rank {rank}] #2 broadcast" in out.stderr
     assert "reduce-scatter step 0: chunk" in out.stderr and "all-gather step 0" in out.stderr
+
+
+@pytest.mark.mpi
+def test_breakpoint_on_one_rank():
+    """Rank 1 stops in pdb; another terminal attaches and steps over a real all_reduce. By hand:
+    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
+    python -m minidist.comm.attach 4445          # in a second terminal"""
+    import signal
+    from mpirun import mpiexec
+    base = 20000 + os.getpid() % 20000
+    env = mpi_env(MINIDIST_PDB_PORT=base)
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "tests/scripts/comm_small.py",
+                            "breakpoint"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(100):   # until rank 1 listens
+            client = subprocess.run([sys.executable, "-m", "minidist.comm.attach",
+                                     str(base + 1)], cwd=ROOT, env=env, timeout=60, text=True,
+                                    input="n\np world.rank, buf\nc\n", capture_output=True)
+            if "ConnectionRefused" not in client.stderr:
+                break
+            time.sleep(0.2)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "(1, array([3., 3., 3., 3.]))" in client.stdout, (client.stdout, client.stderr)
+    assert "rank 0 done 3.0" in out and "rank 1 done 3.0" in out, (out, err)

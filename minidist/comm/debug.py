@@ -12,9 +12,15 @@ Two classic ways a distributed program dies silently:
    (installed when the world group is created) replaces `sys.excepthook`: print the traceback,
    then `MPI.COMM_WORLD.Abort(1)`, which makes mpiexec kill every rank at once.
 
-Tests: tests/test_comm.py::test_debug_mismatch, ::test_raise_on_one_rank_aborts.
+3. Stepping through one rank: `breakpoint_on(rank)` stops that rank in pdb. mpiexec gives the
+   terminal's stdin to rank 0 only, so other ranks serve pdb on a local TCP port instead and
+   you attach with `python -m minidist.comm.attach PORT` from a second terminal.
+
+Tests: tests/test_comm.py (collectives: mismatch; raise_on_one_rank_aborts; breakpoint_on).
 """
 import os
+import pdb
+import socket
 import sys
 import threading
 import time
@@ -105,3 +111,28 @@ def install_abort_handler():
     sys.excepthook = abort_on_exception
     threading.excepthook = lambda args: abort_on_exception(args.exc_type, args.exc_value,
                                                            args.exc_traceback)
+
+
+def breakpoint_on(rank, port_base=None):
+    """Stop COMM_WORLD rank `rank` in pdb here; other ranks go on (until they need it).
+
+    Rank 0 reads the terminal mpiexec forwards; any other rank listens on 127.0.0.1 at port
+    `port_base + rank` (MINIDIST_PDB_PORT, default 4444) and waits for
+    `python -m minidist.comm.attach PORT` to attach."""
+    me = MPI.COMM_WORLD.Get_rank()
+    if me != rank:
+        return
+    caller = sys._getframe().f_back
+    if rank == 0:
+        return pdb.Pdb().set_trace(caller)
+    port = (port_base or int(os.environ.get("MINIDIST_PDB_PORT", "4444"))) + rank
+    server = socket.create_server(("127.0.0.1", port))
+    sys.stderr.write(f"[rank {rank}] waiting for a debugger: "
+                     f"python -m minidist.comm.attach {port}\n")
+    sys.stderr.flush()
+    conn, _ = server.accept()
+    # two files: one text file for both directions drops read-ahead lines when written to
+    fin, fout = conn.makefile("r"), conn.makefile("w", buffering=1)
+    _state["pdb"] = (server, conn, fin, fout)   # kept: collecting them would trip the tracer
+    pdb.Pdb(stdin=fin, stdout=fout).set_trace(caller)
+

@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python tests/scripts/comm_small.py abort   # rank 1 raises; the job must end
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
+    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint   # then: python -m minidist.comm.attach 4445
 """
 import sys
 import time
@@ -21,3 +22,9 @@ if mode == "abort":
 elif mode == "log":
     world.all_reduce(np.ones(7, np.float32))
     world.broadcast(np.ones(3), root=1)
+elif mode == "breakpoint":
+    from minidist.comm import debug
+    buf = np.full(4, world.rank + 1.0)
+    debug.breakpoint_on(1)   # rank 1 serves pdb on MINIDIST_PDB_PORT + 1
+    world.all_reduce(buf)
+    print(f"rank {world.rank} done {buf[0]}")

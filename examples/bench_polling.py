@@ -1,0 +1,82 @@
+"""How waiting for messages behaves when ranks outnumber cores: one table, many settings.
+
+    python examples/bench_polling.py                  # 4 ranks; about two minutes
+    python examples/bench_polling.py --ranks 2 --sizes 64K,8M
+
+Runs examples/bench_collectives.py (all_reduce, ring and mpi) under mpiexec once per setting
+below and prints busbw (GB/s) per size. The settings: minidist's wait policy
+(MINIDIST_COMM_WAIT, minidist/comm/progress.py), MPICH's polling knobs (MPIR_CVAR_*, read by
+MPICH at MPI_Init), the MPI thread level mpi4py asks for (MPI4PY_RC_THREAD_LEVEL), and BLAS
+threads per rank (MINIDIST_THREADS). Results and what they mean: README, section
+"Collectives and process groups".
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SETTINGS = {  # name -> (environment, largest size to run: some settings are very slow)
+    "default (auto)": ({}, None),
+    "wait=poll": ({"MINIDIST_COMM_WAIT": "poll"}, None),
+    "wait=block (MPICH spin)": ({"MINIDIST_COMM_WAIT": "block"}, None),
+    "block + CH4_PROGRESS_THROTTLE=1": ({"MINIDIST_COMM_WAIT": "block",
+                                         "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}, None),
+    "block + POLLS_BEFORE_YIELD=1": ({"MINIDIST_COMM_WAIT": "block",
+                                      "MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}, None),
+    "BLAS threads=2": ({"MINIDIST_THREADS": "2", "OPENBLAS_NUM_THREADS": "2",
+                        "OMP_NUM_THREADS": "2"}, None),
+    "thread level single": ({"MPI4PY_RC_THREAD_LEVEL": "single"}, 64 << 10),
+    "single + ALLREDUCE_POSIX_INTRA=mpir": ({"MPI4PY_RC_THREAD_LEVEL": "single",
+                                             "MPIR_CVAR_ALLREDUCE_POSIX_INTRA_ALGORITHM":
+                                             "mpir"}, None),
+}
+
+
+def parse_bytes(text):
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1].upper(), 1)
+    return int(text[:-1] if mult > 1 else text) * mult
+
+
+def run(ranks, env, sizes, repeats):
+    """busbw per (algo, bytes) from one bench_collectives run, or None if it failed."""
+    rows = {}
+    for size in sizes:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks),
+               sys.executable, "examples/bench_collectives.py", "--ops", "all_reduce",
+               "--algos", "ring,mpi", "--min-bytes", str(size), "--max-bytes", str(size),
+               "--repeats", str(repeats)]
+        full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", MINIDIST_THREADS="1", **env)
+        try:
+            out = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                                 timeout=300)
+        except subprocess.TimeoutExpired:
+            continue
+        for line in out.stdout.splitlines():
+            r = json.loads(line)
+            rows[(r["algo"], r["bytes"])] = r["busbw_GBps"]
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--sizes", default="64K,1M,8M,64M")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    head = "".join(f"{algo} {s >> 10}K".rjust(13) for s in sizes for algo in ("ring", "mpi"))
+    print(f"all_reduce busbw GB/s, {args.ranks} ranks on {os.cpu_count()} cores\n"
+          f"{'setting':<38}{head}", flush=True)
+    for name, (env, largest) in SETTINGS.items():
+        todo = [s for s in sizes if largest is None or s <= largest]
+        rows = run(args.ranks, env, todo, args.repeats)
+        cells = "".join((f"{rows[(a, s)]:.3f}" if (a, s) in rows else "-").rjust(13)
+                        for s in sizes for a in ("ring", "mpi"))
+        print(f"{name:<38}{cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
