@@ -1,5 +1,6 @@
 """The training loop end to end on a tiny model and corpus: --log-json rows, a resumed run that
-continues bit-identically, polite refusals of not-yet-available parallel flags, bad input."""
+continues bit-identically, polite refusals of not-yet-available parallel flags, bad input.
+(--dp and world size > 1, i.e. data parallelism: tests/test_ddp.py.)"""
 import json
 import subprocess
 import sys
@@ -66,17 +67,11 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.parametrize("flags", [["--dp", "2"], ["--tp", "2"], ["--pp", "2"],
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"],
                                    ["--zero", "1"], ["--amp"], ["--ckpt-activations"]])
 def test_parallel_flags_refuse_politely(flags):
     with pytest.raises(SystemExit, match="not available yet"):
         make_strategy(train_parser().parse_args(flags))
-
-
-def test_world_size_above_one_refuses(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(SystemExit, match="4 MPI processes"):
-        make_strategy(train_parser().parse_args([]))
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path):

@@ -26,8 +26,13 @@ def add_model_args(p):
 
 
 def add_parallel_args(p):
-    g = p.add_argument_group("parallelism (later issues; refused politely for now)")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel ranks")
+    g = p.add_argument_group("parallelism (--tp, --pp, --zero, --amp, --ckpt-activations: "
+                             "later issues, refused politely for now)")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default: the number of MPI processes)")
+    g.add_argument("--ddp", choices=("naive", "bucketed", "overlapped"), default="overlapped",
+                   help="how DDP averages gradients (README: Data parallelism)")
+    g.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)

@@ -118,8 +118,6 @@ def train(args):
     log.print0(f"model: {model.num_parameters():,} parameters, {model.config}, {args.dtype} "
                f"on {device}, {threads} BLAS thread(s), {strategy.world_size} process(es); "
                f"unigram entropy of the data {data.unigram_entropy:.4f} nats/token")
-    if args.trace:
-        log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
@@ -162,5 +160,6 @@ def _finish(args, strategy, log, model, data, val_loss, seconds):
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                f"{data.unigram_entropy:.4f} (a model that ignores context); "
                f"{seconds:.1f} s of training")
+    strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
     return summary

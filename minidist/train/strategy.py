@@ -17,6 +17,8 @@ subclass it and override what they change:
     global_mean(value)        a float averaged over the ranks that hold different rows
     comm_bytes()              bytes this rank sent since the run began
     save(dir, ...) / load(dir, ...)        checkpoints (ZeRO writes per-rank shards)
+    finish(args, log)         end of training: a summary line, the --trace file
+DataParallel (DDP) lives in minidist/train/data_parallel.py.
 Tests: tests/test_train.py.
 """
 from minidist.nn import GPT
@@ -38,15 +40,38 @@ def world_size_from_env():
 
 
 def make_strategy(args):
-    """The strategy the flags ask for; everything but one process is refused for now."""
+    """The strategy the flags ask for: one process, or data parallelism over every rank
+    (dp = world size unless --dp says otherwise). Flags whose feature has not landed are
+    refused politely; inconsistent sizes are refused on every rank before any communication."""
     world = world_size_from_env()
+    _refuse_unbuilt(args)
+    dp = args.dp if args.dp is not None else world
+    if dp != world:
+        raise SystemExit(
+            f"--dp {dp} does not match the {world} MPI process(es) of this job: dp x tp x pp "
+            f"must equal the number of processes (tp = pp = 1 here). Run `mpirun -n {dp} "
+            f"python examples/train_gpt.py`, or leave --dp out (it defaults to the world size).")
+    if args.batch_size % (dp * args.grad_accum):
+        raise SystemExit(
+            f"--batch-size {args.batch_size} (global, in sequences) does not split into "
+            f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
+            f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
+    if world == 1:
+        return SingleProcess()
+    from minidist.comm import DeviceMesh, trace
+    from minidist.train.data_parallel import DataParallel
+    if args.trace:
+        trace.enable()
+    mesh = DeviceMesh(dp=dp, tp=1, pp=1, algo=args.comm)   # installs the abort handler
+    return DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
+
+
+def _refuse_unbuilt(args):
     wanted = []
-    if world > 1:
-        wanted.append(f"{world} MPI processes (data parallelism)")
-    for flag, value, default in (("--dp", args.dp, None), ("--tp", args.tp, 1),
-                                 ("--pp", args.pp, 1), ("--zero", args.zero, 0),
+    for flag, value, default in (("--tp", args.tp, 1), ("--pp", args.pp, 1),
+                                 ("--zero", args.zero, 0),
                                  ("--micro-batches", args.micro_batches, 1)):
-        if value not in (default, 1 if flag == "--dp" else default):
+        if value != default:
             wanted.append(f"{flag} {value}")
     for flag, on in (("--amp", args.amp), ("--ckpt-activations", args.ckpt_activations)):
         if on:
@@ -54,9 +79,9 @@ def make_strategy(args):
     if wanted:
         raise NotAvailableYet(
             f"Sorry: {', '.join(wanted)} is not available yet -- this build trains on one "
-            "process. Data/ZeRO/tensor/pipeline parallelism and mixed precision land in "
-            "their own issues; run `python examples/train_gpt.py` without these flags.")
-    return SingleProcess()
+            "process or with data parallelism (mpirun -n N). ZeRO, tensor/pipeline "
+            "parallelism and mixed precision land in their own issues; run without these "
+            "flags.")
 
 
 class SingleProcess:
@@ -102,3 +127,7 @@ class SingleProcess:
 
     def load(self, directory, model, optimizer):
         return checkpoint.load_checkpoint(directory, model, optimizer)
+
+    def finish(self, args, log):
+        if args.trace:
+            log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")

@@ -1,0 +1,2 @@
+"""Parallel strategies, one file each: ddp.py (data parallelism; ZeRO, tensor and pipeline
+parallelism land beside it)."""

@@ -1,0 +1,233 @@
+"""Data parallelism (DDP): every rank holds the whole model and reads its own shard of each
+global batch; the ranks average their gradients, then all take the same optimizer step.
+
+Why that is exact: with N equal shards the loss of the global batch is the mean of the N shard
+means, so its gradient is the mean over ranks of each rank's gradient (an all-reduce "avg").
+Every rank then holds the gradient one process would compute on the whole batch, and since
+the parameters are broadcast from rank 0 when the model is wrapped, they start equal and stay
+equal (the all-reduce leaves bitwise identical sums on every rank).
+
+Three ways to average, side by side, simplest first (picotron's DataParallelNaive and
+DataParallelBucket, plus the overlap PyTorch's DDP is known for):
+
+    naive       after backward, one blocking all-reduce per parameter: ~50 small messages per
+                step for a 4-layer GPT, each paying 2(N-1) ring steps of latency.
+    bucketed    the parameters, in reverse order, packed into flat buckets of ~bucket_mb;
+                each parameter's .grad is a view into its bucket, so the autograd engine's `+=`
+                writes straight into it. After backward: one all-reduce per bucket, no copies.
+    overlapped  bucketed, and a bucket's all-reduce starts (async_op=True) from the grad hook
+                the moment its last gradient is complete, while backward goes on computing the
+                earlier layers. sync_grads() waits for all of them.
+
+Reverse order, because backward finishes the last layer's gradients first: the first bucket
+fills first. Buckets are launched strictly in order (bucket k+1 waits for bucket k), so every
+rank issues the same collectives in the same order even if hooks fire in a different order.
+
+How communication makes progress while Python computes: MPI moves bytes only while some thread
+is inside an MPI call. `async_op=True` queues the all-reduce on the group's communication
+thread (minidist/comm/stream.py), which runs the ring's blocking Sendrecv calls with the GIL
+released; the main thread meanwhile runs backward (numpy releases the GIL inside its kernels).
+On GPU the caller records a CUDA event on its (compute) stream when it issues the bucket; the
+communication thread waits for that event, then stages the bucket through host memory for MPI
+(or, with --comm nccl, enqueues NCCL on that thread's current stream, cupy's default stream).
+Tracing (`trace.enable()`) records each all-reduce's start and end: the Chrome trace shows
+them running inside the backward pass (tests/test_ddp.py::test_trace_shows_overlap).
+
+Gradient accumulation: inside `with ddp.no_sync():` the hooks start nothing and gradients add
+up in the buckets; run the last micro-batch outside it, then call sync_grads().
+
+Tests: tests/test_ddp.py (4 ranks == 1 process in float64 for every mode and algorithm, dp 2 x
+grad-accum 2, bytes = 2(N-1)/N x gradient bytes, clipping, the overlap trace).
+"""
+import contextlib
+import time
+
+from minidist.backend import xp_of
+
+MODES = ("naive", "bucketed", "overlapped")
+
+
+def DistributedDataParallel(model, group, mode="overlapped", bucket_mb=1.0):
+    """Wrap `model` for data parallelism over `group` (a ProcessGroup): one of the classes
+    below, by `mode` ("naive", "bucketed" or "overlapped"). Broadcasts rank 0's parameters."""
+    if mode not in MODES:
+        raise ValueError(f"DDP mode must be one of {MODES}, not {mode!r}")
+    if mode == "naive":
+        return DataParallelNaive(model, group)
+    cls = DataParallelOverlap if mode == "overlapped" else DataParallelBucket
+    return cls(model, group, bucket_mb)
+
+
+def broadcast_parameters(params, group, root=0):
+    """Every rank's parameters = `root`'s (in place), so all ranks start from one model."""
+    for p in params:
+        if not p.data.flags.c_contiguous:
+            p.data = xp_of(p.data).ascontiguousarray(p.data)
+        group.broadcast(p.data, root)
+
+
+class DataParallelNaive:
+    """One blocking all-reduce per parameter gradient, after backward."""
+    mode = "naive"
+
+    def __init__(self, model, group):
+        self.module, self.group = model, group
+        self.params = [p for p in model.parameters() if p.requires_grad]   # forward order
+        self.sync_enabled = True      # False inside no_sync()
+        self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
+        broadcast_parameters(self.params, group)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches whose backward must not communicate (gradient accumulation)."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def sync_grads(self):
+        """Average the gradients over the group, in place; returns when they are averaged.
+        Call once per optimizer step, after the last backward."""
+        start = time.perf_counter()
+        self._sync()
+        self.last_sync_s = time.perf_counter() - start
+
+    def _sync(self):
+        for p in reversed(self.params):       # the order backward completed them
+            if p.grad is None:                # no gradient this step: still take part
+                p.grad = xp_of(p.data).zeros_like(p.data)
+            self.group.all_reduce(p.grad, op="avg")
+
+    def grad_bytes(self):
+        """Bytes of gradient every step averages: the all-reduce payload."""
+        return sum(p.data.nbytes for p in self.params)
+
+
+def bucket_layout(params, bucket_mb):
+    """Indices into `params`, last parameter first, cut into buckets of at most bucket_mb
+    (MiB): a parameter that would overflow the current bucket starts a new one, so only a
+    parameter larger than bucket_mb on its own exceeds it. A change of dtype or array module
+    also starts a new bucket (a flat buffer has one dtype, on one device)."""
+    cap = bucket_mb * 2**20
+    buckets, current, nbytes, current_kind = [], [], 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        kind = (p.data.dtype, type(p.data))
+        if current and (nbytes + p.data.nbytes > cap or kind != current_kind):
+            buckets.append(current)
+            current, nbytes = [], 0
+        current_kind = kind
+        current.append(i)
+        nbytes += p.data.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Bucket:
+    """One flat gradient buffer and the parameters whose .grad are views into it."""
+
+    def __init__(self, params):
+        self.params = params
+        xp = xp_of(params[0].data)
+        self.buffer = xp.zeros(sum(p.size for p in params), dtype=params[0].dtype)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.size].reshape(p.shape))
+            offset += p.size
+        self.ready = 0            # parameters whose gradient is complete in this backward
+        self.work = None          # its all-reduce in flight (overlapped mode)
+
+    def attach(self):
+        """Make every parameter's .grad its view again, keeping the value it holds: the
+        optimizer's zero_grad() sets .grad = None (zero), and a backward run while .grad was
+        None leaves the engine's own array, which is copied in."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is view:
+                continue
+            if p.grad is None:
+                view.fill(0)
+            else:
+                view[...] = p.grad
+            p.grad = view
+
+
+class DataParallelBucket(DataParallelNaive):
+    """Gradients live in flat buckets (reverse parameter order); one all-reduce per bucket."""
+    mode = "bucketed"
+
+    def __init__(self, model, group, bucket_mb=1.0):
+        super().__init__(model, group)
+        self.bucket_mb = bucket_mb
+        self.buckets = [Bucket([self.params[i] for i in idx])
+                        for idx in bucket_layout(self.params, bucket_mb)]
+        self.zero_grad()
+
+    def __call__(self, *args, **kwargs):
+        for b in self.buckets:               # before backward writes: grads into the buckets
+            b.attach()
+        return self.module(*args, **kwargs)
+
+    def zero_grad(self):
+        """Zero every gradient, keeping them views into the buckets."""
+        for b in self.buckets:
+            b.buffer.fill(0)
+            b.attach()
+
+    def _sync(self):
+        for b in self.buckets:
+            b.attach()
+            self.group.all_reduce(b.buffer, op="avg")
+
+
+class DataParallelOverlap(DataParallelBucket):
+    """Buckets whose all-reduce starts from the grad hook, during backward."""
+    mode = "overlapped"
+
+    def __init__(self, model, group, bucket_mb=1.0):
+        super().__init__(model, group, bucket_mb)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0                       # the next bucket to launch, in bucket order
+        self._hooks = [p.register_grad_hook(self._grad_ready) for p in self.params]
+
+    def _grad_ready(self, p):
+        """Autograd hook: `p`'s gradient for this backward is complete."""
+        if not self.sync_enabled:
+            return
+        b = self._bucket_of[id(p)]
+        if b.ready == len(b.params):
+            raise RuntimeError("DDP: a second backward before sync_grads(); accumulate "
+                               "gradients inside `with ddp.no_sync():` instead")
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch_ready()
+
+    def _launch_ready(self):
+        """Start the all-reduce of every complete bucket whose predecessors have started."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.ready < len(b.params):
+                return
+            self._launch(b)
+
+    def _launch(self, b):
+        b.attach()
+        b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
+        self._next += 1
+
+    def _sync(self):
+        for b in self.buckets[self._next:]:  # not started by hooks (no_sync, unused params)
+            self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            b.work, b.ready = None, 0
+        self._next = 0
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,324 @@
+"""Data parallelism: bucket layout and hook logic in-process (a recording stand-in for the
+group), then N ranks under mpiexec against one process in float64, for every mode x algorithm.
+
+The distributed checks run tests/scripts/ddp_check.py, which batches many comparisons into
+one mpiexec start; each test's docstring gives the command to run it by hand.
+"""
+import contextlib
+import json
+import time
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.ddp import DistributedDataParallel, bucket_layout
+from minidist.train.args import train_parser
+from minidist.train.strategy import SingleProcess, make_strategy
+from mpirun import run_mpi
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+
+
+class Done:
+    def wait(self):
+        return True
+
+
+class RecordingGroup:
+    """A one-rank stand-in for ProcessGroup: records each call; the average over one rank
+    is the identity. `probe()` is evaluated at every all-reduce, to see when it happened."""
+    rank, size, name, algo = 0, 1, "recording", "recording"
+
+    def __init__(self, probe=lambda: None):
+        self.calls, self.probe = [], probe
+
+    def broadcast(self, buf, root=0):
+        self.calls.append(("broadcast", buf.size, False, None))
+
+    def all_reduce(self, buf, op="sum", async_op=False):
+        assert op == "avg" and buf.flags.c_contiguous
+        self.calls.append(("all_reduce", buf.size, async_op, self.probe()))
+        return Done() if async_op else None
+
+    def reduces(self):
+        return [c for c in self.calls if c[0] == "all_reduce"]
+
+
+def _batch(rows=4, step=0):
+    x = np.random.default_rng(step).integers(0, CONFIG.vocab_size, (rows, CONFIG.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def _backward(ddp, step=0):
+    _, loss = ddp(*_batch(step=step))
+    loss.backward()
+    return loss
+
+
+class FakeParam:
+    def __init__(self, n, dtype="float32"):
+        self.data = np.zeros(n, dtype=dtype)
+
+
+def test_bucket_layout_reverse_order_and_caps():
+    mib = 2**20 // 4                                    # float32 elements in one MiB
+    params = [FakeParam(mib // 2), FakeParam(mib // 4), FakeParam(3 * mib), FakeParam(mib // 2),
+              FakeParam(mib // 2), FakeParam(10, "float64"), FakeParam(10, "float64")]
+    layout = bucket_layout(params, bucket_mb=1.0)
+    assert layout == [[6, 5], [4, 3], [2], [1, 0]]     # last first; dtype change cuts; 3 MiB alone
+    assert sorted(i for b in layout for i in b) == list(range(len(params)))
+    assert bucket_layout(params, bucket_mb=100.0) == [[6, 5], [4, 3, 2, 1, 0]]
+
+
+def test_grads_are_views_into_buckets_and_survive_zero_grad():
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), "bucketed", 0.002)
+    assert len(ddp.buckets) > 3
+    _backward(ddp)
+    for b in ddp.buckets:
+        for p, view in zip(b.params, b.views):
+            assert p.grad is view and np.shares_memory(p.grad, b.buffer)
+    assert any(np.abs(b.buffer).max() > 0 for b in ddp.buckets)
+    ddp.zero_grad()                                     # zeros, views kept
+    assert all(not b.buffer.any() for b in ddp.buckets)
+    assert all(p.grad is v for b in ddp.buckets for p, v in zip(b.params, b.views))
+    ddp.module.zero_grad()                              # the optimizer's way: .grad = None
+    _backward(ddp)                                      # forward re-attaches zeroed views
+    assert all(p.grad is v for b in ddp.buckets for p, v in zip(b.params, b.views))
+
+
+@pytest.mark.parametrize("mode", ["naive", "bucketed", "overlapped"])
+def test_one_rank_ddp_equals_single_process(mode):
+    """Same gradients as plain backward, including over two accumulated micro-batches and
+    after the optimizer's zero_grad() (which sets .grad = None) between steps."""
+    ref, model = GPT(CONFIG, seed=0, dtype="float64"), GPT(CONFIG, seed=0, dtype="float64")
+    ddp = DistributedDataParallel(model, RecordingGroup(), mode, 0.002)
+    for step in range(2):
+        ref.zero_grad()
+        model.zero_grad()
+        for micro in range(2):
+            _backward(ref, step=10 * step + micro)
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                _backward(ddp, step=10 * step + micro)
+        ddp.sync_grads()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            np.testing.assert_array_equal(p.grad, q.grad, err_msg=f"{mode} {name}")
+
+
+def test_overlapped_launches_in_order_during_backward_not_under_no_sync():
+    model = GPT(CONFIG, seed=0)
+    wpe = model.transformer.wpe.weight          # used first in forward: gradient done last
+    group = RecordingGroup(probe=lambda: bool(np.any(wpe.grad)))
+    ddp = DistributedDataParallel(model, group, "overlapped", 0.002)
+    n = len(ddp.buckets)
+    with ddp.no_sync():
+        _backward(ddp)
+    assert group.reduces() == []                    # accumulating: nothing launched
+    ddp.zero_grad()
+    _backward(ddp, step=1)
+    launched = group.reduces()
+    assert len(launched) == n and all(async_op for _, _, async_op, _ in launched)
+    assert [size for _, size, _, _ in launched] == [b.buffer.size for b in ddp.buckets]
+    probes = [probe for _, _, _, probe in launched]
+    assert probes[0] is False and probes[-1] is True   # the first while backward still ran
+    ddp.sync_grads()
+    assert len(group.reduces()) == n                # sync only waits
+    _backward(ddp, step=2)
+    with pytest.raises(RuntimeError, match="no_sync"):
+        _backward(ddp, step=3)                      # a second backward without sync_grads
+
+
+def test_naive_mode_one_all_reduce_per_parameter_in_reverse_order():
+    group = RecordingGroup()
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "naive")
+    _backward(ddp)
+    ddp.sync_grads()
+    sizes = [size for _, size, _, _ in group.reduces()]
+    assert sizes == [p.size for p in reversed(ddp.params)]
+    assert [c[1] for c in group.calls if c[0] == "broadcast"] == [p.size for p in ddp.params]
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="overlapped"):
+        DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), "fast")
+
+
+# ---- make_strategy: refusals happen on every rank, before any communication ---------------
+
+def _parse(*flags):
+    return train_parser().parse_args(list(flags))
+
+
+def test_dp_must_match_world_size(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(SystemExit, match="--dp 3 does not match the 4 MPI process"):
+        make_strategy(_parse("--dp", "3"))
+    monkeypatch.delenv("PMI_SIZE")
+    with pytest.raises(SystemExit, match="mpirun -n 2"):
+        make_strategy(_parse("--dp", "2"))
+    assert isinstance(make_strategy(_parse("--dp", "1")), SingleProcess)
+
+
+def test_batch_must_split_into_dp_times_grad_accum(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(SystemExit, match="dp 4 x --grad-accum 3 = 12"):
+        make_strategy(_parse("--batch-size", "16", "--grad-accum", "3"))
+
+
+def test_unbuilt_flags_still_refuse_politely_under_mpi(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "4")
+    for flags in (["--tp", "2"], ["--pp", "2"], ["--zero", "1"]):
+        with pytest.raises(SystemExit, match="not available yet"):
+            make_strategy(_parse(*flags))
+
+
+# ---- N ranks under mpiexec ---------------------------------------------------------------
+
+def _results(out, tag="RESULT"):
+    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
+            if line.startswith(tag + " ")]
+
+
+def _assert_exact(results, n, tol=1e-10):
+    assert len(results) == n, results
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= tol, r
+        print(f"{r['ranks']} ranks {r['algo']:5s} {r['mode']:10s} accum {r['grad_accum']} "
+              f"clip {r['clip']}: |loss diff| {r['loss_diff']:.1e}, |param diff| "
+              f"{r['param_diff']:.1e}, sent {r['bytes_sent']} B for {r['grad_bytes']} B")
+
+
+@pytest.mark.mpi
+def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path):
+    """4 ranks x {naive, bucketed, overlapped} x {ring, naive, mpi}, float64, 3 steps: losses,
+    norms and parameters equal to one process to 1e-10, replicas bitwise equal, bytes per step
+    = 2(N-1)/N x gradient bytes; then a traced overlapped run shows all-reduces in backward.
+
+        mpiexec -n 4 python tests/scripts/ddp_check.py --trace /tmp/ddp_trace.json
+    """
+    path = tmp_path / "trace.json"
+    out = run_mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
+    results = _results(out)
+    _assert_exact(results, 9)
+    overlap = _results(out, "OVERLAP")[0]
+    assert min(overlap["started_inside_by_rank"]) > 0
+    events = json.load(open(path))["traceEvents"]
+    ranks = {e["pid"] for e in events if e.get("name") == "all_reduce"}
+    assert ranks == {0, 1, 2, 3}
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"forward", "backward",
+                                                                 "all_reduce"}
+
+
+@pytest.mark.mpi
+def test_two_ranks_with_grad_accum_equal_one_process():
+    """dp 2 x grad-accum 2 (hooks silent under no_sync until the last micro-batch):
+
+        mpiexec -n 2 python tests/scripts/ddp_check.py --grad-accum 2
+    """
+    out = run_mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
+    _assert_exact(_results(out), 9)
+
+
+@pytest.mark.mpi
+def test_global_grad_clipping_under_dp():
+    """A max norm small enough to clip every step: the same norms and parameters as one
+    process, the same norm on every rank (replicated gradients, so the local norm is global):
+
+        mpiexec -n 4 python tests/scripts/ddp_check.py --clip 0.05 --algos ring
+    """
+    out = run_mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
+                  timeout=180)
+    results = _results(out)
+    _assert_exact(results, 3)
+    assert all(min(r["norms"]) > 0.05 for r in results)
+
+
+@pytest.mark.mpi
+def test_exception_on_one_rank_aborts_the_job():
+    """Rank 1 raises; rank 0, waiting in sync_grads, must not hang:
+
+        mpiexec -n 2 python tests/scripts/ddp_abort.py
+    """
+    start = time.time()
+    out = run_mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
+    assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
+    assert "NOT aborted" not in out.stdout and time.time() - start < 60
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
+                                       for i in range(300)))
+    return str(d / "code.py")
+
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
+        "--log-every", "1", "--bucket-mb", "0.005"]
+
+
+@pytest.mark.mpi
+def test_bad_dp_is_refused_on_every_rank():
+    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+
+        mpiexec -n 2 python examples/train_gpt.py --dp 3
+    """
+    out = run_mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.count("--dp 3 does not match the 2 MPI process") == 2
+
+
+@pytest.mark.mpi
+def test_train_gpt_under_mpiexec(corpus, tmp_path):
+    """The main job's path end to end, small: 2 ranks, --log-json from rank 0 only with
+    comm_bytes growing, a DDP summary line and a Chrome trace with both ranks:
+
+        mpiexec -n 2 python examples/train_gpt.py --data CORPUS --steps 4 --trace t.json ...
+    """
+    log, path = tmp_path / "log.jsonl", tmp_path / "trace.json"
+    out = run_mpi(2, "examples/train_gpt.py", *TINY, "--data", corpus, "--cache-dir",
+                  tmp_path / "cache", "--steps", "4", "--eval-every", "0", "--grad-accum", "2",
+                  "--log-json", log, "--trace", path, timeout=120)
+    rows = [json.loads(line) for line in open(log)]
+    assert [r["step"] for r in rows[:-1]] == [0, 1, 2, 3] and rows[-1]["final"]
+    sent = [r["comm_bytes"] for r in rows[:-1]]
+    assert sent[0] > 0 and all(b > a for a, b in zip(sent, sent[1:]))
+    assert out.stdout.count("step     0 |") == 1                  # rank 0 prints alone
+    assert "DDP overlapped over 2 ranks" in out.stdout and "2 process(es)" in out.stdout
+    pids = {e["pid"] for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"}
+    assert pids == {0, 1}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_ddp_resume_continues_bit_identically(corpus, tmp_path):
+    """Rank 0 saves, every rank resumes; the resumed steps repeat the uninterrupted run's:
+
+        mpiexec -n 2 python examples/train_gpt.py ... --stop-at 3 --save DIR; ... --resume DIR
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
+              "--eval-every", "0"]
+    straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run_mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    run_mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
+            timeout=120)
+    run_mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+            resumed, timeout=120)
+    want = [json.loads(line)["loss"] for line in open(straight)][3:6]
+    assert [json.loads(line)["loss"] for line in open(resumed)][:3] == want
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_main_job_defaults_train(tmp_path):
+    """The Quick start's main job with its default flags, cut to 60 steps: the loss falls.
+
+        mpirun -n 4 python examples/train_gpt.py
+    """
+    log = tmp_path / "log.jsonl"
+    run_mpi(4, "examples/train_gpt.py", "--steps", "60", "--eval-every", "0", "--log-json",
+            log, "--sample", "0", timeout=600)
+    rows = [json.loads(line) for line in open(log)][:-1]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+
