@@ -24,13 +24,16 @@ Where to read what:
 Importing this package initialises MPI (mpi4py does on import) and never imports cupy.
 Tests: tests/test_comm.py.
 """
-from minidist.comm import trace  # noqa: F401
-from minidist.comm.debug import CollectiveMismatch, install_abort_handler  # noqa: F401
-from minidist.comm.group import ALGOS, ProcessGroup  # noqa: F401
-from minidist.comm.mesh import DeviceMesh  # noqa: F401
-from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: F401
-from minidist.comm.staging import cuda_aware_mpi  # noqa: F401
-from minidist.comm.stream import Work  # noqa: F401
+from minidist.comm import trace
+from minidist.comm.debug import CollectiveMismatch, install_abort_handler
+from minidist.comm.group import ALGOS, ProcessGroup
+from minidist.comm.mesh import DeviceMesh
+from minidist.comm.ring import chunk_bounds, ring_bytes
+from minidist.comm.staging import cuda_aware_mpi
+from minidist.comm.stream import Work
+
+__all__ = ["ALGOS", "CollectiveMismatch", "DeviceMesh", "ProcessGroup", "Work", "chunk_bounds",
+           "cuda_aware_mpi", "init", "install_abort_handler", "ring_bytes", "trace"]
 
 
 def init(algo="ring"):
