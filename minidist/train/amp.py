@@ -1,0 +1,257 @@
+"""Mixed precision (Micikevicius et al., 2018): 16-bit compute, float32 master weights,
+dynamic loss scaling.
+
+    model parameters   float16 (bfloat16 where the array library has it: CuPy + ml_dtypes)
+    forward, backward  in 16 bits; layer norm, softmax, GELU and cross-entropy do their sums,
+                       exps and logs in float32 inside (minidist/autograd/fused.py), and the
+                       loss comes out float32
+    backward           starts from loss x S (the loss scale), so small gradients do not flush
+                       to zero in float16; the gradients land in float16
+    step               one parameter at a time, through one float32 scratch buffer:
+                       g = float32(g16) / S; the global norm of g (across ranks) is not
+                       finite -> an overflow somewhere: skip the step, S /= 2; else clip,
+                       AdamW on the float32 master copy, master -> 16-bit model weights.
+                       S *= 2 after `growth_interval` good steps in a row.
+
+Memory per parameter: 2 (16-bit weights) + 2 (16-bit gradients) + 12 (float32 master, Adam's
+m and v, kept by the optimizer) = 16 bytes, the ZeRO paper's accounting, which the memory
+ledger measures and minidist/train/planner.py predicts. No float32 gradient is ever stored
+whole: the unscaled gradient lives one parameter at a time in the scratch buffer.
+
+Overflow across ranks: the global norm is a sum over ranks of each rank's sum of squares
+(ZeRO, tensor and pipeline ranks hold different gradients and must all-reduce it for
+clipping anyway; DDP's ranks hold the same averaged gradients). An inf or nan on any rank
+makes that sum inf or nan on every rank, so every rank skips the same steps. A strategy may
+also pass `max_across_ranks` (an all-reduce "max" of a 0/1 flag) to check explicitly.
+
+On the CPU, numpy has no float16 BLAS, so backend.matmul multiplies float16 in float32 and
+rounds the product to float16 (float16 storage, emulated compute; elementwise float16 ops
+are slow in numpy too): CPU mixed precision shows the numbers and the memory, not speed.
+Tests: tests/test_amp.py.
+"""
+import math
+
+import numpy as np
+
+from minidist import backend
+from minidist.nn import Parameter
+from minidist.optim.clip import local_sum_sq
+
+SCALER_KEY = "loss_scaler"    # its entry in the optimizer state (checkpoints), beside params
+
+
+class LossScaler:
+    """Dynamic loss scale: halve it on an overflow, double it after `growth_interval` steps
+    without one (`growth_interval=None`: a fixed scale, e.g. 1 for bfloat16).
+
+    It starts at 2^12, not PyTorch's 2^16: there only activation gradients are float16, here
+    the parameter gradients are too, and a bias or embedding gradient sums over every token of
+    the batch, O(1-10) early in training, which times 2^16 passes float16's 65504. From 2^16,
+    30-step tiny runs skipped 1-4 steps and ended up to 8% above float32; from 2^12, 0-1 and
+    within 1.5% (tests/test_amp.py). The scale still grows when the gradients allow."""
+
+    def __init__(self, init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, max_skips_in_a_row=50):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.max_skips = growth_interval, max_skips_in_a_row
+        self.good_steps = 0          # steps without an overflow since the last change
+        self.skipped = 0             # steps skipped so far (all time)
+        self.skips_in_a_row = 0
+        self.used = False            # scale_loss ran since the last step (checked there)
+
+    def update(self, found_inf):
+        """Record this step's verdict; returns True if the optimizer should step."""
+        if found_inf:
+            self.skipped += 1
+            self.skips_in_a_row += 1
+            self.good_steps = 0
+            if self.growth_interval is not None:
+                self.scale *= self.backoff_factor
+            if self.skips_in_a_row >= self.max_skips:
+                raise FloatingPointError(
+                    f"{self.skips_in_a_row} steps in a row had inf/nan gradients (loss scale "
+                    f"now {self.scale:g}): the loss or the model has diverged, not overflowed")
+            return False
+        self.skips_in_a_row = 0
+        self.good_steps += 1
+        if self.growth_interval is not None and self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+        return True
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, sd):
+        self.scale = float(sd["scale"])
+        self.good_steps, self.skipped = int(sd["good_steps"]), int(sd["skipped"])
+
+
+def half_dtype(xp):
+    """bfloat16 where the array library computes with it (CuPy given ml_dtypes' bfloat16),
+    float16 otherwise: numpy (no bfloat16 without extra packages) and older CuPy."""
+    if xp is np:
+        return np.dtype(np.float16)
+    try:
+        import ml_dtypes
+        a = xp.ones((4, 4), dtype=ml_dtypes.bfloat16)
+        float(((a @ a) * a).astype(xp.float32).sum())     # matmul, elementwise, cast
+        return np.dtype(ml_dtypes.bfloat16)
+    except Exception:
+        return np.dtype(np.float16)
+
+
+class MixedPrecision:
+    """The --amp policy: casts a float32 model to 16 bits (keeping its float32 arrays as the
+    master weights), scales losses, and builds the master-weight optimizer."""
+
+    def __init__(self, scaler=None):
+        self.scaler = scaler or LossScaler()
+        self.dtype = None            # chosen by cast_model, once the device is known
+        self.masters = {}            # parameter name -> float32 array
+
+    def cast_model(self, model):
+        """Parameters to 16 bits in place; returns the model."""
+        params = list(model.named_parameters())
+        self.dtype = half_dtype(backend.xp_of(params[0][1].data))
+        if self.dtype.name == "bfloat16":    # float32's exponent range: no scaling needed
+            self.scaler.scale, self.scaler.growth_interval = 1.0, None
+        for name, p in params:
+            if p.dtype != np.float32:
+                raise ValueError(f"mixed precision starts from a float32 model; {name} is "
+                                 f"{p.dtype} (use --dtype float32 with --amp)")
+            self.masters[name] = p.data
+            p.data = p.data.astype(self.dtype)
+        return model
+
+    def scale_loss(self, loss, factor=1.0):
+        """The tensor backward starts from: loss x factor x the loss scale."""
+        self.scaler.used = True
+        return loss * (self.scaler.scale * factor)
+
+    def backward(self, loss, factor=1.0):
+        """Backpropagate the scaled loss. An overflow to inf is expected now and then (the
+        step is skipped), so numpy is told not to warn about it."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.scale_loss(loss, factor).backward()
+
+    def optimizer(self, named_params, make_inner, max_across_ranks=None):
+        """A MasterWeightOptimizer; `make_inner(named float32 params)` builds e.g. AdamW."""
+        return MasterWeightOptimizer(named_params, self.masters, make_inner, self.scaler,
+                                     max_across_ranks)
+
+    def describe(self):
+        s = self.scaler
+        scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "
+                   f"x{s.growth_factor:g} after {s.growth_interval} good steps)"
+                   if s.growth_interval is not None else f"fixed loss scale {s.scale:g}")
+        cpu = ("; on the CPU numpy has no float16 BLAS, so matmuls multiply in float32 and "
+               "round to float16 (float16 storage, emulated compute)"
+               if backend.device() == "cpu" else "")
+        return (f"mixed precision: {self.dtype} compute, float32 master weights and Adam "
+                f"state (2+2+12 bytes per parameter), {scaling}; steps with inf/nan "
+                f"gradients are skipped{cpu}")
+
+
+class MasterWeightOptimizer:
+    """An optimizer (e.g. AdamW) over float32 master copies of 16-bit model parameters.
+
+    Used like the inner one: zero_grad, set_lr, clip_grad_norm, step, state_dict. step()
+    returns False when it skipped the update because some gradient was inf or nan."""
+
+    def __init__(self, named_params, masters, make_inner, scaler, max_across_ranks=None):
+        named = list(named_params)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]                  # the 16-bit model parameters
+        self.master = [Parameter(masters[n], decay=bool(getattr(p, "decay", p.ndim >= 2)))
+                       for n, p in named]
+        self.inner = make_inner(list(zip(self.names, self.master)))
+        self.scaler, self.max_across_ranks = scaler, max_across_ranks
+        self._model_param = {n: p for n, p in named}
+        self._factor, self._found_inf, self._scratch = None, False, {}
+
+    param_groups = property(lambda self: self.inner.param_groups)
+
+    def set_lr(self, lr):
+        self.inner.set_lr(lr)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def _unscaled(self, grad, factor):
+        """float32(grad) * factor, in a scratch buffer reused for every parameter shape."""
+        key = (grad.shape, type(grad).__module__)
+        if key not in self._scratch:
+            self._scratch[key] = backend.xp_of(grad).empty(grad.shape, np.float32)
+        buf = self._scratch[key]
+        buf[...] = grad
+        buf *= factor
+        return buf
+
+    def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
+        """Global L2 norm of the unscaled gradients (inf or nan: an overflow on some rank);
+        sets step()'s factor 1/S, times max_norm / norm if that is smaller. Returns it."""
+        inv = 1.0 / self.scaler.scale
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not self.scaler.used:
+            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
+                               "(the strategy must call MixedPrecision.scale_loss)")
+        self.scaler.used = False
+        sum_sq = sum(local_sum_sq([self._unscaled(g, inv)]) for g in grads)
+        if sum_sq_across_ranks is not None:
+            sum_sq = float(sum_sq_across_ranks(sum_sq))
+        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
+        found_inf = not math.isfinite(norm)
+        if self.max_across_ranks is not None:
+            found_inf = bool(self.max_across_ranks(float(found_inf)))
+        clip = max_norm / (norm + 1e-6) if max_norm and 0 < max_norm < norm else 1.0
+        self._found_inf, self._factor = found_inf, inv * (1.0 if found_inf else clip)
+        return norm
+
+    def step(self):
+        """Skip (and lower the scale) on an overflow; else update masters and model."""
+        if self._factor is None:
+            self.clip_grad_norm(None)            # not clipped: still unscale and check
+        found_inf, factor, self._factor = self._found_inf, self._factor, None
+        if not self.scaler.update(found_inf):
+            return False
+        for group in self.inner.param_groups:
+            for name, master in zip(group["names"], group["params"]):
+                p = self._model_param[name]
+                if p.grad is None:
+                    continue
+                state = self.inner.state.setdefault(name, {"step": 0})
+                state["step"] += 1
+                self.inner._update(master.data, self._unscaled(p.grad, factor), state, group)
+                p.data[...] = master.data        # float32 master -> 16-bit weights
+        return True
+
+    # ---- memory ledger and checkpoints ---------------------------------------------------
+    def state_arrays(self):
+        """Master weights and the inner optimizer's state (Adam's m and v)."""
+        yield from (m.data for m in self.master)
+        yield from self.inner.state_arrays()
+
+    def state_dict(self):
+        """The inner optimizer's, plus each parameter's "master" array and the scaler."""
+        sd = self.inner.state_dict()
+        for name, m in zip(self.names, self.master):
+            sd["state"].setdefault(name, {})["master"] = backend.to_host(m.data).copy()
+        sd["state"][SCALER_KEY] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd):
+        state = dict(sd["state"])
+        self.scaler.load_state_dict(state.pop(SCALER_KEY))
+        inner = {}
+        for name, s in state.items():
+            s = dict(s)
+            if "master" in s:
+                m = self.master[self.names.index(name)]
+                m.data[...] = backend.to_device(s.pop("master"), backend.xp_of(m.data))
+                self._model_param[name].data[...] = m.data
+            if s:
+                inner[name] = s
+        self.inner.load_state_dict({"groups": sd["groups"], "state": inner})

@@ -1,0 +1,227 @@
+"""Mixed precision (minidist/train/amp.py): the loss scaler's skip/grow logic under injected
+overflows, the master-weight optimizer (skips leave everything untouched, an overflow on
+another rank skips here too, the 2+2+12 bytes per parameter the ledger sees), the CPU float16
+matmul, and --amp training: within 2% of float32 after 30 steps, checkpointing changing no
+number under amp with gradient accumulation, and a bit-identical resume."""
+import json
+
+import numpy as np
+import pytest
+
+from minidist.backend import matmul
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.train.amp import LossScaler, MixedPrecision
+from minidist.train.args import train_parser
+from minidist.train.loop import train
+from minidist.train.memory import ledger
+
+# A config that learns well below the unigram entropy within 30 steps.
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+         "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "4", "--sample", "0",
+         "--log-every", "10", "--device", "cpu", "--eval-every", "0"]
+
+
+# ---- the loss scaler -------------------------------------------------------------------------
+
+def test_overflow_skips_and_halves_the_scale():
+    s = LossScaler(init_scale=1024, growth_interval=3)
+    assert s.update(False) and s.good_steps == 1
+    assert not s.update(True)
+    assert s.scale == 512 and s.good_steps == 0 and s.skipped == 1
+
+
+def test_scale_grows_after_a_streak_and_an_overflow_restarts_it():
+    s = LossScaler(init_scale=8, growth_interval=3)
+    verdicts = [s.update(f) for f in (False, False, True, False, False, False, False)]
+    assert verdicts == [True, True, False, True, True, True, True]
+    assert s.scale == 8                  # 8 -> 4 at the overflow -> 8 after 3 clean steps
+    assert s.good_steps == 1 and s.skipped == 1
+
+
+def test_fixed_scale_still_skips():
+    s = LossScaler(init_scale=1.0, growth_interval=None)
+    assert not s.update(True) and s.scale == 1.0
+    assert all(s.update(False) for _ in range(5)) and s.scale == 1.0
+
+
+def test_endless_overflows_are_an_error_not_a_silent_stall():
+    s = LossScaler(max_skips_in_a_row=4)
+    for _ in range(3):
+        s.update(True)
+    with pytest.raises(FloatingPointError, match="4 steps in a row"):
+        s.update(True)
+
+
+def test_scaler_state_round_trips():
+    s = LossScaler(init_scale=64, growth_interval=2)
+    for f in (False, True, False):
+        s.update(f)
+    t = LossScaler()
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert (t.scale, t.good_steps, t.skipped) == (32, 1, 1)
+
+
+# ---- the master-weight optimizer -------------------------------------------------------------
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+
+
+def _amp_model(max_across_ranks=None, scale=1024.0):
+    amp = MixedPrecision(LossScaler(init_scale=scale, growth_interval=2))
+    model = amp.cast_model(GPT(CFG, seed=0))
+    opt = amp.optimizer(model.named_parameters(), lambda named: AdamW(named, lr=1e-2),
+                        max_across_ranks)
+    return amp, model, opt
+
+
+def _backward(amp, model, seed=0):
+    x = np.random.default_rng(seed).integers(0, CFG.vocab_size, (4, CFG.block_size))
+    _, loss = model(x, x)
+    amp.backward(loss)
+    return loss
+
+
+def _snapshot(model, opt):
+    return ([p.data.copy() for p in model.parameters()], [m.data.copy() for m in opt.master],
+            {k: dict(v) for k, v in opt.inner.state.items()})
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_injected_overflow_skips_the_step_and_leaves_everything_untouched(bad):
+    amp, model, opt = _amp_model()
+    _backward(amp, model)
+    model.transformer.h[1].mlp.c_fc.weight.grad[3, 5] = bad          # one poisoned element
+    before = _snapshot(model, opt)
+    norm = opt.clip_grad_norm(1.0)
+    assert not np.isfinite(norm)
+    assert opt.step() is False
+    after = _snapshot(model, opt)
+    assert all(np.array_equal(a, b) for a, b in zip(before[0], after[0]))
+    assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1]))
+    assert after[2] == {} and amp.scaler.scale == 512.0
+    opt.zero_grad()
+    _backward(amp, model, seed=1)                                     # a clean step updates
+    assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step() is True
+    assert not np.array_equal(before[1][0], opt.master[0].data)
+    assert all(s["step"] == 1 for s in opt.inner.state.values())
+
+
+def test_an_overflow_on_another_rank_skips_here_too():
+    """Another rank's inf arrives through the norm's sum over ranks, or through the optional
+    max over ranks of the overflow flag: either way this rank, whose gradients are finite,
+    skips."""
+    amp, model, opt = _amp_model()
+    _backward(amp, model)
+    assert np.isinf(opt.clip_grad_norm(1.0, lambda local: local + np.inf))
+    assert opt.step() is False
+    amp, model, opt = _amp_model(max_across_ranks=lambda flag: max(flag, 1.0))
+    _backward(amp, model)
+    assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step() is False
+
+
+def test_unscaled_norm_matches_float32_and_the_step_lands_in_float16():
+    amp, model, opt = _amp_model()
+    _backward(amp, model)
+    ref = GPT(CFG, seed=0)
+    x = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, CFG.block_size))
+    ref(x, x)[1].backward()
+    ref_norm = AdamW(ref.named_parameters()).clip_grad_norm(None)
+    assert abs(opt.clip_grad_norm(None) / ref_norm - 1) < 1e-2
+    assert opt.step()
+    for p, m in zip(model.parameters(), opt.master):
+        assert p.dtype == np.float16 and m.dtype == np.float32
+        np.testing.assert_array_equal(p.data, m.data.astype(np.float16))
+
+
+def test_backward_must_start_from_the_scaled_loss():
+    amp, model, opt = _amp_model()
+    x = np.zeros((2, CFG.block_size), np.int64)
+    model(x, x)[1].backward()                                          # forgot the scale
+    with pytest.raises(RuntimeError, match="scaled loss"):
+        opt.clip_grad_norm(1.0)
+
+
+def test_ledger_counts_2_2_12_bytes_per_parameter():
+    amp, model, opt = _amp_model()
+    _backward(amp, model)
+    opt.clip_grad_norm(1.0)
+    assert opt.step()
+    n = model.num_parameters()
+    row = ledger(model.parameters(), opt)
+    assert (row["params"], row["grads"], row["optimizer"]) == (2 * n, 2 * n, 12 * n)
+
+
+def test_cpu_float16_matmul_is_the_float32_product_rounded():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((5, 7)).astype(np.float16)
+    b = rng.standard_normal((3, 7, 4)).astype(np.float16)
+    out = matmul(a, b)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, (a.astype(np.float32) @ b.astype(np.float32))
+                                  .astype(np.float16))
+
+
+def test_amp_refuses_a_float64_model():
+    with pytest.raises(ValueError, match="float32 model"):
+        MixedPrecision().cast_model(GPT(CFG, dtype="float64"))
+
+
+# ---- training ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300))
+    (d / "code.py").write_text(text)
+    return str(d / "code.py")
+
+
+def _train(corpus, tmp, *flags):
+    log = tmp / f"log{len(list(tmp.glob('log*')))}.jsonl"
+    args = train_parser().parse_args(SMALL + ["--data", corpus, "--cache-dir",
+                                              str(tmp / "cache"), "--log-json", str(log),
+                                              *flags])
+    train(args)
+    rows = [json.loads(line) for line in open(log)]
+    return rows[:-1], rows[-1]
+
+
+def test_amp_within_2_percent_of_float32_after_30_steps(corpus, tmp_path, capsys):
+    rows32, final32 = _train(corpus, tmp_path, "--steps", "30")
+    rows16, final16 = _train(corpus, tmp_path, "--steps", "30", "--amp")
+    assert "mixed precision: float16 compute" in capsys.readouterr().out
+    assert final32["val_loss"] < 0.8 * final32["unigram_entropy"]          # it learned
+    assert abs(final16["val_loss"] / final32["val_loss"] - 1) < 0.02
+    late32 = np.mean([r["loss"] for r in rows32[-5:]])
+    late16 = np.mean([r["loss"] for r in rows16[-5:]])
+    assert abs(late16 / late32 - 1) < 0.02
+    m32, m16 = rows32[-1]["mem"], rows16[-1]["mem"]
+    assert m16["params"] * 2 == m32["params"] and m16["optimizer"] == 3 * m32["optimizer"] / 2
+
+
+def test_amp_with_checkpointing_and_grad_accum_changes_no_number(corpus, tmp_path):
+    rows, _ = _train(corpus, tmp_path, "--steps", "4", "--amp", "--grad-accum", "2",
+                     "--dropout", "0.1")
+    rows_c, _ = _train(corpus, tmp_path, "--steps", "4", "--amp", "--grad-accum", "2",
+                       "--dropout", "0.1", "--ckpt-activations")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in rows_c]
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in rows_c]
+    assert rows_c[-1]["mem"]["activations"] < 0.6 * rows[-1]["mem"]["activations"]
+
+
+def test_amp_resume_is_bit_identical(corpus, tmp_path):
+    common = ["--steps", "6", "--amp"]
+    straight, _ = _train(corpus, tmp_path, *common)
+    _train(corpus, tmp_path, *common, "--save", str(tmp_path / "ck"), "--stop-at", "3")
+    resumed, _ = _train(corpus, tmp_path, *common, "--resume", str(tmp_path / "ck"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+
+
+@pytest.mark.gpu
+def test_amp_trains_on_cuda(corpus, tmp_path, capsys):
+    """python -m pytest -m gpu --device cuda tests/test_amp.py: bfloat16 if CuPy takes
+    ml_dtypes' bfloat16, float16 otherwise; real 16-bit GEMMs."""
+    rows, final = _train(corpus, tmp_path, "--steps", "10", "--amp", "--device", "cuda")
+    assert "float32 master weights" in capsys.readouterr().out
+    assert np.isfinite(final["val_loss"]) and rows[-1]["loss"] < rows[0]["loss"]
