@@ -12,6 +12,7 @@ Tests: tests/test_optim.py.
 import numpy as np
 
 from minidist import backend
+from minidist.optim.clip import clip_grad_norm
 
 
 class Optimizer:
@@ -43,6 +44,12 @@ class Optimizer:
 
     def _update(self, p, grad, state, group):
         raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
+        """`clip_grad_norm` over this optimizer's gradients; returns the norm before clipping.
+        The loop calls this method so that an optimizer whose gradients are not plain float
+        arrays (mixed precision: scaled float16, minidist/train/amp.py) can unscale first."""
+        return clip_grad_norm(self.params, max_norm, sum_sq_across_ranks)
 
     def zero_grad(self):
         """Drop gradients (None, not zeros: no memory held, and the first += is a copy)."""
