@@ -75,7 +75,7 @@ class DataParallel(SingleProcess):
                     act = max(act, memory.activation_bytes(loss, model.parameters()))
                 total += float(loss.item())
                 with traced("backward"):
-                    (loss * (1.0 / n_accum) if n_accum > 1 else loss).backward()
+                    self.backward(loss, n_accum)     # / n_accum, x the loss scale (amp)
         self.stats.append({"compute_s": time.perf_counter() - start})
         return total / n_accum, act
 

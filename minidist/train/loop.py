@@ -16,7 +16,7 @@ import time
 from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
-from minidist.optim import WarmupCosine, clip_grad_norm
+from minidist.optim import WarmupCosine
 from minidist.train import memory
 from minidist.train.data import TokenData
 from minidist.train.strategy import make_strategy
@@ -75,7 +75,7 @@ def train_step(strategy, model, opt, x, y, args):
     loss, act = strategy.forward_backward(model, x, y, args.grad_accum,
                                           measure=bool(args.log_json))
     strategy.sync_grads(model)
-    norm = clip_grad_norm(opt.params, args.grad_clip, strategy.sum_sq_across_ranks)
+    norm = opt.clip_grad_norm(args.grad_clip, strategy.sum_sq_across_ranks)  # amp: unscaled
     opt.step()
     mem = memory.ledger(model.parameters(), opt, act) if args.log_json else None
     opt.zero_grad()
@@ -118,6 +118,8 @@ def train(args):
     log.print0(f"model: {model.num_parameters():,} parameters, {model.config}, {args.dtype} "
                f"on {device}, {threads} BLAS thread(s), {strategy.world_size} process(es); "
                f"unigram entropy of the data {data.unigram_entropy:.4f} nats/token")
+    for line in strategy.notes():                 # --amp, --ckpt-activations
+        log.print0(line)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps

@@ -18,6 +18,15 @@ subclass it and override what they change:
     comm_bytes()              bytes this rank sent since the run began
     save(dir, ...) / load(dir, ...)        checkpoints (ZeRO writes per-rank shards)
     finish(args, log)         end of training: a summary line, the --trace file
+Memory options, for every strategy alike (set by make_strategy from --amp and
+--ckpt-activations, used by the SingleProcess methods strategies inherit):
+    amp                       None, or MixedPrecision (minidist/train/amp.py): build_model
+                              casts the model to 16 bits, build_optimizer keeps float32
+                              master weights, backward() scales the loss
+    ckpt_activations          build_model turns on GPT.set_checkpointing
+    backward(loss, n_accum)   what forward_backward calls: (loss / n_accum [x loss scale])
+    max_across_ranks          None, or f(0/1 overflow flag) -> max over ranks (amp)
+    notes()                   log lines on precision and checkpointing
 DataParallel (DDP) lives in minidist/train/data_parallel.py.
 Tests: tests/test_train.py.
 """
@@ -57,13 +66,27 @@ def make_strategy(args):
             f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
             f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
     if world == 1:
-        return SingleProcess()
+        return _memory_options(SingleProcess(), args)
     from minidist.comm import DeviceMesh, trace
     from minidist.train.data_parallel import DataParallel
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=1, pp=1, algo=args.comm)   # installs the abort handler
-    return DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
+    return _memory_options(DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb),
+                           args)
+
+
+def _memory_options(strategy, args):
+    """--amp and --ckpt-activations: independent of how the work is split, so every strategy
+    takes them (mixed precision: minidist/train/amp.py; checkpointing: autograd/recompute.py)."""
+    if args.amp and args.dtype != "float32":
+        raise SystemExit(f"--amp computes in 16 bits with float32 master weights; it does not "
+                         f"combine with --dtype {args.dtype} (leave --dtype at float32)")
+    if args.amp:
+        from minidist.train.amp import MixedPrecision
+        strategy.amp = MixedPrecision()
+    strategy.ckpt_activations = bool(args.ckpt_activations)
+    return strategy
 
 
 def _refuse_unbuilt(args):
@@ -73,27 +96,45 @@ def _refuse_unbuilt(args):
                                  ("--micro-batches", args.micro_batches, 1)):
         if value != default:
             wanted.append(f"{flag} {value}")
-    for flag, on in (("--amp", args.amp), ("--ckpt-activations", args.ckpt_activations)):
-        if on:
-            wanted.append(flag)
     if wanted:
         raise NotAvailableYet(
             f"Sorry: {', '.join(wanted)} is not available yet -- this build trains on one "
             "process or with data parallelism (mpirun -n N). ZeRO, tensor/pipeline "
-            "parallelism and mixed precision land in their own issues; run without these "
-            "flags.")
+            "parallelism land in their own issues; run without these flags.")
 
 
 class SingleProcess:
     rank, world_size = 0, 1
     sum_sq_across_ranks = None
+    max_across_ranks = None
+    amp = None
+    ckpt_activations = False
 
     def build_model(self, config, seed, dtype):
-        return GPT(config, seed=seed, dtype=dtype)
+        model = GPT(config, seed=seed, dtype=dtype).set_checkpointing(self.ckpt_activations)
+        return self.amp.cast_model(model) if self.amp else model
 
     def build_optimizer(self, model, args):
-        return AdamW(model.named_parameters(), lr=args.lr, betas=(0.9, 0.95),
-                     weight_decay=args.weight_decay)
+        def adamw(named_params):
+            return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95),
+                         weight_decay=args.weight_decay)
+        if self.amp:
+            return self.amp.optimizer(model.named_parameters(), adamw, self.max_across_ranks)
+        return adamw(model.named_parameters())
+
+    def backward(self, loss, n_accum=1):
+        """Backpropagate one micro-batch's loss / n_accum (times the loss scale under --amp)."""
+        if self.amp:
+            return self.amp.backward(loss, 1.0 / n_accum)
+        (loss * (1.0 / n_accum) if n_accum > 1 else loss).backward()
+
+    def notes(self):
+        """Lines for the log: how this run computes (precision, activation checkpointing)."""
+        lines = [self.amp.describe()] if self.amp else []
+        if self.ckpt_activations:
+            lines.append("activation checkpointing: each block keeps its input and is "
+                         "recomputed in backward (same numbers, ~1/3 more compute)")
+        return lines
 
     def local_rows(self, x, y):
         return x, y
@@ -110,7 +151,7 @@ class SingleProcess:
             if measure:
                 act = max(act, memory.activation_bytes(loss, model.parameters()))
             total += float(loss.item())
-            (loss * (1.0 / n_accum) if n_accum > 1 else loss).backward()
+            self.backward(loss, n_accum)
         return total / n_accum, act
 
     def sync_grads(self, model):
