@@ -35,12 +35,17 @@ def unique_nbytes(arrays, exclude=()):
 
 
 def _ctx_arrays(ctx):
-    for value in vars(ctx).values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for v in items:
-            v = getattr(v, "data", v) if not _is_array(v) else v
-            if _is_array(v):
-                yield v
+    """Arrays an op saved: ctx attributes, inside tuples and lists at any depth (attention
+    saves (qkv, y, (P, mask, scale)))."""
+    stack = list(vars(ctx).values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+            continue
+        v = getattr(v, "data", v) if not _is_array(v) else v
+        if _is_array(v):
+            yield v
 
 
 def graph_arrays(output):
