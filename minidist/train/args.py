@@ -26,7 +26,7 @@ def add_model_args(p):
 
 
 def add_parallel_args(p):
-    g = p.add_argument_group("parallelism (--tp, --pp, --zero, --amp, --ckpt-activations: "
+    g = p.add_argument_group("parallelism (--pp, --zero: "
                              "later issues, refused politely for now)")
     g.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default: the number of MPI processes)")
@@ -34,6 +34,8 @@ def add_parallel_args(p):
                    help="how DDP averages gradients (README: Data parallelism)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: layer norms and dropout on sequence shards")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")

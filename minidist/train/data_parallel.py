@@ -48,7 +48,11 @@ class DataParallel(SingleProcess):
         self.stats = []                 # one dict per step: compute_s, exposed_s, bytes_sent
 
     def build_model(self, config, seed, dtype):
-        model = super().build_model(config, seed, dtype)
+        return self.wrap(super().build_model(config, seed, dtype))
+
+    def wrap(self, model):
+        """DDP over this strategy's group around a model built elsewhere (e.g. this rank's
+        tensor-parallel part: minidist/train/tensor_parallel.py)."""
         self.ddp = DistributedDataParallel(model, self.group, self.mode, self.bucket_mb)
         return model
 

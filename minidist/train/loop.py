@@ -154,7 +154,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds):
         val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                             args.eval_iters)
     text = ""
-    if args.sample and strategy.rank == 0:
+    if args.sample and strategy.takes_part_in_sampling():     # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
         log.print0("---- sample ----\n" + text + "\n----------------")
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,

@@ -27,7 +27,12 @@ Memory options, for every strategy alike (set by make_strategy from --amp and
     backward(loss, n_accum)   what forward_backward calls: (loss / n_accum [x loss scale])
     max_across_ranks          None, or f(0/1 overflow flag) -> max over ranks (amp)
     notes()                   log lines on precision and checkpointing
-DataParallel (DDP) lives in minidist/train/data_parallel.py.
+    wrap(model)               a data-parallel strategy's hold on a model another strategy
+                              built (TensorParallel builds, DDP wraps); SingleProcess: as is
+    takes_part_in_sampling()  ranks that run the end-of-training sample (model-parallel
+                              strategies: all ranks holding a part of one replica)
+DataParallel (DDP) lives in minidist/train/data_parallel.py, TensorParallel (--tp) in
+minidist/train/tensor_parallel.py.
 Tests: tests/test_train.py.
 """
 from minidist.nn import GPT
@@ -54,6 +59,9 @@ def make_strategy(args):
     refused politely; inconsistent sizes are refused on every rank before any communication."""
     world = world_size_from_env()
     _refuse_unbuilt(args)
+    if args.tp > 1:            # tensor (x data) parallelism: minidist/train/tensor_parallel.py
+        from minidist.train.tensor_parallel import make_tensor_parallel
+        return _memory_options(make_tensor_parallel(args, world), args)
     dp = args.dp if args.dp is not None else world
     if dp != world:
         raise SystemExit(
@@ -91,7 +99,7 @@ def _memory_options(strategy, args):
 
 def _refuse_unbuilt(args):
     wanted = []
-    for flag, value, default in (("--tp", args.tp, 1), ("--pp", args.pp, 1),
+    for flag, value, default in (("--pp", args.pp, 1),
                                  ("--zero", args.zero, 0),
                                  ("--micro-batches", args.micro_batches, 1)):
         if value != default:
@@ -99,8 +107,8 @@ def _refuse_unbuilt(args):
     if wanted:
         raise NotAvailableYet(
             f"Sorry: {', '.join(wanted)} is not available yet -- this build trains on one "
-            "process or with data parallelism (mpirun -n N). ZeRO, tensor/pipeline "
-            "parallelism land in their own issues; run without these flags.")
+            "process, with data parallelism (mpirun -n N) or tensor parallelism (--tp). ZeRO "
+            "and pipeline parallelism land in their own issues; run without these flags.")
 
 
 class SingleProcess:
@@ -135,6 +143,15 @@ class SingleProcess:
             lines.append("activation checkpointing: each block keeps its input and is "
                          "recomputed in backward (same numbers, ~1/3 more compute)")
         return lines
+
+    def wrap(self, model):
+        """What this strategy does to a model someone else built (TensorParallel builds
+        the model; a data-parallel strategy wraps it): here, nothing."""
+        return model
+
+    def takes_part_in_sampling(self):
+        """Whether this rank runs the end-of-training sample (rank 0 prints it)."""
+        return self.rank == 0
 
     def local_rows(self, x, y):
         return x, y

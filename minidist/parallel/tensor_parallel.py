@@ -1,0 +1,266 @@
+"""Tensor parallelism's communication, as autograd Functions (Megatron-LM, Shoeybi et al. 2019;
+sequence parallelism, Korthikanti et al. 2022).
+
+A tensor-parallel layer pair splits one big matmul over the `tp` ranks of a group: the first
+layer by output columns (each rank computes some heads, some MLP units), the second by input
+rows (each rank holds the rows that multiply its own columns' output), so nothing is
+communicated between them. Two conjugate ops wrap the pair:
+
+    f  CopyToTP       identity forward     all-reduce backward   (before the column layer)
+    g  ReduceFromTP   all-reduce forward   identity backward     (after the row layer)
+
+With sequence parallelism the replicated activations between the pairs (layer norms,
+dropout, residual adds) are split along the sequence instead, and f / g become
+
+    GatherFromSequence        all-gather forward (T/tp -> T)   reduce-scatter backward
+    ReduceScatterToSequence   reduce-scatter forward (T -> T/tp)   all-gather backward
+
+moving the same bytes as the all-reduces they replace (an all-reduce is a reduce-scatter
+then an all-gather). Plus the gather/scatter pair along the last axis (GatherFromTP,
+ScatterToTP), used to gather the vocabulary-split logits for sampling.
+
+`TensorParallelRegion` holds the group and picks f/g or the sequence-parallel pair for each
+forward; `Split` says how one parameter is cut into per-rank shards and glued back.
+The layers built on these: minidist/parallel/tp_layers.py; the model: tp_model.py.
+Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
+tests/scripts/tp_check.py --gradcheck).
+"""
+from minidist.autograd import Function, is_grad_enabled
+from minidist.backend import xp_of
+
+SEQ_AXIS = 1      # activations are (B, T, C): sequence parallelism splits T
+
+
+# ---- collectives on n-d arrays along an axis (the group's collectives are flat, 1-D) -----
+
+def _all_reduce(x, group):
+    """x summed over the group, in a new array (never the caller's, which may be shared)."""
+    out = x.copy()                                           # C-contiguous
+    group.all_reduce(out)
+    return out
+
+
+def _all_gather(x, group, axis):
+    """Every rank's x concatenated along `axis`, in rank order."""
+    xp, axis = xp_of(x), axis % x.ndim
+    buf = xp.empty((group.size,) + x.shape, x.dtype)         # (tp, *x.shape): rank r's at [r]
+    group.all_gather(buf, xp.ascontiguousarray(x))
+    shape = list(x.shape)
+    shape[axis] *= group.size
+    return xp.moveaxis(buf, 0, axis).reshape(shape)          # (..., tp * n, ...)
+
+
+def _reduce_scatter(x, group, axis):
+    """This rank's chunk along `axis` of x summed over the group (the axis must divide)."""
+    xp, axis, t = xp_of(x), axis % x.ndim, group.size
+    n = x.shape[axis]
+    if n % t:
+        raise ValueError(f"axis {axis} of length {n} does not split into {t} equal shards")
+    blocks = x.reshape(x.shape[:axis] + (t, n // t) + x.shape[axis + 1:])
+    inp = xp.ascontiguousarray(xp.moveaxis(blocks, axis, 0))  # (tp, ..., n/tp, ...)
+    out = xp.empty(inp.shape[1:], x.dtype)
+    group.reduce_scatter(out, inp)
+    return out
+
+
+def _own_chunk(x, group, axis):
+    """This rank's chunk along `axis` of x, as a new contiguous array."""
+    axis, t = axis % x.ndim, group.size
+    n = x.shape[axis] // t
+    index = (slice(None),) * axis + (slice(group.rank * n, (group.rank + 1) * n),)
+    return xp_of(x).ascontiguousarray(x[index])
+
+
+# ---- the conjugate pairs ------------------------------------------------------------------
+
+class CopyToTP(Function):
+    """Identity forward, all-reduce backward: Megatron's f.
+
+    Where a replicated activation x enters a column-parallel layer: every rank reads all of
+    x, so dL/dx is the sum of every rank's contribution (each computed only its columns)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTP(Function):
+    """All-reduce forward, identity backward: Megatron's g.
+
+    After a row-parallel layer: each rank's output is a partial sum over its rows, the
+    layer's output is their sum; every rank holds that sum, so dL/d(partial) = dL/d(sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTP(Function):
+    """All-gather along the last axis forward, keep this rank's slice backward.
+
+    Column-parallel outputs (e.g. vocabulary-split logits) glued into the full tensor; each
+    rank's slice only influenced its own part, so backward takes that part of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.group, -1), None
+
+
+class ScatterToTP(Function):
+    """Keep this rank's slice of the last axis forward, all-gather backward (GatherFromTP's
+    conjugate): a replicated tensor handed to a layer that wants only its shard."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_chunk(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, -1), None
+
+
+class GatherFromSequence(Function):
+    """All-gather along the sequence forward, reduce-scatter backward: sequence parallelism's
+    f. (B, T/tp, C) shards -> the whole (B, T, C) a column-parallel layer needs; every rank
+    used every position, so each shard's gradient is the sum over ranks of its positions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, SEQ_AXIS)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, SEQ_AXIS), None
+
+
+class ReduceScatterToSequence(Function):
+    """Reduce-scatter along the sequence forward, all-gather backward: sequence parallelism's
+    g. Row-parallel partial sums (B, T, C) -> this rank's positions of their sum, (B, T/tp, C);
+    backward hands every rank the whole gradient, as g's identity backward does."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, SEQ_AXIS)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, SEQ_AXIS), None
+
+
+def copy_to_tp(x, group):
+    return CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x, group):
+    return GatherFromTP.apply(x, group)
+
+
+def scatter_to_tp(x, group):
+    return ScatterToTP.apply(x, group)
+
+
+def gather_from_sequence(x, group):
+    return GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x, group):
+    return ReduceScatterToSequence.apply(x, group)
+
+
+# ---- where activations enter and leave the split layers -----------------------------------
+
+class TensorParallelRegion:
+    """The tp group, and which conjugate pair this forward uses.
+
+    `enter(x)` before a column-parallel matmul, `leave(y)` after a row-parallel one: f and g,
+    or with sequence parallelism (`sharded`) the all-gather / reduce-scatter along T, so that
+    everything between leave and the next enter (layer norms, dropout, residual adds) works
+    on (B, T/tp, C). The model calls `begin(T)` at the start of each forward: sequence
+    parallelism is for forwards that record a graph (training), where it saves activation
+    memory; evaluation and sampling (no_grad, any length) take the f/g path, same numbers."""
+
+    def __init__(self, group, sequence_parallel=False):
+        self.group, self.size, self.rank = group, group.size, group.rank
+        self.sequence_parallel = bool(sequence_parallel) and group.size > 1
+        self.sharded = False
+
+    def begin(self, T):
+        self.sharded = self.sequence_parallel and is_grad_enabled()
+        if self.sharded and T % self.size:
+            raise ValueError(f"sequence parallelism splits the sequence over {self.size} "
+                             f"ranks: length {T} must be a multiple of {self.size}")
+
+    def enter(self, x):
+        """(B, T, C) replicated, or (B, T/tp, C) shards -> (B, T, C) on every rank."""
+        if self.sharded:
+            return gather_from_sequence(x, self.group)
+        return copy_to_tp(x, self.group)
+
+    def leave(self, y):
+        """(B, T, C) partial sums -> their sum: (B, T, C) replicated or (B, T/tp, C)."""
+        if self.sharded:
+            return reduce_scatter_to_sequence(y, self.group)
+        return reduce_from_tp(y, self.group)
+
+
+# ---- how a parameter is cut into shards ---------------------------------------------------
+
+class Split:
+    """A parameter split over tp ranks along `axis` (full length `size`): the axis is seen as
+    `blocks` equal blocks (3 for c_attn's q|k|v, so each rank gets its heads' q, k and v), each
+    block cut into tp equal chunks; rank r keeps chunk r of every block, in block order. A
+    block that does not divide by tp is padded with zeros at its end (the vocabulary)."""
+
+    def __init__(self, axis, size, blocks=1):
+        self.axis, self.size, self.blocks = axis, size, blocks
+
+    def chunk(self, tp):
+        """Chunk length per block on each rank (padding included)."""
+        return -(-(self.size // self.blocks) // tp)
+
+    def padding(self, tp):
+        return self.chunk(tp) * tp - self.size // self.blocks
+
+    def shard(self, full, tp, rank):
+        """Rank `rank`'s shard of the full array."""
+        xp, n, c = xp_of(full), self.size // self.blocks, self.chunk(tp)
+        a = xp.moveaxis(full, self.axis, 0)
+        a = a.reshape((self.blocks, n) + a.shape[1:])                 # (blocks, n, ...)
+        if self.padding(tp):
+            zeros = xp.zeros((self.blocks, self.padding(tp)) + a.shape[2:], a.dtype)
+            a = xp.concatenate([a, zeros], axis=1)                    # (blocks, tp * c, ...)
+        part = a[:, rank * c:(rank + 1) * c].reshape((self.blocks * c,) + a.shape[2:])
+        return xp.ascontiguousarray(xp.moveaxis(part, 0, self.axis))
+
+    def unshard(self, shards):
+        """The full array from every rank's shard (in rank order); padding dropped."""
+        xp, n, c = xp_of(shards[0]), self.size // self.blocks, self.chunk(len(shards))
+        parts = [xp.moveaxis(s, self.axis, 0) for s in shards]
+        parts = [p.reshape((self.blocks, c) + p.shape[1:]) for p in parts]
+        a = xp.concatenate(parts, axis=1)[:, :n]                      # (blocks, n, ...)
+        a = a.reshape((self.size,) + a.shape[2:])
+        return xp.ascontiguousarray(xp.moveaxis(a, 0, self.axis))
+
+    def __repr__(self):
+        return f"Split(axis={self.axis}, size={self.size}, blocks={self.blocks})"

@@ -1,0 +1,196 @@
+"""GPT-2 with tensor parallelism (and optional sequence parallelism) over a `tp` group.
+
+A block split over 2 ranks (README: Tensor parallelism draws it with sequence parallelism):
+
+    x (B,T,C) -> ln_1 -> f -> c_attn cols [q|k|v of my heads] -> attention (nh/tp heads)
+              -> c_proj rows -> g -> + b -> dropout -> + x
+              -> ln_2 -> f -> c_fc cols (4C/tp) -> gelu -> c_proj rows -> g -> + b -> ... -> + x
+
+f = identity forward / all-reduce backward, g = all-reduce forward / identity backward
+(minidist/parallel/tensor_parallel.py): 2 all-reduces of B*T*C per block forward, 2 backward.
+The embedding is split by vocabulary (g after the lookup) and the tied output layer uses the
+same shard (f before it), feeding a vocabulary-parallel cross-entropy.
+
+The modules are GPT's own (minidist/nn/gpt.py) with the parallel layers swapped in: Block,
+CausalSelfAttention and MLP keep their forward methods, GPT its run_blocks and generate, so
+the parallel model runs the same code. Parameter names are GPT-2's: each rank's shard keeps
+the full name, and `Split` (on `p.tp_split`) glues the shards back into the full tensor.
+Initialisation cuts each rank's shard out of `gpt_init`'s full arrays (one parameter at a
+time), so a TP run starts from the single-process model's numbers.
+Tests: tests/test_tensor_parallel.py (exactness against one process, memory 1/tp, bytes).
+"""
+import numpy as np
+
+from minidist import backend
+from minidist.nn.gpt import GPT, MLP, Block, CausalSelfAttention, _DROPOUT_STREAM, gpt_init
+from minidist.nn.layers import Dropout, Embedding, LayerNorm
+from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.parallel.tensor_parallel import SEQ_AXIS, TensorParallelRegion, gather_from_tp
+from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, ShardRNG,
+                                         VocabParallelEmbedding, vocab_parallel_cross_entropy)
+
+
+def check_tp_sizes(config, tp):
+    """Problems (a list of sentences) with splitting `config` over `tp` ranks; [] if none.
+    The vocabulary needs no check: it is padded to a multiple of tp."""
+    problems = []
+    if config.n_head % tp:
+        problems.append(f"n_head {config.n_head} is not divisible by tp {tp} (each rank "
+                        f"computes n_head / tp whole attention heads)")
+    if config.n_embd % tp:
+        problems.append(f"n_embd {config.n_embd} is not divisible by tp {tp}")
+    return problems
+
+
+class ParallelAttention(CausalSelfAttention):
+    """c_attn column-parallel (this rank's heads' q, k, v), c_proj row-parallel."""
+
+    def __init__(self, config, region, dtype="float32"):
+        Module.__init__(self)
+        C = config.n_embd
+        self.c_attn = ColumnParallelLinear(C, 3 * C, region, config.bias, dtype, blocks=3)
+        self.c_proj = RowParallelLinear(C, C, region, config.bias, dtype)
+        self.attn_dropout = Dropout(config.dropout)
+        self.resid_dropout = Dropout(config.dropout)
+        self.n_head = config.n_head // region.size        # forward: F.causal_self_attention
+
+
+class ParallelMLP(MLP):
+    """c_fc column-parallel (4C/tp units), c_proj row-parallel."""
+
+    def __init__(self, config, region, dtype="float32"):
+        Module.__init__(self)
+        C = config.n_embd
+        self.c_fc = ColumnParallelLinear(C, 4 * C, region, config.bias, dtype)
+        self.c_proj = RowParallelLinear(4 * C, C, region, config.bias, dtype)
+        self.dropout = Dropout(config.dropout)
+
+
+class ParallelBlock(Block):
+
+    def __init__(self, config, region, dtype="float32"):
+        Module.__init__(self)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.attn = ParallelAttention(config, region, dtype)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.mlp = ParallelMLP(config, region, dtype)
+
+
+class TensorParallelGPT(GPT):
+    """This rank's part of GPT over `group` (a ProcessGroup, every rank of it builds one).
+    `forward(idx, targets)` returns (this rank's logit shard (B, T, V/tp), the loss); with no
+    targets (sampling) the full logits (B, T, V), gathered."""
+
+    def __init__(self, config, group, seed=0, dtype="float32", sequence_parallel=False):
+        problems = check_tp_sizes(config, group.size)
+        if problems:
+            raise ValueError("tensor parallelism: " + "; ".join(problems))
+        Module.__init__(self)
+        self.config, self.group = config, group
+        self.region = TensorParallelRegion(group, sequence_parallel)
+        C, p = config.n_embd, config.dropout
+        self.transformer = ModuleDict(
+            wte=VocabParallelEmbedding(config.vocab_size, C, self.region, dtype),
+            wpe=Embedding(config.block_size, C, dtype=dtype),
+            drop=Dropout(p),
+            h=ModuleList([ParallelBlock(config, self.region, dtype)
+                          for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
+        for p in self.parameters():                     # layer norms, wpe, row biases
+            p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
+        for name, _ in self.named_parameters():         # one full array at a time
+            self.load_full_state_dict(gpt_init(config, seed, names={name}, dtype=dtype))
+        self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
+        self.checkpointing = False
+
+    def set_dropout_rng(self, rng):
+        """One generator for every Dropout, as in GPT; masks on split tensors are slices of
+        the whole tensor's mask: attention weights by head, the residual stream by position
+        when it is sequence-parallel (ShardRNG)."""
+        super().set_dropout_rng(rng)
+        t, r, region = self.region.size, self.region.rank, self.region
+        for _, m in self.named_modules():
+            if isinstance(m, ParallelAttention):
+                m.attn_dropout.rng = ShardRNG(rng, t, r, axis=1)       # (B, nh/tp, T, T)
+        seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
+        self.transformer.drop.rng = seq
+        for block in self.transformer.h:
+            block.attn.resid_dropout.rng = block.mlp.dropout.rng = seq
+
+    # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
+    def embed(self, idx):
+        """idx (B, T) -> (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism."""
+        idx = self._check_idx(idx)
+        T = idx.shape[1]
+        self.region.begin(T)                               # sequence-parallel this forward?
+        pos = backend.xp_of(idx).arange(T)                 # (T,)
+        if self.region.sharded:
+            n = T // self.region.size
+            pos = pos[self.region.rank * n:(self.region.rank + 1) * n]   # my positions
+        tok = self.transformer.wte(idx)                    # partial lookups, summed by g
+        return self.transformer.drop(tok + self.transformer.wpe(pos))
+
+    def head(self, x, targets=None):
+        """ln_f, then f (or the sequence all-gather) and the tied, vocabulary-split output
+        layer: logits (B, T, V/tp) and the vocabulary-parallel loss."""
+        x = self.region.enter(self.transformer.ln_f(x))    # (B, T, C) on every rank
+        B, T, C = x.shape
+        wte = self.transformer.wte
+        logits = (x.reshape(B * T, C) @ wte.weight.T).reshape(B, T, -1)  # (B, T, V/tp)
+        if targets is None:                                # sampling: the whole row
+            full = gather_from_tp(logits, self.group)      # (B, T, V padded)
+            return full[:, :, :self.config.vocab_size], None
+        targets = backend.to_device(targets, backend.xp_of(logits.data))
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group, wte.start,
+                                                    self.config.vocab_size)
+
+    # ---- the full model, gathered or cut ---------------------------------------------------
+    def full_state_dict(self):
+        """{name: full host array} of the whole model, in model order, on every rank of the
+        group (collective: every rank must call it)."""
+        out = {}
+        for name, p in self.named_parameters():
+            local = backend.to_host(p.data)
+            split = getattr(p, "tp_split", None)
+            if split is None:
+                out[name] = local.copy()
+                continue
+            buf = backend.xp_of(p.data).empty((self.group.size,) + p.shape, p.dtype)
+            self.group.all_gather(buf, backend.xp_of(p.data).ascontiguousarray(p.data))
+            out[name] = split.unshard(list(backend.to_host(buf)))
+        return out
+
+    def load_full_state_dict(self, state):
+        """Load this rank's shards of full arrays (all of them or some, by name)."""
+        params = dict(self.named_parameters())
+        local = {}
+        for name, full in state.items():
+            split = getattr(params[name], "tp_split", None)
+            full = np.asarray(backend.to_host(full))
+            local[name] = full if split is None else split.shard(full, self.group.size,
+                                                                 self.group.rank)
+        self.load_state_dict(local, strict=False)
+
+    def save_pretrained(self, directory, dtype="float32"):
+        """The FULL model in GPT-2's format, written by rank 0 of the group (collective)."""
+        from minidist.nn.pretrained import save_pretrained
+        full = self.full_state_dict()
+        if self.group.rank == 0:
+            save_pretrained(_FullModel(self.config, full), directory, dtype=dtype)
+        self.group.barrier()
+
+    def parameter_counts(self):
+        """(parameters this rank holds, parameters of the whole model) for the log."""
+        from minidist.nn.gpt import gpt_param_specs
+        full = sum(int(np.prod(shape)) for shape, _ in gpt_param_specs(self.config).values())
+        return self.num_parameters(), full
+
+
+class _FullModel:
+    """What save_pretrained reads from a model: its config and a state dict."""
+
+    def __init__(self, config, state):
+        self.config, self._state = config, state
+
+    def state_dict(self):
+        return self._state

@@ -1,0 +1,229 @@
+"""The TensorParallel strategy: a TensorParallelGPT over the mesh's tp group, inside a data-
+parallel strategy over its dp group (the `inner` one: DDP, or one process when dp = 1).
+
+    mpirun -n 2 python examples/train_gpt.py --tp 2
+    mpirun -n 4 python examples/train_gpt.py --tp 2 --dp 2 --sequence-parallel
+
+World = dp x tp, Megatron's rank order (tp neighbours share a node: minidist/comm/mesh.py).
+All tp ranks of one dp replica read the same rows of the global batch. What it changes from
+SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to `inner`:
+
+    build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
+    local_rows, forward_backward, global_mean    inner's: rows by dp rank, loss averaged
+                        over dp (every tp rank already holds the same loss)
+    sync_grads          inner's gradient sync; with sequence parallelism also the all-reduce
+                        over tp of the replicated parameters' gradients (layer norms, wpe,
+                        row-parallel biases: each rank saw only its positions)
+    sum_sq_across_ranks split parameters' squares summed over tp, replicated ones counted
+                        once (every tp rank holds the same copy), then inner's reduction
+    save / load         the full model and optimizer state, gathered over tp and written by
+                        rank 0 in the single-process format: a checkpoint from any tp resumes
+                        on any other tp, or on one process
+A data-parallel strategy plugs in as `inner` if it has `wrap(model)` (DataParallel does).
+Tests: tests/test_tensor_parallel.py.
+"""
+import copy
+import types
+
+import numpy as np
+
+from minidist.backend import xp_of
+from minidist.comm import trace
+from minidist.optim.clip import local_sum_sq
+from minidist.parallel.tp_model import TensorParallelGPT, check_tp_sizes
+from minidist.train import checkpoint
+from minidist.train.strategy import SingleProcess
+
+
+def make_tensor_parallel(args, world):
+    """The strategy for --tp T [--dp D] [--sequence-parallel], after checking every size on
+    this rank alone (so a bad one stops every rank before any collective)."""
+    tp = args.tp
+    dp = args.dp if args.dp is not None else max(world // tp, 1)
+    problems = check_tp_sizes(types.SimpleNamespace(n_head=args.n_head, n_embd=args.n_embd), tp)
+    if dp * tp != world:
+        problems.insert(0, f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world} "
+                           f"MPI process(es); run `mpirun -n {dp * tp} python "
+                           f"examples/train_gpt.py --tp {tp} --dp {dp}` (--dp defaults to "
+                           f"processes / tp)")
+    if args.sequence_parallel and args.block_size % tp:
+        problems.append(f"--sequence-parallel splits --block-size {args.block_size} over tp "
+                        f"{tp} ranks: it must be a multiple of {tp}")
+    if args.batch_size % (dp * args.grad_accum):
+        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
+                        f"--grad-accum {args.grad_accum} equal micro-batches")
+    if problems:
+        raise SystemExit("tensor parallelism: " + "; ".join(problems))
+    from minidist.comm import DeviceMesh
+    from minidist.train.data_parallel import DataParallel
+    if args.trace:
+        trace.enable()
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=1, algo=args.comm)
+    inner = (DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb) if dp > 1
+             else SingleProcess())
+    return TensorParallel(mesh, args.sequence_parallel, inner)
+
+
+class TensorParallel(SingleProcess):
+
+    def __init__(self, mesh, sequence_parallel=False, inner=None):
+        self.mesh, self.group = mesh, mesh.tp
+        self.sequence_parallel = bool(sequence_parallel)
+        self.inner = inner if inner is not None else SingleProcess()
+        self.rank, self.world_size = mesh.world.rank, mesh.world.size
+        self.model, self.steps = None, 0
+
+    def build_model(self, config, seed, dtype):
+        model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
+        model.set_checkpointing(self.ckpt_activations)
+        if self.amp:
+            model = self.amp.cast_model(model)
+        self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
+        self.model = model
+        self._replicated = [p for p in model.parameters() if p.tp_split is None]
+        return self.inner.wrap(model) if hasattr(self.inner, "wrap") else model
+
+    def build_optimizer(self, model, args):
+        return self.inner.build_optimizer(model, args)
+
+    def local_rows(self, x, y):
+        return self.inner.local_rows(x, y)
+
+    def forward_backward(self, model, x, y, n_accum=1, measure=False):
+        self.steps += 1
+        return self.inner.forward_backward(model, x, y, n_accum, measure)
+
+    def sync_grads(self, model):
+        self.inner.sync_grads(model)
+        if self.model.region.sequence_parallel:
+            self._sum_replicated_grads()
+
+    def _sum_replicated_grads(self):
+        """Sequence parallelism: a replicated parameter's gradient on each rank covers only
+        that rank's positions; the sum over tp is the whole gradient. One flat all-reduce."""
+        grads = [p.grad for p in self._replicated if p.grad is not None]
+        xp = xp_of(grads[0])
+        flat = xp.concatenate([g.reshape(-1) for g in grads])
+        self.group.all_reduce(flat)
+        offset = 0
+        for g in grads:                   # in place: DDP's grads are views into its buckets
+            g[...] = flat[offset:offset + g.size].reshape(g.shape)
+            offset += g.size
+
+    @property
+    def sum_sq_across_ranks(self):
+        return self._sum_sq
+
+    def _sum_sq(self, local):
+        """Global sum of squares from this rank's: the split part summed over tp, the
+        replicated part (the same on every tp rank) added once, then inner's reduction."""
+        rep = self._replicated_sum_sq()
+        buf = xp_of(self.model.parameters()[0].data).asarray([local - rep], dtype="float64")
+        self.group.all_reduce(buf)
+        total = float(buf[0]) + rep
+        outer = self.inner.sum_sq_across_ranks
+        return outer(total) if outer is not None else total
+
+    def _replicated_sum_sq(self):
+        grads = [p.grad for p in self._replicated if p.grad is not None]
+        if self.amp:                      # the optimizer measures unscaled float32 gradients
+            inv = 1.0 / self.amp.scaler.scale
+            return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
+        return local_sum_sq(grads)
+
+    def global_mean(self, value):
+        return self.inner.global_mean(value)
+
+    def comm_bytes(self):
+        return trace.bytes_sent()
+
+    def takes_part_in_sampling(self):
+        """Sampling runs the split model: every tp rank of the first replica takes part."""
+        return self.mesh.dp_rank == 0
+
+    def notes(self):
+        local, full = self.model.parameter_counts()
+        dp, tp = self.mesh.shape["dp"], self.mesh.shape["tp"]
+        pad = self.model.transformer.wte.weight.tp_split.padding(tp)
+        return super().notes() + [
+            f"tensor parallel: tp {tp} x dp {dp} ({self.group.algo}), sequence parallel "
+            f"{'on' if self.sequence_parallel else 'off'}; this rank holds {local:,} of the "
+            f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "
+                                              f"a multiple of {tp}" if pad else "")]
+
+    # ---- checkpoints: the full model, gathered ---------------------------------------------
+    def save(self, directory, model, optimizer, step, rng_states, extra):
+        params = self.model.full_state_dict()              # collective over tp
+        opt_sd = self._gather_optimizer(optimizer.state_dict())
+        if self.rank == 0:
+            # shallow copies whose state_dict() is the full one: checkpoint.py writes them
+            # as it writes one process's model and optimizer (same class names and format)
+            full_model = _with(model, state_dict=lambda: params)
+            full_opt = _with(optimizer, state_dict=lambda: opt_sd)
+            checkpoint.save_checkpoint(directory, full_model, full_opt, step, rng_states,
+                                       extra)
+        self.mesh.world.barrier()                          # nobody reads it half-written
+
+    def load(self, directory, model, optimizer):
+        """Every rank reads the full checkpoint and keeps its shards."""
+        def load_params(state, strict=True):
+            missing = set(dict(model.named_parameters())) ^ set(state)
+            if strict and missing:
+                raise KeyError(f"parameters differ: {sorted(missing)[:6]}")
+            self.model.load_full_state_dict(state)
+        return checkpoint.load_checkpoint(
+            directory, _with(model, load_state_dict=load_params),
+            _with(optimizer, load_state_dict=lambda sd: optimizer.load_state_dict(
+                self._shard_optimizer(sd))))
+
+    def _split_params(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.tp_split is not None]
+
+    def _gather_optimizer(self, sd):
+        """Optimizer state_dict with every split parameter's arrays (exp_avg, ...) gathered
+        over tp into full arrays; collective, in model order on every rank."""
+        sd = {"groups": sd["groups"], "state": dict(sd["state"])}
+        for name, p in self._split_params():
+            entry = dict(sd["state"].get(name, {}))
+            for key in sorted(entry):
+                v = entry[key]
+                if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape):
+                    buf = np.empty((self.group.size,) + v.shape, v.dtype)
+                    self.group.all_gather(buf, np.ascontiguousarray(v))
+                    entry[key] = p.tp_split.unshard(list(buf))
+            sd["state"][name] = entry
+        return sd
+
+    def _shard_optimizer(self, sd):
+        """The inverse: this rank's shards of a full optimizer state_dict."""
+        sd = {"groups": sd["groups"], "state": dict(sd["state"])}
+        t, r = self.group.size, self.group.rank
+        for name, p in self._split_params():
+            entry = dict(sd["state"].get(name, {}))
+            for key, v in entry.items():
+                if hasattr(v, "shape") and v.ndim == p.ndim and tuple(v.shape) != p.shape:
+                    entry[key] = p.tp_split.shard(v, t, r)
+            sd["state"][name] = entry
+        return sd
+
+    def summary(self):
+        """One line: bytes this rank sent on the tp group per step."""
+        sent = trace.bytes_sent(self.group.name) / max(self.steps, 1)
+        return (f"tensor parallel over {self.group.size} ranks ({self.group.algo}, sequence "
+                f"parallel {'on' if self.sequence_parallel else 'off'}): "
+                f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")
+
+    def finish(self, args, log):
+        log.print0(self.summary())
+        if hasattr(self.inner, "summary"):
+            log.print0(self.inner.summary())
+        if args.trace:
+            trace.write_chrome_trace(args.trace, self.mesh.world)
+            log.print0(f"trace of every collective written to {args.trace}")
+
+
+def _with(obj, **methods):
+    """A shallow copy of `obj` with some methods replaced (same class, same name)."""
+    view = copy.copy(obj)
+    view.__dict__.update(methods)
+    return view

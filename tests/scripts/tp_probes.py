@@ -1,0 +1,223 @@
+"""The checks tp_check.py runs besides exactness (2 ranks): each a generator of result rows.
+
+    gradcheck   central differences across ranks for every conjugate Function and for the
+                parallel layers built on them (float64)
+    memory      per-rank bytes of every split parameter vs the full one: 1/tp
+    traffic     bytes one block, and the whole model, sends per forward + backward on the tp
+                group (trace counters) vs the theory
+    refusals    bad sizes stop make_strategy on every rank before any group is created
+"""
+import numpy as np
+
+import minidist.comm
+from minidist.autograd import Tensor, fused as F, no_grad
+from minidist.comm import DeviceMesh, trace
+from minidist.nn import GPT
+from minidist.parallel import tensor_parallel as tpf
+from minidist.parallel.tensor_parallel import TensorParallelRegion
+from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear,
+                                         VocabShardLookup, vocab_parallel_cross_entropy)
+from minidist.parallel.tp_model import ParallelBlock, TensorParallelGPT
+from minidist.train.strategy import make_strategy
+
+SEED = 11
+
+
+def _numeric(fn, t, R, comm, inp, out, eps):
+    """dL/dt by central differences, L = sum over ranks of <fn(t)_r, R_r> (out "sharded": each
+    rank's output is its own) or <fn(t), R> counted once (out "replicated"). inp "sharded":
+    each rank's t is its own, perturbed one rank at a time; "replicated": one t, perturbed
+    on every rank at once."""
+    def loss():
+        with no_grad():
+            v = float((fn(t).data * R).sum())
+        return comm.allreduce(v) if out == "sharded" else v
+    numeric = np.zeros_like(t.data)
+    for owner in (range(comm.size) if inp == "sharded" else [comm.rank]):
+        mine = owner == comm.rank
+        for j in np.ndindex(t.shape):
+            orig = t.data[j]
+            t.data[j] = orig + eps if mine else orig
+            plus = loss()
+            t.data[j] = orig - eps if mine else orig
+            minus = loss()
+            t.data[j] = orig
+            if mine:
+                numeric[j] = (plus - minus) / (2 * eps)
+    return numeric
+
+
+def dist_gradcheck(name, fn, x, comm, inp, out, eps=1e-6, atol=1e-6, rtol=1e-5):
+    t = Tensor(x.copy(), requires_grad=True)
+    y = fn(t)
+    seed = [SEED, 1 + comm.rank] if out == "sharded" else [SEED, 0]
+    R = np.random.default_rng(seed).standard_normal(y.shape)
+    (y * Tensor(R)).sum().backward()
+    numeric = _numeric(fn, t, R, comm, inp, out, eps)
+    err = np.abs(t.grad - numeric) - (atol + rtol * np.abs(numeric))
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= 0, (f"{name} on rank {comm.rank}: backward {t.grad[worst]:.8g}, "
+                            f"central difference {numeric[worst]:.8g} at {worst}")
+    return {"op": name, "rank": comm.rank, "inp": inp, "out": out,
+            "max_abs_diff": float(np.abs(t.grad - numeric).max())}
+
+
+def _rand(comm, *shape, shared=False):
+    return np.random.default_rng([SEED, 7, 0 if shared else 1 + comm.rank]).standard_normal(
+        shape)
+
+
+def gradcheck(comm, config, flags):
+    g = DeviceMesh(dp=1, tp=comm.size).tp
+    B, T, C = 2, 2 * comm.size, 3
+    own, same = (lambda *s: _rand(comm, *s)), (lambda *s: _rand(comm, *s, shared=True))
+    cases = [("copy_to_tp (f)", lambda t: tpf.copy_to_tp(t, g), same(B, T, C), "replicated",
+              "sharded"),
+             ("reduce_from_tp (g)", lambda t: tpf.reduce_from_tp(t, g), own(B, T, C),
+              "sharded", "replicated"),
+             ("gather_from_tp", lambda t: tpf.gather_from_tp(t, g), own(B, T, C), "sharded",
+              "replicated"),
+             ("scatter_to_tp", lambda t: tpf.scatter_to_tp(t, g), same(B, T, 2 * comm.size),
+              "replicated", "sharded"),
+             ("gather_from_sequence", lambda t: tpf.gather_from_sequence(t, g),
+              own(B, 2, C), "sharded", "sharded"),
+             ("reduce_scatter_to_sequence", lambda t: tpf.reduce_scatter_to_sequence(t, g),
+              own(B, T, C), "sharded", "sharded")]
+    cases += _layer_cases(g, comm, B, T, own, same)
+    for name, fn, x, inp, out in cases:
+        yield dist_gradcheck(name, fn, x, comm, inp, out)
+
+
+def _layer_cases(g, comm, B, T, own, same):
+    """An MLP pair (column -> gelu -> row), plain and sequence-parallel, checked for its
+    input and its column weight; the vocabulary-split lookup and cross-entropy."""
+    cases = []
+    for sp in (False, True):
+        region = TensorParallelRegion(g, sequence_parallel=sp)
+        region.sharded = sp                        # (begin() would turn it off under no_grad)
+        col, row = ColumnParallelLinear(4, 6, region), RowParallelLinear(6, 4, region)
+        for layer in (col, row):
+            layer.weight.data = own(*layer.weight.shape)
+            layer.bias.data = own(*layer.bias.shape) if layer is col else same(4)
+        mlp = (lambda t, c=col, r=row: r(F.gelu(c(t))))
+        x = own(B, T // comm.size, 4) if sp else same(B, T, 4)
+        kind = "sharded" if sp else "replicated"
+        tag = "sequence-parallel" if sp else "tensor-parallel"
+
+        def by_weight(w, c=col, r=row, x=Tensor(x)):
+            c.weight = w
+            return r(F.gelu(c(x)))
+        cases += [(f"{tag} MLP: input", mlp, x, kind, kind),
+                  (f"{tag} MLP: column weight", by_weight, col.weight.data.copy(), "sharded",
+                   kind)]
+    V, Vr = 4 * comm.size - 1, 4                   # the last rank holds one padding column
+    start = comm.rank * Vr
+    targets = np.array([0, V - 1, 5 % V, -1, 3, V - 2])
+    idx = np.array([[0, V - 1, 4 % V], [2, 2, V - 2]])
+    leave = TensorParallelRegion(g).leave
+    cases += [("vocab_parallel_cross_entropy", lambda t: vocab_parallel_cross_entropy(
+                   t, targets, g, start, V), own(len(targets), Vr), "sharded", "replicated"),
+              ("vocab-parallel embedding: weight", lambda w: leave(VocabShardLookup.apply(
+                   w, idx, start)), own(Vr, 3), "sharded", "replicated")]
+    return cases
+
+
+def memory(comm, config, flags):
+    """Bytes of each parameter on this rank vs in the single-process model."""
+    tp = comm.size
+    g = DeviceMesh(dp=1, tp=tp).tp
+    model = TensorParallelGPT(config, g, seed=SEED, dtype="float64")
+    full = dict(GPT(config, seed=SEED, dtype="float64").named_parameters())
+    split = {"blocks": [0, 0], "wte": [0, 0], "replicated": [0, 0]}
+    for name, p in model.named_parameters():
+        kind = "replicated" if p.tp_split is None else ("wte" if "wte" in name else "blocks")
+        split[kind][0] += p.data.nbytes
+        split[kind][1] += full[name].data.nbytes
+        if kind == "blocks":
+            assert p.data.nbytes * tp == full[name].data.nbytes, name
+    chunk = -(-config.vocab_size // tp)
+    assert split["wte"][0] == chunk * config.n_embd * 8
+    for kind, (local, whole) in split.items():
+        yield {"tp": tp, "rank": comm.rank, "params": kind, "local_bytes": local,
+               "full_bytes": whole, "ratio": local / whole}
+
+
+def traffic(comm, config, flags):
+    """tp-group traffic of one block, then of the whole model, for one forward + backward."""
+    tp = comm.size
+    g = DeviceMesh(dp=1, tp=tp).tp
+    B, T, C, L, s = 2, config.block_size, config.n_embd, config.n_layer, 8
+    x = np.random.default_rng(SEED).standard_normal((B, T, C))
+    idx = np.random.default_rng(SEED).integers(0, config.vocab_size, (B, T))
+    for sp in (False, True):
+        model = TensorParallelGPT(config, g, seed=SEED, dtype="float64", sequence_parallel=sp)
+        model.region.begin(T)
+        block = model.transformer.h[0]
+        assert isinstance(block, ParallelBlock)
+        xs = x[:, comm.rank * T // tp:(comm.rank + 1) * T // tp] if sp else x
+        trace.reset_counters()
+        block(Tensor(xs.copy(), requires_grad=True)).sum().backward()
+        yield _traffic("block", sp, tp, B * T * C * s, 1, trace.counters(g.name))
+        trace.reset_counters()
+        model(idx, np.roll(idx, -1, axis=1))[1].backward()
+        yield _traffic("model", sp, tp, B * T * C * s, L, trace.counters(g.name),
+                       ce_bytes=3 * B * T * s)
+
+
+def _traffic(what, sp, tp, btc_bytes, L, counters, ce_bytes=0):
+    """Theory: per block 2 all-reduces of B*T*C forward (after attention's and the MLP's row
+    layer) and 2 backward (before their column layers); sequence parallelism replaces each
+    by an all-gather + a reduce-scatter of the same B*T*C, sending the same bytes. The whole
+    model adds the embedding's and the output layer's pair, and the cross-entropy's
+    all-reduces of 3 numbers per row (max; sum of exps and target logit)."""
+    pairs = 4 * L + (2 if what == "model" else 0)          # collectives of B*T*C per step
+    ring = (tp - 1) / tp
+    if sp:
+        want = {"all_gather": (pairs, pairs * btc_bytes), "reduce_scatter":
+                (pairs, pairs * btc_bytes)}
+        sent = 2 * pairs * ring * btc_bytes + 2 * ring * ce_bytes
+    else:
+        want = {"all_reduce": (pairs, pairs * btc_bytes)}
+        sent = 2 * pairs * ring * btc_bytes + 2 * ring * ce_bytes
+    if ce_bytes:
+        want.setdefault("all_reduce", (0, 0))
+        n, b = want["all_reduce"]
+        want["all_reduce"] = (n + 2, b + ce_bytes)
+    got = {op: (c["calls"], c["bytes"]) for op, c in counters.items()}
+    total = sum(c["bytes_sent"] for c in counters.values())
+    assert got == want, (what, sp, got, want)
+    assert total == sent, (what, sp, total, sent)
+    return {"what": what, "sequence_parallel": sp, "tp": tp, "calls_bytes": got,
+            "bytes_sent": total, "theory_sent": sent, "btc_bytes": btc_bytes, "layers": L}
+
+
+BAD = [(["--tp", "4"], "--dp 1 x --tp 4 = 4 ranks, but this job has 2 MPI process"),
+       (["--tp", "2", "--dp", "2"], "--dp 2 x --tp 2 = 4 ranks, but this job has 2"),
+       (["--tp", "2", "--n-head", "3", "--n-embd", "15"],
+        "n_head 3 is not divisible by tp 2"),
+       (["--tp", "2", "--n-head", "3", "--n-embd", "15"], "n_embd 15 is not divisible"),
+       (["--tp", "2", "--sequence-parallel", "--block-size", "7"],
+        "--block-size 7 over tp 2 ranks: it must be a multiple of 2"),
+       (["--tp", "2", "--batch-size", "3", "--grad-accum", "2"], "--batch-size 3 does not split")]
+
+
+class _NoCollectives:
+    def __init__(self, *a, **k):
+        raise AssertionError("a refusal reached DeviceMesh (communication) first")
+
+
+def refusals(comm, config, flags):
+    """Each bad flag set raises SystemExit on this rank alone, before a mesh is made."""
+    real, minidist.comm.DeviceMesh = minidist.comm.DeviceMesh, _NoCollectives
+    try:
+        for bad, message in BAD:
+            try:
+                make_strategy(flags("tp2", *bad))
+            except SystemExit as e:
+                assert message in str(e), (bad, str(e))
+                yield {"flags": bad, "rank": comm.rank, "error": str(e)}
+            else:
+                raise AssertionError(f"{bad} was accepted")
+    finally:
+        minidist.comm.DeviceMesh = real
+    assert sum(c["calls"] for c in trace.counters().values()) == 0
