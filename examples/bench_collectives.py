@@ -49,9 +49,9 @@ def sizes(lo, hi, factor):
 def make_call(group, op, nbytes, dtype):
     """A zero-argument function running `op` once on `nbytes` of `dtype`."""
     xp, n = get_xp(), nbytes // np.dtype(dtype).itemsize
-    full = xp.ones(n, dtype=dtype)
-    lo, hi = group.chunk(n)
-    part = xp.ones(hi - lo, dtype=dtype)
+    full = xp.full(n, 0, dtype=dtype)   # zeros stay zeros under repeated sums (no overflow);
+    lo, hi = group.chunk(n)             # full(), not zeros(): calloc'd pages would read free
+    part = xp.full(hi - lo, 0, dtype=dtype)
     return {"all_reduce": lambda: group.all_reduce(full),
             "reduce_scatter": lambda: group.reduce_scatter(part, full),
             "all_gather": lambda: group.all_gather(full, part),
