@@ -71,7 +71,8 @@ class TensorParallel(SingleProcess):
         self.sequence_parallel = bool(sequence_parallel)
         self.inner = inner if inner is not None else SingleProcess()
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
-        self.model, self.steps = None, 0
+        self.model = None
+        self.tp_bytes = []              # per step: bytes this rank sent on the tp group
 
     def build_model(self, config, seed, dtype):
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
@@ -90,13 +91,14 @@ class TensorParallel(SingleProcess):
         return self.inner.local_rows(x, y)
 
     def forward_backward(self, model, x, y, n_accum=1, measure=False):
-        self.steps += 1
+        self._sent = trace.bytes_sent(self.group.name)
         return self.inner.forward_backward(model, x, y, n_accum, measure)
 
     def sync_grads(self, model):
         self.inner.sync_grads(model)
         if self.model.region.sequence_parallel:
             self._sum_replicated_grads()
+        self.tp_bytes.append(trace.bytes_sent(self.group.name) - self._sent)
 
     def _sum_replicated_grads(self):
         """Sequence parallelism: a replicated parameter's gradient on each rank covers only
@@ -207,8 +209,8 @@ class TensorParallel(SingleProcess):
         return sd
 
     def summary(self):
-        """One line: bytes this rank sent on the tp group per step."""
-        sent = trace.bytes_sent(self.group.name) / max(self.steps, 1)
+        """One line: bytes this rank sent on the tp group per step (forward + backward)."""
+        sent = sum(self.tp_bytes) / max(len(self.tp_bytes), 1)
         return (f"tensor parallel over {self.group.size} ranks ({self.group.algo}, sequence "
                 f"parallel {'on' if self.sequence_parallel else 'off'}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")

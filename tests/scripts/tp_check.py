@@ -87,14 +87,18 @@ def host_state(model):
     return {n: np.asarray(p.data) for n, p in model.named_parameters()}
 
 
-def check_replicated_equal(model, comm):
-    """Every replicated parameter is bitwise the same on every rank of the tp group."""
-    crc = 0
+def check_replicas_equal(model, mesh):
+    """Replicated parameters bitwise the same on every rank of the tp group; every
+    parameter (shard) bitwise the same on every rank of the dp group."""
+    crc_rep = crc_all = 0
     for _, p in model.named_parameters():
+        crc_all = zlib.crc32(np.ascontiguousarray(p.data).tobytes(), crc_all)
         if p.tp_split is None:
-            crc = zlib.crc32(np.ascontiguousarray(p.data).tobytes(), crc)
-    crcs = model.group.comm.allgather(crc)
+            crc_rep = zlib.crc32(np.ascontiguousarray(p.data).tobytes(), crc_rep)
+    crcs = mesh.tp.comm.allgather(crc_rep)
     assert len(set(crcs)) == 1, f"replicated parameters differ across tp ranks: {crcs}"
+    crcs = mesh.dp.comm.allgather(crc_all)
+    assert len(set(crcs)) == 1, f"parameters differ across dp replicas: {crcs}"
 
 
 def compare(name, refs, comm, tol, tmp):
@@ -116,7 +120,7 @@ def compare(name, refs, comm, tol, tmp):
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= tol, (name, key, result)
     assert min(norms) > args.grad_clip, f"{name}: clipping never happened: {norms}"
-    check_replicated_equal(model, comm)
+    check_replicas_equal(model, strategy.mesh)
     if name == "tp2":
         result.update(check_files(strategy, model, opt, ref, args, tmp))
     return result

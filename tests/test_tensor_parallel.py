@@ -1,0 +1,224 @@
+"""Tensor and sequence parallelism: shard layouts and refusals in-process, then 2 and 4 ranks
+under mpiexec against one process in float64 (tests/scripts/tp_check.py batches many checks
+into one mpiexec start), and train_gpt.py end to end. Each distributed test's docstring gives
+the command to run it by hand.
+"""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.autograd import fused as F
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.tensor_parallel import Split
+from minidist.parallel.tp_model import check_tp_sizes
+from minidist.train.args import train_parser
+from minidist.train.strategy import make_strategy
+from mpirun import run_mpi
+
+
+# ---- in-process: layouts and refusals -----------------------------------------------------
+
+def test_split_round_trip_with_blocks_and_padding():
+    full = np.arange(6 * 12).reshape(6, 12).astype(float)
+    qkv = Split(axis=1, size=12, blocks=3)                      # q|k|v, 4 columns each
+    shards = [qkv.shard(full, 2, r) for r in range(2)]
+    assert shards[0].shape == (6, 6)
+    assert (shards[1][:, :2] == full[:, 2:4]).all() and (shards[1][:, 2:4] == full[:, 6:8]).all()
+    assert (qkv.unshard(shards) == full).all()
+    vocab = Split(axis=0, size=6)                               # 6 rows over 4 ranks: 2 each
+    shards = [vocab.shard(full, 4, r) for r in range(4)]
+    assert vocab.padding(4) == 2 and all(s.shape == (2, 12) for s in shards)
+    assert (shards[3] == 0).all() and (vocab.unshard(shards) == full).all()
+
+
+def test_column_split_of_c_attn_gives_each_rank_whole_heads():
+    """Attention on a rank's (B, T, 3C/tp) slice of qkv (its heads' q, k and v) is exactly
+    that rank's heads' columns of the full attention output."""
+    B, T, C, nh, tp = 2, 5, 12, 4, 2
+    qkv = np.random.default_rng(0).standard_normal((B, T, 3 * C))
+    y = F.causal_self_attention(qkv, nh).data                   # (B, T, C)
+    split = Split(axis=2, size=3 * C, blocks=3)
+    for r in range(tp):
+        local = F.causal_self_attention(split.shard(qkv, tp, r), nh // tp).data
+        assert np.allclose(local, y[:, :, r * C // tp:(r + 1) * C // tp], atol=1e-14)
+
+
+def test_tp_sizes_are_checked_vocab_is_padded():
+    ok = GPTConfig(n_layer=1, n_head=4, n_embd=16, vocab_size=257)
+    assert check_tp_sizes(ok, 4) == []                          # 257 rows: padded, not refused
+    bad = check_tp_sizes(GPTConfig(n_layer=1, n_head=3, n_embd=15), 2)
+    assert "n_head 3 is not divisible by tp 2" in bad[0] and "n_embd 15" in bad[1]
+
+
+def _parse(*flags):
+    return train_parser().parse_args(list(flags))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "2"], "--dp 1 x --tp 2 = 2 ranks, but this job has 1 MPI process"),
+    (["--tp", "2", "--dp", "3"], "--dp 3 x --tp 2 = 6 ranks, but this job has 4"),
+    (["--tp", "4", "--n-head", "6", "--n-embd", "24"], "n_head 6 is not divisible by tp 4"),
+    (["--tp", "2", "--sequence-parallel", "--block-size", "9"], "multiple of 2"),
+])
+def test_make_strategy_refuses_bad_tp_sizes(monkeypatch, flags, message):
+    if "--dp" in flags or "--n-head" in flags or "--sequence-parallel" in flags:
+        monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(SystemExit, match="tensor parallelism") as e:
+        make_strategy(_parse(*flags))
+    assert message in str(e.value)
+
+
+def test_one_rank_tp_model_is_the_gpt():
+    """tp = 1 (a one-rank group): the same loss, gradients and samples as GPT."""
+    from minidist.comm import ProcessGroup
+    from minidist.parallel.tp_model import TensorParallelGPT
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=20, dropout=0.1)
+    ref, tp = GPT(cfg, seed=3, dtype="float64"), TensorParallelGPT(
+        cfg, ProcessGroup.world(), seed=3, dtype="float64", sequence_parallel=True)
+    x = np.random.default_rng(0).integers(0, 20, (2, 8))
+    a, b = ref(x, np.roll(x, -1, 1))[1], tp(x, np.roll(x, -1, 1))[1]
+    a.backward()
+    b.backward()
+    assert float(a.data) == float(b.data)
+    grads = dict(ref.named_parameters())
+    assert all(np.array_equal(p.grad, grads[n].grad) for n, p in tp.named_parameters())
+    assert (ref.generate(x[:, :2], 5, seed=1) == tp.generate(x[:, :2], 5, seed=1)).all()
+
+
+# ---- under mpiexec -----------------------------------------------------------------------
+
+def _rows(out, tag):
+    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
+            if line.startswith(tag + " ")]
+
+
+def _assert_exact(results, runs, tol=1e-10):
+    assert [r["run"] for r in results] == runs, results
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= tol, r
+        print(f"{r['run']:12s} tp {r['tp']} dp {r['dp']}: |loss diff| {r['loss_diff']:.1e}, "
+              f"|norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e}")
+
+
+@pytest.mark.mpi
+def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
+    """2 ranks, one job: distributed gradchecks of every conjugate Function and parallel
+    layer; tp 2, tp 2 + sequence parallel, and + activation checkpointing, each equal to one
+    process (float64, dropout 0.1, clipped every step) to 1e-10; save_pretrained and --save
+    files equal the reference's and load back both ways; split layers 1/2 of the bytes; tp
+    traffic per block and per model = theory; bad sizes refused before any mesh:
+
+        mpiexec -n 2 python tests/scripts/tp_check.py
+    """
+    out = run_mpi(2, "tests/scripts/tp_check.py", timeout=180)
+    _assert_exact(_rows(out, "RESULT"), ["tp2", "tp2+sp", "tp2+sp+ckpt"])
+    files = _rows(out, "RESULT")[0]
+    assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
+                                  "reload_diff", "adam_reload_diff")) <= 1e-10
+    checks = _rows(out, "GRADCHECK")
+    assert len(checks) == 12 and all(c["max_abs_diff"] < 1e-6 for c in checks)
+    memory = {r["params"]: r for r in _rows(out, "MEMORY")}
+    assert memory["blocks"]["ratio"] == 0.5 and memory["wte"]["ratio"] == 0.5
+    traffic = _rows(out, "TRAFFIC")
+    assert len(traffic) == 4 and all(t["bytes_sent"] == t["theory_sent"] for t in traffic)
+    block = [t for t in traffic if t["what"] == "block"]
+    assert block[0]["calls_bytes"] == {"all_reduce": [4, 4 * block[0]["btc_bytes"]]}
+    assert block[0]["bytes_sent"] == block[1]["bytes_sent"]     # SP moves the same bytes
+    assert len(_rows(out, "REFUSALS")) == 6
+
+
+@pytest.mark.mpi
+def test_four_ranks_tp4_and_tp2_x_dp2_equal_one_process():
+    """tp 4 (vocabulary 30 padded to 32), tp 2 x dp 2 (DDP over the mesh's dp group, rows by
+    dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel:
+
+        mpiexec -n 4 python tests/scripts/tp_check.py
+    """
+    out = run_mpi(4, "tests/scripts/tp_check.py", timeout=180)
+    _assert_exact(_rows(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp"])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
+                                       for i in range(300)))
+    return str(d / "code.py")
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
+        "--steps", "4", "--eval-every", "0", "--dtype", "float64", "--sample", "20"]
+
+
+def _losses(path):
+    return [r.get("loss", r.get("val_loss")) for r in map(json.loads, open(path))]
+
+
+def _sample(stdout):
+    assert stdout.count("---- sample ----") == 1, stdout            # printed by rank 0 alone
+    return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+
+
+def _python(*args):
+    import subprocess
+    from mpirun import ROOT, mpi_env
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=mpi_env(),
+                          text=True, capture_output=True, check=True).stdout
+
+
+@pytest.mark.mpi
+def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpus, tmp_path):
+    """train_gpt.py --tp 2 logs the single-process run's losses and val loss (float64) and
+    samples its text (both tp ranks run the sampler); its --save checkpoint (the full model,
+    gathered) loads on one process with the same val loss and sample:
+
+        python examples/train_gpt.py --data CORPUS --dtype float64 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --tp 2 ... --save ck
+        python examples/train_gpt.py ... --resume ck
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    one, tp, back = tmp_path / "one.jsonl", tmp_path / "tp.jsonl", tmp_path / "back.jsonl"
+    ref = _python("examples/train_gpt.py", *common, "--log-json", one)
+    out = run_mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--log-json", tp,
+                  "--save", tmp_path / "ck", timeout=120).stdout
+    assert "tensor parallel: tp 2 x dp 1" in out and "MiB sent per rank per step" in out
+    assert np.allclose(_losses(tp), _losses(one), rtol=0, atol=1e-10)
+    assert _sample(out) == _sample(ref)
+    loaded = _python("examples/train_gpt.py", *common, "--resume", tmp_path / "ck",
+                     "--log-json", back)
+    assert abs(_losses(back)[-1] - _losses(one)[-1]) <= 1e-10
+    assert _sample(loaded) == _sample(ref)
+
+
+@pytest.mark.mpi
+def test_bad_tp_sizes_are_refused_on_every_rank():
+    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+
+        mpiexec -n 2 python examples/train_gpt.py --tp 2 --n-head 3 --n-embd 15
+    """
+    out = run_mpi(2, "examples/train_gpt.py", "--tp", "2", "--n-head", "3", "--n-embd", "15",
+                  timeout=60, check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.count("n_head 3 is not divisible by tp 2") == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp_path):
+    """tp 2 x dp 2 with sequence parallelism, stopped and resumed from its checkpoint, logs
+    the uninterrupted run's losses:
+
+        mpiexec -n 4 python examples/train_gpt.py --tp 2 --sequence-parallel ... --save ck
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--tp", "2",
+              "--sequence-parallel", "--sample", "0"]
+    straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run_mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    run_mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "2",
+            timeout=120)
+    run_mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+            resumed, timeout=120)
+    assert _losses(resumed) == _losses(straight)[2:]
