@@ -118,14 +118,15 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
     assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
                                   "reload_diff", "adam_reload_diff")) <= 1e-10
     checks = _rows(out, "GRADCHECK")
-    assert len(checks) == 12 and all(c["max_abs_diff"] < 1e-6 for c in checks)
+    assert len(checks) == 13 and all(c["max_abs_diff"] < 1e-6 for c in checks)
     memory = {r["params"]: r for r in _rows(out, "MEMORY")}
     assert memory["blocks"]["ratio"] == 0.5 and memory["wte"]["ratio"] == 0.5
     traffic = _rows(out, "TRAFFIC")
     assert len(traffic) == 4 and all(t["bytes_sent"] == t["theory_sent"] for t in traffic)
     block = [t for t in traffic if t["what"] == "block"]
     assert block[0]["calls_bytes"] == {"all_reduce": [4, 4 * block[0]["btc_bytes"]]}
-    assert block[0]["bytes_sent"] == block[1]["bytes_sent"]     # SP moves the same bytes
+    sp = block[1]                           # SP: the same bytes, plus replicated grads' sums
+    assert sp["bytes_sent"] == block[0]["bytes_sent"] + sp["shared_param_bytes"]
     assert len(_rows(out, "REFUSALS")) == 6
 
 

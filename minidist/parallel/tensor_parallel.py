@@ -196,7 +196,8 @@ class TensorParallelRegion:
     `enter(x)` before a column-parallel matmul, `leave(y)` after a row-parallel one: f and g,
     or with sequence parallelism (`sharded`) the all-gather / reduce-scatter along T, so that
     everything between leave and the next enter (layer norms, dropout, residual adds) works
-    on (B, T/tp, C). The model calls `begin(T)` at the start of each forward: sequence
+    on (B, T/tp, C), with the replicated parameters they use passed through `shared`
+    (f: all-reduce of their gradients). The model calls `begin(T)` at the start of each forward: sequence
     parallelism is for forwards that record a graph (training), where it saves activation
     memory; evaluation and sampling (no_grad, any length) take the f/g path, same numbers."""
 
@@ -222,6 +223,13 @@ class TensorParallelRegion:
         if self.sharded:
             return reduce_scatter_to_sequence(y, self.group)
         return reduce_from_tp(y, self.group)
+
+    def shared(self, p):
+        """A replicated parameter as a layer on the sequence shards uses it (layer norms,
+        row-parallel biases, wpe): through f when sharded, since each rank's gradient then
+        covers only its positions and f's all-reduce sums them into the whole gradient, in
+        the graph, before any hook (DDP, ZeRO) sees it."""
+        return copy_to_tp(p, self.group) if self.sharded else p
 
 
 # ---- how a parameter is cut into shards ---------------------------------------------------

@@ -8,8 +8,12 @@
                            the target's logit are all-reduced, N numbers each; the (N, V)
                            logits never exist on any rank
 
+    SequenceParallelLayerNorm      LayerNorm whose weight and bias pass `region.shared`
+
 Every split parameter carries `.tp_split` (a Split: how to cut the full tensor and glue it
 back); replicated ones (layer norms, position embedding, row-parallel biases) carry None.
+Under sequence parallelism those replicated ones are used on sequence shards and reach the
+layers through `region.shared` (f), which all-reduces their gradients over tp.
 The vocabulary is padded to a multiple of tp (Megatron does the same): the padding rows of
 wte are zero, their logits are masked out of the loss, so their gradient is zero and AdamW
 (no decay on embeddings) leaves them zero; gathering the model drops them.
@@ -27,6 +31,7 @@ from minidist.autograd import fused as F
 from minidist.autograd.fused import _f32
 from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import xp_of
+from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module, Parameter
 from minidist.parallel.tensor_parallel import Split
 
@@ -69,7 +74,21 @@ class RowParallelLinear(Module):
 
     def forward(self, x):                              # (B, T, in/tp)
         y = self.region.leave(F.linear(x, self.weight))    # (B, T, out) or (B, T/tp, out)
-        return y + self.bias if self.bias is not None else y
+        return y + self.region.shared(self.bias) if self.bias is not None else y
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm whose (replicated) weight and bias go through `region.shared`: under
+    sequence parallelism each rank normalises only its positions, so their gradients are
+    all-reduced over tp; otherwise it is LayerNorm."""
+
+    def __init__(self, ndim, region, bias=True, dtype="float32"):
+        super().__init__(ndim, bias=bias, dtype=dtype)
+        self.region = region
+
+    def forward(self, x):
+        b = self.region.shared(self.bias) if self.bias is not None else None
+        return F.layer_norm(x, self.region.shared(self.weight), b, eps=self.eps)
 
 
 # ---- the vocabulary split ---------------------------------------------------------------

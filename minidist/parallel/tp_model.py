@@ -23,10 +23,12 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.gpt import GPT, MLP, Block, CausalSelfAttention, _DROPOUT_STREAM, gpt_init
-from minidist.nn.layers import Dropout, Embedding, LayerNorm
+from minidist.autograd import ops
+from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.parallel.tensor_parallel import SEQ_AXIS, TensorParallelRegion, gather_from_tp
-from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, ShardRNG,
+from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear,
+                                         SequenceParallelLayerNorm, ShardRNG,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 
@@ -70,9 +72,9 @@ class ParallelBlock(Block):
 
     def __init__(self, config, region, dtype="float32"):
         Module.__init__(self)
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.ln_1 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
         self.attn = ParallelAttention(config, region, dtype)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.ln_2 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
         self.mlp = ParallelMLP(config, region, dtype)
 
 
@@ -95,7 +97,7 @@ class TensorParallelGPT(GPT):
             drop=Dropout(p),
             h=ModuleList([ParallelBlock(config, self.region, dtype)
                           for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
+            ln_f=SequenceParallelLayerNorm(C, self.region, config.bias, dtype))
         for p in self.parameters():                     # layer norms, wpe, row biases
             p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
         for name, _ in self.named_parameters():         # one full array at a time
@@ -128,7 +130,8 @@ class TensorParallelGPT(GPT):
             n = T // self.region.size
             pos = pos[self.region.rank * n:(self.region.rank + 1) * n]   # my positions
         tok = self.transformer.wte(idx)                    # partial lookups, summed by g
-        return self.transformer.drop(tok + self.transformer.wpe(pos))
+        wpe = self.region.shared(self.transformer.wpe.weight)
+        return self.transformer.drop(tok + ops.embedding(wpe, pos))
 
     def head(self, x, targets=None):
         """ln_f, then f (or the sequence all-gather) and the tied, vocabulary-split output

@@ -11,9 +11,9 @@ SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to
     build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
     local_rows, forward_backward, global_mean    inner's: rows by dp rank, loss averaged
                         over dp (every tp rank already holds the same loss)
-    sync_grads          inner's gradient sync; with sequence parallelism also the all-reduce
-                        over tp of the replicated parameters' gradients (layer norms, wpe,
-                        row-parallel biases: each rank saw only its positions)
+    sync_grads          inner's gradient sync (nothing over tp: f and g did it in backward,
+                        including, under sequence parallelism, the all-reduce of replicated
+                        parameters' gradients: region.shared)
     sum_sq_across_ranks split parameters' squares summed over tp, replicated ones counted
                         once (every tp rank holds the same copy), then inner's reduction
     save / load         the full model and optimizer state, gathered over tp and written by
@@ -96,21 +96,7 @@ class TensorParallel(SingleProcess):
 
     def sync_grads(self, model):
         self.inner.sync_grads(model)
-        if self.model.region.sequence_parallel:
-            self._sum_replicated_grads()
         self.tp_bytes.append(trace.bytes_sent(self.group.name) - self._sent)
-
-    def _sum_replicated_grads(self):
-        """Sequence parallelism: a replicated parameter's gradient on each rank covers only
-        that rank's positions; the sum over tp is the whole gradient. One flat all-reduce."""
-        grads = [p.grad for p in self._replicated if p.grad is not None]
-        xp = xp_of(grads[0])
-        flat = xp.concatenate([g.reshape(-1) for g in grads])
-        self.group.all_reduce(flat)
-        offset = 0
-        for g in grads:                   # in place: DDP's grads are views into its buckets
-            g[...] = flat[offset:offset + g.size].reshape(g.shape)
-            offset += g.size
 
     @property
     def sum_sq_across_ranks(self):
