@@ -1,0 +1,114 @@
+"""Tokens/s and exposed communication of the three DDP modes, on however many ranks you start.
+
+    mpirun -n 4 python examples/bench_ddp.py                      # the main job's model
+    mpirun -n 2 python examples/bench_ddp.py --comm mpi --bucket-mb 4
+
+Every mode trains its own copy of the model on the same global batch (split over the ranks),
+through the training loop's own train_step; the modes take turns, `--steps` steps per turn for
+`--rounds` rounds, so a noisy shared machine slows them alike. On one rank a plain
+SingleProcess run is timed too, as the baseline. Rank 0 prints one JSON line per mode:
+{"mode", "ranks", "algo", "tokens_per_s", "ms_per_step", "compute_ms", "exposed_comm_ms",
+"comm_mb_per_step", "buckets", ...}: medians over the timed steps, where
+    compute_ms       forward + backward of this rank (overlapped: comm threads compete for it)
+    exposed_comm_ms  how long the step then waited in sync_grads for the gradients
+and ms_per_step is the whole step (also clip, AdamW, the loss all-reduce), slowest rank.
+"""
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from minidist import backend
+from minidist.comm import ProcessGroup
+from minidist.nn import GPTConfig
+from minidist.train.args import add_model_args
+from minidist.train.data_parallel import DataParallel
+from minidist.train.loop import train_step
+from minidist.train.strategy import SingleProcess
+
+
+def parse():
+    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--modes", default="naive,bucketed,overlapped")
+    p.add_argument("--comm", default="ring", choices=("ring", "naive", "mpi", "nccl"))
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode, first")
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args()
+
+
+def setup(name, strategy, config, args):
+    model = strategy.build_model(config, args.seed, args.dtype)
+    return {"name": name, "strategy": strategy, "model": model, "times": [], "first": 0,
+            "opt": strategy.build_optimizer(model, args)}
+
+
+def run(run_, step, args, group, timed):
+    """One step of the loop's train_step on global batch `step`; the slowest rank's time."""
+    rng = np.random.default_rng([args.seed, step])
+    x = rng.integers(0, args.vocab_size, (args.batch_size, args.block_size))
+    group.barrier()
+    start = time.perf_counter()
+    train_step(run_["strategy"], run_["model"], run_["opt"], x, np.roll(x, -1, 1), args)
+    backend.synchronize()
+    buf = np.array([time.perf_counter() - start])
+    group.all_reduce(buf, op="max")
+    if timed:
+        run_["times"].append(float(buf[0]))
+    else:
+        run_["first"] = len(getattr(run_["strategy"], "stats", ()))
+
+
+def report(run_, args, group):
+    ms = 1e3 * float(np.median(run_["times"]))
+    row = {"mode": run_["name"], "ranks": group.size, "algo": args.comm,
+           "tokens_per_s": round(args.batch_size * args.block_size / ms * 1e3),
+           "ms_per_step": round(ms, 1), "batch_size": args.batch_size,
+           "block_size": args.block_size, "params": run_["model"].num_parameters(),
+           "threads": backend.blas_threads(), "device": backend.device()}
+    strategy = run_["strategy"]
+    if isinstance(strategy, DataParallel):
+        stats = strategy.stats[run_["first"]:]
+        row.update(compute_ms=_median_ms(stats, "compute_s"),
+                   exposed_comm_ms=_median_ms(stats, "exposed_s"),
+                   comm_mb_per_step=round(stats[-1]["bytes_sent"] / 2**20, 3),
+                   buckets=len(getattr(strategy.ddp, "buckets", ())), bucket_mb=args.bucket_mb)
+    return row
+
+
+def _median_ms(stats, key):
+    return round(1e3 * float(np.median([s[key] for s in stats])), 1)
+
+
+def main():
+    args = parse()
+    args.lr, args.weight_decay, args.grad_accum, args.grad_clip = 1e-4, 0.1, 1, 1.0
+    args.log_json = None
+    group = ProcessGroup.world(args.comm)
+    backend.set_blas_threads(args.threads)
+    backend.set_device(args.device)
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       block_size=args.block_size, vocab_size=args.vocab_size)
+    runs = [setup("single process", SingleProcess(), config, args)] if group.size == 1 else []
+    runs += [setup(mode, DataParallel(group, mode, args.bucket_mb), config, args)
+             for mode in args.modes.split(",")]
+    for r in runs:
+        for step in range(args.warmup):
+            run(r, step, args, group, timed=False)
+    for rnd in range(args.rounds):
+        for r in runs:
+            for step in range(args.steps):
+                run(r, 100 + rnd * args.steps + step, args, group, timed=True)
+    for r in runs:
+        row = report(r, SimpleNamespace(**vars(args)), group)
+        if group.rank == 0:
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Draw one training step of a DDP trace as text: when each bucket's all-reduce ran, against
+the forward and backward passes, for every rank.
+
+    mpirun -n 4 python examples/train_gpt.py --steps 5 --trace /tmp/ddp.json
+    python examples/ddp_timeline.py /tmp/ddp.json              # the last step
+    python examples/ddp_timeline.py /tmp/ddp.json --step 2 --width 100 --ranks 0,3
+
+Reads the Chrome trace that --trace writes (minidist/comm/trace.py): one process per rank;
+"forward", "backward" and "wait for gradients" events on the "compute" row (recorded by
+minidist/train/data_parallel.py), collectives on the group's row. Time 0 is the start of
+that step's forward on rank 0 (ranks share one clock on one node).
+"""
+import argparse
+import json
+
+
+def steps_of(events, rank):
+    """[(start, end) of each step: its first forward to its wait for gradients] on `rank`."""
+    compute = sorted((e for e in events if e.get("pid") == rank and e.get("ph") == "X"
+                      and e.get("cat") == "compute"), key=lambda e: e["ts"])
+    steps, start = [], None
+    for e in compute:
+        if e["name"] == "forward" and start is None:
+            start = e["ts"]
+        if e["name"] == "wait for gradients" and start is not None:
+            steps.append((start, e["ts"] + e["dur"]))
+            start = None
+    return steps
+
+
+def bar(t0, t1, lo, hi, width):
+    """A row of `width` cells with the span [t0, t1) of [lo, hi) filled."""
+    scale = width / max(hi - lo, 1e-9)
+    a, b = int((t0 - lo) * scale), max(int((t1 - lo) * scale), int((t0 - lo) * scale) + 1)
+    return "".join("#" if a <= i < b else "." for i in range(width))
+
+
+def draw(events, step, width, only=None):
+    ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    ranks = [r for r in ranks if only is None or r in only]
+    windows = {r: steps_of(events, r)[step] for r in ranks}
+    lo = windows[ranks[0]][0]
+    hi = max(end for _, end in windows.values())
+    print(f"step {step}: {(hi - lo) / 1e3:.1f} ms shown, {width} columns "
+          f"({(hi - lo) / 1e3 / width:.2f} ms each)")
+    for r in ranks:
+        start, end = windows[r]
+        rows = sorted((e for e in events if e.get("pid") == r and e.get("ph") == "X"
+                       and start <= e["ts"] <= end), key=lambda e: e["ts"])
+        for e in rows:
+            label = e["name"] if e["cat"] == "compute" else (
+                f"{e['name']} {e['args'].get('bytes', 0) / 2**20:.2f} MiB")
+            print(f"rank {r} {label:>22s} |{bar(e['ts'], e['ts'] + e['dur'], lo, hi, width)}| "
+                  f"{(e['ts'] - lo) / 1e3:7.1f} -{(e['ts'] + e['dur'] - lo) / 1e3:7.1f} ms")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--step", type=int, default=-1, help="which step (default: the last)")
+    p.add_argument("--width", type=int, default=60)
+    p.add_argument("--ranks", default=None, help="e.g. 0,3 (default: all)")
+    args = p.parse_args()
+    with open(args.trace) as f:
+        events = json.load(f)["traceEvents"]
+    only = None if args.ranks is None else {int(r) for r in args.ranks.split(",")}
+    draw(events, args.step, args.width, only)
+
+
+if __name__ == "__main__":
+    main()
