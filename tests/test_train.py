@@ -67,7 +67,7 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"], ["--zero", "1"]])
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"], ["--zero", "1", "--tp", "2"]])
 def test_parallel_flags_refuse_politely(flags):
     with pytest.raises(SystemExit, match="not available yet"):
         make_strategy(train_parser().parse_args(flags))

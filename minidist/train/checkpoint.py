@@ -14,7 +14,8 @@ manifest.json is not a checkpoint; a size or checksum that disagrees with the ma
 corruption; a config that differs from the model's is a mismatch: each raises
 CheckpointError naming the file or field. Data position needs no file: batches are a pure
 function of (seed, step). Extensible: ZeRO adds per-rank shard files to the manifest's
-"files" (with a "rank") and raises "world_size".
+"files" (with a "rank"), raises "world_size" and adds "zero" (the flat layout);
+load_checkpoint reads such a checkpoint too (minidist/train/sharded_checkpoint.py).
 Tests: tests/test_checkpoint.py.
 """
 import hashlib
@@ -50,24 +51,35 @@ def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=No
     """Write model, optimizer, `step` (steps done), RNG states (name -> JSON-able state) and
     `extra` (JSON-able, e.g. the run's arguments) to `directory`, atomically."""
     directory = os.path.abspath(directory)
+    tmp = make_temporary(directory)
+    try:
+        _write_files(tmp, model, optimizer, step, rng_states or {}, extra or {})
+        commit(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_temporary(directory):
+    """A new empty sibling directory to write a checkpoint for `directory` into (refuses a
+    `directory` that exists and is not a checkpoint)."""
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
             os.path.join(directory, "manifest.json")):
         raise CheckpointError(f"--save {directory}: exists and is not a minidist checkpoint; "
                               "refusing to replace it")
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
-    try:
-        _write_files(tmp, model, optimizer, step, rng_states or {}, extra or {})
-        old = None
-        if os.path.exists(directory):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
-            os.rename(directory, os.path.join(old, "ckpt"))
-        os.rename(tmp, directory)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+
+
+def commit(tmp, directory):
+    """Rename the complete checkpoint `tmp` to `directory`, replacing an old one atomically."""
+    parent, old = os.path.dirname(directory), None
+    if os.path.exists(directory):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
+        os.rename(directory, os.path.join(old, "ckpt"))
+    os.rename(tmp, directory)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_files(tmp, model, optimizer, step, rng_states, extra):
@@ -99,8 +111,10 @@ def _write_files(tmp, model, optimizer, step, rng_states, extra):
         os.fsync(f.fileno())
 
 
-def verify_checkpoint(directory):
-    """Check the manifest and every file's size and checksum; returns the manifest."""
+def verify_checkpoint(directory, checksums=True):
+    """Check the manifest and every file's size and checksum (`checksums` False: presence and
+    size only; a sharded load checks the checksums of the shards it reads); returns the
+    manifest."""
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise CheckpointError(f"--resume {directory}: no such checkpoint directory")
@@ -116,19 +130,28 @@ def verify_checkpoint(directory):
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, expected {FORMAT!r} {VERSION}")
     for name, info in manifest["files"].items():
-        fpath = os.path.join(directory, name)
-        if not os.path.isfile(fpath):
-            raise CheckpointError(f"corrupt checkpoint: {fpath} is missing")
-        if os.path.getsize(fpath) != info["bytes"] or _sha256(fpath) != info["sha256"]:
-            raise CheckpointError(f"corrupt checkpoint: {fpath} does not match the checksum "
-                                  "in manifest.json (truncated or modified)")
+        verify_file(directory, name, info, checksums)
     return manifest
+
+
+def verify_file(directory, name, info, checksum=True):
+    """One file of a checkpoint against its manifest entry {"bytes", "sha256"[, "rank"]}."""
+    fpath = os.path.join(directory, name)
+    what = f"rank {info['rank']}'s shard " if "rank" in info else ""
+    if not os.path.isfile(fpath):
+        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} is missing")
+    if os.path.getsize(fpath) != info["bytes"] or (checksum and _sha256(fpath) != info["sha256"]):
+        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} does not match the checksum "
+                              "in manifest.json (truncated, modified, or from another save)")
 
 
 def load_checkpoint(directory, model, optimizer=None):
     """Verify `directory`, check it fits `model`, load parameters (and optimizer state).
     Returns the state.json dict ("step", "rng", "extra", ...)."""
     manifest = verify_checkpoint(directory)
+    if "zero" in manifest:           # per-rank shards: assembled by parameter name
+        from minidist.train.sharded_checkpoint import load_whole
+        return load_whole(directory, manifest, model, optimizer)
     if manifest.get("world_size", 1) != 1:
         raise CheckpointError(f"{directory} holds {manifest['world_size']} rank shards; "
                               "this loader reads single-process checkpoints")
@@ -155,12 +178,15 @@ def _check_config(directory, state, model):
         raise CheckpointError(f"checkpoint config mismatch ({directory}): " + "; ".join(diffs))
 
 
-def _load_optimizer(directory, state, optimizer):
+def _load_optimizer(directory, state, optimizer, arrays=None):
+    """Optimizer state from optimizer.safetensors, or from `arrays` ("<name>/<key>" ->
+    array: a sharded checkpoint's, assembled)."""
     saved = state["optimizer"]
     if saved["type"] != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint optimizer is {saved['type']}, this run uses "
                               f"{type(optimizer).__name__}")
-    arrays, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
+    if arrays is None:
+        arrays, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
     per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()}
     for key, a in arrays.items():
         name, k = key.rsplit("/", 1)

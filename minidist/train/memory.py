@@ -7,8 +7,13 @@ keeps alive between forward and backward: the outputs of every op still referenc
 graph and the arrays ops saved for their backward (ctx attributes), minus parameter buffers.
 `activation_bytes(loss)` walks the graph from the loss, so call it after forward, before
 backward (which frees the graph as it goes).
-Tests: tests/test_memory.py.
+The ZeRO paper's per-rank arithmetic (`zero_model_states`) sits beside the ledger, and
+`zero_table` prints one against the other (the ZeRO strategy does, at the end of a run).
+Tests: tests/test_memory.py, tests/test_zero.py (stages 1/2/3 measured at 4 ranks).
 """
+import itertools
+
+from minidist import backend
 
 
 def _buffer(a):
@@ -70,11 +75,63 @@ def activation_bytes(output, params=()):
 
 
 def ledger(params, optimizer=None, activations=0):
-    """{"params", "grads", "optimizer", "activations", "total"} in bytes for this rank."""
+    """{"params", "grads", "optimizer", "activations", "total"} in bytes for this rank.
+
+    An optimizer that holds the model's state itself (ZeRO's ShardedAdamW: flat shards,
+    gather buffers) lists those arrays in `ledger_arrays()` -> {"params": [...], "grads":
+    [...]}; they are counted with the parameters' own, each buffer once. On a GPU the row also
+    has "pool_used", what CuPy's memory pool hands out to live arrays of any kind (not in
+    "total", which sums the four kinds)."""
     params = list(params)
-    row = {"params": unique_nbytes(p.data for p in params),
-           "grads": unique_nbytes(p.grad for p in params if p.grad is not None),
+    held = optimizer.ledger_arrays() if hasattr(optimizer, "ledger_arrays") else {}
+    row = {"params": unique_nbytes(itertools.chain((p.data for p in params),
+                                                   held.get("params", ()))),
+           "grads": unique_nbytes(itertools.chain((p.grad for p in params if p.grad is not None),
+                                                  held.get("grads", ()))),
            "optimizer": unique_nbytes(optimizer.state_arrays()) if optimizer else 0,
            "activations": int(activations)}
     row["total"] = sum(row.values())
+    if backend.device() == "cuda":
+        row["pool_used"] = backend.memory_stats()["pool_used"]
     return row
+
+
+# ---- the ZeRO paper's arithmetic, beside the ledger -------------------------------------------
+
+def zero_model_states(n_params, dp=1, stage=0, amp=False, itemsize=4):
+    """Model-state bytes per rank in the ZeRO paper's accounting (Rajbhandari et al. 2020,
+    section 3): P parameters in `itemsize` bytes hold itemsize P params + itemsize P grads +
+    2 itemsize P Adam moments (4 + 4 + 8 in float32); with mixed precision (`amp`) 2P 16-bit
+    params + 2P 16-bit grads + 12P float32 master, m, v. Stage 1 shards the optimizer state,
+    stage 2 also the gradients, stage 3 also the parameters: ceil(P / dp) of each.
+    Returns {"params", "grads", "optimizer", "total"}; minidist/train/planner.py agrees."""
+    p, g, o = (2, 2, 12) if amp else (itemsize, itemsize, 2 * itemsize)
+    shard = -(-n_params // dp)
+    row = {"params": p * (shard if stage >= 3 else n_params),
+           "grads": g * (shard if stage >= 2 else n_params),
+           "optimizer": o * (shard if stage >= 1 else n_params)}
+    row["total"] = sum(row.values())
+    return row
+
+
+def zero_table(rows, predicted, stage, n_params):
+    """Predicted (zero_model_states) vs measured (ledger rows with a "rank"): one line per
+    rank, MiB, and measured / predicted for the model states."""
+    mib = 2.0 ** 20
+    kinds = ("params", "grads", "optimizer")
+    lines = [f"memory per rank, ZeRO stage {stage}, {n_params:,} parameters, {len(rows)} "
+             "ranks: the ZeRO paper's model states vs the ledger's live arrays (MiB)",
+             "           " + "".join(f"{k:>12}" for k in kinds + ("states",)) +
+             f"{'activations':>13}{'transient':>11}",
+             "predicted  " + "".join(f"{predicted[k] / mib:12.3f}" for k in kinds) +
+             f"{predicted['total'] / mib:12.3f}"]
+    for r in rows:
+        states = sum(r[k] for k in kinds)
+        lines.append(f"rank {r['rank']:<5} " + "".join(f"{r[k] / mib:12.3f}" for k in kinds) +
+                     f"{states / mib:12.3f}{r['activations'] / mib:13.3f}"
+                     f"{r.get('transient', 0) / mib:11.3f}")
+    worst = max(abs(sum(r[k] for k in kinds) / predicted["total"] - 1) for r in rows)
+    lines.append(f"measured model states within {100 * worst:.2f}% of predicted (padding to a "
+                 "multiple of the ranks in each flat unit); transient = stage 2's gradient "
+                 "buckets in flight + stage 3's gather buffers, at their peak")
+    return "\n".join(lines)

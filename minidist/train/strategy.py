@@ -32,7 +32,7 @@ Memory options, for every strategy alike (set by make_strategy from --amp and
     takes_part_in_sampling()  ranks that run the end-of-training sample (model-parallel
                               strategies: all ranks holding a part of one replica)
 DataParallel (DDP) lives in minidist/train/data_parallel.py, TensorParallel (--tp) in
-minidist/train/tensor_parallel.py.
+minidist/train/tensor_parallel.py, ZeroDataParallel (--zero) in minidist/train/zero_strategy.py.
 Tests: tests/test_train.py.
 """
 from minidist.nn import GPT
@@ -59,6 +59,11 @@ def make_strategy(args):
     refused politely; inconsistent sizes are refused on every rank before any communication."""
     world = world_size_from_env()
     _refuse_unbuilt(args)
+    if args.tp > 1 and args.zero:
+        raise NotAvailableYet(
+            f"Sorry: --zero {args.zero} with --tp {args.tp} is not available yet (ZeRO shards "
+            "gradients that tensor parallelism still reads whole); use --zero with data "
+            "parallelism alone, or --tp with DDP.")
     if args.tp > 1:            # tensor (x data) parallelism: minidist/train/tensor_parallel.py
         from minidist.train.tensor_parallel import make_tensor_parallel
         return _memory_options(make_tensor_parallel(args, world), args)
@@ -73,6 +78,9 @@ def make_strategy(args):
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
             f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
             f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
+    if args.zero:              # ZeRO-1/2/3 over dp = world: minidist/train/zero_strategy.py
+        from minidist.train.zero_strategy import make_zero
+        return _memory_options(make_zero(args, world), args)
     if world == 1:
         return _memory_options(SingleProcess(), args)
     from minidist.comm import DeviceMesh, trace
@@ -100,15 +108,15 @@ def _memory_options(strategy, args):
 def _refuse_unbuilt(args):
     wanted = []
     for flag, value, default in (("--pp", args.pp, 1),
-                                 ("--zero", args.zero, 0),
                                  ("--micro-batches", args.micro_batches, 1)):
         if value != default:
             wanted.append(f"{flag} {value}")
     if wanted:
         raise NotAvailableYet(
             f"Sorry: {', '.join(wanted)} is not available yet -- this build trains on one "
-            "process, with data parallelism (mpirun -n N) or tensor parallelism (--tp). ZeRO "
-            "and pipeline parallelism land in their own issues; run without these flags.")
+            "process, with data parallelism (mpirun -n N), ZeRO (--zero) or tensor "
+            "parallelism (--tp). Pipeline parallelism lands in its own issue; run without "
+            "these flags.")
 
 
 class SingleProcess:

@@ -1,0 +1,125 @@
+"""Flat parameter units: the memory layout every ZeRO stage shards.
+
+A unit is a few parameters laid end to end in ONE flat 1-D buffer, padded at the end with
+zeros to a multiple of N (the data-parallel group size), so that it cuts into N equal shards
+of S = padded / N elements, rank r owning flat[r*S : (r+1)*S]:
+
+    unit "h.0": ln_1.weight (3) and ln_1.bias (3), numel 6, N = 4 -> padded 8, S = 2
+
+        flat    w0 w1 w2 b0 b1 b2 .. ..          .. = padding (zeros)
+        offset   0  1  2  3  4  5  6  7
+        owner   [rank 0][rank 1][rank 2][rank 3]
+        rank 1's shard = flat[2:4] = (w2, b0): a shard may cut through a parameter
+
+The padding is part of every flat buffer (parameters, gradients, Adam's m and v) and stays
+zero: its gradient is zero, so AdamW moves it by 0 (m = v = 0, m / (sqrt(v) + eps) = 0).
+Equal shards let reduce-scatter and all-gather use equal chunks (the comm layer's
+`chunk_bounds` of a padded length gives exactly [r*S, (r+1)*S)).
+
+GPT's units (`gpt_units`) are the root -- every parameter outside the blocks: wte (tied to
+the output head), wpe, ln_f -- and one unit per transformer block, the granularity FSDP wraps.
+The blocks have identical shapes, so at stage 3 they can share gather buffers.
+A freed parameter (stage 3, not gathered) points at a `placeholder`: a read-only, zero-strided
+NaN array of the right shape and dtype, one element of memory; a forward that forgot to gather
+would give NaN, never plausible numbers.
+Tests: tests/test_zero.py (layout, padding, shard ranges) and tests/scripts/zero_check.py.
+"""
+from minidist.backend import xp_of
+from minidist.optim.optimizer import wants_decay
+
+_PLACEHOLDERS = {}
+
+
+def placeholder(shape, like):
+    """A read-only NaN array of `shape`, `like`'s dtype and device, holding one element."""
+    xp = xp_of(like)
+    key = (xp.__name__, like.dtype.str)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = xp.full((), float("nan"), dtype=like.dtype)
+    return xp.broadcast_to(_PLACEHOLDERS[key], shape)
+
+
+class FlatUnit:
+    """The layout of `named_params` in one flat buffer padded to a multiple of `world`, and
+    this rank's shard bounds [lo, hi). Holds no data itself except what ZeRO attaches."""
+
+    def __init__(self, name, named_params, world, rank, module=None):
+        self.name, self.module, self.world, self.rank = name, module, world, rank
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.sizes = [int(p.size) for p in self.params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.decay = [wants_decay(p) for p in self.params]
+        self.numel = sum(self.sizes)
+        self.padded = -(-self.numel // world) * world       # round up to a multiple of N
+        self.padding = self.padded - self.numel              # zeros at the end
+        self.shard_size = self.padded // world               # S
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        self.dtype = self.params[0].dtype
+
+    def __repr__(self):
+        return (f"FlatUnit({self.name!r}, {len(self.params)} params, numel {self.numel} + "
+                f"padding {self.padding} = {self.world} x {self.shard_size})")
+
+    def flatten(self, arrays=None, dtype=None):
+        """A new padded flat buffer holding `arrays` (default: the parameters' values) end to
+        end; None entries and the padding are zeros."""
+        arrays = [p.data for p in self.params] if arrays is None else arrays
+        like = next(a for a in arrays if a is not None)
+        flat = xp_of(like).zeros(self.padded, dtype=dtype or like.dtype)
+        for a, off, n in zip(arrays, self.offsets, self.sizes):
+            if a is not None:
+                flat[off:off + n] = a.reshape(-1)
+        return flat
+
+    def views(self, flat):
+        """Each parameter's view (its shape) into a padded flat buffer."""
+        return [flat[off:off + n].reshape(shape)
+                for off, n, shape in zip(self.offsets, self.sizes, self.shapes)]
+
+    def point_params_at(self, flat):
+        """Make every parameter's .data its view into `flat` (no copy)."""
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
+
+    def release_params(self):
+        """Every parameter's .data becomes a placeholder (stage 3: only shards are kept)."""
+        for p, shape in zip(self.params, self.shapes):
+            p.data = placeholder(shape, p.data)
+
+    def pieces(self, lo=None, hi=None):
+        """For each parameter overlapping flat[lo:hi) (default: this rank's shard):
+        (index, start, stop) with [start, stop) in the parameter's own flat numbering; the
+        piece sits at flat[offset + start : offset + stop]."""
+        lo, hi = (self.lo, self.hi) if lo is None else (lo, hi)
+        for i, (off, n) in enumerate(zip(self.offsets, self.sizes)):
+            start, stop = max(lo, off), min(hi, off + n)
+            if start < stop:
+                yield i, start - off, stop - off
+
+    def decay_ranges(self):
+        """[(a, b)] in shard coordinates (0..S) of the elements that get weight decay."""
+        return [(self.offsets[i] + s - self.lo, self.offsets[i] + e - self.lo)
+                for i, s, e in self.pieces() if self.decay[i]]
+
+    def layout(self):
+        """The unit as JSON (checkpoint manifests)."""
+        return {"name": self.name, "numel": self.numel, "padded": self.padded,
+                "shard_size": self.shard_size,
+                "params": [{"name": n, "shape": list(s), "offset": o}
+                           for n, s, o in zip(self.names, self.shapes, self.offsets)]}
+
+
+def gpt_units(model, world, rank):
+    """[root unit, block 0, ..., block L-1] for a GPT-shaped model: blocks are
+    `model.transformer.h` (each its own unit, `module` set), the root everything else."""
+    named = list(model.named_parameters())
+    blocks = list(getattr(getattr(model, "transformer", None), "h", []))
+    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    root = [(n, p) for n, p in named if id(p) not in owner]
+    units = [FlatUnit("root", root, world, rank)] if root else []
+    for i, block in enumerate(blocks):
+        mine = [(n, p) for n, p in named if owner.get(id(p)) == i]
+        units.append(FlatUnit(f"h.{i}", mine, world, rank, module=block))
+    return units

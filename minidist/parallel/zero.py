@@ -1,0 +1,321 @@
+"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the dp
+group instead of replicating it. Stages 1, 2 and 3 side by side, each a small step from the
+one before; what every rank holds, with N ranks:
+
+                parameters              gradients                       optimizer state
+    DDP         full                    full, all-reduced               full
+    stage 1     full                    full, reduce-scattered          1/N (its shard)
+    stage 2     full                    1/N: reduce-scattered unit by   1/N
+                                        unit during backward
+    stage 3     1/N: gathered per       1/N                             1/N
+                block, just in time
+
+Everything works on FlatUnits (minidist/parallel/flat.py): the root (wte = the tied head, wpe,
+ln_f) and one unit per block, each one flat buffer padded to a multiple of N, rank r owning
+flat[lo:hi) = [r*S, (r+1)*S). The optimizer (zero_optim.py) runs AdamW on those shards.
+
+Stage 1, one step:
+    backward        grads accumulate in each unit's full flat gradient buffer (param.grad is a
+                    view into it, as in DDP's buckets)
+    sync_grads      reduce_scatter(grad[lo:hi], grad, avg) per unit: this rank's shard of the
+                    averaged gradient
+    step            AdamW on param[lo:hi] with m, v of S elements, then after_step:
+                    all_gather(param, param[lo:hi]): every rank has the new full parameters
+Stage 2: when a unit's last gradient is complete (grad hook), its gradients are copied into a
+    transient flat buffer and dropped, and its reduce-scatter starts (async) while backward goes
+    on with earlier blocks; when it is done, grad_shard += buffer[lo:hi] and the buffer goes.
+    At most `max_inflight` buffers are alive. The unit is the bucket.
+Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shard) rebuilds
+    its parameters, as views into a full-size gather buffer; the blocks share two buffers, by
+    index parity, so the next block's gather (prefetch) runs while this one computes. Freeing
+    is overwriting: gathering block i+2 into block i's buffer. But block i's graph saved views
+    of its weights (Linear keeps W for dL/dx = g W^T), so backward must see them again: an
+    identity node at each block's output (`BeforeBackward`), which backward reaches before any
+    of the block's own ops, re-gathers the block (and prefetches the one below). Its views then
+    read the right numbers again: FSDP's storage trick, done with numpy views. Values never
+    change within a step, so ops that saved *copies* of a weight (float16 LayerNorm's float32
+    weight) are right too, just memory. The root is gathered once per step (used at both
+    ends). A unit still in its buffer is not gathered again (the last two blocks, at the turn
+    from forward to backward). After the optimizer step every gathered copy is stale: all are
+    freed, and parameters point at NaN placeholders until the next gather.
+
+Communication per step, ring, per rank, Psi = parameter bytes (padded): DDP all-reduce
+2(N-1)/N Psi; stages 1 and 2 reduce-scatter + all-gather = the same; stage 3 gathers twice and
+reduce-scatters once, 3(N-1)/N Psi = 1.5x in the paper; here a bit less (root, last blocks).
+Tests: tests/test_zero.py, tests/scripts/zero_check.py (4 ranks == 1 process in float64 for
+each stage, memory and communication against theory).
+"""
+import functools
+
+from minidist.autograd import is_grad_enabled
+from minidist.autograd.function import Function
+from minidist.backend import to_host, xp_of
+from minidist.parallel.flat import gpt_units
+
+
+def zero_engine(model, group, stage, units=None, prefetch=True):
+    """Shard `model` over `group` (its dp ProcessGroup) at ZeRO `stage` 1, 2 or 3. `units`
+    defaults to gpt_units(model): the root and one unit per block."""
+    units = units if units is not None else gpt_units(model, group.size, group.rank)
+    if stage == 3:
+        return ZeroStage3(model, group, units, prefetch)
+    return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units)
+
+
+class ZeroStage1:
+    """Optimizer state sharded; full parameters and full gradients on every rank."""
+    stage = 1
+
+    def __init__(self, model, group, units):
+        self.module, self.group, self.units = model, group, units
+        self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
+        self._init_params()
+        self._init_grads()
+
+    # ---- parameters: one full flat buffer per unit; model parameters are views into it -----
+    def _init_params(self):
+        for u in self.units:
+            u.full = u.flatten()
+            self.group.broadcast(u.full, 0)          # every rank starts from rank 0's model
+            u.point_params_at(u.full)
+            u.param_shard = u.full[u.lo:u.hi]        # a view: AdamW updates it in place
+
+    def after_step(self):
+        """The updated shards to every rank: all_gather in place, unit by unit."""
+        for u in self.units:
+            self.group.all_gather(u.full, u.param_shard)
+
+    def free(self):
+        """Drop gathered copies of parameters (stage 3; nothing here): between steps."""
+
+    # ---- gradients: full flat buffers, reduce-scattered once after backward ---------------
+    def _init_grads(self):
+        for u in self.units:
+            u.grad_full = xp_of(u.full).zeros(u.padded, u.dtype)
+            u.grad_shard = u.grad_full[u.lo:u.hi]
+            u.grad_views = u.views(u.grad_full)
+        self.zero_grad()
+
+    def zero_grad(self):
+        for u in self.units:
+            u.grad_full.fill(0)
+            for p, view in zip(u.params, u.grad_views):
+                p.grad = view
+
+    def sync_grads(self):
+        """Rank r's shard of the gradient averaged over the group, into grad_full[lo:hi]."""
+        for u in self.units:
+            for p, view in zip(u.params, u.grad_views):   # a .grad someone replaced: copy in
+                if p.grad is not view:
+                    view[...] = 0 if p.grad is None else p.grad
+                    p.grad = view
+            self.group.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
+
+    def held(self):
+        """The arrays this rank holds for parameters and gradients (the memory ledger)."""
+        return {"params": [u.full for u in self.units],
+                "grads": [u.grad_full for u in self.units]}
+
+    def full_state_dict(self, root=0):
+        """name -> host array of every full parameter, on rank `root` ({} elsewhere)."""
+        out = {}
+        for u in self.units:
+            flat = self._full_params(u)
+            if self.group.rank == root:
+                out.update((n, to_host(v).copy()) for n, v in zip(u.names, u.views(flat)))
+        order = [n for n, _ in self.module.named_parameters()]
+        return {n: out[n] for n in order if n in out}
+
+    def _full_params(self, u):
+        return u.full
+
+
+class ZeroStage2(ZeroStage1):
+    """+ gradients sharded: each unit reduce-scattered as soon as backward completes it."""
+    stage = 2
+    max_inflight = 2                 # reduce-scatters running before we wait for the oldest
+
+    def _init_grads(self):
+        for u in self.units:
+            u.grad_shard = xp_of(u.param_shard).zeros(u.shard_size, u.dtype)
+            u.ready = 0              # parameters of u whose gradient is complete
+        self._inflight = []          # (unit, flat buffer, Work), oldest first
+        self._hooks = [p.register_grad_hook(functools.partial(self._grad_ready, u))
+                       for u in self.units for p in u.params]
+
+    def zero_grad(self):
+        for u in self.units:
+            u.grad_shard.fill(0)
+            for p in u.params:
+                p.grad = None
+
+    def _grad_ready(self, u, p):
+        """Autograd hook: p's gradient for this backward is complete."""
+        u.ready += 1
+        if u.ready == len(u.params):
+            self._reduce_scatter(u)
+
+    def _reduce_scatter(self, u):
+        """Copy u's gradients into a padded flat buffer, drop them, start the reduce-scatter:
+        this rank receives buffer[lo:hi] averaged over the group."""
+        flat = u.flatten([p.grad for p in u.params], dtype=u.dtype)
+        for p in u.params:
+            p.grad = None
+        u.ready = 0
+        work = self.group.reduce_scatter(flat[u.lo:u.hi], flat, op="avg", async_op=True)
+        self._inflight.append((u, flat, work))
+        self._note_transient()
+        while len(self._inflight) > self.max_inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self):
+        u, flat, work = self._inflight.pop(0)
+        work.wait()
+        u.grad_shard += flat[u.lo:u.hi]             # += : micro-batches accumulate
+
+    def sync_grads(self):
+        """Wait for every reduce-scatter backward started (and start any a hook did not)."""
+        for u in self.units:
+            if any(p.grad is not None for p in u.params):
+                self._reduce_scatter(u)
+        while self._inflight:
+            self._finish_oldest()
+
+    def _transient_bytes(self):
+        return sum(flat.nbytes for _, flat, _ in self._inflight)
+
+    def _note_transient(self):
+        self.transient_peak = max(self.transient_peak, self._transient_bytes())
+
+    def held(self):
+        return {"params": [u.full for u in self.units],
+                "grads": [u.grad_shard for u in self.units]}
+
+
+class GatherBuffer:
+    """A full-size buffer holding one unit's gathered parameters at a time."""
+
+    def __init__(self, size):
+        self.size, self.buffer, self.holder, self.work = size, None, None, None
+
+
+class BeforeBackward(Function):
+    """Identity forward; backward first calls `fn()`, then passes the gradient through. Placed
+    at a block's output, backward reaches it before any of the block's own ops."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+class ZeroStage3(ZeroStage2):
+    """+ parameters sharded: each unit gathered just in time into a shared gather buffer."""
+    stage = 3
+
+    def __init__(self, model, group, units, prefetch=True):
+        self.prefetch = prefetch
+        super().__init__(model, group, units)
+
+    def _init_params(self):
+        for u in self.units:
+            flat = u.flatten()
+            self.group.broadcast(flat, 0)            # every rank starts from rank 0's model
+            u.param_shard = flat[u.lo:u.hi].copy()   # keep our slice, drop the rest
+            u.release_params()
+        self.blocks = [u for u in self.units if u.module is not None]
+        self.root = [u for u in self.units if u.module is None]
+        size = max((u.padded for u in self.blocks), default=0)
+        self.buffers = [GatherBuffer(size) for _ in range(min(2, len(self.blocks)))]
+        for i, u in enumerate(self.blocks):
+            u.slot = self.buffers[i % 2]             # blocks 0, 2, 4.. | 1, 3, 5.. share one
+        for u in self.root:
+            u.slot = GatherBuffer(u.padded)
+            self.buffers.append(u.slot)
+        self._wrap(self.module)
+
+    def gather(self, u, wait=True):
+        """u's full parameters into its gather buffer (unless already there); with `wait`
+        False the all-gather runs in the background (prefetch) until a later gather(u)."""
+        slot = u.slot
+        if slot.holder is not u:
+            self._wait(slot)                         # a gather still writing this buffer
+            if slot.holder is not None:
+                slot.holder.release_params()         # its views would read u's numbers
+            if slot.buffer is None:
+                slot.buffer = xp_of(u.param_shard).empty(slot.size, u.dtype)
+                self._note_transient()
+            flat = slot.buffer[:u.padded]
+            slot.work = self.group.all_gather(flat, u.param_shard, async_op=True)
+            slot.holder = u
+            u.point_params_at(flat)
+        if wait:
+            self._wait(slot)
+
+    @staticmethod
+    def _wait(slot):
+        if slot.work is not None:
+            slot.work.wait()
+            slot.work = None
+
+    def after_step(self):
+        """Shards changed: every gathered copy is stale. Free them all."""
+        self.free()
+
+    def free(self):
+        for slot in self.buffers:
+            self._wait(slot)
+            if slot.holder is not None:
+                slot.holder.release_params()
+            slot.holder = slot.buffer = None
+
+    # ---- the model's forward, wrapped: gather before a block, re-gather before its backward
+    def _wrap(self, model):
+        for i, u in enumerate(self.blocks):
+            u.module.forward = self._block_forward(i, u.module.forward)
+        for name in ("embed", "head") if hasattr(model, "embed") else ("forward",):
+            setattr(model, name, self._root_forward(getattr(model, name)))
+
+    def _root_forward(self, fn):
+        @functools.wraps(fn)
+        def forward_with_root(*args, **kwargs):
+            for u in self.root:
+                self.gather(u)
+            return fn(*args, **kwargs)
+        return forward_with_root
+
+    def _block_forward(self, i, fn):
+        @functools.wraps(fn)
+        def forward_gathered(x):
+            self.gather(self.blocks[i])
+            if self.prefetch and i + 1 < len(self.blocks):
+                self.gather(self.blocks[i + 1], wait=False)
+            y = fn(x)
+            if is_grad_enabled() and y.requires_grad:
+                y = BeforeBackward.apply(y, functools.partial(self._before_backward, i))
+            return y
+        return forward_gathered
+
+    def _before_backward(self, i):
+        self.gather(self.blocks[i])
+        if self.prefetch and i > 0:
+            self.gather(self.blocks[i - 1], wait=False)
+
+    def _transient_bytes(self):
+        return super()._transient_bytes() + sum(
+            s.buffer.nbytes for s in self.buffers if s.buffer is not None)
+
+    def held(self):
+        gathered = [s.buffer for s in self.buffers if s.buffer is not None]
+        return {"params": [u.param_shard for u in self.units] + gathered,
+                "grads": [u.grad_shard for u in self.units]}
+
+    def _full_params(self, u):
+        flat = xp_of(u.param_shard).empty(u.padded, u.dtype)
+        self.group.all_gather(flat, u.param_shard)
+        return flat

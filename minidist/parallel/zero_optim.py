@@ -1,0 +1,148 @@
+"""AdamW on ZeRO shards: each rank updates only flat[lo:hi) of every unit, in place.
+
+The math is minidist/optim/adamw.py's `adamw_update`, element by element the same as the
+per-parameter AdamW of one process, so N ranks match one process to rounding. Two details:
+
+    weight decay   AdamW decays matrices but not biases, LayerNorm or embedding weights. A
+                   shard can hold both kinds, so decay is applied first, on the decayed ranges
+                   of the shard only (FlatUnit.decay_ranges), then adamw_update runs with
+                   weight_decay=0: the same `p *= 1 - lr * wd` on the same elements.
+    clipping       the global gradient norm is the sum over ranks of each rank's sum of squares
+                   of its gradient shards (padding is zero and adds nothing), through the
+                   strategy's `sum_sq_across_ranks` all-reduce; every rank then scales alike.
+
+Mixed precision (`amp`, a minidist/train/amp.py MixedPrecision whose cast_model ran): the model
+(and its flat buffers, shards, gradients) is 16-bit; the float32 master weights are cut into
+shards here (amp.masters is emptied: no rank keeps a full float32 copy) and live with m and v
+as optimizer state, 12 bytes per parameter / N. step() unscales the gradient shard into a
+float32 scratch buffer, skips the step on inf/nan (every rank agrees: the norm is global),
+updates the master shard and writes it back to the 16-bit parameter shard.
+
+After the update, the engine's after_step() all-gathers parameters (stages 1, 2) or frees the
+stale gathered copies (stage 3).
+Tests: tests/scripts/zero_check.py (run by tests/test_zero.py).
+"""
+import math
+
+import numpy as np
+
+from minidist.backend import xp_of
+from minidist.optim.adamw import adamw_update
+from minidist.optim.clip import clip_grad_norm, local_sum_sq
+
+
+class ShardedAdamW:
+    """AdamW over a ZeRO engine's shards. Used like AdamW by the loop: set_lr, zero_grad,
+    clip_grad_norm, step; state_arrays() and ledger_arrays() for the memory ledger."""
+
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 amp=None):
+        self.engine, self.amp, self.weight_decay = engine, amp, weight_decay
+        hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
+        kinds = {d for u in engine.units for d in u.decay}     # AdamW's default split
+        self.param_groups = [{**hyper, "weight_decay": wd} for want, wd in
+                             ((True, weight_decay), (False, 0.0)) if want in kinds]
+        self.steps = 0                    # updates taken (AdamW's per-parameter "step")
+        self.state = {u.name: self._new_state(u) for u in engine.units}
+        if amp is not None:
+            amp.masters.clear()           # the full float32 copies: only shards are kept
+        self._factor, self._found_inf, self._scratch = None, False, {}
+
+    def _new_state(self, u):
+        xp = xp_of(u.param_shard)
+        dtype = np.float32 if self.amp is not None else u.dtype
+        state = {"exp_avg": xp.zeros(u.shard_size, dtype),
+                 "exp_avg_sq": xp.zeros(u.shard_size, dtype)}
+        if self.amp is not None:
+            masters = [self.amp.masters[n] for n in u.names]
+            state["master"] = u.flatten(masters, dtype=np.float32)[u.lo:u.hi].copy()
+        return state
+
+    def set_lr(self, lr):
+        for g in self.param_groups:
+            g["lr"] = lr
+
+    def zero_grad(self):
+        self.engine.zero_grad()
+
+    # ---- clip and step ---------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
+        """Global L2 norm of the gradient shards (unscaled under amp); clips if above max_norm.
+        Returns the norm before clipping."""
+        if self.amp is None:
+            return clip_grad_norm([u.grad_shard for u in self.engine.units], max_norm,
+                                  sum_sq_across_ranks)
+        inv = 1.0 / self.amp.scaler.scale
+        self.amp.scaler.used = False
+        sum_sq = sum(local_sum_sq([self._unscaled(u, inv)]) for u in self.engine.units)
+        if sum_sq_across_ranks is not None:
+            sum_sq = float(sum_sq_across_ranks(sum_sq))
+        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
+        self._found_inf = not math.isfinite(norm)
+        clip = max_norm / (norm + 1e-6) if max_norm and 0 < max_norm < norm else 1.0
+        self._factor = inv * (1.0 if self._found_inf else clip)
+        return norm
+
+    def _unscaled(self, u, factor):
+        """float32(grad shard) * factor, in a scratch buffer per shard size."""
+        key = (u.shard_size, type(u.grad_shard).__module__)
+        if key not in self._scratch:
+            self._scratch[key] = xp_of(u.grad_shard).empty(u.shard_size, np.float32)
+        buf = self._scratch[key]
+        buf[...] = u.grad_shard
+        buf *= factor
+        return buf
+
+    def step(self):
+        """Update this rank's shards, then the engine's after_step. Returns False when mixed
+        precision skipped the update (inf/nan gradients)."""
+        if self.amp is not None:
+            if self._factor is None:
+                self.clip_grad_norm(None)
+            if not self.amp.scaler.update(self._found_inf):
+                self._factor = None
+                self.engine.after_step()
+                return False
+        self.steps += 1
+        for u in self.engine.units:
+            self._update(u)
+        self._factor = None
+        self.engine.after_step()
+        return True
+
+    def _update(self, u):
+        s, group = self.state[u.name], self.param_groups[0]
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        target = s["master"] if self.amp is not None else u.param_shard
+        grad = self._unscaled(u, self._factor) if self.amp is not None else u.grad_shard
+        if self.weight_decay:
+            for a, b in u.decay_ranges():          # decoupled decay, decayed params only
+                target[a:b] *= 1.0 - lr * self.weight_decay
+        adamw_update(target, grad, s["exp_avg"], s["exp_avg_sq"], self.steps, lr, beta1,
+                     beta2, group["eps"], 0.0, scratch=self._adam_scratch(target))
+        if self.amp is not None:
+            u.param_shard[...] = target            # float32 master -> 16-bit shard
+
+    def _adam_scratch(self, like):
+        key = ("adam", like.size, like.dtype.str, type(like).__module__)
+        if key not in self._scratch:
+            self._scratch[key] = xp_of(like).empty_like(like)
+        return self._scratch[key]
+
+    # ---- memory ledger and checkpoints -----------------------------------------------------
+    def state_arrays(self):
+        """m, v (and the float32 master shards under amp): the optimizer state."""
+        for s in self.state.values():
+            yield from s.values()
+
+    def ledger_arrays(self):
+        """Parameter and gradient arrays held for the model (shards, flat buffers)."""
+        return self.engine.held()
+
+    def shard_arrays(self):
+        """"<unit>/<key>" -> this rank's shard, key param, exp_avg, exp_avg_sq (master)."""
+        out = {}
+        for u in self.engine.units:
+            out[f"{u.name}/param"] = u.param_shard
+            out.update((f"{u.name}/{k}", v) for k, v in self.state[u.name].items())
+        return out

@@ -1,0 +1,207 @@
+"""ZeRO-1/2/3 on N ranks against one process on the same global batches, in float64, in one
+mpiexec run; then the memory ledger and the bytes sent per step, against theory.
+
+    mpiexec -n 4 python tests/scripts/zero_check.py                  # stages 1, 2, 3
+    mpiexec -n 4 python tests/scripts/zero_check.py --clip 0.05 --grad-accum 2
+    mpiexec -n 3 python tests/scripts/zero_check.py --ckpt-activations --no-prefetch --algo mpi
+    mpiexec -n 4 python tests/scripts/zero_check.py --stages "" --memory --comm --amp
+
+Every rank trains the single-process reference itself (SingleProcess, the whole global batch),
+then for each stage trains ZeroDataParallel through the loop's own train_step and checks:
+losses and grad norms equal to the reference to --tol; every rank's parameter shards equal to
+the same slice of the reference's flattened units (and the padding zero); at stage 3 the
+parameters gathered to rank 0 equal the reference. The model (n_embd 18, vocab 31) makes every
+unit's size odd at N = 4, so padding is exercised. Rank 0 prints `RESULT {json}` per stage.
+--memory: one step of DDP and of each stage, float64; the ledger row (as --log-json reports
+it) on every rank, and the ZeRO paper's prediction: `MEMORY {json}`. --amp: the same at stage
+1, 2, 3 with mixed precision (2 + 2 + 12 bytes per parameter; losses near float32's).
+--comm: reduce-scatter and all-gather bytes each rank sent in one step vs the closed form:
+`COMM {json}`. Any failure raises, and the abort handler ends the whole job.
+"""
+import argparse
+import json
+from types import SimpleNamespace
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import ProcessGroup, install_abort_handler, trace
+from minidist.nn import GPTConfig
+from minidist.train import memory
+from minidist.train.amp import MixedPrecision
+from minidist.train.data_parallel import DataParallel
+from minidist.train.loop import train_step
+from minidist.train.strategy import SingleProcess
+from minidist.train.zero_strategy import ZeroDataParallel
+
+CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=18, block_size=8, vocab_size=31)
+SEED = 7
+
+
+def batch(step, rows):
+    rng = np.random.default_rng([SEED, step])
+    x = rng.integers(0, CONFIG.vocab_size, size=(rows, CONFIG.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def train(strategy, args, dtype="float64"):
+    """args.steps steps of train_step; returns (model, opt, losses, norms, last mem row)."""
+    model = strategy.build_model(CONFIG, SEED, dtype)
+    opt = strategy.build_optimizer(model, args)
+    losses, norms, mem = [], [], None
+    for step in range(args.steps):
+        loss, norm, mem = train_step(strategy, model, opt, *batch(step, args.batch_size), args)
+        losses.append(loss)
+        norms.append(norm)
+    return model, opt, losses, norms, mem
+
+
+def shard_diff(strategy, ref_model):
+    """Largest |shard - the same slice of the reference's flat unit| on this rank; checks the
+    padding (the flat buffer's tail) is zero."""
+    ref = dict(ref_model.named_parameters())
+    worst = 0.0
+    for u in strategy.engine.units:
+        flat = u.flatten([ref[n].data for n in u.names])
+        worst = max(worst, float(np.abs(u.param_shard - flat[u.lo:u.hi]).max()))
+        tail = max(u.numel, u.lo) - u.lo           # where the padding starts in this shard
+        assert not np.any(u.param_shard[tail:]), f"padding of {u.name} is not zero"
+    return worst
+
+
+def compare(args, comm, ref, stage):
+    group = ProcessGroup(comm, args.algo, name=f"zero{stage}")
+    strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch)
+    strategy.ckpt_activations = args.ckpt_activations
+    model, _, losses, norms, _ = train(strategy, args)
+    ref_model, ref_losses, ref_norms = ref
+    diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
+    full = strategy.engine.full_state_dict()
+    if comm.rank == 0:
+        want = dict(ref_model.named_parameters())
+        diff = max(diff, max(float(np.abs(a - want[n].data).max()) for n, a in full.items()))
+        assert list(full) == list(want), "full_state_dict: names or order differ"
+    result = {"stage": stage, "ranks": group.size, "algo": args.algo, "steps": args.steps,
+              "grad_accum": args.grad_accum, "clip": args.clip,
+              "ckpt_activations": args.ckpt_activations, "prefetch": args.prefetch,
+              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+              "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+              "param_diff": diff, "norms": norms,
+              "padding": [u.padding for u in strategy.engine.units]}
+    for key in ("loss_diff", "norm_diff", "param_diff"):
+        assert result[key] <= args.tol, (stage, key, result)
+    if args.clip:
+        assert max(norms) > args.clip, f"--clip {args.clip} never clipped: {norms}"
+    group.destroy()
+    return result
+
+
+def measure(args, comm, stage, amp=False, dtype="float64"):
+    """One or two steps at `stage` (0 = DDP); this rank's ledger row and bytes sent in the
+    last step, by op."""
+    group = ProcessGroup(comm, args.algo, name=f"mem{stage}{'amp' * amp}")
+    strategy = DataParallel(group) if stage == 0 else ZeroDataParallel(group, stage)
+    strategy.amp = MixedPrecision() if amp else None
+    run = SimpleNamespace(**{**vars(args), "steps": 1, "grad_accum": 1, "log_json": "yes"})
+    model, opt, losses, _, _ = train(strategy, run, dtype)
+    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    before = {op: trace.bytes_sent(group.name, op) for op in ops}
+    _, _, mem = train_step(strategy, model, opt, *batch(1, args.batch_size), run)
+    sent = {op: trace.bytes_sent(group.name, op) - b for op, b in before.items()}
+    n = model.num_parameters()
+    predicted = memory.zero_model_states(n, group.size, stage, amp=amp,
+                                         itemsize=np.dtype(dtype).itemsize)
+    out = {"stage": stage, "amp": amp, "mem": mem, "predicted": predicted, "sent": sent,
+           "n_params": n, "loss": losses[-1], "strategy": strategy}
+    group.destroy()
+    return out
+
+
+def check_memory(args, comm, amp=False):
+    """Measured (the ledger) vs predicted per stage, every rank; shards ~1/N of DDP's."""
+    dtype = "float32" if amp else "float64"
+    rows = {s: measure(args, comm, s, amp, dtype) for s in (0, 1, 2, 3)}
+    for s, r in rows.items():
+        for k in ("params", "grads", "optimizer"):
+            got, want = r["mem"][k], r["predicted"][k]
+            assert abs(got / want - 1) < 0.03, (s, k, got, want)
+    n, base = comm.size, rows[0]["mem"]
+    for s, kind in ((1, "optimizer"), (2, "grads"), (3, "params")):
+        ratio = rows[s]["mem"][kind] / base[kind]
+        assert abs(ratio * n - 1) < 0.03, (s, kind, ratio)
+    if amp:
+        assert all(np.isfinite(r["loss"]) for r in rows.values())
+    table = {s: {"measured": r["mem"], "predicted": r["predicted"]} for s, r in rows.items()}
+    return {"ranks": n, "amp": amp, "dtype": dtype, "n_params": rows[0]["n_params"],
+            "by_rank": comm.gather(table, root=0)}
+
+
+def check_comm(args, comm):
+    """Per-rank bytes of one step vs the ring's closed forms (N-1)/N x bytes per call."""
+    n, out = comm.size, {}
+    for stage in (0, 1, 2, 3):
+        r = measure(args, comm, stage)
+        eng, sent = getattr(r["strategy"], "engine", None), r["sent"]
+        total = sum(sent.values())
+        if stage == 0:
+            psi = 8 * r["n_params"]
+            want = 2 * (n - 1) * psi // n      # all-reduce = reduce-scatter + all-gather
+            assert abs(total - want) <= 64 * 8, (stage, total, want)
+        else:
+            assert sent["all_reduce"] <= 64, sent     # only the loss and the norm, 8 B each
+            total -= sent["all_reduce"]
+            psi = 8 * sum(u.padded for u in eng.units)
+            blocks = [u for u in eng.units if u.module is not None]
+            gathers = psi if stage < 3 else 8 * (sum(u.padded for u in eng.units if
+                                                     u.module is None) +
+                                                 blocks[0].padded * (2 * len(blocks) - 2))
+            want = (n - 1) * (psi + gathers) // n
+            assert r["sent"]["reduce_scatter"] == (n - 1) * psi // n, (stage, r["sent"])
+            assert total == want, (stage, total, want)
+        out[stage] = {"bytes_sent": total, "params_bytes": psi, "ratio_to_params": total / psi}
+    for stage in (1, 2, 3):
+        out[stage]["vs_ddp"] = out[stage]["bytes_sent"] / out[0]["bytes_sent"]
+    return {"ranks": n, "n_layer": CONFIG.n_layer, "algo": args.algo, "stages": out}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--algo", default="ring")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0, help="max grad norm (0: no clipping)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--ckpt-activations", action="store_true")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false")
+    p.add_argument("--memory", action="store_true")
+    p.add_argument("--amp", action="store_true", help="the memory check with --amp too")
+    p.add_argument("--comm", action="store_true")
+    p.add_argument("--tol", type=float, default=1e-10)
+    cli = p.parse_args()
+    install_abort_handler()
+    comm = MPI.COMM_WORLD
+    args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
+                           log_json=None)
+    stages = [int(s) for s in cli.stages.split(",") if s]
+    if stages:
+        ref = SingleProcess()
+        ref.ckpt_activations = cli.ckpt_activations
+        ref_model, _, ref_losses, ref_norms, _ = train(ref, args)
+        for stage in stages:
+            result = compare(args, comm, (ref_model, ref_losses, ref_norms), stage)
+            if comm.rank == 0:
+                print("RESULT " + json.dumps(result), flush=True)
+    for flag, amp in ((cli.memory, False), (cli.amp, True)):
+        if flag:
+            result = check_memory(args, comm, amp)
+            if comm.rank == 0:
+                print("MEMORY " + json.dumps(result), flush=True)
+    if cli.comm:
+        result = check_comm(args, comm)
+        if comm.rank == 0:
+            print("COMM " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

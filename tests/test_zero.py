@@ -1,0 +1,163 @@
+"""ZeRO: the flat layout in-process, then N ranks under mpiexec against one process in float64
+(stages 1, 2, 3), the memory ledger and bytes per step against theory, and sharded checkpoints
+resharded across world sizes and stages.
+
+The distributed checks run tests/scripts/zero_check.py and zero_ckpt_check.py, which batch many
+comparisons into one mpiexec start; each test's docstring gives the command to run it by hand.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT
+from minidist.parallel.flat import FlatUnit, gpt_units, placeholder
+from minidist.train import memory
+from minidist.train.checkpoint import CheckpointError, load_checkpoint
+from minidist.train.loop import train_step
+from minidist.train.strategy import SingleProcess
+from mpirun import ROOT, run_mpi
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+from zero_check import CONFIG, SEED, batch  # noqa: E402
+
+
+def _results(out, tag="RESULT"):
+    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
+            if line.startswith(tag + " ")]
+
+
+class P:
+    def __init__(self, *shape, decay=True):
+        self.data, self.decay = np.arange(np.prod(shape), dtype=float).reshape(shape), decay
+        self.shape, self.size, self.dtype = shape, self.data.size, self.data.dtype
+
+
+def test_flat_unit_pads_to_a_multiple_of_the_ranks_and_cuts_equal_shards():
+    w, b = P(3), P(3, decay=False)
+    units = [FlatUnit("u", [("w", w), ("b", b)], world=4, rank=r) for r in range(4)]
+    u = units[1]
+    assert (u.numel, u.padded, u.padding, u.shard_size, u.lo, u.hi) == (6, 8, 2, 2, 2, 4)
+    flat = u.flatten()
+    assert flat.tolist() == [0, 1, 2, 0, 1, 2, 0, 0]                 # padding: zeros at the end
+    assert list(u.pieces()) == [(0, 2, 3), (1, 0, 1)]               # w[2], b[0]
+    assert u.decay_ranges() == [(0, 1)]                              # only w's element decays
+    assert [list(x.pieces()) for x in (units[2], units[3])] == [[(1, 1, 3)], []]
+    u.point_params_at(flat)
+    assert np.shares_memory(w.data, flat) and w.data.shape == (3,)
+
+
+def test_gpt_units_and_placeholders():
+    model = GPT(CONFIG, seed=0)
+    units = gpt_units(model, world=4, rank=0)
+    assert [u.name for u in units] == ["root", "h.0", "h.1", "h.2", "h.3"]
+    assert units[0].names == ["transformer.wte.weight", "transformer.wpe.weight",
+                              "transformer.ln_f.weight", "transformer.ln_f.bias"]
+    assert sum(u.numel for u in units) == model.num_parameters()
+    assert all(u.padding and u.padded % 4 == 0 for u in units)      # odd sizes: padded
+    units[1].release_params()
+    p = units[1].params[0]
+    assert p.shape == units[1].shapes[0] and np.isnan(p.data).all()
+    assert memory.unique_nbytes([p.data, placeholder((7,), p.data)]) == 4   # one float32
+
+
+def test_zero_paper_arithmetic():
+    P_ = 1000
+    assert memory.zero_model_states(P_, 4, 0) == {"params": 4000, "grads": 4000,
+                                                  "optimizer": 8000, "total": 16000}
+    assert memory.zero_model_states(P_, 4, 1)["optimizer"] == 2000
+    assert memory.zero_model_states(P_, 4, 2, amp=True) == {
+        "params": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
+    assert memory.zero_model_states(P_, 4, 3, amp=True)["total"] == 16 * P_ // 4
+
+
+def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm():
+    """Stages 1, 2, 3 at 4 ranks == 1 process (float64, clipping active, 2 micro-batches,
+    every unit padded), then the ledger and the bytes sent per step against theory:
+
+        mpiexec -n 4 python tests/scripts/zero_check.py --clip 0.05 --grad-accum 2 \\
+            --memory --comm
+    """
+    out = run_mpi(4, "tests/scripts/zero_check.py", "--clip", "0.05", "--grad-accum", "2",
+                  "--memory", "--comm", timeout=300)
+    results = _results(out)
+    assert [r["stage"] for r in results] == [1, 2, 3]
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+        assert all(r["padding"]) and max(r["norms"]) > 0.05
+    mem, = _results(out, "MEMORY")
+    for rank_rows in mem["by_rank"]:
+        m = {int(s): row["measured"] for s, row in rank_rows.items()}
+        assert abs(4 * m[1]["optimizer"] / m[0]["optimizer"] - 1) < 0.03
+        assert abs(4 * m[2]["grads"] / m[0]["grads"] - 1) < 0.03
+        assert abs(4 * m[3]["params"] / m[0]["params"] - 1) < 0.03
+    comm, = _results(out, "COMM")
+    ratios = {int(s): row.get("vs_ddp") for s, row in comm["stages"].items()}
+    assert abs(ratios[1] - 1) < 0.01 and abs(ratios[2] - 1) < 0.01
+    L = comm["n_layer"]
+    assert 1.0 < ratios[3] < 1.5 and abs(ratios[3] - 1 - (L - 2) / (2 * L)) < 0.05
+
+
+def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory():
+    """3 ranks with the MPI library's collectives, activation checkpointing (stage 3 gathers
+    for the recompute) and no prefetch; then 4 ranks, mixed precision, 2 + 2 + 12 bytes:
+
+        mpiexec -n 3 python tests/scripts/zero_check.py --ckpt-activations --no-prefetch \\
+            --algo mpi --batch-size 6
+        mpiexec -n 4 python tests/scripts/zero_check.py --stages "" --amp
+    """
+    out = run_mpi(3, "tests/scripts/zero_check.py", "--ckpt-activations", "--no-prefetch",
+                  "--algo", "mpi", "--batch-size", "6", timeout=300)
+    for r in _results(out):
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+    out = run_mpi(4, "tests/scripts/zero_check.py", "--stages", "", "--amp", timeout=300)
+    mem, = _results(out, "MEMORY")
+    assert mem["amp"] and len(mem["by_rank"]) == 4     # the script checked every number
+
+
+def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tmp_path):
+    """Save at 4 ranks, ZeRO-3 (resume bitwise; a missing and a mismatched shard fail on every
+    rank, named); load in one process (bitwise), step, save plain; load at 2 ranks, ZeRO-1
+    (bitwise, the same step to 1e-10), and the plain checkpoint into ZeRO-2 (bitwise):
+
+        mpiexec -n 4 python tests/scripts/zero_ckpt_check.py --save /tmp/z --stage 3
+        (one process: this test's middle part)
+        mpiexec -n 2 python tests/scripts/zero_ckpt_check.py --load /tmp/z --stage 1
+    """
+    d = str(tmp_path)
+    out = run_mpi(4, "tests/scripts/zero_ckpt_check.py", "--save", d, "--stage", "3",
+                  timeout=300)
+    saved, = _results(out)
+    assert saved["resume_bitwise"] and "shard-00002-of-00004" in saved["missing"]
+    assert "shard-00001-of-00004" in saved["mismatch"] and "checksum" in saved["mismatch"]
+    expected = np.load(os.path.join(d, "expected.npz"))
+    one_process_from_sharded(d, expected)
+    pretrained = GPT.from_pretrained(os.path.join(d, "pretrained"))      # float32 files
+    assert all(np.array_equal(p.data, expected[n].astype(np.float32))
+               for n, p in pretrained.named_parameters())
+    out = run_mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
+                  timeout=300)
+    loaded, = _results(out)
+    assert loaded["reshard_bitwise"] and loaded["step_diff_vs_1proc"] < 1e-10
+
+
+def one_process_from_sharded(d, expected):
+    """The 4-rank ZeRO-3 checkpoint in one process: the same parameters; one step; saved as
+    DIR/after_1proc.npz and the plain checkpoint DIR/plain for the 2-rank part."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
+                           batch_size=8, log_json=None)
+    strategy = SingleProcess()
+    model = strategy.build_model(CONFIG, SEED, "float64")
+    opt = strategy.build_optimizer(model, args)
+    state = strategy.load(os.path.join(d, "ckpt"), model, opt)
+    assert state["step"] == 2
+    assert all(np.array_equal(p.data, expected[n]) for n, p in model.named_parameters())
+    train_step(strategy, model, opt, *batch(2, args.batch_size), args)
+    np.savez(os.path.join(d, "after_1proc.npz"),
+             **{n: p.data for n, p in model.named_parameters()})
+    strategy.save(os.path.join(d, "plain"), model, opt, 3, {}, {})
+    with pytest.raises(CheckpointError, match="shard-00002-of-00004.*missing"):
+        load_checkpoint(os.path.join(d, "missing"), model, opt)
