@@ -1,0 +1,102 @@
+"""Memory and communication of DDP and ZeRO-1/2/3, measured, beside the ZeRO paper's numbers.
+
+    mpirun -n 4 python examples/bench_zero.py                     # the README's tables
+    mpirun -n 4 python examples/bench_zero.py --n-layer 12 --amp
+
+For each stage (0 = DDP) it builds the model from the model flags (random token batches: no
+data files), takes --steps steps through the loop's own train_step and prints, on rank 0, two
+markdown tables:
+  - model-state bytes per rank: predicted (memory.zero_model_states, the ZeRO paper's
+    arithmetic) vs measured (memory.ledger from the live arrays, as --log-json reports it; the
+    largest over ranks), the activations the graph held, and the transient buffers' peak
+    (stage 2: gradient buckets in flight; stage 3: those and the gather buffers);
+  - bytes each rank sent in the last step (the trace counters: reduce-scatter, all-gather,
+    all-reduce) vs the paper's 2 Psi (N-1)/N for DDP and stages 1 and 2, 3 Psi (N-1)/N for
+    stage 3, Psi = the parameters' bytes.
+"""
+import argparse
+from types import SimpleNamespace
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import ProcessGroup, install_abort_handler, trace
+from minidist.nn import GPTConfig
+from minidist.train import memory
+from minidist.train.amp import MixedPrecision
+from minidist.train.args import add_model_args
+from minidist.train.data_parallel import DataParallel
+from minidist.train.loop import train_step
+from minidist.train.zero_strategy import ZeroDataParallel
+
+OPS = ("reduce_scatter", "all_gather", "all_reduce")
+
+
+def run_stage(cli, stage, comm):
+    """--steps steps at `stage`; (ledger row with the largest value over ranks of each
+    kind, bytes this rank sent in the last step, parameter count)."""
+    config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
+                       block_size=cli.block_size, vocab_size=cli.vocab_size, bias=cli.bias)
+    group = ProcessGroup(comm, cli.comm, name=f"bench-zero{stage}")
+    strategy = DataParallel(group) if stage == 0 else ZeroDataParallel(group, stage)
+    strategy.amp = MixedPrecision() if cli.amp else None
+    args = SimpleNamespace(lr=1e-3, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
+                           log_json="yes")                      # makes train_step measure
+    model = strategy.build_model(config, cli.seed, "float32" if cli.amp else cli.dtype)
+    opt = strategy.build_optimizer(model, args)
+    rng = np.random.default_rng(cli.seed)
+    for step in range(cli.steps):
+        x = rng.integers(0, cli.vocab_size, size=(cli.batch_size, cli.block_size))
+        before = sum(trace.bytes_sent(group.name, op) for op in OPS)
+        _, _, mem = train_step(strategy, model, opt, x, np.roll(x, -1, axis=1), args)
+        sent = sum(trace.bytes_sent(group.name, op) for op in OPS) - before
+    mem["transient"] = getattr(getattr(strategy, "engine", None), "transient_peak", 0)
+    mem = {k: comm.allreduce(v, op=MPI.MAX) for k, v in mem.items()}
+    n = model.num_parameters()
+    group.destroy()
+    return mem, comm.allreduce(sent, op=MPI.MAX), n
+
+
+def tables(cli, results, n_ranks):
+    mib, n = 2.0 ** 20, results[0][2]
+    itemsize = 2 if cli.amp else np.dtype(cli.dtype).itemsize
+    psi, ring = n * itemsize, (n_ranks - 1) / n_ranks
+    print(f"\n{n:,} parameters, {n_ranks} ranks, {'mixed precision' if cli.amp else cli.dtype}"
+          f", batch {cli.batch_size} x {cli.block_size}; MiB per rank, predicted / measured\n")
+    print("| stage | params | grads | optimizer | model states | activations | transient |")
+    print("|---|---|---|---|---|---|---|")
+    for stage, (mem, _, _) in results.items():
+        pred = memory.zero_model_states(n, n_ranks, stage, cli.amp, itemsize)
+        cells = [f"{pred[k] / mib:.3f} / {mem[k] / mib:.3f}"
+                 for k in ("params", "grads", "optimizer")]
+        states = sum(mem[k] for k in ("params", "grads", "optimizer"))
+        cells.append(f"{pred['total'] / mib:.3f} / {states / mib:.3f}")
+        print(f"| {stage or 'DDP'} | " + " | ".join(cells) +
+              f" | {mem['activations'] / mib:.2f} | {mem['transient'] / mib:.2f} |")
+    print(f"\nbytes each rank sent in one step (Psi = {psi / mib:.2f} MiB of parameters)\n")
+    print("| stage | MiB sent | x Psi | vs DDP | the paper: x Psi | the paper: vs DDP |")
+    print("|---|---|---|---|---|---|")
+    ddp = results[0][1]
+    for stage, (_, sent, _) in results.items():
+        paper = (3 if stage == 3 else 2) * ring
+        print(f"| {stage or 'DDP'} | {sent / mib:.2f} | {sent / psi:.2f} | {sent / ddp:.2f} | "
+              f"{paper:.2f} | {paper / (2 * ring):.2f} |")
+
+
+def main():
+    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--amp", action="store_true")
+    p.add_argument("--comm", default="ring")
+    cli = p.parse_args()
+    install_abort_handler()
+    comm = MPI.COMM_WORLD
+    results = {s: run_stage(cli, s, comm) for s in map(int, cli.stages.split(","))}
+    if comm.rank == 0:
+        tables(cli, results, comm.size)
+
+
+if __name__ == "__main__":
+    main()
