@@ -84,16 +84,22 @@ def ledger(params, optimizer=None, activations=0):
     "total", which sums the four kinds)."""
     params = list(params)
     held = optimizer.ledger_arrays() if hasattr(optimizer, "ledger_arrays") else {}
-    row = {"params": unique_nbytes(itertools.chain((p.data for p in params),
-                                                   held.get("params", ()))),
-           "grads": unique_nbytes(itertools.chain((p.grad for p in params if p.grad is not None),
-                                                  held.get("grads", ()))),
+    row = {"params": unique_nbytes(_state(itertools.chain((p.data for p in params),
+                                                          held.get("params", ())))),
+           "grads": unique_nbytes(_state(itertools.chain(
+               (p.grad for p in params if p.grad is not None), held.get("grads", ())))),
            "optimizer": unique_nbytes(optimizer.state_arrays()) if optimizer else 0,
            "activations": int(activations)}
     row["total"] = sum(row.values())
     if backend.device() == "cuda":
         row["pool_used"] = backend.memory_stats()["pool_used"]
     return row
+
+
+def _state(arrays):
+    """Arrays that hold model state: not views of a 0-d scalar (ZeRO-3's placeholder for a
+    parameter that is not gathered is a read-only broadcast of one shared NaN)."""
+    return (a for a in arrays if _buffer(a).ndim > 0)
 
 
 # ---- the ZeRO paper's arithmetic, beside the ledger -------------------------------------------
