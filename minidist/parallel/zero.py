@@ -39,9 +39,11 @@ Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shar
     from forward to backward). After the optimizer step every gathered copy is stale: all are
     freed, and parameters point at NaN placeholders until the next gather.
 
-Communication per step, ring, per rank, Psi = parameter bytes (padded): DDP all-reduce
-2(N-1)/N Psi; stages 1 and 2 reduce-scatter + all-gather = the same; stage 3 gathers twice and
-reduce-scatters once, 3(N-1)/N Psi = 1.5x in the paper; here a bit less (root, last blocks).
+Bytes each rank sends per step (ring, Psi = padded parameter bytes): DDP 2(N-1)/N Psi; stages
+1, 2 reduce-scatter + all-gather, the same; stage 3, 3(N-1)/N Psi in the paper (1.5x), here
+(N-1)/N (Psi + root + (2L-2)/L blocks): the root and the last two blocks are gathered once.
+Why not DDP's Bucket: its buffers have no padding and live for the whole run, which is what
+stage 2 must not keep; the unit plays the bucket, its hook counting is the same idea.
 Tests: tests/test_zero.py, tests/scripts/zero_check.py (4 ranks == 1 process in float64 for
 each stage, memory and communication against theory).
 """
