@@ -131,14 +131,17 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
 
 
 @pytest.mark.mpi
-def test_four_ranks_tp4_and_tp2_x_dp2_equal_one_process():
+def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process():
     """tp 4 (vocabulary 30 padded to 32), tp 2 x dp 2 (DDP over the mesh's dp group, rows by
-    dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel:
+    dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel, and
+    tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 over dp 2; clipped every step
+    (under ZeRO the replicated parameters' pieces of the gradient shards count once):
 
         mpiexec -n 4 python tests/scripts/tp_check.py
     """
     out = run_mpi(4, "tests/scripts/tp_check.py", timeout=180)
-    _assert_exact(_rows(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp"])
+    _assert_exact(_rows(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
+                                         "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3"])
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +211,21 @@ def test_bad_tp_sizes_are_refused_on_every_rank():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp_path):
-    """tp 2 x dp 2 with sequence parallelism, stopped and resumed from its checkpoint, logs
-    the uninterrupted run's losses:
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp_path, zero):
+    """tp 2 x dp 2 (DDP, or ZeRO-3: one sharded checkpoint per tp rank) with sequence
+    parallelism, stopped and resumed from its checkpoint, logs the uninterrupted run's losses
+    (which are the single-process run's):
 
-        mpiexec -n 4 python examples/train_gpt.py --tp 2 --sequence-parallel ... --save ck
+        mpiexec -n 4 python examples/train_gpt.py --tp 2 --zero 3 --sequence-parallel ...
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--tp", "2",
-              "--sequence-parallel", "--sample", "0"]
+              "--sequence-parallel", "--zero", zero]
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    run_mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    out = run_mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    assert _sample(out.stdout)
     run_mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "2",
-            timeout=120)
+            "--sample", "0", timeout=120)
     run_mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-            resumed, timeout=120)
+            resumed, "--sample", "0", timeout=120)
     assert _losses(resumed) == _losses(straight)[2:]

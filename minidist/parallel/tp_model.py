@@ -148,19 +148,23 @@ class TensorParallelGPT(GPT):
                                                     self.config.vocab_size)
 
     # ---- the full model, gathered or cut ---------------------------------------------------
-    def full_state_dict(self):
+    def full_state_dict(self, local=None):
         """{name: full host array} of the whole model, in model order, on every rank of the
-        group (collective: every rank must call it)."""
+        group (collective: every rank must call it). `local`: this rank's arrays by name if
+        not the parameters' own (ZeRO-3 holds only shards: it gathers them first); {} on
+        every rank of the group: nothing to do, returns {}."""
+        local = {n: p.data for n, p in self.named_parameters()} if local is None else local
+        if not local:
+            return {}
         out = {}
         for name, p in self.named_parameters():
-            local = backend.to_host(p.data)
-            split = getattr(p, "tp_split", None)
-            if split is None:
-                out[name] = local.copy()
+            mine = backend.to_host(local[name])
+            if p.tp_split is None:
+                out[name] = mine.copy()
                 continue
-            buf = backend.xp_of(p.data).empty((self.group.size,) + p.shape, p.dtype)
-            self.group.all_gather(buf, backend.xp_of(p.data).ascontiguousarray(p.data))
-            out[name] = split.unshard(list(backend.to_host(buf)))
+            buf = np.empty((self.group.size,) + mine.shape, mine.dtype)
+            self.group.all_gather(buf, np.ascontiguousarray(mine))
+            out[name] = p.tp_split.unshard(list(buf))
         return out
 
     def load_full_state_dict(self, state):
@@ -179,7 +183,7 @@ class TensorParallelGPT(GPT):
         from minidist.nn.pretrained import save_pretrained
         full = self.full_state_dict()
         if self.group.rank == 0:
-            save_pretrained(_FullModel(self.config, full), directory, dtype=dtype)
+            save_pretrained(GatheredModel(self.config, full), directory, dtype=dtype)
         self.group.barrier()
 
     def parameter_counts(self):
@@ -189,8 +193,9 @@ class TensorParallelGPT(GPT):
         return self.num_parameters(), full
 
 
-class _FullModel:
-    """What save_pretrained reads from a model: its config and a state dict."""
+class GatheredModel:
+    """The whole model as save_pretrained and save_checkpoint read one: a config and a state
+    dict of full host arrays."""
 
     def __init__(self, config, state):
         self.config, self._state = config, state

@@ -59,12 +59,7 @@ def make_strategy(args):
     refused politely; inconsistent sizes are refused on every rank before any communication."""
     world = world_size_from_env()
     _refuse_unbuilt(args)
-    if args.tp > 1 and args.zero:
-        raise NotAvailableYet(
-            f"Sorry: --zero {args.zero} with --tp {args.tp} is not available yet (ZeRO shards "
-            "gradients that tensor parallelism still reads whole); use --zero with data "
-            "parallelism alone, or --tp with DDP.")
-    if args.tp > 1:            # tensor (x data) parallelism: minidist/train/tensor_parallel.py
+    if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: train/tensor_parallel.py
         from minidist.train.tensor_parallel import make_tensor_parallel
         return _memory_options(make_tensor_parallel(args, world), args)
     dp = args.dp if args.dp is not None else world

@@ -1,8 +1,10 @@
 """The TensorParallel strategy: a TensorParallelGPT over the mesh's tp group, inside a data-
-parallel strategy over its dp group (the `inner` one: DDP, or one process when dp = 1).
+parallel strategy over its dp group (the `inner` one: DDP, ZeRO-k with --zero, or one process
+when dp = 1).
 
     mpirun -n 2 python examples/train_gpt.py --tp 2
     mpirun -n 4 python examples/train_gpt.py --tp 2 --dp 2 --sequence-parallel
+    mpirun -n 4 python examples/train_gpt.py --tp 2 --dp 2 --zero 3
 
 World = dp x tp, Megatron's rank order (tp neighbours share a node: minidist/comm/mesh.py).
 All tp ranks of one dp replica read the same rows of the global batch. What it changes from
@@ -18,11 +20,14 @@ SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to
                         once (every tp rank holds the same copy), then inner's reduction
     save / load         the full model and optimizer state, gathered over tp and written by
                         rank 0 in the single-process format: a checkpoint from any tp resumes
-                        on any other tp, or on one process
-A data-parallel strategy plugs in as `inner` if it has `wrap(model)` (DataParallel does).
+                        on any other tp, or on one process. Under ZeRO: ZeRO's sharded
+                        checkpoint of each tp rank's part, DIR/tp<r>-of-<tp> (same tp to resume)
+A data-parallel strategy plugs in as `inner` through `wrap(model)` (DataParallel and
+ZeroDataParallel have it).
 Tests: tests/test_tensor_parallel.py.
 """
 import copy
+import os
 import types
 
 import numpy as np
@@ -30,7 +35,7 @@ import numpy as np
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
-from minidist.parallel.tp_model import TensorParallelGPT, check_tp_sizes
+from minidist.parallel.tp_model import GatheredModel, TensorParallelGPT, check_tp_sizes
 from minidist.train import checkpoint
 from minidist.train.strategy import SingleProcess
 
@@ -59,8 +64,13 @@ def make_tensor_parallel(args, world):
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=tp, pp=1, algo=args.comm)
-    inner = (DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb) if dp > 1
-             else SingleProcess())
+    if args.zero:                          # ZeRO-k over the dp group, around the TP model
+        from minidist.train.zero_strategy import ZeroDataParallel
+        inner = ZeroDataParallel(mesh.dp, args.zero)
+    elif dp > 1:
+        inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
+    else:
+        inner = SingleProcess()
     return TensorParallel(mesh, args.sequence_parallel, inner)
 
 
@@ -113,11 +123,23 @@ class TensorParallel(SingleProcess):
         return outer(total) if outer is not None else total
 
     def _replicated_sum_sq(self):
-        grads = [p.grad for p in self._replicated if p.grad is not None]
+        grads = self._replicated_grads()
         if self.amp:                      # the optimizer measures unscaled float32 gradients
             inv = 1.0 / self.amp.scaler.scale
             return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
         return local_sum_sq(grads)
+
+    def _replicated_grads(self):
+        """The replicated parameters' gradient elements that this rank's optimizer norms:
+        their .grad arrays, or under ZeRO the pieces of them inside this rank's flat gradient
+        shards (a FlatUnit's pieces(): minidist/parallel/flat.py). The flat layout is the same
+        on every tp rank, so those pieces are too."""
+        engine = getattr(self.inner, "engine", None)
+        if engine is None:
+            return [p.grad for p in self._replicated if p.grad is not None]
+        mine = {id(p) for p in self._replicated}
+        return [u.grad_shard[u.offsets[i] + a - u.lo:u.offsets[i] + b - u.lo]
+                for u in engine.units for i, a, b in u.pieces() if id(u.params[i]) in mine]
 
     def global_mean(self, value):
         return self.inner.global_mean(value)
@@ -126,8 +148,9 @@ class TensorParallel(SingleProcess):
         return trace.bytes_sent()
 
     def takes_part_in_sampling(self):
-        """Sampling runs the split model: every tp rank of the first replica takes part."""
-        return self.mesh.dp_rank == 0
+        """Sampling runs the split model: every tp rank of the replicas that sample (dp rank
+        0; under ZeRO-3 every dp rank, whose blocks are gathered collectively)."""
+        return self.inner.takes_part_in_sampling()
 
     def notes(self):
         local, full = self.model.parameter_counts()
@@ -139,21 +162,53 @@ class TensorParallel(SingleProcess):
             f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "
                                               f"a multiple of {tp}" if pad else "")]
 
-    # ---- checkpoints: the full model, gathered ---------------------------------------------
+    # ---- the full model, gathered; checkpoints ----------------------------------------------
+    def full_state_dict(self):
+        """The whole model (name -> host array) on the ranks of dp rank 0 (under ZeRO; on
+        every rank otherwise): gathered over dp by ZeRO first, then over tp. Collective."""
+        return self.model.full_state_dict(
+            self.inner.engine.full_state_dict(root=0) if self._zero() else None)
+
+    def save_pretrained(self, model, directory, dtype="float32"):
+        """GPT-2's format (minidist/nn/pretrained.py), the whole model, from rank 0."""
+        from minidist.nn.pretrained import save_pretrained
+        state = self.full_state_dict()
+        if self.rank == 0:
+            save_pretrained(GatheredModel(model.config, state), directory, dtype=dtype)
+        self.mesh.world.barrier()
+
+    def _zero(self):
+        return getattr(self.inner, "engine", None) is not None
+
+    def _tp_dir(self, directory):
+        """Under ZeRO: this tp rank's own sharded checkpoint (resharding over dp works, tp
+        must stay the same)."""
+        return os.path.join(directory, f"tp{self.group.rank}-of-{self.group.size}")
+
     def save(self, directory, model, optimizer, step, rng_states, extra):
+        if self._zero():                                   # ZeRO's sharded files per tp rank
+            self.inner.save(self._tp_dir(directory), model, optimizer, step, rng_states, extra)
+            return self.mesh.world.barrier()
         params = self.model.full_state_dict()              # collective over tp
         opt_sd = self._gather_optimizer(optimizer.state_dict())
         if self.rank == 0:
-            # shallow copies whose state_dict() is the full one: checkpoint.py writes them
-            # as it writes one process's model and optimizer (same class names and format)
-            full_model = _with(model, state_dict=lambda: params)
+            # the optimizer: a shallow copy whose state_dict() is the full one, so checkpoint.py
+            # writes it as one process's (same class name and format)
+            full_model = GatheredModel(model.config, params)
             full_opt = _with(optimizer, state_dict=lambda: opt_sd)
             checkpoint.save_checkpoint(directory, full_model, full_opt, step, rng_states,
                                        extra)
         self.mesh.world.barrier()                          # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the full checkpoint and keeps its shards."""
+        """Every rank reads the full checkpoint and keeps its shards (ZeRO: its tp rank's
+        sharded checkpoint)."""
+        if self._zero():
+            if not os.path.isdir(self._tp_dir(directory)):
+                raise checkpoint.CheckpointError(
+                    f"--resume {directory}: no {os.path.basename(self._tp_dir(directory))}; a "
+                    f"checkpoint of --tp with --zero resumes with the same --tp")
+            return self.inner.load(self._tp_dir(directory), model, optimizer)
         def load_params(state, strict=True):
             missing = set(dict(model.named_parameters())) ^ set(state)
             if strict and missing:
@@ -203,9 +258,8 @@ class TensorParallel(SingleProcess):
 
     def finish(self, args, log):
         log.print0(self.summary())
-        if hasattr(self.inner, "summary"):
-            log.print0(self.inner.summary())
-        if args.trace:
+        self.inner.finish(types.SimpleNamespace(**{**vars(args), "trace": None}), log)
+        if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective written to {args.trace}")
 

@@ -43,7 +43,11 @@ RUNS = {"tp2": [], "tp2+sp": ["--sequence-parallel"],
         "tp4": [], "tp4+sp": ["--sequence-parallel"],
         "tp2xdp2": ["--dp", "2", "--dropout", "0"],
         "tp2xdp2+sp": ["--dp", "2", "--sequence-parallel", "--grad-accum", "2",
-                       "--dropout", "0"]}
+                       "--dropout", "0"],
+        "tp2xdp2+zero1": ["--dp", "2", "--zero", "1", "--dropout", "0"],
+        "tp2xdp2+zero2+sp": ["--dp", "2", "--zero", "2", "--sequence-parallel",
+                             "--grad-accum", "2", "--dropout", "0"],
+        "tp2xdp2+zero3": ["--dp", "2", "--zero", "3", "--dropout", "0"]}
 
 
 def flags(name, *extra):
@@ -110,12 +114,14 @@ def compare(name, refs, comm, tol, tmp):
     strategy = make_strategy(args)
     model, opt, losses, norms = train(strategy, args)
     ref_model, ref_opt, ref_losses, ref_norms = ref
-    full = model.full_state_dict()
+    full = strategy.full_state_dict()              # on the ranks of dp rank 0 under ZeRO
+    param_diff = MPI.COMM_WORLD.allreduce(max_diff(full, host_state(ref_model)) if full
+                                          else 0.0, op=MPI.MAX)
     result = {"run": name, "ranks": comm.size, "tp": strategy.group.size,
               "dp": strategy.mesh.shape["dp"], "steps": args.steps,
               "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
               "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
-              "param_diff": max_diff(full, host_state(ref_model)), "norms": norms,
+              "param_diff": param_diff, "norms": norms,
               "losses": losses}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= tol, (name, key, result)
@@ -189,7 +195,9 @@ def main():
         return
     runs = cli.runs.split(",") if cli.runs else (["tp2", "tp2+sp", "tp2+sp+ckpt"]
                                                  if comm.size == 2 else
-                                                 ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp"])
+                                                 ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
+                                                  "tp2xdp2+zero1", "tp2xdp2+zero2+sp",
+                                                  "tp2xdp2+zero3"])
     refs = {}
     for name in runs:
         emit("RESULT", compare(name, refs, comm, cli.tol, tmp))
