@@ -72,11 +72,13 @@ def test_make_strategy_refuses_bad_tp_sizes(monkeypatch, flags, message):
 
 def test_one_rank_tp_model_is_the_gpt():
     """tp = 1 (a one-rank group): the same loss, gradients and samples as GPT."""
+    from mpi4py import MPI
     from minidist.comm import ProcessGroup
     from minidist.parallel.tp_model import TensorParallelGPT
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=20, dropout=0.1)
     ref, tp = GPT(cfg, seed=3, dtype="float64"), TensorParallelGPT(
-        cfg, ProcessGroup.world(), seed=3, dtype="float64", sequence_parallel=True)
+        cfg, ProcessGroup(MPI.COMM_SELF, name="tp1"), seed=3, dtype="float64",
+        sequence_parallel=True)
     x = np.random.default_rng(0).integers(0, 20, (2, 8))
     a, b = ref(x, np.roll(x, -1, 1))[1], tp(x, np.roll(x, -1, 1))[1]
     a.backward()

@@ -81,7 +81,7 @@ class TensorParallel(SingleProcess):
         self.sequence_parallel = bool(sequence_parallel)
         self.inner = inner if inner is not None else SingleProcess()
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
-        self.model = None
+        self.model, self._sent = None, 0
         self.tp_bytes = []              # per step: bytes this rank sent on the tp group
 
     def build_model(self, config, seed, dtype):
@@ -92,7 +92,7 @@ class TensorParallel(SingleProcess):
         self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
         self.model = model
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
-        return self.inner.wrap(model) if hasattr(self.inner, "wrap") else model
+        return self.inner.wrap(model)
 
     def build_optimizer(self, model, args):
         return self.inner.build_optimizer(model, args)
