@@ -165,10 +165,11 @@ def test_batch_must_split_into_dp_times_grad_accum(monkeypatch):
         make_strategy(_parse("--batch-size", "16", "--grad-accum", "3"))
 
 
-def test_unbuilt_flags_still_refuse_politely_under_mpi(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(SystemExit, match="not available yet"):   # --tp, --zero: their tests
-        make_strategy(_parse("--pp", "2"))
+def test_nccl_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setattr("minidist.backend.cupy_module", lambda: None)
+    with pytest.raises(SystemExit, match="--comm nccl moves data GPU to GPU"):
+        make_strategy(_parse("--comm", "nccl"))
 
 
 # ---- N ranks under mpiexec ---------------------------------------------------------------

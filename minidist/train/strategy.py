@@ -59,6 +59,8 @@ def make_strategy(args):
     refused politely; inconsistent sizes are refused on every rank before any communication."""
     world = world_size_from_env()
     _refuse_unbuilt(args)
+    if args.comm == "nccl":
+        _nccl_device(args)
     if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: train/tensor_parallel.py
         from minidist.train.tensor_parallel import make_tensor_parallel
         return _memory_options(make_tensor_parallel(args, world), args)
@@ -85,6 +87,18 @@ def make_strategy(args):
     mesh = DeviceMesh(dp=dp, tp=1, pp=1, algo=args.comm)   # installs the abort handler
     return _memory_options(DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb),
                            args)
+
+
+def _nccl_device(args):
+    """--comm nccl moves data GPU to GPU: each rank's GPU must be chosen before any group
+    builds its NCCL communicator (the loop's set_device comes later). Without CuPy and a GPU
+    it is refused on every rank, before any communication."""
+    from minidist import backend
+    if args.device == "cpu" or backend.cupy_module() is None:
+        raise SystemExit("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
+                         "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
+                         "--comm ring, naive or mpi.")
+    backend.set_device(args.device)
 
 
 def _memory_options(strategy, args):
