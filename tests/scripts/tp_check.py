@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_probes  # noqa: E402
 
 from minidist.comm import install_abort_handler, trace  # noqa: E402
-from minidist.nn import GPT, GPTConfig  # noqa: E402
+from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.safetensors import load_file  # noqa: E402
 from minidist.train import checkpoint  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
