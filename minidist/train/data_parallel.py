@@ -115,9 +115,11 @@ class DataParallel(SingleProcess):
         compute = sum(r["compute_s"] for r in rows) / len(rows)
         buckets = len(getattr(self.ddp, "buckets", ())) or len(self.ddp.params)
         kind = "buckets" if self.mode != "naive" else "per-parameter all-reduces"
+        ratio = (f"the naive algorithm's root sends {n - 1}x, the others 1x"
+                 if self.group.algo == "naive" else f"2(N-1)/N = {2 * (n - 1) / n:.2f}")
         return (f"DDP {self.mode} over {n} ranks ({self.group.algo}, {buckets} {kind}): "
-                f"{sent / 2**20:.2f} MiB sent per rank per step for {grad / 2**20:.2f} MiB of "
-                f"gradients (2(N-1)/N = {2 * (n - 1) / n:.2f}); waiting for communication "
+                f"{sent / 2**20:.2f} MiB sent by rank {self.rank} per step for "
+                f"{grad / 2**20:.2f} MiB of gradients ({ratio}); waiting for communication "
                 f"{exposed * 1e3:.1f} ms per step after {compute * 1e3:.1f} ms of compute")
 
     def finish(self, args, log):
