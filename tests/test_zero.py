@@ -161,3 +161,33 @@ def one_process_from_sharded(d, expected):
     strategy.save(os.path.join(d, "plain"), model, opt, 3, {}, {})
     with pytest.raises(CheckpointError, match="shard-00002-of-00004.*missing"):
         load_checkpoint(os.path.join(d, "missing"), model, opt)
+
+
+def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path):
+    """The script end to end, float64: 4 ranks at ZeRO-3 log `mem` and print the memory
+    table; stopped at step 2 and resumed on 2 ranks at ZeRO-1, the losses continue as if
+    uninterrupted:
+
+        mpiexec -n 4 python examples/train_gpt.py --zero 3 --dtype float64 --log-json a.jsonl
+        mpiexec -n 4 python examples/train_gpt.py --zero 3 --stop-at 2 --save ckpt
+        mpiexec -n 2 python examples/train_gpt.py --zero 1 --resume ckpt --log-json c.jsonl
+    (with the tiny model and data flags below)"""
+    corpus = tmp_path / "code.py"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300)))
+    flags = ["--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+             "--batch-size", "8", "--steps", "4", "--eval-every", "0", "--eval-iters", "1",
+             "--sample", "0", "--dtype", "float64", "--data", str(corpus),
+             "--cache-dir", str(tmp_path / "cache")]
+    a, c, ckpt = tmp_path / "a.jsonl", tmp_path / "c.jsonl", str(tmp_path / "ckpt")
+    out = run_mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--log-json", a,
+                  timeout=300)
+    assert "memory per rank, ZeRO stage 3" in out.stdout and "rank 3" in out.stdout
+    run_mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--stop-at", "2", "--save",
+            ckpt, timeout=300)
+    run_mpi(2, "examples/train_gpt.py", *flags, "--zero", "1", "--resume", ckpt,
+            "--log-json", c, timeout=300)
+    rows = [json.loads(line) for line in open(a)][:-1]
+    assert set(rows[-1]["mem"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    resumed = [json.loads(line) for line in open(c)][:-1]
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in resumed)
