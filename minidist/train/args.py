@@ -26,8 +26,7 @@ def add_model_args(p):
 
 
 def add_parallel_args(p):
-    g = p.add_argument_group("parallelism (--pp, --zero: "
-                             "later issues, refused politely for now)")
+    g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default: the number of MPI processes)")
     g.add_argument("--ddp", choices=("naive", "bucketed", "overlapped"), default="overlapped",
@@ -40,6 +39,8 @@ def add_parallel_args(p):
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
     g.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="pipeline schedule (README: Pipeline parallelism)")
     g.add_argument("--amp", action="store_true", help="float16 compute, float32 master")
     g.add_argument("--ckpt-activations", action="store_true")
     return p

@@ -32,7 +32,8 @@ Memory options, for every strategy alike (set by make_strategy from --amp and
     takes_part_in_sampling()  ranks that run the end-of-training sample (model-parallel
                               strategies: all ranks holding a part of one replica)
 DataParallel (DDP) lives in minidist/train/data_parallel.py, TensorParallel (--tp) in
-minidist/train/tensor_parallel.py, ZeroDataParallel (--zero) in minidist/train/zero_strategy.py.
+minidist/train/tensor_parallel.py, ZeroDataParallel (--zero) in minidist/train/zero_strategy.py,
+PipelineParallel (--pp, with --tp and --dp inside it) in minidist/train/pipeline_parallel.py.
 Tests: tests/test_train.py.
 """
 from minidist.nn import GPT
@@ -61,6 +62,9 @@ def make_strategy(args):
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
+    if args.pp > 1:            # pipeline (x tensor x data) parallelism: pipeline_parallel.py
+        from minidist.train.pipeline_parallel import make_pipeline_parallel
+        return _memory_options(make_pipeline_parallel(args, world), args)
     if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: train/tensor_parallel.py
         from minidist.train.tensor_parallel import make_tensor_parallel
         return _memory_options(make_tensor_parallel(args, world), args)
@@ -115,17 +119,10 @@ def _memory_options(strategy, args):
 
 
 def _refuse_unbuilt(args):
-    wanted = []
-    for flag, value, default in (("--pp", args.pp, 1),
-                                 ("--micro-batches", args.micro_batches, 1)):
-        if value != default:
-            wanted.append(f"{flag} {value}")
-    if wanted:
-        raise NotAvailableYet(
-            f"Sorry: {', '.join(wanted)} is not available yet -- this build trains on one "
-            "process, with data parallelism (mpirun -n N), ZeRO (--zero) or tensor "
-            "parallelism (--tp). Pipeline parallelism lands in its own issue; run without "
-            "these flags.")
+    if args.micro_batches != 1 and args.pp == 1:
+        raise SystemExit(
+            f"--micro-batches {args.micro_batches} splits the batch for a pipeline (--pp > 1); "
+            "with one stage, accumulate gradients with --grad-accum instead.")
 
 
 class SingleProcess:

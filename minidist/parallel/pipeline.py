@@ -1,0 +1,255 @@
+"""Pipeline parallelism: the GPT's blocks cut into `pp` stages, one per rank of the pp group,
+and a batch cut into M micro-batches that flow through them. Two schedules, side by side.
+
+    stage 0: embedding + blocks [0, L/pp)   ...   stage pp-1: blocks [.., L) + ln_f + head + loss
+
+Only neighbours talk, point to point: stage s sends its output activation (rows, T, C) to
+s+1 (forward) and receives the gradient of that activation back (backward). Every stage
+knows (rows, T, C) and the dtype from the config and the batch, so no shape messages.
+
+GPipe (all forward, then all backward), p = 4 stages, m = 8 micro-batches, a backward twice
+as long as a forward (`python -m minidist.parallel.pp_simulate`):
+
+    stage 0 |01234567.........................0011223344556677|
+    stage 1 |.01234567......................0011223344556677.|
+    stage 2 |..01234567...................0011223344556677..|
+    stage 3 |...01234567................0011223344556677...|
+
+1F1B (one forward, one backward): after a warmup of p-s-1 forwards, stage s alternates one
+forward and one backward, so it holds at most p-s micro-batches' activations instead of m:
+
+    stage 0 |0123.......4.0.5.1.6.2.7.3..44..55..66..77|
+    stage 1 |.0123....4.0.5.1.6.2.7.3..44..55..66..77.|
+    ...                (the exact pictures: README, "Pipeline parallelism")
+
+Both leave the same idle "bubble": (p-1) forward+backward slots out of m+p-1 on every stage,
+a fraction (p-1)/(m+p-1). 1F1B does not shrink the bubble, it shrinks activation memory
+(GPipe keeps m micro-batches alive on every stage, 1F1B at most p on the first).
+
+Deadlock: in 1F1B's steady state stage s sends forward to s+1 while s+1 sends a gradient back
+to s. With blocking sends both would wait for the other's receive (large messages do not fit
+MPI's eager buffers), so those two exchanges are one call that posts the send and the receive
+together and waits for both (`send_forward_recv_backward`, `send_backward_recv_forward`).
+
+Backward runs in micro-batch order 0..m-1 in both schedules, so both sum every parameter's
+gradient in the same order: GPipe and 1F1B give bitwise the same step.
+`VERBOSE=1` logs every send and receive (rank, stage, direction, micro-batch, shape).
+
+The stage modules: minidist/parallel/pp_stage.py; the strategy (tied embedding, DDP, TP,
+clipping, loss): minidist/train/pipeline_parallel.py; the one-process simulation behind the
+pictures: pp_simulate.py.
+Tests: tests/test_pipeline.py (exactness vs one process, in-flight activations, bad input).
+"""
+import itertools
+import os
+
+from minidist.autograd import Tensor
+from minidist.comm import trace
+from minidist.train import memory
+
+
+def split_layers(n_layer, n_stages):
+    """Stage s's blocks: contiguous ranges, as equal as possible (earlier stages get the
+    remainder). More stages than blocks is an error: a stage needs at least one block."""
+    if n_stages < 1 or n_stages > n_layer:
+        raise ValueError(f"pipeline: {n_stages} stages for {n_layer} blocks; every stage "
+                         f"needs at least one block, so use --pp between 1 and --n-layer "
+                         f"({n_layer})")
+    base, extra = divmod(n_layer, n_stages)
+    sizes = [base + (s < extra) for s in range(n_stages)]
+    ends = list(itertools.accumulate(sizes))
+    return [range(end - n, end) for n, end in zip(sizes, ends)]
+
+
+# ---- point to point between neighbouring stages ------------------------------------------
+
+def verbose():
+    return os.environ.get("VERBOSE", "0") not in ("", "0")
+
+
+class StageLink:
+    """This rank's place in the pipeline (pp `group`) and its sends/receives to neighbours.
+
+    `expect(shape, dtype, xp)` fixes the boundary activation's shape for this step; receives
+    allocate that, so no message carries a shape. On the first stage `recv_forward` returns
+    None and `send_backward` does nothing; on the last, `send_forward` / `recv_backward`."""
+
+    def __init__(self, group):
+        self.group, self.stage, self.n_stages = group, group.rank, group.size
+        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
+        self.shape = self.dtype = self.xp = None
+
+    def expect(self, shape, dtype, xp):
+        self.shape, self.dtype, self.xp = tuple(shape), dtype, xp
+
+    def _log(self, what, peer, i):
+        if verbose():
+            arrow = "->" if what.startswith("send") else "<-"
+            trace.log(f"stage {self.stage} {what:13s} micro-batch {i:2d} {arrow} stage {peer} "
+                      f"{self.shape} {self.dtype}")
+
+    def _start(self, kind, buf, peer, i):
+        self._log(kind, peer, i)
+        op = self.group.send if kind.startswith("send") else self.group.recv
+        return op(self.xp.ascontiguousarray(buf) if kind.startswith("send") else buf,
+                  peer, async_op=True)
+
+    def _exchange(self, send=None, recv=None):
+        """Post (kind, buf, peer, i) sends and receives together, then wait for all."""
+        works = [self._start(*s) for s in (send, recv) if s is not None]
+        for w in works:
+            w.wait()
+
+    def _empty(self):
+        return self.xp.empty(self.shape, dtype=self.dtype)
+
+    def recv_forward(self, i):
+        """Micro-batch i's input activation from the previous stage (None on the first)."""
+        if self.first:
+            return None
+        buf = self._empty()
+        self._exchange(recv=("recv forward", buf, self.stage - 1, i))
+        return Tensor(buf, requires_grad=True)
+
+    def send_forward(self, out, i):
+        if not self.last:
+            self._exchange(send=("send forward", out.data, self.stage + 1, i))
+
+    def recv_backward(self, i):
+        """dL/d(output) of micro-batch i from the next stage (None on the last)."""
+        if self.last:
+            return None
+        buf = self._empty()
+        self._exchange(recv=("recv backward", buf, self.stage + 1, i))
+        return buf
+
+    def send_backward(self, grad, i):
+        if not self.first:
+            self._exchange(send=("send backward", grad, self.stage - 1, i))
+
+    def send_forward_recv_backward(self, out, i_send, i_recv):
+        """Steady state, after a forward: output of i_send out, gradient of i_recv in."""
+        if self.last:
+            return None
+        buf = self._empty()
+        self._exchange(send=("send forward", out.data, self.stage + 1, i_send),
+                       recv=("recv backward", buf, self.stage + 1, i_recv))
+        return buf
+
+    def send_backward_recv_forward(self, grad, i_send, i_recv):
+        """Steady state, after a backward: gradient of i_send out, input of i_recv in."""
+        if self.first:
+            return None
+        buf = self._empty()
+        self._exchange(send=("send backward", grad, self.stage - 1, i_send),
+                       recv=("recv forward", buf, self.stage - 1, i_recv))
+        return Tensor(buf, requires_grad=True)
+
+
+# ---- the compute of one micro-batch, and what is in flight ---------------------------------
+
+class MicroBatches:
+    """One step's micro-batches on this stage: forward(i, input) and backward(i, grad), the
+    graphs still alive between the two (`live`), the losses (last stage), and measurements:
+    the most micro-batches in flight and, with `measure`, the most activation bytes they held
+    (inputs received plus everything their graphs keep, parameters excluded: the ledger's
+    count). `backward_loss(loss)` seeds the last stage's backward (1/M, the loss scale)."""
+
+    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=False):
+        rows = len(idx) // n_micro
+        self.stage, self.n_micro, self.backward_loss = stage, n_micro, backward_loss
+        self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
+        self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
+        self.live, self.losses, self.measure = {}, [], measure
+        self.peak_in_flight, self.peak_bytes = 0, 0
+        self.params = [p.data for p in stage.parameters()]
+
+    def forward(self, i, inp):
+        """Run micro-batch i through this stage; returns its output (the loss on the last)."""
+        with traced(f"F{i}", i):
+            out = self.stage.stage_forward(inp, self.idx[i], self.targets[i])
+        self.live[i] = (inp, out)
+        if self.stage.last:
+            self.losses.append(float(out.item()))
+        self.peak_in_flight = max(self.peak_in_flight, len(self.live))
+        if self.measure:
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        return out
+
+    def backward(self, i, grad):
+        """Backpropagate micro-batch i from dL/d(output) (the loss itself on the last stage);
+        returns dL/d(input) for the previous stage (None on the first)."""
+        inp, out = self.live.pop(i)
+        with traced(f"B{i}", i):
+            if self.stage.last:
+                self.backward_loss(out)
+            else:
+                out.backward(grad)
+        return None if inp is None else inp.grad
+
+    def live_bytes(self):
+        """Bytes held by the micro-batches between their forward and their backward."""
+        arrays = itertools.chain.from_iterable(
+            itertools.chain(memory.graph_arrays(out), [] if inp is None else [inp.data])
+            for inp, out in self.live.values())
+        return memory.unique_nbytes(arrays, exclude=self.params)
+
+
+class traced:
+    """Record the enclosed compute as an event on the trace's "compute" row (named F3, B3)."""
+
+    def __init__(self, name, micro_batch):
+        self.name, self.micro_batch = name, micro_batch
+
+    def __enter__(self):
+        self.start = trace.now()
+
+    def __exit__(self, *exc):
+        if trace.enabled():
+            trace.record(dict(seq=self.micro_batch, op=self.name, algo="compute",
+                              group="compute", dtype="", bytes=0, issued=self.start,
+                              start=self.start, end=trace.now()))
+
+
+# ---- the two schedules ---------------------------------------------------------------------
+
+def gpipe(link, steps):
+    """All forward, then all backward (GPipe, Huang et al. 2019)."""
+    m = steps.n_micro
+    # all forward: micro-batch i reaches stage s at slot s + i
+    for i in range(m):
+        x = link.recv_forward(i)
+        link.send_forward(steps.forward(i, x), i)
+    # all backward, in the same micro-batch order
+    for i in range(m):
+        g = link.recv_backward(i)
+        link.send_backward(steps.backward(i, g), i)
+
+
+def one_f_one_b(link, steps):
+    """One forward, one backward (PipeDream-Flush / Megatron-LM's 1F1B, Narayanan et al.)."""
+    m = steps.n_micro
+    n_warmup = min(link.n_stages - link.stage - 1, m)   # forwards before the first backward
+    n_steady = m - n_warmup
+    # warmup: forwards only, filling the pipeline
+    for i in range(n_warmup):
+        x = link.recv_forward(i)
+        link.send_forward(steps.forward(i, x), i)
+    # steady state: forward micro-batch n_warmup + k, then backward micro-batch k
+    x = link.recv_forward(n_warmup) if n_steady else None
+    for k in range(n_steady):
+        i_fwd, i_bwd = n_warmup + k, k
+        out = steps.forward(i_fwd, x)
+        g = link.send_forward_recv_backward(out, i_fwd, i_bwd)
+        g_in = steps.backward(i_bwd, g)
+        if k == n_steady - 1:
+            link.send_backward(g_in, i_bwd)
+        else:
+            x = link.send_backward_recv_forward(g_in, i_bwd, i_fwd + 1)
+    # cooldown: the backwards of the warmup's micro-batches
+    for i in range(n_steady, m):
+        g = link.recv_backward(i)
+        link.send_backward(steps.backward(i, g), i)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -1,0 +1,202 @@
+"""A pipeline stage: the part of GPT (or of the tensor-parallel GPT) that one pp rank holds.
+
+    first stage   transformer.wte, .wpe, .drop, blocks h.0 .. h.k-1
+    middle stage  blocks h.k .. h.j-1
+    last stage    blocks h.j .. h.L-1, transformer.ln_f, and a copy of transformer.wte
+
+Parameter names stay GPT-2's, with the blocks' global numbers (the second stage of a 4-layer
+model holds `transformer.h.2...` and `h.3`), so a stage's state dict is a slice of the whole
+model's and checkpoints are written in the one-process format. Each stage initialises only
+its own parameters from `gpt_init(config, seed, names=...)`: the same numbers as one process.
+
+The tied embedding: the first stage looks tokens up in wte, the last stage multiplies by
+wte^T for the logits. Both hold the same initial wte; after each backward the strategy sums
+their two gradients over a 2-rank embedding group (Megatron-LM's way), so both copies take
+the same optimizer step and stay equal (minidist/train/pipeline_parallel.py).
+
+The stage classes reuse the model classes' own pieces: `embed`, `run_blocks`, `head` and the
+layers are GPT's (or TensorParallelGPT's), so a stage runs the same code as the whole model.
+`stage_forward` is one micro-batch through this stage; `forward(idx, targets)` (evaluation)
+and `generate` run the whole pipeline without gradients, every stage calling them together.
+Tests: tests/test_pipeline.py.
+"""
+import numpy as np
+
+from minidist import backend
+from minidist.autograd import Tensor, is_grad_enabled, no_grad
+from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, gpt_init
+from minidist.nn.layers import Dropout, Embedding, LayerNorm
+from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.parallel.pipeline import StageLink
+from minidist.parallel.tensor_parallel import SEQ_AXIS, TensorParallelRegion
+from minidist.parallel.tp_layers import (SequenceParallelLayerNorm, ShardRNG,
+                                         VocabParallelEmbedding)
+from minidist.parallel.tp_model import ParallelBlock, TensorParallelGPT, check_tp_sizes
+
+
+class BlockRange(ModuleList):
+    """Blocks numbered from `start` (h.2, h.3 on the second of two stages of a 4-layer GPT)."""
+
+    def __init__(self, start, modules):
+        Module.__init__(self)
+        self._start, self._n = start, len(modules)
+        for i, m in enumerate(modules):
+            setattr(self, str(start + i), m)
+
+    def __getitem__(self, i):
+        return getattr(self, str(self._start + range(self._n)[i]))
+
+
+def stage_modules(config, layers, first, last, make_block, make_wte, make_norm, dtype):
+    """The stage's `transformer` ModuleDict: only the parts this stage runs."""
+    parts = {}
+    if first:
+        parts.update(wte=make_wte(), drop=Dropout(config.dropout),
+                     wpe=Embedding(config.block_size, config.n_embd, dtype=dtype))
+    parts["h"] = BlockRange(layers.start, [make_block() for _ in layers])
+    if last:
+        parts["ln_f"] = make_norm()
+        if not first:
+            parts["wte"] = make_wte()          # the tied head's copy
+    return ModuleDict(**parts)
+
+
+class PipelineStage:
+    """What every stage class adds to its model class (mixed in before GPT)."""
+
+    def _init_stage(self, pp_group, layers):
+        self.link = StageLink(pp_group)
+        self.first, self.last, self.layers = self.link.first, self.link.last, layers
+        self.checkpointing = False
+
+    def stage_dropout_rng(self, seed):
+        """A dropout stream per stage (masks therefore differ from one process's)."""
+        return backend.rng([seed, _DROPOUT_STREAM, self.link.stage])
+
+    def begin(self, T):
+        """Called once per forward of the whole batch on every stage (TP: sequence parallel?)."""
+
+    def boundary_shape(self, rows, T):
+        """The activation that crosses the stage boundary: (rows, T, C)."""
+        return (rows, T, self.config.n_embd)
+
+    def expect(self, rows, T):
+        """Tell the link this step's boundary shape and dtype (no shape messages)."""
+        self.begin(T)
+        w = next(p for p in self.parameters() if p.dtype.kind == "f")
+        self.link.expect(self.boundary_shape(rows, T), w.dtype, backend.xp_of(w.data))
+
+    def stage_forward(self, inp, idx, targets):
+        """One micro-batch through this stage: the input Tensor received (None on the first
+        stage, which embeds idx) -> the output activation, or the loss on the last stage."""
+        x = self.embed(idx) if self.first else inp
+        x = self.run_blocks(x)
+        if not self.last:
+            return x
+        return self.head(x, targets)[1]
+
+    # ---- the whole pipeline, no gradients: evaluation and sampling ------------------------
+    def forward(self, idx, targets=None):
+        """(None, mean loss as a 0-d Tensor) on every stage, the batch run through the whole
+        pipeline as one micro-batch. Evaluation only: training goes through the schedules."""
+        if is_grad_enabled():
+            raise RuntimeError("a pipeline stage's forward() is for evaluation (no_grad); "
+                               "training runs through minidist/parallel/pipeline.py")
+        loss = self._pipe_forward(idx, targets)
+        buf = self.link.xp.asarray([0.0 if loss is None else float(loss.item())], "float64")
+        self.link.group.broadcast(buf, root=self.link.n_stages - 1)
+        return None, Tensor(buf[0])
+
+    def _pipe_forward(self, idx, targets, last_position=False):
+        idx = np.asarray(backend.to_host(idx))
+        self.expect(len(idx), idx.shape[1])
+        x = self.link.recv_forward(0)
+        x = self.embed(idx) if self.first else x
+        x = self.run_blocks(x)
+        if not self.last:
+            self.link.send_forward(x, 0)
+            return None
+        if last_position:
+            return self.head(x[:, -1:, :])[0]                      # logits (B, 1, V)
+        return self.head(x, targets)[1]
+
+    def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
+        """GPT.generate over the pipeline: each token's forward runs through every stage,
+        the last stage samples, and broadcasts the token to all. Every stage calls this."""
+        rng, was_training = backend.rng(seed), self.training
+        idx = np.array(backend.to_host(idx), dtype=np.int64)
+        self.eval()
+        try:
+            with no_grad():
+                for _ in range(n):
+                    ctx = idx[:, -self.config.block_size:]
+                    logits = self._pipe_forward(ctx, None, last_position=True)
+                    nxt = np.zeros(len(idx), dtype=np.int64)
+                    if self.last:
+                        nxt[:] = _sample(backend.to_host(logits.data)[:, -1, :], temperature,
+                                         top_k, rng)
+                    self.link.group.broadcast(nxt, root=self.link.n_stages - 1)
+                    idx = np.concatenate([idx, nxt[:, None]], axis=1)
+        finally:
+            self.train(was_training)
+        return idx
+
+
+class GPTStage(PipelineStage, GPT):
+    """Blocks `layers` of GPT(config, seed) on this rank of `pp_group`."""
+
+    def __init__(self, config, pp_group, layers, seed=0, dtype="float32"):
+        Module.__init__(self)
+        self.config = config
+        self._init_stage(pp_group, layers)
+        self.transformer = stage_modules(
+            config, layers, self.first, self.last, lambda: Block(config, dtype),
+            lambda: Embedding(config.vocab_size, config.n_embd, dtype=dtype),
+            lambda: LayerNorm(config.n_embd, bias=config.bias, dtype=dtype), dtype)
+        names = {n for n, _ in self.named_parameters()}
+        self.load_state_dict(gpt_init(config, seed, names=names, dtype=dtype))
+        self.set_dropout_rng(self.stage_dropout_rng(seed))
+
+
+class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
+    """Blocks `layers` of TensorParallelGPT over `tp_group`, on this rank of `pp_group`: the
+    stage of 3-D parallelism (dp x tp x pp)."""
+
+    def __init__(self, config, tp_group, pp_group, layers, seed=0, dtype="float32",
+                 sequence_parallel=False):
+        problems = check_tp_sizes(config, tp_group.size)
+        if problems:
+            raise ValueError("tensor parallelism: " + "; ".join(problems))
+        Module.__init__(self)
+        self.config, self.group = config, tp_group
+        self.region = r = TensorParallelRegion(tp_group, sequence_parallel)
+        self._init_stage(pp_group, layers)
+        C = config.n_embd
+        self.transformer = stage_modules(
+            config, layers, self.first, self.last, lambda: ParallelBlock(config, r, dtype),
+            lambda: VocabParallelEmbedding(config.vocab_size, C, r, dtype),
+            lambda: SequenceParallelLayerNorm(C, r, config.bias, dtype), dtype)
+        for p in self.parameters():
+            p.tp_split = getattr(p, "tp_split", None)       # None: replicated over tp
+        for name, _ in self.named_parameters():             # one full array at a time
+            self.load_full_state_dict(gpt_init(config, seed, names={name}, dtype=dtype))
+        self.set_dropout_rng(self.stage_dropout_rng(seed))
+
+    def set_dropout_rng(self, rng):
+        """TensorParallelGPT's shard-aware generators, for the parts this stage has."""
+        GPT.set_dropout_rng(self, rng)
+        t, r, region = self.region.size, self.region.rank, self.region
+        seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
+        for block in self.transformer.h:
+            block.attn.attn_dropout.rng = ShardRNG(rng, t, r, axis=1)   # (B, nh/tp, T, T)
+            block.attn.resid_dropout.rng = block.mlp.dropout.rng = seq
+        if self.first:
+            self.transformer.drop.rng = seq
+
+    def begin(self, T):
+        self.region.begin(T)                     # sequence parallel for this forward?
+
+    def boundary_shape(self, rows, T):
+        """(rows, T/tp, C) under sequence parallelism: each tp rank sends its own shard."""
+        t = self.region.size if self.region.sharded else 1
+        return (rows, T // t, self.config.n_embd)

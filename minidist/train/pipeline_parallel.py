@@ -1,0 +1,306 @@
+"""The PipelineParallel strategy: GPT cut into --pp stages (minidist/parallel/pipeline.py),
+optionally tensor-parallel inside each stage (--tp) and data-parallel across replicas (--dp).
+
+    mpirun -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4
+    mpirun -n 4 python examples/train_gpt.py --pp 4 --micro-batches 8 --schedule gpipe
+    mpirun -n 8 python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --micro-batches 2
+
+World = dp x tp x pp in Megatron's rank order (minidist/comm/mesh.py). What it changes from
+SingleProcess (minidist/train/strategy.py):
+
+    build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
+                        wrapped in DDP over the dp group when dp > 1
+    local_rows          rows by dp rank (every stage and tp rank of a replica: the same rows)
+    forward_backward    the schedule (--schedule 1f1b | gpipe) over --micro-batches M; the
+                        last stage seeds each micro-batch's backward with 1/M, so gradients are
+                        of the mean loss over the batch; the loss is broadcast from the last
+                        stage. DDP stays silent (no_sync) until sync_grads
+    sync_grads          DDP's average over dp (once per step), then the tied embedding: the
+                        first and last stages' wte gradients summed over their 2-rank group
+    sum_sq_across_ranks local squares (the last stage's wte copy left out: the first stage
+                        counts it), TP's reduction over tp, then summed over pp
+    global_mean         the loss averaged over dp
+    save / load         the whole model gathered to rank 0 in the one-process format; every
+                        rank loads its own parameters from it
+Tests: tests/test_pipeline.py.
+"""
+import contextlib
+import copy
+
+from minidist.backend import xp_of
+from minidist.comm import trace
+from minidist.optim.clip import local_sum_sq
+from minidist.parallel.pipeline import SCHEDULES, MicroBatches, split_layers
+from minidist.train import checkpoint
+from minidist.train.strategy import SingleProcess
+
+
+def pipeline_problems(args, world):
+    """Every problem with these flags, found on this rank alone (no communication yet)."""
+    pp, tp = args.pp, args.tp
+    dp = args.dp if args.dp is not None else max(world // (tp * pp), 1)
+    m, accum = args.micro_batches, args.grad_accum
+    problems = []
+    if dp * tp * pp != world:
+        problems.append(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but this "
+                        f"job has {world} MPI process(es); run `mpirun -n {dp * tp * pp} ...` "
+                        f"(--dp defaults to processes / (tp x pp))")
+    if pp > args.n_layer:
+        problems.append(f"--pp {pp} stages for --n-layer {args.n_layer} blocks: every stage "
+                        f"needs at least one block (use --pp <= {args.n_layer})")
+    if m < 1 or args.batch_size % (dp * accum * m):
+        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
+                        f"--grad-accum {accum} x --micro-batches {m} = {dp * accum * m} equal "
+                        f"micro-batches; choose a multiple of {dp * accum * m}")
+    if tp > 1:
+        from minidist.parallel.tp_model import check_tp_sizes
+        problems += check_tp_sizes(args, tp)
+        if args.sequence_parallel and args.block_size % tp:
+            problems.append(f"--sequence-parallel: --block-size {args.block_size} must be a "
+                            f"multiple of tp {tp}")
+    if args.zero:
+        problems.append(f"--zero {args.zero} with --pp is not available (ZeRO shards what "
+                        "the pipeline's stages hold whole); use DDP across pipelines")
+    return dp, problems
+
+
+def make_pipeline_parallel(args, world):
+    """The strategy for --pp P [--tp T] [--dp D] --micro-batches M, after every check."""
+    dp, problems = pipeline_problems(args, world)
+    if problems:
+        raise SystemExit("pipeline parallelism: " + "; ".join(problems))
+    from minidist.comm import DeviceMesh
+    if args.trace:
+        trace.enable()
+    mesh = DeviceMesh(dp=dp, tp=args.tp, pp=args.pp, algo=args.comm)
+    return PipelineParallel(mesh, args.micro_batches, getattr(args, "schedule", "1f1b"),
+                            ddp_mode=args.ddp, bucket_mb=args.bucket_mb,
+                            sequence_parallel=args.sequence_parallel)
+
+
+def embedding_group(mesh):
+    """The first and last stages of this rank's (dp, tp) coordinates, as a 2-rank group (None
+    on middle stages). Collective over the world: one group per (dp, tp) pair."""
+    dp, tp, pp = mesh.shape["dp"], mesh.shape["tp"], mesh.shape["pp"]
+    mine = None
+    for d in range(dp):
+        for t in range(tp):
+            ranks = [mesh.rank_of(d, t, 0), mesh.rank_of(d, t, pp - 1)]
+            g = mesh.world.new_group(ranks, name=f"embedding{ranks}")
+            mine = g if g is not None else mine
+    return mine
+
+
+class PipelineParallel(SingleProcess):
+
+    def __init__(self, mesh, micro_batches=1, schedule="1f1b", ddp_mode="overlapped",
+                 bucket_mb=1.0, sequence_parallel=False):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
+        self.mesh, self.group = mesh, mesh.pp
+        self.micro_batches, self.schedule = micro_batches, schedule
+        self.ddp_mode, self.bucket_mb = ddp_mode, bucket_mb
+        self.sequence_parallel = sequence_parallel
+        self.rank, self.world_size = mesh.world.rank, mesh.world.size
+        self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
+        self.stage = self.ddp = self.tp = None
+        self.stats = []                  # per step: peak micro-batches and bytes in flight
+
+    # ---- the model -------------------------------------------------------------------------
+    def build_model(self, config, seed, dtype):
+        from minidist.parallel.pp_stage import GPTStage, TensorParallelGPTStage
+        layers = split_layers(config.n_layer, self.group.size)[self.group.rank]
+        if self.mesh.shape["tp"] > 1:
+            stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
+                                           dtype, self.sequence_parallel)
+            self.tp = _tensor_parallel_view(self.mesh, stage, self.sequence_parallel)
+            self.tp.amp = self.amp
+        else:
+            stage = GPTStage(config, self.group, layers, seed, dtype)
+        stage.set_checkpointing(self.ckpt_activations)
+        if self.amp:
+            stage = self.amp.cast_model(stage)
+        if self.mesh.shape["dp"] > 1:
+            from minidist.parallel.ddp import DistributedDataParallel
+            self.ddp = DistributedDataParallel(stage, self.mesh.dp, self.ddp_mode,
+                                               self.bucket_mb)
+        self.stage = stage
+        return stage
+
+    def takes_part_in_sampling(self):
+        """Sampling runs through every stage (and tp rank) of the first replica."""
+        return self.mesh.dp_rank == 0
+
+    def notes(self):
+        s, (d, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "tp", "pp"))
+        return super().notes() + [
+            f"pipeline parallel: pp {p} x tp {t} x dp {d}, {self.schedule} over "
+            f"{self.micro_batches} micro-batches; this rank is stage {s.link.stage} with "
+            f"blocks {s.layers.start}..{s.layers.stop - 1}"
+            + (", the embedding" if s.first else "") + (", ln_f and the head" if s.last else "")
+            + f" ({s.num_parameters():,} parameters)"]
+
+    # ---- one step --------------------------------------------------------------------------
+    def local_rows(self, x, y):
+        n, r = len(x) // self.mesh.shape["dp"], self.mesh.dp_rank
+        return x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
+
+    def forward_backward(self, model, x, y, n_accum=1, measure=False):
+        """The schedule over M micro-batches (times --grad-accum rounds); returns (the mean
+        loss of these rows, the most activation bytes this stage held at once)."""
+        m, schedule = self.micro_batches, SCHEDULES[self.schedule]
+        if len(x) % (m * n_accum):
+            raise ValueError(f"{len(x)} rows do not split into {n_accum} x {m} micro-batches")
+        rows, losses, peak = len(x) // n_accum, [], {"in_flight": 0, "bytes": 0}
+        model.expect(rows // m, x.shape[1])
+        if self.amp and not model.last:     # backward starts from the last stage's scaled loss
+            self.amp.scaler.used = True
+        with self.ddp.no_sync() if self.ddp else contextlib.nullcontext():
+            for a in range(n_accum):
+                steps = MicroBatches(model, x[a * rows:(a + 1) * rows],
+                                     y[a * rows:(a + 1) * rows], m,
+                                     lambda loss: self.backward(loss, m * n_accum), measure)
+                schedule(model.link, steps)
+                losses += steps.losses
+                peak["in_flight"] = max(peak["in_flight"], steps.peak_in_flight)
+                peak["bytes"] = max(peak["bytes"], steps.peak_bytes)
+        self.stats.append(peak)
+        return self._loss_from_last_stage(losses), peak["bytes"]
+
+    def _loss_from_last_stage(self, losses):
+        xp = model_xp(self.stage)
+        buf = xp.asarray([sum(losses) / max(len(losses), 1)], dtype="float64")
+        self.group.broadcast(buf, root=self.group.size - 1)
+        return float(buf[0])
+
+    def sync_grads(self, model):
+        if self.ddp is not None:
+            self.ddp.sync_grads()           # every bucket, once, after the last backward
+        if self.embedding is not None:      # tied wte: first stage's + last stage's gradient
+            w = model.transformer.wte.weight
+            if w.grad is None:
+                w.grad = xp_of(w.data).zeros_like(w.data)
+            self.embedding.all_reduce(w.grad, op="sum")
+
+    @property
+    def sum_sq_across_ranks(self):
+        return self._sum_sq
+
+    def _sum_sq(self, local):
+        """The global sum of squares: the tied wte counted once (on the first stage), tensor
+        parallelism's split/replicated rule inside the stage, then the sum over stages."""
+        if self.stage.last and not self.stage.first:
+            local -= self._grads_sum_sq([self.stage.transformer.wte.weight.grad])
+        if self.tp is not None:
+            local = self.tp._sum_sq(local)
+        buf = model_xp(self.stage).asarray([local], dtype="float64")
+        self.group.all_reduce(buf)
+        return float(buf[0])
+
+    def _grads_sum_sq(self, grads):
+        grads = [g for g in grads if g is not None]
+        if self.amp:                        # the optimizer measures unscaled float32 grads
+            inv = 1.0 / self.amp.scaler.scale
+            return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
+        return local_sum_sq(grads)
+
+    def global_mean(self, value):
+        if self.mesh.shape["dp"] == 1:
+            return value
+        buf = model_xp(self.stage).asarray([value], dtype="float64")
+        self.mesh.dp.all_reduce(buf, op="avg")
+        return float(buf[0])
+
+    def comm_bytes(self):
+        return trace.bytes_sent()
+
+    # ---- checkpoints: the whole model, in the one-process format ---------------------------
+    def _full_state(self, optimizer):
+        """This stage's parameters and optimizer state as whole (tp-gathered) host arrays."""
+        if self.tp is not None:             # collective over tp
+            return (self.stage.full_state_dict(),
+                    self.tp._gather_optimizer(optimizer.state_dict()))
+        from minidist import backend
+        return ({n: backend.to_host(a).copy() for n, a in self.stage.state_dict().items()},
+                optimizer.state_dict())
+
+    def save(self, directory, model, optimizer, step, rng_states, extra):
+        params, opt_sd = self._full_state(optimizer)
+        if self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0:
+            parts = self.group.comm.gather((params, opt_sd), root=0)   # stage order
+            if self.group.rank == 0:
+                params, opt_sd = _merge_stages(parts)
+                checkpoint.save_checkpoint(
+                    directory, _with(model, state_dict=lambda: params),
+                    _with(optimizer, state_dict=lambda: opt_sd), step, rng_states, extra)
+        self.mesh.world.barrier()           # nobody reads it half-written
+
+    def load(self, directory, model, optimizer):
+        """Every rank reads the whole checkpoint and keeps its stage's (and tp shard's) part."""
+        mine = {n for n, _ in model.named_parameters()}
+
+        def load_params(state, strict=True):
+            state = {n: a for n, a in state.items() if n in mine}
+            if strict and set(state) != mine:
+                raise KeyError(f"parameters missing: {sorted(mine - set(state))[:6]}")
+            if self.tp is not None:
+                model.load_full_state_dict(state)
+            else:
+                model.load_state_dict(state)
+
+        def load_opt(sd):
+            sd = {"groups": sd["groups"],
+                  "state": {n: s for n, s in sd["state"].items() if n in mine}}
+            optimizer.load_state_dict(self.tp._shard_optimizer(sd) if self.tp else sd)
+        return checkpoint.load_checkpoint(directory, _with(model, load_state_dict=load_params),
+                                          _with(optimizer, load_state_dict=load_opt))
+
+    # ---- the end of training ---------------------------------------------------------------
+    def summary(self):
+        rows = self.stats or [{"in_flight": 0, "bytes": 0}]
+        s = self.stage
+        return (f"pipeline stage {s.link.stage} of {s.link.n_stages} ({self.schedule}, "
+                f"{self.micro_batches} micro-batches): at most {rows[-1]['in_flight']} "
+                f"micro-batches in flight; p2p sent {trace.bytes_sent(self.group.name) / 2**20:.2f}"
+                f" MiB in all")
+
+    def finish(self, args, log):
+        log.print0(self.summary())
+        if args.trace:
+            trace.write_chrome_trace(args.trace, self.mesh.world)
+            log.print0(f"trace of every collective and micro-batch written to {args.trace}")
+
+
+def model_xp(model):
+    return xp_of(model.parameters()[0].data)
+
+
+def _merge_stages(parts):
+    """The stages' (params, optimizer state_dict) in stage order -> the whole model's, in
+    model order. The tied wte appears on the first and last stage, equal: kept once."""
+    params, state = {}, {}
+    for p, sd in parts:
+        for name, a in p.items():
+            params.setdefault(name, a)
+        for name, s in sd["state"].items():
+            state.setdefault(name, s)
+    order = ["transformer.wte.weight", "transformer.wpe.weight"]
+    names = order + [n for n in params if n not in order]
+    return {n: params[n] for n in names}, {"groups": parts[0][1]["groups"], "state": state}
+
+
+def _tensor_parallel_view(mesh, stage, sequence_parallel):
+    """TensorParallel's bookkeeping (clip over tp, optimizer gather/shard) for this stage."""
+    from minidist.train.tensor_parallel import TensorParallel
+    tp = TensorParallel(mesh, sequence_parallel)
+    tp.model = stage
+    tp._replicated = [p for p in stage.parameters() if p.tp_split is None]
+    return tp
+
+
+def _with(obj, **methods):
+    """A shallow copy of `obj` with some methods replaced."""
+    view = copy.copy(obj)
+    view.__dict__.update(methods)
+    return view
+

@@ -1,0 +1,176 @@
+"""Pipeline parallelism against one process, float64, in one mpiexec run.
+
+    mpiexec -n 2 python tests/scripts/pp_check.py             # pp 2: M 1, 2, 8 x both schedules
+    mpiexec -n 4 python tests/scripts/pp_check.py             # pp 4, pp 2 x dp 2, + ckpt
+    mpiexec -n 8 python tests/scripts/pp_check.py             # dp 2 x tp 2 x pp 2 (3-D)
+    mpiexec -n 4 python tests/scripts/pp_check.py --runs pp4-m8-gpipe,pp4-m8-1f1b
+    VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
+
+A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), gpipe or 1f1b,
+sp (--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the single-
+process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
+clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
+through the loop's train_step, measuring activations. Checks: losses, grad norms and every
+parameter equal to the reference to --tol; the tied wte bitwise equal on the first and the
+last stage; each stage's peak micro-batches in flight = M (GPipe) or min(pp - stage, M)
+(1F1B); GPipe and 1F1B runs of the same sizes bitwise equal. Rank 0 prints `RESULT {json}`
+per run for tests/test_pipeline.py; any failure raises and the abort handler ends the job.
+"""
+import argparse
+import json
+import os
+import re
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import install_abort_handler
+from minidist.nn import GPTConfig
+from minidist.train.args import train_parser
+from minidist.train.loop import train_step
+from minidist.train.strategy import SingleProcess, make_strategy
+
+CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
+SEED = 7
+DEFAULT_RUNS = {
+    2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe",
+    4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp2-dp2-m4-1f1b,pp2-dp2-m2-gpipe-ckpt",
+    8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp"}
+
+
+def flags(name, steps):
+    """train_gpt's flags for run `name` (see the module docstring)."""
+    tokens = name.split("-")
+    extra = []
+    for t in tokens:
+        size = re.fullmatch(r"(dp|tp|pp|m)(\d+)", t)
+        if size:
+            key = "--micro-batches" if size[1] == "m" else f"--{size[1]}"
+            extra += [key, size[2]]
+        elif t in ("gpipe", "1f1b"):
+            extra += ["--schedule", t]
+        elif t == "sp":
+            extra += ["--sequence-parallel"]
+        elif t == "ckpt":
+            extra += ["--ckpt-activations"]
+        else:
+            raise ValueError(f"unknown run token {t!r} in {name!r}")
+    c = CONFIG
+    args = train_parser().parse_args([
+        "--n-layer", str(c.n_layer), "--n-head", str(c.n_head), "--n-embd", str(c.n_embd),
+        "--block-size", str(c.block_size), "--dropout", "0", "--batch-size", "8",
+        "--steps", str(steps), "--lr", "1e-2", "--grad-clip", "0.05", "--dtype", "float64",
+        "--seed", str(SEED), *extra])
+    args.log_json = "measure"          # train_step measures activations when logging
+    return args
+
+
+def batch(step, rows):
+    rng = np.random.default_rng([SEED, step])
+    x = rng.integers(0, CONFIG.vocab_size, size=(rows, CONFIG.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def train(strategy, args):
+    model = strategy.build_model(CONFIG, args.seed, args.dtype)
+    opt = strategy.build_optimizer(model, args)
+    losses, norms, acts = [], [], []
+    for step in range(args.steps):
+        loss, norm, mem = train_step(strategy, model, opt, *batch(step, args.batch_size), args)
+        losses.append(loss)
+        norms.append(norm)
+        acts.append(mem["activations"] if mem else 0)
+    return model, losses, norms, acts
+
+
+def stage_state(strategy, model):
+    """This stage's parameters as whole host arrays (gathered over tp when it is split)."""
+    if strategy.tp is not None:
+        return model.full_state_dict()
+    return {n: np.asarray(p.data) for n, p in model.named_parameters()}
+
+
+def check_tied_copies(strategy, state):
+    """The first and last stage's wte are bitwise equal (summed gradients, same steps)."""
+    if strategy.embedding is None:
+        return
+    crc = zlib.crc32(np.ascontiguousarray(state["transformer.wte.weight"]).tobytes())
+    crcs = strategy.embedding.comm.allgather(crc)
+    assert crcs[0] == crcs[1], f"tied wte copies differ: {crcs}"
+
+
+def check_in_flight(strategy, comm):
+    """Peak micro-batches in flight per stage, by schedule, on every rank."""
+    m, pp, s = strategy.micro_batches, strategy.group.size, strategy.group.rank
+    want = m if strategy.schedule == "gpipe" else min(pp - s, m)
+    got = max(row["in_flight"] for row in strategy.stats)
+    assert got == want, f"stage {s} ({strategy.schedule}, M {m}): {got} in flight, not {want}"
+    return got
+
+
+def compare(name, ref, comm, cli):
+    args = flags(name, cli.steps)
+    strategy = make_strategy(args)
+    model, losses, norms, acts = train(strategy, args)
+    ref_model, ref_losses, ref_norms, _ = ref
+    state = stage_state(strategy, model)
+    ref_state = {n: ref_model.state_dict()[n] for n in state}
+    diff = max(float(np.abs(state[n] - ref_state[n]).max()) for n in state)
+    check_tied_copies(strategy, state)
+    in_flight = check_in_flight(strategy, comm)
+    crc = 0
+    for n in sorted(state):
+        crc = zlib.crc32(np.ascontiguousarray(state[n]).tobytes(), crc)
+    stage = strategy.group.rank
+    per_stage = comm.gather((stage, strategy.mesh.dp_rank, strategy.mesh.tp_rank, in_flight,
+                             max(acts)), root=0)
+    result = {"run": name, "ranks": comm.size, "pp": strategy.group.size,
+              "dp": strategy.mesh.shape["dp"], "tp": strategy.mesh.shape["tp"],
+              "micro_batches": strategy.micro_batches, "schedule": strategy.schedule,
+              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+              "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+              "param_diff": comm.allreduce(diff, op=MPI.MAX), "losses": losses,
+              "norms": norms, "crcs": comm.allgather(crc),
+              "stages": sorted({(s, f, a) for s, d, t, f, a in per_stage or []
+                                if d == 0 and t == 0})}
+    for key in ("loss_diff", "norm_diff", "param_diff"):
+        assert result[key] <= cli.tol, (name, key, result)
+    assert min(norms) > args.grad_clip, f"{name}: clipping never happened: {norms}"
+    for g in {id(g): g for g in (strategy.mesh.dp, strategy.mesh.tp, strategy.mesh.pp,
+                                 strategy.embedding, strategy.mesh.world) if g}.values():
+        g.destroy()
+    return result
+
+
+def check_schedules_agree(results):
+    """Runs that differ only in the schedule end bitwise equal (same gradient sum order)."""
+    by_sizes = {}
+    for r in results:
+        key = re.sub(r"-?(gpipe|1f1b)", "", r["run"])
+        by_sizes.setdefault(key, []).append(r)
+    for key, rows in by_sizes.items():
+        assert all(r["crcs"] == rows[0]["crcs"] for r in rows), f"{key}: schedules differ"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", default=None, help="comma-separated run names (see docstring)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tol", type=float, default=1e-10)
+    cli = p.parse_args()
+    install_abort_handler()
+    comm = MPI.COMM_WORLD
+    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
+    runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
+    ref = train(SingleProcess(), flags("pp1", cli.steps))
+    results = []
+    for name in runs:
+        results.append(compare(name, ref, comm, cli))
+        if comm.rank == 0:
+            print("RESULT " + json.dumps(results[-1]), flush=True)
+    check_schedules_agree(results)
+
+
+if __name__ == "__main__":
+    main()
