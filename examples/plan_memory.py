@@ -1,0 +1,129 @@
+"""Which strategy do I need? The per-rank memory bill of every layout, and the first that fits.
+
+    python examples/plan_memory.py --params 7e9 --gpus 8 --gpu-mem 80 --seq 4096
+    python examples/plan_memory.py --n-layer 48 --n-head 25 --n-embd 1600 --seq 1024 \\
+        --gpus 4 --gpu-mem 24 --micro-batch 4 --json
+    python examples/plan_memory.py --measure        # small model: ledger beside the planner
+
+The formulas and their assumptions: minidist/train/planner.py. --measure trains the
+train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
+ranks) and prints the ledger's per-rank bytes beside both predictions (README table).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minidist.nn import GPTConfig                                      # noqa: E402
+from minidist.train.planner import GiB, Layout, bill, config_for_params, plan  # noqa: E402
+
+# --measure: (label, ranks, train_gpt.py flags, the planner's Layout). ZeRO, TP and PP rows
+# join as those strategies land (one line each).
+MEASURED = [
+    ("1 process, float32", 1, [], Layout()),
+    ("1 process, float32, --ckpt-activations", 1, ["--ckpt-activations"],
+     Layout(recompute="full")),
+    ("1 process, --amp", 1, ["--amp"], Layout(amp=True)),
+    ("1 process, --amp --ckpt-activations", 1, ["--amp", "--ckpt-activations"],
+     Layout(amp=True, recompute="full")),
+    ("DDP x2, float32", 2, [], Layout(dp=2)),
+    ("DDP x2, --amp --ckpt-activations", 2, ["--amp", "--ckpt-activations"],
+     Layout(dp=2, amp=True, recompute="full")),
+]
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
+    p.add_argument("--dropout", action="store_true", help="count dropout masks")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction kept free for workspace, buffers, fragmentation")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--measure", action="store_true",
+                   help="measure the train_gpt.py default model (ledger vs planner)")
+    p.add_argument("--data", default=None, help="--measure: training text (default stdlib)")
+    return p.parse_args()
+
+
+def print_plan(result):
+    c = result["config"]
+    print(f"model: {result['params'] / 1e9:.3g}B parameters (L={c['n_layer']}, "
+          f"h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}), seq {result['seq']}, "
+          f"micro-batch {result['micro_batch']} per rank, {result['gpus']} GPUs, "
+          f"budget {result['budget_bytes'] / GiB:.1f} GiB per GPU")
+    print(f"{'layout (per-rank GiB)':<44}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}"
+          f"{'total':>8}  fits")
+    for r in result["rows"]:
+        cols = "".join(f"{r[k] / GiB:8.2f}" for k in ("params", "grads", "optimizer",
+                                                      "activations", "total"))
+        print(f"{r['layout']:<44}{cols}  {'yes' if r['fits'] else 'no'}")
+    best = result["recommendation"]
+    print(f"recommendation: {best}" if best else
+          "recommendation: nothing fits; add GPUs, shorten --seq or --micro-batch")
+
+
+def _run_train(ranks, flags, data, tmp):
+    """The last step's ledger row of a 2-step train_gpt.py run on `ranks` processes."""
+    log = os.path.join(tmp, f"log{len(os.listdir(tmp))}.jsonl")
+    cmd = [sys.executable, "examples/train_gpt.py", "--steps", "2", "--eval-every", "0",
+           "--eval-iters", "1", "--sample", "0", "--log-json", log, *flags]
+    cmd += ["--data", data] if data else []
+    if ranks > 1:
+        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        cmd = [here if os.path.exists(here) else "mpiexec", "-n", str(ranks)] + cmd
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(cmd, cwd=root, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    rows = [json.loads(line) for line in open(log)]
+    return rows[-2]["mem"]
+
+
+def measure(args):
+    """Markdown: measured per-rank MiB beside the minidist count and Korthikanti's."""
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256)
+    mib = 2 ** 20
+    print("| strategy | params | grads | optimizer | activations (measured / minidist count "
+          "/ Korthikanti) | total measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, ranks, flags, layout in MEASURED:
+            got = _run_train(ranks, flags, args.data, tmp)
+            b = 16 // layout.dp
+            ours = bill(config, layout, 128, b, formula="minidist")
+            theirs = bill(config, layout, 128, b)
+            same = all(got[k] == ours[k] for k in ("params", "grads", "optimizer"))
+            print(f"| {label} | " + " | ".join(f"{got[k] / mib:.2f}" for k in
+                                               ("params", "grads", "optimizer")) +
+                  f" | {got['activations'] / mib:.2f} / {ours['activations'] / mib:.2f} / "
+                  f"{theirs['activations'] / mib:.2f} | {got['total'] / mib:.2f} / "
+                  f"{ours['total'] / mib:.2f} |" + ("" if same else " (states differ!)"))
+
+
+def main():
+    args = parse()
+    if args.measure:
+        return measure(args)
+    config = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
+              GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        block_size=args.seq, vocab_size=args.vocab_size))
+    result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
+                  args.gpus_per_node, args.headroom, dropout=args.dropout)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_plan(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The memory planner: "which strategy do I need?" Per-rank bytes of parameters, gradients,
+optimizer state and activations for DDP, ZeRO-1/2/3, tensor (TP) and pipeline (PP)
+parallelism and their mixes, and the first layout in the decision order that fits.
+
+Model states, per rank holding P parameters (what the memory ledger counts: the tests run a
+small model under each strategy and compare, tests/test_planner.py):
+                        params  grads  optimizer
+    float32               4P     4P      8P        AdamW's m and v
+    mixed precision       2P     2P     12P        16-bit weights and grads; float32 master,
+                                                   m and v in the optimizer (train/amp.py)
+    ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also the
+    parameters: ceil(P / dp) each (a flat buffer padded to a multiple of dp).
+    TP (Megatron's layout, minidist/parallel/tp_model.py): c_attn and c_fc split by output
+    columns (weights and biases), both c_proj by input rows (biases replicated), wte by
+    vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.
+    PP: the blocks in pp contiguous stages (block i on stage i*pp // L); stage 0 also holds
+    wte and wpe, the last stage ln_f and, the head being tied, its own copy of wte.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4). Per layer, per micro-batch of b sequences of s tokens,
+hidden size h, a heads, t = tp, with 16-bit activations and dropout, in bytes:
+    sbh (34 + 5as/h)                   no parallelism
+    sbh (10 + 24/t + 5as/(ht))         TP: only the 24 sbh inside the split matmuls shrink
+    sbh/t (34 + 5as/h)                 TP + sequence parallelism (SP)
+    selective recompute drops the 5as/h term (attention scores recomputed); full recompute
+    (minidist's --ckpt-activations) keeps only the layer input, 2sbh (/t with SP).
+The 34 and 5 are 16e + 2 and 2e + 1 for e = 2 bytes per value and 1-byte dropout masks;
+here e is 4 in float32, and without dropout the masks (and the dropped copy of the scores)
+go: 16e and e. Embedding and output layer: the dropout mask, the inputs of the final layer
+norm and of the output projection (2e sbh), and float32 logits for the cross-entropy
+(4sbv/t). Pipelines run 1F1B: stage 0 keeps pp micro-batches of its layers in flight, the
+last stage one. Not counted: a recompute's transient (one layer's activations during its
+backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentation (see
+--headroom). Assumes attention without FlashAttention (the as^2 term).
+
+`minidist_activation_bytes` is the same bill for minidist's own graph, which keeps more than
+Megatron's kernels (every fused op's output, layer norm's normalised input in float32):
+18e + 8 bytes per sbh per layer, not 16e; the tests check it against the ledger.
+Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
+"""
+import math
+from dataclasses import asdict, dataclass
+
+from minidist.nn.gpt import GPTConfig, gpt_param_specs
+
+GiB = 2 ** 30
+STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
+_COLUMN = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias")
+_ROW = ("attn.c_proj.weight", "mlp.c_proj.weight")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training job is split: dp x tp x pp ranks, ZeRO stage, precision, recompute
+    ("none", "selective", "full"), sequence parallelism (with tp)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    amp: bool = True
+    recompute: str = "none"
+    sp: bool = False
+
+    @property
+    def gpus(self):
+        return self.dp * self.tp * self.pp
+
+    def name(self):
+        """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)"."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}" + ("+SP" if self.sp else ""))
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
+        data = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        if not parts or self.dp > 1:
+            parts.append(f"{data} x{self.dp}" if parts else data)
+        extras = ["amp" if self.amp else "fp32"]
+        if self.recompute != "none":
+            extras.append("ckpt" if self.recompute == "full" else "selective recompute")
+        return " x ".join(parts) + " (" + ", ".join(extras) + ")"
+
+
+# ---- model states ----------------------------------------------------------------------------
+
+def local_size(name, shape, tp=1):
+    """Elements of parameter `name` on one tensor-parallel rank."""
+    n = math.prod(shape)
+    if tp == 1:
+        return n
+    if name.endswith(_COLUMN) or name.endswith(_ROW):
+        return n // tp
+    if name == "transformer.wte.weight":
+        return math.ceil(shape[0] / tp) * shape[1]
+    return n
+
+
+def stage_params(config, tp=1, pp=1):
+    """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many)."""
+    counts = [0] * pp
+    for name, (shape, _) in gpt_param_specs(config).items():
+        n = local_size(name, shape, tp)
+        if name.startswith("transformer.h."):
+            counts[int(name.split(".")[2]) * pp // config.n_layer] += n
+        elif name in ("transformer.wte.weight", "transformer.wpe.weight"):
+            counts[0] += n
+        else:
+            counts[-1] += n                                      # ln_f
+    if pp > 1:                                                   # the tied head's copy
+        counts[-1] += local_size("transformer.wte.weight",
+                                 (config.vocab_size, config.n_embd), tp)
+    return counts
+
+
+def model_state_bytes(n_params, dp=1, zero=0, amp=True):
+    """{"params", "grads", "optimizer"} bytes on a rank holding n_params (before ZeRO)."""
+    p, g, o = STATE_BYTES[bool(amp)]
+    shard = math.ceil(n_params / dp)
+    return {"params": p * (shard if zero >= 3 else n_params),
+            "grads": g * (shard if zero >= 2 else n_params),
+            "optimizer": o * (shard if zero >= 1 else n_params)}
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True):
+    """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring)."""
+    d, k = int(bool(dropout)), (t if sp else 1)
+    if recompute == "full":
+        return s * b * h * e / k
+    unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
+    split = s * b * h * 12 * e               # Q, K, V, proj input, GELU input, fc2 input
+    core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))  # softmax...
+    return unsplit / k + split / t + core / t
+
+
+def head_activation_bytes(s, b, h, v, t=1, sp=False, e=2, dropout=True):
+    """Embedding dropout mask, final layer norm and output projection inputs, float32
+    logits for the cross-entropy: 4sbh/t (1 + v/h) at e = 2 with SP (Korthikanti 4.3)."""
+    k = t if sp else 1
+    return s * b * h * (int(bool(dropout)) + 2 * e) / k + 4 * s * b * v / t
+
+
+def _stage_activations(config, layout, stage, s, b, dropout):
+    """Korthikanti's bill for one rank of `stage` under 1F1B."""
+    L, pp, e = config.n_layer, layout.pp, 2 if layout.amp else 4
+    layers = sum(1 for i in range(L) if i * pp // L == stage)
+    in_flight = pp - stage                                       # 1F1B warm-up depth
+    per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
+                                       layout.sp, layout.recompute, e, dropout)
+    out = layers * in_flight * per_layer
+    if stage == pp - 1:
+        out += head_activation_bytes(s, b, config.n_embd, config.vocab_size, layout.tp,
+                                     layout.sp, e, dropout)
+    return out
+
+
+def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None):
+    """What minidist's own single-process graph holds after forward (the ledger's measure),
+    counted buffer by buffer: e-byte op outputs, float32 layer-norm statistics, 1-byte
+    dropout masks, int64 token ids; checkpointing keeps one (B, T, C) output per block."""
+    e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
+        config.n_layer
+    d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
+    sbh, sb = s * b * h, s * b
+    ln = sbh * 4 + sb * 4 + (h * 4 if amp else 0)    # xhat, rstd (float32), amp: weight
+    if ckpt:
+        per_layer = sbh * e
+    else:
+        per_layer = 18 * sbh * e + 2 * ln + a * s * s * b * (e + d) + d * 2 * sbh * (e + 1)
+    embed = 2 * sbh * e + s * h * e + 8 * sb + 8 * s + d * sbh * (e + 1)
+    head = sbh * e + ln + sb * V * (e + 4) + 8 * sb + sb + 4
+    return L * per_layer + embed + head
+
+
+# ---- the bill and the plan -------------------------------------------------------------------
+
+def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"):
+    """Per-rank bytes {"params", "grads", "optimizer", "activations", "total"} of the stage
+    whose total is largest. dropout: None takes config.dropout > 0. formula "minidist":
+    activations of minidist's own graph (no tp, pp or selective recompute)."""
+    dropout = config.dropout > 0 if dropout is None else dropout
+    if formula == "minidist" and (layout.tp > 1 or layout.pp > 1
+                                  or layout.recompute == "selective"):
+        raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
+    rows = []
+    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp)):
+        row = model_state_bytes(n, layout.dp, layout.zero, layout.amp)
+        row["activations"] = int(
+            minidist_activation_bytes(config, seq, micro_batch, layout.amp,
+                                      layout.recompute == "full", dropout)
+            if formula == "minidist" else
+            _stage_activations(config, layout, stage, seq, micro_batch, dropout))
+        row["total"] = sum(row.values())
+        rows.append(row)
+    return max(rows, key=lambda r: r["total"])
+
+
+def _tp_sizes(config, gpus, gpus_per_node):
+    """Tensor-parallel degrees to try: powers of two inside one node dividing gpus, n_head
+    and n_embd."""
+    t, out = 2, []
+    while t <= min(gpus, gpus_per_node):
+        if gpus % t == 0 and config.n_head % t == 0 and config.n_embd % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def candidates(config, gpus, gpus_per_node=8):
+    """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
+    precision and checkpointing; then (each without and with checkpointing) ZeRO-1, ZeRO-2,
+    ZeRO-3; TP with SP inside a node (ZeRO-1 over the other ranks); TP over the node x PP
+    across nodes."""
+    out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
+    for zero in (1, 2, 3):
+        out += [Layout(dp=gpus, zero=zero, recompute=r) for r in ("none", "full")]
+    tps = _tp_sizes(config, gpus, gpus_per_node)
+    for t in tps:
+        out += [Layout(dp=gpus // t, tp=t, zero=int(gpus > t), sp=True, recompute=r)
+                for r in ("none", "full")]
+    t = tps[-1] if tps else 1
+    for p in range(2, min(gpus // t, config.n_layer) + 1):
+        if (gpus // t) % p == 0:
+            out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
+                           sp=t > 1, recompute=r) for r in ("none", "full")]
+    return out
+
+
+def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=8,
+         headroom=0.1, dropout=None):
+    """Every candidate's per-rank bill, whether it fits in (1 - headroom) x gpu memory, and
+    the first that fits (None if none does)."""
+    seq = seq or config.block_size
+    budget = gpu_mem_gib * GiB * (1 - headroom)
+    rows = []
+    for layout in candidates(config, gpus, gpus_per_node):
+        row = {"layout": layout.name(), **asdict(layout),
+               **bill(config, layout, seq, micro_batch, dropout)}
+        row["fits"] = row["total"] <= budget
+        rows.append(row)
+    best = next((r["layout"] for r in rows if r["fits"]), None)
+    return {"config": config.to_dict(), "params": sum(stage_params(config)),
+            "gpus": gpus, "seq": seq, "micro_batch": micro_batch, "budget_bytes": int(budget),
+            "rows": rows, "recommendation": best}
+
+
+def config_for_params(n_params, seq=2048, vocab_size=50257):
+    """A GPT shape of about n_params parameters at the aspect ratio of published large models
+    (h / L ~ 128: GPT-3 175B is 12288 / 96, LLaMA-7B 4096 / 32), heads of 128 and h a
+    multiple of 1024 from 2048 up (so 8-way tensor parallelism splits the heads evenly), of
+    256 below: 12 L h^2 + V h ~ n_params."""
+    h = (n_params * 128 / 12) ** (1 / 3)
+    step = 1024 if h >= 2048 else 256
+    h = max(256, round(h / step) * step)
+    L = max(1, round((n_params - vocab_size * h) / (12 * h * h)))
+    return GPTConfig(n_layer=L, n_head=h // 128, n_embd=h, block_size=seq,
+                     vocab_size=vocab_size)
