@@ -7,20 +7,22 @@ Only neighbours talk, point to point: stage s sends its output activation (rows,
 s+1 (forward) and receives the gradient of that activation back (backward). Every stage
 knows (rows, T, C) and the dtype from the config and the batch, so no shape messages.
 
-GPipe (all forward, then all backward), p = 4 stages, m = 8 micro-batches, a backward twice
-as long as a forward (`python -m minidist.parallel.pp_simulate`):
+GPipe (all forward, then all backward), p = 4 stages, m = 8 micro-batches; digit i: forward
+of micro-batch i, letter: its backward (a = 0, b = 1, ...) taking twice as long, '.': idle
+(`python -m minidist.parallel.pp_simulate` runs the functions below to draw this):
 
-    stage 0 |01234567.........................0011223344556677|
-    stage 1 |.01234567......................0011223344556677.|
-    stage 2 |..01234567...................0011223344556677..|
-    stage 3 |...01234567................0011223344556677...|
+    stage 0 |01234567.........aabbccddeeffgghh|
+    stage 1 |.01234567......aabbccddeeffgghh..|
+    stage 2 |..01234567...aabbccddeeffgghh....|
+    stage 3 |...01234567aabbccddeeffgghh......|
 
-1F1B (one forward, one backward): after a warmup of p-s-1 forwards, stage s alternates one
-forward and one backward, so it holds at most p-s micro-batches' activations instead of m:
+1F1B: after a warmup of p-s-1 forwards, stage s alternates one forward and one backward, so
+it never holds more than p-s micro-batches' activations (GPipe: all m of them):
 
-    stage 0 |0123.......4.0.5.1.6.2.7.3..44..55..66..77|
-    stage 1 |.0123....4.0.5.1.6.2.7.3..44..55..66..77.|
-    ...                (the exact pictures: README, "Pipeline parallelism")
+    stage 0 |0123......aa4bb5cc6dd7ee.ff.gg.hh|
+    stage 1 |.012....aa3bb4cc5dd6ee7ff.gg.hh..|
+    stage 2 |..01..aa2bb3cc4dd5ee6ff7gg.hh....|
+    stage 3 |...0aa1bb2cc3dd4ee5ff6gg7hh......|
 
 Both leave the same idle "bubble": (p-1) forward+backward slots out of m+p-1 on every stage,
 a fraction (p-1)/(m+p-1). 1F1B does not shrink the bubble, it shrinks activation memory
@@ -45,7 +47,6 @@ import os
 
 from minidist.autograd import Tensor
 from minidist.comm import trace
-from minidist.train import memory
 
 
 def split_layers(n_layer, n_stages):
@@ -150,19 +151,18 @@ class StageLink:
 
 class MicroBatches:
     """One step's micro-batches on this stage: forward(i, input) and backward(i, grad), the
-    graphs still alive between the two (`live`), the losses (last stage), and measurements:
-    the most micro-batches in flight and, with `measure`, the most activation bytes they held
-    (inputs received plus everything their graphs keep, parameters excluded: the ledger's
-    count). `backward_loss(loss)` seeds the last stage's backward (1/M, the loss scale)."""
+    (input, output) pairs alive between the two (`live`), the losses (last stage), the most
+    micro-batches in flight, and, given `measure(live)` -> bytes (the training layer's memory
+    ledger), the most activation bytes held at once. `backward_loss(loss)` starts the last
+    stage's backward (the 1/M factor, the loss scale)."""
 
-    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=False):
+    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=None):
         rows = len(idx) // n_micro
         self.stage, self.n_micro, self.backward_loss = stage, n_micro, backward_loss
         self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.live, self.losses, self.measure = {}, [], measure
         self.peak_in_flight, self.peak_bytes = 0, 0
-        self.params = [p.data for p in stage.parameters()]
 
     def forward(self, i, inp):
         """Run micro-batch i through this stage; returns its output (the loss on the last)."""
@@ -172,8 +172,8 @@ class MicroBatches:
         if self.stage.last:
             self.losses.append(float(out.item()))
         self.peak_in_flight = max(self.peak_in_flight, len(self.live))
-        if self.measure:
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        if self.measure is not None:
+            self.peak_bytes = max(self.peak_bytes, self.measure(self.live.values()))
         return out
 
     def backward(self, i, grad):
@@ -186,13 +186,6 @@ class MicroBatches:
             else:
                 out.backward(grad)
         return None if inp is None else inp.grad
-
-    def live_bytes(self):
-        """Bytes held by the micro-batches between their forward and their backward."""
-        arrays = itertools.chain.from_iterable(
-            itertools.chain(memory.graph_arrays(out), [] if inp is None else [inp.data])
-            for inp, out in self.live.values())
-        return memory.unique_nbytes(arrays, exclude=self.params)
 
 
 class traced:
@@ -253,3 +246,23 @@ def one_f_one_b(link, steps):
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def bubble_fraction(events_by_rank):
+    """The measured bubble of the last step: on each rank, the share of the window from the
+    first micro-batch's start to the last one's end (over all ranks) spent not computing
+    (its F/B events, recorded by `traced`). Returns (mean over ranks, [per rank])."""
+    steps = []
+    for events in events_by_rank:
+        compute = [e for e in events if e["group"] == "compute" and e["op"][0] in "FB"]
+        starts = [k for k, e in enumerate(compute) if e["op"] == "F0"]
+        steps.append(compute[starts[-1]:] if starts else [])
+    t0 = min(e["start"] for step in steps for e in step)
+    t1 = max(e["end"] for step in steps for e in step)
+    idle = [1.0 - sum(e["end"] - e["start"] for e in step) / (t1 - t0) for step in steps]
+    return sum(idle) / len(idle), idle
+
+
+def bubble_theory(p, m):
+    """GPipe's and 1F1B's bubble: (p-1) idle slots per stage out of m+p-1."""
+    return (p - 1) / (m + p - 1)

@@ -38,7 +38,8 @@ def add_parallel_args(p):
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
-    g.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule (README: Pipeline parallelism)")
     g.add_argument("--amp", action="store_true", help="float16 compute, float32 master")

@@ -26,12 +26,14 @@ Tests: tests/test_pipeline.py.
 """
 import contextlib
 import copy
+import math
 
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
-from minidist.parallel.pipeline import SCHEDULES, MicroBatches, split_layers
-from minidist.train import checkpoint
+from minidist.parallel.pipeline import (SCHEDULES, MicroBatches, bubble_fraction,
+                                        bubble_theory, split_layers)
+from minidist.train import checkpoint, memory
 from minidist.train.strategy import SingleProcess
 
 
@@ -39,7 +41,8 @@ def pipeline_problems(args, world):
     """Every problem with these flags, found on this rank alone (no communication yet)."""
     pp, tp = args.pp, args.tp
     dp = args.dp if args.dp is not None else max(world // (tp * pp), 1)
-    m, accum = args.micro_batches, args.grad_accum
+    accum = args.grad_accum
+    m = args.micro_batches or default_micro_batches(args.batch_size // (dp * accum), pp)
     problems = []
     if dp * tp * pp != world:
         problems.append(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but this "
@@ -61,19 +64,24 @@ def pipeline_problems(args, world):
     if args.zero:
         problems.append(f"--zero {args.zero} with --pp is not available (ZeRO shards what "
                         "the pipeline's stages hold whole); use DDP across pipelines")
-    return dp, problems
+    return dp, m, problems
+
+
+def default_micro_batches(rows, pp):
+    """Without --micro-batches: the most micro-batches up to 2 x pp that divide the rows."""
+    return max([m for m in range(1, 2 * pp + 1) if rows % m == 0], default=1)
 
 
 def make_pipeline_parallel(args, world):
     """The strategy for --pp P [--tp T] [--dp D] --micro-batches M, after every check."""
-    dp, problems = pipeline_problems(args, world)
+    dp, m, problems = pipeline_problems(args, world)
     if problems:
         raise SystemExit("pipeline parallelism: " + "; ".join(problems))
     from minidist.comm import DeviceMesh
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=args.tp, pp=args.pp, algo=args.comm)
-    return PipelineParallel(mesh, args.micro_batches, getattr(args, "schedule", "1f1b"),
+    return PipelineParallel(mesh, m, getattr(args, "schedule", "1f1b"),
                             ddp_mode=args.ddp, bucket_mb=args.bucket_mb,
                             sequence_parallel=args.sequence_parallel)
 
@@ -132,13 +140,14 @@ class PipelineParallel(SingleProcess):
         return self.mesh.dp_rank == 0
 
     def notes(self):
+        from minidist.nn.gpt import gpt_param_specs
         s, (d, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "tp", "pp"))
+        full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return super().notes() + [
             f"pipeline parallel: pp {p} x tp {t} x dp {d}, {self.schedule} over "
-            f"{self.micro_batches} micro-batches; this rank is stage {s.link.stage} with "
-            f"blocks {s.layers.start}..{s.layers.stop - 1}"
-            + (", the embedding" if s.first else "") + (", ln_f and the head" if s.last else "")
-            + f" ({s.num_parameters():,} parameters)"]
+            f"{self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "
+            f"{s.layers.start}..{s.layers.stop - 1}" + (" and the embedding" if s.first else "")
+            + f": {s.num_parameters():,} of the model's {full:,} parameters"]
 
     # ---- one step --------------------------------------------------------------------------
     def local_rows(self, x, y):
@@ -151,7 +160,8 @@ class PipelineParallel(SingleProcess):
         m, schedule = self.micro_batches, SCHEDULES[self.schedule]
         if len(x) % (m * n_accum):
             raise ValueError(f"{len(x)} rows do not split into {n_accum} x {m} micro-batches")
-        rows, losses, peak = len(x) // n_accum, [], {"in_flight": 0, "bytes": 0}
+        rows, losses = len(x) // n_accum, []
+        peak = {"in_flight": 0, "bytes": 0, "sent": trace.bytes_sent(self.group.name)}
         model.expect(rows // m, x.shape[1])
         if self.amp and not model.last:     # backward starts from the last stage's scaled loss
             self.amp.scaler.used = True
@@ -159,13 +169,23 @@ class PipelineParallel(SingleProcess):
             for a in range(n_accum):
                 steps = MicroBatches(model, x[a * rows:(a + 1) * rows],
                                      y[a * rows:(a + 1) * rows], m,
-                                     lambda loss: self.backward(loss, m * n_accum), measure)
+                                     lambda loss: self.backward(loss, m * n_accum),
+                                     self._live_bytes if measure else None)
                 schedule(model.link, steps)
                 losses += steps.losses
                 peak["in_flight"] = max(peak["in_flight"], steps.peak_in_flight)
                 peak["bytes"] = max(peak["bytes"], steps.peak_bytes)
+        peak["sent"] = trace.bytes_sent(self.group.name) - peak["sent"]   # p2p of this step
         self.stats.append(peak)
         return self._loss_from_last_stage(losses), peak["bytes"]
+
+    def _live_bytes(self, live):
+        """The memory ledger's activation count over every micro-batch in flight: what
+        their graphs keep plus the inputs received, each buffer once, parameters excluded."""
+        arrays = []
+        for inp, out in live:
+            arrays += list(memory.graph_arrays(out)) + ([] if inp is None else [inp.data])
+        return memory.unique_nbytes(arrays, exclude=[p.data for p in self.stage.parameters()])
 
     def _loss_from_last_stage(self, losses):
         xp = model_xp(self.stage)
@@ -257,15 +277,31 @@ class PipelineParallel(SingleProcess):
 
     # ---- the end of training ---------------------------------------------------------------
     def summary(self):
-        rows = self.stats or [{"in_flight": 0, "bytes": 0}]
-        s = self.stage
-        return (f"pipeline stage {s.link.stage} of {s.link.n_stages} ({self.schedule}, "
-                f"{self.micro_batches} micro-batches): at most {rows[-1]['in_flight']} "
-                f"micro-batches in flight; p2p sent {trace.bytes_sent(self.group.name) / 2**20:.2f}"
-                f" MiB in all")
+        """Lines for people, per stage (collective over pp): micro-batches and activation
+        bytes in flight, p2p traffic, and with --trace the bubble measured vs theory."""
+        p, m, steps = self.group.size, self.micro_batches, max(len(self.stats), 1)
+        mine = (max((r["in_flight"] for r in self.stats), default=0),
+                max((r["bytes"] for r in self.stats), default=0),
+                sum(r["sent"] for r in self.stats) / steps, trace.events())
+        rows = self.group.comm.gather(mine, root=0)
+        if self.group.rank != 0:
+            return []
+        mib = [f"{r[1] / 2**20:.2f}" for r in rows]
+        lines = [f"pipeline ({self.schedule}, pp {p}, {m} micro-batches): micro-batches in "
+                 f"flight per stage {[r[0] for r in rows]}"
+                 + (f", activations held {' / '.join(mib)} MiB" if any(r[1] for r in rows)
+                    else "") + f"; p2p sent per step per stage "
+                 f"{' / '.join(f'{r[2] / 2**20:.2f}' for r in rows)} MiB"]
+        if trace.enabled():
+            measured, per_stage = bubble_fraction([r[3] for r in rows])
+            lines.append(f"bubble of the last step: {measured:.2f} idle (per stage "
+                         f"{' / '.join(f'{b:.2f}' for b in per_stage)}) vs theory (p-1)/(m+p-1)"
+                         f" = {bubble_theory(p, m):.2f}")
+        return lines
 
     def finish(self, args, log):
-        log.print0(self.summary())
+        for line in self.summary():
+            log.print0(line)
         if args.trace:
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective and micro-batch written to {args.trace}")

@@ -119,7 +119,7 @@ def _memory_options(strategy, args):
 
 
 def _refuse_unbuilt(args):
-    if args.micro_batches != 1 and args.pp == 1:
+    if args.micro_batches not in (None, 1) and args.pp == 1:
         raise SystemExit(
             f"--micro-batches {args.micro_batches} splits the batch for a pipeline (--pp > 1); "
             "with one stage, accumulate gradients with --grad-accum instead.")

@@ -1,0 +1,222 @@
+"""Pipeline parallelism: the stage split, the schedules on a logical clock, bad input refused
+in-process; then 2, 4 and 8 ranks under mpiexec against one process in float64 (pp 2 and pp 4
+with several micro-batch counts and both schedules, pp 2 x dp 2, dp 2 x tp 2 x pp 2), the
+VERBOSE log, train_gpt end to end with checkpoints, and refusals on every rank.
+
+The distributed checks run tests/scripts/pp_check.py, which batches many comparisons into one
+mpiexec start; each test's docstring gives the command to run it by hand.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.parallel.pipeline import bubble_theory, split_layers
+from minidist.parallel.pp_simulate import simulate, timeline
+from minidist.train import checkpoint
+from minidist.train.args import train_parser
+from minidist.train.pipeline_parallel import default_micro_batches
+from minidist.train.strategy import SingleProcess, make_strategy
+from mpirun import run_mpi
+
+TOL = 1e-10
+
+
+def test_split_layers_contiguous_balanced_and_refuses_empty_stages():
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ValueError, match="5 stages for 4 blocks"):
+        split_layers(4, 5)
+
+
+def test_default_micro_batches_divide_the_rows():
+    assert default_micro_batches(8, 2) == 4
+    assert default_micro_batches(6, 4) == 6
+    assert default_micro_batches(7, 2) == 1
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_simulated_schedules(p, m):
+    """The training code's own schedule functions on a logical clock (forward 1 unit,
+    backward 2): both bubbles are (p-1)/(m+p-1) on every stage; GPipe holds m micro-batches
+    on every stage, 1F1B min(p - s, m) on stage s."""
+    for name in ("gpipe", "1f1b"):
+        steps = simulate(name, p, m)
+        _, bubbles = timeline(steps)
+        assert all(abs(b - bubble_theory(p, m)) < 1e-12 for b in bubbles), (name, bubbles)
+        held = [s.peak_in_flight for s in steps]
+        assert held == ([m] * p if name == "gpipe" else [min(p - s, m) for s in range(p)])
+        for s in steps:           # every micro-batch forward then backward, backward in order
+            assert [i for k, i, _ in s.events if k == "B"] == list(range(m))
+
+
+def test_stage_names_are_gpt2_names_with_global_block_numbers():
+    """Two stages' parameters are exactly GPT's, split, the tied wte on both ends, with
+    gpt_init's numbers (a one-rank stand-in for the pp group)."""
+    from minidist.parallel.pp_stage import GPTStage
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
+
+    class Group:
+        def __init__(self, rank):
+            self.rank, self.size = rank, 2
+    full = dict(GPT(config, seed=3).named_parameters())
+    stages = [GPTStage(config, Group(s), split_layers(4, 2)[s], seed=3) for s in range(2)]
+    names = [list(dict(st.named_parameters())) for st in stages]
+    assert names[0][:2] == ["transformer.wte.weight", "transformer.wpe.weight"]
+    assert names[0][2].startswith("transformer.h.0.")
+    assert names[1][0].startswith("transformer.h.2.")
+    assert names[1][-1] == "transformer.wte.weight" and "transformer.ln_f.weight" in names[1]
+    assert set(names[0]) | set(names[1]) == set(full)
+    for st in stages:
+        for n, p in st.named_parameters():
+            np.testing.assert_array_equal(p.data, full[n].data, err_msg=n)
+
+
+# ---- bad input: refused in-process, before any communication ------------------------------
+
+def _parse(*flags):
+    return train_parser().parse_args(list(flags))
+
+
+@pytest.mark.parametrize("world, flags, says", [
+    (4, ["--pp", "4", "--n-layer", "2"], "--pp 4 stages for --n-layer 2 blocks"),
+    (2, ["--pp", "2", "--micro-batches", "3", "--batch-size", "16"],
+     "does not split into dp 1 x --grad-accum 1 x --micro-batches 3"),
+    (4, ["--pp", "2", "--micro-batches", "4", "--batch-size", "12"],
+     "dp 2 x --grad-accum 1 x --micro-batches 4 = 8"),
+    (6, ["--pp", "4"], "--dp 1 x --tp 1 x --pp 4 = 4 ranks, but this job has 6"),
+    (8, ["--pp", "2", "--tp", "2", "--dp", "3"], "= 12 ranks, but this job has 8"),
+    (4, ["--pp", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "n_head 3"),
+    (4, ["--pp", "2", "--zero", "1"], "--zero 1 with --pp"),
+    (1, ["--micro-batches", "4"], "--grad-accum instead")])
+def test_bad_sizes_are_refused_before_any_communication(monkeypatch, world, flags, says):
+    monkeypatch.setenv("PMI_SIZE", str(world))
+    with pytest.raises(SystemExit, match=says):
+        make_strategy(_parse(*flags))
+
+
+# ---- N ranks under mpiexec ---------------------------------------------------------------
+
+def _results(out, tag="RESULT"):
+    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
+            if line.startswith(tag + " ")]
+
+
+def _assert_exact(results, n):
+    assert len(results) == n, results
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= TOL, r
+        print(f"{r['run']:24s}: |loss diff| {r['loss_diff']:.1e}, |norm diff| "
+              f"{r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e}; per stage "
+              f"(in flight, activation bytes) {[tuple(s[1:]) for s in r['stages']]}")
+
+
+@pytest.mark.mpi
+def test_pp2_equals_one_process_both_schedules():
+    """pp 2 with 1, 2 and 8 micro-batches, 1F1B and GPipe, float64, clipping every step:
+
+        mpiexec -n 2 python tests/scripts/pp_check.py
+    """
+    _assert_exact(_results(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 5)
+
+
+@pytest.mark.mpi
+def test_pp4_and_pp2_x_dp2_equal_one_process():
+    """pp 4 (2 and 8 micro-batches, both schedules), pp 2 x dp 2, GPipe + checkpointing; and
+    1F1B's first stage holds pp of GPipe's m micro-batches, in measured activation bytes:
+
+        mpiexec -n 4 python tests/scripts/pp_check.py
+    """
+    results = _results(run_mpi(4, "tests/scripts/pp_check.py", timeout=180))
+    _assert_exact(results, 5)
+    by_run = {r["run"]: r for r in results}
+    one, gp = by_run["pp4-m8-1f1b"]["stages"], by_run["pp4-m8-gpipe"]["stages"]
+    assert [s[1] for s in one] == [4, 3, 2, 1] and [s[1] for s in gp] == [8] * 4
+    assert abs(one[0][2] / gp[0][2] - 4 / 8) < 0.02        # bytes scale with micro-batches
+
+
+@pytest.mark.mpi
+def test_3d_dp2_tp2_pp2_equals_one_process():
+    """dp 2 x tp 2 x pp 2 on 8 ranks (1F1B; and GPipe with sequence parallelism):
+
+        mpiexec -n 8 python tests/scripts/pp_check.py
+    """
+    _assert_exact(_results(run_mpi(8, "tests/scripts/pp_check.py", timeout=240)), 2)
+
+
+@pytest.mark.mpi
+def test_verbose_logs_every_send_and_receive():
+    """One step of pp 2 over 2 micro-batches: 2 forwards and 2 gradients cross the boundary,
+    each logged by its sender and its receiver:
+
+        VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
+    """
+    from mpirun import mpi_env
+    out = run_mpi(2, "tests/scripts/pp_check.py", "--runs", "pp2-m2-1f1b", "--steps", "1",
+                  env=mpi_env(VERBOSE=1), timeout=60)
+    lines = [line for line in out.stderr.splitlines() if "micro-batch" in line]
+    assert len(lines) == 8, "\n".join(lines)
+    assert sum("send forward" in line for line in lines) == 2
+    assert any("stage 1 recv forward" in line and "(4, 8, 16) float64" in line
+               for line in lines)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
+                                       for i in range(300)))
+    return str(d / "code.py")
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
+        "--eval-every", "0", "--pp", "2", "--micro-batches", "4"]
+
+
+def _losses(path):
+    return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
+
+
+@pytest.mark.mpi
+def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
+    """train_gpt --pp 2: summary lines, a trace with every micro-batch, a sample through the
+    pipeline; a checkpoint that one process loads, and a resume that repeats the straight run:
+
+        mpiexec -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4 --trace t.json ...
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6"]
+    straight, resumed, t = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "t.json"
+    out = run_mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, "--trace", t,
+                  "--sample", "20", timeout=120)
+    assert "micro-batches in flight per stage [2, 1]" in out.stdout
+    assert "vs theory (p-1)/(m+p-1) = 0.20" in out.stdout and "---- sample" in out.stdout
+    events = [e for e in json.load(open(t))["traceEvents"] if e.get("ph") == "X"]
+    assert {e["name"] for e in events if e["pid"] == 1} >= {f"F{i}" for i in range(4)}
+    run_mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
+            "--sample", "0", timeout=120)
+    run_mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+            resumed, "--sample", "0", timeout=120)
+    assert _losses(resumed)[:3] == _losses(straight)[3:6]
+    state = json.load(open(tmp_path / "ck" / "state.json"))
+    one = SingleProcess()                   # the whole model, in the one-process format
+    model = one.build_model(GPTConfig(**state["config"]), 0, "float32")
+    opt = one.build_optimizer(model, _parse("--lr", "1e-2"))
+    assert checkpoint.load_checkpoint(tmp_path / "ck", model, opt)["step"] == 3
+
+
+@pytest.mark.mpi
+def test_bad_input_is_refused_on_every_rank():
+    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+
+        mpiexec -n 2 python examples/train_gpt.py --pp 2 --n-layer 1
+        mpiexec -n 2 python examples/train_gpt.py --pp 2 --micro-batches 3
+    """
+    for flags, says in ((["--n-layer", "1"], "--pp 2 stages for --n-layer 1 blocks"),
+                        (["--micro-batches", "3"], "--micro-batches 3 = 3 equal")):
+        out = run_mpi(2, "examples/train_gpt.py", "--pp", "2", *flags, timeout=60,
+                      check=False)
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert out.stderr.count(says) == 2, out.stderr
