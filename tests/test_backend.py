@@ -1,4 +1,5 @@
 """The array backend: device choice, host moves, threads per rank, memory stats."""
+import ast
 import os
 import subprocess
 import sys
@@ -64,15 +65,19 @@ def test_import_sets_blas_threads_before_numpy_loads():
 
 @pytest.mark.mpi
 def test_threads_per_rank_under_mpiexec(tmp_path):
-    """Run by hand: mpiexec -n 4 python -c 'import minidist; print(minidist.backend.blas_threads())'"""
+    """Each of 4 ranks on this node gets cores // 4 BLAS threads (at least 1). By hand:
+    mpiexec -n 4 python -c 'import minidist; print(minidist.backend.blas_threads())'"""
     script = tmp_path / "threads.py"
+    # Rank 0 gathers and prints one line: per-rank prints can interleave mid-line on stdout.
     script.write_text("import minidist\nfrom minidist import backend as b\n"
-                      "print('threads', b.local_rank_and_size(), b.blas_threads())\n")
+                      "from mpi4py import MPI\n"
+                      "rows = MPI.COMM_WORLD.gather((b.local_rank_and_size(), b.blas_threads()))\n"
+                      "if rows: print('threads', rows)\n")
     env = mpi_env()
     for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MINIDIST_THREADS"):
         env.pop(k)
     out = run_mpi(4, str(script), env=env, timeout=60).stdout
-    rows = [line for line in out.splitlines() if line.startswith("threads")]
-    assert len(rows) == 4
+    line = next(line for line in out.splitlines() if line.startswith("threads"))
+    rows = ast.literal_eval(line[len("threads"):])
     expected = max(1, backend.available_cores() // 4)
-    assert all(row.endswith(f" {expected}") for row in rows), out
+    assert rows == [((r, 4), expected) for r in range(4)], out
