@@ -23,13 +23,13 @@ from minidist.train.planner import GiB, Layout, bill, config_for_params, plan  #
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout). ZeRO, TP and PP rows
 # join as those strategies land (one line each).
 MEASURED = [
-    ("1 process, float32", 1, [], Layout()),
+    ("1 process, float32", 1, [], Layout(amp=False)),
     ("1 process, float32, --ckpt-activations", 1, ["--ckpt-activations"],
-     Layout(recompute="full")),
+     Layout(amp=False, recompute="full")),
     ("1 process, --amp", 1, ["--amp"], Layout(amp=True)),
     ("1 process, --amp --ckpt-activations", 1, ["--amp", "--ckpt-activations"],
      Layout(amp=True, recompute="full")),
-    ("DDP x2, float32", 2, [], Layout(dp=2)),
+    ("DDP x2, float32", 2, [], Layout(dp=2, amp=False)),
     ("DDP x2, --amp --ckpt-activations", 2, ["--amp", "--ckpt-activations"],
      Layout(dp=2, amp=True, recompute="full")),
 ]
