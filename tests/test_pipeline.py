@@ -183,11 +183,13 @@ def _losses(path):
 @pytest.mark.mpi
 def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
     """train_gpt --pp 2: summary lines, a trace with every micro-batch, a sample through the
-    pipeline; a checkpoint that one process loads, and a resume that repeats the straight run:
+    pipeline; a checkpoint that one process loads, and a resume that repeats the straight run
+    (with dropout: every stage's own generator is saved and restored):
 
         mpiexec -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4 --trace t.json ...
     """
-    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6"]
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
+              "--dropout", "0.1"]                # each stage's dropout stream is resumed
     straight, resumed, t = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "t.json"
     out = run_mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, "--trace", t,
                   "--sample", "20", timeout=120)

@@ -247,8 +247,10 @@ class PipelineParallel(SingleProcess):
     def save(self, directory, model, optimizer, step, rng_states, extra):
         params, opt_sd = self._full_state(optimizer)
         if self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0:
-            parts = self.group.comm.gather((params, opt_sd), root=0)   # stage order
-            if self.group.rank == 0:
+            mine = (params, opt_sd, model.dropout_rng.bit_generator.state)
+            parts = self.group.comm.gather(mine, root=0)     # in stage order
+            if self.group.rank == 0:      # each stage's own dropout stream, for --resume
+                rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
                 params, opt_sd = _merge_stages(parts)
                 checkpoint.save_checkpoint(
                     directory, _with(model, state_dict=lambda: params),
@@ -272,8 +274,12 @@ class PipelineParallel(SingleProcess):
             sd = {"groups": sd["groups"],
                   "state": {n: s for n, s in sd["state"].items() if n in mine}}
             optimizer.load_state_dict(self.tp._shard_optimizer(sd) if self.tp else sd)
-        return checkpoint.load_checkpoint(directory, _with(model, load_state_dict=load_params),
-                                          _with(optimizer, load_state_dict=load_opt))
+        state = checkpoint.load_checkpoint(directory, _with(model, load_state_dict=load_params),
+                                           _with(optimizer, load_state_dict=load_opt))
+        by_stage = state["rng"].get("dropout_by_stage")
+        if by_stage and len(by_stage) == self.group.size:   # the loop restores "dropout"
+            state["rng"]["dropout"] = by_stage[self.group.rank]
+        return state
 
     # ---- the end of training ---------------------------------------------------------------
     def summary(self):
@@ -313,16 +319,14 @@ def model_xp(model):
 
 def _merge_stages(parts):
     """The stages' (params, optimizer state_dict) in stage order -> the whole model's, in
-    model order. The tied wte appears on the first and last stage, equal: kept once."""
+    model order. The tied wte is on the first and last stage, equal: kept once (the first)."""
     params, state = {}, {}
-    for p, sd in parts:
+    for p, sd, _ in parts:
         for name, a in p.items():
             params.setdefault(name, a)
         for name, s in sd["state"].items():
             state.setdefault(name, s)
-    order = ["transformer.wte.weight", "transformer.wpe.weight"]
-    names = order + [n for n in params if n not in order]
-    return {n: params[n] for n in names}, {"groups": parts[0][1]["groups"], "state": state}
+    return params, {"groups": parts[0][1]["groups"], "state": state}
 
 
 def _tensor_parallel_view(mesh, stage, sequence_parallel):

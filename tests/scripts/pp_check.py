@@ -13,13 +13,16 @@ clips); each run builds its strategy from train_gpt's own flags (make_strategy) 
 through the loop's train_step, measuring activations. Checks: losses, grad norms and every
 parameter equal to the reference to --tol; the tied wte bitwise equal on the first and the
 last stage; each stage's peak micro-batches in flight = M (GPipe) or min(pp - stage, M)
-(1F1B); GPipe and 1F1B runs of the same sizes bitwise equal. Rank 0 prints `RESULT {json}`
+(1F1B); GPipe and 1F1B runs of the same sizes bitwise equal; for the --files run, the
+checkpoint (one process loads the whole model and Adam state: the reference's; a fresh
+pipeline run loads its parts back, bitwise). Rank 0 prints `RESULT {json}`
 per run for tests/test_pipeline.py; any failure raises and the abort handler ends the job.
 """
 import argparse
 import json
 import os
 import re
+import tempfile
 import zlib
 
 import numpy as np
@@ -27,6 +30,7 @@ from mpi4py import MPI
 
 from minidist.comm import install_abort_handler
 from minidist.nn import GPTConfig
+from minidist.train import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess, make_strategy
@@ -81,7 +85,7 @@ def train(strategy, args):
         losses.append(loss)
         norms.append(norm)
         acts.append(mem["activations"] if mem else 0)
-    return model, losses, norms, acts
+    return model, opt, losses, norms, acts
 
 
 def stage_state(strategy, model):
@@ -112,8 +116,8 @@ def check_in_flight(strategy, comm):
 def compare(name, ref, comm, cli):
     args = flags(name, cli.steps)
     strategy = make_strategy(args)
-    model, losses, norms, acts = train(strategy, args)
-    ref_model, ref_losses, ref_norms, _ = ref
+    model, opt, losses, norms, acts = train(strategy, args)
+    ref_model, ref_opt, ref_losses, ref_norms, _ = ref
     state = stage_state(strategy, model)
     ref_state = {n: ref_model.state_dict()[n] for n in state}
     diff = max(float(np.abs(state[n] - ref_state[n]).max()) for n in state)
@@ -137,10 +141,42 @@ def compare(name, ref, comm, cli):
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= cli.tol, (name, key, result)
     assert min(norms) > args.grad_clip, f"{name}: clipping never happened: {norms}"
+    if name == cli.files:
+        result.update(check_files(strategy, model, opt, ref, args, comm))
     for g in {id(g): g for g in (strategy.mesh.dp, strategy.mesh.tp, strategy.mesh.pp,
                                  strategy.embedding, strategy.mesh.world) if g}.values():
         g.destroy()
     return result
+
+
+def check_files(strategy, model, opt, ref, args, comm):
+    """--save writes the whole model and Adam state in the one-process format (one process
+    loads them: equal to the reference's), and a fresh pipeline run loads its parts back."""
+    ref_model, ref_opt = ref[0], ref[1]
+    path = comm.bcast(tempfile.mkdtemp(prefix="pp_check_") if comm.rank == 0 else None)
+    path = os.path.join(path, "ckpt")
+    strategy.save(path, model, opt, args.steps, {}, {})
+    one = SingleProcess()
+    m1 = one.build_model(CONFIG, SEED + 1, "float64")
+    o1 = one.build_optimizer(m1, args)
+    checkpoint.load_checkpoint(path, m1, o1)
+    ckpt_diff = max(float(np.abs(a - ref_model.state_dict()[n]).max())
+                    for n, a in m1.state_dict().items())
+    sa, sb = o1.state_dict()["state"], ref_opt.state_dict()["state"]
+    adam_diff = max(float(np.abs(sa[n][k] - sb[n][k]).max())
+                    for n in sb for k in ("exp_avg", "exp_avg_sq"))
+    again = make_strategy(args)
+    m2 = again.build_model(CONFIG, SEED + 1, "float64")
+    o2 = again.build_optimizer(m2, args)
+    again.load(path, m2, o2)
+    mine, back = stage_state(strategy, model), stage_state(again, m2)
+    assert all(np.array_equal(mine[n], back[n]) for n in mine), "reload differs"
+    assert all(np.array_equal(o2.state[n][k], opt.state[n][k])
+               for n in opt.state for k in ("exp_avg", "exp_avg_sq")), "Adam reload differs"
+    out = {"ckpt_diff": comm.allreduce(ckpt_diff, op=MPI.MAX),
+           "adam_diff": comm.allreduce(adam_diff, op=MPI.MAX)}
+    assert max(out.values()) <= 1e-10, out
+    return out
 
 
 def check_schedules_agree(results):
@@ -158,11 +194,15 @@ def main():
     p.add_argument("--runs", default=None, help="comma-separated run names (see docstring)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--files", default=None, help="the run whose checkpoint is checked "
+                   "(default: the first 2-rank or 8-rank run)")
     cli = p.parse_args()
     install_abort_handler()
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
+    if cli.files is None and comm.size in (2, 8):
+        cli.files = runs[0]
     ref = train(SingleProcess(), flags("pp1", cli.steps))
     results = []
     for name in runs:

@@ -1,0 +1,96 @@
+"""Pipeline schedules measured: activation memory per stage (the memory ledger) for GPipe vs
+1F1B, and the bubble from the trace vs the theory (p-1)/(m+p-1).
+
+    mpiexec -n 2 python examples/bench_pipeline.py --micro-batches 1,2,4,8,16
+    mpiexec -n 4 python examples/bench_pipeline.py --micro-batches 4,8,16 --n-layer 8
+
+For each schedule and micro-batch count M, through the training loop's own train_step:
+one step with the ledger on (the most activation bytes each stage held at once, over every
+micro-batch in flight), then --steps traced steps: each rank's compute events (F3, B3) give
+its idle share of the step's window, from the first micro-batch's start to the last one's
+end over all stages (pipeline.bubble_fraction); the median over steps is reported. Rank 0
+prints one JSON line per (schedule, M): {"schedule", "pp", "micro_batches", "rows_per_micro",
+"in_flight", "activation_mib", "bubble", "bubble_per_stage", "bubble_theory", "ms_per_step"}.
+More ranks than cores stretch every stage's compute while others compute too, which hides
+idle time: measure with one core per rank.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minidist.comm import trace
+from minidist.nn import GPTConfig
+from minidist.parallel.pipeline import bubble_fraction, bubble_theory
+from minidist.train.args import add_model_args, train_parser
+from minidist.train.loop import train_step
+from minidist.train.strategy import make_strategy
+
+
+def batch(step, rows, config):
+    x = np.random.default_rng([1, step]).integers(0, config.vocab_size,
+                                                   (rows, config.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def run(cli, schedule, m, comm):
+    flags = ["--pp", str(comm.size), "--micro-batches", str(m), "--schedule", schedule,
+             "--n-layer", str(cli.n_layer), "--n-head", str(cli.n_head), "--n-embd",
+             str(cli.n_embd), "--block-size", str(cli.block_size), "--batch-size",
+             str(cli.batch_size), "--lr", "1e-3"]
+    args = train_parser().parse_args(flags)
+    config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
+                       block_size=cli.block_size, vocab_size=cli.vocab_size)
+    strategy = make_strategy(args)
+    model = strategy.build_model(config, 0, "float32")
+    opt = strategy.build_optimizer(model, args)
+    args.log_json = "measure"                          # step 0: the ledger's activations
+    mem = train_step(strategy, model, opt, *batch(0, args.batch_size, config), args)[2]
+    args.log_json = None
+    bubbles, per_stage, ms = [], [], []
+    trace.enable()
+    for step in range(1, cli.steps + 1):
+        trace.clear_events()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        train_step(strategy, model, opt, *batch(step, args.batch_size, config), args)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        events = comm.allgather(trace.events())
+        b, rows = bubble_fraction(events)
+        bubbles.append(b)
+        per_stage.append(rows)
+    trace.disable()
+    k = bubbles.index(statistics.median_low(bubbles))
+    return {"schedule": schedule, "pp": comm.size, "micro_batches": m,
+            "rows_per_micro": args.batch_size // m,
+            "in_flight": comm.gather(strategy.stats[0]["in_flight"], root=0),
+            "activation_mib": comm.gather(round(mem["activations"] / 2**20, 2), root=0),
+            "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in
+                                                                 per_stage[k]],
+            "bubble_theory": round(bubble_theory(comm.size, m), 3),
+            "ms_per_step": round(statistics.median(ms), 1)}
+
+
+def main():
+    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--micro-batches", default="1,2,4,8,16")
+    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--steps", type=int, default=5)
+    p.set_defaults(batch_size=32)
+    cli = p.parse_args()
+    comm = MPI.COMM_WORLD
+    os.environ["PMI_SIZE"] = str(comm.size)
+    for m in map(int, cli.micro_batches.split(",")):
+        for schedule in cli.schedules.split(","):
+            row = run(cli, schedule, m, comm)
+            if comm.rank == 0:
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
