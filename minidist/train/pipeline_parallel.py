@@ -21,11 +21,10 @@ SingleProcess (minidist/train/strategy.py):
                         counts it), TP's reduction over tp, then summed over pp
     global_mean         the loss averaged over dp
     save / load         the whole model gathered to rank 0 in the one-process format; every
-                        rank loads its own parameters from it
+                        rank loads its own parameters from it (pp_checkpoint.py)
 Tests: tests/test_pipeline.py.
 """
 import contextlib
-import copy
 import math
 
 from minidist.backend import xp_of
@@ -33,7 +32,7 @@ from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
 from minidist.parallel.pipeline import (SCHEDULES, MicroBatches, bubble_fraction,
                                         bubble_theory, split_layers)
-from minidist.train import checkpoint, memory
+from minidist.train import memory, pp_checkpoint
 from minidist.train.strategy import SingleProcess
 
 
@@ -234,52 +233,12 @@ class PipelineParallel(SingleProcess):
     def comm_bytes(self):
         return trace.bytes_sent()
 
-    # ---- checkpoints: the whole model, in the one-process format ---------------------------
-    def _full_state(self, optimizer):
-        """This stage's parameters and optimizer state as whole (tp-gathered) host arrays."""
-        if self.tp is not None:             # collective over tp
-            return (self.stage.full_state_dict(),
-                    self.tp._gather_optimizer(optimizer.state_dict()))
-        from minidist import backend
-        return ({n: backend.to_host(a).copy() for n, a in self.stage.state_dict().items()},
-                optimizer.state_dict())
-
+    # ---- checkpoints: the whole model, in the one-process format (pp_checkpoint.py) --------
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        params, opt_sd = self._full_state(optimizer)
-        if self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0:
-            mine = (params, opt_sd, model.dropout_rng.bit_generator.state)
-            parts = self.group.comm.gather(mine, root=0)     # in stage order
-            if self.group.rank == 0:      # each stage's own dropout stream, for --resume
-                rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
-                params, opt_sd = _merge_stages(parts)
-                checkpoint.save_checkpoint(
-                    directory, _with(model, state_dict=lambda: params),
-                    _with(optimizer, state_dict=lambda: opt_sd), step, rng_states, extra)
-        self.mesh.world.barrier()           # nobody reads it half-written
+        pp_checkpoint.save(self, directory, model, optimizer, step, rng_states, extra)
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the whole checkpoint and keeps its stage's (and tp shard's) part."""
-        mine = {n for n, _ in model.named_parameters()}
-
-        def load_params(state, strict=True):
-            state = {n: a for n, a in state.items() if n in mine}
-            if strict and set(state) != mine:
-                raise KeyError(f"parameters missing: {sorted(mine - set(state))[:6]}")
-            if self.tp is not None:
-                model.load_full_state_dict(state)
-            else:
-                model.load_state_dict(state)
-
-        def load_opt(sd):
-            sd = {"groups": sd["groups"],
-                  "state": {n: s for n, s in sd["state"].items() if n in mine}}
-            optimizer.load_state_dict(self.tp._shard_optimizer(sd) if self.tp else sd)
-        state = checkpoint.load_checkpoint(directory, _with(model, load_state_dict=load_params),
-                                           _with(optimizer, load_state_dict=load_opt))
-        by_stage = state["rng"].get("dropout_by_stage")
-        if by_stage and len(by_stage) == self.group.size:   # the loop restores "dropout"
-            state["rng"]["dropout"] = by_stage[self.group.rank]
-        return state
+        return pp_checkpoint.load(self, directory, model, optimizer)
 
     # ---- the end of training ---------------------------------------------------------------
     def summary(self):
@@ -317,18 +276,6 @@ def model_xp(model):
     return xp_of(model.parameters()[0].data)
 
 
-def _merge_stages(parts):
-    """The stages' (params, optimizer state_dict) in stage order -> the whole model's, in
-    model order. The tied wte is on the first and last stage, equal: kept once (the first)."""
-    params, state = {}, {}
-    for p, sd, _ in parts:
-        for name, a in p.items():
-            params.setdefault(name, a)
-        for name, s in sd["state"].items():
-            state.setdefault(name, s)
-    return params, {"groups": parts[0][1]["groups"], "state": state}
-
-
 def _tensor_parallel_view(mesh, stage, sequence_parallel):
     """TensorParallel's bookkeeping (clip over tp, optimizer gather/shard) for this stage."""
     from minidist.train.tensor_parallel import TensorParallel
@@ -336,11 +283,3 @@ def _tensor_parallel_view(mesh, stage, sequence_parallel):
     tp.model = stage
     tp._replicated = [p for p in stage.parameters() if p.tp_split is None]
     return tp
-
-
-def _with(obj, **methods):
-    """A shallow copy of `obj` with some methods replaced."""
-    view = copy.copy(obj)
-    view.__dict__.update(methods)
-    return view
-
