@@ -6,6 +6,8 @@ with a large float32 matmul's in the same process and thread count.
 
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
 "flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
+A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
+shared machine (other processes slow both alike; the ratio is the robust figure).
 """
 import argparse
 import json
@@ -19,16 +21,12 @@ from minidist.optim import AdamW, clip_grad_norm
 from minidist.train.args import add_model_args
 
 
-def matmul_gflops(xp, n=2048, repeats=5):
-    """Best-of-`repeats` FLOP/s of an (n x n) @ (n x n) float32 matmul, in GFLOP/s."""
-    a = xp.asarray(backend.rng(0).standard_normal((n, n)), dtype=xp.float32)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        a @ a
-        backend.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+def matmul_seconds(a):
+    """Seconds for one a @ a (a square float32 matrix)."""
+    t = time.perf_counter()
+    a @ a
+    backend.synchronize()
+    return time.perf_counter() - t
 
 
 def main():
@@ -48,7 +46,9 @@ def main():
     r = np.random.default_rng(args.seed)
     x = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
     y = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
-    times = []
+    times, mm_times = [], []
+    n = 2048
+    a = backend.get_xp().asarray(backend.rng(0).standard_normal((n, n)), dtype="float32")
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
         _, loss = model(x, y)
@@ -57,12 +57,15 @@ def main():
         opt.step()
         opt.zero_grad()
         backend.synchronize()
+        step_s = time.perf_counter() - t
+        mm_s = matmul_seconds(a)
         if i >= args.warmup:
-            times.append(time.perf_counter() - t)
+            times.append(step_s)
+            mm_times.append(mm_s)
     dt = float(np.median(times))
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
-    mm = matmul_gflops(backend.get_xp())
+    mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
     print(json.dumps({"ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
