@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
 from minidist.train.planner import GiB, Layout, bill, config_for_params, plan  # noqa: E402
 
-# --measure: (label, ranks, train_gpt.py flags, the planner's Layout). ZeRO, TP and PP rows
-# join as those strategies land (one line each).
+# --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
     ("1 process, float32", 1, [], Layout(amp=False)),
     ("1 process, float32, --ckpt-activations", 1, ["--ckpt-activations"],
@@ -32,6 +31,14 @@ MEASURED = [
     ("DDP x2, float32", 2, [], Layout(dp=2, amp=False)),
     ("DDP x2, --amp --ckpt-activations", 2, ["--amp", "--ckpt-activations"],
      Layout(dp=2, amp=True, recompute="full")),
+    ("ZeRO-1 x2, --amp", 2, ["--zero", "1", "--amp"], Layout(dp=2, zero=1)),
+    ("ZeRO-2 x2, --amp", 2, ["--zero", "2", "--amp"], Layout(dp=2, zero=2)),
+    ("ZeRO-3 x2, --amp", 2, ["--zero", "3", "--amp"], Layout(dp=2, zero=3)),
+    ("ZeRO-3 x2, --amp --ckpt-activations", 2, ["--zero", "3", "--amp", "--ckpt-activations"],
+     Layout(dp=2, zero=3, recompute="full")),
+    ("TP2, --amp", 2, ["--tp", "2", "--amp"], Layout(tp=2)),
+    ("PP2 (2 micro-batches), --amp", 2, ["--pp", "2", "--micro-batches", "2", "--amp"],
+     Layout(pp=2)),
 ]
 
 
@@ -99,15 +106,17 @@ def measure(args):
     with tempfile.TemporaryDirectory() as tmp:
         for label, ranks, flags, layout in MEASURED:
             got = _run_train(ranks, flags, args.data, tmp)
-            b = 16 // layout.dp
-            ours = bill(config, layout, 128, b, formula="minidist")
+            b = 16 // layout.dp // (2 if layout.pp > 1 else 1)    # sequences per micro-batch
             theirs = bill(config, layout, 128, b)
-            same = all(got[k] == ours[k] for k in ("params", "grads", "optimizer"))
+            ours = bill(config, layout, 128, b, formula="minidist") \
+                if layout.tp == layout.pp == 1 else None
+            same = all(got[k] == theirs[k] for k in ("params", "grads", "optimizer"))
+            count = f"{ours['activations'] / mib:.2f}" if ours else "-"
             print(f"| {label} | " + " | ".join(f"{got[k] / mib:.2f}" for k in
                                                ("params", "grads", "optimizer")) +
-                  f" | {got['activations'] / mib:.2f} / {ours['activations'] / mib:.2f} / "
+                  f" | {got['activations'] / mib:.2f} / {count} / "
                   f"{theirs['activations'] / mib:.2f} | {got['total'] / mib:.2f} / "
-                  f"{ours['total'] / mib:.2f} |" + ("" if same else " (states differ!)"))
+                  f"{(ours or theirs)['total'] / mib:.2f} |" + ("" if same else " states differ!"))
 
 
 def main():
