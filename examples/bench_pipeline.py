@@ -10,7 +10,10 @@ micro-batch in flight), then --steps traced steps: each rank's compute events (F
 its idle share of the step's window, from the first micro-batch's start to the last one's
 end over all stages (pipeline.bubble_fraction); the median over steps is reported. Rank 0
 prints one JSON line per (schedule, M): {"schedule", "pp", "micro_batches", "rows_per_micro",
-"in_flight", "activation_mib", "bubble", "bubble_per_stage", "bubble_theory", "ms_per_step"}.
+"in_flight", "activation_mib", "bubble", "bubble_per_stage", "bubble_theory",
+"bubble_unequal_stages", "ms_per_step"}: bubble_unequal_stages is what the stages' measured
+compute times imply with free messages (sum(t_s) + (m-1) max(t_s) per step), so the rest of
+the gap to the measurement is communication and waiting.
 More ranks than cores stretch every stage's compute while others compute too, which hides
 idle time: measure with one core per rank.
 """
@@ -35,6 +38,15 @@ def batch(step, rows, config):
     x = np.random.default_rng([1, step]).integers(0, config.vocab_size,
                                                    (rows, config.block_size))
     return x, np.roll(x, -1, axis=1)
+
+
+def bubble_model(events_by_rank, m):
+    """The bubble the stages' own measured compute implies if messages were free: stage s
+    busy t_s per micro-batch (its F + B time), a step lasting sum(t_s) + (m-1) max(t_s)."""
+    t = [sum(e["end"] - e["start"] for e in events if e["group"] == "compute") / m
+         for events in events_by_rank]
+    step = sum(t) + (m - 1) * max(t)
+    return sum(1 - m * ts / step for ts in t) / len(t)
 
 
 def run(cli, schedule, m, comm):
@@ -62,16 +74,17 @@ def run(cli, schedule, m, comm):
         events = comm.allgather(trace.events())
         b, rows = bubble_fraction(events)
         bubbles.append(b)
-        per_stage.append(rows)
+        per_stage.append((rows, bubble_model(events, m)))
     trace.disable()
     k = bubbles.index(statistics.median_low(bubbles))
+    rows, model_bubble = per_stage[k]
     return {"schedule": schedule, "pp": comm.size, "micro_batches": m,
             "rows_per_micro": args.batch_size // m,
             "in_flight": comm.gather(strategy.stats[0]["in_flight"], root=0),
             "activation_mib": comm.gather(round(mem["activations"] / 2**20, 2), root=0),
-            "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in
-                                                                 per_stage[k]],
+            "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in rows],
             "bubble_theory": round(bubble_theory(comm.size, m), 3),
+            "bubble_unequal_stages": round(model_bubble, 3),
             "ms_per_step": round(statistics.median(ms), 1)}
 
 

@@ -115,11 +115,12 @@ def _assert_exact(results, n):
 
 @pytest.mark.mpi
 def test_pp2_equals_one_process_both_schedules():
-    """pp 2 with 1, 2 and 8 micro-batches, 1F1B and GPipe, float64, clipping every step:
+    """pp 2 with 1, 2 and 8 micro-batches, 1F1B and GPipe, and 2 x 2 with --grad-accum 2,
+    float64, clipping every step; the first run's checkpoint:
 
         mpiexec -n 2 python tests/scripts/pp_check.py
     """
-    _assert_exact(_results(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 5)
+    _assert_exact(_results(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 6)
 
 
 @pytest.mark.mpi

@@ -6,9 +6,9 @@
     mpiexec -n 4 python tests/scripts/pp_check.py --runs pp4-m8-gpipe,pp4-m8-1f1b
     VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
 
-A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), gpipe or 1f1b,
-sp (--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the single-
-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
+A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
+gpipe or 1f1b, sp (--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the
+single-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
 clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
 through the loop's train_step, measuring activations. Checks: losses, grad norms and every
 parameter equal to the reference to --tol; the tied wte bitwise equal on the first and the
@@ -38,7 +38,7 @@ from minidist.train.strategy import SingleProcess, make_strategy
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7
 DEFAULT_RUNS = {
-    2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe",
+    2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe,pp2-m2-ga2-1f1b",
     4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp2-dp2-m4-1f1b,pp2-dp2-m2-gpipe-ckpt",
     8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp"}
 
@@ -48,9 +48,9 @@ def flags(name, steps):
     tokens = name.split("-")
     extra = []
     for t in tokens:
-        size = re.fullmatch(r"(dp|tp|pp|m)(\d+)", t)
+        size = re.fullmatch(r"(dp|tp|pp|m|ga)(\d+)", t)
         if size:
-            key = "--micro-batches" if size[1] == "m" else f"--{size[1]}"
+            key = {"m": "--micro-batches", "ga": "--grad-accum"}.get(size[1], f"--{size[1]}")
             extra += [key, size[2]]
         elif t in ("gpipe", "1f1b"):
             extra += ["--schedule", t]
