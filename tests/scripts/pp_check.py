@@ -189,6 +189,19 @@ def check_schedules_agree(results):
         assert all(r["crcs"] == rows[0]["crcs"] for r in rows), f"{key}: schedules differ"
 
 
+def check_amp(comm, steps=5):
+    """--amp on pp 2 (float32 flags): losses within 1% of the float64 reference's, the
+    activations crossing the boundary in float16."""
+    ref = train(SingleProcess(), flags("pp1", steps))
+    args = flags("pp2-m2-1f1b", steps)
+    args.dtype, args.amp = "float32", True
+    strategy = make_strategy(args)
+    model, _, losses, norms, _ = train(strategy, args)
+    assert all(np.isfinite(norms)), norms
+    return {"boundary_dtype": str(model.link.dtype), "losses": losses,
+            "loss_diff": max(abs(a - b) / b for a, b in zip(losses, ref[2]))}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="comma-separated run names (see docstring)")
@@ -196,10 +209,16 @@ def main():
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--files", default=None, help="the run whose checkpoint is checked "
                    "(default: the first 2-rank or 8-rank run)")
+    p.add_argument("--amp", action="store_true", help="only the mixed-precision check")
     cli = p.parse_args()
     install_abort_handler()
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
+    if cli.amp:
+        row = check_amp(comm)
+        if comm.rank == 0:
+            print("AMP " + json.dumps(row), flush=True)
+        return
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
     if cli.files is None and comm.size in (2, 8):
         cli.files = runs[0]
