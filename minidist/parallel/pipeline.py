@@ -91,9 +91,12 @@ class StageLink:
 
     def _start(self, kind, buf, peer, i):
         self._log(kind, peer, i)
-        op = self.group.send if kind.startswith("send") else self.group.recv
-        return op(self.xp.ascontiguousarray(buf) if kind.startswith("send") else buf,
-                  peer, async_op=True)
+        if kind.startswith("recv"):
+            return self.group.recv(buf, peer, async_op=True)
+        if tuple(buf.shape) != self.shape or buf.dtype != self.dtype:   # no shape messages:
+            raise ValueError(f"stage {self.stage} would {kind} {tuple(buf.shape)} {buf.dtype} "
+                             f"but stage {peer} expects {self.shape} {self.dtype}")
+        return self.group.send(self.xp.ascontiguousarray(buf), peer, async_op=True)
 
     def _exchange(self, send=None, recv=None):
         """Post (kind, buf, peer, i) sends and receives together, then wait for all."""
