@@ -48,7 +48,7 @@ def run(ranks, env, sizes, repeats):
                sys.executable, "examples/bench_collectives.py", "--ops", "all_reduce",
                "--algos", "ring,mpi", "--min-bytes", str(size), "--max-bytes", str(size),
                "--repeats", str(repeats)]
-        full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", MINIDIST_THREADS="1", **env)
+        full_env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MINIDIST_THREADS": "1", **env}
         try:
             out = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                                  timeout=300)

@@ -104,11 +104,11 @@ def test_import_does_not_import_cupy_and_detects_cuda_awareness():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs,wait", [(2, "poll"), (3, "block"), (4, "auto")])
+@pytest.mark.parametrize("nprocs,wait", [(2, "poll"), (3, "block"), (4, "poll")])
 def test_collectives(nprocs, wait, tmp_path):
     """All collectives x algorithms (ring, naive, mpi) x dtypes x odd lengths, async, p2p,
     counters, sub-groups, 2x2 mesh, debug mismatch, Chrome trace, under each wait policy.
-    By hand: MINIDIST_COMM_WAIT=auto mpiexec -n 4 python tests/scripts/comm_check.py"""
+    By hand: MINIDIST_COMM_WAIT=poll mpiexec -n 4 python tests/scripts/comm_check.py"""
     path = tmp_path / "trace.json"
     out = run_mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180,
                   env=mpi_env(MINIDIST_COMM_WAIT=wait))
@@ -170,3 +170,17 @@ def test_breakpoint_on_one_rank():
             os.killpg(job.pid, signal.SIGKILL)
     assert "(1, array([3., 3., 3., 3.]))" in client.stdout, (client.stdout, client.stderr)
     assert "rank 0 done 3.0" in out and "rank 1 done 3.0" in out, (out, err)
+
+
+def test_mpich_defaults():
+    """With more ranks on the node than cores, importing minidist.comm selects MPICH's "mpir"
+    intra-node algorithms before MPI_Init (a value already set wins); otherwise nothing."""
+    code = ("import os, minidist.comm; print(os.environ.get("
+            "'MPIR_CVAR_BCAST_POSIX_INTRA_ALGORITHM', 'unset'))")
+    for env, expect in (({"MPI_LOCALNRANKS": "64"}, "mpir"), ({"MPI_LOCALNRANKS": "1"}, "unset"),
+                        ({"MPI_LOCALNRANKS": "64",
+                          "MPIR_CVAR_BCAST_POSIX_INTRA_ALGORITHM": "auto"}, "auto")):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                             env=mpi_env(MPI_LOCALRANKID="0", **env),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == expect, (env, out.stdout, out.stderr)

@@ -17,13 +17,17 @@ Where to read what:
     stream.py    the per-group communication thread behind async_op=True
     mesh.py      DeviceMesh(dp, tp, pp), Megatron's rank order
     trace.py     counters, MINIDIST_TRACE=1 logs, the Chrome trace
-    debug.py     MINIDIST_DEBUG=1 same-call checks; abort the job on an uncaught exception
+    debug.py     MINIDIST_DEBUG=1 same-call checks; abort the job on an uncaught exception;
+                 breakpoint_on(rank) (attach.py is the client)
+    progress.py  how a rank waits for messages (MINIDIST_COMM_WAIT=block|poll)
+    mpich.py     MPICH settings applied before MPI_Init
     staging.py   cupy buffers: CUDA-aware MPI detection and host staging
     channel.py   the counted send/recv the hand-written algorithms use
 
 Importing this package initialises MPI (mpi4py does on import) and never imports cupy.
 Tests: tests/test_comm.py.
 """
+from minidist.comm import mpich  # first: MPICH reads its settings when mpi4py.MPI is imported
 from minidist.comm import trace
 from minidist.comm.debug import CollectiveMismatch, install_abort_handler
 from minidist.comm.group import ALGOS, ProcessGroup

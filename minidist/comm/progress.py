@@ -1,25 +1,26 @@
 """How a rank waits for a message: spin inside MPI, or poll and give the core away.
 
-MPICH (ch4) waits for a message by polling in a loop (progress, then `sched_yield`, again).
-That is the fastest thing to do with a core to yourself. With more ranks than cores (4 ranks on
-this 2-core machine, or any machine also running something else) the rank that spins burns the
-time slice the rank it waits for needs in order to send: each step of a ring can cost a whole
-scheduler time slice (milliseconds), and `sched_yield` does little to stop it. MPICH's knobs
-for this do not help here (measured; README "Collectives and process groups"):
-MPIR_CVAR_POLLS_BEFORE_YIELD belongs to the old ch3 device, MPIR_CVAR_CH4_PROGRESS_THROTTLE
-only adds usleep(1) after thousands of empty polls, and MPIR_CVAR_ASYNC_PROGRESS adds a
-spinning thread.
+MPICH (ch4) waits for a message by polling in a loop: progress, then `sched_yield`, again.
+With a core to yourself that is the fastest thing to do, and with more ranks than cores it
+still works well as long as the ranks are all inside MPI (sched_yield passes the core between
+them). It goes wrong when the cores are also wanted by something that is not waiting: another
+program, or ranks of the same job still computing. Then the waiting rank spins away the time
+slices the rank it waits for needs in order to send, and a ring step can cost a whole scheduler
+time slice (milliseconds).
 
-So the hand-written algorithms post non-blocking sends and receives and wait in `wait_all`:
+So the hand-written algorithms post non-blocking sends and receives and wait in `wait_all`,
+with one of two policies (MINIDIST_COMM_WAIT, or `set_wait_policy`):
 
-- "block": MPI_Waitall, i.e. MPICH's own spinning wait;
-- "poll": MPI_Testall, and between tests `time.sleep(0)`, which releases the GIL and enters the
-  kernel's sleep path, so the scheduler really runs someone else;
-- "auto" (default): "poll" when this node has more ranks than this process has cores, else
-  "block".
+- "block" (default): MPI_Waitall, MPICH's own spinning wait;
+- "poll": MPI_Testall, and between tests `time.sleep(0)`. CPython turns that into
+  clock_nanosleep with an already-passed deadline, and the kernel's timer slack (50 us) makes it
+  a real nap of about 60 us: the scheduler runs someone else. (`sched_yield`, tried instead,
+  is as bad as spinning.)
 
-Choose with MINIDIST_COMM_WAIT=block|poll|auto or `set_wait_policy`. The MPI library's own
-collectives (algo="mpi") keep their own spinning wait: that is the reference they are.
+Measured on this 2-core machine, 4 ranks, ring all-reduce busbw (README, "Collectives and process
+groups", has the tables): on an otherwise idle machine "block" is 1.3-2x faster below 8 MiB and
+equal above; with two other busy processes on the cores "poll" is 2-7x faster up to 4 MiB.
+The MPI library's own collectives (algo="mpi") always keep MPICH's wait: they are the reference.
 
 Tests: tests/test_comm.py runs the collectives under both policies.
 """
@@ -28,27 +29,20 @@ import time
 
 from mpi4py import MPI
 
-from minidist.backend import available_cores, local_rank_and_size
-
-POLICIES = ("auto", "block", "poll")
-_state = {}
+POLICIES = ("block", "poll")
+_state = {"policy": os.environ.get("MINIDIST_COMM_WAIT", "block")}
 
 
 def set_wait_policy(policy):
-    """"block", "poll" or "auto" (resolved now from ranks per node vs cores)."""
+    """"block" (MPICH spins) or "poll" (test, nap, test: for cores shared with other work)."""
     if policy not in POLICIES:
         raise ValueError(f"wait policy must be one of {POLICIES}, not {policy!r}")
-    if policy == "auto":
-        oversubscribed = local_rank_and_size()[1] > available_cores()
-        policy = "poll" if oversubscribed else "block"
     _state["policy"] = policy
-    return policy
 
 
 def wait_policy():
-    """The policy in force ("block" or "poll")."""
-    if "policy" not in _state:
-        set_wait_policy(os.environ.get("MINIDIST_COMM_WAIT", "auto"))
+    if _state["policy"] not in POLICIES:
+        set_wait_policy(_state["policy"])   # raises: a bad MINIDIST_COMM_WAIT
     return _state["policy"]
 
 
@@ -58,4 +52,4 @@ def wait_all(requests):
         MPI.Request.Waitall(requests)
         return
     while not MPI.Request.Testall(requests):
-        time.sleep(0)  # give this core to a rank that has work to do
+        time.sleep(0)  # a ~60 us nap: give this core to a rank that has work to do
