@@ -22,10 +22,10 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from minidist.backend import get_xp, set_device, synchronize
-from minidist.comm import ProcessGroup, mpi as mpi_algo
+from minidist.comm import ProcessGroup, mpi as mpi_algo  # before mpi4py.MPI: see comm/mpich.py
+from mpi4py import MPI
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -106,8 +106,10 @@ def ratio_table(results, num="ring", den="mpi"):
 def overlap(args):
     """Seconds for: compute alone, all-reduce alone, both through the stream thread
     (async_op=True), both through MPI_Iallreduce started before the compute and waited after.
-    The compute (512x512 float64 matmuls, which release the GIL) is sized to take about as
-    long as the all-reduce, so perfect overlap would halve the time of doing both."""
+    The compute is sized to take about as long as the all-reduce, so perfect overlap would
+    halve the time of doing both: 512x512 float64 matmuls (`--compute matmul`, which need a
+    core, and release the GIL), or sleeping (`--compute sleep`: the main thread waiting, as it
+    does for GPU kernels), which shows whether communication progresses at all meanwhile."""
     group = ProcessGroup.world("ring")
     buf = np.zeros(args.max_bytes // 4, np.float32)
     a = np.random.default_rng(0).standard_normal((512, 512))
@@ -116,6 +118,8 @@ def overlap(args):
     reps = args.compute_iters or max(1, round(t_comm / t_mm))
 
     def compute():
+        if args.compute == "sleep":
+            return time.sleep(t_comm)
         for _ in range(reps):
             a @ a
 
@@ -132,7 +136,7 @@ def overlap(args):
              "thread_async": thread_both, "mpi_iallreduce": iallreduce_both}
     row = {k: time_call(group, f, 3, 1, args.repeats) for k, f in cases.items()}
     serial = row["compute"] + row["all_reduce"]
-    row.update(ranks=group.size, bytes=args.max_bytes, matmuls=reps,
+    row.update(ranks=group.size, bytes=args.max_bytes, compute_kind=args.compute,
                hidden_thread=(serial - row["thread_async"]) / min(row["compute"],
                                                                   row["all_reduce"]),
                hidden_iallreduce=(serial - row["mpi_iallreduce"]) / min(row["compute"],
@@ -155,6 +159,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
+    p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
+                   help="what the main thread does meanwhile (--overlap)")
     p.add_argument("--compute-iters", type=int, default=0,
                    help="512^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()

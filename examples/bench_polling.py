@@ -6,8 +6,9 @@
 Runs examples/bench_collectives.py (all_reduce, ring and mpi) under mpiexec once per setting
 below and prints busbw (GB/s) per size. The settings: minidist's wait policy
 (MINIDIST_COMM_WAIT, minidist/comm/progress.py), MPICH's polling knobs (MPIR_CVAR_*, read by
-MPICH at MPI_Init), the MPI thread level mpi4py asks for (MPI4PY_RC_THREAD_LEVEL), and BLAS
-threads per rank (MINIDIST_THREADS). Results and what they mean: README, section
+MPICH at MPI_Init), the MPI thread level mpi4py asks for (MPI4PY_RC_THREAD_LEVEL), BLAS threads
+per rank (MINIDIST_THREADS), and two busy-looping processes started beside the job (cores
+shared with other work, as when ranks still computing share them with ranks waiting). Results and what they mean: README, section
 "Collectives and process groups".
 """
 import argparse
@@ -18,20 +19,18 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SETTINGS = {  # name -> (environment, largest size to run: some settings are very slow)
-    "default (auto)": ({}, None),
-    "wait=poll": ({"MINIDIST_COMM_WAIT": "poll"}, None),
-    "wait=block (MPICH spin)": ({"MINIDIST_COMM_WAIT": "block"}, None),
-    "block + CH4_PROGRESS_THROTTLE=1": ({"MINIDIST_COMM_WAIT": "block",
-                                         "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}, None),
-    "block + POLLS_BEFORE_YIELD=1": ({"MINIDIST_COMM_WAIT": "block",
-                                      "MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}, None),
-    "BLAS threads=2": ({"MINIDIST_THREADS": "2", "OPENBLAS_NUM_THREADS": "2",
-                        "OMP_NUM_THREADS": "2"}, None),
-    "thread level single": ({"MPI4PY_RC_THREAD_LEVEL": "single"}, 64 << 10),
-    "single + ALLREDUCE_POSIX_INTRA=mpir": ({"MPI4PY_RC_THREAD_LEVEL": "single",
-                                             "MPIR_CVAR_ALLREDUCE_POSIX_INTRA_ALGORITHM":
-                                             "mpir"}, None),
+AUTO = {f"MPIR_CVAR_{op}_POSIX_INTRA_ALGORITHM": "auto"   # MPICH's own choice, not mpich.py's
+        for op in ("BARRIER", "BCAST", "REDUCE", "ALLREDUCE")}
+SETTINGS = {  # name -> (environment, largest size worth running, busy processes beside the job)
+    "default (wait=block)": ({}, None, 0),
+    "wait=poll": ({"MINIDIST_COMM_WAIT": "poll"}, None, 0),
+    "CH4_PROGRESS_THROTTLE=1": ({"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}, None, 0),
+    "POLLS_BEFORE_YIELD=1": ({"MPIR_CVAR_POLLS_BEFORE_YIELD": "1"}, None, 0),
+    "BLAS threads=2": ({"MINIDIST_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}, None, 0),
+    "thread level single": ({"MPI4PY_RC_THREAD_LEVEL": "single", **AUTO}, 64 << 10, 0),
+    "single + mpich.py defaults": ({"MPI4PY_RC_THREAD_LEVEL": "single"}, None, 0),
+    "2 busy processes, wait=block": ({}, None, 2),
+    "2 busy processes, wait=poll": ({"MINIDIST_COMM_WAIT": "poll"}, None, 2),
 }
 
 
@@ -40,8 +39,19 @@ def parse_bytes(text):
     return int(text[:-1] if mult > 1 else text) * mult
 
 
-def run(ranks, env, sizes, repeats):
-    """busbw per (algo, bytes) from one bench_collectives run, or None if it failed."""
+def run(ranks, env, sizes, repeats, busy=0):
+    """busbw per (algo, bytes), with `busy` spinning processes on the same cores."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]
+    try:
+        return _run(ranks, env, sizes, repeats)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def _run(ranks, env, sizes, repeats):
     rows = {}
     for size in sizes:
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks),
@@ -70,9 +80,9 @@ def main():
     head = "".join(f"{algo} {s >> 10}K".rjust(13) for s in sizes for algo in ("ring", "mpi"))
     print(f"all_reduce busbw GB/s, {args.ranks} ranks on {os.cpu_count()} cores\n"
           f"{'setting':<38}{head}", flush=True)
-    for name, (env, largest) in SETTINGS.items():
+    for name, (env, largest, busy) in SETTINGS.items():
         todo = [s for s in sizes if largest is None or s <= largest]
-        rows = run(args.ranks, env, todo, args.repeats)
+        rows = run(args.ranks, env, todo, args.repeats, busy)
         cells = "".join((f"{rows[(a, s)]:.3f}" if (a, s) in rows else "-").rjust(13)
                         for s in sizes for a in ("ring", "mpi"))
         print(f"{name:<38}{cells}", flush=True)

@@ -27,7 +27,7 @@ Where to read what:
 Importing this package initialises MPI (mpi4py does on import) and never imports cupy.
 Tests: tests/test_comm.py.
 """
-from minidist.comm import mpich  # first: MPICH reads its settings when mpi4py.MPI is imported
+from minidist.comm import mpich  # noqa: F401  (first: MPICH reads its settings at MPI_Init)
 from minidist.comm import trace
 from minidist.comm.debug import CollectiveMismatch, install_abort_handler
 from minidist.comm.group import ALGOS, ProcessGroup
