@@ -15,3 +15,12 @@ def pytest_addoption(parser):
 def device(request):
     from minidist import backend
     return backend.set_device(request.config.getoption("--device"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small Python-like text file for training tests (300 tiny functions, ~9 KB)."""
+    d = tmp_path_factory.mktemp("corpus")
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300))
+    (d / "code.py").write_text(text)
+    return str(d / "code.py")

@@ -169,14 +169,6 @@ def test_amp_refuses_a_float64_model():
 
 # ---- training ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300))
-    (d / "code.py").write_text(text)
-    return str(d / "code.py")
-
-
 def _train(corpus, tmp, *flags):
     log = tmp / f"log{len(list(tmp.glob('log*')))}.jsonl"
     args = train_parser().parse_args(SMALL + ["--data", corpus, "--cache-dir",

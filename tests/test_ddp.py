@@ -245,14 +245,6 @@ def test_exception_on_one_rank_aborts_the_job():
     assert "NOT aborted" not in out.stdout and time.time() - start < 60
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
-                                       for i in range(300)))
-    return str(d / "code.py")
-
-
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
         "--log-every", "1", "--bucket-mb", "0.005"]

@@ -164,14 +164,6 @@ def test_verbose_logs_every_send_and_receive():
                for line in lines)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
-                                       for i in range(300)))
-    return str(d / "code.py")
-
-
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
         "--eval-every", "0", "--pp", "2", "--micro-batches", "4"]

@@ -53,14 +53,6 @@ ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec fo
 ]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
-                                       for i in range(300)))
-    return str(d / "code.py")
-
-
 def _ledger(ranks, flags, corpus, tmp):
     """The last step's per-rank ledger row (rank 0's) from --log-json."""
     log = tmp / "log.jsonl"

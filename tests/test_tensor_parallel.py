@@ -146,14 +146,6 @@ def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process():
                                          "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3"])
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    (d / "code.py").write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n"
-                                       for i in range(300)))
-    return str(d / "code.py")
-
-
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
         "--steps", "4", "--eval-every", "0", "--dtype", "float64", "--sample", "20"]

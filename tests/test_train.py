@@ -19,14 +19,6 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--log-every", "1", "--device", "cpu"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300))
-    (d / "code.py").write_text(text)
-    return str(d / "code.py")
-
-
 def _args(corpus, tmp, *extra):
     return train_parser().parse_args(TINY + ["--data", corpus, "--cache-dir",
                                              str(tmp / "cache"), *extra])
