@@ -203,6 +203,25 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
 
 
 @pytest.mark.mpi
+def test_pipeline_sample_equals_one_process(corpus, tmp_path):
+    """generate through 2 stages (forward over the pipeline, the last stage samples and
+    broadcasts) writes the very sample one process writes after the same float64 training:
+
+        mpiexec -n 2 python examples/train_gpt.py --pp 2 --dtype float64 --sample 40 ...
+    """
+    pp = TINY.index("--pp")
+    assert TINY[pp:pp + 4] == ["--pp", "2", "--micro-batches", "4"]
+    flags = [*TINY[:pp], *TINY[pp + 4:], "--data", corpus, "--cache-dir", tmp_path / "cache",
+             "--steps", "2", "--dtype", "float64", "--sample", "40"]
+    one = run_mpi(1, "examples/train_gpt.py", *flags, timeout=120).stdout
+    two = run_mpi(2, "examples/train_gpt.py", *flags, *TINY[pp:pp + 4], timeout=120).stdout
+
+    def sample(out):
+        return out[out.index("---- sample"):out.rindex("----------------")]
+    assert "---- sample" in two and sample(two) == sample(one)
+
+
+@pytest.mark.mpi
 def test_bad_input_is_refused_on_every_rank():
     """No collective is reached, so nothing hangs; each rank says why, without a traceback:
 

@@ -265,14 +265,18 @@ class GPT(Module):
             with no_grad():
                 for _ in range(n):
                     ctx = idx[:, -self.config.block_size:]            # (B, <=block_size)
-                    x = self.run_blocks(self.embed(ctx))               # (B, T, C)
-                    logits, _ = self.head(x[:, -1:, :])                # (B, 1, V)
-                    nxt = _sample(backend.to_host(logits.data)[:, -1, :], temperature,
-                                  top_k, rng)
+                    nxt = self._next_token(ctx, temperature, top_k, rng)  # (B,)
                     idx = np.concatenate([idx, nxt[:, None]], axis=1)  # (B, T + 1)
         finally:
             self.train(was_training)
         return idx
+
+    def _next_token(self, ctx, temperature, top_k, rng):
+        """One sampled token per row of ctx (B, T), as a host int64 array (B,). The pipeline
+        stage overrides this (forward through every stage, sample on the last)."""
+        x = self.run_blocks(self.embed(ctx))                           # (B, T, C)
+        logits, _ = self.head(x[:, -1:, :])                            # (B, 1, V)
+        return _sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
 
     # ---- GPT-2 checkpoints (minidist/nn/pretrained.py) --------------------------------------
     def save_pretrained(self, directory, dtype="float32"):

@@ -23,7 +23,7 @@ Tests: tests/test_pipeline.py.
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Tensor, is_grad_enabled, no_grad
+from minidist.autograd import Tensor, is_grad_enabled
 from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, gpt_init
 from minidist.nn.layers import Dropout, Embedding, LayerNorm
 from minidist.nn.module import Module, ModuleDict, ModuleList
@@ -120,26 +120,15 @@ class PipelineStage:
             return self.head(x[:, -1:, :])[0]                      # logits (B, 1, V)
         return self.head(x, targets)[1]
 
-    def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
-        """GPT.generate over the pipeline: each token's forward runs through every stage,
-        the last stage samples, and broadcasts the token to all. Every stage calls this."""
-        rng, was_training = backend.rng(seed), self.training
-        idx = np.array(backend.to_host(idx), dtype=np.int64)
-        self.eval()
-        try:
-            with no_grad():
-                for _ in range(n):
-                    ctx = idx[:, -self.config.block_size:]
-                    logits = self._pipe_forward(ctx, None, last_position=True)
-                    nxt = np.zeros(len(idx), dtype=np.int64)
-                    if self.last:
-                        nxt[:] = _sample(backend.to_host(logits.data)[:, -1, :], temperature,
-                                         top_k, rng)
-                    self.link.group.broadcast(nxt, root=self.link.n_stages - 1)
-                    idx = np.concatenate([idx, nxt[:, None]], axis=1)
-        finally:
-            self.train(was_training)
-        return idx
+    def _next_token(self, ctx, temperature, top_k, rng):
+        """GPT.generate's step over the pipeline: the forward runs through every stage, the
+        last stage samples and broadcasts the token to all. Every stage calls generate."""
+        logits = self._pipe_forward(ctx, None, last_position=True)
+        nxt = np.zeros(len(ctx), dtype=np.int64)
+        if self.last:
+            nxt[:] = _sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
+        self.link.group.broadcast(nxt, root=self.link.n_stages - 1)
+        return nxt
 
 
 class GPTStage(PipelineStage, GPT):
