@@ -10,11 +10,15 @@ Saved for backward: q, k, v (inputs), P and the dropout mask. The backward uses
 FlashAttention's identity sum_j P_ij dP_ij = g_i . y_i, a (B, nh, T) row sum over hs instead
 of over a (T, T) temporary. `CausalSelfAttention` also does GPT-2's head split and merge
 inside, as strided views, so a model's graph has one node per attention and no copies.
-All matmuls are batched over B*nh. Tests: tests/test_fused.py, tests/test_gradcheck.py.
+All matmuls are batched over B*nh. On cupy arrays the scale + mask + softmax (and its
+backward) is one CUDA kernel over (B*nh*T, T) rows (cuda_kernels.py; MINIDIST_CUDA_KERNELS=0
+for the xp code). Tests: tests/test_fused.py, tests/test_gradcheck.py,
+tests/test_cuda_kernels.py (gpu).
 """
 import math
 
 from minidist import backend
+from minidist.autograd import cuda_kernels as _ck
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -50,11 +54,14 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
     P = _mm(q, xp.swapaxes(k, -1, -2))                       # (B, nh, T, T)
-    P *= 1.0 / math.sqrt(hs)                                 # S
-    P += _causal_bias(xp, T, P.dtype)
-    P -= P.max(axis=-1, keepdims=True)                       # the diagonal is always finite
-    xp.exp(P, out=P)
-    P /= P.sum(axis=-1, keepdims=True)                       # P = softmax(S)
+    if _ck.use(P) and P.flags.c_contiguous:
+        _ck.attn_softmax_(P, 1.0 / math.sqrt(hs))            # all of the below, one kernel
+    else:
+        P *= 1.0 / math.sqrt(hs)                             # S
+        P += _causal_bias(xp, T, P.dtype)
+        P -= P.max(axis=-1, keepdims=True)                   # the diagonal is always finite
+        xp.exp(P, out=P)
+        P /= P.sum(axis=-1, keepdims=True)                   # P = softmax(S)
     if dropout_p <= 0:
         _matmul_into(P, v, out)                              # y = P v
         return P, None, 1.0
@@ -82,9 +89,12 @@ def _attn_backward(g, gy, q, k, v, saved, out):
         dP *= keep                                           # dP = dPd * keep * scale
         dP *= scale
     # softmax: dS_ij = P_ij (dP_ij - sum_j' P_ij' dP_ij'), and that sum is g_i . y_i
-    dP -= gy
-    dP *= P                                                  # masked P_ij = 0: no gradient
-    dP *= 1.0 / math.sqrt(q.shape[-1])                       # S = q k^T / sqrt(hs)
+    if _ck.use(dP, P) and dP.flags.c_contiguous and P.flags.c_contiguous:
+        _ck.attn_softmax_backward_(dP, P, gy, 1.0 / math.sqrt(q.shape[-1]))   # one kernel
+    else:
+        dP -= gy
+        dP *= P                                              # masked P_ij = 0: no gradient
+        dP *= 1.0 / math.sqrt(q.shape[-1])                   # S = q k^T / sqrt(hs)
     _matmul_into(dP, k, out[0])                              # dq = dS k
     _matmul_into(kT(dP, -1, -2), q, out[1])                  # dk = dS^T q
 

@@ -9,11 +9,14 @@ Shapes: N rows of C features (layer norm), V classes (cross-entropy). float16 in
 computed in float32 inside (statistics, exp and log sums lose too much in float16) and the
 results cast back, except cross-entropy's scalar loss, which stays float32 (mixed precision
 scales it by 2^16 before backward). Attention lives in attention.py and is re-exported here.
-Tests: tests/test_fused.py, tests/test_gradcheck.py.
+On cupy arrays, layer norm, GELU and cross-entropy run CUDA kernels instead
+(cuda_kernels.py; MINIDIST_CUDA_KERNELS=0 for the code here); numpy arrays never reach them.
+Tests: tests/test_fused.py, tests/test_gradcheck.py, tests/test_cuda_kernels.py (gpu).
 """
 import contextlib
 import math
 
+from minidist.autograd import cuda_kernels as _ck
 from minidist.autograd.function import Function
 from minidist.backend import is_half, matmul as _mm, xp_of
 
@@ -62,9 +65,14 @@ class LayerNorm(Function):
     @staticmethod
     def forward(ctx, x, w, b, eps=1e-5):
         xp, dtype = xp_of(x), x.dtype
-        x, w, b = _f32(x), _f32(w), _f32(b)
         if w.shape != x.shape[-1:] or (b is not None and b.shape != w.shape):
             raise ValueError("weight and bias must have the shape of x's last axis")
+        if _ck.use(x, w, b):                 # one kernel; saves x, mean, rstd, not xhat
+            y, x, mean, rstd = _ck.layer_norm(x, w, b, eps)
+            ctx.save_for_backward(x, w, mean, rstd)
+            ctx.cuda = True
+            return y
+        x, w, b = _f32(x), _f32(w), _f32(b)
         xhat = x - x.mean(axis=-1, keepdims=True)                 # x - mean
         out = xp.multiply(xhat, xhat)
         var = out.mean(axis=-1, keepdims=True)
@@ -78,6 +86,8 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if getattr(ctx, "cuda", False):
+            return _ck.layer_norm_backward(grad, *ctx.saved, ctx.needs_input_grad) + (None,)
         xhat, rstd, w = ctx.saved
         xp, grad = xp_of(grad), _f32(grad)
         C = xhat.shape[-1]
@@ -122,6 +132,8 @@ class Gelu(Function):
     def forward(ctx, x):
         xp, dtype = xp_of(x), x.dtype
         ctx.save_for_backward(x)
+        if _ck.use(x):
+            return _ck.gelu(x)                     # one elementwise kernel, same formula
         x = _f32(x)                                # float16's x^3 overflows at |x| ~ 40
         y = xp.multiply(x, x)
         y *= -2 * _K * _A
@@ -136,6 +148,8 @@ class Gelu(Function):
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved
+        if _ck.use(x):
+            return _ck.gelu_backward(x, grad)
         xp, x = xp_of(x), _f32(x)
         # y = x s, s = sigmoid(2u) = 1 / (1 + exp(-2u)), ds/d(2u) = s (1 - s)
         # dy/dx = s                                 (from the x factor)
@@ -236,6 +250,11 @@ class CrossEntropy(Function):
             raise TypeError(f"targets must be integers, not {targets.dtype}")
         if targets.shape != logits.shape[:-1]:
             raise ValueError("targets must have the shape of logits without its last axis")
+        if _ck.use(logits):                  # two row kernels, no device-to-host sync
+            loss, saved = _ck.cross_entropy(logits, targets, ignore_index)
+            ctx.save_for_backward(*saved)
+            ctx.cuda, ctx.shape, ctx.ignore = True, logits.shape, ignore_index
+            return loss                      # float32 (float64 for float64 logits)
         z, t = _f32(logits).reshape(-1, V), xp.asarray(targets).reshape(-1)  # to the device
         valid = t != ignore_index
         t = xp.where(valid, t, 0)                                # any in-range id
@@ -256,6 +275,9 @@ class CrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if getattr(ctx, "cuda", False):
+            dz = _ck.cross_entropy_backward(grad, ctx.saved, ctx.ignore)
+            return dz.reshape(ctx.shape), None, None
         p, t, valid = ctx.saved
         ctx.saved = ()                   # the softmax buffer becomes the gradient: no copy
         # loss = 1/n sum_i (lse_i - z_{i,t_i}):  dloss/dz_ij = (p_ij - [j == t_i]) / n
