@@ -6,6 +6,8 @@ with a large float32 matmul's in the same process and thread count.
 
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
 "flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
+--amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
+--peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
@@ -18,6 +20,7 @@ import numpy as np
 from minidist import backend
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm
+from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
 
 
@@ -35,6 +38,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
+    p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
     args = p.parse_args()
     threads = backend.set_blas_threads(args.threads)
     backend.set_device(args.device)
@@ -42,7 +47,12 @@ def main():
                        block_size=args.block_size, vocab_size=args.vocab_size,
                        dropout=args.dropout, bias=args.bias)
     model = GPT(config, seed=args.seed, dtype=args.dtype)
-    opt = AdamW(model.named_parameters(), lr=1e-4)
+    amp = MixedPrecision() if args.amp else None
+    if amp:
+        amp.cast_model(model)
+        opt = amp.optimizer(model.named_parameters(), lambda named: AdamW(named, lr=1e-4))
+    else:
+        opt = AdamW(model.named_parameters(), lr=1e-4)
     r = np.random.default_rng(args.seed)
     x = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
     y = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
@@ -52,8 +62,12 @@ def main():
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
         _, loss = model(x, y)
-        loss.backward()
-        clip_grad_norm(opt.params, 1.0)
+        if amp:
+            amp.backward(loss)
+            opt.clip_grad_norm(1.0)           # unscales; checks for inf (a host sync)
+        else:
+            loss.backward()
+            clip_grad_norm(opt.params, 1.0)
         opt.step()
         opt.zero_grad()
         backend.synchronize()
@@ -66,10 +80,11 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
-    print(json.dumps({"ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
+    extra = {"mfu": round(model_gflops / 1e3 / args.peak_tflops, 3)} if args.peak_tflops else {}
+    print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
-                      "device": backend.device(), "dtype": args.dtype,
+                      "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
                       "ms_min": round(min(times) * 1e3, 2)}))
 
 

@@ -120,6 +120,10 @@ def cupy_module():
     """The cupy module if it imports and sees at least one GPU, else None. Never raises."""
     if "cupy" in _state:
         return _state["cupy"]
+    # MINIDIST_TF32=1: float32 matmuls on TF32 tensor cores (10-bit mantissa products, float32
+    # accumulate). CuPy reads CUPY_TF32 once, at import, so it is set here, before the import.
+    if os.environ.get("MINIDIST_TF32") == "1":
+        os.environ.setdefault("CUPY_TF32", "1")
     try:
         import cupy
         ok = cupy.cuda.runtime.getDeviceCount() > 0

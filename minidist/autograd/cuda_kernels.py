@@ -49,7 +49,6 @@ def acc_dtype(dtype):
 # Loads, stores and math overloaded on the storage type T and the accumulation type A, so
 # each kernel is written once; a typedef at the top picks T and A per dtype.
 _HEADER = r"""
-#include <cuda_fp16.h>
 __device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
 __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ double ld(const double* p, long long i) { return p[i]; }
@@ -210,9 +209,9 @@ _RAW = ("ln_fwd", "ln_bwd_x", "ln_bwd_wb", "ce_fwd", "ce_bwd", "attn_softmax_fwd
 
 
 def source(dtype):
-    """The CUDA source for arrays of `dtype` (a typedef of T and A, then the kernels)."""
+    """The CUDA source for arrays of `dtype`: __half's header, typedefs of T and A, kernels."""
     t, a = _CTYPES[np.dtype(dtype).name]
-    return f"typedef {t} T;\ntypedef {a} A;\n" + _HEADER + _SOURCE
+    return f"#include <cuda_fp16.h>\ntypedef {t} T;\ntypedef {a} A;\n" + _HEADER + _SOURCE
 
 
 def _raw(name, dtype):
@@ -286,7 +285,7 @@ def layer_norm_backward(grad, x, w, mean, rstd, needs):
         dx = cp.empty_like(x)
         _raw("ln_bwd_x", x.dtype)((N,), (_threads(C),), (g, x, w, mean, rstd, dx, np.int64(C)))
     if needs[1] or needs[2]:
-        rows = 32                          # rows per block: enough blocks to fill the GPU
+        rows = max(32, -(-N // 65535))     # >= 32 rows per block; grid.y stays <= 65535
         chunks = -(-N // rows)
         dw_part, db_part = cp.empty((chunks, C), acc), cp.empty((chunks, C), acc)
         _raw("ln_bwd_wb", x.dtype)((-(-C // 256), chunks), (256,),

@@ -1,0 +1,162 @@
+"""CUDA kernels (minidist/autograd/cuda_kernels.py): each kernel against the generic xp code
+on the same cupy arrays (MINIDIST_CUDA_KERNELS=1 vs 0), forward and backward, float32,
+float16 and float64, odd sizes, ignored targets; one GPT training step on the GPU against
+the CPU in float32; the cross-entropy step without a device-to-host sync.
+
+Run on a GPU: python -m pytest -m gpu --device cuda tests/test_cuda_kernels.py
+Without one, the gpu tests skip; the rest (imports, routing, source text) run everywhere.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist import backend
+from minidist.autograd import Tensor, cuda_kernels as ck, fused as F
+
+TOL = {"float64": (1e-10, 1e-12), "float32": (2e-5, 2e-6), "float16": (2e-2, 2e-3)}
+
+
+# ---- everywhere ------------------------------------------------------------------------------
+
+def test_importing_minidist_does_not_import_cupy():
+    code = ("import sys, minidist.nn, minidist.autograd.fused, minidist.autograd.cuda_kernels;"
+            "sys.exit('cupy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_numpy_arrays_never_take_the_kernels():
+    a = np.zeros((2, 3), np.float32)
+    assert not ck.use(a) and not ck.use(a, None, a) and not ck.use()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_source_names_every_kernel_and_is_balanced(dtype):
+    """The most that can be checked of CUDA source without a compiler."""
+    src = ck.source(dtype)
+    assert src.count("{") == src.count("}") and src.count("(") == src.count(")")
+    for name in ck._RAW:
+        assert f'extern "C" __global__ void {name}(' in src
+    assert f"typedef {ck._CTYPES[dtype][0]} T;" in src
+
+
+def test_block_sizes_are_whole_warps():
+    for n in (1, 5, 32, 33, 768, 1024, 1025, 50257):
+        t = ck._threads(n)
+        assert t % 32 == 0 and 32 <= t <= 1024 and (t >= n or t == 1024)
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+@pytest.fixture
+def cp(device):
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    return backend.get_xp()
+
+
+def _inputs(cp, shapes, dtype, seed=1):
+    r = np.random.default_rng(seed)
+    return [Tensor(cp.asarray(r.standard_normal(s), dtype=dtype), requires_grad=True)
+            for s in shapes]
+
+
+def _run(cp, fn, shapes, dtype, kernels, monkeypatch):
+    """fn's output and input gradients with the kernels on or off."""
+    monkeypatch.setenv("MINIDIST_CUDA_KERNELS", "1" if kernels else "0")
+    inputs = _inputs(cp, shapes, dtype)
+    out = fn(*inputs)
+    w = cp.asarray(np.random.default_rng(5).standard_normal(out.shape), dtype=out.dtype)
+    (out * Tensor(w)).sum().backward()
+    return [backend.to_host(a).astype(np.float64) for a in [out.data] + [x.grad for x in inputs]]
+
+
+T_ODD = np.array([[3, -1, 0, 7, 2], [7, 1, -1, 2, 1000]])   # (2, 5), one id near V - 1
+CASES = {   # name -> (fn, input shapes): odd sizes, rows longer than a 1024-thread block
+    "ln": (F.layer_norm, [(3, 5, 37), (37,), (37,)]),
+    "ln_wide": (F.layer_norm, [(7, 2049), (2049,), (2049,)]),
+    "ln_no_bias": (lambda x, w: F.layer_norm(x, w, None), [(4, 300), (300,)]),
+    "gelu": (F.gelu, [(3, 7, 33)]),
+    "ce": (lambda z: F.cross_entropy(z, T_ODD), [(2, 5, 1001)]),
+    "ce_all_ignored": (lambda z: F.cross_entropy(z, np.full((3,), -1)), [(3, 17)]),
+    "attn": (F.causal_attention, [(2, 3, 7, 5)] * 3),
+    "attn_long": (F.causal_attention, [(1, 2, 1100, 8)] * 3),
+    "self_attn": (lambda x: F.causal_self_attention(x, 3), [(2, 33, 24)]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("name", CASES)
+def test_kernel_equals_generic_xp_code(cp, name, dtype, monkeypatch):
+    fn, shapes = CASES[name]
+    launched, raw, gelu = [], ck._raw, ck._gelu_kernel
+    monkeypatch.setattr(ck, "_raw", lambda *a: launched.append(a) or raw(*a))
+    monkeypatch.setattr(ck, "_gelu_kernel", lambda *a: launched.append(a) or gelu(*a))
+    got = _run(cp, fn, shapes, dtype, True, monkeypatch)
+    assert launched, "the kernel path did not run"
+    want = _run(cp, fn, shapes, dtype, False, monkeypatch)
+    rtol, atol = TOL[dtype]
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = max(np.abs(w).max(), 1.0)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale,
+                                   err_msg=f"{name} {dtype}: output/grad #{i}")
+
+
+@pytest.mark.gpu
+def test_all_ignored_rows_are_zero_not_nan(cp, monkeypatch):
+    monkeypatch.setenv("MINIDIST_CUDA_KERNELS", "1")
+    z, = _inputs(cp, [(4, 9)], "float32")
+    loss = F.cross_entropy(z, np.array([-1, -1, -1, -1]))
+    loss.backward()
+    assert float(loss.data) == 0.0 and not cp.any(z.grad)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_step_makes_no_device_to_host_sync(cp, monkeypatch):
+    cupyx = pytest.importorskip("cupyx")
+    if not hasattr(cupyx, "allow_synchronize"):
+        pytest.skip("this CuPy has no cupyx.allow_synchronize")
+    monkeypatch.setenv("MINIDIST_CUDA_KERNELS", "1")
+    z, = _inputs(cp, [(8, 50)], "float32")
+    t = cp.asarray(np.arange(8) % 5 - 1)           # on the device already, some ignored
+    with cupyx.allow_synchronize(False):
+        loss = F.cross_entropy(z, t)
+        loss.backward()
+    assert np.isfinite(float(loss.data))
+
+
+def _one_step(device):
+    """Loss, gradients and parameters after one SGD step of a small GPT built on `device`
+    (SGD, not AdamW: Adam's first step is ~lr * sign(g), which flips on tiny gradients)."""
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import SGD
+    backend.set_device(device)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67,
+                    dropout=0.0, bias=True)
+    model = GPT(cfg, seed=3, dtype="float32")
+    opt = SGD(model.named_parameters(), lr=0.1)
+    r = np.random.default_rng(0)
+    x, y = r.integers(0, 67, (3, 16)), r.integers(0, 67, (3, 16))
+    _, loss = model(x, y)
+    loss.backward()
+    grads = {n: backend.to_host(p.grad) for n, p in model.named_parameters()}
+    opt.step()
+    return float(backend.to_host(loss.data)), grads, {
+        n: backend.to_host(p.data) for n, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+def test_gpt_step_on_gpu_matches_cpu_float32(cp):
+    try:
+        loss_cpu, grads_cpu, params_cpu = _one_step("cpu")
+    finally:
+        backend.set_device("cuda")
+    loss_gpu, grads_gpu, params_gpu = _one_step("cuda")
+    np.testing.assert_allclose(loss_gpu, loss_cpu, rtol=1e-5)
+    for name, g in grads_cpu.items():
+        np.testing.assert_allclose(grads_gpu[name], g, rtol=1e-3,
+                                   atol=1e-5 * np.abs(g).max(), err_msg=name)
+        np.testing.assert_allclose(params_gpu[name], params_cpu[name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
