@@ -80,7 +80,9 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
-    extra = {"mfu": round(model_gflops / 1e3 / args.peak_tflops, 3)} if args.peak_tflops else {}
+    extra = {}
+    if args.peak_tflops:
+        extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,

@@ -264,15 +264,17 @@ def gelu_backward(x, grad):
 # ---- layer norm ------------------------------------------------------------------------------
 
 def layer_norm(x, w, b, eps):
-    """y, mean (N,), rstd (N,) for x (..., C); mean and rstd in the accumulation dtype."""
+    """(y, x, w, mean, rstd) for x (..., C): x and w contiguous, as backward takes them;
+    mean and rstd (N,) in the accumulation dtype."""
     cp, C = sys.modules["cupy"], x.shape[-1]
-    x = cp.ascontiguousarray(x)
+    x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)   # no copy if already so
+    b = None if b is None else cp.ascontiguousarray(b)
     N, acc = x.size // C, acc_dtype(x.dtype)
     y = cp.empty_like(x)
     mean, rstd = cp.empty(N, acc), cp.empty(N, acc)
     _raw("ln_fwd", x.dtype)((N,), (_threads(C),), (x, w, w if b is None else b, y, mean, rstd,
                             np.int64(C), acc.type(eps), np.int32(b is not None)))
-    return y, x, mean, rstd
+    return y, x, w, mean, rstd
 
 
 def layer_norm_backward(grad, x, w, mean, rstd, needs):

@@ -68,8 +68,8 @@ class LayerNorm(Function):
         if w.shape != x.shape[-1:] or (b is not None and b.shape != w.shape):
             raise ValueError("weight and bias must have the shape of x's last axis")
         if _ck.use(x, w, b):                 # one kernel; saves x, mean, rstd, not xhat
-            y, x, mean, rstd = _ck.layer_norm(x, w, b, eps)
-            ctx.save_for_backward(x, w, mean, rstd)
+            y, *saved = _ck.layer_norm(x, w, b, eps)         # saved: x, w, mean, rstd
+            ctx.save_for_backward(*saved)
             ctx.cuda = True
             return y
         x, w, b = _f32(x), _f32(w), _f32(b)
