@@ -11,6 +11,17 @@ def pytest_addoption(parser):
                      help="run array tests on this device (cuda needs cupy and a GPU)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip, in one place, where CuPy is missing or sees no GPU."""
+    from minidist import backend
+    if backend.cupy_module() is not None:
+        return
+    skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU (pip install -e '.[cuda]')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def device(request):
     from minidist import backend
