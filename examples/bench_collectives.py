@@ -11,7 +11,8 @@ algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for red
 and all_gather, x 1 for broadcast, which is the bandwidth a link must carry, comparable across
 rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's input, all_gather's
 output). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
-(the best, because other processes share this machine's cores). Rank 0 prints the lines on
+(the best, because other processes share this machine's cores; the algorithms take turns
+inside each repeat so that they meet the same conditions). Rank 0 prints the lines on
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
 all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce): "hidden" is the
 fraction of the shorter of the two that disappeared from the total (1: perfect overlap).
@@ -62,32 +63,43 @@ def time_call(group, call, iters, warmup, repeats):
     """Seconds per call: mean over `iters`, slowest rank, best of `repeats`."""
     for _ in range(warmup):
         call()
-    best = float("inf")
-    for _ in range(repeats):
-        group.comm.Barrier()
-        t = time.perf_counter()
-        for _ in range(iters):
-            call()
-        synchronize()
-        best = min(best, group.comm.allreduce((time.perf_counter() - t) / iters, op=MPI.MAX))
-    return best
+    return min(time_once(group, call, iters) for _ in range(repeats))
+
+
+def time_once(group, call, iters):
+    """Mean seconds per call over `iters` back-to-back calls, on the slowest rank."""
+    group.comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        call()
+    synchronize()
+    return group.comm.allreduce((time.perf_counter() - t) / iters, op=MPI.MAX)
 
 
 def bench(args):
+    """One row per (op, size, algo). The algorithms take turns within each repeat, so a
+    burst of other work on the machine hits them alike; each keeps its best repeat."""
     results = []
     groups = {algo: ProcessGroup.world(algo) for algo in args.algos}
+    world = next(iter(groups.values()))
     for op in args.ops:
         for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
-            for algo, group in groups.items():
-                call = make_call(group, op, nbytes, args.dtype)
-                iters = args.iters or max(2, min(50, (32 << 20) // nbytes))
-                t = time_call(group, call, iters, args.warmup, args.repeats)
-                n = group.size
+            calls = {algo: make_call(g, op, nbytes, args.dtype) for algo, g in groups.items()}
+            iters = args.iters or max(2, min(50, (32 << 20) // nbytes))
+            for call in calls.values():
+                for _ in range(args.warmup):
+                    call()
+            best = {algo: float("inf") for algo in calls}
+            for _ in range(args.repeats):
+                for algo, call in calls.items():
+                    best[algo] = min(best[algo], time_once(world, call, iters))
+            for algo, t in best.items():
+                n = world.size
                 algbw = nbytes / t / 1e9
                 row = {"op": op, "algo": algo, "ranks": n, "bytes": nbytes, "time_s": t,
                        "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](n)}
                 results.append(row)
-                if group.rank == 0:
+                if world.rank == 0:
                     print(json.dumps(row), flush=True)
     return results
 

@@ -8,7 +8,7 @@ many ranks there are: 2(N-1)/N x bytes for an all-reduce, the bandwidth-optimal 
 
 Reduce-scatter: a partial sum travels around the ring picking up one rank's contribution per
 hop. Chunk index each rank *sends* at each step, 4 ranks (rank r sends chunk r-step-1; the
-receiver adds its own copy of that chunk and passes the sum on at the next step):
+receiver adds the arriving chunk into its own copy and sends that on at the next step):
 
                 rank 0   rank 1   rank 2   rank 3
       step 0      3        0        1        2       (own data)
@@ -110,26 +110,49 @@ def same_buffer(a, b):
 # the collectives: `ch` is a Channel (minidist/comm/channel.py) for one call
 # -------------------------------------------------------------------------------------------
 
+def ring_reduce_scatter_in_place(ch, buf, op="sum"):
+    """The textbook reduce-scatter, in place: afterwards chunk `rank` of buf is reduced over
+    the group; the other chunks hold partial sums (all-reduce's all-gather overwrites them)."""
+    rank, world = ch.rank, ch.size
+    bounds = chunk_bounds(buf.size, world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    tmp = ch.scratch(1, bounds[0][1] - bounds[0][0], buf)   # the first chunk is the longest
+    for step in range(world - 1):
+        send_idx, recv_idx = reduce_scatter_step(rank, world, step)
+        (s0, s1), (r0, r1) = bounds[send_idx], bounds[recv_idx]
+        incoming = tmp[:r1 - r0]
+        ch.sendrecv(buf[s0:s1], right, incoming, left, note=f"reduce-scatter step {step}: "
+                    f"chunk {send_idx} -> rank {right}, chunk {recv_idx} <- rank {left}")
+        reduce_into(op, buf[r0:r1], incoming, out=buf[r0:r1])   # fold in, pass on next step
+    if op == "avg":
+        lo, hi = bounds[rank]
+        buf[lo:hi] /= world
+
+
 def ring_reduce_scatter(ch, out, inp, op="sum"):
-    """out = chunk `ch.rank` of inp, reduced over the group. `out` may be that very chunk of
-    `inp` (the in-place all-reduce) but no other part of it; `inp` is otherwise left as is."""
+    """out = chunk `rank` of inp, reduced over the group; inp is left as it was.
+
+    The same steps as `ring_reduce_scatter_in_place`, but the partial sums travel in two
+    scratch buffers instead of inp: what arrives at step s, plus our own copy of that chunk,
+    is what we send at step s+1. `out` may be inp's own chunk (ZeRO's in-place call)."""
     rank, world = ch.rank, ch.size
     bounds = chunk_bounds(inp.size, world)
     right, left = (rank + 1) % world, (rank - 1) % world
-    width = bounds[0][1] - bounds[0][0]                 # the first chunk is the longest
-    acc = ch.scratch(0, width, inp)                     # the partial sum we pass on
-    tmp = ch.scratch(1, width, inp)                     # the partial sum arriving from the left
+    width = bounds[0][1] - bounds[0][0]
+    partial = [ch.scratch(0, width, inp), ch.scratch(1, width, inp)]   # ping, pong
     if world == 1:
         out[...] = inp
     for step in range(world - 1):
         send_idx, recv_idx = reduce_scatter_step(rank, world, step)
         (s0, s1), (r0, r1) = bounds[send_idx], bounds[recv_idx]
-        send = inp[s0:s1] if step == 0 else acc[:s1 - s0]   # acc = what we finished last step
-        ch.sendrecv(send, right, tmp[:r1 - r0], left, note=f"reduce-scatter step {step}: "
+        send = inp[s0:s1] if step == 0 else partial[(step - 1) % 2][:s1 - s0]
+        incoming = partial[step % 2][:r1 - r0]
+        ch.sendrecv(send, right, incoming, left, note=f"reduce-scatter step {step}: "
                     f"chunk {send_idx} -> rank {right}, chunk {recv_idx} <- rank {left}")
-        # fold in our own copy of the arriving chunk; after the last step it is chunk `rank`
-        dst = out if step == world - 2 else acc[:r1 - r0]
-        reduce_into(op, tmp[:r1 - r0], inp[r0:r1], out=dst)
+        if step == world - 2:   # the last step brings chunk `rank`: finish it into out
+            reduce_into(op, incoming, inp[r0:r1], out=out)
+        else:
+            reduce_into(op, incoming, inp[r0:r1], out=incoming)
     if op == "avg":
         out /= world
 
@@ -152,8 +175,8 @@ def ring_all_gather(ch, out, inp):
 def ring_all_reduce(ch, buf, op="sum"):
     """buf = buf reduced over the group, in place: reduce-scatter, then all-gather."""
     lo, hi = chunk_bounds(buf.size, ch.size)[ch.rank]
-    ring_reduce_scatter(ch, buf[lo:hi], buf, op)   # rank r ends up owning finished chunk r
-    ring_all_gather(ch, buf, buf[lo:hi])           # ... and passes it around the ring
+    ring_reduce_scatter_in_place(ch, buf, op)   # rank r ends up owning finished chunk r
+    ring_all_gather(ch, buf, buf[lo:hi])        # ... and passes it around the ring
 
 
 def chain_broadcast(ch, buf, root=0, segment_bytes=SEGMENT_BYTES):

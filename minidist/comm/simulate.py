@@ -6,10 +6,10 @@ receives, moves the chunks between list entries, and reduces, so the table print
 in ring.py's docstring and a debugger stepping through `simulate_all_reduce` sees what every
 rank holds after every step. No MPI messages are sent.
 
-One difference from ring.py, on purpose: here each rank adds the arriving partial sum into its
-own buffer (`bufs[r][chunk] += incoming`, the textbook picture); ring.py keeps the travelling
-partial sum in a scratch array `acc` instead, so reduce_scatter can leave its input untouched.
-The chunks sent and the sums formed are the same.
+Each rank adds the arriving partial sum into its own buffer (`bufs[r][chunk] += incoming`),
+exactly as ring.py's `ring_all_reduce` does; its stand-alone `ring_reduce_scatter` keeps the
+travelling sums in scratch buffers instead so as to leave its input untouched, with the same
+chunks sent and the same sums formed.
 
 Run: python examples/ring_walkthrough.py --ranks 4 --n 10.
 Tests: tests/test_comm.py::test_simulation_matches_sum.
