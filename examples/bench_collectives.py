@@ -119,12 +119,12 @@ def overlap(args):
     """Seconds for: compute alone, all-reduce alone, both through the stream thread
     (async_op=True), both through MPI_Iallreduce started before the compute and waited after.
     The compute is sized to take about as long as the all-reduce, so perfect overlap would
-    halve the time of doing both: 512x512 float64 matmuls (`--compute matmul`, which need a
+    halve the time of doing both: 256x256 float64 matmuls (`--compute matmul`, which need a
     core, and release the GIL), or sleeping (`--compute sleep`: the main thread waiting, as it
     does for GPU kernels), which shows whether communication progresses at all meanwhile."""
     group = ProcessGroup.world("ring")
     buf = np.zeros(args.max_bytes // 4, np.float32)
-    a = np.random.default_rng(0).standard_normal((512, 512))
+    a = np.random.default_rng(0).standard_normal((256, 256))
     t_comm = time_call(group, lambda: group.all_reduce(buf), 3, 1, args.repeats)
     t_mm = time_call(group, lambda: a @ a, 5, 1, args.repeats)
     reps = args.compute_iters or max(1, round(t_comm / t_mm))
@@ -174,7 +174,7 @@ def main():
     p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
                    help="what the main thread does meanwhile (--overlap)")
     p.add_argument("--compute-iters", type=int, default=0,
-                   help="512^2 matmuls per step for --overlap (0: as long as the all-reduce)")
+                   help="256^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()
     set_device(args.device)
     if args.overlap:
