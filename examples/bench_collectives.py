@@ -4,6 +4,7 @@
     mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,mpi \\
         --min-bytes 8M --max-bytes 64M --repeats 5
     mpiexec -n 2 python examples/bench_collectives.py --overlap          # async progress
+    mpiexec -n 4 python examples/bench_collectives.py --max-bytes 1M --trace comm.json
 
 Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
 nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
@@ -25,7 +26,7 @@ import time
 import numpy as np
 
 from minidist.backend import get_xp, set_device, synchronize
-from minidist.comm import ProcessGroup, mpi as mpi_algo  # before mpi4py.MPI: see comm/mpich.py
+from minidist.comm import ProcessGroup, mpi as mpi_algo, trace  # before mpi4py.MPI: mpich.py
 from mpi4py import MPI
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -171,17 +172,23 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
+    p.add_argument("--trace", help="write a Chrome trace (all ranks, one row each) to FILE")
     p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
                    help="what the main thread does meanwhile (--overlap)")
     p.add_argument("--compute-iters", type=int, default=0,
                    help="256^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()
     set_device(args.device)
+    if args.trace:
+        trace.enable()
     if args.overlap:
-        return overlap(args)
-    results = bench(args)
-    if MPI.COMM_WORLD.Get_rank() == 0 and {"ring", "mpi"} <= set(args.algos):
-        ratio_table(results)
+        overlap(args)
+    else:
+        results = bench(args)
+        if MPI.COMM_WORLD.Get_rank() == 0 and {"ring", "mpi"} <= set(args.algos):
+            ratio_table(results)
+    if args.trace:
+        trace.write_chrome_trace(args.trace, ProcessGroup.world())
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 Closed forms (rank r contributes r+1: sums are N(N+1)/2), odd lengths so chunks come out
 uneven, float32 and float64, every op and algorithm, blocking and async, cross-checks against
 the MPI library's own collective, byte counters against the ring's theory, point-to-point,
-sub-groups and a 2x2 mesh (on 4 ranks), a deliberate mismatch caught by debug mode, and a
-Chrome trace. Any failure raises, the abort handler ends the job, pytest sees a non-zero exit.
+sub-groups and a 2x2 mesh (on 4 ranks), MPI's non-blocking collectives, a deliberate mismatch
+caught by debug mode, and a Chrome trace. Any failure raises, the abort handler ends the job, pytest sees a non-zero exit.
 Run by tests/test_comm.py.
 """
 import argparse
@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from minidist.comm import (CollectiveMismatch, DeviceMesh, ProcessGroup, chunk_bounds, debug,
-                           ring_bytes, trace)
+                           mpi, ring_bytes, trace)
 
 ALGOS = ("ring", "naive", "mpi")
 DTYPES = (np.float32, np.float64)
@@ -168,6 +168,22 @@ def check_groups(world):
     mesh.pp.all_reduce(np.ones(3))
 
 
+def check_mpi_nonblocking(world):
+    """mpi.py's non-blocking variants (MPI_Iallreduce & co.), uneven chunks."""
+    r, N, n = world.rank, world.size, 1001
+    lo, hi = world.chunk(n)
+    buf = np.full(n, r + 1.0)
+    mpi.start_all_reduce(world.comm, buf).Wait()
+    out = np.empty(hi - lo)
+    mpi.start_reduce_scatter(world.comm, out, np.arange(n) * (r + 1.0)).Wait()
+    full = np.empty(n)
+    mpi.start_all_gather(world.comm, full, np.arange(lo, hi, dtype=float)).Wait()
+    bc = np.full(n, float(r))
+    mpi.start_broadcast(world.comm, bc, root=N - 1).Wait()
+    assert (buf == N * (N + 1) / 2).all() and np.allclose(out, np.arange(lo, hi) * N * (N + 1) / 2)
+    assert np.array_equal(full, np.arange(n)) and (bc == N - 1).all()
+
+
 def check_debug_mismatch(world):
     """Different sizes, then different ops: CollectiveMismatch on every rank, naming ranks."""
     if world.size == 1:
@@ -207,12 +223,13 @@ def main():
         checks += len(lengths(g.size)) + 1
     world = ProcessGroup.world("ring")
     check_groups(world)
+    check_mpi_nonblocking(world)
     check_debug_mismatch(world)
     assert chunk_bounds(5, 3) == [(0, 2), (2, 4), (4, 5)]
     if args.trace:
         trace.write_chrome_trace(args.trace, world)
     if world.rank == 0:
-        print(f"comm_check OK: {world.size} ranks, {checks + 2} check groups")
+        print(f"comm_check OK: {world.size} ranks, {checks + 3} check groups")
 
 
 if __name__ == "__main__":
