@@ -18,8 +18,9 @@ with one of two policies (MINIDIST_COMM_WAIT, or `set_wait_policy`):
   is as bad as spinning.)
 
 Measured on this 2-core machine, 4 ranks, ring all-reduce busbw (README, "Collectives and process
-groups", has the tables): on an otherwise idle machine "block" is 1.3-2x faster below 8 MiB and
-equal above; with two other busy processes on the cores "poll" is 2-7x faster up to 4 MiB.
+groups", has the tables): on an otherwise idle machine "block" is up to 2x faster for small
+messages; with two other busy processes on the cores "poll" is 2.6-5.6x faster up to 1 MiB and
+1.6x at 8 MiB.
 The MPI library's own collectives (algo="mpi") always keep MPICH's wait: they are the reference.
 
 Tests: tests/test_comm.py runs the collectives under both policies.
