@@ -135,7 +135,8 @@ def test_raise_on_one_rank_aborts():
 @pytest.mark.mpi
 def test_trace_log_every_collective_and_step():
     """MINIDIST_TRACE=2 logs each collective (seq, op, algo, group, dtype, bytes, times) and
-    each ring step. By hand: MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log"""
+    each ring step. By hand:
+    MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log"""
     out = run_mpi(2, "tests/scripts/comm_small.py", "log", env=mpi_env(MINIDIST_TRACE=2))
     for rank in (0, 1):
         assert (f"[rank {rank}] #1 all_reduce algo=ring group=world dtype=float32 bytes=28"

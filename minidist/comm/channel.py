@@ -4,8 +4,9 @@
 `ch.recv` on a `Channel`, which adds the bytes this rank sends to `trace` counters (so the
 counters are what really went to MPI, not a formula) and, under `MINIDIST_TRACE=2`, logs each
 step. Every wait goes through `progress.wait_all`, which decides between MPI's spinning wait
-and polling that lets other ranks have the core (ranks outnumbering cores). A `Channel` lives for one collective call: it knows the group, the op being run, and
-where the group keeps its scratch buffers.
+and polling that lets other ranks have the core (cores shared with other work). A `Channel`
+lives for one collective call: it knows the group, the op being run, and where the group keeps
+its scratch buffers.
 
 Tests: tests/test_comm.py (bytes counted by the channel equal the ring's theory).
 """

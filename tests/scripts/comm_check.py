@@ -6,7 +6,8 @@ Closed forms (rank r contributes r+1: sums are N(N+1)/2), odd lengths so chunks 
 uneven, float32 and float64, every op and algorithm, blocking and async, cross-checks against
 the MPI library's own collective, byte counters against the ring's theory, point-to-point,
 sub-groups and a 2x2 mesh (on 4 ranks), MPI's non-blocking collectives, a deliberate mismatch
-caught by debug mode, and a Chrome trace. Any failure raises, the abort handler ends the job, pytest sees a non-zero exit.
+caught by debug mode, and a Chrome trace. Any failure raises, the abort handler ends the job,
+and pytest sees a non-zero exit.
 Run by tests/test_comm.py.
 """
 import argparse

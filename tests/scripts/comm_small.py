@@ -2,7 +2,8 @@
 
     mpiexec -n 4 python tests/scripts/comm_small.py abort   # rank 1 raises; the job must end
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
-    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint   # then: python -m minidist.comm.attach 4445
+    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
+    python -m minidist.comm.attach 4445          # in a second terminal: pdb on rank 1
 """
 import sys
 import time
