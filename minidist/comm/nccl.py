@@ -13,6 +13,8 @@ send/recv on an "nccl" group go through MPI (staged through the host unless MPI 
 NCCL point-to-point on one stream deadlocks unless every pair is grouped, which the simple
 blocking-call API here cannot promise.
 
+Call `minidist.backend.set_device("cuda")` before creating an "nccl" group: each rank's NCCL
+communicator binds to the GPU that is current then (local rank % GPUs on the node).
 Imported only for algo="nccl" (importing minidist.comm never imports cupy). Written against
 CuPy's documented API; it has NOT been run on a GPU here (no GPU on the development machine).
 Tests: tests/test_comm_gpu.py (marked gpu; run with `python -m pytest -m gpu --device cuda`).
