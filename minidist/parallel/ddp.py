@@ -25,8 +25,9 @@ rank issues the same collectives in the same order even if hooks fire in a diffe
 
 How communication makes progress while Python computes: MPI moves bytes only while some thread
 is inside an MPI call. `async_op=True` queues the all-reduce on the group's communication
-thread (minidist/comm/stream.py), which runs the ring's blocking Sendrecv calls with the GIL
-released; the main thread meanwhile runs backward (numpy releases the GIL inside its kernels).
+thread (minidist/comm/stream.py), which runs the ring's steps (Irecv + Isend, then a wait
+that releases the GIL: minidist/comm/channel.py); the main thread meanwhile runs backward
+(numpy releases the GIL inside its kernels).
 On GPU the caller records a CUDA event on its (compute) stream when it issues the bucket; the
 communication thread waits for that event, then stages the bucket through host memory for MPI
 (or, with --comm nccl, enqueues NCCL on that thread's current stream, cupy's default stream).
