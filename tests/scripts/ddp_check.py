@@ -26,29 +26,17 @@ from mpi4py import MPI
 from minidist.comm import ProcessGroup, install_abort_handler, trace
 from minidist.nn import GPTConfig
 from minidist.train.data_parallel import DataParallel
-from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess
+
+from exact import run_steps
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 SEED = 7
 
 
-def batch(step, rows, config=CONFIG):
-    """The global batch of `step`: a pure function of (SEED, step), like TokenData's."""
-    rng = np.random.default_rng([SEED, step])
-    x = rng.integers(0, config.vocab_size, size=(rows, config.block_size))
-    return x, np.roll(x, -1, axis=1)
-
-
 def train(strategy, args, dtype="float64", config=CONFIG):
     """args.steps steps of the loop's train_step; returns (model, losses, norms)."""
-    model = strategy.build_model(config, SEED, dtype)
-    opt = strategy.build_optimizer(model, args)
-    losses, norms = [], []
-    for step in range(args.steps):
-        loss, norm, _ = train_step(strategy, model, opt, *batch(step, args.batch_size), args)
-        losses.append(loss)
-        norms.append(norm)
+    model, _, losses, norms, _ = run_steps(strategy, args, config, SEED, dtype)
     return model, losses, norms
 
 

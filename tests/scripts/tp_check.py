@@ -24,13 +24,13 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_probes  # noqa: E402
+from exact import run_steps  # noqa: E402
 
 from minidist.comm import install_abort_handler, trace  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.safetensors import load_file  # noqa: E402
 from minidist.train import checkpoint  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
-from minidist.train.loop import train_step  # noqa: E402
 from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
 
 # vocab 30: tp 2 splits it evenly, tp 4 pads it to 32 (two zero rows on the last rank)
@@ -61,25 +61,12 @@ def flags(name, *extra):
         "--dtype", "float64", "--seed", str(SEED), *RUNS.get(name, []), *extra])  # last wins
 
 
-def batch(step, rows):
-    rng = np.random.default_rng([SEED, step])
-    x = rng.integers(0, CONFIG.vocab_size, size=(rows, CONFIG.block_size))
-    return x, np.roll(x, -1, axis=1)
-
-
 def config_of(args):
     return GPTConfig(**{**CONFIG.to_dict(), "dropout": args.dropout})
 
 
 def train(strategy, args):
-    model = strategy.build_model(config_of(args), args.seed, args.dtype)
-    opt = strategy.build_optimizer(model, args)
-    losses, norms = [], []
-    for step in range(args.steps):
-        loss, norm, _ = train_step(strategy, model, opt, *batch(step, args.batch_size), args)
-        losses.append(loss)
-        norms.append(norm)
-    return model, opt, losses, norms
+    return run_steps(strategy, args, config_of(args), args.seed, args.dtype)[:4]
 
 
 def max_diff(a, b):

@@ -35,26 +35,19 @@ from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess
 from minidist.train.zero_strategy import ZeroDataParallel
 
+import exact
+
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=18, block_size=8, vocab_size=31)
 SEED = 7
 
 
-def batch(step, rows):
-    rng = np.random.default_rng([SEED, step])
-    x = rng.integers(0, CONFIG.vocab_size, size=(rows, CONFIG.block_size))
-    return x, np.roll(x, -1, axis=1)
-
-
 def train(strategy, args, dtype="float64"):
     """args.steps steps of train_step; returns (model, opt, losses, norms, last mem row)."""
-    model = strategy.build_model(CONFIG, SEED, dtype)
-    opt = strategy.build_optimizer(model, args)
-    losses, norms, mem = [], [], None
-    for step in range(args.steps):
-        loss, norm, mem = train_step(strategy, model, opt, *batch(step, args.batch_size), args)
-        losses.append(loss)
-        norms.append(norm)
-    return model, opt, losses, norms, mem
+    return exact.run_steps(strategy, args, CONFIG, SEED, dtype)
+
+
+def batch(step, rows):
+    return exact.batch(step, rows, CONFIG, SEED)
 
 
 def shard_diff(strategy, ref_model):

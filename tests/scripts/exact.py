@@ -1,0 +1,29 @@
+"""What the exactness scripts share: the global batch of a step, and N steps of the real loop.
+
+Each script (ddp_check, tp_check, zero_check) trains a strategy and the one-process reference
+through these same two functions, so any difference comes from the strategy alone.
+"""
+import numpy as np
+
+from minidist.train.loop import train_step
+
+
+def batch(step, rows, config, seed):
+    """The global batch of `step`: a pure function of (seed, step), like TokenData's."""
+    rng = np.random.default_rng([seed, step])
+    x = rng.integers(0, config.vocab_size, size=(rows, config.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def run_steps(strategy, args, config, seed, dtype):
+    """args.steps steps of train_step on the global batches of args.batch_size rows.
+    Returns (model, optimizer, losses, grad norms, the last step's memory row)."""
+    model = strategy.build_model(config, seed, dtype)
+    opt = strategy.build_optimizer(model, args)
+    losses, norms, mem = [], [], None
+    for step in range(args.steps):
+        x, y = batch(step, args.batch_size, config, seed)
+        loss, norm, mem = train_step(strategy, model, opt, x, y, args)
+        losses.append(loss)
+        norms.append(norm)
+    return model, opt, losses, norms, mem
