@@ -41,10 +41,6 @@ from minidist.optim import AdamW
 from minidist.train import checkpoint, memory
 
 
-class NotAvailableYet(SystemExit):
-    """A flag whose feature has not landed: exits with a polite message, no traceback."""
-
-
 def world_size_from_env():
     """Processes in this job, read from the launcher's environment (1 without a launcher)."""
     import os
