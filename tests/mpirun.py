@@ -5,6 +5,7 @@ so a deadlocked collective becomes a failed test with each rank's output, not a 
 
     out = run_mpi(4, "tests/scripts/comm_check.py", "--algo", "ring")
 """
+import json
 import os
 import signal
 import subprocess
@@ -48,3 +49,9 @@ def run_mpi(nprocs, script, *args, timeout=120, env=None, check=True):
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
                              f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
     return result
+
+
+def tagged_json(result, tag="RESULT"):
+    """The JSON objects a rank script printed as `TAG {json}` lines, in order."""
+    return [json.loads(line[len(tag) + 1:]) for line in result.stdout.splitlines()
+            if line.startswith(tag + " ")]

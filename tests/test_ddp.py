@@ -15,7 +15,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.parallel.ddp import DistributedDataParallel, bucket_layout
 from minidist.train.args import train_parser
 from minidist.train.strategy import SingleProcess, make_strategy
-from mpirun import run_mpi
+from mpirun import run_mpi, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -174,11 +174,6 @@ def test_nccl_without_a_gpu_is_refused(monkeypatch):
 
 # ---- N ranks under mpiexec ---------------------------------------------------------------
 
-def _results(out, tag="RESULT"):
-    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
-            if line.startswith(tag + " ")]
-
-
 def _assert_exact(results, n, tol=1e-10):
     assert len(results) == n, results
     for r in results:
@@ -198,9 +193,9 @@ def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path):
     """
     path = tmp_path / "trace.json"
     out = run_mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
-    results = _results(out)
+    results = tagged_json(out)
     _assert_exact(results, 9)
-    overlap = _results(out, "OVERLAP")[0]
+    overlap = tagged_json(out, "OVERLAP")[0]
     assert min(overlap["started_inside_by_rank"]) > 0
     events = json.load(open(path))["traceEvents"]
     ranks = {e["pid"] for e in events if e.get("name") == "all_reduce"}
@@ -216,7 +211,7 @@ def test_two_ranks_with_grad_accum_equal_one_process():
         mpiexec -n 2 python tests/scripts/ddp_check.py --grad-accum 2
     """
     out = run_mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
-    _assert_exact(_results(out), 9)
+    _assert_exact(tagged_json(out), 9)
 
 
 @pytest.mark.mpi
@@ -228,7 +223,7 @@ def test_global_grad_clipping_under_dp():
     """
     out = run_mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
                   timeout=180)
-    results = _results(out)
+    results = tagged_json(out)
     _assert_exact(results, 3)
     assert all(min(r["norms"]) > 0.05 for r in results)
 

@@ -18,7 +18,7 @@ from minidist.train import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.pipeline_parallel import default_micro_batches
 from minidist.train.strategy import SingleProcess, make_strategy
-from mpirun import run_mpi
+from mpirun import run_mpi, tagged_json
 
 TOL = 1e-10
 
@@ -99,11 +99,6 @@ def test_bad_sizes_are_refused_before_any_communication(monkeypatch, world, flag
 
 # ---- N ranks under mpiexec ---------------------------------------------------------------
 
-def _results(out, tag="RESULT"):
-    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
-            if line.startswith(tag + " ")]
-
-
 def _assert_exact(results, n):
     assert len(results) == n, results
     for r in results:
@@ -120,7 +115,7 @@ def test_pp2_equals_one_process_both_schedules():
 
         mpiexec -n 2 python tests/scripts/pp_check.py
     """
-    _assert_exact(_results(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 6)
+    _assert_exact(tagged_json(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 6)
 
 
 @pytest.mark.mpi
@@ -130,7 +125,7 @@ def test_pp4_and_pp2_x_dp2_equal_one_process():
 
         mpiexec -n 4 python tests/scripts/pp_check.py
     """
-    results = _results(run_mpi(4, "tests/scripts/pp_check.py", timeout=180))
+    results = tagged_json(run_mpi(4, "tests/scripts/pp_check.py", timeout=180))
     _assert_exact(results, 5)
     by_run = {r["run"]: r for r in results}
     one, gp = by_run["pp4-m8-1f1b"]["stages"], by_run["pp4-m8-gpipe"]["stages"]
@@ -144,7 +139,7 @@ def test_3d_dp2_tp2_pp2_equals_one_process():
 
         mpiexec -n 8 python tests/scripts/pp_check.py
     """
-    _assert_exact(_results(run_mpi(8, "tests/scripts/pp_check.py", timeout=240)), 2)
+    _assert_exact(tagged_json(run_mpi(8, "tests/scripts/pp_check.py", timeout=240)), 2)
 
 
 @pytest.mark.mpi
@@ -261,5 +256,5 @@ def test_train_gpt_pp2_amp():
         mpiexec -n 2 python tests/scripts/pp_check.py --amp
     """
     out = run_mpi(2, "tests/scripts/pp_check.py", "--amp", timeout=120)
-    (r,) = _results(out, "AMP")
+    (r,) = tagged_json(out, "AMP")
     assert r["boundary_dtype"] == "float16" and r["loss_diff"] < 1e-2, r

@@ -15,7 +15,7 @@ from minidist.parallel.tensor_parallel import Split
 from minidist.parallel.tp_model import check_tp_sizes
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
-from mpirun import run_mpi
+from mpirun import run_mpi, tagged_json
 
 
 # ---- in-process: layouts and refusals -----------------------------------------------------
@@ -91,11 +91,6 @@ def test_one_rank_tp_model_is_the_gpt():
 
 # ---- under mpiexec -----------------------------------------------------------------------
 
-def _rows(out, tag):
-    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
-            if line.startswith(tag + " ")]
-
-
 def _assert_exact(results, runs, tol=1e-10):
     assert [r["run"] for r in results] == runs, results
     for r in results:
@@ -115,21 +110,21 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
         mpiexec -n 2 python tests/scripts/tp_check.py
     """
     out = run_mpi(2, "tests/scripts/tp_check.py", timeout=180)
-    _assert_exact(_rows(out, "RESULT"), ["tp2", "tp2+sp", "tp2+sp+ckpt"])
-    files = _rows(out, "RESULT")[0]
+    _assert_exact(tagged_json(out, "RESULT"), ["tp2", "tp2+sp", "tp2+sp+ckpt"])
+    files = tagged_json(out, "RESULT")[0]
     assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
                                   "reload_diff", "adam_reload_diff")) <= 1e-10
-    checks = _rows(out, "GRADCHECK")
+    checks = tagged_json(out, "GRADCHECK")
     assert len(checks) == 13 and all(c["max_abs_diff"] < 1e-6 for c in checks)
-    memory = {r["params"]: r for r in _rows(out, "MEMORY")}
+    memory = {r["params"]: r for r in tagged_json(out, "MEMORY")}
     assert memory["blocks"]["ratio"] == 0.5 and memory["wte"]["ratio"] == 0.5
-    traffic = _rows(out, "TRAFFIC")
+    traffic = tagged_json(out, "TRAFFIC")
     assert len(traffic) == 4 and all(t["bytes_sent"] == t["theory_sent"] for t in traffic)
     block = [t for t in traffic if t["what"] == "block"]
     assert block[0]["calls_bytes"] == {"all_reduce": [4, 4 * block[0]["btc_bytes"]]}
     sp = block[1]                           # SP: the same bytes, plus replicated grads' sums
     assert sp["bytes_sent"] == block[0]["bytes_sent"] + sp["shared_param_bytes"]
-    assert len(_rows(out, "REFUSALS")) == 6
+    assert len(tagged_json(out, "REFUSALS")) == 6
 
 
 @pytest.mark.mpi
@@ -142,7 +137,7 @@ def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process():
         mpiexec -n 4 python tests/scripts/tp_check.py
     """
     out = run_mpi(4, "tests/scripts/tp_check.py", timeout=180)
-    _assert_exact(_rows(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
+    _assert_exact(tagged_json(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
                                          "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3"])
 
 

@@ -18,15 +18,10 @@ from minidist.train import memory
 from minidist.train.checkpoint import CheckpointError, load_checkpoint
 from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, run_mpi, tagged_json
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from zero_check import CONFIG, SEED, batch  # noqa: E402
-
-
-def _results(out, tag="RESULT"):
-    return [json.loads(line[len(tag) + 1:]) for line in out.stdout.splitlines()
-            if line.startswith(tag + " ")]
 
 
 class P:
@@ -82,18 +77,18 @@ def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm():
     """
     out = run_mpi(4, "tests/scripts/zero_check.py", "--clip", "0.05", "--grad-accum", "2",
                   "--memory", "--comm", timeout=300)
-    results = _results(out)
+    results = tagged_json(out)
     assert [r["stage"] for r in results] == [1, 2, 3]
     for r in results:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
         assert all(r["padding"]) and max(r["norms"]) > 0.05
-    mem, = _results(out, "MEMORY")
+    mem, = tagged_json(out, "MEMORY")
     for rank_rows in mem["by_rank"]:
         m = {int(s): row["measured"] for s, row in rank_rows.items()}
         assert abs(4 * m[1]["optimizer"] / m[0]["optimizer"] - 1) < 0.03
         assert abs(4 * m[2]["grads"] / m[0]["grads"] - 1) < 0.03
         assert abs(4 * m[3]["params"] / m[0]["params"] - 1) < 0.03
-    comm, = _results(out, "COMM")
+    comm, = tagged_json(out, "COMM")
     ratios = {int(s): row.get("vs_ddp") for s, row in comm["stages"].items()}
     assert abs(ratios[1] - 1) < 0.01 and abs(ratios[2] - 1) < 0.01
     L = comm["n_layer"]
@@ -110,10 +105,10 @@ def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory():
     """
     out = run_mpi(3, "tests/scripts/zero_check.py", "--ckpt-activations", "--no-prefetch",
                   "--algo", "mpi", "--batch-size", "6", timeout=300)
-    for r in _results(out):
+    for r in tagged_json(out):
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
     out = run_mpi(4, "tests/scripts/zero_check.py", "--stages", "", "--amp", timeout=300)
-    mem, = _results(out, "MEMORY")
+    mem, = tagged_json(out, "MEMORY")
     assert mem["amp"] and len(mem["by_rank"]) == 4     # the script checked every number
 
 
@@ -129,7 +124,7 @@ def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tm
     d = str(tmp_path)
     out = run_mpi(4, "tests/scripts/zero_ckpt_check.py", "--save", d, "--stage", "3",
                   timeout=300)
-    saved, = _results(out)
+    saved, = tagged_json(out)
     assert saved["resume_bitwise"] and "shard-00002-of-00004" in saved["missing"]
     assert "shard-00001-of-00004" in saved["mismatch"] and "checksum" in saved["mismatch"]
     expected = np.load(os.path.join(d, "expected.npz"))
@@ -139,7 +134,7 @@ def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tm
                for n, p in pretrained.named_parameters())
     out = run_mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
                   timeout=300)
-    loaded, = _results(out)
+    loaded, = tagged_json(out)
     assert loaded["reshard_bitwise"] and loaded["step_diff_vs_1proc"] < 1e-10
 
 
