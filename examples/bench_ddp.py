@@ -24,7 +24,7 @@ from minidist import backend
 from minidist.comm import ProcessGroup
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args
-from minidist.train.data_parallel import DataParallel
+from minidist.ddp.strategy import DataParallel
 from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess
 

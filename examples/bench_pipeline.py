@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from minidist.comm import trace
 from minidist.nn import GPTConfig
-from minidist.parallel.pipeline import bubble_fraction, bubble_theory
+from minidist.pp.schedule import bubble_fraction, bubble_theory
 from minidist.train.args import add_model_args, train_parser
 from minidist.train.loop import train_step
 from minidist.train.strategy import make_strategy

@@ -25,9 +25,9 @@ from minidist.nn import GPTConfig
 from minidist.train import memory
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
-from minidist.train.data_parallel import DataParallel
+from minidist.ddp.strategy import DataParallel
 from minidist.train.loop import train_step
-from minidist.train.zero_strategy import ZeroDataParallel
+from minidist.zero.strategy import ZeroDataParallel
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 

@@ -7,7 +7,7 @@ the forward and backward passes, for every rank.
 
 Reads the Chrome trace that --trace writes (minidist/comm/trace.py): one process per rank;
 "forward", "backward" and "wait for gradients" events on the "compute" row (recorded by
-minidist/train/data_parallel.py), collectives on the group's row. Time 0 is the start of
+minidist/ddp/strategy.py), collectives on the group's row. Time 0 is the start of
 that step's forward on rank 0 (ranks share one clock on one node).
 """
 import argparse

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.ddp import DistributedDataParallel, bucket_layout
+from minidist.ddp.ddp import DistributedDataParallel, bucket_layout
 from minidist.train.args import train_parser
 from minidist.train.strategy import SingleProcess, make_strategy
 from mpirun import run_mpi, tagged_json

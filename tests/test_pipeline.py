@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.pipeline import bubble_theory, split_layers
-from minidist.parallel.pp_simulate import simulate, timeline
+from minidist.pp.schedule import bubble_theory, split_layers
+from minidist.pp.simulate import simulate, timeline
 from minidist.train import checkpoint
 from minidist.train.args import train_parser
-from minidist.train.pipeline_parallel import default_micro_batches
+from minidist.pp.strategy import default_micro_batches
 from minidist.train.strategy import SingleProcess, make_strategy
 from mpirun import run_mpi, tagged_json
 
@@ -55,7 +55,7 @@ def test_simulated_schedules(p, m):
 def test_stage_names_are_gpt2_names_with_global_block_numbers():
     """Two stages' parameters are exactly GPT's, split, the tied wte on both ends, with
     gpt_init's numbers (a one-rank stand-in for the pp group)."""
-    from minidist.parallel.pp_stage import GPTStage
+    from minidist.pp.stage import GPTStage
     config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 
     class Group:

@@ -11,8 +11,8 @@ import pytest
 
 from minidist.autograd import fused as F
 from minidist.nn import GPT, GPTConfig
-from minidist.parallel.tensor_parallel import Split
-from minidist.parallel.tp_model import check_tp_sizes
+from minidist.tp.region import Split
+from minidist.tp.model import check_tp_sizes
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
 from mpirun import run_mpi, tagged_json
@@ -74,7 +74,7 @@ def test_one_rank_tp_model_is_the_gpt():
     """tp = 1 (a one-rank group): the same loss, gradients and samples as GPT."""
     from mpi4py import MPI
     from minidist.comm import ProcessGroup
-    from minidist.parallel.tp_model import TensorParallelGPT
+    from minidist.tp.model import TensorParallelGPT
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=20, dropout=0.1)
     ref, tp = GPT(cfg, seed=3, dtype="float64"), TensorParallelGPT(
         cfg, ProcessGroup(MPI.COMM_SELF, name="tp1"), seed=3, dtype="float64",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT
-from minidist.parallel.flat import FlatUnit, gpt_units, placeholder
+from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.train import memory
 from minidist.train.checkpoint import CheckpointError, load_checkpoint
 from minidist.train.loop import train_step

@@ -15,7 +15,7 @@ corruption; a config that differs from the model's is a mismatch: each raises
 CheckpointError naming the file or field. Data position needs no file: batches are a pure
 function of (seed, step). Extensible: ZeRO adds per-rank shard files to the manifest's
 "files" (with a "rank"), raises "world_size" and adds "zero" (the flat layout);
-load_checkpoint reads such a checkpoint too (minidist/train/sharded_checkpoint.py).
+load_checkpoint reads such a checkpoint too (minidist/zero/checkpoint.py).
 Tests: tests/test_checkpoint.py.
 """
 import hashlib
@@ -150,7 +150,7 @@ def load_checkpoint(directory, model, optimizer=None):
     Returns the state.json dict ("step", "rng", "extra", ...)."""
     manifest = verify_checkpoint(directory)
     if "zero" in manifest:           # per-rank shards: assembled by parameter name
-        from minidist.train.sharded_checkpoint import load_whole
+        from minidist.zero.checkpoint import load_whole
         return load_whole(directory, manifest, model, optimizer)
     if manifest.get("world_size", 1) != 1:
         raise CheckpointError(f"{directory} holds {manifest['world_size']} rank shards; "

@@ -10,7 +10,7 @@ small model under each strategy and compare, tests/test_planner.py):
                                                    m and v in the optimizer (train/amp.py)
     ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also the
     parameters: ceil(P / dp) each (a flat buffer padded to a multiple of dp).
-    TP (Megatron's layout, minidist/parallel/tp_model.py): c_attn and c_fc split by output
+    TP (Megatron's layout, minidist/tp/model.py): c_attn and c_fc split by output
     columns (weights and biases), both c_proj by input rows (biases replicated), wte by
     vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.
     PP: the blocks in pp contiguous stages (block i on stage i*pp // L); stage 0 also holds

@@ -31,9 +31,9 @@ Memory options, for every strategy alike (set by make_strategy from --amp and
                               built (TensorParallel builds, DDP wraps); SingleProcess: as is
     takes_part_in_sampling()  ranks that run the end-of-training sample (model-parallel
                               strategies: all ranks holding a part of one replica)
-DataParallel (DDP) lives in minidist/train/data_parallel.py, TensorParallel (--tp) in
-minidist/train/tensor_parallel.py, ZeroDataParallel (--zero) in minidist/train/zero_strategy.py,
-PipelineParallel (--pp, with --tp and --dp inside it) in minidist/train/pipeline_parallel.py.
+DataParallel (DDP) lives in minidist/ddp/strategy.py, TensorParallel (--tp) in
+minidist/tp/strategy.py, ZeroDataParallel (--zero) in minidist/zero/strategy.py,
+PipelineParallel (--pp, with --tp and --dp inside it) in minidist/pp/strategy.py.
 Tests: tests/test_train.py.
 """
 from minidist.nn import GPT
@@ -58,11 +58,11 @@ def make_strategy(args):
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
-    if args.pp > 1:            # pipeline (x tensor x data) parallelism: pipeline_parallel.py
-        from minidist.train.pipeline_parallel import make_pipeline_parallel
+    if args.pp > 1:            # pipeline (x tensor x data) parallelism: minidist/pp/strategy.py
+        from minidist.pp.strategy import make_pipeline_parallel
         return _memory_options(make_pipeline_parallel(args, world), args)
-    if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: train/tensor_parallel.py
-        from minidist.train.tensor_parallel import make_tensor_parallel
+    if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: minidist/tp/strategy.py
+        from minidist.tp.strategy import make_tensor_parallel
         return _memory_options(make_tensor_parallel(args, world), args)
     dp = args.dp if args.dp is not None else world
     if dp != world:
@@ -75,13 +75,13 @@ def make_strategy(args):
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
             f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
             f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
-    if args.zero:              # ZeRO-1/2/3 over dp = world: minidist/train/zero_strategy.py
-        from minidist.train.zero_strategy import make_zero
+    if args.zero:              # ZeRO-1/2/3 over dp = world: minidist/zero/strategy.py
+        from minidist.zero.strategy import make_zero
         return _memory_options(make_zero(args, world), args)
     if world == 1:
         return _memory_options(SingleProcess(), args)
     from minidist.comm import DeviceMesh, trace
-    from minidist.train.data_parallel import DataParallel
+    from minidist.ddp.strategy import DataParallel
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=1, pp=1, algo=args.comm)   # installs the abort handler

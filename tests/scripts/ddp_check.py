@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from minidist.comm import ProcessGroup, install_abort_handler, trace
 from minidist.nn import GPTConfig
-from minidist.train.data_parallel import DataParallel
+from minidist.ddp.strategy import DataParallel
 from minidist.train.strategy import SingleProcess
 
 from exact import run_steps

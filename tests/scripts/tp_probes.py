@@ -13,11 +13,11 @@ import minidist.comm
 from minidist.autograd import Tensor, fused as F, no_grad
 from minidist.comm import DeviceMesh, trace
 from minidist.nn import GPT
-from minidist.parallel import tensor_parallel as tpf
-from minidist.parallel.tensor_parallel import TensorParallelRegion
-from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear,
+from minidist.tp import region as tpf
+from minidist.tp.region import TensorParallelRegion
+from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, VocabShardLookup, vocab_parallel_cross_entropy)
-from minidist.parallel.tp_model import ParallelBlock, TensorParallelGPT
+from minidist.tp.model import ParallelBlock, TensorParallelGPT
 from minidist.train.strategy import make_strategy
 
 SEED = 11

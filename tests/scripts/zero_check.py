@@ -30,10 +30,10 @@ from minidist.comm import ProcessGroup, install_abort_handler, trace
 from minidist.nn import GPTConfig
 from minidist.train import memory
 from minidist.train.amp import MixedPrecision
-from minidist.train.data_parallel import DataParallel
+from minidist.ddp.strategy import DataParallel
 from minidist.train.loop import train_step
 from minidist.train.strategy import SingleProcess
-from minidist.train.zero_strategy import ZeroDataParallel
+from minidist.zero.strategy import ZeroDataParallel
 
 import exact
 

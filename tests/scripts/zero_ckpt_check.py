@@ -26,8 +26,8 @@ from mpi4py import MPI
 from minidist.comm import ProcessGroup, install_abort_handler
 from minidist.train.checkpoint import CheckpointError
 from minidist.train.loop import train_step
-from minidist.train.sharded_checkpoint import shard_name
-from minidist.train.zero_strategy import ZeroDataParallel
+from minidist.zero.checkpoint import shard_name
+from minidist.zero.strategy import ZeroDataParallel
 from zero_check import CONFIG, SEED, batch
 
 ARGS = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1, batch_size=8,

@@ -10,7 +10,7 @@ one before; what every rank holds, with N ranks:
     stage 3     1/N: gathered per       1/N                             1/N
                 block, just in time
 
-Everything works on FlatUnits (minidist/parallel/flat.py): the root (wte = the tied head, wpe,
+Everything works on FlatUnits (minidist/zero/flat.py): the root (wte = the tied head, wpe,
 ln_f) and one unit per block, each one flat buffer padded to a multiple of N, rank r owning
 flat[lo:hi) = [r*S, (r+1)*S). The optimizer (zero_optim.py) runs AdamW on those shards.
 
@@ -52,7 +52,7 @@ import functools
 from minidist.autograd import is_grad_enabled
 from minidist.autograd.function import Function
 from minidist.backend import to_host, xp_of
-from minidist.parallel.flat import gpt_units
+from minidist.zero.flat import gpt_units
 
 
 def zero_engine(model, group, stage, units=None, prefetch=True):

@@ -35,7 +35,7 @@ import numpy as np
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
-from minidist.parallel.tp_model import GatheredModel, TensorParallelGPT, check_tp_sizes
+from minidist.tp.model import GatheredModel, TensorParallelGPT, check_tp_sizes
 from minidist.train import checkpoint
 from minidist.train.strategy import SingleProcess
 
@@ -60,12 +60,12 @@ def make_tensor_parallel(args, world):
     if problems:
         raise SystemExit("tensor parallelism: " + "; ".join(problems))
     from minidist.comm import DeviceMesh
-    from minidist.train.data_parallel import DataParallel
+    from minidist.ddp.strategy import DataParallel
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=tp, pp=1, algo=args.comm)
     if args.zero:                          # ZeRO-k over the dp group, around the TP model
-        from minidist.train.zero_strategy import ZeroDataParallel
+        from minidist.zero.strategy import ZeroDataParallel
         inner = ZeroDataParallel(mesh.dp, args.zero)
     elif dp > 1:
         inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
@@ -132,7 +132,7 @@ class TensorParallel(SingleProcess):
     def _replicated_grads(self):
         """The replicated parameters' gradient elements that this rank's optimizer norms:
         their .grad arrays, or under ZeRO the pieces of them inside this rank's flat gradient
-        shards (a FlatUnit's pieces(): minidist/parallel/flat.py). The flat layout is the same
+        shards (a FlatUnit's pieces(): minidist/zero/flat.py). The flat layout is the same
         on every tp rank, so those pieces are too."""
         engine = getattr(self.inner, "engine", None)
         if engine is None:

@@ -6,7 +6,7 @@ forward takes `t_fwd` time units, a backward `t_bwd`, a message none. Each stage
 own clock; a receive moves it to the sender's clock at the send if that is later (the stage
 waited). The clocks do not depend on how the threads interleave, so the picture is exact:
 
-    python -m minidist.parallel.pp_simulate --stages 4 --micro-batches 8
+    python -m minidist.pp.simulate --stages 4 --micro-batches 8
 
 prints both schedules' timelines (digit i: forward of micro-batch i; letter: its backward,
 a = 0, b = 1, ...; '.': idle), the bubble per stage, and the most micro-batches each stage
@@ -17,7 +17,7 @@ import argparse
 import queue
 import threading
 
-from minidist.parallel.pipeline import SCHEDULES
+from minidist.pp.schedule import SCHEDULES
 
 
 class SimLink:

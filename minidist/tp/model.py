@@ -7,7 +7,7 @@ A block split over 2 ranks (README: Tensor parallelism draws it with sequence pa
               -> ln_2 -> f -> c_fc cols (4C/tp) -> gelu -> c_proj rows -> g -> + b -> ... -> + x
 
 f = identity forward / all-reduce backward, g = all-reduce forward / identity backward
-(minidist/parallel/tensor_parallel.py): 2 all-reduces of B*T*C per block forward, 2 backward.
+(minidist/tp/region.py): 2 all-reduces of B*T*C per block forward, 2 backward.
 The embedding is split by vocabulary (g after the lookup) and the tied output layer uses the
 same shard (f before it), feeding a vocabulary-parallel cross-entropy.
 
@@ -26,8 +26,8 @@ from minidist.nn.gpt import GPT, MLP, Block, CausalSelfAttention, _DROPOUT_STREA
 from minidist.autograd import ops
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
-from minidist.parallel.tensor_parallel import SEQ_AXIS, TensorParallelRegion, gather_from_tp
-from minidist.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear,
+from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
+from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, ShardRNG,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 

@@ -1,4 +1,4 @@
-"""The PipelineParallel strategy: GPT cut into --pp stages (minidist/parallel/pipeline.py),
+"""The PipelineParallel strategy: GPT cut into --pp stages (minidist/pp/schedule.py),
 optionally tensor-parallel inside each stage (--tp) and data-parallel across replicas (--dp).
 
     mpirun -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4
@@ -21,7 +21,7 @@ SingleProcess (minidist/train/strategy.py):
                         counts it), TP's reduction over tp, then summed over pp
     global_mean         the loss averaged over dp
     save / load         the whole model gathered to rank 0 in the one-process format; every
-                        rank loads its own parameters from it (pp_checkpoint.py)
+                        rank loads its own parameters from it (minidist/pp/checkpoint.py)
 Tests: tests/test_pipeline.py.
 """
 import contextlib
@@ -30,9 +30,10 @@ import math
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
-from minidist.parallel.pipeline import (SCHEDULES, MicroBatches, bubble_fraction,
+from minidist.pp.schedule import (SCHEDULES, MicroBatches, bubble_fraction,
                                         bubble_theory, split_layers)
-from minidist.train import memory, pp_checkpoint
+from minidist.pp import checkpoint as pp_checkpoint
+from minidist.train import memory
 from minidist.train.strategy import SingleProcess
 
 
@@ -55,7 +56,7 @@ def pipeline_problems(args, world):
                         f"--grad-accum {accum} x --micro-batches {m} = {dp * accum * m} equal "
                         f"micro-batches; choose a multiple of {dp * accum * m}")
     if tp > 1:
-        from minidist.parallel.tp_model import check_tp_sizes
+        from minidist.tp.model import check_tp_sizes
         problems += check_tp_sizes(args, tp)
         if args.sequence_parallel and args.block_size % tp:
             problems.append(f"--sequence-parallel: --block-size {args.block_size} must be a "
@@ -115,7 +116,7 @@ class PipelineParallel(SingleProcess):
 
     # ---- the model -------------------------------------------------------------------------
     def build_model(self, config, seed, dtype):
-        from minidist.parallel.pp_stage import GPTStage, TensorParallelGPTStage
+        from minidist.pp.stage import GPTStage, TensorParallelGPTStage
         layers = split_layers(config.n_layer, self.group.size)[self.group.rank]
         if self.mesh.shape["tp"] > 1:
             stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
@@ -128,7 +129,7 @@ class PipelineParallel(SingleProcess):
         if self.amp:
             stage = self.amp.cast_model(stage)
         if self.mesh.shape["dp"] > 1:
-            from minidist.parallel.ddp import DistributedDataParallel
+            from minidist.ddp.ddp import DistributedDataParallel
             self.ddp = DistributedDataParallel(stage, self.mesh.dp, self.ddp_mode,
                                                self.bucket_mb)
         self.stage = stage
@@ -233,7 +234,7 @@ class PipelineParallel(SingleProcess):
     def comm_bytes(self):
         return trace.bytes_sent()
 
-    # ---- checkpoints: the whole model, in the one-process format (pp_checkpoint.py) --------
+    # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --------
     def save(self, directory, model, optimizer, step, rng_states, extra):
         pp_checkpoint.save(self, directory, model, optimizer, step, rng_states, extra)
 
@@ -278,7 +279,7 @@ def model_xp(model):
 
 def _tensor_parallel_view(mesh, stage, sequence_parallel):
     """TensorParallel's bookkeeping (clip over tp, optimizer gather/shard) for this stage."""
-    from minidist.train.tensor_parallel import TensorParallel
+    from minidist.tp.strategy import TensorParallel
     tp = TensorParallel(mesh, sequence_parallel)
     tp.model = stage
     tp._replicated = [p for p in stage.parameters() if p.tp_split is None]

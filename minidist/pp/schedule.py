@@ -9,7 +9,7 @@ knows (rows, T, C) and the dtype from the config and the batch, so no shape mess
 
 GPipe (all forward, then all backward), p = 4 stages, m = 8 micro-batches; digit i: forward
 of micro-batch i, letter: its backward (a = 0, b = 1, ...) taking twice as long, '.': idle
-(`python -m minidist.parallel.pp_simulate` runs the functions below to draw this):
+(`python -m minidist.pp.simulate` runs the functions below to draw this):
 
     stage 0 |01234567.........aabbccddeeffgghh|
     stage 1 |.01234567......aabbccddeeffgghh..|
@@ -37,8 +37,8 @@ Backward runs in micro-batch order 0..m-1 in both schedules, so both sum every p
 gradient in the same order: GPipe and 1F1B give bitwise the same step.
 `VERBOSE=1` logs every send and receive (rank, stage, direction, micro-batch, shape).
 
-The stage modules: minidist/parallel/pp_stage.py; the strategy (tied embedding, DDP, TP,
-clipping, loss): minidist/train/pipeline_parallel.py; the one-process simulation behind the
+The stage modules: minidist/pp/stage.py; the strategy (tied embedding, DDP, TP,
+clipping, loss): minidist/pp/strategy.py; the one-process simulation behind the
 pictures: pp_simulate.py.
 Tests: tests/test_pipeline.py (exactness vs one process, in-flight activations, bad input).
 """

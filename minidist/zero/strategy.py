@@ -1,19 +1,19 @@
-"""The ZeRO strategy: ZeRO-1/2/3 (minidist/parallel/zero.py) plugged into the training loop.
+"""The ZeRO strategy: ZeRO-1/2/3 (minidist/zero/zero.py) plugged into the training loop.
 
     mpirun -n 4 python examples/train_gpt.py --zero 1          # dp = 4 (the world) by default
     mpirun -n 4 python examples/train_gpt.py --zero 3 --log-json run.jsonl --save ckpt
     mpirun -n 2 python examples/train_gpt.py --zero 1 --resume ckpt     # resharded 4 -> 2
 
-What it changes from DataParallel (minidist/train/data_parallel.py), whose batch split it keeps:
+What it changes from DataParallel (minidist/ddp/strategy.py), whose batch split it keeps:
     build_model / wrap  the model (built by SingleProcess, or by another strategy: `wrap`),
                         flattened into units and sharded over the dp group: zero_engine
-    build_optimizer     ShardedAdamW over this rank's shards (minidist/parallel/zero_optim.py)
+    build_optimizer     ShardedAdamW over this rank's shards (minidist/zero/optim.py)
     forward_backward    the model itself (stage 2/3 hooks and gathers are inside it); stage 1
                         accumulates micro-batches in its full gradient buffers, stages 2 and 3
                         reduce-scatter each micro-batch's gradients into the shards
     sync_grads          engine.sync_grads(): the reduce-scatters
     sum_sq_across_ranks the local sum of squares of the gradient shards, summed over dp
-    save / load         sharded checkpoints, any world size / stage (sharded_checkpoint.py)
+    save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
     save_pretrained     GPT-2 format, the parameters gathered to rank 0
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
                         rank) and the bytes sent per step
@@ -25,11 +25,11 @@ import types
 
 from minidist.backend import xp_of
 from minidist.comm import trace
-from minidist.parallel.zero import zero_engine
-from minidist.parallel.zero_optim import ShardedAdamW
+from minidist.zero.zero import zero_engine
+from minidist.zero.optim import ShardedAdamW
 from minidist.train import memory
-from minidist.train.data_parallel import DataParallel, traced
-from minidist.train.sharded_checkpoint import load_sharded, save_sharded
+from minidist.ddp.strategy import DataParallel, traced
+from minidist.zero.checkpoint import load_sharded, save_sharded
 from minidist.train.strategy import SingleProcess
 
 

@@ -12,7 +12,7 @@ its own parameters from `gpt_init(config, seed, names=...)`: the same numbers as
 The tied embedding: the first stage looks tokens up in wte, the last stage multiplies by
 wte^T for the logits. Both hold the same initial wte; after each backward the strategy sums
 their two gradients over a 2-rank embedding group (Megatron-LM's way), so both copies take
-the same optimizer step and stay equal (minidist/train/pipeline_parallel.py).
+the same optimizer step and stay equal (minidist/pp/strategy.py).
 
 The stage classes reuse the model classes' own pieces: `embed`, `run_blocks`, `head` and the
 layers are GPT's (or TensorParallelGPT's), so a stage runs the same code as the whole model.
@@ -27,11 +27,11 @@ from minidist.autograd import Tensor, is_grad_enabled
 from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, gpt_init
 from minidist.nn.layers import Dropout, Embedding, LayerNorm
 from minidist.nn.module import Module, ModuleDict, ModuleList
-from minidist.parallel.pipeline import StageLink
-from minidist.parallel.tensor_parallel import SEQ_AXIS, TensorParallelRegion
-from minidist.parallel.tp_layers import (SequenceParallelLayerNorm, ShardRNG,
+from minidist.pp.schedule import StageLink
+from minidist.tp.region import SEQ_AXIS, TensorParallelRegion
+from minidist.tp.layers import (SequenceParallelLayerNorm, ShardRNG,
                                          VocabParallelEmbedding)
-from minidist.parallel.tp_model import ParallelBlock, TensorParallelGPT, check_tp_sizes
+from minidist.tp.model import ParallelBlock, TensorParallelGPT, check_tp_sizes
 
 
 class BlockRange(ModuleList):
@@ -101,7 +101,7 @@ class PipelineStage:
         pipeline as one micro-batch. Evaluation only: training goes through the schedules."""
         if is_grad_enabled():
             raise RuntimeError("a pipeline stage's forward() is for evaluation (no_grad); "
-                               "training runs through minidist/parallel/pipeline.py")
+                               "training runs through minidist/pp/schedule.py")
         loss = self._pipe_forward(idx, targets)
         buf = self.link.xp.asarray([0.0 if loss is None else float(loss.item())], "float64")
         self.link.group.broadcast(buf, root=self.link.n_stages - 1)

@@ -1,4 +1,4 @@
-"""The DataParallel strategy: DDP (minidist/parallel/ddp.py) plugged into the training loop.
+"""The DataParallel strategy: DDP (minidist/ddp/ddp.py) plugged into the training loop.
 
     mpirun -n 4 python examples/train_gpt.py                       # dp = 4: overlapped, ring
     mpirun -n 2 python examples/train_gpt.py --grad-accum 2 --ddp bucketed --comm mpi
@@ -24,7 +24,7 @@ import time
 
 from minidist.backend import xp_of
 from minidist.comm import trace
-from minidist.parallel.ddp import DistributedDataParallel
+from minidist.ddp.ddp import DistributedDataParallel
 from minidist.train import memory
 from minidist.train.strategy import SingleProcess
 
@@ -52,7 +52,7 @@ class DataParallel(SingleProcess):
 
     def wrap(self, model):
         """DDP over this strategy's group around a model built elsewhere (e.g. this rank's
-        tensor-parallel part: minidist/train/tensor_parallel.py)."""
+        tensor-parallel part: minidist/tp/strategy.py)."""
         self.ddp = DistributedDataParallel(model, self.group, self.mode, self.bucket_mb)
         return model
 

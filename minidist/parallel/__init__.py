@@ -1,2 +1,0 @@
-"""Parallel strategies, one file each: ddp.py (data parallelism; ZeRO, tensor and pipeline
-parallelism land beside it)."""
