@@ -13,7 +13,7 @@ import pytest
 
 from minidist import backend
 from minidist.autograd import Function, Tensor, fused as F, ops
-from minidist.autograd import attention, indexing
+from minidist.autograd import attention, flash, indexing
 from minidist.autograd.gradcheck import gradcheck
 
 
@@ -153,6 +153,12 @@ CASES = [
     Case("causal_self_attention_dropout", (attention.CausalSelfAttention,),
          lambda x: F.causal_self_attention(x, 2, 0.2, backend.rng(3)),
          lambda: [T(randn(2, 4, 12))]),
+    Case("tiled_attention", (flash.TiledAttention,),
+         lambda q, k, v: flash.tiled_attention(q, k, v, block=2),
+         lambda: [T(randn(2, 2, 5, 3, seed=i)) for i in range(3)], lambda *a: ref_attn(*a)),
+    Case("tiled_self_attention", (flash.TiledSelfAttention,),
+         lambda x: flash.tiled_self_attention(x, 2, block=3), lambda: [T(randn(2, 7, 12))],
+         lambda x: ref_self_attn(x, 2)),
 ]
 
 TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
@@ -215,7 +221,7 @@ def _functions_in(module):
 def test_every_function_is_in_the_table():
     covered = {c for case in CASES for c in case.covers}
     every = (_functions_in(ops) | _functions_in(indexing) | _functions_in(F)
-             | _functions_in(attention))
+             | _functions_in(attention) | _functions_in(flash))
     missing = sorted(c.__name__ for c in every - covered)
     assert not missing, f"Functions with no gradient check in CASES: {missing}"
 

@@ -127,7 +127,7 @@ def causal_attention(q, k, v, dropout_p=0.0, rng=None):
     return CausalAttention.apply(q, k, v, dropout_p, rng)
 
 
-def _heads(a, n_head):
+def heads_view(a, n_head):
     """(B, T, 3C) -> a (3, B, nh, T, hs) view, no copy: each (T, hs) matrix is strided
     (row stride 3C) in a way BLAS takes directly, so the matmuls read qkv in place."""
     B, T, C3 = a.shape
@@ -145,7 +145,7 @@ class CausalSelfAttention(Function):
         B, T, C3 = qkv.shape
         if C3 % 3 or (C3 // 3) % n_head:
             raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
-        q, k, v = _heads(qkv, n_head)                        # (B, nh, T, hs) views
+        q, k, v = heads_view(qkv, n_head)                        # (B, nh, T, hs) views
         y = xp.empty((B, T, C3 // 3), qkv.dtype)             # (B, T, C)
         yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
         saved = _attn_forward(q, k, v, dropout_p, rng, yh)
@@ -162,8 +162,8 @@ class CausalSelfAttention(Function):
         gy = (g4 * y.reshape(B, T, nh, C // nh)).sum(axis=-1)    # (B, T, nh): g_i . y_i
         gy = gy.transpose(0, 2, 1)[..., None]                # (B, nh, T, 1)
         dqkv = xp.empty_like(qkv)                            # (B, T, 3C)
-        q, k, v = _heads(qkv, nh)
-        _attn_backward(g4.transpose(0, 2, 1, 3), gy, q, k, v, saved, _heads(dqkv, nh))
+        q, k, v = heads_view(qkv, nh)
+        _attn_backward(g4.transpose(0, 2, 1, 3), gy, q, k, v, saved, heads_view(dqkv, nh))
         return dqkv, None, None, None
 
 

@@ -1,0 +1,228 @@
+"""Tiled causal attention (FlashAttention's algorithm) in plain xp code: O(T) memory per row.
+
+Dimensions: B batch, nh heads, T sequence, hs head size, b the tile (block) size.
+attention.py materialises P = softmax(q k^T / sqrt(hs)) as a (B, nh, T, T) array and keeps it
+for backward. Here the queries are cut into row blocks of b and the keys/values into column
+blocks of b; for each row block the key blocks arrive one by one and an online softmax keeps,
+per query row, a running max m and a running sum l of exp(s - m):
+
+    s = q_i k_j^T / sqrt(hs)                   (B, nh, b, b)  one tile of scores
+    m' = max(m, rowmax(s));  a = exp(m - m')   rescales what was summed under the old max
+    p = exp(s - m');  l = a l + rowsum(p);  acc = a acc + p v_j
+    after the last block:  y_i = acc / l,  lse_i = m + log l      (log-sum-exp per row)
+
+Only (q, k, v, y, lse) are saved: lse is (B, nh, T), O(T), not O(T^2). Backward recomputes
+each tile's probabilities p = exp(s - lse) and uses the identity sum_j P_ij dP_ij = g_i . y_i
+(as attention.py does). Causal: a tile whose first key comes after its last query is never
+computed, so about half the (T/b)^2 tiles are skipped (`attention_flops` counts them); only
+tiles that cross the diagonal are masked. No dropout: a (T, T) mask is what this avoids
+keeping (GPTConfig refuses attention="tiled" with dropout > 0).
+`partial_attention` + `merge_partials` are the same online softmax across key chunks held
+elsewhere (ring attention's building blocks). Tests: tests/test_attention_tiled.py,
+tests/test_gradcheck.py.
+"""
+import itertools
+import math
+
+from minidist.autograd.attention import heads_view
+from minidist.autograd.function import Function
+from minidist.backend import matmul as _mm, xp_of
+
+DEFAULT_BLOCK = 64
+
+
+def block_pairs(T, block, causal=True, q_start=0, k_start=0, T_k=None):
+    """The (query rows r0:r1, keys c0:c1, crosses_diagonal) tiles computed, row block by row
+    block. Positions are global (queries from q_start, keys from k_start); causal skips a
+    tile whose first key is after its last query and marks the ones that need a mask."""
+    T_k = T if T_k is None else T_k
+    for r0 in range(0, T, block):
+        r1 = min(r0 + block, T)
+        for c0 in range(0, T_k, block):
+            c1 = min(c0 + block, T_k)
+            if causal and k_start + c0 > q_start + r1 - 1:
+                break                                        # this tile and all after: future
+            yield r0, r1, c0, c1, causal and k_start + c1 - 1 > q_start + r0
+
+
+def attention_flops(T, hs, block, causal=True):
+    """Forward matmul FLOPs of one head: 2 b_q b_k hs for s = q k^T and as many for p v, per
+    computed tile. Returns {"tiles", "tiles_full", "flops", "flops_full"}; "full" is the
+    whole T x T square. Causal tiles: n (n + 1) / 2 of n^2 for n = T / b, so the ratio
+    is (n + 1) / (2 n): 0.53 at T = 1024, b = 64; backward does 2.5x forward's matmuls."""
+    tiles = flops = 0
+    for r0, r1, c0, c1, _ in block_pairs(T, block, causal):
+        tiles += 1
+        flops += 4 * (r1 - r0) * (c1 - c0) * hs
+    n = -(-T // block)
+    return {"tiles": tiles, "tiles_full": n * n, "flops": flops, "flops_full": 4 * T * T * hs}
+
+
+def _tile_scores(q_i, k_j, r0, c0, masked, offset):
+    """s = q_i k_j^T (q_i pre-scaled), with -inf where key position > query position.
+    offset = k_start - q_start, so key c is after query r when c + offset > r."""
+    xp = xp_of(q_i)
+    s = _mm(q_i, xp.swapaxes(k_j, -1, -2))                   # (B, nh, bq, bk)
+    if masked:
+        r = xp.arange(r0, r0 + s.shape[-2])[:, None]
+        c = xp.arange(c0, c0 + s.shape[-1])[None, :] + offset
+        s[..., c > r] = -math.inf
+    return s
+
+
+def _stat_dtype(xp, dtype):
+    """Row statistics (m, l, lse) at least in float32, even for float16 inputs."""
+    return xp.result_type(dtype, xp.float32)
+
+
+def _row_block(q_i, k, v, tiles, offset, scale):
+    """Online softmax of one query row block over its key tiles -> (y_i, lse_i)."""
+    xp = xp_of(q_i)
+    lead, bq = q_i.shape[:-2], q_i.shape[-2]
+    sd = _stat_dtype(xp, q_i.dtype)
+    m = xp.full(lead + (bq, 1), -math.inf, sd)               # running max per row
+    l = xp.zeros(lead + (bq, 1), sd)                         # running sum of exp(s - m)
+    acc = xp.zeros(q_i.shape, sd)                            # running sum of p v
+    q_s = q_i * scale
+    for r0, _, c0, c1, masked in tiles:
+        s = _tile_scores(q_s, k[..., c0:c1, :], r0, c0, masked, offset)
+        m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+        m_new = xp.where(xp.isfinite(m_new), m_new, 0.0)     # a row with no key yet: exp(-inf)
+        alpha = xp.exp(m - m_new)                            # old sums under the new max
+        p = xp.exp(s - m_new)                                # (B, nh, bq, bk)
+        l *= alpha
+        l += p.sum(axis=-1, keepdims=True)
+        acc *= alpha
+        acc += _mm(p.astype(v.dtype, copy=False), v[..., c0:c1, :])
+        m = m_new
+    seen = l > 0                                             # False: every key was masked
+    y = acc / xp.where(seen, l, 1.0)
+    lse = xp.where(seen, m + xp.log(xp.where(seen, l, 1.0)), -math.inf)
+    return y.astype(q_i.dtype, copy=False), lse[..., 0]
+
+
+def partial_attention(q, k, v, q_start=0, k_start=0, block=DEFAULT_BLOCK, causal=True):
+    """Attention of queries q (.., Tq, hs) at positions q_start.. over ONE chunk of keys and
+    values (.., Tk, hs) at positions k_start.., arrays in and out, no graph.
+    Returns (y, lse): y (.., Tq, hs) normalised over this chunk only, lse (.., Tq) its
+    log-sum-exp (-inf for a row that sees no key). `merge_partials` combines chunks."""
+    xp = xp_of(q)
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    y = xp.empty(q.shape, q.dtype)
+    lse = xp.empty(q.shape[:-1], _stat_dtype(xp, q.dtype))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    rows = itertools.groupby(block_pairs(Tq, block, causal, q_start, k_start, Tk),
+                             key=lambda tile: tile[:2])
+    y[...], lse[...] = 0, -math.inf                          # rows that see no key at all
+    for (r0, r1), tiles in rows:
+        y[..., r0:r1, :], lse[..., r0:r1] = _row_block(q[..., r0:r1, :], k, v, tiles,
+                                                       k_start - q_start, scale)
+    return y, lse
+
+
+def merge_partials(y_a, lse_a, y_b, lse_b):
+    """Two results of the same queries over disjoint key chunks -> the result over both:
+    lse = log(e^lse_a + e^lse_b), y = y_a e^(lse_a - lse) + y_b e^(lse_b - lse).
+    A chunk a row cannot see (lse -inf) gets weight 0."""
+    xp = xp_of(y_a)
+    lse = xp.logaddexp(lse_a, lse_b)                         # (.., T)
+    ref = xp.where(xp.isfinite(lse), lse, 0.0)
+    w_a = xp.exp(lse_a - ref)[..., None]                     # (.., T, 1)
+    w_b = xp.exp(lse_b - ref)[..., None]
+    return (y_a * w_a + y_b * w_b).astype(y_a.dtype, copy=False), lse
+
+
+def _forward(q, k, v, block, out):
+    """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
+    returns lse (B, nh, T)."""
+    y, lse = partial_attention(q, k, v, 0, 0, block)
+    out[...] = y
+    return lse
+
+
+def _backward(g, q, k, v, y, lse, block, out):
+    """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
+    probabilities are recomputed from lse; nothing (T, T) is ever held."""
+    xp = xp_of(g)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = out[0], out[1], out[2]
+    dq[...] = 0
+    dk[...] = 0
+    dv[...] = 0
+    D = (g * y).sum(axis=-1, keepdims=True)                  # (B, nh, T, 1): g_i . y_i
+    T = q.shape[-2]
+    for r0, r1, c0, c1, masked in block_pairs(T, block):
+        q_i, g_i, k_j, v_j = q[..., r0:r1, :], g[..., r0:r1, :], k[..., c0:c1, :], \
+            v[..., c0:c1, :]
+        s = _tile_scores(q_i * scale, k_j, r0, c0, masked, 0)
+        p = xp.exp(s - lse[..., r0:r1, None])                 # the forward's probabilities
+        p = p.astype(q.dtype, copy=False)
+        dv[..., c0:c1, :] += _mm(xp.swapaxes(p, -1, -2), g_i)   # y = p v: dv = p^T g
+        dp = _mm(g_i, xp.swapaxes(v_j, -1, -2))               # dp = g v^T
+        dp -= D[..., r0:r1, :]                                # softmax: ds = p (dp - g.y)
+        dp *= p
+        dp *= scale                                           # s = q k^T / sqrt(hs)
+        dq[..., r0:r1, :] += _mm(dp, k_j)                     # dq = ds k
+        dk[..., c0:c1, :] += _mm(xp.swapaxes(dp, -1, -2), q_i)  # dk = ds^T q
+
+
+class TiledAttention(Function):
+    """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs), causal, tiles of `block` rows/keys."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block=DEFAULT_BLOCK):
+        if not (q.shape == k.shape == v.shape) or q.ndim < 2:
+            raise ValueError("q, k, v must have one shape (B, nh, T, hs)")
+        y = xp_of(q).empty(q.shape, q.dtype)
+        lse = _forward(q, k, v, block, y)
+        ctx.save_for_backward(q, k, v, y, lse)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, y, lse = ctx.saved
+        out = xp_of(grad).empty((3,) + q.shape, q.dtype)
+        _backward(grad, q, k, v, y, lse, ctx.block, out)
+        return out[0], out[1], out[2], None
+
+
+class TiledSelfAttention(Function):
+    """GPT-2's fused qkv (B, T, 3C) -> y (B, T, C), as attention.CausalSelfAttention (heads
+    split and merged as strided views), computed tile by tile."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, block=DEFAULT_BLOCK):
+        xp = xp_of(qkv)
+        B, T, C3 = qkv.shape
+        if C3 % 3 or (C3 // 3) % n_head:
+            raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
+        q, k, v = heads_view(qkv, n_head)                     # (B, nh, T, hs) views
+        y = xp.empty((B, T, C3 // 3), qkv.dtype)              # (B, T, C)
+        yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        lse = _forward(q, k, v, block, yh)                    # (B, nh, T)
+        ctx.save_for_backward(qkv, y, lse)
+        ctx.n_head, ctx.block = n_head, block
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, y, lse = ctx.saved
+        nh = ctx.n_head
+        B, T, C = grad.shape
+        g = grad.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)     # (B, nh, T, hs)
+        yh = y.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+        dqkv = xp_of(grad).empty_like(qkv)                    # (B, T, 3C)
+        q, k, v = heads_view(qkv, nh)
+        _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, nh))
+        return dqkv, None, None
+
+
+def tiled_attention(q, k, v, block=DEFAULT_BLOCK):
+    """Causal attention over heads already split, (B, nh, T, hs) each, in tiles of `block`."""
+    return TiledAttention.apply(q, k, v, block)
+
+
+def tiled_self_attention(qkv, n_head, block=DEFAULT_BLOCK):
+    """(B, T, 3C) -> (B, T, C) causal self-attention in tiles of `block` (no dropout)."""
+    return TiledSelfAttention.apply(qkv, n_head, block)
