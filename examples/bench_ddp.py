@@ -25,7 +25,7 @@ from minidist.comm import ProcessGroup
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.train.strategy import SingleProcess
 
 
@@ -61,7 +61,8 @@ def run(run_, step, args, group, timed):
     if timed:
         run_["times"].append(float(buf[0]))
     else:
-        run_["first"] = len(getattr(run_["strategy"], "stats", ()))
+        stats = getattr(run_["strategy"], "stats", None)
+        run_["first"] = stats.count if stats is not None else 0
 
 
 def report(run_, args, group):
@@ -73,7 +74,7 @@ def report(run_, args, group):
            "threads": backend.blas_threads(), "device": backend.device()}
     strategy = run_["strategy"]
     if isinstance(strategy, DataParallel):
-        stats = strategy.stats[run_["first"]:]
+        stats = list(strategy.stats.rows)[run_["first"] - strategy.stats.count:]
         row.update(compute_ms=_median_ms(stats, "compute_s"),
                    exposed_comm_ms=_median_ms(stats, "exposed_s"),
                    comm_mb_per_step=round(stats[-1]["bytes_sent"] / 2**20, 3),

@@ -30,7 +30,7 @@ from minidist.comm import trace
 from minidist.nn import GPTConfig
 from minidist.pp.schedule import bubble_fraction, bubble_theory
 from minidist.train.args import add_model_args, train_parser
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.train.strategy import make_strategy
 
 
@@ -80,7 +80,7 @@ def run(cli, schedule, m, comm):
     rows, model_bubble = per_stage[k]
     return {"schedule": schedule, "pp": comm.size, "micro_batches": m,
             "rows_per_micro": args.batch_size // m,
-            "in_flight": comm.gather(strategy.stats[0]["in_flight"], root=0),
+            "in_flight": comm.gather(strategy.stats["in_flight"], root=0),
             "activation_mib": comm.gather(round(mem["activations"] / 2**20, 2), root=0),
             "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in rows],
             "bubble_theory": round(bubble_theory(comm.size, m), 3),

@@ -26,7 +26,7 @@ from minidist.train import memory
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.zero.strategy import ZeroDataParallel
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")

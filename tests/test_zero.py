@@ -16,7 +16,7 @@ from minidist.nn import GPT
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.train import memory
 from minidist.train.checkpoint import CheckpointError, load_checkpoint
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.train.strategy import SingleProcess
 from mpirun import ROOT, run_mpi, tagged_json
 

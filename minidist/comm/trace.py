@@ -18,6 +18,7 @@ Three things, all per process (per rank):
 
 Tests: tests/test_comm.py (counters against 2(N-1)/N, the Chrome trace file).
 """
+import contextlib
 import json
 import os
 import sys
@@ -179,3 +180,14 @@ def write_chrome_trace(path, group):
 def now():
     """Wall-clock seconds: the same clock on every rank of a node, so rows line up."""
     return time.time()
+
+
+@contextlib.contextmanager
+def compute(name):
+    """Record the enclosed computation as an event on the trace's "compute" row (a no-op
+    unless tracing is on): the forward, backward and waits of a step beside the collectives."""
+    start = now()
+    yield
+    if enabled():
+        record(dict(seq=0, op=name, algo="compute", group="compute", dtype="", bytes=0,
+                    issued=start, start=start, end=now()))

@@ -7,7 +7,7 @@ What it changes from SingleProcess (minidist/train/strategy.py):
     build_model         the same GPT on every rank, wrapped in DDP (which broadcasts rank 0's
                         parameters, so the ranks start identical whatever they built)
     local_rows          rank r's rows [r*B/N, (r+1)*B/N) of the global batch of B rows
-    forward_backward    through the wrapper; every micro-batch but the last under no_sync()
+    no_sync             DDP's: micro-batches that only accumulate (train/step.py)
     sync_grads          the DDP average (overlapped: waits for the all-reduces backward began)
     sum_sq_across_ranks None: after the average every rank holds the same, whole gradients, so
                         its local norm is the global one. (ZeRO, whose ranks hold disjoint
@@ -15,79 +15,83 @@ What it changes from SingleProcess (minidist/train/strategy.py):
     global_mean         the loss averaged over the dp group (all-reduce "avg")
     comm_bytes          the trace counters: bytes this rank sent since the run began
     save / load         rank 0 writes (the model is replicated), every rank reads
-Per step it also keeps `stats`: compute seconds (forward + backward), exposed communication
+Per step it also adds to `stats` (running means): compute seconds (forward + backward), exposed communication
 seconds (how long sync_grads kept the step waiting) and gradient bytes this rank sent.
 Tests: tests/test_ddp.py.
 """
-import contextlib
+import collections
 import time
 
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.ddp.ddp import DistributedDataParallel
-from minidist.train import memory
 from minidist.train.strategy import SingleProcess
 
 
-@contextlib.contextmanager
-def traced(name):
-    """Record the enclosed computation as an event on the trace's "compute" row."""
-    start = trace.now()
-    yield
-    if trace.enabled():
-        trace.record(dict(seq=0, op=name, algo="compute", group="compute", dtype="", bytes=0,
-                          issued=start, start=start, end=trace.now()))
+def dp_rows(x, y, rank, size):
+    """Rows [r*B/N, (r+1)*B/N) of a global batch of B rows: data-parallel rank r's share."""
+    n = len(x) // size
+    if n * size != len(x):
+        raise ValueError(f"a global batch of {len(x)} rows does not split into {size} equal "
+                         "shards (--batch-size, --dp)")
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+class StepStats:
+    """The last `keep` steps' rows for the end-of-run summary (a long run keeps no growing
+    list), and how many steps there were."""
+
+    def __init__(self, keep=100):
+        self.rows, self.count = collections.deque(maxlen=keep), 0
+
+    def add(self, **row):
+        self.rows.append(row)
+        self.count += 1
+
+    def mean(self, key):
+        """Mean over the kept rows, the first (warm-up) step left out while it is kept."""
+        rows = list(self.rows)
+        if self.count == len(rows) and len(rows) > 1:
+            rows = rows[1:]
+        return sum(r[key] for r in rows) / max(len(rows), 1)
 
 
 class DataParallel(SingleProcess):
+    """One-process training plus DDP's gradient average: the same model on every rank, each
+    rank its rows of the batch."""
 
     def __init__(self, group, mode="overlapped", bucket_mb=1.0):
         self.group, self.mode, self.bucket_mb = group, mode, bucket_mb
         self.rank, self.world_size = group.rank, group.size
         self.ddp = None
-        self.stats = []                 # one dict per step: compute_s, exposed_s, bytes_sent
+        self.stats = StepStats()        # compute_s, exposed_s, bytes_sent per step
+        self._start = self._sent = None
 
     def build_model(self, config, seed, dtype):
         return self.wrap(super().build_model(config, seed, dtype))
 
     def wrap(self, model):
         """DDP over this strategy's group around a model built elsewhere (e.g. this rank's
-        tensor-parallel part: minidist/tp/strategy.py)."""
+        tensor-parallel part: minidist/tp/strategy.py). DDP registers a grad hook on every
+        parameter: that is how backward starts the all-reduces."""
         self.ddp = DistributedDataParallel(model, self.group, self.mode, self.bucket_mb)
         return model
 
     def local_rows(self, x, y):
-        n, r = len(x) // self.world_size, self.rank
-        if n * self.world_size != len(x):
-            raise ValueError(f"a global batch of {len(x)} rows does not split into "
-                             f"{self.world_size} equal shards (--batch-size, --dp)")
-        return x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
+        return dp_rows(x, y, self.rank, self.world_size)
 
-    def forward_backward(self, model, x, y, n_accum=1, measure=False):
-        """SingleProcess's micro-batch loop through the DDP wrapper: no communication until
-        the last micro-batch's backward."""
-        if len(x) % n_accum:
-            raise ValueError(f"{len(x)} rows do not split into {n_accum} equal micro-batches")
-        start, self._sent = time.perf_counter(), trace.bytes_sent(self.group.name)
-        rows, total, act = len(x) // n_accum, 0.0, 0
-        for i in range(n_accum):
-            last = i == n_accum - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                with traced("forward"):
-                    _, loss = self.ddp(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
-                if measure:
-                    act = max(act, memory.activation_bytes(loss, model.parameters()))
-                total += float(loss.item())
-                with traced("backward"):
-                    self.backward(loss, n_accum)     # / n_accum, x the loss scale (amp)
-        self.stats.append({"compute_s": time.perf_counter() - start})
-        return total / n_accum, act
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def start_step(self):
+        self._start, self._sent = time.perf_counter(), trace.bytes_sent(self.group.name)
 
     def sync_grads(self, model):
-        with traced("wait for gradients"):
-            self.ddp.sync_grads()
-        self.stats[-1].update(exposed_s=self.ddp.last_sync_s,
-                              bytes_sent=trace.bytes_sent(self.group.name) - self._sent)
+        compute = time.perf_counter() - self._start
+        with trace.compute("wait for gradients"):
+            self.ddp.sync_grads()       # overlapped: waits for all-reduces begun in backward
+        self.stats.add(compute_s=compute, exposed_s=self.ddp.last_sync_s,
+                       bytes_sent=trace.bytes_sent(self.group.name) - self._sent)
 
     sum_sq_across_ranks = None
 
@@ -106,13 +110,11 @@ class DataParallel(SingleProcess):
 
     def summary(self):
         """One line for people: the mode, bytes and exposed communication per step."""
-        rows = self.stats[1:] or self.stats           # the first step warms up
-        if not rows:
+        if not self.stats.count:
             return ""
         n, grad = self.world_size, self.ddp.grad_bytes()
-        sent = sum(r["bytes_sent"] for r in rows) / len(rows)
-        exposed = sum(r["exposed_s"] for r in rows) / len(rows)
-        compute = sum(r["compute_s"] for r in rows) / len(rows)
+        sent, exposed = self.stats.mean("bytes_sent"), self.stats.mean("exposed_s")
+        compute = self.stats.mean("compute_s")
         buckets = len(getattr(self.ddp, "buckets", ())) or len(self.ddp.params)
         kind = "buckets" if self.mode != "naive" else "per-parameter all-reduces"
         ratio = (f"the naive algorithm's root sends {n - 1}x, the others 1x"

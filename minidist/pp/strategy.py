@@ -11,7 +11,8 @@ SingleProcess (minidist/train/strategy.py):
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
                         wrapped in DDP over the dp group when dp > 1
     local_rows          rows by dp rank (every stage and tp rank of a replica: the same rows)
-    forward_backward    the schedule (--schedule 1f1b | gpipe) over --micro-batches M; the
+    pipeline_forward_backward (below; train/step.py calls it for each --grad-accum round)
+                        the schedule (--schedule 1f1b | gpipe) over --micro-batches M; the
                         last stage seeds each micro-batch's backward with 1/M, so gradients are
                         of the mean loss over the batch; the loss is broadcast from the last
                         stage. DDP stays silent (no_sync) until sync_grads
@@ -28,6 +29,7 @@ import contextlib
 import math
 
 from minidist.backend import xp_of
+from minidist.ddp.strategy import dp_rows
 from minidist.comm import trace
 from minidist.optim.clip import local_sum_sq
 from minidist.pp.schedule import (SCHEDULES, MicroBatches, bubble_fraction,
@@ -112,7 +114,7 @@ class PipelineParallel(SingleProcess):
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
         self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
         self.stage = self.ddp = self.tp = None
-        self.stats = []                  # per step: peak micro-batches and bytes in flight
+        self.stats = {"steps": 0, "in_flight": 0, "bytes": 0, "sent": 0}   # summary()
 
     # ---- the model -------------------------------------------------------------------------
     def build_model(self, config, seed, dtype):
@@ -151,35 +153,22 @@ class PipelineParallel(SingleProcess):
 
     # ---- one step --------------------------------------------------------------------------
     def local_rows(self, x, y):
-        n, r = len(x) // self.mesh.shape["dp"], self.mesh.dp_rank
-        return x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
+        return dp_rows(x, y, self.mesh.dp_rank, self.mesh.shape["dp"])
 
-    def forward_backward(self, model, x, y, n_accum=1, measure=False):
-        """The schedule over M micro-batches (times --grad-accum rounds); returns (the mean
-        loss of these rows, the most activation bytes this stage held at once)."""
-        m, schedule = self.micro_batches, SCHEDULES[self.schedule]
-        if len(x) % (m * n_accum):
-            raise ValueError(f"{len(x)} rows do not split into {n_accum} x {m} micro-batches")
-        rows, losses = len(x) // n_accum, []
-        peak = {"in_flight": 0, "bytes": 0, "sent": trace.bytes_sent(self.group.name)}
-        model.expect(rows // m, x.shape[1])
-        if self.amp and not model.last:     # backward starts from the last stage's scaled loss
-            self.amp.scaler.used = True
-        with self.ddp.no_sync() if self.ddp else contextlib.nullcontext():
-            for a in range(n_accum):
-                steps = MicroBatches(model, x[a * rows:(a + 1) * rows],
-                                     y[a * rows:(a + 1) * rows], m,
-                                     lambda loss: self.backward(loss, m * n_accum),
-                                     self._live_bytes if measure else None)
-                schedule(model.link, steps)
-                losses += steps.losses
-                peak["in_flight"] = max(peak["in_flight"], steps.peak_in_flight)
-                peak["bytes"] = max(peak["bytes"], steps.peak_bytes)
-        peak["sent"] = trace.bytes_sent(self.group.name) - peak["sent"]   # p2p of this step
-        self.stats.append(peak)
-        return self._loss_from_last_stage(losses), peak["bytes"]
+    def no_sync(self):
+        """DDP across pipelines: silent for every micro-batch (see pipeline_forward_backward)."""
+        return self.ddp.no_sync() if self.ddp else contextlib.nullcontext()
 
-    def _live_bytes(self, live):
+    def start_step(self):
+        self._sent = trace.bytes_sent(self.group.name)
+
+    def end_step(self, activation_bytes):
+        """Counters for summary(): p2p bytes of this step and the activation peak."""
+        self.stats["steps"] += 1
+        self.stats["sent"] += trace.bytes_sent(self.group.name) - self._sent
+        self.stats["bytes"] = max(self.stats["bytes"], activation_bytes)
+
+    def live_bytes(self, live):
         """The memory ledger's activation count over every micro-batch in flight: what
         their graphs keep plus the inputs received, each buffer once, parameters excluded."""
         arrays = []
@@ -187,7 +176,7 @@ class PipelineParallel(SingleProcess):
             arrays += list(memory.graph_arrays(out)) + ([] if inp is None else [inp.data])
         return memory.unique_nbytes(arrays, exclude=[p.data for p in self.stage.parameters()])
 
-    def _loss_from_last_stage(self, losses):
+    def loss_from_last_stage(self, losses):
         xp = model_xp(self.stage)
         buf = xp.asarray([sum(losses) / max(len(losses), 1)], dtype="float64")
         self.group.broadcast(buf, root=self.group.size - 1)
@@ -245,10 +234,8 @@ class PipelineParallel(SingleProcess):
     def summary(self):
         """Lines for people, per stage (collective over pp): micro-batches and activation
         bytes in flight, p2p traffic, and with --trace the bubble measured vs theory."""
-        p, m, steps = self.group.size, self.micro_batches, max(len(self.stats), 1)
-        mine = (max((r["in_flight"] for r in self.stats), default=0),
-                max((r["bytes"] for r in self.stats), default=0),
-                sum(r["sent"] for r in self.stats) / steps, trace.events())
+        p, m, st = self.group.size, self.micro_batches, self.stats
+        mine = (st["in_flight"], st["bytes"], st["sent"] / max(st["steps"], 1), trace.events())
         rows = self.group.comm.gather(mine, root=0)
         if self.group.rank != 0:
             return []
@@ -284,3 +271,25 @@ def _tensor_parallel_view(mesh, stage, sequence_parallel):
     tp.model = stage
     tp._replicated = [p for p in stage.parameters() if p.tp_split is None]
     return tp
+
+
+def pipeline_forward_backward(strategy, model, x, y, scale, measure):
+    """One --grad-accum micro-step of a pipeline: the schedule (--schedule 1f1b | gpipe) runs
+    forward and backward of --micro-batches M slices of (x, y) interleaved across the stages.
+    The last stage seeds each micro-batch's backward with scale / M, so the gradients are of
+    the mean loss. DDP across pipelines stays silent throughout (the caller syncs once): its
+    grad hooks cannot tell which of M interleaved backward passes is the last. Returns (the
+    mean loss of these rows, broadcast from the last stage; the most activation bytes this
+    stage held at once, if `measure`)."""
+    m, schedule = strategy.micro_batches, SCHEDULES[strategy.schedule]
+    if len(x) % m:
+        raise ValueError(f"{len(x)} rows do not split into {m} micro-batches")
+    model.expect(len(x) // m, x.shape[1])
+    if strategy.amp and not model.last:     # backward starts from the last stage's scaled loss
+        strategy.amp.scaler.used = True
+    with strategy.no_sync():
+        steps = MicroBatches(model, x, y, m, lambda loss: strategy.backward(loss, scale / m),
+                             strategy.live_bytes if measure else None)
+        schedule(model.link, steps)
+    strategy.stats["in_flight"] = max(strategy.stats["in_flight"], steps.peak_in_flight)
+    return strategy.loss_from_last_stage(steps.losses), steps.peak_bytes

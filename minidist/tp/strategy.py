@@ -11,8 +11,8 @@ All tp ranks of one dp replica read the same rows of the global batch. What it c
 SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to `inner`:
 
     build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
-    local_rows, forward_backward, global_mean    inner's: rows by dp rank, loss averaged
-                        over dp (every tp rank already holds the same loss)
+    local_rows, no_sync, global_mean    inner's: rows by dp rank, loss averaged over dp
+                        (every tp rank already holds the same loss)
     sync_grads          inner's gradient sync (nothing over tp: f and g did it in backward,
                         including, under sequence parallelism, the all-reduce of replicated
                         parameters' gradients: region.shared)
@@ -28,7 +28,7 @@ Tests: tests/test_tensor_parallel.py.
 """
 import copy
 import os
-import types
+import argparse
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def make_tensor_parallel(args, world):
     this rank alone (so a bad one stops every rank before any collective)."""
     tp = args.tp
     dp = args.dp if args.dp is not None else max(world // tp, 1)
-    problems = check_tp_sizes(types.SimpleNamespace(n_head=args.n_head, n_embd=args.n_embd), tp)
+    problems = check_tp_sizes(args, tp)
     if dp * tp != world:
         problems.insert(0, f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world} "
                            f"MPI process(es); run `mpirun -n {dp * tp} python "
@@ -60,17 +60,11 @@ def make_tensor_parallel(args, world):
     if problems:
         raise SystemExit("tensor parallelism: " + "; ".join(problems))
     from minidist.comm import DeviceMesh
-    from minidist.ddp.strategy import DataParallel
+    from minidist.train.strategy import make_data_parallel
     if args.trace:
         trace.enable()
     mesh = DeviceMesh(dp=dp, tp=tp, pp=1, algo=args.comm)
-    if args.zero:                          # ZeRO-k over the dp group, around the TP model
-        from minidist.zero.strategy import ZeroDataParallel
-        inner = ZeroDataParallel(mesh.dp, args.zero)
-    elif dp > 1:
-        inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
-    else:
-        inner = SingleProcess()
+    inner = make_data_parallel(args, mesh)        # DDP, ZeRO-k or nothing, over mesh.dp
     return TensorParallel(mesh, args.sequence_parallel, inner)
 
 
@@ -80,9 +74,10 @@ class TensorParallel(SingleProcess):
         self.mesh, self.group = mesh, mesh.tp
         self.sequence_parallel = bool(sequence_parallel)
         self.inner = inner if inner is not None else SingleProcess()
+        self.reports_memory = self.inner.reports_memory
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
         self.model, self._sent = None, 0
-        self.tp_bytes = []              # per step: bytes this rank sent on the tp group
+        self.tp_steps, self.tp_sent = 0, 0      # bytes this rank sent on the tp group
 
     def build_model(self, config, seed, dtype):
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
@@ -100,13 +95,21 @@ class TensorParallel(SingleProcess):
     def local_rows(self, x, y):
         return self.inner.local_rows(x, y)
 
-    def forward_backward(self, model, x, y, n_accum=1, measure=False):
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def start_step(self):
         self._sent = trace.bytes_sent(self.group.name)
-        return self.inner.forward_backward(model, x, y, n_accum, measure)
+        self.inner.start_step()
 
     def sync_grads(self, model):
+        """inner's gradient sync over dp; nothing over tp (f and g all-reduced in backward)."""
         self.inner.sync_grads(model)
-        self.tp_bytes.append(trace.bytes_sent(self.group.name) - self._sent)
+        self.tp_steps += 1              # forward and backward's tp traffic, for summary()
+        self.tp_sent += trace.bytes_sent(self.group.name) - self._sent
+
+    def end_step(self, activation_bytes):
+        self.inner.end_step(activation_bytes)
 
     @property
     def sum_sq_across_ranks(self):
@@ -251,14 +254,14 @@ class TensorParallel(SingleProcess):
 
     def summary(self):
         """One line: bytes this rank sent on the tp group per step (forward + backward)."""
-        sent = sum(self.tp_bytes) / max(len(self.tp_bytes), 1)
+        sent = self.tp_sent / max(self.tp_steps, 1)
         return (f"tensor parallel over {self.group.size} ranks ({self.group.algo}, sequence "
                 f"parallel {'on' if self.sequence_parallel else 'off'}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")
 
     def finish(self, args, log):
         log.print0(self.summary())
-        self.inner.finish(types.SimpleNamespace(**{**vars(args), "trace": None}), log)
+        self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective written to {args.trace}")

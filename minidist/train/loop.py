@@ -19,6 +19,7 @@ from minidist.nn import GPTConfig
 from minidist.optim import WarmupCosine
 from minidist.train import memory
 from minidist.train.data import TokenData
+from minidist.train.step import train_step
 from minidist.train.strategy import make_strategy
 
 
@@ -62,24 +63,13 @@ def _rng_states(model):
 
 
 def _config(args, data):
-    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                     block_size=args.block_size, vocab_size=data.vocab_size,
-                     dropout=args.dropout, bias=args.bias)
-
-
-def train_step(strategy, model, opt, x, y, args):
-    """One optimizer step on the GLOBAL batch (x, y): this rank's rows, forward/backward over
-    --grad-accum micro-batches, gradient sync, global clip, update. Returns (loss averaged
-    over ranks, grad norm before clipping, memory ledger or None)."""
-    x, y = strategy.local_rows(x, y)
-    loss, act = strategy.forward_backward(model, x, y, args.grad_accum,
-                                          measure=bool(args.log_json))
-    strategy.sync_grads(model)
-    norm = opt.clip_grad_norm(args.grad_clip, strategy.sum_sq_across_ranks)  # amp: unscaled
-    opt.step()
-    mem = memory.ledger(model.parameters(), opt, act) if args.log_json else None
-    opt.zero_grad()
-    return strategy.global_mean(loss), norm, mem
+    try:
+        return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                         block_size=args.block_size, vocab_size=data.vocab_size,
+                         dropout=args.dropout, bias=args.bias, attention=args.attention,
+                         attention_block=args.attention_block)
+    except ValueError as e:
+        raise SystemExit(f"model flags: {e}") from None
 
 
 def _schedule(args):

@@ -1,41 +1,35 @@
-"""The seam between the training loop and a parallel strategy.
+"""The seam between the training step and a parallel strategy.
 
-The loop (minidist/train/loop.py) never asks "am I data parallel?": it calls a Strategy for
-every step that a parallel run does differently. `SingleProcess` is the reference: one
-process, the whole model, no communication. DDP, ZeRO, tensor and pipeline parallelism
-subclass it and override what they change:
+The step (minidist/train/step.py) is written once; it calls a Strategy for what a parallel
+run does differently. `make_strategy` below composes them in plain sight (TP, then PP, then
+DDP/ZeRO). `SingleProcess` is the reference: one process, the whole model, no communication.
+Each strategy package has its own (minidist/{ddp,zero,tp,pp}/strategy.py):
 
     rank, world_size          rank 0 logs, samples and writes files (print0)
     build_model(config, seed, dtype)        the full GPT, or this rank's part of it
     build_optimizer(model, args)            AdamW over the parameters this rank updates
     local_rows(x, y)          this rank's rows of the GLOBAL batch (x, y)
-    forward_backward(model, x, y, n_accum, measure)
-                              loss summed into grads over n_accum micro-batches; returns
-                              (mean loss of these rows, activation bytes or 0)
+    no_sync()                 context for micro-batches that only accumulate gradients
+    backward(loss, scale)     scale x loss (x the loss scale under float16 --amp)
+    start_step() / end_step(activation_bytes)   counters for the end-of-run summary
     sync_grads(model)         e.g. DDP's all-reduce / ZeRO's reduce-scatter
     sum_sq_across_ranks       None, or f(local sum of squares) -> global (clip_grad_norm)
     global_mean(value)        a float averaged over the ranks that hold different rows
     comm_bytes()              bytes this rank sent since the run began
     save(dir, ...) / load(dir, ...)        checkpoints (ZeRO writes per-rank shards)
     finish(args, log)         end of training: a summary line, the --trace file
-Memory options, for every strategy alike (set by make_strategy from --amp and
---ckpt-activations, used by the SingleProcess methods strategies inherit):
-    amp                       None, or MixedPrecision (minidist/train/amp.py): build_model
-                              casts the model to 16 bits, build_optimizer keeps float32
-                              master weights, backward() scales the loss
-    ckpt_activations          build_model turns on GPT.set_checkpointing
-    backward(loss, n_accum)   what forward_backward calls: (loss / n_accum [x loss scale])
-    max_across_ranks          None, or f(0/1 overflow flag) -> max over ranks (amp)
-    notes()                   log lines on precision and checkpointing
+    notes()                   log lines on precision, checkpointing and the split
     wrap(model)               a data-parallel strategy's hold on a model another strategy
-                              built (TensorParallel builds, DDP wraps); SingleProcess: as is
-    takes_part_in_sampling()  ranks that run the end-of-training sample (model-parallel
-                              strategies: all ranks holding a part of one replica)
-DataParallel (DDP) lives in minidist/ddp/strategy.py, TensorParallel (--tp) in
-minidist/tp/strategy.py, ZeroDataParallel (--zero) in minidist/zero/strategy.py,
-PipelineParallel (--pp, with --tp and --dp inside it) in minidist/pp/strategy.py.
+                              built (TensorParallel builds, DDP or ZeRO wraps); here: as is
+    takes_part_in_sampling()  ranks that run the end-of-training sample
+    reports_memory            True: the step measures activations for finish()'s table
+Memory options, for every strategy alike (set by make_strategy from --amp and
+--ckpt-activations): `amp` (None, or MixedPrecision: minidist/train/amp.py) and
+`ckpt_activations` (GPT.set_checkpointing).
 Tests: tests/test_train.py.
 """
+import contextlib
+
 from minidist.nn import GPT
 from minidist.optim import AdamW
 from minidist.train import checkpoint, memory
@@ -51,19 +45,31 @@ def world_size_from_env():
 
 
 def make_strategy(args):
-    """The strategy the flags ask for: one process, or data parallelism over every rank
-    (dp = world size unless --dp says otherwise). Flags whose feature has not landed are
-    refused politely; inconsistent sizes are refused on every rank before any communication."""
+    """The strategy the flags ask for, composed in the order the model is split (picotron's
+    train.py order):
+
+        1. tensor parallelism inside each layer      --tp   minidist/tp/
+        2. pipeline stages across the layers         --pp   minidist/pp/ (--tp inside a stage)
+        3. data parallelism across the replicas      --dp   DDP minidist/ddp/, or ZeRO-k with
+                                                            --zero k minidist/zero/
+    Every size is checked on this rank alone, so a bad flag stops every rank before any
+    communication; then the DeviceMesh (dp x tp x pp) builds the process groups."""
     world = world_size_from_env()
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
-    if args.pp > 1:            # pipeline (x tensor x data) parallelism: minidist/pp/strategy.py
+    if args.pp > 1:            # 2 (with 1 inside each stage and DDP across): pp/strategy.py
         from minidist.pp.strategy import make_pipeline_parallel
-        return _memory_options(make_pipeline_parallel(args, world), args)
-    if args.tp > 1:            # tensor x (DDP or ZeRO) parallelism: minidist/tp/strategy.py
+        strategy = make_pipeline_parallel(args, world)
+    elif args.tp > 1:          # 1, then 3 around this rank's part: tp/strategy.py
         from minidist.tp.strategy import make_tensor_parallel
-        return _memory_options(make_tensor_parallel(args, world), args)
+        strategy = make_tensor_parallel(args, world)
+    else:                      # 3 alone: the whole model on every rank
+        strategy = make_data_parallel(args, _mesh(args, dp=_dp_size(args, world)))
+    return _memory_options(strategy, args)
+
+
+def _dp_size(args, world):
     dp = args.dp if args.dp is not None else world
     if dp != world:
         raise SystemExit(
@@ -75,18 +81,29 @@ def make_strategy(args):
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
             f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
             f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
-    if args.zero:              # ZeRO-1/2/3 over dp = world: minidist/zero/strategy.py
-        from minidist.zero.strategy import make_zero
-        return _memory_options(make_zero(args, world), args)
-    if world == 1:
-        return _memory_options(SingleProcess(), args)
+    return dp
+
+
+def _mesh(args, dp, tp=1, pp=1):
+    """The process groups, or None for one process (no MPI communication at all)."""
+    if dp * tp * pp == 1 and not args.zero:     # ZeRO over one rank still has a group
+        return None
     from minidist.comm import DeviceMesh, trace
-    from minidist.ddp.strategy import DataParallel
     if args.trace:
         trace.enable()
-    mesh = DeviceMesh(dp=dp, tp=1, pp=1, algo=args.comm)   # installs the abort handler
-    return _memory_options(DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb),
-                           args)
+    return DeviceMesh(dp=dp, tp=tp, pp=pp, algo=args.comm)   # installs the abort handler
+
+
+def make_data_parallel(args, mesh):
+    """Step 3 over mesh.dp: ZeRO-k (--zero k), DDP (dp > 1), or nothing (one replica). Also the
+    part around a tensor-parallel model (minidist/tp/strategy.py)."""
+    if args.zero:
+        from minidist.zero.strategy import ZeroDataParallel
+        return ZeroDataParallel(mesh.dp, args.zero)
+    if mesh is None or mesh.dp.size == 1:
+        return SingleProcess()
+    from minidist.ddp.strategy import DataParallel
+    return DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
 
 
 def _nccl_device(args):
@@ -123,6 +140,7 @@ def _refuse_unbuilt(args):
 
 class SingleProcess:
     rank, world_size = 0, 1
+    reports_memory = False              # measure activations every step for finish()
     sum_sq_across_ranks = None
     max_across_ranks = None
     amp = None
@@ -140,11 +158,12 @@ class SingleProcess:
             return self.amp.optimizer(model.named_parameters(), adamw, self.max_across_ranks)
         return adamw(model.named_parameters())
 
-    def backward(self, loss, n_accum=1):
-        """Backpropagate one micro-batch's loss / n_accum (times the loss scale under --amp)."""
+    def backward(self, loss, scale=1.0):
+        """Backpropagate `scale` x loss (1 / --grad-accum), times the loss scale under float16
+        --amp (bfloat16 needs none)."""
         if self.amp:
-            return self.amp.backward(loss, 1.0 / n_accum)
-        (loss * (1.0 / n_accum) if n_accum > 1 else loss).backward()
+            return self.amp.backward(loss, scale)
+        (loss * scale if scale != 1.0 else loss).backward()
 
     def notes(self):
         """Lines for the log: how this run computes (precision, activation checkpointing)."""
@@ -166,20 +185,15 @@ class SingleProcess:
     def local_rows(self, x, y):
         return x, y
 
-    def forward_backward(self, model, x, y, n_accum=1, measure=False):
-        """Gradients of the mean loss over all rows of (x, y), accumulated over `n_accum`
-        equal micro-batches (each loss scaled by 1/n_accum, so grads are of the mean)."""
-        if len(x) % n_accum:
-            raise ValueError(f"batch of {len(x)} rows does not split into {n_accum} "
-                             "equal micro-batches (--grad-accum)")
-        rows, total, act = len(x) // n_accum, 0.0, 0
-        for i in range(n_accum):
-            _, loss = model(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
-            if measure:
-                act = max(act, memory.activation_bytes(loss, model.parameters()))
-            total += float(loss.item())
-            self.backward(loss, n_accum)
-        return total / n_accum, act
+    def no_sync(self):
+        """Context for the micro-batches whose gradients only accumulate (no communication)."""
+        return contextlib.nullcontext()
+
+    def start_step(self):
+        """Before a step's first micro-batch: per-step counters of the end-of-run summary."""
+
+    def end_step(self, activation_bytes):
+        """After the optimizer step: the largest activation bytes measured in this step."""
 
     def sync_grads(self, model):
         pass

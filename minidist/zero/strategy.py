@@ -4,13 +4,13 @@
     mpirun -n 4 python examples/train_gpt.py --zero 3 --log-json run.jsonl --save ckpt
     mpirun -n 2 python examples/train_gpt.py --zero 1 --resume ckpt     # resharded 4 -> 2
 
-What it changes from DataParallel (minidist/ddp/strategy.py), whose batch split it keeps:
+What it changes from SingleProcess (minidist/train/strategy.py); rows by dp rank as in DDP:
     build_model / wrap  the model (built by SingleProcess, or by another strategy: `wrap`),
                         flattened into units and sharded over the dp group: zero_engine
     build_optimizer     ShardedAdamW over this rank's shards (minidist/zero/optim.py)
-    forward_backward    the model itself (stage 2/3 hooks and gathers are inside it); stage 1
-                        accumulates micro-batches in its full gradient buffers, stages 2 and 3
-                        reduce-scatter each micro-batch's gradients into the shards
+    no_sync             nothing: stage 1 accumulates micro-batches in its full gradient
+                        buffers, stages 2 and 3 reduce-scatter each micro-batch's gradients
+                        into the shards as backward completes them
     sync_grads          engine.sync_grads(): the reduce-scatters
     sum_sq_across_ranks the local sum of squares of the gradient shards, summed over dp
     save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
@@ -20,7 +20,7 @@ What it changes from DataParallel (minidist/ddp/strategy.py), whose batch split 
     takes_part_in_sampling   stage 3: every rank (each block's forward is a collective)
 Tests: tests/test_zero.py.
 """
-import time
+import contextlib
 import types
 
 from minidist.backend import xp_of
@@ -28,32 +28,25 @@ from minidist.comm import trace
 from minidist.zero.zero import zero_engine
 from minidist.zero.optim import ShardedAdamW
 from minidist.train import memory
-from minidist.ddp.strategy import DataParallel, traced
+from minidist.ddp.strategy import dp_rows
 from minidist.zero.checkpoint import load_sharded, save_sharded
 from minidist.train.strategy import SingleProcess
 
 
-def make_zero(args, world):
-    """--zero k over dp = world ranks (sizes already checked by make_strategy)."""
-    from minidist.comm import DeviceMesh
-    if args.trace:
-        trace.enable()
-    mesh = DeviceMesh(dp=world, tp=1, pp=1, algo=args.comm)   # installs the abort handler
-    return ZeroDataParallel(mesh.dp, args.zero)
-
-
-class ZeroDataParallel(DataParallel):
+class ZeroDataParallel(SingleProcess):
+    """One-process training with the model state sharded over the dp group."""
+    reports_memory = True               # finish() prints the memory table: measure every step
 
     def __init__(self, group, stage, prefetch=True):
-        super().__init__(group)
-        self.stage, self.prefetch = stage, prefetch
+        self.group, self.stage, self.prefetch = group, stage, prefetch
+        self.rank, self.world_size = group.rank, group.size
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
-        self.step_bytes = []            # bytes this rank sent, per step
+        self.step_bytes = None          # the fewest bytes this rank sent in one step
 
     def build_model(self, config, seed, dtype):
-        return self.wrap(SingleProcess.build_model(self, config, seed, dtype))
+        return self.wrap(super().build_model(config, seed, dtype))
 
     def wrap(self, model):
         """Shard `model` (the whole model, or this rank's part built by another strategy)."""
@@ -77,34 +70,30 @@ class ZeroDataParallel(DataParallel):
             f"owns {sum(u.shard_size for u in self.engine.units):,} of "
             f"{sum(u.padded for u in self.engine.units):,} elements of each flat state"]
 
-    # ---- one step -----------------------------------------------------------------------------
-    def forward_backward(self, model, x, y, n_accum=1, measure=False):
-        if len(x) % n_accum:
-            raise ValueError(f"{len(x)} rows do not split into {n_accum} equal micro-batches")
-        self._step_begins()
-        start, rows, total, act = time.perf_counter(), len(x) // n_accum, 0.0, 0
-        for i in range(n_accum):
-            with traced("forward"):
-                _, loss = model(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
-            act = max(act, memory.activation_bytes(loss, model.parameters()))
-            total += float(loss.item())
-            with traced("backward"):
-                self.backward(loss, n_accum)
-        self.activations = max(self.activations, act)
-        self.stats.append({"compute_s": time.perf_counter() - start})
-        return total / n_accum, act if measure else 0
+    # ---- one step (minidist/train/step.py) ---------------------------------------------------
+    def local_rows(self, x, y):
+        return dp_rows(x, y, self.rank, self.world_size)
 
-    def _step_begins(self):
-        sent = trace.bytes_sent(self.group.name)
-        if self._mark is not None:
-            self.step_bytes.append(sent - self._mark)
-        self._mark = sent
+    def no_sync(self):
+        """Nothing to hold back: stage 1 accumulates micro-batches in its full gradient
+        buffers and reduce-scatters once in sync_grads; stages 2 and 3 reduce-scatter every
+        micro-batch's gradients as backward completes them (keeping a full gradient for
+        later is what they exist to avoid)."""
+        return contextlib.nullcontext()
+
+    def start_step(self):
+        self._mark = trace.bytes_sent(self.group.name)
 
     def sync_grads(self, model):
-        start = time.perf_counter()
-        with traced("wait for gradients"):
+        with trace.compute("wait for gradients"):
             self.engine.sync_grads()
-        self.stats[-1].update(exposed_s=time.perf_counter() - start)
+
+    def end_step(self, activation_bytes):
+        """Bytes sent this step (the reduce-scatters and the optimizer's all-gathers: the
+        fewest over the run, as the first step also broadcasts) and the activation peak."""
+        sent = trace.bytes_sent(self.group.name) - self._mark
+        self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent)
+        self.activations = max(self.activations, activation_bytes)
 
     def sum_sq_across_ranks(self, local):
         """The global sum of squares: every rank holds different shards, so sum them."""
@@ -146,16 +135,16 @@ class ZeroDataParallel(DataParallel):
         return self.group.comm.gather(row, root=0)
 
     def summary(self):
-        sent = self.step_bytes + [trace.bytes_sent(self.group.name) - self._mark]
+        sent = self.step_bytes
         psi = sum(u.padded for u in self.engine.units) * self.engine.units[0].dtype.itemsize
         return (f"ZeRO-{self.stage} over {self.world_size} ranks ({self.group.algo}): "
-                f"{min(sent) / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
-                f"of parameters ({min(sent) / psi:.2f} x; DDP sends "
+                f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
+                f"of parameters ({sent / psi:.2f} x; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")
 
     def finish(self, args, log):
         rows = self.memory_rows()
-        if self._mark is not None:
+        if self.step_bytes is not None:
             log.print0(self.summary())
         if self.rank == 0:
             predicted = memory.zero_model_states(

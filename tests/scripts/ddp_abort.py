@@ -20,6 +20,8 @@ model = strategy.build_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_siz
 x = np.zeros((4, 8), dtype=np.int64)
 if strategy.rank == 1:
     raise RuntimeError("deliberate failure on rank 1")
-strategy.forward_backward(model, *strategy.local_rows(x, x))
+strategy.start_step()
+_, loss = model(*strategy.local_rows(x, x))
+strategy.backward(loss)
 strategy.sync_grads(model)
 print("rank 0 finished: the job was NOT aborted", flush=True)

@@ -57,7 +57,7 @@ def check_replicas_equal(model, comm):
 def check_bytes(strategy, comm):
     """Gradient bytes sent per step: ring theory per rank, exactly 2(N-1) x summed over ranks."""
     n, grad = strategy.world_size, strategy.ddp.grad_bytes()
-    sent = [row["bytes_sent"] for row in strategy.stats]
+    sent = [row["bytes_sent"] for row in strategy.stats.rows]
     totals = comm.allreduce(np.array(sent, dtype=np.int64))
     assert all(t == 2 * (n - 1) * grad for t in totals), (totals, grad)
     # uneven ring chunks move a few elements between ranks; the naive algorithm's root sends

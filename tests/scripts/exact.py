@@ -5,7 +5,7 @@ through these same two functions, so any difference comes from the strategy alon
 """
 import numpy as np
 
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 
 
 def batch(step, rows, config, seed):

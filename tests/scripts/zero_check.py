@@ -31,7 +31,7 @@ from minidist.nn import GPTConfig
 from minidist.train import memory
 from minidist.train.amp import MixedPrecision
 from minidist.ddp.strategy import DataParallel
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.train.strategy import SingleProcess
 from minidist.zero.strategy import ZeroDataParallel
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from minidist.comm import ProcessGroup, install_abort_handler
 from minidist.train.checkpoint import CheckpointError
-from minidist.train.loop import train_step
+from minidist.train.step import train_step
 from minidist.zero.checkpoint import shard_name
 from minidist.zero.strategy import ZeroDataParallel
 from zero_check import CONFIG, SEED, batch
