@@ -45,7 +45,8 @@ def main():
     backend.set_device(args.device)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
-                       dropout=args.dropout, bias=args.bias)
+                       dropout=args.dropout, bias=args.bias, attention=args.attention,
+                       attention_block=args.attention_block)
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision() if args.amp else None
     if amp:

@@ -27,10 +27,12 @@ from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled, no_grad
 from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
+from minidist.autograd.flash import tiled_self_attention
 from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, ModuleDict, ModuleList
 
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
+ATTENTIONS = ("materialized", "tiled")   # attention.py's (B, nh, T, T) P, or flash.py's tiles
 
 
 @dataclass
@@ -42,6 +44,8 @@ class GPTConfig:
     vocab_size: int = 50257
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm layers, as in GPT-2
+    attention: str = "materialized"   # or "tiled": O(T) memory (minidist/autograd/flash.py)
+    attention_block: int = 64         # the tiled attention's tile size
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -52,6 +56,13 @@ class GPTConfig:
                              f"({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, not {self.attention!r}")
+        if int(self.attention_block) < 1:
+            raise ValueError(f"attention_block must be >= 1, not {self.attention_block}")
+        if self.attention == "tiled" and self.dropout > 0:
+            raise ValueError("attention 'tiled' has no dropout on attention weights (it keeps "
+                             "no (T, T) mask): use --attention materialized or --dropout 0")
 
     def to_dict(self):
         return asdict(self)
@@ -122,11 +133,15 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
         self.n_head = config.n_head
+        self.attention, self.attention_block = config.attention, config.attention_block
 
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        p = self.attn_dropout.p if self.training else 0.0          # on attention weights
-        y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)  # (B, T, C)
+        if self.attention == "tiled":                              # GPTConfig: no dropout
+            y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
+        else:
+            p = self.attn_dropout.p if self.training else 0.0      # on attention weights
+            y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)
         return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
 
 

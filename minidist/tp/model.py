@@ -55,6 +55,7 @@ class ParallelAttention(CausalSelfAttention):
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
         self.n_head = config.n_head // region.size        # forward: F.causal_self_attention
+        self.attention, self.attention_block = config.attention, config.attention_block
 
 
 class ParallelMLP(MLP):

@@ -16,6 +16,9 @@ def add_model_args(p):
     g.add_argument("--n-embd", type=int, default=128)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--attention", choices=("materialized", "tiled"), default="materialized",
+                   help="tiled: FlashAttention-style tiles, O(T) memory, no attention dropout")
+    g.add_argument("--attention-block", type=int, default=64, help="tile size, --attention tiled")
     g.add_argument("--no-bias", dest="bias", action="store_false",
                    help="no biases in Linear and LayerNorm layers")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
@@ -38,6 +41,10 @@ def add_parallel_args(p):
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
+    g.add_argument("--sync-comm", action="store_true",
+                   help="run every collective in the calling thread, for a debugger: a "
+                   "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
+                   "the overlap of communication with backward (README: Debugging)")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",

@@ -168,12 +168,17 @@ def load_checkpoint(directory, model, optimizer=None):
     return state
 
 
+# GPTConfig fields that change how attention is computed, not the model: a run may resume
+# with either attention (and older checkpoints do not have them).
+HOW_COMPUTED = ("attention", "attention_block")
+
+
 def _check_config(directory, state, model):
     ours = {**model.config.to_dict(),
             "dtype": str(next(iter(model.state_dict().values())).dtype)}
     theirs = {**state["config"], "dtype": state.get("dtype")}
     diffs = [f"{k}: {theirs.get(k)!r} in the checkpoint, {v!r} here"
-             for k, v in ours.items() if theirs.get(k) != v]
+             for k, v in ours.items() if theirs.get(k) != v and k not in HOW_COMPUTED]
     if diffs:
         raise CheckpointError(f"checkpoint config mismatch ({directory}): " + "; ".join(diffs))
 
