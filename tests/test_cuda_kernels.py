@@ -6,6 +6,8 @@ the CPU in float32; the cross-entropy step without a device-to-host sync.
 Run on a GPU: python -m pytest -m gpu --device cuda tests/test_cuda_kernels.py
 Without one, the gpu tests skip; the rest (imports, routing, source text) run everywhere.
 """
+import re
+import shutil
 import subprocess
 import sys
 
@@ -13,12 +15,118 @@ import numpy as np
 import pytest
 
 from minidist import backend
-from minidist.autograd import Tensor, cuda_kernels as ck, fused as F
+from minidist.autograd import Tensor, cuda_kernels as ck, cuda_source as cs, fused as F
 
-TOL = {"float64": (1e-10, 1e-12), "float32": (2e-5, 2e-6), "float16": (2e-2, 2e-3)}
+TOL = {"float64": (1e-10, 1e-12), "float32": (2e-5, 2e-6), "float16": (2e-2, 2e-3),
+       "bfloat16": (1.6e-1, 2e-2)}
 
 
-# ---- everywhere ------------------------------------------------------------------------------
+# ---- everywhere: what each kernel is handed, planned with numpy arrays -------------------------
+
+ml_dtypes = None
+try:
+    import ml_dtypes
+except ImportError:
+    pass
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+ACC = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
+PTX = {"float32": ".f32", "float64": ".f64", "int64": ".u64", "int32": ".u32"}
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        if ml_dtypes is None:
+            pytest.skip("bfloat16 on numpy needs ml_dtypes (pip install ml_dtypes)")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _plans(name):
+    """Every kernel's launch for storage dtype `name`, planned with numpy arrays."""
+    dt, r = _np_dtype(name), np.random.default_rng(0)
+    a = lambda *shape: r.standard_normal(shape).astype(dt)           # noqa: E731
+    x, w, b, g = a(3, 5, 37), a(37), a(37), a(3, 5, 37)
+    ln, (_, xc, wc, mean, rstd) = ck.ln_fwd_launch(np, x, w, b, 1e-5)
+    ce, (z, t, lse, _) = ck.ce_fwd_launch(np, a(2, 5, 11), T_ODD % 11, -1)
+    n = np.maximum((t != -1).sum(), 1).astype(lse.dtype)
+    S, gy = a(2, 3, 7, 7), a(2, 3, 7, 1)
+    return {"ln_fwd": ln,
+            "ln_fwd_no_bias": ck.ln_fwd_launch(np, x, w, None, 1e-5)[0],
+            "ln_bwd_x": ck.ln_bwd_x_launch(np, g, xc, wc, mean, rstd)[0],
+            "ln_bwd_wb": ck.ln_bwd_wb_launch(np, g, xc, mean, rstd)[0],
+            "ce_fwd": ce,
+            "ce_bwd": ck.ce_bwd_launch(np, np.float32(1.0), (z, t, lse, n), -1)[0],
+            "attn_softmax_fwd": ck.attn_fwd_launch(S, 0.125),
+            "attn_softmax_bwd": ck.attn_bwd_launch(np, a(2, 3, 7, 7), S, gy, 0.125),
+            "gelu_fwd": ck.gelu_fwd_launch(np, a(3, 7, 33))[0],
+            "gelu_bwd": ck.gelu_bwd_launch(np, a(3, 7, 33), a(3, 7, 33))[0]}
+
+
+def test_accumulation_dtypes():
+    """C "float" is float32 (np.dtype("float") is float64: the bug that made every float32
+    and float16 kernel write garbage on the first GPU run)."""
+    for name in DTYPES:
+        assert ck.acc_dtype(name) == np.dtype(ACC[name]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_launch_hands_the_kernel_its_declared_types(dtype):
+    """Each argument against the kernel's parameter list: T* an array of the storage dtype,
+    A* of the accumulation dtype, long long* int64, contiguous; A, long long and int scalars
+    numpy scalars of exactly float32/64, int64, int32 (a Python float would be a double)."""
+    want = {"T": dtype, "A": ACC[dtype], "long long": "int64", "int": "int32"}
+    for key, plan in _plans(dtype).items():
+        assert plan.name in cs.NAMES and cs.dtype_name(plan.dtype) == dtype, key
+        params, args = cs.signature(plan.name), ck.describe(plan.args)
+        assert len(params) == len(args), f"{key}: {len(args)} args for {len(params)} params"
+        for i, ((ctype, pointer), arg, raw) in enumerate(zip(params, args, plan.args)):
+            kind = ("array", want[ctype]) if pointer else ("scalar", want[ctype])
+            assert arg[:2] == kind, f"{key} argument #{i} ({ctype}{'*' * pointer}): {arg}"
+            assert not pointer or raw.flags.c_contiguous, f"{key} argument #{i}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_launch_shapes(dtype):
+    """Row kernels: one block per row, a power-of-two block of whole warps; the saved
+    statistics have one value per row; elementwise kernels cover every value."""
+    plans = _plans(dtype)
+    rows = {"ln_fwd": 15, "ln_bwd_x": 15, "ce_fwd": 10, "ce_bwd": 10,
+            "attn_softmax_fwd": 42, "attn_softmax_bwd": 42}
+    for key, n in rows.items():
+        (grid,), (block,) = plans[key].grid, plans[key].block
+        assert grid == n and block % 32 == 0 and block & (block - 1) == 0, key
+    assert ck.describe(plans["ln_fwd"].args)[4] == ("array", "float32", (15,))   # mean
+    assert plans["ln_fwd"].args[-1] == 1 and plans["ln_fwd_no_bias"].args[-1] == 0
+    grid, chunks = plans["ln_bwd_wb"].grid
+    assert grid * plans["ln_bwd_wb"].block[0] >= 37 and chunks == 1
+    g = plans["gelu_fwd"]
+    assert g.grid[0] * g.block[0] >= 3 * 7 * 33 and g.args[-1] == 3 * 7 * 33
+
+
+def _ptx_params(ptx, name):
+    body = re.search(r"\.entry " + name + r"\(([^)]*)\)", ptx).group(1)
+    return re.findall(r"\.param (\.\w+) ", body)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sources_compile_with_nvcc_and_take_the_planned_widths(dtype, tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed): nvcc compiles the source for
+    sm_90, and the PTX parameter list of every kernel has the planned widths (pointers
+    .u64, float .f32, double .f64, long long .u64, int .u32)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
+    src.write_text(cs.source(dtype))
+    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    text = ptx.read_text()
+    for key, plan in _plans(dtype).items():
+        want = [".u64" if kind == "array" else PTX[dt] for kind, dt, *_ in
+                ck.describe(plan.args)]
+        assert _ptx_params(text, plan.name) == want, key
+
 
 def test_importing_minidist_does_not_import_cupy():
     code = ("import sys, minidist.nn, minidist.autograd.fused, minidist.autograd.cuda_kernels;"
@@ -31,14 +139,14 @@ def test_numpy_arrays_never_take_the_kernels():
     assert not ck.use(a) and not ck.use(a, None, a) and not ck.use()
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_source_names_every_kernel_and_is_balanced(dtype):
-    """The most that can be checked of CUDA source without a compiler."""
-    src = ck.source(dtype)
+    """What can be checked of CUDA source without a compiler (see the nvcc test above)."""
+    src = cs.source(dtype)
     assert src.count("{") == src.count("}") and src.count("(") == src.count(")")
-    for name in ck._RAW:
+    for name in cs.NAMES:
         assert f'extern "C" __global__ void {name}(' in src
-    assert f"typedef {ck._CTYPES[dtype][0]} T;" in src
+    assert f"typedef {cs.CTYPES[dtype][0]} T;" in src
 
 
 def test_block_sizes_are_whole_warps():
@@ -58,7 +166,7 @@ def cp(device):
 
 def _inputs(cp, shapes, dtype, seed=1):
     r = np.random.default_rng(seed)
-    return [Tensor(cp.asarray(r.standard_normal(s), dtype=dtype), requires_grad=True)
+    return [Tensor(cp.asarray(r.standard_normal(s), dtype=_np_dtype(dtype)), requires_grad=True)
             for s in shapes]
 
 
@@ -82,18 +190,17 @@ CASES = {   # name -> (fn, input shapes): odd sizes, rows longer than a 1024-thr
     "ce_all_ignored": (lambda z: F.cross_entropy(z, np.full((3,), -1)), [(3, 17)]),
     "attn": (F.causal_attention, [(2, 3, 7, 5)] * 3),
     "attn_long": (F.causal_attention, [(1, 2, 1100, 8)] * 3),
-    "self_attn": (lambda x: F.causal_self_attention(x, 3), [(2, 33, 24)]),
+    "self_attn": (lambda x: F.causal_self_attention(x, 3), [(2, 33, 27)]),   # hs 3
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("name", CASES)
 def test_kernel_equals_generic_xp_code(cp, name, dtype, monkeypatch):
     fn, shapes = CASES[name]
-    launched, raw, gelu = [], ck._raw, ck._gelu_kernel
-    monkeypatch.setattr(ck, "_raw", lambda *a: launched.append(a) or raw(*a))
-    monkeypatch.setattr(ck, "_gelu_kernel", lambda *a: launched.append(a) or gelu(*a))
+    launched, run = [], ck.launch
+    monkeypatch.setattr(ck, "launch", lambda plan: launched.append(plan) or run(plan))
     got = _run(cp, fn, shapes, dtype, True, monkeypatch)
     assert launched, "the kernel path did not run"
     want = _run(cp, fn, shapes, dtype, False, monkeypatch)
