@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from minidist.comm import trace
 from minidist.comm.progress import wait_all
-from minidist.comm.staging import device_ready
+from minidist.comm.staging import device_ready, wire
 
 COLL_TAG = 7  # collectives on the group's private communicator; p2p uses another communicator
 
@@ -31,10 +31,11 @@ class Channel:
     def sendrecv(self, sendbuf, dest, recvbuf, source, note=""):
         """Send `sendbuf` to `dest` while receiving `recvbuf` from `source` (either may be
         MPI.PROC_NULL). Both at once, so a ring of blocking calls cannot deadlock: MPI_Sendrecv,
-        written as Irecv + Isend + wait so that the wait can be polite."""
+        written as Irecv + Isend + wait so that the wait can be polite. (`wire`: bfloat16
+        travels as its uint16 view; the caller adds the bfloat16 arrays.)"""
         device_ready(sendbuf)
-        wait_all([self.comm.Irecv(recvbuf, source, COLL_TAG),
-                  self.comm.Isend(sendbuf, dest, COLL_TAG)])
+        wait_all([self.comm.Irecv(wire(recvbuf), source, COLL_TAG),
+                  self.comm.Isend(wire(sendbuf), dest, COLL_TAG)])
         sent = sendbuf.nbytes if dest != MPI.PROC_NULL else 0
         trace.count_sent(self.group, self.op, sent)
         if trace.log_steps():
@@ -43,13 +44,13 @@ class Channel:
 
     def send(self, buf, dest, note=""):
         device_ready(buf)
-        wait_all([self.comm.Isend(buf, dest, COLL_TAG)])
+        wait_all([self.comm.Isend(wire(buf), dest, COLL_TAG)])
         trace.count_sent(self.group, self.op, buf.nbytes)
         if trace.log_steps():
             trace.log(f"{self.op} {note}: sent {buf.nbytes} B to {dest}")
 
     def recv(self, buf, source, note=""):
-        wait_all([self.comm.Irecv(buf, source, COLL_TAG)])
+        wait_all([self.comm.Irecv(wire(buf), source, COLL_TAG)])
         if trace.log_steps():
             trace.log(f"{self.op} {note}: received {buf.nbytes} B from {source}")
 

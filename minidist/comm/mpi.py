@@ -16,11 +16,15 @@ examples/bench_collectives.py --overlap measures both.
 MPI's traffic cannot be observed from Python: the counters get the ring's byte count for the
 same call, marked nominal.
 
-Tests: tests/test_comm.py (ring and naive cross-checked against these).
+bfloat16: MPI has no such type, so data moves as the uint16 view (`wire`), and the library's
+reductions run on float32 copies, rounded to bfloat16 once at the end.
+
+Tests: tests/test_comm.py (ring and naive cross-checked against these), tests/test_bfloat16.py.
 """
 from mpi4py import MPI
 
 from minidist.comm.ring import chunk_bounds, ring_bytes, same_buffer
+from minidist.comm.staging import is_bfloat16, wire
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -32,6 +36,11 @@ def _counts(n, size):
 
 
 def mpi_all_reduce(ch, buf, op="sum"):
+    if is_bfloat16(buf):                  # no MPI bfloat16 sum: reduce in float32
+        tmp = buf.astype("float32")
+        mpi_all_reduce(ch, tmp, op)
+        buf[...] = tmp
+        return
     ch.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
     if op == "avg":
         buf /= ch.size
@@ -39,6 +48,11 @@ def mpi_all_reduce(ch, buf, op="sum"):
 
 
 def mpi_reduce_scatter(ch, out, inp, op="sum"):
+    if is_bfloat16(inp):                  # no MPI bfloat16 sum: reduce in float32
+        tmp = out.astype("float32")
+        mpi_reduce_scatter(ch, tmp, inp.astype("float32"), op)
+        out[...] = tmp
+        return
     counts, _ = _counts(inp.size, ch.size)
     lo = sum(counts[:ch.rank])
     if same_buffer(out, inp[lo:lo + out.size]):   # MPI forbids aliased send/receive buffers
@@ -59,33 +73,41 @@ def mpi_all_gather(ch, out, inp):
     lo = displs[ch.rank]
     send = MPI.IN_PLACE if same_buffer(out[lo:lo + inp.size], inp) else inp
     if len(set(counts)) == 1:
-        ch.comm.Allgather(send, out)
+        ch.comm.Allgather(wire(send), wire(out))
     else:
-        ch.comm.Allgatherv(send, [out, (counts, displs)])
+        ch.comm.Allgatherv(wire(send), [wire(out), (counts, displs)])
     ch.count_nominal(ring_bytes("all_gather", out.size, out.itemsize, ch.rank, ch.size))
 
 
 def mpi_broadcast(ch, buf, root=0):
-    ch.comm.Bcast(buf, root=root)
+    ch.comm.Bcast(wire(buf), root=root)
     ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
 
 
 def start_all_reduce(comm, buf, op="sum"):
     """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
+    _no_bfloat16_sum(buf)
     return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
 
 
 def start_reduce_scatter(comm, out, inp, op="sum"):
+    _no_bfloat16_sum(inp)
     return comm.Ireduce_scatter(inp, out, _counts(inp.size, comm.Get_size())[0], op=MPI_OPS[op])
 
 
 def start_all_gather(comm, out, inp):
     counts, displs = _counts(out.size, comm.Get_size())
-    return comm.Iallgatherv(inp, [out, (counts, displs)])
+    return comm.Iallgatherv(wire(inp), [wire(out), (counts, displs)])
 
 
 def start_broadcast(comm, buf, root=0):
-    return comm.Ibcast(buf, root=root)
+    return comm.Ibcast(wire(buf), root=root)
+
+
+def _no_bfloat16_sum(buf):
+    if is_bfloat16(buf):
+        raise TypeError("MPI has no bfloat16 reduction: use the blocking collective (it "
+                        "reduces a float32 copy) or pass float32")
 
 
 # the names ProcessGroup dispatches on, one per algorithm module

@@ -11,7 +11,14 @@ have finished (`device_ready`), and before a worker thread starts on a buffer th
 stream must have reached that point (`ready_event`). Nothing here imports cupy unless a cupy
 array is passed in.
 
-Tests: tests/test_comm.py::test_cuda_aware_detection (detection on this CPU-only machine).
+bfloat16 (ml_dtypes' numpy type, CuPy's too) is a dtype neither MPI nor DLPack knows: mpi4py
+refuses the buffer. `wire(a)` is what every MPI call is handed: a bfloat16 array's uint16 view
+(the same bytes), any other array itself. Moving bytes that way is exact; reductions must not
+add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves the views) and
+mpi.py's library reductions go through float32 copies.
+
+Tests: tests/test_comm.py::test_cuda_aware_detection (detection on this CPU-only machine),
+tests/test_bfloat16.py (bfloat16 collectives on 3 ranks).
 """
 import contextlib
 import ctypes
@@ -60,29 +67,45 @@ def cuda_aware_mpi():
     return _cache["aware"]
 
 
-def mpi_buffer(a):
+def is_bfloat16(a):
+    """True for a bfloat16 array (False for None, MPI.IN_PLACE and other non-arrays)."""
+    return getattr(getattr(a, "dtype", None), "name", None) == "bfloat16"
+
+
+def wire(a):
+    """The buffer handed to mpi4py: a bfloat16 array's uint16 view, else `a` itself."""
+    return a.view("uint16") if is_bfloat16(a) else a
+
+
+def _staged(a):
     """`a` itself when MPI can use it (numpy, or cupy with a CUDA-aware MPI), else a host copy."""
     if a is None or not is_cupy(a) or cuda_aware_mpi():
         return a
     return to_host(a)  # cupy -> a fresh numpy copy
 
 
+def mpi_buffer(a):
+    """The buffer a point-to-point call hands mpi4py for `a`: `a` (or a host copy, see
+    _staged), bfloat16 as its uint16 view (`wire`)."""
+    return wire(_staged(a))
+
+
 def write_back(a, host):
     """After MPI wrote into `host = mpi_buffer(a)`: copy it to the GPU if it was staged."""
-    if host is not a:
-        a.set(host)
+    if is_cupy(a) and not is_cupy(host):
+        a.set(host.view(a.dtype))
         device_ready(a)
 
 
 @contextlib.contextmanager
 def host_staging(out, *inputs):
-    """Yield `(out, *inputs)` as buffers MPI can use (see mpi_buffer); on exit `out` is
+    """Yield `(out, *inputs)` as buffers MPI can use (see _staged); on exit `out` is
     written back to the GPU if it was staged. An array passed twice (an in-place all-reduce:
     out is the input) is staged once."""
     staged = {}
-    for a in (out,) + inputs:
+    for a in (out,) + inputs:       # no uint16 views here: the ring adds these arrays
         if a is not None and id(a) not in staged:
-            staged[id(a)] = mpi_buffer(a)
+            staged[id(a)] = _staged(a)
     yield tuple(None if a is None else staged[id(a)] for a in (out,) + inputs)
     if out is not None:
         write_back(out, staged[id(out)])
