@@ -7,7 +7,9 @@ line: forward+backward time (best of --repeats), the bytes the graph keeps for b
 referenced from the ops' saved state, except the inputs' and the output's own buffers,
 which exist whatever the op saves), and the peak bytes numpy allocated during
 forward+backward (tracemalloc).
-The composed versions are minidist/autograd/reference.py.
+The composed versions are minidist/autograd/reference.py. The tiled_self_attention rows
+compare minidist/autograd/flash.py's tiled attention (tiles of 64, in the "fused" columns) with
+the materialised fused attention (in the "composed" columns), at T = 128 and T = 1024.
 """
 import argparse
 import json
@@ -17,7 +19,7 @@ import tracemalloc
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Tensor, fused as F, reference as R
+from minidist.autograd import Tensor, flash, fused as F, reference as R
 
 B, T, C, NH = 16, 128, 256, 4
 
@@ -39,6 +41,11 @@ def cases(rng):
          lambda z: R.cross_entropy(z, big_v), [t(8, 64, 8192)]),
         ("causal_self_attention", (B, T, 3 * C, NH), lambda x: F.causal_self_attention(x, NH),
          lambda x: R.causal_self_attention(x, NH), [t(B, T, 3 * C)]),
+        ("tiled_self_attention", (B, T, 3 * C, NH), lambda x: flash.tiled_self_attention(x, NH),
+         lambda x: F.causal_self_attention(x, NH), [t(B, T, 3 * C)]),
+        ("tiled_self_attention_T1024", (2, 1024, 3 * C, NH),
+         lambda x: flash.tiled_self_attention(x, NH), lambda x: F.causal_self_attention(x, NH),
+         [t(2, 1024, 3 * C)]),
     ]
 
 

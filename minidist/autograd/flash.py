@@ -66,7 +66,7 @@ def _tile_scores(q_i, k_j, r0, c0, masked, offset):
     if masked:
         r = xp.arange(r0, r0 + s.shape[-2])[:, None]
         c = xp.arange(c0, c0 + s.shape[-1])[None, :] + offset
-        s[..., c > r] = -math.inf
+        s += xp.where(c > r, -math.inf, 0.0).astype(s.dtype)   # (bq, bk), no host sync
     return s
 
 
