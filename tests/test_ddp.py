@@ -15,6 +15,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.ddp.ddp import DistributedDataParallel, bucket_layout
 from minidist.train.args import train_parser
 from minidist.train.strategy import SingleProcess, make_strategy
+from minidist.train.cli import UsageError
 from mpirun import run_mpi, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -151,24 +152,24 @@ def _parse(*flags):
 
 def test_dp_must_match_world_size(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(SystemExit, match="--dp 3 does not match the 4 MPI process"):
+    with pytest.raises(UsageError, match="--dp 3 does not match the 4 MPI process"):
         make_strategy(_parse("--dp", "3"))
     monkeypatch.delenv("PMI_SIZE")
-    with pytest.raises(SystemExit, match="mpirun -n 2"):
+    with pytest.raises(UsageError, match="mpirun -n 2"):
         make_strategy(_parse("--dp", "2"))
     assert isinstance(make_strategy(_parse("--dp", "1")), SingleProcess)
 
 
 def test_batch_must_split_into_dp_times_grad_accum(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(SystemExit, match="dp 4 x --grad-accum 3 = 12"):
+    with pytest.raises(UsageError, match="dp 4 x --grad-accum 3 = 12"):
         make_strategy(_parse("--batch-size", "16", "--grad-accum", "3"))
 
 
 def test_nccl_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setattr("minidist.backend.cupy_module", lambda: None)
-    with pytest.raises(SystemExit, match="--comm nccl moves data GPU to GPU"):
+    with pytest.raises(UsageError, match="--comm nccl moves data GPU to GPU"):
         make_strategy(_parse("--comm", "nccl"))
 
 
@@ -247,13 +248,14 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
 
 @pytest.mark.mpi
 def test_bad_dp_is_refused_on_every_rank():
-    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+    """No collective is reached, so nothing hangs; one line says why (rank 0's), exit 2, no
+    traceback:
 
         mpiexec -n 2 python examples/train_gpt.py --dp 3
     """
     out = run_mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert out.stderr.count("--dp 3 does not match the 2 MPI process") == 2
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("error: --dp 3 does not match the 2 MPI process") == 1
 
 
 @pytest.mark.mpi

@@ -18,6 +18,7 @@ from minidist.train import checkpoint
 from minidist.train.args import train_parser
 from minidist.pp.strategy import default_micro_batches
 from minidist.train.strategy import SingleProcess, make_strategy
+from minidist.train.cli import UsageError
 from mpirun import run_mpi, tagged_json
 
 TOL = 1e-10
@@ -93,7 +94,7 @@ def _parse(*flags):
     (1, ["--micro-batches", "4"], "--grad-accum instead")])
 def test_bad_sizes_are_refused_before_any_communication(monkeypatch, world, flags, says):
     monkeypatch.setenv("PMI_SIZE", str(world))
-    with pytest.raises(SystemExit, match=says):
+    with pytest.raises(UsageError, match=says):
         make_strategy(_parse(*flags))
 
 
@@ -218,7 +219,8 @@ def test_pipeline_sample_equals_one_process(corpus, tmp_path):
 
 @pytest.mark.mpi
 def test_bad_input_is_refused_on_every_rank():
-    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+    """No collective is reached, so nothing hangs; one `error:` line (rank 0's), exit 2, no
+    traceback:
 
         mpiexec -n 2 python examples/train_gpt.py --pp 2 --n-layer 1
         mpiexec -n 2 python examples/train_gpt.py --pp 2 --micro-batches 3
@@ -227,8 +229,8 @@ def test_bad_input_is_refused_on_every_rank():
                         (["--micro-batches", "3"], "--micro-batches 3 = 3 equal")):
         out = run_mpi(2, "examples/train_gpt.py", "--pp", "2", *flags, timeout=60,
                       check=False)
-        assert out.returncode != 0 and "Traceback" not in out.stderr
-        assert out.stderr.count(says) == 2, out.stderr
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert out.stderr.count(says) == 1 and out.stderr.startswith("error: "), out.stderr
 
 
 @pytest.mark.mpi

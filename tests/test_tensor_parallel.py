@@ -15,6 +15,7 @@ from minidist.tp.region import Split
 from minidist.tp.model import check_tp_sizes
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
+from minidist.train.cli import UsageError
 from mpirun import run_mpi, tagged_json
 
 
@@ -65,7 +66,7 @@ def _parse(*flags):
 def test_make_strategy_refuses_bad_tp_sizes(monkeypatch, flags, message):
     if "--dp" in flags or "--n-head" in flags or "--sequence-parallel" in flags:
         monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(SystemExit, match="tensor parallelism") as e:
+    with pytest.raises(UsageError, match="tensor parallelism") as e:
         make_strategy(_parse(*flags))
     assert message in str(e.value)
 

@@ -13,6 +13,7 @@ from minidist.train.args import train_parser
 from minidist.train.data import DataError
 from minidist.train.loop import train
 from minidist.train.strategy import make_strategy
+from minidist.train.cli import UsageError
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
@@ -63,7 +64,7 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
     (["--pp", "2"], "pipeline parallelism: .* 2 ranks, but this job has 1"),
     (["--micro-batches", "2"], "--grad-accum")])             # more: tests/test_pipeline.py
 def test_parallel_flags_refuse_politely(flags, says):
-    with pytest.raises(SystemExit, match=says):
+    with pytest.raises(UsageError, match=says):
         make_strategy(train_parser().parse_args(flags))
 
 

@@ -100,6 +100,11 @@ class DataParallel(SingleProcess):
         self.group.all_reduce(buf, op="avg")
         return float(buf[0])
 
+    def any_rank(self, flag):
+        buf = xp_of(self.ddp.params[0].data).asarray([float(flag)])
+        self.group.all_reduce(buf, op="max")
+        return bool(buf[0])
+
     def comm_bytes(self):
         return trace.bytes_sent()
 

@@ -37,6 +37,7 @@ from minidist.pp.schedule import (SCHEDULES, MicroBatches, bubble_fraction,
 from minidist.pp import checkpoint as pp_checkpoint
 from minidist.train import memory
 from minidist.train.strategy import SingleProcess
+from minidist.train.cli import UsageError
 
 
 def pipeline_problems(args, world):
@@ -78,7 +79,7 @@ def make_pipeline_parallel(args, world):
     """The strategy for --pp P [--tp T] [--dp D] --micro-batches M, after every check."""
     dp, m, problems = pipeline_problems(args, world)
     if problems:
-        raise SystemExit("pipeline parallelism: " + "; ".join(problems))
+        raise UsageError("pipeline parallelism: " + "; ".join(problems))
     from minidist.comm import DeviceMesh
     if args.trace:
         trace.enable()
@@ -219,6 +220,11 @@ class PipelineParallel(SingleProcess):
         buf = model_xp(self.stage).asarray([value], dtype="float64")
         self.mesh.dp.all_reduce(buf, op="avg")
         return float(buf[0])
+
+    def any_rank(self, flag):
+        buf = model_xp(self.stage).asarray([float(flag)])
+        self.mesh.world.all_reduce(buf, op="max")
+        return bool(buf[0])
 
     def comm_bytes(self):
         return trace.bytes_sent()

@@ -38,6 +38,7 @@ from minidist.optim.clip import local_sum_sq
 from minidist.tp.model import GatheredModel, TensorParallelGPT, check_tp_sizes
 from minidist.train import checkpoint
 from minidist.train.strategy import SingleProcess
+from minidist.train.cli import UsageError
 
 
 def make_tensor_parallel(args, world):
@@ -58,7 +59,7 @@ def make_tensor_parallel(args, world):
         problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
                         f"--grad-accum {args.grad_accum} equal micro-batches")
     if problems:
-        raise SystemExit("tensor parallelism: " + "; ".join(problems))
+        raise UsageError("tensor parallelism: " + "; ".join(problems))
     from minidist.comm import DeviceMesh
     from minidist.train.strategy import make_data_parallel
     if args.trace:
@@ -141,11 +142,20 @@ class TensorParallel(SingleProcess):
         if engine is None:
             return [p.grad for p in self._replicated if p.grad is not None]
         mine = {id(p) for p in self._replicated}
-        return [u.grad_shard[u.offsets[i] + a - u.lo:u.offsets[i] + b - u.lo]
-                for u in engine.units for i, a, b in u.pieces() if id(u.params[i]) in mine]
+        out = []
+        for u in engine.units:                      # u.flat: the unit's layout
+            f = u.flat
+            out += [u.grad_shard[f.offsets[i] + a - f.lo:f.offsets[i] + b - f.lo]
+                    for i, a, b in f.pieces() if id(f.params[i]) in mine]
+        return out
 
     def global_mean(self, value):
         return self.inner.global_mean(value)
+
+    def any_rank(self, flag):
+        buf = xp_of(self.model.parameters()[0].data).asarray([float(flag)])
+        self.mesh.world.all_reduce(buf, op="max")
+        return bool(buf[0])
 
     def comm_bytes(self):
         return trace.bytes_sent()

@@ -78,6 +78,9 @@ def add_train_args(p):
     g.add_argument("--trace", default=None, metavar="FILE")
     g.add_argument("--sample", type=int, default=400, help="characters sampled at the end")
     g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto)")
+    g.add_argument("--traceback", action="store_true",
+                   help="on a user error, show the traceback, not just the one error line "
+                        "(also MINIDIST_DEBUG=1)")
     return p
 
 

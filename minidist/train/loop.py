@@ -13,14 +13,17 @@ Tests: tests/test_train.py.
 import json
 import time
 
-from minidist import backend
+from minidist import backend, comm
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.optim import WarmupCosine
 from minidist.train import memory
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
+from minidist.launcher import world_size_from_env
 from minidist.train.strategy import make_strategy
+from minidist.train import preemption
+from minidist.train.cli import UsageError, printable
 
 
 class Logger:
@@ -69,7 +72,7 @@ def _config(args, data):
                          dropout=args.dropout, bias=args.bias, attention=args.attention,
                          attention_block=args.attention_block)
     except ValueError as e:
-        raise SystemExit(f"model flags: {e}") from None
+        raise UsageError(f"model flags: {e}") from None
 
 
 def _schedule(args):
@@ -94,8 +97,12 @@ _MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_ac
 
 def train(args):
     """Run the training described by the parsed flags; returns the final summary dict."""
+    if world_size_from_env() > 1:    # MPI_Init, the abort hooks, the watchdog (comm.init)
+        comm.init(args.comm)
     strategy = make_strategy(args)
     log = Logger(strategy.rank, args.log_json)
+    if strategy.rank == 0 and args.log_json and not args.resume:
+        open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
     threads = backend.set_blas_threads(args.threads)
     device = backend.set_device(args.device)
     data = TokenData(args.data, args.cache_dir)
@@ -113,6 +120,7 @@ def train(args):
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    preempted = preemption.Flag() if args.save else None    # SIGTERM / SIGUSR1: save, exit
     for step in range(start, stop):
         t0 = time.perf_counter()
         lr = schedule(step)
@@ -129,13 +137,23 @@ def train(args):
             log.print0(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.1f} ms/step")
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
+            log.print0(f"step {step:5d} | evaluating on {args.eval_iters} val batches ...")
             val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                                 args.eval_iters)
+            # every rank computed the same number; averaging it also lines the ranks up, so
+            # the next step's time does not include another rank's evaluation
+            val_loss = strategy.global_mean(val_loss)
             log.print0(f"step {step:5d} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
         every = args.save_every or args.eval_every
-        if args.save and (last or (every and (step + 1) % every == 0)):
+        stopping = preempted is not None and strategy.any_rank(preempted.is_set())
+        if args.save and (last or stopping or (every and (step + 1) % every == 0)):
             strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
+        if stopping:
+            log.print0(f"preempted ({preempted.name}) after step {step}: saved to {args.save};"
+                       f" run the same command with --resume {args.save} (or --resume auto)"
+                       f" to continue")
+            raise SystemExit(preemption.EXIT_STATUS)
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
 
 
@@ -146,7 +164,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds):
     text = ""
     if args.sample and strategy.takes_part_in_sampling():     # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
-        log.print0("---- sample ----\n" + text + "\n----------------")
+        log.print0("---- sample ----\n" + printable(text) + "\n----------------")
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
                "steps": args.steps, "train_seconds": seconds, "sample": text}
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "

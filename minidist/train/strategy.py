@@ -33,15 +33,9 @@ import contextlib
 from minidist.nn import GPT
 from minidist.optim import AdamW
 from minidist.train import checkpoint, memory
+from minidist.launcher import world_size_from_env
+from minidist.train.cli import UsageError
 
-
-def world_size_from_env():
-    """Processes in this job, read from the launcher's environment (1 without a launcher)."""
-    import os
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_UNIVERSE_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
 
 
 def make_strategy(args):
@@ -72,12 +66,12 @@ def make_strategy(args):
 def _dp_size(args, world):
     dp = args.dp if args.dp is not None else world
     if dp != world:
-        raise SystemExit(
+        raise UsageError(
             f"--dp {dp} does not match the {world} MPI process(es) of this job: dp x tp x pp "
             f"must equal the number of processes (tp = pp = 1 here). Run `mpirun -n {dp} "
             f"python examples/train_gpt.py`, or leave --dp out (it defaults to the world size).")
     if args.batch_size % (dp * args.grad_accum):
-        raise SystemExit(
+        raise UsageError(
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
             f"dp {dp} x --grad-accum {args.grad_accum} = {dp * args.grad_accum} equal "
             f"micro-batches; choose a multiple of {dp * args.grad_accum}.")
@@ -112,7 +106,7 @@ def _nccl_device(args):
     it is refused on every rank, before any communication."""
     from minidist import backend
     if args.device == "cpu" or backend.cupy_module() is None:
-        raise SystemExit("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
+        raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
                          "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
                          "--comm ring, naive or mpi.")
     backend.set_device(args.device)
@@ -122,7 +116,7 @@ def _memory_options(strategy, args):
     """--amp and --ckpt-activations: independent of how the work is split, so every strategy
     takes them (mixed precision: minidist/train/amp.py; checkpointing: autograd/recompute.py)."""
     if args.amp and args.dtype != "float32":
-        raise SystemExit(f"--amp computes in 16 bits with float32 master weights; it does not "
+        raise UsageError(f"--amp computes in 16 bits with float32 master weights; it does not "
                          f"combine with --dtype {args.dtype} (leave --dtype at float32)")
     if args.amp:
         from minidist.train.amp import MixedPrecision
@@ -133,7 +127,7 @@ def _memory_options(strategy, args):
 
 def _refuse_unbuilt(args):
     if args.micro_batches not in (None, 1) and args.pp == 1:
-        raise SystemExit(
+        raise UsageError(
             f"--micro-batches {args.micro_batches} splits the batch for a pipeline (--pp > 1); "
             "with one stage, accumulate gradients with --grad-accum instead.")
 
@@ -200,6 +194,10 @@ class SingleProcess:
 
     def global_mean(self, value):
         return value
+
+    def any_rank(self, flag):
+        """Whether `flag` is true on any rank of the job (preemption: all save together)."""
+        return bool(flag)
 
     def comm_bytes(self):
         return 0

@@ -21,7 +21,6 @@ What it changes from SingleProcess (minidist/train/strategy.py); rows by dp rank
 Tests: tests/test_zero.py.
 """
 import contextlib
-import types
 
 from minidist.backend import xp_of
 from minidist.comm import trace
@@ -63,12 +62,12 @@ class ZeroDataParallel(SingleProcess):
         return self.stage == 3 or self.rank == 0
 
     def notes(self):
-        pad = sum(u.padding for u in self.engine.units)
+        pad = sum(u.flat.padding for u in self.engine.units)
         return super().notes() + [
             f"ZeRO stage {self.stage} over {self.world_size} ranks ({self.group.algo}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
-            f"owns {sum(u.shard_size for u in self.engine.units):,} of "
-            f"{sum(u.padded for u in self.engine.units):,} elements of each flat state"]
+            f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
+            f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
 
     # ---- one step (minidist/train/step.py) ---------------------------------------------------
     def local_rows(self, x, y):
@@ -102,6 +101,9 @@ class ZeroDataParallel(SingleProcess):
     def global_mean(self, value):
         return self._all_reduce(value, "avg")
 
+    def any_rank(self, flag):
+        return bool(self._all_reduce(float(flag), "max"))
+
     def _all_reduce(self, value, op):
         buf = xp_of(self.engine.units[0].param_shard).asarray([value], dtype="float64")
         self.group.all_reduce(buf, op=op)
@@ -117,11 +119,10 @@ class ZeroDataParallel(SingleProcess):
     def save_pretrained(self, model, directory, dtype="float32"):
         """GPT-2's format (minidist/nn/pretrained.py), the full parameters gathered to rank 0
         one unit at a time. Collective."""
-        from minidist.nn.pretrained import save_pretrained
+        from minidist.nn.pretrained import save_state_pretrained
         state = self.engine.full_state_dict()
         if self.rank == 0:
-            whole = types.SimpleNamespace(config=model.config, state_dict=lambda: state)
-            save_pretrained(whole, directory, dtype=dtype)
+            save_state_pretrained(model.config, state, directory, dtype=dtype)
         self.group.barrier()
 
     # ---- the end of a run: memory and communication -----------------------------------------
@@ -136,7 +137,7 @@ class ZeroDataParallel(SingleProcess):
 
     def summary(self):
         sent = self.step_bytes
-        psi = sum(u.padded for u in self.engine.units) * self.engine.units[0].dtype.itemsize
+        psi = sum(u.flat.padded * u.flat.dtype.itemsize for u in self.engine.units)
         return (f"ZeRO-{self.stage} over {self.world_size} ranks ({self.group.algo}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x; DDP sends "
@@ -149,7 +150,7 @@ class ZeroDataParallel(SingleProcess):
         if self.rank == 0:
             predicted = memory.zero_model_states(
                 self.n_params, self.world_size, self.stage, amp=self.amp is not None,
-                itemsize=self.engine.units[0].dtype.itemsize if self.amp is None else 2)
+                itemsize=self.engine.units[0].flat.dtype.itemsize if self.amp is None else 2)
             log.print0(memory.zero_table(rows, predicted, self.stage, self.n_params))
         if args.trace:
             trace.write_chrome_trace(args.trace, self.group)

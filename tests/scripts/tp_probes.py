@@ -19,6 +19,7 @@ from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, VocabShardLookup, vocab_parallel_cross_entropy)
 from minidist.tp.model import ParallelBlock, TensorParallelGPT
 from minidist.train.strategy import make_strategy
+from minidist.train.cli import UsageError
 
 SEED = 11
 
@@ -223,13 +224,13 @@ class _NoCollectives:
 
 
 def refusals(comm, config, flags):
-    """Each bad flag set raises SystemExit on this rank alone, before a mesh is made."""
+    """Each bad flag set raises UsageError on this rank alone, before a mesh is made."""
     real, minidist.comm.DeviceMesh = minidist.comm.DeviceMesh, _NoCollectives
     try:
         for bad, message in BAD:
             try:
                 make_strategy(flags("tp2", *bad))
-            except SystemExit as e:
+            except UsageError as e:
                 assert message in str(e), (bad, str(e))
                 yield {"flags": bad, "rank": comm.rank, "error": str(e)}
             else:

@@ -1,0 +1,107 @@
+"""What a user sees when the input is wrong: one line, once, exit status 2.
+
+    $ mpirun -n 4 python examples/train_gpt.py --steps 0
+    error: --steps 0: the number of optimizer steps must be at least 1
+
+Every user error (a flag out of range or a combination that does not fit, a missing data
+file, a checkpoint that is missing, corrupt or does not fit) is raised as UsageError (or the
+data and checkpoint layers' own DataError / CheckpointError) and reaches `run_main`, which
+prints `error: <message>` on the launcher's rank 0 only (every rank finds the same problem:
+flags, data and checkpoints are checked identically everywhere) and exits with status 2, no
+traceback. `--traceback` or MINIDIST_DEBUG=1 shows the traceback instead.
+Flags are checked by `check_flags` before any work (no MPI communication, no data read).
+Tests: tests/test_cli.py.
+"""
+import os
+import sys
+
+# (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
+_AT_LEAST = (
+    ("--steps", "steps", 1, "the number of optimizer steps"),
+    ("--batch-size", "batch_size", 1, "the global batch, in sequences"),
+    ("--grad-accum", "grad_accum", 1, "micro-steps per optimizer step"),
+    ("--log-every", "log_every", 1, "steps between log lines"),
+    ("--eval-every", "eval_every", 0, "steps between evaluations (0: only at the end)"),
+    ("--eval-iters", "eval_iters", 1, "validation batches per evaluation"),
+    ("--save-every", "save_every", 0, "steps between checkpoints (0: at evals and the end)"),
+    ("--sample", "sample", 0, "characters sampled at the end"),
+    ("--n-layer", "n_layer", 1, "transformer blocks"),
+    ("--n-head", "n_head", 1, "attention heads"),
+    ("--n-embd", "n_embd", 1, "the embedding width"),
+    ("--block-size", "block_size", 1, "the context length"),
+    ("--dp", "dp", 1, "data-parallel ranks"),
+    ("--tp", "tp", 1, "tensor-parallel ranks"),
+    ("--pp", "pp", 1, "pipeline stages"),
+    ("--micro-batches", "micro_batches", 1, "pipeline micro-batches"),
+    ("--threads", "threads", 1, "BLAS threads"),
+    ("--stop-at", "stop_at", 1, "the step to stop at"),
+    ("--warmup", "warmup", 0, "warm-up steps"),
+    ("--keep", "keep", 1, "checkpoints kept"),
+)
+
+
+class UsageError(ValueError):
+    """A user error: a flag, a file or a combination; the message names it and says what
+    to do."""
+
+
+def check_flags(args):
+    """Every flag's range and the combinations that cannot work, on this rank alone."""
+    for flag, name, low, what in _AT_LEAST:
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise UsageError(f"{flag} {value}: must be at least {low} ({what})")
+    if not args.lr > 0:
+        raise UsageError(f"--lr {args.lr}: the learning rate must be positive (e.g. 4e-3)")
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
+        raise UsageError(f"--min-lr {args.min_lr}: must be between 0 and --lr {args.lr}")
+    if not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout {args.dropout}: a probability in [0, 1)")
+    if args.weight_decay < 0 or args.grad_clip < 0:
+        raise UsageError(f"--weight-decay {args.weight_decay} / --grad-clip {args.grad_clip}: "
+                         "must not be negative (--grad-clip 0: no clipping)")
+    if args.bucket_mb <= 0:
+        raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
+    if args.n_embd % args.n_head:
+        raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
+                         f"heads: choose a multiple of {args.n_head}")
+    if args.batch_size % args.grad_accum:
+        raise UsageError(f"--batch-size {args.batch_size} does not split into --grad-accum "
+                         f"{args.grad_accum} equal micro-batches: choose a multiple of "
+                         f"{args.grad_accum}")
+    if args.data is not None and not os.path.exists(args.data):
+        raise UsageError(f"--data {args.data}: no such file or folder (give a text file or a "
+                         "folder of text files, or leave --data out for Python's sources)")
+    if args.resume not in (None, "auto") and not os.path.isdir(args.resume):
+        what = "is a file" if os.path.exists(args.resume) else "does not exist"
+        raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
+                         "the --save directory of an earlier run")
+
+
+def launcher_rank():
+    """This process's rank in the job, from the launcher's environment (0 without one):
+    known before MPI starts, so an error found before any communication is printed once."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def run_main(main, args, user_errors=()):
+    """Call main(args); a UsageError or one of `user_errors` becomes one `error:` line from
+    rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback)."""
+    try:
+        return main(args)
+    except (UsageError, *user_errors) as e:
+        if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
+            raise
+        if launcher_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def printable(text):
+    """`text` with what a terminal would act on (escape sequences, other control
+    characters but newline and tab) shown as escapes instead: an untrained model's sample
+    is random bytes."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
