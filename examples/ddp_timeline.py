@@ -36,12 +36,20 @@ def bar(t0, t1, lo, hi, width):
 
 
 def draw(events, step, width, only=None):
+    """Print step `step` (Python indexing: -1 is the last) of the traced steps, every rank."""
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     ranks = [r for r in ranks if only is None or r in only]
+    if not ranks:
+        raise SystemExit("error: no rank of --ranks is in this trace")
+    count = min(len(steps_of(events, r)) for r in ranks)
+    if not -count <= step < count:
+        raise SystemExit(f"error: --step {step}: the trace holds steps 0 to {count - 1} "
+                         "(DDP steps: train_gpt.py --dp with --trace)")
+    step %= count                      # -1 -> the last step's number, which is what we print
     windows = {r: steps_of(events, r)[step] for r in ranks}
     lo = windows[ranks[0]][0]
     hi = max(end for _, end in windows.values())
-    print(f"step {step}: {(hi - lo) / 1e3:.1f} ms shown, {width} columns "
+    print(f"step {step} of {count} traced: {(hi - lo) / 1e3:.1f} ms shown, {width} columns "
           f"({(hi - lo) / 1e3 / width:.2f} ms each)")
     for r in ranks:
         start, end = windows[r]
@@ -55,8 +63,9 @@ def draw(events, step, width, only=None):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("trace")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="the Chrome trace train_gpt.py --trace FILE wrote")
     p.add_argument("--step", type=int, default=-1, help="which step (default: the last)")
     p.add_argument("--width", type=int, default=60)
     p.add_argument("--ranks", default=None, help="e.g. 0,3 (default: all)")

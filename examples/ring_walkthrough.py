@@ -2,17 +2,34 @@
 
     python examples/ring_walkthrough.py                 # 4 ranks, 10 elements (uneven chunks)
     python examples/ring_walkthrough.py --ranks 3 --n 7 --op max
-    python examples/ring_walkthrough.py --pdb           # stop in pdb; `s` steps into the ring
+    python examples/ring_walkthrough.py --pdb           # stop in pdb where `bufs` exists:
+    (Pdb) p bufs                                        # every simulated rank's buffer
+    (Pdb) s                                             # into the reduce-scatter phase
+    (Pdb) p bufs
 
 The schedule is ring.py's own (`reduce_scatter_step`, `all_gather_step`), so what this prints
 is what `mpiexec -n 4 python ...` does with ProcessGroup(algo="ring"); the README section
 "Collectives and process groups" shows how to stop one real rank in a debugger too.
 """
 import argparse
+import inspect
+import pdb
 
 import numpy as np
 
+from minidist.comm import simulate
 from minidist.comm.simulate import simulate_all_reduce, simulate_broadcast
+
+
+def run_under_pdb(inputs, op):
+    """simulate_all_reduce under pdb, stopped at its reduce-scatter phase: `bufs` (one array
+    per simulated rank) exists there, and `s` steps into the phase's loop."""
+    lines, first = inspect.getsourcelines(simulate_all_reduce)
+    where = next(i for i, line in enumerate(lines) if '_ring_phase("reduce-scatter"' in line)
+    debugger = pdb.Pdb()
+    debugger.set_break(simulate.__file__, first + where)
+    debugger.rcLines.append("continue")     # run on to that breakpoint before the first prompt
+    return debugger.runcall(simulate_all_reduce, inputs, op=op)
 
 
 def main():
@@ -21,14 +38,16 @@ def main():
     p.add_argument("--n", type=int, default=10, help="elements per buffer")
     p.add_argument("--op", default="sum", choices=("sum", "avg", "max", "min"))
     p.add_argument("--broadcast", action="store_true", help="also show a chain broadcast")
-    p.add_argument("--pdb", action="store_true", help="stop in pdb just before the all-reduce")
+    p.add_argument("--pdb", action="store_true",
+                   help="stop in pdb inside the all-reduce, before its reduce-scatter phase")
     args = p.parse_args()
 
     # rank r starts with r+1 everywhere, so the sum is N(N+1)/2 and easy to check by eye
     inputs = [np.full(args.n, r + 1.0) for r in range(args.ranks)]
     if args.pdb:
-        breakpoint()  # `s` steps into simulate_all_reduce; `n` runs a line; `p bufs` prints
-    outputs = simulate_all_reduce(inputs, op=args.op)
+        outputs = run_under_pdb(inputs, args.op)
+    else:
+        outputs = simulate_all_reduce(inputs, op=args.op)
     expected = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}[args.op](
         np.stack(inputs), axis=0)
     print(f"\nevery rank now holds {outputs[0][:6]}...; expected {expected[:6]}...: "

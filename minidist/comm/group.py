@@ -14,7 +14,9 @@ Collectives act in place on C-contiguous xp arrays (numpy or cupy; flattened, so
 `broadcast(buf, root)`, `barrier()`; point-to-point `send(buf, peer)`, `recv(buf, peer)`.
 `op` is "sum", "avg", "max" or "min". Every call takes `async_op`; with True it returns a Work
 whose `wait()` finishes it. Every rank of the group must issue the same collectives in the same
-order (debug mode checks it: minidist/comm/debug.py).
+order (debug mode checks it: minidist/comm/debug.py). With `sync_comm` (for a debugger:
+`world(sync_comm=True)`, MINIDIST_SYNC_COMM=1, train_gpt.py --sync-comm) async_op=True runs the
+call at once in the caller's thread and returns a finished Work: no communication thread.
 
 Uneven lengths: reduce_scatter and all_gather cut a length-n buffer with `chunk_bounds(n,
 size)` (numpy.array_split's rule: the first n % size ranks get one element more). Rank r's `out`
@@ -29,6 +31,8 @@ itself, so user traffic on `comm` cannot be mistaken for ours.
 Tests: tests/test_comm.py and tests/scripts/comm_check.py (run by it under mpiexec).
 """
 import atexit
+import os
+import sys
 
 from mpi4py import MPI
 
@@ -43,13 +47,18 @@ from minidist.backend import xp_of
 ALGOS = ("ring", "naive", "mpi", "nccl")
 REDUCE_OPS = ("sum", "avg", "max", "min")
 P2P_TAG = 0
+SYNC_COMM_NOTE = (
+    "sync comm (--sync-comm, MINIDIST_SYNC_COMM=1): every collective runs in the calling "
+    "thread, so a breakpoint in the ring also stops for DDP's gradient buckets. Traded for it: "
+    "the overlap of communication with compute (overlapped DDP's bucket all-reduces now block "
+    "backward, one after another; ZeRO's reduce-scatters likewise)")
 _groups = []  # live groups: their threads must stop before MPI_Finalize (see _shutdown)
 
 
 class ProcessGroup:
     """The ranks of one mpi4py communicator, with collectives by algorithm `algo`."""
 
-    def __init__(self, comm, algo="ring", name="world"):
+    def __init__(self, comm, algo="ring", name="world", sync_comm=False):
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS}, not {algo!r}")
         self.comm, self.algo, self.name = comm, algo, name
@@ -61,6 +70,7 @@ class ProcessGroup:
         self._stream = Stream(f"minidist-comm-{name}")
         # the stream thread calls MPI beside the main thread: that needs THREAD_MULTIPLE
         self._threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.sync_comm = sync_comm   # True: async_op runs here too, no thread (a debugger)
         self._seq = 0
         self._scratch = {}
         self._inflight = []      # async send/recv Works: their buffers must outlive them
@@ -72,11 +82,17 @@ class ProcessGroup:
         _groups.append(self)
 
     @classmethod
-    def world(cls, algo="ring"):
-        """All ranks (MPI.COMM_WORLD). Also installs the abort-on-exception hook."""
+    def world(cls, algo="ring", sync_comm=None):
+        """All ranks (MPI.COMM_WORLD). Also installs the abort-on-exception hook.
+        `sync_comm` (default: MINIDIST_SYNC_COMM=1 in the environment): run every collective,
+        async_op=True ones too, in the calling thread; sub-groups inherit it."""
         debug.install_abort_handler()
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
-        return cls(MPI.COMM_WORLD, algo, "world")
+        if sync_comm is None:
+            sync_comm = os.environ.get("MINIDIST_SYNC_COMM", "0") not in ("", "0")
+        if sync_comm and MPI.COMM_WORLD.Get_rank() == 0:
+            sys.stderr.write(SYNC_COMM_NOTE + "\n")
+        return cls(MPI.COMM_WORLD, algo, "world", sync_comm)
 
     def new_group(self, ranks, algo=None, name=None):
         """A group of `ranks` (ranks of this group, in the new group's order). Collective:
@@ -87,13 +103,15 @@ class ProcessGroup:
                                ranks.index(self.rank) if member else 0)
         if not member:
             return None
-        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}{ranks}")
+        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}{ranks}",
+                            self.sync_comm)
 
     def split(self, color, key=None, algo=None, name=None):
         """MPI_Comm_split: ranks with the same `color` form a group, ordered by `key`
         (default: rank here). Collective over this group."""
         comm = self.comm.Split(color, self.rank if key is None else key)
-        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}/{color}")
+        return ProcessGroup(comm, algo or self.algo, name or f"{self.name}/{color}",
+                            self.sync_comm)
 
     def chunk(self, n):
         """(start, stop) of this rank's chunk of a length-n buffer (see chunk_bounds)."""
@@ -153,7 +171,7 @@ class ProcessGroup:
         args = (self._seq, op, out, inp, count, reduction, root, body, async_op,
                 trace.now(), ready_event(out, inp) if async_op else None)
         label = f"{op} #{self._seq} on group {self.name!r}"
-        if async_op and self._threads_ok:
+        if async_op and self._threads_ok and not self.sync_comm:
             return self._stream.submit(lambda: self._run(*args), label)
         self._stream.synchronize()  # everything issued before this call goes first
         self._run(*args)

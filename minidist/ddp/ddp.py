@@ -34,6 +34,10 @@ communication thread waits for that event, then stages the bucket through host m
 Tracing (`trace.enable()`) records each all-reduce's start and end: the Chrome trace shows
 them running inside the backward pass (tests/test_ddp.py::test_trace_shows_overlap).
 
+A debugger (pdb) traces only the thread it runs in, so it cannot stop in these all-reduces;
+with `sync_comm` on the group (train_gpt.py --sync-comm, MINIDIST_SYNC_COMM=1) each bucket's
+all-reduce runs in the hook itself, in the calling thread: steppable, and no longer overlapped.
+
 Gradient accumulation: inside `with ddp.no_sync():` the hooks start nothing and gradients add
 up in the buckets; run the last micro-batch outside it, then call sync_grads().
 
@@ -217,6 +221,8 @@ class DataParallelOverlap(DataParallelBucket):
 
     def _launch(self, b):
         b.attach()
+        # off the calling thread: the group's communication thread runs it while backward
+        # goes on (with the group's sync_comm, for a debugger, it runs here, now, blocking)
         b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
         self._next += 1
 

@@ -45,6 +45,10 @@ def add_parallel_args(p):
                    help="run every collective in the calling thread, for a debugger: a "
                    "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
                    "the overlap of communication with backward (README: Debugging)")
+    g.add_argument("--sync-comm", action="store_true",
+                   help="run every collective in the calling thread, for a debugger: a "
+                   "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
+                   "the overlap of communication with backward (README: Debugging)")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
