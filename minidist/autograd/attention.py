@@ -10,17 +10,17 @@ Saved for backward: q, k, v (inputs), P and the dropout mask. The backward uses
 FlashAttention's identity sum_j P_ij dP_ij = g_i . y_i, a (B, nh, T) row sum over hs instead
 of over a (T, T) temporary. `CausalSelfAttention` also does GPT-2's head split and merge
 inside, as strided views, so a model's graph has one node per attention and no copies.
-All matmuls are batched over B*nh. On cupy arrays the scale + mask + softmax (and its
-backward) is one CUDA kernel over (B*nh*T, T) rows (cuda_kernels.py; MINIDIST_CUDA_KERNELS=0
-for the xp code). Tests: tests/test_fused.py, tests/test_gradcheck.py,
-tests/test_cuda_kernels.py (gpu).
+All matmuls are batched over B*nh; row sums of 16-bit values add up in float32. On cupy
+arrays the scale + mask + softmax (and its backward) is one CUDA kernel over (B*nh*T, T)
+rows (cuda_kernels.py; MINIDIST_CUDA_KERNELS=0 for the xp code). Tests: tests/test_fused.py,
+tests/test_gradcheck.py, tests/test_bfloat16.py, tests/test_cuda_kernels.py (gpu).
 """
 import math
 
 from minidist import backend
 from minidist.autograd import cuda_kernels as _ck
 from minidist.autograd.function import Function
-from minidist.backend import matmul as _mm, xp_of
+from minidist.backend import is_half, matmul as _mm, xp_of
 
 _MASKS = {}
 
@@ -40,11 +40,26 @@ def _keep_mask(rng, shape, p, xp):
     return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
 
 
+def _bmm(a, b):
+    """a @ b batched over the leading axes. CuPy 14's batched matmul rejects bfloat16 ("data
+    type 'E' not understood", measured on an H100): there float32 copies are multiplied and
+    the product rounded to bfloat16 (the numbers a bfloat16 GEMM with float32 accumulation
+    gives, at float32 speed; cuBLAS gemmStridedBatchedEx would be the fast way)."""
+    if backend.is_cupy(a) and a.dtype.name == "bfloat16":
+        return _mm(a.astype("float32"), b.astype("float32")).astype(a.dtype)
+    return _mm(a, b)
+
+
+def _acc(dtype):
+    """Where a row sum of `dtype` values adds up: float32 for 16-bit dtypes."""
+    return "float32" if is_half(dtype) else dtype
+
+
 def _matmul_into(a, b, out):
     """out[...] = a @ b. numpy writes straight into a strided `out`; elsewhere (cupy) we do
     not rely on matmul's `out=` accepting non-contiguous views."""
     if backend.is_cupy(out):
-        out[...] = _mm(a, b)
+        out[...] = _bmm(a, b)
     else:
         _mm(a, b, out=out)
 
@@ -53,7 +68,7 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
     """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
-    P = _mm(q, xp.swapaxes(k, -1, -2))                       # (B, nh, T, T)
+    P = _bmm(q, xp.swapaxes(k, -1, -2))                      # (B, nh, T, T)
     if _ck.use(P) and P.flags.c_contiguous:
         _ck.attn_softmax_(P, 1.0 / math.sqrt(hs))            # all of the below, one kernel
     else:
@@ -79,7 +94,7 @@ def _attn_backward(g, gy, q, k, v, saved, out):
     xp = xp_of(g)
     P, keep, scale = saved
     kT = xp.swapaxes
-    dP = _mm(g, kT(v, -1, -2))                               # y = Pd v: dPd = g v^T
+    dP = _bmm(g, kT(v, -1, -2))                              # y = Pd v: dPd = g v^T
     if keep is None:
         _matmul_into(kT(P, -1, -2), g, out[2])               #           dv = P^T g
     else:
@@ -115,7 +130,7 @@ class CausalAttention(Function):
     def backward(ctx, grad):
         q, k, v, y, saved = ctx.saved
         xp = xp_of(grad)
-        gy = (grad * y).sum(axis=-1, keepdims=True)
+        gy = (grad * y).sum(axis=-1, keepdims=True, dtype=_acc(y.dtype))
         out = xp.empty((3,) + q.shape, q.dtype)
         _attn_backward(grad, gy, q, k, v, saved, out)
         return out[0], out[1], out[2], None, None
@@ -159,7 +174,7 @@ class CausalSelfAttention(Function):
         xp, nh = xp_of(grad), ctx.n_head
         B, T, C = grad.shape
         g4 = grad.reshape(B, T, nh, C // nh)                 # (B, T, nh, hs)
-        gy = (g4 * y.reshape(B, T, nh, C // nh)).sum(axis=-1)    # (B, T, nh): g_i . y_i
+        gy = (g4 * y.reshape(B, T, nh, C // nh)).sum(axis=-1, dtype=_acc(y.dtype))  # (B,T,nh)
         gy = gy.transpose(0, 2, 1)[..., None]                # (B, nh, T, 1)
         dqkv = xp.empty_like(qkv)                            # (B, T, 3C)
         q, k, v = heads_view(qkv, nh)

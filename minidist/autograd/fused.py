@@ -5,13 +5,14 @@ every primitive saves its own inputs and makes its own temporaries. Here each fo
 only what the backward formula needs, works in place (`out=`) on as few full-size buffers
 as it can, and keeps float32 in float32. `examples/bench_fused.py` measures the difference.
 
-Shapes: N rows of C features (layer norm), V classes (cross-entropy). float16 inputs are
-computed in float32 inside (statistics, exp and log sums lose too much in float16) and the
-results cast back, except cross-entropy's scalar loss, which stays float32 (mixed precision
-scales it by 2^16 before backward). Attention lives in attention.py and is re-exported here.
-On cupy arrays, layer norm, GELU and cross-entropy run CUDA kernels instead
-(cuda_kernels.py; MINIDIST_CUDA_KERNELS=0 for the code here); numpy arrays never reach them.
-Tests: tests/test_fused.py, tests/test_gradcheck.py, tests/test_cuda_kernels.py (gpu).
+Shapes: N rows of C features (layer norm), V classes (cross-entropy). float16 and bfloat16
+inputs are computed in float32 inside (statistics, exp and log sums lose too much in 16
+bits) and the results cast back, except cross-entropy's scalar loss, which stays float32
+(mixed precision scales it before backward). Attention lives in attention.py and is
+re-exported here. On cupy arrays, layer norm, GELU and cross-entropy run CUDA kernels
+instead (cuda_kernels.py; MINIDIST_CUDA_KERNELS=0 for the code here); numpy arrays never
+reach them. Tests: tests/test_fused.py, tests/test_gradcheck.py, tests/test_bfloat16.py,
+tests/test_cuda_kernels.py (gpu).
 """
 import contextlib
 import math
@@ -24,6 +25,14 @@ from minidist.backend import is_half, matmul as _mm, xp_of
 def _f32(a):
     """float16 (or bfloat16) -> float32 for the arithmetic; anything else unchanged (no copy)."""
     return a.astype("float32") if a is not None and is_half(a.dtype) else a
+
+
+def _sum_rows(g2):
+    """g2 (N, C) summed over rows in g2's dtype; 16-bit ones add up in float32 (numpy's
+    bfloat16 sum keeps a bfloat16 total: 1000 ones add up to 256)."""
+    if is_half(g2.dtype):
+        return g2.sum(axis=0, dtype="float32").astype(g2.dtype)
+    return g2.sum(axis=0)
 
 
 # ---- linear --------------------------------------------------------------------------------
@@ -49,7 +58,7 @@ class Linear(Function):
         g2 = grad.reshape(-1, w.shape[1])                        # (N, out)
         dx = _mm(g2, w.T).reshape(ctx.shape) if need_x else None  # dL/dx = g W^T
         dw = _mm(x2.T, g2) if need_w else None                   # dL/dW = x^T g
-        db = g2.sum(axis=0) if need_b else None                  # dL/db = sum over rows
+        db = _sum_rows(g2) if need_b else None                   # dL/db = sum over rows
         return dx, dw, db
 
 

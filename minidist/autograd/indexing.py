@@ -236,10 +236,14 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, grad):
         idx, = ctx.saved
-        gw = xp_of(grad).zeros(ctx.shape, grad.dtype)
+        # 16-bit rows add up in float32 (numpy's bfloat16 sums keep a bfloat16 total, and
+        # cupyx.scatter_add has no bfloat16), rounded to the gradient's dtype once
+        acc = "float32" if backend.is_half(grad.dtype) else grad.dtype
+        gw = xp_of(grad).zeros(ctx.shape, acc)
         if idx.size:
-            scatter_add_rows(gw, idx.reshape(-1), grad.reshape(-1, ctx.shape[1]))
-        return gw, None
+            rows = grad.reshape(-1, ctx.shape[1]).astype(acc, copy=False)
+            scatter_add_rows(gw, idx.reshape(-1), rows)
+        return gw.astype(grad.dtype, copy=False), None
 
 
 def embedding(weight, idx):

@@ -5,8 +5,9 @@ The header maps each name to {"dtype": "F32", "shape": [..], "data_offsets": [be
 (offsets into the byte buffer that follows the header), plus an optional "__metadata__"
 object of string -> string. Data is little-endian, C order; tensors lie back to back and
 cover the buffer exactly. We pad the header with spaces so every tensor starts 8-byte
-aligned, as the reference writer does. bfloat16 is read (widened to float32), not written.
-Tests: tests/test_pretrained.py.
+aligned, as the reference writer does. bfloat16 (ml_dtypes' type) is written as "BF16" (its
+bytes, through a uint16 view) and read widened to float32 (exact: bfloat16 is the top 16
+bits of a float32). Tests: tests/test_pretrained.py, tests/test_bfloat16.py.
 """
 import json
 import os
@@ -32,6 +33,12 @@ def save_file(tensors, path, metadata=None):
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a.get() if hasattr(a, "get") else a)
+        if a.dtype.name == "bfloat16":
+            header[name] = {"dtype": "BF16", "shape": list(a.shape),
+                            "data_offsets": [offset, offset + a.nbytes]}
+            arrays.append(a.view(np.uint16).astype("<u2", copy=False))
+            offset += a.nbytes
+            continue
         if a.dtype not in _NAMES:
             raise TypeError(f"safetensors: cannot write {name} of dtype {a.dtype}")
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)

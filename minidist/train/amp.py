@@ -1,7 +1,8 @@
 """Mixed precision (Micikevicius et al., 2018): 16-bit compute, float32 master weights,
 dynamic loss scaling.
 
-    model parameters   float16 (bfloat16 where the array library has it: CuPy + ml_dtypes)
+    model parameters   float16, or bfloat16 (the default on CuPy + ml_dtypes; on numpy it
+                       is asked for by name: MixedPrecision(dtype="bfloat16"))
     forward, backward  in 16 bits; layer norm, softmax, GELU and cross-entropy do their sums,
                        exps and logs in float32 inside (minidist/autograd/fused.py), and the
                        loss comes out float32
@@ -12,6 +13,8 @@ dynamic loss scaling.
                        finite -> an overflow somewhere: skip the step, S /= 2; else clip,
                        AdamW on the float32 master copy, master -> 16-bit model weights.
                        S *= 2 after `growth_interval` good steps in a row.
+                       bfloat16 has float32's exponent range: S = 1, fixed (no scaling),
+                       and the overflow check stays (a real inf still skips the step).
 
 Memory per parameter: 2 (16-bit weights) + 2 (16-bit gradients) + 12 (float32 master, Adam's
 m and v, kept by the optimizer) = 16 bytes, the ZeRO paper's accounting, which the memory
@@ -88,16 +91,30 @@ class LossScaler:
         self.good_steps, self.skipped = int(sd["good_steps"]), int(sd["skipped"])
 
 
-def half_dtype(xp):
-    """bfloat16 where the array library computes with it (CuPy given ml_dtypes' bfloat16),
-    float16 otherwise: numpy (no bfloat16 without extra packages) and older CuPy."""
+def bfloat16():
+    """ml_dtypes' bfloat16 (the type numpy and CuPy both use), or a clear error."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise RuntimeError("bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def half_dtype(xp, name=None):
+    """The 16-bit compute dtype: `name` ("float16" or "bfloat16") if given; else bfloat16
+    where the array library computes with it (CuPy given ml_dtypes' bfloat16), float16
+    otherwise (numpy: its bfloat16 through ml_dtypes works, but is emulated and slow, so
+    the CPU default stays float16; tests ask for bfloat16 by name)."""
+    if name is not None:
+        if name not in ("float16", "bfloat16"):
+            raise ValueError(f"mixed precision dtype must be float16 or bfloat16, not {name!r}")
+        return bfloat16() if name == "bfloat16" else np.dtype(np.float16)
     if xp is np:
         return np.dtype(np.float16)
     try:
-        import ml_dtypes
-        a = xp.ones((4, 4), dtype=ml_dtypes.bfloat16)
+        a = xp.ones((4, 4), dtype=bfloat16())
         float(((a @ a) * a).astype(xp.float32).sum())     # matmul, elementwise, cast
-        return np.dtype(ml_dtypes.bfloat16)
+        return bfloat16()
     except Exception:
         return np.dtype(np.float16)
 
@@ -106,15 +123,16 @@ class MixedPrecision:
     """The --amp policy: casts a float32 model to 16 bits (keeping its float32 arrays as the
     master weights), scales losses, and builds the master-weight optimizer."""
 
-    def __init__(self, scaler=None):
+    def __init__(self, scaler=None, dtype=None):
         self.scaler = scaler or LossScaler()
-        self.dtype = None            # chosen by cast_model, once the device is known
+        self.dtype_name = dtype      # None: chosen by cast_model, once the device is known
+        self.dtype = None
         self.masters = {}            # parameter name -> float32 array
 
     def cast_model(self, model):
         """Parameters to 16 bits in place; returns the model."""
         params = list(model.named_parameters())
-        self.dtype = half_dtype(backend.xp_of(params[0][1].data))
+        self.dtype = half_dtype(backend.xp_of(params[0][1].data), self.dtype_name)
         if self.dtype.name == "bfloat16":    # float32's exponent range: no scaling needed
             self.scaler.scale, self.scaler.growth_interval = 1.0, None
         for name, p in params:
@@ -146,8 +164,8 @@ class MixedPrecision:
         scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "
                    f"x{s.growth_factor:g} after {s.growth_interval} good steps)"
                    if s.growth_interval is not None else f"fixed loss scale {s.scale:g}")
-        cpu = ("; on the CPU numpy has no float16 BLAS, so matmuls multiply in float32 and "
-               "round to float16 (float16 storage, emulated compute)"
+        cpu = (f"; on the CPU numpy has no 16-bit BLAS, so matmuls multiply in float32 and "
+               f"round to {self.dtype} ({self.dtype} storage, emulated compute)"
                if backend.device() == "cpu" else "")
         return (f"mixed precision: {self.dtype} compute, float32 master weights and Adam "
                 f"state (2+2+12 bytes per parameter), {scaling}; steps with inf/nan "

@@ -1,0 +1,155 @@
+"""bfloat16 end to end on the generic (xp) path, tested on the CPU through numpy + ml_dtypes
+(the same dtype CuPy uses): every fused op forward and backward against float32, row sums
+that add up in float32, --amp's bfloat16 policy (no loss scaling, 2+2+12 bytes per
+parameter), a few training steps ending near float32, checkpoints ("BF16" safetensors), and
+collectives (uint16 views on the wire, sums right) on 3 ranks.
+
+    python -m pytest -q tests/test_bfloat16.py              (CPU)
+    python -m pytest -q tests/test_bfloat16.py --device cuda (the same on CuPy)
+"""
+import json
+
+import numpy as np
+import pytest
+
+from minidist import backend
+from minidist.autograd import Tensor, fused as F
+from minidist.autograd.indexing import embedding
+from minidist.nn import GPT, GPTConfig
+from minidist.nn.safetensors import load_file, read_header, save_file
+from minidist.optim import AdamW
+from minidist.train.amp import MixedPrecision
+from minidist.train.memory import ledger
+from mpirun import mpi_env, run_mpi
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=48, dropout=0.0)
+
+OPS = {   # name -> (fn, input shapes)
+    "linear": (F.linear, [(3, 5, 8), (8, 6), (6,)]),
+    "layer_norm": (F.layer_norm, [(3, 5, 37), (37,), (37,)]),
+    "gelu": (F.gelu, [(3, 7, 33)]),
+    "softmax": (F.softmax, [(4, 9)]),
+    "log_softmax": (F.log_softmax, [(4, 9)]),
+    "cross_entropy": (lambda z: F.cross_entropy(z, np.array([[3, -1, 0], [7, 1, 2]])),
+                      [(2, 3, 11)]),
+    "attention": (F.causal_attention, [(2, 3, 7, 5)] * 3),
+    "self_attention": (lambda x: F.causal_self_attention(x, 3), [(2, 9, 27)]),
+}
+
+
+def _grads(xp, fn, shapes, dtype):
+    r = np.random.default_rng(1)
+    inputs = [Tensor(xp.asarray(r.standard_normal(s).astype(np.float32).astype(dtype)),
+                     requires_grad=True) for s in shapes]
+    out = fn(*inputs)
+    w = xp.asarray(np.random.default_rng(5).standard_normal(out.shape).astype(out.dtype))
+    (out * Tensor(w)).sum().backward()
+    return out, inputs
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_op_runs_in_bfloat16_and_matches_float32(name, device):
+    """Outputs and gradients stay bfloat16 (the loss float32) and agree with float32 to
+    bfloat16's precision (8 bits: ~0.4% per rounding, a few roundings deep)."""
+    xp = backend.get_xp()
+    fn, shapes = OPS[name]
+    out16, in16 = _grads(xp, fn, shapes, BF16)
+    out32, in32 = _grads(xp, fn, shapes, np.float32)
+    assert out16.dtype == (np.float32 if name == "cross_entropy" else BF16), out16.dtype
+    for i, (a, b) in enumerate(zip([out16.data] + [t.grad for t in in16],
+                                   [out32.data] + [t.grad for t in in32])):
+        assert a.dtype in (BF16, np.float32), f"{name} #{i}: {a.dtype}"
+        a, b = backend.to_host(a).astype(np.float64), backend.to_host(b).astype(np.float64)
+        np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * max(np.abs(b).max(), 1e-3),
+                                   err_msg=f"{name}: output/grad #{i}")
+
+
+def test_row_sums_add_up_in_float32(device):
+    """numpy's own bfloat16 sum keeps a bfloat16 total (1000 ones -> 256); the bias and
+    embedding gradients add their rows in float32 and round once: exactly 1000."""
+    xp = backend.get_xp()
+    x = Tensor(xp.ones((1000, 4), BF16))
+    w, b = Tensor(xp.ones((4, 3), BF16), requires_grad=True), Tensor(
+        xp.zeros(3, BF16), requires_grad=True)
+    F.linear(x, w, b).sum().backward()
+    assert b.grad.dtype == BF16 and (backend.to_host(b.grad) == 1000).all()
+    table = Tensor(xp.zeros((5, 2), BF16), requires_grad=True)
+    embedding(table, np.zeros(1000, np.int64)).sum().backward()
+    g = backend.to_host(table.grad)
+    assert g.dtype == BF16 and (g[0] == 1000).all() and not g[1:].any()
+
+
+def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param():
+    amp = MixedPrecision(dtype="bfloat16")
+    model = amp.cast_model(GPT(CFG, seed=0))
+    assert amp.dtype == BF16 and all(p.dtype == BF16 for p in model.parameters())
+    assert amp.scaler.scale == 1.0 and amp.scaler.growth_interval is None
+    assert "bfloat16 compute" in amp.describe() and "fixed loss scale 1" in amp.describe()
+    opt = amp.optimizer(model.named_parameters(), lambda named: AdamW(named, lr=1e-2))
+    x = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, CFG.block_size))
+    amp.backward(model(x, x)[1])
+    assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step()
+    for p, m in zip(model.parameters(), opt.master):
+        assert m.dtype == np.float32
+        np.testing.assert_array_equal(p.data.view(np.uint16), m.data.astype(BF16).view(np.uint16))
+    n = model.num_parameters()
+    row = ledger(model.parameters(), opt)
+    assert (row["params"], row["grads"], row["optimizer"]) == (2 * n, 2 * n, 12 * n)
+
+
+def test_amp_refuses_an_unknown_16_bit_dtype():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        MixedPrecision(dtype="float8").cast_model(GPT(CFG, seed=0))
+
+
+def _train(corpus, amp_dtype, steps=25):
+    """Losses of `steps` AdamW steps on the corpus bytes, same batches for every run."""
+    data = np.frombuffer(open(corpus, "rb").read(), np.uint8).astype(np.int64) % 48
+    r = np.random.default_rng(0)
+    model = GPT(CFG, seed=0)
+    amp = MixedPrecision(dtype=amp_dtype) if amp_dtype else None
+    make = lambda named: AdamW(named, lr=1e-2)                        # noqa: E731
+    if amp:
+        amp.cast_model(model)
+        opt = amp.optimizer(model.named_parameters(), make)
+    else:
+        opt = make(model.named_parameters())
+    losses = []
+    for _ in range(steps):
+        i = r.integers(0, len(data) - CFG.block_size - 1, 8)[:, None] + np.arange(CFG.block_size)
+        _, loss = model(data[i], data[i + 1])
+        amp.backward(loss) if amp else loss.backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(backend.to_host(loss.data)))
+    return losses
+
+
+def test_bfloat16_amp_trains_near_float32(corpus):
+    """25 steps of bfloat16 --amp on numpy: it learns, and its last losses are within 3% of
+    float32's (bfloat16 keeps 8 bits; the float32 master weights keep the updates)."""
+    l32, l16 = _train(corpus, None), _train(corpus, "bfloat16")
+    assert np.mean(l32[-5:]) < 0.7 * l32[0]
+    assert abs(np.mean(l16[-5:]) / np.mean(l32[-5:]) - 1) < 0.03, (l16[-5:], l32[-5:])
+
+
+def test_safetensors_writes_bf16_and_reads_it_back_exactly(tmp_path):
+    a = np.random.default_rng(0).standard_normal((3, 5)).astype(BF16)
+    save_file({"w": a, "b": np.ones(2, np.float32)}, tmp_path / "m.safetensors")
+    header, _, _ = read_header(tmp_path / "m.safetensors")
+    assert header["w"]["dtype"] == "BF16" and header["b"]["dtype"] == "F32"
+    back = load_file(tmp_path / "m.safetensors")[0]["w"]
+    assert back.dtype == np.float32 and (back.astype(BF16).view(np.uint16) ==
+                                         a.view(np.uint16)).all()
+    assert json.loads(json.dumps(header))["w"]["shape"] == [3, 5]
+
+
+@pytest.mark.mpi
+def test_bfloat16_collectives_on_3_ranks(device):
+    """mpiexec -n 3 python tests/scripts/comm_bf16_check.py ring,naive,mpi"""
+    out = run_mpi(3, "tests/scripts/comm_bf16_check.py", "ring,naive,mpi", timeout=180,
+                  env=mpi_env(MINIDIST_DEVICE=device))
+    assert out.stdout.count("comm_bf16_check OK") == 3
