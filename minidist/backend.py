@@ -2,114 +2,84 @@
 
 Every op finds its array module with `xp_of(array)`; nothing else in minidist decides
 between numpy and cupy. This module also owns the things that depend on the machine rather
-than the model: which GPU a rank uses (its local rank), how many BLAS threads a rank may run
-(cores on this node / ranks on this node), host <-> device moves, seeding and memory stats.
+than the model: which GPU a rank uses (its local rank, minidist/launcher.py), how many BLAS
+threads a rank may run (cores on this node / ranks on this node), host <-> device moves, the
+host random generator and memory stats.
 
-CuPy is imported lazily and only when asked for, so the package and the whole CPU test suite
-work on a machine with no CUDA at all. Tests: tests/test_backend.py.
+Nothing happens on import: an entry point calls `setup(threads, device)` once. CuPy is
+imported only when asked for, so the package and the whole CPU test suite work on a machine
+with no CUDA at all. Tests: tests/test_backend.py.
 """
 import ctypes
 import os
 import sys
 
-_state = {}
+import numpy as np
 
-# (local rank, local size) environment variables set by common launchers, in lookup order.
-_LOCAL_ENV = (
-    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),                          # MPICH / Hydra
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),    # Open MPI
-    ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),                            # PMIx / Cray
-    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),                      # srun
-)
+from minidist.launcher import (available_cores, default_threads, local_rank_and_size,  # noqa
+                               set_thread_env, world_size_from_env)
+
+_state = {"xp": np, "device": "cpu", "device_id": None}
 
 
-def local_rank_and_size():
-    """(rank among the processes on this node, number of processes on this node).
-
-    Read from the launcher's environment, so it is known before MPI is initialised;
-    (0, 1) when not launched by an MPI launcher.
-    """
-    for rank_var, size_var in _LOCAL_ENV:
-        if rank_var in os.environ:
-            rank = int(os.environ[rank_var])
-            size = os.environ.get(size_var, "").split("(")[0]  # SLURM writes "2(x3)"
-            return rank, max(int(size) if size.isdigit() else 1, rank + 1)
-    return 0, 1
-
-
-def available_cores():
-    """Cores this process may run on (its CPU affinity), not the machine's total."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
-def default_threads():
-    """BLAS threads per rank: cores on this node shared among the ranks on it, at least 1."""
-    return max(1, available_cores() // local_rank_and_size()[1])
+def setup(threads=None, device="auto"):
+    """What an entry point calls once, before its first numpy work: limit BLAS to `threads`
+    per rank (default: cores on this node // ranks on it) and choose the device ("auto",
+    "cpu" or "cuda"). Returns (threads, device). Importing minidist sets neither."""
+    return set_blas_threads(threads), set_device(device)
 
 
 # -------------------------------------------------------------------------------------------
 # BLAS threads
 # -------------------------------------------------------------------------------------------
 
-_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS")
-
-# Environment variables are read once, when numpy loads its BLAS: set them first, so 4 ranks on
-# 2 cores don't each start a thread per core. A value the user exported wins (setdefault).
-_threads_env = os.environ.get("MINIDIST_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS")
-for _var in _THREAD_ENV:
-    os.environ.setdefault(_var, _threads_env or str(default_threads()))
-
-import numpy as np  # noqa: E402  (after the thread environment is set)
-
-_state.update(xp=np, device="cpu", device_id=None)
 _SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
             "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
             "MKL_Set_Num_Threads")
+_GETTERS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
+            "scipy_openblas_get_num_threads", "openblas_get_num_threads64_",
+            "MKL_Get_Max_Threads")
 
 
 def _loaded_blas_libraries():
-    """Paths of the BLAS libraries mapped into this process (Linux: /proc/self/maps)."""
+    """The BLAS libraries mapped into this process (Linux: /proc/self/maps), opened."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/" in line}
     except OSError:
         return []
-    return sorted(p for p in paths if "blas" in p.lower() or "mkl_rt" in p.lower())
+    libs = []
+    for path in sorted(p for p in paths if "blas" in p.lower() or "mkl_rt" in p.lower()):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
 
 
 def set_blas_threads(n=None):
-    """Limit BLAS (OpenBLAS/MKL) to `n` threads in this process; default `default_threads()`.
+    """Limit BLAS (OpenBLAS/MKL) to `n` threads in this process; default: an exported
+    OPENBLAS_NUM_THREADS, else `default_threads()`. Returns the number set.
 
-    Environment variables only work before numpy loads its BLAS, so we also call the
-    library's own setter through ctypes, which works at any time. Returns the number set.
+    The environment variables only count before numpy loads its BLAS (minidist.launcher's
+    set_thread_env, called by entry points first thing), so the library's own setter is
+    called too, through ctypes: it works at any time.
     """
-    n = int(n or default_threads())
-    for var in _THREAD_ENV:  # inherited by anything this process starts
-        os.environ[var] = str(n)
-    for path in _loaded_blas_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    n = set_thread_env(n)
+    for lib in _loaded_blas_libraries():
         for name in _SETTERS:
             if hasattr(lib, name):
                 getattr(lib, name)(ctypes.c_int(n))
-    _state["threads"] = n
     return n
 
 
 def blas_threads():
-    """The thread count last set by `set_blas_threads`."""
-    return _state.get("threads")
-
-
-# numpy may have been imported before minidist (then the variables above came too late):
-# apply the limit through the library itself as well.
-set_blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+    """The thread count the loaded BLAS library reports (None if it cannot be asked)."""
+    for lib in _loaded_blas_libraries():
+        for name in _GETTERS:
+            if hasattr(lib, name):
+                return int(getattr(lib, name)())
+    return None
 
 
 # -------------------------------------------------------------------------------------------
@@ -133,13 +103,11 @@ def cupy_module():
     return _state["cupy"]
 
 
-def set_device(device=None):
+def set_device(device="auto"):
     """Choose where arrays live: "cpu", "cuda", or "auto" (cuda if a GPU is usable).
 
-    `device=None` reads the MINIDIST_DEVICE environment variable (default "auto").
     On cuda, each rank takes GPU `local_rank % device_count`. Returns "cpu" or "cuda".
     """
-    device = device or os.environ.get("MINIDIST_DEVICE", "auto")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
     cp = cupy_module() if device in ("auto", "cuda") else None
@@ -225,13 +193,6 @@ def rng(seed):
     """A host numpy Generator. Parameters are initialised on the host and then moved, so the
     same seed gives the same numbers on CPU and GPU, and a sharded init can cut a full one."""
     return np.random.Generator(np.random.PCG64(seed))
-
-
-def seed_all(seed):
-    """Seed the legacy global generators of numpy (and cupy, if in use)."""
-    np.random.seed(seed % 2**32)
-    if _state["device"] == "cuda":
-        sys.modules["cupy"].random.seed(seed % 2**32)
 
 
 def memory_stats():

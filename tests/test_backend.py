@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from minidist import backend
+from minidist import backend, launcher
 from mpirun import mpi_env, run_mpi
 
 
@@ -46,30 +46,76 @@ def test_local_rank_from_launcher_env(monkeypatch):
     monkeypatch.setenv("MPI_LOCALRANKID", "3")
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
     assert backend.local_rank_and_size() == (3, 4)
-    monkeypatch.setattr(backend, "available_cores", lambda: 2)
-    assert backend.default_threads() == 1  # 2 cores shared by 4 ranks: never 0
+    monkeypatch.setattr(launcher, "available_cores", lambda: 2)
+    assert launcher.default_threads() == 1  # 2 cores shared by 4 ranks: never 0
 
 
-def test_import_sets_blas_threads_before_numpy_loads():
-    """A fresh interpreter under a fake 4-rank launcher env gets cores // 4 threads (>= 1)."""
+# (environment, (local rank, ranks on this node), ranks in the job): one row per launcher
+LAUNCHERS = [
+    ({}, (0, 1), 1),                                                        # no launcher
+    ({"MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_SIZE": "8"}, (1, 2), 8),  # Hydra
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+      "OMPI_COMM_WORLD_SIZE": "16"}, (2, 4), 16),                           # Open MPI
+    ({"PMI_LOCAL_RANK": "0", "PMI_LOCAL_SIZE": "8", "PMIX_SIZE": "32"}, (0, 8), 32),  # PMIx
+    ({"SLURM_LOCALID": "3", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1",
+      "SLURM_STEP_NUM_TASKS": "11"}, (3, 4), 11),                           # srun, node 1
+    ({"SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2",
+      "SLURM_STEP_NUM_TASKS": "11"}, (1, 3), 11),                           # srun, node 2
+    ({"SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_TASKS": "2",
+      "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4", "PMI_SIZE": "4"}, (1, 4), 4),  # mpirun
+]                                                                           # inside an sbatch
+
+
+@pytest.mark.parametrize("env,local,world", LAUNCHERS)
+def test_rank_and_size_from_each_launcher(env, local, world):
+    assert launcher.local_rank_and_size(env) == local
+    assert launcher.world_size_from_env(env) == world
+
+
+def test_slurm_tasks_per_node_list():
+    assert [launcher.slurm_tasks_on_node("4(x2),3,1", n) for n in range(4)] == [4, 4, 3, 1]
+
+
+def _clean_env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MINIDIST_THREADS")}
-    env.update(MPI_LOCALRANKID="0", MPI_LOCALNRANKS="4")
-    code = ("import minidist, os; from minidist import backend as b; "
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(extra)
+    return env
+
+
+def test_import_sets_nothing_and_set_thread_env_comes_before_numpy():
+    """Importing minidist changes no variable; an entry point's set_thread_env(), before numpy
+    loads BLAS, gives cores // 4 threads under a fake 4-rank launcher, and BLAS reports it."""
+    code = ("import os, minidist.launcher as L; assert 'OPENBLAS_NUM_THREADS' not in os.environ\n"
+            "L.set_thread_env()\n"
+            "import numpy; from minidist import backend as b\n"
             "print(os.environ['OPENBLAS_NUM_THREADS'], b.blas_threads())")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
-    expected = max(1, backend.available_cores() // 4)
-    assert out == [str(expected), str(expected)]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_clean_env(MPI_LOCALRANKID="0", MPI_LOCALNRANKS="4"))
+    expected = max(1, launcher.available_cores() // 4)
+    assert out.stdout.split() == [str(expected), str(expected)], out.stderr
+
+
+def test_setup_limits_blas_after_numpy_loaded():
+    """backend.setup(threads=1) works after numpy loaded it: the library's own setter."""
+    code = ("import numpy; from minidist import backend as b\n"
+            "print(b.blas_threads() >= 1, b.setup(threads=1, device='cpu'), b.blas_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_clean_env())
+    assert out.stdout.split() == ["True", "(1,", "'cpu')", "1"], (out.stdout, out.stderr)
 
 
 @pytest.mark.mpi
 def test_threads_per_rank_under_mpiexec(tmp_path):
-    """Each of 4 ranks on this node gets cores // 4 BLAS threads (at least 1). By hand:
-    mpiexec -n 4 python -c 'import minidist; print(minidist.backend.blas_threads())'"""
+    """Each of 4 ranks on this node gets cores // 4 BLAS threads (at least 1), set the way an
+    entry point sets them. By hand: mpiexec -n 4 python threads.py (the script below)"""
     script = tmp_path / "threads.py"
     # Rank 0 gathers and prints one line: per-rank prints can interleave mid-line on stdout.
-    script.write_text("import minidist\nfrom minidist import backend as b\n"
+    script.write_text("from minidist.launcher import set_thread_env\n"
+                      "set_thread_env()\n"
+                      "from minidist import backend as b, comm\n"
+                      "b.setup()\n"
+                      "world = comm.init()\n"
                       "from mpi4py import MPI\n"
                       "rows = MPI.COMM_WORLD.gather((b.local_rank_and_size(), b.blas_threads()))\n"
                       "if rows: print('threads', rows)\n")

@@ -1,11 +1,11 @@
 """The communication layer: process groups, hand-written ring collectives, MPI and NCCL.
 
-    from minidist.comm import ProcessGroup, DeviceMesh, chunk_bounds, trace
+    from minidist import comm
 
-    world = ProcessGroup.world(algo="ring")       # "ring" | "naive" | "mpi" | "nccl"
+    world = comm.init(algo="ring")                # once per process: MPI_Init + the hooks
     world.all_reduce(buf, op="avg")                # in place, on a flat numpy/cupy array
-    mesh = DeviceMesh(dp=2, tp=2, pp=1)           # mesh.dp, mesh.tp, mesh.pp: ProcessGroups
-    trace.counters()["all_reduce"]["bytes_sent"]  # what this rank sent, 2(N-1)/N x bytes
+    mesh = comm.DeviceMesh(dp=2, tp=2, world=world)   # mesh.dp, mesh.tp, mesh.pp: groups
+    comm.trace.counters()["all_reduce"]["bytes_sent"]  # what this rank sent, 2(N-1)/N x bytes
 
 Where to read what:
     ring.py      the ring algorithms and their chunk tables, chunk_bounds    (start here)
@@ -17,29 +17,73 @@ Where to read what:
     stream.py    the per-group communication thread behind async_op=True
     mesh.py      DeviceMesh(dp, tp, pp), Megatron's rank order
     trace.py     counters, MINIDIST_TRACE=1 logs, the Chrome trace
+    watchdog.py  no hangs: collective timeout, a rank that exited; abort with the message
     debug.py     MINIDIST_DEBUG=1 same-call checks; abort the job on an uncaught exception;
                  breakpoint_on(rank) (attach.py is the client)
     progress.py  how a rank waits for messages (MINIDIST_COMM_WAIT=block|poll)
-    mpich.py     MPICH settings applied before MPI_Init
+    mpich.py     MPICH settings, applied by init() before MPI_Init
     staging.py   cupy buffers: CUDA-aware MPI detection and host staging
     channel.py   the counted send/recv the hand-written algorithms use
 
-Importing this package initialises MPI (mpi4py does on import) and never imports cupy.
-Tests: tests/test_comm.py.
+Importing this package starts nothing: it tells mpi4py not to initialise MPI on import
+(mpi4py.rc.initialize = False, so import minidist.comm before mpi4py.MPI); `init()` does, and
+every entry point calls it. It never imports cupy. Tests: tests/test_comm.py.
 """
-from minidist.comm import mpich  # noqa: F401  (first: MPICH reads its settings at MPI_Init)
-from minidist.comm import trace
-from minidist.comm.debug import CollectiveMismatch, install_abort_handler
-from minidist.comm.group import ALGOS, ProcessGroup
-from minidist.comm.mesh import DeviceMesh
-from minidist.comm.ring import chunk_bounds, ring_bytes
-from minidist.comm.staging import cuda_aware_mpi
-from minidist.comm.stream import Work
+import atexit
+import os
+
+import mpi4py
+
+mpi4py.rc.initialize = False   # before mpi4py.MPI is imported: init() below initialises MPI
+
+from mpi4py import MPI  # noqa: E402
+
+from minidist.comm import mpich, trace, watchdog  # noqa: E402
+from minidist.comm.debug import CollectiveMismatch, install_abort_handler  # noqa: E402
+from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
+from minidist.comm.mesh import DeviceMesh  # noqa: E402
+from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: E402
+from minidist.comm.staging import cuda_aware_mpi  # noqa: E402
+from minidist.comm.stream import Work  # noqa: E402
 
 __all__ = ["ALGOS", "CollectiveMismatch", "DeviceMesh", "ProcessGroup", "Work", "chunk_bounds",
            "cuda_aware_mpi", "init", "install_abort_handler", "ring_bytes", "trace"]
+THREAD_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
+                 "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
+_state = {"initialised": False}
 
 
-def init(algo="ring"):
-    """The world group: ProcessGroup.world(algo)."""
-    return ProcessGroup.world(algo)
+def init(algo="ring", timeout=None, sync_comm=None):
+    """Start MPI for this process and return the world group (algorithm `algo`).
+
+    The first call, in this order: MPICH's settings (mpich.py), MPI_Init_thread (MULTIPLE, or
+    MPI4PY_RC_THREAD_LEVEL), the abort-on-uncaught-exception hooks (debug.py), the watchdog
+    thread with a collective timeout of `timeout` seconds (default MINIDIST_COMM_TIMEOUT or
+    600; 0: none), and an exit handler: a rank that exits waits for the others, then MPI is
+    finalised (watchdog.py). Later calls return another world group (another algo).
+    `sync_comm`: every collective in the calling thread, for a debugger (group.py; default
+    MINIDIST_SYNC_COMM)."""
+    if not _state["initialised"]:
+        mpich.apply_defaults()
+        if not MPI.Is_initialized():
+            level = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "multiple").lower()
+            MPI.Init_thread(THREAD_LEVELS[level])
+        trace.set_rank(MPI.COMM_WORLD.Get_rank())
+        install_abort_handler()
+        if MPI.COMM_WORLD.Get_size() > 1:
+            watchdog.start(timeout)
+        atexit.register(_finish)
+        _state["initialised"] = True
+    return ProcessGroup.world(algo, sync_comm)
+
+
+def _finish():
+    """At exit: agree with the other ranks that the job ends (watchdog.announce_exit), stop the
+    threads that call MPI, finalise MPI."""
+    if MPI.Is_finalized():
+        return
+    if MPI.COMM_WORLD.Get_size() > 1:
+        watchdog.announce_exit()
+        watchdog.stop()
+    shutdown_all()
+    MPI.Finalize()

@@ -6,11 +6,12 @@ Two classic ways a distributed program dies silently:
    or all_gather): MPI hangs or corrupts memory. With debug mode on (`MINIDIST_DEBUG=1` or
    `enable()`), every collective first all-gathers a small signature (sequence number, op, size,
    dtype, root) over the group and, if they differ, raises `CollectiveMismatch` on every rank,
-   naming which ranks called what. If some rank never arrives at all, the check gives up after
-   `MINIDIST_DEBUG_TIMEOUT` seconds (default 300) and raises on the ranks that did.
+   naming which ranks called what. If some rank never arrives at all, the watchdog's timeout
+   (watchdog.py) ends the job, naming the ranks that did not arrive.
 2. One rank raises and exits, the others wait forever for its messages. `install_abort_handler`
-   (installed when the world group is created) replaces `sys.excepthook`: print the traceback,
-   then `MPI.COMM_WORLD.Abort(1)`, which makes mpiexec kill every rank at once.
+   (installed by `comm.init()`) replaces `sys.excepthook` and `threading.excepthook`: print the
+   traceback, then `MPI.COMM_WORLD.Abort(1)`, which makes mpiexec kill every rank at once.
+   (A rank leaving through sys.exit is the watchdog's: comm/__init__.py, watchdog.py.)
 
 3. Stepping through one rank: `breakpoint_on(rank)` stops that rank in pdb. mpiexec gives the
    terminal's stdin to rank 0 only, so other ranks serve pdb on a local TCP port instead and
@@ -23,14 +24,15 @@ import pdb
 import socket
 import sys
 import threading
-import time
 import traceback
 
 import numpy as np
 from mpi4py import MPI
 
-_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0"),
-          "timeout": float(os.environ.get("MINIDIST_DEBUG_TIMEOUT", "300"))}
+from minidist.comm import watchdog
+from minidist.comm.progress import wait_all
+
+_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0")}
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 REDUCTIONS = ("", "sum", "avg", "max", "min")
@@ -41,10 +43,8 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of a group called different collectives (or sizes, dtypes, roots) at one point."""
 
 
-def enable(timeout=None):
+def enable():
     _state["on"] = True
-    if timeout is not None:
-        _state["timeout"] = float(timeout)
 
 
 def disable():
@@ -73,14 +73,7 @@ def check_same_call(comm, group, seq, op, count, dtype, reduction="", root=0):
     sig = np.array([seq, _index(OPS, op), _index(REDUCTIONS, reduction), count,
                     _index(DTYPES, str(dtype)), root], dtype=np.int64)
     table = np.empty((comm.Get_size(), sig.size), dtype=np.int64)
-    request = comm.Iallgather(sig, table)
-    deadline = time.monotonic() + _state["timeout"]
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise CollectiveMismatch(
-                f"group {group!r}: not every rank reached collective {_describe(sig)} within "
-                f"{_state['timeout']:.0f} s (MINIDIST_DEBUG_TIMEOUT); some rank is elsewhere")
-        time.sleep(1e-4)
+    wait_all([comm.Iallgather(sig, table)])   # a rank that never comes: the watchdog's case
     if (table == table[0]).all():
         return
     calls = {}
@@ -101,11 +94,8 @@ def install_abort_handler():
         if MPI.COMM_WORLD.Get_size() == 1:
             return previous(etype, value, tb)
         rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"[rank {rank}] uncaught exception; aborting the whole MPI job\n")
-        sys.stderr.write("".join(traceback.format_exception(etype, value, tb)))
-        sys.stderr.flush()
-        sys.stdout.flush()
-        MPI.COMM_WORLD.Abort(1)
+        watchdog.abort_job(f"[rank {rank}] uncaught exception; aborting the whole MPI job\n"
+                           + "".join(traceback.format_exception(etype, value, tb)))
 
     abort_on_exception._minidist_abort = True
     sys.excepthook = abort_on_exception

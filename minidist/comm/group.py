@@ -1,6 +1,6 @@
 """ProcessGroup: a set of ranks, the collectives they run together, and how they run them.
 
-    world = ProcessGroup.world(algo="ring")         # every rank; installs the abort handler
+    world = comm.init(algo="ring")                  # every rank (MPI_Init, hooks: once)
     pair = world.new_group([0, 1])                  # call on every rank; None outside [0, 1]
     world.all_reduce(grads, op="avg")               # in place, returns when done
     work = world.all_reduce(bucket, async_op=True)  # returns at once ...
@@ -28,15 +28,15 @@ Algorithms, per group: "ring" (minidist/comm/ring.py), "naive" (naive.py), "mpi"
 group's private duplicates of `comm` (one for collectives, one for send/recv), never on `comm`
 itself, so user traffic on `comm` cannot be mistaken for ours.
 
-Tests: tests/test_comm.py and tests/scripts/comm_check.py (run by it under mpiexec).
+Every collective is announced to the watchdog (watchdog.py), which ends the job when one waits
+longer than the timeout. Tests: tests/test_comm.py and tests/scripts/comm_check.py.
 """
-import atexit
 import os
 import sys
 
 from mpi4py import MPI
 
-from minidist.comm import debug, mpi, naive, ring, trace
+from minidist.comm import debug, mpi, naive, ring, trace, watchdog
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -52,7 +52,8 @@ SYNC_COMM_NOTE = (
     "thread, so a breakpoint in the ring also stops for DDP's gradient buckets. Traded for it: "
     "the overlap of communication with compute (overlapped DDP's bucket all-reduces now block "
     "backward, one after another; ZeRO's reduce-scatters likewise)")
-_groups = []  # live groups: their threads must stop before MPI_Finalize (see _shutdown)
+_groups = []  # live groups: their threads must stop before MPI_Finalize (see shutdown_all)
+_made = {}    # (name, ranks) -> groups made so far: the same count on every member
 
 
 class ProcessGroup:
@@ -74,6 +75,10 @@ class ProcessGroup:
         self._seq = 0
         self._scratch = {}
         self._inflight = []      # async send/recv Works: their buffers must outlive them
+        # the same on every member (groups are made collectively, in the same order), so the
+        # watchdog's messages about a group mean the same group on every rank
+        _made[(name, tuple(self.ranks))] = _made.get((name, tuple(self.ranks)), 0) + 1
+        self.key = (name, tuple(self.ranks), _made[(name, tuple(self.ranks))])
         self._algo = {"ring": ring, "naive": naive, "mpi": mpi}.get(algo)
         self._nccl = None
         if algo == "nccl":
@@ -83,11 +88,13 @@ class ProcessGroup:
 
     @classmethod
     def world(cls, algo="ring", sync_comm=None):
-        """All ranks (MPI.COMM_WORLD). Also installs the abort-on-exception hook.
+        """All ranks (MPI.COMM_WORLD), once MPI is initialised: minidist.comm.init() does it
+        (and returns this group; it also installs the abort-on-exception hook).
         `sync_comm` (default: MINIDIST_SYNC_COMM=1 in the environment): run every collective,
         async_op=True ones too, in the calling thread; sub-groups inherit it."""
-        debug.install_abort_handler()
-        trace.set_rank(MPI.COMM_WORLD.Get_rank())
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise RuntimeError("MPI is not initialised: call minidist.comm.init() first (the "
+                               "entry point's setup; it also installs the abort hooks)")
         if sync_comm is None:
             sync_comm = os.environ.get("MINIDIST_SYNC_COMM", "0") not in ("", "0")
         if sync_comm and MPI.COMM_WORLD.Get_rank() == 0:
@@ -182,6 +189,7 @@ class ProcessGroup:
         if ready is not None:
             ready.synchronize()      # the caller's GPU kernels that produce `out`/`inp`
         dtype = "" if out is None else str(out.dtype)
+        watchdog.entered(self.key, op, seq)
         with device_of(out):
             if debug.enabled():
                 debug.check_same_call(self._coll, self.name, seq, op, count, dtype,
@@ -196,6 +204,7 @@ class ProcessGroup:
                 with host_staging(out, inp) as (h_out, h_inp):
                     body(ch, h_out, h_inp)
             end = trace.now()
+        watchdog.left(self.key, seq)
         if trace.enabled():
             trace.record(dict(seq=seq, op=op, algo=self.algo, group=self.name, dtype=dtype,
                               bytes=nbytes, issued=issued, start=start, end=end,
@@ -283,10 +292,9 @@ def _check_chunk(group, name, which, chunk, full):
         raise ValueError(f"{name}: out and inp dtypes differ ({chunk.dtype} vs {full.dtype})")
 
 
-@atexit.register
-def _shutdown():
-    """Finish queued work and stop stream threads before mpi4py's MPI_Finalize (atexit runs
-    last-registered first, and mpi4py registered its finalizer when it was imported)."""
+def shutdown_all():
+    """Finish queued work and stop every group's stream thread (comm.init's exit handler calls
+    this before MPI_Finalize, which must not run while another thread is inside MPI)."""
     for group in list(_groups):
         group._stream.close()
         for work in group._inflight:

@@ -1,9 +1,9 @@
 """MPICH settings that must be in the environment before MPI_Init, applied in one place.
 
 MPICH reads its control variables (MPIR_CVAR_*) once, when MPI is initialised, which mpi4py
-does when `mpi4py.MPI` is first imported. minidist.comm imports this module first, so the
-defaults below are in place as long as minidist.comm is imported before mpi4py.MPI (a value
-already in the environment always wins: setdefault).
+does in `minidist.comm.init()` (importing minidist.comm tells mpi4py not to initialise MPI on
+import). `init` calls `apply_defaults()` just before MPI_Init; a value already in the
+environment always wins. Importing this module sets nothing.
 
 What is set, and why (measurements: README, "Collectives and process groups"): MPICH's
 intra-node "release_gather" algorithms for Barrier, Bcast, Reduce and Allreduce spin on shared
@@ -22,7 +22,7 @@ Tests: tests/test_comm.py::test_mpich_defaults.
 """
 import os
 
-from minidist.backend import available_cores, local_rank_and_size
+from minidist.launcher import available_cores, local_rank_and_size
 
 OVERSUBSCRIBED_DEFAULTS = {
     f"MPIR_CVAR_{op}_POSIX_INTRA_ALGORITHM": "mpir"
@@ -38,5 +38,3 @@ def apply_defaults(environ=os.environ):
     environ.update(added)
     return added
 
-
-apply_defaults()

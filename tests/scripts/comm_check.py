@@ -13,10 +13,11 @@ Run by tests/test_comm.py.
 import argparse
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import (CollectiveMismatch, DeviceMesh, ProcessGroup, chunk_bounds, debug,
-                           mpi, ring_bytes, trace)
+from minidist import comm
+from minidist.comm import (CollectiveMismatch, DeviceMesh, chunk_bounds, debug, mpi, ring_bytes,
+                           trace)
+from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on this import
 
 ALGOS = ("ring", "naive", "mpi")
 DTYPES = (np.float32, np.float64)
@@ -189,7 +190,7 @@ def check_debug_mismatch(world):
     """Different sizes, then different ops: CollectiveMismatch on every rank, naming ranks."""
     if world.size == 1:
         return
-    debug.enable(timeout=30)
+    debug.enable()
     n = 10 if world.rank == 0 else 12
     for call in (lambda: world.all_reduce(np.ones(n)),
                  lambda: (world.all_reduce if world.rank == 0 else world.broadcast)(np.ones(10))):
@@ -211,7 +212,7 @@ def main():
         trace.enable()
     checks = 0
     for algo in ALGOS:
-        g = ProcessGroup.world(algo)
+        g = comm.init(algo)   # the first call: MPI_Init, abort hooks, watchdog
         g.name = f"world-{algo}"  # counters are kept per group name
         for n in lengths(g.size):
             for dtype in DTYPES:
@@ -222,7 +223,7 @@ def main():
             check_counters(g, n)
         check_p2p(g)
         checks += len(lengths(g.size)) + 1
-    world = ProcessGroup.world("ring")
+    world = comm.init("ring")
     check_groups(world)
     check_mpi_nonblocking(world)
     check_debug_mismatch(world)

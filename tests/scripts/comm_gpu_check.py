@@ -9,12 +9,13 @@ import sys
 import cupy as cp
 import numpy as np
 
+from minidist import comm
 from minidist.backend import set_device
-from minidist.comm import ProcessGroup, trace
+from minidist.comm import trace
 
 set_device("cuda")
 for algo in sys.argv[1].split(","):
-    g = ProcessGroup.world(algo)
+    g = comm.init(algo)
     g.name = f"gpu-{algo}"
     r, N = g.rank, g.size
     for n in (1, N + 1, 1001, 65537):

@@ -1,0 +1,177 @@
+"""No hangs: a collective that waits too long, or a rank that left, ends the whole job.
+
+`comm.init()` starts one watchdog thread per rank (when there is more than one rank). Every
+collective a ProcessGroup runs is announced to it (`entered` / `left`). Once a second it
+
+- aborts the job when a collective has waited longer than the timeout (`comm.init(timeout=)`,
+  or MINIDIST_COMM_TIMEOUT seconds; default 600, 0 turns it off). Before aborting it asks the
+  group's other ranks which collective of that group they reached, so the message names the
+  op, the group and the ranks that did not arrive;
+- aborts the job when a rank that exited (end of script, `sys.exit`, SystemExit: anything
+  that runs Python's exit handlers) had not finished a collective this rank is waiting in.
+  The exiting rank announces its exit (`announce_exit`) and waits for the others to exit too;
+- answers the other ranks' questions about this rank's progress.
+
+An uncaught exception never gets here: debug.install_abort_handler aborts at once. A killed
+rank ends the job through the launcher. All messages travel on the watchdog's own duplicate
+of COMM_WORLD, so they can never be confused with the program's traffic. `abort_job` writes
+the message and waits a moment before MPI_Abort, so the launcher forwards it before it kills.
+
+Tests: tests/test_comm.py (exception, sys.exit and a blocked rank on one rank).
+"""
+import os
+import sys
+import threading
+import time
+
+from mpi4py import MPI
+
+EXIT, ASK, ANSWER = 11, 12, 13          # message tags on the watchdog's communicator
+POLL_S = 0.5                            # how often the thread looks
+ASK_S = 3.0                             # how long a timed-out rank waits for answers
+FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
+_lock = threading.Lock()
+_active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
+_progress = {}    # group key -> [entered seq, done seq]
+_state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
+          "exited": {}, "answers": {}}
+
+
+def default_timeout():
+    return float(os.environ.get("MINIDIST_COMM_TIMEOUT", "600"))
+
+
+def abort_job(message, code=1):
+    """Print `message` on stderr, give the launcher time to forward it, abort every rank."""
+    sys.stdout.flush()
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    time.sleep(FLUSH_S)   # Hydra drops output still in its pipes when the abort arrives
+    MPI.COMM_WORLD.Abort(code)
+
+
+# -------------------------------------------------------------------------------------------
+# what the groups tell the watchdog
+# -------------------------------------------------------------------------------------------
+
+def entered(key, op, seq):
+    """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n)."""
+    with _lock:
+        _active[threading.get_ident()] = (key, op, seq, time.monotonic())
+        _progress.setdefault(key, [0, 0])[0] = seq
+
+
+def left(key, seq):
+    with _lock:
+        _active.pop(threading.get_ident(), None)
+        _progress.setdefault(key, [0, 0])[1] = seq
+
+
+def describe(key):
+    name, ranks, _ = key
+    return f"group {name!r} (world ranks {list(ranks)})"
+
+
+# -------------------------------------------------------------------------------------------
+# the thread
+# -------------------------------------------------------------------------------------------
+
+def start(timeout=None):
+    """Start the watchdog thread (call once, after MPI_Init, on every rank)."""
+    _state["timeout"] = default_timeout() if timeout is None else float(timeout)
+    _state["comm"] = MPI.COMM_WORLD.Dup()
+    _state["thread"] = threading.Thread(target=_loop, name="minidist-watchdog", daemon=True)
+    _state["thread"].start()
+
+
+def stop():
+    """Stop the thread and free its communicator (before MPI_Finalize)."""
+    if _state["thread"] is not None:
+        _state["stop"] = True
+        _state["thread"].join()
+        _state["thread"] = None
+        _state["comm"].Free()
+
+
+def _loop():
+    while not _state["stop"]:
+        _serve()
+        _check_stranded()
+        _check_timeouts()
+        time.sleep(POLL_S)
+
+
+def _serve():
+    """Handle every message that has arrived: exit notices, questions and answers."""
+    comm, status = _state["comm"], MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        source, tag = status.Get_source(), status.Get_tag()
+        msg = comm.recv(source=source, tag=tag)
+        if tag == EXIT:
+            _state["exited"][source] = msg
+        elif tag == ASK:
+            with _lock:
+                comm.send(list(_progress.get(msg, [0, 0])), dest=source, tag=ANSWER)
+        else:
+            _state["answers"][source] = msg
+
+
+def _check_stranded():
+    """Abort if a rank that exited never finished the collective this rank waits in."""
+    with _lock:
+        calls = list(_active.values())
+    for rank, done in list(_state["exited"].items()):
+        for key, op, seq, _ in calls:
+            if rank in key[1] and done.get(key, 0) < seq:
+                abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] world rank {rank} exited (end "
+                          f"of script, sys.exit or SystemExit) after #{done.get(key, 0)} on "
+                          f"{describe(key)}, while this rank waits for it in {op} #{seq}; "
+                          f"aborting the whole MPI job")
+
+
+def _check_timeouts():
+    with _lock:
+        calls = list(_active.values())
+    now, timeout = time.monotonic(), _state["timeout"]
+    for key, op, seq, start in calls:
+        if timeout > 0 and now - start > timeout:
+            late, silent = _who_did_not_arrive(key, seq)
+            abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] {op} #{seq} on {describe(key)} "
+                      f"waited more than {timeout:g} s (MINIDIST_COMM_TIMEOUT or "
+                      f"comm.init(timeout=...)); world ranks that did not arrive: {late}"
+                      + (f"; ranks that did not answer: {silent}" if silent else "")
+                      + "; aborting the whole MPI job")
+
+
+def _who_did_not_arrive(key, seq):
+    """Ask the group's other ranks how far they got on `key`: (behind, not answering)."""
+    me, comm = MPI.COMM_WORLD.Get_rank(), _state["comm"]
+    others = [r for r in key[1] if r != me]
+    _state["answers"].clear()
+    for rank in others:
+        comm.send(key, dest=rank, tag=ASK)
+    deadline = time.monotonic() + ASK_S
+    while time.monotonic() < deadline and len(_state["answers"]) < len(others):
+        _serve()
+        time.sleep(0.05)
+    answers = dict(_state["answers"])
+    behind = [r for r in others if r in answers and answers[r][0] < seq]
+    return behind, [r for r in others if r not in answers]
+
+
+# -------------------------------------------------------------------------------------------
+# leaving
+# -------------------------------------------------------------------------------------------
+
+def announce_exit(wait_s=1.0):
+    """This rank is exiting: wait for every rank to exit too. If they have not all arrived
+    within `wait_s`, tell them (they abort if they wait for this rank) and keep waiting."""
+    comm = _state["comm"]
+    barrier, start, told = comm.Ibarrier(), time.monotonic(), []
+    while not barrier.Test():
+        if not told and time.monotonic() - start > wait_s:
+            with _lock:
+                done = {key: p[1] for key, p in _progress.items()}
+            told = [comm.isend(done, dest=r, tag=EXIT) for r in range(comm.Get_size())
+                    if r != comm.Get_rank()]
+        time.sleep(0.01)

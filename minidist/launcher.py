@@ -1,0 +1,92 @@
+"""What the launcher tells a process before MPI starts: its local rank, the job's size, its cores.
+
+mpiexec (MPICH's Hydra, Open MPI's mpirun) and Slurm's srun put each rank's place in the job
+into environment variables. Reading them needs no MPI and no numpy, so an entry point can call
+these functions first thing, before numpy loads its BLAS library:
+
+    from minidist.launcher import set_thread_env
+    set_thread_env()        # OPENBLAS_NUM_THREADS & co. = cores on this node // ranks on it
+    import numpy            # BLAS starts its thread pool with that size
+
+`backend.setup()` then also sets the live limit through the BLAS library (it works after
+numpy loaded, but the library's idle threads of the default pool stay around).
+
+    launcher        local rank (GPU choice)              ranks on this node    ranks in job
+    MPICH (Hydra)   MPI_LOCALRANKID                      MPI_LOCALNRANKS       PMI_SIZE
+    Open MPI        OMPI_COMM_WORLD_LOCAL_RANK           ..._LOCAL_SIZE        OMPI_COMM_WORLD_SIZE
+    PMIx / Cray     PMI_LOCAL_RANK                       PMI_LOCAL_SIZE        PMIX_SIZE
+    Slurm srun      SLURM_LOCALID                        SLURM_STEP_TASKS_PER_NODE[SLURM_NODEID]
+                                                                               SLURM_STEP_NUM_TASKS
+No launcher: rank 0 of 1. Importing this module sets nothing.
+Tests: tests/test_backend.py (each launcher's variables; threads per rank under mpiexec).
+"""
+import os
+
+# (local rank, ranks on this node) variables, in lookup order; Slurm's are read last because an
+# mpirun started inside an allocation sees both, and mpirun's are the ones that count.
+_LOCAL_ENV = (
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),                          # MPICH / Hydra
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),    # Open MPI
+    ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),                            # PMIx / Cray
+)
+_WORLD_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "VECLIB_MAXIMUM_THREADS")
+
+
+def slurm_tasks_on_node(tasks_per_node, node_id):
+    """Tasks on node `node_id` from Slurm's compressed list, e.g. "4(x2),3" -> 4, 4, 3."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def local_rank_and_size(environ=os.environ):
+    """(rank among the processes on this node, number of processes on this node).
+
+    Read from the launcher's environment, so it is known before MPI is initialised;
+    (0, 1) when not launched by an MPI launcher or srun.
+    """
+    for rank_var, size_var in _LOCAL_ENV:
+        if environ.get(rank_var, "").isdigit():
+            rank, size = int(environ[rank_var]), environ.get(size_var, "")
+            return rank, max(int(size) if size.isdigit() else 1, rank + 1)
+    if environ.get("SLURM_LOCALID", "").isdigit() and "SLURM_STEP_TASKS_PER_NODE" in environ:
+        rank = int(environ["SLURM_LOCALID"])
+        size = slurm_tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"],
+                                   int(environ.get("SLURM_NODEID", "0")))
+        return rank, max(size, rank + 1)
+    return 0, 1
+
+
+def world_size_from_env(environ=os.environ):
+    """Processes in this job, read from the launcher's environment (1 without a launcher)."""
+    for var in _WORLD_ENV:
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
+    return 1
+
+
+def available_cores():
+    """Cores this process may run on (its CPU affinity), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def default_threads():
+    """BLAS threads per rank: cores on this node shared among the ranks on it, at least 1."""
+    return max(1, available_cores() // local_rank_and_size()[1])
+
+
+def set_thread_env(threads=None):
+    """Put the BLAS thread count in the environment (read when numpy loads BLAS, and inherited
+    by child processes): `threads`, else an exported OPENBLAS_NUM_THREADS, else
+    `default_threads()`. Returns the count."""
+    n = str(threads or os.environ.get("OPENBLAS_NUM_THREADS") or default_threads())
+    for var in THREAD_ENV:
+        os.environ[var] = n
+    return int(n)
