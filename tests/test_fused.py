@@ -2,24 +2,26 @@
 (minidist/autograd/reference.py), dtypes kept (float32 stays float32, float16 works),
 cross-entropy stable and correct with ignored targets, attention causal.
 
-Run: python -m pytest -q tests/test_fused.py
+Run: python -m pytest -q tests/test_fused.py [--device cuda] (arrays from the `xp` fixture)
 """
 import numpy as np
 import pytest
 
 from minidist import backend
 from minidist.autograd import Tensor, fused as F, reference as R
+from minidist.backend import to_host as H
 
 rng = np.random.default_rng(0)
 TARGETS = np.array([[3, -1, 0, 7], [7, 1, -1, 2]])
 
 
-def _inputs(kind, dtype):
+def _inputs(kind, dtype, xp=np):
     r = np.random.default_rng(1)
     shapes = {"linear": [(2, 4, 8), (8, 5), (5,)], "ln": [(2, 4, 8), (8,), (8,)],
               "gelu": [(2, 4, 8)], "softmax": [(2, 4, 8)], "log_softmax": [(2, 4, 8)],
               "ce": [(2, 4, 8)], "attn": [(2, 2, 4, 3)] * 3, "self_attn": [(2, 4, 12)]}[kind]
-    return [Tensor(r.standard_normal(s).astype(dtype), requires_grad=True) for s in shapes]
+    return [Tensor(xp.asarray(r.standard_normal(s).astype(dtype)), requires_grad=True)
+            for s in shapes]
 
 
 PAIRS = {   # name -> (fused, composed)
@@ -36,38 +38,39 @@ PAIRS = {   # name -> (fused, composed)
 
 
 def _run(fn, inputs, seed=5):
+    """fn's output and input gradients, on the host."""
     out = fn(*inputs)
     w = np.random.default_rng(seed).standard_normal(out.shape).astype(out.dtype)
-    (out * Tensor(w)).sum().backward()
-    return out.data, [x.grad for x in inputs]
+    (out * Tensor(backend.xp_of(out.data).asarray(w))).sum().backward()
+    return H(out.data), [H(x.grad) for x in inputs]
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_fused_equals_composed_float64(name):
+def test_fused_equals_composed_float64(name, xp):
     fused, composed = PAIRS[name]
-    out_f, grads_f = _run(fused, _inputs(name, np.float64))
-    out_c, grads_c = _run(composed, _inputs(name, np.float64))
+    out_f, grads_f = _run(fused, _inputs(name, np.float64, xp))
+    out_c, grads_c = _run(composed, _inputs(name, np.float64, xp))
     np.testing.assert_allclose(out_f, out_c, rtol=1e-12, atol=1e-12)
     for gf, gc in zip(grads_f, grads_c):
         np.testing.assert_allclose(gf, gc, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_float32_stays_float32(name):
-    inputs = _inputs(name, np.float32)
+def test_float32_stays_float32(name, xp):
+    inputs = _inputs(name, np.float32, xp)
     out, grads = _run(PAIRS[name][0], inputs)
     assert out.dtype == np.float32
     assert all(g.dtype == np.float32 for g in grads)
-    ref_out, ref_grads = _run(PAIRS[name][0], _inputs(name, np.float64))
+    ref_out, ref_grads = _run(PAIRS[name][0], _inputs(name, np.float64, xp))
     np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-5)
     for g, rg in zip(grads, ref_grads):
         np.testing.assert_allclose(g, rg, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_float16_forward_backward_close_to_float64(name):
-    out, grads = _run(PAIRS[name][0], _inputs(name, np.float16))
-    ref_out, ref_grads = _run(PAIRS[name][0], _inputs(name, np.float64))
+def test_float16_forward_backward_close_to_float64(name, xp):
+    out, grads = _run(PAIRS[name][0], _inputs(name, np.float16, xp))
+    ref_out, ref_grads = _run(PAIRS[name][0], _inputs(name, np.float64, xp))
     loss_dtype = np.float32 if name == "ce" else np.float16     # a scalar loss stays float32
     assert out.dtype == loss_dtype and all(g.dtype == np.float16 for g in grads)
     scale = np.abs(ref_out).max()
@@ -76,72 +79,72 @@ def test_float16_forward_backward_close_to_float64(name):
         np.testing.assert_allclose(g, rg, atol=2e-2 * np.abs(rg).max() + 1e-3)
 
 
-def test_cross_entropy_stable_for_huge_float32_logits():
-    z = np.zeros((3, 5), np.float32)
+def test_cross_entropy_stable_for_huge_float32_logits(xp):
+    z = xp.zeros((3, 5), np.float32)
     z[:, 0] = 1e4                                       # exp(1e4) overflows float32
     logits = Tensor(z, requires_grad=True)
     loss = F.cross_entropy(logits, np.array([0, 1, 0]))
     loss.backward()
-    assert np.isfinite(loss.item()) and np.isfinite(logits.grad).all()
+    assert np.isfinite(loss.item()) and np.isfinite(H(logits.grad)).all()
     np.testing.assert_allclose(loss.item(), 1e4 / 3, rtol=1e-6)   # row 1 pays 1e4
 
 
-def test_cross_entropy_ignored_rows_get_no_gradient_and_do_not_count():
-    z = Tensor(rng.standard_normal((4, 6)), requires_grad=True)
+def test_cross_entropy_ignored_rows_get_no_gradient_and_do_not_count(xp):
+    z = Tensor(xp.asarray(rng.standard_normal((4, 6))), requires_grad=True)
     t = np.array([2, -100, 5, -100])
     loss = F.cross_entropy(z, t, ignore_index=-100)
     loss.backward()
-    assert np.all(z.grad[[1, 3]] == 0)
+    assert np.all(H(z.grad)[[1, 3]] == 0)
     only = F.cross_entropy(Tensor(z.data[[0, 2]]), t[[0, 2]])
     np.testing.assert_allclose(loss.item(), only.item(), rtol=1e-12)
 
 
-def test_cross_entropy_all_ignored_is_zero_not_nan():
-    z = Tensor(rng.standard_normal((2, 3)), requires_grad=True)
+def test_cross_entropy_all_ignored_is_zero_not_nan(xp):
+    z = Tensor(xp.asarray(rng.standard_normal((2, 3))), requires_grad=True)
     loss = F.cross_entropy(z, np.array([-1, -1]))
     loss.backward()
-    assert loss.item() == 0.0 and np.all(z.grad == 0)
+    assert loss.item() == 0.0 and np.all(H(z.grad) == 0)
 
 
 @pytest.mark.parametrize("attn", ["attn", "self_attn"])
-def test_attention_is_causal(attn):
+def test_attention_is_causal(attn, xp):
     """Changing the last position's inputs changes no earlier output."""
-    inputs, fn = _inputs(attn, np.float64), PAIRS[attn][0]
+    inputs, fn = _inputs(attn, np.float64, xp), PAIRS[attn][0]
     t_axis = -2 if attn == "attn" else 1
-    before = fn(*inputs).data
+    before = H(fn(*inputs).data)
     for x in inputs:
-        np.moveaxis(x.data, t_axis, 0)[-1] += 10.0          # a view: edits x in place
-    after = fn(*inputs).data
+        xp.moveaxis(x.data, t_axis, 0)[-1] += 10.0          # a view: edits x in place
+    after = H(fn(*inputs).data)
     assert not np.allclose(np.take(before, [3], t_axis), np.take(after, [3], t_axis))
     np.testing.assert_array_equal(np.take(before, range(3), t_axis),
                                   np.take(after, range(3), t_axis))
 
 
-def test_attention_dropout_reproducible_and_scaled():
-    q, k, v = _inputs("attn", np.float64)
-    a = F.causal_attention(q, k, v, 0.5, backend.rng(3)).data
-    b = F.causal_attention(q, k, v, 0.5, backend.rng(3)).data
-    c = F.causal_attention(q, k, v, 0.5, backend.rng(4)).data
+def test_attention_dropout_reproducible_and_scaled(xp):
+    q, k, v = _inputs("attn", np.float64, xp)
+    a = H(F.causal_attention(q, k, v, 0.5, backend.rng(3)).data)
+    b = H(F.causal_attention(q, k, v, 0.5, backend.rng(3)).data)
+    c = H(F.causal_attention(q, k, v, 0.5, backend.rng(4)).data)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
 
 
-def test_layer_norm_statistics():
-    x = Tensor(rng.standard_normal((6, 32)) * 5 + 3)
-    y = F.layer_norm(x, Tensor(np.ones(32)), None).data
+def test_layer_norm_statistics(xp):
+    x = Tensor(xp.asarray(rng.standard_normal((6, 32)) * 5 + 3))
+    y = H(F.layer_norm(x, Tensor(xp.ones(32)), None).data)
     np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
     np.testing.assert_allclose(y.var(-1), 1, rtol=1e-3)       # eps=1e-5 shrinks it a bit
 
 
-def test_self_attention_rejects_bad_width():
+def test_self_attention_rejects_bad_width(xp):
     with pytest.raises(ValueError, match=r"CausalSelfAttention\(\(2, 4, 10\) float64"):
-        F.causal_self_attention(Tensor(np.zeros((2, 4, 10))), 2)
+        F.causal_self_attention(Tensor(xp.zeros((2, 4, 10))), 2)
 
 
-def test_cross_entropy_rejects_float_targets():
+def test_cross_entropy_rejects_float_targets(xp):
     with pytest.raises(TypeError, match=r"CrossEntropy\(\(2, 3\) float32, \(2,\) float64.*"
                                         r"integers"):
-        F.cross_entropy(Tensor(np.zeros((2, 3), np.float32)), np.array([0.0, 1.0]))
+        F.cross_entropy(Tensor(xp.zeros((2, 3), np.float32)), np.array([0.0, 1.0]))
 
 
 @pytest.mark.gpu
