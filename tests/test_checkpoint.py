@@ -1,13 +1,17 @@
-"""Checkpoints: round trip of model and optimizer, atomic replacement, and clear errors for a
-missing, corrupt or mismatched checkpoint."""
+"""Checkpoints (minidist/train/checkpoint.py, checkpoint_dirs.py): plain dicts in and out,
+numbered folders with an atomic `latest` pointer, --keep, stale temporaries cleaned, the
+user's umask, and a clear CheckpointError for a missing, corrupt, edited or mismatched one
+(the manifest itself included; a ZeRO checkpoint through the same check)."""
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
+from minidist.train import checkpoint, checkpoint_dirs
 from minidist.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)
@@ -24,17 +28,26 @@ def _trained(seed=0, steps=2):
     return model, opt
 
 
+def _edit_json(path, change):
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj, indent=1))
+
+
 def test_round_trip_restores_parameters_optimizer_and_state(tmp_path):
     model, opt = _trained()
     rng = {"dropout": model.dropout_rng.bit_generator.state}
-    save_checkpoint(tmp_path / "ck", model, opt, step=2, rng_states=rng, extra={"lr": 0.01})
-    files = sorted(os.listdir(tmp_path / "ck"))
-    assert files == ["manifest.json", "model.safetensors", "optimizer.safetensors",
-                     "state.json"]
+    folder = save_checkpoint(tmp_path / "ck", model, opt, step=2, rng_states=rng,
+                             extra={"lr": 0.01})
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-00000002"]
+    assert sorted(os.listdir(folder)) == ["manifest.json", "manifest.sha256",
+                                          "model.safetensors", "optimizer.safetensors",
+                                          "state.json"]
     fresh = GPT(TINY, seed=9)
     fresh_opt = AdamW(fresh.named_parameters(), lr=1e-2)
-    state = load_checkpoint(tmp_path / "ck", fresh, fresh_opt)
-    assert state["step"] == 2 and state["extra"] == {"lr": 0.01} and state["rng"] == rng
+    for where in (tmp_path / "ck", folder):          # the --save directory, or the folder
+        state = load_checkpoint(where, fresh, fresh_opt)
+        assert state["step"] == 2 and state["extra"] == {"lr": 0.01} and state["rng"] == rng
     for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
         np.testing.assert_array_equal(a.data, b.data, err_msg=n)
     for name, s in opt.state.items():
@@ -43,37 +56,143 @@ def test_round_trip_restores_parameters_optimizer_and_state(tmp_path):
     assert [g["weight_decay"] for g in fresh_opt.param_groups] == [0.1, 0.0]
 
 
-def test_save_replaces_an_old_checkpoint_atomically(tmp_path):
+def test_plain_dicts_in_and_out(tmp_path):
     model, opt = _trained()
-    save_checkpoint(tmp_path / "ck", model, opt, step=1)
-    save_checkpoint(tmp_path / "ck", model, opt, step=2)
-    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())["step"] == 2
-    assert os.listdir(tmp_path) == ["ck"]                  # no temp or old dirs left behind
+    params = {n: a.copy() for n, a in model.state_dict().items()}
+    meta = checkpoint.make_meta(TINY, "float32", opt, 7, {"r": 1}, {"seed": 3})
+    checkpoint.save(tmp_path / "ck", params, opt.state_dict(), meta)
+    got, opt_state, got_meta = checkpoint.load(tmp_path / "ck")
+    assert set(got) == set(params) and all(np.array_equal(got[n], params[n]) for n in params)
+    assert [g["weight_decay"] for g in opt_state["groups"]] == [0.1, 0.0]
+    assert {k: got_meta[k] for k in meta} == {**meta, "config": TINY.to_dict()}
+
+
+def test_numbered_folders_latest_pointer_and_keep(tmp_path):
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    for step in (1, 2, 3, 3):                        # step 3 twice: a second folder
+        save_checkpoint(d, model, opt, step=step)
+    assert checkpoint_dirs.numbered(d) == ["step-00000001", "step-00000002", "step-00000003",
+                                           "step-00000003.1"]
+    assert (d / "latest").read_text() == "step-00000003.1\n"
+    assert checkpoint_dirs.prune(d, keep=2) == ["step-00000001", "step-00000002"]
+    (d / "latest").write_text("step-00000003\n")      # latest stays, whatever its number
+    assert checkpoint_dirs.prune(d, keep=1) == ["step-00000003.1"]
+    assert sorted(os.listdir(d)) == ["latest", "step-00000003"]
+    assert checkpoint_dirs.prune(d, keep=0) == []    # 0: keep all
+
+
+def test_resume_finds_a_complete_checkpoint_at_every_instant(tmp_path):
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    assert checkpoint_dirs.resume_dir("auto", str(d)) is None      # nothing yet: start fresh
+    save_checkpoint(d, model, opt, step=1)
+    save_checkpoint(d, model, opt, step=2)
+    assert checkpoint_dirs.resume_dir("auto", str(d)) == str(d / "step-00000002")
+    assert checkpoint_dirs.resume_dir(str(d / "step-00000001"), None) == str(
+        d / "step-00000001")
+    os.remove(d / "latest")          # killed between a folder's rename and the pointer
+    assert checkpoint_dirs.resolve(d) == str(d / "step-00000002")
+    (d / ".tmp-123-abcd").mkdir()    # a save killed mid-way is not a checkpoint
+    assert checkpoint_dirs.resolve(d) == str(d / "step-00000002")
+    with pytest.raises(CheckpointError, match="--resume auto .* --save DIR"):
+        checkpoint_dirs.resume_dir("auto", None)
+    (d / "latest").write_text("step-00000009\n")
+    with pytest.raises(CheckpointError, match="latest names step-00000009, which is missing"):
+        load_checkpoint(d, model, opt)
+
+
+def test_stale_temporaries_cleaned_umask_and_strangers_refused(tmp_path):
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    save_checkpoint(d, model, opt, step=1)
+    for stale in (".tmp-99-dead", ".old-99-dead", ".latest.tmp-99"):
+        (d / stale).mkdir() if "latest" not in stale else (d / stale).write_text("x")
+    old = os.umask(0o022)
+    try:
+        folder = save_checkpoint(d, model, opt, step=2)
+    finally:
+        os.umask(old)
+    assert sorted(os.listdir(d)) == ["latest", "step-00000001", "step-00000002"]
+    assert os.stat(folder).st_mode & 0o777 == 0o755             # not mkdtemp's 0700
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="not a minidist checkpoint"):
+    with pytest.raises(CheckpointError, match="not minidist checkpoints"):
         save_checkpoint(tmp_path / "notes", model, opt, step=1)
+    with pytest.raises(CheckpointError, match="one checkpoint .* new directory"):
+        save_checkpoint(folder, model, opt, step=3)
 
 
 def test_missing_and_incomplete_checkpoints(tmp_path):
     model, opt = _trained()
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "nope", model, opt)
-    save_checkpoint(tmp_path / "ck", model, opt, step=1)
-    os.remove(tmp_path / "ck" / "manifest.json")             # as if the writer died
+    folder = save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    os.remove(os.path.join(folder, "manifest.json"))          # as if the writer died
     with pytest.raises(CheckpointError, match="no manifest.json"):
         load_checkpoint(tmp_path / "ck", model, opt)
 
 
 def test_corrupt_file_is_caught_by_checksum(tmp_path):
     model, opt = _trained()
-    save_checkpoint(tmp_path / "ck", model, opt, step=1)
-    path = tmp_path / "ck" / "model.safetensors"
-    raw = bytearray(path.read_bytes())
+    folder = save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    path = os.path.join(folder, "model.safetensors")
+    raw = bytearray(open(path, "rb").read())
     raw[-3] ^= 0xFF                                          # one flipped byte in a weight
-    path.write_bytes(bytes(raw))
+    open(path, "wb").write(bytes(raw))
     with pytest.raises(CheckpointError, match="model.safetensors does not match the checksum"):
         load_checkpoint(tmp_path / "ck", model, opt)
+
+
+@pytest.mark.parametrize("edit", ["step", "weight_decay", "manifest"])
+def test_edited_metadata_fails(tmp_path, edit):
+    """Hand edits of state.json (the step, a weight decay) or of the manifest are caught like
+    a flipped byte: state.json by its checksum, the manifest by manifest.sha256."""
+    model, opt = _trained()
+    folder = tmp_path / os.path.basename(save_checkpoint(tmp_path, model, opt, step=5))
+    if edit == "step":
+        _edit_json(folder / "state.json", lambda s: s.update(step=7))
+    elif edit == "weight_decay":
+        _edit_json(folder / "state.json",
+                   lambda s: s["optimizer"]["groups"][0].update(weight_decay=0.5))
+    else:
+        _edit_json(folder / "manifest.json", lambda m: m.update(step=7))
+    want = "manifest.json does not match manifest.sha256" if edit == "manifest" else \
+        "state.json does not match the checksum"
+    with pytest.raises(CheckpointError, match=want):
+        load_checkpoint(tmp_path, model, opt)
+
+
+def _zero_one_rank(stage=3):
+    """ZeRO over a 1-rank group in this process (no mpiexec): the sharded format."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.zero.strategy import ZeroDataParallel
+    strategy = ZeroDataParallel(ProcessGroup(MPI.COMM_WORLD, "ring", name="z"), stage)
+    model = strategy.build_model(TINY, 0, "float32")
+    opt = strategy.build_optimizer(model, SimpleNamespace(lr=1e-2, weight_decay=0.1))
+    return strategy, model, opt
+
+
+@pytest.mark.parametrize("edit", ["offset", "step"])
+def test_zero_checkpoint_goes_through_the_same_verification(tmp_path, edit):
+    """ZeRO's sharded checkpoint: an edited manifest "offset" or state.json "step" fails on
+    load, with ZeRO's own loader and with checkpoint.load (whole arrays)."""
+    strategy, model, opt = _zero_one_rank()
+    strategy.save(str(tmp_path), model, opt, 1, {}, {})
+    params, _, meta = checkpoint.load(tmp_path)
+    assert meta["step"] == 1 and set(params) == set(dict(model.named_parameters()))
+    assert strategy.load(str(tmp_path), model, opt)["step"] == 1
+    folder = tmp_path / "step-00000001"
+    if edit == "offset":
+        _edit_json(folder / "manifest.json",
+                   lambda m: m["zero"]["units"][0]["params"][1].update(offset=1))
+    else:
+        _edit_json(folder / "state.json", lambda s: s.update(step=7))
+    for load in (lambda: checkpoint.load(tmp_path),
+                 lambda: strategy.load(str(tmp_path), model, opt)):
+        with pytest.raises(CheckpointError, match="manifest.sha256|state.json does not match"):
+            load()
 
 
 def test_config_mismatch_names_the_fields(tmp_path):

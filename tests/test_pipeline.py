@@ -191,7 +191,7 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
     run_mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
             resumed, "--sample", "0", timeout=120)
     assert _losses(resumed)[:3] == _losses(straight)[3:6]
-    state = json.load(open(tmp_path / "ck" / "state.json"))
+    state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
     one = SingleProcess()                   # the whole model, in the one-process format
     model = one.build_model(GPTConfig(**state["config"]), 0, "float32")
     opt = one.build_optimizer(model, _parse("--lr", "1e-2"))

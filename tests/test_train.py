@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from minidist.nn.safetensors import load_file
+from minidist.train import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.data import DataError
 from minidist.train.loop import train
@@ -55,8 +55,8 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
                 str(tmp_path / "b"), "--log-json", str(resumed)))
     want = [r["loss"] for r in _rows(straight)[3:6]]
     assert [r["loss"] for r in _rows(resumed)[:3]] == want
-    a, _ = load_file(tmp_path / "a" / "model.safetensors")
-    b, _ = load_file(tmp_path / "b" / "model.safetensors")
+    a = checkpoint.load(tmp_path / "a")[0]      # --save DIR: its latest numbered folder
+    b = checkpoint.load(tmp_path / "b")[0]
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 

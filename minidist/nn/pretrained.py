@@ -46,10 +46,15 @@ def hf_config(config):
 
 def save_pretrained(model, directory, dtype="float32"):
     """Write config.json and model.safetensors (parameters cast to `dtype`) into `directory`."""
+    save_state_pretrained(model.config, model.state_dict(), directory, dtype)
+
+
+def save_state_pretrained(config, params, directory, dtype="float32"):
+    """save_pretrained of plain data: a GPTConfig and {name: array} of the whole model (as a
+    sharded strategy gathers it)."""
     from minidist.nn.gpt import gpt_param_specs
     from minidist.nn.gpt import GPTConfig
-    config = model.config
-    state = {n: backend.to_host(a).astype(dtype) for n, a in model.state_dict().items()}
+    state = {n: backend.to_host(a).astype(dtype) for n, a in params.items()}
     if not config.bias:           # HF's GPT-2 always has biases: zeros compute the same
         full = gpt_param_specs(GPTConfig(**{**config.to_dict(), "bias": True}))
         state = {n: state[n] if n in state else np.zeros(shape, dtype)

@@ -1,30 +1,28 @@
-"""Checkpoints of a pipeline: the stages' parts gathered into the whole model, written in the
-one-process format (minidist/train/checkpoint.py), and read back by every stage.
+"""Checkpoints of a pipeline: the stages' parts gathered into the whole model and written in
+the one-process format (minidist/train/checkpoint.py: plain dicts), read back by every stage.
 
     save   each stage's parameters and optimizer state as whole arrays (gathered over tp when
-           the stage is tensor-parallel), sent to stage 0 of the first replica, merged in
-           model order (the tied wte, on the first and last stage and equal, kept once) and
-           written by world rank 0; each stage's dropout generator is kept too, so --resume
-           continues every stage's own stream
+           the stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
+           replica, merged in model order (the tied wte, on the first and last stage and
+           equal, kept once) and written by world rank 0; each stage's dropout generator is
+           kept too, so --resume continues every stage's own stream
     load   every rank reads the whole checkpoint and keeps its own parameters and optimizer
            state (its tp shard of them), so a checkpoint from any pp x tp x dp layout resumes
            on any other, or on one process
 Tests: tests/test_pipeline.py (resume with dropout), tests/scripts/pp_check.py (--files).
 """
-import copy
-
 from minidist import backend
+from minidist.tp.state import gather_optimizer_state, shard_optimizer_state
 from minidist.train import checkpoint
 
 
-def _stage_state(strategy, optimizer):
+def stage_state(strategy, optimizer):
     """This stage's parameters and optimizer state as whole host arrays (collective over tp
     when the stage is tensor-parallel)."""
-    if strategy.tp is not None:
-        return (strategy.stage.full_state_dict(),
-                strategy.tp._gather_optimizer(optimizer.state_dict()))
-    return ({n: backend.to_host(a).copy() for n, a in strategy.stage.state_dict().items()},
-            optimizer.state_dict())
+    stage, sd = strategy.stage, optimizer.state_dict()
+    if strategy.mesh.shape["tp"] > 1:
+        return stage.full_state_dict(), gather_optimizer_state(stage, strategy.mesh.tp, sd)
+    return {n: backend.to_host(a).copy() for n, a in stage.state_dict().items()}, sd
 
 
 def merge_stages(parts):
@@ -40,7 +38,8 @@ def merge_stages(parts):
 
 
 def save(strategy, directory, model, optimizer, step, rng_states, extra):
-    params, opt_sd = _stage_state(strategy, optimizer)
+    """Collective over the world: the whole model and optimizer, written by world rank 0."""
+    params, opt_sd = stage_state(strategy, optimizer)
     mesh, pp = strategy.mesh, strategy.group
     if mesh.dp_rank == 0 and mesh.tp_rank == 0:
         mine = (params, opt_sd, model.dropout_rng.bit_generator.state)
@@ -48,37 +47,33 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
         if pp.rank == 0:            # each stage's own dropout stream, for --resume
             rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
             params, opt_sd = merge_stages(parts)
-            checkpoint.save_checkpoint(
-                directory, _with(model, state_dict=lambda: params),
-                _with(optimizer, state_dict=lambda: opt_sd), step, rng_states, extra)
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
+                                        optimizer, step, rng_states, extra)
+            checkpoint.save(directory, params, opt_sd, meta)
     mesh.world.barrier()            # nobody reads it half-written
 
 
 def load(strategy, directory, model, optimizer):
     """Every rank reads the whole checkpoint and keeps its stage's (and tp shard's) part;
-    returns the state.json dict with "rng"/"dropout" this stage's own generator."""
-    mine, tp = {n for n, _ in model.named_parameters()}, strategy.tp
-
-    def load_params(state, strict=True):
-        state = {n: a for n, a in state.items() if n in mine}
-        if strict and set(state) != mine:
-            raise KeyError(f"parameters missing: {sorted(mine - set(state))[:6]}")
-        (model.load_full_state_dict if tp is not None else model.load_state_dict)(state)
-
-    def load_opt(sd):
-        sd = {"groups": sd["groups"],
-              "state": {n: s for n, s in sd["state"].items() if n in mine}}
-        optimizer.load_state_dict(tp._shard_optimizer(sd) if tp is not None else sd)
-    state = checkpoint.load_checkpoint(directory, _with(model, load_state_dict=load_params),
-                                       _with(optimizer, load_state_dict=load_opt))
-    by_stage = state["rng"].get("dropout_by_stage")
+    returns the checkpoint's meta with "rng"/"dropout" this stage's own generator."""
+    params, opt_sd, meta = checkpoint.load(directory)
+    folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
+    checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
+                          type(optimizer).__name__)
+    opt_sd = {"groups": opt_sd["groups"],        # other stages' parameters left out
+              "state": {n: s for n, s in opt_sd["state"].items()
+                        if n in mine or n not in params}}       # (amp: the loss scaler kept)
+    params = {n: a for n, a in params.items() if n in mine}
+    with checkpoint.does_not_fit(folder):
+        if set(params) != mine:
+            raise KeyError(f"parameters missing: {sorted(mine - set(params))[:6]}")
+        if strategy.mesh.shape["tp"] > 1:
+            model.load_full_state_dict(params)
+            opt_sd = shard_optimizer_state(model, strategy.mesh.tp, opt_sd)
+        else:
+            model.load_state_dict(params)
+        optimizer.load_state_dict(opt_sd)
+    by_stage = meta["rng"].get("dropout_by_stage")
     if by_stage and len(by_stage) == strategy.group.size:   # the loop restores "dropout"
-        state["rng"]["dropout"] = by_stage[strategy.group.rank]
-    return state
-
-
-def _with(obj, **methods):
-    """A shallow copy of `obj` with some methods replaced (same class, same name)."""
-    view = copy.copy(obj)
-    view.__dict__.update(methods)
-    return view
+        meta["rng"]["dropout"] = by_stage[strategy.group.rank]
+    return meta

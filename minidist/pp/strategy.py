@@ -31,10 +31,10 @@ import math
 from minidist.backend import xp_of
 from minidist.ddp.strategy import dp_rows
 from minidist.comm import trace
-from minidist.optim.clip import local_sum_sq
 from minidist.pp.schedule import (SCHEDULES, MicroBatches, bubble_fraction,
                                         bubble_theory, split_layers)
 from minidist.pp import checkpoint as pp_checkpoint
+from minidist.tp.state import replicated_grads, sum_sq_over_tp, unscaled_sum_sq
 from minidist.train import memory
 from minidist.train.strategy import SingleProcess
 from minidist.train.cli import UsageError
@@ -114,7 +114,7 @@ class PipelineParallel(SingleProcess):
         self.sequence_parallel = sequence_parallel
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
         self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
-        self.stage = self.ddp = self.tp = None
+        self.stage = self.ddp = None
         self.stats = {"steps": 0, "in_flight": 0, "bytes": 0, "sent": 0}   # summary()
 
     # ---- the model -------------------------------------------------------------------------
@@ -124,8 +124,6 @@ class PipelineParallel(SingleProcess):
         if self.mesh.shape["tp"] > 1:
             stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
                                            dtype, self.sequence_parallel)
-            self.tp = _tensor_parallel_view(self.mesh, stage, self.sequence_parallel)
-            self.tp.amp = self.amp
         else:
             stage = GPTStage(config, self.group, layers, seed, dtype)
         stage.set_checkpointing(self.ckpt_activations)
@@ -187,10 +185,7 @@ class PipelineParallel(SingleProcess):
         if self.ddp is not None:
             self.ddp.sync_grads()           # every bucket, once, after the last backward
         if self.embedding is not None:      # tied wte: first stage's + last stage's gradient
-            w = model.transformer.wte.weight
-            if w.grad is None:
-                w.grad = xp_of(w.data).zeros_like(w.data)
-            self.embedding.all_reduce(w.grad, op="sum")
+            sync_tied_embedding(model, self.embedding)
 
     @property
     def sum_sq_across_ranks(self):
@@ -198,21 +193,16 @@ class PipelineParallel(SingleProcess):
 
     def _sum_sq(self, local):
         """The global sum of squares: the tied wte counted once (on the first stage), tensor
-        parallelism's split/replicated rule inside the stage, then the sum over stages."""
+        parallelism's split/replicated rule inside the stage (minidist/tp/state.py), then the
+        sum over stages."""
         if self.stage.last and not self.stage.first:
-            local -= self._grads_sum_sq([self.stage.transformer.wte.weight.grad])
-        if self.tp is not None:
-            local = self.tp._sum_sq(local)
+            local -= unscaled_sum_sq([self.stage.transformer.wte.weight.grad], self.amp)
+        if self.mesh.shape["tp"] > 1:
+            local = sum_sq_over_tp(self.stage, self.mesh.tp, local,
+                                   replicated_grads(self.stage), self.amp)
         buf = model_xp(self.stage).asarray([local], dtype="float64")
         self.group.all_reduce(buf)
         return float(buf[0])
-
-    def _grads_sum_sq(self, grads):
-        grads = [g for g in grads if g is not None]
-        if self.amp:                        # the optimizer measures unscaled float32 grads
-            inv = 1.0 / self.amp.scaler.scale
-            return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
-        return local_sum_sq(grads)
 
     def global_mean(self, value):
         if self.mesh.shape["dp"] == 1:
@@ -229,7 +219,7 @@ class PipelineParallel(SingleProcess):
     def comm_bytes(self):
         return trace.bytes_sent()
 
-    # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --------
+    # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --
     def save(self, directory, model, optimizer, step, rng_states, extra):
         pp_checkpoint.save(self, directory, model, optimizer, step, rng_states, extra)
 
@@ -270,13 +260,13 @@ def model_xp(model):
     return xp_of(model.parameters()[0].data)
 
 
-def _tensor_parallel_view(mesh, stage, sequence_parallel):
-    """TensorParallel's bookkeeping (clip over tp, optimizer gather/shard) for this stage."""
-    from minidist.tp.strategy import TensorParallel
-    tp = TensorParallel(mesh, sequence_parallel)
-    tp.model = stage
-    tp._replicated = [p for p in stage.parameters() if p.tp_split is None]
-    return tp
+def sync_tied_embedding(model, group):
+    """The tied wte's gradient summed over `group`: the first and the last stage of one
+    pipeline, each holding a copy (the embedding's and the head's use). Collective."""
+    w = model.transformer.wte.weight
+    if w.grad is None:
+        w.grad = xp_of(w.data).zeros_like(w.data)
+    group.all_reduce(w.grad, op="sum")
 
 
 def pipeline_forward_backward(strategy, model, x, y, scale, measure):

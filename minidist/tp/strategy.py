@@ -20,23 +20,23 @@ SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to
                         once (every tp rank holds the same copy), then inner's reduction
     save / load         the full model and optimizer state, gathered over tp and written by
                         rank 0 in the single-process format: a checkpoint from any tp resumes
-                        on any other tp, or on one process. Under ZeRO: ZeRO's sharded
-                        checkpoint of each tp rank's part, DIR/tp<r>-of-<tp> (same tp to resume)
+                        on any other tp, or on one process. Under ZeRO: one checkpoint
+                        folder holding ZeRO's sharded files of each tp rank's part in
+                        tp<r>-of-<tp>/ (same tp to resume)
 A data-parallel strategy plugs in as `inner` through `wrap(model)` (DataParallel and
 ZeroDataParallel have it).
 Tests: tests/test_tensor_parallel.py.
 """
-import copy
 import os
 import argparse
 
-import numpy as np
-
 from minidist.backend import xp_of
 from minidist.comm import trace
-from minidist.optim.clip import local_sum_sq
-from minidist.tp.model import GatheredModel, TensorParallelGPT, check_tp_sizes
-from minidist.train import checkpoint
+from minidist.tp.model import TensorParallelGPT, check_tp_sizes
+from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state,
+                               sum_sq_over_tp)
+from minidist.train import checkpoint, checkpoint_dirs
+from minidist.zero.checkpoint import load_sharded, save_sharded
 from minidist.train.strategy import SingleProcess
 from minidist.train.cli import UsageError
 
@@ -118,20 +118,12 @@ class TensorParallel(SingleProcess):
 
     def _sum_sq(self, local):
         """Global sum of squares from this rank's: the split part summed over tp, the
-        replicated part (the same on every tp rank) added once, then inner's reduction."""
-        rep = self._replicated_sum_sq()
-        buf = xp_of(self.model.parameters()[0].data).asarray([local - rep], dtype="float64")
-        self.group.all_reduce(buf)
-        total = float(buf[0]) + rep
+        replicated part (the same on every tp rank) added once (minidist/tp/state.py), then
+        inner's reduction."""
+        total = sum_sq_over_tp(self.model, self.group, local, self._replicated_grads(),
+                               self.amp)
         outer = self.inner.sum_sq_across_ranks
         return outer(total) if outer is not None else total
-
-    def _replicated_sum_sq(self):
-        grads = self._replicated_grads()
-        if self.amp:                      # the optimizer measures unscaled float32 gradients
-            inv = 1.0 / self.amp.scaler.scale
-            return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
-        return local_sum_sq(grads)
 
     def _replicated_grads(self):
         """The replicated parameters' gradient elements that this rank's optimizer norms:
@@ -184,83 +176,56 @@ class TensorParallel(SingleProcess):
 
     def save_pretrained(self, model, directory, dtype="float32"):
         """GPT-2's format (minidist/nn/pretrained.py), the whole model, from rank 0."""
-        from minidist.nn.pretrained import save_pretrained
+        from minidist.nn.pretrained import save_state_pretrained
         state = self.full_state_dict()
         if self.rank == 0:
-            save_pretrained(GatheredModel(model.config, state), directory, dtype=dtype)
+            save_state_pretrained(model.config, state, directory, dtype=dtype)
         self.mesh.world.barrier()
 
     def _zero(self):
         return getattr(self.inner, "engine", None) is not None
 
-    def _tp_dir(self, directory):
-        """Under ZeRO: this tp rank's own sharded checkpoint (resharding over dp works, tp
-        must stay the same)."""
-        return os.path.join(directory, f"tp{self.group.rank}-of-{self.group.size}")
+    def _part(self):
+        """Under ZeRO: this tp rank's folder of ZeRO's sharded files in a checkpoint
+        (resharding over dp works, tp must stay the same)."""
+        return f"tp{self.group.rank}-of-{self.group.size}"
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        if self._zero():                                   # ZeRO's sharded files per tp rank
-            self.inner.save(self._tp_dir(directory), model, optimizer, step, rng_states, extra)
-            return self.mesh.world.barrier()
-        params = self.model.full_state_dict()              # collective over tp
-        opt_sd = self._gather_optimizer(optimizer.state_dict())
+        """The whole model and optimizer state, gathered over tp, written by rank 0 as one
+        process's (minidist/train/checkpoint.py). Under ZeRO: one checkpoint holding ZeRO's
+        sharded files of each tp rank's part (minidist/zero/checkpoint.py). Collective."""
+        if self._zero():
+            return save_sharded(directory, model, optimizer, self.inner.group, step,
+                                rng_states, extra, part=self._part(), world=self.mesh.world)
+        params = self.model.full_state_dict()                      # collective over tp
+        opt_sd = gather_optimizer_state(self.model, self.group, optimizer.state_dict())
         if self.rank == 0:
-            # the optimizer: a shallow copy whose state_dict() is the full one, so checkpoint.py
-            # writes it as one process's (same class name and format)
-            full_model = GatheredModel(model.config, params)
-            full_opt = _with(optimizer, state_dict=lambda: opt_sd)
-            checkpoint.save_checkpoint(directory, full_model, full_opt, step, rng_states,
-                                       extra)
-        self.mesh.world.barrier()                          # nobody reads it half-written
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
+                                        optimizer, step, rng_states, extra)
+            checkpoint.save(directory, params, opt_sd, meta)
+        self.mesh.world.barrier()                                  # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the full checkpoint and keeps its shards (ZeRO: its tp rank's
-        sharded checkpoint)."""
+        """Every rank reads the whole checkpoint and keeps its shards (under ZeRO: its tp
+        rank's part). Returns the checkpoint's meta."""
         if self._zero():
-            if not os.path.isdir(self._tp_dir(directory)):
+            folder = checkpoint_dirs.resolve(directory)
+            if not os.path.isdir(os.path.join(folder, self._part())):
                 raise checkpoint.CheckpointError(
-                    f"--resume {directory}: no {os.path.basename(self._tp_dir(directory))}; a "
-                    f"checkpoint of --tp with --zero resumes with the same --tp")
-            return self.inner.load(self._tp_dir(directory), model, optimizer)
-        def load_params(state, strict=True):
-            missing = set(dict(model.named_parameters())) ^ set(state)
-            if strict and missing:
-                raise KeyError(f"parameters differ: {sorted(missing)[:6]}")
-            self.model.load_full_state_dict(state)
-        return checkpoint.load_checkpoint(
-            directory, _with(model, load_state_dict=load_params),
-            _with(optimizer, load_state_dict=lambda sd: optimizer.load_state_dict(
-                self._shard_optimizer(sd))))
-
-    def _split_params(self):
-        return [(n, p) for n, p in self.model.named_parameters() if p.tp_split is not None]
-
-    def _gather_optimizer(self, sd):
-        """Optimizer state_dict with every split parameter's arrays (exp_avg, ...) gathered
-        over tp into full arrays; collective, in model order on every rank."""
-        sd = {"groups": sd["groups"], "state": dict(sd["state"])}
-        for name, p in self._split_params():
-            entry = dict(sd["state"].get(name, {}))
-            for key in sorted(entry):
-                v = entry[key]
-                if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape):
-                    buf = np.empty((self.group.size,) + v.shape, v.dtype)
-                    self.group.all_gather(buf, np.ascontiguousarray(v))
-                    entry[key] = p.tp_split.unshard(list(buf))
-            sd["state"][name] = entry
-        return sd
-
-    def _shard_optimizer(self, sd):
-        """The inverse: this rank's shards of a full optimizer state_dict."""
-        sd = {"groups": sd["groups"], "state": dict(sd["state"])}
-        t, r = self.group.size, self.group.rank
-        for name, p in self._split_params():
-            entry = dict(sd["state"].get(name, {}))
-            for key, v in entry.items():
-                if hasattr(v, "shape") and v.ndim == p.ndim and tuple(v.shape) != p.shape:
-                    entry[key] = p.tp_split.shard(v, t, r)
-            sd["state"][name] = entry
-        return sd
+                    f"--resume {directory}: no {self._part()} in {folder}; a checkpoint of "
+                    "--tp with --zero resumes with the same --tp")
+            return load_sharded(os.path.join(folder, self._part()), model, optimizer,
+                                self.inner.group)
+        params, opt_sd, meta = checkpoint.load(directory)
+        checkpoint.check_fits(meta["folder"], meta, model.config,
+                              checkpoint.model_dtype(self.model), type(optimizer).__name__)
+        with checkpoint.does_not_fit(meta["folder"]):
+            differ = set(dict(self.model.named_parameters())) ^ set(params)
+            if differ:
+                raise KeyError(f"parameters differ: {sorted(differ)[:6]}")
+            self.model.load_full_state_dict(params)
+            optimizer.load_state_dict(shard_optimizer_state(self.model, self.group, opt_sd))
+        return meta
 
     def summary(self):
         """One line: bytes this rank sent on the tp group per step (forward + backward)."""
@@ -276,9 +241,3 @@ class TensorParallel(SingleProcess):
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective written to {args.trace}")
 
-
-def _with(obj, **methods):
-    """A shallow copy of `obj` with some methods replaced (same class, same name)."""
-    view = copy.copy(obj)
-    view.__dict__.update(methods)
-    return view

@@ -1,40 +1,51 @@
-"""Checkpoints: everything a run needs to continue bit-identically, written atomically.
+"""Checkpoints as plain dicts: everything a run needs to continue bit-identically, every file
+verified on load, one code path for every strategy.
 
-    DIR/model.safetensors      parameters by GPT-2 name, dtype as trained
-    DIR/optimizer.safetensors  optimizer state arrays as "<param name>/<key>" (exp_avg, ...)
-    DIR/state.json             step, model config and dtype, optimizer groups and per-
-                               parameter step counts, RNG states, the run's arguments
-    DIR/manifest.json          format, version, world size, and for each file its size and
-                               sha256; written last
+    save(directory, params, optimizer_state, meta)      -> the checkpoint folder written
+    load(directory) -> (params, optimizer_state, meta)  whole host arrays, whoever wrote it
 
-Atomic: the files are written into a temporary sibling directory, fsynced, and the directory
-is renamed into place (an existing checkpoint is moved aside first and removed after), so a
-crash leaves the old checkpoint or the new one, never a mix. A directory without
-manifest.json is not a checkpoint; a size or checksum that disagrees with the manifest is
-corruption; a config that differs from the model's is a mismatch: each raises
-CheckpointError naming the file or field. Data position needs no file: batches are a pure
-function of (seed, step). Extensible: ZeRO adds per-rank shard files to the manifest's
-"files" (with a "rank"), raises "world_size" and adds "zero" (the flat layout);
-load_checkpoint reads such a checkpoint too (minidist/zero/checkpoint.py).
+    params           {GPT-2 name: host array}, the whole model
+    optimizer_state  the optimizer's state_dict(): {"groups": [...], "state": {name: {key:
+                     array or scalar}}}
+    meta             {"step": steps done, "config": GPTConfig.to_dict(), "dtype", "optimizer":
+                     its class name, "rng": {name: generator state}, "extra": the run's flags}
+
+`directory` is a --save directory: each save is a new numbered folder and a `latest` pointer
+(minidist/train/checkpoint_dirs.py). One checkpoint folder holds
+
+    model.safetensors       parameters, dtype as trained
+    optimizer.safetensors   optimizer arrays as "<param name>/<key>" (exp_avg, ...)
+    state.json              meta, the optimizer's groups and per-parameter scalars
+    manifest.json           format, version, world size, step, each file's bytes and sha256
+    manifest.sha256         the sha256 of manifest.json: the manifest is checked too
+
+ZeRO writes per-rank shards instead of the two .safetensors, with write_arrays / write_json /
+finish below (minidist/zero/checkpoint.py: shards carry a "rank", "zero" the flat layout).
+verify() is the one check for all of them: the manifest against its digest, then every file's
+size and sha256 (a shard's checksum optionally left to whoever reads it). An edited "step",
+"weight_decay" or manifest "offset" fails as a flipped byte does: CheckpointError naming the
+file. check_fits() names the config fields that differ from the model's.
 Tests: tests/test_checkpoint.py.
 """
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-import tempfile
 
 from minidist import backend
 from minidist.nn.safetensors import SafetensorsError, load_file, save_file
+from minidist.train import checkpoint_dirs as dirs
+from minidist.train.checkpoint_dirs import CheckpointError
 
-FORMAT, VERSION = "minidist-checkpoint", 1
+__all__ = ["CheckpointError", "save", "load", "verify", "check_fits", "make_meta",
+           "save_checkpoint", "load_checkpoint"]
+FORMAT, VERSION = "minidist-checkpoint", 2
+DIGEST = "manifest.sha256"
+META_KEYS = ("step", "config", "dtype", "rng", "extra")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
-
-
-def _sha256(path):
+def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -42,130 +53,155 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _fsync_file(path):
+def _entry(path):
+    """fsync a written file; its manifest entry."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
-def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):
-    """Write model, optimizer, `step` (steps done), RNG states (name -> JSON-able state) and
-    `extra` (JSON-able, e.g. the run's arguments) to `directory`, atomically."""
-    directory = os.path.abspath(directory)
-    tmp = make_temporary(directory)
-    try:
-        _write_files(tmp, model, optimizer, step, rng_states or {}, extra or {})
-        commit(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+# ---- writing a checkpoint folder ----------------------------------------------------------------
+
+def write_arrays(folder, name, arrays, metadata=None):
+    """folder/name: {key: array} as safetensors (on the host), fsynced; its manifest entry."""
+    path = os.path.join(folder, name)
+    save_file({k: backend.to_host(v) for k, v in arrays.items()}, path, metadata=metadata)
+    return _entry(path)
 
 
-def make_temporary(directory):
-    """A new empty sibling directory to write a checkpoint for `directory` into (refuses a
-    `directory` that exists and is not a checkpoint)."""
-    if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
-            os.path.join(directory, "manifest.json")):
-        raise CheckpointError(f"--save {directory}: exists and is not a minidist checkpoint; "
-                              "refusing to replace it")
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+def write_json(folder, name, obj):
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    return _entry(path)
 
 
-def commit(tmp, directory):
-    """Rename the complete checkpoint `tmp` to `directory`, replacing an old one atomically."""
-    parent, old = os.path.dirname(directory), None
-    if os.path.exists(directory):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
-        os.rename(directory, os.path.join(old, "ckpt"))
-    os.rename(tmp, directory)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_files(tmp, model, optimizer, step, rng_states, extra):
-    sd = optimizer.state_dict()
-    opt_arrays = {f"{name}/{k}": v for name, s in sd["state"].items()
-                  for k, v in s.items() if hasattr(v, "shape")}
-    opt_scalars = {name: {k: v for k, v in s.items() if not hasattr(v, "shape")}
-                   for name, s in sd["state"].items()}
-    dtype = str(next(iter(model.state_dict().values())).dtype)
-    state = {"step": int(step), "config": model.config.to_dict(), "dtype": dtype,
-             "optimizer": {"type": type(optimizer).__name__, "groups": sd["groups"],
-                           "scalars": opt_scalars},
-             "rng": rng_states, "extra": extra}
-    save_file({n: backend.to_host(a) for n, a in model.state_dict().items()},
-              os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    save_file(opt_arrays, os.path.join(tmp, "optimizer.safetensors"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump(state, f, indent=1)
-    files = {}
-    for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
-        path = os.path.join(tmp, name)
-        _fsync_file(path)
-        files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-    manifest = {"format": FORMAT, "version": VERSION, "world_size": 1, "step": int(step),
-                "files": files}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+def finish(folder, files, step, world_size=1, **sections):
+    """Write manifest.json (the files' entries, `sections` such as ZeRO's "zero") and its
+    digest, last."""
+    manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size,
+                "step": int(step), **sections, "files": files}
+    write_json(folder, "manifest.json", manifest)
+    with open(os.path.join(folder, DIGEST), "w") as f:
+        f.write(sha256_file(os.path.join(folder, "manifest.json")) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify_checkpoint(directory, checksums=True):
-    """Check the manifest and every file's size and checksum (`checksums` False: presence and
-    size only; a sharded load checks the checksums of the shards it reads); returns the
-    manifest."""
-    path = os.path.join(directory, "manifest.json")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"--resume {directory}: no such checkpoint directory")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--resume {directory}: no manifest.json, so not a complete "
-                              "minidist checkpoint")
+def state_record(meta, optimizer_state):
+    """state.json's content, and the optimizer's arrays ("<name>/<key>" -> array)."""
+    arrays = {f"{name}/{k}": v for name, s in optimizer_state["state"].items()
+              for k, v in s.items() if hasattr(v, "shape")}
+    scalars = {name: {k: v for k, v in s.items() if not hasattr(v, "shape")}
+               for name, s in optimizer_state["state"].items()}
+    record = {k: meta[k] for k in META_KEYS}
+    record["step"] = int(record["step"])
+    record["optimizer"] = {"type": meta["optimizer"], "groups": optimizer_state["groups"],
+                           "scalars": scalars}
+    return record, arrays
+
+
+def save(directory, params, optimizer_state, meta):
+    """Write a checkpoint of plain dicts as the next numbered folder of `directory`."""
+    record, arrays = state_record(meta, optimizer_state)
+    tmp = dirs.begin(directory)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt manifest ({e})") from None
+        files = {"model.safetensors": write_arrays(tmp, "model.safetensors", params,
+                                                   metadata={"format": "pt"}),
+                 "optimizer.safetensors": write_arrays(tmp, "optimizer.safetensors", arrays),
+                 "state.json": write_json(tmp, "state.json", record)}
+        finish(tmp, files, record["step"])
+        return dirs.commit(tmp, directory, record["step"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)          # gone already once committed
+
+
+def make_meta(config, dtype, optimizer, step, rng_states=None, extra=None):
+    """meta for save(): `optimizer` the object (its class name is recorded)."""
+    return {"step": int(step), "config": config.to_dict(), "dtype": str(dtype),
+            "optimizer": type(optimizer).__name__, "rng": rng_states or {},
+            "extra": extra or {}}
+
+
+# ---- verifying and reading ----------------------------------------------------------------------
+
+def verify(folder, shard_checksums=True):
+    """Check manifest.json against its digest, then every file it lists (size and sha256;
+    with `shard_checksums` False a rank shard's size only: its reader checks the checksum).
+    Returns the manifest."""
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"--resume {folder}: no such checkpoint directory")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--resume {folder}: no manifest.json, so not a complete "
+                              "minidist checkpoint")
+    digest = os.path.join(folder, DIGEST)
+    if not os.path.isfile(digest):
+        raise CheckpointError(f"{folder}: no {DIGEST} (an incomplete checkpoint, or one from "
+                              "an older minidist: resave it with that version)")
+    with open(digest) as f:
+        if f.read().strip() != sha256_file(path):
+            raise CheckpointError(f"corrupt checkpoint: {path} does not match {DIGEST} "
+                                  "(edited or truncated)")
+    with open(path) as f:
+        manifest = json.load(f)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, expected {FORMAT!r} {VERSION}")
     for name, info in manifest["files"].items():
-        verify_file(directory, name, info, checksums)
+        verify_file(folder, name, info, shard_checksums or "rank" not in info)
     return manifest
 
 
-def verify_file(directory, name, info, checksum=True):
+def verify_file(folder, name, info, checksum=True):
     """One file of a checkpoint against its manifest entry {"bytes", "sha256"[, "rank"]}."""
-    fpath = os.path.join(directory, name)
+    fpath = os.path.join(folder, name)
     what = f"rank {info['rank']}'s shard " if "rank" in info else ""
     if not os.path.isfile(fpath):
         raise CheckpointError(f"corrupt checkpoint: {what}{fpath} is missing")
-    if os.path.getsize(fpath) != info["bytes"] or (checksum and _sha256(fpath) != info["sha256"]):
+    if os.path.getsize(fpath) != info["bytes"] or (
+            checksum and sha256_file(fpath) != info["sha256"]):
         raise CheckpointError(f"corrupt checkpoint: {what}{fpath} does not match the checksum "
                               "in manifest.json (truncated, modified, or from another save)")
 
 
-def load_checkpoint(directory, model, optimizer=None):
-    """Verify `directory`, check it fits `model`, load parameters (and optimizer state).
-    Returns the state.json dict ("step", "rng", "extra", ...)."""
-    manifest = verify_checkpoint(directory)
-    if "zero" in manifest:           # per-rank shards: assembled by parameter name
-        from minidist.zero.checkpoint import load_whole
-        return load_whole(directory, manifest, model, optimizer)
-    if manifest.get("world_size", 1) != 1:
-        raise CheckpointError(f"{directory} holds {manifest['world_size']} rank shards; "
-                              "this loader reads single-process checkpoints")
-    with open(os.path.join(directory, "state.json")) as f:
-        state = json.load(f)
-    _check_config(directory, state, model)
+def read_record(folder):
+    """state.json of a verified folder."""
+    with open(os.path.join(folder, "state.json")) as f:
+        return json.load(f)
+
+
+def load(directory):
+    """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
+    a --save directory: its latest), every file verified; ZeRO's shards assembled by name."""
+    folder = dirs.resolve(directory)
+    manifest = verify(folder)
+    record = read_record(folder)
+    with does_not_fit(folder):
+        if "zero" in manifest:
+            from minidist.zero.checkpoint import read_whole
+            params, arrays = read_whole(folder, manifest)
+        else:
+            params, _ = load_file(os.path.join(folder, "model.safetensors"))
+            arrays, _ = load_file(os.path.join(folder, "optimizer.safetensors"))
+    saved = record["optimizer"]
+    per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()}
+    for key, a in arrays.items():
+        name, k = key.rsplit("/", 1)
+        per_param.setdefault(name, {})[k] = a
+    meta = {**{k: record[k] for k in META_KEYS}, "optimizer": saved["type"], "folder": folder}
+    return params, {"groups": saved["groups"], "state": per_param}, meta
+
+
+@contextlib.contextmanager
+def does_not_fit(folder):
+    """Turn a loader's KeyError / ValueError (names, shapes) into a CheckpointError."""
     try:
-        params, _ = load_file(os.path.join(directory, "model.safetensors"))
-        model.load_state_dict(params)
-        if optimizer is not None:
-            _load_optimizer(directory, state, optimizer)
+        yield
     except (KeyError, ValueError, SafetensorsError) as e:
-        raise CheckpointError(f"checkpoint {directory} does not fit this run: {e}") from None
-    return state
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint {folder} does not fit this run: {e}") from None
 
 
 # GPTConfig fields that change how attention is computed, not the model: a run may resume
@@ -173,27 +209,39 @@ def load_checkpoint(directory, model, optimizer=None):
 HOW_COMPUTED = ("attention", "attention_block")
 
 
-def _check_config(directory, state, model):
-    ours = {**model.config.to_dict(),
-            "dtype": str(next(iter(model.state_dict().values())).dtype)}
-    theirs = {**state["config"], "dtype": state.get("dtype")}
+def check_fits(folder, meta, config, dtype, optimizer_type=None):
+    """Raise naming every config field (and the dtype, the optimizer) that differs."""
+    ours = {**config.to_dict(), "dtype": str(dtype)}
+    theirs = {**meta["config"], "dtype": meta.get("dtype")}
     diffs = [f"{k}: {theirs.get(k)!r} in the checkpoint, {v!r} here"
              for k, v in ours.items() if theirs.get(k) != v and k not in HOW_COMPUTED]
+    if optimizer_type is not None and meta["optimizer"] != optimizer_type:
+        diffs.append(f"optimizer: {meta['optimizer']} in the checkpoint, {optimizer_type} "
+                     "here (--amp must match)")
     if diffs:
-        raise CheckpointError(f"checkpoint config mismatch ({directory}): " + "; ".join(diffs))
+        raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs))
 
 
-def _load_optimizer(directory, state, optimizer, arrays=None):
-    """Optimizer state from optimizer.safetensors, or from `arrays` ("<name>/<key>" ->
-    array: a sharded checkpoint's, assembled)."""
-    saved = state["optimizer"]
-    if saved["type"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint optimizer is {saved['type']}, this run uses "
-                              f"{type(optimizer).__name__}")
-    if arrays is None:
-        arrays, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
-    per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()}
-    for key, a in arrays.items():
-        name, k = key.rsplit("/", 1)
-        per_param.setdefault(name, {})[k] = a
-    optimizer.load_state_dict({"groups": saved["groups"], "state": per_param})
+# ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------
+
+def model_dtype(model):
+    return next(iter(model.state_dict().values())).dtype
+
+
+def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):
+    """save() of a whole model's and its optimizer's state dicts; returns the folder."""
+    params = {n: backend.to_host(a) for n, a in model.state_dict().items()}
+    meta = make_meta(model.config, model_dtype(model), optimizer, step, rng_states, extra)
+    return save(directory, params, optimizer.state_dict(), meta)
+
+
+def load_checkpoint(directory, model, optimizer=None):
+    """load() into a whole model (and optimizer), after check_fits; returns meta."""
+    params, optimizer_state, meta = load(directory)
+    check_fits(meta["folder"], meta, model.config, model_dtype(model),
+               type(optimizer).__name__ if optimizer is not None else None)
+    with does_not_fit(meta["folder"]):
+        model.load_state_dict(params)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
+    return meta

@@ -1,35 +1,37 @@
 """Sharded checkpoints: each rank writes its own shard, a manifest ties them together, and any
 world size and ZeRO stage reads them back (resharding).
 
-    DIR/shard-00001-of-00004.safetensors   rank 1's flat[lo:hi) of every unit: "<unit>/param",
-                                           "<unit>/exp_avg", "<unit>/exp_avg_sq" (+ "/master")
-    DIR/state.json                         as in a plain checkpoint: step, config, dtype,
-                                           optimizer type, groups and per-parameter step, RNG
-                                           states, the run's arguments
-    DIR/manifest.json                      format, version, world_size N, "zero": stage, dp,
-                                           amp, the flat layout (units: parameter names, shapes,
-                                           offsets, numel, padding, shard size); each file's
-                                           size and sha256 (a shard's with its "rank"); last
+    shard-00001-of-00004.safetensors   rank 1's flat[lo:hi) of every unit: "<unit>/param",
+                                       "<unit>/exp_avg", "<unit>/exp_avg_sq" (+ "/master")
+    state.json                         as in a plain checkpoint: step, config, dtype,
+                                       optimizer type, groups and per-parameter step, RNG
+                                       states, the run's arguments
+    manifest.json, manifest.sha256     format, version, world_size N, "zero": stage, dp, amp,
+                                       the flat layout (units: parameter names, shapes,
+                                       offsets, numel, padding, shard size); each file's size
+                                       and sha256 (a shard's with its "rank"); the digest
 
-Saving is atomic as in minidist/train/checkpoint.py: rank 0 makes a temporary sibling
-directory, every rank writes and fsyncs its shard there and sends rank 0 its size and sha256,
-rank 0 writes state.json and the manifest last and renames the directory into place (a
-filesystem all ranks see, as on one machine or a cluster's shared disk).
+One folder of a --save directory, written with minidist/train/checkpoint.py's writers and
+committed as its numbered folders are (minidist/train/checkpoint_dirs.py): rank 0 makes the
+temporary folder, every rank writes and fsyncs its shard there and sends rank 0 its size and
+sha256, rank 0 writes state.json and the manifest last and commits (a filesystem all ranks
+see, as on one machine or a cluster's shared disk). `write_sharded` is the part without the
+commit (tensor parallelism puts one such folder per tp rank into one checkpoint).
 
 Loading goes by parameter name, whoever wrote the checkpoint: a `ShardReader` cuts a
 parameter's pieces out of the old ranks' shards (memory-mapped: only those bytes are read), a
 `PlainReader` takes it from a one-process checkpoint. A ZeRO run at any N and stage then copies
-its own flat[lo:hi) from those (`load_sharded`); a one-process or DDP run gets whole arrays
-(`load_whole`, called by checkpoint.load_checkpoint). 4 ranks at stage 3 -> 1 process, or ->
-2 ranks at stage 1: the same parameters, bit for bit.
+its own flat[lo:hi) from those (`load_sharded`); checkpoint.load gets whole arrays
+(`read_whole`) for one process, DDP, TP or PP. 4 ranks at stage 3 -> 1 process, or -> 2 ranks
+at stage 1: the same parameters, bit for bit.
 
-Errors are agreed on before anyone acts: each rank checks what it reads (files present with
-the manifest's sizes, the checksums of the shards it opens, a config and shapes that fit the
-model), the ranks all-gather their verdicts, and if any rank failed, every rank raises the
-same CheckpointError naming the file and the rank that found it. Nobody waits in a collective.
+Verification is checkpoint.verify's, as for every checkpoint (the manifest by its digest,
+state.json by its checksum); a shard's checksum is checked by the rank that reads it. Errors
+are agreed on before anyone acts: the ranks all-gather their verdicts, and if any rank failed,
+every rank raises the same CheckpointError naming the file and the rank that found it.
+Nobody waits in a collective.
 Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
 """
-import json
 import math
 import os
 import shutil
@@ -37,8 +39,9 @@ import shutil
 import numpy as np
 
 from minidist import backend
-from minidist.nn.safetensors import SafetensorsError, load_file, save_file
+from minidist.nn.safetensors import SafetensorsError, load_file
 from minidist.train import checkpoint
+from minidist.train import checkpoint_dirs as dirs
 from minidist.train.checkpoint import CheckpointError
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")     # optimizer arrays, besides "param"
@@ -52,70 +55,90 @@ def shard_name(rank, world):
 
 # ---- save --------------------------------------------------------------------------------------
 
-def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None):
-    """Collective over `group` (the dp group): write this rank's shards of `optimizer`
-    (a ShardedAdamW) and, from rank 0, state.json and the manifest, atomically."""
-    directory, comm = os.path.abspath(directory), group.comm
+def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
+                 part=None, world=None):
+    """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
+    ShardedAdamW) and, from rank 0, state.json and the manifest, as the next numbered folder
+    of `directory` (minidist/train/checkpoint_dirs.py). With `part` and `world` (tensor
+    parallelism: one ZeRO folder per tp rank), this group's files go to the subfolder `part`
+    of one checkpoint that world rank 0 commits once every group has written; collective
+    over `world` then."""
+    world = world if world is not None else group
     tmp, err = None, None
-    if group.rank == 0:
+    if world.rank == 0:
         try:
-            tmp = checkpoint.make_temporary(directory)
+            tmp = dirs.begin(directory)
         except (CheckpointError, OSError) as e:
             err = str(e)
-    tmp, err = comm.bcast((tmp, err), root=0)
+    tmp, err = world.comm.bcast((tmp, err), root=0)
     if err:
         raise CheckpointError(err)
+    folder = tmp if part is None else os.path.join(tmp, part)
+    if part is not None and group.rank == 0:
+        try:
+            os.mkdir(folder)
+        except OSError as e:
+            err = str(e)
+    err = group.comm.bcast(err, root=0)
+    err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra)
+    errors = [e for e in world.comm.allgather(err) if e]
+    if world.rank == 0:
+        if not errors:
+            try:
+                dirs.commit(tmp, directory, step)
+            except OSError as e:
+                errors.append(str(e))
+        shutil.rmtree(tmp, ignore_errors=True)
+    errors = world.comm.bcast(errors, root=0)
+    if errors:
+        raise CheckpointError(f"saving {directory} failed: {'; '.join(errors)}")
+
+
+def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=None):
+    """Collective over `group`: every rank writes its shard into `folder` (which exists),
+    rank 0 state.json and the manifest (minidist/train/checkpoint.py's writers). Returns
+    None, or on rank 0 what failed (the caller commits or discards the folder)."""
     name, entry, err = shard_name(group.rank, group.size), None, None
     try:
-        path = os.path.join(tmp, name)
-        save_file({k: backend.to_host(v) for k, v in optimizer.shard_arrays().items()}, path)
-        checkpoint._fsync_file(path)
-        entry = {"bytes": os.path.getsize(path), "sha256": checkpoint._sha256(path),
+        entry = {**checkpoint.write_arrays(folder, name, optimizer.shard_arrays()),
                  "rank": group.rank}
     except OSError as e:
         err = f"rank {group.rank}: {e}"
-    gathered = comm.gather((name, entry, err), root=0)
-    if group.rank == 0:
-        err = "; ".join(e for _, _, e in gathered if e) or None
-        if err is None:
-            try:
-                files = {n: info for n, info, _ in gathered}
-                _write_state(tmp, files, model, optimizer, step, rng_states or {}, extra or {})
-                checkpoint.commit(tmp, directory)
-            except OSError as e:
-                err = str(e)
-        shutil.rmtree(tmp, ignore_errors=True)
-    err = comm.bcast(err, root=0)
-    if err:
-        raise CheckpointError(f"saving {directory} failed: {err}")
+    gathered = group.comm.gather((name, entry, err), root=0)
+    if group.rank != 0:
+        return None
+    err = "; ".join(e for _, _, e in gathered if e) or None
+    if err is None:
+        try:
+            files = {n: info for n, info, _ in gathered}
+            _write_state(folder, files, model, optimizer, step, rng_states, extra)
+        except OSError as e:
+            err = str(e)
+    return err
 
 
-def _write_state(tmp, files, model, optimizer, step, rng_states, extra):
+def _write_state(folder, files, model, optimizer, step, rng_states, extra):
     amp, engine = optimizer.amp, optimizer.engine
     scalars = {n: {"step": optimizer.steps} for n, _ in model.named_parameters()}
     if amp is not None:
         scalars[SCALER_KEY] = amp.scaler.state_dict()
-    dtype = str(engine.units[0].dtype)
-    state = {"step": int(step), "config": model.config.to_dict(), "dtype": dtype,
-             "optimizer": {"type": "MasterWeightOptimizer" if amp else "AdamW",
-                           "groups": [dict(g) for g in optimizer.param_groups],
-                           "scalars": scalars},
-             "rng": rng_states, "extra": extra}
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump(state, f, indent=1)
-    checkpoint._fsync_file(os.path.join(tmp, "state.json"))
-    files["state.json"] = {"bytes": os.path.getsize(os.path.join(tmp, "state.json")),
-                           "sha256": checkpoint._sha256(os.path.join(tmp, "state.json"))}
-    keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[engine.units[0].name]]
+    dtype = str(engine.units[0].flat.dtype)
+    meta = {"step": step, "config": model.config.to_dict(), "dtype": dtype,
+            "optimizer": optimizer_type(optimizer), "rng": rng_states or {},
+            "extra": extra or {}}
+    record, _ = checkpoint.state_record(
+        meta, {"groups": [{k: v for k, v in g.items() if k not in ("params", "names")}
+                          for g in optimizer.param_groups], "state": scalars})
+    files["state.json"] = checkpoint.write_json(folder, "state.json", record)
+    keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[engine.units[0].flat.name]]
     zero = {"stage": engine.stage, "dp": engine.group.size, "amp": amp is not None,
-            "dtype": dtype, "keys": keys, "units": [u.layout() for u in engine.units]}
-    manifest = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                "world_size": engine.group.size, "step": int(step), "zero": zero,
-                "files": files}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+            "dtype": dtype, "keys": keys, "units": [u.flat.layout() for u in engine.units]}
+    checkpoint.finish(folder, files, step, world_size=engine.group.size, zero=zero)
+
+
+def optimizer_type(optimizer):
+    """The class a one-process run of the same flags uses (a checkpoint loads in either)."""
+    return "MasterWeightOptimizer" if optimizer.amp is not None else "AdamW"
 
 
 # ---- read by parameter name --------------------------------------------------------------------
@@ -123,9 +146,7 @@ def _write_state(tmp, files, model, optimizer, step, rng_states, extra):
 class PlainReader:
     """Whole arrays by name from a one-process checkpoint (model / optimizer.safetensors)."""
 
-    def __init__(self, directory, manifest):
-        for name in ("model.safetensors", "optimizer.safetensors"):
-            checkpoint.verify_file(directory, name, manifest["files"][name])
+    def __init__(self, directory):
         self.params, _ = load_file(os.path.join(directory, "model.safetensors"))
         self.opt, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
 
@@ -178,55 +199,45 @@ class ShardReader:
 
 def reader_for(directory, manifest, verified=False):
     return (ShardReader(directory, manifest, verified) if "zero" in manifest
-            else PlainReader(directory, manifest))
+            else PlainReader(directory))
 
 
-def _read_state(directory):
-    with open(os.path.join(directory, "state.json")) as f:
-        return json.load(f)
+# ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
 
-
-# ---- load into one process (or DDP): whole arrays ---------------------------------------------
-
-def load_whole(directory, manifest, model, optimizer=None):
-    """A sharded checkpoint into a whole model and a per-parameter optimizer (called by
-    checkpoint.load_checkpoint, which has verified every file). Returns state.json."""
-    state = _read_state(directory)
-    checkpoint._check_config(directory, state, model)
+def read_whole(directory, manifest):
+    """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards of a folder
+    checkpoint.verify has checked."""
     reader = ShardReader(directory, manifest, verified=True)
-    try:
-        params = {n: reader.get(n) for n, _ in model.named_parameters()}
-        model.load_state_dict(params)
-        if optimizer is not None:
-            arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
-            checkpoint._load_optimizer(directory, state, optimizer,
-                                       {k: a for k, a in arrays.items() if a is not None})
-    except (KeyError, ValueError, SafetensorsError) as e:
-        raise CheckpointError(f"checkpoint {directory} does not fit this run: {e}") from None
-    return state
+    params = {n: reader.get(n) for n in reader.where}
+    arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
+    return params, {k: a for k, a in arrays.items() if a is not None}
 
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------
 
 def load_sharded(directory, model, optimizer, group):
     """Collective over `group`: this rank's shards (parameters, m, v, masters) from a checkpoint
-    written at any world size and stage, or by one process. Every rank checks what it reads;
-    all agree before any shard changes (a failure anywhere raises on every rank)."""
-    err, new = None, None
+    written at any world size and stage, or by one process (`directory`: a checkpoint folder,
+    or a --save directory). Every rank checks what it reads; all agree before any shard
+    changes (a failure anywhere raises on every rank). Returns state.json's record."""
+    err, new, record = None, None, None
     try:
-        manifest = checkpoint.verify_checkpoint(directory, checksums=False)
-        state = _read_state(directory)
-        checkpoint._check_config(directory, state, model)
-        _check_optimizer(directory, state, optimizer)
-        reader = reader_for(directory, manifest)
+        folder = dirs.resolve(directory)
+        manifest = checkpoint.verify(folder, shard_checksums=False)   # shards: when read
+        record = checkpoint.read_record(folder)
+        meta = {**record, "optimizer": record["optimizer"]["type"]}
+        checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
+                              optimizer_type(optimizer))
+        _check_groups(folder, record, optimizer)
+        reader = reader_for(folder, manifest)
         units = optimizer.engine.units
-        keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].name]]
-        new = {(u.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
+        keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
+        new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
     except _ERRORS as e:
         err = str(e)
     _agree(directory, group.comm.allgather(err))
-    _assign(new, state, optimizer)
-    return state
+    _assign(new, record, optimizer)
+    return {**record, "folder": folder}
 
 
 def _agree(directory, verdicts):
@@ -241,30 +252,27 @@ def _agree(directory, verdicts):
             f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in found.items()))
 
 
-def _check_optimizer(directory, state, optimizer):
-    want = "MasterWeightOptimizer" if optimizer.amp is not None else "AdamW"
-    saved = state["optimizer"]
-    if saved["type"] != want:
-        raise CheckpointError(f"{directory}: optimizer {saved['type']} in the checkpoint, "
-                              f"{want} here (--amp must match)")
-    if len(saved["groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"{directory}: {len(saved['groups'])} optimizer groups in the "
+def _check_groups(directory, record, optimizer):
+    saved = record["optimizer"]["groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"{directory}: {len(saved)} optimizer groups in the "
                               f"checkpoint, {len(optimizer.param_groups)} here")
 
 
 def _cut(reader, u, key, optimizer):
     """This rank's flat[lo:hi) of unit u for `key`, on the host; zeros where the checkpoint
     holds no optimizer state yet (saved before the first step)."""
-    like = u.param_shard if key == "param" else optimizer.state[u.name][key]
-    out = np.zeros(u.shard_size, like.dtype)
-    for i, start, stop in u.pieces():
-        whole = reader.get(u.names[i], key)
+    like = u.param_shard if key == "param" else optimizer.state[u.flat.name][key]
+    f = u.flat                                      # the layout (minidist/zero/flat.py)
+    out = np.zeros(f.shard_size, like.dtype)
+    for i, start, stop in f.pieces():
+        whole = reader.get(f.names[i], key)
         if whole is None:
             continue
-        if tuple(whole.shape) != u.shapes[i]:
-            raise CheckpointError(f"{u.names[i]}: shape {tuple(whole.shape)} in the checkpoint, "
-                                  f"{u.shapes[i]} here")
-        at = u.offsets[i] - u.lo
+        if tuple(whole.shape) != f.shapes[i]:
+            raise CheckpointError(f"{f.names[i]}: shape {tuple(whole.shape)} in the checkpoint, "
+                                  f"{f.shapes[i]} here")
+        at = f.offsets[i] - f.lo
         out[at + start:at + stop] = whole.reshape(-1)[start:stop]
     return out
 
@@ -281,7 +289,7 @@ def _assign(new, state, optimizer):
         optimizer.amp.scaler.load_state_dict(saved["scalars"][SCALER_KEY])
     xp = backend.xp_of(optimizer.engine.units[0].param_shard)
     for (unit, key), host in new.items():
-        u = next(u for u in optimizer.engine.units if u.name == unit)
+        u = next(u for u in optimizer.engine.units if u.flat.name == unit)
         target = u.param_shard if key == "param" else optimizer.state[unit][key]
         target[...] = backend.to_device(host, xp)
     optimizer.engine.after_step()      # stages 1, 2: all-gather; stage 3: drop stale copies

@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from minidist.comm import ProcessGroup, install_abort_handler
 from minidist.train.checkpoint import CheckpointError
+from minidist.train.checkpoint_dirs import resolve
 from minidist.train.step import train_step
 from minidist.zero.checkpoint import shard_name
 from minidist.zero.strategy import ZeroDataParallel
@@ -45,7 +46,7 @@ def step(strategy, model, opt, k):
 
 
 def shards(strategy):
-    return {u.name: u.param_shard.copy() for u in strategy.engine.units}
+    return {u.flat.name: u.param_shard.copy() for u in strategy.engine.units}
 
 
 def expect_error(comm, strategy, model, opt, directory, needle):
@@ -82,11 +83,12 @@ def save_side(cli, comm):
 
 def broken_copies(cli, comm, strategy, model, opt):
     n = comm.size
-    if comm.rank == 0:
+    if comm.rank == 0:          # copies of the checkpoint folders (not the --save dirs)
+        ckpt, other = (resolve(os.path.join(cli.save, k)) for k in ("ckpt", "other"))
         for kind in ("missing", "mismatch"):
-            shutil.copytree(os.path.join(cli.save, "ckpt"), os.path.join(cli.save, kind))
+            shutil.copytree(ckpt, os.path.join(cli.save, kind))
         os.remove(os.path.join(cli.save, "missing", shard_name(2, n)))
-        shutil.copy(os.path.join(cli.save, "other", shard_name(1, n)),
+        shutil.copy(os.path.join(other, shard_name(1, n)),
                     os.path.join(cli.save, "mismatch", shard_name(1, n)))
     comm.barrier()
     return {kind: expect_error(comm, strategy, model, opt, os.path.join(cli.save, kind),

@@ -1,0 +1,79 @@
+"""What another strategy needs of a tensor-parallel model, as functions of (model, group, ...):
+the pipeline's stages and the TensorParallel strategy both call them.
+
+    sum_sq_over_tp(model, group, local, replicated, amp)   the global sum of squared gradients
+                        from this rank's: split parameters' squares summed over the tp group,
+                        replicated ones (the same on every tp rank) counted once
+    unscaled_sum_sq(grads, amp)       a local sum of squares as the optimizer measures it
+                                      (float32, unscaled under float16 --amp)
+    replicated_grads(model)           the replicated parameters' gradients
+    gather_optimizer_state(model, group, sd)   an optimizer state_dict with each split
+                        parameter's arrays (exp_avg, ...) gathered over tp into whole ones
+    shard_optimizer_state(model, group, sd)    the inverse: this rank's shards of them
+A parameter is split when its `tp_split` (minidist/tp/layers.py) is set.
+Tests: tests/test_tensor_parallel.py (tests/scripts/tp_check.py: clipping, --save), and
+tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
+"""
+import numpy as np
+
+from minidist.backend import xp_of
+from minidist.optim.clip import local_sum_sq
+
+
+def unscaled_sum_sq(grads, amp=None):
+    """Sum of squares of `grads` (None skipped) as the optimizer's clip measures them: under
+    float16 --amp unscaled in float32, as the master gradients will be."""
+    grads = [g for g in grads if g is not None]
+    if amp is None:
+        return local_sum_sq(grads)
+    inv = 1.0 / amp.scaler.scale
+    return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
+
+
+def replicated_grads(model):
+    """Gradients of the parameters every tp rank holds whole (layer norms, biases of row-
+    parallel layers, position embeddings)."""
+    return [p.grad for p in model.parameters() if p.tp_split is None and p.grad is not None]
+
+
+def sum_sq_over_tp(model, group, local, replicated, amp=None):
+    """The sum of squares over the tp `group` from this rank's `local` one, in which the
+    arrays `replicated` (equal on every tp rank) are counted: the rest summed over the
+    group, those added once. Collective over `group`."""
+    rep = unscaled_sum_sq(replicated, amp)
+    buf = xp_of(model.parameters()[0].data).asarray([local - rep], dtype="float64")
+    group.all_reduce(buf)
+    return float(buf[0]) + rep
+
+
+def _split_params(model):
+    return [(n, p) for n, p in model.named_parameters() if p.tp_split is not None]
+
+
+def gather_optimizer_state(model, group, sd):
+    """Optimizer state_dict `sd` with every split parameter's arrays gathered over `group`
+    into whole (host) arrays. Collective, in model order on every rank."""
+    sd = {"groups": sd["groups"], "state": dict(sd["state"])}
+    for name, p in _split_params(model):
+        entry = dict(sd["state"].get(name, {}))
+        for key in sorted(entry):
+            v = entry[key]
+            if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape):
+                buf = np.empty((group.size,) + v.shape, v.dtype)
+                group.all_gather(buf, np.ascontiguousarray(v))
+                entry[key] = p.tp_split.unshard(list(buf))
+        sd["state"][name] = entry
+    return sd
+
+
+def shard_optimizer_state(model, group, sd):
+    """This rank's shards of a whole optimizer state_dict (arrays of split parameters cut as
+    the parameters are; the rest as is)."""
+    sd = {"groups": sd["groups"], "state": dict(sd["state"])}
+    for name, p in _split_params(model):
+        entry = dict(sd["state"].get(name, {}))
+        for key, v in entry.items():
+            if hasattr(v, "shape") and v.ndim == p.ndim and tuple(v.shape) != p.shape:
+                entry[key] = p.tp_split.shard(v, group.size, group.rank)
+        sd["state"][name] = entry
+    return sd

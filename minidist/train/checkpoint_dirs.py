@@ -1,0 +1,161 @@
+"""Checkpoint folders under a --save directory: at every instant it holds a complete
+checkpoint that --resume finds.
+
+    DIR/step-00000040/        complete checkpoints (the files: minidist/train/checkpoint.py),
+    DIR/step-00000050/        each renamed into place only once every file in it is fsynced
+    DIR/latest                "step-00000050": the newest, replaced atomically (a temporary
+                              file, fsync, os.replace, fsync of DIR)
+    DIR/.tmp-<pid>-<random>/  a save in progress, or one killed mid-way (the next save
+                              removes it, and any .old-* an older minidist left)
+
+A save: begin(DIR) makes the temporary folder (mode from the user's umask, not mkdtemp's
+0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
+(step-<step>, or step-<step>.<n> when that step was saved before), fsyncs DIR and points
+`latest` at it. prune(DIR, keep) then removes all but the newest `keep` folders, never the
+one `latest` names. A kill at any point leaves the old pointer and its folder, or the new.
+
+resolve(path) finds the checkpoint to read: `path` itself when it is one (manifest.json), else
+the folder `latest` names, else the newest numbered folder (a save killed between its rename
+and the pointer). resume_dir(resume, save) is --resume, "auto" included: --save's newest
+checkpoint if it holds one, else None (start fresh), so a requeued job reruns one command.
+Tests: tests/test_checkpoint.py.
+"""
+import os
+import re
+import secrets
+import shutil
+
+LATEST = "latest"
+_NUMBERED = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+_OURS = re.compile(r"^(latest|\.latest\.tmp-.*|\.tmp-.*|\..*\.(tmp|old)-.*|\.old-.*)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
+
+
+def fsync_dir(directory):
+    """Make renames and new entries in `directory` durable (POSIX: fsync the directory)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def numbered(directory):
+    """The numbered checkpoint folders in `directory`, oldest first (by step, then n)."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        m = _NUMBERED.match(name)
+        if m and os.path.isdir(os.path.join(directory, name)):
+            found.append(((int(m.group(1)), int(m.group(2) or 0)), name))
+    return [name for _, name in sorted(found)]
+
+
+def read_latest(directory):
+    """The folder name `latest` holds, or None without one."""
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    if not _NUMBERED.match(name):
+        raise CheckpointError(f"{path}: {name!r} is not a checkpoint folder name (edited?); "
+                              f"write one of {numbered(directory)[-3:]} into it")
+    return name
+
+
+def has_checkpoint(directory):
+    return os.path.isdir(directory) and (
+        os.path.isfile(os.path.join(directory, "manifest.json"))
+        or read_latest(directory) is not None or bool(numbered(directory)))
+
+
+def resolve(path):
+    """The checkpoint folder to read for `path`: a checkpoint, or a --save directory."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: no such checkpoint directory")
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    name = read_latest(path)
+    if name is not None:
+        if not os.path.isdir(os.path.join(path, name)):
+            raise CheckpointError(f"--resume {path}: {LATEST} names {name}, which is missing; "
+                                  f"resume from one of {numbered(path)[-3:]} by its path")
+        return os.path.join(path, name)
+    folders = numbered(path)
+    return os.path.join(path, folders[-1]) if folders else path
+
+
+def resume_dir(resume, save):
+    """The checkpoint folder --resume asks for, or None to start fresh. "auto": --save's
+    newest checkpoint if it holds one (a requeued job runs the same command every time)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        if save is None:
+            raise CheckpointError("--resume auto resumes from the --save directory: give "
+                                  "--save DIR too")
+        return resolve(save) if has_checkpoint(save) else None
+    return resolve(resume)
+
+
+def begin(directory):
+    """A new empty folder in `directory` (created if needed) to write a checkpoint into,
+    after removing the temporaries of saves that were killed. Refuses a directory that holds
+    anything else than checkpoints."""
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, "manifest.json")):
+        raise CheckpointError(f"--save {directory}: this is one checkpoint (the older layout); "
+                              f"--save into a new directory (--resume {directory} still reads "
+                              "it)")
+    os.makedirs(directory, exist_ok=True)
+    strangers = [n for n in os.listdir(directory) if not (_OURS.match(n) or _NUMBERED.match(n))]
+    if strangers:
+        raise CheckpointError(f"--save {directory}: holds {sorted(strangers)[:3]}, which are "
+                              "not minidist checkpoints; --save into an empty or new directory")
+    for name in os.listdir(directory):
+        if name != LATEST and _OURS.match(name):
+            path = os.path.join(directory, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(tmp)                       # 0777 & ~umask, as any folder the user makes
+    return tmp
+
+
+def commit(tmp, directory, step):
+    """Rename the complete checkpoint `tmp` to the next numbered folder of `directory` and
+    point `latest` at it; returns its path."""
+    name = f"step-{int(step):08d}"
+    taken, n = set(os.listdir(directory)), 0
+    while (name if n == 0 else f"{name}.{n}") in taken:
+        n += 1
+    name = name if n == 0 else f"{name}.{n}"
+    os.rename(tmp, os.path.join(directory, name))
+    fsync_dir(directory)
+    pointer = os.path.join(directory, f".latest.tmp-{os.getpid()}")
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(directory, LATEST))
+    fsync_dir(directory)
+    return os.path.join(directory, name)
+
+
+def prune(directory, keep):
+    """Remove all but the newest `keep` numbered folders (0: keep all); the one `latest`
+    names always stays. Returns the names removed."""
+    if not keep or not os.path.isdir(directory):
+        return []
+    latest = read_latest(directory)
+    others = [n for n in numbered(directory) if n != latest]
+    stay = keep - 1 if latest is not None else keep
+    gone = others[:max(len(others) - stay, 0)]
+    for name in gone:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    if gone:
+        fsync_dir(directory)
+    return gone
