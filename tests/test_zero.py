@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT
+from minidist.nn.gpt import BlockHooks
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.train import memory
 from minidist.train.checkpoint import CheckpointError, load_checkpoint
@@ -186,3 +187,86 @@ def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path):
     resumed = [json.loads(line) for line in open(c)][:-1]
     assert [r["step"] for r in resumed] == [2, 3]
     assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in resumed)
+
+
+# ---- ZeRO-3 through the model's block hooks (in process, one-rank groups) -----------------
+
+class Recorder(BlockHooks):
+    """Block hooks that write down each call, in the order the model makes them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def before_root(self):
+        self.calls.append("root")
+
+    def before_block(self, i):
+        self.calls.append(f"before {i}")
+
+    def after_block(self, i, y):
+        self.calls.append(f"after {i}")
+        return y
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_gpt_calls_its_block_hooks_around_each_block(ckpt):
+    model = GPT(CONFIG, seed=0, dtype="float64").set_checkpointing(ckpt)
+    x = batch(0, 2)[0]
+    plain = float(model(x)[0].data.sum())
+    hooks = Recorder()
+    model.set_block_hooks(hooks)
+    assert float(model(x)[0].data.sum()) == plain
+    blocks = [f"{k} {i}" for i in range(CONFIG.n_layer) for k in ("before", "after")]
+    assert hooks.calls == ["root"] + blocks + ["root"]               # embed, blocks, head
+    assert type(model.set_block_hooks(None).block_hooks) is BlockHooks
+
+
+def one_rank(name):
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    return ProcessGroup(MPI.COMM_SELF, name=name)
+
+
+def zero3_models():
+    """(name, model builder) for each model class ZeRO-3 wraps: GPT, the tensor-parallel GPT
+    and a pipeline stage holding every block (tp and pp groups of one rank)."""
+    from minidist.pp.stage import GPTStage
+    from minidist.tp.model import TensorParallelGPT
+    return [("gpt", lambda: GPT(CONFIG, SEED, "float64")),
+            ("tp", lambda: TensorParallelGPT(CONFIG, one_rank("tp"), SEED, "float64")),
+            ("pp", lambda: GPTStage(CONFIG, one_rank("pp"), range(CONFIG.n_layer), SEED,
+                                    "float64"))]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "tp", "pp"])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_zero3_gathers_in_block_hooks_and_matches_the_plain_model(kind, ckpt):
+    """ZeRO-3 on a one-rank group: the engine is the model's block hooks and no method of the
+    model or its blocks is replaced; outside a gather the parameters are NaN placeholders;
+    loss, gradient shards and samples equal the unsharded model's bit for bit (the backward
+    re-gathers block 0 after block 2 took its buffer, or its gradients would be wrong)."""
+    from minidist.zero.zero import zero_engine
+    build = dict(zero3_models())[kind]
+    ref, model = build().set_checkpointing(ckpt), build().set_checkpointing(ckpt)
+    engine = zero_engine(model, one_rank("dp"), 3)
+    assert model.block_hooks is engine
+    for m in [model] + list(model.transformer.h):
+        assert not {"forward", "embed", "head"} & set(vars(m)), type(m)
+    assert all(np.isnan(p.data).all() for p in model.parameters())
+    x, y = batch(0, 4)
+
+    def loss_of(m):
+        return m.stage_forward(None, x, y) if kind == "pp" else m(x, y)[1]
+
+    want, got = loss_of(ref), loss_of(model)
+    assert float(got.data) == float(want.data)
+    want.backward()
+    got.backward()
+    engine.sync_grads()
+    grads = dict(ref.named_parameters())
+    for u in engine.units:
+        expected = u.flat.flatten([grads[n].grad for n in u.flat.names])
+        assert np.array_equal(u.grad_shard, expected), u.flat.name
+    engine.free()
+    assert all(np.isnan(p.data).all() for p in model.parameters())
+    assert np.array_equal(model.generate(x[:, :2], 3, seed=1), ref.generate(x[:, :2], 3, seed=1))

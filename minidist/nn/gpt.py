@@ -12,6 +12,9 @@ Contracts other layers build on:
     `GPT(config, seed, dtype)` is built from it and moved to the current device.
   - `forward` is three separate pieces, `embed` -> `run_blocks` -> `head`, so a pipeline
     stage can run only its own.
+  - Block hooks (`set_block_hooks`): run_blocks calls `before_block(i)` and `after_block(i, y)`
+    around block i, embed and head call `before_root()`. By default they do nothing (`BlockHooks`);
+    ZeRO-3 (minidist/zero/zero.py) gathers the sharded parameters there.
   - The token embedding is one Parameter used twice (lookup and output head); both gradient
     contributions accumulate into its `.grad`.
 Save/load in GPT-2's Hugging Face format: minidist/nn/pretrained.py.
@@ -174,6 +177,21 @@ class Block(Module):
         return x + self.mlp(self.ln_2(x))                          # (B, T, C)
 
 
+class BlockHooks:
+    """What GPT's forward calls around its blocks; these do nothing. ZeRO-3's engine
+    (ZeroStage3, minidist/zero/zero.py) has the same three methods and gathers there."""
+
+    def before_root(self):
+        """Before embed and head: the parameters outside the blocks are needed."""
+
+    def before_block(self, i):
+        """Before block i (counted from 0 in transformer.h) runs."""
+
+    def after_block(self, i, y):
+        """Block i's output y -> what the next block gets (y itself here)."""
+        return y
+
+
 class GPT(Module):
 
     def __init__(self, config, seed=0, dtype="float32"):
@@ -189,6 +207,13 @@ class GPT(Module):
         self.load_state_dict(gpt_init(config, seed, dtype=dtype))
         self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
         self.checkpointing = False
+        self.block_hooks = BlockHooks()
+
+    def set_block_hooks(self, hooks):
+        """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)
+        are called by embed, head and run_blocks from now on; None: no hooks."""
+        self.block_hooks = BlockHooks() if hooks is None else hooks
+        return self
 
     def set_checkpointing(self, on=True):
         """Activation checkpointing (--ckpt-activations): each block keeps only its input and
@@ -214,22 +239,27 @@ class GPT(Module):
     def embed(self, idx):
         """Token plus position embedding: idx (B, T) -> (B, T, C)."""
         idx = self._check_idx(idx)
+        self.block_hooks.before_root()                             # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
         pos = backend.xp_of(idx).arange(T)                         # (T,)
         tok = self.transformer.wte(idx)                            # (B, T, C)
         return self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
 
-    def run_blocks(self, x, blocks=None):
-        """x (B, T, C) through `blocks` (default: all of them) -> (B, T, C)."""
+    def run_blocks(self, x):
+        """x (B, T, C) through every block -> (B, T, C), the block hooks around each."""
         recompute = self.checkpointing and is_grad_enabled()
-        for block in (self.transformer.h if blocks is None else blocks):
+        hooks = self.block_hooks
+        for i, block in enumerate(self.transformer.h):
+            hooks.before_block(i)                                  # ZeRO-3: gather block i
             x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
-                else block(x)
+                else block(x)                                      # (B, T, C)
+            x = hooks.after_block(i, x)            # ZeRO-3: re-gather block i in backward
         return x
 
     def head(self, x, targets=None):
         """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V),
         and the loss if targets are given."""
+        self.block_hooks.before_root()                             # ZeRO-3: gather ln_f, wte
         x = self.transformer.ln_f(x)                               # (B, T, C)
         B, T, C = x.shape
         w_t = self.transformer.wte.weight.T                        # (C, V), wte reused

@@ -24,7 +24,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
-from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, gpt_init
+from minidist.nn.gpt import GPT, Block, BlockHooks, _DROPOUT_STREAM, _sample, gpt_init
 from minidist.nn.layers import Dropout, Embedding, LayerNorm
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.pp.schedule import StageLink
@@ -68,6 +68,7 @@ class PipelineStage:
         self.link = StageLink(pp_group)
         self.first, self.last, self.layers = self.link.first, self.link.last, layers
         self.checkpointing = False
+        self.block_hooks = BlockHooks()          # GPT.set_block_hooks (ZeRO-3)
 
     def stage_dropout_rng(self, seed):
         """A dropout stream per stage (masks therefore differ from one process's)."""

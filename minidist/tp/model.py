@@ -22,7 +22,8 @@ Tests: tests/test_tensor_parallel.py (exactness against one process, memory 1/tp
 import numpy as np
 
 from minidist import backend
-from minidist.nn.gpt import GPT, MLP, Block, CausalSelfAttention, _DROPOUT_STREAM, gpt_init
+from minidist.nn.gpt import (GPT, MLP, Block, BlockHooks, CausalSelfAttention,
+                             _DROPOUT_STREAM, gpt_init)
 from minidist.autograd import ops
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
@@ -105,6 +106,7 @@ class TensorParallelGPT(GPT):
             self.load_full_state_dict(gpt_init(config, seed, names={name}, dtype=dtype))
         self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
         self.checkpointing = False
+        self.block_hooks = BlockHooks()                  # GPT.set_block_hooks (ZeRO-3)
 
     def set_dropout_rng(self, rng):
         """One generator for every Dropout, as in GPT; masks on split tensors are slices of
@@ -124,6 +126,7 @@ class TensorParallelGPT(GPT):
     def embed(self, idx):
         """idx (B, T) -> (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism."""
         idx = self._check_idx(idx)
+        self.block_hooks.before_root()                     # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
         self.region.begin(T)                               # sequence-parallel this forward?
         pos = backend.xp_of(idx).arange(T)                 # (T,)
@@ -137,6 +140,7 @@ class TensorParallelGPT(GPT):
     def head(self, x, targets=None):
         """ln_f, then f (or the sequence all-gather) and the tied, vocabulary-split output
         layer: logits (B, T, V/tp) and the vocabulary-parallel loss."""
+        self.block_hooks.before_root()                     # ZeRO-3: gather ln_f, wte
         x = self.region.enter(self.transformer.ln_f(x))    # (B, T, C) on every rank
         B, T, C = x.shape
         wte = self.transformer.wte

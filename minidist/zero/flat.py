@@ -41,7 +41,8 @@ def placeholder(shape, like):
 
 class FlatUnit:
     """The layout of `named_params` in one flat buffer padded to a multiple of `world`, and
-    this rank's shard bounds [lo, hi). Holds no data itself except what ZeRO attaches."""
+    this rank's shard bounds [lo, hi). Holds no data: the engine keeps its arrays for the
+    unit in a ZeroUnit (minidist/zero/zero.py); the parameters' .data point where it says."""
 
     def __init__(self, name, named_params, world, rank, module=None):
         self.name, self.module, self.world, self.rank = name, module, world, rank

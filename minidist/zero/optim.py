@@ -39,23 +39,24 @@ class ShardedAdamW:
                  amp=None):
         self.engine, self.amp, self.weight_decay = engine, amp, weight_decay
         hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
-        kinds = {d for u in engine.units for d in u.decay}     # AdamW's default split
+        kinds = {d for u in engine.units for d in u.flat.decay}    # AdamW's default split
         self.param_groups = [{**hyper, "weight_decay": wd} for want, wd in
                              ((True, weight_decay), (False, 0.0)) if want in kinds]
         self.steps = 0                    # updates taken (AdamW's per-parameter "step")
-        self.state = {u.name: self._new_state(u) for u in engine.units}
+        self.state = {u.flat.name: self._new_state(u) for u in engine.units}
         if amp is not None:
             amp.masters.clear()           # the full float32 copies: only shards are kept
         self._factor, self._found_inf, self._scratch = None, False, {}
 
     def _new_state(self, u):
-        xp = xp_of(u.param_shard)
-        dtype = np.float32 if self.amp is not None else u.dtype
-        state = {"exp_avg": xp.zeros(u.shard_size, dtype),
-                 "exp_avg_sq": xp.zeros(u.shard_size, dtype)}
+        """m and v (and the float32 master shard under amp) for unit u's [lo, hi)."""
+        xp, f = xp_of(u.param_shard), u.flat
+        dtype = np.float32 if self.amp is not None else f.dtype
+        state = {"exp_avg": xp.zeros(f.shard_size, dtype),
+                 "exp_avg_sq": xp.zeros(f.shard_size, dtype)}
         if self.amp is not None:
-            masters = [self.amp.masters[n] for n in u.names]
-            state["master"] = u.flatten(masters, dtype=np.float32)[u.lo:u.hi].copy()
+            masters = [self.amp.masters[n] for n in f.names]
+            state["master"] = f.flatten(masters, dtype=np.float32)[f.lo:f.hi].copy()
         return state
 
     def set_lr(self, lr):
@@ -85,9 +86,9 @@ class ShardedAdamW:
 
     def _unscaled(self, u, factor):
         """float32(grad shard) * factor, in a scratch buffer per shard size."""
-        key = (u.shard_size, type(u.grad_shard).__module__)
+        key = (u.flat.shard_size, type(u.grad_shard).__module__)
         if key not in self._scratch:
-            self._scratch[key] = xp_of(u.grad_shard).empty(u.shard_size, np.float32)
+            self._scratch[key] = xp_of(u.grad_shard).empty(u.flat.shard_size, np.float32)
         buf = self._scratch[key]
         buf[...] = u.grad_shard
         buf *= factor
@@ -111,12 +112,12 @@ class ShardedAdamW:
         return True
 
     def _update(self, u):
-        s, group = self.state[u.name], self.param_groups[0]
+        s, group = self.state[u.flat.name], self.param_groups[0]
         lr, (beta1, beta2) = group["lr"], group["betas"]
         target = s["master"] if self.amp is not None else u.param_shard
         grad = self._unscaled(u, self._factor) if self.amp is not None else u.grad_shard
         if self.weight_decay:
-            for a, b in u.decay_ranges():          # decoupled decay, decayed params only
+            for a, b in u.flat.decay_ranges():     # decoupled decay, decayed params only
                 target[a:b] *= 1.0 - lr * self.weight_decay
         adamw_update(target, grad, s["exp_avg"], s["exp_avg_sq"], self.steps, lr, beta1,
                      beta2, group["eps"], 0.0, scratch=self._adam_scratch(target))
@@ -143,6 +144,7 @@ class ShardedAdamW:
         """"<unit>/<key>" -> this rank's shard, key param, exp_avg, exp_avg_sq (master)."""
         out = {}
         for u in self.engine.units:
-            out[f"{u.name}/param"] = u.param_shard
-            out.update((f"{u.name}/{k}", v) for k, v in self.state[u.name].items())
+            name = u.flat.name
+            out[f"{name}/param"] = u.param_shard
+            out.update((f"{name}/{k}", v) for k, v in self.state[name].items())
         return out

@@ -12,7 +12,9 @@ one before; what every rank holds, with N ranks:
 
 Everything works on FlatUnits (minidist/zero/flat.py): the root (wte = the tied head, wpe,
 ln_f) and one unit per block, each one flat buffer padded to a multiple of N, rank r owning
-flat[lo:hi) = [r*S, (r+1)*S). The optimizer (zero_optim.py) runs AdamW on those shards.
+flat[lo:hi) = [r*S, (r+1)*S). The engine keeps what it holds for each in a ZeroUnit (the
+layout and its shards, buffers, hook count, gather slot). The optimizer (optim.py) runs
+AdamW on those shards.
 
 Stage 1, one step:
     backward        grads accumulate in each unit's full flat gradient buffer (param.grad is a
@@ -38,6 +40,9 @@ Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shar
     ends). A unit still in its buffer is not gathered again (the last two blocks, at the turn
     from forward to backward). After the optimizer step every gathered copy is stale: all are
     freed, and parameters point at NaN placeholders until the next gather.
+    Where it happens: the engine is the model's block hooks (GPT.set_block_hooks); GPT's
+    run_blocks calls before_block(i) (gather, prefetch) and after_block(i, y) (BeforeBackward)
+    around block i, its embed and head call before_root(). No method is replaced.
 
 Bytes each rank sends per step (ring, Psi = padded parameter bytes): DDP 2(N-1)/N Psi; stages
 1, 2 reduce-scatter + all-gather, the same; stage 3, 3(N-1)/N Psi in the paper (1.5x), here
@@ -48,39 +53,65 @@ Tests: tests/test_zero.py, tests/scripts/zero_check.py (4 ranks == 1 process in 
 each stage, memory and communication against theory).
 """
 import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 from minidist.autograd import is_grad_enabled
 from minidist.autograd.function import Function
 from minidist.backend import to_host, xp_of
-from minidist.zero.flat import gpt_units
+from minidist.zero.flat import FlatUnit, gpt_units
 
 
 def zero_engine(model, group, stage, units=None, prefetch=True):
     """Shard `model` over `group` (its dp ProcessGroup) at ZeRO `stage` 1, 2 or 3. `units`
-    defaults to gpt_units(model): the root and one unit per block."""
+    (FlatUnits) defaults to gpt_units(model): the root and one unit per block. Stage 3 sets
+    itself as the model's block hooks (GPT.set_block_hooks): the model calls its gathers."""
     units = units if units is not None else gpt_units(model, group.size, group.rank)
     if stage == 3:
         return ZeroStage3(model, group, units, prefetch)
     return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units)
 
 
+@dataclass(eq=False)
+class ZeroUnit:
+    """What the engine holds for one unit: `flat`, the layout (FlatUnit: names, shapes,
+    offsets, padding, this rank's [lo, hi)), and the arrays, each a padded flat buffer or
+    this rank's S-element slice [lo, hi) of one:
+
+        param_shard   the parameters' [lo, hi): what AdamW updates in place. Stages 1, 2: a
+                      view into `full`; stage 3: the only copy of the parameters kept
+        full          stages 1, 2: all the parameters (each parameter's .data is a view)
+        grad_shard    the averaged gradient's [lo, hi). Stage 1: a view into grad_full
+        grad_full     stage 1: every gradient (each parameter's .grad is one of grad_views)
+        ready         stages 2, 3: parameters whose gradient this backward has completed
+        slot          stage 3: the GatherBuffer this unit's parameters are gathered into
+    """
+    flat: FlatUnit
+    param_shard: Any
+    full: Any = None
+    grad_shard: Any = None
+    grad_full: Any = None
+    grad_views: list = field(default_factory=list)
+    ready: int = 0
+    slot: Any = None
+
+
 class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
     stage = 1
 
-    def __init__(self, model, group, units):
-        self.module, self.group, self.units = model, group, units
+    def __init__(self, model, group, flats):
+        self.module, self.group = model, group
         self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
-        self._init_params()
+        self.units = [self._shard_params(f) for f in flats]
         self._init_grads()
 
     # ---- parameters: one full flat buffer per unit; model parameters are views into it -----
-    def _init_params(self):
-        for u in self.units:
-            u.full = u.flatten()
-            self.group.broadcast(u.full, 0)          # every rank starts from rank 0's model
-            u.point_params_at(u.full)
-            u.param_shard = u.full[u.lo:u.hi]        # a view: AdamW updates it in place
+    def _shard_params(self, flat):
+        full = flat.flatten()
+        self.group.broadcast(full, 0)                # every rank starts from rank 0's model
+        flat.point_params_at(full)
+        return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi], full=full)   # a view
 
     def after_step(self):
         """The updated shards to every rank: all_gather in place, unit by unit."""
@@ -93,21 +124,21 @@ class ZeroStage1:
     # ---- gradients: full flat buffers, reduce-scattered once after backward ---------------
     def _init_grads(self):
         for u in self.units:
-            u.grad_full = xp_of(u.full).zeros(u.padded, u.dtype)
-            u.grad_shard = u.grad_full[u.lo:u.hi]
-            u.grad_views = u.views(u.grad_full)
+            u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.dtype)
+            u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
+            u.grad_views = u.flat.views(u.grad_full)
         self.zero_grad()
 
     def zero_grad(self):
         for u in self.units:
             u.grad_full.fill(0)
-            for p, view in zip(u.params, u.grad_views):
+            for p, view in zip(u.flat.params, u.grad_views):
                 p.grad = view
 
     def sync_grads(self):
         """Rank r's shard of the gradient averaged over the group, into grad_full[lo:hi]."""
         for u in self.units:
-            for p, view in zip(u.params, u.grad_views):   # a .grad someone replaced: copy in
+            for p, view in zip(u.flat.params, u.grad_views):   # a .grad someone replaced
                 if p.grad is not view:
                     view[...] = 0 if p.grad is None else p.grad
                     p.grad = view
@@ -122,9 +153,10 @@ class ZeroStage1:
         """name -> host array of every full parameter, on rank `root` ({} elsewhere)."""
         out = {}
         for u in self.units:
-            flat = self._full_params(u)
+            full = self._full_params(u)
             if self.group.rank == root:
-                out.update((n, to_host(v).copy()) for n, v in zip(u.names, u.views(flat)))
+                out.update((n, to_host(v).copy())
+                           for n, v in zip(u.flat.names, u.flat.views(full)))
         order = [n for n, _ in self.module.named_parameters()]
         return {n: out[n] for n in order if n in out}
 
@@ -139,52 +171,52 @@ class ZeroStage2(ZeroStage1):
 
     def _init_grads(self):
         for u in self.units:
-            u.grad_shard = xp_of(u.param_shard).zeros(u.shard_size, u.dtype)
-            u.ready = 0              # parameters of u whose gradient is complete
+            u.grad_shard = xp_of(u.param_shard).zeros(u.flat.shard_size, u.flat.dtype)
         self._inflight = []          # (unit, flat buffer, Work), oldest first
         self._hooks = [p.register_grad_hook(functools.partial(self._grad_ready, u))
-                       for u in self.units for p in u.params]
+                       for u in self.units for p in u.flat.params]
 
     def zero_grad(self):
         for u in self.units:
             u.grad_shard.fill(0)
-            for p in u.params:
+            for p in u.flat.params:
                 p.grad = None
 
     def _grad_ready(self, u, p):
         """Autograd hook: p's gradient for this backward is complete."""
         u.ready += 1
-        if u.ready == len(u.params):
+        if u.ready == len(u.flat.params):
             self._reduce_scatter(u)
 
     def _reduce_scatter(self, u):
         """Copy u's gradients into a padded flat buffer, drop them, start the reduce-scatter:
         this rank receives buffer[lo:hi] averaged over the group."""
-        flat = u.flatten([p.grad for p in u.params], dtype=u.dtype)
-        for p in u.params:
+        f = u.flat
+        buf = f.flatten([p.grad for p in f.params], dtype=f.dtype)
+        for p in f.params:
             p.grad = None
         u.ready = 0
-        work = self.group.reduce_scatter(flat[u.lo:u.hi], flat, op="avg", async_op=True)
-        self._inflight.append((u, flat, work))
+        work = self.group.reduce_scatter(buf[f.lo:f.hi], buf, op="avg", async_op=True)
+        self._inflight.append((u, buf, work))
         self._note_transient()
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
     def _finish_oldest(self):
-        u, flat, work = self._inflight.pop(0)
+        u, buf, work = self._inflight.pop(0)
         work.wait()
-        u.grad_shard += flat[u.lo:u.hi]             # += : micro-batches accumulate
+        u.grad_shard += buf[u.flat.lo:u.flat.hi]      # += : micro-batches accumulate
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""
         for u in self.units:
-            if any(p.grad is not None for p in u.params):
+            if any(p.grad is not None for p in u.flat.params):
                 self._reduce_scatter(u)
         while self._inflight:
             self._finish_oldest()
 
     def _transient_bytes(self):
-        return sum(flat.nbytes for _, flat, _ in self._inflight)
+        return sum(buf.nbytes for _, buf, _ in self._inflight)
 
     def _note_transient(self):
         self.transient_peak = max(self.transient_peak, self._transient_bytes())
@@ -217,29 +249,30 @@ class BeforeBackward(Function):
 
 
 class ZeroStage3(ZeroStage2):
-    """+ parameters sharded: each unit gathered just in time into a shared gather buffer."""
+    """+ parameters sharded: each unit gathered just in time into a shared gather buffer. It
+    is the model's block hooks (before_root, before_block, after_block: GPT's forward calls
+    them, minidist/nn/gpt.py)."""
     stage = 3
 
-    def __init__(self, model, group, units, prefetch=True):
+    def __init__(self, model, group, flats, prefetch=True):
         self.prefetch = prefetch
-        super().__init__(model, group, units)
-
-    def _init_params(self):
-        for u in self.units:
-            flat = u.flatten()
-            self.group.broadcast(flat, 0)            # every rank starts from rank 0's model
-            u.param_shard = flat[u.lo:u.hi].copy()   # keep our slice, drop the rest
-            u.release_params()
-        self.blocks = [u for u in self.units if u.module is not None]
-        self.root = [u for u in self.units if u.module is None]
-        size = max((u.padded for u in self.blocks), default=0)
+        super().__init__(model, group, flats)
+        self.blocks = [u for u in self.units if u.flat.module is not None]
+        self.root = [u for u in self.units if u.flat.module is None]
+        size = max((u.flat.padded for u in self.blocks), default=0)
         self.buffers = [GatherBuffer(size) for _ in range(min(2, len(self.blocks)))]
         for i, u in enumerate(self.blocks):
             u.slot = self.buffers[i % 2]             # blocks 0, 2, 4.. | 1, 3, 5.. share one
         for u in self.root:
-            u.slot = GatherBuffer(u.padded)
+            u.slot = GatherBuffer(u.flat.padded)
             self.buffers.append(u.slot)
-        self._wrap(self.module)
+        model.set_block_hooks(self)
+
+    def _shard_params(self, flat):
+        full = flat.flatten()
+        self.group.broadcast(full, 0)                # every rank starts from rank 0's model
+        flat.release_params()
+        return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi].copy())   # drop the rest
 
     def gather(self, u, wait=True):
         """u's full parameters into its gather buffer (unless already there); with `wait`
@@ -248,14 +281,14 @@ class ZeroStage3(ZeroStage2):
         if slot.holder is not u:
             self._wait(slot)                         # a gather still writing this buffer
             if slot.holder is not None:
-                slot.holder.release_params()         # its views would read u's numbers
+                slot.holder.flat.release_params()    # its views would read u's numbers
             if slot.buffer is None:
-                slot.buffer = xp_of(u.param_shard).empty(slot.size, u.dtype)
+                slot.buffer = xp_of(u.param_shard).empty(slot.size, u.flat.dtype)
                 self._note_transient()
-            flat = slot.buffer[:u.padded]
-            slot.work = self.group.all_gather(flat, u.param_shard, async_op=True)
+            full = slot.buffer[:u.flat.padded]
+            slot.work = self.group.all_gather(full, u.param_shard, async_op=True)
             slot.holder = u
-            u.point_params_at(flat)
+            u.flat.point_params_at(full)
         if wait:
             self._wait(slot)
 
@@ -273,35 +306,26 @@ class ZeroStage3(ZeroStage2):
         for slot in self.buffers:
             self._wait(slot)
             if slot.holder is not None:
-                slot.holder.release_params()
+                slot.holder.flat.release_params()
             slot.holder = slot.buffer = None
 
-    # ---- the model's forward, wrapped: gather before a block, re-gather before its backward
-    def _wrap(self, model):
-        for i, u in enumerate(self.blocks):
-            u.module.forward = self._block_forward(i, u.module.forward)
-        for name in ("embed", "head") if hasattr(model, "embed") else ("forward",):
-            setattr(model, name, self._root_forward(getattr(model, name)))
+    # ---- the block hooks: GPT's embed, head and run_blocks call these ----------------------
+    def before_root(self):
+        """Before embed and head: the root (wte, wpe, ln_f), gathered once per step."""
+        for u in self.root:
+            self.gather(u)
 
-    def _root_forward(self, fn):
-        @functools.wraps(fn)
-        def forward_with_root(*args, **kwargs):
-            for u in self.root:
-                self.gather(u)
-            return fn(*args, **kwargs)
-        return forward_with_root
+    def before_block(self, i):
+        """Before block i: its parameters gathered; block i+1's gather started (prefetch)."""
+        self.gather(self.blocks[i])
+        if self.prefetch and i + 1 < len(self.blocks):
+            self.gather(self.blocks[i + 1], wait=False)
 
-    def _block_forward(self, i, fn):
-        @functools.wraps(fn)
-        def forward_gathered(x):
-            self.gather(self.blocks[i])
-            if self.prefetch and i + 1 < len(self.blocks):
-                self.gather(self.blocks[i + 1], wait=False)
-            y = fn(x)
-            if is_grad_enabled() and y.requires_grad:
-                y = BeforeBackward.apply(y, functools.partial(self._before_backward, i))
-            return y
-        return forward_gathered
+    def after_block(self, i, y):
+        """Block i's output y, behind an identity node whose backward re-gathers block i."""
+        if is_grad_enabled() and y.requires_grad:
+            y = BeforeBackward.apply(y, functools.partial(self._before_backward, i))
+        return y
 
     def _before_backward(self, i):
         self.gather(self.blocks[i])
@@ -318,6 +342,6 @@ class ZeroStage3(ZeroStage2):
                 "grads": [u.grad_shard for u in self.units]}
 
     def _full_params(self, u):
-        flat = xp_of(u.param_shard).empty(u.padded, u.dtype)
-        self.group.all_gather(flat, u.param_shard)
-        return flat
+        full = xp_of(u.param_shard).empty(u.flat.padded, u.flat.dtype)
+        self.group.all_gather(full, u.param_shard)
+        return full

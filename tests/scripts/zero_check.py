@@ -56,10 +56,11 @@ def shard_diff(strategy, ref_model):
     ref = dict(ref_model.named_parameters())
     worst = 0.0
     for u in strategy.engine.units:
-        flat = u.flatten([ref[n].data for n in u.names])
-        worst = max(worst, float(np.abs(u.param_shard - flat[u.lo:u.hi]).max()))
-        tail = max(u.numel, u.lo) - u.lo           # where the padding starts in this shard
-        assert not np.any(u.param_shard[tail:]), f"padding of {u.name} is not zero"
+        f = u.flat                                  # the layout; u holds the shards
+        flat = f.flatten([ref[n].data for n in f.names])
+        worst = max(worst, float(np.abs(u.param_shard - flat[f.lo:f.hi]).max()))
+        tail = max(f.numel, f.lo) - f.lo           # where the padding starts in this shard
+        assert not np.any(u.param_shard[tail:]), f"padding of {f.name} is not zero"
     return worst
 
 
@@ -81,7 +82,7 @@ def compare(args, comm, ref, stage):
               "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
               "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
               "param_diff": diff, "norms": norms,
-              "padding": [u.padding for u in strategy.engine.units]}
+              "padding": [u.flat.padding for u in strategy.engine.units]}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
@@ -145,10 +146,11 @@ def check_comm(args, comm):
         else:
             assert sent["all_reduce"] <= 64, sent     # only the loss and the norm, 8 B each
             total -= sent["all_reduce"]
-            psi = 8 * sum(u.padded for u in eng.units)
-            blocks = [u for u in eng.units if u.module is not None]
-            gathers = psi if stage < 3 else 8 * (sum(u.padded for u in eng.units if
-                                                     u.module is None) +
+            flats = [u.flat for u in eng.units]
+            psi = 8 * sum(f.padded for f in flats)
+            blocks = [f for f in flats if f.module is not None]
+            gathers = psi if stage < 3 else 8 * (sum(f.padded for f in flats if
+                                                     f.module is None) +
                                                  blocks[0].padded * (2 * len(blocks) - 2))
             want = (n - 1) * (psi + gathers) // n
             assert r["sent"]["reduce_scatter"] == (n - 1) * psi // n, (stage, r["sent"])
