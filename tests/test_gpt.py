@@ -1,9 +1,11 @@
 """GPT: GPT-2 names and shapes, the init contract, gradients (float64 finite differences of the
-whole model's loss), overfitting one batch, generation, and errors on bad input."""
+whole model's loss), overfitting one batch, generation, and errors on bad input. The models
+live on --device (the `device` fixture); results are compared on the host."""
 import numpy as np
 import pytest
 
 from minidist.autograd import no_grad
+from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig, gpt_init, gpt_param_specs
 from minidist.optim import AdamW
 
@@ -36,7 +38,7 @@ def test_model_parameters_follow_the_specs_in_order():
         assert all(not n.endswith(".bias") for n in specs) or bias
 
 
-def test_init_contract_deterministic_by_name_and_cast_from_float64():
+def test_init_contract_deterministic_by_name_and_cast_from_float64(device):
     full = gpt_init(TINY, seed=3)
     again = gpt_init(TINY, seed=3)
     assert all(np.array_equal(full[n], again[n]) for n in full)
@@ -50,7 +52,7 @@ def test_init_contract_deterministic_by_name_and_cast_from_float64():
                               full["transformer.wte.weight"])
     model = GPT(TINY, seed=3)
     for name, p in model.named_parameters():
-        np.testing.assert_array_equal(p.data, full[name], err_msg=name)
+        np.testing.assert_array_equal(H(p.data), full[name], err_msg=name)
 
 
 def test_init_statistics_follow_gpt2():
@@ -63,7 +65,7 @@ def test_init_statistics_follow_gpt2():
     assert np.all(init["transformer.h.0.attn.c_attn.bias"] == 0)
 
 
-def test_forward_shapes_and_loss_none_without_targets():
+def test_forward_shapes_and_loss_none_without_targets(device):
     model = GPT(TINY)
     x, y = _batch(TINY)
     logits, loss = model(x)
@@ -73,17 +75,17 @@ def test_forward_shapes_and_loss_none_without_targets():
     assert abs(loss.item() - np.log(11)) < 0.5                # near uniform at init
 
 
-def test_tied_embedding_is_one_parameter_with_both_gradients():
+def test_tied_embedding_is_one_parameter_with_both_gradients(device):
     model = GPT(TINY, dtype="float64")
     x, y = _batch(TINY)
     _, loss = model(x, y)
     loss.backward()
-    g = model.transformer.wte.weight.grad
+    g = H(model.transformer.wte.weight.grad)
     unused = np.setdiff1d(np.arange(11), x)                   # rows never looked up
     assert len(unused) and np.abs(g[unused]).max() > 0      # still get the head's gradient
 
 
-def test_whole_model_gradient_matches_finite_differences():
+def test_whole_model_gradient_matches_finite_differences(device):
     config = GPTConfig(**{**TINY.to_dict(), "block_size": 5})
     model = GPT(config, seed=1, dtype="float64")
     x, y = _batch(config, seed=2)
@@ -99,7 +101,7 @@ def test_whole_model_gradient_matches_finite_differences():
         p = params[name]
         for _ in range(3):
             i = tuple(int(r.integers(0, n)) for n in p.shape)
-            orig, eps = p.data[i], 1e-6
+            orig, eps = float(p.data[i]), 1e-6
             with no_grad():
                 p.data[i] = orig + eps
                 plus = model(x, y)[1].item()
@@ -107,10 +109,10 @@ def test_whole_model_gradient_matches_finite_differences():
                 minus = model(x, y)[1].item()
             p.data[i] = orig
             numeric = (plus - minus) / (2 * eps)
-            assert p.grad[i] == pytest.approx(numeric, rel=1e-5, abs=1e-9), (name, i)
+            assert float(p.grad[i]) == pytest.approx(numeric, rel=1e-5, abs=1e-9), (name, i)
 
 
-def test_tiny_model_overfits_a_fixed_batch():
+def test_tiny_model_overfits_a_fixed_batch(device):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=32)
     model = GPT(config, seed=0)
     opt = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.0)
@@ -123,7 +125,7 @@ def test_tiny_model_overfits_a_fixed_batch():
     assert loss.item() < 0.05
 
 
-def test_generate_is_deterministic_under_a_seed_and_crops_context():
+def test_generate_is_deterministic_under_a_seed_and_crops_context(device):
     model = GPT(TINY, seed=0)
     prompt = np.array([[1, 2, 3]])
     a = model.generate(prompt, 10, temperature=1.0, top_k=5, seed=7)
@@ -133,11 +135,11 @@ def test_generate_is_deterministic_under_a_seed_and_crops_context():
     assert np.array_equal(a[:, :3], prompt) and a.max() < 11
     greedy = model.generate(prompt, 4, temperature=0)
     logits, _ = model(prompt)
-    assert greedy[0, 3] == logits.data[0, -1].argmax()
+    assert greedy[0, 3] == H(logits.data)[0, -1].argmax()
     assert model.training                                      # mode restored
 
 
-def test_dropout_masks_are_seeded_and_off_in_eval():
+def test_dropout_masks_are_seeded_and_off_in_eval(device):
     config = GPTConfig(**{**TINY.to_dict(), "dropout": 0.3})
     x, y = _batch(config)
     losses = [GPT(config, seed=5)(x, y)[1].item() for _ in range(2)]
@@ -148,7 +150,7 @@ def test_dropout_masks_are_seeded_and_off_in_eval():
     assert model(x, y)[1].item() == model(x, y)[1].item()
 
 
-def test_bad_input_is_a_clear_error():
+def test_bad_input_is_a_clear_error(device):
     model = GPT(TINY)
     with pytest.raises(ValueError, match="exceeds block_size"):
         model(np.zeros((1, 7), np.int64))
