@@ -25,9 +25,10 @@ import time
 
 import numpy as np
 
-from minidist.backend import get_xp, set_device, synchronize
-from minidist.comm import ProcessGroup, mpi as mpi_algo, trace  # before mpi4py.MPI: mpich.py
-from mpi4py import MPI
+from minidist import backend, comm
+from minidist.backend import get_xp, synchronize
+from minidist.comm import mpi as mpi_algo, trace
+from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -81,7 +82,7 @@ def bench(args):
     """One row per (op, size, algo). The algorithms take turns within each repeat, so a
     burst of other work on the machine hits them alike; each keeps its best repeat."""
     results = []
-    groups = {algo: ProcessGroup.world(algo) for algo in args.algos}
+    groups = {algo: comm.init(algo) for algo in args.algos}
     world = next(iter(groups.values()))
     for op in args.ops:
         for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
@@ -123,7 +124,7 @@ def overlap(args):
     halve the time of doing both: 256x256 float64 matmuls (`--compute matmul`, which need a
     core, and release the GIL), or sleeping (`--compute sleep`: the main thread waiting, as it
     does for GPU kernels), which shows whether communication progresses at all meanwhile."""
-    group = ProcessGroup.world("ring")
+    group = comm.init("ring")
     buf = np.zeros(args.max_bytes // 4, np.float32)
     a = np.random.default_rng(0).standard_normal((256, 256))
     t_comm = time_call(group, lambda: group.all_reduce(buf), 3, 1, args.repeats)
@@ -178,7 +179,8 @@ def main():
     p.add_argument("--compute-iters", type=int, default=0,
                    help="256^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()
-    set_device(args.device)
+    backend.setup(threads=1, device=args.device)   # the collectives' own reductions: 1 thread
+    comm.init()              # MPI_Init (MPICH settings first), abort hooks, watchdog
     if args.trace:
         trace.enable()
     if args.overlap:
@@ -188,7 +190,10 @@ def main():
         if MPI.COMM_WORLD.Get_rank() == 0 and {"ring", "mpi"} <= set(args.algos):
             ratio_table(results)
     if args.trace:
-        trace.write_chrome_trace(args.trace, ProcessGroup.world())
+        trace.write_chrome_trace(args.trace, comm.init())
+        if MPI.COMM_WORLD.Get_rank() == 0:   # stderr: stdout is the JSON lines
+            print(f"trace of every collective written to {args.trace} (open it in "
+                  "https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from minidist import backend
-from minidist.comm import ProcessGroup
+from minidist import backend, comm
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
@@ -90,9 +89,8 @@ def main():
     args = parse()
     args.lr, args.weight_decay, args.grad_accum, args.grad_clip = 1e-4, 0.1, 1, 1.0
     args.log_json = None
-    group = ProcessGroup.world(args.comm)
-    backend.set_blas_threads(args.threads)
-    backend.set_device(args.device)
+    backend.setup(threads=args.threads, device=args.device)   # before the first numpy work
+    group = comm.init(args.comm)          # MPI_Init, abort hooks, watchdog; the world group
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size)
     runs = [setup("single process", SingleProcess(), config, args)] if group.size == 1 else []

@@ -123,7 +123,7 @@ def main():
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--only", default=None, help="run just this op")
     args = p.parse_args()
-    backend.set_blas_threads(args.threads)
+    backend.setup(threads=args.threads, device="cpu")
     for name, shape, fused, composed, inputs in cases(np.random.default_rng(0)):
         if args.only and name != args.only:
             continue

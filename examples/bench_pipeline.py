@@ -24,9 +24,11 @@ import statistics
 import time
 
 import numpy as np
-from mpi4py import MPI
 
+from minidist import backend
+from minidist import comm as minidist_comm
 from minidist.comm import trace
+from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
 from minidist.pp.schedule import bubble_fraction, bubble_theory
 from minidist.train.args import add_model_args, train_parser
@@ -96,6 +98,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
+    backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
+    minidist_comm.init("ring")            # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)
     for m in map(int, cli.micro_batches.split(",")):

@@ -41,8 +41,7 @@ def main():
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
     args = p.parse_args()
-    threads = backend.set_blas_threads(args.threads)
-    backend.set_device(args.device)
+    threads, _ = backend.setup(threads=args.threads, device=args.device)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
                        dropout=args.dropout, bias=args.bias, attention=args.attention,

@@ -18,9 +18,11 @@ import argparse
 from types import SimpleNamespace
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import ProcessGroup, install_abort_handler, trace
+from minidist import backend
+from minidist import comm as minidist_comm
+from minidist.comm import ProcessGroup, trace
+from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
 from minidist.train import memory
 from minidist.train.amp import MixedPrecision
@@ -91,7 +93,8 @@ def main():
     p.add_argument("--amp", action="store_true")
     p.add_argument("--comm", default="ring")
     cli = p.parse_args()
-    install_abort_handler()
+    backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
+    minidist_comm.init(cli.comm)          # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
     results = {s: run_stage(cli, s, comm) for s in map(int, cli.stages.split(","))}
     if comm.rank == 0:
