@@ -15,13 +15,13 @@ Two classic ways a distributed program dies silently:
 
 3. Stepping through one rank: `breakpoint_on(rank)` stops that rank in pdb. mpiexec gives the
    terminal's stdin to rank 0 only, so other ranks serve pdb on a local TCP port instead and
-   you attach with `python -m minidist.comm.attach PORT` from a second terminal.
+   you attach with `python -m minidist.comm.attach PORT` from a second terminal. Quitting
+   that pdb ends the whole job (minidist/comm/rankpdb.py, which also runs a whole script
+   under pdb on one rank: `python -m minidist.comm.rankpdb --rank R script.py`).
 
 Tests: tests/test_comm.py (collectives: mismatch; raise_on_one_rank_aborts; breakpoint_on).
 """
 import os
-import pdb
-import socket
 import sys
 import threading
 import traceback
@@ -108,21 +108,11 @@ def breakpoint_on(rank, port_base=None):
 
     Rank 0 reads the terminal mpiexec forwards; any other rank listens on 127.0.0.1 at port
     `port_base + rank` (MINIDIST_PDB_PORT, default 4444) and waits for
-    `python -m minidist.comm.attach PORT` to attach."""
-    me = MPI.COMM_WORLD.Get_rank()
-    if me != rank:
+    `python -m minidist.comm.attach PORT` to attach. The pdb is minidist/comm/rankpdb.py's
+    RankPdb: `q` ends the whole job, `cl` asks on that console."""
+    if MPI.COMM_WORLD.Get_rank() != rank:
         return
-    caller = sys._getframe().f_back
-    if rank == 0:
-        return pdb.Pdb().set_trace(caller)
-    port = (port_base or int(os.environ.get("MINIDIST_PDB_PORT", "4444"))) + rank
-    server = socket.create_server(("127.0.0.1", port))
-    sys.stderr.write(f"[rank {rank}] waiting for a debugger: "
-                     f"python -m minidist.comm.attach {port}\n")
-    sys.stderr.flush()
-    conn, _ = server.accept()
-    # two files: one text file for both directions drops read-ahead lines when written to
-    fin, fout = conn.makefile("r"), conn.makefile("w", buffering=1)
-    _state["pdb"] = (server, conn, fin, fout)   # kept: collecting them would trip the tracer
-    pdb.Pdb(stdin=fin, stdout=fout).set_trace(caller)
+    # imported here, not at the top: `python -m minidist.comm.rankpdb` needs it unimported
+    from minidist.comm.rankpdb import debugger_for
+    debugger_for(rank, port_base).set_trace(sys._getframe().f_back)
 

@@ -1,0 +1,162 @@
+"""Plot training runs (train_gpt.py --log-json) and a DDP step (--trace) to a PNG.
+
+    pip install -e ".[plot]"                                      # matplotlib, only for this
+    python examples/plot.py single.jsonl ddp.jsonl zero3.jsonl -o curves.png \\
+        --labels "1 rank,DDP x2,ZeRO-3 x2"
+    python examples/plot.py --trace ddp_trace.json -o timeline.png          # the last step
+    python examples/plot.py run.jsonl --trace ddp_trace.json -o both.png --step 3
+
+Curves, one line per log file, against step: loss (train, and validation as markers), tokens/s,
+and memory per rank from the log's ledger (rank 0's row: total, and model states = parameters +
+gradients + optimizer, dashed). Runs of the same global batch and seed should lie on top of
+each other however they are parallelised. The timeline is examples/ddp_timeline.py's picture:
+per rank, the forward, backward and "wait for gradients" spans above the all-reduces.
+
+Tests: tests/test_plot.py (skipped where matplotlib is not installed).
+"""
+import argparse
+import json
+import os
+import sys
+
+from ddp_timeline import steps_of
+
+MiB = 2 ** 20
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "wait for gradients": "tab:red"}
+
+
+def fail(line):
+    sys.stderr.write(f"error: {line}\n")
+    sys.exit(2)
+
+
+def read_log(path):
+    """(step rows, final row or None) of one --log-json file."""
+    if not os.path.isfile(path):
+        fail(f"log {path!r} not found: give files written by train_gpt.py --log-json FILE")
+    rows, final = [], None
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                fail(f"{path} line {n} is not JSON: is it a --log-json file?")
+            if row.get("final"):
+                final = row
+            elif "step" in row:
+                rows.append(row)
+    if not rows:
+        fail(f"{path} holds no step rows: train_gpt.py --log-json writes one per step")
+    return rows, final
+
+
+def plot_curves(axes, logs, labels):
+    """Loss, tokens/s and memory per rank against step, one color per run."""
+    ax_loss, ax_tok, ax_mem = axes
+    for i, ((rows, final), label) in enumerate(zip(logs, labels)):
+        color = f"C{i}"
+        steps = [r["step"] for r in rows]
+        ax_loss.plot(steps, [r["loss"] for r in rows], color=color, lw=1.2, label=label)
+        val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        if final is not None and final.get("val_loss") is not None:
+            val.append((final.get("steps", steps[-1] + 1) - 1, final["val_loss"]))
+        if val:
+            ax_loss.plot(*zip(*val), "o", color=color, ms=5, mfc="none",
+                         label=f"{label} (val)")
+        timed = [(r["step"], r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
+        if timed:
+            ax_tok.plot(*zip(*timed), color=color, lw=1.2, label=label)
+        mem = [(r["step"], r["mem"]) for r in rows if isinstance(r.get("mem"), dict)]
+        if mem:
+            x = [s for s, _ in mem]
+            ax_mem.plot(x, [m.get("total", 0) / MiB for _, m in mem], color=color, lw=1.2,
+                        label=f"{label} total")
+            states = [sum(m.get(k, 0) for k in ("params", "grads", "optimizer")) / MiB
+                      for _, m in mem]
+            ax_mem.plot(x, states, "--", color=color, lw=1.0, label=f"{label} model states")
+    for ax, title, unit in ((ax_loss, "loss", "nats/token"), (ax_tok, "throughput", "tokens/s"),
+                            (ax_mem, "memory per rank (rank 0's ledger)", "MiB")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7, loc="center right" if ax is ax_mem else "best")
+
+
+def plot_timeline(ax, events, step):
+    """One DDP step: per rank a compute row (forward, backward, wait) and a row of
+    all-reduces; time 0 is the step's first forward on the lowest rank."""
+    ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    count = min((len(steps_of(events, r)) for r in ranks), default=0)
+    if not -count <= step < count or count == 0:
+        fail(f"--step {step}: the trace holds {count} DDP steps (train_gpt.py --dp with --trace)")
+    step %= count
+    windows = {r: steps_of(events, r)[step] for r in ranks}
+    lo = min(start for start, _ in windows.values())
+    ticks = []
+    for i, r in enumerate(ranks):
+        start, end = windows[r]
+        y = 3 * (len(ranks) - 1 - i)
+        for e in events:
+            if e.get("pid") != r or e.get("ph") != "X" or not start <= e["ts"] <= end:
+                continue
+            span = [((e["ts"] - lo) / 1e3, max(e["dur"] / 1e3, 0.05))]
+            if e.get("cat") == "compute":
+                ax.broken_barh(span, (y + 1.5, 1), color=COLORS.get(e["name"], "tab:gray"))
+            else:
+                ax.broken_barh(span, (y + 0.3, 1), color="tab:green", edgecolor="black",
+                               lw=0.3)
+        ticks += [(y + 0.8, f"rank {r} comm"), (y + 2.0, f"rank {r} compute")]
+    ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=8)
+    handles = [ax.bar(0, 0, color=c, label=n) for n, c in COLORS.items()]
+    handles.append(ax.bar(0, 0, color="tab:green", label="all_reduce (one per bucket)"))
+    ax.set_ylim(-0.2, 3 * len(ranks) + 1.2)      # room above the top rank for the legend
+    ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=4)
+    ax.set_xlabel("ms since the step's first forward")
+    ax.set_title(f"DDP step {step} of {count}: when each bucket's all-reduce ran")
+    ax.grid(axis="x", alpha=0.3)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="*", metavar="LOG.jsonl", help="train_gpt.py --log-json files")
+    p.add_argument("-o", "--out", required=True, metavar="OUT.png")
+    p.add_argument("--labels", default=None, help="comma-separated, one per log (default: names)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="train_gpt.py --trace FILE")
+    p.add_argument("--step", type=int, default=-1, help="the traced step to draw (-1: last)")
+    args = p.parse_args()
+    if not args.logs and not args.trace:
+        fail("nothing to plot: give --log-json files and/or --trace FILE")
+    labels = args.labels.split(",") if args.labels else [os.path.basename(f) for f in args.logs]
+    if len(labels) != len(args.logs):
+        fail(f"--labels has {len(labels)} names for {len(args.logs)} logs")
+    try:
+        import matplotlib
+    except ImportError:
+        fail('examples/plot.py needs matplotlib: pip install -e ".[plot]"')
+    matplotlib.use("Agg")          # files only, no window
+    from matplotlib import pyplot as plt
+    logs = [read_log(f) for f in args.logs]
+    events = None
+    if args.trace:
+        if not os.path.isfile(args.trace):
+            fail(f"--trace {args.trace!r} not found: train_gpt.py --trace FILE writes it")
+        with open(args.trace) as f:
+            events = json.load(f)["traceEvents"]
+    rows = bool(logs) + bool(events)
+    fig = plt.figure(figsize=(13, 4 * rows), layout="constrained")
+    grid = fig.add_gridspec(rows, 3)
+    if logs:
+        plot_curves([fig.add_subplot(grid[0, c]) for c in range(3)], logs, labels)
+    if events:
+        plot_timeline(fig.add_subplot(grid[rows - 1, :]), events, args.step)
+    fig.savefig(args.out, dpi=80)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

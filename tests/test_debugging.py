@@ -1,0 +1,184 @@
+"""Debugging a distributed job: sync comm (every collective in the calling thread), pdb on one
+rank that ends the job cleanly (minidist/comm/rankpdb.py, attach.py, debug.breakpoint_on), and
+the README's debugging recipes, run with their pdb commands fed on stdin under mpiexec.
+
+Each test's docstring gives the command to run it by hand.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from minidist.train.args import train_parser
+from mpirun import ROOT, mpi_env, mpiexec, run_mpi, tagged_json
+
+RECIPE_RANK0 = ["import minidist.comm.ring",
+                "b minidist.comm.ring.ring_reduce_scatter_in_place",
+                "c", "p ch.rank, buf.size", "q"]
+RECIPE_WALKTHROUGH = ["p bufs", "s"]
+DDP_SCRIPT = "tests/scripts/sync_comm_check.py"
+
+
+def readme_text():
+    """The top README and the comm chapter, where the recipes are written down."""
+    text = ""
+    for path in ("README.md", "minidist/comm/README.md"):
+        if os.path.exists(os.path.join(ROOT, path)):
+            text += open(os.path.join(ROOT, path)).read()
+    return text
+
+
+def run_fed(cmd, lines, timeout=90, env=None):
+    """Run `cmd` (mpiexec ...) with `lines` on its stdin; kill its process group on timeout."""
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate("".join(line + "\n" for line in lines), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\n{out}\n{err}")
+    return job.returncode, out, err
+
+
+def attach_to_rank1(script_args, lines, port_offset):
+    """Start `mpiexec -n 2 python *script_args` (rank 1 serving pdb), attach, feed `lines`;
+    returns (attach console output, job's return code, job's stdout, job's stderr)."""
+    base = 20000 + (os.getpid() * 7 + port_offset) % 20000
+    env = mpi_env(MINIDIST_PDB_PORT=base, MINIDIST_COMM_TIMEOUT=0)
+    job = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *script_args], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        client = subprocess.run([sys.executable, "-m", "minidist.comm.attach", str(base + 1),
+                                 "--wait", "60"], cwd=ROOT, env=env, timeout=90, text=True,
+                                input="".join(line + "\n" for line in lines),
+                                capture_output=True)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return client.stdout + client.stderr, job.returncode, out, err
+
+
+def test_sync_comm_flag_in_help():
+    """`python examples/train_gpt.py --help` shows --sync-comm and what it costs."""
+    text = " ".join(train_parser().format_help().split())
+    assert "--sync-comm" in text and "overlap" in text
+
+
+@pytest.mark.mpi
+def test_sync_comm_ddp_exact_and_in_the_calling_thread():
+    """Overlapped DDP with sync comm equals one process (float64), starts no communication
+    thread, and a tracer on the main thread (what pdb is) sees the gradient buckets in the
+    ring; without it, only the 1-element loss average. By hand:
+
+        MINIDIST_SYNC_COMM=1 mpiexec -n 2 python tests/scripts/sync_comm_check.py --watch
+        mpiexec -n 2 python tests/scripts/sync_comm_check.py --watch
+    """
+    on = tagged_json(run_mpi(2, DDP_SCRIPT, "--watch", env=mpi_env(MINIDIST_SYNC_COMM=1)))[0]
+    off = tagged_json(run_mpi(2, DDP_SCRIPT, "--watch", env=mpi_env(MINIDIST_SYNC_COMM=0)))[0]
+    for r in (on, off):
+        assert r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
+    assert on["sync_comm"] and not [t for t in on["comm_threads"] if "comm" in t], on
+    assert on["traced_max_size"] > 1 and on["traced_calls"] > on["buckets"], on
+    assert not off["sync_comm"] and off["traced_max_size"] == 1, off
+
+
+@pytest.mark.mpi
+def test_readme_recipe_rank0_stops_in_a_gradient_bucket_and_q_ends_the_job():
+    """The README's recipe, on a DDP script: pdb on rank 0 stops in the ring in a gradient
+    bucket (sync comm on the debugged rank), and `q` ends both ranks at once. By hand:
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb tests/scripts/sync_comm_check.py
+    """
+    text = readme_text()
+    assert "mpiexec -n 4 python -m minidist.comm.rankpdb my_script.py" in text
+    for line in RECIPE_RANK0:
+        assert re.search(rf"\(Pdb rank 0\) {re.escape(line)}\s*(#|\n)", text), line
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            DDP_SCRIPT], RECIPE_RANK0)
+    size = re.search(r"\(0, (\d+)\)", out)
+    assert size and int(size.group(1)) > 1, (out, err)     # a bucket, not the loss
+    assert "[rank 0] debugger quit: ending the whole MPI job" in out, (out, err)
+    assert rc != 0 and "RESULT" not in out, (rc, out, err)
+
+
+@pytest.mark.mpi
+def test_rankpdb_finishing_ends_the_job_without_restarting():
+    """`c` runs to the end; the script is not restarted (pdb would, alone, and hang):
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb tests/scripts/sync_comm_check.py
+    """
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            DDP_SCRIPT], ["c", "c", "c"])
+    assert rc == 0, (out, err)
+    assert out.count("RESULT") == 1 and "finished; not restarted" in out, (out, err)
+
+
+@pytest.mark.mpi
+def test_rankpdb_bad_script_is_one_line():
+    """mpiexec -n 2 python -m minidist.comm.rankpdb nonexistent.py"""
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            "nonexistent.py"], [], timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and "nonexistent.py" in errors[0], (rc, out, err)
+
+
+@pytest.mark.mpi
+def test_attach_clear_asks_on_the_console():
+    """`cl` with no argument asks "Clear all breaks?" on the attach console, not on rank 1's
+    stdin; the answer clears the breakpoint, and `c` runs the job to its end. By hand:
+
+        mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
+        python -m minidist.comm.attach 4445          # in a second terminal
+    """
+    console, rc, out, err = attach_to_rank1(
+        ["tests/scripts/comm_small.py", "breakpoint"],
+        ["import minidist.comm.ring", "b minidist.comm.ring.ring_reduce_scatter_in_place",
+         "cl", "y", "c"], port_offset=1)
+    assert "Clear all breaks? Deleted breakpoint 1" in console, (console, err)
+    assert rc == 0 and "rank 0 done 3.0" in out and "rank 1 done 3.0" in out, (out, err)
+
+
+@pytest.mark.mpi
+def test_attach_quit_ends_the_job():
+    """`q` on rank 1 ends the job, rank 0 (waiting in the all-reduce) included."""
+    console, rc, out, err = attach_to_rank1(["tests/scripts/comm_small.py", "breakpoint"],
+                                            ["q"], port_offset=2)
+    assert "[rank 1] debugger quit: ending the whole MPI job" in console, (console, err)
+    assert rc != 0 and "done" not in out, (rc, out, err)
+
+
+@pytest.mark.mpi
+def test_rankpdb_on_rank1_through_attach():
+    """The README's `--rank 1` recipe: rank 1 under pdb, served to the attach console.
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb --rank 1 tests/scripts/sync_comm_check.py
+        python -m minidist.comm.attach 4445
+    """
+    assert "python -m minidist.comm.attach 4445" in readme_text()
+    console, rc, out, err = attach_to_rank1(
+        ["-m", "minidist.comm.rankpdb", "--rank", "1", DDP_SCRIPT],
+        RECIPE_RANK0[:3] + ["p ch.rank, buf.size", "c"] + ["cl", "y", "c"], port_offset=3)
+    size = re.search(r"\(1, (\d+)\)", console)
+    assert size and int(size.group(1)) > 1, (console, err)
+    assert rc == 0 and "RESULT" in out, (rc, out, err)
+
+
+def test_ring_walkthrough_pdb_recipe():
+    """python examples/ring_walkthrough.py --pdb, then `p bufs` and `s`, then `p bufs`."""
+    text = readme_text()
+    assert "python examples/ring_walkthrough.py --pdb" in text
+    for line in RECIPE_WALKTHROUGH:
+        assert re.search(rf"\(Pdb\) {re.escape(line)}\s*(#|\n)", text), line
+    done = subprocess.run([sys.executable, "examples/ring_walkthrough.py", "--pdb", "--ranks",
+                           "3", "--n", "5"], cwd=ROOT, timeout=60, capture_output=True,
+                          text=True, input="p bufs\ns\np bufs\nc\n")
+    first = ", ".join(f"array([{r}., {r}., {r}., {r}., {r}.])" for r in (1, 2, 3))
+    assert done.stdout.count(f"[{first}]") == 2 and "NameError" not in done.stdout, done.stdout
+    assert "_ring_phase()" in done.stdout and "OK" in done.stdout, done.stdout

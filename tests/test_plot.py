@@ -1,0 +1,79 @@
+"""examples/plot.py: loss, tokens/s and memory curves from --log-json files, and the DDP
+timeline from a --trace file, to PNG. Skipped where matplotlib is not installed
+(pip install -e ".[plot]").
+
+    python examples/plot.py a.jsonl b.jsonl -o curves.png --labels "1 rank,DDP"
+    python examples/plot.py --trace ddp_trace.json -o timeline.png
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_log(path, steps, scale=1.0):
+    """A --log-json file as train_gpt.py writes it: one row per step, then the final row."""
+    with open(path, "w") as f:
+        for s in range(steps):
+            mem = {"params": 1000, "grads": 1000, "optimizer": 2000, "activations": 5000,
+                   "total": int(9000 * scale)}
+            f.write(json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3,
+                                "tokens_per_s": 1000.0 * scale, "ms_per_step": 10.0,
+                                "grad_norm": 1.0, "mem": mem, "comm_bytes": 0}) + "\n")
+        f.write(json.dumps({"final": True, "val_loss": 4.0, "steps": steps}) + "\n")
+
+
+def write_trace(path, ranks=2, steps=2):
+    """A Chrome trace with the compute spans and bucket all-reduces ddp_timeline.py reads."""
+    events, t = [], 0
+    for _ in range(steps):
+        for r in range(ranks):
+            spans = [("forward", "compute", 0, 10), ("backward", "compute", 10, 30),
+                     ("all_reduce", "dp", 20, 8), ("all_reduce", "dp", 29, 9),
+                     ("wait for gradients", "compute", 40, 5)]
+            events += [{"ph": "X", "pid": r, "tid": 0, "name": n, "cat": c, "ts": t + a,
+                        "dur": d, "args": {"bytes": 4096}} for n, c, a, d in spans]
+        t += 100
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def plot(*args):
+    return subprocess.run([sys.executable, "examples/plot.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_curves_and_timeline_to_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b, t = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "trace.json"
+    write_log(a, 20)
+    write_log(b, 20, scale=0.5)
+    write_trace(t)
+    for extra, out in (([a, b, "--labels", "1 rank,DDP"], "curves.png"),
+                       (["--trace", t], "timeline.png"),
+                       ([a, "--trace", t, "--step", "0"], "both.png")):
+        done = plot(*extra, "-o", tmp_path / out)
+        assert done.returncode == 0, done.stderr
+        data = (tmp_path / out).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, (out, len(data))
+
+
+def test_bad_input_is_one_line(tmp_path):
+    """Missing log, missing trace, a step the trace lacks, labels that do not match: one
+    `error:` line, exit status 2 (matplotlib or not, for the first two)."""
+    pytest.importorskip("matplotlib")
+    t = tmp_path / "trace.json"
+    write_trace(t)
+    write_log(tmp_path / "a.jsonl", 3)
+    for args in ([tmp_path / "missing.jsonl"], ["--trace", tmp_path / "missing.json"],
+                 ["--trace", t, "--step", "5"],
+                 [tmp_path / "a.jsonl", "--labels", "x,y"]):
+        done = plot(*args, "-o", tmp_path / "x.png")
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (
+            args, done.stderr)
