@@ -16,6 +16,11 @@ from minidist.autograd import Function, Tensor, fused as F, ops
 from minidist.autograd import attention, flash, indexing
 from minidist.autograd.gradcheck import gradcheck
 
+# Finite differences perturb one numpy element at a time (gradcheck.py is numpy-only): this
+# is the CPU reference; on a GPU test_fused/test_cuda_kernels compare cupy against it.
+pytestmark = pytest.mark.cpu_only("float64 finite differences on numpy arrays (the CPU "
+                                  "reference the GPU tests compare against)")
+
 
 def T(a, grad=True):
     return Tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)

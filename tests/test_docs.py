@@ -1,0 +1,72 @@
+"""The docs cannot go stale: every path they mention exists in the repository.
+
+Checked in README.md, minidist/*/README.md and examples/*.md:
+- every relative Markdown link `[text](target)` resolves, from the document's folder, to a file
+  or folder inside the repository;
+- every `minidist/...`, `tests/...`, `examples/...` or `.ci/...` path written anywhere in the
+  text (prose, code spans, command lines) exists, read from the repository root
+  (`tests/test_x.py::test_name` counts as `tests/test_x.py`);
+- every bare file name in a code span (`ring.py`) exists in the document's own folder;
+- every `python -m minidist...` module exists;
+- nothing points outside the repository (no absolute path to a file, no `../`).
+Run: python -m pytest -q tests/test_docs.py
+"""
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("minidist/*/README.md"),
+               *ROOT.glob("examples/*.md")])
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+REPO_PATH = re.compile(r"(?<![\w./~<-])((?:minidist|tests|examples|\.ci)/[\w./-]*[\w/])")
+BARE_FILE = re.compile(r"`([\w-]+\.(?:py|md|cfg|toml))`")
+MODULE = re.compile(r"python -m (minidist[\w.]*)")
+OUTSIDE = re.compile(r"\.\./shared|/work/|/home/|\bshared/DESIGN")
+
+
+def _ids(paths):
+    return [str(p.relative_to(ROOT)) for p in paths]
+
+
+def _inside(path):
+    return path.resolve().is_relative_to(ROOT)
+
+
+def test_docs_are_found():
+    """The top README and at least one chapter beside the code."""
+    names = _ids(DOCS)
+    assert "README.md" in names and any(n.startswith("minidist/") for n in names), names
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
+def test_every_path_a_doc_mentions_exists(doc):
+    text = doc.read_text()
+    missing = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:|#", target):              # https://..., mailto:, #anchor
+            continue
+        path = doc.parent / target.split("#")[0]
+        if not (path.exists() and _inside(path)):
+            missing.append(f"link {target}")
+    for name in REPO_PATH.findall(text):
+        name = name.split("::")[0]
+        if not (ROOT / name).exists():
+            missing.append(name)
+    for name in BARE_FILE.findall(text):
+        if not (doc.parent / name).exists():
+            missing.append(f"{name} (not in {doc.parent.relative_to(ROOT) or '.'}/)")
+    for module in MODULE.findall(text):
+        base = ROOT / module.replace(".", "/")
+        if not (base.with_suffix(".py").exists() or (base / "__main__.py").exists()):
+            missing.append(f"python -m {module}")
+    where = doc.relative_to(ROOT)
+    assert not missing, f"{where} mentions paths that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
+def test_nothing_points_outside_the_repository(doc):
+    bad = [m.group(0) for m in OUTSIDE.finditer(doc.read_text())]
+    assert not bad, f"{doc.relative_to(ROOT)} points outside the repository: {bad}"
