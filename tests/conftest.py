@@ -11,6 +11,14 @@ def pytest_addoption(parser):
                      help="run array tests on this device (cuda needs cupy and a GPU)")
 
 
+def pytest_configure(config):
+    """The suite's setup, like any entry point's (nothing happens on import): BLAS threads and
+    the device, then MPI for the in-process tests that build one-rank groups."""
+    from minidist import backend, comm
+    backend.setup(threads=None, device=config.getoption("--device"))
+    comm.init()
+
+
 def pytest_sessionstart(session):
     session.config.addinivalue_line(
         "markers", "cpu_only(reason): cannot run on a GPU; skipped, with the reason, under "
