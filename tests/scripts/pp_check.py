@@ -90,7 +90,7 @@ def train(strategy, args):
 
 def stage_state(strategy, model):
     """This stage's parameters as whole host arrays (gathered over tp when it is split)."""
-    if strategy.tp is not None:
+    if strategy.mesh.shape["tp"] > 1:
         return model.full_state_dict()
     return {n: np.asarray(p.data) for n, p in model.named_parameters()}
 
