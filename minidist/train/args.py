@@ -77,6 +77,8 @@ def add_train_args(p):
     g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--save", default=None, metavar="DIR")
     g.add_argument("--save-every", type=int, default=0, help="0: at evals and at the end")
+    g.add_argument("--keep", type=int, default=1, metavar="K",
+                   help="numbered checkpoint folders kept under --save (the newest K)")
     g.add_argument("--resume", default=None, metavar="DIR")
     g.add_argument("--log-json", default=None, metavar="FILE")
     g.add_argument("--trace", default=None, metavar="FILE")
