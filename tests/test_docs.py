@@ -5,7 +5,7 @@ Checked in README.md, minidist/*/README.md and examples/*.md:
   or folder inside the repository;
 - every `minidist/...`, `tests/...`, `examples/...` or `.ci/...` path written anywhere in the
   text (prose, code spans, command lines) exists, read from the repository root
-  (`tests/test_x.py::test_name` counts as `tests/test_x.py`);
+  (`tests/test_x.py::test_name`: the file defines that test);
 - every bare file name in a code span (`ring.py`) exists in the document's own folder;
 - every `python -m minidist...` module exists;
 - nothing points outside the repository (no absolute path to a file, no `../`).
@@ -21,7 +21,7 @@ DOCS = sorted([ROOT / "README.md", *ROOT.glob("minidist/*/README.md"),
                *ROOT.glob("examples/*.md")])
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-REPO_PATH = re.compile(r"(?<![\w./~<-])((?:minidist|tests|examples|\.ci)/[\w./-]*[\w/])")
+REPO_PATH = re.compile(r"(?<![\w./~<-])((?:minidist|tests|examples|\.ci)/[\w./-]*[\w/](?:::\w+)?)")
 BARE_FILE = re.compile(r"`([\w-]+\.(?:py|md|cfg|toml))`")
 MODULE = re.compile(r"python -m (minidist[\w.]*)")
 OUTSIDE = re.compile(r"\.\./shared|/work/|/home/|\bshared/DESIGN")
@@ -52,9 +52,11 @@ def test_every_path_a_doc_mentions_exists(doc):
         if not (path.exists() and _inside(path)):
             missing.append(f"link {target}")
     for name in REPO_PATH.findall(text):
-        name = name.split("::")[0]
+        name, _, test = name.partition("::")
         if not (ROOT / name).exists():
             missing.append(name)
+        elif test and f"def {test}(" not in (ROOT / name).read_text():
+            missing.append(f"{name}::{test}")
     for name in BARE_FILE.findall(text):
         if not (doc.parent / name).exists():
             missing.append(f"{name} (not in {doc.parent.relative_to(ROOT) or '.'}/)")
