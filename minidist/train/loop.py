@@ -17,7 +17,7 @@ from minidist import backend, comm
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.optim import WarmupCosine
-from minidist.train import memory
+from minidist.train import checkpoint_dirs, memory
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
 from minidist.launcher import world_size_from_env
@@ -149,6 +149,8 @@ def train(args):
         stopping = preempted is not None and strategy.any_rank(preempted.is_set())
         if args.save and (last or stopping or (every and (step + 1) % every == 0)):
             strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
+            if strategy.rank == 0:      # every rank has written: older folders can go
+                checkpoint_dirs.prune(args.save, args.keep)
         if stopping:
             log.print0(f"preempted ({preempted.name}) after step {step}: saved to {args.save};"
                        f" run the same command with --resume {args.save} (or --resume auto)"
