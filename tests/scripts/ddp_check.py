@@ -21,9 +21,10 @@ import zlib
 from types import SimpleNamespace
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import ProcessGroup, install_abort_handler, trace
+import minidist.comm
+from minidist.comm import ProcessGroup, trace
+from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.ddp.strategy import DataParallel
 from minidist.train.strategy import SingleProcess
@@ -128,7 +129,7 @@ def main():
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--trace", default=None, metavar="FILE")
     cli = p.parse_args()
-    install_abort_handler()
+    minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(steps=cli.steps, batch_size=cli.batch_size, lr=1e-2,
                            weight_decay=0.1, grad_accum=cli.grad_accum, grad_clip=cli.clip,

@@ -26,9 +26,9 @@ import tempfile
 import zlib
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import install_abort_handler
+import minidist.comm
+from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.train import checkpoint
 from minidist.train.args import train_parser
@@ -211,7 +211,7 @@ def main():
                    "(default: the first 2-rank or 8-rank run)")
     p.add_argument("--amp", action="store_true", help="only the mixed-precision check")
     cli = p.parse_args()
-    install_abort_handler()
+    minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     if cli.amp:

@@ -20,13 +20,14 @@ import tempfile
 import zlib
 
 import numpy as np
-from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_probes  # noqa: E402
 from exact import run_steps  # noqa: E402
 
-from minidist.comm import install_abort_handler, trace  # noqa: E402
+import minidist.comm  # noqa: E402
+from minidist.comm import trace  # noqa: E402
+from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.safetensors import load_file  # noqa: E402
 from minidist.train import checkpoint  # noqa: E402
@@ -164,7 +165,7 @@ def main():
     p.add_argument("--only", default=None, help="gradcheck | memory | traffic | refusals")
     p.add_argument("--tol", type=float, default=1e-10)
     cli = p.parse_args()
-    install_abort_handler()
+    minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     tmp = comm.bcast(tempfile.mkdtemp(prefix="tp_check_") if comm.rank == 0 else None)

@@ -24,9 +24,10 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import ProcessGroup, install_abort_handler, trace
+import minidist.comm
+from minidist.comm import ProcessGroup, trace
+from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.train import memory
 from minidist.train.amp import MixedPrecision
@@ -176,7 +177,7 @@ def main():
     p.add_argument("--comm", action="store_true")
     p.add_argument("--tol", type=float, default=1e-10)
     cli = p.parse_args()
-    install_abort_handler()
+    minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
                            log_json=None)

@@ -21,9 +21,10 @@ import shutil
 from types import SimpleNamespace
 
 import numpy as np
-from mpi4py import MPI
 
-from minidist.comm import ProcessGroup, install_abort_handler
+import minidist.comm
+from minidist.comm import ProcessGroup
+from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.train.checkpoint import CheckpointError
 from minidist.train.checkpoint_dirs import resolve
 from minidist.train.step import train_step
@@ -123,7 +124,7 @@ def main():
     p.add_argument("--load", default=None, metavar="DIR")
     p.add_argument("--stage", type=int, default=3)
     cli = p.parse_args()
-    install_abort_handler()
+    minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     comm = MPI.COMM_WORLD
     result = save_side(cli, comm) if cli.save else load_side(cli, comm)
     if comm.rank == 0:

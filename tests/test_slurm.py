@@ -1,0 +1,82 @@
+"""examples/slurm/train.sbatch under a fake `srun`: the launch a cluster job makes, on this machine.
+
+The fake srun (written first on PATH) starts the ranks through the mpich wheel's mpiexec, so
+they can talk, and gives each the task variables Slurm's srun sets (SLURM_PROCID,
+SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID) with Hydra's
+own local-rank variables removed: minidist must find its place from Slurm's. A fake scontrol
+records the requeue. By hand (a real cluster): sbatch examples/slurm/train.sbatch --steps 100
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpi_env, mpiexec
+
+FAKE_SRUN = r"""#!/bin/bash
+# fake srun: --ntasks=N (other options ignored), then the command on N local ranks
+n=1
+while [[ "$1" == -* ]]; do
+    case "$1" in --ntasks=*) n="${1#*=}" ;; -n|--ntasks) n="$2"; shift ;; esac
+    shift
+done
+echo "srun: $n task(s): $*" >&2
+export SLURM_STEP_NUM_TASKS=$n SLURM_STEP_TASKS_PER_NODE=$n SLURM_NODEID=0
+exec "MPIEXEC" -n "$n" bash -c '
+    export SLURM_PROCID=$PMI_RANK SLURM_LOCALID=$PMI_RANK
+    unset MPI_LOCALRANKID MPI_LOCALNRANKS
+    exec "$@"' _ "$@"
+"""
+PROBE = ("import json, os; from minidist import launcher as L; "
+         "print('PROBE', json.dumps([int(os.environ['SLURM_PROCID']), L.local_rank_and_size(), "
+         "L.world_size_from_env()]))")
+
+
+def _fake_cluster(tmp_path):
+    """A bin/ with the fake srun and scontrol, and the batch job's environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.replace("MPIEXEC", mpiexec()))
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    env = mpi_env(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+                  SLURM_JOB_ID="42", SLURM_JOB_NAME="minidist", SLURM_NNODES="1",
+                  SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="1",
+                  SLURM_SUBMIT_DIR=ROOT, CKPT=str(tmp_path / "ckpt"), PYTHON=sys.executable)
+    return env
+
+
+@pytest.mark.mpi
+def test_fake_srun_gives_slurm_variables(tmp_path):
+    """Each rank reads its local rank and the job size from Slurm's variables alone."""
+    env = _fake_cluster(tmp_path)
+    out = subprocess.run(["srun", "--mpi=pmi2", "--ntasks=2", sys.executable, "-c", PROBE],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    rows = sorted(json.loads(line[6:]) for line in out.stdout.splitlines()
+                  if line.startswith("PROBE "))
+    assert rows == [[0, [0, 2], 2], [1, [1, 2], 2]], (out.stdout, out.stderr)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
+    """The batch script trains 2 ranks through srun, saves; started again (as after a requeue)
+    with the same command it resumes from its checkpoint. By hand (fake srun on PATH):
+    SLURM_NNODES=1 SLURM_NTASKS=2 bash examples/slurm/train.sbatch --steps 2 ..."""
+    env = _fake_cluster(tmp_path)
+    flags = ["--data", corpus, "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+             "--block-size", "16", "--batch-size", "4", "--eval-iters", "1", "--sample", "0",
+             "--device", "cpu"]
+    first = subprocess.run(["bash", "examples/slurm/train.sbatch", *flags, "--steps", "2"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, (first.stdout, first.stderr)
+    assert "srun: 2 task(s)" in first.stderr and "2 process(es)" in first.stdout
+    assert os.listdir(tmp_path / "ckpt"), "no checkpoint saved"
+    again = subprocess.run(["bash", "examples/slurm/train.sbatch", *flags, "--steps", "3"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    assert "resumed from" in again.stdout and "at step 2" in again.stdout, again.stdout
+    assert not (tmp_path / "scontrol.log").exists()   # a finished run is not requeued
