@@ -204,3 +204,18 @@ def test_config_mismatch_names_the_fields(tmp_path):
     f64 = GPT(TINY, dtype="float64")
     with pytest.raises(CheckpointError, match="dtype: 'float32' in the checkpoint"):
         load_checkpoint(tmp_path / "ck", f64)
+
+
+def test_train_keeps_the_newest_k_folders(corpus, tmp_path):
+    """--save DIR --save-every 1 --keep 2: after 4 steps, step-3 and step-4 (latest) remain."""
+    from minidist.train.args import train_parser
+    from minidist.train.loop import train
+    args = train_parser().parse_args([
+        "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "8",
+        "--batch-size", "2", "--steps", "4", "--eval-every", "0", "--eval-iters", "1",
+        "--sample", "0", "--device", "cpu", "--data", corpus, "--cache-dir",
+        str(tmp_path / "cache"),
+        "--save", str(tmp_path / "ck"), "--save-every", "1", "--keep", "2"])
+    train(args)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-00000003", "step-00000004"]
+    assert (tmp_path / "ck" / "latest").read_text() == "step-00000004\n"
