@@ -185,10 +185,10 @@ class TensorParallelGPT(GPT):
 
     def save_pretrained(self, directory, dtype="float32"):
         """The FULL model in GPT-2's format, written by rank 0 of the group (collective)."""
-        from minidist.nn.pretrained import save_pretrained
+        from minidist.nn.pretrained import save_state_pretrained
         full = self.full_state_dict()
         if self.group.rank == 0:
-            save_pretrained(GatheredModel(self.config, full), directory, dtype=dtype)
+            save_state_pretrained(self.config, full, directory, dtype=dtype)
         self.group.barrier()
 
     def parameter_counts(self):
@@ -197,13 +197,3 @@ class TensorParallelGPT(GPT):
         full = sum(int(np.prod(shape)) for shape, _ in gpt_param_specs(self.config).values())
         return self.num_parameters(), full
 
-
-class GatheredModel:
-    """The whole model as save_pretrained and save_checkpoint read one: a config and a state
-    dict of full host arrays."""
-
-    def __init__(self, config, state):
-        self.config, self._state = config, state
-
-    def state_dict(self):
-        return self._state
