@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def mpi_env(**extra):
     """Environment for test jobs: one BLAS thread per rank (ranks outnumber cores here)."""
     env = dict(os.environ)
-    env.update(MINIDIST_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     env.update({k: str(v) for k, v in extra.items()})
     return env

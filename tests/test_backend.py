@@ -120,7 +120,7 @@ def test_threads_per_rank_under_mpiexec(tmp_path):
                       "rows = MPI.COMM_WORLD.gather((b.local_rank_and_size(), b.blas_threads()))\n"
                       "if rows: print('threads', rows)\n")
     env = mpi_env()
-    for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MINIDIST_THREADS"):
+    for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
         env.pop(k)
     out = run_mpi(4, str(script), env=env, timeout=60).stdout
     line = next(line for line in out.splitlines() if line.startswith("threads"))

@@ -233,8 +233,3 @@ class DataParallelOverlap(DataParallelBucket):
             b.work.wait()
             b.work, b.ready = None, 0
         self._next = 0
-
-    def remove_hooks(self):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

@@ -75,10 +75,3 @@ def _scratch(opt, p):
     if key not in bufs:
         bufs[key] = xp_of(p).empty_like(p)
     return bufs[key]
-
-
-def decay_split(named_params):
-    """(decayed, not decayed) names under the default rule, for logs and tests."""
-    named_params = list(named_params)
-    return ([n for n, p in named_params if wants_decay(p)],
-            [n for n, p in named_params if not wants_decay(p)])
