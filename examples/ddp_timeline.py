@@ -12,6 +12,7 @@ that step's forward on rank 0 (ranks share one clock on one node).
 """
 import argparse
 import json
+import sys
 
 
 def steps_of(events, rank):
@@ -35,16 +36,22 @@ def bar(t0, t1, lo, hi, width):
     return "".join("#" if a <= i < b else "." for i in range(width))
 
 
+def fail(line):
+    """A user error: one line, exit status 2."""
+    sys.stderr.write(line + "\n")
+    sys.exit(2)
+
+
 def draw(events, step, width, only=None):
     """Print step `step` (Python indexing: -1 is the last) of the traced steps, every rank."""
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     ranks = [r for r in ranks if only is None or r in only]
     if not ranks:
-        raise SystemExit("error: no rank of --ranks is in this trace")
+        fail("error: no rank of --ranks is in this trace")
     count = min(len(steps_of(events, r)) for r in ranks)
     if not -count <= step < count:
-        raise SystemExit(f"error: --step {step}: the trace holds steps 0 to {count - 1} "
-                         "(DDP steps: train_gpt.py --dp with --trace)")
+        fail(f"error: --step {step}: the trace holds steps 0 to {count - 1} "
+             "(DDP steps: train_gpt.py --dp with --trace)")
     step %= count                      # -1 -> the last step's number, which is what we print
     windows = {r: steps_of(events, r)[step] for r in ranks}
     lo = windows[ranks[0]][0]

@@ -77,3 +77,20 @@ def test_bad_input_is_one_line(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (
             args, done.stderr)
+
+
+def test_ddp_timeline_text(tmp_path):
+    """examples/ddp_timeline.py names the step it draws (not `step -1`), refuses a step the
+    trace lacks in one line, and its --help is the whole docstring."""
+    t = tmp_path / "trace.json"
+    write_trace(t, ranks=2, steps=3)
+    run = [sys.executable, "examples/ddp_timeline.py"]
+    done = subprocess.run(run + [str(t)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("step 2 of 3 traced"), done.stdout
+    assert "step -1" not in done.stdout and done.stdout.count("all_reduce") == 4, done.stdout
+    bad = subprocess.run(run + [str(t), "--step", "3"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --step 3"), bad.stderr
+    helptext = subprocess.run(run + ["--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60).stdout
+    assert "mpirun -n 4 python examples/train_gpt.py" in helptext and "one node)" in helptext

@@ -97,8 +97,8 @@ class ProcessGroup:
                                "entry point's setup; it also installs the abort hooks)")
         if sync_comm is None:
             sync_comm = os.environ.get("MINIDIST_SYNC_COMM", "0") not in ("", "0")
-        if sync_comm and MPI.COMM_WORLD.Get_rank() == 0:
-            sys.stderr.write(SYNC_COMM_NOTE + "\n")
+        if sync_comm and MPI.COMM_WORLD.Get_rank() == 0 and not any(g.sync_comm for g in _groups):
+            sys.stderr.write(SYNC_COMM_NOTE + "\n")     # once per process
         return cls(MPI.COMM_WORLD, algo, "world", sync_comm)
 
     def new_group(self, ranks, algo=None, name=None):
