@@ -58,15 +58,27 @@ def attention_flops(T, hs, block, causal=True):
     return {"tiles": tiles, "tiles_full": n * n, "flops": flops, "flops_full": 4 * T * T * hs}
 
 
+_BIASES = {}
+
+
+def _diagonal_bias(xp, shift, bq, bk, dtype):
+    """(bq, bk): -inf where tile key c comes after tile query r (c + shift > r), else 0;
+    cached per (module, shift, bq, bk, dtype). An added bias, not a boolean scatter: no
+    host sync on cupy."""
+    key = (xp.__name__, shift, bq, bk, str(dtype))
+    if key not in _BIASES:
+        r, c = xp.arange(bq)[:, None], xp.arange(bk)[None, :]
+        _BIASES[key] = xp.where(c + shift > r, -math.inf, 0.0).astype(dtype)
+    return _BIASES[key]
+
+
 def _tile_scores(q_i, k_j, r0, c0, masked, offset):
     """s = q_i k_j^T (q_i pre-scaled), with -inf where key position > query position.
     offset = k_start - q_start, so key c is after query r when c + offset > r."""
     xp = xp_of(q_i)
     s = _mm(q_i, xp.swapaxes(k_j, -1, -2))                   # (B, nh, bq, bk)
     if masked:
-        r = xp.arange(r0, r0 + s.shape[-2])[:, None]
-        c = xp.arange(c0, c0 + s.shape[-1])[None, :] + offset
-        s += xp.where(c > r, -math.inf, 0.0).astype(s.dtype)   # (bq, bk), no host sync
+        s += _diagonal_bias(xp, c0 + offset - r0, s.shape[-2], s.shape[-1], s.dtype)
     return s
 
 
@@ -89,7 +101,8 @@ def _row_block(q_i, k, v, tiles, offset, scale):
         m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
         m_new = xp.where(xp.isfinite(m_new), m_new, 0.0)     # a row with no key yet: exp(-inf)
         alpha = xp.exp(m - m_new)                            # old sums under the new max
-        p = xp.exp(s - m_new)                                # (B, nh, bq, bk)
+        s -= m_new
+        p = xp.exp(s, out=s)                                 # (B, nh, bq, bk)
         l *= alpha
         l += p.sum(axis=-1, keepdims=True)
         acc *= alpha
@@ -150,20 +163,22 @@ def _backward(g, q, k, v, y, lse, block, out):
     dk[...] = 0
     dv[...] = 0
     D = (g * y).sum(axis=-1, keepdims=True)                  # (B, nh, T, 1): g_i . y_i
-    T = q.shape[-2]
-    for r0, r1, c0, c1, masked in block_pairs(T, block):
-        q_i, g_i, k_j, v_j = q[..., r0:r1, :], g[..., r0:r1, :], k[..., c0:c1, :], \
-            v[..., c0:c1, :]
-        s = _tile_scores(q_i * scale, k_j, r0, c0, masked, 0)
-        p = xp.exp(s - lse[..., r0:r1, None])                 # the forward's probabilities
-        p = p.astype(q.dtype, copy=False)
-        dv[..., c0:c1, :] += _mm(xp.swapaxes(p, -1, -2), g_i)   # y = p v: dv = p^T g
-        dp = _mm(g_i, xp.swapaxes(v_j, -1, -2))               # dp = g v^T
-        dp -= D[..., r0:r1, :]                                # softmax: ds = p (dp - g.y)
-        dp *= p
-        dp *= scale                                           # s = q k^T / sqrt(hs)
-        dq[..., r0:r1, :] += _mm(dp, k_j)                     # dq = ds k
-        dk[..., c0:c1, :] += _mm(xp.swapaxes(dp, -1, -2), q_i)  # dk = ds^T q
+    rows = itertools.groupby(block_pairs(q.shape[-2], block), key=lambda tile: tile[:2])
+    for (r0, r1), tiles in rows:
+        q_i, g_i = q[..., r0:r1, :], g[..., r0:r1, :]
+        q_s, lse_i, D_i = q_i * scale, lse[..., r0:r1, None], D[..., r0:r1, :]
+        for _, _, c0, c1, masked in tiles:
+            k_j, v_j = k[..., c0:c1, :], v[..., c0:c1, :]
+            s = _tile_scores(q_s, k_j, r0, c0, masked, 0)
+            s -= lse_i
+            p = xp.exp(s, out=s).astype(q.dtype, copy=False)  # the forward's probabilities
+            dv[..., c0:c1, :] += _mm(xp.swapaxes(p, -1, -2), g_i)   # y = p v: dv = p^T g
+            dp = _mm(g_i, xp.swapaxes(v_j, -1, -2))           # dp = g v^T
+            dp -= D_i                                         # softmax: ds = p (dp - g.y)
+            dp *= p
+            dp *= scale                                       # s = q k^T / sqrt(hs)
+            dq[..., r0:r1, :] += _mm(dp, k_j)                 # dq = ds k
+            dk[..., c0:c1, :] += _mm(xp.swapaxes(dp, -1, -2), q_i)  # dk = ds^T q
 
 
 class TiledAttention(Function):
