@@ -53,7 +53,7 @@ def log_steps():
 
 
 def set_rank(rank):
-    """The world rank printed in log lines (set when the world group is created)."""
+    """The world rank printed in log lines (set by comm.init)."""
     _state["rank"] = rank
 
 

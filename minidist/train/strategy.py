@@ -85,7 +85,7 @@ def _mesh(args, dp, tp=1, pp=1):
     from minidist.comm import DeviceMesh, trace
     if args.trace:
         trace.enable()
-    return DeviceMesh(dp=dp, tp=tp, pp=pp, algo=args.comm)   # installs the abort handler
+    return DeviceMesh(dp=dp, tp=tp, pp=pp, algo=args.comm)   # after comm.init (the loop's)
 
 
 def make_data_parallel(args, mesh):
