@@ -189,14 +189,16 @@ def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpu
 
 @pytest.mark.mpi
 def test_bad_tp_sizes_are_refused_on_every_rank():
-    """No collective is reached, so nothing hangs; each rank says why, without a traceback:
+    """No collective is reached, so nothing hangs; one `error:` line (rank 0's), exit 2, no
+    traceback:
 
         mpiexec -n 2 python examples/train_gpt.py --tp 2 --n-head 3 --n-embd 15
     """
     out = run_mpi(2, "examples/train_gpt.py", "--tp", "2", "--n-head", "3", "--n-embd", "15",
                   timeout=60, check=False)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert out.stderr.count("n_head 3 is not divisible by tp 2") == 2
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("n_head 3 is not divisible by tp 2") == 1
+    assert out.stderr.startswith("error: tensor parallelism: ")
 
 
 @pytest.mark.mpi
