@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU acceptance of issue 13, in one go, on a machine with a GPU and no network.
+# One JSON line per check on stdout and in $LOGS/results.jsonl (verdicts by
+# tests/scripts/acceptance.py); every command runs under `timeout`, its output in $LOGS.
+#
+#   bash tests/gpu_acceptance.sh                  # on the GPU machine, from the repo root
+#   DEVICE=cpu DRY=1 bash tests/gpu_acceptance.sh # CPU dry run: same checks, tiny sizes
+#
+# Checks: the gpu-marked suite; the whole suite with --device; GPU vs CPU (float64 1e-10,
+# float32 1e-4: tests/scripts/gpu_vs_cpu.py); train_gpt.py 200 steps on the device within 2%
+# of the CPU's val loss; mpiexec -n 4 train_gpt.py --device with DDP, --zero 3, --tp 2 --amp,
+# --dp 2 --pp 2, each finite and decreasing (--log-json). Exit status 1 if any check failed.
+#
+# No MPI on the machine: put the mpich and mpi4py wheels in .whl/ (examples/GPU_NOTES.md says
+# how); a venv that sees the machine's CuPy is made from them here, once per run.
+# Environment: DEVICE (cuda), DRY (0), LOGS (acceptance-logs/<time>), LIMIT (seconds per
+# command, 1800), STEPS (200), MPI_STEPS (60), SUITE (pytest targets, default: all tests).
+set -u
+cd "$(dirname "$0")/.."
+DEVICE=${DEVICE:-cuda}
+DRY=${DRY:-0}
+LOGS=${LOGS:-acceptance-logs/$(date +%Y%m%d-%H%M%S)}
+LIMIT=${LIMIT:-1800}
+SUITE=${SUITE:-tests}
+if [ "$DRY" = 1 ]; then
+    STEPS=${STEPS:-12}; MPI_STEPS=${MPI_STEPS:-8}
+    MODEL="--n-layer 2 --n-head 2 --n-embd 32 --block-size 32 --batch-size 8 --eval-iters 2"
+else
+    STEPS=${STEPS:-200}; MPI_STEPS=${MPI_STEPS:-60}
+    MODEL=""
+fi
+mkdir -p "$LOGS"
+RESULTS="$LOGS/results.jsonl"
+: > "$RESULTS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+# ---- environment: mpi4py + mpich from .whl/ when the machine has no MPI --------------------
+if ! python3 -c "import mpi4py" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
+    PYV=$(python3 -c "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')")
+    V=$(mktemp -d)/venv
+    python3 -m venv "$V" && echo "$SP" > "$V/lib/$PYV/site-packages/base.pth"
+    "$V/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl > "$LOGS/venv.log" 2>&1
+    export PATH="$V/bin:$PATH"
+fi
+PY=${PY:-$(command -v python3)}
+MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
+[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || echo mpiexec)
+TRAIN="examples/train_gpt.py $MODEL --sample 0 --eval-every 0"
+
+# run NAME KIND [extra verdict args] -- COMMAND...: time COMMAND under timeout, then the verdict
+run() {
+    local name=$1 kind=$2; shift 2
+    local extra=()
+    while [ "$1" != "--" ]; do extra+=("$1"); shift; done
+    shift
+    local log="$LOGS/$name.log" t0 rc
+    t0=$(date +%s.%N)
+    timeout -k 10 "$LIMIT" "$@" > "$log" 2>&1
+    rc=$?
+    local dt
+    dt=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" \
+        "$(date +%s.%N)")
+    "$PY" tests/scripts/acceptance.py "$kind" "$name" "$rc" "$dt" "$log" "${extra[@]}" \
+        | tee -a "$RESULTS"
+}
+
+# ---- 1. the gpu-marked tests, 2. the whole suite on the device -----------------------------
+# on the CPU (dry run) the gpu tests all skip: allowed there, a failure on a GPU
+EMPTY=$([ "$DEVICE" = cpu ] && echo allow-empty || echo need-tests)
+run gpu_suite pytest "$EMPTY" -- "$PY" -m pytest -q -m gpu --device "$DEVICE" $SUITE
+run suite_on_device pytest need-tests -- "$PY" -m pytest -q --device "$DEVICE" $SUITE
+
+# ---- 3. GPU vs CPU, same seed ----------------------------------------------------------------
+for dt in float64 float32; do
+    run "gpu_vs_cpu_$dt" json -- "$PY" tests/scripts/gpu_vs_cpu.py --device "$DEVICE" \
+        --dtype "$dt"
+done
+
+# ---- 4. train_gpt.py on the device vs the CPU: final val loss within 2% ---------------------
+J="$LOGS/train_cpu.jsonl" D="$LOGS/train_dev.jsonl"
+rm -f "$J" "$D"
+run train_cpu curve "$J" -- "$PY" $TRAIN --device cpu --steps "$STEPS" --log-json "$J"
+run train_device curve "$D" -- "$PY" $TRAIN --device "$DEVICE" --steps "$STEPS" --log-json "$D"
+run train_val_within_2pct val "$D" "$J" 0.02 -- true
+
+# ---- 5. four ranks on the device: finite and decreasing -------------------------------------
+for flags in "" "--zero 3" "--tp 2 --amp" "--dp 2 --pp 2"; do
+    name="mpi4_$(echo "${flags:-ddp}" | tr -d '-' | tr ' ' '_')"
+    F="$LOGS/$name.jsonl"
+    rm -f "$F"
+    run "$name" curve "$F" -- "$MPIEXEC" -n 4 "$PY" $TRAIN --device "$DEVICE" \
+        --steps "$MPI_STEPS" --log-json "$F" $flags
+done
+
+"$PY" tests/scripts/acceptance.py summary "$RESULTS" > "$LOGS/summary.json"
+status=$?
+tee -a "$RESULTS" < "$LOGS/summary.json"
+exit $status

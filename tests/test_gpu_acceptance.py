@@ -1,0 +1,86 @@
+"""tests/gpu_acceptance.sh without a GPU: its verdicts (tests/scripts/acceptance.py) on
+made-up outputs, and (slow) the whole script in its CPU dry mode, DEVICE=cpu DRY=1, where
+every check must pass: python -m pytest -m slow tests/test_gpu_acceptance.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "acceptance.py")
+
+
+def _verdict(tmp_path, kind, name, rc, log_text, *extra):
+    log = tmp_path / f"{name}.log"
+    log.write_text(log_text)
+    out = subprocess.run([sys.executable, SCRIPT, kind, name, str(rc), "1.5", str(log),
+                          *map(str, extra)], capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout)
+    assert row["check"] == name and row["rc"] == rc and row["seconds"] == 1.5
+    return row
+
+
+def _log_json(path, losses, val):
+    rows = [{"step": i, "loss": x} for i, x in enumerate(losses)] + [
+        {"final": True, "val_loss": val}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_pytest_verdict_reads_the_summary_line(tmp_path):
+    row = _verdict(tmp_path, "pytest", "s", 1, "x\n== 2 failed, 5 passed, 1 skipped in 3s ==\n",
+                   "need-tests")
+    assert not row["ok"] and (row["failed"], row["passed"], row["skipped"]) == (2, 5, 1)
+    assert _verdict(tmp_path, "pytest", "s", 0, "7 passed in 1s", "need-tests")["ok"]
+    all_skipped = "40 skipped, 381 deselected in 2s"
+    assert not _verdict(tmp_path, "pytest", "s", 0, all_skipped, "need-tests")["ok"]
+    assert _verdict(tmp_path, "pytest", "s", 0, all_skipped, "allow-empty")["ok"]
+
+
+def test_curve_verdict_wants_finite_and_decreasing(tmp_path):
+    good = _log_json(tmp_path / "g.jsonl", [5, 4.8, 4.6, 4.1, 3.9, 3.7], 3.8)
+    assert _verdict(tmp_path, "curve", "c", 0, "", good)["ok"]
+    nan = _log_json(tmp_path / "n.jsonl", [5, 4.8, float("nan"), 4.1, 3.9, 3.7], 3.8)
+    assert not _verdict(tmp_path, "curve", "c", 0, "", nan)["ok"]
+    flat = _log_json(tmp_path / "f.jsonl", [5, 5, 5, 5, 5, 5], 5)
+    assert not _verdict(tmp_path, "curve", "c", 0, "", flat)["ok"]
+    assert not _verdict(tmp_path, "curve", "c", 124, "", good)["ok"]        # timed out
+    assert not _verdict(tmp_path, "curve", "c", 0, "", tmp_path / "missing.jsonl")["ok"]
+
+
+def test_val_verdict_is_relative_to_the_cpu(tmp_path):
+    cpu = _log_json(tmp_path / "cpu.jsonl", [5, 4], 3.00)
+    near = _log_json(tmp_path / "near.jsonl", [5, 4], 3.05)
+    far = _log_json(tmp_path / "far.jsonl", [5, 4], 3.10)
+    row = _verdict(tmp_path, "val", "v", 0, "", near, cpu, 0.02)
+    assert row["ok"] and abs(row["rel_diff"] - 0.05 / 3) < 1e-12
+    assert not _verdict(tmp_path, "val", "v", 0, "", far, cpu, 0.02)["ok"]
+
+
+def test_json_verdict_takes_the_last_json_line(tmp_path):
+    text = 'noise\n{"ok": false}\n{"ok": true, "max_param_diff": 1e-13}\n'
+    row = _verdict(tmp_path, "json", "j", 0, text)
+    assert row["ok"] and row["max_param_diff"] == 1e-13
+    assert not _verdict(tmp_path, "json", "j", 1, text)["ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_dry_run_on_the_cpu_passes_every_check(tmp_path):
+    """DEVICE=cpu DRY=1 SUITE=tests/test_bfloat16.py bash tests/gpu_acceptance.sh"""
+    env = dict(os.environ, DEVICE="cpu", DRY="1", SUITE="tests/test_bfloat16.py",
+               LOGS=str(tmp_path), LIMIT="300", MINIDIST_THREADS="1")
+    out = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu_acceptance.sh")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    names = [r["check"] for r in rows]
+    assert names == ["gpu_suite", "suite_on_device", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",
+                     "train_cpu", "train_device", "train_val_within_2pct", "mpi4_ddp",
+                     "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2", "summary"], out.stderr
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert out.returncode == 0
+    assert (tmp_path / "results.jsonl").read_text().count("\n") == len(rows)
