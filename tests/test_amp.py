@@ -87,6 +87,7 @@ def _snapshot(model, opt):
             {k: dict(v) for k, v in opt.inner.state.items()})
 
 
+@pytest.mark.cpu_only("float16 loss scaling: on CuPy --amp picks bfloat16, scale fixed at 1")
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_injected_overflow_skips_the_step_and_leaves_everything_untouched(bad):
     amp, model, opt = _amp_model()
@@ -120,6 +121,7 @@ def test_an_overflow_on_another_rank_skips_here_too():
     assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step() is False
 
 
+@pytest.mark.cpu_only("float16 policy: on CuPy --amp picks bfloat16 (tests/test_bfloat16.py)")
 def test_unscaled_norm_matches_float32_and_the_step_lands_in_float16():
     amp, model, opt = _amp_model()
     _backward(amp, model)
@@ -152,6 +154,7 @@ def test_ledger_counts_2_2_12_bytes_per_parameter():
     assert (row["params"], row["grads"], row["optimizer"]) == (2 * n, 2 * n, 12 * n)
 
 
+@pytest.mark.cpu_only("numpy's emulated float16 matmul; CuPy runs a real 16-bit GEMM")
 def test_cpu_float16_matmul_is_the_float32_product_rounded():
     rng = np.random.default_rng(0)
     a = rng.standard_normal((5, 7)).astype(np.float16)
@@ -179,6 +182,8 @@ def _train(corpus, tmp, *flags):
     return rows[:-1], rows[-1]
 
 
+@pytest.mark.cpu_only("trains with --device cpu (float16 on numpy); on a GPU: "
+                     "test_amp_trains_on_cuda and tests/gpu_acceptance.sh")
 def test_amp_within_2_percent_of_float32_after_30_steps(corpus, tmp_path, capsys):
     rows32, final32 = _train(corpus, tmp_path, "--steps", "30")
     rows16, final16 = _train(corpus, tmp_path, "--steps", "30", "--amp")
@@ -192,6 +197,7 @@ def test_amp_within_2_percent_of_float32_after_30_steps(corpus, tmp_path, capsys
     assert m16["params"] * 2 == m32["params"] and m16["optimizer"] == 3 * m32["optimizer"] / 2
 
 
+@pytest.mark.cpu_only("trains with --device cpu (SMALL)")
 def test_amp_with_checkpointing_and_grad_accum_changes_no_number(corpus, tmp_path):
     rows, _ = _train(corpus, tmp_path, "--steps", "4", "--amp", "--grad-accum", "2",
                      "--dropout", "0.1")
@@ -202,6 +208,7 @@ def test_amp_with_checkpointing_and_grad_accum_changes_no_number(corpus, tmp_pat
     assert rows_c[-1]["mem"]["activations"] < 0.6 * rows[-1]["mem"]["activations"]
 
 
+@pytest.mark.cpu_only("trains with --device cpu (SMALL)")
 def test_amp_resume_is_bit_identical(corpus, tmp_path):
     common = ["--steps", "6", "--amp"]
     straight, _ = _train(corpus, tmp_path, *common)
