@@ -219,3 +219,41 @@ def test_train_keeps_the_newest_k_folders(corpus, tmp_path):
     train(args)
     assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-00000003", "step-00000004"]
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000004\n"
+
+
+_SAVER = """
+import sys
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.train.checkpoint import save_checkpoint
+from minidist.train.checkpoint_dirs import prune
+model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+opt = AdamW(model.named_parameters())
+for step in range(1, 10**6):
+    save_checkpoint(sys.argv[1], model, opt, step=step)
+    prune(sys.argv[1], 1)
+    print(step, flush=True)
+"""
+
+
+def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
+    """A process saving (and pruning) in a loop is killed with SIGKILL at varied moments: the
+    --save directory always resolves to a complete checkpoint that loads, and the next save
+    removes what the killed one left half-written."""
+    import subprocess
+    import sys
+    import time
+    d = tmp_path / "ck"
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    opt = AdamW(model.named_parameters())
+    for trial, delay in enumerate((0.0, 0.013, 0.029, 0.047)):
+        child = subprocess.Popen([sys.executable, "-c", _SAVER, str(d)],
+                                 stdout=subprocess.PIPE, text=True)
+        first = int(child.stdout.readline())         # one save done; then kill mid-way
+        time.sleep(delay)
+        child.kill()
+        child.wait()
+        meta = load_checkpoint(d, model, opt)
+        assert meta["step"] >= first, (trial, meta["step"], first)
+    save_checkpoint(d, model, opt, step=99)
+    assert not [n for n in os.listdir(d) if n.startswith(".")]     # temporaries cleaned
