@@ -2,7 +2,9 @@
 ops whose behaviour is more than a gradient (split's one buffer, embedding's scatter-add,
 dropout's seed contract, cast's dtypes). Gradients themselves: tests/test_gradcheck.py.
 
-Run: python -m pytest -q tests/test_autograd.py
+Run: python -m pytest -q tests/test_autograd.py [--device cuda]: P() and the op tests build
+their arrays on --device (the `device` fixture, used by every test here) and compare on the
+host; the hypothesis gradient checks and numpy-only checks are marked cpu_only.
 """
 import numpy as np
 import pytest
@@ -12,17 +14,25 @@ from hypothesis.extra.numpy import mutually_broadcastable_shapes
 from minidist import backend
 from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad, ops
 from minidist.autograd.gradcheck import gradcheck
+from minidist.backend import to_host as H
 
+pytestmark = pytest.mark.usefixtures("device")      # backend.get_xp() is --device's module
 rng = np.random.default_rng(0)
 
 
+def A(a):
+    """A host array moved to --device (numpy: no copy)."""
+    return backend.get_xp().asarray(a)
+
+
 def P(*shape, dtype=np.float64):
-    """A parameter-like leaf."""
-    return Tensor(rng.standard_normal(shape).astype(dtype), requires_grad=True)
+    """A parameter-like leaf on --device."""
+    return Tensor(A(rng.standard_normal(shape).astype(dtype)), requires_grad=True)
 
 
 # ---- dtypes --------------------------------------------------------------------------------
 
+@pytest.mark.cpu_only("Tensor(list) makes numpy arrays by design: the host constructor")
 def test_python_floats_default_to_float32():
     assert Tensor([1.0, 2.0]).dtype == np.float32 and Tensor(3.0).dtype == np.float32
     assert Tensor([1, 2]).dtype.kind == "i"
@@ -41,7 +51,7 @@ def test_float32_stays_float32_through_ops_and_scalars():
 
 def test_float64_seed_gradient_does_not_promote():
     x = P(2, 3, dtype=np.float32)
-    (x * 2.0).backward(np.ones((2, 3)))
+    (x * 2.0).backward(A(np.ones((2, 3))))
     assert x.grad.dtype == np.float32
 
 
@@ -56,7 +66,7 @@ def test_cast_forward_dtype_and_gradient_cast_back():
     assert h.dtype == np.float16
     (h * 2.0).sum().backward()
     assert x.grad.dtype == np.float32
-    np.testing.assert_array_equal(x.grad, 2.0)
+    np.testing.assert_array_equal(H(x.grad), 2.0)
 
 
 # ---- accumulation --------------------------------------------------------------------------
@@ -64,30 +74,31 @@ def test_cast_forward_dtype_and_gradient_cast_back():
 def test_leaf_used_twice_gets_both_contributions():
     x = P(3)
     (x * x + x).sum().backward()
-    np.testing.assert_allclose(x.grad, 2 * x.data + 1)
+    np.testing.assert_allclose(H(x.grad), 2 * H(x.data) + 1)
 
 
 def test_interior_node_used_twice():
     x = P(3)
     h = x * 3.0
     (h * h + h).sum().backward()                            # d/dx = 3 (2h + 1)
-    np.testing.assert_allclose(x.grad, 3 * (2 * h.data + 1))
+    np.testing.assert_allclose(H(x.grad), 3 * (2 * H(h.data) + 1))
 
 
 def test_x_plus_x_same_array_to_both_inputs():
     x = P(2, 2)
     h = x * 1.0
     (h + h).sum().backward()
-    np.testing.assert_allclose(x.grad, 2.0)
+    np.testing.assert_allclose(H(x.grad), 2.0)
 
 
 def test_grads_accumulate_across_backward_calls():
     x = P(4)
     (x * 2.0).sum().backward()
     (x * 3.0).sum().backward()
-    np.testing.assert_allclose(x.grad, 5.0)
+    np.testing.assert_allclose(H(x.grad), 5.0)
 
 
+@pytest.mark.cpu_only("gradcheck: numpy finite differences")
 @settings(max_examples=25, deadline=None)
 @given(shapes=mutually_broadcastable_shapes(num_shapes=2, max_dims=3, max_side=3),
        op=st.sampled_from(["add", "sub", "mul", "div"]))
@@ -99,6 +110,7 @@ def test_broadcasting_gradients(shapes, op):
     gradcheck(fn, [a, b], name=f"{op}{shapes.input_shapes}")
 
 
+@pytest.mark.cpu_only("gradcheck: numpy finite differences")
 @settings(max_examples=20, deadline=None)
 @given(shapes=mutually_broadcastable_shapes(signature=np.matmul.signature, max_dims=2,
                                             max_side=3))
@@ -113,7 +125,7 @@ def test_matmul_broadcasting_gradients(shapes):
 
 def test_hooks_fire_once_after_grad_complete_in_reverse_usage_order():
     w1, w2, tied = P(4, 4), P(4, 4), P(4, 4)
-    x = Tensor(rng.standard_normal((2, 4)))
+    x = Tensor(A(rng.standard_normal((2, 4))))
     fired = []
 
     def hook(name):
@@ -131,7 +143,8 @@ def test_hooks_fire_once_after_grad_complete_in_reverse_usage_order():
     assert sorted(names) == ["tied", "w1", "w2"]            # exactly once each
     assert names.index("w2") < names.index("w1")            # reverse of use
     for name, grad_at_hook in fired:                        # complete when it fired
-        np.testing.assert_array_equal(grad_at_hook, {"w1": w1, "w2": w2, "tied": tied}[name].grad)
+        want = {"w1": w1, "w2": w2, "tied": tied}[name].grad
+        np.testing.assert_array_equal(H(grad_at_hook), H(want))
 
 
 def test_hook_on_leaf_backward_and_removal():
@@ -168,7 +181,7 @@ def test_deep_chain_has_no_recursion_limit():
     for _ in range(10_000):
         y = y + 1.0
     y.sum().backward()
-    np.testing.assert_array_equal(x.grad, 1.0)
+    np.testing.assert_array_equal(H(x.grad), 1.0)
     z = x
     for _ in range(30_000):                  # never backpropagated: dropping it must not crash
         z = z * 1.0
@@ -213,7 +226,7 @@ def test_constants_get_no_gradient_work():
         def backward(ctx, grad):
             return grad, grad
 
-    Spy.apply(P(2), np.ones(2))
+    Spy.apply(P(2), A(np.ones(2)))
     with no_grad():
         Spy.apply(P(2), P(2))
     assert seen == [(True, False), (False, False)]
@@ -236,7 +249,7 @@ def test_backward_on_non_scalar_needs_a_gradient():
     with pytest.raises(RuntimeError, match=r"non-scalar tensor of shape \(2, 3\)"):
         (P(2, 3) * 2.0).backward()
     with pytest.raises(ValueError, match=r"gradient of shape \(3,\) for a tensor of shape"):
-        (P(2, 3) * 2.0).backward(np.ones(3))
+        (P(2, 3) * 2.0).backward(A(np.ones(3)))
 
 
 def test_embedding_rejects_float_ids():
@@ -258,12 +271,12 @@ def test_split_with_another_consumer_and_unused_piece():
     want = np.full((4, 6), 3.0)
     want[:, :2] += 2.0
     want[:, 3:] += 1.0
-    np.testing.assert_array_equal(x.grad, want)
+    np.testing.assert_array_equal(H(x.grad), want)
     assert [p.shape for p in (a, b, c)] == [(4, 2), (4, 1), (4, 3)]
 
 
 def test_split_without_grad_returns_views():
-    x = Tensor(np.arange(6.0))
+    x = Tensor(A(np.arange(6.0)))
     parts = ops.split(x, 3)
     assert [p.data.base is x.data for p in parts] == [True] * 3
 
@@ -273,22 +286,22 @@ def test_embedding_scatter_add_matches_add_at(vocab):
     w = P(vocab, 4)
     idx = rng.integers(0, min(vocab, 20), size=(3, 50))      # many repeats
     g = rng.standard_normal((3, 50, 4))
-    ops.embedding(w, idx).backward(g)
+    ops.embedding(w, idx).backward(A(g))
     want = np.zeros((vocab, 4))
     np.add.at(want, idx.reshape(-1), g.reshape(-1, 4))
-    np.testing.assert_allclose(w.grad, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(H(w.grad), want, rtol=1e-12, atol=1e-12)
 
 
 def test_dropout_seed_contract():
-    x = Tensor(np.ones((50, 40), np.float32), requires_grad=True)
+    x = Tensor(A(np.ones((50, 40), np.float32)), requires_grad=True)
     a = ops.dropout(x, 0.25, backend.rng(11))
     b = ops.dropout(x, 0.25, backend.rng(11))
-    np.testing.assert_array_equal(a.data, b.data)
+    np.testing.assert_array_equal(H(a.data), H(b.data))
     keep = backend.rng(11).random(x.shape, dtype="float32") >= 0.25   # the documented mask
-    np.testing.assert_allclose(a.data, keep / 0.75, rtol=1e-6)
+    np.testing.assert_allclose(H(a.data), keep / 0.75, rtol=1e-6)
     assert a.dtype == np.float32
     a.sum().backward()
-    np.testing.assert_allclose(x.grad, keep / 0.75, rtol=1e-6)
+    np.testing.assert_allclose(H(x.grad), keep / 0.75, rtol=1e-6)
     assert ops.dropout(x, 0.0, None) is x and ops.dropout(x, 0.5, None, training=False) is x
     assert not ops.dropout(x, 1.0, backend.rng(0)).data.any()
     with pytest.raises(ValueError, match="probability"):
@@ -296,17 +309,17 @@ def test_dropout_seed_contract():
 
 
 def test_max_splits_gradient_between_ties():
-    x = Tensor(np.array([[1.0, 3.0, 3.0]]), requires_grad=True)
+    x = Tensor(A(np.array([[1.0, 3.0, 3.0]])), requires_grad=True)
     x.max(axis=1).sum().backward()
-    np.testing.assert_array_equal(x.grad, [[0.0, 0.5, 0.5]])
+    np.testing.assert_array_equal(H(x.grad), [[0.0, 0.5, 0.5]])
 
 
 @pytest.mark.parametrize("op", ["add", "mul", "matmul", "exp", "tanh", "relu", "sum", "gelu",
                                 "embedding"])
 def test_float16_forward_backward(op):
     from minidist.autograd import fused as F
-    x = Tensor(rng.standard_normal((4, 8)).astype(np.float16), requires_grad=True)
-    w = Tensor(rng.standard_normal((8, 8)).astype(np.float16), requires_grad=True)
+    x = Tensor(A(rng.standard_normal((4, 8)).astype(np.float16)), requires_grad=True)
+    w = Tensor(A(rng.standard_normal((8, 8)).astype(np.float16)), requires_grad=True)
     fn = {"add": lambda: x + w[:4], "mul": lambda: x * w[:4], "matmul": lambda: x @ w,
           "exp": lambda: x.exp(), "tanh": lambda: x.tanh(), "relu": lambda: x.relu(),
           "sum": lambda: x.sum(axis=0), "gelu": lambda: F.gelu(x),
@@ -315,4 +328,4 @@ def test_float16_forward_backward(op):
     assert out.dtype == np.float16
     out.sum().backward()
     for t in (x, w):
-        assert t.grad is None or (t.grad.dtype == np.float16 and np.isfinite(t.grad).all())
+        assert t.grad is None or (t.grad.dtype == np.float16 and np.isfinite(H(t.grad)).all())
