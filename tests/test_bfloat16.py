@@ -81,7 +81,7 @@ def test_row_sums_add_up_in_float32(device):
     assert g.dtype == BF16 and (g[0] == 1000).all() and not g[1:].any()
 
 
-def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param():
+def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param(device):
     amp = MixedPrecision(dtype="bfloat16")
     model = amp.cast_model(GPT(CFG, seed=0))
     assert amp.dtype == BF16 and all(p.dtype == BF16 for p in model.parameters())
@@ -93,7 +93,8 @@ def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param():
     assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step()
     for p, m in zip(model.parameters(), opt.master):
         assert m.dtype == np.float32
-        np.testing.assert_array_equal(p.data.view(np.uint16), m.data.astype(BF16).view(np.uint16))
+        host, master = backend.to_host(p.data), backend.to_host(m.data)
+        np.testing.assert_array_equal(host.view(np.uint16), master.astype(BF16).view(np.uint16))
     n = model.num_parameters()
     row = ledger(model.parameters(), opt)
     assert (row["params"], row["grads"], row["optimizer"]) == (2 * n, 2 * n, 12 * n)
@@ -128,7 +129,7 @@ def _train(corpus, amp_dtype, steps=25):
     return losses
 
 
-def test_bfloat16_amp_trains_near_float32(corpus):
+def test_bfloat16_amp_trains_near_float32(corpus, device):
     """25 steps of bfloat16 --amp on numpy: it learns, and its last losses are within 3% of
     float32's (bfloat16 keeps 8 bits; the float32 master weights keep the updates)."""
     l32, l16 = _train(corpus, None), _train(corpus, "bfloat16")
