@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 
 from minidist import backend
@@ -132,6 +133,10 @@ def verify(folder, shard_checksums=True):
     path = os.path.join(folder, "manifest.json")
     if not os.path.isdir(folder):
         raise CheckpointError(f"--resume {folder}: no such checkpoint directory")
+    parts = sorted(n for n in os.listdir(folder) if re.match(r"^tp\d+-of-\d+$", n))
+    if not os.path.isfile(path) and parts:
+        raise CheckpointError(f"--resume {folder}: a checkpoint of --tp with --zero "
+                              f"({', '.join(parts)}); resume it with the same --tp and --zero")
     if not os.path.isfile(path):
         raise CheckpointError(f"--resume {folder}: no manifest.json, so not a complete "
                               "minidist checkpoint")

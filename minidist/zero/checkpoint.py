@@ -219,7 +219,7 @@ def load_sharded(directory, model, optimizer, group):
     """Collective over `group`: this rank's shards (parameters, m, v, masters) from a checkpoint
     written at any world size and stage, or by one process (`directory`: a checkpoint folder,
     or a --save directory). Every rank checks what it reads; all agree before any shard
-    changes (a failure anywhere raises on every rank). Returns state.json's record."""
+    changes (a failure anywhere raises on every rank). Returns the checkpoint's meta."""
     err, new, record = None, None, None
     try:
         folder = dirs.resolve(directory)
@@ -237,7 +237,7 @@ def load_sharded(directory, model, optimizer, group):
         err = str(e)
     _agree(directory, group.comm.allgather(err))
     _assign(new, record, optimizer)
-    return {**record, "folder": folder}
+    return {**meta, "folder": folder}              # as checkpoint.load's meta
 
 
 def _agree(directory, verdicts):
