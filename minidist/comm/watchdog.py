@@ -174,4 +174,5 @@ def announce_exit(wait_s=1.0):
                 done = {key: p[1] for key, p in _progress.items()}
             told = [comm.isend(done, dest=r, tag=EXIT) for r in range(comm.Get_size())
                     if r != comm.Get_rank()]
+            _state["told"] = told   # their buffers must live until MPI_Finalize
         time.sleep(0.01)
