@@ -7,6 +7,7 @@ with a large float32 matmul's in the same process and thread count.
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
 "flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
 --amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
+--adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
@@ -19,7 +20,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, clip_grad_norm
+from minidist.optim import AdamW, FlatAdamW, clip_grad_norm
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
 
@@ -39,6 +40,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
+    p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
+                   help="FlatAdamW (one update per group) or AdamW (one per parameter)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
     args = p.parse_args()
     threads, _ = backend.setup(threads=args.threads, device=args.device)
@@ -48,11 +51,12 @@ def main():
                        attention_block=args.attention_block)
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision() if args.amp else None
+    adamw = FlatAdamW if args.adamw == "flat" else AdamW
     if amp:
         amp.cast_model(model)
-        opt = amp.optimizer(model.named_parameters(), lambda named: AdamW(named, lr=1e-4))
+        opt = amp.optimizer(model.named_parameters(), lambda named: adamw(named, lr=1e-4))
     else:
-        opt = AdamW(model.named_parameters(), lr=1e-4)
+        opt = adamw(model.named_parameters(), lr=1e-4)
     r = np.random.default_rng(args.seed)
     x = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
     y = r.integers(0, args.vocab_size, (args.batch_size, args.block_size))
@@ -87,6 +91,7 @@ def main():
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
+                      "adamw": args.adamw,
                       "ms_min": round(min(times) * 1e3, 2)}))
 
 

@@ -1,0 +1,117 @@
+"""FlatAdamW (minidist/optim/flat_adamw.py) equals AdamW bitwise on a GPT over several steps
+(float64 and float32, decay and no-decay groups), falls back exactly when a gradient is
+missing, survives checkpoints and rebound parameters; and the fused CuPy AdamW kernel's plan
+(minidist/optim/adamw.py) is checked on the CPU: its arguments' dtypes, and its arithmetic,
+run as Python on numpy arrays, against adamw_update."""
+import re
+
+import numpy as np
+import pytest
+
+from minidist.backend import to_host as H
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW, FlatAdamW, adamw_update
+from minidist.optim.adamw import ADAMW_KERNEL, fused_adamw_args, fused_adamw_ok
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=11)
+
+
+def _batch(step, B=2):
+    r = np.random.default_rng(50 + step)
+    return r.integers(0, 11, (B, 6)), r.integers(0, 11, (B, 6))
+
+
+def _train(opt_cls, dtype, steps=4, drop_grad_at=None):
+    model = GPT(TINY, seed=3, dtype=dtype)
+    opt = opt_cls(model.named_parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(steps):
+        _, loss = model(*_batch(step))
+        loss.backward()
+        if step == drop_grad_at:              # a parameter without a gradient this step
+            model.transformer.ln_f.weight.grad = None
+            model.transformer.h[0].mlp.c_fc.weight.grad = None
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_flat_adamw_is_bitwise_adamw(xp, dtype):
+    ref, ref_opt = _train(AdamW, dtype)
+    flat, opt = _train(FlatAdamW, dtype)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert len(opt.flats) == 2 and all(f.param.ndim == 1 for f in opt.flats)
+    for (name, p), (_, q) in zip(ref.named_parameters(), flat.named_parameters()):
+        assert np.array_equal(H(p.data), H(q.data)), name
+        assert q.data.base is not None                        # a view of the flat buffer
+    for name, s in ref_opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert np.array_equal(H(s[key]), H(opt.state[name][key])), (name, key)
+        assert s["step"] == opt.state[name]["step"] == 4
+
+
+def test_missing_gradient_falls_back_to_per_parameter_exactly(xp):
+    ref, ref_opt = _train(AdamW, "float64", steps=4, drop_grad_at=1)
+    flat, opt = _train(FlatAdamW, "float64", steps=4, drop_grad_at=1)
+    for (name, p), (_, q) in zip(ref.named_parameters(), flat.named_parameters()):
+        assert np.array_equal(H(p.data), H(q.data)), name
+    assert opt.state["transformer.ln_f.weight"]["step"] == 3
+    assert ref_opt.state["transformer.ln_f.weight"]["step"] == 3
+
+
+def test_state_dict_moves_between_adamw_and_flat_adamw(xp):
+    a, a_opt = _train(AdamW, "float64", steps=2)
+    f, f_opt = _train(FlatAdamW, "float64", steps=2)
+    f2 = GPT(TINY, seed=9, dtype="float64")
+    f2_opt = FlatAdamW(f2.named_parameters(), lr=0.01, weight_decay=0.1)
+    f2.load_state_dict(a.state_dict())          # rebinds .data: step() copies it back in
+    f2_opt.load_state_dict(a_opt.state_dict())  # AdamW's checkpoint into FlatAdamW
+    a2 = GPT(TINY, seed=9, dtype="float64")
+    a2.load_state_dict(f.state_dict())
+    a2_opt = AdamW(a2.named_parameters(), lr=0.01, weight_decay=0.1)
+    a2_opt.load_state_dict(f_opt.state_dict())  # and FlatAdamW's into AdamW
+    for step in (2, 3):
+        for model, opt in ((a, a_opt), (f2, f2_opt), (a2, a2_opt)):
+            _, loss = model(*_batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), f2.named_parameters(),
+                                         a2.named_parameters()):
+        assert np.array_equal(H(p.data), H(q.data)), name
+        assert np.array_equal(H(p.data), H(r.data)), name
+    assert all(p.data.base is not None for p in f2.parameters())
+
+
+def _kernel_names(params):
+    return [part.split()[-1] for part in params.split(",")]
+
+
+def test_fused_kernel_plan_has_the_kernels_dtypes_and_arithmetic():
+    """The kernel's operation is C that reads as Python once `;` and comments are dropped:
+    run it on numpy arrays with the planned arguments, against the generic adamw_update."""
+    r = np.random.default_rng(0)
+    for dtype in (np.float64, np.float32):
+        p, g = r.standard_normal(37).astype(dtype), r.standard_normal(37).astype(dtype)
+        m, v = (r.standard_normal(37) * 0.1).astype(dtype), r.random(37).astype(dtype)
+        args = fused_adamw_args(p.copy(), g, m.copy(), v.copy(), 3, 0.01, 0.9, 0.95, 1e-8, 0.1)
+        names = _kernel_names(ADAMW_KERNEL[0]) + _kernel_names(ADAMW_KERNEL[1])
+        assert len(args) == len(names)
+        scalars = [a for a in args if np.ndim(a) == 0]
+        assert len(scalars) == 8 and all(s.dtype == dtype for s in scalars)
+        env = dict(zip(names, args), sqrt=np.sqrt)
+        for line in ADAMW_KERNEL[2].strip().splitlines():
+            target, expr = re.sub(r"//.*", "", line).strip().rstrip(";").split("=", 1)
+            env[target.strip()] = eval(expr, {}, env)
+        want = [p.copy(), g, m.copy(), v.copy()]
+        adamw_update(*want, 3, 0.01, 0.9, 0.95, 1e-8, 0.1)
+        tol = 1e-15 if dtype == np.float64 else 1e-6
+        for key, ref in zip("pmv", (want[0], want[2], want[3])):
+            np.testing.assert_allclose(env[key], ref, rtol=tol, atol=tol, err_msg=key)
+
+
+def test_fused_kernel_is_off_for_numpy_and_with_kernels_switched_off(monkeypatch):
+    a = np.zeros(4, np.float32)
+    assert not fused_adamw_ok(a, a, a, a)
+    monkeypatch.setenv("MINIDIST_CUDA_KERNELS", "0")
+    assert not fused_adamw_ok(a, a, a, a)
