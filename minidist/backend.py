@@ -150,6 +150,11 @@ def is_half(dtype):
     return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
 
 
+def is_float(dtype):
+    """A floating dtype: kind "f", or bfloat16 (whose kind is "V"): use this, not kind."""
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
 def matmul(a, b, out=None):
     """a @ b (numpy's rules), into `out` if given.
 

@@ -13,7 +13,7 @@ Two rules every backward here follows:
 constants. Tests: tests/test_gradcheck.py (every op), tests/test_autograd.py.
 """
 from minidist.autograd.function import Function
-from minidist.backend import matmul as _mm, xp_of
+from minidist.backend import is_float, matmul as _mm, xp_of
 
 
 def _same_float(a, b):
@@ -21,7 +21,7 @@ def _same_float(a, b):
     float does), so `x32 * np.float64(2)` stays float32; two real arrays of different float
     dtypes are an error rather than a silent, slow promotion."""
     da, db = getattr(a, "dtype", None), getattr(b, "dtype", None)
-    if da is None or db is None or da == db or da.kind != "f" or db.kind != "f":
+    if da is None or db is None or da == db or not is_float(da) or not is_float(db):
         return a, b
     if b.ndim == 0:
         return a, b.astype(da)

@@ -84,7 +84,7 @@ class PipelineStage:
     def expect(self, rows, T):
         """Tell the link this step's boundary shape and dtype (no shape messages)."""
         self.begin(T)
-        w = next(p for p in self.parameters() if p.dtype.kind == "f")
+        w = next(p for p in self.parameters() if backend.is_float(p.dtype))
         self.link.expect(self.boundary_shape(rows, T), w.dtype, backend.xp_of(w.data))
 
     def stage_forward(self, inp, idx, targets):

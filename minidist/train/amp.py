@@ -33,6 +33,7 @@ are slow in numpy too): CPU mixed precision shows the numbers and the memory, no
 Tests: tests/test_amp.py.
 """
 import math
+import os
 
 import numpy as np
 
@@ -125,7 +126,10 @@ class MixedPrecision:
 
     def __init__(self, scaler=None, dtype=None):
         self.scaler = scaler or LossScaler()
-        self.dtype_name = dtype      # None: chosen by cast_model, once the device is known
+        # None: chosen by cast_model, once the device is known; MINIDIST_AMP_DTYPE=bfloat16
+        # asks for bfloat16 on numpy too (the CPU tests of the bfloat16 path through the
+        # strategies: tests/test_bfloat16.py)
+        self.dtype_name = dtype or os.environ.get("MINIDIST_AMP_DTYPE") or None
         self.dtype = None
         self.masters = {}            # parameter name -> float32 array
 
