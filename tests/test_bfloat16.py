@@ -20,6 +20,8 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.safetensors import load_file, read_header, save_file
 from minidist.optim import AdamW
 from minidist.train.amp import MixedPrecision
+from minidist.train.args import train_parser
+from minidist.train.loop import train
 from minidist.train.memory import ledger
 from mpirun import mpi_env, run_mpi
 
@@ -147,6 +149,25 @@ def test_safetensors_writes_bf16_and_reads_it_back_exactly(tmp_path):
     assert back.dtype == np.float32 and (back.astype(BF16).view(np.uint16) ==
                                          a.view(np.uint16)).all()
     assert json.loads(json.dumps(header))["w"]["shape"] == [3, 5]
+
+
+def test_bfloat16_checkpoint_resume_is_bit_identical(corpus, tmp_path, monkeypatch, device):
+    """--amp in bfloat16 (MINIDIST_AMP_DTYPE): model.safetensors holds "BF16"; stopping at
+    step 3 and resuming gives the same losses as training straight through."""
+    monkeypatch.setenv("MINIDIST_AMP_DTYPE", "bfloat16")
+    common = TINY[:-3] + ["--steps", "6", "--amp", "--device", device, "--data", corpus,
+                          "--cache-dir", str(tmp_path / "cache")]
+
+    def losses(*flags):
+        log = tmp_path / f"log{len(list(tmp_path.glob('log*')))}.jsonl"
+        train(train_parser().parse_args(common + ["--log-json", str(log), *flags]))
+        return [r["loss"] for r in map(json.loads, open(log)) if "loss" in r]
+
+    straight = losses()
+    losses("--save", str(tmp_path / "ck"), "--stop-at", "3")
+    header, _, _ = read_header(tmp_path / "ck" / "step-00000003" / "model.safetensors")
+    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    assert losses("--resume", str(tmp_path / "ck")) == straight[3:]
 
 
 @pytest.mark.mpi
