@@ -11,7 +11,9 @@ import pytest
 from minidist.autograd import Tensor, fused as F
 from minidist.autograd import flash
 from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
 from minidist.train.args import train_parser
+from minidist.train.checkpoint import load_checkpoint, save_checkpoint
 from minidist.train.memory import activation_bytes
 
 
@@ -164,3 +166,14 @@ def test_flags():
     args = train_parser().parse_args(["--attention", "tiled", "--attention-block", "32"])
     assert (args.attention, args.attention_block) == ("tiled", 32)
     assert train_parser().parse_args([]).attention == "materialized"
+
+
+def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):
+    """How attention is computed is not part of the model: a checkpoint saved with one loads
+    into a model using the other."""
+    model = GPT(GPTConfig(**TINY), dtype="float64")
+    save_checkpoint(tmp_path / "ck", model, AdamW(model.named_parameters()), step=1)
+    other = GPT(GPTConfig(**TINY, attention="tiled"), seed=1, dtype="float64")
+    load_checkpoint(tmp_path / "ck", other)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        np.testing.assert_array_equal(b, a, err_msg=name)
