@@ -96,9 +96,11 @@ class DataParallel(SingleProcess):
     sum_sq_across_ranks = None
 
     def global_mean(self, value):
-        buf = xp_of(self.ddp.params[0].data).asarray([value], dtype="float64")
+        """`value` (a float, or a 0-d array on the device) averaged over the group; stays on
+        the device (no host sync: the loop converts it when it logs)."""
+        buf = xp_of(self.ddp.params[0].data).array(value, dtype="float64").reshape(1)
         self.group.all_reduce(buf, op="avg")
-        return float(buf[0])
+        return buf[0]
 
     def any_rank(self, flag):
         buf = xp_of(self.ddp.params[0].data).asarray([float(flag)])

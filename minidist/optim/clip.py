@@ -8,33 +8,42 @@ part: it passes `sum_sq_across_ranks`, a callable that all-reduces (sums) its lo
 squares, so every rank sees the same global norm and scales the same way. Gradients held
 identically on several ranks must be counted once (pass only the ones this rank owns).
 This module imports no comm: the caller brings the reduction.
-Tests: tests/test_optim.py.
-"""
-import math
 
+No device-to-host synchronisation: the sums, the norm and the clip factor stay arrays on the
+gradients' device (numpy: numpy scalars; CuPy: 0-d arrays), and the factor is applied by an
+array multiply whether or not it clips (1.0 when the norm is within max_norm), so no Python
+`if` ever needs the norm's value. The loop converts the norm to a float only to log it.
+Tests: tests/test_optim.py, tests/test_no_sync.py.
+"""
 from minidist.backend import xp_of
 
 
 def local_sum_sq(grads):
-    """Sum of squares of these gradient arrays, as a Python float (accumulated in float64)."""
+    """Sum of squares of these gradient arrays, accumulated in float64, as a 0-d float64
+    array on their device (a numpy float64 on the CPU); 0.0 when there are none."""
     total = 0.0
     for g in grads:
         flat = g.reshape(-1)
-        total += float(xp_of(flat).dot(flat, flat))
+        total = total + xp_of(flat).dot(flat, flat).astype("float64")
     return total
 
 
 def clip_grad_norm(grads, max_norm, sum_sq_across_ranks=None):
     """Scale `grads` (arrays, or Tensors whose .grad is used) in place so their global L2 norm
-    is at most `max_norm` (None or <= 0: measure only). Returns the norm before clipping."""
+    is at most `max_norm` (None or <= 0: measure only). Returns the norm before clipping, a
+    0-d float64 array on the gradients' device."""
     arrays = [getattr(g, "grad", g) for g in grads]
     arrays = [g for g in arrays if g is not None]
     sum_sq = local_sum_sq(arrays)
     if sum_sq_across_ranks is not None:
-        sum_sq = float(sum_sq_across_ranks(sum_sq))
-    norm = math.sqrt(sum_sq)
-    if max_norm and max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+        sum_sq = sum_sq_across_ranks(sum_sq)
+    if not arrays:
+        return sum_sq ** 0.5
+    xp = xp_of(arrays[0])
+    norm = xp.sqrt(xp.asarray(sum_sq, dtype="float64"))
+    if max_norm and max_norm > 0:
+        # max_norm / (norm + 1e-6) where norm > max_norm, else 1 (nan: 1): an array, no `if`
+        scale = xp.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
         for g in arrays:
-            g *= scale
+            g *= scale.astype(g.dtype)
     return norm

@@ -200,16 +200,16 @@ class PipelineParallel(SingleProcess):
         if self.mesh.shape["tp"] > 1:
             local = sum_sq_over_tp(self.stage, self.mesh.tp, local,
                                    replicated_grads(self.stage), self.amp)
-        buf = model_xp(self.stage).asarray([local], dtype="float64")
+        buf = model_xp(self.stage).array(local, dtype="float64").reshape(1)
         self.group.all_reduce(buf)
-        return float(buf[0])
+        return buf[0]                  # left on the device: the clip needs no host sync
 
     def global_mean(self, value):
         if self.mesh.shape["dp"] == 1:
             return value
-        buf = model_xp(self.stage).asarray([value], dtype="float64")
+        buf = model_xp(self.stage).array(value, dtype="float64").reshape(1)
         self.mesh.dp.all_reduce(buf, op="avg")
-        return float(buf[0])
+        return buf[0]                  # left on the device until the loop logs it
 
     def any_rank(self, flag):
         buf = model_xp(self.stage).asarray([float(flag)])

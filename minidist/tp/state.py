@@ -41,9 +41,9 @@ def sum_sq_over_tp(model, group, local, replicated, amp=None):
     arrays `replicated` (equal on every tp rank) are counted: the rest summed over the
     group, those added once. Collective over `group`."""
     rep = unscaled_sum_sq(replicated, amp)
-    buf = xp_of(model.parameters()[0].data).asarray([local - rep], dtype="float64")
+    buf = xp_of(model.parameters()[0].data).array(local - rep, dtype="float64").reshape(1)
     group.all_reduce(buf)
-    return float(buf[0]) + rep
+    return buf[0] + rep                # on the device (no host sync), as the clip takes it
 
 
 def _split_params(model):

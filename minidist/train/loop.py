@@ -128,6 +128,7 @@ def train(args):
         x, y = data.get_batch(args.seed, "train", step, args.batch_size, args.block_size)
         loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         backend.synchronize()
+        loss, norm = float(loss), float(norm)    # device -> host only here, to log them
         dt = time.perf_counter() - t0
         log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
@@ -142,7 +143,7 @@ def train(args):
                                 args.eval_iters)
             # every rank computed the same number; averaging it also lines the ranks up, so
             # the next step's time does not include another rank's evaluation
-            val_loss = strategy.global_mean(val_loss)
+            val_loss = float(strategy.global_mean(val_loss))
             log.print0(f"step {step:5d} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
         every = args.save_every or args.eval_every

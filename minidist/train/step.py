@@ -20,7 +20,9 @@ from minidist.train import memory
 
 def train_step(strategy, model, opt, x, y, args):
     """One step on the GLOBAL batch (x, y). Returns (loss averaged over the replicas, gradient
-    norm before clipping, memory ledger or None). The ledger is measured when --log-json asks."""
+    norm before clipping, memory ledger or None). The ledger is measured when --log-json asks.
+    Loss and norm are 0-d float64 arrays on the device (numpy scalars on the CPU): nothing
+    here waits for the GPU; the caller converts them when it logs (tests/test_no_sync.py)."""
     measure = bool(args.log_json) or strategy.reports_memory     # ZeRO's end-of-run table
     x, y = strategy.local_rows(x, y)                   # rows r*B/dp .. (r+1)*B/dp of the batch
     n = args.grad_accum
@@ -43,7 +45,8 @@ def train_step(strategy, model, opt, x, y, args):
                 held = memory.activation_bytes(loss, model.parameters()) if measure else 0
                 with trace.compute("backward"):
                     strategy.backward(loss, 1.0 / n)   # x the loss scale under float16 --amp
-        loss_sum += loss if pipeline else float(loss.item())
+        # the loss stays on the device (float64, as a Python float was): no host sync here
+        loss_sum = loss_sum + (loss if pipeline else loss.data.astype("float64"))
         act = max(act, held)
     strategy.sync_grads(model)      # wait for / run the gradient communication of this step
     norm = opt.clip_grad_norm(args.grad_clip, strategy.sum_sq_across_ranks)  # unscaled (amp)

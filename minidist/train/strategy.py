@@ -14,7 +14,8 @@ Each strategy package has its own (minidist/{ddp,zero,tp,pp}/strategy.py):
     start_step() / end_step(activation_bytes)   counters for the end-of-run summary
     sync_grads(model)         e.g. DDP's all-reduce / ZeRO's reduce-scatter
     sum_sq_across_ranks       None, or f(local sum of squares) -> global (clip_grad_norm)
-    global_mean(value)        a float averaged over the ranks that hold different rows
+    global_mean(value)        a float or 0-d device array averaged over the ranks that hold
+                              different rows, returned on the device (no host sync)
     comm_bytes()              bytes this rank sent since the run began
     save(dir, ...) / load(dir, ...)        checkpoints (ZeRO writes per-rank shards)
     finish(args, log)         end of training: a summary line, the --trace file

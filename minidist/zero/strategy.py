@@ -105,9 +105,11 @@ class ZeroDataParallel(SingleProcess):
         return bool(self._all_reduce(float(flag), "max"))
 
     def _all_reduce(self, value, op):
-        buf = xp_of(self.engine.units[0].param_shard).asarray([value], dtype="float64")
+        """`value` (a float or a 0-d device array) reduced over the group, left on the device
+        (the loop converts the loss when it logs: no host sync inside the step)."""
+        buf = xp_of(self.engine.units[0].param_shard).array(value, dtype="float64").reshape(1)
         self.group.all_reduce(buf, op=op)
-        return float(buf[0])
+        return buf[0]
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):
