@@ -14,16 +14,29 @@ Where to read what happens:
 Flags: python examples/train_gpt.py --help. A bad flag, data file or checkpoint is one
 `error:` line and exit status 2 (--traceback shows where).
 """
-from minidist.train.args import train_parser
-from minidist.train.checkpoint import CheckpointError
-from minidist.train.cli import check_flags, run_main
-from minidist.train.data import DataError
-from minidist.train.loop import train
+from minidist.launcher import set_thread_env, world_size_from_env
+
+# BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
+# 2 threads each, so this comes before anything imports numpy (--threads also applies live).
+set_thread_env()
+
+from minidist import backend, comm  # noqa: E402
+from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.checkpoint import CheckpointError  # noqa: E402
+from minidist.train.cli import check_flags, run_main  # noqa: E402
+from minidist.train.data import DataError  # noqa: E402
+from minidist.train.loop import train  # noqa: E402
 
 
 def main(args):
-    check_flags(args)          # every flag's range and combination, before any work
-    return train(args)
+    check_flags(args)                  # every flag's range and combination, before any work
+    backend.setup(threads=args.threads, device=args.device)   # BLAS threads; numpy or cupy
+    world = None                       # one process: no MPI at all
+    if world_size_from_env() > 1 or args.zero:
+        # MPI_Init; an uncaught exception or an early exit on one rank aborts the whole job;
+        # a collective waiting longer than --comm-timeout aborts it too, naming who is missing
+        world = comm.init(args.comm, timeout=args.comm_timeout, sync_comm=args.sync_comm)
+    return train(args, world)
 
 
 if __name__ == "__main__":

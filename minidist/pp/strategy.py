@@ -75,15 +75,14 @@ def default_micro_batches(rows, pp):
     return max([m for m in range(1, 2 * pp + 1) if rows % m == 0], default=1)
 
 
-def make_pipeline_parallel(args, world):
-    """The strategy for --pp P [--tp T] [--dp D] --micro-batches M, after every check."""
-    dp, m, problems = pipeline_problems(args, world)
+def make_pipeline_parallel(args, size, world):
+    """The strategy for --pp P [--tp T] [--dp D] --micro-batches M over the `size` processes
+    of `world`, after every check."""
+    dp, m, problems = pipeline_problems(args, size)
     if problems:
         raise UsageError("pipeline parallelism: " + "; ".join(problems))
-    from minidist.comm import DeviceMesh
-    if args.trace:
-        trace.enable()
-    mesh = DeviceMesh(dp=dp, tp=args.tp, pp=args.pp, algo=args.comm)
+    from minidist.train.strategy import mesh as make_mesh
+    mesh = make_mesh(args, world, dp=dp, tp=args.tp, pp=args.pp)
     return PipelineParallel(mesh, m, getattr(args, "schedule", "1f1b"),
                             ddp_mode=args.ddp, bucket_mb=args.bucket_mb,
                             sequence_parallel=args.sequence_parallel)

@@ -41,14 +41,15 @@ from minidist.train.strategy import SingleProcess
 from minidist.train.cli import UsageError
 
 
-def make_tensor_parallel(args, world):
-    """The strategy for --tp T [--dp D] [--sequence-parallel], after checking every size on
-    this rank alone (so a bad one stops every rank before any collective)."""
+def make_tensor_parallel(args, size, world):
+    """The strategy for --tp T [--dp D] [--sequence-parallel] over the `size` processes of
+    `world`, after checking every size on this rank alone (so a bad one stops every rank
+    before any collective)."""
     tp = args.tp
-    dp = args.dp if args.dp is not None else max(world // tp, 1)
+    dp = args.dp if args.dp is not None else max(size // tp, 1)
     problems = check_tp_sizes(args, tp)
-    if dp * tp != world:
-        problems.insert(0, f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world} "
+    if dp * tp != size:
+        problems.insert(0, f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {size} "
                            f"MPI process(es); run `mpirun -n {dp * tp} python "
                            f"examples/train_gpt.py --tp {tp} --dp {dp}` (--dp defaults to "
                            f"processes / tp)")
@@ -60,11 +61,8 @@ def make_tensor_parallel(args, world):
                         f"--grad-accum {args.grad_accum} equal micro-batches")
     if problems:
         raise UsageError("tensor parallelism: " + "; ".join(problems))
-    from minidist.comm import DeviceMesh
-    from minidist.train.strategy import make_data_parallel
-    if args.trace:
-        trace.enable()
-    mesh = DeviceMesh(dp=dp, tp=tp, pp=1, algo=args.comm)
+    from minidist.train.strategy import make_data_parallel, mesh as make_mesh
+    mesh = make_mesh(args, world, dp=dp, tp=tp)
     inner = make_data_parallel(args, mesh)        # DDP, ZeRO-k or nothing, over mesh.dp
     return TensorParallel(mesh, args.sequence_parallel, inner)
 

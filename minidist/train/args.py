@@ -45,10 +45,9 @@ def add_parallel_args(p):
                    help="run every collective in the calling thread, for a debugger: a "
                    "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
                    "the overlap of communication with backward (README: Debugging)")
-    g.add_argument("--sync-comm", action="store_true",
-                   help="run every collective in the calling thread, for a debugger: a "
-                   "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
-                   "the overlap of communication with backward (README: Debugging)")
+    g.add_argument("--comm-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a collective waiting longer aborts the job, naming the ranks that did "
+                   "not arrive (default: MINIDIST_COMM_TIMEOUT or 600; 0: never)")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",

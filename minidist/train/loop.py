@@ -13,14 +13,13 @@ Tests: tests/test_train.py.
 import json
 import time
 
-from minidist import backend, comm
+from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.optim import WarmupCosine
 from minidist.train import checkpoint_dirs, memory
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
-from minidist.launcher import world_size_from_env
 from minidist.train.strategy import make_strategy
 from minidist.train import preemption
 from minidist.train.cli import UsageError, printable
@@ -95,16 +94,16 @@ _MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_ac
                "weight_decay", "grad_clip", "data")
 
 
-def train(args):
-    """Run the training described by the parsed flags; returns the final summary dict."""
-    if world_size_from_env() > 1:    # MPI_Init, the abort hooks, the watchdog (comm.init)
-        comm.init(args.comm)
-    strategy = make_strategy(args)
+def train(args, world=None):
+    """Run the training described by the parsed flags; returns the final summary dict.
+    `world`: comm.init's world group (None: one process). The caller has set up the
+    backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
+    args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
+    strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
-    threads = backend.set_blas_threads(args.threads)
-    device = backend.set_device(args.device)
+    threads, device = backend.blas_threads(), backend.device()
     data = TokenData(args.data, args.cache_dir)
     model = strategy.build_model(_config(args, data), args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)

@@ -39,7 +39,7 @@ from minidist.train.cli import UsageError
 
 
 
-def make_strategy(args):
+def make_strategy(args, world=None):
     """The strategy the flags ask for, composed in the order the model is split (picotron's
     train.py order):
 
@@ -48,29 +48,30 @@ def make_strategy(args):
         3. data parallelism across the replicas      --dp   DDP minidist/ddp/, or ZeRO-k with
                                                             --zero k minidist/zero/
     Every size is checked on this rank alone, so a bad flag stops every rank before any
-    communication; then the DeviceMesh (dp x tp x pp) builds the process groups."""
-    world = world_size_from_env()
+    communication; then the DeviceMesh (dp x tp x pp) builds the process groups out of
+    `world` (comm.init's group; None: one process, or a script that has not called init)."""
+    size = world_size_from_env()
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
     if args.pp > 1:            # 2 (with 1 inside each stage and DDP across): pp/strategy.py
         from minidist.pp.strategy import make_pipeline_parallel
-        strategy = make_pipeline_parallel(args, world)
+        strategy = make_pipeline_parallel(args, size, world)
     elif args.tp > 1:          # 1, then 3 around this rank's part: tp/strategy.py
         from minidist.tp.strategy import make_tensor_parallel
-        strategy = make_tensor_parallel(args, world)
+        strategy = make_tensor_parallel(args, size, world)
     else:                      # 3 alone: the whole model on every rank
-        strategy = make_data_parallel(args, _mesh(args, dp=_dp_size(args, world)))
+        strategy = make_data_parallel(args, mesh(args, world, dp=_dp_size(args, size)))
     return _memory_options(strategy, args)
 
 
-def _dp_size(args, world):
-    dp = args.dp if args.dp is not None else world
-    if dp != world:
+def _dp_size(args, size):
+    dp = args.dp if args.dp is not None else size
+    if dp != size:
         raise UsageError(
-            f"--dp {dp} does not match the {world} MPI process(es) of this job: dp x tp x pp "
+            f"--dp {dp} does not match the {size} MPI process(es) of this job: dp x tp x pp "
             f"must equal the number of processes (tp = pp = 1 here). Run `mpirun -n {dp} "
-            f"python examples/train_gpt.py`, or leave --dp out (it defaults to the world size).")
+            f"python examples/train_gpt.py`, or leave --dp out (it defaults to the size size).")
     if args.batch_size % (dp * args.grad_accum):
         raise UsageError(
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
@@ -79,14 +80,14 @@ def _dp_size(args, world):
     return dp
 
 
-def _mesh(args, dp, tp=1, pp=1):
-    """The process groups, or None for one process (no MPI communication at all)."""
+def mesh(args, world, dp, tp=1, pp=1):
+    """The process groups over `world`, or None for one process (no MPI at all)."""
     if dp * tp * pp == 1 and not args.zero:     # ZeRO over one rank still has a group
         return None
     from minidist.comm import DeviceMesh, trace
     if args.trace:
         trace.enable()
-    return DeviceMesh(dp=dp, tp=tp, pp=pp, algo=args.comm)   # after comm.init (the loop's)
+    return DeviceMesh(dp=dp, tp=tp, pp=pp, algo=args.comm, world=world)
 
 
 def make_data_parallel(args, mesh):
