@@ -52,7 +52,8 @@ def add_parallel_args(p):
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule (README: Pipeline parallelism)")
-    g.add_argument("--amp", action="store_true", help="float16 compute, float32 master")
+    g.add_argument("--amp", action="store_true",
+                   help="16-bit compute (bfloat16 on CuPy, float16 on numpy), float32 master")
     g.add_argument("--ckpt-activations", action="store_true")
     return p
 
