@@ -184,7 +184,7 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
             self.transformer.drop.rng = seq
 
     def begin(self, T):
-        self.region.begin(T)                     # sequence parallel for this forward?
+        self.region.begin(T, shard=is_grad_enabled())   # training forwards: as tp/model.py
 
     def boundary_shape(self, rows, T):
         """(rows, T/tp, C) under sequence parallelism: each tp rank sends its own shard."""

@@ -24,7 +24,7 @@ import numpy as np
 from minidist import backend
 from minidist.nn.gpt import (GPT, MLP, Block, BlockHooks, CausalSelfAttention,
                              _DROPOUT_STREAM, gpt_init)
-from minidist.autograd import ops
+from minidist.autograd import is_grad_enabled, ops
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
@@ -128,7 +128,9 @@ class TensorParallelGPT(GPT):
         idx = self._check_idx(idx)
         self.block_hooks.before_root()                     # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
-        self.region.begin(T)                               # sequence-parallel this forward?
+        # sequence parallelism for training forwards only (it saves the memory of a graph);
+        # evaluation and sampling (no_grad, any length) take the f/g path: same numbers
+        self.region.begin(T, shard=is_grad_enabled())
         pos = backend.xp_of(idx).arange(T)                 # (T,)
         if self.region.sharded:
             n = T // self.region.size

@@ -25,7 +25,7 @@ The layers built on these: minidist/tp/layers.py; the model: tp_model.py.
 Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
 tests/scripts/tp_check.py --gradcheck).
 """
-from minidist.autograd import Function, is_grad_enabled
+from minidist.autograd import Function
 from minidist.backend import xp_of
 
 SEQ_AXIS = 1      # activations are (B, T, C): sequence parallelism splits T
@@ -197,17 +197,20 @@ class TensorParallelRegion:
     or with sequence parallelism (`sharded`) the all-gather / reduce-scatter along T, so that
     everything between leave and the next enter (layer norms, dropout, residual adds) works
     on (B, T/tp, C), with the replicated parameters they use passed through `shared`
-    (f: all-reduce of their gradients). The model calls `begin(T)` at the start of each forward: sequence
-    parallelism is for forwards that record a graph (training), where it saves activation
-    memory; evaluation and sampling (no_grad, any length) take the f/g path, same numbers."""
+    (f: all-reduce of their gradients). The model calls `begin(T, shard)` at the start of each
+    forward and says there whether this forward shards the sequence: the TP models pass
+    `shard=is_grad_enabled()`, since sequence parallelism saves the activation memory of a
+    forward that records a graph (training), while evaluation and sampling (no_grad, any
+    length) take the f/g path, same numbers."""
 
     def __init__(self, group, sequence_parallel=False):
         self.group, self.size, self.rank = group, group.size, group.rank
         self.sequence_parallel = bool(sequence_parallel) and group.size > 1
         self.sharded = False
 
-    def begin(self, T):
-        self.sharded = self.sequence_parallel and is_grad_enabled()
+    def begin(self, T, shard):
+        """Start a forward of length T; `shard`: split the sequence (if sequence parallel)."""
+        self.sharded = self.sequence_parallel and shard
         if self.sharded and T % self.size:
             raise ValueError(f"sequence parallelism splits the sequence over {self.size} "
                              f"ranks: length {T} must be a multiple of {self.size}")

@@ -163,7 +163,7 @@ def traffic(comm, config, flags):
     idx = np.random.default_rng(SEED).integers(0, config.vocab_size, (B, T))
     for sp in (False, True):
         model = TensorParallelGPT(config, g, seed=SEED, dtype="float64", sequence_parallel=sp)
-        model.region.begin(T)
+        model.region.begin(T, shard=True)          # a training forward
         block = model.transformer.h[0]
         assert isinstance(block, ParallelBlock)
         xs = x[:, comm.rank * T // tp:(comm.rank + 1) * T // tp] if sp else x
