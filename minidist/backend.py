@@ -164,8 +164,12 @@ def matmul(a, b, out=None):
     multiply float16 and accumulate in float32), at float32 BLAS speed. CPU "float16" is thus
     float16 storage with float32 matmuls. CuPy runs the real float16 GEMM.
     """
-    if is_half(a.dtype) and not is_cupy(a):
-        prod = np.matmul(a.astype(np.float32), b.astype(np.float32))
+    # CuPy 14's batched matmul rejects bfloat16 ("data type 'E' not understood", seen on an
+    # H100); its 2-D matmul takes it. Batched bfloat16 there: float32 product, rounded once.
+    bf16_batched = is_cupy(a) and a.dtype.name == "bfloat16" and max(a.ndim, b.ndim) > 2
+    if (is_half(a.dtype) and not is_cupy(a)) or bf16_batched:
+        xp = xp_of(a)
+        prod = xp.matmul(a.astype(np.float32), b.astype(np.float32))
         if out is None:
             return prod.astype(a.dtype)
         out[...] = prod

@@ -40,16 +40,6 @@ def _keep_mask(rng, shape, p, xp):
     return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
 
 
-def _bmm(a, b):
-    """a @ b batched over the leading axes. CuPy 14's batched matmul rejects bfloat16 ("data
-    type 'E' not understood", measured on an H100): there float32 copies are multiplied and
-    the product rounded to bfloat16 (the numbers a bfloat16 GEMM with float32 accumulation
-    gives, at float32 speed; cuBLAS gemmStridedBatchedEx would be the fast way)."""
-    if backend.is_cupy(a) and a.dtype.name == "bfloat16":
-        return _mm(a.astype("float32"), b.astype("float32")).astype(a.dtype)
-    return _mm(a, b)
-
-
 def _acc(dtype):
     """Where a row sum of `dtype` values adds up: float32 for 16-bit dtypes."""
     return "float32" if is_half(dtype) else dtype
@@ -59,7 +49,7 @@ def _matmul_into(a, b, out):
     """out[...] = a @ b. numpy writes straight into a strided `out`; elsewhere (cupy) we do
     not rely on matmul's `out=` accepting non-contiguous views."""
     if backend.is_cupy(out):
-        out[...] = _bmm(a, b)
+        out[...] = _mm(a, b)
     else:
         _mm(a, b, out=out)
 
@@ -68,7 +58,7 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
     """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
-    P = _bmm(q, xp.swapaxes(k, -1, -2))                      # (B, nh, T, T)
+    P = _mm(q, xp.swapaxes(k, -1, -2))                       # (B, nh, T, T)
     if _ck.use(P) and P.flags.c_contiguous:
         _ck.attn_softmax_(P, 1.0 / math.sqrt(hs))            # all of the below, one kernel
     else:
@@ -94,7 +84,7 @@ def _attn_backward(g, gy, q, k, v, saved, out):
     xp = xp_of(g)
     P, keep, scale = saved
     kT = xp.swapaxes
-    dP = _bmm(g, kT(v, -1, -2))                              # y = Pd v: dPd = g v^T
+    dP = _mm(g, kT(v, -1, -2))                               # y = Pd v: dPd = g v^T
     if keep is None:
         _matmul_into(kT(P, -1, -2), g, out[2])               #           dv = P^T g
     else:
