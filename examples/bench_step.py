@@ -8,17 +8,21 @@ prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gf
 "flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
 --amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
+--device cuda adds "kernels_per_step": the kernels one more step launches, counted by CUPTI
+(minidist/kernel_count.py); null on the CPU or without libcupti.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
 
 from minidist import backend
+from minidist.kernel_count import KernelCounter
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm
 from minidist.train.amp import MixedPrecision
@@ -31,6 +35,21 @@ def matmul_seconds(a):
     a @ a
     backend.synchronize()
     return time.perf_counter() - t
+
+
+def kernels_per_step(one_step):
+    """CUDA kernels one more step launches (minidist/kernel_count.py, CUPTI); None on the CPU
+    or where libcupti cannot be loaded (said on stderr)."""
+    if backend.device() != "cuda":
+        return None
+    try:
+        counter = KernelCounter()
+    except RuntimeError as e:
+        print(f"kernels_per_step: {e}", file=sys.stderr)
+        return None
+    with counter:
+        one_step()
+    return counter.count
 
 
 def main():
@@ -63,8 +82,7 @@ def main():
     times, mm_times = [], []
     n = 2048
     a = backend.get_xp().asarray(backend.rng(0).standard_normal((n, n)), dtype="float32")
-    for i in range(args.warmup + args.steps):
-        t = time.perf_counter()
+    def one_step():
         _, loss = model(x, y)
         if amp:
             amp.backward(loss)
@@ -74,6 +92,10 @@ def main():
             clip_grad_norm(opt.params, 1.0)
         opt.step()
         opt.zero_grad()
+
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        one_step()
         backend.synchronize()
         step_s = time.perf_counter() - t
         mm_s = matmul_seconds(a)
@@ -84,10 +106,11 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
-    extra = {}
+    extra = {"kernels_per_step": kernels_per_step(one_step)}
     if args.peak_tflops:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
-    print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2), "tokens_per_s": round(tokens / dt),
+    print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),
+                      "tokens_per_s": round(tokens / dt),
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
