@@ -23,18 +23,23 @@ CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float")
 C_TO_NUMPY = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
               "long long": np.dtype(np.int64), "int": np.dtype(np.int32)}
 
-# Loads, stores and math overloaded on T and A, so each kernel is written once.
-HEADER = r"""
-__device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
+# bfloat16's load and store, only in bfloat16's source: a toolkit whose NVRTC cannot find
+# cuda_bf16.h then still compiles the other dtypes' kernels
+BF16_HEADER = r"""#include <cuda_bf16.h>
 __device__ __forceinline__ float ld(const __nv_bfloat16* p, long long i) {
     return __bfloat162float(p[i]);
 }
-__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ double ld(const double* p, long long i) { return p[i]; }
-__device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half(v); }
 __device__ __forceinline__ void st(__nv_bfloat16* p, long long i, float v) {
     p[i] = __float2bfloat16(v);
 }
+"""
+
+# Loads, stores and math overloaded on T and A, so each kernel is written once.
+HEADER = r"""
+__device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ double ld(const double* p, long long i) { return p[i]; }
+__device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half(v); }
 __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(double* p, long long i, double v) { p[i] = v; }
 __device__ __forceinline__ float ex(float v) { return expf(v); }
@@ -223,9 +228,11 @@ def dtype_name(dtype):
 
 def source(dtype):
     """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, the kernels."""
-    t, a = CTYPES[dtype_name(dtype)]
-    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
-            f"typedef {t} T;\ntypedef {a} A;\n" + HEADER + GELU_DEFINES + KERNELS)
+    name = dtype_name(dtype)
+    t, a = CTYPES[name]
+    bf16 = BF16_HEADER if name == "bfloat16" else ""
+    return ("#include <cuda_fp16.h>\n" + bf16 + f"typedef {t} T;\ntypedef {a} A;\n" + HEADER
+            + GELU_DEFINES + KERNELS)
 
 
 def signature(name):
