@@ -139,6 +139,18 @@ def heads_view(a, n_head):
     return a.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
 
 
+def split_heads(qkv, n_head):
+    """GPT-2's fused (B, T, 3C) -> q, k, v as (B, nh, T, hs) views, and the output buffers:
+    y (B, T, C) and yh, its (B, nh, T, hs) view, which an attention writes head by head."""
+    B, T, C3 = qkv.shape
+    if C3 % 3 or (C3 // 3) % n_head:
+        raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
+    q, k, v = heads_view(qkv, n_head)                        # (B, nh, T, hs) views
+    y = xp_of(qkv).empty((B, T, C3 // 3), qkv.dtype)         # (B, T, C)
+    yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+    return q, k, v, y, yh
+
+
 class CausalSelfAttention(Function):
     """GPT-2's fused c_attn output (B, T, 3C), q|k|v along the last axis -> y (B, T, C),
     heads split inside and merged back: y[b, t, h*hs:(h+1)*hs] is head h's output.
@@ -146,13 +158,7 @@ class CausalSelfAttention(Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head, dropout_p=0.0, rng=None):
-        xp = xp_of(qkv)
-        B, T, C3 = qkv.shape
-        if C3 % 3 or (C3 // 3) % n_head:
-            raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
-        q, k, v = heads_view(qkv, n_head)                        # (B, nh, T, hs) views
-        y = xp.empty((B, T, C3 // 3), qkv.dtype)             # (B, T, C)
-        yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        q, k, v, y, yh = split_heads(qkv, n_head)
         saved = _attn_forward(q, k, v, dropout_p, rng, yh)
         ctx.save_for_backward(qkv, y, saved)
         ctx.n_head = n_head

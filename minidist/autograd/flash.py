@@ -24,7 +24,7 @@ tests/test_gradcheck.py.
 import itertools
 import math
 
-from minidist.autograd.attention import heads_view
+from minidist.autograd.attention import heads_view, split_heads
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -208,13 +208,7 @@ class TiledSelfAttention(Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head, block=DEFAULT_BLOCK):
-        xp = xp_of(qkv)
-        B, T, C3 = qkv.shape
-        if C3 % 3 or (C3 // 3) % n_head:
-            raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
-        q, k, v = heads_view(qkv, n_head)                     # (B, nh, T, hs) views
-        y = xp.empty((B, T, C3 // 3), qkv.dtype)              # (B, T, C)
-        yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
+        q, k, v, y, yh = split_heads(qkv, n_head)
         lse = _forward(q, k, v, block, yh)                    # (B, nh, T)
         ctx.save_for_backward(qkv, y, lse)
         ctx.n_head, ctx.block = n_head, block

@@ -17,11 +17,10 @@ from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.optim import WarmupCosine
-from minidist.train import checkpoint_dirs, memory
+from minidist.train import checkpoint_dirs, preemption
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
 from minidist.train.strategy import make_strategy
-from minidist.train import preemption
 from minidist.train.cli import UsageError, printable
 
 

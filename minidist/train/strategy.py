@@ -33,7 +33,7 @@ import contextlib
 
 from minidist.nn import GPT
 from minidist.optim import AdamW
-from minidist.train import checkpoint, memory
+from minidist.train import checkpoint
 from minidist.launcher import world_size_from_env
 from minidist.train.cli import UsageError
 
