@@ -165,7 +165,18 @@ def test_config_refuses_tiled_with_dropout_and_unknown_names():
 def test_flags():
     args = train_parser().parse_args(["--attention", "tiled", "--attention-block", "32"])
     assert (args.attention, args.attention_block) == ("tiled", 32)
-    assert train_parser().parse_args([]).attention == "materialized"
+    assert train_parser().parse_args([]).attention == "auto"
+
+
+@pytest.mark.parametrize("attention,dropout,T,tiled", [
+    ("auto", 0.0, 128, False), ("auto", 0.0, 255, False), ("auto", 0.0, 256, True),
+    ("auto", 0.1, 1024, False), ("tiled", 0.0, 16, True), ("materialized", 0.0, 4096, False)])
+def test_auto_picks_tiled_from_256_without_dropout(attention, dropout, T, tiled):
+    """--attention auto (the default): tiled where it is faster on the CPU too (T >= 256,
+    TILED_FROM_T), materialised below, and always with attention dropout."""
+    attn = GPT(GPTConfig(**{**TINY, "attention": attention, "dropout": dropout}),
+               dtype="float64").transformer.h[0].attn
+    assert attn.uses_tiled(T) is tiled
 
 
 def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):

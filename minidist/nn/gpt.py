@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Tensor, is_grad_enabled, no_grad
+from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad
 from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
@@ -35,7 +35,8 @@ from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, ModuleDict, ModuleList
 
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
-ATTENTIONS = ("materialized", "tiled")   # attention.py's (B, nh, T, T) P, or flash.py's tiles
+ATTENTIONS = ("auto", "materialized", "tiled")  # attention.py's (B, nh, T, T) P, flash.py's tiles
+TILED_FROM_T = 256    # "auto": tiled from this length on, where it is faster on the CPU too
 
 
 @dataclass
@@ -47,11 +48,14 @@ class GPTConfig:
     vocab_size: int = 50257
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm layers, as in GPT-2
-    attention: str = "materialized"   # or "tiled": O(T) memory (minidist/autograd/flash.py)
+    attention: str = "auto"           # "tiled": O(T) memory (minidist/autograd/flash.py); "auto":
+                                      # tiled for T >= TILED_FROM_T without attention dropout
     attention_block: int = 64         # the tiled attention's tile size
+    vocab_multiple: int = 1           # wte's rows padded to a multiple of this (GPUs: 64)
 
     def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                     "vocab_multiple"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, not {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -66,6 +70,15 @@ class GPTConfig:
         if self.attention == "tiled" and self.dropout > 0:
             raise ValueError("attention 'tiled' has no dropout on attention weights (it keeps "
                              "no (T, T) mask): use --attention materialized or --dropout 0")
+
+    @property
+    def padded_vocab_size(self):
+        """vocab_size rounded up to a multiple of vocab_multiple: the rows of wte, so the
+        head's matmul runs on aligned tiles (50257 -> 50304). The padding rows are zero, their
+        logits -inf (never predicted, never sampled), so their gradient is zero and they stay
+        zero; state_dict() leaves them out and load_state_dict() adds them back."""
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
 
     def to_dict(self):
         return asdict(self)
@@ -138,9 +151,15 @@ class CausalSelfAttention(Module):
         self.n_head = config.n_head
         self.attention, self.attention_block = config.attention, config.attention_block
 
+    def uses_tiled(self, T):
+        """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
+        if self.attention == "auto":           # the tiled path has no attention dropout
+            return T >= TILED_FROM_T and self.attn_dropout.p == 0
+        return self.attention == "tiled"       # GPTConfig refuses tiled with dropout
+
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        if self.attention == "tiled":                              # GPTConfig: no dropout
+        if self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
             y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
         else:
             p = self.attn_dropout.p if self.training else 0.0      # on attention weights
@@ -199,7 +218,7 @@ class GPT(Module):
         self.config = config
         C, p = config.n_embd, config.dropout
         self.transformer = ModuleDict(
-            wte=Embedding(config.vocab_size, C, dtype=dtype),
+            wte=Embedding(config.padded_vocab_size, C, dtype=dtype),   # + zero pad rows
             wpe=Embedding(config.block_size, C, dtype=dtype),
             drop=Dropout(p),
             h=ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
@@ -227,6 +246,24 @@ class GPT(Module):
         for _, m in self.named_modules():
             if isinstance(m, Dropout):
                 m.rng = rng
+
+    # ---- the vocabulary padding stays inside the model --------------------------------------
+    def state_dict(self):
+        """Module's, wte without its padding rows (a view): what GPT-2 and checkpoints hold."""
+        state = super().state_dict()
+        if WTE in state:
+            state[WTE] = state[WTE][:self.config.vocab_size]
+        return state
+
+    def load_state_dict(self, state, strict=True):
+        """Module's; a wte of vocab_size rows gets the padding rows added, zero."""
+        rows = dict(self.named_parameters())[WTE].shape[0] if WTE in state else 0
+        if WTE in state and state[WTE].shape[0] < rows:
+            state = dict(state)
+            value = backend.to_host(state[WTE])
+            pad = np.zeros((rows - value.shape[0],) + value.shape[1:], dtype=value.dtype)
+            state[WTE] = np.concatenate([value, pad])
+        return super().load_state_dict(state, strict)
 
     # ---- forward, in three pieces a pipeline stage can call separately ---------------------
     def forward(self, idx, targets=None):
@@ -263,11 +300,16 @@ class GPT(Module):
         x = self.transformer.ln_f(x)                               # (B, T, C)
         B, T, C = x.shape
         w_t = self.transformer.wte.weight.T                        # (C, V), wte reused
-        logits = (x.reshape(B * T, C) @ w_t).reshape(B, T, -1)     # (B, T, V)
-        if targets is None:
-            return logits, None
-        targets = backend.to_device(targets, backend.xp_of(logits.data))
-        return logits, F.cross_entropy(logits, targets, ignore_index=-1)
+        logits = (x.reshape(B * T, C) @ w_t).reshape(B, T, -1)     # (B, T, V padded)
+        V = self.config.vocab_size
+        padded = logits.shape[-1] > V
+        if padded:                                     # vocab_multiple: pad columns -inf
+            logits = MaskVocabPadding.apply(logits, V)                  # (B, T, V padded)
+        loss = None
+        if targets is not None:
+            targets = backend.to_device(targets, backend.xp_of(logits.data))
+            loss = F.cross_entropy(logits, targets, ignore_index=-1)
+        return (logits[:, :, :V] if padded else logits), loss          # (B, T, V)
 
     def _check_idx(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
@@ -329,9 +371,31 @@ class GPT(Module):
         save_pretrained(self, directory, dtype=dtype)
 
     @classmethod
-    def from_pretrained(cls, directory, dtype="float32", dropout=None):
+    def from_pretrained(cls, directory, dtype="float32", dropout=None, vocab_multiple=1):
         from minidist.nn.pretrained import load_pretrained
-        return load_pretrained(cls, directory, dtype=dtype, dropout=dropout)
+        return load_pretrained(cls, directory, dtype=dtype, dropout=dropout,
+                               vocab_multiple=vocab_multiple)
+
+
+WTE = "transformer.wte.weight"
+
+
+class MaskVocabPadding(Function):
+    """Logits of wte's padding rows (columns >= V) set to -inf: softmax gives them 0, so the
+    loss and sampling never see them. In place: the matmul that made the logits does not
+    need them for its backward. Backward: those columns' gradient is 0 (softmax - onehot is
+    already 0 there; zeroed anyway, so any loss is safe)."""
+
+    @staticmethod
+    def forward(ctx, logits, V):
+        logits[..., V:] = -np.inf
+        ctx.V = V
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad[..., ctx.V:] = 0
+        return grad, None
 
 
 def _sample(logits, temperature, top_k, rng):
