@@ -10,6 +10,7 @@ prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gf
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
 --device cuda adds "kernels_per_step": the kernels one more step launches, counted by CUPTI
 (minidist/kernel_count.py); null on the CPU or without libcupti.
+--vocab-multiple M pads the vocabulary (wte rows, the head's matmul) to a multiple of M.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
@@ -61,13 +62,16 @@ def main():
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
     p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
                    help="FlatAdamW (one update per group) or AdamW (one per parameter)")
+    p.add_argument("--vocab-multiple", type=int, default=None,
+                   help="pad the vocabulary to a multiple of this (default: 64 on cuda, 1 on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
     args = p.parse_args()
-    threads, _ = backend.setup(threads=args.threads, device=args.device)
+    threads, device = backend.setup(threads=args.threads, device=args.device)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
                        dropout=args.dropout, bias=args.bias, attention=args.attention,
-                       attention_block=args.attention_block)
+                       attention_block=args.attention_block,
+                       vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision() if args.amp else None
     adamw = FlatAdamW if args.adamw == "flat" else AdamW
@@ -115,6 +119,7 @@ def main():
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
                       "adamw": args.adamw,
+                      "vocab_padded": config.padded_vocab_size,
                       "ms_min": round(min(times) * 1e3, 2)}))
 
 

@@ -165,3 +165,57 @@ def test_flops_per_token_formula():
     model = GPT(config)
     n = 4 * 12 * 256 ** 2 + 256 * 256
     assert model.flops_per_token() == 6 * n + 12 * 4 * 128 * 256
+
+
+def _padded_and_plain(dtype="float64"):
+    plain = GPT(TINY, seed=5, dtype=dtype)
+    padded = GPT(GPTConfig(**{**TINY.to_dict(), "vocab_multiple": 8}), seed=5, dtype=dtype)
+    return plain, padded
+
+
+def test_vocab_padding_changes_no_number_and_pad_rows_stay_zero(device):
+    """V 11 padded to 16 rows: the same logits (B, T, V) (bitwise before the first step), loss
+    and gradients to 1e-14 and 1e-13 (the softmax row sums add zeros) as the unpadded model,
+    float64, over 3 AdamW steps; the pad rows' gradient is 0 and they stay 0; sampling draws
+    the same tokens."""
+    plain, padded = _padded_and_plain()
+    wte = padded.transformer.wte.weight
+    assert padded.config.padded_vocab_size == 16 and wte.shape == (16, 8)
+    assert not H(wte.data)[11:].any()
+    opts = [AdamW(m.named_parameters(), lr=0.05) for m in (plain, padded)]
+    for step in range(3):
+        x, y = _batch(TINY, seed=step)
+        outs = [m(x, y) for m in (plain, padded)]
+        (l0, a), (l1, b) = outs
+        assert l0.shape == l1.shape == (2, 6, 11)
+        # the softmax sums 5 more zeros: row sums may round differently in the last bit, so
+        # after a step the weights (and logits) differ by rounding, bitwise before it
+        tol = 0 if step == 0 else 1e-12
+        np.testing.assert_allclose(H(l0.data), H(l1.data), rtol=tol, atol=tol)
+        assert abs(float(a.data) - float(b.data)) <= 1e-14 * abs(float(a.data))
+        for _, o in outs:
+            o.backward()
+        g = H(wte.grad)
+        np.testing.assert_allclose(g[:11], H(plain.transformer.wte.weight.grad), rtol=1e-13,
+                                   atol=1e-16)
+        assert not g[11:].any()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert not H(wte.data)[11:].any()
+    for (name, p), (_, q) in zip(plain.state_dict().items(), padded.state_dict().items()):
+        assert p.shape == q.shape, name                   # state_dict: no padding rows
+        # atol: the attention's key bias has a ~0 gradient (softmax ignores it), AdamW's
+        # m / sqrt(v) turns its rounding noise into steps of ~1e-13
+        np.testing.assert_allclose(H(p), H(q), rtol=1e-10, atol=1e-10, err_msg=name)
+    idx = np.zeros((1, 1), np.int64)
+    assert np.array_equal(plain.generate(idx, 5, seed=1), padded.generate(idx, 5, seed=1))
+
+
+def test_vocab_padding_loads_unpadded_state_and_refuses_a_bad_multiple(device):
+    plain, padded = _padded_and_plain()
+    padded.load_state_dict(plain.state_dict())           # pad rows added, zero
+    assert padded.transformer.wte.weight.shape == (16, 8)
+    plain.load_state_dict(padded.state_dict())           # and stripped on the way out
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        GPTConfig(vocab_multiple=0)

@@ -125,3 +125,21 @@ def test_from_pretrained_errors_name_the_problem(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="PyTorch pickles are not read"):
         GPT.from_pretrained(tmp_path)
+
+
+def test_padded_vocabulary_is_stripped_on_export_and_added_on_import(tmp_path):
+    padded = GPT(GPTConfig(**{**TINY.to_dict(), "vocab_multiple": 64}), seed=2)
+    assert padded.transformer.wte.weight.shape == (64, 8)
+    padded.save_pretrained(tmp_path)
+    back, meta = load_file(tmp_path / "model.safetensors")
+    assert back["transformer.wte.weight"].shape == (11, 8)
+    assert json.load(open(tmp_path / "config.json"))["vocab_size"] == 11
+    plain = GPT.from_pretrained(tmp_path, dtype="float64")
+    again = GPT.from_pretrained(tmp_path, dtype="float64", vocab_multiple=64)
+    assert again.transformer.wte.weight.shape == (64, 8)
+    assert np.array_equal(again.state_dict()["transformer.wte.weight"],
+                          padded.state_dict()["transformer.wte.weight"])
+    x = np.arange(12).reshape(2, 6) % 11
+    logits = [m(x)[0].data for m in (padded, plain, again)]
+    assert np.array_equal(logits[1], logits[2])                # float64: padding changes none
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-6)   # float32 model

@@ -124,9 +124,12 @@ def read_state(directory, config):
     return state
 
 
-def load_pretrained(cls, directory, dtype="float32", dropout=None):
-    """`cls` (GPT) built from a GPT-2 directory, parameters cast to `dtype`, on the device."""
+def load_pretrained(cls, directory, dtype="float32", dropout=None, vocab_multiple=1):
+    """`cls` (GPT) built from a GPT-2 directory, parameters cast to `dtype`, on the device;
+    `vocab_multiple` pads wte's rows (GPTConfig.padded_vocab_size: zero rows added here,
+    stripped again by save_pretrained, which writes model.state_dict())."""
     config = read_config(directory)
+    config.vocab_multiple = vocab_multiple
     if dropout is not None:
         config.dropout = dropout
     state = read_state(directory, config)
