@@ -78,3 +78,28 @@ def test_script_refusal_has_no_traceback():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "pipeline parallelism: " in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_log_json_starts_a_new_file_unless_resuming(corpus, tmp_path):
+    """Two runs with one --log-json do not mix; --resume appends to the run it continues."""
+    log = tmp_path / "log.jsonl"
+    common = ["--steps", "3", "--eval-every", "0", "--log-json", str(log)]
+    train(_args(corpus, tmp_path, *common, "--save", str(tmp_path / "ck"), "--stop-at", "2"))
+    train(_args(corpus, tmp_path, *common, "--resume", str(tmp_path / "ck")))
+    assert [r.get("step") for r in _rows(log)] == [0, 1, None, 2, None]
+    train(_args(corpus, tmp_path, *common))
+    assert [r.get("step") for r in _rows(log)] == [0, 1, 2, None]
+
+
+def test_per_step_statistics_are_bounded():
+    """A long run keeps the last 100 steps' rows for the DDP summary, not a growing list;
+    the mean leaves out the warm-up step while it is kept."""
+    from minidist.ddp.strategy import StepStats
+    stats = StepStats(keep=100)
+    for step in range(3000):
+        stats.add(compute_s=float(step == 0) * 100 + 1.0)
+    assert len(stats.rows) == 100 and stats.count == 3000 and stats.mean("compute_s") == 1.0
+    few = StepStats()
+    few.add(compute_s=9.0)
+    few.add(compute_s=1.0)
+    assert few.mean("compute_s") == 1.0
