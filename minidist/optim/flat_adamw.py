@@ -13,10 +13,10 @@ buffer, as a ZeRO FlatUnit is (minidist/zero/flat.py):
                   adamw_update once over the whole group: ~11 operations per group, or on CuPy
                   with the kernels on, one fused kernel launch per group (adamw.py)
 
-The cost: a flat gradient buffer and a scratch buffer per group (8 bytes per float32
-parameter, in the ledger's "grads" and not in "optimizer"). DDP's gradients are already views
-into flat buckets, ZeRO's optimizer already updates flat shards (minidist/zero/optim.py);
-this is the single-process (and DDP) counterpart.
+The cost: a flat gradient buffer per group, and for the xp update a scratch buffer (4 + 4
+bytes per float32 parameter, in the ledger's "grads"; the fused kernel needs no scratch).
+DDP's gradients are already views into flat buckets, ZeRO's optimizer already updates flat
+shards (minidist/zero/optim.py); this is the single-process (and DDP) counterpart.
 
 Exactness: the same elementwise formula on the same elements, so bitwise AdamW's. A group
 falls back to AdamW's per-parameter update (on the views) for a step where a parameter has no
@@ -26,7 +26,7 @@ copied back into the buffer before the step, and .data points at its view again.
 Tests: tests/test_flat_adamw.py.
 """
 from minidist.backend import xp_of
-from minidist.optim.adamw import AdamW, adamw_update
+from minidist.optim.adamw import AdamW, adamw_update, fused_adamw_ok
 
 
 class FlatGroup:
@@ -42,7 +42,7 @@ class FlatGroup:
         size = sum(p.data.size for p in params)
         self.param, self.grad = xp.empty(size, dtype), xp.empty(size, dtype)
         self.exp_avg, self.exp_avg_sq = xp.zeros(size, dtype), xp.zeros(size, dtype)
-        self.scratch = xp.empty(size, dtype)
+        self.scratch = None           # the xp update's temporary; the fused kernel needs none
         self.slots, offset = [], 0                # (start, end, shape) per parameter
         for p in params:
             self.slots.append((offset, offset + p.data.size, p.data.shape))
@@ -105,6 +105,9 @@ class FlatAdamW(AdamW):
                 s["step"] += 1
             flat.gather_grads()
             beta1, beta2 = group["betas"]
+            fused = fused_adamw_ok(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq)
+            if flat.scratch is None and not fused:
+                flat.scratch = xp_of(flat.param).empty_like(flat.param)
             adamw_update(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq, steps.pop() + 1,
                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                          scratch=flat.scratch)
@@ -124,4 +127,4 @@ class FlatAdamW(AdamW):
 
     def ledger_arrays(self):
         """The flat gradient and scratch buffers, counted with the gradients."""
-        return {"grads": [b for f in self.flats for b in (f.grad, f.scratch)]}
+        return {"grads": [b for f in self.flats for b in (f.grad, f.scratch) if b is not None]}
