@@ -186,6 +186,20 @@ def test_collective_timeout_names_op_group_and_missing_ranks():
 
 
 @pytest.mark.mpi
+def test_point_to_point_timeout_names_the_peer():
+    """A pipeline's receive whose sender never comes: with a 3 s timeout the job aborts,
+    naming the peer. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p"""
+    start = time.monotonic()
+    out = run_mpi(2, "tests/scripts/comm_small.py", "p2p", timeout=60, check=False,
+                  env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "recv with rank 1 of group 'world' waited more than 3 s for world rank 1" \
+        in out.stderr, out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
 def test_ranks_finishing_at_different_times_exit_cleanly():
     """A clean finish is not an abort: rank 0 leaves 1.5 s after the others (which announce
     their exit and wait for it). By hand: mpiexec -n 3 python tests/scripts/comm_small.py finish"""

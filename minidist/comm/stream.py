@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from minidist.comm import trace
+from minidist.comm import trace, watchdog
 from minidist.comm.progress import wait_all
 
 
@@ -108,13 +108,14 @@ class RequestWork(Work):
     """Handle of a non-blocking MPI point-to-point request (Isend/Irecv); `on_done` runs once,
     after completion (copying a staged receive back to the GPU, recording the trace event)."""
 
-    def __init__(self, request, label="", on_done=None):
+    def __init__(self, request, label="", on_done=None, peer=None):
         super().__init__(label)
-        self.request, self._on_done = request, on_done
+        self.request, self._on_done, self.peer = request, on_done, peer
 
     def wait(self, timeout=None):
         if timeout is None:
-            wait_all([self.request])
+            with watchdog.p2p_wait(self.label, self.peer):  # a peer that never comes: abort
+                wait_all([self.request])
         elif not self._test_until(timeout):
             return False
         self._complete()

@@ -10,6 +10,8 @@ collective a ProcessGroup runs is announced to it (`entered` / `left`). Once a s
 - aborts the job when a rank that exited (end of script, `sys.exit`, SystemExit: anything
   that runs Python's exit handlers) had not finished a collective this rank is waiting in.
   The exiting rank announces its exit (`announce_exit`) and waits for the others to exit too;
+- does the same for a point-to-point send or receive (a pipeline's activations): one that
+  waits longer than the timeout, or whose peer exited, aborts the job naming the peer;
 - answers the other ranks' questions about this rank's progress.
 
 An uncaught exception never gets here: debug.install_abort_handler aborts at once. A killed
@@ -19,6 +21,7 @@ the message and waits a moment before MPI_Abort, so the launcher forwards it bef
 
 Tests: tests/test_comm.py (exception, sys.exit and a blocked rank on one rank).
 """
+import contextlib
 import os
 import sys
 import threading
@@ -33,6 +36,7 @@ FLUSH_S = 1.0                           # output's head start before MPI_Abort k
 _lock = threading.Lock()
 _active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq]
+_p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
           "exited": {}, "answers": {}}
 
@@ -65,6 +69,19 @@ def left(key, seq):
     with _lock:
         _active.pop(threading.get_ident(), None)
         _progress.setdefault(key, [0, 0])[1] = seq
+
+
+@contextlib.contextmanager
+def p2p_wait(label, peer):
+    """The calling thread waits for a send to or a receive from world rank `peer`."""
+    tid = threading.get_ident()
+    with _lock:
+        _p2p[tid] = (label, peer, time.monotonic())
+    try:
+        yield
+    finally:
+        with _lock:
+            _p2p.pop(tid, None)
 
 
 def describe(key):
@@ -129,7 +146,23 @@ def _check_stranded():
                           f"aborting the whole MPI job")
 
 
+def _check_p2p():
+    """Abort if a point-to-point wait outlived the timeout or its peer exited."""
+    with _lock:
+        waits = list(_p2p.values())
+    now, timeout, me = time.monotonic(), _state["timeout"], MPI.COMM_WORLD.Get_rank()
+    for label, peer, start in waits:
+        if peer in _state["exited"]:
+            abort_job(f"[rank {me}] world rank {peer} exited while this rank waits in "
+                      f"{label}; aborting the whole MPI job")
+        if timeout > 0 and now - start > timeout:
+            abort_job(f"[rank {me}] {label} waited more than {timeout:g} s for world rank "
+                      f"{peer} (MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)); aborting "
+                      "the whole MPI job")
+
+
 def _check_timeouts():
+    _check_p2p()
     with _lock:
         calls = list(_active.values())
     now, timeout = time.monotonic(), _state["timeout"]

@@ -3,6 +3,7 @@
     mpiexec -n 4 python tests/scripts/comm_small.py abort   # rank 1 raises; the job must end
     mpiexec -n 4 python tests/scripts/comm_small.py exit    # rank 1 calls sys.exit(3)
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py block   # rank 1 sleeps
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p     # never sent
     mpiexec -n 2 python tests/scripts/comm_small.py finish  # ranks exit 60 ms apart: clean
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
     mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
@@ -34,6 +35,11 @@ elif mode == "block":
         time.sleep(3600)              # never arrives
     world.all_reduce(np.ones(10))
     print("unreachable: the all_reduce cannot finish")
+elif mode == "p2p":
+    if world.rank == 1:
+        time.sleep(3600)              # never sends (a pipeline stage stuck in compute)
+    world.recv(np.ones(10), peer=1)
+    print("unreachable: the recv cannot finish")
 elif mode == "finish":
     world.all_reduce(np.ones(10))
     time.sleep(0.06 * world.rank + (1.5 if world.rank == 0 else 0))  # rank 0 leaves last
