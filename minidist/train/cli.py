@@ -37,6 +37,8 @@ _AT_LEAST = (
     ("--stop-at", "stop_at", 1, "the step to stop at"),
     ("--warmup", "warmup", 0, "warm-up steps"),
     ("--keep", "keep", 1, "checkpoints kept"),
+    ("--attention-block", "attention_block", 1, "the tiled attention's tile size"),
+    ("--comm-timeout", "comm_timeout", 0, "seconds a collective may wait (0: never abort)"),
 )
 
 
