@@ -5,7 +5,7 @@ Dimensions, named once:
     nh n_head, hs = C // nh head size, V vocab_size, L n_layer.
 
 Contracts other layers build on:
-  - `gpt_init(config, seed)` gives the FULL model's initial parameters on the host, by GPT-2
+  - `gpt_init(config, seed)` (minidist/nn/config.py, with GPTConfig) gives the FULL model's initial parameters on the host, by GPT-2
     name, in model order. Each parameter draws from its own stream, `rng([seed, crc32(name)])`,
     so a pipeline stage can initialise only its blocks (`names=`) and tensor parallelism can
     cut shards out of the full arrays: every layout starts from the same numbers.
@@ -20,10 +20,6 @@ Contracts other layers build on:
 Save/load in GPT-2's Hugging Face format: minidist/nn/pretrained.py.
 Tests: tests/test_gpt.py.
 """
-import math
-import zlib
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
 from minidist import backend
@@ -31,110 +27,11 @@ from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad
 from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
+from minidist.nn.config import TILED_FROM_T, gpt_init
 from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, ModuleDict, ModuleList
 
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
-ATTENTIONS = ("auto", "materialized", "tiled")  # attention.py's (B, nh, T, T) P, flash.py's tiles
-TILED_FROM_T = 256    # "auto": tiled from this length on, where it is faster on the CPU too
-
-
-@dataclass
-class GPTConfig:
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
-    vocab_size: int = 50257
-    dropout: float = 0.0
-    bias: bool = True         # biases in Linear and LayerNorm layers, as in GPT-2
-    attention: str = "auto"           # "tiled": O(T) memory (minidist/autograd/flash.py); "auto":
-                                      # tiled for T >= TILED_FROM_T without attention dropout
-    attention_block: int = 64         # the tiled attention's tile size
-    vocab_multiple: int = 1           # wte's rows padded to a multiple of this (GPUs: 64)
-
-    def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
-                     "vocab_multiple"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, not {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
-                             f"({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, not {self.attention!r}")
-        if int(self.attention_block) < 1:
-            raise ValueError(f"attention_block must be >= 1, not {self.attention_block}")
-        if self.attention == "tiled" and self.dropout > 0:
-            raise ValueError("attention 'tiled' has no dropout on attention weights (it keeps "
-                             "no (T, T) mask): use --attention materialized or --dropout 0")
-
-    @property
-    def padded_vocab_size(self):
-        """vocab_size rounded up to a multiple of vocab_multiple: the rows of wte, so the
-        head's matmul runs on aligned tiles (50257 -> 50304). The padding rows are zero, their
-        logits -inf (never predicted, never sampled), so their gradient is zero and they stay
-        zero; state_dict() leaves them out and load_state_dict() adds them back."""
-        m = self.vocab_multiple
-        return -(-self.vocab_size // m) * m
-
-    def to_dict(self):
-        return asdict(self)
-
-
-# ---- initialisation ------------------------------------------------------------------------
-
-def gpt_param_specs(config):
-    """name -> (shape, init) for every parameter, in model order. init is a std (normal),
-    "zeros" or "ones". Residual projections get std 0.02 / sqrt(2 L) (GPT-2's scaling: the
-    residual stream sums 2 L of them)."""
-    C, V, T, L = config.n_embd, config.vocab_size, config.block_size, config.n_layer
-    std, proj_std = 0.02, 0.02 / math.sqrt(2 * L)
-    specs = {"transformer.wte.weight": ((V, C), std), "transformer.wpe.weight": ((T, C), std)}
-
-    def linear(name, n_in, n_out, w_std):
-        specs[name + ".weight"] = ((n_in, n_out), w_std)
-        if config.bias:
-            specs[name + ".bias"] = ((n_out,), "zeros")
-
-    def norm(name):
-        specs[name + ".weight"] = ((C,), "ones")
-        if config.bias:
-            specs[name + ".bias"] = ((C,), "zeros")
-
-    for i in range(L):
-        h = f"transformer.h.{i}."
-        norm(h + "ln_1")
-        linear(h + "attn.c_attn", C, 3 * C, std)
-        linear(h + "attn.c_proj", C, C, proj_std)
-        norm(h + "ln_2")
-        linear(h + "mlp.c_fc", C, 4 * C, std)
-        linear(h + "mlp.c_proj", 4 * C, C, proj_std)
-    norm("transformer.ln_f")
-    return specs
-
-
-def gpt_init(config, seed, names=None, dtype="float32"):
-    """The initial parameters as host numpy arrays: name -> array, in model order.
-
-    Normal draws are made in float64 from `backend.rng([seed, crc32(name)])` and then cast,
-    so float32 and float64 runs start from the same numbers (to float32 precision).
-    `names` restricts the result to those parameters (a pipeline stage's own).
-    """
-    out = {}
-    for name, (shape, init) in gpt_param_specs(config).items():
-        if names is not None and name not in names:
-            continue
-        if init == "zeros":
-            a = np.zeros(shape)
-        elif init == "ones":
-            a = np.ones(shape)
-        else:
-            a = backend.rng([seed, zlib.crc32(name.encode())]).standard_normal(shape) * init
-        out[name] = a.astype(dtype)
-    return out
 
 
 # ---- layers --------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ def save_pretrained(model, directory, dtype="float32"):
 def save_state_pretrained(config, params, directory, dtype="float32"):
     """save_pretrained of plain data: a GPTConfig and {name: array} of the whole model (as a
     sharded strategy gathers it)."""
-    from minidist.nn.gpt import gpt_param_specs
-    from minidist.nn.gpt import GPTConfig
+    from minidist.nn.config import gpt_param_specs
+    from minidist.nn.config import GPTConfig
     state = {n: backend.to_host(a).astype(dtype) for n, a in params.items()}
     if not config.bias:           # HF's GPT-2 always has biases: zeros compute the same
         full = gpt_param_specs(GPTConfig(**{**config.to_dict(), "bias": True}))
@@ -69,7 +69,7 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
 
 def read_config(directory):
     """A GPTConfig from a GPT-2 config.json."""
-    from minidist.nn.gpt import GPTConfig
+    from minidist.nn.config import GPTConfig
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"from_pretrained: no config.json in {directory!r}")
@@ -89,7 +89,7 @@ def read_config(directory):
 def read_state(directory, config):
     """Our state dict (host arrays, our names) from dir/model.safetensors, checked against
     `config`; errors name the offending tensors."""
-    from minidist.nn.gpt import gpt_param_specs
+    from minidist.nn.config import gpt_param_specs
     path = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(path):
         bins = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]

@@ -24,7 +24,8 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
-from minidist.nn.gpt import GPT, Block, BlockHooks, _DROPOUT_STREAM, _sample, gpt_init
+from minidist.nn.config import gpt_init
+from minidist.nn.gpt import GPT, Block, BlockHooks, _DROPOUT_STREAM, _sample
 from minidist.nn.layers import Dropout, Embedding, LayerNorm
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.pp.schedule import StageLink

@@ -140,7 +140,7 @@ class PipelineParallel(SingleProcess):
         return self.mesh.dp_rank == 0
 
     def notes(self):
-        from minidist.nn.gpt import gpt_param_specs
+        from minidist.nn.config import gpt_param_specs
         s, (d, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return super().notes() + [

@@ -22,8 +22,9 @@ Tests: tests/test_tensor_parallel.py (exactness against one process, memory 1/tp
 import numpy as np
 
 from minidist import backend
+from minidist.nn.config import gpt_init
 from minidist.nn.gpt import (GPT, MLP, Block, BlockHooks, CausalSelfAttention,
-                             _DROPOUT_STREAM, gpt_init)
+                             _DROPOUT_STREAM)
 from minidist.autograd import is_grad_enabled, ops
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
@@ -195,7 +196,7 @@ class TensorParallelGPT(GPT):
 
     def parameter_counts(self):
         """(parameters this rank holds, parameters of the whole model) for the log."""
-        from minidist.nn.gpt import gpt_param_specs
+        from minidist.nn.config import gpt_param_specs
         full = sum(int(np.prod(shape)) for shape, _ in gpt_param_specs(self.config).values())
         return self.num_parameters(), full
 

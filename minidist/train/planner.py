@@ -41,7 +41,7 @@ Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 import math
 from dataclasses import asdict, dataclass
 
-from minidist.nn.gpt import GPTConfig, gpt_param_specs
+from minidist.nn.config import GPTConfig, gpt_param_specs
 
 GiB = 2 ** 30
 STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
