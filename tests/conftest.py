@@ -57,6 +57,15 @@ def xp(device):
 
 
 @pytest.fixture(scope="session")
+def mpi(device):
+    """run_mpi (tests/mpirun.py) with --device bound: `mpi(4, script, *args)` runs the script
+    under mpiexec and hands every rank `--device cpu|cuda`, so the distributed tests run on the
+    device the suite was asked for."""
+    from mpirun import MpiRunner
+    return MpiRunner(device)
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small Python-like text file for training tests (300 tiny functions, ~9 KB)."""
     d = tmp_path_factory.mktemp("corpus")

@@ -4,6 +4,12 @@ The job runs in its own process group (its own session); on timeout the whole gr
 so a deadlocked collective becomes a failed test with each rank's output, not a stuck CI.
 
     out = run_mpi(4, "tests/scripts/comm_check.py", "--algo", "ring")
+
+The device: tests take the `mpi` fixture (tests/conftest.py), run_mpi with the suite's
+`--device` bound; run_mpi hands it to every rank as `--device cpu|cuda` at the end of the
+command line, so each rank script parses a `--device` flag (examples/train_gpt.py's own, and
+each tests/scripts/*.py run here) and calls backend.set_device with it. Tested by
+tests/test_mpirun.py.
 """
 import json
 import os
@@ -29,12 +35,28 @@ def mpiexec():
     return here if os.path.exists(here) else "mpiexec"
 
 
-def run_mpi(nprocs, script, *args, timeout=120, env=None, check=True):
-    """Run `python script args...` on `nprocs` ranks; return the CompletedProcess.
+DEVICES = ("cpu", "cuda")
+
+
+def device_flags(device):
+    """`["--device", device]` for a rank script's command line; None gives [] (the script's
+    own default). Any other device is refused here, before a job starts."""
+    if device is None:
+        return []
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} (pytest --device), "
+                         f"not {device!r}")
+    return ["--device", device]
+
+
+def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=True):
+    """Run `python script args... [--device DEVICE]` on `nprocs` ranks; return the
+    CompletedProcess. Tests call it through the `mpi` fixture, which passes pytest's --device.
 
     With `check`, a non-zero exit or a timeout raises AssertionError carrying the output.
     """
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, script, *map(str, args)]
+    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, script, *map(str, args),
+           *device_flags(device)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -49,6 +71,19 @@ def run_mpi(nprocs, script, *args, timeout=120, env=None, check=True):
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
                              f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
     return result
+
+
+class MpiRunner:
+    """run_mpi with a device bound: the `mpi` fixture (tests/conftest.py) is one, made from
+    pytest's --device. `mpi(4, script, *args)` runs the job; `mpi.device` is for the
+    one-process runs a test compares it with."""
+
+    def __init__(self, device):
+        device_flags(device)          # an unknown device is refused here, before any job
+        self.device = device
+
+    def __call__(self, nprocs, script, *args, **kwargs):
+        return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
 def tagged_json(result, tag="RESULT"):

@@ -11,7 +11,7 @@ import pytest
 
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags, printable
-from tests.mpirun import ROOT, mpi_env, run_mpi
+from tests.mpirun import ROOT, device_flags, mpi_env
 
 # (flags, what the one error line must contain)
 BAD_FLAGS = [
@@ -62,9 +62,11 @@ def test_defaults_pass_the_checks():
     check_flags(train_parser().parse_args([]))
 
 
-def _run(*flags, timeout=60):
-    return subprocess.run([sys.executable, "examples/train_gpt.py", *flags], cwd=ROOT,
-                          env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+def _run(device, *flags, timeout=60):
+    """examples/train_gpt.py FLAGS --device DEVICE (pytest's --device), one process."""
+    return subprocess.run([sys.executable, "examples/train_gpt.py", *flags,
+                           *device_flags(device)], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("flags,says", [
@@ -72,33 +74,33 @@ def _run(*flags, timeout=60):
     (["--data", "/nonexistent"], "--data /nonexistent"),
     (["--batch-size", "0"], "--batch-size 0"),
 ])
-def test_one_error_line_exit_2_no_traceback(flags, says):
-    out = _run(*flags)
+def test_one_error_line_exit_2_no_traceback(flags, says, device):
+    out = _run(device, *flags)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and says in out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
-def test_resume_a_file_or_an_empty_folder(tmp_path):
+def test_resume_a_file_or_an_empty_folder(tmp_path, device):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "empty").mkdir()
-    out = _run("--resume", str(tmp_path / "afile"))
+    out = _run(device, "--resume", str(tmp_path / "afile"))
     assert out.returncode == 2 and "is a file" in out.stderr and "Traceback" not in out.stderr
-    out = _run("--resume", str(tmp_path / "empty"), "--steps", "1", "--eval-iters", "1",
+    out = _run(device, "--resume", str(tmp_path / "empty"), "--steps", "1", "--eval-iters", "1",
                "--sample", "0", timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("error: ")
     assert str(tmp_path / "empty") in out.stderr and "Traceback" not in out.stderr
 
 
-def test_traceback_flag_shows_the_traceback():
-    out = _run("--steps", "0", "--traceback")
+def test_traceback_flag_shows_the_traceback(device):
+    out = _run(device, "--steps", "0", "--traceback")
     assert out.returncode != 0 and "Traceback" in out.stderr and "UsageError" in out.stderr
 
 
 @pytest.mark.mpi
-def test_errors_print_once_under_mpiexec():
+def test_errors_print_once_under_mpiexec(mpi):
     """    mpiexec -n 4 python examples/train_gpt.py --grad-accum 0"""
-    out = run_mpi(4, "examples/train_gpt.py", "--grad-accum", "0", timeout=60, check=False)
+    out = mpi(4, "examples/train_gpt.py", "--grad-accum", "0", timeout=60, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("error: --grad-accum 0") == 1, out.stderr
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_scatter_step,
                                 ring_bytes)
 from minidist.comm.simulate import simulate_all_reduce, simulate_broadcast
-from mpirun import ROOT, mpi_env, run_mpi
+from mpirun import ROOT, mpi_env
 
 
 @settings(max_examples=200, deadline=None)
@@ -128,14 +128,15 @@ def test_import_does_not_import_cupy_and_detects_cuda_awareness():
 
 
 @pytest.mark.mpi
+@pytest.mark.cpu_only("comm_check.py's buffers are numpy; cupy's: tests/test_comm_gpu.py")
 @pytest.mark.parametrize("nprocs,wait", [(2, "poll"), (3, "block"), (4, "poll")])
-def test_collectives(nprocs, wait, tmp_path):
+def test_collectives(nprocs, wait, tmp_path, mpi):
     """All collectives x algorithms (ring, naive, mpi) x dtypes x odd lengths, async, p2p,
     counters, sub-groups, 2x2 mesh, debug mismatch, Chrome trace, under each wait policy.
     By hand: MINIDIST_COMM_WAIT=poll mpiexec -n 4 python tests/scripts/comm_check.py"""
     path = tmp_path / "trace.json"
-    out = run_mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180,
-                  env=mpi_env(MINIDIST_COMM_WAIT=wait))
+    out = mpi(nprocs, "tests/scripts/comm_check.py", "--trace", path, timeout=180,
+              env=mpi_env(MINIDIST_COMM_WAIT=wait))
     assert f"comm_check OK: {nprocs} ranks" in out.stdout
     events = json.loads(path.read_text())["traceEvents"]
     rows = {e["pid"] for e in events if e["ph"] == "X"}
@@ -146,12 +147,12 @@ def test_collectives(nprocs, wait, tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("repeat", range(3))
-def test_raise_on_one_rank_aborts(repeat):
+def test_raise_on_one_rank_aborts(repeat, mpi):
     """A raise on one rank ends the whole job quickly (MPI Abort), never a hang, and the
     traceback always reaches the output (3 runs here; 20 of 20 by hand). By hand:
     mpiexec -n 4 python tests/scripts/comm_small.py abort"""
     start = time.monotonic()
-    out = run_mpi(4, "tests/scripts/comm_small.py", "abort", timeout=60, check=False)
+    out = mpi(4, "tests/scripts/comm_small.py", "abort", timeout=60, check=False)
     assert out.returncode != 0
     assert time.monotonic() - start < 30
     assert "boom on rank 1" in out.stderr and "aborting the whole MPI job" in out.stderr
@@ -159,25 +160,25 @@ def test_raise_on_one_rank_aborts(repeat):
 
 
 @pytest.mark.mpi
-def test_sys_exit_on_one_rank_ends_the_job():
+def test_sys_exit_on_one_rank_ends_the_job(mpi):
     """sys.exit(3) on rank 1 while the others wait for it in an all_reduce: no exception hook
     sees a SystemExit, the exit handler does; the job ends in seconds, naming the rank and
     the collective. By hand: mpiexec -n 4 python tests/scripts/comm_small.py exit"""
     start = time.monotonic()
-    out = run_mpi(4, "tests/scripts/comm_small.py", "exit", timeout=60, check=False)
+    out = mpi(4, "tests/scripts/comm_small.py", "exit", timeout=60, check=False)
     assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
     assert "world rank 1 exited" in out.stderr and "all_reduce #1" in out.stderr, out.stderr
     assert "unreachable" not in out.stdout
 
 
 @pytest.mark.mpi
-def test_collective_timeout_names_op_group_and_missing_ranks():
+def test_collective_timeout_names_op_group_and_missing_ranks(mpi):
     """Rank 1 never reaches the all_reduce; with a 3 s timeout the others abort the job,
     naming the op, the group and rank 1. By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py block"""
     start = time.monotonic()
-    out = run_mpi(3, "tests/scripts/comm_small.py", "block", timeout=60, check=False,
-                  env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    out = mpi(3, "tests/scripts/comm_small.py", "block", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
     assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
     assert "all_reduce #1 on group 'world' (world ranks [0, 1, 2]) waited more than 3 s" \
         in out.stderr, out.stderr
@@ -186,13 +187,13 @@ def test_collective_timeout_names_op_group_and_missing_ranks():
 
 
 @pytest.mark.mpi
-def test_point_to_point_timeout_names_the_peer():
+def test_point_to_point_timeout_names_the_peer(mpi):
     """A pipeline's receive whose sender never comes: with a 3 s timeout the job aborts,
     naming the peer. By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p"""
     start = time.monotonic()
-    out = run_mpi(2, "tests/scripts/comm_small.py", "p2p", timeout=60, check=False,
-                  env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    out = mpi(2, "tests/scripts/comm_small.py", "p2p", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
     assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
     assert "recv with rank 1 of group 'world' waited more than 3 s for world rank 1" \
         in out.stderr, out.stderr
@@ -200,20 +201,20 @@ def test_point_to_point_timeout_names_the_peer():
 
 
 @pytest.mark.mpi
-def test_ranks_finishing_at_different_times_exit_cleanly():
+def test_ranks_finishing_at_different_times_exit_cleanly(mpi):
     """A clean finish is not an abort: rank 0 leaves 1.5 s after the others (which announce
     their exit and wait for it). By hand: mpiexec -n 3 python tests/scripts/comm_small.py finish"""
-    out = run_mpi(3, "tests/scripts/comm_small.py", "finish", timeout=60)
+    out = mpi(3, "tests/scripts/comm_small.py", "finish", timeout=60)
     assert all(f"rank {r} finished" in out.stdout for r in range(3)), out.stderr
     assert "abort" not in out.stderr.lower()
 
 
 @pytest.mark.mpi
-def test_trace_log_every_collective_and_step():
+def test_trace_log_every_collective_and_step(mpi):
     """MINIDIST_TRACE=2 logs each collective (seq, op, algo, group, dtype, bytes, times) and
     each ring step. By hand:
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log"""
-    out = run_mpi(2, "tests/scripts/comm_small.py", "log", env=mpi_env(MINIDIST_TRACE=2))
+    out = mpi(2, "tests/scripts/comm_small.py", "log", env=mpi_env(MINIDIST_TRACE=2))
     for rank in (0, 1):
         assert (f"[rank {rank}] #1 all_reduce algo=ring group=world dtype=float32 bytes=28"
                 in out.stderr), out.stderr

@@ -16,7 +16,7 @@ from minidist.ddp.ddp import DistributedDataParallel, bucket_layout
 from minidist.train.args import train_parser
 from minidist.train.strategy import SingleProcess, make_strategy
 from minidist.train.cli import UsageError
-from mpirun import run_mpi, tagged_json
+from mpirun import tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -185,7 +185,7 @@ def _assert_exact(results, n, tol=1e-10):
 
 
 @pytest.mark.mpi
-def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path):
+def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path, mpi):
     """4 ranks x {naive, bucketed, overlapped} x {ring, naive, mpi}, float64, 3 steps: losses,
     norms and parameters equal to one process to 1e-10, replicas bitwise equal, bytes per step
     = 2(N-1)/N x gradient bytes; then a traced overlapped run shows all-reduces in backward.
@@ -193,7 +193,7 @@ def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path):
         mpiexec -n 4 python tests/scripts/ddp_check.py --trace /tmp/ddp_trace.json
     """
     path = tmp_path / "trace.json"
-    out = run_mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
+    out = mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
     results = tagged_json(out)
     _assert_exact(results, 9)
     overlap = tagged_json(out, "OVERLAP")[0]
@@ -206,37 +206,37 @@ def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path):
 
 
 @pytest.mark.mpi
-def test_two_ranks_with_grad_accum_equal_one_process():
+def test_two_ranks_with_grad_accum_equal_one_process(mpi):
     """dp 2 x grad-accum 2 (hooks silent under no_sync until the last micro-batch):
 
         mpiexec -n 2 python tests/scripts/ddp_check.py --grad-accum 2
     """
-    out = run_mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
+    out = mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
     _assert_exact(tagged_json(out), 9)
 
 
 @pytest.mark.mpi
-def test_global_grad_clipping_under_dp():
+def test_global_grad_clipping_under_dp(mpi):
     """A max norm small enough to clip every step: the same norms and parameters as one
     process, the same norm on every rank (replicated gradients, so the local norm is global):
 
         mpiexec -n 4 python tests/scripts/ddp_check.py --clip 0.05 --algos ring
     """
-    out = run_mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
-                  timeout=180)
+    out = mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
+              timeout=180)
     results = tagged_json(out)
     _assert_exact(results, 3)
     assert all(min(r["norms"]) > 0.05 for r in results)
 
 
 @pytest.mark.mpi
-def test_exception_on_one_rank_aborts_the_job():
+def test_exception_on_one_rank_aborts_the_job(mpi):
     """Rank 1 raises; rank 0, waiting in sync_grads, must not hang:
 
         mpiexec -n 2 python tests/scripts/ddp_abort.py
     """
     start = time.time()
-    out = run_mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
+    out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
     assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
     assert "NOT aborted" not in out.stdout and time.time() - start < 60
 
@@ -247,28 +247,28 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
 
 
 @pytest.mark.mpi
-def test_bad_dp_is_refused_on_every_rank():
+def test_bad_dp_is_refused_on_every_rank(mpi):
     """No collective is reached, so nothing hangs; one line says why (rank 0's), exit 2, no
     traceback:
 
         mpiexec -n 2 python examples/train_gpt.py --dp 3
     """
-    out = run_mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
+    out = mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("error: --dp 3 does not match the 2 MPI process") == 1
 
 
 @pytest.mark.mpi
-def test_train_gpt_under_mpiexec(corpus, tmp_path):
+def test_train_gpt_under_mpiexec(corpus, tmp_path, mpi):
     """The main job's path end to end, small: 2 ranks, --log-json from rank 0 only with
     comm_bytes growing, a DDP summary line and a Chrome trace with both ranks:
 
         mpiexec -n 2 python examples/train_gpt.py --data CORPUS --steps 4 --trace t.json ...
     """
     log, path = tmp_path / "log.jsonl", tmp_path / "trace.json"
-    out = run_mpi(2, "examples/train_gpt.py", *TINY, "--data", corpus, "--cache-dir",
-                  tmp_path / "cache", "--steps", "4", "--eval-every", "0", "--grad-accum", "2",
-                  "--log-json", log, "--trace", path, timeout=120)
+    out = mpi(2, "examples/train_gpt.py", *TINY, "--data", corpus, "--cache-dir",
+              tmp_path / "cache", "--steps", "4", "--eval-every", "0", "--grad-accum", "2",
+              "--log-json", log, "--trace", path, timeout=120)
     rows = [json.loads(line) for line in open(log)]
     assert [r["step"] for r in rows[:-1]] == [0, 1, 2, 3] and rows[-1]["final"]
     sent = [r["comm_bytes"] for r in rows[:-1]]
@@ -281,7 +281,7 @@ def test_train_gpt_under_mpiexec(corpus, tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_ddp_resume_continues_bit_identically(corpus, tmp_path):
+def test_ddp_resume_continues_bit_identically(corpus, tmp_path, mpi):
     """Rank 0 saves, every rank resumes; the resumed steps repeat the uninterrupted run's:
 
         mpiexec -n 2 python examples/train_gpt.py ... --stop-at 3 --save DIR; ... --resume DIR
@@ -289,11 +289,11 @@ def test_ddp_resume_continues_bit_identically(corpus, tmp_path):
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
               "--eval-every", "0"]
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    run_mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
-    run_mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
-            timeout=120)
-    run_mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-            resumed, timeout=120)
+    mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
+        timeout=120)
+    mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+        resumed, timeout=120)
     def losses(path):
         return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
     assert losses(resumed)[:3] == losses(straight)[3:6]
@@ -301,14 +301,14 @@ def test_ddp_resume_continues_bit_identically(corpus, tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_main_job_defaults_train(tmp_path):
+def test_main_job_defaults_train(tmp_path, mpi):
     """The Quick start's main job with its default flags, cut to 60 steps: the loss falls.
 
         mpirun -n 4 python examples/train_gpt.py
     """
     log = tmp_path / "log.jsonl"
-    run_mpi(4, "examples/train_gpt.py", "--steps", "60", "--eval-every", "0", "--log-json",
-            log, "--sample", "0", timeout=600)
+    mpi(4, "examples/train_gpt.py", "--steps", "60", "--eval-every", "0", "--log-json",
+        log, "--sample", "0", timeout=600)
     rows = [row for row in map(json.loads, open(log)) if "loss" in row]
     assert len(rows) == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
 

@@ -19,7 +19,7 @@ from minidist.train.args import train_parser
 from minidist.pp.strategy import default_micro_batches
 from minidist.train.strategy import SingleProcess, make_strategy
 from minidist.train.cli import UsageError
-from mpirun import run_mpi, tagged_json
+from mpirun import tagged_json
 
 TOL = 1e-10
 
@@ -110,23 +110,23 @@ def _assert_exact(results, n):
 
 
 @pytest.mark.mpi
-def test_pp2_equals_one_process_both_schedules():
+def test_pp2_equals_one_process_both_schedules(mpi):
     """pp 2 with 1, 2 and 8 micro-batches, 1F1B and GPipe, and 2 x 2 with --grad-accum 2,
     float64, clipping every step; the first run's checkpoint:
 
         mpiexec -n 2 python tests/scripts/pp_check.py
     """
-    _assert_exact(tagged_json(run_mpi(2, "tests/scripts/pp_check.py", timeout=120)), 6)
+    _assert_exact(tagged_json(mpi(2, "tests/scripts/pp_check.py", timeout=120)), 6)
 
 
 @pytest.mark.mpi
-def test_pp4_and_pp2_x_dp2_equal_one_process():
+def test_pp4_and_pp2_x_dp2_equal_one_process(mpi):
     """pp 4 (2 and 8 micro-batches, both schedules), pp 2 x dp 2, GPipe + checkpointing; and
     1F1B's first stage holds pp of GPipe's m micro-batches, in measured activation bytes:
 
         mpiexec -n 4 python tests/scripts/pp_check.py
     """
-    results = tagged_json(run_mpi(4, "tests/scripts/pp_check.py", timeout=180))
+    results = tagged_json(mpi(4, "tests/scripts/pp_check.py", timeout=180))
     _assert_exact(results, 5)
     by_run = {r["run"]: r for r in results}
     one, gp = by_run["pp4-m8-1f1b"]["stages"], by_run["pp4-m8-gpipe"]["stages"]
@@ -135,24 +135,24 @@ def test_pp4_and_pp2_x_dp2_equal_one_process():
 
 
 @pytest.mark.mpi
-def test_3d_dp2_tp2_pp2_equals_one_process():
+def test_3d_dp2_tp2_pp2_equals_one_process(mpi):
     """dp 2 x tp 2 x pp 2 on 8 ranks (1F1B; and GPipe with sequence parallelism):
 
         mpiexec -n 8 python tests/scripts/pp_check.py
     """
-    _assert_exact(tagged_json(run_mpi(8, "tests/scripts/pp_check.py", timeout=240)), 2)
+    _assert_exact(tagged_json(mpi(8, "tests/scripts/pp_check.py", timeout=240)), 2)
 
 
 @pytest.mark.mpi
-def test_verbose_logs_every_send_and_receive():
+def test_verbose_logs_every_send_and_receive(mpi):
     """One step of pp 2 over 2 micro-batches: 2 forwards and 2 gradients cross the boundary,
     each logged by its sender and its receiver:
 
         VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
     """
     from mpirun import mpi_env
-    out = run_mpi(2, "tests/scripts/pp_check.py", "--runs", "pp2-m2-1f1b", "--steps", "1",
-                  env=mpi_env(VERBOSE=1), timeout=60)
+    out = mpi(2, "tests/scripts/pp_check.py", "--runs", "pp2-m2-1f1b", "--steps", "1",
+              env=mpi_env(VERBOSE=1), timeout=60)
     lines = [line for line in out.stderr.splitlines() if "micro-batch" in line]
     assert len(lines) == 8, "\n".join(lines)
     assert sum("send forward" in line for line in lines) == 2
@@ -170,7 +170,7 @@ def _losses(path):
 
 
 @pytest.mark.mpi
-def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
+def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path, mpi):
     """train_gpt --pp 2: summary lines, a trace with every micro-batch, a sample through the
     pipeline; a checkpoint that one process loads, and a resume that repeats the straight run
     (with dropout: every stage's own generator is saved and restored):
@@ -180,16 +180,16 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
               "--dropout", "0.1"]                # each stage's dropout stream is resumed
     straight, resumed, t = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "t.json"
-    out = run_mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, "--trace", t,
-                  "--sample", "20", timeout=120)
+    out = mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, "--trace", t,
+              "--sample", "20", timeout=120)
     assert "micro-batches in flight per stage [2, 1]" in out.stdout
     assert "vs theory (p-1)/(m+p-1) = 0.20" in out.stdout and "---- sample" in out.stdout
     events = [e for e in json.load(open(t))["traceEvents"] if e.get("ph") == "X"]
     assert {e["name"] for e in events if e["pid"] == 1} >= {f"F{i}" for i in range(4)}
-    run_mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
-            "--sample", "0", timeout=120)
-    run_mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-            resumed, "--sample", "0", timeout=120)
+    mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
+        "--sample", "0", timeout=120)
+    mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+        resumed, "--sample", "0", timeout=120)
     assert _losses(resumed)[:3] == _losses(straight)[3:6]
     state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
     one = SingleProcess()                   # the whole model, in the one-process format
@@ -199,7 +199,7 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path):
 
 
 @pytest.mark.mpi
-def test_pipeline_sample_equals_one_process(corpus, tmp_path):
+def test_pipeline_sample_equals_one_process(corpus, tmp_path, mpi):
     """generate through 2 stages (forward over the pipeline, the last stage samples and
     broadcasts) writes the very sample one process writes after the same float64 training:
 
@@ -209,8 +209,8 @@ def test_pipeline_sample_equals_one_process(corpus, tmp_path):
     assert TINY[pp:pp + 4] == ["--pp", "2", "--micro-batches", "4"]
     flags = [*TINY[:pp], *TINY[pp + 4:], "--data", corpus, "--cache-dir", tmp_path / "cache",
              "--steps", "2", "--dtype", "float64", "--sample", "40"]
-    one = run_mpi(1, "examples/train_gpt.py", *flags, timeout=120).stdout
-    two = run_mpi(2, "examples/train_gpt.py", *flags, *TINY[pp:pp + 4], timeout=120).stdout
+    one = mpi(1, "examples/train_gpt.py", *flags, timeout=120).stdout
+    two = mpi(2, "examples/train_gpt.py", *flags, *TINY[pp:pp + 4], timeout=120).stdout
 
     def sample(out):
         return out[out.index("---- sample"):out.rindex("----------------")]
@@ -218,7 +218,7 @@ def test_pipeline_sample_equals_one_process(corpus, tmp_path):
 
 
 @pytest.mark.mpi
-def test_bad_input_is_refused_on_every_rank():
+def test_bad_input_is_refused_on_every_rank(mpi):
     """No collective is reached, so nothing hangs; one `error:` line (rank 0's), exit 2, no
     traceback:
 
@@ -227,23 +227,23 @@ def test_bad_input_is_refused_on_every_rank():
     """
     for flags, says in ((["--n-layer", "1"], "--pp 2 stages for --n-layer 1 blocks"),
                         (["--micro-batches", "3"], "--micro-batches 3 = 3 equal")):
-        out = run_mpi(2, "examples/train_gpt.py", "--pp", "2", *flags, timeout=60,
-                      check=False)
+        out = mpi(2, "examples/train_gpt.py", "--pp", "2", *flags, timeout=60,
+                  check=False)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert out.stderr.count(says) == 1 and out.stderr.startswith("error: "), out.stderr
 
 
 @pytest.mark.mpi
-def test_train_gpt_3d_trains(corpus, tmp_path):
+def test_train_gpt_3d_trains(corpus, tmp_path, mpi):
     """The issue's headline, small: dp 2 x tp 2 x pp 2 through train_gpt on 8 ranks, the loss
     falls, one line per step from rank 0, the sample runs through the first replica:
 
         mpiexec -n 8 python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --data CORPUS ...
     """
     log = tmp_path / "log.jsonl"
-    out = run_mpi(8, "examples/train_gpt.py", *TINY, "--dp", "2", "--tp", "2", "--micro-batches",
-                  "2", "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "8",
-                  "--log-json", log, "--sample", "20", timeout=240)
+    out = mpi(8, "examples/train_gpt.py", *TINY, "--dp", "2", "--tp", "2", "--micro-batches",
+              "2", "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "8",
+              "--log-json", log, "--sample", "20", timeout=240)
     rows = [row for row in map(json.loads, open(log)) if "loss" in row]
     assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
     assert "pp 2 x tp 2 x dp 2, 1f1b over 2 micro-batches" in out.stdout
@@ -251,12 +251,12 @@ def test_train_gpt_3d_trains(corpus, tmp_path):
 
 
 @pytest.mark.mpi
-def test_train_gpt_pp2_amp():
+def test_train_gpt_pp2_amp(mpi):
     """Mixed precision through the pipeline: the last stage scales the loss, every stage's
     overflow check sees the global norm; float16 activations cross the boundary:
 
         mpiexec -n 2 python tests/scripts/pp_check.py --amp
     """
-    out = run_mpi(2, "tests/scripts/pp_check.py", "--amp", timeout=120)
+    out = mpi(2, "tests/scripts/pp_check.py", "--amp", timeout=120)
     (r,) = tagged_json(out, "AMP")
     assert r["boundary_dtype"] == "float16" and r["loss_diff"] < 1e-2, r

@@ -16,7 +16,6 @@ from minidist.train.args import train_parser
 from minidist.train.loop import train
 from minidist.train.planner import (Layout, bill, config_for_params, layer_activation_bytes,
                                     model_state_bytes, plan, stage_params)
-from mpirun import run_mpi
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256)
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
@@ -53,7 +52,7 @@ ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec fo
 ]
 
 
-def _ledger(ranks, flags, corpus, tmp):
+def _ledger(ranks, flags, corpus, tmp, mpi):
     """The last step's per-rank ledger row (rank 0's) from --log-json."""
     log = tmp / "log.jsonl"
     argv = FLAGS + ["--data", corpus, "--cache-dir", str(tmp / "cache"), "--log-json",
@@ -61,15 +60,15 @@ def _ledger(ranks, flags, corpus, tmp):
     if ranks == 1:
         train(train_parser().parse_args(argv))
     else:
-        run_mpi(ranks, "examples/train_gpt.py", *argv, timeout=180)
+        mpi(ranks, "examples/train_gpt.py", *argv, timeout=180)
     return [json.loads(line) for line in open(log)][-2]["mem"]
 
 
 @pytest.mark.parametrize("name, ranks, flags, layout", ROWS)
-def test_planner_matches_the_ledger(name, ranks, flags, layout, corpus, tmp_path):
+def test_planner_matches_the_ledger(name, ranks, flags, layout, corpus, tmp_path, mpi):
     """e.g. mpiexec -n 2 python examples/train_gpt.py --amp --ckpt-activations --log-json L
     (the tiny flags above), then compare L's "mem" with planner.bill."""
-    got = _ledger(ranks, flags, corpus, tmp_path)
+    got = _ledger(ranks, flags, corpus, tmp_path, mpi)
     split = [int(flags[flags.index(f) + 1]) for f in ("--grad-accum", "--micro-batches")
              if f in flags]
     b = BATCH // (layout.dp * (split[0] if split else 1))     # sequences per micro-batch

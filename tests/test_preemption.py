@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from tests.mpirun import ROOT, mpi_env, mpiexec
+from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
-        "--log-every", "1", "--device", "cpu"]
+        "--log-every", "1"]
 
 
 def _start(cmd, log):
@@ -47,10 +47,11 @@ def _preempt(cmd, log, signum):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_sigterm_saves_and_exits_75_then_resume_continues(corpus, tmp_path, ranks):
+def test_sigterm_saves_and_exits_75_then_resume_continues(corpus, tmp_path, ranks,
+                                                           device):
     log, save = str(tmp_path / "log.jsonl"), str(tmp_path / "ck")
-    flags = [*TINY, "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
-             "--steps", "100000", "--save", save, "--log-json", log]
+    flags = [*TINY, *device_flags(device), "--data", corpus, "--cache-dir",
+             str(tmp_path / "cache"), "--steps", "100000", "--save", save, "--log-json", log]
     launcher = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launcher, sys.executable, "examples/train_gpt.py", *flags]
     rc, out, err = _preempt(cmd, log, signal.SIGTERM)

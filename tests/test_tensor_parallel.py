@@ -16,7 +16,7 @@ from minidist.tp.model import check_tp_sizes
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
-from mpirun import run_mpi, tagged_json
+from mpirun import tagged_json
 
 
 # ---- in-process: layouts and refusals -----------------------------------------------------
@@ -101,7 +101,7 @@ def _assert_exact(results, runs, tol=1e-10):
 
 
 @pytest.mark.mpi
-def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
+def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
     """2 ranks, one job: distributed gradchecks of every conjugate Function and parallel
     layer; tp 2, tp 2 + sequence parallel, and + activation checkpointing, each equal to one
     process (float64, dropout 0.1, clipped every step) to 1e-10; save_pretrained and --save
@@ -110,7 +110,7 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
 
         mpiexec -n 2 python tests/scripts/tp_check.py
     """
-    out = run_mpi(2, "tests/scripts/tp_check.py", timeout=180)
+    out = mpi(2, "tests/scripts/tp_check.py", timeout=180)
     _assert_exact(tagged_json(out, "RESULT"), ["tp2", "tp2+sp", "tp2+sp+ckpt"])
     files = tagged_json(out, "RESULT")[0]
     assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
@@ -129,7 +129,7 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals():
 
 
 @pytest.mark.mpi
-def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process():
+def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process(mpi):
     """tp 4 (vocabulary 30 padded to 32), tp 2 x dp 2 (DDP over the mesh's dp group, rows by
     dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel, and
     tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 over dp 2; clipped every step
@@ -137,7 +137,7 @@ def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process():
 
         mpiexec -n 4 python tests/scripts/tp_check.py
     """
-    out = run_mpi(4, "tests/scripts/tp_check.py", timeout=180)
+    out = mpi(4, "tests/scripts/tp_check.py", timeout=180)
     _assert_exact(tagged_json(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
                                          "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3"])
 
@@ -156,15 +156,16 @@ def _sample(stdout):
     return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
 
 
-def _python(*args):
+def _python(device, *args):
+    """python ARGS --device DEVICE, one process (what an mpiexec run is compared with)."""
     import subprocess
-    from mpirun import ROOT, mpi_env
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=mpi_env(),
-                          text=True, capture_output=True, check=True).stdout
+    from mpirun import ROOT, device_flags, mpi_env
+    return subprocess.run([sys.executable, *map(str, args), *device_flags(device)], cwd=ROOT,
+                          env=mpi_env(), text=True, capture_output=True, check=True).stdout
 
 
 @pytest.mark.mpi
-def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpus, tmp_path):
+def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpus, tmp_path, mpi):
     """train_gpt.py --tp 2 logs the single-process run's losses and val loss (float64) and
     samples its text (both tp ranks run the sampler); its --save checkpoint (the full model,
     gathered) loads on one process with the same val loss and sample:
@@ -175,27 +176,27 @@ def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpu
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
     one, tp, back = tmp_path / "one.jsonl", tmp_path / "tp.jsonl", tmp_path / "back.jsonl"
-    ref = _python("examples/train_gpt.py", *common, "--log-json", one)
-    out = run_mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--log-json", tp,
-                  "--save", tmp_path / "ck", timeout=120).stdout
+    ref = _python(mpi.device, "examples/train_gpt.py", *common, "--log-json", one)
+    out = mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--log-json", tp,
+              "--save", tmp_path / "ck", timeout=120).stdout
     assert "tensor parallel: tp 2 x dp 1" in out and "MiB sent per rank per step" in out
     assert np.allclose(_losses(tp), _losses(one), rtol=0, atol=1e-10)
     assert _sample(out) == _sample(ref)
-    loaded = _python("examples/train_gpt.py", *common, "--resume", tmp_path / "ck",
+    loaded = _python(mpi.device, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck",
                      "--log-json", back)
     assert abs(_losses(back)[-1] - _losses(one)[-1]) <= 1e-10
     assert _sample(loaded) == _sample(ref)
 
 
 @pytest.mark.mpi
-def test_bad_tp_sizes_are_refused_on_every_rank():
+def test_bad_tp_sizes_are_refused_on_every_rank(mpi):
     """No collective is reached, so nothing hangs; one `error:` line (rank 0's), exit 2, no
     traceback:
 
         mpiexec -n 2 python examples/train_gpt.py --tp 2 --n-head 3 --n-embd 15
     """
-    out = run_mpi(2, "examples/train_gpt.py", "--tp", "2", "--n-head", "3", "--n-embd", "15",
-                  timeout=60, check=False)
+    out = mpi(2, "examples/train_gpt.py", "--tp", "2", "--n-head", "3", "--n-embd", "15",
+              timeout=60, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("n_head 3 is not divisible by tp 2") == 1
     assert out.stderr.startswith("error: tensor parallelism: ")
@@ -204,7 +205,7 @@ def test_bad_tp_sizes_are_refused_on_every_rank():
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", ["0", "3"])
-def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp_path, zero):
+def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp_path, zero, mpi):
     """tp 2 x dp 2 (DDP, or ZeRO-3: one sharded checkpoint per tp rank) with sequence
     parallelism, stopped and resumed from its checkpoint, logs the uninterrupted run's losses
     (which are the single-process run's):
@@ -214,10 +215,10 @@ def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--tp", "2",
               "--sequence-parallel", "--zero", zero]
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    out = run_mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
+    out = mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
     assert _sample(out.stdout)
-    run_mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "2",
-            "--sample", "0", timeout=120)
-    run_mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-            resumed, "--sample", "0", timeout=120)
+    mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "2",
+        "--sample", "0", timeout=120)
+    mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+        resumed, "--sample", "0", timeout=120)
     assert _losses(resumed) == _losses(straight)[2:]

@@ -14,6 +14,7 @@ from minidist.train.data import DataError
 from minidist.train.loop import train
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
+from mpirun import device_flags
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
@@ -73,8 +74,9 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
         train(_args(str(tmp_path / "nope.txt"), tmp_path, "--steps", "1"))
 
 
-def test_script_refusal_has_no_traceback():
-    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--pp", "2"],
+def test_script_refusal_has_no_traceback(device):
+    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--pp", "2",
+                          *device_flags(device)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "pipeline parallelism: " in out.stderr
     assert "Traceback" not in out.stderr

@@ -19,7 +19,7 @@ from minidist.train import memory
 from minidist.train.checkpoint import CheckpointError, load_checkpoint
 from minidist.train.step import train_step
 from minidist.train.strategy import SingleProcess
-from mpirun import ROOT, run_mpi, tagged_json
+from mpirun import ROOT, tagged_json
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from zero_check import CONFIG, SEED, batch  # noqa: E402
@@ -69,15 +69,15 @@ def test_zero_paper_arithmetic():
     assert memory.zero_model_states(P_, 4, 3, amp=True)["total"] == 16 * P_ // 4
 
 
-def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm():
+def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm(mpi):
     """Stages 1, 2, 3 at 4 ranks == 1 process (float64, clipping active, 2 micro-batches,
     every unit padded), then the ledger and the bytes sent per step against theory:
 
         mpiexec -n 4 python tests/scripts/zero_check.py --clip 0.05 --grad-accum 2 \\
             --memory --comm
     """
-    out = run_mpi(4, "tests/scripts/zero_check.py", "--clip", "0.05", "--grad-accum", "2",
-                  "--memory", "--comm", timeout=300)
+    out = mpi(4, "tests/scripts/zero_check.py", "--clip", "0.05", "--grad-accum", "2",
+              "--memory", "--comm", timeout=300)
     results = tagged_json(out)
     assert [r["stage"] for r in results] == [1, 2, 3]
     for r in results:
@@ -96,7 +96,7 @@ def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm():
     assert 1.0 < ratios[3] < 1.5 and abs(ratios[3] - 1 - (L - 2) / (2 * L)) < 0.05
 
 
-def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory():
+def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory(mpi):
     """3 ranks with the MPI library's collectives, activation checkpointing (stage 3 gathers
     for the recompute) and no prefetch; then 4 ranks, mixed precision, 2 + 2 + 12 bytes:
 
@@ -104,16 +104,16 @@ def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory():
             --algo mpi --batch-size 6
         mpiexec -n 4 python tests/scripts/zero_check.py --stages "" --amp
     """
-    out = run_mpi(3, "tests/scripts/zero_check.py", "--ckpt-activations", "--no-prefetch",
-                  "--algo", "mpi", "--batch-size", "6", timeout=300)
+    out = mpi(3, "tests/scripts/zero_check.py", "--ckpt-activations", "--no-prefetch",
+              "--algo", "mpi", "--batch-size", "6", timeout=300)
     for r in tagged_json(out):
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
-    out = run_mpi(4, "tests/scripts/zero_check.py", "--stages", "", "--amp", timeout=300)
+    out = mpi(4, "tests/scripts/zero_check.py", "--stages", "", "--amp", timeout=300)
     mem, = tagged_json(out, "MEMORY")
     assert mem["amp"] and len(mem["by_rank"]) == 4     # the script checked every number
 
 
-def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tmp_path):
+def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tmp_path, mpi):
     """Save at 4 ranks, ZeRO-3 (resume bitwise; a missing and a mismatched shard fail on every
     rank, named); load in one process (bitwise), step, save plain; load at 2 ranks, ZeRO-1
     (bitwise, the same step to 1e-10), and the plain checkpoint into ZeRO-2 (bitwise):
@@ -123,8 +123,8 @@ def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tm
         mpiexec -n 2 python tests/scripts/zero_ckpt_check.py --load /tmp/z --stage 1
     """
     d = str(tmp_path)
-    out = run_mpi(4, "tests/scripts/zero_ckpt_check.py", "--save", d, "--stage", "3",
-                  timeout=300)
+    out = mpi(4, "tests/scripts/zero_ckpt_check.py", "--save", d, "--stage", "3",
+              timeout=300)
     saved, = tagged_json(out)
     assert saved["resume_bitwise"] and "shard-00002-of-00004" in saved["missing"]
     assert "shard-00001-of-00004" in saved["mismatch"] and "checksum" in saved["mismatch"]
@@ -133,8 +133,8 @@ def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tm
     pretrained = GPT.from_pretrained(os.path.join(d, "pretrained"))      # float32 files
     assert all(np.array_equal(p.data, expected[n].astype(np.float32))
                for n, p in pretrained.named_parameters())
-    out = run_mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
-                  timeout=300)
+    out = mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
+              timeout=300)
     loaded, = tagged_json(out)
     assert loaded["reshard_bitwise"] and loaded["step_diff_vs_1proc"] < 1e-10
 
@@ -159,7 +159,7 @@ def one_process_from_sharded(d, expected):
         load_checkpoint(os.path.join(d, "missing"), model, opt)
 
 
-def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path):
+def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path, mpi):
     """The script end to end, float64: 4 ranks at ZeRO-3 log `mem` and print the memory
     table; stopped at step 2 and resumed on 2 ranks at ZeRO-1, the losses continue as if
     uninterrupted:
@@ -175,13 +175,13 @@ def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path):
              "--sample", "0", "--dtype", "float64", "--data", str(corpus),
              "--cache-dir", str(tmp_path / "cache")]
     a, c, ckpt = tmp_path / "a.jsonl", tmp_path / "c.jsonl", str(tmp_path / "ckpt")
-    out = run_mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--log-json", a,
-                  timeout=300)
+    out = mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--log-json", a,
+              timeout=300)
     assert "memory per rank, ZeRO stage 3" in out.stdout and "rank 3" in out.stdout
-    run_mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--stop-at", "2", "--save",
-            ckpt, timeout=300)
-    run_mpi(2, "examples/train_gpt.py", *flags, "--zero", "1", "--resume", ckpt,
-            "--log-json", c, timeout=300)
+    mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--stop-at", "2", "--save",
+        ckpt, timeout=300)
+    mpi(2, "examples/train_gpt.py", *flags, "--zero", "1", "--resume", ckpt,
+        "--log-json", c, timeout=300)
     rows = [json.loads(line) for line in open(a)][:-1]
     assert set(rows[-1]["mem"]) >= {"params", "grads", "optimizer", "activations", "total"}
     resumed = [json.loads(line) for line in open(c)][:-1]

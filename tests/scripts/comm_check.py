@@ -207,6 +207,8 @@ def check_debug_mismatch(world):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--trace", help="write a Chrome trace of the run here")
+    p.add_argument("--device", choices=("cpu",), default="cpu",
+                   help="numpy buffers only (cupy collectives: tests/scripts/comm_gpu_check.py)")
     args = p.parse_args()
     if args.trace:
         trace.enable()

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from minidist import backend
 import minidist.comm
 from minidist.comm import ProcessGroup, trace
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
@@ -128,8 +129,11 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=0.004, help="several buckets here")
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--trace", default=None, metavar="FILE")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(steps=cli.steps, batch_size=cli.batch_size, lr=1e-2,
                            weight_decay=0.1, grad_accum=cli.grad_accum, grad_clip=cli.clip,

@@ -27,6 +27,7 @@ import zlib
 
 import numpy as np
 
+from minidist import backend
 import minidist.comm
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
@@ -210,8 +211,11 @@ def main():
     p.add_argument("--files", default=None, help="the run whose checkpoint is checked "
                    "(default: the first 2-rank or 8-rank run)")
     p.add_argument("--amp", action="store_true", help="only the mixed-precision check")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     if cli.amp:

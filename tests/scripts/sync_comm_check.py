@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from minidist import comm
+from minidist import backend, comm
 from minidist.ddp.strategy import DataParallel
 from minidist.nn import GPTConfig
 from minidist.train.strategy import SingleProcess
@@ -40,8 +40,11 @@ def watch(frame, event, arg):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--watch", action="store_true", help="count the ring calls seen (no pdb)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     world = comm.init("ring")   # sync_comm from MINIDIST_SYNC_COMM
+    backend.set_device(cli.device)   # numpy or cupy, on every rank
     args = SimpleNamespace(steps=2, batch_size=4, lr=1e-2, weight_decay=0.1, grad_accum=1,
                            grad_clip=0.0, log_json=None)
     ref_model, _, ref, _, _ = run_steps(SingleProcess(), args, CONFIG, 7, "float64")

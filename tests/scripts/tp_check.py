@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_probes  # noqa: E402
 from exact import run_steps  # noqa: E402
 
+from minidist import backend
 import minidist.comm  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
@@ -164,8 +165,11 @@ def main():
     p.add_argument("--runs", default=None, help="default: tp2,tp2+sp,tp2+sp+ckpt (2 ranks)")
     p.add_argument("--only", default=None, help="gradcheck | memory | traffic | refusals")
     p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     tmp = comm.bcast(tempfile.mkdtemp(prefix="tp_check_") if comm.rank == 0 else None)

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from minidist import backend
 import minidist.comm
 from minidist.comm import ProcessGroup
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
@@ -123,8 +124,11 @@ def main():
     p.add_argument("--save", default=None, metavar="DIR")
     p.add_argument("--load", default=None, metavar="DIR")
     p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     result = save_side(cli, comm) if cli.save else load_side(cli, comm)
     if comm.rank == 0:
