@@ -20,7 +20,7 @@ from minidist.train.planner import (Layout, bill, config_for_params, layer_activ
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256)
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
          "--batch-size", "8", "--steps", "2", "--eval-every", "0", "--eval-iters", "1",
-         "--sample", "0", "--device", "cpu"]
+         "--sample", "0"]
 BATCH = 8
 
 ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec for ranks > 1
@@ -53,12 +53,13 @@ ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec fo
 
 
 def _ledger(ranks, flags, corpus, tmp, mpi):
-    """The last step's per-rank ledger row (rank 0's) from --log-json."""
+    """The last step's per-rank ledger row (rank 0's) from --log-json, on pytest's --device
+    (`mpi` hands it to the ranks; one process gets mpi.device's flag)."""
     log = tmp / "log.jsonl"
     argv = FLAGS + ["--data", corpus, "--cache-dir", str(tmp / "cache"), "--log-json",
                     str(log), *flags]
     if ranks == 1:
-        train(train_parser().parse_args(argv))
+        train(train_parser().parse_args(argv + ["--device", mpi.device]))
     else:
         mpi(ranks, "examples/train_gpt.py", *argv, timeout=180)
     return [json.loads(line) for line in open(log)][-2]["mem"]

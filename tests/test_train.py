@@ -18,21 +18,22 @@ from mpirun import device_flags
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
-        "--log-every", "1", "--device", "cpu"]
+        "--log-every", "1"]
 
 
-def _args(corpus, tmp, *extra):
-    return train_parser().parse_args(TINY + ["--data", corpus, "--cache-dir",
-                                             str(tmp / "cache"), *extra])
+def _args(device, corpus, tmp, *extra):
+    """train_gpt's flags: TINY on `device` (the device fixture: pytest's --device)."""
+    return train_parser().parse_args(TINY + [*device_flags(device), "--data", corpus,
+                                             "--cache-dir", str(tmp / "cache"), *extra])
 
 
 def _rows(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_log_json_rows_and_final_summary(corpus, tmp_path):
+def test_log_json_rows_and_final_summary(corpus, tmp_path, device):
     log = tmp_path / "log.jsonl"
-    summary = train(_args(corpus, tmp_path, "--steps", "4", "--eval-every", "2",
+    summary = train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "2",
                           "--grad-accum", "2", "--log-json", str(log), "--sample", "20"))
     rows = _rows(log)
     assert [r["step"] for r in rows[:-1]] == [0, 1, 2, 3] and rows[-1]["final"]
@@ -45,14 +46,15 @@ def test_log_json_rows_and_final_summary(corpus, tmp_path):
     assert rows[-1]["val_loss"] == summary["val_loss"] and len(summary["sample"]) >= 20
 
 
-def test_resume_continues_bit_identically(corpus, tmp_path):
+def test_resume_continues_bit_identically(corpus, tmp_path, device):
     common = ["--steps", "6", "--eval-every", "0", "--dropout", "0.1"]
     straight = tmp_path / "straight.jsonl"
-    train(_args(corpus, tmp_path, *common, "--log-json", str(straight), "--save",
+    train(_args(device, corpus, tmp_path, *common, "--log-json", str(straight), "--save",
                 str(tmp_path / "a")))
-    train(_args(corpus, tmp_path, *common, "--save", str(tmp_path / "b"), "--stop-at", "3"))
+    train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "b"),
+                "--stop-at", "3"))
     resumed = tmp_path / "resumed.jsonl"
-    train(_args(corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
+    train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
                 str(tmp_path / "b"), "--log-json", str(resumed)))
     want = [r["loss"] for r in _rows(straight)[3:6]]
     assert [r["loss"] for r in _rows(resumed)[:3]] == want
@@ -69,9 +71,9 @@ def test_parallel_flags_refuse_politely(flags, says):
         make_strategy(train_parser().parse_args(flags))
 
 
-def test_missing_data_path_is_a_clear_error(tmp_path):
+def test_missing_data_path_is_a_clear_error(tmp_path, device):
     with pytest.raises(DataError, match="no such file or directory"):
-        train(_args(str(tmp_path / "nope.txt"), tmp_path, "--steps", "1"))
+        train(_args(device, str(tmp_path / "nope.txt"), tmp_path, "--steps", "1"))
 
 
 def test_script_refusal_has_no_traceback(device):
@@ -82,14 +84,15 @@ def test_script_refusal_has_no_traceback(device):
     assert "Traceback" not in out.stderr
 
 
-def test_log_json_starts_a_new_file_unless_resuming(corpus, tmp_path):
+def test_log_json_starts_a_new_file_unless_resuming(corpus, tmp_path, device):
     """Two runs with one --log-json do not mix; --resume appends to the run it continues."""
     log = tmp_path / "log.jsonl"
     common = ["--steps", "3", "--eval-every", "0", "--log-json", str(log)]
-    train(_args(corpus, tmp_path, *common, "--save", str(tmp_path / "ck"), "--stop-at", "2"))
-    train(_args(corpus, tmp_path, *common, "--resume", str(tmp_path / "ck")))
+    train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "ck"),
+                "--stop-at", "2"))
+    train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "ck")))
     assert [r.get("step") for r in _rows(log)] == [0, 1, None, 2, None]
-    train(_args(corpus, tmp_path, *common))
+    train(_args(device, corpus, tmp_path, *common))
     assert [r.get("step") for r in _rows(log)] == [0, 1, 2, None]
 
 
