@@ -37,6 +37,7 @@ _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter
 # ---- layers --------------------------------------------------------------------------------
 
 class CausalSelfAttention(Module):
+    context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
     def __init__(self, config, dtype="float32"):
         super().__init__()
@@ -56,7 +57,9 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, 3C)
-        if self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
+        if self.context is not None and self.context.active:       # --cp: ring attention
+            y = self.context.self_attention(qkv, self.n_head)      # (B, T/cp, C)
+        elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
             y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
         else:
             p = self.attn_dropout.p if self.training else 0.0      # on attention weights
@@ -109,6 +112,7 @@ class BlockHooks:
 
 
 class GPT(Module):
+    context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
     def __init__(self, config, seed=0, dtype="float32"):
         super().__init__()
@@ -165,17 +169,22 @@ class GPT(Module):
     # ---- forward, in three pieces a pipeline stage can call separately ---------------------
     def forward(self, idx, targets=None):
         """idx (B, T) ints -> logits (B, T, V), and the mean cross-entropy against targets
-        (B, T) (-1 = ignore) or None."""
+        (B, T) (-1 = ignore) or None. Under context parallelism (--cp) the context runs
+        embed, run_blocks and head on this rank's tokens only."""
+        if self.context is not None:
+            return self.context.forward(self, idx, targets)        # minidist/cp/context.py
         x = self.embed(idx)                                        # (B, T, C)
         x = self.run_blocks(x)                                     # (B, T, C)
         return self.head(x, targets)                               # (B, T, V), loss
 
-    def embed(self, idx):
-        """Token plus position embedding: idx (B, T) -> (B, T, C)."""
+    def embed(self, idx, pos=None):
+        """Token plus position embedding: idx (B, T) -> (B, T, C); pos (T,): the tokens'
+        positions (default 0..T-1; context parallelism passes this rank's)."""
         idx = self._check_idx(idx)
         self.block_hooks.before_root()                             # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
-        pos = backend.xp_of(idx).arange(T)                         # (T,)
+        xp = backend.xp_of(idx)
+        pos = xp.arange(T) if pos is None else backend.to_device(pos, xp)   # (T,)
         tok = self.transformer.wte(idx)                            # (B, T, C)
         return self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
 

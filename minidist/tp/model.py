@@ -124,15 +124,17 @@ class TensorParallelGPT(GPT):
             block.attn.resid_dropout.rng = block.mlp.dropout.rng = seq
 
     # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
-    def embed(self, idx):
-        """idx (B, T) -> (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism."""
+    def embed(self, idx, pos=None):
+        """idx (B, T) -> (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism;
+        pos (T,): positions (context parallelism: this rank's; not with sequence parallelism)."""
         idx = self._check_idx(idx)
         self.block_hooks.before_root()                     # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
         # sequence parallelism for training forwards only (it saves the memory of a graph);
         # evaluation and sampling (no_grad, any length) take the f/g path: same numbers
         self.region.begin(T, shard=is_grad_enabled())
-        pos = backend.xp_of(idx).arange(T)                 # (T,)
+        pos = backend.xp_of(idx).arange(T) if pos is None else \
+            backend.to_device(pos, backend.xp_of(idx))    # (T,)
         if self.region.sharded:
             n = T // self.region.size
             pos = pos[self.region.rank * n:(self.region.rank + 1) * n]   # my positions

@@ -40,6 +40,11 @@ def add_parallel_args(p):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: layer norms and dropout on sequence shards")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks: each sequence split over them, ring attention")
+    g.add_argument("--cp-split", choices=("zigzag", "naive"), default="zigzag",
+                   help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
+                   "naive (contiguous; the last rank does the most causal work)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
     g.add_argument("--sync-comm", action="store_true",

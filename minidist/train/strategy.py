@@ -47,6 +47,8 @@ def make_strategy(args, world=None):
         2. pipeline stages across the layers         --pp   minidist/pp/ (--tp inside a stage)
         3. data parallelism across the replicas      --dp   DDP minidist/ddp/, or ZeRO-k with
                                                             --zero k minidist/zero/
+    Context parallelism (--cp, minidist/cp/) splits each sequence over the cp ranks inside
+    step 3: TP inside, DDP/ZeRO over the dp x cp ranks around it.
     Every size is checked on this rank alone, so a bad flag stops every rank before any
     communication; then the DeviceMesh (dp x tp x pp) builds the process groups out of
     `world` (comm.init's group; None: one process, or a script that has not called init)."""
@@ -54,7 +56,10 @@ def make_strategy(args, world=None):
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
-    if args.pp > 1:            # 2 (with 1 inside each stage and DDP across): pp/strategy.py
+    if args.cp > 1:            # 1 inside, the ring over cp, 3 over dp x cp: cp/strategy.py
+        from minidist.cp.strategy import make_context_parallel
+        strategy = make_context_parallel(args, size, world)
+    elif args.pp > 1:          # 2 (with 1 inside each stage and DDP across): pp/strategy.py
         from minidist.pp.strategy import make_pipeline_parallel
         strategy = make_pipeline_parallel(args, size, world)
     elif args.tp > 1:          # 1, then 3 around this rank's part: tp/strategy.py

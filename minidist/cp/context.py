@@ -1,0 +1,68 @@
+"""Context parallelism on a GPT: each rank of the cp group runs the model on its own tokens.
+
+`attach_ring(model, group, split)` gives a GPT (or a TensorParallelGPT) a RingContext: from
+then on the model's forward takes the WHOLE sequence idx (B, T) and targets, and this rank
+
+    keeps its tokens and their positions (zig-zag: chunks r and 2N-1-r of 2N; naive: r of N)
+    -> embed (token + position embedding of those positions)        (B, Tl, C), Tl = T / N
+    -> blocks, whose attention is RingSelfAttention over the cp group (minidist/cp/ring.py);
+       everything else in a block acts on each token alone, so it needs no communication
+    -> head: logits (B, Tl, V) and the mean loss over this rank's tokens.
+
+The mean of the N ranks' losses is the whole sequence's mean (each holds T/N tokens), and
+every parameter is replicated over cp, so averaging gradients over the cp ranks (with the
+data-parallel ones: DDP/ZeRO over the mesh's dpcp group) gives one process's gradients.
+Sampling (`_next_token`, sequences of any length) calls embed and run_blocks directly, not
+forward: the context is inactive there and every rank computes the whole thing alone.
+Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
+"""
+from minidist.autograd.flash import DEFAULT_BLOCK
+from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
+from minidist.nn.gpt import CausalSelfAttention
+
+
+class RingContext:
+    """The cp group, the split kind and the tile size; `layouts` (every rank's pieces of the
+    sequence) only while a forward runs."""
+
+    def __init__(self, group, split="zigzag", block=DEFAULT_BLOCK):
+        self.group, self.split, self.block = group, split, block
+        self.layouts = None
+
+    @property
+    def active(self):
+        """True inside forward: the attention layers then use the ring."""
+        return self.layouts is not None
+
+    def forward(self, model, idx, targets=None):
+        """GPT.forward under context parallelism: the whole (B, T) in, this rank's logits
+        (B, Tl, V) and the mean loss over its tokens out."""
+        n, r = self.group.size, self.group.rank
+        T = idx.shape[1]
+        problem = check_split(T, n, self.split)
+        if problem:
+            raise ValueError(f"context parallelism: {problem}")
+        pos = positions(T, n, r, self.split)                      # (Tl,) global positions
+        idx = idx[:, pos]                                         # (B, Tl)
+        targets = None if targets is None else targets[:, pos]
+        self.layouts = [layout(T, n, s, self.split) for s in range(n)]
+        try:
+            x = model.embed(idx, pos)                             # (B, Tl, C)
+            x = model.run_blocks(x)                               # (B, Tl, C)
+            return model.head(x, targets)                         # (B, Tl, V), loss
+        finally:
+            self.layouts = None
+
+    def self_attention(self, qkv, n_head):
+        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group."""
+        return RingSelfAttention.apply(qkv, n_head, self)
+
+
+def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK):
+    """Give `model` and each of its attention layers one RingContext over `group`."""
+    ring = RingContext(group, split, block)
+    model.context = ring
+    for _, m in model.named_modules():
+        if isinstance(m, CausalSelfAttention):
+            m.context = ring
+    return model

@@ -1,0 +1,204 @@
+"""Ring attention: causal self-attention over a sequence split across the ranks of a cp group.
+
+Dimensions: B batch, nh heads, T the whole sequence, Tl = T / N this rank's part, hs head size,
+N the cp group's size. Each rank keeps its queries; the key/value blocks travel around the
+ring (rank r sends to r + 1, receives from r - 1), so at step s rank r holds the keys and
+values of rank (r - s) mod N. Each arriving block is attended to with partial_attention and
+merged into the running result with merge_partials (the online softmax of
+minidist/autograd/flash.py, across ranks instead of tiles):
+
+    step      0        1        2        3          (N = 4: which rank's k/v each rank holds)
+    rank 0   kv0      kv3      kv2      kv1
+    rank 1   kv1      kv0      kv3      kv2
+    rank 2   kv2      kv1      kv0      kv3
+    rank 3   kv3      kv2      kv1      kv0
+
+Overlap: the receive of the next block (and the send of this one) is posted before this
+block's compute and waited for after it.
+Backward: the key/value blocks go around the ring again, in the same direction, and each
+carries its gradient accumulator (dk, dv) with it: rank r adds its queries' contribution to
+the block it holds and passes block and accumulator on; after N steps every accumulator has
+visited every rank and one last hop brings it home. Bytes sent per rank per attention layer,
+with S = B * Tl * C * itemsize (one of k or v):
+    forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv.
+Split of the sequence (`layout`): "naive" gives rank r the contiguous piece r of N; causal
+attention then makes rank N - 1 do N times rank 0's work. "zigzag" cuts T into 2N chunks and
+gives rank r chunks r and 2N-1-r: every rank does the same work (`causal_tiles` counts).
+Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
+"""
+import math
+
+import numpy as np
+
+from minidist.autograd.attention import heads_view, split_heads
+from minidist.autograd.flash import (DEFAULT_BLOCK, block_pairs, merge_partials,
+                                     partial_attention)
+from minidist.autograd.function import Function
+from minidist.backend import matmul as _mm, xp_of
+
+SPLITS = ("zigzag", "naive")
+KV_TAG, DKV_TAG = 16, 17        # point-to-point tags of the ring's two kinds of message
+
+
+def layout(T, n, rank, split="zigzag"):
+    """The pieces [(start, length), ...] of the whole sequence (length T) that `rank` of `n`
+    holds, in the order its local sequence concatenates them."""
+    if split == "naive":
+        L = T // n
+        return [(rank * L, L)]
+    L = T // (2 * n)
+    return [(rank * L, L), ((2 * n - 1 - rank) * L, L)]
+
+
+def positions(T, n, rank, split="zigzag"):
+    """Global positions of this rank's tokens, (Tl,) int64 on the host."""
+    return np.concatenate([np.arange(s, s + L) for s, L in layout(T, n, rank, split)])
+
+
+def check_split(T, n, split):
+    """A sentence saying why T does not split over n ranks, or None."""
+    parts = 2 * n if split == "zigzag" else n
+    if T % parts:
+        return (f"--block-size {T} does not split into {parts} equal chunks for --cp {n} "
+                f"--cp-split {split}: choose a multiple of {parts}")
+    return None
+
+
+def _pairs(q_pieces, k_pieces):
+    """(q offset, q start, q len, k offset, k start, k len) of every pair of pieces in
+    which some query sees some key (the others are skipped whole: causal)."""
+    qo = 0
+    for qs, ql in q_pieces:
+        ko = 0
+        for ks, kl in k_pieces:
+            if ks <= qs + ql - 1:
+                yield qo, qs, ql, ko, ks, kl
+            ko += kl
+        qo += ql
+
+
+def causal_tiles(T, n, split, block):
+    """Tiles (block x block of query x key) each rank computes over a whole ring pass:
+    a list of n counts. Naive grows with the rank; zig-zag is flat."""
+    counts = []
+    for r in range(n):
+        mine = layout(T, n, r, split)
+        counts.append(sum(sum(1 for _ in block_pairs(ql, block, True, qs, ks, kl))
+                          for src in range(n)
+                          for _, qs, ql, _, ks, kl in _pairs(mine, layout(T, n, src, split))))
+    return counts
+
+
+def attend_block(q, q_pieces, kv, k_pieces, y, lse, block):
+    """Merge the attention of queries q (B, nh, Tl, hs) over one held key/value block
+    kv (2, B, nh, Tl, hs) into the running (y, lse), in place."""
+    for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
+        rows, cols = slice(qo, qo + ql), slice(ko, ko + kl)
+        y_b, lse_b = partial_attention(q[..., rows, :], kv[0][..., cols, :],
+                                       kv[1][..., cols, :], qs, ks, block)
+        y[..., rows, :], lse[..., rows] = merge_partials(y[..., rows, :], lse[..., rows],
+                                                         y_b, lse_b)
+
+
+def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block):
+    """Gradients of one held block: dq (B, nh, Tl, hs) and the block's accumulator dkv
+    (2, B, nh, Tl, hs), added to in place. Each tile's probabilities are recomputed from
+    the final log-sum-exp, as flash.py's backward does; D = rowsum(g * y)."""
+    xp = xp_of(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
+        for r0, r1, c0, c1, masked in block_pairs(ql, block, True, qs, ks, kl):
+            rows, cols = slice(qo + r0, qo + r1), slice(ko + c0, ko + c1)
+            q_i, g_i, k_j, v_j = q[..., rows, :], g[..., rows, :], kv[0][..., cols, :], \
+                kv[1][..., cols, :]
+            s = _mm(q_i * scale, xp.swapaxes(k_j, -1, -2))           # (B, nh, bq, bk)
+            if masked:                                                # key after query
+                later = xp.arange(ks + c0, ks + c1)[None, :] > xp.arange(qs + r0, qs + r1)[:, None]
+                s = xp.where(later, -math.inf, s)
+            p = xp.exp(s - lse[..., rows, None])                      # forward's softmax
+            dkv[1][..., cols, :] += _mm(xp.swapaxes(p, -1, -2), g_i)  # dv = p^T g
+            ds = p * (_mm(g_i, xp.swapaxes(v_j, -1, -2)) - D[..., rows, None]) * scale
+            dq[..., rows, :] += _mm(ds, k_j)                          # dq = ds k
+            dkv[0][..., cols, :] += _mm(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
+
+
+def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK):
+    """Causal attention of this rank's queries over every rank's keys/values.
+    layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse (B, nh, Tl)."""
+    xp = xp_of(q)
+    n, r = group.size, group.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    y = xp.zeros(q.shape, q.dtype)
+    lse = xp.full(q.shape[:-1], -math.inf, xp.result_type(q.dtype, xp.float32))
+    cur, nxt = kv, xp.empty_like(kv)
+    for step in range(n):
+        src = (r - step) % n                      # whose keys/values this rank holds now
+        if step < n - 1:                          # posted before the compute: overlap
+            recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
+            send = group.send(cur, right, async_op=True, tag=KV_TAG)
+        attend_block(q, layouts[r], cur, layouts[src], y, lse, block)
+        if step < n - 1:
+            send.wait()
+            recv.wait()
+            cur, nxt = nxt, cur
+    return y, lse
+
+
+def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK):
+    """dq (B, nh, Tl, hs) and dkv (2, B, nh, Tl, hs) of this rank's queries and keys/values.
+    Each block travels with its accumulator; the accumulator's last hop brings it home."""
+    xp = xp_of(q)
+    n, r = group.size, group.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    D = (g * y).sum(axis=-1)                                          # (B, nh, Tl)
+    dq = xp.zeros(q.shape, q.dtype)
+    cur, nxt = kv, xp.empty_like(kv)
+    d_cur, d_nxt = xp.zeros_like(kv), xp.empty_like(kv)
+    for step in range(n):
+        src = (r - step) % n
+        if step < n - 1:
+            recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
+            send = group.send(cur, right, async_op=True, tag=KV_TAG)
+        attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur, block)
+        d_recv = group.recv(d_nxt, left, async_op=True, tag=DKV_TAG)  # block src's dk, dv
+        d_send = group.send(d_cur, right, async_op=True, tag=DKV_TAG)  # on to the next rank
+        if step < n - 1:
+            send.wait()
+            recv.wait()
+            cur, nxt = nxt, cur
+        d_send.wait()
+        d_recv.wait()
+        d_cur, d_nxt = d_nxt, d_cur
+    return dq, d_cur                          # d_cur: this rank's own block, home again
+
+
+class RingSelfAttention(Function):
+    """GPT-2's fused qkv (B, Tl, 3C) of this rank's tokens -> y (B, Tl, C), causal over the
+    whole sequence held by the ring's ranks. `ring`: a RingContext (minidist/cp/context.py)
+    in a forward (its group, block and the layouts of this sequence)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, ring):
+        q, k, v, y, yh = split_heads(qkv, n_head)
+        kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))  # (2, B, nh, Tl, hs)
+        out, lse = ring_forward(ring.group, ring.layouts, q, kv, ring.block)
+        yh[...] = out
+        ctx.save_for_backward(qkv, y, lse)
+        ctx.n_head, ctx.group, ctx.layouts, ctx.block = n_head, ring.group, ring.layouts, \
+            ring.block
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, y, lse = ctx.saved
+        nh = ctx.n_head
+        B, T, C = grad.shape
+        g = grad.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)     # (B, nh, Tl, hs)
+        yh = y.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+        q, k, v = heads_view(qkv, nh)
+        kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))
+        dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block)
+        dqkv = xp_of(grad).empty_like(qkv)                            # (B, Tl, 3C)
+        out = heads_view(dqkv, nh)
+        out[0], out[1], out[2] = dq, dkv[0], dkv[1]
+        return dqkv, None, None

@@ -1,0 +1,127 @@
+"""Context parallelism (ring attention) on 2 or 4 ranks against one process, float64.
+
+    mpiexec -n 2 python tests/scripts/cp_check.py                      # cp2, cp2 naive
+    mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,cp2xtp2
+
+Every rank also trains the single-process reference (SingleProcess, the whole global batch);
+each run builds its strategy from train_gpt's own flags (make_strategy) and trains through
+the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and parameters
+equal the reference to --tol; the bytes each rank sent on the cp group equal the formula of
+minidist/cp/ring.py; the activations each rank keeps. Rank 0 prints `RESULT {json}` lines
+for tests/test_context_parallel.py. Any failure raises and the abort handler ends the job.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exact import batch, run_steps  # noqa: E402
+
+from minidist import backend  # noqa: E402
+import minidist.comm  # noqa: E402
+from minidist.comm import trace  # noqa: E402
+from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from minidist.nn import GPTConfig  # noqa: E402
+from minidist.train import memory  # noqa: E402
+from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
+
+# block 16: zig-zag over 4 ranks cuts it in 8 chunks of 2; tiles of 2 cross the chunks
+CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=30,
+                   dropout=0.0, attention_block=2)
+SEED = 7
+RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
+        "cp4+naive": ["--cp-split", "naive"], "cp2xdp2": ["--dp", "2"],
+        "cp2xdp2+naive+accum": ["--dp", "2", "--cp-split", "naive", "--grad-accum", "2"],
+        "cp2xdp2+zero1": ["--dp", "2", "--zero", "1"], "cp2xtp2": ["--tp", "2"],
+        "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"]}
+
+
+def flags(name):
+    cp = name.split("+")[0].split("x")[0][2:]
+    c = CONFIG
+    return train_parser().parse_args([
+        "--cp", cp, "--n-layer", str(c.n_layer), "--n-head", str(c.n_head), "--n-embd",
+        str(c.n_embd), "--block-size", str(c.block_size), "--dropout", "0",
+        "--attention-block", str(c.attention_block), "--batch-size", "4", "--steps", "3",
+        "--lr", "1e-2", "--grad-clip", "0.05", "--dtype", "float64", "--seed", str(SEED),
+        *RUNS[name]])
+
+
+def full_params(strategy, model):
+    """name -> host array of the whole model (gathered over tp under TensorParallel)."""
+    if hasattr(strategy, "full_state_dict"):
+        return strategy.full_state_dict()
+    return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
+
+
+def ring_bytes(args, config, mesh):
+    """Bytes one rank sends on the cp group in one step (minidist/cp/ring.py's formula)."""
+    n = mesh.shape["cp"]
+    rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
+    S = rows * (config.block_size // n) * (config.n_embd // mesh.shape["tp"]) * 8  # float64
+    per_layer = 2 * S * (n - 1) + 2 * S * (n - 1) + 2 * S * n
+    return per_layer * config.n_layer * args.grad_accum
+
+
+def run(name, ref, comm, tol):
+    args = flags(name)
+    strategy = make_strategy(args)
+    mesh = strategy.mesh
+    sent0 = trace.bytes_sent("cp")
+    model, _, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
+    sent = (trace.bytes_sent("cp") - sent0) / args.steps
+    params = full_params(strategy, model)
+    r_model, r_losses, r_norms = ref
+    d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
+    d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
+    d_par = max(float(np.abs(params[n] - np.asarray(p.data)).max())
+                for n, p in r_model.named_parameters()) if params else 0.0
+    row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
+           "bytes_sent": sent, "theory_sent": ring_bytes(args, CONFIG, mesh),
+           "losses": [float(v) for v in losses]}
+    worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
+    assert worst < tol, (name, row)
+    assert sent == row["theory_sent"], (name, row)
+    return row
+
+
+def activations(comm):
+    """Bytes of attention activations one forward keeps: cp ranks against one process."""
+    args = flags("cp2" if comm.size == 2 else "cp4")
+    x, y = batch(0, 1, CONFIG, SEED)
+    ref = SingleProcess().build_model(CONFIG, SEED, "float64")
+    one = memory.activation_bytes(ref(x, y)[1], ref.parameters())
+    strategy = make_strategy(args)
+    model = strategy.build_model(CONFIG, SEED, "float64")
+    mine = memory.activation_bytes(model(x, y)[1], model.parameters())
+    return {"ranks": comm.size, "one_process": one, "per_rank": mine, "ratio": mine / one}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", default=None, help="default: cp2,cp2+naive (2 ranks)")
+    p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cli = p.parse_args()
+    minidist.comm.init()
+    backend.set_device(cli.device)
+    comm = MPI.COMM_WORLD
+    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
+    runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
+    ref_args = flags("cp2")
+    model, _, losses, norms, _ = run_steps(SingleProcess(), ref_args, CONFIG, SEED, "float64")
+    for name in runs:
+        row = run(name, (model, losses, norms), comm, cli.tol)
+        if comm.rank == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+    row = activations(comm)
+    if comm.rank == 0:
+        print("MEMORY " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
