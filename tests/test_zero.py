@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from minidist.backend import to_host as H
 from minidist.nn import GPT
 from minidist.nn.gpt import BlockHooks
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
@@ -26,13 +27,15 @@ from zero_check import CONFIG, SEED, batch  # noqa: E402
 
 
 class P:
-    def __init__(self, *shape, decay=True):
-        self.data, self.decay = np.arange(np.prod(shape), dtype=float).reshape(shape), decay
+    """A parameter's fields, its data on `xp` (numpy or cupy: the xp fixture)."""
+
+    def __init__(self, xp, *shape, decay=True):
+        self.data, self.decay = xp.arange(np.prod(shape), dtype=float).reshape(shape), decay
         self.shape, self.size, self.dtype = shape, self.data.size, self.data.dtype
 
 
-def test_flat_unit_pads_to_a_multiple_of_the_ranks_and_cuts_equal_shards():
-    w, b = P(3), P(3, decay=False)
+def test_flat_unit_pads_to_a_multiple_of_the_ranks_and_cuts_equal_shards(xp):
+    w, b = P(xp, 3), P(xp, 3, decay=False)
     units = [FlatUnit("u", [("w", w), ("b", b)], world=4, rank=r) for r in range(4)]
     u = units[1]
     assert (u.numel, u.padded, u.padding, u.shard_size, u.lo, u.hi) == (6, 8, 2, 2, 2, 4)
@@ -42,7 +45,7 @@ def test_flat_unit_pads_to_a_multiple_of_the_ranks_and_cuts_equal_shards():
     assert u.decay_ranges() == [(0, 1)]                              # only w's element decays
     assert [list(x.pieces()) for x in (units[2], units[3])] == [[(1, 1, 3)], []]
     u.point_params_at(flat)
-    assert np.shares_memory(w.data, flat) and w.data.shape == (3,)
+    assert xp.shares_memory(w.data, flat) and w.data.shape == (3,)
 
 
 def test_gpt_units_and_placeholders():
@@ -131,7 +134,7 @@ def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tm
     expected = np.load(os.path.join(d, "expected.npz"))
     one_process_from_sharded(d, expected)
     pretrained = GPT.from_pretrained(os.path.join(d, "pretrained"))      # float32 files
-    assert all(np.array_equal(p.data, expected[n].astype(np.float32))
+    assert all(np.array_equal(H(p.data), expected[n].astype(np.float32))
                for n, p in pretrained.named_parameters())
     out = mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
               timeout=300)
@@ -150,10 +153,10 @@ def one_process_from_sharded(d, expected):
     opt = strategy.build_optimizer(model, args)
     state = strategy.load(os.path.join(d, "ckpt"), model, opt)
     assert state["step"] == 2
-    assert all(np.array_equal(p.data, expected[n]) for n, p in model.named_parameters())
+    assert all(np.array_equal(H(p.data), expected[n]) for n, p in model.named_parameters())
     train_step(strategy, model, opt, *batch(2, args.batch_size), args)
     np.savez(os.path.join(d, "after_1proc.npz"),
-             **{n: p.data for n, p in model.named_parameters()})
+             **{n: H(p.data) for n, p in model.named_parameters()})
     strategy.save(os.path.join(d, "plain"), model, opt, 3, {}, {})
     with pytest.raises(CheckpointError, match="shard-00002-of-00004.*missing"):
         load_checkpoint(os.path.join(d, "missing"), model, opt)
@@ -266,7 +269,8 @@ def test_zero3_gathers_in_block_hooks_and_matches_the_plain_model(kind, ckpt):
     grads = dict(ref.named_parameters())
     for u in engine.units:
         expected = u.flat.flatten([grads[n].grad for n in u.flat.names])
-        assert np.array_equal(u.grad_shard, expected), u.flat.name
+        assert np.array_equal(H(u.grad_shard), H(expected)), u.flat.name
     engine.free()
     assert all(np.isnan(p.data).all() for p in model.parameters())
-    assert np.array_equal(model.generate(x[:, :2], 3, seed=1), ref.generate(x[:, :2], 3, seed=1))
+    assert np.array_equal(H(model.generate(x[:, :2], 3, seed=1)),
+                          H(ref.generate(x[:, :2], 3, seed=1)))
