@@ -90,15 +90,39 @@ def run(name, ref, comm, tol):
 
 
 def activations(comm):
-    """Bytes of attention activations one forward keeps: cp ranks against one process."""
+    """Activation bytes one forward keeps (memory ledger): a cp rank against one process
+    with tiled attention (which, like the ring, keeps q, k, v, y and lse, no (T, T))."""
     args = flags("cp2" if comm.size == 2 else "cp4")
     x, y = batch(0, 1, CONFIG, SEED)
-    ref = SingleProcess().build_model(CONFIG, SEED, "float64")
+    tiled = GPTConfig(**{**CONFIG.to_dict(), "attention": "tiled"})
+    ref = SingleProcess().build_model(tiled, SEED, "float64")
     one = memory.activation_bytes(ref(x, y)[1], ref.parameters())
     strategy = make_strategy(args)
     model = strategy.build_model(CONFIG, SEED, "float64")
     mine = memory.activation_bytes(model(x, y)[1], model.parameters())
     return {"ranks": comm.size, "one_process": one, "per_rank": mine, "ratio": mine / one}
+
+
+def check_mesh(comm):
+    """The cp axis of DeviceMesh: each group's members, from every rank's coordinates."""
+    from minidist.comm import DeviceMesh
+    cp = comm.size // 2 if comm.size == 4 else comm.size
+    dp = comm.size // cp
+    mesh = DeviceMesh(dp=dp, cp=cp, world=minidist.comm.init())
+    got = {axis: sorted(mesh_members(getattr(mesh, axis))) for axis in ("cp", "dp", "dpcp")}
+    want_cp = [mesh.rank_of(mesh.dp_rank, 0, 0, c) for c in range(cp)]
+    want_dp = [mesh.rank_of(d, 0, 0, mesh.cp_rank) for d in range(dp)]
+    assert got == {"cp": want_cp, "dp": want_dp, "dpcp": list(range(comm.size))}, got
+    if comm.rank == 0:
+        print("MESH " + json.dumps({"dp": dp, "cp": cp, "cp_group_of_0": want_cp}), flush=True)
+
+
+def mesh_members(group):
+    """World ranks of a group's members (allgather over it)."""
+    buf = np.zeros(group.size)
+    mine = np.array([float(MPI.COMM_WORLD.rank)])
+    group.all_gather(buf, mine)
+    return [int(v) for v in buf]
 
 
 def main():
@@ -111,6 +135,7 @@ def main():
     backend.set_device(cli.device)
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
+    check_mesh(comm)
     runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
     ref_args = flags("cp2")
     model, _, losses, norms, _ = run_steps(SingleProcess(), ref_args, CONFIG, SEED, "float64")

@@ -1,0 +1,159 @@
+"""Context parallelism (ring attention, minidist/cp/): the split of the sequence, the causal
+work per rank, the ring simulated in one process against plain tiled attention, the mesh's
+cp axis, the refusals, and the exactness runs under mpiexec (tests/scripts/cp_check.py).
+"""
+import math
+
+import numpy as np
+import pytest
+
+from minidist.autograd import Tensor
+from minidist.autograd.flash import partial_attention, tiled_attention
+from minidist.comm.mesh import cp_coord, mesh_coords, mesh_rank
+from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles, layout,
+                              positions)
+from minidist.cp.strategy import cp_problems
+from minidist.train.args import train_parser
+from minidist.train.cli import UsageError
+from minidist.train.strategy import make_strategy
+from mpirun import tagged_json
+
+
+def test_zigzag_and_naive_layouts_cover_the_sequence_once():
+    for split in ("zigzag", "naive"):
+        for n in (1, 2, 4):
+            allpos = np.concatenate([positions(16, n, r, split) for r in range(n)])
+            assert sorted(allpos) == list(range(16))
+    assert layout(16, 4, 1, "zigzag") == [(2, 2), (12, 2)]      # chunks 1 and 2N-1-1 = 6
+    assert layout(16, 4, 3, "naive") == [(12, 4)]
+
+
+def test_naive_split_is_unbalanced_and_zigzag_is_not():
+    naive, zigzag = causal_tiles(64, 4, "naive", 4), causal_tiles(64, 4, "zigzag", 4)
+    assert sum(naive) == sum(zigzag) == 16 * 17 // 2            # the causal half of 16 x 16
+    assert naive == sorted(naive) and naive[-1] > 3 * naive[0]   # rank 3 does the most
+    assert max(zigzag) == min(zigzag)
+
+
+def _qkv(T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((2, 3, T, 4)) for _ in range(3)]   # (B, nh, T, hs) float64
+
+
+def _simulate(q, k, v, n, split, block):
+    """One process playing n ranks: each rank's queries against every rank's block in ring
+    order (the messages are just slices here). Returns y and lse in global order."""
+    T = q.shape[-2]
+    lays = [layout(T, n, r, split) for r in range(n)]
+    y, lse = np.zeros_like(q), np.full(q.shape[:-1], -math.inf)
+    for r in range(n):
+        pos = positions(T, n, r, split)
+        yr, lr = np.zeros_like(q[..., pos, :]), np.full(q.shape[:-1], -math.inf)[..., pos]
+        for step in range(n):
+            src = (r - step) % n
+            sp = positions(T, n, src, split)
+            attend_block(q[..., pos, :], lays[r], np.stack([k[..., sp, :], v[..., sp, :]]),
+                         lays[src], yr, lr, block)
+        y[..., pos, :], lse[..., pos] = yr, lr
+    return y, lse
+
+
+@pytest.mark.parametrize("n,split,block", [(2, "zigzag", 2), (4, "zigzag", 2),
+                                           (4, "naive", 3), (2, "naive", 8)])
+def test_simulated_ring_equals_tiled_attention(n, split, block):
+    q, k, v = _qkv()
+    y, lse = _simulate(q, k, v, n, split, block)
+    y_ref, lse_ref = partial_attention(q, k, v, 0, 0, 4)
+    assert np.abs(y - y_ref).max() < 1e-12 and np.abs(lse - lse_ref).max() < 1e-12
+
+
+@pytest.mark.parametrize("n,split", [(2, "zigzag"), (4, "naive")])
+def test_simulated_ring_backward_equals_tiled_attention_gradients(n, split):
+    q, k, v = _qkv(seed=1)
+    g = np.random.default_rng(2).standard_normal(q.shape)
+    tq, tk, tv = Tensor(q, requires_grad=True), Tensor(k, requires_grad=True), \
+        Tensor(v, requires_grad=True)
+    (tiled_attention(tq, tk, tv, 4) * Tensor(g)).sum().backward()
+    y, lse = _simulate(q, k, v, n, split, 2)
+    D = (g * y).sum(axis=-1)
+    T = q.shape[-2]
+    lays = [layout(T, n, r, split) for r in range(n)]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for r in range(n):                          # rank r's queries against every block
+        pos = positions(T, n, r, split)
+        dq_r = np.zeros_like(q[..., pos, :])
+        for src in range(n):
+            sp = positions(T, n, src, split)
+            dkv = np.zeros((2,) + k[..., sp, :].shape)
+            attend_block_backward(g[..., pos, :], q[..., pos, :], lays[r],
+                                  np.stack([k[..., sp, :], v[..., sp, :]]), lays[src],
+                                  lse[..., pos], D[..., pos], dq_r, dkv, 2)
+            dk[..., sp, :] += dkv[0]
+            dv[..., sp, :] += dkv[1]
+        dq[..., pos, :] = dq_r
+    for got, want in ((dq, tq.grad), (dk, tk.grad), (dv, tv.grad)):
+        assert np.abs(got - np.asarray(want)).max() < 1e-12
+
+
+def test_mesh_cp_axis_order_and_inverse():
+    # dp 2 x cp 2 x tp 2: tp fastest, then cp, then dp
+    coords = [(mesh_coords(r, 2, 2, 1, cp=2), cp_coord(r, 2, 2)) for r in range(8)]
+    assert [c for _, c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [d for (d, _, _), _ in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for r, ((d, t, p), c) in enumerate(coords):
+        assert mesh_rank(d, t, p, 2, 2, c, 2) == r
+    assert [mesh_coords(r, 2, 2, 1) for r in range(4)] == \
+        [mesh_coords(r, 2, 2, 1, cp=1) for r in range(4)]          # cp 1: the old order
+
+
+def _flags(*extra):
+    return train_parser().parse_args(["--block-size", "16", "--batch-size", "4", *extra])
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--cp", "2", "--pp", "2"], "--pp"),
+    (["--cp", "4", "--block-size", "12"], "multiple of 8"),
+    (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
+    (["--cp", "2", "--dropout", "0.1"], "--dropout"),
+    (["--cp", "2", "--ckpt-activations"], "--ckpt-activations"),
+    (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
+def test_refusals_name_the_flag(extra, words):
+    _, problems = cp_problems(_flags(*extra), 4 if "--tp" in extra or "--pp" in extra else 2)
+    assert any(words in p for p in problems), problems
+
+
+def test_cp_that_does_not_match_the_processes_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "3")
+    with pytest.raises(UsageError, match="context parallelism: --dp 1 x --cp 2"):
+        make_strategy(_flags("--cp", "2", "--dp", "1"))
+
+
+def test_cp2_is_exact_and_sends_the_formula(mpi):
+    """cp 2, zig-zag and naive, against one process in float64; bytes; activations 1/2.
+
+        mpiexec -n 2 python tests/scripts/cp_check.py
+    """
+    out = mpi(2, "tests/scripts/cp_check.py", timeout=180)
+    rows = tagged_json(out, "RESULT")
+    assert [r["run"] for r in rows] == ["cp2", "cp2+naive"]
+    for r in rows:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
+        assert r["bytes_sent"] == r["theory_sent"]
+    assert abs(tagged_json(out, "MEMORY")[0]["ratio"] - 0.5) < 1e-3
+
+
+def test_cp4_and_compositions_are_exact(mpi):
+    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1, grad-accum), cp 2 x tp 2, both splits.
+
+        mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,...
+    """
+    runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
+            "cp2xtp2", "cp2xtp2+naive"]
+    out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=240)
+    rows = tagged_json(out, "RESULT")
+    assert [r["run"] for r in rows] == runs
+    for r in rows:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
+        assert r["bytes_sent"] == r["theory_sent"]
+    assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
+    assert abs(tagged_json(out, "MEMORY")[0]["ratio"] - 0.25) < 1e-3
