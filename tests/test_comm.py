@@ -69,6 +69,7 @@ def test_ring_bytes_theory(world):
         assert abs(got - 2 * (world - 1) * (n + 1) * 4 / world) <= 2 * 4
 
 
+@pytest.mark.cpu_only("comm/simulate.py, the ring's one-process simulation, is numpy by design")
 @pytest.mark.parametrize("world,n,op", [(1, 5, "sum"), (2, 3, "sum"), (3, 10, "max"),
                                         (4, 10, "sum"), (5, 7, "avg"), (4, 2, "min")])
 def test_simulation_matches_sum(world, n, op):
