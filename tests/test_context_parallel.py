@@ -3,6 +3,7 @@ work per rank, the ring simulated in one process against plain tiled attention, 
 cp axis, the refusals, and the exactness runs under mpiexec (tests/scripts/cp_check.py).
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from minidist.cp.strategy import cp_problems
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
 from minidist.train.strategy import make_strategy
-from mpirun import tagged_json
+from mpirun import ROOT, tagged_json
 
 
 def test_zigzag_and_naive_layouts_cover_the_sequence_once():
@@ -157,3 +158,15 @@ def test_cp4_and_compositions_are_exact(mpi):
         assert r["bytes_sent"] == r["theory_sent"]
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
     assert abs(tagged_json(out, "MEMORY")[0]["ratio"] - 0.25) < 1e-3
+
+
+def test_walkthrough_prints_the_balance_and_an_exact_row():
+    """python examples/ring_attention_walkthrough.py"""
+    import subprocess
+    import sys
+    script = os.path.join(ROOT, "examples", "ring_attention_walkthrough.py")
+    out = subprocess.run([sys.executable, script],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "zigzag [9, 9, 9, 9]" in out and "naive  [3, 7, 11, 15]" in out
+    assert "step 3: rank 0 holds kv1" in out
+    assert float(out.rsplit("max |diff| = ", 1)[1].split()[0]) < 1e-12
