@@ -170,3 +170,56 @@ def test_walkthrough_prints_the_balance_and_an_exact_row():
     assert "zigzag [9, 9, 9, 9]" in out and "naive  [3, 7, 11, 15]" in out
     assert "step 3: rank 0 holds kv1" in out
     assert float(out.rsplit("max |diff| = ", 1)[1].split()[0]) < 1e-12
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
+        "--steps", "3", "--eval-every", "0", "--dtype", "float64", "--sample", "20"]
+
+
+def _losses(path):
+    import json
+    return [r.get("loss", r.get("val_loss")) for r in map(json.loads, open(path))]
+
+
+def _sample(stdout):
+    assert stdout.count("---- sample ----") == 1, stdout            # printed by rank 0 alone
+    return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+
+
+@pytest.mark.mpi
+def test_train_gpt_cp2_matches_one_process_and_resumes_on_one(corpus, tmp_path, mpi):
+    """train_gpt.py --cp 2 logs one process's losses, val loss and sample (float64); its
+    checkpoint (DDP's: the replicated model, from rank 0) resumes on one process:
+
+        python examples/train_gpt.py --data CORPUS --dtype float64 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --cp 2 ... --save ck
+    """
+    import subprocess
+    import sys
+    from mpirun import device_flags, mpi_env
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    one, cp = tmp_path / "one.jsonl", tmp_path / "cp.jsonl"
+    ref = subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
+                          "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
+                         env=mpi_env(), text=True, capture_output=True, check=True).stdout
+    out = mpi(2, "examples/train_gpt.py", *common, "--cp", "2", "--log-json", cp,
+              "--save", tmp_path / "ck", timeout=120).stdout
+    assert "context parallel: cp 2" in out and "MiB sent per rank per step on the cp" in out
+    assert np.allclose(_losses(cp), _losses(one), rtol=0, atol=1e-10)
+    assert _sample(out) == _sample(ref)
+    back = tmp_path / "back.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--resume",
+                    str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
+                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
+    assert abs(_losses(back)[-1] - _losses(one)[-1]) <= 1e-10
+
+
+@pytest.mark.mpi
+def test_bad_cp_block_size_is_one_error_line(mpi):
+    """mpiexec -n 2 python examples/train_gpt.py --cp 2 --block-size 18"""
+    out = mpi(2, "examples/train_gpt.py", "--cp", "2", "--block-size", "18", timeout=60,
+              check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: context parallelism: ")
+    assert out.stderr.count("multiple of 4") == 1

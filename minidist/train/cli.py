@@ -32,6 +32,7 @@ _AT_LEAST = (
     ("--dp", "dp", 1, "data-parallel ranks"),
     ("--tp", "tp", 1, "tensor-parallel ranks"),
     ("--pp", "pp", 1, "pipeline stages"),
+    ("--cp", "cp", 1, "context-parallel ranks"),
     ("--micro-batches", "micro_batches", 1, "pipeline micro-batches"),
     ("--threads", "threads", 1, "BLAS threads"),
     ("--stop-at", "stop_at", 1, "the step to stop at"),
