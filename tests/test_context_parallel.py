@@ -144,12 +144,12 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
 
 
 def test_cp4_and_compositions_are_exact(mpi):
-    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1, grad-accum), cp 2 x tp 2, both splits.
+    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,...
     """
     runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
-            "cp2xtp2", "cp2xtp2+naive"]
+            "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xtp2", "cp2xtp2+naive"]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=240)
     rows = tagged_json(out, "RESULT")
     assert [r["run"] for r in rows] == runs

@@ -36,7 +36,9 @@ SEED = 7
 RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         "cp4+naive": ["--cp-split", "naive"], "cp2xdp2": ["--dp", "2"],
         "cp2xdp2+naive+accum": ["--dp", "2", "--cp-split", "naive", "--grad-accum", "2"],
-        "cp2xdp2+zero1": ["--dp", "2", "--zero", "1"], "cp2xtp2": ["--tp", "2"],
+        "cp2xdp2+zero1": ["--dp", "2", "--zero", "1"], "cp2xdp2+zero2": ["--dp", "2", "--zero",
+                                                                         "2"],
+        "cp2xdp2+zero3": ["--dp", "2", "--zero", "3"], "cp2xtp2": ["--tp", "2"],
         "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"]}
 
 
@@ -55,6 +57,9 @@ def full_params(strategy, model):
     """name -> host array of the whole model (gathered over tp under TensorParallel)."""
     if hasattr(strategy, "full_state_dict"):
         return strategy.full_state_dict()
+    engine = getattr(strategy.inner, "engine", None)
+    if engine is not None:                              # ZeRO: gathered on rank 0 ({} elsewhere)
+        return engine.full_state_dict(root=0)
     return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
 
 
