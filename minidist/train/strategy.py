@@ -3,7 +3,7 @@
 The step (minidist/train/step.py) is written once; it calls a Strategy for what a parallel
 run does differently. `make_strategy` below composes them in plain sight (TP, then PP, then
 DDP/ZeRO). `SingleProcess` is the reference: one process, the whole model, no communication.
-Each strategy package has its own (minidist/{ddp,zero,tp,pp}/strategy.py):
+Each strategy package has its own (minidist/{ddp,zero,tp,pp,cp}/strategy.py):
 
     rank, world_size          rank 0 logs, samples and writes files (print0)
     build_model(config, seed, dtype)        the full GPT, or this rank's part of it
