@@ -29,9 +29,10 @@ exec "MPIEXEC" -n "$n" bash -c '
     unset MPI_LOCALRANKID MPI_LOCALNRANKS
     exec "$@"' _ "$@"
 """
-PROBE = ("import json, os; from minidist import launcher as L; "
-         "print('PROBE', json.dumps([int(os.environ['SLURM_PROCID']), L.local_rank_and_size(), "
-         "L.world_size_from_env()]))")
+# each rank writes its own file: two ranks printing to one pipe can interleave their lines
+PROBE = ("import json, os; from minidist import launcher as L; r = os.environ['SLURM_PROCID']; "
+         "open(os.path.join(os.environ['PROBE_DIR'], r + '.json'), 'w').write(json.dumps("
+         "[int(r), L.local_rank_and_size(), L.world_size_from_env()]))")
 
 
 def _fake_cluster(tmp_path):
@@ -52,11 +53,10 @@ def _fake_cluster(tmp_path):
 @pytest.mark.mpi
 def test_fake_srun_gives_slurm_variables(tmp_path):
     """Each rank reads its local rank and the job size from Slurm's variables alone."""
-    env = _fake_cluster(tmp_path)
+    env = {**_fake_cluster(tmp_path), "PROBE_DIR": str(tmp_path)}
     out = subprocess.run(["srun", "--mpi=pmi2", "--ntasks=2", sys.executable, "-c", PROBE],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    rows = sorted(json.loads(line[6:]) for line in out.stdout.splitlines()
-                  if line.startswith("PROBE "))
+    rows = sorted(json.loads(p.read_text()) for p in tmp_path.glob("[0-9].json"))
     assert rows == [[0, [0, 2], 2], [1, [1, 2], 2]], (out.stdout, out.stderr)
 
 
