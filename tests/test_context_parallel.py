@@ -12,7 +12,7 @@ from minidist.autograd import Tensor
 from minidist.autograd.flash import partial_attention, tiled_attention
 from minidist.comm.mesh import cp_coord, mesh_coords, mesh_rank
 from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles, layout,
-                              positions)
+                              positions, ring_bytes)
 from minidist.cp.strategy import cp_problems
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
@@ -27,6 +27,11 @@ def test_zigzag_and_naive_layouts_cover_the_sequence_once():
             assert sorted(allpos) == list(range(16))
     assert layout(16, 4, 1, "zigzag") == [(2, 2), (12, 2)]      # chunks 1 and 2N-1-1 = 6
     assert layout(16, 4, 3, "naive") == [(12, 4)]
+
+
+def test_ring_bytes_formula():
+    assert ring_bytes(1, 1) == 2                   # one rank: only the accumulator's hop home
+    assert ring_bytes(10, 4) == (6 * 4 - 4) * 10
 
 
 def test_naive_split_is_unbalanced_and_zigzag_is_not():

@@ -64,6 +64,13 @@ def check_split(T, n, split):
     return None
 
 
+def ring_bytes(S, n):
+    """Bytes one rank sends per attention layer and micro-batch, forward + backward, where S
+    is the bytes of its k (or v): blocks 2S(N-1) forward and again backward, accumulators
+    2SN backward; (6N - 4) S."""
+    return 2 * S * (n - 1) + 2 * S * (n - 1) + 2 * S * n
+
+
 def _pairs(q_pieces, k_pieces):
     """(q offset, q start, q len, k offset, k start, k len) of every pair of pieces in
     which some query sees some key (the others are skipped whole: causal)."""

@@ -24,6 +24,7 @@ from minidist import backend  # noqa: E402
 import minidist.comm  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from minidist.cp.ring import ring_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train import memory  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -63,13 +64,12 @@ def full_params(strategy, model):
     return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
 
 
-def ring_bytes(args, config, mesh):
+def step_ring_bytes(args, config, mesh):
     """Bytes one rank sends on the cp group in one step (minidist/cp/ring.py's formula)."""
     n = mesh.shape["cp"]
     rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
     S = rows * (config.block_size // n) * (config.n_embd // mesh.shape["tp"]) * 8  # float64
-    per_layer = 2 * S * (n - 1) + 2 * S * (n - 1) + 2 * S * n
-    return per_layer * config.n_layer * args.grad_accum
+    return ring_bytes(S, n) * config.n_layer * args.grad_accum
 
 
 def run(name, ref, comm, tol):
@@ -86,7 +86,7 @@ def run(name, ref, comm, tol):
     d_par = max(float(np.abs(params[n] - np.asarray(p.data)).max())
                 for n, p in r_model.named_parameters()) if params else 0.0
     row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
-           "bytes_sent": sent, "theory_sent": ring_bytes(args, CONFIG, mesh),
+           "bytes_sent": sent, "theory_sent": step_ring_bytes(args, CONFIG, mesh),
            "losses": [float(v) for v in losses]}
     worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
     assert worst < tol, (name, row)
