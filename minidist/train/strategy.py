@@ -76,7 +76,7 @@ def _dp_size(args, size):
         raise UsageError(
             f"--dp {dp} does not match the {size} MPI process(es) of this job: dp x tp x pp "
             f"must equal the number of processes (tp = pp = 1 here). Run `mpirun -n {dp} "
-            f"python examples/train_gpt.py`, or leave --dp out (it defaults to the size size).")
+            f"python examples/train_gpt.py`, or leave --dp out (it defaults to the world size).")
     if args.batch_size % (dp * args.grad_accum):
         raise UsageError(
             f"--batch-size {args.batch_size} (global, in sequences) does not split into "
