@@ -26,7 +26,7 @@ from minidist.cp.context import attach_ring
 from minidist.cp.ring import check_split
 from minidist.ddp.strategy import dp_rows
 from minidist.train.cli import UsageError
-from minidist.train.strategy import SingleProcess
+from minidist.train.strategy import ModelParallel, SingleProcess
 
 
 def cp_problems(args, size):
@@ -78,16 +78,16 @@ def make_context_parallel(args, size, world):
     return strategy
 
 
-class ContextParallel(SingleProcess):
+class ContextParallel(ModelParallel):
+    """The ring over mesh.cp on each replica's sequences; `inner` (DDP or ZeRO) averages the
+    gradients over the dp x cp ranks."""
 
     def __init__(self, mesh, split, inner):
-        self.mesh, self.group, self.split, self.inner = mesh, mesh.cp, split, inner
-        self.reports_memory = inner.reports_memory
-        self.rank, self.world_size = mesh.world.rank, mesh.world.size
-        self.cp_steps, self.cp_sent, self._sent = 0, 0, 0
+        super().__init__(mesh, mesh.cp, inner)
+        self.split = split
 
     def build_model(self, config, seed, dtype):
-        return self.wrap(SingleProcess.build_model(self, config, seed, dtype))
+        return self.wrap(super().build_model(config, seed, dtype))
 
     def wrap(self, model):
         """The ring over mesh.cp on `model`, then inner's hold on it (DDP over dp x cp)."""
@@ -95,26 +95,10 @@ class ContextParallel(SingleProcess):
         block = model.config.attention_block                     # the tile size
         return self.inner.wrap(attach_ring(model, self.group, self.split, block))
 
-    def build_optimizer(self, model, args):
-        return self.inner.build_optimizer(model, args)
-
     def local_rows(self, x, y):
+        """Rows by dp rank: every cp rank of a replica reads the same rows (inner's group is
+        dp x cp, so its own split would be wrong here)."""
         return dp_rows(x, y, self.mesh.dp_rank, self.mesh.shape["dp"])
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
-    def start_step(self):
-        self._sent = trace.bytes_sent(self.group.name)
-        self.inner.start_step()
-
-    def sync_grads(self, model):
-        self.inner.sync_grads(model)
-        self.cp_steps += 1                  # the ring's traffic of this step, for summary()
-        self.cp_sent += trace.bytes_sent(self.group.name) - self._sent
-
-    def end_step(self, activation_bytes):
-        self.inner.end_step(activation_bytes)
 
     @property
     def sum_sq_across_ranks(self):
@@ -124,17 +108,8 @@ class ContextParallel(SingleProcess):
     def max_across_ranks(self):
         return self.inner.max_across_ranks
 
-    def global_mean(self, value):
-        return self.inner.global_mean(value)
-
     def any_rank(self, flag):
         return self.inner.any_rank(flag)
-
-    def comm_bytes(self):
-        return trace.bytes_sent()
-
-    def takes_part_in_sampling(self):
-        return self.inner.takes_part_in_sampling()
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         return self.inner.save(directory, model, optimizer, step, rng_states, extra)
@@ -149,7 +124,7 @@ class ContextParallel(SingleProcess):
             f"{self.split}; gradients averaged over the {self.inner.group.size} dp x cp ranks"]
 
     def summary(self):
-        sent = self.cp_sent / max(self.cp_steps, 1)
+        sent = self.sent_per_step()
         return (f"context parallel over {self.group.size} ranks ({self.split}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the cp group")
 

@@ -37,7 +37,7 @@ from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state,
                                sum_sq_over_tp)
 from minidist.train import checkpoint, checkpoint_dirs
 from minidist.zero.checkpoint import load_sharded, save_sharded
-from minidist.train.strategy import SingleProcess
+from minidist.train.strategy import ModelParallel, SingleProcess
 from minidist.train.cli import UsageError
 
 
@@ -67,16 +67,13 @@ def make_tensor_parallel(args, size, world):
     return TensorParallel(mesh, args.sequence_parallel, inner)
 
 
-class TensorParallel(SingleProcess):
+class TensorParallel(ModelParallel):
+    """This rank's TensorParallelGPT over mesh.tp; `inner` holds it over dp."""
 
     def __init__(self, mesh, sequence_parallel=False, inner=None):
-        self.mesh, self.group = mesh, mesh.tp
+        super().__init__(mesh, mesh.tp, inner if inner is not None else SingleProcess())
         self.sequence_parallel = bool(sequence_parallel)
-        self.inner = inner if inner is not None else SingleProcess()
-        self.reports_memory = self.inner.reports_memory
-        self.rank, self.world_size = mesh.world.rank, mesh.world.size
-        self.model, self._sent = None, 0
-        self.tp_steps, self.tp_sent = 0, 0      # bytes this rank sent on the tp group
+        self.model = None
 
     def build_model(self, config, seed, dtype):
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
@@ -87,28 +84,6 @@ class TensorParallel(SingleProcess):
         self.model = model
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
         return self.inner.wrap(model)
-
-    def build_optimizer(self, model, args):
-        return self.inner.build_optimizer(model, args)
-
-    def local_rows(self, x, y):
-        return self.inner.local_rows(x, y)
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
-    def start_step(self):
-        self._sent = trace.bytes_sent(self.group.name)
-        self.inner.start_step()
-
-    def sync_grads(self, model):
-        """inner's gradient sync over dp; nothing over tp (f and g all-reduced in backward)."""
-        self.inner.sync_grads(model)
-        self.tp_steps += 1              # forward and backward's tp traffic, for summary()
-        self.tp_sent += trace.bytes_sent(self.group.name) - self._sent
-
-    def end_step(self, activation_bytes):
-        self.inner.end_step(activation_bytes)
 
     @property
     def sum_sq_across_ranks(self):
@@ -139,21 +114,13 @@ class TensorParallel(SingleProcess):
                     for i, a, b in f.pieces() if id(f.params[i]) in mine]
         return out
 
-    def global_mean(self, value):
-        return self.inner.global_mean(value)
-
     def any_rank(self, flag):
         buf = xp_of(self.model.parameters()[0].data).asarray([float(flag)])
         self.mesh.world.all_reduce(buf, op="max")
         return bool(buf[0])
 
-    def comm_bytes(self):
-        return trace.bytes_sent()
-
-    def takes_part_in_sampling(self):
-        """Sampling runs the split model: every tp rank of the replicas that sample (dp rank
-        0; under ZeRO-3 every dp rank, whose blocks are gathered collectively)."""
-        return self.inner.takes_part_in_sampling()
+    # sampling runs the split model: every tp rank of the replicas that sample (dp rank 0;
+    # under ZeRO-3 every dp rank, whose blocks are gathered collectively): inner decides
 
     def notes(self):
         local, full = self.model.parameter_counts()
@@ -227,7 +194,7 @@ class TensorParallel(SingleProcess):
 
     def summary(self):
         """One line: bytes this rank sent on the tp group per step (forward + backward)."""
-        sent = self.tp_sent / max(self.tp_steps, 1)
+        sent = self.sent_per_step()
         return (f"tensor parallel over {self.group.size} ranks ({self.group.algo}, sequence "
                 f"parallel {'on' if self.sequence_parallel else 'off'}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")

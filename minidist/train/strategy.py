@@ -31,6 +31,7 @@ Tests: tests/test_train.py.
 """
 import contextlib
 
+from minidist.comm import trace
 from minidist.nn import GPT
 from minidist.optim import AdamW
 from minidist.train import checkpoint
@@ -218,3 +219,51 @@ class SingleProcess:
     def finish(self, args, log):
         if args.trace:
             log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
+
+
+class ModelParallel(SingleProcess):
+    """A strategy that splits each replica's work over its own `group` (tensor parallelism:
+    minidist/tp/, context parallelism: minidist/cp/) and leaves the data-parallel part to
+    `inner` (DDP, ZeRO or one replica, from make_data_parallel): the step's calls go through
+    to inner, and the bytes this rank sends on `group` are counted for the summary."""
+
+    def __init__(self, mesh, group, inner):
+        self.mesh, self.group, self.inner = mesh, group, inner
+        self.reports_memory = inner.reports_memory
+        self.rank, self.world_size = mesh.world.rank, mesh.world.size
+        self.steps, self.sent, self._mark = 0, 0, 0
+
+    def build_optimizer(self, model, args):
+        return self.inner.build_optimizer(model, args)
+
+    def local_rows(self, x, y):
+        return self.inner.local_rows(x, y)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def start_step(self):
+        self._mark = trace.bytes_sent(self.group.name)
+        self.inner.start_step()
+
+    def sync_grads(self, model):
+        """inner's gradient sync; this group's traffic (forward and backward) is done by now."""
+        self.inner.sync_grads(model)
+        self.steps += 1
+        self.sent += trace.bytes_sent(self.group.name) - self._mark
+
+    def end_step(self, activation_bytes):
+        self.inner.end_step(activation_bytes)
+
+    def global_mean(self, value):
+        return self.inner.global_mean(value)
+
+    def comm_bytes(self):
+        return trace.bytes_sent()
+
+    def takes_part_in_sampling(self):
+        return self.inner.takes_part_in_sampling()
+
+    def sent_per_step(self):
+        """Bytes this rank sent on `group` per step, on average (summary())."""
+        return self.sent / max(self.steps, 1)
