@@ -26,7 +26,7 @@ from minidist.cp.context import attach_ring
 from minidist.cp.ring import check_split
 from minidist.ddp.strategy import dp_rows
 from minidist.train.cli import UsageError
-from minidist.train.strategy import ModelParallel, SingleProcess
+from minidist.train.strategy import ModelParallel
 
 
 def cp_problems(args, size):
