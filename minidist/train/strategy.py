@@ -24,6 +24,11 @@ Each strategy package has its own (minidist/{ddp,zero,tp,pp,cp}/strategy.py):
                               built (TensorParallel builds, DDP or ZeRO wraps); here: as is
     takes_part_in_sampling()  ranks that run the end-of-training sample
     reports_memory            True: the step measures activations for finish()'s table
+Class tree: every strategy is a SingleProcess (it inherits the one-process defaults above:
+build_model, the amp backward, notes); DataParallel (ddp/) and ZeroDataParallel (zero/) hold
+the whole model; ModelParallel (below) is the base of TensorParallel (tp/) and ContextParallel
+(cp/), which split each replica over their own group and pass the rest to an inner DDP/ZeRO;
+PipelineParallel (pp/) runs its stage with DDP across pipelines.
 Memory options, for every strategy alike (set by make_strategy from --amp and
 --ckpt-activations): `amp` (None, or MixedPrecision: minidist/train/amp.py) and
 `ckpt_activations` (GPT.set_checkpointing).
