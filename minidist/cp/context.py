@@ -18,7 +18,6 @@ Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
 from minidist.autograd.flash import DEFAULT_BLOCK
 from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
-from minidist.nn.gpt import CausalSelfAttention
 
 
 class RingContext:
@@ -60,9 +59,4 @@ class RingContext:
 
 def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK):
     """Give `model` and each of its attention layers one RingContext over `group`."""
-    ring = RingContext(group, split, block)
-    model.context = ring
-    for _, m in model.named_modules():
-        if isinstance(m, CausalSelfAttention):
-            m.context = ring
-    return model
+    return model.set_context(RingContext(group, split, block))

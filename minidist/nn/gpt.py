@@ -135,6 +135,15 @@ class GPT(Module):
         self.block_hooks = BlockHooks() if hooks is None else hooks
         return self
 
+    def set_context(self, context):
+        """Context parallelism (minidist/cp/context.py): from now on forward hands the whole
+        sequence to `context`, and every attention layer uses its ring; None: off."""
+        self.context = context
+        for _, m in self.named_modules():
+            if isinstance(m, CausalSelfAttention):
+                m.context = context
+        return self
+
     def set_checkpointing(self, on=True):
         """Activation checkpointing (--ckpt-activations): each block keeps only its input and
         is recomputed inside backward (minidist/autograd/recompute.py). Same numbers."""
