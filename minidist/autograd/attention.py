@@ -139,6 +139,12 @@ def heads_view(a, n_head):
     return a.reshape(B, T, 3, n_head, C3 // 3 // n_head).transpose(2, 0, 3, 1, 4)
 
 
+def per_head(a, n_head):
+    """(B, T, C) -> its (B, nh, T, hs) view, no copy: head h's slice of every row."""
+    B, T, C = a.shape
+    return a.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+
+
 def split_heads(qkv, n_head):
     """GPT-2's fused (B, T, 3C) -> q, k, v as (B, nh, T, hs) views, and the output buffers:
     y (B, T, C) and yh, its (B, nh, T, hs) view, which an attention writes head by head."""
@@ -147,8 +153,7 @@ def split_heads(qkv, n_head):
         raise ValueError(f"last axis {C3} is not 3 * n_head({n_head}) * head size")
     q, k, v = heads_view(qkv, n_head)                        # (B, nh, T, hs) views
     y = xp_of(qkv).empty((B, T, C3 // 3), qkv.dtype)         # (B, T, C)
-    yh = y.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3)   # (B, nh, T, hs) view
-    return q, k, v, y, yh
+    return q, k, v, y, per_head(y, n_head)                    # yh: (B, nh, T, hs) view
 
 
 class CausalSelfAttention(Function):

@@ -24,7 +24,7 @@ tests/test_gradcheck.py.
 import itertools
 import math
 
-from minidist.autograd.attention import heads_view, split_heads
+from minidist.autograd.attention import heads_view, per_head, split_heads
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -218,9 +218,7 @@ class TiledSelfAttention(Function):
     def backward(ctx, grad):
         qkv, y, lse = ctx.saved
         nh = ctx.n_head
-        B, T, C = grad.shape
-        g = grad.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)     # (B, nh, T, hs)
-        yh = y.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+        g, yh = per_head(grad, nh), per_head(y, nh)                 # (B, nh, T, hs) views
         dqkv = xp_of(grad).empty_like(qkv)                    # (B, T, 3C)
         q, k, v = heads_view(qkv, nh)
         _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, nh))

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd.attention import heads_view, split_heads
+from minidist.autograd.attention import heads_view, per_head, split_heads
 from minidist.autograd.flash import (DEFAULT_BLOCK, block_pairs, merge_partials,
                                      partial_attention)
 from minidist.autograd.function import Function
@@ -199,9 +199,7 @@ class RingSelfAttention(Function):
     def backward(ctx, grad):
         qkv, y, lse = ctx.saved
         nh = ctx.n_head
-        B, T, C = grad.shape
-        g = grad.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)     # (B, nh, Tl, hs)
-        yh = y.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+        g, yh = per_head(grad, nh), per_head(y, nh)                 # (B, nh, Tl, hs) views
         q, k, v = heads_view(qkv, nh)
         kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))
         dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block)
