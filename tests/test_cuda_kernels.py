@@ -60,7 +60,9 @@ def _plans(name):
             "attn_softmax_fwd": ck.attn_fwd_launch(S, 0.125),
             "attn_softmax_bwd": ck.attn_bwd_launch(np, a(2, 3, 7, 7), S, gy, 0.125),
             "gelu_fwd": ck.gelu_fwd_launch(np, a(3, 7, 33))[0],
-            "gelu_bwd": ck.gelu_bwd_launch(np, a(3, 7, 33), a(3, 7, 33))[0]}
+            "gelu_bwd": ck.gelu_bwd_launch(np, a(3, 7, 33), a(3, 7, 33))[0],
+            "adamw_step": ck.adamw_launch(a(37), a(37), a(37), a(37), 3, 1e-3, 0.9, 0.95,
+                                          1e-8, 0.1)}
 
 
 def test_accumulation_dtypes():

@@ -19,6 +19,7 @@ Row kernels run one block per row (N rows of C, V or T columns), a power-of-two 
 32..1024 threads striding over the row, reductions by warp shuffles then shared memory.
 """
 import collections
+import math
 import os
 import sys
 
@@ -117,6 +118,18 @@ def gelu_backward(x, grad):
     plan, dx = gelu_bwd_launch(sys.modules["cupy"], x, grad)
     launch(plan)
     return dx
+
+
+# ---- AdamW: elementwise --------------------------------------------------------------------
+
+def adamw_launch(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    """The plan of one AdamW step in place on contiguous p, m, v (g read): the scalars of
+    optim/adamw.py's adamw_update, precomputed on the host in the accumulation dtype."""
+    acc = acc_dtype(p.dtype).type
+    scalars = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay,
+               1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step))
+    args = (p, g, m, v, np.int64(p.size)) + tuple(acc(x) for x in scalars)
+    return Launch("adamw_step", p.dtype, *_flat(p.size), args)
 
 
 # ---- layer norm ------------------------------------------------------------------------------

@@ -214,10 +214,26 @@ extern "C" __global__ void gelu_bwd(const T* x, const T* g, T* dx, long long n) 
         st(dx, i, (GELU_D(v) * s * ((A)1 - s) + s) * ld(g, i));
     }
 }
+
+// AdamW in place on p, m, v over n contiguous values (grid-stride): optim/adamw.py's
+// adamw_update line by line, in the same order (decay is 1 when weight decay is 0)
+extern "C" __global__ void adamw_step(T* p, const T* g, T* m, T* v, long long n, A b1,
+                                      A one_minus_b1, A b2, A one_minus_b2, A decay,
+                                      A inv_sqrt_bc2, A eps, A step_size) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        A gi = ld(g, i), pi = ld(p, i) * decay;
+        A mi = ld(m, i) * b1 + gi * one_minus_b1;
+        A vi = ld(v, i) * b2 + gi * gi * one_minus_b2;
+        st(m, i, mi);
+        st(v, i, vi);
+        st(p, i, pi - mi / (sqrt(vi) * inv_sqrt_bc2 + eps) * step_size);
+    }
+}
 """
 
 NAMES = ("ln_fwd", "ln_bwd_x", "ln_bwd_wb", "ce_fwd", "ce_bwd", "attn_softmax_fwd",
-         "attn_softmax_bwd", "gelu_fwd", "gelu_bwd")
+         "attn_softmax_bwd", "gelu_fwd", "gelu_bwd", "adamw_step")
 
 
 def dtype_name(dtype):
@@ -235,10 +251,10 @@ def source(dtype):
             + GELU_DEFINES + KERNELS)
 
 
-def signature(name):
+def signature(name, text=KERNELS):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
-    m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", KERNELS)
+    m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)
     if m is None:
         raise KeyError(f"no kernel {name!r} in the source")
     params = []

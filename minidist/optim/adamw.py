@@ -10,31 +10,18 @@ scratch buffer, so ZeRO can run it on flat shards; `AdamW` keeps m, v per parame
 (FlatAdamW, flat_adamw.py, one flat buffer per group). By default, biases, LayerNorm and
 embedding weights get no decay (Parameter.decay).
 
-On CuPy (float32 or float64, MINIDIST_CUDA_KERNELS not "0") the same update runs as one fused
-elementwise kernel, ADAMW_KERNEL: one launch and one pass over p, g, m, v instead of ~11. The
-xp code of adamw_update is its generic twin; `fused_adamw_args` plans the kernel's arguments
-(scalars of the array's own dtype) and is checked on the CPU.
+On CuPy (contiguous float32 or float64, MINIDIST_CUDA_KERNELS not "0") the same update runs as
+one fused CUDA kernel, `adamw_step` in autograd/cuda_source.py: one launch and one pass over
+p, g, m, v instead of ~11. The xp code of adamw_update is its generic twin;
+`cuda_kernels.adamw_launch` plans the launch, and tests/test_cuda_kernels_cpu.py runs that
+very kernel on the CPU against this code.
 Tests: tests/test_optim.py, tests/test_flat_adamw.py.
 """
 import math
-import sys
 
 from minidist.autograd import cuda_kernels
 from minidist.backend import xp_of
 from minidist.optim.optimizer import Optimizer, wants_decay
-
-# (in_params, out_params, operation) of cupy.ElementwiseKernel: adamw_update's lines, in order
-ADAMW_KERNEL = (
-    "T g, T b1, T one_minus_b1, T b2, T one_minus_b2, T decay, T inv_sqrt_bc2, T eps, "
-    "T step_size",
-    "T p, T m, T v",
-    """
-    p = p * decay;                                    // decoupled decay (1 when wd = 0)
-    m = m * b1 + g * one_minus_b1;
-    v = v * b2 + g * g * one_minus_b2;
-    p = p - m / (sqrt(v) * inv_sqrt_bc2 + eps) * step_size;
-    """)
-_KERNEL = {}
 
 
 def adamw_update(p, g, m, v, step, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
@@ -42,8 +29,8 @@ def adamw_update(p, g, m, v, step, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_d
     """One AdamW step on arrays of one shape, in place on p, m, v. `step` is 1-based.
     `scratch` (same shape and dtype as p) avoids allocating a temporary."""
     if fused_adamw_ok(p, g, m, v):
-        _fused_kernel()(*fused_adamw_args(p, g, m, v, step, lr, beta1, beta2, eps,
-                                          weight_decay))
+        cuda_kernels.launch(cuda_kernels.adamw_launch(p, g, m, v, step, lr, beta1, beta2, eps,
+                                                      weight_decay))
         return
     xp = xp_of(p)
     tmp = scratch if scratch is not None else xp.empty_like(p)
@@ -65,25 +52,10 @@ def adamw_update(p, g, m, v, step, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_d
 
 
 def fused_adamw_ok(p, g, m, v):
-    """True when adamw_update should run as the fused kernel: cupy arrays, all float32 or all
-    float64, kernels not switched off (MINIDIST_CUDA_KERNELS=0)."""
-    return cuda_kernels.use(p, g, m, v) and p.dtype.name in ("float32", "float64")
-
-
-def fused_adamw_args(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
-    """ADAMW_KERNEL's arguments in its order: g, the scalars as p's dtype (a Python float
-    would let CuPy pick the C width), then p, m, v (updated in place)."""
-    t = p.dtype.type
-    scalars = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay,
-               1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step))
-    return (g,) + tuple(t(x) for x in scalars) + (p, m, v)
-
-
-def _fused_kernel():
-    """cupy.ElementwiseKernel for ADAMW_KERNEL, built on first use (cupy already imported)."""
-    if "adamw" not in _KERNEL:
-        _KERNEL["adamw"] = sys.modules["cupy"].ElementwiseKernel(*ADAMW_KERNEL, "adamw_update")
-    return _KERNEL["adamw"]
+    """True when adamw_update should run as the fused kernel: contiguous cupy arrays, all
+    float32 or all float64, kernels not switched off (MINIDIST_CUDA_KERNELS=0)."""
+    return (cuda_kernels.use(p, g, m, v) and p.dtype.name in ("float32", "float64")
+            and all(a.flags.c_contiguous for a in (p, g, m, v)))
 
 
 class AdamW(Optimizer):

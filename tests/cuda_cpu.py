@@ -1,0 +1,155 @@
+"""CUDA kernels run on the CPU: the same source text NVRTC compiles for the GPU, compiled by
+the system C++ compiler with tests/cuda_host/cuda_host.h (threadIdx, __shared__,
+__syncthreads, warp shuffles, atomics, __half and __nv_bfloat16 with their CUDA meaning;
+its top comment explains the fiber scheduler) and launched through ctypes on numpy arrays.
+
+    lib = cuda_cpu.build(source)            # g++ once per source text, cached on disk
+    cuda_cpu.run(plan)                      # a cuda_kernels.Launch, in place on its arrays
+
+Each array argument is copied into a buffer with 256 guard bytes on both sides, signalling NaNs
+of its dtype, so a kernel that reads past an argument computes NaN and one that writes past it
+fails the launch (KernelError); the results are copied back. The threads of a
+block run as fibers, "low" order (the lowest-numbered runnable thread first) or "high".
+Libraries are cached under .minidist-cache/cuda-cpu/ (git-ignored), keyed by the hash of the
+source, this header and the flags; `reason_unavailable()` says why not, where no compiler is.
+Tests: tests/test_cuda_cpu.py (the harness itself), tests/test_cuda_kernels_cpu.py.
+"""
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+
+from minidist.autograd import cuda_source as cs
+
+HERE = pathlib.Path(__file__).resolve().parent
+HOST = HERE / "cuda_host"
+CACHE = HERE.parent / ".minidist-cache" / "cuda-cpu"
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-ffp-contract=off",
+         "-fno-strict-aliasing")
+GUARD = 256
+_LIBS = {}
+_LOCK = threading.Lock()      # the scheduler's state is global in each library
+
+
+class KernelError(RuntimeError):
+    """A launch the CPU runtime refused or caught misbehaving (deadlock, divergent barrier,
+    a write outside an argument)."""
+
+
+def compiler():
+    """The C++ compiler: $CXX, else g++, c++ or clang++ on PATH; None if there is none."""
+    return os.environ.get("CXX") or next(
+        (p for p in map(shutil.which, ("g++", "c++", "clang++")) if p), None)
+
+
+def reason_unavailable():
+    """None when kernels can run here, else why not (for pytest.skip)."""
+    if compiler() is None:
+        return "no C++ compiler (g++, c++, clang++ or $CXX) to build CUDA kernels for the CPU"
+    return None
+
+
+def kernel_names(source):
+    return re.findall(r'extern "C" __global__ void (\w+)\(', source)
+
+
+def _wrappers(source):
+    """Per kernel: a body taking void** (array pointers, and pointers to scalars) and an
+    extern "C" entry cpu_launch_<name>(grid, block, high, args) for ctypes."""
+    out = []
+    for name in kernel_names(source):
+        params = cs.signature(name, source)
+        call = ", ".join(f"({c}*)a[{i}]" if ptr else f"*({c}*)a[{i}]"
+                         for i, (c, ptr) in enumerate(params))
+        out.append(f"static void cpu_body_{name}(void** a) {{ {name}({call}); }}\n"
+                   f'extern "C" int cpu_launch_{name}(const unsigned* g, const unsigned* b, '
+                   f"int high, void** a) {{ return cpu::launch(g, b, high, cpu_body_{name}, "
+                   f"a); }}\n")
+    return "".join(out)
+
+
+def build(source):
+    """The ctypes library of `source` (compiled once; cached in memory and on disk)."""
+    text = source + "\n" + _wrappers(source)
+    cxx = compiler()
+    key = hashlib.sha256("\0".join([text, (HOST / "cuda_host.h").read_text(), cxx, *FLAGS])
+                         .encode()).hexdigest()[:24]
+    if key in _LIBS:
+        return _LIBS[key]
+    so = CACHE / f"{key}.so"
+    if not so.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        src, tmp = CACHE / f"{key}.{os.getpid()}.cpp", CACHE / f"{key}.{os.getpid()}.so"
+        src.write_text(text)
+        cmd = [cxx, *FLAGS, "-I", str(HOST), "-include", "cuda_host.h", str(src), "-o",
+               str(tmp)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        src.unlink()
+        if res.returncode:
+            raise KernelError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, so)                # atomic: a concurrent build writes the same bytes
+    lib = ctypes.CDLL(str(so))
+    lib.cuda_cpu_error.restype = ctypes.c_char_p
+    _LIBS[key] = lib
+    return lib
+
+
+# Guard elements: signalling NaNs (a computation on one gives a quiet NaN, another bit
+# pattern, so a value computed from a guard and written into one is still seen)
+SNAN = {"float16": np.uint16(0xFD55), "bfloat16": np.uint16(0xFF95),
+        "float32": np.uint32(0xFFA55555), "float64": np.uint64(0xFFF5555555555555)}
+
+
+def _guard(dtype):
+    """GUARD bytes of `dtype`'s guard element (0x55 bytes for a non-float dtype)."""
+    one = SNAN.get(dtype.name, np.uint8(0x55))
+    return np.full(GUARD // one.itemsize, one).view(np.uint8)
+
+
+def _guarded(a):
+    """a's bytes between two guards."""
+    if not a.flags.c_contiguous:
+        raise KernelError("array arguments must be C-contiguous")
+    guard = _guard(a.dtype)
+    return np.concatenate([guard, a.reshape(-1).view(np.uint8), guard])
+
+
+def launch(source, name, grid, block, args, order="low"):
+    """Run kernel `name` of `source` over grid x block on numpy arrays (in place) and numpy
+    scalars (their exact C width: np.int64 for long long, np.float32 for float, ...)."""
+    lib = build(source)
+    params = cs.signature(name, source)
+    if len(params) != len(args):
+        raise KernelError(f"{name}: {len(args)} arguments for {len(params)} parameters")
+    keep, ptrs = [], []
+    for i, ((ctype, pointer), a) in enumerate(zip(params, args)):
+        if pointer != isinstance(a, np.ndarray) or not isinstance(a, (np.ndarray, np.generic)):
+            raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): got "
+                              f"{type(a).__name__}")
+        keep.append(_guarded(a) if pointer else np.array(a))
+        ptrs.append(keep[-1].ctypes.data + (GUARD if pointer else 0))
+    dims = [(ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3]) for d in (grid, block)]
+    argv = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
+    with _LOCK:
+        rc = getattr(lib, f"cpu_launch_{name}")(dims[0], dims[1], int(order == "high"), argv)
+        if rc:
+            raise KernelError(f"{name}: {lib.cuda_cpu_error().decode()}")
+    for i, (a, buf) in enumerate(zip(args, keep)):
+        if isinstance(a, np.ndarray):
+            guard = _guard(a.dtype)
+            if (buf[:GUARD] != guard).any() or (buf[GUARD + a.nbytes:] != guard).any():
+                raise KernelError(f"{name} wrote outside argument #{i} {params[i]}")
+            a.reshape(-1).view(np.uint8)[...] = buf[GUARD:GUARD + a.nbytes]
+
+
+def run(plan, source=None, order="low"):
+    """Run a planned launch (cuda_kernels.Launch) on the CPU; `source` defaults to
+    cuda_source.source(plan.dtype) (a test passes a broken variant)."""
+    source = cs.source(plan.dtype) if source is None else source
+    launch(source, plan.name, plan.grid, plan.block, plan.args, order)
