@@ -149,7 +149,7 @@ def launch(source, name, grid, block, args, order="low"):
 
 
 def run(plan, source=None, order="low"):
-    """Run a planned launch (cuda_kernels.Launch) on the CPU; `source` defaults to
-    cuda_source.source(plan.dtype) (a test passes a broken variant)."""
-    source = cs.source(plan.dtype) if source is None else source
+    """Run a planned launch (cuda_kernels.Launch) on the CPU; `source` defaults to the
+    source of the kernel's part for plan.dtype (a test passes a broken variant)."""
+    source = cs.source(plan.dtype, cs.part_of(plan.name)) if source is None else source
     launch(source, plan.name, plan.grid, plan.block, plan.args, order)

@@ -25,7 +25,8 @@ import sys
 
 import numpy as np
 
-from minidist.autograd.cuda_source import C_TO_NUMPY, CTYPES, dtype_name, source
+from minidist.autograd.cuda_source import C_TO_NUMPY, CTYPES, dtype_name, part_of, source
+from minidist.autograd.cuda_source_flash import HS_MAX, THREADS, tiles
 from minidist.backend import is_cupy
 
 Launch = collections.namedtuple("Launch", "name dtype grid block args")
@@ -68,7 +69,8 @@ def _raw(name, dtype):
     key = (name, dtype_name(dtype))
     if key not in _CACHE:
         cp = sys.modules["cupy"]       # imported already: use() saw cupy arrays
-        _CACHE[key] = cp.RawKernel(source(dtype), name, options=("--std=c++14",))
+        _CACHE[key] = cp.RawKernel(source(dtype, part_of(name)), name,
+                                   options=("--std=c++14",))
     return _CACHE[key]
 
 
@@ -250,3 +252,68 @@ def attn_softmax_backward_(dP, P, gy, scale):
     """dP (..., T, T) contiguous -> dS = P (dP - gy) scale in place; gy (..., T, 1)."""
     launch(attn_bwd_launch(sys.modules["cupy"], dP, P, gy, scale))
     return dP
+
+
+# ---- tiled (flash) attention: cuda_source_flash.py, behind MINIDIST_CUDA_NEW_KERNELS=1 ------
+
+def use_new(*arrays):
+    """use(...) and MINIDIST_CUDA_NEW_KERNELS=1: the kernels proven on the CPU only (not yet
+    run on a GPU) are off by default."""
+    return use(*arrays) and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
+
+
+def flash_ok(q):
+    """The flash kernels take head sizes up to HS_MAX."""
+    return q.shape[-1] <= HS_MAX
+
+
+def _heads(xp, a):
+    """(..., T, hs) -> (BH, T, hs) contiguous (a copy only if a is strided)."""
+    return xp.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
+
+
+def flash_fwd_launch(xp, q, k, v):
+    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs)."""
+    q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
+    BH, T, hs = q.shape
+    if hs > HS_MAX:
+        raise ValueError(f"flash kernels take head sizes up to {HS_MAX}, not {hs}")
+    acc = acc_dtype(q.dtype)
+    ft, _ = tiles(acc.itemsize)
+    y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
+    args = (q, k, v, y, lse, np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
+    return Launch("flash_fwd", q.dtype, (-(-T // ft), BH), (THREADS,), args), (y, lse)
+
+
+def flash_bwd_launches(xp, g, q, k, v, y, lse):
+    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs)."""
+    g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
+    BH, T, hs = q.shape
+    acc = acc_dtype(q.dtype)
+    _, bt = tiles(acc.itemsize)
+    lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
+    D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
+    T64, hs32, scale = np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs))
+    grid = (-(-T // bt), BH)
+    plans = [Launch("flash_bwd_dot", q.dtype, *_flat(BH * T),
+                    (g, y, D, np.int64(BH * T), hs32)),
+             Launch("flash_bwd_dkdv", q.dtype, grid, (THREADS,),
+                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale)),
+             Launch("flash_bwd_dq", q.dtype, grid, (THREADS,),
+                    (q, k, v, g, lse, D, dq, T64, hs32, scale))]
+    return plans, (dq, dk, dv)
+
+
+def flash_attention(q, k, v):
+    """(y like q, lse (..., T)) of causal attention on the GPU."""
+    plan, (y, lse) = flash_fwd_launch(sys.modules["cupy"], q, k, v)
+    launch(plan)
+    return y.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def flash_attention_backward(g, q, k, v, y, lse):
+    """(dq, dk, dv), each shaped like q."""
+    plans, grads = flash_bwd_launches(sys.modules["cupy"], g, q, k, v, y, lse)
+    for plan in plans:
+        launch(plan)
+    return tuple(a.reshape(q.shape) for a in grads)

@@ -18,6 +18,8 @@ import re
 
 import numpy as np
 
+from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
+
 CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
           "float32": ("float", "float"), "float64": ("double", "double")}
 C_TO_NUMPY = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
@@ -242,16 +244,27 @@ def dtype_name(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def source(dtype):
-    """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, the kernels."""
+# The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py) has not run
+# on a GPU yet, so it is kept out of the source the proven kernels are compiled from
+PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES)}
+
+
+def part_of(kernel):
+    """The part whose source holds `kernel`."""
+    return next(p for p, (_, names) in PARTS.items() if kernel in names)
+
+
+def source(dtype, part="fused"):
+    """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, one part's
+    kernels ("fused": the kernels in this file; "flash": tiled attention)."""
     name = dtype_name(dtype)
     t, a = CTYPES[name]
     bf16 = BF16_HEADER if name == "bfloat16" else ""
     return ("#include <cuda_fp16.h>\n" + bf16 + f"typedef {t} T;\ntypedef {a} A;\n" + HEADER
-            + GELU_DEFINES + KERNELS)
+            + GELU_DEFINES + PARTS[part][0])
 
 
-def signature(name, text=KERNELS):
+def signature(name, text=KERNELS + FLASH):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
     m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)

@@ -18,12 +18,15 @@ computed, so about half the (T/b)^2 tiles are skipped (`attention_flops` counts 
 tiles that cross the diagonal are masked. No dropout: a (T, T) mask is what this avoids
 keeping (GPTConfig refuses attention="tiled" with dropout > 0).
 `partial_attention` + `merge_partials` are the same online softmax across key chunks held
-elsewhere (ring attention's building blocks). Tests: tests/test_attention_tiled.py,
-tests/test_gradcheck.py.
+elsewhere (ring attention's building blocks). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1
+forward and backward run as CUDA kernels (cuda_source_flash.py, proven on the CPU by
+tests/test_cuda_flash_cpu.py; off by default until a GPU session confirms them).
+Tests: tests/test_attention_tiled.py, tests/test_gradcheck.py.
 """
 import itertools
 import math
 
+from minidist.autograd import cuda_kernels as _ck
 from minidist.autograd.attention import heads_view, per_head, split_heads
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
@@ -145,9 +148,19 @@ def merge_partials(y_a, lse_a, y_b, lse_b):
     return (y_a * w_a + y_b * w_b).astype(y_a.dtype, copy=False), lse
 
 
+def _kernels_ok(q, *arrays):
+    """The CUDA flash kernels (cuda_source_flash.py) instead of the code here: cupy arrays,
+    MINIDIST_CUDA_NEW_KERNELS=1 (off by default: proven on the CPU, never run on a GPU yet),
+    head size <= 128. They tile on their own (16 or 8 rows), whatever `block` says."""
+    return _ck.use_new(q, *arrays) and _ck.flash_ok(q)
+
+
 def _forward(q, k, v, block, out):
     """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
     returns lse (B, nh, T)."""
+    if _kernels_ok(q, k, v):
+        out[...], lse = _ck.flash_attention(q, k, v)
+        return lse
     y, lse = partial_attention(q, k, v, 0, 0, block)
     out[...] = y
     return lse
@@ -156,6 +169,9 @@ def _forward(q, k, v, block, out):
 def _backward(g, q, k, v, y, lse, block, out):
     """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
     probabilities are recomputed from lse; nothing (T, T) is ever held."""
+    if _kernels_ok(q, k, v, g, y):
+        out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse)
+        return
     xp = xp_of(g)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = out[0], out[1], out[2]

@@ -1,0 +1,175 @@
+"""The tiled (flash) attention kernels of minidist/autograd/cuda_source_flash.py RUN on the CPU
+(tests/cuda_cpu.py) against flash.py's xp code in float64: forward y and lse, backward dq,
+dk, dv, in float16, bfloat16, float32 and float64, both thread orders; a central-difference
+check of the kernels' own gradients in float64; broken variants (a dropped __syncthreads, an
+off-by-one tile or mask) that must fail; and the launch plans' argument types.
+Run: python -m pytest -q tests/test_cuda_flash_cpu.py   (skips without a C++ compiler)
+"""
+import re
+
+import numpy as np
+import pytest
+
+import cuda_cpu
+from minidist.autograd import Tensor, cuda_kernels as ck, cuda_source as cs, flash
+from minidist.autograd.cuda_source_flash import FLASH
+from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, nth_replaced, rand
+
+pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
+                                reason=str(cuda_cpu.reason_unavailable()))
+
+
+def kernel_attention(q, k, v, g, src=None, order="low"):
+    """y, lse and (dq, dk, dv) from the kernels, run on the CPU."""
+    plan, (y, lse) = ck.flash_fwd_launch(np, q, k, v)
+    y[...], lse[...] = np.nan, np.nan
+    cuda_cpu.run(plan, src, order)
+    plans, grads = ck.flash_bwd_launches(np, g, q, k, v, y, lse)
+    for a in grads:
+        a[...] = np.nan
+    for p in plans:
+        cuda_cpu.run(p, src, order)
+    return y, lse, grads
+
+
+def reference(q, k, v, g):
+    """flash.py's tiled attention in float64 (tiles of 5: its own tiling differs)."""
+    ts = [Tensor(f64(a), requires_grad=True) for a in (q, k, v)]
+    y = flash.tiled_attention(*ts, block=5)
+    (y * Tensor(f64(g))).sum().backward()
+    _, lse = flash.partial_attention(*(f64(a) for a in (q, k, v)), block=5)
+    return y.data, lse, [t.grad for t in ts]
+
+
+def check_flash(dtype, shape=(3, 37, 8), src=None, order="low"):
+    q, k, v, g = (rand(dtype, *shape, seed=s) for s in range(4))
+    y, lse, grads = kernel_attention(q, k, v, g, src, order)
+    y_want, lse_want, grads_want = reference(q, k, v, g)
+    close(y, y_want, dtype, "flash_fwd y")
+    close(lse, lse_want, "float32", "flash_fwd lse")
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads_want):
+        close(a, b, dtype, f"flash_bwd {name}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_kernels_equal_flash_py(dtype, order):
+    """T = 37: not a multiple of any tile (16/8 forward, 8/4 backward), the diagonal tile
+    masked, tiles in the future skipped; hs = 128, the largest head size; T = 1."""
+    check_flash(dtype, (3, 37, 8), order=order)
+    check_flash(dtype, (1, 20, 128), order=order)
+    check_flash(dtype, (2, 1, 5), order=order)
+
+
+def test_flash_backward_kernels_are_the_forward_kernels_gradient():
+    """Central differences of sum(R * y) through flash_fwd (run on the CPU) in float64 equal
+    the backward kernels' dq, dk, dv."""
+    q, k, v, R = (rand("float64", 2, 6, 3, seed=s) for s in range(4))
+    _, _, grads = kernel_attention(q, k, v, R)
+    eps = 1e-6
+    for which, grad in enumerate(grads):
+        args = [q, k, v]
+        fd = np.empty_like(grad)
+        for i in np.ndindex(grad.shape):
+            vals = []
+            for sign in (1, -1):
+                a = [x.copy() for x in args]
+                a[which][i] += sign * eps
+                plan, (y, _) = ck.flash_fwd_launch(np, *a)
+                cuda_cpu.run(plan)
+                vals.append((y * R).sum())
+            fd[i] = (vals[0] - vals[1]) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8, err_msg="dqkv"[which:][:2])
+
+
+def test_flash_plans_hand_each_kernel_its_declared_types():
+    """As test_cuda_kernels.py does for the other kernels: T* arrays of the storage dtype,
+    A of the accumulation dtype, long long int64, int int32, all contiguous; the grid covers
+    every tile of every head."""
+    for dtype in DTYPES:
+        want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
+        q = rand(dtype, 2, 3, 37, 8)
+        plan, (y, lse) = ck.flash_fwd_launch(np, q, q, q)
+        plans, _ = ck.flash_bwd_launches(np, q, q, q, q, y, lse)
+        for p in [plan] + plans:
+            params, args = cs.signature(p.name), ck.describe(p.args)
+            assert cs.part_of(p.name) == "flash" and len(params) == len(args), p.name
+            for (ctype, pointer), arg in zip(params, args):
+                assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
+        ft, bt = ck.tiles(ck.acc_dtype(dtype).itemsize)
+        assert plan.grid == (-(-37 // ft), 6) and plans[1].grid == (-(-37 // bt), 6)
+    with pytest.raises(ValueError, match="head sizes up to 128"):
+        ck.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
+
+
+BROKEN = {   # name -> (old, new, occurrence) in the flash kernels' text
+    "flash_fwd without the barrier before a key tile is loaded": ("__syncthreads();", "", 0),
+    "flash_fwd without the barrier after the scores": ("__syncthreads();", "", 2),
+    "flash_fwd stops one key tile early": ("c0 < r_end; c0 += FT", "c0 + FT < r_end; c0 += FT",
+                                           0),
+    "flash_fwd mask off by one": ("c0 + c > r0 + r", "c0 + c >= r0 + r", 0),
+    "flash_bwd_dkdv skips the diagonal tile": ("r0 = c0; r0 < T_", "r0 = c0 + BT; r0 < T_", 0),
+    "flash_fwd without the barrier after the online softmax": ("__syncthreads();", "", 3),
+    "flash_bwd_dkdv without the barrier before p, ds are used": ("__syncthreads();", "", 7),
+    "flash_bwd_dq without its first barrier": ("__syncthreads();", "", 8),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_flash_kernel_fails(name):
+    old, new, n = BROKEN[name]
+    src = cs.source("float32", "flash").replace(FLASH, nth_replaced(FLASH, old, new, n))
+    failed = []
+    for order in ORDERS:
+        try:
+            check_flash("float32", (2, 37, 8), src=src, order=order)
+        except (AssertionError, cuda_cpu.KernelError) as e:
+            failed.append(f"{order}: {str(e).splitlines()[0][:80]}")
+    assert failed, f"{name}: the broken kernel passed in both orders"
+
+
+def test_flash_kernels_are_off_by_default_and_never_take_numpy(monkeypatch):
+    """MINIDIST_CUDA_NEW_KERNELS is "0" unless set; numpy arrays never reach a kernel."""
+    a = np.zeros((1, 2, 4, 8), np.float32)
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    assert not ck.use_new(a, a, a) and not flash._kernels_ok(a, a, a)
+    assert ck.flash_ok(a) and not ck.flash_ok(np.zeros((1, 129)))
+
+
+def test_nvcc_compiles_the_flash_kernels_within_48k_of_shared_memory(tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed): every dtype compiles for sm_90 and
+    ptxas reports each kernel's static shared memory under the 48 KiB a block gets by
+    default."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    for dtype in DTYPES:
+        src = tmp_path / f"{dtype}.cu"
+        src.write_text(cs.source(dtype, "flash"))
+        out = subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-cubin", "-Xptxas", "-v",
+                              str(src), "-o", str(tmp_path / f"{dtype}.cubin")], check=True,
+                             capture_output=True, text=True, timeout=300)
+        smem = [int(n) for n in re.findall(r"(\d+) bytes smem", out.stderr)]
+        assert len(smem) == 3 and max(smem) <= 48 * 1024, (dtype, out.stderr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_kernels_on_a_gpu_equal_flash_py(device, dtype, monkeypatch):
+    """For the GPU session that confirms them: tiled_attention on cupy arrays with the
+    kernels on, against flash.py in float64 on the CPU
+    (python -m pytest -m gpu --device cuda tests/test_cuda_flash_cpu.py)."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    q, k, v, g = (rand(dtype, 2, 3, 77, 64, seed=s) for s in range(4))
+    ts = [Tensor(cupy.asarray(a), requires_grad=True) for a in (q, k, v)]
+    y = flash.tiled_attention(*ts)
+    (y * Tensor(cupy.asarray(g))).sum().backward()
+    y_want, _, grads_want = reference(q, k, v, g)
+    for name, a, b in zip(("y", "dq", "dk", "dv"), [y.data] + [t.grad for t in ts],
+                          [y_want] + grads_want):
+        close(cupy.asnumpy(a), b, dtype, name)
