@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cuda_cpu
-from minidist.autograd import Tensor, cuda_kernels as ck, cuda_source as cs, flash
+from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn, flash
+from minidist.autograd import cuda_source as cs
 from minidist.autograd.cuda_source_flash import FLASH
 from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, nth_replaced, rand
 
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
 
 def kernel_attention(q, k, v, g, src=None, order="low"):
     """y, lse and (dq, dk, dv) from the kernels, run on the CPU."""
-    plan, (y, lse) = ck.flash_fwd_launch(np, q, k, v)
+    plan, (y, lse) = ckn.flash_fwd_launch(np, q, k, v)
     y[...], lse[...] = np.nan, np.nan
     cuda_cpu.run(plan, src, order)
-    plans, grads = ck.flash_bwd_launches(np, g, q, k, v, y, lse)
+    plans, grads = ckn.flash_bwd_launches(np, g, q, k, v, y, lse)
     for a in grads:
         a[...] = np.nan
     for p in plans:
@@ -75,7 +76,7 @@ def test_flash_backward_kernels_are_the_forward_kernels_gradient():
             for sign in (1, -1):
                 a = [x.copy() for x in args]
                 a[which][i] += sign * eps
-                plan, (y, _) = ck.flash_fwd_launch(np, *a)
+                plan, (y, _) = ckn.flash_fwd_launch(np, *a)
                 cuda_cpu.run(plan)
                 vals.append((y * R).sum())
             fd[i] = (vals[0] - vals[1]) / (2 * eps)
@@ -89,17 +90,17 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
     for dtype in DTYPES:
         want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
         q = rand(dtype, 2, 3, 37, 8)
-        plan, (y, lse) = ck.flash_fwd_launch(np, q, q, q)
-        plans, _ = ck.flash_bwd_launches(np, q, q, q, q, y, lse)
+        plan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q)
+        plans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse)
         for p in [plan] + plans:
             params, args = cs.signature(p.name), ck.describe(p.args)
             assert cs.part_of(p.name) == "flash" and len(params) == len(args), p.name
             for (ctype, pointer), arg in zip(params, args):
                 assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
-        ft, bt = ck.tiles(ck.acc_dtype(dtype).itemsize)
+        ft, bt = ckn.tiles(ck.acc_dtype(dtype).itemsize)
         assert plan.grid == (-(-37 // ft), 6) and plans[1].grid == (-(-37 // bt), 6)
     with pytest.raises(ValueError, match="head sizes up to 128"):
-        ck.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
+        ckn.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
 
 
 BROKEN = {   # name -> (old, new, occurrence) in the flash kernels' text
@@ -132,8 +133,8 @@ def test_flash_kernels_are_off_by_default_and_never_take_numpy(monkeypatch):
     """MINIDIST_CUDA_NEW_KERNELS is "0" unless set; numpy arrays never reach a kernel."""
     a = np.zeros((1, 2, 4, 8), np.float32)
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
-    assert not ck.use_new(a, a, a) and not flash._kernels_ok(a, a, a)
-    assert ck.flash_ok(a) and not ck.flash_ok(np.zeros((1, 129)))
+    assert not ckn.use_new(a, a, a) and not flash._kernels_ok(a, a, a)
+    assert ckn.flash_ok(a) and not ckn.flash_ok(np.zeros((1, 129)))
 
 
 def test_nvcc_compiles_the_flash_kernels_within_48k_of_shared_memory(tmp_path):

@@ -26,7 +26,6 @@ import sys
 import numpy as np
 
 from minidist.autograd.cuda_source import C_TO_NUMPY, CTYPES, dtype_name, part_of, source
-from minidist.autograd.cuda_source_flash import HS_MAX, THREADS, tiles
 from minidist.backend import is_cupy
 
 Launch = collections.namedtuple("Launch", "name dtype grid block args")
@@ -84,7 +83,7 @@ def _threads(n):
     return min(1024, max(32, 1 << (max(int(n), 1) - 1).bit_length()))
 
 
-def _row(x):
+def row_grid(x):
     """One row kernel's (grid, block) for x (..., n): a block per row."""
     n = x.shape[-1]
     return (x.size // n,), (_threads(n),)
@@ -92,7 +91,7 @@ def _row(x):
 
 # ---- GELU: elementwise ------------------------------------------------------------------------
 
-def _flat(n):
+def flat_grid(n):
     """(grid, block) for an elementwise grid-stride kernel over n values."""
     return (max(1, min(-(-n // 256), 1 << 20)),), (256,)
 
@@ -100,14 +99,14 @@ def _flat(n):
 def gelu_fwd_launch(xp, x):
     x = xp.ascontiguousarray(x)
     y = xp.empty_like(x)
-    return Launch("gelu_fwd", x.dtype, *_flat(x.size), (x, y, np.int64(x.size))), y
+    return Launch("gelu_fwd", x.dtype, *flat_grid(x.size), (x, y, np.int64(x.size))), y
 
 
 def gelu_bwd_launch(xp, x, grad):
     x = xp.ascontiguousarray(x)
     g = xp.ascontiguousarray(grad, dtype=x.dtype)
     dx = xp.empty_like(x)
-    return Launch("gelu_bwd", x.dtype, *_flat(x.size), (x, g, dx, np.int64(x.size))), dx
+    return Launch("gelu_bwd", x.dtype, *flat_grid(x.size), (x, g, dx, np.int64(x.size))), dx
 
 
 def gelu(x):
@@ -131,7 +130,7 @@ def adamw_launch(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
     scalars = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay,
                1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step))
     args = (p, g, m, v, np.int64(p.size)) + tuple(acc(x) for x in scalars)
-    return Launch("adamw_step", p.dtype, *_flat(p.size), args)
+    return Launch("adamw_step", p.dtype, *flat_grid(p.size), args)
 
 
 # ---- layer norm ------------------------------------------------------------------------------
@@ -145,7 +144,7 @@ def ln_fwd_launch(xp, x, w, b, eps):
     y = xp.empty_like(x)
     mean, rstd = xp.empty(x.size // C, acc), xp.empty(x.size // C, acc)
     args = (x, w, b, y, mean, rstd, np.int64(C), acc.type(eps), np.int32(b is not w))
-    return Launch("ln_fwd", x.dtype, *_row(x), args), (y, x, w, mean, rstd)
+    return Launch("ln_fwd", x.dtype, *row_grid(x), args), (y, x, w, mean, rstd)
 
 
 def layer_norm(x, w, b, eps):
@@ -157,7 +156,7 @@ def layer_norm(x, w, b, eps):
 def ln_bwd_x_launch(xp, g, x, w, mean, rstd):
     dx = xp.empty_like(x)
     args = (g, x, w, mean, rstd, dx, np.int64(x.shape[-1]))
-    return Launch("ln_bwd_x", x.dtype, *_row(x), args), dx
+    return Launch("ln_bwd_x", x.dtype, *row_grid(x), args), dx
 
 
 def ln_bwd_wb_launch(xp, g, x, mean, rstd):
@@ -198,7 +197,7 @@ def ce_fwd_launch(xp, logits, targets, ignore_index):
     acc = acc_dtype(z.dtype)
     lse, rows = xp.empty(len(t), acc), xp.empty(len(t), acc)
     args = (z, t, lse, rows, np.int64(V), np.int64(ignore_index))
-    return Launch("ce_fwd", z.dtype, *_row(z), args), (z, t, lse, rows)
+    return Launch("ce_fwd", z.dtype, *row_grid(z), args), (z, t, lse, rows)
 
 
 def cross_entropy(logits, targets, ignore_index):
@@ -217,7 +216,7 @@ def ce_bwd_launch(xp, grad, saved, ignore_index):
     scale = (xp.asarray(grad, dtype=lse.dtype) / n).reshape(1).astype(lse.dtype)  # on device
     dz = xp.empty_like(z)
     args = (z, t, lse, scale, dz, np.int64(z.shape[1]), np.int64(ignore_index))
-    return Launch("ce_bwd", z.dtype, *_row(z), args), dz
+    return Launch("ce_bwd", z.dtype, *row_grid(z), args), dz
 
 
 def cross_entropy_backward(grad, saved, ignore_index):
@@ -231,7 +230,7 @@ def cross_entropy_backward(grad, saved, ignore_index):
 def attn_fwd_launch(S, scale):
     """S (..., T, T) contiguous, softmaxed in place."""
     args = (S, np.int64(S.shape[-1]), acc_dtype(S.dtype).type(scale))
-    return Launch("attn_softmax_fwd", S.dtype, *_row(S), args)
+    return Launch("attn_softmax_fwd", S.dtype, *row_grid(S), args)
 
 
 def attn_softmax_(S, scale):
@@ -245,7 +244,7 @@ def attn_bwd_launch(xp, dP, P, gy, scale):
     acc = acc_dtype(dP.dtype)
     gy = xp.ascontiguousarray(gy.reshape(-1), dtype=acc)
     args = (dP, P, gy, np.int64(dP.shape[-1]), acc.type(scale))
-    return Launch("attn_softmax_bwd", dP.dtype, *_row(dP), args)
+    return Launch("attn_softmax_bwd", dP.dtype, *row_grid(dP), args)
 
 
 def attn_softmax_backward_(dP, P, gy, scale):
@@ -253,67 +252,3 @@ def attn_softmax_backward_(dP, P, gy, scale):
     launch(attn_bwd_launch(sys.modules["cupy"], dP, P, gy, scale))
     return dP
 
-
-# ---- tiled (flash) attention: cuda_source_flash.py, behind MINIDIST_CUDA_NEW_KERNELS=1 ------
-
-def use_new(*arrays):
-    """use(...) and MINIDIST_CUDA_NEW_KERNELS=1: the kernels proven on the CPU only (not yet
-    run on a GPU) are off by default."""
-    return use(*arrays) and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
-
-
-def flash_ok(q):
-    """The flash kernels take head sizes up to HS_MAX."""
-    return q.shape[-1] <= HS_MAX
-
-
-def _heads(xp, a):
-    """(..., T, hs) -> (BH, T, hs) contiguous (a copy only if a is strided)."""
-    return xp.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
-
-
-def flash_fwd_launch(xp, q, k, v):
-    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs)."""
-    q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
-    BH, T, hs = q.shape
-    if hs > HS_MAX:
-        raise ValueError(f"flash kernels take head sizes up to {HS_MAX}, not {hs}")
-    acc = acc_dtype(q.dtype)
-    ft, _ = tiles(acc.itemsize)
-    y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
-    args = (q, k, v, y, lse, np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
-    return Launch("flash_fwd", q.dtype, (-(-T // ft), BH), (THREADS,), args), (y, lse)
-
-
-def flash_bwd_launches(xp, g, q, k, v, y, lse):
-    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs)."""
-    g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
-    BH, T, hs = q.shape
-    acc = acc_dtype(q.dtype)
-    _, bt = tiles(acc.itemsize)
-    lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
-    D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
-    T64, hs32, scale = np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs))
-    grid = (-(-T // bt), BH)
-    plans = [Launch("flash_bwd_dot", q.dtype, *_flat(BH * T),
-                    (g, y, D, np.int64(BH * T), hs32)),
-             Launch("flash_bwd_dkdv", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale)),
-             Launch("flash_bwd_dq", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dq, T64, hs32, scale))]
-    return plans, (dq, dk, dv)
-
-
-def flash_attention(q, k, v):
-    """(y like q, lse (..., T)) of causal attention on the GPU."""
-    plan, (y, lse) = flash_fwd_launch(sys.modules["cupy"], q, k, v)
-    launch(plan)
-    return y.reshape(q.shape), lse.reshape(q.shape[:-1])
-
-
-def flash_attention_backward(g, q, k, v, y, lse):
-    """(dq, dk, dv), each shaped like q."""
-    plans, grads = flash_bwd_launches(sys.modules["cupy"], g, q, k, v, y, lse)
-    for plan in plans:
-        launch(plan)
-    return tuple(a.reshape(q.shape) for a in grads)

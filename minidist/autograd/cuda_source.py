@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
+from minidist.autograd.cuda_source_fusions import FUSION_NAMES, FUSIONS
 
 CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
           "float32": ("float", "float"), "float64": ("double", "double")}
@@ -244,9 +245,11 @@ def dtype_name(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-# The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py) has not run
-# on a GPU yet, so it is kept out of the source the proven kernels are compiled from
-PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES)}
+# The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py) and
+# "fusions" (cuda_source_fusions.py) have not run on a GPU yet, so they are kept out of the
+# source the other kernels are compiled from
+PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES),
+         "fusions": (FUSIONS, FUSION_NAMES)}
 
 
 def part_of(kernel):
@@ -256,7 +259,7 @@ def part_of(kernel):
 
 def source(dtype, part="fused"):
     """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, one part's
-    kernels ("fused": the kernels in this file; "flash": tiled attention)."""
+    kernels ("fused": the kernels in this file; "flash": tiled attention; "fusions")."""
     name = dtype_name(dtype)
     t, a = CTYPES[name]
     bf16 = BF16_HEADER if name == "bfloat16" else ""
@@ -264,7 +267,7 @@ def source(dtype, part="fused"):
             + GELU_DEFINES + PARTS[part][0])
 
 
-def signature(name, text=KERNELS + FLASH):
+def signature(name, text=KERNELS + FLASH + FUSIONS):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
     m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)

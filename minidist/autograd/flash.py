@@ -26,7 +26,7 @@ Tests: tests/test_attention_tiled.py, tests/test_gradcheck.py.
 import itertools
 import math
 
-from minidist.autograd import cuda_kernels as _ck
+from minidist.autograd import cuda_kernels_new as _ck
 from minidist.autograd.attention import heads_view, per_head, split_heads
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of

@@ -1,0 +1,151 @@
+"""Launch plans for the CUDA kernels proven on the CPU only (never run on a GPU yet): tiled
+(flash) attention (cuda_source_flash.py) and bias+GELU, residual+layer norm and the
+cross-entropy over a padded vocabulary (cuda_source_fusions.py).
+
+As in cuda_kernels.py, each `<kernel>_launch(xp, ...)` is a pure function that allocates the
+outputs with `xp` and returns a `Launch`; tests/test_cuda_flash_cpu.py and
+tests/test_cuda_fusions_cpu.py run every plan on numpy arrays through the CPU harness
+(tests/cuda_cpu.py) and check each argument against the kernel's declared parameters.
+The model reaches them only on cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1 (`use_new`):
+flash.py's tiled attention today. A GPU session confirms them
+(python -m pytest -m gpu --device cuda tests/test_cuda_flash_cpu.py), then turns them on.
+"""
+import math
+import os
+import sys
+
+import numpy as np
+
+from minidist.autograd.cuda_kernels import (Launch, acc_dtype, flat_grid, launch, row_grid,
+                                            use)
+from minidist.autograd.cuda_source_flash import HS_MAX, THREADS, tiles
+
+
+def use_new(*arrays):
+    """use(...) and MINIDIST_CUDA_NEW_KERNELS=1: the kernels proven on the CPU only (not yet
+    run on a GPU) are off by default."""
+    return use(*arrays) and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
+
+
+# ---- tiled (flash) attention ----------------------------------------------------------------
+
+def flash_ok(q):
+    """The flash kernels take head sizes up to HS_MAX."""
+    return q.shape[-1] <= HS_MAX
+
+
+def _heads(xp, a):
+    """(..., T, hs) -> (BH, T, hs) contiguous (a copy only if a is strided)."""
+    return xp.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
+
+
+def flash_fwd_launch(xp, q, k, v):
+    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs)."""
+    q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
+    BH, T, hs = q.shape
+    if hs > HS_MAX:
+        raise ValueError(f"flash kernels take head sizes up to {HS_MAX}, not {hs}")
+    acc = acc_dtype(q.dtype)
+    ft, _ = tiles(acc.itemsize)
+    y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
+    args = (q, k, v, y, lse, np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
+    return Launch("flash_fwd", q.dtype, (-(-T // ft), BH), (THREADS,), args), (y, lse)
+
+
+def flash_bwd_launches(xp, g, q, k, v, y, lse):
+    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs)."""
+    g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
+    BH, T, hs = q.shape
+    acc = acc_dtype(q.dtype)
+    _, bt = tiles(acc.itemsize)
+    lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
+    D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
+    T64, hs32, scale = np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs))
+    grid = (-(-T // bt), BH)
+    plans = [Launch("flash_bwd_dot", q.dtype, *flat_grid(BH * T),
+                    (g, y, D, np.int64(BH * T), hs32)),
+             Launch("flash_bwd_dkdv", q.dtype, grid, (THREADS,),
+                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale)),
+             Launch("flash_bwd_dq", q.dtype, grid, (THREADS,),
+                    (q, k, v, g, lse, D, dq, T64, hs32, scale))]
+    return plans, (dq, dk, dv)
+
+
+def flash_attention(q, k, v):
+    """(y like q, lse (..., T)) of causal attention on the GPU."""
+    plan, (y, lse) = flash_fwd_launch(sys.modules["cupy"], q, k, v)
+    launch(plan)
+    return y.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def flash_attention_backward(g, q, k, v, y, lse):
+    """(dq, dk, dv), each shaped like q."""
+    plans, grads = flash_bwd_launches(sys.modules["cupy"], g, q, k, v, y, lse)
+    for plan in plans:
+        launch(plan)
+    return tuple(a.reshape(q.shape) for a in grads)
+
+
+# ---- bias + GELU: elementwise ---------------------------------------------------------------
+
+def bias_gelu_fwd_launch(xp, x, b):
+    """The plan and y = gelu(x + b) for x (..., C), b (C,)."""
+    x, b = xp.ascontiguousarray(x), xp.ascontiguousarray(b, dtype=x.dtype)
+    y = xp.empty_like(x)
+    args = (x, b, y, np.int64(x.size), np.int64(b.size))
+    return Launch("bias_gelu_fwd", x.dtype, *flat_grid(x.size), args), y
+
+
+def bias_gelu_bwd_launch(xp, x, b, grad):
+    """The plan and dx (= d(x + b)); db is dx summed over the rows."""
+    x, b = xp.ascontiguousarray(x), xp.ascontiguousarray(b, dtype=x.dtype)
+    g, dx = xp.ascontiguousarray(grad, dtype=x.dtype), xp.empty_like(x)
+    args = (x, b, g, dx, np.int64(x.size), np.int64(b.size))
+    return Launch("bias_gelu_bwd", x.dtype, *flat_grid(x.size), args), dx
+
+
+# ---- residual + layer norm ------------------------------------------------------------------
+
+def ln_residual_fwd_launch(xp, x, r, w, b, eps):
+    """The plan and (s = x + r, y = layer_norm(s), w, mean, rstd); backward takes s, w, mean,
+    rstd (ln_residual_bwd_x_launch; dw, db from cuda_kernels.ln_bwd_wb_launch on s)."""
+    x, r, w = (xp.ascontiguousarray(a) for a in (x, r, w))
+    b = w if b is None else xp.ascontiguousarray(b)            # not read when has_b is 0
+    acc, C = acc_dtype(x.dtype), x.shape[-1]
+    s, y = xp.empty_like(x), xp.empty_like(x)
+    mean, rstd = xp.empty(x.size // C, acc), xp.empty(x.size // C, acc)
+    args = (x, r, w, b, s, y, mean, rstd, np.int64(C), acc.type(eps), np.int32(b is not w))
+    return Launch("ln_residual_fwd", x.dtype, *row_grid(x), args), (s, y, w, mean, rstd)
+
+
+def ln_residual_bwd_x_launch(xp, grad_y, grad_s, s, w, mean, rstd):
+    """The plan and dx = dr: the gradient reaching s from later (grad_s) plus layer norm's."""
+    gy = xp.ascontiguousarray(grad_y, dtype=s.dtype)
+    gs = xp.ascontiguousarray(grad_s, dtype=s.dtype)
+    dx = xp.empty_like(s)
+    args = (gy, gs, s, w, mean, rstd, dx, np.int64(s.shape[-1]))
+    return Launch("ln_residual_bwd_x", s.dtype, *row_grid(s), args), dx
+
+
+# ---- cross-entropy over a padded vocabulary -------------------------------------------------
+
+def ce_pad_fwd_launch(xp, logits, targets, V, ignore_index):
+    """The plan and (z (N, Vp), t (N,) int64, lse, per-row loss) over the first V columns."""
+    Vp = logits.shape[-1]
+    z = xp.ascontiguousarray(logits).reshape(-1, Vp)
+    t = xp.ascontiguousarray(xp.asarray(targets).reshape(-1), dtype=np.int64)
+    acc = acc_dtype(z.dtype)
+    lse, rows = xp.empty(len(t), acc), xp.empty(len(t), acc)
+    args = (z, t, lse, rows, np.int64(V), np.int64(Vp), np.int64(ignore_index))
+    grid, block = row_grid(z[:, :V])
+    return Launch("ce_pad_fwd", z.dtype, grid, block, args), (z, t, lse, rows)
+
+
+def ce_pad_bwd_launch(xp, grad, saved, V, ignore_index):
+    """The plan and dL/dlogits (N, Vp), 0 in the padding; saved from ce_pad_fwd_launch and n,
+    the count of rows not ignored (on the device), as cuda_kernels.ce_bwd_launch."""
+    z, t, lse, n = saved
+    scale = (xp.asarray(grad, dtype=lse.dtype) / n).reshape(1).astype(lse.dtype)
+    dz = xp.empty_like(z)
+    args = (z, t, lse, scale, dz, np.int64(V), np.int64(z.shape[1]), np.int64(ignore_index))
+    return Launch("ce_pad_bwd", z.dtype, *row_grid(z), args), dz
