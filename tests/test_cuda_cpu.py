@@ -1,0 +1,136 @@
+"""The CPU harness for CUDA kernels (tests/cuda_cpu.py, tests/cuda_host/cuda_host.h) itself:
+__half and __nv_bfloat16 convert exactly as numpy and ml_dtypes (every 16-bit pattern to
+float, and floats to them: random, every tie, the overflow and subnormal edges), shuffles follow CUDA's lane rules, __shared__ is one copy per block, atomics add up,
+2-D blocks and grids are numbered as CUDA numbers them, and a divergent barrier, a deadlock,
+a block too large, a write past an argument and a Python scalar are refused with a message.
+Run: python -m pytest -q tests/test_cuda_cpu.py
+"""
+import numpy as np
+import pytest
+
+import cuda_cpu
+
+pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
+                                reason=str(cuda_cpu.reason_unavailable()))
+
+SRC = r"""
+#include <cuda_fp16.h>
+extern "C" __global__ void to_half(const float* x, __half* h, __nv_bfloat16* b, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        h[i] = __float2half(x[i]);
+        b[i] = __float2bfloat16(x[i]);
+    }
+}
+extern "C" __global__ void from_half(const __half* h, const __nv_bfloat16* b, float* hf,
+                                     float* bf, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        hf[i] = __half2float(h[i]);
+        bf[i] = __bfloat162float(b[i]);
+    }
+}
+extern "C" __global__ void shuffles(const double* x, double* out, int width) {
+    int t = threadIdx.x, n = blockDim.x;
+    double v = x[t];
+    out[t] = __shfl_xor_sync(0xffffffffu, v, 5, width);
+    out[n + t] = __shfl_down_sync(0xffffffffu, v, 3, width);
+    out[2 * n + t] = __shfl_up_sync(0xffffffffu, v, 3, width);
+    out[3 * n + t] = __shfl_sync(0xffffffffu, v, 7, width);
+}
+extern "C" __global__ void block_sums(const float* x, float* out) {
+    __shared__ float total;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    atomicAdd(&total, x[blockIdx.x * blockDim.x + threadIdx.x]);
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = total;
+}
+extern "C" __global__ void numbering(int* out) {
+    int b = blockIdx.x + gridDim.x * blockIdx.y, nt = blockDim.x * blockDim.y;
+    int t = threadIdx.x + blockDim.x * threadIdx.y;
+    out[b * nt + t] = threadIdx.x + 10 * threadIdx.y + 100 * blockIdx.x + 1000 * blockIdx.y;
+}
+extern "C" __global__ void divergent(float* out) {
+    if (threadIdx.x < 40) __syncthreads();
+    out[threadIdx.x] = 1;
+}
+extern "C" __global__ void deadlock(float* out) {
+    if (threadIdx.x == 0) __syncthreads();
+    else __syncwarp();
+    out[threadIdx.x] = 1;
+}
+extern "C" __global__ void past_the_end(float* out, long long n) {
+    out[n + threadIdx.x] = 1;
+}
+"""
+
+
+def test_half_and_bfloat16_round_as_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    h, b = bits.view(np.float16), bits.view(ml_dtypes.bfloat16)
+    hf, bf = np.empty(1 << 16, np.float32), np.empty(1 << 16, np.float32)
+    cuda_cpu.launch(SRC, "from_half", (64,), (256,), (h, b, hf, bf, np.int64(1 << 16)))
+    np.testing.assert_array_equal(hf.view(np.uint32), h.astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(bf.view(np.uint32), b.astype(np.float32).view(np.uint32))
+    r = np.random.default_rng(0)
+    with np.errstate(all="ignore"):
+        mids = [(a[:-1] + np.diff(a) / 2) for a in (np.unique(hf[np.isfinite(hf)]),
+                                                 np.unique(bf[np.isfinite(bf)]))]  # ties
+        x = np.concatenate([r.standard_normal(20000) * 10.0 ** r.integers(-9, 6, 20000),
+                            hf, bf, *mids, [65519.0, 65520.0, 6e-8, 3e-8, 2.9e-8]])
+        x = x.astype(np.float32)
+        x = x[~np.isnan(x)]
+    h2, b2 = np.empty(x.size, np.float16), np.empty(x.size, ml_dtypes.bfloat16)
+    cuda_cpu.launch(SRC, "to_half", (64,), (256,), (x, h2, b2, np.int64(x.size)))
+    with np.errstate(over="ignore"):
+        wants = (x.astype(np.float16), x.astype(ml_dtypes.bfloat16))
+    for got, want in zip((h2, b2), wants):
+        ok = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
+        assert ok.all(), (x[~ok][:5], got[~ok][:5], want[~ok][:5])
+
+
+@pytest.mark.parametrize("width", [32, 8])
+def test_shuffles_follow_cudas_lane_rules(width):
+    """Two warps; each lane reads the lane CUDA names, its own value where the source
+    falls outside its segment of `width` lanes."""
+    x = np.arange(64, dtype=np.float64) + 0.5
+    out = np.zeros(4 * 64)
+    cuda_cpu.launch(SRC, "shuffles", (1,), (64,), (x, out, np.int32(width)))
+    lane = np.arange(64) % 32
+    base, seg = np.arange(64) - lane, lane % width
+    xor = np.where((lane ^ 5) >= (lane // width + 1) * width, lane, lane ^ 5)
+    down = np.where(seg + 3 >= width, lane, lane + 3)
+    up = np.where(seg < 3, lane, lane - 3)
+    idx = lane // width * width + 7 % width
+    for k, src in enumerate((xor, down, up, idx)):
+        np.testing.assert_array_equal(out[k * 64:(k + 1) * 64], x[base + src], err_msg=str(k))
+
+
+@pytest.mark.parametrize("order", ["low", "high"])
+def test_shared_memory_is_per_block_and_atomics_add_up(order):
+    x = np.random.default_rng(1).integers(0, 100, 5 * 96).astype(np.float32)
+    out = np.zeros(5, np.float32)
+    cuda_cpu.launch(SRC, "block_sums", (5,), (96,), (x, out), order)
+    np.testing.assert_array_equal(out, x.reshape(5, 96).sum(1))
+
+
+def test_two_dimensional_blocks_and_grids():
+    out = np.zeros(3 * 2 * 8 * 4, np.int32)
+    cuda_cpu.launch(SRC, "numbering", (3, 2), (8, 4), (out,))
+    bx, by, ty, tx = np.meshgrid(range(3), range(2), range(4), range(8), indexing="ij")
+    want = (tx + 10 * ty + 100 * bx + 1000 * by).transpose(1, 0, 2, 3).reshape(-1)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("name, args, block, message", [
+    ("divergent", (np.zeros(64, np.float32),), 64, "reached by 40 threads while 24 have exited"),
+    ("deadlock", (np.zeros(64, np.float32),), 64, "deadlock: 1 threads at __syncthreads"),
+    ("past_the_end", (np.zeros(8, np.float32), np.int64(8)), 4, "wrote outside argument #0"),
+    ("divergent", (np.zeros(2048, np.float32),), 2048, "CUDA allows 1..1024"),
+    ("past_the_end", (np.zeros(8, np.float32), 8), 4, "got int"),
+])
+def test_misbehaving_launches_are_refused(name, args, block, message):
+    with pytest.raises(cuda_cpu.KernelError, match=message):
+        cuda_cpu.launch(SRC, name, (1,), (block,), args)
