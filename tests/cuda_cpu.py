@@ -10,9 +10,11 @@ Each array argument is copied into a buffer with 256 guard bytes on both sides, 
 of its dtype, so a kernel that reads past an argument computes NaN and one that writes past it
 fails the launch (KernelError); the results are copied back. The threads of a
 block run as fibers, "low" order (the lowest-numbered runnable thread first) or "high".
-Libraries are cached under .minidist-cache/cuda-cpu/ (git-ignored), keyed by the hash of the
-source, this header and the flags; `reason_unavailable()` says why not, where no compiler is.
-Tests: tests/test_cuda_cpu.py (the harness itself), tests/test_cuda_kernels_cpu.py.
+Libraries are cached under .minidist-cache/cuda-cpu/ (git-ignored; the system's temporary
+folder where that is not writable), keyed by the hash of the source, the header, compiler and
+flags; `reason_unavailable()` says why not, where no compiler is.
+Tests: tests/test_cuda_cpu.py (the harness itself); the kernels: tests/test_cuda_kernels_cpu.py,
+tests/test_cuda_flash_cpu.py, tests/test_cuda_fusions_cpu.py.
 """
 import ctypes
 import hashlib
@@ -21,6 +23,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 
 import numpy as np
@@ -82,10 +85,10 @@ def build(source):
                          .encode()).hexdigest()[:24]
     if key in _LIBS:
         return _LIBS[key]
-    so = CACHE / f"{key}.so"
+    cache = _cache_dir()
+    so = cache / f"{key}.so"
     if not so.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        src, tmp = CACHE / f"{key}.{os.getpid()}.cpp", CACHE / f"{key}.{os.getpid()}.so"
+        src, tmp = cache / f"{key}.{os.getpid()}.cpp", cache / f"{key}.{os.getpid()}.so"
         src.write_text(text)
         cmd = [cxx, *FLAGS, "-I", str(HOST), "-include", "cuda_host.h", str(src), "-o",
                str(tmp)]
@@ -110,6 +113,18 @@ def _guard(dtype):
     """GUARD bytes of `dtype`'s guard element (0x55 bytes for a non-float dtype)."""
     one = SNAN.get(dtype.name, np.uint8(0x55))
     return np.full(GUARD // one.itemsize, one).view(np.uint8)
+
+
+def _cache_dir():
+    """CACHE, or a folder in the system's temporary directory where CACHE cannot be made."""
+    for folder in (CACHE, pathlib.Path(tempfile.gettempdir()) / "minidist-cuda-cpu"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+    raise KernelError(f"no writable folder for compiled kernels ({CACHE})")
 
 
 def _guarded(a):
