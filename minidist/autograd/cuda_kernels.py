@@ -1,5 +1,6 @@
-"""Fused CUDA kernels (CuPy RawKernel) for GELU, layer norm, softmax + cross-entropy and the
-causal attention softmax: the GPU side of fused.py and attention.py. The CUDA source is in
+"""Fused CUDA kernels (CuPy RawKernel) for GELU, layer norm, softmax + cross-entropy, the
+causal attention softmax and AdamW: the GPU side of fused.py, attention.py and
+optim/adamw.py. The CUDA source is in
 cuda_source.py; float16, bfloat16 and float32 accumulate in float32, float64 in float64.
 
 Why kernels: the generic xp code is one CuPy launch per line (layer norm forward: ~8 full
@@ -10,7 +11,10 @@ outputs with `xp` and returns a `Launch` (kernel name, dtype, grid, block, argum
 arrays and numpy scalars of the exact C width). The GPU path runs that same plan
 (`launch`); tests/test_cuda_kernels.py plans every kernel with numpy arrays on the CPU and
 checks each argument against the kernel's declared parameters (the float64 `A` buffers
-and 8-byte `A` scalars handed to float32 kernels were caught this way, without a GPU).
+and 8-byte `A` scalars handed to float32 kernels were caught this way, without a GPU), and
+tests/test_cuda_kernels_cpu.py RUNS every plan on the CPU (the same source compiled with
+g++, tests/cuda_cpu.py) against the xp code. Kernels not yet run on a GPU are planned in
+cuda_kernels_new.py.
 
 Nothing here imports cupy at import time: `use(...)` is False for numpy arrays before it
 looks at anything else, and kernels are compiled on first use, cached per (kernel, dtype).

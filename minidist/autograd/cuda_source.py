@@ -12,6 +12,12 @@ puts the typedefs on top:
 `signature(name)` reads a kernel's parameter list back out of the source, so a CPU test can
 check every launch's arguments against what the kernel declares (tests/test_cuda_kernels.py,
 which also compiles the source with nvcc where one is installed).
+
+The kernels come in parts, each compiled on its own: "fused" (this file), "flash"
+(cuda_source_flash.py) and "fusions" (cuda_source_fusions.py); `source(dtype, part)`.
+The same text compiles for the CPU with g++ and tests/cuda_host/cuda_host.h, where
+tests/test_cuda_kernels_cpu.py runs every kernel against the xp code, so write kernels in
+the subset that header gives a meaning: no dynamic shared memory, shuffles of up to 8 bytes.
 """
 import math
 import re
