@@ -213,6 +213,8 @@ BROKEN = {   # name -> (check, old, new, occurrence): one defect each
     "warp_reduce one shuffle short": (check_cross_entropy, "o > 0; o >>= 1", "o > 1; o >>= 1",
                                       0),
     "warp_reduce shuffles start at 8": (check_layer_norm, "int o = 16", "int o = 8", 0),
+    "warp_reduce shuffles up, not across": (check_layer_norm, "__shfl_xor_sync(",
+                                            "__shfl_up_sync(", 0),
     "ln_fwd reads one past the row": (check_layer_norm, "c < C; c += blockDim.x) s +=",
                                       "c <= C; c += blockDim.x) s +=", 0),
     "attention mask off by one": (check_attn_softmax, "j <= i ?", "j < i ?", 0),
