@@ -1,8 +1,9 @@
 """The CPU harness for CUDA kernels (tests/cuda_cpu.py, tests/cuda_host/cuda_host.h) itself:
 __half and __nv_bfloat16 convert exactly as numpy and ml_dtypes (every 16-bit pattern to
 float, and floats to them: random, every tie, the overflow and subnormal edges), shuffles
-follow CUDA's lane rules, __shared__ is one copy per block, atomics add up, 2-D blocks and grids are numbered as CUDA numbers them, and a divergent barrier, a deadlock,
-a block too large, a write past an argument and a Python scalar are refused with a message.
+follow CUDA's lane rules, __shared__ is one copy per block, atomics add up, 2-D blocks
+and grids are numbered as CUDA numbers them, and a divergent barrier, a deadlock, a block
+too large, a write past an argument and a Python scalar are refused with a message.
 Run: python -m pytest -q tests/test_cuda_cpu.py
 """
 import numpy as np
