@@ -47,8 +47,8 @@ class KernelError(RuntimeError):
 
 def compiler():
     """The C++ compiler: $CXX, else g++, c++ or clang++ on PATH; None if there is none."""
-    return os.environ.get("CXX") or next(
-        (p for p in map(shutil.which, ("g++", "c++", "clang++")) if p), None)
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((p for p in map(shutil.which, names) if p), None)
 
 
 def reason_unavailable():

@@ -14,6 +14,18 @@ import cuda_cpu
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
 
+
+@pytest.mark.parametrize("cxx", [None, "no-such-compiler"])
+def test_without_a_compiler_the_kernel_tests_say_why(cxx, monkeypatch):
+    """What every kernel test module skips with where no C++ compiler is found."""
+    monkeypatch.setenv("PATH", "")
+    if cxx:
+        monkeypatch.setenv("CXX", cxx)
+    else:
+        monkeypatch.delenv("CXX", raising=False)
+    assert cuda_cpu.compiler() is None
+    assert "no C++ compiler" in cuda_cpu.reason_unavailable()
+
 SRC = r"""
 #include <cuda_fp16.h>
 extern "C" __global__ void to_half(const float* x, __half* h, __nv_bfloat16* b, long long n) {
