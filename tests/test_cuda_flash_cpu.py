@@ -99,7 +99,7 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
                 assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
         ft, bt = ckn.tiles(ck.acc_dtype(dtype).itemsize)
         assert plan.grid == (-(-37 // ft), 6) and plans[1].grid == (-(-37 // bt), 6)
-    with pytest.raises(ValueError, match="head sizes up to 128"):
+    with pytest.raises(ValueError, match="head sizes up to 128 and up to 65535"):
         ckn.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
 
 
@@ -135,6 +135,7 @@ def test_flash_kernels_are_off_by_default_and_never_take_numpy(monkeypatch):
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
     assert not ckn.use_new(a, a, a) and not flash._kernels_ok(a, a, a)
     assert ckn.flash_ok(a) and not ckn.flash_ok(np.zeros((1, 129)))
+    assert not ckn.flash_ok(np.zeros((65536, 1, 1)))
 
 
 def test_nvcc_compiles_the_flash_kernels_within_48k_of_shared_memory(tmp_path):

@@ -30,8 +30,8 @@ def use_new(*arrays):
 # ---- tiled (flash) attention ----------------------------------------------------------------
 
 def flash_ok(q):
-    """The flash kernels take head sizes up to HS_MAX."""
-    return q.shape[-1] <= HS_MAX
+    """The flash kernels take head sizes up to HS_MAX and up to 65535 batch x heads."""
+    return q.shape[-1] <= HS_MAX and q.size // max(q.shape[-1] * q.shape[-2], 1) <= 65535
 
 
 def _heads(xp, a):
@@ -43,8 +43,9 @@ def flash_fwd_launch(xp, q, k, v):
     """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs)."""
     q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
     BH, T, hs = q.shape
-    if hs > HS_MAX:
-        raise ValueError(f"flash kernels take head sizes up to {HS_MAX}, not {hs}")
+    if hs > HS_MAX or BH > 65535:
+        raise ValueError(f"flash kernels take head sizes up to {HS_MAX} and up to 65535 "
+                         f"batch x heads (grid.y), not {hs} and {BH}")
     acc = acc_dtype(q.dtype)
     ft, _ = tiles(acc.itemsize)
     y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
