@@ -4,7 +4,8 @@ float16 and float64, odd sizes, ignored targets; one GPT training step on the GP
 the CPU in float32; the cross-entropy step without a device-to-host sync.
 
 Run on a GPU: python -m pytest -m gpu --device cuda tests/test_cuda_kernels.py
-Without one, the gpu tests skip; the rest (imports, routing, source text) run everywhere.
+Without one, the gpu tests skip; the rest (imports, routing, source text) run everywhere,
+and tests/test_cuda_kernels_cpu.py runs every kernel on the CPU (tests/cuda_cpu.py).
 """
 import re
 import shutil
