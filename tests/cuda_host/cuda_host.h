@@ -140,7 +140,12 @@ static Run R;
 static char error[1024];
 static const size_t STACK = 128 * 1024;
 
-static void yield() { swapcontext(&R.f[R.cur].ctx, &R.sched); }
+// The memory clobbers: another fiber may have written any shared or global value meanwhile
+static void yield() {
+    asm volatile("" ::: "memory");
+    swapcontext(&R.f[R.cur].ctx, &R.sched);
+    asm volatile("" ::: "memory");
+}
 
 static void fail(const char* what, int a, int b) {     // from inside a fiber: never resumed
     snprintf(error, sizeof error, "block (%u,%u,%u) thread %d: ", blockIdx.x, blockIdx.y,
