@@ -1,7 +1,7 @@
 """Fused CUDA kernels (CuPy RawKernel) for GELU, layer norm, softmax + cross-entropy, the
 causal attention softmax and AdamW: the GPU side of fused.py, attention.py and
-optim/adamw.py. The CUDA source is in
-cuda_source.py; float16, bfloat16 and float32 accumulate in float32, float64 in float64.
+optim/adamw.py. The CUDA source is in cuda_source.py; float16, bfloat16 and float32
+accumulate in float32, float64 in float64.
 
 Why kernels: the generic xp code is one CuPy launch per line (layer norm forward: ~8 full
 passes over (N, C)); each kernel here reads its input once or twice and writes once.
