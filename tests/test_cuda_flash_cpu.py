@@ -1,8 +1,8 @@
 """The tiled (flash) attention kernels of minidist/autograd/cuda_source_flash.py RUN on the CPU
 (tests/cuda_cpu.py) against flash.py's xp code in float64: forward y and lse, backward dq,
 dk, dv, in float16, bfloat16, float32 and float64, both thread orders; a central-difference
-check of the kernels' own gradients in float64; broken variants (a dropped __syncthreads, an
-off-by-one tile or mask) that must fail; and the launch plans' argument types.
+check of the kernels' own gradients in float64; broken variants (each __syncthreads dropped in
+turn, an off-by-one tile or mask) that must fail; and the launch plans' argument types.
 Run: python -m pytest -q tests/test_cuda_flash_cpu.py   (skips without a C++ compiler)
 """
 import re
@@ -104,20 +104,22 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
 
 
 BROKEN = {   # name -> (old, new, occurrence) in the flash kernels' text
-    "flash_fwd without the barrier before a key tile is loaded": ("__syncthreads();", "", 0),
-    "flash_fwd without the barrier after the scores": ("__syncthreads();", "", 2),
     "flash_fwd stops one key tile early": ("c0 < r_end; c0 += FT", "c0 + FT < r_end; c0 += FT",
                                            0),
     "flash_fwd mask off by one": ("c0 + c > r0 + r", "c0 + c >= r0 + r", 0),
     "flash_bwd_dkdv skips the diagonal tile": ("r0 = c0; r0 < T_", "r0 = c0 + BT; r0 < T_", 0),
-    "flash_fwd without the barrier after the online softmax": ("__syncthreads();", "", 3),
-    "flash_bwd_dkdv without the barrier before p, ds are used": ("__syncthreads();", "", 7),
-    "flash_bwd_dq without its first barrier": ("__syncthreads();", "", 8),
+    "flash_bwd_dq stops one key tile early": ("c0 < r_end; c0 += BT", "c0 + BT < r_end; c0 += BT",
+                                              0),
 }
+BARRIERS = FLASH.count("__syncthreads();")
+for n in range(BARRIERS):
+    BROKEN[f"barrier #{n} dropped"] = ("__syncthreads();", "", n)
 
 
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_flash_kernel_fails(name):
+    """Each defect fails in at least one thread order; "barrier #n dropped" for every
+    __syncthreads of the four kernels: none is superfluous, and none can go unnoticed."""
     old, new, n = BROKEN[name]
     src = cs.source("float32", "flash").replace(FLASH, nth_replaced(FLASH, old, new, n))
     failed = []

@@ -79,9 +79,8 @@ extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A
             acc[e] = a;
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < FT * hs; e += blockDim.x)
-        if (r0 + e / hs < T_) st(y, head + r0 * hs + e, acc[e] / l[e / hs]);
+    for (int e = threadIdx.x; e < FT * hs; e += blockDim.x)    // each thread its own acc[e];
+        if (r0 + e / hs < T_) st(y, head + r0 * hs + e, acc[e] / l[e / hs]);   // l: settled
     if (threadIdx.x < FT && r0 + threadIdx.x < T_)
         lse[blockIdx.y * T_ + r0 + threadIdx.x] = m[threadIdx.x] + lg(l[threadIdx.x]);
 }
