@@ -142,3 +142,114 @@ def test_cli_json():
     assert result["recommendation"] == "ZeRO-1 (amp, ckpt)"
     assert {"params", "grads", "optimizer", "activations", "total", "fits"} <= set(
         result["rows"][0])
+
+
+# ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------
+
+from minidist.train.cost import (Cluster, Link, bubble_time, collective_time,  # noqa: E402
+                                 exposed, hier_all_reduce_time, layer_flops, ring_time, span,
+                                 step_time)
+
+TOY = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=2, vocab_size=8)
+UNIT = Cluster("toy", gpus_per_node=8, mem_gib=1, peak_tflops=1e-12, efficiency=1.0,
+               intra=Link(0.0, 1.0), inter=Link(0.0, 1.0), overlap=0.0)   # 1 FLOP/s, 1 B/s
+
+
+def test_ring_and_hierarchical_collective_times():
+    link = Link(alpha=1.0, bw=100.0)
+    # all-reduce, 4 ranks, 1000 B: 2 x (3 alpha + 3/4 x 1000 / 100) = 21; gamma 0.01: + 7.5
+    assert ring_time("all_reduce", 1000, 4, link) == pytest.approx(21.0)
+    assert ring_time("all_reduce", 1000, 4, link, gamma=0.01) == pytest.approx(28.5)
+    assert ring_time("all_gather", 1000, 4, link) == pytest.approx(10.5)
+    assert ring_time("reduce_scatter", 1000, 1, link) == 0.0
+    # 2 nodes x 2 ranks, 800 B: RS in node 1 + 400/100 = 5; AR of 400 B across: 2 x (10 +
+    # 200/10) = 60; AG in node 5. Flat ring at the slow link: 2 x (3 x 10 + 600/10) = 180
+    intra, inter = Link(1.0, 100.0), Link(10.0, 10.0)
+    assert hier_all_reduce_time(800, 2, 2, intra, inter) == pytest.approx(70.0)
+    two_nodes = Cluster("2x2", 2, 1, 1, 1, intra, inter)
+    dp4 = Layout(dp=4)
+    assert collective_time(two_nodes, "all_reduce", 800, dp4, "dp", "hier") == \
+        pytest.approx(70.0)
+    assert collective_time(two_nodes, "all_reduce", 800, dp4, "dp") == pytest.approx(180.0)
+
+
+def test_groups_are_placed_by_the_mesh_order():
+    """global rank = tp + tp (cp + cp (dp + dp pp)): tp groups are neighbours."""
+    assert span(Layout(dp=2, tp=4), "tp", 4) == (4, 1)        # ranks 0-3: one node
+    assert span(Layout(dp=2, tp=4), "dp", 4) == (1, 2)        # ranks 0, 4: two nodes
+    assert span(Layout(dp=4, tp=2), "dp", 4) == (2, 2)        # ranks 0, 2 | 4, 6
+    assert span(Layout(dp=2, tp=2, pp=2), "pp", 8) == (2, 1)  # ranks 0, 4: one node of 8
+    assert span(Layout(dp=3), "dp", 2) == (0, 2)              # 2 + 1: uneven nodes
+
+
+def test_bubble_of_each_schedule():
+    """p = 4 stages, t_f = 1, t_b = 2: (p-1)(t_f+t_b) = 9; interleaved v = 2 halves it;
+    zb-h1 with t_w = t_b / 2 = 1: 3 x (1 + 2 - 2) = 3, a third."""
+    assert bubble_time("gpipe", 4, 8, 1, 2) == bubble_time("1f1b", 4, 8, 1, 2) == 9
+    assert bubble_time("interleaved", 4, 8, 1, 2, v=2) == 4.5
+    assert bubble_time("zb-h1", 4, 8, 1, 2) == 3
+    assert bubble_time("1f1b", 1, 8, 1, 2) == 0
+    with pytest.raises(ValueError):
+        bubble_time("dualpipe", 4, 8, 1, 2)
+
+
+def test_overlap_hides_all_but_the_last_piece():
+    assert exposed(10, 8, overlap=1.0) == 10          # one piece: nothing to hide behind
+    assert exposed(10, 8, overlap=1.0, units=5) == 2  # 8 of 10 hidden
+    assert exposed(10, 8, overlap=0.5, units=5) == 6  # half the window usable
+    assert exposed(0, 8, overlap=1.0) == 0
+
+
+def test_ddp_step_worked_by_hand():
+    """TOY, b = 1 sequence of s = 2 tokens per rank, 1 FLOP/s, 1 B/s, no overlap.
+    Forward: 2 layers x (24 x 2 x 4^2 + 4 x 2^2 x 4) + 2 x 2 x 4 x 8 = 1792 FLOPs; the step
+    computes 3x that: 5376 s. Parameters: 2 (12 h^2 + 13 h) + V h + s h + 2 h = 536, float32
+    gradients 2144 B, ring all-reduce over 2 ranks: 2 x 1/2 x 2144 = 2144 s."""
+    assert layer_flops(1, 2, 4) == 832 and stage_params(TOY) == [536]
+    t = step_time(TOY, Layout(dp=2, amp=False), UNIT, seq=2, global_batch=2)
+    assert t["compute"] == pytest.approx(5376)
+    assert t["dp_exposed"] == pytest.approx(2144)
+    assert t["step"] == pytest.approx(5376 + 2144)
+    assert t["mfu"] == pytest.approx(5376 * 2 / (7520 * 2 * 1))   # both ranks' model FLOPs
+    assert t["tokens_per_s"] == pytest.approx(4 / 7520)
+
+
+def test_tp_and_pipeline_steps_worked_by_hand():
+    """TP2: every activation all-reduce is b s h e = 1 x 2 x 4 x 4 = 32 B, 2 x 1/2 x 32 =
+    32 s; forward 2 per layer + the embedding's = 5, backward 2 per layer + the head's = 5.
+    PP2, 2 micro-batches of 1: stage 1 (a layer + the output layer) is the slower, t_f =
+    832 + 128 = 960 s, t_b = 1920 s, p2p 32 s each way; 2 x (t_f + t_b) + (2-1)(t_f + t_b)."""
+    tp = step_time(TOY, Layout(tp=2, amp=False), UNIT, seq=2, global_batch=1)
+    assert tp["tp_cp"] == pytest.approx(10 * 32)
+    pp = step_time(TOY, Layout(pp=2, amp=False), UNIT, seq=2, global_batch=2,
+                   micro_batches=2)
+    t_f, t_b = 960 + 32, 1920 + 32
+    assert pp["bubble"] == pytest.approx(t_f + t_b)
+    assert pp["step"] == pytest.approx(3 * (t_f + t_b))
+
+
+def test_tiled_attention_and_cp_in_the_memory_model():
+    """Tiled (and cp's ring) attention keep 4 a s b bytes of log-sum-exp instead of the
+    (s, s) scores; cp halves s."""
+    s, b, h, a = 2048, 1, 1024, 8
+    assert layer_activation_bytes(s, b, h, a, tiled=True) == s * b * h * 34 + 4 * a * s * b
+    assert layer_activation_bytes(s, b, h, a, cp=2) == s / 2 * b * h * 34 + 4 * a * s / 2 * b
+    big = config_for_params(7e9, 32768)
+    flat = bill(big, Layout(dp=8), 32768)["activations"]
+    tiled = bill(big, Layout(dp=8, tiled=True), 32768)["activations"]
+    assert tiled < flat / 10
+
+
+def test_plan_cli():
+    """python examples/plan.py --params 7e9 --gpus 64 --json: rows fastest first, the best
+    fits; a bad --layout is one error line and exit 2."""
+    out = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus", "64",
+                          "--seq", "4096", "--json", "--top", "3"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    result = json.loads(out.stdout)
+    steps = [r["step"] for r in result["rows"]]
+    assert steps == sorted(steps) and result["rows"][0]["fits"]
+    assert result["best"] == result["rows"][0]["layout"]
+    bad = subprocess.run([sys.executable, "examples/plan.py", "--gpus", "8", "--layout",
+                          "dp=4,tp=4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --layout")

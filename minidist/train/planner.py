@@ -31,7 +31,9 @@ norm and of the output projection (2e sbh), and float32 logits for the cross-ent
 (4sbv/t). Pipelines run 1F1B: stage 0 keeps pp micro-batches of its layers in flight, the
 last stage one. Not counted: a recompute's transient (one layer's activations during its
 backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentation (see
---headroom). Assumes attention without FlashAttention (the as^2 term).
+--headroom). The as^2 term is attention's materialised scores; tiled attention
+(FlashAttention's algorithm, minidist/autograd/flash.py) and context parallelism's ring
+attention keep a log-sum-exp row instead (4as bytes), and cp divides s by the cp size.
 
 `minidist_activation_bytes` is the same bill for minidist's own graph, which keeps more than
 Megatron's kernels (every fused op's output, layer norm's normalised input in float32):
@@ -51,8 +53,11 @@ _ROW = ("attn.c_proj.weight", "mlp.c_proj.weight")
 
 @dataclass(frozen=True)
 class Layout:
-    """How one training job is split: dp x tp x pp ranks, ZeRO stage, precision, recompute
-    ("none", "selective", "full"), sequence parallelism (with tp)."""
+    """How one training job is split: dp x tp x pp x cp ranks, ZeRO stage, precision, recompute
+    ("none", "selective", "full"), sequence parallelism (with tp), tiled attention (never the
+    (T, T) scores: minidist/autograd/flash.py; context parallelism's ring attention is tiled
+    too). A new axis (expert parallelism) is one more field here, in gpus, name() and
+    cost.AXES."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -60,10 +65,12 @@ class Layout:
     amp: bool = True
     recompute: str = "none"
     sp: bool = False
+    cp: int = 1
+    tiled: bool = False
 
     @property
     def gpus(self):
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def name(self):
         """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)"."""
@@ -72,10 +79,12 @@ class Layout:
             parts.append(f"TP{self.tp}" + ("+SP" if self.sp else ""))
         if self.pp > 1:
             parts.append(f"PP{self.pp}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
         data = f"ZeRO-{self.zero}" if self.zero else "DDP"
         if not parts or self.dp > 1:
             parts.append(f"{data} x{self.dp}" if parts else data)
-        extras = ["amp" if self.amp else "fp32"]
+        extras = ["amp" if self.amp else "fp32"] + (["tiled"] if self.tiled else [])
         if self.recompute != "none":
             extras.append("ckpt" if self.recompute == "full" else "selective recompute")
         return " x ".join(parts) + " (" + ", ".join(extras) + ")"
@@ -123,14 +132,22 @@ def model_state_bytes(n_params, dp=1, zero=0, amp=True):
 
 # ---- activations -----------------------------------------------------------------------------
 
-def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True):
-    """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring)."""
+def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
+                           tiled=False, cp=1):
+    """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring).
+    tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
+    (4as bytes per sequence; no dropout); cp: this rank holds s / cp of the tokens (its
+    queries and, tiled by the ring, no scores)."""
     d, k = int(bool(dropout)), (t if sp else 1)
+    s = s / cp
     if recompute == "full":
         return s * b * h * e / k
     unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
     split = s * b * h * 12 * e               # Q, K, V, proj input, GELU input, fc2 input
-    core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))  # softmax...
+    if tiled or cp > 1:
+        core = 4 * a * s * b                 # the log-sum-exp rows, instead of T^2 scores
+    else:
+        core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))
     return unsplit / k + split / t + core / t
 
 
@@ -147,11 +164,12 @@ def _stage_activations(config, layout, stage, s, b, dropout):
     layers = sum(1 for i in range(L) if i * pp // L == stage)
     in_flight = pp - stage                                       # 1F1B warm-up depth
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
-                                       layout.sp, layout.recompute, e, dropout)
+                                       layout.sp, layout.recompute, e, dropout,
+                                       layout.tiled, layout.cp)
     out = layers * in_flight * per_layer
     if stage == pp - 1:
-        out += head_activation_bytes(s, b, config.n_embd, config.vocab_size, layout.tp,
-                                     layout.sp, e, dropout)
+        out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
+                                     layout.tp, layout.sp, e, dropout)
     return out
 
 
@@ -185,7 +203,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp)):
-        row = model_state_bytes(n, layout.dp, layout.zero, layout.amp)
+        row = model_state_bytes(n, layout.dp * layout.cp, layout.zero, layout.amp)
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
                                       layout.recompute == "full", dropout)

@@ -1,0 +1,152 @@
+"""How fast will it train? Step time, tokens/s and MFU of every layout that fits, fastest first.
+
+    python examples/plan.py --params 7e9 --seq 4096 --global-batch 512 --gpus 64
+    python examples/plan.py --params 70e9 --seq 4096 --global-batch 1024 --gpus 512 \\
+        --schedule interleaved --comm hier --top 5 --json
+    python examples/plan.py --params 7e9 --gpus 64 --layout dp=8,tp=8,zero=1,ckpt
+    python examples/plan.py --preset here --n-layer 4 --n-head 4 --n-embd 128 --seq 128 \\
+        --vocab-size 256 --global-batch 16 --gpus 2 --layout dp=2 --fp32
+
+The model: minidist/train/cost.py (compute, alpha-beta collectives on the links each group
+spans, overlap, the bubble); memory: minidist/train/planner.py (examples/plan_memory.py is its
+memory-only table); the search: minidist/train/search.py. --preset h100 is H100 SXM nodes
+(8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU); --preset here is this machine as
+examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
+can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, ...).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minidist.nn import GPTConfig                                        # noqa: E402
+from minidist.train.cost import H100_IB                                  # noqa: E402
+from minidist.train.planner import GiB, Layout, config_for_params       # noqa: E402
+from minidist.train.search import (cluster_from_calibration, evaluate,  # noqa: E402
+                                   search, with_links)
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+    p.add_argument("--preset", choices=("h100", "here"), default="h100")
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--gpu-mem", type=float, help="GiB per GPU")
+    p.add_argument("--peak-tflops", type=float, help="dense peak of one GPU (16-bit)")
+    p.add_argument("--efficiency", type=float, help="fraction of peak the compute reaches")
+    for link in ("intra", "inter"):
+        p.add_argument(f"--{link}-bw", type=float, help=f"{link}-node GB/s per GPU")
+        p.add_argument(f"--{link}-lat", type=float, help=f"{link}-node latency, us")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
+    p.add_argument("--comm", choices=("ring", "hier"), default="ring",
+                   help="data-parallel all-reduce: flat ring or hierarchical")
+    p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled")
+    p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
+    p.add_argument("--layout", help="one layout instead of a search, e.g. "
+                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt")
+    p.add_argument("--headroom", type=float, default=0.1)
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    return p.parse_args(argv)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def make_cluster(args):
+    if args.preset == "here":
+        if not os.path.exists(HERE):
+            fail(f"--preset here needs {HERE}: run examples/calibrate_here.py first")
+        base = cluster_from_calibration(HERE, args.gpus)
+    else:
+        base = H100_IB
+    us = 1e-6
+
+    def link(name):
+        lat, bw = getattr(args, f"{name}_lat"), getattr(args, f"{name}_bw")
+        return (lat and lat * us, bw and bw * 1e9) if (lat or bw) else None
+    return with_links(base, link("intra"), link("inter"), gpus_per_node=args.gpus_per_node,
+                      mem_gib=args.gpu_mem, peak_tflops=args.peak_tflops,
+                      peak_tflops_fp32=args.peak_tflops, efficiency=args.efficiency)
+
+
+def parse_layout(text, args):
+    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches)."""
+    fields, micro = {}, 1
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key == "ckpt":
+            fields["recompute"] = "full"
+        elif key == "micro":
+            micro = int(value)
+        elif key in ("dp", "tp", "pp", "cp", "zero") and value.isdigit():
+            fields[key] = int(value)
+        else:
+            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,micro=,ckpt")
+    layout = Layout(amp=not args.fp32, sp=fields.get("tp", 1) > 1,
+                    tiled=args.attention == "tiled", **fields)
+    if layout.gpus != args.gpus:
+        fail(f"--layout: dp x tp x pp x cp = {layout.gpus}, but --gpus is {args.gpus}")
+    if args.global_batch % (layout.dp * micro):
+        fail(f"--layout: --global-batch {args.global_batch} must divide by dp x micro")
+    return layout, micro
+
+
+def print_table(rows, top):
+    print(f"{'layout':<40}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
+          f"{'comp':>8}{'tp/cp':>8}{'bubble':>8}{'dp exp':>8}  fits")
+    for r in rows[:top]:
+        print(f"{r['layout']:<40}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
+              f"{r['step']:9.3f}{r['tokens_per_s']:11.0f}{r['mfu']:6.2f}{r['compute']:8.3f}"
+              f"{r['tp_cp']:8.3f}{r['bubble']:8.3f}{r['dp_exposed']:8.3f}  "
+              f"{'yes' if r['fits'] else 'no'}")
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.seq % 2 or args.global_batch < 1 or args.gpus < 1:
+        fail("--seq must be even, --global-batch and --gpus positive")
+    config = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
+              GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        block_size=args.seq, vocab_size=args.vocab_size))
+    cluster = make_cluster(args)
+    schedule = args.schedule
+    v = args.chunks if schedule == "interleaved" else 1
+    if args.layout:
+        layout, micro = parse_layout(args.layout, args)
+        rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
+                         schedule, args.comm, args.headroom, v)]
+    else:
+        rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
+                      args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
+                      headroom=args.headroom, v=v)
+    result = {"config": config.to_dict(), "cluster": cluster.name, "gpus": args.gpus,
+              "seq": args.seq, "global_batch": args.global_batch, "rows": rows[:args.top],
+              "best": next((r["layout"] for r in rows if r["fits"]), None)}
+    if args.json:
+        print(json.dumps(result))
+        return
+    c = result["config"]
+    print(f"model: L={c['n_layer']} h={c['n_embd']} a={c['n_head']} V={c['vocab_size']}, "
+          f"seq {args.seq}, global batch {args.global_batch}; {args.gpus} GPUs of "
+          f"{cluster.name} ({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
+    print_table(rows, args.top)
+    print(f"best: {result['best']}" if result["best"] else "best: nothing fits")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The layout search: every dp x tp x pp x cp split of a cluster, ZeRO stage, recompute and
+micro-batch count; its per-rank memory (planner.bill) and step time (cost.step_time); the
+fastest that fit. The CLI is examples/plan.py; tests: tests/test_planner.py.
+
+Which splits are tried: tp a power of two inside one node dividing the heads (TP's
+all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouring ranks);
+pp up to the layers; cp a power of two dividing the sequence; dp the rest, dividing the
+global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
+step), 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it
+fits); ckpt: without and with full recompute.
+"""
+import json
+from dataclasses import asdict, replace
+
+from minidist.train.cost import Cluster, Link, step_time
+from minidist.train.planner import GiB, Layout, bill
+
+
+def _powers_of_two(limit):
+    p, out = 1, []
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8):
+    """(dp, tp, pp, cp) with dp tp pp cp = gpus under the rules in the module docstring."""
+    out = []
+    for tp in _powers_of_two(min(gpus, gpus_per_node)):
+        if config.n_head % tp or gpus % tp:
+            continue
+        for cp in _powers_of_two(min(max_cp, gpus // tp)):
+            if seq % (2 * cp) and cp > 1 or (gpus // tp) % cp:
+                continue
+            for pp in range(1, min(config.n_layer, gpus // (tp * cp)) + 1):
+                dp, rest = divmod(gpus, tp * cp * pp)
+                if rest == 0 and global_batch % dp == 0:
+                    out.append((dp, tp, pp, cp))
+    return out
+
+
+def micro_batch_counts(pp, per_rank_batch, most=4):
+    """Micro-batch counts to try: 1 without a pipeline, else pp, 2pp, 4pp, ... that divide
+    the per-rank batch (at most `most` of them)."""
+    if pp == 1:
+        return [1]
+    out, m = [], pp
+    while m <= per_rank_batch and len(out) < most:
+        if per_rank_batch % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule="1f1b",
+             comm="ring", headroom=0.1, v=1):
+    """One row: the layout, its memory bill on the worst stage and its step-time figures."""
+    b = global_batch // (layout.dp * micro_batches)
+    mem = bill(config, layout, seq, b, dropout=False)
+    t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v)
+    return {"layout": layout.name(), **asdict(layout), "micro_batches": micro_batches,
+            "micro_batch": b, "schedule": schedule, "comm": comm, "mem": mem,
+            "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
+
+
+def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
+           tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1):
+    """Every candidate row, fastest first among those that fit, then the rest."""
+    rows = []
+    for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch):
+        for zero in (zeros if dp * cp > 1 else (0,)):
+            for recompute in recomputes:
+                layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
+                                recompute=recompute, sp=tp > 1, tiled=tiled)
+                for m in micro_batch_counts(pp, global_batch // dp):
+                    rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
+                                         schedule, comm, headroom, v))
+    return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
+
+
+def cluster_from_calibration(path, ranks=None):
+    """The measured machine (examples/calibrate_here.py writes the file): one node of
+    `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
+    bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
+    slow messages too, so each count has its own fit)."""
+    with open(path) as f:
+        cal = json.load(f)
+    fits = cal["links"]
+    ranks = ranks or cal["cores"]
+    fit = fits[min(fits, key=lambda k: abs(int(k) - ranks))]
+    return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
+                   mem_gib=cal["mem_gib"], peak_tflops=cal["peak_tflops"],
+                   efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
+                   inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
+                   opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
+                   compute_slots=cal["cores"], notes={"calibration": path})
+
+
+def with_links(cluster, intra=None, inter=None, **changes):
+    """`cluster` with its links' alpha/bw replaced where given (CLI overrides)."""
+    if intra:
+        changes["intra"] = Link(intra[0] or cluster.intra.alpha, intra[1] or cluster.intra.bw)
+    if inter:
+        changes["inter"] = Link(inter[0] or cluster.inter.alpha, inter[1] or cluster.inter.bw)
+    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})
