@@ -5,6 +5,8 @@
         --min-bytes 8M --max-bytes 64M --repeats 5
     mpiexec -n 2 python examples/bench_collectives.py --overlap          # async progress
     mpiexec -n 4 python examples/bench_collectives.py --max-bytes 1M --trace comm.json
+    mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,hier,mpi \
+        --ranks-per-node 2                             # hierarchical: 2 simulated nodes x 2
 
 Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
 nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
@@ -17,9 +19,13 @@ inside each repeat so that they meet the same conditions). Rank 0 prints the lin
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
 all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce): "hidden" is the
 fraction of the shorter of the two that disappeared from the total (1: perfect overlap).
+--ranks-per-node N groups world ranks r into simulated nodes r // N for the `hier` algorithm
+(minidist/comm/hier.py; it sets MINIDIST_RANKS_PER_NODE; default: the launcher's ranks on this
+node). examples/calibrate_here.py fits the alpha-beta model to these lines.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -163,7 +169,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
     p.add_argument("--algos", default="ring,naive,mpi", type=lambda s: s.split(","),
-                   help="comma list of ring, naive, mpi, nccl (nccl: --device cuda)")
+                   help="comma list of ring, naive, mpi, hier, nccl (nccl: --device cuda)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="hier: simulated node size (0: MINIDIST_RANKS_PER_NODE or the launcher's)")
     p.add_argument("--min-bytes", default="4K", type=parse_bytes)
     p.add_argument("--max-bytes", default="64M", type=parse_bytes)
     p.add_argument("--factor", default=2, type=int, help="size step (nccl-tests' -f)")
@@ -179,6 +187,8 @@ def main():
     p.add_argument("--compute-iters", type=int, default=0,
                    help="256^2 matmuls per step for --overlap (0: as long as the all-reduce)")
     args = p.parse_args()
+    if args.ranks_per_node:   # read by minidist.comm.hier when the hier groups are made
+        os.environ["MINIDIST_RANKS_PER_NODE"] = str(args.ranks_per_node)
     backend.setup(threads=1, device=args.device)   # the collectives' own reductions: 1 thread
     comm.init()              # MPI_Init (MPICH settings first), abort hooks, watchdog
     if args.trace:

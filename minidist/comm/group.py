@@ -24,6 +24,7 @@ of reduce_scatter, and `inp` of all_gather, is chunk r: `group.chunk(n)` gives i
 `all_gather(out, out[lo:hi])` (in place) is allowed, and `reduce_scatter(buf[lo:hi], buf)`.
 
 Algorithms, per group: "ring" (minidist/comm/ring.py), "naive" (naive.py), "mpi" (mpi.py),
+"hier" (hier.py: all-reduce in the node, across nodes, in the node; the rest as "ring"),
 "nccl" (nccl.py, cupy arrays only; imported only when asked for). Communication runs on the
 group's private duplicates of `comm` (one for collectives, one for send/recv), never on `comm`
 itself, so user traffic on `comm` cannot be mistaken for ours.
@@ -36,7 +37,7 @@ import sys
 
 from mpi4py import MPI
 
-from minidist.comm import debug, mpi, naive, ring, trace, watchdog
+from minidist.comm import debug, hier, mpi, naive, ring, trace, watchdog
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -44,7 +45,7 @@ from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_bu
 from minidist.comm.stream import CompletedWork, RequestWork, Stream
 from minidist.backend import xp_of
 
-ALGOS = ("ring", "naive", "mpi", "nccl")
+ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
 REDUCE_OPS = ("sum", "avg", "max", "min")
 P2P_TAG = 0
 SYNC_COMM_NOTE = (
@@ -80,7 +81,10 @@ class ProcessGroup:
         _made[(name, tuple(self.ranks))] = _made.get((name, tuple(self.ranks)), 0) + 1
         self.key = (name, tuple(self.ranks), _made[(name, tuple(self.ranks))])
         self._algo = {"ring": ring, "naive": naive, "mpi": mpi}.get(algo)
-        self._nccl = None
+        self._nccl = self._hier = None
+        if algo == "hier":       # the node split: two more communicators, made here
+            self._algo = self._hier = hier.Hierarchy(self._coll, self.ranks,
+                                                     hier.ranks_per_node(), self._get_scratch)
         if algo == "nccl":
             from minidist.comm import nccl   # imports cupy: only when asked for
             self._algo, self._nccl = nccl, nccl.NcclComm(self._coll)
@@ -263,6 +267,8 @@ class ProcessGroup:
     def destroy(self):
         """Stop the stream thread and free the private communicators."""
         self._stream.close()
+        if self._hier is not None:
+            self._hier.free()
         for comm in (self._coll, self._p2p):
             if comm != MPI.COMM_NULL:
                 comm.Free()

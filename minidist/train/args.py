@@ -46,7 +46,8 @@ def add_parallel_args(p):
                    help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
                    "naive (contiguous; the last rank does the most causal work)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    g.add_argument("--comm", choices=("ring", "naive", "mpi", "nccl"), default="ring")
+    g.add_argument("--comm", choices=("ring", "naive", "mpi", "hier", "nccl"),
+                   default="ring")
     g.add_argument("--sync-comm", action="store_true",
                    help="run every collective in the calling thread, for a debugger: a "
                    "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
