@@ -1,0 +1,109 @@
+"""The step-time model against measurements: predicted vs measured ms per step of DDP, ZeRO-3,
+TP and PP (and DDP over the hierarchical all-reduce) on 2 and 4 ranks of this machine.
+
+    python examples/calibrate_here.py          # first: examples/calibration_here.json
+    python examples/bench_plan.py --repeats 3  # one JSON line per case, then a markdown table
+
+Each case is examples/train_gpt.py (float32, materialized attention, the model below, global
+batch 16) for --steps steps under mpiexec; a run's figure is the median ms_per_step of its
+steps after the first --skip; a case's measurement the median over --repeats runs, with the
+spread of the runs (the machine is shared: noise is reported, not hidden). The prediction is
+minidist/train/cost.py's step_time with the calibrated "here" cluster for that rank count
+(minidist/train/search.py: cluster_from_calibration).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from minidist.nn import GPTConfig                                     # noqa: E402
+from minidist.train.cost import step_time                             # noqa: E402
+from minidist.train.planner import Layout                             # noqa: E402
+from minidist.train.search import cluster_from_calibration            # noqa: E402
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # calibrate_here.py's
+BATCH = 16
+# (name, ranks, train_gpt.py flags, layout, micro-batches, ranks per simulated node or None)
+CASES = [
+    ("DDP x2", 2, [], Layout(dp=2, amp=False), 1, None),
+    ("ZeRO-3 x2", 2, ["--zero", "3"], Layout(dp=2, zero=3, amp=False), 1, None),
+    ("TP2", 2, ["--tp", "2"], Layout(tp=2, amp=False), 1, None),
+    ("PP2, 4 micro-batches", 2, ["--pp", "2", "--micro-batches", "4"],
+     Layout(pp=2, amp=False), 4, None),
+    ("DDP x4", 4, [], Layout(dp=4, amp=False), 1, None),
+    ("DDP x4, --comm hier (2 nodes x 2)", 4, ["--comm", "hier"], Layout(dp=4, amp=False), 1, 2),
+    ("ZeRO-3 x4", 4, ["--zero", "3"], Layout(dp=4, zero=3, amp=False), 1, None),
+    ("TP4", 4, ["--tp", "4"], Layout(tp=4, amp=False), 1, None),
+    ("PP4, 4 micro-batches", 4, ["--pp", "4", "--micro-batches", "4"],
+     Layout(pp=4, amp=False), 4, None),
+    ("TP2 x DDP2", 4, ["--tp", "2"], Layout(dp=2, tp=2, amp=False), 1, None),
+]
+
+
+def measure(ranks, flags, steps, skip, per_node, tmp):
+    """Median ms_per_step of one train_gpt.py run after its first `skip` steps."""
+    log = os.path.join(tmp, "log.jsonl")
+    model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    cmd = [sys.executable, "examples/train_gpt.py", *model, "--batch-size", str(BATCH),
+           "--attention", "materialized", "--steps", str(steps), "--eval-every", "0",
+           "--eval-iters", "1", "--sample", "0", "--log-json", log, *flags]
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [here if os.path.exists(here) else "mpiexec", "-n", str(ranks)] + cmd
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if per_node:
+        env["MINIDIST_RANKS_PER_NODE"] = str(per_node)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
+    rows = [json.loads(line) for line in open(log)]
+    return float(np.median([r["ms_per_step"] for r in rows if "ms_per_step" in r][skip:]))
+
+
+def predict(cal_path, ranks, layout, micro, per_node, comm):
+    cluster = cluster_from_calibration(cal_path, ranks)
+    if per_node:                  # simulated nodes: the same measured link inside and across
+        cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra)
+    config = GPTConfig(**MODEL, vocab_size=256)
+    return step_time(config, layout, cluster, MODEL["block_size"], BATCH, micro, "1f1b", comm,
+                     bucket_mb=1.0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calibration", default=os.path.join(ROOT, "examples",
+                                                         "calibration_here.json"))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
+    args = p.parse_args()
+    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, ranks, flags, layout, micro, per_node in chosen:
+            comm = "hier" if "hier" in flags else "ring"
+            runs = [measure(ranks, flags, args.steps, args.skip, per_node, tmp)
+                    for _ in range(args.repeats)]
+            pred = predict(args.calibration, ranks, layout, micro, per_node, comm)
+            row = {"case": name, "ranks": ranks, "measured_ms": float(np.median(runs)),
+                   "runs_ms": runs, "predicted_ms": pred["step"] * 1e3,
+                   "parts_ms": {k: v * 1e3 for k, v in pred.items()
+                                if k not in ("step", "tokens_per_s", "mfu")},
+                   "load": os.getloadavg()[0]}
+            row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+            print(json.dumps(row), flush=True)
+            table.append(row)
+    print("\n| case | ranks | measured ms (runs) | predicted ms | error |\n|---|---|---|---|---|")
+    for r in table:
+        runs = ", ".join(f"{x:.0f}" for x in r["runs_ms"])
+        print(f"| {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} ({runs}) | "
+              f"{r['predicted_ms']:.0f} | {r['error']:+.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Measure this machine for the step-time model; writes examples/calibration_here.json, the
+`--preset here` of examples/plan.py.
+
+    python examples/calibrate_here.py                 # a few minutes when the machine is quiet
+    python examples/calibrate_here.py --ranks 2,4 --out /tmp/cal.json
+
+1. Collectives: examples/bench_collectives.py (ring all_reduce, reduce_scatter, all_gather,
+   16 KiB to 16 MiB) at each rank count, and a least-squares fit of minidist/train/cost.py's
+   ring_time, t = alpha x steps + moved bytes / bw + reduced bytes x gamma. Each rank count
+   gets its own fit: ranks beyond the cores (4 on 2) slow every message too.
+2. Overlap: bench_collectives.py --overlap --compute matmul at 2 ranks, its "hidden_thread"
+   (how much of an async all-reduce hides behind CPU compute: little, with no idle core).
+3. Compute: examples/bench_step.py on one process, one thread, the validation model of
+   examples/bench_plan.py: peak = its float32 matmul GFLOP/s, efficiency = the model's FLOP
+   rate (cost.py's count, the optimizer's time taken out) / peak.
+4. Optimizer: seconds per parameter of grad-norm clipping + AdamW (what train_gpt.py runs),
+   timed here on that model.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from minidist import backend                                          # noqa: E402
+from minidist.nn import GPT, GPTConfig                                # noqa: E402
+from minidist.optim import AdamW, clip_grad_norm                      # noqa: E402
+from minidist.train.cost import forward_flops                         # noqa: E402
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # bench_plan.py's
+BATCH = 16
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def run(cmd, ranks=1):
+    """stdout of a script under mpiexec (ranks > 1) or this interpreter, 1 BLAS thread."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if ranks > 1:
+        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        cmd = [here if os.path.exists(here) else "mpiexec", "-n", str(ranks)] + cmd
+    return subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+                          timeout=900).stdout
+
+
+def fit_link(rows):
+    """alpha, bw, gamma of the ring from bench_collectives rows (one rank count)."""
+    a, t = [], []
+    for r in rows:
+        p, n = r["ranks"], r["bytes"]
+        phases = 2 if r["op"] == "all_reduce" else 1
+        reduced = 0 if r["op"] == "all_gather" else (p - 1) / p * n
+        a.append([phases * (p - 1), phases * (p - 1) / p * n, reduced])
+        t.append(r["time_s"])
+    a, t = np.array(a), np.array(t)
+    alpha, inv_bw, gamma = nonnegative_fit(a / t[:, None], np.ones(len(t)))  # relative error
+    err = np.abs(a @ np.array([alpha, inv_bw, gamma]) / t - 1)
+    return {"alpha": alpha, "bw": 1 / inv_bw, "gamma": gamma, "points": len(t),
+            "max_rel_err": float(err.max()), "median_rel_err": float(np.median(err))}
+
+
+def nonnegative_fit(a, y):
+    """argmin |a x - y| over x >= 0, for a few columns: least squares on every subset of the
+    columns, the best whose coefficients are all >= 0 (the others stay 0)."""
+    best, cols = (np.inf, np.zeros(a.shape[1])), range(a.shape[1])
+    for mask in range(1, 2 ** a.shape[1]):
+        use = [c for c in cols if mask >> c & 1]
+        x, *_ = np.linalg.lstsq(a[:, use], y, rcond=None)
+        if (x >= 0).all():
+            full = np.zeros(a.shape[1])
+            full[use] = x
+            best = min(best, (float(np.sum((a @ full - y) ** 2)), full), key=lambda b: b[0])
+    return best[1]
+
+
+def collectives(ranks):
+    out = run([sys.executable, "examples/bench_collectives.py", "--algos", "ring", "--ops",
+               ",".join(OPS), "--min-bytes", "16K", "--max-bytes", "16M", "--factor", "4",
+               "--repeats", "5"], ranks)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def optimizer_seconds_per_param(config, repeats=5):
+    backend.setup(threads=1, device="cpu")
+    model = GPT(config)
+    params = list(model.named_parameters())
+    for _, p in params:
+        p.grad = np.full_like(p.data, 1e-3)
+    opt = AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        clip_grad_norm([p for _, p in params], 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:])) / model.num_parameters()
+
+
+def compute(config, opt_s):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    out = run([sys.executable, "examples/bench_step.py", *flags, "--vocab-size",
+               str(config.vocab_size), "--batch-size", str(BATCH), "--threads", "1",
+               "--adamw", "per-param", "--steps", "10", "--attention", "materialized"])
+    row = json.loads(out.strip().splitlines()[-1])
+    n = GPT(config).num_parameters()
+    step = row["ms_per_step"] / 1e3 - opt_s * n
+    peak = row["matmul_gflops"] * 1e9
+    return {"peak_tflops": peak / 1e12,
+            "efficiency": 3 * forward_flops(config, BATCH, config.block_size) / step / peak,
+            "bench_step": row}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--out", default=os.path.join(ROOT, "examples", "calibration_here.json"))
+    args = p.parse_args()
+    config = GPTConfig(**MODEL, vocab_size=256)
+    cal = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "load_before": os.getloadavg()[0], "cores": os.cpu_count(),
+           "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+           / os.cpu_count()}
+    cal["links"] = {str(r): fit_link(collectives(r)) for r in args.ranks}
+    lap = json.loads(run([sys.executable, "examples/bench_collectives.py", "--overlap",
+                          "--compute", "matmul", "--max-bytes", "16M"], 2).splitlines()[-1])
+    cal["overlap"] = min(1.0, max(0.0, lap["hidden_thread"]))
+    cal["opt_s_per_param"] = optimizer_seconds_per_param(config)
+    cal.update(compute(config, cal["opt_s_per_param"]))
+    cal["load_after"] = os.getloadavg()[0]
+    with open(args.out, "w") as f:
+        json.dump(cal, f, indent=1)
+    print(json.dumps(cal))
+
+
+if __name__ == "__main__":
+    main()
