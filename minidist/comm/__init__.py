@@ -11,6 +11,7 @@ Where to read what:
     ring.py      the ring algorithms and their chunk tables, chunk_bounds    (start here)
     simulate.py  the same ring schedule run for N ranks in one process      (step through it)
     naive.py     reduce-to-root + broadcast, for comparison
+    hier.py      hierarchical all-reduce: in the node, across nodes, in the node
     mpi.py       the MPI library's own collectives
     nccl.py      NCCL through cupy.cuda.nccl (imported only for algo="nccl")
     group.py     ProcessGroup: dispatch, async_op, staging, counters, sub-groups
