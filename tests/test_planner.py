@@ -253,3 +253,15 @@ def test_plan_cli():
     bad = subprocess.run([sys.executable, "examples/plan.py", "--gpus", "8", "--layout",
                           "dp=4,tp=4"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --layout")
+
+
+def test_search_splits_and_micro_batches():
+    """8 ranks, 8 per node, 4 heads, 2 layers: tp in {1, 2, 4}, cp a power of two dividing
+    the sequence, pp up to the layers, dp the rest and dividing the batch."""
+    from minidist.train.search import micro_batch_counts, splits
+    got = splits(GPTConfig(n_layer=2, n_head=4, n_embd=64), 8, 8, seq=64, global_batch=8)
+    assert all(dp * tp * pp * cp == 8 for dp, tp, pp, cp in got)
+    assert {tp for _, tp, _, _ in got} == {1, 2, 4} and max(pp for *_, pp, _ in got) == 2
+    assert (8, 1, 1, 1) in got and (1, 4, 2, 1) in got and (2, 1, 1, 4) in got
+    assert micro_batch_counts(1, 64) == [1]
+    assert micro_batch_counts(4, 64) == [4, 8, 16, 32]
