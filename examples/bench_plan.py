@@ -11,6 +11,13 @@ only ever slow a step down; the calibration takes best-of figures likewise), and
 and slowest are reported beside it, so the noise is shown, not hidden. The prediction is
 minidist/train/cost.py's step_time with the calibrated "here" cluster for that rank count
 (minidist/train/search.py: cluster_from_calibration).
+
+--reference: the other jobs on a shared machine change its speed minute by minute, so just
+before each case its N ranks' compute is measured as N independent processes (1 thread each,
+no communication) training the same model on 1/N of the batch at the same time; the compute
+efficiency of the prediction comes from their fastest steps (the cores they really got, shared
+with each other and with the other jobs) instead of the calibration file's, and the
+collectives keep their calibrated alpha-beta. The row gives the reference's step time.
 """
 import argparse
 import json
@@ -24,8 +31,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from minidist.nn import GPTConfig                                     # noqa: E402
-from minidist.train.cost import step_time                             # noqa: E402
+from minidist.nn import GPT, GPTConfig                                # noqa: E402
+from minidist.train.cost import forward_flops, step_time              # noqa: E402
 from minidist.train.planner import Layout                             # noqa: E402
 from minidist.train.search import cluster_from_calibration            # noqa: E402
 
@@ -48,27 +55,62 @@ CASES = [
 ]
 
 
+def train_cmd(steps, log, flags):
+    model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    return [sys.executable, "examples/train_gpt.py", *model, "--attention", "materialized",
+            "--steps", str(steps), "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
+            "--log-json", log, *flags]
+
+
+def step_times(log, skip):
+    rows = [json.loads(line) for line in open(log)]
+    return [r["ms_per_step"] for r in rows if "ms_per_step" in r][skip:]
+
+
+def reference(ranks, steps, skip, tmp):
+    """Fastest step of `ranks` independent 1-thread processes run at once, each on 1/ranks
+    of the batch: the compute each rank of a case gets, without its communication."""
+    logs = [os.path.join(tmp, f"ref{i}.jsonl") for i in range(ranks)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
+    procs = [subprocess.Popen(train_cmd(steps, log, ["--batch-size", str(BATCH // ranks),
+                                                     "--threads", "1"]),
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL) for log in logs]
+    if any(p.wait(timeout=900) for p in procs):
+        raise RuntimeError("a reference run failed")
+    return float(np.median([min(step_times(log, skip)) for log in logs]))
+
+
 def measure(ranks, flags, steps, skip, per_node, tmp):
     """ms_per_step of one train_gpt.py run's steps after its first `skip`."""
     log = os.path.join(tmp, "log.jsonl")
-    model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
-    cmd = [sys.executable, "examples/train_gpt.py", *model, "--batch-size", str(BATCH),
-           "--attention", "materialized", "--steps", str(steps), "--eval-every", "0",
-           "--eval-iters", "1", "--sample", "0", "--log-json", log, *flags]
+    cmd = train_cmd(steps, log, ["--batch-size", str(BATCH), *flags])
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [here if os.path.exists(here) else "mpiexec", "-n", str(ranks)] + cmd
     env = dict(os.environ, PYTHONPATH=ROOT)
     if per_node:
         env["MINIDIST_RANKS_PER_NODE"] = str(per_node)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
-    rows = [json.loads(line) for line in open(log)]
-    return [r["ms_per_step"] for r in rows if "ms_per_step" in r][skip:]
+    return step_times(log, skip)
 
 
-def predict(cal_path, ranks, layout, micro, per_node, comm):
+def reference_efficiency(cluster, ms, ranks):
+    """Compute efficiency of a rank whose step on 1/ranks of the batch took `ms` (the
+    optimizer's time taken out)."""
+    config = GPTConfig(**MODEL, vocab_size=256)
+    seconds = ms / 1e3 - cluster.opt_s_per_param * GPT(config).num_parameters()
+    flops = 3 * forward_flops(config, BATCH // ranks, MODEL["block_size"])
+    return flops / seconds / (cluster.peak_tflops * 1e12)
+
+
+def predict(cal_path, ranks, layout, micro, per_node, comm, reference_ms=None):
     cluster = cluster_from_calibration(cal_path, ranks)
-    if per_node:                  # simulated nodes: the same measured link inside and across
-        cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra)
+    if reference_ms:
+        cluster = replace(cluster, compute_slots=None,        # the reference shared the cores
+                          efficiency=reference_efficiency(cluster, reference_ms, ranks))
+    if per_node:   # simulated nodes: the same measured link inside and across, and each
+        slots = cluster.compute_slots and max(1, cluster.compute_slots * per_node // ranks)
+        cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra,
+                          compute_slots=slots)      # a node's share of the cores
     config = GPTConfig(**MODEL, vocab_size=256)
     return step_time(config, layout, cluster, MODEL["block_size"], BATCH, micro, "1f1b", comm,
                      bucket_mb=1.0)
@@ -82,6 +124,8 @@ def main():
     p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
+    p.add_argument("--reference", action="store_true",
+                   help="efficiency from a 1-process run just before each case")
     args = p.parse_args()
     chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     table = []
@@ -89,12 +133,15 @@ def main():
         for name, ranks, flags, layout, micro, per_node in chosen:
             comm = "hier" if "hier" in flags else "ring"
             load = os.getloadavg()[0]
+            ref = reference(ranks, args.steps, args.skip, tmp) if args.reference else None
             steps = [t for _ in range(args.repeats)
                      for t in measure(ranks, flags, args.steps, args.skip, per_node, tmp)]
-            pred = predict(args.calibration, ranks, layout, micro, per_node, comm)
-            row = {"case": name, "ranks": ranks, "measured_ms": min(steps),
+            pred = predict(args.calibration, ranks, layout, micro, per_node, comm, ref)
+            quiet = predict(args.calibration, ranks, layout, micro, per_node, comm)
+            row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(steps),
                    "median_ms": float(np.median(steps)), "slowest_ms": max(steps),
                    "steps": len(steps), "predicted_ms": pred["step"] * 1e3,
+                   "predicted_from_calibration_ms": quiet["step"] * 1e3,
                    "parts_ms": {k: v * 1e3 for k, v in pred.items()
                                 if k not in ("step", "tokens_per_s", "mfu")},
                    "load_1min": [load, os.getloadavg()[0]]}
@@ -102,11 +149,12 @@ def main():
             print(json.dumps(row), flush=True)
             table.append(row)
     print("\n| case | ranks | measured ms: fastest (median, slowest) | predicted ms | error |"
-          " load |\n|---|---|---|---|---|---|")
+          " load | reference ms | from the calibration alone |\n|---|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} ({r['median_ms']:.0f}, "
               f"{r['slowest_ms']:.0f}) | {r['predicted_ms']:.0f} | {r['error']:+.0%} | "
-              f"{r['load_1min'][0]:.1f} |")
+              f"{r['load_1min'][0]:.1f} | {r['reference_ms'] or 0:.0f} | "
+              f"{r['predicted_from_calibration_ms']:.0f} |")
 
 
 if __name__ == "__main__":
