@@ -13,9 +13,9 @@ minidist/train/cost.py's step_time with the calibrated "here" cluster for that r
 (minidist/train/search.py: cluster_from_calibration).
 
 --reference: the other jobs on a shared machine change its speed minute by minute, so just
-before each case its N ranks' compute is measured as N independent processes (1 thread each,
-no communication) training the same model on 1/N of the batch at the same time; the compute
-efficiency of the prediction comes from their fastest steps (the cores they really got, shared
+before each run of a case its N ranks' compute is measured as N independent processes (1
+thread each, no communication) training the same model on 1/N of the batch at the same time;
+the compute efficiency of the prediction comes from the fastest of these reference steps (the cores they really got, shared
 with each other and with the other jobs) instead of the calibration file's, and the
 collectives keep their calibrated alpha-beta. The row gives the reference's step time.
 """
@@ -133,9 +133,12 @@ def main():
         for name, ranks, flags, layout, micro, per_node in chosen:
             comm = "hier" if "hier" in flags else "ring"
             load = os.getloadavg()[0]
-            ref = reference(ranks, args.steps, args.skip, tmp) if args.reference else None
-            steps = [t for _ in range(args.repeats)
-                     for t in measure(ranks, flags, args.steps, args.skip, per_node, tmp)]
+            refs, steps = [], []
+            for _ in range(args.repeats):     # alternate, so both meet the same conditions
+                if args.reference:
+                    refs.append(reference(ranks, args.steps, args.skip, tmp))
+                steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp)
+            ref = min(refs) if refs else None
             pred = predict(args.calibration, ranks, layout, micro, per_node, comm, ref)
             quiet = predict(args.calibration, ranks, layout, micro, per_node, comm)
             row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(steps),
