@@ -8,6 +8,8 @@ rank bitwise equal afterwards, the bytes each rank sent equal to hier_bytes, asy
 sub-groups: one whose nodes hold 1 rank each and one with uneven nodes (the flat ring).
 Run by tests/test_hier.py.
 """
+import argparse
+
 import numpy as np
 
 from minidist import comm
@@ -39,6 +41,10 @@ def check(g, per_node):
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", choices=("cpu",), default="cpu",
+                   help="numpy buffers only (the mpi fixture passes the session's device)")
+    p.parse_args()
     world = comm.init("hier")
     per_node = ranks_per_node()
     assert world._hier.k == per_node and not world._hier.flat, "expected 2 nodes x 2 ranks"
