@@ -15,9 +15,10 @@ minidist/train/cost.py's step_time with the calibrated "here" cluster for that r
 --reference: the other jobs on a shared machine change its speed minute by minute, so just
 before each run of a case its N ranks' compute is measured as N independent processes (1
 thread each, no communication) training the same model on 1/N of the batch at the same time;
-the compute efficiency of the prediction comes from the fastest of these reference steps (the cores they really got, shared
-with each other and with the other jobs) instead of the calibration file's, and the
-collectives keep their calibrated alpha-beta. The row gives the reference's step time.
+the compute efficiency of the prediction comes from the fastest of these reference steps
+(the cores they really got, shared with each other and with the other jobs) instead of the
+calibration file's, and the collectives keep their calibrated alpha-beta. The row gives the
+reference's step time.
 """
 import argparse
 import json
