@@ -7,15 +7,19 @@ DESIGN.md fixes the names (--dp --tp --pp --zero --comm --device --dtype --amp
 Tests: tests/test_train.py.
 """
 import argparse
+import os
+import sys
+
+from minidist.train.cli import launcher_rank
 
 
 def add_model_args(p):
     g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=int, default=4)
-    g.add_argument("--n-head", type=int, default=4)
-    g.add_argument("--n-embd", type=int, default=128)
-    g.add_argument("--block-size", type=int, default=128)
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    g.add_argument("--n-head", type=int, default=4, help="attention heads")
+    g.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    g.add_argument("--block-size", type=int, default=128, help="context length, in tokens")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
                    help="tiled: FlashAttention-style tiles, O(T) memory, no attention dropout; "
                    "auto: tiled from --block-size 256 on (faster there) without --dropout")
@@ -23,9 +27,12 @@ def add_model_args(p):
     g.add_argument("--no-bias", dest="bias", action="store_false",
                    help="no biases in Linear and LayerNorm layers")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when CuPy sees a GPU, else cpu")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="parameter and compute dtype (float64: the exactness tests)")
+    g.add_argument("--seed", type=int, default=1337,
+                   help="initial weights, batches and dropout all follow from it")
     return p
 
 
@@ -45,10 +52,15 @@ def add_parallel_args(p):
     g.add_argument("--cp-split", choices=("zigzag", "naive"), default="zigzag",
                    help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
                    "naive (contiguous; the last rank does the most causal work)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    g.add_argument("--comm", choices=("ring", "naive", "mpi", "hier", "nccl"),
-                   default="ring")
-    g.add_argument("--sync-comm", action="store_true",
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage instead of DDP: 1 shards the optimizer state, 2 also the "
+                   "gradients, 3 also the parameters")
+    g.add_argument("--comm", choices=("ring", "naive", "mpi", "hier", "nccl"), default="ring",
+                   help="collective algorithm: ring (minidist's), naive (reduce + broadcast), "
+                   "mpi (the MPI library's), hier (reduce-scatter in a node, all-reduce across, "
+                   "all-gather in the node), nccl (GPU to GPU; needs CuPy)")
+    # default None, not False: comm.init then reads MINIDIST_SYNC_COMM=1 (rankpdb sets it)
+    g.add_argument("--sync-comm", action="store_true", default=None,
                    help="run every collective in the calling thread, for a debugger: a "
                    "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
                    "the overlap of communication with backward (README: Debugging)")
@@ -61,34 +73,47 @@ def add_parallel_args(p):
                    help="pipeline schedule (README: Pipeline parallelism)")
     g.add_argument("--amp", action="store_true",
                    help="16-bit compute (bfloat16 on CuPy, float16 on numpy), float32 master")
-    g.add_argument("--ckpt-activations", action="store_true")
+    g.add_argument("--ckpt-activations", action="store_true",
+                   help="keep only each block's input; recompute the rest in backward")
     return p
 
 
 def add_train_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=800)
+    g.add_argument("--steps", type=int, default=800, help="optimizer steps")
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    g.add_argument("--lr", type=float, default=4e-3)
+    g.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (warmup, cosine)")
     g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
     g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     g.add_argument("--data", default=None,
                    help="text file or folder of text files (default: Python's stdlib sources)")
     g.add_argument("--cache-dir", default=None, help="where token files are cached")
     g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
-    g.add_argument("--log-every", type=int, default=25)
-    g.add_argument("--save", default=None, metavar="DIR")
+    g.add_argument("--log-every", type=int, default=25, help="steps between log lines")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="checkpoint folder: DIR/step-<N>/ per save and DIR/latest naming the "
+                   "newest, written at evals, --save-every and the end, and on SIGTERM, "
+                   "SIGUSR1 or Ctrl-C. A DIR that already holds a checkpoint is refused "
+                   "unless the run resumes from it (--resume) or --overwrite is given")
     g.add_argument("--save-every", type=int, default=0, help="0: at evals and at the end")
     g.add_argument("--keep", type=int, default=1, metavar="K",
                    help="numbered checkpoint folders kept under --save (the newest K)")
-    g.add_argument("--resume", default=None, metavar="DIR")
-    g.add_argument("--log-json", default=None, metavar="FILE")
-    g.add_argument("--trace", default=None, metavar="FILE")
+    g.add_argument("--overwrite", action="store_true",
+                   help="--save into a DIR holding checkpoints of another (or a newer) run: "
+                   "this run's saves then replace them")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint folder or a --save DIR (its newest). "
+                   "`--resume auto`: from --save DIR's newest if it holds one, else start "
+                   "fresh, so a requeued job reruns the same command")
+    g.add_argument("--log-json", default=None, metavar="FILE",
+                   help="rank 0 writes one JSON object per step (appended with --resume)")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="Chrome trace of compute and communication (chrome://tracing)")
     g.add_argument("--sample", type=int, default=400, help="characters sampled at the end")
     g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto)")
     g.add_argument("--traceback", action="store_true",
@@ -97,6 +122,29 @@ def add_train_args(p):
     return p
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """--help lists each flag's default, where it has one (not for switches or None)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if shown and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as every other user error (minidist/train/cli.py): one
+    `error:` line from the launcher's rank 0 only, exit status 2, no usage block per rank."""
+
+    def error(self, message):
+        if launcher_rank() == 0:
+            sys.stderr.write(f"error: {message} ({os.path.basename(self.prog)} --help lists "
+                             "the flags)\n")
+        sys.exit(2)
+
+
 def train_parser():
-    p = argparse.ArgumentParser(description="Train a GPT (see README: GPT on one process).")
+    p = Parser(description="Train a GPT (see README: GPT on one process).",
+               formatter_class=HelpWithDefaults)
     return add_train_args(add_parallel_args(add_model_args(p)))

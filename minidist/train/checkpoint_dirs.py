@@ -18,8 +18,12 @@ resolve(path) finds the checkpoint to read: `path` itself when it is one (manife
 the folder `latest` names, else the newest numbered folder (a save killed between its rename
 and the pointer). resume_dir(resume, save) is --resume, "auto" included: --save's newest
 checkpoint if it holds one, else None (start fresh), so a requeued job reruns one command.
-Tests: tests/test_checkpoint.py.
+check_save(save, resume, overwrite) refuses, before any work, a --save directory whose newest
+checkpoint is newer than where this run starts (a fresh run: any checkpoint), since this run's
+saves would replace it and prune would delete it; --overwrite allows it.
+Tests: tests/test_checkpoint.py, tests/test_cli.py.
 """
+import json
 import os
 import re
 import secrets
@@ -100,6 +104,39 @@ def resume_dir(resume, save):
                                   "--save DIR too")
         return resolve(save) if has_checkpoint(save) else None
     return resolve(resume)
+
+
+def step_of(folder):
+    """The step a checkpoint folder holds: from its name (step-<N>), else its manifest."""
+    m = _NUMBERED.match(os.path.basename(os.path.normpath(folder)))
+    if m:
+        return int(m.group(1))
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_save(save, resume, overwrite=False):
+    """Refuse (CheckpointError) a --save directory holding a checkpoint newer than the one
+    this run resumes from (`resume`: a checkpoint folder, or None: a fresh run, step 0): its
+    saves would replace that checkpoint and prune would delete it. `overwrite`: allow it."""
+    if not save or overwrite or not has_checkpoint(save):
+        return
+    newest = resolve(save)
+    theirs = step_of(newest)
+    if resume is None:
+        raise CheckpointError(
+            f"--save {save}: already holds a checkpoint (step {theirs}: {newest}); this run "
+            "starts at step 0 and its saves would replace it. Add --resume auto to continue "
+            "it, --overwrite to start over, or --save a new directory")
+    ours = step_of(resume)
+    if theirs is not None and ours is not None and theirs > ours:
+        raise CheckpointError(
+            f"--save {save}: holds step {theirs} ({newest}), newer than step {ours} this run "
+            f"resumes from (--resume {resume}); its saves would replace it. Resume from "
+            f"{save} instead, add --overwrite, or --save a new directory")
 
 
 def begin(directory):

@@ -9,11 +9,18 @@ data and checkpoint layers' own DataError / CheckpointError) and reaches `run_ma
 prints `error: <message>` on the launcher's rank 0 only (every rank finds the same problem:
 flags, data and checkpoints are checked identically everywhere) and exits with status 2, no
 traceback. `--traceback` or MINIDIST_DEBUG=1 shows the traceback instead.
-Flags are checked by `check_flags` before any work (no MPI communication, no data read).
+Flags are checked by `check_flags` before any work (no MPI communication, no data read):
+their ranges and combinations, the device and --comm this machine can give, and every output
+path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
+made), so nothing is lost to a late error after training ran. argparse's own errors (an
+unknown flag, `--zero 4`) take the same path (minidist/train/args.py Parser).
+Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
+preemption.py) ends the run with one line and exit status 130, no traceback per rank.
 Tests: tests/test_cli.py.
 """
 import os
 import sys
+import tempfile
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
@@ -79,6 +86,53 @@ def check_flags(args):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
+    check_device(args)
+    check_outputs(args)
+
+
+def check_device(args):
+    """--device cuda and --comm nccl need CuPy and a GPU: refused here, on every rank alike,
+    before MPI starts (comm.init would import CuPy for nccl and fail on every rank)."""
+    from minidist import backend       # numpy: imported by the entry point after BLAS setup
+    if args.device == "cuda" and backend.cupy_module() is None:
+        raise UsageError("--device cuda: CuPy is not installed or sees no GPU (pip install -e "
+                         "'.[cuda]' on a machine with one); --device cpu or auto runs on CPUs")
+    if args.comm == "nccl" and (args.device == "cpu" or backend.cupy_module() is None):
+        raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
+                         "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
+                         "--comm ring, naive or mpi.")
+
+
+def check_outputs(args):
+    """Every file the run will write can be written: --save DIR (a folder, made if needed),
+    --log-json and --trace FILE (their folders made if needed). Checked by trying: a
+    temporary file is made and removed in each folder (permission bits do not tell root)."""
+    if args.save:
+        if os.path.exists(args.save) and not os.path.isdir(args.save):
+            raise UsageError(f"--save {args.save}: is a file; --save takes a folder for the "
+                             "checkpoints (made if missing)")
+        _writable_folder("--save", args.save, args.save)
+    for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
+        if path:
+            if os.path.isdir(path):
+                raise UsageError(f"{flag} {path}: is a folder; give a file name")
+            _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _writable_folder(flag, path, folder):
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) \
+            else e.strerror or str(e)
+        raise UsageError(f"{flag} {path}: cannot make the folder {folder} ({why}); choose a "
+                         "path you can write to") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".minidist-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); "
+                         "choose a path you can write to") from None
 
 
 def launcher_rank():
@@ -95,6 +149,11 @@ def run_main(main, args, user_errors=()):
     rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback)."""
     try:
         return main(args)
+    except KeyboardInterrupt:            # Ctrl-C before the loop took it over (preemption.py)
+        if launcher_rank() == 0:
+            print("interrupted (Ctrl-C) before training started: nothing to save",
+                  file=sys.stderr, flush=True)
+        sys.exit(130)
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
             raise

@@ -11,11 +11,14 @@ the step, and batches depend only on (seed, step).
 Tests: tests/test_train.py.
 """
 import json
+import math
+import os
 import time
 
 from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
+from minidist.nn.config import gpt_param_specs
 from minidist.optim import WarmupCosine
 from minidist.train import checkpoint_dirs, preemption
 from minidist.train.data import TokenData
@@ -93,69 +96,135 @@ _MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_ac
                "weight_decay", "grad_clip", "data")
 
 
+class Diverged(UsageError):
+    """The loss or the gradients stopped being finite (or --amp skipped too many steps in a
+    row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved."""
+
+
 def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
+    checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False))
     strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
-    threads, device = backend.blas_threads(), backend.device()
     data = TokenData(args.data, args.cache_dir)
     model = strategy.build_model(_config(args, data), args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
-    log.print0(f"data: {data.source} ({data.meta['train_tokens']:,} train / "
-               f"{data.meta['val_tokens']:,} val tokens, cache {data.cache})")
-    log.print0(f"model: {model.num_parameters():,} parameters, {model.config}, {args.dtype} "
-               f"on {device}, {threads} BLAS thread(s), {strategy.world_size} process(es); "
-               f"unigram entropy of the data {data.unigram_entropy:.4f} nats/token")
-    for line in strategy.notes():                 # --amp, --ckpt-activations
-        log.print0(line)
+    _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
-    preempted = preemption.Flag() if args.save else None    # SIGTERM / SIGUSR1: save, exit
+    signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
     for step in range(start, stop):
         t0 = time.perf_counter()
         lr = schedule(step)
         opt.set_lr(lr)
         x, y = data.get_batch(args.seed, "train", step, args.batch_size, args.block_size)
-        loss, norm, mem = train_step(strategy, model, opt, x, y, args)
+        try:
+            loss, norm, mem = train_step(strategy, model, opt, x, y, args)
+        except FloatingPointError as e:     # --amp: too many overflowing steps in a row
+            raise Diverged(f"step {step + 1}: {e}; stopped, nothing saved") from None
         backend.synchronize()
         loss, norm = float(loss), float(norm)    # device -> host only here, to log them
         dt = time.perf_counter() - t0
         log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
                    "comm_bytes": strategy.comm_bytes()})
-        last = step == stop - 1
-        if step % args.log_every == 0 or last:
-            log.print0(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                       f"{tokens_per_step / dt:8.0f} tok/s | {dt * 1e3:7.1f} ms/step")
+        last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
+        if step == start or (step + 1) % args.log_every == 0 or last:
+            log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f} "
+                       f"tok/s | {dt * 1e3:7.1f} ms/step | "
+                       f"{_eta(time.perf_counter() - t_start, step + 1 - start, stop - step - 1)}")
+        # under --amp a non-finite gradient only skips the step (the loss scaler's job)
+        finite = math.isfinite(loss) and (strategy.amp is not None or math.isfinite(norm))
+        if strategy.any_rank(signals.is_set() or not finite):   # every rank stops together
+            if strategy.any_rank(not finite):
+                raise Diverged(f"step {step + 1}: loss {loss:.4g}, gradient norm {norm:.4g}: "
+                               f"training diverged (--lr {args.lr:g} too high?); stopped, "
+                               "nothing saved" + _kept(args))
+            _stop(args, strategy, log, model, opt, step, signals)
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            log.print0(f"step {step:5d} | evaluating on {args.eval_iters} val batches ...")
+            log.print0(f"{at} | evaluating on {args.eval_iters} val batches ...")
             val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                                 args.eval_iters)
             # every rank computed the same number; averaging it also lines the ranks up, so
             # the next step's time does not include another rank's evaluation
             val_loss = float(strategy.global_mean(val_loss))
-            log.print0(f"step {step:5d} | val loss {val_loss:.4f} (unigram entropy "
+            log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
         every = args.save_every or args.eval_every
-        stopping = preempted is not None and strategy.any_rank(preempted.is_set())
-        if args.save and (last or stopping or (every and (step + 1) % every == 0)):
-            strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
-            if strategy.rank == 0:      # every rank has written: older folders can go
-                checkpoint_dirs.prune(args.save, args.keep)
-        if stopping:
-            log.print0(f"preempted ({preempted.name}) after step {step}: saved to {args.save};"
-                       f" run the same command with --resume {args.save} (or --resume auto)"
-                       f" to continue")
-            raise SystemExit(preemption.EXIT_STATUS)
+        if args.save and (last or (every and (step + 1) % every == 0)):
+            _save(args, strategy, log, model, opt, step)
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
+
+
+def _describe(args, strategy, log, model, data):
+    """The data and model lines: the whole model's parameters, and this rank's share when
+    the model is split (TP, PP)."""
+    full = sum(math.prod(shape) for shape, _ in gpt_param_specs(model.config).values())
+    here = model.num_parameters()
+    share = f" ({here:,} on this rank, {100 * here / full:.0f}%)" if here != full else ""
+    log.print0(f"data: {data.source} ({data.meta['train_tokens']:,} train / "
+               f"{data.meta['val_tokens']:,} val tokens, cache {data.cache})")
+    log.print0(f"model: {full:,} parameters{share}, {model.config}, {args.dtype} on "
+               f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
+               f"{strategy.world_size} process(es); unigram entropy of the data "
+               f"{data.unigram_entropy:.4f} nats/token")
+    for line in strategy.notes():                 # --amp, --ckpt-activations, the split
+        log.print0(line)
+
+
+def _eta(elapsed, done, left):
+    """"0:12 elapsed, ETA 1:05": from the mean time of this run's steps so far."""
+    return f"{_clock(elapsed)} elapsed, ETA {_clock(elapsed / max(done, 1) * left)}"
+
+
+def _clock(seconds):
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _kept(args):
+    """What --save still holds, for the divergence line."""
+    if not args.save or not checkpoint_dirs.has_checkpoint(args.save):
+        return ""
+    folder = checkpoint_dirs.resolve(args.save)
+    return f"; {args.save} keeps step {checkpoint_dirs.step_of(folder)} ({folder})"
+
+
+def _save(args, strategy, log, model, opt, step, say=True):
+    """Collective: save the state after `step` (0-based) to the next folder of --save, prune,
+    and (`say`) say so; returns the folder (on rank 0). Only called after a step whose loss
+    and gradient norm were finite on every rank (an overflow under --amp skipped the update),
+    so the parameters saved are finite: a diverged run stops before it saves."""
+    strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
+    if strategy.rank == 0:          # every rank has written: older folders can go
+        checkpoint_dirs.prune(args.save, args.keep)
+        folder = os.path.join(args.save, checkpoint_dirs.read_latest(args.save))
+        if say:
+            log.print0(f"saved step {step + 1} to {folder}")
+        return folder
+    return None
+
+
+def _stop(args, strategy, log, model, opt, step, signals):
+    """A signal on some rank: every rank saves this step (with --save), one line, exit."""
+    interrupted = strategy.any_rank(signals.interrupted())      # Ctrl-C anywhere: 130
+    what = preemption.describe(interrupted, signals.name)
+    if args.save:
+        folder = _save(args, strategy, log, model, opt, step, say=False)
+        log.print0(f"{what} after step {step + 1}: saved to {folder}; run the same command "
+                   f"with --resume {args.save} (or --resume auto) to continue")
+    else:
+        log.print0(f"{what} after step {step + 1}: nothing saved (no --save DIR)")
+    raise SystemExit(preemption.exit_status(interrupted))
 
 
 def _finish(args, strategy, log, model, data, val_loss, seconds):

@@ -1,31 +1,61 @@
-"""Preemption: SIGTERM (what Slurm and spot instances send before a kill) or SIGUSR1 (Slurm's
-`--signal=USR1@60`) ask the run to save and stop at the next step boundary.
+"""Preemption and Ctrl-C: SIGTERM (what Slurm and spot instances send before a kill), SIGUSR1
+(Slurm's `--signal=USR1@60`) or SIGINT (Ctrl-C; mpiexec forwards it to every rank) ask the run
+to save and stop at the next step boundary.
 
     python examples/train_gpt.py --save ckpt ...        # kill -TERM <pid>: saves, exits 75
     python examples/train_gpt.py --save ckpt --resume auto ...   # the requeued job continues
+    mpiexec -n 4 python examples/train_gpt.py --save ckpt ...    # Ctrl-C: saves, exits 130
 
 The handler only sets a flag: a checkpoint written from inside a signal handler could be cut
 in the middle of a collective. At the end of each step the loop asks whether ANY rank was
 signalled (one 1-element all-reduce, strategy.any_rank), so all ranks save the same step
-together, then exit with status 75 (EX_TEMPFAIL: "preempted, resumable"). Installed only
-with --save (without it there is nowhere to save). Tests: tests/test_preemption.py.
+together, print one line, then exit: 75 after SIGTERM / SIGUSR1 (EX_TEMPFAIL: "preempted,
+resumable", what examples/slurm/train.sbatch requeues on), 130 after Ctrl-C (128 + SIGINT,
+what a shell reports for an interrupted command). SIGTERM and SIGUSR1 are taken only with
+--save (without it there is nowhere to save, and the default, ending the process, stays);
+Ctrl-C always is: without --save the run stops at the step boundary, saying nothing was saved.
+A second Ctrl-C is Python's KeyboardInterrupt again, for a step that does not end
+(minidist/train/cli.py run_main turns it into one line, exit 130).
+Tests: tests/test_preemption.py.
 """
 import signal
 
 EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (--resume)
-SIGNALS = ("SIGTERM", "SIGUSR1")
+INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
+SIGNALS = ("SIGTERM", "SIGUSR1")    # taken with --save
+SIGINT = "SIGINT"                   # always taken
 
 
 class Flag:
-    """Set by SIGTERM or SIGUSR1 (the previous handlers are replaced for this process)."""
+    """Set by SIGINT, and with `save` by SIGTERM or SIGUSR1 (the previous handlers are
+    replaced for this process)."""
 
-    def __init__(self):
+    def __init__(self, save=True):
         self.name = None
-        for name in SIGNALS:
+        for name in (*SIGNALS, SIGINT) if save else (SIGINT,):
             signal.signal(getattr(signal, name), self._handler)
 
     def _handler(self, signum, frame):
         self.name = signal.Signals(signum).name
+        if self.name == SIGINT:     # the next Ctrl-C interrupts at once (KeyboardInterrupt)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def is_set(self):
         return self.name is not None
+
+    def interrupted(self):
+        """Ctrl-C (SIGINT) rather than a scheduler's signal."""
+        return self.name == SIGINT
+
+
+def exit_status(interrupted):
+    """75 after a scheduler's signal (resumable: requeue), 130 after Ctrl-C on any rank."""
+    return INTERRUPTED if interrupted else EXIT_STATUS
+
+
+def describe(interrupted, name):
+    """How the log line names what stopped the run (`name`: this rank's signal, or None when
+    only another rank was signalled)."""
+    if interrupted:
+        return "interrupted (Ctrl-C)"
+    return f"preempted ({name or 'SIGTERM or SIGUSR1 on another rank'})"
