@@ -97,7 +97,8 @@ def check_device(args):
     if args.device == "cuda" and backend.cupy_module() is None:
         raise UsageError("--device cuda: CuPy is not installed or sees no GPU (pip install -e "
                          "'.[cuda]' on a machine with one); --device cpu or auto runs on CPUs")
-    if args.comm == "nccl" and (args.device == "cpu" or backend.cupy_module() is None):
+    if getattr(args, "comm", None) == "nccl" and (args.device == "cpu"
+                                                  or backend.cupy_module() is None):
         raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
                          "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
                          "--comm ring, naive or mpi.")

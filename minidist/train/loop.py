@@ -15,6 +15,8 @@ import math
 import os
 import time
 
+import numpy as np
+
 from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
@@ -126,8 +128,9 @@ def train(args, world=None):
         lr = schedule(step)
         opt.set_lr(lr)
         x, y = data.get_batch(args.seed, "train", step, args.batch_size, args.block_size)
-        try:
-            loss, norm, mem = train_step(strategy, model, opt, x, y, args)
+        try:    # overflow is checked below, after the step: numpy need not warn on each op
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         except FloatingPointError as e:     # --amp: too many overflowing steps in a row
             raise Diverged(f"step {step + 1}: {e}; stopped, nothing saved") from None
         backend.synchronize()

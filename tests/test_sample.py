@@ -1,0 +1,107 @@
+"""examples/sample.py: text from a checkpoint of any strategy, gathered into the whole model in
+one process (minidist/train/gather.py), and a clear refusal for a vocabulary minidist cannot
+tokenize (an imported GPT-2's BPE).
+
+    python examples/train_gpt.py --steps 3 --save ck ...
+    mpiexec -n 2 python examples/train_gpt.py --tp 2 --zero 1 --steps 3 --save ck_tpz ...
+    python examples/sample.py --resume ck_tpz --prompt "def " --temperature 0
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.train.gather import tp_splits, whole_model
+from mpirun import ROOT, device_flags, mpi_env, mpiexec
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-iters", "1", "--eval-every", "0", "--sample", "0",
+        "--steps", "3", "--dtype", "float64", "--seed", "5"]
+# (ranks, flags): each strategy whose checkpoint stores the model differently
+STRATEGIES = [
+    (2, ["--zero", "3"]),                       # rank shards of flat buffers
+    (2, ["--tp", "2", "--zero", "1"]),          # one ZeRO folder per tp rank
+    (2, ["--pp", "2"]),                         # stages gathered on save
+]
+
+
+def _sample(device, *flags, check=True):
+    out = subprocess.run([sys.executable, "examples/sample.py", *map(str, flags),
+                          *device_flags(device)], cwd=ROOT, env=mpi_env(), text=True,
+                         capture_output=True, timeout=120)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def _train(launch, corpus, tmp_path, save, *flags):
+    cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
+           "--cache-dir", str(tmp_path / "cache"), "--save", str(save), *flags]
+    out = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_tp_splits_are_the_tensor_parallel_models_own(bias):
+    """gather.tp_splits (used without a tp group) says what TensorParallelGPT's layers say."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.tp.model import TensorParallelGPT
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11, bias=bias)
+    model = TensorParallelGPT(config, ProcessGroup(MPI.COMM_SELF, name="tp"), seed=0)
+    theirs = {n: repr(p.tp_split) for n, p in model.named_parameters() if p.tp_split}
+    assert {n: repr(s) for n, s in tp_splits(config).items()} == theirs
+
+
+@pytest.mark.mpi
+def test_every_strategy_gathers_to_the_one_process_model(corpus, tmp_path, mpi):
+    """Float64, same seed and batches: each strategy's checkpoint, gathered, holds the
+    one-process run's parameters (to 1e-10), and sample.py writes the same greedy text."""
+    device = mpi.device
+    _train([], corpus, tmp_path, tmp_path / "one", *device_flags(device))
+    _, ref, _ = whole_model(tmp_path / "one")
+    greedy = ["--prompt", "def ", "--tokens", "24", "--temperature", "0"]
+    text = _sample(device, "--resume", tmp_path / "one", *greedy).stdout
+    assert text.startswith("def ") and len(text) > 4
+    for ranks, flags in STRATEGIES:
+        save = tmp_path / "_".join(f.strip("-") for f in flags)
+        _train([mpiexec(), "-n", str(ranks)], corpus, tmp_path, save, *flags,
+               *device_flags(device))
+        config, got, what = whole_model(save)
+        assert set(got) == set(ref) and config.n_layer == 2, what
+        worst = max(float(np.abs(got[n] - ref[n]).max()) for n in ref)
+        assert worst <= 1e-10, (flags, worst)
+        assert _sample(device, "--resume", save, *greedy).stdout == text, flags
+
+
+def test_a_gpt2_vocabulary_is_refused_and_bytes_sample(tmp_path, device):
+    """A GPT-2 folder with 50,257 BPE tokens: one error line naming the missing tokenizer,
+    before any array is read. One with minidist's byte vocabulary samples."""
+    bpe = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=50257))
+    bpe.save_pretrained(tmp_path / "gpt2")
+    out = _sample(device, "--resume", tmp_path / "gpt2", check=False)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1
+    assert "50,257-token vocabulary" in out.stderr and "no GPT-2 tokenizer" in out.stderr
+    GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=256)).save_pretrained(
+        tmp_path / "bytes")
+    out = _sample(device, "--resume", tmp_path / "bytes", "--prompt", "ab", "--tokens", "5")
+    assert out.stdout.startswith("ab") and "the GPT-2 folder" in out.stderr
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
+    (["--resume", ".", "--tokens", "0"], "--tokens 0: must be at least 1"),
+    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must not be negative"),
+    (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
+    (["--resume", "examples"], "not a minidist checkpoint"),
+    (["--tokens", "5"], "the following arguments are required: --resume"),
+])
+def test_sample_errors_are_one_line(flags, says, device):
+    out = _sample(device, *flags, check=False)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and says in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
