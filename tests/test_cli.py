@@ -1,17 +1,33 @@
-"""Bad input to examples/train_gpt.py: one `error:` line naming the flag or path, printed once
-(under mpiexec too), exit status 2, no traceback; --traceback shows it. A sample never writes
-control characters. Table-driven: each row is a case a user hit.
+"""What a user meets on the command line of examples/train_gpt.py, case by case. Table-driven:
+each row is a case a user hit.
+
+- Bad input: one `error:` line naming the flag or path, printed once (under mpiexec too, argparse's
+  own errors included), exit status 2, no traceback; --traceback shows it. Output paths
+  (--save, --log-json, --trace) are checked before step 0 (BAD_FLAGS, UNDER_MPIEXEC).
+- Runs (RUNS): a --save holding a newer checkpoint is refused unless --resume / --overwrite;
+  each save says `saved step N to DIR`; a diverged run stops with one line naming the step
+  and saves nothing; log lines show step N/total, elapsed and ETA; the model line under TP
+  and PP gives the whole model and this rank's share.
+- Ctrl-C (CTRL_C): SIGINT to the job's process group (mpiexec forwards it to every rank)
+  saves at the step boundary with --save, prints one line, exits 130.
+- A sample never writes control characters; --help shows the defaults.
 
     python examples/train_gpt.py --steps 0          # error: --steps 0: must be at least 1 ...
 """
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from minidist.nn import GPTConfig
+from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags, printable
-from tests.mpirun import ROOT, device_flags, mpi_env
+from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, run_mpi
 
 # (flags, what the one error line must contain)
 BAD_FLAGS = [
@@ -48,14 +64,56 @@ BAD_FLAGS = [
     (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into --grad-accum 4"),
     (["--data", "/nonexistent"], "--data /nonexistent: no such file or folder"),
     (["--resume", "/nonexistent"], "--resume /nonexistent: does not exist"),
+    # output paths, before step 0 ({file}: a file; {tmp}: a folder)
+    (["--save", "/proc/ck"], "--save /proc/ck: cannot make the folder /proc/ck"),
+    (["--save", "{file}/ck"], "/ck: cannot make the folder"),
+    (["--save", "{file}"], ": is a file; --save takes a folder"),
+    (["--log-json", "{file}/x.jsonl"], "/x.jsonl: cannot make the folder"),
+    (["--log-json", "{tmp}"], ": is a folder; give a file name"),
+    (["--trace", "/proc/t.json"], "--trace /proc/t.json: cannot write in /proc"),
+]
+# refused only where there is no GPU (this machine's case; skipped on one)
+NO_GPU = [
+    (["--device", "cuda"], "--device cuda: CuPy is not installed or sees no GPU"),
+    (["--comm", "nccl"], "--comm nccl moves data GPU to GPU: it needs CuPy"),
 ]
 
 
-@pytest.mark.parametrize("flags,says", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
-def test_check_flags_names_the_flag(flags, says):
+def _gpu():
+    from minidist import backend
+    return backend.cupy_module() is not None
+
+
+def _fill(flags, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    return [f.format(file=tmp_path / "afile", tmp=tmp_path) for f in flags]
+
+
+@pytest.mark.parametrize("flags,says", BAD_FLAGS + NO_GPU,
+                         ids=[" ".join(f) for f, _ in BAD_FLAGS + NO_GPU])
+def test_check_flags_names_the_flag(flags, says, tmp_path):
+    if (flags, says) in NO_GPU and _gpu():
+        pytest.skip("a GPU is here")
     with pytest.raises(UsageError, match=None) as e:
-        check_flags(train_parser().parse_args(flags))
+        check_flags(train_parser().parse_args(_fill(flags, tmp_path)))
     assert says in str(e.value)
+
+
+def test_output_folders_are_made_before_step_0(tmp_path):
+    """--log-json / --trace in a folder that does not exist yet: made, nothing written."""
+    log, trace = tmp_path / "new" / "x.jsonl", tmp_path / "deep" / "er" / "t.json"
+    check_flags(train_parser().parse_args(["--log-json", str(log), "--trace", str(trace),
+                                           "--save", str(tmp_path / "ck")]))
+    assert log.parent.is_dir() and trace.parent.is_dir() and (tmp_path / "ck").is_dir()
+    assert not log.exists() and not trace.exists() and not os.listdir(tmp_path / "ck")
+
+
+def test_help_shows_defaults_and_documents_save_and_resume_auto():
+    text = " ".join(train_parser().format_help().split())
+    assert "optimizer steps (default: 800)" in text and "(default: 0.004)" in text
+    assert "--save DIR checkpoint folder: DIR/step-<N>/" in text and "Ctrl-C" in text
+    assert "`--resume auto`: from --save DIR's newest if it holds one, else start fresh" in text
+    assert "--overwrite" in text
 
 
 def test_defaults_pass_the_checks():
@@ -105,6 +163,136 @@ def test_errors_print_once_under_mpiexec(mpi):
     assert out.stderr.count("error: --grad-accum 0") == 1, out.stderr
 
 
+# (flags, the one error line): under mpiexec -n 2, each found on every rank, printed by rank 0
+UNDER_MPIEXEC = [
+    (["--zero", "4"], "error: argument --zero: invalid choice: 4"),
+    (["--device", "gpu"], "error: argument --device: invalid choice: 'gpu'"),
+    (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag"),
+    (["--save", "/proc/ck"], "error: --save /proc/ck: cannot make the folder"),
+    (["--log-json", "{file}/x.jsonl"], "/x.jsonl: cannot make the folder"),
+    (["--trace", "/proc/t.json"], "error: --trace /proc/t.json: cannot write in /proc"),
+] + [(f, "error: " + says) for f, says in NO_GPU]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags,says", UNDER_MPIEXEC,
+                         ids=[" ".join(f) for f, _ in UNDER_MPIEXEC])
+def test_startup_errors_are_one_line_from_rank_0(flags, says, tmp_path):
+    """No usage block, no traceback per rank (the job's own --device is left out: some rows
+    are about it):
+
+        mpiexec -n 2 python examples/train_gpt.py --zero 4
+    """
+    if (flags, says[len("error: "):]) in NO_GPU and _gpu():
+        pytest.skip("a GPU is here")
+    out = run_mpi(2, "examples/train_gpt.py", *_fill(flags, tmp_path), timeout=60,
+                  check=False)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+
+
 def test_printable_escapes_control_characters():
     assert printable("a\x1b[2Jb\tc\nd\x00") == "a\\x1b[2Jb\tc\nd\\x00"
     assert printable("def f(x):\n    return x") == "def f(x):\n    return x"
+
+
+# ---- whole runs ------------------------------------------------------------------------------
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0"]
+_WHOLE = sum(math.prod(s) for s, _ in gpt_param_specs(GPTConfig(
+    n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=256)).values())
+# (case, ranks, runs before it, its flags, exit status, lines its output must hold, lines
+# it must not). {ck}, {old}: --save folders; each run adds TINY, the corpus and --steps 3.
+RUNS = [
+    ("each save says where", 1, [], ["--save", "{ck}", "--save-every", "2"], 0,
+     ["saved step 2 to {ck}/step-00000002", "saved step 3 to {ck}/step-00000003"], []),
+    ("same --save again is refused", 1, [["--save", "{ck}"]], ["--save", "{ck}"], 2,
+     ["error: --save {ck}: already holds a checkpoint (step 3: {ck}/step-00000003)",
+      "--resume auto", "--overwrite"], ["step     1/3"]),
+    ("--overwrite replaces it", 1, [["--save", "{ck}"]],
+     ["--save", "{ck}", "--overwrite", "--steps", "2"], 0, ["saved step 2 to {ck}"], []),
+    ("--resume auto continues it", 1, [["--save", "{ck}", "--steps", "2"]],
+     ["--save", "{ck}", "--resume", "auto"], 0,
+     ["at step 2", "step     3/3", "saved step 3 to {ck}"], []),
+    ("--resume older, --save newer is refused", 1,
+     [["--save", "{old}", "--steps", "1"], ["--save", "{ck}"]],
+     ["--resume", "{old}", "--save", "{ck}"], 2,
+     ["error: --save {ck}: holds step 3", "newer than step 1"], []),
+    ("diverged: one line, nothing saved", 1, [],
+     ["--lr", "1e30", "--grad-clip", "0", "--save", "{ck}", "--steps", "20"], 2,
+     ["error: step 2: loss nan", "training diverged (--lr 1e+30 too high?)", "nothing saved"],
+     ["saved step", "RuntimeWarning"]),
+    ("progress: step N/total, elapsed, ETA", 1, [], ["--log-every", "1"], 0,
+     ["step     1/3 | loss", "step     3/3 | loss", "elapsed, ETA"], []),
+    ("TP: the whole model and this rank's share", 2, [], ["--tp", "2"], 0,
+     [f"model: {_WHOLE:,} parameters ("], []),
+    ("PP: the whole model and this rank's share", 2, [], ["--pp", "2"], 0,
+     [f"model: {_WHOLE:,} parameters ("], []),
+]
+
+
+def _train(ranks, flags, corpus, tmp_path):
+    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
+           "--cache-dir", str(tmp_path / "cache"), "--steps", "3", *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case,ranks,before,flags,status,says,never", RUNS,
+                         ids=[r[0] for r in RUNS])
+def test_runs(case, ranks, before, flags, status, says, never, corpus, tmp_path, device):
+    """Each row by hand: python examples/train_gpt.py FLAGS (after the runs before it)."""
+    fill = {"ck": tmp_path / "ck", "old": tmp_path / "old"}
+    for earlier in before:
+        assert _train(1, [f.format(**fill) for f in earlier], corpus, tmp_path).returncode == 0
+    saved = sorted(os.listdir(fill["ck"])) if os.path.isdir(fill["ck"]) else []
+    out = _train(ranks, [f.format(**fill) for f in flags] + device_flags(device), corpus,
+                 tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == status and "Traceback" not in text, text[-3000:]
+    for line in says:
+        assert line.format(**fill) in text, (line, text[-3000:])
+    for line in never:
+        assert line not in text, (line, text[-3000:])
+    if status:     # one error line from rank 0, and --save holds what it held
+        assert out.stderr.count("\n") == 1, out.stderr
+        assert (sorted(os.listdir(fill["ck"])) if os.path.isdir(fill["ck"]) else []) == saved
+
+
+# (ranks, with --save): Ctrl-C to the job's process group, as a terminal sends it
+CTRL_C = [(1, True), (2, True), (2, False)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,save", CTRL_C, ids=[f"{r} rank(s), save {s}" for r, s in CTRL_C])
+def test_ctrl_c_saves_at_the_step_boundary(ranks, save, corpus, tmp_path, device):
+    """By hand: mpiexec -n 2 python examples/train_gpt.py --save ck ..., then Ctrl-C."""
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
+           "--cache-dir", str(tmp_path / "cache"), "--steps", "100000", "--log-every", "1",
+           "--log-json", str(log), *(["--save", str(ck)] if save else []),
+           *device_flags(device)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert time.time() < deadline and job.poll() is None, job.communicate()
+            time.sleep(0.1)
+        os.killpg(job.pid, signal.SIGINT)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [line for line in out.splitlines() if line.startswith("interrupted (Ctrl-C)")]
+    assert len(lines) == 1, out[-2000:]
+    step = len(log.read_text().splitlines())             # steps done, all logged
+    if save:
+        assert f"after step {step}: saved to {ck}/step-{step:08d}" in lines[0]
+        assert f"--resume {ck}" in lines[0] and (ck / f"step-{step:08d}").is_dir()
+    else:
+        assert lines[0] == f"interrupted (Ctrl-C) after step {step}: nothing saved (no --save DIR)"
