@@ -109,6 +109,30 @@ def test_readme_recipe_rank0_stops_in_a_gradient_bucket_and_q_ends_the_job():
 
 
 @pytest.mark.mpi
+def test_readme_recipe_on_train_gpt_stops_in_a_gradient_bucket(corpus, tmp_path):
+    """The same recipe on examples/train_gpt.py (overlapped DDP): rankpdb's
+    MINIDIST_SYNC_COMM=1 reaches comm.init (--sync-comm left unset defers to it), so the
+    first stop is in a gradient bucket, not the 1-element loss average. By hand:
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb examples/train_gpt.py --steps 1
+    """
+    flags = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+             "--batch-size", "4", "--steps", "1", "--eval-iters", "1", "--sample", "0",
+             "--data", corpus, "--cache-dir", str(tmp_path / "cache")]
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            "examples/train_gpt.py", *flags], RECIPE_RANK0)
+    size = re.search(r"\(0, (\d+)\)", out)
+    assert size and int(size.group(1)) > 1, (out, err)     # a bucket, not the loss
+    assert "[rank 0] debugger quit: ending the whole MPI job" in out, (out, err)
+
+
+def test_sync_comm_flag_defers_to_the_environment():
+    """--sync-comm unset is None (comm.init then reads MINIDIST_SYNC_COMM), not False."""
+    assert train_parser().parse_args([]).sync_comm is None
+    assert train_parser().parse_args(["--sync-comm"]).sync_comm is True
+
+
+@pytest.mark.mpi
 def test_rankpdb_finishing_ends_the_job_without_restarting():
     """`c` runs to the end; the script is not restarted (pdb would, alone, and hang):
 
