@@ -8,8 +8,10 @@
 
 Curves, one line per log file, against step: loss (train, and validation as markers), tokens/s,
 and memory per rank from the log's ledger (rank 0's row: total, and model states = parameters +
-gradients + optimizer, dashed). Runs of the same global batch and seed should lie on top of
-each other however they are parallelised. The timeline is examples/ddp_timeline.py's picture:
+gradients + optimizer, thinner and paler). Runs of the same global batch and seed should lie on
+top of each other however they are parallelised, so each run has its own color, line style and
+marker (`STYLES`; the markers of different runs at different steps): identical curves stay
+visible one over the other. The timeline is examples/ddp_timeline.py's picture:
 per rank, the forward, backward and "wait for gradients" spans above the all-reduces.
 
 Tests: tests/test_plot.py (skipped where matplotlib is not installed).
@@ -22,6 +24,9 @@ import sys
 from ddp_timeline import steps_of
 
 MiB = 2 ** 20
+# (line style, marker) per run, in order: curves that coincide still tell apart
+STYLES = [("-", "o"), ((0, (5, 3)), "s"), (":", "^"), ("-.", "D"), ((0, (1, 1)), "v"),
+          ((0, (8, 2, 1, 2)), "x")]
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "wait for gradients": "tab:red"}
 
 
@@ -52,30 +57,40 @@ def read_log(path):
     return rows, final
 
 
+def run_style(i, n_points, runs):
+    """Run i's color, line style and marker; ~8 markers per curve, each run's at other steps."""
+    every = max(n_points // 8, 1)
+    ls, marker = STYLES[i % len(STYLES)]
+    return {"color": f"C{i}", "ls": ls, "marker": marker, "ms": 5, "mfc": "none",
+            "markevery": (i * every // max(runs, 1) % every, every)}
+
+
 def plot_curves(axes, logs, labels):
-    """Loss, tokens/s and memory per rank against step, one color per run."""
+    """Loss, tokens/s and memory per rank against step, one color, line style and marker per
+    run (run_style)."""
     ax_loss, ax_tok, ax_mem = axes
     for i, ((rows, final), label) in enumerate(zip(logs, labels)):
         color = f"C{i}"
         steps = [r["step"] for r in rows]
-        ax_loss.plot(steps, [r["loss"] for r in rows], color=color, lw=1.2, label=label)
+        style = run_style(i, len(rows), len(logs))
+        ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, label=label, **style)
         val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         if final is not None and final.get("val_loss") is not None:
             val.append((final.get("steps", steps[-1] + 1) - 1, final["val_loss"]))
         if val:
-            ax_loss.plot(*zip(*val), "o", color=color, ms=5, mfc="none",
+            ax_loss.plot(*zip(*val), "*", color=color, ms=9, ls="none",
                          label=f"{label} (val)")
         timed = [(r["step"], r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
         if timed:
-            ax_tok.plot(*zip(*timed), color=color, lw=1.2, label=label)
+            ax_tok.plot(*zip(*timed), lw=1.2, label=label, **style)
         mem = [(r["step"], r["mem"]) for r in rows if isinstance(r.get("mem"), dict)]
         if mem:
             x = [s for s, _ in mem]
-            ax_mem.plot(x, [m.get("total", 0) / MiB for _, m in mem], color=color, lw=1.2,
-                        label=f"{label} total")
+            ax_mem.plot(x, [m.get("total", 0) / MiB for _, m in mem], lw=1.2,
+                        label=f"{label} total", **style)
             states = [sum(m.get(k, 0) for k in ("params", "grads", "optimizer")) / MiB
                       for _, m in mem]
-            ax_mem.plot(x, states, "--", color=color, lw=1.0, label=f"{label} model states")
+            ax_mem.plot(x, states, lw=0.8, alpha=0.5, label=f"{label} model states", **style)
     for ax, title, unit in ((ax_loss, "loss", "nats/token"), (ax_tok, "throughput", "tokens/s"),
                             (ax_mem, "memory per rank (rank 0's ledger)", "MiB")):
         ax.set_title(title)

@@ -5,7 +5,9 @@ timeline from a --trace file, to PNG. Skipped where matplotlib is not installed
     python examples/plot.py a.jsonl b.jsonl -o curves.png --labels "1 rank,DDP"
     python examples/plot.py --trace ddp_trace.json -o timeline.png
 """
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -94,3 +96,51 @@ def test_ddp_timeline_text(tmp_path):
     helptext = subprocess.run(run + ["--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=60).stdout
     assert "mpirun -n 4 python examples/train_gpt.py" in helptext and "one node)" in helptext
+
+
+def test_identical_runs_get_distinct_styles(tmp_path):
+    """Three logs with the same numbers (what exact strategies produce): every curve its own
+    color, line style and marker, the markers at different steps, so none hides another.
+    Checked on plot_curves' lines; by hand: python examples/plot.py a.jsonl a.jsonl -o x.png"""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    sys.path.insert(0, os.path.join(ROOT, "examples"))    # plot.py imports ddp_timeline
+    try:
+        spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "examples",
+                                                                           "plot.py"))
+        plot_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plot_module)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    write_log(tmp_path / "a.jsonl", 40)
+    logs = [plot_module.read_log(tmp_path / "a.jsonl")] * 3
+    fig, axes = plt.subplots(1, 3)
+    plot_module.plot_curves(axes, logs, ["one", "ddp", "zero3"])
+    for ax in axes:
+        runs = [line for line in ax.lines if line.get_label() in ("one", "ddp", "zero3")
+                or line.get_label().endswith(" total")]
+        assert len(runs) == 3, [line.get_label() for line in ax.lines]
+        for look in (lambda x: x.get_color(), lambda x: str(x.get_linestyle()),
+                     lambda x: x.get_marker(), lambda x: str(x.get_markevery())):
+            assert len({look(line) for line in runs}) == 3
+    plt.close(fig)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_readme_pictures_script_makes_both_pictures(tmp_path, corpus):
+    """The README's command, short and small (the real one: bash examples/readme_pictures.sh):
+
+        STEPS=3 TRACE_STEPS=2 OUT=DIR bash examples/readme_pictures.sh --data CORPUS ...
+    """
+    pytest.importorskip("matplotlib")
+    from mpirun import mpi_env, mpiexec
+    env = mpi_env(STEPS=3, TRACE_STEPS=2, OUT=tmp_path, PYTHON=sys.executable, MPIRUN=mpiexec())
+    done = subprocess.run(["bash", "examples/readme_pictures.sh", "--data", corpus,
+                           "--cache-dir", str(tmp_path / "cache"), "--block-size", "16",
+                           "--batch-size", "4", "--eval-iters", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("loss_1rank_ddp_zero3.png", "ddp_timeline.png"):
+        assert (tmp_path / name).read_bytes().startswith(PNG), name

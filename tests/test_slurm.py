@@ -80,3 +80,26 @@ def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
     assert again.returncode == 0, (again.stdout, again.stderr)
     assert "resumed from" in again.stdout and "at step 2" in again.stdout, again.stdout
     assert not (tmp_path / "scontrol.log").exists()   # a finished run is not requeued
+
+
+def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
+    """DRY_RUN=1 runs nothing (no srun on PATH here) and prints the Python the job would use:
+    $VENV's (its bin/activate sourced), then the command. By hand:
+
+        DRY_RUN=1 VENV=.venv bash examples/slurm/train.sbatch --steps 5
+    """
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv}/bin:$PATH"\n')
+    env = mpi_env(VENV=str(venv), DRY_RUN="1", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="3",
+                  CKPT=str(tmp_path / "ck"))
+    env.pop("PYTHON", None)
+    out = subprocess.run(["bash", "examples/slurm/train.sbatch", "--steps", "5"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"python: {venv}/bin/python (minidist from {ROOT}/minidist)" in out.stdout, out.stdout
+    assert (f"would run: srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=6 python "
+            f"examples/train_gpt.py --save {tmp_path / 'ck'} --resume auto --steps 5"
+            in out.stdout), out.stdout
+    assert not (tmp_path / "ck").exists()
