@@ -11,8 +11,11 @@ Where to read what happens:
     minidist/train/strategy.py  make_strategy: the model split in order, TP -> PP -> DDP/ZeRO
     minidist/train/step.py      one optimizer step, the same for every strategy, in one screen
     minidist/train/loop.py      the loop around it: schedule, logs, evaluation, checkpoints
-Flags: python examples/train_gpt.py --help. A bad flag, data file or checkpoint is one
-`error:` line and exit status 2 (--traceback shows where).
+Flags: python examples/train_gpt.py --help (with their defaults). A bad flag, data file,
+checkpoint or output path is one `error:` line and exit status 2 (--traceback shows where),
+before step 0. Ctrl-C stops every rank at the step boundary (saving it with --save; exit 130);
+a loss that is not finite stops the run without saving. Text from a checkpoint:
+python examples/sample.py --resume ckpt --prompt "def ".
 """
 from minidist.launcher import set_thread_env, world_size_from_env
 

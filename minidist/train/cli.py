@@ -15,7 +15,8 @@ path (`check_outputs`: --save, --log-json and --trace must be writable, their fo
 made), so nothing is lost to a late error after training ran. argparse's own errors (an
 unknown flag, `--zero 4`) take the same path (minidist/train/args.py Parser).
 Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
-preemption.py) ends the run with one line and exit status 130, no traceback per rank.
+preemption.py), or a second one in it, ends the run at once with one line and exit status 130,
+no traceback per rank.
 Tests: tests/test_cli.py.
 """
 import os
@@ -150,10 +151,10 @@ def run_main(main, args, user_errors=()):
     rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback)."""
     try:
         return main(args)
-    except KeyboardInterrupt:            # Ctrl-C before the loop took it over (preemption.py)
+    except KeyboardInterrupt:   # Ctrl-C before the loop takes it over, or a second one in it
         if launcher_rank() == 0:
-            print("interrupted (Ctrl-C) before training started: nothing to save",
-                  file=sys.stderr, flush=True)
+            print("interrupted (Ctrl-C): stopped at once, nothing saved", file=sys.stderr,
+                  flush=True)
         sys.exit(130)
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
