@@ -8,7 +8,13 @@ checkpoints (--save, --resume) and a text sample at the end. What a parallel run
 differently lives in its Strategy (minidist/train/strategy.py); this file does not change.
 Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG and
 the step, and batches depend only on (seed, step).
-Tests: tests/test_train.py.
+At the end of each step the ranks agree (strategy.any_rank, one 1-element all-reduce) whether
+to stop: a signal on any rank (Ctrl-C, SIGTERM, SIGUSR1: minidist/train/preemption.py) saves
+that step with --save and exits; a loss or gradient norm that is not finite raises Diverged
+(one `error:` line naming the step) before anything is saved, so no checkpoint holds NaNs.
+Log lines count steps done, `step N/total`, with the time elapsed and the ETA; a --save that
+would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check_save).
+Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
 """
 import json
 import math
