@@ -10,6 +10,7 @@ each row is a case a user hit.
   and PP gives the whole model and this rank's share.
 - Ctrl-C (CTRL_C): SIGINT to the job's process group (mpiexec forwards it to every rank)
   saves at the step boundary with --save, prints one line, exits 130.
+- examples/sample.py's bad input (SAMPLE_BAD), an imported GPT-2's BPE vocabulary included.
 - A sample never writes control characters; --help shows the defaults.
 
     python examples/train_gpt.py --steps 0          # error: --steps 0: must be at least 1 ...
@@ -23,7 +24,7 @@ import time
 
 import pytest
 
-from minidist.nn import GPTConfig
+from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags, printable
@@ -189,6 +190,35 @@ def test_startup_errors_are_one_line_from_rank_0(flags, says, tmp_path):
                   check=False)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     assert out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+
+
+# examples/sample.py: (flags, the one error line). {gpt2}: a GPT-2 folder with 50,257 BPE tokens
+SAMPLE_BAD = [
+    (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
+    (["--resume", ".", "--tokens", "0"], "--tokens 0: must be at least 1"),
+    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must not be negative"),
+    (["--resume", ".", "--top-k", "-1"], "--top-k -1: must not be negative"),
+    (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
+    (["--resume", "examples"], "not a minidist checkpoint"),
+    (["--tokens", "5"], "the following arguments are required: --resume"),
+    (["--resume", "{gpt2}"], "a model with a 50,257-token vocabulary (an imported GPT-2's BPE "
+     "tokens); minidist has only its byte tokenizer (256 tokens) and no GPT-2 tokenizer"),
+]
+
+
+@pytest.mark.parametrize("flags,says", SAMPLE_BAD, ids=[" ".join(f) for f, _ in SAMPLE_BAD])
+def test_sample_errors_are_one_line(flags, says, tmp_path, device):
+    """python examples/sample.py --resume GPT2_FOLDER: refused before any array is read."""
+    if "{gpt2}" in flags:
+        GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=50257)
+            ).save_pretrained(tmp_path / "gpt2")
+    out = subprocess.run([sys.executable, "examples/sample.py",
+                          *[f.format(gpt2=tmp_path / "gpt2") for f in flags],
+                          *device_flags(device)], cwd=ROOT, env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and says in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
 
 
 def test_printable_escapes_control_characters():
