@@ -108,7 +108,8 @@ def check_device(args):
 def check_outputs(args):
     """Every file the run will write can be written: --save DIR (a folder, made if needed),
     --log-json and --trace FILE (their folders made if needed). Checked by trying: a
-    temporary file is made and removed in each folder (permission bits do not tell root)."""
+    temporary file is made and removed in each folder (permission bits do not tell root);
+    its name is one a --save folder's next save clears away if a kill left it there."""
     if args.save:
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise UsageError(f"--save {args.save}: is a file; --save takes a folder for the "
@@ -130,7 +131,7 @@ def _writable_folder(flag, path, folder):
         raise UsageError(f"{flag} {path}: cannot make the folder {folder} ({why}); choose a "
                          "path you can write to") from None
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".minidist-probe-"):
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-minidist-probe-"):
             pass
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); "
