@@ -123,11 +123,12 @@ def add_train_args(p):
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
-    """--help lists each flag's default, where it has one (not for switches or None)."""
+    """--help lists each flag's default, where it has one (not for switches, not None)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        shown = not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        shown = action.nargs != 0 and not any(action.default is v
+                                              for v in (None, False, argparse.SUPPRESS))
         if shown and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text
