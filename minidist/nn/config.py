@@ -32,6 +32,13 @@ class GPTConfig:
                                       # tiled for T >= TILED_FROM_T without attention dropout
     attention_block: int = 64         # the tiled attention's tile size
     vocab_multiple: int = 1           # wte's rows padded to a multiple of this (GPUs: 64)
+    # Mixture of Experts (minidist/nn/moe.py); 0 experts: the dense GPT-2, unchanged
+    moe_experts: int = 0              # E expert MLPs per MoE block, behind a learned router
+    moe_top_k: int = 1                # experts each token goes to
+    moe_capacity_factor: float = 1.25  # per sequence and expert: ceil(f k T / E) tokens; 0: all
+    moe_aux_loss_coef: float = 0.01   # Switch/GShard load-balancing loss, times this
+    moe_z_loss_coef: float = 0.0      # router z-loss (ST-MoE), times this
+    moe_every: int = 1                # every n-th block is MoE (blocks n-1, 2n-1, ...)
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
@@ -47,6 +54,7 @@ class GPTConfig:
             raise ValueError(f"attention must be one of {ATTENTIONS}, not {self.attention!r}")
         if int(self.attention_block) < 1:
             raise ValueError(f"attention_block must be >= 1, not {self.attention_block}")
+        _check_moe(self)
         if self.attention == "tiled" and self.dropout > 0:
             raise ValueError("attention 'tiled' has no dropout on attention weights (it keeps "
                              "no (T, T) mask): use --attention materialized or --dropout 0")
@@ -60,8 +68,30 @@ class GPTConfig:
         m = self.vocab_multiple
         return -(-self.vocab_size // m) * m
 
+    def is_moe(self, i):
+        """Whether block i's MLP is a Mixture of Experts (every moe_every-th block)."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
     def to_dict(self):
-        return asdict(self)
+        """The fields; without the moe_* ones for a dense model (its checkpoints unchanged)."""
+        d = asdict(self)
+        return d if self.moe_experts else {k: v for k, v in d.items()
+                                           if not k.startswith("moe_")}
+
+
+def _check_moe(c):
+    if c.moe_experts < 0 or (c.moe_experts and c.moe_experts < 2):
+        raise ValueError(f"moe_experts must be 0 (dense) or >= 2, not {c.moe_experts}")
+    if not c.moe_experts:
+        return
+    if not 1 <= c.moe_top_k <= c.moe_experts:
+        raise ValueError(f"moe_top_k must be in 1..moe_experts ({c.moe_experts}), "
+                         f"not {c.moe_top_k}")
+    if c.moe_capacity_factor < 0 or c.moe_aux_loss_coef < 0 or c.moe_z_loss_coef < 0:
+        raise ValueError("moe_capacity_factor, moe_aux_loss_coef and moe_z_loss_coef must be "
+                         ">= 0")
+    if not 1 <= c.moe_every <= c.n_layer:
+        raise ValueError(f"moe_every must be in 1..n_layer ({c.n_layer}), not {c.moe_every}")
 
 
 # ---- initialisation ------------------------------------------------------------------------
@@ -90,6 +120,12 @@ def gpt_param_specs(config):
         linear(h + "attn.c_attn", C, 3 * C, std)
         linear(h + "attn.c_proj", C, C, proj_std)
         norm(h + "ln_2")
+        if config.is_moe(i):        # the router, then E expert MLPs (minidist/nn/moe.py)
+            specs[h + "mlp.router.weight"] = ((C, config.moe_experts), std)
+            for e in range(config.moe_experts):
+                linear(h + f"mlp.experts.{e}.c_fc", C, 4 * C, std)
+                linear(h + f"mlp.experts.{e}.c_proj", 4 * C, C, proj_std)
+            continue
         linear(h + "mlp.c_fc", C, 4 * C, std)
         linear(h + "mlp.c_proj", 4 * C, C, proj_std)
     norm("transformer.ln_f")

@@ -30,6 +30,7 @@ from minidist.autograd.flash import tiled_self_attention
 from minidist.nn.config import TILED_FROM_T, gpt_init
 from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.nn.moe import MoE
 
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
 
@@ -82,14 +83,15 @@ class MLP(Module):
 
 
 class Block(Module):
-    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Block `layer`'s mlp
+    is a Mixture of Experts (minidist/nn/moe.py) where config.is_moe(layer)."""
 
-    def __init__(self, config, dtype="float32"):
+    def __init__(self, config, dtype="float32", layer=0):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
         self.attn = CausalSelfAttention(config, dtype)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else MLP(config, dtype)
 
     def forward(self, x):                                          # (B, T, C)
         x = x + self.attn(self.ln_1(x))
@@ -122,7 +124,7 @@ class GPT(Module):
             wte=Embedding(config.padded_vocab_size, C, dtype=dtype),   # + zero pad rows
             wpe=Embedding(config.block_size, C, dtype=dtype),
             drop=Dropout(p),
-            h=ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
+            h=ModuleList([Block(config, dtype, i) for i in range(config.n_layer)]),
             ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
         self.load_state_dict(gpt_init(config, seed, dtype=dtype))
         self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
@@ -184,7 +186,24 @@ class GPT(Module):
             return self.context.forward(self, idx, targets)        # minidist/cp/context.py
         x = self.embed(idx)                                        # (B, T, C)
         x = self.run_blocks(x)                                     # (B, T, C)
-        return self.head(x, targets)                               # (B, T, V), loss
+        logits, loss = self.head(x, targets)                       # (B, T, V), loss
+        if loss is not None and self.config.moe_experts:
+            loss = loss + self.moe_loss()
+        return logits, loss
+
+    def moe_layers(self):
+        """The Mixture-of-Experts MLPs (minidist/nn/moe.py), in block order."""
+        return [m for _, m in self.named_modules() if isinstance(m, MoE)]
+
+    def moe_loss(self):
+        """The routers' losses of the last forward: aux_loss_coef x the load-balancing
+        losses + z_loss_coef x the z-losses, summed over the MoE blocks."""
+        c, total = self.config, 0.0
+        for m in self.moe_layers():
+            total = total + m.aux_loss * c.moe_aux_loss_coef
+            if c.moe_z_loss_coef:
+                total = total + m.z_loss * c.moe_z_loss_coef
+        return total
 
     def embed(self, idx, pos=None):
         """Token plus position embedding: idx (B, T) -> (B, T, C); pos (T,): the tokens'
@@ -247,10 +266,14 @@ class GPT(Module):
         and LayerNorms are not matmuls. Each such weight costs 2 FLOPs per token forward and
         4 backward. Attention's QK^T and AV are 2 * 2 T C per token per layer forward, times 3
         for forward + backward, counted over the full T x T (the causal mask saves nothing
-        in our implementation) -- the PaLM / nanoGPT convention."""
+        in our implementation) -- the PaLM / nanoGPT convention. A Mixture-of-Experts block
+        counts its router (C E) and the k experts a token visits (8 C^2 each) in place of the
+        MLP's 8 C^2."""
         c = self.config
         T = c.block_size if T is None else T
         n_matmul = c.n_layer * 12 * c.n_embd ** 2 + c.vocab_size * c.n_embd
+        n_moe = sum(c.is_moe(i) for i in range(c.n_layer))
+        n_matmul += n_moe * (c.n_embd * c.moe_experts + (c.moe_top_k - 1) * 8 * c.n_embd ** 2)
         return 6 * n_matmul + 12 * c.n_layer * T * c.n_embd
 
     # ---- sampling --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ def add_model_args(p):
     g.add_argument("--no-bias", dest="bias", action="store_false",
                    help="no biases in Linear and LayerNorm layers")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    add_moe_args(p)
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when CuPy sees a GPU, else cpu")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
@@ -34,6 +35,22 @@ def add_model_args(p):
     g.add_argument("--seed", type=int, default=1337,
                    help="initial weights, batches and dropout all follow from it")
     return p
+
+
+def add_moe_args(p):
+    """Mixture of Experts (minidist/nn/moe.py); without --moe-experts the model is dense."""
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="each (--moe-every n-th) block's MLP becomes E experts behind a router")
+    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
+                   help="an expert takes ceil(F K T / E) tokens of a sequence; 0: no dropping")
+    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
+                   help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coef", type=float, default=0.0,
+                   help="weight of the router z-loss")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block is MoE (the others keep their MLP)")
 
 
 def add_parallel_args(p):
@@ -52,6 +69,8 @@ def add_parallel_args(p):
     g.add_argument("--cp-split", choices=("zigzag", "naive"), default="zigzag",
                    help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
                    "naive (contiguous; the last rank does the most causal work)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: each holds E/ep experts (minidist/ep/)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage instead of DDP: 1 shards the optimizer state, 2 also the "
                    "gradients, 3 also the parameters")

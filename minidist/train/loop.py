@@ -79,9 +79,17 @@ def _config(args, data):
         return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                          block_size=args.block_size, vocab_size=data.vocab_size,
                          dropout=args.dropout, bias=args.bias, attention=args.attention,
-                         attention_block=args.attention_block)
+                         attention_block=args.attention_block, **moe_fields(args))
     except ValueError as e:
         raise UsageError(f"model flags: {e}") from None
+
+
+def moe_fields(args):
+    """GPTConfig's moe_* fields from the --moe-* flags (minidist/nn/moe.py)."""
+    return dict(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                moe_capacity_factor=args.moe_capacity_factor,
+                moe_aux_loss_coef=args.moe_aux_loss_coef, moe_z_loss_coef=args.moe_z_loss_coef,
+                moe_every=args.moe_every)
 
 
 def _schedule(args):

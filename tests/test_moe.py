@@ -1,0 +1,131 @@
+"""The Mixture-of-Experts layer on one process (minidist/nn/moe.py): float64 gradchecks of the
+layer and its ops, routing and capacity dropping in closed form, the losses, the parameter
+names, and that the dense model is untouched when no experts are asked for."""
+import numpy as np
+import pytest
+
+from minidist.autograd import Tensor
+from minidist.autograd.gradcheck import gradcheck
+from minidist.nn import GPT, GPTConfig
+from minidist.nn.gpt import MLP
+from minidist.nn.moe import IndexAddRows, MoE, capacity, load_balancing_loss, route, \
+    router_z_loss
+
+
+def moe_config(**kw):
+    base = dict(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16, moe_experts=4,
+                moe_top_k=2, moe_capacity_factor=1.0, moe_z_loss_coef=0.01)
+    return GPTConfig(**{**base, **kw})
+
+
+def test_route_top1_capacity_closed_form():
+    # 2 sequences of T=4 tokens, E=2; every token prefers expert 0 -> cap tokens kept each
+    probs = np.tile([[0.9, 0.1]], (8, 1))
+    r = route(probs, k=1, cap=3, T=4)
+    assert r.counts.tolist() == [6, 0]                       # 3 per sequence
+    assert r.token.tolist() == [0, 1, 2, 4, 5, 6]            # the first 3 of each sequence
+    assert r.dropped == 2 and r.chosen.tolist() == [[4, 0], [4, 0]]
+
+
+def test_route_slot_major_priority():
+    # top-2 of 2 experts with cap 2 on T=2: slot-0 choices first, so expert 1 takes token 1's
+    # slot-0 choice and token 0's slot-1 choice; expert 0 token 0 (slot 0) and token 1 (slot 1)
+    probs = np.array([[0.7, 0.3], [0.2, 0.8]])
+    r = route(probs, k=2, cap=2, T=2)
+    assert list(zip(r.expert, r.token, r.slot)) == [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)]
+    r = route(probs, k=2, cap=1, T=2)                        # slot-1 choices dropped
+    assert list(zip(r.expert, r.token, r.slot)) == [(0, 0, 0), (1, 1, 0)] and r.dropped == 2
+
+
+def test_capacity_formula():
+    assert capacity(T=8, E=4, k=2, factor=1.0) == 4
+    assert capacity(T=8, E=4, k=1, factor=1.25) == 3         # ceil(2.5)
+    assert capacity(T=8, E=4, k=1, factor=0) == 8            # no dropping
+
+
+def test_route_is_per_sequence():
+    """Routing rows 0..1 and 2..3 separately gives the same assignments as all four together:
+    what makes data- and expert-parallel runs drop exactly the tokens one process drops."""
+    probs = np.random.default_rng(0).dirichlet(np.ones(4), size=4 * 5)       # B=4, T=5
+    whole = route(probs, 2, 2, 5)
+    a, b = route(probs[:10], 2, 2, 5), route(probs[10:], 2, 2, 5)
+    pairs = set(zip(whole.token.tolist(), whole.expert.tolist()))
+    split = set(zip(a.token.tolist(), a.expert.tolist())) | \
+        set(zip((b.token + 10).tolist(), b.expert.tolist()))
+    assert pairs == split and (whole.chosen == np.concatenate([a.chosen, b.chosen])).all()
+
+
+def test_gradcheck_index_add_rows():
+    rows = Tensor(np.random.default_rng(1).standard_normal((5, 3)), requires_grad=True)
+    idx = np.array([2, 0, 2, 3, 0])
+    gradcheck(lambda r: IndexAddRows.apply(r, idx, 4), [rows], name="index_add_rows")
+
+
+def test_gradcheck_losses():
+    rng = np.random.default_rng(2)
+    logits = Tensor(rng.standard_normal((6, 3)), requires_grad=True)
+    chosen = np.array([[2, 1, 0], [1, 1, 1]])
+    from minidist.autograd import fused as F
+    gradcheck(lambda z: load_balancing_loss(F.softmax(z, axis=-1), chosen, 3, 1), [logits],
+              name="load_balancing_loss")
+    gradcheck(router_z_loss, [logits], name="router_z_loss")
+
+
+def test_aux_loss_is_one_when_balanced():
+    probs = Tensor(np.full((4, 2), 0.5))
+    assert load_balancing_loss(probs, np.array([[1, 1], [1, 1]]), T=2, k=1).item() == 1.0
+
+
+@pytest.mark.parametrize("k,factor", [(1, 1.0), (2, 1.0), (2, 0.0)])
+def test_gradcheck_moe_layer(k, factor):
+    """The whole layer (router, top-k, dropping, experts, combine, aux and z losses) in
+    float64 against central differences, for x and every parameter."""
+    config = moe_config(moe_top_k=k, moe_capacity_factor=factor)
+    layer = MoE(config, MLP, dtype="float64")
+    rng = np.random.default_rng(3)
+    names = [n for n, _ in layer.named_parameters()]
+    values = [Tensor(rng.standard_normal(p.shape) * 0.5, requires_grad=True)
+              for _, p in layer.named_parameters()]
+    x = Tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
+
+    def fn(x, *params):
+        for name, p in zip(names, params):     # the layer computes with the checked tensors
+            owner = layer
+            for part in name.split(".")[:-1]:
+                owner = getattr(owner, part)
+            setattr(owner, name.split(".")[-1], p)
+        y = layer(x)
+        return [y, layer.aux_loss, layer.z_loss]
+
+    gradcheck(fn, [x] + values, name=f"moe(k={k}, f={factor})")
+
+
+def test_parameter_names_and_dense_unchanged():
+    names = [n for n, _ in GPT(moe_config(moe_every=2), seed=0).named_parameters()]
+    assert "transformer.h.0.mlp.c_fc.weight" in names                # block 0 stays dense
+    assert "transformer.h.1.mlp.router.weight" in names
+    assert "transformer.h.1.mlp.experts.3.c_fc.weight" in names
+    dense = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16)
+    assert not any(k.startswith("moe") for k in dense.to_dict())     # checkpoints as before
+    assert "moe_experts" in moe_config().to_dict()
+
+
+def test_model_loss_includes_router_losses():
+    config = moe_config()
+    model = GPT(config, seed=0, dtype="float64")
+    x = np.random.default_rng(4).integers(0, 16, (3, 8))
+    _, loss = model(x, x)
+    x2 = model.run_blocks(model.embed(x))
+    _, ce = model.head(x2, x)
+    extra = sum(0.01 * m.aux_loss.item() + 0.01 * m.z_loss.item() for m in model.moe_layers())
+    assert abs(loss.item() - ce.item() - extra) < 1e-12
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values())                 # every expert too
+
+
+def test_config_refuses_bad_moe():
+    with pytest.raises(ValueError, match="moe_top_k"):
+        moe_config(moe_top_k=5)
+    with pytest.raises(ValueError, match="moe_experts"):
+        moe_config(moe_experts=1)
