@@ -11,9 +11,9 @@
 Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
 nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
 algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for reduce_scatter
-and all_gather, x 1 for broadcast, which is the bandwidth a link must carry, comparable across
+and all_gather and all_to_all, x 1 for broadcast, which is the bandwidth a link must carry, comparable across
 rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's input, all_gather's
-output). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
+output, all_to_all's input: ring is the pairwise exchange, mpi MPI_Alltoallv). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
 (the best, because other processes share this machine's cores; the algorithms take turns
 inside each repeat so that they meet the same conditions). Rank 0 prints the lines on
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
@@ -36,9 +36,10 @@ from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+              "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+              "all_to_all": lambda n: (n - 1) / n}
 
 
 def parse_bytes(text):
@@ -61,7 +62,9 @@ def make_call(group, op, nbytes, dtype):
     full = xp.full(n, 0, dtype=dtype)   # zeros stay zeros under repeated sums (no overflow);
     lo, hi = group.chunk(n)             # full(), not zeros(): calloc'd pages would read free
     part = xp.full(hi - lo, 0, dtype=dtype)
-    return {"all_reduce": lambda: group.all_reduce(full),
+    n_even = n - n % group.size                       # all_to_all: equal chunks
+    a2a_in, a2a_out = full[:n_even].copy(), xp.empty(n_even, dtype=dtype)
+    return {"all_to_all": lambda: group.all_to_all(a2a_out, a2a_in),"all_reduce": lambda: group.all_reduce(full),
             "reduce_scatter": lambda: group.reduce_scatter(part, full),
             "all_gather": lambda: group.all_gather(full, part),
             "broadcast": lambda: group.broadcast(full)}[op]

@@ -34,7 +34,7 @@ from minidist.comm.progress import wait_all
 
 _state = {"on": os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0")}
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
 REDUCTIONS = ("", "sum", "avg", "max", "min")
 DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
 

@@ -11,7 +11,8 @@ Attributes: `rank`, `size` (in this group), `name`, `algo`, `comm` (the mpi4py c
 
 Collectives act in place on C-contiguous xp arrays (numpy or cupy; flattened, so think 1-D):
 `all_reduce(buf, op)`, `reduce_scatter(out, inp, op)`, `all_gather(out, inp)`,
-`broadcast(buf, root)`, `barrier()`; point-to-point `send(buf, peer)`, `recv(buf, peer)`.
+`broadcast(buf, root)`, `all_to_all(out, inp)`, `all_to_all_v(out, inp, send_counts,
+recv_counts)` (alltoall.py), `barrier()`; point-to-point `send(buf, peer)`, `recv(buf, peer)`.
 `op` is "sum", "avg", "max" or "min". Every call takes `async_op`; with True it returns a Work
 whose `wait()` finishes it. Every rank of the group must issue the same collectives in the same
 order (debug mode checks it: minidist/comm/debug.py). With `sync_comm` (for a debugger:
@@ -37,7 +38,7 @@ import sys
 
 from mpi4py import MPI
 
-from minidist.comm import debug, hier, mpi, naive, ring, trace, watchdog
+from minidist.comm import alltoall, debug, hier, mpi, naive, ring, trace, watchdog
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -164,6 +165,35 @@ class ProcessGroup:
         return self._issue("broadcast", buf, None, buf.size, async_op, "", root,
                            lambda ch, out, _: self._algo.broadcast(ch, out, root))
 
+    def all_to_all(self, out, inp, async_op=False):
+        """Chunk j of inp (size/N elements each) to rank j; out = the chunks from every rank."""
+        if inp.size % self.size or out.size != inp.size:
+            raise ValueError(f"all_to_all: inp ({inp.size}) and out ({out.size}) must have the "
+                             f"same size, a multiple of the group size {self.size}; for uneven "
+                             f"chunks use all_to_all_v")
+        counts = [inp.size // self.size] * self.size
+        return self.all_to_all_v(out, inp, counts, counts, async_op)
+
+    def all_to_all_v(self, out, inp, send_counts, recv_counts, async_op=False):
+        """inp's first send_counts[0] elements to rank 0, the next send_counts[1] to rank 1,
+        ...; out = recv_counts[i] elements from each rank i, in rank order (alltoall.py).
+        recv_counts[i] must be rank i's send_counts[rank]. Algorithm: "ring" (and "hier") is
+        the pairwise exchange, "naive" relays through rank 0, "mpi" is MPI_Alltoallv."""
+        out, inp = _flat(out), _flat(inp)
+        if sum(send_counts) != inp.size or sum(recv_counts) != out.size or \
+                len(send_counts) != self.size or len(recv_counts) != self.size:
+            raise ValueError(f"all_to_all_v: {self.size} send_counts summing to inp.size "
+                             f"({inp.size}) and recv_counts summing to out.size ({out.size}) "
+                             f"expected, got {list(send_counts)} and {list(recv_counts)}")
+        if self.algo == "nccl":
+            raise ValueError("all_to_all on algo 'nccl' is not built; use ring, naive or mpi")
+        body = {"ring": alltoall.pairwise_all_to_all_v, "naive": alltoall.naive_all_to_all_v,
+                "mpi": mpi.mpi_all_to_all_v,
+                "hier": alltoall.pairwise_all_to_all_v}[self.algo]     # hier: "the rest as ring"
+        sc, rc = list(send_counts), list(recv_counts)
+        return self._issue("all_to_all", out, inp, inp.size, async_op, "", 0,
+                           lambda ch, o, i: body(ch, o, i, sc, rc))
+
     def barrier(self, async_op=False):
         """Return once every rank of the group has reached its barrier."""
         return self._issue("barrier", None, None, 0, async_op, "", 0,
@@ -196,8 +226,9 @@ class ProcessGroup:
         watchdog.entered(self.key, op, seq)
         with device_of(out):
             if debug.enabled():
-                debug.check_same_call(self._coll, self.name, seq, op, count, dtype,
-                                      reduction, root)
+                debug.check_same_call(self._coll, self.name, seq, op,
+                                      -1 if op == "all_to_all" else count,   # counts differ
+                                      dtype, reduction, root)
             nbytes = count * (0 if out is None else out.itemsize)
             trace.count_call(self.name, op, nbytes, nominal=self.algo in ("mpi", "nccl"))
             ch = Channel(self._coll, self.name, op, self._get_scratch, self._nccl)

@@ -84,6 +84,15 @@ def mpi_broadcast(ch, buf, root=0):
     ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
 
 
+def mpi_all_to_all_v(ch, out, inp, send_counts, recv_counts):
+    """MPI_Alltoallv: the reference for the hand-written all-to-all (alltoall.py)."""
+    from minidist.comm.alltoall import offsets, pairwise_bytes
+    sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    so, ro = offsets(sc)[:-1].tolist(), offsets(rc)[:-1].tolist()
+    ch.comm.Alltoallv([wire(inp), (sc, so)], [wire(out), (rc, ro)])
+    ch.count_nominal(pairwise_bytes(sc, ch.rank, inp.itemsize))
+
+
 def start_all_reduce(comm, buf, op="sum"):
     """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
     _no_bfloat16_sum(buf)
