@@ -77,7 +77,8 @@ class DataParallelNaive:
 
     def __init__(self, model, group):
         self.module, self.group = model, group
-        self.params = [p for p in model.parameters() if p.requires_grad]   # forward order
+        self.params = [p for p in model.parameters()             # forward order; experts
+                       if p.requires_grad and not p.expert_parallel]  # are minidist/ep/'s
         self.sync_enabled = True      # False inside no_sync()
         self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
         broadcast_parameters(self.params, group)

@@ -16,8 +16,11 @@ class Parameter(Tensor):
     """A leaf Tensor that requires a gradient.
 
     `decay` says whether AdamW's default grouping applies weight decay to it (False for biases,
-    LayerNorm and embedding weights).
+    LayerNorm and embedding weights). `expert_parallel` is True for an expert's weights under
+    expert parallelism (minidist/ep/exchange.py): sharded over the ep ranks, so data
+    parallelism over the dense parameters (minidist/ddp/) leaves them to the ep strategy.
     """
+    expert_parallel = False
 
     def __init__(self, data, decay=True):
         super().__init__(data, requires_grad=True)

@@ -28,6 +28,7 @@ from minidist.nn.gpt import (GPT, MLP, Block, BlockHooks, CausalSelfAttention,
 from minidist.autograd import is_grad_enabled, ops
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.nn.moe import MoE
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, ShardRNG,
@@ -72,13 +73,16 @@ class ParallelMLP(MLP):
 
 
 class ParallelBlock(Block):
+    """A Mixture-of-Experts block (config.is_moe(layer)) keeps whole experts on every tp rank
+    (not split: each tp rank routes and runs the same tokens; minidist/ep/ shards them)."""
 
-    def __init__(self, config, region, dtype="float32"):
+    def __init__(self, config, region, dtype="float32", layer=0):
         Module.__init__(self)
         self.ln_1 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
         self.attn = ParallelAttention(config, region, dtype)
         self.ln_2 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
-        self.mlp = ParallelMLP(config, region, dtype)
+        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
+            ParallelMLP(config, region, dtype)
 
 
 class TensorParallelGPT(GPT):
@@ -98,8 +102,8 @@ class TensorParallelGPT(GPT):
             wte=VocabParallelEmbedding(config.vocab_size, C, self.region, dtype),
             wpe=Embedding(config.block_size, C, dtype=dtype),
             drop=Dropout(p),
-            h=ModuleList([ParallelBlock(config, self.region, dtype)
-                          for _ in range(config.n_layer)]),
+            h=ModuleList([ParallelBlock(config, self.region, dtype, i)
+                          for i in range(config.n_layer)]),
             ln_f=SequenceParallelLayerNorm(C, self.region, config.bias, dtype))
         for p in self.parameters():                     # layer norms, wpe, row biases
             p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
@@ -121,7 +125,9 @@ class TensorParallelGPT(GPT):
         seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
         self.transformer.drop.rng = seq
         for block in self.transformer.h:
-            block.attn.resid_dropout.rng = block.mlp.dropout.rng = seq
+            block.attn.resid_dropout.rng = seq
+            if not isinstance(block.mlp, MoE):        # experts keep GPT's generator
+                block.mlp.dropout.rng = seq
 
     # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
     def embed(self, idx, pos=None):

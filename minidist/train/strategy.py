@@ -54,7 +54,9 @@ def make_strategy(args, world=None):
         3. data parallelism across the replicas      --dp   DDP minidist/ddp/, or ZeRO-k with
                                                             --zero k minidist/zero/
     Context parallelism (--cp, minidist/cp/) splits each sequence over the cp ranks inside
-    step 3: TP inside, DDP/ZeRO over the dp x cp ranks around it.
+    step 3: TP inside, DDP/ZeRO over the dp x cp ranks around it. Expert parallelism (--ep,
+    minidist/ep/) shards the MoE experts over ep ranks carved out of step 3's: TP inside,
+    DDP over the dp x ep ranks for the rest.
     Every size is checked on this rank alone, so a bad flag stops every rank before any
     communication; then the DeviceMesh (dp x tp x pp) builds the process groups out of
     `world` (comm.init's group; None: one process, or a script that has not called init)."""
@@ -62,7 +64,10 @@ def make_strategy(args, world=None):
     _refuse_unbuilt(args)
     if args.comm == "nccl":
         _nccl_device(args)
-    if args.cp > 1:            # 1 inside, the ring over cp, 3 over dp x cp: cp/strategy.py
+    if args.ep > 1:            # experts over ep inside 3 (TP inside): ep/strategy.py
+        from minidist.ep.strategy import make_expert_parallel
+        strategy = make_expert_parallel(args, size, world)
+    elif args.cp > 1:          # 1 inside, the ring over cp, 3 over dp x cp: cp/strategy.py
         from minidist.cp.strategy import make_context_parallel
         strategy = make_context_parallel(args, size, world)
     elif args.pp > 1:          # 2 (with 1 inside each stage and DDP across): pp/strategy.py
@@ -139,6 +144,10 @@ def _memory_options(strategy, args):
 
 
 def _refuse_unbuilt(args):
+    from minidist.ep.strategy import moe_problems     # --moe-experts with --pp, --cp, ...
+    problems = moe_problems(args)
+    if problems:
+        raise UsageError("mixture of experts: " + "; ".join(problems))
     if args.micro_batches not in (None, 1) and args.pp == 1:
         raise UsageError(
             f"--micro-batches {args.micro_batches} splits the batch for a pipeline (--pp > 1); "

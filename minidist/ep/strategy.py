@@ -1,0 +1,169 @@
+"""The ExpertParallel strategy: the experts of every MoE block sharded over the ep ranks, the
+tokens sent to them and back by all-to-all (minidist/ep/exchange.py), inside data parallelism.
+
+    mpirun -n 2 python examples/train_gpt.py --moe-experts 4 --ep 2
+    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2
+    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --tp 2
+
+The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp fastest
+(DeviceMesh(dp=dp*ep, tp=tp): its dp group is the dense data-parallel group D = dp x ep):
+
+    global rank = tp_rank + tp * (ep_rank + ep * dp_rank)
+
+    dp=2, ep=2:   rank   0  1  2  3      ep groups:  [0,1] [2,3]   (experts split, tokens move)
+                  ep     0  1  0  1      edp groups: [0,2] [1,3]   (replicas of one expert half)
+                  dp     0  0  1  1      dense group: [0,1,2,3]    (DDP of everything else)
+
+Every rank of D reads its own rows of the global batch (as DDP). The dense parameters are
+replicated over D: the `inner` DDP averages their gradients over D, skipping the experts'
+(`expert_parallel` parameters). Each rank holds E/ep experts; its experts' gradients already
+hold the contributions of every ep rank's tokens (the combine's backward brought them), so
+the strategy sums them over the dp replicas of those experts (edp) and divides by |D|: the
+gradient of the mean loss over D, exactly what one process computes.
+Also: sum_sq_across_ranks (grad clipping) counts each expert once (their squares summed over
+ep), global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
+strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
+runs the same experts on the same tokens).
+Refused: --pp, --cp, --zero (the flat ZeRO buffers would hold the experts; not built),
+--ckpt-activations (the router losses are made in forward), --save/--resume (the experts
+would need gathering; not built), --dropout > 0 (the experts' masks would be drawn in another
+order than one process's), --sequence-parallel (a sequence's tokens would be routed apart),
+E not a multiple of ep.
+Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
+"""
+from minidist.backend import xp_of
+from minidist.comm import trace
+from minidist.ep.exchange import attach_experts
+from minidist.optim.clip import local_sum_sq
+from minidist.train.cli import UsageError
+from minidist.train.strategy import ModelParallel, SingleProcess
+
+
+def moe_problems(args):
+    """Sentences saying what does not combine with --moe-experts, on one process or many."""
+    if not args.moe_experts:
+        return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
+    problems = []
+    for flag, on in (("--pp", args.pp > 1), ("--cp", args.cp > 1),
+                     ("--ckpt-activations", args.ckpt_activations),
+                     ("--sequence-parallel", args.sequence_parallel),   # routes per sequence
+                     ("--tp and --dropout > 0", args.tp > 1 and args.dropout)):
+        if on:
+            problems.append(f"--moe-experts does not combine with {flag} (not built)")
+    return problems
+
+
+def ep_problems(args, size):
+    """(dp, sentences saying what does not fit with --ep), checked on every rank alone."""
+    ep, tp = args.ep, args.tp
+    dp = args.dp if args.dp is not None else max(size // (ep * tp), 1)
+    problems = moe_problems(args)
+    if dp * ep * tp != size:
+        problems.append(f"--dp {dp} x --ep {ep} x --tp {tp} = {dp * ep * tp} ranks, but this "
+                        f"job has {size} MPI process(es) (--dp defaults to processes / (ep tp))")
+    if args.moe_experts % ep:
+        problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {ep}")
+    for flag, on in (("--zero", args.zero), ("--save", args.save), ("--resume", args.resume),
+                     ("--dropout > 0", args.dropout)):     # experts run in another order
+        if on:
+            problems.append(f"{flag} does not combine with --ep (not built)")
+    if args.batch_size % (dp * ep * args.grad_accum):
+        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x ep {ep}"
+                        f" x --grad-accum {args.grad_accum} equal micro-batches")
+    return dp, problems
+
+
+def make_expert_parallel(args, size, world):
+    """The strategy for --ep N [--dp D] [--tp T] over the `size` processes of `world`."""
+    dp, problems = ep_problems(args, size)
+    if problems:
+        raise UsageError("expert parallelism: " + "; ".join(problems))
+    from minidist.comm import DeviceMesh
+    from minidist.ddp.strategy import DataParallel
+    if args.trace:
+        trace.enable()
+    ep = args.ep
+    mesh = DeviceMesh(dp=dp * ep, tp=args.tp, algo=args.comm, world=world)
+    d = mesh.dp_rank                                          # in the dense group, 0 .. dp ep-1
+    ep_group = mesh.dp.split(d // ep, key=d % ep, name="ep")
+    edp_group = mesh.dp.split(d % ep, key=d // ep, name="edp")
+    inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
+    strategy = ExpertParallel(mesh, ep_group, edp_group, inner)
+    if args.tp > 1:
+        from minidist.tp.strategy import TensorParallel
+        return TensorParallel(mesh, args.sequence_parallel, strategy)
+    return strategy
+
+
+class ExpertParallel(ModelParallel):
+    """This rank's experts over the `group` (ep); `inner` (DDP over dp x ep) for the rest;
+    the experts' gradients summed over `edp` (their replicas)."""
+
+    def __init__(self, mesh, group, edp, inner):
+        super().__init__(mesh, group, inner)
+        self.edp, self.experts = edp, []
+
+    def build_model(self, config, seed, dtype):
+        return self.wrap(SingleProcess.build_model(self, config, seed, dtype))
+
+    def wrap(self, model):
+        """This rank's experts on `model` (the rest dropped, the exchange set), then inner's
+        DDP over the dense parameters."""
+        self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
+        self.experts = attach_experts(model, self.group)
+        return self.inner.wrap(model)
+
+    def sync_grads(self, model):
+        """inner's DDP over the dense parameters; the experts' gradients summed over edp and
+        divided by the dense group's size (module docstring)."""
+        super().sync_grads(model)
+        dense = self.inner.group.size
+        for p in self.experts:
+            if p.grad is None:                              # no tokens this step: still sync
+                p.grad = xp_of(p.data).zeros_like(p.data)
+            if self.edp.size > 1:
+                self.edp.all_reduce(p.grad, op="sum")
+            p.grad /= dense
+
+    @property
+    def sum_sq_across_ranks(self):
+        return self._sum_sq
+
+    def _sum_sq(self, local):
+        """The global sum of squares: this rank's, with its experts' part replaced by the sum
+        of every ep rank's (each expert counted once), then inner's reduction (DDP: none)."""
+        mine = local_sum_sq([p.grad for p in self.experts if p.grad is not None])
+        buf = xp_of(self.experts[0].data).asarray([float(mine)], dtype="float64")
+        self.group.all_reduce(buf, op="sum")
+        total = local - mine + buf[0]
+        outer = self.inner.sum_sq_across_ranks
+        return outer(total) if outer is not None else total
+
+    @property
+    def max_across_ranks(self):
+        return self.inner.max_across_ranks
+
+    def any_rank(self, flag):
+        return self.inner.any_rank(flag)
+
+    def takes_part_in_sampling(self):
+        """Every rank: the MoE layers' all-to-alls need the whole ep group (each rank samples
+        the same tokens; rank 0 prints them)."""
+        return True
+
+    def notes(self):
+        s, ep = self.mesh.shape, self.group.size
+        n = len(self.experts)
+        return self.inner.notes() + [
+            f"expert parallel: ep {ep} x dp {s['dp'] // ep} x tp {s['tp']}; this rank holds "
+            f"{n} expert parameter tensors ({sum(p.size for p in self.experts):,} values); "
+            f"dense gradients averaged over the {self.inner.group.size} dp x ep ranks"]
+
+    def summary(self):
+        sent = self.sent_per_step()
+        return (f"expert parallel over {self.group.size} ranks ({self.group.algo}): "
+                f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)")
+
+    def finish(self, args, log):
+        log.print0(self.summary())
+        self.inner.finish(args, log)

@@ -1,0 +1,138 @@
+"""Expert parallelism on 2 or 4 ranks against one process, float64.
+
+    mpiexec -n 2 python tests/scripts/ep_check.py                            # ep2 variants
+    mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2
+
+Every rank also trains the single-process reference (SingleProcess, all E experts, the whole
+global batch); each run builds its strategy from train_gpt's flags (make_strategy) and trains
+through the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and every
+parameter (each rank compares the experts it holds) equal the reference to --tol; capacity
+drops the same (token, expert) assignments as one process, and some are dropped; the bytes
+each rank sent in all-to-alls on the ep group equal exchange_bytes' formula (the pairwise
+exchange's; --comm naive relays through rank 0, its ledger is checked in alltoall_check.py). Rank 0 prints
+`RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises and aborts the job.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exact import batch, run_steps  # noqa: E402
+
+from minidist import backend  # noqa: E402
+import minidist.comm  # noqa: E402
+from minidist.comm import trace  # noqa: E402
+from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from minidist.ep.exchange import exchange_bytes  # noqa: E402
+from minidist.nn import GPTConfig  # noqa: E402
+from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
+
+MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
+       "--moe-z-loss-coef", "0.01", "--moe-aux-loss-coef", "0.05"]
+RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
+        "ep2+naive": ["--comm", "naive"], "ep2+mpi+every2": ["--comm", "mpi", "--moe-every", "2"],
+        "ep4": [], "ep2xdp2": ["--dp", "2"], "ep2xtp2": ["--tp", "2"]}
+SEED = 7
+
+
+def flags(name):
+    ep = name.split("+")[0].split("x")[0][2:]
+    return train_parser().parse_args([
+        "--ep", ep, "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
+        "--batch-size", "8", "--steps", "3", "--lr", "1e-2", "--grad-clip", "0.05",
+        "--dtype", "float64", "--seed", str(SEED), *MOE, *RUNS[name]])
+
+
+def config_of(args):
+    from minidist.train.loop import moe_fields
+    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                     block_size=args.block_size, vocab_size=30, **moe_fields(args))
+
+
+def my_params(strategy, model):
+    """name -> host array of the parameters this rank holds (tp shards gathered)."""
+    if hasattr(strategy, "full_state_dict"):
+        return strategy.full_state_dict()
+    return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
+
+
+def ep_strategy(strategy):
+    return strategy.inner if type(strategy).__name__ == "TensorParallel" else strategy
+
+
+def same_drops(model, ref, args, config, strategy):
+    """Route step 0's batch on both: this rank's (token, expert) pairs are the reference's
+    for its rows; returns (assignments dropped by the reference, by this rank)."""
+    x, y = batch(0, args.batch_size, config, SEED)
+    lx, ly = strategy.local_rows(x, y)
+    ref(x, y)
+    model(lx, ly)
+    rows = lx.shape[0]
+    first = [i for i in range(x.shape[0]) if (x[i] == lx[0]).all()][0] * config.block_size
+    dropped = mine = 0
+    for a, b in zip(ref.moe_layers(), model.moe_layers()):
+        ra, rb = a.routing, b.routing
+        keep = (ra.token >= first) & (ra.token < first + rows * config.block_size)
+        want = sorted(zip((ra.token[keep] - first).tolist(), ra.expert[keep].tolist()))
+        assert want == sorted(zip(rb.token.tolist(), rb.expert.tolist())), "drops differ"
+        dropped, mine = dropped + ra.dropped, mine + rb.dropped
+    return dropped, mine
+
+
+def run(name, ref_runs, comm, tol):
+    args = flags(name)
+    config = config_of(args)
+    if args.moe_top_k not in ref_runs or ref_runs[args.moe_top_k][0] != config:
+        ref_args = flags(name)
+        ref_args.ep, ref_args.dp, ref_args.tp = 1, None, 1
+        ref_runs[args.moe_top_k] = (config, run_steps(SingleProcess(), ref_args, config, SEED,
+                                                      "float64"))
+    r_model, _, r_losses, r_norms, _ = ref_runs[args.moe_top_k][1]
+    strategy = make_strategy(args)
+    sent0 = trace.bytes_sent("ep", "all_to_all")
+    model, _, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
+    sent = trace.bytes_sent("ep", "all_to_all") - sent0
+    ep = ep_strategy(strategy)
+    N = ep.group.size
+    theory = sum(exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8)
+                 for m in model.moe_layers() for s, r in m.exchange.history)
+    params, ref = my_params(strategy, model), dict(r_model.named_parameters())
+    d_par = max(float(np.abs(v - np.asarray(ref[n].data)).max()) for n, v in params.items())
+    d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
+    d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
+    dropped, mine = same_drops(model, r_model, args, config, strategy)
+    row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
+           "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
+           "experts_here": sorted({n.split(".experts.")[1].split(".")[0] for n in params
+                                   if ".experts." in n}),
+           "losses": [float(v) for v in losses]}
+    worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
+    assert worst < tol, (name, row)
+    if args.comm != "naive":      # naive relays through rank 0 (its bytes: alltoall_check)
+        assert sent == theory and sent > 0, (name, row)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", default=None, help="default: the ep2 runs (2 ranks)")
+    p.add_argument("--tol", type=float, default=1e-10)
+    cli = p.parse_args()
+    minidist.comm.init()
+    comm = MPI.COMM_WORLD
+    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
+    runs = cli.runs.split(",") if cli.runs else ["ep2", "ep2+top1+accum", "ep2+naive",
+                                                 "ep2+mpi+every2"]
+    refs = {}
+    for name in runs:
+        row = run(name, refs, comm, cli.tol)
+        if comm.rank == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
