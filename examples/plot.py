@@ -11,7 +11,9 @@ and memory per rank from the log's ledger (rank 0's row: total, and model states
 gradients + optimizer, thinner and paler). Runs of the same global batch and seed should lie on
 top of each other however they are parallelised, so each run has its own color, line style and
 marker (`STYLES`; the markers of different runs at different steps): identical curves stay
-visible one over the other. The timeline is examples/ddp_timeline.py's picture:
+visible one over the other. A Mixture-of-Experts run (--moe-experts) adds a row: the share
+of tokens each expert took per step, and the share dropped. The timeline is
+examples/ddp_timeline.py's picture:
 per rank, the forward, backward and "wait for gradients" spans above the all-reduces.
 
 Tests: tests/test_plot.py (skipped where matplotlib is not installed).
@@ -101,6 +103,26 @@ def plot_curves(axes, logs, labels):
             ax.legend(fontsize=7, loc="center right" if ax is ax_mem else "best")
 
 
+def plot_expert_load(ax, log, label):
+    """Mixture of Experts (--moe-experts): the share of the routed tokens each expert kept,
+    summed over the MoE blocks, per step (1/E each when balanced), and the share dropped for
+    lack of capacity (dashed). From rank 0's rows of each step's last micro-batch."""
+    rows = [r for r in log[0] if "moe_tokens" in r]
+    steps = [r["step"] for r in rows]
+    kept = [[sum(col) for col in zip(*r["moe_tokens"])] for r in rows]     # (steps, E)
+    routed = [sum(k) + sum(r["moe_dropped"]) for k, r in zip(kept, rows)]
+    for e in range(len(kept[0])):
+        ax.plot(steps, [k[e] / n for k, n in zip(kept, routed)], lw=1.2, label=f"expert {e}")
+    ax.plot(steps, [sum(r["moe_dropped"]) / n for r, n in zip(rows, routed)], "k--", lw=1.0,
+            label="dropped")
+    ax.axhline(1 / len(kept[0]), color="gray", lw=0.6)
+    ax.set_title(f"{label}: tokens per expert (share of the routed assignments)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+
+
 def plot_timeline(ax, events, step):
     """One DDP step: per rank a compute row (forward, backward, wait) and a row of
     all-reduces; time 0 is the step's first forward on the lowest rank."""
@@ -162,11 +184,15 @@ def main():
             fail(f"--trace {args.trace!r} not found: train_gpt.py --trace FILE writes it")
         with open(args.trace) as f:
             events = json.load(f)["traceEvents"]
-    rows = bool(logs) + bool(events)
+    moe = [(log, label) for log, label in zip(logs, labels)
+           if any("moe_tokens" in r for r in log[0])]
+    rows = bool(logs) + bool(moe) + bool(events)
     fig = plt.figure(figsize=(13, 4 * rows), layout="constrained")
     grid = fig.add_gridspec(rows, 3)
     if logs:
         plot_curves([fig.add_subplot(grid[0, c]) for c in range(3)], logs, labels)
+    if moe:
+        plot_expert_load(fig.add_subplot(grid[1, :2]), *moe[0])
     if events:
         plot_timeline(fig.add_subplot(grid[rows - 1, :]), events, args.step)
     fig.savefig(args.out, dpi=80)

@@ -167,3 +167,15 @@ class MoE(Module):
             parts.append(getattr(self.experts, str(e))(xin[lo:lo + int(n)]))   # (n, C)
             lo += int(n)
         return parts[0] if len(parts) == 1 else concat(parts, axis=0)
+
+
+def load_stats(model):
+    """The MoE blocks' routing in the last forward, on this rank's rows, for the log:
+    {"moe_tokens": [[assignments kept per expert] per MoE block], "moe_dropped": [per block],
+    "moe_aux": [load-balancing loss per block]}; {} for a dense model."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, MoE) and m.routing is not None]
+    if not layers:
+        return {}
+    return {"moe_tokens": [m.routing.counts.tolist() for m in layers],
+            "moe_dropped": [m.routing.dropped for m in layers],
+            "moe_aux": [float(m.aux_loss.item()) for m in layers]}

@@ -27,6 +27,7 @@ from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
+from minidist.nn.moe import load_stats
 from minidist.optim import WarmupCosine
 from minidist.train import checkpoint_dirs, preemption
 from minidist.train.data import TokenData
@@ -152,7 +153,7 @@ def train(args, world=None):
         dt = time.perf_counter() - t0
         log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
-                   "comm_bytes": strategy.comm_bytes()})
+                   "comm_bytes": strategy.comm_bytes(), **load_stats(model)})   # MoE
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         if step == start or (step + 1) % args.log_every == 0 or last:
             log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f} "
