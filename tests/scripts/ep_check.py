@@ -121,8 +121,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="default: the ep2 runs (2 ranks)")
     p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     cli = p.parse_args()
     minidist.comm.init()
+    backend.set_device(cli.device)
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     runs = cli.runs.split(",") if cli.runs else ["ep2", "ep2+top1+accum", "ep2+naive",

@@ -1,0 +1,131 @@
+"""Expert parallelism (minidist/ep/): the regrouping of what arrives, the byte formula, the
+refusals, and under mpiexec the exactness runs (tests/scripts/ep_check.py) and train_gpt.py
+with --ep against one process."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.ep.exchange import exchange_bytes, regroup_order
+from minidist.ep.strategy import ep_problems, moe_problems
+from minidist.train.args import train_parser
+from mpirun import ROOT, device_flags, mpi_env, tagged_json
+
+
+def test_regroup_orders_by_expert_then_source():
+    # 2 sources x 2 local experts; rows arrive [s0e0 s0e0 | s0e1 | s1e0 | s1e1 s1e1]
+    recv = np.array([[2, 1], [1, 2]])
+    assert regroup_order(recv).tolist() == [0, 1, 3, 2, 4, 5]
+    assert regroup_order(np.zeros((2, 2), dtype=np.int64)).tolist() == []
+
+
+def test_exchange_bytes_formula():
+    # 2 ranks, 2 experts each: 2 int64 counts; 3 rows out, 5 rows in, C=4 float64, x2 (bwd)
+    assert exchange_bytes(3, 5, N=2, El=2, C=4, itemsize=8) == 16 + 2 * 8 * 4 * 8
+
+
+def parse(*flags):
+    return train_parser().parse_args(["--moe-experts", "4", *flags])
+
+
+def test_refusals_name_the_flag():
+    assert moe_problems(train_parser().parse_args(["--ep", "2"])) == \
+        ["--ep needs a Mixture of Experts: add --moe-experts E"]
+    assert "--pp" in moe_problems(parse("--pp", "2"))[0]
+    assert ep_problems(parse("--ep", "2"), 2)[1] == []
+    _, problems = ep_problems(parse("--ep", "3"), 3)
+    assert any("not a multiple of --ep 3" in p for p in problems)
+    _, problems = ep_problems(parse("--ep", "2", "--zero", "1"), 2)
+    assert any("--zero" in p for p in problems)
+    dp, problems = ep_problems(parse("--ep", "2"), 8)
+    assert dp == 4 and problems == []
+
+
+def check_rows(rows, runs):
+    assert [r["run"] for r in rows] == runs
+    for r in rows:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+        if "naive" not in r["run"]:
+            assert r["bytes_sent"] == r["theory_sent"] > 0, r
+        assert r["ref_dropped"] > 0, "the runs must drop tokens for the drop check to count"
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_ep2_is_exact(mpi):
+    """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE)
+    against one process in float64; the same tokens dropped; bytes = formula.
+
+        mpiexec -n 2 python tests/scripts/ep_check.py
+    """
+    out = mpi(2, "tests/scripts/ep_check.py", timeout=180)
+    check_rows(tagged_json(out, "RESULT"),
+               ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2"])
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_ep4_and_compositions_are_exact(mpi):
+    """ep 4, ep 2 x dp 2, ep 2 x tp 2 against one process in float64.
+
+        mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2
+    """
+    runs = ["ep4", "ep2xdp2", "ep2xtp2"]
+    out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=240)
+    rows = tagged_json(out, "RESULT")
+    check_rows(rows, runs)
+    assert rows[0]["experts_here"] == ["0"] and rows[1]["experts_here"] == ["0", "1"]
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
+        "--steps", "3", "--eval-every", "0", "--dtype", "float64", "--sample", "20",
+        "--moe-experts", "4", "--moe-top-k", "2"]
+
+
+def _sample(stdout):
+    assert stdout.count("---- sample ----") == 1, stdout            # printed by rank 0 alone
+    return stdout.split("---- sample ----\n")[1].split("\n----------------")[0]
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.mpi
+def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
+    """train_gpt.py --ep 2 logs one process's losses, val loss, sample (float64) and the
+    tokens per expert (one process: all rows; ep: rank 0's half):
+
+        python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 4 ...
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
+    ref = subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
+                          "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
+                         env=mpi_env(), text=True, capture_output=True, check=True).stdout
+    out = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep,
+              timeout=120).stdout
+    assert "expert parallel: ep 2" in out and "on the ep group (all-to-all)" in out
+    a, b = _rows(one), _rows(ep)
+    losses = [(r.get("loss", r.get("val_loss")), s.get("loss", s.get("val_loss")))
+              for r, s in zip(a, b)]
+    assert max(abs(x - y) for x, y in losses) < 1e-10
+    assert _sample(out) == _sample(ref)
+    tokens = np.array(a[0]["moe_tokens"])                    # (blocks, E), one process
+    assert tokens.shape == (2, 4)
+    routed = 4 * 16 * 2                                      # B T k per block
+    assert (tokens.sum(axis=1) + np.array(a[0]["moe_dropped"]) == routed).all()
+
+
+@pytest.mark.mpi
+def test_bad_ep_is_one_error_line(mpi):
+    """mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 3"""
+    out = mpi(2, "examples/train_gpt.py", "--ep", "2", "--moe-experts", "3", timeout=60,
+              check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: expert parallelism: ")
+    assert "--moe-experts 3 is not a multiple of --ep 2" in out.stderr
