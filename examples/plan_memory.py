@@ -4,6 +4,7 @@
     python examples/plan_memory.py --n-layer 48 --n-head 25 --n-embd 1600 --seq 1024 \\
         --gpus 4 --gpu-mem 24 --micro-batch 4 --json
     python examples/plan_memory.py --measure        # small model: ledger beside the planner
+    python examples/plan_memory.py --params 1e9 --moe-experts 8 --moe-top-k 2 --gpus 8
 
 The formulas and their assumptions: minidist/train/planner.py. --measure trains the
 train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
@@ -57,6 +58,9 @@ def parse():
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction kept free for workspace, buffers, fragmentation")
+    p.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="Mixture of Experts: E experts per block (the planner adds EP layouts)")
+    p.add_argument("--moe-top-k", type=int, default=1, metavar="K")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--measure", action="store_true",
                    help="measure the train_gpt.py default model (ledger vs planner)")
@@ -126,6 +130,9 @@ def main():
     config = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
               GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                         block_size=args.seq, vocab_size=args.vocab_size))
+    if args.moe_experts:
+        config = GPTConfig(**{**config.to_dict(), "moe_experts": args.moe_experts,
+                              "moe_top_k": args.moe_top_k})
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
                   args.gpus_per_node, args.headroom, dropout=args.dropout)
     if args.json:

@@ -26,6 +26,19 @@ def test_exchange_bytes_formula():
     assert exchange_bytes(3, 5, N=2, El=2, C=4, itemsize=8) == 16 + 2 * 8 * 4 * 8
 
 
+def test_planner_counts_experts_once_per_ep_rank():
+    from minidist.nn import GPTConfig
+    from minidist.nn.config import gpt_param_specs
+    from minidist.train.planner import Layout, candidates, stage_params
+    c = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30, moe_experts=4)
+    specs = gpt_param_specs(c)
+    expert = sum(int(np.prod(s)) for n, (s, _) in specs.items() if ".experts." in n)
+    total = sum(int(np.prod(s)) for s, _ in specs.values())
+    assert stage_params(c) == [total]
+    assert stage_params(c, ep=4) == [total - expert + expert // 4]
+    assert Layout(dp=8, ep=4) in candidates(c, 8)
+
+
 def parse(*flags):
     return train_parser().parse_args(["--moe-experts", "4", *flags])
 

@@ -15,6 +15,11 @@ small model under each strategy and compare, tests/test_planner.py):
     vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.
     PP: the blocks in pp contiguous stages (block i on stage i*pp // L); stage 0 also holds
     wte and wpe, the last stage ln_f and, the head being tied, its own copy of wte.
+    Mixture of Experts (config.moe_experts, minidist/nn/moe.py): each MoE block holds E
+    expert MLPs and a router; EP (minidist/ep/, ep of the dp ranks) keeps E/ep experts per
+    rank; the experts are not split by tp. Their activations: the MLP's share of a layer's
+    (9 sbh e of it) times k (each token visits k experts; capacity ignored), plus the
+    router's probabilities, sbE e.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4). Per layer, per micro-batch of b sequences of s tokens,
@@ -56,8 +61,8 @@ class Layout:
     """How one training job is split: dp x tp x pp x cp ranks, ZeRO stage, precision, recompute
     ("none", "selective", "full"), sequence parallelism (with tp), tiled attention (never the
     (T, T) scores: minidist/autograd/flash.py; context parallelism's ring attention is tiled
-    too). A new axis (expert parallelism) is one more field here, in gpus, name() and
-    cost.AXES."""
+    too). `ep` (expert parallelism, minidist/ep/) is carved out of the dp ranks (ep divides
+    dp), so it is not a factor of gpus; the step-time model (cost.py) does not know it yet."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -67,6 +72,7 @@ class Layout:
     sp: bool = False
     cp: int = 1
     tiled: bool = False
+    ep: int = 1                      # experts sharded over ep of the dp ranks (MoE only)
 
     @property
     def gpus(self):
@@ -81,6 +87,8 @@ class Layout:
             parts.append(f"PP{self.pp}")
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
         data = f"ZeRO-{self.zero}" if self.zero else "DDP"
         if not parts or self.dp > 1:
             parts.append(f"{data} x{self.dp}" if parts else data)
@@ -104,11 +112,13 @@ def local_size(name, shape, tp=1):
     return n
 
 
-def stage_params(config, tp=1, pp=1):
-    """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many)."""
+def stage_params(config, tp=1, pp=1, ep=1):
+    """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
+    an expert's on E/ep of the ranks)."""
     counts = [0] * pp
     for name, (shape, _) in gpt_param_specs(config).items():
-        n = local_size(name, shape, tp)
+        n = local_size(name, shape, tp) if ".mlp.experts." not in name else \
+            math.prod(shape) // ep                               # ep divides E
         if name.startswith("transformer.h."):
             counts[int(name.split(".")[2]) * pp // config.n_layer] += n
         elif name in ("transformer.wte.weight", "transformer.wpe.weight"):
@@ -167,6 +177,11 @@ def _stage_activations(config, layout, stage, s, b, dropout):
                                        layout.sp, layout.recompute, e, dropout,
                                        layout.tiled, layout.cp)
     out = layers * in_flight * per_layer
+    moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
+    if moe and layout.recompute != "full":                        # k experts per token
+        extra = (config.moe_top_k - 1) * 9 * s * b * config.n_embd * e / layout.tp \
+            + s * b * config.moe_experts * e
+        out += moe * in_flight * extra
     if stage == pp - 1:
         out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
                                      layout.tp, layout.sp, e, dropout)
@@ -202,7 +217,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
                                   or layout.recompute == "selective"):
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
-    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp)):
+    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         row = model_state_bytes(n, layout.dp * layout.cp, layout.zero, layout.amp)
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
@@ -227,10 +242,13 @@ def _tp_sizes(config, gpus, gpus_per_node):
 
 def candidates(config, gpus, gpus_per_node=8):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
-    precision and checkpointing; then (each without and with checkpointing) ZeRO-1, ZeRO-2,
+    precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then (each without and with checkpointing) ZeRO-1, ZeRO-2,
     ZeRO-3; TP with SP inside a node (ZeRO-1 over the other ranks); TP over the node x PP
     across nodes."""
     out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
+    ep = math.gcd(gpus, config.moe_experts) if config.moe_experts else 1
+    if ep > 1:                            # MoE: the experts sharded over ep of the dp ranks
+        out.append(Layout(dp=gpus, ep=ep))   # (minidist's MoE has no --ckpt-activations)
     for zero in (1, 2, 3):
         out += [Layout(dp=gpus, zero=zero, recompute=r) for r in ("none", "full")]
     tps = _tp_sizes(config, gpus, gpus_per_node)

@@ -7,7 +7,8 @@ Every rank also trains the single-process reference (SingleProcess, all E expert
 global batch); each run builds its strategy from train_gpt's flags (make_strategy) and trains
 through the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and every
 parameter (each rank compares the experts it holds) equal the reference to --tol; capacity
-drops the same (token, expert) assignments as one process, and some are dropped; the bytes
+drops the same (token, expert) assignments as one process, and some are dropped; the
+parameters each rank holds are what the memory planner counts (stage_params); the bytes
 each rank sent in all-to-alls on the ep group equal exchange_bytes' formula (the pairwise
 exchange's; --comm naive relays through rank 0, its ledger is checked in alltoall_check.py). Rank 0 prints
 `RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises and aborts the job.
@@ -29,6 +30,7 @@ from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.i
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.planner import stage_params  # noqa: E402
 from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
 
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
@@ -105,7 +107,11 @@ def run(name, ref_runs, comm, tol):
     d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
     d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
     dropped, mine = same_drops(model, r_model, args, config, strategy)
-    row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
+    t = strategy.mesh.shape["tp"]
+    here = sum(p.size for p in model.parameters())
+    planned = stage_params(config, tp=t, ep=N)[0]                 # the memory planner's
+    assert here == planned, (name, here, planned)
+    row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
            "experts_here": sorted({n.split(".experts.")[1].split(".")[0] for n in params
                                    if ".experts." in n}),
