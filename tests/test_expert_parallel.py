@@ -142,3 +142,12 @@ def test_bad_ep_is_one_error_line(mpi):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: expert parallelism: ")
     assert "--moe-experts 3 is not a multiple of --ep 2" in out.stderr
+
+
+def test_walkthrough_shows_routes_and_is_exact():
+    """python examples/moe_walkthrough.py"""
+    out = subprocess.run([sys.executable, "examples/moe_walkthrough.py"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "rank 1: sequences 2..3, experts [2, 3]" in out and "dropped" in out
+    assert "all-to-all rows (from rank i, to rank j)" in out
+    assert float(out.rsplit("one process = ", 1)[1].split()[0]) < 1e-12
