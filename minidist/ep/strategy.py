@@ -64,7 +64,8 @@ def ep_problems(args, size):
     if args.moe_experts % ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {ep}")
     for flag, on in (("--zero", args.zero), ("--save", args.save), ("--resume", args.resume),
-                     ("--dropout > 0", args.dropout)):     # experts run in another order
+                     ("--dropout > 0", args.dropout),      # experts run in another order
+                     ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
         if on:
             problems.append(f"{flag} does not combine with --ep (not built)")
     if args.batch_size % (dp * ep * args.grad_accum):
