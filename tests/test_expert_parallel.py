@@ -60,7 +60,9 @@ def check_rows(rows, runs):
     assert [r["run"] for r in rows] == runs
     for r in rows:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
-        if "naive" not in r["run"]:
+        if r["run"].startswith("ep1"):                           # no ep group: no bytes
+            assert r["bytes_sent"] == r["theory_sent"] == 0, r
+        elif "naive" not in r["run"]:
             assert r["bytes_sent"] == r["theory_sent"] > 0, r
         assert r["ref_dropped"] > 0, "the runs must drop tokens for the drop check to count"
 
@@ -68,14 +70,15 @@ def check_rows(rows, runs):
 @pytest.mark.mpi
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
-    """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE)
-    against one process in float64; the same tokens dropped; bytes = formula.
+    """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE), and
+    MoE under plain tp 2, against one process in float64; the same tokens dropped; bytes =
+    formula.
 
-        mpiexec -n 2 python tests/scripts/ep_check.py
+        mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
-    out = mpi(2, "tests/scripts/ep_check.py", timeout=180)
-    check_rows(tagged_json(out, "RESULT"),
-               ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2"])
+    runs = ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep1xtp2"]
+    out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
+    check_rows(tagged_json(out, "RESULT"), runs)
 
 
 @pytest.mark.mpi
@@ -142,6 +145,22 @@ def test_bad_ep_is_one_error_line(mpi):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: expert parallelism: ")
     assert "--moe-experts 3 is not a multiple of --ep 2" in out.stderr
+
+
+def test_plot_draws_the_expert_load(tmp_path):
+    """python examples/plot.py moe.jsonl -o moe.png (a log with moe_tokens rows)"""
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "moe.jsonl"
+    with open(log, "w") as f:
+        for s in range(5):
+            f.write(json.dumps({"step": s, "loss": 4.0 - 0.1 * s, "tokens_per_s": 1e3,
+                                "moe_tokens": [[10 + s, 12, 9, 11], [8, 8, 8, 8]],
+                                "moe_dropped": [3, 0], "moe_aux": [1.01, 1.0]}) + "\n")
+    png = tmp_path / "moe.png"
+    done = subprocess.run([sys.executable, "examples/plot.py", str(log), "-o", str(png)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_walkthrough_shows_routes_and_is_exact():
