@@ -52,6 +52,8 @@ def test_refusals_name_the_flag():
     assert any("not a multiple of --ep 3" in p for p in problems)
     _, problems = ep_problems(parse("--ep", "2", "--zero", "1"), 2)
     assert any("--zero" in p for p in problems)
+    _, problems = ep_problems(parse("--ep", "2", "--tp", "2", "--save", "ck"), 4)
+    assert problems == ["--save with --tp does not combine with --ep (not built)"]
     dp, problems = ep_problems(parse("--ep", "2"), 8)
     assert dp == 4 and problems == []
 
@@ -113,10 +115,13 @@ def _rows(path):
 @pytest.mark.mpi
 def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     """train_gpt.py --ep 2 logs one process's losses, val loss, sample (float64) and the
-    tokens per expert (one process: all rows; ep: rank 0's half):
+    tokens per expert (one process: all rows; ep: rank 0's half); its checkpoint after step
+    2 (the experts gathered into one process's format) finishes the run on one process:
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
         mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 4 ...
+        mpiexec -n 2 python examples/train_gpt.py --ep 2 ... --stop-at 2 --save ck
+        python examples/train_gpt.py ... --resume ck      (and mpiexec -n 2 ... --ep 2)
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
     one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
@@ -125,6 +130,19 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
                          env=mpi_env(), text=True, capture_output=True, check=True).stdout
     out = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep,
               timeout=120).stdout
+    # a checkpoint of --ep 2 after step 2 (experts gathered) finishes on one process exactly
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--stop-at", "2", "--save",
+        tmp_path / "ck", timeout=120)
+    back = tmp_path / "back.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--resume",
+                    str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
+                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
+    again = tmp_path / "again.jsonl"                        # ... and on --ep 2 (load)
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--resume", tmp_path / "ck",
+        "--log-json", again, timeout=120)
+    last = [r["loss"] for r in _rows(one) if "loss" in r][-1]
+    for log in (back, again):
+        assert abs([r["loss"] for r in _rows(log) if "loss" in r][-1] - last) < 1e-10
     assert "expert parallel: ep 2" in out and "on the ep group (all-to-all)" in out
     a, b = _rows(one), _rows(ep)
     losses = [(r.get("loss", r.get("val_loss")), s.get("loss", s.get("val_loss")))

@@ -24,15 +24,21 @@ Also: sum_sq_across_ranks (grad clipping) counts each expert once (their squares
 ep), global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
 strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
 runs the same experts on the same tokens).
+Checkpoints: one process's format, the experts gathered (save / load below), so a run
+resumes on any --ep or on one process.
 Refused: --pp, --cp, --zero (the flat ZeRO buffers would hold the experts; not built),
---ckpt-activations (the router losses are made in forward), --save/--resume (the experts
-would need gathering; not built), --dropout > 0 (the experts' masks would be drawn in another
-order than one process's), --sequence-parallel (a sequence's tokens would be routed apart),
-E not a multiple of ep.
+--ckpt-activations (the router losses are made in forward), --save/--resume with --tp
+(TensorParallel's save does not gather the experts; not built), --comm nccl (no NCCL
+all-to-all), --dropout > 0 (the experts' masks would be drawn in another order than one
+process's), --sequence-parallel (a sequence's tokens would be routed apart), E not a
+multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
+from minidist import backend
 from minidist.backend import xp_of
 from minidist.comm import trace
+from minidist.nn.config import gpt_param_specs
+from minidist.train import checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.optim.clip import local_sum_sq
 from minidist.train.cli import UsageError
@@ -63,7 +69,8 @@ def ep_problems(args, size):
                         f"job has {size} MPI process(es) (--dp defaults to processes / (ep tp))")
     if args.moe_experts % ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {ep}")
-    for flag, on in (("--zero", args.zero), ("--save", args.save), ("--resume", args.resume),
+    for flag, on in (("--zero", args.zero), ("--save with --tp", args.save and tp > 1),
+                     ("--resume with --tp", args.resume and tp > 1),
                      ("--dropout > 0", args.dropout),      # experts run in another order
                      ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
         if on:
@@ -146,6 +153,39 @@ class ExpertParallel(ModelParallel):
 
     def any_rank(self, flag):
         return self.inner.any_rank(flag)
+
+    def save(self, directory, model, optimizer, step, rng_states, extra):
+        """One process's checkpoint (minidist/train/checkpoint.py), so any --ep, or one
+        process, resumes it: each ep group gathers its experts and their AdamW state to its
+        rank 0 (mpi4py's object gather on the group's communicator), world rank 0 writes.
+        Collective."""
+        params = {n: backend.to_host(a).copy() for n, a in model.state_dict().items()}
+        opt = optimizer.state_dict()
+        names = {n for n, p in model.named_parameters() if p.expert_parallel}
+        mine = ({n: params[n] for n in names},
+                {n: s for n, s in opt["state"].items() if n in names})
+        parts = self.group.comm.gather(mine, root=0)
+        if self.rank == 0:
+            for expert_params, expert_state in parts:
+                params.update(expert_params)
+                opt["state"].update(expert_state)
+            params = {n: params[n] for n in gpt_param_specs(model.config)}     # model order
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
+                                        optimizer, step, rng_states, extra)
+            checkpoint.save(directory, params, opt, meta)
+        self.mesh.world.barrier()                           # nobody reads it half-written
+
+    def load(self, directory, model, optimizer):
+        """Every rank reads the whole checkpoint and keeps its own experts. Returns meta."""
+        params, opt_sd, meta = checkpoint.load(directory)
+        checkpoint.check_fits(meta["folder"], meta, model.config,
+                              checkpoint.model_dtype(model), type(optimizer).__name__)
+        here = dict(model.named_parameters())
+        with checkpoint.does_not_fit(meta["folder"]):
+            model.load_state_dict({n: v for n, v in params.items() if n in here})
+            optimizer.load_state_dict(
+                {**opt_sd, "state": {n: s for n, s in opt_sd["state"].items() if n in here}})
+        return meta
 
     def takes_part_in_sampling(self):
         """Every rank: the MoE layers' all-to-alls need the whole ep group (each rank samples
