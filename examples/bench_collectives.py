@@ -10,10 +10,12 @@
 
 Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
 nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
-algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for reduce_scatter
-and all_gather and all_to_all, x 1 for broadcast, which is the bandwidth a link must carry, comparable across
-rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's input, all_gather's
-output, all_to_all's input: ring is the pairwise exchange, mpi MPI_Alltoallv). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of `--repeats`
+algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for reduce_scatter,
+all_gather and all_to_all, x 1 for broadcast, which is the bandwidth a link must carry,
+comparable across rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's
+input, all_gather's output, all_to_all's input: ring is the pairwise exchange, mpi
+MPI_Alltoallv). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of
+`--repeats`
 (the best, because other processes share this machine's cores; the algorithms take turns
 inside each repeat so that they meet the same conditions). Rank 0 prints the lines on
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
@@ -64,7 +66,8 @@ def make_call(group, op, nbytes, dtype):
     part = xp.full(hi - lo, 0, dtype=dtype)
     n_even = n - n % group.size                       # all_to_all: equal chunks
     a2a_in, a2a_out = full[:n_even].copy(), xp.empty(n_even, dtype=dtype)
-    return {"all_to_all": lambda: group.all_to_all(a2a_out, a2a_in),"all_reduce": lambda: group.all_reduce(full),
+    return {"all_to_all": lambda: group.all_to_all(a2a_out, a2a_in),
+            "all_reduce": lambda: group.all_reduce(full),
             "reduce_scatter": lambda: group.reduce_scatter(part, full),
             "all_gather": lambda: group.all_gather(full, part),
             "broadcast": lambda: group.broadcast(full)}[op]

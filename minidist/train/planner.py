@@ -242,9 +242,9 @@ def _tp_sizes(config, gpus, gpus_per_node):
 
 def candidates(config, gpus, gpus_per_node=8):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
-    precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then (each without and with checkpointing) ZeRO-1, ZeRO-2,
-    ZeRO-3; TP with SP inside a node (ZeRO-1 over the other ranks); TP over the node x PP
-    across nodes."""
+    precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then
+    (each without and with checkpointing) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a node
+    (ZeRO-1 over the other ranks); TP over the node x PP across nodes."""
     out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
     ep = math.gcd(gpus, config.moe_experts) if config.moe_experts else 1
     if ep > 1:                            # MoE: the experts sharded over ep of the dp ranks

@@ -11,8 +11,9 @@ parameter (each rank compares the experts it holds) equal the reference to --tol
 drops the same (token, expert) assignments as one process, and some are dropped; the
 parameters each rank holds are what the memory planner counts (stage_params); the bytes
 each rank sent in all-to-alls on the ep group equal exchange_bytes' formula (the pairwise
-exchange's; --comm naive relays through rank 0, its ledger is checked in alltoall_check.py). Rank 0 prints
-`RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises and aborts the job.
+exchange's; --comm naive relays through rank 0, its ledger is checked in alltoall_check.py).
+Rank 0 prints `RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises
+and aborts the job.
 """
 import argparse
 import json
@@ -37,7 +38,8 @@ from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
        "--moe-z-loss-coef", "0.01", "--moe-aux-loss-coef", "0.05"]
 RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
-        "ep2+naive": ["--comm", "naive"], "ep2+mpi+every2": ["--comm", "mpi", "--moe-every", "2"],
+        "ep2+naive": ["--comm", "naive"],
+        "ep2+mpi+every2": ["--comm", "mpi", "--moe-every", "2"],
         "ep4": [], "ep2xdp2": ["--dp", "2"], "ep2xtp2": ["--tp", "2"],
         "ep1xtp2": ["--tp", "2"]}        # MoE under plain tensor parallelism: experts whole
 SEED = 7
@@ -109,7 +111,8 @@ def run(name, ref_runs, comm, tol):
     here = sum(p.size for p in model.parameters())
     planned = stage_params(config, tp=t, ep=N)[0]                 # the memory planner's
     assert here == planned, (name, here, planned)
-    row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
+    row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm,
+           "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
            "experts_here": sorted({n.split(".experts.")[1].split(".")[0] for n in params
                                    if ".experts." in n}),
