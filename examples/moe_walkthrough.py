@@ -15,6 +15,7 @@ import argparse
 import numpy as np
 
 from minidist.autograd import Tensor, no_grad
+from minidist.comm.simulate import simulate_all_to_all
 from minidist.nn import GPTConfig
 from minidist.nn.gpt import MLP
 from minidist.nn.moe import MoE, capacity, route
@@ -77,6 +78,8 @@ def main():
             show_rank(r, rows, rr, args, per_rank)
             sends[r] = rr.counts.reshape(N, per_rank).sum(1)
         print(f"\nall-to-all rows (from rank i, to rank j):\n{sends}")
+        print("the pairwise exchange (minidist/comm/alltoall.py), rows per message:")
+        simulate_all_to_all([np.arange(int(c.sum())) for c in sends], sends.tolist())
         out0, in0 = sends[0].sum() - sends[0, 0], sends[:, 0].sum() - sends[0, 0]
         print(f"rank 0 sends {out0} rows in the dispatch and {in0} in the combine (the outputs "
               f"of the rows it received), the same again in backward: exchange_bytes = "

@@ -2,7 +2,10 @@
 under mpiexec on 2, 3 and 4 ranks closed forms, uneven counts, MPI_Alltoallv and the bytes."""
 import pytest
 
+import numpy as np
+
 from minidist.comm.alltoall import pairwise_bytes, pairwise_step
+from minidist.comm.simulate import simulate_all_to_all
 
 
 def test_pairwise_schedule_meets_every_pair_once():
@@ -14,6 +17,20 @@ def test_pairwise_schedule_meets_every_pair_once():
             for rank in range(world):
                 dst, _ = pairwise_step(rank, world, s)
                 assert pairwise_step(dst, world, s)[1] == rank
+
+
+def test_simulated_pairwise_all_to_all_delivers_every_chunk():
+    # rank i sends rank j (i + 2j) % 3 elements of value 10 i + j (some chunks empty)
+    world = 4
+    counts = [[(i + 2 * j) % 3 for j in range(world)] for i in range(world)]
+    inputs = [np.concatenate([np.full(counts[i][j], 10 * i + j) for j in range(world)])
+              for i in range(world)]
+    lines = []
+    out = simulate_all_to_all(inputs, counts, show=lines.append)
+    for j in range(world):
+        want = np.concatenate([np.full(counts[i][j], 10 * i + j) for i in range(world)])
+        assert (out[j] == want).all()
+    assert len(lines) == world - 1 and lines[0].startswith("  step 1: 0->1")
 
 
 def test_pairwise_bytes_is_all_but_own_chunk():

@@ -11,11 +11,14 @@ exactly as ring.py's `ring_all_reduce` does; its stand-alone `ring_reduce_scatte
 travelling sums in scratch buffers instead so as to leave its input untouched, with the same
 chunks sent and the same sums formed.
 
+`simulate_all_to_all` does the same for the pairwise all-to-all (alltoall.py's
+`pairwise_step`), which examples/moe_walkthrough.py prints.
 Run: python examples/ring_walkthrough.py --ranks 4 --n 10.
-Tests: tests/test_comm.py::test_simulation_matches_sum.
+Tests: tests/test_comm.py::test_simulation_matches_sum, tests/test_alltoall.py.
 """
 import numpy as np
 
+from minidist.comm.alltoall import offsets, pairwise_step
 from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_into,
                                 reduce_scatter_step)
 
@@ -95,3 +98,24 @@ def simulate_broadcast(buf, world, root=0, nseg=3, show=print):
         show(f"  step {step}: " + ", ".join(f"rank {s} -> rank {d}: segment {g}"
                                             for s, d, g in moves))
     return bufs
+
+
+def simulate_all_to_all(inputs, counts, show=print):
+    """Pairwise all-to-all-v: inputs[i] holds counts[i][j] elements for rank j, in rank order;
+    returns what each rank receives (from rank 0, then 1, ...), moving one chunk per rank per
+    step as alltoall.py's `pairwise_all_to_all_v` does."""
+    world = len(inputs)
+    starts = [offsets(c) for c in counts]
+    chunk = lambda i, j: inputs[i][starts[i][j]:starts[i][j + 1]]     # noqa: E731  i -> j
+    got = [[None] * world for _ in range(world)]                        # got[j][i]: from i
+    for r in range(world):
+        got[r][r] = chunk(r, r).copy()                                  # step 0: my own chunk
+    for step in range(1, world):
+        moves = []
+        for r in range(world):
+            dst, src = pairwise_step(r, world, step)
+            assert pairwise_step(dst, world, step)[1] == r, "the partner must expect r"
+            got[dst][r] = chunk(r, dst).copy()
+            moves.append(f"{r}->{dst} ({counts[r][dst]})")
+        show(f"  step {step}: " + ", ".join(moves))
+    return [np.concatenate(g) for g in got]
