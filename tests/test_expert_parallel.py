@@ -188,3 +188,24 @@ def test_walkthrough_shows_routes_and_is_exact():
     assert "rank 1: sequences 2..3, experts [2, 3]" in out and "dropped" in out
     assert "all-to-all rows (from rank i, to rank j)" in out
     assert float(out.rsplit("one process = ", 1)[1].split()[0]) < 1e-12
+
+
+@pytest.mark.mpi
+def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
+    """--amp (float16 on numpy) with --ep 2 against one process with --amp: the clipping norm
+    counts the experts unscaled, as the mixed-precision optimizer does (to 1e-3: float16).
+
+        python examples/train_gpt.py --amp --moe-experts 4 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --amp --ep 2 --moe-experts 4 ...
+    """
+    flags = [a for a in TINY if a not in ("--dtype", "float64")]
+    common = [*flags, "--amp", "--grad-clip", "0.05", "--data", corpus, "--cache-dir",
+              tmp_path / "cache"]
+    one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
+                    str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(),
+                   text=True, capture_output=True, check=True)
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep, timeout=120)
+    a = [r["loss"] for r in _rows(one) if "loss" in r]
+    b = [r["loss"] for r in _rows(ep) if "loss" in r]
+    assert len(a) == len(b) == 3 and np.allclose(a, b, rtol=1e-3, atol=0)

@@ -140,12 +140,21 @@ class ExpertParallel(ModelParallel):
     def _sum_sq(self, local):
         """The global sum of squares: this rank's, with its experts' part replaced by the sum
         of every ep rank's (each expert counted once), then inner's reduction (DDP: none)."""
-        mine = local_sum_sq([p.grad for p in self.experts if p.grad is not None])
+        mine = self._expert_sum_sq()
         buf = xp_of(self.experts[0].data).asarray([float(mine)], dtype="float64")
         self.group.all_reduce(buf, op="sum")
         total = local - mine + buf[0]
         outer = self.inner.sum_sq_across_ranks
         return outer(total) if outer is not None else total
+
+    def _expert_sum_sq(self):
+        """This rank's experts' part of `local`: unscaled in float32 under --amp, as the
+        mixed-precision optimizer sums (minidist/train/amp.py)."""
+        grads = [p.grad for p in self.experts if p.grad is not None]
+        if self.amp is None:
+            return local_sum_sq(grads)
+        inv = 1.0 / self.amp.scaler.scale
+        return local_sum_sq([g.astype("float32") * inv for g in grads])
 
     @property
     def max_across_ranks(self):
