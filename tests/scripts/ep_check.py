@@ -38,7 +38,8 @@ from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
        "--moe-z-loss-coef", "0.01", "--moe-aux-loss-coef", "0.05"]
 RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
-        "ep2+naive": ["--comm", "naive"],
+        "ep2+naive": ["--comm", "naive"], "ep2+bucketed": ["--ddp", "bucketed"],
+        "ep2+ddpnaive+accum": ["--ddp", "naive", "--grad-accum", "2"],
         "ep2+mpi+every2": ["--comm", "mpi", "--moe-every", "2"],
         "ep4": [], "ep2xdp2": ["--dp", "2"], "ep2xtp2": ["--tp", "2"],
         "ep1xtp2": ["--tp", "2"]}        # MoE under plain tensor parallelism: experts whole
