@@ -73,13 +73,13 @@ def check_rows(rows, runs):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
     """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE, DDP
-    overlapped/bucketed/naive), and MoE under plain tp 2, against one process in float64; the same tokens dropped; bytes =
+    overlapped/bucketed/naive), and MoE without ep under tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64; the same tokens dropped; bytes =
     formula.
 
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
     runs = ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
-            "ep2+ddpnaive+accum", "ep1xtp2"]
+            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 
