@@ -50,8 +50,9 @@ def test_refusals_name_the_flag():
     assert ep_problems(parse("--ep", "2"), 2)[1] == []
     _, problems = ep_problems(parse("--ep", "3"), 3)
     assert any("not a multiple of --ep 3" in p for p in problems)
-    _, problems = ep_problems(parse("--ep", "2", "--zero", "1"), 2)
-    assert any("--zero" in p for p in problems)
+    _, problems = ep_problems(parse("--ep", "2", "--zero", "1", "--amp"), 2)
+    assert problems == ["--zero with --amp does not combine with --ep (not built)"]
+    assert ep_problems(parse("--ep", "2", "--zero", "3"), 2)[1] == []
     _, problems = ep_problems(parse("--ep", "2", "--tp", "2", "--save", "ck"), 4)
     assert problems == ["--save with --tp does not combine with --ep (not built)"]
     dp, problems = ep_problems(parse("--ep", "2"), 8)
@@ -73,13 +74,14 @@ def check_rows(rows, runs):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
     """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE, DDP
-    overlapped/bucketed/naive), and MoE without ep under tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64; the same tokens dropped; bytes =
+    overlapped/bucketed/naive; ZeRO-3 over the dense parameters), and MoE without ep under
+    tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64; the same tokens dropped; bytes =
     formula.
 
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
     runs = ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
-            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3"]
+            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3", "ep2+zero3"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 
@@ -87,11 +89,12 @@ def test_ep2_is_exact(mpi):
 @pytest.mark.mpi
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep4_and_compositions_are_exact(mpi):
-    """ep 4, ep 2 x dp 2, ep 2 x tp 2 against one process in float64.
+    """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters), ep 2 x tp 2 against
+    one process in float64.
 
-        mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2
+        mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
     """
-    runs = ["ep4", "ep2xdp2", "ep2xtp2"]
+    runs = ["ep4", "ep2xdp2", "ep2xtp2", "ep2xdp2+zero1", "ep2xdp2+zero2", "ep2xdp2+zero3"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=240)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)

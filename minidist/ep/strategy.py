@@ -15,8 +15,8 @@ The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp 
                   dp     0  0  1  1      dense group: [0,1,2,3]    (DDP of everything else)
 
 Every rank of D reads its own rows of the global batch (as DDP). The dense parameters are
-replicated over D: the `inner` DDP averages their gradients over D, skipping the experts'
-(`expert_parallel` parameters). Each rank holds E/ep experts; its experts' gradients already
+replicated over D: the `inner` DDP (or ZeRO) averages their gradients over D, skipping the
+experts' (`expert_parallel` parameters). Each rank holds E/ep experts; its experts' gradients already
 hold the contributions of every ep rank's tokens (the combine's backward brought them), so
 the strategy sums them over the dp replicas of those experts (edp) and divides by |D|: the
 gradient of the mean loss over D, exactly what one process computes.
@@ -26,7 +26,10 @@ strategy and this one its inner; the experts are not split by tp (every tp rank 
 runs the same experts on the same tokens).
 Checkpoints: one process's format, the experts gathered (save / load below), so a run
 resumes on any --ep or on one process.
-Refused: --pp, --cp, --zero (the flat ZeRO buffers would hold the experts; not built),
+With --zero k, `inner` is ZeRO-k over the dense group: the experts stay out of its flat
+shards (minidist/zero/flat.py skips `expert_parallel` parameters) and get their own AdamW
+(minidist/ep/optim.py), clipped by the same global norm.
+Refused: --zero with --tp, --amp, --save or --resume (not built), --pp, --cp,
 --ckpt-activations (the router losses are made in forward), --save/--resume with --tp
 (TensorParallel's save does not gather the experts; not built), --comm nccl (no NCCL
 all-to-all), --dropout > 0 (the experts' masks would be drawn in another order than one
@@ -69,7 +72,10 @@ def ep_problems(args, size):
                         f"job has {size} MPI process(es) (--dp defaults to processes / (ep tp))")
     if args.moe_experts % ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {ep}")
-    for flag, on in (("--zero", args.zero), ("--save with --tp", args.save and tp > 1),
+    zero_with = [f for f, on in (("--tp", tp > 1), ("--amp", args.amp), ("--save", args.save),
+                                 ("--resume", args.resume)) if on]
+    for flag, on in (("--zero with " + ", ".join(zero_with), args.zero and zero_with),
+                     ("--save with --tp", args.save and tp > 1),
                      ("--resume with --tp", args.resume and tp > 1),
                      ("--dropout > 0", args.dropout),      # experts run in another order
                      ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
@@ -95,7 +101,11 @@ def make_expert_parallel(args, size, world):
     d = mesh.dp_rank                                          # in the dense group, 0 .. dp ep-1
     ep_group = mesh.dp.split(d // ep, key=d % ep, name="ep")
     edp_group = mesh.dp.split(d % ep, key=d // ep, name="edp")
-    inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
+    if args.zero:         # ZeRO-k over the dense parameters; the experts outside its shards
+        from minidist.zero.strategy import ZeroDataParallel
+        inner = ZeroDataParallel(mesh.dp, args.zero)
+    else:
+        inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
     strategy = ExpertParallel(mesh, ep_group, edp_group, inner)
     if args.tp > 1:
         from minidist.tp.strategy import TensorParallel
@@ -121,6 +131,16 @@ class ExpertParallel(ModelParallel):
         self.experts = attach_experts(model, self.group)
         return self.inner.wrap(model)
 
+    def build_optimizer(self, model, args):
+        """inner's AdamW (DDP: over every parameter of this rank, experts included); under
+        ZeRO, its sharded AdamW plus one for the experts (minidist/ep/optim.py)."""
+        opt = self.inner.build_optimizer(model, args)
+        if getattr(self.inner, "engine", None) is None:
+            return opt
+        from minidist.ep.optim import DenseAndExperts
+        experts = [(n, p) for n, p in model.named_parameters() if p.expert_parallel]
+        return DenseAndExperts(opt, experts, args)
+
     def sync_grads(self, model):
         """inner's DDP over the dense parameters; the experts' gradients summed over edp and
         divided by the dense group's size (module docstring)."""
@@ -143,6 +163,8 @@ class ExpertParallel(ModelParallel):
         mine = self._expert_sum_sq()
         buf = xp_of(self.experts[0].data).asarray([float(mine)], dtype="float64")
         self.group.all_reduce(buf, op="sum")
+        if getattr(self.inner, "engine", None) is not None:   # ZeRO: `local` is its shards
+            return self.inner.sum_sq_across_ranks(local) + buf[0]
         total = local - mine + buf[0]
         outer = self.inner.sum_sq_across_ranks
         return outer(total) if outer is not None else total

@@ -114,8 +114,10 @@ class FlatUnit:
 
 def gpt_units(model, world, rank):
     """[root unit, block 0, ..., block L-1] for a GPT-shaped model: blocks are
-    `model.transformer.h` (each its own unit, `module` set), the root everything else."""
-    named = list(model.named_parameters())
+    `model.transformer.h` (each its own unit, `module` set), the root everything else.
+    Experts under expert parallelism (`expert_parallel`, minidist/ep/) stay out: they differ
+    from rank to rank, and the ep strategy updates them."""
+    named = [(n, p) for n, p in model.named_parameters() if not p.expert_parallel]
     blocks = list(getattr(getattr(model, "transformer", None), "h", []))
     owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     root = [(n, p) for n, p in named if id(p) not in owner]

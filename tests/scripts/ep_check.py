@@ -44,7 +44,10 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep4": [], "ep2xdp2": ["--dp", "2"], "ep2xtp2": ["--tp", "2"],
         "ep1xtp2": ["--tp", "2"],        # MoE under plain tensor parallelism: experts whole
         "ep1xdp2+zero1": ["--dp", "2", "--zero", "1"],      # MoE under ZeRO (experts in the
-        "ep1xdp2+zero3": ["--dp", "2", "--zero", "3"]}      # flat shards like any parameter)
+        "ep1xdp2+zero3": ["--dp", "2", "--zero", "3"],      # flat shards like any parameter)
+        "ep2xdp2+zero1": ["--dp", "2", "--zero", "1"], "ep2xdp2+zero2": ["--dp", "2", "--zero",
+                                                                         "2"],
+        "ep2xdp2+zero3": ["--dp", "2", "--zero", "3"], "ep2+zero3": ["--zero", "3"]}
 SEED = 7
 
 
@@ -66,6 +69,11 @@ def my_params(strategy, model):
     """name -> host array of the parameters this rank holds (tp shards gathered)."""
     if hasattr(strategy, "full_state_dict"):
         return strategy.full_state_dict()
+    zero = getattr(getattr(strategy, "inner", None), "engine", None)
+    if zero is not None:              # --ep with ZeRO: its shards gathered, experts as held
+        return {**zero.full_state_dict(root=0),
+                **{n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()
+                   if p.expert_parallel}}
     if getattr(strategy, "engine", None) is not None:      # ZeRO: gathered on rank 0 only
         return strategy.engine.full_state_dict(root=0)
     return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
