@@ -2,7 +2,7 @@
 tokens sent to them and back by all-to-all (minidist/ep/exchange.py), inside data parallelism.
 
     mpirun -n 2 python examples/train_gpt.py --moe-experts 4 --ep 2
-    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2
+    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 [--zero 3]
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --tp 2
 
 The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp fastest
