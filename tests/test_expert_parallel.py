@@ -81,7 +81,8 @@ def test_ep2_is_exact(mpi):
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
     runs = ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
-            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3", "ep2+zero3"]
+            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3", "ep2+zero3",
+            "ep2+zero2+accum"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 

@@ -47,7 +47,8 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep1xdp2+zero3": ["--dp", "2", "--zero", "3"],      # flat shards like any parameter)
         "ep2xdp2+zero1": ["--dp", "2", "--zero", "1"], "ep2xdp2+zero2": ["--dp", "2", "--zero",
                                                                          "2"],
-        "ep2xdp2+zero3": ["--dp", "2", "--zero", "3"], "ep2+zero3": ["--zero", "3"]}
+        "ep2xdp2+zero3": ["--dp", "2", "--zero", "3"], "ep2+zero3": ["--zero", "3"],
+        "ep2+zero2+accum": ["--zero", "2", "--grad-accum", "2"]}
 SEED = 7
 
 
