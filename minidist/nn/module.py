@@ -18,7 +18,7 @@ class Parameter(Tensor):
     `decay` says whether AdamW's default grouping applies weight decay to it (False for biases,
     LayerNorm and embedding weights). `expert_parallel` is True for an expert's weights under
     expert parallelism (minidist/ep/exchange.py): sharded over the ep ranks, so data
-    parallelism over the dense parameters (minidist/ddp/) leaves them to the ep strategy.
+    parallelism over the dense parameters (DDP, ZeRO) leaves them to the ep strategy.
     """
     expert_parallel = False
 

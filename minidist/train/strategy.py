@@ -56,7 +56,7 @@ def make_strategy(args, world=None):
     Context parallelism (--cp, minidist/cp/) splits each sequence over the cp ranks inside
     step 3: TP inside, DDP/ZeRO over the dp x cp ranks around it. Expert parallelism (--ep,
     minidist/ep/) shards the MoE experts over ep ranks carved out of step 3's: TP inside,
-    DDP over the dp x ep ranks for the rest.
+    DDP or ZeRO over the dp x ep ranks for the rest.
     Every size is checked on this rank alone, so a bad flag stops every rank before any
     communication; then the DeviceMesh (dp x tp x pp) builds the process groups out of
     `world` (comm.init's group; None: one process, or a script that has not called init)."""
