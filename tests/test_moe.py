@@ -129,3 +129,18 @@ def test_config_refuses_bad_moe():
         moe_config(moe_top_k=5)
     with pytest.raises(ValueError, match="moe_experts"):
         moe_config(moe_experts=1)
+
+
+def test_expert_without_tokens_gets_a_zero_gradient():
+    """Every expert runs, on 0 rows too: its gradient is zeros, not missing (so DDP, ZeRO and
+    the ep strategy see the same parameters every step)."""
+    layer = MoE(moe_config(moe_top_k=1, moe_capacity_factor=0.0), MLP, dtype="float64")
+    w = np.zeros(layer.router.weight.shape)
+    w[:, 0] = 5.0                                        # every token prefers expert 0
+    layer.router.weight.data = w
+    x = Tensor(np.abs(np.random.default_rng(5).standard_normal((2, 4, 8))), requires_grad=True)
+    (layer(x) * layer(x)).sum().backward()
+    assert layer.routing.counts.tolist() == [8, 0, 0, 0]
+    idle = layer.experts.__dict__["3"]
+    assert idle.c_fc.weight.grad is not None and not idle.c_fc.weight.grad.any()
+    assert layer.experts.__dict__["0"].c_proj.bias.grad.any()     # (weights start at 0)
