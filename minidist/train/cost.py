@@ -117,7 +117,8 @@ def p2p_time(nbytes, link):
 
 
 # where each axis sits in the mesh: global rank = tp + tp (cp + cp (dp + dp pp)).
-# Expert parallelism (being added elsewhere) gets its own entry here: its stride and size.
+# Expert parallelism (minidist/ep/) is carved out of dp (ep neighbouring dp ranks, stride tp
+# cp: Layout.ep); its all-to-alls are not in this model yet.
 AXES = ("tp", "cp", "dp", "pp")
 
 
