@@ -13,8 +13,8 @@ top of each other however they are parallelised, so each run has its own color, 
 marker (`STYLES`; the markers of different runs at different steps): identical curves stay
 visible one over the other. A Mixture-of-Experts run (--moe-experts) adds a row: the share
 of tokens each expert took per step, and the share dropped. The timeline is
-examples/ddp_timeline.py's picture:
-per rank, the forward, backward and "wait for gradients" spans above the all-reduces.
+examples/ddp_timeline.py's picture: per rank, the forward, backward and "wait for gradients"
+spans above the all-reduces.
 
 Tests: tests/test_plot.py (skipped where matplotlib is not installed).
 """
