@@ -30,7 +30,7 @@ from minidist import comm as minidist_comm
 from minidist.comm import trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
-from minidist.pp.schedule import bubble_fraction, bubble_theory
+from minidist.pp.schedule import bubble_fraction, measured_bubble
 from minidist.train.args import add_model_args, train_parser
 from minidist.train.step import train_step
 from minidist.train.strategy import make_strategy
@@ -74,7 +74,7 @@ def run(cli, schedule, m, comm):
         train_step(strategy, model, opt, *batch(step, args.batch_size, config), args)
         ms.append((time.perf_counter() - t0) * 1e3)
         events = comm.allgather(trace.events())
-        b, rows = bubble_fraction(events)
+        b, rows = measured_bubble(events)
         bubbles.append(b)
         per_stage.append((rows, bubble_model(events, m)))
     trace.disable()
@@ -85,7 +85,7 @@ def run(cli, schedule, m, comm):
             "in_flight": comm.gather(strategy.stats["in_flight"], root=0),
             "activation_mib": comm.gather(round(mem["activations"] / 2**20, 2), root=0),
             "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in rows],
-            "bubble_theory": round(bubble_theory(comm.size, m), 3),
+            "bubble_theory": round(bubble_fraction(schedule, comm.size, m), 3),
             "bubble_unequal_stages": round(model_bubble, 3),
             "ms_per_step": round(statistics.median(ms), 1)}
 

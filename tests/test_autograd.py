@@ -329,3 +329,59 @@ def test_float16_forward_backward(op):
     out.sum().backward()
     for t in (x, w):
         assert t.grad is None or (t.grad.dtype == np.float16 and np.isfinite(H(t.grad)).all())
+
+
+# ---- the backward split in two (zero-bubble pipelines' B and W) ---------------------------
+
+def _split_backward(loss, weights):
+    """B (inside defer_weight_grads) then W; returns the queue's length after B."""
+    from minidist.autograd.tensor import defer_weight_grads
+    with defer_weight_grads(weights) as w:
+        loss.backward()
+    queued = len(w.work)
+    assert all(p.grad is None for p in weights), "B must leave the weights' .grad alone"
+    w.run()
+    return queued
+
+
+def test_split_backward_gives_the_same_gradients_bitwise_and_fires_hooks_after_w():
+    """B then W on a GPT (float64) gives exactly the gradients of one plain backward; each
+    weight's hook fires once, during W."""
+    from minidist.nn import GPT, GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30)
+    x = np.random.default_rng(0).integers(0, 30, (4, 8))
+    y = np.roll(x, -1, axis=1)
+    plain, split = GPT(config, seed=1, dtype="float64"), GPT(config, seed=1, dtype="float64")
+    plain(x, y)[1].backward()
+    fired = []
+    for p in split.parameters():
+        p.register_grad_hook(lambda leaf: fired.append(id(leaf)))
+    loss = split(x, y)[1]
+    assert _split_backward(loss, split.parameters()) > 0
+    assert sorted(fired) == sorted(id(p) for p in split.parameters())
+    for (name, a), b in zip(plain.named_parameters(), split.parameters()):
+        assert np.array_equal(H(a.grad), H(b.grad)), name
+
+
+def test_split_backward_gradcheck():
+    """B's input gradient and W's weight gradients are the finite-difference derivatives
+    (float64): x -> layer_norm -> linear -> gelu -> linear, every weight deferred."""
+    from minidist.autograd import fused as F
+    from minidist.autograd.gradcheck import numeric_grad
+    rng = np.random.default_rng(3)
+    x = Tensor(rng.standard_normal((3, 5)), requires_grad=True)
+    g, b = (Tensor(rng.standard_normal(5), requires_grad=True) for _ in range(2))
+    w1, w2 = (Tensor(rng.standard_normal(s) * 0.5, requires_grad=True)
+              for s in ((5, 6), (6, 4)))
+    b1 = Tensor(rng.standard_normal(6), requires_grad=True)
+    inputs, weights = [x, g, b, w1, b1, w2], [g, b, w1, b1, w2]
+    r = rng.standard_normal((3, 4))
+
+    def f(x, g, b, w1, b1, w2):
+        h = F.gelu(F.linear(F.layer_norm(x, g, b), w1, b1))
+        return F.linear(h, w2)
+
+    _split_backward((f(*inputs) * Tensor(r)).sum(), weights)
+    for k, t in enumerate(inputs):
+        want = numeric_grad(f, inputs, k, [r])
+        assert np.allclose(H(t.grad), want, atol=1e-7, rtol=1e-6), (k, H(t.grad), want)

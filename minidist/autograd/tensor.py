@@ -103,18 +103,22 @@ class Tensor:
             _fire_hooks(self)
             return
         order, pending = _topological_order(self)
+        deferred = _deferring[-1]                         # defer_weight_grads(), or None
         grads = {id(self): grad}
         for node in reversed(order):                      # outputs before their inputs
             g = grads.pop(id(node), None)                 # complete: all consumers ran
             if node._ctx is None:
                 raise RuntimeError("backward through a graph that was already freed "
                                    "(a second backward over the same ops)")
-            in_grads = (node._fn._backward(node._ctx, g, node._parents) if g is not None
-                        else [None] * len(node._parents))
+            if deferred is not None and g is not None:    # B now, the weights' part later
+                in_grads = deferred.input_grads(node, g)
+            else:
+                in_grads = (node._fn._backward(node._ctx, g, node._parents) if g is not None
+                            else [None] * len(node._parents))
             node._ctx = None                              # free saved arrays as we go
             for p, pg in zip(node._parents, in_grads):
-                if p is None:
-                    continue
+                if p is None or (deferred is not None and deferred.holds(p)):
+                    continue                              # a deferred weight: W counts it
                 if p.is_leaf:
                     if pg is not None:
                         _accumulate(p, pg)
@@ -173,6 +177,81 @@ def _default_dtype(data):
     import numpy as np
     kind = np.asarray(data).dtype.kind
     return "float32" if kind == "f" else None
+
+
+# ---- the backward split in two: input gradients (B) now, weight gradients (W) later -------
+
+_deferring = [None]
+
+
+@contextlib.contextmanager
+def defer_weight_grads(weights):
+    """Inside, `backward()` computes every gradient except those of `weights` (the B pass of
+    zero-bubble pipelines: what the previous stage waits for) and records, per op that has a
+    weight among its inputs, what computing the weights' part needs (the op, its saved values,
+    its output's gradient) on the WeightGradQueue it yields; `queue.run()` later does them
+    (the W pass), in the order recorded, accumulating and firing hooks as backward would:
+
+        with defer_weight_grads(model.parameters()) as w:
+            loss.backward()        # B: inputs' gradients only
+        w.run()                    # W: the weights' .grad, the same numbers as one backward
+    Tests: tests/test_autograd.py (identical to a plain backward, and gradcheck)."""
+    queue = WeightGradQueue(weights)
+    _deferring.append(queue)
+    try:
+        yield queue
+    finally:
+        _deferring.pop()
+
+
+class WeightGradQueue:
+    """Deferred weight-gradient work: (op, its ctx, its output's gradient, its inputs)."""
+
+    def __init__(self, weights):
+        self.weight_ids = {id(w) for w in weights}
+        self.work = []
+
+    def holds(self, tensor):
+        return id(tensor) in self.weight_ids
+
+    def input_grads(self, node, grad):
+        """B for one op: the gradients of its non-weight inputs (the op skips the weights' via
+        ctx.needs_input_grad); the weights' part is queued with the op's saved values."""
+        ctx, parents = node._ctx, node._parents
+        weights = [p is not None and self.holds(p) for p in parents]
+        if not any(weights):
+            return node._fn._backward(ctx, grad, parents)
+        needs = ctx.needs_input_grad
+        self.work.append((node._fn, ctx, grad, parents, tuple(needs)))
+        ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
+        if not any(ctx.needs_input_grad):
+            return [None] * len(parents)
+        return node._fn._backward(ctx, grad, parents)
+
+    def contexts(self):
+        """The saved values the queued work keeps alive (the memory ledger counts them)."""
+        return [(ctx, grad) for _, ctx, grad, _, _ in self.work]
+
+    def run(self):
+        """W: every queued op's weight gradients, accumulated in the order B met them; a
+        weight's hooks fire after its last contribution, as in a plain backward."""
+        pending = {}
+        for *_, parents, _ in self.work:
+            for p in parents:
+                if p is not None and self.holds(p):
+                    pending[id(p)] = pending.get(id(p), 0) + 1
+        for fn, ctx, grad, parents, needs in self.work:
+            weights = [p is not None and self.holds(p) for p in parents]
+            ctx.needs_input_grad = tuple(n and w for n, w in zip(needs, weights))
+            for p, pg, w in zip(parents, fn._backward(ctx, grad, parents), weights):
+                if not w:
+                    continue
+                if pg is not None:
+                    _accumulate(p, pg)
+                pending[id(p)] -= 1
+                if pending[id(p)] == 0:
+                    _fire_hooks(p)
+        self.work = []
 
 
 def _accumulate(leaf, grad):

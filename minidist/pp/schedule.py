@@ -1,52 +1,32 @@
-"""Pipeline parallelism: the GPT's blocks cut into `pp` stages, one per rank of the pp group,
-and a batch cut into M micro-batches that flow through them. Two schedules, side by side.
+"""Pipeline schedules: the order in which one stage runs its micro-batches' forwards (F),
+backwards (B) and, split off the backward, weight gradients (W). A schedule is a function of
+(link, steps) that only calls `steps` (minidist/pp/microbatches.py: the compute) and `link`
+(minidist/pp/link.py: the sends and receives), so the very same functions train under MPI
+and run on a logical clock in one process (`python -m minidist.pp.simulate` draws them).
 
     stage 0: embedding + blocks [0, L/pp)   ...   stage pp-1: blocks [.., L) + ln_f + head + loss
 
-Only neighbours talk, point to point: stage s sends its output activation (rows, T, C) to
-s+1 (forward) and receives the gradient of that activation back (backward). Every stage
-knows (rows, T, C) and the dtype from the config and the batch, so no shape messages.
+    gpipe             all forwards, then all backwards (Huang et al. 2019)
+    one_f_one_b       warmup p-s-1 forwards, then one forward one backward, then the rest
+                      of the backwards (PipeDream-Flush, Megatron-LM's 1F1B)
+    interleaved_1f1b  v chunks of layers per rank, round robin (virtual stage k = chunk * p +
+                      rank): 1F1B over m * v chunk-micro-batches in Megatron-LM's order
+                      (Narayanan et al. 2021); the bubble shrinks v-fold, p2p traffic grows
+                      v-fold
+    zb_h1             1F1B with each backward split into B (dL/d input: what the previous
+                      stage waits for) and W (dL/d weights: nothing waits for it); stage s
+                      holds back s W's to fill its bubble (Qi et al. 2023, "ZB-H1"): at
+                      most p micro-batches in flight on any stage, as 1F1B's first stage
 
-GPipe (all forward, then all backward), p = 4 stages, m = 8 micro-batches; digit i: forward
-of micro-batch i, letter: its backward (a = 0, b = 1, ...) taking twice as long, '.': idle
-(`python -m minidist.pp.simulate` runs the functions below to draw this):
+`bubble_fraction(schedule, p, m, v)` gives each schedule's idle share of a step (equal
+stages, free messages); the simulator reproduces it exactly (tests/test_pipeline.py).
 
-    stage 0 |01234567.........aabbccddeeffgghh|
-    stage 1 |.01234567......aabbccddeeffgghh..|
-    stage 2 |..01234567...aabbccddeeffgghh....|
-    stage 3 |...01234567aabbccddeeffgghh......|
-
-1F1B: after a warmup of p-s-1 forwards, stage s alternates one forward and one backward, so
-it never holds more than p-s micro-batches' activations (GPipe: all m of them):
-
-    stage 0 |0123......aa4bb5cc6dd7ee.ff.gg.hh|
-    stage 1 |.012....aa3bb4cc5dd6ee7ff.gg.hh..|
-    stage 2 |..01..aa2bb3cc4dd5ee6ff7gg.hh....|
-    stage 3 |...0aa1bb2cc3dd4ee5ff6gg7hh......|
-
-Both leave the same idle "bubble": (p-1) forward+backward slots out of m+p-1 on every stage,
-a fraction (p-1)/(m+p-1). 1F1B does not shrink the bubble, it shrinks activation memory
-(GPipe keeps m micro-batches alive on every stage, 1F1B at most p on the first).
-
-Deadlock: in 1F1B's steady state stage s sends forward to s+1 while s+1 sends a gradient back
-to s. With blocking sends both would wait for the other's receive (large messages do not fit
-MPI's eager buffers), so those two exchanges are one call that posts the send and the receive
-together and waits for both (`send_forward_recv_backward`, `send_backward_recv_forward`).
-
-Backward runs in micro-batch order 0..m-1 in both schedules, so both sum every parameter's
-gradient in the same order: GPipe and 1F1B give bitwise the same step.
-`VERBOSE=1` logs every send and receive (rank, stage, direction, micro-batch, shape).
-
-The stage modules: minidist/pp/stage.py; the strategy (tied embedding, DDP, TP,
-clipping, loss): minidist/pp/strategy.py; the one-process simulation behind the
-pictures: pp_simulate.py.
+Every schedule runs each parameter's backward contributions in micro-batch order 0..m-1, so
+all of them add every gradient in the same order: GPipe, 1F1B and ZB-H1 end a step bitwise
+equal (checked in tests/scripts/pp_check.py).
 Tests: tests/test_pipeline.py (exactness vs one process, in-flight activations, bad input).
 """
 import itertools
-import os
-
-from minidist.autograd import Tensor
-from minidist.comm import trace
 
 
 def split_layers(n_layer, n_stages):
@@ -62,152 +42,15 @@ def split_layers(n_layer, n_stages):
     return [range(end - n, end) for n, end in zip(sizes, ends)]
 
 
-# ---- point to point between neighbouring stages ------------------------------------------
-
-def verbose():
-    return os.environ.get("VERBOSE", "0") not in ("", "0")
-
-
-class StageLink:
-    """This rank's place in the pipeline (pp `group`) and its sends/receives to neighbours.
-
-    `expect(shape, dtype, xp)` fixes the boundary activation's shape for this step; receives
-    allocate that, so no message carries a shape. On the first stage `recv_forward` returns
-    None and `send_backward` does nothing; on the last, `send_forward` / `recv_backward`."""
-
-    def __init__(self, group):
-        self.group, self.stage, self.n_stages = group, group.rank, group.size
-        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
-        self.shape = self.dtype = self.xp = None
-
-    def expect(self, shape, dtype, xp):
-        self.shape, self.dtype, self.xp = tuple(shape), dtype, xp
-
-    def _log(self, what, peer, i):
-        if verbose():
-            arrow = "->" if what.startswith("send") else "<-"
-            trace.log(f"stage {self.stage} {what:13s} micro-batch {i:2d} {arrow} stage {peer} "
-                      f"{self.shape} {self.dtype}")
-
-    def _start(self, kind, buf, peer, i):
-        self._log(kind, peer, i)
-        if kind.startswith("recv"):
-            return self.group.recv(buf, peer, async_op=True)
-        if tuple(buf.shape) != self.shape or buf.dtype != self.dtype:   # no shape messages:
-            raise ValueError(f"stage {self.stage} would {kind} {tuple(buf.shape)} {buf.dtype} "
-                             f"but stage {peer} expects {self.shape} {self.dtype}")
-        return self.group.send(self.xp.ascontiguousarray(buf), peer, async_op=True)
-
-    def _exchange(self, send=None, recv=None):
-        """Post (kind, buf, peer, i) sends and receives together, then wait for all."""
-        works = [self._start(*s) for s in (send, recv) if s is not None]
-        for w in works:
-            w.wait()
-
-    def _empty(self):
-        return self.xp.empty(self.shape, dtype=self.dtype)
-
-    def recv_forward(self, i):
-        """Micro-batch i's input activation from the previous stage (None on the first)."""
-        if self.first:
-            return None
-        buf = self._empty()
-        self._exchange(recv=("recv forward", buf, self.stage - 1, i))
-        return Tensor(buf, requires_grad=True)
-
-    def send_forward(self, out, i):
-        if not self.last:
-            self._exchange(send=("send forward", out.data, self.stage + 1, i))
-
-    def recv_backward(self, i):
-        """dL/d(output) of micro-batch i from the next stage (None on the last)."""
-        if self.last:
-            return None
-        buf = self._empty()
-        self._exchange(recv=("recv backward", buf, self.stage + 1, i))
-        return buf
-
-    def send_backward(self, grad, i):
-        if not self.first:
-            self._exchange(send=("send backward", grad, self.stage - 1, i))
-
-    def send_forward_recv_backward(self, out, i_send, i_recv):
-        """Steady state, after a forward: output of i_send out, gradient of i_recv in."""
-        if self.last:
-            return None
-        buf = self._empty()
-        self._exchange(send=("send forward", out.data, self.stage + 1, i_send),
-                       recv=("recv backward", buf, self.stage + 1, i_recv))
-        return buf
-
-    def send_backward_recv_forward(self, grad, i_send, i_recv):
-        """Steady state, after a backward: gradient of i_send out, input of i_recv in."""
-        if self.first:
-            return None
-        buf = self._empty()
-        self._exchange(send=("send backward", grad, self.stage - 1, i_send),
-                       recv=("recv forward", buf, self.stage - 1, i_recv))
-        return Tensor(buf, requires_grad=True)
+def chunk_layers(n_layer, n_stages, n_chunks, stage):
+    """The blocks of each of `stage`'s chunks under interleaving: the model cut into
+    n_stages * n_chunks contiguous pieces, piece k on rank k % n_stages (chunk k // n_stages):
+    with 8 blocks, p = 2, v = 2, rank 0 holds blocks 0-1 and 4-5, rank 1 blocks 2-3 and 6-7."""
+    pieces = split_layers(n_layer, n_stages * n_chunks)
+    return [pieces[c * n_stages + stage] for c in range(n_chunks)]
 
 
-# ---- the compute of one micro-batch, and what is in flight ---------------------------------
-
-class MicroBatches:
-    """One step's micro-batches on this stage: forward(i, input) and backward(i, grad), the
-    (input, output) pairs alive between the two (`live`), the losses (last stage), the most
-    micro-batches in flight, and, given `measure(live)` -> bytes (the training layer's memory
-    ledger), the most activation bytes held at once. `backward_loss(loss)` starts the last
-    stage's backward (the 1/M factor, the loss scale)."""
-
-    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=None):
-        rows = len(idx) // n_micro
-        self.stage, self.n_micro, self.backward_loss = stage, n_micro, backward_loss
-        self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
-        self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
-        self.live, self.losses, self.measure = {}, [], measure
-        self.peak_in_flight, self.peak_bytes = 0, 0
-
-    def forward(self, i, inp):
-        """Run micro-batch i through this stage; returns its output (the loss on the last)."""
-        with traced(f"F{i}", i):
-            out = self.stage.stage_forward(inp, self.idx[i], self.targets[i])
-        self.live[i] = (inp, out)
-        if self.stage.last:
-            self.losses.append(float(out.item()))
-        self.peak_in_flight = max(self.peak_in_flight, len(self.live))
-        if self.measure is not None:
-            self.peak_bytes = max(self.peak_bytes, self.measure(self.live.values()))
-        return out
-
-    def backward(self, i, grad):
-        """Backpropagate micro-batch i from dL/d(output) (the loss itself on the last stage);
-        returns dL/d(input) for the previous stage (None on the first)."""
-        inp, out = self.live.pop(i)
-        with traced(f"B{i}", i):
-            if self.stage.last:
-                self.backward_loss(out)
-            else:
-                out.backward(grad)
-        return None if inp is None else inp.grad
-
-
-class traced:
-    """Record the enclosed compute as an event on the trace's "compute" row (named F3, B3)."""
-
-    def __init__(self, name, micro_batch):
-        self.name, self.micro_batch = name, micro_batch
-
-    def __enter__(self):
-        self.start = trace.now()
-
-    def __exit__(self, *exc):
-        if trace.enabled():
-            trace.record(dict(seq=self.micro_batch, op=self.name, algo="compute",
-                              group="compute", dtype="", bytes=0, issued=self.start,
-                              start=self.start, end=trace.now()))
-
-
-# ---- the two schedules ---------------------------------------------------------------------
+# ---- the schedules -------------------------------------------------------------------------
 
 def gpipe(link, steps):
     """All forward, then all backward (GPipe, Huang et al. 2019)."""
@@ -248,24 +91,128 @@ def one_f_one_b(link, steps):
         link.send_backward(steps.backward(i, g), i)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_1f1b(link, steps):
+    """1F1B over virtual stages (Megatron-LM's interleaved schedule, Narayanan et al. 2021).
+    Rank r holds v chunks; its k-th forward is of chunk (k mod pv) // p, micro-batch
+    (k // pv) p + k mod p: p micro-batches through chunk 0, the same p through chunk 1, ...,
+    then the next p. Its k-th backward walks the chunks in reverse (chunk v-1 first). Warmup
+    is (p-r-1)*2 + (v-1)*p forwards (Megatron's count), then one forward one backward, then
+    the remaining backwards. Needs m a multiple of p (the strategy refuses the rest)."""
+    p, v, m = link.n_stages, link.n_chunks, steps.n_micro
+    total = m * v
+    n_warmup = min((p - link.stage - 1) * 2 + (v - 1) * p, total)
+
+    def micro_batch(k):
+        return (k // (p * v)) * p + k % p
+
+    def forward(k):
+        i, chunk = micro_batch(k), (k % (p * v)) // p
+        x = link.recv_forward_chunk(i, chunk)
+        link.isend_forward(steps.forward(i, x, chunk), i, chunk)
+
+    def backward(k):
+        i, chunk = micro_batch(k), v - 1 - (k % (p * v)) // p
+        g = link.recv_backward_chunk(i, chunk)
+        link.isend_backward(steps.backward(i, g, chunk), i, chunk)
+    # warmup: forwards only, deep enough that every rank's first backward finds its input
+    for k in range(n_warmup):
+        forward(k)
+    # steady state: forward n_warmup + k, then backward k
+    for k in range(total - n_warmup):
+        forward(n_warmup + k)
+        backward(k)
+    # cooldown: the remaining backwards
+    for k in range(total - n_warmup, total):
+        backward(k)
+    link.wait_sends()
 
 
-def bubble_fraction(events_by_rank):
+def zb_h1(link, steps):
+    """ZB-H1 (Qi et al. 2023): 1F1B's order of F and B, with each backward split. B keeps
+    1F1B's place, so gradients reach the previous stage as early as ever; W (the weight
+    gradients) follows it, except that stage s holds back its first s W's: the later stages,
+    which would wait for forwards, do W's then instead, and the held-back ones fill the tail.
+    A micro-batch is in flight until its W, so stage s holds at most (p-s) + s = p: the peak
+    of 1F1B's first stage, on every stage. Sends are posted (as in interleaved_1f1b), so a W
+    can run between sending a gradient and receiving the next input."""
+    m, s = steps.n_micro, link.stage
+    n_warmup = min(link.n_stages - s - 1, m)
+    w_next = 0                                   # the next micro-batch whose W is due
+
+    def forward(i):
+        x = link.recv_forward_chunk(i, 0)
+        link.isend_forward(steps.forward(i, x), i, 0)
+
+    def backward_input(i):
+        g = link.recv_backward_chunk(i, 0)
+        link.isend_backward(steps.backward_input(i, g), i, 0)
+    # warmup: forwards only, filling the pipeline
+    for i in range(n_warmup):
+        forward(i)
+    # steady state: F of n_warmup + k, B of k, then a W (none in the first s rounds)
+    for k in range(m - n_warmup):
+        forward(n_warmup + k)
+        backward_input(k)
+        if k >= s:
+            steps.backward_weight(w_next)
+            w_next += 1
+    # cooldown: the warmup's B's, each followed by a W
+    for i in range(m - n_warmup, m):
+        backward_input(i)
+        steps.backward_weight(w_next)
+        w_next += 1
+    # the W's held back fill the tail, where a 1F1B stage would wait
+    for i in range(w_next, m):
+        steps.backward_weight(i)
+    link.wait_sends()
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+
+
+def schedule_function(name, n_chunks=1):
+    """The schedule for --schedule NAME and --pp-virtual n_chunks (1F1B with more than one
+    chunk per rank is the interleaved one)."""
+    if n_chunks > 1:
+        if name != "1f1b":
+            raise ValueError(f"--pp-virtual {n_chunks} interleaves 1F1B; use --schedule 1f1b")
+        return interleaved_1f1b
+    return SCHEDULES[name]
+
+
+def bubble_fraction(schedule, p, m, v=1, t_f=1.0, t_b=1.0, t_w=1.0):
+    """The share of a step each stage idles, for equal stages and free messages (the
+    simulator's pictures measure exactly this). t_f, t_b, t_w: a (chunk's) forward, input-
+    gradient and weight-gradient time; schedules that do not split backward run B and W
+    together.
+        gpipe, 1f1b      (p-1) / (m+p-1): p-1 slots of F+B+W idle out of m+p-1
+        1f1b, v > 1      (p-1) / (v m + p-1): the same p-1 slots, each 1/v as long, i.e.
+                         (p-1)/(v m) of the ideal step (Narayanan et al.)
+        zb-h1            (p-1)(t_f+t_b-t_w) / (m(t_f+t_b+t_w) + (p-1)(t_f+t_b-t_w)): the
+                         W's fill t_w of each idle slot; (p-1)/(3m+p-1) for equal times.
+                         With m < p there are too few W's: the step is F and B through
+                         all stages, (m+p-1)(t_f+t_b), and the first stage's last W"""
+    if schedule == "zb-h1" and v == 1:
+        work = m * (t_f + t_b + t_w)
+        step = max(work + (p - 1) * (t_f + t_b - t_w),      # m >= p: W's fill the bubble
+                   (m + p - 1) * (t_f + t_b) + t_w)        # m < p: too few W's to fill it
+        return 1 - work / step
+    if schedule in ("gpipe", "1f1b") and (v == 1 or schedule == "1f1b"):
+        return (p - 1) / (v * m + p - 1)
+    raise ValueError(f"no bubble formula for schedule {schedule!r} with v = {v}")
+
+
+def measured_bubble(events_by_rank):
     """The measured bubble of the last step: on each rank, the share of the window from the
     first micro-batch's start to the last one's end (over all ranks) spent not computing
-    (its F/B events, recorded by `traced`). Returns (mean over ranks, [per rank])."""
+    (its F/B/W events, recorded by microbatches.traced). Returns (mean over ranks, [per
+    rank])."""
     steps = []
     for events in events_by_rank:
-        compute = [e for e in events if e["group"] == "compute" and e["op"][0] in "FB"]
+        compute = [e for e in events if e["group"] == "compute" and e["op"][0] in "FBW"]
         starts = [k for k, e in enumerate(compute) if e["op"] == "F0"]
         steps.append(compute[starts[-1]:] if starts else [])
     t0 = min(e["start"] for step in steps for e in step)
     t1 = max(e["end"] for step in steps for e in step)
     idle = [1.0 - sum(e["end"] - e["start"] for e in step) / (t1 - t0) for step in steps]
     return sum(idle) / len(idle), idle
-
-
-def bubble_theory(p, m):
-    """GPipe's and 1F1B's bubble: (p-1) idle slots per stage out of m+p-1."""
-    return (p - 1) / (m + p - 1)

@@ -1,55 +1,59 @@
 """The pipeline schedules run for p stages inside one process, on a logical clock.
 
-The very functions pipeline.py trains with (`gpipe`, `one_f_one_b`) run here, one thread per
-stage, with a `SimLink` in place of the MPI link and `SimSteps` in place of the model: a
-forward takes `t_fwd` time units, a backward `t_bwd`, a message none. Each stage keeps its
-own clock; a receive moves it to the sender's clock at the send if that is later (the stage
-waited). The clocks do not depend on how the threads interleave, so the picture is exact:
+The very functions the strategy trains with (minidist/pp/schedule.py) run here, one thread
+per stage, with a `SimLink` in place of the MPI link and `SimSteps` in place of the model: a
+forward takes t_f time units, an input-gradient backward B t_b, a weight-gradient W t_w, a
+whole backward t_b + t_w, a message none. Each stage keeps its own clock; a receive moves it
+to the sender's clock at the send if that is later (the stage waited). Sends never wait (as
+the MPI link's posted sends), so the clocks do not depend on how the threads interleave and
+the picture is exact:
 
-    python -m minidist.pp.simulate --stages 4 --micro-batches 8
+    python -m minidist.pp.simulate --stages 4 --micro-batches 8 --virtual 2
 
-prints both schedules' timelines (digit i: forward of micro-batch i; letter: its backward,
-a = 0, b = 1, ...; '.': idle), the bubble per stage, and the most micro-batches each stage
-held at once. The bubble is (p-1)/(m+p-1) for both; 1F1B holds min(p - s, m) on stage s.
-Tests: tests/test_pipeline.py::test_simulated_schedules.
+prints every schedule's timeline: digit i is micro-batch i's forward, a letter its backward
+(a = 0, b = 1, ...; 2 units when whole, 1 for B of a split one), a capital letter its W,
+'.' idle; under interleaving a second row gives each slot's chunk. Then the bubble per stage
+next to `bubble_fraction`'s formula, and the most micro-batches each stage held at once.
+Tests: tests/test_pipeline.py::test_simulated_schedules and ::test_simulated_bubble_formulas.
 """
 import argparse
 import queue
 import threading
 
-from minidist.pp.schedule import SCHEDULES
+from minidist.pp.schedule import bubble_fraction, schedule_function
 
 
 class SimLink:
-    """StageLink's methods over in-process queues; messages carry the sender's clock."""
+    """StageLink's methods over in-process queues, one per (sender, receiver, direction,
+    chunk, micro-batch); messages carry the sender's clock."""
 
-    def __init__(self, stage, n_stages, boxes, clock):
-        self.stage, self.n_stages = stage, n_stages
+    def __init__(self, stage, n_stages, n_chunks, boxes, clock):
+        self.stage, self.n_stages, self.n_chunks = stage, n_stages, n_chunks
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.boxes, self.clock = boxes, clock
 
-    def _send(self, to, kind, i):
-        self.boxes[(self.stage, to, kind)].put((self.clock["t"], i))
+    def _send(self, to, kind, chunk, i):
+        self.boxes[(self.stage, to, kind, chunk, i)].put(self.clock["t"])
 
-    def _recv(self, frm, kind, i):
-        t, got = self.boxes[(frm, self.stage, kind)].get(timeout=10)
-        assert got == i, f"stage {self.stage} expected {kind} of {i}, got {got}"
+    def _recv(self, frm, kind, chunk, i):
+        t = self.boxes[(frm, self.stage, kind, chunk, i)].get(timeout=10)
         self.clock["t"] = max(self.clock["t"], t)        # waited for it if it came later
         return i
 
+    # the neighbours' links (GPipe, 1F1B, ZB-H1)
     def recv_forward(self, i):
-        return None if self.first else self._recv(self.stage - 1, "fwd", i)
+        return None if self.first else self._recv(self.stage - 1, "fwd", 0, i)
 
     def send_forward(self, out, i):
         if not self.last:
-            self._send(self.stage + 1, "fwd", i)
+            self._send(self.stage + 1, "fwd", 0, i)
 
     def recv_backward(self, i):
-        return None if self.last else self._recv(self.stage + 1, "bwd", i)
+        return None if self.last else self._recv(self.stage + 1, "bwd", 0, i)
 
     def send_backward(self, grad, i):
         if not self.first:
-            self._send(self.stage - 1, "bwd", i)
+            self._send(self.stage - 1, "bwd", 0, i)
 
     def send_forward_recv_backward(self, out, i_send, i_recv):
         self.send_forward(out, i_send)
@@ -59,41 +63,75 @@ class SimLink:
         self.send_backward(grad, i_send)
         return self.recv_forward(i_recv)
 
+    # the ring of virtual stages (interleaved 1F1B)
+    def isend_forward(self, out, i, chunk):
+        if not (self.last and chunk == self.n_chunks - 1):
+            self._send((self.stage + 1) % self.n_stages, "fwd", chunk + self.last, i)
+
+    def isend_backward(self, grad, i, chunk):
+        if not (self.first and chunk == 0):
+            self._send((self.stage - 1) % self.n_stages, "bwd", chunk - self.first, i)
+
+    def recv_forward_chunk(self, i, chunk):
+        if self.first and chunk == 0:
+            return None
+        return self._recv((self.stage - 1) % self.n_stages, "fwd", chunk, i)
+
+    def recv_backward_chunk(self, i, chunk):
+        if self.last and chunk == self.n_chunks - 1:
+            return None
+        return self._recv((self.stage + 1) % self.n_stages, "bwd", chunk, i)
+
+    def wait_sends(self):
+        """Nothing to wait for: a simulated send is delivered at once."""
+
 
 class SimSteps:
-    """MicroBatches' forward/backward as time on the clock, recorded as (kind, i, start)."""
+    """MicroBatches' methods as time on the clock, recorded as (kind, i, start, chunk); kind
+    F, B (a whole backward), I (input gradient) or W (weight gradient)."""
 
-    def __init__(self, n_micro, clock, t_fwd, t_bwd):
-        self.n_micro, self.clock, self.t = n_micro, clock, {"F": t_fwd, "B": t_bwd}
+    def __init__(self, n_micro, clock, t_f, t_b, t_w):
+        self.n_micro, self.clock = n_micro, clock
+        self.t = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
         self.events, self.live, self.peak_in_flight = [], set(), 0
 
-    def _run(self, kind, i):
-        self.events.append((kind, i, self.clock["t"]))
+    def _run(self, kind, i, chunk):
+        self.events.append((kind, i, self.clock["t"], chunk))
         self.clock["t"] += self.t[kind]
 
-    def forward(self, i, inp):
-        self._run("F", i)
-        self.live.add(i)
+    def forward(self, i, inp, chunk=0):
+        self._run("F", i, chunk)
+        self.live.add((chunk, i))
         self.peak_in_flight = max(self.peak_in_flight, len(self.live))
         return i
 
-    def backward(self, i, grad):
-        self._run("B", i)
-        self.live.remove(i)
+    def backward(self, i, grad, chunk=0):
+        self._run("B", i, chunk)
+        self.live.remove((chunk, i))
         return i
 
+    def backward_input(self, i, grad, chunk=0):
+        self._run("I", i, chunk)              # still in flight until its W
+        return i
 
-def simulate(schedule, n_stages, n_micro, t_fwd=1, t_bwd=2):
-    """Run `schedule` ("gpipe" or "1f1b") for every stage; returns each stage's SimSteps."""
-    boxes = {(a, b, k): queue.Queue() for a in range(n_stages) for b in range(n_stages)
-             for k in ("fwd", "bwd")}
+    def backward_weight(self, i, chunk=0):
+        self._run("W", i, chunk)
+        self.live.remove((chunk, i))
+
+
+def simulate(schedule, n_stages, n_micro, n_chunks=1, t_f=1, t_b=1, t_w=1):
+    """Run `schedule` ("gpipe", "1f1b", "zb-h1"; "1f1b" with n_chunks > 1 is interleaved)
+    for every stage; returns each stage's SimSteps."""
+    boxes = {(a, b, k, c, i): queue.Queue() for a in range(n_stages)
+             for b in range(n_stages) for k in ("fwd", "bwd") for c in range(n_chunks)
+             for i in range(n_micro)}
     clocks = [{"t": 0} for _ in range(n_stages)]
-    steps = [SimSteps(n_micro, clocks[s], t_fwd, t_bwd) for s in range(n_stages)]
-    errors = []
+    steps = [SimSteps(n_micro, clocks[s], t_f, t_b, t_w) for s in range(n_stages)]
+    run_schedule, errors = schedule_function(schedule, n_chunks), []
 
     def run(s):
         try:
-            SCHEDULES[schedule](SimLink(s, n_stages, boxes, clocks[s]), steps[s])
+            run_schedule(SimLink(s, n_stages, n_chunks, boxes, clocks[s]), steps[s])
         except Exception as e:       # noqa: BLE001 -- reported below, not lost in a thread
             errors.append(e)
     threads = [threading.Thread(target=run, args=(s,)) for s in range(n_stages)]
@@ -106,16 +144,23 @@ def simulate(schedule, n_stages, n_micro, t_fwd=1, t_bwd=2):
     return steps
 
 
-def timeline(steps):
-    """One text row per stage over the common time axis, and the bubble of each stage."""
+MARKS = {"F": lambda i: str(i % 10), "B": lambda i: chr(ord("a") + i % 26),
+         "I": lambda i: chr(ord("a") + i % 26), "W": lambda i: chr(ord("A") + i % 26)}
+
+
+def timeline(steps, chunks=False):
+    """Text rows per stage over the common time axis (with `chunks`, a second row giving
+    each slot's chunk), and the bubble (idle share) of each stage."""
     end = max(e[2] + s.t[e[0]] for s in steps for e in s.events)
     rows, bubbles = [], []
     for k, s in enumerate(steps):
-        cells = ["."] * end
-        for kind, i, start in s.events:
-            mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
-            cells[start:start + s.t[kind]] = mark * s.t[kind]
+        cells, owner = ["."] * end, [" "] * end
+        for kind, i, start, chunk in s.events:
+            cells[start:start + s.t[kind]] = MARKS[kind](i) * s.t[kind]
+            owner[start:start + s.t[kind]] = str(chunk) * s.t[kind]
         rows.append(f"stage {k} |{''.join(cells)}|")
+        if chunks:
+            rows.append(f"  chunk |{''.join(owner)}|")
         bubbles.append(cells.count(".") / end)
     return rows, bubbles
 
@@ -124,16 +169,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--t-fwd", type=int, default=1)
-    p.add_argument("--t-bwd", type=int, default=2)
+    p.add_argument("--virtual", type=int, default=2, help="chunks per rank (interleaved)")
     a = p.parse_args()
-    theory = (a.stages - 1) / (a.micro_batches + a.stages - 1)
-    for name in ("gpipe", "1f1b"):
-        steps = simulate(name, a.stages, a.micro_batches, a.t_fwd, a.t_bwd)
-        rows, bubbles = timeline(steps)
-        print(f"{name}: p = {a.stages}, m = {a.micro_batches}; bubble per stage "
-              f"{', '.join(f'{b:.3f}' for b in bubbles)} (theory {theory:.3f}); micro-batches "
-              f"in flight per stage {[s.peak_in_flight for s in steps]}")
+    runs = [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"),
+            ("1f1b", a.virtual, f"interleaved 1F1B, v = {a.virtual}"),
+            ("zb-h1", 1, "ZB-H1 (B and W split, 1 unit each)")]
+    for name, v, title in runs:
+        steps = simulate(name, a.stages, a.micro_batches, v)
+        rows, bubbles = timeline(steps, chunks=v > 1)
+        theory = bubble_fraction(name, a.stages, a.micro_batches, v)
+        print(f"{title}: p = {a.stages}, m = {a.micro_batches}; bubble per stage "
+              f"{', '.join(f'{b:.3f}' for b in bubbles)} (formula {theory:.3f}); "
+              f"micro-batches in flight per stage {[s.peak_in_flight for s in steps]}")
         print("\n".join(rows) + "\n")
 
 

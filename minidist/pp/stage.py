@@ -24,11 +24,12 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
+from minidist.autograd.recompute import checkpoint
 from minidist.nn.config import gpt_init
 from minidist.nn.gpt import GPT, Block, BlockHooks, _DROPOUT_STREAM, _sample
 from minidist.nn.layers import Dropout, Embedding, LayerNorm
 from minidist.nn.module import Module, ModuleDict, ModuleList
-from minidist.pp.schedule import StageLink
+from minidist.pp.link import StageLink
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion
 from minidist.tp.layers import (SequenceParallelLayerNorm, ShardRNG,
                                          VocabParallelEmbedding)
@@ -36,25 +37,32 @@ from minidist.tp.model import ParallelBlock, TensorParallelGPT, check_tp_sizes
 
 
 class BlockRange(ModuleList):
-    """Blocks numbered from `start` (h.2, h.3 on the second of two stages of a 4-layer GPT)."""
+    """Blocks under their global numbers (h.2, h.3 on the second of two stages of a 4-layer
+    GPT; h.0, h.1, h.4, h.5 on the first rank of an interleaved 8-layer pp 2, v 2)."""
 
-    def __init__(self, start, modules):
+    def __init__(self, numbers, modules):
         Module.__init__(self)
-        self._start, self._n = start, len(modules)
-        for i, m in enumerate(modules):
-            setattr(self, str(start + i), m)
+        self._numbers, self._n = list(numbers), len(modules)
+        for n, m in zip(self._numbers, modules):
+            setattr(self, str(n), m)
 
     def __getitem__(self, i):
-        return getattr(self, str(self._start + range(self._n)[i]))
+        return getattr(self, str(self._numbers[i]))
+
+    def block(self, number):
+        """The block with global number `number`."""
+        return getattr(self, str(number))
 
 
-def stage_modules(config, layers, first, last, make_block, make_wte, make_norm, dtype):
-    """The stage's `transformer` ModuleDict: only the parts this stage runs."""
+def stage_modules(config, chunks, first, last, make_block, make_wte, make_norm, dtype):
+    """The stage's `transformer` ModuleDict: only the parts this stage runs (the blocks of
+    every chunk it holds)."""
     parts = {}
     if first:
         parts.update(wte=make_wte(), drop=Dropout(config.dropout),
                      wpe=Embedding(config.block_size, config.n_embd, dtype=dtype))
-    parts["h"] = BlockRange(layers.start, [make_block() for _ in layers])
+    numbers = [n for chunk in chunks for n in chunk]
+    parts["h"] = BlockRange(numbers, [make_block() for _ in numbers])
     if last:
         parts["ln_f"] = make_norm()
         if not first:
@@ -66,8 +74,12 @@ class PipelineStage:
     """What every stage class adds to its model class (mixed in before GPT)."""
 
     def _init_stage(self, pp_group, layers):
-        self.link = StageLink(pp_group)
-        self.first, self.last, self.layers = self.link.first, self.link.last, layers
+        """`layers`: this rank's blocks, a range, or a list of ranges, one per chunk, under
+        interleaving (minidist/pp/schedule.py chunk_layers)."""
+        self.chunks = [layers] if isinstance(layers, range) else list(layers)
+        self.link = StageLink(pp_group, len(self.chunks))
+        self.first, self.last = self.link.first, self.link.last
+        self.layers = [n for chunk in self.chunks for n in chunk]
         self.checkpointing = False
         self.block_hooks = BlockHooks()          # GPT.set_block_hooks (ZeRO-3)
 
@@ -88,14 +100,36 @@ class PipelineStage:
         w = next(p for p in self.parameters() if backend.is_float(p.dtype))
         self.link.expect(self.boundary_shape(rows, T), w.dtype, backend.xp_of(w.data))
 
-    def stage_forward(self, inp, idx, targets):
-        """One micro-batch through this stage: the input Tensor received (None on the first
-        stage, which embeds idx) -> the output activation, or the loss on the last stage."""
-        x = self.embed(idx) if self.first else inp
-        x = self.run_blocks(x)
-        if not self.last:
+    def holds_embedding(self, chunk):
+        """Does `chunk` start the model (the first chunk of the first stage)?"""
+        return self.first and chunk == 0
+
+    def holds_head(self, chunk):
+        """Does `chunk` end the model (the last chunk of the last stage)?"""
+        return self.last and chunk == len(self.chunks) - 1
+
+    def stage_forward(self, inp, idx, targets, chunk=0):
+        """One micro-batch through this stage's `chunk`: the input Tensor received (None at
+        the model's start, which embeds idx) -> the output activation, or the loss at the
+        model's end."""
+        x = self.embed(idx) if self.holds_embedding(chunk) else inp
+        x = self.run_chunk(x, chunk)
+        if not self.holds_head(chunk):
             return x
         return self.head(x, targets)[1]
+
+    def run_chunk(self, x, chunk):
+        """The blocks of `chunk`: GPT's run_blocks when the stage is one chunk; under
+        interleaving, the chunk's blocks, each recomputed in backward with
+        --ckpt-activations."""
+        if len(self.chunks) == 1:
+            return self.run_blocks(x)
+        recompute = self.checkpointing and is_grad_enabled()
+        for n in self.chunks[chunk]:
+            block = self.transformer.h.block(n)
+            x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
+                else block(x)                                      # (B, T, C)
+        return x
 
     # ---- the whole pipeline, no gradients: evaluation and sampling ------------------------
     def forward(self, idx, targets=None):
@@ -112,11 +146,14 @@ class PipelineStage:
     def _pipe_forward(self, idx, targets, last_position=False):
         idx = np.asarray(backend.to_host(idx))
         self.expect(len(idx), idx.shape[1])
-        x = self.link.recv_forward(0)
-        x = self.embed(idx) if self.first else x
-        x = self.run_blocks(x)
+        for chunk in range(len(self.chunks)):          # the ring of chunks, one at a time
+            x = self.link.recv_forward_chunk(0, chunk)
+            x = self.embed(idx) if self.holds_embedding(chunk) else x
+            x = self.run_chunk(x, chunk)
+            if not self.holds_head(chunk):
+                self.link.isend_forward(x, 0, chunk)
+        self.link.wait_sends()
         if not self.last:
-            self.link.send_forward(x, 0)
             return None
         if last_position:
             return self.head(x[:, -1:, :])[0]                      # logits (B, 1, V)
@@ -141,7 +178,7 @@ class GPTStage(PipelineStage, GPT):
         self.config = config
         self._init_stage(pp_group, layers)
         self.transformer = stage_modules(
-            config, layers, self.first, self.last, lambda: Block(config, dtype),
+            config, self.chunks, self.first, self.last, lambda: Block(config, dtype),
             lambda: Embedding(config.vocab_size, config.n_embd, dtype=dtype),
             lambda: LayerNorm(config.n_embd, bias=config.bias, dtype=dtype), dtype)
         names = {n for n, _ in self.named_parameters()}
@@ -164,7 +201,7 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
         self._init_stage(pp_group, layers)
         C = config.n_embd
         self.transformer = stage_modules(
-            config, layers, self.first, self.last, lambda: ParallelBlock(config, r, dtype),
+            config, self.chunks, self.first, self.last, lambda: ParallelBlock(config, r, dtype),
             lambda: VocabParallelEmbedding(config.vocab_size, C, r, dtype),
             lambda: SequenceParallelLayerNorm(C, r, config.bias, dtype), dtype)
         for p in self.parameters():

@@ -12,10 +12,11 @@ SingleProcess (minidist/train/strategy.py):
                         wrapped in DDP over the dp group when dp > 1
     local_rows          rows by dp rank (every stage and tp rank of a replica: the same rows)
     pipeline_forward_backward (below; train/step.py calls it for each --grad-accum round)
-                        the schedule (--schedule 1f1b | gpipe) over --micro-batches M; the
-                        last stage seeds each micro-batch's backward with 1/M, so gradients are
-                        of the mean loss over the batch; the loss is broadcast from the last
-                        stage. DDP stays silent (no_sync) until sync_grads
+                        the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v)
+                        over --micro-batches M; the last stage seeds each micro-batch's
+                        backward with 1/M, so gradients are of the mean loss over the batch;
+                        the loss is broadcast from the last stage. DDP stays silent
+                        (no_sync) until sync_grads
     sync_grads          DDP's average over dp (once per step), then the tied embedding: the
                         first and last stages' wte gradients summed over their 2-rank group
     sum_sq_across_ranks local squares (the last stage's wte copy left out: the first stage
@@ -31,8 +32,9 @@ import math
 from minidist.backend import xp_of
 from minidist.ddp.strategy import dp_rows
 from minidist.comm import trace
-from minidist.pp.schedule import (SCHEDULES, MicroBatches, bubble_fraction,
-                                        bubble_theory, split_layers)
+from minidist.pp.microbatches import MicroBatches
+from minidist.pp.schedule import (SCHEDULES, bubble_fraction, chunk_layers, measured_bubble,
+                                  schedule_function)
 from minidist.pp import checkpoint as pp_checkpoint
 from minidist.tp.state import replicated_grads, sum_sq_over_tp, unscaled_sum_sq
 from minidist.train import memory
@@ -44,9 +46,10 @@ def pipeline_problems(args, world):
     """Every problem with these flags, found on this rank alone (no communication yet)."""
     pp, tp = args.pp, args.tp
     dp = args.dp if args.dp is not None else max(world // (tp * pp), 1)
-    accum = args.grad_accum
-    m = args.micro_batches or default_micro_batches(args.batch_size // (dp * accum), pp)
-    problems = []
+    accum, v = args.grad_accum, getattr(args, "pp_virtual", 1)
+    m = args.micro_batches or default_micro_batches(args.batch_size // (dp * accum), pp,
+                                                    pp if v > 1 else 1)
+    problems = schedule_problems(args, pp, m, v)
     if dp * tp * pp != world:
         problems.append(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but this "
                         f"job has {world} MPI process(es); run `mpirun -n {dp * tp * pp} ...` "
@@ -70,9 +73,29 @@ def pipeline_problems(args, world):
     return dp, m, problems
 
 
-def default_micro_batches(rows, pp):
-    """Without --micro-batches: the most micro-batches up to 2 x pp that divide the rows."""
-    return max([m for m in range(1, 2 * pp + 1) if rows % m == 0], default=1)
+def schedule_problems(args, pp, m, v):
+    """--schedule and --pp-virtual against the sizes (interleaving, ZB-H1's split backward)."""
+    schedule, problems = getattr(args, "schedule", "1f1b"), []
+    if v < 1 or (v > 1 and schedule != "1f1b"):
+        problems.append(f"--pp-virtual {v} needs --schedule 1f1b (it interleaves 1F1B) and "
+                        f"v >= 1")
+    elif v > 1 and m % pp:
+        problems.append(f"--pp-virtual {v}: --micro-batches {m} must be a multiple of --pp "
+                        f"{pp} (the interleaved order runs micro-batches in groups of pp)")
+    if pp * v > args.n_layer >= pp:
+        problems.append(f"--pp {pp} x --pp-virtual {v} = {pp * v} chunks for --n-layer "
+                        f"{args.n_layer} blocks: every chunk needs a block")
+    if schedule == "zb-h1" and args.ckpt_activations:
+        problems.append("--schedule zb-h1 with --ckpt-activations is not available (W would "
+                        "recompute the blocks a second time); use 1f1b")
+    return problems
+
+
+def default_micro_batches(rows, pp, multiple=1):
+    """Without --micro-batches: the most micro-batches up to 2 x pp that divide the rows
+    (multiples of pp under interleaving)."""
+    return max([m for m in range(multiple, 2 * pp + 1, multiple) if rows % m == 0],
+               default=multiple)
 
 
 def make_pipeline_parallel(args, size, world):
@@ -85,7 +108,8 @@ def make_pipeline_parallel(args, size, world):
     mesh = make_mesh(args, world, dp=dp, tp=args.tp, pp=args.pp)
     return PipelineParallel(mesh, m, getattr(args, "schedule", "1f1b"),
                             ddp_mode=args.ddp, bucket_mb=args.bucket_mb,
-                            sequence_parallel=args.sequence_parallel)
+                            sequence_parallel=args.sequence_parallel,
+                            virtual=getattr(args, "pp_virtual", 1))
 
 
 def embedding_group(mesh):
@@ -104,11 +128,11 @@ def embedding_group(mesh):
 class PipelineParallel(SingleProcess):
 
     def __init__(self, mesh, micro_batches=1, schedule="1f1b", ddp_mode="overlapped",
-                 bucket_mb=1.0, sequence_parallel=False):
+                 bucket_mb=1.0, sequence_parallel=False, virtual=1):
         if schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
         self.mesh, self.group = mesh, mesh.pp
-        self.micro_batches, self.schedule = micro_batches, schedule
+        self.micro_batches, self.schedule, self.virtual = micro_batches, schedule, virtual
         self.ddp_mode, self.bucket_mb = ddp_mode, bucket_mb
         self.sequence_parallel = sequence_parallel
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
@@ -119,7 +143,7 @@ class PipelineParallel(SingleProcess):
     # ---- the model -------------------------------------------------------------------------
     def build_model(self, config, seed, dtype):
         from minidist.pp.stage import GPTStage, TensorParallelGPTStage
-        layers = split_layers(config.n_layer, self.group.size)[self.group.rank]
+        layers = chunk_layers(config.n_layer, self.group.size, self.virtual, self.group.rank)
         if self.mesh.shape["tp"] > 1:
             stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
                                            dtype, self.sequence_parallel)
@@ -144,9 +168,11 @@ class PipelineParallel(SingleProcess):
         s, (d, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return super().notes() + [
-            f"pipeline parallel: pp {p} x tp {t} x dp {d}, {self.schedule} over "
-            f"{self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "
-            f"{s.layers.start}..{s.layers.stop - 1}" + (" and the embedding" if s.first else "")
+            f"pipeline parallel: pp {p} x tp {t} x dp {d}, {self.schedule}"
+            + (f" interleaved over {self.virtual} chunks per rank" if self.virtual > 1 else "")
+            + f" over {self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "
+            + ", ".join(f"{c.start}..{c.stop - 1}" for c in s.chunks)
+            + (" and the embedding" if s.first else "")
             + f": {s.num_parameters():,} of the model's {full:,} parameters"]
 
     # ---- one step --------------------------------------------------------------------------
@@ -170,8 +196,10 @@ class PipelineParallel(SingleProcess):
         """The memory ledger's activation count over every micro-batch in flight: what
         their graphs keep plus the inputs received, each buffer once, parameters excluded."""
         arrays = []
-        for inp, out in live:
-            arrays += list(memory.graph_arrays(out)) + ([] if inp is None else [inp.data])
+        for inp, out, w_work in live:           # w_work: what a split backward's W needs
+            arrays += [] if out is None else list(memory.graph_arrays(out))
+            arrays += [] if inp is None else [inp.data]
+            arrays += [] if w_work is None else memory.saved_arrays(w_work.contexts())
         return memory.unique_nbytes(arrays, exclude=[p.data for p in self.stage.parameters()])
 
     def loss_from_last_stage(self, losses):
@@ -241,10 +269,10 @@ class PipelineParallel(SingleProcess):
                     else "") + f"; p2p sent per step per stage "
                  f"{' / '.join(f'{r[2] / 2**20:.2f}' for r in rows)} MiB"]
         if trace.enabled():
-            measured, per_stage = bubble_fraction([r[3] for r in rows])
+            measured, per_stage = measured_bubble([r[3] for r in rows])
             lines.append(f"bubble of the last step: {measured:.2f} idle (per stage "
-                         f"{' / '.join(f'{b:.2f}' for b in per_stage)}) vs theory (p-1)/(m+p-1)"
-                         f" = {bubble_theory(p, m):.2f}")
+                         f"{' / '.join(f'{b:.2f}' for b in per_stage)}) vs theory "
+                         f"{bubble_fraction(self.schedule, p, m, self.virtual):.2f}")
         return lines
 
     def finish(self, args, log):
@@ -269,14 +297,15 @@ def sync_tied_embedding(model, group):
 
 
 def pipeline_forward_backward(strategy, model, x, y, scale, measure):
-    """One --grad-accum micro-step of a pipeline: the schedule (--schedule 1f1b | gpipe) runs
+    """One --grad-accum micro-step of a pipeline: the schedule (--schedule, --pp-virtual) runs
     forward and backward of --micro-batches M slices of (x, y) interleaved across the stages.
     The last stage seeds each micro-batch's backward with scale / M, so the gradients are of
     the mean loss. DDP across pipelines stays silent throughout (the caller syncs once): its
     grad hooks cannot tell which of M interleaved backward passes is the last. Returns (the
     mean loss of these rows, broadcast from the last stage; the most activation bytes this
     stage held at once, if `measure`)."""
-    m, schedule = strategy.micro_batches, SCHEDULES[strategy.schedule]
+    m, schedule = strategy.micro_batches, schedule_function(strategy.schedule,
+                                                            strategy.virtual)
     if len(x) % m:
         raise ValueError(f"{len(x)} rows do not split into {m} micro-batches")
     model.expect(len(x) // m, x.shape[1])

@@ -88,8 +88,10 @@ def add_parallel_args(p):
                    "not arrive (default: MINIDIST_COMM_TIMEOUT or 600; 0: never)")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1"), default="1f1b",
                    help="pipeline schedule (README: Pipeline parallelism)")
+    g.add_argument("--pp-virtual", type=int, default=1, metavar="V",
+                   help="chunks of layers per pipeline rank: V > 1 interleaves 1F1B")
     g.add_argument("--amp", action="store_true",
                    help="16-bit compute (bfloat16 on CuPy, float16 on numpy), float32 master")
     g.add_argument("--ckpt-activations", action="store_true",

@@ -69,6 +69,15 @@ def graph_arrays(output):
                 stack.append(p)
 
 
+def saved_arrays(contexts):
+    """Every array in (ctx, grad) pairs: the values a deferred weight-gradient pass (W) keeps
+    (minidist/autograd/tensor.py WeightGradQueue.contexts)."""
+    out = []
+    for ctx, grad in contexts:
+        out += list(_ctx_arrays(ctx)) + [grad]
+    return out
+
+
 def activation_bytes(output, params=()):
     """Bytes the autograd graph behind `output` keeps alive, parameters excluded."""
     return unique_nbytes(graph_arrays(output), exclude=[p.data for p in params])

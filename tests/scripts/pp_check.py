@@ -1,19 +1,22 @@
 """Pipeline parallelism against one process, float64, in one mpiexec run.
 
-    mpiexec -n 2 python tests/scripts/pp_check.py             # pp 2: M 1, 2, 8 x both schedules
+    mpiexec -n 2 python tests/scripts/pp_check.py             # pp 2: M 1, 2, 8 x 4 schedules
     mpiexec -n 4 python tests/scripts/pp_check.py             # pp 4, pp 2 x dp 2, + ckpt
     mpiexec -n 8 python tests/scripts/pp_check.py             # dp 2 x tp 2 x pp 2 (3-D)
     mpiexec -n 4 python tests/scripts/pp_check.py --runs pp4-m8-gpipe,pp4-m8-1f1b
+    mpiexec -n 4 python tests/scripts/pp_check.py --n-layer 8 --runs pp4-m8-v2-1f1b,pp4-m4-zbh1
     VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
 
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
-gpipe or 1f1b, sp (--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the
+gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), sp
+(--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the
 single-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
 clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
 through the loop's train_step, measuring activations. Checks: losses, grad norms and every
 parameter equal to the reference to --tol; the tied wte bitwise equal on the first and the
-last stage; each stage's peak micro-batches in flight = M (GPipe) or min(pp - stage, M)
-(1F1B); GPipe and 1F1B runs of the same sizes bitwise equal; for the --files run, the
+last stage; each stage's peak micro-batches in flight = what the schedule's simulation
+(minidist/pp/simulate.py) holds on that stage; GPipe, 1F1B, interleaved 1F1B and ZB-H1 runs
+of the same sizes bitwise equal (interleaved ones among themselves); for the --files runs, the
 checkpoint (one process loads the whole model and Adam state: the reference's; a fresh
 pipeline run loads its parts back, bitwise). Rank 0 prints `RESULT {json}`
 per run for tests/test_pipeline.py; any failure raises and the abort handler ends the job.
@@ -31,6 +34,7 @@ from minidist import backend
 import minidist.comm
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
+from minidist.pp.simulate import simulate
 from minidist.train import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.step import train_step
@@ -39,9 +43,12 @@ from minidist.train.strategy import SingleProcess, make_strategy
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7
 DEFAULT_RUNS = {
-    2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe,pp2-m2-ga2-1f1b",
-    4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp2-dp2-m4-1f1b,pp2-dp2-m2-gpipe-ckpt",
-    8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp"}
+    2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe,pp2-m2-ga2-1f1b,"
+       "pp2-m2-v2-1f1b,pp2-m8-v2-1f1b,pp2-m1-zbh1,pp2-m8-zbh1,pp2-m4-ga2-zbh1",
+    4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp4-m8-zbh1,pp2-dp2-m4-1f1b,"
+       "pp2-dp2-m2-gpipe-ckpt,pp2-dp2-m4-v2-1f1b-ckpt,pp2-dp2-m4-zbh1",
+    8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp,dp2-tp2-pp2-m2-v2-1f1b,"
+       "dp2-tp2-pp2-m4-zbh1-sp"}
 
 
 def flags(name, steps):
@@ -55,6 +62,10 @@ def flags(name, steps):
             extra += [key, size[2]]
         elif t in ("gpipe", "1f1b"):
             extra += ["--schedule", t]
+        elif t == "zbh1":
+            extra += ["--schedule", "zb-h1"]
+        elif t == "v2":
+            extra += ["--pp-virtual", "2"]
         elif t == "sp":
             extra += ["--sequence-parallel"]
         elif t == "ckpt":
@@ -106,11 +117,14 @@ def check_tied_copies(strategy, state):
 
 
 def check_in_flight(strategy, comm):
-    """Peak micro-batches in flight per stage, by schedule, on every rank."""
-    m, pp, s = strategy.micro_batches, strategy.group.size, strategy.group.rank
-    want = m if strategy.schedule == "gpipe" else min(pp - s, m)
+    """Peak micro-batches in flight per stage (chunk-micro-batches when interleaved) equal
+    to the schedule's simulation, on every rank."""
+    m, pp, s, v = (strategy.micro_batches, strategy.group.size, strategy.group.rank,
+                   strategy.virtual)
+    want = simulate(strategy.schedule, pp, m, v)[s].peak_in_flight
     got = strategy.stats["in_flight"]
-    assert got == want, f"stage {s} ({strategy.schedule}, M {m}): {got} in flight, not {want}"
+    assert got == want, f"stage {s} ({strategy.schedule}, v {v}, M {m}): {got} in flight, " \
+                        f"not {want}"
     return got
 
 
@@ -124,9 +138,10 @@ def compare(name, ref, comm, cli):
     diff = max(float(np.abs(state[n] - ref_state[n]).max()) for n in state)
     check_tied_copies(strategy, state)
     in_flight = check_in_flight(strategy, comm)
-    crc = 0
-    for n in sorted(state):
-        crc = zlib.crc32(np.ascontiguousarray(state[n]).tobytes(), crc)
+    crcs = {}                    # name -> crc of the whole array: any layout compares
+    for part in comm.allgather({n: zlib.crc32(np.ascontiguousarray(a).tobytes())
+                                for n, a in state.items()}):
+        crcs.update(part)
     stage = strategy.group.rank
     per_stage = comm.gather((stage, strategy.mesh.dp_rank, strategy.mesh.tp_rank, in_flight,
                              max(acts)), root=0)
@@ -136,13 +151,13 @@ def compare(name, ref, comm, cli):
               "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
               "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
               "param_diff": comm.allreduce(diff, op=MPI.MAX), "losses": losses,
-              "norms": norms, "crcs": comm.allgather(crc),
+              "norms": norms, "crcs": dict(sorted(crcs.items())),
               "stages": sorted({(s, f, a) for s, d, t, f, a in per_stage or []
                                 if d == 0 and t == 0})}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= cli.tol, (name, key, result)
     assert min(norms) > args.grad_clip, f"{name}: clipping never happened: {norms}"
-    if name == cli.files:
+    if name in cli.files.split(","):
         result.update(check_files(strategy, model, opt, ref, args, comm))
     for g in {id(g): g for g in (strategy.mesh.dp, strategy.mesh.tp, strategy.mesh.pp,
                                  strategy.embedding, strategy.mesh.world) if g}.values():
@@ -181,13 +196,17 @@ def check_files(strategy, model, opt, ref, args, comm):
 
 
 def check_schedules_agree(results):
-    """Runs that differ only in the schedule end bitwise equal (same gradient sum order)."""
+    """Runs that differ only in the schedule end bitwise equal: every schedule sums each
+    gradient in the same micro-batch order. (Interleaving changes which rank holds which
+    block, so the grad norm's sum of squares adds up in another order: equal to 1e-10.)"""
     by_sizes = {}
     for r in results:
-        key = re.sub(r"-?(gpipe|1f1b)", "", r["run"])
+        key = re.sub(r"-?(gpipe|1f1b|zbh1)", "", r["run"])
         by_sizes.setdefault(key, []).append(r)
     for key, rows in by_sizes.items():
-        assert all(r["crcs"] == rows[0]["crcs"] for r in rows), f"{key}: schedules differ"
+        for r in rows:
+            differ = [n for n in r["crcs"] if r["crcs"][n] != rows[0]["crcs"].get(n)]
+            assert not differ, f"{key}: {r['run']} and {rows[0]['run']} differ in {differ[:4]}"
 
 
 def check_amp(comm, steps=5):
@@ -208,12 +227,15 @@ def main():
     p.add_argument("--runs", default=None, help="comma-separated run names (see docstring)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tol", type=float, default=1e-10)
-    p.add_argument("--files", default=None, help="the run whose checkpoint is checked "
+    p.add_argument("--n-layer", type=int, default=CONFIG.n_layer,
+                   help="blocks of the model (pp 4 x --pp-virtual 2 needs 8)")
+    p.add_argument("--files", default=None, help="the runs whose checkpoints are checked "
                    "(default: the first 2-rank or 8-rank run)")
     p.add_argument("--amp", action="store_true", help="only the mixed-precision check")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
+    CONFIG.n_layer = cli.n_layer
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
@@ -224,8 +246,8 @@ def main():
             print("AMP " + json.dumps(row), flush=True)
         return
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
-    if cli.files is None and comm.size in (2, 8):
-        cli.files = runs[0]
+    if cli.files is None:
+        cli.files = {2: runs[0] + ",pp2-m2-v2-1f1b", 8: runs[0]}.get(comm.size, "")
     ref = train(SingleProcess(), flags("pp1", cli.steps))
     results = []
     for name in runs:
