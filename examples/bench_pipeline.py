@@ -1,19 +1,27 @@
-"""Pipeline schedules measured: activation memory per stage (the memory ledger) for GPipe vs
-1F1B, and the bubble from the trace vs the theory (p-1)/(m+p-1).
+"""Pipeline schedules measured: activation memory per stage (the memory ledger) and the bubble
+from the trace next to its formula (minidist/pp/schedule.py bubble_fraction), for GPipe, 1F1B,
+interleaved 1F1B (`1f1b-v2`: --pp-virtual 2) and ZB-H1.
 
     mpiexec -n 2 python examples/bench_pipeline.py --micro-batches 1,2,4,8,16
     mpiexec -n 4 python examples/bench_pipeline.py --micro-batches 4,8,16 --n-layer 8
+    mpiexec -n 4 python examples/bench_pipeline.py --n-layer 8 --micro-batches 8 \
+        --schedules gpipe,1f1b,1f1b-v2,zb-h1
 
 For each schedule and micro-batch count M, through the training loop's own train_step:
 one step with the ledger on (the most activation bytes each stage held at once, over every
 micro-batch in flight), then --steps traced steps: each rank's compute events (F3, B3) give
 its idle share of the step's window, from the first micro-batch's start to the last one's
-end over all stages (pipeline.bubble_fraction); the median over steps is reported. Rank 0
-prints one JSON line per (schedule, M): {"schedule", "pp", "micro_batches", "rows_per_micro",
-"in_flight", "activation_mib", "bubble", "bubble_per_stage", "bubble_theory",
-"bubble_unequal_stages", "ms_per_step"}: bubble_unequal_stages is what the stages' measured
-compute times imply with free messages (sum(t_s) + (m-1) max(t_s) per step), so the rest of
-the gap to the measurement is communication and waiting.
+end over all stages (schedule.measured_bubble); the median over steps is reported. Rank 0
+prints one JSON line per (schedule, M): {"schedule", "virtual", "pp", "micro_batches",
+"rows_per_micro", "in_flight", "activation_mib", "mib_per_micro", "bubble",
+"bubble_per_stage", "bubble_theory", "bubble_theory_measured_times", "t_f_b_w_ms",
+"bubble_unequal_stages", "ms_per_step"}. bubble_theory is bubble_fraction with equal F, B
+and W times (the simulator's pictures); bubble_theory_measured_times puts in the mean F, B, W
+times measured here (it matters for ZB-H1 only); bubble_unequal_stages is what the stages'
+measured compute times imply for GPipe and 1F1B with free messages (sum(t_s) +
+(m-1) max(t_s) per step), so the rest of the gap to the measurement is communication and
+waiting. in_flight counts chunk-micro-batches under interleaving; mib_per_micro is the
+ledger's bytes over them.
 More ranks than cores stretch every stage's compute while others compute too, which hides
 idle time: measure with one core per rank.
 """
@@ -51,8 +59,21 @@ def bubble_model(events_by_rank, m):
     return sum(1 - m * ts / step for ts in t) / len(t)
 
 
-def run(cli, schedule, m, comm):
+def event_times(events_by_rank):
+    """Mean F, B (whole backward, or B of a split one) and W durations in ms, over ranks."""
+    out = []
+    for kind in "FBW":
+        d = [e["end"] - e["start"] for events in events_by_rank for e in events
+             if e["group"] == "compute" and e["op"].startswith(kind)]
+        out.append(1e3 * sum(d) / len(d) if d else 0.0)
+    return out
+
+
+def run(cli, name, m, comm):
+    schedule, _, virtual = name.partition("-v")               # "1f1b-v2": interleaved
+    v = int(virtual) if virtual else 1
     flags = ["--pp", str(comm.size), "--micro-batches", str(m), "--schedule", schedule,
+             "--pp-virtual", str(v),
              "--n-layer", str(cli.n_layer), "--n-head", str(cli.n_head), "--n-embd",
              str(cli.n_embd), "--block-size", str(cli.block_size), "--batch-size",
              str(cli.batch_size), "--lr", "1e-3"]
@@ -65,7 +86,7 @@ def run(cli, schedule, m, comm):
     args.log_json = "measure"                          # step 0: the ledger's activations
     mem = train_step(strategy, model, opt, *batch(0, args.batch_size, config), args)[2]
     args.log_json = None
-    bubbles, per_stage, ms = [], [], []
+    bubbles, per_stage, ms, times = [], [], [], []
     trace.enable()
     for step in range(1, cli.steps + 1):
         trace.clear_events()
@@ -77,16 +98,27 @@ def run(cli, schedule, m, comm):
         b, rows = measured_bubble(events)
         bubbles.append(b)
         per_stage.append((rows, bubble_model(events, m)))
+        times.append(event_times(events))
     trace.disable()
     k = bubbles.index(statistics.median_low(bubbles))
     rows, model_bubble = per_stage[k]
-    return {"schedule": schedule, "pp": comm.size, "micro_batches": m,
-            "rows_per_micro": args.batch_size // m,
-            "in_flight": comm.gather(strategy.stats["in_flight"], root=0),
-            "activation_mib": comm.gather(round(mem["activations"] / 2**20, 2), root=0),
+    t_f, t_b, t_w = times[k]
+    if schedule != "zb-h1":              # a whole backward's time is B + W
+        t_b, t_w = t_b / 2, t_b / 2
+    in_flight = comm.gather(strategy.stats["in_flight"], root=0)
+    mib = comm.gather(mem["activations"] / 2**20, root=0)
+    p = comm.size
+    return {"schedule": schedule, "virtual": v, "pp": p, "micro_batches": m,
+            "rows_per_micro": args.batch_size // m, "in_flight": in_flight,
+            "activation_mib": mib and [round(x, 2) for x in mib],
+            "mib_per_micro": mib and [round(x / n, 2) for x, n in zip(mib, in_flight)],
             "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in rows],
-            "bubble_theory": round(bubble_fraction(schedule, comm.size, m), 3),
-            "bubble_unequal_stages": round(model_bubble, 3),
+            "bubble_theory": round(bubble_fraction(schedule, p, m, v), 3),
+            "bubble_theory_measured_times": round(bubble_fraction(schedule, p, m, v, t_f, t_b,
+                                                                  t_w), 3),
+            "t_f_b_w_ms": [round(t, 2) for t in times[k]],
+            "bubble_unequal_stages": (round(model_bubble, 3) if v == 1 and schedule != "zb-h1"
+                                      else None),
             "ms_per_step": round(statistics.median(ms), 1)}
 
 
@@ -94,7 +126,8 @@ def main():
     p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--micro-batches", default="1,2,4,8,16")
-    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--schedules", default="gpipe,1f1b,1f1b-v2,zb-h1",
+                   help="1f1b-vN: interleaved 1F1B with N chunks per rank (--pp-virtual N)")
     p.add_argument("--steps", type=int, default=5)
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
@@ -104,6 +137,8 @@ def main():
     os.environ["PMI_SIZE"] = str(comm.size)
     for m in map(int, cli.micro_batches.split(",")):
         for schedule in cli.schedules.split(","):
+            if "-v" in schedule and m % comm.size:
+                continue                   # interleaving needs m a multiple of pp
             row = run(cli, schedule, m, comm)
             if comm.rank == 0:
                 print(json.dumps(row), flush=True)
