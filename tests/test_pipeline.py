@@ -302,9 +302,12 @@ def test_bad_input_is_refused_on_every_rank(mpi):
 
         mpiexec -n 2 python examples/train_gpt.py --pp 2 --n-layer 1
         mpiexec -n 2 python examples/train_gpt.py --pp 2 --micro-batches 3
+        mpiexec -n 2 python examples/train_gpt.py --pp 2 --pp-virtual 2 --micro-batches 1
     """
     for flags, says in ((["--n-layer", "1"], "--pp 2 stages for --n-layer 1 blocks"),
-                        (["--micro-batches", "3"], "--micro-batches 3 = 3 equal")):
+                        (["--micro-batches", "3"], "--micro-batches 3 = 3 equal"),
+                        (["--pp-virtual", "2", "--micro-batches", "1"],
+                         "--micro-batches 1 must be a multiple of --pp 2")):
         out = mpi(2, "examples/train_gpt.py", "--pp", "2", *flags, timeout=60,
                   check=False)
         assert out.returncode == 2 and "Traceback" not in out.stderr
