@@ -155,7 +155,7 @@ class StageLink:
 
     def _wait_recv(self, kind, buf, peer, i, tag):
         self._log(kind, peer, i)
-        self.group.recv(buf, peer, async_op=True, tag=tag).wait()
+        self.group.recv(buf, peer, tag=tag)
 
     def wait_sends(self):
         """Every send posted this step has been received (end of the schedule)."""
