@@ -104,8 +104,13 @@ class Tensor:
             return
         order, pending = _topological_order(self)
         deferred = _deferring[-1]                         # defer_weight_grads(), or None
+        if deferred is not None:
+            deferred.note_views(order)
         grads = {id(self): grad}
         for node in reversed(order):                      # outputs before their inputs
+            if deferred is not None and deferred.holds(node):
+                deferred.defer_view(node)                 # made from weights: W runs it
+                continue
             g = grads.pop(id(node), None)                 # complete: all consumers ran
             if node._ctx is None:
                 raise RuntimeError("backward through a graph that was already freed "
@@ -205,14 +210,31 @@ def defer_weight_grads(weights):
 
 
 class WeightGradQueue:
-    """Deferred weight-gradient work: (op, its ctx, its output's gradient, its inputs)."""
+    """Deferred weight-gradient work in the order B met it: per op (op, ctx, its output's
+    gradient, its inputs, what they needed, and for a view its id). A view is an op applied
+    to weights alone (the tied head's wte.T, an embedding lookup): it counts as a weight, so
+    the matmul using wte.T defers that gradient too, and the view's own backward waits for W,
+    where the gradient reaching it is complete (its consumers come earlier in the queue)."""
 
     def __init__(self, weights):
         self.weight_ids = {id(w) for w in weights}
         self.work = []
 
     def holds(self, tensor):
+        """A weight, or a view made from weights alone."""
         return id(tensor) in self.weight_ids
+
+    def note_views(self, order):
+        """Ops applied to weights directly, and to nothing else, are views."""
+        leaves = set(self.weight_ids)
+        for node in order:
+            parents = [p for p in node._parents if p is not None]
+            if parents and all(id(p) in leaves for p in parents):
+                self.weight_ids.add(id(node))
+
+    def defer_view(self, node):
+        self.work.append((node._fn, node._ctx, None, node._parents,
+                          tuple(node._ctx.needs_input_grad), id(node)))
 
     def input_grads(self, node, grad):
         """B for one op: the gradients of its non-weight inputs (the op skips the weights' via
@@ -222,7 +244,7 @@ class WeightGradQueue:
         if not any(weights):
             return node._fn._backward(ctx, grad, parents)
         needs = ctx.needs_input_grad
-        self.work.append((node._fn, ctx, grad, parents, tuple(needs)))
+        self.work.append((node._fn, ctx, grad, parents, tuple(needs), None))
         ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
         if not any(ctx.needs_input_grad):
             return [None] * len(parents)
@@ -230,21 +252,29 @@ class WeightGradQueue:
 
     def contexts(self):
         """The saved values the queued work keeps alive (the memory ledger counts them)."""
-        return [(ctx, grad) for _, ctx, grad, _, _ in self.work]
+        return [(ctx, grad) for _, ctx, grad, *_ in self.work if grad is not None]
 
     def run(self):
-        """W: every queued op's weight gradients, accumulated in the order B met them; a
-        weight's hooks fire after its last contribution, as in a plain backward."""
-        pending = {}
-        for *_, parents, _ in self.work:
+        """W: every queued op's weight gradients, in the order B met them (so summed in a
+        plain backward's order); a weight's hooks fire after its last contribution."""
+        pending, view_grads = {}, {}
+        for *_, parents, _, _ in self.work:
             for p in parents:
-                if p is not None and self.holds(p):
+                if p is not None and p.is_leaf and self.holds(p):
                     pending[id(p)] = pending.get(id(p), 0) + 1
-        for fn, ctx, grad, parents, needs in self.work:
+        for fn, ctx, grad, parents, needs, view in self.work:
+            grad = view_grads.pop(view, None) if view is not None else grad
             weights = [p is not None and self.holds(p) for p in parents]
             ctx.needs_input_grad = tuple(n and w for n, w in zip(needs, weights))
-            for p, pg, w in zip(parents, fn._backward(ctx, grad, parents), weights):
+            in_grads = ([None] * len(parents) if grad is None
+                        else fn._backward(ctx, grad, parents))
+            for p, pg, w in zip(parents, in_grads, weights):
                 if not w:
+                    continue
+                if not p.is_leaf:                         # a view: summed, run later
+                    if pg is not None:
+                        prev = view_grads.get(id(p))
+                        view_grads[id(p)] = pg if prev is None else prev + pg
                     continue
                 if pg is not None:
                     _accumulate(p, pg)
