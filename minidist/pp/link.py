@@ -1,14 +1,17 @@
 """Point to point between pipeline stages: `StageLink`, this rank's place in the pp group.
 
-    1F1B, GPipe, ZB-H1  stage s talks to s-1 and s+1 only; the steady state's two opposite
+    GPipe, 1F1B         stage s talks to s-1 and s+1 only; the steady state's two opposite
                         exchanges are single calls that post both and wait for both
-    interleaved 1F1B    v chunks per rank: virtual stage k = chunk * p + rank, so the last rank
-                        sends chunk c's output to rank 0's chunk c+1 (a ring). Sends are posted
-                        and waited for at the end of the step, receives block: a send never
-                        waits for its receive, so any order of sends and receives that the
-                        schedule's data flow allows runs without deadlock (the simulator's
-                        queues have the same semantics). Tags name (direction, chunk,
-                        micro-batch), so with 2 ranks the two directions to one peer cannot mix.
+    interleaved 1F1B,   the ring methods (isend_*, recv_*_chunk). Under interleaving a rank
+    ZB-H1               holds v chunks, virtual stage k = chunk * p + rank, so the last rank
+                        sends chunk c's output to rank 0's chunk c+1 (a ring; ZB-H1 is the
+                        ring with v = 1). Sends are posted and waited for at the end of the
+                        step, receives block: a send never waits for its receive, so any order
+                        of sends and receives that the schedule's data flow allows runs
+                        without deadlock (the simulator's queues have the same semantics), and
+                        ZB-H1 can run a W between sending a gradient and receiving the next
+                        input. Tags name (direction, chunk, micro-batch), so with 2 ranks the
+                        two directions to one peer cannot mix.
 
 Every stage knows the boundary activation's shape and dtype (`expect`), so no message carries
 a shape. `VERBOSE=1` logs every send and receive. Tests: tests/test_pipeline.py.
