@@ -189,7 +189,8 @@ def bubble_fraction(schedule, p, m, v=1, t_f=1.0, t_b=1.0, t_w=1.0):
         1f1b, v > 1      (p-1) / (v m + p-1): the same p-1 slots, each 1/v as long, i.e.
                          (p-1)/(v m) of the ideal step (Narayanan et al.)
         zb-h1            (p-1)(t_f+t_b-t_w) / (m(t_f+t_b+t_w) + (p-1)(t_f+t_b-t_w)): the
-                         W's fill t_w of each idle slot; (p-1)/(3m+p-1) for equal times.
+                         W's fill t_w of each idle slot (for t_w < t_f + t_b);
+                         (p-1)/(3m+p-1) for equal times.
                          With m < p there are too few W's: the step is F and B through
                          all stages, (m+p-1)(t_f+t_b), and the first stage's last W"""
     if schedule == "zb-h1" and v == 1:
