@@ -13,7 +13,8 @@ micro-batch in flight), then --steps traced steps: each rank's compute events (F
 its idle share of the step's window, from the first micro-batch's start to the last one's
 end over all stages (schedule.measured_bubble); the median over steps is reported. Rank 0
 prints one JSON line per (schedule, M): {"schedule", "virtual", "pp", "micro_batches",
-"rows_per_micro", "in_flight", "activation_mib", "mib_per_micro", "bubble",
+"rows_per_micro", "in_flight", "activation_mib", "mib_per_micro",
+"ledger_act_plus_grads_mib", "traced_peak_mib", "bubble",
 "bubble_per_stage", "bubble_theory", "bubble_theory_measured_times", "t_f_b_w_ms",
 "bubble_unequal_stages", "ms_per_step"}. bubble_theory is bubble_fraction with equal F, B
 and W times (the simulator's pictures); bubble_theory_measured_times puts in the mean F, B, W
@@ -21,7 +22,11 @@ times measured here (it matters for ZB-H1 only); bubble_unequal_stages is what t
 measured compute times imply for GPipe and 1F1B with free messages (sum(t_s) +
 (m-1) max(t_s) per step), so the rest of the gap to the measurement is communication and
 waiting. in_flight counts chunk-micro-batches under interleaving; mib_per_micro is the
-ledger's bytes over them.
+ledger's bytes over them. Memory, per rank: activation_mib is the ledger's peak of what the
+in-flight micro-batches keep (step 0); traced_peak_mib is what tracemalloc measured for one
+more step (the most bytes numpy held at once beyond those held before the step), to set
+beside the ledger's activations + gradients (ledger_act_plus_grads_mib): the difference is
+the ops' transient buffers.
 More ranks than cores stretch every stage's compute while others compute too, which hides
 idle time: measure with one core per rank.
 """
@@ -30,6 +35,7 @@ import json
 import os
 import statistics
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -69,6 +75,19 @@ def event_times(events_by_rank):
     return out
 
 
+def traced_peak(strategy, model, opt, x, y, args):
+    """The most bytes held at once during one step beyond those held before it, as
+    tracemalloc sees them (numpy reports every array's allocation to it): the in-flight
+    activations, the gradients and every op's transient buffers. A measurement independent
+    of the ledger, which counts only what the in-flight graphs keep."""
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    train_step(strategy, model, opt, x, y, args)
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    return peak
+
+
 def run(cli, name, m, comm):
     schedule, _, virtual = name.partition("-v")               # "1f1b-v2": interleaved
     v = int(virtual) if virtual else 1
@@ -86,6 +105,7 @@ def run(cli, name, m, comm):
     args.log_json = "measure"                          # step 0: the ledger's activations
     mem = train_step(strategy, model, opt, *batch(0, args.batch_size, config), args)[2]
     args.log_json = None
+    peak = traced_peak(strategy, model, opt, *batch(0, args.batch_size, config), args)
     bubbles, per_stage, ms, times = [], [], [], []
     trace.enable()
     for step in range(1, cli.steps + 1):
@@ -112,6 +132,9 @@ def run(cli, name, m, comm):
             "rows_per_micro": args.batch_size // m, "in_flight": in_flight,
             "activation_mib": mib and [round(x, 2) for x in mib],
             "mib_per_micro": mib and [round(x / n, 2) for x, n in zip(mib, in_flight)],
+            "ledger_act_plus_grads_mib": comm.gather(
+                round((mem["activations"] + mem["grads"]) / 2**20, 2), root=0),
+            "traced_peak_mib": comm.gather(round(peak / 2**20, 2), root=0),
             "bubble": round(bubbles[k], 3), "bubble_per_stage": [round(b, 3) for b in rows],
             "bubble_theory": round(bubble_fraction(schedule, p, m, v), 3),
             "bubble_theory_measured_times": round(bubble_fraction(schedule, p, m, v, t_f, t_b,
