@@ -209,16 +209,15 @@ def check_schedules_agree(results):
             assert not differ, f"{key}: {r['run']} and {rows[0]['run']} differ in {differ[:4]}"
 
 
-def check_amp(comm, steps=5):
+def check_amp(comm, run, ref, steps=5):
     """--amp on pp 2 (float32 flags): losses within 1% of the float64 reference's, the
     activations crossing the boundary in float16."""
-    ref = train(SingleProcess(), flags("pp1", steps))
-    args = flags("pp2-m2-1f1b", steps)
+    args = flags(run, steps)
     args.dtype, args.amp = "float32", True
     strategy = make_strategy(args)
     model, _, losses, norms, _ = train(strategy, args)
     assert all(np.isfinite(norms)), norms
-    return {"boundary_dtype": str(model.link.dtype), "losses": losses,
+    return {"run": run, "boundary_dtype": str(model.link.dtype), "losses": losses,
             "loss_diff": max(abs(a - b) / b for a, b in zip(losses, ref[2]))}
 
 
@@ -241,9 +240,11 @@ def main():
     comm = MPI.COMM_WORLD
     os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     if cli.amp:
-        row = check_amp(comm)
-        if comm.rank == 0:
-            print("AMP " + json.dumps(row), flush=True)
+        ref = train(SingleProcess(), flags("pp1", 5))
+        for run in ("pp2-m2-1f1b", "pp2-m2-v2-1f1b", "pp2-m2-zbh1"):
+            row = check_amp(comm, run, ref)
+            if comm.rank == 0:
+                print("AMP " + json.dumps(row), flush=True)
         return
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
     if cli.files is None:
