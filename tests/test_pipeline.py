@@ -85,6 +85,23 @@ def test_simulated_bubble_formulas(times):
                 assert max(abs(b - want) for b in bubbles) < 1e-12, (name, v, p, m, bubbles)
 
 
+def test_simulate_draws_every_schedule(monkeypatch, capsys):
+    """`python -m minidist.pp.simulate` prints the four timelines, each bubble next to its
+    formula (equal on every stage)."""
+    import sys
+    from minidist.pp import simulate as sim
+    monkeypatch.setattr(sys, "argv", ["simulate", "--stages", "3", "--micro-batches", "6"])
+    sim.main()
+    out = capsys.readouterr().out
+    for title in ("GPipe:", "1F1B:", "interleaved 1F1B, v = 2:", "ZB-H1 (B and W split"):
+        assert title in out
+    assert out.count("stage 2 |") == 4 and out.count("  chunk |") == 3
+    for line in out.splitlines():
+        if "formula" in line:
+            per_stage = line.split("bubble per stage ")[1].split(" (formula ")
+            assert set(per_stage[0].split(", ")) == {per_stage[1][:5]}, line
+
+
 def test_bubble_formulas_compare():
     """Interleaving divides 1F1B's idle time by v; ZB-H1's is a third of it (equal times)."""
     p, m = 4, 8
