@@ -121,7 +121,7 @@ class PipelineStage:
     def run_chunk(self, x, chunk):
         """The blocks of `chunk`: GPT's run_blocks when the stage is one chunk; under
         interleaving, the chunk's blocks, each recomputed in backward with
-        --ckpt-activations."""
+        --ckpt-activations (no ZeRO-3 block hooks: ZeRO with --pp is refused)."""
         if len(self.chunks) == 1:
             return self.run_blocks(x)
         recompute = self.checkpointing and is_grad_enabled()
