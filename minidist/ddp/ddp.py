@@ -108,6 +108,11 @@ class DataParallelNaive:
                 p.grad = xp_of(p.data).zeros_like(p.data)
             self.group.all_reduce(p.grad, op="avg")
 
+    def zero_grad(self):
+        """Drop the gradients (.grad = None, as the optimizer's zero_grad does)."""
+        for p in self.params:
+            p.grad = None
+
     def grad_bytes(self):
         """Bytes of gradient every step averages: the all-reduce payload."""
         return sum(p.data.nbytes for p in self.params)
@@ -149,9 +154,10 @@ class Bucket:
         self.work = None          # its all-reduce in flight (overlapped mode)
 
     def attach(self):
-        """Make every parameter's .grad its view again, keeping the value it holds: the
-        optimizer's zero_grad() sets .grad = None (zero), and a backward run while .grad was
-        None leaves the engine's own array, which is copied in."""
+        """Make every parameter's .grad its view again, keeping the value it holds. Only a
+        fallback: DDP's own zero_grad() keeps the views, so backward's `+=` writes into the
+        bucket; after the optimizer's zero_grad() (.grad = None) backward leaves the engine's
+        own array, which is copied in here (one copy per gradient per step)."""
         for p, view in zip(self.params, self.views):
             if p.grad is view:
                 continue
@@ -179,7 +185,8 @@ class DataParallelBucket(DataParallelNaive):
         return self.module(*args, **kwargs)
 
     def zero_grad(self):
-        """Zero every gradient, keeping them views into the buckets."""
+        """Zero every gradient in place, keeping them views into the buckets (the training
+        step calls this instead of the optimizer's zero_grad: no copies in the next step)."""
         for b in self.buckets:
             b.buffer.fill(0)
             b.attach()
