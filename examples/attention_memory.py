@@ -4,7 +4,7 @@
 
 For each sequence length T and each attention (--attention materialized | tiled) prints one
 JSON line: the bytes the autograd graph keeps between forward and backward
-(minidist/train/memory.py activation_bytes, parameters excluded) for train_gpt.py's default
+(minidist/strategy/memory.py activation_bytes, parameters excluded) for train_gpt.py's default
 model (4 layers, 4 heads, n_embd 128, vocab 256, batch 16, float32). The materialised
 attention keeps P, L B nh T^2 floats (16 GiB at T = 4096): where that exceeds --max-gib the
 run is made at two smaller batches and extrapolated ("measured_batch"): every activation
@@ -18,7 +18,7 @@ import json
 import numpy as np
 
 from minidist.nn import GPT, GPTConfig
-from minidist.train.memory import activation_bytes
+from minidist.strategy.memory import activation_bytes
 
 
 def measure(config, batch):

@@ -25,7 +25,7 @@ from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
-from minidist.train.strategy import SingleProcess
+from minidist.strategy.base import SingleProcess
 
 
 def parse():

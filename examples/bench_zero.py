@@ -24,7 +24,7 @@ from minidist import comm as minidist_comm
 from minidist.comm import ProcessGroup, trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
-from minidist.train import memory
+from minidist.strategy import memory
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel

@@ -23,7 +23,7 @@ import sys  # noqa: E402
 from minidist import backend  # noqa: E402
 from minidist.nn import GPT  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
-from minidist.train.checkpoint import CheckpointError  # noqa: E402
+from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import UsageError, check_device, printable, run_main  # noqa: E402
 from minidist.train.data import ByteTokenizer  # noqa: E402
 from minidist.train.gather import model_config, whole_model  # noqa: E402

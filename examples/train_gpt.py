@@ -25,7 +25,7 @@ set_thread_env()
 
 from minidist import backend, comm  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
-from minidist.train.checkpoint import CheckpointError  # noqa: E402
+from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import check_flags, run_main  # noqa: E402
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.loop import train  # noqa: E402

@@ -13,8 +13,8 @@ from minidist.autograd import flash
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.train.args import train_parser
-from minidist.train.checkpoint import load_checkpoint, save_checkpoint
-from minidist.train.memory import activation_bytes
+from minidist.strategy.checkpoint import load_checkpoint, save_checkpoint
+from minidist.strategy.memory import activation_bytes
 
 
 def randn(*shape, seed=0):

@@ -22,7 +22,7 @@ from minidist.optim import AdamW
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.train.loop import train
-from minidist.train.memory import ledger
+from minidist.strategy.memory import ledger
 from mpirun import mpi_env, run_mpi
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")

@@ -1,4 +1,4 @@
-"""Checkpoints (minidist/train/checkpoint.py, checkpoint_dirs.py): plain dicts in and out,
+"""Checkpoints (minidist/strategy/checkpoint.py, checkpoint_dirs.py): plain dicts in and out,
 numbered folders with an atomic `latest` pointer, --keep, stale temporaries cleaned, the
 user's umask, and a clear CheckpointError for a missing, corrupt, edited or mismatched one
 (the manifest itself included; a ZeRO checkpoint through the same check)."""
@@ -11,8 +11,8 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.train import checkpoint, checkpoint_dirs
-from minidist.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from minidist.strategy import checkpoint, checkpoint_dirs
+from minidist.strategy.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)
 
@@ -228,8 +228,8 @@ _SAVER = """
 import sys
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.train.checkpoint import save_checkpoint
-from minidist.train.checkpoint_dirs import prune
+from minidist.strategy.checkpoint import save_checkpoint
+from minidist.strategy.checkpoint_dirs import prune
 model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
 opt = AdamW(model.named_parameters())
 for step in range(1, 10**6):

@@ -13,7 +13,7 @@ from minidist.autograd import Tensor, no_grad
 from minidist.autograd.gradcheck import gradcheck
 from minidist.autograd.recompute import checkpoint
 from minidist.nn import GPT, GPTConfig
-from minidist.train.memory import activation_bytes
+from minidist.strategy.memory import activation_bytes
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
 

@@ -16,7 +16,7 @@ from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles,
 from minidist.cp.strategy import cp_problems
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
-from minidist.train.strategy import make_strategy
+from minidist.train.strategy import check_layout
 from mpirun import ROOT, tagged_json
 
 
@@ -124,14 +124,13 @@ def _flags(*extra):
     (["--cp", "2", "--ckpt-activations"], "--ckpt-activations"),
     (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
 def test_refusals_name_the_flag(extra, words):
-    _, problems = cp_problems(_flags(*extra), 4 if "--tp" in extra or "--pp" in extra else 2)
+    problems = cp_problems(_flags(*extra))
     assert any(words in p for p in problems), problems
 
 
-def test_cp_that_does_not_match_the_processes_is_a_usage_error(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "3")
+def test_cp_that_does_not_match_the_processes_is_a_usage_error():
     with pytest.raises(UsageError, match="context parallelism: --dp 1 x --cp 2"):
-        make_strategy(_flags("--cp", "2", "--dp", "1"))
+        check_layout(_flags("--cp", "2", "--dp", "1"), 3)
 
 
 def test_cp2_is_exact_and_sends_the_formula(mpi):

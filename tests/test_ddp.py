@@ -15,7 +15,8 @@ from minidist.backend import to_host as H, xp_of
 from minidist.nn import GPT, GPTConfig
 from minidist.ddp.ddp import DistributedDataParallel, bucket_layout
 from minidist.train.args import train_parser
-from minidist.train.strategy import SingleProcess, make_strategy
+from minidist.strategy.base import SingleProcess
+from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from mpirun import tagged_json
 
@@ -152,24 +153,20 @@ def _parse(*flags):
     return train_parser().parse_args(list(flags))
 
 
-def test_dp_must_match_world_size(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "4")
-    with pytest.raises(UsageError, match="--dp 3 does not match the 4 MPI process"):
-        make_strategy(_parse("--dp", "3"))
-    monkeypatch.delenv("PMI_SIZE")
+def test_dp_must_match_world_size():
+    with pytest.raises(UsageError, match="--dp 3 = 3 ranks, but this job has 4 MPI process"):
+        check_layout(_parse("--dp", "3"), 4)
     with pytest.raises(UsageError, match="mpirun -n 2"):
         make_strategy(_parse("--dp", "2"))
     assert isinstance(make_strategy(_parse("--dp", "1")), SingleProcess)
 
 
-def test_batch_must_split_into_dp_times_grad_accum(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "4")
+def test_batch_must_split_into_dp_times_grad_accum():
     with pytest.raises(UsageError, match="dp 4 x --grad-accum 3 = 12"):
-        make_strategy(_parse("--batch-size", "16", "--grad-accum", "3"))
+        check_layout(_parse("--batch-size", "16", "--grad-accum", "3"), 4)
 
 
 def test_nccl_without_a_gpu_is_refused(monkeypatch):
-    monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setattr("minidist.backend.cupy_module", lambda: None)
     with pytest.raises(UsageError, match="--comm nccl moves data GPU to GPU"):
         make_strategy(_parse("--comm", "nccl"))
@@ -257,7 +254,7 @@ def test_bad_dp_is_refused_on_every_rank(mpi):
     """
     out = mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.count("error: --dp 3 does not match the 2 MPI process") == 1
+    assert out.stderr.count("error: --dp 3 = 3 ranks, but this job has 2 MPI process") == 1
 
 
 @pytest.mark.mpi

@@ -6,7 +6,7 @@ import numpy as np
 from minidist.autograd import Tensor
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.train.memory import activation_bytes, ledger, unique_nbytes
+from minidist.strategy.memory import activation_bytes, ledger, unique_nbytes
 
 
 def test_unique_nbytes_counts_a_buffer_once():

@@ -17,6 +17,8 @@ from minidist.ddp.strategy import DataParallel
 from minidist.nn import GPTConfig
 from minidist.optim import clip
 from minidist.pp.strategy import PipelineParallel
+from minidist.strategy import base
+from minidist.tp.strategy import TensorParallel
 from minidist.tp import state as tp_state
 from minidist.train import step as step_module
 from minidist.train.args import train_parser
@@ -45,10 +47,10 @@ def _of_args(call):
 
 
 @pytest.mark.parametrize("fn", [
-    step_module.train_step, clip.clip_grad_norm, clip.local_sum_sq,
-    DataParallel.global_mean, ZeroDataParallel._all_reduce, ZeroDataParallel.global_mean,
-    ZeroDataParallel.sum_sq_across_ranks, PipelineParallel._sum_sq,
-    PipelineParallel.global_mean, tp_state.sum_sq_over_tp],
+    step_module.train_step, clip.clip_grad_norm, clip.local_sum_sq, base.all_reduce_number,
+    base.SingleProcess.forward_backward, DataParallel.global_mean,
+    ZeroDataParallel.global_mean, ZeroDataParallel.reduce_sum_sq,
+    PipelineParallel.reduce_sum_sq, TensorParallel.reduce_sum_sq, tp_state.sum_sq_over_tp],
     ids=lambda fn: fn.__qualname__)
 def test_step_code_never_pulls_a_value_to_the_host(fn):
     assert _host_calls(fn) == []

@@ -16,10 +16,11 @@ from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig
 from minidist.pp.schedule import bubble_fraction, chunk_layers, split_layers
 from minidist.pp.simulate import simulate, timeline
-from minidist.train import checkpoint
+from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
 from minidist.pp.strategy import default_micro_batches
-from minidist.train.strategy import SingleProcess, make_strategy
+from minidist.strategy.base import SingleProcess
+from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from mpirun import tagged_json
 
@@ -149,7 +150,7 @@ def _parse(*flags):
      "does not split into dp 1 x --grad-accum 1 x --micro-batches 3"),
     (4, ["--pp", "2", "--micro-batches", "4", "--batch-size", "12"],
      "dp 2 x --grad-accum 1 x --micro-batches 4 = 8"),
-    (6, ["--pp", "4"], "--dp 1 x --tp 1 x --pp 4 = 4 ranks, but this job has 6"),
+    (6, ["--pp", "4"], "--dp 1 x --pp 4 = 4 ranks, but this job has 6"),
     (8, ["--pp", "2", "--tp", "2", "--dp", "3"], "= 12 ranks, but this job has 8"),
     (4, ["--pp", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "n_head 3"),
     (4, ["--pp", "2", "--zero", "1"], "--zero 1 with --pp"),
@@ -160,10 +161,9 @@ def _parse(*flags):
     (2, ["--pp", "2", "--schedule", "zb-h1", "--ckpt-activations"],
      "zb-h1 with --ckpt-activations"),
     (1, ["--micro-batches", "4"], "--grad-accum instead")])
-def test_bad_sizes_are_refused_before_any_communication(monkeypatch, world, flags, says):
-    monkeypatch.setenv("PMI_SIZE", str(world))
+def test_bad_sizes_are_refused_before_any_communication(world, flags, says):
     with pytest.raises(UsageError, match=says):
-        make_strategy(_parse(*flags))
+        check_layout(_parse(*flags), world)
 
 
 # ---- N ranks under mpiexec ---------------------------------------------------------------

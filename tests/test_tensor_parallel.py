@@ -15,7 +15,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.tp.region import Split
 from minidist.tp.model import check_tp_sizes
 from minidist.train.args import train_parser
-from minidist.train.strategy import make_strategy
+from minidist.train.strategy import check_layout
 from minidist.train.cli import UsageError
 from mpirun import tagged_json
 
@@ -64,11 +64,10 @@ def _parse(*flags):
     (["--tp", "4", "--n-head", "6", "--n-embd", "24"], "n_head 6 is not divisible by tp 4"),
     (["--tp", "2", "--sequence-parallel", "--block-size", "9"], "multiple of 2"),
 ])
-def test_make_strategy_refuses_bad_tp_sizes(monkeypatch, flags, message):
-    if "--dp" in flags or "--n-head" in flags or "--sequence-parallel" in flags:
-        monkeypatch.setenv("PMI_SIZE", "4")
+def test_make_strategy_refuses_bad_tp_sizes(flags, message):
+    size = 4 if "--dp" in flags or "--n-head" in flags or "--sequence-parallel" in flags else 1
     with pytest.raises(UsageError, match="tensor parallelism") as e:
-        make_strategy(_parse(*flags))
+        check_layout(_parse(*flags), size)
     assert message in str(e.value)
 
 

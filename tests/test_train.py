@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from minidist.train import checkpoint
+from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.data import DataError
 from minidist.train.loop import train

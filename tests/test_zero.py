@@ -16,10 +16,10 @@ from minidist.backend import to_host as H
 from minidist.nn import GPT
 from minidist.nn.gpt import BlockHooks
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
-from minidist.train import memory
-from minidist.train.checkpoint import CheckpointError, load_checkpoint
+from minidist.strategy import memory
+from minidist.strategy.checkpoint import CheckpointError, load_checkpoint
 from minidist.train.step import train_step
-from minidist.train.strategy import SingleProcess
+from minidist.strategy.base import SingleProcess
 from mpirun import ROOT, tagged_json
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))

@@ -21,25 +21,18 @@ differ from one process's), --ckpt-activations (the recompute in backward runs o
 ring's forward), --sequence-parallel, --zero with --tp, a block size that does not split.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
-from minidist.comm import trace
 from minidist.cp.context import attach_ring
 from minidist.cp.ring import check_split
-from minidist.ddp.strategy import dp_rows
-from minidist.train.cli import UsageError
-from minidist.train.strategy import ModelParallel
+from minidist.strategy.base import ModelParallel, dp_rows
 
 
-def cp_problems(args, size):
-    """Sentences saying what does not fit with --cp (checked on every rank alone)."""
-    cp, tp = args.cp, args.tp
-    dp = args.dp if args.dp is not None else max(size // (cp * tp), 1)
+def cp_problems(args):
+    """Sentences saying what does not fit with --cp (checked on every rank alone, before any
+    communication, by minidist/train/strategy.py check_layout)."""
     problems = []
-    if dp * cp * tp != size:
-        problems.append(f"--dp {dp} x --cp {cp} x --tp {tp} = {dp * cp * tp} ranks, but this "
-                        f"job has {size} MPI process(es) (--dp defaults to processes / (cp tp))")
     if args.pp > 1:
         problems.append("--cp does not combine with --pp (not built); use --cp with --dp/--tp")
-    split = check_split(args.block_size, cp, args.cp_split)
+    split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)
     if args.dropout:
@@ -48,34 +41,9 @@ def cp_problems(args, size):
         problems.append("--ckpt-activations does not combine with --cp (not built)")
     if args.sequence_parallel:
         problems.append("--sequence-parallel does not combine with --cp (not built)")
-    if args.zero and tp > 1:
+    if args.zero and args.tp > 1:
         problems.append("--zero with --cp and --tp is not built; use DDP (--zero 0)")
-    if args.batch_size % (dp * args.grad_accum):
-        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
-                        f"--grad-accum {args.grad_accum} equal micro-batches")
-    return dp, problems
-
-
-def make_context_parallel(args, size, world):
-    """The strategy for --cp N [--dp D] [--tp T] [--zero k] over the `size` processes."""
-    dp, problems = cp_problems(args, size)
-    if problems:
-        raise UsageError("context parallelism: " + "; ".join(problems))
-    from minidist.comm import DeviceMesh
-    if args.trace:
-        trace.enable()
-    mesh = DeviceMesh(dp=dp, cp=args.cp, tp=args.tp, algo=args.comm, world=world)
-    if args.zero:
-        from minidist.zero.strategy import ZeroDataParallel
-        inner = ZeroDataParallel(mesh.dpcp, args.zero)
-    else:
-        from minidist.ddp.strategy import DataParallel
-        inner = DataParallel(mesh.dpcp, mode=args.ddp, bucket_mb=args.bucket_mb)
-    strategy = ContextParallel(mesh, args.cp_split, inner)
-    if args.tp > 1:
-        from minidist.tp.strategy import TensorParallel
-        return TensorParallel(mesh, False, strategy)
-    return strategy
+    return problems
 
 
 class ContextParallel(ModelParallel):
@@ -86,12 +54,10 @@ class ContextParallel(ModelParallel):
         super().__init__(mesh, mesh.cp, inner)
         self.split = split
 
-    def build_model(self, config, seed, dtype):
-        return self.wrap(super().build_model(config, seed, dtype))
-
     def wrap(self, model):
-        """The ring over mesh.cp on `model`, then inner's hold on it (DDP over dp x cp)."""
-        self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
+        """The ring over mesh.cp on `model` (the GPT, or the TensorParallelGPT that
+        TensorParallel built), then inner's hold on it (DDP over dp x cp)."""
+        self.model = model
         block = model.config.attention_block                     # the tile size
         return self.inner.wrap(attach_ring(model, self.group, self.split, block))
 
@@ -99,17 +65,6 @@ class ContextParallel(ModelParallel):
         """Rows by dp rank: every cp rank of a replica reads the same rows (inner's group is
         dp x cp, so its own split would be wrong here)."""
         return dp_rows(x, y, self.mesh.dp_rank, self.mesh.shape["dp"])
-
-    @property
-    def sum_sq_across_ranks(self):
-        return self.inner.sum_sq_across_ranks
-
-    @property
-    def max_across_ranks(self):
-        return self.inner.max_across_ranks
-
-    def any_rank(self, flag):
-        return self.inner.any_rank(flag)
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         return self.inner.save(directory, model, optimizer, step, rng_states, extra)

@@ -3,17 +3,17 @@
     mpirun -n 4 python examples/train_gpt.py                       # dp = 4: overlapped, ring
     mpirun -n 2 python examples/train_gpt.py --grad-accum 2 --ddp bucketed --comm mpi
 
-What it changes from SingleProcess (minidist/train/strategy.py):
-    build_model         the same GPT on every rank, wrapped in DDP (which broadcasts rank 0's
-                        parameters, so the ranks start identical whatever they built)
+What it changes from SingleProcess (minidist/strategy/base.py):
+    wrap                the model (the GPT, or another strategy's part of it) wrapped in DDP,
+                        which broadcasts rank 0's parameters, so the ranks start identical
     local_rows          rank r's rows [r*B/N, (r+1)*B/N) of the global batch of B rows
     no_sync             DDP's: micro-batches that only accumulate (train/step.py)
     sync_grads          the DDP average (overlapped: waits for the all-reduces backward began)
-    sum_sq_across_ranks None: after the average every rank holds the same, whole gradients, so
-                        its local norm is the global one. (ZeRO, whose ranks hold disjoint
-                        shards, passes a sum over ranks instead; replicas must not be summed.)
+    reduce_sum_sq       the local one: after the average every rank holds the same, whole
+                        gradients (ZeRO's ranks hold disjoint shards and sum theirs)
+    zero_grad           DDP's: the buckets zeroed in place, so every .grad stays a view into
+                        its bucket and backward's `+=` writes there (no copy per step)
     global_mean         the loss averaged over the dp group (all-reduce "avg")
-    comm_bytes          the trace counters: bytes this rank sent since the run began
     save / load         rank 0 writes (the model is replicated), every rank reads
 Per step it also adds to `stats` (running means): compute seconds (forward + backward), exposed communication
 seconds (how long sync_grads kept the step waiting) and gradient bytes this rank sent.
@@ -22,19 +22,9 @@ Tests: tests/test_ddp.py.
 import collections
 import time
 
-from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.ddp.ddp import DistributedDataParallel
-from minidist.train.strategy import SingleProcess
-
-
-def dp_rows(x, y, rank, size):
-    """Rows [r*B/N, (r+1)*B/N) of a global batch of B rows: data-parallel rank r's share."""
-    n = len(x) // size
-    if n * size != len(x):
-        raise ValueError(f"a global batch of {len(x)} rows does not split into {size} equal "
-                         "shards (--batch-size, --dp)")
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+from minidist.strategy.base import SingleProcess, all_reduce_number, dp_rows
 
 
 class StepStats:
@@ -60,18 +50,17 @@ class DataParallel(SingleProcess):
     """One-process training plus DDP's gradient average: the same model on every rank, each
     rank its rows of the batch."""
 
-    def __init__(self, group, mode="overlapped", bucket_mb=1.0):
+    def __init__(self, group, mode="overlapped", bucket_mb=1.0, amp=None,
+                 ckpt_activations=False):
+        super().__init__(amp, ckpt_activations)
         self.group, self.mode, self.bucket_mb = group, mode, bucket_mb
         self.rank, self.world_size = group.rank, group.size
         self.ddp = None
         self.stats = StepStats()        # compute_s, exposed_s, bytes_sent per step
         self._start = self._sent = None
 
-    def build_model(self, config, seed, dtype):
-        return self.wrap(super().build_model(config, seed, dtype))
-
     def wrap(self, model):
-        """DDP over this strategy's group around a model built elsewhere (e.g. this rank's
+        """DDP over this strategy's group around the model (the GPT, or e.g. this rank's
         tensor-parallel part: minidist/tp/strategy.py). DDP registers a grad hook on every
         parameter: that is how backward starts the all-reduces."""
         self.ddp = DistributedDataParallel(model, self.group, self.mode, self.bucket_mb)
@@ -93,22 +82,15 @@ class DataParallel(SingleProcess):
         self.stats.add(compute_s=compute, exposed_s=self.ddp.last_sync_s,
                        bytes_sent=trace.bytes_sent(self.group.name) - self._sent)
 
-    sum_sq_across_ranks = None
+    def zero_grad(self, opt):
+        """DDP owns the gradients: zeroed in place, each still a view into its bucket."""
+        self.ddp.zero_grad()
 
     def global_mean(self, value):
-        """`value` (a float, or a 0-d array on the device) averaged over the group; stays on
-        the device (no host sync: the loop converts it when it logs)."""
-        buf = xp_of(self.ddp.params[0].data).array(value, dtype="float64").reshape(1)
-        self.group.all_reduce(buf, op="avg")
-        return buf[0]
+        return all_reduce_number(self.group, value, "avg", self.ddp.params[0].data)
 
     def any_rank(self, flag):
-        buf = xp_of(self.ddp.params[0].data).asarray([float(flag)])
-        self.group.all_reduce(buf, op="max")
-        return bool(buf[0])
-
-    def comm_bytes(self):
-        return trace.bytes_sent()
+        return bool(all_reduce_number(self.group, float(flag), "max", self.ddp.params[0].data))
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         if self.rank == 0:

@@ -77,7 +77,7 @@ class AdamW(Optimizer):
         split[1]["weight_decay"] = 0.0
         return [s for s in split if s["params"]]
 
-    def _update(self, p, grad, state, group):
+    def update(self, p, grad, state, group):
         if "exp_avg" not in state:
             xp = xp_of(p)
             state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(p), xp.zeros_like(p)

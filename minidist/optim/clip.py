@@ -28,6 +28,12 @@ def local_sum_sq(grads):
     return total
 
 
+def clip_factor(norm, max_norm):
+    """max_norm / (norm + 1e-6) when a norm (a float) is above max_norm (None or <= 0: no
+    clipping), else 1.0. clip_grad_norm below computes the same on the device."""
+    return max_norm / (norm + 1e-6) if max_norm and 0 < max_norm < norm else 1.0
+
+
 def clip_grad_norm(grads, max_norm, sum_sq_across_ranks=None):
     """Scale `grads` (arrays, or Tensors whose .grad is used) in place so their global L2 norm
     is at most `max_norm` (None or <= 0: measure only). Returns the norm before clipping, a

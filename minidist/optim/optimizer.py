@@ -5,7 +5,7 @@ An optimizer takes
   - a list of (name, Parameter) pairs (`model.named_parameters()`): state is then saved by
     name, so a checkpoint is readable and survives reordering, or
   - a list of groups, dicts {"params": [...], "lr": ..., ...} overriding the defaults.
-Subclasses implement `_update(p, grad, state, group)` on raw arrays; the math itself is a
+Subclasses implement `update(p, grad, state, group)` on raw arrays; the math itself is a
 plain function on arrays (`adamw_update`, `sgd_update`) that ZeRO applies to flat shards.
 Tests: tests/test_optim.py.
 """
@@ -40,9 +40,9 @@ class Optimizer:
                     continue
                 state = self.state.setdefault(name, {"step": 0})
                 state["step"] += 1
-                self._update(p.data, p.grad, state, group)
+                self.update(p.data, p.grad, state, group)
 
-    def _update(self, p, grad, state, group):
+    def update(self, p, grad, state, group):
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):

@@ -1,5 +1,5 @@
 """Checkpoints of a pipeline: the stages' parts gathered into the whole model and written in
-the one-process format (minidist/train/checkpoint.py: plain dicts), read back by every stage.
+the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back by every stage.
 
     save   each stage's parameters and optimizer state as whole arrays (gathered over tp when
            the stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
@@ -13,7 +13,7 @@ Tests: tests/test_pipeline.py (resume with dropout), tests/scripts/pp_check.py (
 """
 from minidist import backend
 from minidist.tp.state import gather_optimizer_state, shard_optimizer_state
-from minidist.train import checkpoint
+from minidist.strategy import checkpoint
 
 
 def stage_state(strategy, optimizer):

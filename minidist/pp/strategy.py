@@ -6,76 +6,55 @@ optionally tensor-parallel inside each stage (--tp) and data-parallel across rep
     mpirun -n 8 python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --micro-batches 2
 
 World = dp x tp x pp in Megatron's rank order (minidist/comm/mesh.py). What it changes from
-SingleProcess (minidist/train/strategy.py):
+SingleProcess (minidist/strategy/base.py), the data-parallel part left to `inner` (DDP over
+the dp group, or one replica), as TensorParallel and ContextParallel do:
 
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
-                        wrapped in DDP over the dp group when dp > 1
-    local_rows          rows by dp rank (every stage and tp rank of a replica: the same rows)
-    pipeline_forward_backward (below; train/step.py calls it for each --grad-accum round)
-                        the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v)
-                        over --micro-batches M; the last stage seeds each micro-batch's
+                        then inner.wrap(stage)
+    local_rows          inner's: rows by dp rank (every stage and tp rank of a replica: the
+                        same rows)
+    forward_backward    the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v) over
+                        --micro-batches M, for each --grad-accum round; the last stage seeds each micro-batch's
                         backward with 1/M, so gradients are of the mean loss over the batch;
-                        the loss is broadcast from the last stage. DDP stays silent
-                        (no_sync) until sync_grads
-    sync_grads          DDP's average over dp (once per step), then the tied embedding: the
+                        the loss is broadcast from the last stage. DDP stays silent (no_sync)
+                        until sync_grads
+    sync_grads          inner's average over dp (once per step), then the tied embedding: the
                         first and last stages' wte gradients summed over their 2-rank group
-    sum_sq_across_ranks local squares (the last stage's wte copy left out: the first stage
-                        counts it), TP's reduction over tp, then summed over pp
-    global_mean         the loss averaged over dp
+    reduce_sum_sq       local squares (the last stage's wte copy left out: the first stage
+                        counts it), TP's reduction over tp, summed over pp, then inner's
     save / load         the whole model gathered to rank 0 in the one-process format; every
                         rank loads its own parameters from it (minidist/pp/checkpoint.py)
 Tests: tests/test_pipeline.py.
 """
-import contextlib
 import math
 
 from minidist.backend import xp_of
-from minidist.ddp.strategy import dp_rows
 from minidist.comm import trace
 from minidist.pp.microbatches import MicroBatches
 from minidist.pp.schedule import (SCHEDULES, bubble_fraction, chunk_layers, measured_bubble,
                                   schedule_function)
 from minidist.pp import checkpoint as pp_checkpoint
+from minidist.strategy import memory
+from minidist.strategy.base import ModelParallel, all_reduce_number
 from minidist.tp.state import replicated_grads, sum_sq_over_tp, unscaled_sum_sq
-from minidist.train import memory
-from minidist.train.strategy import SingleProcess
-from minidist.train.cli import UsageError
 
 
-def pipeline_problems(args, world):
-    """Every problem with these flags, found on this rank alone (no communication yet)."""
-    pp, tp = args.pp, args.tp
-    dp = args.dp if args.dp is not None else max(world // (tp * pp), 1)
-    accum, v = args.grad_accum, getattr(args, "pp_virtual", 1)
-    m = args.micro_batches or default_micro_batches(args.batch_size // (dp * accum), pp,
-                                                    pp if v > 1 else 1)
-    problems = schedule_problems(args, pp, m, v)
-    if dp * tp * pp != world:
-        problems.append(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but this "
-                        f"job has {world} MPI process(es); run `mpirun -n {dp * tp * pp} ...` "
-                        f"(--dp defaults to processes / (tp x pp))")
-    if pp > args.n_layer:
-        problems.append(f"--pp {pp} stages for --n-layer {args.n_layer} blocks: every stage "
-                        f"needs at least one block (use --pp <= {args.n_layer})")
-    if m < 1 or args.batch_size % (dp * accum * m):
-        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
-                        f"--grad-accum {accum} x --micro-batches {m} = {dp * accum * m} equal "
-                        f"micro-batches; choose a multiple of {dp * accum * m}")
-    if tp > 1:
-        from minidist.tp.model import check_tp_sizes
-        problems += check_tp_sizes(args, tp)
-        if args.sequence_parallel and args.block_size % tp:
-            problems.append(f"--sequence-parallel: --block-size {args.block_size} must be a "
-                            f"multiple of tp {tp}")
+def pp_problems(args, micro_batches):
+    """Sentences saying what does not fit with --pp (checked on every rank alone, before any
+    communication, by minidist/train/strategy.py check_layout)."""
+    problems = schedule_problems(args, args.pp, micro_batches, args.pp_virtual)
+    if args.pp > args.n_layer:
+        problems.append(f"--pp {args.pp} stages for --n-layer {args.n_layer} blocks: every "
+                        f"stage needs at least one block (use --pp <= {args.n_layer})")
     if args.zero:
         problems.append(f"--zero {args.zero} with --pp is not available (ZeRO shards what "
                         "the pipeline's stages hold whole); use DDP across pipelines")
-    return dp, m, problems
+    return problems
 
 
 def schedule_problems(args, pp, m, v):
     """--schedule and --pp-virtual against the sizes (interleaving, ZB-H1's split backward)."""
-    schedule, problems = getattr(args, "schedule", "1f1b"), []
+    schedule, problems = args.schedule, []
     if v < 1 or (v > 1 and schedule != "1f1b"):
         problems.append(f"--pp-virtual {v} needs --schedule 1f1b (it interleaves 1F1B) and "
                         f"v >= 1")
@@ -98,20 +77,6 @@ def default_micro_batches(rows, pp, multiple=1):
                default=multiple)
 
 
-def make_pipeline_parallel(args, size, world):
-    """The strategy for --pp P [--tp T] [--dp D] --micro-batches M over the `size` processes
-    of `world`, after every check."""
-    dp, m, problems = pipeline_problems(args, size)
-    if problems:
-        raise UsageError("pipeline parallelism: " + "; ".join(problems))
-    from minidist.train.strategy import mesh as make_mesh
-    mesh = make_mesh(args, world, dp=dp, tp=args.tp, pp=args.pp)
-    return PipelineParallel(mesh, m, getattr(args, "schedule", "1f1b"),
-                            ddp_mode=args.ddp, bucket_mb=args.bucket_mb,
-                            sequence_parallel=args.sequence_parallel,
-                            virtual=getattr(args, "pp_virtual", 1))
-
-
 def embedding_group(mesh):
     """The first and last stages of this rank's (dp, tp) coordinates, as a 2-rank group (None
     on middle stages). Collective over the world: one group per (dp, tp) pair."""
@@ -125,20 +90,23 @@ def embedding_group(mesh):
     return mine
 
 
-class PipelineParallel(SingleProcess):
+class PipelineParallel(ModelParallel):
+    """This rank's stage over mesh.pp (tensor-parallel inside over mesh.tp); `inner` holds it
+    over dp."""
 
-    def __init__(self, mesh, micro_batches=1, schedule="1f1b", ddp_mode="overlapped",
-                 bucket_mb=1.0, sequence_parallel=False, virtual=1):
+    def __init__(self, mesh, micro_batches, schedule, virtual, sequence_parallel, inner):
         if schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, not {schedule!r}")
-        self.mesh, self.group = mesh, mesh.pp
+        super().__init__(mesh, mesh.pp, inner)
         self.micro_batches, self.schedule, self.virtual = micro_batches, schedule, virtual
-        self.ddp_mode, self.bucket_mb = ddp_mode, bucket_mb
         self.sequence_parallel = sequence_parallel
-        self.rank, self.world_size = mesh.world.rank, mesh.world.size
         self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
-        self.stage = self.ddp = None
         self.stats = {"steps": 0, "in_flight": 0, "bytes": 0, "sent": 0}   # summary()
+
+    @property
+    def stage(self):
+        """This rank's stage (the model ModelParallel holds)."""
+        return self.model
 
     # ---- the model -------------------------------------------------------------------------
     def build_model(self, config, seed, dtype):
@@ -152,12 +120,8 @@ class PipelineParallel(SingleProcess):
         stage.set_checkpointing(self.ckpt_activations)
         if self.amp:
             stage = self.amp.cast_model(stage)
-        if self.mesh.shape["dp"] > 1:
-            from minidist.ddp.ddp import DistributedDataParallel
-            self.ddp = DistributedDataParallel(stage, self.mesh.dp, self.ddp_mode,
-                                               self.bucket_mb)
-        self.stage = stage
-        return stage
+        self.model = stage
+        return self.inner.wrap(stage)          # DDP across the pipelines, or as it is
 
     def takes_part_in_sampling(self):
         """Sampling runs through every stage (and tp rank) of the first replica."""
@@ -176,21 +140,31 @@ class PipelineParallel(SingleProcess):
             + f": {s.num_parameters():,} of the model's {full:,} parameters"]
 
     # ---- one step --------------------------------------------------------------------------
-    def local_rows(self, x, y):
-        return dp_rows(x, y, self.mesh.dp_rank, self.mesh.shape["dp"])
-
-    def no_sync(self):
-        """DDP across pipelines: silent for every micro-batch (see pipeline_forward_backward)."""
-        return self.ddp.no_sync() if self.ddp else contextlib.nullcontext()
-
-    def start_step(self):
-        self._sent = trace.bytes_sent(self.group.name)
+    def forward_backward(self, model, x, y, scale, measure):
+        """One --grad-accum micro-step of a pipeline: the schedule (--schedule 1f1b | gpipe)
+        runs forward and backward of --micro-batches M slices of (x, y) interleaved across
+        the stages. The last stage seeds each micro-batch's backward with scale / M, so the
+        gradients are of the mean loss. DDP across pipelines stays silent throughout (sync_grads
+        runs it once): its grad hooks cannot tell which of M interleaved backward passes is
+        the last. Returns (the mean loss of these rows, broadcast from the last stage; the
+        most activation bytes this stage held at once, if `measure`)."""
+        m, schedule = self.micro_batches, schedule_function(self.schedule, self.virtual)
+        if len(x) % m:
+            raise ValueError(f"{len(x)} rows do not split into {m} micro-batches")
+        model.expect(len(x) // m, x.shape[1])
+        if self.amp and not model.last:     # backward starts from the last stage's scaled loss
+            self.amp.scaled_upstream()
+        with self.inner.no_sync():
+            steps = MicroBatches(model, x, y, m, lambda loss: self.backward(loss, scale / m),
+                                 self.live_bytes if measure else None)
+            schedule(model.link, steps)
+        self.stats["in_flight"] = max(self.stats["in_flight"], steps.peak_in_flight)
+        return self.loss_from_last_stage(steps.losses), steps.peak_bytes
 
     def end_step(self, activation_bytes):
-        """Counters for summary(): p2p bytes of this step and the activation peak."""
-        self.stats["steps"] += 1
-        self.stats["sent"] += trace.bytes_sent(self.group.name) - self._sent
+        """Counters for summary(): the activation peak of this step."""
         self.stats["bytes"] = max(self.stats["bytes"], activation_bytes)
+        self.inner.end_step(activation_bytes)
 
     def live_bytes(self, live):
         """The memory ledger's activation count over every micro-batch in flight: what
@@ -209,42 +183,21 @@ class PipelineParallel(SingleProcess):
         return float(buf[0])
 
     def sync_grads(self, model):
-        if self.ddp is not None:
-            self.ddp.sync_grads()           # every bucket, once, after the last backward
+        super().sync_grads(model)           # DDP across pipelines: every bucket, once
         if self.embedding is not None:      # tied wte: first stage's + last stage's gradient
             sync_tied_embedding(model, self.embedding)
 
-    @property
-    def sum_sq_across_ranks(self):
-        return self._sum_sq
-
-    def _sum_sq(self, local):
+    def reduce_sum_sq(self, local):
         """The global sum of squares: the tied wte counted once (on the first stage), tensor
-        parallelism's split/replicated rule inside the stage (minidist/tp/state.py), then the
-        sum over stages."""
+        parallelism's split/replicated rule inside the stage (minidist/tp/state.py), the sum
+        over stages, then inner's (DDP: the replicas hold the same, nothing to add)."""
         if self.stage.last and not self.stage.first:
             local -= unscaled_sum_sq([self.stage.transformer.wte.weight.grad], self.amp)
         if self.mesh.shape["tp"] > 1:
             local = sum_sq_over_tp(self.stage, self.mesh.tp, local,
                                    replicated_grads(self.stage), self.amp)
-        buf = model_xp(self.stage).array(local, dtype="float64").reshape(1)
-        self.group.all_reduce(buf)
-        return buf[0]                  # left on the device: the clip needs no host sync
-
-    def global_mean(self, value):
-        if self.mesh.shape["dp"] == 1:
-            return value
-        buf = model_xp(self.stage).array(value, dtype="float64").reshape(1)
-        self.mesh.dp.all_reduce(buf, op="avg")
-        return buf[0]                  # left on the device until the loop logs it
-
-    def any_rank(self, flag):
-        buf = model_xp(self.stage).asarray([float(flag)])
-        self.mesh.world.all_reduce(buf, op="max")
-        return bool(buf[0])
-
-    def comm_bytes(self):
-        return trace.bytes_sent()
+        total = all_reduce_number(self.group, local, "sum", self.stage.parameters()[0].data)
+        return self.inner.reduce_sum_sq(total)
 
     # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --
     def save(self, directory, model, optimizer, step, rng_states, extra):
@@ -258,7 +211,7 @@ class PipelineParallel(SingleProcess):
         """Lines for people, per stage (collective over pp): micro-batches and activation
         bytes in flight, p2p traffic, and with --trace the bubble measured vs theory."""
         p, m, st = self.group.size, self.micro_batches, self.stats
-        mine = (st["in_flight"], st["bytes"], st["sent"] / max(st["steps"], 1), trace.events())
+        mine = (st["in_flight"], st["bytes"], self.sent_per_step(), trace.events())
         rows = self.group.comm.gather(mine, root=0)
         if self.group.rank != 0:
             return []
@@ -294,26 +247,3 @@ def sync_tied_embedding(model, group):
     if w.grad is None:
         w.grad = xp_of(w.data).zeros_like(w.data)
     group.all_reduce(w.grad, op="sum")
-
-
-def pipeline_forward_backward(strategy, model, x, y, scale, measure):
-    """One --grad-accum micro-step of a pipeline: the schedule (--schedule, --pp-virtual) runs
-    forward and backward of --micro-batches M slices of (x, y) interleaved across the stages.
-    The last stage seeds each micro-batch's backward with scale / M, so the gradients are of
-    the mean loss. DDP across pipelines stays silent throughout (the caller syncs once): its
-    grad hooks cannot tell which of M interleaved backward passes is the last. Returns (the
-    mean loss of these rows, broadcast from the last stage; the most activation bytes this
-    stage held at once, if `measure`)."""
-    m, schedule = strategy.micro_batches, schedule_function(strategy.schedule,
-                                                            strategy.virtual)
-    if len(x) % m:
-        raise ValueError(f"{len(x)} rows do not split into {m} micro-batches")
-    model.expect(len(x) // m, x.shape[1])
-    if strategy.amp and not model.last:     # backward starts from the last stage's scaled loss
-        strategy.amp.scaler.used = True
-    with strategy.no_sync():
-        steps = MicroBatches(model, x, y, m, lambda loss: strategy.backward(loss, scale / m),
-                             strategy.live_bytes if measure else None)
-        schedule(model.link, steps)
-    strategy.stats["in_flight"] = max(strategy.stats["in_flight"], steps.peak_in_flight)
-    return strategy.loss_from_last_stage(steps.losses), steps.peak_bytes

@@ -8,7 +8,7 @@ when dp = 1).
 
 World = dp x tp, Megatron's rank order (tp neighbours share a node: minidist/comm/mesh.py).
 All tp ranks of one dp replica read the same rows of the global batch. What it changes from
-SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to `inner`:
+SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to `inner`:
 
     build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
     local_rows, no_sync, global_mean    inner's: rows by dp rank, loss averaged over dp
@@ -16,7 +16,7 @@ SingleProcess (minidist/train/strategy.py), delegating the data-parallel part to
     sync_grads          inner's gradient sync (nothing over tp: f and g did it in backward,
                         including, under sequence parallelism, the all-reduce of replicated
                         parameters' gradients: region.shared)
-    sum_sq_across_ranks split parameters' squares summed over tp, replicated ones counted
+    reduce_sum_sq       split parameters' squares summed over tp, replicated ones counted
                         once (every tp rank holds the same copy), then inner's reduction
     save / load         the full model and optimizer state, gathered over tp and written by
                         rank 0 in the single-process format: a checkpoint from any tp resumes
@@ -30,73 +30,48 @@ Tests: tests/test_tensor_parallel.py.
 import os
 import argparse
 
-from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.tp.model import TensorParallelGPT, check_tp_sizes
 from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state,
                                sum_sq_over_tp)
-from minidist.train import checkpoint, checkpoint_dirs
+from minidist.strategy import checkpoint, checkpoint_dirs
+from minidist.strategy.base import ModelParallel
 from minidist.zero.checkpoint import load_sharded, save_sharded
-from minidist.train.strategy import ModelParallel, SingleProcess
-from minidist.train.cli import UsageError
 
 
-def make_tensor_parallel(args, size, world):
-    """The strategy for --tp T [--dp D] [--sequence-parallel] over the `size` processes of
-    `world`, after checking every size on this rank alone (so a bad one stops every rank
-    before any collective)."""
-    tp = args.tp
-    dp = args.dp if args.dp is not None else max(size // tp, 1)
-    problems = check_tp_sizes(args, tp)
-    if dp * tp != size:
-        problems.insert(0, f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {size} "
-                           f"MPI process(es); run `mpirun -n {dp * tp} python "
-                           f"examples/train_gpt.py --tp {tp} --dp {dp}` (--dp defaults to "
-                           f"processes / tp)")
-    if args.sequence_parallel and args.block_size % tp:
+def tp_problems(args):
+    """Sentences saying what does not fit with --tp (checked on every rank alone, before any
+    communication, by minidist/train/strategy.py check_layout)."""
+    problems = check_tp_sizes(args, args.tp)
+    if args.sequence_parallel and args.block_size % args.tp:
         problems.append(f"--sequence-parallel splits --block-size {args.block_size} over tp "
-                        f"{tp} ranks: it must be a multiple of {tp}")
-    if args.batch_size % (dp * args.grad_accum):
-        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
-                        f"--grad-accum {args.grad_accum} equal micro-batches")
-    if problems:
-        raise UsageError("tensor parallelism: " + "; ".join(problems))
-    from minidist.train.strategy import make_data_parallel, mesh as make_mesh
-    mesh = make_mesh(args, world, dp=dp, tp=tp)
-    inner = make_data_parallel(args, mesh)        # DDP, ZeRO-k or nothing, over mesh.dp
-    return TensorParallel(mesh, args.sequence_parallel, inner)
+                        f"{args.tp} ranks: it must be a multiple of {args.tp}")
+    return problems
 
 
 class TensorParallel(ModelParallel):
     """This rank's TensorParallelGPT over mesh.tp; `inner` holds it over dp."""
 
-    def __init__(self, mesh, sequence_parallel=False, inner=None):
-        super().__init__(mesh, mesh.tp, inner if inner is not None else SingleProcess())
+    def __init__(self, mesh, sequence_parallel, inner):
+        super().__init__(mesh, mesh.tp, inner)
         self.sequence_parallel = bool(sequence_parallel)
-        self.model = None
 
     def build_model(self, config, seed, dtype):
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
         model.set_checkpointing(self.ckpt_activations)
         if self.amp:
             model = self.amp.cast_model(model)
-        self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
         self.model = model
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
         return self.inner.wrap(model)
 
-    @property
-    def sum_sq_across_ranks(self):
-        return self._sum_sq
-
-    def _sum_sq(self, local):
+    def reduce_sum_sq(self, local):
         """Global sum of squares from this rank's: the split part summed over tp, the
         replicated part (the same on every tp rank) added once (minidist/tp/state.py), then
         inner's reduction."""
         total = sum_sq_over_tp(self.model, self.group, local, self._replicated_grads(),
                                self.amp)
-        outer = self.inner.sum_sq_across_ranks
-        return outer(total) if outer is not None else total
+        return self.inner.reduce_sum_sq(total)
 
     def _replicated_grads(self):
         """The replicated parameters' gradient elements that this rank's optimizer norms:
@@ -113,11 +88,6 @@ class TensorParallel(ModelParallel):
             out += [u.grad_shard[f.offsets[i] + a - f.lo:f.offsets[i] + b - f.lo]
                     for i, a, b in f.pieces() if id(f.params[i]) in mine]
         return out
-
-    def any_rank(self, flag):
-        buf = xp_of(self.model.parameters()[0].data).asarray([float(flag)])
-        self.mesh.world.all_reduce(buf, op="max")
-        return bool(buf[0])
 
     # sampling runs the split model: every tp rank of the replicas that sample (dp rank 0;
     # under ZeRO-3 every dp rank, whose blocks are gathered collectively): inner decides
@@ -157,7 +127,7 @@ class TensorParallel(ModelParallel):
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         """The whole model and optimizer state, gathered over tp, written by rank 0 as one
-        process's (minidist/train/checkpoint.py). Under ZeRO: one checkpoint holding ZeRO's
+        process's (minidist/strategy/checkpoint.py). Under ZeRO: one checkpoint holding ZeRO's
         sharded files of each tp rank's part (minidist/zero/checkpoint.py). Collective."""
         if self._zero():
             return save_sharded(directory, model, optimizer, self.inner.group, step,

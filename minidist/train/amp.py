@@ -24,8 +24,7 @@ whole: the unscaled gradient lives one parameter at a time in the scratch buffer
 Overflow across ranks: the global norm is a sum over ranks of each rank's sum of squares
 (ZeRO, tensor and pipeline ranks hold different gradients and must all-reduce it for
 clipping anyway; DDP's ranks hold the same averaged gradients). An inf or nan on any rank
-makes that sum inf or nan on every rank, so every rank skips the same steps. A strategy may
-also pass `max_across_ranks` (an all-reduce "max" of a 0/1 flag) to check explicitly.
+makes that sum inf or nan on every rank, so every rank skips the same steps.
 
 On the CPU, numpy has no float16 BLAS, so backend.matmul multiplies float16 in float32 and
 rounds the product to float16 (float16 storage, emulated compute; elementwise float16 ops
@@ -39,7 +38,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn import Parameter
-from minidist.optim.clip import local_sum_sq
+from minidist.optim.clip import clip_factor, local_sum_sq
 
 SCALER_KEY = "loss_scaler"    # its entry in the optimizer state (checkpoints), beside params
 
@@ -63,6 +62,22 @@ class LossScaler:
         self.skipped = 0             # steps skipped so far (all time)
         self.skips_in_a_row = 0
         self.used = False            # scale_loss ran since the last step (checked there)
+
+    def unscale_and_clip(self, sum_sq, max_norm, reduce_sum_sq, has_grads=True):
+        """The one place --amp turns a sum of squares into a verdict, for every optimizer
+        (MasterWeightOptimizer here, ZeRO's ShardedAdamW): `sum_sq`, this rank's sum of
+        squares of its unscaled gradients, reduced over the ranks by the strategy's
+        `reduce_sum_sq` -> (global norm, inf/nan found, the factor the 16-bit gradients are
+        multiplied by in the step: 1/S, times the clip factor). Refuses gradients whose
+        backward did not start from a scaled loss."""
+        if has_grads and not self.used:
+            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
+                               "(the strategy must call MixedPrecision.scale_loss)")
+        self.used = False
+        sum_sq = float(reduce_sum_sq(sum_sq)) if reduce_sum_sq is not None else sum_sq
+        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
+        found_inf = not math.isfinite(norm)
+        return norm, found_inf, (1.0 if found_inf else clip_factor(norm, max_norm)) / self.scale
 
     def update(self, found_inf):
         """Record this step's verdict; returns True if the optimizer should step."""
@@ -152,16 +167,20 @@ class MixedPrecision:
         self.scaler.used = True
         return loss * (self.scaler.scale * factor)
 
+    def scaled_upstream(self):
+        """This rank's backward starts from a gradient that another rank's scaled loss made
+        (a pipeline stage before the last): it is scaled too."""
+        self.scaler.used = True
+
     def backward(self, loss, factor=1.0):
         """Backpropagate the scaled loss. An overflow to inf is expected now and then (the
         step is skipped), so numpy is told not to warn about it."""
         with np.errstate(over="ignore", invalid="ignore"):
             self.scale_loss(loss, factor).backward()
 
-    def optimizer(self, named_params, make_inner, max_across_ranks=None):
+    def optimizer(self, named_params, make_inner):
         """A MasterWeightOptimizer; `make_inner(named float32 params)` builds e.g. AdamW."""
-        return MasterWeightOptimizer(named_params, self.masters, make_inner, self.scaler,
-                                     max_across_ranks)
+        return MasterWeightOptimizer(named_params, self.masters, make_inner, self.scaler)
 
     def describe(self):
         s = self.scaler
@@ -182,14 +201,14 @@ class MasterWeightOptimizer:
     Used like the inner one: zero_grad, set_lr, clip_grad_norm, step, state_dict. step()
     returns False when it skipped the update because some gradient was inf or nan."""
 
-    def __init__(self, named_params, masters, make_inner, scaler, max_across_ranks=None):
+    def __init__(self, named_params, masters, make_inner, scaler):
         named = list(named_params)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]                  # the 16-bit model parameters
         self.master = [Parameter(masters[n], decay=bool(getattr(p, "decay", p.ndim >= 2)))
                        for n, p in named]
         self.inner = make_inner(list(zip(self.names, self.master)))
-        self.scaler, self.max_across_ranks = scaler, max_across_ranks
+        self.scaler = scaler
         self._model_param = {n: p for n, p in named}
         self._factor, self._found_inf, self._scratch = None, False, {}
 
@@ -212,24 +231,14 @@ class MasterWeightOptimizer:
         buf *= factor
         return buf
 
-    def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
+    def clip_grad_norm(self, max_norm, reduce_sum_sq=None):
         """Global L2 norm of the unscaled gradients (inf or nan: an overflow on some rank);
         sets step()'s factor 1/S, times max_norm / norm if that is smaller. Returns it."""
         inv = 1.0 / self.scaler.scale
         grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and not self.scaler.used:
-            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
-                               "(the strategy must call MixedPrecision.scale_loss)")
-        self.scaler.used = False
         sum_sq = sum(local_sum_sq([self._unscaled(g, inv)]) for g in grads)
-        if sum_sq_across_ranks is not None:
-            sum_sq = float(sum_sq_across_ranks(sum_sq))
-        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
-        found_inf = not math.isfinite(norm)
-        if self.max_across_ranks is not None:
-            found_inf = bool(self.max_across_ranks(float(found_inf)))
-        clip = max_norm / (norm + 1e-6) if max_norm and 0 < max_norm < norm else 1.0
-        self._found_inf, self._factor = found_inf, inv * (1.0 if found_inf else clip)
+        norm, self._found_inf, self._factor = self.scaler.unscale_and_clip(
+            sum_sq, max_norm, reduce_sum_sq, has_grads=bool(grads))
         return norm
 
     def step(self):
@@ -246,7 +255,7 @@ class MasterWeightOptimizer:
                     continue
                 state = self.inner.state.setdefault(name, {"step": 0})
                 state["step"] += 1
-                self.inner._update(master.data, self._unscaled(p.grad, factor), state, group)
+                self.inner.update(master.data, self._unscaled(p.grad, factor), state, group)
                 p.data[...] = master.data        # float32 master -> 16-bit weights
         return True
 

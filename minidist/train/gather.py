@@ -4,7 +4,7 @@ from. Every strategy's checkpoint is read back by parameter name into whole arra
     one process, DDP, TP, PP, CP     model.safetensors, the whole model already (TP and PP
                                      gather on save: minidist/tp/strategy.py, pp/checkpoint.py)
     ZeRO-1/2/3 (and CP over ZeRO)    rank shards, cut back into whole arrays by name
-                                     (minidist/zero/checkpoint.py read_whole)
+                                     (minidist/strategy/readers.py read_whole)
     TP with ZeRO                     one ZeRO folder per tp rank (tp<r>-of-<n>/): each read
                                      whole, then the tp pieces glued along their split axis
                                      (minidist/tp/region.py Split, `tp_splits` below)
@@ -21,8 +21,8 @@ import re
 from minidist.nn import GPTConfig
 from minidist.nn.pretrained import read_config, read_state
 from minidist.tp.region import Split
-from minidist.train import checkpoint, checkpoint_dirs
-from minidist.train.checkpoint import CheckpointError
+from minidist.strategy import checkpoint, checkpoint_dirs
+from minidist.strategy.checkpoint import CheckpointError
 
 _PART = re.compile(r"^tp(\d+)-of-(\d+)$")
 
@@ -109,7 +109,7 @@ def _masters(params, state):
 
 def _tp_parts(folder, parts):
     """A TP x ZeRO checkpoint: each tp rank's ZeRO folder read whole, the pieces glued."""
-    from minidist.zero.checkpoint import read_whole
+    from minidist.strategy.readers import read_whole
     pieces, config, record = [], None, None
     for part in parts:
         manifest = checkpoint.verify(part)

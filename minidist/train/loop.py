@@ -29,7 +29,8 @@ from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import load_stats
 from minidist.optim import WarmupCosine
-from minidist.train import checkpoint_dirs, preemption
+from minidist.strategy import checkpoint_dirs
+from minidist.train import preemption
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
 from minidist.train.strategy import make_strategy

@@ -11,8 +11,8 @@ world size and ZeRO stage reads them back (resharding).
                                        offsets, numel, padding, shard size); each file's size
                                        and sha256 (a shard's with its "rank"); the digest
 
-One folder of a --save directory, written with minidist/train/checkpoint.py's writers and
-committed as its numbered folders are (minidist/train/checkpoint_dirs.py): rank 0 makes the
+One folder of a --save directory, written with minidist/strategy/checkpoint.py's writers and
+committed as its numbered folders are (minidist/strategy/checkpoint_dirs.py): rank 0 makes the
 temporary folder, every rank writes and fsyncs its shard there and sends rank 0 its size and
 sha256, rank 0 writes state.json and the manifest last and commits (a filesystem all ranks
 see, as on one machine or a cluster's shared disk). `write_sharded` is the part without the
@@ -20,9 +20,9 @@ commit (tensor parallelism puts one such folder per tp rank into one checkpoint)
 
 Loading goes by parameter name, whoever wrote the checkpoint: a `ShardReader` cuts a
 parameter's pieces out of the old ranks' shards (memory-mapped: only those bytes are read), a
-`PlainReader` takes it from a one-process checkpoint. A ZeRO run at any N and stage then copies
-its own flat[lo:hi) from those (`load_sharded`); checkpoint.load gets whole arrays
-(`read_whole`) for one process, DDP, TP or PP. 4 ranks at stage 3 -> 1 process, or -> 2 ranks
+`PlainReader` takes it from a one-process checkpoint (both: minidist/strategy/readers.py). A
+ZeRO run at any N and stage then copies its own flat[lo:hi) from those (`load_sharded`);
+checkpoint.load gets whole arrays (`read_whole`) for one process, DDP, TP or PP. 4 ranks at stage 3 -> 1 process, or -> 2 ranks
 at stage 1: the same parameters, bit for bit.
 
 Verification is checkpoint.verify's, as for every checkpoint (the manifest by its digest,
@@ -40,11 +40,11 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.safetensors import SafetensorsError, load_file
-from minidist.train import checkpoint
-from minidist.train import checkpoint_dirs as dirs
-from minidist.train.checkpoint import CheckpointError
+from minidist.strategy import checkpoint
+from minidist.strategy import checkpoint_dirs as dirs
+from minidist.strategy.checkpoint import CheckpointError
+from minidist.strategy.readers import STATE_KEYS, reader_for
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")     # optimizer arrays, besides "param"
 SCALER_KEY = "loss_scaler"                           # as minidist/train/amp.py names it
 _ERRORS = (CheckpointError, SafetensorsError, KeyError, ValueError, OSError)
 
@@ -59,7 +59,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
                  part=None, world=None):
     """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
     ShardedAdamW) and, from rank 0, state.json and the manifest, as the next numbered folder
-    of `directory` (minidist/train/checkpoint_dirs.py). With `part` and `world` (tensor
+    of `directory` (minidist/strategy/checkpoint_dirs.py). With `part` and `world` (tensor
     parallelism: one ZeRO folder per tp rank), this group's files go to the subfolder `part`
     of one checkpoint that world rank 0 commits once every group has written; collective
     over `world` then."""
@@ -96,7 +96,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
 
 def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=None):
     """Collective over `group`: every rank writes its shard into `folder` (which exists),
-    rank 0 state.json and the manifest (minidist/train/checkpoint.py's writers). Returns
+    rank 0 state.json and the manifest (minidist/strategy/checkpoint.py's writers). Returns
     None, or on rank 0 what failed (the caller commits or discards the folder)."""
     name, entry, err = shard_name(group.rank, group.size), None, None
     try:
@@ -139,78 +139,6 @@ def _write_state(folder, files, model, optimizer, step, rng_states, extra):
 def optimizer_type(optimizer):
     """The class a one-process run of the same flags uses (a checkpoint loads in either)."""
     return "MasterWeightOptimizer" if optimizer.amp is not None else "AdamW"
-
-
-# ---- read by parameter name --------------------------------------------------------------------
-
-class PlainReader:
-    """Whole arrays by name from a one-process checkpoint (model / optimizer.safetensors)."""
-
-    def __init__(self, directory):
-        self.params, _ = load_file(os.path.join(directory, "model.safetensors"))
-        self.opt, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
-
-    def get(self, name, key="param"):
-        """The whole array, or None if the checkpoint has none (optimizer state at step 0)."""
-        if key == "param":
-            if name not in self.params:
-                raise CheckpointError(f"the checkpoint has no parameter {name}")
-            return self.params[name]
-        return self.opt.get(f"{name}/{key}")
-
-
-class ShardReader:
-    """Whole arrays by name, assembled from the pieces in the old ranks' shards."""
-
-    def __init__(self, directory, manifest, verified=False):
-        zero = manifest["zero"]
-        self.directory, self.manifest, self.verified = directory, manifest, verified
-        self.files = {info["rank"]: n for n, info in manifest["files"].items() if "rank" in info}
-        self.where = {p["name"]: (u, p) for u in zero["units"] for p in u["params"]}
-        self.keys, self._open = set(zero["keys"]), {}
-
-    def _shard(self, rank):
-        if rank not in self._open:
-            if rank not in self.files:
-                raise CheckpointError(f"{self.directory}: manifest.json lists no shard for "
-                                      f"rank {rank}")
-            name = self.files[rank]
-            if not self.verified:
-                checkpoint.verify_file(self.directory, name, self.manifest["files"][name])
-            self._open[rank], _ = load_file(os.path.join(self.directory, name))
-        return self._open[rank]
-
-    def get(self, name, key="param"):
-        if name not in self.where:
-            raise CheckpointError(f"{self.directory}: the checkpoint has no parameter {name}")
-        if key not in self.keys:
-            return None
-        unit, p = self.where[name]
-        S, off, numel = unit["shard_size"], p["offset"], math.prod(p["shape"])
-        pieces = []
-        for q in range(off // S, (off + numel - 1) // S + 1):      # old ranks holding a piece
-            shard, k = self._shard(q), f"{unit['name']}/{key}"
-            if k not in shard or shard[k].size != S:
-                raise CheckpointError(f"{os.path.join(self.directory, self.files[q])}: no "
-                                      f"{k} of {S} elements (a shard of another layout?)")
-            pieces.append(shard[k][max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
-        return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
-
-
-def reader_for(directory, manifest, verified=False):
-    return (ShardReader(directory, manifest, verified) if "zero" in manifest
-            else PlainReader(directory))
-
-
-# ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
-
-def read_whole(directory, manifest):
-    """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards of a folder
-    checkpoint.verify has checked."""
-    reader = ShardReader(directory, manifest, verified=True)
-    params = {n: reader.get(n) for n in reader.where}
-    arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
-    return params, {k: a for k, a in arrays.items() if a is not None}
 
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------

@@ -18,12 +18,10 @@ as optimizer state, 12 bytes per parameter / N. step() unscales the gradient sha
 float32 scratch buffer, skips the step on inf/nan (every rank agrees: the norm is global),
 updates the master shard and writes it back to the 16-bit parameter shard.
 
-After the update, the engine's after_step() all-gathers parameters (stages 1, 2) or frees the
-stale gathered copies (stage 3).
+After the update the training step calls the strategy's after_step(), which runs the engine's:
+all-gather the parameters (stages 1, 2) or free the stale gathered copies (stage 3).
 Tests: tests/scripts/zero_check.py (run by tests/test_zero.py).
 """
-import math
-
 import numpy as np
 
 from minidist.backend import xp_of
@@ -74,14 +72,9 @@ class ShardedAdamW:
             return clip_grad_norm([u.grad_shard for u in self.engine.units], max_norm,
                                   sum_sq_across_ranks)
         inv = 1.0 / self.amp.scaler.scale
-        self.amp.scaler.used = False
         sum_sq = sum(local_sum_sq([self._unscaled(u, inv)]) for u in self.engine.units)
-        if sum_sq_across_ranks is not None:
-            sum_sq = float(sum_sq_across_ranks(sum_sq))
-        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
-        self._found_inf = not math.isfinite(norm)
-        clip = max_norm / (norm + 1e-6) if max_norm and 0 < max_norm < norm else 1.0
-        self._factor = inv * (1.0 if self._found_inf else clip)
+        norm, self._found_inf, self._factor = self.amp.scaler.unscale_and_clip(
+            sum_sq, max_norm, sum_sq_across_ranks)
         return norm
 
     def _unscaled(self, u, factor):
@@ -95,20 +88,19 @@ class ShardedAdamW:
         return buf
 
     def step(self):
-        """Update this rank's shards, then the engine's after_step. Returns False when mixed
-        precision skipped the update (inf/nan gradients)."""
+        """Update this rank's shards (the engine's after_step, run next by the strategy, makes
+        the full parameters from them). Returns False when mixed precision skipped the update
+        (inf/nan gradients)."""
         if self.amp is not None:
             if self._factor is None:
                 self.clip_grad_norm(None)
             if not self.amp.scaler.update(self._found_inf):
                 self._factor = None
-                self.engine.after_step()
                 return False
         self.steps += 1
         for u in self.engine.units:
             self._update(u)
         self._factor = None
-        self.engine.after_step()
         return True
 
     def _update(self, u):

@@ -4,15 +4,17 @@
     mpirun -n 4 python examples/train_gpt.py --zero 3 --log-json run.jsonl --save ckpt
     mpirun -n 2 python examples/train_gpt.py --zero 1 --resume ckpt     # resharded 4 -> 2
 
-What it changes from SingleProcess (minidist/train/strategy.py); rows by dp rank as in DDP:
-    build_model / wrap  the model (built by SingleProcess, or by another strategy: `wrap`),
-                        flattened into units and sharded over the dp group: zero_engine
+What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank as in DDP:
+    wrap                the model (the GPT, or another strategy's part of it), flattened into
+                        units and sharded over the dp group: zero_engine
     build_optimizer     ShardedAdamW over this rank's shards (minidist/zero/optim.py)
     no_sync             nothing: stage 1 accumulates micro-batches in its full gradient
                         buffers, stages 2 and 3 reduce-scatter each micro-batch's gradients
                         into the shards as backward completes them
     sync_grads          engine.sync_grads(): the reduce-scatters
-    sum_sq_across_ranks the local sum of squares of the gradient shards, summed over dp
+    reduce_sum_sq       the local sum of squares of the gradient shards, summed over dp
+    after_step          engine.after_step(): all-gather the updated shards (stages 1, 2) or
+                        drop the stale gathered copies (stage 3)
     save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
     save_pretrained     GPT-2 format, the parameters gathered to rank 0
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
@@ -22,30 +24,26 @@ Tests: tests/test_zero.py.
 """
 import contextlib
 
-from minidist.backend import xp_of
 from minidist.comm import trace
-from minidist.zero.zero import zero_engine
-from minidist.zero.optim import ShardedAdamW
-from minidist.train import memory
-from minidist.ddp.strategy import dp_rows
+from minidist.strategy import memory
+from minidist.strategy.base import SingleProcess, all_reduce_number, dp_rows
 from minidist.zero.checkpoint import load_sharded, save_sharded
-from minidist.train.strategy import SingleProcess
+from minidist.zero.optim import ShardedAdamW
+from minidist.zero.zero import zero_engine
 
 
 class ZeroDataParallel(SingleProcess):
     """One-process training with the model state sharded over the dp group."""
     reports_memory = True               # finish() prints the memory table: measure every step
 
-    def __init__(self, group, stage, prefetch=True):
+    def __init__(self, group, stage, prefetch=True, amp=None, ckpt_activations=False):
+        super().__init__(amp, ckpt_activations)
         self.group, self.stage, self.prefetch = group, stage, prefetch
         self.rank, self.world_size = group.rank, group.size
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
         self.step_bytes = None          # the fewest bytes this rank sent in one step
-
-    def build_model(self, config, seed, dtype):
-        return self.wrap(super().build_model(config, seed, dtype))
 
     def wrap(self, model):
         """Shard `model` (the whole model, or this rank's part built by another strategy)."""
@@ -94,22 +92,19 @@ class ZeroDataParallel(SingleProcess):
         self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent)
         self.activations = max(self.activations, activation_bytes)
 
-    def sum_sq_across_ranks(self, local):
+    def reduce_sum_sq(self, local):
         """The global sum of squares: every rank holds different shards, so sum them."""
-        return self._all_reduce(local, "sum")
+        return all_reduce_number(self.group, local, "sum", self.engine.units[0].param_shard)
+
+    def after_step(self):
+        self.engine.after_step()
 
     def global_mean(self, value):
-        return self._all_reduce(value, "avg")
+        return all_reduce_number(self.group, value, "avg", self.engine.units[0].param_shard)
 
     def any_rank(self, flag):
-        return bool(self._all_reduce(float(flag), "max"))
-
-    def _all_reduce(self, value, op):
-        """`value` (a float or a 0-d device array) reduced over the group, left on the device
-        (the loop converts the loss when it logs: no host sync inside the step)."""
-        buf = xp_of(self.engine.units[0].param_shard).array(value, dtype="float64").reshape(1)
-        self.group.all_reduce(buf, op=op)
-        return buf[0]
+        return bool(all_reduce_number(self.group, float(flag), "max",
+                                      self.engine.units[0].param_shard))
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):

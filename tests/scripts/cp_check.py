@@ -26,9 +26,11 @@ from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.cp.ring import ring_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
-from minidist.train import memory  # noqa: E402
+from minidist.strategy import memory  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
-from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
+from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.strategy import make_strategy  # noqa: E402
 
 # block 16: zig-zag over 4 ranks cuts it in 8 chunks of 2; tiles of 2 cross the chunks
 CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=16, vocab_size=30,
@@ -74,7 +76,7 @@ def step_ring_bytes(args, config, mesh):
 
 def run(name, ref, comm, tol):
     args = flags(name)
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     mesh = strategy.mesh
     sent0 = trace.bytes_sent("cp")
     model, _, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
@@ -102,7 +104,7 @@ def activations(comm):
     tiled = GPTConfig(**{**CONFIG.to_dict(), "attention": "tiled"})
     ref = SingleProcess().build_model(tiled, SEED, "float64")
     one = memory.activation_bytes(ref(x, y)[1], ref.parameters())
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model = strategy.build_model(CONFIG, SEED, "float64")
     mine = memory.activation_bytes(model(x, y)[1], model.parameters())
     return {"ranks": comm.size, "one_process": one, "per_rank": mine, "ratio": mine / one}
@@ -139,7 +141,6 @@ def main():
     minidist.comm.init()
     backend.set_device(cli.device)
     comm = MPI.COMM_WORLD
-    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     check_mesh(comm)
     runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
     ref_args = flags("cp2")

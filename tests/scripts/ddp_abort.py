@@ -14,12 +14,13 @@ import numpy as np
 from minidist import backend, comm
 from minidist.nn import GPTConfig
 from minidist.train.args import train_parser
+from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.train.strategy import make_strategy
 
 args = train_parser().parse_args(["--batch-size", "4", *sys.argv[1:]])   # --device from the test
 comm.init(args.comm)   # MPI_Init, the abort-on-exception hooks, the watchdog
 backend.set_device(args.device)
-strategy = make_strategy(args)
+strategy = make_strategy(args, ProcessGroup.world(args.comm))
 model = strategy.build_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8,
                                        vocab_size=32), 0, "float32")
 x = np.zeros((4, 8), dtype=np.int64)

@@ -28,7 +28,7 @@ from minidist.comm import ProcessGroup, trace
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.ddp.strategy import DataParallel
-from minidist.train.strategy import SingleProcess
+from minidist.strategy.base import SingleProcess
 
 from exact import run_steps
 

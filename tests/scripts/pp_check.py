@@ -35,10 +35,12 @@ import minidist.comm
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.pp.simulate import simulate
-from minidist.train import checkpoint
+from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.step import train_step
-from minidist.train.strategy import SingleProcess, make_strategy
+from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.strategy.base import SingleProcess
+from minidist.train.strategy import make_strategy
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7
@@ -130,7 +132,7 @@ def check_in_flight(strategy, comm):
 
 def compare(name, ref, comm, cli):
     args = flags(name, cli.steps)
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, norms, acts = train(strategy, args)
     ref_model, ref_opt, ref_losses, ref_norms, _ = ref
     state = stage_state(strategy, model)
@@ -181,7 +183,7 @@ def check_files(strategy, model, opt, ref, args, comm):
     sa, sb = o1.state_dict()["state"], ref_opt.state_dict()["state"]
     adam_diff = max(float(np.abs(sa[n][k] - sb[n][k]).max())
                     for n in sb for k in ("exp_avg", "exp_avg_sq"))
-    again = make_strategy(args)
+    again = make_strategy(args, ProcessGroup.world(args.comm))
     m2 = again.build_model(CONFIG, SEED + 1, "float64")
     o2 = again.build_optimizer(m2, args)
     again.load(path, m2, o2)
@@ -214,7 +216,7 @@ def check_amp(comm, run, ref, steps=5):
     activations crossing the boundary in float16."""
     args = flags(run, steps)
     args.dtype, args.amp = "float32", True
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, _, losses, norms, _ = train(strategy, args)
     assert all(np.isfinite(norms)), norms
     return {"run": run, "boundary_dtype": str(model.link.dtype), "losses": losses,
@@ -238,7 +240,6 @@ def main():
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
-    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     if cli.amp:
         ref = train(SingleProcess(), flags("pp1", 5))
         for run in ("pp2-m2-1f1b", "pp2-m2-v2-1f1b", "pp2-m2-zbh1"):

@@ -21,7 +21,7 @@ import numpy as np
 from minidist import backend, comm
 from minidist.ddp.strategy import DataParallel
 from minidist.nn import GPTConfig
-from minidist.train.strategy import SingleProcess
+from minidist.strategy.base import SingleProcess
 
 from exact import run_steps
 

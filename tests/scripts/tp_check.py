@@ -31,9 +31,11 @@ from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.nn.safetensors import load_file  # noqa: E402
-from minidist.train import checkpoint  # noqa: E402
+from minidist.strategy import checkpoint  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
-from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
+from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.strategy import make_strategy  # noqa: E402
 
 # vocab 30: tp 2 splits it evenly, tp 4 pads it to 32 (two zero rows on the last rank)
 CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=30, dropout=0.1)
@@ -100,7 +102,7 @@ def compare(name, refs, comm, tol, tmp):
         refs[args.dropout] = train(SingleProcess(), flags("tp1", "--dropout",
                                                           str(args.dropout)))
     ref = refs[args.dropout]
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, norms = train(strategy, args)
     ref_model, ref_opt, ref_losses, ref_norms = ref
     full = strategy.full_state_dict()              # on the ranks of dp rank 0 under ZeRO
@@ -147,7 +149,7 @@ def check_files(strategy, model, opt, ref, args, tmp):
     sa, sb = o1.state_dict()["state"], ref_opt.state_dict()["state"]
     adam_diff = max(max_diff({k: v for k, v in sa[n].items() if k != "step"},
                              {k: v for k, v in sb[n].items() if k != "step"}) for n in sb)
-    again = make_strategy(args)     # and back into a fresh tp run
+    again = make_strategy(args, ProcessGroup.world(args.comm))     # and back into a fresh tp run
     m2 = again.build_model(config_of(args), SEED + 1, "float64")
     o2 = again.build_optimizer(m2, args)
     again.load(ckpt, m2, o2)
@@ -171,7 +173,6 @@ def main():
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
-    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     tmp = comm.bcast(tempfile.mkdtemp(prefix="tp_check_") if comm.rank == 0 else None)
 
     def emit(tag, row):

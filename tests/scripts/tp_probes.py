@@ -229,7 +229,7 @@ def refusals(comm, config, flags):
     try:
         for bad, message in BAD:
             try:
-                make_strategy(flags("tp2", *bad))
+                make_strategy(flags("tp2", *bad), minidist.comm.ProcessGroup.world("ring"))
             except UsageError as e:
                 assert message in str(e), (bad, str(e))
                 yield {"flags": bad, "rank": comm.rank, "error": str(e)}

@@ -30,11 +30,11 @@ import minidist.comm
 from minidist.comm import ProcessGroup, trace
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
-from minidist.train import memory
+from minidist.strategy import memory
 from minidist.train.amp import MixedPrecision
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
-from minidist.train.strategy import SingleProcess
+from minidist.strategy.base import SingleProcess
 from minidist.zero.strategy import ZeroDataParallel
 
 import exact

@@ -26,8 +26,8 @@ from minidist import backend
 import minidist.comm
 from minidist.comm import ProcessGroup
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
-from minidist.train.checkpoint import CheckpointError
-from minidist.train.checkpoint_dirs import resolve
+from minidist.strategy.checkpoint import CheckpointError
+from minidist.strategy.checkpoint_dirs import resolve
 from minidist.train.step import train_step
 from minidist.zero.checkpoint import shard_name
 from minidist.zero.strategy import ZeroDataParallel

@@ -1,7 +1,7 @@
 """Checkpoint folders under a --save directory: at every instant it holds a complete
 checkpoint that --resume finds.
 
-    DIR/step-00000040/        complete checkpoints (the files: minidist/train/checkpoint.py),
+    DIR/step-00000040/        complete checkpoints (the files: minidist/strategy/checkpoint.py),
     DIR/step-00000050/        each renamed into place only once every file in it is fsynced
     DIR/latest                "step-00000050": the newest, replaced atomically (a temporary
                               file, fsync, os.replace, fsync of DIR)

@@ -11,7 +11,7 @@ verified on load, one code path for every strategy.
                      its class name, "rng": {name: generator state}, "extra": the run's flags}
 
 `directory` is a --save directory: each save is a new numbered folder and a `latest` pointer
-(minidist/train/checkpoint_dirs.py). One checkpoint folder holds
+(minidist/strategy/checkpoint_dirs.py). One checkpoint folder holds
 
     model.safetensors       parameters, dtype as trained
     optimizer.safetensors   optimizer arrays as "<param name>/<key>" (exp_avg, ...)
@@ -28,7 +28,6 @@ file. check_fits() names the config fields that differ from the model's.
 Tests: tests/test_checkpoint.py.
 """
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -36,22 +35,15 @@ import shutil
 
 from minidist import backend
 from minidist.nn.safetensors import SafetensorsError, load_file, save_file
-from minidist.train import checkpoint_dirs as dirs
-from minidist.train.checkpoint_dirs import CheckpointError
+from minidist.strategy import checkpoint_dirs as dirs
+from minidist.strategy.checkpoint_dirs import CheckpointError
+from minidist.strategy.readers import read_whole, sha256_file, verify_file
 
 __all__ = ["CheckpointError", "save", "load", "verify", "check_fits", "make_meta",
            "save_checkpoint", "load_checkpoint"]
 FORMAT, VERSION = "minidist-checkpoint", 2
 DIGEST = "manifest.sha256"
 META_KEYS = ("step", "config", "dtype", "rng", "extra")
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _entry(path):
@@ -158,18 +150,6 @@ def verify(folder, shard_checksums=True):
     return manifest
 
 
-def verify_file(folder, name, info, checksum=True):
-    """One file of a checkpoint against its manifest entry {"bytes", "sha256"[, "rank"]}."""
-    fpath = os.path.join(folder, name)
-    what = f"rank {info['rank']}'s shard " if "rank" in info else ""
-    if not os.path.isfile(fpath):
-        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} is missing")
-    if os.path.getsize(fpath) != info["bytes"] or (
-            checksum and sha256_file(fpath) != info["sha256"]):
-        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} does not match the checksum "
-                              "in manifest.json (truncated, modified, or from another save)")
-
-
 def read_record(folder):
     """state.json of a verified folder."""
     with open(os.path.join(folder, "state.json")) as f:
@@ -184,7 +164,6 @@ def load(directory):
     record = read_record(folder)
     with does_not_fit(folder):
         if "zero" in manifest:
-            from minidist.zero.checkpoint import read_whole
             params, arrays = read_whole(folder, manifest)
         else:
             params, _ = load_file(os.path.join(folder, "model.safetensors"))

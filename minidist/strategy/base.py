@@ -1,0 +1,220 @@
+"""The seam between the training step and a parallel strategy, and what strategies share.
+
+Every strategy package (minidist/{ddp,zero,tp,pp,cp}/strategy.py) builds on this module; it
+imports nothing from minidist/train/ (tests/test_layers.py checks the direction). The step
+(minidist/train/step.py) calls, for every strategy alike:
+
+    local_rows(x, y)          this rank's rows of the GLOBAL batch (x, y)
+    start_step()              counters for the end-of-run summary
+    no_sync()                 context for micro-batches that only accumulate gradients
+    forward_backward(model, x, y, scale, measure)   one micro-batch: (loss, activation bytes)
+                              (a pipeline runs its schedule here)
+    sync_grads(model)         e.g. DDP's all-reduce / ZeRO's reduce-scatter
+    reduce_sum_sq(local)      this rank's sum of squared gradients -> the global one (clip)
+    after_step()              after the optimizer step (ZeRO: all-gather the new parameters)
+    zero_grad(opt)            ready for the next step (DDP: zero its buckets in place)
+    end_step(activation_bytes)
+    global_mean(value)        a float or 0-d device array averaged over the replicas, left on
+                              the device (no host sync)
+and around the steps: build_model(config, seed, dtype), build_optimizer(model, args),
+any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
+takes_part_in_sampling(), reports_memory, rank, world_size.
+
+`SingleProcess` is the reference (one process, the whole model, no communication) and the
+innermost piece of every composition: DataParallel (ddp/) and ZeroDataParallel (zero/) are
+SingleProcess plus the data-parallel part. `ModelParallel` is the base of TensorParallel (tp/),
+PipelineParallel (pp/) and ContextParallel (cp/): each splits every replica's work over its
+own group and passes the rest to `inner`, the data-parallel strategy. The composition that
+nests them: minidist/train/strategy.py make_strategy.
+Memory options, for every strategy alike, given to the innermost one's constructor and read
+by the ones around it: `amp` (None, or MixedPrecision: minidist/train/amp.py) and
+`ckpt_activations` (GPT.set_checkpointing).
+Tests: tests/test_train.py.
+"""
+import contextlib
+
+from minidist.backend import xp_of
+from minidist.comm import trace
+from minidist.nn import GPT
+from minidist.optim import AdamW
+from minidist.strategy import checkpoint, memory
+
+
+def dp_rows(x, y, rank, size):
+    """Rows [r*B/N, (r+1)*B/N) of a global batch of B rows: data-parallel rank r's share."""
+    n = len(x) // size
+    if n * size != len(x):
+        raise ValueError(f"a global batch of {len(x)} rows does not split into {size} equal "
+                         "shards (--batch-size, --dp)")
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def all_reduce_number(group, value, op, like):
+    """`value` (a float or a 0-d device array) reduced over `group` (op "sum", "avg" or "max"),
+    as a 0-d float64 on the device of the array `like`: nothing waits for the GPU here (the
+    loop converts the loss when it logs)."""
+    buf = xp_of(like).array(value, dtype="float64").reshape(1)
+    group.all_reduce(buf, op=op)
+    return buf[0]
+
+
+class SingleProcess:
+    rank, world_size = 0, 1
+    reports_memory = False              # measure activations every step for finish()
+
+    def __init__(self, amp=None, ckpt_activations=False):
+        self.amp, self.ckpt_activations = amp, bool(ckpt_activations)
+
+    def build_model(self, config, seed, dtype):
+        model = GPT(config, seed=seed, dtype=dtype).set_checkpointing(self.ckpt_activations)
+        return self.wrap(self.amp.cast_model(model) if self.amp else model)
+
+    def build_optimizer(self, model, args):
+        def adamw(named_params):
+            return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95),
+                         weight_decay=args.weight_decay)
+        if self.amp:
+            return self.amp.optimizer(model.named_parameters(), adamw)
+        return adamw(model.named_parameters())
+
+    def wrap(self, model):
+        """This strategy's hold on a model (built here, or by a strategy around it: tensor
+        parallelism builds, DDP or ZeRO wraps): here, nothing."""
+        return model
+
+    # ---- one step (minidist/train/step.py) ---------------------------------------------------
+    def local_rows(self, x, y):
+        return x, y
+
+    def start_step(self):
+        """Before a step's first micro-batch: per-step counters of the end-of-run summary."""
+
+    def no_sync(self):
+        """Context for the micro-batches whose gradients only accumulate (no communication)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, model, x, y, scale, measure):
+        """One micro-batch: forward, then backward of `scale` x loss. Returns (the loss as a
+        0-d float64 on the device, the activation bytes its graph held if `measure`)."""
+        with trace.compute("forward"):
+            _, loss = model(x, y)
+        held = memory.activation_bytes(loss, model.parameters()) if measure else 0
+        with trace.compute("backward"):
+            self.backward(loss, scale)
+        return loss.data.astype("float64"), held
+
+    def backward(self, loss, scale=1.0):
+        """Backpropagate `scale` x loss, times the loss scale under float16 --amp."""
+        if self.amp:
+            return self.amp.backward(loss, scale)
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def sync_grads(self, model):
+        pass
+
+    def reduce_sum_sq(self, local):
+        """The global sum of squared gradients from this rank's: here, this rank's."""
+        return local
+
+    def after_step(self):
+        """After the optimizer step."""
+
+    def zero_grad(self, opt):
+        opt.zero_grad()
+
+    def end_step(self, activation_bytes):
+        """After the step: the largest activation bytes measured in it."""
+
+    def global_mean(self, value):
+        return value
+
+    # ---- around the steps ------------------------------------------------------------------
+    def any_rank(self, flag):
+        """Whether `flag` is true on any rank of the job (preemption: all save together)."""
+        return bool(flag)
+
+    def comm_bytes(self):
+        """Bytes this rank sent since the run began."""
+        return trace.bytes_sent()
+
+    def notes(self):
+        """Lines for the log: how this run computes (precision, activation checkpointing)."""
+        lines = [self.amp.describe()] if self.amp else []
+        if self.ckpt_activations:
+            lines.append("activation checkpointing: each block keeps its input and is "
+                         "recomputed in backward (same numbers, ~1/3 more compute)")
+        return lines
+
+    def takes_part_in_sampling(self):
+        """Whether this rank runs the end-of-training sample (rank 0 prints it)."""
+        return self.rank == 0
+
+    def save(self, directory, model, optimizer, step, rng_states, extra):
+        checkpoint.save_checkpoint(directory, model, optimizer, step, rng_states, extra)
+
+    def load(self, directory, model, optimizer):
+        return checkpoint.load_checkpoint(directory, model, optimizer)
+
+    def finish(self, args, log):
+        if args.trace:
+            log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
+
+
+class ModelParallel(SingleProcess):
+    """A strategy that splits each replica's work over its own `group` and leaves the
+    data-parallel part to `inner` (DDP, ZeRO or one replica): the step's calls go through to
+    inner, amp and activation checkpointing are inner's, and the bytes this rank sends on
+    `group` are counted for the summary."""
+
+    def __init__(self, mesh, group, inner):
+        super().__init__(inner.amp, inner.ckpt_activations)
+        self.mesh, self.group, self.inner = mesh, group, inner
+        self.reports_memory = inner.reports_memory
+        self.rank, self.world_size = mesh.world.rank, mesh.world.size
+        self.steps, self.sent, self._mark = 0, 0, 0
+        self.model = None               # this rank's part of the model, once built
+
+    def build_optimizer(self, model, args):
+        return self.inner.build_optimizer(model, args)
+
+    def local_rows(self, x, y):
+        return self.inner.local_rows(x, y)
+
+    def start_step(self):
+        self._mark = trace.bytes_sent(self.group.name)
+        self.inner.start_step()
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def sync_grads(self, model):
+        """inner's gradient sync; this group's traffic (forward and backward) is done by now."""
+        self.inner.sync_grads(model)
+        self.steps += 1
+        self.sent += trace.bytes_sent(self.group.name) - self._mark
+
+    def reduce_sum_sq(self, local):
+        return self.inner.reduce_sum_sq(local)
+
+    def after_step(self):
+        self.inner.after_step()
+
+    def zero_grad(self, opt):
+        self.inner.zero_grad(opt)
+
+    def end_step(self, activation_bytes):
+        self.inner.end_step(activation_bytes)
+
+    def global_mean(self, value):
+        return self.inner.global_mean(value)
+
+    def any_rank(self, flag):
+        return bool(all_reduce_number(self.mesh.world, float(flag), "max",
+                                      self.model.parameters()[0].data))
+
+    def takes_part_in_sampling(self):
+        return self.inner.takes_part_in_sampling()
+
+    def sent_per_step(self):
+        """Bytes this rank sent on `group` per step, on average (summary())."""
+        return self.sent / max(self.steps, 1)

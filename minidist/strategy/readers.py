@@ -1,0 +1,111 @@
+"""Reading a checkpoint's arrays by parameter name, whoever wrote it: a one-process run
+(`PlainReader`: model.safetensors and optimizer.safetensors) or a ZeRO run at any world size
+and stage (`ShardReader`: each parameter cut out of the old ranks' flat shards, memory-mapped,
+so only those bytes are read). The format of the shards: minidist/zero/checkpoint.py, which
+writes them; this module sits below the strategy packages so that checkpoint.load (one
+process, DDP, TP, PP) reads ZeRO's checkpoints too without importing minidist/zero/.
+Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
+"""
+import hashlib
+import math
+import os
+
+import numpy as np
+
+from minidist.nn.safetensors import load_file
+from minidist.strategy.checkpoint_dirs import CheckpointError
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")     # optimizer arrays, besides "param"
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_file(folder, name, info, checksum=True):
+    """One file of a checkpoint against its manifest entry {"bytes", "sha256"[, "rank"]}."""
+    fpath = os.path.join(folder, name)
+    what = f"rank {info['rank']}'s shard " if "rank" in info else ""
+    if not os.path.isfile(fpath):
+        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} is missing")
+    if os.path.getsize(fpath) != info["bytes"] or (
+            checksum and sha256_file(fpath) != info["sha256"]):
+        raise CheckpointError(f"corrupt checkpoint: {what}{fpath} does not match the checksum "
+                              "in manifest.json (truncated, modified, or from another save)")
+
+
+
+# ---- read by parameter name ---------------------------------------------------------------------
+
+class PlainReader:
+    """Whole arrays by name from a one-process checkpoint (model / optimizer.safetensors)."""
+
+    def __init__(self, directory):
+        self.params, _ = load_file(os.path.join(directory, "model.safetensors"))
+        self.opt, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
+
+    def get(self, name, key="param"):
+        """The whole array, or None if the checkpoint has none (optimizer state at step 0)."""
+        if key == "param":
+            if name not in self.params:
+                raise CheckpointError(f"the checkpoint has no parameter {name}")
+            return self.params[name]
+        return self.opt.get(f"{name}/{key}")
+
+
+class ShardReader:
+    """Whole arrays by name, assembled from the pieces in the old ranks' shards."""
+
+    def __init__(self, directory, manifest, verified=False):
+        zero = manifest["zero"]
+        self.directory, self.manifest, self.verified = directory, manifest, verified
+        self.files = {info["rank"]: n for n, info in manifest["files"].items() if "rank" in info}
+        self.where = {p["name"]: (u, p) for u in zero["units"] for p in u["params"]}
+        self.keys, self._open = set(zero["keys"]), {}
+
+    def _shard(self, rank):
+        if rank not in self._open:
+            if rank not in self.files:
+                raise CheckpointError(f"{self.directory}: manifest.json lists no shard for "
+                                      f"rank {rank}")
+            name = self.files[rank]
+            if not self.verified:
+                verify_file(self.directory, name, self.manifest["files"][name])
+            self._open[rank], _ = load_file(os.path.join(self.directory, name))
+        return self._open[rank]
+
+    def get(self, name, key="param"):
+        if name not in self.where:
+            raise CheckpointError(f"{self.directory}: the checkpoint has no parameter {name}")
+        if key not in self.keys:
+            return None
+        unit, p = self.where[name]
+        S, off, numel = unit["shard_size"], p["offset"], math.prod(p["shape"])
+        pieces = []
+        for q in range(off // S, (off + numel - 1) // S + 1):      # old ranks holding a piece
+            shard, k = self._shard(q), f"{unit['name']}/{key}"
+            if k not in shard or shard[k].size != S:
+                raise CheckpointError(f"{os.path.join(self.directory, self.files[q])}: no "
+                                      f"{k} of {S} elements (a shard of another layout?)")
+            pieces.append(shard[k][max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
+        return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
+
+
+def reader_for(directory, manifest, verified=False):
+    return (ShardReader(directory, manifest, verified) if "zero" in manifest
+            else PlainReader(directory))
+
+
+# ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
+
+def read_whole(directory, manifest):
+    """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards of a folder
+    checkpoint.verify has checked."""
+    reader = ShardReader(directory, manifest, verified=True)
+    params = {n: reader.get(n) for n in reader.where}
+    arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
+    return params, {k: a for k, a in arrays.items() if a is not None}
