@@ -1,6 +1,7 @@
 """The docs cannot go stale: every path they mention exists in the repository.
 
-Checked in README.md, minidist/*/README.md and examples/*.md:
+Checked in README.md, minidist/*/README.md and examples/*.md (and, by the last test, in the
+docstrings of every module, class and function of minidist/, examples/ and tests/):
 - every relative Markdown link `[text](target)` resolves, from the document's folder, to a file
   or folder inside the repository;
 - every `minidist/...`, `tests/...`, `examples/...` or `.ci/...` path written anywhere in the
@@ -11,6 +12,7 @@ Checked in README.md, minidist/*/README.md and examples/*.md:
 - nothing points outside the repository (no absolute path to a file, no `../`).
 Run: python -m pytest -q tests/test_docs.py
 """
+import ast
 import pathlib
 import re
 
@@ -72,3 +74,44 @@ def test_every_path_a_doc_mentions_exists(doc):
 def test_nothing_points_outside_the_repository(doc):
     bad = [m.group(0) for m in OUTSIDE.finditer(doc.read_text())]
     assert not bad, f"{doc.relative_to(ROOT)} points outside the repository: {bad}"
+
+
+# ---- docstrings: the same for the prose beside the code ---------------------------------------
+
+SOURCES = sorted([*ROOT.glob("minidist/**/*.py"), *ROOT.glob("examples/*.py"),
+                  *ROOT.glob("tests/**/*.py")])
+NAMED_FILE = re.compile(r"(?<![\w./-])([A-Za-z][\w-]*\.(?:py|md|cfg|toml))\b")
+EVERY_NAME = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts}
+PLACEHOLDERS = {"script.py", "my_script.py", "threads.py", "nonexistent.py", "tests/test_x.py"}
+
+
+def _docstrings(path):
+    """(line, text) of the module's docstring and of every class's and function's."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield getattr(node, "lineno", 1), doc
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_every_file_a_docstring_names_exists(source):
+    """A docstring's `minidist/...`, `tests/...` or `examples/...` path exists (a `::test` in
+    its file), and a bare file name (`ring.py`, `README.md`) is a file of the repository
+    (PLACEHOLDERS: the names usage examples make up)."""
+    missing = []
+    for line, doc in _docstrings(source):
+        for name in REPO_PATH.findall(doc):
+            name, _, test = name.partition("::")
+            if name in PLACEHOLDERS:
+                continue
+            if not (ROOT / name).exists():
+                missing.append(f"line {line}: {name}")
+            elif test and f"def {test}(" not in (ROOT / name).read_text():
+                missing.append(f"line {line}: {name}::{test}")
+        for name in NAMED_FILE.findall(doc):
+            if name not in EVERY_NAME | PLACEHOLDERS:
+                missing.append(f"line {line}: {name}")
+    where = source.relative_to(ROOT)
+    assert not missing, f"{where}: docstrings name files that do not exist: {missing}"

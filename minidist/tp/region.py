@@ -21,7 +21,7 @@ ScatterToTP), used to gather the vocabulary-split logits for sampling.
 
 `TensorParallelRegion` holds the group and picks f/g or the sequence-parallel pair for each
 forward; `Split` says how one parameter is cut into per-rank shards and glued back.
-The layers built on these: minidist/tp/layers.py; the model: tp_model.py.
+The layers built on these: minidist/tp/layers.py; the model: minidist/tp/model.py.
 Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
 tests/scripts/tp_check.py --gradcheck).
 """

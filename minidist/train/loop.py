@@ -5,7 +5,8 @@
 
 with the schedule's lr, logs and --log-json rows from rank 0 (`print0`), periodic val loss,
 checkpoints (--save, --resume) and a text sample at the end. What a parallel run does
-differently lives in its Strategy (minidist/train/strategy.py); this file does not change.
+differently lives in its Strategy (composed by minidist/train/strategy.py, the methods in
+minidist/strategy/base.py); this file does not change.
 Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG and
 the step, and batches depend only on (seed, step).
 At the end of each step the ranks agree (strategy.any_rank, one 1-element all-reduce) whether

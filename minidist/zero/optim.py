@@ -9,7 +9,7 @@ per-parameter AdamW of one process, so N ranks match one process to rounding. Tw
                    weight_decay=0: the same `p *= 1 - lr * wd` on the same elements.
     clipping       the global gradient norm is the sum over ranks of each rank's sum of squares
                    of its gradient shards (padding is zero and adds nothing), through the
-                   strategy's `sum_sq_across_ranks` all-reduce; every rank then scales alike.
+                   strategy's `reduce_sum_sq` all-reduce; every rank then scales alike.
 
 Mixed precision (`amp`, a minidist/train/amp.py MixedPrecision whose cast_model ran): the model
 (and its flat buffers, shards, gradients) is 16-bit; the float32 master weights are cut into
