@@ -24,10 +24,7 @@ def unscaled_sum_sq(grads, amp=None):
     """Sum of squares of `grads` (None skipped) as the optimizer's clip measures them: under
     float16 --amp unscaled in float32, as the master gradients will be."""
     grads = [g for g in grads if g is not None]
-    if amp is None:
-        return local_sum_sq(grads)
-    inv = 1.0 / amp.scaler.scale
-    return sum(local_sum_sq([g.astype("float32") * inv]) for g in grads)
+    return amp.unscaled_sum_sq(grads) if amp is not None else local_sum_sq(grads)
 
 
 def replicated_grads(model):

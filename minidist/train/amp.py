@@ -147,6 +147,7 @@ class MixedPrecision:
         self.dtype_name = dtype or os.environ.get("MINIDIST_AMP_DTYPE") or None
         self.dtype = None
         self.masters = {}            # parameter name -> float32 array
+        self._scratch = {}           # (shape, array module) -> float32 buffer: unscaled()
 
     def cast_model(self, model):
         """Parameters to 16 bits in place; returns the model."""
@@ -180,7 +181,25 @@ class MixedPrecision:
 
     def optimizer(self, named_params, make_inner):
         """A MasterWeightOptimizer; `make_inner(named float32 params)` builds e.g. AdamW."""
-        return MasterWeightOptimizer(named_params, self.masters, make_inner, self.scaler)
+        return MasterWeightOptimizer(named_params, self, make_inner)
+
+    # ---- unscaling: every optimizer's (this file's, ZeRO's) and the strategies' norms -----
+    def unscaled(self, grad, factor):
+        """float32(grad) * factor (1/S, or the step's 1/S x clip), in a scratch buffer reused
+        for every gradient of that shape: no float32 gradient is ever stored whole."""
+        key = (grad.shape, type(grad).__module__)
+        if key not in self._scratch:
+            self._scratch[key] = backend.xp_of(grad).empty(grad.shape, np.float32)
+        buf = self._scratch[key]
+        buf[...] = grad
+        buf *= factor
+        return buf
+
+    def unscaled_sum_sq(self, grads):
+        """This rank's sum of squares of `grads` as the master gradients will be: float32,
+        divided by the loss scale."""
+        inv = 1.0 / self.scaler.scale
+        return sum(local_sum_sq([self.unscaled(g, inv)]) for g in grads)
 
     def describe(self):
         s = self.scaler
@@ -201,16 +220,16 @@ class MasterWeightOptimizer:
     Used like the inner one: zero_grad, set_lr, clip_grad_norm, step, state_dict. step()
     returns False when it skipped the update because some gradient was inf or nan."""
 
-    def __init__(self, named_params, masters, make_inner, scaler):
+    def __init__(self, named_params, amp, make_inner):
         named = list(named_params)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]                  # the 16-bit model parameters
-        self.master = [Parameter(masters[n], decay=bool(getattr(p, "decay", p.ndim >= 2)))
+        self.master = [Parameter(amp.masters[n], decay=bool(getattr(p, "decay", p.ndim >= 2)))
                        for n, p in named]
         self.inner = make_inner(list(zip(self.names, self.master)))
-        self.scaler = scaler
+        self.amp, self.scaler = amp, amp.scaler
         self._model_param = {n: p for n, p in named}
-        self._factor, self._found_inf, self._scratch = None, False, {}
+        self._factor, self._found_inf = None, False
 
     param_groups = property(lambda self: self.inner.param_groups)
 
@@ -221,22 +240,11 @@ class MasterWeightOptimizer:
         for p in self.params:
             p.grad = None
 
-    def _unscaled(self, grad, factor):
-        """float32(grad) * factor, in a scratch buffer reused for every parameter shape."""
-        key = (grad.shape, type(grad).__module__)
-        if key not in self._scratch:
-            self._scratch[key] = backend.xp_of(grad).empty(grad.shape, np.float32)
-        buf = self._scratch[key]
-        buf[...] = grad
-        buf *= factor
-        return buf
-
     def clip_grad_norm(self, max_norm, reduce_sum_sq=None):
         """Global L2 norm of the unscaled gradients (inf or nan: an overflow on some rank);
         sets step()'s factor 1/S, times max_norm / norm if that is smaller. Returns it."""
-        inv = 1.0 / self.scaler.scale
         grads = [p.grad for p in self.params if p.grad is not None]
-        sum_sq = sum(local_sum_sq([self._unscaled(g, inv)]) for g in grads)
+        sum_sq = self.amp.unscaled_sum_sq(grads)
         norm, self._found_inf, self._factor = self.scaler.unscale_and_clip(
             sum_sq, max_norm, reduce_sum_sq, has_grads=bool(grads))
         return norm
@@ -255,7 +263,7 @@ class MasterWeightOptimizer:
                     continue
                 state = self.inner.state.setdefault(name, {"step": 0})
                 state["step"] += 1
-                self.inner.update(master.data, self._unscaled(p.grad, factor), state, group)
+                self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
                 p.data[...] = master.data        # float32 master -> 16-bit weights
         return True
 

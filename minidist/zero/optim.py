@@ -26,7 +26,7 @@ import numpy as np
 
 from minidist.backend import xp_of
 from minidist.optim.adamw import adamw_update
-from minidist.optim.clip import clip_grad_norm, local_sum_sq
+from minidist.optim.clip import clip_grad_norm
 
 
 class ShardedAdamW:
@@ -71,21 +71,10 @@ class ShardedAdamW:
         if self.amp is None:
             return clip_grad_norm([u.grad_shard for u in self.engine.units], max_norm,
                                   sum_sq_across_ranks)
-        inv = 1.0 / self.amp.scaler.scale
-        sum_sq = sum(local_sum_sq([self._unscaled(u, inv)]) for u in self.engine.units)
+        sum_sq = self.amp.unscaled_sum_sq([u.grad_shard for u in self.engine.units])
         norm, self._found_inf, self._factor = self.amp.scaler.unscale_and_clip(
             sum_sq, max_norm, sum_sq_across_ranks)
         return norm
-
-    def _unscaled(self, u, factor):
-        """float32(grad shard) * factor, in a scratch buffer per shard size."""
-        key = (u.flat.shard_size, type(u.grad_shard).__module__)
-        if key not in self._scratch:
-            self._scratch[key] = xp_of(u.grad_shard).empty(u.flat.shard_size, np.float32)
-        buf = self._scratch[key]
-        buf[...] = u.grad_shard
-        buf *= factor
-        return buf
 
     def step(self):
         """Update this rank's shards (the engine's after_step, run next by the strategy, makes
@@ -107,7 +96,7 @@ class ShardedAdamW:
         s, group = self.state[u.flat.name], self.param_groups[0]
         lr, (beta1, beta2) = group["lr"], group["betas"]
         target = s["master"] if self.amp is not None else u.param_shard
-        grad = self._unscaled(u, self._factor) if self.amp is not None else u.grad_shard
+        grad = self.amp.unscaled(u.grad_shard, self._factor) if self.amp else u.grad_shard
         if self.weight_decay:
             for a, b in u.flat.decay_ranges():     # decoupled decay, decayed params only
                 target[a:b] *= 1.0 - lr * self.weight_decay
