@@ -145,6 +145,16 @@ def per_head(a, n_head):
     return a.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
 
 
+def saved_heads(ctx, grad):
+    """A tiled or ring attention's backward inputs, as (B, nh, T, hs) views: the incoming
+    gradient g, the saved output yh, q, k, v out of the saved qkv, and the saved lse (B, nh, T);
+    the forward saved (qkv, y, lse) and ctx.n_head."""
+    qkv, y, lse = ctx.saved
+    nh = ctx.n_head
+    q, k, v = heads_view(qkv, nh)
+    return per_head(grad, nh), per_head(y, nh), q, k, v, lse
+
+
 def split_heads(qkv, n_head):
     """GPT-2's fused (B, T, 3C) -> q, k, v as (B, nh, T, hs) views, and the output buffers:
     y (B, T, C) and yh, its (B, nh, T, hs) view, which an attention writes head by head."""

@@ -27,7 +27,7 @@ import itertools
 import math
 
 from minidist.autograd import cuda_kernels_new as _ck
-from minidist.autograd.attention import heads_view, per_head, split_heads
+from minidist.autograd.attention import heads_view, saved_heads, split_heads
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -232,12 +232,9 @@ class TiledSelfAttention(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, y, lse = ctx.saved
-        nh = ctx.n_head
-        g, yh = per_head(grad, nh), per_head(y, nh)                 # (B, nh, T, hs) views
-        dqkv = xp_of(grad).empty_like(qkv)                    # (B, T, 3C)
-        q, k, v = heads_view(qkv, nh)
-        _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, nh))
+        g, yh, q, k, v, lse = saved_heads(ctx, grad)          # (B, nh, T, hs) views
+        dqkv = xp_of(grad).empty_like(ctx.saved[0])           # (B, T, 3C)
+        _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, ctx.n_head))
         return dqkv, None, None
 
 

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd.attention import heads_view, per_head, split_heads
+from minidist.autograd.attention import heads_view, saved_heads, split_heads
 from minidist.autograd.flash import (DEFAULT_BLOCK, block_pairs, merge_partials,
                                      partial_attention)
 from minidist.autograd.function import Function
@@ -197,13 +197,10 @@ class RingSelfAttention(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        qkv, y, lse = ctx.saved
-        nh = ctx.n_head
-        g, yh = per_head(grad, nh), per_head(y, nh)                 # (B, nh, Tl, hs) views
-        q, k, v = heads_view(qkv, nh)
-        kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))
+        g, yh, q, k, v, lse = saved_heads(ctx, grad)                # (B, nh, Tl, hs) views
+        kv = xp_of(q).ascontiguousarray(xp_of(q).stack([k, v]))
         dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block)
-        dqkv = xp_of(grad).empty_like(qkv)                            # (B, Tl, 3C)
-        out = heads_view(dqkv, nh)
+        dqkv = xp_of(grad).empty_like(ctx.saved[0])                   # (B, Tl, 3C)
+        out = heads_view(dqkv, ctx.n_head)
         out[0], out[1], out[2] = dq, dkv[0], dkv[1]
         return dqkv, None, None
