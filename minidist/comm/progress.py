@@ -17,10 +17,8 @@ with one of two policies (MINIDIST_COMM_WAIT, or `set_wait_policy`):
   a real nap of about 60 us: the scheduler runs someone else. (`sched_yield`, tried instead,
   is as bad as spinning.)
 
-Measured on this 2-core machine, 4 ranks, ring all-reduce busbw (README, "Collectives and process
-groups", has the tables): on an otherwise idle machine "block" is up to 2x faster for small
-messages; with two other busy processes on the cores "poll" is 2.6-5.6x faster up to 1 MiB and
-1.6x at 8 MiB.
+"block" wins on an idle machine, "poll" when other busy processes share the cores (the
+measurements: minidist/comm/README.md).
 The MPI library's own collectives (algo="mpi") always keep MPICH's wait: they are the reference.
 
 Tests: tests/test_comm.py runs the collectives under both policies.
