@@ -20,7 +20,7 @@ from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
 from minidist.pp.strategy import default_micro_batches
 from minidist.strategy.base import SingleProcess
-from minidist.train.strategy import check_layout, make_strategy
+from minidist.train.strategy import check_layout
 from minidist.train.cli import UsageError
 from mpirun import tagged_json
 

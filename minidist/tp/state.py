@@ -16,8 +16,8 @@ tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
 """
 import numpy as np
 
-from minidist.backend import xp_of
 from minidist.optim.clip import local_sum_sq
+from minidist.strategy.base import all_reduce_number
 
 
 def unscaled_sum_sq(grads, amp=None):
@@ -38,9 +38,8 @@ def sum_sq_over_tp(model, group, local, replicated, amp=None):
     arrays `replicated` (equal on every tp rank) are counted: the rest summed over the
     group, those added once. Collective over `group`."""
     rep = unscaled_sum_sq(replicated, amp)
-    buf = xp_of(model.parameters()[0].data).array(local - rep, dtype="float64").reshape(1)
-    group.all_reduce(buf)
-    return buf[0] + rep                # on the device (no host sync), as the clip takes it
+    split = all_reduce_number(group, local - rep, "sum", model.parameters()[0].data)
+    return split + rep                 # on the device (no host sync), as the clip takes it
 
 
 def _split_params(model):

@@ -32,14 +32,13 @@ every rank raises the same CheckpointError naming the file and the rank that fou
 Nobody waits in a collective.
 Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
 """
-import math
 import os
 import shutil
 
 import numpy as np
 
 from minidist import backend
-from minidist.nn.safetensors import SafetensorsError, load_file
+from minidist.nn.safetensors import SafetensorsError
 from minidist.strategy import checkpoint
 from minidist.strategy import checkpoint_dirs as dirs
 from minidist.strategy.checkpoint import CheckpointError
