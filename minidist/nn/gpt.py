@@ -35,19 +35,45 @@ from minidist.nn.moe import MoE
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
 
 
+class DenseLayers:
+    """How GPT's layers are made: whole, on one process. Tensor parallelism passes its own
+    factory (minidist/tp/model.py TensorParallelLayers), whose linears, layer norms and token
+    embedding are split over a tp group; the modules around them and their forward stay GPT's."""
+
+    def __init__(self, config, dtype="float32"):
+        self.config, self.dtype = config, dtype
+        self.heads = config.n_head                 # attention heads this rank computes
+
+    def column(self, n_in, n_out, blocks=1):
+        """c_attn (q|k|v: blocks=3) and c_fc: tensor parallelism splits their outputs."""
+        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
+
+    def row(self, n_in, n_out):
+        """The c_proj layers: tensor parallelism splits their inputs."""
+        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
+
+    def norm(self):
+        return LayerNorm(self.config.n_embd, bias=self.config.bias, dtype=self.dtype)
+
+    def token_embedding(self):
+        """wte, with the vocabulary padded to config.padded_vocab_size (zero rows)."""
+        return Embedding(self.config.padded_vocab_size, self.config.n_embd, dtype=self.dtype)
+
+
 # ---- layers --------------------------------------------------------------------------------
 
 class CausalSelfAttention(Module):
     context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
-    def __init__(self, config, dtype="float32"):
+    def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
+        layers = layers or DenseLayers(config, dtype)
         C = config.n_embd
-        self.c_attn = Linear(C, 3 * C, bias=config.bias, dtype=dtype)
-        self.c_proj = Linear(C, C, bias=config.bias, dtype=dtype)
+        self.c_attn = layers.column(C, 3 * C, blocks=3)
+        self.c_proj = layers.row(C, C)
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.n_head = layers.heads
         self.attention, self.attention_block = config.attention, config.attention_block
 
     def uses_tiled(self, T):
@@ -70,11 +96,12 @@ class CausalSelfAttention(Module):
 
 class MLP(Module):
 
-    def __init__(self, config, dtype="float32"):
+    def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
+        layers = layers or DenseLayers(config, dtype)
         C = config.n_embd
-        self.c_fc = Linear(C, 4 * C, bias=config.bias, dtype=dtype)
-        self.c_proj = Linear(4 * C, C, bias=config.bias, dtype=dtype)
+        self.c_fc = layers.column(C, 4 * C)
+        self.c_proj = layers.row(4 * C, C)
         self.dropout = Dropout(config.dropout)
 
     def forward(self, x):                                          # (B, T, C)
@@ -86,12 +113,16 @@ class Block(Module):
     """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Block `layer`'s mlp
     is a Mixture of Experts (minidist/nn/moe.py) where config.is_moe(layer)."""
 
-    def __init__(self, config, dtype="float32", layer=0):
+    def __init__(self, config, dtype="float32", layer=0, layers=None):
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
-        self.attn = CausalSelfAttention(config, dtype)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
-        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else MLP(config, dtype)
+        layers = layers or DenseLayers(config, dtype)
+        self.ln_1 = layers.norm()
+        self.attn = CausalSelfAttention(config, dtype, layers)
+        self.ln_2 = layers.norm()
+        # a Mixture of Experts keeps whole experts under tensor parallelism too (each tp rank
+        # routes and runs the same tokens; minidist/ep/ shards them over ranks)
+        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
+            MLP(config, dtype, layers)
 
     def forward(self, x):                                          # (B, T, C)
         x = x + self.attn(self.ln_1(x))
@@ -116,20 +147,35 @@ class BlockHooks:
 class GPT(Module):
     context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
-    def __init__(self, config, seed=0, dtype="float32"):
+    def __init__(self, config, seed=0, dtype="float32", layers=None):
+        """`layers`: how the layers are made (DenseLayers, the default; tensor parallelism's
+        split ones: minidist/tp/model.py)."""
         super().__init__()
         self.config = config
-        C, p = config.n_embd, config.dropout
-        self.transformer = ModuleDict(
-            wte=Embedding(config.padded_vocab_size, C, dtype=dtype),   # + zero pad rows
-            wpe=Embedding(config.block_size, C, dtype=dtype),
-            drop=Dropout(p),
-            h=ModuleList([Block(config, dtype, i) for i in range(config.n_layer)]),
-            ln_f=LayerNorm(C, bias=config.bias, dtype=dtype))
-        self.load_state_dict(gpt_init(config, seed, dtype=dtype))
-        self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
+        self.transformer = self.build_transformer(layers or DenseLayers(config, dtype))
+        self.init_parameters(seed, dtype)
+        self.set_dropout_rng(self.dropout_stream(seed))
         self.checkpointing = False
         self.block_hooks = BlockHooks()
+
+    def build_transformer(self, layers):
+        """The modules, GPT-2's names (a pipeline stage builds only its part)."""
+        config, dtype = self.config, layers.dtype
+        return ModuleDict(
+            wte=layers.token_embedding(),
+            wpe=Embedding(config.block_size, config.n_embd, dtype=dtype),
+            drop=Dropout(config.dropout),
+            h=ModuleList([Block(config, dtype, i, layers) for i in range(config.n_layer)]),
+            ln_f=layers.norm())
+
+    def init_parameters(self, seed, dtype):
+        """gpt_init's numbers for every parameter this model holds."""
+        names = {n for n, _ in self.named_parameters()}
+        self.load_state_dict(gpt_init(self.config, seed, names=names, dtype=dtype))
+
+    def dropout_stream(self, seed):
+        """The one generator every Dropout draws from."""
+        return backend.rng([seed, _DROPOUT_STREAM])
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)

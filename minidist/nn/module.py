@@ -118,19 +118,25 @@ class Module:
 
 
 class ModuleList(Module):
-    """Numbered children: `blocks[i]`, named `"0"`, `"1"`, ... in the parameter names."""
+    """Numbered children: `blocks[i]`, named `"0"`, `"1"`, ... in the parameter names, or by
+    `numbers` (a pipeline stage's blocks keep the whole model's numbers: h.2, h.3)."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, numbers=None):
         super().__init__()
-        for i, m in enumerate(modules):
-            setattr(self, str(i), m)
+        self._numbers = list(range(len(modules)) if numbers is None else numbers)
+        for n, m in zip(self._numbers, modules):
+            setattr(self, str(n), m)
         self._n = len(modules)
 
     def __len__(self):
         return self._n
 
     def __getitem__(self, i):
-        return getattr(self, str(range(self._n)[i]))
+        return getattr(self, str(self._numbers[i]))
+
+    def numbered(self, n):
+        """The child named `n` (a block by its global number)."""
+        return getattr(self, str(n))
 
     def __iter__(self):
         return (self[i] for i in range(self._n))

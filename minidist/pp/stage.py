@@ -14,8 +14,10 @@ wte^T for the logits. Both hold the same initial wte; after each backward the st
 their two gradients over a 2-rank embedding group (Megatron-LM's way), so both copies take
 the same optimizer step and stay equal (minidist/pp/strategy.py).
 
-The stage classes reuse the model classes' own pieces: `embed`, `run_blocks`, `head` and the
-layers are GPT's (or TensorParallelGPT's), so a stage runs the same code as the whole model.
+The stage classes are the model classes, built through their own __init__: GPT's __init__
+asks the stage (PipelineStage.build_transformer) for the modules, so `embed`, `run_blocks`,
+`head` and the layers are GPT's (or TensorParallelGPT's): a stage runs the same code as the
+whole model.
 `stage_forward` is one micro-batch through this stage; `forward(idx, targets)` (evaluation)
 and `generate` run the whole pipeline without gradients, every stage calling them together.
 Tests: tests/test_pipeline.py.
@@ -25,65 +27,46 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
 from minidist.autograd.recompute import checkpoint
-from minidist.nn.config import gpt_init
-from minidist.nn.gpt import GPT, Block, BlockHooks, _DROPOUT_STREAM, _sample
-from minidist.nn.layers import Dropout, Embedding, LayerNorm
-from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample
+from minidist.nn.layers import Dropout, Embedding
+from minidist.nn.module import ModuleDict, ModuleList
 from minidist.pp.link import StageLink
-from minidist.tp.region import SEQ_AXIS, TensorParallelRegion
-from minidist.tp.layers import (SequenceParallelLayerNorm, ShardRNG,
-                                         VocabParallelEmbedding)
-from minidist.tp.model import ParallelBlock, TensorParallelGPT, check_tp_sizes
-
-
-class BlockRange(ModuleList):
-    """Blocks under their global numbers (h.2, h.3 on the second of two stages of a 4-layer
-    GPT; h.0, h.1, h.4, h.5 on the first rank of an interleaved 8-layer pp 2, v 2)."""
-
-    def __init__(self, numbers, modules):
-        Module.__init__(self)
-        self._numbers, self._n = list(numbers), len(modules)
-        for n, m in zip(self._numbers, modules):
-            setattr(self, str(n), m)
-
-    def __getitem__(self, i):
-        return getattr(self, str(self._numbers[i]))
-
-    def block(self, number):
-        """The block with global number `number`."""
-        return getattr(self, str(number))
-
-
-def stage_modules(config, chunks, first, last, make_block, make_wte, make_norm, dtype):
-    """The stage's `transformer` ModuleDict: only the parts this stage runs (the blocks of
-    every chunk it holds)."""
-    parts = {}
-    if first:
-        parts.update(wte=make_wte(), drop=Dropout(config.dropout),
-                     wpe=Embedding(config.block_size, config.n_embd, dtype=dtype))
-    numbers = [n for chunk in chunks for n in chunk]
-    parts["h"] = BlockRange(numbers, [make_block() for _ in numbers])
-    if last:
-        parts["ln_f"] = make_norm()
-        if not first:
-            parts["wte"] = make_wte()          # the tied head's copy
-    return ModuleDict(**parts)
+from minidist.tp.region import SEQ_AXIS
+from minidist.tp.layers import ShardRNG
+from minidist.tp.model import TensorParallelGPT
 
 
 class PipelineStage:
-    """What every stage class adds to its model class (mixed in before GPT)."""
+    """What every stage class adds to its model class (mixed in before GPT, whose __init__
+    then builds and initialises only this stage's part through the methods below)."""
 
     def _init_stage(self, pp_group, layers):
-        """`layers`: this rank's blocks, a range, or a list of ranges, one per chunk, under
+        """Before the model class's __init__: which part this rank of `pp_group` holds.
+        `layers`: this rank's blocks, a range, or a list of ranges, one per chunk, under
         interleaving (minidist/pp/schedule.py chunk_layers)."""
         self.chunks = [layers] if isinstance(layers, range) else list(layers)
         self.link = StageLink(pp_group, len(self.chunks))
         self.first, self.last = self.link.first, self.link.last
         self.layers = [n for chunk in self.chunks for n in chunk]
-        self.checkpointing = False
-        self.block_hooks = BlockHooks()          # GPT.set_block_hooks (ZeRO-3)
 
-    def stage_dropout_rng(self, seed):
+    def build_transformer(self, factory):
+        """GPT's, for the parts this stage runs: the blocks of every chunk it holds, under
+        their global numbers (h.2, h.3 on the second of two stages of a 4-layer GPT), the
+        embeddings on the first stage, ln_f and the tied wte's copy on the last."""
+        config, dtype = self.config, factory.dtype
+        parts = {}
+        if self.first:
+            parts.update(wte=factory.token_embedding(), drop=Dropout(config.dropout),
+                         wpe=Embedding(config.block_size, config.n_embd, dtype=dtype))
+        parts["h"] = ModuleList([Block(config, dtype, n, factory) for n in self.layers],
+                                numbers=self.layers)
+        if self.last:
+            parts["ln_f"] = factory.norm()
+            if not self.first:
+                parts["wte"] = factory.token_embedding()      # the tied head's copy
+        return ModuleDict(**parts)
+
+    def dropout_stream(self, seed):
         """A dropout stream per stage (masks therefore differ from one process's)."""
         return backend.rng([seed, _DROPOUT_STREAM, self.link.stage])
 
@@ -126,7 +109,7 @@ class PipelineStage:
             return self.run_blocks(x)
         recompute = self.checkpointing and is_grad_enabled()
         for n in self.chunks[chunk]:
-            block = self.transformer.h.block(n)
+            block = self.transformer.h.numbered(n)
             x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
                 else block(x)                                      # (B, T, C)
         return x
@@ -174,16 +157,8 @@ class GPTStage(PipelineStage, GPT):
     """Blocks `layers` of GPT(config, seed) on this rank of `pp_group`."""
 
     def __init__(self, config, pp_group, layers, seed=0, dtype="float32"):
-        Module.__init__(self)
-        self.config = config
         self._init_stage(pp_group, layers)
-        self.transformer = stage_modules(
-            config, self.chunks, self.first, self.last, lambda: Block(config, dtype),
-            lambda: Embedding(config.vocab_size, config.n_embd, dtype=dtype),
-            lambda: LayerNorm(config.n_embd, bias=config.bias, dtype=dtype), dtype)
-        names = {n for n, _ in self.named_parameters()}
-        self.load_state_dict(gpt_init(config, seed, names=names, dtype=dtype))
-        self.set_dropout_rng(self.stage_dropout_rng(seed))
+        super().__init__(config, seed, dtype)
 
 
 class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
@@ -192,23 +167,8 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
 
     def __init__(self, config, tp_group, pp_group, layers, seed=0, dtype="float32",
                  sequence_parallel=False):
-        problems = check_tp_sizes(config, tp_group.size)
-        if problems:
-            raise ValueError("tensor parallelism: " + "; ".join(problems))
-        Module.__init__(self)
-        self.config, self.group = config, tp_group
-        self.region = r = TensorParallelRegion(tp_group, sequence_parallel)
         self._init_stage(pp_group, layers)
-        C = config.n_embd
-        self.transformer = stage_modules(
-            config, self.chunks, self.first, self.last, lambda: ParallelBlock(config, r, dtype),
-            lambda: VocabParallelEmbedding(config.vocab_size, C, r, dtype),
-            lambda: SequenceParallelLayerNorm(C, r, config.bias, dtype), dtype)
-        for p in self.parameters():
-            p.tp_split = getattr(p, "tp_split", None)       # None: replicated over tp
-        for name, _ in self.named_parameters():             # one full array at a time
-            self.load_full_state_dict(gpt_init(config, seed, names={name}, dtype=dtype))
-        self.set_dropout_rng(self.stage_dropout_rng(seed))
+        super().__init__(config, tp_group, seed, dtype, sequence_parallel)
 
     def set_dropout_rng(self, rng):
         """TensorParallelGPT's shard-aware generators, for the parts this stage has."""

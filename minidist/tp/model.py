@@ -11,9 +11,9 @@ f = identity forward / all-reduce backward, g = all-reduce forward / identity ba
 The embedding is split by vocabulary (g after the lookup) and the tied output layer uses the
 same shard (f before it), feeding a vocabulary-parallel cross-entropy.
 
-The modules are GPT's own (minidist/nn/gpt.py) with the parallel layers swapped in: Block,
-CausalSelfAttention and MLP keep their forward methods, GPT its run_blocks and generate, so
-the parallel model runs the same code. Parameter names are GPT-2's: each rank's shard keeps
+The modules are GPT's own (minidist/nn/gpt.py), built by GPT.__init__ with the parallel
+layers as the factory (TensorParallelLayers): Block, CausalSelfAttention and MLP are GPT's
+classes, GPT's run_blocks and generate run unchanged, so the parallel model runs the same code. Parameter names are GPT-2's: each rank's shard keeps
 the full name, and `Split` (on `p.tp_split`) glues the shards back into the full tensor.
 Initialisation cuts each rank's shard out of `gpt_init`'s full arrays (one parameter at a
 time), so a TP run starts from the single-process model's numbers.
@@ -23,11 +23,8 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.config import gpt_init
-from minidist.nn.gpt import (GPT, MLP, Block, BlockHooks, CausalSelfAttention,
-                             _DROPOUT_STREAM)
+from minidist.nn.gpt import GPT, CausalSelfAttention, DenseLayers
 from minidist.autograd import is_grad_enabled, ops
-from minidist.nn.layers import Dropout, Embedding
-from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -47,71 +44,52 @@ def check_tp_sizes(config, tp):
     return problems
 
 
-class ParallelAttention(CausalSelfAttention):
-    """c_attn column-parallel (this rank's heads' q, k, v), c_proj row-parallel."""
+class TensorParallelLayers(DenseLayers):
+    """GPT's layers split over a TensorParallelRegion: c_attn and c_fc column-parallel (this
+    rank's heads' q, k, v; 4C/tp units), the c_proj layers row-parallel, layer norms that
+    run on sequence shards under sequence parallelism, the vocabulary-split embedding."""
 
     def __init__(self, config, region, dtype="float32"):
-        Module.__init__(self)
-        C = config.n_embd
-        self.c_attn = ColumnParallelLinear(C, 3 * C, region, config.bias, dtype, blocks=3)
-        self.c_proj = RowParallelLinear(C, C, region, config.bias, dtype)
-        self.attn_dropout = Dropout(config.dropout)
-        self.resid_dropout = Dropout(config.dropout)
-        self.n_head = config.n_head // region.size        # forward: F.causal_self_attention
-        self.attention, self.attention_block = config.attention, config.attention_block
+        super().__init__(config, dtype)
+        self.region = region
+        self.heads = config.n_head // region.size        # forward: F.causal_self_attention
 
+    def column(self, n_in, n_out, blocks=1):
+        return ColumnParallelLinear(n_in, n_out, self.region, self.config.bias, self.dtype,
+                                    blocks=blocks)
 
-class ParallelMLP(MLP):
-    """c_fc column-parallel (4C/tp units), c_proj row-parallel."""
+    def row(self, n_in, n_out):
+        return RowParallelLinear(n_in, n_out, self.region, self.config.bias, self.dtype)
 
-    def __init__(self, config, region, dtype="float32"):
-        Module.__init__(self)
-        C = config.n_embd
-        self.c_fc = ColumnParallelLinear(C, 4 * C, region, config.bias, dtype)
-        self.c_proj = RowParallelLinear(4 * C, C, region, config.bias, dtype)
-        self.dropout = Dropout(config.dropout)
+    def norm(self):
+        return SequenceParallelLayerNorm(self.config.n_embd, self.region, self.config.bias,
+                                         self.dtype)
 
-
-class ParallelBlock(Block):
-    """A Mixture-of-Experts block (config.is_moe(layer)) keeps whole experts on every tp rank
-    (not split: each tp rank routes and runs the same tokens; minidist/ep/ shards them)."""
-
-    def __init__(self, config, region, dtype="float32", layer=0):
-        Module.__init__(self)
-        self.ln_1 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
-        self.attn = ParallelAttention(config, region, dtype)
-        self.ln_2 = SequenceParallelLayerNorm(config.n_embd, region, config.bias, dtype)
-        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
-            ParallelMLP(config, region, dtype)
+    def token_embedding(self):
+        return VocabParallelEmbedding(self.config.vocab_size, self.config.n_embd, self.region,
+                                      self.dtype)
 
 
 class TensorParallelGPT(GPT):
-    """This rank's part of GPT over `group` (a ProcessGroup, every rank of it builds one).
-    `forward(idx, targets)` returns (this rank's logit shard (B, T, V/tp), the loss); with no
-    targets (sampling) the full logits (B, T, V), gathered."""
+    """This rank's part of GPT over `group` (a ProcessGroup, every rank of it builds one):
+    GPT built with TensorParallelLayers. `forward(idx, targets)` returns (this rank's logit
+    shard (B, T, V/tp), the loss); with no targets (sampling) the full logits (B, T, V),
+    gathered."""
 
     def __init__(self, config, group, seed=0, dtype="float32", sequence_parallel=False):
         problems = check_tp_sizes(config, group.size)
         if problems:
             raise ValueError("tensor parallelism: " + "; ".join(problems))
-        Module.__init__(self)
-        self.config, self.group = config, group
+        self.group = group
         self.region = TensorParallelRegion(group, sequence_parallel)
-        C, p = config.n_embd, config.dropout
-        self.transformer = ModuleDict(
-            wte=VocabParallelEmbedding(config.vocab_size, C, self.region, dtype),
-            wpe=Embedding(config.block_size, C, dtype=dtype),
-            drop=Dropout(p),
-            h=ModuleList([ParallelBlock(config, self.region, dtype, i)
-                          for i in range(config.n_layer)]),
-            ln_f=SequenceParallelLayerNorm(C, self.region, config.bias, dtype))
+        super().__init__(config, seed, dtype, TensorParallelLayers(config, self.region, dtype))
+
+    def init_parameters(self, seed, dtype):
+        """This rank's shard of each of gpt_init's full arrays, one parameter at a time."""
         for p in self.parameters():                     # layer norms, wpe, row biases
             p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
-        for name, _ in self.named_parameters():         # one full array at a time
-            self.load_full_state_dict(gpt_init(config, seed, names={name}, dtype=dtype))
-        self.set_dropout_rng(backend.rng([seed, _DROPOUT_STREAM]))
-        self.checkpointing = False
-        self.block_hooks = BlockHooks()                  # GPT.set_block_hooks (ZeRO-3)
+        for name, _ in self.named_parameters():
+            self.load_full_state_dict(gpt_init(self.config, seed, names={name}, dtype=dtype))
 
     def set_dropout_rng(self, rng):
         """One generator for every Dropout, as in GPT; masks on split tensors are slices of
@@ -120,7 +98,7 @@ class TensorParallelGPT(GPT):
         super().set_dropout_rng(rng)
         t, r, region = self.region.size, self.region.rank, self.region
         for _, m in self.named_modules():
-            if isinstance(m, ParallelAttention):
+            if isinstance(m, CausalSelfAttention):
                 m.attn_dropout.rng = ShardRNG(rng, t, r, axis=1)       # (B, nh/tp, T, T)
         seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
         self.transformer.drop.rng = seq

@@ -17,7 +17,8 @@ from minidist.tp import region as tpf
 from minidist.tp.region import TensorParallelRegion
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, VocabShardLookup, vocab_parallel_cross_entropy)
-from minidist.tp.model import ParallelBlock, TensorParallelGPT
+from minidist.nn.gpt import Block
+from minidist.tp.model import TensorParallelGPT
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
 
@@ -165,7 +166,7 @@ def traffic(comm, config, flags):
         model = TensorParallelGPT(config, g, seed=SEED, dtype="float64", sequence_parallel=sp)
         model.region.begin(T, shard=True)          # a training forward
         block = model.transformer.h[0]
-        assert isinstance(block, ParallelBlock)
+        assert isinstance(block, Block) and isinstance(block.mlp.c_fc, ColumnParallelLinear)
         xs = x[:, comm.rank * T // tp:(comm.rank + 1) * T // tp] if sp else x
         trace.reset_counters()
         block(Tensor(xs.copy(), requires_grad=True)).sum().backward()
