@@ -28,36 +28,11 @@ from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
 from minidist.nn.config import TILED_FROM_T, gpt_init
-from minidist.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
 
 _DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
-
-
-class DenseLayers:
-    """How GPT's layers are made: whole, on one process. Tensor parallelism passes its own
-    factory (minidist/tp/model.py TensorParallelLayers), whose linears, layer norms and token
-    embedding are split over a tp group; the modules around them and their forward stay GPT's."""
-
-    def __init__(self, config, dtype="float32"):
-        self.config, self.dtype = config, dtype
-        self.heads = config.n_head                 # attention heads this rank computes
-
-    def column(self, n_in, n_out, blocks=1):
-        """c_attn (q|k|v: blocks=3) and c_fc: tensor parallelism splits their outputs."""
-        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
-
-    def row(self, n_in, n_out):
-        """The c_proj layers: tensor parallelism splits their inputs."""
-        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
-
-    def norm(self):
-        return LayerNorm(self.config.n_embd, bias=self.config.bias, dtype=self.dtype)
-
-    def token_embedding(self):
-        """wte, with the vocabulary padded to config.padded_vocab_size (zero rows)."""
-        return Embedding(self.config.padded_vocab_size, self.config.n_embd, dtype=self.dtype)
 
 
 # ---- layers --------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Each holds its Parameters and calls one op; the math lives in minidist/autograd.
 
 Layers are created with placeholder values (zeros, ones for LayerNorm's gain) unless given an
 `rng`; GPT fills its parameters from `gpt_init` instead (minidist/nn/gpt.py), so one function
-decides the initial numbers of every parallel layout.
+decides the initial numbers of every parallel layout. `DenseLayers` is how GPT makes them
+(tensor parallelism's TensorParallelLayers, minidist/tp/model.py, makes split ones instead).
 Tests: tests/test_nn.py.
 """
 from minidist import backend
@@ -77,3 +78,28 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             return x
         return ops.dropout(x, self.p, self.rng, training=True)
+
+
+class DenseLayers:
+    """How GPT's layers are made: whole, on one process. Tensor parallelism passes its own
+    factory (minidist/tp/model.py TensorParallelLayers), whose linears, layer norms and token
+    embedding are split over a tp group; the modules around them and their forward stay GPT's."""
+
+    def __init__(self, config, dtype="float32"):
+        self.config, self.dtype = config, dtype
+        self.heads = config.n_head                 # attention heads this rank computes
+
+    def column(self, n_in, n_out, blocks=1):
+        """c_attn (q|k|v: blocks=3) and c_fc: tensor parallelism splits their outputs."""
+        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
+
+    def row(self, n_in, n_out):
+        """The c_proj layers: tensor parallelism splits their inputs."""
+        return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
+
+    def norm(self):
+        return LayerNorm(self.config.n_embd, bias=self.config.bias, dtype=self.dtype)
+
+    def token_embedding(self):
+        """wte, with the vocabulary padded to config.padded_vocab_size (zero rows)."""
+        return Embedding(self.config.padded_vocab_size, self.config.n_embd, dtype=self.dtype)

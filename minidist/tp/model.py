@@ -23,7 +23,8 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.config import gpt_init
-from minidist.nn.gpt import GPT, CausalSelfAttention, DenseLayers
+from minidist.nn.gpt import GPT, CausalSelfAttention
+from minidist.nn.layers import DenseLayers
 from minidist.autograd import is_grad_enabled, ops
 from minidist.nn.moe import MoE
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
