@@ -32,7 +32,6 @@ idle time: measure with one core per rank.
 """
 import argparse
 import json
-import os
 import statistics
 import time
 import tracemalloc
@@ -88,7 +87,7 @@ def traced_peak(strategy, model, opt, x, y, args):
     return peak
 
 
-def run(cli, name, m, comm):
+def run(cli, name, m, comm, world):
     schedule, _, virtual = name.partition("-v")               # "1f1b-v2": interleaved
     v = int(virtual) if virtual else 1
     flags = ["--pp", str(comm.size), "--micro-batches", str(m), "--schedule", schedule,
@@ -99,7 +98,7 @@ def run(cli, name, m, comm):
     args = train_parser().parse_args(flags)
     config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
                        block_size=cli.block_size, vocab_size=cli.vocab_size)
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, world)
     model = strategy.build_model(config, 0, "float32")
     opt = strategy.build_optimizer(model, args)
     args.log_json = "measure"                          # step 0: the ledger's activations
@@ -155,14 +154,13 @@ def main():
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
     backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
-    minidist_comm.init("ring")            # MPI_Init, abort hooks, watchdog
+    world = minidist_comm.init("ring")    # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
-    os.environ["PMI_SIZE"] = str(comm.size)
     for m in map(int, cli.micro_batches.split(",")):
         for schedule in cli.schedules.split(","):
             if "-v" in schedule and m % comm.size:
                 continue                   # interleaving needs m a multiple of pp
-            row = run(cli, schedule, m, comm)
+            row = run(cli, schedule, m, comm, world)
             if comm.rank == 0:
                 print(json.dumps(row), flush=True)
 

@@ -40,8 +40,9 @@ def run_stage(cli, stage, comm):
     config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
                        block_size=cli.block_size, vocab_size=cli.vocab_size, bias=cli.bias)
     group = ProcessGroup(comm, cli.comm, name=f"bench-zero{stage}")
-    strategy = DataParallel(group) if stage == 0 else ZeroDataParallel(group, stage)
-    strategy.amp = MixedPrecision() if cli.amp else None
+    amp = MixedPrecision() if cli.amp else None
+    strategy = (DataParallel(group, amp=amp) if stage == 0
+                else ZeroDataParallel(group, stage, amp=amp))
     args = SimpleNamespace(lr=1e-3, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
                            log_json="yes")                      # makes train_step measure
     model = strategy.build_model(config, cli.seed, "float32" if cli.amp else cli.dtype)

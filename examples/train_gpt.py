@@ -8,7 +8,7 @@
     python examples/train_gpt.py --data input.txt --steps 2000 --save ckpt --resume auto
 
 Where to read what happens:
-    minidist/train/strategy.py  make_strategy: the model split in order, TP -> PP -> DDP/ZeRO
+    minidist/train/strategy.py  make_strategy: the composition, TP -> PP -> CP -> DDP/ZeRO
     minidist/train/step.py      one optimizer step, the same for every strategy, in one screen
     minidist/train/loop.py      the loop around it: schedule, logs, evaluation, checkpoints
 Flags: python examples/train_gpt.py --help (with their defaults). A bad flag, data file,

@@ -68,8 +68,8 @@ def shard_diff(strategy, ref_model):
 
 def compare(args, comm, ref, stage):
     group = ProcessGroup(comm, args.algo, name=f"zero{stage}")
-    strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch)
-    strategy.ckpt_activations = args.ckpt_activations
+    strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch,
+                                ckpt_activations=args.ckpt_activations)
     model, _, losses, norms, _ = train(strategy, args)
     ref_model, ref_losses, ref_norms = ref
     diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
@@ -97,8 +97,9 @@ def measure(args, comm, stage, amp=False, dtype="float64"):
     """One or two steps at `stage` (0 = DDP); this rank's ledger row and bytes sent in the
     last step, by op."""
     group = ProcessGroup(comm, args.algo, name=f"mem{stage}{'amp' * amp}")
-    strategy = DataParallel(group) if stage == 0 else ZeroDataParallel(group, stage)
-    strategy.amp = MixedPrecision() if amp else None
+    policy = MixedPrecision() if amp else None
+    strategy = (DataParallel(group, amp=policy) if stage == 0
+                else ZeroDataParallel(group, stage, amp=policy))
     run = SimpleNamespace(**{**vars(args), "steps": 1, "grad_accum": 1, "log_json": "yes"})
     model, opt, losses, _, _ = train(strategy, run, dtype)
     ops = ("all_reduce", "reduce_scatter", "all_gather")
@@ -187,8 +188,7 @@ def main():
                            log_json=None)
     stages = [int(s) for s in cli.stages.split(",") if s]
     if stages:
-        ref = SingleProcess()
-        ref.ckpt_activations = cli.ckpt_activations
+        ref = SingleProcess(ckpt_activations=cli.ckpt_activations)
         ref_model, _, ref_losses, ref_norms, _ = train(ref, args)
         for stage in stages:
             result = compare(args, comm, (ref_model, ref_losses, ref_norms), stage)
