@@ -101,7 +101,7 @@ class PipelineParallel(ModelParallel):
         self.micro_batches, self.schedule, self.virtual = micro_batches, schedule, virtual
         self.sequence_parallel = sequence_parallel
         self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
-        self.stats = {"steps": 0, "in_flight": 0, "bytes": 0, "sent": 0}   # summary()
+        self.stats = {"in_flight": 0, "bytes": 0}      # summary(); bytes sent: ModelParallel
 
     @property
     def stage(self):

@@ -40,7 +40,7 @@ def make_strategy(args, world=None):
     mesh = None
     if size > 1 or args.zero:                       # ZeRO over one rank still has a group
         mesh = comm.DeviceMesh(dp=dp, cp=args.cp, tp=args.tp, pp=args.pp, algo=args.comm,
-                          world=world)
+                               world=world)
     # 4. data parallelism, innermost: over dp, or dp x cp (every cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
                                   MixedPrecision() if args.amp else None)
