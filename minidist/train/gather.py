@@ -23,6 +23,7 @@ from minidist.nn.pretrained import read_config, read_state
 from minidist.tp.region import Split
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.checkpoint import CheckpointError
+from minidist.strategy.readers import read_whole
 
 _PART = re.compile(r"^tp(\d+)-of-(\d+)$")
 
@@ -109,7 +110,6 @@ def _masters(params, state):
 
 def _tp_parts(folder, parts):
     """A TP x ZeRO checkpoint: each tp rank's ZeRO folder read whole, the pieces glued."""
-    from minidist.strategy.readers import read_whole
     pieces, config, record = [], None, None
     for part in parts:
         manifest = checkpoint.verify(part)
