@@ -10,6 +10,8 @@ import pytest
 
 from minidist.ep.exchange import exchange_bytes, regroup_order
 from minidist.ep.strategy import ep_problems, moe_problems
+from minidist.train.cli import UsageError
+from minidist.train.strategy import check_layout
 from minidist.train.args import train_parser
 from mpirun import ROOT, device_flags, mpi_env, tagged_json
 
@@ -47,16 +49,16 @@ def test_refusals_name_the_flag():
     assert moe_problems(train_parser().parse_args(["--ep", "2"])) == \
         ["--ep needs a Mixture of Experts: add --moe-experts E"]
     assert "--pp" in moe_problems(parse("--pp", "2"))[0]
-    assert ep_problems(parse("--ep", "2"), 2)[1] == []
-    _, problems = ep_problems(parse("--ep", "3"), 3)
-    assert any("not a multiple of --ep 3" in p for p in problems)
-    _, problems = ep_problems(parse("--ep", "2", "--zero", "1", "--amp"), 2)
-    assert problems == ["--zero with --amp does not combine with --ep (not built)"]
-    assert ep_problems(parse("--ep", "2", "--zero", "3"), 2)[1] == []
-    _, problems = ep_problems(parse("--ep", "2", "--tp", "2", "--save", "ck"), 4)
-    assert problems == ["--save with --tp does not combine with --ep (not built)"]
-    dp, problems = ep_problems(parse("--ep", "2"), 8)
-    assert dp == 4 and problems == []
+    assert ep_problems(parse("--ep", "2")) == []
+    assert any("not a multiple of --ep 3" in p for p in ep_problems(parse("--ep", "3")))
+    assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == \
+        ["--zero with --amp does not combine with --ep (not built)"]
+    assert ep_problems(parse("--ep", "2", "--zero", "3")) == []
+    assert ep_problems(parse("--ep", "2", "--tp", "2", "--save", "ck")) == \
+        ["--save with --tp does not combine with --ep (not built)"]
+    assert check_layout(parse("--ep", "2"), 8) == (4, 1)          # dp = 8 / ep
+    with pytest.raises(UsageError, match="expert parallelism: --dp 1 x --ep 2 = 2 ranks"):
+        check_layout(parse("--ep", "2", "--dp", "1"), 3)
 
 
 def check_rows(rows, runs):

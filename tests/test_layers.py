@@ -15,7 +15,7 @@ PACKAGE = ROOT / "minidist"
 
 # top to bottom, as README.md's table; one row may hold several packages (peers)
 LAYERS = [("launcher", "backend", "kernel_count"), ("autograd",), ("nn",), ("optim",),
-          ("comm",), ("strategy",), ("ddp", "zero", "tp", "pp", "cp"), ("train",)]
+          ("comm",), ("strategy",), ("ddp", "zero", "tp", "pp", "cp", "ep"), ("train",)]
 ROW = {name: i for i, row in enumerate(LAYERS) for name in row}
 
 

@@ -17,8 +17,8 @@ refuses the buffer. `wire(a)` is what every MPI call is handed: a bfloat16 array
 add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves the views) and
 mpi.py's library reductions go through float32 copies.
 
-Tests: tests/test_comm.py::test_import_does_not_import_cupy_and_detects_cuda_awareness (detection on this CPU-only machine),
-tests/test_bfloat16.py (bfloat16 collectives on 3 ranks).
+Tests: tests/test_comm.py::test_import_does_not_import_cupy_and_detects_cuda_awareness
+(detection on this CPU-only machine), tests/test_bfloat16.py (bfloat16 collectives on 3 ranks).
 """
 import contextlib
 import ctypes

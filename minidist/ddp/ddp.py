@@ -32,7 +32,8 @@ On GPU the caller records a CUDA event on its (compute) stream when it issues th
 communication thread waits for that event, then stages the bucket through host memory for MPI
 (or, with --comm nccl, enqueues NCCL on that thread's current stream, cupy's default stream).
 Tracing (`trace.enable()`) records each all-reduce's start and end: the Chrome trace shows
-them running inside the backward pass (tests/test_ddp.py::test_four_ranks_equal_one_process_every_mode_and_algo).
+them running inside the backward pass
+(tests/test_ddp.py::test_four_ranks_equal_one_process_every_mode_and_algo).
 
 A debugger (pdb) traces only the thread it runs in, so it cannot stop in these all-reduces;
 with `sync_comm` on the group (train_gpt.py --sync-comm, MINIDIST_SYNC_COMM=1) each bucket's

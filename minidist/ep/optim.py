@@ -5,8 +5,8 @@ The experts stay out of ZeRO's flat shards (minidist/zero/flat.py: their values 
 ep rank to ep rank, so a reduce-scatter over the dense group would mix them); each rank keeps
 its experts whole and updates them with the same AdamW math. Clipping: ZeRO's optimizer asks
 the strategy for the global sum of squares (its shards summed over dp x ep, plus every
-expert's squares once, summed over ep: ExpertParallel._sum_sq); the experts are scaled by the
-factor of that same norm.
+expert's squares once, summed over ep: ExpertParallel.reduce_sum_sq); the experts are scaled
+by the factor of that same norm.
 Tests: tests/scripts/ep_check.py (runs ep2xdp2+zero1/2/3).
 """
 from minidist.optim import AdamW

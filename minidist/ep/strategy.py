@@ -20,8 +20,8 @@ experts' (`expert_parallel` parameters). Each rank holds E/ep experts; its exper
 hold the contributions of every ep rank's tokens (the combine's backward brought them), so
 the strategy sums them over the dp replicas of those experts (edp) and divides by |D|: the
 gradient of the mean loss over D, exactly what one process computes.
-Also: sum_sq_across_ranks (grad clipping) counts each expert once (their squares summed over
-ep), global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
+Also: reduce_sum_sq (grad clipping) counts each expert once (their squares summed over ep),
+global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
 strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
 runs the same experts on the same tokens).
 Checkpoints: one process's format, the experts gathered (save / load below), so a run
@@ -39,13 +39,11 @@ Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 from minidist import backend
 from minidist.backend import xp_of
-from minidist.comm import trace
-from minidist.nn.config import gpt_param_specs
-from minidist.train import checkpoint
 from minidist.ep.exchange import attach_experts
-from minidist.optim.clip import local_sum_sq
-from minidist.train.cli import UsageError
-from minidist.train.strategy import ModelParallel, SingleProcess
+from minidist.nn.config import gpt_param_specs
+from minidist.strategy import checkpoint
+from minidist.strategy.base import ModelParallel, all_reduce_number
+from minidist.tp.state import unscaled_sum_sq
 
 
 def moe_problems(args):
@@ -62,16 +60,14 @@ def moe_problems(args):
     return problems
 
 
-def ep_problems(args, size):
-    """(dp, sentences saying what does not fit with --ep), checked on every rank alone."""
-    ep, tp = args.ep, args.tp
-    dp = args.dp if args.dp is not None else max(size // (ep * tp), 1)
-    problems = moe_problems(args)
-    if dp * ep * tp != size:
-        problems.append(f"--dp {dp} x --ep {ep} x --tp {tp} = {dp * ep * tp} ranks, but this "
-                        f"job has {size} MPI process(es) (--dp defaults to processes / (ep tp))")
-    if args.moe_experts % ep:
-        problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {ep}")
+def ep_problems(args):
+    """Sentences saying what does not fit with --ep (checked on every rank alone, before any
+    communication, by minidist/train/strategy.py check_layout, which also checks the sizes:
+    dp x ep x tp = the processes, the batch over dp x ep x --grad-accum)."""
+    problems = []
+    if args.moe_experts % args.ep:
+        problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {args.ep}")
+    tp = args.tp
     zero_with = [f for f, on in (("--tp", tp > 1), ("--amp", args.amp), ("--save", args.save),
                                  ("--resume", args.resume)) if on]
     for flag, on in (("--zero with " + ", ".join(zero_with), args.zero and zero_with),
@@ -81,36 +77,15 @@ def ep_problems(args, size):
                      ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
         if on:
             problems.append(f"{flag} does not combine with --ep (not built)")
-    if args.batch_size % (dp * ep * args.grad_accum):
-        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x ep {ep}"
-                        f" x --grad-accum {args.grad_accum} equal micro-batches")
-    return dp, problems
+    return problems
 
 
-def make_expert_parallel(args, size, world):
-    """The strategy for --ep N [--dp D] [--tp T] over the `size` processes of `world`."""
-    dp, problems = ep_problems(args, size)
-    if problems:
-        raise UsageError("expert parallelism: " + "; ".join(problems))
-    from minidist.comm import DeviceMesh
-    from minidist.ddp.strategy import DataParallel
-    if args.trace:
-        trace.enable()
-    ep = args.ep
-    mesh = DeviceMesh(dp=dp * ep, tp=args.tp, algo=args.comm, world=world)
+def expert_groups(mesh, ep):
+    """(ep group, edp group) out of the mesh's dp group, the dense group D = dp x ep: the ep
+    ranks that split the experts, and the dp replicas of this rank's experts. Collective."""
     d = mesh.dp_rank                                          # in the dense group, 0 .. dp ep-1
-    ep_group = mesh.dp.split(d // ep, key=d % ep, name="ep")
-    edp_group = mesh.dp.split(d % ep, key=d // ep, name="edp")
-    if args.zero:         # ZeRO-k over the dense parameters; the experts outside its shards
-        from minidist.zero.strategy import ZeroDataParallel
-        inner = ZeroDataParallel(mesh.dp, args.zero)
-    else:
-        inner = DataParallel(mesh.dp, mode=args.ddp, bucket_mb=args.bucket_mb)
-    strategy = ExpertParallel(mesh, ep_group, edp_group, inner)
-    if args.tp > 1:
-        from minidist.tp.strategy import TensorParallel
-        return TensorParallel(mesh, args.sequence_parallel, strategy)
-    return strategy
+    return (mesh.dp.split(d // ep, key=d % ep, name="ep"),
+            mesh.dp.split(d % ep, key=d // ep, name="edp"))
 
 
 class ExpertParallel(ModelParallel):
@@ -121,13 +96,10 @@ class ExpertParallel(ModelParallel):
         super().__init__(mesh, group, inner)
         self.edp, self.experts = edp, []
 
-    def build_model(self, config, seed, dtype):
-        return self.wrap(SingleProcess.build_model(self, config, seed, dtype))
-
     def wrap(self, model):
         """This rank's experts on `model` (the rest dropped, the exchange set), then inner's
         DDP over the dense parameters."""
-        self.inner.amp, self.inner.ckpt_activations = self.amp, self.ckpt_activations
+        self.model = model
         self.experts = attach_experts(model, self.group)
         return self.inner.wrap(model)
 
@@ -153,37 +125,22 @@ class ExpertParallel(ModelParallel):
                 self.edp.all_reduce(p.grad, op="sum")
             p.grad /= dense
 
-    @property
-    def sum_sq_across_ranks(self):
-        return self._sum_sq
-
-    def _sum_sq(self, local):
+    def reduce_sum_sq(self, local):
         """The global sum of squares: this rank's, with its experts' part replaced by the sum
-        of every ep rank's (each expert counted once), then inner's reduction (DDP: none)."""
-        mine = self._expert_sum_sq()
-        buf = xp_of(self.experts[0].data).asarray([float(mine)], dtype="float64")
-        self.group.all_reduce(buf, op="sum")
+        of every ep rank's (each expert counted once), then inner's reduction (DDP: none).
+        The experts' part is unscaled in float32 under --amp, as the optimizer sums."""
+        mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
+        experts = all_reduce_number(self.group, mine, "sum", self.experts[0].data)
         if getattr(self.inner, "engine", None) is not None:   # ZeRO: `local` is its shards
-            return self.inner.sum_sq_across_ranks(local) + buf[0]
-        total = local - mine + buf[0]
-        outer = self.inner.sum_sq_across_ranks
-        return outer(total) if outer is not None else total
+            return self.inner.reduce_sum_sq(local) + experts
+        return self.inner.reduce_sum_sq(local - mine + experts)
 
-    def _expert_sum_sq(self):
-        """This rank's experts' part of `local`: unscaled in float32 under --amp, as the
-        mixed-precision optimizer sums (minidist/train/amp.py)."""
-        grads = [p.grad for p in self.experts if p.grad is not None]
-        if self.amp is None:
-            return local_sum_sq(grads)
-        inv = 1.0 / self.amp.scaler.scale
-        return local_sum_sq([g.astype("float32") * inv for g in grads])
-
-    @property
-    def max_across_ranks(self):
-        return self.inner.max_across_ranks
-
-    def any_rank(self, flag):
-        return self.inner.any_rank(flag)
+    def zero_grad(self, opt):
+        """inner's (DDP: its buckets zeroed in place), and the experts' gradients, which no
+        DDP bucket holds, dropped."""
+        super().zero_grad(opt)
+        for p in self.experts:
+            p.grad = None
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         """One process's checkpoint (minidist/train/checkpoint.py), so any --ep, or one

@@ -23,12 +23,12 @@ takes_part_in_sampling(), reports_memory, rank, world_size.
 `SingleProcess` is the reference (one process, the whole model, no communication) and the
 innermost piece of every composition: DataParallel (ddp/) and ZeroDataParallel (zero/) are
 SingleProcess plus the data-parallel part. `ModelParallel` is the base of TensorParallel (tp/),
-PipelineParallel (pp/) and ContextParallel (cp/): each splits every replica's work over its
-own group and passes the rest to `inner`, the data-parallel strategy. The composition that
-nests them: minidist/train/strategy.py make_strategy.
-Memory options, for every strategy alike, given to the innermost one's constructor and read
-by the ones around it: `amp` (None, or MixedPrecision: minidist/train/amp.py) and
-`ckpt_activations` (GPT.set_checkpointing).
+PipelineParallel (pp/), ContextParallel (cp/) and ExpertParallel (ep/): each splits every
+replica's work over its own group and passes the rest to `inner`, the data-parallel strategy.
+The composition that nests them: minidist/train/strategy.py make_strategy. Memory options, for
+every strategy alike, given to the innermost one's constructor and read by the ones around it:
+`amp` (None, or MixedPrecision: minidist/train/amp.py) and `ckpt_activations`
+(GPT.set_checkpointing).
 Tests: tests/test_train.py.
 """
 import contextlib

@@ -13,10 +13,11 @@ same shard (f before it), feeding a vocabulary-parallel cross-entropy.
 
 The modules are GPT's own (minidist/nn/gpt.py), built by GPT.__init__ with the parallel
 layers as the factory (TensorParallelLayers): Block, CausalSelfAttention and MLP are GPT's
-classes, GPT's run_blocks and generate run unchanged, so the parallel model runs the same code. Parameter names are GPT-2's: each rank's shard keeps
-the full name, and `Split` (on `p.tp_split`) glues the shards back into the full tensor.
-Initialisation cuts each rank's shard out of `gpt_init`'s full arrays (one parameter at a
-time), so a TP run starts from the single-process model's numbers.
+classes, GPT's run_blocks and generate run unchanged, so the parallel model runs the same code.
+Parameter names are GPT-2's: each rank's shard keeps the full name, and `Split` (on
+`p.tp_split`) glues the shards back into the full tensor. Initialisation cuts each rank's shard
+out of `gpt_init`'s full arrays (one parameter at a time), so a TP run starts from the
+single-process model's numbers.
 Tests: tests/test_tensor_parallel.py (exactness against one process, memory 1/tp, bytes).
 """
 import numpy as np

@@ -3,7 +3,8 @@
 The project's command-line contract fixes these names, which tests, docs and benchmarks rely
 on (--dp --tp --pp --zero --comm --device --dtype --amp --ckpt-activations --n-layer --n-head
 --n-embd --block-size --batch-size --grad-accum --micro-batches --steps --lr --seed --data
---eval-every --save --resume --log-json --trace --sample); the rest were added since. `--batch-size` is global, in sequences.
+--eval-every --save --resume --log-json --trace --sample); the rest were added since.
+`--batch-size` is global, in sequences.
 Tests: tests/test_train.py.
 """
 import argparse

@@ -7,6 +7,8 @@
         1. tensor parallelism inside each layer   --tp   minidist/tp/strategy.py
         2. pipeline stages across the layers      --pp   minidist/pp/strategy.py (TP inside)
         3. context parallelism over sequences     --cp   minidist/cp/strategy.py
+        3'. expert parallelism: the MoE experts   --ep   minidist/ep/strategy.py (its ranks
+            sharded over ranks carved out of dp          carved out of dp: dense group dp x ep)
         4. data parallelism across the replicas   --dp   DDP minidist/ddp/strategy.py, or
                                                          ZeRO-k minidist/zero/strategy.py
 
@@ -21,6 +23,7 @@ from minidist import comm
 from minidist.comm import trace
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
+from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe_problems
 from minidist.pp.strategy import PipelineParallel, default_micro_batches, pp_problems
 from minidist.strategy.base import SingleProcess
 from minidist.tp.strategy import TensorParallel, tp_problems
@@ -39,11 +42,15 @@ def make_strategy(args, world=None):
         trace.enable()
     mesh = None
     if size > 1 or args.zero:                       # ZeRO over one rank still has a group
-        mesh = comm.DeviceMesh(dp=dp, cp=args.cp, tp=args.tp, pp=args.pp, algo=args.comm,
-                               world=world)
-    # 4. data parallelism, innermost: over dp, or dp x cp (every cp rank holds the replica)
+        mesh = comm.DeviceMesh(dp=dp * args.ep, cp=args.cp, tp=args.tp, pp=args.pp,
+                               algo=args.comm, world=world)
+    # 4. data parallelism, innermost: over dp (x ep: the dense parameters), or dp x cp (every
+    # cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
                                   MixedPrecision() if args.amp else None)
+    # 3'. expert parallelism: this rank's experts over ep, the tokens sent by all-to-all
+    if args.ep > 1:
+        strategy = ExpertParallel(mesh, *expert_groups(mesh, args.ep), strategy)
     # 3. context parallelism: the ring over cp, on each replica's sequences
     if args.cp > 1:
         strategy = ContextParallel(mesh, args.cp_split, strategy)
@@ -70,7 +77,10 @@ def make_data_parallel(args, group, amp):
 def check_layout(args, size):
     """(dp, the pipeline's micro-batches) after checking every size and combination on this
     rank alone, so a bad flag stops every rank with the same `error:` line before any
-    communication. --dp defaults to the processes left by cp x tp x pp."""
+    communication. --dp defaults to the processes left by ep x cp x tp x pp."""
+    moe = moe_problems(args)                           # --moe-experts with --pp, --cp, ...
+    if moe:
+        raise UsageError("mixture of experts: " + "; ".join(moe))
     if args.micro_batches not in (None, 1) and args.pp == 1:
         raise UsageError(
             f"--micro-batches {args.micro_batches} splits the batch for a pipeline (--pp > 1); "
@@ -78,36 +88,43 @@ def check_layout(args, size):
     if args.amp and args.dtype != "float32":
         raise UsageError(f"--amp computes in 16 bits with float32 master weights; it does not "
                          f"combine with --dtype {args.dtype} (leave --dtype at float32)")
-    split = {"cp": args.cp, "tp": args.tp, "pp": args.pp}
-    others = split["cp"] * split["tp"] * split["pp"]
+    split = {"ep": args.ep, "cp": args.cp, "tp": args.tp, "pp": args.pp}
+    others = split["ep"] * split["cp"] * split["tp"] * split["pp"]
     dp = args.dp if args.dp is not None else max(size // others, 1)
+    rows = dp * args.ep                                # ep ranks read their own rows, as dp
     accum, m = args.grad_accum, 1
     if args.pp > 1:
         m = args.micro_batches or default_micro_batches(
-            args.batch_size // (dp * accum), args.pp, args.pp if args.pp_virtual > 1 else 1)
+            args.batch_size // (rows * accum), args.pp, args.pp if args.pp_virtual > 1 else 1)
     problems = []
     if dp * others != size:
         problems.append(_size_problem(dp, split, size))
-    if m < 1 or args.batch_size % (dp * accum * m):
-        n = dp * accum * m
-        problems.append(f"--batch-size {args.batch_size} does not split into dp {dp} x "
-                        f"--grad-accum {accum}"
-                        + (f" x --micro-batches {m}" if args.pp > 1 else "")
-                        + f" = {n} equal micro-batches (the batch is global, in sequences); "
-                        f"choose a multiple of {n}")
+    if m < 1 or args.batch_size % (rows * accum * m):
+        problems.append(_batch_problem(args, dp, m))
     problems += tp_problems(args) if args.tp > 1 else []
     problems += pp_problems(args, m) if args.pp > 1 else []
     problems += cp_problems(args) if args.cp > 1 else []
+    problems += ep_problems(args) if args.ep > 1 else []
     if problems:
-        what = ("context parallelism: " if args.cp > 1 else "pipeline parallelism: "
-                if args.pp > 1 else "tensor parallelism: " if args.tp > 1 else "")
+        what = ("expert parallelism: " if args.ep > 1 else "context parallelism: "
+                if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
+                "tensor parallelism: " if args.tp > 1 else "")
         raise UsageError(what + "; ".join(problems))
     return dp, m
 
 
+def _batch_problem(args, dp, m):
+    n = dp * args.ep * args.grad_accum * m
+    return (f"--batch-size {args.batch_size} does not split into dp {dp} x "
+            + (f"ep {args.ep} x " if args.ep > 1 else "") + f"--grad-accum {args.grad_accum}"
+            + (f" x --micro-batches {m}" if args.pp > 1 else "")
+            + f" = {n} equal micro-batches (the batch is global, in sequences); choose a "
+            f"multiple of {n}")
+
+
 def _size_problem(dp, split, size):
     axes = [f"--{k} {v}" for k, v in split.items() if v > 1]
-    n = dp * split["cp"] * split["tp"] * split["pp"]
+    n = dp * split["ep"] * split["cp"] * split["tp"] * split["pp"]
     rest = " x ".join(k for k, v in split.items() if v > 1)
     return (f"--dp {dp}{''.join(' x ' + a for a in axes)} = {n} ranks, but this job has "
             f"{size} MPI process(es); run `mpirun -n {n} python examples/train_gpt.py"

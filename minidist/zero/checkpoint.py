@@ -22,8 +22,8 @@ Loading goes by parameter name, whoever wrote the checkpoint: a `ShardReader` cu
 parameter's pieces out of the old ranks' shards (memory-mapped: only those bytes are read), a
 `PlainReader` takes it from a one-process checkpoint (both: minidist/strategy/readers.py). A
 ZeRO run at any N and stage then copies its own flat[lo:hi) from those (`load_sharded`);
-checkpoint.load gets whole arrays (`read_whole`) for one process, DDP, TP or PP. 4 ranks at stage 3 -> 1 process, or -> 2 ranks
-at stage 1: the same parameters, bit for bit.
+checkpoint.load gets whole arrays (`read_whole`) for one process, DDP, TP or PP. 4 ranks at
+stage 3 -> 1 process, or -> 2 ranks at stage 1: the same parameters, bit for bit.
 
 Verification is checkpoint.verify's, as for every checkpoint (the manifest by its digest,
 state.json by its checksum); a shard's checksum is checked by the rank that reads it. Errors

@@ -33,7 +33,9 @@ from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.planner import stage_params  # noqa: E402
-from minidist.train.strategy import SingleProcess, make_strategy  # noqa: E402
+from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.strategy import make_strategy  # noqa: E402
 
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
        "--moe-z-loss-coef", "0.01", "--moe-aux-loss-coef", "0.05"]
@@ -108,7 +110,7 @@ def run(name, ref_runs, comm, tol):
         ref_runs[args.moe_top_k] = (config, run_steps(SingleProcess(), ref_args, config, SEED,
                                                       "float64"))
     r_model, _, r_losses, r_norms, _ = ref_runs[args.moe_top_k][1]
-    strategy = make_strategy(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
     sent0 = trace.bytes_sent("ep", "all_to_all")
     model, _, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
     sent = trace.bytes_sent("ep", "all_to_all") - sent0
@@ -148,7 +150,6 @@ def main():
     minidist.comm.init()
     backend.set_device(cli.device)
     comm = MPI.COMM_WORLD
-    os.environ["PMI_SIZE"] = str(comm.size)          # make_strategy reads the world size
     runs = cli.runs.split(",") if cli.runs else ["ep2", "ep2+top1+accum", "ep2+naive",
                                                  "ep2+mpi+every2"]
     refs = {}
