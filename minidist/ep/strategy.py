@@ -143,7 +143,7 @@ class ExpertParallel(ModelParallel):
             p.grad = None
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        """One process's checkpoint (minidist/train/checkpoint.py), so any --ep, or one
+        """One process's checkpoint (minidist/strategy/checkpoint.py), so any --ep, or one
         process, resumes it: each ep group gathers its experts and their AdamW state to its
         rank 0 (mpi4py's object gather on the group's communicator), world rank 0 writes.
         Collective."""
