@@ -122,7 +122,7 @@ def _rows(path):
 @pytest.mark.mpi
 def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     """train_gpt.py --ep 2 logs one process's losses, val loss, sample (float64) and the
-    tokens per expert (one process: all rows; ep: rank 0's half); its checkpoint after step
+    tokens per expert (summed over both ranks' rows); its checkpoint after step
     2 (the experts gathered into one process's format) finishes the run on one process:
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
@@ -160,6 +160,37 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     assert tokens.shape == (2, 4)
     routed = 4 * 16 * 2                                      # B T k per block
     assert (tokens.sum(axis=1) + np.array(a[0]["moe_dropped"]) == routed).all()
+    assert_same_load_stats(a, b)
+
+
+def assert_same_load_stats(a, b):
+    """The load-balance statistics of two --log-json logs, step by step: the counts equal,
+    the aux losses to 1e-10."""
+    a, b = [r for r in a if "moe_tokens" in r], [r for r in b if "moe_tokens" in r]
+    assert len(a) == len(b) == 3
+    for r, s in zip(a, b):
+        assert r["moe_tokens"] == s["moe_tokens"] and r["moe_dropped"] == s["moe_dropped"]
+        assert np.allclose(r["moe_aux"], s["moe_aux"], rtol=0, atol=1e-10)
+
+
+@pytest.mark.mpi
+def test_load_stats_cover_the_global_batch(corpus, tmp_path, mpi):
+    """--log-json's moe_tokens, moe_dropped and moe_aux under plain dp 2 and tp 2 (no --ep)
+    are one process's for the same global batch: summed over the ranks that hold different
+    rows (dp), counted once for the ranks that hold the same rows (tp):
+
+        python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --moe-experts 4 ... (and --tp 2)
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    one = tmp_path / "one.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
+                    "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
+                   env=mpi_env(), text=True, capture_output=True, check=True)
+    for flags in ([], ["--tp", "2"]):
+        log = tmp_path / f"dp{len(flags)}.jsonl"
+        mpi(2, "examples/train_gpt.py", *common, *flags, "--log-json", log, timeout=120)
+        assert_same_load_stats(_rows(one), _rows(log))
 
 
 @pytest.mark.mpi

@@ -153,9 +153,12 @@ def train(args, world=None):
         backend.synchronize()
         loss, norm = float(loss), float(norm)    # device -> host only here, to log them
         dt = time.perf_counter() - t0
-        log.json0({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-                   "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
-                   "comm_bytes": strategy.comm_bytes(), **load_stats(model)})   # MoE
+        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+               "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
+               "comm_bytes": strategy.comm_bytes()}
+        if args.log_json:        # the same on every rank: every rank joins the stats' reduce
+            row.update(global_load_stats(model, world, _copies(strategy, world, x, y)))
+        log.json0(row)
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         if step == start or (step + 1) % args.log_every == 0 or last:
             log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f} "
@@ -182,6 +185,35 @@ def train(args, world=None):
         if args.save and (last or (every and (step + 1) % every == 0)):
             _save(args, strategy, log, model, opt, step)
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
+
+
+def _copies(strategy, world, x, y):
+    """How many ranks hold each row of the global batch (x, y): world size x this rank's
+    rows / the batch's rows (1 on one process and under plain dp or ep; tp under --tp)."""
+    return 1 if world is None else world.size * len(strategy.local_rows(x, y)[0]) // len(x)
+
+
+def global_load_stats(model, world, copies):
+    """nn/moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
+    summed over the ranks: every rank of the world calls this, with the same MoE blocks).
+    One float64 all-reduce over the world of [tokens, dropped, aux]: the ranks that hold the
+    same rows (`copies` of them: the tp group) computed the same routing, so the sums over
+    the world / copies are the sums over the ranks that hold different rows (dp x ep), and
+    aux summed / world size is their mean (every rank holds as many rows). {} for a dense
+    model; as is on one process."""
+    stats = load_stats(model)
+    if not stats or world is None or world.size == 1:
+        return stats
+    tokens = np.array(stats["moe_tokens"], dtype="float64")              # (blocks, E)
+    L, E = tokens.shape
+    vec = np.concatenate([tokens.ravel(), stats["moe_dropped"], stats["moe_aux"]])
+    buf = backend.xp_of(model.parameters()[0].data).asarray(vec)
+    world.all_reduce(buf, op="sum")
+    total = backend.to_host(buf)
+    counts = np.rint(total[:L * (E + 1)] / copies).astype(np.int64)   # exact: integers
+    return {"moe_tokens": counts[:L * E].reshape(L, E).tolist(),
+            "moe_dropped": counts[L * E:].tolist(),
+            "moe_aux": (total[L * (E + 1):] / world.size).tolist()}
 
 
 def _describe(args, strategy, log, model, data):
