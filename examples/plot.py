@@ -106,7 +106,7 @@ def plot_curves(axes, logs, labels):
 def plot_expert_load(ax, log, label):
     """Mixture of Experts (--moe-experts): the share of the routed tokens each expert kept,
     summed over the MoE blocks, per step (1/E each when balanced), and the share dropped for
-    lack of capacity (dashed). From rank 0's rows of each step's last micro-batch."""
+    lack of capacity (dashed). Over the global batch (each rank's last micro-batch)."""
     rows = [r for r in log[0] if "moe_tokens" in r]
     steps = [r["step"] for r in rows]
     kept = [[sum(col) for col in zip(*r["moe_tokens"])] for r in rows]     # (steps, E)
