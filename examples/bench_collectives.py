@@ -4,6 +4,7 @@
     mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,mpi \\
         --min-bytes 8M --max-bytes 64M --repeats 5
     mpiexec -n 2 python examples/bench_collectives.py --overlap          # async progress
+    mpiexec -n 4 python examples/bench_collectives.py --interleave --max-bytes 2M  # sync cost
     mpiexec -n 4 python examples/bench_collectives.py --max-bytes 1M --trace comm.json
     mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,hier,mpi \
         --ranks-per-node 2                             # hierarchical: 2 simulated nodes x 2
@@ -171,6 +172,35 @@ def overlap(args):
         print(json.dumps(row), flush=True)
 
 
+def interleave(args):
+    """Seconds per iteration of: compute alone (every rank at once), the all-reduce alone, and
+    compute then a blocking all-reduce, as tensor parallelism runs them (the matmuls sized to
+    take 4x the all-reduce). "sync_s" = interleaved - compute - all-reduce: what a blocking
+    collective costs beyond its alpha-beta time when the ranks come to it from compute (their
+    arrival spread, and with more ranks than cores a neighbour that is not running)."""
+    group = comm.init("ring")
+    buf = np.zeros(args.max_bytes // 4, np.float32)
+    a = np.random.default_rng(0).standard_normal((256, 256))
+    t_comm = time_call(group, lambda: group.all_reduce(buf), 5, 1, args.repeats)
+    t_mm = time_call(group, lambda: a @ a, 5, 1, args.repeats)
+    reps = args.compute_iters or max(1, round(4 * t_comm / t_mm))
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    def both():
+        compute()
+        group.all_reduce(buf)
+    row = {k: time_call(group, f, 10, 1, args.repeats) for k, f in
+           (("compute", compute), ("all_reduce", lambda: group.all_reduce(buf)),
+            ("interleaved", both))}
+    row.update(ranks=group.size, bytes=args.max_bytes,
+               sync_s=row["interleaved"] - row["compute"] - row["all_reduce"])
+    if group.rank == 0:
+        print(json.dumps(row), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
@@ -187,6 +217,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
+    p.add_argument("--interleave", action="store_true",
+                   help="measure a blocking all-reduce between compute instead (sync_s)")
     p.add_argument("--trace", help="write a Chrome trace (all ranks, one row each) to FILE")
     p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
                    help="what the main thread does meanwhile (--overlap)")
@@ -201,6 +233,8 @@ def main():
         trace.enable()
     if args.overlap:
         overlap(args)
+    elif args.interleave:
+        interleave(args)
     else:
         results = bench(args)
         if MPI.COMM_WORLD.Get_rank() == 0 and {"ring", "mpi"} <= set(args.algos):
