@@ -265,3 +265,15 @@ def test_search_splits_and_micro_batches():
     assert (8, 1, 1, 1) in got and (1, 4, 2, 1) in got and (2, 1, 1, 4) in got
     assert micro_batch_counts(1, 64) == [1]
     assert micro_batch_counts(4, 64) == [4, 8, 16, 32]
+
+
+def test_bench_collectives_interleave_row(mpi):
+    """--interleave: compute alone, the all-reduce alone, both in turn, and sync_s, the cost of
+    the blocking all-reduce beyond the two timed apart (BENCHMARKS: where TP4's step goes)."""
+    out = mpi(2, "examples/bench_collectives.py", "--interleave", "--max-bytes", "64K",
+              "--repeats", "1", timeout=120)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["ranks"] == 2 and row["bytes"] == 64 * 1024
+    assert min(row["compute"], row["all_reduce"], row["interleaved"]) > 0
+    assert row["sync_s"] == pytest.approx(row["interleaved"] - row["compute"]
+                                          - row["all_reduce"], abs=1e-12)
