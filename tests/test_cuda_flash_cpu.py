@@ -5,6 +5,7 @@ check of the kernels' own gradients in float64; broken variants (each __syncthre
 turn, an off-by-one tile or mask) that must fail; and the launch plans' argument types.
 Run: python -m pytest -q tests/test_cuda_flash_cpu.py   (skips without a C++ compiler)
 """
+import functools
 import re
 
 import numpy as np
@@ -14,7 +15,7 @@ import cuda_cpu
 from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn, flash
 from minidist.autograd import cuda_source as cs
 from minidist.autograd.cuda_source_flash import FLASH
-from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, nth_replaced, rand
+from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, failing_orders, nth_replaced, rand
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
@@ -122,12 +123,7 @@ def test_broken_flash_kernel_fails(name):
     __syncthreads of the four kernels: none is superfluous, and none can go unnoticed."""
     old, new, n = BROKEN[name]
     src = cs.source("float32", "flash").replace(FLASH, nth_replaced(FLASH, old, new, n))
-    failed = []
-    for order in ORDERS:
-        try:
-            check_flash("float32", (2, 37, 8), src=src, order=order)
-        except (AssertionError, cuda_cpu.KernelError) as e:
-            failed.append(f"{order}: {str(e).splitlines()[0][:80]}")
+    failed = failing_orders(functools.partial(check_flash, "float32", (2, 37, 8)), src)
     assert failed, f"{name}: the broken kernel passed in both orders"
 
 

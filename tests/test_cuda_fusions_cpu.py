@@ -6,6 +6,7 @@ float16, bfloat16, float32 and float64, both thread orders; broken variants that
 fail; the plans' argument types; nvcc compiles them where installed.
 Run: python -m pytest -q tests/test_cuda_fusions_cpu.py   (skips without a C++ compiler)
 """
+import functools
 import shutil
 import subprocess
 
@@ -17,7 +18,7 @@ from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ck
 from minidist.autograd import cuda_source as cs, fused as F
 from minidist.autograd.cuda_source_fusions import FUSIONS
 from minidist.nn.gpt import MaskVocabPadding
-from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, grads, nth_replaced, rand
+from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, grads, failing_orders, nth_replaced, rand
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
@@ -109,12 +110,7 @@ BROKEN = {   # name -> (check, old, new, occurrence) in the fusions' text
 def test_broken_fused_kernel_fails(name):
     check, old, new, n = BROKEN[name]
     src = cs.source("float32", "fusions").replace(FUSIONS, nth_replaced(FUSIONS, old, new, n))
-    failed = []
-    for order in ORDERS:
-        try:
-            check("float32", src=src, order=order)
-        except (AssertionError, cuda_cpu.KernelError) as e:
-            failed.append(f"{order}: {str(e).splitlines()[0][:80]}")
+    failed = failing_orders(functools.partial(check, "float32"), src)
     assert failed, f"{name}: the broken kernel passed in both orders"
 
 

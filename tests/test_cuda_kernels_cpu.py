@@ -8,6 +8,7 @@ References are the xp code on float64 copies of the (already rounded) inputs, so
 off only by its own float32 accumulation and its output rounding.
 Run: python -m pytest -q tests/test_cuda_kernels_cpu.py   (skips without a C++ compiler)
 """
+import functools
 import math
 
 import numpy as np
@@ -203,6 +204,18 @@ def nth_replaced(text, old, new, n):
     return old.join(parts[:n + 1]) + new + old.join(parts[n + 1:])
 
 
+def failing_orders(check, src):
+    """The thread orders under which `check(src=src, order=...)` fails (a wrong answer, a
+    guard write, a deadlock), each with the first line of its error."""
+    failed = []
+    for order in ORDERS:
+        try:
+            check(src=src, order=order)
+        except (AssertionError, cuda_cpu.KernelError) as e:
+            failed.append(f"{order}: {str(e).splitlines()[0][:80]}")
+    return failed
+
+
 BROKEN = {   # name -> (check, old, new, occurrence): one defect each
     "block_reduce without its first __syncthreads": (check_layer_norm, "__syncthreads();",
                                                      "", 0),
@@ -232,10 +245,5 @@ def test_broken_kernel_fails_its_check(name):
     source passes the same checks (the tests above)."""
     check, old, new, n = BROKEN[name]
     src = nth_replaced(cs.source("float32"), old, new, n)
-    failed = []
-    for order in ORDERS:
-        try:
-            check("float32", src=src, order=order)
-        except (AssertionError, cuda_cpu.KernelError) as e:
-            failed.append(f"{order}: {str(e).splitlines()[0][:80]}")
+    failed = failing_orders(functools.partial(check, "float32"), src)
     assert failed, f"{name}: the broken kernel passed in both orders"
