@@ -18,7 +18,8 @@ from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ck
 from minidist.autograd import cuda_source as cs, fused as F
 from minidist.autograd.cuda_source_fusions import FUSIONS
 from minidist.nn.gpt import MaskVocabPadding
-from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, grads, failing_orders, nth_replaced, rand
+from test_cuda_kernels_cpu import (DTYPES, ORDERS, close, f64, failing_orders, grads,
+                                   nth_replaced, rand)
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
