@@ -60,6 +60,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
+    p.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
+                   help="the 16-bit type of --amp (default: bfloat16 on CuPy, float16 on numpy)")
     p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
                    help="FlatAdamW (one update per group) or AdamW (one per parameter)")
     p.add_argument("--vocab-multiple", type=int, default=None,
@@ -73,7 +75,7 @@ def main():
                        attention_block=args.attention_block,
                        vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)
-    amp = MixedPrecision() if args.amp else None
+    amp = MixedPrecision(dtype=args.amp_dtype) if args.amp else None
     adamw = FlatAdamW if args.adamw == "flat" else AdamW
     if amp:
         amp.cast_model(model)
@@ -118,7 +120,7 @@ def main():
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
-                      "adamw": args.adamw,
+                      "amp_dtype": amp.dtype.name if amp else None, "adamw": args.adamw,
                       "vocab_padded": config.padded_vocab_size,
                       "ms_min": round(min(times) * 1e3, 2)}))
 

@@ -189,13 +189,13 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32
     pytest.param(["--zero", "3"], marks=pytest.mark.slow),
     pytest.param(["--dp", "2", "--pp", "2"], marks=pytest.mark.slow)])
 def test_bfloat16_amp_through_the_strategies_on_4_ranks(flags, device, corpus, tmp_path):
-    """MINIDIST_AMP_DTYPE=bfloat16 mpiexec -n 4 python examples/train_gpt.py --amp --tp 2 ...
+    """mpiexec -n 4 python examples/train_gpt.py --amp --amp-dtype bfloat16 --tp 2 ...
     bfloat16 activations, gradients and collectives through TP, ZeRO-3 and the pipeline:
     every loss finite, the last below the first."""
     log = tmp_path / "log.jsonl"
-    out = run_mpi(4, "examples/train_gpt.py", *TINY, *flags, "--device", device, "--data",
-                  corpus, "--cache-dir", tmp_path, "--log-json", log, timeout=300,
-                  env=mpi_env(MINIDIST_AMP_DTYPE="bfloat16"))
+    out = run_mpi(4, "examples/train_gpt.py", *TINY, "--amp-dtype", "bfloat16", *flags,
+                  "--device", device, "--data", corpus, "--cache-dir", tmp_path,
+                  "--log-json", log, timeout=300)
     assert "mixed precision: bfloat16 compute" in out.stdout
     losses = [r["loss"] for r in map(json.loads, open(log)) if "loss" in r]
     assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]

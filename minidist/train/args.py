@@ -95,6 +95,9 @@ def add_parallel_args(p):
                    help="chunks of layers per pipeline rank: V > 1 interleaves 1F1B")
     g.add_argument("--amp", action="store_true",
                    help="16-bit compute (bfloat16 on CuPy, float16 on numpy), float32 master")
+    g.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
+                   help="the 16-bit type of --amp (default: MINIDIST_AMP_DTYPE, else as "
+                   "--amp says; bfloat16 on numpy is emulated and slow)")
     g.add_argument("--ckpt-activations", action="store_true",
                    help="keep only each block's input; recompute the rest in backward")
     return p

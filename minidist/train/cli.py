@@ -19,6 +19,7 @@ preemption.py), or a second one in it, ends the run at once with one line and ex
 no traceback per rank.
 Tests: tests/test_cli.py.
 """
+import importlib.util
 import os
 import sys
 import tempfile
@@ -87,8 +88,23 @@ def check_flags(args):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
+    check_amp_dtype(args)
     check_device(args)
     check_outputs(args)
+
+
+def check_amp_dtype(args):
+    """--amp-dtype means nothing without --amp; bfloat16 needs ml_dtypes (numpy and CuPy
+    both take their bfloat16 from it)."""
+    dtype = getattr(args, "amp_dtype", None)
+    if dtype is None:
+        return
+    if not args.amp:
+        raise UsageError(f"--amp-dtype {dtype}: only used with --amp (add --amp, or leave "
+                         "--amp-dtype out)")
+    if dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+        raise UsageError("--amp-dtype bfloat16 needs the ml_dtypes package (pip install "
+                         "ml_dtypes), or use --amp-dtype float16")
 
 
 def check_device(args):

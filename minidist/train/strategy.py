@@ -47,7 +47,7 @@ def make_strategy(args, world=None):
     # 4. data parallelism, innermost: over dp (x ep: the dense parameters), or dp x cp (every
     # cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
-                                  MixedPrecision() if args.amp else None)
+                                  MixedPrecision(dtype=args.amp_dtype) if args.amp else None)
     # 3'. expert parallelism: this rank's experts over ep, the tokens sent by all-to-all
     if args.ep > 1:
         strategy = ExpertParallel(mesh, *expert_groups(mesh, args.ep), strategy)
