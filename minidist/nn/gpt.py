@@ -158,6 +158,12 @@ class GPT(Module):
         self.block_hooks = BlockHooks() if hooks is None else hooks
         return self
 
+    def tied_copies(self):
+        """Parameters of which another rank holds a copy whose gradient is summed with this
+        one's (ZeRO cuts each into a unit of its own: minidist/zero/flat.py gpt_units). The
+        whole model: none (wte's two uses are one Parameter). A pipeline stage: its wte."""
+        return []
+
     def set_context(self, context):
         """Context parallelism (minidist/cp/context.py): from now on forward hands the whole
         sequence to `context`, and every attention layer uses its ring; None: off."""

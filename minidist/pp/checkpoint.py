@@ -12,17 +12,20 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
 Tests: tests/test_pipeline.py (resume with dropout), tests/scripts/pp_check.py (--files).
 """
 from minidist import backend
-from minidist.tp.state import gather_optimizer_state, shard_optimizer_state
+from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params
 from minidist.strategy import checkpoint
 
 
 def stage_state(strategy, optimizer):
-    """This stage's parameters and optimizer state as whole host arrays (collective over tp
-    when the stage is tensor-parallel)."""
-    stage, sd = strategy.stage, optimizer.state_dict()
-    if strategy.mesh.shape["tp"] > 1:
-        return stage.full_state_dict(), gather_optimizer_state(stage, strategy.mesh.tp, sd)
-    return {n: backend.to_host(a).copy() for n, a in stage.state_dict().items()}, sd
+    """This stage's parameters and optimizer state as whole host arrays, as one process holds
+    them: inner's whole_state (ZeRO: gathered over dp to dp rank 0; None elsewhere), then
+    gathered over tp when the stage is tensor-parallel (collective over tp)."""
+    stage = strategy.stage
+    params, sd = strategy.inner.whole_state(stage, optimizer)
+    if strategy.mesh.shape["tp"] > 1 and params is not None:
+        return (stage.full_state_dict(params),
+                gather_optimizer_state(stage, strategy.mesh.tp, sd))
+    return params, sd
 
 
 def merge_stages(parts):
@@ -47,8 +50,9 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
         if pp.rank == 0:            # each stage's own dropout stream, for --resume
             rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
             params, opt_sd = merge_stages(parts)
-            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
+            meta = checkpoint.make_meta(model.config, params[next(iter(params))].dtype,
                                         optimizer, step, rng_states, extra)
+            meta["optimizer"] = strategy.inner.optimizer_type(optimizer)   # ZeRO: AdamW
             checkpoint.save(directory, params, opt_sd, meta)
     mesh.world.barrier()            # nobody reads it half-written
 
@@ -58,8 +62,8 @@ def load(strategy, directory, model, optimizer):
     returns the checkpoint's meta with "rng"/"dropout" this stage's own generator."""
     params, opt_sd, meta = checkpoint.load(directory)
     folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
-    checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
-                          type(optimizer).__name__)
+    checkpoint.check_fits(folder, meta, model.config, _dtype(model),
+                          strategy.inner.optimizer_type(optimizer))
     opt_sd = {"groups": opt_sd["groups"],        # other stages' parameters left out
               "state": {n: s for n, s in opt_sd["state"].items()
                         if n in mine or n not in params}}       # (amp: the loss scaler kept)
@@ -68,12 +72,15 @@ def load(strategy, directory, model, optimizer):
         if set(params) != mine:
             raise KeyError(f"parameters missing: {sorted(mine - set(params))[:6]}")
         if strategy.mesh.shape["tp"] > 1:
-            model.load_full_state_dict(params)
+            params = shard_params(model, strategy.mesh.tp, params)
             opt_sd = shard_optimizer_state(model, strategy.mesh.tp, opt_sd)
-        else:
-            model.load_state_dict(params)
-        optimizer.load_state_dict(opt_sd)
+        strategy.inner.load_whole_state(model, optimizer, params, opt_sd)
     by_stage = meta["rng"].get("dropout_by_stage")
     if by_stage and len(by_stage) == strategy.group.size:   # the loop restores "dropout"
         meta["rng"]["dropout"] = by_stage[strategy.group.rank]
     return meta
+
+
+def _dtype(model):
+    """The stage's parameter dtype (under ZeRO-3 its parameters are placeholders of it)."""
+    return next(p.dtype for _, p in model.named_parameters())

@@ -66,6 +66,11 @@ class PipelineStage:
                 parts["wte"] = factory.token_embedding()      # the tied head's copy
         return ModuleDict(**parts)
 
+    def tied_copies(self):
+        """The first stage's wte and the last stage's copy (the head's): their gradients are
+        summed over the embedding group (minidist/pp/strategy.py sync_grads)."""
+        return [self.transformer.wte.weight] if self.first or self.last else []
+
     def dropout_stream(self, seed):
         """A dropout stream per stage (masks therefore differ from one process's)."""
         return backend.rng([seed, _DROPOUT_STREAM, self.link.stage])
@@ -103,15 +108,20 @@ class PipelineStage:
 
     def run_chunk(self, x, chunk):
         """The blocks of `chunk`: GPT's run_blocks when the stage is one chunk; under
-        interleaving, the chunk's blocks, each recomputed in backward with
-        --ckpt-activations (no ZeRO-3 block hooks: ZeRO with --pp is refused)."""
+        interleaving, the chunk's blocks as run_blocks runs them (each recomputed in backward
+        with --ckpt-activations, the block hooks around it: ZeRO-3's gathers, block i = the
+        i-th block this stage holds, as ZeRO numbers its units)."""
         if len(self.chunks) == 1:
             return self.run_blocks(x)
         recompute = self.checkpointing and is_grad_enabled()
+        hooks = self.block_hooks
         for n in self.chunks[chunk]:
+            i = self.layers.index(n)
             block = self.transformer.h.numbered(n)
+            hooks.before_block(i)                                  # ZeRO-3: gather block i
             x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
                 else block(x)                                      # (B, T, C)
+            x = hooks.after_block(i, x)            # ZeRO-3: re-gather block i in backward
         return x
 
     # ---- the whole pipeline, no gradients: evaluation and sampling ------------------------

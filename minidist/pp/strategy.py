@@ -26,6 +26,7 @@ the dp group, or one replica), as TensorParallel and ContextParallel do:
                         rank loads its own parameters from it (minidist/pp/checkpoint.py)
 Tests: tests/test_pipeline.py.
 """
+import argparse
 import math
 
 from minidist.backend import xp_of
@@ -36,7 +37,7 @@ from minidist.pp.schedule import (SCHEDULES, bubble_fraction, chunk_layers, meas
 from minidist.pp import checkpoint as pp_checkpoint
 from minidist.strategy import memory
 from minidist.strategy.base import ModelParallel, all_reduce_number
-from minidist.tp.state import replicated_grads, sum_sq_over_tp, unscaled_sum_sq
+from minidist.tp.state import sum_sq_over_tp, unscaled_sum_sq
 
 
 def pp_problems(args, micro_batches):
@@ -46,9 +47,6 @@ def pp_problems(args, micro_batches):
     if args.pp > args.n_layer:
         problems.append(f"--pp {args.pp} stages for --n-layer {args.n_layer} blocks: every "
                         f"stage needs at least one block (use --pp <= {args.n_layer})")
-    if args.zero:
-        problems.append(f"--zero {args.zero} with --pp is not available (ZeRO shards what "
-                        "the pipeline's stages hold whole); use DDP across pipelines")
     return problems
 
 
@@ -124,8 +122,9 @@ class PipelineParallel(ModelParallel):
         return self.inner.wrap(stage)          # DDP across the pipelines, or as it is
 
     def takes_part_in_sampling(self):
-        """Sampling runs through every stage (and tp rank) of the first replica."""
-        return self.mesh.dp_rank == 0
+        """Sampling runs through every stage (and tp rank) of the first replica; under
+        ZeRO-3 through every replica (each block's gather is a collective over dp)."""
+        return self.mesh.dp_rank == 0 or self.inner.takes_part_in_sampling()
 
     def notes(self):
         from minidist.nn.config import gpt_param_specs
@@ -183,19 +182,23 @@ class PipelineParallel(ModelParallel):
         return float(buf[0])
 
     def sync_grads(self, model):
-        super().sync_grads(model)           # DDP across pipelines: every bucket, once
+        super().sync_grads(model)           # DDP / ZeRO across pipelines: every bucket, once
         if self.embedding is not None:      # tied wte: first stage's + last stage's gradient
-            sync_tied_embedding(model, self.embedding)
+            sync_tied_embedding(self.inner.local_grads(model.tied_copies()), self.embedding)
 
     def reduce_sum_sq(self, local):
         """The global sum of squares: the tied wte counted once (on the first stage), tensor
         parallelism's split/replicated rule inside the stage (minidist/tp/state.py), the sum
-        over stages, then inner's (DDP: the replicas hold the same, nothing to add)."""
+        over stages, then inner's (DDP: the replicas hold the same, nothing to add; ZeRO:
+        each rank holds its shards, summed over dp). The gradients are inner's local_grads:
+        .grad, or under ZeRO the pieces of this rank's shards."""
         if self.stage.last and not self.stage.first:
-            local -= unscaled_sum_sq([self.stage.transformer.wte.weight.grad], self.amp)
+            local -= unscaled_sum_sq(self.inner.local_grads(self.stage.tied_copies()),
+                                     self.amp)
         if self.mesh.shape["tp"] > 1:
+            replicated = [p for p in self.stage.parameters() if p.tp_split is None]
             local = sum_sq_over_tp(self.stage, self.mesh.tp, local,
-                                   replicated_grads(self.stage), self.amp)
+                                   self.inner.local_grads(replicated), self.amp)
         total = all_reduce_number(self.group, local, "sum", self.stage.parameters()[0].data)
         return self.inner.reduce_sum_sq(total)
 
@@ -231,6 +234,7 @@ class PipelineParallel(ModelParallel):
     def finish(self, args, log):
         for line in self.summary():
             log.print0(line)
+        self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective and micro-batch written to {args.trace}")
@@ -240,10 +244,11 @@ def model_xp(model):
     return xp_of(model.parameters()[0].data)
 
 
-def sync_tied_embedding(model, group):
+def sync_tied_embedding(grads, group):
     """The tied wte's gradient summed over `group`: the first and the last stage of one
-    pipeline, each holding a copy (the embedding's and the head's use). Collective."""
-    w = model.transformer.wte.weight
-    if w.grad is None:
-        w.grad = xp_of(w.data).zeros_like(w.data)
-    group.all_reduce(w.grad, op="sum")
+    pipeline, each holding a copy (the embedding's and the head's use). `grads`: the arrays
+    the optimizer reads as its gradient (the strategy's local_grads: the whole .grad, or under
+    ZeRO this dp rank's pieces of it, cut alike on both stages: minidist/zero/flat.py).
+    Collective."""
+    for g in grads:
+        group.all_reduce(g, op="sum")

@@ -10,6 +10,7 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
     forward_backward(model, x, y, scale, measure)   one micro-batch: (loss, activation bytes)
                               (a pipeline runs its schedule here)
     sync_grads(model)         e.g. DDP's all-reduce / ZeRO's reduce-scatter
+    local_grads(params)       the arrays the optimizer reads as these parameters' gradients
     reduce_sum_sq(local)      this rank's sum of squared gradients -> the global one (clip)
     after_step()              after the optimizer step (ZeRO: all-gather the new parameters)
     zero_grad(opt)            ready for the next step (DDP: zero its buckets in place)
@@ -18,6 +19,7 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
                               the device (no host sync)
 and around the steps: build_model(config, seed, dtype), build_optimizer(model, args),
 any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
+whole_state / load_whole_state / optimizer_type (a pipeline's checkpoints),
 takes_part_in_sampling(), reports_memory, rank, world_size.
 
 `SingleProcess` is the reference (one process, the whole model, no communication) and the
@@ -33,6 +35,7 @@ Tests: tests/test_train.py.
 """
 import contextlib
 
+from minidist import backend
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.nn import GPT
@@ -112,6 +115,16 @@ class SingleProcess:
     def sync_grads(self, model):
         pass
 
+    def local_grads(self, params):
+        """The arrays this rank's optimizer reads as `params`' gradients once sync_grads has
+        run: here each .grad (zeros for one backward left without); ZeRO: the pieces of its
+        gradient shards. For other strategies' sums over their own groups (a pipeline's tied
+        wte, tensor parallelism's replicated parameters)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = xp_of(p.data).zeros_like(p.data)
+        return [p.grad for p in params]
+
     def reduce_sum_sq(self, local):
         """The global sum of squared gradients from this rank's: here, this rank's."""
         return local
@@ -155,6 +168,24 @@ class SingleProcess:
     def load(self, directory, model, optimizer):
         return checkpoint.load_checkpoint(directory, model, optimizer)
 
+    # ---- whole arrays by name, for a strategy around this one (a pipeline's checkpoints) --
+    def whole_state(self, model, optimizer):
+        """(params, optimizer state_dict): `model`'s parameters as host arrays by name and
+        the optimizer's state_dict, as one process holds them; here on every rank (ZeRO:
+        gathered to its rank 0, (None, None) elsewhere)."""
+        return ({n: backend.to_host(a).copy() for n, a in model.state_dict().items()},
+                optimizer.state_dict())
+
+    def load_whole_state(self, model, optimizer, params, opt_sd):
+        """The inverse of whole_state: `params` and `opt_sd` (by name) into model and
+        optimizer (ZeRO: this rank's shards cut from them)."""
+        model.load_state_dict(params)
+        optimizer.load_state_dict(opt_sd)
+
+    def optimizer_type(self, optimizer):
+        """The optimizer's name in a checkpoint's state.json (ZeRO: one process's name)."""
+        return type(optimizer).__name__
+
     def finish(self, args, log):
         if args.trace:
             log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
@@ -195,6 +226,9 @@ class ModelParallel(SingleProcess):
 
     def reduce_sum_sq(self, local):
         return self.inner.reduce_sum_sq(local)
+
+    def local_grads(self, params):
+        return self.inner.local_grads(params)
 
     def after_step(self):
         self.inner.after_step()

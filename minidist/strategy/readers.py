@@ -57,6 +57,22 @@ class PlainReader:
         return self.opt.get(f"{name}/{key}")
 
 
+class DictReader:
+    """Whole arrays by name from dicts in memory: `params` (name -> array) and `state` (name
+    -> {key: array}, an optimizer state_dict's "state"), e.g. a pipeline stage's part of a
+    one-process checkpoint that ZeRO cuts its shards from."""
+
+    def __init__(self, params, state):
+        self.params, self.state = params, state
+
+    def get(self, name, key="param"):
+        if key == "param":
+            if name not in self.params:
+                raise CheckpointError(f"the checkpoint has no parameter {name}")
+            return self.params[name]
+        return self.state.get(name, {}).get(key)
+
+
 class ShardReader:
     """Whole arrays by name, assembled from the pieces in the old ranks' shards."""
 

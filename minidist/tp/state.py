@@ -6,10 +6,10 @@ the pipeline's stages and the TensorParallel strategy both call them.
                         replicated ones (the same on every tp rank) counted once
     unscaled_sum_sq(grads, amp)       a local sum of squares as the optimizer measures it
                                       (float32, unscaled under float16 --amp)
-    replicated_grads(model)           the replicated parameters' gradients
     gather_optimizer_state(model, group, sd)   an optimizer state_dict with each split
                         parameter's arrays (exp_avg, ...) gathered over tp into whole ones
     shard_optimizer_state(model, group, sd)    the inverse: this rank's shards of them
+    shard_params(model, group, params)         this rank's shards of whole parameters
 A parameter is split when its `tp_split` (minidist/tp/layers.py) is set.
 Tests: tests/test_tensor_parallel.py (tests/scripts/tp_check.py: clipping, --save), and
 tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
@@ -25,12 +25,6 @@ def unscaled_sum_sq(grads, amp=None):
     float16 --amp unscaled in float32, as the master gradients will be."""
     grads = [g for g in grads if g is not None]
     return amp.unscaled_sum_sq(grads) if amp is not None else local_sum_sq(grads)
-
-
-def replicated_grads(model):
-    """Gradients of the parameters every tp rank holds whole (layer norms, biases of row-
-    parallel layers, position embeddings)."""
-    return [p.grad for p in model.parameters() if p.tp_split is None and p.grad is not None]
 
 
 def sum_sq_over_tp(model, group, local, replicated, amp=None):
@@ -73,3 +67,11 @@ def shard_optimizer_state(model, group, sd):
                 entry[key] = p.tp_split.shard(v, group.size, group.rank)
         sd["state"][name] = entry
     return sd
+
+
+def shard_params(model, group, params):
+    """This rank's shards of whole parameter arrays by name (split ones cut as the
+    parameters are; the rest as they are)."""
+    split = dict(_split_params(model))
+    return {n: split[n].tp_split.shard(np.asarray(a), group.size, group.rank) if n in split
+            else a for n, a in params.items()}

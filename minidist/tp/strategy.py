@@ -75,19 +75,10 @@ class TensorParallel(ModelParallel):
 
     def _replicated_grads(self):
         """The replicated parameters' gradient elements that this rank's optimizer norms:
-        their .grad arrays, or under ZeRO the pieces of them inside this rank's flat gradient
-        shards (a FlatUnit's pieces(): minidist/zero/flat.py). The flat layout is the same
-        on every tp rank, so those pieces are too."""
-        engine = getattr(self.inner, "engine", None)
-        if engine is None:
-            return [p.grad for p in self._replicated if p.grad is not None]
-        mine = {id(p) for p in self._replicated}
-        out = []
-        for u in engine.units:                      # u.flat: the unit's layout
-            f = u.flat
-            out += [u.grad_shard[f.offsets[i] + a - f.lo:f.offsets[i] + b - f.lo]
-                    for i, a, b in f.pieces() if id(f.params[i]) in mine]
-        return out
+        inner's local_grads (their .grad arrays, or under ZeRO the pieces of them inside
+        this rank's flat gradient shards; the flat layout is the same on every tp rank, so
+        those pieces are too)."""
+        return self.inner.local_grads(self._replicated)
 
     # sampling runs the split model: every tp rank of the replicas that sample (dp rank 0;
     # under ZeRO-3 every dp rank, whose blocks are gathered collectively): inner decides

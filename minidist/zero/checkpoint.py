@@ -42,7 +42,7 @@ from minidist.nn.safetensors import SafetensorsError
 from minidist.strategy import checkpoint
 from minidist.strategy import checkpoint_dirs as dirs
 from minidist.strategy.checkpoint import CheckpointError
-from minidist.strategy.readers import STATE_KEYS, reader_for
+from minidist.strategy.readers import STATE_KEYS, DictReader, reader_for
 
 SCALER_KEY = "loss_scaler"                           # as minidist/train/amp.py names it
 _ERRORS = (CheckpointError, SafetensorsError, KeyError, ValueError, OSError)
@@ -155,7 +155,7 @@ def load_sharded(directory, model, optimizer, group):
         meta = {**record, "optimizer": record["optimizer"]["type"]}
         checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
                               optimizer_type(optimizer))
-        _check_groups(folder, record, optimizer)
+        _check_groups(folder, record["optimizer"]["groups"], optimizer)
         reader = reader_for(folder, manifest)
         units = optimizer.engine.units
         keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
@@ -163,7 +163,7 @@ def load_sharded(directory, model, optimizer, group):
     except _ERRORS as e:
         err = str(e)
     _agree(directory, group.comm.allgather(err))
-    _assign(new, record, optimizer)
+    _assign(new, record["optimizer"]["groups"], record["optimizer"]["scalars"], optimizer)
     return {**meta, "folder": folder}              # as checkpoint.load's meta
 
 
@@ -179,8 +179,7 @@ def _agree(directory, verdicts):
             f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in found.items()))
 
 
-def _check_groups(directory, record, optimizer):
-    saved = record["optimizer"]["groups"]
+def _check_groups(directory, saved, optimizer):
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"{directory}: {len(saved)} optimizer groups in the "
                               f"checkpoint, {len(optimizer.param_groups)} here")
@@ -204,19 +203,63 @@ def _cut(reader, u, key, optimizer):
     return out
 
 
-def _assign(new, state, optimizer):
-    saved = state["optimizer"]
-    steps = {s["step"] for n, s in saved["scalars"].items() if n != SCALER_KEY and "step" in s}
+def _assign(new, groups, scalars, optimizer):
+    """The shards `new` ((unit, key) -> host array), the groups' hyperparameters and the
+    scalars (name -> {"step"}, the loss scaler's) into `optimizer`; then the engine's
+    after_step (stages 1, 2: all-gather, a collective)."""
+    steps = {s["step"] for n, s in scalars.items() if n != SCALER_KEY and "step" in s}
     optimizer.steps = max(steps, default=0)
-    for group, g in zip(optimizer.param_groups, saved["groups"]):
+    for group, g in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in g.items() if k not in ("params", "names")})
         group["betas"] = tuple(group["betas"])
     optimizer.weight_decay = max(g["weight_decay"] for g in optimizer.param_groups)
-    if optimizer.amp is not None and SCALER_KEY in saved["scalars"]:
-        optimizer.amp.scaler.load_state_dict(saved["scalars"][SCALER_KEY])
+    if optimizer.amp is not None and SCALER_KEY in scalars:
+        optimizer.amp.scaler.load_state_dict(scalars[SCALER_KEY])
     xp = backend.xp_of(optimizer.engine.units[0].param_shard)
     for (unit, key), host in new.items():
         u = next(u for u in optimizer.engine.units if u.flat.name == unit)
         target = u.param_shard if key == "param" else optimizer.state[unit][key]
         target[...] = backend.to_device(host, xp)
     optimizer.engine.after_step()      # stages 1, 2: all-gather; stage 3: drop stale copies
+
+
+# ---- whole arrays by name: a pipeline's checkpoints (minidist/pp/checkpoint.py) ----------------
+
+def gather_whole(optimizer, root=0):
+    """(params, optimizer state_dict) of the model the engine shards as one process's AdamW
+    (MasterWeightOptimizer under amp) holds them: host arrays by parameter name (per
+    parameter "step", "exp_avg", "exp_avg_sq", "master"), on group rank `root`; (None, None)
+    elsewhere. Collective over the engine's group, one unit and key at a time."""
+    engine = optimizer.engine
+    group = engine.group
+    params, state = engine.full_state_dict(root), {}
+    for u in engine.units:
+        f = u.flat
+        for key, shard in optimizer.state[f.name].items():
+            full = backend.xp_of(shard).empty(f.padded, shard.dtype)
+            group.all_gather(full, shard)
+            if group.rank == root and optimizer.steps:      # no state before the first step
+                for n, v in zip(f.names, f.views(full)):
+                    entry = state.setdefault(n, {"step": optimizer.steps})
+                    entry[key] = backend.to_host(v).copy()
+    if group.rank != root:
+        return None, None
+    if optimizer.amp is not None:
+        state[SCALER_KEY] = optimizer.amp.scaler.state_dict()
+    groups = [{k: v for k, v in g.items() if k not in ("params", "names")}
+              for g in optimizer.param_groups]
+    return params, {"groups": groups, "state": state}
+
+
+def load_whole(params, opt_sd, optimizer):
+    """This rank's shards of every unit cut from whole arrays by name: `params` and `opt_sd`
+    (an optimizer state_dict, as checkpoint.load returns them: one process's, or a pipeline
+    stage's part of it). Collective over the engine's group (after_step's all-gather)."""
+    units = optimizer.engine.units
+    _check_groups("the checkpoint", opt_sd["groups"], optimizer)
+    reader = DictReader(params, opt_sd["state"])
+    keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
+    new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
+    scalars = {n: {k: v for k, v in s.items() if not hasattr(v, "shape")}
+               for n, s in opt_sd["state"].items()}
+    _assign(new, opt_sd["groups"], scalars, optimizer)

@@ -18,6 +18,8 @@ Equal shards let reduce-scatter and all-gather use equal chunks (the comm layer'
 
 GPT's units (`gpt_units`) are the root -- every parameter outside the blocks: wte (tied to
 the output head), wpe, ln_f -- and one unit per transformer block, the granularity FSDP wraps.
+A pipeline stage's tied wte (the first and the last stage each hold a copy) is a unit of its
+own, so both copies are cut alike and their gradient shards can be summed shard by shard.
 The blocks have identical shapes, so at stage 3 they can share gather buffers.
 A freed parameter (stage 3, not gathered) points at a `placeholder`: a read-only, zero-strided
 NaN array of the right shape and dtype, one element of memory; a forward that forgot to gather
@@ -112,16 +114,20 @@ class FlatUnit:
                            for n, s, o in zip(self.names, self.shapes, self.offsets)]}
 
 
-def gpt_units(model, world, rank):
-    """[root unit, block 0, ..., block L-1] for a GPT-shaped model: blocks are
-    `model.transformer.h` (each its own unit, `module` set), the root everything else.
+def gpt_units(model, world, rank, apart=()):
+    """[root unit(s), block 0, ..., block L-1] for a GPT-shaped model: blocks are
+    `model.transformer.h` (each its own unit, `module` set), the root everything else; each
+    parameter in `apart` (a pipeline stage's tied wte: GPT.tied_copies) a root unit of its
+    own, named by the parameter, so every rank holding a copy cuts it into the same shards.
     Experts under expert parallelism (`expert_parallel`, minidist/ep/) stay out: they differ
     from rank to rank, and the ep strategy updates them."""
     named = [(n, p) for n, p in model.named_parameters() if not p.expert_parallel]
     blocks = list(getattr(getattr(model, "transformer", None), "h", []))
     owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-    root = [(n, p) for n, p in named if id(p) not in owner]
+    alone = {id(p) for p in apart}
+    root = [(n, p) for n, p in named if id(p) not in owner and id(p) not in alone]
     units = [FlatUnit("root", root, world, rank)] if root else []
+    units += [FlatUnit(n, [(n, p)], world, rank) for n, p in named if id(p) in alone]
     for i, block in enumerate(blocks):
         mine = [(n, p) for n, p in named if owner.get(id(p)) == i]
         units.append(FlatUnit(f"h.{i}", mine, world, rank, module=block))

@@ -12,10 +12,15 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
                         buffers, stages 2 and 3 reduce-scatter each micro-batch's gradients
                         into the shards as backward completes them
     sync_grads          engine.sync_grads(): the reduce-scatters
+    local_grads         the pieces of the gradient shards that belong to some parameters
+                        (a pipeline sums its tied wte's over two stages, and leaves one copy
+                        out of the norm; tensor parallelism counts replicated ones once)
     reduce_sum_sq       the local sum of squares of the gradient shards, summed over dp
     after_step          engine.after_step(): all-gather the updated shards (stages 1, 2) or
                         drop the stale gathered copies (stage 3)
     save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
+    whole_state / load_whole_state   the shards gathered into (cut from) whole arrays by
+                        name, in one process's format: a pipeline's checkpoints
     save_pretrained     GPT-2 format, the parameters gathered to rank 0
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
                         rank) and the bytes sent per step
@@ -27,8 +32,10 @@ import contextlib
 from minidist.comm import trace
 from minidist.strategy import memory
 from minidist.strategy.base import SingleProcess, all_reduce_number, dp_rows
-from minidist.zero.checkpoint import load_sharded, save_sharded
+from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
+                                      save_sharded)
 from minidist.zero.optim import ShardedAdamW
+from minidist.zero.flat import gpt_units
 from minidist.zero.zero import zero_engine
 
 
@@ -48,7 +55,8 @@ class ZeroDataParallel(SingleProcess):
     def wrap(self, model):
         """Shard `model` (the whole model, or this rank's part built by another strategy)."""
         self.model, self.n_params = model, model.num_parameters()
-        self.engine = zero_engine(model, self.group, self.stage, prefetch=self.prefetch)
+        units = gpt_units(model, self.group.size, self.group.rank, apart=model.tied_copies())
+        self.engine = zero_engine(model, self.group, self.stage, units, self.prefetch)
         return model
 
     def build_optimizer(self, model, args):
@@ -92,6 +100,11 @@ class ZeroDataParallel(SingleProcess):
         self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent)
         self.activations = max(self.activations, activation_bytes)
 
+    def local_grads(self, params):
+        """The pieces of this rank's gradient shards that belong to `params` (the engine's
+        grad_pieces): what the optimizer steps these parameters with after sync_grads."""
+        return self.engine.grad_pieces(params)
+
     def reduce_sum_sq(self, local):
         """The global sum of squares: every rank holds different shards, so sum them."""
         return all_reduce_number(self.group, local, "sum", self.engine.units[0].param_shard)
@@ -112,6 +125,18 @@ class ZeroDataParallel(SingleProcess):
 
     def load(self, directory, model, optimizer):
         return load_sharded(directory, model, optimizer, self.group)
+
+    def whole_state(self, model, optimizer):
+        """(params, optimizer state_dict) in one process's format, gathered to dp rank 0
+        ((None, None) elsewhere). Collective over the dp group."""
+        return gather_whole(optimizer, root=0)
+
+    def load_whole_state(self, model, optimizer, params, opt_sd):
+        """This rank's shards cut from whole arrays by name. Collective over the dp group."""
+        load_whole(params, opt_sd, optimizer)
+
+    def optimizer_type(self, optimizer):
+        return optimizer_type(optimizer)
 
     def save_pretrained(self, model, directory, dtype="float32"):
         """GPT-2's format (minidist/nn/pretrained.py), the full parameters gathered to rank 0

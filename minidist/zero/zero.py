@@ -144,6 +144,17 @@ class ZeroStage1:
                     p.grad = view
             self.group.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
 
+    def grad_pieces(self, params):
+        """The pieces of this rank's gradient shards that belong to `params` (views, in unit
+        order; after sync_grads they hold the averaged gradient): what this rank's optimizer
+        reads of them. A FlatUnit's pieces() (minidist/zero/flat.py) says where they sit."""
+        mine, out = {id(p) for p in params}, []
+        for u in self.units:
+            f = u.flat
+            out += [u.grad_shard[f.offsets[i] + a - f.lo:f.offsets[i] + b - f.lo]
+                    for i, a, b in f.pieces() if id(f.params[i]) in mine]
+        return out
+
     def held(self):
         """The arrays this rank holds for parameters and gradients (the memory ledger)."""
         return {"params": [u.full for u in self.units],

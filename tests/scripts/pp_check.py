@@ -9,7 +9,8 @@
 
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
 gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), sp
-(--sequence-parallel), ckpt (--ckpt-activations). Every rank also trains the
+(--sequence-parallel), ckpt (--ckpt-activations), z1, z2, z3 (--zero k: ZeRO-k across the
+pipelines instead of DDP). Every rank also trains the
 single-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
 clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
 through the loop's train_step, measuring activations. Checks: losses, grad norms and every
@@ -34,6 +35,7 @@ from minidist import backend
 import minidist.comm
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
+from minidist.pp import checkpoint as pp_checkpoint
 from minidist.pp.simulate import simulate
 from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
@@ -72,6 +74,8 @@ def flags(name, steps):
             extra += ["--sequence-parallel"]
         elif t == "ckpt":
             extra += ["--ckpt-activations"]
+        elif re.fullmatch(r"z[123]", t):
+            extra += ["--zero", t[1]]
         else:
             raise ValueError(f"unknown run token {t!r} in {name!r}")
     c = CONFIG
@@ -102,16 +106,15 @@ def train(strategy, args):
     return model, opt, losses, norms, acts
 
 
-def stage_state(strategy, model):
-    """This stage's parameters as whole host arrays (gathered over tp when it is split)."""
-    if strategy.mesh.shape["tp"] > 1:
-        return model.full_state_dict()
-    return {n: np.asarray(p.data) for n, p in model.named_parameters()}
+def stage_state(strategy, opt):
+    """This stage's parameters as whole host arrays (gathered over tp when it is split; under
+    ZeRO gathered over dp to dp rank 0: {} on the other dp ranks)."""
+    return pp_checkpoint.stage_state(strategy, opt)[0] or {}
 
 
 def check_tied_copies(strategy, state):
     """The first and last stage's wte are bitwise equal (summed gradients, same steps)."""
-    if strategy.embedding is None:
+    if strategy.embedding is None or not state:
         return
     crc = zlib.crc32(np.ascontiguousarray(state["transformer.wte.weight"]).tobytes())
     crcs = strategy.embedding.comm.allgather(crc)
@@ -135,9 +138,9 @@ def compare(name, ref, comm, cli):
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, norms, acts = train(strategy, args)
     ref_model, ref_opt, ref_losses, ref_norms, _ = ref
-    state = stage_state(strategy, model)
+    state = stage_state(strategy, opt)
     ref_state = {n: ref_model.state_dict()[n] for n in state}
-    diff = max(float(np.abs(state[n] - ref_state[n]).max()) for n in state)
+    diff = max((float(np.abs(state[n] - ref_state[n]).max()) for n in state), default=0.0)
     check_tied_copies(strategy, state)
     in_flight = check_in_flight(strategy, comm)
     crcs = {}                    # name -> crc of the whole array: any layout compares
@@ -187,7 +190,7 @@ def check_files(strategy, model, opt, ref, args, comm):
     m2 = again.build_model(CONFIG, SEED + 1, "float64")
     o2 = again.build_optimizer(m2, args)
     again.load(path, m2, o2)
-    mine, back = stage_state(strategy, model), stage_state(again, m2)
+    mine, back = stage_state(strategy, opt), stage_state(again, o2)
     assert all(np.array_equal(mine[n], back[n]) for n in mine), "reload differs"
     assert all(np.array_equal(o2.state[n][k], opt.state[n][k])
                for n in opt.state for k in ("exp_avg", "exp_avg_sq")), "Adam reload differs"
