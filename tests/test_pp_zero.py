@@ -1,0 +1,121 @@
+"""ZeRO-1, 2 and 3 as the data parallelism across pipeline replicas (--pp with --zero): the
+layout is accepted; pp 2 x dp 2 on 4 ranks against one process in float64 with every
+schedule (1F1B, GPipe, interleaved 1F1B, ZB-H1), --grad-accum and --ckpt-activations,
+clipping every step; checkpoints that one process loads and a fresh run reloads bitwise;
+train_gpt end to end with a resume that repeats the straight run. Slow: dp 2 x tp 2 x pp 2.
+
+The exactness runs are tests/scripts/pp_check.py's (run names ending in z1, z2, z3); each
+test's docstring gives the command to run it by hand. How it works: minidist/pp/README.md
+("ZeRO across pipelines").
+"""
+import json
+
+import pytest
+
+from minidist.nn import GPTConfig
+from minidist.strategy import checkpoint
+from minidist.strategy.base import SingleProcess
+from minidist.train.args import train_parser
+from minidist.train.strategy import check_layout
+from mpirun import tagged_json
+
+TOL = 1e-10
+RUNS_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m4-1f1b-z2", "pp2-dp2-m4-1f1b-z3",
+          "pp2-dp2-m4-v2-1f1b-z1", "pp2-dp2-m4-v2-1f1b-ckpt-z3", "pp2-dp2-m4-zbh1-z2",
+          "pp2-dp2-m4-zbh1-z3", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m2-gpipe-ckpt-z3"]
+FILES_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m4-v2-1f1b-ckpt-z3",
+           "pp2-dp2-m4-zbh1-z3"]
+RUNS_8 = ["dp2-tp2-pp2-m2-1f1b-z1", "dp2-tp2-pp2-m4-zbh1-sp-z2", "dp2-tp2-pp2-m2-v2-1f1b-z3"]
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+@pytest.mark.parametrize("schedule", [["--schedule", "1f1b"], ["--schedule", "gpipe"],
+                                      ["--schedule", "zb-h1"], ["--pp-virtual", "2"]])
+def test_zero_with_every_schedule_is_accepted(zero, schedule):
+    args = train_parser().parse_args(["--pp", "2", "--zero", zero, "--micro-batches", "4",
+                                      "--batch-size", "16", *schedule])
+    assert check_layout(args, 4) == (2, 4)          # (dp, micro-batches): no UsageError
+
+
+def _assert_exact(results, runs, files):
+    assert [r["run"] for r in results] == runs
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= TOL, r
+        assert min(r["norms"]) > 0.05, r            # every step clipped (--grad-clip 0.05)
+        if r["run"] in files:                       # one process loads it: the reference's
+            assert max(r["ckpt_diff"], r["adam_diff"]) <= TOL, r
+        print(f"{r['run']:28s}: |loss diff| {r['loss_diff']:.1e}, |norm diff| "
+              f"{r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e}"
+              + (f", checkpoint {r['ckpt_diff']:.1e}" if r["run"] in files else ""))
+
+
+@pytest.mark.mpi
+def test_pp2_x_dp2_zero_equals_one_process(mpi):
+    """ZeRO-1/2/3 across 2 pipelines of 2 stages: 1F1B with each stage, interleaved (v 2)
+    with ZeRO-1 and ZeRO-3 (+ checkpointing), ZB-H1 with ZeRO-2 and ZeRO-3 (the deferred W
+    fires the reduce-scatter hooks), --grad-accum 2, GPipe; losses, clipped grad norms and
+    parameters equal to one process to 1e-10; schedules of one size bitwise equal; the
+    checkpoints of four runs load into one process (its parameters and Adam state) and back
+    into the pipelines bitwise:
+
+        mpiexec -n 4 python tests/scripts/pp_check.py --runs pp2-dp2-m4-1f1b-z1,... \
+            --files pp2-dp2-m4-1f1b-z1,...
+    """
+    out = mpi(4, "tests/scripts/pp_check.py", "--runs", ",".join(RUNS_4), "--files",
+              ",".join(FILES_4), timeout=180)
+    _assert_exact(tagged_json(out), RUNS_4, FILES_4)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_dp2_tp2_pp2_zero_equals_one_process(mpi):
+    """dp 2 x tp 2 x pp 2 on 8 ranks with ZeRO-1 (1F1B), ZeRO-2 (ZB-H1, sequence parallel)
+    and ZeRO-3 (interleaved); the ZeRO-1 and ZeRO-3 checkpoints load into one process:
+
+        mpiexec -n 8 python tests/scripts/pp_check.py --runs dp2-tp2-pp2-m2-1f1b-z1,\
+dp2-tp2-pp2-m4-zbh1-sp-z2,dp2-tp2-pp2-m2-v2-1f1b-z3 \
+            --files dp2-tp2-pp2-m2-1f1b-z1,dp2-tp2-pp2-m2-v2-1f1b-z3
+    """
+    files = [RUNS_8[0], RUNS_8[2]]
+    out = mpi(8, "tests/scripts/pp_check.py", "--runs", ",".join(RUNS_8), "--files",
+              ",".join(files), timeout=300)
+    _assert_exact(tagged_json(out), RUNS_8, files)
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
+        "--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "3"]
+
+
+def _losses(path):
+    return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
+
+
+@pytest.mark.mpi
+def test_train_gpt_pp2_dp2_zero3_end_to_end_with_resume(corpus, tmp_path, mpi):
+    """train_gpt --pp 2 --dp 2 --zero 3: evaluation and a sample through every replica (each
+    block's gather is a collective over dp), ZeRO's memory table; a checkpoint at step 3
+    from which a resume repeats the straight run's losses exactly (with dropout), and which
+    one process loads:
+
+        mpiexec -n 4 python examples/train_gpt.py --pp 2 --dp 2 --zero 3 --micro-batches 2 \
+            --save ck --stop-at 3 ...;  ... --resume ck
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
+              "--dropout", "0.1", "--eval-every", "3"]
+    straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    out = mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, "--sample", "20",
+              timeout=120)
+    assert "---- sample" in out.stdout and "memory per rank, ZeRO stage 3" in out.stdout
+    mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
+        "--sample", "0", timeout=120)
+    mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
+        resumed, "--sample", "0", timeout=120)
+    assert _losses(resumed)[:3] == _losses(straight)[3:6]
+    state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
+    assert state["optimizer"] == "AdamW"            # one process's optimizer, not ShardedAdamW
+    one = SingleProcess()
+    model = one.build_model(GPTConfig(**state["config"]), 0, "float32")
+    opt = one.build_optimizer(model, train_parser().parse_args(["--lr", "1e-2"]))
+    assert checkpoint.load_checkpoint(tmp_path / "ck", model, opt)["step"] == 3
+    assert all(s["step"] == 3 for s in opt.state_dict()["state"].values())
