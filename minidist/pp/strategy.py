@@ -1,13 +1,15 @@
 """The PipelineParallel strategy: GPT cut into --pp stages (minidist/pp/schedule.py),
-optionally tensor-parallel inside each stage (--tp) and data-parallel across replicas (--dp).
+optionally tensor-parallel inside each stage (--tp) and data-parallel across replicas (--dp:
+DDP, or ZeRO-1/2/3 with --zero).
 
     mpirun -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4
     mpirun -n 4 python examples/train_gpt.py --pp 4 --micro-batches 8 --schedule gpipe
     mpirun -n 8 python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --micro-batches 2
+    mpirun -n 4 python examples/train_gpt.py --dp 2 --pp 2 --zero 3
 
 World = dp x tp x pp in Megatron's rank order (minidist/comm/mesh.py). What it changes from
-SingleProcess (minidist/strategy/base.py), the data-parallel part left to `inner` (DDP over
-the dp group, or one replica), as TensorParallel and ContextParallel do:
+SingleProcess (minidist/strategy/base.py), the data-parallel part left to `inner` (DDP or
+ZeRO-k over the dp group, or one replica), as TensorParallel and ContextParallel do:
 
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
                         then inner.wrap(stage)
@@ -17,14 +19,18 @@ the dp group, or one replica), as TensorParallel and ContextParallel do:
                         --micro-batches M, for each --grad-accum round; the last stage seeds each micro-batch's
                         backward with 1/M, so gradients are of the mean loss over the batch;
                         the loss is broadcast from the last stage. DDP stays silent (no_sync)
-                        until sync_grads
+                        until sync_grads; ZeRO-2/3 reduce-scatter each micro-batch's
+                        gradients as backward (ZB-H1: W) completes them
     sync_grads          inner's average over dp (once per step), then the tied embedding: the
                         first and last stages' wte gradients summed over their 2-rank group
+                        (inner's local_grads: under ZeRO this rank's shard of wte, a flat
+                        unit of its own, cut alike on both stages)
     reduce_sum_sq       local squares (the last stage's wte copy left out: the first stage
                         counts it), TP's reduction over tp, summed over pp, then inner's
-    save / load         the whole model gathered to rank 0 in the one-process format; every
-                        rank loads its own parameters from it (minidist/pp/checkpoint.py)
-Tests: tests/test_pipeline.py.
+    save / load         the whole model gathered to rank 0 in the one-process format (under
+                        ZeRO first gathered over dp); every rank loads its own parameters (its
+                        shards) from it (minidist/pp/checkpoint.py)
+Tests: tests/test_pipeline.py, tests/test_pp_zero.py.
 """
 import argparse
 import math
