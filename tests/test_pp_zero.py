@@ -22,7 +22,8 @@ from mpirun import tagged_json
 TOL = 1e-10
 RUNS_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m4-1f1b-z2", "pp2-dp2-m4-1f1b-z3",
           "pp2-dp2-m4-v2-1f1b-z1", "pp2-dp2-m4-v2-1f1b-ckpt-z3", "pp2-dp2-m4-zbh1-z2",
-          "pp2-dp2-m4-zbh1-z3", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m2-gpipe-ckpt-z3"]
+          "pp2-dp2-m4-zbh1-z3", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m2-gpipe-ckpt-z3",
+          "pp4-m8-1f1b-z2", "pp4-m8-zbh1-z3"]
 FILES_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m4-v2-1f1b-ckpt-z3",
            "pp2-dp2-m4-zbh1-z3"]
 RUNS_8 = ["dp2-tp2-pp2-m2-1f1b-z1", "dp2-tp2-pp2-m4-zbh1-sp-z2", "dp2-tp2-pp2-m2-v2-1f1b-z3"]
@@ -51,18 +52,20 @@ def _assert_exact(results, runs, files):
 
 @pytest.mark.mpi
 def test_pp2_x_dp2_zero_equals_one_process(mpi):
-    """ZeRO-1/2/3 across 2 pipelines of 2 stages: 1F1B with each stage, interleaved (v 2)
-    with ZeRO-1 and ZeRO-3 (+ checkpointing), ZB-H1 with ZeRO-2 and ZeRO-3 (the deferred W
-    fires the reduce-scatter hooks), --grad-accum 2, GPipe; losses, clipped grad norms and
-    parameters equal to one process to 1e-10; schedules of one size bitwise equal; the
-    checkpoints of four runs load into one process (its parameters and Adam state) and back
-    into the pipelines bitwise:
+    """ZeRO-1/2/3 across 2 pipelines of 2 stages, 8 layers (4 blocks per stage: ZeRO-3's
+    two gather buffers are reused, so backward re-gathers evicted blocks): 1F1B with each
+    stage, interleaved (v 2) with ZeRO-1 and ZeRO-3 (+ checkpointing), ZB-H1 with ZeRO-2 and
+    ZeRO-3 (the deferred W fires the reduce-scatter hooks), --grad-accum 2, GPipe; and one
+    pipeline of 4 stages (middle stages: blocks only) with ZeRO-2 and ZeRO-3 over one rank.
+    Losses, clipped grad norms and parameters equal to one process to 1e-10; the schedules
+    of one size bitwise equal; the checkpoints of four runs load into one process (its
+    parameters and Adam state) and back into the pipelines bitwise:
 
-        mpiexec -n 4 python tests/scripts/pp_check.py --runs pp2-dp2-m4-1f1b-z1,... \
-            --files pp2-dp2-m4-1f1b-z1,...
+        mpiexec -n 4 python tests/scripts/pp_check.py --n-layer 8 \
+            --runs pp2-dp2-m4-1f1b-z1,... --files pp2-dp2-m4-1f1b-z1,...
     """
-    out = mpi(4, "tests/scripts/pp_check.py", "--runs", ",".join(RUNS_4), "--files",
-              ",".join(FILES_4), timeout=180)
+    out = mpi(4, "tests/scripts/pp_check.py", "--n-layer", "8", "--runs", ",".join(RUNS_4),
+              "--files", ",".join(FILES_4), timeout=180)
     _assert_exact(tagged_json(out), RUNS_4, FILES_4)
 
 
