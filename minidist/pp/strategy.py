@@ -125,7 +125,7 @@ class PipelineParallel(ModelParallel):
         if self.amp:
             stage = self.amp.cast_model(stage)
         self.model = stage
-        return self.inner.wrap(stage)          # DDP across the pipelines, or as it is
+        return self.inner.wrap(stage)          # DDP or ZeRO across the pipelines, or as it is
 
     def takes_part_in_sampling(self):
         """Sampling runs through every stage (and tp rank) of the first replica; under
