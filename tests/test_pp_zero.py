@@ -15,6 +15,7 @@ import pytest
 from minidist.nn import GPTConfig
 from minidist.strategy import checkpoint
 from minidist.strategy.base import SingleProcess
+from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.train.strategy import check_layout
 from mpirun import tagged_json
@@ -87,7 +88,7 @@ dp2-tp2-pp2-m4-zbh1-sp-z2,dp2-tp2-pp2-m2-v2-1f1b-z3 \
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
-        "--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "3"]
+        "--pp", "2", "--dp", "2", "--micro-batches", "2"]
 
 
 def _losses(path):
@@ -95,30 +96,34 @@ def _losses(path):
 
 
 @pytest.mark.mpi
-def test_train_gpt_pp2_dp2_zero3_end_to_end_with_resume(corpus, tmp_path, mpi):
-    """train_gpt --pp 2 --dp 2 --zero 3: evaluation and a sample through every replica (each
-    block's gather is a collective over dp), ZeRO's memory table; a checkpoint at step 3
-    from which a resume repeats the straight run's losses exactly (with dropout), and which
-    one process loads:
+@pytest.mark.parametrize("zero, extra", [("3", ["--dropout", "0.1"]), ("2", ["--amp"])])
+def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, zero, extra):
+    """train_gpt --pp 2 --dp 2 --zero 3 (with dropout) and --zero 2 --amp (float32 master
+    shards, the loss scaler): evaluation and a sample (under ZeRO-3 through every replica:
+    each block's gather is a collective over dp), ZeRO's memory table; a checkpoint at step 3
+    from which a resume repeats the straight run's losses exactly, and which one process
+    loads:
 
         mpiexec -n 4 python examples/train_gpt.py --pp 2 --dp 2 --zero 3 --micro-batches 2 \
-            --save ck --stop-at 3 ...;  ... --resume ck
+            --dropout 0.1 --save ck --stop-at 3 ...;  ... --resume ck
     """
-    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
-              "--dropout", "0.1", "--eval-every", "3"]
+    common = [*TINY, "--zero", zero, *extra, "--data", corpus, "--cache-dir",
+              tmp_path / "cache", "--steps", "6", "--eval-every", "3"]
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     out = mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, "--sample", "20",
               timeout=120)
-    assert "---- sample" in out.stdout and "memory per rank, ZeRO stage 3" in out.stdout
+    assert "---- sample" in out.stdout and f"memory per rank, ZeRO stage {zero}" in out.stdout
     mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
         "--sample", "0", timeout=120)
     mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
         resumed, "--sample", "0", timeout=120)
     assert _losses(resumed)[:3] == _losses(straight)[3:6]
-    state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
-    assert state["optimizer"] == "AdamW"            # one process's optimizer, not ShardedAdamW
-    one = SingleProcess()
-    model = one.build_model(GPTConfig(**state["config"]), 0, "float32")
+    meta = checkpoint.load(tmp_path / "ck")[2]           # plain dicts: (params, opt, meta)
+    amp = "--amp" in extra               # one process's optimizer's name, not ShardedAdamW
+    assert meta["optimizer"] == ("MasterWeightOptimizer" if amp else "AdamW")
+    one = SingleProcess(MixedPrecision() if amp else None)
+    model = one.build_model(GPTConfig(**meta["config"]), 0, "float32")
     opt = one.build_optimizer(model, train_parser().parse_args(["--lr", "1e-2"]))
     assert checkpoint.load_checkpoint(tmp_path / "ck", model, opt)["step"] == 3
-    assert all(s["step"] == 3 for s in opt.state_dict()["state"].values())
+    adam = opt.state_dict()["state"]                   # (amp: the loss scaler's entry too)
+    assert all(s["step"] == 3 for n, s in adam.items() if n != "loss_scaler"), adam.keys()
