@@ -100,7 +100,8 @@ def _losses(path):
 def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, zero, extra):
     """train_gpt --pp 2 --dp 2 --zero 3 (with dropout) and --zero 2 --amp (float32 master
     shards, the loss scaler): evaluation and a sample (under ZeRO-3 through every replica:
-    each block's gather is a collective over dp), ZeRO's memory table; a checkpoint at step 3
+    each block's gather is a collective over dp), ZeRO's memory table and bytes per step
+    (ZeRO-2: M reduce-scatters and one all-gather per step); a checkpoint at step 3
     from which a resume repeats the straight run's losses exactly, and which one process
     loads:
 
@@ -113,6 +114,8 @@ def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, ze
     out = mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, "--sample", "20",
               timeout=120)
     assert "---- sample" in out.stdout and f"memory per rank, ZeRO stage {zero}" in out.stdout
+    if zero == "2":     # a reduce-scatter per micro-batch: (M + 1)(N - 1)/N = 3/2 of Psi
+        assert "(1.50 x; DDP sends" in out.stdout, out.stdout
     mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
         "--sample", "0", timeout=120)
     mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
