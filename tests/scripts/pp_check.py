@@ -5,6 +5,8 @@
     mpiexec -n 8 python tests/scripts/pp_check.py             # dp 2 x tp 2 x pp 2 (3-D)
     mpiexec -n 4 python tests/scripts/pp_check.py --runs pp4-m8-gpipe,pp4-m8-1f1b
     mpiexec -n 4 python tests/scripts/pp_check.py --n-layer 8 --runs pp4-m8-v2-1f1b,pp4-m4-zbh1
+    mpiexec -n 4 python tests/scripts/pp_check.py --n-layer 8 --runs pp2-dp2-m4-zbh1-z3 \
+        --files pp2-dp2-m4-zbh1-z3                         # ZeRO-3 across pipelines
     VERBOSE=1 mpiexec -n 2 python tests/scripts/pp_check.py --runs pp2-m2-1f1b --steps 1
 
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
