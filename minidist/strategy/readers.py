@@ -1,7 +1,9 @@
 """Reading a checkpoint's arrays by parameter name, whoever wrote it: a one-process run
 (`PlainReader`: model.safetensors and optimizer.safetensors) or a ZeRO run at any world size
 and stage (`ShardReader`: each parameter cut out of the old ranks' flat shards, memory-mapped,
-so only those bytes are read). The format of the shards: minidist/zero/checkpoint.py, which
+so only those bytes are read), or dicts already in memory (`DictReader`: a pipeline stage's
+part of a one-process checkpoint, which ZeRO across pipelines cuts its shards from). The
+format of the shards: minidist/zero/checkpoint.py, which
 writes them; this module sits below the strategy packages so that checkpoint.load (one
 process, DDP, TP, PP) reads ZeRO's checkpoints too without importing minidist/zero/.
 Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
