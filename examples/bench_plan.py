@@ -17,8 +17,10 @@ before each run of a case its N ranks' compute is measured as N independent proc
 thread each, no communication) training the same model on 1/N of the batch at the same time;
 the compute efficiency of the prediction comes from the fastest of these reference steps
 (the cores they really got, shared with each other and with the other jobs) instead of the
-calibration file's, and the collectives keep their calibrated alpha-beta. The row gives the
-reference's step time.
+calibration file's, the elementwise work TP repeats is slowed by the same factor (calibrated
+efficiency / reference efficiency, in place of cost.py's ranks-per-core share), and the
+collectives keep their calibrated alpha-beta and sync. The row gives the reference's step
+time.
 """
 import argparse
 import json
@@ -105,9 +107,10 @@ def reference_efficiency(cluster, ms, ranks):
 
 def predict(cal_path, ranks, layout, micro, per_node, comm, reference_ms=None):
     cluster = cluster_from_calibration(cal_path, ranks)
-    if reference_ms:
-        cluster = replace(cluster, compute_slots=None,        # the reference shared the cores
-                          efficiency=reference_efficiency(cluster, reference_ms, ranks))
+    if reference_ms:     # the reference shared the cores; its slowdown against the lone
+        eff = reference_efficiency(cluster, reference_ms, ranks)  # calibration run slows
+        cluster = replace(cluster, compute_slots=None, efficiency=eff,  # TP's repeated work
+                          replicated=cluster.replicated.scaled(cluster.efficiency / eff))
     if per_node:   # simulated nodes: the same measured link inside and across, and each
         slots = cluster.compute_slots and max(1, cluster.compute_slots * per_node // ranks)
         cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra,

@@ -15,6 +15,12 @@
    rate in its fastest step (cost.py's count, the optimizer's time taken out) / peak.
 4. Optimizer: seconds per parameter of grad-norm clipping + AdamW (what train_gpt.py runs),
    timed here on that model.
+5. Elementwise work TP repeats without SP (cost.py's Elementwise): forward and backward of a
+   block's two layer norms, two bias adds and two residual adds, of the embedding's token +
+   position add, and of ln_f, through minidist's autograd on the validation model's (16, 128,
+   256) float32 activation, one process, one thread; best of 10, seconds per activation byte.
+6. Sync: bench_collectives.py --interleave (compute, then a blocking all-reduce, as TP runs
+   them) at each rank count, at 32 KiB, 256 KiB and 2 MiB; the median sync_s (>= 0).
 """
 import argparse
 import json
@@ -28,6 +34,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from minidist import backend                                          # noqa: E402
+from minidist.autograd import Tensor                                  # noqa: E402
+from minidist.autograd import fused as F                              # noqa: E402
 from minidist.nn import GPT, GPTConfig                                # noqa: E402
 from minidist.optim import AdamW, clip_grad_norm                      # noqa: E402
 from minidist.train.cost import forward_flops                         # noqa: E402
@@ -100,6 +108,50 @@ def optimizer_seconds_per_param(config, repeats=5):
     return min(times[1:]) / model.num_parameters()
 
 
+def timed_graph(build, shape, repeats=10):
+    """(forward, backward) best seconds of the graph build(x) on a random x of `shape`."""
+    x0 = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    fwd, bwd = [], []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        y = build(Tensor(x0, requires_grad=True))
+        t1 = time.perf_counter()
+        y.backward(np.ones_like(x0))
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    return min(fwd[2:]), min(bwd[2:])
+
+
+def elementwise(config):
+    """Seconds per activation byte of the elementwise work a TP rank repeats without SP
+    (forward, backward): a block's, the embedding add's, ln_f's (the module docstring, 5)."""
+    backend.setup(threads=1, device="cpu")
+    T, C = config.block_size, config.n_embd
+    vec = [Tensor(np.ones(C, np.float32), requires_grad=True) for _ in range(6)]
+    pos = Tensor(np.zeros((T, C), np.float32), requires_grad=True)
+
+    def block(x):                  # x + (ln_1(x) + b), then the same with ln_2: the TP
+        w1, b1, w2, b2, c1, c2 = vec          # rank's own work, without the split matmuls
+        x = x + (F.layer_norm(x, w1, b1) + c1)
+        return x + (F.layer_norm(x, w2, b2) + c2)
+    graphs = {"layer": block, "embed": lambda x: x + pos,
+              "head": lambda x: F.layer_norm(x, vec[0], vec[1])}
+    nbytes = BATCH * T * C * 4
+    out = {}
+    for name, build in graphs.items():
+        f, b = timed_graph(build, (BATCH, T, C))
+        out[f"{name}_f"], out[f"{name}_b"] = f / nbytes, b / nbytes
+    return out
+
+
+def sync(ranks, sizes=("32K", "256K", "2M")):
+    """bench_collectives.py --interleave rows at `ranks` and their median sync_s (>= 0)."""
+    rows = [json.loads(run([sys.executable, "examples/bench_collectives.py", "--interleave",
+                            "--max-bytes", size, "--repeats", "5"], ranks).splitlines()[-1])
+            for size in sizes]
+    return {"sync_s": max(0.0, float(np.median([r["sync_s"] for r in rows]))), "rows": rows}
+
+
 def compute(config, opt_s):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     out = run([sys.executable, "examples/bench_step.py", *flags, "--vocab-size",
@@ -128,7 +180,9 @@ def main():
     lap = json.loads(run([sys.executable, "examples/bench_collectives.py", "--overlap",
                           "--compute", "matmul", "--max-bytes", "16M"], 2).splitlines()[-1])
     cal["overlap"] = min(1.0, max(0.0, lap["hidden_thread"]))
+    cal["sync"] = {str(r): sync(r) for r in args.ranks}
     cal["opt_s_per_param"] = optimizer_seconds_per_param(config)
+    cal["replicated"] = elementwise(config)
     cal.update(compute(config, cal["opt_s_per_param"]))
     cal["load_after"] = os.getloadavg()[0]
     with open(args.out, "w") as f:

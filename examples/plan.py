@@ -7,12 +7,13 @@
     python examples/plan.py --preset here --n-layer 4 --n-head 4 --n-embd 128 --seq 128 \\
         --vocab-size 256 --global-batch 16 --gpus 2 --layout dp=2 --fp32
 
-The model: minidist/train/cost.py (compute, alpha-beta collectives on the links each group
-spans, overlap, the bubble); memory: minidist/train/planner.py (examples/plan_memory.py is its
+The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
+sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
+the bubble); memory: minidist/train/planner.py (examples/plan_memory.py is its
 memory-only table); the search: minidist/train/search.py. --preset h100 is H100 SXM nodes
 (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU); --preset here is this machine as
 examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
-can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, ...).
+can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
 """
 import argparse
 import json
@@ -48,6 +49,8 @@ def parse(argv=None):
     for link in ("intra", "inter"):
         p.add_argument(f"--{link}-bw", type=float, help=f"{link}-node GB/s per GPU")
         p.add_argument(f"--{link}-lat", type=float, help=f"{link}-node latency, us")
+    p.add_argument("--sync-us", type=float,
+                   help="wait per blocking TP/CP collective, us (the ranks' arrival)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
     p.add_argument("--comm", choices=("ring", "hier"), default="ring",
@@ -55,7 +58,7 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled")
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
-                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt")
+                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP)")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -81,23 +84,27 @@ def make_cluster(args):
         return (lat and lat * us, bw and bw * 1e9) if (lat or bw) else None
     return with_links(base, link("intra"), link("inter"), gpus_per_node=args.gpus_per_node,
                       mem_gib=args.gpu_mem, peak_tflops=args.peak_tflops,
-                      peak_tflops_fp32=args.peak_tflops, efficiency=args.efficiency)
+                      peak_tflops_fp32=args.peak_tflops, efficiency=args.efficiency,
+                      sync_s=args.sync_us and args.sync_us * us)
 
 
 def parse_layout(text, args):
-    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches)."""
-    fields, micro = {}, 1
+    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
+    sequence parallelism."""
+    fields, micro, sp = {}, 1, True
     for item in text.split(","):
         key, _, value = item.partition("=")
         if key == "ckpt":
             fields["recompute"] = "full"
+        elif key == "nosp":
+            sp = False
         elif key == "micro":
             micro = int(value)
         elif key in ("dp", "tp", "pp", "cp", "zero") and value.isdigit():
             fields[key] = int(value)
         else:
-            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,micro=,ckpt")
-    layout = Layout(amp=not args.fp32, sp=fields.get("tp", 1) > 1,
+            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,micro=,ckpt,nosp")
+    layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     if layout.gpus != args.gpus:
         fail(f"--layout: dp x tp x pp x cp = {layout.gpus}, but --gpus is {args.gpus}")

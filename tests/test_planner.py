@@ -5,6 +5,7 @@ and at least Korthikanti et al.'s; the published closed forms (ZeRO paper, Korth
 Table 2); the decision order; the CLI.
 
 Adding a strategy is one row of ROWS: its train_gpt.py flags and the planner's Layout."""
+from dataclasses import replace
 import json
 import subprocess
 import sys
@@ -146,9 +147,10 @@ def test_cli_json():
 
 # ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------
 
-from minidist.train.cost import (Cluster, Link, bubble_time, collective_time,  # noqa: E402
-                                 exposed, hier_all_reduce_time, layer_flops, ring_time, span,
-                                 step_time)
+from minidist.train.comm_cost import (Link, collective_time, hier_all_reduce_time,  # noqa: E402
+                                      ring_time, span)
+from minidist.train.cost import (Cluster, Elementwise, bubble_time, exposed,  # noqa: E402
+                                 hbm_elementwise, layer_flops, step_time)
 
 TOY = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=2, vocab_size=8)
 UNIT = Cluster("toy", gpus_per_node=8, mem_gib=1, peak_tflops=1e-12, efficiency=1.0,
@@ -228,6 +230,54 @@ def test_tp_and_pipeline_steps_worked_by_hand():
     assert pp["step"] == pytest.approx(3 * (t_f + t_b))
 
 
+def test_replicated_elementwise_worked_by_hand():
+    """TP2 without SP, TOY, b = 1, s = 2: act = 1 x 2 x 4 x 4 = 32 B; every rank repeats its
+    norms and adds, so (1 - 1/2) x 32 = 16 x the per-byte seconds is added: forward 2 layers x
+    1 + embed 3 + head 5 = 10 -> 160 s, backward 2 x 2 + 4 + 6 = 14 -> 224 s. Full recompute
+    runs the blocks' forward again in backward: + 2 x 1 x 16 = 32. Two ranks per slot double
+    it; SP (norms on s/t tokens) and t = 1 add nothing."""
+    unit = replace(UNIT, replicated=Elementwise(1, 2, 3, 4, 5, 6))
+    tp2 = Layout(tp=2, amp=False)
+    t = step_time(TOY, tp2, unit, seq=2, global_batch=1)
+    assert t["replicated"] == pytest.approx(160 + 224)
+    # the rest as before: compute 3 x (2 x 832 / 2 + 2 x 2 x 4 x 8 / 2) = 2688, 10 all-reduces
+    # of 32 s, the loss's two all-reduces of 8 B and 16 B over 2 ranks: 8 + 16 s
+    assert t["compute"] == pytest.approx(2688) and t["loss_comm"] == pytest.approx(24)
+    assert t["step"] == pytest.approx(2688 + 320 + 24 + 384)
+    ckpt = step_time(TOY, replace(tp2, recompute="full"), unit, seq=2, global_batch=1)
+    assert ckpt["replicated"] == pytest.approx(384 + 32)
+    shared = step_time(TOY, tp2, replace(unit, compute_slots=1), seq=2, global_batch=1)
+    assert shared["replicated"] == pytest.approx(2 * 384)
+    assert step_time(TOY, replace(tp2, sp=True), unit, seq=2, global_batch=1)["replicated"] == 0
+    assert step_time(TOY, Layout(dp=2, amp=False), unit, seq=2, global_batch=2)[
+        "replicated"] == 0
+
+
+def test_hbm_elementwise_counts_activation_passes():
+    """At 1 B/s a block moves 14 activations forward and 14 backward (module docstring)."""
+    assert hbm_elementwise(1.0) == Elementwise(14, 14, 3, 1, 2, 3)
+    assert hbm_elementwise(2.0).layer_f == 7
+
+
+def test_sync_per_blocking_collective_worked_by_hand():
+    """sync_s = 10 s per blocking collective. TP2 on TOY (2 layers, one stage): forward 2 x 2
+    all-reduces + the embedding's + the loss's 2 = 7, backward 2 x 2 + the head's = 5: 120 s.
+    SP: each all-reduce is a reduce-scatter and an all-gather, (4 + 1) x 2 + 2 = 12 forward,
+    5 x 2 = 10 backward: 220 s. CP2 (s/cp = 1): forward 2 layers x 1 hop, backward 2 x 3: 80 s.
+    PP2 with TP2, 2 micro-batches: stage 1 (1 layer, the head: the slower) waits forward 2 + 2
+    (the loss), backward 2 + 1 (the head's input) per micro-batch: 2 x 7 x 10 = 140 s."""
+    unit = replace(UNIT, sync_s=10.0)
+    tp2 = Layout(tp=2, amp=False)
+    assert step_time(TOY, tp2, unit, seq=2, global_batch=1)["sync"] == pytest.approx(120)
+    assert step_time(TOY, replace(tp2, sp=True), unit, seq=2, global_batch=1)[
+        "sync"] == pytest.approx(220)
+    assert step_time(TOY, Layout(cp=2, amp=False), unit, seq=2, global_batch=1)[
+        "sync"] == pytest.approx(80)
+    pp = step_time(TOY, Layout(tp=2, pp=2, amp=False), unit, seq=2, global_batch=2,
+                   micro_batches=2)
+    assert pp["sync"] == pytest.approx(140)
+
+
 def test_tiled_attention_and_cp_in_the_memory_model():
     """Tiled (and cp's ring) attention keep 4 a s b bytes of log-sum-exp instead of the
     (s, s) scores; cp halves s."""
@@ -240,6 +290,26 @@ def test_tiled_attention_and_cp_in_the_memory_model():
     assert tiled < flat / 10
 
 
+def test_here_cluster_reads_the_calibration(tmp_path):
+    """cluster_from_calibration: the link fit and the sync of the rank count nearest the
+    asked one, the elementwise seconds as measured, ranks sharing the cores."""
+    from minidist.train.search import cluster_from_calibration
+    link = {"alpha": 1e-5, "bw": 1e9, "gamma": 0.0}
+    cal = {"cores": 2, "mem_gib": 4.0, "peak_tflops": 0.1, "efficiency": 0.5, "overlap": 0.0,
+           "opt_s_per_param": 1e-9, "links": {"2": link, "4": dict(link, alpha=7e-5)},
+           "sync": {"2": {"sync_s": 1e-4}, "4": {"sync_s": 2e-3}},
+           "replicated": dict(zip(("layer_f", "layer_b", "embed_f", "embed_b", "head_f",
+                                   "head_b"), (1e-9, 2e-9, 3e-9, 4e-9, 5e-9, 6e-9)))}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    four = cluster_from_calibration(str(path), 4)
+    assert four.intra.alpha == 7e-5 and four.sync_s == 2e-3 and four.compute_slots == 2
+    assert four.replicated == Elementwise(1e-9, 2e-9, 3e-9, 4e-9, 5e-9, 6e-9)
+    assert cluster_from_calibration(str(path), 2).sync_s == 1e-4
+    t = step_time(TOY, Layout(tp=4, amp=False), four, seq=2, global_batch=1)
+    assert t["replicated"] > 0 and t["sync"] == pytest.approx((2 * 2 + 3 + 2 * 2 + 1) * 2e-3)
+
+
 def test_plan_cli():
     """python examples/plan.py --params 7e9 --gpus 64 --json: rows fastest first, the best
     fits; a bad --layout is one error line and exit 2."""
@@ -250,6 +320,11 @@ def test_plan_cli():
     steps = [r["step"] for r in result["rows"]]
     assert steps == sorted(steps) and result["rows"][0]["fits"]
     assert result["best"] == result["rows"][0]["layout"]
+    nosp = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
+                           "8", "--seq", "4096", "--json", "--global-batch", "8", "--layout",
+                           "tp=8,nosp"], capture_output=True, text=True, timeout=60, check=True)
+    row = json.loads(nosp.stdout)["rows"][0]
+    assert not row["sp"] and row["replicated"] > 0 and row["sync"] > 0
     bad = subprocess.run([sys.executable, "examples/plan.py", "--gpus", "8", "--layout",
                           "dp=4,tp=4"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --layout")

@@ -15,7 +15,7 @@ their k links (NICs) at once:
       3. ring all-gather in the node           every rank holds [A|B], reduced over all 4
 
 Bytes each rank sends: (k-1)/k n in the node twice, 2(m-1)/m n/k across (`hier_bytes`); the
-step-time model is minidist/train/cost.py's hier_all_reduce_time.
+step-time model is minidist/train/comm_cost.py's hier_all_reduce_time.
 
 Nodes are simulated by grouping world ranks: world rank r is on node r // ranks_per_node,
 where ranks_per_node is MINIDIST_RANKS_PER_NODE, else the launcher's count of ranks on this

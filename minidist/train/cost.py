@@ -9,18 +9,19 @@ h per layer). TP divides the FLOPs by t, CP the tokens by c, PP the layers by p.
 fewer cores than ranks (`compute_slots`), ranks share them: time x ranks per node / slots.
 MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak.
 
-Collectives: an alpha-beta model of the algorithms minidist implements (minidist/comm/ring.py),
-a group of p ranks and a buffer of n bytes over a link of latency alpha and bandwidth B, and
-gamma seconds per byte of local reduction:
-    ring reduce-scatter, all-gather   (p-1) alpha + (p-1)/p n/B   (+ (p-1)/p n gamma: RS)
-    ring all-reduce                   2(p-1) alpha + 2(p-1)/p n/B + (p-1)/p n gamma
-    hierarchical all-reduce, k ranks per node, m nodes (minidist/comm/hier.py):
-        ring reduce-scatter in the node, ring all-reduce of n/k bytes across the m nodes
-        (the k local ranks each on its own NIC, at once), ring all-gather in the node
-    send/recv                         alpha + n/B
-A group's link comes from the mesh order (minidist/comm/mesh.py: tp fastest, then cp, dp,
-pp): a group whose ranks all sit on one node uses the intra-node link, one that spans nodes
-runs at the inter-node link's speed (every ring step waits for its slowest hop).
+Work TP does not split. The efficiency is measured on (or assumed for) a whole step, layer
+norms and adds included, and TP divides it all by t; but without sequence parallelism every TP
+rank repeats the elementwise work on the full activation (Korthikanti et al. 2022): each
+block's ln_1, ln_2, two row-parallel bias adds and two residual adds, the embedding's token +
+position add, ln_f. So (1 - 1/t) of it is added back, at `Cluster.replicated`'s seconds per
+activation byte (forward, backward; shared cores slow it as they slow compute); with SP that
+work runs on s/t tokens and the division by t is right.
+Sync. Each blocking TP/CP collective (TP's all-reduces or SP's reduce-scatters and
+all-gathers, the vocabulary-parallel loss's two small all-reduces, CP's ring hops) also waits
+`Cluster.sync_s` for the ranks to arrive: measured here by bench_collectives.py --interleave.
+
+Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms, placed on
+the links a group spans by the mesh order (minidist/train/comm_cost.py).
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
 a stage (compute, TP's all-reduces, CP's ring, ZeRO-3's exposed gathers, the p2p sends), then
@@ -31,16 +32,37 @@ ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, 
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
-from minidist.train.planner import STATE_BYTES, Layout, stage_params
+from minidist.train.comm_cost import Link, collective_time, p2p_link, p2p_time, span
+from minidist.train.planner import STATE_BYTES, stage_params
 
 
 @dataclass(frozen=True)
-class Link:
-    """One hop: latency alpha (seconds per message) and bandwidth (bytes/s, one direction)."""
-    alpha: float
-    bw: float
+class Elementwise:
+    """Seconds per byte of one activation (b s h e bytes) of the elementwise work a TP rank
+    repeats without SP, forward (_f) and backward (_b): `layer` one block's (ln_1, ln_2, the two
+    row-parallel bias adds, the two residual adds), `embed` the token + position add, `head`
+    ln_f. Measured by examples/calibrate_here.py; `hbm_elementwise` for a GPU."""
+    layer_f: float = 0.0
+    layer_b: float = 0.0
+    embed_f: float = 0.0
+    embed_b: float = 0.0
+    head_f: float = 0.0
+    head_b: float = 0.0
+
+    def scaled(self, k):
+        return Elementwise(*(k * v for v in astuple(self)))
+
+
+def hbm_elementwise(bw):
+    """Elementwise at `bw` bytes/s of memory bandwidth, each op reading and writing its
+    activations once (unfused, as minidist runs them; statistics and (C,) vectors ignored),
+    in activation-sized passes: layer norm forward 2 (read x, write y), backward 3 (x, dy,
+    dx); bias add forward 2, backward 1 (sum dy); residual add forward 3, backward 3 (the two
+    gradients summed). A block: 2 norms + 2 bias adds + 2 adds = 14 forward, 14 backward; the
+    embedding add 3 forward, 1 backward (the position gradient); ln_f 2 and 3."""
+    return Elementwise(14 / bw, 14 / bw, 3 / bw, 1 / bw, 2 / bw, 3 / bw)
 
 
 @dataclass(frozen=True)
@@ -49,7 +71,9 @@ class Cluster:
     (amp) peak; peak_tflops_fp32 for float32 (None: the same); gamma: seconds per byte of a
     collective's local reduction; opt_s_per_param: the optimizer's time per parameter it
     updates; overlap: fraction of a window communication can hide in (1: all of it);
-    compute_slots: ranks per node that compute at full speed at once (None: all)."""
+    compute_slots: ranks per node that compute at full speed at once (None: all);
+    replicated: the elementwise work TP without SP repeats (Elementwise); sync_s: seconds a
+    blocking TP/CP collective waits beyond its alpha-beta time (the ranks' arrival)."""
     name: str
     gpus_per_node: int
     mem_gib: float
@@ -62,15 +86,20 @@ class Cluster:
     opt_s_per_param: float = 0.0
     overlap: float = 1.0
     compute_slots: int = None
+    replicated: Elementwise = Elementwise()
+    sync_s: float = 0.0
     notes: dict = field(default_factory=dict, compare=False)
 
 
-# H100 SXM (DGX/HGX H100): 989 TFLOP/s dense bf16, 80 GB HBM3; NVLink 4 at 450 GB/s per
-# direction per GPU; one 400 Gb/s (50 GB/s) NDR InfiniBand NIC per GPU. Latencies and the
-# efficiency are assumptions (typical published figures: ~3 us NVLink, ~5 us IB, 40-50% MFU).
+# H100 SXM (DGX/HGX H100): 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 450
+# GB/s per direction per GPU; one 400 Gb/s (50 GB/s) NDR InfiniBand NIC per GPU. Latencies,
+# the efficiency and the sync are assumptions (typical published figures: ~3 us NVLink, ~5 us
+# IB, 40-50% MFU; 5 us per blocking collective for a kernel launch and the ranks' skew); the
+# elementwise work runs at the full HBM bandwidth (a lower bound: no kernel reaches it).
 H100_IB = Cluster("h100-sxm-ib400", gpus_per_node=8, mem_gib=80.0, peak_tflops=989.0,
                   peak_tflops_fp32=67.0, efficiency=0.45, intra=Link(3e-6, 450e9),
-                  inter=Link(5e-6, 50e9), opt_s_per_param=32 / 3.35e12)
+                  inter=Link(5e-6, 50e9), opt_s_per_param=32 / 3.35e12,
+                  replicated=hbm_elementwise(3.35e12), sync_s=5e-6)
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------
@@ -89,73 +118,6 @@ def forward_flops(config, b, s):
 def model_flops(config, b, s):
     """FLOPs a training step needs in theory (MFU's numerator): 3 x forward."""
     return 3 * forward_flops(config, b, s)
-
-
-# ---- collectives -----------------------------------------------------------------------------
-
-def ring_time(op, nbytes, p, link, gamma=0.0):
-    """Seconds of minidist's ring `op` ("all_reduce", "reduce_scatter", "all_gather") on an
-    n-byte buffer over p ranks (the formulas in the docstring)."""
-    if p == 1 or nbytes == 0:
-        return 0.0
-    phases = 2 if op == "all_reduce" else 1
-    reduced = 0 if op == "all_gather" else (p - 1) / p * nbytes * gamma
-    return phases * ((p - 1) * link.alpha + (p - 1) / p * nbytes / link.bw) + reduced
-
-
-def hier_all_reduce_time(nbytes, k, m, intra, inter, gamma=0.0):
-    """Reduce-scatter in the node (k ranks), all-reduce of a 1/k chunk across m nodes,
-    all-gather in the node."""
-    return (ring_time("reduce_scatter", nbytes, k, intra, gamma)
-            + ring_time("all_reduce", nbytes / k, m, inter, gamma)
-            + ring_time("all_gather", nbytes, k, intra))
-
-
-def p2p_time(nbytes, link):
-    """One send/recv of n bytes."""
-    return link.alpha + nbytes / link.bw if nbytes else 0.0
-
-
-# where each axis sits in the mesh: global rank = tp + tp (cp + cp (dp + dp pp)).
-# Expert parallelism (minidist/ep/) is carved out of dp (ep neighbouring dp ranks, stride tp
-# cp: Layout.ep); its all-to-alls are not in this model yet.
-AXES = ("tp", "cp", "dp", "pp")
-
-
-def axis_stride(layout, axis):
-    """Distance in global ranks between neighbours of `axis`'s group (mesh order)."""
-    stride = 1
-    for a in AXES[:AXES.index(axis)]:
-        stride *= getattr(layout, a)
-    return stride
-
-
-def span(layout, axis, gpus_per_node, size=None):
-    """(ranks per node k, nodes m) of the `axis` group holding rank 0 (all are alike); k is 0
-    when the nodes hold different numbers of its ranks. `size`: the group size (default: the
-    axis's; "dpcp" groups are dp x cp ranks at cp's stride)."""
-    size = size or getattr(layout, axis)
-    stride = axis_stride(layout, axis)
-    nodes = [i * stride // gpus_per_node for i in range(size)]
-    counts = {n: nodes.count(n) for n in nodes}
-    k = next(iter(counts.values()))
-    return (k if all(c == k for c in counts.values()) else 0), len(counts)
-
-
-def collective_time(cluster, op, nbytes, layout, axis, algo="ring", size=None):
-    """Seconds of `op` on the `axis` group of `layout`, on the links that group spans."""
-    p = size or getattr(layout, axis)
-    k, m = span(layout, axis, cluster.gpus_per_node, p)
-    if m == 1:
-        return ring_time(op, nbytes, p, cluster.intra, cluster.gamma)
-    if algo == "hier" and op == "all_reduce" and k > 1:
-        return hier_all_reduce_time(nbytes, k, m, cluster.intra, cluster.inter, cluster.gamma)
-    return ring_time(op, nbytes, p, cluster.inter, cluster.gamma)
-
-
-def p2p_link(cluster, layout):
-    """The link between neighbouring pipeline stages."""
-    return cluster.intra if axis_stride(layout, "pp") < cluster.gpus_per_node else cluster.inter
 
 
 # ---- the pipeline bubble ---------------------------------------------------------------------
@@ -192,13 +154,17 @@ def exposed(comm, window, overlap, units=1):
 
 # ---- one training step -----------------------------------------------------------------------
 
+def _share(cluster, layout):
+    """How many ranks share one compute slot (1: each has its own)."""
+    on_node = min(layout.gpus, cluster.gpus_per_node)
+    return max(1.0, on_node / (cluster.compute_slots or on_node))
+
+
 def _rate(cluster, layout):
     """FLOP/s one rank sustains: peak x efficiency, shared when ranks outnumber compute slots."""
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
                                                     or cluster.peak_tflops)
-    on_node = min(layout.gpus, cluster.gpus_per_node)
-    share = max(1.0, on_node / (cluster.compute_slots or on_node))
-    return peak * 1e12 * cluster.efficiency / share
+    return peak * 1e12 * cluster.efficiency / _share(cluster, layout)
 
 
 def _stage_compute(config, layout, stage, b, seq):
@@ -239,10 +205,51 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm):
     return f, b
 
 
+def _blocking(layout, layers, stage):
+    """(forward, backward) counts of blocking TP/CP collectives of one micro-batch on a stage:
+    TP's all-reduces (SP: a reduce-scatter and an all-gather each), the vocabulary-parallel
+    loss's two (max, sums: tp/layers.py) on the last stage, CP's ring hops."""
+    f = b = 0
+    first, last = stage == 0, stage == layout.pp - 1
+    if layout.tp > 1:
+        each, redo = (2 if layout.sp else 1), (2 * layers if layout.recompute == "full" else 0)
+        f = (2 * layers + first) * each + 2 * last
+        b = (2 * layers + redo + last) * each
+    if layout.cp > 1:
+        redo = layout.cp - 1 if layout.recompute == "full" else 0
+        f += layers * (layout.cp - 1)
+        b += layers * (2 * layout.cp - 1 + redo)
+    return f, b
+
+
+def _loss_comm(cluster, layout, tokens, stage):
+    """Seconds of the vocabulary-parallel loss's all-reduces (float32 max of `tokens` numbers,
+    then 2 x `tokens` sums) on the last stage under TP, forward only."""
+    if layout.tp == 1 or stage != layout.pp - 1:
+        return 0.0
+    return sum(collective_time(cluster, "all_reduce", 4 * n * tokens, layout, "tp")
+               for n in (1, 2))
+
+
+def _replicated(cluster, layout, layers, act, stage):
+    """(forward, backward) seconds of the elementwise work every TP rank repeats without SP,
+    beyond the 1/t of it the compute term already counts: (1 - 1/t) x act x Elementwise's
+    seconds per byte, slowed like compute where ranks share cores."""
+    if layout.tp == 1 or layout.sp:
+        return 0.0, 0.0
+    r, first, last = cluster.replicated, stage == 0, stage == layout.pp - 1
+    k = (1 - 1 / layout.tp) * act * _share(cluster, layout)
+    redo = r.layer_f if layout.recompute == "full" else 0.0
+    f = layers * r.layer_f + first * r.embed_f + last * r.head_f
+    b = layers * (r.layer_b + redo) + first * r.embed_b + last * r.head_b
+    return k * f, k * b
+
+
 def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, schedule="1f1b",
               comm="ring", v=1, bucket_mb=25.0):
-    """Seconds of one training step and its parts: {"compute", "tp_cp", "pp_p2p", "bubble",
-    "dp_exposed", "dp_comm", "optimizer", "step", "tokens_per_s", "mfu"}. global_batch in
+    """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
+    "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm", "optimizer", "step",
+    "tokens_per_s", "mfu"}. global_batch in
     sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce)."""
     m, e = micro_batches, (2 if layout.amp else 4)
     b = global_batch / (layout.dp * m)
@@ -258,6 +265,11 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         fwd, extra, layers = _stage_compute(config, layout, stage, b, seq)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
         tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm)
+        r_f, r_b = _replicated(cluster, layout, layers, act, stage)
+        n_f, n_b = _blocking(layout, layers, stage)
+        loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
+        extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits
+        extra_b = r_b + n_b * cluster.sync_s
         p2p = p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
         z_f = z_b = 0.0
         if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per layer
@@ -267,9 +279,11 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
             z_b = exposed(coll("reduce_scatter", n * g_bytes), c_b, cluster.overlap,
                           math.ceil(n * g_bytes / (bucket_mb * 2 ** 20)))
-        t_f, t_b = c_f + tp_f + p2p + z_f, c_b + tp_b + p2p + z_b
+        t_f = c_f + tp_f + extra_f + p2p + z_f
+        t_b = c_b + tp_b + extra_b + p2p + z_b
         row = dict(n=n, c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b), p2p=m * 2 * p2p,
-                   zero=m * (z_f + z_b), t_f=t_f, t_b=t_b, c_b=c_b,
+                   zero=m * (z_f + z_b), rep=m * (r_f + r_b), loss=m * loss,
+                   sync=m * (n_f + n_b) * cluster.sync_s, t_f=t_f, t_b=t_b, c_b=c_b,
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         worst = row if worst is None or row["pipe"] > worst["pipe"] else worst
@@ -293,7 +307,8 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb):
         dp_comm = coll("all_gather", n * p_bytes)
         dp_exposed = dp_comm
     shard = math.ceil(n / (layout.dp * layout.cp)) if layout.zero else n
-    out = {"compute": w["c"], "tp_cp": w["tp_cp"], "pp_p2p": w["p2p"], "bubble": w["bubble"],
+    out = {"compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
+           "loss_comm": w["loss"], "sync": w["sync"], "pp_p2p": w["p2p"], "bubble": w["bubble"],
            "zero_in_pipeline": w["zero"], "dp_comm": dp_comm,
            "dp_exposed": dp_exposed, "optimizer": shard * cluster.opt_s_per_param}
     out["step"] = w["pipe"] + out["dp_exposed"] + out["optimizer"]

@@ -12,7 +12,8 @@ fits); ckpt: without and with full recompute.
 import json
 from dataclasses import asdict, replace
 
-from minidist.train.cost import Cluster, Link, step_time
+from minidist.train.comm_cost import Link
+from minidist.train.cost import Cluster, Elementwise, step_time
 from minidist.train.planner import GiB, Layout, bill
 
 
@@ -83,18 +84,22 @@ def cluster_from_calibration(path, ranks=None):
     """The measured machine (examples/calibrate_here.py writes the file): one node of
     `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
     bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
-    slow messages too, so each count has its own fit)."""
+    slow messages too, so each count has its own fit), and the sync of a blocking collective
+    likewise; the elementwise work TP repeats, timed in one process."""
     with open(path) as f:
         cal = json.load(f)
-    fits = cal["links"]
     ranks = ranks or cal["cores"]
-    fit = fits[min(fits, key=lambda k: abs(int(k) - ranks))]
+
+    def nearest(fits):
+        return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
+    fit = nearest(cal["links"])
     return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
                    mem_gib=cal["mem_gib"], peak_tflops=cal["peak_tflops"],
                    efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
                    inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
                    opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
-                   compute_slots=cal["cores"], notes={"calibration": path})
+                   compute_slots=cal["cores"], replicated=Elementwise(**cal["replicated"]),
+                   sync_s=nearest(cal["sync"])["sync_s"], notes={"calibration": path})
 
 
 def with_links(cluster, intra=None, inter=None, **changes):

@@ -1,0 +1,90 @@
+"""The alpha-beta cost of the collectives minidist implements, on the links a group spans
+(the step-time model, minidist/train/cost.py, prices its communication with these).
+
+An alpha-beta model of the algorithms minidist implements (minidist/comm/ring.py),
+a group of p ranks and a buffer of n bytes over a link of latency alpha and bandwidth B, and
+gamma seconds per byte of local reduction:
+    ring reduce-scatter, all-gather   (p-1) alpha + (p-1)/p n/B   (+ (p-1)/p n gamma: RS)
+    ring all-reduce                   2(p-1) alpha + 2(p-1)/p n/B + (p-1)/p n gamma
+    hierarchical all-reduce, k ranks per node, m nodes (minidist/comm/hier.py):
+        ring reduce-scatter in the node, ring all-reduce of n/k bytes across the m nodes
+        (the k local ranks each on its own NIC, at once), ring all-gather in the node
+    send/recv                         alpha + n/B
+A group's link comes from the mesh order (minidist/comm/mesh.py: tp fastest, then cp, dp,
+pp): a group whose ranks all sit on one node uses the intra-node link, one that spans nodes
+runs at the inter-node link's speed (every ring step waits for its slowest hop).
+Tests: tests/test_planner.py.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """One hop: latency alpha (seconds per message) and bandwidth (bytes/s, one direction)."""
+    alpha: float
+    bw: float
+
+
+def ring_time(op, nbytes, p, link, gamma=0.0):
+    """Seconds of minidist's ring `op` ("all_reduce", "reduce_scatter", "all_gather") on an
+    n-byte buffer over p ranks (the formulas in the docstring)."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    phases = 2 if op == "all_reduce" else 1
+    reduced = 0 if op == "all_gather" else (p - 1) / p * nbytes * gamma
+    return phases * ((p - 1) * link.alpha + (p - 1) / p * nbytes / link.bw) + reduced
+
+
+def hier_all_reduce_time(nbytes, k, m, intra, inter, gamma=0.0):
+    """Reduce-scatter in the node (k ranks), all-reduce of a 1/k chunk across m nodes,
+    all-gather in the node."""
+    return (ring_time("reduce_scatter", nbytes, k, intra, gamma)
+            + ring_time("all_reduce", nbytes / k, m, inter, gamma)
+            + ring_time("all_gather", nbytes, k, intra))
+
+
+def p2p_time(nbytes, link):
+    """One send/recv of n bytes."""
+    return link.alpha + nbytes / link.bw if nbytes else 0.0
+
+
+# where each axis sits in the mesh: global rank = tp + tp (cp + cp (dp + dp pp)).
+# Expert parallelism (minidist/ep/) is carved out of dp (ep neighbouring dp ranks, stride tp
+# cp: Layout.ep); its all-to-alls are not in this model yet.
+AXES = ("tp", "cp", "dp", "pp")
+
+
+def axis_stride(layout, axis):
+    """Distance in global ranks between neighbours of `axis`'s group (mesh order)."""
+    stride = 1
+    for a in AXES[:AXES.index(axis)]:
+        stride *= getattr(layout, a)
+    return stride
+
+
+def span(layout, axis, gpus_per_node, size=None):
+    """(ranks per node k, nodes m) of the `axis` group holding rank 0 (all are alike); k is 0
+    when the nodes hold different numbers of its ranks. `size`: the group size (default: the
+    axis's; "dpcp" groups are dp x cp ranks at cp's stride)."""
+    size = size or getattr(layout, axis)
+    stride = axis_stride(layout, axis)
+    nodes = [i * stride // gpus_per_node for i in range(size)]
+    counts = {n: nodes.count(n) for n in nodes}
+    k = next(iter(counts.values()))
+    return (k if all(c == k for c in counts.values()) else 0), len(counts)
+
+
+def collective_time(cluster, op, nbytes, layout, axis, algo="ring", size=None):
+    """Seconds of `op` on the `axis` group of `layout`, on the links that group spans."""
+    p = size or getattr(layout, axis)
+    k, m = span(layout, axis, cluster.gpus_per_node, p)
+    if m == 1:
+        return ring_time(op, nbytes, p, cluster.intra, cluster.gamma)
+    if algo == "hier" and op == "all_reduce" and k > 1:
+        return hier_all_reduce_time(nbytes, k, m, cluster.intra, cluster.inter, cluster.gamma)
+    return ring_time(op, nbytes, p, cluster.inter, cluster.gamma)
+
+
+def p2p_link(cluster, layout):
+    """The link between neighbouring pipeline stages."""
+    return cluster.intra if axis_stride(layout, "pp") < cluster.gpus_per_node else cluster.inter
