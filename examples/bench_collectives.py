@@ -177,7 +177,10 @@ def interleave(args):
     compute then a blocking all-reduce, as tensor parallelism runs them (the matmuls sized to
     take 4x the all-reduce). "sync_s" = interleaved - compute - all-reduce: what a blocking
     collective costs beyond its alpha-beta time when the ranks come to it from compute (their
-    arrival spread, and with more ranks than cores a neighbour that is not running)."""
+    arrival spread, and with more ranks than cores a neighbour that is not running). The three
+    take turns inside each repeat; each keeps its best repeat, and "sync_median_s" is the
+    median over the repeats of each repeat's own difference (a burst of other work that
+    lands on one repeat moves the median less than it moves a difference of best times)."""
     group = comm.init("ring")
     buf = np.zeros(args.max_bytes // 4, np.float32)
     a = np.random.default_rng(0).standard_normal((256, 256))
@@ -192,11 +195,19 @@ def interleave(args):
     def both():
         compute()
         group.all_reduce(buf)
-    row = {k: time_call(group, f, 10, 1, args.repeats) for k, f in
-           (("compute", compute), ("all_reduce", lambda: group.all_reduce(buf)),
-            ("interleaved", both))}
-    row.update(ranks=group.size, bytes=args.max_bytes,
-               sync_s=row["interleaved"] - row["compute"] - row["all_reduce"])
+    calls = {"compute": compute, "all_reduce": lambda: group.all_reduce(buf),
+             "interleaved": both}
+    for call in calls.values():
+        call()                                               # warm-up
+    times = {k: [] for k in calls}
+    for _ in range(args.repeats):
+        for k, call in calls.items():
+            times[k].append(time_once(group, call, 10))
+    row = {k: min(v) for k, v in times.items()}
+    diffs = [i - c - r for c, r, i in zip(*times.values())]
+    row.update(ranks=group.size, bytes=args.max_bytes, compute_iters=reps,
+               sync_s=row["interleaved"] - row["compute"] - row["all_reduce"],
+               sync_median_s=float(np.median(diffs)))
     if group.rank == 0:
         print(json.dumps(row), flush=True)
 
@@ -223,7 +234,8 @@ def main():
     p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
                    help="what the main thread does meanwhile (--overlap)")
     p.add_argument("--compute-iters", type=int, default=0,
-                   help="256^2 matmuls per step for --overlap (0: as long as the all-reduce)")
+                   help="256^2 matmuls per step for --overlap (0: as long as the all-reduce) "
+                   "and --interleave (0: 4x as long)")
     args = p.parse_args()
     if args.ranks_per_node:   # read by minidist.comm.hier when the hier groups are made
         os.environ["MINIDIST_RANKS_PER_NODE"] = str(args.ranks_per_node)

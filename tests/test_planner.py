@@ -352,3 +352,4 @@ def test_bench_collectives_interleave_row(mpi):
     assert min(row["compute"], row["all_reduce"], row["interleaved"]) > 0
     assert row["sync_s"] == pytest.approx(row["interleaved"] - row["compute"]
                                           - row["all_reduce"], abs=1e-12)
+    assert isinstance(row["sync_median_s"], float) and row["compute_iters"] >= 1
