@@ -14,7 +14,8 @@ minidist/train/cost.py's step_time with the calibrated "here" cluster for that r
 
 --reference: the other jobs on a shared machine change its speed minute by minute, so just
 before each run of a case its N ranks' compute is measured as N independent processes (1
-thread each, no communication) training the same model on 1/N of the batch at the same time;
+thread each, no communication) training the same model on 1/N of the batch at the same time
+(their first and last --skip steps left out: the processes start and end at different moments);
 the compute efficiency of the prediction comes from the fastest of these reference steps
 (the cores they really got, shared with each other and with the other jobs) instead of the
 calibration file's, the elementwise work TP repeats is slowed by the same factor (calibrated
@@ -72,7 +73,10 @@ def step_times(log, skip):
 
 def reference(ranks, steps, skip, tmp):
     """Fastest step of `ranks` independent 1-thread processes run at once, each on 1/ranks
-    of the batch: the compute each rank of a case gets, without its communication."""
+    of the batch: the compute each rank of a case gets, without its communication. The
+    processes start and finish at different moments, so each one's first and last `skip`
+    steps are left out: those may run while another is not yet or no longer computing (seen:
+    201-278 ms steps at the end of 4-rank references whose other steps took 320-330 ms)."""
     logs = [os.path.join(tmp, f"ref{i}.jsonl") for i in range(ranks)]
     env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
     procs = [subprocess.Popen(train_cmd(steps, log, ["--batch-size", str(BATCH // ranks),
@@ -80,7 +84,7 @@ def reference(ranks, steps, skip, tmp):
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL) for log in logs]
     if any(p.wait(timeout=900) for p in procs):
         raise RuntimeError("a reference run failed")
-    return float(np.median([min(step_times(log, skip)) for log in logs]))
+    return float(np.median([min(step_times(log, skip)[:-skip or None]) for log in logs]))
 
 
 def measure(ranks, flags, steps, skip, per_node, tmp):
