@@ -34,6 +34,7 @@ bucket or layer. Tests: tests/test_planner.py (each formula on a small case work
 import math
 from dataclasses import astuple, dataclass, field
 
+from minidist.pp.schedule import bubble_fraction
 from minidist.train.comm_cost import Link, collective_time, p2p_link, p2p_time, span
 from minidist.train.planner import STATE_BYTES, stage_params
 
@@ -123,25 +124,27 @@ def model_flops(config, b, s):
 # ---- the pipeline bubble ---------------------------------------------------------------------
 
 def bubble_time(schedule, p, m, t_f, t_b, v=1, t_w=None):
-    """Idle time of a stage over one step, in the time of one micro-batch's forward t_f and
-    backward t_b on a stage. These are this module's own formulas; pp/schedule.py is the
-    implementation (the lead reconciles the two if they ever disagree):
+    """Idle time of a stage over one step, given one micro-batch's forward t_f and backward
+    t_b on a stage (t_b includes the weight-gradient part t_w; default t_w = t_b / 2). The
+    formula is pp/schedule.py's bubble_fraction (the one the simulator's pictures check),
+    turned from a share of the step into seconds: idle = work x f / (1 - f), work = m(t_f+t_b).
+    For m >= p that is
         gpipe, 1f1b         (p-1)(t_f + t_b)           1F1B changes memory, not the bubble
         interleaved (v)     (p-1)(t_f + t_b) / v       v model chunks per stage
-        zb-h1               (p-1)(t_f + t_b - 2 t_w)   t_w: the weight-gradient part of t_b
-                            (Qi et al. 2023: (p-1)(T_F + T_B - T_W), T_B the input-gradient
-                            part, T_B + T_W = t_b; default t_w = t_b / 2)
-    m >= p is assumed (fewer micro-batches than stages idles more than this)."""
+        zb-h1               (p-1)(t_f + t_b - 2 t_w)   the W's fill t_w of each idle slot"""
     if p == 1:
         return 0.0
+    work = m * (t_f + t_b)
     if schedule in ("gpipe", "1f1b"):
-        return (p - 1) * (t_f + t_b)
-    if schedule == "interleaved":
-        return (p - 1) * (t_f + t_b) / v
-    if schedule == "zb-h1":
+        f = bubble_fraction(schedule, p, m)
+    elif schedule == "interleaved":
+        f = bubble_fraction("1f1b", p, m, v=v)
+    elif schedule == "zb-h1":
         t_w = t_b / 2 if t_w is None else t_w
-        return (p - 1) * (t_f + t_b - 2 * t_w)
-    raise ValueError(f"schedule must be gpipe, 1f1b, interleaved or zb-h1, not {schedule!r}")
+        f = bubble_fraction("zb-h1", p, m, t_f=t_f, t_b=t_b - t_w, t_w=t_w)
+    else:
+        raise ValueError(f"schedule must be gpipe, 1f1b, interleaved or zb-h1, not {schedule!r}")
+    return work * f / (1 - f)
 
 
 def exposed(comm, window, overlap, units=1):
