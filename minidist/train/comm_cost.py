@@ -10,6 +10,8 @@ gamma seconds per byte of local reduction:
         ring reduce-scatter in the node, ring all-reduce of n/k bytes across the m nodes
         (the k local ranks each on its own NIC, at once), ring all-gather in the node
     send/recv                         alpha + n/B
+    pairwise all-to-all (minidist/comm/alltoall.py), n bytes per rank cut into p equal chunks:
+                                      (p-1) (alpha + n/(p B))   p-1 sendrecvs of one chunk each
 A group's link comes from the mesh order (minidist/comm/mesh.py: tp fastest, then cp, dp,
 pp): a group whose ranks all sit on one node uses the intra-node link, one that spans nodes
 runs at the inter-node link's speed (every ring step waits for its slowest hop).
@@ -48,25 +50,42 @@ def p2p_time(nbytes, link):
     return link.alpha + nbytes / link.bw if nbytes else 0.0
 
 
+def all_to_all_time(nbytes, p, link):
+    """Seconds of the pairwise all-to-all of an n-byte buffer per rank over p ranks (equal
+    chunks): p-1 steps, each one sendrecv of n/p bytes."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    return (p - 1) * (link.alpha + nbytes / p / link.bw)
+
+
 # where each axis sits in the mesh: global rank = tp + tp (cp + cp (dp + dp pp)).
-# Expert parallelism (minidist/ep/) is carved out of dp (ep neighbouring dp ranks, stride tp
-# cp: Layout.ep); its all-to-alls are not in this model yet.
+# Expert parallelism (minidist/ep/) is carved out of dp: an "ep" group is ep neighbouring dp
+# ranks (stride tp cp), an "edp" group the dp / ep replicas of one rank's experts (stride
+# tp cp ep): dp rank = ep rank + ep x edp rank (minidist/ep/strategy.py).
 AXES = ("tp", "cp", "dp", "pp")
 
 
 def axis_stride(layout, axis):
-    """Distance in global ranks between neighbours of `axis`'s group (mesh order)."""
+    """Distance in global ranks between neighbours of `axis`'s group (mesh order; "ep" and
+    "edp" inside dp)."""
+    if axis in ("ep", "edp"):
+        return layout.tp * layout.cp * (layout.ep if axis == "edp" else 1)
     stride = 1
     for a in AXES[:AXES.index(axis)]:
         stride *= getattr(layout, a)
     return stride
 
 
+def axis_size(layout, axis):
+    """Ranks in one `axis` group (edp: dp / ep)."""
+    return layout.dp // layout.ep if axis == "edp" else getattr(layout, axis)
+
+
 def span(layout, axis, gpus_per_node, size=None):
     """(ranks per node k, nodes m) of the `axis` group holding rank 0 (all are alike); k is 0
     when the nodes hold different numbers of its ranks. `size`: the group size (default: the
     axis's; "dpcp" groups are dp x cp ranks at cp's stride)."""
-    size = size or getattr(layout, axis)
+    size = size or axis_size(layout, axis)
     stride = axis_stride(layout, axis)
     nodes = [i * stride // gpus_per_node for i in range(size)]
     counts = {n: nodes.count(n) for n in nodes}
@@ -75,9 +94,12 @@ def span(layout, axis, gpus_per_node, size=None):
 
 
 def collective_time(cluster, op, nbytes, layout, axis, algo="ring", size=None):
-    """Seconds of `op` on the `axis` group of `layout`, on the links that group spans."""
-    p = size or getattr(layout, axis)
+    """Seconds of `op` on the `axis` group of `layout`, on the links that group spans (a
+    group across nodes at the inter-node link's speed: every step waits for its slowest hop)."""
+    p = size or axis_size(layout, axis)
     k, m = span(layout, axis, cluster.gpus_per_node, p)
+    if op == "all_to_all":
+        return all_to_all_time(nbytes, p, cluster.intra if m == 1 else cluster.inter)
     if m == 1:
         return ring_time(op, nbytes, p, cluster.intra, cluster.gamma)
     if algo == "hier" and op == "all_reduce" and k > 1:

@@ -20,13 +20,19 @@ Sync. Each blocking TP/CP collective (TP's all-reduces or SP's reduce-scatters a
 all-gathers, the vocabulary-parallel loss's two small all-reduces, CP's ring hops) also waits
 `Cluster.sync_s` for the ranks to arrive: measured here by bench_collectives.py --interleave.
 
-Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms, placed on
-the links a group spans by the mesh order (minidist/train/comm_cost.py).
+Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms and of its
+pairwise all-to-all, placed on the links a group spans by the mesh order
+(minidist/train/comm_cost.py).
+Mixture of Experts and expert parallelism (minidist/train/moe_cost.py): a MoE block's router
+and experts (k rows per token, at most the capacity), not split by tp; under ep its 3 + 2
+blocking all-to-alls per micro-batch, the experts' gradients all-reduced over their dp / ep
+replicas after backward, the dense ones by DDP/ZeRO over all dp ranks.
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
-a stage (compute, TP's all-reduces, CP's ring, ZeRO-3's exposed gathers, the p2p sends), then
+a stage (compute, TP's all-reduces, CP's ring, EP's all-to-alls, ZeRO-3's exposed gathers,
+the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
-    step     = pipeline + exposed data-parallel communication + optimizer
+    step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
@@ -36,6 +42,8 @@ from dataclasses import astuple, dataclass, field
 
 from minidist.pp.schedule import bubble_fraction
 from minidist.train.comm_cost import Link, collective_time, p2p_link, p2p_time, span
+from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
+                                     expert_tensors, moe_block_flops, stage_moe_blocks)
 from minidist.train.planner import STATE_BYTES, stage_params
 
 
@@ -110,15 +118,18 @@ def layer_flops(b, s, h):
     return 24 * b * s * h * h + 4 * b * s * s * h
 
 
-def forward_flops(config, b, s):
-    """Forward FLOPs of the whole model on b sequences of s tokens (output layer included)."""
-    return config.n_layer * layer_flops(b, s, config.n_embd) + \
+def forward_flops(config, b, s, active=False):
+    """Forward FLOPs of the whole model on b sequences of s tokens (output layer included); a
+    MoE block's experts on the rows capacity keeps (active: k per token; moe_cost.py)."""
+    return sum(moe_block_flops(config, b, s, active=active) if config.is_moe(i)
+               else layer_flops(b, s, config.n_embd) for i in range(config.n_layer)) + \
         2 * b * s * config.n_embd * config.vocab_size
 
 
 def model_flops(config, b, s):
-    """FLOPs a training step needs in theory (MFU's numerator): 3 x forward."""
-    return 3 * forward_flops(config, b, s)
+    """FLOPs a training step needs in theory (MFU's numerator): 3 x forward, the k experts
+    each token visits."""
+    return 3 * forward_flops(config, b, s, active=True)
 
 
 # ---- the pipeline bubble ---------------------------------------------------------------------
@@ -172,23 +183,28 @@ def _rate(cluster, layout):
 
 def _stage_compute(config, layout, stage, b, seq):
     """(forward FLOPs, extra backward FLOPs beyond 2 x forward) of one micro-batch on one rank
-    of `stage`: its layers (and the output layer on the last), split by tp and cp."""
+    of `stage`: its layers (and the output layer on the last), split by tp and cp; a MoE
+    block's router and experts whole on every tp rank (moe_cost.py)."""
     L, pp, h = config.n_layer, layout.pp, config.n_embd
     layers = sum(1 for i in range(L) if i * pp // L == stage)
+    moe = stage_moe_blocks(config, layout, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
-    fwd = layers * per_layer
+    blocks = (layers - moe) * per_layer + \
+        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq))
+    fwd = blocks
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
-    extra = layers * per_layer if layout.recompute == "full" else 0.0
+    extra = blocks if layout.recompute == "full" else 0.0
     if layout.tiled:                         # the backward recomputes q k^T tile by tile
         extra += layers * 2 * b * s_local * seq * h / layout.tp
     return fwd, extra, layers
 
 
-def _tp_cp_comm(cluster, layout, layers, act, stage, comm):
+def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
     """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's ring of key
-    and value blocks for one micro-batch on a stage; act = b (s/cp) h e bytes."""
+    and value blocks for one micro-batch on a stage; act = b (s/cp) h e bytes. A MoE block
+    (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP."""
     f = b = 0.0
     if layout.tp > 1:
         if layout.sp:
@@ -196,9 +212,10 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm):
                       for op in ("reduce_scatter", "all_gather"))
         else:
             one = collective_time(cluster, "all_reduce", act, layout, "tp", comm)
-        redo = 2 * layers if layout.recompute == "full" else 0
-        f = (2 * layers + (stage == 0)) * one                # + the vocab-parallel embedding
-        b = (2 * layers + redo + (stage == layout.pp - 1)) * one      # + the head's input
+        per = 2 * layers - moe
+        redo = per if layout.recompute == "full" else 0
+        f = (per + (stage == 0)) * one                       # + the vocab-parallel embedding
+        b = (per + redo + (stage == layout.pp - 1)) * one    # + the head's input
     if layout.cp > 1:
         k, m = span(layout, "cp", cluster.gpus_per_node)
         hop = p2p_time(2 * act, cluster.intra if m == 1 else cluster.inter)   # K and V
@@ -208,16 +225,18 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm):
     return f, b
 
 
-def _blocking(layout, layers, stage):
+def _blocking(layout, layers, stage, moe=0):
     """(forward, backward) counts of blocking TP/CP collectives of one micro-batch on a stage:
-    TP's all-reduces (SP: a reduce-scatter and an all-gather each), the vocabulary-parallel
-    loss's two (max, sums: tp/layers.py) on the last stage, CP's ring hops."""
+    TP's all-reduces (SP: a reduce-scatter and an all-gather each; one fewer each way in a
+    MoE block), the vocabulary-parallel loss's two (max, sums: tp/layers.py) on the last
+    stage, CP's ring hops."""
     f = b = 0
     first, last = stage == 0, stage == layout.pp - 1
     if layout.tp > 1:
-        each, redo = (2 if layout.sp else 1), (2 * layers if layout.recompute == "full" else 0)
-        f = (2 * layers + first) * each + 2 * last
-        b = (2 * layers + redo + last) * each
+        per = 2 * layers - moe
+        each, redo = (2 if layout.sp else 1), (per if layout.recompute == "full" else 0)
+        f = (per + first) * each + 2 * last
+        b = (per + redo + last) * each
     if layout.cp > 1:
         redo = layout.cp - 1 if layout.recompute == "full" else 0
         f += layers * (layout.cp - 1)
@@ -251,9 +270,11 @@ def _replicated(cluster, layout, layers, act, stage):
 def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, schedule="1f1b",
               comm="ring", v=1, bucket_mb=25.0):
     """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
-    "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm", "optimizer", "step",
-    "tokens_per_s", "mfu"}. global_batch in
-    sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce)."""
+    "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
+    "expert_grads", "optimizer", "step", "tokens_per_s", "mfu"}. global_batch in
+    sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce).
+    ValueError for a MoE layout minidist does not run (moe_cost.check_moe_layout)."""
+    check_moe_layout(config, layout)
     m, e = micro_batches, (2 if layout.amp else 4)
     b = global_batch / (layout.dp * m)
     act = b * seq / layout.cp * config.n_embd * e
@@ -264,38 +285,45 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     def coll(op, nbytes):
         return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
     worst = None
-    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp)):
+    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         fwd, extra, layers = _stage_compute(config, layout, stage, b, seq)
+        moe = stage_moe_blocks(config, layout, stage)
+        experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
+        dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
-        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm)
+        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe)
+        a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, seq, e, moe)
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
-        n_f, n_b = _blocking(layout, layers, stage)
+        n_f, n_b = _blocking(layout, layers, stage, moe)
+        n_f, n_b = n_f + na_f, n_b + na_b                    # + EP's all-to-alls
         loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
         extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits
         extra_b = r_b + n_b * cluster.sync_s
         p2p = p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
         z_f = z_b = 0.0
         if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per layer
-            z_f = exposed(coll("all_gather", n * p_bytes), c_f, cluster.overlap, layers)
-            z_b = exposed(coll("all_gather", n * p_bytes) + coll("reduce_scatter", n * g_bytes),
-                          c_b, cluster.overlap, layers)
+            z_f = exposed(coll("all_gather", dense * p_bytes), c_f, cluster.overlap, layers)
+            z_b = exposed(coll("all_gather", dense * p_bytes) +
+                          coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap, layers)
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
-            z_b = exposed(coll("reduce_scatter", n * g_bytes), c_b, cluster.overlap,
-                          math.ceil(n * g_bytes / (bucket_mb * 2 ** 20)))
-        t_f = c_f + tp_f + extra_f + p2p + z_f
-        t_b = c_b + tp_b + extra_b + p2p + z_b
-        row = dict(n=n, c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b), p2p=m * 2 * p2p,
-                   zero=m * (z_f + z_b), rep=m * (r_f + r_b), loss=m * loss,
-                   sync=m * (n_f + n_b) * cluster.sync_s, t_f=t_f, t_b=t_b, c_b=c_b,
+            z_b = exposed(coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap,
+                          math.ceil(dense * g_bytes / (bucket_mb * 2 ** 20)))
+        t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
+        t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
+        row = dict(n=dense, experts=experts, c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
+                   a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
+                   rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
+                   t_f=t_f, t_b=t_b, c_b=c_b,
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         worst = row if worst is None or row["pipe"] > worst["pipe"] else worst
-    return _finish(config, layout, cluster, seq, global_batch, worst, coll, bucket_mb)
+    return _finish(config, layout, cluster, seq, global_batch, worst, coll, bucket_mb, comm)
 
 
-def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb):
-    """Add the once-per-step data-parallel communication and the optimizer to the slowest
-    stage's pipeline time `w`, and the derived figures."""
+def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm="ring"):
+    """Add the once-per-step data-parallel communication (the dense parameters' `w["n"]`,
+    the experts' all-reduce over edp) and the optimizer to the slowest stage's pipeline time
+    `w`, and the derived figures."""
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
@@ -311,10 +339,12 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb):
         dp_exposed = dp_comm
     shard = math.ceil(n / (layout.dp * layout.cp)) if layout.zero else n
     out = {"compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
-           "loss_comm": w["loss"], "sync": w["sync"], "pp_p2p": w["p2p"], "bubble": w["bubble"],
-           "zero_in_pipeline": w["zero"], "dp_comm": dp_comm,
-           "dp_exposed": dp_exposed, "optimizer": shard * cluster.opt_s_per_param}
-    out["step"] = w["pipe"] + out["dp_exposed"] + out["optimizer"]
+           "ep_all_to_all": w["a2a"], "loss_comm": w["loss"], "sync": w["sync"],
+           "pp_p2p": w["p2p"], "bubble": w["bubble"], "zero_in_pipeline": w["zero"],
+           "dp_comm": dp_comm, "dp_exposed": dp_exposed,
+           "expert_grads": expert_grad_time(cluster, layout, w["experts"], g_bytes, comm),
+           "optimizer": (shard + sum(w["experts"])) * cluster.opt_s_per_param}
+    out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"]
     out["tokens_per_s"] = global_batch * seq / out["step"]
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
                                                     or cluster.peak_tflops)

@@ -62,7 +62,7 @@ class Layout:
     ("none", "selective", "full"), sequence parallelism (with tp), tiled attention (never the
     (T, T) scores: minidist/autograd/flash.py; context parallelism's ring attention is tiled
     too). `ep` (expert parallelism, minidist/ep/) is carved out of the dp ranks (ep divides
-    dp), so it is not a factor of gpus; the step-time model (cost.py) does not know it yet."""
+    dp), so it is not a factor of gpus; the step-time model prices it in moe_cost.py."""
     dp: int = 1
     tp: int = 1
     pp: int = 1

@@ -1,0 +1,115 @@
+"""The step-time model's Mixture of Experts and expert parallelism (minidist/train/cost.py
+calls these; minidist/nn/moe.py is the layer, minidist/ep/ the strategy).
+
+Compute of one MoE block, forward, b sequences of s tokens, hidden h, E experts, top-k,
+capacity factor F (what minidist/nn/moe.py runs):
+    attention        (8 b s h^2 + 4 b s^2 h) / tp       split by tp as in a dense block
+    router           2 b s h E                          replicated on every tp rank
+    experts          16 h^2 per (token, expert) row     whole experts on every tp rank
+    rows per sequence  min(k s, E ceil(F k s / E))      each expert keeps at most
+                                                        ceil(F k s / E) tokens of a sequence
+The rows assume a balanced routing: no expert gets more than its capacity, so k s rows are
+kept when F >= 1 and E x capacity when F < 1 (an unbalanced routing drops more, computes
+less, and makes the busiest rank the slowest: not modelled). Under expert parallelism a rank
+runs the rows that arrive for its E/ep experts: as many as it sends, when balanced.
+Model FLOPs (MFU's numerator) count k s rows per sequence: the k experts a token visits,
+capacity ignored (as GPT.flops_per_token).
+
+Communication, per MoE block and micro-batch on an ep group of N ranks (exchange.py):
+forward an all-to-all of the counts (E int64s per rank), the dispatch and the combine (each
+rows x h x e bytes per rank, (N-1)/N of it to the others), backward the combine's and the
+dispatch's reverse (the counts are reused): 3 blocking all-to-alls forward, 2 backward, each
+the pairwise exchange's (N-1)(alpha + n/(N B)) on the links the ep group spans, plus the
+cluster's sync per blocking collective.
+Gradients (minidist/ep/strategy.py): the dense parameters go through DDP (or ZeRO) over
+all dp ranks as before; each expert tensor of this rank is all-reduced over its dp / ep
+replicas (edp) one tensor at a time after backward (no buckets, no overlap), and gradient
+clipping sums one number over the ep group. The optimizer updates the dense shard (ZeRO) or
+all dense parameters, plus this rank's experts (never sharded).
+Refused (minidist's MoE does not run them, so the terms would price something unbuilt):
+cp > 1, sequence parallelism (a sequence's tokens would be routed apart), full recompute.
+Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand, test_moe_compute_worked_by_hand,
+test_ep2_dp2_communication_worked_by_hand).
+"""
+import math
+
+from minidist.nn.config import gpt_param_specs
+from minidist.nn.moe import capacity
+from minidist.train.comm_cost import collective_time
+
+
+def check_moe_layout(config, layout):
+    """Raise ValueError for a layout the MoE model does not cover (module docstring)."""
+    if not config.moe_experts:
+        if layout.ep > 1:
+            raise ValueError("ep > 1 needs a Mixture of Experts (moe_experts)")
+        return
+    if layout.dp % layout.ep or config.moe_experts % layout.ep:
+        raise ValueError(f"ep {layout.ep} must divide dp {layout.dp} and the "
+                         f"{config.moe_experts} experts")
+    for what, on in (("cp > 1", layout.cp > 1), ("sequence parallelism", layout.sp),
+                     ("full recompute", layout.recompute == "full")):
+        if on:
+            raise ValueError(f"a Mixture of Experts with {what} is not built in minidist "
+                             f"(not modelled)")
+
+
+def expert_rows(config, s, active=False):
+    """(token, expert) rows of one sequence of s tokens: min(k s, E x capacity) kept under a
+    balanced routing; active: k s (the model FLOPs' count)."""
+    k, E = config.moe_top_k, config.moe_experts
+    if active:
+        return k * s
+    return min(k * s, E * capacity(s, E, k, config.moe_capacity_factor))
+
+
+def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False):
+    """Forward FLOPs of one MoE block on b sequences of s tokens (queries), on one tp rank:
+    attention split by tp, the router and the experts' rows whole (module docstring)."""
+    h, keys = config.n_embd, s if s_keys is None else s_keys
+    attention = (8 * b * s * h * h + 4 * b * s * keys * h) / tp
+    return attention + 2 * b * s * h * config.moe_experts + \
+        16 * h * h * b * expert_rows(config, s, active)
+
+
+def stage_moe_blocks(config, layout, stage):
+    """MoE blocks on pipeline `stage`."""
+    L, pp = config.n_layer, layout.pp
+    return sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
+
+
+def exchange_times(config, cluster, layout, b, s, e, blocks):
+    """(forward, backward) seconds of the all-to-alls of `blocks` MoE blocks for one
+    micro-batch of b sequences (e bytes per value), and their (forward, backward) counts."""
+    if layout.ep == 1 or blocks == 0:
+        return 0.0, 0.0, 0, 0
+    rows = b * expert_rows(config, s)
+    data = collective_time(cluster, "all_to_all", rows * config.n_embd * e, layout, "ep")
+    counts = collective_time(cluster, "all_to_all", 8 * config.moe_experts, layout, "ep")
+    return blocks * (counts + 2 * data), blocks * 2 * data, 3 * blocks, 2 * blocks
+
+
+def expert_tensors(config, layout, stage):
+    """Sizes of the expert parameter tensors one rank of `stage` holds under ep > 1 (E/ep
+    experts of each MoE block); [] without expert parallelism (DDP/ZeRO then treats the
+    experts as any parameter)."""
+    if layout.ep == 1:
+        return []
+    L, pp, mine = config.n_layer, layout.pp, config.moe_experts // layout.ep
+    out = []
+    for name, (shape, _) in gpt_param_specs(config).items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and int(parts[2]) * pp // L == stage \
+                and int(parts[5]) < mine:
+            out.append(math.prod(shape))
+    return out
+
+
+def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring"):
+    """Seconds of the experts' gradient sums after backward: one all-reduce per tensor over
+    edp (none when ep = dp), and clipping's one-number all-reduce over ep."""
+    if not sizes:
+        return 0.0
+    edp = sum(collective_time(cluster, "all_reduce", n * g_bytes, layout, "edp", comm)
+              for n in sizes)
+    return edp + collective_time(cluster, "all_reduce", 8, layout, "ep")
