@@ -357,3 +357,66 @@ def test_bench_collectives_interleave_row(mpi):
     assert row["sync_s"] == pytest.approx(row["interleaved"] - row["compute"]
                                           - row["all_reduce"], abs=1e-12)
     assert isinstance(row["sync_median_s"], float) and row["compute_iters"] >= 1
+
+
+# ---- Mixture of Experts and expert parallelism (minidist/train/moe_cost.py) ------------------
+
+# block 1 is MoE: 2 experts, top-2, capacity ceil(0.5 x 2 x 2 / 2) = 1 token per expert and
+# sequence, so a sequence of 2 tokens keeps min(k s, E cap) = min(4, 2) = 2 of its 4 rows
+MOE_TOY = replace(TOY, moe_experts=2, moe_top_k=2, moe_capacity_factor=0.5, moe_every=2)
+
+
+def test_all_to_all_time_worked_by_hand():
+    """Pairwise exchange, 4 ranks, 1200 B per rank: 3 steps of alpha + 300 B / 100 B/s = 12 s.
+    EP groups are neighbours after tp: dp 4 = ep 2 x edp 2, tp 2, 4 GPUs per node: the ep
+    group (ranks 0, 2) is one node, the edp group (ranks 0, 4) two."""
+    from minidist.train.comm_cost import all_to_all_time
+    assert all_to_all_time(1200, 4, Link(1.0, 100.0)) == pytest.approx(12.0)
+    assert all_to_all_time(1200, 1, Link(1.0, 100.0)) == 0.0
+    layout = Layout(dp=4, tp=2, ep=2)
+    assert span(layout, "ep", 4) == (2, 1) and span(layout, "edp", 4) == (1, 2)
+    two_nodes = Cluster("2x4", 4, 1, 1, 1, Link(1.0, 100.0), Link(10.0, 10.0))
+    assert collective_time(two_nodes, "all_to_all", 200, layout, "ep") == pytest.approx(2.0)
+    assert collective_time(two_nodes, "all_reduce", 200, layout, "edp") == pytest.approx(40.0)
+
+
+def test_moe_compute_worked_by_hand():
+    """MOE_TOY, b = 1, s = 2, 1 FLOP/s. Block 0 dense: 832. Block 1: attention 8 b s h^2 + 4 b
+    s^2 h = 256 + 64, the router 2 b s h E = 32, the experts 16 h^2 x 2 kept rows = 512: 864.
+    Output layer 128. Forward 1824, step 3 x = 5472 s. MFU's model FLOPs count the k s = 4
+    rows (capacity ignored): experts 1024, forward 2336, 7008 (> the step's FLOPs: capacity
+    dropped half the rows). TP2: attention halves, the router and experts stay whole: 416 +
+    (160 + 544) + 64 = 1184, x 3 = 3552; all-reduces of 32 B (32 s each): forward 2 (dense
+    block) + 1 (MoE block: attention only) + the embedding's, backward 2 + 1 + the head's."""
+    t = step_time(MOE_TOY, Layout(amp=False), UNIT, seq=2, global_batch=1)
+    assert t["compute"] == pytest.approx(5472) and t["step"] == pytest.approx(5472)
+    assert t["mfu"] == pytest.approx(7008 / 5472)
+    tp = step_time(MOE_TOY, Layout(tp=2, amp=False), UNIT, seq=2, global_batch=1)
+    assert tp["compute"] == pytest.approx(3552) and tp["tp_cp"] == pytest.approx(8 * 32)
+    with pytest.raises(ValueError):         # minidist's MoE does not run under cp
+        step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
+    with pytest.raises(ValueError):         # 2 experts do not split over ep 4
+        step_time(MOE_TOY, Layout(dp=4, ep=4, amp=False), UNIT, seq=2, global_batch=4)
+
+
+def test_ep2_dp2_communication_worked_by_hand():
+    """MOE_TOY on dp 4 = ep 2 x edp 2, b = 1 per rank, 1 B/s, sync 10 s, 1 s per parameter.
+    All-to-alls: 2 kept rows x h 4 x 4 B = 32 B, over 2 ranks 1 step of 16 B: 16 s; the
+    counts 8 E = 16 B: 8 s; forward counts + dispatch + combine = 40, backward 32: 72 s, 5
+    syncs: 50 s. Parameters: dense 244 (block 0) + 104 (block 1's attention, norms, router)
+    + 48 (wte, wpe, ln_f) = 396, all-reduced over the 4 ranks: 2 x 3/4 x 396 x 4 B = 2376 s;
+    each expert 148 (c_fc 64 + 16, c_proj 64 + 4), this rank's one all-reduced tensor by
+    tensor over its 2 replicas (n B each): 592 s, + clipping's 8 B over ep: 600 s.
+    Optimizer: 396 + 148 = 544 s (ZeRO-1: ceil(396 / 4) + 148 = 247). ep = dp = 2: no edp
+    sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s."""
+    unit = replace(UNIT, sync_s=10.0, opt_s_per_param=1.0)
+    assert stage_params(MOE_TOY, ep=2) == [396 + 148]
+    t = step_time(MOE_TOY, Layout(dp=4, ep=2, amp=False), unit, seq=2, global_batch=4)
+    assert t["ep_all_to_all"] == pytest.approx(72) and t["sync"] == pytest.approx(50)
+    assert t["dp_exposed"] == pytest.approx(2376) and t["expert_grads"] == pytest.approx(600)
+    assert t["optimizer"] == pytest.approx(544)
+    assert t["step"] == pytest.approx(5472 + 72 + 50 + 2376 + 600 + 544)
+    z1 = step_time(MOE_TOY, Layout(dp=4, ep=2, zero=1, amp=False), unit, seq=2, global_batch=4)
+    assert z1["optimizer"] == pytest.approx(247) and z1["dp_comm"] == pytest.approx(2376)
+    ep2 = step_time(MOE_TOY, Layout(dp=2, ep=2, amp=False), unit, seq=2, global_batch=2)
+    assert ep2["expert_grads"] == pytest.approx(8) and ep2["dp_exposed"] == pytest.approx(1584)
