@@ -6,10 +6,12 @@
     python examples/plan.py --params 7e9 --gpus 64 --layout dp=8,tp=8,zero=1,ckpt
     python examples/plan.py --preset here --n-layer 4 --n-head 4 --n-embd 128 --seq 128 \\
         --vocab-size 256 --global-batch 16 --gpus 2 --layout dp=2 --fp32
+    python examples/plan.py --params 7e9 --moe-experts 8 --moe-top-k 2 --gpus 64   # MoE: + ep
 
 The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
-the bubble); memory: minidist/train/planner.py (examples/plan_memory.py is its
+the bubble; a Mixture of Experts' router, experts and expert parallelism's all-to-alls in
+minidist/train/moe_cost.py); memory: minidist/train/planner.py (examples/plan_memory.py is its
 memory-only table); the search: minidist/train/search.py. --preset h100 is H100 SXM nodes
 (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU); --preset here is this machine as
 examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                        # noqa: E402
@@ -38,6 +41,14 @@ def parse(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=50257)
+    g = p.add_argument_group("Mixture of Experts (train_gpt.py's flags, minidist/nn/moe.py)")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="each (--moe-every n-th) block's MLP is E experts; 0: dense")
+    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
+                   help="an expert takes at most ceil(F K T / E) tokens of a sequence")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block is MoE")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     p.add_argument("--preset", choices=("h100", "here"), default="h100")
@@ -58,7 +69,8 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled")
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
-                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP)")
+                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
+                   "expert parallelism over ep of the dp ranks, MoE only)")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -68,6 +80,18 @@ def parse(argv=None):
 def fail(message):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def make_config(args):
+    """The model: the assumed shape of --params, or the given one; the MoE flags on it."""
+    base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
+            GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                      block_size=args.seq, vocab_size=args.vocab_size))
+    try:
+        return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                       moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
+    except ValueError as e:                    # GPTConfig's checks of the moe_* fields
+        fail(f"--moe-*: {e}")
 
 
 def make_cluster(args):
@@ -90,8 +114,8 @@ def make_cluster(args):
 
 def parse_layout(text, args):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
-    sequence parallelism."""
-    fields, micro, sp = {}, 1, True
+    sequence parallelism (always, for a Mixture of Experts); "ep=2": expert parallelism."""
+    fields, micro, sp = {}, 1, not args.moe_experts
     for item in text.split(","):
         key, _, value = item.partition("=")
         if key == "ckpt":
@@ -100,26 +124,31 @@ def parse_layout(text, args):
             sp = False
         elif key == "micro":
             micro = int(value)
-        elif key in ("dp", "tp", "pp", "cp", "zero") and value.isdigit():
+        elif key in ("dp", "tp", "pp", "cp", "zero", "ep") and value.isdigit():
             fields[key] = int(value)
         else:
-            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,micro=,ckpt,nosp")
+            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
+                 f"ckpt,nosp")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     if layout.gpus != args.gpus:
         fail(f"--layout: dp x tp x pp x cp = {layout.gpus}, but --gpus is {args.gpus}")
     if args.global_batch % (layout.dp * micro):
         fail(f"--layout: --global-batch {args.global_batch} must divide by dp x micro")
+    if layout.ep > 1 and (not args.moe_experts or layout.dp % layout.ep
+                          or args.moe_experts % layout.ep):
+        fail(f"--layout: ep={layout.ep} must divide dp ({layout.dp}) and --moe-experts "
+             f"({args.moe_experts}; 0: a dense model has no experts to split)")
     return layout, micro
 
 
 def print_table(rows, top):
     print(f"{'layout':<40}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
-          f"{'comp':>8}{'tp/cp':>8}{'bubble':>8}{'dp exp':>8}  fits")
+          f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}  fits")
     for r in rows[:top]:
         print(f"{r['layout']:<40}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
               f"{r['step']:9.3f}{r['tokens_per_s']:11.0f}{r['mfu']:6.2f}{r['compute']:8.3f}"
-              f"{r['tp_cp']:8.3f}{r['bubble']:8.3f}{r['dp_exposed']:8.3f}  "
+              f"{r['tp_cp']:8.3f}{r['ep_all_to_all']:8.3f}{r['bubble']:8.3f}{r['dp_exposed']:8.3f}  "
               f"{'yes' if r['fits'] else 'no'}")
 
 
@@ -127,16 +156,17 @@ def main(argv=None):
     args = parse(argv)
     if args.seq % 2 or args.global_batch < 1 or args.gpus < 1:
         fail("--seq must be even, --global-batch and --gpus positive")
-    config = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
-              GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                        block_size=args.seq, vocab_size=args.vocab_size))
+    config = make_config(args)
     cluster = make_cluster(args)
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
     if args.layout:
         layout, micro = parse_layout(args.layout, args)
-        rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
-                         schedule, args.comm, args.headroom, v)]
+        try:
+            rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
+                             schedule, args.comm, args.headroom, v)]
+        except ValueError as e:                # a MoE layout minidist does not run
+            fail(f"--layout: {e}")
     else:
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",

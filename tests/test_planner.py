@@ -420,3 +420,30 @@ def test_ep2_dp2_communication_worked_by_hand():
     assert z1["optimizer"] == pytest.approx(247) and z1["dp_comm"] == pytest.approx(2376)
     ep2 = step_time(MOE_TOY, Layout(dp=2, ep=2, amp=False), unit, seq=2, global_batch=2)
     assert ep2["expert_grads"] == pytest.approx(8) and ep2["dp_exposed"] == pytest.approx(1584)
+
+
+def test_plan_cli_with_experts():
+    """python examples/plan.py ... --moe-experts 4 --moe-top-k 2 --layout dp=4,ep=2 --json: the
+    row carries ep and the all-to-all time; the search tries ep; a bad ep is one error line,
+    exit 2; the MoE flags' names and defaults are train_gpt.py's."""
+    model = ["--preset", "here", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq",
+             "32", "--vocab-size", "64", "--global-batch", "8", "--gpus", "4", "--fp32",
+             "--moe-experts", "4", "--moe-top-k", "2", "--json"]
+    run = [sys.executable, "examples/plan.py", *model]
+    one = json.loads(subprocess.run(run + ["--layout", "dp=4,ep=2"], capture_output=True,
+                                    text=True, timeout=60, check=True).stdout)["rows"][0]
+    assert one["ep"] == 2 and one["ep_all_to_all"] > 0 and one["layout"].startswith("EP2")
+    rows = json.loads(subprocess.run(run + ["--top", "100"], capture_output=True, text=True,
+                                     timeout=60, check=True).stdout)["rows"]
+    assert {r["ep"] for r in rows} == {1, 2, 4} and not any(r["sp"] or r["cp"] > 1 for r in rows)
+    bad = subprocess.run(run + ["--layout", "dp=4,ep=3"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --layout: ep=3")
+    assert len(bad.stderr.strip().splitlines()) == 1
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_cli", "examples/plan.py")
+    plan_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_cli)
+    ours, train = vars(plan_cli.parse([])), vars(train_parser().parse_args([]))
+    for flag in ("moe_experts", "moe_top_k", "moe_capacity_factor", "moe_every"):
+        assert ours[flag] == train[flag]

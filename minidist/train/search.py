@@ -8,6 +8,10 @@ pp up to the layers; cp a power of two dividing the sequence; dp the rest, divid
 global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
 step), 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it
 fits); ckpt: without and with full recompute.
+A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
+expert count (expert parallelism carved out of dp), and only what minidist's MoE runs (the
+step-time model refuses the rest, moe_cost.py): no cp, no sequence parallelism (TP without
+SP), no full recompute.
 """
 import json
 from dataclasses import asdict, replace
@@ -65,18 +69,27 @@ def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule
             "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
 
 
+def expert_splits(config, dp):
+    """ep degrees to try: 1 for a dense model; else every divisor of dp that divides the
+    expert count."""
+    E = config.moe_experts
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and E % ep == 0] if E else [1]
+
+
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
            tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1):
     """Every candidate row, fastest first among those that fit, then the rest."""
-    rows = []
-    for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch):
+    rows, moe = [], bool(config.moe_experts)
+    for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch,
+                                 max_cp=1 if moe else 8):
         for zero in (zeros if dp * cp > 1 else (0,)):
-            for recompute in recomputes:
-                layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
-                                recompute=recompute, sp=tp > 1, tiled=tiled)
-                for m in micro_batch_counts(pp, global_batch // dp):
-                    rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
-                                         schedule, comm, headroom, v))
+            for recompute in (("none",) if moe else recomputes):
+                for ep in expert_splits(config, dp):
+                    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
+                                    recompute=recompute, sp=tp > 1 and not moe, tiled=tiled)
+                    for m in micro_batch_counts(pp, global_batch // dp):
+                        rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
+                                             schedule, comm, headroom, v))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
