@@ -1,5 +1,6 @@
 """The step-time model against measurements: predicted vs measured ms per step of DDP, ZeRO-3,
-TP and PP (and DDP over the hierarchical all-reduce) on 2 and 4 ranks of this machine.
+TP and PP (and DDP over the hierarchical all-reduce) on 2 and 4 ranks of this machine, and of
+a Mixture of Experts (4 experts, top-2) under DDP and expert parallelism (EP2, EP2 x DP2).
 
     python examples/calibrate_here.py          # first: examples/calibration_here.json
     python examples/bench_plan.py --repeats 3  # one JSON line per case, then a markdown table
@@ -21,7 +22,7 @@ the compute efficiency of the prediction comes from the fastest of these referen
 calibration file's, the elementwise work TP repeats is slowed by the same factor (calibrated
 efficiency / reference efficiency, in place of cost.py's ranks-per-core share), and the
 collectives keep their calibrated alpha-beta and sync. The row gives the reference's step
-time.
+time. A MoE case's reference runs the same MoE model (one process holds every expert).
 """
 import argparse
 import json
@@ -42,6 +43,7 @@ from minidist.train.search import cluster_from_calibration            # noqa: E4
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # calibrate_here.py's
 BATCH = 16
+MOE = ["--moe-experts", "4", "--moe-top-k", "2"]                       # capacity factor 1.25
 # (name, ranks, train_gpt.py flags, layout, micro-batches, ranks per simulated node or None)
 CASES = [
     ("DDP x2", 2, [], Layout(dp=2, amp=False), 1, None),
@@ -56,7 +58,25 @@ CASES = [
     ("PP4, 4 micro-batches", 4, ["--pp", "4", "--micro-batches", "4"],
      Layout(pp=4, amp=False), 4, None),
     ("TP2 x DDP2", 4, ["--tp", "2"], Layout(dp=2, tp=2, amp=False), 1, None),
+    ("MoE DDP x2, 4 experts top-2", 2, MOE, Layout(dp=2, amp=False), 1, None),
+    ("EP2, 4 experts top-2", 2, MOE + ["--ep", "2"], Layout(dp=2, ep=2, amp=False), 1, None),
+    ("EP2 x DP2, 4 experts top-2", 4, MOE + ["--ep", "2", "--dp", "2"],
+     Layout(dp=4, ep=2, amp=False), 1, None),
 ]
+
+
+def model_flags(flags):
+    """The --moe-* flags (and their values) of a case: the model, for its reference too."""
+    return [x for i, f in enumerate(flags) if f.startswith("--moe-") for x in flags[i:i + 2]]
+
+
+def case_config(flags):
+    """The case's GPTConfig: MODEL, vocab 256, its MoE flags."""
+    pairs = dict(zip(model_flags(flags)[::2], model_flags(flags)[1::2]))
+    kinds = {"--moe-experts": int, "--moe-top-k": int, "--moe-capacity-factor": float,
+             "--moe-every": int}
+    return GPTConfig(**MODEL, vocab_size=256, **{f[2:].replace("-", "_"): kinds[f](v)
+                                                 for f, v in pairs.items()})
 
 
 def train_cmd(steps, log, flags):
@@ -71,7 +91,7 @@ def step_times(log, skip):
     return [r["ms_per_step"] for r in rows if "ms_per_step" in r][skip:]
 
 
-def reference(ranks, steps, skip, tmp):
+def reference(ranks, steps, skip, tmp, model=()):
     """Fastest step of `ranks` independent 1-thread processes run at once, each on 1/ranks
     of the batch: the compute each rank of a case gets, without its communication. The
     processes start and finish at different moments, so each one's first and last `skip`
@@ -80,7 +100,7 @@ def reference(ranks, steps, skip, tmp):
     logs = [os.path.join(tmp, f"ref{i}.jsonl") for i in range(ranks)]
     env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
     procs = [subprocess.Popen(train_cmd(steps, log, ["--batch-size", str(BATCH // ranks),
-                                                     "--threads", "1"]),
+                                                     "--threads", "1", *model]),
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL) for log in logs]
     if any(p.wait(timeout=900) for p in procs):
         raise RuntimeError("a reference run failed")
@@ -100,26 +120,24 @@ def measure(ranks, flags, steps, skip, per_node, tmp):
     return step_times(log, skip)
 
 
-def reference_efficiency(cluster, ms, ranks):
+def reference_efficiency(cluster, ms, ranks, config):
     """Compute efficiency of a rank whose step on 1/ranks of the batch took `ms` (the
     optimizer's time taken out)."""
-    config = GPTConfig(**MODEL, vocab_size=256)
     seconds = ms / 1e3 - cluster.opt_s_per_param * GPT(config).num_parameters()
     flops = 3 * forward_flops(config, BATCH // ranks, MODEL["block_size"])
     return flops / seconds / (cluster.peak_tflops * 1e12)
 
 
-def predict(cal_path, ranks, layout, micro, per_node, comm, reference_ms=None):
+def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms=None):
     cluster = cluster_from_calibration(cal_path, ranks)
     if reference_ms:     # the reference shared the cores; its slowdown against the lone
-        eff = reference_efficiency(cluster, reference_ms, ranks)  # calibration run slows
+        eff = reference_efficiency(cluster, reference_ms, ranks, config)  # calibration slows
         cluster = replace(cluster, compute_slots=None, efficiency=eff,  # TP's repeated work
                           replicated=cluster.replicated.scaled(cluster.efficiency / eff))
     if per_node:   # simulated nodes: the same measured link inside and across, and each
         slots = cluster.compute_slots and max(1, cluster.compute_slots * per_node // ranks)
         cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra,
                           compute_slots=slots)      # a node's share of the cores
-    config = GPTConfig(**MODEL, vocab_size=256)
     return step_time(config, layout, cluster, MODEL["block_size"], BATCH, micro, "1f1b", comm,
                      bucket_mb=1.0)
 
@@ -144,11 +162,13 @@ def main():
             refs, steps = [], []
             for _ in range(args.repeats):     # alternate, so both meet the same conditions
                 if args.reference:
-                    refs.append(reference(ranks, args.steps, args.skip, tmp))
+                    refs.append(reference(ranks, args.steps, args.skip, tmp,
+                                          model_flags(flags)))
                 steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp)
             ref = min(refs) if refs else None
-            pred = predict(args.calibration, ranks, layout, micro, per_node, comm, ref)
-            quiet = predict(args.calibration, ranks, layout, micro, per_node, comm)
+            config = case_config(flags)
+            pred = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref)
+            quiet = predict(args.calibration, ranks, layout, micro, per_node, comm, config)
             row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(steps),
                    "median_ms": float(np.median(steps)), "slowest_ms": max(steps),
                    "steps": len(steps), "predicted_ms": pred["step"] * 1e3,
