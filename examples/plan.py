@@ -49,6 +49,9 @@ def parse(argv=None):
                    help="an expert takes at most ceil(F K T / E) tokens of a sequence")
     g.add_argument("--moe-every", type=int, default=1, metavar="N",
                    help="every N-th block is MoE")
+    g.add_argument("--moe-load", type=float, default=1.0, metavar="L",
+                   help="the busiest ep rank's expert rows over a balanced routing's (>= 1; "
+                        "capped where its experts are full)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     p.add_argument("--preset", choices=("h100", "here"), default="h100")
@@ -156,6 +159,9 @@ def main(argv=None):
     args = parse(argv)
     if args.seq % 2 or args.global_batch < 1 or args.gpus < 1:
         fail("--seq must be even, --global-batch and --gpus positive")
+    if args.moe_load < 1:
+        fail(f"--moe-load {args.moe_load}: the busiest rank's rows over the balanced count "
+             f"is at least 1")
     config = make_config(args)
     cluster = make_cluster(args)
     schedule = args.schedule
@@ -164,13 +170,13 @@ def main(argv=None):
         layout, micro = parse_layout(args.layout, args)
         try:
             rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
-                             schedule, args.comm, args.headroom, v)]
+                             schedule, args.comm, args.headroom, v, args.moe_load)]
         except ValueError as e:                # a MoE layout minidist does not run
             fail(f"--layout: {e}")
     else:
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
-                      headroom=args.headroom, v=v)
+                      headroom=args.headroom, v=v, moe_load=args.moe_load)
     result = {"config": config.to_dict(), "cluster": cluster.name, "gpus": args.gpus,
               "seq": args.seq, "global_batch": args.global_batch, "rows": rows[:args.top],
               "best": next((r["layout"] for r in rows if r["fits"]), None)}

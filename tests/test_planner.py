@@ -447,3 +447,25 @@ def test_plan_cli_with_experts():
     ours, train = vars(plan_cli.parse([])), vars(train_parser().parse_args([]))
     for flag in ("moe_experts", "moe_top_k", "moe_capacity_factor", "moe_every"):
         assert ours[flag] == train[flag]
+
+
+def test_busiest_rank_load_worked_by_hand():
+    """E = 2, top-1, capacity factor 2, s = 2: capacity ceil(2 x 1 x 2 / 2) = 2 tokens per
+    expert, balanced 1 x 2 = 2 rows per sequence, full E x 2 = 4. ep 2, b = 1, load 1.5:
+    the busiest rank runs 3 rows (load 3: capped at 4), 16 h^2 = 256 FLOPs each, x 3 for the
+    step: + 768 (+ 1536) s over load 1; each of the 4 all-to-alls of rows (dispatch and
+    combine, forward and backward) moves 3 x 16 B, half of it to the other rank: 24 s, not 16.
+    Without ep the load does not apply (each rank runs its own tokens' rows)."""
+    from minidist.train.moe_cost import expert_rows
+    cfg = replace(TOY, moe_experts=2, moe_top_k=1, moe_capacity_factor=2.0, moe_every=2)
+    assert [expert_rows(cfg, 2, load=x) for x in (1, 1.5, 3)] == [2, 3, 4]
+    ep2 = Layout(dp=2, ep=2, amp=False)
+    base = step_time(cfg, ep2, UNIT, seq=2, global_batch=2)
+    busy = step_time(cfg, ep2, UNIT, seq=2, global_batch=2, moe_load=1.5)
+    full = step_time(cfg, ep2, UNIT, seq=2, global_batch=2, moe_load=3.0)
+    assert busy["compute"] - base["compute"] == pytest.approx(768)
+    assert full["compute"] - base["compute"] == pytest.approx(1536)
+    assert busy["ep_all_to_all"] - base["ep_all_to_all"] == pytest.approx(4 * (24 - 16))
+    dp2 = Layout(dp=2, amp=False)
+    assert step_time(cfg, dp2, UNIT, seq=2, global_batch=2, moe_load=3.0)["step"] == \
+        step_time(cfg, dp2, UNIT, seq=2, global_batch=2)["step"]

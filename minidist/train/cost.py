@@ -181,17 +181,19 @@ def _rate(cluster, layout):
     return peak * 1e12 * cluster.efficiency / _share(cluster, layout)
 
 
-def _stage_compute(config, layout, stage, b, seq):
+def _stage_compute(config, layout, stage, b, seq, load=1.0):
     """(forward FLOPs, extra backward FLOPs beyond 2 x forward) of one micro-batch on one rank
     of `stage`: its layers (and the output layer on the last), split by tp and cp; a MoE
-    block's router and experts whole on every tp rank (moe_cost.py)."""
+    block's router and experts whole on every tp rank, the busiest ep rank's rows under
+    ep (`load`; moe_cost.py)."""
     L, pp, h = config.n_layer, layout.pp, config.n_embd
     layers = sum(1 for i in range(L) if i * pp // L == stage)
     moe = stage_moe_blocks(config, layout, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
     blocks = (layers - moe) * per_layer + \
-        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq))
+        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq,
+                                       load=load if layout.ep > 1 else 1.0))
     fwd = blocks
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
@@ -268,13 +270,17 @@ def _replicated(cluster, layout, layers, act, stage):
 
 
 def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, schedule="1f1b",
-              comm="ring", v=1, bucket_mb=25.0):
+              comm="ring", v=1, bucket_mb=25.0, moe_load=1.0):
     """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
     "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
     "expert_grads", "optimizer", "step", "tokens_per_s", "mfu"}. global_batch in
-    sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce).
+    sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce);
+    moe_load: the busiest ep rank's expert rows over a balanced routing's (moe_cost.py).
     ValueError for a MoE layout minidist does not run (moe_cost.check_moe_layout)."""
     check_moe_layout(config, layout)
+    if moe_load < 1:
+        raise ValueError(f"moe_load is the busiest rank's rows over the balanced count, "
+                         f">= 1, not {moe_load}")
     m, e = micro_batches, (2 if layout.amp else 4)
     b = global_batch / (layout.dp * m)
     act = b * seq / layout.cp * config.n_embd * e
@@ -286,13 +292,14 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
     worst = None
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
-        fwd, extra, layers = _stage_compute(config, layout, stage, b, seq)
+        fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load)
         moe = stage_moe_blocks(config, layout, stage)
         experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
         tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe)
-        a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, seq, e, moe)
+        a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, seq, e, moe,
+                                              moe_load)
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
         n_f, n_b = _blocking(layout, layers, stage, moe)
         n_f, n_b = n_f + na_f, n_b + na_b                    # + EP's all-to-alls

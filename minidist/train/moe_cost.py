@@ -9,9 +9,13 @@ capacity factor F (what minidist/nn/moe.py runs):
     rows per sequence  min(k s, E ceil(F k s / E))      each expert keeps at most
                                                         ceil(F k s / E) tokens of a sequence
 The rows assume a balanced routing: no expert gets more than its capacity, so k s rows are
-kept when F >= 1 and E x capacity when F < 1 (an unbalanced routing drops more, computes
-less, and makes the busiest rank the slowest: not modelled). Under expert parallelism a rank
-runs the rows that arrive for its E/ep experts: as many as it sends, when balanced.
+kept when F >= 1 and E x capacity when F < 1. Under expert parallelism a rank runs the rows
+that arrive for its E/ep experts: as many as it sends when balanced; an unbalanced routing
+makes the busiest rank of each block the slowest, and every rank waits for it at the
+combine. `load` (the CLI's --moe-load) is that rank's rows over the balanced count, 1 by
+default, capped where its E/ep experts are full: E/ep x capacity x the ep b sequences of
+its group, i.e. E x capacity rows per own sequence (~F k s: the capacity factor bounds the
+imbalance). Drops below the balanced count are not modelled (they compute less).
 Model FLOPs (MFU's numerator) count k s rows per sequence: the k experts a token visits,
 capacity ignored (as GPT.flops_per_token).
 
@@ -54,22 +58,24 @@ def check_moe_layout(config, layout):
                              f"(not modelled)")
 
 
-def expert_rows(config, s, active=False):
-    """(token, expert) rows of one sequence of s tokens: min(k s, E x capacity) kept under a
-    balanced routing; active: k s (the model FLOPs' count)."""
+def expert_rows(config, s, active=False, load=1.0):
+    """Expert rows per sequence of s tokens on one rank: min(k s, E x capacity) kept under a
+    balanced routing, times `load` (the busiest ep rank's excess) up to E x capacity;
+    active: k s (the model FLOPs' count)."""
     k, E = config.moe_top_k, config.moe_experts
     if active:
         return k * s
-    return min(k * s, E * capacity(s, E, k, config.moe_capacity_factor))
+    full = E * capacity(s, E, k, config.moe_capacity_factor)
+    return min(min(k * s, full) * load, full)
 
 
-def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False):
+def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0):
     """Forward FLOPs of one MoE block on b sequences of s tokens (queries), on one tp rank:
     attention split by tp, the router and the experts' rows whole (module docstring)."""
     h, keys = config.n_embd, s if s_keys is None else s_keys
     attention = (8 * b * s * h * h + 4 * b * s * keys * h) / tp
     return attention + 2 * b * s * h * config.moe_experts + \
-        16 * h * h * b * expert_rows(config, s, active)
+        16 * h * h * b * expert_rows(config, s, active, load)
 
 
 def stage_moe_blocks(config, layout, stage):
@@ -78,12 +84,13 @@ def stage_moe_blocks(config, layout, stage):
     return sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
 
 
-def exchange_times(config, cluster, layout, b, s, e, blocks):
+def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
     """(forward, backward) seconds of the all-to-alls of `blocks` MoE blocks for one
-    micro-batch of b sequences (e bytes per value), and their (forward, backward) counts."""
+    micro-batch of b sequences (e bytes per value), and their (forward, backward) counts;
+    the busiest rank's rows (`load`) set the size (a sendrecv waits for the larger side)."""
     if layout.ep == 1 or blocks == 0:
         return 0.0, 0.0, 0, 0
-    rows = b * expert_rows(config, s)
+    rows = b * expert_rows(config, s, load=load)
     data = collective_time(cluster, "all_to_all", rows * config.n_embd * e, layout, "ep")
     counts = collective_time(cluster, "all_to_all", 8 * config.moe_experts, layout, "ep")
     return blocks * (counts + 2 * data), blocks * 2 * data, 3 * blocks, 2 * blocks

@@ -59,11 +59,12 @@ def micro_batch_counts(pp, per_rank_batch, most=4):
 
 
 def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule="1f1b",
-             comm="ring", headroom=0.1, v=1):
+             comm="ring", headroom=0.1, v=1, moe_load=1.0):
     """One row: the layout, its memory bill on the worst stage and its step-time figures."""
     b = global_batch // (layout.dp * micro_batches)
     mem = bill(config, layout, seq, b, dropout=False)
-    t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v)
+    t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v,
+                  moe_load=moe_load)
     return {"layout": layout.name(), **asdict(layout), "micro_batches": micro_batches,
             "micro_batch": b, "schedule": schedule, "comm": comm, "mem": mem,
             "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
@@ -77,7 +78,8 @@ def expert_splits(config, dp):
 
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
-           tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1):
+           tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1,
+           moe_load=1.0):
     """Every candidate row, fastest first among those that fit, then the rest."""
     rows, moe = [], bool(config.moe_experts)
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch,
@@ -89,7 +91,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                                     recompute=recompute, sp=tp > 1 and not moe, tiled=tiled)
                     for m in micro_batch_counts(pp, global_batch // dp):
                         rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
-                                             schedule, comm, headroom, v))
+                                             schedule, comm, headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
