@@ -22,7 +22,10 @@ the compute efficiency of the prediction comes from the fastest of these referen
 calibration file's, the elementwise work TP repeats is slowed by the same factor (calibrated
 efficiency / reference efficiency, in place of cost.py's ranks-per-core share), and the
 collectives keep their calibrated alpha-beta and sync. The row gives the reference's step
-time. A MoE case's reference runs the same MoE model (one process holds every expert).
+time. A MoE case's reference runs the same MoE model (one process holds every expert). An EP
+case also gets a prediction at the routing its run logged (--log-json's moe_tokens): the
+busiest ep rank's expert rows over its own tokens' at the fastest step (cost.py's moe_load;
+the model's default is a balanced routing, 1).
 """
 import argparse
 import json
@@ -86,9 +89,27 @@ def train_cmd(steps, log, flags):
             "--log-json", log, *flags]
 
 
-def step_times(log, skip):
+def step_rows(log, skip):
     rows = [json.loads(line) for line in open(log)]
-    return [r["ms_per_step"] for r in rows if "ms_per_step" in r][skip:]
+    return [r for r in rows if "ms_per_step" in r][skip:]
+
+
+def step_times(log, skip):
+    return [r["ms_per_step"] for r in step_rows(log, skip)]
+
+
+def busiest_load(row, ep):
+    """The busiest ep rank's expert rows over the rows of its own tokens, summed over the MoE
+    blocks (each block waits for its busiest rank), from a --log-json row's moe_tokens (the
+    global batch's kept assignments per block and expert; rank r of an ep group holds
+    experts r E/ep .. (r+1) E/ep - 1; the ep groups assumed alike): ep x sum over blocks of
+    the busiest rank's assignments / all kept. 1 without ep (each rank runs its own)."""
+    if ep == 1 or "moe_tokens" not in row:
+        return 1.0
+    blocks = row["moe_tokens"]
+    per = len(blocks[0]) // ep
+    busiest = sum(max(sum(b[r * per:(r + 1) * per]) for r in range(ep)) for b in blocks)
+    return ep * busiest / sum(sum(b) for b in blocks)
 
 
 def reference(ranks, steps, skip, tmp, model=()):
@@ -107,8 +128,8 @@ def reference(ranks, steps, skip, tmp, model=()):
     return float(np.median([min(step_times(log, skip)[:-skip or None]) for log in logs]))
 
 
-def measure(ranks, flags, steps, skip, per_node, tmp):
-    """ms_per_step of one train_gpt.py run's steps after its first `skip`."""
+def measure(ranks, flags, steps, skip, per_node, tmp, ep=1):
+    """(ms_per_step, busiest_load) of one train_gpt.py run's steps after its first `skip`."""
     log = os.path.join(tmp, "log.jsonl")
     cmd = train_cmd(steps, log, ["--batch-size", str(BATCH), *flags])
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -117,7 +138,7 @@ def measure(ranks, flags, steps, skip, per_node, tmp):
     if per_node:
         env["MINIDIST_RANKS_PER_NODE"] = str(per_node)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
-    return step_times(log, skip)
+    return [(r["ms_per_step"], busiest_load(r, ep)) for r in step_rows(log, skip)]
 
 
 def reference_efficiency(cluster, ms, ranks, config):
@@ -128,7 +149,8 @@ def reference_efficiency(cluster, ms, ranks, config):
     return flops / seconds / (cluster.peak_tflops * 1e12)
 
 
-def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms=None):
+def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms=None,
+            moe_load=1.0):
     cluster = cluster_from_calibration(cal_path, ranks)
     if reference_ms:     # the reference shared the cores; its slowdown against the lone
         eff = reference_efficiency(cluster, reference_ms, ranks, config)  # calibration slows
@@ -139,7 +161,39 @@ def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms
         cluster = replace(cluster, gpus_per_node=per_node, inter=cluster.intra,
                           compute_slots=slots)      # a node's share of the cores
     return step_time(config, layout, cluster, MODEL["block_size"], BATCH, micro, "1f1b", comm,
-                     bucket_mb=1.0)
+                     bucket_mb=1.0, moe_load=moe_load)
+
+
+def run_case(case, args, tmp):
+    """One case's JSON row: its runs alternating with the references, the predictions."""
+    name, ranks, flags, layout, micro, per_node = case
+    comm = "hier" if "hier" in flags else "ring"
+    load = os.getloadavg()[0]
+    refs, steps = [], []
+    for _ in range(args.repeats):     # alternate, so both meet the same conditions
+        if args.reference:
+            refs.append(reference(ranks, args.steps, args.skip, tmp, model_flags(flags)))
+        steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp, layout.ep)
+    ref, ms = (min(refs) if refs else None), [t for t, _ in steps]
+    config = case_config(flags)
+    pred = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref)
+    quiet = predict(args.calibration, ranks, layout, micro, per_node, comm, config)
+    row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(ms),
+           "median_ms": float(np.median(ms)), "slowest_ms": max(ms),
+           "steps": len(ms), "predicted_ms": pred["step"] * 1e3,
+           "predicted_from_calibration_ms": quiet["step"] * 1e3,
+           "parts_ms": {k: v * 1e3 for k, v in pred.items()
+                        if k not in ("step", "tokens_per_s", "mfu")},
+           "load_1min": [load, os.getloadavg()[0]]}
+    row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+    if layout.ep > 1:     # the routing the run logged: its fastest step's busiest rank
+        moe_load = min(steps)[1]
+        at = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref,
+                     moe_load)
+        row.update(moe_load=moe_load, moe_loads=sorted({round(x, 3) for _, x in steps}),
+                   predicted_at_load_ms=at["step"] * 1e3,
+                   error_at_load=at["step"] * 1e3 / row["measured_ms"] - 1)
+    return row
 
 
 def main():
@@ -156,36 +210,20 @@ def main():
     chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     table = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, ranks, flags, layout, micro, per_node in chosen:
-            comm = "hier" if "hier" in flags else "ring"
-            load = os.getloadavg()[0]
-            refs, steps = [], []
-            for _ in range(args.repeats):     # alternate, so both meet the same conditions
-                if args.reference:
-                    refs.append(reference(ranks, args.steps, args.skip, tmp,
-                                          model_flags(flags)))
-                steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp)
-            ref = min(refs) if refs else None
-            config = case_config(flags)
-            pred = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref)
-            quiet = predict(args.calibration, ranks, layout, micro, per_node, comm, config)
-            row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(steps),
-                   "median_ms": float(np.median(steps)), "slowest_ms": max(steps),
-                   "steps": len(steps), "predicted_ms": pred["step"] * 1e3,
-                   "predicted_from_calibration_ms": quiet["step"] * 1e3,
-                   "parts_ms": {k: v * 1e3 for k, v in pred.items()
-                                if k not in ("step", "tokens_per_s", "mfu")},
-                   "load_1min": [load, os.getloadavg()[0]]}
-            row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+        for case in chosen:
+            row = run_case(case, args, tmp)
             print(json.dumps(row), flush=True)
             table.append(row)
     print("\n| case | ranks | measured ms: fastest (median, slowest) | predicted ms | error |"
-          " load | reference ms | from the calibration alone |\n|---|---|---|---|---|---|---|---|")
+          " load | reference ms | from the calibration alone | at the logged routing |"
+          "\n|---|---|---|---|---|---|---|---|---|")
     for r in table:
+        at = (f"{r['predicted_at_load_ms']:.0f} ({r['error_at_load']:+.0%}, load "
+              f"{r['moe_load']:.2f})" if "moe_load" in r else "")
         print(f"| {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} ({r['median_ms']:.0f}, "
               f"{r['slowest_ms']:.0f}) | {r['predicted_ms']:.0f} | {r['error']:+.0%} | "
               f"{r['load_1min'][0]:.1f} | {r['reference_ms'] or 0:.0f} | "
-              f"{r['predicted_from_calibration_ms']:.0f} |")
+              f"{r['predicted_from_calibration_ms']:.0f} | {at} |")
 
 
 if __name__ == "__main__":
