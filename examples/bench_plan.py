@@ -22,10 +22,11 @@ the compute efficiency of the prediction comes from the fastest of these referen
 calibration file's, the elementwise work TP repeats is slowed by the same factor (calibrated
 efficiency / reference efficiency, in place of cost.py's ranks-per-core share), and the
 collectives keep their calibrated alpha-beta and sync. The row gives the reference's step
-time. A MoE case's reference runs the same MoE model (one process holds every expert). An EP
-case also gets a prediction at the routing its run logged (--log-json's moe_tokens): the
-busiest ep rank's expert rows over its own tokens' at the fastest step (cost.py's moe_load;
-the model's default is a balanced routing, 1).
+time. A MoE case's reference runs the same MoE model (one process holds every expert). A MoE
+case also gets a prediction at the routing its runs logged (--log-json's moe_tokens): the
+expert rows the busiest rank ran at the case's fastest step, and those of the reference's
+processes at theirs, over the balanced count the model assumes (cost.py's moe_load, 1 by
+default): the drops and, under ep, the imbalance, measured like the reference's compute.
 """
 import argparse
 import json
@@ -41,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from minidist.nn import GPT, GPTConfig                                # noqa: E402
 from minidist.train.cost import forward_flops, step_time              # noqa: E402
+from minidist.train.moe_cost import expert_rows                       # noqa: E402
 from minidist.train.planner import Layout                             # noqa: E402
 from minidist.train.search import cluster_from_calibration            # noqa: E402
 
@@ -98,21 +100,22 @@ def step_times(log, skip):
     return [r["ms_per_step"] for r in step_rows(log, skip)]
 
 
-def busiest_load(row, ep):
-    """The busiest ep rank's expert rows over the rows of its own tokens, summed over the MoE
-    blocks (each block waits for its busiest rank), from a --log-json row's moe_tokens (the
-    global batch's kept assignments per block and expert; rank r of an ep group holds
-    experts r E/ep .. (r+1) E/ep - 1; the ep groups assumed alike): ep x sum over blocks of
-    the busiest rank's assignments / all kept. 1 without ep (each rank runs its own)."""
-    if ep == 1 or "moe_tokens" not in row:
+def routing_load(row, config, b, ep=1, replicas=1):
+    """The expert rows the busiest rank ran in a --log-json row, over the balanced count the
+    model assumes (b sequences x min(k s, E cap) per MoE block; cost.py's moe_load), from
+    moe_tokens: the kept assignments per block and expert, summed over `replicas` alike
+    groups (ep groups; or data-parallel ranks without ep). Rank r of an ep group holds
+    experts r E/ep .. (r+1) E/ep - 1; each block waits for its busiest rank. 1 for a dense
+    model."""
+    if "moe_tokens" not in row:
         return 1.0
     blocks = row["moe_tokens"]
     per = len(blocks[0]) // ep
-    busiest = sum(max(sum(b[r * per:(r + 1) * per]) for r in range(ep)) for b in blocks)
-    return ep * busiest / sum(sum(b) for b in blocks)
+    busiest = sum(max(sum(c[r * per:(r + 1) * per]) for r in range(ep)) for c in blocks)
+    return busiest / replicas / (len(blocks) * b * expert_rows(config, MODEL["block_size"]))
 
 
-def reference(ranks, steps, skip, tmp, model=()):
+def reference(ranks, steps, skip, tmp, model=(), config=None):
     """Fastest step of `ranks` independent 1-thread processes run at once, each on 1/ranks
     of the batch: the compute each rank of a case gets, without its communication. The
     processes start and finish at different moments, so each one's first and last `skip`
@@ -125,11 +128,14 @@ def reference(ranks, steps, skip, tmp, model=()):
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL) for log in logs]
     if any(p.wait(timeout=900) for p in procs):
         raise RuntimeError("a reference run failed")
-    return float(np.median([min(step_times(log, skip)[:-skip or None]) for log in logs]))
+    fastest = [min(step_rows(log, skip)[:-skip or None], key=lambda r: r["ms_per_step"])
+               for log in logs]
+    return (float(np.median([r["ms_per_step"] for r in fastest])),
+            float(np.median([routing_load(r, config, BATCH // ranks) for r in fastest])))
 
 
-def measure(ranks, flags, steps, skip, per_node, tmp, ep=1):
-    """(ms_per_step, busiest_load) of one train_gpt.py run's steps after its first `skip`."""
+def measure(ranks, flags, steps, skip, per_node, tmp, layout, config):
+    """(ms_per_step, routing_load) of one train_gpt.py run's steps after its first `skip`."""
     log = os.path.join(tmp, "log.jsonl")
     cmd = train_cmd(steps, log, ["--batch-size", str(BATCH), *flags])
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -138,22 +144,25 @@ def measure(ranks, flags, steps, skip, per_node, tmp, ep=1):
     if per_node:
         env["MINIDIST_RANKS_PER_NODE"] = str(per_node)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
-    return [(r["ms_per_step"], busiest_load(r, ep)) for r in step_rows(log, skip)]
+    b, groups = BATCH // layout.dp, layout.dp // layout.ep
+    return [(r["ms_per_step"], routing_load(r, config, b, layout.ep, groups))
+            for r in step_rows(log, skip)]
 
 
-def reference_efficiency(cluster, ms, ranks, config):
+def reference_efficiency(cluster, ms, ranks, config, load=1.0):
     """Compute efficiency of a rank whose step on 1/ranks of the batch took `ms` (the
-    optimizer's time taken out)."""
+    optimizer's time taken out), its MoE blocks at `load` x the balanced rows."""
     seconds = ms / 1e3 - cluster.opt_s_per_param * GPT(config).num_parameters()
-    flops = 3 * forward_flops(config, BATCH // ranks, MODEL["block_size"])
+    flops = 3 * forward_flops(config, BATCH // ranks, MODEL["block_size"], load=load)
     return flops / seconds / (cluster.peak_tflops * 1e12)
 
 
 def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms=None,
-            moe_load=1.0):
+            moe_load=1.0, reference_load=1.0):
     cluster = cluster_from_calibration(cal_path, ranks)
     if reference_ms:     # the reference shared the cores; its slowdown against the lone
-        eff = reference_efficiency(cluster, reference_ms, ranks, config)  # calibration slows
+        eff = reference_efficiency(cluster, reference_ms, ranks, config,  # calibration
+                                   reference_load)                        # slows
         cluster = replace(cluster, compute_slots=None, efficiency=eff,  # TP's repeated work
                           replicated=cluster.replicated.scaled(cluster.efficiency / eff))
     if per_node:   # simulated nodes: the same measured link inside and across, and each
@@ -168,14 +177,14 @@ def run_case(case, args, tmp):
     """One case's JSON row: its runs alternating with the references, the predictions."""
     name, ranks, flags, layout, micro, per_node = case
     comm = "hier" if "hier" in flags else "ring"
-    load = os.getloadavg()[0]
+    load, config = os.getloadavg()[0], case_config(flags)
     refs, steps = [], []
     for _ in range(args.repeats):     # alternate, so both meet the same conditions
         if args.reference:
-            refs.append(reference(ranks, args.steps, args.skip, tmp, model_flags(flags)))
-        steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp, layout.ep)
-    ref, ms = (min(refs) if refs else None), [t for t, _ in steps]
-    config = case_config(flags)
+            refs.append(reference(ranks, args.steps, args.skip, tmp, model_flags(flags),
+                                  config))
+        steps += measure(ranks, flags, args.steps, args.skip, per_node, tmp, layout, config)
+    (ref, ref_load), ms = (min(refs) if refs else (None, 1.0)), [t for t, _ in steps]
     pred = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref)
     quiet = predict(args.calibration, ranks, layout, micro, per_node, comm, config)
     row = {"case": name, "ranks": ranks, "reference_ms": ref, "measured_ms": min(ms),
@@ -186,11 +195,12 @@ def run_case(case, args, tmp):
                         if k not in ("step", "tokens_per_s", "mfu")},
            "load_1min": [load, os.getloadavg()[0]]}
     row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
-    if layout.ep > 1:     # the routing the run logged: its fastest step's busiest rank
-        moe_load = min(steps)[1]
+    if config.moe_experts:   # at the routing the runs logged: the case's fastest step's
+        moe_load = min(steps)[1]                   # busiest rank, the reference's rows
         at = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref,
-                     moe_load)
-        row.update(moe_load=moe_load, moe_loads=sorted({round(x, 3) for _, x in steps}),
+                     moe_load, ref_load)
+        row.update(moe_load=moe_load, reference_moe_load=ref_load,
+                   moe_loads=sorted({round(x, 3) for _, x in steps}),
                    predicted_at_load_ms=at["step"] * 1e3,
                    error_at_load=at["step"] * 1e3 / row["measured_ms"] - 1)
     return row

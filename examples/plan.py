@@ -50,8 +50,9 @@ def parse(argv=None):
     g.add_argument("--moe-every", type=int, default=1, metavar="N",
                    help="every N-th block is MoE")
     g.add_argument("--moe-load", type=float, default=1.0, metavar="L",
-                   help="the busiest ep rank's expert rows over a balanced routing's (>= 1; "
-                        "capped where its experts are full)")
+                   help="expert rows of the busiest rank over a balanced routing's (1; "
+                        "< 1: tokens dropped; > 1: an unbalanced routing under ep; capped "
+                        "where its experts are full)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     p.add_argument("--preset", choices=("h100", "here"), default="h100")
@@ -159,9 +160,9 @@ def main(argv=None):
     args = parse(argv)
     if args.seq % 2 or args.global_batch < 1 or args.gpus < 1:
         fail("--seq must be even, --global-batch and --gpus positive")
-    if args.moe_load < 1:
+    if args.moe_load <= 0:
         fail(f"--moe-load {args.moe_load}: the busiest rank's rows over the balanced count "
-             f"is at least 1")
+             f"must be positive")
     config = make_config(args)
     cluster = make_cluster(args)
     schedule = args.schedule

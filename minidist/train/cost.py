@@ -118,10 +118,11 @@ def layer_flops(b, s, h):
     return 24 * b * s * h * h + 4 * b * s * s * h
 
 
-def forward_flops(config, b, s, active=False):
+def forward_flops(config, b, s, active=False, load=1.0):
     """Forward FLOPs of the whole model on b sequences of s tokens (output layer included); a
-    MoE block's experts on the rows capacity keeps (active: k per token; moe_cost.py)."""
-    return sum(moe_block_flops(config, b, s, active=active) if config.is_moe(i)
+    MoE block's experts on the rows capacity keeps (x load; active: k per token;
+    moe_cost.py)."""
+    return sum(moe_block_flops(config, b, s, active=active, load=load) if config.is_moe(i)
                else layer_flops(b, s, config.n_embd) for i in range(config.n_layer)) + \
         2 * b * s * config.n_embd * config.vocab_size
 
@@ -184,16 +185,15 @@ def _rate(cluster, layout):
 def _stage_compute(config, layout, stage, b, seq, load=1.0):
     """(forward FLOPs, extra backward FLOPs beyond 2 x forward) of one micro-batch on one rank
     of `stage`: its layers (and the output layer on the last), split by tp and cp; a MoE
-    block's router and experts whole on every tp rank, the busiest ep rank's rows under
-    ep (`load`; moe_cost.py)."""
+    block's router and experts whole on every tp rank, the busiest rank's rows (`load`;
+    moe_cost.py)."""
     L, pp, h = config.n_layer, layout.pp, config.n_embd
     layers = sum(1 for i in range(L) if i * pp // L == stage)
     moe = stage_moe_blocks(config, layout, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
     blocks = (layers - moe) * per_layer + \
-        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq,
-                                       load=load if layout.ep > 1 else 1.0))
+        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load))
     fwd = blocks
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
@@ -275,12 +275,12 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
     "expert_grads", "optimizer", "step", "tokens_per_s", "mfu"}. global_batch in
     sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce);
-    moe_load: the busiest ep rank's expert rows over a balanced routing's (moe_cost.py).
+    moe_load: the busiest rank's expert rows over a balanced routing's (moe_cost.py).
     ValueError for a MoE layout minidist does not run (moe_cost.check_moe_layout)."""
     check_moe_layout(config, layout)
-    if moe_load < 1:
+    if moe_load <= 0:
         raise ValueError(f"moe_load is the busiest rank's rows over the balanced count, "
-                         f">= 1, not {moe_load}")
+                         f"positive, not {moe_load}")
     m, e = micro_batches, (2 if layout.amp else 4)
     b = global_batch / (layout.dp * m)
     act = b * seq / layout.cp * config.n_embd * e

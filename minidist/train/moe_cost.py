@@ -8,14 +8,14 @@ capacity factor F (what minidist/nn/moe.py runs):
     experts          16 h^2 per (token, expert) row     whole experts on every tp rank
     rows per sequence  min(k s, E ceil(F k s / E))      each expert keeps at most
                                                         ceil(F k s / E) tokens of a sequence
-The rows assume a balanced routing: no expert gets more than its capacity, so k s rows are
-kept when F >= 1 and E x capacity when F < 1. Under expert parallelism a rank runs the rows
-that arrive for its E/ep experts: as many as it sends when balanced; an unbalanced routing
-makes the busiest rank of each block the slowest, and every rank waits for it at the
-combine. `load` (the CLI's --moe-load) is that rank's rows over the balanced count, 1 by
-default, capped where its E/ep experts are full: E/ep x capacity x the ep b sequences of
-its group, i.e. E x capacity rows per own sequence (~F k s: the capacity factor bounds the
-imbalance). Drops below the balanced count are not modelled (they compute less).
+The rows assume a balanced routing by default: no expert gets more than its capacity, so
+k s rows are kept when F >= 1 and E x capacity when F < 1. `load` (the CLI's --moe-load) is
+the rows the busiest rank runs over that balanced count: below 1 when the routing drops
+tokens (a rank without ep runs its own tokens' kept rows); above 1 under expert
+parallelism when the routing is unbalanced: a rank runs the rows that arrive for its E/ep
+experts, and every rank waits at the combine for the busiest one. Capped where that rank's
+experts are full: E/ep x capacity x the ep b sequences of its group, i.e. E x capacity
+rows per own sequence (~F k s: the capacity factor bounds the imbalance).
 Model FLOPs (MFU's numerator) count k s rows per sequence: the k experts a token visits,
 capacity ignored (as GPT.flops_per_token).
 
@@ -59,8 +59,8 @@ def check_moe_layout(config, layout):
 
 
 def expert_rows(config, s, active=False, load=1.0):
-    """Expert rows per sequence of s tokens on one rank: min(k s, E x capacity) kept under a
-    balanced routing, times `load` (the busiest ep rank's excess) up to E x capacity;
+    """Expert rows per sequence of s tokens on the busiest rank: min(k s, E x capacity) kept
+    under a balanced routing, times `load` (module docstring), at most E x capacity;
     active: k s (the model FLOPs' count)."""
     k, E = config.moe_top_k, config.moe_experts
     if active:
