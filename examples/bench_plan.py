@@ -228,8 +228,9 @@ def main():
           " load | reference ms | from the calibration alone | at the logged routing |"
           "\n|---|---|---|---|---|---|---|---|---|")
     for r in table:
-        at = (f"{r['predicted_at_load_ms']:.0f} ({r['error_at_load']:+.0%}, load "
-              f"{r['moe_load']:.2f})" if "moe_load" in r else "")
+        at = (f"{r['predicted_at_load_ms']:.0f} ({r['error_at_load']:+.0%}; rows x"
+              f"{r['moe_load']:.2f}, reference x{r['reference_moe_load']:.2f})"
+              if "moe_load" in r else "")
         print(f"| {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} ({r['median_ms']:.0f}, "
               f"{r['slowest_ms']:.0f}) | {r['predicted_ms']:.0f} | {r['error']:+.0%} | "
               f"{r['load_1min'][0]:.1f} | {r['reference_ms'] or 0:.0f} | "
