@@ -152,8 +152,8 @@ def print_table(rows, top):
     for r in rows[:top]:
         print(f"{r['layout']:<40}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
               f"{r['step']:9.3f}{r['tokens_per_s']:11.0f}{r['mfu']:6.2f}{r['compute']:8.3f}"
-              f"{r['tp_cp']:8.3f}{r['ep_all_to_all']:8.3f}{r['bubble']:8.3f}{r['dp_exposed']:8.3f}  "
-              f"{'yes' if r['fits'] else 'no'}")
+              f"{r['tp_cp']:8.3f}{r['ep_all_to_all']:8.3f}{r['bubble']:8.3f}"
+              f"{r['dp_exposed']:8.3f}  {'yes' if r['fits'] else 'no'}")
 
 
 def main(argv=None):

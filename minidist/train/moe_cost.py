@@ -32,8 +32,9 @@ clipping sums one number over the ep group. The optimizer updates the dense shar
 all dense parameters, plus this rank's experts (never sharded).
 Refused (minidist's MoE does not run them, so the terms would price something unbuilt):
 cp > 1, sequence parallelism (a sequence's tokens would be routed apart), full recompute.
-Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand, test_moe_compute_worked_by_hand,
-test_ep2_dp2_communication_worked_by_hand).
+Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand,
+test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
+test_busiest_rank_load_worked_by_hand).
 """
 import math
 
