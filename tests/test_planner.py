@@ -469,3 +469,13 @@ def test_busiest_rank_load_worked_by_hand():
     dp2 = Layout(dp=2, amp=False)
     assert step_time(cfg, dp2, UNIT, seq=2, global_batch=2)["compute"] - step_time(
         cfg, dp2, UNIT, seq=2, global_batch=2, moe_load=0.5)["compute"] == pytest.approx(768)
+
+
+def test_zero_under_ep_leaves_the_experts_whole():
+    """MOE_TOY on dp 4 = ep 2 x edp 2, ZeRO-3, float32: the 396 dense parameters sharded over
+    the 4 ranks (ceil(396 / 4) = 99 each: 4 + 4 + 8 B), this rank's expert (148) whole, as
+    minidist/ep/optim.py keeps it: params 4 (99 + 148), grads the same, optimizer 8 (99 + 148)."""
+    row = bill(MOE_TOY, Layout(dp=4, ep=2, zero=3, amp=False), seq=2)
+    assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 247)
+    ddp = bill(MOE_TOY, Layout(dp=4, ep=2, amp=False), seq=2)
+    assert ddp["params"] == 4 * 544

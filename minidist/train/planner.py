@@ -17,7 +17,8 @@ small model under each strategy and compare, tests/test_planner.py):
     wte and wpe, the last stage ln_f and, the head being tied, its own copy of wte.
     Mixture of Experts (config.moe_experts, minidist/nn/moe.py): each MoE block holds E
     expert MLPs and a router; EP (minidist/ep/, ep of the dp ranks) keeps E/ep experts per
-    rank; the experts are not split by tp. Their activations: the MLP's share of a layer's
+    rank; the experts are not split by tp, nor sharded by ZeRO under ep (its flat shards skip
+    them; they get their own AdamW, minidist/ep/optim.py). Their activations: the MLP's share of a layer's
     (9 sbh e of it) times k (each token visits k experts; capacity ignored), plus the
     router's probabilities, sbE e.
 
@@ -49,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
+from minidist.train.moe_cost import expert_tensors
 
 GiB = 2 ** 30
 STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
@@ -218,7 +220,10 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
-        row = model_state_bytes(n, layout.dp * layout.cp, layout.zero, layout.amp)
+        experts = sum(expert_tensors(config, layout, stage))   # ep > 1: never ZeRO-sharded
+        row = model_state_bytes(n - experts, layout.dp * layout.cp, layout.zero, layout.amp)
+        for k, v in model_state_bytes(experts, amp=layout.amp).items():
+            row[k] += v
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
                                       layout.recompute == "full", dropout)
