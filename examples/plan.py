@@ -21,12 +21,10 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minidist.nn import GPTConfig                                        # noqa: E402
 from minidist.train.cost import H100_IB                                  # noqa: E402
-from minidist.train.planner import GiB, Layout, config_for_params       # noqa: E402
+from minidist.train.planner import GiB, Layout, add_model_args, config_from_args  # noqa: E402
 from minidist.train.search import (cluster_from_calibration, evaluate,  # noqa: E402
                                    search, with_links)
 
@@ -36,24 +34,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    g = p.add_argument_group("Mixture of Experts (train_gpt.py's flags, minidist/nn/moe.py)")
-    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                   help="each (--moe-every n-th) block's MLP is E experts; 0: dense")
-    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
-    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
-                   help="an expert takes at most ceil(F K T / E) tokens of a sequence")
-    g.add_argument("--moe-every", type=int, default=1, metavar="N",
-                   help="every N-th block is MoE")
+    g = add_model_args(p)
     g.add_argument("--moe-load", type=float, default=1.0, metavar="L",
                    help="expert rows of the busiest rank over a balanced routing's (1; "
                         "< 1: tokens dropped; > 1: an unbalanced routing under ep; capped "
                         "where its experts are full)")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
     p.add_argument("--preset", choices=("h100", "here"), default="h100")
     p.add_argument("--gpus", type=int, default=64)
@@ -88,12 +73,8 @@ def fail(message):
 
 def make_config(args):
     """The model: the assumed shape of --params, or the given one; the MoE flags on it."""
-    base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
-            GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                      block_size=args.seq, vocab_size=args.vocab_size))
     try:
-        return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                       moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
+        return config_from_args(args)
     except ValueError as e:                    # GPTConfig's checks of the moe_* fields
         fail(f"--moe-*: {e}")
 

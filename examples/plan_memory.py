@@ -19,7 +19,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
-from minidist.train.planner import GiB, Layout, bill, config_for_params, plan  # noqa: E402
+from minidist.train.planner import GiB, Layout, add_model_args, bill, config_from_args, plan  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
@@ -45,12 +45,7 @@ MEASURED = [
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    add_model_args(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
     p.add_argument("--dropout", action="store_true", help="count dropout masks")
     p.add_argument("--gpus", type=int, default=8)
@@ -58,9 +53,6 @@ def parse():
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction kept free for workspace, buffers, fragmentation")
-    p.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                   help="Mixture of Experts: E experts per block (the planner adds EP layouts)")
-    p.add_argument("--moe-top-k", type=int, default=1, metavar="K")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--measure", action="store_true",
                    help="measure the train_gpt.py default model (ledger vs planner)")
@@ -127,12 +119,11 @@ def main():
     args = parse()
     if args.measure:
         return measure(args)
-    config = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
-              GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                        block_size=args.seq, vocab_size=args.vocab_size))
-    if args.moe_experts:
-        config = GPTConfig(**{**config.to_dict(), "moe_experts": args.moe_experts,
-                              "moe_top_k": args.moe_top_k})
+    try:
+        config = config_from_args(args)
+    except ValueError as e:                    # GPTConfig's checks of the moe_* fields
+        print(f"error: --moe-*: {e}", file=sys.stderr)
+        sys.exit(2)
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
                   args.gpus_per_node, args.headroom, dropout=args.dropout)
     if args.json:

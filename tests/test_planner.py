@@ -143,6 +143,11 @@ def test_cli_json():
     assert result["recommendation"] == "ZeRO-1 (amp, ckpt)"
     assert {"params", "grads", "optimizer", "activations", "total", "fits"} <= set(
         result["rows"][0])
+    bad = subprocess.run([sys.executable, "examples/plan_memory.py", "--params", "1e9",
+                          "--moe-experts", "8", "--moe-top-k", "9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --moe-*: moe_top_k")
+    assert len(bad.stderr.strip().splitlines()) == 1
 
 
 # ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------

@@ -47,7 +47,7 @@ Megatron's kernels (every fused op's output, layer norm's normalised input in fl
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
 from minidist.train.moe_cost import expert_tensors
@@ -297,3 +297,33 @@ def config_for_params(n_params, seq=2048, vocab_size=50257):
     L = max(1, round((n_params - vocab_size * h) / (12 * h * h)))
     return GPTConfig(n_layer=L, n_head=h // 128, n_embd=h, block_size=seq,
                      vocab_size=vocab_size)
+
+
+def add_model_args(p):
+    """The model flags of both planners (examples/plan.py, plan_memory.py): --params (a shape
+    assumed by config_for_params) or the shape, --vocab-size, --seq, and the Mixture of
+    Experts with train_gpt.py's names and defaults (minidist/train/args.py)."""
+    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    g = p.add_argument_group("Mixture of Experts (train_gpt.py's flags, minidist/nn/moe.py)")
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="each (--moe-every n-th) block's MLP is E experts; 0: dense")
+    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
+                   help="an expert takes at most ceil(F K T / E) tokens of a sequence")
+    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block is MoE")
+    return g
+
+
+def config_from_args(args):
+    """The GPTConfig of add_model_args' flags; GPTConfig's ValueError on bad moe_* values."""
+    base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
+            GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                      block_size=args.seq, vocab_size=args.vocab_size))
+    return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
