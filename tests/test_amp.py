@@ -4,6 +4,7 @@ another rank skips here too, the 2+2+12 bytes per parameter the ledger sees), th
 matmul, and --amp training: within 2% of float32 after 30 steps, checkpointing changing no
 number under amp with gradient accumulation, and a bit-identical resume."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -219,3 +220,24 @@ def test_amp_trains_on_cuda(corpus, tmp_path, capsys):
     rows, final = _train(corpus, tmp_path, "--steps", "10", "--amp", "--device", "cuda")
     assert "float32 master weights" in capsys.readouterr().out
     assert np.isfinite(final["val_loss"]) and rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.cpu_only("float16 loss scaling: on CuPy --amp picks bfloat16, scale fixed at 1")
+def test_fifty_overflowing_steps_in_a_row_stop_the_run(corpus, tmp_path):
+    """End to end: a run resumed with a loss scale of 2^1000 (written through the checkpoint
+    API, so it verifies) overflows every backward while its loss stays finite; the scaler
+    halves the scale 50 times (still 2^950, still inf in float32) and the run stops with
+    Diverged at step 51 of the resumed run, having saved nothing more."""
+    from minidist.strategy import checkpoint
+    from minidist.train.amp import SCALER_KEY
+    from minidist.train.loop import Diverged
+    _train(corpus, tmp_path, "--steps", "60", "--amp", "--save", str(tmp_path / "ck"),
+           "--stop-at", "1")
+    params, state, meta = checkpoint.load(str(tmp_path / "ck"))
+    assert state["state"][SCALER_KEY]["scale"] == 2.0 ** 12
+    state["state"][SCALER_KEY]["scale"] = 2.0 ** 1000
+    checkpoint.save(str(tmp_path / "huge"), params, state, meta)
+    scale = re.escape(f"(loss scale now {2.0 ** 950:g})")           # 9.51691e+285
+    with pytest.raises(Diverged, match=r"step 51: 50 steps in a row had inf/nan gradients "
+                                       + scale + r".*nothing saved"):
+        _train(corpus, tmp_path, "--steps", "60", "--amp", "--resume", str(tmp_path / "huge"))
