@@ -227,7 +227,7 @@ def test_fifty_overflowing_steps_in_a_row_stop_the_run(corpus, tmp_path):
     """End to end: a run resumed with a loss scale of 2^1000 (written through the checkpoint
     API, so it verifies) overflows every backward while its loss stays finite; the scaler
     halves the scale 50 times (still 2^950, still inf in float32) and the run stops with
-    Diverged at step 51 of the resumed run, having saved nothing more."""
+    Diverged at step 51 (the 50th step of the resumed run)."""
     from minidist.strategy import checkpoint
     from minidist.train.amp import SCALER_KEY
     from minidist.train.loop import Diverged
