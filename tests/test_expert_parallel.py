@@ -54,8 +54,8 @@ def test_refusals_name_the_flag():
     assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == \
         ["--zero with --amp does not combine with --ep (not built)"]
     assert ep_problems(parse("--ep", "2", "--zero", "3")) == []
-    assert ep_problems(parse("--ep", "2", "--tp", "2", "--save", "ck")) == \
-        ["--save with --tp does not combine with --ep (not built)"]
+    assert ep_problems(parse("--ep", "2", "--tp", "2", "--zero", "1", "--save", "ck",
+                             "--resume", "ck")) == []
     assert check_layout(parse("--ep", "2"), 8) == (4, 1)          # dp = 8 / ep
     with pytest.raises(UsageError, match="expert parallelism: --dp 1 x --ep 2 = 2 ranks"):
         check_layout(parse("--ep", "2", "--dp", "1"), 3)
@@ -64,7 +64,10 @@ def test_refusals_name_the_flag():
 def check_rows(rows, runs):
     assert [r["run"] for r in rows] == runs
     for r in rows:
-        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+        assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
+        assert r["compared"] == r["ref_params"], r        # rank 0: every parameter, gathered
+        if r["run"].endswith("+ckpt"):           # saved after step 2, resumed: bit-identical
+            assert r["resume_diff"] == 0 and r["one_process_diff"] < 1e-10, r
         if r["run"].startswith("ep1"):                           # no ep group: no bytes
             assert r["bytes_sent"] == r["theory_sent"] == 0, r
         elif "naive" not in r["run"]:
@@ -76,15 +79,16 @@ def check_rows(rows, runs):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
     """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE, DDP
-    overlapped/bucketed/naive; ZeRO-3 over the dense parameters), and MoE without ep under
-    tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64; the same tokens dropped; bytes =
-    formula.
+    overlapped/bucketed/naive; ZeRO-3, ZeRO-2 with grad-accum over the dense parameters), and
+    MoE without ep under tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64;
+    the same tokens dropped; bytes = formula. +ckpt runs also save after step 2 of 4: the
+    resumed run is bit-identical, and one process loading the checkpoint follows to 1e-10.
 
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
-    runs = ["ep2", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
-            "ep2+ddpnaive+accum", "ep1xtp2", "ep1xdp2+zero1", "ep1xdp2+zero3", "ep2+zero3",
-            "ep2+zero2+accum"]
+    runs = ["ep2+ckpt", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
+            "ep2+ddpnaive+accum", "ep1xtp2+ckpt", "ep1xdp2+zero1", "ep1xdp2+zero3",
+            "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 
@@ -92,12 +96,14 @@ def test_ep2_is_exact(mpi):
 @pytest.mark.mpi
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep4_and_compositions_are_exact(mpi):
-    """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters), ep 2 x tp 2 against
-    one process in float64.
+    """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters), ep 2 x tp 2 (DDP,
+    ZeRO-1/2/3) against one process in float64; +ckpt runs save, resume bit-identically and
+    load on one process (test_ep2_is_exact).
 
         mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
     """
-    runs = ["ep4", "ep2xdp2", "ep2xtp2", "ep2xdp2+zero1", "ep2xdp2+zero2", "ep2xdp2+zero3"]
+    runs = ["ep4", "ep2xdp2", "ep2xtp2+ckpt", "ep2xdp2+zero1+ckpt", "ep2xdp2+zero2",
+            "ep2xdp2+zero3+ckpt", "ep2xtp2+zero1", "ep2xtp2+zero2+ckpt", "ep2xtp2+zero3+ckpt"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=240)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)
@@ -122,13 +128,14 @@ def _rows(path):
 @pytest.mark.mpi
 def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     """train_gpt.py --ep 2 logs one process's losses, val loss, sample (float64) and the
-    tokens per expert (summed over both ranks' rows); its checkpoint after step
-    2 (the experts gathered into one process's format) finishes the run on one process:
+    tokens per expert (summed over both ranks' rows); the checkpoint of --ep 2 --zero 1 after
+    step 2 (ZeRO's shards and the experts gathered into one process's format) finishes the
+    run on one process and on --ep 2 --zero 3:
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
         mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 4 ...
-        mpiexec -n 2 python examples/train_gpt.py --ep 2 ... --stop-at 2 --save ck
-        python examples/train_gpt.py ... --resume ck      (and mpiexec -n 2 ... --ep 2)
+        mpiexec -n 2 python examples/train_gpt.py --ep 2 --zero 1 ... --stop-at 2 --save ck
+        python examples/train_gpt.py ... --resume ck  (and mpiexec -n 2 ... --ep 2 --zero 3)
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
     one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
@@ -137,16 +144,17 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
                          env=mpi_env(), text=True, capture_output=True, check=True).stdout
     out = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep,
               timeout=120).stdout
-    # a checkpoint of --ep 2 after step 2 (experts gathered) finishes on one process exactly
-    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--stop-at", "2", "--save",
-        tmp_path / "ck", timeout=120)
+    # a checkpoint of --ep 2 --zero 1 after step 2 (the dense shards and the experts gathered)
+    # finishes on one process exactly, and on --ep 2 --zero 3
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "1", "--stop-at", "2",
+        "--save", tmp_path / "ck", timeout=120)
     back = tmp_path / "back.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--resume",
                     str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
                    cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
-    again = tmp_path / "again.jsonl"                        # ... and on --ep 2 (load)
-    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--resume", tmp_path / "ck",
-        "--log-json", again, timeout=120)
+    again = tmp_path / "again.jsonl"                        # ... and on --ep 2 --zero 3
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "3", "--resume",
+        tmp_path / "ck", "--log-json", again, timeout=120)
     last = [r["loss"] for r in _rows(one) if "loss" in r][-1]
     for log in (back, again):
         assert abs([r["loss"] for r in _rows(log) if "loss" in r][-1] - last) < 1e-10

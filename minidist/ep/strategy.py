@@ -37,10 +37,10 @@ process's), --sequence-parallel (a sequence's tokens would be routed apart), E n
 multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
-from minidist import backend
 from minidist.backend import xp_of
+from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
-from minidist.nn.config import gpt_param_specs
+from minidist.ep.optim import DenseAndExperts, experts_optimizer
 from minidist.strategy import checkpoint
 from minidist.strategy.base import ModelParallel, all_reduce_number
 from minidist.tp.state import unscaled_sum_sq
@@ -67,12 +67,7 @@ def ep_problems(args):
     problems = []
     if args.moe_experts % args.ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {args.ep}")
-    tp = args.tp
-    zero_with = [f for f, on in (("--tp", tp > 1), ("--amp", args.amp), ("--save", args.save),
-                                 ("--resume", args.resume)) if on]
-    for flag, on in (("--zero with " + ", ".join(zero_with), args.zero and zero_with),
-                     ("--save with --tp", args.save and tp > 1),
-                     ("--resume with --tp", args.resume and tp > 1),
+    for flag, on in (("--zero with --amp", args.zero and args.amp),
                      ("--dropout > 0", args.dropout),      # experts run in another order
                      ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
         if on:
@@ -105,13 +100,16 @@ class ExpertParallel(ModelParallel):
 
     def build_optimizer(self, model, args):
         """inner's AdamW (DDP: over every parameter of this rank, experts included); under
-        ZeRO, its sharded AdamW plus one for the experts (minidist/ep/optim.py)."""
-        opt = self.inner.build_optimizer(model, args)
-        if getattr(self.inner, "engine", None) is None:
-            return opt
-        from minidist.ep.optim import DenseAndExperts
+        ZeRO, its sharded AdamW plus one for the experts (minidist/ep/optim.py), built first:
+        ZeRO's empties the masters --amp's cast keeps."""
+        if not self._zero():
+            return self.inner.build_optimizer(model, args)
         experts = [(n, p) for n, p in model.named_parameters() if p.expert_parallel]
-        return DenseAndExperts(opt, experts, args)
+        mine = experts_optimizer(experts, args, self.amp)
+        return DenseAndExperts(self.inner.build_optimizer(model, args), mine, self.amp)
+
+    def _zero(self):
+        return getattr(self.inner, "engine", None) is not None
 
     def sync_grads(self, model):
         """inner's DDP over the dense parameters; the experts' gradients summed over edp and
@@ -126,14 +124,19 @@ class ExpertParallel(ModelParallel):
             p.grad /= dense
 
     def reduce_sum_sq(self, local):
-        """The global sum of squares: this rank's, with its experts' part replaced by the sum
-        of every ep rank's (each expert counted once), then inner's reduction (DDP: none).
-        The experts' part is unscaled in float32 under --amp, as the optimizer sums."""
+        """The global sum of squares, each expert counted once (its squares summed over ep),
+        unscaled in float32 under --amp as the optimizer sums. ZeRO: `local` is its shards',
+        reduced by inner, plus the experts'. DDP: `local` counts the dense gradients (equal
+        on every rank) and this rank's experts: one sum over ep of dense / ep + experts, so
+        that every rank gets the same bits (the replicas' clip factors, so their parameters,
+        stay bit-identical: a checkpoint holds one copy)."""
         mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
-        experts = all_reduce_number(self.group, mine, "sum", self.experts[0].data)
-        if getattr(self.inner, "engine", None) is not None:   # ZeRO: `local` is its shards
-            return self.inner.reduce_sum_sq(local) + experts
-        return self.inner.reduce_sum_sq(local - mine + experts)
+        like, ep = self.experts[0].data, self.group.size
+        if self._zero():
+            return (self.inner.reduce_sum_sq(local)
+                    + all_reduce_number(self.group, mine, "sum", like))
+        total = all_reduce_number(self.group, (local - mine) / ep + mine, "sum", like)
+        return self.inner.reduce_sum_sq(total)
 
     def zero_grad(self, opt):
         """inner's (DDP: its buckets zeroed in place), and the experts' gradients, which no
@@ -144,36 +147,37 @@ class ExpertParallel(ModelParallel):
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         """One process's checkpoint (minidist/strategy/checkpoint.py), so any --ep, or one
-        process, resumes it: each ep group gathers its experts and their AdamW state to its
-        rank 0 (mpi4py's object gather on the group's communicator), world rank 0 writes.
+        process, resumes it: whole_state gathers it to world rank 0, which writes.
         Collective."""
-        params = {n: backend.to_host(a).copy() for n, a in model.state_dict().items()}
-        opt = optimizer.state_dict()
-        names = {n for n, p in model.named_parameters() if p.expert_parallel}
-        mine = ({n: params[n] for n in names},
-                {n: s for n, s in opt["state"].items() if n in names})
-        parts = self.group.comm.gather(mine, root=0)
+        params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
-            for expert_params, expert_state in parts:
-                params.update(expert_params)
-                opt["state"].update(expert_state)
-            params = {n: params[n] for n in gpt_param_specs(model.config)}     # model order
-            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
-                                        optimizer, step, rng_states, extra)
-            checkpoint.save(directory, params, opt, meta)
+            meta = checkpoint.make_meta(model.config, _dtype(model), optimizer, step,
+                                        rng_states, extra)
+            meta["optimizer"] = self.optimizer_type(optimizer)     # one process's name
+            checkpoint.save(directory, params, opt_sd, meta)
         self.mesh.world.barrier()                           # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the whole checkpoint and keeps its own experts. Returns meta."""
+        """Every rank reads the whole checkpoint and keeps its own experts (and, under ZeRO,
+        its shards of the rest). Returns meta."""
         params, opt_sd, meta = checkpoint.load(directory)
-        checkpoint.check_fits(meta["folder"], meta, model.config,
-                              checkpoint.model_dtype(model), type(optimizer).__name__)
-        here = dict(model.named_parameters())
+        checkpoint.check_fits(meta["folder"], meta, model.config, _dtype(model),
+                              self.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
-            model.load_state_dict({n: v for n, v in params.items() if n in here})
-            optimizer.load_state_dict(
-                {**opt_sd, "state": {n: s for n, s in opt_sd["state"].items() if n in here}})
+            self.load_whole_state(model, optimizer, params, opt_sd)
         return meta
+
+    def whole_state(self, model, optimizer):
+        """The whole model and optimizer state, every expert gathered, on dense rank 0
+        (minidist/ep/checkpoint.py). Collective."""
+        return ep_checkpoint.whole_state(self, model, optimizer)
+
+    def load_whole_state(self, model, optimizer, params, opt_sd):
+        ep_checkpoint.load_whole_state(self, model, optimizer, params, opt_sd)
+
+    def optimizer_type(self, optimizer):
+        """One process's optimizer name (AdamW, or MasterWeightOptimizer under --amp)."""
+        return self.inner.optimizer_type(optimizer.dense if self._zero() else optimizer)
 
     def takes_part_in_sampling(self):
         """Every rank: the MoE layers' all-to-alls need the whole ep group (each rank samples
@@ -196,3 +200,8 @@ class ExpertParallel(ModelParallel):
     def finish(self, args, log):
         log.print0(self.summary())
         self.inner.finish(args, log)
+
+
+def _dtype(model):
+    """The parameters' dtype (under ZeRO-3 the dense ones are placeholders of it)."""
+    return next(p.dtype for p in model.parameters())

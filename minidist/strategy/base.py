@@ -249,6 +249,9 @@ class ModelParallel(SingleProcess):
     def takes_part_in_sampling(self):
         return self.inner.takes_part_in_sampling()
 
+    def optimizer_type(self, optimizer):
+        return self.inner.optimizer_type(optimizer)
+
     def sent_per_step(self):
         """Bytes this rank sent on `group` per step, on average (summary())."""
         return self.sent / max(self.steps, 1)

@@ -147,15 +147,19 @@ class TensorParallelGPT(GPT):
     def full_state_dict(self, local=None):
         """{name: full host array} of the whole model, in model order, on every rank of the
         group (collective: every rank must call it). `local`: this rank's arrays by name if
-        not the parameters' own (ZeRO-3 holds only shards: it gathers them first); {} on
-        every rank of the group: nothing to do, returns {}."""
+        not the parameters' own (ZeRO-3 holds only shards: it gathers them first), in its
+        order, names this rank does not hold passed through whole (expert parallelism's
+        other experts); {} on every rank of the group: nothing to do, returns {}."""
         local = {n: p.data for n, p in self.named_parameters()} if local is None else local
         if not local:
             return {}
-        out = {}
-        for name, p in self.named_parameters():
-            mine = backend.to_host(local[name])
-            if p.tp_split is None:
+        out, params = {}, dict(self.named_parameters())
+        missing = [n for n in params if n not in local]
+        if missing:
+            raise KeyError(f"full_state_dict: no array for {missing[:6]}")
+        for name in local:
+            p, mine = params.get(name), backend.to_host(local[name])
+            if p is None or p.tp_split is None:      # whole here (or another ep rank's expert)
                 out[name] = mine.copy()
                 continue
             buf = np.empty((self.group.size,) + mine.shape, mine.dtype)

@@ -18,11 +18,12 @@ SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to 
                         parameters' gradients: region.shared)
     reduce_sum_sq       split parameters' squares summed over tp, replicated ones counted
                         once (every tp rank holds the same copy), then inner's reduction
-    save / load         the full model and optimizer state, gathered over tp and written by
-                        rank 0 in the single-process format: a checkpoint from any tp resumes
-                        on any other tp, or on one process. Under ZeRO: one checkpoint
-                        folder holding ZeRO's sharded files of each tp rank's part in
-                        tp<r>-of-<tp>/ (same tp to resume)
+    save / load         the full model and optimizer state (whole_state: inner's, then
+                        gathered over tp) written by rank 0 in the single-process format: a
+                        checkpoint from any tp resumes on any other tp, or on one process
+                        (also under --ep, with or without ZeRO). Under ZeRO without --ep: one
+                        checkpoint folder holding ZeRO's sharded files of each tp rank's
+                        part in tp<r>-of-<tp>/ (same tp to resume)
 A data-parallel strategy plugs in as `inner` through `wrap(model)` (DataParallel and
 ZeroDataParallel have it).
 Tests: tests/test_tensor_parallel.py.
@@ -32,7 +33,7 @@ import argparse
 
 from minidist.comm import trace
 from minidist.tp.model import TensorParallelGPT, check_tp_sizes
-from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state,
+from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state, shard_params,
                                sum_sq_over_tp)
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.base import ModelParallel
@@ -116,24 +117,36 @@ class TensorParallel(ModelParallel):
         (resharding over dp works, tp must stay the same)."""
         return f"tp{self.group.rank}-of-{self.group.size}"
 
+    def whole_state(self, model, optimizer):
+        """The whole model and optimizer state as one process holds them: inner's whole state
+        of this rank's part (ZeRO: gathered over dp; expert parallelism: every expert gathered
+        over ep), then the split parameters (and their AdamW moments) gathered over tp; on
+        the ranks where inner returns it ((None, None) elsewhere). Collective."""
+        params, sd = self.inner.whole_state(self.model, optimizer)
+        if params is None:
+            return None, None
+        return (self.model.full_state_dict(params),                 # collective over tp
+                gather_optimizer_state(self.model, self.group, sd))
+
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        """The whole model and optimizer state, gathered over tp, written by rank 0 as one
-        process's (minidist/strategy/checkpoint.py). Under ZeRO: one checkpoint holding ZeRO's
-        sharded files of each tp rank's part (minidist/zero/checkpoint.py). Collective."""
+        """The whole model and optimizer state (whole_state), written by rank 0 as one
+        process's (minidist/strategy/checkpoint.py). Under ZeRO (not under --ep): one
+        checkpoint holding ZeRO's sharded files of each tp rank's part
+        (minidist/zero/checkpoint.py). Collective."""
         if self._zero():
             return save_sharded(directory, model, optimizer, self.inner.group, step,
                                 rng_states, extra, part=self._part(), world=self.mesh.world)
-        params = self.model.full_state_dict()                      # collective over tp
-        opt_sd = gather_optimizer_state(self.model, self.group, optimizer.state_dict())
+        params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
-            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
-                                        optimizer, step, rng_states, extra)
+            meta = checkpoint.make_meta(model.config, _dtype(self.model), optimizer, step,
+                                        rng_states, extra)
+            meta["optimizer"] = self.inner.optimizer_type(optimizer)    # one process's name
             checkpoint.save(directory, params, opt_sd, meta)
         self.mesh.world.barrier()                                  # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the whole checkpoint and keeps its shards (under ZeRO: its tp
-        rank's part). Returns the checkpoint's meta."""
+        """Every rank reads the whole checkpoint and keeps its shards, handed to inner as whole
+        arrays by name (under ZeRO without --ep: its tp rank's part). Returns the meta."""
         if self._zero():
             folder = checkpoint_dirs.resolve(directory)
             if not os.path.isdir(os.path.join(folder, self._part())):
@@ -143,14 +156,12 @@ class TensorParallel(ModelParallel):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer,
                                 self.inner.group)
         params, opt_sd, meta = checkpoint.load(directory)
-        checkpoint.check_fits(meta["folder"], meta, model.config,
-                              checkpoint.model_dtype(self.model), type(optimizer).__name__)
+        checkpoint.check_fits(meta["folder"], meta, model.config, _dtype(self.model),
+                              self.inner.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
-            differ = set(dict(self.model.named_parameters())) ^ set(params)
-            if differ:
-                raise KeyError(f"parameters differ: {sorted(differ)[:6]}")
-            self.model.load_full_state_dict(params)
-            optimizer.load_state_dict(shard_optimizer_state(self.model, self.group, opt_sd))
+            self.inner.load_whole_state(self.model, optimizer,
+                                        shard_params(self.model, self.group, params),
+                                        shard_optimizer_state(self.model, self.group, opt_sd))
         return meta
 
     def summary(self):
@@ -167,3 +178,7 @@ class TensorParallel(ModelParallel):
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective written to {args.trace}")
 
+
+def _dtype(model):
+    """The parameters' dtype (under ZeRO-3 placeholders of it)."""
+    return next(p.dtype for p in model.parameters())

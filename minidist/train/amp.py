@@ -76,8 +76,15 @@ class LossScaler:
         self.used = False
         sum_sq = float(reduce_sum_sq(sum_sq)) if reduce_sum_sq is not None else sum_sq
         norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
+        return (norm, *self.verdict(norm, max_norm))
+
+    def verdict(self, norm, max_norm):
+        """(inf/nan found, the factor the 16-bit gradients are multiplied by in the step) for
+        the global unscaled `norm` (a float): 1/S times the clip factor. For an optimizer
+        that steps a second set of parameters by the norm unscale_and_clip measured
+        (minidist/ep/optim.py)."""
         found_inf = not math.isfinite(norm)
-        return norm, found_inf, (1.0 if found_inf else clip_factor(norm, max_norm)) / self.scale
+        return found_inf, (1.0 if found_inf else clip_factor(norm, max_norm)) / self.scale
 
     def update(self, found_inf):
         """Record this step's verdict; returns True if the optimizer should step."""
@@ -256,6 +263,14 @@ class MasterWeightOptimizer:
         found_inf, factor, self._factor = self._found_inf, self._factor, None
         if not self.scaler.update(found_inf):
             return False
+        self.update_masters(factor)
+        return True
+
+    def update_masters(self, factor):
+        """The update once the verdict is in: the inner optimizer on the float32 masters with
+        each 16-bit gradient x `factor` (1/S, times the clip factor), the masters rounded
+        into the model's weights. step() calls it; so does an optimizer that took the verdict
+        for these parameters and others together (minidist/ep/optim.py)."""
         for group in self.inner.param_groups:
             for name, master in zip(group["names"], group["params"]):
                 p = self._model_param[name]
@@ -265,7 +280,6 @@ class MasterWeightOptimizer:
                 state["step"] += 1
                 self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
                 p.data[...] = master.data        # float32 master -> 16-bit weights
-        return True
 
     # ---- memory ledger and checkpoints ---------------------------------------------------
     def state_arrays(self):

@@ -18,7 +18,9 @@ and aborts the job.
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
@@ -35,6 +37,7 @@ from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.planner import stage_params  # noqa: E402
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.step import train_step  # noqa: E402
 from minidist.train.strategy import make_strategy  # noqa: E402
 
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0",
@@ -50,7 +53,12 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xdp2+zero1": ["--dp", "2", "--zero", "1"], "ep2xdp2+zero2": ["--dp", "2", "--zero",
                                                                          "2"],
         "ep2xdp2+zero3": ["--dp", "2", "--zero", "3"], "ep2+zero3": ["--zero", "3"],
-        "ep2+zero2+accum": ["--zero", "2", "--grad-accum", "2"]}
+        "ep2+zero2+accum": ["--zero", "2", "--grad-accum", "2"],
+        "ep2xtp2+zero1": ["--tp", "2", "--zero", "1"], "ep2xtp2+zero2": ["--tp", "2", "--zero",
+                                                                         "2"],
+        "ep2xtp2+zero3": ["--tp", "2", "--zero", "3"]}
+for _name in list(RUNS):                 # each run also saves, resumes, and loads on one process
+    RUNS[_name + "+ckpt"] = RUNS[_name]
 SEED = 7
 
 
@@ -68,18 +76,53 @@ def config_of(args):
                      block_size=args.block_size, vocab_size=30, **moe_fields(args))
 
 
-def my_params(strategy, model):
-    """name -> host array of the parameters this rank holds (tp shards gathered)."""
-    if hasattr(strategy, "full_state_dict"):
-        return strategy.full_state_dict()
-    zero = getattr(getattr(strategy, "inner", None), "engine", None)
-    if zero is not None:              # --ep with ZeRO: its shards gathered, experts as held
-        return {**zero.full_state_dict(root=0),
-                **{n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()
-                   if p.expert_parallel}}
-    if getattr(strategy, "engine", None) is not None:      # ZeRO: gathered on rank 0 only
-        return strategy.engine.full_state_dict(root=0)
-    return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
+def my_params(strategy, model, opt):
+    """name -> host array: the experts this rank holds, and on world rank 0 the whole model
+    as a checkpoint gathers it (strategy.whole_state: ZeRO's shards, tp's pieces and every
+    expert gathered)."""
+    whole, _ = strategy.whole_state(model, opt)
+    mine = {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()
+            if p.expert_parallel}
+    return {**(whole if strategy.rank == 0 else {}), **mine}, sorted(
+        {n.split(".experts.")[1].split(".")[0] for n in mine})
+
+
+def resume_diffs(args, config, comm):
+    """Save after step 2 of 4 and go on (A); a fresh strategy loads the checkpoint and does
+    steps 3 and 4 (B); so does one process (C). Returns (the largest |A - B| of losses, norms
+    and every parameter: 0 when the resume is bit-identical, |A - C|)."""
+    args.steps = 4
+    folder = comm.bcast(tempfile.mkdtemp(prefix="ep_ckpt") if comm.rank == 0 else None)
+    runs = []
+    for load in (False, True):
+        strategy = make_strategy(args, ProcessGroup.world(args.comm))
+        model = strategy.build_model(config, SEED, "float64")
+        opt = strategy.build_optimizer(model, args)
+        if load:
+            strategy.load(folder, model, opt)
+        got = []
+        for step in range(2 if load else 0, 4):
+            got += [float(v) for v in train_step(strategy, model, opt,
+                                                 *batch(step, args.batch_size, config, SEED),
+                                                 args)[:2]]
+            if step == 1:
+                strategy.save(folder, model, opt, 2, {}, {})
+        runs.append((got[-4:], my_params(strategy, model, opt)[0]))
+    one = SingleProcess()
+    model = one.build_model(config, SEED, "float64")
+    opt = one.build_optimizer(model, args)
+    one.load(folder, model, opt)
+    got = [float(v) for step in (2, 3) for v in train_step(
+        one, model, opt, *batch(step, args.batch_size, config, SEED), args)[:2]]
+    runs.append((got, {n: np.asarray(p.data) for n, p in model.named_parameters()}))
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(folder)
+    (a, pa), (b, pb), (c, pc) = runs
+    diff = [max(abs(x - y) for x, y in zip(a, other)) for other in (b, c)]
+    for i, other in ((0, pb), (1, pc)):
+        diff[i] = float(np.max([diff[i]] + [np.abs(v - other[n]).max() for n, v in pa.items()]))
+    return diff
 
 
 def same_drops(model, ref, args, config, strategy):
@@ -112,15 +155,15 @@ def run(name, ref_runs, comm, tol):
     r_model, _, r_losses, r_norms, _ = ref_runs[args.moe_top_k][1]
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     sent0 = trace.bytes_sent("ep", "all_to_all")
-    model, _, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
+    model, opt, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
     sent = trace.bytes_sent("ep", "all_to_all") - sent0
     N = args.ep
     theory = 0 if N == 1 else sum(
         exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8)
         for m in model.moe_layers() for s, r in m.exchange.history)
-    params, ref = my_params(strategy, model), dict(r_model.named_parameters())
-    d_par = max([float(np.abs(v - np.asarray(ref[n].data)).max()) for n, v in params.items()]
-                or [0.0])
+    (params, experts), ref = my_params(strategy, model, opt), dict(r_model.named_parameters())
+    d_par = float(np.max([np.abs(v - np.asarray(ref[n].data)).max() for n, v in params.items()]
+                         or [0.0]))
     d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
     d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
     dropped, mine = same_drops(model, r_model, args, config, strategy)
@@ -131,11 +174,13 @@ def run(name, ref_runs, comm, tol):
     row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm,
            "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
-           "experts_here": sorted({n.split(".experts.")[1].split(".")[0] for n in params
-                                   if ".experts." in n}),
+           "experts_here": experts, "compared": len(params), "ref_params": len(ref),
            "losses": [float(v) for v in losses]}
-    worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
-    assert worst < tol, (name, row)
+    if name.endswith("+ckpt"):
+        row["resume_diff"], row["one_process_diff"] = resume_diffs(args, config, comm)
+        assert row["resume_diff"] == 0 and row["one_process_diff"] < tol, (name, row)
+    worst = comm.allreduce(float(np.max([d_loss, d_norm, d_par])), op=MPI.MAX)
+    assert worst < tol, (name, row)                          # (a nan fails too)
     if args.comm != "naive":      # naive relays through rank 0 (its bytes: alltoall_check)
         assert sent == theory and (sent > 0) == (N > 1), (name, row)
     return row
