@@ -51,8 +51,9 @@ def test_refusals_name_the_flag():
     assert "--pp" in moe_problems(parse("--pp", "2"))[0]
     assert ep_problems(parse("--ep", "2")) == []
     assert any("not a multiple of --ep 3" in p for p in ep_problems(parse("--ep", "3")))
-    assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == \
-        ["--zero with --amp does not combine with --ep (not built)"]
+    assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == []
+    assert ep_problems(parse("--ep", "2", "--comm", "nccl")) == \
+        ["--comm nccl does not combine with --ep (not built)"]
     assert ep_problems(parse("--ep", "2", "--zero", "3")) == []
     assert ep_problems(parse("--ep", "2", "--tp", "2", "--zero", "1", "--save", "ck",
                              "--resume", "ck")) == []
@@ -64,6 +65,9 @@ def test_refusals_name_the_flag():
 def check_rows(rows, runs):
     assert [r["run"] for r in rows] == runs
     for r in rows:
+        if "+amp" in r["run"]:                   # float16: one process's to its rounding
+            check_amp_row(r)
+            continue
         assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
         assert r["compared"] == r["ref_params"], r        # rank 0: every parameter, gathered
         if r["run"].endswith("+ckpt"):           # saved after step 2, resumed: bit-identical
@@ -75,6 +79,16 @@ def check_rows(rows, runs):
         assert r["ref_dropped"] > 0, "the runs must drop tokens for the drop check to count"
 
 
+def check_amp_row(r):
+    """A --amp run (float16 loss scaling) of ep_check.py: one process's losses to float16's
+    rounding; the inf put in one expert's gradient on one rank skipped that step everywhere
+    (checked on every rank by the script) as in one process; a resume bit-identical."""
+    assert r["loss_rel_diff"] < 2e-3 and r["skipped"] == r["ref_skipped"] == 1, r
+    assert r["scale"] == r["ref_scale"] and not np.isfinite(r["norm_at_poison"]), r
+    if r["run"].endswith("+ckpt"):
+        assert r["resume_diff"] == 0 and r["one_process_diff"] < 1e-2, r
+
+
 @pytest.mark.mpi
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
@@ -83,12 +97,13 @@ def test_ep2_is_exact(mpi):
     MoE without ep under tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64;
     the same tokens dropped; bytes = formula. +ckpt runs also save after step 2 of 4: the
     resumed run is bit-identical, and one process loading the checkpoint follows to 1e-10.
+    +amp runs: ZeRO with float16 --amp against one process's --amp (check_amp_row).
 
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
     runs = ["ep2+ckpt", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
             "ep2+ddpnaive+accum", "ep1xtp2+ckpt", "ep1xdp2+zero1", "ep1xdp2+zero3",
-            "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt"]
+            "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt", "ep2+zero1+amp+ckpt", "ep2+zero3+amp"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 
@@ -98,12 +113,13 @@ def test_ep2_is_exact(mpi):
 def test_ep4_and_compositions_are_exact(mpi):
     """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters), ep 2 x tp 2 (DDP,
     ZeRO-1/2/3) against one process in float64; +ckpt runs save, resume bit-identically and
-    load on one process (test_ep2_is_exact).
+    load on one process; +amp runs with float16 --amp (test_ep2_is_exact).
 
         mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
     """
     runs = ["ep4", "ep2xdp2", "ep2xtp2+ckpt", "ep2xdp2+zero1+ckpt", "ep2xdp2+zero2",
-            "ep2xdp2+zero3+ckpt", "ep2xtp2+zero1", "ep2xtp2+zero2+ckpt", "ep2xtp2+zero3+ckpt"]
+            "ep2xdp2+zero3+ckpt", "ep2xtp2+zero1", "ep2xtp2+zero2+ckpt", "ep2xtp2+zero3+ckpt",
+            "ep2xdp2+zero2+amp+ckpt", "ep2xtp2+zero1+amp+ckpt"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=240)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)
@@ -238,11 +254,13 @@ def test_walkthrough_shows_routes_and_is_exact():
 
 @pytest.mark.mpi
 def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
-    """--amp (float16 on numpy) with --ep 2 against one process with --amp: the clipping norm
-    counts the experts unscaled, as the mixed-precision optimizer does (to 1e-3: float16).
+    """--amp (float16 on numpy) with --ep 2, and with --ep 2 --zero 2, against one process
+    with --amp: the clipping norm counts the experts unscaled, as the mixed-precision
+    optimizer does (to 1e-3: float16).
 
         python examples/train_gpt.py --amp --moe-experts 4 ... --log-json one.jsonl
         mpiexec -n 2 python examples/train_gpt.py --amp --ep 2 --moe-experts 4 ...
+        mpiexec -n 2 python examples/train_gpt.py --amp --ep 2 --zero 2 --moe-experts 4 ...
     """
     flags = [a for a in TINY if a not in ("--dtype", "float64")]
     common = [*flags, "--amp", "--grad-clip", "0.05", "--data", corpus, "--cache-dir",
@@ -252,6 +270,10 @@ def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(),
                    text=True, capture_output=True, check=True)
     mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep, timeout=120)
+    zero = tmp_path / "zero.jsonl"
+    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "2", "--log-json", zero,
+        timeout=120)
     a = [r["loss"] for r in _rows(one) if "loss" in r]
-    b = [r["loss"] for r in _rows(ep) if "loss" in r]
-    assert len(a) == len(b) == 3 and np.allclose(a, b, rtol=1e-3, atol=0)
+    for log in (ep, zero):
+        b = [r["loss"] for r in _rows(log) if "loss" in r]
+        assert len(a) == len(b) == 3 and np.allclose(a, b, rtol=1e-3, atol=0)

@@ -37,6 +37,7 @@ from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.planner import stage_params  # noqa: E402
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.amp import MixedPrecision  # noqa: E402
 from minidist.train.step import train_step  # noqa: E402
 from minidist.train.strategy import make_strategy  # noqa: E402
 
@@ -57,6 +58,11 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xtp2+zero1": ["--tp", "2", "--zero", "1"], "ep2xtp2+zero2": ["--tp", "2", "--zero",
                                                                          "2"],
         "ep2xtp2+zero3": ["--tp", "2", "--zero", "3"]}
+AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
+RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
+             "ep2+zero3+amp": ["--zero", "3", *AMP],
+             "ep2xdp2+zero2+amp": ["--dp", "2", "--zero", "2", *AMP],
+             "ep2xtp2+zero1+amp": ["--tp", "2", "--zero", "1", *AMP]})
 for _name in list(RUNS):                 # each run also saves, resumes, and loads on one process
     RUNS[_name + "+ckpt"] = RUNS[_name]
 SEED = 7
@@ -91,12 +97,12 @@ def resume_diffs(args, config, comm):
     """Save after step 2 of 4 and go on (A); a fresh strategy loads the checkpoint and does
     steps 3 and 4 (B); so does one process (C). Returns (the largest |A - B| of losses, norms
     and every parameter: 0 when the resume is bit-identical, |A - C|)."""
-    args.steps = 4
+    args.steps, dtype = 4, "float32" if args.amp else "float64"
     folder = comm.bcast(tempfile.mkdtemp(prefix="ep_ckpt") if comm.rank == 0 else None)
     runs = []
     for load in (False, True):
         strategy = make_strategy(args, ProcessGroup.world(args.comm))
-        model = strategy.build_model(config, SEED, "float64")
+        model = strategy.build_model(config, SEED, dtype)
         opt = strategy.build_optimizer(model, args)
         if load:
             strategy.load(folder, model, opt)
@@ -108,8 +114,8 @@ def resume_diffs(args, config, comm):
             if step == 1:
                 strategy.save(folder, model, opt, 2, {}, {})
         runs.append((got[-4:], my_params(strategy, model, opt)[0]))
-    one = SingleProcess()
-    model = one.build_model(config, SEED, "float64")
+    one = SingleProcess(MixedPrecision() if args.amp else None)
+    model = one.build_model(config, SEED, dtype)
     opt = one.build_optimizer(model, args)
     one.load(folder, model, opt)
     got = [float(v) for step in (2, 3) for v in train_step(
@@ -121,7 +127,8 @@ def resume_diffs(args, config, comm):
     (a, pa), (b, pb), (c, pc) = runs
     diff = [max(abs(x - y) for x, y in zip(a, other)) for other in (b, c)]
     for i, other in ((0, pb), (1, pc)):
-        diff[i] = float(np.max([diff[i]] + [np.abs(v - other[n]).max() for n, v in pa.items()]))
+        diff[i] = float(np.max([diff[i]] + [np.abs(v.astype(np.float64) - other[n]).max()
+                                            for n, v in pa.items()]))
     return diff
 
 
@@ -144,9 +151,61 @@ def same_drops(model, ref, args, config, strategy):
     return dropped, mine
 
 
+POISONED = "transformer.h.0.mlp.experts.3.c_fc.weight"     # held by the last ep rank
+POISON_STEP = 1
+
+
+def amp_steps(strategy, args, config):
+    """args.steps steps under --amp, with an inf put in POISONED's gradient at POISON_STEP
+    where the first replica holds it (and in one process). Returns (losses, norms, the
+    loss scaler)."""
+    model = strategy.build_model(config, SEED, "float32")
+    opt = strategy.build_optimizer(model, args)
+    params, mesh = dict(model.named_parameters()), getattr(strategy, "mesh", None)
+    now = {"poison": False}
+    if POISONED in params and (mesh is None or mesh.dp_rank < args.ep):
+        params[POISONED].register_grad_hook(
+            lambda p: p.grad.__setitem__((0, 0), np.inf) if now["poison"] else None)
+    losses, norms = [], []
+    for step in range(args.steps):
+        now["poison"] = step == POISON_STEP
+        loss, norm, _ = train_step(strategy, model, opt,
+                                   *batch(step, args.batch_size, config, SEED), args)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return losses, norms, strategy.amp.scaler
+
+
+def amp_run(name, args, config, comm, refs):
+    """--amp (float16 with loss scaling) against one process's --amp, to float16's rounding;
+    an inf in one expert's gradient on one rank skips the step on every rank, as it does in
+    one process. Returns the row."""
+    if "amp" not in refs:
+        ref_args = flags(name)
+        ref_args.ep, ref_args.dp, ref_args.tp, ref_args.zero = 1, None, 1, 0
+        refs["amp"] = amp_steps(SingleProcess(MixedPrecision()), ref_args, config)
+    r_losses, r_norms, r_scaler = refs["amp"]
+    losses, norms, scaler = amp_steps(make_strategy(args, ProcessGroup.world(args.comm)),
+                                      args, config)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses))
+    row = {"run": name, "loss_rel_diff": rel, "skipped": scaler.skipped,
+           "ref_skipped": r_scaler.skipped, "scale": scaler.scale, "ref_scale": r_scaler.scale,
+           "norm_at_poison": norms[POISON_STEP], "losses": losses}
+    skipped = comm.allgather(scaler.skipped)
+    assert skipped == [1] * comm.size and r_scaler.skipped == 1, (name, row, skipped)
+    assert scaler.scale == r_scaler.scale and not np.isfinite(norms[POISON_STEP]), (name, row)
+    assert rel < 2e-3, (name, row)
+    if name.endswith("+ckpt"):                   # one process: to float16's rounding
+        row["resume_diff"], row["one_process_diff"] = resume_diffs(args, config, comm)
+        assert row["resume_diff"] == 0 and row["one_process_diff"] < 1e-2, (name, row)
+    return row
+
+
 def run(name, ref_runs, comm, tol):
     args = flags(name)
     config = config_of(args)
+    if args.amp:
+        return amp_run(name, args, config, comm, ref_runs)
     if args.moe_top_k not in ref_runs or ref_runs[args.moe_top_k][0] != config:
         ref_args = flags(name)
         ref_args.ep, ref_args.dp, ref_args.tp = 1, None, 1
