@@ -24,17 +24,17 @@ Also: reduce_sum_sq (grad clipping) counts each expert once (their squares summe
 global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
 strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
 runs the same experts on the same tokens).
-Checkpoints: one process's format, the experts gathered (save / load below), so a run
-resumes on any --ep or on one process.
+Checkpoints: one process's format, ZeRO's shards and every expert gathered
+(minidist/ep/checkpoint.py whole_state; under --tp, TensorParallel gathers its pieces around
+it), so a run resumes on any --ep, with or without ZeRO and TP, or on one process.
 With --zero k, `inner` is ZeRO-k over the dense group: the experts stay out of its flat
 shards (minidist/zero/flat.py skips `expert_parallel` parameters) and get their own AdamW
-(minidist/ep/optim.py), clipped by the same global norm.
-Refused: --zero with --tp, --amp, --save or --resume (not built), --pp, --cp,
---ckpt-activations (the router losses are made in forward), --save/--resume with --tp
-(TensorParallel's save does not gather the experts; not built), --comm nccl (no NCCL
-all-to-all), --dropout > 0 (the experts' masks would be drawn in another order than one
-process's), --sequence-parallel (a sequence's tokens would be routed apart), E not a
-multiple of ep.
+(minidist/ep/optim.py; under --amp over float32 masters), clipped by the same global norm,
+skipped with ZeRO's step on an overflow.
+Refused: --pp, --cp, --ckpt-activations (the router losses are made in forward),
+--comm nccl (no NCCL all-to-all), --dropout > 0 (the experts' masks would be drawn in
+another order than one process's), --sequence-parallel (a sequence's tokens would be routed
+apart), E not a multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np

@@ -3,6 +3,7 @@
     mpiexec -n 2 python tests/scripts/ep_check.py                            # ep2 variants
     mpiexec -n 2 python tests/scripts/ep_check.py --runs ep1xtp2             # MoE under TP
     mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2
+    mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xtp2+zero3+ckpt,ep2xdp2+zero2+amp
 
 Every rank also trains the single-process reference (SingleProcess, all E experts, the whole
 global batch); each run builds its strategy from train_gpt's flags (make_strategy) and trains
@@ -12,6 +13,12 @@ drops the same (token, expert) assignments as one process, and some are dropped;
 parameters each rank holds are what the memory planner counts (stage_params); the bytes
 each rank sent in all-to-alls on the ep group equal exchange_bytes' formula (the pairwise
 exchange's; --comm naive relays through rank 0, its ledger is checked in alltoall_check.py).
+Rank 0 compares the whole model as a checkpoint gathers it (strategy.whole_state).
+A run named ...+ckpt also saves after step 2 of 4 and goes on; a fresh strategy loads it and
+does steps 3-4 bit-identically (losses, norms, every parameter), and one process loading it
+follows to --tol (resume_diffs). A run with +amp trains float32 with float16 --amp against
+one process's --amp (to float16's rounding), an inf put into one expert's gradient on one
+rank at step 2 (and in one process): every rank skips that step, as one process does.
 Rank 0 prints `RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises
 and aborts the job.
 """
