@@ -124,6 +124,9 @@ def test_ep4_and_compositions_are_exact(mpi):
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)
     assert rows[0]["experts_here"] == ["0"] and rows[1]["experts_here"] == ["0", "1"]
+    for r in rows:                  # ZeRO: the experts' AdamW state halved over edp 2
+        if "dp2+zero" in r["run"] and "+amp" not in r["run"]:
+            assert 2 * r["expert_opt_state"] == r["expert_params"], r
 
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

@@ -412,7 +412,9 @@ def test_ep2_dp2_communication_worked_by_hand():
     + 48 (wte, wpe, ln_f) = 396, all-reduced over the 4 ranks: 2 x 3/4 x 396 x 4 B = 2376 s;
     each expert 148 (c_fc 64 + 16, c_proj 64 + 4), this rank's one all-reduced tensor by
     tensor over its 2 replicas (n B each): 592 s, + clipping's 8 B over ep: 600 s.
-    Optimizer: 396 + 148 = 544 s (ZeRO-1: ceil(396 / 4) + 148 = 247). ep = dp = 2: no edp
+    Optimizer: 396 + 148 = 544 s. ZeRO-1: the experts' one unit (148) over edp 2, a
+    reduce-scatter of 1/2 x 592 B and an all-gather as much: 592 s (no clipping sum of its
+    own); optimizer ceil(396 / 4) + ceil(148 / 2) = 99 + 74 = 173 s. ep = dp = 2: no edp
     sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s."""
     unit = replace(UNIT, sync_s=10.0, opt_s_per_param=1.0)
     assert stage_params(MOE_TOY, ep=2) == [396 + 148]
@@ -422,7 +424,8 @@ def test_ep2_dp2_communication_worked_by_hand():
     assert t["optimizer"] == pytest.approx(544)
     assert t["step"] == pytest.approx(5472 + 72 + 50 + 2376 + 600 + 544)
     z1 = step_time(MOE_TOY, Layout(dp=4, ep=2, zero=1, amp=False), unit, seq=2, global_batch=4)
-    assert z1["optimizer"] == pytest.approx(247) and z1["dp_comm"] == pytest.approx(2376)
+    assert z1["optimizer"] == pytest.approx(173) and z1["dp_comm"] == pytest.approx(2376)
+    assert z1["expert_grads"] == pytest.approx(592)
     ep2 = step_time(MOE_TOY, Layout(dp=2, ep=2, amp=False), unit, seq=2, global_batch=2)
     assert ep2["expert_grads"] == pytest.approx(8) and ep2["dp_exposed"] == pytest.approx(1584)
 
@@ -476,11 +479,12 @@ def test_busiest_rank_load_worked_by_hand():
         cfg, dp2, UNIT, seq=2, global_batch=2, moe_load=0.5)["compute"] == pytest.approx(768)
 
 
-def test_zero_under_ep_leaves_the_experts_whole():
+def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
     """MOE_TOY on dp 4 = ep 2 x edp 2, ZeRO-3, float32: the 396 dense parameters sharded over
-    the 4 ranks (ceil(396 / 4) = 99 each: 4 + 4 + 8 B), this rank's expert (148) whole, as
-    minidist/ep/optim.py keeps it: params 4 (99 + 148), grads the same, optimizer 8 (99 + 148)."""
+    the 4 ranks (ceil(396 / 4) = 99 each: 4 + 4 + 8 B), this rank's expert (148) ZeRO-1 over
+    its 2 replicas, as minidist/ep/optim.py keeps it: params 4 (99 + 148), grads the same,
+    optimizer 8 (99 + ceil(148 / 2) = 74)."""
     row = bill(MOE_TOY, Layout(dp=4, ep=2, zero=3, amp=False), seq=2)
-    assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 247)
+    assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 173)
     ddp = bill(MOE_TOY, Layout(dp=4, ep=2, amp=False), seq=2)
     assert ddp["params"] == 4 * 544

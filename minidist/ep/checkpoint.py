@@ -19,6 +19,7 @@ continues to 1e-10), tests/test_expert_parallel.py.
 from minidist import backend
 from minidist.ep.optim import DenseAndExperts
 from minidist.nn.config import gpt_param_specs
+from minidist.zero.checkpoint import gather_whole, load_whole
 
 
 def expert_names(model):
@@ -31,12 +32,16 @@ def whole_state(strategy, model, optimizer):
     over the dense group (ZeRO) and the ep group of dense rank 0."""
     zero = isinstance(optimizer, DenseAndExperts)
     params, sd = strategy.inner.whole_state(model, optimizer.dense if zero else optimizer)
+    if zero:                       # the experts' shards gathered over edp to its rank 0
+        experts = gather_whole(optimizer.experts, root=0)
     if strategy.mesh.dp_rank >= strategy.group.size:      # another replica's ep group
         return None, None
     names = set(expert_names(model))
-    state = optimizer.experts.state_dict()["state"] if zero else sd["state"]
-    mine = ({n: backend.to_host(p.data).copy() for n, p in model.named_parameters()
-             if n in names}, {n: s for n, s in state.items() if n in names})
+    if zero:
+        mine = (experts[0], {n: s for n, s in experts[1]["state"].items() if n in names})
+    else:
+        mine = ({n: backend.to_host(p.data).copy() for n, p in model.named_parameters()
+                 if n in names}, {n: s for n, s in sd["state"].items() if n in names})
     parts = strategy.group.comm.gather(mine, root=0)
     if strategy.group.rank != 0:
         return None, None
@@ -64,10 +69,9 @@ def load_whole_state(strategy, model, optimizer, params, opt_sd):
     dense = {n: s for n, s in state.items() if n not in experts}
     strategy.inner.load_whole_state(model, optimizer.dense, params,
                                     {"groups": opt_sd["groups"], "state": dense})
-    model.load_state_dict({n: params[n] for n in experts}, strict=False)
     # the experts always hold matrices (decay, AdamW's first group); biases (no decay, the
     # second) only with config.bias: the saved groups' hyperparameters in that order
     groups = opt_sd["groups"][:len(optimizer.experts.param_groups)]
-    optimizer.experts.load_state_dict(
-        {"groups": groups, "state": {n: s for n, s in state.items()
-                                     if n in experts or n not in params}})   # (the scaler)
+    load_whole(params, {"groups": groups, "state": {n: s for n, s in state.items() if n in
+                                                     experts or n not in params}},  # (scaler)
+               optimizer.experts)                  # this rank's shards; all-gather over edp

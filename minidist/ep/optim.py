@@ -1,39 +1,60 @@
-"""--ep with --zero k: ZeRO's sharded AdamW over the dense parameters and an AdamW over this
-rank's experts, stepped as one optimizer with one global gradient norm (and, under --amp,
-one loss-scale verdict).
+"""--ep with --zero k: the experts' optimizer state sharded over their replicas too, and one
+optimizer over both ZeRO engines, with one global gradient norm (and, under --amp, one
+loss-scale verdict).
 
-The experts stay out of ZeRO's flat shards over the dense group (minidist/zero/flat.py: their
-values differ from ep rank to ep rank, so a reduce-scatter over the dense group would mix
-them); each rank keeps its experts whole and updates them with the same AdamW math. Clipping:
-ZeRO's optimizer asks the strategy for the global sum of squares (its shards summed over
-dp x ep, plus every expert's squares once, summed over ep: ExpertParallel.reduce_sum_sq); the
-experts are scaled by the factor of that same norm.
+The experts cannot join ZeRO's flat shards over the dense group D = dp x ep (minidist/zero/
+flat.py leaves them out: their values differ from ep rank to ep rank, so a reduce-scatter
+over D would mix them). But each expert is replicated over its edp group (its dp replicas),
+and that is where ZeRO applies to it: `expert_engine` lays each MoE block's local experts end
+to end in a FlatUnit over edp and shards them with ZeRO-1 (minidist/zero/zero.py
+ZeroStage1): each edp rank keeps 1/dp of the experts' AdamW moments (and float32 masters
+under --amp); their gradients are reduce-scattered over edp instead of all-reduced (then
+divided by ep: ExpertParallel.sync_grads), and the updated shards all-gathered after the
+step: the same bytes as the all-reduce. The experts' gradients and parameters stay whole
+(stage 1 semantics) at every --zero k.
 
-Mixed precision (--amp): the experts' optimizer is a MasterWeightOptimizer (float32 masters
-of the 16-bit experts, minidist/train/amp.py), built before ZeRO's (which empties the cast's
-masters: it keeps shards only). ZeRO's clip takes the verdict on the global norm (the experts'
-unscaled squares included, so an inf or nan in any expert's gradient on any rank is in every
-rank's norm); the experts take the same factor (LossScaler.verdict) and step only if ZeRO's
-step did (the scaler is updated once, by ZeRO's step).
-Tests: tests/scripts/ep_check.py (runs ep2xdp2+zero1/2/3, ep2xtp2+zero*),
-tests/test_expert_parallel.py (--amp with --zero against one process).
+    rank holds          dense parameters (D = dp x ep)       this rank's E/ep experts
+    parameters          ZeRO-k (k = 3: 1/|D|)                whole
+    gradients           ZeRO-k (k >= 2: 1/|D|)               whole, reduce-scattered over edp
+    optimizer state     1/|D|                                1/dp (its edp shard)
+
+Clipping: each rank's sum of squares is its dense shards' plus its expert shards'; one sum
+over D counts every element once (D = ep x edp, and the edp shards of one ep rank's experts
+are disjoint): ExpertParallel.reduce_sum_sq. Both optimizers are scaled by that norm.
+Mixed precision (--amp): ZeRO's clip over the dense shards takes the verdict on the global
+norm (an inf or nan anywhere is in every rank's sum); the experts take the same factor
+(LossScaler.verdict) and step only if ZeRO's step did (the scaler is updated once).
+Tests: tests/scripts/ep_check.py (runs ep2xdp2+zero1/2/3, ep2xtp2+zero*, +amp, +ckpt),
+tests/test_expert_parallel.py.
 """
-from minidist.optim import AdamW
 from minidist.optim.clip import clip_grad_norm
+from minidist.zero.flat import FlatUnit
+from minidist.zero.optim import ShardedAdamW
+from minidist.zero.zero import zero_engine
 
 
-def experts_optimizer(experts, args, amp=None):
-    """AdamW over `experts` ((name, Parameter) pairs), as one process's optimizer holds them:
-    with `amp` (MixedPrecision, its cast_model run) over their float32 masters."""
-    def adamw(named_params):
-        return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95),
-                     weight_decay=args.weight_decay)
-    return amp.optimizer(experts, adamw) if amp is not None else adamw(experts)
+def expert_engine(model, edp):
+    """ZeRO-1 over `edp` (the replicas of this rank's experts) of this rank's experts: one
+    flat unit per MoE block. Collective over edp (it broadcasts rank 0's values)."""
+    blocks = {}
+    for n, p in model.named_parameters():
+        if p.expert_parallel:
+            blocks.setdefault(n.split(".mlp.experts.")[0], []).append((n, p))
+    units = [FlatUnit(f"{block}.experts", named, edp.size, edp.rank)
+             for block, named in blocks.items()]
+    return zero_engine(model, edp, 1, units)
+
+
+def experts_optimizer(engine, args, amp=None):
+    """AdamW over the experts' shards (its float32 masters under --amp), as ZeRO's."""
+    return ShardedAdamW(engine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                        amp=amp)
 
 
 class DenseAndExperts:
-    """`dense` (ShardedAdamW over ZeRO's shards) and `experts` (experts_optimizer's), used by
-    the step as one optimizer: set_lr, clip_grad_norm, step, zero_grad."""
+    """`dense` (ShardedAdamW over ZeRO's shards over dp x ep) and `experts` (ShardedAdamW over
+    expert_engine's shards over edp), used by the step as one optimizer: set_lr,
+    clip_grad_norm, step, zero_grad."""
 
     def __init__(self, dense, experts, amp=None):
         self.dense, self.experts, self.amp = dense, experts, amp
@@ -49,14 +70,16 @@ class DenseAndExperts:
         self.experts.zero_grad()
 
     def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
-        """The dense shards' clip (their sum of squares -> the strategy's global one), then the
-        experts scaled by the same norm (--amp: given the same factor). Returns the norm."""
+        """The dense shards' clip (their sum of squares -> the strategy's global one, which
+        adds the expert shards'), then the expert shards scaled by the same norm (--amp:
+        given the same factor). Returns the norm."""
         def global_sum_sq(local):
             self._total = sum_sq_across_ranks(local)
             return self._total
         norm = self.dense.clip_grad_norm(max_norm, global_sum_sq)
         if self.amp is None:
-            clip_grad_norm(self.experts.params, max_norm, lambda _: self._total)
+            clip_grad_norm([u.grad_shard for u in self.experts.engine.units], max_norm,
+                           lambda _: self._total)
         else:
             self._factor = self.amp.scaler.verdict(norm, max_norm)[1]
         return norm
@@ -70,10 +93,7 @@ class DenseAndExperts:
         if not self.dense.step():
             self._factor = None
             return False
-        if self.amp is None:
-            self.experts.step()
-        else:
-            self.experts.update_masters(self._factor)
+        self.experts.update_shards(self._factor)
         self._factor = None
         return True
 
@@ -82,4 +102,7 @@ class DenseAndExperts:
         yield from self.experts.state_arrays()
 
     def ledger_arrays(self):
-        return self.dense.ledger_arrays()
+        """Both engines' parameter and gradient buffers (the memory ledger)."""
+        dense, experts = self.dense.ledger_arrays(), self.experts.ledger_arrays()
+        return {k: list(dense.get(k, [])) + list(experts.get(k, []))
+                for k in ("params", "grads")}

@@ -42,7 +42,7 @@ import numpy as np
 from minidist.backend import xp_of
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
-from minidist.ep.optim import DenseAndExperts, experts_optimizer
+from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
 from minidist.strategy import checkpoint
 from minidist.strategy.base import ModelParallel, all_reduce_number
 from minidist.tp.state import unscaled_sum_sq
@@ -91,32 +91,43 @@ class ExpertParallel(ModelParallel):
     def __init__(self, mesh, group, edp, inner):
         super().__init__(mesh, group, inner)
         self.edp, self.experts = edp, []
+        self.expert_engine = None       # under ZeRO: the experts' ZeRO-1 over edp
 
     def wrap(self, model):
         """This rank's experts on `model` (the rest dropped, the exchange set), then inner's
-        DDP over the dense parameters."""
+        DDP (or ZeRO) over the dense parameters; under ZeRO the experts' own ZeRO-1 over
+        their replicas (minidist/ep/optim.py)."""
         self.model = model
         self.experts = attach_experts(model, self.group)
-        return self.inner.wrap(model)
+        model = self.inner.wrap(model)
+        if self._zero():
+            self.expert_engine = expert_engine(model, self.edp)
+        return model
 
     def build_optimizer(self, model, args):
         """inner's AdamW (DDP: over every parameter of this rank, experts included); under
-        ZeRO, its sharded AdamW plus one for the experts (minidist/ep/optim.py), built first:
-        ZeRO's empties the masters --amp's cast keeps."""
+        ZeRO, its sharded AdamW plus one over the experts' shards (minidist/ep/optim.py)."""
         if not self._zero():
             return self.inner.build_optimizer(model, args)
-        experts = [(n, p) for n, p in model.named_parameters() if p.expert_parallel]
-        mine = experts_optimizer(experts, args, self.amp)
-        return DenseAndExperts(self.inner.build_optimizer(model, args), mine, self.amp)
+        opt = DenseAndExperts(self.inner.build_optimizer(model, args),
+                              experts_optimizer(self.expert_engine, args, self.amp), self.amp)
+        if self.amp is not None:        # the other ranks' experts' float32 copies (both
+            self.amp.masters.clear()    # optimizers took shards of their own)
+        return opt
 
     def _zero(self):
         return getattr(self.inner, "engine", None) is not None
 
     def sync_grads(self, model):
         """inner's DDP over the dense parameters; the experts' gradients summed over edp and
-        divided by the dense group's size (module docstring)."""
+        divided by the dense group's size (module docstring); under ZeRO their edp shards."""
         super().sync_grads(model)
         dense = self.inner.group.size
+        if self._zero():               # reduce-scattered over edp (averaged: / dp), / ep
+            self.expert_engine.sync_grads()
+            for u in self.expert_engine.units:
+                u.grad_shard /= self.group.size
+            return
         for p in self.experts:
             if p.grad is None:                              # no tokens this step: still sync
                 p.grad = xp_of(p.data).zeros_like(p.data)
@@ -125,28 +136,37 @@ class ExpertParallel(ModelParallel):
             p.grad /= dense
 
     def reduce_sum_sq(self, local):
-        """The global sum of squares, each expert counted once (its squares summed over ep),
-        unscaled in float32 under --amp as the optimizer sums. ZeRO: `local` is its shards',
-        reduced by inner, plus the experts'. DDP: `local` counts the dense gradients (equal
+        """The global sum of squares, each expert counted once, unscaled in float32 under
+        --amp as the optimizer sums. ZeRO: `local` is its dense shards'; with the expert
+        shards' added, inner sums over D = ep x edp (each element once). DDP: `local` counts the dense gradients (equal
         on every rank) and this rank's experts: one sum over ep of dense / ep + experts, so
         that every rank gets the same bits (the replicas' clip factors, so their parameters,
         stay bit-identical: a checkpoint holds one copy)."""
+        if self._zero():              # every rank's shards, dense and experts: one sum over D
+            shards = [u.grad_shard for u in self.expert_engine.units]
+            return self.inner.reduce_sum_sq(local + unscaled_sum_sq(shards, self.amp))
         mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
         like, ep = self.experts[0].data, self.group.size
-        if self._zero():
-            return (self.inner.reduce_sum_sq(local)
-                    + all_reduce_number(self.group, mine, "sum", like))
         with np.errstate(invalid="ignore"):         # --amp: inf - inf is nan, an overflow
             dense = (local - mine) / ep
         total = all_reduce_number(self.group, dense + mine, "sum", like)
         return self.inner.reduce_sum_sq(total)
 
     def zero_grad(self, opt):
-        """inner's (DDP: its buckets zeroed in place), and the experts' gradients, which no
-        DDP bucket holds, dropped."""
+        """inner's (DDP: its buckets zeroed in place; ZeRO: both engines' buffers), and under
+        DDP the experts' gradients, which no DDP bucket holds, dropped."""
         super().zero_grad(opt)
+        if self._zero():               # the experts' .grad: views into their engine's buffers
+            return
         for p in self.experts:
             p.grad = None
+
+    def after_step(self):
+        """inner's (ZeRO: all-gather, or drop, its parameters); the experts' updated shards
+        all-gathered over edp."""
+        self.inner.after_step()
+        if self._zero():
+            self.expert_engine.after_step()
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         """One process's checkpoint (minidist/strategy/checkpoint.py), so any --ep, or one

@@ -43,7 +43,8 @@ from dataclasses import astuple, dataclass, field
 from minidist.pp.schedule import bubble_fraction
 from minidist.train.comm_cost import Link, collective_time, p2p_link, p2p_time, span
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
-                                     expert_tensors, moe_block_flops, stage_moe_blocks)
+                                     expert_tensors, expert_units, moe_block_flops,
+                                     stage_moe_blocks)
 from minidist.train.planner import STATE_BYTES, stage_params
 
 
@@ -317,7 +318,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                           math.ceil(dense * g_bytes / (bucket_mb * 2 ** 20)))
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
-        row = dict(n=dense, experts=experts, c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
+        row = dict(n=dense, experts=experts, expert_units=expert_units(config, layout, stage),
+                   c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
                    t_f=t_f, t_b=t_b, c_b=c_b,
@@ -345,12 +347,16 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
         dp_comm = coll("all_gather", n * p_bytes)
         dp_exposed = dp_comm
     shard = math.ceil(n / (layout.dp * layout.cp)) if layout.zero else n
+    edp = layout.dp // layout.ep                 # ZeRO: the experts' shards over their replicas
+    mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \
+        sum(w["experts"])
     out = {"compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
            "ep_all_to_all": w["a2a"], "loss_comm": w["loss"], "sync": w["sync"],
            "pp_p2p": w["p2p"], "bubble": w["bubble"], "zero_in_pipeline": w["zero"],
            "dp_comm": dp_comm, "dp_exposed": dp_exposed,
-           "expert_grads": expert_grad_time(cluster, layout, w["experts"], g_bytes, comm),
-           "optimizer": (shard + sum(w["experts"])) * cluster.opt_s_per_param}
+           "expert_grads": expert_grad_time(cluster, layout, w["experts"], g_bytes, comm,
+                                            w["expert_units"], p_bytes),
+           "optimizer": (shard + mine) * cluster.opt_s_per_param}
     out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"]
     out["tokens_per_s"] = global_batch * seq / out["step"]
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32

@@ -26,10 +26,15 @@ dispatch's reverse (the counts are reused): 3 blocking all-to-alls forward, 2 ba
 the pairwise exchange's (N-1)(alpha + n/(N B)) on the links the ep group spans, plus the
 cluster's sync per blocking collective.
 Gradients (minidist/ep/strategy.py): the dense parameters go through DDP (or ZeRO) over
-all dp ranks as before; each expert tensor of this rank is all-reduced over its dp / ep
-replicas (edp) one tensor at a time after backward (no buckets, no overlap), and gradient
-clipping sums one number over the ep group. The optimizer updates the dense shard (ZeRO) or
-all dense parameters, plus this rank's experts (never sharded).
+all dp ranks as before. Under DDP each expert tensor of this rank is all-reduced over its
+dp / ep replicas (edp) one tensor at a time after backward (no buckets, no overlap), and
+gradient clipping sums one number over the ep group; the optimizer updates all dense
+parameters and this rank's experts. Under ZeRO (any stage) the experts are ZeRO-1 over edp
+(minidist/ep/optim.py): per MoE block one flat unit of this rank's experts, its gradient
+reduce-scattered over edp after backward and its parameters all-gathered after the step
+(the same bytes as the all-reduce, one unit per block instead of one call per tensor); the
+clipping's sum rides on ZeRO's over dp; the optimizer updates the dense shard and 1/edp of
+the experts (ceil per unit).
 Refused (minidist's MoE does not run them, so the terms would price something unbuilt):
 cp > 1, sequence parallelism (a sequence's tokens would be routed apart), full recompute.
 Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand,
@@ -113,11 +118,29 @@ def expert_tensors(config, layout, stage):
     return out
 
 
-def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring"):
-    """Seconds of the experts' gradient sums after backward: one all-reduce per tensor over
-    edp (none when ep = dp), and clipping's one-number all-reduce over ep."""
+def expert_units(config, layout, stage):
+    """Per MoE block of `stage`, the parameters of the E/ep experts one rank holds: the flat
+    units of the experts' ZeRO over edp (minidist/ep/optim.py); [] without ep."""
+    blocks = {}
+    for name, (shape, _) in gpt_param_specs(config).items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and int(parts[2]) * layout.pp // config.n_layer == stage \
+                and int(parts[5]) < config.moe_experts // layout.ep:
+            blocks[parts[2]] = blocks.get(parts[2], 0) + math.prod(shape)
+    return list(blocks.values()) if layout.ep > 1 else []
+
+
+def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_bytes=0):
+    """Seconds of the experts' gradient sums: under DDP one all-reduce per tensor (`sizes`)
+    over edp (none when ep = dp) and clipping's one-number all-reduce over ep; under ZeRO
+    per unit (`units`, expert_units) a reduce-scatter of its gradients and an all-gather of
+    its `p_bytes` parameters over edp."""
     if not sizes:
         return 0.0
+    if layout.zero:
+        return sum(collective_time(cluster, "reduce_scatter", n * g_bytes, layout, "edp", comm)
+                   + collective_time(cluster, "all_gather", n * p_bytes, layout, "edp", comm)
+                   for n in units)
     edp = sum(collective_time(cluster, "all_reduce", n * g_bytes, layout, "edp", comm)
               for n in sizes)
     return edp + collective_time(cluster, "all_reduce", 8, layout, "ep")

@@ -17,8 +17,10 @@ small model under each strategy and compare, tests/test_planner.py):
     wte and wpe, the last stage ln_f and, the head being tied, its own copy of wte.
     Mixture of Experts (config.moe_experts, minidist/nn/moe.py): each MoE block holds E
     expert MLPs and a router; EP (minidist/ep/, ep of the dp ranks) keeps E/ep experts per
-    rank; the experts are not split by tp, nor sharded by ZeRO under ep (its flat shards skip
-    them; they get their own AdamW, minidist/ep/optim.py). Their activations: the MLP's share of a layer's
+    rank; the experts are not split by tp; under ep with ZeRO (any stage) their optimizer
+    state is sharded over their dp / ep replicas (edp), their parameters and gradients
+    whole (ZeRO-1 over edp of one flat unit per block, minidist/ep/optim.py). Their
+    activations: the MLP's share of a layer's
     (9 sbh e of it) times k (each token visits k experts; capacity ignored), plus the
     router's probabilities, sbE e.
 
@@ -50,7 +52,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
-from minidist.train.moe_cost import expert_tensors
+from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
 STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
@@ -220,10 +222,13 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
-        experts = sum(expert_tensors(config, layout, stage))   # ep > 1: never ZeRO-sharded
+        units = expert_units(config, layout, stage)       # ep > 1: the experts, per block
+        experts = sum(units)
         row = model_state_bytes(n - experts, layout.dp * layout.cp, layout.zero, layout.amp)
-        for k, v in model_state_bytes(experts, amp=layout.amp).items():
-            row[k] += v
+        p, g, o = STATE_BYTES[bool(layout.amp)]             # experts: ZeRO-1 over edp
+        row["params"], row["grads"] = row["params"] + p * experts, row["grads"] + g * experts
+        row["optimizer"] += o * (sum(math.ceil(u / (layout.dp // layout.ep)) for u in units)
+                                 if layout.zero else experts)
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
                                       layout.recompute == "full", dropout)

@@ -42,8 +42,9 @@ class ShardedAdamW:
                              ((True, weight_decay), (False, 0.0)) if want in kinds]
         self.steps = 0                    # updates taken (AdamW's per-parameter "step")
         self.state = {u.flat.name: self._new_state(u) for u in engine.units}
-        if amp is not None:
-            amp.masters.clear()           # the full float32 copies: only shards are kept
+        if amp is not None:               # the full float32 copies: only shards are kept
+            for n in (n for u in engine.units for n in u.flat.names):
+                amp.masters.pop(n)
         self._factor, self._found_inf, self._scratch = None, False, {}
 
     def _new_state(self, u):
@@ -86,17 +87,24 @@ class ShardedAdamW:
             if not self.amp.scaler.update(self._found_inf):
                 self._factor = None
                 return False
-        self.steps += 1
-        for u in self.engine.units:
-            self._update(u)
+        self.update_shards(self._factor)
         self._factor = None
         return True
 
-    def _update(self, u):
+    def update_shards(self, factor=None):
+        """The update once the verdict is in: AdamW on every shard, under amp with the 16-bit
+        gradient x `factor` (1/S, times the clip factor). step() calls it; so does an
+        optimizer that took the verdict for these shards and others together
+        (minidist/ep/optim.py: the experts' shards over their replicas)."""
+        self.steps += 1
+        for u in self.engine.units:
+            self._update(u, factor)
+
+    def _update(self, u, factor):
         s, group = self.state[u.flat.name], self.param_groups[0]
         lr, (beta1, beta2) = group["lr"], group["betas"]
         target = s["master"] if self.amp is not None else u.param_shard
-        grad = self.amp.unscaled(u.grad_shard, self._factor) if self.amp else u.grad_shard
+        grad = self.amp.unscaled(u.grad_shard, factor) if self.amp else u.grad_shard
         if self.weight_decay:
             for a, b in u.flat.decay_ranges():     # decoupled decay, decayed params only
                 target[a:b] *= 1.0 - lr * self.weight_decay

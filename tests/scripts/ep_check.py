@@ -41,7 +41,8 @@ from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.i
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
-from minidist.train.planner import stage_params  # noqa: E402
+from minidist.train.moe_cost import expert_units  # noqa: E402
+from minidist.train.planner import Layout, stage_params  # noqa: E402
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.amp import MixedPrecision  # noqa: E402
@@ -98,6 +99,16 @@ def my_params(strategy, model, opt):
             if p.expert_parallel}
     return {**(whole if strategy.rank == 0 else {}), **mine}, sorted(
         {n.split(".experts.")[1].split(".")[0] for n in mine})
+
+
+def expert_state(args, config, opt):
+    """(this rank's expert parameters, the elements of their exp_avg it holds), the second
+    checked against the memory planner's ZeRO-1 over edp: ceil(unit / edp) per MoE block."""
+    dp = args.dp if args.dp is not None else MPI.COMM_WORLD.size // (args.ep * args.tp)
+    units = expert_units(config, Layout(dp=dp * args.ep, ep=args.ep, tp=args.tp), 0)
+    held = sum(int(s["exp_avg"].size) for s in opt.experts.state.values())
+    assert held == sum(-(-u // dp) for u in units), (held, units, dp)
+    return sum(units), held
 
 
 def resume_diffs(args, config, comm):
@@ -242,6 +253,8 @@ def run(name, ref_runs, comm, tol):
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
            "experts_here": experts, "compared": len(params), "ref_params": len(ref),
            "losses": [float(v) for v in losses]}
+    if args.zero and N > 1:        # the experts' AdamW state: 1/edp of them, as planned
+        row["expert_params"], row["expert_opt_state"] = expert_state(args, config, opt)
     if name.endswith("+ckpt"):
         row["resume_diff"], row["one_process_diff"] = resume_diffs(args, config, comm)
         assert row["resume_diff"] == 0 and row["one_process_diff"] < tol, (name, row)
