@@ -28,9 +28,10 @@ Checkpoints: one process's format, ZeRO's shards and every expert gathered
 (minidist/ep/checkpoint.py whole_state; under --tp, TensorParallel gathers its pieces around
 it), so a run resumes on any --ep, with or without ZeRO and TP, or on one process.
 With --zero k, `inner` is ZeRO-k over the dense group: the experts stay out of its flat
-shards (minidist/zero/flat.py skips `expert_parallel` parameters) and get their own AdamW
-(minidist/ep/optim.py; under --amp over float32 masters), clipped by the same global norm,
-skipped with ZeRO's step on an overflow.
+shards (minidist/zero/flat.py skips `expert_parallel` parameters) and are ZeRO-1 over their
+replicas, edp (minidist/ep/optim.py: optimizer state 1/dp, gradients reduce-scattered,
+parameters all-gathered after the step), clipped by the same global norm, skipped with
+ZeRO's step on an overflow under --amp.
 Refused: --pp, --cp, --ckpt-activations (the router losses are made in forward),
 --comm nccl (no NCCL all-to-all), --dropout > 0 (the experts' masks would be drawn in
 another order than one process's), --sequence-parallel (a sequence's tokens would be routed
