@@ -16,10 +16,10 @@ The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp 
 
 Every rank of D reads its own rows of the global batch (as DDP). The dense parameters are
 replicated over D: the `inner` DDP (or ZeRO) averages their gradients over D, skipping the
-experts' (`expert_parallel` parameters). Each rank holds E/ep experts; its experts' gradients already
-hold the contributions of every ep rank's tokens (the combine's backward brought them), so
-the strategy sums them over the dp replicas of those experts (edp) and divides by |D|: the
-gradient of the mean loss over D, exactly what one process computes.
+experts' (`expert_parallel` parameters). Each rank holds E/ep experts; its experts'
+gradients already hold the contributions of every ep rank's tokens (the combine's backward
+brought them), so the strategy sums them over the dp replicas of those experts (edp) and
+divides by |D|: the gradient of the mean loss over D, exactly what one process computes.
 Also: reduce_sum_sq (grad clipping) counts each expert once (their squares summed over ep),
 global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
 strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
@@ -139,10 +139,11 @@ class ExpertParallel(ModelParallel):
     def reduce_sum_sq(self, local):
         """The global sum of squares, each expert counted once, unscaled in float32 under
         --amp as the optimizer sums. ZeRO: `local` is its dense shards'; with the expert
-        shards' added, inner sums over D = ep x edp (each element once). DDP: `local` counts the dense gradients (equal
-        on every rank) and this rank's experts: one sum over ep of dense / ep + experts, so
-        that every rank gets the same bits (the replicas' clip factors, so their parameters,
-        stay bit-identical: a checkpoint holds one copy)."""
+        shards' added, inner sums over D = ep x edp (each element once). DDP: `local`
+        counts the dense gradients (equal on every rank) and this rank's experts: one sum
+        over ep of dense / ep + experts, so that every rank gets the same bits (the
+        replicas' clip factors, so their parameters, stay bit-identical: a checkpoint holds
+        one copy)."""
         if self._zero():              # every rank's shards, dense and experts: one sum over D
             shards = [u.grad_shard for u in self.expert_engine.units]
             return self.inner.reduce_sum_sq(local + unscaled_sum_sq(shards, self.amp))
