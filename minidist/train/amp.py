@@ -263,14 +263,6 @@ class MasterWeightOptimizer:
         found_inf, factor, self._factor = self._found_inf, self._factor, None
         if not self.scaler.update(found_inf):
             return False
-        self.update_masters(factor)
-        return True
-
-    def update_masters(self, factor):
-        """The update once the verdict is in: the inner optimizer on the float32 masters with
-        each 16-bit gradient x `factor` (1/S, times the clip factor), the masters rounded
-        into the model's weights. step() calls it; so does an optimizer that took the verdict
-        for these parameters and others together (minidist/ep/optim.py)."""
         for group in self.inner.param_groups:
             for name, master in zip(group["names"], group["params"]):
                 p = self._model_param[name]
@@ -280,6 +272,7 @@ class MasterWeightOptimizer:
                 state["step"] += 1
                 self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
                 p.data[...] = master.data        # float32 master -> 16-bit weights
+        return True
 
     # ---- memory ledger and checkpoints ---------------------------------------------------
     def state_arrays(self):
