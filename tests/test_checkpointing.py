@@ -119,3 +119,28 @@ def test_eval_and_no_grad_skip_the_checkpoint(xp):
     assert loss._fn is None
     out = model.generate(_batch(xp)[:1, :4], 3)
     assert out.shape == (1, 7)
+
+
+def test_several_outputs_travel_through_one_checkpoint(xp):
+    """fn returning (y, a scalar) (an MoE block: its output and its router loss): both come
+    out of the checkpoint, and the gradient of a loss using both is the one without it."""
+    rng = np.random.default_rng(2)
+    w0, x0 = rng.standard_normal((3, 3)), rng.standard_normal((2, 3))
+
+    def grads(ckpt):
+        w = Tensor(xp.asarray(w0), requires_grad=True)
+        x = Tensor(xp.asarray(x0), requires_grad=True)
+
+        def fn(x):
+            y = (x @ w).tanh()                                  # (2, 3)
+            return y, (y * y).mean()                            # (2, 3), ()
+        y, side = checkpoint(fn, x, [w]) if ckpt else fn(x)
+        assert y.shape == (2, 3) and side.shape == ()
+        loss = (y * 3.0).sum() + side * 0.5
+        loss.backward()
+        return loss.item(), H(w.grad), H(x.grad)
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain[0] == ckpt[0]
+    for a, b in zip(plain[1:], ckpt[1:]):
+        np.testing.assert_array_equal(a, b)

@@ -48,7 +48,7 @@ def parse(*flags):
 def test_refusals_name_the_flag():
     assert moe_problems(train_parser().parse_args(["--ep", "2"])) == \
         ["--ep needs a Mixture of Experts: add --moe-experts E"]
-    assert "--pp" in moe_problems(parse("--pp", "2"))[0]
+    assert "--cp" in moe_problems(parse("--cp", "2"))[0]
     assert ep_problems(parse("--ep", "2")) == []
     assert any("not a multiple of --ep 3" in p for p in ep_problems(parse("--ep", "3")))
     assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == []
@@ -57,6 +57,10 @@ def test_refusals_name_the_flag():
     assert ep_problems(parse("--ep", "2", "--zero", "3")) == []
     assert ep_problems(parse("--ep", "2", "--tp", "2", "--zero", "1", "--save", "ck",
                              "--resume", "ck")) == []
+    built = parse("--ep", "2", "--tp", "2", "--dropout", "0.1", "--ckpt-activations")
+    assert ep_problems(built) == moe_problems(built) == []
+    assert ep_problems(parse("--ep", "2", "--pp", "2", "--save", "ck")) == \
+        ["--save with --pp does not combine with --ep (not built)"]
     assert check_layout(parse("--ep", "2"), 8) == (4, 1)          # dp = 8 / ep
     with pytest.raises(UsageError, match="expert parallelism: --dp 1 x --ep 2 = 2 ranks"):
         check_layout(parse("--ep", "2", "--dp", "1"), 3)
@@ -93,17 +97,37 @@ def check_amp_row(r):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_is_exact(mpi):
     """ep 2 (top-2 and top-1 with grad-accum, comm ring/naive/mpi, every 2nd block MoE, DDP
-    overlapped/bucketed/naive; ZeRO-3, ZeRO-2 with grad-accum over the dense parameters), and
-    MoE without ep under tp 2 and under ZeRO-1 and ZeRO-3, against one process in float64;
-    the same tokens dropped; bytes = formula. +ckpt runs also save after step 2 of 4: the
-    resumed run is bit-identical, and one process loading the checkpoint follows to 1e-10.
-    +amp runs: ZeRO with float16 --amp against one process's --amp (check_amp_row).
+    overlapped/bucketed/naive; ZeRO-3, ZeRO-2 with grad-accum over the dense parameters;
+    --ckpt-activations, also with ZeRO-3 and grad-accum), and MoE without ep under tp 2,
+    ZeRO-1, ZeRO-3 and DDP with --ckpt-activations, against one process (no recompute) in
+    float64; the same tokens dropped; bytes = formula (the recompute's all-to-alls counted).
+    --dropout 0.1 under ep 2 (also with --ckpt-activations and ZeRO-3) and under tp 2: one
+    process's masks. +ckpt runs also save after step 2 of 4: the resumed run is
+    bit-identical, and one process loading the checkpoint follows to 1e-10. +amp runs: ZeRO
+    with float16 --amp against one process's --amp (check_amp_row).
 
         mpiexec -n 2 python tests/scripts/ep_check.py --runs ep2,...,ep1xtp2
     """
     runs = ["ep2+ckpt", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
             "ep2+ddpnaive+accum", "ep1xtp2+ckpt", "ep1xdp2+zero1", "ep1xdp2+zero3",
-            "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt", "ep2+zero1+amp+ckpt", "ep2+zero3+amp"]
+            "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt", "ep2+zero1+amp+ckpt", "ep2+zero3+amp",
+            "ep2+recompute", "ep2+recompute+zero3+accum", "ep1xdp2+recompute", "ep2+drop",
+            "ep1xtp2+drop", "ep2+drop+recompute+zero3"]
+    out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
+    check_rows(tagged_json(out, "RESULT"), runs)
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_moe_in_pipeline_stages_is_exact(mpi):
+    """MoE blocks in pipeline stages (pp 2: 1F1B, GPipe, ZB-H1, interleaved 1F1B, with
+    --ckpt-activations and grad-accum, every 2nd block MoE): every stage's router losses
+    enter the loss and the backward as on one process, float64 to 1e-10.
+
+        mpiexec -n 2 python tests/scripts/ep_check.py --runs ep1xpp2,ep1xpp2+gpipe,...
+    """
+    runs = ["ep1xpp2", "ep1xpp2+gpipe", "ep1xpp2+zbh1", "ep1xpp2+v2",
+            "ep1xpp2+recompute+accum", "ep1xpp2+every2"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=180)
     check_rows(tagged_json(out, "RESULT"), runs)
 
@@ -111,22 +135,39 @@ def test_ep2_is_exact(mpi):
 @pytest.mark.mpi
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep4_and_compositions_are_exact(mpi):
-    """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters), ep 2 x tp 2 (DDP,
-    ZeRO-1/2/3) against one process in float64; +ckpt runs save, resume bit-identically and
-    load on one process; +amp runs with float16 --amp (test_ep2_is_exact).
+    """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters, DDP with
+    --ckpt-activations; --dropout 0.1), ep 2 x tp 2 (DDP, ZeRO-1/2/3; --dropout 0.1), MoE in
+    pp 2 x dp 2 (ZeRO-1) and pp 2 x tp 2, and ep 2 x pp 2 (1F1B; GPipe with
+    --ckpt-activations; ZeRO-1 over the dense parameters) against one process in float64;
+    +ckpt runs save, resume bit-identically and load on one process; +amp runs with float16
+    --amp (test_ep2_is_exact).
 
         mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
     """
     runs = ["ep4", "ep2xdp2", "ep2xtp2+ckpt", "ep2xdp2+zero1+ckpt", "ep2xdp2+zero2",
             "ep2xdp2+zero3+ckpt", "ep2xtp2+zero1", "ep2xtp2+zero2+ckpt", "ep2xtp2+zero3+ckpt",
-            "ep2xdp2+zero2+amp+ckpt", "ep2xtp2+zero1+amp+ckpt"]
-    out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=240)
+            "ep2xdp2+zero2+amp+ckpt", "ep2xtp2+zero1+amp+ckpt", "ep2xdp2+recompute",
+            "ep2xdp2+drop", "ep2xtp2+drop", "ep1xpp2xdp2+zero1", "ep1xpp2xtp2", "ep2xpp2",
+            "ep2xpp2+gpipe+recompute", "ep2xpp2+zero1"]
+    out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=420)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)
     assert rows[0]["experts_here"] == ["0"] and rows[1]["experts_here"] == ["0", "1"]
     for r in rows:                  # ZeRO: the experts' AdamW state halved over edp 2
         if "dp2+zero" in r["run"] and "+amp" not in r["run"]:
             assert 2 * r["expert_opt_state"] == r["expert_params"], r
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_ep2_x_pp2_x_tp2_is_exact(mpi):
+    """ep 2 x pp 2 x tp 2 on 8 ranks against one process in float64.
+
+        mpiexec -n 8 python tests/scripts/ep_check.py --runs ep2xpp2xtp2
+    """
+    out = mpi(8, "tests/scripts/ep_check.py", "--runs", "ep2xpp2xtp2", timeout=300)
+    check_rows(tagged_json(out, "RESULT"), ["ep2xpp2xtp2"])
 
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -221,6 +262,32 @@ def test_load_stats_cover_the_global_batch(corpus, tmp_path, mpi):
 
 
 @pytest.mark.mpi
+def test_train_gpt_pp2_logs_one_process(corpus, tmp_path, mpi):
+    """train_gpt.py --pp 2 with MoE blocks logs one process's losses, val losses (the router
+    losses of both stages summed) and load statistics (one micro-batch: the whole batch), with
+    only the second stage holding an MoE block (--moe-every 2):
+
+        python examples/train_gpt.py --data CORPUS --moe-experts 4 --moe-every 2 ...
+        mpiexec -n 2 python examples/train_gpt.py ... --pp 2 --micro-batches 1
+    """
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--moe-every", "2",
+              "--moe-z-loss-coef", "0.01"]
+    one, pp = tmp_path / "one.jsonl", tmp_path / "pp.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
+                    str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
+                   capture_output=True, check=True)
+    mpi(2, "examples/train_gpt.py", *common, "--pp", "2", "--micro-batches", "1",
+        "--log-json", pp, timeout=120)
+    a, b = _rows(one), _rows(pp)
+    assert len(a) == len(b) and "val_loss" in a[-1]
+    for r, s in zip(a, b):
+        key = "loss" if "loss" in r else "val_loss"
+        assert abs(r[key] - s[key]) < 1e-10, (r, s)
+    assert_same_load_stats(a, b)
+    assert len(a[0]["moe_tokens"]) == 1                      # block 1 alone is MoE
+
+
+@pytest.mark.mpi
 def test_bad_ep_is_one_error_line(mpi):
     """mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 3"""
     out = mpi(2, "examples/train_gpt.py", "--ep", "2", "--moe-experts", "3", timeout=60,
@@ -228,6 +295,16 @@ def test_bad_ep_is_one_error_line(mpi):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: expert parallelism: ")
     assert "--moe-experts 3 is not a multiple of --ep 2" in out.stderr
+
+
+def test_moe_refusal_is_one_error_line():
+    """python examples/train_gpt.py --moe-experts 4 --cp 2 (refused before any communication)"""
+    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--moe-experts", "4", "--cp",
+                          "2"], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr == "error: mixture of experts: --moe-experts does not combine with " \
+        "--cp (not built)\n"
 
 
 def test_plot_draws_the_expert_load(tmp_path):

@@ -4,7 +4,7 @@ names, and that the dense model is untouched when no experts are asked for."""
 import numpy as np
 import pytest
 
-from minidist.autograd import Tensor
+from minidist.autograd import Tensor, no_grad
 from minidist.autograd.gradcheck import gradcheck
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.gpt import MLP
@@ -144,3 +144,64 @@ def test_expert_without_tokens_gets_a_zero_gradient():
     idle = layer.experts.__dict__["3"]
     assert idle.c_fc.weight.grad is not None and not idle.c_fc.weight.grad.any()
     assert layer.experts.__dict__["0"].c_proj.bias.grad.any()     # (weights start at 0)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpointing_an_moe_model_changes_no_number(dropout):
+    """--ckpt-activations on an MoE GPT (top-2, dropping, z-loss, dropout): the same loss and
+    gradients as without, bit for bit; the router losses counted once (the loss = the
+    cross-entropy + each MoE block's router loss of the forward), though the recompute runs
+    the routers again."""
+    config = moe_config(dropout=dropout)
+    x = np.random.default_rng(6).integers(0, 16, (4, 8))
+    out = []
+    for ckpt in (False, True):
+        model = GPT(config, seed=1, dtype="float64").set_checkpointing(ckpt)
+        _, loss = model(x, x)
+        extra = sum(m.router_loss().item() for m in model.moe_layers())
+        loss.backward()
+        out.append((loss.item(), extra, {n: p.grad for n, p in model.named_parameters()}))
+    (loss, extra, grads), (loss_c, extra_c, grads_c) = out
+    assert loss == loss_c and extra == extra_c and extra > 0
+    with no_grad():
+        ce = model.head(model.run_blocks(model.embed(x)), x)[1].item()
+    if not dropout:                                  # (with dropout the no_grad run draws anew)
+        assert abs(loss_c - ce - extra_c) < 1e-12
+    for name in grads:
+        np.testing.assert_array_equal(grads[name], grads_c[name], err_msg=name)
+
+
+def test_gradcheck_moe_layer_with_dropout():
+    """The layer with its experts' dropout (expert_dropout: the same masks at every call, the
+    generator re-seeded) against central differences."""
+    layer = GPT(moe_config(dropout=0.3), seed=0, dtype="float64").transformer.h[0].mlp
+    rng = np.random.default_rng(8)
+    x = Tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
+    w = Tensor(rng.standard_normal((8, 4)), requires_grad=True)
+
+    def fn(x, w):
+        layer.router.weight = w
+        layer.dropout.rng = np.random.default_rng(0)
+        return [layer(x)]
+
+    out = fn(x, w)[0].data
+    assert (out == 0).any() and not (out == 0).all()          # some outputs dropped
+    gradcheck(fn, [x, w], name="moe with dropout")
+
+
+def test_expert_dropout_depends_on_the_token_not_the_rank():
+    """A batch cut in two halves, each drawing its rows of the whole batch's masks (as --ep
+    ranks do, minidist/ep/strategy.py shard_dropout_rows): each half's output is its rows of
+    the whole batch's, dropout included."""
+    from minidist.tp.layers import ShardRNG
+    config = moe_config(dropout=0.2, moe_capacity_factor=0.0)
+    layer = GPT(config, seed=0, dtype="float64").transformer.h[0].mlp
+    x = np.random.default_rng(9).standard_normal((4, 8, 8))
+    layer.dropout.rng = np.random.default_rng(1)
+    whole = layer(Tensor(x)).data                                     # (4, 8, 8)
+    for half in range(2):
+        layer.dropout.rng = ShardRNG(np.random.default_rng(1), 2, half, axis=0)
+        part = layer(Tensor(x[2 * half:2 * half + 2])).data
+        np.testing.assert_array_equal(part, whole[2 * half:2 * half + 2])
+    layer.eval()
+    assert not np.array_equal(layer(Tensor(x)).data, whole)           # dropout did act

@@ -415,7 +415,9 @@ def test_ep2_dp2_communication_worked_by_hand():
     Optimizer: 396 + 148 = 544 s. ZeRO-1: the experts' one unit (148) over edp 2, a
     reduce-scatter of 1/2 x 592 B and an all-gather as much: 592 s (no clipping sum of its
     own); optimizer ceil(396 / 4) + ceil(148 / 2) = 99 + 74 = 173 s. ep = dp = 2: no edp
-    sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s."""
+    sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s. Full recompute
+    runs the forward's 3 all-to-alls again in backward: 72 + 40 = 112 s, 8 syncs: 80 s; the
+    blocks' forward once more: 5472 + 832 + 864 = 7168 s of compute."""
     unit = replace(UNIT, sync_s=10.0, opt_s_per_param=1.0)
     assert stage_params(MOE_TOY, ep=2) == [396 + 148]
     t = step_time(MOE_TOY, Layout(dp=4, ep=2, amp=False), unit, seq=2, global_batch=4)
@@ -428,6 +430,10 @@ def test_ep2_dp2_communication_worked_by_hand():
     assert z1["expert_grads"] == pytest.approx(592)
     ep2 = step_time(MOE_TOY, Layout(dp=2, ep=2, amp=False), unit, seq=2, global_batch=2)
     assert ep2["expert_grads"] == pytest.approx(8) and ep2["dp_exposed"] == pytest.approx(1584)
+    redo = step_time(MOE_TOY, Layout(dp=4, ep=2, amp=False, recompute="full"), unit, seq=2,
+                     global_batch=4)
+    assert redo["ep_all_to_all"] == pytest.approx(112) and redo["sync"] == pytest.approx(80)
+    assert redo["compute"] == pytest.approx(7168)
 
 
 def test_plan_cli_with_experts():

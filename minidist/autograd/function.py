@@ -118,3 +118,29 @@ class Function:
             raise RuntimeError(f"{cls.__name__}.backward: gradient of shape {grad.shape} "
                                f"does not reduce to the input's shape {tuple(shape)}")
         return grad
+
+
+class _Join(Function):
+    """Several outputs as one root, a 0-d zero that depends on all of them: backward hands
+    each its given gradient (backward_all)."""
+
+    @staticmethod
+    def forward(ctx, *arrays, grads):
+        ctx.grads = grads
+        return xp_of(arrays[0]).zeros((), dtype=arrays[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.grads
+
+
+def backward_all(tensors, grads):
+    """Backpropagate several outputs in one pass: every leaf's .grad gets the sum over i of
+    d<tensors[i], grads[i]>/d(leaf) (grads[i] None: ones, e.g. for a scalar loss). One pass,
+    not one per output, so each node's backward runs once with its gradients summed and each
+    parameter's hooks fire once, when its gradient is complete (DDP, ZeRO rely on that).
+    A pipeline stage uses it for its output's gradient and its MoE blocks' router losses
+    (minidist/pp/microbatches.py). Tests: tests/test_autograd.py."""
+    grads = tuple(xp_of(t.data).ones_like(t.data) if g is None else g
+                  for t, g in zip(tensors, grads))
+    _Join.apply(*tensors, grads=grads).backward()

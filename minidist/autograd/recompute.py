@@ -22,20 +22,38 @@ held back), and the checkpoint returns None for them; the outer engine then decr
 pending counts and fires each hook once, when the gradient is complete: right after this
 block's backward for a parameter used only here, later for one also used elsewhere (tied).
 DDP's buckets and ZeRO's reduce-scatter rely on exactly that.
+
+Several outputs. `fn` may return a tuple of Tensors (a Mixture-of-Experts block: its output
+and its router loss, minidist/nn/gpt.py run_block); `checkpoint` then returns the tuple. The
+node has one output, so they travel through it as one flat array (each flattened, joined by
+concat) and are cut apart after it (split): the gradients of all of them meet in that one
+array, and the recompute backpropagates through all of them at once. They must share a dtype.
 Tests: tests/test_checkpointing.py.
 """
 import contextlib
+import math
 
 from minidist.autograd import tensor as _tensor
 from minidist.autograd.function import Function
+from minidist.autograd.indexing import concat, split
 from minidist.autograd.tensor import Tensor, no_grad
 
 
 class _Block:
-    """What the checkpoint node carries besides x: the function, its parameters, the rng."""
+    """What the checkpoint node carries besides x: the function, its parameters, the rng;
+    `shapes`: the shapes of fn's outputs when it returns several (None: one)."""
 
     def __init__(self, fn, params, rng):
         self.fn, self.params, self.rng = fn, params, rng
+        self.shapes = None
+
+    def run(self, x):
+        """fn(x); several outputs flattened and joined into one 1-D Tensor."""
+        out = self.fn(x)
+        if isinstance(out, Tensor):
+            return out
+        self.shapes = [o.shape for o in out]
+        return concat([o.reshape(-1) for o in out])                    # (sum of sizes,)
 
 
 class Checkpoint(Function):
@@ -47,7 +65,7 @@ class Checkpoint(Function):
         ctx.block = block
         ctx.rng_state = block.rng.bit_generator.state if block.rng is not None else None
         with no_grad():
-            return block.fn(Tensor(x)).data
+            return block.run(Tensor(x)).data
 
     @staticmethod
     def backward(ctx, grad):
@@ -55,20 +73,26 @@ class Checkpoint(Function):
         block = ctx.block
         leaf = Tensor(x, requires_grad=ctx.needs_input_grad[0])
         with _grad_enabled(), _rewound(block.rng, ctx.rng_state), _hooks_held(block.params):
-            out = block.fn(leaf)                     # the same forward, graph recorded
+            out = block.run(leaf)                    # the same forward, graph recorded
             if out.requires_grad:
                 out.backward(grad)                   # parameter grads: += into .grad
         return (leaf.grad, None) + (None,) * len(block.params)
 
 
 def checkpoint(fn, x, params, rng=None):
-    """fn(x) for a Tensor x, recomputed in backward instead of stored.
+    """fn(x) for a Tensor x, recomputed in backward instead of stored (a tuple of Tensors
+    if fn returns one: module docstring).
 
     params: every Parameter fn uses (e.g. `block.parameters()`); their gradients accumulate
     as without checkpointing. rng: the numpy Generator fn's dropout draws from, rewound for
     the recompute so it draws the same masks (None when fn draws nothing)."""
     params = [p for p in params if p.requires_grad][::-1]    # hooks fire last-used first,
-    return Checkpoint.apply(x, _Block(fn, params, rng), *params)   # as without checkpoints
+    block = _Block(fn, params, rng)                           # as without checkpoints
+    out = Checkpoint.apply(x, block, *params)
+    if block.shapes is None:
+        return out
+    parts = split(out, [math.prod(s) for s in block.shapes])
+    return tuple(p.reshape(s) for p, s in zip(parts, block.shapes))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np
 
-from minidist.autograd import Function
+from minidist.autograd import Function, is_grad_enabled
 from minidist.backend import xp_of
 
 
@@ -62,7 +62,10 @@ def regroup_order(recv):
 
 class ExpertExchange:
     """The all-to-alls of one MoE layer over the ep `group` (E experts in all). `history`
-    gets, per `run`, (rows sent to other ranks, rows received from other ranks)."""
+    gets, per `run`, (rows sent to other ranks, rows received from other ranks, whether a
+    backward follows: False for a forward without a graph, e.g. evaluation or the first
+    forward of a block under --ckpt-activations, whose recompute inside backward runs the
+    exchange again, with a graph)."""
 
     def __init__(self, group, n_experts):
         self.group, self.n_experts = group, n_experts
@@ -88,16 +91,18 @@ class ExpertExchange:
         y_local = run_experts(x_local, recv.sum(0))                     # 4. (R, C)
         y_recv = y_local[xp.asarray(np.argsort(order))]                 # 5. by source again
         r = self.group.rank
-        self.history.append((int(send.sum() - send[r].sum()), int(recv.sum() - recv[r].sum())))
+        self.history.append((int(send.sum() - send[r].sum()), int(recv.sum() - recv[r].sum()),
+                             is_grad_enabled() and xin.requires_grad))
         return AllToAll.apply(y_recv, self.group, recv.sum(1), send.sum(1))     # (M, C)
 
 
-def exchange_bytes(sent_rows, received_rows, N, El, C, itemsize):
+def exchange_bytes(sent_rows, received_rows, N, El, C, itemsize, backward=True):
     """Bytes one rank sends on the ep group for one MoE layer's forward and backward: the
     counts (its N-1 other chunks of El int64s), then rows of C values: the dispatch and the
     combine's backward send the rows that go to other ranks, the combine and the dispatch's
-    backward the rows that came from them."""
-    return (N - 1) * El * 8 + 2 * (sent_rows + received_rows) * C * itemsize
+    backward the rows that came from them. backward=False: the forward's alone (one run of
+    `history` without a graph)."""
+    return (N - 1) * El * 8 + (1 + backward) * (sent_rows + received_rows) * C * itemsize
 
 
 def attach_experts(model, group):

@@ -4,6 +4,7 @@ tokens sent to them and back by all-to-all (minidist/ep/exchange.py), inside dat
     mpirun -n 2 python examples/train_gpt.py --moe-experts 4 --ep 2
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 [--zero 3]
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --tp 2
+    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --pp 2
 
 The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp fastest
 (DeviceMesh(dp=dp*ep, tp=tp): its dp group is the dense data-parallel group D = dp x ep):
@@ -32,10 +33,15 @@ shards (minidist/zero/flat.py skips `expert_parallel` parameters) and are ZeRO-1
 replicas, edp (minidist/ep/optim.py: optimizer state 1/dp, gradients reduce-scattered,
 parameters all-gathered after the step), clipped by the same global norm, skipped with
 ZeRO's step on an overflow under --amp.
-Refused: --pp, --cp, --ckpt-activations (the router losses are made in forward),
---comm nccl (no NCCL all-to-all), --dropout > 0 (the experts' masks would be drawn in
-another order than one process's), --sequence-parallel (a sequence's tokens would be routed
-apart), E not a multiple of ep.
+--dropout: every rank draws the whole global batch's masks and keeps its rows
+(shard_dropout_rows), so the masks are one process's (exact with --grad-accum 1).
+--ckpt-activations: each block's forward, its all-to-alls included, runs again inside
+backward (GPT.run_block carries the router losses out of the checkpoint).
+--pp: inside each stage, this stage's experts over its ep group (PipelineParallel's inner);
+the clipping norm takes each stage's experts once over ep before the sum over stages.
+Refused: --cp, --save/--resume with --pp (the stages' checkpoint gather does not collect the
+experts; not built), --comm nccl (no NCCL all-to-all), --sequence-parallel (a sequence's
+tokens would be routed apart), E not a multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np
@@ -44,8 +50,10 @@ from minidist.backend import xp_of
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
+from minidist.nn.layers import Dropout
 from minidist.strategy import checkpoint
 from minidist.strategy.base import ModelParallel, all_reduce_number
+from minidist.tp.layers import ShardRNG
 from minidist.tp.state import unscaled_sum_sq
 
 
@@ -54,10 +62,8 @@ def moe_problems(args):
     if not args.moe_experts:
         return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
     problems = []
-    for flag, on in (("--pp", args.pp > 1), ("--cp", args.cp > 1),
-                     ("--ckpt-activations", args.ckpt_activations),
-                     ("--sequence-parallel", args.sequence_parallel),   # routes per sequence
-                     ("--tp and --dropout > 0", args.tp > 1 and args.dropout)):
+    for flag, on in (("--cp", args.cp > 1),
+                     ("--sequence-parallel", args.sequence_parallel)):  # routes per sequence
         if on:
             problems.append(f"--moe-experts does not combine with {flag} (not built)")
     return problems
@@ -70,11 +76,23 @@ def ep_problems(args):
     problems = []
     if args.moe_experts % args.ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {args.ep}")
-    for flag, on in (("--dropout > 0", args.dropout),      # experts run in another order
+    for flag, on in (("--save with --pp", args.save and args.pp > 1),    # the stages' files
+                     ("--resume with --pp", args.resume and args.pp > 1),    # miss experts
                      ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
         if on:
             problems.append(f"{flag} does not combine with --ep (not built)")
     return problems
+
+
+def shard_dropout_rows(model, parts, index):
+    """Every dropout of `model` draws the masks of the whole global batch (`parts` x its rows,
+    the numbers one process draws) and keeps rows part `index` of them: this rank's rows
+    (the dense group's dp_rows). So --dropout under --ep draws one process's masks, the
+    experts' too (minidist/nn/moe.py expert_dropout), and the shared generator advances on
+    every rank as on one process (its state, in checkpoints, stays one process's)."""
+    for _, m in model.named_modules():
+        if isinstance(m, Dropout) and m.rng is not None:
+            m.rng = ShardRNG(m.rng, parts, index, axis=0)
 
 
 def expert_groups(mesh, ep):
@@ -100,6 +118,7 @@ class ExpertParallel(ModelParallel):
         their replicas (minidist/ep/optim.py)."""
         self.model = model
         self.experts = attach_experts(model, self.group)
+        shard_dropout_rows(model, self.inner.group.size, self.inner.group.rank)
         model = self.inner.wrap(model)
         if self._zero():
             self.expert_engine = expert_engine(model, self.edp)

@@ -103,6 +103,11 @@ class Block(Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))                          # (B, T, C)
 
+    def with_router_loss(self, x):
+        """(forward(x), the MoE's router loss of that forward): an MoE block's two outputs
+        for activation checkpointing (GPT.run_block)."""
+        return self(x), self.mlp.router_loss()
+
 
 class BlockHooks:
     """What GPT's forward calls around its blocks; these do nothing. ZeRO-3's engine
@@ -211,26 +216,17 @@ class GPT(Module):
         embed, run_blocks and head on this rank's tokens only."""
         if self.context is not None:
             return self.context.forward(self, idx, targets)        # minidist/cp/context.py
+        router_losses = []                                         # MoE blocks': one each
         x = self.embed(idx)                                        # (B, T, C)
-        x = self.run_blocks(x)                                     # (B, T, C)
+        x = self.run_blocks(x, router_losses)                      # (B, T, C)
         logits, loss = self.head(x, targets)                       # (B, T, V), loss
-        if loss is not None and self.config.moe_experts:
-            loss = loss + self.moe_loss()
+        if loss is not None and router_losses:
+            loss = loss + moe_loss(router_losses)
         return logits, loss
 
     def moe_layers(self):
         """The Mixture-of-Experts MLPs (minidist/nn/moe.py), in block order."""
         return [m for _, m in self.named_modules() if isinstance(m, MoE)]
-
-    def moe_loss(self):
-        """The routers' losses of the last forward: aux_loss_coef x the load-balancing
-        losses + z_loss_coef x the z-losses, summed over the MoE blocks."""
-        c, total = self.config, 0.0
-        for m in self.moe_layers():
-            total = total + m.aux_loss * c.moe_aux_loss_coef
-            if c.moe_z_loss_coef:
-                total = total + m.z_loss * c.moe_z_loss_coef
-        return total
 
     def embed(self, idx, pos=None):
         """Token plus position embedding: idx (B, T) -> (B, T, C); pos (T,): the tokens'
@@ -243,16 +239,35 @@ class GPT(Module):
         tok = self.transformer.wte(idx)                            # (B, T, C)
         return self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
 
-    def run_blocks(self, x):
-        """x (B, T, C) through every block -> (B, T, C), the block hooks around each."""
+    def run_blocks(self, x, router_losses=None):
+        """x (B, T, C) through every block -> (B, T, C), the block hooks around each;
+        router_losses: a list that gets each MoE block's router loss (run_block)."""
         recompute = self.checkpointing and is_grad_enabled()
         hooks = self.block_hooks
         for i, block in enumerate(self.transformer.h):
             hooks.before_block(i)                                  # ZeRO-3: gather block i
-            x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
-                else block(x)                                      # (B, T, C)
+            x = self.run_block(block, x, recompute, router_losses)     # (B, T, C)
             x = hooks.after_block(i, x)            # ZeRO-3: re-gather block i in backward
         return x
+
+    def run_block(self, block, x, recompute, router_losses=None):
+        """block(x) (B, T, C), kept for backward or, with `recompute`, run again inside it
+        (--ckpt-activations). An MoE block's router loss (MoE.router_loss) is appended to
+        `router_losses` (a list, or None: dropped): under recompute it comes out of the
+        checkpoint beside the block's output, so its gradient enters the recompute's backward
+        and it is counted once, however often the block runs."""
+        moe = isinstance(block.mlp, MoE)
+        if not recompute:
+            y = block(x)                                           # (B, T, C)
+            loss = block.mlp.router_loss() if moe else None
+        elif moe:
+            y, loss = checkpoint(block.with_router_loss, x, block.parameters(),
+                                 self.dropout_rng)
+        else:
+            y, loss = checkpoint(block, x, block.parameters(), self.dropout_rng), None
+        if loss is not None and router_losses is not None:
+            router_losses.append(loss)
+        return y
 
     def head(self, x, targets=None):
         """Final LayerNorm and the tied output projection: (B, T, C) -> logits (B, T, V),
@@ -361,6 +376,15 @@ class MaskVocabPadding(Function):
     def backward(ctx, grad):
         grad[..., ctx.V:] = 0
         return grad, None
+
+
+def moe_loss(router_losses):
+    """The MoE blocks' router losses (MoE.router_loss: aux_loss_coef x load balancing +
+    z_loss_coef x z-loss), summed in block order."""
+    total = 0.0
+    for loss in router_losses:
+        total = total + loss
+    return total
 
 
 def _sample(logits, temperature, top_k, rng):

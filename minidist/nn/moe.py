@@ -11,8 +11,11 @@ M kept (token, expert) assignments.
     experts:   expert e runs its MLP (GPT-2's, gpt.py's MLP) on its tokens, in token order
     combine:   out_n = sum over token n's kept assignments e of probs[n, e] * expert_e(x_n)
                (a dropped assignment adds 0; the block's residual carries the token on)
+    dropout:   (training, config.dropout > 0) the experts' output rows, before the combine,
+               with a mask per (token, expert) (`expert_dropout`), not drawn by the expert
+               MLPs in the order they run, so any rank may run any expert
 
-Two losses, added to the model's loss by GPT.forward (GPT.moe_loss):
+Two losses, added to the model's loss by GPT.forward (MoE.router_loss, GPT.run_block):
     aux = E sum_e f_e P_e  (Switch's load balancing; 1 when perfectly balanced), where f_e is
           the fraction of a sequence's k T assignments that chose e (before dropping: a
           constant) and P_e the mean router probability of e over the sequence's tokens
@@ -27,14 +30,15 @@ Expert parallelism (minidist/ep/) keeps only this rank's experts (`keep_experts`
 Tests: tests/test_moe.py (float64 gradchecks, routing and dropping, losses).
 """
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from minidist import backend
 from minidist.autograd import Function, Tensor
 from minidist.autograd import fused as F
-from minidist.autograd.indexing import concat, scatter_add_rows
-from minidist.nn.layers import Linear
+from minidist.autograd.indexing import concat, scatter_add_rows, where
+from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module, ModuleDict
 
 
@@ -106,6 +110,24 @@ def load_balancing_loss(probs, chosen, T, k):
     return (P * f).sum() * (E / B)
 
 
+def expert_dropout(y, routing, rng, p, shape):
+    """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s:
+    expert e's mask is a (B, T, C) draw from `rng` (`shape`: this forward's (B, T, C)), one
+    per expert in expert order, drawn whether or not a token chose e; assignment (token n,
+    expert e) keeps row n of it. A mask thus depends on the token's place in the batch and
+    its expert alone, not on which rank runs the expert or in what order: under --ep every
+    rank draws all E masks, its rows cut out of the global batch's (minidist/ep/strategy.py),
+    as one process draws them. Survivors are scaled by 1/(1-p), as ops.dropout's."""
+    B, T, C = shape
+    keep, lo = np.empty((len(routing.token), C), dtype=bool), 0
+    for n in routing.counts:
+        draw = rng.random((B, T, C), dtype="float32").reshape(B * T, C)     # (N, C)
+        keep[lo:lo + n] = draw[routing.token[lo:lo + n]] >= p               # (n_e, C)
+        lo += n
+    keep = backend.to_device(keep, backend.xp_of(y.data))             # (M, C), kept: 1 B
+    return where(keep, y * (1.0 / (1.0 - p)), 0.0)
+
+
 def router_z_loss(logits):
     """Mean over tokens of logsumexp(logits)^2: logits (N, E) Tensor -> scalar Tensor."""
     m = logits.data.max(axis=-1, keepdims=True)                         # (N, 1) a constant
@@ -116,17 +138,21 @@ def router_z_loss(logits):
 # ---- the layer ------------------------------------------------------------------------------
 
 class MoE(Module):
-    """E experts (`make_expert(config, dtype)`, gpt.py's MLP) behind a router; the MLP of a
-    MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc / c_proj (e global)."""
+    """E experts (`make_expert(config, dtype)`, gpt.py's MLP, built without dropout) behind a
+    router; the MLP of a MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc /
+    c_proj (e global). `dropout`: the experts' (expert_dropout), its rng set by GPT."""
     exchange = None     # expert parallelism's ExpertExchange (minidist/ep/exchange.py), or None
 
     def __init__(self, config, make_expert, dtype="float32"):
         super().__init__()
         E = config.moe_experts
         self.router = Linear(config.n_embd, E, bias=False, dtype=dtype)
-        self.experts = ModuleDict(**{str(e): make_expert(config, dtype) for e in range(E)})
+        plain = replace(config, dropout=0.0)       # the experts' dropout is the layer's
+        self.experts = ModuleDict(**{str(e): make_expert(plain, dtype) for e in range(E)})
+        self.dropout = Dropout(config.dropout)     # expert_dropout's rate and generator
         self.n_experts, self.top_k = E, config.moe_top_k
         self.capacity_factor = config.moe_capacity_factor
+        self.aux_coef, self.z_coef = config.moe_aux_loss_coef, config.moe_z_loss_coef
         self.local = list(range(E))     # the experts this rank holds (all, on one process)
         self.aux_loss = self.z_loss = self.routing = None     # from the last forward
 
@@ -156,8 +182,16 @@ class MoE(Module):
             y = self.run_experts(xin, r.counts)                         # (M, C)
         else:     # all-to-all to the experts' ranks, run_experts there, all-to-all back
             y = self.exchange.run(xin, r.counts, self.run_experts)      # (M, C)
+        if self.training and self.dropout.p > 0:
+            y = expert_dropout(y, r, self.dropout.rng, self.dropout.p, (B, T, C))
         out = IndexAddRows.apply(y * gate, token, B * T)                # (N, C)
         return out.reshape(B, T, C)
+
+    def router_loss(self):
+        """What this layer adds to the model's loss, from its last forward: aux_coef x the
+        load-balancing loss (+ z_coef x the z-loss when z_coef is not 0)."""
+        loss = self.aux_loss * self.aux_coef
+        return loss + self.z_loss * self.z_coef if self.z_coef else loss
 
     def run_experts(self, xin, counts):
         """xin (M, C), rows sorted by expert, `counts[i]` rows for the i-th of self.local ->
@@ -169,11 +203,18 @@ class MoE(Module):
         return parts[0] if len(parts) == 1 else concat(parts, axis=0)
 
 
+def moe_layers_by_block(model):
+    """{block number: its MoE layer} for the MoE blocks `model` holds (a pipeline stage: its
+    own, under their global numbers) that have run a forward."""
+    return {int(name.split(".")[2]): m for name, m in model.named_modules()
+            if isinstance(m, MoE) and m.routing is not None}
+
+
 def load_stats(model):
     """The MoE blocks' routing in the last forward, on this rank's rows, for the log:
     {"moe_tokens": [[assignments kept per expert] per MoE block], "moe_dropped": [per block],
     "moe_aux": [load-balancing loss per block]}; {} for a dense model."""
-    layers = [m for _, m in model.named_modules() if isinstance(m, MoE) and m.routing is not None]
+    layers = list(moe_layers_by_block(model).values())
     if not layers:
         return {}
     return {"moe_tokens": [m.routing.counts.tolist() for m in layers],

@@ -11,10 +11,18 @@ methods).
 
 A micro-batch is in flight (`live`) from its forward to the end of its backward (W for a
 split one): its graph, or after B the values W still needs, are what the memory ledger
-counts. Tests: tests/test_pipeline.py.
+counts.
+
+A Mixture of Experts: the router losses of the MoE blocks on a chunk that does not end the
+model (`router[(chunk, i)]`) are part of the loss, so that chunk's backward starts from its
+output's gradient and from them, seeded as the last stage seeds the loss (`scale_loss`), in
+one pass (autograd's backward_all); their values (`router_values`) are added to the loss
+the strategy reports. Tests: tests/test_pipeline.py, tests/test_expert_parallel.py.
 """
+from minidist.autograd.function import backward_all
 from minidist.autograd.tensor import defer_weight_grads
 from minidist.comm import trace
+from minidist.nn.gpt import moe_loss
 
 
 class MicroBatches:
@@ -22,21 +30,30 @@ class MicroBatches:
     work or None); the losses (the stage holding the head); the most micro-batches in flight
     (chunk-micro-batches under interleaving) and, given `measure(live values)` -> bytes (the
     training layer's memory ledger), the most activation bytes held at once.
-    `backward_loss(loss)` starts the backward at the loss (the 1/M factor, the loss scale)."""
+    `backward_loss(loss)` starts the backward at the loss (the 1/M factor, the loss scale);
+    `scale_loss(loss)` is the tensor it starts from (for the router losses of MoE blocks
+    elsewhere than at the head: module docstring)."""
 
-    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=None):
+    def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=None,
+                 scale_loss=None):
         rows = len(idx) // n_micro
         self.stage, self.n_micro, self.backward_loss = stage, n_micro, backward_loss
+        self.scale_loss = scale_loss
         self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.live, self.losses, self.measure = {}, [], measure
+        self.router, self.router_values = {}, []
         self.peak_in_flight, self.peak_bytes = 0, 0
 
     def forward(self, i, inp, chunk=0):
         """Run micro-batch i through this rank's chunk; returns its output (the loss after
         the head)."""
+        router = []
         with traced("F", i, chunk):
-            out = self.stage.stage_forward(inp, self.idx[i], self.targets[i], chunk)
+            out = self.stage.stage_forward(inp, self.idx[i], self.targets[i], chunk, router)
+        if router:
+            self.router[(chunk, i)] = moe_loss(router)
+            self.router_values.append(float(self.router[(chunk, i)].item()))
         self.live[(chunk, i)] = (inp, out, None)
         if self.stage.holds_head(chunk):
             self.losses.append(float(out.item()))
@@ -50,14 +67,14 @@ class MicroBatches:
         returns dL/d(input) for the previous stage (None on the first)."""
         inp, out, _ = self.live.pop((chunk, i))
         with traced("B", i, chunk):
-            self._start_backward(out, grad, chunk)
+            self._start_backward(out, grad, chunk, self.router.pop((chunk, i), None))
         return None if inp is None else inp.grad
 
     def backward_input(self, i, grad, chunk=0):
         """B: only dL/d(input) now; the weights' gradients wait in a queue for W."""
         inp, out, _ = self.live[(chunk, i)]
         with traced("B", i, chunk), defer_weight_grads(self.stage.parameters()) as work:
-            self._start_backward(out, grad, chunk)
+            self._start_backward(out, grad, chunk, self.router.pop((chunk, i), None))
         self.live[(chunk, i)] = (None, None, work)       # only what W needs stays alive
         return None if inp is None else inp.grad
 
@@ -67,9 +84,11 @@ class MicroBatches:
         with traced("W", i, chunk):
             work.run()
 
-    def _start_backward(self, out, grad, chunk):
+    def _start_backward(self, out, grad, chunk, router):
         if self.stage.holds_head(chunk):
-            self.backward_loss(out)
+            self.backward_loss(out)                  # the router losses are in it
+        elif router is not None:                     # d out . grad + d router x the seed
+            backward_all([out, self.scale_loss(router)], [grad, None])
         else:
             out.backward(grad)
 

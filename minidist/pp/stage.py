@@ -26,8 +26,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
-from minidist.autograd.recompute import checkpoint
-from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample
+from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, moe_loss
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import ModuleDict, ModuleList
 from minidist.pp.link import StageLink
@@ -96,31 +95,37 @@ class PipelineStage:
         """Does `chunk` end the model (the last chunk of the last stage)?"""
         return self.last and chunk == len(self.chunks) - 1
 
-    def stage_forward(self, inp, idx, targets, chunk=0):
+    def stage_forward(self, inp, idx, targets, chunk=0, router_losses=None):
         """One micro-batch through this stage's `chunk`: the input Tensor received (None at
         the model's start, which embeds idx) -> the output activation, or the loss at the
-        model's end."""
+        model's end. The router losses of the chunk's MoE blocks (GPT.run_block): added to
+        the loss at the model's end, as GPT.forward adds them; elsewhere appended to the
+        list `router_losses` (the stage's backward starts from them too, microbatches.py)."""
+        mine = []
         x = self.embed(idx) if self.holds_embedding(chunk) else inp
-        x = self.run_chunk(x, chunk)
+        x = self.run_chunk(x, chunk, mine)
         if not self.holds_head(chunk):
+            if router_losses is not None:
+                router_losses.extend(mine)
             return x
-        return self.head(x, targets)[1]
+        loss = self.head(x, targets)[1]
+        return loss + moe_loss(mine) if mine else loss
 
-    def run_chunk(self, x, chunk):
+    def run_chunk(self, x, chunk, router_losses=None):
         """The blocks of `chunk`: GPT's run_blocks when the stage is one chunk; under
         interleaving, the chunk's blocks as run_blocks runs them (each recomputed in backward
         with --ckpt-activations, the block hooks around it: ZeRO-3's gathers, block i = the
-        i-th block this stage holds, as ZeRO numbers its units)."""
+        i-th block this stage holds, as ZeRO numbers its units). router_losses: as
+        run_blocks'."""
         if len(self.chunks) == 1:
-            return self.run_blocks(x)
+            return self.run_blocks(x, router_losses)
         recompute = self.checkpointing and is_grad_enabled()
         hooks = self.block_hooks
         for n in self.chunks[chunk]:
             i = self.layers.index(n)
             block = self.transformer.h.numbered(n)
             hooks.before_block(i)                                  # ZeRO-3: gather block i
-            x = checkpoint(block, x, block.parameters(), self.dropout_rng) if recompute \
-                else block(x)                                      # (B, T, C)
+            x = self.run_block(block, x, recompute, router_losses)     # (B, T, C)
             x = hooks.after_block(i, x)            # ZeRO-3: re-gather block i in backward
         return x
 
@@ -131,18 +136,24 @@ class PipelineStage:
         if is_grad_enabled():
             raise RuntimeError("a pipeline stage's forward() is for evaluation (no_grad); "
                                "training runs through minidist/pp/schedule.py")
-        loss = self._pipe_forward(idx, targets)
-        buf = self.link.xp.asarray([0.0 if loss is None else float(loss.item())], "float64")
-        self.link.group.broadcast(buf, root=self.link.n_stages - 1)
+        router = []                                    # this stage's MoE router losses
+        loss = self._pipe_forward(idx, targets, router_losses=router)
+        mine = sum(float(r.item()) for r in router)
+        buf = self.link.xp.asarray([mine + (0.0 if loss is None else float(loss.item()))],
+                                   "float64")
+        if self.config.moe_experts:                    # the loss: summed over the stages
+            self.link.group.all_reduce(buf, op="sum")
+        else:
+            self.link.group.broadcast(buf, root=self.link.n_stages - 1)
         return None, Tensor(buf[0])
 
-    def _pipe_forward(self, idx, targets, last_position=False):
+    def _pipe_forward(self, idx, targets, last_position=False, router_losses=None):
         idx = np.asarray(backend.to_host(idx))
         self.expect(len(idx), idx.shape[1])
         for chunk in range(len(self.chunks)):          # the ring of chunks, one at a time
             x = self.link.recv_forward_chunk(0, chunk)
             x = self.embed(idx) if self.holds_embedding(chunk) else x
-            x = self.run_chunk(x, chunk)
+            x = self.run_chunk(x, chunk, router_losses)
             if not self.holds_head(chunk):
                 self.link.isend_forward(x, 0, chunk)
         self.link.wait_sends()

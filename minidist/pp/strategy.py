@@ -161,10 +161,11 @@ class PipelineParallel(ModelParallel):
             self.amp.scaled_upstream()
         with self.inner.no_sync():
             steps = MicroBatches(model, x, y, m, lambda loss: self.backward(loss, scale / m),
-                                 self.live_bytes if measure else None)
+                                 self.live_bytes if measure else None,
+                                 lambda loss: self.scaled_loss(loss, scale / m))
             schedule(model.link, steps)
         self.stats["in_flight"] = max(self.stats["in_flight"], steps.peak_in_flight)
-        return self.loss_from_last_stage(steps.losses), steps.peak_bytes
+        return self.loss_of_the_stages(steps), steps.peak_bytes
 
     def end_step(self, activation_bytes):
         """Counters for summary(): the activation peak of this step."""
@@ -181,10 +182,15 @@ class PipelineParallel(ModelParallel):
             arrays += [] if w_work is None else memory.saved_arrays(w_work.contexts())
         return memory.unique_nbytes(arrays, exclude=[p.data for p in self.stage.parameters()])
 
-    def loss_from_last_stage(self, losses):
-        xp = model_xp(self.stage)
-        buf = xp.asarray([sum(losses) / max(len(losses), 1)], dtype="float64")
-        self.group.broadcast(buf, root=self.group.size - 1)
+    def loss_of_the_stages(self, steps):
+        """The mean loss over the micro-batches: the last stage's, broadcast; with MoE blocks
+        the router losses of the other stages' blocks added (a sum over the stages)."""
+        xp, m = model_xp(self.stage), steps.n_micro
+        buf = xp.asarray([(sum(steps.losses) + sum(steps.router_values)) / m], "float64")
+        if self.stage.config.moe_experts:
+            self.group.all_reduce(buf, op="sum")
+        else:
+            self.group.broadcast(buf, root=self.group.size - 1)
         return float(buf[0])
 
     def sync_grads(self, model):
@@ -194,10 +200,11 @@ class PipelineParallel(ModelParallel):
 
     def reduce_sum_sq(self, local):
         """The global sum of squares: the tied wte counted once (on the first stage), tensor
-        parallelism's split/replicated rule inside the stage (minidist/tp/state.py), the sum
-        over stages, then inner's (DDP: the replicas hold the same, nothing to add; ZeRO:
-        each rank holds its shards, summed over dp). The gradients are inner's local_grads:
-        .grad, or under ZeRO the pieces of this rank's shards."""
+        parallelism's split/replicated rule inside the stage (minidist/tp/state.py), inner's
+        over this stage's ranks (DDP: the replicas hold the same, nothing to add; ZeRO: each
+        rank holds its shards, summed over dp; expert parallelism: this stage's experts
+        counted once over ep), then the sum over stages. The gradients are inner's
+        local_grads: .grad, or under ZeRO the pieces of this rank's shards."""
         if self.stage.last and not self.stage.first:
             local -= unscaled_sum_sq(self.inner.local_grads(self.stage.tied_copies()),
                                      self.amp)
@@ -205,8 +212,8 @@ class PipelineParallel(ModelParallel):
             replicated = [p for p in self.stage.parameters() if p.tp_split is None]
             local = sum_sq_over_tp(self.stage, self.mesh.tp, local,
                                    self.inner.local_grads(replicated), self.amp)
-        total = all_reduce_number(self.group, local, "sum", self.stage.parameters()[0].data)
-        return self.inner.reduce_sum_sq(total)
+        stage = self.inner.reduce_sum_sq(local)     # linear over stages: before the pp sum
+        return all_reduce_number(self.group, stage, "sum", self.stage.parameters()[0].data)
 
     # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --
     def save(self, directory, model, optimizer, step, rng_states, extra):

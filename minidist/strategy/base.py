@@ -110,7 +110,14 @@ class SingleProcess:
         """Backpropagate `scale` x loss, times the loss scale under float16 --amp."""
         if self.amp:
             return self.amp.backward(loss, scale)
-        (loss * scale if scale != 1.0 else loss).backward()
+        self.scaled_loss(loss, scale).backward()
+
+    def scaled_loss(self, loss, scale=1.0):
+        """The tensor `backward(loss, scale)` starts from: `scale` x loss (x the loss scale
+        under --amp)."""
+        if self.amp:
+            return self.amp.scale_loss(loss, scale)
+        return loss * scale if scale != 1.0 else loss
 
     def sync_grads(self, model):
         pass

@@ -28,7 +28,7 @@ from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
-from minidist.nn.moe import load_stats
+from minidist.nn.moe import load_stats, moe_layers_by_block
 from minidist.optim import WarmupCosine
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
@@ -195,25 +195,29 @@ def _copies(strategy, world, x, y):
 
 def global_load_stats(model, world, copies):
     """nn/moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
-    summed over the ranks: every rank of the world calls this, with the same MoE blocks).
-    One float64 all-reduce over the world of [tokens, dropped, aux]: the ranks that hold the
-    same rows (`copies` of them: the tp group) computed the same routing, so the sums over
-    the world / copies are the sums over the ranks that hold different rows (dp x ep), and
-    aux summed / world size is their mean (every rank holds as many rows). {} for a dense
-    model; as is on one process."""
-    stats = load_stats(model)
-    if not stats or world is None or world.size == 1:
-        return stats
-    tokens = np.array(stats["moe_tokens"], dtype="float64")              # (blocks, E)
-    L, E = tokens.shape
-    vec = np.concatenate([tokens.ravel(), stats["moe_dropped"], stats["moe_aux"]])
-    buf = backend.xp_of(model.parameters()[0].data).asarray(vec)
+    summed over the ranks: every rank of the world calls this). One float64 all-reduce over
+    the world of [tokens, dropped, aux, 1] per MoE block of the whole model, zeros for the
+    blocks this rank does not hold (another pipeline stage's). Of the h ranks holding a block
+    (the world, or its stage's ranks under --pp), those holding the same rows computed the
+    same routing: `copies` (the ranks holding each row, the loop's count) x h / world of
+    them (the tp group), so the sums / that are the sums over the ranks that hold different
+    rows (dp x ep), and aux summed / h is their mean (every rank holds as many rows). {} for
+    a dense model; as is on one process."""
+    config = model.config
+    if not config.moe_experts or world is None or world.size == 1:
+        return load_stats(model)
+    blocks, E = [i for i in range(config.n_layer) if config.is_moe(i)], config.moe_experts
+    vec = np.zeros((len(blocks), E + 3))                     # tokens (E), dropped, aux, held
+    for b, m in moe_layers_by_block(model).items():
+        r = m.routing
+        vec[blocks.index(b)] = [*r.counts, r.dropped, float(m.aux_loss.item()), 1]
+    buf = backend.xp_of(model.parameters()[0].data).asarray(vec.ravel())
     world.all_reduce(buf, op="sum")
-    total = backend.to_host(buf)
-    counts = np.rint(total[:L * (E + 1)] / copies).astype(np.int64)   # exact: integers
-    return {"moe_tokens": counts[:L * E].reshape(L, E).tolist(),
-            "moe_dropped": counts[L * E:].tolist(),
-            "moe_aux": (total[L * (E + 1):] / world.size).tolist()}
+    total = backend.to_host(buf).reshape(len(blocks), E + 3)
+    held = total[:, -1:]                                     # (blocks, 1) ranks holding each
+    counts = np.rint(total[:, :E + 1] / (copies * held / world.size)).astype(np.int64)
+    return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
+            "moe_aux": (total[:, E + 1] / held[:, 0]).tolist()}
 
 
 def _describe(args, strategy, log, model, data):

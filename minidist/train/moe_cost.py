@@ -24,7 +24,8 @@ forward an all-to-all of the counts (E int64s per rank), the dispatch and the co
 rows x h x e bytes per rank, (N-1)/N of it to the others), backward the combine's and the
 dispatch's reverse (the counts are reused): 3 blocking all-to-alls forward, 2 backward, each
 the pairwise exchange's (N-1)(alpha + n/(N B)) on the links the ep group spans, plus the
-cluster's sync per blocking collective.
+cluster's sync per blocking collective. Full recompute (--ckpt-activations) runs each block's
+forward again inside backward, its 3 all-to-alls too: 3 forward, 3 + 2 backward.
 Gradients (minidist/ep/strategy.py): the dense parameters go through DDP (or ZeRO) over
 all dp ranks as before. Under DDP each expert tensor of this rank is all-reduced over its
 dp / ep replicas (edp) one tensor at a time after backward (no buckets, no overlap), and
@@ -36,7 +37,7 @@ reduce-scattered over edp after backward and its parameters all-gathered after t
 clipping's sum rides on ZeRO's over dp; the optimizer updates the dense shard and 1/edp of
 the experts (ceil per unit).
 Refused (minidist's MoE does not run them, so the terms would price something unbuilt):
-cp > 1, sequence parallelism (a sequence's tokens would be routed apart), full recompute.
+cp > 1, sequence parallelism (a sequence's tokens would be routed apart).
 Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
@@ -57,8 +58,7 @@ def check_moe_layout(config, layout):
     if layout.dp % layout.ep or config.moe_experts % layout.ep:
         raise ValueError(f"ep {layout.ep} must divide dp {layout.dp} and the "
                          f"{config.moe_experts} experts")
-    for what, on in (("cp > 1", layout.cp > 1), ("sequence parallelism", layout.sp),
-                     ("full recompute", layout.recompute == "full")):
+    for what, on in (("cp > 1", layout.cp > 1), ("sequence parallelism", layout.sp)):
         if on:
             raise ValueError(f"a Mixture of Experts with {what} is not built in minidist "
                              f"(not modelled)")
@@ -93,13 +93,16 @@ def stage_moe_blocks(config, layout, stage):
 def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
     """(forward, backward) seconds of the all-to-alls of `blocks` MoE blocks for one
     micro-batch of b sequences (e bytes per value), and their (forward, backward) counts;
-    the busiest rank's rows (`load`) set the size (a sendrecv waits for the larger side)."""
+    the busiest rank's rows (`load`) set the size (a sendrecv waits for the larger side).
+    Full recompute repeats the forward's inside backward."""
     if layout.ep == 1 or blocks == 0:
         return 0.0, 0.0, 0, 0
     rows = b * expert_rows(config, s, load=load)
     data = collective_time(cluster, "all_to_all", rows * config.n_embd * e, layout, "ep")
     counts = collective_time(cluster, "all_to_all", 8 * config.moe_experts, layout, "ep")
-    return blocks * (counts + 2 * data), blocks * 2 * data, 3 * blocks, 2 * blocks
+    fwd, n_fwd = blocks * (counts + 2 * data), 3 * blocks
+    redo = layout.recompute == "full"
+    return fwd, blocks * 2 * data + redo * fwd, n_fwd, 2 * blocks + redo * n_fwd
 
 
 def expert_tensors(config, layout, stage):

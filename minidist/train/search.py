@@ -11,7 +11,7 @@ fits); ckpt: without and with full recompute.
 A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
 expert count (expert parallelism carved out of dp), and only what minidist's MoE runs (the
 step-time model refuses the rest, moe_cost.py): no cp, no sequence parallelism (TP without
-SP), no full recompute.
+SP).
 """
 import json
 from dataclasses import asdict, replace
@@ -85,7 +85,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch,
                                  max_cp=1 if moe else 8):
         for zero in (zeros if dp * cp > 1 else (0,)):
-            for recompute in (("none",) if moe else recomputes):
+            for recompute in recomputes:
                 for ep in expert_splits(config, dp):
                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
                                     recompute=recompute, sp=tp > 1 and not moe, tiled=tiled)

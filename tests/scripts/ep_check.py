@@ -4,10 +4,13 @@
     mpiexec -n 2 python tests/scripts/ep_check.py --runs ep1xtp2             # MoE under TP
     mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2
     mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xtp2+zero3+ckpt,ep2xdp2+zero2+amp
+    mpiexec -n 2 python tests/scripts/ep_check.py --runs ep1xpp2,ep2+recompute,ep2+drop
+    mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xpp2   # MoE in pipeline stages
 
 Every rank also trains the single-process reference (SingleProcess, all E experts, the whole
-global batch); each run builds its strategy from train_gpt's flags (make_strategy) and trains
-through the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and every
+global batch, no --ckpt-activations, no pipeline); each run builds its strategy from
+train_gpt's flags (make_strategy) and trains through the loop's train_step
+(tests/scripts/exact.py). Checks: losses, grad norms and every
 parameter (each rank compares the experts it holds) equal the reference to --tol; capacity
 drops the same (token, expert) assignments as one process, and some are dropped; the
 parameters each rank holds are what the memory planner counts (stage_params); the bytes
@@ -40,6 +43,7 @@ from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
+from minidist.pp import checkpoint as pp_checkpoint  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.moe_cost import expert_units  # noqa: E402
 from minidist.train.planner import Layout, stage_params  # noqa: E402
@@ -65,7 +69,34 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2+zero2+accum": ["--zero", "2", "--grad-accum", "2"],
         "ep2xtp2+zero1": ["--tp", "2", "--zero", "1"], "ep2xtp2+zero2": ["--tp", "2", "--zero",
                                                                          "2"],
-        "ep2xtp2+zero3": ["--tp", "2", "--zero", "3"]}
+        "ep2xtp2+zero3": ["--tp", "2", "--zero", "3"],
+        "ep2+recompute": ["--ckpt-activations"],                 # the recompute's all-to-alls
+        "ep2+recompute+zero3+accum": ["--ckpt-activations", "--zero", "3", "--grad-accum", "2"],
+        "ep1xdp2+recompute": ["--dp", "2", "--ckpt-activations"],
+        "ep2xdp2+recompute": ["--dp", "2", "--ckpt-activations"],
+        # dropout: the masks are one process's (every rank draws the global batch's)
+        "ep2+drop": ["--dropout", "0.1"], "ep1xtp2+drop": ["--tp", "2", "--dropout", "0.1"],
+        "ep2+drop+recompute+zero3": ["--dropout", "0.1", "--ckpt-activations", "--zero", "3"],
+        "ep2xdp2+drop": ["--dp", "2", "--dropout", "0.1"],
+        "ep2xtp2+drop": ["--tp", "2", "--dropout", "0.1"],
+        # MoE blocks in pipeline stages: every stage's router losses in the loss and backward
+        "ep1xpp2": ["--pp", "2", "--micro-batches", "2"],
+        "ep1xpp2+gpipe": ["--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"],
+        "ep1xpp2+zbh1": ["--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1"],
+        "ep1xpp2+v2": ["--pp", "2", "--micro-batches", "2", "--pp-virtual", "2",
+                       "--n-layer", "4"],
+        "ep1xpp2+recompute+accum": ["--pp", "2", "--micro-batches", "2",
+                                    "--ckpt-activations", "--grad-accum", "2"],
+        "ep1xpp2+every2": ["--pp", "2", "--micro-batches", "2", "--moe-every", "2",
+                           "--n-layer", "4"],
+        "ep1xpp2xdp2+zero1": ["--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
+        "ep1xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
+        "ep2xpp2": ["--pp", "2", "--micro-batches", "2"],         # ep inside each stage
+        "ep2xpp2+gpipe+recompute": ["--pp", "2", "--micro-batches", "2", "--schedule",
+                                    "gpipe", "--ckpt-activations"],  # (a stage's dropout: its
+                                                                     # own stream)
+        "ep2xpp2+zero1": ["--pp", "2", "--micro-batches", "2", "--zero", "1"],
+        "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"]}
 AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
              "ep2+zero3+amp": ["--zero", "3", *AMP],
@@ -87,18 +118,24 @@ def flags(name):
 def config_of(args):
     from minidist.train.loop import moe_fields
     return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                     block_size=args.block_size, vocab_size=30, **moe_fields(args))
+                     block_size=args.block_size, vocab_size=30, dropout=args.dropout,
+                     **moe_fields(args))
 
 
 def my_params(strategy, model, opt):
-    """name -> host array: the experts this rank holds, and on world rank 0 the whole model
-    as a checkpoint gathers it (strategy.whole_state: ZeRO's shards, tp's pieces and every
-    expert gathered)."""
-    whole, _ = strategy.whole_state(model, opt)
+    """(name -> host array, the ids of the experts this rank holds): the experts this rank
+    holds, and on world rank 0 the whole model as a checkpoint gathers it (strategy.whole_state:
+    ZeRO's shards, tp's pieces and every expert gathered); a pipeline stage its own part
+    (pp/checkpoint.py stage_state: gathered over tp, under ZeRO over dp; {} off dp rank 0)."""
     mine = {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()
             if p.expert_parallel}
-    return {**(whole if strategy.rank == 0 else {}), **mine}, sorted(
-        {n.split(".experts.")[1].split(".")[0] for n in mine})
+    experts = sorted({n.split(".experts.")[1].split(".")[0] for n in mine})
+    if hasattr(strategy, "embedding"):                      # PipelineParallel
+        whole = pp_checkpoint.stage_state(strategy, opt)[0] or {}
+    else:
+        whole, _ = strategy.whole_state(model, opt)
+        whole = whole if strategy.rank == 0 else {}
+    return {**whole, **mine}, experts
 
 
 def expert_state(args, config, opt):
@@ -152,11 +189,19 @@ def resume_diffs(args, config, comm):
 
 def same_drops(model, ref, args, config, strategy):
     """Route step 0's batch on both: this rank's (token, expert) pairs are the reference's
-    for its rows; returns (assignments dropped by the reference, by this rank)."""
+    for its rows; returns (assignments dropped by the reference, by this rank). A pipeline
+    stage routes only inside its schedule: the reference's count alone."""
     x, y = batch(0, args.batch_size, config, SEED)
     lx, ly = strategy.local_rows(x, y)
+    for m in (ref, model):            # eval: no dropout (the cached reference's generator
+        m.eval()                      # has run more forwards than this run's)
     ref(x, y)
+    if args.pp > 1:
+        ref.train()
+        return sum(m.routing.dropped for m in ref.moe_layers()), None
     model(lx, ly)
+    for m in (ref, model):
+        m.train()
     rows = lx.shape[0]
     first = [i for i in range(x.shape[0]) if (x[i] == lx[0]).all()][0] * config.block_size
     dropped = mine = 0
@@ -226,7 +271,9 @@ def run(name, ref_runs, comm, tol):
         return amp_run(name, args, config, comm, ref_runs)
     if args.moe_top_k not in ref_runs or ref_runs[args.moe_top_k][0] != config:
         ref_args = flags(name)
-        ref_args.ep, ref_args.dp, ref_args.tp = 1, None, 1
+        ref_args.ep, ref_args.dp, ref_args.tp, ref_args.pp = 1, None, 1, 1
+        ref_args.micro_batches, ref_args.schedule, ref_args.pp_virtual = None, "1f1b", 1
+        ref_args.ckpt_activations = False          # the recompute must change no number
         ref_runs[args.moe_top_k] = (config, run_steps(SingleProcess(), ref_args, config, SEED,
                                                       "float64"))
     r_model, _, r_losses, r_norms, _ = ref_runs[args.moe_top_k][1]
@@ -236,8 +283,8 @@ def run(name, ref_runs, comm, tol):
     sent = trace.bytes_sent("ep", "all_to_all") - sent0
     N = args.ep
     theory = 0 if N == 1 else sum(
-        exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8)
-        for m in model.moe_layers() for s, r in m.exchange.history)
+        exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8, backward)
+        for m in model.moe_layers() for s, r, backward in m.exchange.history)
     (params, experts), ref = my_params(strategy, model, opt), dict(r_model.named_parameters())
     d_par = float(np.max([np.abs(v - np.asarray(ref[n].data)).max() for n, v in params.items()]
                          or [0.0]))
@@ -246,7 +293,8 @@ def run(name, ref_runs, comm, tol):
     dropped, mine = same_drops(model, r_model, args, config, strategy)
     t = args.tp
     here = sum(p.size for p in model.parameters())
-    planned = stage_params(config, tp=t, ep=N)[0]                 # the memory planner's
+    stage = strategy.stage.link.stage if args.pp > 1 else 0
+    planned = stage_params(config, tp=t, pp=args.pp, ep=N)[stage]  # the memory planner's
     assert here == planned or args.zero, (name, here, planned)    # (ZeRO: its own count)
     row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm,
            "param_diff": d_par,
