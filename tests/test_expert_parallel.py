@@ -73,7 +73,7 @@ def check_rows(rows, runs):
             check_amp_row(r)
             continue
         assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
-        assert r["compared"] == r["ref_params"], r        # rank 0: every parameter, gathered
+        assert r["compared"] == r["ref_params"], r        # every parameter compared somewhere
         if r["run"].endswith("+ckpt"):           # saved after step 2, resumed: bit-identical
             assert r["resume_diff"] == 0 and r["one_process_diff"] < 1e-10, r
         if r["run"].startswith("ep1"):                           # no ep group: no bytes
@@ -154,7 +154,7 @@ def test_ep4_and_compositions_are_exact(mpi):
     check_rows(rows, runs)
     assert rows[0]["experts_here"] == ["0"] and rows[1]["experts_here"] == ["0", "1"]
     for r in rows:                  # ZeRO: the experts' AdamW state halved over edp 2
-        if "dp2+zero" in r["run"] and "+amp" not in r["run"]:
+        if r["run"].startswith("ep2xdp2+zero") and "+amp" not in r["run"]:
             assert 2 * r["expert_opt_state"] == r["expert_params"], r
 
 

@@ -296,10 +296,12 @@ def run(name, ref_runs, comm, tol):
     stage = strategy.stage.link.stage if args.pp > 1 else 0
     planned = stage_params(config, tp=t, pp=args.pp, ep=N)[stage]  # the memory planner's
     assert here == planned or args.zero, (name, here, planned)    # (ZeRO: its own count)
+    names = comm.gather(sorted(params), root=0)     # rank 0: the whole model, or (pp) its
+    compared = len(set().union(*names)) if comm.rank == 0 else len(params)  # stage's: all ranks'
     row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm,
            "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
-           "experts_here": experts, "compared": len(params), "ref_params": len(ref),
+           "experts_here": experts, "compared": compared, "ref_params": len(ref),
            "losses": [float(v) for v in losses]}
     if args.zero and N > 1:        # the experts' AdamW state: 1/edp of them, as planned
         row["expert_params"], row["expert_opt_state"] = expert_state(args, config, opt)
