@@ -17,7 +17,7 @@ import numpy as np
 from minidist.autograd import Tensor, no_grad
 from minidist.comm.simulate import simulate_all_to_all
 from minidist.nn import GPTConfig
-from minidist.nn.gpt import MLP
+from minidist.nn.block import MLP
 from minidist.nn.moe import MoE, capacity, route
 
 

@@ -7,7 +7,7 @@ import pytest
 from minidist.autograd import Tensor, no_grad
 from minidist.autograd.gradcheck import gradcheck
 from minidist.nn import GPT, GPTConfig
-from minidist.nn.gpt import MLP
+from minidist.nn.block import MLP
 from minidist.nn.moe import IndexAddRows, MoE, capacity, load_balancing_loss, route, \
     router_z_loss
 

@@ -12,7 +12,7 @@ then on the model's forward takes the WHOLE sequence idx (B, T) and targets, and
 The mean of the N ranks' losses is the whole sequence's mean (each holds T/N tokens), and
 every parameter is replicated over cp, so averaging gradients over the cp ranks (with the
 data-parallel ones: DDP/ZeRO over the mesh's dpcp group) gives one process's gradients.
-Sampling (`_next_token`, sequences of any length) calls embed and run_blocks directly, not
+Sampling (`next_token`, sequences of any length) calls embed and run_blocks directly, not
 forward: the context is inactive there and every rank computes the whole thing alone.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """

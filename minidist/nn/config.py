@@ -5,7 +5,7 @@ shape of every parameter in GPT-2's naming, and the initial values.
 in model order. Each parameter draws from its own stream, `rng([seed, crc32(name)])`, so a
 pipeline stage can initialise only its blocks (`names=`) and tensor parallelism can cut shards
 out of the full arrays: every layout starts from the same numbers. The model itself:
-minidist/nn/gpt.py. Tests: tests/test_gpt.py.
+minidist/nn/gpt.py (its blocks: minidist/nn/block.py). Tests: tests/test_gpt.py.
 """
 import math
 import zlib

@@ -1,20 +1,20 @@
-"""GPT-2, read bottom-up: attention -> MLP -> Block -> GPT (pre-LN, tanh GELU, tied embedding).
+"""GPT-2: the model around the blocks (tied embedding, learned positions, final norm, loss).
 
-Dimensions, named once:
-    B batch (sequences), T time (tokens per sequence, <= block_size), C n_embd,
-    nh n_head, hs = C // nh head size, V vocab_size, L n_layer.
+The blocks (attention -> MLP -> Block, and the dimensions B, T, C, nh, hs, V, L named once)
+are in minidist/nn/block.py; read that first, then this. Sampling: minidist/nn/sampling.py.
 
 Contracts other layers build on:
-  - `gpt_init(config, seed)` (minidist/nn/config.py, with GPTConfig) gives the FULL model's initial parameters on the host, by GPT-2
-    name, in model order. Each parameter draws from its own stream, `rng([seed, crc32(name)])`,
-    so a pipeline stage can initialise only its blocks (`names=`) and tensor parallelism can
-    cut shards out of the full arrays: every layout starts from the same numbers.
+  - `gpt_init(config, seed)` (minidist/nn/config.py, with GPTConfig) gives the FULL model's
+    initial parameters on the host, by GPT-2 name, in model order. Each parameter draws from
+    its own stream, `rng([seed, crc32(name)])`, so a pipeline stage can initialise only its
+    blocks (`names=`) and tensor parallelism can cut shards out of the full arrays: every
+    layout starts from the same numbers.
     `GPT(config, seed, dtype)` is built from it and moved to the current device.
   - `forward` is three separate pieces, `embed` -> `run_blocks` -> `head`, so a pipeline
     stage can run only its own.
   - Block hooks (`set_block_hooks`): run_blocks calls `before_block(i)` and `after_block(i, y)`
-    around block i, embed and head call `before_root()`. By default they do nothing (`BlockHooks`);
-    ZeRO-3 (minidist/zero/zero.py) gathers the sharded parameters there.
+    around block i, embed and head call `before_root()`. By default they do nothing
+    (`BlockHooks`); ZeRO-3 (minidist/zero/zero.py) gathers the sharded parameters there.
   - The token embedding is one Parameter used twice (lookup and output head); both gradient
     contributions accumulate into its `.grad`.
 Save/load in GPT-2's Hugging Face format: minidist/nn/pretrained.py.
@@ -23,90 +23,17 @@ Tests: tests/test_gpt.py.
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad
+from minidist.autograd import Function, Tensor, is_grad_enabled
 from minidist.autograd.recompute import checkpoint
 from minidist.autograd import fused as F
-from minidist.autograd.flash import tiled_self_attention
-from minidist.nn.config import TILED_FROM_T, gpt_init
+from minidist.nn.block import Block, CausalSelfAttention
+from minidist.nn.config import gpt_init
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
+from minidist.nn.sampling import generate, sample
 
-_DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
-
-
-# ---- layers --------------------------------------------------------------------------------
-
-class CausalSelfAttention(Module):
-    context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
-
-    def __init__(self, config, dtype="float32", layers=None):
-        super().__init__()
-        layers = layers or DenseLayers(config, dtype)
-        C = config.n_embd
-        self.c_attn = layers.column(C, 3 * C, blocks=3)
-        self.c_proj = layers.row(C, C)
-        self.attn_dropout = Dropout(config.dropout)
-        self.resid_dropout = Dropout(config.dropout)
-        self.n_head = layers.heads
-        self.attention, self.attention_block = config.attention, config.attention_block
-
-    def uses_tiled(self, T):
-        """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
-        if self.attention == "auto":           # the tiled path has no attention dropout
-            return T >= TILED_FROM_T and self.attn_dropout.p == 0
-        return self.attention == "tiled"       # GPTConfig refuses tiled with dropout
-
-    def forward(self, x):                                          # (B, T, C)
-        qkv = self.c_attn(x)                                       # (B, T, 3C)
-        if self.context is not None and self.context.active:       # --cp: ring attention
-            y = self.context.self_attention(qkv, self.n_head)      # (B, T/cp, C)
-        elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
-            y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
-        else:
-            p = self.attn_dropout.p if self.training else 0.0      # on attention weights
-            y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)
-        return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
-
-
-class MLP(Module):
-
-    def __init__(self, config, dtype="float32", layers=None):
-        super().__init__()
-        layers = layers or DenseLayers(config, dtype)
-        C = config.n_embd
-        self.c_fc = layers.column(C, 4 * C)
-        self.c_proj = layers.row(4 * C, C)
-        self.dropout = Dropout(config.dropout)
-
-    def forward(self, x):                                          # (B, T, C)
-        h = F.gelu(self.c_fc(x))                                   # (B, T, 4C)
-        return self.dropout(self.c_proj(h))                        # (B, T, C)
-
-
-class Block(Module):
-    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Block `layer`'s mlp
-    is a Mixture of Experts (minidist/nn/moe.py) where config.is_moe(layer)."""
-
-    def __init__(self, config, dtype="float32", layer=0, layers=None):
-        super().__init__()
-        layers = layers or DenseLayers(config, dtype)
-        self.ln_1 = layers.norm()
-        self.attn = CausalSelfAttention(config, dtype, layers)
-        self.ln_2 = layers.norm()
-        # a Mixture of Experts keeps whole experts under tensor parallelism too (each tp rank
-        # routes and runs the same tokens; minidist/ep/ shards them over ranks)
-        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
-            MLP(config, dtype, layers)
-
-    def forward(self, x):                                          # (B, T, C)
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))                          # (B, T, C)
-
-    def with_router_loss(self, x):
-        """(forward(x), the MoE's router loss of that forward): an MoE block's two outputs
-        for activation checkpointing (GPT.run_block)."""
-        return self(x), self.mlp.router_loss()
+DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
 
 
 class BlockHooks:
@@ -155,7 +82,7 @@ class GPT(Module):
 
     def dropout_stream(self, seed):
         """The one generator every Dropout draws from."""
-        return backend.rng([seed, _DROPOUT_STREAM])
+        return backend.rng([seed, DROPOUT_STREAM])
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)
@@ -318,32 +245,19 @@ class GPT(Module):
         n_matmul += n_moe * (c.n_embd * c.moe_experts + (c.moe_top_k - 1) * 8 * c.n_embd ** 2)
         return 6 * n_matmul + 12 * c.n_layer * T * c.n_embd
 
-    # ---- sampling --------------------------------------------------------------------------
+    # ---- sampling (minidist/nn/sampling.py) ----------------------------------------------
     def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
         """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n).
+        Deterministic (`seed`), temperature 0 greedy, in eval mode: sampling.generate."""
+        return generate(self, idx, n, temperature, top_k, seed)
 
-        Deterministic: draws come from `backend.rng(seed)`. temperature 0 means greedy.
-        Runs in eval mode (no dropout) and restores the previous mode.
-        """
-        rng, was_training = backend.rng(seed), self.training
-        idx = np.array(backend.to_host(idx), dtype=np.int64)
-        self.eval()
-        try:
-            with no_grad():
-                for _ in range(n):
-                    ctx = idx[:, -self.config.block_size:]            # (B, <=block_size)
-                    nxt = self._next_token(ctx, temperature, top_k, rng)  # (B,)
-                    idx = np.concatenate([idx, nxt[:, None]], axis=1)  # (B, T + 1)
-        finally:
-            self.train(was_training)
-        return idx
-
-    def _next_token(self, ctx, temperature, top_k, rng):
-        """One sampled token per row of ctx (B, T), as a host int64 array (B,). The pipeline
-        stage overrides this (forward through every stage, sample on the last)."""
+    def next_token(self, ctx, temperature, top_k, rng):
+        """One sampled token per row of ctx (B, T), as a host int64 array (B,): generate's
+        step. The pipeline stage overrides this (forward through every stage, sample on the
+        last)."""
         x = self.run_blocks(self.embed(ctx))                           # (B, T, C)
         logits, _ = self.head(x[:, -1:, :])                            # (B, 1, V)
-        return _sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
+        return sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
 
     # ---- GPT-2 checkpoints (minidist/nn/pretrained.py) --------------------------------------
     def save_pretrained(self, directory, dtype="float32"):
@@ -386,17 +300,3 @@ def moe_loss(router_losses):
         total = total + loss
     return total
 
-
-def _sample(logits, temperature, top_k, rng):
-    """One token per row of logits (B, V), on the host in float64 for reproducibility."""
-    logits = logits.astype(np.float64)
-    if temperature == 0:
-        return logits.argmax(axis=-1)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = np.sort(logits, axis=-1)[:, -top_k][:, None]            # (B, 1)
-        logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    u = rng.random((probs.shape[0], 1))                              # (B, 1)
-    return np.minimum((probs.cumsum(axis=-1) < u).sum(axis=-1), probs.shape[-1] - 1)

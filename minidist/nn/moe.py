@@ -1,6 +1,6 @@
 """Mixture of Experts: E expert MLPs behind a learned router (Switch Transformer, GShard).
 
-Dimensions as in gpt.py (B, T, C), plus N = B T tokens, E experts, k experts per token,
+Dimensions as in block.py (B, T, C), plus N = B T tokens, E experts, k experts per token,
 M kept (token, expert) assignments.
 
     x (B, T, C) -> (N, C) -> router: logits = x W_r (N, E), probs = softmax(logits)
@@ -8,7 +8,7 @@ M kept (token, expert) assignments.
     capacity:  each expert takes at most cap = ceil(f k T / E) tokens of each sequence
                (f = moe_capacity_factor; 0: no limit); past it an assignment is dropped, in
                GShard's priority order: every token's slot-0 choice in token order, then slot 1
-    experts:   expert e runs its MLP (GPT-2's, gpt.py's MLP) on its tokens, in token order
+    experts:   expert e runs its MLP (GPT-2's, block.py's MLP) on its tokens, in token order
     combine:   out_n = sum over token n's kept assignments e of probs[n, e] * expert_e(x_n)
                (a dropped assignment adds 0; the block's residual carries the token on)
     dropout:   (training, config.dropout > 0) the experts' output rows, before the combine,
@@ -138,7 +138,7 @@ def router_z_loss(logits):
 # ---- the layer ------------------------------------------------------------------------------
 
 class MoE(Module):
-    """E experts (`make_expert(config, dtype)`, gpt.py's MLP, built without dropout) behind a
+    """E experts (`make_expert(config, dtype)`, block.py's MLP, built without dropout) behind a
     router; the MLP of a MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc /
     c_proj (e global). `dropout`: the experts' (expert_dropout), its rng set by GPT."""
     exchange = None     # expert parallelism's ExpertExchange (minidist/ep/exchange.py), or None

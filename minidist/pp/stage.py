@@ -26,9 +26,11 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
-from minidist.nn.gpt import GPT, Block, _DROPOUT_STREAM, _sample, moe_loss
+from minidist.nn.block import Block
+from minidist.nn.gpt import DROPOUT_STREAM, GPT, moe_loss
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import ModuleDict, ModuleList
+from minidist.nn.sampling import sample
 from minidist.pp.link import StageLink
 from minidist.tp.region import SEQ_AXIS
 from minidist.tp.layers import ShardRNG
@@ -72,7 +74,7 @@ class PipelineStage:
 
     def dropout_stream(self, seed):
         """A dropout stream per stage (masks therefore differ from one process's)."""
-        return backend.rng([seed, _DROPOUT_STREAM, self.link.stage])
+        return backend.rng([seed, DROPOUT_STREAM, self.link.stage])
 
     def begin(self, T):
         """Called once per forward of the whole batch on every stage (TP: sequence parallel?)."""
@@ -163,13 +165,13 @@ class PipelineStage:
             return self.head(x[:, -1:, :])[0]                      # logits (B, 1, V)
         return self.head(x, targets)[1]
 
-    def _next_token(self, ctx, temperature, top_k, rng):
+    def next_token(self, ctx, temperature, top_k, rng):
         """GPT.generate's step over the pipeline: the forward runs through every stage, the
         last stage samples and broadcasts the token to all. Every stage calls generate."""
         logits = self._pipe_forward(ctx, None, last_position=True)
         nxt = np.zeros(len(ctx), dtype=np.int64)
         if self.last:
-            nxt[:] = _sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
+            nxt[:] = sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
         self.link.group.broadcast(nxt, root=self.link.n_stages - 1)
         return nxt
 

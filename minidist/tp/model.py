@@ -11,9 +11,10 @@ f = identity forward / all-reduce backward, g = all-reduce forward / identity ba
 The embedding is split by vocabulary (g after the lookup) and the tied output layer uses the
 same shard (f before it), feeding a vocabulary-parallel cross-entropy.
 
-The modules are GPT's own (minidist/nn/gpt.py), built by GPT.__init__ with the parallel
-layers as the factory (TensorParallelLayers): Block, CausalSelfAttention and MLP are GPT's
-classes, GPT's run_blocks and generate run unchanged, so the parallel model runs the same code.
+The modules are GPT's own (minidist/nn/gpt.py, its blocks minidist/nn/block.py), built by
+GPT.__init__ with the parallel layers as the factory (TensorParallelLayers): Block,
+CausalSelfAttention and MLP are GPT's classes, GPT's run_blocks and generate run unchanged, so
+the parallel model runs the same code.
 Parameter names are GPT-2's: each rank's shard keeps the full name, and `Split` (on
 `p.tp_split`) glues the shards back into the full tensor. Initialisation cuts each rank's shard
 out of `gpt_init`'s full arrays (one parameter at a time), so a TP run starts from the
@@ -24,7 +25,8 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.config import gpt_init
-from minidist.nn.gpt import GPT, CausalSelfAttention
+from minidist.nn.block import CausalSelfAttention
+from minidist.nn.gpt import GPT
 from minidist.nn.layers import DenseLayers
 from minidist.autograd import is_grad_enabled, ops
 from minidist.nn.moe import MoE

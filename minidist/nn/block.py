@@ -1,0 +1,90 @@
+"""GPT-2's transformer block, read bottom-up: attention -> MLP -> Block (pre-LN, tanh GELU).
+
+Dimensions, named once (the model built from these blocks, minidist/nn/gpt.py, uses them too):
+    B batch (sequences), T time (tokens per sequence, <= block_size), C n_embd,
+    nh n_head, hs = C // nh head size, V vocab_size, L n_layer.
+
+Each layer takes a `layers` factory that makes its linear layers and norms: DenseLayers
+(minidist/nn/layers.py) by default, tensor parallelism's split ones (minidist/tp/model.py)
+otherwise, so one class serves both. The parameter names are GPT-2's (`attn.c_attn`,
+`mlp.c_fc`, ...): GPT puts block i at `transformer.h.i`.
+Tests: tests/test_gpt.py.
+"""
+from minidist.autograd import fused as F
+from minidist.autograd.flash import tiled_self_attention
+from minidist.nn.config import TILED_FROM_T
+from minidist.nn.layers import DenseLayers, Dropout
+from minidist.nn.module import Module
+from minidist.nn.moe import MoE
+
+
+class CausalSelfAttention(Module):
+    context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
+
+    def __init__(self, config, dtype="float32", layers=None):
+        super().__init__()
+        layers = layers or DenseLayers(config, dtype)
+        C = config.n_embd
+        self.c_attn = layers.column(C, 3 * C, blocks=3)
+        self.c_proj = layers.row(C, C)
+        self.attn_dropout = Dropout(config.dropout)
+        self.resid_dropout = Dropout(config.dropout)
+        self.n_head = layers.heads
+        self.attention, self.attention_block = config.attention, config.attention_block
+
+    def uses_tiled(self, T):
+        """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
+        if self.attention == "auto":           # the tiled path has no attention dropout
+            return T >= TILED_FROM_T and self.attn_dropout.p == 0
+        return self.attention == "tiled"       # GPTConfig refuses tiled with dropout
+
+    def forward(self, x):                                          # (B, T, C)
+        qkv = self.c_attn(x)                                       # (B, T, 3C)
+        if self.context is not None and self.context.active:       # --cp: ring attention
+            y = self.context.self_attention(qkv, self.n_head)      # (B, T/cp, C)
+        elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
+            y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
+        else:
+            p = self.attn_dropout.p if self.training else 0.0      # on attention weights
+            y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)
+        return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
+
+
+class MLP(Module):
+
+    def __init__(self, config, dtype="float32", layers=None):
+        super().__init__()
+        layers = layers or DenseLayers(config, dtype)
+        C = config.n_embd
+        self.c_fc = layers.column(C, 4 * C)
+        self.c_proj = layers.row(4 * C, C)
+        self.dropout = Dropout(config.dropout)
+
+    def forward(self, x):                                          # (B, T, C)
+        h = F.gelu(self.c_fc(x))                                   # (B, T, 4C)
+        return self.dropout(self.c_proj(h))                        # (B, T, C)
+
+
+class Block(Module):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Block `layer`'s mlp
+    is a Mixture of Experts (minidist/nn/moe.py) where config.is_moe(layer)."""
+
+    def __init__(self, config, dtype="float32", layer=0, layers=None):
+        super().__init__()
+        layers = layers or DenseLayers(config, dtype)
+        self.ln_1 = layers.norm()
+        self.attn = CausalSelfAttention(config, dtype, layers)
+        self.ln_2 = layers.norm()
+        # a Mixture of Experts keeps whole experts under tensor parallelism too (each tp rank
+        # routes and runs the same tokens; minidist/ep/ shards them over ranks)
+        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
+            MLP(config, dtype, layers)
+
+    def forward(self, x):                                          # (B, T, C)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))                          # (B, T, C)
+
+    def with_router_loss(self, x):
+        """(forward(x), the MoE's router loss of that forward): an MoE block's two outputs
+        for activation checkpointing (GPT.run_block, minidist/nn/gpt.py)."""
+        return self(x), self.mlp.router_loss()
