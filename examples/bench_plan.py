@@ -11,7 +11,7 @@ batch 16) for --steps steps under mpiexec, --repeats times; of the steps after e
 only ever slow a step down; the calibration takes best-of figures likewise), and the median
 and slowest are reported beside it, so the noise is shown, not hidden. The prediction is
 minidist/train/cost.py's step_time with the calibrated "here" cluster for that rank count
-(minidist/train/search.py: cluster_from_calibration).
+(minidist/train/cluster.py: cluster_from_calibration).
 
 --reference: the other jobs on a shared machine change its speed minute by minute, so just
 before each run of a case its N ranks' compute is measured as N independent processes (1
@@ -41,10 +41,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from minidist.nn import GPT, GPTConfig                                # noqa: E402
+from minidist.train.cluster import cluster_from_calibration           # noqa: E402
 from minidist.train.cost import forward_flops, step_time              # noqa: E402
 from minidist.train.moe_cost import expert_rows                       # noqa: E402
 from minidist.train.planner import Layout                             # noqa: E402
-from minidist.train.search import cluster_from_calibration            # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # calibrate_here.py's
 BATCH = 16

@@ -15,7 +15,7 @@
    rate in its fastest step (cost.py's count, the optimizer's time taken out) / peak.
 4. Optimizer: seconds per parameter of grad-norm clipping + AdamW (what train_gpt.py runs),
    timed here on that model.
-5. Elementwise work TP repeats without SP (cost.py's Elementwise): forward and backward of a
+5. Elementwise work TP repeats without SP (cluster.py's Elementwise): forward and backward of a
    block's two layer norms, two bias adds and two residual adds, of the embedding's token +
    position add, and of ln_f, through minidist's autograd on the validation model's (16, 128,
    256) float32 activation, one process, one thread; best of 10, seconds per activation byte.

@@ -23,10 +23,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minidist.train.cost import H100_IB                                  # noqa: E402
+from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
 from minidist.train.planner import GiB, Layout, add_model_args, config_from_args  # noqa: E402
-from minidist.train.search import (cluster_from_calibration, evaluate,  # noqa: E402
-                                   search, with_links)
+from minidist.train.search import evaluate, search                    # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

@@ -154,8 +154,8 @@ def test_cli_json():
 
 from minidist.train.comm_cost import (Link, collective_time, hier_all_reduce_time,  # noqa: E402
                                       ring_time, span)
-from minidist.train.cost import (Cluster, Elementwise, bubble_time, exposed,  # noqa: E402
-                                 hbm_elementwise, layer_flops, step_time)
+from minidist.train.cluster import Cluster, Elementwise, hbm_elementwise  # noqa: E402
+from minidist.train.cost import bubble_time, exposed, layer_flops, step_time  # noqa: E402
 
 TOY = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=2, vocab_size=8)
 UNIT = Cluster("toy", gpus_per_node=8, mem_gib=1, peak_tflops=1e-12, efficiency=1.0,
@@ -302,7 +302,7 @@ def test_tiled_attention_and_cp_in_the_memory_model():
 def test_here_cluster_reads_the_calibration(tmp_path):
     """cluster_from_calibration: the link fit and the sync of the rank count nearest the
     asked one, the elementwise seconds as measured, ranks sharing the cores."""
-    from minidist.train.search import cluster_from_calibration
+    from minidist.train.cluster import cluster_from_calibration
     link = {"alpha": 1e-5, "bw": 1e9, "gamma": 0.0}
     cal = {"cores": 2, "mem_gib": 4.0, "peak_tflops": 0.1, "efficiency": 0.5, "overlap": 0.0,
            "opt_s_per_param": 1e-9, "links": {"2": link, "4": dict(link, alpha=7e-5)},

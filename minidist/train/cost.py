@@ -1,4 +1,5 @@
 """The step-time model: how fast one layout trains on one cluster (the planner says if it fits).
+The cluster (`Cluster`: peak, efficiency, links, ...; the presets) is minidist/train/cluster.py.
 
 Compute. Forward FLOPs per micro-batch of b sequences of s tokens (Megatron's count, Narayanan
 et al. 2021, appendix): 24 b s h^2 per layer in the matmuls, 4 b s^2 h in attention (q k^T and
@@ -38,78 +39,13 @@ ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, 
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
 """
 import math
-from dataclasses import astuple, dataclass, field
 
 from minidist.pp.schedule import bubble_fraction
-from minidist.train.comm_cost import Link, collective_time, p2p_link, p2p_time, span
+from minidist.train.comm_cost import collective_time, p2p_link, p2p_time, span
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
                                      stage_moe_blocks)
 from minidist.train.planner import STATE_BYTES, stage_params
-
-
-@dataclass(frozen=True)
-class Elementwise:
-    """Seconds per byte of one activation (b s h e bytes) of the elementwise work a TP rank
-    repeats without SP, forward (_f) and backward (_b): `layer` one block's (ln_1, ln_2, the two
-    row-parallel bias adds, the two residual adds), `embed` the token + position add, `head`
-    ln_f. Measured by examples/calibrate_here.py; `hbm_elementwise` for a GPU."""
-    layer_f: float = 0.0
-    layer_b: float = 0.0
-    embed_f: float = 0.0
-    embed_b: float = 0.0
-    head_f: float = 0.0
-    head_b: float = 0.0
-
-    def scaled(self, k):
-        return Elementwise(*(k * v for v in astuple(self)))
-
-
-def hbm_elementwise(bw):
-    """Elementwise at `bw` bytes/s of memory bandwidth, each op reading and writing its
-    activations once (unfused, as minidist runs them; statistics and (C,) vectors ignored),
-    in activation-sized passes: layer norm forward 2 (read x, write y), backward 3 (x, dy,
-    dx); bias add forward 2, backward 1 (sum dy); residual add forward 3, backward 3 (the two
-    gradients summed). A block: 2 norms + 2 bias adds + 2 adds = 14 forward, 14 backward; the
-    embedding add 3 forward, 1 backward (the position gradient); ln_f 2 and 3."""
-    return Elementwise(14 / bw, 14 / bw, 3 / bw, 1 / bw, 2 / bw, 3 / bw)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """GPUs (or ranks) in nodes, their compute and their links. peak_tflops: dense 16-bit
-    (amp) peak; peak_tflops_fp32 for float32 (None: the same); gamma: seconds per byte of a
-    collective's local reduction; opt_s_per_param: the optimizer's time per parameter it
-    updates; overlap: fraction of a window communication can hide in (1: all of it);
-    compute_slots: ranks per node that compute at full speed at once (None: all);
-    replicated: the elementwise work TP without SP repeats (Elementwise); sync_s: seconds a
-    blocking TP/CP collective waits beyond its alpha-beta time (the ranks' arrival)."""
-    name: str
-    gpus_per_node: int
-    mem_gib: float
-    peak_tflops: float
-    efficiency: float
-    intra: Link
-    inter: Link
-    peak_tflops_fp32: float = None
-    gamma: float = 0.0
-    opt_s_per_param: float = 0.0
-    overlap: float = 1.0
-    compute_slots: int = None
-    replicated: Elementwise = Elementwise()
-    sync_s: float = 0.0
-    notes: dict = field(default_factory=dict, compare=False)
-
-
-# H100 SXM (DGX/HGX H100): 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 450
-# GB/s per direction per GPU; one 400 Gb/s (50 GB/s) NDR InfiniBand NIC per GPU. Latencies,
-# the efficiency and the sync are assumptions (typical published figures: ~3 us NVLink, ~5 us
-# IB, 40-50% MFU; 5 us per blocking collective for a kernel launch and the ranks' skew); the
-# elementwise work runs at the full HBM bandwidth (a lower bound: no kernel reaches it).
-H100_IB = Cluster("h100-sxm-ib400", gpus_per_node=8, mem_gib=80.0, peak_tflops=989.0,
-                  peak_tflops_fp32=67.0, efficiency=0.45, intra=Link(3e-6, 450e9),
-                  inter=Link(5e-6, 50e9), opt_s_per_param=32 / 3.35e12,
-                  replicated=hbm_elementwise(3.35e12), sync_s=5e-6)
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------

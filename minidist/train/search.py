@@ -13,11 +13,9 @@ expert count (expert parallelism carved out of dp), and only what minidist's MoE
 step-time model refuses the rest, moe_cost.py): no cp, no sequence parallelism (TP without
 SP).
 """
-import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
-from minidist.train.comm_cost import Link
-from minidist.train.cost import Cluster, Elementwise, step_time
+from minidist.train.cost import step_time
 from minidist.train.planner import GiB, Layout, bill
 
 
@@ -93,34 +91,3 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                         rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
                                              schedule, comm, headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
-
-
-def cluster_from_calibration(path, ranks=None):
-    """The measured machine (examples/calibrate_here.py writes the file): one node of
-    `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
-    bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
-    slow messages too, so each count has its own fit), and the sync of a blocking collective
-    likewise; the elementwise work TP repeats, timed in one process."""
-    with open(path) as f:
-        cal = json.load(f)
-    ranks = ranks or cal["cores"]
-
-    def nearest(fits):
-        return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
-    fit = nearest(cal["links"])
-    return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
-                   mem_gib=cal["mem_gib"], peak_tflops=cal["peak_tflops"],
-                   efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
-                   inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
-                   opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
-                   compute_slots=cal["cores"], replicated=Elementwise(**cal["replicated"]),
-                   sync_s=nearest(cal["sync"])["sync_s"], notes={"calibration": path})
-
-
-def with_links(cluster, intra=None, inter=None, **changes):
-    """`cluster` with its links' alpha/bw replaced where given (CLI overrides)."""
-    if intra:
-        changes["intra"] = Link(intra[0] or cluster.intra.alpha, intra[1] or cluster.intra.bw)
-    if inter:
-        changes["inter"] = Link(inter[0] or cluster.inter.alpha, inter[1] or cluster.inter.bw)
-    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,108 @@
+"""The machine the step-time model (minidist/train/cost.py) prices a layout on: `Cluster`
+(nodes of GPUs or ranks, their peak FLOP/s and the efficiency reached, the intra- and
+inter-node links of minidist/train/comm_cost.py, the optimizer's time per parameter, how much
+communication hides under compute), `Elementwise` (the elementwise work tensor parallelism
+repeats without sequence parallelism, seconds per activation byte); the preset `H100_IB`,
+this machine measured (`cluster_from_calibration`, from the file examples/calibrate_here.py
+writes) and the command line's changes to either (`with_links`; examples/plan.py).
+Tests: tests/test_planner.py.
+"""
+import json
+from dataclasses import astuple, dataclass, field, replace
+
+from minidist.train.comm_cost import Link
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """Seconds per byte of one activation (b s h e bytes) of the elementwise work a TP rank
+    repeats without SP, forward (_f) and backward (_b): `layer` one block's (ln_1, ln_2, the two
+    row-parallel bias adds, the two residual adds), `embed` the token + position add, `head`
+    ln_f. Measured by examples/calibrate_here.py; `hbm_elementwise` for a GPU."""
+    layer_f: float = 0.0
+    layer_b: float = 0.0
+    embed_f: float = 0.0
+    embed_b: float = 0.0
+    head_f: float = 0.0
+    head_b: float = 0.0
+
+    def scaled(self, k):
+        return Elementwise(*(k * v for v in astuple(self)))
+
+
+def hbm_elementwise(bw):
+    """Elementwise at `bw` bytes/s of memory bandwidth, each op reading and writing its
+    activations once (unfused, as minidist runs them; statistics and (C,) vectors ignored),
+    in activation-sized passes: layer norm forward 2 (read x, write y), backward 3 (x, dy,
+    dx); bias add forward 2, backward 1 (sum dy); residual add forward 3, backward 3 (the two
+    gradients summed). A block: 2 norms + 2 bias adds + 2 adds = 14 forward, 14 backward; the
+    embedding add 3 forward, 1 backward (the position gradient); ln_f 2 and 3."""
+    return Elementwise(14 / bw, 14 / bw, 3 / bw, 1 / bw, 2 / bw, 3 / bw)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs (or ranks) in nodes, their compute and their links. peak_tflops: dense 16-bit
+    (amp) peak; peak_tflops_fp32 for float32 (None: the same); gamma: seconds per byte of a
+    collective's local reduction; opt_s_per_param: the optimizer's time per parameter it
+    updates; overlap: fraction of a window communication can hide in (1: all of it);
+    compute_slots: ranks per node that compute at full speed at once (None: all);
+    replicated: the elementwise work TP without SP repeats (Elementwise); sync_s: seconds a
+    blocking TP/CP collective waits beyond its alpha-beta time (the ranks' arrival)."""
+    name: str
+    gpus_per_node: int
+    mem_gib: float
+    peak_tflops: float
+    efficiency: float
+    intra: Link
+    inter: Link
+    peak_tflops_fp32: float = None
+    gamma: float = 0.0
+    opt_s_per_param: float = 0.0
+    overlap: float = 1.0
+    compute_slots: int = None
+    replicated: Elementwise = Elementwise()
+    sync_s: float = 0.0
+    notes: dict = field(default_factory=dict, compare=False)
+
+
+# H100 SXM (DGX/HGX H100): 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s; NVLink 4 at 450
+# GB/s per direction per GPU; one 400 Gb/s (50 GB/s) NDR InfiniBand NIC per GPU. Latencies,
+# the efficiency and the sync are assumptions (typical published figures: ~3 us NVLink, ~5 us
+# IB, 40-50% MFU; 5 us per blocking collective for a kernel launch and the ranks' skew); the
+# elementwise work runs at the full HBM bandwidth (a lower bound: no kernel reaches it).
+H100_IB = Cluster("h100-sxm-ib400", gpus_per_node=8, mem_gib=80.0, peak_tflops=989.0,
+                  peak_tflops_fp32=67.0, efficiency=0.45, intra=Link(3e-6, 450e9),
+                  inter=Link(5e-6, 50e9), opt_s_per_param=32 / 3.35e12,
+                  replicated=hbm_elementwise(3.35e12), sync_s=5e-6)
+
+
+def cluster_from_calibration(path, ranks=None):
+    """The measured machine (examples/calibrate_here.py writes the file): one node of
+    `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
+    bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
+    slow messages too, so each count has its own fit), and the sync of a blocking collective
+    likewise; the elementwise work TP repeats, timed in one process."""
+    with open(path) as f:
+        cal = json.load(f)
+    ranks = ranks or cal["cores"]
+
+    def nearest(fits):
+        return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
+    fit = nearest(cal["links"])
+    return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
+                   mem_gib=cal["mem_gib"], peak_tflops=cal["peak_tflops"],
+                   efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
+                   inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
+                   opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
+                   compute_slots=cal["cores"], replicated=Elementwise(**cal["replicated"]),
+                   sync_s=nearest(cal["sync"])["sync_s"], notes={"calibration": path})
+
+
+def with_links(cluster, intra=None, inter=None, **changes):
+    """`cluster` with its links' alpha/bw replaced where given (CLI overrides)."""
+    if intra:
+        changes["intra"] = Link(intra[0] or cluster.intra.alpha, intra[1] or cluster.intra.bw)
+    if inter:
+        changes["inter"] = Link(inter[0] or cluster.inter.alpha, inter[1] or cluster.inter.bw)
+    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})
