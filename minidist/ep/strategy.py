@@ -27,7 +27,9 @@ strategy and this one its inner; the experts are not split by tp (every tp rank 
 runs the same experts on the same tokens).
 Checkpoints: one process's format, ZeRO's shards and every expert gathered
 (minidist/ep/checkpoint.py whole_state; under --tp, TensorParallel gathers its pieces around
-it), so a run resumes on any --ep, with or without ZeRO and TP, or on one process.
+it; under --pp, each stage's whole state is this one's, gathered over the stages by
+minidist/pp/checkpoint.py), so a run resumes on any --ep, with or without ZeRO, TP and PP,
+or on one process.
 With --zero k, `inner` is ZeRO-k over the dense group: the experts stay out of its flat
 shards (minidist/zero/flat.py skips `expert_parallel` parameters) and are ZeRO-1 over their
 replicas, edp (minidist/ep/optim.py: optimizer state 1/dp, gradients reduce-scattered,
@@ -39,9 +41,8 @@ ZeRO's step on an overflow under --amp.
 backward (GPT.run_block carries the router losses out of the checkpoint).
 --pp: inside each stage, this stage's experts over its ep group (PipelineParallel's inner);
 the clipping norm takes each stage's experts once over ep before the sum over stages.
-Refused: --cp, --save/--resume with --pp (the stages' checkpoint gather does not collect the
-experts; not built), --comm nccl (no NCCL all-to-all), --sequence-parallel (a sequence's
-tokens would be routed apart), E not a multiple of ep.
+Refused: --cp, --comm nccl (no NCCL all-to-all), --sequence-parallel (a sequence's tokens
+would be routed apart), E not a multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np
@@ -76,11 +77,8 @@ def ep_problems(args):
     problems = []
     if args.moe_experts % args.ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {args.ep}")
-    for flag, on in (("--save with --pp", args.save and args.pp > 1),    # the stages' files
-                     ("--resume with --pp", args.resume and args.pp > 1),    # miss experts
-                     ("--comm nccl", args.comm == "nccl")):  # no NCCL all-to-all
-        if on:
-            problems.append(f"{flag} does not combine with --ep (not built)")
+    if args.comm == "nccl":                                  # no NCCL all-to-all
+        problems.append("--comm nccl does not combine with --ep (not built)")
     return problems
 
 

@@ -96,12 +96,16 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
                                     "gpipe", "--ckpt-activations"],  # (a stage's dropout: its
                                                                      # own stream)
         "ep2xpp2+zero1": ["--pp", "2", "--micro-batches", "2", "--zero", "1"],
-        "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"]}
+        "ep2xpp2+zero2": ["--pp", "2", "--micro-batches", "2", "--zero", "2"],
+        "ep2xpp2+zero3": ["--pp", "2", "--micro-batches", "2", "--zero", "3"],
+        "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
+        "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
 AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
              "ep2+zero3+amp": ["--zero", "3", *AMP],
              "ep2xdp2+zero2+amp": ["--dp", "2", "--zero", "2", *AMP],
-             "ep2xtp2+zero1+amp": ["--tp", "2", "--zero", "1", *AMP]})
+             "ep2xtp2+zero1+amp": ["--tp", "2", "--zero", "1", *AMP],
+             "ep2xpp2+zero1+amp": ["--pp", "2", "--micro-batches", "2", "--zero", "1", *AMP]})
 for _name in list(RUNS):                 # each run also saves, resumes, and loads on one process
     RUNS[_name + "+ckpt"] = RUNS[_name]
 SEED = 7
@@ -138,11 +142,13 @@ def my_params(strategy, model, opt):
     return {**whole, **mine}, experts
 
 
-def expert_state(args, config, opt):
+def expert_state(args, config, opt, stage):
     """(this rank's expert parameters, the elements of their exp_avg it holds), the second
-    checked against the memory planner's ZeRO-1 over edp: ceil(unit / edp) per MoE block."""
-    dp = args.dp if args.dp is not None else MPI.COMM_WORLD.size // (args.ep * args.tp)
-    units = expert_units(config, Layout(dp=dp * args.ep, ep=args.ep, tp=args.tp), 0)
+    checked against the memory planner's ZeRO-1 over edp: ceil(unit / edp) per MoE block of
+    this rank's pipeline `stage`."""
+    dp = args.dp or MPI.COMM_WORLD.size // (args.ep * args.tp * args.pp)
+    layout = Layout(dp=dp * args.ep, ep=args.ep, tp=args.tp, pp=args.pp)
+    units = expert_units(config, layout, stage)
     held = sum(int(s["exp_avg"].size) for s in opt.experts.state.values())
     assert held == sum(-(-u // dp) for u in units), (held, units, dp)
     return sum(units), held
@@ -304,7 +310,8 @@ def run(name, ref_runs, comm, tol):
            "experts_here": experts, "compared": compared, "ref_params": len(ref),
            "losses": [float(v) for v in losses]}
     if args.zero and N > 1:        # the experts' AdamW state: 1/edp of them, as planned
-        row["expert_params"], row["expert_opt_state"] = expert_state(args, config, opt)
+        row["expert_params"], row["expert_opt_state"] = expert_state(args, config, opt,
+                                                                   stage)
     if name.endswith("+ckpt"):
         row["resume_diff"], row["one_process_diff"] = resume_diffs(args, config, comm)
         assert row["resume_diff"] == 0 and row["one_process_diff"] < tol, (name, row)
