@@ -2,17 +2,18 @@
 the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back by every stage.
 
     save   each stage's parameters and optimizer state as whole arrays (under ZeRO gathered
-           over dp first: the data-parallel strategy's whole_state; then over tp when the
+           over dp first: the data-parallel strategy's whole_state; under --ep the stage's
+           experts too, from every ep rank: minidist/ep/checkpoint.py; then over tp when the
            stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
            replica, merged in model order (the tied wte, on the first and last stage and
            equal, kept once) and written by world rank 0; each stage's dropout generator is
            kept too, so --resume continues every stage's own stream
     load   every rank reads the whole checkpoint and keeps its own parameters and optimizer
-           state (its tp shard of them; under ZeRO its dp shards: load_whole_state), so a
-           checkpoint from any pp x tp x dp (x ZeRO) layout resumes on any other, or on one
-           process
+           state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
+           inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
+           layout resumes on any other, or on one process
 Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
-tests/scripts/pp_check.py (--files).
+tests/scripts/pp_check.py (--files), tests/test_expert_parallel.py (ep x pp).
 """
 from minidist import backend
 from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params

@@ -6,6 +6,7 @@
     mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xtp2+zero3+ckpt,ep2xdp2+zero2+amp
     mpiexec -n 2 python tests/scripts/ep_check.py --runs ep1xpp2,ep2+recompute,ep2+drop
     mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xpp2   # MoE in pipeline stages
+    mpiexec -n 4 python tests/scripts/ep_check.py --runs ep2xpp2+zero3+ckpt   # ep x pp resume
 
 Every rank also trains the single-process reference (SingleProcess, all E experts, the whole
 global batch, no --ckpt-activations, no pipeline); each run builds its strategy from
