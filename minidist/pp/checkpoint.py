@@ -13,7 +13,7 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
            layout resumes on any other, or on one process
 Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
-tests/scripts/pp_check.py (--files), tests/test_expert_parallel.py (ep x pp).
+tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp).
 """
 from minidist import backend
 from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params
