@@ -97,7 +97,9 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
                                     "gpipe", "--ckpt-activations"],  # (a stage's dropout: its
                                                                      # own stream)
         "ep2xpp2+zero1": ["--pp", "2", "--micro-batches", "2", "--zero", "1"],
-        "ep2xpp2+zero2": ["--pp", "2", "--micro-batches", "2", "--zero", "2"],
+        "ep2xpp2+zbh1": ["--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1"],
+        "ep2xpp2+v2+zero2": ["--pp", "2", "--micro-batches", "2", "--pp-virtual", "2",
+                             "--n-layer", "4", "--zero", "2"],
         "ep2xpp2+zero3": ["--pp", "2", "--micro-batches", "2", "--zero", "3"],
         "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
         "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
