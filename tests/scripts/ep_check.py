@@ -102,6 +102,7 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
                              "--n-layer", "4", "--zero", "2"],
         "ep2xpp2+zero3": ["--pp", "2", "--micro-batches", "2", "--zero", "3"],
         "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
+        "ep2xpp2xdp2+zero1": ["--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
         "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
 AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
