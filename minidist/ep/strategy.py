@@ -193,8 +193,8 @@ class ExpertParallel(ModelParallel):
         Collective."""
         params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
-            meta = checkpoint.make_meta(model.config, _dtype(model), optimizer, step,
-                                        rng_states, extra)
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model), optimizer,
+                                        step, rng_states, extra)
             meta["optimizer"] = self.optimizer_type(optimizer)     # one process's name
             checkpoint.save(directory, params, opt_sd, meta)
         self.mesh.world.barrier()                           # nobody reads it half-written
@@ -203,8 +203,8 @@ class ExpertParallel(ModelParallel):
         """Every rank reads the whole checkpoint and keeps its own experts (and, under ZeRO,
         its shards of the rest). Returns meta."""
         params, opt_sd, meta = checkpoint.load(directory)
-        checkpoint.check_fits(meta["folder"], meta, model.config, _dtype(model),
-                              self.optimizer_type(optimizer))
+        checkpoint.check_fits(meta["folder"], meta, model.config,
+                              checkpoint.model_dtype(model), self.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
             self.load_whole_state(model, optimizer, params, opt_sd)
         return meta
@@ -242,8 +242,3 @@ class ExpertParallel(ModelParallel):
     def finish(self, args, log):
         log.print0(self.summary())
         self.inner.finish(args, log)
-
-
-def _dtype(model):
-    """The parameters' dtype (under ZeRO-3 the dense ones are placeholders of it)."""
-    return next(p.dtype for p in model.parameters())

@@ -54,7 +54,7 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
         if pp.rank == 0:            # each stage's own dropout stream, for --resume
             rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
             params, opt_sd = merge_stages(parts)
-            meta = checkpoint.make_meta(model.config, params[next(iter(params))].dtype,
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
                                         optimizer, step, rng_states, extra)
             meta["optimizer"] = strategy.inner.optimizer_type(optimizer)   # ZeRO: AdamW
             checkpoint.save(directory, params, opt_sd, meta)
@@ -66,7 +66,7 @@ def load(strategy, directory, model, optimizer):
     returns the checkpoint's meta with "rng"/"dropout" this stage's own generator."""
     params, opt_sd, meta = checkpoint.load(directory)
     folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
-    checkpoint.check_fits(folder, meta, model.config, _dtype(model),
+    checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
                           strategy.inner.optimizer_type(optimizer))
     opt_sd = {"groups": opt_sd["groups"],        # other stages' parameters left out
               "state": {n: s for n, s in opt_sd["state"].items()
@@ -83,8 +83,3 @@ def load(strategy, directory, model, optimizer):
     if by_stage and len(by_stage) == strategy.group.size:   # the loop restores "dropout"
         meta["rng"]["dropout"] = by_stage[strategy.group.rank]
     return meta
-
-
-def _dtype(model):
-    """The stage's parameter dtype (under ZeRO-3 its parameters are placeholders of it)."""
-    return next(p.dtype for _, p in model.named_parameters())

@@ -209,7 +209,9 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------
 
 def model_dtype(model):
-    return next(iter(model.state_dict().values())).dtype
+    """The parameters' dtype, read off the parameters themselves: no state_dict (a tensor-
+    parallel model's is collective), and under ZeRO-3 the freed ones are placeholders of it."""
+    return next(p.dtype for p in model.parameters())
 
 
 def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):

@@ -138,8 +138,8 @@ class TensorParallel(ModelParallel):
                                 rng_states, extra, part=self._part(), world=self.mesh.world)
         params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
-            meta = checkpoint.make_meta(model.config, _dtype(self.model), optimizer, step,
-                                        rng_states, extra)
+            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
+                                        optimizer, step, rng_states, extra)
             meta["optimizer"] = self.inner.optimizer_type(optimizer)    # one process's name
             checkpoint.save(directory, params, opt_sd, meta)
         self.mesh.world.barrier()                                  # nobody reads it half-written
@@ -156,7 +156,8 @@ class TensorParallel(ModelParallel):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer,
                                 self.inner.group)
         params, opt_sd, meta = checkpoint.load(directory)
-        checkpoint.check_fits(meta["folder"], meta, model.config, _dtype(self.model),
+        checkpoint.check_fits(meta["folder"], meta, model.config,
+                              checkpoint.model_dtype(self.model),
                               self.inner.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
             self.inner.load_whole_state(self.model, optimizer,
@@ -177,8 +178,3 @@ class TensorParallel(ModelParallel):
         if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)
             log.print0(f"trace of every collective written to {args.trace}")
-
-
-def _dtype(model):
-    """The parameters' dtype (under ZeRO-3 placeholders of it)."""
-    return next(p.dtype for p in model.parameters())
