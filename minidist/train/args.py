@@ -39,7 +39,8 @@ def add_model_args(p):
 
 
 def add_moe_args(p):
-    """Mixture of Experts (minidist/nn/moe.py); without --moe-experts the model is dense."""
+    """Mixture of Experts (minidist/nn/moe.py); without --moe-experts the model is dense.
+    Returns the group (the planners, minidist/train/planner.py, add to it)."""
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--moe-experts", type=int, default=0, metavar="E",
                    help="each (--moe-every n-th) block's MLP becomes E experts behind a router")
@@ -52,6 +53,7 @@ def add_moe_args(p):
                    help="weight of the router z-loss")
     g.add_argument("--moe-every", type=int, default=1, metavar="N",
                    help="every N-th block is MoE (the others keep their MLP)")
+    return g
 
 
 def add_parallel_args(p):

@@ -52,6 +52,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
+from minidist.train.args import add_moe_args
 from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
@@ -307,22 +308,14 @@ def config_for_params(n_params, seq=2048, vocab_size=50257):
 def add_model_args(p):
     """The model flags of both planners (examples/plan.py, plan_memory.py): --params (a shape
     assumed by config_for_params) or the shape, --vocab-size, --seq, and the Mixture of
-    Experts with train_gpt.py's names and defaults (minidist/train/args.py)."""
+    Experts: train_gpt.py's own flags (minidist/train/args.py add_moe_args)."""
     p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    g = p.add_argument_group("Mixture of Experts (train_gpt.py's flags, minidist/nn/moe.py)")
-    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
-                   help="each (--moe-every n-th) block's MLP is E experts; 0: dense")
-    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
-    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
-                   help="an expert takes at most ceil(F K T / E) tokens of a sequence")
-    g.add_argument("--moe-every", type=int, default=1, metavar="N",
-                   help="every N-th block is MoE")
-    return g
+    return add_moe_args(p)
 
 
 def config_from_args(args):
