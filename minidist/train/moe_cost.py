@@ -105,32 +105,35 @@ def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
     return fwd, blocks * 2 * data + redo * fwd, n_fwd, 2 * blocks + redo * n_fwd
 
 
+def _own_experts(config, layout, stage):
+    """(block number, size) of each expert parameter tensor one rank of `stage` holds under
+    ep: the first E/ep experts' (every ep rank holds as many, of the same shapes)."""
+    L, pp, mine = config.n_layer, layout.pp, config.moe_experts // layout.ep
+    for name, (shape, _) in gpt_param_specs(config).items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and int(parts[2]) * pp // L == stage \
+                and int(parts[5]) < mine:
+            yield parts[2], math.prod(shape)
+
+
 def expert_tensors(config, layout, stage):
     """Sizes of the expert parameter tensors one rank of `stage` holds under ep > 1 (E/ep
     experts of each MoE block); [] without expert parallelism (DDP/ZeRO then treats the
     experts as any parameter)."""
     if layout.ep == 1:
         return []
-    L, pp, mine = config.n_layer, layout.pp, config.moe_experts // layout.ep
-    out = []
-    for name, (shape, _) in gpt_param_specs(config).items():
-        parts = name.split(".")
-        if ".mlp.experts." in name and int(parts[2]) * pp // L == stage \
-                and int(parts[5]) < mine:
-            out.append(math.prod(shape))
-    return out
+    return [size for _, size in _own_experts(config, layout, stage)]
 
 
 def expert_units(config, layout, stage):
     """Per MoE block of `stage`, the parameters of the E/ep experts one rank holds: the flat
     units of the experts' ZeRO over edp (minidist/ep/optim.py); [] without ep."""
+    if layout.ep == 1:
+        return []
     blocks = {}
-    for name, (shape, _) in gpt_param_specs(config).items():
-        parts = name.split(".")
-        if ".mlp.experts." in name and int(parts[2]) * layout.pp // config.n_layer == stage \
-                and int(parts[5]) < config.moe_experts // layout.ep:
-            blocks[parts[2]] = blocks.get(parts[2], 0) + math.prod(shape)
-    return list(blocks.values()) if layout.ep > 1 else []
+    for block, size in _own_experts(config, layout, stage):
+        blocks[block] = blocks.get(block, 0) + size
+    return list(blocks.values())
 
 
 def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_bytes=0):
