@@ -5,7 +5,7 @@ with a large float32 matmul's in the same process and thread count.
         --batch-size 16 --threads 1
 
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
-"flops_ratio", ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
+"flops_ratio", "loss" (the last timed step's), ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
 --amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
 --device cuda adds "kernels_per_step": the kernels one more step launches, counted by CUPTI
@@ -98,16 +98,18 @@ def main():
             clip_grad_norm(opt.params, 1.0)
         opt.step()
         opt.zero_grad()
+        return loss
 
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
-        one_step()
+        loss = one_step()
         backend.synchronize()
         step_s = time.perf_counter() - t
         mm_s = matmul_seconds(a)
         if i >= args.warmup:
             times.append(step_s)
             mm_times.append(mm_s)
+    last_loss = float(loss.item())           # after the timed steps: its host read is not timed
     dt = float(np.median(times))
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
@@ -121,7 +123,7 @@ def main():
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
                       "amp_dtype": amp.dtype.name if amp else None, "adamw": args.adamw,
-                      "vocab_padded": config.padded_vocab_size,
+                      "vocab_padded": config.padded_vocab_size, "loss": last_loss,
                       "ms_min": round(min(times) * 1e3, 2)}))
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU acceptance of issue 13, in one go, on a machine with a GPU and no network.
+# The GPU acceptance (issue 21, steps 1 and 4; first written for issue 13), in one go, on a
+# machine with a GPU and no network.
 # One JSON line per check on stdout and in $LOGS/results.jsonl (verdicts by
 # tests/scripts/acceptance.py); every command runs under `timeout`, its output in $LOGS.
 #
@@ -14,7 +15,8 @@
 # No MPI on the machine: put the mpich and mpi4py wheels in .whl/ (examples/GPU_NOTES.md says
 # how); a venv that sees the machine's CuPy is made from them here, once per run.
 # Environment: DEVICE (cuda), DRY (0), LOGS (acceptance-logs/<time>), LIMIT (seconds per
-# command, 1800), STEPS (200), MPI_STEPS (60), SUITE (pytest targets, default: all tests).
+# command, 1800), BUDGET (seconds in all: see tests/scripts/gpu_common.sh), STEPS (200),
+# MPI_STEPS (60), SUITE (pytest targets, default: all tests).
 set -u
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
@@ -29,41 +31,8 @@ else
     STEPS=${STEPS:-200}; MPI_STEPS=${MPI_STEPS:-60}
     MODEL=""
 fi
-mkdir -p "$LOGS"
-RESULTS="$LOGS/results.jsonl"
-: > "$RESULTS"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-# ---- environment: mpi4py + mpich from .whl/ when the machine has no MPI --------------------
-if ! python3 -c "import mpi4py" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
-    PYV=$(python3 -c "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')")
-    V=$(mktemp -d)/venv
-    python3 -m venv "$V" && echo "$SP" > "$V/lib/$PYV/site-packages/base.pth"
-    "$V/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl > "$LOGS/venv.log" 2>&1
-    export PATH="$V/bin:$PATH"
-fi
-PY=${PY:-$(command -v python3)}
-MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
-[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || echo mpiexec)
+. tests/scripts/gpu_common.sh
 TRAIN="examples/train_gpt.py $MODEL --sample 0 --eval-every 0"
-
-# run NAME KIND [extra verdict args] -- COMMAND...: time COMMAND under timeout, then the verdict
-run() {
-    local name=$1 kind=$2; shift 2
-    local extra=()
-    while [ "$1" != "--" ]; do extra+=("$1"); shift; done
-    shift
-    local log="$LOGS/$name.log" t0 rc
-    t0=$(date +%s.%N)
-    timeout -k 10 "$LIMIT" "$@" > "$log" 2>&1
-    rc=$?
-    local dt
-    dt=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" \
-        "$(date +%s.%N)")
-    "$PY" tests/scripts/acceptance.py "$kind" "$name" "$rc" "$dt" "$log" "${extra[@]}" \
-        | tee -a "$RESULTS"
-}
 
 # ---- 1. the gpu-marked tests, 2. the whole suite on the device -----------------------------
 # on the CPU (dry run) the gpu tests all skip: allowed there, a failure on a GPU

@@ -1,6 +1,7 @@
-"""tests/gpu_acceptance.sh without a GPU: its verdicts (tests/scripts/acceptance.py) on
-made-up outputs, and (slow) the whole script in its CPU dry mode, DEVICE=cpu DRY=1, where
-every check must pass: python -m pytest -m slow tests/test_gpu_acceptance.py
+"""tests/gpu_acceptance.sh and tests/gpu_speed.sh without a GPU: their verdicts
+(tests/scripts/acceptance.py) on made-up outputs, gpu_speed.sh in its CPU dry mode, and (slow)
+gpu_acceptance.sh in its CPU dry mode, DEVICE=cpu DRY=1, where every check must pass:
+python -m pytest -m slow tests/test_gpu_acceptance.py
 """
 import json
 import os
@@ -66,6 +67,65 @@ def test_json_verdict_takes_the_last_json_line(tmp_path):
     row = _verdict(tmp_path, "json", "j", 0, text)
     assert row["ok"] and row["max_param_diff"] == 1e-13
     assert not _verdict(tmp_path, "json", "j", 1, text)["ok"]
+
+
+def test_bench_verdict_wants_a_positive_rate_and_a_finite_loss(tmp_path):
+    ok = '{"tokens_per_s": 1000, "ms_per_step": 16.4, "loss": 10.9}\n'
+    assert _verdict(tmp_path, "bench", "b", 0, "warming up\n" + ok)["ok"]
+    assert _verdict(tmp_path, "bench", "b", 0, '{"tokens_per_s": 900}\n')["ok"]  # peer: no loss
+    nan = '{"tokens_per_s": 1000, "loss": NaN}\n'
+    assert not _verdict(tmp_path, "bench", "b", 0, nan)["ok"]
+    assert not _verdict(tmp_path, "bench", "b", 1, ok)["ok"]
+    assert not _verdict(tmp_path, "bench", "b", 0, "Traceback ...\n")["ok"]
+
+
+def _speed(tmp_path, rows):
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, SCRIPT, "speed", str(results)], capture_output=True,
+                         text=True)
+    return out.returncode, json.loads(out.stdout)
+
+
+def test_speed_table_divides_by_the_peer_and_checks_the_targets(tmp_path):
+    peer = {"check": "torch_eager_bf16", "ok": True, "tokens_per_s": 200000.0}
+    fast = {"check": "bf16_new", "ok": True, "tokens_per_s": 250000, "kernels_per_step": 1400}
+    busy = {"check": "bf16", "ok": True, "tokens_per_s": 100000, "kernels_per_step": 9000}
+    rc, out = _speed(tmp_path, [fast, busy, peer])
+    assert rc == 0 and out["ok"] and out["peer"] == "torch_eager_bf16"
+    assert out["runs"]["bf16_new"]["vs_torch_eager_bf16"] == 1.25
+    assert out["runs"]["bf16_new"]["meets_targets"] is True
+    assert out["runs"]["bf16"]["vs_torch_eager_bf16"] == 0.5
+    assert out["runs"]["bf16"]["meets_targets"] is False
+    crashed = {"check": "fp32", "ok": False, "rc": 1}
+    rc, out = _speed(tmp_path, [crashed, busy])                  # no peer, one crash
+    assert rc == 1 and out["failed"] == ["fp32"] and out["peer"] is None
+    assert out["runs"]["bf16"]["vs_torch_eager_bf16"] is None
+
+
+def _speed_script(tmp_path, **env):
+    env = dict(os.environ, DEVICE="cpu", DRY="1", LOGS=str(tmp_path), MINIDIST_THREADS="1",
+               TORCH_REF=str(tmp_path / "no_peer.py"), **env)
+    out = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu_speed.sh")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    return out.returncode, [json.loads(ln) for ln in out.stdout.splitlines()
+                            if ln.startswith("{")]
+
+
+def test_speed_script_dry_run_on_the_cpu(tmp_path):
+    """DEVICE=cpu DRY=1 bash tests/gpu_speed.sh: the five minidist runs, then the table."""
+    rc, rows = _speed_script(tmp_path)
+    names = ["fp32", "tf32", "bf16", "bf16_new", "bf16_new_tiled"]
+    assert rc == 0 and [r["check"] for r in rows] == names + ["speed"]
+    assert all(r["ok"] and r["loss"] > 0 and r["device"] == "cpu" for r in rows[:-1])
+    assert rows[-1]["ok"] and sorted(rows[-1]["runs"]) == sorted(names)
+
+
+def test_speed_script_keeps_inside_its_budget(tmp_path):
+    """BUDGET: a run that would start with less than 15 s left is recorded as skipped."""
+    rc, rows = _speed_script(tmp_path, BUDGET="0")
+    assert rc == 1 and all(r.get("skipped") == "BUDGET spent" for r in rows[:-1])
+    assert rows[-1]["check"] == "speed" and len(rows[-1]["failed"]) == 5
 
 
 @pytest.mark.slow

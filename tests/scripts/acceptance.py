@@ -8,7 +8,11 @@ way (the script goes on to the next check; `summary` exits 1 if any check failed
     acceptance.py curve NAME RC SECONDS LOG LOGJSON   --log-json rows: finite, decreasing
     acceptance.py val NAME RC SECONDS LOG DEV CPU TOL final val_loss within TOL of the CPU's
     acceptance.py json NAME RC SECONDS LOG            the last JSON line the command printed
+    acceptance.py bench NAME RC SECONDS LOG           a step benchmark's JSON line (bench_step.py
+                                                      or the PyTorch peer): ran, loss finite
     acceptance.py summary RESULTS                     one line: how many checks passed
+    acceptance.py speed RESULTS                       tests/gpu_speed.sh's table: each run's
+                                                      tokens/s over the peer's (PEER_RUN)
 
 Tested on the CPU by tests/test_gpu_acceptance.py.
 """
@@ -70,8 +74,47 @@ def last_json(text):
     return {}
 
 
+PEER_RUN = "torch_eager_bf16"          # issue 21's yardstick: PyTorch eager, bf16 autocast
+TARGET_RATIO, TARGET_KERNELS = 1.0, 1500
+
+
+def bench(text):
+    """A step benchmark's last JSON line; ok when it has a positive tokens/s and, if it says
+    its loss, a finite one (the first GPU run's fp32 step was fast and NaN)."""
+    out = last_json(text)
+    loss, tps = out.get("loss"), out.get("tokens_per_s")
+    out["ok"] = (isinstance(tps, (int, float)) and tps > 0
+                 and (loss is None or math.isfinite(loss)))
+    return out
+
+
+def speed(rows):
+    """The speed table: per benchmark run its tokens/s, ms/step, kernels/step, MFU and tokens/s
+    over PEER_RUN's (None without the peer); ok when every run gave a verdict of ok."""
+    runs = [r for r in rows if r.get("check") not in ("summary", "speed")]
+    peer = next((r.get("tokens_per_s") for r in runs if r["check"] == PEER_RUN and r["ok"]),
+                None)
+    table = {}
+    for r in runs:
+        tps = r.get("tokens_per_s") if r["ok"] else None
+        ratio = round(tps / peer, 3) if tps and peer else None
+        kernels = r.get("kernels_per_step")
+        table[r["check"]] = {
+            "tokens_per_s": tps, "ms_per_step": r.get("ms_per_step"), "mfu": r.get("mfu"),
+            "kernels_per_step": kernels, "vs_" + PEER_RUN: ratio,
+            "meets_targets": (None if ratio is None or kernels is None else
+                              ratio >= TARGET_RATIO and kernels <= TARGET_KERNELS)}
+    failed = [r["check"] for r in runs if not r["ok"]]
+    return {"check": "speed", "ok": bool(runs) and not failed, "failed": failed,
+            "peer": PEER_RUN if peer else None, "runs": table}
+
+
 def main(argv):
     kind = argv[0]
+    if kind == "speed":
+        out = speed([json.loads(line) for line in open(argv[1]) if line.strip()])
+        print(json.dumps(out))
+        return 0 if out["ok"] else 1
     if kind == "summary":
         rows = [json.loads(line) for line in open(argv[1]) if line.strip()]
         bad = [r["check"] for r in rows if not r.get("ok")]
@@ -96,9 +139,12 @@ def main(argv):
     elif kind == "json":
         out = last_json(text)
         out["ok"] = bool(out.get("ok")) and rc == 0
+    elif kind == "bench":
+        out = bench(text)
+        out["ok"] = out["ok"] and rc == 0
     else:
         raise SystemExit(f"acceptance.py: unknown kind {kind!r} (pytest, curve, val, json, "
-                         "summary)")
+                         "bench, summary, speed)")
     out.pop("check", None)
     row = {"check": name, "ok": out.pop("ok"), "rc": rc, "seconds": round(seconds, 1),
            "log": log, **out}

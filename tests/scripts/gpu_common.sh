@@ -1,0 +1,53 @@
+# Sourced by tests/gpu_acceptance.sh and tests/gpu_speed.sh (not run on its own): the Python
+# environment of a GPU machine with no MPI and no network, and `run`, which times one check
+# under `timeout` and hands its output to a verdict of tests/scripts/acceptance.py.
+#
+# Reads: LOGS (created), LIMIT (seconds per command), BUDGET (seconds for the whole script,
+# default none: a device call is cut at 10 minutes, so a script given BUDGET=560 finishes its
+# checks inside one call, each command's limit shortened to what is left, the rest recorded as
+# skipped). Sets: PY, MPIEXEC, RESULTS ($LOGS/results.jsonl, emptied), PYTHONPATH.
+mkdir -p "$LOGS"
+RESULTS="$LOGS/results.jsonl"
+: > "$RESULTS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+T_START=$(date +%s)
+
+# mpi4py + mpich from .whl/ when the machine has no MPI (examples/GPU_NOTES.md says how)
+if ! python3 -c "import mpi4py" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
+    PYV=$(python3 -c "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')")
+    V=$(mktemp -d)/venv
+    python3 -m venv "$V" && echo "$SP" > "$V/lib/$PYV/site-packages/base.pth"
+    "$V/bin/python" -m pip install -q --no-index --no-deps .whl/*.whl > "$LOGS/venv.log" 2>&1
+    export PATH="$V/bin:$PATH"
+fi
+PY=${PY:-$(command -v python3)}
+MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
+[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || echo mpiexec)
+
+# run NAME KIND [verdict args] -- COMMAND...: COMMAND under timeout, its output in
+# $LOGS/NAME.log, then one JSON verdict line on stdout and in $RESULTS
+run() {
+    local name=$1 kind=$2; shift 2
+    local extra=()
+    while [ "$1" != "--" ]; do extra+=("$1"); shift; done
+    shift
+    local log="$LOGS/$name.log" limit=$LIMIT t0 rc
+    if [ -n "${BUDGET:-}" ]; then
+        local left=$((BUDGET - ($(date +%s) - T_START)))
+        if [ "$left" -lt 15 ]; then
+            echo "{\"check\": \"$name\", \"ok\": false, \"skipped\": \"BUDGET spent\"}" \
+                | tee -a "$RESULTS"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    t0=$(date +%s.%N)
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1
+    rc=$?
+    local dt
+    dt=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" \
+        "$(date +%s.%N)")
+    "$PY" tests/scripts/acceptance.py "$kind" "$name" "$rc" "$dt" "$log" "${extra[@]}" \
+        | tee -a "$RESULTS"
+}
