@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from minidist import gemm
 from minidist.launcher import (available_cores, default_threads, local_rank_and_size,  # noqa
                                set_thread_env, world_size_from_env)
 
@@ -162,10 +163,21 @@ def matmul(a, b, out=None):
     on this repository's CPU. So on the CPU, float16 operands are multiplied in float32 and the
     product is rounded to float16 -- the numbers a GPU's float16 GEMM gives too (tensor cores
     multiply float16 and accumulate in float32), at float32 BLAS speed. CPU "float16" is thus
-    float16 storage with float32 matmuls. CuPy runs the real float16 GEMM.
+    float16 storage with float32 matmuls. CuPy runs the real float16 GEMM (batched: see
+    below).
     """
-    # CuPy 14's batched matmul rejects bfloat16 ("data type 'E' not understood", seen on an
-    # H100); its 2-D matmul takes it. Batched bfloat16 there: float32 product, rounded once.
+    # CuPy's batched matmul misses the tensor cores in float16 and float32-TF32 and rejects
+    # bfloat16 ("data type 'E' not understood", seen on an H100). With
+    # MINIDIST_CUDA_NEW_KERNELS=1 those products go to cuBLAS's strided-batched Ex GEMM
+    # (minidist/gemm.py: 16-bit in, float32 accumulate; proven on the CPU only).
+    compute = gemm.chosen(a, b) if is_cupy(a) and is_cupy(b) else None
+    if compute is not None:
+        prod = gemm.matmul(a, b, compute)
+        if out is None:
+            return prod
+        out[...] = prod
+        return out
+    # Otherwise batched bfloat16 on CuPy: float32 product, rounded once (correct, not fast).
     bf16_batched = is_cupy(a) and a.dtype.name == "bfloat16" and max(a.ndim, b.ndim) > 2
     if (is_half(a.dtype) and not is_cupy(a)) or bf16_batched:
         xp = xp_of(a)

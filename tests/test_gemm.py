@@ -28,48 +28,53 @@ def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape)
 
 
-def _qkv():
+def maker(xp=np, dtype=np.float64):
+    """rand(...) as an xp array of dtype: the cases build the same views on numpy and cupy."""
+    return lambda *shape, seed=0: xp.asarray(rand(*shape, seed=seed).astype(dtype))
+
+
+def _qkv(r):
     """q, k, v (2, 3, 7, 4) as GPT makes them: views into one (B, T, 3C) activation."""
-    return heads_view(rand(2, 7, 3 * 12, seed=3), 3)
+    return heads_view(r(2, 7, 3 * 12, seed=3), 3)
 
 
-def _attn():
-    q, k, v = (rand(2, 3, 7, 4, seed=s) for s in range(3))
-    return q, k, v, rand(2, 3, 7, 7, seed=4), rand(2, 3, 7, 4, seed=5)   # q k v P g
+def _attn(r):
+    q, k, v = (r(2, 3, 7, 4, seed=s) for s in range(3))
+    return q, k, v, r(2, 3, 7, 7, seed=4), r(2, 3, 7, 4, seed=5)   # q k v P g
 
 
 # name -> (a, b, the operands of `a` and `b` that must reach cuBLAS without a copy)
 CASES = {
-    "square": lambda: (rand(4, 5, 5), rand(4, 5, 5, seed=1), "ab"),
-    "non_square": lambda: (rand(3, 4, 6), rand(3, 6, 2, seed=1), "ab"),
-    "k_is_1": lambda: (rand(3, 4, 1), rand(3, 1, 5, seed=1), "ab"),
-    "n_is_1": lambda: (rand(3, 1, 6), rand(3, 6, 5, seed=1), "ab"),
-    "m_is_1": lambda: (rand(3, 4, 6), rand(3, 6, 1, seed=1), "ab"),
-    "one_by_one": lambda: (rand(2, 1, 1), rand(2, 1, 1, seed=1), "ab"),
-    "two_d": lambda: (rand(5, 3), rand(3, 4, seed=1), "ab"),
-    "five_d": lambda: (rand(2, 2, 2, 3, 4), rand(2, 2, 2, 4, 3, seed=1), "ab"),
-    "shared_weight": lambda: (rand(4, 3, 5), rand(5, 2, seed=1), "ab"),     # b: strideA 0
-    "shared_left": lambda: (rand(3, 5), rand(4, 5, 2, seed=1), "ab"),       # a: strideB 0
-    "broadcast_batch": lambda: (rand(2, 1, 4, 3), rand(5, 3, 2, seed=1), ""),
-    "broadcast_heads": lambda: (rand(2, 3, 4, 5), rand(1, 3, 5, 2, seed=1), "a"),  # (0, 10)
-    "scores_q_kT": lambda: (_attn()[0], _attn()[1].swapaxes(-1, -2), "ab"),
-    "y_P_v": lambda: (_attn()[3], _attn()[2], "ab"),
-    "dP_g_vT": lambda: (_attn()[4], _attn()[2].swapaxes(-1, -2), "ab"),
-    "dv_PT_g": lambda: (_attn()[3].swapaxes(-1, -2), _attn()[4], "ab"),
-    "dq_dS_k": lambda: (_attn()[3], _attn()[1], "ab"),
-    "dk_dST_q": lambda: (_attn()[3].swapaxes(-1, -2), _attn()[0], "ab"),
-    "gb_aT_g": lambda: (_attn()[0].swapaxes(-1, -2), _attn()[4], "ab"),     # hs x hs
-    "gpt_heads_q_kT": lambda: (_qkv()[0], _qkv()[1].swapaxes(-1, -2), ""),
-    "gpt_heads_P_v": lambda: (_attn()[3], _qkv()[2], "a"),
-    "flash_tiles": lambda: (_attn()[0][..., 2:6, :], _attn()[1][..., 1:5, :].swapaxes(-1, -2),
-                            "ab"),
-    "flash_dv_tile": lambda: (_attn()[3][..., 2:6, 1:5].swapaxes(-1, -2),
-                              _attn()[4][..., 2:6, :], "ab"),
-    "column_slice": lambda: (rand(3, 4, 6)[..., 1:4], rand(3, 3, 5, seed=1), "ab"),
-    "interleaved": lambda: (np.asfortranarray(rand(3, 4, 6)), rand(3, 6, 2, seed=1), "b"),
-    "negative_strides": lambda: (rand(3, 4, 6)[:, ::-1], rand(3, 6, 2, seed=1)[..., ::-1], ""),
-    "zero_row_stride": lambda: (np.broadcast_to(rand(3, 1, 6), (3, 4, 6)),
-                                rand(3, 6, 2, seed=1), "b"),
+    "square": lambda xp, r: (r(4, 5, 5), r(4, 5, 5, seed=1), "ab"),
+    "non_square": lambda xp, r: (r(3, 4, 6), r(3, 6, 2, seed=1), "ab"),
+    "k_is_1": lambda xp, r: (r(3, 4, 1), r(3, 1, 5, seed=1), "ab"),
+    "n_is_1": lambda xp, r: (r(3, 1, 6), r(3, 6, 5, seed=1), "ab"),
+    "m_is_1": lambda xp, r: (r(3, 4, 6), r(3, 6, 1, seed=1), "ab"),
+    "one_by_one": lambda xp, r: (r(2, 1, 1), r(2, 1, 1, seed=1), "ab"),
+    "two_d": lambda xp, r: (r(5, 3), r(3, 4, seed=1), "ab"),
+    "five_d": lambda xp, r: (r(2, 2, 2, 3, 4), r(2, 2, 2, 4, 3, seed=1), "ab"),
+    "shared_weight": lambda xp, r: (r(4, 3, 5), r(5, 2, seed=1), "ab"),     # b: strideA 0
+    "shared_left": lambda xp, r: (r(3, 5), r(4, 5, 2, seed=1), "ab"),       # a: strideB 0
+    "broadcast_batch": lambda xp, r: (r(2, 1, 4, 3), r(5, 3, 2, seed=1), ""),
+    "broadcast_heads": lambda xp, r: (r(2, 3, 4, 5), r(1, 3, 5, 2, seed=1), "a"),  # (0, 10)
+    "scores_q_kT": lambda xp, r: (_attn(r)[0], _attn(r)[1].swapaxes(-1, -2), "ab"),
+    "y_P_v": lambda xp, r: (_attn(r)[3], _attn(r)[2], "ab"),
+    "dP_g_vT": lambda xp, r: (_attn(r)[4], _attn(r)[2].swapaxes(-1, -2), "ab"),
+    "dv_PT_g": lambda xp, r: (_attn(r)[3].swapaxes(-1, -2), _attn(r)[4], "ab"),
+    "dq_dS_k": lambda xp, r: (_attn(r)[3], _attn(r)[1], "ab"),
+    "dk_dST_q": lambda xp, r: (_attn(r)[3].swapaxes(-1, -2), _attn(r)[0], "ab"),
+    "gb_aT_g": lambda xp, r: (_attn(r)[0].swapaxes(-1, -2), _attn(r)[4], "ab"),   # hs x hs
+    "gpt_heads_q_kT": lambda xp, r: (_qkv(r)[0], _qkv(r)[1].swapaxes(-1, -2), ""),
+    "gpt_heads_P_v": lambda xp, r: (_attn(r)[3], _qkv(r)[2], "a"),
+    "flash_tiles": lambda xp, r: (_attn(r)[0][..., 2:6, :],
+                                  _attn(r)[1][..., 1:5, :].swapaxes(-1, -2), "ab"),
+    "flash_dv_tile": lambda xp, r: (_attn(r)[3][..., 2:6, 1:5].swapaxes(-1, -2),
+                                    _attn(r)[4][..., 2:6, :], "ab"),
+    "column_slice": lambda xp, r: (r(3, 4, 6)[..., 1:4], r(3, 3, 5, seed=1), "ab"),
+    "interleaved": lambda xp, r: (xp.asfortranarray(r(3, 4, 6)), r(3, 6, 2, seed=1), "b"),
+    "negative_strides": lambda xp, r: (r(3, 4, 6)[:, ::-1], r(3, 6, 2, seed=1)[..., ::-1], ""),
+    "zero_row_stride": lambda xp, r: (xp.broadcast_to(r(3, 1, 6), (3, 4, 6)),
+                                      r(3, 6, 2, seed=1), "b"),
 }
 
 
@@ -82,7 +87,7 @@ def execute(p):
 @pytest.mark.parametrize("name", CASES)
 def test_plans_executed_as_cublas_reads_them_equal_np_matmul(name):
     """float64 (compute 64F): the interpreted call = np.matmul; no copy where none is needed."""
-    a, b, in_place = CASES[name]()
+    a, b, in_place = CASES[name](np, maker())
     p, c = gemm.plan(np, a, b)
     assert execute(p) is c and c.shape == np.matmul(a, b).shape and c.flags.c_contiguous
     np.testing.assert_allclose(c, np.matmul(a, b), rtol=1e-12, atol=1e-12)
@@ -94,7 +99,7 @@ def test_the_attention_scores_plan_is_the_measured_one():
     """S = q k^T, k given as k.swapaxes(-1, -2): transa=T, transb=N, m=n=T, k=hs,
     lda=ldb=hs, ldc=T, strides T*hs, T*hs, T*T over B*nh; a weight shared by the batch and a
     broadcast left operand get stride 0."""
-    q, k = _attn()[:2]
+    q, k = _attn(maker())[:2]
     p, _ = gemm.plan(np, q, k.swapaxes(-1, -2))
     assert (p.transa, p.transb, p.m, p.n, p.k, p.lda, p.ldb, p.ldc) == (T, N, 7, 7, 4, 4, 4, 7)
     assert (p.strideA, p.strideB, p.strideC, p.batch) == (28, 28, 49, 6)
@@ -117,7 +122,7 @@ def test_type_codes_compute_types_and_scalars(case):
     accumulate) and alpha = 1, beta = 0 as host scalars of the compute's type; the
     interpreted product = the float32 (float64) product rounded once to the dtype."""
     dtype, tf32, code, compute, scale = TYPES[case]
-    q, k = (x.astype(dtype) for x in _attn()[:2])
+    q, k = _attn(maker(np, dtype))[:2]
     p, c = gemm.plan(np, q, k.swapaxes(-1, -2), gemm.compute_type(dtype, tf32))
     assert (p.atype, p.btype, p.ctype, p.compute) == (code, code, code, compute)
     assert p.alpha.dtype == scale and p.beta.dtype == scale and (p.alpha, p.beta) == (1, 0)
@@ -135,33 +140,44 @@ BROKEN = {   # name -> a wrong plan (cases where each number matters: n=7, m=9, 
     "transb flipped": lambda p: p._replace(transb=1 - p.transb),
     "m and n swapped": lambda p: p._replace(m=p.n, n=p.m),
     "k - 1": lambda p: p._replace(k=p.k - 1),
-    "strideA 0": lambda p: p._replace(strideA=0),
-    "strideB + hs": lambda p: p._replace(strideB=p.strideB + 4),
-    "batch - 1": lambda p: p._replace(batch=p.batch - 1),
     "A and B swapped": lambda p: p._replace(A=p.B, B=p.A),
     "alpha float32 for 64F": lambda p: p._replace(alpha=np.array(1.0, np.float32)),
     "C typed float32": lambda p: p._replace(ctype=gemm.DATA_TYPES["float32"]),
+    # these only show over several matrices
+    "strideA 0": lambda p: p._replace(strideA=0),
+    "strideB + hs": lambda p: p._replace(strideB=p.strideB + 4),
+    "batch - 1": lambda p: p._replace(batch=p.batch - 1),
 }
+BATCH_LEVEL = ("strideA 0", "strideB + hs", "batch - 1")
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])
 @pytest.mark.parametrize("name", BROKEN)
-def test_a_broken_plan_fails(name):
+def test_a_broken_plan_fails(name, padded):
     """Each wrong number gives a wrong product, a read past an operand, or cuBLAS's
-    INVALID_VALUE / NOT_SUPPORTED: the interpreter cannot be passed by a wrong plan."""
+    INVALID_VALUE / NOT_SUPPORTED: the interpreter cannot be passed by a wrong plan. Padded:
+    q and k are blocks of larger arrays, so most wrong reads land inside memory (and give
+    wrong numbers rather than an IndexError)."""
     q, k = rand(2, 3, 7, 4), rand(2, 3, 9, 4, seed=1)
+    if padded:
+        q = np.pad(q, [(0, 1), (0, 0), (0, 3), (0, 5)])[:2, :, :7, :4]
+        k = np.pad(k, [(0, 1), (0, 0), (0, 3), (0, 5)])[:2, :, :9, :4]
     want = np.matmul(q, k.swapaxes(-1, -2))
     p, c = gemm.plan(np, q, k.swapaxes(-1, -2))
     np.testing.assert_allclose(execute(p), want, rtol=1e-12)      # the plan itself is right
-    try:
-        got = execute(BROKEN[name](p))
-    except (ValueError, IndexError):
-        return
-    assert not np.allclose(got, want, equal_nan=False), f"{name}: the broken plan passed"
+    broken = BROKEN[name](p)
+    runs = [(broken, 6)] + ([] if name in BATCH_LEVEL else [(broken._replace(batch=1), 1)])
+    for bp, count in runs:               # the first batch alone: reads that stay in memory
+        try:
+            got = execute(bp).reshape(6, 7, 9)[:count]
+        except (ValueError, IndexError):
+            continue
+        assert not np.allclose(got, want.reshape(6, 7, 9)[:count]), f"{name} passed"
 
 
 def test_alpha_of_the_wrong_width_reads_wrong_numbers():
     """A float64 1.0 handed to a float32-scaled call is read as its low 4 bytes: 0.0."""
-    q, k = (x.astype(np.float16) for x in _attn()[:2])
+    q, k = _attn(maker(np, np.float16))[:2]
     p, _ = gemm.plan(np, q, k.swapaxes(-1, -2))
     assert np.all(execute(p._replace(alpha=np.array(1.0, np.float64))) == 0)
 
@@ -231,3 +247,38 @@ def test_cublas_enums_are_cublas_api_h():
     if found is None:
         pytest.skip("no cuBLAS headers (cublas_api.h; the toolkit here has none)")
     assert found == {n: getattr(gemm, n) for n in names}
+
+
+GPU_TOL = {"float32": 1e-5, "float32_tf32": 1e-2, "float16": 2e-3, "bfloat16": 8e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_TOL)
+def test_the_real_call_on_a_gpu_equals_cupy_matmul(device, case, monkeypatch):
+    """For the GPU session that confirms it: the enums are cupy_backends' own, and every CASE
+    through gemm.run and through backend.matmul (MINIDIST_CUDA_NEW_KERNELS=1) = cupy.matmul
+    of float64 copies, to the dtype's tolerance relative to the largest entry
+    (MINIDIST_CUDA_NEW_KERNELS=1 python -m pytest -m gpu --device cuda tests/test_gemm.py)."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+    from minidist import backend
+    assert [getattr(runtime, f"CUDA_R_{n}") for n in ("32F", "64F", "16F", "16BF")] == \
+        [gemm.DATA_TYPES[d] for d in ("float32", "float64", "float16", "bfloat16")]
+    for n in ("CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_COMPUTE_32F", "CUBLAS_COMPUTE_64F",
+              "CUBLAS_COMPUTE_32F_FAST_TF32", "CUBLAS_GEMM_DEFAULT", "CUBLAS_POINTER_MODE_HOST"):
+        assert getattr(cublas, n) == getattr(gemm, n), n
+    dtype, tf32 = TYPES[case][:2]
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    monkeypatch.setenv("MINIDIST_TF32", "1" if tf32 else "0")
+    for name, make in CASES.items():
+        a, b, _ = make(cupy, maker(cupy, dtype))          # the same views, on the GPU
+        want = cupy.matmul(a.astype(cupy.float64), b.astype(cupy.float64))
+        p, c = gemm.plan(cupy, a, b, gemm.compute_type(dtype, tf32))
+        gemm.run(p)
+        got = [c] + ([backend.matmul(a, b)] if gemm.chosen(a, b) is not None else [])
+        for g in got:
+            err = float(cupy.abs(g.astype(cupy.float64) - want).max() / cupy.abs(want).max())
+            assert err < GPU_TOL[case], (name, err)

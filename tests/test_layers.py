@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minidist"
 
 # top to bottom, as README.md's table; one row may hold several packages (peers)
-LAYERS = [("launcher", "backend", "kernel_count"), ("autograd",), ("nn",), ("optim",),
+LAYERS = [("launcher", "gemm", "backend", "kernel_count"), ("autograd",), ("nn",), ("optim",),
           ("comm",), ("strategy",), ("ddp", "zero", "tp", "pp", "cp", "ep"), ("train",)]
 ROW = {name: i for i, row in enumerate(LAYERS) for name in row}
 
