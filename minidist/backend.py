@@ -4,7 +4,8 @@ Every op finds its array module with `xp_of(array)`; nothing else in minidist de
 between numpy and cupy. This module also owns the things that depend on the machine rather
 than the model: which GPU a rank uses (its local rank, minidist/launcher.py), how many BLAS
 threads a rank may run (cores on this node / ranks on this node), host <-> device moves, the
-host random generator and memory stats.
+host random generator and memory stats. Batched GEMMs that CuPy's matmul runs slowly go to
+cuBLAS through minidist/gemm.py (with MINIDIST_CUDA_NEW_KERNELS=1; see `matmul`).
 
 Nothing happens on import: an entry point calls `setup(threads, device)` once. CuPy is
 imported only when asked for, so the package and the whole CPU test suite work on a machine
