@@ -107,6 +107,20 @@ def test_the_attention_scores_plan_is_the_measured_one():
     assert gemm.plan(np, rand(3, 5), rand(4, 5, 2))[0].strideB == 0
 
 
+def test_matrix_layouts_and_batch_strides_by_hand():
+    """Row-major -> OP_N with ld = row stride; column-major -> OP_T with ld = column stride;
+    strides along size-1 dims ignored; a batch walked by one stride, 0 when broadcast."""
+    assert gemm.matrix_layout(4, 6, 6, 1) == (N, 6) and gemm.matrix_layout(4, 6, 9, 1) == (N, 9)
+    assert gemm.matrix_layout(4, 6, 1, 4) == (T, 4) and gemm.matrix_layout(1, 6, 99, 1) == (N, 6)
+    assert gemm.matrix_layout(4, 1, 1, 99) == (N, 1) and gemm.matrix_layout(1, 6, 0, 3) == (T, 3)
+    for bad in [(4, 6, 0, 1), (4, 6, 3, 1), (4, 6, 1, 3), (4, 6, -6, 1), (4, 6, 12, 2)]:
+        assert gemm.matrix_layout(*bad) is None, bad
+    assert gemm.batch_stride((2, 3), (12, 4)) == 4 and gemm.batch_stride((2, 3), (0, 0)) == 0
+    assert gemm.batch_stride((2, 1, 3), (12, 77, 4)) == 4 and gemm.batch_stride((), ()) == 0
+    for bad in [((2, 3), (12, 0)), ((2, 3), (0, 4)), ((2, 3), (13, 4)), ((2,), (-5,))]:
+        assert gemm.batch_stride(*bad) is None, bad
+
+
 TYPES = {   # case -> (dtype, tf32, data type code, compute type, alpha/beta dtype)
     "float16": (np.float16, False, 2, 68, np.float32),
     "bfloat16": (BF16, False, 14, 68, np.float32),
