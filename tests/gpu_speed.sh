@@ -11,7 +11,8 @@
 #   DEVICE=cpu DRY=1 bash tests/gpu_speed.sh    # CPU dry run: same runs, tiny sizes, no peer
 #
 # minidist runs (examples/bench_step.py): fp32 (the CUDA kernels on), tf32 (MINIDIST_TF32=1),
-# bf16 (--amp), bf16_new (MINIDIST_CUDA_NEW_KERNELS=1: the parts proven on the CPU only),
+# bf16 (--amp), bf16_new (MINIDIST_CUDA_NEW_KERNELS=1: the parts proven on the CPU only, the
+# batched GEMMs through cuBLAS among them),
 # bf16_new_tiled (the same with --attention tiled). Peer runs: torch_eager_bf16,
 # torch_eager_tf32, torch_compile_bf16 (skipped when TORCH_REF is missing or torch is not there).
 # Environment: DEVICE (cuda), DRY (0), LOGS (speed-logs/<time>), LIMIT (seconds per run, 300),
