@@ -191,8 +191,32 @@ def matmul(a, b, out=None):
 
 
 def to_host(a):
-    """A numpy copy (cupy) or view (numpy) of `a`."""
+    """A numpy copy (cupy) or view (numpy) of `a`: for checkpoints, sampling and other work
+    outside the training step (inside it: `host_read`, which counts)."""
     return a.get() if is_cupy(a) else np.asarray(a)
+
+
+def host_read(a, why):
+    """`a` (a device array, numpy value or Python number) as a numpy array on the host,
+    counted under the reason `why`: THE one door for a deliberate device -> host read in a
+    training step. On a GPU each such read stalls the CPU until the GPU has drained its
+    queue (and cannot be captured in a CUDA graph), so the step makes as few as it can, and
+    the count shows how many: `host_reads()` -> {why: count}. The count is kept on the CPU
+    too (where a read costs nothing), so a CPU test proves what a GPU step would do
+    (tests/test_no_sync.py; the reads of a step: minidist/train/README.md)."""
+    reads = _state.setdefault("host_reads", {})
+    reads[why] = reads.get(why, 0) + 1
+    return a.get() if is_cupy(a) else np.asarray(a)
+
+
+def host_reads():
+    """{reason: count} of every `host_read` since the process began (or the last reset)."""
+    return dict(_state.get("host_reads", {}))
+
+
+def reset_host_reads():
+    """Start the host_read counts afresh (a test's or a benchmark's own window)."""
+    _state["host_reads"] = {}
 
 
 def to_device(a, xp=None):

@@ -274,7 +274,7 @@ class CrossEntropy(Function):
         xp.exp(p, out=p)
         s = p.sum(axis=-1)
         p /= s[:, None]                                          # softmax, saved
-        n = max(int(valid.sum()), 1)      # all ignored: loss 0, gradient 0 (not nan)
+        n = rows_counted(valid, z.dtype)  # on the device; all ignored: loss 0, not nan
         loss = ((xp.log(s) - target_logit) * valid).sum() / n    # lse - z_t, averaged
         ctx.save_for_backward(p, t, valid)
         ctx.n, ctx.shape, ctx.dtype = n, logits.shape, logits.dtype
@@ -291,10 +291,21 @@ class CrossEntropy(Function):
         ctx.saved = ()                   # the softmax buffer becomes the gradient: no copy
         # loss = 1/n sum_i (lse_i - z_{i,t_i}):  dloss/dz_ij = (p_ij - [j == t_i]) / n
         p[xp_of(p).arange(len(t)), t] -= 1.0
-        if not valid.all():
-            p[~valid] = 0.0                                      # ignored rows add nothing
-        p *= grad.astype(p.dtype) / ctx.n
+        p *= row_scale(grad, ctx.n, valid, p.dtype)              # ignored rows add nothing
         return p.reshape(ctx.shape), None, None
+
+
+def rows_counted(valid, dtype):
+    """max(number of rows not ignored, 1) as a 0-d array of `dtype` on the device: no host
+    read (an int() here would wait for the GPU). Dividing by it gives the bits dividing by
+    the Python int gives (the count is exact in float32 below 2^24 rows)."""
+    return xp_of(valid).maximum(valid.sum(), 1).astype(dtype)
+
+
+def row_scale(grad, n, valid, dtype):
+    """(N, 1): grad / n for the rows counted, 0 for the ignored ones: one multiply zeroes
+    them, with no host-side `if` on whether any row is ignored."""
+    return ((grad.astype(dtype) / n) * valid)[:, None]
 
 
 def cross_entropy(logits, targets, ignore_index=-1):

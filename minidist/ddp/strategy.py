@@ -24,7 +24,7 @@ import time
 
 from minidist.comm import trace
 from minidist.ddp.ddp import DistributedDataParallel
-from minidist.strategy.base import SingleProcess, all_reduce_number, dp_rows
+from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
 
 
 class StepStats:
@@ -90,7 +90,7 @@ class DataParallel(SingleProcess):
         return all_reduce_number(self.group, value, "avg", self.ddp.params[0].data)
 
     def any_rank(self, flag):
-        return bool(all_reduce_number(self.group, float(flag), "max", self.ddp.params[0].data))
+        return any_rank_of(self.group, flag, self.ddp.params[0].data)
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         if self.rank == 0:

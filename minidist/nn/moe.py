@@ -170,7 +170,10 @@ class MoE(Module):
         logits = self.router(x2)                                        # (N, E)
         probs = F.softmax(logits, axis=-1)                              # (N, E)
         cap = capacity(T, self.n_experts, self.top_k, self.capacity_factor)
-        r = route(backend.to_host(probs.data), self.top_k, cap, T)
+        # the one host read of an MoE layer's forward: the routing decides the shapes (tokens
+        # per expert), which the host needs to slice, launch and exchange (a GPU-side routing
+        # with fixed-capacity buffers would remove it: minidist/train/README.md)
+        r = route(backend.host_read(probs.data, "moe routing"), self.top_k, cap, T)
         self.routing = r
         self.aux_loss = load_balancing_loss(probs, r.chosen, T, self.top_k)
         self.z_loss = router_z_loss(logits)
@@ -219,4 +222,4 @@ def load_stats(model):
         return {}
     return {"moe_tokens": [m.routing.counts.tolist() for m in layers],
             "moe_dropped": [m.routing.dropped for m in layers],
-            "moe_aux": [float(m.aux_loss.item()) for m in layers]}
+            "moe_aux": [float(backend.host_read(m.aux_loss.data, "moe log")) for m in layers]}

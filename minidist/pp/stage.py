@@ -140,9 +140,10 @@ class PipelineStage:
                                "training runs through minidist/pp/schedule.py")
         router = []                                    # this stage's MoE router losses
         loss = self._pipe_forward(idx, targets, router_losses=router)
-        mine = sum(float(r.item()) for r in router)
-        buf = self.link.xp.asarray([mine + (0.0 if loss is None else float(loss.item()))],
-                                   "float64")
+        xp = self.link.xp                               # summed on the device: no host read
+        mine = sum((r.data.astype("float64") for r in router), xp.zeros((), "float64"))
+        mine = mine + (0.0 if loss is None else loss.data.astype("float64"))
+        buf = xp.array(mine, dtype="float64").reshape(1)
         if self.config.moe_experts:                    # the loss: summed over the stages
             self.link.group.all_reduce(buf, op="sum")
         else:

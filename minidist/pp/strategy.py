@@ -186,12 +186,14 @@ class PipelineParallel(ModelParallel):
         """The mean loss over the micro-batches: the last stage's, broadcast; with MoE blocks
         the router losses of the other stages' blocks added (a sum over the stages)."""
         xp, m = model_xp(self.stage), steps.n_micro
-        buf = xp.asarray([(sum(steps.losses) + sum(steps.router_values)) / m], "float64")
+        zero = xp.zeros((), "float64")          # the sums stay on the device: no host read
+        total = sum(steps.losses, zero) + sum(steps.router_values, zero)
+        buf = xp.array(total / m, dtype="float64").reshape(1)
         if self.stage.config.moe_experts:
             self.group.all_reduce(buf, op="sum")
         else:
             self.group.broadcast(buf, root=self.group.size - 1)
-        return float(buf[0])
+        return buf[0]
 
     def sync_grads(self, model):
         super().sync_grads(model)           # DDP / ZeRO across pipelines: every bucket, once

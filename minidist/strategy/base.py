@@ -35,6 +35,8 @@ Tests: tests/test_train.py.
 """
 import contextlib
 
+import numpy as np
+
 from minidist import backend
 from minidist.backend import xp_of
 from minidist.comm import trace
@@ -59,6 +61,19 @@ def all_reduce_number(group, value, op, like):
     buf = xp_of(like).array(value, dtype="float64").reshape(1)
     group.all_reduce(buf, op=op)
     return buf[0]
+
+
+def any_rank_of(group, flag, like):
+    """Whether the host bool `flag` is true on any rank of `group` (a one-element all-reduce,
+    max), for the loop's stop/diverged agreement every step. The buffer is host memory
+    (numpy), so nothing waits for the GPU; an NCCL group reduces only device memory, so there
+    it lives on `like`'s device and is read back (one host_read)."""
+    if group.algo != "nccl":
+        buf = np.array([float(flag)])
+        group.all_reduce(buf, op="max")
+        return bool(buf[0])
+    value = all_reduce_number(group, float(flag), "max", like)
+    return bool(backend.host_read(value, "stop flag (nccl)"))
 
 
 class SingleProcess:
@@ -250,8 +265,7 @@ class ModelParallel(SingleProcess):
         return self.inner.global_mean(value)
 
     def any_rank(self, flag):
-        return bool(all_reduce_number(self.mesh.world, float(flag), "max",
-                                      self.model.parameters()[0].data))
+        return any_rank_of(self.mesh.world, flag, self.model.parameters()[0].data)
 
     def takes_part_in_sampling(self):
         return self.inner.takes_part_in_sampling()

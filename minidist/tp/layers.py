@@ -28,7 +28,7 @@ Tests: tests/test_tensor_parallel.py.
 from minidist import backend
 from minidist.autograd import Function
 from minidist.autograd import fused as F
-from minidist.autograd.fused import _f32
+from minidist.autograd.fused import _f32, row_scale, rows_counted
 from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm
@@ -159,7 +159,7 @@ class VocabParallelCrossEntropy(Function):
         sums = xp.stack([xp.where(mine, p[rows, local_t], 0.0), xp.exp(p, out=p).sum(-1)])
         group.all_reduce(sums)                                 # (2, N): z_t - m, s
         p /= sums[1][:, None]
-        n = max(int(valid.sum()), 1)
+        n = rows_counted(valid, p.dtype)                      # on the device: no host read
         loss = ((xp.log(sums[1]) - sums[0]) * valid).sum() / n
         ctx.save_for_backward(p, local_t, mine, valid)
         ctx.n, ctx.shape = n, logits.shape
@@ -172,9 +172,7 @@ class VocabParallelCrossEntropy(Function):
         ctx.saved = ()                     # the softmax buffer becomes the gradient
         rows = xp_of(p).arange(len(local_t))
         p[rows[mine], local_t[mine]] -= 1.0
-        if not valid.all():
-            p[~valid] = 0.0
-        p *= grad.astype(p.dtype) / ctx.n
+        p *= row_scale(grad, ctx.n, valid, p.dtype)          # ignored rows: 0
         return p.reshape(ctx.shape), None, None, None, None, None
 
 

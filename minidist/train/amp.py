@@ -74,7 +74,11 @@ class LossScaler:
             raise RuntimeError("mixed precision: backward did not start from a scaled loss "
                                "(the strategy must call MixedPrecision.scale_loss)")
         self.used = False
-        sum_sq = float(reduce_sum_sq(sum_sq)) if reduce_sum_sq is not None else sum_sq
+        sum_sq = reduce_sum_sq(sum_sq) if reduce_sum_sq is not None else sum_sq
+        # The one host read of an --amp step: skipping is a Python decision (a skipped step
+        # advances neither AdamW's step counts nor the scaler's, and the next step's loss
+        # scale is a host number), as in PyTorch's GradScaler without a capturable optimizer.
+        sum_sq = float(backend.host_read(sum_sq, "amp overflow verdict"))
         norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
         return (norm, *self.verdict(norm, max_norm))
 

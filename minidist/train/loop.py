@@ -9,15 +9,18 @@ differently lives in its Strategy (composed by minidist/train/strategy.py, the m
 minidist/strategy/base.py); this file does not change.
 Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG and
 the step, and batches depend only on (seed, step).
-At the end of each step the ranks agree (strategy.any_rank, one 1-element all-reduce) whether
-to stop: a signal on any rank (Ctrl-C, SIGTERM, SIGUSR1: minidist/train/preemption.py) saves
-that step with --save and exits; a loss or gradient norm that is not finite raises Diverged
-(one `error:` line naming the step) before anything is saved, so no checkpoint holds NaNs.
+No device -> host read in a step that does not log: each step's loss and gradient norm stay
+on the device (minidist/train/progress.py StepValues) and are read in one go at the steps
+that log (--log-every, every step with --log-json), evaluate, save or end.
+At the end of each step the ranks agree (strategy.any_rank, one 1-element all-reduce of host
+memory) whether to stop: a signal on any rank (Ctrl-C, SIGTERM, SIGUSR1:
+minidist/train/preemption.py) saves that step with --save and exits; a loss or gradient norm
+that is not finite, found at the next read, raises Diverged (one `error:` line naming the
+first such step) before anything is saved, so no checkpoint holds NaNs.
 Log lines count steps done, `step N/total`, with the time elapsed and the ETA; a --save that
 would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check_save).
 Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
 """
-import json
 import math
 import os
 import time
@@ -34,35 +37,21 @@ from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.data import TokenData
 from minidist.train.step import train_step
+from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError, printable
 
 
-class Logger:
-    """Rank 0's output: `print0` for people, `json0` for --log-json (one object per line)."""
-
-    def __init__(self, rank, log_json=None):
-        self.rank, self.log_json = rank, log_json
-
-    def print0(self, *args):
-        if self.rank == 0:
-            print(*args, flush=True)
-
-    def json0(self, row):
-        if self.rank == 0 and self.log_json:
-            with open(self.log_json, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-
 @no_grad()
 def evaluate(model, data, seed, batch_size, block_size, iters):
-    """Mean val loss over `iters` fixed batches (the same ones at every eval)."""
+    """Mean val loss over `iters` fixed batches (the same ones at every eval), a 0-d float64
+    on the device: the caller reads it (one host read per evaluation, not one per batch)."""
     was_training = model.training
     model.eval()
     total = 0.0
     for i in range(iters):
         x, y = data.get_batch(seed, "val", i, batch_size, block_size)
-        total += float(model(x, y)[1].item())
+        total = total + model(x, y)[1].data.astype("float64")     # summed on the device
     model.train(was_training)
     return total / iters
 
@@ -140,8 +129,8 @@ def train(args, world=None):
     val_loss, t_start = None, time.perf_counter()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
+    values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
     for step in range(start, stop):
-        t0 = time.perf_counter()
         lr = schedule(step)
         opt.set_lr(lr)
         x, y = data.get_batch(args.seed, "train", step, args.batch_size, args.block_size)
@@ -150,41 +139,53 @@ def train(args, world=None):
                 loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         except FloatingPointError as e:     # --amp: too many overflowing steps in a row
             raise Diverged(f"step {step + 1}: {e}; stopped, nothing saved") from None
-        backend.synchronize()
-        loss, norm = float(loss), float(norm)    # device -> host only here, to log them
-        dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-               "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
-               "comm_bytes": strategy.comm_bytes()}
-        if args.log_json:        # the same on every rank: every rank joins the stats' reduce
-            row.update(global_load_stats(model, world, _copies(strategy, world, x, y)))
-        log.json0(row)
+        values.add(step, loss, norm)         # on the device: nothing waits for the GPU here
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
-        if step == start or (step + 1) % args.log_every == 0 or last:
-            log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f} "
-                       f"tok/s | {dt * 1e3:7.1f} ms/step | "
-                       f"{_eta(time.perf_counter() - t_start, step + 1 - start, stop - step - 1)}")
-        # under --amp a non-finite gradient only skips the step (the loss scaler's job)
-        finite = math.isfinite(loss) and (strategy.amp is not None or math.isfinite(norm))
-        if strategy.any_rank(signals.is_set() or not finite):   # every rank stops together
-            if strategy.any_rank(not finite):
-                raise Diverged(f"step {step + 1}: loss {loss:.4g}, gradient norm {norm:.4g}: "
-                               f"training diverged (--lr {args.lr:g} too high?); stopped, "
-                               "nothing saved" + _kept(args))
+        evals = (args.eval_every and (step + 1) % args.eval_every == 0) or last
+        every = args.save_every or args.eval_every
+        saves = args.save and (last or (every and (step + 1) % every == 0))
+        printed = step == start or (step + 1) % args.log_every == 0 or last
+        rows = bad = None
+        if values.due(printed or args.log_json or evals or saves):
+            rows = values.read()        # the loss and norm of each step since the last read
+            bad = first_not_finite(rows, strategy.amp is not None)
+            dt, (_, loss, norm) = (time.perf_counter() - t_mark) / len(rows), rows[-1]
+            row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                   "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
+                   "comm_bytes": strategy.comm_bytes()}
+            if args.log_json:    # the same on every rank: every rank joins the stats' reduce
+                row.update(global_load_stats(model, world, _copies(strategy, world, x, y)))
+            log.json0(row)
+            if printed:
+                eta_ = eta(time.perf_counter() - t_start, step + 1 - start, stop - step - 1)
+                log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f}"
+                           f" tok/s | {dt * 1e3:7.1f} ms/step | {eta_}")
+            t_mark = time.perf_counter()
+        if strategy.any_rank(signals.is_set() or bad is not None):  # every rank stops together
+            if rows is None:                  # a signal between reads: check before saving
+                bad = first_not_finite(values.read(), strategy.amp is not None)
+            if strategy.any_rank(bad is not None):
+                raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
             _stop(args, strategy, log, model, opt, step, signals)
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
+        if evals:
             log.print0(f"{at} | evaluating on {args.eval_iters} val batches ...")
             val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                                 args.eval_iters)
             # every rank computed the same number; averaging it also lines the ranks up, so
             # the next step's time does not include another rank's evaluation
-            val_loss = float(strategy.global_mean(val_loss))
+            val_loss = float(backend.host_read(strategy.global_mean(val_loss), "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
-        every = args.save_every or args.eval_every
-        if args.save and (last or (every and (step + 1) % every == 0)):
+        if saves:
             _save(args, strategy, log, model, opt, step)
+        t_mark = time.perf_counter() if evals or saves else t_mark
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
+
+
+def _diverged(args, bad):
+    step, loss, norm = bad
+    return (f"step {step + 1}: loss {loss:.4g}, gradient norm {norm:.4g}: training diverged "
+            f"(--lr {args.lr:g} too high?); stopped, nothing saved" + _kept(args))
 
 
 def _copies(strategy, world, x, y):
@@ -210,10 +211,11 @@ def global_load_stats(model, world, copies):
     vec = np.zeros((len(blocks), E + 3))                     # tokens (E), dropped, aux, held
     for b, m in moe_layers_by_block(model).items():
         r = m.routing
-        vec[blocks.index(b)] = [*r.counts, r.dropped, float(m.aux_loss.item()), 1]
+        aux = float(backend.host_read(m.aux_loss.data, "moe log"))
+        vec[blocks.index(b)] = [*r.counts, r.dropped, aux, 1]
     buf = backend.xp_of(model.parameters()[0].data).asarray(vec.ravel())
     world.all_reduce(buf, op="sum")
-    total = backend.to_host(buf).reshape(len(blocks), E + 3)
+    total = backend.host_read(buf, "moe log").reshape(len(blocks), E + 3)
     held = total[:, -1:]                                     # (blocks, 1) ranks holding each
     counts = np.rint(total[:, :E + 1] / (copies * held / world.size)).astype(np.int64)
     return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
@@ -234,17 +236,6 @@ def _describe(args, strategy, log, model, data):
                f"{data.unigram_entropy:.4f} nats/token")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
-
-
-def _eta(elapsed, done, left):
-    """"0:12 elapsed, ETA 1:05": from the mean time of this run's steps so far."""
-    return f"{_clock(elapsed)} elapsed, ETA {_clock(elapsed / max(done, 1) * left)}"
-
-
-def _clock(seconds):
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def _kept(args):
@@ -285,8 +276,9 @@ def _stop(args, strategy, log, model, opt, step, signals):
 
 def _finish(args, strategy, log, model, data, val_loss, seconds):
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
-        val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
-                            args.eval_iters)
+        val_loss = float(backend.host_read(evaluate(model, data, args.seed, args.batch_size,
+                                                    args.block_size, args.eval_iters),
+                                           "eval loss"))
     text = ""
     if args.sample and strategy.takes_part_in_sampling():     # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)

@@ -31,7 +31,7 @@ import contextlib
 
 from minidist.comm import trace
 from minidist.strategy import memory
-from minidist.strategy.base import SingleProcess, all_reduce_number, dp_rows
+from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
                                       save_sharded)
 from minidist.zero.optim import ShardedAdamW
@@ -116,8 +116,7 @@ class ZeroDataParallel(SingleProcess):
         return all_reduce_number(self.group, value, "avg", self.engine.units[0].param_shard)
 
     def any_rank(self, flag):
-        return bool(all_reduce_number(self.group, float(flag), "max",
-                                      self.engine.units[0].param_shard))
+        return any_rank_of(self.group, flag, self.engine.units[0].param_shard)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):

@@ -1,0 +1,90 @@
+"""What the training loop reports, and when it reads the device to report it.
+
+Each step's loss and gradient norm stay on the device until the loop needs them.
+
+A step returns its loss and norm as 0-d device arrays (minidist/train/step.py). Reading one
+to the host (float(loss)) would make the CPU wait for the GPU to finish the step, every step.
+So the loop writes them into a small device table, one row per step, and reads the rows
+since the last read in ONE `backend.host_read` only at the steps that need a number on the
+host: a log line (--log-every), a --log-json row (every step), an evaluation, a save, the
+last step, a stop. At those steps the loop also checks that the values are finite: a loss
+(or, without --amp, a norm) that is not names the FIRST such step, as a check every step
+would, and the run stops before anything is saved.
+
+    values = StepValues(capacity=args.log_every)
+    values.add(step, loss, norm)          # a device copy; nothing waits
+    if values.due(...): rows = values.read()      # [(step, loss, norm)] as Python floats
+
+Tests: tests/test_no_sync.py (the reads counted per step), tests/test_cli.py (divergence).
+"""
+import json
+import math
+
+from minidist import backend
+
+
+class Logger:
+    """Rank 0's output: `print0` for people, `json0` for --log-json (one object per line)."""
+
+    def __init__(self, rank, log_json=None):
+        self.rank, self.log_json = rank, log_json
+
+    def print0(self, *args):
+        if self.rank == 0:
+            print(*args, flush=True)
+
+    def json0(self, row):
+        if self.rank == 0 and self.log_json:
+            with open(self.log_json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+class StepValues:
+    """A (capacity, 2) float64 table on the values' device: (loss, norm) of each step since
+    the last read. Full: `due` says so, so the table never overflows."""
+
+    def __init__(self, capacity):
+        self.capacity = max(int(capacity), 1)
+        self.table, self.steps = None, []
+
+    def add(self, step, loss, norm):
+        """Row for `step`: loss and norm (0-d device arrays, or host numbers), copied on the
+        device (no host read)."""
+        if self.table is None:
+            self.table = backend.xp_of(loss, norm).empty((self.capacity, 2), "float64")
+        row = len(self.steps)
+        self.table[row, 0] = loss
+        self.table[row, 1] = norm
+        self.steps.append(step)
+
+    def due(self, wanted):
+        """Whether to read now: `wanted` (the loop needs a number), or the table is full."""
+        return bool(wanted) or len(self.steps) == self.capacity
+
+    def read(self):
+        """[(step, loss, norm)] of every row since the last read, as Python floats: one host
+        read (on a GPU: waits for every step queued so far)."""
+        rows = backend.host_read(self.table[:len(self.steps)], "loss and norm")
+        out = [(s, float(loss), float(norm)) for s, (loss, norm) in zip(self.steps, rows)]
+        self.steps = []
+        return out
+
+
+def first_not_finite(rows, amp):
+    """The first (step, loss, norm) whose loss is not finite (nor, without --amp, the norm:
+    under --amp an inf/nan gradient only skips the step, the loss scaler's job); None."""
+    for step, loss, norm in rows:
+        if not math.isfinite(loss) or (not amp and not math.isfinite(norm)):
+            return step, loss, norm
+    return None
+
+
+def eta(elapsed, done, left):
+    """"0:12 elapsed, ETA 1:05": from the mean time of this run's steps so far."""
+    return f"{clock(elapsed)} elapsed, ETA {clock(elapsed / max(done, 1) * left)}"
+
+
+def clock(seconds):
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
