@@ -126,7 +126,7 @@ def train(args, world=None):
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
-    val_loss, t_start = None, time.perf_counter()
+    val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
@@ -179,7 +179,8 @@ def train(args, world=None):
         if saves:
             _save(args, strategy, log, model, opt, step)
         t_mark = time.perf_counter() if evals or saves else t_mark
-    return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start)
+    return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
+                   reads_before)
 
 
 def _diverged(args, bad):
@@ -274,7 +275,7 @@ def _stop(args, strategy, log, model, opt, step, signals):
     raise SystemExit(preemption.exit_status(interrupted))
 
 
-def _finish(args, strategy, log, model, data, val_loss, seconds):
+def _finish(args, strategy, log, model, data, val_loss, seconds, reads_before):
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
         val_loss = float(backend.host_read(evaluate(model, data, args.seed, args.batch_size,
                                                     args.block_size, args.eval_iters),
@@ -283,11 +284,16 @@ def _finish(args, strategy, log, model, data, val_loss, seconds):
     if args.sample and strategy.takes_part_in_sampling():     # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
         log.print0("---- sample ----\n" + printable(text) + "\n----------------")
+    reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
+             if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
-               "steps": args.steps, "train_seconds": seconds, "sample": text}
+               "steps": args.steps, "train_seconds": seconds, "sample": text,
+               "host_reads": reads}
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                f"{data.unigram_entropy:.4f} (a model that ignores context); "
                f"{seconds:.1f} s of training")
+    log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
+        f"{why} {n}" for why, n in reads.items()) or "none"))
     strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
     return summary
