@@ -9,7 +9,9 @@ prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gf
 --amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
 --device cuda adds "kernels_per_step": the kernels one more step launches, counted by CUPTI
-(minidist/kernel_count.py); null on the CPU or without libcupti.
+(minidist/kernel_count.py); null on the CPU or without libcupti. "host_reads_per_step": the
+device -> host reads one more step makes through backend.host_read (minidist/train/README.md,
+"The host reads of a step"): 0, or 1 under --amp.
 --vocab-multiple M pads the vocabulary (wte rows, the head's matmul) to a multiple of M.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
@@ -53,6 +55,14 @@ def kernels_per_step(one_step):
     return counter.count
 
 
+def host_reads_per_step(one_step):
+    """Device -> host reads (backend.host_read) one more step makes: 0 in float32, 1 under
+    --amp (its overflow verdict); the same count on the CPU and the GPU."""
+    before = sum(backend.host_reads().values())
+    one_step()
+    return sum(backend.host_reads().values()) - before
+
+
 def main():
     p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--vocab-size", type=int, default=256)
@@ -92,7 +102,7 @@ def main():
         _, loss = model(x, y)
         if amp:
             amp.backward(loss)
-            opt.clip_grad_norm(1.0)           # unscales; checks for inf (a host sync)
+            opt.clip_grad_norm(1.0)           # unscales; checks for inf (one host read)
         else:
             loss.backward()
             clip_grad_norm(opt.params, 1.0)
@@ -114,7 +124,8 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
-    extra = {"kernels_per_step": kernels_per_step(one_step)}
+    extra = {"kernels_per_step": kernels_per_step(one_step),
+             "host_reads_per_step": host_reads_per_step(one_step)}
     if args.peak_tflops:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),

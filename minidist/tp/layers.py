@@ -103,8 +103,10 @@ class VocabShardLookup(Function):
         mine = (idx >= start) & (idx < start + weight.shape[0])
         local = xp.where(mine, idx - start, 0)
         out = xp.take(weight, local, axis=0)                   # (*idx.shape, C)
-        out[~mine] = 0
-        ctx.save_for_backward(local[mine], mine)
+        # zero the other shards' rows by a multiply, not out[~mine] = 0: a boolean mask's
+        # size is data-dependent, and CuPy reads it to the host (a sync every step)
+        out *= mine[..., None]
+        ctx.save_for_backward(local, mine)
         ctx.shape = weight.shape
         return out
 
@@ -112,8 +114,9 @@ class VocabShardLookup(Function):
     def backward(ctx, grad):
         local, mine = ctx.saved
         gw = xp_of(grad).zeros(ctx.shape, grad.dtype)
-        if local.size:                                         # only this shard's rows
-            scatter_add_rows(gw, local, grad[mine].reshape(-1, ctx.shape[1]))
+        # the other shards' ids point at row 0 and add a zero row there (no boolean mask)
+        rows = (grad * mine[..., None]).reshape(-1, ctx.shape[1])
+        scatter_add_rows(gw, local.reshape(-1), rows)
         return gw, None, None
 
 
@@ -171,7 +174,7 @@ class VocabParallelCrossEntropy(Function):
         p, local_t, mine, valid = ctx.saved
         ctx.saved = ()                     # the softmax buffer becomes the gradient
         rows = xp_of(p).arange(len(local_t))
-        p[rows[mine], local_t[mine]] -= 1.0
+        p[rows, local_t] -= mine                 # 1 at this shard's targets (no boolean mask)
         p *= row_scale(grad, ctx.n, valid, p.dtype)          # ignored rows: 0
         return p.reshape(ctx.shape), None, None, None, None, None
 
