@@ -22,7 +22,9 @@ def train_step(strategy, model, opt, x, y, args):
     """One step on the GLOBAL batch (x, y). Returns (loss averaged over the replicas, gradient
     norm before clipping, memory ledger or None). The ledger is measured when --log-json asks.
     Loss and norm are 0-d float64 arrays on the device (numpy scalars on the CPU): nothing
-    here waits for the GPU; the caller converts them when it logs (tests/test_no_sync.py)."""
+    here reads the device (but --amp's overflow verdict and MoE's routing, each one counted
+    backend.host_read); the loop reads them at the steps that log (minidist/train/progress.py,
+    tests/test_no_sync.py)."""
     measure = bool(args.log_json) or strategy.reports_memory     # ZeRO's end-of-run table
     x, y = strategy.local_rows(x, y)                   # rows r*B/dp .. (r+1)*B/dp of the batch
     n = args.grad_accum
