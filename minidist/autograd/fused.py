@@ -273,7 +273,7 @@ class CrossEntropy(Function):
         target_logit = p[rows, t]                                # z_t - max
         xp.exp(p, out=p)
         s = p.sum(axis=-1)
-        p /= s[:, None]                                          # softmax, saved
+        p /= counted_rows_sum(s, valid)[:, None]     # softmax, saved; ignored rows: 0
         n = rows_counted(valid, z.dtype)  # on the device; all ignored: loss 0, not nan
         loss = ((xp.log(s) - target_logit) * valid).sum() / n    # lse - z_t, averaged
         ctx.save_for_backward(p, t, valid)
@@ -290,8 +290,8 @@ class CrossEntropy(Function):
         p, t, valid = ctx.saved
         ctx.saved = ()                   # the softmax buffer becomes the gradient: no copy
         # loss = 1/n sum_i (lse_i - z_{i,t_i}):  dloss/dz_ij = (p_ij - [j == t_i]) / n
-        p[xp_of(p).arange(len(t)), t] -= 1.0
-        p *= row_scale(grad, ctx.n, valid, p.dtype)              # ignored rows add nothing
+        p[xp_of(p).arange(len(t)), t] -= valid                   # 1, but 0 on ignored rows
+        p *= grad.astype(p.dtype) / ctx.n
         return p.reshape(ctx.shape), None, None
 
 
@@ -302,10 +302,12 @@ def rows_counted(valid, dtype):
     return xp_of(valid).maximum(valid.sum(), 1).astype(dtype)
 
 
-def row_scale(grad, n, valid, dtype):
-    """(N, 1): grad / n for the rows counted, 0 for the ignored ones: one multiply zeroes
-    them, with no host-side `if` on whether any row is ignored."""
-    return ((grad.astype(dtype) / n) * valid)[:, None]
+def counted_rows_sum(s, valid):
+    """The softmax's row sums `s`, inf on the ignored rows: the division that normalises the
+    softmax also zeroes those rows (e / inf = 0; e <= 1 after the max is subtracted), and the
+    counted rows divide by s itself, bitwise as before. No boolean mask (CuPy reads a mask's
+    size to the host) and no host-side `if` on whether any row is ignored."""
+    return xp_of(s).where(valid, s, xp_of(s).inf)
 
 
 def cross_entropy(logits, targets, ignore_index=-1):

@@ -28,7 +28,7 @@ Tests: tests/test_tensor_parallel.py.
 from minidist import backend
 from minidist.autograd import Function
 from minidist.autograd import fused as F
-from minidist.autograd.fused import _f32, row_scale, rows_counted
+from minidist.autograd.fused import _f32, counted_rows_sum, rows_counted
 from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm
@@ -161,21 +161,21 @@ class VocabParallelCrossEntropy(Function):
         rows = xp.arange(len(t))
         sums = xp.stack([xp.where(mine, p[rows, local_t], 0.0), xp.exp(p, out=p).sum(-1)])
         group.all_reduce(sums)                                 # (2, N): z_t - m, s
-        p /= sums[1][:, None]
-        n = rows_counted(valid, p.dtype)                      # on the device: no host read
+        p /= counted_rows_sum(sums[1], valid)[:, None]         # ignored rows: 0
+        n = rows_counted(valid, p.dtype)                       # on the device: no host read
         loss = ((xp.log(sums[1]) - sums[0]) * valid).sum() / n
-        ctx.save_for_backward(p, local_t, mine, valid)
+        ctx.save_for_backward(p, local_t, mine)
         ctx.n, ctx.shape = n, logits.shape
         return xp.asarray(loss, dtype="float32" if backend.is_half(logits.dtype)
                           else logits.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        p, local_t, mine, valid = ctx.saved
+        p, local_t, mine = ctx.saved
         ctx.saved = ()                     # the softmax buffer becomes the gradient
         rows = xp_of(p).arange(len(local_t))
-        p[rows, local_t] -= mine                 # 1 at this shard's targets (no boolean mask)
-        p *= row_scale(grad, ctx.n, valid, p.dtype)          # ignored rows: 0
+        p[rows, local_t] -= mine               # 1 at this shard's targets (no boolean mask)
+        p *= grad.astype(p.dtype) / ctx.n
         return p.reshape(ctx.shape), None, None, None, None, None
 
 
