@@ -210,13 +210,9 @@ def host_read(a, why):
 
 
 def host_reads():
-    """{reason: count} of every `host_read` since the process began (or the last reset)."""
+    """{reason: count} of every `host_read` since the process began (a caller wanting a
+    window subtracts an earlier copy: the loop's summary, bench_step, the tests)."""
     return dict(_state.get("host_reads", {}))
-
-
-def reset_host_reads():
-    """Start the host_read counts afresh (a test's or a benchmark's own window)."""
-    _state["host_reads"] = {}
 
 
 def to_device(a, xp=None):
