@@ -8,13 +8,16 @@ its top comment explains the fiber scheduler) and launched through ctypes on num
 
 Each array argument is copied into a buffer with 256 guard bytes on both sides, signalling NaNs
 of its dtype, so a kernel that reads past an argument computes NaN and one that writes past it
-fails the launch (KernelError); the results are copied back. The threads of a
+fails the launch (KernelError); the results are copied back. A multi-tensor kernel's
+pointer table (uint64 addresses, minidist/optim/multi_tensor.py) is checked to hold the
+addresses of the arrays the plan names, then replaced by a table of guarded copies of
+them, each checked and copied back the same way. The threads of a
 block run as fibers, "low" order (the lowest-numbered runnable thread first) or "high".
 Libraries are cached under .minidist-cache/cuda-cpu/ (git-ignored; the system's temporary
 folder where that is not writable), keyed by the hash of the source, the header, compiler and
 flags; `reason_unavailable()` says why not, where no compiler is.
 Tests: tests/test_cuda_cpu.py (the harness itself); the kernels: tests/test_cuda_kernels_cpu.py,
-tests/test_cuda_flash_cpu.py, tests/test_cuda_fusions_cpu.py.
+tests/test_cuda_flash_cpu.py, tests/test_cuda_fusions_cpu.py, tests/test_multi_tensor_cpu.py.
 """
 import ctypes
 import hashlib
@@ -135,18 +138,23 @@ def _guarded(a):
     return np.concatenate([guard, a.reshape(-1).view(np.uint8), guard])
 
 
-def launch(source, name, grid, block, args, order="low"):
+def launch(source, name, grid, block, args, order="low", tables=None):
     """Run kernel `name` of `source` over grid x block on numpy arrays (in place) and numpy
-    scalars (their exact C width: np.int64 for long long, np.float32 for float, ...)."""
+    scalars (their exact C width: np.int64 for long long, np.float32 for float, ...).
+    `tables` {argument index: arrays}: that argument is a uint64 table of those arrays'
+    addresses (checked), and the kernel gets a table of their guarded copies instead."""
     lib = build(source)
     params = cs.signature(name, source)
     if len(params) != len(args):
         raise KernelError(f"{name}: {len(args)} arguments for {len(params)} parameters")
-    keep, ptrs = [], []
+    keep, ptrs, copies = [], [], []
     for i, ((ctype, pointer), a) in enumerate(zip(params, args)):
         if pointer != isinstance(a, np.ndarray) or not isinstance(a, (np.ndarray, np.generic)):
             raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): got "
                               f"{type(a).__name__}")
+        if tables and i in tables:
+            a, made = _table_of_copies(name, i, a, tables[i])
+            copies += made
         keep.append(_guarded(a) if pointer else np.array(a))
         ptrs.append(keep[-1].ctypes.data + (GUARD if pointer else 0))
     dims = [(ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3]) for d in (grid, block)]
@@ -156,15 +164,34 @@ def launch(source, name, grid, block, args, order="low"):
         if rc:
             raise KernelError(f"{name}: {lib.cuda_cpu_error().decode()}")
     for i, (a, buf) in enumerate(zip(args, keep)):
-        if isinstance(a, np.ndarray):
-            guard = _guard(a.dtype)
-            if (buf[:GUARD] != guard).any() or (buf[GUARD + a.nbytes:] != guard).any():
-                raise KernelError(f"{name} wrote outside argument #{i} {params[i]}")
-            a.reshape(-1).view(np.uint8)[...] = buf[GUARD:GUARD + a.nbytes]
+        if isinstance(a, np.ndarray) and not (tables and i in tables):
+            _copy_back(name, f"argument #{i} {params[i]}", a, buf)
+    for what, a, buf in copies:
+        _copy_back(name, what, a, buf)
 
 
-def run(plan, source=None, order="low"):
+def _table_of_copies(name, i, table, arrays):
+    """The pointer table argument #i rebuilt over guarded copies of `arrays`, after checking
+    that it holds their addresses; and (what, array, copy) for each, to copy back."""
+    want = np.array([a.ctypes.data for a in arrays], dtype=np.uint64)
+    if table.dtype != np.uint64 or not np.array_equal(table.reshape(-1), want):
+        raise KernelError(f"{name} argument #{i}: not the table of its {len(arrays)} arrays' "
+                          f"addresses")
+    copies = [(f"tensor {k} of table #{i}", a, _guarded(a)) for k, a in enumerate(arrays)]
+    return np.array([buf.ctypes.data + GUARD for _, _, buf in copies], np.uint64), copies
+
+
+def _copy_back(name, what, a, buf):
+    """buf's middle back into a, after checking both guards are intact."""
+    guard = _guard(a.dtype)
+    if (buf[:GUARD] != guard).any() or (buf[GUARD + a.nbytes:] != guard).any():
+        raise KernelError(f"{name} wrote outside {what}")
+    a.reshape(-1).view(np.uint8)[...] = buf[GUARD:GUARD + a.nbytes]
+
+
+def run(plan, source=None, order="low", tables=None):
     """Run a planned launch (cuda_kernels.Launch) on the CPU; `source` defaults to the
-    source of the kernel's part for plan.dtype (a test passes a broken variant)."""
+    source of the kernel's part for plan.dtype (a test passes a broken variant); `tables`
+    as launch's (a multi-tensor plan's, minidist/optim/multi_tensor.py)."""
     source = cs.source(plan.dtype, cs.part_of(plan.name)) if source is None else source
-    launch(source, plan.name, plan.grid, plan.block, plan.args, order)
+    launch(source, plan.name, plan.grid, plan.block, plan.args, order, tables)

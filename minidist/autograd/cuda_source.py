@@ -14,7 +14,8 @@ check every launch's arguments against what the kernel declares (tests/test_cuda
 which also compiles the source with nvcc where one is installed).
 
 The kernels come in parts, each compiled on its own: "fused" (this file), "flash"
-(cuda_source_flash.py) and "fusions" (cuda_source_fusions.py); `source(dtype, part)`.
+(cuda_source_flash.py), "fusions" (cuda_source_fusions.py) and "multi" (the multi-tensor
+optimizer kernels, cuda_source_multi.py); `source(dtype, part)`.
 The same text compiles for the CPU with g++ and tests/cuda_host/cuda_host.h, where
 tests/test_cuda_kernels_cpu.py runs every kernel against the xp code, so write kernels in
 the subset that header gives a meaning: no dynamic shared memory, shuffles of up to 8 bytes.
@@ -26,11 +27,13 @@ import numpy as np
 
 from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
 from minidist.autograd.cuda_source_fusions import FUSION_NAMES, FUSIONS
+from minidist.autograd.cuda_source_multi import MULTI, MULTI_NAMES
 
 CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
           "float32": ("float", "float"), "float64": ("double", "double")}
 C_TO_NUMPY = {"float": np.dtype(np.float32), "double": np.dtype(np.float64),
-              "long long": np.dtype(np.int64), "int": np.dtype(np.int32)}
+              "long long": np.dtype(np.int64), "int": np.dtype(np.int32),
+              "unsigned long long": np.dtype(np.uint64)}
 
 # bfloat16's load and store, only in bfloat16's source: a toolkit whose NVRTC cannot find
 # cuda_bf16.h then still compiles the other dtypes' kernels
@@ -251,11 +254,11 @@ def dtype_name(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-# The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py) and
-# "fusions" (cuda_source_fusions.py) have not run on a GPU yet, so they are kept out of the
-# source the other kernels are compiled from
+# The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py),
+# "fusions" (cuda_source_fusions.py) and "multi" (cuda_source_multi.py) have not run on a
+# GPU yet, so they are kept out of the source the other kernels are compiled from
 PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES),
-         "fusions": (FUSIONS, FUSION_NAMES)}
+         "fusions": (FUSIONS, FUSION_NAMES), "multi": (MULTI, MULTI_NAMES)}
 
 
 def part_of(kernel):
@@ -273,7 +276,7 @@ def source(dtype, part="fused"):
             + GELU_DEFINES + PARTS[part][0])
 
 
-def signature(name, text=KERNELS + FLASH + FUSIONS):
+def signature(name, text=KERNELS + FLASH + FUSIONS + MULTI):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
     m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)

@@ -1,0 +1,160 @@
+"""Multi-tensor optimizer launches: AdamW over a whole parameter group, --amp's step and the
+clip's sum of squares, each ONE kernel launch however many parameters there are (the
+per-parameter path costs one launch per parameter for AdamW, ~8 per parameter with --amp).
+
+    tables        for each role (parameters, gradients, m, v, ...) a device array of the
+                  tensors' addresses (uint64), built with xp and cached while the addresses
+                  do not change (`address_table`); plus the tensors' sizes and, per block,
+                  which tensor and which chunk of it (`chunk_tables`, cached by sizes)
+    plans         `<kernel>_launch(xp, ...)` pure functions returning (Launch, tables):
+                  the Launch of minidist/autograd/cuda_kernels.py (the GPU runs it as is)
+                  and {argument index: the tensors that address table points at}, which
+                  the CPU harness (tests/cuda_cpu.py) uses to hand the kernel its own
+                  guarded copies of those tensors
+    runners       `adamw_group`, `amp_adamw_group`, `sum_sq` run a plan on cupy arrays
+
+The kernels (minidist/autograd/cuda_source_multi.py) are proven on the CPU only
+(tests/test_multi_tensor_cpu.py); the optimizers reach them on cupy arrays with
+MINIDIST_CUDA_NEW_KERNELS=1 (`use_multi`), never on numpy: the CPU path is unchanged.
+"""
+import math
+import sys
+
+import numpy as np
+
+from minidist.autograd.cuda_kernels import Launch, acc_dtype, launch
+from minidist.autograd.cuda_kernels_new import use_new
+from minidist.backend import is_cupy
+
+CHUNK = 32768          # elements per block (each of THREADS threads: CHUNK / THREADS)
+THREADS = 256
+_TABLES = {}           # (kind, key) -> device table; cleared when it grows past _MAX_TABLES
+_MAX_TABLES = 256
+
+
+def use_multi(*groups):
+    """True when these lists of arrays should take the multi-tensor kernels: every array a
+    C-contiguous cupy array, each list of one dtype, MINIDIST_CUDA_NEW_KERNELS=1."""
+    arrays = [a for g in groups for a in g]
+    if not arrays or not all(is_cupy(a) and a.flags.c_contiguous for a in arrays):
+        return False
+    return all(use_new(*g) for g in groups if g)
+
+
+def address(a):
+    """The device (cupy) or host (numpy) address of a's first element."""
+    return a.data.ptr if is_cupy(a) else a.ctypes.data
+
+
+def _cached(key, make):
+    if key not in _TABLES:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = make()
+    return _TABLES[key]
+
+
+def address_table(xp, arrays):
+    """uint64 array (on xp's device) of the arrays' addresses; cached by those addresses, so
+    a step whose tensors have not moved copies nothing to the device."""
+    addrs = tuple(address(a) for a in arrays)
+    return _cached(("addr", xp.__name__, addrs),
+                   lambda: xp.asarray(np.array(addrs, dtype=np.uint64)))
+
+
+def chunk_tables(xp, sizes, chunk=CHUNK):
+    """(sizes int64, blk_tensor int32, blk_start int64) on xp's device: block b covers
+    elements [blk_start[b], blk_start[b] + chunk) of tensor blk_tensor[b], cut at its size;
+    an empty tensor gets no block."""
+    sizes = tuple(int(n) for n in sizes)
+
+    def make():
+        tensor = [t for t, n in enumerate(sizes) for _ in range(0, n, chunk)]
+        start = [s for n in sizes for s in range(0, n, chunk)]
+        return (xp.asarray(np.array(sizes, dtype=np.int64)),
+                xp.asarray(np.array(tensor, dtype=np.int32)),
+                xp.asarray(np.array(start, dtype=np.int64)))
+    return _cached(("chunks", xp.__name__, sizes, chunk), make)
+
+
+def _tables(xp, roles, chunk):
+    """The address tables of each role's list of arrays, then the chunk tables, as kernel
+    arguments; {argument index: arrays} for the CPU harness; the number of blocks."""
+    args, tables = [], {}
+    for i, arrays in enumerate(roles):
+        args.append(address_table(xp, arrays))
+        tables[i] = list(arrays)
+    sizes, blk_tensor, blk_start = chunk_tables(xp, [a.size for a in roles[0]], chunk)
+    if len(blk_start) == 0:
+        raise ValueError("multi-tensor launch over no elements (the caller skips it)")
+    return args + [sizes, blk_tensor, blk_start, np.int64(chunk)], tables, len(blk_start)
+
+
+def adamw_scalars(step, lr, beta1, beta2, eps, weight_decay):
+    """adamw_step's scalars, as cuda_kernels.adamw_launch computes them on the host."""
+    return (beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay,
+            1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step))
+
+
+def multi_adamw_launch(xp, params, grads, ms, vs, step, lr, beta1, beta2, eps, weight_decay,
+                       chunk=CHUNK):
+    """One AdamW step over a group (lists of contiguous arrays of one dtype, float32 or
+    float64, p, m, v in place) and the tables. The group's hyperparameters, one step count."""
+    dtype = params[0].dtype
+    args, tables, blocks = _tables(xp, (params, grads, ms, vs), chunk)
+    acc = acc_dtype(dtype).type
+    args += [acc(x) for x in adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)]
+    return Launch("multi_adamw", dtype, (blocks,), (THREADS,), tuple(args)), tables
+
+
+def multi_amp_adamw_launch(xp, weights, grads, masters, ms, vs, factor, step, lr, beta1,
+                           beta2, eps, weight_decay, chunk=CHUNK):
+    """--amp's step over a group: 16-bit weights and gradients, float32 masters, m, v.
+    `factor` (1/S, or 1/S x clip: a Python float) becomes float32 by rounding to nearest,
+    as numpy does for `float32_buffer *= factor` (amp.unscaled)."""
+    args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs), chunk)
+    scalars = (factor,) + adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)
+    args += [np.float32(x) for x in scalars]
+    plan = Launch("multi_amp_adamw", grads[0].dtype, (blocks,), (THREADS,),
+                  tuple(args))
+    return plan, tables
+
+
+def multi_sum_sq_launches(xp, grads, scale, chunk=CHUNK):
+    """The two launches of sum((g x scale)^2) over `grads` (one dtype): per-block partials,
+    then one block sums them; the tables and the (1,) result in the accumulation dtype."""
+    dtype = grads[0].dtype
+    acc = acc_dtype(dtype)
+    args, tables, blocks = _tables(xp, (grads,), chunk)
+    partial, out = xp.empty(blocks, acc), xp.empty(1, acc)
+    first = Launch("multi_sum_sq", dtype, (blocks,), (THREADS,),
+                   tuple(args) + (acc.type(scale), partial))
+    final = Launch("multi_sum_sq_final", dtype, (1,), (1024,),
+                   (partial, np.int64(len(partial)), out))
+    return [first, final], tables, out
+
+
+# ---- on cupy: the optimizers call these -----------------------------------------------------
+
+def adamw_group(params, grads, ms, vs, step, lr, beta1, beta2, eps, weight_decay):
+    """One launch: AdamW over a parameter group (use_multi(params, grads, ms, vs) holds)."""
+    plan, _ = multi_adamw_launch(sys.modules["cupy"], params, grads, ms, vs, step, lr, beta1,
+                                 beta2, eps, weight_decay)
+    launch(plan)
+
+
+def amp_adamw_group(weights, grads, masters, ms, vs, factor, step, lr, beta1, beta2, eps,
+                    weight_decay):
+    """One launch: --amp's unscale, AdamW and copy back to 16 bits over a group."""
+    plan, _ = multi_amp_adamw_launch(sys.modules["cupy"], weights, grads, masters, ms, vs,
+                                     factor, step, lr, beta1, beta2, eps, weight_decay)
+    launch(plan)
+
+
+def sum_sq(grads, scale):
+    """sum((g x scale)^2) over `grads` as a 0-d float64 array on the device (two launches),
+    like optim/clip.local_sum_sq's result."""
+    plans, _, out = multi_sum_sq_launches(sys.modules["cupy"], grads, scale)
+    for plan in plans:
+        launch(plan)
+    return out.reshape(()).astype(np.float64)

@@ -1,0 +1,185 @@
+"""The multi-tensor optimizer kernels (minidist/autograd/cuda_source_multi.py, planned by
+minidist/optim/multi_tensor.py) RUN on the CPU (tests/cuda_cpu.py, which hands each kernel a
+pointer table of its own guarded copies of the tensors) against the per-parameter path they
+replace, under both thread orders:
+
+    multi_adamw        bitwise AdamW.step (adamw_update's xp code) and the per-parameter
+                       adamw_step kernel, float32 and float64, odd sizes, several steps,
+                       two groups (decay and no decay)
+    multi_amp_adamw    bitwise MasterWeightOptimizer.step (amp.unscaled, adamw_update, the
+                       master rounded to 16 bits), float16 and bfloat16 (skipped without
+                       ml_dtypes), with a clip factor
+    multi_sum_sq       MixedPrecision.unscaled_sum_sq / clip.local_sum_sq to rounding only:
+                       another summation order
+
+Broken variants (no bound at a tensor's end, a barrier missing from the reduction, the
+wrong tensor's chunk) must fail; every plan's arguments against the kernel's declared
+parameters; gpu-marked tests compare the multi path with the per-parameter one on cupy.
+Run: python -m pytest -q tests/test_multi_tensor_cpu.py   (skips without a C++ compiler)
+     python -m pytest -m gpu --device cuda tests/test_multi_tensor_cpu.py   (on a GPU)
+"""
+import functools
+
+import numpy as np
+import pytest
+
+import cuda_cpu
+from minidist.autograd import cuda_kernels as ck, cuda_source as cs
+from minidist.nn import Module, Parameter
+from minidist.optim import AdamW, multi_tensor as mt
+from minidist.optim.clip import local_sum_sq
+from minidist.train.amp import LossScaler, MixedPrecision
+from test_cuda_kernels_cpu import ORDERS, failing_orders, np_dtype, nth_replaced
+
+pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
+                                reason=str(cuda_cpu.reason_unavailable()))
+
+SIZES = ((1,), (3,), (1025,), (4099,), (37, 29))     # chunks of 1000: uneven, 1 to 5 each
+CHUNK = 1000
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Bag(Module):
+    """Parameters of odd sizes; the two smallest without weight decay (AdamW's 2 groups)."""
+
+    def __init__(self, dtype, seed=0):
+        super().__init__()
+        r = np.random.default_rng(seed)
+        for i, shape in enumerate(SIZES):
+            setattr(self, f"p{i}", Parameter(r.standard_normal(shape).astype(dtype),
+                                             decay=i >= 2))
+
+
+def set_grads(model, step, scale=1.0):
+    r = np.random.default_rng(100 + step)
+    for p in model.parameters():
+        p.grad = (r.standard_normal(p.shape) * scale).astype(p.dtype)
+
+
+def multi_step(opt, grads_of, src, order):
+    """AdamW's step of every group of `opt` as one multi_adamw launch each (on the CPU)."""
+    for group in opt.param_groups:
+        states = [opt.state.setdefault(n, {"step": 0}) for n in group["names"]]
+        for s, p in zip(states, group["params"]):
+            s.setdefault("exp_avg", np.zeros_like(p.data))
+            s.setdefault("exp_avg_sq", np.zeros_like(p.data))
+            s["step"] += 1
+        plan, tables = mt.multi_adamw_launch(
+            np, [p.data for p in group["params"]], [grads_of(p) for p in group["params"]],
+            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            states[0]["step"], group["lr"], *group["betas"], group["eps"],
+            group["weight_decay"], chunk=CHUNK)
+        cuda_cpu.run(plan, src, order, tables)
+
+
+def check_multi_adamw(dtype, src=None, order="low", steps=3):
+    """multi_adamw over AdamW's two groups equals AdamW.step bitwise, step after step; and
+    the per-parameter adamw_step kernel (float32: run for one step beside it)."""
+    ref, got = Bag(dtype), Bag(dtype)
+    opt_ref, opt_got = AdamW(ref.named_parameters(), **HYPER), AdamW(got.named_parameters(),
+                                                                     **HYPER)
+    for step in range(steps):
+        set_grads(ref, step), set_grads(got, step)
+        opt_ref.step()
+        multi_step(opt_got, lambda p: p.grad, src, order)
+        for (name, a), b in zip(ref.named_parameters(), got.parameters()):
+            np.testing.assert_array_equal(b.data, a.data, err_msg=f"multi_adamw {name}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(opt_got.state[name][key],
+                                              opt_ref.state[name][key], err_msg=key)
+
+
+def per_parameter_kernel_step(model, opt, step):
+    """AdamW through the proven per-parameter adamw_step kernel on the CPU."""
+    for group in opt.param_groups:
+        for name, p in zip(group["names"], group["params"]):
+            s = opt.state.setdefault(name, {"step": 0, "exp_avg": np.zeros_like(p.data),
+                                            "exp_avg_sq": np.zeros_like(p.data)})
+            s["step"] += 1
+            cuda_cpu.run(ck.adamw_launch(p.data, p.grad, s["exp_avg"], s["exp_avg_sq"],
+                                         s["step"], group["lr"], *group["betas"], group["eps"],
+                                         group["weight_decay"]))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_multi_adamw_equals_adamw_bitwise(dtype, order):
+    check_multi_adamw(dtype, order=order)
+
+
+def test_multi_adamw_equals_the_per_parameter_kernel_bitwise():
+    a, b = Bag("float32"), Bag("float32")
+    opt_a, opt_b = AdamW(a.named_parameters(), **HYPER), AdamW(b.named_parameters(), **HYPER)
+    for step in range(2):
+        set_grads(a, step), set_grads(b, step)
+        per_parameter_kernel_step(a, opt_a, step)
+        multi_step(opt_b, lambda p: p.grad, None, "low")
+    for x, y in zip(a.parameters(), b.parameters()):
+        np.testing.assert_array_equal(y.data, x.data)
+
+
+# ---- --amp: 16-bit weights and gradients, float32 masters ------------------------------------
+
+def amp_setup(dtype):
+    amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=dtype)
+    model = amp.cast_model(Bag(np.float32))
+    amp.scaler.scale = 1024.0               # bfloat16's policy fixes it at 1: scale anyway
+    return amp, model, amp.optimizer(model.named_parameters(), lambda n: AdamW(n, **HYPER))
+
+
+def check_multi_amp_adamw(dtype, src=None, order="low", steps=3, max_norm=5.0):
+    """multi_amp_adamw equals MasterWeightOptimizer.step bitwise: masters, m, v and the
+    16-bit weights; the factor includes a clip (max_norm below the gradients' norm)."""
+    (amp_r, ref, opt_r), (amp_g, got, opt_g) = amp_setup(dtype), amp_setup(dtype)
+    for step in range(steps):
+        set_grads(ref, step, 1024.0), set_grads(got, step, 1024.0)
+        amp_r.scaled_upstream()
+        norm = opt_r.clip_grad_norm(max_norm)
+        found_inf, factor = amp_r.scaler.verdict(norm, max_norm)
+        assert not found_inf and factor < 1 / 1024.0          # clipped
+        assert opt_r.step()
+        for group in opt_g.inner.param_groups:
+            names = group["names"]
+            states = [opt_g.inner.state.setdefault(n, {"step": 0}) for n in names]
+            for s, m in zip(states, group["params"]):
+                s.setdefault("exp_avg", np.zeros_like(m.data))
+                s.setdefault("exp_avg_sq", np.zeros_like(m.data))
+                s["step"] += 1
+            w = [opt_g._model_param[n] for n in names]
+            plan, tables = mt.multi_amp_adamw_launch(
+                np, [p.data for p in w], [p.grad for p in w], [m.data for m in group["params"]],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], factor,
+                states[0]["step"], group["lr"], *group["betas"], group["eps"],
+                group["weight_decay"], chunk=CHUNK)
+            cuda_cpu.run(plan, src, order, tables)
+        for (name, a), b, ma, mb in zip(ref.named_parameters(), got.parameters(),
+                                        opt_r.master, opt_g.master):
+            assert b.dtype == np_dtype(dtype)
+            np.testing.assert_array_equal(mb.data, ma.data, err_msg=f"master {name}")
+            np.testing.assert_array_equal(b.data.view(np.uint16), a.data.view(np.uint16),
+                                          err_msg=f"16-bit weight {name}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(opt_g.inner.state[name][key],
+                                              opt_r.inner.state[name][key], err_msg=key)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_multi_amp_adamw_equals_master_weight_optimizer_bitwise(dtype, order):
+    np_dtype(dtype)                                  # skips bfloat16 without ml_dtypes
+    check_multi_amp_adamw(dtype, order=order)
+
+
+def test_the_factor_is_rounded_to_float32_as_numpy_does():
+    """`float32_buffer *= factor` (amp.unscaled) multiplies by float32(factor), rounded to
+    nearest: the plan passes exactly that value (NEP 50: a Python float is weak)."""
+    factor = 0.7 / 1024.0 / 3.0
+    buf = np.array([1.0, 3.0, 1 / 3], np.float32)
+    want = buf * np.float32(factor)
+    buf *= factor
+    np.testing.assert_array_equal(buf, want)
+    a = [np.ones(3, np.float16)]
+    f = [np.ones(3, np.float32)]
+    plan, _ = mt.multi_amp_adamw_launch(np, a, a, f, f, f, factor, 1, 1e-3, 0.9, 0.95, 1e-8,
+                                        0.0)
+    assert plan.args[9] == np.float32(factor) and plan.args[9].dtype == np.float32
