@@ -13,7 +13,7 @@ replace, under both thread orders:
                        another summation order
 
 Broken variants (no bound at a tensor's end, a barrier missing from the reduction, the
-wrong tensor's chunk) must fail; every plan's arguments against the kernel's declared
+wrong tensor's chunk, a partial left out) must fail; every plan's arguments against the kernel's declared
 parameters; gpu-marked tests compare the multi path with the per-parameter one on cupy.
 Run: python -m pytest -q tests/test_multi_tensor_cpu.py   (skips without a C++ compiler)
      python -m pytest -m gpu --device cuda tests/test_multi_tensor_cpu.py   (on a GPU)
@@ -56,7 +56,7 @@ def set_grads(model, step, scale=1.0):
         p.grad = (r.standard_normal(p.shape) * scale).astype(p.dtype)
 
 
-def multi_step(opt, grads_of, src, order):
+def multi_step(opt, grads_of, src, order, chunk=CHUNK):
     """AdamW's step of every group of `opt` as one multi_adamw launch each (on the CPU)."""
     for group in opt.param_groups:
         states = [opt.state.setdefault(n, {"step": 0}) for n in group["names"]]
@@ -68,11 +68,11 @@ def multi_step(opt, grads_of, src, order):
             np, [p.data for p in group["params"]], [grads_of(p) for p in group["params"]],
             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             states[0]["step"], group["lr"], *group["betas"], group["eps"],
-            group["weight_decay"], chunk=CHUNK)
+            group["weight_decay"], chunk=chunk)
         cuda_cpu.run(plan, src, order, tables)
 
 
-def check_multi_adamw(dtype, src=None, order="low", steps=3):
+def check_multi_adamw(dtype, src=None, order="low", steps=3, chunk=CHUNK):
     """multi_adamw over AdamW's two groups equals AdamW.step bitwise, step after step; and
     the per-parameter adamw_step kernel (float32: run for one step beside it)."""
     ref, got = Bag(dtype), Bag(dtype)
@@ -81,7 +81,7 @@ def check_multi_adamw(dtype, src=None, order="low", steps=3):
     for step in range(steps):
         set_grads(ref, step), set_grads(got, step)
         opt_ref.step()
-        multi_step(opt_got, lambda p: p.grad, src, order)
+        multi_step(opt_got, lambda p: p.grad, src, order, chunk)
         for (name, a), b in zip(ref.named_parameters(), got.parameters()):
             np.testing.assert_array_equal(b.data, a.data, err_msg=f"multi_adamw {name}")
             for key in ("exp_avg", "exp_avg_sq"):
@@ -183,3 +183,152 @@ def test_the_factor_is_rounded_to_float32_as_numpy_does():
     plan, _ = mt.multi_amp_adamw_launch(np, a, a, f, f, f, factor, 1, 1e-3, 0.9, 0.95, 1e-8,
                                         0.0)
     assert plan.args[9] == np.float32(factor) and plan.args[9].dtype == np.float32
+
+
+# ---- the clip's sum of squares -----------------------------------------------------------
+
+SUM_TOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-13}
+
+
+def check_multi_sum_sq(dtype, src=None, order="low", chunk=CHUNK):
+    """multi_sum_sq then multi_sum_sq_final equal the xp path's sum of squares to rounding
+    (float32 accumulation in another order; float64 for float64): 16-bit gradients against
+    MixedPrecision.unscaled_sum_sq, float32 and float64 against clip.local_sum_sq."""
+    grads = [g.astype(np_dtype(dtype)) for g in
+             (np.random.default_rng(7).standard_normal(s) * 300 for s in SIZES)]
+    inv = 1.0 / 1024.0 if dtype in ("float16", "bfloat16") else 1.0
+    plans, tables, out = mt.multi_sum_sq_launches(np, grads, inv, chunk=chunk)
+    out[...] = np.nan
+    for plan in plans:
+        cuda_cpu.run(plan, src, order, tables if plan.name == "multi_sum_sq" else None)
+    # each block's partial on its own: a final sum can hide a wrong partial (a missing
+    # barrier leaves one block's warp sums to the next block, and the sum comes out right)
+    chunks = [(g.reshape(-1)[a:a + chunk].astype(np.float64) * inv) for g in grads
+              for a in range(0, g.size, chunk)]
+    np.testing.assert_allclose(plans[0].args[-1], [(c * c).sum() for c in chunks],
+                               rtol=SUM_TOL[dtype], err_msg="multi_sum_sq partials")
+    if inv != 1.0:
+        amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=dtype)
+        want = amp.unscaled_sum_sq(grads)
+    else:
+        want = local_sum_sq(grads)
+    assert out.dtype == ck.acc_dtype(dtype)
+    np.testing.assert_allclose(float(out[0]), float(want), rtol=SUM_TOL[dtype],
+                               err_msg=f"multi_sum_sq {dtype}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_multi_sum_sq_equals_the_xp_sum_to_rounding(dtype, order):
+    check_multi_sum_sq(dtype, order=order)
+
+
+def test_multi_sum_sq_with_one_block_per_tensor_and_many_partials():
+    check_multi_sum_sq("float32", chunk=1 << 20)             # 5 partials
+    check_multi_sum_sq("float32", chunk=64)                   # 1 + 1 + 17 + 65 + 17 = 101
+
+
+# ---- broken variants must fail -----------------------------------------------------------
+
+# Chunks of 32 elements for the variants that write past a tensor: the overrun (< 32
+# elements, <= 248 bytes) stays inside the harness's 256 guard bytes, where it is caught
+SHORT = functools.partial(check_multi_adamw, chunk=32)
+BROKEN = {   # name -> (check, dtype, old, new, occurrence): one defect each
+    "no bound at the tensor's end": (SHORT, "float32",
+                                     "min(*start + chunk, sizes[*t])", "*start + chunk", 0),
+    "a chunk one element too long": (SHORT, "float64",
+                                     "min(*start + chunk, sizes[*t])",
+                                     "min(*start + chunk, sizes[*t] + 1)", 0),
+    "the next tensor's chunk": (check_multi_adamw, "float32", "*t = blk_tensor[blockIdx.x];",
+                                "*t = (blk_tensor[blockIdx.x] + 1) % 2;", 0),
+    "amp: the factor not applied": (check_multi_amp_adamw, "float16", "ld(g, i) * factor",
+                                    "ld(g, i)", 0),
+    "amp: the weight not copied back": (check_multi_amp_adamw, "float16", "st(w, i, pn);", "",
+                                        0),
+    "sum_sq: the reduction's second barrier missing": (check_multi_sum_sq, "float32",
+                                                       "__syncthreads();", "", 1),
+    "sum_sq_final: the last partial skipped": (check_multi_sum_sq, "float32",
+                                               "i = threadIdx.x; i < n;",
+                                               "i = threadIdx.x; i < n - 1;", 0),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_multi_kernel_fails_its_check(name):
+    """Each defect makes its check fail (a wrong answer or a write outside a tensor caught by
+    its guard) in at least one thread order; the intact source passes (tests above)."""
+    check, dtype, old, new, n = BROKEN[name]
+    src = nth_replaced(cs.source(dtype, "multi"), old, new, n)
+    failed = failing_orders(functools.partial(check, dtype), src)
+    assert failed, f"{name}: the broken kernel passed in both orders"
+
+
+# ---- the harness's tables and the plans' argument types ----------------------------------
+
+def test_a_table_that_is_not_the_tensors_addresses_is_refused():
+    a, b = np.ones(5, np.float32), np.ones(7, np.float32)
+    plans, tables, _ = mt.multi_sum_sq_launches(np, [a, b], 1.0)
+    with pytest.raises(cuda_cpu.KernelError, match="not the table"):
+        cuda_cpu.run(plans[0], tables={0: [b, a]})
+
+
+def test_a_write_past_a_tensor_of_a_table_is_caught_by_its_guard():
+    src = nth_replaced(cs.source("float32", "multi"), "min(*start + chunk, sizes[*t])",
+                       "*start + chunk", 0)
+    p = [np.zeros(n, np.float32) for n in (3, 5)]
+    plan, tables = mt.multi_adamw_launch(np, p, p, p, p, 1, 1e-3, 0.9, 0.95, 1e-8, 0.0,
+                                         chunk=8)
+    with pytest.raises(cuda_cpu.KernelError, match="wrote outside tensor 0 of table #0"):
+        cuda_cpu.run(plan, src, tables=tables)
+
+
+def test_tables_are_cached_while_the_addresses_stay():
+    a = [np.ones(n, np.float32) for n in (3, 5)]
+    t1, t2 = mt.address_table(np, a), mt.address_table(np, a)
+    assert t1 is t2 and list(t1) == [x.ctypes.data for x in a]
+    b = [np.ones(3, np.float32), a[1]]
+    assert mt.address_table(np, b) is not t1
+    sizes, blk_tensor, blk_start = mt.chunk_tables(np, [3, 0, 2500], chunk=1000)
+    assert list(blk_tensor) == [0, 2, 2, 2] and list(blk_start) == [0, 0, 1000, 2000]
+    assert mt.chunk_tables(np, [3, 0, 2500], chunk=1000)[1] is blk_tensor
+
+
+def plans(dtype):
+    """Each multi kernel's launch for gradient dtype `dtype`, planned with numpy arrays."""
+    r = np.random.default_rng(0)
+    t = [r.standard_normal(n).astype(np_dtype(dtype)) for n in (3, 1025)]
+    f = [np.zeros(n, np.float32) for n in (3, 1025)]
+    out = {"multi_sum_sq": mt.multi_sum_sq_launches(np, t, 0.5)[0]}
+    if dtype in ("float32", "float64"):
+        out["multi_adamw"] = [mt.multi_adamw_launch(np, t, t, t, t, 2, 1e-3, 0.9, 0.95,
+                                                    1e-8, 0.1)[0]]
+    else:
+        out["multi_amp_adamw"] = [mt.multi_amp_adamw_launch(np, t, t, f, f, f, 0.25, 2, 1e-3,
+                                                            0.9, 0.95, 1e-8, 0.1)[0]]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_every_multi_launch_hands_the_kernel_its_declared_types(dtype):
+    """T* tables point at the gradient dtype (checked by the harness, above); here each
+    argument against the parameter list: unsigned long long* uint64, int* int32, long
+    long* int64, A* the accumulation dtype, float and A scalars numpy scalars of exactly
+    that width (a Python float would be a double)."""
+    acc = ck.acc_dtype(dtype).name
+    want = {"A": acc, "float": "float32", "long long": "int64", "int": "int32",
+            "unsigned long long": "uint64"}
+    for key, launches in plans(dtype).items():
+        for plan in launches:
+            assert cs.part_of(plan.name) == "multi" and cs.dtype_name(plan.dtype) == dtype
+            params, args = cs.signature(plan.name), ck.describe(plan.args)
+            assert len(params) == len(args), f"{plan.name}: {len(args)} for {len(params)}"
+            for i, ((ctype, pointer), arg) in enumerate(zip(params, args)):
+                kind = ("array" if pointer else "scalar", want[ctype])
+                assert arg[:2] == kind, f"{plan.name} argument #{i} ({ctype}): {arg}"
+
+
+def test_numpy_arrays_never_take_the_multi_kernels(monkeypatch):
+    """The CPU path is unchanged: numpy arrays never qualify, even with the switch on."""
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    a = [np.zeros(3, np.float32)]
+    assert not mt.use_multi(a, a, a, a) and not mt.use_multi()
