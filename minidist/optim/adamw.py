@@ -14,13 +14,16 @@ On CuPy (contiguous float32 or float64, MINIDIST_CUDA_KERNELS not "0") the same 
 one fused CUDA kernel, `adamw_step` in autograd/cuda_source.py: one launch and one pass over
 p, g, m, v instead of ~11. The xp code of adamw_update is its generic twin;
 `cuda_kernels.adamw_launch` plans the launch, and tests/test_cuda_kernels_cpu.py runs that
-very kernel on the CPU against this code.
+very kernel on the CPU against this code. With MINIDIST_CUDA_NEW_KERNELS=1 (proven on the CPU
+only) AdamW.step does a whole parameter group in ONE launch, `multi_adamw`
+(optim/multi_tensor.py; tests/test_multi_tensor_cpu.py), the same arithmetic per element.
 Tests: tests/test_optim.py, tests/test_flat_adamw.py.
 """
 import math
 
 from minidist.autograd import cuda_kernels
 from minidist.backend import xp_of
+from minidist.optim import multi_tensor
 from minidist.optim.optimizer import Optimizer, wants_decay
 
 
@@ -76,6 +79,30 @@ class AdamW(Optimizer):
                  for want in (True, False)]
         split[1]["weight_decay"] = 0.0
         return [s for s in split if s["params"]]
+
+    def step_group(self, group):
+        """The per-parameter update (Optimizer.step_group), or on cupy with
+        MINIDIST_CUDA_NEW_KERNELS=1 one multi-tensor launch over the whole group."""
+        if not self.multi_step_group(group):
+            super().step_group(group)
+
+    def multi_step_group(self, group):
+        """AdamW over the group in ONE launch (optim/multi_tensor.py) when every parameter
+        has a gradient, all share one step count and the arrays qualify
+        (multi_tensor.adamw_ok); False, having changed nothing, otherwise."""
+        params = [p.data for p in group["params"]]
+        grads = [p.grad for p in group["params"]]
+        if any(g is None for g in grads) or not multi_tensor.adamw_ok(params, grads):
+            return False
+        states = multi_tensor.advance_states(self.state, group["names"], params)
+        if states is None:
+            return False
+        beta1, beta2 = group["betas"]
+        multi_tensor.adamw_group(params, grads, [s["exp_avg"] for s in states],
+                                 [s["exp_avg_sq"] for s in states], states[0]["step"],
+                                 group["lr"], beta1, beta2, group["eps"],
+                                 group["weight_decay"])
+        return True
 
     def update(self, p, grad, state, group):
         if "exp_avg" not in state:

@@ -16,11 +16,17 @@ array multiply whether or not it clips (1.0 when the norm is within max_norm), s
 Tests: tests/test_optim.py, tests/test_no_sync.py.
 """
 from minidist.backend import xp_of
+from minidist.optim import multi_tensor
 
 
 def local_sum_sq(grads):
     """Sum of squares of these gradient arrays, accumulated in float64, as a 0-d float64
-    array on their device (a numpy float64 on the CPU); 0.0 when there are none."""
+    array on their device (a numpy float64 on the CPU); 0.0 when there are none. On cupy
+    with MINIDIST_CUDA_NEW_KERNELS=1: two launches in all (multi_tensor.sum_sq, accumulated
+    in float32 for float32 gradients), not three per gradient."""
+    grads = list(grads)
+    if multi_tensor.use_multi(grads) and grads[0].dtype.name in ("float32", "float64"):
+        return multi_tensor.sum_sq(grads, 1.0)
     total = 0.0
     for g in grads:
         flat = g.reshape(-1)

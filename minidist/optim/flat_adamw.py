@@ -13,6 +13,9 @@ buffer, as a ZeRO FlatUnit is (minidist/zero/flat.py):
                   adamw_update once over the whole group: ~11 operations per group, or on CuPy
                   with the kernels on, one fused kernel launch per group (adamw.py)
 
+With MINIDIST_CUDA_NEW_KERNELS=1 on cupy (proven on the CPU only) the copies go too: one
+multi_adamw launch per group reads each .grad where it lies (optim/multi_tensor.py).
+
 The cost: a flat gradient buffer per group, and for the xp update a scratch buffer (4 + 4
 bytes per float32 parameter, in the ledger's "grads"; the fused kernel needs no scratch).
 DDP's gradients are already views into flat buckets, ZeRO's optimizer already updates flat
@@ -26,6 +29,7 @@ copied back into the buffer before the step, and .data points at its view again.
 Tests: tests/test_flat_adamw.py.
 """
 from minidist.backend import xp_of
+from minidist.optim import multi_tensor
 from minidist.optim.adamw import AdamW, adamw_update, fused_adamw_ok
 
 
@@ -103,6 +107,8 @@ class FlatAdamW(AdamW):
                 continue
             for s in states:
                 s["step"] += 1
+            if self._multi_step(group, flat, states):
+                continue
             flat.gather_grads()
             beta1, beta2 = group["betas"]
             fused = fused_adamw_ok(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq)
@@ -111,6 +117,19 @@ class FlatAdamW(AdamW):
             adamw_update(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq, steps.pop() + 1,
                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                          scratch=flat.scratch)
+
+    def _multi_step(self, group, flat, states):
+        """On cupy with MINIDIST_CUDA_NEW_KERNELS=1: one multi_adamw launch over the views,
+        reading each .grad where it is (no copy into the flat gradient). False otherwise."""
+        grads = [p.grad for p in flat.params]
+        if not multi_tensor.adamw_ok(flat.param_views, grads):
+            return False
+        beta1, beta2 = group["betas"]
+        multi_tensor.adamw_group(flat.param_views, grads, [s["exp_avg"] for s in states],
+                                 [s["exp_avg_sq"] for s in states], states[0]["step"],
+                                 group["lr"], beta1, beta2, group["eps"],
+                                 group["weight_decay"])
+        return True
 
     def _step_each(self, group, flat):
         """AdamW's per-parameter update, on the views (parameters without .grad skipped)."""

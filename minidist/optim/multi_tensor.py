@@ -24,7 +24,7 @@ import numpy as np
 
 from minidist.autograd.cuda_kernels import Launch, acc_dtype, launch
 from minidist.autograd.cuda_kernels_new import use_new
-from minidist.backend import is_cupy
+from minidist.backend import is_cupy, xp_of
 
 CHUNK = 32768          # elements per block (each of THREADS threads: CHUNK / THREADS)
 THREADS = 256
@@ -38,7 +38,38 @@ def use_multi(*groups):
     arrays = [a for g in groups for a in g]
     if not arrays or not all(is_cupy(a) and a.flags.c_contiguous for a in arrays):
         return False
+    if sum(a.size for a in arrays) == 0:
+        return False
     return all(use_new(*g) for g in groups if g)
+
+
+def adamw_ok(params, grads):
+    """multi_adamw can take these: use_multi, all float32 or all float64, one dtype."""
+    return (use_multi(params + grads) and params[0].dtype.name in ("float32", "float64"))
+
+
+def amp_adamw_ok(weights, grads, masters):
+    """multi_amp_adamw can take these: 16-bit weights and gradients of one dtype, float32
+    masters (their m and v are made like them), all qualifying for use_multi."""
+    return (use_multi(weights + grads, masters) and grads[0].dtype.name in ("float16",
+                                                                            "bfloat16")
+            and masters[0].dtype.name == "float32")
+
+
+def advance_states(state, names, arrays):
+    """An optimizer's states of a group (state[name] for each name) for one multi launch:
+    each step count advanced by one, m and v made (zeros like `arrays`) where missing. None,
+    and nothing changed, when the step counts differ (state loaded from a run where some
+    parameter had no gradient): the per-parameter path takes that group."""
+    states = [state.get(n, {"step": 0}) for n in names]
+    if len({s["step"] for s in states}) != 1:
+        return None
+    for name, s, a in zip(names, states, arrays):
+        state[name] = s
+        s["step"] += 1
+        if "exp_avg" not in s:
+            s["exp_avg"], s["exp_avg_sq"] = xp_of(a).zeros_like(a), xp_of(a).zeros_like(a)
+    return states
 
 
 def address(a):

@@ -35,12 +35,16 @@ class Optimizer:
     def step(self):
         """Update every parameter that has a gradient, in place."""
         for group in self.param_groups:
-            for name, p in zip(group["names"], group["params"]):
-                if p.grad is None:
-                    continue
-                state = self.state.setdefault(name, {"step": 0})
-                state["step"] += 1
-                self.update(p.data, p.grad, state, group)
+            self.step_group(group)
+
+    def step_group(self, group):
+        """One group's update, one parameter at a time (AdamW may do a group in one go)."""
+        for name, p in zip(group["names"], group["params"]):
+            if p.grad is None:
+                continue
+            state = self.state.setdefault(name, {"step": 0})
+            state["step"] += 1
+            self.update(p.data, p.grad, state, group)
 
     def update(self, p, grad, state, group):
         raise NotImplementedError

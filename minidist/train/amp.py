@@ -38,6 +38,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn import Parameter
+from minidist.optim import AdamW, multi_tensor
 from minidist.optim.clip import clip_factor, local_sum_sq
 
 SCALER_KEY = "loss_scaler"    # its entry in the optimizer state (checkpoints), beside params
@@ -210,6 +211,8 @@ class MixedPrecision:
         """This rank's sum of squares of `grads` as the master gradients will be: float32,
         divided by the loss scale."""
         inv = 1.0 / self.scaler.scale
+        if multi_tensor.use_multi(grads):          # cupy, MINIDIST_CUDA_NEW_KERNELS=1
+            return multi_tensor.sum_sq(grads, inv)     # 2 launches, not ~4 per gradient
         return sum(local_sum_sq([self.unscaled(g, inv)]) for g in grads)
 
     def describe(self):
@@ -268,14 +271,40 @@ class MasterWeightOptimizer:
         if not self.scaler.update(found_inf):
             return False
         for group in self.inner.param_groups:
-            for name, master in zip(group["names"], group["params"]):
-                p = self._model_param[name]
-                if p.grad is None:
-                    continue
-                state = self.inner.state.setdefault(name, {"step": 0})
-                state["step"] += 1
-                self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
-                p.data[...] = master.data        # float32 master -> 16-bit weights
+            if not self._multi_step_group(group, factor):
+                self._step_group(group, factor)
+        return True
+
+    def _step_group(self, group, factor):
+        """Per parameter: unscale into the scratch buffer, the inner update, copy back."""
+        for name, master in zip(group["names"], group["params"]):
+            p = self._model_param[name]
+            if p.grad is None:
+                continue
+            state = self.inner.state.setdefault(name, {"step": 0})
+            state["step"] += 1
+            self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
+            p.data[...] = master.data            # float32 master -> 16-bit weights
+
+    def _multi_step_group(self, group, factor):
+        """_step_group's work for an AdamW group in ONE launch (multi_amp_adamw, on cupy with
+        MINIDIST_CUDA_NEW_KERNELS=1) when every parameter has a gradient and all share one
+        step count; False, having changed nothing, otherwise."""
+        weights = [self._model_param[n] for n in group["names"]]
+        grads = [p.grad for p in weights]
+        masters = [m.data for m in group["params"]]
+        if (not isinstance(self.inner, AdamW) or any(g is None for g in grads)
+                or not multi_tensor.amp_adamw_ok([p.data for p in weights], grads, masters)):
+            return False
+        states = multi_tensor.advance_states(self.inner.state, group["names"], masters)
+        if states is None:
+            return False
+        beta1, beta2 = group["betas"]
+        multi_tensor.amp_adamw_group([p.data for p in weights], grads, masters,
+                                     [s["exp_avg"] for s in states],
+                                     [s["exp_avg_sq"] for s in states], factor,
+                                     states[0]["step"], group["lr"], beta1, beta2,
+                                     group["eps"], group["weight_decay"])
         return True
 
     # ---- memory ledger and checkpoints ---------------------------------------------------
