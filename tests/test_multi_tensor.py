@@ -1,0 +1,175 @@
+"""The multi-tensor optimizer kernels without running them (their CPU runs are
+tests/test_multi_tensor_cpu.py): every plan's arguments against the kernel's declared
+parameters, nvcc compiles the part with those widths (where a toolkit is installed), the
+optimizers' state bookkeeping for one launch per group, numpy never routed to them; and,
+gpu-marked, the multi path against the per-parameter path on cupy.
+Run: python -m pytest -q tests/test_multi_tensor.py
+     python -m pytest -m gpu --device cuda tests/test_multi_tensor.py   (on a GPU)
+"""
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from minidist.autograd import cuda_kernels as ck, cuda_source as cs
+from minidist.optim import AdamW, multi_tensor as mt
+from minidist.optim.clip import local_sum_sq
+from minidist.train.amp import LossScaler, MixedPrecision
+from test_cuda_kernels import PTX, _ptx_params
+from test_cuda_kernels_cpu import np_dtype
+from test_multi_tensor_cpu import HYPER, SIZES, SUM_TOL, Bag, set_grads
+
+
+def plans(dtype):
+    """Each multi kernel's launch for gradient dtype `dtype`, planned with numpy arrays."""
+    r = np.random.default_rng(0)
+    t = [r.standard_normal(n).astype(np_dtype(dtype)) for n in (3, 1025)]
+    f = [np.zeros(n, np.float32) for n in (3, 1025)]
+    out = {"multi_sum_sq": mt.multi_sum_sq_launches(np, t, 0.5)[0]}
+    if dtype in ("float32", "float64"):
+        out["multi_adamw"] = [mt.multi_adamw_launch(np, t, t, t, t, 2, 1e-3, 0.9, 0.95,
+                                                    1e-8, 0.1)[0]]
+    else:
+        out["multi_amp_adamw"] = [mt.multi_amp_adamw_launch(np, t, t, f, f, f, 0.25, 2, 1e-3,
+                                                            0.9, 0.95, 1e-8, 0.1)[0]]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_every_multi_launch_hands_the_kernel_its_declared_types(dtype):
+    """T* tables point at the gradient dtype (checked by the harness, above); here each
+    argument against the parameter list: unsigned long long* uint64, int* int32, long
+    long* int64, A* the accumulation dtype, float and A scalars numpy scalars of exactly
+    that width (a Python float would be a double)."""
+    acc = ck.acc_dtype(dtype).name
+    want = {"A": acc, "float": "float32", "long long": "int64", "int": "int32",
+            "unsigned long long": "uint64"}
+    for key, launches in plans(dtype).items():
+        for plan in launches:
+            assert cs.part_of(plan.name) == "multi" and cs.dtype_name(plan.dtype) == dtype
+            params, args = cs.signature(plan.name), ck.describe(plan.args)
+            assert len(params) == len(args), f"{plan.name}: {len(args)} for {len(params)}"
+            for i, ((ctype, pointer), arg) in enumerate(zip(params, args)):
+                kind = ("array" if pointer else "scalar", want[ctype])
+                assert arg[:2] == kind, f"{plan.name} argument #{i} ({ctype}): {arg}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_nvcc_compiles_the_multi_kernels(dtype, tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed): the part compiles for sm_90 and
+    each kernel's PTX parameters have the planned widths."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
+    src.write_text(cs.source(dtype, "multi"))
+    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    text = ptx.read_text()
+    for launches in plans(dtype).values():
+        for plan in launches:
+            want = [".u64" if kind == "array" else PTX[dt]
+                    for kind, dt, *_ in ck.describe(plan.args)]
+            assert _ptx_params(text, plan.name) == want, plan.name
+
+
+def test_numpy_arrays_never_take_the_multi_kernels(monkeypatch):
+    """The CPU path is unchanged: numpy arrays never qualify, even with the switch on."""
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    a = [np.zeros(3, np.float32)]
+    assert not mt.use_multi(a, a, a, a) and not mt.use_multi()
+
+
+def test_advance_states_makes_m_v_and_refuses_mixed_step_counts():
+    a, b = np.ones(3, np.float32), np.ones(5, np.float32)
+    state = {"x": {"step": 2, "exp_avg": a + 1, "exp_avg_sq": a + 2}, "y": {"step": 1}}
+    assert mt.advance_states(state, ["x", "y"], [a, b]) is None
+    assert state["x"]["step"] == 2 and state["y"] == {"step": 1}          # nothing changed
+    fresh = {}
+    s = mt.advance_states(fresh, ["x", "y"], [a, b])
+    assert [t["step"] for t in s] == [1, 1] and s[0] is fresh["x"]
+    assert s[1]["exp_avg"].shape == (5,) and not s[1]["exp_avg_sq"].any()
+
+
+# ---- on a GPU: the multi path against the per-parameter path on cupy -------------------------
+
+@pytest.fixture
+def cp(device):
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    return cupy
+
+
+def on_gpu(cp, model):
+    for p in model.parameters():
+        p.data = cp.asarray(p.data)
+    return model
+
+
+def gpu_grads(cp, model, step, scale=1.0):
+    set_grads(model, step, scale)
+    for p in model.parameters():
+        p.grad = cp.asarray(p.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_multi_adamw_equals_per_parameter_kernels(cp, monkeypatch, dtype, flat):
+    """AdamW / FlatAdamW with MINIDIST_CUDA_NEW_KERNELS=1 (one multi_adamw per group) vs =0
+    (one adamw_step per parameter, or per flat group): bitwise, the same arithmetic (should
+    NVRTC contract the two kernels' expressions differently, this is where it shows)."""
+    from minidist.optim import FlatAdamW
+    cls = FlatAdamW if flat else AdamW
+    models = [on_gpu(cp, Bag(dtype)) for _ in range(2)]
+    opts = [cls(m.named_parameters(), **HYPER) for m in models]
+    for step in range(3):
+        for new, model, opt in zip("01", models, opts):
+            monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+            gpu_grads(cp, model, step)
+            opt.step()
+    for a, b in zip(*(m.parameters() for m in models)):
+        cp.testing.assert_array_equal(b.data, a.data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_multi_amp_adamw_equals_master_weight_optimizer(cp, monkeypatch, dtype):
+    """MasterWeightOptimizer.step with the switch on (one multi_amp_adamw per group) vs off
+    (per parameter: unscale, adamw_step, copy back): bitwise, given the same factor (the
+    norm is measured with the switch off for both; multi_sum_sq differs in rounding)."""
+    np_dtype(dtype)
+    runs = []
+    for new in "01":
+        amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=dtype)
+        model = amp.cast_model(on_gpu(cp, Bag(np.float32)))
+        amp.scaler.scale = 1024.0
+        opt = amp.optimizer(model.named_parameters(), lambda n: AdamW(n, **HYPER))
+        for step in range(3):
+            gpu_grads(cp, model, step, 1024.0)
+            amp.scaled_upstream()
+            monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "0")
+            opt.clip_grad_norm(5.0)
+            monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+            assert opt.step()
+        runs.append((model, opt))
+    (ma, oa), (mb, ob) = runs
+    for a, b, xa, xb in zip(ma.parameters(), mb.parameters(), oa.master, ob.master):
+        cp.testing.assert_array_equal(xb.data, xa.data)
+        cp.testing.assert_array_equal(b.data.view(cp.uint16), a.data.view(cp.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_multi_sum_sq_equals_the_xp_sum_to_rounding(cp, monkeypatch, dtype):
+    grads = [cp.asarray((np.random.default_rng(7).standard_normal(s) * 300)
+                        .astype(np_dtype(dtype))) for s in SIZES]
+    amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=dtype)
+    sums = []
+    for new in "01":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        sums.append(float(amp.unscaled_sum_sq(grads) if dtype in ("float16", "bfloat16")
+                          else local_sum_sq(grads)))
+    np.testing.assert_allclose(sums[1], sums[0], rtol=SUM_TOL[dtype])
