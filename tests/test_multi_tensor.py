@@ -37,6 +37,27 @@ def plans(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_each_table_points_at_arrays_of_its_role_dtype(dtype):
+    """What a table's entries must point at (the kernel casts them): the gradient dtype T,
+    or float32 for --amp's masters, m and v."""
+    r = np.random.default_rng(0)
+    t = [r.standard_normal(n).astype(np_dtype(dtype)) for n in (3, 1025)]
+    f = [np.zeros(n, np.float32) for n in (3, 1025)]
+    T, F = np.dtype(np_dtype(dtype)), np.dtype(np.float32)
+    cases = [(mt.multi_sum_sq_launches(np, t, 0.5)[1], [T])]
+    if dtype in ("float32", "float64"):
+        cases.append((mt.multi_adamw_launch(np, t, t, t, t, 2, 1e-3, 0.9, 0.95, 1e-8,
+                                            0.1)[1], [T] * 4))
+    else:
+        cases.append((mt.multi_amp_adamw_launch(np, t, t, f, f, f, 0.25, 2, 1e-3, 0.9, 0.95,
+                                                1e-8, 0.1)[1], [T, T, F, F, F]))
+    for tables, roles in cases:
+        assert sorted(tables) == list(range(len(roles)))
+        for i, want in enumerate(roles):
+            assert all(a.dtype == want for a in tables[i]), (i, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_every_multi_launch_hands_the_kernel_its_declared_types(dtype):
     """T* tables point at the gradient dtype (checked by the harness, above); here each
     argument against the parameter list: unsigned long long* uint64, int* int32, long
