@@ -108,14 +108,23 @@ def chunk_tables(xp, sizes, chunk=CHUNK):
     return _cached(("chunks", xp.__name__, sizes, chunk), make)
 
 
-def _tables(xp, roles, chunk):
+def _tables(xp, roles, dtypes, chunk):
     """The address tables of each role's list of arrays, then the chunk tables, as kernel
-    arguments; {argument index: arrays} for the CPU harness; the number of blocks."""
+    arguments; {argument index: arrays} for the CPU harness; the number of blocks. Refuses
+    a role whose arrays are not all C-contiguous of its dtype (the kernel casts an address
+    to that type) or not of the first role's sizes."""
     args, tables = [], {}
-    for i, arrays in enumerate(roles):
+    sizes = [a.size for a in roles[0]]
+    for i, (arrays, dtype) in enumerate(zip(roles, dtypes)):
+        bad = [k for k, (a, n) in enumerate(zip(arrays, sizes))
+               if a.dtype != dtype or not a.flags.c_contiguous or a.size != n]
+        if bad or len(arrays) != len(sizes):
+            raise ValueError(f"multi-tensor table #{i}: {len(sizes)} C-contiguous "
+                             f"{np.dtype(dtype).name} arrays of the first table's sizes "
+                             f"wanted; arrays {bad[:4]} of {len(arrays)} are not")
         args.append(address_table(xp, arrays))
         tables[i] = list(arrays)
-    sizes, blk_tensor, blk_start = chunk_tables(xp, [a.size for a in roles[0]], chunk)
+    sizes, blk_tensor, blk_start = chunk_tables(xp, sizes, chunk)
     if len(blk_start) == 0:
         raise ValueError("multi-tensor launch over no elements (the caller skips it)")
     return args + [sizes, blk_tensor, blk_start, np.int64(chunk)], tables, len(blk_start)
@@ -132,7 +141,7 @@ def multi_adamw_launch(xp, params, grads, ms, vs, step, lr, beta1, beta2, eps, w
     """One AdamW step over a group (lists of contiguous arrays of one dtype, float32 or
     float64, p, m, v in place) and the tables. The group's hyperparameters, one step count."""
     dtype = params[0].dtype
-    args, tables, blocks = _tables(xp, (params, grads, ms, vs), chunk)
+    args, tables, blocks = _tables(xp, (params, grads, ms, vs), [dtype] * 4, chunk)
     acc = acc_dtype(dtype).type
     args += [acc(x) for x in adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)]
     return Launch("multi_adamw", dtype, (blocks,), (THREADS,), tuple(args)), tables
@@ -143,10 +152,12 @@ def multi_amp_adamw_launch(xp, weights, grads, masters, ms, vs, factor, step, lr
     """--amp's step over a group: 16-bit weights and gradients, float32 masters, m, v.
     `factor` (1/S, or 1/S x clip: a Python float) becomes float32 by rounding to nearest,
     as numpy does for `float32_buffer *= factor` (amp.unscaled)."""
-    args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs), chunk)
+    half = grads[0].dtype
+    args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs),
+                                   [half, half] + [np.float32] * 3, chunk)
     scalars = (factor,) + adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)
     args += [np.float32(x) for x in scalars]
-    plan = Launch("multi_amp_adamw", grads[0].dtype, (blocks,), (THREADS,),
+    plan = Launch("multi_amp_adamw", half, (blocks,), (THREADS,),
                   tuple(args))
     return plan, tables
 
@@ -156,7 +167,7 @@ def multi_sum_sq_launches(xp, grads, scale, chunk=CHUNK):
     then one block sums them; the tables and the (1,) result in the accumulation dtype."""
     dtype = grads[0].dtype
     acc = acc_dtype(dtype)
-    args, tables, blocks = _tables(xp, (grads,), chunk)
+    args, tables, blocks = _tables(xp, (grads,), [dtype], chunk)
     partial, out = xp.empty(blocks, acc), xp.empty(1, acc)
     first = Launch("multi_sum_sq", dtype, (blocks,), (THREADS,),
                    tuple(args) + (acc.type(scale), partial))
