@@ -55,20 +55,15 @@ def set_grads(model, step, scale=1.0):
         p.grad = (r.standard_normal(p.shape) * scale).astype(p.dtype)
 
 
-def multi_step(opt, grads_of, src, order, chunk=CHUNK):
-    """AdamW's step of every group of `opt` as one multi_adamw launch each (on the CPU)."""
+def multi_step(opt, src, order, chunk=CHUNK):
+    """What AdamW.step_group does on cupy with the switch on, on the CPU: advance_states,
+    then one group_adamw_launch per group, run by the harness."""
     for group in opt.param_groups:
-        states = [opt.state.setdefault(n, {"step": 0}) for n in group["names"]]
-        for s, p in zip(states, group["params"]):
-            s.setdefault("exp_avg", np.zeros_like(p.data))
-            s.setdefault("exp_avg_sq", np.zeros_like(p.data))
-            s["step"] += 1
-        plan, tables = mt.multi_adamw_launch(
-            np, [p.data for p in group["params"]], [grads_of(p) for p in group["params"]],
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            states[0]["step"], group["lr"], *group["betas"], group["eps"],
-            group["weight_decay"], chunk=chunk)
-        cuda_cpu.run(plan, src, order, tables)
+        params = [p.data for p in group["params"]]
+        states = mt.advance_states(opt.state, group["names"], params)
+        plan = mt.group_adamw_launch(np, params, [p.grad for p in group["params"]], states,
+                                     group, chunk=chunk)
+        cuda_cpu.run(plan[0], src, order, plan[1])
 
 
 def check_multi_adamw(dtype, src=None, order="low", steps=3, chunk=CHUNK):
@@ -80,7 +75,7 @@ def check_multi_adamw(dtype, src=None, order="low", steps=3, chunk=CHUNK):
     for step in range(steps):
         set_grads(ref, step), set_grads(got, step)
         opt_ref.step()
-        multi_step(opt_got, lambda p: p.grad, src, order, chunk)
+        multi_step(opt_got, src, order, chunk)
         for (name, a), b in zip(ref.named_parameters(), got.parameters()):
             np.testing.assert_array_equal(b.data, a.data, err_msg=f"multi_adamw {name}")
             for key in ("exp_avg", "exp_avg_sq"):
@@ -88,7 +83,7 @@ def check_multi_adamw(dtype, src=None, order="low", steps=3, chunk=CHUNK):
                                               opt_ref.state[name][key], err_msg=key)
 
 
-def per_parameter_kernel_step(model, opt, step):
+def per_parameter_kernel_step(opt):
     """AdamW through the proven per-parameter adamw_step kernel on the CPU."""
     for group in opt.param_groups:
         for name, p in zip(group["names"], group["params"]):
@@ -111,8 +106,8 @@ def test_multi_adamw_equals_the_per_parameter_kernel_bitwise():
     opt_a, opt_b = AdamW(a.named_parameters(), **HYPER), AdamW(b.named_parameters(), **HYPER)
     for step in range(2):
         set_grads(a, step), set_grads(b, step)
-        per_parameter_kernel_step(a, opt_a, step)
-        multi_step(opt_b, lambda p: p.grad, None, "low")
+        per_parameter_kernel_step(opt_a)
+        multi_step(opt_b, None, "low")
     for x, y in zip(a.parameters(), b.parameters()):
         np.testing.assert_array_equal(y.data, x.data)
 
@@ -137,20 +132,13 @@ def check_multi_amp_adamw(dtype, src=None, order="low", steps=3, max_norm=5.0):
         found_inf, factor = amp_r.scaler.verdict(norm, max_norm)
         assert not found_inf and factor < 1 / 1024.0          # clipped
         assert opt_r.step()
-        for group in opt_g.inner.param_groups:
-            names = group["names"]
-            states = [opt_g.inner.state.setdefault(n, {"step": 0}) for n in names]
-            for s, m in zip(states, group["params"]):
-                s.setdefault("exp_avg", np.zeros_like(m.data))
-                s.setdefault("exp_avg_sq", np.zeros_like(m.data))
-                s["step"] += 1
-            w = [opt_g._model_param[n] for n in names]
-            plan, tables = mt.multi_amp_adamw_launch(
-                np, [p.data for p in w], [p.grad for p in w], [m.data for m in group["params"]],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], factor,
-                states[0]["step"], group["lr"], *group["betas"], group["eps"],
-                group["weight_decay"], chunk=CHUNK)
-            cuda_cpu.run(plan, src, order, tables)
+        for group in opt_g.inner.param_groups:          # MasterWeightOptimizer's multi path
+            masters = [m.data for m in group["params"]]
+            w = [dict(got.named_parameters())[n] for n in group["names"]]
+            states = mt.advance_states(opt_g.inner.state, group["names"], masters)
+            plan = mt.group_amp_adamw_launch(np, [p.data for p in w], [p.grad for p in w],
+                                             masters, states, group, factor, chunk=CHUNK)
+            cuda_cpu.run(plan[0], src, order, plan[1])
         for (name, a), b, ma, mb in zip(ref.named_parameters(), got.parameters(),
                                         opt_r.master, opt_g.master):
             assert b.dtype == np_dtype(dtype)

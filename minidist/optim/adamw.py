@@ -97,11 +97,8 @@ class AdamW(Optimizer):
         states = multi_tensor.advance_states(self.state, group["names"], params)
         if states is None:
             return False
-        beta1, beta2 = group["betas"]
-        multi_tensor.adamw_group(params, grads, [s["exp_avg"] for s in states],
-                                 [s["exp_avg_sq"] for s in states], states[0]["step"],
-                                 group["lr"], beta1, beta2, group["eps"],
-                                 group["weight_decay"])
+        multi_tensor.run(multi_tensor.group_adamw_launch(xp_of(params[0]), params, grads,
+                                                         states, group))
         return True
 
     def update(self, p, grad, state, group):

@@ -124,11 +124,8 @@ class FlatAdamW(AdamW):
         grads = [p.grad for p in flat.params]
         if not multi_tensor.adamw_ok(flat.param_views, grads):
             return False
-        beta1, beta2 = group["betas"]
-        multi_tensor.adamw_group(flat.param_views, grads, [s["exp_avg"] for s in states],
-                                 [s["exp_avg_sq"] for s in states], states[0]["step"],
-                                 group["lr"], beta1, beta2, group["eps"],
-                                 group["weight_decay"])
+        multi_tensor.run(multi_tensor.group_adamw_launch(xp_of(flat.param), flat.param_views,
+                                                         grads, states, group))
         return True
 
     def _step_each(self, group, flat):

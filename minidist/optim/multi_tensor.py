@@ -11,14 +11,15 @@ per-parameter path costs one launch per parameter for AdamW, ~8 per parameter wi
                   and {argument index: the tensors that address table points at}, which
                   the CPU harness (tests/cuda_cpu.py) uses to hand the kernel its own
                   guarded copies of those tensors
-    runners       `adamw_group`, `amp_adamw_group`, `sum_sq` run a plan on cupy arrays
+    groups        `group_adamw_launch`, `group_amp_adamw_launch`: the plan for one optimizer
+                  group (what the optimizers `run`, and the CPU tests run on numpy);
+                  `sum_sq` runs the sum of squares on cupy arrays
 
 The kernels (minidist/autograd/cuda_source_multi.py) are proven on the CPU only
 (tests/test_multi_tensor_cpu.py); the optimizers reach them on cupy arrays with
 MINIDIST_CUDA_NEW_KERNELS=1 (`use_multi`), never on numpy: the CPU path is unchanged.
 """
 import math
-import sys
 
 import numpy as np
 
@@ -176,27 +177,40 @@ def multi_sum_sq_launches(xp, grads, scale, chunk=CHUNK):
     return [first, final], tables, out
 
 
-# ---- on cupy: the optimizers call these -----------------------------------------------------
+# ---- an optimizer group's plan, and the runners --------------------------------------------
 
-def adamw_group(params, grads, ms, vs, step, lr, beta1, beta2, eps, weight_decay):
-    """One launch: AdamW over a parameter group (use_multi(params, grads, ms, vs) holds)."""
-    plan, _ = multi_adamw_launch(sys.modules["cupy"], params, grads, ms, vs, step, lr, beta1,
-                                 beta2, eps, weight_decay)
-    launch(plan)
+def group_adamw_launch(xp, params, grads, states, group, chunk=CHUNK):
+    """multi_adamw's plan for one group of an AdamW: its hyperparameters, `states` as
+    advance_states returned them (m, v and the one step count). What AdamW.step_group and
+    FlatAdamW.step launch on cupy; tests/test_multi_tensor_cpu.py runs it on numpy."""
+    beta1, beta2 = group["betas"]
+    return multi_adamw_launch(xp, params, grads, [s["exp_avg"] for s in states],
+                              [s["exp_avg_sq"] for s in states], states[0]["step"],
+                              group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                              chunk)
 
 
-def amp_adamw_group(weights, grads, masters, ms, vs, factor, step, lr, beta1, beta2, eps,
-                    weight_decay):
-    """One launch: --amp's unscale, AdamW and copy back to 16 bits over a group."""
-    plan, _ = multi_amp_adamw_launch(sys.modules["cupy"], weights, grads, masters, ms, vs,
-                                     factor, step, lr, beta1, beta2, eps, weight_decay)
-    launch(plan)
+def group_amp_adamw_launch(xp, weights, grads, masters, states, group, factor, chunk=CHUNK):
+    """multi_amp_adamw's plan for one group of MasterWeightOptimizer's inner AdamW: 16-bit
+    weights and gradients, float32 masters, `states` from advance_states, the step's
+    factor."""
+    beta1, beta2 = group["betas"]
+    return multi_amp_adamw_launch(xp, weights, grads, masters,
+                                  [s["exp_avg"] for s in states],
+                                  [s["exp_avg_sq"] for s in states], factor,
+                                  states[0]["step"], group["lr"], beta1, beta2, group["eps"],
+                                  group["weight_decay"], chunk)
+
+
+def run(plan):
+    """Run a (Launch, tables) plan on the GPU (the tables are for the CPU harness)."""
+    launch(plan[0])
 
 
 def sum_sq(grads, scale):
     """sum((g x scale)^2) over `grads` as a 0-d float64 array on the device (two launches),
     like optim/clip.local_sum_sq's result."""
-    plans, _, out = multi_sum_sq_launches(sys.modules["cupy"], grads, scale)
+    plans, _, out = multi_sum_sq_launches(xp_of(grads[0]), grads, scale)
     for plan in plans:
         launch(plan)
     return out.reshape(()).astype(np.float64)

@@ -299,12 +299,9 @@ class MasterWeightOptimizer:
         states = multi_tensor.advance_states(self.inner.state, group["names"], masters)
         if states is None:
             return False
-        beta1, beta2 = group["betas"]
-        multi_tensor.amp_adamw_group([p.data for p in weights], grads, masters,
-                                     [s["exp_avg"] for s in states],
-                                     [s["exp_avg_sq"] for s in states], factor,
-                                     states[0]["step"], group["lr"], beta1, beta2,
-                                     group["eps"], group["weight_decay"])
+        multi_tensor.run(multi_tensor.group_amp_adamw_launch(
+            backend.xp_of(masters[0]), [p.data for p in weights], grads, masters, states, group,
+            factor))
         return True
 
     # ---- memory ledger and checkpoints ---------------------------------------------------
