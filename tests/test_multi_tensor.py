@@ -30,6 +30,7 @@ def plans(dtype):
     if dtype in ("float32", "float64"):
         out["multi_adamw"] = [mt.multi_adamw_launch(np, t, t, t, t, 2, 1e-3, 0.9, 0.95,
                                                     1e-8, 0.1)[0]]
+        out["multi_scale"] = [mt.multi_scale_launch(np, t, np.asarray(0.5))[0]]
     else:
         out["multi_amp_adamw"] = [mt.multi_amp_adamw_launch(np, t, t, f, f, f, 0.25, 2, 1e-3,
                                                             0.9, 0.95, 1e-8, 0.1)[0]]
@@ -63,7 +64,7 @@ def test_every_multi_launch_hands_the_kernel_its_declared_types(dtype):
     that width (a Python float would be a double)."""
     acc = ck.acc_dtype(dtype).name
     want = {"A": acc, "float": "float32", "long long": "int64", "int": "int32",
-            "unsigned long long": "uint64"}
+            "unsigned long long": "uint64", "double": "float64"}
     for key, launches in plans(dtype).items():
         for plan in launches:
             assert cs.part_of(plan.name) == "multi" and cs.dtype_name(plan.dtype) == dtype
@@ -192,3 +193,21 @@ def test_gpu_multi_sum_sq_equals_the_xp_sum_to_rounding(cp, monkeypatch, dtype):
         sums.append(float(amp.unscaled_sum_sq(grads) if dtype in ("float16", "bfloat16")
                           else local_sum_sq(grads)))
     np.testing.assert_allclose(sums[1], sums[0], rtol=SUM_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_clip_grad_norm_with_the_multi_kernels(cp, monkeypatch, dtype):
+    """clip_grad_norm on cupy with the switch on (multi_sum_sq, multi_scale) vs off: the
+    norm to rounding (another summation order), the clipped gradients likewise."""
+    from minidist.optim import clip_grad_norm
+    grads = [cp.asarray((np.random.default_rng(4).standard_normal(s) * 3).astype(dtype))
+             for s in SIZES]
+    runs = []
+    for new in "01":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        g = [a.copy() for a in grads]
+        runs.append((float(clip_grad_norm(g, 1.0)), g))
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=SUM_TOL[dtype])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        cp.testing.assert_allclose(b, a, rtol=SUM_TOL[dtype], atol=0)

@@ -9,6 +9,7 @@ replace, under both thread orders:
     multi_amp_adamw    bitwise MasterWeightOptimizer.step (amp.unscaled, adamw_update, the
                        master rounded to 16 bits), float16 and bfloat16 (skipped without
                        ml_dtypes), with a clip factor
+    multi_scale        bitwise clip_grad_norm's per-gradient multiply, float32 and float64
     multi_sum_sq       MixedPrecision.unscaled_sum_sq / clip.local_sum_sq to rounding only:
                        another summation order
 
@@ -215,6 +216,44 @@ def test_multi_sum_sq_with_one_block_per_tensor_and_many_partials():
     check_multi_sum_sq("float32", chunk=64)                   # 1 + 1 + 17 + 65 + 17 = 101
 
 
+# ---- the clip's multiply -------------------------------------------------------------------
+
+def check_multi_scale(dtype, src=None, order="low", chunk=CHUNK):
+    """multi_scale equals clip_grad_norm's per-gradient `g *= scale.astype(g.dtype)` bitwise,
+    the factor a float64 0-d array (read by the kernel, rounded to the gradients' type)."""
+    r = np.random.default_rng(3)
+    want = [r.standard_normal(s).astype(dtype) for s in SIZES]
+    got = [g.copy() for g in want]
+    factor = np.asarray(1.0 / 3.0 + 1e-12)                  # not a float32 number
+    for g in want:
+        g *= factor.astype(g.dtype)
+    plan = mt.multi_scale_launch(np, got, factor, chunk=chunk)
+    cuda_cpu.run(plan[0], src, order, plan[1])
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(b, a, err_msg=f"multi_scale {dtype}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_multi_scale_equals_the_clip_multiply_bitwise(dtype, order):
+    check_multi_scale(dtype, order=order)
+
+
+def test_clip_grad_norm_on_numpy_is_unchanged_with_the_switch_on(monkeypatch):
+    """MINIDIST_CUDA_NEW_KERNELS=1 changes nothing on numpy: the same gradients after the
+    clip, the same norm, bit for bit."""
+    from minidist.optim import clip_grad_norm
+    grads = [np.random.default_rng(4).standard_normal(s).astype(np.float32) for s in SIZES]
+    runs = []
+    for new in "01":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        g = [a.copy() for a in grads]
+        runs.append((clip_grad_norm(g, 1.0), g))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 # ---- broken variants must fail -----------------------------------------------------------
 
 # Chunks of 32 elements for the variants that write past a tensor: the overrun (< 32
@@ -234,6 +273,11 @@ BROKEN = {   # name -> (check, dtype, old, new, occurrence): one defect each
                                         0),
     "sum_sq: the reduction's second barrier missing": (check_multi_sum_sq, "float32",
                                                        "__syncthreads();", "", 1),
+    "scale: the factor read as float32": (check_multi_scale, "float64", "A f = (A)factor[0];",
+                                          "A f = (float)factor[0];", 0),
+    "scale: no bound at the tensor's end": (functools.partial(check_multi_scale, chunk=32),
+                                            "float32", "min(*start + chunk, sizes[*t])",
+                                            "*start + chunk", 0),
     "sum_sq_final: the last partial skipped": (check_multi_sum_sq, "float32",
                                                "i = threadIdx.x; i < n;",
                                                "i = threadIdx.x; i < n - 1;", 0),

@@ -19,6 +19,9 @@ multi_tensor_apply and PyTorch's fused AdamW (learned from, not copied).
                          rounded to nearest even into the 16-bit model weight: what
                          MasterWeightOptimizer.step does per parameter (amp.unscaled, then
                          adamw_update, then p.data[...] = master)
+    multi_scale          the clip's multiply: every gradient times a factor read on the device
+                         (float32 and float64 gradients; bitwise clip.py's per-gradient
+                         multiply)
     multi_sum_sq         the clip's sum of squares of (widened gradient x scale), one partial
     multi_sum_sq_final   per block, then one block sums the partials: deterministic (no
                          float atomics), accumulated in A (float32; float64 for double)
@@ -94,6 +97,19 @@ extern "C" __global__ void multi_amp_adamw(const unsigned long long* w_tab,
     }
 }
 
+// g *= factor in place, factor read on the device (the clip's 0-d float64 array: no host
+// read) and rounded to T's accumulation type first, as clip.py's `g *= scale.astype(T)`
+extern "C" __global__ void multi_scale(const unsigned long long* g_tab, const long long* sizes,
+                                       const int* blk_tensor, const long long* blk_start,
+                                       long long chunk, const double* factor) {
+    int t;
+    long long start, end;
+    multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
+    T* g = (T*)g_tab[t];
+    A f = (A)factor[0];
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) st(g, i, ld(g, i) * f);
+}
+
 // partial[b] = sum over block b's chunk of (g * scale)^2
 extern "C" __global__ void multi_sum_sq(const unsigned long long* g_tab, const long long* sizes,
                                         const int* blk_tensor, const long long* blk_start,
@@ -120,4 +136,5 @@ extern "C" __global__ void multi_sum_sq_final(const A* partial, long long n, A* 
 }
 """
 
-MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_sum_sq", "multi_sum_sq_final")
+MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_scale", "multi_sum_sq",
+               "multi_sum_sq_final")

@@ -23,15 +23,22 @@ def local_sum_sq(grads):
     """Sum of squares of these gradient arrays, accumulated in float64, as a 0-d float64
     array on their device (a numpy float64 on the CPU); 0.0 when there are none. On cupy
     with MINIDIST_CUDA_NEW_KERNELS=1: two launches in all (multi_tensor.sum_sq, accumulated
-    in float32 for float32 gradients), not three per gradient."""
+    in float32 for float32 gradients), not three per gradient; clip_grad_norm's multiply is
+    then one launch (multi_tensor.scale), not two per gradient."""
     grads = list(grads)
-    if multi_tensor.use_multi(grads) and grads[0].dtype.name in ("float32", "float64"):
+    if _multi_ok(grads):
         return multi_tensor.sum_sq(grads, 1.0)
     total = 0.0
     for g in grads:
         flat = g.reshape(-1)
         total = total + xp_of(flat).dot(flat, flat).astype("float64")
     return total
+
+
+def _multi_ok(grads):
+    """The multi-tensor kernels take these gradients: float32 or float64 cupy arrays of one
+    dtype with MINIDIST_CUDA_NEW_KERNELS=1 (multi_tensor.use_multi)."""
+    return multi_tensor.use_multi(grads) and grads[0].dtype.name in ("float32", "float64")
 
 
 def clip_factor(norm, max_norm):
@@ -56,6 +63,9 @@ def clip_grad_norm(grads, max_norm, sum_sq_across_ranks=None):
     if max_norm and max_norm > 0:
         # max_norm / (norm + 1e-6) where norm > max_norm, else 1 (nan: 1): an array, no `if`
         scale = xp.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
-        for g in arrays:
-            g *= scale.astype(g.dtype)
+        if _multi_ok(arrays):                 # cupy, MINIDIST_CUDA_NEW_KERNELS=1: one launch
+            multi_tensor.scale(arrays, scale)
+        else:
+            for g in arrays:
+                g *= scale.astype(g.dtype)
     return norm

@@ -177,6 +177,15 @@ def multi_sum_sq_launches(xp, grads, scale, chunk=CHUNK):
     return [first, final], tables, out
 
 
+def multi_scale_launch(xp, grads, factor, chunk=CHUNK):
+    """g *= factor over `grads` (one dtype, float32 or float64) in one launch; `factor` a
+    float64 array of one element on the device (clip_grad_norm's), read there."""
+    dtype = grads[0].dtype
+    args, tables, blocks = _tables(xp, (grads,), [dtype], chunk)
+    factor = xp.ascontiguousarray(factor, dtype=np.float64).reshape(1)
+    return Launch("multi_scale", dtype, (blocks,), (THREADS,), tuple(args) + (factor,)), tables
+
+
 # ---- an optimizer group's plan, and the runners --------------------------------------------
 
 def group_adamw_launch(xp, params, grads, states, group, chunk=CHUNK):
@@ -205,6 +214,11 @@ def group_amp_adamw_launch(xp, weights, grads, masters, states, group, factor, c
 def run(plan):
     """Run a (Launch, tables) plan on the GPU (the tables are for the CPU harness)."""
     launch(plan[0])
+
+
+def scale(grads, factor):
+    """g *= factor for every gradient (float32 or float64 cupy arrays), one launch."""
+    run(multi_scale_launch(xp_of(grads[0]), grads, factor))
 
 
 def sum_sq(grads, scale):
