@@ -1,6 +1,7 @@
-"""Multi-tensor optimizer launches: AdamW over a whole parameter group, --amp's step and the
-clip's sum of squares, each ONE kernel launch however many parameters there are (the
-per-parameter path costs one launch per parameter for AdamW, ~8 per parameter with --amp).
+"""Multi-tensor optimizer launches: AdamW over a whole parameter group, --amp's step, the
+clip's sum of squares and its multiply, each ONE kernel launch however many parameters there
+are (the per-parameter path costs one launch per parameter for AdamW, ~8 per parameter with
+--amp, ~5 per gradient for the float32 clip).
 
     tables        for each role (parameters, gradients, m, v, ...) a device array of the
                   tensors' addresses (uint64), built with xp and cached while the addresses
@@ -13,7 +14,7 @@ per-parameter path costs one launch per parameter for AdamW, ~8 per parameter wi
                   guarded copies of those tensors
     groups        `group_adamw_launch`, `group_amp_adamw_launch`: the plan for one optimizer
                   group (what the optimizers `run`, and the CPU tests run on numpy);
-                  `sum_sq` runs the sum of squares on cupy arrays
+                  `sum_sq` and `scale` run the clip's two kernels on cupy arrays
 
 The kernels (minidist/autograd/cuda_source_multi.py) are proven on the CPU only
 (tests/test_multi_tensor_cpu.py); the optimizers reach them on cupy arrays with
