@@ -268,7 +268,8 @@ def part_of(kernel):
 
 def source(dtype, part="fused"):
     """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, one part's
-    kernels ("fused": the kernels in this file; "flash": tiled attention; "fusions")."""
+    kernels ("fused": the kernels in this file; "flash": tiled attention; "fusions";
+    "multi": the multi-tensor optimizer kernels)."""
     name = dtype_name(dtype)
     t, a = CTYPES[name]
     bf16 = BF16_HEADER if name == "bfloat16" else ""
