@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from minidist.autograd import cuda_kernels as ck, cuda_source as cs
-from minidist.optim import AdamW, multi_tensor as mt
+from minidist import backend
+from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor as mt
 from minidist.optim.clip import local_sum_sq
 from minidist.train.amp import LossScaler, MixedPrecision
 from test_cuda_kernels import PTX, _ptx_params
@@ -94,6 +95,35 @@ def test_nvcc_compiles_the_multi_kernels(dtype, tmp_path):
             assert _ptx_params(text, plan.name) == want, plan.name
 
 
+def test_the_factor_is_rounded_to_float32_as_numpy_does():
+    """`float32_buffer *= factor` (amp.unscaled) multiplies by float32(factor), rounded to
+    nearest: the plan passes exactly that value (NEP 50: a Python float is weak)."""
+    factor = 0.7 / 1024.0 / 3.0
+    buf = np.array([1.0, 3.0, 1 / 3], np.float32)
+    want = buf * np.float32(factor)
+    buf *= factor
+    np.testing.assert_array_equal(buf, want)
+    a = [np.ones(3, np.float16)]
+    f = [np.ones(3, np.float32)]
+    plan, _ = mt.multi_amp_adamw_launch(np, a, a, f, f, f, factor, 1, 1e-3, 0.9, 0.95, 1e-8,
+                                        0.0)
+    assert plan.args[9] == np.float32(factor) and plan.args[9].dtype == np.float32
+
+
+def test_clip_grad_norm_on_numpy_is_unchanged_with_the_switch_on(monkeypatch):
+    """MINIDIST_CUDA_NEW_KERNELS=1 changes nothing on numpy: the same gradients after the
+    clip, the same norm, bit for bit."""
+    grads = [np.random.default_rng(4).standard_normal(s).astype(np.float32) for s in SIZES]
+    runs = []
+    for new in "01":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        g = [a.copy() for a in grads]
+        runs.append((clip_grad_norm(g, 1.0), g))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_numpy_arrays_never_take_the_multi_kernels(monkeypatch):
     """The CPU path is unchanged: numpy arrays never qualify, even with the switch on."""
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
@@ -118,8 +148,7 @@ def test_advance_states_makes_m_v_and_refuses_mixed_step_counts():
 def cp(device):
     if device != "cuda":
         pytest.skip("needs --device cuda")
-    import cupy
-    return cupy
+    return backend.get_xp()
 
 
 def on_gpu(cp, model):
@@ -141,7 +170,6 @@ def test_gpu_multi_adamw_equals_per_parameter_kernels(cp, monkeypatch, dtype, fl
     """AdamW / FlatAdamW with MINIDIST_CUDA_NEW_KERNELS=1 (one multi_adamw per group) vs =0
     (one adamw_step per parameter, or per flat group): bitwise, the same arithmetic (should
     NVRTC contract the two kernels' expressions differently, this is where it shows)."""
-    from minidist.optim import FlatAdamW
     cls = FlatAdamW if flat else AdamW
     models = [on_gpu(cp, Bag(dtype)) for _ in range(2)]
     opts = [cls(m.named_parameters(), **HYPER) for m in models]
@@ -200,7 +228,6 @@ def test_gpu_multi_sum_sq_equals_the_xp_sum_to_rounding(cp, monkeypatch, dtype):
 def test_gpu_clip_grad_norm_with_the_multi_kernels(cp, monkeypatch, dtype):
     """clip_grad_norm on cupy with the switch on (multi_sum_sq, multi_scale) vs off: the
     norm to rounding (another summation order), the clipped gradients likewise."""
-    from minidist.optim import clip_grad_norm
     grads = [cp.asarray((np.random.default_rng(4).standard_normal(s) * 3).astype(dtype))
              for s in SIZES]
     runs = []
