@@ -1,7 +1,8 @@
 """The multi-tensor optimizer kernels without running them (their CPU runs are
 tests/test_multi_tensor_cpu.py): every plan's arguments against the kernel's declared
 parameters, nvcc compiles the part with those widths (where a toolkit is installed), the
-optimizers' state bookkeeping for one launch per group, numpy never routed to them; and,
+optimizers' state bookkeeping for one launch per group, the --amp factor rounded to float32
+as numpy rounds it, numpy never routed to them (clip_grad_norm unchanged bit for bit); and,
 gpu-marked, the multi path against the per-parameter path on cupy.
 Run: python -m pytest -q tests/test_multi_tensor.py
      python -m pytest -m gpu --device cuda tests/test_multi_tensor.py   (on a GPU)
@@ -12,8 +13,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from minidist.autograd import cuda_kernels as ck, cuda_source as cs
 from minidist import backend
+from minidist.autograd import cuda_kernels as ck, cuda_source as cs
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor as mt
 from minidist.optim.clip import local_sum_sq
 from minidist.train.amp import LossScaler, MixedPrecision
