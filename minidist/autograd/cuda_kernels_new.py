@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from minidist.autograd.cuda_kernels import (Launch, acc_dtype, flat_grid, launch, row_grid,
-                                            use)
+from minidist.autograd.cuda_kernels import (Launch, acc_dtype, flat_grid, launch,
+                                            ln_bwd_wb_launch, row_grid, use)
 from minidist.autograd.cuda_source_flash import HS_MAX, THREADS, tiles
 
 
@@ -105,6 +105,25 @@ def bias_gelu_bwd_launch(xp, x, b, grad):
     return Launch("bias_gelu_bwd", x.dtype, *flat_grid(x.size), args), dx
 
 
+def bias_gelu(xp, run, h, b):
+    """gelu(h + b) by the kernel: `run` executes a plan (`launch` on the GPU; the tests run
+    the same glue on numpy through the CPU harness)."""
+    plan, y = bias_gelu_fwd_launch(xp, h, b)
+    run(plan)
+    return y
+
+
+def bias_gelu_backward(xp, run, h, b, grad, needs):
+    """(dh, db), None where needs (h, b) is False; db sums dh's rows in the accumulation
+    dtype (float32 for 16-bit h)."""
+    plan, dh = bias_gelu_bwd_launch(xp, h, b, grad)
+    run(plan)
+    db = None
+    if needs[1]:
+        db = dh.reshape(-1, b.size).sum(axis=0, dtype=acc_dtype(dh.dtype)).astype(b.dtype)
+    return (dh if needs[0] else None), db
+
+
 # ---- residual + layer norm ------------------------------------------------------------------
 
 def ln_residual_fwd_launch(xp, x, r, w, b, eps):
@@ -126,6 +145,36 @@ def ln_residual_bwd_x_launch(xp, grad_y, grad_s, s, w, mean, rstd):
     dx = xp.empty_like(s)
     args = (gy, gs, s, w, mean, rstd, dx, np.int64(s.shape[-1]))
     return Launch("ln_residual_bwd_x", s.dtype, *row_grid(s), args), dx
+
+
+def residual_layer_norm(xp, run, x, r, w, b, eps):
+    """(s = x + r, y = layer_norm(s), saved for backward: (s, w, mean, rstd)) by the kernel."""
+    plan, (s, y, w, mean, rstd) = ln_residual_fwd_launch(xp, x, r, w, b, eps)
+    run(plan)
+    return s, y, (s, w, mean, rstd)
+
+
+def residual_layer_norm_backward(xp, run, grad_s, grad_y, saved, needs):
+    """(dx, dr, dw, db), None where needs (x, r, w, b) is False: dx = dr = grad_s + layer
+    norm's dx (ln_residual_bwd_x), dw and db summed from ln_bwd_wb's partial sums (one
+    kernel for both, in the accumulation dtype). grad_y None: y had no gradient; grad_s
+    None: s had none."""
+    s, w, mean, rstd = saved
+    if grad_y is None:
+        return grad_s, grad_s, None, None
+    gy = xp.ascontiguousarray(grad_y, dtype=s.dtype).reshape(-1, s.shape[-1])
+    dx = dw = db = None
+    if needs[0] or needs[1]:
+        gs = xp.zeros_like(s) if grad_s is None else grad_s
+        plan, dx = ln_residual_bwd_x_launch(xp, gy, gs, s, w, mean, rstd)
+        run(plan)
+        dx = dx.reshape(s.shape)
+    if needs[2] or needs[3]:
+        plan, (dw_part, db_part) = ln_bwd_wb_launch(xp, gy, s.reshape(gy.shape), mean, rstd)
+        run(plan)
+        dw = dw_part.sum(axis=0).astype(w.dtype) if needs[2] else None
+        db = db_part.sum(axis=0).astype(w.dtype) if needs[3] else None
+    return dx, dx, dw, db
 
 
 # ---- cross-entropy over a padded vocabulary -------------------------------------------------
@@ -150,3 +199,19 @@ def ce_pad_bwd_launch(xp, grad, saved, V, ignore_index):
     dz = xp.empty_like(z)
     args = (z, t, lse, scale, dz, np.int64(V), np.int64(z.shape[1]), np.int64(ignore_index))
     return Launch("ce_pad_bwd", z.dtype, *row_grid(z), args), dz
+
+
+def cross_entropy_padded(xp, run, logits, targets, V, ignore_index):
+    """(mean loss over the rows not ignored, on the device; saved for backward) over the
+    first V columns of logits (..., Vp): n is counted on the device (no host sync)."""
+    plan, (z, t, lse, rows) = ce_pad_fwd_launch(xp, logits, targets, V, ignore_index)
+    run(plan)
+    n = xp.maximum((t != ignore_index).sum(), 1).astype(lse.dtype)  # all ignored: loss 0
+    return rows.sum() / n, (z, t, lse, n)
+
+
+def cross_entropy_padded_backward(xp, run, grad, saved, V, ignore_index):
+    """dL/dlogits (N, Vp), 0 in the padding columns."""
+    plan, dz = ce_pad_bwd_launch(xp, grad, saved, V, ignore_index)
+    run(plan)
+    return dz

@@ -144,3 +144,43 @@ def backward_all(tensors, grads):
     grads = tuple(xp_of(t.data).ones_like(t.data) if g is None else g
                   for t, g in zip(tensors, grads))
     _Join.apply(*tensors, grads=grads).backward()
+
+
+# ---- ops with several outputs ---------------------------------------------------------------
+
+class Outputs:
+    """What an op with n outputs shares with its n Pick nodes: the arrays its forward made
+    (each handed out once, by its Pick) and, in backward, each output's gradient (None where
+    that output got none)."""
+
+    def __init__(self, n):
+        self.arrays, self.grads = [None] * n, [None] * n
+
+
+class Pick(Function):
+    """Output i of an op with several outputs (the op's own Tensor is an empty placeholder
+    that carries the graph edges: 0 bytes, so the memory ledger counts the outputs only).
+    Forward hands out the array; backward puts its gradient in outputs.grads[i] and gives
+    the op an empty gradient: the op's backward then runs once, after every Pick's (they
+    consume its placeholder), and reads all the gradients there."""
+
+    @staticmethod
+    def forward(ctx, op, outputs, i):
+        ctx.outputs, ctx.i = outputs, i
+        array, outputs.arrays[i] = outputs.arrays[i], None      # the Tensor's alone now
+        return array
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.outputs.grads[ctx.i] = grad
+        return xp_of(grad).empty((0,), grad.dtype), None, None
+
+
+def apply_outputs(cls, n, *args):
+    """The n outputs (Tensors) of `cls`, whose forward(ctx, *args, outputs) fills
+    outputs.arrays and returns an empty placeholder, xp.empty((0,)); its backward reads
+    outputs.grads.
+    Used by fusions.residual_layer_norm (s and y). Tests: tests/test_fusions.py."""
+    outputs = Outputs(n)
+    op = cls.apply(*args, outputs)
+    return tuple(Pick.apply(op, outputs, i) for i in range(n))

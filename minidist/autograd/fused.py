@@ -27,7 +27,7 @@ def _f32(a):
     return a.astype("float32") if a is not None and is_half(a.dtype) else a
 
 
-def _sum_rows(g2):
+def sum_rows(g2):
     """g2 (N, C) summed over rows in g2's dtype; 16-bit ones add up in float32 (numpy's
     bfloat16 sum keeps a bfloat16 total: 1000 ones add up to 256)."""
     if is_half(g2.dtype):
@@ -58,7 +58,7 @@ class Linear(Function):
         g2 = grad.reshape(-1, w.shape[1])                        # (N, out)
         dx = _mm(g2, w.T).reshape(ctx.shape) if need_x else None  # dL/dx = g W^T
         dw = _mm(x2.T, g2) if need_w else None                   # dL/dW = x^T g
-        db = _sum_rows(g2) if need_b else None                   # dL/db = sum over rows
+        db = sum_rows(g2) if need_b else None                   # dL/db = sum over rows
         return dx, dw, db
 
 
@@ -68,53 +68,64 @@ def linear(x, weight, bias=None):
 
 # ---- layer norm ------------------------------------------------------------------------------
 
+def layer_norm_forward(x, w, b, eps):
+    """(y, saved, cuda): y = (x - mean) / sqrt(var + eps) * w + b over the last axis, what
+    layer_norm_backward needs, and whether the kernel made it. Arrays in and out: LayerNorm
+    and fusions.ResidualLayerNorm share it."""
+    xp, dtype = xp_of(x), x.dtype
+    if _ck.use(x, w, b):                     # one kernel; saves x, mean, rstd, not xhat
+        y, *saved = _ck.layer_norm(x, w, b, eps)             # saved: x, w, mean, rstd
+        return y, tuple(saved), True
+    x, w, b = _f32(x), _f32(w), _f32(b)
+    xhat = x - x.mean(axis=-1, keepdims=True)                     # x - mean
+    out = xp.multiply(xhat, xhat)
+    var = out.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt(var + eps)                              # (..., 1)
+    xhat *= rstd                                                 # normalized x
+    xp.multiply(xhat, w, out=out)
+    if b is not None:
+        out += b
+    return out.astype(dtype, copy=False), (xhat, rstd, w), False
+
+
+def layer_norm_backward(grad, saved, cuda, needs):
+    """(dx, dw, db) from layer_norm_forward's `saved`; None where needs (x, w, b) is False."""
+    if cuda:
+        return _ck.layer_norm_backward(grad, *saved, needs)
+    xhat, rstd, w = saved
+    xp, grad = xp_of(grad), _f32(grad)
+    C = xhat.shape[-1]
+    db = grad.reshape(-1, C).sum(axis=0) if needs[2] else None   # y = ... + b
+    tmp = xp.multiply(grad, xhat)                                 # y = xhat * w + ...
+    dw = tmp.reshape(-1, C).sum(axis=0) if needs[1] else None
+    if not needs[0]:
+        return None, dw, db
+    # dxhat = grad * w; with xhat = (x - mean) * rstd, through mean and var:
+    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    dx = xp.multiply(grad, w)                                     # dxhat
+    xp.multiply(dx, xhat, out=tmp)
+    m2 = tmp.mean(axis=-1, keepdims=True)                         # mean(dxhat * xhat)
+    dx -= dx.mean(axis=-1, keepdims=True)                         # - mean(dxhat)
+    xp.multiply(xhat, m2, out=tmp)
+    dx -= tmp                                                     # - xhat * mean(dxhat xhat)
+    dx *= rstd
+    return dx, dw, db
+
+
 class LayerNorm(Function):
     """y = (x - mean) / sqrt(var + eps) * w + b over the last axis."""
 
     @staticmethod
     def forward(ctx, x, w, b, eps=1e-5):
-        xp, dtype = xp_of(x), x.dtype
         if w.shape != x.shape[-1:] or (b is not None and b.shape != w.shape):
             raise ValueError("weight and bias must have the shape of x's last axis")
-        if _ck.use(x, w, b):                 # one kernel; saves x, mean, rstd, not xhat
-            y, *saved = _ck.layer_norm(x, w, b, eps)         # saved: x, w, mean, rstd
-            ctx.save_for_backward(*saved)
-            ctx.cuda = True
-            return y
-        x, w, b = _f32(x), _f32(w), _f32(b)
-        xhat = x - x.mean(axis=-1, keepdims=True)                 # x - mean
-        out = xp.multiply(xhat, xhat)
-        var = out.mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt(var + eps)                          # (..., 1)
-        xhat *= rstd                                             # normalized x
-        xp.multiply(xhat, w, out=out)
-        if b is not None:
-            out += b
-        ctx.save_for_backward(xhat, rstd, w)
-        return out.astype(dtype, copy=False)
+        y, saved, ctx.cuda = layer_norm_forward(x, w, b, eps)
+        ctx.save_for_backward(*saved)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        if getattr(ctx, "cuda", False):
-            return _ck.layer_norm_backward(grad, *ctx.saved, ctx.needs_input_grad) + (None,)
-        xhat, rstd, w = ctx.saved
-        xp, grad = xp_of(grad), _f32(grad)
-        C = xhat.shape[-1]
-        db = grad.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[2] else None  # y = ... + b
-        tmp = xp.multiply(grad, xhat)                             # y = xhat * w + ...
-        dw = tmp.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
-        if not ctx.needs_input_grad[0]:
-            return None, dw, db, None
-        # dxhat = grad * w; with xhat = (x - mean) * rstd, through mean and var:
-        # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-        dx = xp.multiply(grad, w)                                 # dxhat
-        xp.multiply(dx, xhat, out=tmp)
-        m2 = tmp.mean(axis=-1, keepdims=True)                     # mean(dxhat * xhat)
-        dx -= dx.mean(axis=-1, keepdims=True)                     # - mean(dxhat)
-        xp.multiply(xhat, m2, out=tmp)
-        dx -= tmp                                                 # - xhat * mean(dxhat xhat)
-        dx *= rstd
-        return dx, dw, db, None
+        return layer_norm_backward(grad, ctx.saved, ctx.cuda, ctx.needs_input_grad) + (None,)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5):
@@ -132,6 +143,52 @@ def _quiet(xp):
     return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
 
 
+def gelu_forward(x):
+    """GPT-2's tanh GELU of the array x (Gelu's forward; fusions.BiasGelu's too)."""
+    xp, dtype = xp_of(x), x.dtype
+    if _ck.use(x):
+        return _ck.gelu(x)                         # one elementwise kernel, same formula
+    x = _f32(x)                                    # float16's x^3 overflows at |x| ~ 40
+    y = xp.multiply(x, x)
+    y *= -2 * _K * _A
+    y -= 2 * _K
+    y *= x                                         # -2u = -2k (x + a x^3)
+    with _quiet(xp):
+        xp.exp(y, out=y)                           # exp(-2u); inf for x << 0 is fine:
+    y += 1.0
+    xp.divide(x, y, out=y)                         # x / inf = -0
+    return y.astype(dtype, copy=False)
+
+
+def gelu_backward(x, grad):
+    """dL/dx of gelu_forward(x) given dL/dy = grad."""
+    if _ck.use(x):
+        return _ck.gelu_backward(x, grad)
+    xp, x = xp_of(x), _f32(x)
+    # y = x s, s = sigmoid(2u) = 1 / (1 + exp(-2u)), ds/d(2u) = s (1 - s)
+    # dy/dx = s                                 (from the x factor)
+    #       + x s (1 - s) 2k (1 + 3 a x^2)      (through s, d(2u)/dx = 2k (1 + 3 a x^2))
+    #       = d s (1 - s) + s                   with d = x 2k (1 + 3 a x^2)
+    s = xp.multiply(x, x)
+    d = s * (6 * _K * _A)
+    d += 2 * _K
+    d *= x                                         # d
+    s *= -2 * _K * _A
+    s -= 2 * _K
+    s *= x                                         # -2u
+    with _quiet(xp):
+        xp.exp(s, out=s)                           # may be inf for x << 0 ...
+    s += 1.0
+    xp.reciprocal(s, out=s)                        # ... then s = 0, exactly right
+    d *= s                                         # d s      (bounded, unlike d exp(-2u))
+    xp.subtract(1.0, s, out=s)                     # 1 - s
+    d *= s                                         # d s (1 - s)
+    d += 1.0
+    d -= s                                         # + s
+    d *= grad
+    return d
+
+
 class Gelu(Function):
     """GPT-2's tanh approximation: y = x/2 (1 + tanh(u)), u = k (x + a x^3), k = sqrt(2/pi),
     computed as y = x * sigmoid(2u) = x / (1 + exp(-2u)) (the same function: one exp, which
@@ -139,49 +196,13 @@ class Gelu(Function):
 
     @staticmethod
     def forward(ctx, x):
-        xp, dtype = xp_of(x), x.dtype
         ctx.save_for_backward(x)
-        if _ck.use(x):
-            return _ck.gelu(x)                     # one elementwise kernel, same formula
-        x = _f32(x)                                # float16's x^3 overflows at |x| ~ 40
-        y = xp.multiply(x, x)
-        y *= -2 * _K * _A
-        y -= 2 * _K
-        y *= x                                     # -2u = -2k (x + a x^3)
-        with _quiet(xp):
-            xp.exp(y, out=y)                       # exp(-2u); inf for x << 0 is fine:
-        y += 1.0
-        xp.divide(x, y, out=y)                     # x / inf = -0
-        return y.astype(dtype, copy=False)
+        return gelu_forward(x)
 
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved
-        if _ck.use(x):
-            return _ck.gelu_backward(x, grad)
-        xp, x = xp_of(x), _f32(x)
-        # y = x s, s = sigmoid(2u) = 1 / (1 + exp(-2u)), ds/d(2u) = s (1 - s)
-        # dy/dx = s                                 (from the x factor)
-        #       + x s (1 - s) 2k (1 + 3 a x^2)      (through s, d(2u)/dx = 2k (1 + 3 a x^2))
-        #       = d s (1 - s) + s                   with d = x 2k (1 + 3 a x^2)
-        s = xp.multiply(x, x)
-        d = s * (6 * _K * _A)
-        d += 2 * _K
-        d *= x                                     # d
-        s *= -2 * _K * _A
-        s -= 2 * _K
-        s *= x                                     # -2u
-        with _quiet(xp):
-            xp.exp(s, out=s)                       # may be inf for x << 0 ...
-        s += 1.0
-        xp.reciprocal(s, out=s)                    # ... then s = 0, exactly right
-        d *= s                                     # d s      (bounded, unlike d exp(-2u))
-        xp.subtract(1.0, s, out=s)                 # 1 - s
-        d *= s                                     # d s (1 - s)
-        d += 1.0
-        d -= s                                     # + s
-        d *= grad
-        return d
+        return gelu_backward(x, grad)
 
 
 def gelu(x):

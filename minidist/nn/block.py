@@ -12,6 +12,7 @@ Tests: tests/test_gpt.py.
 """
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
+from minidist.autograd.fusions import bias_gelu
 from minidist.nn.config import TILED_FROM_T
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.nn.module import Module
@@ -61,7 +62,7 @@ class MLP(Module):
         self.dropout = Dropout(config.dropout)
 
     def forward(self, x):                                          # (B, T, C)
-        h = F.gelu(self.c_fc(x))                                   # (B, T, 4C)
+        h = bias_gelu(self.c_fc.matmul(x), self.c_fc.bias)         # (B, T, 4C): gelu(xW + b)
         return self.dropout(self.c_proj(h))                        # (B, T, C)
 
 
@@ -81,8 +82,8 @@ class Block(Module):
             MLP(config, dtype, layers)
 
     def forward(self, x):                                          # (B, T, C)
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))                          # (B, T, C)
+        x, h = self.ln_2.add_norm(x, self.attn(self.ln_1(x)))      # x + attn(..), ln_2 of it
+        return x + self.mlp(h)                                     # (B, T, C)
 
     def with_router_loss(self, x):
         """(forward(x), the MoE's router loss of that forward): an MoE block's two outputs

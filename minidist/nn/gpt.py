@@ -23,9 +23,9 @@ Tests: tests/test_gpt.py.
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Function, Tensor, is_grad_enabled
+from minidist.autograd import Tensor, is_grad_enabled
+from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
-from minidist.autograd import fused as F
 from minidist.nn.block import Block, CausalSelfAttention
 from minidist.nn.config import gpt_init
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
@@ -204,15 +204,12 @@ class GPT(Module):
         B, T, C = x.shape
         w_t = self.transformer.wte.weight.T                        # (C, V), wte reused
         logits = (x.reshape(B * T, C) @ w_t).reshape(B, T, -1)     # (B, T, V padded)
-        V = self.config.vocab_size
-        padded = logits.shape[-1] > V
-        if padded:                                     # vocab_multiple: pad columns -inf
-            logits = MaskVocabPadding.apply(logits, V)                  # (B, T, V padded)
+        V = self.config.vocab_size                     # vocab_multiple: columns V.. padding
         loss = None
-        if targets is not None:
+        if targets is not None:                        # over the first V columns only
             targets = backend.to_device(targets, backend.xp_of(logits.data))
-            loss = F.cross_entropy(logits, targets, ignore_index=-1)
-        return (logits[:, :, :V] if padded else logits), loss          # (B, T, V)
+            loss = padded_cross_entropy(logits, targets, V, ignore_index=-1)
+        return (logits[:, :, :V] if logits.shape[-1] > V else logits), loss   # (B, T, V)
 
     def _check_idx(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
@@ -272,24 +269,6 @@ class GPT(Module):
 
 
 WTE = "transformer.wte.weight"
-
-
-class MaskVocabPadding(Function):
-    """Logits of wte's padding rows (columns >= V) set to -inf: softmax gives them 0, so the
-    loss and sampling never see them. In place: the matmul that made the logits does not
-    need them for its backward. Backward: those columns' gradient is 0 (softmax - onehot is
-    already 0 there; zeroed anyway, so any loss is safe)."""
-
-    @staticmethod
-    def forward(ctx, logits, V):
-        logits[..., V:] = -np.inf
-        ctx.V = V
-        return logits
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad[..., ctx.V:] = 0
-        return grad, None
 
 
 def moe_loss(router_losses):

@@ -13,6 +13,7 @@ Tests: tests/test_nn.py.
 from minidist import backend
 from minidist.autograd import fused as F
 from minidist.autograd import ops
+from minidist.autograd.fusions import residual_layer_norm
 from minidist.nn.module import Module, Parameter
 
 
@@ -35,6 +36,10 @@ class Linear(Module):
 
     def forward(self, x):                                        # (..., in)
         return F.linear(x, self.weight, self.bias)               # (..., out): one GEMM
+
+    def matmul(self, x):
+        """x @ W without the bias: the MLP adds c_fc's in the GELU's pass (bias_gelu)."""
+        return F.linear(x, self.weight)                          # (..., out)
 
 
 class Embedding(Module):
@@ -60,6 +65,10 @@ class LayerNorm(Module):
 
     def forward(self, x):
         return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+    def add_norm(self, x, r):
+        """(x + r, this norm of it) in one op: the block's residual add and ln_2."""
+        return residual_layer_norm(x, r, self.weight, self.bias, eps=self.eps)
 
 
 class Dropout(Module):

@@ -29,6 +29,7 @@ from minidist import backend
 from minidist.autograd import Function
 from minidist.autograd import fused as F
 from minidist.autograd.fused import _f32, counted_rows_sum, rows_counted
+from minidist.autograd.fusions import residual_layer_norm
 from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm
@@ -60,6 +61,10 @@ class ColumnParallelLinear(Module):
     def forward(self, x):                              # (B, T, C) or (B, T/tp, C) under SP
         return F.linear(self.region.enter(x), self.weight, self.bias)   # (B, T, out/tp)
 
+    def matmul(self, x):
+        """forward without the bias (the MLP adds c_fc's in the GELU's pass: bias_gelu)."""
+        return F.linear(self.region.enter(x), self.weight)             # (B, T, out/tp)
+
 
 class RowParallelLinear(Module):
     """y = sum_r x_r @ W[rows of rank r], then + b: the bias is replicated and added once,
@@ -89,6 +94,11 @@ class SequenceParallelLayerNorm(LayerNorm):
     def forward(self, x):
         b = self.region.shared(self.bias) if self.bias is not None else None
         return F.layer_norm(x, self.region.shared(self.weight), b, eps=self.eps)
+
+    def add_norm(self, x, r):
+        """(x + r, this norm of it) in one op, the weight and bias through region.shared."""
+        b = self.region.shared(self.bias) if self.bias is not None else None
+        return residual_layer_norm(x, r, self.region.shared(self.weight), b, eps=self.eps)
 
 
 # ---- the vocabulary split ---------------------------------------------------------------
