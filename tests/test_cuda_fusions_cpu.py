@@ -1,8 +1,8 @@
 """The fused kernels of minidist/autograd/cuda_source_fusions.py (bias+GELU, residual+layer
 norm, cross-entropy over a padded vocabulary) RUN on the CPU (tests/cuda_cpu.py) against
-the xp code they would replace (bias add then fused.gelu; x + r then fused.layer_norm;
-gpt.MaskVocabPadding then fused.cross_entropy) in float64, forward and gradients, in
-float16, bfloat16, float32 and float64, both thread orders; broken variants that must
+the xp code (bias add then fused.gelu; x + r then fused.layer_norm; the xp path of
+fusions.padded_cross_entropy: -inf padding, then fused.cross_entropy's code) in float64,
+forward and gradients, in float16, bfloat16, float32 and float64, both thread orders; broken variants that must
 fail; the plans' argument types; nvcc compiles them where installed.
 Run: python -m pytest -q tests/test_cuda_fusions_cpu.py   (skips without a C++ compiler)
 """
@@ -15,9 +15,8 @@ import pytest
 
 import cuda_cpu
 from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn
-from minidist.autograd import cuda_source as cs, fused as F
+from minidist.autograd import cuda_source as cs, fused as F, fusions
 from minidist.autograd.cuda_source_fusions import FUSIONS
-from minidist.nn.gpt import MaskVocabPadding
 from test_cuda_kernels_cpu import (DTYPES, ORDERS, close, f64, failing_orders, grads,
                                    nth_replaced, rand)
 
@@ -70,7 +69,7 @@ def check_ce_pad(dtype, N=7, V=1001, Vp=1024, src=None, order="low"):
     lse[...], rows[...] = np.nan, np.nan
     cuda_cpu.run(plan, src, order)
     n = np.maximum((tc != -1).sum(), 1).astype(lse.dtype)
-    want, (dz_want,) = grads(lambda a: F.cross_entropy(MaskVocabPadding.apply(a, V), t),
+    want, (dz_want,) = grads(lambda a: fusions.padded_cross_entropy(a, t, V),
                              [z], np.float64(0.5))
     close(rows.sum() / n, want, "float32", "ce_pad_fwd loss")
     plan_b, dz = ckn.ce_pad_bwd_launch(np, np.float64(0.5), (zc, tc, lse, n), V, -1)

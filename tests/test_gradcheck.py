@@ -13,7 +13,7 @@ import pytest
 
 from minidist import backend
 from minidist.autograd import Function, Tensor, fused as F, ops
-from minidist.autograd import attention, flash, indexing
+from minidist.autograd import attention, flash, function, fusions, indexing
 from minidist.autograd.gradcheck import gradcheck
 
 # Finite differences perturb one numpy element at a time (gradcheck.py is numpy-only): this
@@ -147,6 +147,18 @@ CASES = [
          lambda: [T(randn(2, 3, 5))], lambda z: ref_ce(z, TARGETS, -1)),
     Case("cross_entropy_2d", (F.CrossEntropy,), lambda z: F.cross_entropy(z, TARGETS[0], 9),
          lambda: [T(randn(3, 5))], lambda z: ref_ce(z, TARGETS[0], 9)),
+    Case("bias_gelu", (fusions.BiasGelu,), fusions.bias_gelu,
+         lambda: [T(2 * randn(3, 5)), T(randn(5))], lambda h, b: ref_gelu(h + b)),
+    Case("residual_layer_norm", (fusions.ResidualLayerNorm, function.Pick),
+         lambda x, r, w, b: list(fusions.residual_layer_norm(x, r, w, b)),
+         lambda: [T(randn(2, 3, 5)), T(randn(2, 3, 5, seed=1)), T(randn(5)), T(randn(5))]),
+    Case("residual_layer_norm_y_only", (fusions.ResidualLayerNorm, function.Pick),
+         lambda x, r, w: fusions.residual_layer_norm(x, r, w)[1],
+         lambda: [T(randn(4, 6)), T(randn(4, 6, seed=1)), T(randn(6))],
+         lambda x, r, w: ref_ln(x + r, w, 0)),
+    Case("padded_cross_entropy", (fusions.PaddedCrossEntropy,),
+         lambda z: fusions.padded_cross_entropy(z, TARGETS, 4), lambda: [T(randn(2, 3, 6))],
+         lambda z: ref_ce(z[..., :4], TARGETS, -1)),
     Case("causal_attention", (attention.CausalAttention,), F.causal_attention,
          lambda: [T(randn(2, 2, 4, 3, seed=i)) for i in range(3)], lambda *a: ref_attn(*a)),
     Case("causal_attention_dropout", (attention.CausalAttention,),
@@ -226,7 +238,7 @@ def _functions_in(module):
 def test_every_function_is_in_the_table():
     covered = {c for case in CASES for c in case.covers}
     every = (_functions_in(ops) | _functions_in(indexing) | _functions_in(F)
-             | _functions_in(attention) | _functions_in(flash))
+             | _functions_in(attention) | _functions_in(flash) | _functions_in(fusions))
     missing = sorted(c.__name__ for c in every - covered)
     assert not missing, f"Functions with no gradient check in CASES: {missing}"
 
