@@ -9,12 +9,12 @@ block_reduce, GELU_NEG2U, GELU_D) as cuda_source.py's kernels:
                            in one block per row; ln_residual_bwd_x gives dx = dr = g_s +
                            layer norm's dx (dw, db: ln_bwd_wb on s)
     ce_pad_fwd/_bwd        cross-entropy over the first V of Vp columns (a vocabulary padded to
-                           a multiple, minidist/nn/gpt.py's MaskVocabPadding): the padding is
-                           skipped, not set to -inf in a pass of its own; its gradient is 0
+                           a multiple): the padding is skipped, not set to -inf in a pass
+                           of its own; its gradient is 0
 
-Proven on the CPU (tests/test_cuda_fusions_cpu.py) against the xp code they would replace;
-never run on a GPU; not yet used by the model (the GPT's MLP, residual and loss would call
-them through new fused ops, under MINIDIST_CUDA_NEW_KERNELS=1).
+Proven on the CPU (tests/test_cuda_fusions_cpu.py) against the xp code they replace; never
+run on a GPU. The model calls them through minidist/autograd/fusions.py (the GPT's MLP, its
+second residual + ln_2, its loss) on cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1.
 """
 
 FUSIONS = r"""
