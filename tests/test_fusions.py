@@ -129,7 +129,8 @@ def test_gpt_block_and_padded_head_are_the_unfused_ones_bitwise():
 
 
 def test_deferred_weight_grads_give_the_same_gradients():
-    """B (inputs only) then W (weights): the numbers of one backward (zero-bubble pipelines)."""
+    """B (inputs only) then W (weights): the numbers of one backward (zero-bubble pipelines);
+    BiasGelu keeps nothing for W (weight_grads_in_b: its db is summed in B)."""
     x, r, h = rand("float32", 4, 8), rand("float32", 4, 8, seed=1), rand("float32", 4, 12, seed=5)
     w, b, c = rand("float32", 8, seed=2), rand("float32", 8, seed=3), rand("float32", 12, seed=4)
     grads = []
@@ -141,6 +142,8 @@ def test_deferred_weight_grads_give_the_same_gradients():
             with defer_weight_grads([ts[2], ts[3], ts[5]]) as queue:
                 loss.backward()
             assert ts[2].grad is None and ts[5].grad is None and ts[0].grad is not None
+            held = [fn.__name__ for fn, ctx, *_ in queue.work if ctx is not None]
+            assert held == ["ResidualLayerNorm"]       # BiasGelu's db was computed in B
             queue.run()
         else:
             loss.backward()

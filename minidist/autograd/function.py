@@ -50,6 +50,10 @@ class Context:
 
 
 class Function:
+    # Under defer_weight_grads (tensor.py: zero-bubble pipelines' B and W), True makes B
+    # compute this op's weight gradients too and queue only them (they must be cheap, like a
+    # bias's column sum), instead of keeping its saved values and output gradient for W.
+    weight_grads_in_b = False
 
     @staticmethod
     def forward(ctx, *args, **kwargs):

@@ -32,7 +32,11 @@ from minidist.backend import xp_of
 
 class BiasGelu(Function):
     """y = gelu(h + b) for h (..., C), b (C,). Saves h and b (not h + b: h is held by the
-    graph anyway, as the matmul's output), so backward adds b again."""
+    graph anyway, as the matmul's output), so backward adds b again. db is a column sum of
+    dh: zero-bubble pipelines' B pass computes it with dh (weight_grads_in_b), so nothing
+    (N, C) waits for their W pass here."""
+
+    weight_grads_in_b = True
 
     @staticmethod
     def forward(ctx, h, b):
@@ -78,7 +82,7 @@ class ResidualLayerNorm(Function):
             raise ValueError("x and r must have one shape; w and b that of its last axis")
         if x.dtype != r.dtype:
             raise TypeError(f"mixed dtypes {x.dtype} and {r.dtype}; cast one (.astype)")
-        ctx.outputs, ctx.kernel, ctx.dtype = outputs, _ckn.use_new(x, r, w, b), x.dtype
+        ctx.grads, ctx.kernel, ctx.dtype = outputs.grads, _ckn.use_new(x, r, w, b), x.dtype
         if ctx.kernel:                                # s and y in one pass over each row
             s, y, saved = _ckn.residual_layer_norm(xp_of(x), launch, x, r, w, b, eps)
             ctx.cuda = True
@@ -91,8 +95,10 @@ class ResidualLayerNorm(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_s, grad_y = ctx.outputs.grads
+        grad_s, grad_y = ctx.grads                    # the Picks' (None: unused output)
         needs = ctx.needs_input_grad
+        if needs[0] or needs[1]:                      # used now; a deferred W needs only y's
+            ctx.grads[0] = None
         if ctx.kernel:
             dx, dr, dw, db = _ckn.residual_layer_norm_backward(
                 xp_of(grad), launch, grad_s, grad_y, ctx.saved, needs)

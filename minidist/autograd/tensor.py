@@ -238,11 +238,19 @@ class WeightGradQueue:
 
     def input_grads(self, node, grad):
         """B for one op: the gradients of its non-weight inputs (the op skips the weights' via
-        ctx.needs_input_grad); the weights' part is queued with the op's saved values."""
+        ctx.needs_input_grad); the weights' part is queued with the op's saved values. An op
+        whose weight gradients cost next to nothing once its input's is known (a bias's
+        column sum: `Function.weight_grads_in_b`) computes them now; only they are queued,
+        not its saved values and output gradient, which B then frees as a plain backward."""
         ctx, parents = node._ctx, node._parents
         weights = [p is not None and self.holds(p) for p in parents]
         if not any(weights):
             return node._fn._backward(ctx, grad, parents)
+        if node._fn.weight_grads_in_b:
+            grads = node._fn._backward(ctx, grad, parents)
+            kept = tuple(p if w else None for p, w in zip(parents, weights))
+            self.work.append((node._fn, None, grads, kept, tuple(ctx.needs_input_grad), None))
+            return [None if w else g for g, w in zip(grads, weights)]
         needs = ctx.needs_input_grad
         self.work.append((node._fn, ctx, grad, parents, tuple(needs), None))
         ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
@@ -252,7 +260,8 @@ class WeightGradQueue:
 
     def contexts(self):
         """The saved values the queued work keeps alive (the memory ledger counts them)."""
-        return [(ctx, grad) for _, ctx, grad, *_ in self.work if grad is not None]
+        return [(ctx, grad) for _, ctx, grad, *_ in self.work
+                if grad is not None and ctx is not None]
 
     def run(self):
         """W: every queued op's weight gradients, in the order B met them (so summed in a
@@ -265,9 +274,12 @@ class WeightGradQueue:
         for fn, ctx, grad, parents, needs, view in self.work:
             grad = view_grads.pop(view, None) if view is not None else grad
             weights = [p is not None and self.holds(p) for p in parents]
-            ctx.needs_input_grad = tuple(n and w for n, w in zip(needs, weights))
-            in_grads = ([None] * len(parents) if grad is None
-                        else fn._backward(ctx, grad, parents))
+            if ctx is None:                               # computed in B: `grad` holds them
+                in_grads = grad
+            else:
+                ctx.needs_input_grad = tuple(n and w for n, w in zip(needs, weights))
+                in_grads = ([None] * len(parents) if grad is None
+                            else fn._backward(ctx, grad, parents))
             for p, pg, w in zip(parents, in_grads, weights):
                 if not w:
                     continue
