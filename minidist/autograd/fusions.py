@@ -85,7 +85,6 @@ class ResidualLayerNorm(Function):
         ctx.grads, ctx.kernel, ctx.dtype = outputs.grads, _ckn.use_new(x, r, w, b), x.dtype
         if ctx.kernel:                                # s and y in one pass over each row
             s, y, saved = _ckn.residual_layer_norm(xp_of(x), launch, x, r, w, b, eps)
-            ctx.cuda = True
         else:
             s = x + r                                 # the residual add, as Tensor + did
             y, saved, ctx.cuda = F.layer_norm_forward(s, w, b, eps)
