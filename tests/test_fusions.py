@@ -17,7 +17,6 @@ import pytest
 import cuda_cpu
 from minidist.autograd import Tensor, cuda_kernels_new as ckn, fused as F, fusions, ops
 from minidist.autograd.tensor import defer_weight_grads
-from minidist.nn.block import Block
 from minidist.nn.config import GPTConfig
 from minidist.nn.gpt import GPT
 from test_cuda_kernels_cpu import DTYPES, close, rand
@@ -235,30 +234,63 @@ def test_padded_cross_entropy_glue_equals_the_xp_path(dtype):
     assert dz.dtype == dz_want.dtype and not dz.reshape(z.shape)[..., V:].any()
 
 
-# ---- on a GPU -------------------------------------------------------------------------------
+# ---- on a GPU: python -m pytest -m gpu --device cuda tests/test_fusions.py ----------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fusions_on_a_gpu_equal_the_xp_path(device, dtype, monkeypatch):
-    """For the GPU session that confirms them: each op on cupy arrays with the kernels on,
-    against its xp path on numpy (python -m pytest -m gpu --device cuda tests/test_fusions.py)."""
+@pytest.fixture
+def cupy_new(device, monkeypatch):
+    """cupy, with MINIDIST_CUDA_NEW_KERNELS=1 (the kernel path of every op)."""
     if device != "cuda":
         pytest.skip("needs --device cuda")
     import cupy
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_on_a_gpu_equals_the_xp_path(cupy_new, dtype):
     h, b, g = rand(dtype, 4, 9, 96) * 2, rand(dtype, 96, seed=1), rand(dtype, 4, 9, 96, seed=2)
-    got = run_grads(fusions.bias_gelu, [cupy.asarray(a) for a in (h, b)], cupy.asarray(g))
-    for a, c in zip([got[0]] + got[1], _xp_bias_gelu(h, b, g)):
-        close(cupy.asnumpy(a), c, dtype, "bias_gelu on cupy")
+    y, (dh, db) = run_grads(fusions.bias_gelu, [cupy_new.asarray(a) for a in (h, b)],
+                            cupy_new.asarray(g))
+    for a, c, what in zip((y, dh, db), _xp_bias_gelu(h, b, g), ("y", "dh", "db")):
+        close(cupy_new.asnumpy(a), c, dtype, f"bias_gelu {what} on cupy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_layer_norm_on_a_gpu_equals_the_xp_path(cupy_new, dtype):
     x, r, gs, gy = (rand(dtype, 4, 9, 96, seed=i) for i in range(4))
-    args = [x, r, h[0, 0], b, gs, gy]
-    got = _xp_residual(*(cupy.asarray(a) for a in args))
-    for a, c in zip(got, _xp_residual(*args)):
-        close(cupy.asnumpy(a), c, dtype, "residual_layer_norm on cupy")
+    args = [x, r, rand(dtype, 96, seed=4), rand(dtype, 96, seed=5), gs, gy]
+    got = _xp_residual(*(cupy_new.asarray(a) for a in args))
+    for i, (a, c) in enumerate(zip(got, _xp_residual(*args))):
+        close(cupy_new.asnumpy(a), c, dtype, f"residual_layer_norm #{i} (s y dx dr dw db)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_cross_entropy_on_a_gpu_equals_the_xp_path(cupy_new, dtype):
     z, t = rand(dtype, 4, 9, 128) * 3, np.random.default_rng(0).integers(0, 100, (4, 9))
-    fn = lambda a: fusions.padded_cross_entropy(a, cupy.asarray(t), 100)   # noqa: E731
-    loss, (dz,) = run_grads(fn, [cupy.asarray(z)], cupy.asarray(np.float64(0.5)))
+    t[0, 0] = -1
+    loss, (dz,) = run_grads(lambda a: fusions.padded_cross_entropy(a, cupy_new.asarray(t), 100),
+                            [cupy_new.asarray(z)], cupy_new.asarray(np.float64(0.5)))
     loss_want, (dz_want,) = run_grads(lambda a: fusions.padded_cross_entropy(a, t, 100), [z],
                                       np.float64(0.5))
-    close(cupy.asnumpy(loss), loss_want, "float32", "padded_cross_entropy on cupy")
-    close(cupy.asnumpy(dz), dz_want, dtype, "padded_cross_entropy dz on cupy")
+    close(cupy_new.asnumpy(loss), loss_want, "float32", "padded_cross_entropy loss on cupy")
+    close(cupy_new.asnumpy(dz), dz_want, dtype, "padded_cross_entropy dz on cupy")
+
+
+@pytest.mark.gpu
+def test_gpt_with_the_fusion_kernels_equals_without_on_a_gpu(cupy_new, monkeypatch):
+    """The model's loss and every gradient, float32, padded vocabulary, kernels on vs off."""
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=100,
+                    vocab_multiple=64)
+    idx = np.random.default_rng(1).integers(0, 100, (3, 32))
+    runs = []
+    for new in ("1", "0"):
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        model = GPT(cfg, seed=0)
+        _, loss = model(idx, idx)
+        loss.backward()
+        runs.append([loss.data] + [p.grad for p in model.parameters()])
+    for i, (a, c) in enumerate(zip(*runs)):
+        close(cupy_new.asnumpy(a), cupy_new.asnumpy(c), "float32", f"GPT output/grad #{i}")
