@@ -11,8 +11,9 @@ bits) and the results cast back, except cross-entropy's scalar loss, which stays
 (mixed precision scales it before backward). Attention lives in attention.py and is
 re-exported here. On cupy arrays, layer norm, GELU and cross-entropy run CUDA kernels
 instead (cuda_kernels.py; MINIDIST_CUDA_KERNELS=0 for the code here); numpy arrays never
-reach them. Tests: tests/test_fused.py, tests/test_gradcheck.py, tests/test_bfloat16.py,
-tests/test_cuda_kernels.py (gpu).
+reach them. Layer norm's and GELU's math are array functions (layer_norm_forward/_backward,
+gelu_forward/_backward) that fusions.py's ops across layers share. Tests: tests/test_fused.py,
+tests/test_gradcheck.py, tests/test_bfloat16.py, tests/test_cuda_kernels.py (gpu).
 """
 import contextlib
 import math
