@@ -52,6 +52,10 @@ def test_bias_gelu_is_linear_with_bias_then_gelu_bitwise(dtype):
     new = run_grads(lambda x, w, b: fusions.bias_gelu(F.linear(x, w), b), [x, w, b], g)
     old = run_grads(lambda x, w, b: F.gelu(F.linear(x, w, b)), [x, w, b], g)
     assert_bitwise([new[0]] + new[1], [old[0]] + old[1], f"bias_gelu {dtype}")
+    h = F.linear(Tensor(x), Tensor(w))               # the xp path adds b into h (documented)
+    h0 = h.data.copy()
+    fusions.bias_gelu(h, Tensor(b))
+    assert np.array_equal(h.data, h0 + b)
 
 
 def _residual_loss(s, y, R):

@@ -147,7 +147,8 @@ CASES = [
          lambda: [T(randn(2, 3, 5))], lambda z: ref_ce(z, TARGETS, -1)),
     Case("cross_entropy_2d", (F.CrossEntropy,), lambda z: F.cross_entropy(z, TARGETS[0], 9),
          lambda: [T(randn(3, 5))], lambda z: ref_ce(z, TARGETS[0], 9)),
-    Case("bias_gelu", (fusions.BiasGelu,), fusions.bias_gelu,
+    Case("bias_gelu", (fusions.BiasGelu,),       # h * 1.0: a fresh h each call, like the
+         lambda h, b: fusions.bias_gelu(h * 1.0, b),  # model's matmul (h gets b in place)
          lambda: [T(2 * randn(3, 5)), T(randn(5))], lambda h, b: ref_gelu(h + b)),
     Case("residual_layer_norm", (fusions.ResidualLayerNorm, function.Pick),
          lambda x, r, w, b: list(fusions.residual_layer_norm(x, r, w, b)),

@@ -1,7 +1,8 @@
 """Fused ops across the GPT block's layer boundaries: one Function where the model had two.
 
     bias_gelu(h, b)                  gelu(h + b): c_fc's bias added in the GELU's pass (h is
-                                     x @ W without the bias: Linear.matmul)
+                                     x @ W without the bias, Linear.matmul; the xp path
+                                     adds b into h in place, as Linear did)
     residual_layer_norm(x, r, w, b)  (s, y) = (x + r, layer_norm(s)): the block's second
                                      residual add and ln_2, two outputs (s goes on to the
                                      next residual add, y into the MLP)
@@ -31,10 +32,12 @@ from minidist.backend import xp_of
 # ---- bias + GELU ----------------------------------------------------------------------------
 
 class BiasGelu(Function):
-    """y = gelu(h + b) for h (..., C), b (C,). Saves h and b (not h + b: h is held by the
-    graph anyway, as the matmul's output), so backward adds b again. db is a column sum of
-    dh: zero-bubble pipelines' B pass computes it with dh (weight_grads_in_b), so nothing
-    (N, C) waits for their W pass here."""
+    """y = gelu(h + b) for h (..., C), b (C,), h a matmul's fresh output (Linear.matmul).
+    The xp path adds b into h IN PLACE, as Linear adds its bias into its own output: the
+    graph holds h anyway (it is this op's input), so no second (N, C) array is made and
+    backward reads h + b from h. The kernel path leaves h alone and adds b in its passes.
+    db is a column sum of dh: zero-bubble pipelines' B pass computes it with dh
+    (weight_grads_in_b), so nothing (N, C) waits for their W pass here."""
 
     weight_grads_in_b = True
 
@@ -48,22 +51,22 @@ class BiasGelu(Function):
         ctx.cuda = _ckn.use_new(h, b)
         if ctx.cuda:                                  # one kernel: the add in GELU's pass
             return _ckn.bias_gelu(xp_of(h), launch, h, b)
-        return F.gelu_forward(h + b)                  # h + b: as Linear adds its bias
+        h += b                                        # h is h + b from here on
+        return F.gelu_forward(h)
 
     @staticmethod
     def backward(ctx, grad):
-        h, b = ctx.saved
+        v, b = ctx.saved                              # xp path: v = h + b
         if ctx.cuda:
-            return _ckn.bias_gelu_backward(xp_of(h), launch, h, b, grad, ctx.needs_input_grad)
-        dv = F.gelu_backward(h + b, grad)             # d(h + b): dh = dv, db = sum of rows
-        dv = dv.astype(h.dtype, copy=False)           # 16 bits: rounded before the sum, as
-                                                      # when Linear's bias took it
-        db = F.sum_rows(dv.reshape(-1, b.size)) if ctx.needs_input_grad[1] else None
-        return dv, db
+            return _ckn.bias_gelu_backward(xp_of(v), launch, v, b, grad, ctx.needs_input_grad)
+        dv = F.gelu_backward(v, grad).astype(v.dtype, copy=False)   # 16 bits: rounded before
+        db = F.sum_rows(dv.reshape(-1, b.size)) if ctx.needs_input_grad[1] else None  # the sum
+        return dv, db                                 # d(h + b): dh = dv, db = sum of rows
 
 
 def bias_gelu(h, b):
-    """gelu(h + b); b None: gelu(h)."""
+    """gelu(h + b); b None: gelu(h). h must be a fresh array nobody else reads (the xp
+    path overwrites it with h + b): the matmul's output, as in block.MLP."""
     return F.gelu(h) if b is None else BiasGelu.apply(h, b)
 
 
