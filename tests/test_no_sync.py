@@ -169,7 +169,7 @@ STEP_MODULES = [
     "nn/block.py", "nn/layers.py", "nn/moe.py", "nn/module.py", "autograd/ops.py",
     "autograd/fused.py", "autograd/attention.py", "autograd/tensor.py", "autograd/function.py",
     "autograd/indexing.py", "autograd/recompute.py", "autograd/flash.py",
-    "autograd/cuda_kernels.py", "autograd/cuda_kernels_new.py"]
+    "autograd/cuda_kernels.py", "autograd/cuda_kernels_new.py", "autograd/fusions.py"]
 # (not scanned: minidist/comm/, whose MPI path copies a device buffer to the host by design
 # (staging.py; CUDA-aware MPI or --comm nccl avoid it), and checkpoint, planner, sampling
 # modules, which run outside the step)
