@@ -48,8 +48,8 @@ class BiasGelu(Function):
         if b.dtype != h.dtype:
             raise TypeError(f"mixed dtypes {h.dtype} and {b.dtype}; cast one (.astype)")
         ctx.save_for_backward(h, b)
-        ctx.cuda = _ckn.use_new(h, b)
-        if ctx.cuda:                                  # one kernel: the add in GELU's pass
+        ctx.kernel = _ckn.use_new(h, b)
+        if ctx.kernel:                                # one kernel: the add in GELU's pass
             return _ckn.bias_gelu(xp_of(h), launch, h, b)
         h += b                                        # h is h + b from here on
         return F.gelu_forward(h)
@@ -57,7 +57,7 @@ class BiasGelu(Function):
     @staticmethod
     def backward(ctx, grad):
         v, b = ctx.saved                              # xp path: v = h + b
-        if ctx.cuda:
+        if ctx.kernel:
             return _ckn.bias_gelu_backward(xp_of(v), launch, v, b, grad, ctx.needs_input_grad)
         dv = F.gelu_backward(v, grad).astype(v.dtype, copy=False)   # 16 bits: rounded before
         db = F.sum_rows(dv.reshape(-1, b.size)) if ctx.needs_input_grad[1] else None  # the sum
