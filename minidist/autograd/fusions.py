@@ -56,7 +56,7 @@ class BiasGelu(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        v, b = ctx.saved                              # xp path: v = h + b
+        v, b = ctx.saved                              # h + b (the kernel path: h)
         if ctx.kernel:
             return _ckn.bias_gelu_backward(xp_of(v), launch, v, b, grad, ctx.needs_input_grad)
         dv = F.gelu_backward(v, grad).astype(v.dtype, copy=False)   # 16 bits: rounded before
