@@ -1,9 +1,10 @@
 """The CPU harness for CUDA kernels (tests/cuda_cpu.py, tests/cuda_host/cuda_host.h) itself:
 __half and __nv_bfloat16 convert exactly as numpy and ml_dtypes (every 16-bit pattern to
 float, and floats to them: random, every tie, the overflow and subnormal edges), shuffles
-follow CUDA's lane rules, __shared__ is one copy per block, atomics add up, 2-D blocks
-and grids are numbered as CUDA numbers them, and a divergent barrier, a deadlock, a block
-too large, a write past an argument and a Python scalar are refused with a message.
+follow CUDA's lane rules, __shared__ is one copy per block (poisoned at each block's start),
+atomics add up, 2-D blocks and grids are numbered as CUDA numbers them, and a divergent
+barrier, a deadlock, a block too large, a write past an argument and a Python scalar are
+refused with a message.
 Run: python -m pytest -q tests/test_cuda_cpu.py
 """
 import numpy as np
@@ -58,6 +59,16 @@ extern "C" __global__ void block_sums(const float* x, float* out) {
     atomicAdd(&total, x[blockIdx.x * blockDim.x + threadIdx.x]);
     __syncthreads();
     if (threadIdx.x == 0) out[blockIdx.x] = total;
+}
+extern "C" __global__ void stale_shared(float* f, double* d, int* i, long long* q) {
+    __shared__ float sf[2];
+    __shared__ double sd;
+    __shared__ int si;
+    __shared__ long long sq;
+    if (blockIdx.x == 0 && threadIdx.x == 0) sf[0] = sf[1] = 1, sd = 2, si = 3, sq = 4;
+    __syncthreads();                      // block 1 reads what only block 0 wrote
+    if (threadIdx.x == 0) f[blockIdx.x] = sf[1], d[blockIdx.x] = sd, i[blockIdx.x] = si,
+                          q[blockIdx.x] = sq;
 }
 extern "C" __global__ void numbering(int* out) {
     int b = blockIdx.x + gridDim.x * blockIdx.y, nt = blockDim.x * blockDim.y;
@@ -127,6 +138,16 @@ def test_shared_memory_is_per_block_and_atomics_add_up(order):
     out = np.zeros(5, np.float32)
     cuda_cpu.launch(SRC, "block_sums", (5,), (96,), (x, out), order)
     np.testing.assert_array_equal(out, x.reshape(5, 96).sum(1))
+
+
+def test_each_block_starts_with_poisoned_shared_memory():
+    """A block that reads __shared__ memory it did not write sees NaN (-1 for integers), not
+    the previous block's value, as on a GPU, where a block starts with stale garbage."""
+    f, d = np.zeros(2, np.float32), np.zeros(2, np.float64)
+    i, q = np.zeros(2, np.int32), np.zeros(2, np.int64)
+    cuda_cpu.launch(SRC, "stale_shared", (2,), (32,), (f, d, i, q))
+    assert (f[0], d[0], i[0], q[0]) == (1, 2, 3, 4)
+    assert np.isnan(f[1]) and np.isnan(d[1]) and i[1] == -1 and q[1] == -1
 
 
 def test_two_dimensional_blocks_and_grids():

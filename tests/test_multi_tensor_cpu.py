@@ -174,8 +174,9 @@ def check_multi_sum_sq(dtype, src=None, order="low", chunk=CHUNK):
     out[...] = np.nan
     for plan in plans:
         cuda_cpu.run(plan, src, order, tables if plan.name == "multi_sum_sq" else None)
-    # each block's partial on its own: a final sum can hide a wrong partial (a missing
-    # barrier leaves one block's warp sums to the next block, and the sum comes out right)
+    # each block's partial on its own: a final sum can hide wrong partials whose errors
+    # cancel (before the harness poisoned shared memory per block, a missing barrier left one
+    # block's warp sums to the next and the total came out right)
     chunks = [(g.reshape(-1)[a:a + chunk].astype(np.float64) * inv) for g in grads
               for a in range(0, g.size, chunk)]
     np.testing.assert_allclose(plans[0].args[-1], [(c * c).sum() for c in chunks],

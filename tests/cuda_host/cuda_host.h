@@ -16,7 +16,11 @@
 // __shared__ is `static`: one copy per kernel/function, shared by the fibers of the block
 // being run, which is exactly CUDA's "one copy per block" because blocks never overlap (a
 // thread_local would be the same thing here, since all fibers share one OS thread; what would
-// be wrong is per-fiber storage). Dynamic (extern) shared memory is not supported.
+// be wrong is per-fiber storage). Dynamic (extern) shared memory is not supported. Every
+// __shared__ variable lives in the linker section "cuda_shared", which is filled with 0xff
+// bytes before each block runs: a block starts with NaN floats (of every width) and -1
+// integers in its shared memory, as a GPU block starts with whatever was there, so a read
+// before this block's write cannot pass by finding the previous block's value.
 //
 // Warp shuffles: each lane deposits its value and waits; when every lane named in the mask
 // (that exists in the block) has arrived, every lane's result is computed at once, so no
@@ -39,7 +43,7 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static __attribute__((section("cuda_shared"), used))
 
 // ---- dimensions -------------------------------------------------------------------------
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
@@ -214,7 +218,17 @@ static void deadlock() {
     R.failed = true;
 }
 
+// the bounds of section "cuda_shared", from the linker (null where a source has no __shared__)
+extern "C" char __start_cuda_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cuda_shared[] __attribute__((weak, visibility("hidden")));
+
+static void poison_shared() {
+    if (__start_cuda_shared != nullptr)
+        memset(__start_cuda_shared, 0xff, (size_t)(__stop_cuda_shared - __start_cuda_shared));
+}
+
 static void run_block() {
+    poison_shared();
     R.at_block = R.done = R.from = 0;
     for (int t = 0; t < R.n; t++) {
         Fiber& f = R.f[t];
