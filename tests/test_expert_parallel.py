@@ -2,6 +2,7 @@
 refusals, and under mpiexec the exactness runs (tests/scripts/ep_check.py) and train_gpt.py
 with --ep against one process."""
 import json
+import re
 import subprocess
 import sys
 
@@ -197,7 +198,7 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     """train_gpt.py --ep 2 logs one process's losses, val loss, sample (float64) and the
     tokens per expert (summed over both ranks' rows); the checkpoint of --ep 2 --zero 1 after
     step 2 (ZeRO's shards and the experts gathered into one process's format) finishes the
-    run on one process and on --ep 2 --zero 3:
+    run on one process and on --ep 2 --zero 3, whose memory table counts the experts:
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
         mpiexec -n 2 python examples/train_gpt.py --ep 2 --moe-experts 4 ...
@@ -220,8 +221,12 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
                     str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
                    cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
     again = tmp_path / "again.jsonl"                        # ... and on --ep 2 --zero 3
-    mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "3", "--resume",
-        tmp_path / "ck", "--log-json", again, timeout=120)
+    table = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "3", "--resume",
+                tmp_path / "ck", "--log-json", again, timeout=120).stdout
+    # ZeRO's memory table predicts the experts apart (ZeRO-1 over edp at any stage) and
+    # measures their optimizer state too: measured = predicted up to the flat units' padding
+    assert "of them this rank's experts: optimizer state split over 1" in table
+    assert float(re.search(r"within ([\d.]+)% of predicted", table).group(1)) < 1.0
     last = [r["loss"] for r in _rows(one) if "loss" in r][-1]
     for log in (back, again):
         assert abs([r["loss"] for r in _rows(log) if "loss" in r][-1] - last) < 1e-10

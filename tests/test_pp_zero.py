@@ -143,6 +143,7 @@ def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, ze
     out = mpi(4, "examples/train_gpt.py", *common, "--log-json", straight, "--sample", "20",
               timeout=120)
     assert "---- sample" in out.stdout and f"memory per rank, ZeRO stage {zero}" in out.stdout
+    assert "ZeRO's memory table below is pipeline stage 0's" in out.stdout
     if zero == "2":     # a reduce-scatter per micro-batch: (M + 1)(N - 1)/N = 3/2 of Psi
         assert "(1.50 x; DDP sends" in out.stdout, out.stdout
     mpi(4, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",

@@ -52,7 +52,7 @@ from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
 from minidist.nn.layers import Dropout
-from minidist.strategy import checkpoint
+from minidist.strategy import checkpoint, memory
 from minidist.strategy.base import ModelParallel, all_reduce_number
 from minidist.tp.layers import ShardRNG
 from minidist.tp.state import unscaled_sum_sq
@@ -108,6 +108,7 @@ class ExpertParallel(ModelParallel):
     def __init__(self, mesh, group, edp, inner):
         super().__init__(mesh, group, inner)
         self.edp, self.experts = edp, []
+        self.optimizer = None           # under ZeRO: dense + experts (build_optimizer)
         self.expert_engine = None       # under ZeRO: the experts' ZeRO-1 over edp
 
     def wrap(self, model):
@@ -129,6 +130,7 @@ class ExpertParallel(ModelParallel):
             return self.inner.build_optimizer(model, args)
         opt = DenseAndExperts(self.inner.build_optimizer(model, args),
                               experts_optimizer(self.expert_engine, args, self.amp), self.amp)
+        self.optimizer = opt            # finish(): the memory table measures both parts
         if self.amp is not None:        # the other ranks' experts' float32 copies (both
             self.amp.masters.clear()    # optimizers took shards of their own)
         return opt
@@ -241,4 +243,9 @@ class ExpertParallel(ModelParallel):
 
     def finish(self, args, log):
         log.print0(self.summary())
-        self.inner.finish(args, log)
+        if self._zero():                 # its memory table predicts the experts apart
+            n = sum(p.data.size for p in self.experts)
+            self.inner.finish(args, log, experts=memory.ExpertStates(n, self.edp.size,
+                                                                     self.optimizer))
+        else:
+            self.inner.finish(args, log)

@@ -249,6 +249,9 @@ class PipelineParallel(ModelParallel):
     def finish(self, args, log):
         for line in self.summary():
             log.print0(line)
+        if self.inner.reports_memory:             # ZeRO's table: rank 0's group, stage 0
+            log.print0("ZeRO's memory table below is pipeline stage 0's: its parameters, "
+                       "the ranks of its data-parallel group")
         self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:
             trace.write_chrome_trace(args.trace, self.mesh.world)

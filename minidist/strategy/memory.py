@@ -11,6 +11,7 @@ The ZeRO paper's per-rank arithmetic (`zero_model_states`) sits beside the ledge
 `zero_table` prints one against the other (the ZeRO strategy does, at the end of a run).
 Tests: tests/test_memory.py, tests/test_zero.py (stages 1/2/3 measured at 4 ranks).
 """
+import collections
 import itertools
 
 from minidist import backend
@@ -129,13 +130,23 @@ def zero_model_states(n_params, dp=1, stage=0, amp=False, itemsize=4):
     return row
 
 
-def zero_table(rows, predicted, stage, n_params):
+# Under --ep, ZeRO's memory table (zero_table) is told of this rank's experts: how many
+# parameters, how many ranks (edp) their optimizer state is split over (ZeRO-1 at any stage),
+# and the optimizer whose state includes them.
+ExpertStates = collections.namedtuple("ExpertStates", "params ranks optimizer")
+
+
+def zero_table(rows, predicted, stage, n_params, experts=None):
     """Predicted (zero_model_states) vs measured (ledger rows with a "rank"): one line per
-    rank, MiB, and measured / predicted for the model states."""
+    rank, MiB, and measured / predicted for the model states. `experts` (an ExpertStates):
+    how many of the n_params are this rank's experts, said in the title."""
     mib = 2.0 ** 20
     kinds = ("params", "grads", "optimizer")
-    lines = [f"memory per rank, ZeRO stage {stage}, {n_params:,} parameters, {len(rows)} "
-             "ranks: the ZeRO paper's model states vs the ledger's live arrays (MiB)",
+    mine = (f" ({experts.params:,} of them this rank's experts: optimizer state split over "
+            f"{experts.ranks}, gradients whole)" if experts else "")
+    lines = [f"memory per rank, ZeRO stage {stage}, {n_params:,} parameters{mine}, "
+             f"{len(rows)} ranks: the ZeRO paper's model states vs the ledger's live arrays "
+             "(MiB)",
              "           " + "".join(f"{k:>12}" for k in kinds + ("states",)) +
              f"{'activations':>13}{'transient':>11}",
              "predicted  " + "".join(f"{predicted[k] / mib:12.3f}" for k in kinds) +

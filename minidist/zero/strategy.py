@@ -147,14 +147,28 @@ class ZeroDataParallel(SingleProcess):
         self.group.barrier()
 
     # ---- the end of a run: memory and communication -----------------------------------------
-    def memory_rows(self):
-        """Every rank's ledger row (measured now, between steps), gathered to rank 0 (None
-        elsewhere), each with its rank and the transient peak (stage 2 buckets, stage 3
-        gather buffers)."""
+    def memory_rows(self, optimizer):
+        """Every rank's ledger row (measured now, between steps) with `optimizer`'s state,
+        gathered to rank 0 (None elsewhere), each with its rank and the transient peak
+        (stage 2 buckets, stage 3 gather buffers)."""
         self.engine.free()
-        row = memory.ledger(self.model.parameters(), self.opt, self.activations)
+        row = memory.ledger(self.model.parameters(), optimizer, self.activations)
         row.update(rank=self.rank, transient=self.engine.transient_peak)
         return self.group.comm.gather(row, root=0)
+
+    def predicted_states(self, experts=None):
+        """The ZeRO paper's model-state bytes of this rank: the dense parameters at this
+        stage over the group, plus `experts` (memory.ExpertStates) at stage 1 over theirs."""
+        amp = self.amp is not None
+        itemsize = 2 if amp else self.engine.units[0].flat.dtype.itemsize
+        n_experts = experts.params if experts else 0
+        dense = memory.zero_model_states(self.n_params - n_experts, self.world_size,
+                                         self.stage, amp=amp, itemsize=itemsize)
+        if not n_experts:
+            return dense
+        mine = memory.zero_model_states(n_experts, experts.ranks, 1, amp=amp,
+                                        itemsize=itemsize)
+        return {k: dense[k] + mine[k] for k in dense}
 
     def summary(self):
         sent = self.step_bytes
@@ -164,15 +178,17 @@ class ZeroDataParallel(SingleProcess):
                 f"of parameters ({sent / psi:.2f} x; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")
 
-    def finish(self, args, log):
-        rows = self.memory_rows()
+    def finish(self, args, log, experts=None):
+        """The traffic summary and the memory table. `experts` (under --ep, a
+        memory.ExpertStates): this rank's experts are ZeRO-1 at any stage
+        (minidist/ep/optim.py), so they are predicted apart, and measured with the optimizer
+        of dense and experts."""
+        rows = self.memory_rows(experts.optimizer if experts else self.opt)
         if self.step_bytes is not None:
             log.print0(self.summary())
         if self.rank == 0:
-            predicted = memory.zero_model_states(
-                self.n_params, self.world_size, self.stage, amp=self.amp is not None,
-                itemsize=self.engine.units[0].flat.dtype.itemsize if self.amp is None else 2)
-            log.print0(memory.zero_table(rows, predicted, self.stage, self.n_params))
+            log.print0(memory.zero_table(rows, self.predicted_states(experts), self.stage,
+                                         self.n_params, experts))
         if args.trace:
             trace.write_chrome_trace(args.trace, self.group)
             log.print0(f"trace of every collective written to {args.trace}")
