@@ -12,7 +12,8 @@ import pytest
 from minidist.backend import matmul
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.train.amp import LossScaler, MixedPrecision
+from minidist.train.amp import MixedPrecision
+from minidist.train.loss_scale import LossScaler
 from minidist.train.args import train_parser
 from minidist.train.loop import train
 from minidist.strategy.memory import ledger
@@ -229,7 +230,7 @@ def test_fifty_overflowing_steps_in_a_row_stop_the_run(corpus, tmp_path):
     halves the scale 50 times (still 2^950, still inf in float32) and the run stops with
     Diverged at step 51 (the 50th step of the resumed run)."""
     from minidist.strategy import checkpoint
-    from minidist.train.amp import SCALER_KEY
+    from minidist.train.loss_scale import SCALER_KEY
     from minidist.train.loop import Diverged
     _train(corpus, tmp_path, "--steps", "60", "--amp", "--save", str(tmp_path / "ck"),
            "--stop-at", "1")

@@ -17,7 +17,8 @@ from minidist import backend
 from minidist.autograd import cuda_kernels as ck, cuda_source as cs
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor as mt
 from minidist.optim.clip import local_sum_sq
-from minidist.train.amp import LossScaler, MixedPrecision
+from minidist.train.amp import MixedPrecision
+from minidist.train.loss_scale import LossScaler
 from test_cuda_kernels import PTX, _ptx_params
 from test_cuda_kernels_cpu import np_dtype
 from test_multi_tensor_cpu import HYPER, SIZES, SUM_TOL, Bag, set_grads

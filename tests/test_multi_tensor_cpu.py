@@ -28,7 +28,8 @@ from minidist.autograd import cuda_kernels as ck, cuda_source as cs
 from minidist.nn import Module, Parameter
 from minidist.optim import AdamW, multi_tensor as mt
 from minidist.optim.clip import local_sum_sq
-from minidist.train.amp import LossScaler, MixedPrecision
+from minidist.train.amp import MixedPrecision
+from minidist.train.loss_scale import LossScaler
 from test_cuda_kernels_cpu import ORDERS, failing_orders, np_dtype, nth_replaced
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,

@@ -159,7 +159,8 @@ def test_host_read_counts_per_reason_and_returns_a_host_array():
 # ---- 2. the code, scanned ---------------------------------------------------------------
 
 STEP_MODULES = [
-    "train/step.py", "train/loop.py", "train/progress.py", "train/amp.py", "optim/adamw.py",
+    "train/step.py", "train/loop.py", "train/progress.py", "train/amp.py",
+    "train/loss_scale.py", "optim/adamw.py",
     "optim/flat_adamw.py", "optim/clip.py", "optim/optimizer.py", "optim/schedule.py",
     "optim/sgd.py", "strategy/base.py", "ddp/ddp.py", "ddp/strategy.py", "zero/zero.py",
     "zero/flat.py", "zero/optim.py", "zero/strategy.py", "tp/layers.py", "tp/region.py",
@@ -178,8 +179,8 @@ OUTSIDE_THE_STEP = "runs outside a training step (setup, checkpoints, sampling)"
 HOST_VALUE = "a host value already (a Python number, or numpy made on the host)"
 ALLOWED = {
     # whole functions that never run inside a step
-    "train/amp.py:LossScaler.__init__": OUTSIDE_THE_STEP,
-    "train/amp.py:LossScaler.load_state_dict": OUTSIDE_THE_STEP,
+    "train/loss_scale.py:LossScaler.__init__": OUTSIDE_THE_STEP,
+    "train/loss_scale.py:LossScaler.load_state_dict": OUTSIDE_THE_STEP,
     "train/amp.py:half_dtype": OUTSIDE_THE_STEP + ": probes bfloat16 once, at setup",
     "train/amp.py:MasterWeightOptimizer.__init__": OUTSIDE_THE_STEP,
     "train/amp.py:MasterWeightOptimizer.state_dict": OUTSIDE_THE_STEP,
@@ -216,7 +217,7 @@ ALLOWED = {
     "train/progress.py:first_not_finite: math.isfinite(loss)": HOST_VALUE + ": read's rows",
     "train/progress.py:first_not_finite: math.isfinite(norm)": HOST_VALUE + ": read's rows",
     "train/progress.py:clock: int(round(seconds))": HOST_VALUE + ": a time in seconds",
-    "train/amp.py:LossScaler.verdict: math.isfinite(norm)":
+    "train/loss_scale.py:LossScaler.verdict: math.isfinite(norm)":
         HOST_VALUE + ": the norm from the verdict's one host_read",
     "train/amp.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
     "optim/sgd.py:SGD.update: bool(first)": HOST_VALUE + ": a Python flag",

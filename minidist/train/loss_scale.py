@@ -1,0 +1,89 @@
+"""Dynamic loss scaling for mixed precision (minidist/train/amp.py): the scale S the loss is
+multiplied by before backward, and the verdict after it -- the global norm of the unscaled
+gradients is not finite: an overflow somewhere, skip the step and halve S; else the factor
+1/S x clip the step multiplies the 16-bit gradients by, and S doubles after `growth_interval`
+good steps in a row. With bfloat16 (float32's exponent range) S = 1, fixed, and the check
+stays. The scaler's state travels in the optimizer's checkpoint under SCALER_KEY.
+Tests: tests/test_amp.py.
+"""
+import math
+
+from minidist import backend
+from minidist.optim.clip import clip_factor
+
+SCALER_KEY = "loss_scaler"    # its entry in the optimizer state (checkpoints), beside params
+
+
+class LossScaler:
+    """Dynamic loss scale: halve it on an overflow, double it after `growth_interval` steps
+    without one (`growth_interval=None`: a fixed scale, e.g. 1 for bfloat16).
+
+    It starts at 2^12, not PyTorch's 2^16: there only activation gradients are float16, here
+    the parameter gradients are too, and a bias or embedding gradient sums over every token of
+    the batch, O(1-10) early in training, which times 2^16 passes float16's 65504 (the runs
+    that showed it: minidist/train/README.md). The scale still grows when the gradients
+    allow."""
+
+    def __init__(self, init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, max_skips_in_a_row=50):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.max_skips = growth_interval, max_skips_in_a_row
+        self.good_steps = 0          # steps without an overflow since the last change
+        self.skipped = 0             # steps skipped so far (all time)
+        self.skips_in_a_row = 0
+        self.used = False            # scale_loss ran since the last step (checked there)
+
+    def unscale_and_clip(self, sum_sq, max_norm, reduce_sum_sq, has_grads=True):
+        """The one place --amp turns a sum of squares into a verdict, for every optimizer
+        (MasterWeightOptimizer here, ZeRO's ShardedAdamW): `sum_sq`, this rank's sum of
+        squares of its unscaled gradients, reduced over the ranks by the strategy's
+        `reduce_sum_sq` -> (global norm, inf/nan found, the factor the 16-bit gradients are
+        multiplied by in the step: 1/S, times the clip factor). Refuses gradients whose
+        backward did not start from a scaled loss."""
+        if has_grads and not self.used:
+            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
+                               "(the strategy must call MixedPrecision.scale_loss)")
+        self.used = False
+        sum_sq = reduce_sum_sq(sum_sq) if reduce_sum_sq is not None else sum_sq
+        # The one host read of an --amp step: skipping is a Python decision (a skipped step
+        # advances neither AdamW's step counts nor the scaler's, and the next step's loss
+        # scale is a host number), as in PyTorch's GradScaler without a capturable optimizer.
+        sum_sq = float(backend.host_read(sum_sq, "amp overflow verdict"))
+        norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
+        return (norm, *self.verdict(norm, max_norm))
+
+    def verdict(self, norm, max_norm):
+        """(inf/nan found, the factor the 16-bit gradients are multiplied by in the step) for
+        the global unscaled `norm` (a float): 1/S times the clip factor. For an optimizer
+        that steps a second set of parameters by the norm unscale_and_clip measured
+        (minidist/ep/optim.py)."""
+        found_inf = not math.isfinite(norm)
+        return found_inf, (1.0 if found_inf else clip_factor(norm, max_norm)) / self.scale
+
+    def update(self, found_inf):
+        """Record this step's verdict; returns True if the optimizer should step."""
+        if found_inf:
+            self.skipped += 1
+            self.skips_in_a_row += 1
+            self.good_steps = 0
+            if self.growth_interval is not None:
+                self.scale *= self.backoff_factor
+            if self.skips_in_a_row >= self.max_skips:
+                raise FloatingPointError(
+                    f"{self.skips_in_a_row} steps in a row had inf/nan gradients (loss scale "
+                    f"now {self.scale:g}): the loss or the model has diverged, not overflowed")
+            return False
+        self.skips_in_a_row = 0
+        self.good_steps += 1
+        if self.growth_interval is not None and self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+        return True
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, sd):
+        self.scale = float(sd["scale"])
+        self.good_steps, self.skipped = int(sd["good_steps"]), int(sd["skipped"])
