@@ -86,6 +86,11 @@ class MpiRunner:
         return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
+def logged_losses(path):
+    """The training losses of a train_gpt.py --log-json file, step by step."""
+    return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
+
+
 def tagged_json(result, tag="RESULT"):
     """The JSON objects a rank script printed as `TAG {json}` lines, in order."""
     return [json.loads(line[len(tag) + 1:]) for line in result.stdout.splitlines()

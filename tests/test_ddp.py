@@ -20,7 +20,7 @@ from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from minidist.train.step import train_step
-from mpirun import tagged_json
+from mpirun import logged_losses, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -324,9 +324,7 @@ def test_ddp_resume_continues_bit_identically(corpus, tmp_path, mpi):
         timeout=120)
     mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
         resumed, timeout=120)
-    def losses(path):
-        return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
-    assert losses(resumed)[:3] == losses(straight)[3:6]
+    assert logged_losses(resumed)[:3] == logged_losses(straight)[3:6]
 
 
 @pytest.mark.mpi

@@ -22,7 +22,7 @@ from minidist.pp.strategy import default_micro_batches
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout
 from minidist.train.cli import UsageError
-from mpirun import tagged_json
+from mpirun import logged_losses, tagged_json
 
 TOL = 1e-10
 
@@ -259,10 +259,6 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--eval-every", "0", "--pp", "2", "--micro-batches", "4"]
 
 
-def _losses(path):
-    return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
-
-
 @pytest.mark.mpi
 def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path, mpi):
     """train_gpt --pp 2: summary lines, a trace with every micro-batch, a sample through the
@@ -284,7 +280,7 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path, mpi):
         "--sample", "0", timeout=120)
     mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
         resumed, "--sample", "0", timeout=120)
-    assert _losses(resumed)[:3] == _losses(straight)[3:6]
+    assert logged_losses(resumed)[:3] == logged_losses(straight)[3:6]
     state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
     one = SingleProcess()                   # the whole model, in the one-process format
     model = one.build_model(GPTConfig(**state["config"]), 0, "float32")

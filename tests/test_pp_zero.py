@@ -8,7 +8,6 @@ The exactness runs are tests/scripts/pp_check.py's (run names ending in z1, z2, 
 test's docstring gives the command to run it by hand. How it works: minidist/pp/README.md
 ("ZeRO across pipelines").
 """
-import json
 
 import pytest
 
@@ -21,7 +20,7 @@ from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.train.strategy import check_layout
 from minidist.zero.flat import gpt_units
-from mpirun import tagged_json
+from mpirun import logged_losses, tagged_json
 
 TOL = 1e-10
 RUNS_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m4-1f1b-z2", "pp2-dp2-m4-1f1b-z3",
@@ -120,10 +119,6 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--pp", "2", "--dp", "2", "--micro-batches", "2"]
 
 
-def _losses(path):
-    return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("zero, extra", [("3", ["--dropout", "0.1"]), ("2", ["--amp"])])
 def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, zero, extra):
@@ -150,7 +145,7 @@ def test_train_gpt_pp2_dp2_zero_end_to_end_with_resume(corpus, tmp_path, mpi, ze
         "--sample", "0", timeout=120)
     mpi(4, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
         resumed, "--sample", "0", timeout=120)
-    assert _losses(resumed)[:3] == _losses(straight)[3:6]
+    assert logged_losses(resumed)[:3] == logged_losses(straight)[3:6]
     meta = checkpoint.load(tmp_path / "ck")[2]           # plain dicts: (params, opt, meta)
     amp = "--amp" in extra               # one process's optimizer's name, not ShardedAdamW
     assert meta["optimizer"] == ("MasterWeightOptimizer" if amp else "AdamW")
