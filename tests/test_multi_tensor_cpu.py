@@ -239,7 +239,7 @@ BROKEN = {   # name -> (check, dtype, old, new, occurrence): one defect each
                                      "min(*start + chunk, sizes[*t] + 1)", 0),
     "the next tensor's chunk": (check_multi_adamw, "float32", "*t = blk_tensor[blockIdx.x];",
                                 "*t = (blk_tensor[blockIdx.x] + 1) % 2;", 0),
-    "amp: the factor not applied": (check_multi_amp_adamw, "float16", "ld(g, i) * factor",
+    "amp: the factor not applied": (check_multi_amp_adamw, "float16", "ld(g, i) * s[0]",
                                     "ld(g, i)", 0),
     "amp: the weight not copied back": (check_multi_amp_adamw, "float16", "st(w, i, pn);", "",
                                         0),

@@ -220,6 +220,11 @@ ALLOWED = {
     "train/loss_scale.py:LossScaler.verdict: math.isfinite(norm)":
         HOST_VALUE + ": the norm from the verdict's one host_read",
     "train/amp.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
+    "train/amp.py:MasterWeightOptimizer._verdict_on_device: bool(grads)": "a Python list",
+    "train/loss_scale.py:LossScaler.settle: float(state[0])":
+        HOST_VALUE + ": settle's one host_read (at the steps the loop reads losses)",
+    "train/loss_scale.py:LossScaler.settle: int(x)":
+        HOST_VALUE + ": settle's one host_read (at the steps the loop reads losses)",
     "optim/sgd.py:SGD.update: bool(first)": HOST_VALUE + ": a Python flag",
     "strategy/base.py:any_rank_of: float(flag)": HOST_VALUE + ": a Python flag",
     "strategy/base.py:any_rank_of: bool(buf[0])": HOST_VALUE + ": a numpy buffer (MPI)",

@@ -66,7 +66,24 @@ extern "C" __global__ void multi_adamw(const unsigned long long* p_tab,
     }
 }
 
-// w: the 16-bit model weights (T), g: their 16-bit gradients; p, m, v: float32
+// --amp's update of elements [start, end) of one tensor: w, the 16-bit model weights (T), g
+// their 16-bit gradients; p, m, v float32. s: factor, b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2,
+// eps, step_size (as a float array, whether from the host or the verdict kernel)
+__device__ __forceinline__ void amp_adamw_range(T* w, const T* g, float* p, float* m, float* v,
+                                                long long start, long long end, float decay,
+                                                const float* s) {
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float gi = ld(g, i) * s[0], pi = p[i] * decay;    // amp.unscaled, then adamw_step
+        float mi = m[i] * s[1] + gi * s[2];
+        float vi = v[i] * s[3] + gi * gi * s[4];
+        float pn = pi - mi / (sqrt(vi) * s[5] + s[6]) * s[7];
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pn;
+        st(w, i, pn);                                     // rounded to nearest even
+    }
+}
+
 extern "C" __global__ void multi_amp_adamw(const unsigned long long* w_tab,
                                            const unsigned long long* g_tab,
                                            const unsigned long long* p_tab,
@@ -80,21 +97,75 @@ extern "C" __global__ void multi_amp_adamw(const unsigned long long* w_tab,
     int t;
     long long start, end;
     multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
-    T* w = (T*)w_tab[t];
-    const T* g = (const T*)g_tab[t];
-    float* p = (float*)p_tab[t];
-    float* m = (float*)m_tab[t];
-    float* v = (float*)v_tab[t];
-    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float gi = ld(g, i) * factor, pi = p[i] * decay;  // amp.unscaled, then adamw_step
-        float mi = m[i] * b1 + gi * one_minus_b1;
-        float vi = v[i] * b2 + gi * gi * one_minus_b2;
-        float pn = pi - mi / (sqrt(vi) * inv_sqrt_bc2 + eps) * step_size;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pn;
-        st(w, i, pn);                                     // rounded to nearest even
+    const float s[8] = {factor, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                        step_size};
+    amp_adamw_range((T*)w_tab[t], (const T*)g_tab[t], (float*)p_tab[t], (float*)m_tab[t],
+                    (float*)v_tab[t], start, end, decay, s);
+}
+
+// The same update with the verdict decided on the device (amp_verdict below): verdict[0]
+// nonzero skips the step (every block returns); verdict[1..8] are multi_amp_adamw's
+// factor .. step_size. decay (1 - lr x weight decay) is the group's, known on the host.
+extern "C" __global__ void multi_amp_adamw_dev(const unsigned long long* w_tab,
+                                               const unsigned long long* g_tab,
+                                               const unsigned long long* p_tab,
+                                               const unsigned long long* m_tab,
+                                               const unsigned long long* v_tab,
+                                               const long long* sizes, const int* blk_tensor,
+                                               const long long* blk_start, long long chunk,
+                                               float decay, const float* verdict) {
+    if (verdict[0] != 0.0f) return;
+    int t;
+    long long start, end;
+    multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
+    amp_adamw_range((T*)w_tab[t], (const T*)g_tab[t], (float*)p_tab[t], (float*)m_tab[t],
+                    (float*)v_tab[t], start, end, decay, verdict + 1);
+}
+
+// --amp's overflow verdict and AdamW's step count, decided on the device (one thread), so
+// the step needs no host read: LossScaler.unscale_and_clip, verdict and update, line for
+// line in double. sum_sq: the global sum of squares of the SCALED 16-bit gradients (the
+// loss scale is a power of two, so dividing by its square here is exact: the same number
+// the host path's sum of unscaled squares gives). state (double, in place): loss scale,
+// good steps, skipped, skips in a row, AdamW's step count, the step's unscaled norm.
+// verdict (float): skip, then multi_amp_adamw's factor .. step_size for the new step count.
+// interval <= 0: a fixed scale.
+extern "C" __global__ void amp_verdict(const double* sum_sq, double* state, float* verdict,
+                                       double max_norm, double growth, double backoff,
+                                       double interval, double lr, double b1, double b2,
+                                       double eps) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double scale = state[0];
+    double s2 = sum_sq[0] / (scale * scale);
+    double norm = sqrt(s2);                    // nan for a nan (or negative) sum, as on the host
+    bool found_inf = !(norm - norm == 0.0);    // inf - inf and nan - nan are nan: not finite
+    double clip = (max_norm > 0.0 && max_norm < norm) ? max_norm / (norm + 1e-6) : 1.0;
+    double factor = (found_inf ? 1.0 : clip) / scale;
+    if (found_inf) {
+        state[1] = 0.0;
+        state[2] += 1.0;
+        state[3] += 1.0;
+        if (interval > 0.0) state[0] = scale * backoff;
+    } else {
+        state[1] += 1.0;
+        state[3] = 0.0;
+        state[4] += 1.0;
+        if (interval > 0.0 && state[1] >= interval) {
+            state[0] = scale * growth;
+            state[1] = 0.0;
+        }
     }
+    state[5] = norm;
+    double step = state[4];
+    verdict[0] = found_inf ? 1.0f : 0.0f;
+    verdict[1] = (float)factor;
+    verdict[2] = (float)b1;
+    verdict[3] = (float)(1.0 - b1);
+    verdict[4] = (float)b2;
+    verdict[5] = (float)(1.0 - b2);
+    verdict[6] = (float)(1.0 / sqrt(1.0 - pow(b2, step)));
+    verdict[7] = (float)eps;
+    verdict[8] = (float)(lr / (1.0 - pow(b1, step)));
 }
 
 // g *= factor in place, factor read on the device (the clip's 0-d float64 array: no host
@@ -136,5 +207,5 @@ extern "C" __global__ void multi_sum_sq_final(const A* partial, long long n, A* 
 }
 """
 
-MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_scale", "multi_sum_sq",
-               "multi_sum_sq_final")
+MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_amp_adamw_dev", "amp_verdict",
+               "multi_scale", "multi_sum_sq", "multi_sum_sq_final")

@@ -14,6 +14,8 @@ are (the per-parameter path costs one launch per parameter for AdamW, ~8 per par
                   guarded copies of those tensors
     groups        `group_adamw_launch`, `group_amp_adamw_launch`: the plan for one optimizer
                   group (what the optimizers `run`, and the CPU tests run on numpy);
+                  `amp_verdict_launch` + `group_amp_adamw_dev_launch`: --amp's step with
+                  the overflow verdict and step count decided on the device (no host read);
                   `sum_sq` and `scale` run the clip's two kernels on cupy arrays
 
 The kernels (minidist/autograd/cuda_source_multi.py) are proven on the CPU only
@@ -31,6 +33,8 @@ from minidist.backend import is_cupy, xp_of
 CHUNK = 32768          # elements per block (each of THREADS threads: CHUNK / THREADS)
 THREADS = 256
 _TABLES = {}           # (kind, key) -> device table; cleared when it grows past _MAX_TABLES
+STATE_FIELDS = ("scale", "good_steps", "skipped", "skips_in_a_row", "step", "norm")
+VERDICT_SIZE = 9       # amp_verdict's output: skip, factor, then adamw_scalars without decay
 _MAX_TABLES = 256
 
 
@@ -58,19 +62,26 @@ def amp_adamw_ok(weights, grads, masters):
             and masters[0].dtype.name == "float32")
 
 
-def advance_states(state, names, arrays):
-    """An optimizer's states of a group (state[name] for each name) for one multi launch:
-    each step count advanced by one, m and v made (zeros like `arrays`) where missing. None,
-    and nothing changed, when the step counts differ (state loaded from a run where some
-    parameter had no gradient): the per-parameter path takes that group."""
-    states = [state.get(n, {"step": 0}) for n in names]
-    if len({s["step"] for s in states}) != 1:
-        return None
-    for name, s, a in zip(names, states, arrays):
-        state[name] = s
-        s["step"] += 1
+def moment_states(state, names, arrays):
+    """An optimizer's states of a group (state[name] for each name), m and v made (zeros
+    like `arrays`) where missing; step counts untouched."""
+    states = [state.setdefault(n, {"step": 0}) for n in names]
+    for s, a in zip(states, arrays):
         if "exp_avg" not in s:
             s["exp_avg"], s["exp_avg_sq"] = xp_of(a).zeros_like(a), xp_of(a).zeros_like(a)
+    return states
+
+
+def advance_states(state, names, arrays):
+    """An optimizer's states of a group for one multi launch (moment_states), each step
+    count advanced by one. None, and nothing changed, when the step counts differ (state
+    loaded from a run where some parameter had no gradient): the per-parameter path takes
+    that group."""
+    if len({state.get(n, {"step": 0})["step"] for n in names}) != 1:
+        return None
+    states = moment_states(state, names, arrays)
+    for s in states:
+        s["step"] += 1
     return states
 
 
@@ -164,6 +175,31 @@ def multi_amp_adamw_launch(xp, weights, grads, masters, ms, vs, factor, step, lr
     return plan, tables
 
 
+def multi_amp_adamw_dev_launch(xp, weights, grads, masters, ms, vs, decay, verdict,
+                               chunk=CHUNK):
+    """multi_amp_adamw_launch with the verdict on the device: `verdict` the float32 array
+    amp_verdict fills (skip, factor, Adam's scalars for the new step count); `decay`
+    (1 - lr x weight decay, a Python float) the group's."""
+    half = grads[0].dtype
+    args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs),
+                                   [half, half] + [np.float32] * 3, chunk)
+    args += [np.float32(decay), verdict]
+    return Launch("multi_amp_adamw_dev", half, (blocks,), (THREADS,), tuple(args)), tables
+
+
+def amp_verdict_launch(sum_sq, state, verdict, half, max_norm, scaler, lr, beta1, beta2, eps):
+    """The one-thread launch that decides --amp's step on the device: `sum_sq` (float64, 1
+    element) of the scaled gradients over every rank, `state` (float64, STATE_FIELDS, in
+    place: the scaler's and AdamW's step count), `verdict` (float32, VERDICT_SIZE) out.
+    `half`: the 16-bit dtype (the kernel is in that dtype's module); `scaler` a LossScaler
+    (its growth policy; its scale lives in `state` meanwhile)."""
+    interval = scaler.growth_interval or 0
+    args = (sum_sq, state, verdict, max_norm or 0.0, scaler.growth_factor,
+            scaler.backoff_factor, interval, lr, beta1, beta2, eps)
+    return Launch("amp_verdict", half, (1,), (1,), tuple(args[:3]) + tuple(
+        np.float64(x) for x in args[3:]))
+
+
 def multi_sum_sq_launches(xp, grads, scale, chunk=CHUNK):
     """The two launches of sum((g x scale)^2) over `grads` (one dtype): per-block partials,
     then one block sums them; the tables and the (1,) result in the accumulation dtype."""
@@ -210,6 +246,17 @@ def group_amp_adamw_launch(xp, weights, grads, masters, states, group, factor, c
                                   [s["exp_avg_sq"] for s in states], factor,
                                   states[0]["step"], group["lr"], beta1, beta2, group["eps"],
                                   group["weight_decay"], chunk)
+
+
+def group_amp_adamw_dev_launch(xp, weights, grads, masters, states, group, verdict,
+                               chunk=CHUNK):
+    """multi_amp_adamw_dev's plan for one group: as group_amp_adamw_launch, but the factor
+    and step count come from the device (`verdict`, amp_verdict's output); `states` hold m
+    and v (their step counts are the device's meanwhile)."""
+    return multi_amp_adamw_dev_launch(xp, weights, grads, masters,
+                                      [s["exp_avg"] for s in states],
+                                      [s["exp_avg_sq"] for s in states],
+                                      1.0 - group["lr"] * group["weight_decay"], verdict, chunk)
 
 
 def run(plan):

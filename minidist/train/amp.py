@@ -81,6 +81,7 @@ class MixedPrecision:
         self.dtype_name = dtype or os.environ.get("MINIDIST_AMP_DTYPE") or None
         self.dtype = None
         self.masters = {}            # parameter name -> float32 array
+        self.optimizers = []         # the MasterWeightOptimizers built here: settle()
         self._scratch = {}           # (shape, array module) -> float32 buffer: unscaled()
 
     def cast_model(self, model):
@@ -100,7 +101,7 @@ class MixedPrecision:
     def scale_loss(self, loss, factor=1.0):
         """The tensor backward starts from: loss x factor x the loss scale."""
         self.scaler.used = True
-        return loss * (self.scaler.scale * factor)
+        return loss * self.scaler.multiplier(factor)
 
     def scaled_upstream(self):
         """This rank's backward starts from a gradient that another rank's scaled loss made
@@ -115,7 +116,16 @@ class MixedPrecision:
 
     def optimizer(self, named_params, make_inner):
         """A MasterWeightOptimizer; `make_inner(named float32 params)` builds e.g. AdamW."""
-        return MasterWeightOptimizer(named_params, self, make_inner)
+        self.optimizers.append(MasterWeightOptimizer(named_params, self, make_inner))
+        return self.optimizers[-1]
+
+    def settle(self):
+        """Read back the verdicts the optimizers built here took on the device since the
+        last settle (one host read, none when there were none): the loop calls it at the
+        steps that read their losses anyway. Raises FloatingPointError after too many
+        skipped steps in a row, as a host verdict would at that step."""
+        for opt in self.optimizers:
+            opt.settle()
 
     # ---- unscaling: every optimizer's (this file's, ZeRO's) and the strategies' norms -----
     def unscaled(self, grad, factor):
@@ -154,7 +164,15 @@ class MasterWeightOptimizer:
     """An optimizer (e.g. AdamW) over float32 master copies of 16-bit model parameters.
 
     Used like the inner one: zero_grad, set_lr, clip_grad_norm, step, state_dict. step()
-    returns False when it skipped the update because some gradient was inf or nan."""
+    returns False when it skipped the update because some gradient was inf or nan, None
+    when that was decided on the device (below).
+
+    The verdict on the device: on cupy with MINIDIST_CUDA_NEW_KERNELS=1, when every group is
+    an AdamW group multi_amp_adamw can take whole, the step reads nothing back. Three
+    launches and one per group: the sum of squares of the scaled gradients (2), reduced
+    over the ranks on the device, then amp_verdict (one thread: the scaler's rules and
+    AdamW's step count, in the scaler's device_state), then multi_amp_adamw_dev per group,
+    which every block skips on an overflow. settle() reads the state back."""
 
     def __init__(self, named_params, amp, make_inner):
         named = list(named_params)
@@ -166,6 +184,7 @@ class MasterWeightOptimizer:
         self.amp, self.scaler = amp, amp.scaler
         self._model_param = {n: p for n, p in named}
         self._factor, self._found_inf = None, False
+        self._verdict = None           # the device verdict of this step (float32 array)
 
     param_groups = property(lambda self: self.inner.param_groups)
 
@@ -178,8 +197,13 @@ class MasterWeightOptimizer:
 
     def clip_grad_norm(self, max_norm, reduce_sum_sq=None):
         """Global L2 norm of the unscaled gradients (inf or nan: an overflow on some rank);
-        sets step()'s factor 1/S, times max_norm / norm if that is smaller. Returns it."""
+        sets step()'s factor 1/S, times max_norm / norm if that is smaller. Returns it (a
+        float; a 0-d device array when the verdict is taken on the device)."""
         grads = [p.grad for p in self.params if p.grad is not None]
+        groups = self._device_groups()
+        if groups is not None:
+            return self._verdict_on_device(groups, grads, max_norm, reduce_sum_sq)
+        self.settle()
         sum_sq = self.amp.unscaled_sum_sq(grads)
         norm, self._found_inf, self._factor = self.scaler.unscale_and_clip(
             sum_sq, max_norm, reduce_sum_sq, has_grads=bool(grads))
@@ -187,8 +211,10 @@ class MasterWeightOptimizer:
 
     def step(self):
         """Skip (and lower the scale) on an overflow; else update masters and model."""
-        if self._factor is None:
+        if self._factor is None and self._verdict is None:
             self.clip_grad_norm(None)            # not clipped: still unscale and check
+        if self._verdict is not None:
+            return self._step_on_device()
         found_inf, factor, self._factor = self._found_inf, self._factor, None
         if not self.scaler.update(found_inf):
             return False
@@ -196,6 +222,70 @@ class MasterWeightOptimizer:
             if not self._multi_step_group(group, factor):
                 self._step_group(group, factor)
         return True
+
+    # ---- the verdict on the device ---------------------------------------------------------
+    def _device_groups(self):
+        """[(group, 16-bit weights, gradients, masters)] when the whole step can be decided
+        on the device: an AdamW, every parameter with a gradient, each group fit for
+        multi_amp_adamw, one step count for all (already so on the device). Else None."""
+        if not isinstance(self.inner, AdamW):
+            return None
+        out = []
+        for group in self.inner.param_groups:
+            weights = [self._model_param[n].data for n in group["names"]]
+            grads = [self._model_param[n].grad for n in group["names"]]
+            masters = [m.data for m in group["params"]]
+            if (any(g is None for g in grads)
+                    or not multi_tensor.amp_adamw_ok(weights, grads, masters)):
+                return None
+            out.append((group, weights, grads, masters))
+        if self.scaler.device_state is None and len(self._host_steps()) != 1:
+            return None
+        return out
+
+    def _host_steps(self):
+        return {self.inner.state.get(n, {"step": 0})["step"] for n in self.names}
+
+    def _verdict_on_device(self, groups, grads, max_norm, reduce_sum_sq):
+        """The sum of squares, its reduction and amp_verdict, launched; the norm (a 0-d
+        device array) returned. No host read."""
+        self.scaler.check_used(bool(grads))
+        xp, half = backend.xp_of(grads[0]), grads[0].dtype
+        state = self.scaler.to_device(xp, self._host_steps().pop())
+        sum_sq = multi_tensor.sum_sq(grads, 1.0)     # scaled: amp_verdict divides by S^2
+        if reduce_sum_sq is not None:
+            sum_sq = reduce_sum_sq(sum_sq)
+        sum_sq = xp.ascontiguousarray(xp.asarray(sum_sq, dtype=np.float64).reshape(1))
+        self._verdict = xp.empty(multi_tensor.VERDICT_SIZE, np.float32)
+        group = groups[0][0]
+        multi_tensor.run((multi_tensor.amp_verdict_launch(
+            sum_sq, state, self._verdict, half, max_norm, self.scaler, group["lr"],
+            *group["betas"], group["eps"]), None))
+        return state[multi_tensor.STATE_FIELDS.index("norm")].copy()
+
+    def _step_on_device(self):
+        """multi_amp_adamw_dev over each group, reading this step's verdict on the device
+        (every block returns at once on an overflow). Returns None: skipped or not is
+        known on the device only."""
+        verdict, self._verdict = self._verdict, None
+        groups = self._device_groups()
+        if groups is None:
+            raise RuntimeError("mixed precision: the gradients changed between "
+                               "clip_grad_norm and step")
+        for group, weights, grads, masters in groups:
+            states = multi_tensor.moment_states(self.inner.state, group["names"], masters)
+            multi_tensor.run(multi_tensor.group_amp_adamw_dev_launch(
+                backend.xp_of(masters[0]), weights, grads, masters, states, group, verdict))
+        return None
+
+    def settle(self):
+        """The device verdicts since the last settle, read back (one host read; nothing when
+        there were none): the scaler's fields and every parameter's AdamW step count.
+        Raises FloatingPointError after too many skipped steps in a row."""
+        step = self.scaler.settle()
+        if step is not None:
+            for name in self.names:
+                self.inner.state.setdefault(name, {"step": 0})["step"] = step
 
     def _step_group(self, group, factor):
         """Per parameter: unscale into the scratch buffer, the inner update, copy back."""
@@ -234,6 +324,7 @@ class MasterWeightOptimizer:
 
     def state_dict(self):
         """The inner optimizer's, plus each parameter's "master" array and the scaler."""
+        self.settle()
         sd = self.inner.state_dict()
         for name, m in zip(self.names, self.master):
             sd["state"].setdefault(name, {})["master"] = backend.to_host(m.data).copy()
@@ -242,6 +333,7 @@ class MasterWeightOptimizer:
 
     def load_state_dict(self, sd):
         state = dict(sd["state"])
+        self._verdict = None
         self.scaler.load_state_dict(state.pop(SCALER_KEY))
         inner = {}
         for name, s in state.items():

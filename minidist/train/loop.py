@@ -148,6 +148,7 @@ def train(args, world=None):
         rows = bad = None
         if values.due(printed or args.log_json or evals or saves):
             rows = values.read()        # the loss and norm of each step since the last read
+            _settle(strategy, step)     # --amp verdicts taken on the device: read back too
             bad = first_not_finite(rows, strategy.amp is not None)
             dt, (_, loss, norm) = (time.perf_counter() - t_mark) / len(rows), rows[-1]
             row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
@@ -181,6 +182,19 @@ def train(args, world=None):
         t_mark = time.perf_counter() if evals or saves else t_mark
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
                    reads_before)
+
+
+def _settle(strategy, step):
+    """--amp on cupy with the multi-tensor kernels decides each step's overflow on the device
+    (minidist/train/amp.py): read those verdicts back where the losses are read, so too many
+    skipped steps in a row stop the run here (the host verdict would have stopped it at
+    that step)."""
+    if strategy.amp is None:
+        return
+    try:
+        strategy.amp.settle()
+    except FloatingPointError as e:
+        raise Diverged(f"by step {step + 1}: {e}; stopped, nothing saved") from None
 
 
 def _diverged(args, bad):

@@ -4,9 +4,16 @@ gradients is not finite: an overflow somewhere, skip the step and halve S; else 
 1/S x clip the step multiplies the 16-bit gradients by, and S doubles after `growth_interval`
 good steps in a row. With bfloat16 (float32's exponent range) S = 1, fixed, and the check
 stays. The scaler's state travels in the optimizer's checkpoint under SCALER_KEY.
+
+On cupy with the multi-tensor kernels (MINIDIST_CUDA_NEW_KERNELS=1), MasterWeightOptimizer
+takes the verdict on the device instead (multi_tensor.amp_verdict_launch), so an --amp step
+reads nothing back: the scaler's fields then live in `device_state` (with AdamW's step count)
+until `settle()` reads them back, once, at a step the loop reads its losses anyway.
 Tests: tests/test_amp.py.
 """
 import math
+
+import numpy as np
 
 from minidist import backend
 from minidist.optim.clip import clip_factor
@@ -33,6 +40,7 @@ class LossScaler:
         self.skipped = 0             # steps skipped so far (all time)
         self.skips_in_a_row = 0
         self.used = False            # scale_loss ran since the last step (checked there)
+        self.device_state = None     # multi_tensor.STATE_FIELDS on the device; see settle()
 
     def unscale_and_clip(self, sum_sq, max_norm, reduce_sum_sq, has_grads=True):
         """The one place --amp turns a sum of squares into a verdict, for every optimizer
@@ -41,10 +49,7 @@ class LossScaler:
         `reduce_sum_sq` -> (global norm, inf/nan found, the factor the 16-bit gradients are
         multiplied by in the step: 1/S, times the clip factor). Refuses gradients whose
         backward did not start from a scaled loss."""
-        if has_grads and not self.used:
-            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
-                               "(the strategy must call MixedPrecision.scale_loss)")
-        self.used = False
+        self.check_used(has_grads)
         sum_sq = reduce_sum_sq(sum_sq) if reduce_sum_sq is not None else sum_sq
         # The one host read of an --amp step: skipping is a Python decision (a skipped step
         # advances neither AdamW's step counts nor the scaler's, and the next step's loss
@@ -52,6 +57,20 @@ class LossScaler:
         sum_sq = float(backend.host_read(sum_sq, "amp overflow verdict"))
         norm = math.sqrt(sum_sq) if sum_sq >= 0 else math.nan
         return (norm, *self.verdict(norm, max_norm))
+
+    def check_used(self, has_grads=True):
+        """Refuse gradients whose backward did not start from a scaled loss; reset the mark."""
+        if has_grads and not self.used:
+            raise RuntimeError("mixed precision: backward did not start from a scaled loss "
+                               "(the strategy must call MixedPrecision.scale_loss)")
+        self.used = False
+
+    def multiplier(self, factor=1.0):
+        """What a loss is multiplied by before backward: scale x factor, a float; with a
+        dynamic scale kept on the device, a 0-d float64 array there (no host read)."""
+        if self.device_state is not None and self.growth_interval is not None:
+            return self.device_state[0] * factor
+        return self.scale * factor
 
     def verdict(self, norm, max_norm):
         """(inf/nan found, the factor the 16-bit gradients are multiplied by in the step) for
@@ -69,10 +88,7 @@ class LossScaler:
             self.good_steps = 0
             if self.growth_interval is not None:
                 self.scale *= self.backoff_factor
-            if self.skips_in_a_row >= self.max_skips:
-                raise FloatingPointError(
-                    f"{self.skips_in_a_row} steps in a row had inf/nan gradients (loss scale "
-                    f"now {self.scale:g}): the loss or the model has diverged, not overflowed")
+            self.check_skips()
             return False
         self.skips_in_a_row = 0
         self.good_steps += 1
@@ -81,9 +97,42 @@ class LossScaler:
             self.good_steps = 0
         return True
 
+    def check_skips(self):
+        """Raise FloatingPointError after max_skips_in_a_row skipped steps in a row."""
+        if self.skips_in_a_row >= self.max_skips:
+            raise FloatingPointError(
+                f"{self.skips_in_a_row} steps in a row had inf/nan gradients (loss scale "
+                f"now {self.scale:g}): the loss or the model has diverged, not overflowed")
+
+    # ---- the verdict on the device (MasterWeightOptimizer's multi-tensor path) ------------
+    def to_device(self, xp, step):
+        """The state as a float64 array on xp's device (multi_tensor.STATE_FIELDS, with
+        AdamW's step count `step`), which the verdict kernel updates in place from now on;
+        the host fields are stale until settle(). Made once per stretch on the device."""
+        if self.device_state is None:
+            self.device_state = xp.asarray(np.array(
+                [self.scale, self.good_steps, self.skipped, self.skips_in_a_row, step, 0.0]))
+        return self.device_state
+
+    def settle(self):
+        """Read a device stretch's state back (ONE host read): the scale and counts, then
+        check_skips. Returns AdamW's step count, or None when nothing was on the device."""
+        if self.device_state is None:
+            return None
+        state = backend.host_read(self.device_state, "amp verdicts (settle)")
+        self.device_state = None
+        self.scale = float(state[0])
+        self.good_steps, self.skipped, self.skips_in_a_row, step = (int(x) for x in state[1:5])
+        self.check_skips()
+        return step
+
     def state_dict(self):
+        if self.device_state is not None:
+            raise RuntimeError("LossScaler.state_dict: the state is on the device; its "
+                               "optimizer settles it first (MasterWeightOptimizer.settle)")
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def load_state_dict(self, sd):
+        self.device_state = None
         self.scale = float(sd["scale"])
         self.good_steps, self.skipped = int(sd["good_steps"]), int(sd["skipped"])
