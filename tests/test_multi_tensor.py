@@ -37,6 +37,12 @@ def plans(dtype):
     else:
         out["multi_amp_adamw"] = [mt.multi_amp_adamw_launch(np, t, t, f, f, f, 0.25, 2, 1e-3,
                                                             0.9, 0.95, 1e-8, 0.1)[0]]
+        verdict = np.zeros(mt.VERDICT_SIZE, np.float32)
+        out["multi_amp_adamw_dev"] = [mt.multi_amp_adamw_dev_launch(np, t, t, f, f, f, 0.99,
+                                                                    verdict)[0]]
+        out["amp_verdict"] = [mt.amp_verdict_launch(
+            np.zeros(1), np.zeros(len(mt.STATE_FIELDS)), verdict, t[0].dtype, 1.0,
+            LossScaler(), 1e-3, 0.9, 0.95, 1e-8)]
     return out
 
 
@@ -240,3 +246,38 @@ def test_gpu_clip_grad_norm_with_the_multi_kernels(cp, monkeypatch, dtype):
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=SUM_TOL[dtype])
     for a, b in zip(runs[0][1], runs[1][1]):
         cp.testing.assert_allclose(b, a, rtol=SUM_TOL[dtype], atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_the_device_verdict_matches_the_host_verdict(cp, monkeypatch, dtype):
+    """MasterWeightOptimizer with the switch on (the verdict on the device: no host read in
+    clip_grad_norm + step) vs off (the host verdict, per parameter), through an overflow
+    and a clip: the same steps skipped, the same scale and step counts after settle(), the
+    masters equal to float32 rounding (the two sums of squares round differently)."""
+    np_dtype(dtype)
+    runs = []
+    for new in "10":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        amp = MixedPrecision(LossScaler(init_scale=1024.0, growth_interval=2), dtype=dtype)
+        model = amp.cast_model(on_gpu(cp, Bag(np.float32)))
+        amp.scaler.scale, amp.scaler.growth_interval = 1024.0, 2
+        opt = amp.optimizer(model.named_parameters(), lambda n: AdamW(n, **HYPER))
+        reads = backend.host_reads().get("amp overflow verdict", 0)
+        for step, inf in enumerate((False, False, True, False)):
+            gpu_grads(cp, model, step, float(amp.scaler.multiplier()))
+            if inf:
+                model.p0.grad[0] = cp.inf
+            amp.scaled_upstream()
+            opt.clip_grad_norm(5.0)
+            opt.step()
+        host_reads = backend.host_reads().get("amp overflow verdict", 0) - reads
+        assert host_reads == (0 if new == "1" else 4)
+        amp.settle()
+        runs.append((model, opt, amp.scaler))
+    (ma, oa, sa), (mb, ob, sb) = runs
+    assert (sa.scale, sa.skipped, sa.good_steps) == (sb.scale, sb.skipped, sb.good_steps)
+    assert {s["step"] for s in oa.inner.state.values()} == {3}
+    assert {s["step"] for s in ob.inner.state.values()} == {3}
+    for xa, xb in zip(oa.master, ob.master):
+        cp.testing.assert_allclose(xa.data, xb.data, rtol=1e-5, atol=1e-6)

@@ -160,6 +160,7 @@ def test_host_read_counts_per_reason_and_returns_a_host_array():
 
 STEP_MODULES = [
     "train/step.py", "train/loop.py", "train/progress.py", "train/amp.py",
+    "train/master_weights.py",
     "train/loss_scale.py", "optim/adamw.py",
     "optim/flat_adamw.py", "optim/clip.py", "optim/optimizer.py", "optim/schedule.py",
     "optim/sgd.py", "strategy/base.py", "ddp/ddp.py", "ddp/strategy.py", "zero/zero.py",
@@ -182,8 +183,8 @@ ALLOWED = {
     "train/loss_scale.py:LossScaler.__init__": OUTSIDE_THE_STEP,
     "train/loss_scale.py:LossScaler.load_state_dict": OUTSIDE_THE_STEP,
     "train/amp.py:half_dtype": OUTSIDE_THE_STEP + ": probes bfloat16 once, at setup",
-    "train/amp.py:MasterWeightOptimizer.__init__": OUTSIDE_THE_STEP,
-    "train/amp.py:MasterWeightOptimizer.state_dict": OUTSIDE_THE_STEP,
+    "train/master_weights.py:MasterWeightOptimizer.__init__": OUTSIDE_THE_STEP,
+    "train/master_weights.py:MasterWeightOptimizer.state_dict": OUTSIDE_THE_STEP,
     "optim/optimizer.py:Optimizer.state_dict": OUTSIDE_THE_STEP,
     "optim/optimizer.py:Optimizer.load_state_dict": OUTSIDE_THE_STEP,
     "optim/optimizer.py:wants_decay": OUTSIDE_THE_STEP + ": parameter groups, at setup",
@@ -219,8 +220,8 @@ ALLOWED = {
     "train/progress.py:clock: int(round(seconds))": HOST_VALUE + ": a time in seconds",
     "train/loss_scale.py:LossScaler.verdict: math.isfinite(norm)":
         HOST_VALUE + ": the norm from the verdict's one host_read",
-    "train/amp.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
-    "train/amp.py:MasterWeightOptimizer._verdict_on_device: bool(grads)": "a Python list",
+    "train/master_weights.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
+    "train/master_weights.py:MasterWeightOptimizer._verdict_on_device: bool(grads)": "a Python list",
     "train/loss_scale.py:LossScaler.settle: float(state[0])":
         HOST_VALUE + ": settle's one host_read (at the steps the loop reads losses)",
     "train/loss_scale.py:LossScaler.settle: int(x)":
