@@ -19,6 +19,11 @@ multi_tensor_apply and PyTorch's fused AdamW (learned from, not copied).
                          rounded to nearest even into the 16-bit model weight: what
                          MasterWeightOptimizer.step does per parameter (amp.unscaled, then
                          adamw_update, then p.data[...] = master)
+    multi_amp_adamw_dev  the same, reading the factor and the step's scalars from the device
+                         array amp_verdict fills, and doing nothing on an overflow
+    amp_verdict          one thread: --amp's overflow verdict, the loss scale's rules and
+                         AdamW's step count, kept on the device (no host read a step;
+                         minidist/train/master_weights.py)
     multi_scale          the clip's multiply: every gradient times a factor read on the device
                          (float32 and float64 gradients; bitwise clip.py's per-gradient
                          multiply)
@@ -26,8 +31,9 @@ multi_tensor_apply and PyTorch's fused AdamW (learned from, not copied).
     multi_sum_sq_final   per block, then one block sums the partials: deterministic (no
                          float atomics), accumulated in A (float32; float64 for double)
 
-Proven on the CPU only (tests/test_multi_tensor_cpu.py: the harness hands the kernel tables
-of its own guarded copies of the tensors); never run on a GPU. Kept in a part of its own so
+Proven on the CPU only (tests/test_multi_tensor_cpu.py, tests/test_device_verdict_cpu.py:
+the harness hands the kernel tables of its own guarded copies of the tensors); never run on
+a GPU. Kept in a part of its own so
 an unproven kernel cannot break the proven ones' compilation.
 """
 
