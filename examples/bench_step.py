@@ -57,7 +57,8 @@ def kernels_per_step(one_step):
 
 def host_reads_per_step(one_step):
     """Device -> host reads (backend.host_read) one more step makes: 0 in float32, 1 under
-    --amp (its overflow verdict); the same count on the CPU and the GPU."""
+    --amp (its overflow verdict; 0 on cupy with MINIDIST_CUDA_NEW_KERNELS=1, where the
+    verdict is taken on the device); the count a GPU step makes, counted on the CPU too."""
     before = sum(backend.host_reads().values())
     one_step()
     return sum(backend.host_reads().values()) - before

@@ -89,8 +89,9 @@ def bench(text):
 
 
 def speed(rows):
-    """The speed table: per benchmark run its tokens/s, ms/step, kernels/step, MFU and tokens/s
-    over PEER_RUN's (None without the peer); ok when every run gave a verdict of ok."""
+    """The speed table: per benchmark run its tokens/s, ms/step, kernels/step, host reads per
+    step (bench_step's; 0 expected for bf16_new: the --amp verdict on the device), MFU and
+    tokens/s over PEER_RUN's (None without the peer); ok when every run gave a verdict of ok."""
     runs = [r for r in rows if r.get("check") not in ("summary", "speed")]
     peer = next((r.get("tokens_per_s") for r in runs if r["check"] == PEER_RUN and r["ok"]),
                 None)
@@ -101,7 +102,8 @@ def speed(rows):
         kernels = r.get("kernels_per_step")
         table[r["check"]] = {
             "tokens_per_s": tps, "ms_per_step": r.get("ms_per_step"), "mfu": r.get("mfu"),
-            "kernels_per_step": kernels, "vs_" + PEER_RUN: ratio,
+            "kernels_per_step": kernels, "host_reads_per_step": r.get("host_reads_per_step"),
+            "vs_" + PEER_RUN: ratio,
             "meets_targets": (None if ratio is None or kernels is None else
                               ratio >= TARGET_RATIO and kernels <= TARGET_KERNELS)}
     failed = [r["check"] for r in runs if not r["ok"]]
