@@ -29,7 +29,7 @@ from minidist.optim import AdamW, multi_tensor as mt
 from minidist.train.amp import MixedPrecision
 from minidist.train.loss_scale import LossScaler
 from test_cuda_kernels_cpu import failing_orders, np_dtype, nth_replaced
-from test_multi_tensor_cpu import CHUNK, HYPER, Bag, set_grads
+from test_multi_tensor_cpu import CHUNK, HYPER, Bag, assert_amp_same, set_grads
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
@@ -104,18 +104,6 @@ def device_step(amp, model, opt, max_norm, src=None, order="low"):
     return float(state[mt.STATE_FIELDS.index("norm")])
 
 
-def assert_same(ref, got, what):
-    (amp_r, model_r, opt_r), (amp_g, model_g, opt_g) = ref, got
-    for (name, a), b, ma, mb in zip(model_r.named_parameters(), model_g.parameters(),
-                                    opt_r.master, opt_g.master):
-        np.testing.assert_array_equal(mb.data, ma.data, err_msg=f"{what}: master {name}")
-        np.testing.assert_array_equal(b.data.view(np.uint16), a.data.view(np.uint16),
-                                      err_msg=f"{what}: 16-bit weight {name}")
-        for key in ("exp_avg", "exp_avg_sq"):
-            np.testing.assert_array_equal(opt_g.inner.state[name][key],
-                                          opt_r.inner.state[name][key], err_msg=key)
-
-
 def check_device_verdict(dtype, src=None, order="low", settle_at=(4,)):
     """PLAN's steps, host verdict beside device verdict; settle() where asked and at the
     end, then the scaler's fields and the step counts equal too. Returns the reference
@@ -129,7 +117,7 @@ def check_device_verdict(dtype, src=None, order="low", settle_at=(4,)):
         norm_g = device_step(*got, max_norm, src, order)
         assert norm_g == norm_r or (np.isnan(norm_g) and np.isnan(norm_r)), (step, norm_g,
                                                                             norm_r)
-        assert_same(ref, got, f"step {step}")
+        assert_amp_same(ref[1], ref[2], got[1], got[2], dtype, f"step {step}")
         if step in settle_at or step == len(PLAN) - 1:
             got[0].settle()
             assert got[0].scaler.device_state is None
@@ -159,7 +147,7 @@ def test_a_fixed_scale_stays_fixed_on_the_device():
         for amp, model, _ in (ref, got):
             set_step_grads(model, amp, step, 1.0, inf)
         host_step(*ref, 1.0), device_step(*got, 1.0)
-        assert_same(ref, got, f"step {step}")
+        assert_amp_same(ref[1], ref[2], got[1], got[2], "bfloat16", f"step {step}")
     got[0].settle()
     assert got[0].scaler.scale == 1.0 and got[0].scaler.skipped == 1
 

@@ -141,15 +141,22 @@ def check_multi_amp_adamw(dtype, src=None, order="low", steps=3, max_norm=5.0):
             plan = mt.group_amp_adamw_launch(np, [p.data for p in w], [p.grad for p in w],
                                              masters, states, group, factor, chunk=CHUNK)
             cuda_cpu.run(plan[0], src, order, plan[1])
-        for (name, a), b, ma, mb in zip(ref.named_parameters(), got.parameters(),
-                                        opt_r.master, opt_g.master):
-            assert b.dtype == np_dtype(dtype)
-            np.testing.assert_array_equal(mb.data, ma.data, err_msg=f"master {name}")
-            np.testing.assert_array_equal(b.data.view(np.uint16), a.data.view(np.uint16),
-                                          err_msg=f"16-bit weight {name}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                np.testing.assert_array_equal(opt_g.inner.state[name][key],
-                                              opt_r.inner.state[name][key], err_msg=key)
+        assert_amp_same(ref, opt_r, got, opt_g, dtype, f"step {step}")
+
+
+def assert_amp_same(ref, opt_r, got, opt_g, dtype, what):
+    """Two --amp models and their MasterWeightOptimizers hold the same bits: 16-bit weights
+    (of `dtype`), float32 masters, m and v."""
+    for (name, a), b, ma, mb in zip(ref.named_parameters(), got.parameters(), opt_r.master,
+                                    opt_g.master):
+        assert b.dtype == np_dtype(dtype)
+        np.testing.assert_array_equal(mb.data, ma.data, err_msg=f"{what}: master {name}")
+        np.testing.assert_array_equal(b.data.view(np.uint16), a.data.view(np.uint16),
+                                      err_msg=f"{what}: 16-bit weight {name}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(opt_g.inner.state[name][key],
+                                          opt_r.inner.state[name][key],
+                                          err_msg=f"{what}: {key} {name}")
 
 
 @pytest.mark.parametrize("order", ORDERS)
