@@ -14,11 +14,18 @@ device -> host reads one more step makes through backend.host_read (minidist/tra
 "The host reads of a step"): 0, or 1 under --amp.
 --vocab-multiple M pads the vocabulary (wte rows, the head's matmul) to a multiple of M.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
+--cuda-graph (--device cuda, --amp, MINIDIST_CUDA_NEW_KERNELS=1): after the --warmup eager
+steps, one step is captured as a CUDA graph and every timed step replays it (`captured`):
+the Python and launch cost of ~1,500 kernels goes, the GPU work stays. The same batch and
+learning rate every step, and --amp's verdict and step count on the device, make a replay
+the step an eager run would take, so its "loss" must equal the eager run's (a check of the
+capture, beside the speed). Not yet run on a GPU.
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -38,6 +45,55 @@ def matmul_seconds(a):
     a @ a
     backend.synchronize()
     return time.perf_counter() - t
+
+
+def graph_refusal(args, device):
+    """Why --cuda-graph cannot capture this step (one line), or None. A graph replays every
+    kernel with the arguments it was captured with: a host read inside the step cannot be
+    captured, and a number the host changes each step would be frozen. --amp with the new
+    kernels keeps its verdict and AdamW's step count on the device; float32 AdamW's step
+    count (its bias correction) is a host number."""
+    if not args.cuda_graph:
+        return None
+    if device != "cuda":
+        return "--cuda-graph needs --device cuda (CUDA graphs are a GPU feature)"
+    if not args.amp or os.environ.get("MINIDIST_CUDA_NEW_KERNELS") != "1":
+        return ("--cuda-graph needs --amp with MINIDIST_CUDA_NEW_KERNELS=1 (the step count "
+                "and overflow verdict on the device); without them a graph would freeze them")
+    if args.dropout > 0:
+        return "--cuda-graph needs --dropout 0 (its masks are drawn on the host each step)"
+    return None
+
+
+def captured(one_step, warmup):
+    """one_step as a CUDA graph: `warmup` (>= 1) eager runs on a stream of its own (kernels
+    compiled, the memory pool's blocks for that stream settled, so the capture's gradients
+    land where the warm-up's did and no address table is uploaded while capturing; the last
+    run is checked to read nothing back), then one capture, which runs nothing. Returns
+    replay(): one step, the graph launched on that stream; it returns the loss Tensor whose
+    buffer every replay rewrites."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(warmup):
+            reads = sum(backend.host_reads().values())
+            one_step()
+        if sum(backend.host_reads().values()) != reads:
+            raise RuntimeError(f"--cuda-graph: the step read the device (backend.host_read: "
+                               f"{backend.host_reads()}); it cannot be captured")
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            loss = one_step()
+        except BaseException:
+            stream.end_capture()
+            raise
+        graph = stream.end_capture()
+
+    def replay():
+        graph.launch(stream)
+        return loss
+    return replay
 
 
 def kernels_per_step(one_step):
@@ -78,8 +134,14 @@ def main():
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocabulary to a multiple of this (default: 64 on cuda, 1 on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay one captured step (CUDA graph) after the warm-up")
     args = p.parse_args()
     threads, device = backend.setup(threads=args.threads, device=args.device)
+    refusal = graph_refusal(args, device)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
                        dropout=args.dropout, bias=args.bias, attention=args.attention,
@@ -111,9 +173,13 @@ def main():
         opt.zero_grad()
         return loss
 
-    for i in range(args.warmup + args.steps):
+    step, first = one_step, 0
+    if args.cuda_graph:        # ids on the device once: no upload inside the captured step
+        x, y = backend.to_device(x), backend.to_device(y)
+        step, first = captured(one_step, max(args.warmup, 1)), max(args.warmup, 1)
+    for i in range(first, args.warmup + args.steps):
         t = time.perf_counter()
-        loss = one_step()
+        loss = step()
         backend.synchronize()
         step_s = time.perf_counter() - t
         mm_s = matmul_seconds(a)
@@ -125,8 +191,8 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
-    extra = {"kernels_per_step": kernels_per_step(one_step),
-             "host_reads_per_step": host_reads_per_step(one_step)}
+    extra = {"kernels_per_step": kernels_per_step(step),
+             "host_reads_per_step": host_reads_per_step(step), "cuda_graph": args.cuda_graph}
     if args.peak_tflops:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),
@@ -140,4 +206,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -103,6 +103,18 @@ def test_speed_table_divides_by_the_peer_and_checks_the_targets(tmp_path):
     assert out["runs"]["bf16"]["vs_torch_eager_bf16"] is None
 
 
+def test_speed_checks_that_the_graph_run_trains_as_the_eager_one(tmp_path):
+    eager = {"check": "bf16_new", "ok": True, "tokens_per_s": 9e4, "loss": 7.25}
+    same = {"check": "bf16_new_graph", "ok": True, "tokens_per_s": 1e5, "loss": 7.25}
+    rc, out = _speed(tmp_path, [eager, same])
+    assert rc == 0 and out["graph"]["ok"] and out["graph"]["rel_diff"] == 0
+    rc, out = _speed(tmp_path, [eager, dict(same, loss=7.5)])       # a wrong capture
+    assert rc == 1 and not out["graph"]["ok"]
+    assert out["failed"] == ["bf16_new_graph (its loss is not bf16_new's)"]
+    rc, out = _speed(tmp_path, [eager])                              # no graph run (CPU)
+    assert rc == 0 and out["graph"] is None
+
+
 def _speed_script(tmp_path, **env):
     env = dict(os.environ, DEVICE="cpu", DRY="1", LOGS=str(tmp_path), MINIDIST_THREADS="1",
                TORCH_REF=str(tmp_path / "no_peer.py"), **env)

@@ -23,6 +23,7 @@ The kernels (minidist/autograd/cuda_source_multi.py) are proven on the CPU only
 MINIDIST_CUDA_NEW_KERNELS=1 (`use_multi`), never on numpy: the CPU path is unchanged.
 """
 import math
+import sys
 
 import numpy as np
 
@@ -92,10 +93,22 @@ def address(a):
 
 def _cached(key, make):
     if key not in _TABLES:
+        _refuse_while_capturing(key)
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
         _TABLES[key] = make()
     return _TABLES[key]
+
+
+def _refuse_while_capturing(key):
+    """A table is uploaded from a pinned buffer CuPy recycles once the copy is done: made
+    while a CUDA graph is being captured, every replay would copy that buffer again, long
+    after CuPy reused it. So no new table then (a capture must follow eager steps whose
+    tensors sat where the captured step's do: examples/bench_step.py `captured`)."""
+    cupy = sys.modules.get("cupy")
+    if key[1] == "cupy" and cupy is not None and cupy.cuda.get_current_stream().is_capturing():
+        raise RuntimeError(f"multi-tensor {key[0]} table made during CUDA graph capture (the "
+                           f"tensors moved since the warm-up steps); it cannot be captured")
 
 
 def address_table(xp, arrays):

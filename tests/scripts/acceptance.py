@@ -107,8 +107,29 @@ def speed(rows):
             "meets_targets": (None if ratio is None or kernels is None else
                               ratio >= TARGET_RATIO and kernels <= TARGET_KERNELS)}
     failed = [r["check"] for r in runs if not r["ok"]]
+    graph = graph_check(runs)
+    if graph is not None and not graph["ok"]:
+        failed.append(f"{GRAPH_RUN} (its loss is not {GRAPH_EAGER}'s)")
     return {"check": "speed", "ok": bool(runs) and not failed, "failed": failed,
-            "peer": PEER_RUN if peer else None, "runs": table}
+            "peer": PEER_RUN if peer else None, "runs": table, "graph": graph}
+
+
+GRAPH_RUN, GRAPH_EAGER, GRAPH_TOL = "bf16_new_graph", "bf16_new", 1e-3
+
+
+def graph_check(runs):
+    """A replayed CUDA graph must train as the eager steps do: GRAPH_RUN's loss after the
+    same steps as its eager twin's, to GRAPH_TOL (both deterministic: equal bits expected,
+    unless cuBLAS picks other algorithms under capture). None when either did not run ok."""
+    by = {r["check"]: r for r in runs if r["ok"]}
+    if GRAPH_RUN not in by or GRAPH_EAGER not in by:
+        return None
+    a, b = by[GRAPH_RUN].get("loss"), by[GRAPH_EAGER].get("loss")
+    if a is None or b is None:
+        return None
+    diff = abs(a / b - 1)
+    return {"loss": a, "eager_loss": b, "rel_diff": diff, "tol": GRAPH_TOL,
+            "ok": diff <= GRAPH_TOL}
 
 
 def main(argv):

@@ -1,0 +1,104 @@
+"""examples/bench_step.py --cuda-graph: one GPT step captured as a CUDA graph and replayed.
+
+On the CPU: which steps it refuses to capture, and why (`graph_refusal`: a graph freezes every
+kernel argument, so the step may neither read the device nor hand a kernel a number the host
+changes each step), the one-line error, and that a multi-tensor address table is never made
+on numpy under the capture guard. On a GPU (python -m pytest -m gpu --device cuda
+tests/test_cuda_graph.py): the replayed run's loss equals the eager run's after the same
+steps, with no host read per step, and a table made during a capture is refused.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.optim import multi_tensor as mt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8",
+         "--batch-size", "2", "--threads", "1"]
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location(
+        "bench_step", os.path.join(ROOT, "examples", "bench_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flags(**kw):
+    args = {"cuda_graph": True, "amp": True, "dropout": 0.0}
+    args.update(kw)
+    return argparse.Namespace(**args)
+
+
+def test_graph_refusals_name_what_a_graph_would_freeze(monkeypatch):
+    refusal = bench_module().graph_refusal
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    assert refusal(flags(cuda_graph=False), "cpu") is None
+    assert "needs --device cuda" in refusal(flags(), "cpu")
+    assert refusal(flags(), "cuda") is None
+    assert "--amp with MINIDIST_CUDA_NEW_KERNELS=1" in refusal(flags(amp=False), "cuda")
+    assert "--dropout 0" in refusal(flags(dropout=0.1), "cuda")
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "0")
+    assert "would freeze them" in refusal(flags(), "cuda")
+
+
+def test_cuda_graph_on_the_cpu_is_one_error_line():
+    out = subprocess.run([sys.executable, "examples/bench_step.py", "--device", "cpu",
+                          "--cuda-graph", *SMALL], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == ("error: --cuda-graph needs --device cuda (CUDA graphs are "
+                                  "a GPU feature)")
+
+
+def test_numpy_tables_pass_the_capture_guard():
+    """The guard asks CuPy only for cupy tables: numpy ones are made as before."""
+    a = [np.ones(3, np.float32), np.ones(5, np.float32)]
+    assert mt.address_table(np, a).dtype == np.uint64
+    assert len(mt.chunk_tables(np, (3, 5), 2)[2]) == 5          # blocks: 2 + 3
+
+
+# ---- on a GPU ------------------------------------------------------------------------------
+
+def bench_row(*extra):
+    env = dict(os.environ, MINIDIST_CUDA_NEW_KERNELS="1")
+    out = subprocess.run([sys.executable, "examples/bench_step.py", "--device", "cuda",
+                          "--amp", "--steps", "4", "--warmup", "2", *SMALL, *extra], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_gpu_a_replayed_step_is_the_eager_step(device):
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    eager, graph = bench_row(), bench_row("--cuda-graph")
+    assert graph["cuda_graph"] and graph["host_reads_per_step"] == 0
+    assert eager["host_reads_per_step"] == 0          # the --amp verdict on the device
+    assert np.isfinite(graph["loss"]) and graph["loss"] == pytest.approx(eager["loss"],
+                                                                       rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_a_table_made_while_capturing_is_refused(device):
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    a = [cupy.ones(7, cupy.float32), cupy.ones(9, cupy.float32)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="during CUDA graph capture"):
+                mt.address_table(cupy, a)
+        finally:
+            stream.end_capture()
