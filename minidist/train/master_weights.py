@@ -86,12 +86,16 @@ class MasterWeightOptimizer:
     # ---- the verdict on the device ---------------------------------------------------------
     def _device_groups(self):
         """[(group, 16-bit weights, gradients, masters)] when the whole step can be decided
-        on the device: an AdamW, every parameter with a gradient, each group fit for
-        multi_amp_adamw, one step count for all (already so on the device). Else None."""
-        if not isinstance(self.inner, AdamW):
+        on the device: an AdamW, the one optimizer of its MixedPrecision (whose scaler the
+        verdict updates), every parameter with a gradient, each group fit for
+        multi_amp_adamw, one lr, betas and eps, one step count for all (already so on the
+        device). Else None."""
+        groups = self.inner.param_groups
+        if (not isinstance(self.inner, AdamW) or self.amp.optimizers != [self]
+                or len({(g["lr"], tuple(g["betas"]), g["eps"]) for g in groups}) != 1):
             return None
         out = []
-        for group in self.inner.param_groups:
+        for group in groups:
             weights = [self._model_param[n].data for n in group["names"]]
             grads = [self._model_param[n].grad for n in group["names"]]
             masters = [m.data for m in group["params"]]
