@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import cuda_cpu
+from minidist import backend
+from minidist.backend import to_host, xp_of
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import multi_tensor as mt
 from minidist.train.amp import MixedPrecision
@@ -43,33 +45,37 @@ def one_rank(name):
     return ProcessGroup(MPI.COMM_SELF, name=name)
 
 
-def gpt(world, rank, dtype, amp=None):
-    """A small GPT (made 16-bit by `amp`'s cast_model if given) and its ZeRO units."""
-    model = GPT(CONFIG, seed=3, dtype=dtype)
-    if amp is not None:
-        amp.cast_model(model)
+def prepare(model, on, amp):
+    """model's arrays through `on` (to_host for the CPU harness, cupy.asarray on a GPU),
+    then 16-bit by `amp`'s cast_model if given."""
+    for p in model.parameters():
+        p.data = on(p.data)
+    return model if amp is None else amp.cast_model(model)
+
+
+def gpt(world, rank, dtype, on=to_host, amp=None):
+    """A small GPT and its ZeRO units (the root and one per block)."""
+    model = prepare(GPT(CONFIG, seed=3, dtype=dtype), on, amp)
     return model, gpt_units(model, world, rank)
 
 
-def bag(world, rank, dtype, amp=None):
+def bag(world, rank, dtype, on=to_host, amp=None):
     """The Bag's odd sizes in three units: undecayed p0 alone (1 element: at world 8, ranks
     1..7 hold padding only); decayed p3, p4 around undecayed p1; decayed p2 alone."""
-    model = Bag(dtype)
-    if amp is not None:
-        amp.cast_model(model)
+    model = prepare(Bag(dtype), on, amp)
     p = dict(model.named_parameters())
     layout = {"a": ["p0"], "b": ["p3", "p1", "p4"], "c": ["p2"]}
     return model, [FlatUnit(name, [(n, p[n]) for n in names], world, rank)
                    for name, names in layout.items()]
 
 
-def sharded(build, world, rank, stage, dtype, amp_dtype=None, weight_decay=0.1):
+def sharded(build, world, rank, stage, dtype, amp_dtype=None, weight_decay=0.1, on=to_host):
     """A ShardedAdamW over a real engine (one-rank group, units cut for rank `rank` of
     `world`); under --amp over the 16-bit model with its float32 masters."""
     amp = None
     if amp_dtype is not None:
         amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=amp_dtype)
-    model, units = build(world, rank, dtype, amp)
+    model, units = build(world, rank, dtype, on, amp)
     engine = zero_engine(model, one_rank("dp"), stage, units)
     return ShardedAdamW(engine, **{**HYPER, "weight_decay": weight_decay}, amp=amp)
 
@@ -78,8 +84,8 @@ def set_grads(opt, step, scale=1.0):
     """Random gradient shards, the padding too (it is part of a run)."""
     r = np.random.default_rng(100 + step)
     for u in opt.engine.units:
-        u.grad_shard[...] = (r.standard_normal(u.grad_shard.size) * scale).astype(
-            u.grad_shard.dtype)
+        g = (r.standard_normal(u.grad_shard.size) * scale).astype(u.grad_shard.dtype)
+        u.grad_shard[...] = xp_of(u.grad_shard).asarray(g)
 
 
 def multi_update(opt, factor=None, src=None, order="low", broken=None):
@@ -220,3 +226,41 @@ def test_numpy_never_takes_the_multi_path(monkeypatch):
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
     assert not sharded(gpt, 4, 0, 1, "float32").multi_ok()
     assert not mt.use_multi([np.zeros(3, np.float32)])
+
+
+# ---- on a GPU: the multi path against the per-unit path on cupy ----------------------------
+
+@pytest.fixture
+def cp(device):
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    return backend.get_xp()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp_dtype", [None, "float16", "bfloat16"])
+def test_gpu_sharded_adamw_multi_equals_per_unit(cp, monkeypatch, amp_dtype):
+    """update_shards with MINIDIST_CUDA_NEW_KERNELS=1 (two launches) vs =0 (per unit: the
+    decay multiplies, adamw_step, under amp the unscale and copy back): bitwise; and the
+    kernels one step launches, counted (CUPTI, minidist/kernel_count.py)."""
+    if amp_dtype:
+        np_dtype(amp_dtype)
+    opts = [sharded(gpt, 4, 1, 1, "float32", amp_dtype, on=cp.asarray) for _ in range(2)]
+    for step in range(3):
+        for new, opt in zip("10", opts):
+            monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+            set_grads(opt, step, 1024.0 if amp_dtype else 1.0)
+            assert opt.multi_ok() == (new == "1")
+            opt.update_shards(FACTOR if amp_dtype else None)
+    want, have = opts[1].shard_arrays(), opts[0].shard_arrays()
+    for key in want:
+        cp.testing.assert_array_equal(bits(have[key]), bits(want[key]), err_msg=key)
+    from minidist.kernel_count import KernelCounter
+    counter, counts = KernelCounter(), []
+    for new, opt in zip("10", opts):                  # tables cached: kernels only
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        set_grads(opt, 3, 1024.0 if amp_dtype else 1.0)
+        with counter:
+            opt.update_shards(FACTOR if amp_dtype else None)
+        counts.append(counter.count)
+    assert counts[0] == 2 and counts[1] > len(opts[1].engine.units), counts
