@@ -18,9 +18,15 @@ as optimizer state, 12 bytes per parameter / N. step() unscales the gradient sha
 float32 scratch buffer, skips the step on inf/nan (every rank agrees: the norm is global),
 updates the master shard and writes it back to the 16-bit parameter shard.
 
+On cupy with MINIDIST_CUDA_NEW_KERNELS=1 (proven on the CPU only) the update of every shard
+is two multi-tensor launches (minidist/optim/multi_tensor.py) instead of a few per unit: the
+decayed runs of all shards (FlatUnit.update_ranges) with weight decay, the rest without
+(`multi_launches`); under amp multi_amp_adamw does the unscale and the copy back too.
+
 After the update the training step calls the strategy's after_step(), which runs the engine's:
 all-gather the parameters (stages 1, 2) or free the stale gathered copies (stage 3).
-Tests: tests/scripts/zero_check.py (run by tests/test_zero.py).
+Tests: tests/scripts/zero_check.py (run by tests/test_zero.py); the multi-tensor path:
+tests/test_zero_multi_cpu.py.
 """
 import numpy as np
 
