@@ -20,7 +20,7 @@ import pytest
 import cuda_cpu
 from minidist import backend
 from minidist.backend import to_host, xp_of
-from minidist.nn import GPT, GPTConfig
+from minidist.nn import GPT, GPTConfig, Parameter
 from minidist.optim import multi_tensor as mt
 from minidist.train.amp import MixedPrecision
 from minidist.train.loss_scale import LossScaler
@@ -61,10 +61,13 @@ def gpt(world, rank, dtype, on=to_host, amp=None):
 
 def bag(world, rank, dtype, on=to_host, amp=None):
     """The Bag's odd sizes in three units: undecayed p0 alone (1 element: at world 8, ranks
-    1..7 hold padding only); decayed p3, p4 around undecayed p1; decayed p2 alone."""
-    model = prepare(Bag(dtype), on, amp)
+    1..7 hold padding only); decayed p3, an empty decayed matrix, undecayed p1, decayed p4;
+    decayed p2 alone."""
+    model = Bag(dtype)
+    model.empty = Parameter(np.zeros((0, 5), dtype))
+    model = prepare(model, on, amp)
     p = dict(model.named_parameters())
-    layout = {"a": ["p0"], "b": ["p3", "p1", "p4"], "c": ["p2"]}
+    layout = {"a": ["p0"], "b": ["p3", "empty", "p1", "p4"], "c": ["p2"]}
     return model, [FlatUnit(name, [(n, p[n]) for n in names], world, rank)
                    for name, names in layout.items()]
 
@@ -132,20 +135,20 @@ def test_gpt_shards_float32_bitwise(stage, order):
         check(gpt, 4, rank, stage, "float32", order=order)
 
 
-@pytest.mark.parametrize("rank", [0, 5])
+@pytest.mark.parametrize("rank", [0, 6, 7])
 def test_odd_units_float64_and_a_shard_of_padding_only_bitwise(rank):
     plans = check(bag, 8, rank, 2, "float64")
     runs = [len(tables[0]) for _, tables in plans]
     _, units = bag(8, rank, "float64")
     assert runs == [sum(len(u.update_ranges()[k]) for u in units) for k in (0, 1)]
-    assert units[0].decay_ranges() == [] and (units[0].lo >= units[0].numel) == (rank == 5)
+    assert units[0].decay_ranges() == [] and (units[0].lo >= units[0].numel) == (rank > 0)
 
 
 @pytest.mark.parametrize("amp_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("build", [gpt, bag])
 def test_amp_shards_bitwise(build, amp_dtype):
     np_dtype(amp_dtype)                                 # skips bfloat16 without ml_dtypes
-    world, rank = (4, 1) if build is gpt else (8, 5)
+    world, rank = (4, 1) if build is gpt else (8, 6)
     plans = check(build, world, rank, 2, "float32", amp_dtype)
     assert [p.name for p, _ in plans] == ["multi_amp_adamw"] * 2
 
@@ -187,7 +190,7 @@ def test_experts_optimizer_takes_the_same_path_bitwise():
     args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
     opts = []
     for _ in range(2):
-        model = GPT(config, seed=3, dtype="float32")
+        model = prepare(GPT(config, seed=3, dtype="float32"), to_host, None)
         attach_experts(model, one_rank("ep"))
         opts.append(experts_optimizer(expert_engine(model, one_rank("edp")), args))
     ref, got = opts
