@@ -179,10 +179,12 @@ def test_update_ranges_cover_the_shard_once():
         assert sum(b - a for a, b in decayed) == sum(b - a for a, b in u.decay_ranges())
 
 
-def test_experts_optimizer_takes_the_same_path_bitwise():
+@pytest.mark.parametrize("amp_dtype", [None, "float16"])
+def test_experts_optimizer_takes_the_same_path_bitwise(amp_dtype):
     """EP's experts optimizer (minidist/ep/optim.py) is a ShardedAdamW over expert_engine's
     units (one flat unit of experts per MoE block, ZeRO-1 over edp): one process, ep and edp
-    groups of one rank."""
+    groups of one rank; under --amp stepped by update_shards(factor), as DenseAndExperts
+    does."""
     from minidist.ep.exchange import attach_experts
     from minidist.ep.optim import expert_engine, experts_optimizer
     config = GPTConfig(n_layer=2, n_head=2, n_embd=18, block_size=8, vocab_size=31,
@@ -190,18 +192,24 @@ def test_experts_optimizer_takes_the_same_path_bitwise():
     args = argparse.Namespace(lr=1e-2, weight_decay=0.1)
     opts = []
     for _ in range(2):
-        model = prepare(GPT(config, seed=3, dtype="float32"), to_host, None)
+        amp = None
+        if amp_dtype is not None:
+            amp = MixedPrecision(LossScaler(init_scale=1024.0), dtype=amp_dtype)
+        model = prepare(GPT(config, seed=3, dtype="float32"), to_host, amp)
         attach_experts(model, one_rank("ep"))
-        opts.append(experts_optimizer(expert_engine(model, one_rank("edp")), args))
+        opts.append(experts_optimizer(expert_engine(model, one_rank("edp")), args, amp))
     ref, got = opts
     assert type(got) is ShardedAdamW and len(got.engine.units) == 2
+    factor = FACTOR if amp_dtype else None
     for step in range(2):
-        set_grads(ref, step), set_grads(got, step)
-        ref.update_shards()
-        plans = multi_update(got)
+        set_grads(ref, step, 1024.0 if amp_dtype else 1.0)
+        set_grads(got, step, 1024.0 if amp_dtype else 1.0)
+        ref.update_shards(factor)
+        plans = multi_update(got, factor)
         for key, want in ref.shard_arrays().items():
             np.testing.assert_array_equal(bits(got.shard_arrays()[key]), bits(want), key)
-    assert len(plans) == 2
+    masters = [k for k in got.shard_arrays() if k.endswith("/master")]
+    assert len(plans) == 2 and len(masters) == (2 if amp_dtype else 0)
 
 
 # ---- broken plans must fail -----------------------------------------------------------------
