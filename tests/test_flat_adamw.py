@@ -10,6 +10,7 @@ from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW
 from minidist.optim.adamw import fused_adamw_ok
+from minidist.strategy.memory import ledger
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=11)
 
@@ -55,6 +56,22 @@ def test_missing_gradient_falls_back_to_per_parameter_exactly(xp):
         assert np.array_equal(H(p.data), H(q.data)), name
     assert opt.state["transformer.ln_f.weight"]["step"] == 3
     assert ref_opt.state["transformer.ln_f.weight"]["step"] == 3
+
+
+def test_the_flat_gradient_is_made_by_the_first_step_that_gathers_and_counted(xp):
+    """No flat gradient until a step gathers into it (the multi path on cupy never does:
+    tests/test_multi_tensor.py); a group that falls back per parameter gathers nothing; once
+    made, the ledger counts it with the gradients (after zero_grad: flat grad, scratch)."""
+    fresh = FlatAdamW(GPT(TINY, seed=3, dtype="float32").named_parameters())
+    assert [f.grad for f in fresh.flats] == [None, None]
+    assert fresh.ledger_arrays() == {"grads": []}
+    model, opt = _train(FlatAdamW, "float32", steps=2)
+    n = model.num_parameters()
+    assert all(f.grad is not None for f in opt.flats)
+    assert ledger(model.parameters(), opt)["grads"] == 2 * 4 * n
+    _, opt = _train(FlatAdamW, "float32", steps=2, drop_grad_at=0)
+    decay, no_decay = opt.flats          # ln_f.weight's step count differs: per parameter
+    assert decay.grad is None and no_decay.grad is None       # c_fc.weight too, for decay
 
 
 def test_state_dict_moves_between_adamw_and_flat_adamw(xp):

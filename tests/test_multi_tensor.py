@@ -177,7 +177,8 @@ def gpu_grads(cp, model, step, scale=1.0):
 def test_gpu_multi_adamw_equals_per_parameter_kernels(cp, monkeypatch, dtype, flat):
     """AdamW / FlatAdamW with MINIDIST_CUDA_NEW_KERNELS=1 (one multi_adamw per group) vs =0
     (one adamw_step per parameter, or per flat group): bitwise, the same arithmetic (should
-    NVRTC contract the two kernels' expressions differently, this is where it shows)."""
+    NVRTC contract the two kernels' expressions differently, this is where it shows); the
+    FlatAdamW on the multi path holds no flat gradient."""
     cls = FlatAdamW if flat else AdamW
     models = [on_gpu(cp, Bag(dtype)) for _ in range(2)]
     opts = [cls(m.named_parameters(), **HYPER) for m in models]
@@ -188,6 +189,8 @@ def test_gpu_multi_adamw_equals_per_parameter_kernels(cp, monkeypatch, dtype, fl
             opt.step()
     for a, b in zip(*(m.parameters() for m in models)):
         cp.testing.assert_array_equal(b.data, a.data)
+    if flat:                         # the multi path never made a flat gradient
+        assert [f.grad is None for f in opts[0].flats + opts[1].flats] == [False] * 2 + [True] * 2
 
 
 @pytest.mark.gpu

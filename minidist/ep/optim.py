@@ -46,7 +46,9 @@ def expert_engine(model, edp):
 
 
 def experts_optimizer(engine, args, amp=None):
-    """AdamW over the experts' shards (its float32 masters under --amp), as ZeRO's."""
+    """AdamW over the experts' shards (its float32 masters under --amp), as ZeRO's: on cupy
+    with MINIDIST_CUDA_NEW_KERNELS=1 its two multi-tensor launches too
+    (tests/test_zero_multi_cpu.py)."""
     return ShardedAdamW(engine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                         amp=amp)
 

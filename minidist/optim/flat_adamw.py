@@ -11,13 +11,16 @@ buffer, as a ZeRO FlatUnit is (minidist/zero/flat.py):
                   them, so state_dict, checkpoints and the memory ledger read as AdamW's do
     flat grad     step() copies each .grad into its slot (one copy per parameter), then runs
                   adamw_update once over the whole group: ~11 operations per group, or on CuPy
-                  with the kernels on, one fused kernel launch per group (adamw.py)
+                  with the kernels on, one fused kernel launch per group (adamw.py). Made by
+                  the first step that gathers: a run that never does holds none
 
 With MINIDIST_CUDA_NEW_KERNELS=1 on cupy (proven on the CPU only) the copies go too: one
-multi_adamw launch per group reads each .grad where it lies (optim/multi_tensor.py).
+multi_adamw launch per group reads each .grad where it lies (optim/multi_tensor.py), and no
+flat gradient is ever allocated.
 
 The cost: a flat gradient buffer per group, and for the xp update a scratch buffer (4 + 4
-bytes per float32 parameter, in the ledger's "grads"; the fused kernel needs no scratch).
+bytes per float32 parameter, in the ledger's "grads" once allocated; the fused kernel needs
+no scratch, the multi path neither).
 DDP's gradients are already views into flat buckets, ZeRO's optimizer already updates flat
 shards (minidist/zero/optim.py); this is the single-process (and DDP) counterpart.
 
@@ -44,15 +47,16 @@ class FlatGroup:
         self.names, self.params = list(names), list(params)
         xp, dtype = xp_of(params[0].data), params[0].data.dtype
         size = sum(p.data.size for p in params)
-        self.param, self.grad = xp.empty(size, dtype), xp.empty(size, dtype)
+        self.param = xp.empty(size, dtype)
         self.exp_avg, self.exp_avg_sq = xp.zeros(size, dtype), xp.zeros(size, dtype)
+        self.grad = self.grad_views = None    # the first gather_grads makes them (the
+        #                                       multi path never gathers)
         self.scratch = None           # the xp update's temporary; the fused kernel needs none
         self.slots, offset = [], 0                # (start, end, shape) per parameter
         for p in params:
             self.slots.append((offset, offset + p.data.size, p.data.shape))
             offset += p.data.size
         self.param_views = [self.view(self.param, i) for i in range(len(params))]
-        self.grad_views = [self.view(self.grad, i) for i in range(len(params))]
         self.attach()
 
     def view(self, buffer, i):
@@ -68,7 +72,11 @@ class FlatGroup:
                 p.data = view
 
     def gather_grads(self):
-        """Each parameter's .grad copied into its slot of the flat gradient."""
+        """Each parameter's .grad copied into its slot of the flat gradient, which the first
+        call allocates."""
+        if self.grad is None:
+            self.grad = xp_of(self.param).empty_like(self.param)
+            self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))]
         for p, view in zip(self.params, self.grad_views):
             view[...] = p.grad
 

@@ -106,6 +106,24 @@ class FlatUnit:
         return [(self.offsets[i] + s - self.lo, self.offsets[i] + e - self.lo)
                 for i, s, e in self.pieces() if self.decay[i]]
 
+    def update_ranges(self):
+        """(decayed, plain): this rank's shard [0, S) cut into runs of elements that get weight
+        decay and runs that do not (the padding among them), adjacent pieces merged, empty
+        runs left out: together they cover the shard once. ZeRO's multi-tensor update runs
+        each list as one table (minidist/zero/optim.py)."""
+        decayed, plain, at = [], [], 0
+        for a, b in self.decay_ranges():
+            if a > at:
+                plain.append((at, a))
+            if decayed and decayed[-1][1] == a:
+                decayed[-1] = (decayed[-1][0], b)
+            else:
+                decayed.append((a, b))
+            at = b
+        if at < self.shard_size:
+            plain.append((at, self.shard_size))
+        return decayed, plain
+
     def layout(self):
         """The unit as JSON (checkpoint manifests)."""
         return {"name": self.name, "numel": self.numel, "padded": self.padded,

@@ -18,13 +18,20 @@ as optimizer state, 12 bytes per parameter / N. step() unscales the gradient sha
 float32 scratch buffer, skips the step on inf/nan (every rank agrees: the norm is global),
 updates the master shard and writes it back to the 16-bit parameter shard.
 
+On cupy with MINIDIST_CUDA_NEW_KERNELS=1 (proven on the CPU only) the update of every shard
+is two multi-tensor launches (minidist/optim/multi_tensor.py) instead of a few per unit: the
+decayed runs of all shards (FlatUnit.update_ranges) with weight decay, the rest without
+(`multi_launches`); under amp multi_amp_adamw does the unscale and the copy back too.
+
 After the update the training step calls the strategy's after_step(), which runs the engine's:
 all-gather the parameters (stages 1, 2) or free the stale gathered copies (stage 3).
-Tests: tests/scripts/zero_check.py (run by tests/test_zero.py).
+Tests: tests/scripts/zero_check.py (run by tests/test_zero.py); the multi-tensor path:
+tests/test_zero_multi_cpu.py.
 """
 import numpy as np
 
 from minidist.backend import xp_of
+from minidist.optim import multi_tensor
 from minidist.optim.adamw import adamw_update
 from minidist.optim.clip import clip_grad_norm
 
@@ -97,6 +104,10 @@ class ShardedAdamW:
         optimizer that took the verdict for these shards and others together
         (minidist/ep/optim.py: the experts' shards over their replicas)."""
         self.steps += 1
+        if self.multi_ok():
+            for plan in self.multi_launches(factor):
+                multi_tensor.run(plan)
+            return
         for u in self.engine.units:
             self._update(u, factor)
 
@@ -112,6 +123,58 @@ class ShardedAdamW:
                      beta2, group["eps"], 0.0, scratch=self._adam_scratch(target))
         if self.amp is not None:
             u.param_shard[...] = target            # float32 master -> 16-bit shard
+
+    # ---- on cupy with MINIDIST_CUDA_NEW_KERNELS=1: every shard in two launches -------------
+    def multi_ok(self):
+        """True when update_shards takes the multi-tensor kernels (minidist/optim/
+        multi_tensor.py): cupy shards, the switch on, float32 or float64 (under amp 16-bit
+        shards and float32 masters). Never on numpy: the CPU path stays the per-unit one."""
+        units = self.engine.units
+        params, grads = [u.param_shard for u in units], [u.grad_shard for u in units]
+        if self.amp is None:
+            return multi_tensor.adamw_ok(params, grads)
+        return multi_tensor.amp_adamw_ok(params, grads,
+                                         [self.state[u.flat.name]["master"] for u in units])
+
+    def multi_launches(self, factor=None, chunk=multi_tensor.CHUNK):
+        """The plans ((Launch, tables), minidist/optim/multi_tensor.py) of update_shards'
+        multi-tensor path, for the step count self.steps (update_shards advanced it): one
+        launch over the decayed runs of every unit's shard with weight decay, one over the
+        rest (undecayed parameters and padding) without; each run a slice of the shard, of m,
+        of v (and of the master). The kernel decays p first, as _update does: bitwise the
+        same. Under amp multi_amp_adamw, `factor` the verdict's. tests/test_zero_multi_cpu.py
+        runs them on numpy."""
+        group, plans = self.param_groups[0], []
+        beta1, beta2 = group["betas"]
+        xp = xp_of(self.engine.units[0].param_shard)
+        for wd, runs in zip((self.weight_decay, 0.0), self._runs()):
+            if not runs:
+                continue
+            roles = [[arrays[k][lo:hi] for arrays, lo, hi in runs]
+                     for k in range(len(runs[0][0]))]
+            hyper = (self.steps, group["lr"], beta1, beta2, group["eps"], wd)
+            if self.amp is None:
+                plans.append(multi_tensor.multi_adamw_launch(xp, *roles, *hyper, chunk=chunk))
+            else:
+                plans.append(multi_tensor.multi_amp_adamw_launch(xp, *roles, factor, *hyper,
+                                                                 chunk=chunk))
+        return plans
+
+    def _runs(self):
+        """(decayed, plain): lists of (arrays, lo, hi), a run [lo, hi) of one unit's shard and
+        its arrays (parameter shard, gradient shard, (master,) m, v). Without weight decay
+        every shard is one plain run."""
+        decayed, plain = [], []
+        for u in self.engine.units:
+            s = self.state[u.flat.name]
+            arrays = [u.param_shard, u.grad_shard] + ([s["master"]] if self.amp else [])
+            arrays += [s["exp_avg"], s["exp_avg_sq"]]
+            d, p = u.flat.update_ranges()
+            if not self.weight_decay:
+                d, p = [], [(0, u.flat.shard_size)]
+            decayed += [(arrays, lo, hi) for lo, hi in d]
+            plain += [(arrays, lo, hi) for lo, hi in p]
+        return decayed, plain
 
     def _adam_scratch(self, like):
         key = ("adam", like.size, like.dtype.str, type(like).__module__)
