@@ -29,6 +29,7 @@ from minidist.optim import AdamW, multi_tensor as mt
 from minidist.train.amp import MixedPrecision
 from minidist.train.loss_scale import LossScaler
 from test_cuda_kernels_cpu import failing_orders, np_dtype, nth_replaced
+import test_zero_multi_cpu as zm
 from test_multi_tensor_cpu import CHUNK, HYPER, Bag, assert_amp_same, set_grads
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
@@ -85,18 +86,25 @@ def host_step(amp, model, opt, max_norm, src=None, order="low"):
     return norm
 
 
+def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
+    """LossScaler.decide_on_device, launch for launch, on the harness: the verdict array
+    and the state (numpy)."""
+    scaler.check_used()
+    state = scaler.to_device(np, step)
+    sum_sq = run_sum_sq(grads, 1.0, src, order).reshape(1)
+    verdict = np.full(mt.VERDICT_SIZE, np.nan, np.float32)
+    cuda_cpu.run(mt.amp_verdict_launch(sum_sq, state, verdict, grads[0].dtype, max_norm,
+                                       scaler, group["lr"], *group["betas"], group["eps"]),
+                 src, order)
+    return verdict, state
+
+
 def device_step(amp, model, opt, max_norm, src=None, order="low"):
     """MasterWeightOptimizer._verdict_on_device then _step_on_device, launch for launch."""
     grads = [p.grad for p in model.parameters()]
-    amp.scaler.check_used()
     step = {opt.inner.state.get(n, {"step": 0})["step"] for n in opt.names}.pop()
-    state = amp.scaler.to_device(np, step)
-    sum_sq = run_sum_sq(grads, 1.0, src, order).reshape(1)
-    verdict = np.full(mt.VERDICT_SIZE, np.nan, np.float32)
-    group = opt.inner.param_groups[0]
-    cuda_cpu.run(mt.amp_verdict_launch(sum_sq, state, verdict, grads[0].dtype, max_norm,
-                                       amp.scaler, group["lr"], *group["betas"],
-                                       group["eps"]), src, order)
+    verdict, state = run_verdict(amp.scaler, grads, max_norm, step, opt.inner.param_groups[0],
+                                 src, order)
     for group, w, g, masters in groups_of(opt, model):
         states = mt.moment_states(opt.inner.state, group["names"], masters)
         plan = mt.group_amp_adamw_dev_launch(np, w, g, masters, states, group, verdict, CHUNK)
@@ -196,3 +204,40 @@ def test_a_broken_verdict_kernel_fails_its_check(name):
     src = nth_replaced(cs.source("float16", "multi"), old, new, n)
     check = functools.partial(check_device_verdict, "float16", settle_at=())
     assert failing_orders(check, src), f"{name}: the broken kernel passed in both orders"
+
+
+# ---- ZeRO's ShardedAdamW: the same verdict over its shards ---------------------------------
+
+@pytest.mark.parametrize("amp_dtype", ["float16", "bfloat16"])
+def test_zero_shards_take_the_device_verdict_bitwise(amp_dtype):
+    """ShardedAdamW (one of 4 ranks' shards, ZeRO-2) with the device verdict
+    (decide_on_device, then multi_launches(verdict=...)) against its host verdict (the sum
+    of unscaled squares read back, unscale_and_clip, update, multi_launches(factor)),
+    through PLAN: shards, masters, m, v bitwise; after settle() the step count and scale."""
+    np_dtype(amp_dtype)
+    ref, got = (zm.sharded(zm.gpt, 4, 1, 2, "float32", amp_dtype) for _ in range(2))
+    for opt in (ref, got):
+        opt.amp.scaler.scale, opt.amp.scaler.growth_interval = 1024.0, 2     # bf16 too
+        assert opt.amp.optimizers == [opt]       # adopted: the one optimizer of its policy
+    for step, (size, inf, max_norm) in enumerate(PLAN):
+        for opt in (ref, got):
+            zm.set_grads(opt, step, size * opt.amp.scaler.multiplier())
+            if inf:
+                opt.engine.units[0].grad_shard[0] = np.inf
+            opt.amp.scaled_upstream()
+        grads = [u.grad_shard for u in ref.engine.units]
+        sum_sq = run_sum_sq(grads, 1.0 / ref.amp.scaler.scale, None, "low")
+        _, found_inf, factor = ref.amp.scaler.unscale_and_clip(sum_sq, max_norm, None)
+        if ref.amp.scaler.update(found_inf):
+            zm.multi_update(ref, factor)
+        verdict, _ = run_verdict(got.amp.scaler, [u.grad_shard for u in got.engine.units],
+                                 max_norm, got.steps, got.param_groups[0])
+        for launch, tables in got.multi_launches(chunk=CHUNK, verdict=verdict):
+            cuda_cpu.run(launch, None, "low", tables)
+        want, have = ref.shard_arrays(), got.shard_arrays()
+        for key in want:
+            np.testing.assert_array_equal(zm.bits(have[key]), zm.bits(want[key]),
+                                          err_msg=f"step {step}: {key}")
+    got.settle()
+    assert (got.steps, got.amp.scaler.scale, got.amp.scaler.skipped) == (
+        ref.steps, ref.amp.scaler.scale, ref.amp.scaler.skipped) == (len(PLAN) - 3, 1024.0, 3)

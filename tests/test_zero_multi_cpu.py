@@ -275,3 +275,35 @@ def test_gpu_sharded_adamw_multi_equals_per_unit(cp, monkeypatch, amp_dtype):
             opt.update_shards(FACTOR if amp_dtype else None)
         counts.append(counter.count)
     assert counts[0] == 2 and counts[1] > len(opts[1].engine.units), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp_dtype", ["float16", "bfloat16"])
+def test_gpu_sharded_adamw_takes_the_verdict_on_the_device(cp, monkeypatch, amp_dtype):
+    """clip_grad_norm + step with the switch on (the verdict on the device: no host read)
+    vs off (the host verdict), through an overflow: the same steps and scale after settle(),
+    the shards equal to float32 rounding (the two sums of squares round differently)."""
+    np_dtype(amp_dtype)
+    runs = []
+    for new in "10":
+        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
+        opt = sharded(gpt, 4, 1, 2, "float32", amp_dtype, on=cp.asarray)
+        reads = backend.host_reads().get("amp overflow verdict", 0)
+        for step, inf in enumerate((False, True, False)):
+            set_grads(opt, step, float(opt.amp.scaler.multiplier()))
+            if inf:
+                opt.engine.units[0].grad_shard[0] = cp.inf
+            opt.amp.scaled_upstream()
+            opt.clip_grad_norm(1.0)
+            opt.step()
+        assert backend.host_reads().get("amp overflow verdict", 0) - reads == (
+            0 if new == "1" else 3)
+        opt.amp.settle()
+        runs.append(opt)
+    dev, host = runs
+    assert (dev.steps, dev.amp.scaler.scale) == (host.steps, host.amp.scaler.scale) == (
+        2, host.amp.scaler.scale)
+    want, have = host.shard_arrays(), dev.shard_arrays()
+    for key in want:
+        cp.testing.assert_allclose(have[key].astype(cp.float32), want[key].astype(cp.float32),
+                                   rtol=1e-2, atol=1e-5, err_msg=key)

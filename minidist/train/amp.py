@@ -119,8 +119,15 @@ class MixedPrecision:
 
     def optimizer(self, named_params, make_inner):
         """A MasterWeightOptimizer; `make_inner(named float32 params)` builds e.g. AdamW."""
-        self.optimizers.append(MasterWeightOptimizer(named_params, self, make_inner))
-        return self.optimizers[-1]
+        return self.adopt(MasterWeightOptimizer(named_params, self, make_inner))
+
+    def adopt(self, optimizer):
+        """Count `optimizer` among those whose verdicts settle() reads back (those built
+        here, and ZeRO's ShardedAdamW over this policy's 16-bit shards). An optimizer takes
+        the verdict on the device only as the one optimizer of its policy: two would both
+        update the one scaler's state. Returns it."""
+        self.optimizers.append(optimizer)
+        return optimizer
 
     def settle(self):
         """Read back the verdicts the optimizers built here took on the device since the

@@ -6,7 +6,7 @@ good steps in a row. With bfloat16 (float32's exponent range) S = 1, fixed, and 
 stays. The scaler's state travels in the optimizer's checkpoint under SCALER_KEY.
 
 On cupy with the multi-tensor kernels (MINIDIST_CUDA_NEW_KERNELS=1), MasterWeightOptimizer
-takes the verdict on the device instead (multi_tensor.amp_verdict_launch), so an --amp step
+and ZeRO's ShardedAdamW take the verdict on the device instead (decide_on_device), so a step
 reads nothing back: the scaler's fields then live in `device_state` (with AdamW's step count)
 until `settle()` reads them back, once, at a step the loop reads its losses anyway.
 Tests: tests/test_amp.py.
@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from minidist import backend
+from minidist.optim import multi_tensor
 from minidist.optim.clip import clip_factor
 
 SCALER_KEY = "loss_scaler"    # its entry in the optimizer state (checkpoints), beside params
@@ -113,6 +114,26 @@ class LossScaler:
             self.device_state = xp.asarray(np.array(
                 [self.scale, self.good_steps, self.skipped, self.skips_in_a_row, step, 0.0]))
         return self.device_state
+
+    def decide_on_device(self, grads, max_norm, reduce_sum_sq, step, group):
+        """The verdict taken on the device, for an optimizer whose update kernels read it
+        (multi_amp_adamw_dev: MasterWeightOptimizer's, ZeRO's ShardedAdamW's): the sum of
+        squares of the scaled 16-bit `grads` (2 launches), reduced over the ranks by
+        `reduce_sum_sq` on the device, then amp_verdict (one thread), with AdamW's step
+        count `step` if the state is not on the device yet and `group`'s lr, betas and eps.
+        Returns (verdict, the unscaled norm): a float32 and a 0-d float64 device array."""
+        self.check_used(bool(grads))
+        xp, half = backend.xp_of(grads[0]), grads[0].dtype
+        state = self.to_device(xp, step)
+        sum_sq = multi_tensor.sum_sq(grads, 1.0)       # scaled: amp_verdict divides by S^2
+        if reduce_sum_sq is not None:
+            sum_sq = reduce_sum_sq(sum_sq)
+        sum_sq = xp.ascontiguousarray(xp.asarray(sum_sq, dtype=np.float64).reshape(1))
+        verdict = xp.empty(multi_tensor.VERDICT_SIZE, np.float32)
+        multi_tensor.run((multi_tensor.amp_verdict_launch(
+            sum_sq, state, verdict, half, max_norm, self, group["lr"], *group["betas"],
+            group["eps"]), None))
+        return verdict, state[multi_tensor.STATE_FIELDS.index("norm")].copy()
 
     def settle(self):
         """Read a device stretch's state back (ONE host read): the scale and counts, then

@@ -111,21 +111,11 @@ class MasterWeightOptimizer:
         return {self.inner.state.get(n, {"step": 0})["step"] for n in self.names}
 
     def _verdict_on_device(self, groups, grads, max_norm, reduce_sum_sq):
-        """The sum of squares, its reduction and amp_verdict, launched; the norm (a 0-d
-        device array) returned. No host read."""
-        self.scaler.check_used(bool(grads))
-        xp, half = backend.xp_of(grads[0]), grads[0].dtype
-        state = self.scaler.to_device(xp, self._host_steps().pop())
-        sum_sq = multi_tensor.sum_sq(grads, 1.0)     # scaled: amp_verdict divides by S^2
-        if reduce_sum_sq is not None:
-            sum_sq = reduce_sum_sq(sum_sq)
-        sum_sq = xp.ascontiguousarray(xp.asarray(sum_sq, dtype=np.float64).reshape(1))
-        self._verdict = xp.empty(multi_tensor.VERDICT_SIZE, np.float32)
-        group = groups[0][0]
-        multi_tensor.run((multi_tensor.amp_verdict_launch(
-            sum_sq, state, self._verdict, half, max_norm, self.scaler, group["lr"],
-            *group["betas"], group["eps"]), None))
-        return state[multi_tensor.STATE_FIELDS.index("norm")].copy()
+        """LossScaler.decide_on_device: launched, the verdict kept for step(), the norm (a
+        0-d device array) returned. No host read."""
+        self._verdict, norm = self.scaler.decide_on_device(
+            grads, max_norm, reduce_sum_sq, self._host_steps().pop(), groups[0][0])
+        return norm
 
     def _step_on_device(self):
         """multi_amp_adamw_dev over each group, reading this step's verdict on the device

@@ -97,6 +97,7 @@ def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=
     """Collective over `group`: every rank writes its shard into `folder` (which exists),
     rank 0 state.json and the manifest (minidist/strategy/checkpoint.py's writers). Returns
     None, or on rank 0 what failed (the caller commits or discards the folder)."""
+    optimizer.settle()              # --amp verdicts taken on the device: the step count
     name, entry, err = shard_name(group.rank, group.size), None, None
     try:
         entry = {**checkpoint.write_arrays(folder, name, optimizer.shard_arrays()),
@@ -230,6 +231,7 @@ def gather_whole(optimizer, root=0):
     (MasterWeightOptimizer under amp) holds them: host arrays by parameter name (per
     parameter "step", "exp_avg", "exp_avg_sq", "master"), on group rank `root`; (None, None)
     elsewhere. Collective over the engine's group, one unit and key at a time."""
+    optimizer.settle()              # --amp verdicts taken on the device: the step count
     engine = optimizer.engine
     group = engine.group
     params, state = engine.full_state_dict(root), {}

@@ -53,6 +53,9 @@ class ShardedAdamW:
             for n in (n for u in engine.units for n in u.flat.names):
                 amp.masters.pop(n)
         self._factor, self._found_inf, self._scratch = None, False, {}
+        self._verdict = None               # --amp's verdict of this step, on the device
+        if amp is not None:
+            amp.adopt(self)                # its settle() reads the device verdicts back
 
     def _new_state(self, u):
         """m and v (and the float32 master shard under amp) for unit u's [lo, hi)."""
@@ -79,18 +82,42 @@ class ShardedAdamW:
         if self.amp is None:
             return clip_grad_norm([u.grad_shard for u in self.engine.units], max_norm,
                                   sum_sq_across_ranks)
-        sum_sq = self.amp.unscaled_sum_sq([u.grad_shard for u in self.engine.units])
+        grads = [u.grad_shard for u in self.engine.units]
+        if self.verdict_on_device_ok():
+            self._verdict, norm = self.amp.scaler.decide_on_device(
+                grads, max_norm, sum_sq_across_ranks, self.steps, self.param_groups[0])
+            return norm
+        self.settle()
+        sum_sq = self.amp.unscaled_sum_sq(grads)
         norm, self._found_inf, self._factor = self.amp.scaler.unscale_and_clip(
             sum_sq, max_norm, sum_sq_across_ranks)
         return norm
 
+    def verdict_on_device_ok(self):
+        """--amp's verdict on the device (no host read a step; minidist/train/
+        master_weights.py explains it): the multi-tensor path, and this the one optimizer
+        of its MixedPrecision (EP's dense and experts optimizers share one: host verdict)."""
+        return self.amp is not None and self.amp.optimizers == [self] and self.multi_ok()
+
+    def settle(self):
+        """The device verdicts since the last settle read back (one host read, none if
+        there were none): the scaler's fields and the step count. Checkpoints call it."""
+        step = self.amp.scaler.settle() if self.amp is not None else None
+        if step is not None:
+            self.steps = step
+
     def step(self):
         """Update this rank's shards (the engine's after_step, run next by the strategy, makes
         the full parameters from them). Returns False when mixed precision skipped the update
-        (inf/nan gradients)."""
+        (inf/nan gradients), None when that was decided on the device."""
         if self.amp is not None:
-            if self._factor is None:
+            if self._factor is None and self._verdict is None:
                 self.clip_grad_norm(None)
+            if self._verdict is not None:        # every block skips an overflowing step
+                verdict, self._verdict = self._verdict, None
+                for plan in self.multi_launches(verdict=verdict):
+                    multi_tensor.run(plan)
+                return None
             if not self.amp.scaler.update(self._found_inf):
                 self._factor = None
                 return False
@@ -136,14 +163,15 @@ class ShardedAdamW:
         return multi_tensor.amp_adamw_ok(params, grads,
                                          [self.state[u.flat.name]["master"] for u in units])
 
-    def multi_launches(self, factor=None, chunk=multi_tensor.CHUNK):
+    def multi_launches(self, factor=None, chunk=multi_tensor.CHUNK, verdict=None):
         """The plans ((Launch, tables), minidist/optim/multi_tensor.py) of update_shards'
         multi-tensor path, for the step count self.steps (update_shards advanced it): one
         launch over the decayed runs of every unit's shard with weight decay, one over the
         rest (undecayed parameters and padding) without; each run a slice of the shard, of m,
         of v (and of the master). The kernel decays p first, as _update does: bitwise the
-        same. Under amp multi_amp_adamw, `factor` the verdict's. tests/test_zero_multi_cpu.py
-        runs them on numpy."""
+        same. Under amp multi_amp_adamw, `factor` the verdict's, or multi_amp_adamw_dev
+        reading `verdict` (the device verdict's array). tests/test_zero_multi_cpu.py runs them
+        on numpy."""
         group, plans = self.param_groups[0], []
         beta1, beta2 = group["betas"]
         xp = xp_of(self.engine.units[0].param_shard)
@@ -155,6 +183,9 @@ class ShardedAdamW:
             hyper = (self.steps, group["lr"], beta1, beta2, group["eps"], wd)
             if self.amp is None:
                 plans.append(multi_tensor.multi_adamw_launch(xp, *roles, *hyper, chunk=chunk))
+            elif verdict is not None:          # the factor and step count on the device
+                plans.append(multi_tensor.multi_amp_adamw_dev_launch(
+                    xp, *roles, 1.0 - group["lr"] * wd, verdict, chunk=chunk))
             else:
                 plans.append(multi_tensor.multi_amp_adamw_launch(xp, *roles, factor, *hyper,
                                                                  chunk=chunk))
