@@ -4,17 +4,18 @@ on cupy with MINIDIST_CUDA_NEW_KERNELS=1): the kernels amp_verdict and multi_amp
 verdict they replace, step after step, through overflows, a growing and a shrinking loss scale,
 clipping, and a settle in the middle of the run:
 
-    device   multi_sum_sq of the SCALED gradients -> amp_verdict (one thread: the scaler's
-             rules and AdamW's step count, in LossScaler.device_state) -> multi_amp_adamw_dev
-             per group, skipped by every block on an overflow; settle() reads it all back
+    device   multi_sum_sq of the scaled gradients x (1/S)^2, S read on the device -> amp_verdict
+             (one thread: the scaler's rules and AdamW's step count, in
+             LossScaler.device_state) -> multi_amp_adamw_dev per group, skipped by every block
+             on an overflow; settle() reads it all back
     host     multi_sum_sq of the unscaled gradients -> LossScaler.unscale_and_clip and update
              (one host read a step) -> multi_amp_adamw with the factor, or nothing
 
 Both are what MasterWeightOptimizer launches on cupy; the test replays the launches on numpy
 through the plan functions, as tests/test_multi_tensor_cpu.py does for the host verdict.
 Equal bitwise: masters, 16-bit weights, m, v, the norms, and after settle() the loss scale,
-its counts and every AdamW step count (the scale is a power of two, so the device's sum over
-S^2 is the host's sum of (g/S)^2 exactly). Broken kernels must fail. LossScaler's own device
+its counts and every AdamW step count (the scale is a power of two, so the device's sum times
+(1/S)^2 is the host's sum of (g/S)^2 exactly). Broken kernels must fail. LossScaler's own device
 half (to_device, multiplier, settle, check_skips) runs for real on numpy arrays here.
 Run: python -m pytest -q tests/test_device_verdict_cpu.py   (skips without a C++ compiler)
 """
@@ -91,7 +92,9 @@ def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
     and the state (numpy)."""
     scaler.check_used()
     state = scaler.to_device(np, step)
-    sum_sq = run_sum_sq(grads, 1.0, src, order).reshape(1)
+    inv = scaler.inverse()                  # MixedPrecision.unscaled_sum_sq's multi path
+    sum_sq = (run_sum_sq(grads, inv, src, order) if isinstance(inv, float)
+              else run_sum_sq(grads, 1.0, src, order) * (inv * inv)).reshape(1)
     verdict = np.full(mt.VERDICT_SIZE, np.nan, np.float32)
     cuda_cpu.run(mt.amp_verdict_launch(sum_sq, state, verdict, grads[0].dtype, max_norm,
                                        scaler, group["lr"], *group["betas"], group["eps"]),
@@ -170,6 +173,20 @@ def test_settle_stops_a_run_after_too_many_skips_in_a_row():
         amp.settle()
 
 
+def test_unscaled_sums_read_the_scale_on_the_device_while_it_lives_there():
+    """Every strategy's reduce_sum_sq adds and subtracts MixedPrecision.unscaled_sum_sq's
+    sums (TP's replicated parameters, PP's tied copies, EP's experts): with the scale on the
+    device they divide by that one, bitwise as by the host's (a power of two)."""
+    amp, model, _ = setup("float16")
+    set_grads(model, 0, 1024.0)
+    grads = [p.grad for p in model.parameters()]
+    want = amp.unscaled_sum_sq(grads)
+    amp.scaler.to_device(np, 0)
+    assert amp.unscaled_sum_sq(grads) == want
+    amp.scaler.device_state[0] = 2048.0               # grown on the device: the host's is 1024
+    assert amp.unscaled_sum_sq(grads) == want / 4 and amp.scaler.scale == 1024.0
+
+
 def test_the_scale_a_loss_is_multiplied_by_comes_from_the_device_while_it_lives_there():
     s = LossScaler(init_scale=8.0, growth_interval=3)
     assert s.multiplier(0.5) == 4.0
@@ -191,7 +208,8 @@ BROKEN = {   # name -> (old, new, occurrence): one defect each
     "the step count advanced on an overflow": ("state[3] += 1.0;",
                                                "state[3] += 1.0; state[4] += 1.0;", 0),
     "no skip on an overflow": ("if (verdict[0] != 0.0f) return;", "", 0),
-    "the sum not divided by S^2": ("sum_sq[0] / (scale * scale)", "sum_sq[0] / scale", 0),
+    "the factor not divided by the scale": ("(found_inf ? 1.0 : clip) / scale;",
+                                            "(found_inf ? 1.0 : clip);", 0),
     "the scale never backs off": ("state[0] = scale * backoff;", "", 0),
     "the bias correction of the old step": ("double step = state[4];",
                                             "double step = state[4] - 1.0;", 0),

@@ -130,9 +130,8 @@ extern "C" __global__ void multi_amp_adamw_dev(const unsigned long long* w_tab,
 
 // --amp's overflow verdict and AdamW's step count, decided on the device (one thread), so
 // the step needs no host read: LossScaler.unscale_and_clip, verdict and update, line for
-// line in double. sum_sq: the global sum of squares of the SCALED 16-bit gradients (the
-// loss scale is a power of two, so dividing by its square here is exact: the same number
-// the host path's sum of unscaled squares gives). state (double, in place): loss scale,
+// line in double. sum_sq: the global sum of squares of the unscaled gradients (as the host
+// verdict's, MixedPrecision.unscaled_sum_sq, every rank's added). state (double, in place): loss scale,
 // good steps, skipped, skips in a row, AdamW's step count, the step's unscaled norm.
 // verdict (float): skip, then multi_amp_adamw's factor .. step_size for the new step count.
 // interval <= 0: a fixed scale.
@@ -142,7 +141,7 @@ extern "C" __global__ void amp_verdict(const double* sum_sq, double* state, floa
                                        double eps) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     double scale = state[0];
-    double s2 = sum_sq[0] / (scale * scale);
+    double s2 = sum_sq[0];
     double norm = sqrt(s2);                    // nan for a nan (or negative) sum, as on the host
     bool found_inf = !(norm - norm == 0.0);    // inf - inf and nan - nan are nan: not finite
     double clip = (max_norm > 0.0 && max_norm < norm) ? max_norm / (norm + 1e-6) : 1.0;

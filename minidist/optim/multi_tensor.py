@@ -202,7 +202,7 @@ def multi_amp_adamw_dev_launch(xp, weights, grads, masters, ms, vs, decay, verdi
 
 def amp_verdict_launch(sum_sq, state, verdict, half, max_norm, scaler, lr, beta1, beta2, eps):
     """The one-thread launch that decides --amp's step on the device: `sum_sq` (float64, 1
-    element) of the scaled gradients over every rank, `state` (float64, STATE_FIELDS, in
+    element) of the unscaled gradients over every rank, `state` (float64, STATE_FIELDS, in
     place: the scaler's and AdamW's step count), `verdict` (float32, VERDICT_SIZE) out.
     `half`: the 16-bit dtype (the kernel is in that dtype's module); `scaler` a LossScaler
     (its growth policy; its scale lives in `state` meanwhile)."""

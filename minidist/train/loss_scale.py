@@ -115,17 +115,23 @@ class LossScaler:
                 [self.scale, self.good_steps, self.skipped, self.skips_in_a_row, step, 0.0]))
         return self.device_state
 
-    def decide_on_device(self, grads, max_norm, reduce_sum_sq, step, group):
+    def inverse(self):
+        """1/S, what 16-bit gradients are multiplied by to unscale them: a float; with a
+        dynamic scale kept on the device, a 0-d float64 array there (no host read). S is a
+        power of two, so either is exact."""
+        if self.device_state is not None and self.growth_interval is not None:
+            return 1.0 / self.device_state[0]
+        return 1.0 / self.scale
+
+    def decide_on_device(self, sum_sq, max_norm, reduce_sum_sq, half, group):
         """The verdict taken on the device, for an optimizer whose update kernels read it
-        (multi_amp_adamw_dev: MasterWeightOptimizer's, ZeRO's ShardedAdamW's): the sum of
-        squares of the scaled 16-bit `grads` (2 launches), reduced over the ranks by
-        `reduce_sum_sq` on the device, then amp_verdict (one thread), with AdamW's step
-        count `step` if the state is not on the device yet and `group`'s lr, betas and eps.
-        Returns (verdict, the unscaled norm): a float32 and a 0-d float64 device array."""
-        self.check_used(bool(grads))
-        xp, half = backend.xp_of(grads[0]), grads[0].dtype
-        state = self.to_device(xp, step)
-        sum_sq = multi_tensor.sum_sq(grads, 1.0)       # scaled: amp_verdict divides by S^2
+        (multi_amp_adamw_dev: MasterWeightOptimizer's, ZeRO's ShardedAdamW's), once it put
+        the state on the device (to_device) and summed this rank's unscaled squares
+        (MixedPrecision.unscaled_sum_sq, which reads the scale there): the sum reduced over
+        the ranks by `reduce_sum_sq` on the device, then amp_verdict (one thread) with
+        `group`'s lr, betas and eps; `half` the 16-bit dtype. Returns (verdict, the norm):
+        a float32 and a 0-d float64 device array."""
+        xp, state = backend.xp_of(self.device_state), self.device_state
         if reduce_sum_sq is not None:
             sum_sq = reduce_sum_sq(sum_sq)
         sum_sq = xp.ascontiguousarray(xp.asarray(sum_sq, dtype=np.float64).reshape(1))

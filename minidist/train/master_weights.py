@@ -9,7 +9,9 @@ step on an overflow, updates the masters and rounds them back into the model.
                      with MINIDIST_CUDA_NEW_KERNELS=1 one multi_amp_adamw launch per group
     device verdict   on cupy with MINIDIST_CUDA_NEW_KERNELS=1, where every group fits
                      multi_amp_adamw whole: nothing read back. The sum of squares of the
-                     scaled gradients (2 launches), reduced over the ranks on the device,
+                     unscaled gradients (2 launches and a multiply by 1/S^2, S read on the
+                     device), reduced over the ranks on the device (as every strategy's
+                     reduce_sum_sq expects: unscaled sums it adds and subtracts),
                      then amp_verdict (one thread: the scaler's rules and AdamW's step count,
                      in LossScaler.device_state), then multi_amp_adamw_dev per group, which
                      every block skips on an overflow. settle() reads the state back, at the
@@ -111,10 +113,14 @@ class MasterWeightOptimizer:
         return {self.inner.state.get(n, {"step": 0})["step"] for n in self.names}
 
     def _verdict_on_device(self, groups, grads, max_norm, reduce_sum_sq):
-        """LossScaler.decide_on_device: launched, the verdict kept for step(), the norm (a
-        0-d device array) returned. No host read."""
+        """The state on the device, this rank's unscaled sum of squares, then
+        LossScaler.decide_on_device: the verdict kept for step(), the norm (a 0-d device
+        array) returned. No host read."""
+        self.scaler.check_used(bool(grads))
+        self.scaler.to_device(backend.xp_of(grads[0]), self._host_steps().pop())
         self._verdict, norm = self.scaler.decide_on_device(
-            grads, max_norm, reduce_sum_sq, self._host_steps().pop(), groups[0][0])
+            self.amp.unscaled_sum_sq(grads), max_norm, reduce_sum_sq, grads[0].dtype,
+            groups[0][0])
         return norm
 
     def _step_on_device(self):
