@@ -36,6 +36,11 @@ BAD_FLAGS = [
     (["--steps", "-5"], "--steps -5: must be at least 1"),
     (["--lr", "-1"], "--lr -1.0: the learning rate must be positive"),
     (["--lr", "0"], "--lr 0.0: the learning rate must be positive"),
+    (["--lr", "inf"], "--lr inf: give a finite number"),         # was: diverged at step 2
+    (["--weight-decay", "nan"], "--weight-decay nan: give a finite number"),
+    (["--bucket-mb", "nan"], "--bucket-mb nan: give a finite number"),   # was: accepted
+    (["--moe-experts", "4", "--moe-capacity-factor", "nan"],
+     "--moe-capacity-factor nan: give a finite number"),           # was a traceback
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--log-every", "0"], "--log-every 0: must be at least 1"),
     (["--grad-accum", "0"], "--grad-accum 0: must be at least 1"),
@@ -49,6 +54,9 @@ BAD_FLAGS = [
     (["--tp", "0"], "--tp 0: must be at least 1"),
     (["--pp", "0"], "--pp 0: must be at least 1"),
     (["--dp", "0"], "--dp 0: must be at least 1"),
+    (["--ep", "0"], "--ep 0: must be at least 1"),               # was a ZeroDivisionError
+    (["--ep", "-1", "--moe-experts", "4"], "--ep -1: must be at least 1"),
+    (["--pp-virtual", "0"], "--pp-virtual 0: must be at least 1"),
     (["--micro-batches", "0"], "--micro-batches 0: must be at least 1"),
     (["--threads", "0"], "--threads 0: must be at least 1"),
     (["--stop-at", "0"], "--stop-at 0: must be at least 1"),

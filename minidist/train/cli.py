@@ -20,6 +20,7 @@ no traceback per rank.
 Tests: tests/test_cli.py.
 """
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -42,6 +43,8 @@ _AT_LEAST = (
     ("--tp", "tp", 1, "tensor-parallel ranks"),
     ("--pp", "pp", 1, "pipeline stages"),
     ("--cp", "cp", 1, "context-parallel ranks"),
+    ("--ep", "ep", 1, "expert-parallel ranks"),
+    ("--pp-virtual", "pp_virtual", 1, "chunks of layers per pipeline rank"),
     ("--micro-batches", "micro_batches", 1, "pipeline micro-batches"),
     ("--threads", "threads", 1, "BLAS threads"),
     ("--stop-at", "stop_at", 1, "the step to stop at"),
@@ -63,6 +66,9 @@ def check_flags(args):
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low} ({what})")
+    for name, value in sorted(vars(args).items()):     # --lr nan, --bucket-mb inf, ...
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
     if not args.lr > 0:
         raise UsageError(f"--lr {args.lr}: the learning rate must be positive (e.g. 4e-3)")
     if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
