@@ -160,6 +160,15 @@ def test_resume_a_file_or_an_empty_folder(tmp_path, device):
     assert str(tmp_path / "empty") in out.stderr and "Traceback" not in out.stderr
 
 
+def test_data_too_short_for_block_size_is_refused_before_step_0(corpus, tmp_path, device):
+    """The corpus's val split (its last 10%, ~900 tokens) is shorter than --block-size 2000:
+    one line before step 0 (it was found at the first evaluation, after training ran)."""
+    out = _run(device, "--data", corpus, "--cache-dir", str(tmp_path), "--block-size", "2000",
+               "--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--steps", "2")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1
+    assert "the val split has" in out.stderr and "fewer than --block-size 2000" in out.stderr
+
+
 def test_traceback_flag_shows_the_traceback(device):
     out = _run(device, "--steps", "0", "--traceback")
     assert out.returncode != 0 and "Traceback" in out.stderr and "UsageError" in out.stderr
