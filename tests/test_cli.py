@@ -109,6 +109,49 @@ def test_check_flags_names_the_flag(flags, says, tmp_path):
     assert says in str(e.value)
 
 
+# (variable, its value, flags, the one error line): each was a traceback (per rank under
+# mpiexec) or, for MINIDIST_COMM_TIMEOUT=-5, silently no timeout
+BAD_ENV = [
+    ("MINIDIST_COMM_TIMEOUT", "abc", [], "MINIDIST_COMM_TIMEOUT='abc': give the seconds"),
+    ("MINIDIST_COMM_TIMEOUT", "-5", [], "MINIDIST_COMM_TIMEOUT='-5': give the seconds"),
+    ("MINIDIST_COMM_WAIT", "spin", [], "MINIDIST_COMM_WAIT='spin': give block"),
+    ("MINIDIST_TRACE", "yes", [], "MINIDIST_TRACE='yes': give 0 (off), 1"),
+    ("MINIDIST_RANKS_PER_NODE", "0", ["--comm", "hier"],
+     "MINIDIST_RANKS_PER_NODE='0': give a positive integer"),
+    ("MINIDIST_AMP_DTYPE", "fp16", ["--amp"], "MINIDIST_AMP_DTYPE='fp16': give float16 or"),
+    ("MPI4PY_RC_THREAD_LEVEL", "many", [], "MPI4PY_RC_THREAD_LEVEL='many': give one of"),
+]
+# read only where used: a flag that wins over the variable, or no --comm hier, no --amp
+UNUSED_ENV = [("MINIDIST_COMM_TIMEOUT", "abc", ["--comm-timeout", "30"]),
+              ("MINIDIST_RANKS_PER_NODE", "0", []),
+              ("MINIDIST_AMP_DTYPE", "fp16", ["--amp", "--amp-dtype", "float16"])]
+
+
+@pytest.mark.parametrize("var,value,flags,says", BAD_ENV,
+                         ids=[f"{v}={x}" for v, x, *_ in BAD_ENV])
+def test_check_flags_names_a_bad_environment_variable(var, value, flags, says, monkeypatch):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UsageError) as e:
+        check_flags(train_parser().parse_args(flags))
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("var,value,flags", UNUSED_ENV, ids=[f"{v} {f}" for v, _, f in UNUSED_ENV])
+def test_a_variable_that_is_not_read_is_not_checked(var, value, flags, monkeypatch):
+    monkeypatch.setenv(var, value)
+    check_flags(train_parser().parse_args(flags))
+
+
+@pytest.mark.mpi
+def test_a_bad_environment_variable_is_one_line_under_mpiexec():
+    """    MINIDIST_COMM_TIMEOUT=abc mpiexec -n 2 python examples/train_gpt.py"""
+    out = run_mpi(2, "examples/train_gpt.py", timeout=60, check=False,
+                  env=mpi_env(MINIDIST_COMM_TIMEOUT="abc"))
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr == ("error: MINIDIST_COMM_TIMEOUT='abc': give the seconds a collective "
+                          "may wait, a number >= 0 (0: never abort)\n")
+
+
 def test_output_folders_are_made_before_step_0(tmp_path):
     """--log-json / --trace in a folder that does not exist yet: made, nothing written."""
     log, trace = tmp_path / "new" / "x.jsonl", tmp_path / "deep" / "er" / "t.json"

@@ -95,22 +95,37 @@ def check_flags(args):
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
     check_amp_dtype(args)
+    check_env(args)
     check_device(args)
     check_outputs(args)
 
 
 def check_amp_dtype(args):
-    """--amp-dtype means nothing without --amp; bfloat16 needs ml_dtypes (numpy and CuPy
-    both take their bfloat16 from it)."""
-    dtype = getattr(args, "amp_dtype", None)
-    if dtype is None:
-        return
-    if not args.amp:
+    """--amp-dtype means nothing without --amp; MINIDIST_AMP_DTYPE, read under --amp without
+    it, names one of the two types; bfloat16 needs ml_dtypes (numpy and CuPy both take their
+    bfloat16 from it)."""
+    dtype, given = getattr(args, "amp_dtype", None), "--amp-dtype "
+    if dtype is not None and not args.amp:
         raise UsageError(f"--amp-dtype {dtype}: only used with --amp (add --amp, or leave "
                          "--amp-dtype out)")
+    if dtype is None and args.amp and os.environ.get("MINIDIST_AMP_DTYPE"):
+        dtype, given = os.environ["MINIDIST_AMP_DTYPE"], "MINIDIST_AMP_DTYPE="
+        if dtype not in ("float16", "bfloat16"):
+            raise UsageError(f"MINIDIST_AMP_DTYPE={dtype!r}: give float16 or bfloat16 (or "
+                             "unset it; --amp-dtype wins over it)")
     if dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
-        raise UsageError("--amp-dtype bfloat16 needs the ml_dtypes package (pip install "
-                         "ml_dtypes), or use --amp-dtype float16")
+        raise UsageError(f"{given}bfloat16 needs the ml_dtypes package (pip install "
+                         "ml_dtypes), or use float16")
+
+
+def check_env(args):
+    """The environment variables the communication layer reads (MINIDIST_COMM_TIMEOUT,
+    MINIDIST_COMM_WAIT, MINIDIST_TRACE, MINIDIST_RANKS_PER_NODE under --comm hier, ...):
+    a bad value is this run's one `error:` line, not a traceback per rank from comm.init."""
+    from minidist import comm       # imports no MPI state (comm.init starts MPI)
+    problems = comm.env_problems(args.comm, args.comm_timeout)
+    if problems:
+        raise UsageError("; ".join(problems))
 
 
 def check_device(args):
