@@ -71,6 +71,15 @@ BAD_FLAGS = [
     (["--grad-clip", "-1"], "must not be negative"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0: the DDP bucket size must be positive"),
     (["--n-embd", "130"], "--n-embd 130 does not split into --n-head 4 heads"),
+    # the --moe-* flags by their names (they were GPTConfig's field names, after MPI started)
+    (["--moe-experts", "1"], "--moe-experts 1: 0 (a dense model) or at least 2 experts"),
+    (["--moe-experts", "4", "--moe-top-k", "0"], "--moe-top-k 0: experts per token, from 1 to "
+     "--moe-experts 4"),
+    (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5: experts per token"),
+    (["--moe-experts", "4", "--moe-every", "0"], "--moe-every 0: from 1 (every block is MoE) "
+     "to --n-layer 4"),
+    (["--moe-experts", "4", "--moe-aux-loss-coef", "-1"], "--moe-aux-loss-coef -1.0: must not "
+     "be negative"),
     (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into --grad-accum 4"),
     (["--data", "/nonexistent"], "--data /nonexistent: no such file or folder"),
     (["--resume", "/nonexistent"], "--resume /nonexistent: does not exist"),

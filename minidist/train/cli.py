@@ -94,10 +94,31 @@ def check_flags(args):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
+    check_moe(args)
     check_amp_dtype(args)
     check_env(args)
     check_device(args)
     check_outputs(args)
+
+
+def check_moe(args):
+    """The --moe-* flags, in their own names and before any work (GPTConfig checks the same
+    fields later, after MPI started and the data was read, naming the fields)."""
+    experts = args.moe_experts
+    if experts < 0 or experts == 1:
+        raise UsageError(f"--moe-experts {experts}: 0 (a dense model) or at least 2 experts")
+    if not experts:
+        return
+    if not 1 <= args.moe_top_k <= experts:
+        raise UsageError(f"--moe-top-k {args.moe_top_k}: experts per token, from 1 to "
+                         f"--moe-experts {experts}")
+    if not 1 <= args.moe_every <= args.n_layer:
+        raise UsageError(f"--moe-every {args.moe_every}: from 1 (every block is MoE) to "
+                         f"--n-layer {args.n_layer}")
+    for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 0:
+            raise UsageError(f"{flag} {value}: must not be negative")
 
 
 def check_amp_dtype(args):
