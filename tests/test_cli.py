@@ -266,7 +266,9 @@ def test_startup_errors_are_one_line_from_rank_0(flags, says, tmp_path):
 SAMPLE_BAD = [
     (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
     (["--resume", ".", "--tokens", "0"], "--tokens 0: must be at least 1"),
-    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must not be negative"),
+    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
+    (["--resume", ".", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+    (["--resume", "{file}"], ": is a file, not a folder (give a --save directory"),
     (["--resume", ".", "--top-k", "-1"], "--top-k -1: must not be negative"),
     (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
     (["--resume", "examples"], "not a minidist checkpoint"),
@@ -282,8 +284,10 @@ def test_sample_errors_are_one_line(flags, says, tmp_path, device):
     if "{gpt2}" in flags:
         GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=50257)
             ).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "afile").write_text("x")
     out = subprocess.run([sys.executable, "examples/sample.py",
-                          *[f.format(gpt2=tmp_path / "gpt2") for f in flags],
+                          *[f.format(gpt2=tmp_path / "gpt2", file=tmp_path / "afile")
+                            for f in flags],
                           *device_flags(device)], cwd=ROOT, env=mpi_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
