@@ -10,8 +10,8 @@ prints `error: <message>` on the launcher's rank 0 only (every rank finds the sa
 flags, data and checkpoints are checked identically everywhere) and exits with status 2, no
 traceback. `--traceback` or MINIDIST_DEBUG=1 shows the traceback instead.
 Flags are checked by `check_flags` before any work (no MPI communication, no data read):
-their ranges and combinations, the device and --comm this machine can give, and every output
-path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
+their ranges and combinations, the MINIDIST_* variables the communication layer reads
+(`check_env`), the device and --comm this machine can give, and every output path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
 made), so nothing is lost to a late error after training ran. argparse's own errors (an
 unknown flag, `--zero 4`) take the same path (minidist/train/args.py Parser).
 Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
