@@ -208,7 +208,7 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
                      "here (--amp must match)")
     if diffs:
         raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs)
-                              + " (resume with the model flags and --dtype it was saved with)")
+                              + " (resume with the model flags, --dtype and --amp it was saved with)")
 
 
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------
