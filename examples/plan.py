@@ -24,7 +24,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
-from minidist.train.planner import GiB, Layout, add_model_args, config_from_args  # noqa: E402
+from minidist.train.planner import (GiB, Layout, add_model_args, config_from_args,  # noqa: E402
+                                    number_problem)
 from minidist.train.search import evaluate, search                    # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
@@ -74,8 +75,8 @@ def make_config(args):
     """The model: the assumed shape of --params, or the given one; the MoE flags on it."""
     try:
         return config_from_args(args)
-    except ValueError as e:                    # GPTConfig's checks of the moe_* fields
-        fail(f"--moe-*: {e}")
+    except ValueError as e:                    # GPTConfig's checks (the moe_* fields, ...)
+        fail(f"model flags: {e}")
 
 
 def make_cluster(args):
@@ -138,8 +139,11 @@ def print_table(rows, top):
 
 def main(argv=None):
     args = parse(argv)
-    if args.seq % 2 or args.global_batch < 1 or args.gpus < 1:
-        fail("--seq must be even, --global-batch and --gpus positive")
+    problem = number_problem(args)
+    if problem:
+        fail(problem)
+    if args.seq % 2:
+        fail(f"--seq {args.seq}: must be even")
     if args.moe_load <= 0:
         fail(f"--moe-load {args.moe_load}: the busiest rank's rows over the balanced count "
              f"must be positive")

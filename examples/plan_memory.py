@@ -19,7 +19,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
-from minidist.train.planner import GiB, Layout, add_model_args, bill, config_from_args, plan  # noqa: E402
+from minidist.train.planner import (GiB, Layout, add_model_args, bill,  # noqa: E402
+                                    config_from_args, number_problem, plan)
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
@@ -119,10 +120,14 @@ def main():
     args = parse()
     if args.measure:
         return measure(args)
+    problem = number_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         config = config_from_args(args)
-    except ValueError as e:                    # GPTConfig's checks of the moe_* fields
-        print(f"error: --moe-*: {e}", file=sys.stderr)
+    except ValueError as e:                    # GPTConfig's checks (the moe_* fields, ...)
+        print(f"error: model flags: {e}", file=sys.stderr)
         sys.exit(2)
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
                   args.gpus_per_node, args.headroom, dropout=args.dropout)

@@ -18,6 +18,7 @@ from minidist.launcher import set_thread_env
 
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
+import math  # noqa: E402
 import sys  # noqa: E402
 
 from minidist import backend  # noqa: E402
@@ -50,8 +51,9 @@ def sample_parser():
 def check(args):
     if args.tokens < 1:
         raise UsageError(f"--tokens {args.tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature {args.temperature}: must not be negative (0: greedy)")
+    if not 0 <= args.temperature < math.inf:
+        raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0: "
+                         "greedy)")
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must not be negative (0: no top-k)")
     if not args.prompt:

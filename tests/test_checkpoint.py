@@ -207,6 +207,15 @@ def test_config_mismatch_names_the_fields(tmp_path):
     f64 = GPT(TINY, dtype="float64")
     with pytest.raises(CheckpointError, match="dtype: 'float32' in the checkpoint"):
         load_checkpoint(tmp_path / "ck", f64)
+    # dense vs Mixture of Experts, both ways: moe_experts alone (not a parameter-name list
+    # from a MoE checkpoint, not six moe_* lines from a dense one)
+    moe = GPT(GPTConfig(**{**TINY.to_dict(), "moe_experts": 2}))
+    with pytest.raises(CheckpointError, match=r"\): moe_experts: 0 in the checkpoint, 2 here \("):
+        load_checkpoint(tmp_path / "ck", moe)
+    save_checkpoint(tmp_path / "moe", moe, AdamW(moe.named_parameters()), step=1)
+    dense = GPT(TINY)
+    with pytest.raises(CheckpointError, match=r"\): moe_experts: 2 in the checkpoint, 0 here \("):
+        load_checkpoint(tmp_path / "moe", dense)
 
 
 def test_train_keeps_the_newest_k_folders(corpus, tmp_path):

@@ -36,6 +36,11 @@ BAD_FLAGS = [
     (["--steps", "-5"], "--steps -5: must be at least 1"),
     (["--lr", "-1"], "--lr -1.0: the learning rate must be positive"),
     (["--lr", "0"], "--lr 0.0: the learning rate must be positive"),
+    (["--lr", "inf"], "--lr inf: give a finite number"),         # was: diverged at step 2
+    (["--weight-decay", "nan"], "--weight-decay nan: give a finite number"),
+    (["--bucket-mb", "nan"], "--bucket-mb nan: give a finite number"),   # was: accepted
+    (["--moe-experts", "4", "--moe-capacity-factor", "nan"],
+     "--moe-capacity-factor nan: give a finite number"),           # was a traceback
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--log-every", "0"], "--log-every 0: must be at least 1"),
     (["--grad-accum", "0"], "--grad-accum 0: must be at least 1"),
@@ -49,6 +54,9 @@ BAD_FLAGS = [
     (["--tp", "0"], "--tp 0: must be at least 1"),
     (["--pp", "0"], "--pp 0: must be at least 1"),
     (["--dp", "0"], "--dp 0: must be at least 1"),
+    (["--ep", "0"], "--ep 0: must be at least 1"),               # was a ZeroDivisionError
+    (["--ep", "-1", "--moe-experts", "4"], "--ep -1: must be at least 1"),
+    (["--pp-virtual", "0"], "--pp-virtual 0: must be at least 1"),
     (["--micro-batches", "0"], "--micro-batches 0: must be at least 1"),
     (["--threads", "0"], "--threads 0: must be at least 1"),
     (["--stop-at", "0"], "--stop-at 0: must be at least 1"),
@@ -63,6 +71,15 @@ BAD_FLAGS = [
     (["--grad-clip", "-1"], "must not be negative"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0: the DDP bucket size must be positive"),
     (["--n-embd", "130"], "--n-embd 130 does not split into --n-head 4 heads"),
+    # the --moe-* flags by their names (they were GPTConfig's field names, after MPI started)
+    (["--moe-experts", "1"], "--moe-experts 1: 0 (a dense model) or at least 2 experts"),
+    (["--moe-experts", "4", "--moe-top-k", "0"], "--moe-top-k 0: experts per token, from 1 to "
+     "--moe-experts 4"),
+    (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5: experts per token"),
+    (["--moe-experts", "4", "--moe-every", "0"], "--moe-every 0: from 1 (every block is MoE) "
+     "to --n-layer 4"),
+    (["--moe-experts", "4", "--moe-aux-loss-coef", "-1"], "--moe-aux-loss-coef -1.0: must not "
+     "be negative"),
     (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into --grad-accum 4"),
     (["--data", "/nonexistent"], "--data /nonexistent: no such file or folder"),
     (["--resume", "/nonexistent"], "--resume /nonexistent: does not exist"),
@@ -99,6 +116,49 @@ def test_check_flags_names_the_flag(flags, says, tmp_path):
     with pytest.raises(UsageError, match=None) as e:
         check_flags(train_parser().parse_args(_fill(flags, tmp_path)))
     assert says in str(e.value)
+
+
+# (variable, its value, flags, the one error line): each was a traceback (per rank under
+# mpiexec) or, for MINIDIST_COMM_TIMEOUT=-5, silently no timeout
+BAD_ENV = [
+    ("MINIDIST_COMM_TIMEOUT", "abc", [], "MINIDIST_COMM_TIMEOUT='abc': give the seconds"),
+    ("MINIDIST_COMM_TIMEOUT", "-5", [], "MINIDIST_COMM_TIMEOUT='-5': give the seconds"),
+    ("MINIDIST_COMM_WAIT", "spin", [], "MINIDIST_COMM_WAIT='spin': give block"),
+    ("MINIDIST_TRACE", "yes", [], "MINIDIST_TRACE='yes': give 0 (off), 1"),
+    ("MINIDIST_RANKS_PER_NODE", "0", ["--comm", "hier"],
+     "MINIDIST_RANKS_PER_NODE='0': give a positive integer"),
+    ("MINIDIST_AMP_DTYPE", "fp16", ["--amp"], "MINIDIST_AMP_DTYPE='fp16': give float16 or"),
+    ("MPI4PY_RC_THREAD_LEVEL", "many", [], "MPI4PY_RC_THREAD_LEVEL='many': give one of"),
+]
+# read only where used: a flag that wins over the variable, or no --comm hier, no --amp
+UNUSED_ENV = [("MINIDIST_COMM_TIMEOUT", "abc", ["--comm-timeout", "30"]),
+              ("MINIDIST_RANKS_PER_NODE", "0", []),
+              ("MINIDIST_AMP_DTYPE", "fp16", ["--amp", "--amp-dtype", "float16"])]
+
+
+@pytest.mark.parametrize("var,value,flags,says", BAD_ENV,
+                         ids=[f"{v}={x}" for v, x, *_ in BAD_ENV])
+def test_check_flags_names_a_bad_environment_variable(var, value, flags, says, monkeypatch):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UsageError) as e:
+        check_flags(train_parser().parse_args(flags))
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("var,value,flags", UNUSED_ENV, ids=[f"{v} {f}" for v, _, f in UNUSED_ENV])
+def test_a_variable_that_is_not_read_is_not_checked(var, value, flags, monkeypatch):
+    monkeypatch.setenv(var, value)
+    check_flags(train_parser().parse_args(flags))
+
+
+@pytest.mark.mpi
+def test_a_bad_environment_variable_is_one_line_under_mpiexec():
+    """    MINIDIST_COMM_TIMEOUT=abc mpiexec -n 2 python examples/train_gpt.py"""
+    out = run_mpi(2, "examples/train_gpt.py", timeout=60, check=False,
+                  env=mpi_env(MINIDIST_COMM_TIMEOUT="abc"))
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr == ("error: MINIDIST_COMM_TIMEOUT='abc': give the seconds a collective "
+                          "may wait, a number >= 0 (0: never abort)\n")
 
 
 def test_output_folders_are_made_before_step_0(tmp_path):
@@ -152,6 +212,15 @@ def test_resume_a_file_or_an_empty_folder(tmp_path, device):
     assert str(tmp_path / "empty") in out.stderr and "Traceback" not in out.stderr
 
 
+def test_data_too_short_for_block_size_is_refused_before_step_0(corpus, tmp_path, device):
+    """The corpus's val split (its last 10%, ~900 tokens) is shorter than --block-size 2000:
+    one line before step 0 (it was found at the first evaluation, after training ran)."""
+    out = _run(device, "--data", corpus, "--cache-dir", str(tmp_path), "--block-size", "2000",
+               "--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--steps", "2")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1
+    assert "the val split has" in out.stderr and "fewer than --block-size 2000" in out.stderr
+
+
 def test_traceback_flag_shows_the_traceback(device):
     out = _run(device, "--steps", "0", "--traceback")
     assert out.returncode != 0 and "Traceback" in out.stderr and "UsageError" in out.stderr
@@ -197,7 +266,9 @@ def test_startup_errors_are_one_line_from_rank_0(flags, says, tmp_path):
 SAMPLE_BAD = [
     (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
     (["--resume", ".", "--tokens", "0"], "--tokens 0: must be at least 1"),
-    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must not be negative"),
+    (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
+    (["--resume", ".", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+    (["--resume", "{file}"], ": is a file, not a folder (give a --save directory"),
     (["--resume", ".", "--top-k", "-1"], "--top-k -1: must not be negative"),
     (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
     (["--resume", "examples"], "not a minidist checkpoint"),
@@ -213,8 +284,10 @@ def test_sample_errors_are_one_line(flags, says, tmp_path, device):
     if "{gpt2}" in flags:
         GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=50257)
             ).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "afile").write_text("x")
     out = subprocess.run([sys.executable, "examples/sample.py",
-                          *[f.format(gpt2=tmp_path / "gpt2") for f in flags],
+                          *[f.format(gpt2=tmp_path / "gpt2", file=tmp_path / "afile")
+                            for f in flags],
                           *device_flags(device)], cwd=ROOT, env=mpi_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr

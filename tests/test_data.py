@@ -98,3 +98,11 @@ def test_bad_data_is_a_clear_error(tmp_path):
     data = TokenData(str(small))
     with pytest.raises(DataError, match="fewer than block_size"):
         data.get_batch(0, "val", 0, 2, 64)
+    data.check_block_size(1)                      # 13 train tokens, 2 val tokens: both fit
+    with pytest.raises(DataError, match="the val split has 2 tokens, fewer than --block-size "
+                       "12 [+] 1; give a --block-size below 2 or more text"):
+        data.check_block_size(12)
+    (tmp_path / "void.txt").write_text("")
+    with pytest.raises(DataError, match=r"the train split is empty \(1 file\(s\): 0 train / "
+                       r"0 val tokens\); give more text"):
+        TokenData(str(tmp_path / "void.txt"))

@@ -146,8 +146,32 @@ def test_cli_json():
     bad = subprocess.run([sys.executable, "examples/plan_memory.py", "--params", "1e9",
                           "--moe-experts", "8", "--moe-top-k", "9"],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --moe-*: moe_top_k")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: model flags: moe_top_k")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# (planner, flags, the one error line); each was a traceback, or a plan of nothing
+PLANNER_BAD = [
+    ("plan_memory", ["--params", "7e9", "--gpus", "0"], "--gpus 0: must be a positive number"),
+    ("plan_memory", ["--params", "-5"], "--params -5.0: must be a positive number"),
+    ("plan_memory", ["--params", "7e9", "--gpu-mem", "-1"], "--gpu-mem -1.0: must be a positive"),
+    ("plan_memory", ["--params", "7e9", "--headroom", "1"], "--headroom 1.0: the fraction"),
+    ("plan", ["--params", "7e9", "--gpus", "8", "--efficiency", "0"], "--efficiency 0.0: must"),
+    ("plan", ["--params", "7e9", "--schedule", "interleaved", "--chunks", "0"], "--chunks 0:"),
+    ("plan", ["--params", "nan"], "--params nan: must be a positive number"),
+    ("plan", ["--params", "7e9", "--seq", "0"], "--seq 0: must be a positive number"),
+    ("plan", ["--params", "7e9", "--seq", "7"], "--seq 7: must be even"),
+]
+
+
+@pytest.mark.parametrize("script,flags,says", PLANNER_BAD,
+                         ids=[f"{s} {' '.join(f)}" for s, f, _ in PLANNER_BAD])
+def test_planner_bad_numbers_are_one_line(script, flags, says):
+    """    python examples/plan_memory.py --params 7e9 --gpus 0"""
+    out = subprocess.run([sys.executable, f"examples/{script}.py", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: " + says) and out.stderr.count("\n") == 1, out.stderr
 
 
 # ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------

@@ -39,7 +39,7 @@ mpi4py.rc.initialize = False   # before mpi4py.MPI is imported: init() below ini
 
 from mpi4py import MPI  # noqa: E402
 
-from minidist.comm import mpich, trace, watchdog  # noqa: E402
+from minidist.comm import hier, mpich, progress, trace, watchdog  # noqa: E402
 from minidist.comm.debug import CollectiveMismatch, install_abort_handler  # noqa: E402
 from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
 from minidist.comm.mesh import DeviceMesh  # noqa: E402
@@ -48,7 +48,8 @@ from minidist.comm.staging import cuda_aware_mpi  # noqa: E402
 from minidist.comm.stream import Work  # noqa: E402
 
 __all__ = ["ALGOS", "CollectiveMismatch", "DeviceMesh", "ProcessGroup", "Work", "chunk_bounds",
-           "cuda_aware_mpi", "init", "install_abort_handler", "ring_bytes", "trace"]
+           "cuda_aware_mpi", "env_problems", "init", "install_abort_handler", "ring_bytes",
+           "trace"]
 THREAD_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
                  "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
 _state = {"initialised": False}
@@ -65,10 +66,12 @@ def init(algo="ring", timeout=None, sync_comm=None):
     `sync_comm`: every collective in the calling thread, for a debugger (group.py; default
     MINIDIST_SYNC_COMM)."""
     if not _state["initialised"]:
+        problems = env_problems(algo, timeout)
+        if problems:                    # every rank alike, before MPI_Init
+            raise ValueError("; ".join(problems))
         mpich.apply_defaults()
         if not MPI.Is_initialized():
-            level = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "multiple").lower()
-            MPI.Init_thread(THREAD_LEVELS[level])
+            MPI.Init_thread(THREAD_LEVELS[_thread_level()])
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -88,3 +91,29 @@ def _finish():
         watchdog.stop()
     shutdown_all()
     MPI.Finalize()
+
+
+def _thread_level():
+    level = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "") or "multiple"
+    if level.lower() not in THREAD_LEVELS:
+        raise ValueError(f"MPI4PY_RC_THREAD_LEVEL={level!r}: give one of "
+                         f"{', '.join(THREAD_LEVELS)} (default: multiple)")
+    return level.lower()
+
+
+def env_problems(algo="ring", timeout=None):
+    """What is wrong with the environment variables init() and the collectives read, as
+    sentences naming each variable and what to write (empty: nothing). init() raises them
+    before MPI_Init; examples/train_gpt.py's flag checks make them its one `error:` line.
+    `timeout`: init's; MINIDIST_COMM_TIMEOUT is read only without it, MINIDIST_RANKS_PER_NODE
+    only under algo "hier"."""
+    checks = [trace.env_level, progress.env_policy, _thread_level]
+    checks += [watchdog.default_timeout] if timeout is None else []
+    checks += [hier.ranks_per_node] if algo == "hier" else []
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems

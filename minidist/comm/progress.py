@@ -39,6 +39,15 @@ def set_wait_policy(policy):
     _state["policy"] = policy
 
 
+def env_policy(environ=os.environ):
+    """MINIDIST_COMM_WAIT ("block" when unset); another value raises ValueError naming it."""
+    value = environ.get("MINIDIST_COMM_WAIT", "") or "block"
+    if value not in POLICIES:
+        raise ValueError(f"MINIDIST_COMM_WAIT={value!r}: give block (MPI's own wait, the "
+                         "default) or poll (test and nap, for cores shared with other work)")
+    return value
+
+
 def wait_policy():
     if _state["policy"] not in POLICIES:
         set_wait_policy(_state["policy"])   # raises: a bad MINIDIST_COMM_WAIT

@@ -41,8 +41,18 @@ _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
           "exited": {}, "answers": {}}
 
 
-def default_timeout():
-    return float(os.environ.get("MINIDIST_COMM_TIMEOUT", "600"))
+def default_timeout(environ=os.environ):
+    """MINIDIST_COMM_TIMEOUT in seconds (600 when unset; 0: never abort). A value that is
+    not a finite number >= 0 raises ValueError naming it."""
+    value = environ.get("MINIDIST_COMM_TIMEOUT", "") or "600"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"MINIDIST_COMM_TIMEOUT={value!r}: give the seconds a collective may "
+                         "wait, a number >= 0 (0: never abort)")
+    return seconds
 
 
 def abort_job(message, code=1):

@@ -59,9 +59,11 @@ def pp_problems(args, micro_batches):
 def schedule_problems(args, pp, m, v):
     """--schedule and --pp-virtual against the sizes (interleaving, ZB-H1's split backward)."""
     schedule, problems = args.schedule, []
-    if v < 1 or (v > 1 and schedule != "1f1b"):
-        problems.append(f"--pp-virtual {v} needs --schedule 1f1b (it interleaves 1F1B) and "
-                        f"v >= 1")
+    if v < 1:
+        problems.append(f"--pp-virtual {v}: must be at least 1")
+    elif v > 1 and schedule != "1f1b":
+        problems.append(f"--pp-virtual {v} needs --schedule 1f1b (it interleaves 1F1B), not "
+                        f"--schedule {schedule}")
     elif v > 1 and m % pp:
         problems.append(f"--pp-virtual {v}: --micro-batches {m} must be a multiple of --pp "
                         f"{pp} (the interleaved order runs micro-batches in groups of pp)")

@@ -194,16 +194,21 @@ HOW_COMPUTED = ("attention", "attention_block")
 
 
 def check_fits(folder, meta, config, dtype, optimizer_type=None):
-    """Raise naming every config field (and the dtype, the optimizer) that differs."""
-    ours = {**config.to_dict(), "dtype": str(dtype)}
-    theirs = {**meta["config"], "dtype": meta.get("dtype")}
-    diffs = [f"{k}: {theirs.get(k)!r} in the checkpoint, {v!r} here"
-             for k, v in ours.items() if theirs.get(k) != v and k not in HOW_COMPUTED]
+    """Raise naming every config field (and the dtype, the optimizer) that differs. A dense
+    model's config has no moe_* fields (GPTConfig.to_dict): it counts as moe_experts 0, and
+    the other moe_* fields are compared only between two Mixtures of Experts."""
+    ours = {"moe_experts": 0, **config.to_dict(), "dtype": str(dtype)}
+    theirs = {"moe_experts": 0, **meta["config"], "dtype": meta.get("dtype")}
+    moe = ours["moe_experts"] and theirs["moe_experts"]
+    diffs = [f"{k}: {theirs.get(k)!r} in the checkpoint, {ours.get(k)!r} here"
+             for k in {**ours, **theirs} if theirs.get(k) != ours.get(k)
+             and k not in HOW_COMPUTED and (moe or k == "moe_experts" or k[:4] != "moe_")]
     if optimizer_type is not None and meta["optimizer"] != optimizer_type:
         diffs.append(f"optimizer: {meta['optimizer']} in the checkpoint, {optimizer_type} "
                      "here (--amp must match)")
     if diffs:
-        raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs))
+        raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs)
+                              + " (resume with the model flags, --dtype and --amp it was saved with)")
 
 
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------

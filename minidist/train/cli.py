@@ -10,8 +10,8 @@ prints `error: <message>` on the launcher's rank 0 only (every rank finds the sa
 flags, data and checkpoints are checked identically everywhere) and exits with status 2, no
 traceback. `--traceback` or MINIDIST_DEBUG=1 shows the traceback instead.
 Flags are checked by `check_flags` before any work (no MPI communication, no data read):
-their ranges and combinations, the device and --comm this machine can give, and every output
-path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
+their ranges and combinations, the MINIDIST_* variables the communication layer reads
+(`check_env`), the device and --comm this machine can give, and every output path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
 made), so nothing is lost to a late error after training ran. argparse's own errors (an
 unknown flag, `--zero 4`) take the same path (minidist/train/args.py Parser).
 Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
@@ -20,6 +20,7 @@ no traceback per rank.
 Tests: tests/test_cli.py.
 """
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -42,6 +43,8 @@ _AT_LEAST = (
     ("--tp", "tp", 1, "tensor-parallel ranks"),
     ("--pp", "pp", 1, "pipeline stages"),
     ("--cp", "cp", 1, "context-parallel ranks"),
+    ("--ep", "ep", 1, "expert-parallel ranks"),
+    ("--pp-virtual", "pp_virtual", 1, "chunks of layers per pipeline rank"),
     ("--micro-batches", "micro_batches", 1, "pipeline micro-batches"),
     ("--threads", "threads", 1, "BLAS threads"),
     ("--stop-at", "stop_at", 1, "the step to stop at"),
@@ -63,6 +66,9 @@ def check_flags(args):
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low} ({what})")
+    for name, value in sorted(vars(args).items()):     # --lr nan, --bucket-mb inf, ...
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: give a finite number")
     if not args.lr > 0:
         raise UsageError(f"--lr {args.lr}: the learning rate must be positive (e.g. 4e-3)")
     if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
@@ -88,23 +94,59 @@ def check_flags(args):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
+    check_moe(args)
     check_amp_dtype(args)
+    check_env(args)
     check_device(args)
     check_outputs(args)
 
 
-def check_amp_dtype(args):
-    """--amp-dtype means nothing without --amp; bfloat16 needs ml_dtypes (numpy and CuPy
-    both take their bfloat16 from it)."""
-    dtype = getattr(args, "amp_dtype", None)
-    if dtype is None:
+def check_moe(args):
+    """The --moe-* flags, in their own names and before any work (GPTConfig checks the same
+    fields later, after MPI started and the data was read, naming the fields)."""
+    experts = args.moe_experts
+    if experts < 0 or experts == 1:
+        raise UsageError(f"--moe-experts {experts}: 0 (a dense model) or at least 2 experts")
+    if not experts:
         return
-    if not args.amp:
+    if not 1 <= args.moe_top_k <= experts:
+        raise UsageError(f"--moe-top-k {args.moe_top_k}: experts per token, from 1 to "
+                         f"--moe-experts {experts}")
+    if not 1 <= args.moe_every <= args.n_layer:
+        raise UsageError(f"--moe-every {args.moe_every}: from 1 (every block is MoE) to "
+                         f"--n-layer {args.n_layer}")
+    for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 0:
+            raise UsageError(f"{flag} {value}: must not be negative")
+
+
+def check_amp_dtype(args):
+    """--amp-dtype means nothing without --amp; MINIDIST_AMP_DTYPE, read under --amp without
+    it, names one of the two types; bfloat16 needs ml_dtypes (numpy and CuPy both take their
+    bfloat16 from it)."""
+    dtype, given = getattr(args, "amp_dtype", None), "--amp-dtype "
+    if dtype is not None and not args.amp:
         raise UsageError(f"--amp-dtype {dtype}: only used with --amp (add --amp, or leave "
                          "--amp-dtype out)")
+    if dtype is None and args.amp and os.environ.get("MINIDIST_AMP_DTYPE"):
+        dtype, given = os.environ["MINIDIST_AMP_DTYPE"], "MINIDIST_AMP_DTYPE="
+        if dtype not in ("float16", "bfloat16"):
+            raise UsageError(f"MINIDIST_AMP_DTYPE={dtype!r}: give float16 or bfloat16 (or "
+                             "unset it; --amp-dtype wins over it)")
     if dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
-        raise UsageError("--amp-dtype bfloat16 needs the ml_dtypes package (pip install "
-                         "ml_dtypes), or use --amp-dtype float16")
+        raise UsageError(f"{given}bfloat16 needs the ml_dtypes package (pip install "
+                         "ml_dtypes), or use float16")
+
+
+def check_env(args):
+    """The environment variables the communication layer reads (MINIDIST_COMM_TIMEOUT,
+    MINIDIST_COMM_WAIT, MINIDIST_TRACE, MINIDIST_RANKS_PER_NODE under --comm hier, ...):
+    a bad value is this run's one `error:` line, not a traceback per rank from comm.init."""
+    from minidist import comm       # imports no MPI state (comm.init starts MPI)
+    problems = comm.env_problems(args.comm, args.comm_timeout)
+    if problems:
+        raise UsageError("; ".join(problems))
 
 
 def check_device(args):

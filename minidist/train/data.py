@@ -168,10 +168,20 @@ class TokenData:
         self.splits = {}
         for split in _SPLITS:
             if self.meta[f"{split}_tokens"] == 0:
-                raise DataError(f"{self.source}: the {split} split is empty "
-                                f"({len(files)} files, {self.meta['train_tokens']} tokens)")
+                raise DataError(f"{self.source}: the {split} split is empty ({len(files)} "
+                                f"file(s): {self.meta['train_tokens']:,} train / "
+                                f"{self.meta['val_tokens']:,} val tokens); give more text")
             self.splits[split] = np.memmap(os.path.join(self.cache, f"{split}.bin"),
                                            dtype=np.uint8, mode="r")
+
+    def check_block_size(self, block_size):
+        """Both splits hold a window of block_size + 1 tokens: a short val split is found
+        before step 0, not at the first evaluation after training ran."""
+        for split, tokens in self.splits.items():
+            if len(tokens) < block_size + 1:
+                raise DataError(f"{self.source}: the {split} split has {len(tokens):,} "
+                                f"tokens, fewer than --block-size {block_size} + 1; give a "
+                                f"--block-size below {len(tokens)} or more text")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,

@@ -82,8 +82,9 @@ def whole_model(path):
 def _existing(path):
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"--resume {path}: no such directory (give a --save directory, "
-                              "one checkpoint folder in it, or a GPT-2 folder)")
+        what = "is a file, not a folder" if os.path.exists(path) else "no such directory"
+        raise CheckpointError(f"--resume {path}: {what} (give a --save directory, one "
+                              "checkpoint folder in it, or a GPT-2 folder)")
     return path
 
 

@@ -120,6 +120,7 @@ def train(args, world=None):
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
     data = TokenData(args.data, args.cache_dir)
+    data.check_block_size(args.block_size)       # both splits, before step 0
     model = strategy.build_model(_config(args, data), args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)

@@ -318,6 +318,28 @@ def add_model_args(p):
     return add_moe_args(p)
 
 
+# the planners' numeric flags that may be 0 (the others must be positive)
+MAY_BE_ZERO = ("moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
+               "headroom", "intra_lat", "inter_lat", "sync_us")
+
+
+def number_problem(args):
+    """The first numeric flag of a planner's `args` that is not a finite number > 0 (>= 0
+    for MAY_BE_ZERO; --headroom below 1), as a sentence naming it; None when all are.
+    (A GPU count of 0 or an efficiency of 0 was a ZeroDivisionError, a negative --params a
+    complex number, a negative --gpu-mem a plan in which nothing fits.)"""
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        zero = name in MAY_BE_ZERO
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            return (f"--{name.replace('_', '-')} {value}: must be "
+                    + ("a number >= 0" if zero else "a positive number"))
+    if getattr(args, "headroom", 0) >= 1:
+        return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
+    return None
+
+
 def config_from_args(args):
     """The GPTConfig of add_model_args' flags; GPTConfig's ValueError on bad moe_* values."""
     base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
