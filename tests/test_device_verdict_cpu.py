@@ -92,9 +92,13 @@ def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
     and the state (numpy)."""
     scaler.check_used()
     state = scaler.to_device(np, step)
-    inv = scaler.inverse()                  # MixedPrecision.unscaled_sum_sq's multi path
-    sum_sq = (run_sum_sq(grads, inv, src, order) if isinstance(inv, float)
-              else run_sum_sq(grads, 1.0, src, order) * (inv * inv)).reshape(1)
+    inv = scaler.inverse()                  # MixedPrecision.unscaled_sum_sq's multi path:
+    # on cupy a dynamic scale on the device makes inv a 0-d array, which is no float; on
+    # numpy it is a np.float64, which is, so the branch is taken as cupy takes it
+    if scaler.growth_interval is None:
+        sum_sq = run_sum_sq(grads, inv, src, order).reshape(1)
+    else:
+        sum_sq = (run_sum_sq(grads, 1.0, src, order) * (inv * inv)).reshape(1)
     verdict = np.full(mt.VERDICT_SIZE, np.nan, np.float32)
     cuda_cpu.run(mt.amp_verdict_launch(sum_sq, state, verdict, grads[0].dtype, max_norm,
                                        scaler, group["lr"], *group["betas"], group["eps"]),
