@@ -73,6 +73,8 @@ def captured(one_step, warmup):
     replay(): one step, the graph launched on that stream; it returns the loss Tensor whose
     buffer every replay rewrites."""
     import cupy
+    backend.synchronize()      # the model, masters and ids were made on the default stream,
+    #                            which a non-blocking stream does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(warmup):

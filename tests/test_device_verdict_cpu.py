@@ -92,9 +92,13 @@ def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
     and the state (numpy)."""
     scaler.check_used()
     state = scaler.to_device(np, step)
-    inv = scaler.inverse()                  # MixedPrecision.unscaled_sum_sq's multi path
-    sum_sq = (run_sum_sq(grads, inv, src, order) if isinstance(inv, float)
-              else run_sum_sq(grads, 1.0, src, order) * (inv * inv)).reshape(1)
+    inv = scaler.inverse()                  # MixedPrecision.unscaled_sum_sq's multi path:
+    # on cupy a dynamic scale on the device makes inv a 0-d array, which is no float; on
+    # numpy it is a np.float64, which is, so the branch is taken as cupy takes it
+    if scaler.growth_interval is None:
+        sum_sq = run_sum_sq(grads, inv, src, order).reshape(1)
+    else:
+        sum_sq = (run_sum_sq(grads, 1.0, src, order) * (inv * inv)).reshape(1)
     verdict = np.full(mt.VERDICT_SIZE, np.nan, np.float32)
     cuda_cpu.run(mt.amp_verdict_launch(sum_sq, state, verdict, grads[0].dtype, max_norm,
                                        scaler, group["lr"], *group["betas"], group["eps"]),
@@ -171,6 +175,34 @@ def test_settle_stops_a_run_after_too_many_skips_in_a_row():
         device_step(amp, model, opt, 1.0)              # the device cannot raise: no error yet
     with pytest.raises(FloatingPointError, match="2 steps in a row"):
         amp.settle()
+
+
+def test_too_many_skips_stop_the_device_run_where_the_host_run_stops():
+    """The host verdict raises at the max_skips-th skipped step in a row, and the run stops
+    there. The device cannot raise: amp_verdict freezes its state from that step on (later
+    steps skipped, nothing updated), so a stretch whose gradients recover before the loop
+    settles still stops, with the host's counts, scale and parameters."""
+    ref, got = setup("float16"), setup("float16")
+    for amp, _, _ in (ref, got):
+        amp.scaler.max_skips = 2
+    for step, inf in enumerate((False, True, True, False, False)):
+        set_step_grads(got[1], got[0], step, 1.0, inf)
+        device_step(*got, 5.0)
+        if step > 2:
+            continue                                  # the host run has stopped
+        set_step_grads(ref[1], ref[0], step, 1.0, inf)
+        if step < 2:
+            host_step(*ref, 5.0)
+            continue
+        with pytest.raises(FloatingPointError, match="2 steps in a row"):
+            host_step(*ref, 5.0)
+    with pytest.raises(FloatingPointError, match="2 steps in a row") as stopped:
+        got[0].settle()
+    sr, sg = ref[0].scaler, got[0].scaler
+    assert (sg.scale, sg.good_steps, sg.skipped, sg.skips_in_a_row) == (
+        sr.scale, sr.good_steps, sr.skipped, sr.skips_in_a_row) == (256.0, 0, 2, 2)
+    assert f"loss scale now {sr.scale:g}" in str(stopped.value)
+    assert_amp_same(ref[1], ref[2], got[1], got[2], "float16", "after the stop")
 
 
 def test_unscaled_sums_read_the_scale_on_the_device_while_it_lives_there():

@@ -134,15 +134,22 @@ extern "C" __global__ void multi_amp_adamw_dev(const unsigned long long* w_tab,
 // verdict's, MixedPrecision.unscaled_sum_sq, every rank's added). state (double, in place): loss scale,
 // good steps, skipped, skips in a row, AdamW's step count, the step's unscaled norm.
 // verdict (float): skip, then multi_amp_adamw's factor .. step_size for the new step count.
-// interval <= 0: a fixed scale.
+// interval <= 0: a fixed scale. max_skips: after that many skips in a row the host verdict
+// raises and the run stops; here the state freezes instead (every later step skipped,
+// nothing counted) until settle() reads it back and raises as the host would have.
 extern "C" __global__ void amp_verdict(const double* sum_sq, double* state, float* verdict,
                                        double max_norm, double growth, double backoff,
-                                       double interval, double lr, double b1, double b2,
-                                       double eps) {
+                                       double interval, double max_skips, double lr,
+                                       double b1, double b2, double eps) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     double scale = state[0];
     double s2 = sum_sq[0];
     double norm = sqrt(s2);                    // nan for a nan (or negative) sum, as on the host
+    if (state[3] >= max_skips) {               // stopped (LossScaler.check_skips)
+        state[5] = norm;
+        verdict[0] = 1.0f;
+        return;
+    }
     bool found_inf = !(norm - norm == 0.0);    // inf - inf and nan - nan are nan: not finite
     double clip = (max_norm > 0.0 && max_norm < norm) ? max_norm / (norm + 1e-6) : 1.0;
     double factor = (found_inf ? 1.0 : clip) / scale;

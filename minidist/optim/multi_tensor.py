@@ -205,10 +205,11 @@ def amp_verdict_launch(sum_sq, state, verdict, half, max_norm, scaler, lr, beta1
     element) of the unscaled gradients over every rank, `state` (float64, STATE_FIELDS, in
     place: the scaler's and AdamW's step count), `verdict` (float32, VERDICT_SIZE) out.
     `half`: the 16-bit dtype (the kernel is in that dtype's module); `scaler` a LossScaler
-    (its growth policy; its scale lives in `state` meanwhile)."""
+    (its growth policy and max_skips, after which the state freezes: settle() raises; its
+    scale lives in `state` meanwhile)."""
     interval = scaler.growth_interval or 0
     args = (sum_sq, state, verdict, max_norm or 0.0, scaler.growth_factor,
-            scaler.backoff_factor, interval, lr, beta1, beta2, eps)
+            scaler.backoff_factor, interval, scaler.max_skips, lr, beta1, beta2, eps)
     return Launch("amp_verdict", half, (1,), (1,), tuple(args[:3]) + tuple(
         np.float64(x) for x in args[3:]))
 

@@ -166,6 +166,7 @@ def train(args, world=None):
         if strategy.any_rank(signals.is_set() or bad is not None):  # every rank stops together
             if rows is None:                  # a signal between reads: check before saving
                 bad = first_not_finite(values.read(), strategy.amp is not None)
+                _settle(strategy, step)       # (not inside the save: rank 0's state_dict)
             if strategy.any_rank(bad is not None):
                 raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
             _stop(args, strategy, log, model, opt, step, signals)
