@@ -34,7 +34,7 @@ import numpy as np
 from minidist import backend
 from minidist.kernel_count import KernelCounter
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW, FlatAdamW, clip_grad_norm
+from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
 
@@ -65,21 +65,30 @@ def graph_refusal(args, device):
     return None
 
 
-def captured(one_step, warmup):
+SETTLE_STEPS = 8       # at most this many eager steps more, for the addresses to settle
+
+
+def captured(one_step, warmup, total):
     """one_step as a CUDA graph: `warmup` (>= 1) eager runs on a stream of its own (kernels
-    compiled, the memory pool's blocks for that stream settled, so the capture's gradients
-    land where the warm-up's did and no address table is uploaded while capturing; the last
-    run is checked to read nothing back), then one capture, which runs nothing. Returns
-    replay(): one step, the graph launched on that stream; it returns the loss Tensor whose
-    buffer every replay rewrites."""
+    compiled, the memory pool's blocks for that stream settled), then more (up to
+    SETTLE_STEPS, never past `total` steps) until a step makes no new multi-tensor address
+    table: the gradients are new arrays every step, and a table cannot be uploaded while
+    capturing (multi_tensor._refuse_while_capturing), so the capture's gradients must land
+    where an eager step's did. The last eager step is checked to read nothing back. Then
+    one capture, which runs nothing. Returns (replay, eager steps run): replay() is one
+    step, the graph launched on that stream; it returns the loss Tensor whose buffer
+    every replay rewrites."""
     import cupy
     backend.synchronize()      # the model, masters and ids were made on the default stream,
     #                            which a non-blocking stream does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
+    done, new_tables = 0, True
     with stream:
-        for i in range(warmup):
-            reads = sum(backend.host_reads().values())
+        while done < warmup or (done < min(warmup + SETTLE_STEPS, total - 1) and new_tables):
+            reads, tables = sum(backend.host_reads().values()), multi_tensor.tables_made()
             one_step()
+            done += 1
+            new_tables = multi_tensor.tables_made() != tables
         if sum(backend.host_reads().values()) != reads:
             raise RuntimeError(f"--cuda-graph: the step read the device (backend.host_read: "
                                f"{backend.host_reads()}); it cannot be captured")
@@ -95,7 +104,7 @@ def captured(one_step, warmup):
     def replay():
         graph.launch(stream)
         return loss
-    return replay
+    return replay, done
 
 
 def kernels_per_step(one_step):
@@ -178,7 +187,7 @@ def main():
     step, first = one_step, 0
     if args.cuda_graph:        # ids on the device once: no upload inside the captured step
         x, y = backend.to_device(x), backend.to_device(y)
-        step, first = captured(one_step, max(args.warmup, 1)), max(args.warmup, 1)
+        step, first = captured(one_step, max(args.warmup, 1), args.warmup + args.steps)
     for i in range(first, args.warmup + args.steps):
         t = time.perf_counter()
         loss = step()

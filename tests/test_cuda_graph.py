@@ -59,11 +59,18 @@ def test_cuda_graph_on_the_cpu_is_one_error_line():
                                   "a GPU feature)")
 
 
-def test_numpy_tables_pass_the_capture_guard():
-    """The guard asks CuPy only for cupy tables: numpy ones are made as before."""
+def test_numpy_tables_pass_the_capture_guard_and_are_counted_when_made():
+    """The guard asks CuPy only for cupy tables: numpy ones are made as before. tables_made
+    counts the tables made, not those found in the cache (captured() warms up until a step
+    makes none)."""
     a = [np.ones(3, np.float32), np.ones(5, np.float32)]
     assert mt.address_table(np, a).dtype == np.uint64
-    assert len(mt.chunk_tables(np, (3, 5), 2)[2]) == 5          # blocks: 2 + 3
+    made = mt.tables_made()
+    sizes = (3, 5, 7919)             # a key no other test makes (tables are cached by key)
+    assert len(mt.chunk_tables(np, sizes, 2)[2]) == 2 + 3 + 3960
+    assert mt.tables_made() == made + 1
+    mt.address_table(np, a), mt.chunk_tables(np, sizes, 2)       # cached: none made
+    assert mt.tables_made() == made + 1
 
 
 # ---- on a GPU ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ _TABLES = {}           # (kind, key) -> device table; cleared when it grows past
 STATE_FIELDS = ("scale", "good_steps", "skipped", "skips_in_a_row", "step", "norm")
 VERDICT_SIZE = 9       # amp_verdict's output: skip, factor, then adamw_scalars without decay
 _MAX_TABLES = 256
+_MADE = [0]            # tables made so far (tables_made)
 
 
 def use_multi(*groups):
@@ -91,9 +92,16 @@ def address(a):
     return a.data.ptr if is_cupy(a) else a.ctypes.data
 
 
+def tables_made():
+    """How many tables this process has made (a step that makes none found its tensors where
+    an earlier step had them: examples/bench_step.py waits for that before capturing)."""
+    return _MADE[0]
+
+
 def _cached(key, make):
     if key not in _TABLES:
         _refuse_while_capturing(key)
+        _MADE[0] += 1
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
         _TABLES[key] = make()
