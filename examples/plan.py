@@ -24,8 +24,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
-from minidist.train.planner import (GiB, Layout, add_model_args, config_from_args,  # noqa: E402
-                                    number_problem)
+from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
+                                      number_problem)
+from minidist.train.planner import GiB, Layout                       # noqa: E402
 from minidist.train.search import evaluate, search                    # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")

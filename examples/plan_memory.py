@@ -19,8 +19,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
-from minidist.train.planner import (GiB, Layout, add_model_args, bill,  # noqa: E402
-                                    config_from_args, number_problem, plan)
+from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
+                                      number_problem)
+from minidist.train.planner import GiB, Layout, bill, plan           # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [

@@ -49,10 +49,9 @@ Megatron's kernels (every fused op's output, layer norm's normalised input in fl
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 """
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
-from minidist.train.args import add_moe_args
 from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
@@ -303,47 +302,3 @@ def config_for_params(n_params, seq=2048, vocab_size=50257):
     L = max(1, round((n_params - vocab_size * h) / (12 * h * h)))
     return GPTConfig(n_layer=L, n_head=h // 128, n_embd=h, block_size=seq,
                      vocab_size=vocab_size)
-
-
-def add_model_args(p):
-    """The model flags of both planners (examples/plan.py, plan_memory.py): --params (a shape
-    assumed by config_for_params) or the shape, --vocab-size, --seq, and the Mixture of
-    Experts: train_gpt.py's own flags (minidist/train/args.py add_moe_args)."""
-    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    return add_moe_args(p)
-
-
-# the planners' numeric flags that may be 0 (the others must be positive)
-MAY_BE_ZERO = ("moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
-               "headroom", "intra_lat", "inter_lat", "sync_us")
-
-
-def number_problem(args):
-    """The first numeric flag of a planner's `args` that is not a finite number > 0 (>= 0
-    for MAY_BE_ZERO; --headroom below 1), as a sentence naming it; None when all are.
-    (A GPU count of 0 or an efficiency of 0 was a ZeroDivisionError, a negative --params a
-    complex number, a negative --gpu-mem a plan in which nothing fits.)"""
-    for name, value in sorted(vars(args).items()):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        zero = name in MAY_BE_ZERO
-        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            return (f"--{name.replace('_', '-')} {value}: must be "
-                    + ("a number >= 0" if zero else "a positive number"))
-    if getattr(args, "headroom", 0) >= 1:
-        return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
-    return None
-
-
-def config_from_args(args):
-    """The GPTConfig of add_model_args' flags; GPTConfig's ValueError on bad moe_* values."""
-    base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
-            GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                      block_size=args.seq, vocab_size=args.vocab_size))
-    return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
