@@ -63,6 +63,7 @@ BAD_FLAGS = [
     (["--warmup", "-1"], "--warmup -1: must be at least 0"),
     (["--keep", "0"], "--keep 0: must be at least 1"),
     (["--amp-dtype", "bfloat16"], "--amp-dtype bfloat16: only used with --amp (add --amp"),
+    (["--sequence-parallel"], "--sequence-parallel: splits what tensor parallelism repeats"),
     (["--attention-block", "0"], "--attention-block 0: must be at least 1"),
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),

@@ -94,6 +94,10 @@ def check_flags(args):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
                          "the --save directory of an earlier run")
+    if args.sequence_parallel and args.tp == 1:
+        raise UsageError("--sequence-parallel: splits what tensor parallelism repeats over the "
+                         "--tp ranks; with --tp 1 it does nothing (add --tp 2 or more, or "
+                         "leave it out)")
     check_moe(args)
     check_amp_dtype(args)
     check_env(args)
