@@ -100,8 +100,8 @@ BROKEN = {   # name -> (check, old, new, occurrence) in the fusions' text
                                                 "sum += ld(x, off + c)", 0),
     "ln_residual_bwd_x forgets the residual's gradient": (check_ln_residual,
                                                           "ld(gs, off + c) + rd", "rd", 0),
-    "ce_pad_fwd reads the padding": (check_ce_pad, "c < V; c += blockDim.x) sum",
-                                     "c < Vp; c += blockDim.x) sum", 0),
+    "ce_pad_fwd reads the padding": (check_ce_pad, "lse, loss, V, ignore);",
+                                     "lse, loss, Vp, ignore);", 0),
     "ce_pad_bwd writes softmax into the padding": (check_ce_pad, "c < V ? k", "c < Vp ? k", 0),
 }
 

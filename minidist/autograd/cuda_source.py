@@ -86,6 +86,26 @@ __device__ A block_reduce(A v, bool is_max) {
     __syncthreads();
     return sh[0];
 }
+
+// cross-entropy of this block's row zr, whose first V columns are the vocabulary (ce_fwd:
+// all of them; ce_pad_fwd: a row of Vp >= V): lse = max + log sum exp(z - max), loss =
+// lse - z_t; an ignored row 0, an out-of-range target nan (visible in the loss, no host check)
+__device__ void ce_row(const T* zr, const long long* t, A* lse, A* loss, long long V,
+                       long long ignore) {
+    A m = ld(zr, 0);
+    for (long long c = threadIdx.x; c < V; c += blockDim.x) m = ld(zr, c) > m ? ld(zr, c) : m;
+    m = block_reduce(m, true);
+    A s = 0;
+    for (long long c = threadIdx.x; c < V; c += blockDim.x) s += ex(ld(zr, c) - m);
+    s = block_reduce(s, false);
+    if (threadIdx.x == 0) {
+        long long tt = t[blockIdx.x];
+        A l = lg(s) + m, zero = 0;
+        lse[blockIdx.x] = l;
+        loss[blockIdx.x] = tt == ignore ? zero : (tt < 0 || tt >= V) ? zero / zero
+                                                                       : l - ld(zr, tt);
+    }
+}
 """
 
 _K2, _GA = 2 * math.sqrt(2.0 / math.pi), 0.044715
@@ -155,24 +175,10 @@ extern "C" __global__ void ln_bwd_wb(const T* g, const T* x, const A* mean, cons
     db_part[blockIdx.y * C + c] = sb;
 }
 
-// cross-entropy, one block per row: lse = max + log sum exp(z - max), loss = lse - z_t;
-// ignored rows 0; an out-of-range target gives nan (visible in the loss, no host check)
+// cross-entropy, one block per row (ce_row, in the header): lse and loss per row
 extern "C" __global__ void ce_fwd(const T* z, const long long* t, A* lse, A* loss,
                                   long long V, long long ignore) {
-    const T* zr = z + blockIdx.x * V;
-    A m = ld(zr, 0);
-    for (long long c = threadIdx.x; c < V; c += blockDim.x) m = ld(zr, c) > m ? ld(zr, c) : m;
-    m = block_reduce(m, true);
-    A s = 0;
-    for (long long c = threadIdx.x; c < V; c += blockDim.x) s += ex(ld(zr, c) - m);
-    s = block_reduce(s, false);
-    if (threadIdx.x == 0) {
-        long long tt = t[blockIdx.x];
-        A l = lg(s) + m, zero = 0;
-        lse[blockIdx.x] = l;
-        loss[blockIdx.x] = tt == ignore ? zero : (tt < 0 || tt >= V) ? zero / zero
-                                                                       : l - ld(zr, tt);
-    }
+    ce_row(z + blockIdx.x * V, t, lse, loss, V, ignore);
 }
 
 // dz = (softmax(z) - onehot(t)) * scale, scale = dL/dloss / n read from device memory

@@ -80,23 +80,10 @@ extern "C" __global__ void ln_residual_bwd_x(const T* gy, const T* gs, const T* 
     }
 }
 
-// ce_fwd over rows of Vp columns, the first V of them real
+// ce_fwd over rows of Vp columns, the first V of them real (ce_row, in the header)
 extern "C" __global__ void ce_pad_fwd(const T* z, const long long* t, A* lse, A* loss,
                                       long long V, long long Vp, long long ignore) {
-    const T* zr = z + blockIdx.x * Vp;
-    A m = ld(zr, 0);
-    for (long long c = threadIdx.x; c < V; c += blockDim.x) m = ld(zr, c) > m ? ld(zr, c) : m;
-    m = block_reduce(m, true);
-    A sum = 0;
-    for (long long c = threadIdx.x; c < V; c += blockDim.x) sum += ex(ld(zr, c) - m);
-    sum = block_reduce(sum, false);
-    if (threadIdx.x == 0) {
-        long long tt = t[blockIdx.x];
-        A l = lg(sum) + m, zero = 0;
-        lse[blockIdx.x] = l;
-        loss[blockIdx.x] = tt == ignore ? zero : (tt < 0 || tt >= V) ? zero / zero
-                                                                       : l - ld(zr, tt);
-    }
+    ce_row(z + blockIdx.x * Vp, t, lse, loss, V, ignore);
 }
 
 // dz = (softmax(z) - onehot(t)) * scale over the V real columns, 0 over the padding
