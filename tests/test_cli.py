@@ -64,6 +64,8 @@ BAD_FLAGS = [
     (["--keep", "0"], "--keep 0: must be at least 1"),
     (["--amp-dtype", "bfloat16"], "--amp-dtype bfloat16: only used with --amp (add --amp"),
     (["--sequence-parallel"], "--sequence-parallel: splits what tensor parallelism repeats"),
+    (["--moe-top-k", "2"], "--moe-top-k 2: only used with --moe-experts (add --moe-experts"),
+    (["--moe-z-loss-coef", "0.01"], "--moe-z-loss-coef 0.01: only used with --moe-experts"),
     (["--attention-block", "0"], "--attention-block 0: must be at least 1"),
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),

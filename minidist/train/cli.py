@@ -105,6 +105,10 @@ def check_flags(args):
     check_outputs(args)
 
 
+MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
+             "moe_z_loss_coef")
+
+
 def check_moe(args):
     """The --moe-* flags, in their own names and before any work (GPTConfig checks the same
     fields later, after MPI started and the data was read, naming the fields)."""
@@ -112,6 +116,13 @@ def check_moe(args):
     if experts < 0 or experts == 1:
         raise UsageError(f"--moe-experts {experts}: 0 (a dense model) or at least 2 experts")
     if not experts:
+        from minidist.train.args import train_parser     # (args.py imports this module)
+        defaults = train_parser()
+        for name in MOE_FLAGS:                  # a flag that would do nothing: refused
+            if getattr(args, name) != defaults.get_default(name):
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} {getattr(args, name)}: only used with --moe-experts "
+                                 f"(add --moe-experts E, 2 or more, or leave {flag} out)")
         return
     if not 1 <= args.moe_top_k <= experts:
         raise UsageError(f"--moe-top-k {args.moe_top_k}: experts per token, from 1 to "
