@@ -88,7 +88,7 @@ def host_step(amp, model, opt, max_norm, src=None, order="low"):
 
 
 def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
-    """LossScaler.decide_on_device, launch for launch, on the harness: the verdict array
+    """MixedPrecision.verdict_on_device, launch for launch, on the harness: the verdict array
     and the state (numpy)."""
     scaler.check_used()
     state = scaler.to_device(np, step)
@@ -107,7 +107,7 @@ def run_verdict(scaler, grads, max_norm, step, group, src=None, order="low"):
 
 
 def device_step(amp, model, opt, max_norm, src=None, order="low"):
-    """MasterWeightOptimizer._verdict_on_device then _step_on_device, launch for launch."""
+    """MasterWeightOptimizer.clip_grad_norm then step on the device path, launch for launch."""
     grads = [p.grad for p in model.parameters()]
     step = {opt.inner.state.get(n, {"step": 0})["step"] for n in opt.names}.pop()
     verdict, state = run_verdict(amp.scaler, grads, max_norm, step, opt.inner.param_groups[0],
@@ -261,7 +261,7 @@ def test_a_broken_verdict_kernel_fails_its_check(name):
 @pytest.mark.parametrize("amp_dtype", ["float16", "bfloat16"])
 def test_zero_shards_take_the_device_verdict_bitwise(amp_dtype):
     """ShardedAdamW (one of 4 ranks' shards, ZeRO-2) with the device verdict
-    (decide_on_device, then multi_launches(verdict=...)) against its host verdict (the sum
+    (verdict_on_device, then multi_launches(verdict=...)) against its host verdict (the sum
     of unscaled squares read back, unscale_and_clip, update, multi_launches(factor)),
     through PLAN: shards, masters, m, v bitwise; after settle() the step count and scale."""
     np_dtype(amp_dtype)

@@ -221,8 +221,7 @@ ALLOWED = {
     "train/loss_scale.py:LossScaler.verdict: math.isfinite(norm)":
         HOST_VALUE + ": the norm from the verdict's one host_read",
     "train/master_weights.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
-    "train/master_weights.py:MasterWeightOptimizer._verdict_on_device: bool(grads)":
-        "a Python list",
+    "train/amp.py:MixedPrecision.verdict_on_device: bool(grads)": "a Python list",
     "train/loss_scale.py:LossScaler.settle: float(state[0])":
         HOST_VALUE + ": settle's one host_read (at the steps the loop reads losses)",
     "train/loss_scale.py:LossScaler.settle: int(x)":

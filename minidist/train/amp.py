@@ -161,6 +161,17 @@ class MixedPrecision:
             return multi_tensor.sum_sq(grads, 1.0) * (inv * inv)   # S a power of two: exact
         return sum(local_sum_sq([self.unscaled(g, inv)]) for g in grads)
 
+    def verdict_on_device(self, grads, max_norm, reduce_sum_sq, step, group):
+        """--amp's verdict on the device for an optimizer whose update kernels read it
+        (MasterWeightOptimizer's, ZeRO's ShardedAdamW's): the scaled-loss check, the
+        scaler's state on the device (with AdamW's step count `step`), this rank's unscaled
+        sum of squares of `grads`, then LossScaler.decide_on_device. Returns (verdict, norm),
+        device arrays; no host read."""
+        self.scaler.check_used(bool(grads))
+        self.scaler.to_device(backend.xp_of(grads[0]), step)
+        return self.scaler.decide_on_device(self.unscaled_sum_sq(grads), max_norm,
+                                            reduce_sum_sq, grads[0].dtype, group)
+
     def describe(self):
         s = self.scaler
         scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "

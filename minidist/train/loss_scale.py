@@ -6,9 +6,10 @@ good steps in a row. With bfloat16 (float32's exponent range) S = 1, fixed, and 
 stays. The scaler's state travels in the optimizer's checkpoint under SCALER_KEY.
 
 On cupy with the multi-tensor kernels (MINIDIST_CUDA_NEW_KERNELS=1), MasterWeightOptimizer
-and ZeRO's ShardedAdamW take the verdict on the device instead (decide_on_device), so a step
-reads nothing back: the scaler's fields then live in `device_state` (with AdamW's step count)
-until `settle()` reads them back, once, at a step the loop reads its losses anyway.
+and ZeRO's ShardedAdamW take the verdict on the device instead (MixedPrecision.
+verdict_on_device, then decide_on_device here), so a step reads nothing back: the
+scaler's fields then live in `device_state` (with AdamW's step count) until `settle()` reads
+them back, once, at a step the loop reads its losses anyway.
 Tests: tests/test_amp.py.
 """
 import math
@@ -66,12 +67,16 @@ class LossScaler:
                                "(the strategy must call MixedPrecision.scale_loss)")
         self.used = False
 
-    def multiplier(self, factor=1.0):
-        """What a loss is multiplied by before backward: scale x factor, a float; with a
-        dynamic scale kept on the device, a 0-d float64 array there (no host read)."""
+    def live_scale(self):
+        """The loss scale S now: a float; with a dynamic scale kept on the device, a 0-d
+        float64 array there (no host read)."""
         if self.device_state is not None and self.growth_interval is not None:
-            return self.device_state[0] * factor
-        return self.scale * factor
+            return self.device_state[0]
+        return self.scale
+
+    def multiplier(self, factor=1.0):
+        """What a loss is multiplied by before backward: S x factor (live_scale)."""
+        return self.live_scale() * factor
 
     def verdict(self, norm, max_norm):
         """(inf/nan found, the factor the 16-bit gradients are multiplied by in the step) for
@@ -116,18 +121,15 @@ class LossScaler:
         return self.device_state
 
     def inverse(self):
-        """1/S, what 16-bit gradients are multiplied by to unscale them: a float; with a
-        dynamic scale kept on the device, a 0-d float64 array there (no host read). S is a
-        power of two, so either is exact."""
-        if self.device_state is not None and self.growth_interval is not None:
-            return 1.0 / self.device_state[0]
-        return 1.0 / self.scale
+        """1/S (live_scale), what 16-bit gradients are multiplied by to unscale them. S is a
+        power of two, so it is exact on the host and on the device."""
+        return 1.0 / self.live_scale()
 
     def decide_on_device(self, sum_sq, max_norm, reduce_sum_sq, half, group):
         """The verdict taken on the device, for an optimizer whose update kernels read it
-        (multi_amp_adamw_dev: MasterWeightOptimizer's, ZeRO's ShardedAdamW's), once it put
-        the state on the device (to_device) and summed this rank's unscaled squares
-        (MixedPrecision.unscaled_sum_sq, which reads the scale there): the sum reduced over
+        (multi_amp_adamw_dev), once the state is on the device (to_device) and `sum_sq` is
+        this rank's unscaled sum of squares (MixedPrecision.verdict_on_device does both, for
+        MasterWeightOptimizer and ZeRO's ShardedAdamW): the sum reduced over
         the ranks by `reduce_sum_sq` on the device, then amp_verdict (one thread) with
         `group`'s lr, betas and eps; `half` the 16-bit dtype. Returns (verdict, the norm):
         a float32 and a 0-d float64 device array."""

@@ -63,8 +63,10 @@ class MasterWeightOptimizer:
         float; a 0-d device array when the verdict is taken on the device)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         groups = self._device_groups()
-        if groups is not None:
-            return self._verdict_on_device(groups, grads, max_norm, reduce_sum_sq)
+        if groups is not None:                   # no host read: the verdict kept for step()
+            self._verdict, norm = self.amp.verdict_on_device(
+                grads, max_norm, reduce_sum_sq, self._host_steps().pop(), groups[0][0])
+            return norm
         self.settle()
         sum_sq = self.amp.unscaled_sum_sq(grads)
         norm, self._found_inf, self._factor = self.scaler.unscale_and_clip(
@@ -111,17 +113,6 @@ class MasterWeightOptimizer:
 
     def _host_steps(self):
         return {self.inner.state.get(n, {"step": 0})["step"] for n in self.names}
-
-    def _verdict_on_device(self, groups, grads, max_norm, reduce_sum_sq):
-        """The state on the device, this rank's unscaled sum of squares, then
-        LossScaler.decide_on_device: the verdict kept for step(), the norm (a 0-d device
-        array) returned. No host read."""
-        self.scaler.check_used(bool(grads))
-        self.scaler.to_device(backend.xp_of(grads[0]), self._host_steps().pop())
-        self._verdict, norm = self.scaler.decide_on_device(
-            self.amp.unscaled_sum_sq(grads), max_norm, reduce_sum_sq, grads[0].dtype,
-            groups[0][0])
-        return norm
 
     def _step_on_device(self):
         """multi_amp_adamw_dev over each group, reading this step's verdict on the device

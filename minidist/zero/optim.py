@@ -84,11 +84,8 @@ class ShardedAdamW:
                                   sum_sq_across_ranks)
         grads = [u.grad_shard for u in self.engine.units]
         if self.verdict_on_device_ok():            # as MasterWeightOptimizer's
-            self.amp.scaler.check_used()
-            self.amp.scaler.to_device(xp_of(grads[0]), self.steps)
-            self._verdict, norm = self.amp.scaler.decide_on_device(
-                self.amp.unscaled_sum_sq(grads), max_norm, sum_sq_across_ranks,
-                grads[0].dtype, self.param_groups[0])
+            self._verdict, norm = self.amp.verdict_on_device(
+                grads, max_norm, sum_sq_across_ranks, self.steps, self.param_groups[0])
             return norm
         self.settle()
         sum_sq = self.amp.unscaled_sum_sq(grads)
