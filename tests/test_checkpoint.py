@@ -36,7 +36,7 @@ def _edit_json(path, change):
 
 def test_round_trip_restores_parameters_optimizer_and_state(tmp_path):
     model, opt = _trained()
-    rng = {"dropout": model.dropout_rng.bit_generator.state}
+    rng = {"dropout": model.dropout_keys.state_dict()}
     folder = save_checkpoint(tmp_path / "ck", model, opt, step=2, rng_states=rng,
                              extra={"lr": 0.01})
     assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step-00000002"]

@@ -102,8 +102,8 @@ def test_ep2_is_exact(mpi):
     --ckpt-activations, also with ZeRO-3 and grad-accum), and MoE without ep under tp 2,
     ZeRO-1, ZeRO-3 and DDP with --ckpt-activations, against one process (no recompute) in
     float64; the same tokens dropped; bytes = formula (the recompute's all-to-alls counted).
-    --dropout 0.1 under ep 2 (also with --ckpt-activations and ZeRO-3) and under tp 2: one
-    process's masks. +ckpt runs also save after step 2 of 4: the resumed run is
+    --dropout 0.1 under ep 2 (also with --ckpt-activations and ZeRO-3, and with grad-accum 2)
+    and under tp 2: one process's masks. +ckpt runs also save after step 2 of 4: the resumed run is
     bit-identical, and one process loading the checkpoint follows to 1e-10. +amp runs: ZeRO
     with float16 --amp against one process's --amp (check_amp_row).
 
@@ -113,7 +113,7 @@ def test_ep2_is_exact(mpi):
             "ep2+ddpnaive+accum", "ep1xtp2+ckpt", "ep1xdp2+zero1", "ep1xdp2+zero3",
             "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt", "ep2+zero1+amp+ckpt", "ep2+zero3+amp",
             "ep2+recompute", "ep2+recompute+zero3+accum", "ep1xdp2+recompute", "ep2+drop",
-            "ep1xtp2+drop", "ep2+drop+recompute+zero3"]
+            "ep1xtp2+drop", "ep2+drop+recompute+zero3", "ep2+drop+accum"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     check_rows(tagged_json(out, "RESULT"), runs)
 
@@ -140,7 +140,7 @@ def test_ep4_and_compositions_are_exact(mpi):
     --ckpt-activations; --dropout 0.1), ep 2 x tp 2 (DDP, ZeRO-1/2/3; --dropout 0.1), MoE in
     pp 2 x dp 2 (ZeRO-1) and pp 2 x tp 2, and ep 2 x pp 2 (1F1B; GPipe with
     --ckpt-activations; ZB-H1; ZeRO-1/3 over the dense parameters; interleaved with ZeRO-2;
-    ZeRO-1 with --amp) against one process in float64; +ckpt runs save, resume bit-identically and load on one process (ep
+    ZeRO-1 with --amp; --dropout 0.1 with --ckpt-activations) against one process in float64; +ckpt runs save, resume bit-identically and load on one process (ep
     x pp: every stage's experts gathered); +amp runs with float16 --amp (test_ep2_is_exact).
 
         mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
@@ -150,7 +150,8 @@ def test_ep4_and_compositions_are_exact(mpi):
             "ep2xdp2+zero2+amp+ckpt", "ep2xtp2+zero1+amp+ckpt", "ep2xdp2+recompute",
             "ep2xdp2+drop", "ep2xtp2+drop", "ep1xpp2xdp2+zero1", "ep1xpp2xtp2", "ep2xpp2+ckpt",
             "ep2xpp2+gpipe+recompute", "ep2xpp2+zbh1+ckpt", "ep2xpp2+zero1+ckpt",
-            "ep2xpp2+v2+zero2+ckpt", "ep2xpp2+zero3+ckpt", "ep2xpp2+zero1+amp+ckpt"]
+            "ep2xpp2+v2+zero2+ckpt", "ep2xpp2+zero3+ckpt", "ep2xpp2+zero1+amp+ckpt",
+            "ep2xpp2+drop+recompute"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=420)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)

@@ -190,18 +190,17 @@ def test_gradcheck_moe_layer_with_dropout():
 
 
 def test_expert_dropout_depends_on_the_token_not_the_rank():
-    """A batch cut in two halves, each drawing its rows of the whole batch's masks (as --ep
-    ranks do, minidist/ep/strategy.py shard_dropout_rows): each half's output is its rows of
+    """A batch cut in two halves, each keyed by its rows' numbers in the whole batch (as
+    --ep ranks are, minidist/autograd/dropout_keys.py): each half's output is its rows of
     the whole batch's, dropout included."""
-    from minidist.tp.layers import ShardRNG
     config = moe_config(dropout=0.2, moe_capacity_factor=0.0)
-    layer = GPT(config, seed=0, dtype="float64").transformer.h[0].mlp
+    model = GPT(config, seed=0, dtype="float64")
+    layer, keys = model.transformer.h[0].mlp, model.dropout_keys
     x = np.random.default_rng(9).standard_normal((4, 8, 8))
-    layer.dropout.rng = np.random.default_rng(1)
     whole = layer(Tensor(x)).data                                     # (4, 8, 8)
     for half in range(2):
-        layer.dropout.rng = ShardRNG(np.random.default_rng(1), 2, half, axis=0)
-        part = layer(Tensor(x[2 * half:2 * half + 2])).data
+        with keys.rows_of([2 * half, 2 * half + 1]):
+            part = layer(Tensor(x[2 * half:2 * half + 2])).data
         np.testing.assert_array_equal(part, whole[2 * half:2 * half + 2])
     layer.eval()
     assert not np.array_equal(layer(Tensor(x)).data, whole)           # dropout did act

@@ -132,8 +132,9 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
 def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process(mpi):
     """tp 4 (vocabulary 30 padded to 32), tp 2 x dp 2 (DDP over the mesh's dp group, rows by
     dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel, and
-    tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 over dp 2; clipped every step
-    (under ZeRO the replicated parameters' pieces of the gradient shards count once):
+    tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 over dp 2; dropout 0.1 in every
+    run (keyed masks: one process's); clipped every step (under ZeRO the replicated
+    parameters' pieces of the gradient shards count once):
 
         mpiexec -n 4 python tests/scripts/tp_check.py
     """

@@ -1,15 +1,15 @@
 """Activation checkpointing: keep a block's input, recompute the block inside backward.
 
-    y = checkpoint(block, x, block.parameters(), rng=model.dropout_rng)
+    y = checkpoint(block, x, block.parameters(), rng=model.dropout_keys)
 
 Without it, the graph keeps every intermediate of `block` alive from forward until backward
 (GPT: ~20 (B, T, C)-sized arrays and the (B, nh, T, T) attention weights per block). With it:
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
               keeps one node holding x (already alive as the previous node's output) and y,
-              and the dropout generator's state before the block ran;
-    backward  runs block(x) again, grad on, from x as a fresh leaf and with the generator
-              rewound (the same dropout masks, then the generator is put back), backpropagates
+              and the dropout keys' step and rows (or a generator's state) before the block ran;
+    backward  runs block(x) again, grad on, from x as a fresh leaf and with the keys (or the
+              generator) rewound (the same dropout masks, then put back), backpropagates
               the incoming gradient through that short-lived graph, and returns x's gradient.
 
 The recompute runs the same ops on the same arrays, so every number is bit-identical to a
@@ -34,6 +34,7 @@ import contextlib
 import math
 
 from minidist.autograd import tensor as _tensor
+from minidist.autograd.dropout_keys import DropoutKeys
 from minidist.autograd.function import Function
 from minidist.autograd.indexing import concat, split
 from minidist.autograd.tensor import Tensor, no_grad
@@ -63,7 +64,7 @@ class Checkpoint(Function):
     def forward(ctx, x, block, *param_arrays):
         ctx.save_for_backward(x)
         ctx.block = block
-        ctx.rng_state = block.rng.bit_generator.state if block.rng is not None else None
+        ctx.rng_state = _state(block.rng)
         with no_grad():
             return block.run(Tensor(x)).data
 
@@ -84,8 +85,9 @@ def checkpoint(fn, x, params, rng=None):
     if fn returns one: module docstring).
 
     params: every Parameter fn uses (e.g. `block.parameters()`); their gradients accumulate
-    as without checkpointing. rng: the numpy Generator fn's dropout draws from, rewound for
-    the recompute so it draws the same masks (None when fn draws nothing)."""
+    as without checkpointing. rng: what fn's dropout draws from, a DropoutKeys (GPT's:
+    minidist/autograd/dropout_keys.py) or a numpy Generator, rewound for the recompute so it
+    draws the same masks (None when fn draws nothing)."""
     params = [p for p in params if p.requires_grad][::-1]    # hooks fire last-used first,
     block = _Block(fn, params, rng)                           # as without checkpoints
     out = Checkpoint.apply(x, block, *params)
@@ -105,18 +107,32 @@ def _grad_enabled():
         _tensor._grad_enabled.pop()
 
 
+def _state(rng):
+    """What decides rng's next masks: DropoutKeys' step and rows, a Generator's state."""
+    if rng is None:
+        return None
+    return rng.snapshot() if isinstance(rng, DropoutKeys) else rng.bit_generator.state
+
+
+def _set_state(rng, state):
+    if isinstance(rng, DropoutKeys):
+        rng.restore(state)
+    else:
+        rng.bit_generator.state = state
+
+
 @contextlib.contextmanager
 def _rewound(rng, state):
     """Run with `rng` set back to `state`, then put it back where it was."""
     if rng is None:
         yield
         return
-    now = rng.bit_generator.state
-    rng.bit_generator.state = state
+    now = _state(rng)
+    _set_state(rng, state)
     try:
         yield
     finally:
-        rng.bit_generator.state = now
+        _set_state(rng, now)
 
 
 @contextlib.contextmanager

@@ -61,10 +61,10 @@ class ContextParallel(ModelParallel):
         block = model.config.attention_block                     # the tile size
         return self.inner.wrap(attach_ring(model, self.group, self.split, block))
 
-    def local_rows(self, x, y):
+    def local_rows(self, *arrays):
         """Rows by dp rank: every cp rank of a replica reads the same rows (inner's group is
         dp x cp, so its own split would be wrong here)."""
-        return dp_rows(x, y, self.mesh.dp_rank, self.mesh.shape["dp"])
+        return dp_rows(arrays, self.mesh.dp_rank, self.mesh.shape["dp"])
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         return self.inner.save(directory, model, optimizer, step, rng_states, extra)

@@ -66,8 +66,8 @@ class DataParallel(SingleProcess):
         self.ddp = DistributedDataParallel(model, self.group, self.mode, self.bucket_mb)
         return model
 
-    def local_rows(self, x, y):
-        return dp_rows(x, y, self.rank, self.world_size)
+    def local_rows(self, *arrays):
+        return dp_rows(arrays, self.rank, self.world_size)
 
     def no_sync(self):
         return self.ddp.no_sync()

@@ -35,8 +35,8 @@ shards (minidist/zero/flat.py skips `expert_parallel` parameters) and are ZeRO-1
 replicas, edp (minidist/ep/optim.py: optimizer state 1/dp, gradients reduce-scattered,
 parameters all-gathered after the step), clipped by the same global norm, skipped with
 ZeRO's step on an overflow under --amp.
---dropout: every rank draws the whole global batch's masks and keeps its rows
-(shard_dropout_rows), so the masks are one process's (exact with --grad-accum 1).
+--dropout: masks are keyed by the rows' places in the global batch
+(minidist/autograd/dropout_keys.py), so they are one process's, with any --grad-accum.
 --ckpt-activations: each block's forward, its all-to-alls included, runs again inside
 backward (GPT.run_block carries the router losses out of the checkpoint).
 --pp: inside each stage, this stage's experts over its ep group (PipelineParallel's inner);
@@ -51,10 +51,8 @@ from minidist.backend import xp_of
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
-from minidist.nn.layers import Dropout
 from minidist.strategy import checkpoint, memory
 from minidist.strategy.base import ModelParallel, all_reduce_number
-from minidist.tp.layers import ShardRNG
 from minidist.tp.state import unscaled_sum_sq
 
 
@@ -82,17 +80,6 @@ def ep_problems(args):
     return problems
 
 
-def shard_dropout_rows(model, parts, index):
-    """Every dropout of `model` draws the masks of the whole global batch (`parts` x its rows,
-    the numbers one process draws) and keeps rows part `index` of them: this rank's rows
-    (the dense group's dp_rows). So --dropout under --ep draws one process's masks, the
-    experts' too (minidist/nn/moe.py expert_dropout), and the shared generator advances on
-    every rank as on one process (its state, in checkpoints, stays one process's)."""
-    for _, m in model.named_modules():
-        if isinstance(m, Dropout) and m.rng is not None:
-            m.rng = ShardRNG(m.rng, parts, index, axis=0)
-
-
 def expert_groups(mesh, ep):
     """(ep group, edp group) out of the mesh's dp group, the dense group D = dp x ep: the ep
     ranks that split the experts, and the dp replicas of this rank's experts. Collective."""
@@ -117,7 +104,6 @@ class ExpertParallel(ModelParallel):
         their replicas (minidist/ep/optim.py)."""
         self.model = model
         self.experts = attach_experts(model, self.group)
-        shard_dropout_rows(model, self.inner.group.size, self.inner.group.rank)
         model = self.inner.wrap(model)
         if self._zero():
             self.expert_engine = expert_engine(model, self.edp)

@@ -24,6 +24,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
 from minidist.nn.block import Block, CausalSelfAttention
@@ -32,8 +33,6 @@ from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
 from minidist.nn.sampling import generate, sample
-
-DROPOUT_STREAM = 0x0D50  # the dropout generator's stream, apart from parameter streams
 
 
 class BlockHooks:
@@ -61,7 +60,7 @@ class GPT(Module):
         self.config = config
         self.transformer = self.build_transformer(layers or DenseLayers(config, dtype))
         self.init_parameters(seed, dtype)
-        self.set_dropout_rng(self.dropout_stream(seed))
+        self.set_dropout_keys(DropoutKeys(seed))
         self.checkpointing = False
         self.block_hooks = BlockHooks()
 
@@ -79,10 +78,6 @@ class GPT(Module):
         """gpt_init's numbers for every parameter this model holds."""
         names = {n for n, _ in self.named_parameters()}
         self.load_state_dict(gpt_init(self.config, seed, names=names, dtype=dtype))
-
-    def dropout_stream(self, seed):
-        """The one generator every Dropout draws from."""
-        return backend.rng([seed, DROPOUT_STREAM])
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)
@@ -111,12 +106,14 @@ class GPT(Module):
         self.checkpointing = bool(on)
         return self
 
-    def set_dropout_rng(self, rng):
-        """Point every Dropout layer at one generator (its state goes into checkpoints)."""
-        self.dropout_rng = rng
-        for _, m in self.named_modules():
+    def set_dropout_keys(self, keys):
+        """Every Dropout layer draws from `keys` (minidist/autograd/dropout_keys.py), as the
+        site of its name: masks keyed by (step, site, global row), the same in every layout.
+        Tensor parallelism slices some of them (minidist/tp/model.py)."""
+        self.dropout_keys = keys
+        for name, m in self.named_modules():
             if isinstance(m, Dropout):
-                m.rng = rng
+                m.rng = DropoutSite(keys, name)
 
     # ---- the vocabulary padding stays inside the model --------------------------------------
     def state_dict(self):
@@ -141,6 +138,8 @@ class GPT(Module):
         """idx (B, T) ints -> logits (B, T, V), and the mean cross-entropy against targets
         (B, T) (-1 = ignore) or None. Under context parallelism (--cp) the context runs
         embed, run_blocks and head on this rank's tokens only."""
+        if self.training and self.dropout_keys.rows is None:
+            self.dropout_keys.next_step()     # outside train_step: new masks every forward
         if self.context is not None:
             return self.context.forward(self, idx, targets)        # minidist/cp/context.py
         router_losses = []                                         # MoE blocks': one each
@@ -189,9 +188,9 @@ class GPT(Module):
             loss = block.mlp.router_loss() if moe else None
         elif moe:
             y, loss = checkpoint(block.with_router_loss, x, block.parameters(),
-                                 self.dropout_rng)
+                                 self.dropout_keys)
         else:
-            y, loss = checkpoint(block, x, block.parameters(), self.dropout_rng), None
+            y, loss = checkpoint(block, x, block.parameters(), self.dropout_keys), None
         if loss is not None and router_losses is not None:
             router_losses.append(loss)
         return y

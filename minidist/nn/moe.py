@@ -111,18 +111,20 @@ def load_balancing_loss(probs, chosen, T, k):
 
 
 def expert_dropout(y, routing, rng, p, shape):
-    """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s:
-    expert e's mask is a (B, T, C) draw from `rng` (`shape`: this forward's (B, T, C)), one
-    per expert in expert order, drawn whether or not a token chose e; assignment (token n,
-    expert e) keeps row n of it. A mask thus depends on the token's place in the batch and
-    its expert alone, not on which rank runs the expert or in what order: under --ep every
-    rank draws all E masks, its rows cut out of the global batch's (minidist/ep/strategy.py),
-    as one process draws them. Survivors are scaled by 1/(1-p), as ops.dropout's."""
+    """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s: each
+    row of the batch draws (E, T, C) numbers from `rng` (`shape`: this forward's (B, T, C);
+    GPT's rng is a DropoutSite, whose numbers are keyed by the row's place in the global
+    batch), drawn whether or not a token chose an expert; assignment (token n = (b, t),
+    expert e) keeps [b, e, t] of them. A mask thus depends on the token's place in the
+    global batch and its expert alone, not on which rank runs the expert or in what order.
+    Survivors are scaled by 1/(1-p), as ops.dropout's."""
     B, T, C = shape
+    E = len(routing.counts)
+    draws = rng.random((B, E, T, C), dtype="float32")
+    draws = draws.transpose(1, 0, 2, 3).reshape(E, B * T, C)           # (E, N, C)
     keep, lo = np.empty((len(routing.token), C), dtype=bool), 0
-    for n in routing.counts:
-        draw = rng.random((B, T, C), dtype="float32").reshape(B * T, C)     # (N, C)
-        keep[lo:lo + n] = draw[routing.token[lo:lo + n]] >= p               # (n_e, C)
+    for e, n in enumerate(routing.counts):
+        keep[lo:lo + n] = draws[e][routing.token[lo:lo + n]] >= p          # (n_e, C)
         lo += n
     keep = backend.to_device(keep, backend.xp_of(y.data))             # (M, C), kept: 1 B
     return where(keep, y * (1.0 / (1.0 - p)), 0.0)

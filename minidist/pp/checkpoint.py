@@ -6,8 +6,8 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            experts too, from every ep rank: minidist/ep/checkpoint.py; then over tp when the
            stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
            replica, merged in model order (the tied wte, on the first and last stage and
-           equal, kept once) and written by world rank 0; each stage's dropout generator is
-           kept too, so --resume continues every stage's own stream
+           equal, kept once) and written by world rank 0; the dropout keys' step (every
+           stage's, minidist/autograd/dropout_keys.py) is in the meta's "rng"
     load   every rank reads the whole checkpoint and keeps its own parameters and optimizer
            state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
            inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
@@ -33,10 +33,10 @@ def stage_state(strategy, optimizer):
 
 
 def merge_stages(parts):
-    """The stages' (params, optimizer state_dict, ...) in stage order -> the whole model's,
+    """The stages' (params, optimizer state_dict) in stage order -> the whole model's,
     in model order. The tied wte is on the first and last stage, equal: kept once."""
     params, state = {}, {}
-    for p, sd, *_ in parts:
+    for p, sd in parts:
         for name, a in p.items():
             params.setdefault(name, a)
         for name, s in sd["state"].items():
@@ -49,10 +49,8 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
     params, opt_sd = stage_state(strategy, optimizer)
     mesh, pp = strategy.mesh, strategy.group
     if mesh.dp_rank == 0 and mesh.tp_rank == 0:
-        mine = (params, opt_sd, model.dropout_rng.bit_generator.state)
-        parts = pp.comm.gather(mine, root=0)                # in stage order
-        if pp.rank == 0:            # each stage's own dropout stream, for --resume
-            rng_states = {**rng_states, "dropout_by_stage": [p[2] for p in parts]}
+        parts = pp.comm.gather((params, opt_sd), root=0)    # in stage order
+        if pp.rank == 0:
             params, opt_sd = merge_stages(parts)
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
                                         optimizer, step, rng_states, extra)
@@ -63,7 +61,7 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
 
 def load(strategy, directory, model, optimizer):
     """Every rank reads the whole checkpoint and keeps its stage's (and tp shard's) part;
-    returns the checkpoint's meta with "rng"/"dropout" this stage's own generator."""
+    returns the checkpoint's meta (its "rng"/"dropout", the keys' step, is every stage's)."""
     params, opt_sd, meta = checkpoint.load(directory)
     folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
     checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
@@ -79,7 +77,4 @@ def load(strategy, directory, model, optimizer):
             params = shard_params(model, strategy.mesh.tp, params)
             opt_sd = shard_optimizer_state(model, strategy.mesh.tp, opt_sd)
         strategy.inner.load_whole_state(model, optimizer, params, opt_sd)
-    by_stage = meta["rng"].get("dropout_by_stage")
-    if by_stage and len(by_stage) == strategy.group.size:   # the loop restores "dropout"
-        meta["rng"]["dropout"] = by_stage[strategy.group.rank]
     return meta

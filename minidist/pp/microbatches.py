@@ -19,6 +19,8 @@ output's gradient and from them, seeded as the last stage seeds the loss (`scale
 one pass (autograd's backward_all); their values (`router_values`) are added to the loss
 the strategy reports. Tests: tests/test_pipeline.py, tests/test_expert_parallel.py.
 """
+import numpy as np
+
 from minidist.autograd.function import backward_all
 from minidist.autograd.tensor import defer_weight_grads
 from minidist.comm import trace
@@ -41,6 +43,9 @@ class MicroBatches:
         self.scale_loss = scale_loss
         self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
+        keys = stage.dropout_keys              # the rows' numbers in the global batch
+        ids = np.arange(len(idx)) if keys.rows is None else keys.rows
+        self.ids = [ids[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.live, self.losses, self.measure = {}, [], measure
         self.router, self.router_values = {}, []
         self.peak_in_flight, self.peak_bytes = 0, 0
@@ -49,7 +54,7 @@ class MicroBatches:
         """Run micro-batch i through this rank's chunk; returns its output (the loss after
         the head)."""
         router = []
-        with traced("F", i, chunk):
+        with traced("F", i, chunk), self.stage.dropout_keys.rows_of(self.ids[i]):
             out = self.stage.stage_forward(inp, self.idx[i], self.targets[i], chunk, router)
         if router:
             self.router[(chunk, i)] = moe_loss(router)

@@ -27,13 +27,11 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
 from minidist.nn.block import Block
-from minidist.nn.gpt import DROPOUT_STREAM, GPT, moe_loss
+from minidist.nn.gpt import GPT, moe_loss
 from minidist.nn.layers import Dropout, Embedding
 from minidist.nn.module import ModuleDict, ModuleList
 from minidist.nn.sampling import sample
 from minidist.pp.link import StageLink
-from minidist.tp.region import SEQ_AXIS
-from minidist.tp.layers import ShardRNG
 from minidist.tp.model import TensorParallelGPT
 
 
@@ -71,10 +69,6 @@ class PipelineStage:
         """The first stage's wte and the last stage's copy (the head's): their gradients are
         summed over the embedding group (minidist/pp/strategy.py sync_grads)."""
         return [self.transformer.wte.weight] if self.first or self.last else []
-
-    def dropout_stream(self, seed):
-        """A dropout stream per stage (masks therefore differ from one process's)."""
-        return backend.rng([seed, DROPOUT_STREAM, self.link.stage])
 
     def begin(self, T):
         """Called once per forward of the whole batch on every stage (TP: sequence parallel?)."""
@@ -193,17 +187,6 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
                  sequence_parallel=False):
         self._init_stage(pp_group, layers)
         super().__init__(config, tp_group, seed, dtype, sequence_parallel)
-
-    def set_dropout_rng(self, rng):
-        """TensorParallelGPT's shard-aware generators, for the parts this stage has."""
-        GPT.set_dropout_rng(self, rng)
-        t, r, region = self.region.size, self.region.rank, self.region
-        seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
-        for block in self.transformer.h:
-            block.attn.attn_dropout.rng = ShardRNG(rng, t, r, axis=1)   # (B, nh/tp, T, T)
-            block.attn.resid_dropout.rng = block.mlp.dropout.rng = seq
-        if self.first:
-            self.transformer.drop.rng = seq
 
     def begin(self, T):
         self.region.begin(T, shard=is_grad_enabled())   # training forwards: as tp/model.py

@@ -4,7 +4,7 @@ Every strategy package (minidist/{ddp,zero,tp,pp,cp}/strategy.py) builds on this
 imports nothing from minidist/train/ (tests/test_layers.py checks the direction). The step
 (minidist/train/step.py) calls, for every strategy alike:
 
-    local_rows(x, y)          this rank's rows of the GLOBAL batch (x, y)
+    local_rows(x, y, rows)    this rank's rows of the GLOBAL batch (x, y, the rows' numbers)
     start_step()              counters for the end-of-run summary
     no_sync()                 context for micro-batches that only accumulate gradients
     forward_backward(model, x, y, scale, measure)   one micro-batch: (loss, activation bytes)
@@ -45,13 +45,14 @@ from minidist.optim import AdamW
 from minidist.strategy import checkpoint, memory
 
 
-def dp_rows(x, y, rank, size):
-    """Rows [r*B/N, (r+1)*B/N) of a global batch of B rows: data-parallel rank r's share."""
-    n = len(x) // size
-    if n * size != len(x):
-        raise ValueError(f"a global batch of {len(x)} rows does not split into {size} equal "
-                         "shards (--batch-size, --dp)")
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+def dp_rows(arrays, rank, size):
+    """Rows [r*B/N, (r+1)*B/N) of each array of a global batch of B rows (x, y, the rows'
+    numbers): data-parallel rank r's share."""
+    n = len(arrays[0]) // size
+    if n * size != len(arrays[0]):
+        raise ValueError(f"a global batch of {len(arrays[0])} rows does not split into {size} "
+                         "equal shards (--batch-size, --dp)")
+    return tuple(a[rank * n:(rank + 1) * n] for a in arrays)
 
 
 def all_reduce_number(group, value, op, like):
@@ -101,8 +102,8 @@ class SingleProcess:
         return model
 
     # ---- one step (minidist/train/step.py) ---------------------------------------------------
-    def local_rows(self, x, y):
-        return x, y
+    def local_rows(self, *arrays):
+        return arrays
 
     def start_step(self):
         """Before a step's first micro-batch: per-step counters of the end-of-run summary."""
@@ -230,8 +231,8 @@ class ModelParallel(SingleProcess):
     def build_optimizer(self, model, args):
         return self.inner.build_optimizer(model, args)
 
-    def local_rows(self, x, y):
-        return self.inner.local_rows(x, y)
+    def local_rows(self, *arrays):
+        return self.inner.local_rows(*arrays)
 
     def start_step(self):
         self._mark = trace.bytes_sent(self.group.name)

@@ -18,11 +18,10 @@ The vocabulary is padded to a multiple of tp (Megatron does the same): the paddi
 wte are zero, their logits are masked out of the loss, so their gradient is zero and AdamW
 (no decay on embeddings) leaves them zero; gathering the model drops them.
 
-Dropout stays exact against one process: `ShardRNG` draws the random numbers of the WHOLE
-tensor from the shared generator and keeps this rank's slice (heads for attention dropout,
-positions under sequence parallelism), so every rank's generator advances alike and the mask
-is the single-process mask. (Megatron uses per-rank generator streams instead: cheaper,
-but not comparable with one process.)
+Dropout stays exact against one process: a rank draws each row's numbers of the WHOLE
+tensor by their keys and keeps its slice (heads for attention dropout, positions under
+sequence parallelism): minidist/autograd/dropout_keys.py, set by tp/model.py. (Megatron uses
+per-rank generator streams instead: cheaper, but not comparable with one process.)
 Tests: tests/test_tensor_parallel.py.
 """
 from minidist import backend
@@ -194,23 +193,3 @@ def vocab_parallel_cross_entropy(logits, targets, group, start, vocab_size, igno
     the same value on every rank of `group`."""
     return VocabParallelCrossEntropy.apply(logits, targets, group, start, vocab_size,
                                            ignore_index)
-
-
-# ---- dropout masks that match one process --------------------------------------------------
-
-class ShardRNG:
-    """Stands in for a numpy Generator where a layer draws a dropout mask: draws the whole
-    tensor's numbers (axis `axis` `parts` times longer) and returns slice `index` of them.
-    `active()` False (e.g. no sequence split this forward): draws as the generator would."""
-
-    def __init__(self, rng, parts, index, axis=1, active=None):
-        self.rng, self.parts, self.index, self.axis, self.active = rng, parts, index, axis, active
-
-    def random(self, shape, dtype="float64"):
-        if self.active is not None and not self.active():
-            return self.rng.random(shape, dtype=dtype)
-        full = list(shape)
-        full[self.axis] *= self.parts
-        n = shape[self.axis]
-        index = (slice(None),) * self.axis + (slice(self.index * n, (self.index + 1) * n),)
-        return self.rng.random(tuple(full), dtype=dtype)[index]

@@ -27,12 +27,13 @@ from minidist import backend
 from minidist.nn.config import gpt_init
 from minidist.nn.block import CausalSelfAttention
 from minidist.nn.gpt import GPT
-from minidist.nn.layers import DenseLayers
+from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops
+from minidist.autograd.dropout_keys import DropoutSite
 from minidist.nn.moe import MoE
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                                         SequenceParallelLayerNorm, ShardRNG,
+                                         SequenceParallelLayerNorm,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 
@@ -95,21 +96,22 @@ class TensorParallelGPT(GPT):
         for name, _ in self.named_parameters():
             self.load_full_state_dict(gpt_init(self.config, seed, names={name}, dtype=dtype))
 
-    def set_dropout_rng(self, rng):
-        """One generator for every Dropout, as in GPT; masks on split tensors are slices of
-        the whole tensor's mask: attention weights by head, the residual stream by position
-        when it is sequence-parallel (ShardRNG)."""
-        super().set_dropout_rng(rng)
+    def set_dropout_keys(self, keys):
+        """GPT's dropout sites; where a tensor is split, each rank keeps its slice of the
+        row's numbers (minidist/autograd/dropout_keys.py DropoutSite): the attention weights
+        by head, the residual stream by position when it is sequence-parallel. The experts'
+        dropout is on whole rows (MoE's, as GPT's). A pipeline stage has only its part."""
+        super().set_dropout_keys(keys)
         t, r, region = self.region.size, self.region.rank, self.region
-        for _, m in self.named_modules():
-            if isinstance(m, CausalSelfAttention):
-                m.attn_dropout.rng = ShardRNG(rng, t, r, axis=1)       # (B, nh/tp, T, T)
-        seq = ShardRNG(rng, t, r, axis=SEQ_AXIS, active=lambda: region.sharded)
-        self.transformer.drop.rng = seq
-        for block in self.transformer.h:
-            block.attn.resid_dropout.rng = seq
-            if not isinstance(block.mlp, MoE):        # experts keep GPT's generator
-                block.mlp.dropout.rng = seq
+        experts = {name for name, m in self.named_modules() if isinstance(m, MoE)}
+        for name, m in self.named_modules():
+            if not isinstance(m, Dropout) or name.rpartition(".")[0] in experts:
+                continue
+            if name.endswith(".attn_dropout"):                  # (B, nh/tp, T, T)
+                m.rng = DropoutSite(keys, name, axis=1, parts=t, index=r)
+            else:                                               # (B, T/tp, C) when split
+                m.rng = DropoutSite(keys, name, axis=SEQ_AXIS, parts=t, index=r,
+                                    active=lambda: region.sharded)
 
     # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
     def embed(self, idx, pos=None):

@@ -63,7 +63,7 @@ def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
 
 
 def _rng_states(model):
-    return {"dropout": model.dropout_rng.bit_generator.state}
+    return {"dropout": model.dropout_keys.state_dict()}
 
 
 def _config(args, data):
@@ -91,7 +91,9 @@ def _schedule(args):
 
 def _resume(args, strategy, log, model, opt):
     state = strategy.load(args.resume, model, opt)
-    model.dropout_rng.bit_generator.state = state["rng"]["dropout"]
+    dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
+    model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
+        dropout if "step" in dropout else {"step": state["step"]})
     saved = state.get("extra", {})
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (

@@ -1,6 +1,6 @@
 """One optimizer step, the same for every strategy, in one screen.
 
-    this rank's rows of the global batch
+    this rank's rows of the global batch (and their numbers in it: dropout's keys)
     -> --grad-accum micro-batches: forward + backward each (a pipeline: its 1F1B/GPipe schedule)
        under no_sync() but the last, so data parallelism communicates once per step
     -> gradient sync (DDP all-reduce, ZeRO reduce-scatter, the pipeline's tied embedding)
@@ -15,6 +15,8 @@ through this function).
 """
 import contextlib
 
+import numpy as np
+
 from minidist.strategy import memory
 
 
@@ -26,17 +28,20 @@ def train_step(strategy, model, opt, x, y, args):
     backend.host_read); the loop reads them at the steps that log (minidist/train/progress.py,
     tests/test_no_sync.py)."""
     measure = bool(args.log_json) or strategy.reports_memory     # ZeRO's end-of-run table
-    x, y = strategy.local_rows(x, y)                   # rows r*B/dp .. (r+1)*B/dp of the batch
+    # rows r*B/dp .. (r+1)*B/dp of the batch, and their numbers in it (dropout's keys)
+    x, y, ids = strategy.local_rows(x, y, np.arange(len(x)))
     n = args.grad_accum
     rows = len(x) // n
     strategy.start_step()                              # counters for the end-of-run summary
+    model.dropout_keys.next_step()                     # this step's masks
     loss_sum, act = 0.0, 0
     for i in range(n):
         xb, yb = x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]
         # Every micro-batch but the last only accumulates gradients locally. DDP: the last
         # one's backward fires the grad hooks that start the bucket all-reduces (overlapped
         # mode: on the group's communication thread, while backward goes on here).
-        with strategy.no_sync() if i < n - 1 else contextlib.nullcontext():
+        with strategy.no_sync() if i < n - 1 else contextlib.nullcontext(), \
+                model.dropout_keys.rows_of(ids[i * rows:(i + 1) * rows]):
             # forward, then backward of loss / n (x the loss scale under float16 --amp);
             # a pipeline runs --micro-batches of these rows through its schedule here
             loss, held = strategy.forward_backward(model, xb, yb, 1.0 / n, measure)

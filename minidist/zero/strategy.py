@@ -76,8 +76,8 @@ class ZeroDataParallel(SingleProcess):
             f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
 
     # ---- one step (minidist/train/step.py) ---------------------------------------------------
-    def local_rows(self, x, y):
-        return dp_rows(x, y, self.rank, self.world_size)
+    def local_rows(self, *arrays):
+        return dp_rows(arrays, self.rank, self.world_size)
 
     def no_sync(self):
         """Nothing to hold back: stage 1 accumulates micro-batches in its full gradient

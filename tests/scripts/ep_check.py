@@ -36,7 +36,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, run_steps  # noqa: E402
+from exact import batch, run_steps, whole_params  # noqa: E402
 
 from minidist import backend  # noqa: E402
 import minidist.comm  # noqa: E402
@@ -44,7 +44,6 @@ from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
-from minidist.pp import checkpoint as pp_checkpoint  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.moe_cost import expert_units  # noqa: E402
 from minidist.train.planner import Layout, stage_params  # noqa: E402
@@ -75,8 +74,12 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2+recompute+zero3+accum": ["--ckpt-activations", "--zero", "3", "--grad-accum", "2"],
         "ep1xdp2+recompute": ["--dp", "2", "--ckpt-activations"],
         "ep2xdp2+recompute": ["--dp", "2", "--ckpt-activations"],
-        # dropout: the masks are one process's (every rank draws the global batch's)
+        # dropout: the masks are one process's (keyed by the rows' places in the global
+        # batch: minidist/autograd/dropout_keys.py), with grad-accum and pipelines too
         "ep2+drop": ["--dropout", "0.1"], "ep1xtp2+drop": ["--tp", "2", "--dropout", "0.1"],
+        "ep2+drop+accum": ["--dropout", "0.1", "--grad-accum", "2"],
+        "ep2xpp2+drop+recompute": ["--pp", "2", "--micro-batches", "2", "--dropout", "0.1",
+                                   "--ckpt-activations"],
         "ep2+drop+recompute+zero3": ["--dropout", "0.1", "--ckpt-activations", "--zero", "3"],
         "ep2xdp2+drop": ["--dp", "2", "--dropout", "0.1"],
         "ep2xtp2+drop": ["--tp", "2", "--dropout", "0.1"],
@@ -94,8 +97,7 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep1xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
         "ep2xpp2": ["--pp", "2", "--micro-batches", "2"],         # ep inside each stage
         "ep2xpp2+gpipe+recompute": ["--pp", "2", "--micro-batches", "2", "--schedule",
-                                    "gpipe", "--ckpt-activations"],  # (a stage's dropout: its
-                                                                     # own stream)
+                                    "gpipe", "--ckpt-activations"],
         "ep2xpp2+zero1": ["--pp", "2", "--micro-batches", "2", "--zero", "1"],
         "ep2xpp2+zbh1": ["--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1"],
         "ep2xpp2+v2+zero2": ["--pp", "2", "--micro-batches", "2", "--pp-virtual", "2",
@@ -138,12 +140,7 @@ def my_params(strategy, model, opt):
     mine = {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()
             if p.expert_parallel}
     experts = sorted({n.split(".experts.")[1].split(".")[0] for n in mine})
-    if hasattr(strategy, "embedding"):                      # PipelineParallel
-        whole = pp_checkpoint.stage_state(strategy, opt)[0] or {}
-    else:
-        whole, _ = strategy.whole_state(model, opt)
-        whole = whole if strategy.rank == 0 else {}
-    return {**whole, **mine}, experts
+    return {**whole_params(strategy, model, opt), **mine}, experts
 
 
 def expert_state(args, config, opt, stage):

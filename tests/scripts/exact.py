@@ -1,7 +1,8 @@
 """What the exactness scripts share: the global batch of a step, and N steps of the real loop.
 
-Each script (ddp_check, tp_check, zero_check) trains a strategy and the one-process reference
-through these same two functions, so any difference comes from the strategy alone.
+Each script (ddp_check, tp_check, zero_check, ep_check, dropout_check) trains a strategy and
+the one-process reference through these same functions, so any difference comes from the
+strategy alone; `whole_params` is what a checkpoint of it would hold.
 """
 import numpy as np
 
@@ -27,3 +28,15 @@ def run_steps(strategy, args, config, seed, dtype):
         losses.append(loss)
         norms.append(norm)
     return model, opt, losses, norms, mem
+
+
+def whole_params(strategy, model, opt):
+    """name -> host array: on world rank 0 the whole model as a checkpoint gathers it
+    (strategy.whole_state: ZeRO's shards, tp's pieces, every expert); under a pipeline each
+    stage's part (pp/checkpoint.py stage_state, gathered over tp and dp; {} off its first
+    replica); {} on the other ranks. Collective."""
+    from minidist.pp import checkpoint as pp_checkpoint   # imports mpi4py.MPI: after comm.init
+    if hasattr(strategy, "embedding"):                      # PipelineParallel
+        return pp_checkpoint.stage_state(strategy, opt)[0] or {}
+    whole, _ = strategy.whole_state(model, opt)
+    return whole if strategy.rank == 0 else {}

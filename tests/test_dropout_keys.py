@@ -1,0 +1,133 @@
+"""Dropout masks keyed by (step, site, the row's number in the global batch)
+(minidist/autograd/dropout_keys.py): the same masks whoever draws them. In-process: the keys'
+rules, a batch cut into rows or micro-batches, tensor parallelism's slices, recompute, and
+--grad-accum in train_step; under mpiexec: every layout against one process
+(tests/scripts/dropout_check.py).
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minidist.autograd import Tensor
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
+from minidist.nn import GPT, GPTConfig
+from minidist.strategy.base import SingleProcess
+from minidist.train.step import train_step
+from mpirun import tagged_json
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30, dropout=0.2)
+
+
+def _batch(rows=4, seed=0):
+    x = np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (rows, CONFIG.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def test_a_row_draws_by_its_key_alone():
+    """Rows 2, 3 drawn alone are rows 2, 3 of the whole batch's numbers; another step or
+    another site draws other numbers; the same key draws the same numbers again."""
+    keys = DropoutKeys(5)
+    site = DropoutSite(keys, "transformer.h.0.attn.resid_dropout")
+    whole = site.random((4, 3, 5), dtype="float32")
+    with keys.rows_of([2, 3]):
+        np.testing.assert_array_equal(site.random((2, 3, 5), dtype="float32"), whole[2:])
+    np.testing.assert_array_equal(site.random((4, 3, 5), dtype="float32"), whole)
+    other = DropoutSite(keys, "transformer.h.1.attn.resid_dropout")
+    assert not np.array_equal(other.random((4, 3, 5), dtype="float32"), whole)
+    keys.next_step()
+    assert not np.array_equal(site.random((4, 3, 5), dtype="float32"), whole)
+    assert DropoutKeys(6).step == 0 and not np.array_equal(
+        DropoutSite(DropoutKeys(6), site.name).random((4, 3, 5), dtype="float32"), whole)
+
+
+def test_a_tensor_parallel_slice_is_its_part_of_the_whole_row():
+    """Heads (axis 1) and sequence positions (axis 1 of (B, T, C)) cut into `parts`: each
+    rank's numbers are its slice of the whole tensor's; inactive: no slice."""
+    keys = DropoutKeys(1)
+    whole = DropoutSite(keys, "a").random((2, 4, 6, 6), dtype="float32")    # (B, nh, T, T)
+    for r in range(2):
+        part = DropoutSite(keys, "a", axis=1, parts=2, index=r).random((2, 2, 6, 6),
+                                                                       dtype="float32")
+        np.testing.assert_array_equal(part, whole[:, 2 * r:2 * r + 2])
+    whole = DropoutSite(keys, "b").random((3, 8, 5), dtype="float32")       # (B, T, C)
+    for r in range(4):
+        part = DropoutSite(keys, "b", axis=1, parts=4, index=r).random((3, 2, 5),
+                                                                       dtype="float32")
+        np.testing.assert_array_equal(part, whole[:, 2 * r:2 * r + 2])
+    off = DropoutSite(keys, "b", axis=1, parts=4, index=1, active=lambda: False)
+    np.testing.assert_array_equal(off.random((3, 8, 5), dtype="float32"), whole)
+
+
+def test_rows_that_do_not_match_the_batch_in_flight_are_an_error():
+    keys = DropoutKeys(0)
+    with keys.rows_of([0, 1, 2]), pytest.raises(ValueError, match="dropout h.0.x: 2 rows"):
+        DropoutSite(keys, "h.0.x").random((2, 4))
+
+
+def test_a_model_cut_into_rows_computes_the_whole_batchs_rows():
+    """GPT with dropout on rows 0-1 and 2-3 (keyed as a data-parallel rank's rows are) gives
+    rows 0-1 and 2-3 of the whole batch's logits: dropout acted, and identically."""
+    model = GPT(CONFIG, seed=0, dtype="float64")
+    x, _ = _batch()
+    keys = model.dropout_keys
+    with keys.rows_of(range(4)):
+        whole = model(x)[0].data
+    for half in (0, 1):
+        with keys.rows_of([2 * half, 2 * half + 1]):
+            np.testing.assert_array_equal(model(x[2 * half:2 * half + 2])[0].data,
+                                          whole[2 * half:2 * half + 2])
+    model.eval()
+    assert not np.allclose(model(x)[0].data, whole)
+
+
+def test_a_forward_outside_train_step_draws_new_masks_each_call():
+    """As a generator would: the step advances per training forward, not in eval."""
+    model = GPT(CONFIG, seed=0, dtype="float64")
+    x, _ = _batch()
+    a, b = model(x)[0].data, model(x)[0].data
+    assert model.dropout_keys.step == 2 and not np.allclose(a, b)
+    model.eval()
+    model(x)
+    assert model.dropout_keys.step == 2
+
+
+def test_grad_accum_draws_one_process_masks():
+    """train_step with --grad-accum 2 and 4 (micro-batches of the global batch) = one batch:
+    the same losses, norms and parameters in float64 (dropout 0.2 every step)."""
+    def run(accum):
+        args = SimpleNamespace(grad_accum=accum, grad_clip=1.0, log_json=None, lr=1e-2,
+                               weight_decay=0.1)
+        strategy = SingleProcess()
+        model = strategy.build_model(CONFIG, 3, "float64")
+        opt = strategy.build_optimizer(model, args)
+        out = [train_step(strategy, model, opt, *_batch(8, seed=s), args)[:2]
+               for s in range(3)]
+        return [float(v) for pair in out for v in pair], model
+    (ref, m1), (two, m2), (four, m4) = run(1), run(2), run(4)
+    assert max(abs(a - b) for a, b in zip(ref, two + four + ref)) < 1e-10
+    for (name, p), q, r in zip(m1.named_parameters(), m2.parameters(), m4.parameters()):
+        assert np.abs(q.data - p.data).max() < 1e-10 and np.abs(r.data - p.data).max() < 1e-10
+    assert m1.dropout_keys.step == 3
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("dropout_check.py's reference runs on numpy")
+def test_every_layout_with_dropout_equals_one_process(mpi):
+    """--dropout 0.1, float64, 3 steps on 4 ranks: DDP (also with grad-accum), ZeRO-3, ZeRO-2
+    with grad-accum and recompute, pp 2 x dp 2 (1F1B, GPipe with recompute, ZB-H1 with
+    ZeRO-1, interleaved), tp 2 x dp 2 (also sequence parallel with grad-accum), tp 2 x pp 2
+    (sequence parallel; recompute with grad-accum): losses, norms and every parameter equal
+    one process's (grad-accum 1, no recompute) to 1e-10, every parameter compared.
+
+        mpiexec -n 4 python tests/scripts/dropout_check.py
+    """
+    out = mpi(4, "tests/scripts/dropout_check.py", timeout=300)
+    rows = tagged_json(out)
+    assert [r["run"] for r in rows] == [
+        "dp4", "dp4+accum2", "dp4+zero3", "dp4+zero2+accum2+recompute", "pp2xdp2",
+        "pp2xdp2+gpipe+recompute", "pp2xdp2+zbh1+zero1", "pp2xdp2+v2", "tp2xdp2",
+        "tp2xdp2+sp+accum2", "tp2xpp2+sp", "tp2xpp2+recompute+accum2"]
+    for r in rows:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+        assert r["compared"] == r["ref_params"], r
