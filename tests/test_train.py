@@ -63,6 +63,26 @@ def test_resume_continues_bit_identically(corpus, tmp_path, device):
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
+def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,
+                                                                         device):
+    """Checkpoints written before dropout was keyed (2026-11-25) hold a generator's state as
+    "rng"/"dropout": the resume takes the keys' step from the checkpoint's step, which is
+    what the straight run's keys had there."""
+    common = ["--steps", "4", "--eval-every", "0", "--dropout", "0.1"]
+    straight = tmp_path / "straight.jsonl"
+    train(_args(device, corpus, tmp_path, *common, "--log-json", str(straight)))
+    train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "new"),
+                "--stop-at", "2"))
+    params, opt_sd, meta = checkpoint.load(tmp_path / "new")
+    assert meta["rng"]["dropout"] == {"step": 2}
+    meta["rng"]["dropout"] = np.random.default_rng(0).bit_generator.state     # the old form
+    checkpoint.save(tmp_path / "old", params, opt_sd, meta)
+    resumed = tmp_path / "resumed.jsonl"
+    train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "old"),
+                "--log-json", str(resumed)))
+    assert [r["loss"] for r in _rows(resumed)[:2]] == [r["loss"] for r in _rows(straight)[2:4]]
+
+
 @pytest.mark.parametrize("flags, says", [  # --tp (with --zero): test_tensor_parallel
     (["--pp", "2"], "pipeline parallelism: .* 2 ranks, but this job has 1"),
     (["--micro-batches", "2"], "--grad-accum")])             # more: tests/test_pipeline.py

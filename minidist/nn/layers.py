@@ -74,8 +74,9 @@ class LayerNorm(Module):
 class Dropout(Module):
     """Zero each element with probability p in training and scale the rest by 1/(1-p).
 
-    Its random numbers come from `self.rng`, which GPT points at one generator shared by all
-    its dropout layers (saved in checkpoints, so a resumed run draws the same masks).
+    Its random numbers come from `self.rng` (anything with random(shape, dtype): a numpy
+    Generator, or the DropoutSite GPT gives each layer, keyed by the layer's name, the step
+    and the rows' places in the global batch: minidist/autograd/dropout_keys.py).
     """
 
     def __init__(self, p=0.0, rng=None):

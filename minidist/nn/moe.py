@@ -151,7 +151,7 @@ class MoE(Module):
         self.router = Linear(config.n_embd, E, bias=False, dtype=dtype)
         plain = replace(config, dropout=0.0)       # the experts' dropout is the layer's
         self.experts = ModuleDict(**{str(e): make_expert(plain, dtype) for e in range(E)})
-        self.dropout = Dropout(config.dropout)     # expert_dropout's rate and generator
+        self.dropout = Dropout(config.dropout)     # expert_dropout's rate and draws
         self.n_experts, self.top_k = E, config.moe_top_k
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_loss_coef, config.moe_z_loss_coef

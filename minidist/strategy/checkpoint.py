@@ -8,7 +8,8 @@ verified on load, one code path for every strategy.
     optimizer_state  the optimizer's state_dict(): {"groups": [...], "state": {name: {key:
                      array or scalar}}}
     meta             {"step": steps done, "config": GPTConfig.to_dict(), "dtype", "optimizer":
-                     its class name, "rng": {name: generator state}, "extra": the run's flags}
+                     its class name, "rng": {"dropout": the dropout keys' state_dict},
+                     "extra": the run's flags}
 
 `directory` is a --save directory: each save is a new numbered folder and a `latest` pointer
 (minidist/strategy/checkpoint_dirs.py). One checkpoint folder holds
