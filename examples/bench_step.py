@@ -75,15 +75,19 @@ def captured(one_step, warmup, total):
     table: the gradients are new arrays every step, and a table cannot be uploaded while
     capturing (multi_tensor._refuse_while_capturing), so the capture's gradients must land
     where an eager step's did. The last eager step is checked to read nothing back. Then
-    one capture, which runs nothing. Returns (replay, eager steps run): replay() is one
-    step, the graph launched on that stream; it returns the loss Tensor whose buffer
-    every replay rewrites."""
+    one capture, which runs nothing. Returns (Replay, eager steps run).
+    The warm-up and the capture allocate from a memory pool of their own, kept alive with
+    the graph: the blocks the captured step freed (its temporaries, which every replay
+    writes) are free blocks of that pool, which nothing allocates from after the capture.
+    In the default pool an out-of-memory retry elsewhere (CuPy's free_all_blocks) would
+    hand them back to the driver while the graph still writes them."""
     import cupy
     backend.synchronize()      # the model, masters and ids were made on the default stream,
     #                            which a non-blocking stream does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
     done, new_tables = 0, True
-    with stream:
+    with stream, cupy.cuda.using_allocator(pool.malloc):
         while done < warmup or (done < min(warmup + SETTLE_STEPS, total - 1) and new_tables):
             reads, tables = sum(backend.host_reads().values()), multi_tensor.tables_made()
             one_step()
@@ -100,11 +104,19 @@ def captured(one_step, warmup, total):
             stream.end_capture()
             raise
         graph = stream.end_capture()
+    return Replay(graph, stream, pool, loss), done
 
-    def replay():
-        graph.launch(stream)
-        return loss
-    return replay, done
+
+class Replay:
+    """A captured step: replay() launches the graph on its stream and returns the loss
+    Tensor it rewrites. Holds the graph's memory pool as long as the graph can run."""
+
+    def __init__(self, graph, stream, pool, loss):
+        self.graph, self.stream, self.pool, self.loss = graph, stream, pool, loss
+
+    def __call__(self):
+        self.graph.launch(self.stream)
+        return self.loss
 
 
 def kernels_per_step(one_step):
