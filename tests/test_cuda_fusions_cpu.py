@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cuda_cpu
-from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn
+from minidist.autograd import cuda_kernels as ck, cuda_kernels_new as ckn
 from minidist.autograd import cuda_source as cs, fused as F, fusions
 from minidist.autograd.cuda_source_fusions import FUSIONS
 from test_cuda_kernels_cpu import (DTYPES, ORDERS, close, f64, failing_orders, grads,

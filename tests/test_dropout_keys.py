@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minidist.autograd import Tensor
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.base import SingleProcess

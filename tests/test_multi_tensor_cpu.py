@@ -126,7 +126,7 @@ def amp_setup(dtype):
 def check_multi_amp_adamw(dtype, src=None, order="low", steps=3, max_norm=5.0):
     """multi_amp_adamw equals MasterWeightOptimizer.step bitwise: masters, m, v and the
     16-bit weights; the factor includes a clip (max_norm below the gradients' norm)."""
-    (amp_r, ref, opt_r), (amp_g, got, opt_g) = amp_setup(dtype), amp_setup(dtype)
+    (amp_r, ref, opt_r), (_, got, opt_g) = amp_setup(dtype), amp_setup(dtype)
     for step in range(steps):
         set_grads(ref, step, 1024.0), set_grads(got, step, 1024.0)
         amp_r.scaled_upstream()

@@ -15,7 +15,6 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
 Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
 tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp).
 """
-from minidist import backend
 from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params
 from minidist.strategy import checkpoint
 

@@ -25,7 +25,6 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.config import gpt_init
-from minidist.nn.block import CausalSelfAttention
 from minidist.nn.gpt import GPT
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops

@@ -21,8 +21,6 @@ Both are proven equal on the CPU, bitwise, step after step through overflows and
 changes (tests/test_device_verdict_cpu.py); never run on a GPU yet.
 Tests: tests/test_amp.py, tests/test_multi_tensor_cpu.py, tests/test_device_verdict_cpu.py.
 """
-import numpy as np
-
 from minidist import backend
 from minidist.nn import Parameter
 from minidist.optim import AdamW, multi_tensor
