@@ -58,6 +58,10 @@ class DropoutKeys:
         finally:
             self.rows = before
 
+    def rows_in_flight(self, n):
+        """The global numbers of the n rows in flight: `rows`, or 0 .. n-1 outside a step."""
+        return np.arange(n) if self.rows is None else self.rows
+
     def snapshot(self):
         """(step, rows): what a recompute restores to draw its forward's masks again."""
         return self.step, self.rows
@@ -75,7 +79,7 @@ class DropoutKeys:
     def row_draws(self, name, n_rows, row_shape, dtype):
         """(n_rows,) + row_shape numbers: row i's from its key (site `name`, this step, the
         global row rows[i]), on the host."""
-        rows = np.arange(n_rows) if self.rows is None else self.rows
+        rows = self.rows_in_flight(n_rows)
         if len(rows) != n_rows:
             raise ValueError(f"dropout {name}: {n_rows} rows drawn, but the batch in flight "
                              f"has {len(rows)} (DropoutKeys.rows_of)")

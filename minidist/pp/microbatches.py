@@ -19,8 +19,6 @@ output's gradient and from them, seeded as the last stage seeds the loss (`scale
 one pass (autograd's backward_all); their values (`router_values`) are added to the loss
 the strategy reports. Tests: tests/test_pipeline.py, tests/test_expert_parallel.py.
 """
-import numpy as np
-
 from minidist.autograd.function import backward_all
 from minidist.autograd.tensor import defer_weight_grads
 from minidist.comm import trace
@@ -43,8 +41,7 @@ class MicroBatches:
         self.scale_loss = scale_loss
         self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
-        keys = stage.dropout_keys              # the rows' numbers in the global batch
-        ids = np.arange(len(idx)) if keys.rows is None else keys.rows
+        ids = stage.dropout_keys.rows_in_flight(len(idx))    # their numbers in the global batch
         self.ids = [ids[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.live, self.losses, self.measure = {}, [], measure
         self.router, self.router_values = {}, []
