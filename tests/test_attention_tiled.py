@@ -10,6 +10,7 @@ import pytest
 
 from minidist.autograd import Tensor, fused as F
 from minidist.autograd import flash
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.train.args import train_parser
@@ -26,6 +27,33 @@ def grads(fn, arrays, g):
     y = fn(*ts)
     y.backward(g)
     return y.data, [t.grad for t in ts]
+
+
+def _site(name="transformer.h.0.attn.attn_dropout", seed=3, axis=None, parts=1, index=0):
+    return DropoutSite(DropoutKeys(seed), name, axis, parts, index)
+
+
+@pytest.mark.parametrize("T, block", [(7, 3), (16, 4), (33, 8), (12, 64)])
+def test_tiled_dropout_equals_materialised_dropout_float64(T, block):
+    """Dropout 0.3 on the attention weights: the tiles' numbers, computed a tile at a time
+    forward and again backward, are the materialised mask's (the same keyed site), so the
+    outputs and gradients are equal to 1e-12; a tensor-parallel rank's heads too."""
+    q, k, v = (randn(2, 3, T, 5, seed=i) for i in range(3))
+    g = randn(2, 3, T, 5, seed=9)
+    for site in (_site(), _site(axis=1, parts=2, index=1)):
+        y0, d0 = grads(lambda *a: F.causal_attention(*a, 0.3, site), [q, k, v], g)
+        y1, d1 = grads(lambda *a: flash.tiled_attention(*a, block, 0.3, site), [q, k, v], g)
+        np.testing.assert_allclose(y1, y0, rtol=0, atol=1e-12)
+        for a, b in zip(d1, d0):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    y_undropped = flash.tiled_attention(*(Tensor(a) for a in (q, k, v)), block).data
+    assert np.abs(y1 - y_undropped).max() > 1e-3                       # something dropped
+
+
+def test_tiled_dropout_needs_keyed_numbers():
+    q = Tensor(randn(1, 1, 4, 2))
+    with pytest.raises(TypeError, match="DropoutSite"):
+        flash.tiled_attention(q, q, q, 4, 0.1, np.random.default_rng(0))
 
 
 @pytest.mark.parametrize("T, block", [(1, 4), (7, 3), (16, 4), (33, 8), (12, 64), (9, 1)])
@@ -153,9 +181,7 @@ def test_gpt_with_tiled_attention_matches_materialised():
         np.testing.assert_allclose(out[1][1][name], g, rtol=0, atol=1e-12, err_msg=name)
 
 
-def test_config_refuses_tiled_with_dropout_and_unknown_names():
-    with pytest.raises(ValueError, match="--attention materialized or --dropout 0"):
-        GPTConfig(**TINY, attention="tiled", dropout=0.1)
+def test_config_refuses_unknown_names():
     with pytest.raises(ValueError, match="attention must be one of"):
         GPTConfig(**TINY, attention="flash")
     with pytest.raises(ValueError, match="attention_block must be >= 1"):
@@ -170,10 +196,11 @@ def test_flags():
 
 @pytest.mark.parametrize("attention,dropout,T,tiled", [
     ("auto", 0.0, 128, False), ("auto", 0.0, 255, False), ("auto", 0.0, 256, True),
-    ("auto", 0.1, 1024, False), ("tiled", 0.0, 16, True), ("materialized", 0.0, 4096, False)])
-def test_auto_picks_tiled_from_256_without_dropout(attention, dropout, T, tiled):
+    ("auto", 0.1, 1024, True), ("auto", 0.1, 128, False), ("tiled", 0.0, 16, True),
+    ("materialized", 0.0, 4096, False)])
+def test_auto_picks_tiled_from_256(attention, dropout, T, tiled):
     """--attention auto (the default): tiled where it is faster on the CPU too (T >= 256,
-    TILED_FROM_T), materialised below, and always with attention dropout."""
+    TILED_FROM_T), materialised below, with or without attention dropout."""
     attn = GPT(GPTConfig(**{**TINY, "attention": attention, "dropout": dropout}),
                dtype="float64").transformer.h[0].attn
     assert attn.uses_tiled(T) is tiled

@@ -14,6 +14,7 @@ import pytest
 from minidist import backend
 from minidist.autograd import Function, Tensor, fused as F, ops
 from minidist.autograd import attention, flash, function, fusions, indexing
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.gradcheck import gradcheck
 
 # Finite differences perturb one numpy element at a time (gradcheck.py is numpy-only): this
@@ -177,6 +178,12 @@ CASES = [
     Case("tiled_self_attention", (flash.TiledSelfAttention,),
          lambda x: flash.tiled_self_attention(x, 2, block=3), lambda: [T(randn(2, 7, 12))],
          lambda x: ref_self_attn(x, 2)),
+    Case("tiled_attention_dropout", (flash.TiledAttention,),
+         lambda q, k, v: flash.tiled_attention(q, k, v, 2, 0.3, DropoutSite(DropoutKeys(1), "a")),
+         lambda: [T(randn(2, 2, 5, 3, seed=i)) for i in range(3)]),
+    Case("tiled_self_attention_dropout", (flash.TiledSelfAttention,),
+         lambda x: flash.tiled_self_attention(x, 2, 3, 0.2, DropoutSite(DropoutKeys(2), "a")),
+         lambda: [T(randn(2, 7, 12))]),
 ]
 
 TARGETS = np.array([[1, -1, 3], [0, 2, -1]])

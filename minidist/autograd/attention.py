@@ -19,6 +19,7 @@ import math
 
 from minidist import backend
 from minidist.autograd import cuda_kernels as _ck
+from minidist.autograd.dropout_keys import uniforms
 from minidist.autograd.function import Function
 from minidist.backend import is_half, matmul as _mm, xp_of
 
@@ -35,9 +36,8 @@ def _causal_bias(xp, T, dtype):
 
 
 def _keep_mask(rng, shape, p, xp):
-    """Dropout's mask, the same contract as ops.dropout: rng.random(shape) >= p."""
-    keep = rng.random(shape, dtype="float32") >= p
-    return xp.asarray(keep) if xp is not backend.xp_of(keep) else keep
+    """Dropout's mask, the same contract as ops.dropout: rng's numbers >= p, on xp."""
+    return uniforms(rng, shape, xp) >= p
 
 
 def _acc(dtype):

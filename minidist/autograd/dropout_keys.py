@@ -1,13 +1,16 @@
 """Dropout masks keyed by where a number sits, not by who draws it or in what order.
 
-The masks of one dropout site (a Dropout module, named by its place in the whole GPT, e.g.
+The numbers of one dropout site (a Dropout module, named by its place in the whole GPT, e.g.
 "transformer.h.3.attn.resid_dropout"), at one training step, in one row of that step's
-GLOBAL batch, are the float32 numbers
+GLOBAL batch, are Philox4x32-10's (minidist/autograd/philox.py), a counter-based generator:
 
-    rng([seed, DROPOUT_STREAM, crc32(site name), step, global row]).random(row shape)
+    element i of the row (its flat index in the row's whole, unsliced shape) is word i % 4 of
+    philox4x32(counter = (i // 4 low 32 bits, i // 4 high 32 bits, global row, step),
+               key = (seed, crc32(site name)))          as a float32 in [0, 1) (top 24 bits)
 
-(ops.dropout keeps an element where its number is >= p). No generator is shared and nothing
-advances between draws, so every layout draws one process's masks:
+(ops.dropout keeps an element where its number is >= p). Each number is a pure function of
+its place, so a rank computes exactly the numbers of the elements it holds, on its own device,
+and they are one process's numbers:
 
     data parallelism   rank r's rows are rows r*B/dp .. of the global batch: their own keys
                        (a shared generator gave every dp rank the same masks on its rows)
@@ -15,8 +18,9 @@ advances between draws, so every layout draws one process's masks:
     pipelines          a stage keys its blocks by their global names and each micro-batch
                        by its rows (a generator per stage drew other masks than one process)
     expert parallelism a token's experts' masks are its row's (minidist/nn/moe.py)
-    tensor parallelism a rank keeps its heads (attention weights) or positions (sequence
-                       parallelism) of the row's numbers (DropoutSite's axis)
+    tensor parallelism a rank computes its heads (attention weights) or positions (sequence
+                       parallelism) of the row, nothing else (DropoutSite's axis)
+    tiled attention    a tile computes its (query, key) block's numbers (flash.py)
     --ckpt-activations the recompute draws the same keys (recompute.py restores step, rows)
 
 `DropoutKeys` holds the seed, the step the masks are for, and the global rows of the
@@ -24,7 +28,8 @@ micro-batch in flight; train_step (minidist/train/step.py) advances the step onc
 optimizer step and sets the rows around each micro-batch (the pipeline narrows them per
 micro-batch: minidist/pp/microbatches.py). A forward outside train_step, in training mode,
 draws new masks each call, as a generator would (GPT.forward advances the step there).
-The state in checkpoints is the step alone.
+The state in checkpoints is the step alone. On a GPU the counters are built and hashed on
+the device (the same xp lines): no mask crosses the host link.
 Tests: tests/test_dropout_keys.py; every strategy's exactness with --dropout.
 """
 import contextlib
@@ -33,8 +38,9 @@ import zlib
 import numpy as np
 
 from minidist import backend
+from minidist.autograd.philox import MASK32, philox4x32, to_unit_float32
 
-DROPOUT_STREAM = 0x0D50  # the dropout streams, apart from the parameters' (nn/config.py)
+HOST_CHUNK = 1 << 14    # counters hashed at a time on the host (cache-sized; a GPU takes all)
 
 
 class DropoutKeys:
@@ -76,40 +82,101 @@ class DropoutKeys:
     def load_state_dict(self, state):
         self.step = int(state["step"])
 
-    def row_draws(self, name, n_rows, row_shape, dtype):
-        """(n_rows,) + row_shape numbers: row i's from its key (site `name`, this step, the
-        global row rows[i]), on the host."""
-        rows = self.rows_in_flight(n_rows)
-        if len(rows) != n_rows:
-            raise ValueError(f"dropout {name}: {n_rows} rows drawn, but the batch in flight "
-                             f"has {len(rows)} (DropoutKeys.rows_of)")
-        site = zlib.crc32(name.encode())
-        out = np.empty((n_rows,) + tuple(row_shape), dtype=dtype)
-        for i, row in enumerate(rows):
-            key = [self.seed, DROPOUT_STREAM, site, self.step, int(row)]
-            out[i] = backend.rng(key).random(tuple(row_shape), dtype=dtype)
+    def numbers(self, name, rows, base, cols, xp=np):
+        """Site `name`'s float32 numbers in [0, 1) at this step: out[..., j] is the number
+        at flat index base[...] + cols[j] of global row rows[...]. rows, base: host integer
+        arrays broadcast together to S; cols: 1-D host ints; out: S + (len(cols),), on xp.
+
+        When cols is a run of whole Philox blocks (4 aligned numbers, and base a multiple
+        of 4) each call yields 4 numbers; otherwise each number picks its word of its own
+        call (the same numbers, 4x the work)."""
+        rows, base, cols = (np.asarray(a, dtype=np.int64) for a in (rows, base, cols))
+        S, L = np.broadcast_shapes(rows.shape, base.shape), len(cols)
+        whole = (L % 4 == 0 and cols[0] % 4 == 0 and not (base % 4).any()
+                 and np.array_equal(cols, cols[0] + np.arange(L)))
+        firsts = backend.to_device(cols[::4] if whole else cols, xp)
+        shape = S + (len(firsts),)                                        # L, or L/4
+        flat = xp.broadcast_to(backend.to_device(base, xp)[..., None] + firsts, shape)
+        row = xp.broadcast_to(backend.to_device(rows, xp)[..., None], shape)
+        words = self._words(name, (flat >> 2).ravel(), row.ravel(), xp)    # (n, 4)
+        if whole:
+            picked = words.reshape(S + (L,))
+        else:
+            lane = (flat & 3).ravel()
+            picked = words[xp.arange(lane.size), lane].reshape(S + (L,))
+        return to_unit_float32(picked, xp)
+
+    def _words(self, name, blocks, rows, xp):
+        """(n, 4) uint64: Philox's four words for counters (blocks[i] low and high halves,
+        rows[i], step) under this site's key, hashed HOST_CHUNK counters at a time on the
+        host (the arrays stay in cache), all at once on a device."""
+        seed = int(self.seed) % 2 ** 64
+        key = ((seed ^ (seed >> 32)) & MASK32, zlib.crc32(name.encode()))
+        blocks = blocks.astype(xp.uint64)
+        n = blocks.size
+        out = xp.empty((n, 4), dtype=xp.uint64)
+        chunk = HOST_CHUNK if xp is np else max(n, 1)
+        for lo in range(0, n, chunk):
+            b, r = blocks[lo:lo + chunk], rows[lo:lo + chunk]
+            counter = (b & xp.uint64(MASK32), b >> xp.uint64(32), r, self.step)
+            for j, w in enumerate(philox4x32(counter, key, xp)):
+                out[lo:lo + chunk, j] = w
         return out
 
 
 class DropoutSite:
-    """What one Dropout module draws from (`random(shape, dtype)`, as ops.dropout asks): the
-    keys' numbers for the site `name`. Under tensor parallelism a rank holds a slice of the
-    tensor along `axis` (`parts` slices, this rank's `index`): it draws the whole row and
-    keeps its slice; `active()` False (no sequence split in this forward): no slice."""
+    """What one Dropout module draws from: the keys' numbers for the site `name`, computed
+    for the elements this rank holds. Under tensor parallelism a rank holds a slice of the
+    tensor along `axis` (`parts` slices, this rank's `index`): its elements' places in the
+    whole row are offset along that axis; `active()` False (no sequence split in this
+    forward): no slice."""
 
     def __init__(self, keys, name, axis=None, parts=1, index=0, active=None):
         self.keys, self.name = keys, name
         self.axis, self.parts, self.index, self.active = axis, parts, index, active
 
-    def random(self, shape, dtype="float64"):
-        sliced = self.axis is not None and self.parts > 1 and (
-            self.active is None or self.active())
-        row = list(shape[1:])
-        if sliced:
-            row[self.axis - 1] *= self.parts
-        draws = self.keys.row_draws(self.name, shape[0], row, dtype)
-        if not sliced:
-            return draws
-        n = shape[self.axis]
-        keep = (slice(None),) * self.axis + (slice(self.index * n, (self.index + 1) * n),)
-        return draws[keep]
+    def random(self, shape, dtype="float32", xp=np):
+        """The numbers of a whole local tensor of `shape` (rows first), on xp."""
+        return self.block(shape, [np.arange(n) for n in shape[1:]], xp).astype(dtype,
+                                                                             copy=False)
+
+    def block(self, shape, coords, xp=np):
+        """The numbers of a sub-block of a local tensor of `shape` (B, ...): every row, and
+        along each further axis d the local indices coords[d - 1] (1-D host ints); float32
+        (B,) + (len(c) for c in coords)."""
+        row, coords = list(shape[1:]), [np.asarray(c, dtype=np.int64) for c in coords]
+        if self.axis is not None and self.parts > 1 and (self.active is None or
+                                                         self.active()):
+            row[self.axis - 1] *= self.parts                        # the whole row's shape
+            coords[self.axis - 1] = coords[self.axis - 1] + self.index * shape[self.axis]
+        strides = np.cumprod([1] + row[:0:-1])[::-1]                # C order, elements
+        lead = coords[:-1]                                          # the last axis: cols
+        base = np.zeros((), dtype=np.int64)                         # (len(c) for c in lead)
+        for d, c in enumerate(lead):
+            base = base + (c * strides[d]).reshape((-1,) + (1,) * (len(lead) - d - 1))
+        rows = self.rows(shape[0]).reshape((-1,) + (1,) * len(lead))
+        return self.keys.numbers(self.name, rows, base[None], coords[-1], xp)
+
+    def at(self, n, batch_rows, base, cols, xp=np):
+        """Numbers at flat places of the whole row (no slicing: MoE's experts, nn/moe.py)
+        for a batch of n rows: batch_rows (each entry's row in it), base, cols as
+        DropoutKeys.numbers."""
+        rows = self.rows(n)[np.asarray(batch_rows)]
+        return self.keys.numbers(self.name, rows, base, cols, xp)
+
+    def rows(self, n):
+        """The global numbers of the n rows in flight (checked against the keys' rows)."""
+        rows = self.keys.rows_in_flight(n)
+        if len(rows) != n:
+            raise ValueError(f"dropout {self.name}: {n} rows drawn, but the batch in flight "
+                             f"has {len(rows)} (DropoutKeys.rows_of)")
+        return rows
+
+
+def uniforms(rng, shape, xp):
+    """Dropout's float32 numbers for a tensor of `shape` on xp: a DropoutSite computes them
+    there; a numpy Generator (a Dropout built with rng=...) draws rng.random(shape) on the
+    host, moved."""
+    if isinstance(rng, DropoutSite):
+        return rng.random(shape, "float32", xp)
+    return backend.to_device(rng.random(shape, dtype="float32"), xp)

@@ -15,8 +15,15 @@ Only (q, k, v, y, lse) are saved: lse is (B, nh, T), O(T), not O(T^2). Backward 
 each tile's probabilities p = exp(s - lse) and uses the identity sum_j P_ij dP_ij = g_i . y_i
 (as attention.py does). Causal: a tile whose first key comes after its last query is never
 computed, so about half the (T/b)^2 tiles are skipped (`attention_flops` counts them); only
-tiles that cross the diagonal are masked. No dropout: a (T, T) mask is what this avoids
-keeping (GPTConfig refuses attention="tiled" with dropout > 0).
+tiles that cross the diagonal are masked.
+Dropout on the attention weights (`AttnDropout`) without a (T, T) mask: each tile computes its
+own (query, key) numbers from the dropout keys (a counter-based generator: any element's
+number from its place, minidist/autograd/dropout_keys.py), forward and again in backward. The
+softmax's sums use the undropped p; only p v uses the dropped p Z (Z = keep / (1 - p_drop)):
+
+    forward   l += rowsum(p);  acc += (p Z) v_j
+    backward  dv += (p Z)^T g;  ds = p (Z (g v^T) - D);  D = rowsum(g y) still, since
+              sum_j P_ij Z_ij (g_i . v_j) = g_i . y_i
 `partial_attention` + `merge_partials` are the same online softmax across key chunks held
 elsewhere (ring attention's building blocks). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1
 forward and backward run as CUDA kernels (cuda_source_flash.py, proven on the CPU by
@@ -26,8 +33,11 @@ Tests: tests/test_attention_tiled.py, tests/test_gradcheck.py.
 import itertools
 import math
 
+import numpy as np
+
 from minidist.autograd import cuda_kernels_new as _ck
 from minidist.autograd.attention import heads_view, saved_heads, split_heads
+from minidist.autograd.dropout_keys import DropoutSite
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -85,13 +95,32 @@ def _tile_scores(q_i, k_j, r0, c0, masked, offset):
     return s
 
 
+class AttnDropout:
+    """Dropout with probability `p` on attention weights of shape (B, nh, T, T) (`shape`;
+    T the whole sequence, positions global), computed a tile at a time from `site`, a
+    DropoutSite (its numbers for any (query, key) block, minidist/autograd/dropout_keys.py)."""
+
+    def __init__(self, p, site, shape):
+        if not isinstance(site, DropoutSite):
+            raise TypeError("tiled attention's dropout needs keyed numbers (a DropoutSite, "
+                            "as GPT gives its layers), not a generator")
+        self.p, self.site, self.shape = p, site, tuple(shape)
+
+    def tile(self, q0, q1, k0, k1, xp, dtype):
+        """Z (B, nh, q1 - q0, k1 - k0): keep / (1 - p) for queries q0:q1, keys k0:k1."""
+        heads = np.arange(self.shape[1])
+        u = self.site.block(self.shape, [heads, np.arange(q0, q1), np.arange(k0, k1)], xp)
+        return ((u >= self.p) * (1.0 / (1.0 - self.p))).astype(dtype)
+
+
 def _stat_dtype(xp, dtype):
     """Row statistics (m, l, lse) at least in float32, even for float16 inputs."""
     return xp.result_type(dtype, xp.float32)
 
 
-def _row_block(q_i, k, v, tiles, offset, scale):
-    """Online softmax of one query row block over its key tiles -> (y_i, lse_i)."""
+def _row_block(q_i, k, v, tiles, starts, scale, dropout=None):
+    """Online softmax of one query row block over its key tiles -> (y_i, lse_i); starts:
+    the global positions (q_start, k_start) of q's and k's first rows."""
     xp = xp_of(q_i)
     lead, bq = q_i.shape[:-2], q_i.shape[-2]
     sd = _stat_dtype(xp, q_i.dtype)
@@ -99,16 +128,20 @@ def _row_block(q_i, k, v, tiles, offset, scale):
     l = xp.zeros(lead + (bq, 1), sd)                         # running sum of exp(s - m)
     acc = xp.zeros(q_i.shape, sd)                            # running sum of p v
     q_s = q_i * scale
-    for r0, _, c0, c1, masked in tiles:
-        s = _tile_scores(q_s, k[..., c0:c1, :], r0, c0, masked, offset)
+    q_start, k_start = starts
+    for r0, r1, c0, c1, masked in tiles:
+        s = _tile_scores(q_s, k[..., c0:c1, :], r0, c0, masked, k_start - q_start)
         m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
         m_new = xp.where(xp.isfinite(m_new), m_new, 0.0)     # a row with no key yet: exp(-inf)
         alpha = xp.exp(m - m_new)                            # old sums under the new max
         s -= m_new
         p = xp.exp(s, out=s)                                 # (B, nh, bq, bk)
         l *= alpha
-        l += p.sum(axis=-1, keepdims=True)
+        l += p.sum(axis=-1, keepdims=True)                   # the undropped sum
         acc *= alpha
+        if dropout is not None:                              # p Z: this tile's numbers
+            p *= dropout.tile(q_start + r0, q_start + r1, k_start + c0, k_start + c1, xp,
+                              p.dtype)
         acc += _mm(p.astype(v.dtype, copy=False), v[..., c0:c1, :])
         m = m_new
     seen = l > 0                                             # False: every key was masked
@@ -117,9 +150,11 @@ def _row_block(q_i, k, v, tiles, offset, scale):
     return y.astype(q_i.dtype, copy=False), lse[..., 0]
 
 
-def partial_attention(q, k, v, q_start=0, k_start=0, block=DEFAULT_BLOCK, causal=True):
+def partial_attention(q, k, v, q_start=0, k_start=0, block=DEFAULT_BLOCK, causal=True,
+                      dropout=None):
     """Attention of queries q (.., Tq, hs) at positions q_start.. over ONE chunk of keys and
-    values (.., Tk, hs) at positions k_start.., arrays in and out, no graph.
+    values (.., Tk, hs) at positions k_start.., arrays in and out, no graph; dropout: an
+    AttnDropout or None.
     Returns (y, lse): y (.., Tq, hs) normalised over this chunk only, lse (.., Tq) its
     log-sum-exp (-inf for a row that sees no key). `merge_partials` combines chunks."""
     xp = xp_of(q)
@@ -132,7 +167,7 @@ def partial_attention(q, k, v, q_start=0, k_start=0, block=DEFAULT_BLOCK, causal
     y[...], lse[...] = 0, -math.inf                          # rows that see no key at all
     for (r0, r1), tiles in rows:
         y[..., r0:r1, :], lse[..., r0:r1] = _row_block(q[..., r0:r1, :], k, v, tiles,
-                                                       k_start - q_start, scale)
+                                                       (q_start, k_start), scale, dropout)
     return y, lse
 
 
@@ -155,21 +190,21 @@ def _kernels_ok(q, *arrays):
     return _ck.use_new(q, *arrays) and _ck.flash_ok(q)
 
 
-def _forward(q, k, v, block, out):
+def _forward(q, k, v, block, out, dropout=None):
     """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
-    returns lse (B, nh, T)."""
-    if _kernels_ok(q, k, v):
+    returns lse (B, nh, T). The CUDA kernels have no dropout: with it, the code here."""
+    if dropout is None and _kernels_ok(q, k, v):
         out[...], lse = _ck.flash_attention(q, k, v)
         return lse
-    y, lse = partial_attention(q, k, v, 0, 0, block)
+    y, lse = partial_attention(q, k, v, 0, 0, block, dropout=dropout)
     out[...] = y
     return lse
 
 
-def _backward(g, q, k, v, y, lse, block, out):
+def _backward(g, q, k, v, y, lse, block, out, dropout=None):
     """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
-    probabilities are recomputed from lse; nothing (T, T) is ever held."""
-    if _kernels_ok(q, k, v, g, y):
+    probabilities (and dropout numbers) are recomputed; nothing (T, T) is ever held."""
+    if dropout is None and _kernels_ok(q, k, v, g, y):
         out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse)
         return
     xp = xp_of(g)
@@ -188,8 +223,12 @@ def _backward(g, q, k, v, y, lse, block, out):
             s = _tile_scores(q_s, k_j, r0, c0, masked, 0)
             s -= lse_i
             p = xp.exp(s, out=s).astype(q.dtype, copy=False)  # the forward's probabilities
-            dv[..., c0:c1, :] += _mm(xp.swapaxes(p, -1, -2), g_i)   # y = p v: dv = p^T g
-            dp = _mm(g_i, xp.swapaxes(v_j, -1, -2))           # dp = g v^T
+            z = None if dropout is None else dropout.tile(r0, r1, c0, c1, xp, p.dtype)
+            pz = p if z is None else p * z                    # y = (p z) v
+            dv[..., c0:c1, :] += _mm(xp.swapaxes(pz, -1, -2), g_i)  # dv = (p z)^T g
+            dp = _mm(g_i, xp.swapaxes(v_j, -1, -2))           # d(p z) = g v^T
+            if z is not None:
+                dp *= z                                       # dp = z g v^T
             dp -= D_i                                         # softmax: ds = p (dp - g.y)
             dp *= p
             dp *= scale                                       # s = q k^T / sqrt(hs)
@@ -197,15 +236,22 @@ def _backward(g, q, k, v, y, lse, block, out):
             dk[..., c0:c1, :] += _mm(xp.swapaxes(dp, -1, -2), q_i)  # dk = ds^T q
 
 
+def _dropout(p, rng, q):
+    """AttnDropout over q's (B, nh, T, T) weights, or None for p == 0."""
+    return AttnDropout(p, rng, q.shape[:-1] + q.shape[-2:-1]) if p > 0 else None
+
+
 class TiledAttention(Function):
-    """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs), causal, tiles of `block` rows/keys."""
+    """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs), causal, tiles of `block` rows/keys;
+    dropout_p > 0: on the attention weights, numbers from `rng` (a DropoutSite)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block=DEFAULT_BLOCK):
+    def forward(ctx, q, k, v, block=DEFAULT_BLOCK, dropout_p=0.0, rng=None):
         if not (q.shape == k.shape == v.shape) or q.ndim < 2:
             raise ValueError("q, k, v must have one shape (B, nh, T, hs)")
         y = xp_of(q).empty(q.shape, q.dtype)
-        lse = _forward(q, k, v, block, y)
+        ctx.dropout = _dropout(dropout_p, rng, q)
+        lse = _forward(q, k, v, block, y, ctx.dropout)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.block = block
         return y
@@ -214,8 +260,8 @@ class TiledAttention(Function):
     def backward(ctx, grad):
         q, k, v, y, lse = ctx.saved
         out = xp_of(grad).empty((3,) + q.shape, q.dtype)
-        _backward(grad, q, k, v, y, lse, ctx.block, out)
-        return out[0], out[1], out[2], None
+        _backward(grad, q, k, v, y, lse, ctx.block, out, ctx.dropout)
+        return out[0], out[1], out[2], None, None, None
 
 
 class TiledSelfAttention(Function):
@@ -223,9 +269,10 @@ class TiledSelfAttention(Function):
     split and merged as strided views), computed tile by tile."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, block=DEFAULT_BLOCK):
+    def forward(ctx, qkv, n_head, block=DEFAULT_BLOCK, dropout_p=0.0, rng=None):
         q, k, v, y, yh = split_heads(qkv, n_head)
-        lse = _forward(q, k, v, block, yh)                    # (B, nh, T)
+        ctx.dropout = _dropout(dropout_p, rng, q)
+        lse = _forward(q, k, v, block, yh, ctx.dropout)       # (B, nh, T)
         ctx.save_for_backward(qkv, y, lse)
         ctx.n_head, ctx.block = n_head, block
         return y
@@ -234,15 +281,17 @@ class TiledSelfAttention(Function):
     def backward(ctx, grad):
         g, yh, q, k, v, lse = saved_heads(ctx, grad)          # (B, nh, T, hs) views
         dqkv = xp_of(grad).empty_like(ctx.saved[0])           # (B, T, 3C)
-        _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, ctx.n_head))
-        return dqkv, None, None
+        _backward(g, q, k, v, yh, lse, ctx.block, heads_view(dqkv, ctx.n_head), ctx.dropout)
+        return dqkv, None, None, None, None
 
 
-def tiled_attention(q, k, v, block=DEFAULT_BLOCK):
-    """Causal attention over heads already split, (B, nh, T, hs) each, in tiles of `block`."""
-    return TiledAttention.apply(q, k, v, block)
+def tiled_attention(q, k, v, block=DEFAULT_BLOCK, dropout_p=0.0, rng=None):
+    """Causal attention over heads already split, (B, nh, T, hs) each, in tiles of `block`;
+    dropout on the weights with probability dropout_p, numbers from rng (a DropoutSite)."""
+    return TiledAttention.apply(q, k, v, block, dropout_p, rng)
 
 
-def tiled_self_attention(qkv, n_head, block=DEFAULT_BLOCK):
-    """(B, T, 3C) -> (B, T, C) causal self-attention in tiles of `block` (no dropout)."""
-    return TiledSelfAttention.apply(qkv, n_head, block)
+def tiled_self_attention(qkv, n_head, block=DEFAULT_BLOCK, dropout_p=0.0, rng=None):
+    """(B, T, 3C) -> (B, T, C) causal self-attention in tiles of `block`; dropout as
+    tiled_attention's."""
+    return TiledSelfAttention.apply(qkv, n_head, block, dropout_p, rng)

@@ -6,6 +6,7 @@ everywhere except at the picked elements, where it adds up (an index picked twic
 both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd.py.
 """
 from minidist import backend
+from minidist.autograd.dropout_keys import uniforms
 from minidist.autograd.function import Function
 from minidist.autograd.ops import _same_float   # ops imports this module after defining it
 from minidist.autograd.tensor import Tensor, is_grad_enabled
@@ -257,10 +258,7 @@ class Dropout(Function):
 
     @staticmethod
     def forward(ctx, x, p, rng):
-        xp = xp_of(x)
-        keep = rng.random(x.shape, dtype="float32") >= p
-        if backend.is_cupy(x) and not backend.is_cupy(keep):
-            keep = xp.asarray(keep)                    # drawn on the host: same as on CPU
+        keep = uniforms(rng, x.shape, xp_of(x)) >= p   # on x's device (dropout_keys.py)
         ctx.save_for_backward(keep)
         ctx.scale = 1.0 / (1.0 - p) if p < 1 else 0.0
         out = x * keep
@@ -276,10 +274,10 @@ class Dropout(Function):
 
 
 def dropout(x, p, rng, training=True):
-    """Inverted dropout. `rng` is a `numpy.random.Generator` (e.g. `backend.rng(seed)`) or,
-    for cupy arrays, optionally a `cupy.random.Generator`. The mask is exactly
-    `rng.random(x.shape, dtype="float32") >= p`, one draw per call, so a seed fixes it and a
-    numpy Generator gives the same mask on CPU and GPU (drawn on the host, then moved).
+    """Inverted dropout. `rng` is a DropoutSite (GPT's layers': numbers keyed by place,
+    computed on x's device, minidist/autograd/dropout_keys.py) or a `numpy.random.Generator`
+    (e.g. `backend.rng(seed)`: the mask is `rng.random(x.shape, dtype="float32") >= p`, one
+    draw per call, on the host then moved). Either gives the same mask on CPU and GPU.
     With `training=False` or `p == 0` it returns `x` itself and draws nothing."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], not {p}")

@@ -35,19 +35,19 @@ class CausalSelfAttention(Module):
 
     def uses_tiled(self, T):
         """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
-        if self.attention == "auto":           # the tiled path has no attention dropout
-            return T >= TILED_FROM_T and self.attn_dropout.p == 0
-        return self.attention == "tiled"       # GPTConfig refuses tiled with dropout
+        if self.attention == "auto":
+            return T >= TILED_FROM_T
+        return self.attention == "tiled"
 
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, 3C)
+        p, rng = (self.attn_dropout.p if self.training else 0.0), self.attn_dropout.rng
         if self.context is not None and self.context.active:       # --cp: ring attention
             y = self.context.self_attention(qkv, self.n_head)      # (B, T/cp, C)
         elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
-            y = tiled_self_attention(qkv, self.n_head, self.attention_block)    # (B, T, C)
-        else:
-            p = self.attn_dropout.p if self.training else 0.0      # on attention weights
-            y = F.causal_self_attention(qkv, self.n_head, p, self.attn_dropout.rng)
+            y = tiled_self_attention(qkv, self.n_head, self.attention_block, p, rng)
+        else:                                                      # dropout on the weights
+            y = F.causal_self_attention(qkv, self.n_head, p, rng)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
 
 

@@ -29,7 +29,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True         # biases in Linear and LayerNorm layers, as in GPT-2
     attention: str = "auto"           # "tiled": O(T) memory (minidist/autograd/flash.py); "auto":
-                                      # tiled for T >= TILED_FROM_T without attention dropout
+                                      # tiled for T >= TILED_FROM_T
     attention_block: int = 64         # the tiled attention's tile size
     vocab_multiple: int = 1           # wte's rows padded to a multiple of this (GPUs: 64)
     # Mixture of Experts (minidist/nn/moe.py); 0 experts: the dense GPT-2, unchanged
@@ -55,9 +55,6 @@ class GPTConfig:
         if int(self.attention_block) < 1:
             raise ValueError(f"attention_block must be >= 1, not {self.attention_block}")
         _check_moe(self)
-        if self.attention == "tiled" and self.dropout > 0:
-            raise ValueError("attention 'tiled' has no dropout on attention weights (it keeps "
-                             "no (T, T) mask): use --attention materialized or --dropout 0")
 
     @property
     def padded_vocab_size(self):

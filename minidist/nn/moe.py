@@ -111,23 +111,18 @@ def load_balancing_loss(probs, chosen, T, k):
 
 
 def expert_dropout(y, routing, rng, p, shape):
-    """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s: each
-    row of the batch draws (E, T, C) numbers from `rng` (`shape`: this forward's (B, T, C);
-    GPT's rng is a DropoutSite, whose numbers are keyed by the row's place in the global
-    batch), drawn whether or not a token chose an expert; assignment (token n = (b, t),
-    expert e) keeps [b, e, t] of them. A mask thus depends on the token's place in the
-    global batch and its expert alone, not on which rank runs the expert or in what order.
-    Survivors are scaled by 1/(1-p), as ops.dropout's."""
+    """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s. Row b
+    of the batch has (E, T, C) numbers (`shape`: this forward's (B, T, C); `rng`: the GPT's
+    DropoutSite, whose numbers are keyed by the row's place in the global batch), of which
+    assignment (token n = (b, t), expert e) keeps [e, t, :], computed for the assignments
+    alone. A mask thus depends on the token's place in the global batch and its expert, not
+    on which rank runs the expert or in what order. Survivors are scaled by 1/(1-p), as
+    ops.dropout's."""
     B, T, C = shape
-    E = len(routing.counts)
-    draws = rng.random((B, E, T, C), dtype="float32")
-    draws = draws.transpose(1, 0, 2, 3).reshape(E, B * T, C)           # (E, N, C)
-    keep, lo = np.empty((len(routing.token), C), dtype=bool), 0
-    for e, n in enumerate(routing.counts):
-        keep[lo:lo + n] = draws[e][routing.token[lo:lo + n]] >= p          # (n_e, C)
-        lo += n
-    keep = backend.to_device(keep, backend.xp_of(y.data))             # (M, C), kept: 1 B
-    return where(keep, y * (1.0 / (1.0 - p)), 0.0)
+    b, t = np.divmod(routing.token, T)                                  # (M,) each
+    base = (np.asarray(routing.expert) * T + t) * C                     # [e, t, 0] in the row
+    numbers = rng.at(B, b, base, np.arange(C), backend.xp_of(y.data))   # (M, C)
+    return where(numbers >= p, y * (1.0 / (1.0 - p)), 0.0)
 
 
 def router_z_loss(logits):

@@ -22,8 +22,8 @@ def add_model_args(p):
     g.add_argument("--block-size", type=int, default=128, help="context length, in tokens")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
-                   help="tiled: FlashAttention-style tiles, O(T) memory, no attention dropout; "
-                   "auto: tiled from --block-size 256 on (faster there) without --dropout")
+                   help="tiled: FlashAttention-style tiles, O(T) memory (attention dropout "
+                   "drawn per tile); auto: tiled from --block-size 256 on (faster there)")
     g.add_argument("--attention-block", type=int, default=64, help="tile size, --attention tiled")
     g.add_argument("--no-bias", dest="bias", action="store_false",
                    help="no biases in Linear and LayerNorm layers")
