@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.autograd.flash import partial_attention, tiled_attention
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
+from minidist.autograd.flash import AttnDropout, partial_attention, tiled_attention
 from minidist.comm.mesh import cp_coord, mesh_coords, mesh_rank
 from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles, layout,
                               positions, ring_bytes)
@@ -46,7 +47,13 @@ def _qkv(T=16, seed=0):
     return [rng.standard_normal((2, 3, T, 4)) for _ in range(3)]   # (B, nh, T, hs) float64
 
 
-def _simulate(q, k, v, n, split, block):
+def _dropout(p, q):
+    """Attention dropout p over q's (B, nh, T, T) weights, keyed numbers; None for p 0."""
+    site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout")
+    return AttnDropout(p, site, q.shape[:-1] + q.shape[-2:-1]) if p else None
+
+
+def _simulate(q, k, v, n, split, block, dropout=None):
     """One process playing n ranks: each rank's queries against every rank's block in ring
     order (the messages are just slices here). Returns y and lse in global order."""
     T = q.shape[-2]
@@ -59,28 +66,35 @@ def _simulate(q, k, v, n, split, block):
             src = (r - step) % n
             sp = positions(T, n, src, split)
             attend_block(q[..., pos, :], lays[r], np.stack([k[..., sp, :], v[..., sp, :]]),
-                         lays[src], yr, lr, block)
+                         lays[src], yr, lr, block, dropout)
         y[..., pos, :], lse[..., pos] = yr, lr
     return y, lse
 
 
-@pytest.mark.parametrize("n,split,block", [(2, "zigzag", 2), (4, "zigzag", 2),
-                                           (4, "naive", 3), (2, "naive", 8)])
-def test_simulated_ring_equals_tiled_attention(n, split, block):
+@pytest.mark.parametrize("n,split,block,p", [(2, "zigzag", 2, 0), (4, "zigzag", 2, 0),
+                                             (4, "naive", 3, 0), (2, "naive", 8, 0),
+                                             (4, "zigzag", 2, 0.3), (2, "naive", 3, 0.3)])
+def test_simulated_ring_equals_tiled_attention(n, split, block, p):
+    """With attention dropout p too: each tile's numbers found by global position."""
     q, k, v = _qkv()
-    y, lse = _simulate(q, k, v, n, split, block)
-    y_ref, lse_ref = partial_attention(q, k, v, 0, 0, 4)
+    drop = _dropout(p, q)
+    y, lse = _simulate(q, k, v, n, split, block, drop)
+    y_ref, lse_ref = partial_attention(q, k, v, 0, 0, 4, dropout=drop)
     assert np.abs(y - y_ref).max() < 1e-12 and np.abs(lse - lse_ref).max() < 1e-12
+    if p:
+        assert np.abs(y - partial_attention(q, k, v, 0, 0, 4)[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize("n,split", [(2, "zigzag"), (4, "naive")])
-def test_simulated_ring_backward_equals_tiled_attention_gradients(n, split):
+@pytest.mark.parametrize("n,split,p", [(2, "zigzag", 0), (4, "naive", 0), (4, "zigzag", 0.3)])
+def test_simulated_ring_backward_equals_tiled_attention_gradients(n, split, p):
     q, k, v = _qkv(seed=1)
     g = np.random.default_rng(2).standard_normal(q.shape)
     tq, tk, tv = Tensor(q, requires_grad=True), Tensor(k, requires_grad=True), \
         Tensor(v, requires_grad=True)
-    (tiled_attention(tq, tk, tv, 4) * Tensor(g)).sum().backward()
-    y, lse = _simulate(q, k, v, n, split, 2)
+    drop = _dropout(p, q)
+    site = drop.site if drop else None
+    (tiled_attention(tq, tk, tv, 4, p, site) * Tensor(g)).sum().backward()
+    y, lse = _simulate(q, k, v, n, split, 2, drop)
     D = (g * y).sum(axis=-1)
     T = q.shape[-2]
     lays = [layout(T, n, r, split) for r in range(n)]
@@ -93,7 +107,7 @@ def test_simulated_ring_backward_equals_tiled_attention_gradients(n, split):
             dkv = np.zeros((2,) + k[..., sp, :].shape)
             attend_block_backward(g[..., pos, :], q[..., pos, :], lays[r],
                                   np.stack([k[..., sp, :], v[..., sp, :]]), lays[src],
-                                  lse[..., pos], D[..., pos], dq_r, dkv, 2)
+                                  lse[..., pos], D[..., pos], dq_r, dkv, 2, drop)
             dk[..., sp, :] += dkv[0]
             dv[..., sp, :] += dkv[1]
         dq[..., pos, :] = dq_r
@@ -120,7 +134,6 @@ def _flags(*extra):
     (["--cp", "2", "--pp", "2"], "--pp"),
     (["--cp", "4", "--block-size", "12"], "multiple of 8"),
     (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
-    (["--cp", "2", "--dropout", "0.1"], "--dropout"),
     (["--cp", "2", "--ckpt-activations"], "--ckpt-activations"),
     (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
 def test_refusals_name_the_flag(extra, words):

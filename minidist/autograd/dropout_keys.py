@@ -50,6 +50,7 @@ class DropoutKeys:
 
     def __init__(self, seed):
         self.seed, self.step, self.rows = int(seed), 0, None
+        self.positions = None       # context parallelism: (this rank's positions, whole T)
 
     def next_step(self):
         """New masks from here on (once per optimizer step, or per forward outside one)."""
@@ -64,16 +65,27 @@ class DropoutKeys:
         finally:
             self.rows = before
 
+    @contextlib.contextmanager
+    def positions_of(self, positions, T):
+        """Inside, a (B, Tl, C) site's positions are `positions` (Tl host ints) of a
+        sequence of T (context parallelism's scattered pieces, minidist/cp/context.py)."""
+        before, self.positions = self.positions, (np.asarray(positions, dtype=np.int64), T)
+        try:
+            yield
+        finally:
+            self.positions = before
+
     def rows_in_flight(self, n):
         """The global numbers of the n rows in flight: `rows`, or 0 .. n-1 outside a step."""
         return np.arange(n) if self.rows is None else self.rows
 
     def snapshot(self):
-        """(step, rows): what a recompute restores to draw its forward's masks again."""
-        return self.step, self.rows
+        """(step, rows, positions): what a recompute restores to draw its forward's masks
+        again."""
+        return self.step, self.rows, self.positions
 
     def restore(self, snapshot):
-        self.step, self.rows = snapshot
+        self.step, self.rows, self.positions = snapshot
 
     def state_dict(self):
         """What a checkpoint keeps: the step (the seed is the run's)."""
@@ -129,11 +141,13 @@ class DropoutSite:
     for the elements this rank holds. Under tensor parallelism a rank holds a slice of the
     tensor along `axis` (`parts` slices, this rank's `index`): its elements' places in the
     whole row are offset along that axis; `active()` False (no sequence split in this
-    forward): no slice."""
+    forward): no slice. `seq_axis`: the sequence's axis, where context parallelism's
+    positions (the keys' `positions`, while set) say which places of the row a rank holds."""
 
-    def __init__(self, keys, name, axis=None, parts=1, index=0, active=None):
+    def __init__(self, keys, name, axis=None, parts=1, index=0, active=None, seq_axis=None):
         self.keys, self.name = keys, name
         self.axis, self.parts, self.index, self.active = axis, parts, index, active
+        self.seq_axis = seq_axis
 
     def random(self, shape, dtype="float32", xp=np):
         """The numbers of a whole local tensor of `shape` (rows first), on xp."""
@@ -149,6 +163,10 @@ class DropoutSite:
                                                          self.active()):
             row[self.axis - 1] *= self.parts                        # the whole row's shape
             coords[self.axis - 1] = coords[self.axis - 1] + self.index * shape[self.axis]
+        if self.seq_axis is not None and self.keys.positions is not None:
+            positions, T = self.keys.positions                      # scattered: cp
+            row[self.seq_axis - 1] = T
+            coords[self.seq_axis - 1] = positions[coords[self.seq_axis - 1]]
         strides = np.cumprod([1] + row[:0:-1])[::-1]                # C order, elements
         lead = coords[:-1]                                          # the last axis: cols
         base = np.zeros((), dtype=np.int64)                         # (len(c) for c in lead)

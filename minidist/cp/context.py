@@ -46,15 +46,17 @@ class RingContext:
         targets = None if targets is None else targets[:, pos]
         self.layouts = [layout(T, n, s, self.split) for s in range(n)]
         try:
-            x = model.embed(idx, pos)                             # (B, Tl, C)
-            x = model.run_blocks(x)                               # (B, Tl, C)
-            return model.head(x, targets)                         # (B, Tl, V), loss
+            with model.dropout_keys.positions_of(pos, T):         # dropout: global places
+                x = model.embed(idx, pos)                         # (B, Tl, C)
+                x = model.run_blocks(x)                           # (B, Tl, C)
+                return model.head(x, targets)                     # (B, Tl, V), loss
         finally:
             self.layouts = None
 
-    def self_attention(self, qkv, n_head):
-        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group."""
-        return RingSelfAttention.apply(qkv, n_head, self)
+    def self_attention(self, qkv, n_head, dropout_p=0.0, rng=None):
+        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group; dropout on its
+        weights with probability dropout_p, numbers from rng (a DropoutSite)."""
+        return RingSelfAttention.apply(qkv, n_head, self, dropout_p, rng)
 
 
 def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK):

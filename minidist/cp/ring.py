@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from minidist.autograd.attention import heads_view, saved_heads, split_heads
-from minidist.autograd.flash import (DEFAULT_BLOCK, block_pairs, merge_partials,
+from minidist.autograd.flash import (DEFAULT_BLOCK, AttnDropout, block_pairs, merge_partials,
                                      partial_attention)
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
@@ -96,21 +96,22 @@ def causal_tiles(T, n, split, block):
     return counts
 
 
-def attend_block(q, q_pieces, kv, k_pieces, y, lse, block):
+def attend_block(q, q_pieces, kv, k_pieces, y, lse, block, dropout=None):
     """Merge the attention of queries q (B, nh, Tl, hs) over one held key/value block
-    kv (2, B, nh, Tl, hs) into the running (y, lse), in place."""
+    kv (2, B, nh, Tl, hs) into the running (y, lse), in place; dropout: flash.py's
+    AttnDropout over the whole (B, nh, T, T) weights (positions global), or None."""
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
         rows, cols = slice(qo, qo + ql), slice(ko, ko + kl)
         y_b, lse_b = partial_attention(q[..., rows, :], kv[0][..., cols, :],
-                                       kv[1][..., cols, :], qs, ks, block)
+                                       kv[1][..., cols, :], qs, ks, block, dropout=dropout)
         y[..., rows, :], lse[..., rows] = merge_partials(y[..., rows, :], lse[..., rows],
                                                          y_b, lse_b)
 
 
-def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block):
+def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, dropout=None):
     """Gradients of one held block: dq (B, nh, Tl, hs) and the block's accumulator dkv
-    (2, B, nh, Tl, hs), added to in place. Each tile's probabilities are recomputed from
-    the final log-sum-exp, as flash.py's backward does; D = rowsum(g * y)."""
+    (2, B, nh, Tl, hs), added to in place. Each tile's probabilities (and dropout's
+    Z = keep / (1 - p)) are recomputed, as flash.py's backward does; D = rowsum(g * y)."""
     xp = xp_of(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
@@ -123,13 +124,20 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block):
                 later = xp.arange(ks + c0, ks + c1)[None, :] > xp.arange(qs + r0, qs + r1)[:, None]
                 s = xp.where(later, -math.inf, s)
             p = xp.exp(s - lse[..., rows, None])                      # forward's softmax
-            dkv[1][..., cols, :] += _mm(xp.swapaxes(p, -1, -2), g_i)  # dv = p^T g
-            ds = p * (_mm(g_i, xp.swapaxes(v_j, -1, -2)) - D[..., rows, None]) * scale
+            dpz = _mm(g_i, xp.swapaxes(v_j, -1, -2))                  # d(p z) = g v^T
+            if dropout is not None:                                   # y = (p z) v
+                z = dropout.tile(qs + r0, qs + r1, ks + c0, ks + c1, xp, p.dtype)
+                dpz *= z
+                p_used = p * z
+            else:
+                p_used = p
+            dkv[1][..., cols, :] += _mm(xp.swapaxes(p_used, -1, -2), g_i)  # dv = (p z)^T g
+            ds = p * (dpz - D[..., rows, None]) * scale
             dq[..., rows, :] += _mm(ds, k_j)                          # dq = ds k
             dkv[0][..., cols, :] += _mm(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
 
 
-def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK):
+def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
     """Causal attention of this rank's queries over every rank's keys/values.
     layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse (B, nh, Tl)."""
     xp = xp_of(q)
@@ -143,7 +151,7 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK):
         if step < n - 1:                          # posted before the compute: overlap
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block(q, layouts[r], cur, layouts[src], y, lse, block)
+        attend_block(q, layouts[r], cur, layouts[src], y, lse, block, dropout)
         if step < n - 1:
             send.wait()
             recv.wait()
@@ -151,7 +159,7 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK):
     return y, lse
 
 
-def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK):
+def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout=None):
     """dq (B, nh, Tl, hs) and dkv (2, B, nh, Tl, hs) of this rank's queries and keys/values.
     Each block travels with its accumulator; the accumulator's last hop brings it home."""
     xp = xp_of(q)
@@ -166,7 +174,8 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK):
         if step < n - 1:
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur, block)
+        attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur, block,
+                              dropout)
         d_recv = group.recv(d_nxt, left, async_op=True, tag=DKV_TAG)  # block src's dk, dv
         d_send = group.send(d_cur, right, async_op=True, tag=DKV_TAG)  # on to the next rank
         if step < n - 1:
@@ -179,16 +188,25 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK):
     return dq, d_cur                          # d_cur: this rank's own block, home again
 
 
+def ring_dropout(p, rng, q, layouts):
+    """flash.py's AttnDropout over the whole sequence's (B, nh, T, T) weights, T the sum of
+    every rank's pieces (a tile's numbers are found by global positions), or None."""
+    T = sum(length for pieces in layouts for _, length in pieces)
+    return AttnDropout(p, rng, q.shape[:2] + (T, T)) if p > 0 else None
+
+
 class RingSelfAttention(Function):
     """GPT-2's fused qkv (B, Tl, 3C) of this rank's tokens -> y (B, Tl, C), causal over the
     whole sequence held by the ring's ranks. `ring`: a RingContext (minidist/cp/context.py)
-    in a forward (its group, block and the layouts of this sequence)."""
+    in a forward (its group, block and the layouts of this sequence); dropout_p > 0: on the
+    attention weights, each tile's numbers from `rng` (a DropoutSite) by global position."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, ring):
+    def forward(ctx, qkv, n_head, ring, dropout_p=0.0, rng=None):
         q, k, v, y, yh = split_heads(qkv, n_head)
         kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))  # (2, B, nh, Tl, hs)
-        out, lse = ring_forward(ring.group, ring.layouts, q, kv, ring.block)
+        ctx.dropout = ring_dropout(dropout_p, rng, q, ring.layouts)
+        out, lse = ring_forward(ring.group, ring.layouts, q, kv, ring.block, ctx.dropout)
         yh[...] = out
         ctx.save_for_backward(qkv, y, lse)
         ctx.n_head, ctx.group, ctx.layouts, ctx.block = n_head, ring.group, ring.layouts, \
@@ -199,8 +217,9 @@ class RingSelfAttention(Function):
     def backward(ctx, grad):
         g, yh, q, k, v, lse = saved_heads(ctx, grad)                # (B, nh, Tl, hs) views
         kv = xp_of(q).ascontiguousarray(xp_of(q).stack([k, v]))
-        dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block)
+        dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block,
+                                ctx.dropout)
         dqkv = xp_of(grad).empty_like(ctx.saved[0])                   # (B, Tl, 3C)
         out = heads_view(dqkv, ctx.n_head)
         out[0], out[1], out[2] = dq, dkv[0], dkv[1]
-        return dqkv, None, None
+        return dqkv, None, None, None, None

@@ -16,9 +16,10 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
     local_rows          rows by dp rank only (inner would split rows over dp x cp)
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
-inner. Refused: --pp, --dropout > 0 (the ring has no attention dropout and the masks would
-differ from one process's), --ckpt-activations (the recompute in backward runs outside the
-ring's forward), --sequence-parallel, --zero with --tp, a block size that does not split.
+inner. --dropout: every mask is one process's (the ring's tiles and the residual stream find
+their numbers by global position: minidist/autograd/dropout_keys.py). Refused: --pp,
+--ckpt-activations (the recompute in backward runs outside the ring's forward),
+--sequence-parallel, --zero with --tp, a block size that does not split.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
 from minidist.cp.context import attach_ring
@@ -35,8 +36,6 @@ def cp_problems(args):
     split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)
-    if args.dropout:
-        problems.append(f"--dropout {args.dropout}: ring attention has no dropout; use 0")
     if args.ckpt_activations:
         problems.append("--ckpt-activations does not combine with --cp (not built)")
     if args.sequence_parallel:
@@ -71,6 +70,13 @@ class ContextParallel(ModelParallel):
 
     def load(self, directory, model, optimizer):
         return self.inner.load(directory, model, optimizer)
+
+    def whole_state(self, model, optimizer):
+        """inner's (parameters are replicated over cp: ZeRO's shards are over dp x cp)."""
+        return self.inner.whole_state(model, optimizer)
+
+    def load_whole_state(self, model, optimizer, params, opt_sd):
+        self.inner.load_whole_state(model, optimizer, params, opt_sd)
 
     def notes(self):
         s = self.mesh.shape

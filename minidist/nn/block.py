@@ -43,7 +43,7 @@ class CausalSelfAttention(Module):
         qkv = self.c_attn(x)                                       # (B, T, 3C)
         p, rng = (self.attn_dropout.p if self.training else 0.0), self.attn_dropout.rng
         if self.context is not None and self.context.active:       # --cp: ring attention
-            y = self.context.self_attention(qkv, self.n_head)      # (B, T/cp, C)
+            y = self.context.self_attention(qkv, self.n_head, p, rng)      # (B, T/cp, C)
         elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
             y = tiled_self_attention(qkv, self.n_head, self.attention_block, p, rng)
         else:                                                      # dropout on the weights

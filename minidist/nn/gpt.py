@@ -109,11 +109,14 @@ class GPT(Module):
     def set_dropout_keys(self, keys):
         """Every Dropout layer draws from `keys` (minidist/autograd/dropout_keys.py), as the
         site of its name: masks keyed by (step, site, global row), the same in every layout.
-        Tensor parallelism slices some of them (minidist/tp/model.py)."""
+        Axis 1 of the (B, T, C) sites is the sequence (context parallelism gives a rank
+        scattered positions there); the attention weights' (B, nh, T, T) find theirs by
+        global position (flash.py). Tensor parallelism slices some (minidist/tp/model.py)."""
         self.dropout_keys = keys
         for name, m in self.named_modules():
             if isinstance(m, Dropout):
-                m.rng = DropoutSite(keys, name)
+                seq = None if name.endswith(".attn_dropout") else 1    # (B, T, C)
+                m.rng = DropoutSite(keys, name, seq_axis=seq)
 
     # ---- the vocabulary padding stays inside the model --------------------------------------
     def state_dict(self):

@@ -110,7 +110,7 @@ class TensorParallelGPT(GPT):
                 m.rng = DropoutSite(keys, name, axis=1, parts=t, index=r)
             else:                                               # (B, T/tp, C) when split
                 m.rng = DropoutSite(keys, name, axis=SEQ_AXIS, parts=t, index=r,
-                                    active=lambda: region.sharded)
+                                    active=lambda: region.sharded, seq_axis=SEQ_AXIS)
 
     # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
     def embed(self, idx, pos=None):

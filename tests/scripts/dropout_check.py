@@ -6,7 +6,8 @@
 The masks are keyed by (step, site, the row's number in the global batch)
 (minidist/autograd/dropout_keys.py), so with --dropout 0.1 every layout trains one process's
 numbers: data parallelism (DDP, ZeRO), --grad-accum, pipelines (their micro-batches and
-schedules), tensor and sequence parallelism, activation recompute, and their compositions.
+schedules), tensor and sequence parallelism, context parallelism (the ring's tiles and the
+residual stream by global position), activation recompute, and their compositions.
 Every rank also trains the reference: one process, the whole global batch, --grad-accum 1, no
 recompute (one run per depth). Each run builds its strategy from train_gpt's flags
 (make_strategy) and trains through the loop's train_step (tests/scripts/exact.py); losses,
@@ -48,7 +49,10 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "tp2xdp2+sp+accum2": ["--tp", "2", "--sequence-parallel", "--grad-accum", "2"],
         "tp2xpp2+sp": ["--tp", "2", *PP2, "--sequence-parallel"],
         "tp2xpp2+recompute+accum2": ["--tp", "2", *PP2, "--ckpt-activations",
-                                     "--grad-accum", "2"]}
+                                     "--grad-accum", "2"],
+        "cp4": ["--cp", "4"],
+        "cp2xdp2+zero3+accum2": ["--cp", "2", "--zero", "3", "--grad-accum", "2"],
+        "cp2xtp2+naive": ["--cp", "2", "--tp", "2", "--cp-split", "naive"]}
 SEED = 11
 
 
