@@ -61,7 +61,8 @@ def graph_refusal(args, device):
         return ("--cuda-graph needs --amp with MINIDIST_CUDA_NEW_KERNELS=1 (the step count "
                 "and overflow verdict on the device); without them a graph would freeze them")
     if args.dropout > 0:
-        return "--cuda-graph needs --dropout 0 (its masks are drawn on the host each step)"
+        return ("--cuda-graph needs --dropout 0 (the masks' step is a host integer, which a "
+                "captured graph would freeze)")
     return None
 
 

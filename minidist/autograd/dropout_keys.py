@@ -108,31 +108,29 @@ class DropoutKeys:
                  and np.array_equal(cols, cols[0] + np.arange(L)))
         firsts = backend.to_device(cols[::4] if whole else cols, xp)
         shape = S + (len(firsts),)                                        # L, or L/4
-        flat = xp.broadcast_to(backend.to_device(base, xp)[..., None] + firsts, shape)
-        row = xp.broadcast_to(backend.to_device(rows, xp)[..., None], shape)
-        words = self._words(name, (flat >> 2).ravel(), row.ravel(), xp)    # (n, 4)
+        flat = xp.broadcast_to(backend.to_device(base, xp)[..., None] + firsts, shape).ravel()
+        row = xp.broadcast_to(backend.to_device(rows, xp)[..., None], shape).ravel()
+        u = self._uniforms(name, flat >> 2, row, xp)                       # (n, 4)
         if whole:
-            picked = words.reshape(S + (L,))
-        else:
-            lane = (flat & 3).ravel()
-            picked = words[xp.arange(lane.size), lane].reshape(S + (L,))
-        return to_unit_float32(picked, xp)
+            return u.reshape(S + (L,))
+        return u[xp.arange(flat.size), flat & 3].reshape(S + (L,))   # each its own word
 
-    def _words(self, name, blocks, rows, xp):
-        """(n, 4) uint64: Philox's four words for counters (blocks[i] low and high halves,
-        rows[i], step) under this site's key, hashed HOST_CHUNK counters at a time on the
-        host (the arrays stay in cache), all at once on a device."""
+    def _uniforms(self, name, blocks, rows, xp):
+        """(n, 4) float32: Philox's four words for counters (blocks[i] low and high halves,
+        rows[i], step) under this site's key, as numbers in [0, 1); hashed HOST_CHUNK
+        counters at a time on the host (the arrays stay in cache), all at once on a
+        device."""
         seed = int(self.seed) % 2 ** 64
         key = ((seed ^ (seed >> 32)) & MASK32, zlib.crc32(name.encode()))
-        blocks = blocks.astype(xp.uint64)
         n = blocks.size
-        out = xp.empty((n, 4), dtype=xp.uint64)
+        out = xp.empty((n, 4), dtype=xp.float32)
         chunk = HOST_CHUNK if xp is np else max(n, 1)
         for lo in range(0, n, chunk):
-            b, r = blocks[lo:lo + chunk], rows[lo:lo + chunk]
-            counter = (b & xp.uint64(MASK32), b >> xp.uint64(32), r, self.step)
+            b = blocks[lo:lo + chunk].astype(xp.uint64)
+            counter = (b & xp.uint64(MASK32), b >> xp.uint64(32), rows[lo:lo + chunk],
+                       self.step)
             for j, w in enumerate(philox4x32(counter, key, xp)):
-                out[lo:lo + chunk, j] = w
+                out[lo:lo + chunk, j] = to_unit_float32(w, xp)
         return out
 
 
