@@ -17,9 +17,11 @@ tests/test_gradcheck.py, tests/test_bfloat16.py, tests/test_cuda_kernels.py (gpu
 """
 import math
 
+import numpy as np
+
 from minidist import backend
 from minidist.autograd import cuda_kernels as _ck
-from minidist.autograd.dropout_keys import uniforms
+from minidist.autograd.dropout_keys import DropoutSite, uniforms
 from minidist.autograd.function import Function
 from minidist.backend import is_half, matmul as _mm, xp_of
 
@@ -35,9 +37,25 @@ def _causal_bias(xp, T, dtype):
     return _MASKS[key]
 
 
+CAUSAL_BAND = 16       # query rows per call when only the causal half gets numbers
+
+
 def _keep_mask(rng, shape, p, xp):
-    """Dropout's mask, the same contract as ops.dropout: rng's numbers >= p, on xp."""
-    return uniforms(rng, shape, xp) >= p
+    """Dropout's mask over (B, nh, T, T) weights, the same contract as ops.dropout: rng's
+    numbers >= p, on xp. A DropoutSite (keyed numbers, dropout_keys.py) computes only the
+    causal half, CAUSAL_BAND query rows at a time, each band's keys up to its last query:
+    above the diagonal the weights are 0 whatever the mask says (False there)."""
+    if not isinstance(rng, DropoutSite):
+        return uniforms(rng, shape, xp) >= p
+    T = shape[-1]
+    keep = xp.zeros(shape, dtype=bool)
+    heads = np.arange(shape[1])
+    for r0 in range(0, T, CAUSAL_BAND):
+        r1 = min(r0 + CAUSAL_BAND, T)
+        c1 = min(-(-r1 // 4) * 4, T)                 # whole Philox blocks where T allows
+        u = rng.block(shape, [heads, np.arange(r0, r1), np.arange(c1)], xp)
+        keep[..., r0:r1, :c1] = u >= p
+    return keep
 
 
 def _acc(dtype):
