@@ -44,14 +44,16 @@ def _keep_mask(rng, shape, p, xp):
     """Dropout's mask over (B, nh, T, T) weights, the same contract as ops.dropout: rng's
     numbers >= p, on xp. A DropoutSite (keyed numbers, dropout_keys.py) computes only the
     causal half, CAUSAL_BAND query rows at a time, each band's keys up to its last query:
-    above the diagonal the weights are 0 whatever the mask says (False there)."""
+    above the diagonal the weights are 0 whatever the mask says (False there). On a GPU, one
+    band of all T rows: the launches per band cost more than the numbers saved."""
     if not isinstance(rng, DropoutSite):
         return uniforms(rng, shape, xp) >= p
     T = shape[-1]
+    band = CAUSAL_BAND if xp is np else T
     keep = xp.zeros(shape, dtype=bool)
     heads = np.arange(shape[1])
-    for r0 in range(0, T, CAUSAL_BAND):
-        r1 = min(r0 + CAUSAL_BAND, T)
+    for r0 in range(0, T, band):
+        r1 = min(r0 + band, T)
         c1 = min(-(-r1 // 4) * 4, T)                 # whole Philox blocks where T allows
         u = rng.block(shape, [heads, np.arange(r0, r1), np.arange(c1)], xp)
         keep[..., r0:r1, :c1] = u >= p

@@ -1,6 +1,7 @@
 """Launch plans for the CUDA kernels proven on the CPU only (never run on a GPU yet): tiled
-(flash) attention (cuda_source_flash.py) and bias+GELU, residual+layer norm and the
-cross-entropy over a padded vocabulary (cuda_source_fusions.py).
+(flash) attention (cuda_source_flash.py), bias+GELU, residual+layer norm and the
+cross-entropy over a padded vocabulary (cuda_source_fusions.py), and dropout's Philox
+numbers (cuda_source_philox.py).
 
 As in cuda_kernels.py, each `<kernel>_launch(xp, ...)` is a pure function that allocates the
 outputs with `xp` and returns a `Launch`; tests/test_cuda_flash_cpu.py and
@@ -217,3 +218,23 @@ def cross_entropy_padded_backward(xp, run, grad, saved, V, ignore_index):
     plan, dz = ce_pad_bwd_launch(xp, grad, saved, V, ignore_index)
     run(plan)
     return dz
+
+
+# ---- dropout's numbers: Philox4x32-10 ----------------------------------------------------------
+
+def philox_uniforms_launch(xp, blocks, rows, step, key):
+    """The plan and out (n, 4) float32 of DropoutKeys' numbers (minidist/autograd/
+    dropout_keys.py): counters (blocks[i], rows[i], step), int64 arrays of n, key (k0, k1)."""
+    blocks, rows = (xp.ascontiguousarray(a, dtype=xp.int64) for a in (blocks, rows))
+    n = blocks.size
+    out = xp.empty((n, 4), dtype=xp.float32)
+    args = (blocks, rows, out, np.int64(n), np.int64(step), np.int64(key[0]),
+            np.int64(key[1]))
+    return Launch("philox_uniforms", "float32", *flat_grid(n), args), out
+
+
+def philox_uniforms(blocks, rows, step, key):
+    """On the GPU: philox_uniforms_launch's numbers, one launch."""
+    plan, out = philox_uniforms_launch(sys.modules["cupy"], blocks, rows, step, key)
+    launch(plan)
+    return out

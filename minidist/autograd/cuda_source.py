@@ -14,8 +14,9 @@ check every launch's arguments against what the kernel declares (tests/test_cuda
 which also compiles the source with nvcc where one is installed).
 
 The kernels come in parts, each compiled on its own: "fused" (this file), "flash"
-(cuda_source_flash.py), "fusions" (cuda_source_fusions.py) and "multi" (the multi-tensor
-optimizer kernels, cuda_source_multi.py); `source(dtype, part)`.
+(cuda_source_flash.py), "fusions" (cuda_source_fusions.py), "multi" (the multi-tensor
+optimizer kernels, cuda_source_multi.py) and "philox" (dropout's numbers,
+cuda_source_philox.py); `source(dtype, part)`.
 The same text compiles for the CPU with g++ and tests/cuda_host/cuda_host.h, where
 tests/test_cuda_kernels_cpu.py runs every kernel against the xp code, so write kernels in
 the subset that header gives a meaning: no dynamic shared memory, shuffles of up to 8 bytes.
@@ -28,6 +29,7 @@ import numpy as np
 from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
 from minidist.autograd.cuda_source_fusions import FUSION_NAMES, FUSIONS
 from minidist.autograd.cuda_source_multi import MULTI, MULTI_NAMES
+from minidist.autograd.cuda_source_philox import PHILOX, PHILOX_NAMES
 
 CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
           "float32": ("float", "float"), "float64": ("double", "double")}
@@ -261,10 +263,12 @@ def dtype_name(dtype):
 
 
 # The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py),
-# "fusions" (cuda_source_fusions.py) and "multi" (cuda_source_multi.py) have not run on a
-# GPU yet, so they are kept out of the source the other kernels are compiled from
+# "fusions" (cuda_source_fusions.py), "multi" (cuda_source_multi.py) and "philox"
+# (cuda_source_philox.py) have not run on a GPU yet, so they are kept out of the source the
+# other kernels are compiled from
 PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES),
-         "fusions": (FUSIONS, FUSION_NAMES), "multi": (MULTI, MULTI_NAMES)}
+         "fusions": (FUSIONS, FUSION_NAMES), "multi": (MULTI, MULTI_NAMES),
+         "philox": (PHILOX, PHILOX_NAMES)}
 
 
 def part_of(kernel):
@@ -275,7 +279,7 @@ def part_of(kernel):
 def source(dtype, part="fused"):
     """The CUDA source for arrays of `dtype`: headers, typedefs of T and A, one part's
     kernels ("fused": the kernels in this file; "flash": tiled attention; "fusions";
-    "multi": the multi-tensor optimizer kernels)."""
+    "multi": the multi-tensor optimizer kernels; "philox": dropout's numbers)."""
     name = dtype_name(dtype)
     t, a = CTYPES[name]
     bf16 = BF16_HEADER if name == "bfloat16" else ""
@@ -283,7 +287,7 @@ def source(dtype, part="fused"):
             + GELU_DEFINES + PARTS[part][0])
 
 
-def signature(name, text=KERNELS + FLASH + FUSIONS + MULTI):
+def signature(name, text=KERNELS + FLASH + FUSIONS + MULTI + PHILOX):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
     m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)

@@ -38,6 +38,7 @@ import zlib
 import numpy as np
 
 from minidist import backend
+from minidist.autograd import cuda_kernels_new as _ckn
 from minidist.autograd.philox import MASK32, philox4x32, to_unit_float32
 
 HOST_CHUNK = 1 << 14    # counters hashed at a time on the host (cache-sized; a GPU takes all)
@@ -110,18 +111,24 @@ class DropoutKeys:
         shape = S + (len(firsts),)                                        # L, or L/4
         flat = xp.broadcast_to(backend.to_device(base, xp)[..., None] + firsts, shape).ravel()
         row = xp.broadcast_to(backend.to_device(rows, xp)[..., None], shape).ravel()
-        u = self._uniforms(name, flat >> 2, row, xp)                       # (n, 4)
+        u = self.philox_numbers(name, flat >> 2, row, xp)                   # (n, 4)
         if whole:
             return u.reshape(S + (L,))
         return u[xp.arange(flat.size), flat & 3].reshape(S + (L,))   # each its own word
 
-    def _uniforms(self, name, blocks, rows, xp):
+    def philox_key(self, name):
+        """Site `name`'s Philox key: (the seed folded to 32 bits, crc32 of the name)."""
+        seed = int(self.seed) % 2 ** 64
+        return (seed ^ (seed >> 32)) & MASK32, zlib.crc32(name.encode())
+
+    def philox_numbers(self, name, blocks, rows, xp):
         """(n, 4) float32: Philox's four words for counters (blocks[i] low and high halves,
         rows[i], step) under this site's key, as numbers in [0, 1); hashed HOST_CHUNK
         counters at a time on the host (the arrays stay in cache), all at once on a
-        device."""
-        seed = int(self.seed) % 2 ** 64
-        key = ((seed ^ (seed >> 32)) & MASK32, zlib.crc32(name.encode()))
+        device (one kernel, cuda_source_philox.py, where the new kernels are on)."""
+        key = self.philox_key(name)
+        if _ckn.use_new(blocks):                 # cupy, MINIDIST_CUDA_NEW_KERNELS=1
+            return _ckn.philox_uniforms(blocks, rows, self.step, key)   # one launch
         n = blocks.size
         out = xp.empty((n, 4), dtype=xp.float32)
         chunk = HOST_CHUNK if xp is np else max(n, 1)

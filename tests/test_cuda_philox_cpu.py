@@ -1,0 +1,90 @@
+"""Dropout's Philox kernel (minidist/autograd/cuda_source_philox.py) RUN on the CPU
+(tests/cuda_cpu.py) against the xp code DropoutKeys runs on the host: bit for bit, on
+whole-block and single-number columns, counters past 2**32 blocks, both thread orders;
+broken variants that must fail; the plan's argument types; nvcc compiles it where
+installed.
+Run: python -m pytest -q tests/test_cuda_philox_cpu.py   (skips without a C++ compiler)
+"""
+import functools
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import cuda_cpu
+from minidist.autograd import cuda_kernels as ck, cuda_kernels_new as ckn
+from minidist.autograd import cuda_source as cs
+from minidist.autograd.cuda_source_philox import PHILOX
+from minidist.autograd.dropout_keys import DropoutKeys
+from test_cuda_kernels_cpu import ORDERS, failing_orders, nth_replaced
+
+pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
+                                reason=str(cuda_cpu.reason_unavailable()))
+
+SITE = "transformer.h.1.attn.attn_dropout"
+
+
+def counters():
+    """777 counters (odd: the grid's last block part-full): blocks near and past 2**32 (the
+    high word in use), rows 0..6, as DropoutKeys.numbers builds them."""
+    blocks = np.concatenate([np.arange(700), 2 ** 32 - 3 + np.arange(77)]).astype(np.int64)
+    rows = np.arange(777, dtype=np.int64) % 7
+    return blocks, rows
+
+
+def check_philox(src=None, order="low", seed=1234, step=9):
+    keys = DropoutKeys(seed)
+    keys.step = step
+    blocks, rows = counters()
+    want = keys.philox_numbers(SITE, blocks, rows, np)                      # the xp code
+    key = keys.philox_key(SITE)
+    plan, out = ckn.philox_uniforms_launch(np, blocks, rows, step, key)
+    out[...] = np.nan
+    cuda_cpu.run(plan, src or cs.source("float32", "philox"), order)
+    np.testing.assert_array_equal(out, want, err_msg="philox_uniforms")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_philox_kernel_equals_the_xp_code_bit_for_bit(order):
+    check_philox(order=order)
+    check_philox(order=order, seed=2 ** 40 + 5, step=0)              # a seed past 32 bits
+
+
+BROKEN = {   # name -> (old, new, occurrence) in the kernel's text
+    "one key bump forgotten": ("a1 += 0xBB67AE85u;", "", 0),
+    "the high block word dropped": ("c1 = (unsigned int)(b >> 32)", "c1 = 0u", 0),
+    "words two and three swapped": ("out[4 * i + 2] = (float)(c2", "out[4 * i + 2] = (float)(c3",
+                                    0),
+    "nine rounds": ("r < 10", "r < 9", 0),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_philox_kernel_fails(name):
+    old, new, n = BROKEN[name]
+    src = cs.source("float32", "philox").replace(PHILOX, nth_replaced(PHILOX, old, new, n))
+    failed = failing_orders(functools.partial(check_philox), src)
+    assert failed, f"{name}: the broken kernel passed in both orders"
+
+
+def test_philox_plan_hands_the_kernel_its_declared_types():
+    blocks, rows = counters()
+    plan, out = ckn.philox_uniforms_launch(np, blocks, rows, 3, (1, 2))
+    want = {"long long": "int64", "float": "float32"}
+    params, args = cs.signature(plan.name), ck.describe(plan.args)
+    assert cs.part_of(plan.name) == "philox" and len(params) == len(args)
+    for (ctype, pointer), arg in zip(params, args):
+        assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), (ctype, arg)
+    assert out.shape == (777, 4) and plan.grid == (4,) and plan.block == (256,)
+
+
+def test_nvcc_compiles_the_philox_kernel(tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src = tmp_path / "k.cu"
+    src.write_text(cs.source("float32", "philox"))
+    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o",
+                    str(tmp_path / "k.ptx")], check=True, capture_output=True, timeout=300)
