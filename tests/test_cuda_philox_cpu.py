@@ -88,3 +88,25 @@ def test_nvcc_compiles_the_philox_kernel(tmp_path):
     src.write_text(cs.source("float32", "philox"))
     subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o",
                     str(tmp_path / "k.ptx")], check=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["0", "1"])
+def test_dropout_numbers_on_a_gpu_equal_the_hosts(device, kernel, monkeypatch):
+    """For the GPU session: a site's numbers on cupy (the xp code: kernel "0"; the Philox
+    kernel: "1") equal the host's bit for bit: a whole tensor, a TP slice, a tile
+    (python -m pytest -m gpu --device cuda tests/test_cuda_philox_cpu.py)."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    from minidist.autograd.dropout_keys import DropoutSite
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", kernel)
+    keys = DropoutKeys(7)
+    keys.step = 3
+    for site in (DropoutSite(keys, SITE), DropoutSite(keys, SITE, axis=1, parts=2, index=1)):
+        shape = (3, 2, 33, 33)
+        np.testing.assert_array_equal(cupy.asnumpy(site.random(shape, xp=cupy)),
+                                      site.random(shape))
+        coords = [np.arange(2), np.arange(5, 21), np.arange(8, 24)]
+        np.testing.assert_array_equal(cupy.asnumpy(site.block(shape, coords, cupy)),
+                                      site.block(shape, coords))
