@@ -40,7 +40,7 @@ def _causal_bias(xp, T, dtype):
 CAUSAL_BAND = 16       # query rows per call when only the causal half gets numbers
 
 
-def _keep_mask(rng, shape, p, xp):
+def keep_mask(rng, shape, p, xp):
     """Dropout's mask over (B, nh, T, T) weights, the same contract as ops.dropout: rng's
     numbers >= p, on xp. A DropoutSite (keyed numbers, dropout_keys.py) computes only the
     causal half, CAUSAL_BAND query rows at a time, each band's keys up to its last query:
@@ -90,7 +90,7 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
     if dropout_p <= 0:
         _matmul_into(P, v, out)                              # y = P v
         return P, None, 1.0
-    keep = _keep_mask(rng, P.shape, dropout_p, xp)
+    keep = keep_mask(rng, P.shape, dropout_p, xp)
     scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
     Pd = P * keep
     Pd *= scale

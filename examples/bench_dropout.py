@@ -1,0 +1,88 @@
+"""Dropout's keyed numbers (Philox4x32-10, minidist/autograd/dropout_keys.py) against numpy's
+own generator, on the host, measured in one run.
+
+    python examples/bench_dropout.py
+    python examples/bench_dropout.py --batch 16 --block-size 1024
+
+The sites of one forward of the default model (train_gpt's: 4 layers, 4 heads, n_embd 128,
+block 128) for one rank's rows (--batch, default 4: 16 sequences over 4 ranks): the
+embedding's and each block's two residual dropouts (B, T, C) and its attention weights'
+(B, nh, T, T). Prints one JSON line per way of getting the numbers, best of --repeats:
+
+    pcg64          numpy's PCG64 drawing every site's numbers at once (the floor: no key)
+    keyed          DropoutSite.random for every site (what the materialised path would
+                   draw for a whole (B, nh, T, T) tensor)
+    keyed_causal   the attention weights through attention.py's mask (the causal half
+                   only, 16 query rows a call), the residual sites whole: what a step draws
+
+with ms per forward, ns per number and the ratio to pcg64's time per number.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from minidist.autograd.attention import keep_mask
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
+
+
+def sites(args, keys):
+    B, T, C, nh = args.batch, args.block_size, args.n_embd, args.n_head
+    out = [(DropoutSite(keys, "transformer.drop"), (B, T, C), False)]
+    for i in range(args.n_layer):
+        h = f"transformer.h.{i}."
+        out += [(DropoutSite(keys, h + "attn.attn_dropout"), (B, nh, T, T), True),
+                (DropoutSite(keys, h + "attn.resid_dropout"), (B, T, C), False),
+                (DropoutSite(keys, h + "mlp.dropout"), (B, T, C), False)]
+    return out
+
+
+def best(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4, help="rows (one rank's)")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    keys = DropoutKeys(1337)
+    every = sites(args, keys)
+    n = sum(int(np.prod(shape)) for _, shape, _ in every)
+    gen = np.random.default_rng(0)
+
+    def pcg64():
+        for _, shape, _ in every:
+            gen.random(shape, dtype=np.float32)
+
+    def keyed():
+        for site, shape, _ in every:
+            site.random(shape)
+
+    def keyed_causal():
+        for site, shape, attention in every:
+            if attention:
+                keep_mask(site, shape, 0.1, np)
+            else:
+                site.random(shape)
+
+    base = best(pcg64, args.repeats)
+    for name, fn in (("pcg64", pcg64), ("keyed", keyed), ("keyed_causal", keyed_causal)):
+        t = best(fn, args.repeats)
+        print(json.dumps({"way": name, "numbers": n, "ms": round(t * 1e3, 2),
+                          "ns_per_number": round(t * 1e9 / n, 2),
+                          "ratio_to_pcg64": round(t / base, 2), **vars(args)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
