@@ -105,7 +105,7 @@ class DropoutKeys:
         call (the same numbers, 4x the work)."""
         rows, base, cols = (np.asarray(a, dtype=np.int64) for a in (rows, base, cols))
         S, L = np.broadcast_shapes(rows.shape, base.shape), len(cols)
-        whole = (L % 4 == 0 and cols[0] % 4 == 0 and not (base % 4).any()
+        whole = (L and L % 4 == 0 and cols[0] % 4 == 0 and not (base % 4).any()
                  and np.array_equal(cols, cols[0] + np.arange(L)))
         firsts = backend.to_device(cols[::4] if whole else cols, xp)
         shape = S + (len(firsts),)                                        # L, or L/4
