@@ -150,7 +150,8 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
                            tiled=False, cp=1):
     """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring).
     tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
-    (4as bytes per sequence; no dropout); cp: this rank holds s / cp of the tokens (its
+    (4as bytes per sequence; dropout's numbers are recomputed per tile, no mask is kept);
+    cp: this rank holds s / cp of the tokens (its
     queries and, tiled by the ring, no scores)."""
     d, k = int(bool(dropout)), (t if sp else 1)
     s = s / cp
