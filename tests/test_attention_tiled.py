@@ -144,11 +144,18 @@ def saved_bytes(fn, T):
 
 
 def test_tiled_keeps_o_t_memory():
-    """Materialised: P (nh T^2 floats) grows 4x when T doubles; tiled: lse (nh T) 2x."""
+    """Materialised: P (nh T^2 floats) grows 4x when T doubles, and with dropout its mask
+    (nh T^2 bytes) too; tiled: lse (nh T) 2x, with dropout as without (no mask kept)."""
     mat = [saved_bytes(lambda x: F.causal_self_attention(x, 2), T) for T in (128, 256)]
     til = [saved_bytes(lambda x: flash.tiled_self_attention(x, 2, 32), T) for T in (128, 256)]
     assert mat == [2 * T * T * 4 for T in (128, 256)]
     assert til == [2 * T * 4 for T in (128, 256)]
+    mat_d = [saved_bytes(lambda x: F.causal_self_attention(x, 2, 0.1, _site()), T)
+             for T in (128, 256)]
+    til_d = [saved_bytes(lambda x: flash.tiled_self_attention(x, 2, 32, 0.1, _site()), T)
+             for T in (128, 256)]
+    assert mat_d == [2 * T * T * 5 for T in (128, 256)]
+    assert til_d == til
 
 
 def test_float32_and_float16_inputs_run_close_to_float64():
