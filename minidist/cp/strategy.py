@@ -37,8 +37,6 @@ def cp_problems(args):
         problems.append(split)
     if args.dropout:
         problems.append(f"--dropout {args.dropout}: ring attention has no dropout; use 0")
-    if args.ckpt_activations:
-        problems.append("--ckpt-activations does not combine with --cp (not built)")
     if args.sequence_parallel:
         problems.append("--sequence-parallel does not combine with --cp (not built)")
     if args.zero and args.tp > 1:
