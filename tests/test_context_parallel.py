@@ -132,6 +132,17 @@ def test_cp_that_does_not_match_the_processes_is_a_usage_error():
         check_layout(_flags("--cp", "2", "--dp", "1"), 3)
 
 
+def _check_recompute_is_bitwise(rows):
+    """A "+ckpt" run ends where the same run without recompute ends, to the last bit."""
+    by_name = {r["run"]: r for r in rows}
+    pairs = [(r, by_name[r["run"].removesuffix("+ckpt")]) for r in rows
+             if r["run"].endswith("+ckpt") and r["run"].removesuffix("+ckpt") in by_name]
+    assert pairs
+    for ckpt, plain in pairs:
+        assert ckpt["losses"] == plain["losses"], (ckpt, plain)
+        assert ckpt["param_diff"] == plain["param_diff"], (ckpt, plain)
+
+
 def _check_memory(row, n):
     """Activations per cp rank = 1/n of one process's, without and with recompute, and
     recompute keeps less."""
@@ -152,6 +163,7 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
     for r in rows:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
         assert r["bytes_sent"] == r["theory_sent"]
+    _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 2)
 
 
@@ -173,6 +185,7 @@ def test_cp4_and_compositions_are_exact(mpi):
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
         assert r["bytes_sent"] == r["theory_sent"]
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
+    _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 4)
 
 

@@ -16,9 +16,11 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
     local_rows          rows by dp rank only (inner would split rows over dp x cp)
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
-inner. Refused: --pp, --dropout > 0 (the ring has no attention dropout and the masks would
-differ from one process's), --ckpt-activations (the recompute in backward runs outside the
-ring's forward), --sequence-parallel, --zero with --tp, a block size that does not split.
+inner. --ckpt-activations works as without cp: each block's checkpoint saves the RingContext's
+layouts and restores them, so the recompute inside backward runs the ring forward again
+(minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
+Refused: --pp, --dropout > 0 (the ring has no attention dropout and the masks would differ
+from one process's), --sequence-parallel, --zero with --tp, a block size that does not split.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
 from minidist.cp.context import attach_ring
