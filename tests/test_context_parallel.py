@@ -1,6 +1,7 @@
 """Context parallelism (ring attention, minidist/cp/): the split of the sequence, the causal
-work per rank, the ring simulated in one process against plain tiled attention, the mesh's
-cp axis, the refusals, and the exactness runs under mpiexec (tests/scripts/cp_check.py).
+work per rank, the ring simulated in one process against plain tiled attention, the layouts
+a recompute restores, the mesh's cp axis, the refusals, and the exactness runs (also with
+--ckpt-activations) under mpiexec (tests/scripts/cp_check.py).
 """
 import math
 import os
@@ -10,7 +11,9 @@ import pytest
 
 from minidist.autograd import Tensor
 from minidist.autograd.flash import partial_attention, tiled_attention
+from minidist.autograd.recompute import checkpoint
 from minidist.comm.mesh import cp_coord, mesh_coords, mesh_rank
+from minidist.cp.context import RingContext
 from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles, layout,
                               positions, ring_bytes)
 from minidist.cp.strategy import cp_problems
@@ -32,6 +35,25 @@ def test_zigzag_and_naive_layouts_cover_the_sequence_once():
 def test_ring_bytes_formula():
     assert ring_bytes(1, 1) == 2                   # one rank: only the accumulator's hop home
     assert ring_bytes(10, 4) == (6 * 4 - 4) * 10
+    assert ring_bytes(10, 4, recompute=True) == (8 * 4 - 6) * 10   # + the forward again
+
+
+def test_the_recompute_runs_with_the_layouts_its_forward_had():
+    """checkpoint(..., context=ring) saves the RingContext's layouts and sets them back for
+    the rerun inside backward (after forward cleared them), then clears them again."""
+    ring = RingContext(group=None, split="naive")
+    seen = []
+
+    def fn(h):
+        seen.append(ring.snapshot())               # what the attention layers would read
+        return h * 2.0
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    ring.restore([layout(8, 2, r, "naive") for r in range(2)])   # inside RingContext.forward
+    y = checkpoint(fn, x, [], context=ring)
+    ring.restore(None)                                           # forward has returned
+    y.sum().backward()
+    assert seen == [[[(0, 4)], [(4, 4)]]] * 2 and not ring.active
+    assert np.array_equal(x.grad, np.full((2, 3), 2.0))
 
 
 def test_naive_split_is_unbalanced_and_zigzag_is_not():
@@ -125,6 +147,11 @@ def _flags(*extra):
 def test_refusals_name_the_flag(extra, words):
     problems = cp_problems(_flags(*extra))
     assert any(words in p for p in problems), problems
+
+
+def test_ckpt_activations_is_no_longer_refused():
+    assert cp_problems(_flags("--cp", "2", "--ckpt-activations")) == []
+    assert cp_problems(_flags("--cp", "2", "--tp", "2", "--ckpt-activations")) == []
 
 
 def test_cp_that_does_not_match_the_processes_is_a_usage_error():
