@@ -1,6 +1,7 @@
 """Context parallelism (ring attention, minidist/cp/): the split of the sequence, the causal
-work per rank, the ring simulated in one process against plain tiled attention, the mesh's
-cp axis, the refusals, and the exactness runs under mpiexec (tests/scripts/cp_check.py).
+work per rank, the ring simulated in one process against plain tiled attention, the layouts
+a recompute restores, the mesh's cp axis, the refusals, and the exactness runs (also with
+--ckpt-activations) under mpiexec (tests/scripts/cp_check.py).
 """
 import math
 import os
@@ -11,7 +12,9 @@ import pytest
 from minidist.autograd import Tensor
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.flash import AttnDropout, partial_attention, tiled_attention
+from minidist.autograd.recompute import checkpoint
 from minidist.comm.mesh import cp_coord, mesh_coords, mesh_rank
+from minidist.cp.context import RingContext
 from minidist.cp.ring import (attend_block, attend_block_backward, causal_tiles, layout,
                               positions, ring_bytes)
 from minidist.cp.strategy import cp_problems
@@ -33,6 +36,25 @@ def test_zigzag_and_naive_layouts_cover_the_sequence_once():
 def test_ring_bytes_formula():
     assert ring_bytes(1, 1) == 2                   # one rank: only the accumulator's hop home
     assert ring_bytes(10, 4) == (6 * 4 - 4) * 10
+    assert ring_bytes(10, 4, recompute=True) == (8 * 4 - 6) * 10   # + the forward again
+
+
+def test_the_recompute_runs_with_the_layouts_its_forward_had():
+    """checkpoint(..., context=ring) saves the RingContext's layouts and sets them back for
+    the rerun inside backward (after forward cleared them), then clears them again."""
+    ring = RingContext(group=None, split="naive")
+    seen = []
+
+    def fn(h):
+        seen.append(ring.snapshot())               # what the attention layers would read
+        return h * 2.0
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    ring.restore([layout(8, 2, r, "naive") for r in range(2)])   # inside RingContext.forward
+    y = checkpoint(fn, x, [], context=ring)
+    ring.restore(None)                                           # forward has returned
+    y.sum().backward()
+    assert seen == [[[(0, 4)], [(4, 4)]]] * 2 and not ring.active
+    assert np.array_equal(x.grad, np.full((2, 3), 2.0))
 
 
 def test_naive_split_is_unbalanced_and_zigzag_is_not():
@@ -134,11 +156,15 @@ def _flags(*extra):
     (["--cp", "2", "--pp", "2"], "--pp"),
     (["--cp", "4", "--block-size", "12"], "multiple of 8"),
     (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
-    (["--cp", "2", "--ckpt-activations"], "--ckpt-activations"),
     (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
 def test_refusals_name_the_flag(extra, words):
     problems = cp_problems(_flags(*extra))
     assert any(words in p for p in problems), problems
+
+
+def test_ckpt_activations_is_no_longer_refused():
+    assert cp_problems(_flags("--cp", "2", "--ckpt-activations")) == []
+    assert cp_problems(_flags("--cp", "2", "--tp", "2", "--ckpt-activations")) == []
 
 
 def test_cp_that_does_not_match_the_processes_is_a_usage_error():
@@ -146,27 +172,53 @@ def test_cp_that_does_not_match_the_processes_is_a_usage_error():
         check_layout(_flags("--cp", "2", "--dp", "1"), 3)
 
 
-def test_cp2_is_exact_and_sends_the_formula(mpi):
-    """cp 2, zig-zag and naive, against one process in float64; bytes; activations 1/2.
+def _check_recompute_is_bitwise(rows):
+    """A "+ckpt" run ends where the same run without recompute ends, to the last bit."""
+    by_name = {r["run"]: r for r in rows}
+    pairs = [(r, by_name[r["run"].removesuffix("+ckpt")]) for r in rows
+             if r["run"].endswith("+ckpt")]
+    assert pairs
+    for ckpt, plain in pairs:
+        assert ckpt["losses"] == plain["losses"], (ckpt, plain)
+        assert ckpt["param_diff"] == plain["param_diff"], (ckpt, plain)
 
-        mpiexec -n 2 python tests/scripts/cp_check.py
+
+def _check_memory(row, n):
+    """Activations per cp rank = 1/n of one process's, without and with recompute, and
+    recompute keeps less."""
+    assert abs(row["ratio"] - 1 / n) < 1e-3 and abs(row["ratio_ckpt"] - 1 / n) < 1e-3
+    assert row["per_rank_ckpt"] < row["per_rank"] / 2
+
+
+def test_cp2_is_exact_and_sends_the_formula(mpi):
+    """cp 2, zig-zag and naive, also with --ckpt-activations (the ring forward recomputed
+    inside backward), against one process without recompute in float64 (and bit-identical
+    to the same run without it); bytes; activations.
+
+        mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2,cp2+naive,cp2+ckpt,...
     """
-    out = mpi(2, "tests/scripts/cp_check.py", timeout=180)
+    runs = ["cp2", "cp2+naive", "cp2+ckpt", "cp2+naive+ckpt"]
+    out = mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=180)
     rows = tagged_json(out, "RESULT")
-    assert [r["run"] for r in rows] == ["cp2", "cp2+naive"]
+    assert [r["run"] for r in rows] == runs
     for r in rows:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
         assert r["bytes_sent"] == r["theory_sent"]
-    assert abs(tagged_json(out, "MEMORY")[0]["ratio"] - 0.5) < 1e-3
+    _check_recompute_is_bitwise(rows)
+    _check_memory(tagged_json(out, "MEMORY")[0], 2)
 
 
 def test_cp4_and_compositions_are_exact(mpi):
-    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits.
+    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits; and with
+    --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with grad-accum),
+    cp 2 x tp 2 (both splits), each bit-identical to the same run without it.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,...
     """
     runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
-            "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xtp2", "cp2xtp2+naive"]
+            "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xtp2", "cp2xtp2+naive",
+            "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
+            "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt"]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=240)
     rows = tagged_json(out, "RESULT")
     assert [r["run"] for r in rows] == runs
@@ -174,7 +226,8 @@ def test_cp4_and_compositions_are_exact(mpi):
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
         assert r["bytes_sent"] == r["theory_sent"]
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
-    assert abs(tagged_json(out, "MEMORY")[0]["ratio"] - 0.25) < 1e-3
+    _check_recompute_is_bitwise(rows)
+    _check_memory(tagged_json(out, "MEMORY")[0], 4)
 
 
 def test_walkthrough_prints_the_balance_and_an_exact_row():

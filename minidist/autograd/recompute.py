@@ -1,19 +1,35 @@
 """Activation checkpointing: keep a block's input, recompute the block inside backward.
 
-    y = checkpoint(block, x, block.parameters(), rng=model.dropout_keys)
+    y = checkpoint(block, x, block.parameters(), rng=model.dropout_keys, context=model.context)
 
 Without it, the graph keeps every intermediate of `block` alive from forward until backward
 (GPT: ~20 (B, T, C)-sized arrays and the (B, nh, T, T) attention weights per block). With it:
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
               keeps one node holding x (already alive as the previous node's output) and y,
-              and the dropout keys' step and rows (or a generator's state) before the block ran;
-    backward  runs block(x) again, grad on, from x as a fresh leaf and with the keys (or the
-              generator) rewound (the same dropout masks, then put back), backpropagates
-              the incoming gradient through that short-lived graph, and returns x's gradient.
+              and the state the block ran in: the dropout keys' step and rows (or a
+              generator's state) and, under context parallelism, the ring's layouts;
+    backward  runs block(x) again, grad on, from x as a fresh leaf and with that state
+              restored (the same dropout masks, the same ring; then put back),
+              backpropagates the incoming gradient through that short-lived graph, and
+              returns x's gradient.
 
 The recompute runs the same ops on the same arrays, so every number is bit-identical to a
 run without checkpointing; the price is one more forward per block (~1/3 more compute).
+
+The state it ran in. Backward runs after the forward that set it up has returned, so what
+fn reads besides x and its parameters must be put back as it was: `rng` (the dropout keys,
+which have moved on to later blocks' draws) and `context` (context parallelism's RingContext,
+minidist/cp/context.py, whose layouts of the sequence exist only while GPT.forward runs;
+without them the attention would see an inactive ring and attend locally). Each is an
+object with snapshot() and restore(state), saved by the node and named at the one call
+site (GPT.run_block), rather than the layouts threaded through every Block's forward: the
+context already is the one place they live, and the keys are rewound the same way.
+Under context parallelism the recompute sends messages: every cp rank re-runs the block's
+ring forward (N - 1 hops) inside backward, then its ring backward. Every rank's engine
+visits the blocks in the same order and each ring call waits for all its messages before it
+returns, so on each link the messages of one tag come in the same order on both ends
+(MPI does not overtake) and pair up: recompute forward i, backward i, recompute forward i-1...
 
 Parameter gradients and hooks. The block's parameters are inputs of the checkpoint node, so
 the engine counts this node among each parameter's pending contributions, as it would count
@@ -28,24 +44,28 @@ and its router loss, minidist/nn/gpt.py run_block); `checkpoint` then returns th
 node has one output, so they travel through it as one flat array (each flattened, joined by
 concat) and are cut apart after it (split): the gradients of all of them meet in that one
 array, and the recompute backpropagates through all of them at once. They must share a dtype.
-Tests: tests/test_checkpointing.py.
+Tests: tests/test_checkpointing.py; under context parallelism tests/test_context_parallel.py
+(tests/scripts/cp_check.py, the "+ckpt" runs).
 """
 import contextlib
 import math
 
+import numpy as np
+
 from minidist.autograd import tensor as _tensor
-from minidist.autograd.dropout_keys import DropoutKeys
 from minidist.autograd.function import Function
 from minidist.autograd.indexing import concat, split
 from minidist.autograd.tensor import Tensor, no_grad
 
 
 class _Block:
-    """What the checkpoint node carries besides x: the function, its parameters, the rng;
-    `shapes`: the shapes of fn's outputs when it returns several (None: one)."""
+    """What the checkpoint node carries besides x: the function, its parameters, what to
+    rewind for the recompute (the rng, the context: those given); `shapes`: the shapes of
+    fn's outputs when it returns several (None: one)."""
 
-    def __init__(self, fn, params, rng):
-        self.fn, self.params, self.rng = fn, params, rng
+    def __init__(self, fn, params, rng, context):
+        self.fn, self.params = fn, params
+        self.rewind = [obj for obj in (rng, context) if obj is not None]
         self.shapes = None
 
     def run(self, x):
@@ -64,7 +84,7 @@ class Checkpoint(Function):
     def forward(ctx, x, block, *param_arrays):
         ctx.save_for_backward(x)
         ctx.block = block
-        ctx.rng_state = _state(block.rng)
+        ctx.states = [_state(obj) for obj in block.rewind]      # as the forward ran
         with no_grad():
             return block.run(Tensor(x)).data
 
@@ -73,23 +93,25 @@ class Checkpoint(Function):
         x, = ctx.saved
         block = ctx.block
         leaf = Tensor(x, requires_grad=ctx.needs_input_grad[0])
-        with _grad_enabled(), _rewound(block.rng, ctx.rng_state), _hooks_held(block.params):
+        with _grad_enabled(), _rewound(block.rewind, ctx.states), _hooks_held(block.params):
             out = block.run(leaf)                    # the same forward, graph recorded
             if out.requires_grad:
                 out.backward(grad)                   # parameter grads: += into .grad
         return (leaf.grad, None) + (None,) * len(block.params)
 
 
-def checkpoint(fn, x, params, rng=None):
+def checkpoint(fn, x, params, rng=None, context=None):
     """fn(x) for a Tensor x, recomputed in backward instead of stored (a tuple of Tensors
     if fn returns one: module docstring).
 
     params: every Parameter fn uses (e.g. `block.parameters()`); their gradients accumulate
     as without checkpointing. rng: what fn's dropout draws from, a DropoutKeys (GPT's:
     minidist/autograd/dropout_keys.py) or a numpy Generator, rewound for the recompute so it
-    draws the same masks (None when fn draws nothing)."""
+    draws the same masks (None when fn draws nothing). context: other state fn reads, with
+    snapshot() and restore(state) (context parallelism's RingContext: its layouts), set back
+    for the recompute as the forward saw it (None: none)."""
     params = [p for p in params if p.requires_grad][::-1]    # hooks fire last-used first,
-    block = _Block(fn, params, rng)                           # as without checkpoints
+    block = _Block(fn, params, rng, context)                  # as without checkpoints
     out = Checkpoint.apply(x, block, *params)
     if block.shapes is None:
         return out
@@ -107,32 +129,32 @@ def _grad_enabled():
         _tensor._grad_enabled.pop()
 
 
-def _state(rng):
-    """What decides rng's next masks: DropoutKeys' step and rows, a Generator's state."""
-    if rng is None:
-        return None
-    return rng.snapshot() if isinstance(rng, DropoutKeys) else rng.bit_generator.state
+def _state(obj):
+    """What decides obj's part in fn: a Generator's state; else its snapshot() (DropoutKeys'
+    step and rows, a RingContext's layouts)."""
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    return obj.snapshot()
 
 
-def _set_state(rng, state):
-    if isinstance(rng, DropoutKeys):
-        rng.restore(state)
+def _set_state(obj, state):
+    if isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = state
     else:
-        rng.bit_generator.state = state
+        obj.restore(state)
 
 
 @contextlib.contextmanager
-def _rewound(rng, state):
-    """Run with `rng` set back to `state`, then put it back where it was."""
-    if rng is None:
-        yield
-        return
-    now = _state(rng)
-    _set_state(rng, state)
+def _rewound(objs, states):
+    """Run with each of `objs` set back to its state in `states`, then put back as it was."""
+    now = [_state(obj) for obj in objs]
+    for obj, state in zip(objs, states):
+        _set_state(obj, state)
     try:
         yield
     finally:
-        _set_state(rng, now)
+        for obj, state in zip(objs, now):
+            _set_state(obj, state)
 
 
 @contextlib.contextmanager

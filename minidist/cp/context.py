@@ -14,6 +14,8 @@ every parameter is replicated over cp, so averaging gradients over the cp ranks 
 data-parallel ones: DDP/ZeRO over the mesh's dpcp group) gives one process's gradients.
 Sampling (`next_token`, sequences of any length) calls embed and run_blocks directly, not
 forward: the context is inactive there and every rank computes the whole thing alone.
+Activation recompute (--ckpt-activations) runs a block again inside backward, after forward
+has returned: the checkpoint saves the layouts (`snapshot`) and restores them for the rerun.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
 from minidist.autograd.flash import DEFAULT_BLOCK
@@ -22,7 +24,7 @@ from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
 
 class RingContext:
     """The cp group, the split kind and the tile size; `layouts` (every rank's pieces of the
-    sequence) only while a forward runs."""
+    sequence) only while a forward runs, or a block's recompute inside backward."""
 
     def __init__(self, group, split="zigzag", block=DEFAULT_BLOCK):
         self.group, self.split, self.block = group, split, block
@@ -30,7 +32,7 @@ class RingContext:
 
     @property
     def active(self):
-        """True inside forward: the attention layers then use the ring."""
+        """True inside forward (and a recompute): the attention layers then use the ring."""
         return self.layouts is not None
 
     def forward(self, model, idx, targets=None):
@@ -52,6 +54,17 @@ class RingContext:
                 return model.head(x, targets)                     # (B, Tl, V), loss
         finally:
             self.layouts = None
+
+    def snapshot(self):
+        """This sequence's layouts (None outside a forward): what activation recompute
+        (--ckpt-activations, minidist/autograd/recompute.py) saves with each block, so that
+        the block's rerun inside backward, after forward has cleared them, attends over the
+        ring again and not locally."""
+        return self.layouts
+
+    def restore(self, layouts):
+        """Set the layouts back to a snapshot() (the recompute, then None again after it)."""
+        self.layouts = layouts
 
     def self_attention(self, qkv, n_head, dropout_p=0.0, rng=None):
         """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group; dropout on its

@@ -20,7 +20,8 @@ carries its gradient accumulator (dk, dv) with it: rank r adds its queries' cont
 the block it holds and passes block and accumulator on; after N steps every accumulator has
 visited every rank and one last hop brings it home. Bytes sent per rank per attention layer,
 with S = B * Tl * C * itemsize (one of k or v):
-    forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv.
+    forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv;
+with activation recompute (--ckpt-activations) the forward's 2 S (N - 1) again in backward.
 Split of the sequence (`layout`): "naive" gives rank r the contiguous piece r of N; causal
 attention then makes rank N - 1 do N times rank 0's work. "zigzag" cuts T into 2N chunks and
 gives rank r chunks r and 2N-1-r: every rank does the same work (`causal_tiles` counts).
@@ -64,11 +65,13 @@ def check_split(T, n, split):
     return None
 
 
-def ring_bytes(S, n):
+def ring_bytes(S, n, recompute=False):
     """Bytes one rank sends per attention layer and micro-batch, forward + backward, where S
     is the bytes of its k (or v): blocks 2S(N-1) forward and again backward, accumulators
-    2SN backward; (6N - 4) S."""
-    return 2 * S * (n - 1) + 2 * S * (n - 1) + 2 * S * n
+    2SN backward; (6N - 4) S. `recompute`: the forward runs once more inside backward
+    (--ckpt-activations), + 2S(N-1): (8N - 6) S."""
+    forward = 2 * S * (n - 1)
+    return forward * (2 if recompute else 1) + 2 * S * (n - 1) + 2 * S * n
 
 
 def _pairs(q_pieces, k_pieces):

@@ -17,9 +17,11 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
 inner. --dropout: every mask is one process's (the ring's tiles and the residual stream find
-their numbers by global position: minidist/autograd/dropout_keys.py). Refused: --pp,
---ckpt-activations (the recompute in backward runs outside the ring's forward),
---sequence-parallel, --zero with --tp, a block size that does not split.
+their numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activations
+works as without cp: each block's checkpoint saves the RingContext's layouts and restores
+them, so the recompute inside backward runs the ring forward again
+(minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
+Refused: --pp, --sequence-parallel, --zero with --tp, a block size that does not split.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
 from minidist.cp.context import attach_ring
@@ -36,8 +38,6 @@ def cp_problems(args):
     split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)
-    if args.ckpt_activations:
-        problems.append("--ckpt-activations does not combine with --cp (not built)")
     if args.sequence_parallel:
         problems.append("--sequence-parallel does not combine with --cp (not built)")
     if args.zero and args.tp > 1:

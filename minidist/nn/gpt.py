@@ -181,19 +181,20 @@ class GPT(Module):
 
     def run_block(self, block, x, recompute, router_losses=None):
         """block(x) (B, T, C), kept for backward or, with `recompute`, run again inside it
-        (--ckpt-activations). An MoE block's router loss (MoE.router_loss) is appended to
-        `router_losses` (a list, or None: dropped): under recompute it comes out of the
-        checkpoint beside the block's output, so its gradient enters the recompute's backward
-        and it is counted once, however often the block runs."""
+        (--ckpt-activations), with the dropout keys and the cp ring's layouts (self.context,
+        None without --cp) as they were now. An MoE block's router loss (MoE.router_loss) is
+        appended to `router_losses` (a list, or None: dropped): under recompute it comes out
+        of the checkpoint beside the block's output, so its gradient enters the recompute's
+        backward and it is counted once, however often the block runs."""
         moe = isinstance(block.mlp, MoE)
+        keys, context = self.dropout_keys, self.context
         if not recompute:
             y = block(x)                                           # (B, T, C)
             loss = block.mlp.router_loss() if moe else None
         elif moe:
-            y, loss = checkpoint(block.with_router_loss, x, block.parameters(),
-                                 self.dropout_keys)
+            y, loss = checkpoint(block.with_router_loss, x, block.parameters(), keys, context)
         else:
-            y, loss = checkpoint(block, x, block.parameters(), self.dropout_keys), None
+            y, loss = checkpoint(block, x, block.parameters(), keys, context), None
         if loss is not None and router_losses is not None:
             router_losses.append(loss)
         return y

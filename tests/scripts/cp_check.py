@@ -2,13 +2,15 @@
 
     mpiexec -n 2 python tests/scripts/cp_check.py                      # cp2, cp2 naive
     mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,cp2xtp2
+    mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2+ckpt,cp2+naive+ckpt
 
 Every rank also trains the single-process reference (SingleProcess, the whole global batch);
 each run builds its strategy from train_gpt's own flags (make_strategy) and trains through
 the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and parameters
 equal the reference to --tol; the bytes each rank sent on the cp group equal the formula of
-minidist/cp/ring.py; the activations each rank keeps. Rank 0 prints `RESULT {json}` lines
-for tests/test_context_parallel.py. Any failure raises and the abort handler ends the job.
+minidist/cp/ring.py (a "+ckpt" run's recompute included); the activations each rank keeps,
+without and with --ckpt-activations. Rank 0 prints `RESULT {json}` lines for
+tests/test_context_parallel.py. Any failure raises and the abort handler ends the job.
 """
 import argparse
 import json
@@ -42,18 +44,22 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         "cp2xdp2+zero1": ["--dp", "2", "--zero", "1"], "cp2xdp2+zero2": ["--dp", "2", "--zero",
                                                                          "2"],
         "cp2xdp2+zero3": ["--dp", "2", "--zero", "3"], "cp2xtp2": ["--tp", "2"],
-        "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"]}
+        "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"],
+        "cp2xdp2+zero3+accum": ["--dp", "2", "--zero", "3", "--grad-accum", "2"]}
+CKPT = "+ckpt"      # any run + "+ckpt": with --ckpt-activations (the ring forward runs again
+                    # inside backward); the reference stays one process without recompute
 
 
 def flags(name):
     cp = name.split("+")[0].split("x")[0][2:]
+    ckpt = ["--ckpt-activations"] if name.endswith(CKPT) else []
     c = CONFIG
     return train_parser().parse_args([
         "--cp", cp, "--n-layer", str(c.n_layer), "--n-head", str(c.n_head), "--n-embd",
         str(c.n_embd), "--block-size", str(c.block_size), "--dropout", "0",
         "--attention-block", str(c.attention_block), "--batch-size", "4", "--steps", "3",
         "--lr", "1e-2", "--grad-clip", "0.05", "--dtype", "float64", "--seed", str(SEED),
-        *RUNS[name]])
+        *RUNS[name.removesuffix(CKPT)], *ckpt])
 
 
 def full_params(strategy, model):
@@ -71,7 +77,7 @@ def step_ring_bytes(args, config, mesh):
     n = mesh.shape["cp"]
     rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
     S = rows * (config.block_size // n) * (config.n_embd // mesh.shape["tp"]) * 8  # float64
-    return ring_bytes(S, n) * config.n_layer * args.grad_accum
+    return ring_bytes(S, n, args.ckpt_activations) * config.n_layer * args.grad_accum
 
 
 def run(name, ref, comm, tol):
@@ -98,16 +104,23 @@ def run(name, ref, comm, tol):
 
 def activations(comm):
     """Activation bytes one forward keeps (memory ledger): a cp rank against one process
-    with tiled attention (which, like the ring, keeps q, k, v, y and lse, no (T, T))."""
-    args = flags("cp2" if comm.size == 2 else "cp4")
+    with tiled attention (which, like the ring, keeps q, k, v, y and lse, no (T, T)); then
+    both with --ckpt-activations (each block keeps only its input)."""
     x, y = batch(0, 1, CONFIG, SEED)
     tiled = GPTConfig(**{**CONFIG.to_dict(), "attention": "tiled"})
-    ref = SingleProcess().build_model(tiled, SEED, "float64")
-    one = memory.activation_bytes(ref(x, y)[1], ref.parameters())
-    strategy = make_strategy(args, ProcessGroup.world(args.comm))
-    model = strategy.build_model(CONFIG, SEED, "float64")
-    mine = memory.activation_bytes(model(x, y)[1], model.parameters())
-    return {"ranks": comm.size, "one_process": one, "per_rank": mine, "ratio": mine / one}
+    row = {"ranks": comm.size}
+    for ckpt in (False, True):
+        args = flags(f"cp{comm.size}" + (CKPT if ckpt else ""))
+        ref = SingleProcess(ckpt_activations=args.ckpt_activations).build_model(
+            tiled, SEED, "float64")
+        one = memory.activation_bytes(ref(x, y)[1], ref.parameters())
+        strategy = make_strategy(args, ProcessGroup.world(args.comm))
+        model = strategy.build_model(CONFIG, SEED, "float64")
+        mine = memory.activation_bytes(model(x, y)[1], model.parameters())
+        tail = "_ckpt" if ckpt else ""
+        row.update({"one_process" + tail: one, "per_rank" + tail: mine,
+                    "ratio" + tail: mine / one})
+    return row
 
 
 def check_mesh(comm):

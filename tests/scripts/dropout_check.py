@@ -51,7 +51,8 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "tp2xpp2+recompute+accum2": ["--tp", "2", *PP2, "--ckpt-activations",
                                      "--grad-accum", "2"],
         "cp4": ["--cp", "4"],
-        "cp2xdp2+zero3+accum2": ["--cp", "2", "--zero", "3", "--grad-accum", "2"],
+        "cp2xdp2+zero3+accum2+recompute": ["--cp", "2", "--zero", "3", "--grad-accum", "2",
+                                           "--ckpt-activations"],
         "cp2xtp2+naive": ["--cp", "2", "--tp", "2", "--cp-split", "naive"]}
 SEED = 11
 
