@@ -13,8 +13,9 @@
 # minidist runs (examples/bench_step.py): fp32 (the CUDA kernels on), tf32 (MINIDIST_TF32=1),
 # bf16 (--amp), bf16_new (MINIDIST_CUDA_NEW_KERNELS=1: the parts proven on the CPU only, the
 # batched GEMMs through cuBLAS among them),
-# bf16_new_tiled (the same with --attention tiled), and on a GPU bf16_new_graph (bf16_new's step
-# captured as a CUDA graph and replayed: its loss must equal bf16_new's). Peer runs: torch_eager_bf16,
+# bf16_new_tiled (the same with --attention tiled), on a GPU bf16_new_graph (bf16_new's step
+# captured as a CUDA graph and replayed: its loss must equal bf16_new's), and bf16_new_drop
+# (bf16_new with --dropout 0.1: what dropout costs there). Peer runs: torch_eager_bf16,
 # torch_eager_tf32, torch_compile_bf16 (skipped when TORCH_REF is missing or torch is not there).
 # Environment: DEVICE (cuda), DRY (0), LOGS (speed-logs/<time>), LIMIT (seconds per run, 300),
 # BUDGET (seconds in all, unset: tests/scripts/gpu_common.sh), TORCH_REF
@@ -57,6 +58,10 @@ fi
 if [ "$DEVICE" = cuda ]; then     # a CUDA graph of bf16_new's step: its loss must be bf16_new's
     run bf16_new_graph bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP --cuda-graph
 fi
+
+# dropout's cost on the device (Philox numbers computed there: one kernel per site and step,
+# tiles of the attention weights in the xp tiled path): the lowest priority, so last
+run bf16_new_drop bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP --dropout 0.1
 
 "$PY" tests/scripts/acceptance.py speed "$RESULTS" > "$LOGS/speed.json"
 status=$?

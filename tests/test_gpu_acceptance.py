@@ -125,9 +125,9 @@ def _speed_script(tmp_path, **env):
 
 
 def test_speed_script_dry_run_on_the_cpu(tmp_path):
-    """DEVICE=cpu DRY=1 bash tests/gpu_speed.sh: the five minidist runs, then the table."""
+    """DEVICE=cpu DRY=1 bash tests/gpu_speed.sh: the six minidist runs, then the table."""
     rc, rows = _speed_script(tmp_path)
-    names = ["fp32", "tf32", "bf16", "bf16_new", "bf16_new_tiled"]
+    names = ["fp32", "tf32", "bf16", "bf16_new", "bf16_new_tiled", "bf16_new_drop"]
     assert rc == 0 and [r["check"] for r in rows] == names + ["speed"]
     assert all(r["ok"] and r["loss"] > 0 and r["device"] == "cpu" for r in rows[:-1])
     assert rows[-1]["ok"] and sorted(rows[-1]["runs"]) == sorted(names)
@@ -137,7 +137,7 @@ def test_speed_script_keeps_inside_its_budget(tmp_path):
     """BUDGET: a run that would start with less than 15 s left is recorded as skipped."""
     rc, rows = _speed_script(tmp_path, BUDGET="0")
     assert rc == 1 and all(r.get("skipped") == "BUDGET spent" for r in rows[:-1])
-    assert rows[-1]["check"] == "speed" and len(rows[-1]["failed"]) == 5
+    assert rows[-1]["check"] == "speed" and len(rows[-1]["failed"]) == 6
 
 
 @pytest.mark.slow
