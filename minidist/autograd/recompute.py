@@ -7,8 +7,9 @@ Without it, the graph keeps every intermediate of `block` alive from forward unt
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
               keeps one node holding x (already alive as the previous node's output) and y,
-              and the state the block ran in: the dropout keys' step and rows (or a
-              generator's state) and, under context parallelism, the ring's layouts;
+              and the state the block ran in: the dropout keys' step, rows and cp
+              positions (or a generator's state) and, under context parallelism, the
+              ring's layouts;
     backward  runs block(x) again, grad on, from x as a fresh leaf and with that state
               restored (the same dropout masks, the same ring; then put back),
               backpropagates the incoming gradient through that short-lived graph, and
