@@ -192,3 +192,19 @@ def test_every_layout_with_dropout_equals_one_process(mpi):
     for r in rows:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
         assert r["compared"] == r["ref_params"], r
+
+
+def test_bench_dropout_runs_and_counts_the_numbers():
+    """examples/bench_dropout.py at a tiny size: three ways, each over every site's numbers
+    (embedding + 3 per layer: 2 (B, T, C) and one (B, nh, T, T))."""
+    import json
+    import subprocess
+    import sys
+    from mpirun import ROOT
+    out = subprocess.run([sys.executable, "examples/bench_dropout.py", "--batch", "2",
+                          "--block-size", "8", "--n-embd", "8", "--n-head", "2", "--n-layer",
+                          "2", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["way"] for r in rows] == ["pcg64", "keyed", "keyed_causal"]
+    assert all(r["numbers"] == 2 * 8 * 8 * (1 + 2 * 2) + 2 * 2 * 2 * 8 * 8 for r in rows)
