@@ -6,6 +6,9 @@ parallelism's slices, recompute, and
 --grad-accum in train_step; under mpiexec: every layout against one process
 (tests/scripts/dropout_check.py).
 """
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +19,7 @@ from minidist.autograd.philox import philox4x32, to_unit_float32
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.base import SingleProcess
 from minidist.train.step import train_step
-from mpirun import tagged_json
+from mpirun import ROOT, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30, dropout=0.2)
 
@@ -197,10 +200,6 @@ def test_every_layout_with_dropout_equals_one_process(mpi):
 def test_bench_dropout_runs_and_counts_the_numbers():
     """examples/bench_dropout.py at a tiny size: three ways, each over every site's numbers
     (embedding + 3 per layer: 2 (B, T, C) and one (B, nh, T, T))."""
-    import json
-    import subprocess
-    import sys
-    from mpirun import ROOT
     out = subprocess.run([sys.executable, "examples/bench_dropout.py", "--batch", "2",
                           "--block-size", "8", "--n-embd", "8", "--n-head", "2", "--n-layer",
                           "2", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
