@@ -50,6 +50,28 @@ def test_tiled_dropout_equals_materialised_dropout_float64(T, block):
     assert np.abs(y1 - y_undropped).max() > 1e-3                       # something dropped
 
 
+def test_tiled_dropout_backward_redraws_its_forwards_numbers_whenever_it_runs():
+    """A pipeline runs a micro-batch's backward after later forwards moved the keys on (other
+    rows, another step): the gradients are those of a backward run at once."""
+    q, k, v = (randn(2, 2, 12, 4, seed=i) for i in range(3))
+    g = randn(2, 2, 12, 4, seed=9)
+    site = _site()
+    keys = site.keys
+    with keys.rows_of([4, 5]):                                         # at once
+        _, want = grads(lambda *a: flash.tiled_attention(*a, 4, 0.3, site), [q, k, v], g)
+    ts = [Tensor(a.copy(), requires_grad=True) for a in (q, k, v)]
+    with keys.rows_of([4, 5]):
+        y = flash.tiled_attention(*ts, 4, 0.3, site)
+    keys.next_step()
+    with keys.rows_of([0, 1]):                                         # later, keys moved
+        y.backward(g)
+    for t, w in zip(ts, want):
+        np.testing.assert_allclose(t.grad, w, rtol=0, atol=1e-12)
+    with keys.rows_of([0, 1]):
+        _, other = grads(lambda *a: flash.tiled_attention(*a, 4, 0.3, site), [q, k, v], g)
+    assert not np.allclose(other[0], want[0])                          # moved keys: other masks
+
+
 def test_tiled_dropout_needs_keyed_numbers():
     q = Tensor(randn(1, 1, 4, 2))
     with pytest.raises(TypeError, match="DropoutSite"):

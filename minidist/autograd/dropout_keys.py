@@ -88,6 +88,17 @@ class DropoutKeys:
     def restore(self, snapshot):
         self.step, self.rows, self.positions = snapshot
 
+    @contextlib.contextmanager
+    def as_of(self, snapshot):
+        """Inside, the keys are as `snapshot` says (a backward redrawing its forward's
+        numbers: flash.py's AttnDropout); then as they were."""
+        now = self.snapshot()
+        self.restore(snapshot)
+        try:
+            yield
+        finally:
+            self.restore(now)
+
     def state_dict(self):
         """What a checkpoint keeps: the step (the seed is the run's)."""
         return {"step": self.step}

@@ -98,18 +98,23 @@ def _tile_scores(q_i, k_j, r0, c0, masked, offset):
 class AttnDropout:
     """Dropout with probability `p` on attention weights of shape (B, nh, T, T) (`shape`;
     T the whole sequence, positions global), computed a tile at a time from `site`, a
-    DropoutSite (its numbers for any (query, key) block, minidist/autograd/dropout_keys.py)."""
+    DropoutSite (its numbers for any (query, key) block, minidist/autograd/dropout_keys.py).
+    It keeps the keys' state of its forward (step, rows, positions): the backward redraws
+    the same numbers whenever it runs (a pipeline's backward comes micro-batches later)."""
 
     def __init__(self, p, site, shape):
         if not isinstance(site, DropoutSite):
             raise TypeError("tiled attention's dropout needs keyed numbers (a DropoutSite, "
                             "as GPT gives its layers), not a generator")
         self.p, self.site, self.shape = p, site, tuple(shape)
+        self.state = site.keys.snapshot()
 
     def tile(self, q0, q1, k0, k1, xp, dtype):
         """Z (B, nh, q1 - q0, k1 - k0): keep / (1 - p) for queries q0:q1, keys k0:k1."""
         heads = np.arange(self.shape[1])
-        u = self.site.block(self.shape, [heads, np.arange(q0, q1), np.arange(k0, k1)], xp)
+        with self.site.keys.as_of(self.state):
+            u = self.site.block(self.shape, [heads, np.arange(q0, q1), np.arange(k0, k1)],
+                                xp)
         return ((u >= self.p) * (1.0 / (1.0 - self.p))).astype(dtype)
 
 
