@@ -18,6 +18,8 @@ Activation recompute (--ckpt-activations) runs a block again inside backward, af
 has returned: the checkpoint saves the layouts (`snapshot`) and restores them for the rerun.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
 """
+import contextlib
+
 from minidist.autograd.flash import DEFAULT_BLOCK
 from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
 
@@ -38,20 +40,28 @@ class RingContext:
     def forward(self, model, idx, targets=None):
         """GPT.forward under context parallelism: the whole (B, T) in, this rank's logits
         (B, Tl, V) and the mean loss over its tokens out."""
+        with self.part(model, idx.shape[1]) as pos:               # (Tl,) global positions
+            idx = idx[:, pos]                                     # (B, Tl)
+            targets = None if targets is None else targets[:, pos]
+            x = model.embed(idx, pos)                             # (B, Tl, C)
+            x = model.run_blocks(x)                               # (B, Tl, C)
+            return model.head(x, targets)                         # (B, Tl, V), loss
+
+    @contextlib.contextmanager
+    def part(self, model, T):
+        """Inside: this rank's part of a length-T sequence. Yields its positions (Tl,) (host
+        ints), sets the layouts (the attention layers use the ring) and the dropout keys'
+        positions; clears both after. forward above runs the whole model in it; a pipeline
+        stage runs one micro-batch of its blocks in it (minidist/pp/stage.py)."""
         n, r = self.group.size, self.group.rank
-        T = idx.shape[1]
         problem = check_split(T, n, self.split)
         if problem:
             raise ValueError(f"context parallelism: {problem}")
         pos = positions(T, n, r, self.split)                      # (Tl,) global positions
-        idx = idx[:, pos]                                         # (B, Tl)
-        targets = None if targets is None else targets[:, pos]
         self.layouts = [layout(T, n, s, self.split) for s in range(n)]
         try:
             with model.dropout_keys.positions_of(pos, T):         # dropout: global places
-                x = model.embed(idx, pos)                         # (B, Tl, C)
-                x = model.run_blocks(x)                           # (B, Tl, C)
-                return model.head(x, targets)                     # (B, Tl, V), loss
+                yield pos
         finally:
             self.layouts = None
 

@@ -33,8 +33,6 @@ def cp_problems(args):
     """Sentences saying what does not fit with --cp (checked on every rank alone, before any
     communication, by minidist/train/strategy.py check_layout)."""
     problems = []
-    if args.pp > 1:
-        problems.append("--cp does not combine with --pp (not built); use --cp with --dp/--tp")
     split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)

@@ -47,7 +47,7 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
     """Collective over the world: the whole model and optimizer, written by world rank 0."""
     params, opt_sd = stage_state(strategy, optimizer)
     mesh, pp = strategy.mesh, strategy.group
-    if mesh.dp_rank == 0 and mesh.tp_rank == 0:
+    if mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0:   # one pipeline
         parts = pp.comm.gather((params, opt_sd), root=0)    # in stage order
         if pp.rank == 0:
             params, opt_sd = merge_stages(parts)

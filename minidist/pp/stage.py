@@ -22,6 +22,8 @@ whole model.
 and `generate` run the whole pipeline without gradients, every stage calling them together.
 Tests: tests/test_pipeline.py.
 """
+import contextlib
+
 import numpy as np
 
 from minidist import backend
@@ -74,14 +76,28 @@ class PipelineStage:
         """Called once per forward of the whole batch on every stage (TP: sequence parallel?)."""
 
     def boundary_shape(self, rows, T):
-        """The activation that crosses the stage boundary: (rows, T, C)."""
+        """The activation that crosses the stage boundary: (rows, T, C), T the tokens this
+        rank holds."""
         return (rows, T, self.config.n_embd)
 
-    def expect(self, rows, T):
-        """Tell the link this step's boundary shape and dtype (no shape messages)."""
+    def expect(self, rows, T, ring=True):
+        """Tell the link this step's boundary shape and dtype (no shape messages). Under
+        context parallelism with the `ring` on, this rank holds T/cp of the T tokens."""
         self.begin(T)
+        if ring and self.context is not None:
+            T //= self.context.group.size                  # (rows, T/cp, C) cross
         w = next(p for p in self.parameters() if backend.is_float(p.dtype))
         self.link.expect(self.boundary_shape(rows, T), w.dtype, backend.xp_of(w.data))
+
+    def sequence_part(self, T, ring=True):
+        """Context parallelism (a RingContext attached by ContextParallel: minidist/cp/): a
+        context inside which this rank holds its part of each length-T sequence and the
+        attention layers use the ring; it yields the part's positions (Tl,). Otherwise (and
+        with ring=False: sampling, any length, the whole sequence on every rank) it yields
+        None."""
+        if self.context is None or not ring:
+            return contextlib.nullcontext(None)
+        return self.context.part(self, T)
 
     def holds_embedding(self, chunk):
         """Does `chunk` start the model (the first chunk of the first stage)?"""
@@ -98,13 +114,17 @@ class PipelineStage:
         the loss at the model's end, as GPT.forward adds them; elsewhere appended to the
         list `router_losses` (the stage's backward starts from them too, microbatches.py)."""
         mine = []
-        x = self.embed(idx) if self.holds_embedding(chunk) else inp
-        x = self.run_chunk(x, chunk, mine)
-        if not self.holds_head(chunk):
-            if router_losses is not None:
-                router_losses.extend(mine)
-            return x
-        loss = self.head(x, targets)[1]
+        with self.sequence_part(idx.shape[1]) as pos:    # --cp: this rank's tokens, the ring
+            if self.holds_embedding(chunk):
+                x = self.embed(part_of(idx, pos), pos)                 # (B, Tl, C)
+            else:
+                x = inp                                                # (B, Tl, C) received
+            x = self.run_chunk(x, chunk, mine)                         # (B, Tl, C)
+            if not self.holds_head(chunk):
+                if router_losses is not None:
+                    router_losses.extend(mine)
+                return x
+            loss = self.head(x, part_of(targets, pos))[1]    # mean over this rank's tokens
         return loss + moe_loss(mine) if mine else loss
 
     def run_chunk(self, x, chunk, router_losses=None):
@@ -146,19 +166,21 @@ class PipelineStage:
 
     def _pipe_forward(self, idx, targets, last_position=False, router_losses=None):
         idx = np.asarray(backend.to_host(idx))
-        self.expect(len(idx), idx.shape[1])
-        for chunk in range(len(self.chunks)):          # the ring of chunks, one at a time
-            x = self.link.recv_forward_chunk(0, chunk)
-            x = self.embed(idx) if self.holds_embedding(chunk) else x
-            x = self.run_chunk(x, chunk, router_losses)
-            if not self.holds_head(chunk):
-                self.link.isend_forward(x, 0, chunk)
-        self.link.wait_sends()
-        if not self.last:
-            return None
-        if last_position:
-            return self.head(x[:, -1:, :])[0]                      # logits (B, 1, V)
-        return self.head(x, targets)[1]
+        ring = not last_position         # --cp: evaluation on the ring, sampling without
+        self.expect(len(idx), idx.shape[1], ring)
+        with self.sequence_part(idx.shape[1], ring) as pos:
+            for chunk in range(len(self.chunks)):      # the ring of chunks, one at a time
+                x = self.link.recv_forward_chunk(0, chunk)
+                x = self.embed(part_of(idx, pos), pos) if self.holds_embedding(chunk) else x
+                x = self.run_chunk(x, chunk, router_losses)
+                if not self.holds_head(chunk):
+                    self.link.isend_forward(x, 0, chunk)
+            self.link.wait_sends()
+            if not self.last:
+                return None
+            if last_position:
+                return self.head(x[:, -1:, :])[0]                  # logits (B, 1, V)
+            return self.head(x, part_of(targets, pos))[1]
 
     def next_token(self, ctx, temperature, top_k, rng):
         """GPT.generate's step over the pipeline: the forward runs through every stage, the
@@ -169,6 +191,12 @@ class PipelineStage:
             nxt[:] = sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
         self.link.group.broadcast(nxt, root=self.link.n_stages - 1)
         return nxt
+
+
+def part_of(a, pos):
+    """The columns `pos` of a (B, T) array (this rank's tokens under context parallelism), or
+    `a` itself (pos or a None)."""
+    return a if pos is None or a is None else a[:, pos]
 
 
 class GPTStage(PipelineStage, GPT):

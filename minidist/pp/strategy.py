@@ -84,15 +84,16 @@ def default_micro_batches(rows, pp, multiple=1):
 
 
 def embedding_group(mesh):
-    """The first and last stages of this rank's (dp, tp) coordinates, as a 2-rank group (None
-    on middle stages). Collective over the world: one group per (dp, tp) pair."""
-    dp, tp, pp = mesh.shape["dp"], mesh.shape["tp"], mesh.shape["pp"]
+    """The first and last stages of this rank's (dp, cp, tp) coordinates, as a 2-rank group
+    (None on middle stages). Collective over the world: one group per (dp, cp, tp)."""
+    dp, cp, tp, pp = (mesh.shape[k] for k in ("dp", "cp", "tp", "pp"))
     mine = None
     for d in range(dp):
-        for t in range(tp):
-            ranks = [mesh.rank_of(d, t, 0), mesh.rank_of(d, t, pp - 1)]
-            g = mesh.world.new_group(ranks, name=f"embedding{ranks}")
-            mine = g if g is not None else mine
+        for c in range(cp):
+            for t in range(tp):
+                ranks = [mesh.rank_of(d, t, 0, c), mesh.rank_of(d, t, pp - 1, c)]
+                g = mesh.world.new_group(ranks, name=f"embedding{ranks}")
+                mine = g if g is not None else mine
     return mine
 
 
@@ -136,10 +137,12 @@ class PipelineParallel(ModelParallel):
 
     def notes(self):
         from minidist.nn.config import gpt_param_specs
-        s, (d, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "tp", "pp"))
+        s, (d, c, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "cp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return super().notes() + [
-            f"pipeline parallel: pp {p} x tp {t} x dp {d}, {self.schedule}"
+            f"pipeline parallel: pp {p} x tp {t} x dp {d}"
+            + (f" x cp {c} (a ring over cp inside each stage)" if c > 1 else "")
+            + f", {self.schedule}"
             + (f" interleaved over {self.virtual} chunks per rank" if self.virtual > 1 else "")
             + f" over {self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "
             + ", ".join(f"{c.start}..{c.stop - 1}" for c in s.chunks)
