@@ -14,7 +14,8 @@ every stage (gathered as a checkpoint gathers them) equal the reference to --tol
 wte bitwise equal on the first and the last stage of each pipeline; the bytes each rank sent
 on its stage's cp group = minidist/cp/ring.py's formula x the blocks this stage holds; runs
 that differ only in the schedule (1F1B, GPipe, ZB-H1) or in recompute end bitwise equal.
---files runs: the checkpoint (one process loads the whole model and Adam state: the
+--files runs: evaluation (on the ring) and sampling (without) give one process's loss and
+tokens; the checkpoint (one process loads the whole model and Adam state: the
 reference's) and a fresh cp x pp run that loads it back, bitwise, and takes the next step
 as the saved run does. Rank 0 prints `RESULT {json}` per run for
 tests/test_context_parallel.py; any failure raises and the abort handler ends the job.
@@ -37,6 +38,7 @@ import minidist.comm  # noqa: E402
 from minidist.comm import ProcessGroup, trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.cp.ring import ring_bytes  # noqa: E402
+from minidist.autograd import no_grad  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy import checkpoint  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
@@ -127,8 +129,32 @@ def run(name, ref, comm, cli):
     assert worst < cli.tol and len(crcs) == len(want), (name, row, worst)
     assert not comm.allreduce(sent != row["theory_sent"], op=MPI.LOR), (name, row)
     if name in cli.files.split(","):
+        row.update(check_eval_and_sample(strategy, model, r_model, comm, cli.tol))
         row.update(check_files(strategy, model, opt, args, r_model, comm, cli.tol))
     return row
+
+
+def check_eval_and_sample(strategy, model, r_model, comm, tol):
+    """Evaluation runs the pipeline on the ring (each cp rank's loss over its tokens, their
+    mean over dp x cp = one process's loss); sampling runs it without (any length, the whole
+    sequence on every rank): the ranks that sample get one process's tokens."""
+    x, y = batch(99, 4, CONFIG, SEED)
+    sent0, n = trace.bytes_sent("cp"), strategy.mesh.shape["cp"]
+    with no_grad():
+        model.eval()
+        got = float(strategy.global_mean(model(x, y)[1].data))
+        want = float(r_model.eval()(x, y)[1].data)
+    assert abs(got - want) <= tol, (got, want)
+    S = 4 * (CONFIG.block_size // n) * (CONFIG.n_embd // strategy.mesh.shape["tp"]) * 8
+    ring = 2 * S * (n - 1) * len(strategy.stage.layers)       # the ring's forward hops
+    assert trace.bytes_sent("cp") - sent0 == ring, "evaluation did not run on the ring"
+    prompt = x[:2, :5]
+    tokens = model.generate(prompt, 12, seed=3) if strategy.takes_part_in_sampling() \
+        else None
+    same = tokens is None or np.array_equal(tokens, r_model.generate(prompt, 12, seed=3))
+    assert comm.allreduce(same, op=MPI.LAND), "a sample differs from one process's"
+    model.train()
+    return {"eval_diff": comm.allreduce(abs(got - want), op=MPI.MAX)}
 
 
 def check_files(strategy, model, opt, args, r_model, comm, tol):

@@ -6,8 +6,10 @@
 The masks are keyed by (step, site, the row's number in the global batch)
 (minidist/autograd/dropout_keys.py), so with --dropout 0.1 every layout trains one process's
 numbers: data parallelism (DDP, ZeRO), --grad-accum, pipelines (their micro-batches and
-schedules), tensor and sequence parallelism, context parallelism (the ring's tiles and the
-residual stream by global position), activation recompute, and their compositions.
+schedules; with tiled attention, which draws the weights' numbers again in a micro-batch's
+backward), tensor and sequence parallelism, context parallelism (the ring's tiles and the
+residual stream by global position; also inside pipeline stages), activation recompute, and
+their compositions.
 Every rank also trains the reference: one process, the whole global batch, --grad-accum 1, no
 recompute (one run per depth). Each run builds its strategy from train_gpt's flags
 (make_strategy) and trains through the loop's train_step (tests/scripts/exact.py); losses,
@@ -45,6 +47,7 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "pp2xdp2+gpipe+recompute": [*PP2, "--schedule", "gpipe", "--ckpt-activations"],
         "pp2xdp2+zbh1+zero1": [*PP2, "--schedule", "zb-h1", "--zero", "1"],
         "pp2xdp2+v2": [*PP2, "--pp-virtual", "2", "--n-layer", "4"],
+        "pp2xdp2+tiled": [*PP2, "--attention", "tiled", "--attention-block", "2"],
         "tp2xdp2": ["--tp", "2"],
         "tp2xdp2+sp+accum2": ["--tp", "2", "--sequence-parallel", "--grad-accum", "2"],
         "tp2xpp2+sp": ["--tp", "2", *PP2, "--sequence-parallel"],
@@ -53,7 +56,10 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "cp4": ["--cp", "4"],
         "cp2xdp2+zero3+accum2+recompute": ["--cp", "2", "--zero", "3", "--grad-accum", "2",
                                            "--ckpt-activations"],
-        "cp2xtp2+naive": ["--cp", "2", "--tp", "2", "--cp-split", "naive"]}
+        "cp2xtp2+naive": ["--cp", "2", "--tp", "2", "--cp-split", "naive"],
+        "cp2xpp2": ["--cp", "2", *PP2],
+        "cp2xpp2+gpipe+recompute": ["--cp", "2", *PP2, "--schedule", "gpipe",
+                                    "--ckpt-activations"]}
 SEED = 11
 
 
@@ -66,7 +72,8 @@ def flags(name, dropout=0.1):
 
 def config_of(args):
     return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                     block_size=args.block_size, vocab_size=30, dropout=args.dropout)
+                     block_size=args.block_size, vocab_size=30, dropout=args.dropout,
+                     attention=args.attention, attention_block=args.attention_block)
 
 
 def reference(name, dropout=0.1):
