@@ -153,7 +153,6 @@ def _flags(*extra):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--cp", "2", "--pp", "2"], "--pp"),
     (["--cp", "4", "--block-size", "12"], "multiple of 8"),
     (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
     (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
