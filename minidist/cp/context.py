@@ -16,7 +16,9 @@ Sampling (`next_token`, sequences of any length) calls embed and run_blocks dire
 forward: the context is inactive there and every rank computes the whole thing alone.
 Activation recompute (--ckpt-activations) runs a block again inside backward, after forward
 has returned: the checkpoint saves the layouts (`snapshot`) and restores them for the rerun.
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
+A pipeline stage (--pp) does not call forward: it runs each micro-batch of its blocks
+inside `part(model, T)`, the same setup (minidist/pp/stage.py sequence_part).
+Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py, tests/test_cp_pp.py.
 """
 import contextlib
 

@@ -4,6 +4,7 @@ each sequence (ring attention: minidist/cp/ring.py), inside data parallelism ove
     mpirun -n 2 python examples/train_gpt.py --cp 2
     mpirun -n 4 python examples/train_gpt.py --cp 2 --dp 2 [--zero 1]
     mpirun -n 4 python examples/train_gpt.py --cp 2 --tp 2 --cp-split naive
+    mpirun -n 4 python examples/train_gpt.py --cp 2 --pp 2 [--schedule gpipe|zb-h1]
 
 World = dp x cp x tp (minidist/comm/mesh.py: tp fastest, then cp, then dp). All cp (and tp)
 ranks of one dp replica read the same rows of the global batch; the model keeps its own
@@ -16,13 +17,16 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
     local_rows          rows by dp rank only (inner would split rows over dp x cp)
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
-inner. --dropout: every mask is one process's (the ring's tiles and the residual stream find
+inner. With --pp, PipelineParallel (minidist/pp/strategy.py) is: it builds the stage, this
+strategy gives the stage the ring (wrap), and the stage runs each micro-batch in the ring's
+part of the sequence (minidist/pp/stage.py sequence_part: where the split lives there). --dropout: every mask is one process's (the ring's tiles and the residual stream find
 their numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activations
 works as without cp: each block's checkpoint saves the RingContext's layouts and restores
 them, so the recompute inside backward runs the ring forward again
 (minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
-Refused: --pp, --sequence-parallel, --zero with --tp, a block size that does not split.
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
+Refused: --sequence-parallel, --zero with --tp, a block size that does not split.
+Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
+tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """
 from minidist.cp.context import attach_ring
 from minidist.cp.ring import check_split
@@ -52,8 +56,9 @@ class ContextParallel(ModelParallel):
         self.split = split
 
     def wrap(self, model):
-        """The ring over mesh.cp on `model` (the GPT, or the TensorParallelGPT that
-        TensorParallel built), then inner's hold on it (DDP over dp x cp)."""
+        """The ring over mesh.cp on `model` (the GPT, the TensorParallelGPT that
+        TensorParallel built, or the pipeline stage PipelineParallel built), then inner's
+        hold on it (DDP over dp x cp)."""
         self.model = model
         block = model.config.attention_block                     # the tile size
         return self.inner.wrap(attach_ring(model, self.group, self.split, block))

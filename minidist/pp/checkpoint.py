@@ -5,7 +5,7 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            over dp first: the data-parallel strategy's whole_state; under --ep the stage's
            experts too, from every ep rank: minidist/ep/checkpoint.py; then over tp when the
            stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
-           replica, merged in model order (the tied wte, on the first and last stage and
+           replica (cp rank 0: under --cp every cp rank holds the same parameters), merged in model order (the tied wte, on the first and last stage and
            equal, kept once) and written by world rank 0; the dropout keys' step (every
            stage's, minidist/autograd/dropout_keys.py) is in the meta's "rng"
     load   every rank reads the whole checkpoint and keeps its own parameters and optimizer

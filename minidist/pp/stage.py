@@ -20,7 +20,22 @@ asks the stage (PipelineStage.build_transformer) for the modules, so `embed`, `r
 whole model.
 `stage_forward` is one micro-batch through this stage; `forward(idx, targets)` (evaluation)
 and `generate` run the whole pipeline without gradients, every stage calling them together.
-Tests: tests/test_pipeline.py.
+
+Where the sequence is split under context parallelism (--cp with --pp): in the stage, as
+tensor parallelism's sequence split is (TensorParallelGPTStage below: begin, boundary_shape).
+Every rank of a stage's cp group gets the whole (B, T) micro-batch from MicroBatches (rows
+only are cut there) and runs it inside `sequence_part(T)`, its RingContext's part
+(minidist/cp/context.py): this rank's zig-zag positions pos, the ring's layouts and the
+dropout keys' positions set. The first stage embeds idx[:, pos] at positions pos, every
+stage's attention is the ring over its own cp group (mesh.cp: the same stage, dp and tp),
+the boundary activation is this rank's (B, T/cp, C) piece (`expect`), sent to the rank of
+the same cp coordinate on the next stage, and the last stage takes the loss over
+targets[:, pos]: the mean over this rank's tokens, whose mean over dp x cp (the inner
+strategy's) is one process's. Backward needs no context: the ring's Function saved its
+layouts, and a recompute (--ckpt-activations) restores them from its checkpoint.
+Evaluation runs on the ring too; sampling (any length) runs without it, each cp rank
+computing the whole sequence.
+Tests: tests/test_pipeline.py, tests/test_cp_pp.py.
 """
 import contextlib
 

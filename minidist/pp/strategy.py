@@ -1,18 +1,22 @@
 """The PipelineParallel strategy: GPT cut into --pp stages (minidist/pp/schedule.py),
-optionally tensor-parallel inside each stage (--tp) and data-parallel across replicas (--dp:
-DDP, or ZeRO-1/2/3 with --zero).
+optionally tensor-parallel inside each stage (--tp), context-parallel inside each stage (--cp:
+each stage's attention a ring over its cp group, the ContextParallel strategy as `inner`) and
+data-parallel across replicas (--dp: DDP, or ZeRO-1/2/3 with --zero).
 
     mpirun -n 2 python examples/train_gpt.py --pp 2 --micro-batches 4
     mpirun -n 4 python examples/train_gpt.py --pp 4 --micro-batches 8 --schedule gpipe
     mpirun -n 8 python examples/train_gpt.py --dp 2 --tp 2 --pp 2 --micro-batches 2
     mpirun -n 4 python examples/train_gpt.py --dp 2 --pp 2 --zero 3
+    mpirun -n 4 python examples/train_gpt.py --cp 2 --pp 2 --schedule zb-h1
 
-World = dp x tp x pp in Megatron's rank order (minidist/comm/mesh.py). What it changes from
-SingleProcess (minidist/strategy/base.py), the data-parallel part left to `inner` (DDP or
-ZeRO-k over the dp group, or one replica), as TensorParallel and ContextParallel do:
+World = dp x cp x tp x pp in Megatron's rank order (minidist/comm/mesh.py). What it changes
+from SingleProcess (minidist/strategy/base.py), the data-parallel part left to `inner` (DDP or
+ZeRO-k over the dp group, or one replica; with --cp, ContextParallel around DDP or ZeRO over
+dp x cp), as TensorParallel and ContextParallel do:
 
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
-                        then inner.wrap(stage)
+                        then inner.wrap(stage) (--cp: the ring attached, minidist/pp/stage.py
+                        says where the sequence is split)
     local_rows          inner's: rows by dp rank (every stage and tp rank of a replica: the
                         same rows)
     forward_backward    the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v) over
@@ -30,7 +34,7 @@ ZeRO-k over the dp group, or one replica), as TensorParallel and ContextParallel
     save / load         the whole model gathered to rank 0 in the one-process format (under
                         ZeRO first gathered over dp); every rank loads its own parameters (its
                         shards) from it (minidist/pp/checkpoint.py)
-Tests: tests/test_pipeline.py, tests/test_pp_zero.py.
+Tests: tests/test_pipeline.py, tests/test_pp_zero.py, tests/test_cp_pp.py.
 """
 import argparse
 import math
