@@ -4,7 +4,8 @@
     mpiexec -n 8 python tests/scripts/cp_pp_check.py          # x dp 2 (ZeRO), x tp 2
     mpiexec -n 4 python tests/scripts/cp_pp_check.py --runs cp2xpp2-m2-1f1b --files ""
 
-A run's name lists its flags: cp2, pp2, dp2, tp2 (sizes), m2/m4 (--micro-batches), gpipe,
+A run's name lists its flags: cp2, pp2, dp2, tp2 (sizes), m2/m4 (--micro-batches), ga2
+(--grad-accum 2), gpipe,
 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), naive (--cp-split naive),
 ckpt (--ckpt-activations), z1, z3 (--zero k). Every rank also trains the one-process
 reference (SingleProcess, the whole global batch, no recompute); each run builds its strategy
@@ -52,7 +53,7 @@ CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=16, block_size=16, vocab_size=30,
 SEED = 7
 DEFAULT_RUNS = {
     4: "cp2xpp2-m2-1f1b,cp2xpp2-m2-gpipe,cp2xpp2-m2-zbh1,cp2xpp2-m4-v2-1f1b,"
-       "cp2xpp2-m2-1f1b-ckpt,cp2xpp2-m4-gpipe-naive",
+       "cp2xpp2-m2-1f1b-ckpt,cp2xpp2-m4-gpipe-naive,cp2xpp2-m2-ga2-zbh1",
     8: "cp2xpp2xdp2-m2-1f1b-z1,cp2xpp2xdp2-m2-gpipe-z3-ckpt,cp2xpp2xtp2-m2-zbh1,"
        "cp2xpp2xtp2-m4-v2-1f1b"}
 DEFAULT_FILES = {4: "cp2xpp2-m4-v2-1f1b", 8: "cp2xpp2xdp2-m2-1f1b-z1"}
@@ -62,9 +63,10 @@ def flags(name, steps=3):
     """train_gpt's flags for run `name` (see the module docstring)."""
     extra = []
     for t in re.split(r"[-x]", name):
-        size = re.fullmatch(r"(cp|dp|tp|pp|m)(\d+)", t)
+        size = re.fullmatch(r"(cp|dp|tp|pp|m|ga)(\d+)", t)
         if size:
-            extra += [{"m": "--micro-batches"}.get(size[1], f"--{size[1]}"), size[2]]
+            key = {"m": "--micro-batches", "ga": "--grad-accum"}.get(size[1], f"--{size[1]}")
+            extra += [key, size[2]]
         else:
             extra += {"gpipe": ["--schedule", "gpipe"], "1f1b": ["--schedule", "1f1b"],
                       "zbh1": ["--schedule", "zb-h1"], "v2": ["--pp-virtual", "2"],
