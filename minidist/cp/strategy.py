@@ -19,8 +19,9 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
 inner. With --pp, PipelineParallel (minidist/pp/strategy.py) is: it builds the stage, this
 strategy gives the stage the ring (wrap), and the stage runs each micro-batch in the ring's
-part of the sequence (minidist/pp/stage.py sequence_part: where the split lives there). --dropout: every mask is one process's (the ring's tiles and the residual stream find
-their numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activations
+part of the sequence (minidist/pp/stage.py sequence_part: where the split lives there).
+--dropout: every mask is one process's (the ring's tiles and the residual stream find their
+numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activations
 works as without cp: each block's checkpoint saves the RingContext's layouts and restores
 them, so the recompute inside backward runs the ring forward again
 (minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).

@@ -5,15 +5,17 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            over dp first: the data-parallel strategy's whole_state; under --ep the stage's
            experts too, from every ep rank: minidist/ep/checkpoint.py; then over tp when the
            stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
-           replica (cp rank 0: under --cp every cp rank holds the same parameters), merged in model order (the tied wte, on the first and last stage and
-           equal, kept once) and written by world rank 0; the dropout keys' step (every
+           replica (and cp rank 0: under --cp every cp rank holds the same parameters),
+           merged in model order (the tied wte, on the first and last stage and equal, kept
+           once) and written by world rank 0; the dropout keys' step (every
            stage's, minidist/autograd/dropout_keys.py) is in the meta's "rng"
     load   every rank reads the whole checkpoint and keeps its own parameters and optimizer
            state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
            inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
            layout resumes on any other, or on one process
 Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
-tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp).
+tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp),
+tests/test_cp_pp.py (cp x pp: tests/scripts/cp_pp_check.py --files, train_gpt's resume).
 """
 from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params
 from minidist.strategy import checkpoint
