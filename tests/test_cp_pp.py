@@ -40,8 +40,8 @@ def _check(rows, runs):
 
 def test_cp2_x_pp2_every_schedule_equals_one_process(mpi):
     """cp 2 x pp 2, float64, 3 steps: 1F1B, GPipe, ZB-H1, interleaved 1F1B (2 chunks per
-    rank), 1F1B with --ckpt-activations, GPipe with the naive split, ZB-H1 with --grad-accum
-    2: losses, norms and every
+    rank), 1F1B and interleaved with --ckpt-activations, GPipe with the naive split, ZB-H1
+    with --grad-accum 2: losses, norms and every
     parameter equal one process's to 1e-10; the bytes on each stage's cp group are the ring
     formula for its blocks; schedules and recompute bitwise equal; for the interleaved run,
     evaluation (on the ring) and sampling equal one process's, and its checkpoint is one
@@ -51,7 +51,8 @@ def test_cp2_x_pp2_every_schedule_equals_one_process(mpi):
     """
     out = mpi(4, "tests/scripts/cp_pp_check.py", timeout=180)
     runs = ["cp2xpp2-m2-1f1b", "cp2xpp2-m2-gpipe", "cp2xpp2-m2-zbh1", "cp2xpp2-m4-v2-1f1b",
-            "cp2xpp2-m2-1f1b-ckpt", "cp2xpp2-m4-gpipe-naive", "cp2xpp2-m2-ga2-zbh1"]
+            "cp2xpp2-m2-1f1b-ckpt", "cp2xpp2-m4-v2-1f1b-ckpt", "cp2xpp2-m4-gpipe-naive",
+            "cp2xpp2-m2-ga2-zbh1"]
     rows = tagged_json(out)
     _check(rows, runs)
     files = rows[3]

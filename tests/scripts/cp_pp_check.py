@@ -53,7 +53,8 @@ CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=16, block_size=16, vocab_size=30,
 SEED = 7
 DEFAULT_RUNS = {
     4: "cp2xpp2-m2-1f1b,cp2xpp2-m2-gpipe,cp2xpp2-m2-zbh1,cp2xpp2-m4-v2-1f1b,"
-       "cp2xpp2-m2-1f1b-ckpt,cp2xpp2-m4-gpipe-naive,cp2xpp2-m2-ga2-zbh1",
+       "cp2xpp2-m2-1f1b-ckpt,cp2xpp2-m4-v2-1f1b-ckpt,cp2xpp2-m4-gpipe-naive,"
+       "cp2xpp2-m2-ga2-zbh1",
     8: "cp2xpp2xdp2-m2-1f1b-z1,cp2xpp2xdp2-m2-gpipe-z3-ckpt,cp2xpp2xtp2-m2-zbh1,"
        "cp2xpp2xtp2-m4-v2-1f1b"}
 DEFAULT_FILES = {4: "cp2xpp2-m4-v2-1f1b", 8: "cp2xpp2xdp2-m2-1f1b-z1"}
