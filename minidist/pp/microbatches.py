@@ -11,10 +11,7 @@ methods).
 
 A micro-batch is in flight (`live`) from its forward to the end of its backward (W for a
 split one): its graph, or after B the values W still needs, are what the memory ledger
-counts. Its forward and its backward run with the dropout keys' rows set to its own rows of
-the global batch (`ids`): tiled attention and context parallelism's ring draw the attention
-dropout's numbers again in backward (minidist/autograd/flash.py AttnDropout), and they must
-be the forward's.
+counts.
 
 A Mixture of Experts: the router losses of the MoE blocks on a chunk that does not end the
 model (`router[(chunk, i)]`) are part of the loss, so that chunk's backward starts from its
@@ -71,15 +68,14 @@ class MicroBatches:
         """Backpropagate micro-batch i from dL/d(output) (None after the head: the loss);
         returns dL/d(input) for the previous stage (None on the first)."""
         inp, out, _ = self.live.pop((chunk, i))
-        with traced("B", i, chunk), self.stage.dropout_keys.rows_of(self.ids[i]):
+        with traced("B", i, chunk):
             self._start_backward(out, grad, chunk, self.router.pop((chunk, i), None))
         return None if inp is None else inp.grad
 
     def backward_input(self, i, grad, chunk=0):
         """B: only dL/d(input) now; the weights' gradients wait in a queue for W."""
         inp, out, _ = self.live[(chunk, i)]
-        with traced("B", i, chunk), defer_weight_grads(self.stage.parameters()) as work, \
-                self.stage.dropout_keys.rows_of(self.ids[i]):
+        with traced("B", i, chunk), defer_weight_grads(self.stage.parameters()) as work:
             self._start_backward(out, grad, chunk, self.router.pop((chunk, i), None))
         self.live[(chunk, i)] = (None, None, work)       # only what W needs stays alive
         return None if inp is None else inp.grad
