@@ -43,8 +43,6 @@ def cp_problems(args):
         problems.append(split)
     if args.sequence_parallel:
         problems.append("--sequence-parallel does not combine with --cp (not built)")
-    if args.zero and args.tp > 1:
-        problems.append("--zero with --cp and --tp is not built; use DDP (--zero 0)")
     return problems
 
 
@@ -81,6 +79,11 @@ class ContextParallel(ModelParallel):
 
     def load_whole_state(self, model, optimizer, params, opt_sd):
         self.inner.load_whole_state(model, optimizer, params, opt_sd)
+
+    def zero_strategy(self):
+        """inner's ZeRO (None under DDP): it shards this rank's whole part over dp x cp, so
+        TensorParallel around this one saves and loads its sharded files as without --cp."""
+        return self.inner.zero_strategy()
 
     def notes(self):
         s = self.mesh.shape

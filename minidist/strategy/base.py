@@ -20,7 +20,7 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
 and around the steps: build_model(config, seed, dtype), build_optimizer(model, args),
 any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
 whole_state / load_whole_state / optimizer_type (a pipeline's checkpoints),
-takes_part_in_sampling(), reports_memory, rank, world_size.
+takes_part_in_sampling(), reports_memory, rank, world_size, zero_strategy().
 
 `SingleProcess` is the reference (one process, the whole model, no communication) and the
 innermost piece of every composition: DataParallel (ddp/) and ZeroDataParallel (zero/) are
@@ -208,6 +208,14 @@ class SingleProcess:
     def optimizer_type(self, optimizer):
         """The optimizer's name in a checkpoint's state.json (ZeRO: one process's name)."""
         return type(optimizer).__name__
+
+    def zero_strategy(self):
+        """The ZeroDataParallel strategy that shards this rank's whole part of the model, for
+        a model-parallel strategy around it that saves ZeRO's sharded files of its part
+        (TensorParallel): None here, under DDP and around other strategies (expert
+        parallelism holds its experts apart); ZeRO: itself; ContextParallel: inner's (the
+        parameters are replicated over cp: ZeRO shards them whole over dp x cp)."""
+        return None
 
     def finish(self, args, log):
         if args.trace:

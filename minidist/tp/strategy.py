@@ -23,7 +23,8 @@ SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to 
                         checkpoint from any tp resumes on any other tp, or on one process
                         (also under --ep, with or without ZeRO). Under ZeRO without --ep: one
                         checkpoint folder holding ZeRO's sharded files of each tp rank's
-                        part in tp<r>-of-<tp>/ (same tp to resume)
+                        part in tp<r>-of-<tp>/ (same tp to resume); under --cp too, ZeRO's
+                        group then dp x cp (inner.zero_strategy() finds it)
 A data-parallel strategy plugs in as `inner` through `wrap(model)` (DataParallel and
 ZeroDataParallel have it).
 Tests: tests/test_tensor_parallel.py.
@@ -96,10 +97,12 @@ class TensorParallel(ModelParallel):
 
     # ---- the full model, gathered; checkpoints ----------------------------------------------
     def full_state_dict(self):
-        """The whole model (name -> host array) on the ranks of dp rank 0 (under ZeRO; on
-        every rank otherwise): gathered over dp by ZeRO first, then over tp. Collective."""
+        """The whole model (name -> host array) on the ranks of ZeRO's rank 0 (under ZeRO:
+        dp rank 0, and cp rank 0 under --cp; on every rank otherwise): gathered over ZeRO's
+        group (dp, or dp x cp) first, then over tp. Collective."""
+        zero = self.inner.zero_strategy()
         return self.model.full_state_dict(
-            self.inner.engine.full_state_dict(root=0) if self._zero() else None)
+            zero.engine.full_state_dict(root=0) if zero is not None else None)
 
     def save_pretrained(self, model, directory, dtype="float32"):
         """GPT-2's format (minidist/nn/pretrained.py), the whole model, from rank 0."""
@@ -109,8 +112,12 @@ class TensorParallel(ModelParallel):
             save_state_pretrained(model.config, state, directory, dtype=dtype)
         self.mesh.world.barrier()
 
-    def _zero(self):
-        return getattr(self.inner, "engine", None) is not None
+    def _zero_group(self):
+        """The group over which ZeRO shards this rank's whole part: inner's dp group, or under
+        --cp the dp x cp group of the ZeRO inside ContextParallel; None when ZeRO does not
+        hold it (DDP; --ep, whose experts it holds apart). Not None: sharded checkpoints."""
+        zero = self.inner.zero_strategy()
+        return None if zero is None else zero.group
 
     def _part(self):
         """Under ZeRO: this tp rank's folder of ZeRO's sharded files in a checkpoint
@@ -133,9 +140,10 @@ class TensorParallel(ModelParallel):
         process's (minidist/strategy/checkpoint.py). Under ZeRO (not under --ep): one
         checkpoint holding ZeRO's sharded files of each tp rank's part
         (minidist/zero/checkpoint.py). Collective."""
-        if self._zero():
-            return save_sharded(directory, model, optimizer, self.inner.group, step,
-                                rng_states, extra, part=self._part(), world=self.mesh.world)
+        group = self._zero_group()
+        if group is not None:
+            return save_sharded(directory, model, optimizer, group, step, rng_states, extra,
+                                part=self._part(), world=self.mesh.world)
         params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
@@ -147,14 +155,14 @@ class TensorParallel(ModelParallel):
     def load(self, directory, model, optimizer):
         """Every rank reads the whole checkpoint and keeps its shards, handed to inner as whole
         arrays by name (under ZeRO without --ep: its tp rank's part). Returns the meta."""
-        if self._zero():
+        group = self._zero_group()
+        if group is not None:
             folder = checkpoint_dirs.resolve(directory)
             if not os.path.isdir(os.path.join(folder, self._part())):
                 raise checkpoint.CheckpointError(
                     f"--resume {directory}: no {self._part()} in {folder}; a checkpoint of "
                     "--tp with --zero resumes with the same --tp")
-            return load_sharded(os.path.join(folder, self._part()), model, optimizer,
-                                self.inner.group)
+            return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
         params, opt_sd, meta = checkpoint.load(directory)
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(self.model),

@@ -137,6 +137,11 @@ class ZeroDataParallel(SingleProcess):
     def optimizer_type(self, optimizer):
         return optimizer_type(optimizer)
 
+    def zero_strategy(self):
+        """This one: its engine holds the whole model it wrapped (TensorParallel's sharded
+        checkpoints of each tp part, also under --cp)."""
+        return self
+
     def save_pretrained(self, model, directory, dtype="float32"):
         """GPT-2's format (minidist/nn/pretrained.py), the full parameters gathered to rank 0
         one unit at a time. Collective."""

@@ -15,7 +15,9 @@ tests/test_context_parallel.py. Any failure raises and the abort handler ends th
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from minidist.strategy import memory  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.step import train_step  # noqa: E402
 from minidist.train.strategy import make_strategy  # noqa: E402
 
 # block 16: zig-zag over 4 ranks cuts it in 8 chunks of 2; tiles of 2 cross the chunks
@@ -45,12 +48,26 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
                                                                          "2"],
         "cp2xdp2+zero3": ["--dp", "2", "--zero", "3"], "cp2xtp2": ["--tp", "2"],
         "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"],
-        "cp2xdp2+zero3+accum": ["--dp", "2", "--zero", "3", "--grad-accum", "2"]}
+        "cp2xdp2+zero3+accum": ["--dp", "2", "--zero", "3", "--grad-accum", "2"],
+        # cp x tp x ZeRO: ZeRO over dp x cp shards each tp rank's part (dp 1 on 4 ranks)
+        "cp2xtp2+zero1": ["--tp", "2", "--zero", "1"],
+        "cp2xtp2+zero2+naive": ["--tp", "2", "--zero", "2", "--cp-split", "naive"],
+        "cp2xtp2+zero3": ["--tp", "2", "--zero", "3"],
+        "cp2xtp2xdp2+zero1": ["--tp", "2", "--dp", "2", "--zero", "1"],      # 8 ranks
+        "cp2xtp2xdp2+zero2": ["--tp", "2", "--dp", "2", "--zero", "2"],
+        "cp2xtp2xdp2+zero3+accum": ["--tp", "2", "--dp", "2", "--zero", "3", "--grad-accum",
+                                    "2"]}
+# --resume-runs: after the run, its checkpoint (--save) is loaded back into a fresh strategy
+# of each of these layouts (a sharded ZeRO checkpoint reshards over ZeRO's group, dp x cp)
+RELOAD_INTO = {"same": [], "zero1": ["--zero", "1"], "tp2xdp2+zero3": ["--cp", "1",
+                                                                       "--zero", "3"]}
 CKPT = "+ckpt"      # any run + "+ckpt": with --ckpt-activations (the ring forward runs again
                     # inside backward); the reference stays one process without recompute
 
 
-def flags(name):
+def flags(name, *extra):
+    """train_gpt's flags for run `name`: --cp from the name, the rest from RUNS, then `extra`
+    (the last of a flag given twice wins)."""
     cp = name.split("+")[0].split("x")[0][2:]
     ckpt = ["--ckpt-activations"] if name.endswith(CKPT) else []
     c = CONFIG
@@ -59,7 +76,7 @@ def flags(name):
         str(c.n_embd), "--block-size", str(c.block_size), "--dropout", "0",
         "--attention-block", str(c.attention_block), "--batch-size", "4", "--steps", "3",
         "--lr", "1e-2", "--grad-clip", "0.05", "--dtype", "float64", "--seed", str(SEED),
-        *RUNS[name.removesuffix(CKPT)], *ckpt])
+        *RUNS[name.removesuffix(CKPT)], *ckpt, *extra])
 
 
 def full_params(strategy, model):
@@ -80,26 +97,88 @@ def step_ring_bytes(args, config, mesh):
     return ring_bytes(S, n, args.ckpt_activations) * config.n_layer * args.grad_accum
 
 
-def run(name, ref, comm, tol):
+def run(name, ref, comm, tol, reload=False):
     args = flags(name)
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     mesh = strategy.mesh
     sent0 = trace.bytes_sent("cp")
-    model, _, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
+    model, opt, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
     sent = (trace.bytes_sent("cp") - sent0) / args.steps
     params = full_params(strategy, model)
-    r_model, r_losses, r_norms = ref
-    d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
-    d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
-    d_par = max(float(np.abs(params[n] - np.asarray(p.data)).max())
-                for n, p in r_model.named_parameters()) if params else 0.0
+    r_model, r_opt, r_losses, r_norms = ref
+    d_loss = max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)])
+    d_norm = max_abs([float(a) - float(b) for a, b in zip(norms, r_norms)])
+    d_par = max_abs([max_abs(params[n] - np.asarray(p.data))
+                     for n, p in r_model.named_parameters()]) if params else 0.0
     row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": step_ring_bytes(args, CONFIG, mesh),
            "losses": [float(v) for v in losses]}
-    worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
-    assert worst < tol, (name, row)
+    ok = comm.allreduce(all(d < tol for d in (d_loss, d_norm, d_par)), op=MPI.LAND)
+    assert ok, (name, row)                      # NaN fails too (every comparison is False)
     assert sent == row["theory_sent"], (name, row)
+    if reload:
+        row["reload"] = check_reload(name, strategy, model, opt, (r_model, r_opt), comm)
     return row
+
+
+def max_abs(values):
+    """The largest |value| (NaN if any is NaN: max() would skip a NaN after the first)."""
+    return float(np.max(np.abs(np.asarray(values, dtype="float64"))))
+
+
+def whole(strategy, model, opt):
+    """(params, Adam moments) by name, as one process holds them, on world rank 0 (the
+    checkpoint's gather: ZeRO's over dp x cp, then tp's); ({}, {}) elsewhere. Collective."""
+    params, sd = strategy.whole_state(model, opt)
+    if strategy.rank != 0:
+        return {}, {}
+    return params, {(n, k): v for n, e in sd["state"].items() for k, v in e.items()
+                    if k in ("exp_avg", "exp_avg_sq")}
+
+
+def check_reload(name, strategy, model, opt, ref, comm):
+    """--save of run `name` (sharded: ZeRO's files of each tp part), loaded back into a fresh
+    strategy of each RELOAD_INTO layout: parameters and Adam moments bitwise the saved ones
+    (which equal one process's to 1e-10); then one more step of the run and of its reload
+    into the same layout log the same loss, bit for bit."""
+    path = comm.bcast(tempfile.mkdtemp(prefix="cp_check_") if comm.rank == 0 else None)
+    path = os.path.join(path, "ckpt")
+    strategy.save(path, model, opt, 3, {"dropout": model.dropout_keys.state_dict()}, {})
+    mine, mine_adam = whole(strategy, model, opt)
+    r_model, r_opt = ref
+    out = {}
+    if comm.rank == 0:
+        out["param_diff"] = max_abs([max_abs(mine[n] - np.asarray(p.data))
+                                     for n, p in r_model.named_parameters()])
+        sb = r_opt.state_dict()["state"]
+        out["adam_diff"] = max_abs([max_abs(v - sb[n][k]) for (n, k), v in mine_adam.items()])
+        assert len(mine_adam) == 2 * len(sb) and max(out.values()) < 1e-10, (name, out)
+    for into, extra in RELOAD_INTO.items():
+        args = flags(name, *extra)
+        again = make_strategy(args, ProcessGroup.world(args.comm))
+        m2 = again.build_model(CONFIG, SEED + 1, "float64")
+        o2 = again.build_optimizer(m2, args)
+        again.load(path, m2, o2)
+        back, back_adam = whole(again, m2, o2)
+        same = all(np.array_equal(mine[n], back[n]) for n in mine) and back.keys() == \
+            mine.keys() and all(np.array_equal(v, back_adam[k]) for k, v in mine_adam.items())
+        assert comm.allreduce(same, op=MPI.LAND), (name, into, "reload differs")
+        out[into] = "bitwise"
+        if into == "same":
+            out["next_loss"] = next_losses(strategy, model, opt, again, m2, o2, args)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(os.path.dirname(path))
+    return out
+
+
+def next_losses(strategy, model, opt, again, m2, o2, args):
+    """Step 4 of the run and of its reload: the same loss, bit for bit (asserted)."""
+    x, y = batch(3, args.batch_size, CONFIG, SEED)
+    a = float(train_step(strategy, model, opt, x, y, args)[0])
+    b = float(train_step(again, m2, o2, x, y, args)[0])
+    assert a == b, ("resumed step differs", a, b)
+    return a
 
 
 def activations(comm):
@@ -148,6 +227,8 @@ def mesh_members(group):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="default: cp2,cp2+naive (2 ranks)")
+    p.add_argument("--resume-runs", default="", help="runs whose checkpoint is saved and "
+                   "loaded back (check_reload)")
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     cli = p.parse_args()
@@ -157,9 +238,9 @@ def main():
     check_mesh(comm)
     runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
     ref_args = flags("cp2")
-    model, _, losses, norms, _ = run_steps(SingleProcess(), ref_args, CONFIG, SEED, "float64")
+    ref = run_steps(SingleProcess(), ref_args, CONFIG, SEED, "float64")[:4]
     for name in runs:
-        row = run(name, (model, losses, norms), comm, cli.tol)
+        row = run(name, ref, comm, cli.tol, name in cli.resume_runs.split(","))
         if comm.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
     row = activations(comm)
