@@ -154,8 +154,7 @@ def _flags(*extra):
 
 @pytest.mark.parametrize("extra,words", [
     (["--cp", "4", "--block-size", "12"], "multiple of 8"),
-    (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
-    (["--cp", "2", "--tp", "2", "--zero", "1"], "--zero")])
+    (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4")])
 def test_refusals_name_the_flag(extra, words):
     problems = cp_problems(_flags(*extra))
     assert any(words in p for p in problems), problems
@@ -164,6 +163,13 @@ def test_refusals_name_the_flag(extra, words):
 def test_ckpt_activations_is_no_longer_refused():
     assert cp_problems(_flags("--cp", "2", "--ckpt-activations")) == []
     assert cp_problems(_flags("--cp", "2", "--tp", "2", "--ckpt-activations")) == []
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_zero_with_cp_and_tp_is_no_longer_refused(zero):
+    args = _flags("--cp", "2", "--tp", "2", "--dp", "2", "--zero", zero)
+    assert cp_problems(args) == []
+    assert check_layout(args, 8) == (2, 1)                  # dp 2, one micro-batch
 
 
 def test_cp_that_does_not_match_the_processes_is_a_usage_error():
@@ -199,34 +205,71 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
     runs = ["cp2", "cp2+naive", "cp2+ckpt", "cp2+naive+ckpt"]
     out = mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=180)
     rows = tagged_json(out, "RESULT")
-    assert [r["run"] for r in rows] == runs
-    for r in rows:
-        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
-        assert r["bytes_sent"] == r["theory_sent"]
+    _check_exact(rows, runs)
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 2)
 
 
-def test_cp4_and_compositions_are_exact(mpi):
-    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits; and with
-    --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with grad-accum),
-    cp 2 x tp 2 (both splits), each bit-identical to the same run without it.
+def _check_exact(rows, runs):
+    """Every run present, equal to one process (NaN fails: each difference compared alone),
+    the cp bytes = the formula."""
+    assert [r["run"] for r in rows] == runs
+    for r in rows:
+        assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
+        assert r["bytes_sent"] == r["theory_sent"]
 
-        mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,...
+
+def _check_reloads(rows, runs, ranks):
+    """The --resume-runs rows: the checkpoint holds one process's parameters and Adam
+    moments (1e-10), loads bitwise into the same layout, ZeRO-1 and tp 2 without cp, and
+    the resumed step logs the run's own next loss (asserted in the script)."""
+    reloads = [r["reload"] for r in rows if r["run"] in runs]
+    assert len(reloads) == len(runs)
+    for r in reloads:
+        assert r["param_diff"] < 1e-10 and r["adam_diff"] < 1e-10, r
+        assert [r["same"], r["zero1"], r[f"tp2xdp{ranks // 2}+zero3"]] == ["bitwise"] * 3
+        assert math.isfinite(r["next_loss"])
+
+
+def test_cp4_and_compositions_are_exact(mpi):
+    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits, and with
+    ZeRO-1/2/3 over dp x cp (the ZeRO-3 run's sharded checkpoint saved and loaded back); and
+    with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
+    grad-accum), cp 2 x tp 2 (both splits), each bit-identical to the same run without it.
+
+        mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,... \
+            --resume-runs cp2xtp2+zero3
     """
     runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
             "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xtp2", "cp2xtp2+naive",
+            "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
             "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt"]
-    out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=240)
+    out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
+              "cp2xtp2+zero3", timeout=240)
     rows = tagged_json(out, "RESULT")
-    assert [r["run"] for r in rows] == runs
-    for r in rows:
-        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10
-        assert r["bytes_sent"] == r["theory_sent"]
+    _check_exact(rows, runs)
+    _check_reloads(rows, ["cp2xtp2+zero3"], 4)
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 4)
+
+
+@pytest.mark.slow
+def test_cp2_tp2_dp2_zero_on_8_ranks_is_exact_and_resumes(mpi):
+    """cp 2 x tp 2 x dp 2 with ZeRO-1, ZeRO-2 and ZeRO-3 (+ grad-accum 2) over the 4 dp x cp
+    ranks of each tp part, = one process; the ZeRO-3 run's checkpoint loads back bitwise
+    (same layout, ZeRO-1, tp 2 x dp 4 without cp) and resumes:
+
+        mpiexec -n 8 python tests/scripts/cp_check.py --runs cp2xtp2xdp2+zero1,\
+cp2xtp2xdp2+zero2,cp2xtp2xdp2+zero3+accum --resume-runs cp2xtp2xdp2+zero3+accum
+    """
+    runs = ["cp2xtp2xdp2+zero1", "cp2xtp2xdp2+zero2", "cp2xtp2xdp2+zero3+accum"]
+    out = mpi(8, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
+              runs[-1], timeout=300)
+    rows = tagged_json(out, "RESULT")
+    _check_exact(rows, runs)
+    _check_reloads(rows, runs[-1:], 8)
 
 
 def test_walkthrough_prints_the_balance_and_an_exact_row():
