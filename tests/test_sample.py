@@ -24,6 +24,7 @@ STRATEGIES = [
     (2, ["--zero", "3"]),                       # rank shards of flat buffers
     (2, ["--tp", "2", "--zero", "1"]),          # one ZeRO folder per tp rank
     (2, ["--pp", "2"]),                         # stages gathered on save
+    (4, ["--cp", "2", "--tp", "2", "--zero", "3"]),     # a ZeRO folder per tp rank, over dp x cp
 ]
 
 
