@@ -5,6 +5,7 @@ each sequence (ring attention: minidist/cp/ring.py), inside data parallelism ove
     mpirun -n 4 python examples/train_gpt.py --cp 2 --dp 2 [--zero 1]
     mpirun -n 4 python examples/train_gpt.py --cp 2 --tp 2 --cp-split naive
     mpirun -n 4 python examples/train_gpt.py --cp 2 --pp 2 [--schedule gpipe|zb-h1]
+    mpirun -n 8 python examples/train_gpt.py --cp 2 --tp 2 --dp 2 --zero 3
 
 World = dp x cp x tp (minidist/comm/mesh.py: tp fastest, then cp, then dp). All cp (and tp)
 ranks of one dp replica read the same rows of the global batch; the model keeps its own
@@ -17,15 +18,17 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
     local_rows          rows by dp rank only (inner would split rows over dp x cp)
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
-inner. With --pp, PipelineParallel (minidist/pp/strategy.py) is: it builds the stage, this
-strategy gives the stage the ring (wrap), and the stage runs each micro-batch in the ring's
-part of the sequence (minidist/pp/stage.py sequence_part: where the split lives there).
+inner; with --zero too, zero_strategy() hands it the ZeRO inside (sharding each tp rank's
+part over dp x cp), whose sharded files it saves per tp rank as without --cp. With --pp,
+PipelineParallel (minidist/pp/strategy.py) is: it builds the stage, this strategy gives the
+stage the ring (wrap), and the stage runs each micro-batch in the ring's part of the sequence
+(minidist/pp/stage.py sequence_part: where the split lives there).
 --dropout: every mask is one process's (the ring's tiles and the residual stream find their
 numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activations
 works as without cp: each block's checkpoint saves the RingContext's layouts and restores
 them, so the recompute inside backward runs the ring forward again
 (minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
-Refused: --sequence-parallel, --zero with --tp, a block size that does not split.
+Refused: --sequence-parallel, a block size that does not split.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
 tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """
