@@ -235,7 +235,8 @@ def test_cp4_and_compositions_are_exact(mpi):
     """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits, and with
     ZeRO-1/2/3 over dp x cp (the ZeRO-3 run's sharded checkpoint saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
-    grad-accum), cp 2 x tp 2 (both splits), each bit-identical to the same run without it.
+    grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
+    without it.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,... \
             --resume-runs cp2xtp2+zero3
@@ -244,7 +245,8 @@ def test_cp4_and_compositions_are_exact(mpi):
             "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xtp2", "cp2xtp2+naive",
             "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
-            "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt"]
+            "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt",
+            "cp2xtp2+zero3+ckpt"]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
               "cp2xtp2+zero3", timeout=240)
     rows = tagged_json(out, "RESULT")

@@ -1,15 +1,18 @@
-"""Context parallelism (ring attention) on 2 or 4 ranks against one process, float64.
+"""Context parallelism (ring attention) on 2, 4 or 8 ranks against one process, float64.
 
     mpiexec -n 2 python tests/scripts/cp_check.py                      # cp2, cp2 naive
     mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,cp2xtp2
     mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2+ckpt,cp2+naive+ckpt
+    mpiexec -n 4 python tests/scripts/cp_check.py --runs cp2xtp2+zero3 --resume-runs cp2xtp2+zero3
+    mpiexec -n 8 python tests/scripts/cp_check.py --runs cp2xtp2xdp2+zero1
 
 Every rank also trains the single-process reference (SingleProcess, the whole global batch);
 each run builds its strategy from train_gpt's own flags (make_strategy) and trains through
 the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and parameters
 equal the reference to --tol; the bytes each rank sent on the cp group equal the formula of
 minidist/cp/ring.py (a "+ckpt" run's recompute included); the activations each rank keeps,
-without and with --ckpt-activations. Rank 0 prints `RESULT {json}` lines for
+without and with --ckpt-activations (on 2 and 4 ranks); with --resume-runs, a run's checkpoint
+saved and loaded back (check_reload). Rank 0 prints `RESULT {json}` lines for
 tests/test_context_parallel.py. Any failure raises and the abort handler ends the job.
 """
 import argparse
