@@ -60,15 +60,18 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         "cp2xtp2xdp2+zero2": ["--tp", "2", "--dp", "2", "--zero", "2"],
         "cp2xtp2xdp2+zero3+accum": ["--tp", "2", "--dp", "2", "--zero", "3", "--grad-accum",
                                     "2"]}
-# --resume-runs (cp x tp x ZeRO runs): after the run, its checkpoint (--save: ZeRO's sharded
-# files of each tp part) is loaded back into a fresh strategy of the same layout, of ZeRO-1,
-# and of tp 2 without cp (ZeRO reshards over its group: dp x cp ranks there, dp here)
+CKPT = "+ckpt"      # any run + "+ckpt": with --ckpt-activations (the ring forward runs again
+                    # inside backward); the reference stays one process without recompute
+
+
 def reload_into(ranks):
+    """--resume-runs (cp x tp x ZeRO runs): after the run, its checkpoint (--save: ZeRO's
+    sharded files of each tp part) is loaded back into a fresh strategy of the same layout,
+    of ZeRO-1, and of tp 2 without cp (ZeRO reshards over its group: dp x cp ranks there, dp
+    here): name -> the flags that change."""
     return {"same": [], "zero1": ["--zero", "1"],
             f"tp2xdp{ranks // 2}+zero3": ["--cp", "1", "--dp", str(ranks // 2), "--zero", "3",
                                             "--grad-accum", "1"]}
-CKPT = "+ckpt"      # any run + "+ckpt": with --ckpt-activations (the ring forward runs again
-                    # inside backward); the reference stays one process without recompute
 
 
 def flags(name, *extra):
@@ -89,9 +92,9 @@ def full_params(strategy, model):
     """name -> host array of the whole model (gathered over tp under TensorParallel)."""
     if hasattr(strategy, "full_state_dict"):
         return strategy.full_state_dict()
-    engine = getattr(strategy.inner, "engine", None)
-    if engine is not None:                              # ZeRO: gathered on rank 0 ({} elsewhere)
-        return engine.full_state_dict(root=0)
+    zero = strategy.zero_strategy()
+    if zero is not None:                                # ZeRO: gathered on rank 0 ({} elsewhere)
+        return zero.engine.full_state_dict(root=0)
     return {n: np.asarray(backend.to_host(p.data)) for n, p in model.named_parameters()}
 
 
