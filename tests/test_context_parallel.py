@@ -349,7 +349,9 @@ def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_pat
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
                    capture_output=True, check=True)
-    mpi(4, "examples/train_gpt.py", *common, *layout, "--log-json", straight, timeout=120)
+    out = mpi(4, "examples/train_gpt.py", *common, *layout, "--log-json", straight,
+              timeout=120).stdout
+    assert "context parallel: cp 2 x dp 1 x tp 2" in out and "ZeRO stage 3 over 2 ranks" in out
     assert np.allclose(_losses(straight), _losses(one), rtol=0, atol=1e-10)
     mpi(4, "examples/train_gpt.py", *common, *layout, "--save", tmp_path / "ck", "--stop-at",
         "2", timeout=120)

@@ -89,7 +89,7 @@ class TensorParallel(ModelParallel):
         local, full = self.model.parameter_counts()
         dp, tp = self.mesh.shape["dp"], self.mesh.shape["tp"]
         pad = self.model.transformer.wte.weight.tp_split.padding(tp)
-        return super().notes() + [
+        return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
             f"tensor parallel: tp {tp} x dp {dp} ({self.group.algo}), sequence parallel "
             f"{'on' if self.sequence_parallel else 'off'}; this rank holds {local:,} of the "
             f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "
