@@ -74,6 +74,24 @@ def test_cp2_x_pp2_with_dp2_zero_and_tp2(mpi):
     assert rows[0]["ckpt_diff"] < 1e-10 and rows[0]["eval_diff"] < 1e-10, rows[0]
 
 
+@pytest.mark.slow
+def test_cp2_x_pp2_x_tp2_with_zero(mpi):
+    """8 ranks: cp 2 x pp 2 x tp 2 with ZeRO-1 (1F1B) and ZeRO-3 (GPipe) over each stage's
+    dp x cp ranks (--zero with --cp and --tp, once refused), each with the checkpoint,
+    evaluation and sampling:
+
+        mpiexec -n 8 python tests/scripts/cp_pp_check.py --runs cp2xpp2xtp2-m2-1f1b-z1,\
+cp2xpp2xtp2-m2-gpipe-z3 --files cp2xpp2xtp2-m2-1f1b-z1,cp2xpp2xtp2-m2-gpipe-z3
+    """
+    runs = ["cp2xpp2xtp2-m2-1f1b-z1", "cp2xpp2xtp2-m2-gpipe-z3"]
+    out = mpi(8, "tests/scripts/cp_pp_check.py", "--runs", ",".join(runs), "--files",
+              ",".join(runs), timeout=300)
+    rows = tagged_json(out)
+    _check(rows, runs)
+    for r in rows:
+        assert r["ckpt_diff"] < 1e-10 and r["eval_diff"] < 1e-10, r
+
+
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
         "--steps", "6", "--eval-every", "3", "--dtype", "float64", "--dropout", "0.1"]
