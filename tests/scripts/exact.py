@@ -1,9 +1,12 @@
-"""What the exactness scripts share: the global batch of a step, and N steps of the real loop.
+"""What the exactness scripts share: the global batch of a step, and N steps of the real loop;
+a pipeline's tied-embedding check (pp_check, cp_pp_check).
 
 Each script (ddp_check, tp_check, zero_check, ep_check, dropout_check) trains a strategy and
 the one-process reference through these same functions, so any difference comes from the
 strategy alone; `whole_params` is what a checkpoint of it would hold.
 """
+import zlib
+
 import numpy as np
 
 from minidist.train.step import train_step
@@ -40,3 +43,12 @@ def whole_params(strategy, model, opt):
         return pp_checkpoint.stage_state(strategy, opt)[0] or {}
     whole, _ = strategy.whole_state(model, opt)
     return whole if strategy.rank == 0 else {}
+
+
+def check_tied_copies(strategy, state):
+    """The first and last stage's wte are bitwise equal (summed gradients, same steps)."""
+    if strategy.embedding is None or not state:
+        return
+    crc = zlib.crc32(np.ascontiguousarray(state["transformer.wte.weight"]).tobytes())
+    crcs = strategy.embedding.comm.allgather(crc)
+    assert crcs[0] == crcs[1], f"tied wte copies differ: {crcs}"

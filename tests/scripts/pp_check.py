@@ -45,6 +45,7 @@ from minidist.train.step import train_step
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import make_strategy
+from exact import check_tied_copies  # noqa: E402  (tests/scripts, the script's folder)
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7
@@ -112,15 +113,6 @@ def stage_state(strategy, opt):
     """This stage's parameters as whole host arrays (gathered over tp when it is split; under
     ZeRO gathered over dp to dp rank 0: {} on the other dp ranks)."""
     return pp_checkpoint.stage_state(strategy, opt)[0] or {}
-
-
-def check_tied_copies(strategy, state):
-    """The first and last stage's wte are bitwise equal (summed gradients, same steps)."""
-    if strategy.embedding is None or not state:
-        return
-    crc = zlib.crc32(np.ascontiguousarray(state["transformer.wte.weight"]).tobytes())
-    crcs = strategy.embedding.comm.allgather(crc)
-    assert crcs[0] == crcs[1], f"tied wte copies differ: {crcs}"
 
 
 def check_in_flight(strategy, comm):
