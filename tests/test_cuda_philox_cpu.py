@@ -15,7 +15,6 @@ import pytest
 import cuda_cpu
 from minidist.autograd import cuda_kernels as ck, cuda_kernels_new as ckn
 from minidist.autograd import cuda_source as cs
-from minidist.autograd.cuda_source_philox import PHILOX
 from minidist.autograd.dropout_keys import DropoutKeys
 from test_cuda_kernels_cpu import ORDERS, failing_orders, nth_replaced
 
@@ -51,11 +50,11 @@ def test_philox_kernel_equals_the_xp_code_bit_for_bit(order):
     check_philox(order=order, seed=2 ** 40 + 5, step=0)              # a seed past 32 bits
 
 
-BROKEN = {   # name -> (old, new, occurrence) in the kernel's text
-    "one key bump forgotten": ("a1 += 0xBB67AE85u;", "", 0),
-    "the high block word dropped": ("c1 = (unsigned int)(b >> 32)", "c1 = 0u", 0),
-    "words two and three swapped": ("out[4 * i + 2] = (float)(c2", "out[4 * i + 2] = (float)(c3",
-                                    0),
+BROKEN = {   # name -> (old, new, occurrence) in the "philox" part's source
+    "one key bump forgotten": ("k1 += 0xBB67AE85u;", "", 0),
+    "the high block word dropped": ("(unsigned int)(b >> 32), (unsigned int)rows[i]",
+                                    "0u, (unsigned int)rows[i]", 0),
+    "the words in reverse": ("unit24(c[j])", "unit24(c[3 - j])", 0),
     "nine rounds": ("r < 10", "r < 9", 0),
 }
 
@@ -63,7 +62,7 @@ BROKEN = {   # name -> (old, new, occurrence) in the kernel's text
 @pytest.mark.parametrize("name", BROKEN)
 def test_broken_philox_kernel_fails(name):
     old, new, n = BROKEN[name]
-    src = cs.source("float32", "philox").replace(PHILOX, nth_replaced(PHILOX, old, new, n))
+    src = nth_replaced(cs.source("float32", "philox"), old, new, n)
     failed = failing_orders(functools.partial(check_philox), src)
     assert failed, f"{name}: the broken kernel passed in both orders"
 

@@ -29,7 +29,7 @@ import numpy as np
 from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
 from minidist.autograd.cuda_source_fusions import FUSION_NAMES, FUSIONS
 from minidist.autograd.cuda_source_multi import MULTI, MULTI_NAMES
-from minidist.autograd.cuda_source_philox import PHILOX, PHILOX_NAMES
+from minidist.autograd.cuda_source_philox import PHILOX, PHILOX_DEVICE, PHILOX_NAMES
 
 CTYPES = {"float16": ("__half", "float"), "bfloat16": ("__nv_bfloat16", "float"),
           "float32": ("float", "float"), "float64": ("double", "double")}
@@ -266,9 +266,9 @@ def dtype_name(dtype):
 # "fusions" (cuda_source_fusions.py), "multi" (cuda_source_multi.py) and "philox"
 # (cuda_source_philox.py) have not run on a GPU yet, so they are kept out of the source the
 # other kernels are compiled from
-PARTS = {"fused": (KERNELS, NAMES), "flash": (FLASH, FLASH_NAMES),
+PARTS = {"fused": (KERNELS, NAMES), "flash": (PHILOX_DEVICE + FLASH, FLASH_NAMES),
          "fusions": (FUSIONS, FUSION_NAMES), "multi": (MULTI, MULTI_NAMES),
-         "philox": (PHILOX, PHILOX_NAMES)}
+         "philox": (PHILOX_DEVICE + PHILOX, PHILOX_NAMES)}
 
 
 def part_of(kernel):
