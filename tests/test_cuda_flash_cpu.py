@@ -1,8 +1,10 @@
 """The tiled (flash) attention kernels of minidist/autograd/cuda_source_flash.py RUN on the CPU
 (tests/cuda_cpu.py) against flash.py's xp code in float64: forward y and lse, backward dq,
-dk, dv, in float16, bfloat16, float32 and float64, both thread orders; a central-difference
-check of the kernels' own gradients in float64; broken variants (each __syncthreads dropped in
-turn, an off-by-one tile or mask) that must fail; and the launch plans' argument types.
+dk, dv, in float16, bfloat16, float32 and float64, both thread orders, without and with
+dropout on the weights (the kernels' Philox numbers = the keyed site's); a central-difference
+check of the kernels' own gradients in float64 (with dropout too); broken variants (each
+__syncthreads dropped in turn, an off-by-one tile or mask, five dropout defects) that must
+fail; and the launch plans' argument types.
 Run: python -m pytest -q tests/test_cuda_flash_cpu.py   (skips without a C++ compiler)
 """
 import functools
@@ -15,18 +17,20 @@ import cuda_cpu
 from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn, flash
 from minidist.autograd import cuda_source as cs
 from minidist.autograd.cuda_source_flash import FLASH
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, failing_orders, nth_replaced, rand
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
 
 
-def kernel_attention(q, k, v, g, src=None, order="low"):
-    """y, lse and (dq, dk, dv) from the kernels, run on the CPU."""
-    plan, (y, lse) = ckn.flash_fwd_launch(np, q, k, v)
+def kernel_attention(q, k, v, g, src=None, order="low", dropout=None):
+    """y, lse and (dq, dk, dv) from the kernels, run on the CPU (dropout: the kernels'
+    dropout arguments, flash.AttnDropout.kernel_args)."""
+    plan, (y, lse) = ckn.flash_fwd_launch(np, q, k, v, dropout)
     y[...], lse[...] = np.nan, np.nan
     cuda_cpu.run(plan, src, order)
-    plans, grads = ckn.flash_bwd_launches(np, g, q, k, v, y, lse)
+    plans, grads = ckn.flash_bwd_launches(np, g, q, k, v, y, lse, dropout)
     for a in grads:
         a[...] = np.nan
     for p in plans:
@@ -53,6 +57,42 @@ def check_flash(dtype, shape=(3, 37, 8), src=None, order="low"):
         close(a, b, dtype, f"flash_bwd {name}")
 
 
+def _site():
+    """A tensor-parallel rank's attention-dropout site (heads 3..5 of 6), keyed numbers."""
+    return DropoutSite(DropoutKeys(11), "transformer.h.0.attn.attn_dropout", axis=1, parts=2,
+                       index=1)
+
+
+def check_flash_dropout(dtype, shape=(2, 3, 37, 8), src=None, order="low", p=0.3):
+    """The kernels with dropout p on the weights against flash.py's tiled attention with the
+    same keyed site (float64): the same numbers decide every keep, computed in the kernels
+    by Philox; batch rows 5 and 2 of the global batch, a TP rank's heads."""
+    q, k, v, g = (rand(dtype, *shape, seed=s) for s in range(4))
+    site = _site()
+    with site.keys.rows_of([5, 2][:shape[0]]):
+        drop = flash.AttnDropout(p, site, shape[:-1] + shape[-2:-1])
+        y, lse, grads = kernel_attention(q, k, v, g, src, order, drop.kernel_args())
+        ts = [Tensor(f64(a), requires_grad=True) for a in (q, k, v)]
+        y_want = flash.tiled_attention(*ts, 5, p, site)
+        (y_want * Tensor(f64(g))).sum().backward()
+    _, lse_want = flash.partial_attention(*(f64(a) for a in (q, k, v)), block=5)
+    close(y.reshape(shape), y_want.data, dtype, "flash_fwd y (dropout)")
+    close(lse.reshape(shape[:-1]), lse_want, "float32", "flash_fwd lse (dropout: undropped)")
+    for name, a, t in zip(("dq", "dk", "dv"), grads, ts):
+        close(a.reshape(shape), t.grad, dtype, f"flash_bwd {name} (dropout)")
+    y_plain, _, _ = kernel_attention(q, k, v, g, src, order)
+    assert np.abs(f64(y_plain) - f64(y)).max() > 1e-2                 # something dropped
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_kernels_with_dropout_equal_flash_py(dtype, order):
+    """T = 37 (tiles not a multiple), 2 batch rows x 3 heads (the kernels find each
+    batch-head's global row and head), hs = 128 once."""
+    check_flash_dropout(dtype, (2, 3, 37, 8), order=order)
+    check_flash_dropout(dtype, (1, 2, 20, 128), order=order)
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flash_kernels_equal_flash_py(dtype, order):
@@ -63,25 +103,29 @@ def test_flash_kernels_equal_flash_py(dtype, order):
     check_flash(dtype, (2, 1, 5), order=order)
 
 
-def test_flash_backward_kernels_are_the_forward_kernels_gradient():
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_flash_backward_kernels_are_the_forward_kernels_gradient(p):
     """Central differences of sum(R * y) through flash_fwd (run on the CPU) in float64 equal
-    the backward kernels' dq, dk, dv."""
-    q, k, v, R = (rand("float64", 2, 6, 3, seed=s) for s in range(4))
-    _, _, grads = kernel_attention(q, k, v, R)
+    the backward kernels' dq, dk, dv; with dropout 0.4 too (the same keeps both ways)."""
+    q, k, v, R = (rand("float64", 1, 2, 6, 3, seed=s) for s in range(4))
+    site = _site()
+    drop = flash.AttnDropout(p, site, (1, 2, 6, 6)).kernel_args() if p else None
+    _, _, grads = kernel_attention(q, k, v, R, dropout=drop)
     eps = 1e-6
     for which, grad in enumerate(grads):
         args = [q, k, v]
-        fd = np.empty_like(grad)
-        for i in np.ndindex(grad.shape):
+        fd = np.empty_like(args[which])
+        for i in np.ndindex(fd.shape):
             vals = []
             for sign in (1, -1):
                 a = [x.copy() for x in args]
                 a[which][i] += sign * eps
-                plan, (y, _) = ckn.flash_fwd_launch(np, *a)
+                plan, (y, _) = ckn.flash_fwd_launch(np, *a, drop)
                 cuda_cpu.run(plan)
-                vals.append((y * R).sum())
+                vals.append((y.reshape(R.shape) * R).sum())
             fd[i] = (vals[0] - vals[1]) / (2 * eps)
-        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8, err_msg="dqkv"[which:][:2])
+        np.testing.assert_allclose(grad.reshape(fd.shape), fd, rtol=1e-6, atol=1e-8,
+                                   err_msg="dqkv"[which:][:2])
 
 
 def test_flash_plans_hand_each_kernel_its_declared_types():
@@ -89,7 +133,8 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
     A of the accumulation dtype, long long int64, int int32, all contiguous; the grid covers
     every tile of every head."""
     for dtype in DTYPES:
-        want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
+        want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32",
+                "float": "float32"}
         q = rand(dtype, 2, 3, 37, 8)
         plan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q)
         plans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse)
@@ -124,6 +169,31 @@ def test_broken_flash_kernel_fails(name):
     old, new, n = BROKEN[name]
     src = cs.source("float32", "flash").replace(FLASH, nth_replaced(FLASH, old, new, n))
     failed = failing_orders(functools.partial(check_flash, "float32", (2, 37, 8)), src)
+    assert failed, f"{name}: the broken kernel passed in both orders"
+
+
+BROKEN_DROPOUT = {   # name -> (old, new, occurrence) in the flash kernels' text
+    "flash_fwd sums the dropped p": (
+        "sum += p;                // l sums the undropped p; acc takes p Z (dropout)",
+        "", 0),
+    "flash_bwd's dv from the undropped p": ("pv *= z;", "", 0),
+    "dropout ignores the rank's first head": ("((h0 + bh % nh) * T_ + i)", "((bh % nh) * T_ + i)",
+                                              0),
+    "dropout reads batch row 0 for every row": ("drows[bh / nh], dstep", "drows[0], dstep", 0),
+    "flash_bwd's ds without Z": ("pv * (dp * z - D[i])", "pv * (dp - D[i])", 0),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_DROPOUT)
+def test_broken_flash_dropout_fails(name):
+    old, new, n = BROKEN_DROPOUT[name]
+    src = cs.source("float32", "flash").replace(FLASH, nth_replaced(FLASH, old, new, n))
+    if name == "flash_fwd sums the dropped p":
+        src = src.replace("                s[r][c] = p;\n", "                s[r][c] = p;\n"
+                          "                sum += p;\n")
+        assert src.count("sum += p;") == 1                             # moved, not dropped
+    failed = failing_orders(functools.partial(check_flash_dropout, "float32", (2, 3, 21, 8)),
+                            src)
     assert failed, f"{name}: the broken kernel passed in both orders"
 
 

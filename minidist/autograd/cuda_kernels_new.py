@@ -42,8 +42,23 @@ def _heads(xp, a):
     return xp.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
 
 
-def flash_fwd_launch(xp, q, k, v):
-    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs)."""
+def dropout_args(xp, acc, dropout):
+    """The flash kernels' last eight arguments: (drows, nh, h0, dstep, dk0, dk1, dprob,
+    dscale) from `dropout` = (rows (B,) global batch rows, nh heads here, h0 the first of them
+    in the whole model, step, (k0, k1) the site's Philox key, p) (flash.py's
+    AttnDropout.kernel_args), or none drawn (None: dprob 0, drows one unused value)."""
+    if dropout is None:
+        return (xp.zeros(1, xp.int64),) + tuple(np.int64(v) for v in (1, 0, 0, 0, 0)) + (
+            np.float32(0), acc.type(1))
+    rows, nh, h0, step, key, p = dropout
+    rows = xp.ascontiguousarray(xp.asarray(rows), dtype=xp.int64)
+    return (rows,) + tuple(np.int64(v) for v in (nh, h0, step, key[0], key[1])) + (
+        np.float32(p), acc.type(1.0 / (1.0 - p)))
+
+
+def flash_fwd_launch(xp, q, k, v, dropout=None):
+    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs);
+    dropout: dropout_args' tuple, or None."""
     q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
     BH, T, hs = q.shape
     if hs > HS_MAX or BH > 65535:
@@ -53,11 +68,13 @@ def flash_fwd_launch(xp, q, k, v):
     ft, _ = tiles(acc.itemsize)
     y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
     args = (q, k, v, y, lse, np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
+    args += dropout_args(xp, acc, dropout)
     return Launch("flash_fwd", q.dtype, (-(-T // ft), BH), (THREADS,), args), (y, lse)
 
 
-def flash_bwd_launches(xp, g, q, k, v, y, lse):
-    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs)."""
+def flash_bwd_launches(xp, g, q, k, v, y, lse, dropout=None):
+    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs);
+    dropout as flash_fwd_launch's."""
     g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
     BH, T, hs = q.shape
     acc = acc_dtype(q.dtype)
@@ -65,26 +82,27 @@ def flash_bwd_launches(xp, g, q, k, v, y, lse):
     lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
     D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
     T64, hs32, scale = np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs))
+    drop = dropout_args(xp, acc, dropout)
     grid = (-(-T // bt), BH)
     plans = [Launch("flash_bwd_dot", q.dtype, *flat_grid(BH * T),
                     (g, y, D, np.int64(BH * T), hs32)),
              Launch("flash_bwd_dkdv", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale)),
+                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale) + drop),
              Launch("flash_bwd_dq", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dq, T64, hs32, scale))]
+                    (q, k, v, g, lse, D, dq, T64, hs32, scale) + drop)]
     return plans, (dq, dk, dv)
 
 
-def flash_attention(q, k, v):
-    """(y like q, lse (..., T)) of causal attention on the GPU."""
-    plan, (y, lse) = flash_fwd_launch(sys.modules["cupy"], q, k, v)
+def flash_attention(q, k, v, dropout=None):
+    """(y like q, lse (..., T)) of causal attention on the GPU (dropout: dropout_args')."""
+    plan, (y, lse) = flash_fwd_launch(sys.modules["cupy"], q, k, v, dropout)
     launch(plan)
     return y.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def flash_attention_backward(g, q, k, v, y, lse):
-    """(dq, dk, dv), each shaped like q."""
-    plans, grads = flash_bwd_launches(sys.modules["cupy"], g, q, k, v, y, lse)
+def flash_attention_backward(g, q, k, v, y, lse, dropout=None):
+    """(dq, dk, dv), each shaped like q (dropout: the forward's)."""
+    plans, grads = flash_bwd_launches(sys.modules["cupy"], g, q, k, v, y, lse, dropout)
     for plan in plans:
         launch(plan)
     return tuple(a.reshape(q.shape) for a in grads)

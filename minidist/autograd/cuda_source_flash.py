@@ -14,6 +14,11 @@ tail beyond T are masked.
     flash_bwd_dkdv   block (key tile, bh): over the query tiles from the diagonal on,
                      p = exp(s - lse), ds = p (g v^T - D) scale; dv += p^T g, dk += ds^T q
     flash_bwd_dq     block (query tile, bh): over the key tiles up to the diagonal, dq += ds k
+Dropout on the weights (flash.py's AttnDropout; dprob > 0): each weight's keep is
+dropout_keys.py's Philox number at its place in the whole row (batch-head bh is batch row
+drows[bh / nh], head h0 + bh % nh of the whole model's heads), computed where the weight is:
+the forward's online softmax sums the undropped p and accumulates p Z v (Z = keep / (1 - p));
+the backward's tile takes ds = p (Z g v^T - D) and dv from p Z. No mask is stored.
 dq and dk/dv are two kernels (the scores recomputed in each) so no block adds into
 another's rows: no atomics, and the same sums in the same order on every run.
 They were written and proven on the CPU (tests/test_cuda_flash_cpu.py) and have not run on a
@@ -27,6 +32,17 @@ FLASH = r"""
 
 __device__ __forceinline__ A neg_inf() { A z = 0; return (A)-1 / z; }
 
+// dropout's factor for weight (i, j) of batch-head bh: dscale (1 / (1 - p)) where
+// dropout_keys.py's number at flat ((h0 + bh % nh) T + i) T + j of global row
+// drows[bh / nh] is >= dprob, else 0 (PHILOX_DEVICE's philox_number, cuda_source_philox.py)
+__device__ __forceinline__ A dropout_z(long long bh, long long i, long long j, long long T_,
+                                       const long long* drows, long long nh, long long h0,
+                                       long long dstep, long long dk0, long long dk1,
+                                       float dprob, A dscale) {
+    long long flat = ((h0 + bh % nh) * T_ + i) * T_ + j;
+    return philox_number(flat, drows[bh / nh], dstep, dk0, dk1) >= dprob ? dscale : (A)0;
+}
+
 // `rows` rows of hs values from row r0 of src (a head's (T, hs) block) into dst (A), times
 // mul; rows past T are zeros
 __device__ void load_tile(A* dst, const T* src, long long r0, int rows, long long T_,
@@ -38,7 +54,9 @@ __device__ void load_tile(A* dst, const T* src, long long r0, int rows, long lon
 }
 
 extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A* lse,
-                                     long long T_, int hs, A scale) {
+                                     long long T_, int hs, A scale, const long long* drows,
+                                     long long nh, long long h0, long long dstep,
+                                     long long dk0, long long dk1, float dprob, A dscale) {
     __shared__ A qs[FT * HS_MAX], ks[FT * HS_MAX], vs[FT * HS_MAX], acc[FT * HS_MAX];
     __shared__ A s[FT][FT + 1], m[FT], l[FT], alpha[FT];
     long long head = blockIdx.y * T_ * hs, r0 = (long long)blockIdx.x * FT;
@@ -64,8 +82,12 @@ extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A
             for (int c = 0; c < FT; c++) mx = s[r][c] > mx ? s[r][c] : mx;
             for (int c = 0; c < FT; c++) {
                 A p = ex(s[r][c] - mx);
+                sum += p;                // l sums the undropped p; acc takes p Z (dropout)
+                long long i = r0 + r, j = c0 + c;
+                if (dprob > 0 && j <= i && i < T_)
+                    p *= dropout_z(blockIdx.y, i, j, T_, drows, nh, h0, dstep, dk0, dk1, dprob,
+                                   dscale);
                 s[r][c] = p;
-                sum += p;
             }
             alpha[r] = ex(m[r] - mx);    // rescales the old sums; 0 on the first tile
             l[r] = l[r] * alpha[r] + sum;
@@ -95,10 +117,13 @@ extern "C" __global__ void flash_bwd_dot(const T* g, const T* y, A* D, long long
     }
 }
 
-// p and ds of one (BT queries from r0) x (BT keys from c0) tile; 0 where masked or past T
+// p (times dropout's Z) and ds of one (BT queries from r0) x (BT keys from c0) tile of
+// batch-head bh; 0 where masked or past T
 __device__ void bwd_tile(A (*p)[BT + 1], A (*ds)[BT + 1], const A* qs, const A* ks,
                          const A* gs, const A* vs, const A* lse, const A* D, long long r0,
-                         long long c0, long long T_, int hs, A scale) {
+                         long long c0, long long T_, int hs, A scale, long long bh,
+                         const long long* drows, long long nh, long long h0, long long dstep,
+                         long long dk0, long long dk1, float dprob, A dscale) {
     for (int e = threadIdx.x; e < BT * BT; e += blockDim.x) {
         int r = e / BT, c = e % BT;
         long long i = r0 + r, j = c0 + c;
@@ -110,7 +135,10 @@ __device__ void bwd_tile(A (*p)[BT + 1], A (*ds)[BT + 1], const A* qs, const A* 
                 dp += gs[r * hs + x] * vs[c * hs + x];
             }
             pv = ex(sd * scale - lse[i]);                // the forward's probability
-            dsv = pv * (dp - D[i]) * scale;              // softmax backward, then the scale
+            A z = dprob > 0 ? dropout_z(bh, i, j, T_, drows, nh, h0, dstep, dk0, dk1, dprob,
+                                        dscale) : (A)1;  // y = (p Z) v
+            dsv = pv * (dp * z - D[i]) * scale;          // softmax backward, then the scale
+            pv *= z;                                     // dv takes p Z
         }
         p[r][c] = pv;
         ds[r][c] = dsv;
@@ -119,7 +147,10 @@ __device__ void bwd_tile(A (*p)[BT + 1], A (*ds)[BT + 1], const A* qs, const A* 
 
 extern "C" __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, const T* g,
                                           const A* lse, const A* D, T* dk, T* dv,
-                                          long long T_, int hs, A scale) {
+                                          long long T_, int hs, A scale,
+                                          const long long* drows, long long nh, long long h0,
+                                          long long dstep, long long dk0, long long dk1,
+                                          float dprob, A dscale) {
     __shared__ A ks[BT * HS_MAX], vs[BT * HS_MAX], dks[BT * HS_MAX], dvs[BT * HS_MAX];
     __shared__ A qs[BT * HS_MAX], gs[BT * HS_MAX], p[BT][BT + 1], ds[BT][BT + 1];
     long long head = blockIdx.y * T_ * hs, c0 = (long long)blockIdx.x * BT;
@@ -132,7 +163,8 @@ extern "C" __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, co
         load_tile(qs, q + head, r0, BT, T_, hs, 1);
         load_tile(gs, g + head, r0, BT, T_, hs, 1);
         __syncthreads();
-        bwd_tile(p, ds, qs, ks, gs, vs, lse_h, D_h, r0, c0, T_, hs, scale);
+        bwd_tile(p, ds, qs, ks, gs, vs, lse_h, D_h, r0, c0, T_, hs, scale, blockIdx.y, drows,
+                 nh, h0, dstep, dk0, dk1, dprob, dscale);
         __syncthreads();
         for (int e = threadIdx.x; e < BT * hs; e += blockDim.x) {   // dv += p^T g, dk += ds^T q
             int c = e / hs, d = e % hs;
@@ -154,7 +186,9 @@ extern "C" __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, co
 
 extern "C" __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* g,
                                         const A* lse, const A* D, T* dq, long long T_,
-                                        int hs, A scale) {
+                                        int hs, A scale, const long long* drows,
+                                        long long nh, long long h0, long long dstep,
+                                        long long dk0, long long dk1, float dprob, A dscale) {
     __shared__ A qs[BT * HS_MAX], gs[BT * HS_MAX], dqs[BT * HS_MAX];
     __shared__ A ks[BT * HS_MAX], vs[BT * HS_MAX], p[BT][BT + 1], ds[BT][BT + 1];
     long long head = blockIdx.y * T_ * hs, r0 = (long long)blockIdx.x * BT;
@@ -168,7 +202,7 @@ extern "C" __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, cons
         load_tile(vs, v + head, c0, BT, T_, hs, 1);
         __syncthreads();
         bwd_tile(p, ds, qs, ks, gs, vs, lse + blockIdx.y * T_, D + blockIdx.y * T_, r0, c0,
-                 T_, hs, scale);
+                 T_, hs, scale, blockIdx.y, drows, nh, h0, dstep, dk0, dk1, dprob, dscale);
         __syncthreads();
         for (int e = threadIdx.x; e < BT * hs; e += blockDim.x) {   // dq += ds k
             int r = e / hs, d = e % hs;

@@ -191,6 +191,13 @@ class DropoutSite:
         rows = self.rows(shape[0]).reshape((-1,) + (1,) * len(lead))
         return self.keys.numbers(self.name, rows, base[None], coords[-1], xp)
 
+    def start(self, shape, axis):
+        """Where this rank's part of a local tensor of `shape` starts along `axis` in the
+        whole row (tensor parallelism's heads or positions; 0 when not sliced there)."""
+        sliced = self.axis == axis and self.parts > 1 and (self.active is None or
+                                                           self.active())
+        return self.index * shape[axis] if sliced else 0
+
     def at(self, n, batch_rows, base, cols, xp=np):
         """Numbers at flat places of the whole row (no slicing: MoE's experts, nn/moe.py)
         for a batch of n rows: batch_rows (each entry's row in it), base, cols as

@@ -26,7 +26,8 @@ softmax's sums use the undropped p; only p v uses the dropped p Z (Z = keep / (1
               sum_j P_ij Z_ij (g_i . v_j) = g_i . y_i
 `partial_attention` + `merge_partials` are the same online softmax across key chunks held
 elsewhere (ring attention's building blocks). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1
-forward and backward run as CUDA kernels (cuda_source_flash.py, proven on the CPU by
+forward and backward run as CUDA kernels, dropout included: they compute each weight's
+Philox number where they need it (cuda_source_flash.py, proven on the CPU by
 tests/test_cuda_flash_cpu.py; off by default until a GPU session confirms them).
 Tests: tests/test_attention_tiled.py, tests/test_gradcheck.py.
 """
@@ -108,6 +109,18 @@ class AttnDropout:
                             "as GPT gives its layers), not a generator")
         self.p, self.site, self.shape = p, site, tuple(shape)
         self.state = site.keys.snapshot()
+
+    def kernel_args(self):
+        """What the flash kernels draw with (cuda_kernels_new.dropout_args): the batch's
+        global rows, the local heads, the first of them in the whole model, the step, the
+        site's Philox key, p; as of the forward."""
+        keys = self.site.keys
+        with keys.as_of(self.state):
+            if keys.positions is not None:
+                raise ValueError("the flash kernels take whole sequences, not cp's pieces")
+            rows = self.site.rows(self.shape[0])
+            return (rows, self.shape[1], self.site.start(self.shape, 1), keys.step,
+                    keys.philox_key(self.site.name), self.p)
 
     def tile(self, q0, q1, k0, k1, xp, dtype):
         """Z (B, nh, q1 - q0, k1 - k0): keep / (1 - p) for queries q0:q1, keys k0:k1."""
@@ -197,9 +210,10 @@ def _kernels_ok(q, *arrays):
 
 def _forward(q, k, v, block, out, dropout=None):
     """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
-    returns lse (B, nh, T). The CUDA kernels have no dropout: with it, the code here."""
-    if dropout is None and _kernels_ok(q, k, v):
-        out[...], lse = _ck.flash_attention(q, k, v)
+    returns lse (B, nh, T). The CUDA kernels compute dropout's numbers themselves."""
+    if _kernels_ok(q, k, v):
+        drop = None if dropout is None else dropout.kernel_args()
+        out[...], lse = _ck.flash_attention(q, k, v, drop)
         return lse
     y, lse = partial_attention(q, k, v, 0, 0, block, dropout=dropout)
     out[...] = y
@@ -209,8 +223,10 @@ def _forward(q, k, v, block, out, dropout=None):
 def _backward(g, q, k, v, y, lse, block, out, dropout=None):
     """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
     probabilities (and dropout numbers) are recomputed; nothing (T, T) is ever held."""
-    if dropout is None and _kernels_ok(q, k, v, g, y):
-        out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse)
+    if _kernels_ok(q, k, v, g, y):
+        drop = None if dropout is None else dropout.kernel_args()
+        out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse,
+                                                                             drop)
         return
     xp = xp_of(g)
     scale = 1.0 / math.sqrt(q.shape[-1])
