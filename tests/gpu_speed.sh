@@ -59,8 +59,8 @@ if [ "$DEVICE" = cuda ]; then     # a CUDA graph of bf16_new's step: its loss mu
     run bf16_new_graph bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP --cuda-graph
 fi
 
-# dropout's cost on the device (Philox numbers computed there: one kernel per site and step,
-# tiles of the attention weights in the xp tiled path): the lowest priority, so last
+# dropout's cost on the device (Philox numbers computed there: one kernel per residual site
+# and step, inside the flash kernels for the attention weights): the lowest priority, last
 run bf16_new_drop bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP --dropout 0.1
 
 "$PY" tests/scripts/acceptance.py speed "$RESULTS" > "$LOGS/speed.json"

@@ -243,3 +243,26 @@ def test_flash_kernels_on_a_gpu_equal_flash_py(device, dtype, monkeypatch):
     for name, a, b in zip(("y", "dq", "dk", "dv"), [y.data] + [t.grad for t in ts],
                           [y_want] + grads_want):
         close(cupy.asnumpy(a), b, dtype, name)
+
+
+@pytest.mark.gpu
+def test_flash_kernels_with_dropout_on_a_gpu_equal_flash_py(device, monkeypatch):
+    """For the GPU session: tiled_attention with dropout 0.3 on cupy arrays, kernels on,
+    against flash.py's xp code in float64 on the CPU with the same keyed site
+    (python -m pytest -m gpu --device cuda tests/test_cuda_flash_cpu.py)."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    q, k, v, g = (rand("float32", 2, 3, 77, 64, seed=s) for s in range(4))
+    site = _site()
+    got = [Tensor(cupy.asarray(a), requires_grad=True) for a in (q, k, v)]
+    want = [Tensor(f64(a), requires_grad=True) for a in (q, k, v)]
+    with site.keys.rows_of([5, 2]):
+        y = flash.tiled_attention(*got, 64, 0.3, site)
+        (y * Tensor(cupy.asarray(g))).sum().backward()
+        y_want = flash.tiled_attention(*want, 5, 0.3, site)
+        (y_want * Tensor(f64(g))).sum().backward()
+    close(cupy.asnumpy(y.data), y_want.data, "float32", "y")
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(cupy.asnumpy(a.grad), b.grad, "float32", name)
