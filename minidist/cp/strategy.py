@@ -44,8 +44,6 @@ def cp_problems(args):
     split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)
-    if args.sequence_parallel:
-        problems.append("--sequence-parallel does not combine with --cp (not built)")
     return problems
 
 

@@ -56,6 +56,10 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         "cp2xtp2+zero1": ["--tp", "2", "--zero", "1"],
         "cp2xtp2+zero2+naive": ["--tp", "2", "--zero", "2", "--cp-split", "naive"],
         "cp2xtp2+zero3": ["--tp", "2", "--zero", "3"],
+        # cp x tp x sequence parallelism: (B, T/cp/tp, C) between the blocks' split layers
+        "cp2xtp2+sp": ["--tp", "2", "--sequence-parallel"],
+        "cp2xtp2+sp+naive": ["--tp", "2", "--sequence-parallel", "--cp-split", "naive"],
+        "cp2xtp2+sp+zero3": ["--tp", "2", "--sequence-parallel", "--zero", "3"],
         "cp2xtp2xdp2+zero1": ["--tp", "2", "--dp", "2", "--zero", "1"],      # 8 ranks
         "cp2xtp2xdp2+zero2": ["--tp", "2", "--dp", "2", "--zero", "2"],
         "cp2xtp2xdp2+zero3+accum": ["--tp", "2", "--dp", "2", "--zero", "3", "--grad-accum",
