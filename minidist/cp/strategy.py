@@ -44,6 +44,11 @@ def cp_problems(args):
     split = check_split(args.block_size, args.cp, args.cp_split)
     if split:
         problems.append(split)
+    n = args.cp * args.tp
+    if args.sequence_parallel and args.tp > 1 and args.block_size % n:
+        problems.append(f"--sequence-parallel splits each cp rank's --block-size "
+                        f"{args.block_size} / cp {args.cp} tokens over tp {args.tp} ranks: "
+                        f"--block-size must be a multiple of cp x tp = {n}")
     return problems
 
 

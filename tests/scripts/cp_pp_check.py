@@ -7,7 +7,7 @@
 A run's name lists its flags: cp2, pp2, dp2, tp2 (sizes), m2/m4 (--micro-batches), ga2
 (--grad-accum 2), gpipe,
 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), naive (--cp-split naive),
-ckpt (--ckpt-activations), z1, z3 (--zero k). Every rank also trains the one-process
+ckpt (--ckpt-activations), z1, z3 (--zero k), sp (--sequence-parallel). Every rank also trains the one-process
 reference (SingleProcess, the whole global batch, no recompute); each run builds its strategy
 from train_gpt's own flags (make_strategy) and trains through the loop's train_step
 (tests/scripts/exact.py). Checks, each run: losses, gradient norms and every parameter of
@@ -72,7 +72,8 @@ def flags(name, steps=3):
             extra += {"gpipe": ["--schedule", "gpipe"], "1f1b": ["--schedule", "1f1b"],
                       "zbh1": ["--schedule", "zb-h1"], "v2": ["--pp-virtual", "2"],
                       "naive": ["--cp-split", "naive"], "ckpt": ["--ckpt-activations"],
-                      "z1": ["--zero", "1"], "z3": ["--zero", "3"]}[t]
+                      "z1": ["--zero", "1"], "z3": ["--zero", "3"],
+                      "sp": ["--sequence-parallel"]}[t]
     c = CONFIG
     return train_parser().parse_args([
         "--n-layer", str(c.n_layer), "--n-head", str(c.n_head), "--n-embd", str(c.n_embd),

@@ -57,6 +57,10 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "cp2xdp2+zero3+accum2+recompute": ["--cp", "2", "--zero", "3", "--grad-accum", "2",
                                            "--ckpt-activations"],
         "cp2xtp2+naive": ["--cp", "2", "--tp", "2", "--cp-split", "naive"],
+        "cp2xtp2+sp+naive": ["--cp", "2", "--tp", "2", "--sequence-parallel", "--cp-split",
+                             "naive"],
+        "cp2xtp2+sp+recompute": ["--cp", "2", "--tp", "2", "--sequence-parallel",
+                                 "--ckpt-activations"],
         "cp2xpp2": ["--cp", "2", *PP2],
         "cp2xpp2+gpipe+recompute": ["--cp", "2", *PP2, "--schedule", "gpipe",
                                     "--ckpt-activations"]}
