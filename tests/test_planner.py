@@ -518,3 +518,33 @@ def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
     assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 173)
     ddp = bill(MOE_TOY, Layout(dp=4, ep=2, amp=False), seq=2)
     assert ddp["params"] == 4 * 544
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe", "zb-h1"])
+def test_every_layout_the_search_proposes_is_one_training_accepts(schedule):
+    """Each row of the layout search (examples/plan.py), as train_gpt's flags (train_flags),
+    passes train_gpt's checks (check_layout: every refusal, before any communication), for
+    a few model sizes, GPU counts and sequence lengths; cp with tp proposes sequence
+    parallelism, which training runs (minidist/cp/README.md)."""
+    from minidist.train.cli import UsageError
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import search, train_flags
+    from minidist.train.strategy import check_layout
+    models = [GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=seq, vocab_size=50257)
+              for seq in (24, 512)] + [config_for_params(1e9, seq=2048),
+                                       GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=64,
+                                                 vocab_size=256, moe_experts=4, moe_top_k=2)]
+    v = 2 if schedule == "interleaved" else 1
+    seen, refused = set(), []
+    for config in models:
+        for gpus in (8, 16):
+            rows = search(config, H100_IB, gpus, config.block_size, 64, schedule, v=v)
+            for row in rows:
+                flags = train_flags(config, row, v)
+                try:
+                    check_layout(train_parser().parse_args(flags), gpus)
+                except UsageError as e:
+                    refused.append((row["layout"], row["micro_batches"], str(e)))
+                seen.add((row["cp"] > 1, row["sp"]))
+    assert not refused, refused[:5]
+    assert (True, True) in seen                       # cp x tp x sp among the proposals

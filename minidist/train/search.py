@@ -7,11 +7,15 @@ all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouri
 pp up to the layers; cp a power of two dividing the sequence; dp the rest, dividing the
 global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
 step), 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it
-fits); ckpt: without and with full recompute.
+fits); ckpt: without and with full recompute (not under ZB-H1, which training refuses).
+With sequence parallelism (tp > 1, dense) each cp rank's seq / cp tokens must split over
+tp; under the interleaved schedule every one of pp x v chunks needs a block.
 A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
 expert count (expert parallelism carved out of dp), and only what minidist's MoE runs (the
 step-time model refuses the rest, moe_cost.py): no cp, no sequence parallelism (TP without
 SP).
+`train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
+training to run (tests/test_planner.py checks that training accepts every one).
 """
 from dataclasses import asdict
 
@@ -27,8 +31,10 @@ def _powers_of_two(limit):
     return out
 
 
-def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8):
-    """(dp, tp, pp, cp) with dp tp pp cp = gpus under the rules in the module docstring."""
+def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
+    """(dp, tp, pp, cp) with dp tp pp cp = gpus under the rules in the module docstring;
+    with sequence parallelism (tp > 1, dense) each cp rank's seq / cp tokens split over tp;
+    v chunks per stage (interleaved) each need a block."""
     out = []
     for tp in _powers_of_two(min(gpus, gpus_per_node)):
         if config.n_head % tp or gpus % tp:
@@ -36,9 +42,12 @@ def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8):
         for cp in _powers_of_two(min(max_cp, gpus // tp)):
             if seq % (2 * cp) and cp > 1 or (gpus // tp) % cp:
                 continue
+            if tp > 1 and not config.moe_experts and seq % (cp * tp):
+                continue                                     # SP: seq / cp over tp ranks
             for pp in range(1, min(config.n_layer, gpus // (tp * cp)) + 1):
                 dp, rest = divmod(gpus, tp * cp * pp)
-                if rest == 0 and global_batch % dp == 0:
+                if rest == 0 and global_batch % dp == 0 and (pp == 1 or
+                                                             pp * v <= config.n_layer):
                     out.append((dp, tp, pp, cp))
     return out
 
@@ -81,9 +90,11 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
     """Every candidate row, fastest first among those that fit, then the rest."""
     rows, moe = [], bool(config.moe_experts)
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch,
-                                 max_cp=1 if moe else 8):
+                                 max_cp=1 if moe else 8, v=v):
         for zero in (zeros if dp * cp > 1 else (0,)):
             for recompute in recomputes:
+                if recompute == "full" and schedule == "zb-h1" and pp > 1:
+                    continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
                                     recompute=recompute, sp=tp > 1 and not moe, tiled=tiled)
@@ -91,3 +102,28 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                         rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
                                              schedule, comm, headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
+
+
+def train_flags(config, row, v=1):
+    """examples/train_gpt.py's flags for a search row (its layout, micro-batches, schedule;
+    v: model chunks per stage under the interleaved schedule) on `config`, global batch
+    row["micro_batch"] x dp x micro-batches sequences of config.block_size tokens. The
+    planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not."""
+    if row["recompute"] == "selective":
+        raise ValueError("selective recompute: examples/train_gpt.py has no flag for it")
+    flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
+             config.n_embd, "--block-size", config.block_size, "--batch-size",
+             row["micro_batch"] * row["dp"] * row["micro_batches"], "--dp", row["dp"] // row["ep"],
+             "--tp", row["tp"], "--pp", row["pp"], "--cp", row["cp"], "--ep", row["ep"],
+             "--zero", row["zero"], "--attention", "tiled" if row["tiled"] else "auto"]
+    if config.moe_experts:
+        flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
+                  "--moe-every", config.moe_every]
+    if row["pp"] > 1:
+        interleaved = row["schedule"] == "interleaved"
+        flags += ["--micro-batches", row["micro_batches"], "--schedule",
+                  "1f1b" if interleaved else row["schedule"],
+                  "--pp-virtual", v if interleaved else 1]
+    flags += (["--sequence-parallel"] if row["sp"] else []) + (["--amp"] if row["amp"] else [])
+    flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
+    return [str(f) for f in flags]
