@@ -154,10 +154,17 @@ def _flags(*extra):
 
 @pytest.mark.parametrize("extra,words", [
     (["--cp", "4", "--block-size", "12"], "multiple of 8"),
-    (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4")])
+    (["--cp", "4", "--block-size", "10", "--cp-split", "naive"], "multiple of 4"),
+    (["--cp", "2", "--tp", "2", "--sequence-parallel", "--block-size", "6", "--cp-split",
+      "naive"], "--block-size must be a multiple of cp x tp = 4")])
 def test_refusals_name_the_flag(extra, words):
     problems = cp_problems(_flags(*extra))
     assert any(words in p for p in problems), problems
+
+
+def test_sequence_parallel_is_no_longer_refused():
+    args = _flags("--cp", "2", "--tp", "2", "--sequence-parallel")
+    assert cp_problems(args) == [] and check_layout(args, 4) == (1, 1)
 
 
 def test_ckpt_activations_is_no_longer_refused():
@@ -217,6 +224,7 @@ def _check_exact(rows, runs):
     for r in rows:
         assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
         assert r["bytes_sent"] == r["theory_sent"]
+        assert r.get("tp_sent") == r.get("tp_theory_sent"), r       # cp x tp: the tp group
 
 
 def _check_reloads(rows, runs, ranks):
@@ -233,10 +241,11 @@ def _check_reloads(rows, runs, ranks):
 
 def test_cp4_and_compositions_are_exact(mpi):
     """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits, and with
-    ZeRO-1/2/3 over dp x cp (the ZeRO-3 run's sharded checkpoint saved and loaded back); and
+    ZeRO-1/2/3 over dp x cp (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
     grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
-    without it.
+    without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Bytes on the cp and
+    tp groups = their formulas; the activation ledger of cp x tp without and with SP.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,... \
             --resume-runs cp2xtp2+zero3
@@ -246,32 +255,54 @@ def test_cp4_and_compositions_are_exact(mpi):
             "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
             "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt",
-            "cp2xtp2+zero3+ckpt"]
+            "cp2xtp2+zero3+ckpt", *SP_RUNS]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
-              "cp2xtp2+zero3", timeout=240)
+              "cp2xtp2+zero3,cp2xtp2+sp+zero3", timeout=240)
     rows = tagged_json(out, "RESULT")
     _check_exact(rows, runs)
-    _check_reloads(rows, ["cp2xtp2+zero3"], 4)
+    _check_reloads(rows, ["cp2xtp2+zero3", "cp2xtp2+sp+zero3"], 4)
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 4)
+    _check_sp_memory(tagged_json(out, "MEMORY_SP")[0], 2)
+
+
+# cp 2 x tp 2 with sequence parallelism: both splits, DDP and ZeRO-1/2/3 over dp x cp, and
+# with --ckpt-activations (bitwise its twin without)
+SP_RUNS = ["cp2xtp2+sp", "cp2xtp2+sp+naive", "cp2xtp2+sp+zero1", "cp2xtp2+sp+zero2+naive",
+           "cp2xtp2+sp+zero3", "cp2xtp2+sp+ckpt", "cp2xtp2+sp+zero3+ckpt"]
+
+
+def _check_sp_memory(row, tp):
+    """The activation ledger of a cp x tp rank: sequence parallelism keeps less, without
+    and with recompute; every (B, Tl, C) buffer the graph keeps without it is, with it, a
+    (B, Tl/tp, C) one (the residual stream split by tp again), but for one: the token
+    lookup's partial sums, whole before their reduce-scatter."""
+    for plain, sp in (("cp2xtp2", "cp2xtp2+sp"), ("cp2xtp2+ckpt", "cp2xtp2+sp+ckpt")):
+        a, b = row[plain], row[sp]
+        assert b["per_rank"] < a["per_rank"] and a["split"] == 0, row
+        assert a["whole"] == tp * b["split"] + b["whole"] and 0 < b["whole"] < b["split"], row
 
 
 @pytest.mark.slow
 def test_cp2_tp2_dp2_zero_on_8_ranks_is_exact_and_resumes(mpi):
     """cp 2 x tp 2 x dp 2 with ZeRO-1, ZeRO-2 and ZeRO-3 (+ grad-accum 2) over the 4 dp x cp
-    ranks of each tp part, = one process; the ZeRO-3 run's checkpoint loads back bitwise
-    (same layout, ZeRO-1, tp 2 x dp 4 without cp) and resumes:
+    ranks of each tp part, and with --sequence-parallel (DDP; ZeRO-3 + grad-accum 2), = one
+    process; the ZeRO-3 runs' checkpoints load back bitwise (same layout, ZeRO-1, tp 2 x
+    dp 4 without cp) and resume:
 
         mpiexec -n 8 python tests/scripts/cp_check.py --runs cp2xtp2xdp2+zero1,\
-cp2xtp2xdp2+zero2,cp2xtp2xdp2+zero3+accum --resume-runs cp2xtp2xdp2+zero3+accum
+cp2xtp2xdp2+zero2,cp2xtp2xdp2+zero3+accum,cp2xtp2xdp2+sp,cp2xtp2xdp2+sp+zero3+accum \
+            --resume-runs cp2xtp2xdp2+zero3+accum,cp2xtp2xdp2+sp+zero3+accum
     """
-    runs = ["cp2xtp2xdp2+zero1", "cp2xtp2xdp2+zero2", "cp2xtp2xdp2+zero3+accum"]
+    runs = ["cp2xtp2xdp2+zero1", "cp2xtp2xdp2+zero2", "cp2xtp2xdp2+zero3+accum",
+            "cp2xtp2xdp2+sp", "cp2xtp2xdp2+sp+zero3+accum"]
+    resumed = ["cp2xtp2xdp2+zero3+accum", "cp2xtp2xdp2+sp+zero3+accum"]
     out = mpi(8, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
-              runs[-1], timeout=300)
+              ",".join(resumed), timeout=300)
     rows = tagged_json(out, "RESULT")
     _check_exact(rows, runs)
-    _check_reloads(rows, runs[-1:], 8)
+    _check_reloads(rows, resumed, 8)
 
 
 def test_walkthrough_prints_the_balance_and_an_exact_row():

@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import batch, run_steps  # noqa: E402
+from cp_tp_ledger import sp_activations, step_tp_traffic, tp_counted  # noqa: E402
 
 from minidist import backend  # noqa: E402
 import minidist.comm  # noqa: E402
@@ -59,7 +60,13 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         # cp x tp x sequence parallelism: (B, T/cp/tp, C) between the blocks' split layers
         "cp2xtp2+sp": ["--tp", "2", "--sequence-parallel"],
         "cp2xtp2+sp+naive": ["--tp", "2", "--sequence-parallel", "--cp-split", "naive"],
+        "cp2xtp2+sp+zero1": ["--tp", "2", "--sequence-parallel", "--zero", "1"],
+        "cp2xtp2+sp+zero2+naive": ["--tp", "2", "--sequence-parallel", "--zero", "2",
+                                   "--cp-split", "naive"],
         "cp2xtp2+sp+zero3": ["--tp", "2", "--sequence-parallel", "--zero", "3"],
+        "cp2xtp2xdp2+sp": ["--tp", "2", "--dp", "2", "--sequence-parallel"],      # 8 ranks
+        "cp2xtp2xdp2+sp+zero3+accum": ["--tp", "2", "--dp", "2", "--sequence-parallel",
+                                       "--zero", "3", "--grad-accum", "2"],
         "cp2xtp2xdp2+zero1": ["--tp", "2", "--dp", "2", "--zero", "1"],      # 8 ranks
         "cp2xtp2xdp2+zero2": ["--tp", "2", "--dp", "2", "--zero", "2"],
         "cp2xtp2xdp2+zero3+accum": ["--tp", "2", "--dp", "2", "--zero", "3", "--grad-accum",
@@ -114,9 +121,10 @@ def run(name, ref, comm, tol, reload=False):
     args = flags(name)
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     mesh = strategy.mesh
-    sent0 = trace.bytes_sent("cp")
+    sent0, tp0 = trace.bytes_sent("cp"), trace.counters("tp")
     model, opt, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
     sent = (trace.bytes_sent("cp") - sent0) / args.steps
+    tp_ops, tp_sent = tp_counted(tp0, args.steps)
     params = full_params(strategy, model)
     r_model, r_opt, r_losses, r_norms = ref
     d_loss = max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)])
@@ -129,6 +137,10 @@ def run(name, ref, comm, tol, reload=False):
     ok = comm.allreduce(all(d < tol for d in (d_loss, d_norm, d_par)), op=MPI.LAND)
     assert ok, (name, row)                      # NaN fails too (every comparison is False)
     assert sent == row["theory_sent"], (name, row)
+    if mesh.shape["tp"] > 1:                    # the tp group's calls and bytes: the formula
+        want_ops, want_sent = step_tp_traffic(args, CONFIG, mesh, model)
+        row.update(tp_sent=tp_sent, tp_theory_sent=want_sent)
+        assert tp_ops == want_ops and tp_sent == want_sent, (name, tp_ops, want_ops, row)
     if reload:
         row["reload"] = check_reload(name, strategy, model, opt, (r_model, r_opt), comm)
     return row
@@ -260,6 +272,12 @@ def main():
         row = activations(comm)
         if comm.rank == 0:
             print("MEMORY " + json.dumps(row), flush=True)
+    if comm.size == 4:                          # cp 2 x tp 2, without and with SP
+        x, y = batch(0, 2, CONFIG, SEED)
+        row = sp_activations(flags, lambda a: make_strategy(a, ProcessGroup.world(a.comm)),
+                             CONFIG, SEED, x, y)
+        if comm.rank == 0:
+            print("MEMORY_SP " + json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
