@@ -120,6 +120,29 @@ def test_a_tensor_parallel_slice_is_its_part_of_the_whole_row():
     np.testing.assert_array_equal(off.random((3, 8, 5), dtype="float32"), whole)
 
 
+@pytest.mark.parametrize("split", ["zigzag", "naive"])
+def test_a_sequence_parallel_slice_of_a_cp_part_is_its_part_of_the_whole_row(split):
+    """cp x tp with sequence parallelism: tp rank t of cp rank c holds (B, Tl/tp, C), the
+    t-th run of cp rank c's Tl positions; DropoutSite slices by tp, then maps the slice to
+    global positions (the keys' positions_of): the whole row's numbers at those places."""
+    from minidist.cp.ring import positions
+    keys, T, cp, tp = DropoutKeys(9), 16, 2, 2
+    whole = DropoutSite(keys, "b").random((3, T, 5), dtype="float32")       # (B, T, C)
+    seen = []
+    for c in range(cp):
+        pos = positions(T, cp, c, split)                                    # (Tl,)
+        n = len(pos) // tp
+        for t in range(tp):
+            site = DropoutSite(keys, "b", axis=1, parts=tp, index=t, active=lambda: True,
+                               seq_axis=1)
+            with keys.positions_of(pos, T):
+                part = site.random((3, n, 5), dtype="float32")
+            mine = pos[t * n:(t + 1) * n]
+            assert np.array_equal(part, whole[:, mine]), (c, t)
+            seen += list(mine)
+    assert sorted(seen) == list(range(T))                  # every place once
+
+
 def test_rows_that_do_not_match_the_batch_in_flight_are_an_error():
     keys = DropoutKeys(0)
     with keys.rows_of([0, 1, 2]), pytest.raises(ValueError, match="dropout h.0.x: 2 rows"):
@@ -179,7 +202,8 @@ def test_every_layout_with_dropout_equals_one_process(mpi):
     with grad-accum and recompute, pp 2 x dp 2 (1F1B, GPipe with recompute, ZB-H1 with
     ZeRO-1, interleaved, tiled attention), tp 2 x dp 2 (also sequence parallel with
     grad-accum), tp 2 x pp 2 (sequence parallel; recompute with grad-accum), cp 4, cp 2 x dp 2
-    (ZeRO-3, grad-accum, recompute), cp 2 x tp 2 (naive split), cp 2 x pp 2 (1F1B; GPipe with
+    (ZeRO-3, grad-accum, recompute), cp 2 x tp 2 (naive split; sequence parallel, naive and
+    zig-zag with recompute), cp 2 x pp 2 (1F1B; GPipe with
     recompute): losses, norms and every parameter equal one process's (grad-accum 1, no
     recompute) to 1e-10, every parameter compared.
 
@@ -191,7 +215,8 @@ def test_every_layout_with_dropout_equals_one_process(mpi):
         "dp4", "dp4+accum2", "dp4+zero3", "dp4+zero2+accum2+recompute", "pp2xdp2",
         "pp2xdp2+gpipe+recompute", "pp2xdp2+zbh1+zero1", "pp2xdp2+v2", "pp2xdp2+tiled",
         "tp2xdp2", "tp2xdp2+sp+accum2", "tp2xpp2+sp", "tp2xpp2+recompute+accum2", "cp4",
-        "cp2xdp2+zero3+accum2+recompute", "cp2xtp2+naive", "cp2xpp2",
+        "cp2xdp2+zero3+accum2+recompute", "cp2xtp2+naive", "cp2xtp2+sp+naive",
+        "cp2xtp2+sp+recompute", "cp2xpp2",
         "cp2xpp2+gpipe+recompute"]
     for r in rows:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
