@@ -362,11 +362,12 @@ def test_train_gpt_cp2_matches_one_process_and_resumes_on_one(corpus, tmp_path, 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_path, mpi):
-    """train_gpt.py --cp 2 --tp 2 --zero 3 logs one process's losses (float64); stopped at
-    step 2 and resumed from its checkpoint (one ZeRO folder per tp rank, sharded over the
-    dp x cp ranks) it logs the uninterrupted run's, bit for bit, also resumed as cp 2 x tp 2
-    with ZeRO-1 (another stage: ZeRO reshards):
+@pytest.mark.parametrize("sp", [[], ["--sequence-parallel"]])
+def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_path, mpi, sp):
+    """train_gpt.py --cp 2 --tp 2 --zero 3 (also with --sequence-parallel) logs one
+    process's losses (float64); stopped at step 2 and resumed from its checkpoint (one ZeRO
+    folder per tp rank, sharded over the dp x cp ranks) it logs the uninterrupted run's, bit
+    for bit, also resumed as cp 2 x tp 2 with ZeRO-1 (another stage: ZeRO reshards):
 
         mpiexec -n 4 python examples/train_gpt.py --cp 2 --tp 2 --zero 3 ... --stop-at 2 --save ck
         mpiexec -n 4 python examples/train_gpt.py --cp 2 --tp 2 --zero 3 ... --resume ck
@@ -375,7 +376,7 @@ def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_pat
     import sys
     from mpirun import device_flags, mpi_env
     common = [*TINY, "--sample", "0", "--data", corpus, "--cache-dir", tmp_path / "cache"]
-    layout = ["--cp", "2", "--tp", "2", "--zero", "3"]
+    layout = ["--cp", "2", "--tp", "2", "--zero", "3", *sp]
     one, straight = tmp_path / "one.jsonl", tmp_path / "straight.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
@@ -383,6 +384,7 @@ def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_pat
     out = mpi(4, "examples/train_gpt.py", *common, *layout, "--log-json", straight,
               timeout=120).stdout
     assert "context parallel: cp 2 x dp 1 x tp 2" in out and "ZeRO stage 3 over 2 ranks" in out
+    assert f"sequence parallel {'on' if sp else 'off'}" in out
     assert np.allclose(_losses(straight), _losses(one), rtol=0, atol=1e-10)
     mpi(4, "examples/train_gpt.py", *common, *layout, "--save", tmp_path / "ck", "--stop-at",
         "2", timeout=120)

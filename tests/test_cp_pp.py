@@ -92,6 +92,26 @@ cp2xpp2xtp2-m2-gpipe-z3 --files cp2xpp2xtp2-m2-1f1b-z1,cp2xpp2xtp2-m2-gpipe-z3
         assert r["ckpt_diff"] < 1e-10 and r["eval_diff"] < 1e-10, r
 
 
+@pytest.mark.slow
+def test_cp2_x_pp2_x_tp2_with_sequence_parallelism(mpi):
+    """8 ranks: cp 2 x pp 2 x tp 2 with --sequence-parallel (each stage's residual stream
+    (B, T/cp/tp, C), the boundary sends too): 1F1B with the checkpoint, evaluation and
+    sampling; ZB-H1; GPipe with the naive split and ZeRO-1; interleaved 1F1B with ZeRO-3
+    and recompute:
+
+        mpiexec -n 8 python tests/scripts/cp_pp_check.py --runs cp2xpp2xtp2-m2-1f1b-sp,\
+cp2xpp2xtp2-m2-zbh1-sp,cp2xpp2xtp2-m2-gpipe-sp-naive-z1,cp2xpp2xtp2-m4-v2-1f1b-sp-z3-ckpt \
+            --files cp2xpp2xtp2-m2-1f1b-sp
+    """
+    runs = ["cp2xpp2xtp2-m2-1f1b-sp", "cp2xpp2xtp2-m2-zbh1-sp",
+            "cp2xpp2xtp2-m2-gpipe-sp-naive-z1", "cp2xpp2xtp2-m4-v2-1f1b-sp-z3-ckpt"]
+    out = mpi(8, "tests/scripts/cp_pp_check.py", "--runs", ",".join(runs), "--files",
+              runs[0], timeout=300)
+    rows = tagged_json(out)
+    _check(rows, runs)
+    assert rows[0]["ckpt_diff"] < 1e-10 and rows[0]["eval_diff"] < 1e-10, rows[0]
+
+
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "2", "--log-every", "1",
         "--steps", "6", "--eval-every", "3", "--dtype", "float64", "--dropout", "0.1"]
