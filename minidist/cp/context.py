@@ -5,6 +5,8 @@ then on the model's forward takes the WHOLE sequence idx (B, T) and targets, and
 
     keeps its tokens and their positions (zig-zag: chunks r and 2N-1-r of 2N; naive: r of N)
     -> embed (token + position embedding of those positions)        (B, Tl, C), Tl = T / N
+       (a TensorParallelGPT with sequence parallelism keeps its tp rank's run of them:
+       (B, Tl/tp, C) between the split layers; minidist/tp/model.py embed)
     -> blocks, whose attention is RingSelfAttention over the cp group (minidist/cp/ring.py);
        everything else in a block acts on each token alone, so it needs no communication
     -> head: logits (B, Tl, V) and the mean loss over this rank's tokens.

@@ -4,6 +4,7 @@ each sequence (ring attention: minidist/cp/ring.py), inside data parallelism ove
     mpirun -n 2 python examples/train_gpt.py --cp 2
     mpirun -n 4 python examples/train_gpt.py --cp 2 --dp 2 [--zero 1]
     mpirun -n 4 python examples/train_gpt.py --cp 2 --tp 2 --cp-split naive
+    mpirun -n 4 python examples/train_gpt.py --cp 2 --tp 2 --sequence-parallel
     mpirun -n 4 python examples/train_gpt.py --cp 2 --pp 2 [--schedule gpipe|zb-h1]
     mpirun -n 8 python examples/train_gpt.py --cp 2 --tp 2 --dp 2 --zero 3
 
@@ -28,7 +29,8 @@ numbers by global position: minidist/autograd/dropout_keys.py). --ckpt-activatio
 works as without cp: each block's checkpoint saves the RingContext's layouts and restores
 them, so the recompute inside backward runs the ring forward again
 (minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
-Refused: --sequence-parallel, a block size that does not split.
+With --sequence-parallel too, tp splits each cp rank's T/cp tokens again (minidist/cp/README.md).
+Refused: a block size that does not split over cp (and over cp x tp with --sequence-parallel).
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
 tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """

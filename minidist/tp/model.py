@@ -115,7 +115,8 @@ class TensorParallelGPT(GPT):
     # ---- forward: embed and head differ from GPT's; run_blocks is GPT's --------------------
     def embed(self, idx, pos=None):
         """idx (B, T) -> (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism;
-        pos (T,): positions (context parallelism: this rank's; not with sequence parallelism)."""
+        pos (T,): positions (context parallelism: the cp rank's T = Tl of them, of which
+        sequence parallelism keeps this tp rank's run, as the reduce-scatter keeps its rows)."""
         idx = self._check_idx(idx)
         self.block_hooks.before_root()                     # ZeRO-3: gather wte, wpe
         T = idx.shape[1]
