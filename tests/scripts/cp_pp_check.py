@@ -5,21 +5,21 @@
     mpiexec -n 4 python tests/scripts/cp_pp_check.py --runs cp2xpp2-m2-1f1b --files ""
 
 A run's name lists its flags: cp2, pp2, dp2, tp2 (sizes), m2/m4 (--micro-batches), ga2
-(--grad-accum 2), gpipe,
-1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), naive (--cp-split naive),
-ckpt (--ckpt-activations), z1, z3 (--zero k), sp (--sequence-parallel). Every rank also
-trains the one-process reference (SingleProcess, the whole global batch, no recompute); each run builds its strategy
-from train_gpt's own flags (make_strategy) and trains through the loop's train_step
-(tests/scripts/exact.py). Checks, each run: losses, gradient norms and every parameter of
-every stage (gathered as a checkpoint gathers them) equal the reference to --tol; the tied
-wte bitwise equal on the first and the last stage of each pipeline; the bytes each rank sent
-on its stage's cp group = minidist/cp/ring.py's formula x the blocks this stage holds; runs
-that differ only in the schedule (1F1B, GPipe, ZB-H1) or in recompute end bitwise equal.
---files runs: evaluation (on the ring) and sampling (without) give one process's loss and
-tokens; the checkpoint (one process loads the whole model and Adam state: the
-reference's) and a fresh cp x pp run that loads it back, bitwise, and takes the next step
-as the saved run does. Rank 0 prints `RESULT {json}` per run for
-tests/test_context_parallel.py; any failure raises and the abort handler ends the job.
+(--grad-accum 2), gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B),
+naive (--cp-split naive), ckpt (--ckpt-activations), z1, z3 (--zero k), sp (--sequence-
+parallel). Every rank also trains the one-process reference (SingleProcess, the whole global
+batch, no recompute); each run builds its strategy from train_gpt's own flags
+(make_strategy) and trains through the loop's train_step (tests/scripts/exact.py). Checks,
+each run: losses, gradient norms and every parameter of every stage (gathered as a
+checkpoint gathers them) equal the reference to --tol; the tied wte bitwise equal on the
+first and the last stage of each pipeline; the bytes each rank sent on its stage's cp group
+= minidist/cp/ring.py's formula x the blocks this stage holds; runs that differ only in the
+schedule (1F1B, GPipe, ZB-H1) or in recompute end bitwise equal. --files runs: evaluation
+(on the ring) and sampling (without) give one process's loss and tokens; the checkpoint (one
+process loads the whole model and Adam state: the reference's) and a fresh cp x pp run that
+loads it back, bitwise, and takes the next step as the saved run does. Rank 0 prints
+`RESULT {json}` per run for tests/test_context_parallel.py; any failure raises and the abort
+handler ends the job.
 """
 import argparse
 import json
