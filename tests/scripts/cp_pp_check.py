@@ -6,9 +6,9 @@
 
 A run's name lists its flags: cp2, pp2, dp2, tp2 (sizes), m2/m4 (--micro-batches), ga2
 (--grad-accum 2), gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B),
-naive (--cp-split naive), ckpt (--ckpt-activations), z1, z3 (--zero k), sp (--sequence-
-parallel). Every rank also trains the one-process reference (SingleProcess, the whole global
-batch, no recompute); each run builds its strategy from train_gpt's own flags
+naive (--cp-split naive), ckpt (--ckpt-activations), z1, z3 (--zero k), sp
+(--sequence-parallel). Every rank also trains the one-process reference (SingleProcess, the
+whole global batch, no recompute); each run builds its strategy from train_gpt's own flags
 (make_strategy) and trains through the loop's train_step (tests/scripts/exact.py). Checks,
 each run: losses, gradient norms and every parameter of every stage (gathered as a
 checkpoint gathers them) equal the reference to --tol; the tied wte bitwise equal on the
