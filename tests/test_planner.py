@@ -520,31 +520,57 @@ def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
     assert ddp["params"] == 4 * 544
 
 
+# models the proposal tests plan for: T 20 (sequence parallelism over 8 does not split it,
+# nor over cp 2 x tp 4), a 1e9 shape at T 2048, a Mixture of Experts (no SP, no cp)
+PROPOSAL_MODELS = [
+    GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=20, vocab_size=50257),
+    config_for_params(1e9, seq=2048),
+    GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=64, vocab_size=256, moe_experts=4,
+              moe_top_k=2)]
+
+
+def _refused(config, row, gpus, v=1):
+    """train_gpt's refusal of a planner's row (its error line), or None if it runs."""
+    from minidist.train.cli import UsageError
+    from minidist.train.search import train_flags
+    from minidist.train.strategy import check_layout
+    try:
+        check_layout(train_parser().parse_args(train_flags(config, row, v)), gpus)
+    except UsageError as e:
+        return f"{row['layout']}: {e}"
+    return None
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe", "zb-h1"])
 def test_every_layout_the_search_proposes_is_one_training_accepts(schedule):
     """Each row of the layout search (examples/plan.py), as train_gpt's flags (train_flags),
     passes train_gpt's checks (check_layout: every refusal, before any communication), for
     a few model sizes and sequence lengths on 8 GPUs; cp with tp proposes sequence
     parallelism, which training runs (minidist/cp/README.md)."""
-    from minidist.train.cli import UsageError
     from minidist.train.cluster import H100_IB
-    from minidist.train.search import search, train_flags
-    from minidist.train.strategy import check_layout
-    models = [GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=20, vocab_size=50257),
-              config_for_params(1e9, seq=2048),
-              GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=64, vocab_size=256,
-                        moe_experts=4, moe_top_k=2)]
+    from minidist.train.search import search
     v = 2 if schedule == "interleaved" else 1
     seen, refused = set(), []
-    for config in models:
-        for gpus in (8,):
-            rows = search(config, H100_IB, gpus, config.block_size, 32, schedule, v=v)
-            for row in rows:
-                flags = train_flags(config, row, v)
-                try:
-                    check_layout(train_parser().parse_args(flags), gpus)
-                except UsageError as e:
-                    refused.append((row["layout"], row["micro_batches"], str(e)))
-                seen.add((row["cp"] > 1, row["sp"]))
-    assert not refused, refused[:5]
+    for config in PROPOSAL_MODELS:
+        for row in search(config, H100_IB, 8, config.block_size, 32, schedule, v=v):
+            refused.append(_refused(config, row, 8, v))
+            seen.add((row["cp"] > 1, row["sp"]))
+    assert not any(refused), [r for r in refused if r][:5]
     assert (True, True) in seen                       # cp x tp x sp among the proposals
+
+
+def test_every_layout_the_memory_planner_proposes_is_one_training_accepts():
+    """The same for examples/plan_memory.py's candidates (planner.plan), one micro-batch
+    per stage: sequence parallelism only where the sequence splits over tp, never with
+    experts."""
+    from dataclasses import asdict
+    refused, sp = [], set()
+    for config in PROPOSAL_MODELS:
+        for gpus in (8, 16):
+            for row in plan(config, gpus)["rows"]:
+                row = {**row, "micro_batch": 1, "micro_batches": row["pp"],
+                       "schedule": "1f1b"}
+                refused.append(_refused(config, row, gpus))
+                sp.add(row["sp"])
+    assert not any(refused), [r for r in refused if r][:5]
+    assert sp == {True, False}

@@ -251,11 +251,18 @@ def _tp_sizes(config, gpus, gpus_per_node):
     return out
 
 
-def candidates(config, gpus, gpus_per_node=8):
+def _sp(config, seq, t):
+    """Sequence parallelism with tp t, where training runs it: dense, seq a multiple of t."""
+    return t > 1 and not config.moe_experts and seq % t == 0
+
+
+def candidates(config, gpus, gpus_per_node=8, seq=None):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
     precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then
     (each without and with checkpointing) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a node
-    (ZeRO-1 over the other ranks); TP over the node x PP across nodes."""
+    (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
+    training runs it: a dense model, seq (default block_size) a multiple of tp."""
+    seq = seq or config.block_size
     out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
     ep = math.gcd(gpus, config.moe_experts) if config.moe_experts else 1
     if ep > 1:                            # MoE: the experts sharded over ep of the dp ranks
@@ -264,13 +271,14 @@ def candidates(config, gpus, gpus_per_node=8):
         out += [Layout(dp=gpus, zero=zero, recompute=r) for r in ("none", "full")]
     tps = _tp_sizes(config, gpus, gpus_per_node)
     for t in tps:
-        out += [Layout(dp=gpus // t, tp=t, zero=int(gpus > t), sp=True, recompute=r)
+        out += [Layout(dp=gpus // t, tp=t, zero=int(gpus > t), sp=_sp(config, seq, t),
+                       recompute=r)
                 for r in ("none", "full")]
     t = tps[-1] if tps else 1
     for p in range(2, min(gpus // t, config.n_layer) + 1):
         if (gpus // t) % p == 0:
             out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
-                           sp=t > 1, recompute=r) for r in ("none", "full")]
+                           sp=_sp(config, seq, t), recompute=r) for r in ("none", "full")]
     return out
 
 
@@ -281,7 +289,7 @@ def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=
     seq = seq or config.block_size
     budget = gpu_mem_gib * GiB * (1 - headroom)
     rows = []
-    for layout in candidates(config, gpus, gpus_per_node):
+    for layout in candidates(config, gpus, gpus_per_node, seq):
         row = {"layout": layout.name(), **asdict(layout),
                **bill(config, layout, seq, micro_batch, dropout)}
         row["fits"] = row["total"] <= budget
