@@ -54,13 +54,20 @@ def tp_counted(before, steps):
     return ops, sent
 
 
+def owner(a):
+    """The array that owns a's memory (a view's base, as the ledger counts buffers)."""
+    while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return a
+
+
 def stream_census(loss, params, B, Tl, C, tp):
     """Bytes of the (B, Tl, C) and of the (B, Tl/tp, C) buffers the graph behind `loss`
     keeps (parameters excluded)."""
-    exclude = {id(memory._buffer(p.data)) for p in params}
+    exclude = {id(owner(p.data)) for p in params}
     sizes, seen = collections.Counter(), set()
     for a in memory.graph_arrays(loss):
-        buf = memory._buffer(a)
+        buf = owner(a)
         if id(buf) not in seen and id(buf) not in exclude:
             seen.add(id(buf))
             sizes[tuple(buf.shape)] += int(buf.nbytes)
