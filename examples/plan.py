@@ -27,7 +27,7 @@ from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       number_problem)
 from minidist.train.planner import GiB, Layout                       # noqa: E402
-from minidist.train.search import evaluate, search                    # noqa: E402
+from minidist.train.search import evaluate, search, train_flags       # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -138,6 +138,15 @@ def print_table(rows, top):
               f"{r['dp_exposed']:8.3f}  {'yes' if r['fits'] else 'no'}")
 
 
+def command(config, row, gpus, v):
+    """The train_gpt command that runs `row` (None for selective recompute: no flag)."""
+    try:
+        flags = train_flags(config, row, v)
+    except ValueError:
+        return None
+    return f"mpirun -n {gpus} python examples/train_gpt.py " + " ".join(flags)
+
+
 def main(argv=None):
     args = parse(argv)
     problem = number_problem(args)
@@ -163,9 +172,11 @@ def main(argv=None):
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
                       headroom=args.headroom, v=v, moe_load=args.moe_load)
+    best = next((r for r in rows if r["fits"]), None)
     result = {"config": config.to_dict(), "cluster": cluster.name, "gpus": args.gpus,
               "seq": args.seq, "global_batch": args.global_batch, "rows": rows[:args.top],
-              "best": next((r["layout"] for r in rows if r["fits"]), None)}
+              "best": best and best["layout"],
+              "command": best and command(config, best, args.gpus, v)}
     if args.json:
         print(json.dumps(result))
         return
@@ -175,6 +186,8 @@ def main(argv=None):
           f"{cluster.name} ({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
     print_table(rows, args.top)
     print(f"best: {result['best']}" if result["best"] else "best: nothing fits")
+    if result["command"]:
+        print(f"run it: {result['command']}")
 
 
 if __name__ == "__main__":

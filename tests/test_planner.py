@@ -345,7 +345,8 @@ def test_here_cluster_reads_the_calibration(tmp_path):
 
 def test_plan_cli():
     """python examples/plan.py --params 7e9 --gpus 64 --json: rows fastest first, the best
-    fits; a bad --layout is one error line and exit 2."""
+    fits, its train_gpt command passes train_gpt's checks; a bad --layout is one error line
+    and exit 2."""
     out = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus", "64",
                           "--seq", "4096", "--json", "--top", "3"],
                          capture_output=True, text=True, timeout=60, check=True)
@@ -353,6 +354,10 @@ def test_plan_cli():
     steps = [r["step"] for r in result["rows"]]
     assert steps == sorted(steps) and result["rows"][0]["fits"]
     assert result["best"] == result["rows"][0]["layout"]
+    run = result["command"].split()                     # the best row, as a train_gpt command
+    assert run[:5] == ["mpirun", "-n", "64", "python", "examples/train_gpt.py"]
+    from minidist.train.strategy import check_layout
+    check_layout(train_parser().parse_args(run[5:]), 64)          # training accepts it
     nosp = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
                            "8", "--seq", "4096", "--json", "--global-batch", "8", "--layout",
                            "tp=8,nosp"], capture_output=True, text=True, timeout=60, check=True)
