@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, run_steps  # noqa: E402
+from exact import batch, run_steps, start  # noqa: E402
 from cp_tp_ledger import sp_activations, step_tp_traffic, tp_counted  # noqa: E402
 
 from minidist import backend  # noqa: E402
@@ -254,12 +254,7 @@ def main():
     p.add_argument("--runs", default=None, help="default: cp2,cp2+naive (2 ranks)")
     p.add_argument("--resume-runs", default="", help="runs whose checkpoint is saved and "
                    "loaded back (check_reload)")
-    p.add_argument("--tol", type=float, default=1e-10)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cli = p.parse_args()
-    minidist.comm.init()
-    backend.set_device(cli.device)
-    comm = MPI.COMM_WORLD
+    cli, comm = start(p)
     check_mesh(comm)
     runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
     ref_args = flags("cp2")

@@ -32,12 +32,10 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, check_tied_copies, run_steps, whole_params  # noqa: E402
+from exact import batch, check_tied_copies, run_steps, start, whole_params  # noqa: E402
 
-from minidist import backend  # noqa: E402
-import minidist.comm  # noqa: E402
 from minidist.comm import ProcessGroup, trace  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.cp.ring import ring_bytes  # noqa: E402
 from minidist.autograd import no_grad  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
@@ -195,12 +193,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="comma-separated run names (docstring)")
     p.add_argument("--files", default=None, help="runs whose checkpoint is checked")
-    p.add_argument("--tol", type=float, default=1e-10)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cli = p.parse_args()
-    minidist.comm.init()
-    backend.set_device(cli.device)
-    comm = MPI.COMM_WORLD
+    cli, comm = start(p)
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
     cli.files = DEFAULT_FILES.get(comm.size, "") if cli.files is None else cli.files
     model, _, losses, norms, _ = run_steps(SingleProcess(), flags("cp1"), CONFIG, SEED,

@@ -26,12 +26,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import run_steps, whole_params  # noqa: E402
+from exact import run_steps, start, whole_params  # noqa: E402
 
-from minidist import backend  # noqa: E402
-import minidist.comm  # noqa: E402
 from minidist.comm import ProcessGroup  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -116,12 +114,8 @@ def run(name, refs, comm, tol):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=",".join(RUNS))
-    p.add_argument("--tol", type=float, default=1e-10)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cli = p.parse_args()
-    minidist.comm.init()
-    backend.set_device(cli.device)
-    comm, refs = MPI.COMM_WORLD, {}
+    cli, comm = start(p)
+    refs = {}
     for name in cli.runs.split(","):
         row = run(name, refs, comm, cli.tol)
         if comm.rank == 0:

@@ -36,12 +36,11 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, run_steps, whole_params  # noqa: E402
+from exact import batch, run_steps, start, whole_params  # noqa: E402
 
 from minidist import backend  # noqa: E402
-import minidist.comm  # noqa: E402
 from minidist.comm import trace  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
+from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -326,12 +325,7 @@ def run(name, ref_runs, comm, tol):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="default: the ep2 runs (2 ranks)")
-    p.add_argument("--tol", type=float, default=1e-10)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cli = p.parse_args()
-    minidist.comm.init()
-    backend.set_device(cli.device)
-    comm = MPI.COMM_WORLD
+    cli, comm = start(p)
     runs = cli.runs.split(",") if cli.runs else ["ep2", "ep2+top1+accum", "ep2+naive",
                                                  "ep2+mpi+every2"]
     refs = {}

@@ -1,5 +1,5 @@
 """What the exactness scripts share: the global batch of a step, and N steps of the real loop;
-a pipeline's tied-embedding check (pp_check, cp_pp_check).
+a pipeline's tied-embedding check (pp_check, cp_pp_check); the scripts' common start (`start`).
 
 Each script (ddp_check, tp_check, zero_check, ep_check, dropout_check) trains a strategy and
 the one-process reference through these same functions, so any difference comes from the
@@ -9,6 +9,8 @@ import zlib
 
 import numpy as np
 
+import minidist.comm
+from minidist import backend
 from minidist.train.step import train_step
 
 
@@ -52,3 +54,16 @@ def check_tied_copies(strategy, state):
     crc = zlib.crc32(np.ascontiguousarray(state["transformer.wte.weight"]).tobytes())
     crcs = strategy.embedding.comm.allgather(crc)
     assert crcs[0] == crcs[1], f"tied wte copies differ: {crcs}"
+
+
+def start(parser):
+    """What every exactness script does first: --tol and --device added to `parser` and
+    parsed, MPI started (minidist.comm.init) and the device set. Returns (cli, the world's
+    MPI communicator)."""
+    parser.add_argument("--tol", type=float, default=1e-10)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cli = parser.parse_args()
+    minidist.comm.init()
+    backend.set_device(cli.device)
+    from mpi4py import MPI     # after comm.init(): importing mpi4py.MPI starts MPI
+    return cli, MPI.COMM_WORLD
