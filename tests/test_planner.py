@@ -568,7 +568,6 @@ def test_every_layout_the_memory_planner_proposes_is_one_training_accepts():
     """The same for examples/plan_memory.py's candidates (planner.plan), one micro-batch
     per stage: sequence parallelism only where the sequence splits over tp, never with
     experts."""
-    from dataclasses import asdict
     refused, sp = [], set()
     for config in PROPOSAL_MODELS:
         for gpus in (8, 16):
