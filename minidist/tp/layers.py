@@ -1,6 +1,8 @@
 """Tensor-parallel layers (Megatron-LM): each rank holds 1/tp of a layer's weights.
 
-    ColumnParallelLinear   W (in, out/tp): enter(x) [f], then x @ W_r + b_r -> (..., out/tp)
+    ColumnParallelLinear   W (in, out/tp): enter(x) [f], then x @ W_r + b_r -> (..., out/tp);
+                           under sequence parallelism one op, gathered_linear: the all-gather
+                           inside, only the (B, T/tp, C) shard kept (region.linear)
     RowParallelLinear      W (in/tp, out): x_r @ W_r, leave [g], then + b (added once)
     VocabParallelEmbedding wte (V/tp, C): each rank looks up the ids in its vocabulary range
                            (zeros for the rest), leave [g] sums the ranks' rows
@@ -58,11 +60,11 @@ class ColumnParallelLinear(Module):
             if bias else None
 
     def forward(self, x):                              # (B, T, C) or (B, T/tp, C) under SP
-        return F.linear(self.region.enter(x), self.weight, self.bias)   # (B, T, out/tp)
+        return self.region.linear(x, self.weight, self.bias)          # (B, T, out/tp)
 
     def matmul(self, x):
         """forward without the bias (the MLP adds c_fc's in the GELU's pass: bias_gelu)."""
-        return F.linear(self.region.enter(x), self.weight)             # (B, T, out/tp)
+        return self.region.linear(x, self.weight)                      # (B, T, out/tp)
 
 
 class RowParallelLinear(Module):

@@ -30,6 +30,7 @@ from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops
 from minidist.autograd.dropout_keys import DropoutSite
 from minidist.nn.moe import MoE
+from minidist.tp.gathered import gathered_linear
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm,
@@ -133,13 +134,16 @@ class TensorParallelGPT(GPT):
         return self.transformer.drop(tok + ops.embedding(wpe, pos))
 
     def head(self, x, targets=None):
-        """ln_f, then f (or the sequence all-gather) and the tied, vocabulary-split output
-        layer: logits (B, T, V/tp) and the vocabulary-parallel loss."""
+        """ln_f, then f (or the sequence all-gather, inside gathered_linear) and the tied,
+        vocabulary-split output layer: logits (B, T, V/tp) and the vocabulary-parallel loss."""
         self.block_hooks.before_root()                     # ZeRO-3: gather ln_f, wte
-        x = self.region.enter(self.transformer.ln_f(x))    # (B, T, C) on every rank
-        B, T, C = x.shape
-        wte = self.transformer.wte
-        logits = (x.reshape(B * T, C) @ wte.weight.T).reshape(B, T, -1)  # (B, T, V/tp)
+        x, wte = self.transformer.ln_f(x), self.transformer.wte
+        if self.region.sharded:                            # keeps ln_f's (B, T/tp, C) only
+            logits = gathered_linear(x, wte.weight.T, None, self.group)   # (B, T, V/tp)
+        else:
+            x = self.region.enter(x)                       # (B, T, C) on every rank
+            B, T, C = x.shape
+            logits = (x.reshape(B * T, C) @ wte.weight.T).reshape(B, T, -1)  # (B, T, V/tp)
         if targets is None:                                # sampling: the whole row
             full = gather_from_tp(logits, self.group)      # (B, T, V padded)
             return full[:, :, :self.config.vocab_size], None

@@ -26,49 +26,11 @@ Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function h
 tests/scripts/tp_check.py --gradcheck).
 """
 from minidist.autograd import Function
+from minidist.autograd import fused as F
 from minidist.backend import xp_of
-
-SEQ_AXIS = 1      # activations are (B, T, C): sequence parallelism splits T
-
-
-# ---- collectives on n-d arrays along an axis (the group's collectives are flat, 1-D) -----
-
-def _all_reduce(x, group):
-    """x summed over the group, in a new array (never the caller's, which may be shared)."""
-    out = x.copy()                                           # C-contiguous
-    group.all_reduce(out)
-    return out
-
-
-def _all_gather(x, group, axis):
-    """Every rank's x concatenated along `axis`, in rank order."""
-    xp, axis = xp_of(x), axis % x.ndim
-    buf = xp.empty((group.size,) + x.shape, x.dtype)         # (tp, *x.shape): rank r's at [r]
-    group.all_gather(buf, xp.ascontiguousarray(x))
-    shape = list(x.shape)
-    shape[axis] *= group.size
-    return xp.moveaxis(buf, 0, axis).reshape(shape)          # (..., tp * n, ...)
-
-
-def _reduce_scatter(x, group, axis):
-    """This rank's chunk along `axis` of x summed over the group (the axis must divide)."""
-    xp, axis, t = xp_of(x), axis % x.ndim, group.size
-    n = x.shape[axis]
-    if n % t:
-        raise ValueError(f"axis {axis} of length {n} does not split into {t} equal shards")
-    blocks = x.reshape(x.shape[:axis] + (t, n // t) + x.shape[axis + 1:])
-    inp = xp.ascontiguousarray(xp.moveaxis(blocks, axis, 0))  # (tp, ..., n/tp, ...)
-    out = xp.empty(inp.shape[1:], x.dtype)
-    group.reduce_scatter(out, inp)
-    return out
-
-
-def _own_chunk(x, group, axis):
-    """This rank's chunk along `axis` of x, as a new contiguous array."""
-    axis, t = axis % x.ndim, group.size
-    n = x.shape[axis] // t
-    index = (slice(None),) * axis + (slice(group.rank * n, (group.rank + 1) * n),)
-    return xp_of(x).ascontiguousarray(x[index])
+from minidist.tp.collectives import (SEQ_AXIS, all_gather, all_reduce, own_chunk,
+                                     reduce_scatter)
+from minidist.tp.gathered import gathered_linear
 
 
 # ---- the conjugate pairs ------------------------------------------------------------------
@@ -86,7 +48,7 @@ class CopyToTP(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class ReduceFromTP(Function):
@@ -97,7 +59,7 @@ class ReduceFromTP(Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,11 +75,11 @@ class GatherFromTP(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, group, -1)
+        return all_gather(x, group, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_chunk(grad, ctx.group, -1), None
+        return own_chunk(grad, ctx.group, -1), None
 
 
 class ScatterToTP(Function):
@@ -127,11 +89,11 @@ class ScatterToTP(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _own_chunk(x, group, -1)
+        return own_chunk(x, group, -1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, -1), None
+        return all_gather(grad, ctx.group, -1), None
 
 
 class GatherFromSequence(Function):
@@ -142,11 +104,11 @@ class GatherFromSequence(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, group, SEQ_AXIS)
+        return all_gather(x, group, SEQ_AXIS)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, SEQ_AXIS), None
+        return reduce_scatter(grad, ctx.group, SEQ_AXIS), None
 
 
 class ReduceScatterToSequence(Function):
@@ -157,11 +119,11 @@ class ReduceScatterToSequence(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, group, SEQ_AXIS)
+        return reduce_scatter(x, group, SEQ_AXIS)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, SEQ_AXIS), None
+        return all_gather(grad, ctx.group, SEQ_AXIS), None
 
 
 def copy_to_tp(x, group):
@@ -220,6 +182,14 @@ class TensorParallelRegion:
         if self.sharded:
             return gather_from_sequence(x, self.group)
         return copy_to_tp(x, self.group)
+
+    def linear(self, x, w, b=None):
+        """enter(x) @ w + b: a column-parallel layer's matmul. Sharded, gathered_linear
+        (minidist/tp/gathered.py) all-gathers x inside the op and keeps only the shard for
+        backward, re-gathering it there; otherwise f then F.linear."""
+        if self.sharded:
+            return gathered_linear(x, w, b, self.group)                 # (B, T, out/tp)
+        return F.linear(copy_to_tp(x, self.group), w, b)
 
     def leave(self, y):
         """(B, T, C) partial sums -> their sum: (B, T, C) replicated or (B, T/tp, C)."""

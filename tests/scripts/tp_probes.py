@@ -186,27 +186,31 @@ def _traffic(what, sp, tp, btc_bytes, L, counters, shared, ce_bytes=()):
     the all-reduce of each replicated parameter's gradient (`shared`: layer norms, row
     biases, wpe; C numbers each but wpe). The whole model adds the embedding's and the output
     layer's pair, and the cross-entropy's all-reduces of 3 numbers per row (max; sum of exps
-    and target logit). A ring all-reduce sends 2(tp-1)/tp of its bytes per rank, an
-    all-gather or reduce-scatter (tp-1)/tp."""
+    and target logit). Under sequence parallelism each column layer (c_attn, c_fc; the head)
+    keeps only its input's shard and all-gathers it again in backward (tp/gathered.py): one
+    more all-gather of B*T*C per column layer, 2 per block, 1 for the head.
+    A ring all-reduce sends 2(tp-1)/tp of its bytes per rank, an all-gather or reduce-scatter
+    (tp-1)/tp."""
     pairs = 4 * L + (2 if what == "model" else 0)          # collectives of B*T*C per step
     ring = (tp - 1) / tp
     small = list(shared) + list(ce_bytes)                  # all-reduces besides f and g
+    regather = 2 * L + (what == "model") if sp else 0      # backward's re-gathers
     if sp:
-        want = {"all_gather": (pairs, pairs * btc_bytes), "reduce_scatter":
-                (pairs, pairs * btc_bytes)}
+        want = {"all_gather": (pairs + regather, (pairs + regather) * btc_bytes),
+                "reduce_scatter": (pairs, pairs * btc_bytes)}
     else:
         want = {"all_reduce": (pairs, pairs * btc_bytes)}
     if small:
         n, b = want.get("all_reduce", (0, 0))
         want["all_reduce"] = (n + len(small), b + sum(small))
-    sent = 2 * ring * (pairs * btc_bytes + sum(small))
+    sent = 2 * ring * (pairs * btc_bytes + sum(small)) + ring * regather * btc_bytes
     got = {op: (c["calls"], c["bytes"]) for op, c in counters.items()}
     total = sum(c["bytes_sent"] for c in counters.values())
     assert got == want, (what, sp, got, want)
     assert abs(total - sent) <= 2 * len(small) * 8, (what, sp, total, sent)   # odd lengths
     return {"what": what, "sequence_parallel": sp, "tp": tp, "calls_bytes": got,
             "bytes_sent": total, "theory_sent": sent, "btc_bytes": btc_bytes, "layers": L,
-            "shared_param_bytes": sum(shared)}
+            "shared_param_bytes": sum(shared), "regather_bytes": regather * btc_bytes}
 
 
 BAD = [(["--tp", "4"], "--dp 1 x --tp 4 = 4 ranks, but this job has 2 MPI process"),
