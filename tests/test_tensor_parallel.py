@@ -102,11 +102,14 @@ def _assert_exact(results, runs, tol=1e-10):
 
 @pytest.mark.mpi
 def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
-    """2 ranks, one job: distributed gradchecks of every conjugate Function and parallel
-    layer; tp 2, tp 2 + sequence parallel, and + activation checkpointing, each equal to one
-    process (float64, dropout 0.1, clipped every step) to 1e-10; save_pretrained and --save
-    files equal the reference's and load back both ways; split layers 1/2 of the bytes; tp
-    traffic per block and per model = theory; bad sizes refused before any mesh:
+    """2 ranks, one job: distributed gradchecks of every conjugate Function, gathered_linear
+    and parallel layer; tp 2, tp 2 + sequence parallel, and + activation checkpointing, each
+    equal to one process (float64, dropout 0.1, clipped every step) to 1e-10; save_pretrained
+    and --save files equal the reference's and load back both ways; split layers 1/2 of the
+    bytes; the activation ledger under sequence parallelism (2L + 1) B*T*C x 8 bytes below
+    the naive gather-then-Linear pair's (c_attn's, c_fc's and the head's gathered inputs),
+    1 B*T*C with recompute, gradients bitwise the same; tp traffic per block and per model =
+    theory (the re-gathers included); bad sizes refused before any mesh:
 
         mpiexec -n 2 python tests/scripts/tp_check.py
     """
@@ -116,15 +119,23 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
     assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
                                   "reload_diff", "adam_reload_diff")) <= 1e-10
     checks = tagged_json(out, "GRADCHECK")
-    assert len(checks) == 13 and all(c["max_abs_diff"] < 1e-6 for c in checks)
+    assert len(checks) == 16 and all(c["max_abs_diff"] < 1e-6 for c in checks)
+    assert [c["op"] for c in checks if "gathered_linear" in c["op"]] == \
+        ["gathered_linear: input", "gathered_linear: weight", "gathered_linear: bias"]
+    for row in tagged_json(out, "ACTIVATIONS"):   # the re-gather's saving, measured = formula
+        per_layer = 0 if row["ckpt"] else 2 * row["layers"]      # c_attn, c_fc; + the head
+        assert row["drop"] == (per_layer + 1) * row["btc_bytes"] == row["formula"] > 0, row
     memory = {r["params"]: r for r in tagged_json(out, "MEMORY")}
     assert memory["blocks"]["ratio"] == 0.5 and memory["wte"]["ratio"] == 0.5
     traffic = tagged_json(out, "TRAFFIC")
     assert len(traffic) == 4 and all(t["bytes_sent"] == t["theory_sent"] for t in traffic)
     block = [t for t in traffic if t["what"] == "block"]
     assert block[0]["calls_bytes"] == {"all_reduce": [4, 4 * block[0]["btc_bytes"]]}
-    sp = block[1]                           # SP: the same bytes, plus replicated grads' sums
-    assert sp["bytes_sent"] == block[0]["bytes_sent"] + sp["shared_param_bytes"]
+    sp = block[1]          # SP: the same bytes, plus replicated grads' sums, plus backward's
+    # re-gather of c_attn's and c_fc's input shards (2 all-gathers of B*T*C, (tp-1)/tp sent)
+    assert sp["regather_bytes"] == 2 * block[0]["btc_bytes"]
+    assert sp["bytes_sent"] == block[0]["bytes_sent"] + sp["shared_param_bytes"] + \
+        sp["regather_bytes"] // 2
     assert len(tagged_json(out, "REFUSALS")) == 6
 
 
@@ -132,7 +143,8 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
 def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process(mpi):
     """tp 4 (vocabulary 30 padded to 32), tp 2 x dp 2 (DDP over the mesh's dp group, rows by
     dp rank), tp 2 x dp 2 + sequence parallel + grad-accum 2, tp 4 + sequence parallel, and
-    tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 over dp 2; dropout 0.1 in every
+    tp 2 x ZeRO-1, -2 (+ sequence parallel, grad-accum 2), -3 (and + sequence parallel +
+    activation checkpointing) over dp 2; dropout 0.1 in every
     run (keyed masks: one process's); clipped every step (under ZeRO the replicated
     parameters' pieces of the gradient shards count once):
 
@@ -140,7 +152,8 @@ def test_four_ranks_tp4_and_tp2_x_dp2_ddp_or_zero_equal_one_process(mpi):
     """
     out = mpi(4, "tests/scripts/tp_check.py", timeout=180)
     _assert_exact(tagged_json(out, "RESULT"), ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
-                                         "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3"])
+                                         "tp2xdp2+zero1", "tp2xdp2+zero2+sp", "tp2xdp2+zero3",
+                                         "tp2xdp2+zero3+sp+ckpt"])
 
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

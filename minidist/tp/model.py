@@ -30,7 +30,6 @@ from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops
 from minidist.autograd.dropout_keys import DropoutSite
 from minidist.nn.moe import MoE
-from minidist.tp.gathered import gathered_linear
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm,
@@ -138,8 +137,8 @@ class TensorParallelGPT(GPT):
         vocabulary-split output layer: logits (B, T, V/tp) and the vocabulary-parallel loss."""
         self.block_hooks.before_root()                     # ZeRO-3: gather ln_f, wte
         x, wte = self.transformer.ln_f(x), self.transformer.wte
-        if self.region.sharded:                            # keeps ln_f's (B, T/tp, C) only
-            logits = gathered_linear(x, wte.weight.T, None, self.group)   # (B, T, V/tp)
+        if self.region.sharded:                            # region.linear: keeps the shard
+            logits = self.region.linear(x, wte.weight.T)   # (B, T, V/tp)
         else:
             x = self.region.enter(x)                       # (B, T, C) on every rank
             B, T, C = x.shape

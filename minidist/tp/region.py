@@ -163,11 +163,16 @@ class TensorParallelRegion:
     forward and says there whether this forward shards the sequence: the TP models pass
     `shard=is_grad_enabled()`, since sequence parallelism saves the activation memory of a
     forward that records a graph (training), while evaluation and sampling (no_grad, any
-    length) take the f/g path, same numbers."""
+    length) take the f/g path, same numbers.
+    `keep_gathered` (default False): the column layers' matmuls run as the naive pair,
+    all-gather then Linear, which keeps the gathered (B, T, C) for backward instead of
+    re-gathering the shard there (`linear`); the same numbers, kept to measure the memory
+    the re-gather saves (tests/scripts/tp_probes.py, examples/BENCHMARKS.md)."""
 
-    def __init__(self, group, sequence_parallel=False):
+    def __init__(self, group, sequence_parallel=False, keep_gathered=False):
         self.group, self.size, self.rank = group, group.size, group.rank
         self.sequence_parallel = bool(sequence_parallel) and group.size > 1
+        self.keep_gathered = keep_gathered
         self.sharded = False
 
     def begin(self, T, shard):
@@ -184,12 +189,13 @@ class TensorParallelRegion:
         return copy_to_tp(x, self.group)
 
     def linear(self, x, w, b=None):
-        """enter(x) @ w + b: a column-parallel layer's matmul. Sharded, gathered_linear
-        (minidist/tp/gathered.py) all-gathers x inside the op and keeps only the shard for
-        backward, re-gathering it there; otherwise f then F.linear."""
-        if self.sharded:
-            return gathered_linear(x, w, b, self.group)                 # (B, T, out/tp)
-        return F.linear(copy_to_tp(x, self.group), w, b)
+        """enter(x) @ w + b: a column-parallel layer's matmul, (B, T, out/tp). Sharded,
+        gathered_linear (minidist/tp/gathered.py) all-gathers x inside the op and keeps only
+        the shard for backward, re-gathering it there; otherwise (or keep_gathered) enter,
+        then F.linear."""
+        if self.sharded and not self.keep_gathered:
+            return gathered_linear(x, w, b, self.group)
+        return F.linear(self.enter(x), w, b)
 
     def leave(self, y):
         """(B, T, C) partial sums -> their sum: (B, T, C) replicated or (B, T/tp, C)."""

@@ -51,7 +51,9 @@ RUNS = {"tp2": [], "tp2+sp": ["--sequence-parallel"],
         "tp2xdp2+zero1": ["--dp", "2", "--zero", "1"],
         "tp2xdp2+zero2+sp": ["--dp", "2", "--zero", "2", "--sequence-parallel",
                              "--grad-accum", "2"],
-        "tp2xdp2+zero3": ["--dp", "2", "--zero", "3"]}
+        "tp2xdp2+zero3": ["--dp", "2", "--zero", "3"],
+        "tp2xdp2+zero3+sp+ckpt": ["--dp", "2", "--zero", "3", "--sequence-parallel",
+                                  "--ckpt-activations"]}
 
 
 def flags(name, *extra):
@@ -164,7 +166,8 @@ def check_files(strategy, model, opt, ref, args, tmp):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="default: tp2,tp2+sp,tp2+sp+ckpt (2 ranks)")
-    p.add_argument("--only", default=None, help="gradcheck | memory | traffic | refusals")
+    p.add_argument("--only", default=None,
+                   help="gradcheck | memory | activations | traffic | refusals")
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
@@ -178,7 +181,8 @@ def main():
         if comm.rank == 0:
             print(f"{tag} " + json.dumps(row), flush=True)
 
-    extras = ["gradcheck", "memory", "traffic", "refusals"] if comm.size == 2 else []
+    extras = ["gradcheck", "memory", "activations", "traffic", "refusals"] \
+        if comm.size == 2 else []
     for what in ([cli.only] if cli.only else extras):
         trace.reset_counters()
         for row in getattr(tp_probes, what)(comm, CONFIG, flags):
@@ -189,7 +193,7 @@ def main():
                                                  if comm.size == 2 else
                                                  ["tp4", "tp2xdp2", "tp2xdp2+sp", "tp4+sp",
                                                   "tp2xdp2+zero1", "tp2xdp2+zero2+sp",
-                                                  "tp2xdp2+zero3"])
+                                                  "tp2xdp2+zero3", "tp2xdp2+zero3+sp+ckpt"])
     refs = {}
     for name in runs:
         emit("RESULT", compare(name, refs, comm, cli.tol, tmp))

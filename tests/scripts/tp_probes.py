@@ -1,7 +1,10 @@
 """The checks tp_check.py runs besides exactness (2 ranks): each a generator of result rows.
 
-    gradcheck   central differences across ranks for every conjugate Function and for the
-                parallel layers built on them (float64)
+    gradcheck   central differences across ranks for every conjugate Function, for
+                gathered_linear and for the parallel layers built on them (float64)
+    activations the activation ledger of a sequence-parallel training forward with the
+                column layers' gathered inputs kept (keep_gathered) and re-gathered in
+                backward (the default): less by (2L + 1) B*T*C x itemsize; same gradients
     memory      per-rank bytes of every split parameter vs the full one: 1/tp
     traffic     bytes one block, and the whole model, sends per forward + backward on the tp
                 group (trace counters) vs the theory
@@ -13,7 +16,9 @@ import minidist.comm
 from minidist.autograd import Tensor, fused as F, no_grad
 from minidist.comm import DeviceMesh, trace
 from minidist.nn import GPT
+from minidist.strategy.memory import activation_bytes
 from minidist.tp import region as tpf
+from minidist.tp.gathered import gathered_linear
 from minidist.tp.region import TensorParallelRegion
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm, VocabShardLookup, vocab_parallel_cross_entropy)
@@ -85,9 +90,22 @@ def gradcheck(comm, config, flags):
               own(B, 2, C), "sharded", "sharded"),
              ("reduce_scatter_to_sequence", lambda t: tpf.reduce_scatter_to_sequence(t, g),
               own(B, T, C), "sharded", "sharded")]
+    cases += _gathered_cases(g, B, own)
     cases += _layer_cases(g, comm, B, T, own, same)
     for name, fn, x, inp, out in cases:
         yield dist_gradcheck(name, fn, x, comm, inp, out)
+
+
+def _gathered_cases(g, B, own):
+    """gathered_linear (tp/gathered.py), by its input shard, its weight and its bias: the
+    backward's re-gather, dX's reduce-scatter, both overlapped."""
+    x, w, b = own(B, 2, 4), own(4, 3), own(3)
+    return [("gathered_linear: input", lambda t: gathered_linear(t, Tensor(w), Tensor(b), g),
+             x, "sharded", "sharded"),
+            ("gathered_linear: weight", lambda t: gathered_linear(Tensor(x), t, Tensor(b), g),
+             w, "sharded", "sharded"),
+            ("gathered_linear: bias", lambda t: gathered_linear(Tensor(x), Tensor(w), t, g),
+             b, "sharded", "sharded")]
 
 
 def _layer_cases(g, comm, B, T, own, same):
@@ -153,6 +171,35 @@ def memory(comm, config, flags):
     for kind, (local, whole) in split.items():
         yield {"tp": tp, "rank": comm.rank, "params": kind, "local_bytes": local,
                "full_bytes": whole, "ratio": local / whole}
+
+
+def activations(comm, config, flags):
+    """Bytes the graph of one sequence-parallel training forward keeps on this rank
+    (minidist/strategy/memory.py), with the naive pair (keep_gathered: all-gather, then
+    Linear, which keeps the gathered (B, T, C)) and with gathered_linear (the shard only, as
+    the layer norm's output already is): each column layer's gathered input is gone, c_attn
+    and c_fc per block and the head once, (2L + 1) B*T*C x itemsize less; under
+    --ckpt-activations the blocks keep only their inputs anyway, so the head's alone. The
+    gradients are bitwise the same."""
+    g = DeviceMesh(dp=1, tp=comm.size).tp
+    B, T, C, L, s = 2, config.block_size, config.n_embd, config.n_layer, 8
+    idx = np.random.default_rng(SEED).integers(0, config.vocab_size, (B, T))
+    for ckpt in (False, True):
+        kept, grads = {}, {}
+        for keep in (True, False):
+            model = TensorParallelGPT(config, g, seed=SEED, dtype="float64",
+                                      sequence_parallel=True).set_checkpointing(ckpt)
+            model.region.keep_gathered = keep
+            loss = model(idx, np.roll(idx, -1, axis=1))[1]
+            kept[keep] = activation_bytes(loss, model.parameters())
+            loss.backward()
+            grads[keep] = {n: p.grad.copy() for n, p in model.named_parameters()}
+        assert all(np.array_equal(grads[True][n], grads[False][n]) for n in grads[True])
+        want = (1 + (0 if ckpt else 2 * L)) * B * T * C * s
+        assert kept[True] - kept[False] == want, (ckpt, kept, want)
+        yield {"tp": comm.size, "rank": comm.rank, "ckpt": ckpt, "layers": L,
+               "btc_bytes": B * T * C * s, "keep_gathered": kept[True],
+               "regather": kept[False], "drop": kept[True] - kept[False], "formula": want}
 
 
 def traffic(comm, config, flags):
