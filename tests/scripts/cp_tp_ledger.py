@@ -23,7 +23,9 @@ def step_tp_traffic(args, config, mesh, model):
     minidist/tp/README.md counts them on this rank's Tl = T/cp tokens: per block 4 of
     B*Tl*C (all-reduces; under SP all-gathers and as many reduce-scatters), 2 more for a
     recompute's forward, 2 for the embedding and the head; the cross-entropy's 3 numbers
-    per token; under SP each replicated parameter's gradient (f); the clip's one number."""
+    per token; under SP each replicated parameter's gradient (f), and backward's re-gather
+    of each column layer's input shard (tp/gathered.py: one more all-gather of B*Tl*C for
+    c_attn, c_fc and the head); the clip's one number."""
     tp, dp, cp, L = mesh.shape["tp"], mesh.shape["dp"], mesh.shape["cp"], config.n_layer
     s, mb = 8, args.grad_accum                                   # float64; micro-batches
     tokens = args.batch_size // dp // mb * config.block_size // cp
@@ -34,7 +36,8 @@ def step_tp_traffic(args, config, mesh, model):
         specs = gpt_param_specs(config)
         small += [int(np.prod(specs[n][0])) * s for n, p in model.named_parameters()
                   if p.tp_split is None] * mb
-    ops = {"all_gather": (pairs, pairs * btc), "reduce_scatter": (pairs, pairs * btc)} \
+    gathers = pairs + mb * (2 * L + 1)                           # + backward's re-gathers
+    ops = {"all_gather": (gathers, gathers * btc), "reduce_scatter": (pairs, pairs * btc)} \
         if args.sequence_parallel else {"all_reduce": (pairs, pairs * btc)}
     n, b = ops.get("all_reduce", (0, 0))
     ops["all_reduce"] = (n + len(small), b + sum(small))
