@@ -263,6 +263,20 @@ def test_tp_and_pipeline_steps_worked_by_hand():
     assert pp["step"] == pytest.approx(3 * (t_f + t_b))
 
 
+def test_sequence_parallel_comm_counts_the_regathers_worked_by_hand():
+    """TP2 + SP on TOY, b = 1, s = 2: act = 32 B, a reduce-scatter or an all-gather over 2
+    ranks 1/2 x 32 = 16 s. Forward: (2 layers x 2 + the embedding) x (16 + 16) = 160 s;
+    backward the same 160 s + each column layer's input re-gathered (c_attn, c_fc per layer,
+    the head: 5 x 16 = 80 s): 400 s, against TP2's 10 all-reduces of 32 s = 320 s. With full
+    recompute the blocks' forward pairs again (4 x 32) and the re-gathers once: 528 s."""
+    tp2 = Layout(tp=2, amp=False)
+    sp = step_time(TOY, replace(tp2, sp=True), UNIT, seq=2, global_batch=1)
+    assert sp["tp_cp"] == pytest.approx(160 + 160 + 80)
+    assert step_time(TOY, tp2, UNIT, seq=2, global_batch=1)["tp_cp"] == pytest.approx(320)
+    ckpt = step_time(TOY, replace(tp2, sp=True, recompute="full"), UNIT, seq=2, global_batch=1)
+    assert ckpt["tp_cp"] == pytest.approx(400 + 4 * 32)
+
+
 def test_replicated_elementwise_worked_by_hand():
     """TP2 without SP, TOY, b = 1, s = 2: act = 1 x 2 x 4 x 4 = 32 B; every rank repeats its
     norms and adds, so (1 - 1/2) x 32 = 16 x the per-byte seconds is added: forward 2 layers x
@@ -296,14 +310,14 @@ def test_sync_per_blocking_collective_worked_by_hand():
     """sync_s = 10 s per blocking collective. TP2 on TOY (2 layers, one stage): forward 2 x 2
     all-reduces + the embedding's + the loss's 2 = 7, backward 2 x 2 + the head's = 5: 120 s.
     SP: each all-reduce is a reduce-scatter and an all-gather, (4 + 1) x 2 + 2 = 12 forward,
-    5 x 2 = 10 backward: 220 s. CP2 (s/cp = 1): forward 2 layers x 1 hop, backward 2 x 3: 80 s.
+    5 x 2 = 10 backward, + the 4 column layers' and the head's re-gathers = 15: 270 s. CP2 (s/cp = 1): forward 2 layers x 1 hop, backward 2 x 3: 80 s.
     PP2 with TP2, 2 micro-batches: stage 1 (1 layer, the head: the slower) waits forward 2 + 2
     (the loss), backward 2 + 1 (the head's input) per micro-batch: 2 x 7 x 10 = 140 s."""
     unit = replace(UNIT, sync_s=10.0)
     tp2 = Layout(tp=2, amp=False)
     assert step_time(TOY, tp2, unit, seq=2, global_batch=1)["sync"] == pytest.approx(120)
     assert step_time(TOY, replace(tp2, sp=True), unit, seq=2, global_batch=1)[
-        "sync"] == pytest.approx(220)
+        "sync"] == pytest.approx(270)
     assert step_time(TOY, Layout(cp=2, amp=False), unit, seq=2, global_batch=1)[
         "sync"] == pytest.approx(80)
     pp = step_time(TOY, Layout(tp=2, pp=2, amp=False), unit, seq=2, global_batch=2,

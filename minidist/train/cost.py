@@ -20,6 +20,10 @@ work runs on s/t tokens and the division by t is right.
 Sync. Each blocking TP/CP collective (TP's all-reduces or SP's reduce-scatters and
 all-gathers, the vocabulary-parallel loss's two small all-reduces, CP's ring hops) also waits
 `Cluster.sync_s` for the ranks to arrive: measured here by bench_collectives.py --interleave.
+Under SP each column-parallel layer (c_attn, c_fc, the head) keeps only its input's shard and
+all-gathers it again in backward (minidist/tp/gathered.py): one more all-gather of b s h e per
+column layer each backward, counted in full (minidist starts it before dX's matmul, which may
+hide it; the model does not assume so) and as one more blocking collective.
 
 Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms and of its
 pairwise all-to-all, placed on the links a group spans by the mesh order
@@ -143,7 +147,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
 def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
     """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's ring of key
     and value blocks for one micro-batch on a stage; act = b (s/cp) h e bytes. A MoE block
-    (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP."""
+    (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP.
+    With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
     f = b = 0.0
     if layout.tp > 1:
         if layout.sp:
@@ -151,10 +156,13 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
                       for op in ("reduce_scatter", "all_gather"))
         else:
             one = collective_time(cluster, "all_reduce", act, layout, "tp", comm)
-        per = 2 * layers - moe
+        per = 2 * layers - moe                               # also the column layers
         redo = per if layout.recompute == "full" else 0
+        last = stage == layout.pp - 1
         f = (per + (stage == 0)) * one                       # + the vocab-parallel embedding
-        b = (per + redo + (stage == layout.pp - 1)) * one    # + the head's input
+        b = (per + redo + last) * one                        # + the head's input
+        if layout.sp:                                        # + the column layers' re-gathers
+            b += (per + last) * collective_time(cluster, "all_gather", act, layout, "tp")
     if layout.cp > 1:
         k, m = span(layout, "cp", cluster.gpus_per_node)
         hop = p2p_time(2 * act, cluster.intra if m == 1 else cluster.inter)   # K and V
@@ -166,16 +174,16 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
 
 def _blocking(layout, layers, stage, moe=0):
     """(forward, backward) counts of blocking TP/CP collectives of one micro-batch on a stage:
-    TP's all-reduces (SP: a reduce-scatter and an all-gather each; one fewer each way in a
-    MoE block), the vocabulary-parallel loss's two (max, sums: tp/layers.py) on the last
-    stage, CP's ring hops."""
+    TP's all-reduces (SP: a reduce-scatter and an all-gather each, and backward's re-gather
+    per column layer; one fewer each way in a MoE block), the vocabulary-parallel loss's two
+    (max, sums: tp/layers.py) on the last stage, CP's ring hops."""
     f = b = 0
     first, last = stage == 0, stage == layout.pp - 1
     if layout.tp > 1:
         per = 2 * layers - moe
         each, redo = (2 if layout.sp else 1), (per if layout.recompute == "full" else 0)
         f = (per + first) * each + 2 * last
-        b = (per + redo + last) * each
+        b = (per + redo + last) * each + (per + last if layout.sp else 0)
     if layout.cp > 1:
         redo = layout.cp - 1 if layout.recompute == "full" else 0
         f += layers * (layout.cp - 1)
