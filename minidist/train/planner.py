@@ -32,6 +32,12 @@ hidden size h, a heads, t = tp, with 16-bit activations and dropout, in bytes:
     sbh/t (34 + 5as/h)                 TP + sequence parallelism (SP)
     selective recompute drops the 5as/h term (attention scores recomputed); full recompute
     (minidist's --ckpt-activations) keeps only the layer input, 2sbh (/t with SP).
+    The SP line's /t on the QKV and fc inputs (and the head's) holds because the column
+    layers keep only their input's shard and all-gather it again in backward (Korthikanti
+    4.2.2; minidist/tp/gathered.py; measured by tests/scripts/tp_probes.py). Keeping the
+    gathered copies instead would add 2sbh e (1 - 1/t) per layer here (minidist's graph,
+    which holds the layer norm's output as well, kept 2sbh e more per layer until it used
+    gathered_linear); so the bill needs no term for them.
 The 34 and 5 are 16e + 2 and 2e + 1 for e = 2 bytes per value and 1-byte dropout masks;
 here e is 4 in float32, and without dropout the masks (and the dropped copy of the scores)
 go: 16e and e. Embedding and output layer: the dropout mask, the inputs of the final layer
