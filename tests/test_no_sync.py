@@ -165,6 +165,7 @@ STEP_MODULES = [
     "optim/flat_adamw.py", "optim/clip.py", "optim/optimizer.py", "optim/schedule.py",
     "optim/sgd.py", "strategy/base.py", "ddp/ddp.py", "ddp/strategy.py", "zero/zero.py",
     "zero/flat.py", "zero/optim.py", "zero/strategy.py", "tp/layers.py", "tp/region.py",
+    "tp/collectives.py", "tp/gathered.py",
     "tp/strategy.py", "tp/state.py", "tp/model.py", "pp/microbatches.py", "pp/schedule.py",
     "pp/stage.py", "pp/strategy.py", "pp/link.py", "cp/context.py", "cp/ring.py",
     "cp/strategy.py", "ep/exchange.py", "ep/optim.py", "ep/strategy.py", "nn/gpt.py",

@@ -119,6 +119,9 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
     assert max(files[k] for k in ("pretrained_diff", "ckpt_diff", "adam_diff",
                                   "reload_diff", "adam_reload_diff")) <= 1e-10
     checks = tagged_json(out, "GRADCHECK")
+    issued = checks.pop()                   # backward's re-gather and reduce-scatter: async
+    assert issued["issued"] == [["all_gather", False], ["all_gather", True],
+                                ["reduce_scatter", True]]
     assert len(checks) == 16 and all(c["max_abs_diff"] < 1e-6 for c in checks)
     assert [c["op"] for c in checks if "gathered_linear" in c["op"]] == \
         ["gathered_linear: input", "gathered_linear: weight", "gathered_linear: bias"]

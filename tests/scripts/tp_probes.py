@@ -1,7 +1,8 @@
 """The checks tp_check.py runs besides exactness (2 ranks): each a generator of result rows.
 
     gradcheck   central differences across ranks for every conjugate Function, for
-                gathered_linear and for the parallel layers built on them (float64)
+                gathered_linear and for the parallel layers built on them (float64);
+                gathered_linear's backward collectives started asynchronously
     activations the activation ledger of a sequence-parallel training forward with the
                 column layers' gathered inputs kept (keep_gathered) and re-gathered in
                 backward (the default): less by (2L + 1) B*T*C x itemsize; same gradients
@@ -94,6 +95,26 @@ def gradcheck(comm, config, flags):
     cases += _layer_cases(g, comm, B, T, own, same)
     for name, fn, x, inp, out in cases:
         yield dist_gradcheck(name, fn, x, comm, inp, out)
+    yield {"op": "gathered_linear: collectives", "rank": comm.rank,
+           "issued": _gathered_collectives(g, own(B, 2, 4), own(4, 3), own(3))}
+
+
+def _gathered_collectives(g, x, w, b):
+    """gathered_linear's collectives on the tp group, forward then backward, in issue order,
+    as (op, async): the forward's blocking all-gather; backward's re-gather and dX's
+    reduce-scatter both started on the communication thread (the computation in between
+    runs beside them). Traced (minidist/comm/trace.py), then the trace put back as it was."""
+    was_on, before = trace.enabled(), len(trace.events())
+    trace.enable()
+    x, w, b = (Tensor(a.copy(), requires_grad=True) for a in (x, w, b))
+    gathered_linear(x, w, b, g).sum().backward()
+    if not was_on:
+        trace.disable()
+    mine = sorted((e["seq"], e["op"], e["async"]) for e in trace.events()[before:]
+                  if e["group"] == g.name)
+    want = [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)]
+    assert [m[1:] for m in mine] == want, mine
+    return want
 
 
 def _gathered_cases(g, B, own):
