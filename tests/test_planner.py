@@ -310,7 +310,8 @@ def test_sync_per_blocking_collective_worked_by_hand():
     """sync_s = 10 s per blocking collective. TP2 on TOY (2 layers, one stage): forward 2 x 2
     all-reduces + the embedding's + the loss's 2 = 7, backward 2 x 2 + the head's = 5: 120 s.
     SP: each all-reduce is a reduce-scatter and an all-gather, (4 + 1) x 2 + 2 = 12 forward,
-    5 x 2 = 10 backward, + the 4 column layers' and the head's re-gathers = 15: 270 s. CP2 (s/cp = 1): forward 2 layers x 1 hop, backward 2 x 3: 80 s.
+    5 x 2 = 10 backward, + the 4 column layers' and the head's re-gathers = 15: 270 s.
+    CP2 (s/cp = 1): forward 2 layers x 1 hop, backward 2 x 3: 80 s.
     PP2 with TP2, 2 micro-batches: stage 1 (1 layer, the head: the slower) waits forward 2 + 2
     (the loss), backward 2 + 1 (the head's input) per micro-batch: 2 x 7 x 10 = 140 s."""
     unit = replace(UNIT, sync_s=10.0)
