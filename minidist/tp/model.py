@@ -7,7 +7,9 @@ A block split over 2 ranks (README: Tensor parallelism draws it with sequence pa
               -> ln_2 -> f -> c_fc cols (4C/tp) -> gelu -> c_proj rows -> g -> + b -> ... -> + x
 
 f = identity forward / all-reduce backward, g = all-reduce forward / identity backward
-(minidist/tp/region.py): 2 all-reduces of B*T*C per block forward, 2 backward.
+(minidist/tp/region.py): 2 all-reduces of B*T*C per block forward, 2 backward. Under sequence
+parallelism f's all-gather and the column matmul are one op keeping only the input's shard
+(minidist/tp/gathered.py), for c_attn, c_fc and the head.
 The embedding is split by vocabulary (g after the lookup) and the tied output layer uses the
 same shard (f before it), feeding a vocabulary-parallel cross-entropy.
 

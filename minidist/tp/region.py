@@ -20,7 +20,10 @@ then an all-gather). Plus the gather/scatter pair along the last axis (GatherFro
 ScatterToTP), used to gather the vocabulary-split logits for sampling.
 
 `TensorParallelRegion` holds the group and picks f/g or the sequence-parallel pair for each
-forward; `Split` says how one parameter is cut into per-rank shards and glued back.
+forward; under sequence parallelism its `linear` runs a column layer's matmul as one op with
+the all-gather inside, which keeps only the shard for backward (minidist/tp/gathered.py).
+`Split` says how one parameter is cut into per-rank shards and glued back. The collectives
+along an axis that these ops call: minidist/tp/collectives.py.
 The layers built on these: minidist/tp/layers.py; the model: minidist/tp/model.py.
 Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
 tests/scripts/tp_check.py --gradcheck).
