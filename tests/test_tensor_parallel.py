@@ -61,7 +61,7 @@ def _parse(*flags):
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "2"], "--dp 1 x --tp 2 = 2 ranks, but this job has 1 MPI process"),
     (["--tp", "2", "--dp", "3"], "--dp 3 x --tp 2 = 6 ranks, but this job has 4"),
-    (["--tp", "4", "--n-head", "6", "--n-embd", "24"], "n_head 6 is not divisible by tp 4"),
+    (["--tp", "4", "--n-head", "6", "--n-embd", "24"], "--n-head 6 is not divisible by --tp 4"),
     (["--tp", "2", "--sequence-parallel", "--block-size", "9"], "multiple of 2"),
 ])
 def test_make_strategy_refuses_bad_tp_sizes(flags, message):
@@ -215,7 +215,7 @@ def test_bad_tp_sizes_are_refused_on_every_rank(mpi):
     out = mpi(2, "examples/train_gpt.py", "--tp", "2", "--n-head", "3", "--n-embd", "15",
               timeout=60, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.count("n_head 3 is not divisible by tp 2") == 1
+    assert out.stderr.count("--n-head 3 is not divisible by --tp 2") == 1
     assert out.stderr.startswith("error: tensor parallelism: ")
 
 

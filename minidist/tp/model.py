@@ -38,15 +38,17 @@ from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 
-def check_tp_sizes(config, tp):
+def check_tp_sizes(config, tp, names=("n_head", "n_embd", "tp")):
     """Problems (a list of sentences) with splitting `config` over `tp` ranks; [] if none.
-    The vocabulary needs no check: it is padded to a multiple of tp."""
+    `names`: what the sentences call the head count, the width and tp (the command line
+    passes its flags). The vocabulary needs no check: it is padded to a multiple of tp."""
+    head, embd, ranks = names
     problems = []
     if config.n_head % tp:
-        problems.append(f"n_head {config.n_head} is not divisible by tp {tp} (each rank "
-                        f"computes n_head / tp whole attention heads)")
+        problems.append(f"{head} {config.n_head} is not divisible by {ranks} {tp} (each rank "
+                        f"computes {head} / {ranks} whole attention heads)")
     if config.n_embd % tp:
-        problems.append(f"n_embd {config.n_embd} is not divisible by tp {tp}")
+        problems.append(f"{embd} {config.n_embd} is not divisible by {ranks} {tp}")
     return problems
 
 

@@ -44,7 +44,7 @@ from minidist.zero.checkpoint import load_sharded, save_sharded
 def tp_problems(args):
     """Sentences saying what does not fit with --tp (checked on every rank alone, before any
     communication, by minidist/train/strategy.py check_layout)."""
-    problems = check_tp_sizes(args, args.tp)
+    problems = check_tp_sizes(args, args.tp, names=("--n-head", "--n-embd", "--tp"))
     if args.sequence_parallel and args.block_size % args.tp:
         problems.append(f"--sequence-parallel splits --block-size {args.block_size} over tp "
                         f"{args.tp} ranks: it must be a multiple of {args.tp}")

@@ -284,8 +284,8 @@ def _traffic(what, sp, tp, btc_bytes, L, counters, shared, ce_bytes=()):
 BAD = [(["--tp", "4"], "--dp 1 x --tp 4 = 4 ranks, but this job has 2 MPI process"),
        (["--tp", "2", "--dp", "2"], "--dp 2 x --tp 2 = 4 ranks, but this job has 2"),
        (["--tp", "2", "--n-head", "3", "--n-embd", "15"],
-        "n_head 3 is not divisible by tp 2"),
-       (["--tp", "2", "--n-head", "3", "--n-embd", "15"], "n_embd 15 is not divisible"),
+        "--n-head 3 is not divisible by --tp 2"),
+       (["--tp", "2", "--n-head", "3", "--n-embd", "15"], "--n-embd 15 is not divisible"),
        (["--tp", "2", "--sequence-parallel", "--block-size", "7"],
         "--block-size 7 over tp 2 ranks: it must be a multiple of 2"),
        (["--tp", "2", "--batch-size", "3", "--grad-accum", "2"], "--batch-size 3 does not split")]
