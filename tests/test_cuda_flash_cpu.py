@@ -66,15 +66,19 @@ def _site():
 def check_flash_dropout(dtype, shape=(2, 3, 37, 8), src=None, order="low", p=0.3):
     """The kernels with dropout p on the weights against flash.py's tiled attention with the
     same keyed site (float64): the same numbers decide every keep, computed in the kernels
-    by Philox; batch rows 5 and 2 of the global batch, a TP rank's heads."""
+    by Philox; batch rows 5 and 2 of the global batch, a TP rank's heads; at step 3, drawn
+    after the keys moved on to step 4 (the step read on the device: counter 4, lag 1)."""
     q, k, v, g = (rand(dtype, *shape, seed=s) for s in range(4))
     site = _site()
+    for _ in range(3):
+        site.keys.next_step()
     with site.keys.rows_of([5, 2][:shape[0]]):
         drop = flash.AttnDropout(p, site, shape[:-1] + shape[-2:-1])
-        y, lse, grads = kernel_attention(q, k, v, g, src, order, drop.kernel_args())
         ts = [Tensor(f64(a), requires_grad=True) for a in (q, k, v)]
         y_want = flash.tiled_attention(*ts, 5, p, site)
         (y_want * Tensor(f64(g))).sum().backward()
+        site.keys.next_step()
+        y, lse, grads = kernel_attention(q, k, v, g, src, order, drop.kernel_args(np))
     _, lse_want = flash.partial_attention(*(f64(a) for a in (q, k, v)), block=5)
     close(y.reshape(shape), y_want.data, dtype, "flash_fwd y (dropout)")
     close(lse.reshape(shape[:-1]), lse_want, "float32", "flash_fwd lse (dropout: undropped)")
@@ -109,7 +113,7 @@ def test_flash_backward_kernels_are_the_forward_kernels_gradient(p):
     the backward kernels' dq, dk, dv; with dropout 0.4 too (the same keeps both ways)."""
     q, k, v, R = (rand("float64", 1, 2, 6, 3, seed=s) for s in range(4))
     site = _site()
-    drop = flash.AttnDropout(p, site, (1, 2, 6, 6)).kernel_args() if p else None
+    drop = flash.AttnDropout(p, site, (1, 2, 6, 6)).kernel_args(np) if p else None
     _, _, grads = kernel_attention(q, k, v, R, dropout=drop)
     eps = 1e-6
     for which, grad in enumerate(grads):
@@ -128,6 +132,40 @@ def test_flash_backward_kernels_are_the_forward_kernels_gradient(p):
                                    err_msg="dqkv"[which:][:2])
 
 
+def test_replayed_flash_plans_draw_each_replays_masks():
+    """A captured graph's view, on the CPU: the forward and backward plans made once at
+    step 2 (arguments frozen: the counter array, the lag), then per "replay" the counter's
+    advance (next_step's device op) and the same plans: y and the gradients are flash.py's
+    at step 2 + replay, and differ from replay to replay."""
+    shape = (2, 3, 21, 8)
+    q, k, v, g = (rand("float64", *shape, seed=s) for s in range(4))
+    site = _site()
+    site.keys.next_step()
+    site.keys.next_step()
+    with site.keys.rows_of([5, 2]):
+        drop = flash.AttnDropout(0.3, site, shape[:-1] + shape[-2:-1]).kernel_args(np)
+        fwd, (y, lse) = ckn.flash_fwd_launch(np, q, k, v, drop)
+        cuda_cpu.run(fwd)
+        plans, grads = ckn.flash_bwd_launches(np, g, q, k, v, y, lse, drop)
+        last = None
+        for replay in range(1, 3):
+            site.keys.counter += 1                       # the captured next_step
+            for plan in [fwd] + plans:
+                cuda_cpu.run(plan)
+            want = DropoutSite(DropoutKeys(11), site.name, axis=1, parts=2, index=1)
+            for _ in range(2 + replay):
+                want.keys.next_step()
+            ts = [Tensor(a.copy(), requires_grad=True) for a in (q, k, v)]
+            with want.keys.rows_of([5, 2]):
+                y_want = flash.tiled_attention(*ts, 5, 0.3, want)
+            (y_want * Tensor(g)).sum().backward()
+            close(y.reshape(shape), y_want.data, "float64", f"y, replay {replay}")
+            for name, a, t in zip(("dq", "dk", "dv"), grads, ts):
+                close(a.reshape(shape), t.grad, "float64", f"{name}, replay {replay}")
+            assert last is None or np.abs(last - y).max() > 1e-2      # new masks
+            last = y.copy()
+
+
 def test_flash_plans_hand_each_kernel_its_declared_types():
     """As test_cuda_kernels.py does for the other kernels: T* arrays of the storage dtype,
     A of the accumulation dtype, long long int64, int int32, all contiguous; the grid covers
@@ -138,7 +176,12 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
         q = rand(dtype, 2, 3, 37, 8)
         plan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q)
         plans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse)
-        for p in [plan] + plans:
+        drop = flash.AttnDropout(0.1, _site(), (2, 3, 37, 37)).kernel_args(np)
+        dplan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q, drop)
+        dplans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse, drop)
+        for p in dplans[1:] + [dplan]:                # the step: the counter itself, a lag
+            assert p.args[-6] is drop[3][0] and p.args[-5] == 0
+        for p in [plan, dplan] + plans + dplans:
             params, args = cs.signature(p.name), ck.describe(p.args)
             assert cs.part_of(p.name) == "flash" and len(params) == len(args), p.name
             for (ctype, pointer), arg in zip(params, args):
@@ -181,6 +224,10 @@ BROKEN_DROPOUT = {   # name -> (old, new, occurrence) in the flash kernels' text
                                               0),
     "dropout reads batch row 0 for every row": ("drows[bh / nh], dstep", "drows[0], dstep", 0),
     "flash_bwd's ds without Z": ("pv * (dp * z - D[i])", "pv * (dp - D[i])", 0),
+    "flash_fwd's step from the counter's next slot": ("dcount[0] - dlag", "dcount[1] - dlag",
+                                                      0),
+    "flash_bwd_dkdv ignores the lag": ("dcount[0] - dlag", "dcount[0]", 1),
+    "flash_bwd_dq adds the lag": ("dcount[0] - dlag", "dcount[0] + dlag", 2),
 }
 
 

@@ -32,16 +32,36 @@ def counters():
     return blocks, rows
 
 
-def check_philox(src=None, order="low", seed=1234, step=9):
+def keys_at(step, seed=1234):
+    """Keys at `step`, reached by next_step as a run does (count == step)."""
     keys = DropoutKeys(seed)
-    keys.step = step
+    for _ in range(step):
+        keys.next_step()
+    return keys
+
+
+def kernel_numbers(keys, src=None, order="low"):
+    """keys.kernel_numbers through the CPU harness: the step read from the device counter."""
+    blocks, rows = counters()
+    run = functools.partial(cuda_cpu.run, source=src or cs.source("float32", "philox"),
+                            order=order)
+    return keys.kernel_numbers(SITE, blocks, rows, np, run)
+
+
+def check_philox(src=None, order="low", seed=1234, step=9):
+    """The kernel's numbers equal the xp code's at the live step, and at a snapshot two
+    steps back redrawn (the kernel takes counter - lag: a recompute, a pipeline's later
+    backward)."""
+    keys = keys_at(step, seed)
     blocks, rows = counters()
     want = keys.philox_numbers(SITE, blocks, rows, np)                      # the xp code
-    key = keys.philox_key(SITE)
-    plan, out = ckn.philox_uniforms_launch(np, blocks, rows, step, key)
-    out[...] = np.nan
-    cuda_cpu.run(plan, src or cs.source("float32", "philox"), order)
-    np.testing.assert_array_equal(out, want, err_msg="philox_uniforms")
+    np.testing.assert_array_equal(kernel_numbers(keys, src, order), want,
+                                  err_msg="philox_uniforms")
+    if step >= 2:
+        back = keys_at(step - 2, seed).philox_numbers(SITE, blocks, rows, np)
+        with keys.as_of((step - 2, None, None)):
+            np.testing.assert_array_equal(kernel_numbers(keys, src, order), back,
+                                          err_msg="philox_uniforms, a snapshot redrawn")
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -50,12 +70,37 @@ def test_philox_kernel_equals_the_xp_code_bit_for_bit(order):
     check_philox(order=order, seed=2 ** 40 + 5, step=0)              # a seed past 32 bits
 
 
+def test_a_replayed_launch_draws_each_replays_step():
+    """What a captured CUDA graph does, on the CPU: the plan is made once (its arguments
+    frozen, the counter among them), then each "replay" runs the counter's advance (the
+    device op next_step recorded) and the same plan: its numbers are those of the steps
+    after, though the host's step stayed; settle() catches the host up."""
+    keys = keys_at(5)
+    blocks, rows = counters()
+    runs = []
+    glue_run = runs.append                      # the glue's launch, kept to replay it
+    keys.kernel_numbers(SITE, blocks, rows, np, glue_run)
+    (plan,) = runs
+    out = plan.args[2]
+    for replay in range(1, 4):
+        keys.counter += 1                       # the captured next_step's device op
+        cuda_cpu.run(plan, cs.source("float32", "philox"))
+        want = keys_at(5 + replay).philox_numbers(SITE, blocks, rows, np)
+        np.testing.assert_array_equal(out, want, err_msg=f"replay {replay}")
+    assert keys.step == keys.count == 5
+    keys.settle()
+    assert keys.step == keys.count == 8 and keys.counter[0] == 8
+
+
 BROKEN = {   # name -> (old, new, occurrence) in the "philox" part's source
     "one key bump forgotten": ("k1 += 0xBB67AE85u;", "", 0),
     "the high block word dropped": ("(unsigned int)(b >> 32), (unsigned int)rows[i]",
                                     "0u, (unsigned int)rows[i]", 0),
     "the words in reverse": ("unit24(c[j])", "unit24(c[3 - j])", 0),
     "nine rounds": ("r < 10", "r < 9", 0),
+    "the step from the counter's next slot": ("count[0] - lag", "count[1] - lag", 0),
+    "the lag added": ("count[0] - lag", "count[0] + lag", 0),
+    "the lag ignored": ("count[0] - lag", "count[0]", 0),
 }
 
 
@@ -69,7 +114,10 @@ def test_broken_philox_kernel_fails(name):
 
 def test_philox_plan_hands_the_kernel_its_declared_types():
     blocks, rows = counters()
-    plan, out = ckn.philox_uniforms_launch(np, blocks, rows, 3, (1, 2))
+    counter, lag = keys_at(3).device_step(np)
+    assert counter.dtype == np.int64 and counter.shape == (1,) and lag == 0
+    plan, out = ckn.philox_uniforms_launch(np, blocks, rows, (counter, lag), (1, 2))
+    assert plan.args[4] is counter                 # the counter itself: read when it runs
     want = {"long long": "int64", "float": "float32"}
     params, args = cs.signature(plan.name), ck.describe(plan.args)
     assert cs.part_of(plan.name) == "philox" and len(params) == len(args)

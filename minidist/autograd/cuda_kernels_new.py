@@ -30,6 +30,14 @@ def use_new(*arrays):
     return use(*arrays) and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
 
 
+def new_on(xp):
+    """The new kernels are on for arrays of the module xp: cupy, MINIDIST_CUDA_KERNELS not
+    "0", MINIDIST_CUDA_NEW_KERNELS=1 (dropout's integer counters, which use() does not take:
+    it asks for a floating dtype)."""
+    return (xp.__name__ == "cupy" and os.environ.get("MINIDIST_CUDA_KERNELS", "1") != "0"
+            and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1")
+
+
 # ---- tiled (flash) attention ----------------------------------------------------------------
 
 def flash_ok(q):
@@ -43,17 +51,20 @@ def _heads(xp, a):
 
 
 def dropout_args(xp, acc, dropout):
-    """The flash kernels' last eight arguments: (drows, nh, h0, dstep, dk0, dk1, dprob,
+    """The flash kernels' last nine arguments: (drows, nh, h0, dcount, dlag, dk0, dk1, dprob,
     dscale) from `dropout` = (rows (B,) global batch rows, nh heads here, h0 the first of them
-    in the whole model, step, (k0, k1) the site's Philox key, p) (flash.py's
-    AttnDropout.kernel_args), or none drawn (None: dprob 0, drows one unused value)."""
+    in the whole model, (count, lag): the step, count[0] - lag, read on the device, (k0, k1)
+    the site's Philox key, p) (flash.py's AttnDropout.kernel_args), or none drawn (None:
+    dprob 0; drows and dcount one unused value)."""
     if dropout is None:
-        return (xp.zeros(1, xp.int64),) + tuple(np.int64(v) for v in (1, 0, 0, 0, 0)) + (
-            np.float32(0), acc.type(1))
-    rows, nh, h0, step, key, p = dropout
+        unused = xp.zeros(1, xp.int64)
+        return (unused, np.int64(1), np.int64(0), unused) + tuple(
+            np.int64(0) for _ in range(3)) + (np.float32(0), acc.type(1))
+    rows, nh, h0, (count, lag), key, p = dropout
     rows = xp.ascontiguousarray(xp.asarray(rows), dtype=xp.int64)
-    return (rows,) + tuple(np.int64(v) for v in (nh, h0, step, key[0], key[1])) + (
-        np.float32(p), acc.type(1.0 / (1.0 - p)))
+    count = xp.ascontiguousarray(count, dtype=xp.int64)
+    return (rows, np.int64(nh), np.int64(h0), count) + tuple(
+        np.int64(v) for v in (lag, key[0], key[1])) + (np.float32(p), acc.type(1.0 / (1.0 - p)))
 
 
 def flash_fwd_launch(xp, q, k, v, dropout=None):
@@ -242,17 +253,21 @@ def cross_entropy_padded_backward(xp, run, grad, saved, V, ignore_index):
 
 def philox_uniforms_launch(xp, blocks, rows, step, key):
     """The plan and out (n, 4) float32 of DropoutKeys' numbers (minidist/autograd/
-    dropout_keys.py): counters (blocks[i], rows[i], step), int64 arrays of n, key (k0, k1)."""
+    dropout_keys.py): counters (blocks[i], rows[i], step), int64 arrays of n, key (k0, k1);
+    step = (count, lag): count[0] - lag, read on the device (DropoutKeys.device_step)."""
     blocks, rows = (xp.ascontiguousarray(a, dtype=xp.int64) for a in (blocks, rows))
+    count, lag = step
+    count = xp.ascontiguousarray(count, dtype=xp.int64)
     n = blocks.size
     out = xp.empty((n, 4), dtype=xp.float32)
-    args = (blocks, rows, out, np.int64(n), np.int64(step), np.int64(key[0]),
+    args = (blocks, rows, out, np.int64(n), count, np.int64(lag), np.int64(key[0]),
             np.int64(key[1]))
     return Launch("philox_uniforms", "float32", *flat_grid(n), args), out
 
 
-def philox_uniforms(blocks, rows, step, key):
-    """On the GPU: philox_uniforms_launch's numbers, one launch."""
-    plan, out = philox_uniforms_launch(sys.modules["cupy"], blocks, rows, step, key)
-    launch(plan)
+def philox_uniforms(xp, run, blocks, rows, step, key):
+    """philox_uniforms_launch's numbers, one launch: `run` executes the plan (`launch` on the
+    GPU; the tests run the same glue on numpy through the CPU harness)."""
+    plan, out = philox_uniforms_launch(xp, blocks, rows, step, key)
+    run(plan)
     return out

@@ -18,7 +18,10 @@ Dropout on the weights (flash.py's AttnDropout; dprob > 0): each weight's keep i
 dropout_keys.py's Philox number at its place in the whole row (batch-head bh is batch row
 drows[bh / nh], head h0 + bh % nh of the whole model's heads), computed where the weight is:
 the forward's online softmax sums the undropped p and accumulates p Z v (Z = keep / (1 - p));
-the backward's tile takes ds = p (Z g v^T - D) and dv from p Z. No mask is stored.
+the backward's tile takes ds = p (Z g v^T - D) and dv from p Z. No mask is stored. The
+step is read on the device, dcount[0] - dlag (DropoutKeys.device_step: the count of steps,
+advanced there, less how far the forward being redrawn lies behind it), so a captured CUDA
+graph draws each replay's own masks.
 dq and dk/dv are two kernels (the scores recomputed in each) so no block adds into
 another's rows: no atomics, and the same sums in the same order on every run.
 They were written and proven on the CPU (tests/test_cuda_flash_cpu.py) and have not run on a
@@ -55,8 +58,10 @@ __device__ void load_tile(A* dst, const T* src, long long r0, int rows, long lon
 
 extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A* lse,
                                      long long T_, int hs, A scale, const long long* drows,
-                                     long long nh, long long h0, long long dstep,
-                                     long long dk0, long long dk1, float dprob, A dscale) {
+                                     long long nh, long long h0, const long long* dcount,
+                                     long long dlag, long long dk0, long long dk1, float dprob,
+                                     A dscale) {
+    const long long dstep = dprob > 0 ? dcount[0] - dlag : 0;     // the masks' step
     __shared__ A qs[FT * HS_MAX], ks[FT * HS_MAX], vs[FT * HS_MAX], acc[FT * HS_MAX];
     __shared__ A s[FT][FT + 1], m[FT], l[FT], alpha[FT];
     long long head = blockIdx.y * T_ * hs, r0 = (long long)blockIdx.x * FT;
@@ -149,8 +154,10 @@ extern "C" __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, co
                                           const A* lse, const A* D, T* dk, T* dv,
                                           long long T_, int hs, A scale,
                                           const long long* drows, long long nh, long long h0,
-                                          long long dstep, long long dk0, long long dk1,
-                                          float dprob, A dscale) {
+                                          const long long* dcount, long long dlag,
+                                          long long dk0, long long dk1, float dprob,
+                                          A dscale) {
+    const long long dstep = dprob > 0 ? dcount[0] - dlag : 0;     // the masks' step
     __shared__ A ks[BT * HS_MAX], vs[BT * HS_MAX], dks[BT * HS_MAX], dvs[BT * HS_MAX];
     __shared__ A qs[BT * HS_MAX], gs[BT * HS_MAX], p[BT][BT + 1], ds[BT][BT + 1];
     long long head = blockIdx.y * T_ * hs, c0 = (long long)blockIdx.x * BT;
@@ -187,8 +194,10 @@ extern "C" __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, co
 extern "C" __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* g,
                                         const A* lse, const A* D, T* dq, long long T_,
                                         int hs, A scale, const long long* drows,
-                                        long long nh, long long h0, long long dstep,
-                                        long long dk0, long long dk1, float dprob, A dscale) {
+                                        long long nh, long long h0, const long long* dcount,
+                                        long long dlag, long long dk0, long long dk1,
+                                        float dprob, A dscale) {
+    const long long dstep = dprob > 0 ? dcount[0] - dlag : 0;     // the masks' step
     __shared__ A qs[BT * HS_MAX], gs[BT * HS_MAX], dqs[BT * HS_MAX];
     __shared__ A ks[BT * HS_MAX], vs[BT * HS_MAX], p[BT][BT + 1], ds[BT][BT + 1];
     long long head = blockIdx.y * T_ * hs, r0 = (long long)blockIdx.x * BT;

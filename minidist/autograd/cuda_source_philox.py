@@ -4,7 +4,9 @@ the xp code's ~100 elementwise ones (ten rounds of ten array ops):
 
     philox_uniforms   out (n, 4) float: for counter i, Philox4x32-10 of (blocks[i] low 32
                       bits, blocks[i] high 32 bits, rows[i], step) under key (k0, k1), each
-                      of the four words' top 24 bits times 2**-24
+                      of the four words' top 24 bits times 2**-24; step = count[0] - lag,
+                      read on the device (DropoutKeys.device_step: a captured CUDA graph
+                      replays the launch, and each replay reads the count as advanced)
 
 One thread per counter, grid-stride. `PHILOX_DEVICE` (the rounds, and one number of a row)
 is shared with the flash kernels' dropout. Proven on the CPU bit for bit against the xp code
@@ -51,8 +53,9 @@ __device__ __forceinline__ float philox_number(long long flat, long long row, lo
 
 PHILOX = r"""
 extern "C" __global__ void philox_uniforms(const long long* blocks, const long long* rows,
-                                           float* out, long long n, long long step,
-                                           long long k0, long long k1) {
+                                           float* out, long long n, const long long* count,
+                                           long long lag, long long k0, long long k1) {
+    const long long step = count[0] - lag;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         unsigned long long b = (unsigned long long)blocks[i];

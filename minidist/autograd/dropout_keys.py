@@ -30,6 +30,23 @@ micro-batch: minidist/pp/microbatches.py). A forward outside train_step, in trai
 draws new masks each call, as a generator would (GPT.forward advances the step there).
 The state in checkpoints is the step alone. On a GPU the counters are built and hashed on
 the device (the same xp lines): no mask crosses the host link.
+
+The step on the device (cupy with MINIDIST_CUDA_NEW_KERNELS=1, where the Philox and flash
+kernels draw): a captured CUDA graph (examples/bench_step.py --cuda-graph) replays every
+launch with the arguments it was captured with, so the kernels read the step through a
+pointer. `count` is how many next_step calls the host has made (restore leaves it alone:
+it is the live step, `step` the one drawn for, a snapshot's while a recompute redraws);
+`counter` holds the count on the device, made from `count` at a kernel's first draw
+(`device_step`), and next_step advances both, the device one by a device op, which a
+capture records. A kernel draws for step counter[0] - (count - step). The rule: in stream
+order the counter equals `count` as the host saw it at each launch, eager or captured; a
+replay advances the counter alone, so after replays the host's count and step are behind
+by the replays less one (the capture ran nothing) until `settle()` reads the counter back
+(one host read; state_dict does, so a checkpoint holds the true step). The rows, bases and
+columns the kernels read are uploaded once per distinct content and kept (`on_device`):
+the same each step, they are found there, and a step uploads nothing, which a capture
+could not hold. On the CPU none of this runs: the numbers, and the numpy path, are as
+before.
 Tests: tests/test_dropout_keys.py; every strategy's exactness with --dropout.
 """
 import contextlib
@@ -39,9 +56,11 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import cuda_kernels_new as _ckn
+from minidist.autograd.cuda_kernels import launch
 from minidist.autograd.philox import MASK32, philox4x32, to_unit_float32
 
 HOST_CHUNK = 1 << 14    # counters hashed at a time on the host (cache-sized; a GPU takes all)
+MAX_UPLOADS = 1024      # on_device's kept arrays: cleared past this (a run needs a few dozen)
 
 
 class DropoutKeys:
@@ -52,10 +71,47 @@ class DropoutKeys:
     def __init__(self, seed):
         self.seed, self.step, self.rows = int(seed), 0, None
         self.positions = None       # context parallelism: (this rank's positions, whole T)
+        self.count = 0              # next_step calls (the live step; restore leaves it)
+        self.counter = None         # the count on the device, once a kernel draws
+        self._uploads = {}          # on_device's: (module, shape, bytes) -> device array
 
     def next_step(self):
-        """New masks from here on (once per optimizer step, or per forward outside one)."""
+        """New masks from here on (once per optimizer step, or per forward outside one); the
+        device counter advances too (a device op: a captured graph's replays run it)."""
         self.step += 1
+        self.count += 1
+        if self.counter is not None:
+            self.counter += 1
+
+    def device_step(self, xp):
+        """(counter, lag) for a kernel: it draws for step counter[0] - lag, i.e. `step`.
+        counter: (1,) int64 on xp holding the count (made here from it on first use: call
+        it outside a capture, as the warm-up's eager steps do); lag: count - step (0 but
+        while a snapshot older than the last next_step is redrawn)."""
+        if self.counter is None or backend.xp_of(self.counter) is not xp:
+            self.counter = xp.asarray(np.array([self.count], dtype=np.int64))
+        return self.counter, self.count - self.step
+
+    def settle(self):
+        """Catch the host's count and step up with the device counter (one host read; none
+        without a counter): a replayed graph advanced the counter alone."""
+        if self.counter is None:
+            return
+        now = int(backend.host_read(self.counter, "dropout step (settle)")[0])
+        self.step += now - self.count
+        self.count = now
+
+    def on_device(self, a, xp):
+        """Host ints `a` as an int64 array on xp, uploaded once per distinct content and
+        kept (MAX_UPLOADS): a step's rows, bases and columns are the same every step, so
+        after the first they are found here and the step uploads nothing."""
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        key = (xp.__name__, a.shape, a.tobytes())
+        if key not in self._uploads:
+            if len(self._uploads) >= MAX_UPLOADS:
+                self._uploads.clear()
+            self._uploads[key] = xp.asarray(a)
+        return self._uploads[key]
 
     @contextlib.contextmanager
     def rows_of(self, rows):
@@ -100,11 +156,14 @@ class DropoutKeys:
             self.restore(now)
 
     def state_dict(self):
-        """What a checkpoint keeps: the step (the seed is the run's)."""
+        """What a checkpoint keeps: the step (the seed is the run's), settled first."""
+        self.settle()
         return {"step": self.step}
 
     def load_state_dict(self, state):
-        self.step = int(state["step"])
+        self.step = self.count = int(state["step"])
+        if self.counter is not None:
+            self.counter.fill(self.count)       # a device op: no upload
 
     def numbers(self, name, rows, base, cols, xp=np):
         """Site `name`'s float32 numbers in [0, 1) at this step: out[..., j] is the number
@@ -118,10 +177,11 @@ class DropoutKeys:
         S, L = np.broadcast_shapes(rows.shape, base.shape), len(cols)
         whole = (L and L % 4 == 0 and cols[0] % 4 == 0 and not (base % 4).any()
                  and np.array_equal(cols, cols[0] + np.arange(L)))
-        firsts = backend.to_device(cols[::4] if whole else cols, xp)
+        up = self.on_device if _ckn.new_on(xp) else backend.to_device    # kept: kernels
+        firsts = up(cols[::4] if whole else cols, xp)
         shape = S + (len(firsts),)                                        # L, or L/4
-        flat = xp.broadcast_to(backend.to_device(base, xp)[..., None] + firsts, shape).ravel()
-        row = xp.broadcast_to(backend.to_device(rows, xp)[..., None], shape).ravel()
+        flat = xp.broadcast_to(up(base, xp)[..., None] + firsts, shape).ravel()
+        row = xp.broadcast_to(up(rows, xp)[..., None], shape).ravel()
         u = self.philox_numbers(name, flat >> 2, row, xp)                   # (n, 4)
         if whole:
             return u.reshape(S + (L,))
@@ -136,10 +196,11 @@ class DropoutKeys:
         """(n, 4) float32: Philox's four words for counters (blocks[i] low and high halves,
         rows[i], step) under this site's key, as numbers in [0, 1); hashed HOST_CHUNK
         counters at a time on the host (the arrays stay in cache), all at once on a
-        device (one kernel, cuda_source_philox.py, where the new kernels are on)."""
+        device (one kernel, cuda_source_philox.py, where the new kernels are on: the step
+        read on the device, kernel_numbers)."""
+        if _ckn.new_on(xp):                      # cupy, MINIDIST_CUDA_NEW_KERNELS=1
+            return self.kernel_numbers(name, blocks, rows, xp, launch)       # one launch
         key = self.philox_key(name)
-        if _ckn.use_new(blocks):                 # cupy, MINIDIST_CUDA_NEW_KERNELS=1
-            return _ckn.philox_uniforms(blocks, rows, self.step, key)   # one launch
         n = blocks.size
         out = xp.empty((n, 4), dtype=xp.float32)
         chunk = HOST_CHUNK if xp is np else max(n, 1)
@@ -150,6 +211,14 @@ class DropoutKeys:
             for j, w in enumerate(philox4x32(counter, key, xp)):
                 out[lo:lo + chunk, j] = to_unit_float32(w, xp)
         return out
+
+
+    def kernel_numbers(self, name, blocks, rows, xp, run):
+        """philox_numbers by the Philox kernel (cuda_source_philox.py), the step read on the
+        device (device_step); `run` executes the plan (the GPU's launch, or the CPU harness
+        on numpy in tests/test_cuda_philox_cpu.py)."""
+        return _ckn.philox_uniforms(xp, run, blocks, rows, self.device_step(xp),
+                                    self.philox_key(name))
 
 
 class DropoutSite:

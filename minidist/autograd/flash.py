@@ -110,16 +110,18 @@ class AttnDropout:
         self.p, self.site, self.shape = p, site, tuple(shape)
         self.state = site.keys.snapshot()
 
-    def kernel_args(self):
-        """What the flash kernels draw with (cuda_kernels_new.dropout_args): the batch's
-        global rows, the local heads, the first of them in the whole model, the step, the
-        site's Philox key, p; as of the forward."""
+    def kernel_args(self, xp):
+        """What the flash kernels draw with (cuda_kernels_new.dropout_args), as of the
+        forward: the batch's global rows (kept on xp: DropoutKeys.on_device), the local
+        heads, the first of them in the whole model, the step as (counter, lag) read on the
+        device (DropoutKeys.device_step: a captured graph's replays draw their own masks),
+        the site's Philox key, p."""
         keys = self.site.keys
         with keys.as_of(self.state):
             if keys.positions is not None:
                 raise ValueError("the flash kernels take whole sequences, not cp's pieces")
-            rows = self.site.rows(self.shape[0])
-            return (rows, self.shape[1], self.site.start(self.shape, 1), keys.step,
+            rows = keys.on_device(self.site.rows(self.shape[0]), xp)
+            return (rows, self.shape[1], self.site.start(self.shape, 1), keys.device_step(xp),
                     keys.philox_key(self.site.name), self.p)
 
     def tile(self, q0, q1, k0, k1, xp, dtype):
@@ -212,7 +214,7 @@ def _forward(q, k, v, block, out, dropout=None):
     """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
     returns lse (B, nh, T). The CUDA kernels compute dropout's numbers themselves."""
     if _kernels_ok(q, k, v):
-        drop = None if dropout is None else dropout.kernel_args()
+        drop = None if dropout is None else dropout.kernel_args(xp_of(q))
         out[...], lse = _ck.flash_attention(q, k, v, drop)
         return lse
     y, lse = partial_attention(q, k, v, 0, 0, block, dropout=dropout)
@@ -224,7 +226,7 @@ def _backward(g, q, k, v, y, lse, block, out, dropout=None):
     """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
     probabilities (and dropout numbers) are recomputed; nothing (T, T) is ever held."""
     if _kernels_ok(q, k, v, g, y):
-        drop = None if dropout is None else dropout.kernel_args()
+        drop = None if dropout is None else dropout.kernel_args(xp_of(q))
         out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse,
                                                                              drop)
         return
