@@ -14,12 +14,16 @@ device -> host reads one more step makes through backend.host_read (minidist/tra
 "The host reads of a step"): 0, or 1 under --amp.
 --vocab-multiple M pads the vocabulary (wte rows, the head's matmul) to a multiple of M.
 --peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
+"dropout_step" (--dropout > 0): the step the last masks were drawn for (the keys settled).
 --cuda-graph (--device cuda, --amp, MINIDIST_CUDA_NEW_KERNELS=1): after the --warmup eager
 steps, one step is captured as a CUDA graph and every timed step replays it (`captured`):
 the Python and launch cost of ~1,500 kernels goes, the GPU work stays. The same batch and
 learning rate every step, and --amp's verdict and step count on the device, make a replay
 the step an eager run would take, so its "loss" must equal the eager run's (a check of the
-capture, beside the speed). Not yet run on a GPU.
+capture, beside the speed). With --dropout the masks' step is on the device too (a counter
+each replay advances, which the Philox and flash kernels read: minidist/autograd/
+dropout_keys.py, "The step on the device"), so each replay draws its own step's masks.
+Not yet run on a GPU.
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
@@ -51,8 +55,9 @@ def graph_refusal(args, device):
     """Why --cuda-graph cannot capture this step (one line), or None. A graph replays every
     kernel with the arguments it was captured with: a host read inside the step cannot be
     captured, and a number the host changes each step would be frozen. --amp with the new
-    kernels keeps its verdict and AdamW's step count on the device; float32 AdamW's step
-    count (its bias correction) is a host number."""
+    kernels keeps its verdict and AdamW's step count on the device, and dropout's step
+    (the kernels read it there); float32 AdamW's step count (its bias correction) is a host
+    number."""
     if not args.cuda_graph:
         return None
     if device != "cuda":
@@ -60,9 +65,6 @@ def graph_refusal(args, device):
     if not args.amp or os.environ.get("MINIDIST_CUDA_NEW_KERNELS") != "1":
         return ("--cuda-graph needs --amp with MINIDIST_CUDA_NEW_KERNELS=1 (the step count "
                 "and overflow verdict on the device); without them a graph would freeze them")
-    if args.dropout > 0:
-        return ("--cuda-graph needs --dropout 0 (the masks' step is a host integer, which a "
-                "captured graph would freeze)")
     return None
 
 
@@ -144,6 +146,16 @@ def host_reads_per_step(one_step):
     return sum(backend.host_reads().values()) - before
 
 
+def dropout_step(model, dropout):
+    """The step dropout's masks were last drawn for, read back from the device counter
+    (DropoutKeys.settle: replays advanced it alone); None without dropout. An eager run and
+    its captured twin must agree (tests/gpu_speed.sh, tests/test_cuda_graph.py)."""
+    if not dropout:
+        return None
+    model.dropout_keys.settle()
+    return model.dropout_keys.step
+
+
 def main():
     p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--vocab-size", type=int, default=256)
@@ -216,7 +228,8 @@ def main():
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
     extra = {"kernels_per_step": kernels_per_step(step),
-             "host_reads_per_step": host_reads_per_step(step), "cuda_graph": args.cuda_graph}
+             "host_reads_per_step": host_reads_per_step(step), "cuda_graph": args.cuda_graph,
+             "dropout_step": dropout_step(model, args.dropout)}
     if args.peak_tflops:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),

@@ -2,10 +2,12 @@
 
 On the CPU: which steps it refuses to capture, and why (`graph_refusal`: a graph freezes every
 kernel argument, so the step may neither read the device nor hand a kernel a number the host
-changes each step), the one-line error, and that a multi-tensor address table is never made
-on numpy under the capture guard. On a GPU (python -m pytest -m gpu --device cuda
-tests/test_cuda_graph.py): the replayed run's loss equals the eager run's after the same
-steps, with no host read per step, and a table made during a capture is refused.
+changes each step; dropout is captured, its step on the device), the one-line error, and
+that a multi-tensor address table is never made on numpy under the capture guard. On a GPU
+(python -m pytest -m gpu --device cuda tests/test_cuda_graph.py): the replayed run's loss
+equals the eager run's after the same steps, with no host read per step, with dropout too
+(replay after replay, each step's masks its own), and a table made during a capture is
+refused.
 """
 import argparse
 import importlib.util
@@ -45,7 +47,7 @@ def test_graph_refusals_name_what_a_graph_would_freeze(monkeypatch):
     assert "needs --device cuda" in refusal(flags(), "cpu")
     assert refusal(flags(), "cuda") is None
     assert "--amp with MINIDIST_CUDA_NEW_KERNELS=1" in refusal(flags(amp=False), "cuda")
-    assert "--dropout 0" in refusal(flags(dropout=0.1), "cuda")
+    assert refusal(flags(dropout=0.1), "cuda") is None      # the masks' step on the device
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "0")
     assert "would freeze them" in refusal(flags(), "cuda")
 
@@ -93,6 +95,66 @@ def test_gpu_a_replayed_step_is_the_eager_step(device):
     assert eager["host_reads_per_step"] == 0          # the --amp verdict on the device
     assert np.isfinite(graph["loss"]) and graph["loss"] == pytest.approx(eager["loss"],
                                                                        rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_a_replayed_step_with_dropout_is_the_eager_step(device):
+    """bench_step with --dropout 0.1: the graph run's last loss and the step its masks were
+    drawn for (read back from the device counter) are the eager run's."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    eager, graph = bench_row("--dropout", "0.1"), bench_row("--dropout", "0.1", "--cuda-graph")
+    assert graph["host_reads_per_step"] == 0 and graph["dropout_step"] == eager["dropout_step"]
+    assert np.isfinite(graph["loss"]) and graph["loss"] == pytest.approx(eager["loss"],
+                                                                       rel=1e-3)
+
+
+def amp_gpt_step(dropout, seed=0):
+    """(one_step, keys) of bench_step's step on cupy: a 2-layer GPT under --amp (bfloat16),
+    FlatAdamW, a fixed batch; one_step returns the loss Tensor."""
+    from minidist import backend
+    from minidist.nn import GPT, GPTConfig
+    from minidist.optim import FlatAdamW
+    from minidist.train.amp import MixedPrecision
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64,
+                       dropout=dropout, attention="tiled", vocab_multiple=64)
+    model = GPT(config, seed=seed, dtype="float32")
+    amp = MixedPrecision(dtype="bfloat16")
+    amp.cast_model(model)
+    opt = amp.optimizer(model.named_parameters(), lambda named: FlatAdamW(named, lr=1e-3))
+    r = np.random.default_rng(seed)
+    x, y = (backend.to_device(r.integers(0, 64, (4, 16))) for _ in range(2))
+
+    def one_step():
+        _, loss = model(x, y)
+        amp.backward(loss)
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return one_step, model.dropout_keys
+
+
+@pytest.mark.gpu
+def test_gpu_each_replay_with_dropout_is_its_eager_step(device, monkeypatch):
+    """A captured step with dropout 0.1 (tiled attention: the flash kernels' masks, the
+    Philox kernel's on the residual sites), replay after replay, against an eager twin:
+    the same loss each step (float32 tolerance, 1e-4 relative: the same kernels on the same
+    numbers), losses that move (new masks and weights every step), and the keys settled
+    at the eager twin's step."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    steps = 14                     # the warm-up takes 2 to 10 eager steps: 4 replays or more
+    eager_step, eager_keys = amp_gpt_step(0.1)
+    eager = [float(eager_step().item()) for _ in range(steps)]
+    graph_step, graph_keys = amp_gpt_step(0.1)
+    replay, done = bench_module().captured(graph_step, 2, steps)
+    replays = [float(replay().item()) for _ in range(steps - done)]    # steps done+1 ..
+    assert replays == pytest.approx(eager[done:], rel=1e-4), (done, replays, eager)
+    assert len(set(replays)) == len(replays) >= 4
+    graph_keys.settle()
+    assert graph_keys.step == eager_keys.step == steps
 
 
 @pytest.mark.gpu
