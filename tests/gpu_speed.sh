@@ -14,8 +14,10 @@
 # bf16 (--amp), bf16_new (MINIDIST_CUDA_NEW_KERNELS=1: the parts proven on the CPU only, the
 # batched GEMMs through cuBLAS among them),
 # bf16_new_tiled (the same with --attention tiled), on a GPU bf16_new_graph (bf16_new's step
-# captured as a CUDA graph and replayed: its loss must equal bf16_new's), and bf16_new_drop
-# (bf16_new with --dropout 0.1: what dropout costs there). Peer runs: torch_eager_bf16,
+# captured as a CUDA graph and replayed: its loss must equal bf16_new's), bf16_new_drop
+# (bf16_new with --dropout 0.1: what dropout costs there) and on a GPU bf16_new_drop_graph
+# (bf16_new_drop's step captured: the masks' step on the device, each replay its own; its loss
+# and last dropout step must be bf16_new_drop's). Peer runs: torch_eager_bf16,
 # torch_eager_tf32, torch_compile_bf16 (skipped when TORCH_REF is missing or torch is not there).
 # Environment: DEVICE (cuda), DRY (0), LOGS (speed-logs/<time>), LIMIT (seconds per run, 300),
 # BUDGET (seconds in all, unset: tests/scripts/gpu_common.sh), TORCH_REF
@@ -62,6 +64,10 @@ fi
 # dropout's cost on the device (Philox numbers computed there: one kernel per residual site
 # and step, inside the flash kernels for the attention weights): the lowest priority, last
 run bf16_new_drop bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP --dropout 0.1
+if [ "$DEVICE" = cuda ]; then     # a CUDA graph with dropout: bf16_new_drop's loss and step
+    run bf16_new_drop_graph bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP \
+        --dropout 0.1 --cuda-graph
+fi
 
 "$PY" tests/scripts/acceptance.py speed "$RESULTS" > "$LOGS/speed.json"
 status=$?

@@ -107,12 +107,27 @@ def test_speed_checks_that_the_graph_run_trains_as_the_eager_one(tmp_path):
     eager = {"check": "bf16_new", "ok": True, "tokens_per_s": 9e4, "loss": 7.25}
     same = {"check": "bf16_new_graph", "ok": True, "tokens_per_s": 1e5, "loss": 7.25}
     rc, out = _speed(tmp_path, [eager, same])
-    assert rc == 0 and out["graph"]["ok"] and out["graph"]["rel_diff"] == 0
+    graph = out["graphs"]["bf16_new_graph"]
+    assert rc == 0 and graph["ok"] and graph["rel_diff"] == 0
+    assert out["graphs"]["bf16_new_drop_graph"] is None
     rc, out = _speed(tmp_path, [eager, dict(same, loss=7.5)])       # a wrong capture
-    assert rc == 1 and not out["graph"]["ok"]
-    assert out["failed"] == ["bf16_new_graph (its loss is not bf16_new's)"]
+    assert rc == 1 and not out["graphs"]["bf16_new_graph"]["ok"]
+    assert out["failed"] == ["bf16_new_graph (its loss or dropout step is not bf16_new's)"]
     rc, out = _speed(tmp_path, [eager])                              # no graph run (CPU)
-    assert rc == 0 and out["graph"] is None
+    assert rc == 0 and out["graphs"]["bf16_new_graph"] is None
+
+
+def test_speed_checks_that_the_dropout_graph_draws_the_eager_steps(tmp_path):
+    """bf16_new_drop_graph against bf16_new_drop: the loss, and the step the masks were last
+    drawn for (a counter a replay failed to advance would leave it behind)."""
+    eager = {"check": "bf16_new_drop", "ok": True, "tokens_per_s": 9e4, "loss": 7.25,
+             "dropout_step": 15}
+    same = dict(eager, check="bf16_new_drop_graph")
+    rc, out = _speed(tmp_path, [eager, same])
+    assert rc == 0 and out["graphs"]["bf16_new_drop_graph"]["ok"]
+    rc, out = _speed(tmp_path, [eager, dict(same, dropout_step=5)])
+    assert rc == 1 and out["failed"] == [
+        "bf16_new_drop_graph (its loss or dropout step is not bf16_new_drop's)"]
 
 
 def _speed_script(tmp_path, **env):

@@ -107,29 +107,35 @@ def speed(rows):
             "meets_targets": (None if ratio is None or kernels is None else
                               ratio >= TARGET_RATIO and kernels <= TARGET_KERNELS)}
     failed = [r["check"] for r in runs if not r["ok"]]
-    graph = graph_check(runs)
-    if graph is not None and not graph["ok"]:
-        failed.append(f"{GRAPH_RUN} (its loss is not {GRAPH_EAGER}'s)")
+    graphs = {run: graph_check(runs, run, eager) for run, eager in GRAPH_PAIRS}
+    failed += [f"{run} (its loss or dropout step is not {eager}'s)" for run, eager in GRAPH_PAIRS
+               if graphs[run] is not None and not graphs[run]["ok"]]
     return {"check": "speed", "ok": bool(runs) and not failed, "failed": failed,
-            "peer": PEER_RUN if peer else None, "runs": table, "graph": graph}
+            "peer": PEER_RUN if peer else None, "runs": table, "graphs": graphs}
 
 
-GRAPH_RUN, GRAPH_EAGER, GRAPH_TOL = "bf16_new_graph", "bf16_new", 1e-3
+# (captured run, its eager twin): tests/gpu_speed.sh's CUDA graph runs, without and with
+# dropout (the masks' step on the device: each replay must draw its own step's masks)
+GRAPH_PAIRS = (("bf16_new_graph", "bf16_new"), ("bf16_new_drop_graph", "bf16_new_drop"))
+GRAPH_TOL = 1e-3
 
 
-def graph_check(runs):
-    """A replayed CUDA graph must train as the eager steps do: GRAPH_RUN's loss after the
+def graph_check(runs, graph_run, eager_run):
+    """A replayed CUDA graph must train as the eager steps do: graph_run's loss after the
     same steps as its eager twin's, to GRAPH_TOL (both deterministic: equal bits expected,
-    unless cuBLAS picks other algorithms under capture). None when either did not run ok."""
+    unless cuBLAS picks other algorithms under capture), and with dropout the same step
+    drawn last ("dropout_step", read back from the device). None when either did not run
+    ok."""
     by = {r["check"]: r for r in runs if r["ok"]}
-    if GRAPH_RUN not in by or GRAPH_EAGER not in by:
+    if graph_run not in by or eager_run not in by:
         return None
-    a, b = by[GRAPH_RUN].get("loss"), by[GRAPH_EAGER].get("loss")
+    a, b = by[graph_run].get("loss"), by[eager_run].get("loss")
     if a is None or b is None:
         return None
     diff = abs(a / b - 1)
+    steps = by[graph_run].get("dropout_step"), by[eager_run].get("dropout_step")
     return {"loss": a, "eager_loss": b, "rel_diff": diff, "tol": GRAPH_TOL,
-            "ok": diff <= GRAPH_TOL}
+            "dropout_steps": steps, "ok": diff <= GRAPH_TOL and steps[0] == steps[1]}
 
 
 def main(argv):
