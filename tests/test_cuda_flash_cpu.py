@@ -2,8 +2,10 @@
 (tests/cuda_cpu.py) against flash.py's xp code in float64: forward y and lse, backward dq,
 dk, dv, in float16, bfloat16, float32 and float64, both thread orders, without and with
 dropout on the weights (the kernels' Philox numbers = the keyed site's); a central-difference
-check of the kernels' own gradients in float64 (with dropout too); broken variants (each
-__syncthreads dropped in turn, an off-by-one tile or mask, five dropout defects) that must
+check of the kernels' own gradients in float64 (with dropout too); the dropout step read
+on the device (a forward's masks drawn after a later next_step: counter less lag; plans made
+once and re-run as the counter advances, a CUDA graph's replays); broken variants (each
+__syncthreads dropped in turn, an off-by-one tile or mask, eight dropout defects) that must
 fail; and the launch plans' argument types.
 Run: python -m pytest -q tests/test_cuda_flash_cpu.py   (skips without a C++ compiler)
 """

@@ -1,8 +1,10 @@
 """Dropout's Philox kernel (minidist/autograd/cuda_source_philox.py) RUN on the CPU
 (tests/cuda_cpu.py) against the xp code DropoutKeys runs on the host: bit for bit, on
-whole-block and single-number columns, counters past 2**32 blocks, both thread orders;
-broken variants that must fail; the plan's argument types; nvcc compiles it where
-installed.
+whole-block and single-number columns, counters past 2**32 blocks, both thread orders; the
+step read on the device (the keys' counter less the lag: live, a snapshot redrawn, and a
+plan made once and re-run as the counter advances, what a CUDA graph's replays do);
+broken variants that must fail (the step from the wrong slot, the lag ignored or added
+among them); the plan's argument types; nvcc compiles it where installed.
 Run: python -m pytest -q tests/test_cuda_philox_cpu.py   (skips without a C++ compiler)
 """
 import functools

@@ -47,7 +47,8 @@ columns the kernels read are uploaded once per distinct content and kept (`on_de
 the same each step, they are found there, and a step uploads nothing, which a capture
 could not hold. On the CPU none of this runs: the numbers, and the numpy path, are as
 before.
-Tests: tests/test_dropout_keys.py; every strategy's exactness with --dropout.
+Tests: tests/test_dropout_keys.py; every strategy's exactness with --dropout; the step on the
+device: tests/test_dropout_device_step.py, tests/test_cuda_philox_cpu.py.
 """
 import contextlib
 import zlib
@@ -211,7 +212,6 @@ class DropoutKeys:
             for j, w in enumerate(philox4x32(counter, key, xp)):
                 out[lo:lo + chunk, j] = to_unit_float32(w, xp)
         return out
-
 
     def kernel_numbers(self, name, blocks, rows, xp, run):
         """philox_numbers by the Philox kernel (cuda_source_philox.py), the step read on the
