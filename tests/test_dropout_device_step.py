@@ -3,7 +3,9 @@ device"): what a CUDA graph with dropout rests on, checked on the CPU.
 
 The keys' counter advancing once per next_step, the lag of a redrawn snapshot, settle()
 after "replays" (the counter advanced alone), the state_dict/load round trip keeping the
-counter's array, the uploads kept per content; then whole GPT training steps on numpy
+counter's array, the uploads kept per content; every kind of site's numbers (whole, a TP
+slice, single-word columns, cp positions, MoE places) by the kernel path; then whole GPT
+training steps on numpy
 with the kernel path turned on for numpy (the Philox kernel run by the CPU harness,
 tests/cuda_cpu.py, for every dropout site): the same losses and parameters as the host
 path bit for bit, with --ckpt-activations (a recompute redraws through a snapshot) and a
@@ -86,6 +88,32 @@ def kernel_path(monkeypatch):
         pytest.skip(cuda_cpu.reason_unavailable())
     monkeypatch.setattr(ckn, "new_on", lambda xp: True)
     monkeypatch.setattr(dropout_keys, "launch", cuda_cpu.run)
+
+
+def test_sites_drawn_by_the_kernel_path_are_the_host_paths(request):
+    """DropoutSite's numbers through the kernel path (kept uploads, the Philox kernel on the
+    CPU) equal the host's bit for bit: a whole tensor, a tensor-parallel slice, a tile whose
+    columns are not whole Philox blocks (each number its own word), cp's scattered
+    positions, MoE's places (`at`)."""
+    from minidist.autograd.dropout_keys import DropoutSite
+
+    def draws():
+        keys = DropoutKeys(9)
+        keys.next_step()
+        whole, tp = DropoutSite(keys, "a"), DropoutSite(keys, "a", axis=1, parts=2, index=1)
+        cp = DropoutSite(keys, "b", seq_axis=1)
+        with keys.rows_of([4, 1, 6]):
+            out = [whole.random((3, 5, 8)), tp.random((3, 2, 7, 7)),
+                   whole.block((3, 2, 9, 9), [np.arange(2), np.arange(1, 6), np.arange(3, 8)]),
+                   whole.at(3, [2, 0], np.array([[0], [12]]), np.arange(5))]
+            with keys.positions_of([0, 1, 6, 7], 8):
+                out.append(cp.random((3, 4, 8)))
+        return out
+    want = draws()
+    request.getfixturevalue("kernel_path")
+    for a, b in zip(draws(), want):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
 
 
 def run_steps(ckpt, attention, steps=3):
