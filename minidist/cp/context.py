@@ -24,8 +24,11 @@ Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py, tests/test_cp_
 """
 import contextlib
 
+import numpy as np
+
 from minidist.autograd.flash import DEFAULT_BLOCK
 from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
+from minidist.nn.gpt import moe_loss
 
 
 class RingContext:
@@ -47,9 +50,13 @@ class RingContext:
         with self.part(model, idx.shape[1]) as pos:               # (Tl,) global positions
             idx = idx[:, pos]                                     # (B, Tl)
             targets = None if targets is None else targets[:, pos]
+            router_losses = []                                    # MoE blocks': one each
             x = model.embed(idx, pos)                             # (B, Tl, C)
-            x = model.run_blocks(x)                               # (B, Tl, C)
-            return model.head(x, targets)                         # (B, Tl, V), loss
+            x = model.run_blocks(x, router_losses)                # (B, Tl, C)
+            logits, loss = model.head(x, targets)                 # (B, Tl, V), loss
+            if loss is not None and router_losses:                # whole-sequence losses,
+                loss = loss + moe_loss(router_losses)             # (minidist/nn/moe_split.py)
+            return logits, loss
 
     @contextlib.contextmanager
     def part(self, model, T):
@@ -69,6 +76,12 @@ class RingContext:
         finally:
             self.layouts = None
 
+    def all_positions(self):
+        """Every cp rank's global positions of the sequence in hand, (cp, T/cp) host ints in
+        rank order (an MoE layer routes over the whole sequence: minidist/nn/moe_split.py)."""
+        return np.stack([np.concatenate([np.arange(s, s + n) for s, n in pieces])
+                         for pieces in self.layouts])
+
     def snapshot(self):
         """This sequence's layouts (None outside a forward): what activation recompute
         (--ckpt-activations, minidist/autograd/recompute.py) saves with each block, so that
@@ -87,5 +100,9 @@ class RingContext:
 
 
 def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK):
-    """Give `model` and each of its attention layers one RingContext over `group`."""
-    return model.set_context(RingContext(group, split, block))
+    """Give `model`, each of its attention layers and each of its MoE layers (which route
+    over the whole sequence: minidist/nn/moe_split.py) one RingContext over `group`."""
+    context = RingContext(group, split, block)
+    for m in model.moe_layers():
+        m.context = context
+    return model.set_context(context)

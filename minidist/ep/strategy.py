@@ -57,15 +57,12 @@ from minidist.tp.state import unscaled_sum_sq
 
 
 def moe_problems(args):
-    """Sentences saying what does not combine with --moe-experts, on one process or many."""
+    """Sentences saying what does not combine with --moe-experts, on one process or many
+    (under --sequence-parallel and --cp an MoE layer routes over the whole sequence:
+    minidist/nn/moe_split.py)."""
     if not args.moe_experts:
         return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
-    problems = []
-    for flag, on in (("--cp", args.cp > 1),
-                     ("--sequence-parallel", args.sequence_parallel)):  # routes per sequence
-        if on:
-            problems.append(f"--moe-experts does not combine with {flag} (not built)")
-    return problems
+    return []
 
 
 def ep_problems(args):
@@ -82,10 +79,12 @@ def ep_problems(args):
 
 def expert_groups(mesh, ep):
     """(ep group, edp group) out of the mesh's dp group, the dense group D = dp x ep: the ep
-    ranks that split the experts, and the dp replicas of this rank's experts. Collective."""
-    d = mesh.dp_rank                                          # in the dense group, 0 .. dp ep-1
+    ranks that split the experts, and the replicas of this rank's experts: the dp ranks of
+    its ep rank, times the cp ranks under --cp (each runs the experts on its own part of the
+    sequences), out of mesh.dpcp (dp x ep x cp). Collective."""
+    d, c, cp = mesh.dp_rank, mesh.cp_rank, mesh.shape["cp"]  # d: 0 .. dp ep-1
     return (mesh.dp.split(d // ep, key=d % ep, name="ep"),
-            mesh.dp.split(d % ep, key=d // ep, name="edp"))
+            mesh.dpcp.split(d % ep, key=c + cp * (d // ep), name="edp"))
 
 
 class ExpertParallel(ModelParallel):

@@ -38,25 +38,29 @@ from minidist import backend
 from minidist.autograd import Function, Tensor
 from minidist.autograd import fused as F
 from minidist.autograd.indexing import concat, scatter_add_rows, where
+from minidist.autograd.fusions import bias_gelu
 from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module, ModuleDict
+from minidist.nn.moe_split import choice_dtype, sequence_parts
 
 
 # ---- routing: which token goes to which expert (host numpy, no gradient) -------------------
 
 class Routing:
-    """The kept assignments, sorted by (expert, token, slot): token (M,), expert (M,),
-    slot (M,); counts (E,) kept per expert; chosen (B, E) assignments per sequence before
-    dropping."""
+    """The kept assignments of this rank's tokens, sorted by (expert, token, slot): token (M,),
+    expert (M,), slot (M,); counts (E,) kept per expert; chosen (B, E) assignments per WHOLE
+    sequence before dropping; assigned: this rank's assignments before dropping (N k);
+    positions (T,): the places of this rank's T tokens in sequences of length `length`."""
 
-    def __init__(self, token, expert, slot, counts, chosen):
+    def __init__(self, token, expert, slot, counts, chosen, assigned, positions, length):
         self.token, self.expert, self.slot = token, expert, slot
-        self.counts, self.chosen = counts, chosen
+        self.counts, self.chosen, self.assigned = counts, chosen, assigned
+        self.positions, self.length = positions, length
 
     @property
     def dropped(self):
-        """Assignments dropped for lack of capacity."""
-        return int(self.chosen.sum() - self.counts.sum())
+        """This rank's assignments dropped for lack of capacity."""
+        return int(self.assigned - self.counts.sum())
 
 
 def capacity(T, E, k, factor):
@@ -64,22 +68,31 @@ def capacity(T, E, k, factor):
     return T if factor <= 0 else min(T, math.ceil(factor * k * T / E))
 
 
-def route(probs, k, cap, T):
+def route(probs, k, cap, T, parts=None):
     """probs (N, E) host array, N = B T -> Routing (top-k, then capacity `cap` per sequence
-    and expert, GShard's priority: slot-major, token-minor)."""
+    and expert, GShard's priority: slot-major, token-minor). `parts` (moe_split.py): the T
+    tokens here are some positions of longer sequences; the choices of the others are
+    gathered so that the priority runs over the whole sequence, as in one process."""
     N, E = probs.shape
     B = N // T
-    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]             # (N, k)
-    choice = top.reshape(B, T, k).transpose(0, 2, 1).reshape(B, k * T)  # (B, kT) priority order
-    onehot = choice[..., None] == np.arange(E)                          # (B, kT, E)
-    seen = np.take_along_axis(onehot.cumsum(axis=1), choice[..., None], axis=2)[..., 0]
-    keep = seen <= cap                                                  # (B, kT): within cap
-    b, a = np.nonzero(keep)                                             # sequence, assignment
-    slot, t = np.divmod(a, T)
-    token, expert = b * T + t, choice[b, a]
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k].reshape(B, T, k)
+    top = top.astype(choice_dtype(E))                                  # (B, T, k) expert ids
+    whole = top if parts is None else parts.gather(top)                # (B, Tg, k)
+    Tg = whole.shape[1]
+    choice = whole.transpose(0, 2, 1).reshape(B, k * Tg)               # priority order
+    onehot = choice[..., None] == np.arange(E)                          # (B, kTg, E)
+    seen = np.take_along_axis(onehot.cumsum(axis=1), choice[..., None].astype(np.int64),
+                              axis=2)[..., 0]
+    keep = (seen <= cap).reshape(B, k, Tg)                              # within cap
+    if parts is not None:
+        keep = keep[:, :, parts.mine]                                   # (B, k, T) mine
+    b, slot, t = np.nonzero(keep)                                       # sequence, slot, token
+    token, expert = b * T + t, top[b, t, slot].astype(np.int64)
     order = np.lexsort((slot, token, expert))                           # by expert, token, slot
     counts = np.bincount(expert, minlength=E)
-    return Routing(token[order], expert[order], slot[order], counts, onehot.sum(axis=1))
+    mine = np.arange(T) if parts is None else parts.mine
+    return Routing(token[order], expert[order], slot[order], counts, onehot.sum(axis=1),
+                   N * k, mine, Tg)
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -104,22 +117,32 @@ class IndexAddRows(Function):
 def load_balancing_loss(probs, chosen, T, k):
     """Switch's auxiliary loss, per sequence, averaged: probs (N, E) Tensor, chosen (B, E)."""
     B, E = chosen.shape
-    P = probs.reshape(B, T, E).mean(axis=1)                             # (B, E)
-    f = Tensor(backend.to_device(chosen / (k * T), backend.xp_of(probs.data)).astype(
-        probs.dtype))                                                   # (B, E) constant
-    return (P * f).sum() * (E / B)
+    return balance_from_sums(probs.reshape(B, T, E).sum(axis=1), chosen, T, k)
 
 
-def expert_dropout(y, routing, rng, p, shape):
+def balance_from_sums(psum, chosen, T, k):
+    """load_balancing_loss from psum (B, E) Tensor, each sequence's router probabilities summed
+    over its T tokens (P = psum / T): what a rank holding part of the sequence gets from the
+    sums of every part (moe_split.py)."""
+    B, E = chosen.shape
+    f = Tensor(backend.to_device(chosen / (k * T), backend.xp_of(psum.data)).astype(
+        psum.dtype))                                                    # (B, E) constant
+    return (psum * f).sum() * (E / (B * T))
+
+
+def expert_dropout(y, routing, rng, p, shape, parts=None):
     """Dropout on the experts' outputs y (M, C), rows sorted by expert as `routing`'s. Row b
     of the batch has (E, T, C) numbers (`shape`: this forward's (B, T, C); `rng`: the GPT's
     DropoutSite, whose numbers are keyed by the row's place in the global batch), of which
     assignment (token n = (b, t), expert e) keeps [e, t, :], computed for the assignments
     alone. A mask thus depends on the token's place in the global batch and its expert, not
     on which rank runs the expert or in what order. Survivors are scaled by 1/(1-p), as
-    ops.dropout's."""
+    ops.dropout's. `parts` (moe_split.py): this rank's T tokens are the positions parts.mine
+    of sequences of parts.T, whose places in the row they take."""
     B, T, C = shape
     b, t = np.divmod(routing.token, T)                                  # (M,) each
+    if parts is not None:
+        t, T = parts.mine[t], parts.T                                   # global positions
     base = (np.asarray(routing.expert) * T + t) * C                     # [e, t, 0] in the row
     numbers = rng.at(B, b, base, np.arange(C), backend.xp_of(y.data))   # (M, C)
     return where(numbers >= p, y * (1.0 / (1.0 - p)), 0.0)
@@ -127,9 +150,14 @@ def expert_dropout(y, routing, rng, p, shape):
 
 def router_z_loss(logits):
     """Mean over tokens of logsumexp(logits)^2: logits (N, E) Tensor -> scalar Tensor."""
+    return z_sum(logits) * (1.0 / logits.shape[0])
+
+
+def z_sum(logits):
+    """Sum over tokens of logsumexp(logits)^2: logits (N, E) Tensor -> scalar Tensor."""
     m = logits.data.max(axis=-1, keepdims=True)                         # (N, 1) a constant
     lse = (logits - m).exp().sum(axis=-1).log() + m[:, 0]               # (N,)
-    return (lse * lse).mean()
+    return (lse * lse).sum()
 
 
 # ---- the layer ------------------------------------------------------------------------------
@@ -139,6 +167,8 @@ class MoE(Module):
     router; the MLP of a MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc /
     c_proj (e global). `dropout`: the experts' (expert_dropout), its rng set by GPT."""
     exchange = None     # expert parallelism's ExpertExchange (minidist/ep/exchange.py), or None
+    region = None       # tensor parallelism's TensorParallelRegion (set by TensorParallelGPT)
+    context = None      # context parallelism's RingContext (set by minidist/cp/context.py)
 
     def __init__(self, config, make_expert, dtype="float32"):
         super().__init__()
@@ -164,16 +194,17 @@ class MoE(Module):
     def forward(self, x):                                               # (B, T, C)
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)                                        # (N, C)
-        logits = self.router(x2)                                        # (N, E)
+        parts = sequence_parts(self.region, self.context, T)    # SP / CP: moe_split.py
+        logits = F.linear(x2, self.shared(self.router.weight))          # (N, E)
         probs = F.softmax(logits, axis=-1)                              # (N, E)
-        cap = capacity(T, self.n_experts, self.top_k, self.capacity_factor)
+        Tg = T if parts is None else parts.T                            # the whole sequence
+        cap = capacity(Tg, self.n_experts, self.top_k, self.capacity_factor)
         # the one host read of an MoE layer's forward: the routing decides the shapes (tokens
         # per expert), which the host needs to slice, launch and exchange (a GPU-side routing
         # with fixed-capacity buffers would remove it: minidist/train/README.md)
-        r = route(backend.host_read(probs.data, "moe routing"), self.top_k, cap, T)
+        r = route(backend.host_read(probs.data, "moe routing"), self.top_k, cap, T, parts)
         self.routing = r
-        self.aux_loss = load_balancing_loss(probs, r.chosen, T, self.top_k)
-        self.z_loss = router_z_loss(logits)
+        self.aux_loss, self.z_loss = self.losses(probs, logits, r.chosen, parts)
         xp = backend.xp_of(x.data)
         token, expert = xp.asarray(r.token), xp.asarray(r.expert)
         gate = probs[token, expert].reshape(-1, 1)                      # (M, 1)
@@ -183,9 +214,26 @@ class MoE(Module):
         else:     # all-to-all to the experts' ranks, run_experts there, all-to-all back
             y = self.exchange.run(xin, r.counts, self.run_experts)      # (M, C)
         if self.training and self.dropout.p > 0:
-            y = expert_dropout(y, r, self.dropout.rng, self.dropout.p, (B, T, C))
+            y = expert_dropout(y, r, self.dropout.rng, self.dropout.p, (B, T, C), parts)
         out = IndexAddRows.apply(y * gate, token, B * T)                # (N, C)
         return out.reshape(B, T, C)
+
+    def losses(self, probs, logits, chosen, parts):
+        """(load-balancing loss, z-loss) of this forward, from each sequence's sums over its
+        tokens; with `parts` the sums over every rank's tokens (one all-reduce: moe_split.py),
+        so both are one process's on every rank."""
+        B, E = chosen.shape
+        T = probs.shape[0] // B
+        psum, zsum = probs.reshape(B, T, E).sum(axis=1), z_sum(logits)  # (B, E), ()
+        if parts is not None:
+            both = parts.total(concat([psum.reshape(B * E), zsum.reshape(1)], axis=0))
+            psum, zsum, T = both[:B * E].reshape(B, E), both[B * E], parts.T
+        return balance_from_sums(psum, chosen, T, self.top_k), zsum * (1.0 / (B * T))
+
+    def shared(self, p):
+        """A replicated parameter as the layer uses it on this rank's tokens: under sequence
+        parallelism through the tp region's `shared` (its gradient summed over tp)."""
+        return p if self.region is None else self.region.shared(p)
 
     def router_loss(self):
         """What this layer adds to the model's loss, from its last forward: aux_coef x the
@@ -198,9 +246,16 @@ class MoE(Module):
         (M, C). Every expert runs, on 0 rows too, so each gets a (zero) gradient."""
         parts, lo = [], 0
         for e, n in zip(self.local, counts):
-            parts.append(getattr(self.experts, str(e))(xin[lo:lo + int(n)]))   # (n, C)
+            parts.append(self.run_expert(getattr(self.experts, str(e)), xin[lo:lo + int(n)]))
             lo += int(n)
         return parts[0] if len(parts) == 1 else concat(parts, axis=0)
+
+    def run_expert(self, mlp, x):
+        """block.py's MLP forward, gelu(x W_fc + b_fc) W_proj + b_proj (its dropout is 0), on
+        x (n, C), each parameter passed through `shared` (sequence parallelism)."""
+        fc, proj, s = mlp.c_fc, mlp.c_proj, self.shared
+        h = bias_gelu(F.linear(x, s(fc.weight)), None if fc.bias is None else s(fc.bias))
+        return F.linear(h, s(proj.weight), None if proj.bias is None else s(proj.bias))
 
 
 def moe_layers_by_block(model):

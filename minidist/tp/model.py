@@ -91,6 +91,8 @@ class TensorParallelGPT(GPT):
         self.group = group
         self.region = TensorParallelRegion(group, sequence_parallel)
         super().__init__(config, seed, dtype, TensorParallelLayers(config, self.region, dtype))
+        for m in self.moe_layers():         # under SP an MoE layer routes over the whole
+            m.region = self.region          # sequence (minidist/nn/moe_split.py)
 
     def init_parameters(self, seed, dtype):
         """This rank's shard of each of gpt_init's full arrays, one parameter at a time."""

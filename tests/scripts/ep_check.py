@@ -105,6 +105,23 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
         "ep2xpp2xdp2+zero1": ["--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
         "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
+# a sequence split over ranks (minidist/nn/moe_split.py): sequence parallelism, context
+# parallelism (zig-zag, naive), both; routing and losses over the whole sequence
+SPLIT = {"ep1xtp2+sp": ["--tp", "2", "--sequence-parallel"],
+         "ep1xtp2+sp+drop": ["--tp", "2", "--sequence-parallel", "--dropout", "0.1"],
+         "ep1xcp2": ["--cp", "2"], "ep1xcp2+naive": ["--cp", "2", "--cp-split", "naive"],
+         "ep1xcp2+drop+recompute": ["--cp", "2", "--dropout", "0.1", "--ckpt-activations"],
+         "ep2xcp2": ["--cp", "2"],
+         "ep2xcp2+naive+drop": ["--cp", "2", "--cp-split", "naive", "--dropout", "0.1"],
+         "ep2xcp2+zero1": ["--cp", "2", "--zero", "1"],
+         "ep2xtp2+sp": ["--tp", "2", "--sequence-parallel"],
+         "ep1xcp2xtp2+sp": ["--cp", "2", "--tp", "2", "--sequence-parallel"],
+         "ep1xcp2xpp2": ["--cp", "2", "--pp", "2", "--micro-batches", "2"],
+         "ep2xcp2xtp2+sp": ["--cp", "2", "--tp", "2", "--sequence-parallel"],       # 8 ranks
+         "ep2xcp2xtp2+sp+zero3+drop": ["--cp", "2", "--tp", "2", "--sequence-parallel",
+                                       "--zero", "3", "--dropout", "0.1"],
+         "ep2xcp2xdp2+zero2": ["--cp", "2", "--dp", "2", "--zero", "2"]}
+RUNS.update(SPLIT)
 AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
              "ep2+zero3+amp": ["--zero", "3", *AMP],
@@ -117,7 +134,7 @@ SEED = 7
 
 
 def flags(name):
-    ep = name.split("+")[0].split("x")[0][2:]
+    ep = name.split("+")[0].split("x")[0][2:]          # (--cp, --tp, --dp: in RUNS)
     return train_parser().parse_args([
         "--ep", ep, "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
         "--batch-size", "8", "--steps", "3", "--lr", "1e-2", "--grad-clip", "0.05",
@@ -146,11 +163,12 @@ def expert_state(args, config, opt, stage):
     """(this rank's expert parameters, the elements of their exp_avg it holds), the second
     checked against the memory planner's ZeRO-1 over edp: ceil(unit / edp) per MoE block of
     this rank's pipeline `stage`."""
-    dp = args.dp or MPI.COMM_WORLD.size // (args.ep * args.tp * args.pp)
+    dp = args.dp or MPI.COMM_WORLD.size // (args.ep * args.tp * args.pp * args.cp)
     layout = Layout(dp=dp * args.ep, ep=args.ep, tp=args.tp, pp=args.pp)
     units = expert_units(config, layout, stage)
     held = sum(int(s["exp_avg"].size) for s in opt.experts.state.values())
-    assert held == sum(-(-u // dp) for u in units), (held, units, dp)
+    edp = dp * args.cp                         # the replicas of an expert: dp x cp ranks
+    assert held == sum(-(-u // edp) for u in units), (held, units, edp)
     return sum(units), held
 
 
@@ -209,15 +227,24 @@ def same_drops(model, ref, args, config, strategy):
     for m in (ref, model):
         m.train()
     rows = lx.shape[0]
-    first = [i for i in range(x.shape[0]) if (x[i] == lx[0]).all()][0] * config.block_size
+    first = [i for i in range(x.shape[0]) if (x[i] == lx[0]).all()][0]
     dropped = mine = 0
     for a, b in zip(ref.moe_layers(), model.moe_layers()):
         ra, rb = a.routing, b.routing
-        keep = (ra.token >= first) & (ra.token < first + rows * config.block_size)
-        want = sorted(zip((ra.token[keep] - first).tolist(), ra.expert[keep].tolist()))
-        assert want == sorted(zip(rb.token.tolist(), rb.expert.tolist())), "drops differ"
+        held = set(rb.positions.tolist())          # --cp, --sequence-parallel: some of them
+        want = [(r, t, e) for r, t, e in places(ra, 0)
+                if first <= r < first + rows and t in held]
+        assert sorted(want) == sorted(places(rb, first)), "drops differ"
         dropped, mine = dropped + ra.dropped, mine + rb.dropped
     return dropped, mine
+
+
+def places(routing, first):
+    """The kept assignments as (row in the batch, position in the sequence, expert): the rank's
+    rows start at batch row `first`, its tokens at routing.positions."""
+    b, t = np.divmod(routing.token, routing.positions.size)
+    return list(zip((b + first).tolist(), routing.positions[t].tolist(),
+                    routing.expert.tolist()))
 
 
 POISONED = "transformer.h.0.mlp.experts.3.c_fc.weight"     # held by the last ep rank
@@ -278,6 +305,7 @@ def run(name, ref_runs, comm, tol):
     if args.moe_top_k not in ref_runs or ref_runs[args.moe_top_k][0] != config:
         ref_args = flags(name)
         ref_args.ep, ref_args.dp, ref_args.tp, ref_args.pp = 1, None, 1, 1
+        ref_args.cp, ref_args.sequence_parallel = 1, False
         ref_args.micro_batches, ref_args.schedule, ref_args.pp_virtual = None, "1f1b", 1
         ref_args.ckpt_activations = False          # the recompute must change no number
         ref_runs[args.moe_top_k] = (config, run_steps(SingleProcess(), ref_args, config, SEED,
