@@ -34,7 +34,7 @@ def whole_state(strategy, model, optimizer):
     params, sd = strategy.inner.whole_state(model, optimizer.dense if zero else optimizer)
     if zero:                       # the experts' shards gathered over edp to its rank 0
         experts = gather_whole(optimizer.experts, root=0)
-    if strategy.mesh.dp_rank >= strategy.group.size:      # another replica's ep group
+    if strategy.edp.rank != 0:          # another replica's ep group (dp x cp: expert_groups)
         return None, None
     names = set(expert_names(model))
     if zero:

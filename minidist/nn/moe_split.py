@@ -27,8 +27,8 @@ loss every cp rank computes WHOLE (aux, z from the summed statistics) must then 
 times its gradient to this rank's tokens (SequenceSum's backward: grad x cp), so that the
 average over cp is one process's gradient. The tp ranks' losses are one loss (each rank's
 gradients of its own tokens are summed by `shared`): factor 1.
-Bytes per MoE layer forward (host ints and the sums; nothing in backward; a recompute under
---ckpt-activations runs the forward's again): `split_bytes`.
+Calls and bytes per MoE layer forward (host ints and the sums; nothing in backward; a
+recompute under --ckpt-activations runs the forward's again): `split_calls`.
 Tests: tests/test_moe.py (the gather against one process's routing), tests/scripts/ep_check.py
 (the sp / cp runs against one process, float64).
 """
@@ -117,16 +117,16 @@ def sequence_parts(region, context, n):
     return SequenceParts(groups, positions, c * ntp + t, ncp)
 
 
-def split_bytes(B, n, k, E, tp, cp, itemsize, sum_bytes=True):
-    """Bytes one rank sends per MoE layer forward for the exchange above, as the ring
-    collectives count them (minidist/comm: all-gather (N-1) chunks, all-reduce 2 (N-1)/N of
-    the buffer): {"tp": ..., "cp": ...}. The choices: chunks of B n k ids (choice_dtype), the
-    cp gather's chunks tp times that; the sums: B E + 1 values of `itemsize`."""
-    ids = B * n * k * choice_dtype(E).itemsize
-    sums = (B * E + 1) * itemsize
-    out = {}
-    for name, size, chunk in (("tp", tp, ids), ("cp", cp, ids * tp)):
+def split_calls(B, n, k, E, tp, cp, itemsize):
+    """The collectives one MoE layer's forward makes on a sequence split over tp (SP) and cp
+    ranks, n positions each here: [(group, op, elements of the whole buffer, itemsize)],
+    tp's before cp's. All-gathers of the choices (B n k ids of choice_dtype(E); the cp one
+    gathers tp parts each), all-reduces of the B E + 1 sums. The ring sends (N-1)/N of an
+    all-gather's buffer, about 2 (N-1)/N of an all-reduce's (minidist/comm/ring.py
+    ring_bytes: exactly, with its chunks)."""
+    ids, calls = choice_dtype(E).itemsize, []
+    for name, size, parts in (("tp", tp, 1), ("cp", cp, tp)):
         if size > 1:
-            out[name] = (size - 1) * chunk + (2 * (size - 1) * sums // size if sum_bytes
-                                              else 0)
-    return out
+            calls += [(name, "all_gather", size * parts * B * n * k, ids),
+                      (name, "all_reduce", B * E + 1, itemsize)]
+    return calls

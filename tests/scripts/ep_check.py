@@ -42,6 +42,7 @@ from minidist import backend  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
+from minidist.nn.moe_split import split_calls  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.moe_cost import expert_units  # noqa: E402
@@ -211,6 +212,62 @@ def resume_diffs(args, config, comm):
     return diff
 
 
+def split_traffic(args, config, strategy):
+    """(calls, bytes) one rank makes and sends, summed over a run, on the tp and cp groups for
+    the MoE layers' sequence exchange (minidist/nn/moe_split.py split_calls; the ring's bytes:
+    minidist/comm/ring.py ring_bytes), every forward counted (a recompute's too)."""
+    from minidist.comm.ring import ring_bytes
+    mesh, pp = strategy.mesh, args.pp
+    B, m = forward_rows(args, strategy)
+    tp = args.tp if args.sequence_parallel else 1
+    n = config.block_size // args.cp // tp
+    stage = strategy.stage.link.stage if pp > 1 else 0
+    moe = sum(config.is_moe(i) for i in range(config.n_layer) if i * pp // config.n_layer ==
+              stage)
+    forwards = args.steps * m * moe * (2 if args.ckpt_activations else 1)
+    rank = {"tp": mesh.tp_rank, "cp": mesh.cp_rank}
+    out = {}
+    for group, op, count, size in split_calls(B, n, config.moe_top_k, config.moe_experts, tp,
+                                              args.cp, 8):
+        calls, sent = out.get((group, op), (0, 0))
+        g = args.tp if group == "tp" else args.cp
+        out[(group, op)] = (calls + forwards, sent + forwards * ring_bytes(op, count, size,
+                                                                          rank[group], g))
+    return out
+
+
+def forward_rows(args, strategy):
+    """(rows of one forward, forwards per step and MoE layer): micro-batches of the global
+    batch over mesh dp (= dp x ep), --grad-accum and a pipeline's --micro-batches."""
+    m = args.grad_accum * (args.micro_batches if args.pp > 1 else 1)
+    return args.batch_size // strategy.mesh.shape["dp"] // m, m
+
+
+def split_counted(before, events, args, strategy):
+    """The same, measured: on the cp group (which otherwise carries only the ring's
+    sends) the counters' all-gathers and all-reduces since `before`; on the tp group the
+    traced all-gathers of expert ids (uint8) and all-reduces of the B E + 1 sums (float64)."""
+    from minidist.comm.ring import ring_bytes
+    out = {}
+    after = trace.counters("cp")
+    for op in ("all_gather", "all_reduce"):
+        zero = {"calls": 0, "bytes_sent": 0}
+        a, b = after.get(op, zero), before.get(op, zero)
+        if a["calls"] > b["calls"]:
+            out[("cp", op)] = (a["calls"] - b["calls"], a["bytes_sent"] - b["bytes_sent"])
+    B = forward_rows(args, strategy)[0]
+    for e in events:
+        ids = e["op"] == "all_gather" and e["dtype"] == "uint8"
+        sums = e["op"] == "all_reduce" and e["bytes"] == (B * args.moe_experts + 1) * 8
+        if e["group"] == "tp" and (ids or sums):
+            calls, sent = out.get(("tp", e["op"]), (0, 0))
+            itemsize = 1 if ids else 8
+            out[("tp", e["op"])] = (calls + 1, sent + ring_bytes(
+                e["op"], e["bytes"] // itemsize, itemsize, MPI.COMM_WORLD.rank % args.tp,
+                args.tp))
+    return out
+
+
 def same_drops(model, ref, args, config, strategy):
     """Route step 0's batch on both: this rank's (token, expert) pairs are the reference's
     for its rows; returns (assignments dropped by the reference, by this rank). A pipeline
@@ -312,9 +369,19 @@ def run(name, ref_runs, comm, tol):
                                                       "float64"))
     r_model, _, r_losses, r_norms, _ = ref_runs[args.moe_top_k][1]
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
-    sent0 = trace.bytes_sent("ep", "all_to_all")
+    sent0, cp0 = trace.bytes_sent("ep", "all_to_all"), trace.counters("cp")
+    split = args.cp > 1 or args.sequence_parallel
+    if split:
+        trace.enable()
+        trace.clear_events()
     model, opt, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
     sent = trace.bytes_sent("ep", "all_to_all") - sent0
+    if split:                     # the sequence exchange: calls and bytes as split_calls says
+        counted = split_counted(cp0, trace.events(), args, strategy)
+        trace.disable()
+        want = split_traffic(args, config, strategy)
+        assert counted == want, (name, counted, want)
+    split_sent = {f"{g} {op}": v[1] for (g, op), v in counted.items()} if split else {}
     N = args.ep
     theory = 0 if N == 1 else sum(
         exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8, backward)
@@ -335,6 +402,7 @@ def run(name, ref_runs, comm, tol):
     row = {"run": name, "params_here": here, "loss_diff": d_loss, "norm_diff": d_norm,
            "param_diff": d_par,
            "bytes_sent": sent, "theory_sent": theory, "ref_dropped": dropped,
+           "split_sent": split_sent,
            "experts_here": experts, "compared": compared, "ref_params": len(ref),
            "losses": [float(v) for v in losses]}
     if args.zero and N > 1:        # the experts' AdamW state: 1/edp of them, as planned
