@@ -49,7 +49,9 @@ def parse(*flags):
 def test_refusals_name_the_flag():
     assert moe_problems(train_parser().parse_args(["--ep", "2"])) == \
         ["--ep needs a Mixture of Experts: add --moe-experts E"]
-    assert "--cp" in moe_problems(parse("--cp", "2"))[0]
+    for split in (["--cp", "2"], ["--tp", "2", "--sequence-parallel"],
+                  ["--cp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"]):
+        assert moe_problems(parse(*split)) == []     # routed over the whole sequence
     assert ep_problems(parse("--ep", "2")) == []
     assert any("not a multiple of --ep 3" in p for p in ep_problems(parse("--ep", "3")))
     assert ep_problems(parse("--ep", "2", "--zero", "1", "--amp")) == []
@@ -159,6 +161,51 @@ def test_ep4_and_compositions_are_exact(mpi):
     for r in rows:                  # ZeRO: the experts' AdamW state halved over edp 2
         if r["run"].startswith("ep2xdp2+zero") and "+amp" not in r["run"]:
             assert 2 * r["expert_opt_state"] == r["expert_params"], r
+
+
+def check_split_rows(rows, runs):
+    """check_rows, and the sequence exchange (minidist/nn/moe_split.py) measured on the
+    groups that split the sequence: tp under --sequence-parallel, cp under --cp (the script
+    asserts its calls and bytes equal split_calls')."""
+    check_rows(rows, runs)
+    for r in rows:
+        groups = {k.split()[0] for k, v in r["split_sent"].items() if v > 0}
+        want = {"tp"} if "+sp" in r["run"] else set()
+        assert groups == want | ({"cp"} if "cp2" in r["run"] else set()), r
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_moe_on_split_sequences_is_exact(mpi):
+    """MoE with each sequence split over ranks, on 4 ranks: sequence parallelism (tp 2 x
+    dp 2, with --dropout 0.1; ep 2 x tp 2), context parallelism (cp 2 x dp 2 zig-zag and
+    naive, with --dropout 0.1 and --ckpt-activations; ep 2 x cp 2, naive with dropout, ZeRO-1
+    saved and resumed; cp 2 x pp 2), and cp 2 x tp 2 x SP, against one process in float64
+    (1e-10: losses with the aux and z losses, grad norms, every parameter); the same
+    (token, expert) assignments dropped at capacity factor 1 (some are), the exchange's bytes
+    as split_calls counts them.
+
+        mpiexec -n 4 python tests/scripts/ep_check.py --runs ep1xcp2,ep1xcp2+naive,...
+    """
+    runs = ["ep1xcp2", "ep1xcp2+naive", "ep1xcp2+drop+recompute", "ep1xtp2+sp+drop",
+            "ep2xcp2", "ep2xcp2+naive+drop", "ep2xcp2+zero1+ckpt", "ep2xtp2+sp",
+            "ep1xcp2xtp2+sp", "ep1xcp2xpp2"]
+    out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
+    check_split_rows(tagged_json(out, "RESULT"), runs)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
+def test_moe_on_split_sequences_8_ranks_is_exact(mpi):
+    """ep 2 x cp 2 x tp 2 with SP (DDP; ZeRO-3 with --dropout 0.1) and ep 2 x cp 2 x dp 2
+    (ZeRO-2, saved and resumed) on 8 ranks, against one process in float64.
+
+        mpiexec -n 8 python tests/scripts/ep_check.py --runs ep2xcp2xtp2+sp,...
+    """
+    runs = ["ep2xcp2xtp2+sp", "ep2xcp2xtp2+sp+zero3+drop", "ep2xcp2xdp2+zero2+ckpt"]
+    out = mpi(8, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
+    check_split_rows(tagged_json(out, "RESULT"), runs)
 
 
 @pytest.mark.mpi
@@ -311,13 +358,13 @@ def test_bad_ep_is_one_error_line(mpi):
 
 
 def test_moe_refusal_is_one_error_line():
-    """python examples/train_gpt.py --moe-experts 4 --cp 2 (refused before any communication)"""
-    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--moe-experts", "4", "--cp",
-                          "2"], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
-                         timeout=60)
+    """python examples/train_gpt.py --ep 2 (no --moe-experts: refused before any
+    communication)"""
+    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--ep", "2"],
+                         cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr == "error: mixture of experts: --moe-experts does not combine with " \
-        "--cp (not built)\n"
+    assert out.stderr == "error: mixture of experts: --ep needs a Mixture of Experts: add " \
+        "--moe-experts E\n"
 
 
 def test_plot_draws_the_expert_load(tmp_path):
