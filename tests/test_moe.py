@@ -203,3 +203,30 @@ def test_expert_dropout_depends_on_the_token_not_the_rank():
         np.testing.assert_array_equal(part, whole[2 * half:2 * half + 2])
     layer.eval()
     assert not np.array_equal(layer(Tensor(x)).data, whole)           # dropout did act
+
+
+def test_balance_from_sums_is_the_aux_loss():
+    """The load-balancing loss from each sequence's summed probabilities (what a rank holding
+    part of a sequence gets from every part's sums, minidist/nn/moe_split.py) is the one
+    from the probabilities: one sequence of 2 tokens, half the assignments on each expert."""
+    from minidist.nn.moe import balance_from_sums
+    probs = Tensor(np.array([[0.75, 0.25], [0.25, 0.75]]))
+    chosen = np.array([[1, 1]])
+    psum = Tensor(np.array([[1.0, 1.0]]))
+    assert balance_from_sums(psum, chosen, T=2, k=1).item() == 1.0
+    assert load_balancing_loss(probs, chosen, T=2, k=1).item() == 1.0
+
+
+@pytest.mark.mpi
+@pytest.mark.cpu_only("the script's arrays are numpy")
+def test_gradcheck_sequence_sum(mpi):
+    """SequenceSum (the all-reduced statistics of an MoE layer on a split sequence) by
+    central differences across 2 ranks, with the gradient sequence parallelism (x 1) and
+    context parallelism (x cp) need.
+
+        mpiexec -n 2 python tests/scripts/moe_split_check.py
+    """
+    from mpirun import tagged_json
+    out = mpi(2, "tests/scripts/moe_split_check.py", timeout=120)
+    rows = tagged_json(out, "GRADCHECK")
+    assert len(rows) == 4 and all(r["max_abs_diff"] < 1e-6 for r in rows), rows
