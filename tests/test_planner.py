@@ -442,10 +442,24 @@ def test_moe_compute_worked_by_hand():
     assert t["mfu"] == pytest.approx(7008 / 5472)
     tp = step_time(MOE_TOY, Layout(tp=2, amp=False), UNIT, seq=2, global_batch=1)
     assert tp["compute"] == pytest.approx(3552) and tp["tp_cp"] == pytest.approx(8 * 32)
-    with pytest.raises(ValueError):         # minidist's MoE does not run under cp
-        step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
     with pytest.raises(ValueError):         # 2 experts do not split over ep 4
         step_time(MOE_TOY, Layout(dp=4, ep=4, amp=False), UNIT, seq=2, global_batch=4)
+
+
+def test_moe_on_a_split_sequence_worked_by_hand():
+    """MOE_TOY, b = 1, s = 2, 1 FLOP/s, 1 B/s, no latency (minidist/train/moe_cost.py
+    split_times). TP2 + SP: the MoE block's router and experts run on s/2 tokens: (160 + 16
+    + 256) + 416 + 64 = 912, x 3 = 2736 s. Its routing's exchange over tp: the ids, 1 B x k
+    2 x s 2 = 4 B all-gathered (1/2 of it sent: 2 s), the sums (b E + 1) x 4 B = 12 B
+    all-reduced (12 s); backward the gradients all-reduced over tp: the router's 8 values
+    (32 s) and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4: 592 s each): 1230 s on top
+    of TP2's 256 s of SP collectives (as its all-reduces): 1486 s. CP2 (s = 1 token a rank):
+    the ring (forward 1 hop, backward 3, of K and V: 2 x 16 B: 32 s each, in both blocks:
+    256 s) + the ids over cp (k 2 x 2 tokens = 4 B: 2 s) and the sums (12 s): 270 s."""
+    sp = step_time(MOE_TOY, Layout(tp=2, sp=True, amp=False), UNIT, seq=2, global_batch=1)
+    assert sp["compute"] == pytest.approx(2736) and sp["tp_cp"] == pytest.approx(256 + 1230)
+    cp = step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
+    assert cp["tp_cp"] == pytest.approx(256 + 14)
 
 
 def test_ep2_dp2_communication_worked_by_hand():
@@ -493,7 +507,8 @@ def test_plan_cli_with_experts():
     assert one["ep"] == 2 and one["ep_all_to_all"] > 0 and one["layout"].startswith("EP2")
     rows = json.loads(subprocess.run(run + ["--top", "100"], capture_output=True, text=True,
                                      timeout=60, check=True).stdout)["rows"]
-    assert {r["ep"] for r in rows} == {1, 2, 4} and not any(r["sp"] or r["cp"] > 1 for r in rows)
+    assert {r["ep"] for r in rows} == {1, 2, 4} and any(r["cp"] > 1 for r in rows)
+    assert all(r["sp"] == (r["tp"] > 1) for r in rows)     # MoE on split sequences: built
     bad = subprocess.run(run + ["--layout", "dp=4,ep=3"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --layout: ep=3")
@@ -541,7 +556,7 @@ def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
 
 
 # models the proposal tests plan for: T 20 (sequence parallelism over 8 does not split it,
-# nor over cp 2 x tp 4), a 1e9 shape at T 2048, a Mixture of Experts (no SP, no cp)
+# nor over cp 2 x tp 4), a 1e9 shape at T 2048, a Mixture of Experts (with SP and cp too)
 PROPOSAL_MODELS = [
     GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=20, vocab_size=50257),
     config_for_params(1e9, seq=2048),
@@ -575,14 +590,17 @@ def test_every_layout_the_search_proposes_is_one_training_accepts(schedule):
         for row in search(config, H100_IB, 8, config.block_size, 32, schedule, v=v):
             refused.append(_refused(config, row, 8, v))
             seen.add((row["cp"] > 1, row["sp"]))
+            if config.moe_experts:
+                seen.add(("moe", row["cp"] > 1, row["sp"], row["ep"] > 1))
     assert not any(refused), [r for r in refused if r][:5]
     assert (True, True) in seen                       # cp x tp x sp among the proposals
+    assert ("moe", True, True, True) in seen          # MoE: ep x cp x tp x sp too
 
 
 def test_every_layout_the_memory_planner_proposes_is_one_training_accepts():
     """The same for examples/plan_memory.py's candidates (planner.plan), one micro-batch
-    per stage: sequence parallelism only where the sequence splits over tp, never with
-    experts."""
+    per stage: sequence parallelism only where the sequence splits over tp (with experts
+    too)."""
     refused, sp = [], set()
     for config in PROPOSAL_MODELS:
         for gpus in (8, 16):

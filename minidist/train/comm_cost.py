@@ -61,7 +61,8 @@ def all_to_all_time(nbytes, p, link):
 # where each axis sits in the mesh: global rank = tp + tp (cp + cp (dp + dp pp)).
 # Expert parallelism (minidist/ep/) is carved out of dp: an "ep" group is ep neighbouring dp
 # ranks (stride tp cp), an "edp" group the dp / ep replicas of one rank's experts (stride
-# tp cp ep): dp rank = ep rank + ep x edp rank (minidist/ep/strategy.py).
+# tp cp ep), times the cp ranks under cp (each runs the experts on its part of the sequence):
+# dp rank = ep rank + ep x edp rank (minidist/ep/strategy.py).
 AXES = ("tp", "cp", "dp", "pp")
 
 
@@ -77,8 +78,17 @@ def axis_stride(layout, axis):
 
 
 def axis_size(layout, axis):
-    """Ranks in one `axis` group (edp: dp / ep)."""
-    return layout.dp // layout.ep if axis == "edp" else getattr(layout, axis)
+    """Ranks in one `axis` group (edp: dp / ep x cp)."""
+    return layout.dp // layout.ep * layout.cp if axis == "edp" else getattr(layout, axis)
+
+
+def members(layout, axis, size):
+    """Global ranks of the first `size` members of the `axis` group holding rank 0: every
+    stride-th, or, for edp under cp, the cp ranks (stride tp) of each dp / ep replica."""
+    if axis == "edp" and layout.cp > 1:
+        cp, step = layout.cp, layout.tp * layout.cp * layout.ep
+        return [layout.tp * (i % cp) + step * (i // cp) for i in range(size)]
+    return [i * axis_stride(layout, axis) for i in range(size)]
 
 
 def span(layout, axis, gpus_per_node, size=None):
@@ -86,8 +96,7 @@ def span(layout, axis, gpus_per_node, size=None):
     when the nodes hold different numbers of its ranks. `size`: the group size (default: the
     axis's; "dpcp" groups are dp x cp ranks at cp's stride)."""
     size = size or axis_size(layout, axis)
-    stride = axis_stride(layout, axis)
-    nodes = [i * stride // gpus_per_node for i in range(size)]
+    nodes = [r // gpus_per_node for r in members(layout, axis, size)]
     counts = {n: nodes.count(n) for n in nodes}
     k = next(iter(counts.values()))
     return (k if all(c == k for c in counts.values()) else 0), len(counts)

@@ -29,9 +29,11 @@ Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms
 pairwise all-to-all, placed on the links a group spans by the mesh order
 (minidist/train/comm_cost.py).
 Mixture of Experts and expert parallelism (minidist/train/moe_cost.py): a MoE block's router
-and experts (k rows per token, at most the capacity), not split by tp; under ep its 3 + 2
-blocking all-to-alls per micro-batch, the experts' gradients all-reduced over their dp / ep
-replicas after backward, the dense ones by DDP/ZeRO over all dp ranks.
+and experts (k rows per token, at most the capacity), not split by tp (on s/tp tokens under
+SP); under ep its 3 + 2 blocking all-to-alls per micro-batch, the experts' gradients
+all-reduced over their replicas (dp x cp / ep) after backward, the dense ones by DDP/ZeRO
+over all dp (x cp) ranks; on a sequence split by cp or SP, the routing's exchange (the
+experts' ids, the loss statistics) and under SP the router's and experts' gradient sums.
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
 a stage (compute, TP's all-reduces, CP's ring, EP's all-to-alls, ZeRO-3's exposed gathers,
@@ -45,10 +47,10 @@ bucket or layer. Tests: tests/test_planner.py (each formula on a small case work
 import math
 
 from minidist.pp.schedule import bubble_fraction
-from minidist.train.comm_cost import collective_time, p2p_link, p2p_time, span
+from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time, span
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
-                                     stage_moe_blocks)
+                                     split_times, stage_moe_blocks)
 from minidist.train.planner import STATE_BYTES, stage_params
 
 
@@ -134,7 +136,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
     blocks = (layers - moe) * per_layer + \
-        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load))
+        (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load,
+                                       sp=layout.sp))
     fwd = blocks
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
@@ -243,11 +246,15 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
         tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe)
-        a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, seq, e, moe,
+        s_moe = seq / layout.cp / (layout.tp if layout.sp else 1)   # an MoE block's tokens
+        a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
                                               moe_load)
+        q_f, q_b, nq_f, nq_b = split_times(config, cluster, layout, b, seq / layout.cp, e,
+                                           stage)
+        tp_f, tp_b = tp_f + q_f, tp_b + q_b                  # + the routing's exchange
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
         n_f, n_b = _blocking(layout, layers, stage, moe)
-        n_f, n_b = n_f + na_f, n_b + na_b                    # + EP's all-to-alls
+        n_f, n_b = n_f + na_f + nq_f, n_b + na_b + nq_b      # + EP's all-to-alls, routing
         loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
         extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits
         extra_b = r_b + n_b * cluster.sync_s
@@ -291,7 +298,7 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
         dp_comm = coll("all_gather", n * p_bytes)
         dp_exposed = dp_comm
     shard = math.ceil(n / (layout.dp * layout.cp)) if layout.zero else n
-    edp = layout.dp // layout.ep                 # ZeRO: the experts' shards over their replicas
+    edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)
     mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \
         sum(w["experts"])
     out = {"compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],

@@ -36,8 +36,16 @@ reduce-scattered over edp after backward and its parameters all-gathered after t
 (the same bytes as the all-reduce, one unit per block instead of one call per tensor); the
 clipping's sum rides on ZeRO's over dp; the optimizer updates the dense shard and 1/edp of
 the experts (ceil per unit).
-Refused (minidist's MoE does not run them, so the terms would price something unbuilt):
-cp > 1, sequence parallelism (a sequence's tokens would be routed apart).
+A sequence split over ranks (cp > 1; sequence parallelism, sp: each tp rank holds s/tp of
+the cp rank's s tokens in the MoE block) routes over the whole sequence
+(minidist/nn/moe_split.py): per MoE block forward, on the tp group under SP and then on the
+cp group, an all-gather of the top-k expert ids (1 byte each; the cp one gathers tp parts)
+and an all-reduce of the b E + 1 sums (e bytes each): 2 blocking collectives per group,
+again inside backward under full recompute. Under SP the router and the experts run on the
+rank's s/tp tokens (their FLOPs / tp), and each of their parameters' gradients is
+all-reduced over tp in backward (region.shared, one blocking call per tensor: the router's
+h E and the 4 tensors of each of this rank's E/ep experts), which the dense MLP, split by
+tp, does not need.
 Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
@@ -58,10 +66,6 @@ def check_moe_layout(config, layout):
     if layout.dp % layout.ep or config.moe_experts % layout.ep:
         raise ValueError(f"ep {layout.ep} must divide dp {layout.dp} and the "
                          f"{config.moe_experts} experts")
-    for what, on in (("cp > 1", layout.cp > 1), ("sequence parallelism", layout.sp)):
-        if on:
-            raise ValueError(f"a Mixture of Experts with {what} is not built in minidist "
-                             f"(not modelled)")
 
 
 def expert_rows(config, s, active=False, load=1.0):
@@ -75,13 +79,15 @@ def expert_rows(config, s, active=False, load=1.0):
     return min(min(k * s, full) * load, full)
 
 
-def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0):
+def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0, sp=False):
     """Forward FLOPs of one MoE block on b sequences of s tokens (queries), on one tp rank:
-    attention split by tp, the router and the experts' rows whole (module docstring)."""
+    attention split by tp, the router and the experts' rows whole, on s/tp of the tokens
+    under sequence parallelism (module docstring)."""
     h, keys = config.n_embd, s if s_keys is None else s_keys
     attention = (8 * b * s * h * h + 4 * b * s * keys * h) / tp
-    return attention + 2 * b * s * h * config.moe_experts + \
+    moe = 2 * b * s * h * config.moe_experts + \
         16 * h * h * b * expert_rows(config, s, active, load)
+    return attention + (moe / tp if sp else moe)
 
 
 def stage_moe_blocks(config, layout, stage):
@@ -103,6 +109,32 @@ def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
     fwd, n_fwd = blocks * (counts + 2 * data), 3 * blocks
     redo = layout.recompute == "full"
     return fwd, blocks * 2 * data + redo * fwd, n_fwd, 2 * blocks + redo * n_fwd
+
+
+def split_times(config, cluster, layout, b, s, e, stage):
+    """(forward, backward) seconds and (forward, backward) counts of the blocking collectives
+    of a sequence split over ranks (module docstring) for one micro-batch of b sequences on
+    `stage`, s = this cp rank's tokens: the exchange of each MoE block's routing (ids,
+    sums) on tp (SP) and cp, and under SP the router's and experts' gradient all-reduces."""
+    blocks = stage_moe_blocks(config, layout, stage)
+    tp = layout.tp if layout.sp and layout.tp > 1 else 1
+    groups = [(axis, tokens) for axis, tokens, on in (("tp", s, tp > 1),
+                                                      ("cp", s * layout.cp, layout.cp > 1)) if on]
+    if not blocks or not groups:
+        return 0.0, 0.0, 0, 0
+    k, E = config.moe_top_k, config.moe_experts      # ids gathered: every token's k, 1 B
+    one = sum(collective_time(cluster, "all_gather", b * tokens * k, layout, axis) +
+              collective_time(cluster, "all_reduce", (b * E + 1) * e, layout, axis)
+              for axis, tokens in groups)
+    fwd, n_fwd = blocks * one, blocks * 2 * len(groups)
+    redo = layout.recompute == "full"
+    bwd, n_bwd = redo * fwd, redo * n_fwd
+    if tp > 1:                      # region.shared: the router's and experts' gradients
+        sizes = [config.n_embd * E] * blocks + [n for _, n in _own_experts(config, layout,
+                                                                            stage)]
+        bwd += sum(collective_time(cluster, "all_reduce", n * e, layout, "tp") for n in sizes)
+        n_bwd += len(sizes)
+    return fwd, bwd, n_fwd, n_bwd
 
 
 def _own_experts(config, layout, stage):

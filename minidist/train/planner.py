@@ -18,11 +18,12 @@ small model under each strategy and compare, tests/test_planner.py):
     Mixture of Experts (config.moe_experts, minidist/nn/moe.py): each MoE block holds E
     expert MLPs and a router; EP (minidist/ep/, ep of the dp ranks) keeps E/ep experts per
     rank; the experts are not split by tp; under ep with ZeRO (any stage) their optimizer
-    state is sharded over their dp / ep replicas (edp), their parameters and gradients
-    whole (ZeRO-1 over edp of one flat unit per block, minidist/ep/optim.py). Their
+    state is sharded over their dp / ep (x cp) replicas (edp), their parameters and
+    gradients whole (ZeRO-1 over edp of one flat unit per block, minidist/ep/optim.py). Their
     activations: the MLP's share of a layer's
     (9 sbh e of it) times k (each token visits k experts; capacity ignored), plus the
-    router's probabilities, sbE e.
+    router's probabilities, sbE e; on the rank's s/cp tokens, s/(cp t) under SP (the MoE
+    block runs on the rank's sequence shard: minidist/nn/moe_split.py).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4). Per layer, per micro-batch of b sequences of s tokens,
@@ -191,8 +192,8 @@ def _stage_activations(config, layout, stage, s, b, dropout):
     moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
     if moe and layout.recompute != "full":                        # k experts per token
         extra = (config.moe_top_k - 1) * 9 * s * b * config.n_embd * e / layout.tp \
-            + s * b * config.moe_experts * e
-        out += moe * in_flight * extra
+            + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1)
+        out += moe * in_flight * extra / layout.cp                # this rank's tokens
     if stage == pp - 1:
         out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
                                      layout.tp, layout.sp, e, dropout)
@@ -234,7 +235,8 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         row = model_state_bytes(n - experts, layout.dp * layout.cp, layout.zero, layout.amp)
         p, g, o = STATE_BYTES[bool(layout.amp)]             # experts: ZeRO-1 over edp
         row["params"], row["grads"] = row["params"] + p * experts, row["grads"] + g * experts
-        row["optimizer"] += o * (sum(math.ceil(u / (layout.dp // layout.ep)) for u in units)
+        edp = layout.dp // layout.ep * layout.cp             # an expert's replicas
+        row["optimizer"] += o * (sum(math.ceil(u / edp) for u in units)
                                  if layout.zero else experts)
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
@@ -258,8 +260,8 @@ def _tp_sizes(config, gpus, gpus_per_node):
 
 
 def _sp(config, seq, t):
-    """Sequence parallelism with tp t, where training runs it: dense, seq a multiple of t."""
-    return t > 1 and not config.moe_experts and seq % t == 0
+    """Sequence parallelism with tp t, where training runs it: seq a multiple of t."""
+    return t > 1 and seq % t == 0
 
 
 def candidates(config, gpus, gpus_per_node=8, seq=None):
@@ -267,7 +269,7 @@ def candidates(config, gpus, gpus_per_node=8, seq=None):
     precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then
     (each without and with checkpointing) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a node
     (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
-    training runs it: a dense model, seq (default block_size) a multiple of tp."""
+    training runs it: seq (default block_size) a multiple of tp."""
     seq = seq or config.block_size
     out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
     ep = math.gcd(gpus, config.moe_experts) if config.moe_experts else 1

@@ -8,12 +8,11 @@ pp up to the layers; cp a power of two dividing the sequence; dp the rest, divid
 global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
 step), 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it
 fits); ckpt: without and with full recompute (not under ZB-H1, which training refuses).
-With sequence parallelism (tp > 1, dense) each cp rank's seq / cp tokens must split over
-tp; under the interleaved schedule every one of pp x v chunks needs a block.
+With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
+over tp; under the interleaved schedule every one of pp x v chunks needs a block.
 A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
-expert count (expert parallelism carved out of dp), and only what minidist's MoE runs (the
-step-time model refuses the rest, moe_cost.py): no cp, no sequence parallelism (TP without
-SP).
+expert count (expert parallelism carved out of dp), with cp and SP as a dense model (its
+routing's exchange over the split sequence priced by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
 training to run (tests/test_planner.py checks that training accepts every one).
 """
@@ -33,7 +32,7 @@ def _powers_of_two(limit):
 
 def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
     """(dp, tp, pp, cp) with dp tp pp cp = gpus under the rules in the module docstring;
-    with sequence parallelism (tp > 1, dense) each cp rank's seq / cp tokens split over tp;
+    with sequence parallelism (every tp > 1) each cp rank's seq / cp tokens split over tp;
     v chunks per stage (interleaved) each need a block."""
     out = []
     for tp in _powers_of_two(min(gpus, gpus_per_node)):
@@ -42,7 +41,7 @@ def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
         for cp in _powers_of_two(min(max_cp, gpus // tp)):
             if seq % (2 * cp) and cp > 1 or (gpus // tp) % cp:
                 continue
-            if tp > 1 and not config.moe_experts and seq % (cp * tp):
+            if tp > 1 and seq % (cp * tp):
                 continue                                     # SP: seq / cp over tp ranks
             for pp in range(1, min(config.n_layer, gpus // (tp * cp)) + 1):
                 dp, rest = divmod(gpus, tp * cp * pp)
@@ -88,16 +87,15 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
            tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1,
            moe_load=1.0):
     """Every candidate row, fastest first among those that fit, then the rest."""
-    rows, moe = [], bool(config.moe_experts)
-    for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch,
-                                 max_cp=1 if moe else 8, v=v):
+    rows = []
+    for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch, v=v):
         for zero in (zeros if dp * cp > 1 else (0,)):
             for recompute in recomputes:
                 if recompute == "full" and schedule == "zb-h1" and pp > 1:
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
-                                    recompute=recompute, sp=tp > 1 and not moe, tiled=tiled)
+                                    recompute=recompute, sp=tp > 1, tiled=tiled)
                     for m in micro_batch_counts(pp, global_batch // dp):
                         rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
                                              schedule, comm, headroom, v, moe_load))
