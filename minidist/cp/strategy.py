@@ -30,6 +30,8 @@ works as without cp: each block's checkpoint saves the RingContext's layouts and
 them, so the recompute inside backward runs the ring forward again
 (minidist/autograd/recompute.py; bytes: minidist/cp/ring.py ring_bytes).
 With --sequence-parallel too, tp splits each cp rank's T/cp tokens again (minidist/cp/README.md).
+A Mixture of Experts routes over the whole sequence (minidist/nn/moe_split.py); with --ep,
+ExpertParallel is this strategy's inner.
 Refused: a block size that does not split over cp (and over cp x tp with --sequence-parallel).
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
 tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.

@@ -5,6 +5,7 @@ tokens sent to them and back by all-to-all (minidist/ep/exchange.py), inside dat
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 [--zero 3]
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --tp 2
     mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --pp 2
+    mpirun -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --cp 2
 
 The mesh: ep is carved out of the data-parallel ranks. World = dp x ep x tp, tp fastest
 (DeviceMesh(dp=dp*ep, tp=tp): its dp group is the dense data-parallel group D = dp x ep):
@@ -41,8 +42,10 @@ ZeRO's step on an overflow under --amp.
 backward (GPT.run_block carries the router losses out of the checkpoint).
 --pp: inside each stage, this stage's experts over its ep group (PipelineParallel's inner);
 the clipping norm takes each stage's experts once over ep before the sum over stages.
-Refused: --cp, --comm nccl (no NCCL all-to-all), --sequence-parallel (a sequence's tokens
-would be routed apart), E not a multiple of ep.
+--cp, --sequence-parallel: each rank holds part of every sequence and sends its own tokens;
+the routing is over the whole sequence (minidist/nn/moe_split.py), and the experts' replicas
+edp are dp x cp ranks (expert_groups).
+Refused: --comm nccl (no NCCL all-to-all), E not a multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np

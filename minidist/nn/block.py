@@ -77,7 +77,8 @@ class Block(Module):
         self.attn = CausalSelfAttention(config, dtype, layers)
         self.ln_2 = layers.norm()
         # a Mixture of Experts keeps whole experts under tensor parallelism too (each tp rank
-        # routes and runs the same tokens; minidist/ep/ shards them over ranks)
+        # routes and runs the same tokens, or its own under sequence parallelism:
+        # minidist/nn/moe_split.py; minidist/ep/ shards them over ranks)
         self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
             MLP(config, dtype, layers)
 

@@ -22,12 +22,15 @@ Two losses, added to the model's loss by GPT.forward (MoE.router_loss, GPT.run_b
     z   = mean over tokens of logsumexp(logits)^2  (ST-MoE's router z-loss)
 Everything is per sequence (capacity, f, P; aux is averaged over sequences), so a batch cut
 into rows per rank, by data or expert parallelism, drops exactly the tokens one process drops
-and has the same losses: this is what makes the parallel runs exact.
+and has the same losses: this is what makes the parallel runs exact. A sequence cut into
+positions per rank (sequence parallelism: `region`, context parallelism: `context`) needs
+the other ranks' choices and sums: minidist/nn/moe_split.py, the same code with `parts`.
 
 Expert parallelism (minidist/ep/) keeps only this rank's experts (`keep_experts`) and sets
 `exchange`, which carries the (M, C) expert inputs to the experts' ranks and the outputs back
 (all-to-all); the routing and the combine stay here, the same code in both.
-Tests: tests/test_moe.py (float64 gradchecks, routing and dropping, losses).
+Tests: tests/test_moe.py (float64 gradchecks, routing and dropping, losses);
+tests/scripts/ep_check.py (SP and CP runs against one process).
 """
 import math
 from dataclasses import replace
