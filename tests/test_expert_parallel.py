@@ -303,20 +303,22 @@ def assert_same_load_stats(a, b):
 
 @pytest.mark.mpi
 def test_load_stats_cover_the_global_batch(corpus, tmp_path, mpi):
-    """--log-json's moe_tokens, moe_dropped and moe_aux under plain dp 2 and tp 2 (no --ep)
-    are one process's for the same global batch: summed over the ranks that hold different
-    rows (dp), counted once for the ranks that hold the same rows (tp):
+    """--log-json's moe_tokens, moe_dropped and moe_aux under plain dp 2, tp 2, cp 2 and tp 2
+    with sequence parallelism (no --ep) are one process's for the same global batch: summed
+    over the ranks that hold different rows (dp) or different tokens of them (cp, SP),
+    counted once for the ranks that hold the same tokens (tp):
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 ... --log-json one.jsonl
-        mpiexec -n 2 python examples/train_gpt.py --moe-experts 4 ... (and --tp 2)
+        mpiexec -n 2 python examples/train_gpt.py --moe-experts 4 ... (and --tp 2, --cp 2,
+            --tp 2 --sequence-parallel)
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
     one = tmp_path / "one.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                     "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
                    env=mpi_env(), text=True, capture_output=True, check=True)
-    for flags in ([], ["--tp", "2"]):
-        log = tmp_path / f"dp{len(flags)}.jsonl"
+    for flags in ([], ["--tp", "2"], ["--cp", "2"], ["--tp", "2", "--sequence-parallel"]):
+        log = tmp_path / f"{'_'.join(flags) or 'dp'}.jsonl"
         mpi(2, "examples/train_gpt.py", *common, *flags, "--log-json", log, timeout=120)
         assert_same_load_stats(_rows(one), _rows(log))
 

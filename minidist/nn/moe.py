@@ -65,6 +65,11 @@ class Routing:
         """This rank's assignments dropped for lack of capacity."""
         return int(self.assigned - self.counts.sum())
 
+    @property
+    def parts(self):
+        """The ranks each sequence's tokens are split over (1: this rank holds them whole)."""
+        return self.length // self.positions.size
+
 
 def capacity(T, E, k, factor):
     """Tokens of one sequence an expert takes: ceil(factor k T / E), at most T; factor 0: T."""

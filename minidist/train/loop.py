@@ -221,8 +221,10 @@ def global_load_stats(model, world, copies):
     (the world, or its stage's ranks under --pp), those holding the same rows computed the
     same routing: `copies` (the ranks holding each row, the loop's count) x h / world of
     them (the tp group), so the sums / that are the sums over the ranks that hold different
-    rows (dp x ep), and aux summed / h is their mean (every rank holds as many rows). {} for
-    a dense model; as is on one process."""
+    rows (dp x ep), and aux summed / h is their mean (every rank holds as many rows). A rank
+    holding 1/R of each sequence's tokens (cp, sequence parallelism: Routing.parts) counts
+    R times its own, as if it held them whole (the aux is already the whole sequence's). {}
+    for a dense model; as is on one process."""
     config = model.config
     if not config.moe_experts or world is None or world.size == 1:
         return load_stats(model)
@@ -231,7 +233,7 @@ def global_load_stats(model, world, copies):
     for b, m in moe_layers_by_block(model).items():
         r = m.routing
         aux = float(backend.host_read(m.aux_loss.data, "moe log"))
-        vec[blocks.index(b)] = [*r.counts, r.dropped, aux, 1]
+        vec[blocks.index(b)] = [*(r.counts * r.parts), r.dropped * r.parts, aux, 1]
     buf = backend.xp_of(model.parameters()[0].data).asarray(vec.ravel())
     world.all_reduce(buf, op="sum")
     total = backend.host_read(buf, "moe log").reshape(len(blocks), E + 3)
