@@ -237,7 +237,7 @@ ALLOWED = {
         HOST_VALUE + ": counts of the routing",
     "ep/exchange.py:ExpertExchange.run: int(recv.sum() - recv[r].sum())":
         HOST_VALUE + ": counts of the routing",
-    "nn/moe.py:Routing.dropped: int(self.chosen.sum() - self.counts.sum())":
+    "nn/moe.py:Routing.dropped: int(self.assigned - self.counts.sum())":
         HOST_VALUE + ": the routing is computed on the host (one host_read of the probs)",
     "nn/moe.py:MoE.run_experts: int(n)": HOST_VALUE + ": counts of the routing",
     "nn/moe.py:load_stats: m.routing.counts.tolist()": HOST_VALUE + ": counts of the routing",
