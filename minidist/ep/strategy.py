@@ -45,7 +45,8 @@ the clipping norm takes each stage's experts once over ep before the sum over st
 --cp, --sequence-parallel: each rank holds part of every sequence and sends its own tokens;
 the routing is over the whole sequence (minidist/nn/moe_split.py), and the experts' replicas
 edp are dp x cp ranks (expert_groups).
-Refused: --comm nccl (no NCCL all-to-all), E not a multiple of ep.
+Refused: --comm nccl (no NCCL all-to-all; under --cp or --sequence-parallel without --ep
+too: the routing's ids are host arrays), E not a multiple of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np
@@ -62,9 +63,13 @@ from minidist.tp.state import unscaled_sum_sq
 def moe_problems(args):
     """Sentences saying what does not combine with --moe-experts, on one process or many
     (under --sequence-parallel and --cp an MoE layer routes over the whole sequence:
-    minidist/nn/moe_split.py)."""
+    minidist/nn/moe_split.py, whose all-gather of expert ids takes host arrays, which NCCL
+    does not)."""
     if not args.moe_experts:
         return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
+    if args.comm == "nccl" and (args.cp > 1 or args.sequence_parallel):
+        return ["--comm nccl does not combine with --cp or --sequence-parallel (the routing's "
+                "exchange of expert ids is on host arrays; not built)"]
     return []
 
 
