@@ -391,6 +391,8 @@ def run(name, ref_runs, comm, tol):
                          or [0.0]))
     d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
     d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
+    worst = comm.allreduce(float(np.max([d_loss, d_norm, d_par])), op=MPI.MAX)
+    assert worst < tol, (name, d_loss, d_norm, d_par)        # (a nan fails too)
     dropped, mine = same_drops(model, r_model, args, config, strategy)
     t = args.tp
     here = sum(p.size for p in model.parameters())
@@ -411,8 +413,6 @@ def run(name, ref_runs, comm, tol):
     if name.endswith("+ckpt"):
         row["resume_diff"], row["one_process_diff"] = resume_diffs(args, config, comm)
         assert row["resume_diff"] == 0 and row["one_process_diff"] < tol, (name, row)
-    worst = comm.allreduce(float(np.max([d_loss, d_norm, d_par])), op=MPI.MAX)
-    assert worst < tol, (name, row)                          # (a nan fails too)
     if args.comm != "naive":      # naive relays through rank 0 (its bytes: alltoall_check)
         assert sent == theory and (sent > 0) == (N > 1), (name, row)
     return row
