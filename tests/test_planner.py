@@ -451,13 +451,16 @@ def test_moe_on_a_split_sequence_worked_by_hand():
     split_times). TP2 + SP: the MoE block's router and experts run on s/2 tokens: (160 + 16
     + 256) + 416 + 64 = 912, x 3 = 2736 s. Its routing's exchange over tp: the ids, 1 B x k
     2 x s 2 = 4 B all-gathered (1/2 of it sent: 2 s), the sums (b E + 1) x 4 B = 12 B
-    all-reduced (12 s); backward the gradients all-reduced over tp: the router's 8 values
-    (32 s) and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4: 592 s each): 1230 s on top
-    of TP2's 256 s of SP collectives (as its all-reduces): 1486 s. CP2 (s = 1 token a rank):
-    the ring (forward 1 hop, backward 3, of K and V: 2 x 16 B: 32 s each, in both blocks:
-    256 s) + the ids over cp (k 2 x 2 tokens = 4 B: 2 s) and the sums (12 s): 270 s."""
-    sp = step_time(MOE_TOY, Layout(tp=2, sp=True, amp=False), UNIT, seq=2, global_batch=1)
-    assert sp["compute"] == pytest.approx(2736) and sp["tp_cp"] == pytest.approx(256 + 1230)
+    all-reduced (12 s): 14 s forward, 2 calls; backward the gradients all-reduced over tp:
+    the router's 8 values (32 s) and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4: 592 s
+    each): 1216 s, 9 calls. CP2 (s = 1 token a rank): the ring (forward 1 hop, backward 3,
+    of K and V: 2 x 16 B: 32 s each, in both blocks: 256 s) + the ids over cp (k 2 x 2
+    tokens = 4 B: 2 s) and the sums (12 s): 270 s of the step's tp_cp."""
+    from minidist.train.moe_cost import split_times
+    sp = Layout(tp=2, sp=True, amp=False)
+    assert split_times(MOE_TOY, UNIT, sp, b=1, s=2, e=4, stage=0) == (14, 1216, 2, 9)
+    assert split_times(MOE_TOY, UNIT, Layout(tp=2, amp=False), 1, 2, 4, 0) == (0, 0, 0, 0)
+    assert step_time(MOE_TOY, sp, UNIT, seq=2, global_batch=1)["compute"] == pytest.approx(2736)
     cp = step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
     assert cp["tp_cp"] == pytest.approx(256 + 14)
 
