@@ -100,8 +100,8 @@ def make_cluster(args):
 
 def parse_layout(text, args):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
-    sequence parallelism (always, for a Mixture of Experts); "ep=2": expert parallelism."""
-    fields, micro, sp = {}, 1, not args.moe_experts
+    sequence parallelism; "ep=2": expert parallelism."""
+    fields, micro, sp = {}, 1, True
     for item in text.split(","):
         key, _, value = item.partition("=")
         if key == "ckpt":
