@@ -1,6 +1,7 @@
 """The step-time model against measurements: predicted vs measured ms per step of DDP, ZeRO-3,
 TP and PP (and DDP over the hierarchical all-reduce) on 2 and 4 ranks of this machine, and of
-a Mixture of Experts (4 experts, top-2) under DDP and expert parallelism (EP2, EP2 x DP2).
+a Mixture of Experts (4 experts, top-2) under DDP and expert parallelism (EP2, EP2 x DP2),
+and on split sequences (CP2, TP2 with SP, EP2 x CP2).
 
     python examples/calibrate_here.py          # first: examples/calibration_here.json
     python examples/bench_plan.py --repeats 3  # one JSON line per case, then a markdown table
@@ -67,6 +68,12 @@ CASES = [
     ("EP2, 4 experts top-2", 2, MOE + ["--ep", "2"], Layout(dp=2, ep=2, amp=False), 1, None),
     ("EP2 x DP2, 4 experts top-2", 4, MOE + ["--ep", "2", "--dp", "2"],
      Layout(dp=4, ep=2, amp=False), 1, None),
+    # a sequence split over ranks: the routing's exchange (minidist/nn/moe_split.py)
+    ("MoE CP2, 4 experts top-2", 2, MOE + ["--cp", "2"], Layout(cp=2, amp=False), 1, None),
+    ("MoE TP2+SP, 4 experts top-2", 2, MOE + ["--tp", "2", "--sequence-parallel"],
+     Layout(tp=2, sp=True, amp=False), 1, None),
+    ("EP2 x CP2, 4 experts top-2", 4, MOE + ["--ep", "2", "--cp", "2"],
+     Layout(dp=2, ep=2, cp=2, amp=False), 1, None),
 ]
 
 
