@@ -29,8 +29,9 @@ average over cp is one process's gradient. The tp ranks' losses are one loss (ea
 gradients of its own tokens are summed by `shared`): factor 1.
 Calls and bytes per MoE layer forward (host ints and the sums; nothing in backward; a
 recompute under --ckpt-activations runs the forward's again): `split_calls`.
-Tests: tests/test_moe.py (the gather against one process's routing), tests/scripts/ep_check.py
-(the sp / cp runs against one process, float64).
+Tests: tests/scripts/ep_check.py (the SP / CP runs against one process in float64: the same
+drops, the calls and bytes of split_calls; tests/test_expert_parallel.py), SequenceSum's
+gradient across 2 ranks (tests/scripts/moe_split_check.py; tests/test_moe.py).
 """
 import numpy as np
 
