@@ -152,7 +152,7 @@ def _parse(*flags):
      "dp 2 x --grad-accum 1 x --micro-batches 4 = 8"),
     (6, ["--pp", "4"], "--dp 1 x --pp 4 = 4 ranks, but this job has 6"),
     (8, ["--pp", "2", "--tp", "2", "--dp", "3"], "= 12 ranks, but this job has 8"),
-    (4, ["--pp", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "n_head 3"),
+    (4, ["--pp", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"], "--n-head 3 is not divisible by --tp 2"),
     (2, ["--pp", "2", "--pp-virtual", "2", "--micro-batches", "3", "--batch-size", "12"],
      "--micro-batches 3 must be a multiple of --pp 2"),
     (2, ["--pp", "2", "--pp-virtual", "2", "--schedule", "gpipe"],
