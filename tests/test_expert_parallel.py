@@ -107,7 +107,8 @@ def test_ep2_is_exact(mpi):
     ZeRO-1, ZeRO-3 and DDP with --ckpt-activations, against one process (no recompute) in
     float64; the same tokens dropped; bytes = formula (the recompute's all-to-alls counted).
     --dropout 0.1 under ep 2 (also with --ckpt-activations and ZeRO-3, and with grad-accum 2)
-    and under tp 2: one process's masks. +ckpt runs also save after step 2 of 4: the resumed run is
+    and under tp 2: one process's masks (ep2+drop+ckpt: also after a resume, the keys' step
+    restored as train_gpt's is). +ckpt runs also save after step 2 of 4: the resumed run is
     bit-identical, and one process loading the checkpoint follows to 1e-10. +amp runs: ZeRO
     with float16 --amp against one process's --amp (check_amp_row).
 
@@ -116,8 +117,8 @@ def test_ep2_is_exact(mpi):
     runs = ["ep2+ckpt", "ep2+top1+accum", "ep2+naive", "ep2+mpi+every2", "ep2+bucketed",
             "ep2+ddpnaive+accum", "ep1xtp2+ckpt", "ep1xdp2+zero1", "ep1xdp2+zero3",
             "ep2+zero3+ckpt", "ep2+zero2+accum+ckpt", "ep2+zero1+amp+ckpt", "ep2+zero3+amp",
-            "ep2+recompute", "ep2+recompute+zero3+accum", "ep1xdp2+recompute", "ep2+drop",
-            "ep1xtp2+drop", "ep2+drop+recompute+zero3", "ep2+drop+accum"]
+            "ep2+recompute", "ep2+recompute+zero3+accum", "ep1xdp2+recompute",
+            "ep2+drop+ckpt", "ep1xtp2+drop", "ep2+drop+recompute+zero3", "ep2+drop+accum"]
     out = mpi(2, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     check_rows(tagged_json(out, "RESULT"), runs)
 

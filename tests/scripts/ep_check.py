@@ -189,6 +189,7 @@ def resume_diffs(args, config, comm):
         opt = strategy.build_optimizer(model, args)
         if load:
             strategy.load(folder, model, opt)
+            model.dropout_keys.load_state_dict({"step": 2})     # as train_gpt's resume does
         got = []
         for step in range(2 if load else 0, 4):
             got += [float(v) for v in train_step(strategy, model, opt,
@@ -201,6 +202,7 @@ def resume_diffs(args, config, comm):
     model = one.build_model(config, SEED, dtype)
     opt = one.build_optimizer(model, args)
     one.load(folder, model, opt)
+    model.dropout_keys.load_state_dict({"step": 2})
     got = [float(v) for step in (2, 3) for v in train_step(
         one, model, opt, *batch(step, args.batch_size, config, SEED), args)[:2]]
     runs.append((got, {n: np.asarray(p.data) for n, p in model.named_parameters()}))
