@@ -1,0 +1,65 @@
+"""The composition sweep (tests/scripts/layout_sweep.py): every layout check_layout accepts,
+of a seeded sample covering every flag value and every pair of strategies, trains one
+process's numbers (float64 to 1e-9: each step's loss, the val loss, every saved parameter;
+--amp: within 10x what reordering the same sums on one process changes).
+
+    python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, then 8
+    python tests/scripts/layout_sweep.py                         # the same, line by line
+
+The default run checks the sampler alone (no MPI): the list is deterministic, accepted, and
+covers what it claims.
+"""
+import collections
+import os
+import sys
+
+import pytest
+
+from mpirun import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import layout_sweep  # noqa: E402
+
+
+def test_the_list_is_deterministic_accepted_and_covers_every_flag_value():
+    """Small draws keep this fast; the sweep's own list is drawn the same way, only longer."""
+    cands = layout_sweep.candidates(seed=3, ranks_list=[2, 4], n=300)
+    chosen = layout_sweep.select(cands, want=2, pairs=1)
+    assert chosen == layout_sweep.select(layout_sweep.candidates(3, [2, 4], 300), 2, 1)
+    assert all(layout_sweep.accepted(r, f) is None for r, f in chosen)
+    shown = collections.Counter(f for c in chosen for f in layout_sweep.features(*c))
+    for f in {f for c in cands for f in layout_sweep.features(*c)}:
+        want = 2 if len(f) == 2 else 1
+        assert shown[f] >= min(want, sum(f in layout_sweep.features(*c) for c in cands)), f
+
+
+def test_a_refused_layout_is_not_drawn():
+    """--pp-virtual 2 with --schedule gpipe is refused by check_layout: never in the list."""
+    flags = {"--pp": 2, "--schedule": "gpipe", "--pp-virtual": 2, "--zero": 0}
+    assert "needs --schedule 1f1b" in layout_sweep.accepted(2, flags)
+    cands = layout_sweep.candidates(seed=3, ranks_list=[2, 4], n=300)
+    assert not any(f.get("--pp-virtual") == 2 and f["--schedule"] != "1f1b" for _, f in cands)
+
+
+def _sweep(mpi, tmp_path, ranks, count=None):
+    chosen = layout_sweep.layouts(ranks, seed=0, count=count)
+    lines = []
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=lines.append)
+    failed = [layout_sweep.describe(*c) for c in chosen if not sweep.check(*c)[0]]
+    print("\n".join(lines))
+    assert not failed, "\n".join(["layouts that do not train one process's numbers:",
+                                  *failed, "all runs:", *lines])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_sampled_layout_on_2_and_4_ranks_trains_one_process_numbers(mpi, tmp_path):
+    """~46 layouts (python tests/scripts/layout_sweep.py --list), about a minute quiet."""
+    _sweep(mpi, tmp_path, (2, 4))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sampled_layouts_on_8_ranks_train_one_process_numbers(mpi, tmp_path):
+    """The first 10 of the 8-rank list (python tests/scripts/layout_sweep.py --ranks 8)."""
+    _sweep(mpi, tmp_path, (8,), count=10)
