@@ -41,6 +41,21 @@ def test_a_refused_layout_is_not_drawn():
     assert not any(f.get("--pp-virtual") == 2 and f["--schedule"] != "1f1b" for _, f in cands)
 
 
+@pytest.mark.mpi
+def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers(mpi, tmp_path):
+    """Found by the sweep: with --moe-every 4 stage 0 of 2 holds no MoE block, so no experts;
+    the gradient norm's sum over ep took its device from the first expert (IndexError,
+    every rank aborted). Now DDP's and ZeRO's norms, losses and parameters are exact:
+
+        mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --moe-every 4 --pp 2 --ep 2
+    """
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    for zero in (0, 3):
+        flags = {"--moe-experts": 4, "--moe-every": 4, "--pp": 2, "--ep": 2, "--zero": zero}
+        ok, errs, run = sweep.check(4, flags)
+        assert ok, (errs, run["stderr"][-2000:])
+
+
 def _sweep(mpi, tmp_path, ranks, count=None):
     chosen = layout_sweep.layouts(ranks, seed=0, count=count)
     lines = []

@@ -160,7 +160,8 @@ class ExpertParallel(ModelParallel):
             shards = [u.grad_shard for u in self.expert_engine.units]
             return self.inner.reduce_sum_sq(local + unscaled_sum_sq(shards, self.amp))
         mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
-        like, ep = self.experts[0].data, self.group.size
+        # a pipeline stage may hold no MoE block (--moe-every): no experts, the same sum
+        like, ep = (self.experts or self.model.parameters())[0].data, self.group.size
         with np.errstate(invalid="ignore"):         # --amp: inf - inf is nan, an overflow
             dense = (local - mine) / ep
         total = all_reduce_number(self.group, dense + mine, "sum", like)

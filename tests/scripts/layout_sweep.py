@@ -69,7 +69,7 @@ def candidate(rng, ranks):
         f["--moe-experts"] = 4
         f["--moe-top-k"] = rng.choice([1, 2])
         f["--moe-capacity-factor"] = _pick(rng, [1.25, 0.0])
-        f["--moe-every"] = _pick(rng, [1, 2])
+        f["--moe-every"] = _pick(rng, [1, 2, 4])      # 4: a pipeline stage may hold none
         f["--moe-aux-loss-coef"] = _pick(rng, [0.01, 0.0], 0.7)
         f["--moe-z-loss-coef"] = _pick(rng, [0.0, 0.001], 0.7)
     f.update(_axes(rng, ranks, moe))
