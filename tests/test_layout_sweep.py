@@ -18,27 +18,44 @@ import pytest
 from mpirun import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import layout_sample  # noqa: E402
 import layout_sweep  # noqa: E402
 
 
 def test_the_list_is_deterministic_accepted_and_covers_every_flag_value():
     """Small draws keep this fast; the sweep's own list is drawn the same way, only longer."""
-    cands = layout_sweep.candidates(seed=3, ranks_list=[2, 4], n=300)
-    chosen = layout_sweep.select(cands, want=2, pairs=1)
-    assert chosen == layout_sweep.select(layout_sweep.candidates(3, [2, 4], 300), 2, 1)
-    assert all(layout_sweep.accepted(r, f) is None for r, f in chosen)
-    shown = collections.Counter(f for c in chosen for f in layout_sweep.features(*c))
-    for f in {f for c in cands for f in layout_sweep.features(*c)}:
+    sample = layout_sample
+    cands = sample.candidates(seed=3, ranks_list=[2, 4], n=300)
+    chosen = sample.select(cands, want=2, pairs=1)
+    assert chosen == sample.select(sample.candidates(3, [2, 4], 300), 2, 1)
+    assert all(sample.accepted(r, f) is None for r, f in chosen)
+    shown = collections.Counter(f for c in chosen for f in sample.features(*c))
+    for f in {f for c in cands for f in sample.features(*c)}:
         want = 2 if len(f) == 2 else 1
-        assert shown[f] >= min(want, sum(f in layout_sweep.features(*c) for c in cands)), f
+        assert shown[f] >= min(want, sum(f in sample.features(*c) for c in cands)), f
 
 
 def test_a_refused_layout_is_not_drawn():
     """--pp-virtual 2 with --schedule gpipe is refused by check_layout: never in the list."""
     flags = {"--pp": 2, "--schedule": "gpipe", "--pp-virtual": 2, "--zero": 0}
-    assert "needs --schedule 1f1b" in layout_sweep.accepted(2, flags)
-    cands = layout_sweep.candidates(seed=3, ranks_list=[2, 4], n=300)
+    assert "needs --schedule 1f1b" in layout_sample.accepted(2, flags)
+    cands = layout_sample.candidates(seed=3, ranks_list=[2, 4], n=300)
     assert not any(f.get("--pp-virtual") == 2 and f["--schedule"] != "1f1b" for _, f in cands)
+
+
+def test_banner_problems_names_a_size_the_layout_does_not_have():
+    """Lines a --dp 1 --ep 2 --cp 2 run printed before the fix (dp x ep called dp; dp x ep
+    x cp called dp x ep), and the cp line after it."""
+    flags = {"--moe-experts": 4, "--ep": 2, "--cp": 2}
+    before = ("context parallel: cp 2 x dp 2 x tp 1, --cp-split zigzag; gradients averaged "
+              "over the 2 dp x cp ranks")
+    after = ("context parallel: cp 2 x dp 1 x ep 2 x tp 1, --cp-split zigzag; gradients "
+             "averaged over the 4 dp x ep x cp ranks")
+    ep_line = ("expert parallel: ep 2 x dp 1 x tp 1; this rank holds 8 expert parameter "
+               "tensors (16,704 values); dense gradients averaged over the 4 dp x ep ranks")
+    problems = layout_sweep.banner_problems(4, flags, before + "\n" + ep_line)
+    assert [p.split(":")[0] for p in problems] == ["dp 2", "4 dp x ep"], problems
+    assert layout_sweep.banner_problems(4, flags, "step 1 | tp 3\n" + after) == []
 
 
 @pytest.mark.mpi
@@ -56,11 +73,28 @@ def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers
         assert ok, (errs, run["stderr"][-2000:])
 
 
+@pytest.mark.mpi
+def test_log_lines_under_ep_name_dp_and_ep_apart(mpi, tmp_path):
+    """Found by the sweep: the mesh's dp axis holds dp x ep ranks, and the tp, pp and cp
+    lines called it dp (`tensor parallel: tp 2 x dp 2` for --dp 1 --ep 2); the cp line
+    counted the ep group as the ranks averaging the gradients. Now every size they name is
+    the layout's (Sweep.check fails on any that is not), and the runs are exact:
+
+        mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --cp 2 --zero 1
+    """
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    for axis in ("--cp", "--tp"):
+        flags = {"--moe-experts": 4, "--ep": 2, axis: 2, "--zero": 1}
+        ok, errs, run = sweep.check(4, flags)
+        assert ok, (errs, run["stdout"][-3000:])
+        assert "dp 1 x ep 2" in run["stdout"]
+
+
 def _sweep(mpi, tmp_path, ranks, count=None):
-    chosen = layout_sweep.layouts(ranks, seed=0, count=count)
+    chosen = layout_sample.layouts(ranks, seed=0, count=count)
     lines = []
     sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=lines.append)
-    failed = [layout_sweep.describe(*c) for c in chosen if not sweep.check(*c)[0]]
+    failed = [layout_sample.describe(*c) for c in chosen if not sweep.check(*c)[0]]
     print("\n".join(lines))
     assert not failed, "\n".join(["layouts that do not train one process's numbers:",
                                   *failed, "all runs:", *lines])

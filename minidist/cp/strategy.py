@@ -38,7 +38,7 @@ tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """
 from minidist.cp.context import attach_ring
 from minidist.cp.ring import check_split
-from minidist.strategy.base import ModelParallel, dp_rows
+from minidist.strategy.base import ModelParallel, data_axes, dp_rows
 
 
 def cp_problems(args):
@@ -96,10 +96,11 @@ class ContextParallel(ModelParallel):
         return self.inner.zero_strategy()
 
     def notes(self):
-        s = self.mesh.shape
+        s, ep = self.mesh.shape, self.expert_ranks()
         return self.inner.notes() + [
-            f"context parallel: cp {s['cp']} x dp {s['dp']} x tp {s['tp']}, --cp-split "
-            f"{self.split}; gradients averaged over the {self.inner.group.size} dp x cp ranks"]
+            f"context parallel: cp {s['cp']} x {data_axes(self.mesh, ep)} x tp {s['tp']}, "
+            f"--cp-split {self.split}; gradients averaged over the {self.mesh.dpcp.size} dp x "
+            + ("ep x " if ep > 1 else "") + "cp ranks"]
 
     def summary(self):
         sent = self.sent_per_step()

@@ -222,13 +222,17 @@ class ExpertParallel(ModelParallel):
         the same tokens; rank 0 prints them)."""
         return True
 
+    def expert_ranks(self):
+        return self.group.size
+
     def notes(self):
         s, ep = self.mesh.shape, self.group.size
         n = len(self.experts)
         return self.inner.notes() + [
             f"expert parallel: ep {ep} x dp {s['dp'] // ep} x tp {s['tp']}; this rank holds "
             f"{n} expert parameter tensors ({sum(p.size for p in self.experts):,} values); "
-            f"dense gradients averaged over the {self.inner.group.size} dp x ep ranks"]
+            f"dense gradients averaged over the {self.inner.group.size} dp x ep"
+            + (" x cp" if s["cp"] > 1 else "") + " ranks"]
 
     def summary(self):
         sent = self.sent_per_step()

@@ -46,7 +46,7 @@ from minidist.pp.schedule import (SCHEDULES, bubble_fraction, chunk_layers, meas
                                   schedule_function)
 from minidist.pp import checkpoint as pp_checkpoint
 from minidist.strategy import memory
-from minidist.strategy.base import ModelParallel, all_reduce_number
+from minidist.strategy.base import ModelParallel, all_reduce_number, data_axes
 from minidist.tp.state import sum_sq_over_tp, unscaled_sum_sq
 
 
@@ -141,10 +141,10 @@ class PipelineParallel(ModelParallel):
 
     def notes(self):
         from minidist.nn.config import gpt_param_specs
-        s, (d, c, t, p) = self.stage, (self.mesh.shape[k] for k in ("dp", "cp", "tp", "pp"))
+        s, (c, t, p) = self.stage, (self.mesh.shape[k] for k in ("cp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return super().notes() + [
-            f"pipeline parallel: pp {p} x tp {t} x dp {d}"
+            f"pipeline parallel: pp {p} x tp {t} x {data_axes(self.mesh, self.expert_ranks())}"
             + (f" x cp {c} (a ring over cp inside each stage)" if c > 1 else "")
             + f", {self.schedule}"
             + (f" interleaved over {self.virtual} chunks per rank" if self.virtual > 1 else "")

@@ -77,6 +77,12 @@ def any_rank_of(group, flag, like):
     return bool(backend.host_read(value, "stop flag (nccl)"))
 
 
+def data_axes(mesh, ep):
+    """The log lines' words for the mesh's dp axis, which holds dp x ep ranks (--ep's ranks
+    are carved out of dp, minidist/train/strategy.py): `dp D`, or `dp D x ep E`."""
+    return f"dp {mesh.shape['dp'] // ep}" + (f" x ep {ep}" if ep > 1 else "")
+
+
 class SingleProcess:
     rank, world_size = 0, 1
     reports_memory = False              # measure activations every step for finish()
@@ -217,6 +223,11 @@ class SingleProcess:
         parameters are replicated over cp: ZeRO shards them whole over dp x cp)."""
         return None
 
+    def expert_ranks(self):
+        """The ranks the MoE experts are split over (--ep): 1 here; ExpertParallel: its
+        group's; a model-parallel strategy around it: inner's (`data_axes` names them)."""
+        return 1
+
     def finish(self, args, log):
         if args.trace:
             log.print0(f"--trace {args.trace}: one process sends nothing, so there is no trace")
@@ -238,6 +249,9 @@ class ModelParallel(SingleProcess):
 
     def build_optimizer(self, model, args):
         return self.inner.build_optimizer(model, args)
+
+    def expert_ranks(self):
+        return self.inner.expert_ranks()
 
     def local_rows(self, *arrays):
         return self.inner.local_rows(*arrays)

@@ -37,7 +37,7 @@ from minidist.tp.model import TensorParallelGPT, check_tp_sizes
 from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state, shard_params,
                                sum_sq_over_tp)
 from minidist.strategy import checkpoint, checkpoint_dirs
-from minidist.strategy.base import ModelParallel
+from minidist.strategy.base import ModelParallel, data_axes
 from minidist.zero.checkpoint import load_sharded, save_sharded
 
 
@@ -87,10 +87,10 @@ class TensorParallel(ModelParallel):
 
     def notes(self):
         local, full = self.model.parameter_counts()
-        dp, tp = self.mesh.shape["dp"], self.mesh.shape["tp"]
+        dp, tp = data_axes(self.mesh, self.expert_ranks()), self.mesh.shape["tp"]
         pad = self.model.transformer.wte.weight.tp_split.padding(tp)
         return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
-            f"tensor parallel: tp {tp} x dp {dp} ({self.group.algo}), sequence parallel "
+            f"tensor parallel: tp {tp} x {dp} ({self.group.algo}), sequence parallel "
             f"{'on' if self.sequence_parallel else 'off'}; this rank holds {local:,} of the "
             f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "
                                               f"a multiple of {tp}" if pad else "")]

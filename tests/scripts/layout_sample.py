@@ -1,0 +1,165 @@
+"""The layouts the composition sweep runs (tests/scripts/layout_sweep.py): drawn from the
+flags' values by a seeded sampler (`candidates`), each relevant flag set only where it does
+something (--schedule only with --pp, --cp-split only with --cp, ...), kept where check_flags
+and check_layout accept them, and a deterministic greedy pick (`select`) keeps the fewest
+that show every flag value three times, each at every rank count it was accepted at, and
+every pair of strategies and switches (`_traits`) twice.
+
+    python tests/scripts/layout_sweep.py --list      # the list this draws
+Tests: tests/test_layout_sweep.py (the sampler alone, in the default run).
+"""
+import random
+
+import numpy as np
+
+BASE = ["--n-layer", "4", "--n-head", "4", "--n-embd", "32", "--block-size", "16",
+        "--batch-size", "8", "--steps", "3", "--lr", "1e-2", "--eval-every", "0",
+        "--eval-iters", "1", "--sample", "0", "--log-every", "1"]
+
+def _pick(rng, values, p_default=0.5):
+    """values[0] (the default) with probability p_default, else one of the others."""
+    return values[0] if rng.random() < p_default else rng.choice(values[1:])
+
+
+def _axes(rng, ranks, moe):
+    """{flag: size} for --tp --pp --cp --ep whose product divides `ranks`; dp takes the rest."""
+    sizes = {}
+    for flag in rng.sample(["--tp", "--pp", "--cp", "--ep"], 4):
+        left = ranks // int(np.prod(list(sizes.values()) or [1]))
+        options = [n for n in (2, 4) if left % n == 0 and n <= 4]
+        if flag == "--ep" and not moe or not options or rng.random() < 0.55:
+            continue
+        sizes[flag] = rng.choice(options)
+    return sizes
+
+
+def candidate(rng, ranks):
+    """One layout: {flag: value or True} (a switch), only flags that act on it."""
+    f = {}
+    moe = rng.random() < 0.3
+    if moe:
+        f["--moe-experts"] = 4
+        f["--moe-top-k"] = rng.choice([1, 2])
+        f["--moe-capacity-factor"] = _pick(rng, [1.25, 0.0])
+        f["--moe-every"] = _pick(rng, [1, 2, 4])      # 4: a pipeline stage may hold none
+        f["--moe-aux-loss-coef"] = _pick(rng, [0.01, 0.0], 0.7)
+        f["--moe-z-loss-coef"] = _pick(rng, [0.0, 0.001], 0.7)
+    f.update(_axes(rng, ranks, moe))
+    tp, pp, cp, ep = (f.get(k, 1) for k in ("--tp", "--pp", "--cp", "--ep"))
+    dp = ranks // (tp * pp * cp * ep)
+    f["--dp"] = dp if rng.random() < 0.3 else None      # given, or left to default
+    f["--zero"] = _pick(rng, [0, 1, 2, 3], 0.4)
+    if f["--zero"] == 0 and dp * cp * ep > 1:
+        f["--ddp"] = rng.choice(["overlapped", "bucketed", "naive"])
+        if f["--ddp"] != "naive":
+            f["--bucket-mb"] = _pick(rng, [1.0, 0.01])
+    if tp > 1 and rng.random() < 0.5:
+        f["--sequence-parallel"] = True
+    if pp > 1:
+        f["--schedule"] = rng.choice(["1f1b", "gpipe", "zb-h1"])
+        f["--pp-virtual"] = _pick(rng, [1, 2], 0.6) if f["--schedule"] == "1f1b" else 1
+        f["--micro-batches"] = _pick(rng, [None, 2, 4, 8])
+    if cp > 1:
+        f["--cp-split"] = _pick(rng, ["zigzag", "naive"])
+    f["--grad-accum"] = _pick(rng, [1, 2], 0.6)
+    f["--ckpt-activations"] = rng.random() < 0.3
+    f["--dropout"] = _pick(rng, [0.0, 0.1], 0.6)
+    f["--attention"] = _pick(rng, ["auto", "materialized", "tiled"])
+    if f["--attention"] == "tiled":
+        f["--attention-block"] = _pick(rng, [8, 64])
+    f["--amp"] = rng.random() < 0.15
+    f["--comm"] = _pick(rng, ["ring", "naive", "mpi", "hier"])
+    f["--sync-comm"] = rng.random() < 0.15
+    f["--no-bias"] = rng.random() < 0.15
+    return {k: v for k, v in f.items() if v is not None and v is not False}
+
+
+def argv(flags):
+    """The command line of a layout's flags (a switch: the flag alone)."""
+    out = []
+    for k, v in flags.items():
+        out += [k] if v is True else [k, str(v)]
+    if flags.get("--amp"):
+        out += ["--amp-dtype", "float16", "--dtype", "float32"]
+    else:
+        out += ["--dtype", "float64"]
+    return out
+
+
+def accepted(ranks, flags):
+    """None if check_flags and check_layout accept the layout on `ranks`, else the error."""
+    from minidist.train.args import train_parser
+    from minidist.train.cli import UsageError, check_flags
+    from minidist.train.strategy import check_layout
+    args = train_parser().parse_args(BASE + argv(flags) + ["--device", "cpu"])
+    try:
+        check_flags(args)
+        check_layout(args, ranks)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def _traits(flags):
+    """The layout's strategies and switches, for the pairs `features` counts."""
+    out = [k for k in ("--tp", "--pp", "--cp", "--ep", "--sequence-parallel", "--amp",
+                       "--ckpt-activations", "--moe-experts") if k in flags]
+    out += [f"--zero {flags['--zero']}"] if flags.get("--zero") else []
+    out += [f"--schedule {flags['--schedule']}"] if "--schedule" in flags else []
+    out += ["--pp-virtual 2"] if flags.get("--pp-virtual") == 2 else []
+    out += ["--dropout"] if flags.get("--dropout") else []
+    out += ["--grad-accum 2"] if flags.get("--grad-accum") == 2 else []
+    out += ["--attention tiled"] if flags.get("--attention") == "tiled" else []
+    return sorted(out)
+
+
+def features(ranks, flags):
+    """What a layout shows: each (flag, value), each at this rank count, and each pair of its
+    strategies and switches (`_traits`: --tp with --zero 3, --pp with --moe-experts, ...)."""
+    items = [("ranks", ranks)] + sorted((k, str(v)) for k, v in flags.items())
+    traits = _traits(flags)
+    pairs = {(a, b, "pair") for i, a in enumerate(traits) for b in traits[i + 1:]}
+    return set(items) | {(k, v, ranks) for k, v in items} | pairs
+
+
+def candidates(seed, ranks_list, n=4000):
+    """n seeded draws over `ranks_list`, the accepted ones, deduplicated, in draw order."""
+    rng, seen, out = random.Random(seed), set(), []
+    for _ in range(n):
+        ranks = rng.choice(ranks_list)
+        flags = candidate(rng, ranks)
+        key = (ranks, tuple(sorted(flags.items())))
+        if key not in seen and accepted(ranks, flags) is None:
+            seen.add(key)
+            out.append((ranks, flags))
+    return out
+
+
+def select(cands, want=3, pairs=2, limit=None):
+    """Greedy, deterministic: add the candidate that brings the most features still short of
+    their showings (a (flag, value): `want`; a pair of traits: `pairs`; a (flag, value,
+    ranks): one), until none brings any (or `limit`)."""
+    need = {}
+    for ranks, flags in cands:
+        for f in features(ranks, flags):
+            need[f] = want if len(f) == 2 else pairs if f[2] == "pair" else 1
+    chosen, left = [], list(cands)
+    while left and (limit is None or len(chosen) < limit):
+        gain = [sum(1 for f in features(*c) if need[f] > 0) for c in left]
+        best = max(range(len(left)), key=lambda i: (gain[i], -i))
+        if gain[best] == 0:
+            break
+        c = left.pop(best)
+        for f in features(*c):
+            need[f] -= 1
+        chosen.append(c)
+    return chosen
+
+
+def layouts(ranks_list=(2, 4), seed=0, count=None):
+    return select(candidates(seed, list(ranks_list)), limit=count)
+
+
+def describe(ranks, flags):
+    return f"-n {ranks} " + " ".join(argv(flags)[:-2] if not flags.get("--amp")
+                                     else argv(flags))
