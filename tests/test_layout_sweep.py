@@ -1,13 +1,15 @@
 """The composition sweep (tests/scripts/layout_sweep.py): every layout check_layout accepts,
 of a seeded sample covering every flag value and every pair of strategies, trains one
-process's numbers (float64 to 1e-9: each step's loss, the val loss, every saved parameter;
---amp: within 10x what reordering the same sums on one process changes).
+process's numbers (float64 to 1e-9: each step's loss and gradient norm, the val loss, every
+saved parameter; --amp: to a few float16 roundings), prints only sizes the layout has, and
+resumes bit for bit.
 
-    python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, then 8
+    python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, resumed, 8
     python tests/scripts/layout_sweep.py                         # the same, line by line
 
-The default run checks the sampler alone (no MPI): the list is deterministic, accepted, and
-covers what it claims.
+The default run checks the sampler and the log-line check without MPI, and the two layouts
+the sweep found broken (a pipeline stage without MoE blocks under --ep; the log lines under
+--ep) on 4 ranks.
 """
 import collections
 import os
@@ -90,11 +92,11 @@ def test_log_lines_under_ep_name_dp_and_ep_apart(mpi, tmp_path):
         assert "dp 1 x ep 2" in run["stdout"]
 
 
-def _sweep(mpi, tmp_path, ranks, count=None):
+def _sweep(mpi, tmp_path, ranks, count=None, resume=False):
     chosen = layout_sample.layouts(ranks, seed=0, count=count)
     lines = []
     sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=lines.append)
-    failed = [layout_sample.describe(*c) for c in chosen if not sweep.check(*c)[0]]
+    failed = [layout_sample.describe(*c) for c in chosen if not sweep.check(*c, resume)[0]]
     print("\n".join(lines))
     assert not failed, "\n".join(["layouts that do not train one process's numbers:",
                                   *failed, "all runs:", *lines])
@@ -105,6 +107,15 @@ def _sweep(mpi, tmp_path, ranks, count=None):
 def test_every_sampled_layout_on_2_and_4_ranks_trains_one_process_numbers(mpi, tmp_path):
     """~46 layouts (python tests/scripts/layout_sweep.py --list), about a minute quiet."""
     _sweep(mpi, tmp_path, (2, 4))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_sampled_layout_on_2_and_4_ranks_resumes_bit_for_bit(mpi, tmp_path):
+    """Each layout also stopped after step 2 (--stop-at 2 --save) and resumed in the same
+    layout: step 3, the val loss and the saved parameters bit for bit the uninterrupted
+    run's (python tests/scripts/layout_sweep.py --resume; about 4 minutes quiet)."""
+    _sweep(mpi, tmp_path, (2, 4), resume=True)
 
 
 @pytest.mark.mpi

@@ -3,6 +3,7 @@
     python tests/scripts/layout_sweep.py                   # the list (2 and 4 ranks), then runs
     python tests/scripts/layout_sweep.py --list            # only print the list
     python tests/scripts/layout_sweep.py --ranks 8 --count 6   # an 8-rank part
+    python tests/scripts/layout_sweep.py --resume          # each also stopped and resumed
 
 The layouts: tests/scripts/layout_sample.py. Each runs examples/train_gpt.py under mpiexec
 (tests/mpirun.py) on a tiny float64 GPT, with --log-json and --save; its reference is one
@@ -121,13 +122,14 @@ class Sweep:
         self.workdir, self.device, self.say = workdir, device, say
         self.data, self.refs, self.floors, self.runs = corpus(workdir), {}, {}, 0
 
-    def run(self, ranks, flags, name, timeout=240):
-        """Train one layout (ranks 1: one process, no mpiexec): {rc, stdout, stderr} and,
-        if it ran, its losses, final val loss and the saved parameters, whole."""
+    def run(self, ranks, flags, name, extra=(), timeout=240):
+        """Train one layout (ranks 1: one process, no mpiexec) with `extra` flags, saving to
+        workdir/name: {rc, stdout, stderr} and, if it ran, its losses and gradient norms, the
+        final val loss and the saved parameters, whole."""
         from minidist.train.gather import whole_model
         log, ck = (os.path.join(self.workdir, name + e) for e in (".jsonl", ""))
         args = [*BASE, *argv(flags), "--data", self.data, "--cache-dir",
-                os.path.join(self.workdir, "cache"), "--log-json", log, "--save", ck]
+                os.path.join(self.workdir, "cache"), "--log-json", log, "--save", ck, *extra]
         if ranks == 1:
             proc = subprocess.run([sys.executable, TRAIN, *args, "--device", self.device],
                                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
@@ -158,20 +160,47 @@ class Sweep:
                 self.say(f"amp floor {key}: " + _show(self.floors[key]))
         return self.refs[key], self.floors.get(key)
 
-    def check(self, ranks, flags):
-        """(passed, differences, the run) of one layout against its reference; says a line."""
+    def check(self, ranks, flags, resume=False):
+        """(passed, differences, the run) of one layout against its reference; says a line.
+        `resume`: also stopped after step 2 and resumed (`resumed`)."""
         ref, _ = self.reference(flags)
         self.runs += 1
         got = self.run(ranks, flags, f"run{self.runs}")
         ok, errs = compare(ref, got, bool(flags.get("--amp")), bool(flags.get("--moe-experts")))
         banners = banner_problems(ranks, flags, got["stdout"])
         ok, errs = ok and not banners, {**errs, **({"banners": len(banners)} if banners else {})}
+        if resume and got["rc"] == 0:
+            again, errs["resumed"] = self.resumed(ranks, flags, got)
+            ok = ok and again
         self.say(f"{'PASS' if ok else 'FAIL'} {describe(ranks, flags)}  " + _show(errs))
         if got["rc"]:
             self.say("   " + (got["stderr"].strip().splitlines() or ["(no stderr)"])[-1][:300])
         for line in banners:
             self.say("   log line: " + line)
         return ok, errs, got
+
+
+    def resumed(self, ranks, flags, straight):
+        """(bit-identical?, what differs): the layout stopped after step 2 with --save
+        (--stop-at 2), then resumed from that checkpoint in the same layout, against the
+        uninterrupted run `straight`: step 3's loss and norm, the val loss, every parameter
+        saved at the end, all bit for bit (the checkpoint holds the parameters, the
+        optimizer state, the dropout keys' step; batches depend on (seed, step) alone)."""
+        name = f"stop{self.runs}"
+        first = self.run(ranks, flags, name, ["--stop-at", "2"])
+        if first["rc"]:
+            return False, "the --stop-at 2 run failed: " + first["stderr"][-300:]
+        back = self.run(ranks, flags, f"back{self.runs}",
+                        ["--resume", os.path.join(self.workdir, name)])
+        if back["rc"]:
+            return False, "the --resume run failed: " + back["stderr"][-300:]
+        same = {"loss": back["losses"] == straight["losses"][2:],
+                "norm": back["norms"] == straight["norms"][2:],
+                "val_loss": back["val_loss"] == straight["val_loss"],
+                "params": all(np.array_equal(p, straight["params"][n])
+                              for n, p in back["params"].items())}
+        return all(same.values()), "same" if all(same.values()) else \
+            "differs: " + ", ".join(k for k, v in same.items() if not v)
 
 
 def _show(errs):
@@ -186,6 +215,8 @@ def main():
     p.add_argument("--count", type=int, default=None, help="at most this many layouts")
     p.add_argument("--list", action="store_true", help="print the layouts, run nothing")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--resume", action="store_true",
+                   help="also stop each layout after step 2 and resume it: bit for bit?")
     cli = p.parse_args()
     chosen = layouts(cli.ranks, cli.seed, cli.count)
     for i, c in enumerate(chosen):
@@ -194,7 +225,7 @@ def main():
         return 0
     with tempfile.TemporaryDirectory() as workdir:
         sweep = Sweep(workdir, cli.device, say=lambda s: print(s, flush=True))
-        failed = [i for i, c in enumerate(chosen) if not sweep.check(*c)[0]]
+        failed = [i for i, c in enumerate(chosen) if not sweep.check(*c, cli.resume)[0]]
     print(json.dumps({"layouts": len(chosen), "failed": failed}))
     return 1 if failed else 0
 
