@@ -213,14 +213,14 @@ def _assign(new, groups, scalars, optimizer):
     for group, g in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in g.items() if k not in ("params", "names")})
         group["betas"] = tuple(group["betas"])
-    optimizer.weight_decay = max(g["weight_decay"] for g in optimizer.param_groups)
+    optimizer.weight_decay = max((g["weight_decay"] for g in optimizer.param_groups),
+                                 default=optimizer.weight_decay)      # no units: no groups
     if optimizer.amp is not None and SCALER_KEY in scalars:
         optimizer.amp.scaler.load_state_dict(scalars[SCALER_KEY])
-    xp = backend.xp_of(optimizer.engine.units[0].param_shard)
     for (unit, key), host in new.items():
         u = next(u for u in optimizer.engine.units if u.flat.name == unit)
         target = u.param_shard if key == "param" else optimizer.state[unit][key]
-        target[...] = backend.to_device(host, xp)
+        target[...] = backend.to_device(host, backend.xp_of(u.param_shard))
     optimizer.engine.after_step()      # stages 1, 2: all-gather; stage 3: drop stale copies
 
 
@@ -260,7 +260,8 @@ def load_whole(params, opt_sd, optimizer):
     units = optimizer.engine.units
     _check_groups("the checkpoint", opt_sd["groups"], optimizer)
     reader = DictReader(params, opt_sd["state"])
-    keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
+    # no units: an expert engine on a pipeline stage holding no MoE block (--moe-every)
+    keys = ["param"] + [k for k in STATE_KEYS if units and k in optimizer.state[units[0].flat.name]]
     new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
     scalars = {n: {k: v for k, v in s.items() if not hasattr(v, "shape")}
                for n, s in opt_sd["state"].items()}

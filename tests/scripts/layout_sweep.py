@@ -134,9 +134,10 @@ class Sweep:
             proc = subprocess.run([sys.executable, TRAIN, *args, "--device", self.device],
                                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
                                   timeout=timeout)
-        else:
+        else:       # --comm hier: nodes of 2 ranks, so groups of 4 and 8 span two or more
+            env = mpi_env(MINIDIST_RANKS_PER_NODE=2) if flags.get("--comm") == "hier" else None
             proc = run_mpi(ranks, TRAIN, *args, device=self.device, timeout=timeout,
-                           check=False)
+                           check=False, env=env)
         out = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
         if proc.returncode == 0:
             rows = [json.loads(line) for line in open(log)]
