@@ -20,7 +20,7 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
 and around the steps: build_model(config, seed, dtype), build_optimizer(model, args),
 any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
 whole_state / load_whole_state / optimizer_type (a pipeline's checkpoints),
-takes_part_in_sampling(), reports_memory, rank, world_size, zero_strategy().
+takes_part_in_sampling(), reports_memory, rank, world_size, zero_strategy(), expert_ranks().
 
 `SingleProcess` is the reference (one process, the whole model, no communication) and the
 innermost piece of every composition: DataParallel (ddp/) and ZeroDataParallel (zero/) are
