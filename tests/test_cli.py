@@ -66,6 +66,16 @@ BAD_FLAGS = [
     (["--sequence-parallel"], "--sequence-parallel: splits what tensor parallelism repeats"),
     (["--moe-top-k", "2"], "--moe-top-k 2: only used with --moe-experts (add --moe-experts"),
     (["--moe-z-loss-coef", "0.01"], "--moe-z-loss-coef 0.01: only used with --moe-experts"),
+    # flags that would do nothing in this run (found by tests/scripts/layout_sweep.py)
+    (["--schedule", "gpipe"], "--schedule gpipe: sets the pipeline schedule, which this run "
+     "does not use (add --pp 2 or more"),
+    (["--pp-virtual", "2"], "--pp-virtual 2: sets layer chunks per pipeline rank"),
+    (["--cp-split", "naive"], "--cp-split naive: sets how context parallelism splits"),
+    (["--attention", "materialized", "--attention-block", "16"], "--attention-block 16: sets "
+     "the tiled attention's tile size, which this run does not use (use --attention tiled"),
+    (["--zero", "2", "--ddp", "naive"], "--ddp naive: sets how DDP averages gradients"),
+    (["--zero", "1", "--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size (ZeRO does "
+     "not bucket), which this run does not use (drop --zero, or leave --bucket-mb out)"),
     (["--attention-block", "0"], "--attention-block 0: must be at least 1"),
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),

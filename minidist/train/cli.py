@@ -99,10 +99,42 @@ def check_flags(args):
                          "--tp ranks; with --tp 1 it does nothing (add --tp 2 or more, or "
                          "leave it out)")
     check_moe(args)
+    check_idle_flags(args)
     check_amp_dtype(args)
     check_env(args)
     check_device(args)
     check_outputs(args)
+
+
+def idle_flags(args):
+    """(flag, what it sets, what would use it) for each flag that does nothing in this run
+    (the --moe-* flags are check_moe's)."""
+    idle = []
+    if args.pp == 1:
+        idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
+                 ("--pp-virtual", "layer chunks per pipeline rank", "add --pp 2 or more")]
+    if args.cp == 1:
+        idle.append(("--cp-split", "how context parallelism splits the sequence",
+                     "add --cp 2 or more"))
+        if args.attention == "materialized":
+            idle.append(("--attention-block", "the tiled attention's tile size",
+                         "use --attention tiled or auto"))
+    if args.zero:
+        idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
+                  "drop --zero"),
+                 ("--bucket-mb", "DDP's bucket size (ZeRO does not bucket)", "drop --zero")]
+    return idle
+
+
+def check_idle_flags(args):
+    """A flag changed from its default where it would do nothing is refused, not ignored."""
+    from minidist.train.args import train_parser     # (args.py imports this module)
+    defaults = train_parser()
+    for flag, what, remedy in idle_flags(args):
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) != defaults.get_default(name):
+            raise UsageError(f"{flag} {getattr(args, name)}: sets {what}, which this run does "
+                             f"not use ({remedy}, or leave {flag} out)")
 
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
