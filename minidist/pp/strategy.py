@@ -143,7 +143,7 @@ class PipelineParallel(ModelParallel):
         from minidist.nn.config import gpt_param_specs
         s, (c, t, p) = self.stage, (self.mesh.shape[k] for k in ("cp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
-        return super().notes() + [
+        return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
             f"pipeline parallel: pp {p} x tp {t} x {data_axes(self.mesh, self.expert_ranks())}"
             + (f" x cp {c} (a ring over cp inside each stage)" if c > 1 else "")
             + f", {self.schedule}"

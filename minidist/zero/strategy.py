@@ -39,6 +39,11 @@ from minidist.zero.flat import gpt_units
 from minidist.zero.zero import zero_engine
 
 
+def ranks(n):
+    """'1 rank', '4 ranks' (a pipeline can leave ZeRO one rank: --pp 2 --zero 1 on 2)."""
+    return f"{n} rank" + ("" if n == 1 else "s")
+
+
 class ZeroDataParallel(SingleProcess):
     """One-process training with the model state sharded over the dp group."""
     reports_memory = True               # finish() prints the memory table: measure every step
@@ -70,7 +75,7 @@ class ZeroDataParallel(SingleProcess):
     def notes(self):
         pad = sum(u.flat.padding for u in self.engine.units)
         return super().notes() + [
-            f"ZeRO stage {self.stage} over {self.world_size} ranks ({self.group.algo}): "
+            f"ZeRO stage {self.stage} over {ranks(self.world_size)} ({self.group.algo}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
             f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
             f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
@@ -178,7 +183,7 @@ class ZeroDataParallel(SingleProcess):
     def summary(self):
         sent = self.step_bytes
         psi = sum(u.flat.padded * u.flat.dtype.itemsize for u in self.engine.units)
-        return (f"ZeRO-{self.stage} over {self.world_size} ranks ({self.group.algo}): "
+        return (f"ZeRO-{self.stage} over {ranks(self.world_size)} ({self.group.algo}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")
