@@ -36,13 +36,18 @@ Launch = collections.namedtuple("Launch", "name dtype grid block args")
 _CACHE = {}
 
 
+def kernels_on():
+    """The hand-written kernels are switched on: MINIDIST_CUDA_KERNELS is not "0"."""
+    return os.environ.get("MINIDIST_CUDA_KERNELS", "1") != "0"
+
+
 def use(*arrays):
     """True when these arrays (None skipped) should go through the kernels: all cupy, one
     dtype the kernels are built for, and MINIDIST_CUDA_KERNELS is not "0"."""
     arrays = [a for a in arrays if a is not None]
     if not arrays or not all(is_cupy(a) for a in arrays):
         return False
-    if os.environ.get("MINIDIST_CUDA_KERNELS", "1") == "0":
+    if not kernels_on():
         return False
     return arrays[0].dtype.name in CTYPES and all(a.dtype == arrays[0].dtype for a in arrays)
 

@@ -19,23 +19,27 @@ import sys
 
 import numpy as np
 
-from minidist.autograd.cuda_kernels import (Launch, acc_dtype, flat_grid, launch,
+from minidist.autograd.cuda_kernels import (Launch, acc_dtype, flat_grid, kernels_on, launch,
                                             ln_bwd_wb_launch, row_grid, use)
 from minidist.autograd.cuda_source_flash import HS_MAX, THREADS, tiles
 
 
+def new_kernels_on():
+    """MINIDIST_CUDA_NEW_KERNELS=1: the kernels proven on the CPU only (not yet run on a
+    GPU) are off by default."""
+    return os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
+
+
 def use_new(*arrays):
-    """use(...) and MINIDIST_CUDA_NEW_KERNELS=1: the kernels proven on the CPU only (not yet
-    run on a GPU) are off by default."""
-    return use(*arrays) and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1"
+    """use(...) and the new kernels switched on (new_kernels_on)."""
+    return use(*arrays) and new_kernels_on()
 
 
 def new_on(xp):
-    """The new kernels are on for arrays of the module xp: cupy, MINIDIST_CUDA_KERNELS not
-    "0", MINIDIST_CUDA_NEW_KERNELS=1 (dropout's integer counters, which use() does not take:
-    it asks for a floating dtype)."""
-    return (xp.__name__ == "cupy" and os.environ.get("MINIDIST_CUDA_KERNELS", "1") != "0"
-            and os.environ.get("MINIDIST_CUDA_NEW_KERNELS", "0") == "1")
+    """The new kernels are on for arrays of the module xp: cupy, kernels_on() and
+    new_kernels_on() (dropout's integer counters, which use() does not take: it asks for a
+    floating dtype)."""
+    return xp.__name__ == "cupy" and kernels_on() and new_kernels_on()
 
 
 # ---- tiled (flash) attention ----------------------------------------------------------------

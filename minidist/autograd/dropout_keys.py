@@ -244,8 +244,7 @@ class DropoutSite:
         along each further axis d the local indices coords[d - 1] (1-D host ints); float32
         (B,) + (len(c) for c in coords)."""
         row, coords = list(shape[1:]), [np.asarray(c, dtype=np.int64) for c in coords]
-        if self.axis is not None and self.parts > 1 and (self.active is None or
-                                                         self.active()):
+        if self.sliced():
             row[self.axis - 1] *= self.parts                        # the whole row's shape
             coords[self.axis - 1] = coords[self.axis - 1] + self.index * shape[self.axis]
         if self.seq_axis is not None and self.keys.positions is not None:
@@ -260,12 +259,15 @@ class DropoutSite:
         rows = self.rows(shape[0]).reshape((-1,) + (1,) * len(lead))
         return self.keys.numbers(self.name, rows, base[None], coords[-1], xp)
 
+    def sliced(self):
+        """This rank holds a slice of the tensor along `axis` (in this forward)."""
+        return (self.axis is not None and self.parts > 1
+                and (self.active is None or self.active()))
+
     def start(self, shape, axis):
         """Where this rank's part of a local tensor of `shape` starts along `axis` in the
         whole row (tensor parallelism's heads or positions; 0 when not sliced there)."""
-        sliced = self.axis == axis and self.parts > 1 and (self.active is None or
-                                                           self.active())
-        return self.index * shape[axis] if sliced else 0
+        return self.index * shape[axis] if self.axis == axis and self.sliced() else 0
 
     def at(self, n, batch_rows, base, cols, xp=np):
         """Numbers at flat places of the whole row (no slicing: MoE's experts, nn/moe.py)

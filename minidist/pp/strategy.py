@@ -141,11 +141,11 @@ class PipelineParallel(ModelParallel):
 
     def notes(self):
         from minidist.nn.config import gpt_param_specs
-        s, (c, t, p) = self.stage, (self.mesh.shape[k] for k in ("cp", "tp", "pp"))
+        s, (cp, t, p) = self.stage, (self.mesh.shape[k] for k in ("cp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
         return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
             f"pipeline parallel: pp {p} x tp {t} x {data_axes(self.mesh, self.expert_ranks())}"
-            + (f" x cp {c} (a ring over cp inside each stage)" if c > 1 else "")
+            + (f" x cp {cp} (a ring over cp inside each stage)" if cp > 1 else "")
             + f", {self.schedule}"
             + (f" interleaved over {self.virtual} chunks per rank" if self.virtual > 1 else "")
             + f" over {self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "

@@ -59,6 +59,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from minidist.nn.config import GPTConfig, gpt_param_specs
+from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
@@ -235,7 +236,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         row = model_state_bytes(n - experts, layout.dp * layout.cp, layout.zero, layout.amp)
         p, g, o = STATE_BYTES[bool(layout.amp)]             # experts: ZeRO-1 over edp
         row["params"], row["grads"] = row["params"] + p * experts, row["grads"] + g * experts
-        edp = layout.dp // layout.ep * layout.cp             # an expert's replicas
+        edp = axis_size(layout, "edp")                       # an expert's replicas
         row["optimizer"] += o * (sum(math.ceil(u / edp) for u in units)
                                  if layout.zero else experts)
         row["activations"] = int(

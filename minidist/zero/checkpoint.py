@@ -261,7 +261,8 @@ def load_whole(params, opt_sd, optimizer):
     _check_groups("the checkpoint", opt_sd["groups"], optimizer)
     reader = DictReader(params, opt_sd["state"])
     # no units: an expert engine on a pipeline stage holding no MoE block (--moe-every)
-    keys = ["param"] + [k for k in STATE_KEYS if units and k in optimizer.state[units[0].flat.name]]
+    held = optimizer.state[units[0].flat.name] if units else {}
+    keys = ["param"] + [k for k in STATE_KEYS if k in held]
     new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
     scalars = {n: {k: v for k, v in s.items() if not hasattr(v, "shape")}
                for n, s in opt_sd["state"].items()}
