@@ -152,7 +152,51 @@ def test_speed_script_keeps_inside_its_budget(tmp_path):
     """BUDGET: a run that would start with less than 15 s left is recorded as skipped."""
     rc, rows = _speed_script(tmp_path, BUDGET="0")
     assert rc == 1 and all(r.get("skipped") == "BUDGET spent" for r in rows[:-1])
-    assert rows[-1]["check"] == "speed" and len(rows[-1]["failed"]) == 6
+    assert rows[-1]["check"] == "speed" and not rows[-1]["ok"]
+    assert rows[-1]["failed"] == [] and len(rows[-1]["skipped"]) == 6
+
+
+SESSION_ORDER = ["gpu_suite", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",      # kernels
+                 "bf16", "bf16_new",                                            # speed
+                 "mpi4_ddp", "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2",  # ranks
+                 "fp32", "tf32", "bf16_new_tiled", "bf16_new_drop",             # speed2
+                 "train_cpu", "train_device", "train_val_within_2pct",          # training
+                 "suite_on_device"]                                             # suite
+
+
+def _session_script(tmp_path, **env):
+    env = dict(os.environ, DEVICE="cpu", DRY="1", LOGS=str(tmp_path), MINIDIST_THREADS="1",
+               TORCH_REF=str(tmp_path / "no_peer.py"), SUITE="tests/test_bfloat16.py",
+               **env)
+    out = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu_session.sh")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
+    return out.returncode, [json.loads(ln) for ln in out.stdout.splitlines()
+                            if ln.startswith("{")]
+
+
+def test_session_script_runs_the_telling_checks_first_and_records_the_rest(tmp_path):
+    """tests/gpu_session.sh with no budget: both scripts' checks, each once, in the session's
+    order (the CPU has no peer and no graph runs), all recorded as skipped, then one speed
+    table over both speed parts and one summary over every part; exit 1."""
+    rc, rows = _session_script(tmp_path, BUDGET="0")
+    assert [r["check"] for r in rows] == SESSION_ORDER + ["speed", "summary"]
+    assert all(r["skipped"] == "BUDGET spent" for r in rows[:-2])
+    speed, summary = rows[-2:]
+    assert sorted(speed["runs"]) == sorted(["bf16", "bf16_new", "fp32", "tf32",
+                                            "bf16_new_tiled", "bf16_new_drop"])
+    assert summary["skipped"] == SESSION_ORDER and summary["failed"] == [] and rc == 1
+    saved = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["check"] for ln in saved] == ["speed", "summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_session_dry_run_on_the_cpu_passes_every_check(tmp_path):
+    """DEVICE=cpu DRY=1 SUITE=tests/test_bfloat16.py bash tests/gpu_session.sh"""
+    rc, rows = _session_script(tmp_path, BUDGET="850")
+    assert [r["check"] for r in rows] == SESSION_ORDER + ["speed", "summary"]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert rc == 0
 
 
 @pytest.mark.slow

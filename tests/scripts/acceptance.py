@@ -10,9 +10,11 @@ way (the script goes on to the next check; `summary` exits 1 if any check failed
     acceptance.py json NAME RC SECONDS LOG            the last JSON line the command printed
     acceptance.py bench NAME RC SECONDS LOG           a step benchmark's JSON line (bench_step.py
                                                       or the PyTorch peer): ran, loss finite
-    acceptance.py summary RESULTS                     one line: how many checks passed
-    acceptance.py speed RESULTS                       tests/gpu_speed.sh's table: each run's
+    acceptance.py summary RESULTS...                  one line: how many checks passed
+    acceptance.py speed RESULTS...                    tests/gpu_speed.sh's table: each run's
                                                       tokens/s over the peer's (PEER_RUN)
+(several RESULTS files: tests/gpu_session.sh's parts, read as one; the bench rows alone make
+the speed table, the summary and speed rows of a part are left out of both)
 
 Tested on the CPU by tests/test_gpu_acceptance.py.
 """
@@ -106,12 +108,14 @@ def speed(rows):
             "vs_" + PEER_RUN: ratio,
             "meets_targets": (None if ratio is None or kernels is None else
                               ratio >= TARGET_RATIO and kernels <= TARGET_KERNELS)}
-    failed = [r["check"] for r in runs if not r["ok"]]
+    failed = [r["check"] for r in runs if not r["ok"] and not r.get("skipped")]
+    skipped = [r["check"] for r in runs if r.get("skipped")]
     graphs = {run: graph_check(runs, run, eager) for run, eager in GRAPH_PAIRS}
     failed += [f"{run} (its loss or dropout step is not {eager}'s)" for run, eager in GRAPH_PAIRS
                if graphs[run] is not None and not graphs[run]["ok"]]
-    return {"check": "speed", "ok": bool(runs) and not failed, "failed": failed,
-            "peer": PEER_RUN if peer else None, "runs": table, "graphs": graphs}
+    return {"check": "speed", "ok": bool(runs) and not failed and not skipped,
+            "failed": failed, "skipped": skipped, "peer": PEER_RUN if peer else None,
+            "runs": table, "graphs": graphs}
 
 
 # (captured run, its eager twin): tests/gpu_speed.sh's CUDA graph runs, without and with
@@ -138,18 +142,26 @@ def graph_check(runs, graph_run, eager_run):
             "dropout_steps": steps, "ok": diff <= GRAPH_TOL and steps[0] == steps[1]}
 
 
+def results(paths):
+    """The check rows of RESULTS files, in order; their own summary and speed rows left out."""
+    rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    return [r for r in rows if r.get("check") not in ("summary", "speed")]
+
+
 def main(argv):
     kind = argv[0]
     if kind == "speed":
-        out = speed([json.loads(line) for line in open(argv[1]) if line.strip()])
+        out = speed([r for r in results(argv[1:]) if r.get("verdict", "bench") == "bench"])
         print(json.dumps(out))
         return 0 if out["ok"] else 1
     if kind == "summary":
-        rows = [json.loads(line) for line in open(argv[1]) if line.strip()]
-        bad = [r["check"] for r in rows if not r.get("ok")]
-        print(json.dumps({"check": "summary", "ok": not bad, "passed": len(rows) - len(bad),
-                          "failed": bad}))
-        return 1 if bad else 0
+        rows = results(argv[1:])
+        bad = [r["check"] for r in rows if not r.get("ok") and not r.get("skipped")]
+        skipped = [r["check"] for r in rows if r.get("skipped")]
+        print(json.dumps({"check": "summary", "ok": not bad and not skipped,
+                          "passed": len(rows) - len(bad) - len(skipped), "failed": bad,
+                          "skipped": skipped}))
+        return 1 if bad or skipped else 0
     name, rc, seconds, log = argv[1], int(argv[2]), float(argv[3]), argv[4]
     try:
         text = open(log, errors="replace").read()
@@ -175,7 +187,8 @@ def main(argv):
         raise SystemExit(f"acceptance.py: unknown kind {kind!r} (pytest, curve, val, json, "
                          "bench, summary, speed)")
     out.pop("check", None)
-    row = {"check": name, "ok": out.pop("ok"), "rc": rc, "seconds": round(seconds, 1),
+    row = {"check": name, "verdict": kind, "ok": out.pop("ok"), "rc": rc,
+           "seconds": round(seconds, 1),
            "log": log, **out}
     if rc in (124, 137):
         row["timed_out"] = True

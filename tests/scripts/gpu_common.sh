@@ -5,7 +5,9 @@
 # Reads: LOGS (created), LIMIT (seconds per command), BUDGET (seconds for the whole script,
 # default none: a device call is cut at 10 minutes, so a script given BUDGET=560 finishes its
 # checks inside one call, each command's limit shortened to what is left, the rest recorded as
-# skipped). Sets: PY, MPIEXEC, RESULTS ($LOGS/results.jsonl, emptied), PYTHONPATH.
+# skipped), ONLY (check names, space-separated: only these run, the others print nothing;
+# tests/gpu_session.sh orders both scripts' checks by it). Sets: PY, MPIEXEC, RESULTS
+# ($LOGS/results.jsonl, emptied), PYTHONPATH.
 mkdir -p "$LOGS"
 RESULTS="$LOGS/results.jsonl"
 : > "$RESULTS"
@@ -32,12 +34,15 @@ run() {
     local extra=()
     while [ "$1" != "--" ]; do extra+=("$1"); shift; done
     shift
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     local log="$LOGS/$name.log" limit=$LIMIT t0 rc
     if [ -n "${BUDGET:-}" ]; then
         local left=$((BUDGET - ($(date +%s) - T_START)))
         if [ "$left" -lt 15 ]; then
-            echo "{\"check\": \"$name\", \"ok\": false, \"skipped\": \"BUDGET spent\"}" \
-                | tee -a "$RESULTS"
+            printf '{"check": "%s", "verdict": "%s", "ok": false, "skipped": "BUDGET spent"}\n' \
+                "$name" "$kind" | tee -a "$RESULTS"
             return
         fi
         [ "$left" -lt "$limit" ] && limit=$left
