@@ -4,6 +4,7 @@
     python tests/scripts/layout_sweep.py --list            # only print the list
     python tests/scripts/layout_sweep.py --ranks 8 --count 6   # an 8-rank part
     python tests/scripts/layout_sweep.py --resume          # each also stopped and resumed
+    python tests/scripts/layout_sweep.py --reshard         # each resumed in another layout
 
 The layouts: tests/scripts/layout_sample.py. Each runs examples/train_gpt.py under mpiexec
 (tests/mpirun.py) on a tiny float64 GPT, with --log-json and --save; its reference is one
@@ -31,7 +32,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))         # tests/mpirun.py
 from mpirun import ROOT, logged_losses, mpi_env, run_mpi  # noqa: E402
-from layout_sample import BASE, argv, describe, layouts  # noqa: E402
+from layout_sample import BASE, accepted, argv, describe, layouts  # noqa: E402
 
 TRAIN = "examples/train_gpt.py"
 TOL = 1e-9
@@ -181,6 +182,33 @@ class Sweep:
         return ok, errs, got
 
 
+    def check_resharded(self, ranks, flags, into):
+        """`resharded`, with a line said."""
+        ok, errs = self.resharded(ranks, flags, into)
+        self.say(f"{'PASS' if ok else 'FAIL'} {describe(ranks, flags)}  ->  "
+                 f"{describe(*into)}  " + _show(errs))
+        return ok, errs
+
+    def resharded(self, ranks, flags, into):
+        """(passed, differences): the layout stopped after step 2 (--stop-at 2 --save), then
+        resumed from that checkpoint in another layout `into` = (ranks, flags: the same
+        reference_flags), against the one-process reference: step 3's loss and gradient
+        norm, the val loss and every saved parameter, to TOL (AMP_TOL under --amp). Another
+        layout sums in another order, so equal bits are not expected, only one process's
+        numbers."""
+        ref, _ = self.reference(flags)
+        self.runs += 1
+        name = f"stop{self.runs}"
+        first = self.run(ranks, flags, name, ["--stop-at", "2"])
+        if first["rc"]:
+            return False, {"stop_rc": first["rc"], "stderr": first["stderr"][-300:]}
+        back = self.run(*into, f"back{self.runs}", ["--resume", os.path.join(self.workdir, name)])
+        tail = {**ref, "losses": ref["losses"][2:], "norms": ref["norms"][2:]}
+        ok, errs = compare(tail, back, bool(flags.get("--amp")), bool(flags.get("--moe-experts")))
+        if back["rc"]:
+            errs["stderr"] = (back["stderr"].strip().splitlines() or ["(no stderr)"])[-1][:300]
+        return ok, errs
+
     def resumed(self, ranks, flags, straight):
         """(bit-identical?, what differs): the layout stopped after step 2 with --save
         (--stop-at 2), then resumed from that checkpoint in the same layout, against the
@@ -204,6 +232,24 @@ class Sweep:
             "differs: " + ", ".join(k for k, v in same.items() if not v)
 
 
+def partner(chosen, i):
+    """The layout chosen[i] resumes into under --reshard: the next layout in the list (cyclic)
+    whose strategy flags, with chosen[i]'s reference_flags (the same model, data, dropout,
+    MoE and --amp), check_layout accepts and that differs from chosen[i], preferring another
+    number of ranks; every fourth layout resumes into one process instead. None if none
+    fits."""
+    ranks, flags = chosen[i]
+    if i % 4 == 3:
+        return 1, reference_flags(flags)
+    options = []
+    for k in range(1, len(chosen)):
+        r, f = chosen[(i + k) % len(chosen)]
+        into = {**{a: v for a, v in f.items() if a not in REF}, **reference_flags(flags)}
+        if (r, into) != (ranks, flags) and accepted(r, into) is None:
+            options.append((r != ranks, -k, (r, into)))
+    return max(options)[2] if options else None
+
+
 def _show(errs):
     return " ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
                     for k, v in errs.items())
@@ -218,15 +264,23 @@ def main():
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--resume", action="store_true",
                    help="also stop each layout after step 2 and resume it: bit for bit?")
+    p.add_argument("--reshard", action="store_true",
+                   help="instead, stop each layout after step 2 and resume it in another "
+                        "(`partner`): one process's numbers?")
     cli = p.parse_args()
     chosen = layouts(cli.ranks, cli.seed, cli.count)
     for i, c in enumerate(chosen):
-        print(f"{i:3d} {describe(*c)}", flush=True)
+        into = f"  ->  {describe(*partner(chosen, i))}" if cli.reshard else ""
+        print(f"{i:3d} {describe(*c)}{into}", flush=True)
     if cli.list:
         return 0
     with tempfile.TemporaryDirectory() as workdir:
         sweep = Sweep(workdir, cli.device, say=lambda s: print(s, flush=True))
-        failed = [i for i, c in enumerate(chosen) if not sweep.check(*c, cli.resume)[0]]
+        if cli.reshard:
+            failed = [i for i, c in enumerate(chosen)
+                      if not sweep.check_resharded(*c, partner(chosen, i))[0]]
+        else:
+            failed = [i for i, c in enumerate(chosen) if not sweep.check(*c, cli.resume)[0]]
     print(json.dumps({"layouts": len(chosen), "failed": failed}))
     return 1 if failed else 0
 
