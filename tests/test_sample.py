@@ -6,6 +6,7 @@ included) is a table in tests/test_cli.py.
     mpiexec -n 2 python examples/train_gpt.py --tp 2 --zero 1 --steps 3 --save ck_tpz ...
     python examples/sample.py --resume ck_tpz --prompt "def " --temperature 0
 """
+import json
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.train.gather import tp_splits, whole_model
+from minidist.strategy.split import Split
+from minidist.train.gather import whole_model
 from mpirun import ROOT, device_flags, mpi_env, mpiexec
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -46,15 +48,20 @@ def _train(launch, corpus, tmp_path, save, *flags):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_tp_splits_are_the_tensor_parallel_models_own(bias):
-    """gather.tp_splits (used without a tp group) says what TensorParallelGPT's layers say."""
+def test_a_tp_part_records_the_tensor_parallel_models_own_splits(bias):
+    """What a TP x ZeRO part's manifest records of each split parameter (Split.to_dict) reads
+    back as the Split TensorParallelGPT's layers cut with: any layout glues the pieces by it
+    (minidist/strategy/readers.py PartsReader)."""
     from mpi4py import MPI
     from minidist.comm import ProcessGroup
     from minidist.tp.model import TensorParallelGPT
     config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11, bias=bias)
     model = TensorParallelGPT(config, ProcessGroup(MPI.COMM_SELF, name="tp"), seed=0)
     theirs = {n: repr(p.tp_split) for n, p in model.named_parameters() if p.tp_split}
-    assert {n: repr(s) for n, s in tp_splits(config).items()} == theirs
+    recorded = json.loads(json.dumps({n: p.tp_split.to_dict()
+                                      for n, p in model.named_parameters() if p.tp_split}))
+    assert {n: repr(Split.from_dict(d)) for n, d in recorded.items()} == theirs
+    assert len(theirs) == 2 * (6 if bias else 4) + 1          # + wte, split by vocabulary
 
 
 @pytest.mark.mpi

@@ -12,7 +12,7 @@ import pytest
 from minidist.autograd import fused as F
 from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig
-from minidist.tp.region import Split
+from minidist.strategy.split import Split
 from minidist.tp.model import check_tp_sizes
 from minidist.train.args import train_parser
 from minidist.train.strategy import check_layout

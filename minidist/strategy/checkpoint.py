@@ -43,6 +43,7 @@ from minidist.strategy.readers import read_whole, sha256_file, verify_file
 __all__ = ["CheckpointError", "save", "load", "verify", "check_fits", "make_meta",
            "save_checkpoint", "load_checkpoint"]
 FORMAT, VERSION = "minidist-checkpoint", 2
+PART = re.compile(r"^tp(\d+)-of-(\d+)$")       # a TP x ZeRO checkpoint's part folders
 DIGEST = "manifest.sha256"
 META_KEYS = ("step", "config", "dtype", "rng", "extra")
 
@@ -126,10 +127,9 @@ def verify(folder, shard_checksums=True):
     path = os.path.join(folder, "manifest.json")
     if not os.path.isdir(folder):
         raise CheckpointError(f"--resume {folder}: no such checkpoint directory")
-    parts = sorted(n for n in os.listdir(folder) if re.match(r"^tp\d+-of-\d+$", n))
+    parts = sorted(n for n in os.listdir(folder) if PART.match(n))
     if not os.path.isfile(path) and parts:
-        raise CheckpointError(f"--resume {folder}: a checkpoint of --tp with --zero "
-                              f"({', '.join(parts)}); resume it with the same --tp and --zero")
+        return verify_parts(folder, parts, shard_checksums)
     if not os.path.isfile(path):
         raise CheckpointError(f"--resume {folder}: no manifest.json, so not a complete "
                               "minidist checkpoint")
@@ -151,20 +151,55 @@ def verify(folder, shard_checksums=True):
     return manifest
 
 
-def read_record(folder):
-    """state.json of a verified folder."""
-    with open(os.path.join(folder, "state.json")) as f:
+def verify_parts(folder, parts, shard_checksums=True):
+    """A TP x ZeRO checkpoint: one ZeRO folder per tp rank (`parts`, named tp<r>-of-<T>),
+    each verified as a checkpoint of its own, their "tp" sections checked against each other
+    (every rank 0..T-1 once, the same step and splits). Returns the manifest of the whole:
+    the step, world size, "tp" (size, splits), "parts" (the folders in tp rank order) and
+    "manifests" (theirs), which checkpoint.load and ZeRO's load_sharded read by parameter
+    name (minidist/strategy/readers.py PartsReader)."""
+    manifests = {n: verify(os.path.join(folder, n), shard_checksums) for n in parts}
+    if any("tp" not in m for m in manifests.values()):
+        raise CheckpointError(f"--resume {folder}: a checkpoint of --tp with --zero "
+                              f"({', '.join(parts)}) saved before its parts recorded how "
+                              "they were cut; resume it with the same --tp and --zero "
+                              "(a --save from that run can be resumed in any layout)")
+    tps = {n: m["tp"] for n, m in manifests.items()}
+    size = tps[parts[0]]["size"]
+    by_rank = {t["rank"]: n for n, t in tps.items()}
+    if (sorted(by_rank) != list(range(size)) or len(parts) != size
+            or any(n != f"tp{t['rank']}-of-{t['size']}" for n, t in tps.items())):
+        raise CheckpointError(f"corrupt checkpoint: {folder} holds the parts "
+                              f"{', '.join(parts)}, not the {size} of tp {size}")
+    steps = {m["step"] for m in manifests.values()}
+    if len(steps) != 1 or any(t["splits"] != tps[parts[0]]["splits"] for t in tps.values()):
+        raise CheckpointError(f"corrupt checkpoint: the parts of {folder} disagree on the "
+                              "step or on how the parameters were cut")
+    order = [by_rank[r] for r in range(size)]
+    return {"format": FORMAT, "version": VERSION, "step": steps.pop(),
+            "world_size": sum(m["world_size"] for m in manifests.values()),
+            "tp": {"size": size, "splits": tps[parts[0]]["splits"]},
+            "parts": [os.path.join(folder, n) for n in order],
+            "manifests": [manifests[n] for n in order]}
+
+
+def read_record(folder, manifest=None):
+    """state.json of a verified folder (of a TP x ZeRO checkpoint: its tp rank 0 part's; the
+    parts' records are the same but for the tp part each describes)."""
+    where = manifest["parts"][0] if manifest and "parts" in manifest else folder
+    with open(os.path.join(where, "state.json")) as f:
         return json.load(f)
 
 
 def load(directory):
     """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
-    a --save directory: its latest), every file verified; ZeRO's shards assembled by name."""
+    a --save directory: its latest), every file verified; ZeRO's shards assembled by name,
+    a TP x ZeRO checkpoint's tp pieces glued as its parts record."""
     folder = dirs.resolve(directory)
     manifest = verify(folder)
-    record = read_record(folder)
+    record = read_record(folder, manifest)
     with does_not_fit(folder):
-        if "zero" in manifest:
+        if "zero" in manifest or "parts" in manifest:
             params, arrays = read_whole(folder, manifest)
         else:
             params, _ = load_file(os.path.join(folder, "model.safetensors"))

@@ -1,7 +1,9 @@
 """Reading a checkpoint's arrays by parameter name, whoever wrote it: a one-process run
 (`PlainReader`: model.safetensors and optimizer.safetensors) or a ZeRO run at any world size
 and stage (`ShardReader`: each parameter cut out of the old ranks' flat shards, memory-mapped,
-so only those bytes are read), or dicts already in memory (`DictReader`: a pipeline stage's
+so only those bytes are read), a TP x ZeRO run (`PartsReader`: one ShardReader per tp
+part, the split parameters' pieces glued by the Split each part records), or dicts already
+in memory (`DictReader`: a pipeline stage's
 part of a one-process checkpoint, which ZeRO across pipelines cuts its shards from). The
 format of the shards: minidist/zero/checkpoint.py, which
 writes them; this module sits below the strategy packages so that checkpoint.load (one
@@ -16,6 +18,7 @@ import numpy as np
 
 from minidist.nn.safetensors import load_file
 from minidist.strategy.checkpoint_dirs import CheckpointError
+from minidist.strategy.split import Split
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")     # optimizer arrays, besides "param"
 
@@ -84,6 +87,7 @@ class ShardReader:
         self.files = {info["rank"]: n for n, info in manifest["files"].items() if "rank" in info}
         self.where = {p["name"]: (u, p) for u in zero["units"] for p in u["params"]}
         self.keys, self._open = set(zero["keys"]), {}
+        self.names = list(self.where)
 
     def _shard(self, rank):
         if rank not in self._open:
@@ -113,7 +117,28 @@ class ShardReader:
         return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
 
 
+class PartsReader:
+    """Whole arrays by name from a TP x ZeRO checkpoint (`manifest`: checkpoint.verify_parts'):
+    one ZeRO folder per tp rank, each read by a ShardReader; a split parameter's pieces (its
+    parameter, m, v, master) glued by the Split the parts record, a replicated one (the same
+    on every tp rank) taken from tp rank 0's. Any layout, or one process, reads it so."""
+
+    def __init__(self, manifest, verified=False):
+        self.parts = [ShardReader(folder, m, verified)
+                      for folder, m in zip(manifest["parts"], manifest["manifests"])]
+        self.splits = {n: Split.from_dict(d) for n, d in manifest["tp"]["splits"].items()}
+        self.names = self.parts[0].names
+
+    def get(self, name, key="param"):
+        if name not in self.splits:
+            return self.parts[0].get(name, key)
+        pieces = [part.get(name, key) for part in self.parts]
+        return None if pieces[0] is None else self.splits[name].unshard(pieces)
+
+
 def reader_for(directory, manifest, verified=False):
+    if "parts" in manifest:
+        return PartsReader(manifest, verified)
     return (ShardReader(directory, manifest, verified) if "zero" in manifest
             else PlainReader(directory))
 
@@ -121,9 +146,9 @@ def reader_for(directory, manifest, verified=False):
 # ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
 
 def read_whole(directory, manifest):
-    """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards of a folder
-    checkpoint.verify has checked."""
-    reader = ShardReader(directory, manifest, verified=True)
-    params = {n: reader.get(n) for n in reader.where}
+    """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards (ZeRO's, or
+    a TP x ZeRO checkpoint's parts) of a folder checkpoint.verify has checked."""
+    reader = reader_for(directory, manifest, verified=True)
+    params = {n: reader.get(n) for n in reader.names}
     arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
     return params, {k: a for k, a in arrays.items() if a is not None}

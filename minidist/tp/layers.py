@@ -35,7 +35,7 @@ from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module, Parameter
-from minidist.tp.region import Split
+from minidist.strategy.split import Split
 
 
 def _param(shape, dtype, split=None, decay=True):

@@ -22,15 +22,15 @@ ScatterToTP), used to gather the vocabulary-split logits for sampling.
 `TensorParallelRegion` holds the group and picks f/g or the sequence-parallel pair for each
 forward; under sequence parallelism its `linear` runs a column layer's matmul as one op with
 the all-gather inside, which keeps only the shard for backward (minidist/tp/gathered.py).
-`Split` says how one parameter is cut into per-rank shards and glued back. The collectives
-along an axis that these ops call: minidist/tp/collectives.py.
+How one parameter is cut into per-rank shards and glued back: `Split`
+(minidist/strategy/split.py). The collectives along an axis that these ops call:
+minidist/tp/collectives.py.
 The layers built on these: minidist/tp/layers.py; the model: minidist/tp/model.py.
 Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
 tests/scripts/tp_check.py --gradcheck).
 """
 from minidist.autograd import Function
 from minidist.autograd import fused as F
-from minidist.backend import xp_of
 from minidist.tp.collectives import (SEQ_AXIS, all_gather, all_reduce, own_chunk,
                                      reduce_scatter)
 from minidist.tp.gathered import gathered_linear
@@ -212,45 +212,3 @@ class TensorParallelRegion:
         covers only its positions and f's all-reduce sums them into the whole gradient, in
         the graph, before any hook (DDP, ZeRO) sees it."""
         return copy_to_tp(p, self.group) if self.sharded else p
-
-
-# ---- how a parameter is cut into shards ---------------------------------------------------
-
-class Split:
-    """A parameter split over tp ranks along `axis` (full length `size`): the axis is seen as
-    `blocks` equal blocks (3 for c_attn's q|k|v, so each rank gets its heads' q, k and v), each
-    block cut into tp equal chunks; rank r keeps chunk r of every block, in block order. A
-    block that does not divide by tp is padded with zeros at its end (the vocabulary)."""
-
-    def __init__(self, axis, size, blocks=1):
-        self.axis, self.size, self.blocks = axis, size, blocks
-
-    def chunk(self, tp):
-        """Chunk length per block on each rank (padding included)."""
-        return -(-(self.size // self.blocks) // tp)
-
-    def padding(self, tp):
-        return self.chunk(tp) * tp - self.size // self.blocks
-
-    def shard(self, full, tp, rank):
-        """Rank `rank`'s shard of the full array."""
-        xp, n, c = xp_of(full), self.size // self.blocks, self.chunk(tp)
-        a = xp.moveaxis(full, self.axis, 0)
-        a = a.reshape((self.blocks, n) + a.shape[1:])                 # (blocks, n, ...)
-        if self.padding(tp):
-            zeros = xp.zeros((self.blocks, self.padding(tp)) + a.shape[2:], a.dtype)
-            a = xp.concatenate([a, zeros], axis=1)                    # (blocks, tp * c, ...)
-        part = a[:, rank * c:(rank + 1) * c].reshape((self.blocks * c,) + a.shape[2:])
-        return xp.ascontiguousarray(xp.moveaxis(part, 0, self.axis))
-
-    def unshard(self, shards):
-        """The full array from every rank's shard (in rank order); padding dropped."""
-        xp, n, c = xp_of(shards[0]), self.size // self.blocks, self.chunk(len(shards))
-        parts = [xp.moveaxis(s, self.axis, 0) for s in shards]
-        parts = [p.reshape((self.blocks, c) + p.shape[1:]) for p in parts]
-        a = xp.concatenate(parts, axis=1)[:, :n]                      # (blocks, n, ...)
-        a = a.reshape((self.size,) + a.shape[2:])
-        return xp.ascontiguousarray(xp.moveaxis(a, 0, self.axis))
-
-    def __repr__(self):
-        return f"Split(axis={self.axis}, size={self.size}, blocks={self.blocks})"

@@ -23,8 +23,10 @@ SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to 
                         checkpoint from any tp resumes on any other tp, or on one process
                         (also under --ep, with or without ZeRO). Under ZeRO without --ep: one
                         checkpoint folder holding ZeRO's sharded files of each tp rank's
-                        part in tp<r>-of-<tp>/ (same tp to resume); under --cp too, ZeRO's
-                        group then dp x cp (inner.zero_strategy() finds it)
+                        part in tp<r>-of-<tp>/, each recording how its parameters were cut
+                        (any layout reads them back whole: minidist/strategy/readers.py);
+                        under --cp too, ZeRO's group then dp x cp (inner.zero_strategy()
+                        finds it)
 A data-parallel strategy plugs in as `inner` through `wrap(model)` (DataParallel and
 ZeroDataParallel have it).
 Tests: tests/test_tensor_parallel.py.
@@ -120,9 +122,15 @@ class TensorParallel(ModelParallel):
         return None if zero is None else zero.group
 
     def _part(self):
-        """Under ZeRO: this tp rank's folder of ZeRO's sharded files in a checkpoint
-        (resharding over dp works, tp must stay the same)."""
+        """Under ZeRO: this tp rank's folder of ZeRO's sharded files in a checkpoint."""
         return f"tp{self.group.rank}-of-{self.group.size}"
+
+    def _tp_record(self):
+        """A TP x ZeRO part's "tp" manifest section: this tp rank, the tp size and how each
+        split parameter is cut, so that any layout reads the parts back whole."""
+        return {"rank": self.group.rank, "size": self.group.size,
+                "splits": {n: p.tp_split.to_dict() for n, p in self.model.named_parameters()
+                           if p.tp_split is not None}}
 
     def whole_state(self, model, optimizer):
         """The whole model and optimizer state as one process holds them: inner's whole state
@@ -143,7 +151,7 @@ class TensorParallel(ModelParallel):
         group = self._zero_group()
         if group is not None:
             return save_sharded(directory, model, optimizer, group, step, rng_states, extra,
-                                part=self._part(), world=self.mesh.world)
+                                part=self._part(), world=self.mesh.world, tp=self._tp_record())
         params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
@@ -154,16 +162,15 @@ class TensorParallel(ModelParallel):
 
     def load(self, directory, model, optimizer):
         """Every rank reads the whole checkpoint and keeps its shards, handed to inner as whole
-        arrays by name (under ZeRO without --ep: its tp rank's part). Returns the meta."""
+        arrays by name. Under ZeRO without --ep, from a TP x ZeRO checkpoint of the same tp:
+        its tp rank's part, resharded over dp by ZeRO alone (only the bytes of its shards are
+        read); from any other checkpoint (another tp, one process, any layout): whole, as
+        below, then ZeRO cuts its shards. Returns the meta."""
         group = self._zero_group()
-        if group is not None:
-            folder = checkpoint_dirs.resolve(directory)
-            if not os.path.isdir(os.path.join(folder, self._part())):
-                raise checkpoint.CheckpointError(
-                    f"--resume {directory}: no {self._part()} in {folder}; a checkpoint of "
-                    "--tp with --zero resumes with the same --tp")
+        folder = checkpoint_dirs.resolve(directory)
+        if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
-        params, opt_sd, meta = checkpoint.load(directory)
+        params, opt_sd, meta = checkpoint.load(folder)
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(self.model),
                               self.inner.optimizer_type(optimizer))

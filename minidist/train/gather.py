@@ -5,9 +5,9 @@ from. Every strategy's checkpoint is read back by parameter name into whole arra
                                      gather on save: minidist/tp/strategy.py, pp/checkpoint.py)
     ZeRO-1/2/3 (and CP over ZeRO)    rank shards, cut back into whole arrays by name
                                      (minidist/strategy/readers.py read_whole)
-    TP with ZeRO                     one ZeRO folder per tp rank (tp<r>-of-<n>/): each read
-                                     whole, then the tp pieces glued along their split axis
-                                     (minidist/tp/region.py Split, `tp_splits` below)
+    TP with ZeRO                     one ZeRO folder per tp rank (tp<r>-of-<n>/), the tp
+                                     pieces glued by the Split each part records
+                                     (minidist/strategy/readers.py PartsReader)
     a GPT-2 folder                   config.json + model.safetensors (minidist/nn/pretrained.py)
 
 Under --amp the float32 master weights are taken where the checkpoint holds them (the 16-bit
@@ -16,34 +16,11 @@ Tests: tests/test_sample.py.
 """
 import json
 import os
-import re
 
 from minidist.nn import GPTConfig
 from minidist.nn.pretrained import read_config, read_state
-from minidist.tp.region import Split
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.checkpoint import CheckpointError
-from minidist.strategy.readers import read_whole
-
-_PART = re.compile(r"^tp(\d+)-of-(\d+)$")
-
-
-def tp_splits(config):
-    """{name: Split} of the parameters TensorParallelGPT splits, as its layers cut them
-    (minidist/tp/layers.py): wte by vocabulary rows, c_attn and c_fc by output columns (c_attn
-    as three blocks q|k|v), the c_proj weights by input rows. The rest are whole on every tp
-    rank. tests/test_sample.py checks this against a TensorParallelGPT's own `tp_split`s."""
-    C, out = config.n_embd, {"transformer.wte.weight": Split(0, config.vocab_size)}
-    for i in range(config.n_layer):
-        h = f"transformer.h.{i}."
-        out[h + "attn.c_attn.weight"] = Split(1, 3 * C, blocks=3)
-        out[h + "attn.c_proj.weight"] = Split(0, C)
-        out[h + "mlp.c_fc.weight"] = Split(1, 4 * C)
-        out[h + "mlp.c_proj.weight"] = Split(0, 4 * C)
-        if config.bias:
-            out[h + "attn.c_attn.bias"] = Split(0, 3 * C, blocks=3)
-            out[h + "mlp.c_fc.bias"] = Split(0, 4 * C)
-    return out
 
 
 def model_config(path):
@@ -71,9 +48,6 @@ def whole_model(path):
     if os.path.isfile(os.path.join(path, "config.json")):
         return _pretrained(path)
     folder = checkpoint_dirs.resolve(path)
-    parts = _parts(folder)
-    if parts:
-        return _tp_parts(folder, parts)
     params, opt_state, meta = checkpoint.load(folder)
     what = f"step {meta['step']} of {folder}"
     return _config(meta, folder), _masters(params, opt_state["state"]), what
@@ -93,7 +67,7 @@ def _parts(folder):
     if os.path.isfile(os.path.join(folder, "manifest.json")):
         return []
     found = sorted((int(m.group(1)), n) for n in os.listdir(folder)
-                   if (m := _PART.match(n)) and os.path.isdir(os.path.join(folder, n)))
+                   if (m := checkpoint.PART.match(n)) and os.path.isdir(os.path.join(folder, n)))
     return [os.path.join(folder, n) for _, n in found]
 
 
@@ -107,22 +81,6 @@ def _config(meta, folder):
 def _masters(params, state):
     """The float32 master weights (--amp) where the optimizer state holds them."""
     return {n: state.get(n, {}).get("master", a) for n, a in params.items()}
-
-
-def _tp_parts(folder, parts):
-    """A TP x ZeRO checkpoint: each tp rank's ZeRO folder read whole, the pieces glued."""
-    pieces, config, record = [], None, None
-    for part in parts:
-        manifest = checkpoint.verify(part)
-        record = checkpoint.read_record(part)
-        config = _config(record, part)
-        params, arrays = read_whole(part, manifest)
-        pieces.append({n: arrays.get(f"{n}/master", a) for n, a in params.items()})
-    splits = tp_splits(config)
-    with checkpoint.does_not_fit(folder):
-        whole = {n: splits[n].unshard([p[n] for p in pieces]) if n in splits else a
-                 for n, a in pieces[0].items()}
-    return config, whole, f"step {record['step']} of {folder} ({len(parts)} tp pieces)"
 
 
 def _pretrained(path):

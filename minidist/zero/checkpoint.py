@@ -55,13 +55,15 @@ def shard_name(rank, world):
 # ---- save --------------------------------------------------------------------------------------
 
 def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
-                 part=None, world=None):
+                 part=None, world=None, tp=None):
     """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
     ShardedAdamW) and, from rank 0, state.json and the manifest, as the next numbered folder
-    of `directory` (minidist/strategy/checkpoint_dirs.py). With `part` and `world` (tensor
-    parallelism: one ZeRO folder per tp rank), this group's files go to the subfolder `part`
-    of one checkpoint that world rank 0 commits once every group has written; collective
-    over `world` then."""
+    of `directory` (minidist/strategy/checkpoint_dirs.py). With `part`, `world` and `tp`
+    (tensor parallelism: one ZeRO folder per tp rank), this group's files go to the
+    subfolder `part` of one checkpoint that world rank 0 commits once every group has
+    written, collective over `world` then; its manifest's "tp" section is `tp` (this tp
+    rank, the tp size, each split parameter's Split: what lets any layout read the pieces
+    back, minidist/strategy/readers.py PartsReader)."""
     world = world if world is not None else group
     tmp, err = None, None
     if world.rank == 0:
@@ -79,7 +81,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
         except OSError as e:
             err = str(e)
     err = group.comm.bcast(err, root=0)
-    err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra)
+    err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra, tp)
     errors = [e for e in world.comm.allgather(err) if e]
     if world.rank == 0:
         if not errors:
@@ -93,10 +95,12 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
         raise CheckpointError(f"saving {directory} failed: {'; '.join(errors)}")
 
 
-def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=None):
+def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=None,
+                  tp=None):
     """Collective over `group`: every rank writes its shard into `folder` (which exists),
-    rank 0 state.json and the manifest (minidist/strategy/checkpoint.py's writers). Returns
-    None, or on rank 0 what failed (the caller commits or discards the folder)."""
+    rank 0 state.json and the manifest (minidist/strategy/checkpoint.py's writers; `tp`: its
+    "tp" section, see save_sharded). Returns None, or on rank 0 what failed (the caller
+    commits or discards the folder)."""
     optimizer.settle()              # --amp verdicts taken on the device: the step count
     name, entry, err = shard_name(group.rank, group.size), None, None
     try:
@@ -111,13 +115,13 @@ def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=
     if err is None:
         try:
             files = {n: info for n, info, _ in gathered}
-            _write_state(folder, files, model, optimizer, step, rng_states, extra)
+            _write_state(folder, files, model, optimizer, step, rng_states, extra, tp)
         except OSError as e:
             err = str(e)
     return err
 
 
-def _write_state(folder, files, model, optimizer, step, rng_states, extra):
+def _write_state(folder, files, model, optimizer, step, rng_states, extra, tp):
     amp, engine = optimizer.amp, optimizer.engine
     scalars = {n: {"step": optimizer.steps} for n, _ in model.named_parameters()}
     if amp is not None:
@@ -133,7 +137,8 @@ def _write_state(folder, files, model, optimizer, step, rng_states, extra):
     keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[engine.units[0].flat.name]]
     zero = {"stage": engine.stage, "dp": engine.group.size, "amp": amp is not None,
             "dtype": dtype, "keys": keys, "units": [u.flat.layout() for u in engine.units]}
-    checkpoint.finish(folder, files, step, world_size=engine.group.size, zero=zero)
+    sections = {"zero": zero, **({"tp": tp} if tp is not None else {})}
+    checkpoint.finish(folder, files, step, world_size=engine.group.size, **sections)
 
 
 def optimizer_type(optimizer):
@@ -152,7 +157,7 @@ def load_sharded(directory, model, optimizer, group):
     try:
         folder = dirs.resolve(directory)
         manifest = checkpoint.verify(folder, shard_checksums=False)   # shards: when read
-        record = checkpoint.read_record(folder)
+        record = checkpoint.read_record(folder, manifest)
         meta = {**record, "optimizer": record["optimizer"]["type"]}
         checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
                               optimizer_type(optimizer))
