@@ -1,15 +1,16 @@
 """The composition sweep (tests/scripts/layout_sweep.py): every layout check_layout accepts,
 of a seeded sample covering every flag value and every pair of strategies, trains one
 process's numbers (float64 to 1e-9: each step's loss and gradient norm, the val loss, every
-saved parameter; --amp: to a few float16 roundings), prints only sizes the layout has, and
-resumes bit for bit.
+saved parameter; --amp: to a few float16 roundings), prints only sizes the layout has,
+resumes bit for bit, and resumed in another layout continues one process's run.
 
-    python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, resumed, 8
+    python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, resumed,
+                                                                 # resharded, 8
     python tests/scripts/layout_sweep.py                         # the same, line by line
 
-The default run checks the sampler and the log-line check without MPI, and the two layouts
-the sweep found broken (a pipeline stage without MoE blocks under --ep; the log lines under
---ep) on 4 ranks.
+The default run checks the sampler and the log-line check without MPI, and what the sweep
+found broken (a pipeline stage without MoE blocks under --ep; the log lines under --ep;
+TP x ZeRO checkpoints resumed in no other layout) on 2 and 4 ranks.
 """
 import collections
 import os
@@ -95,6 +96,50 @@ def test_log_lines_under_ep_name_dp_and_ep_apart(mpi, tmp_path):
         assert "dp 1 x ep 2" in run["stdout"]
 
 
+# (stopped in, resumed in): each checkpoint read back by another layout. The first two the
+# sweep found refused (TP x ZeRO's parts resumed only with the same --tp, and nothing else
+# resumed under TP x ZeRO); the rest take each other way through the parts' reader.
+RESHARDED = [
+    ((4, {"--cp": 2, "--tp": 2, "--zero": 3, "--sequence-parallel": True}), (2, {"--cp": 2})),
+    ((2, {"--pp": 2, "--zero": 1}), (4, {"--tp": 2, "--cp": 2, "--zero": 2})),
+    ((4, {"--tp": 4, "--zero": 1}), (4, {"--tp": 2, "--zero": 3})),       # other tp's parts
+    ((4, {"--tp": 2, "--zero": 1}), (2, {"--zero": 3})),       # parts -> ZeRO's shards
+    ((2, {"--tp": 2, "--zero": 2, "--amp": True}), (1, {"--amp": True})),     # the masters
+]
+
+
+@pytest.mark.mpi
+def test_checkpoints_resume_in_another_layout_with_one_process_numbers(mpi, tmp_path):
+    """Found by the sweep (--reshard): a TP x ZeRO checkpoint (one ZeRO folder per tp rank)
+    resumed only with the same --tp, and no other checkpoint resumed under TP x ZeRO. Now
+    each part records how its parameters were cut, any layout glues them back, and every
+    pair below continues one process's run (float64 to 1e-9; --amp to float16's):
+
+        mpiexec -n 4 python examples/train_gpt.py --tp 4 --zero 1 --stop-at 2 --save ck
+        mpiexec -n 4 python examples/train_gpt.py --tp 2 --zero 3 --resume ck
+    """
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    failed = []
+    for source, into in RESHARDED:
+        ok, errs = sweep.check_resharded(*source, into)
+        if not ok:
+            failed.append((source, into, errs))
+    assert not failed, failed
+
+
+def test_every_layout_has_a_partner_to_resume_in():
+    """layout_sweep --reshard: each layout's partner is accepted, keeps its model flags and
+    differs from it; every fourth is one process; the others prefer another rank count."""
+    chosen = layout_sample.layouts((2, 4), seed=0, count=12)
+    for i, (ranks, flags) in enumerate(chosen):
+        r, into = layout_sweep.partner(chosen, i)
+        assert layout_sample.accepted(r, into) is None and (r, into) != (ranks, flags)
+        assert layout_sweep.reference_flags(into) == layout_sweep.reference_flags(flags)
+        assert (r == 1) == (i % 4 == 3)
+    assert sum(layout_sweep.partner(chosen, i)[0] not in (1, r)
+               for i, (r, _) in enumerate(chosen)) >= 6
+
+
 def _sweep(mpi, tmp_path, ranks, count=None, resume=False):
     chosen = layout_sample.layouts(ranks, seed=0, count=count)
     lines = []
@@ -119,6 +164,25 @@ def test_every_sampled_layout_on_2_and_4_ranks_resumes_bit_for_bit(mpi, tmp_path
     layout: step 3, the val loss and the saved parameters bit for bit the uninterrupted
     run's (python tests/scripts/layout_sweep.py --resume; about 4 minutes quiet)."""
     _sweep(mpi, tmp_path, (2, 4), resume=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, count", [((2, 4), None), ((4, 8), 16)])
+def test_every_sampled_layout_resumes_in_another_with_one_process_numbers(mpi, tmp_path, ranks,
+                                                                           count):
+    """Each layout stopped after step 2 and resumed in its partner (another layout, another
+    rank count where one fits, every fourth one process): step 3, the val loss and the saved
+    parameters are one process's (python tests/scripts/layout_sweep.py --reshard [--ranks 4 8
+    --count 16]; about 2 and 1 minutes quiet)."""
+    chosen = layout_sample.layouts(ranks, seed=0, count=count)
+    lines = []
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=lines.append)
+    failed = [layout_sample.describe(*c) for i, c in enumerate(chosen)
+              if not sweep.check_resharded(*c, layout_sweep.partner(chosen, i))[0]]
+    print("\n".join(lines))
+    assert not failed, "\n".join(["layouts whose checkpoint another does not continue:",
+                                  *failed, "all runs:", *lines])
 
 
 @pytest.mark.mpi

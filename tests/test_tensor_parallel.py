@@ -4,6 +4,7 @@ into one mpiexec start), and train_gpt.py end to end. Each distributed test's do
 the command to run it by hand.
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -203,6 +204,56 @@ def test_train_gpt_tp2_matches_one_process_and_its_checkpoint_loads_on_one(corpu
                      "--log-json", back)
     assert abs(_losses(back)[-1] - _losses(one)[-1]) <= 1e-10
     assert _sample(loaded) == _sample(ref)
+
+
+@pytest.mark.mpi
+def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus, tmp_path,
+                                                                          mpi):
+    """A TP x ZeRO checkpoint is one folder per tp rank (tp<r>-of-<T>/, each ZeRO's sharded
+    files and a manifest recording how its parameters were cut). Read in another layout, its
+    parts are checked against each other first: a part missing, parts of another save, or
+    parts saved before they recorded their cut (resumable with the same --tp only) are one
+    CheckpointError naming the folder, before any array is read."""
+    import shutil
+    from minidist.strategy.checkpoint import CheckpointError, load, verify
+    from minidist.strategy.checkpoint_dirs import resolve
+    common = [*TINY, "--sample", "0", "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    for name, steps in (("ck", "3"), ("other", "2")):
+        mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--zero", "1", "--steps", steps,
+            "--save", tmp_path / name, timeout=120)
+    folder = resolve(str(tmp_path / "ck"))
+    manifest = verify(folder)
+    assert manifest["tp"]["size"] == 2 and manifest["step"] == 3
+    assert [os.path.basename(p) for p in manifest["parts"]] == ["tp0-of-2", "tp1-of-2"]
+    assert manifest["tp"]["splits"]["transformer.h.0.attn.c_attn.weight"] == {
+        "axis": 1, "size": 3 * 16, "blocks": 3}
+    params, _, meta = load(folder)
+    assert params["transformer.h.0.mlp.c_fc.weight"].shape == (16, 64) and meta["step"] == 3
+
+    def broken(edit):
+        copy = tmp_path / f"broken{len(os.listdir(tmp_path))}"
+        shutil.copytree(folder, copy)
+        edit(str(copy))
+        with pytest.raises(CheckpointError) as e:
+            load(str(copy))
+        return str(e.value)
+
+    assert "not the 2 of tp 2" in broken(lambda c: shutil.rmtree(os.path.join(c, "tp1-of-2")))
+
+    def other_save(c):
+        shutil.rmtree(os.path.join(c, "tp1-of-2"))
+        shutil.copytree(os.path.join(resolve(str(tmp_path / "other")), "tp1-of-2"),
+                        os.path.join(c, "tp1-of-2"))
+    assert "disagree on the step" in broken(other_save)
+
+    def saved_before(c):               # a part's manifest without "tp", its digest made anew
+        from minidist.strategy.readers import sha256_file
+        path = os.path.join(c, "tp0-of-2", "manifest.json")
+        m = json.load(open(path))
+        del m["tp"]
+        json.dump(m, open(path, "w"))
+        open(os.path.join(c, "tp0-of-2", "manifest.sha256"), "w").write(sha256_file(path))
+    assert "resume it with the same --tp and --zero" in broken(saved_before)
 
 
 @pytest.mark.mpi
