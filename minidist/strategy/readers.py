@@ -1,14 +1,18 @@
-"""Reading a checkpoint's arrays by parameter name, whoever wrote it: a one-process run
-(`PlainReader`: model.safetensors and optimizer.safetensors) or a ZeRO run at any world size
-and stage (`ShardReader`: each parameter cut out of the old ranks' flat shards, memory-mapped,
-so only those bytes are read), a TP x ZeRO run (`PartsReader`: one ShardReader per tp
-part, the split parameters' pieces glued by the Split each part records), or dicts already
-in memory (`DictReader`: a pipeline stage's
-part of a one-process checkpoint, which ZeRO across pipelines cuts its shards from). The
-format of the shards: minidist/zero/checkpoint.py, which
-writes them; this module sits below the strategy packages so that checkpoint.load (one
-process, DDP, TP, PP) reads ZeRO's checkpoints too without importing minidist/zero/.
-Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
+"""Reading a checkpoint's arrays by parameter name, whoever wrote it:
+
+    PlainReader    a one-process run: model.safetensors and optimizer.safetensors
+    ShardReader    a ZeRO run at any world size and stage: each parameter cut out of the old
+                   ranks' flat shards (memory-mapped, so only those bytes are read)
+    PartsReader    a TP x ZeRO run: one ShardReader per tp part, each split parameter's pieces
+                   glued by the Split the parts record (minidist/strategy/split.py)
+    DictReader     dicts already in memory: a pipeline stage's part of a one-process
+                   checkpoint, which ZeRO across pipelines cuts its shards from
+
+The format of the shards: minidist/zero/checkpoint.py, which writes them; this module sits
+below the strategy packages so that checkpoint.load (one process, DDP, TP, PP) reads ZeRO's
+and TP x ZeRO's checkpoints too without importing minidist/zero/ or minidist/tp/.
+Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py), tests/test_tensor_parallel.py
+and tests/test_layout_sweep.py (TP x ZeRO's parts).
 """
 import hashlib
 import math
