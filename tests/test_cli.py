@@ -255,7 +255,32 @@ UNDER_MPIEXEC = [
     (["--save", "/proc/ck"], "error: --save /proc/ck: cannot make the folder"),
     (["--log-json", "{file}/x.jsonl"], "/x.jsonl: cannot make the folder"),
     (["--trace", "/proc/t.json"], "error: --trace /proc/t.json: cannot write in /proc"),
+    (["--tp", "2", "--ddp", "naive"], "error: --ddp naive: sets how DDP averages gradients "
+     "over replicas, which this run does not use (this layout has one replica"),
 ] + [(f, "error: " + says) for f, says in NO_GPU]
+
+
+@pytest.mark.parametrize("ranks,flags,refused", [
+    (1, ["--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size, which this run does "
+     "not use (this layout has one replica: run more ranks for dp, cp or ep, or leave "
+     "--bucket-mb out)"),
+    (4, ["--pp", "2", "--tp", "2", "--ddp", "bucketed"], "--ddp bucketed: sets how DDP"),
+    (2, ["--ddp", "naive", "--bucket-mb", "4"], None),         # dp 2: DDP averages
+    (2, ["--cp", "2", "--ddp", "naive"], None),                # over the cp ranks
+    (2, ["--moe-experts", "2", "--ep", "2", "--bucket-mb", "2"], None),  # the dense ones over ep
+])
+def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
+    """--ddp and --bucket-mb do nothing where no gradient is averaged (one process, or every
+    rank a tp / pp shard of one replica): refused by check_layout, which knows the replicas
+    (dp x ep x cp), as check_flags refuses them under --zero. Was: accepted, ignored."""
+    from minidist.train.strategy import check_layout
+    args = train_parser().parse_args(flags)
+    if refused is None:
+        check_layout(args, ranks)
+        return
+    with pytest.raises(UsageError) as e:
+        check_layout(args, ranks)
+    assert refused in str(e.value)
 
 
 @pytest.mark.mpi

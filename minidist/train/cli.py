@@ -106,9 +106,10 @@ def check_flags(args):
     check_outputs(args)
 
 
-def idle_flags(args):
+def idle_flags(args, replicas=None):
     """(flag, what it sets, what would use it) for each flag that does nothing in this run
-    (the --moe-* flags are check_moe's)."""
+    (the --moe-* flags are check_moe's). `replicas`: the ranks DDP would average over (dp x
+    ep x cp), known once the world size is (check_layout); None before."""
     idle = []
     if args.pp == 1:
         idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
@@ -123,14 +124,19 @@ def idle_flags(args):
         idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
                   "drop --zero"),
                  ("--bucket-mb", "DDP's bucket size (ZeRO does not bucket)", "drop --zero")]
+    elif replicas == 1:
+        more = "this layout has one replica: run more ranks for dp, cp or ep"
+        idle += [("--ddp", "how DDP averages gradients over replicas", more),
+                 ("--bucket-mb", "DDP's bucket size", more)]
     return idle
 
 
-def check_idle_flags(args):
-    """A flag changed from its default where it would do nothing is refused, not ignored."""
+def check_idle_flags(args, replicas=None):
+    """A flag changed from its default where it would do nothing is refused, not ignored
+    (`replicas`: as idle_flags)."""
     from minidist.train.args import train_parser     # (args.py imports this module)
     defaults = train_parser()
-    for flag, what, remedy in idle_flags(args):
+    for flag, what, remedy in idle_flags(args, replicas):
         name = flag[2:].replace("-", "_")
         if getattr(args, name) != defaults.get_default(name):
             raise UsageError(f"{flag} {getattr(args, name)}: sets {what}, which this run does "

@@ -28,7 +28,7 @@ from minidist.pp.strategy import PipelineParallel, default_micro_batches, pp_pro
 from minidist.strategy.base import SingleProcess
 from minidist.tp.strategy import TensorParallel, tp_problems
 from minidist.train.amp import MixedPrecision
-from minidist.train.cli import UsageError
+from minidist.train.cli import UsageError, check_idle_flags
 from minidist.zero.strategy import ZeroDataParallel
 
 
@@ -110,6 +110,7 @@ def check_layout(args, size):
                 if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
                 "tensor parallelism: " if args.tp > 1 else "")
         raise UsageError(what + "; ".join(problems))
+    check_idle_flags(args, replicas=dp * args.ep * args.cp)     # --ddp with one replica
     return dp, m
 
 
