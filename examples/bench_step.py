@@ -111,14 +111,23 @@ def captured(one_step, warmup, total):
 
 
 class Replay:
-    """A captured step: replay() launches the graph on its stream and returns the loss
-    Tensor it rewrites. Holds the graph's memory pool as long as the graph can run."""
+    """A captured step: replay() launches the graph on its stream, between the caller's
+    stream's work before and after it, and returns the loss Tensor it rewrites. Holds the
+    graph's memory pool as long as the graph can run."""
 
     def __init__(self, graph, stream, pool, loss):
         self.graph, self.stream, self.pool, self.loss = graph, stream, pool, loss
 
     def __call__(self):
+        import cupy
+        # self.stream is non-blocking: CUDA orders it against no other stream, the caller's
+        # (often the legacy default) included. So the replay waits for the caller's queued
+        # work, and the caller's next work (the loss's .item(), a counter read) for the
+        # replay, through events: no host sync, and no stale loss read mid-replay.
+        caller = cupy.cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
         self.graph.launch(self.stream)
+        caller.wait_event(self.stream.record())
         return self.loss
 
 

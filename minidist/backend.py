@@ -93,7 +93,9 @@ def cupy_module():
     if "cupy" in _state:
         return _state["cupy"]
     # MINIDIST_TF32=1: float32 matmuls on TF32 tensor cores (10-bit mantissa products, float32
-    # accumulate). CuPy reads CUPY_TF32 once, at import, so it is set here, before the import.
+    # accumulate). CuPy reads CUPY_TF32 once, at its first float32 matmul, and keeps the
+    # answer (get_compute_type, cupy/_core/_routines_linalg.pyx, v13 and v14), so it is set
+    # here, before the import.
     if os.environ.get("MINIDIST_TF32") == "1":
         os.environ.setdefault("CUPY_TF32", "1")
     try:

@@ -13,7 +13,8 @@ client written in C would:
                                                   each record starts with its uint32 kind)
 
 libcupti is looked for in MINIDIST_CUPTI (a path), then the `nvidia-cuda-cupti` wheel's
-folder, then $CUDA_HOME/extras/CUPTI/lib64 and /usr/local/cuda*, then the loader's path.
+folder (CUDA 12's or 13's layout), then extras/CUPTI/lib64, lib64 and lib of $CUDA_HOME and
+/usr/local/cuda*, then the loader's path.
 `cupti_candidates` (the search order) is a pure function, tested on the CPU
 (tests/test_kernel_count.py); counting itself needs a GPU and is checked there by
 examples/bench_step.py --device cuda ("kernels_per_step").
@@ -42,11 +43,15 @@ def cupti_candidates(env=None):
     out = [env["MINIDIST_CUPTI"]] if env.get("MINIDIST_CUPTI") else []
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        out += sorted(glob.glob(os.path.join(root, "cuda_cupti", "lib", "libcupti.so*")))
+        # CUDA 12's wheels: nvidia/cuda_cupti/lib; CUDA 13's: nvidia/cu13/lib, one folder for
+        # every library (as CuPy 14 finds them: cupy/_environment.py, v14.0.1)
+        for sub in ("cuda_cupti", "cu[0-9]*"):
+            out += sorted(glob.glob(os.path.join(root, sub, "lib", "libcupti.so*")))
     homes = [env["CUDA_HOME"]] if env.get("CUDA_HOME") else []
     homes += sorted(glob.glob("/usr/local/cuda*"))
     for home in homes:
-        out += sorted(glob.glob(os.path.join(home, "extras", "CUPTI", "lib64", "libcupti.so*")))
+        for lib in (os.path.join("extras", "CUPTI", "lib64"), "lib64", "lib"):
+            out += sorted(glob.glob(os.path.join(home, lib, "libcupti.so*")))
     found = ctypes.util.find_library("cupti")
     return out + ([found] if found else []) + ["libcupti.so"]
 

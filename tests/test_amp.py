@@ -5,6 +5,7 @@ matmul, and --amp training: within 2% of float32 after 30 steps, checkpointing c
 number under amp with gradient accumulation, and a bit-identical resume."""
 import json
 import re
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from minidist.backend import matmul
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.train.amp import MixedPrecision
+from minidist.train.amp import MixedPrecision, half_dtype
 from minidist.train.loss_scale import LossScaler
 from minidist.train.args import train_parser
 from minidist.train.loop import train
@@ -165,6 +166,20 @@ def test_cpu_float16_matmul_is_the_float32_product_rounded():
 def test_amp_refuses_a_float64_model():
     with pytest.raises(ValueError, match="float32 model"):
         MixedPrecision().cast_model(GPT(CFG, dtype="float64"))
+
+
+def test_bfloat16_where_the_array_module_cannot_is_float16_or_a_clear_error():
+    """CuPy 13 has no bfloat16 arrays (CuPy 14 has, given ml_dtypes and NumPy >= 2.1.2): the
+    default policy falls back to float16 there; bfloat16 asked for by name says why at once.
+    A stand-in module whose `ones` refuses the dtype, as CuPy 13's does, plays that CuPy."""
+    def refuses(*_, **__):
+        raise TypeError("Unsupported dtype bfloat16")
+    old_cupy = types.SimpleNamespace(ones=refuses, float32=np.float32)
+    assert half_dtype(old_cupy) == np.float16
+    assert half_dtype(old_cupy, "float16") == np.float16
+    with pytest.raises(RuntimeError, match="CuPy >= 14"):
+        half_dtype(old_cupy, "bfloat16")
+    assert half_dtype(np) == np.float16
 
 
 # ---- training ----------------------------------------------------------------------------

@@ -84,6 +84,18 @@ def test_row_sums_add_up_in_float32(device):
     assert g.dtype == BF16 and (g[0] == 1000).all() and not g[1:].any()
 
 
+def test_an_advanced_index_gradient_adds_bfloat16_in_float32(device):
+    """GetItem's backward adds repeated picks through indexing._add_at, which takes bfloat16
+    in float32 and rounds once: numpy's add.at would make 1000 ones 256, and CuPy 14's
+    cupyx.scatter_add raises TypeError on bfloat16 (the scatter-add of MoE's combine and of
+    TP's embedding on cupy goes the same way)."""
+    xp = backend.get_xp()
+    table = Tensor(xp.zeros((5, 2), BF16), requires_grad=True)
+    table[np.zeros(1000, np.int64)].sum().backward()
+    g = backend.to_host(table.grad)
+    assert g.dtype == BF16 and (g[0] == 1000).all() and not g[1:].any()
+
+
 def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param(device):
     amp = MixedPrecision(dtype="bfloat16")
     model = amp.cast_model(GPT(CFG, seed=0))

@@ -31,6 +31,16 @@ def test_cupti_search_order_env_first_then_cuda_home_then_loader(tmp_path):
     assert cupti_candidates({})[0] != "/opt/x/libcupti.so"
 
 
+def test_cupti_in_a_toolkit_lib_folder_is_found(tmp_path):
+    """A toolkit laid out as CUDA 13's wheels are (CUPTI in lib/, no extras/): found after
+    MINIDIST_CUPTI, before the loader's bare name."""
+    lib = tmp_path / "lib" / "libcupti.so.13"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    found = cupti_candidates({"CUDA_HOME": str(tmp_path)})
+    assert str(lib) in found and found.index(str(lib)) < len(found) - 1
+
+
 @pytest.mark.cpu_only("bench_step on the CPU prints null")
 def test_bench_step_reports_no_kernel_count_on_the_cpu():
     out = subprocess.run([sys.executable, "examples/bench_step.py", "--device", "cpu",

@@ -14,8 +14,15 @@ from minidist.backend import xp_of
 
 
 def _add_at(out, index, values):
-    """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU)."""
-    if backend.is_cupy(out):
+    """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU).
+    bfloat16 adds up in float32, rounded once: cupyx.scatter_add takes no bfloat16 (CuPy 14
+    raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and numpy's
+    add.at would round after every add (1000 ones make 256)."""
+    if out.dtype.name == "bfloat16":
+        wide = out.astype("float32")
+        _add_at(wide, index, xp_of(out).asarray(values).astype("float32"))
+        out[...] = wide
+    elif backend.is_cupy(out):
         import cupyx
         cupyx.scatter_add(out, index, values)
     else:

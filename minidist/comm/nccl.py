@@ -16,7 +16,9 @@ blocking-call API here cannot promise.
 Call `minidist.backend.set_device("cuda")` before creating an "nccl" group: each rank's NCCL
 communicator binds to the GPU that is current then (local rank % GPUs on the node).
 Imported only for algo="nccl" (importing minidist.comm never imports cupy). Written against
-CuPy's documented API; it has NOT been run on a GPU here (no GPU on the development machine).
+CuPy's documented API and checked against its source (cupy_backends/cuda/libs/nccl.pyx,
+v13.6.0 and v14.2.0: the unique id is a tuple in 13, bytes in 14; MPI's pickling bcast hands
+either over as it is); it has NOT been run on a GPU here (no GPU on the development machine).
 Tests: tests/test_comm_gpu.py (marked gpu; run with `python -m pytest -m gpu --device cuda`).
 """
 import cupy
@@ -24,9 +26,14 @@ from cupy.cuda import nccl
 
 from minidist.comm.ring import chunk_bounds, ring_bytes
 
-# bfloat16: NCCL's own ncclBfloat16 (enum value 9, NCCL >= 2.10), reduced by NCCL in bfloat16
-# arithmetic like its float16; only the device pointer is handed over, so no DLPack is involved
-NCCL_DTYPES = {"bfloat16": getattr(nccl, "NCCL_BFLOAT16", 9),
+if not nccl.available:     # CuPy's wheels carry no NCCL; without one, nccl has no names at all
+    raise ImportError("algo='nccl' needs the NCCL library, which CuPy did not find (pip install "
+                      "nvidia-nccl-cu12, -cu13 for cupy-cuda13x, or a system libnccl)")
+
+# bfloat16: NCCL's own ncclBfloat16 (NCCL >= 2.10; NCCL_BFLOAT16 = 9 in cupy_backends/cuda/libs/
+# nccl.pxd from v13.0.0 on), reduced by NCCL in bfloat16 arithmetic like its float16; only the
+# device pointer is handed over, so no DLPack is involved
+NCCL_DTYPES = {"bfloat16": nccl.NCCL_BFLOAT16,
                "float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
                "float64": nccl.NCCL_FLOAT64, "int32": nccl.NCCL_INT32,
                "int64": nccl.NCCL_INT64, "int8": nccl.NCCL_INT8, "uint8": nccl.NCCL_UINT8}

@@ -57,18 +57,24 @@ def half_dtype(xp, name=None):
     """The 16-bit compute dtype: `name` ("float16" or "bfloat16") if given; else bfloat16
     where the array library computes with it (CuPy given ml_dtypes' bfloat16), float16
     otherwise (numpy: its bfloat16 through ml_dtypes works, but is emulated and slow, so
-    the CPU default stays float16; tests ask for bfloat16 by name)."""
-    if name is not None:
-        if name not in ("float16", "bfloat16"):
-            raise ValueError(f"mixed precision dtype must be float16 or bfloat16, not {name!r}")
-        return bfloat16() if name == "bfloat16" else np.dtype(np.float16)
-    if xp is np:
+    the CPU default stays float16; tests ask for bfloat16 by name). CuPy computes with
+    bfloat16 from CuPy 14 on, given ml_dtypes and NumPy >= 2.1.2 (cupy/_core/_scalar.pyx,
+    v14.0.1); asked for by name where it cannot, this says so instead of failing later."""
+    if name is not None and name not in ("float16", "bfloat16"):
+        raise ValueError(f"mixed precision dtype must be float16 or bfloat16, not {name!r}")
+    if name == "float16" or (name is None and xp is np):
         return np.dtype(np.float16)
+    if xp is np:
+        return bfloat16()
     try:
         a = xp.ones((4, 4), dtype=bfloat16())
         float(((a @ a) * a).astype(xp.float32).sum())     # matmul, elementwise, cast
         return bfloat16()
-    except Exception:
+    except Exception as e:
+        if name == "bfloat16":
+            raise RuntimeError(f"bfloat16 asked for, but this CuPy cannot compute with it ({e}); "
+                               "it needs CuPy >= 14, ml_dtypes and NumPy >= 2.1.2, or ask for "
+                               "float16") from e
         return np.dtype(np.float16)
 
 
