@@ -152,6 +152,38 @@ def test_bfloat16_amp_trains_near_float32(corpus, device):
     assert abs(np.mean(l16[-5:]) / np.mean(l32[-5:]) - 1) < 0.03, (l16[-5:], l32[-5:])
 
 
+def test_a_python_float_keeps_a_bfloat16_tensor_bfloat16():
+    """numpy keeps float16 against a Python float (NEP 50), but promotes ml_dtypes' bfloat16
+    to float32: `x * 0.01` left bfloat16 silently, and a checkpointed MoE block (its output
+    and its router loss, `aux_loss * coef`, joined into one array) crashed on "mixed dtypes
+    bfloat16 and float32". Now the float becomes a bfloat16 scalar (ops._weak), both sides,
+    forward and backward; float16 as before."""
+    x = Tensor(np.linspace(-1, 1, 6).astype(BF16), requires_grad=True)
+    outs = [x * 0.01, 0.5 * x, x + 0.25, 1.0 - x, x / 3.0, 2.0 / (x + 2.0)]
+    assert [o.dtype for o in outs] == [BF16] * len(outs)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad.dtype == BF16
+    h = Tensor(np.ones(3, np.float16))
+    assert (h * 0.01).dtype == np.float16 and (x.astype("float32") * 0.01).dtype == np.float32
+
+
+def test_a_checkpointed_moe_block_runs_under_bfloat16_amp(xp):
+    """Found by the composition sweep with --amp-dtype bfloat16 (one process was enough):
+    python examples/train_gpt.py --moe-experts 4 --ckpt-activations --amp --amp-dtype bfloat16
+    crashed in the first forward. Now its loss and gradients are finite and bfloat16."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=48,
+                       dropout=0.0, moe_experts=4, moe_top_k=2)
+    model = MixedPrecision(dtype="bfloat16").cast_model(GPT(config, seed=0))
+    model.set_checkpointing(True)
+    r = np.random.default_rng(0)
+    x, y = (xp.asarray(r.integers(0, 48, (4, 16))) for _ in range(2))
+    _, loss = model(x, y)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert np.isfinite(float(backend.to_host(loss.data))) and len(grads) > 10
+    assert {g.dtype for g in grads} == {BF16}
+
+
 def test_safetensors_writes_bf16_and_reads_it_back_exactly(tmp_path):
     a = np.random.default_rng(0).standard_normal((3, 5)).astype(BF16)
     save_file({"w": a, "b": np.ones(2, np.float32)}, tmp_path / "m.safetensors")

@@ -1,7 +1,8 @@
 """The composition sweep (tests/scripts/layout_sweep.py): every layout check_layout accepts,
 of a seeded sample covering every flag value and every pair of strategies, trains one
 process's numbers (float64 to 1e-9: each step's loss and gradient norm, the val loss, every
-saved parameter; --amp: to a few float16 roundings), prints only sizes the layout has,
+saved parameter; --amp: to a few float16 roundings, --amp-dtype bfloat16 to a few of its
+own), prints only sizes the layout has,
 resumes bit for bit, and resumed in another layout continues one process's run.
 
     python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, resumed,
@@ -125,6 +126,24 @@ def test_checkpoints_resume_in_another_layout_with_one_process_numbers(mpi, tmp_
         if not ok:
             failed.append((source, into, errs))
     assert not failed, failed
+
+
+@pytest.mark.mpi
+def test_bfloat16_amp_trains_one_process_numbers_through_tp_zero_and_the_pipeline(mpi,
+                                                                                  tmp_path):
+    """--amp --amp-dtype bfloat16 (numpy + ml_dtypes here; what a GPU runs) through TP x
+    ZeRO-1 and a pipeline over DDP on 4 ranks: each step's loss and gradient norm, the val
+    loss and the parameters' L2 distance within BF16_TOL of one bfloat16 process (until now
+    bfloat16 through the strategies was held to finite and decreasing only):
+
+        mpiexec -n 4 python examples/train_gpt.py --amp --amp-dtype bfloat16 --tp 2 --zero 1
+    """
+    pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    for flags in ({"--tp": 2, "--zero": 1}, {"--pp": 2, "--dp": 2}):
+        ok, errs, run = sweep.check(4, {**flags, "--amp": True, "--amp-dtype": "bfloat16"})
+        assert ok, (flags, errs, run["stderr"][-2000:])
+        assert "mixed precision: bfloat16 compute" in run["stdout"]
 
 
 def test_every_layout_has_a_partner_to_resume_in():

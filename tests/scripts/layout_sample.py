@@ -68,6 +68,8 @@ def candidate(rng, ranks):
     if f["--attention"] == "tiled":
         f["--attention-block"] = _pick(rng, [8, 64])
     f["--amp"] = rng.random() < 0.15
+    if f["--amp"]:
+        f["--amp-dtype"] = rng.choice(["float16", "bfloat16"])     # bfloat16: ml_dtypes
     f["--comm"] = _pick(rng, ["ring", "naive", "mpi", "hier"])
     f["--sync-comm"] = rng.random() < 0.15
     f["--no-bias"] = rng.random() < 0.15
@@ -80,7 +82,8 @@ def argv(flags):
     for k, v in flags.items():
         out += [k] if v is True else [k, str(v)]
     if flags.get("--amp"):
-        out += ["--amp-dtype", "float16", "--dtype", "float32"]
+        out += ([] if "--amp-dtype" in flags else ["--amp-dtype", "float16"]) + ["--dtype",
+                                                                                "float32"]
     else:
         out += ["--dtype", "float64"]
     return out
@@ -107,6 +110,7 @@ def _traits(flags):
     out += [f"--zero {flags['--zero']}"] if flags.get("--zero") else []
     out += [f"--schedule {flags['--schedule']}"] if "--schedule" in flags else []
     out += ["--pp-virtual 2"] if flags.get("--pp-virtual") == 2 else []
+    out += ["--amp-dtype bfloat16"] if flags.get("--amp-dtype") == "bfloat16" else []
     out += ["--dropout"] if flags.get("--dropout") else []
     out += ["--grad-accum 2"] if flags.get("--grad-accum") == 2 else []
     out += ["--attention tiled"] if flags.get("--attention") == "tiled" else []

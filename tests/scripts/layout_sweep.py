@@ -12,7 +12,8 @@ process with the same model, data, dropout, MoE and --amp flags (`reference_flag
 once per distinct setting. Compared (`differences`): each step's loss and gradient norm, the
 final val loss, and every parameter of the saved checkpoint read back whole
 (minidist/train/gather.py whole_model; --amp: the float32 masters). float64 runs are held to
-TOL; --amp computes in float16, so its runs are held to AMP_TOL (a few float16 roundings;
+TOL; --amp computes in 16 bits, so its runs are held to AMP_TOL (a few float16 roundings;
+--amp-dtype bfloat16: BF16_TOL, eight times wider as its unit roundoff is;
 `compare`), and the sweep prints beside them what merely reordering the same sums on one
 process changes (its "amp floor": --grad-accum 2). The log lines are checked too
 (`banner_problems`): every size they name (`tp 2`, `dp 1 x ep 2`, `over the 4 dp x cp
@@ -37,8 +38,9 @@ from layout_sample import BASE, accepted, argv, describe, layouts  # noqa: E402
 TRAIN = "examples/train_gpt.py"
 TOL = 1e-9
 AMP_TOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 1e-2, "params_l2": 2e-2}
+BF16_TOL = {k: 8 * t for k, t in AMP_TOL.items()}        # 2^-8 against float16's 2^-11
 # the flags the one-process reference shares with a layout; the rest is the layout
-REF = ("--dropout", "--moe-experts", "--moe-top-k", "--moe-capacity-factor", "--moe-every",
+REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor", "--moe-every",
        "--moe-aux-loss-coef", "--moe-z-loss-coef", "--amp", "--no-bias")
 
 
@@ -90,8 +92,9 @@ def differences(ref, got):
 
 
 def compare(ref, got, amp=False, moe=False):
-    """(passed, differences): float64, every difference within TOL; --amp, those of AMP_TOL
-    within it (float16's unit roundoff is 2^-11 = 4.9e-4). Entry by entry the parameters are
+    """(passed, differences): float64, every difference within TOL; --amp (`amp`: the 16-bit
+    dtype), those of AMP_TOL within it (float16's unit roundoff is 2^-11 = 4.9e-4), of
+    BF16_TOL under bfloat16 (2^-8 = 3.9e-3). Entry by entry the parameters are
     not held to anything under --amp: AdamW's step m / sqrt(v) turns a gradient that is
     rounding noise (the key bias's, zero in exact arithmetic) into a full +-lr step either
     way, on one process too (see the amp floor). MoE under --amp: nor is their L2 distance;
@@ -103,8 +106,14 @@ def compare(ref, got, amp=False, moe=False):
     errs = differences(ref, got)
     if not amp:
         return max(errs.values()) <= TOL, errs
-    held = {k: t for k, t in AMP_TOL.items() if not (moe and k == "params_l2")}
+    tols = BF16_TOL if amp == "bfloat16" else AMP_TOL
+    held = {k: t for k, t in tols.items() if not (moe and k == "params_l2")}
     return all(errs.get(k, float("inf")) <= tol for k, tol in held.items()), errs
+
+
+def amp_dtype(flags):
+    """The 16-bit dtype a layout computes in under --amp (float16 unless it says), or False."""
+    return flags.get("--amp-dtype", "float16") if flags.get("--amp") else False
 
 
 def corpus(workdir):
@@ -156,7 +165,7 @@ class Sweep:
             ref = self.run(1, reference_flags(flags), f"ref{n}")
             assert ref["rc"] == 0, ref["stderr"]
             self.refs[key] = ref
-            if flags.get("--amp"):      # the float16 noise floor: the same sums reordered
+            if flags.get("--amp"):      # the 16-bit noise floor: the same sums reordered
                 again = self.run(1, {**reference_flags(flags), "--grad-accum": 2}, f"floor{n}")
                 self.floors[key] = differences(ref, again)
                 self.say(f"amp floor {key}: " + _show(self.floors[key]))
@@ -168,7 +177,7 @@ class Sweep:
         ref, _ = self.reference(flags)
         self.runs += 1
         got = self.run(ranks, flags, f"run{self.runs}")
-        ok, errs = compare(ref, got, bool(flags.get("--amp")), bool(flags.get("--moe-experts")))
+        ok, errs = compare(ref, got, amp_dtype(flags), bool(flags.get("--moe-experts")))
         banners = banner_problems(ranks, flags, got["stdout"])
         ok, errs = ok and not banners, {**errs, **({"banners": len(banners)} if banners else {})}
         if resume and got["rc"] == 0:
@@ -204,7 +213,7 @@ class Sweep:
             return False, {"stop_rc": first["rc"], "stderr": first["stderr"][-300:]}
         back = self.run(*into, f"back{self.runs}", ["--resume", os.path.join(self.workdir, name)])
         tail = {**ref, "losses": ref["losses"][2:], "norms": ref["norms"][2:]}
-        ok, errs = compare(tail, back, bool(flags.get("--amp")), bool(flags.get("--moe-experts")))
+        ok, errs = compare(tail, back, amp_dtype(flags), bool(flags.get("--moe-experts")))
         if back["rc"]:
             errs["stderr"] = (back["stderr"].strip().splitlines() or ["(no stderr)"])[-1][:300]
         return ok, errs
