@@ -143,6 +143,11 @@ def launch(source, name, grid, block, args, order="low", tables=None):
     scalars (their exact C width: np.int64 for long long, np.float32 for float, ...).
     `tables` {argument index: arrays}: that argument is a uint64 table of those arrays'
     addresses (checked), and the kernel gets a table of their guarded copies instead."""
+    # CuPy's launch takes `tuple grid, tuple block` (cupy/cuda/function.pyx, v13.0.0 to
+    # v14.2.0): a list is a TypeError there, so it is one here too
+    if type(grid) is not tuple or type(block) is not tuple:
+        raise KernelError(f"{name}: grid and block must be tuples, not "
+                          f"{type(grid).__name__} and {type(block).__name__}")
     lib = build(source)
     params = cs.signature(name, source)
     if len(params) != len(args):

@@ -3,8 +3,8 @@ __half and __nv_bfloat16 convert exactly as numpy and ml_dtypes (every 16-bit pa
 float, and floats to them: random, every tie, the overflow and subnormal edges), shuffles
 follow CUDA's lane rules, __shared__ is one copy per block (poisoned at each block's start),
 atomics add up, 2-D blocks and grids are numbered as CUDA numbers them, and a divergent
-barrier, a deadlock, a block too large, a write past an argument and a Python scalar are
-refused with a message.
+barrier, a deadlock, a block too large, a write past an argument, a Python scalar and a grid
+or block that is not a tuple (CuPy's launch takes tuples only) are refused with a message.
 Run: python -m pytest -q tests/test_cuda_cpu.py
 """
 import numpy as np
@@ -164,7 +164,10 @@ def test_two_dimensional_blocks_and_grids():
     ("past_the_end", (np.zeros(8, np.float32), np.int64(8)), 4, "wrote outside argument #0"),
     ("divergent", (np.zeros(2048, np.float32),), 2048, "CUDA allows 1..1024"),
     ("past_the_end", (np.zeros(8, np.float32), 8), 4, "got int"),
+    ("past_the_end", (np.zeros(8, np.float32), np.int64(8)), [4], "must be tuples, not tuple "
+     "and list"),                                   # CuPy's launch refuses a list as well
 ])
 def test_misbehaving_launches_are_refused(name, args, block, message):
+    block = block if isinstance(block, list) else (block,)
     with pytest.raises(cuda_cpu.KernelError, match=message):
-        cuda_cpu.launch(SRC, name, (1,), (block,), args)
+        cuda_cpu.launch(SRC, name, (1,), block, args)
