@@ -13,13 +13,13 @@ Two rules every backward here follows:
 constants. Tests: tests/test_gradcheck.py (every op), tests/test_autograd.py.
 """
 from minidist.autograd.function import Function
-from minidist.backend import is_cupy, is_float, matmul as _mm, xp_of
+from minidist.backend import is_float, matmul as _mm, xp_of
 
 
 def _same_float(a, b):
     """`a`, `b` with one float dtype. A 0-d operand takes the other's dtype (like a Python
     float does), so `x32 * np.float64(2)` stays float32; two real arrays of different float
-    dtypes are an error rather than a silent, slow promotion. A Python float beside a numpy
+    dtypes are an error rather than a silent, slow promotion. A Python float beside a
     bfloat16 array becomes a bfloat16 scalar (`_weak`)."""
     da, db = getattr(a, "dtype", None), getattr(b, "dtype", None)
     if da is None or db is None:
@@ -34,14 +34,16 @@ def _same_float(a, b):
 
 
 def _weak(s, array):
-    """`s` as `array`'s dtype when `s` is a Python float and `array` a numpy bfloat16 array,
-    else `s` unchanged. numpy keeps a float16 or float32 array's dtype against a Python float
+    """`s` as `array`'s dtype when `s` is a Python float and `array` a bfloat16 array, else
+    `s` unchanged. numpy keeps a float16 or float32 array's dtype against a Python float
     (NEP 50), but ml_dtypes' bfloat16 is promoted to float32 by one: `x_bf16 * 0.01` would
     leave bfloat16 silently, and a tuple of outputs that must share a dtype (a checkpointed
-    MoE block's output and router loss) breaks. CuPy arrays keep their own rule."""
+    MoE block's output and router loss) breaks. CuPy 14 does the same: its ufuncs take a
+    weak Python float's loop only where numpy.result_type(0.0, loop type) is that type, which
+    for bfloat16 it is not, so the float32 loop wins (cupy/_core/_kernel.pyx, v14.0.1:
+    _guess_routine_from_in_types). A bfloat16 scalar picks the bfloat16 loop on both."""
     dtype = getattr(array, "dtype", None)
-    if (type(s) is float and dtype is not None and dtype.name == "bfloat16"
-            and not is_cupy(array)):
+    if type(s) is float and dtype is not None and dtype.name == "bfloat16":
         return dtype.type(s)
     return s
 
