@@ -11,8 +11,9 @@ have finished (`device_ready`), and before a worker thread starts on a buffer th
 stream must have reached that point (`ready_event`). Nothing here imports cupy unless a cupy
 array is passed in.
 
-bfloat16 (ml_dtypes' numpy type, CuPy's too) is a dtype neither MPI nor DLPack knows: mpi4py
-refuses the buffer. `wire(a)` is what every MPI call is handed: a bfloat16 array's uint16 view
+bfloat16 (ml_dtypes' numpy type, CuPy 14's too) is a dtype MPI does not know, and mpi4py's
+buffer interface (DLPack for a device array, on an exporter that may not know it either)
+refuses it. `wire(a)` is what every MPI call is handed: a bfloat16 array's uint16 view
 (the same bytes), any other array itself. Moving bytes that way is exact; reductions must not
 add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves the views) and
 mpi.py's library reductions go through float32 copies.
