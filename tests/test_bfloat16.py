@@ -96,6 +96,18 @@ def test_an_advanced_index_gradient_adds_bfloat16_in_float32(device):
     assert g.dtype == BF16 and (g[0] == 1000).all() and not g[1:].any()
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
+def test_scatter_add_rows_adds_16_bit_rows_in_float32(dtype, xp):
+    """scatter_add_rows (TP's vocabulary-split embedding backward, MoE's combine, MoE's
+    IndexAddRows) summed each run of equal ids with numpy's add.reduceat in the rows' dtype:
+    1000 ones made 256 in bfloat16 (float16 came out right). Now 16-bit runs add in float32,
+    rounded once."""
+    from minidist.autograd.indexing import scatter_add_rows
+    out = xp.zeros((3, 2), dtype)
+    got = scatter_add_rows(out, xp.asarray([1] * 1000 + [2]), xp.ones((1001, 2), dtype))
+    assert got.dtype == dtype and backend.to_host(got)[:, 0].tolist() == [0, 1000, 1]
+
+
 def test_amp_bfloat16_policy_has_no_loss_scaling_and_16_bytes_per_param(device):
     amp = MixedPrecision(dtype="bfloat16")
     model = amp.cast_model(GPT(CFG, seed=0))
