@@ -168,38 +168,87 @@ def test_replayed_flash_plans_draw_each_replays_masks():
             last = y.copy()
 
 
+def flash_plans(dtype):
+    """Every flash plan for storage dtype `dtype`, planned with numpy arrays: a whole
+    sequence (T = 37) and ring attention's pieces (queries rows 3..22 of 30 at global
+    positions 10.., keys rows 1..30 of 40 at 4..), each without and with dropout."""
+    q = rand(dtype, 2, 3, 37, 8)
+    qp, kp = rand(dtype, 2, 3, 30, 8), rand(dtype, 2, 3, 40, 8)
+    acc = ck.acc_dtype(dtype)
+    lse, D = np.zeros((2, 3, 30), acc), np.zeros((2, 3, 30), acc)
+    plans = {}
+    for tag, p in (("", 0.0), (" (dropout)", 0.1)):
+        drop = flash.AttnDropout(p, _site(), (2, 3, 64, 64)).kernel_args(np) if p else None
+        plans["flash_fwd" + tag], (y, lse_w) = ckn.flash_fwd_launch(np, q, q, q, drop)
+        dot, dkdv, dq = ckn.flash_bwd_launches(np, q, q, q, q, y, lse_w, drop)[0]
+        plans.update({"flash_bwd_dot" + tag: dot, "flash_bwd_dkdv" + tag: dkdv,
+                      "flash_bwd_dq" + tag: dq})
+        plans["flash_fwd piece" + tag] = ckn.flash_fwd_launch(np, qp, kp, kp, drop, 10, 4)[0]
+        grads = (np.zeros_like(qp), np.zeros_like(kp), np.zeros_like(kp))
+        dkdv, dq = ckn.flash_piece_bwd_launches(np, qp, qp, kp, kp, lse, D, grads, (3, 10, 20),
+                                                (1, 4, 30), drop)
+        plans.update({"flash_bwd_dkdv piece" + tag: dkdv, "flash_bwd_dq piece" + tag: dq})
+    return plans
+
+
 def test_flash_plans_hand_each_kernel_its_declared_types():
     """As test_cuda_kernels.py does for the other kernels: T* arrays of the storage dtype,
     A of the accumulation dtype, long long int64, int int32, all contiguous; the grid covers
-    every tile of every head."""
+    every tile of every head (of the piece's rows); the pieces' plans add into the given
+    arrays themselves."""
     for dtype in DTYPES:
         want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32",
                 "float": "float32"}
-        q = rand(dtype, 2, 3, 37, 8)
-        plan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q)
-        plans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse)
-        drop = flash.AttnDropout(0.1, _site(), (2, 3, 37, 37)).kernel_args(np)
-        dplan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q, drop)
-        dplans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse, drop)
-        for p in dplans[1:] + [dplan]:                # the step: the counter itself, a lag
-            assert p.args[-6] is drop[3][0] and p.args[-5] == 0
-        for p in [plan, dplan] + plans + dplans:
+        plans = flash_plans(dtype)
+        for key, p in plans.items():
             params, args = cs.signature(p.name), ck.describe(p.args)
-            assert cs.part_of(p.name) == "flash" and len(params) == len(args), p.name
-            for (ctype, pointer), arg in zip(params, args):
-                assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
+            assert cs.part_of(p.name) == "flash" and len(params) == len(args), key
+            for (ctype, pointer), arg, raw in zip(params, args, p.args):
+                assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), key
+                assert not pointer or raw.flags.c_contiguous, key
+            if "dropout" in key and p.name != "flash_bwd_dot":
+                assert p.args[-7] == 64, key               # dT: the whole sequence's length
         ft, bt = ckn.tiles(ck.acc_dtype(dtype).itemsize)
-        assert plan.grid == (-(-37 // ft), 6) and plans[1].grid == (-(-37 // bt), 6)
+        assert plans["flash_fwd"].grid == (-(-37 // ft), 6)
+        assert plans["flash_bwd_dkdv"].grid == (-(-37 // bt), 6)
+        assert plans["flash_fwd piece"].grid == (-(-30 // ft), 6)
+        dkdv, dq = plans["flash_bwd_dkdv piece"], plans["flash_bwd_dq piece"]
+        assert dkdv.grid == (-(-30 // bt), 6) and dq.grid == (-(-20 // bt), 6)
+        assert dq.args[7:16] == (30, 3, 20, 10, 40, 1, 30, 4, 1)      # Lq qo Tq q_start .. add
+        assert plans["flash_bwd_dq"].args[7:16] == (37, 0, 37, 0, 37, 0, 37, 0, 0)
     with pytest.raises(ValueError, match="head sizes up to 128 and up to 65535"):
         ckn.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
+    q = np.zeros((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="add into contiguous dq, dk, dv"):
+        ckn.flash_piece_bwd_launches(np, q, q, q, q, q[..., 0], q[..., 0],
+                                     (q, q, q[..., ::2, :]), (0, 0, 4), (0, 0, 2))
+    with pytest.raises(ValueError, match="outside"):
+        ckn.flash_piece_bwd_launches(np, q, q, q, q, q[..., 0], q[..., 0], (q, q, q),
+                                     (1, 0, 4), (0, 0, 2))
+
+
+def test_dropout_args_step_is_the_counter_itself():
+    """A plan's step is the keys' counter array (read when the kernel runs) and the lag: 1
+    for a forward drawn again after the keys moved on."""
+    site = _site()
+    site.keys.next_step()
+    attn = flash.AttnDropout(0.1, site, (2, 3, 37, 37))
+    site.keys.next_step()
+    drop = attn.kernel_args(np)
+    q = rand("float32", 2, 3, 37, 8)
+    plan, (y, lse) = ckn.flash_fwd_launch(np, q, q, q, drop)
+    plans, _ = ckn.flash_bwd_launches(np, q, q, q, q, y, lse, drop)
+    for p in [plan] + plans[1:]:
+        assert p.args[-6] is drop[4][0] and p.args[-5] == 1 and p.args[-7] == 37
 
 
 BROKEN = {   # name -> (old, new, occurrence) in the flash kernels' text
-    "flash_fwd stops one key tile early": ("c0 < r_end; c0 += FT", "c0 + FT < r_end; c0 += FT",
+    "flash_fwd stops one key tile early": ("c0 < c_end; c0 += FT", "c0 + FT < c_end; c0 += FT",
                                            0),
-    "flash_fwd mask off by one": ("c0 + c > r0 + r", "c0 + c >= r0 + r", 0),
-    "flash_bwd_dkdv skips the diagonal tile": ("r0 = c0; r0 < T_", "r0 = c0 + BT; r0 < T_", 0),
-    "flash_bwd_dq stops one key tile early": ("c0 < r_end; c0 += BT", "c0 + BT < r_end; c0 += BT",
+    "flash_fwd mask off by one": ("c0 + c > q_start + r0 + r", "c0 + c >= q_start + r0 + r", 0),
+    "flash_bwd_dkdv skips the diagonal tile": ("r0 = r_first > 0 ? r_first : 0;",
+                                               "r0 = (r_first > 0 ? r_first : 0) + BT;", 0),
+    "flash_bwd_dq stops one key tile early": ("c0 < c_end; c0 += BT", "c0 + BT < c_end; c0 += BT",
                                               0),
 }
 BARRIERS = FLASH.count("__syncthreads();")
@@ -222,7 +271,7 @@ BROKEN_DROPOUT = {   # name -> (old, new, occurrence) in the flash kernels' text
         "sum += p;                // l sums the undropped p; acc takes p Z (dropout)",
         "", 0),
     "flash_bwd's dv from the undropped p": ("pv *= z;", "", 0),
-    "dropout ignores the rank's first head": ("((h0 + bh % nh) * T_ + i)", "((bh % nh) * T_ + i)",
+    "dropout ignores the rank's first head": ("((h0 + bh % nh) * dT + i)", "((bh % nh) * dT + i)",
                                               0),
     "dropout reads batch row 0 for every row": ("drows[bh / nh], dstep", "drows[0], dstep", 0),
     "flash_bwd's ds without Z": ("pv * (dp * z - D[i])", "pv * (dp - D[i])", 0),
@@ -250,7 +299,7 @@ def test_flash_kernels_are_off_by_default_and_never_take_numpy(monkeypatch):
     """MINIDIST_CUDA_NEW_KERNELS is "0" unless set; numpy arrays never reach a kernel."""
     a = np.zeros((1, 2, 4, 8), np.float32)
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
-    assert not ckn.use_new(a, a, a) and not flash._kernels_ok(a, a, a)
+    assert not ckn.use_new(a, a, a) and not flash.kernels_ok(a, a, a)
     assert ckn.flash_ok(a) and not ckn.flash_ok(np.zeros((1, 129)))
     assert not ckn.flash_ok(np.zeros((65536, 1, 1)))
 
@@ -272,6 +321,32 @@ def test_nvcc_compiles_the_flash_kernels_within_48k_of_shared_memory(tmp_path):
                              capture_output=True, text=True, timeout=300)
         smem = [int(n) for n in re.findall(r"(\d+) bytes smem", out.stderr)]
         assert len(smem) == 3 and max(smem) <= 48 * 1024, (dtype, out.stderr)
+
+
+PTX = {"float32": ".f32", "float64": ".f64", "int64": ".u64", "int32": ".u32"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvcc_ptx_takes_the_planned_widths(dtype, tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed), as test_cuda_kernels.py's test for
+    the fused kernels: the PTX parameter list of every flash kernel has the widths each plan
+    (whole sequence and ring pieces, with and without dropout) hands it (pointers .u64,
+    float .f32, double .f64, long long .u64, int .u32)."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
+    src.write_text(cs.source(dtype, "flash"))
+    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    text = ptx.read_text()
+    for key, plan in flash_plans(dtype).items():
+        body = re.search(r"\.entry " + plan.name + r"\(([^)]*)\)", text).group(1)
+        want = [".u64" if kind == "array" else PTX[dt] for kind, dt, *_ in
+                ck.describe(plan.args)]
+        assert re.findall(r"\.param (\.\w+) ", body) == want, key
 
 
 @pytest.mark.gpu

@@ -8,10 +8,13 @@ outputs with `xp` and returns a `Launch`; tests/test_cuda_flash_cpu.py and
 tests/test_cuda_fusions_cpu.py run every plan on numpy arrays through the CPU harness
 (tests/cuda_cpu.py) and check each argument against the kernel's declared parameters.
 The model reaches them only on cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1 (`use_new`):
-flash.py's tiled attention and fusions.py's ops, through the glue functions here that take
-`xp` and `run` (cupy and `launch` there; numpy and the CPU harness in tests/test_fusions.py).
+flash.py's tiled attention and partial_attention, ring attention's blocks (minidist/cp/
+ring.py: `flash_partial`, `flash_piece_backward`) and fusions.py's ops, through the glue
+functions here that take `xp` and `run` (cupy and `launch` there; numpy and the CPU harness
+in tests/test_fusions.py and tests/test_cuda_ring_cpu.py).
 A GPU session confirms them (python -m pytest -m gpu --device cuda
-tests/test_cuda_flash_cpu.py tests/test_fusions.py), then turns them on.
+tests/test_cuda_ring_cpu.py tests/test_cuda_flash_cpu.py tests/test_fusions.py), then turns
+them on.
 """
 import math
 import os
@@ -55,57 +58,91 @@ def _heads(xp, a):
 
 
 def dropout_args(xp, acc, dropout):
-    """The flash kernels' last nine arguments: (drows, nh, h0, dcount, dlag, dk0, dk1, dprob,
-    dscale) from `dropout` = (rows (B,) global batch rows, nh heads here, h0 the first of them
-    in the whole model, (count, lag): the step, count[0] - lag, read on the device, (k0, k1)
-    the site's Philox key, p) (flash.py's AttnDropout.kernel_args), or none drawn (None:
-    dprob 0; drows and dcount one unused value)."""
+    """The flash kernels' last ten arguments: (drows, nh, h0, dT, dcount, dlag, dk0, dk1,
+    dprob, dscale) from `dropout` = (rows (B,) global batch rows, nh heads here, h0 the first
+    of them in the whole model, T the whole sequence (positions are global), (count, lag):
+    the step, count[0] - lag, read on the device, (k0, k1) the site's Philox key, p)
+    (flash.py's AttnDropout.kernel_args), or none drawn (None: dprob 0; drows and dcount one
+    unused value)."""
     if dropout is None:
         unused = xp.zeros(1, xp.int64)
-        return (unused, np.int64(1), np.int64(0), unused) + tuple(
+        return (unused, np.int64(1), np.int64(0), np.int64(0), unused) + tuple(
             np.int64(0) for _ in range(3)) + (np.float32(0), acc.type(1))
-    rows, nh, h0, (count, lag), key, p = dropout
+    rows, nh, h0, T, (count, lag), key, p = dropout
     rows = xp.ascontiguousarray(xp.asarray(rows), dtype=xp.int64)
     count = xp.ascontiguousarray(count, dtype=xp.int64)
-    return (rows, np.int64(nh), np.int64(h0), count) + tuple(
+    return (rows, np.int64(nh), np.int64(h0), np.int64(T), count) + tuple(
         np.int64(v) for v in (lag, key[0], key[1])) + (np.float32(p), acc.type(1.0 / (1.0 - p)))
 
 
-def flash_fwd_launch(xp, q, k, v, dropout=None):
-    """The plan and (y (BH, T, hs), lse (BH, T)) of causal attention of q, k, v (..., T, hs);
-    dropout: dropout_args' tuple, or None."""
+def flash_fwd_launch(xp, q, k, v, dropout=None, q_start=0, k_start=0):
+    """The plan and (y (BH, Tq, hs), lse (BH, Tq)) of causal attention of queries q
+    (..., Tq, hs) at global positions q_start.. over keys and values (..., Tk, hs) at
+    k_start.. (a whole sequence: both 0, Tq = Tk); dropout: dropout_args' tuple, or None."""
     q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
-    BH, T, hs = q.shape
+    BH, Tq, hs = q.shape
     if hs > HS_MAX or BH > 65535:
         raise ValueError(f"flash kernels take head sizes up to {HS_MAX} and up to 65535 "
                          f"batch x heads (grid.y), not {hs} and {BH}")
     acc = acc_dtype(q.dtype)
     ft, _ = tiles(acc.itemsize)
-    y, lse = xp.empty_like(q), xp.empty((BH, T), acc)
-    args = (q, k, v, y, lse, np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
+    y, lse = xp.empty_like(q), xp.empty((BH, Tq), acc)
+    args = (q, k, v, y, lse, np.int64(Tq), np.int64(q_start), np.int64(k.shape[1]),
+            np.int64(k_start), np.int32(hs), acc.type(1.0 / math.sqrt(hs)))
     args += dropout_args(xp, acc, dropout)
-    return Launch("flash_fwd", q.dtype, (-(-T // ft), BH), (THREADS,), args), (y, lse)
+    return Launch("flash_fwd", q.dtype, (-(-Tq // ft), BH), (THREADS,), args), (y, lse)
+
+
+def _bwd_plans(q, k, v, g, lse, D, dq, dk, dv, pieces, add, dropout):
+    """flash_bwd_dkdv's and flash_bwd_dq's plans over (BH, L, hs) arrays; pieces: the
+    kernels' (Lq, qo, Tq, q_start, Lk, ko, Tk, k_start)."""
+    BH, _, hs = q.shape
+    acc = lse.dtype
+    _, bt = tiles(acc.itemsize)
+    geometry = tuple(np.int64(n) for n in pieces) + (np.int32(add), np.int32(hs),
+                                                     acc.type(1.0 / math.sqrt(hs)))
+    Tq, Tk = pieces[2], pieces[6]
+    return [Launch("flash_bwd_dkdv", q.dtype, (-(-Tk // bt), BH), (THREADS,),
+                   (q, k, v, g, lse, D, dk, dv) + geometry + dropout),
+            Launch("flash_bwd_dq", q.dtype, (-(-Tq // bt), BH), (THREADS,),
+                   (q, k, v, g, lse, D, dq) + geometry + dropout)]
 
 
 def flash_bwd_launches(xp, g, q, k, v, y, lse, dropout=None):
-    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs);
-    dropout as flash_fwd_launch's."""
+    """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs), of a
+    whole sequence; dropout as flash_fwd_launch's."""
     g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
     BH, T, hs = q.shape
     acc = acc_dtype(q.dtype)
-    _, bt = tiles(acc.itemsize)
     lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
     D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
-    T64, hs32, scale = np.int64(T), np.int32(hs), acc.type(1.0 / math.sqrt(hs))
-    drop = dropout_args(xp, acc, dropout)
-    grid = (-(-T // bt), BH)
-    plans = [Launch("flash_bwd_dot", q.dtype, *flat_grid(BH * T),
-                    (g, y, D, np.int64(BH * T), hs32)),
-             Launch("flash_bwd_dkdv", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dk, dv, T64, hs32, scale) + drop),
-             Launch("flash_bwd_dq", q.dtype, grid, (THREADS,),
-                    (q, k, v, g, lse, D, dq, T64, hs32, scale) + drop)]
-    return plans, (dq, dk, dv)
+    dot = Launch("flash_bwd_dot", q.dtype, *flat_grid(BH * T),
+                 (g, y, D, np.int64(BH * T), np.int32(hs)))
+    plans = _bwd_plans(q, k, v, g, lse, D, dq, dk, dv, (T, 0, T, 0, T, 0, T, 0), 0,
+                       dropout_args(xp, acc, dropout))
+    return [dot] + plans, (dq, dk, dv)
+
+
+def flash_piece_bwd_launches(xp, g, q, k, v, lse, D, grads, q_piece, k_piece, dropout=None):
+    """The plans (dk and dv, dq) that ADD one pair of pieces' gradients into grads = (dq, dk,
+    dv) (ring attention's backward of one held block, minidist/cp/ring.py). q, g, dq
+    (..., Lq, hs), lse and D (..., Lq) (the whole attention's merged log-sum-exp and
+    rowsum(g y)); k, v, dk, dv (..., Lk, hs). q_piece = (qo, q_start, Tq): the queries are
+    rows qo .. qo+Tq-1, at global positions q_start..; k_piece = (ko, k_start, Tk) the keys
+    likewise; causal by global position. dropout as flash_fwd_launch's."""
+    if not all(a.flags.c_contiguous and a.dtype == q.dtype for a in grads):
+        raise ValueError("the flash kernels add into contiguous dq, dk, dv of q's dtype")
+    g, q, k, v = (_heads(xp, a) for a in (g, q, k, v))
+    dq, dk, dv = (a.reshape(-1, a.shape[-2], a.shape[-1]) for a in grads)   # views
+    BH, Lq, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    lse, D = (xp.ascontiguousarray(a, dtype=acc).reshape(BH, Lq) for a in (lse, D))
+    (qo, q_start, Tq), (ko, k_start, Tk) = q_piece, k_piece
+    Lk = k.shape[1]
+    if min(qo, Tq, ko, Tk) < 0 or qo + Tq > Lq or ko + Tk > Lk:
+        raise ValueError(f"pieces rows {qo}..+{Tq} of {Lq}, {ko}..+{Tk} of {Lk}: outside")
+    pieces = (Lq, qo, Tq, q_start, Lk, ko, Tk, k_start)
+    return _bwd_plans(q, k, v, g, lse, D, dq, dk, dv, pieces, 1, dropout_args(xp, acc, dropout))
 
 
 def flash_attention(q, k, v, dropout=None):
@@ -121,6 +158,27 @@ def flash_attention_backward(g, q, k, v, y, lse, dropout=None):
     for plan in plans:
         launch(plan)
     return tuple(a.reshape(q.shape) for a in grads)
+
+
+def flash_partial(xp, run, q, k, v, q_start, k_start, dropout=None):
+    """(y like q, lse (..., Tq) in the accumulation dtype): causal attention of queries q
+    (..., Tq, hs) at global positions q_start.. over ONE piece of keys and values (..., Tk,
+    hs) at k_start.. (flash.partial_attention), one launch; a row that sees no key gets
+    y 0 and lse -inf. `run` executes the plan (`launch` on the GPU; the tests run the same
+    glue on numpy through the CPU harness)."""
+    plan, (y, lse) = flash_fwd_launch(xp, q, k, v, dropout, q_start, k_start)
+    if y.size:                                                  # no empty grid
+        run(plan)
+    return y.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def flash_piece_backward(xp, run, g, q, k, v, lse, D, grads, q_piece, k_piece, dropout=None):
+    """flash_piece_bwd_launches' plans run: one pair of pieces' dq, dk, dv added into grads,
+    two launches."""
+    if q_piece[2] and k_piece[2]:
+        for plan in flash_piece_bwd_launches(xp, g, q, k, v, lse, D, grads, q_piece, k_piece,
+                                             dropout):
+            run(plan)
 
 
 # ---- bias + GELU: elementwise ---------------------------------------------------------------

@@ -28,7 +28,8 @@ softmax's sums use the undropped p; only p v uses the dropped p Z (Z = keep / (1
 elsewhere (ring attention's building blocks). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1
 forward and backward run as CUDA kernels, dropout included: they compute each weight's
 Philox number where they need it (cuda_source_flash.py, proven on the CPU by
-tests/test_cuda_flash_cpu.py; off by default until a GPU session confirms them).
+tests/test_cuda_flash_cpu.py; off by default until a GPU session confirms them), and so does
+partial_attention (causal), at any global positions (tests/test_cuda_ring_cpu.py).
 Tests: tests/test_attention_tiled.py, tests/test_gradcheck.py.
 """
 import itertools
@@ -38,6 +39,7 @@ import numpy as np
 
 from minidist.autograd import cuda_kernels_new as _ck
 from minidist.autograd.attention import heads_view, saved_heads, split_heads
+from minidist.autograd.cuda_kernels import launch
 from minidist.autograd.dropout_keys import DropoutSite
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
@@ -113,16 +115,18 @@ class AttnDropout:
     def kernel_args(self, xp):
         """What the flash kernels draw with (cuda_kernels_new.dropout_args), as of the
         forward: the batch's global rows (kept on xp: DropoutKeys.on_device), the local
-        heads, the first of them in the whole model, the step as (counter, lag) read on the
-        device (DropoutKeys.device_step: a captured graph's replays draw their own masks),
-        the site's Philox key, p."""
+        heads, the first of them in the whole model, the whole sequence's length (the
+        kernels take global positions: a whole sequence or ring attention's pieces), the
+        step as (counter, lag) read on the device (DropoutKeys.device_step: a captured
+        graph's replays draw their own masks), the site's Philox key, p."""
         keys = self.site.keys
         with keys.as_of(self.state):
-            if keys.positions is not None:
-                raise ValueError("the flash kernels take whole sequences, not cp's pieces")
+            if self.site.seq_axis is not None and keys.positions is not None:
+                raise ValueError("the flash kernels take the weights' global positions, not "
+                                 "a site that maps them through cp's positions")
             rows = keys.on_device(self.site.rows(self.shape[0]), xp)
-            return (rows, self.shape[1], self.site.start(self.shape, 1), keys.device_step(xp),
-                    keys.philox_key(self.site.name), self.p)
+            return (rows, self.shape[1], self.site.start(self.shape, 1), self.shape[3],
+                    keys.device_step(xp), keys.philox_key(self.site.name), self.p)
 
     def tile(self, q0, q1, k0, k1, xp, dtype):
         """Z (B, nh, q1 - q0, k1 - k0): keep / (1 - p) for queries q0:q1, keys k0:k1."""
@@ -170,14 +174,26 @@ def _row_block(q_i, k, v, tiles, starts, scale, dropout=None):
     return y.astype(q_i.dtype, copy=False), lse[..., 0]
 
 
+def kernels_ok(q, *arrays):
+    """The CUDA flash kernels (cuda_source_flash.py) instead of the code here: cupy arrays,
+    MINIDIST_CUDA_NEW_KERNELS=1 (off by default: proven on the CPU, never run on a GPU yet),
+    head size <= 128. They tile on their own (16 or 8 rows), whatever `block` says."""
+    return _ck.use_new(q, *arrays) and _ck.flash_ok(q)
+
+
 def partial_attention(q, k, v, q_start=0, k_start=0, block=DEFAULT_BLOCK, causal=True,
                       dropout=None):
     """Attention of queries q (.., Tq, hs) at positions q_start.. over ONE chunk of keys and
     values (.., Tk, hs) at positions k_start.., arrays in and out, no graph; dropout: an
     AttnDropout or None.
     Returns (y, lse): y (.., Tq, hs) normalised over this chunk only, lse (.., Tq) its
-    log-sum-exp (-inf for a row that sees no key). `merge_partials` combines chunks."""
+    log-sum-exp (-inf for a row that sees no key: y 0 there). `merge_partials` combines
+    chunks. Causal on cupy with the kernels on (kernels_ok): one flash_fwd launch, which
+    tiles on its own."""
     xp = xp_of(q)
+    if causal and kernels_ok(q, k, v):                       # one launch (cuda_source_flash)
+        drop = None if dropout is None else dropout.kernel_args(xp)
+        return _ck.flash_partial(xp, launch, q, k, v, q_start, k_start, drop)
     Tq, Tk = q.shape[-2], k.shape[-2]
     y = xp.empty(q.shape, q.dtype)
     lse = xp.empty(q.shape[:-1], _stat_dtype(xp, q.dtype))
@@ -203,17 +219,10 @@ def merge_partials(y_a, lse_a, y_b, lse_b):
     return (y_a * w_a + y_b * w_b).astype(y_a.dtype, copy=False), lse
 
 
-def _kernels_ok(q, *arrays):
-    """The CUDA flash kernels (cuda_source_flash.py) instead of the code here: cupy arrays,
-    MINIDIST_CUDA_NEW_KERNELS=1 (off by default: proven on the CPU, never run on a GPU yet),
-    head size <= 128. They tile on their own (16 or 8 rows), whatever `block` says."""
-    return _ck.use_new(q, *arrays) and _ck.flash_ok(q)
-
-
 def _forward(q, k, v, block, out, dropout=None):
     """Causal attention of q, k, v (B, nh, T, hs) into `out` (may be a strided view);
     returns lse (B, nh, T). The CUDA kernels compute dropout's numbers themselves."""
-    if _kernels_ok(q, k, v):
+    if kernels_ok(q, k, v):
         drop = None if dropout is None else dropout.kernel_args(xp_of(q))
         out[...], lse = _ck.flash_attention(q, k, v, drop)
         return lse
@@ -225,7 +234,7 @@ def _forward(q, k, v, block, out, dropout=None):
 def _backward(g, q, k, v, y, lse, block, out, dropout=None):
     """dq, dk, dv into out[0], out[1], out[2] (zeroed here), tile by tile: each tile's
     probabilities (and dropout numbers) are recomputed; nothing (T, T) is ever held."""
-    if _kernels_ok(q, k, v, g, y):
+    if kernels_ok(q, k, v, g, y):
         drop = None if dropout is None else dropout.kernel_args(xp_of(q))
         out[0][...], out[1][...], out[2][...] = _ck.flash_attention_backward(g, q, k, v, y, lse,
                                                                              drop)

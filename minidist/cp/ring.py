@@ -32,8 +32,10 @@ import math
 import numpy as np
 
 from minidist.autograd.attention import heads_view, saved_heads, split_heads
-from minidist.autograd.flash import (DEFAULT_BLOCK, AttnDropout, block_pairs, merge_partials,
-                                     partial_attention)
+from minidist.autograd.cuda_kernels import launch
+from minidist.autograd.cuda_kernels_new import flash_partial, flash_piece_backward
+from minidist.autograd.flash import (DEFAULT_BLOCK, AttnDropout, block_pairs, kernels_ok,
+                                     merge_partials, partial_attention)
 from minidist.autograd.function import Function
 from minidist.backend import matmul as _mm, xp_of
 
@@ -99,22 +101,52 @@ def causal_tiles(T, n, split, block):
     return counts
 
 
-def attend_block(q, q_pieces, kv, k_pieces, y, lse, block, dropout=None):
+def tile_run(*arrays):
+    """How the ring's tiles run: cuda_kernels.launch where the flash kernels take these
+    arrays (flash.kernels_ok: cupy, MINIDIST_CUDA_NEW_KERNELS=1, head size <= 128), else
+    None: flash.py's xp code, tile by tile."""
+    return launch if kernels_ok(*arrays) else None
+
+
+def attend_block(q, q_pieces, kv, k_pieces, y, lse, block, dropout=None, run=None):
     """Merge the attention of queries q (B, nh, Tl, hs) over one held key/value block
     kv (2, B, nh, Tl, hs) into the running (y, lse), in place; dropout: flash.py's
-    AttnDropout over the whole (B, nh, T, T) weights (positions global), or None."""
+    AttnDropout over the whole (B, nh, T, T) weights (positions global), or None.
+    run: executes the flash kernels' plans, one launch per pair of pieces (ring_forward
+    passes tile_run's; a test the CPU harness), or None: partial_attention."""
+    xp = xp_of(q)
+    drop = None if run is None or dropout is None else dropout.kernel_args(xp)
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
         rows, cols = slice(qo, qo + ql), slice(ko, ko + kl)
-        y_b, lse_b = partial_attention(q[..., rows, :], kv[0][..., cols, :],
-                                       kv[1][..., cols, :], qs, ks, block, dropout=dropout)
+        q_i, k_j, v_j = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
+        if run is None:
+            y_b, lse_b = partial_attention(q_i, k_j, v_j, qs, ks, block, dropout=dropout)
+        else:
+            y_b, lse_b = flash_partial(xp, run, q_i, k_j, v_j, qs, ks, drop)
         y[..., rows, :], lse[..., rows] = merge_partials(y[..., rows, :], lse[..., rows],
                                                          y_b, lse_b)
 
 
-def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, dropout=None):
+def _kernels_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, dropout, run):
+    """attend_block_backward by the flash kernels: per pair of pieces a dk/dv launch and a
+    dq launch, each adding into dq and dkv in place (so they must be contiguous; q, g, lse
+    and D are best so too, or each launch's plan copies them)."""
+    xp = xp_of(q)
+    drop = None if dropout is None else dropout.kernel_args(xp)
+    for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
+        flash_piece_backward(xp, run, g, q, kv[0], kv[1], lse, D, (dq, dkv[0], dkv[1]),
+                             (qo, qs, ql), (ko, ks, kl), drop)
+
+
+def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, dropout=None,
+                          run=None):
     """Gradients of one held block: dq (B, nh, Tl, hs) and the block's accumulator dkv
     (2, B, nh, Tl, hs), added to in place. Each tile's probabilities (and dropout's
-    Z = keep / (1 - p)) are recomputed, as flash.py's backward does; D = rowsum(g * y)."""
+    Z = keep / (1 - p)) are recomputed, as flash.py's backward does; D = rowsum(g * y).
+    run: executes the flash kernels' plans (_kernels_backward), or None: the xp code below."""
+    if run is not None:
+        _kernels_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, dropout, run)
+        return
     xp = xp_of(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
@@ -148,13 +180,14 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
     right, left = (r + 1) % n, (r - 1) % n
     y = xp.zeros(q.shape, q.dtype)
     lse = xp.full(q.shape[:-1], -math.inf, xp.result_type(q.dtype, xp.float32))
+    run = tile_run(q, kv)                         # the flash kernels, or None: xp tiles
     cur, nxt = kv, xp.empty_like(kv)
     for step in range(n):
         src = (r - step) % n                      # whose keys/values this rank holds now
         if step < n - 1:                          # posted before the compute: overlap
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block(q, layouts[r], cur, layouts[src], y, lse, block, dropout)
+        attend_block(q, layouts[r], cur, layouts[src], y, lse, block, dropout, run)
         if step < n - 1:
             send.wait()
             recv.wait()
@@ -169,6 +202,9 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout
     n, r = group.size, group.rank
     right, left = (r + 1) % n, (r - 1) % n
     D = (g * y).sum(axis=-1)                                          # (B, nh, Tl)
+    run = tile_run(q, kv, g, y)
+    if run is not None:               # what the kernels read, made so once, not per block
+        q, g, D = xp.ascontiguousarray(q), xp.ascontiguousarray(g), D.astype(lse.dtype)
     dq = xp.zeros(q.shape, q.dtype)
     cur, nxt = kv, xp.empty_like(kv)
     d_cur, d_nxt = xp.zeros_like(kv), xp.empty_like(kv)
@@ -178,7 +214,7 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
         attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur, block,
-                              dropout)
+                              dropout, run)
         d_recv = group.recv(d_nxt, left, async_op=True, tag=DKV_TAG)  # block src's dk, dv
         d_send = group.send(d_cur, right, async_op=True, tag=DKV_TAG)  # on to the next rank
         if step < n - 1:
