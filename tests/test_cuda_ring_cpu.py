@@ -8,7 +8,8 @@ masked: y 0, lse -inf; the diagonal; Tq != Tk; rows that see no key; lengths not
 a tile; every (rank, held block) of zig-zag and naive rings), with dropout on the weights
 (every keep decision the host's, exactly); the whole ring simulated in one process with the
 kernels, forward and backward, against tiled attention; broken variants that only offset
-pieces expose; the plans' geometry; and, on a GPU (-m gpu), the kernels on against off.
+pieces expose; and, on a GPU (-m gpu), the kernels on against off. The plans' argument types
+and PTX widths: tests/test_cuda_flash_cpu.py.
 Run: python -m pytest -q tests/test_cuda_ring_cpu.py   (skips without a C++ compiler)
 """
 import functools
@@ -22,8 +23,8 @@ from minidist import backend
 from minidist.autograd import Tensor, cuda_kernels as ck, cuda_kernels_new as ckn, flash
 from minidist.autograd import cuda_source as cs
 from minidist.autograd.cuda_source_flash import FLASH
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.cp import ring
-from test_cuda_flash_cpu import _site
 from test_cuda_kernels_cpu import DTYPES, ORDERS, close, f64, failing_orders, nth_replaced, rand
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
@@ -47,22 +48,24 @@ def harness(src=None, order="low"):
     return functools.partial(cuda_cpu.run, source=src, order=order)
 
 
-def attn_dropout(p, T, lag=True):
-    """AttnDropout p over (B, NH, T, T) weights of a tensor-parallel rank (heads 3..5 of 6),
-    batch rows 5 and 2, step 3 (drawn after the keys moved on: lag 1); None for p 0."""
+def attn_dropout(p, T):
+    """AttnDropout p over (B, NH, T, T) weights, keyed numbers of a tensor-parallel rank's
+    site (heads 3..5 of 6), batch rows 5 and 2, step 3, drawn after the keys moved on to
+    step 4 (the kernels read the step on the device: counter 4, lag 1); None for p 0."""
     if not p:
         return None
-    site = _site()
+    site = DropoutSite(DropoutKeys(11), "transformer.h.0.attn.attn_dropout", axis=1, parts=2,
+                       index=1)
     for _ in range(3):
         site.keys.next_step()
     with site.keys.rows_of([5, 2]):
         drop = flash.AttnDropout(p, site, (B, NH, T, T))
-    if lag:
-        site.keys.next_step()
+    site.keys.next_step()
     return drop
 
 
 def kernel_args(drop):
+    """The kernels' dropout arguments (AttnDropout.kernel_args on numpy), or None."""
     return None if drop is None else drop.kernel_args(np)
 
 
@@ -79,8 +82,9 @@ def check_partial(dtype, piece, src=None, order="low", p=0.0):
                                                dropout=drop)
     assert y.dtype == q.dtype and lse.dtype == ck.acc_dtype(q.dtype)
     seen = np.isfinite(lse_want)
-    assert np.array_equal(np.isfinite(lse), seen), "lse: rows that see no key are -inf"
-    assert not (lse[~seen] > 0).any() and not f64(y)[~seen].any(), "y 0 where no key is seen"
+    assert np.array_equal(np.isfinite(lse), seen) and (lse[~seen] == -np.inf).all(), \
+        "lse -inf exactly for the rows that see no key"
+    assert not f64(y)[~seen].any(), "y 0 where no key is seen"
     close(y, y_want, dtype, f"flash_fwd y {piece}")
     close(lse[seen], lse_want[seen], ck.acc_dtype(dtype).name, f"flash_fwd lse {piece}")
 
@@ -217,8 +221,8 @@ def simulate_ring(q, k, v, g, n, split, drop, run):
     pos = [xp.asarray(ring.positions(T, n, r, split)) for r in range(n)]
     acc = ck.acc_dtype(q.dtype)
     shape = [q.shape[:-2] + (len(p), q.shape[-1]) for p in pos]
-    ys = [xp.zeros(sh, q.dtype) for sh in shape]                     # contiguous, as the
-    lses = [xp.full(sh[:-1], -math.inf, acc) for sh in shape]        # kernels add into them
+    ys = [xp.zeros(sh, q.dtype) for sh in shape]
+    lses = [xp.full(sh[:-1], -math.inf, acc) for sh in shape]
     kvs = [xp.ascontiguousarray(xp.stack([k[..., p, :], v[..., p, :]])) for p in pos]
     for step in range(n):
         for r in range(n):
@@ -226,8 +230,8 @@ def simulate_ring(q, k, v, g, n, split, drop, run):
             ring.attend_block(q[..., pos[r], :], lays[r], kvs[held], lays[held], ys[r],
                               lses[r], 5, drop, run)
     Ds = [(g[..., p, :].astype(acc) * y.astype(acc)).sum(axis=-1) for p, y in zip(pos, ys)]
-    dqs = [xp.zeros(y.shape, y.dtype) for y in ys]
-    dkvs = [xp.zeros(kv.shape, kv.dtype) for kv in kvs]
+    dqs = [xp.zeros(y.shape, y.dtype) for y in ys]                   # contiguous, as the
+    dkvs = [xp.zeros(kv.shape, kv.dtype) for kv in kvs]              # kernels add into them
     for step in range(n):
         for r in range(n):
             held = (r - step) % n
@@ -335,8 +339,7 @@ def test_ring_kernels_on_a_gpu_equal_the_xp_tiles(device, dtype, monkeypatch):
     against the same ring by the xp tiles on cupy (=0) and tiled attention in float64 on
     the CPU, zig-zag with dropout 0.3 and naive without; and partial_attention of a pair
     that sees no key (y 0, lse -inf)
-    (MINIDIST_CUDA_NEW_KERNELS=1 python -m pytest -m gpu --device cuda
-    tests/test_cuda_ring_cpu.py)."""
+    (python -m pytest -m gpu --device cuda tests/test_cuda_ring_cpu.py)."""
     if device != "cuda":
         pytest.skip("needs --device cuda")
     import cupy

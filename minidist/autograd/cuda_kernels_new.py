@@ -8,10 +8,10 @@ outputs with `xp` and returns a `Launch`; tests/test_cuda_flash_cpu.py and
 tests/test_cuda_fusions_cpu.py run every plan on numpy arrays through the CPU harness
 (tests/cuda_cpu.py) and check each argument against the kernel's declared parameters.
 The model reaches them only on cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1 (`use_new`):
-flash.py's tiled attention and partial_attention, ring attention's blocks (minidist/cp/
-ring.py: `flash_partial`, `flash_piece_backward`) and fusions.py's ops, through the glue
-functions here that take `xp` and `run` (cupy and `launch` there; numpy and the CPU harness
-in tests/test_fusions.py and tests/test_cuda_ring_cpu.py).
+flash.py's tiled attention and partial_attention, ring attention's blocks
+(minidist/cp/ring.py: `flash_partial`, `flash_piece_backward`) and fusions.py's ops, through
+the glue functions here that take `xp` and `run` (cupy and `launch` there; numpy and the CPU
+harness in tests/test_fusions.py and tests/test_cuda_ring_cpu.py).
 A GPU session confirms them (python -m pytest -m gpu --device cuda
 tests/test_cuda_ring_cpu.py tests/test_cuda_flash_cpu.py tests/test_fusions.py), then turns
 them on.

@@ -25,7 +25,10 @@ with activation recompute (--ckpt-activations) the forward's 2 S (N - 1) again i
 Split of the sequence (`layout`): "naive" gives rank r the contiguous piece r of N; causal
 attention then makes rank N - 1 do N times rank 0's work. "zigzag" cuts T into 2N chunks and
 gives rank r chunks r and 2N-1-r: every rank does the same work (`causal_tiles` counts).
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py.
+On cupy with MINIDIST_CUDA_NEW_KERNELS=1 (`tile_run`) each pair of pieces of a held block is
+one flash kernel launch forward and two backward, at the pieces' global positions
+(minidist/autograd/cuda_source_flash.py; proven on the CPU only: tests/test_cuda_ring_cpu.py).
+Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py, tests/test_cuda_ring_cpu.py.
 """
 import math
 
