@@ -10,7 +10,8 @@
 # Checks: the gpu-marked suite; the whole suite with --device; GPU vs CPU (float64 1e-10,
 # float32 1e-4: tests/scripts/gpu_vs_cpu.py); train_gpt.py 200 steps on the device within 2%
 # of the CPU's val loss; mpiexec -n 4 train_gpt.py --device with DDP, --zero 3, --tp 2 --amp,
-# --dp 2 --pp 2, each finite and decreasing (--log-json). Exit status 1 if any check failed.
+# --dp 2 --pp 2, and --cp 2 with the new kernels, each finite and decreasing (--log-json).
+# Exit status 1 if any check failed.
 #
 # No MPI on the machine: put the mpich and mpi4py wheels in .whl/ (examples/GPU_NOTES.md says
 # how); a venv that sees the machine's CuPy is made from them here, once per run.
@@ -61,6 +62,12 @@ for flags in "" "--zero 3" "--tp 2 --amp" "--dp 2 --pp 2"; do
     run "$name" curve "$F" -- "$MPIEXEC" -n 4 "$PY" $TRAIN --device "$DEVICE" \
         --steps "$MPI_STEPS" --log-json "$F" $flags
 done
+# ring attention (--cp) through the flash kernels (MINIDIST_CUDA_NEW_KERNELS=1): proven on the
+# CPU harness only, and no pytest reaches the ring's kernel branch on a GPU (it needs MPI)
+F="$LOGS/mpi4_cp_2_new.jsonl"
+rm -f "$F"
+run mpi4_cp_2_new curve "$F" -- env MINIDIST_CUDA_NEW_KERNELS=1 "$MPIEXEC" -n 4 "$PY" $TRAIN \
+    --device "$DEVICE" --steps "$MPI_STEPS" --log-json "$F" --cp 2
 
 "$PY" tests/scripts/acceptance.py summary "$RESULTS" > "$LOGS/summary.json"
 status=$?
