@@ -245,7 +245,9 @@ def _backward(g, q, k, v, y, lse, block, out, dropout=None):
     dq[...] = 0
     dk[...] = 0
     dv[...] = 0
-    D = (g * y).sum(axis=-1, keepdims=True)                  # (B, nh, T, 1): g_i . y_i
+    # (B, nh, T, 1): g_i . y_i, added up in float32 at least, rounded once to the tiles' dtype
+    D = (g * y).sum(axis=-1, keepdims=True, dtype=_stat_dtype(xp, y.dtype))
+    D = D.astype(y.dtype, copy=False)
     rows = itertools.groupby(block_pairs(q.shape[-2], block), key=lambda tile: tile[:2])
     for (r0, r1), tiles in rows:
         q_i, g_i = q[..., r0:r1, :], g[..., r0:r1, :]

@@ -204,10 +204,12 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout
     xp = xp_of(q)
     n, r = group.size, group.rank
     right, left = (r + 1) % n, (r - 1) % n
-    D = (g * y).sum(axis=-1)                                          # (B, nh, Tl)
+    D = (g * y).sum(axis=-1, dtype=lse.dtype)         # (B, nh, Tl): in float32 at least
     run = tile_run(q, kv, g, y)
     if run is not None:               # what the kernels read, made so once, not per block
-        q, g, D = xp.ascontiguousarray(q), xp.ascontiguousarray(g), D.astype(lse.dtype)
+        q, g = xp.ascontiguousarray(q), xp.ascontiguousarray(g)
+    else:                             # the xp tiles compute in q's dtype: rounded once
+        D = D.astype(q.dtype, copy=False)
     dq = xp.zeros(q.shape, q.dtype)
     cur, nxt = kv, xp.empty_like(kv)
     d_cur, d_nxt = xp.zeros_like(kv), xp.empty_like(kv)
