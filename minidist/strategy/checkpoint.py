@@ -191,19 +191,25 @@ def read_record(folder, manifest=None):
         return json.load(f)
 
 
-def load(directory):
+def load(directory, keep=None):
     """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
     a --save directory: its latest), every file verified; ZeRO's shards assembled by name,
-    a TP x ZeRO checkpoint's tp pieces glued as its parts record."""
+    a TP x ZeRO checkpoint's tp pieces glued as its parts record.
+    keep(name, array): what to keep of the whole array `array` of parameter `name` (the
+    parameter, or one of its optimizer arrays), applied as each is read, so that a rank
+    keeping a piece (its tp shard) never holds every whole array at once; None: all."""
     folder = dirs.resolve(directory)
     manifest = verify(folder)
     record = read_record(folder, manifest)
     with does_not_fit(folder):
         if "zero" in manifest or "parts" in manifest:
-            params, arrays = read_whole(folder, manifest)
-        else:
+            params, arrays = read_whole(folder, manifest, keep)
+        else:                                   # memory-mapped: `keep` reads only its piece
             params, _ = load_file(os.path.join(folder, "model.safetensors"))
             arrays, _ = load_file(os.path.join(folder, "optimizer.safetensors"))
+            if keep is not None:
+                params = {n: keep(n, a) for n, a in params.items()}
+                arrays = {k: keep(k.rsplit("/", 1)[0], a) for k, a in arrays.items()}
     saved = record["optimizer"]
     per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()}
     for key, a in arrays.items():

@@ -149,10 +149,17 @@ def reader_for(directory, manifest, verified=False):
 
 # ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
 
-def read_whole(directory, manifest):
+def read_whole(directory, manifest, keep=None):
     """(params, optimizer arrays "<name>/<key>") as whole arrays from the shards (ZeRO's, or
-    a TP x ZeRO checkpoint's parts) of a folder checkpoint.verify has checked."""
+    a TP x ZeRO checkpoint's parts) of a folder checkpoint.verify has checked; keep(name,
+    array): what of each whole array to hold (checkpoint.load's), one array at a time."""
     reader = reader_for(directory, manifest, verified=True)
-    params = {n: reader.get(n) for n in reader.names}
-    arrays = {f"{n}/{k}": reader.get(n, k) for n in params for k in STATE_KEYS}
-    return params, {k: a for k, a in arrays.items() if a is not None}
+    keep = keep or (lambda name, a: a)
+    params = {n: keep(n, reader.get(n)) for n in reader.names}
+    arrays = {}
+    for n in params:
+        for k in STATE_KEYS:
+            a = reader.get(n, k)
+            if a is not None:
+                arrays[f"{n}/{k}"] = keep(n, a)
+    return params, arrays

@@ -10,6 +10,8 @@ the pipeline's stages and the TensorParallel strategy both call them.
                         parameter's arrays (exp_avg, ...) gathered over tp into whole ones
     shard_optimizer_state(model, group, sd)    the inverse: this rank's shards of them
     shard_params(model, group, params)         this rank's shards of whole parameters
+    TpPiece(model, group)                      the same, array by array, as a checkpoint is
+                                               read (checkpoint.load's `keep`)
 A parameter is split when its `tp_split` (minidist/tp/layers.py) is set.
 Tests: tests/test_tensor_parallel.py (tests/scripts/tp_check.py: clipping, --save), and
 tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
@@ -75,3 +77,19 @@ def shard_params(model, group, params):
     split = dict(_split_params(model))
     return {n: split[n].tp_split.shard(np.asarray(a), group.size, group.rank) if n in split
             else a for n, a in params.items()}
+
+
+class TpPiece:
+    """keep(name, array) for checkpoint.load: this rank's tp shard of a whole array of a
+    split parameter (the parameter, or an optimizer array shaped like it), cut as the
+    parameter is, as each array is read; any other array as it is. What shard_params and
+    shard_optimizer_state do to whole dicts, without holding them whole."""
+
+    def __init__(self, model, group):
+        self.split, self.group = dict(_split_params(model)), group
+
+    def __call__(self, name, a):
+        p = self.split.get(name)
+        if p is None or a.ndim != p.ndim:
+            return a
+        return p.tp_split.shard(np.asarray(a), self.group.size, self.group.rank)

@@ -36,8 +36,7 @@ import argparse
 
 from minidist.comm import trace
 from minidist.tp.model import TensorParallelGPT, check_tp_sizes
-from minidist.tp.state import (gather_optimizer_state, shard_optimizer_state, shard_params,
-                               sum_sq_over_tp)
+from minidist.tp.state import TpPiece, gather_optimizer_state, sum_sq_over_tp
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.base import ModelParallel, data_axes
 from minidist.zero.checkpoint import load_sharded, save_sharded
@@ -170,14 +169,13 @@ class TensorParallel(ModelParallel):
         folder = checkpoint_dirs.resolve(directory)
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
-        params, opt_sd, meta = checkpoint.load(folder)
+        # this rank's tp shards cut as each array is read: never every whole array at once
+        params, opt_sd, meta = checkpoint.load(folder, keep=TpPiece(self.model, self.group))
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(self.model),
                               self.inner.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
-            self.inner.load_whole_state(self.model, optimizer,
-                                        shard_params(self.model, self.group, params),
-                                        shard_optimizer_state(self.model, self.group, opt_sd))
+            self.inner.load_whole_state(self.model, optimizer, params, opt_sd)
         return meta
 
     def summary(self):

@@ -1,0 +1,105 @@
+"""Host memory of resuming a checkpoint in another layout: each rank's peak anonymous memory
+(RssAnon, sampled every 5 ms: what the process allocated, not the checkpoint's file pages it
+mapped) while examples/train_gpt.py resumes a TP x ZeRO checkpoint and takes a step, against
+the same run started fresh. One JSON line per layout, then a summary line.
+
+    python examples/bench_resume_memory.py                       # tp 4 x ZeRO-1 -> tp 2, ...
+    python examples/bench_resume_memory.py --n-layer 8 --n-embd 512
+
+The checkpoint is written once by `mpiexec -n 4 train_gpt.py --tp 4 --zero 1 --steps 1 --save`.
+Each layout then runs twice on 4 ranks, fresh and with --resume: the difference is what the
+resume costs. With the same --tp each rank reads only its own part's shards; with another
+--tp (or none) every rank reads the parts by name and keeps its own tp shard of each array as
+it is read (minidist/tp/state.py TpPiece), so it never holds every whole array at once.
+"""
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = [["--tp", "4", "--zero", "1"], ["--tp", "2", "--zero", "1"], ["--tp", "2"],
+           ["--zero", "3"]]
+
+
+def rss_anon_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(out_dir, script, args):
+    """Run `script` with `args` in this process; write its peak RssAnon (KB) to a file of
+    its own in `out_dir` (the ranks' stdout lines would interleave)."""
+    peak, done = [rss_anon_kb()], threading.Event()
+
+    def sample():
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], rss_anon_kb())
+
+    threading.Thread(target=sample, daemon=True).start()
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+    done.set()
+    with open(os.path.join(out_dir, f"peak-{os.getpid()}.json"), "w") as f:
+        json.dump({"peak_anon_kb": max(peak[0], rss_anon_kb())}, f)
+
+
+def peaks(model, layout, extra, cache):
+    """Each rank's peak RssAnon (KB) of one 4-rank run."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = ["mpiexec", "-n", "4", sys.executable, __file__, "--measure", out_dir,
+               os.path.join(ROOT, "examples", "train_gpt.py"), *model, *layout, *extra,
+               "--cache-dir", cache]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+        return [json.load(open(os.path.join(out_dir, n)))["peak_anon_kb"]
+                for n in sorted(os.listdir(out_dir))]
+
+
+def main():
+    if len(sys.argv) > 3 and sys.argv[1] == "--measure":
+        return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-layer", default="8")
+    p.add_argument("--n-embd", default="512")
+    p.add_argument("--n-head", default="8")
+    cli = p.parse_args()
+    model = ["--n-layer", cli.n_layer, "--n-embd", cli.n_embd, "--n-head", cli.n_head,
+             "--block-size", "64", "--batch-size", "8", "--sample", "0", "--eval-every", "0",
+             "--eval-iters", "1", "--log-every", "1"]
+    with tempfile.TemporaryDirectory() as work:
+        ck, cache = os.path.join(work, "ck"), os.path.join(work, "cache")
+        subprocess.run(["mpiexec", "-n", "4", sys.executable,
+                        os.path.join(ROOT, "examples", "train_gpt.py"), *model, "--tp", "4",
+                        "--zero", "1", "--steps", "1", "--save", ck, "--cache-dir", cache],
+                       check=True, capture_output=True, timeout=600)
+        rows = []
+        for layout in LAYOUTS:
+            t0 = time.perf_counter()
+            fresh = peaks(model, layout, ["--steps", "1"], cache)
+            resumed = peaks(model, layout, ["--steps", "2", "--resume", ck], cache)
+            row = {"from": "--tp 4 --zero 1", "to": " ".join(layout),
+                   "fresh_peak_anon_mb": round(max(fresh) / 1024, 1),
+                   "resumed_peak_anon_mb": round(max(resumed) / 1024, 1),
+                   "resume_cost_mb": round((max(resumed) - max(fresh)) / 1024, 1),
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print(json.dumps({"summary": "resume cost per rank, MB",
+                          "by_layout": {r["to"]: r["resume_cost_mb"] for r in rows}}))
+
+
+if __name__ == "__main__":
+    main()
