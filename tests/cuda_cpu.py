@@ -200,3 +200,35 @@ def run(plan, source=None, order="low", tables=None):
     as launch's (a multi-tensor plan's, minidist/optim/multi_tensor.py)."""
     source = cs.source(plan.dtype, cs.part_of(plan.name)) if source is None else source
     launch(source, plan.name, plan.grid, plan.block, plan.args, order, tables)
+
+
+# ---- nvcc: a source's PTX, where a CUDA toolkit is installed (no GPU needed) ---------------
+
+PTX_TYPES = {"float32": ".f32", "float64": ".f64", "int64": ".u64", "int32": ".u32"}
+
+
+def nvcc_ptx(source, folder):
+    """The PTX nvcc makes of `source` for sm_90 (written in `folder`); the calling test is
+    skipped where no nvcc is on PATH."""
+    import pytest
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src, ptx = pathlib.Path(folder) / "k.cu", pathlib.Path(folder) / "k.ptx"
+    src.write_text(source)
+    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=300)
+    return ptx.read_text()
+
+
+def ptx_params(ptx, name):
+    """The .param types of kernel `name` in `ptx`, in order (.u64 for a pointer)."""
+    body = re.search(r"\.entry " + name + r"\(([^)]*)\)", ptx).group(1)
+    return re.findall(r"\.param (\.\w+) ", body)
+
+
+def planned_widths(plan):
+    """The .param types a Launch's arguments need: .u64 for an array, else its dtype's."""
+    from minidist.autograd import cuda_kernels as ck
+    return [".u64" if kind == "array" else PTX_TYPES[dt] for kind, dt, *_ in
+            ck.describe(plan.args)]

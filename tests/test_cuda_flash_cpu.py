@@ -323,30 +323,15 @@ def test_nvcc_compiles_the_flash_kernels_within_48k_of_shared_memory(tmp_path):
         assert len(smem) == 3 and max(smem) <= 48 * 1024, (dtype, out.stderr)
 
 
-PTX = {"float32": ".f32", "float64": ".f64", "int64": ".u64", "int32": ".u32"}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nvcc_ptx_takes_the_planned_widths(dtype, tmp_path):
     """Where a CUDA toolkit is installed (no GPU needed), as test_cuda_kernels.py's test for
     the fused kernels: the PTX parameter list of every flash kernel has the widths each plan
     (whole sequence and ring pieces, with and without dropout) hands it (pointers .u64,
     float .f32, double .f64, long long .u64, int .u32)."""
-    import shutil
-    import subprocess
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
-    src.write_text(cs.source(dtype, "flash"))
-    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
-                   check=True, capture_output=True, timeout=300)
-    text = ptx.read_text()
+    text = cuda_cpu.nvcc_ptx(cs.source(dtype, "flash"), tmp_path)
     for key, plan in flash_plans(dtype).items():
-        body = re.search(r"\.entry " + plan.name + r"\(([^)]*)\)", text).group(1)
-        want = [".u64" if kind == "array" else PTX[dt] for kind, dt, *_ in
-                ck.describe(plan.args)]
-        assert re.findall(r"\.param (\.\w+) ", body) == want, key
+        assert cuda_cpu.ptx_params(text, plan.name) == cuda_cpu.planned_widths(plan), key
 
 
 @pytest.mark.gpu

@@ -7,8 +7,6 @@ fail; the plans' argument types; nvcc compiles them where installed.
 Run: python -m pytest -q tests/test_cuda_fusions_cpu.py   (skips without a C++ compiler)
 """
 import functools
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -138,10 +136,4 @@ def test_fused_plans_hand_each_kernel_its_declared_types(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nvcc_compiles_the_fused_kernels(dtype, tmp_path):
     """Where a CUDA toolkit is installed (no GPU needed)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    src = tmp_path / "k.cu"
-    src.write_text(cs.source(dtype, "fusions"))
-    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o",
-                    str(tmp_path / "k.ptx")], check=True, capture_output=True, timeout=300)
+    assert ".entry" in cuda_cpu.nvcc_ptx(cs.source(dtype, "fusions"), tmp_path)

@@ -7,14 +7,13 @@ Run on a GPU: python -m pytest -m gpu --device cuda tests/test_cuda_kernels.py
 Without one, the gpu tests skip; the rest (imports, routing, source text) run everywhere,
 and tests/test_cuda_kernels_cpu.py runs every kernel on the CPU (tests/cuda_cpu.py).
 """
-import re
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import cuda_cpu
 from minidist import backend
 from minidist.autograd import Tensor, cuda_kernels as ck, cuda_source as cs, fused as F
 
@@ -32,7 +31,6 @@ except ImportError:
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 ACC = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
-PTX = {"float32": ".f32", "float64": ".f64", "int64": ".u64", "int32": ".u32"}
 
 
 def _np_dtype(name):
@@ -107,28 +105,14 @@ def test_launch_shapes(dtype):
     assert g.grid[0] * g.block[0] >= 3 * 7 * 33 and g.args[-1] == 3 * 7 * 33
 
 
-def _ptx_params(ptx, name):
-    body = re.search(r"\.entry " + name + r"\(([^)]*)\)", ptx).group(1)
-    return re.findall(r"\.param (\.\w+) ", body)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sources_compile_with_nvcc_and_take_the_planned_widths(dtype, tmp_path):
     """Where a CUDA toolkit is installed (no GPU needed): nvcc compiles the source for
     sm_90, and the PTX parameter list of every kernel has the planned widths (pointers
     .u64, float .f32, double .f64, long long .u64, int .u32)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
-    src.write_text(cs.source(dtype))
-    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
-                   check=True, capture_output=True, timeout=300)
-    text = ptx.read_text()
+    text = cuda_cpu.nvcc_ptx(cs.source(dtype), tmp_path)
     for key, plan in _plans(dtype).items():
-        want = [".u64" if kind == "array" else PTX[dt] for kind, dt, *_ in
-                ck.describe(plan.args)]
-        assert _ptx_params(text, plan.name) == want, key
+        assert cuda_cpu.ptx_params(text, plan.name) == cuda_cpu.planned_widths(plan), key
 
 
 def test_importing_minidist_does_not_import_cupy():

@@ -8,8 +8,6 @@ among them); the plan's argument types; nvcc compiles it where installed.
 Run: python -m pytest -q tests/test_cuda_philox_cpu.py   (skips without a C++ compiler)
 """
 import functools
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -130,13 +128,7 @@ def test_philox_plan_hands_the_kernel_its_declared_types():
 
 def test_nvcc_compiles_the_philox_kernel(tmp_path):
     """Where a CUDA toolkit is installed (no GPU needed)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    src = tmp_path / "k.cu"
-    src.write_text(cs.source("float32", "philox"))
-    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o",
-                    str(tmp_path / "k.ptx")], check=True, capture_output=True, timeout=300)
+    assert ".entry" in cuda_cpu.nvcc_ptx(cs.source("float32", "philox"), tmp_path)
 
 
 @pytest.mark.gpu

@@ -7,8 +7,6 @@ gpu-marked, the multi path against the per-parameter path on cupy.
 Run: python -m pytest -q tests/test_multi_tensor.py
      python -m pytest -m gpu --device cuda tests/test_multi_tensor.py   (on a GPU)
 """
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor as mt
 from minidist.optim.clip import local_sum_sq
 from minidist.train.amp import MixedPrecision
 from minidist.train.loss_scale import LossScaler
-from test_cuda_kernels import PTX, _ptx_params
+import cuda_cpu
 from test_cuda_kernels_cpu import np_dtype
 from test_multi_tensor_cpu import HYPER, SIZES, SUM_TOL, Bag, set_grads
 
@@ -88,19 +86,11 @@ def test_every_multi_launch_hands_the_kernel_its_declared_types(dtype):
 def test_nvcc_compiles_the_multi_kernels(dtype, tmp_path):
     """Where a CUDA toolkit is installed (no GPU needed): the part compiles for sm_90 and
     each kernel's PTX parameters have the planned widths."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    src, ptx = tmp_path / "k.cu", tmp_path / "k.ptx"
-    src.write_text(cs.source(dtype, "multi"))
-    subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-ptx", str(src), "-o", str(ptx)],
-                   check=True, capture_output=True, timeout=300)
-    text = ptx.read_text()
+    text = cuda_cpu.nvcc_ptx(cs.source(dtype, "multi"), tmp_path)
     for launches in plans(dtype).values():
         for plan in launches:
-            want = [".u64" if kind == "array" else PTX[dt]
-                    for kind, dt, *_ in ck.describe(plan.args)]
-            assert _ptx_params(text, plan.name) == want, plan.name
+            assert cuda_cpu.ptx_params(text, plan.name) == cuda_cpu.planned_widths(plan), \
+                plan.name
 
 
 def test_the_factor_is_rounded_to_float32_as_numpy_does():
