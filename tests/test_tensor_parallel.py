@@ -254,6 +254,12 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
         json.dump(m, open(path, "w"))
         open(os.path.join(c, "tp0-of-2", "manifest.sha256"), "w").write(sha256_file(path))
     assert "resume it with the same --tp and --zero" in broken(saved_before)
+    # read under another tp, each array is cut as it is read; one of another width is left
+    # whole, so the check of the config names the field (not a reshape error)
+    out = mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--n-embd", "32", "--resume",
+              folder, timeout=120, check=False)
+    assert out.returncode == 2 and "n_embd: 16 in the checkpoint, 32 here" in out.stderr, \
+        out.stderr
 
 
 @pytest.mark.mpi

@@ -17,7 +17,7 @@ Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
 tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp),
 tests/test_cp_pp.py (cp x pp: tests/scripts/cp_pp_check.py --files, train_gpt's resume).
 """
-from minidist.tp.state import gather_optimizer_state, shard_optimizer_state, shard_params
+from minidist.tp.state import TpPiece, gather_optimizer_state
 from minidist.strategy import checkpoint
 
 
@@ -61,9 +61,11 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
 
 
 def load(strategy, directory, model, optimizer):
-    """Every rank reads the whole checkpoint and keeps its stage's (and tp shard's) part;
-    returns the checkpoint's meta (its "rng"/"dropout", the keys' step, is every stage's)."""
-    params, opt_sd, meta = checkpoint.load(directory)
+    """Every rank reads the whole checkpoint and keeps its stage's part (its tp shard of each
+    array, cut as the array is read: TpPiece); returns the checkpoint's meta (its
+    "rng"/"dropout", the keys' step, is every stage's)."""
+    piece = TpPiece(model, strategy.mesh.tp) if strategy.mesh.shape["tp"] > 1 else None
+    params, opt_sd, meta = checkpoint.load(directory, keep=piece)
     folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
     checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
                           strategy.inner.optimizer_type(optimizer))
@@ -74,8 +76,5 @@ def load(strategy, directory, model, optimizer):
     with checkpoint.does_not_fit(folder):
         if set(params) != mine:
             raise KeyError(f"parameters missing: {sorted(mine - set(params))[:6]}")
-        if strategy.mesh.shape["tp"] > 1:
-            params = shard_params(model, strategy.mesh.tp, params)
-            opt_sd = shard_optimizer_state(model, strategy.mesh.tp, opt_sd)
         strategy.inner.load_whole_state(model, optimizer, params, opt_sd)
     return meta

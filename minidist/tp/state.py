@@ -8,10 +8,9 @@ the pipeline's stages and the TensorParallel strategy both call them.
                                       (float32, unscaled under float16 --amp)
     gather_optimizer_state(model, group, sd)   an optimizer state_dict with each split
                         parameter's arrays (exp_avg, ...) gathered over tp into whole ones
-    shard_optimizer_state(model, group, sd)    the inverse: this rank's shards of them
-    shard_params(model, group, params)         this rank's shards of whole parameters
-    TpPiece(model, group)                      the same, array by array, as a checkpoint is
-                                               read (checkpoint.load's `keep`)
+    TpPiece(model, group)     the inverse, array by array as a checkpoint is read
+                              (checkpoint.load's `keep`): this rank's shard of a split
+                              parameter's whole array (the parameter, m, v, master)
 A parameter is split when its `tp_split` (minidist/tp/layers.py) is set.
 Tests: tests/test_tensor_parallel.py (tests/scripts/tp_check.py: clipping, --save), and
 tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
@@ -58,38 +57,27 @@ def gather_optimizer_state(model, group, sd):
     return sd
 
 
-def shard_optimizer_state(model, group, sd):
-    """This rank's shards of a whole optimizer state_dict (arrays of split parameters cut as
-    the parameters are; the rest as is)."""
-    sd = {"groups": sd["groups"], "state": dict(sd["state"])}
-    for name, p in _split_params(model):
-        entry = dict(sd["state"].get(name, {}))
-        for key, v in entry.items():
-            if hasattr(v, "shape") and v.ndim == p.ndim and tuple(v.shape) != p.shape:
-                entry[key] = p.tp_split.shard(v, group.size, group.rank)
-        sd["state"][name] = entry
-    return sd
-
-
-def shard_params(model, group, params):
-    """This rank's shards of whole parameter arrays by name (split ones cut as the
-    parameters are; the rest as they are)."""
-    split = dict(_split_params(model))
-    return {n: split[n].tp_split.shard(np.asarray(a), group.size, group.rank) if n in split
-            else a for n, a in params.items()}
-
-
 class TpPiece:
     """keep(name, array) for checkpoint.load: this rank's tp shard of a whole array of a
     split parameter (the parameter, or an optimizer array shaped like it), cut as the
-    parameter is, as each array is read; any other array as it is. What shard_params and
-    shard_optimizer_state do to whole dicts, without holding them whole."""
+    parameter is, as each array is read; any other array as it is. So no rank holds every
+    whole array at once (TensorParallel's and the pipeline's loads). An array not of the
+    whole parameter's shape is left as it is, for check_fits to name what differs (a
+    checkpoint of another --n-embd, say)."""
 
     def __init__(self, model, group):
-        self.split, self.group = dict(_split_params(model)), group
+        self.group = group
+        self.whole = {n: (p, _whole_shape(p)) for n, p in _split_params(model)}
 
     def __call__(self, name, a):
-        p = self.split.get(name)
-        if p is None or a.ndim != p.ndim:
+        p, shape = self.whole.get(name, (None, None))
+        if p is None or tuple(a.shape) != shape:
             return a
         return p.tp_split.shard(np.asarray(a), self.group.size, self.group.rank)
+
+
+def _whole_shape(p):
+    """The shape of split parameter p's whole array: its size along the split axis."""
+    shape = list(p.shape)
+    shape[p.tp_split.axis] = p.tp_split.size
+    return tuple(shape)
