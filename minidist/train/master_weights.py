@@ -45,6 +45,7 @@ class MasterWeightOptimizer:
         self._model_param = {n: p for n, p in named}
         self._factor, self._found_inf = None, False
         self._verdict = None           # the device verdict of this step (float32 array)
+        self._groups = None            # and the groups it was taken over (_device_groups)
 
     param_groups = property(lambda self: self.inner.param_groups)
 
@@ -62,6 +63,7 @@ class MasterWeightOptimizer:
         grads = [p.grad for p in self.params if p.grad is not None]
         groups = self._device_groups()
         if groups is not None:                   # no host read: the verdict kept for step()
+            self._groups = groups
             self._verdict, norm = self.amp.verdict_on_device(
                 grads, max_norm, reduce_sum_sq, self._host_steps().pop(), groups[0][0])
             return norm
@@ -113,14 +115,12 @@ class MasterWeightOptimizer:
         return {self.inner.state.get(n, {"step": 0})["step"] for n in self.names}
 
     def _step_on_device(self):
-        """multi_amp_adamw_dev over each group, reading this step's verdict on the device
-        (every block returns at once on an overflow). Returns None: skipped or not is
+        """multi_amp_adamw_dev over each group clip_grad_norm found fit (_device_groups, run
+        once a step), reading this step's verdict on the device (every block returns at once
+        on an overflow). Returns None: skipped or not is
         known on the device only."""
-        verdict, self._verdict = self._verdict, None
-        groups = self._device_groups()
-        if groups is None:
-            raise RuntimeError("mixed precision: the gradients changed between "
-                               "clip_grad_norm and step")
+        verdict, groups = self._verdict, self._groups
+        self._verdict = self._groups = None
         for group, weights, grads, masters in groups:
             states = multi_tensor.moment_states(self.inner.state, group["names"], masters)
             multi_tensor.run(multi_tensor.group_amp_adamw_dev_launch(
