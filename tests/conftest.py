@@ -23,18 +23,44 @@ def pytest_sessionstart(session):
     session.config.addinivalue_line(
         "markers", "cpu_only(reason): cannot run on a GPU; skipped, with the reason, under "
         "--device cuda instead of silently running on the CPU")
+    session.config.addinivalue_line(
+        "markers", "bfloat16: computes in bfloat16 on the device; skipped on a GPU whose CuPy "
+        "cannot (CuPy 13; CuPy 14 without ml_dtypes or NumPy >= 2.1.2), as a test whose "
+        "parameters name bfloat16 is")
+
+
+def _cupy_without_bfloat16():
+    """True where CuPy sees a GPU but cannot compute with bfloat16 (train/amp.py's probe)."""
+    from minidist import backend
+    from minidist.train.amp import half_dtype
+    cupy = backend.cupy_module()
+    return cupy is not None and half_dtype(cupy).name != "bfloat16"
+
+
+def _on_the_device(item, on_cuda):
+    """Whether the test's arrays live on the GPU: a `gpu` test, or under --device cuda one
+    that takes the device (xp, device or mpi; the others are numpy-only checks)."""
+    return "gpu" in item.keywords or (
+        on_cuda and bool({"xp", "device", "mpi"} & set(getattr(item, "fixturenames", ()))))
 
 
 def pytest_collection_modifyitems(config, items):
     """In one place: `gpu` tests skip where CuPy is missing or sees no GPU; `cpu_only` tests
-    skip under --device cuda, saying why (a CPU timing, a numpy-only check)."""
+    skip under --device cuda, saying why (a CPU timing, a numpy-only check); bfloat16 tests
+    on the device skip where this CuPy cannot compute with bfloat16."""
     from minidist import backend
     no_gpu = backend.cupy_module() is None
     on_cuda = config.getoption("--device") == "cuda"
+    no_bf16 = not no_gpu and _cupy_without_bfloat16()
     skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU (pip install -e '.[cuda]')")
+    skip_bf16 = pytest.mark.skip(reason="this CuPy cannot compute with bfloat16 (CuPy 13; "
+                                 "CuPy 14 needs ml_dtypes and NumPy >= 2.1.2)")
     for item in items:
         if no_gpu and "gpu" in item.keywords:
             item.add_marker(skip)
+        if (no_bf16 and _on_the_device(item, on_cuda)
+                and ("bfloat16" in item.keywords or "bfloat16" in item.name)):
+            item.add_marker(skip_bf16)
         mark = item.get_closest_marker("cpu_only")
         if on_cuda and mark is not None:
             why = mark.args[0] if mark.args else mark.kwargs.get("reason", "CPU only")

@@ -25,6 +25,7 @@ from minidist.train.loop import train
 from minidist.strategy.memory import ledger
 from mpirun import mpi_env, run_mpi
 
+pytestmark = pytest.mark.bfloat16      # on a GPU whose CuPy has no bfloat16: skipped (conftest)
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=48, dropout=0.0)

@@ -136,6 +136,7 @@ def amp_gpt_step(dropout, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.bfloat16
 def test_gpu_each_replay_with_dropout_is_its_eager_step(device, monkeypatch):
     """A captured step with dropout 0.1 (tiled attention: the flash kernels' masks, the
     Philox kernel's on the residual sites), replay after replay, against an eager twin:
