@@ -1,16 +1,21 @@
 """Host memory of resuming a checkpoint in another layout: each rank's peak anonymous memory
 (RssAnon, sampled every 5 ms: what the process allocated, not the checkpoint's file pages it
-mapped) while examples/train_gpt.py resumes a TP x ZeRO checkpoint and takes a step, against
+mapped) while examples/train_gpt.py resumes a sharded checkpoint and takes a step, against
 the same run started fresh. One JSON line per layout, then a summary line.
 
-    python examples/bench_resume_memory.py                       # tp 4 x ZeRO-1 -> tp 2, ...
-    python examples/bench_resume_memory.py --n-layer 8 --n-embd 512
+    python examples/bench_resume_memory.py                       # every scenario below
+    python examples/bench_resume_memory.py --n-layer 8 --n-embd 512 --scenario tp
 
-The checkpoint is written once by `mpiexec -n 4 train_gpt.py --tp 4 --zero 1 --steps 1 --save`.
-Each layout then runs twice on 4 ranks, fresh and with --resume: the difference is what the
-resume costs. With the same --tp each rank reads only its own part's shards; with another
---tp (or none) every rank reads the parts by name and keeps its own tp shard of each array as
-it is read (minidist/tp/state.py TpPiece), so it never holds every whole array at once.
+Each scenario writes one checkpoint on 4 ranks (`--steps 1 --save`), then runs each layout
+twice on 4 ranks, fresh and with --resume: the difference is what the resume costs.
+    tp    a dense model saved by --tp 4 --zero 1 (one ZeRO folder per tp rank). With the same
+          --tp each rank reads only its own part's shards; with another --tp (or none) every
+          rank reads the parts by name and keeps its own tp shard of each array as it is read
+          (minidist/tp/state.py TpPiece); a pipeline stage reads only its own parameters
+          (checkpoint.load's `only`), so no rank holds every whole array at once.
+    ep    a mixture of experts (--moe-experts 16, at half the layers and half the width: 8 x
+          the dense model's MLP weights) saved by --zero 1, resumed under --ep: a rank reads
+          the dense parameters and its own experts, not the other ranks'.
 """
 import argparse
 import json
@@ -23,8 +28,12 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = [["--tp", "4", "--zero", "1"], ["--tp", "2", "--zero", "1"], ["--tp", "2"],
-           ["--zero", "3"]]
+SCENARIOS = {   # name: (size divisor, MoE flags, the saving layout, the resumed layouts)
+    "tp": (1, [], "--tp 4 --zero 1", ["--tp 4 --zero 1", "--tp 2 --zero 1", "--tp 2", "--zero 3",
+                                   "--pp 4", "--pp 2 --tp 2", "--pp 2 --dp 2"]),
+    "ep": (2, ["--moe-experts", "16"], "--zero 1", ["--ep 4", "--ep 4 --zero 1",
+                                                 "--ep 2 --zero 1"]),
+}
 
 
 def rss_anon_kb():
@@ -75,30 +84,40 @@ def main():
     p.add_argument("--n-layer", default="8")
     p.add_argument("--n-embd", default="512")
     p.add_argument("--n-head", default="8")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), action="append",
+                   help="which checkpoints to resume (default: all)")
     cli = p.parse_args()
-    model = ["--n-layer", cli.n_layer, "--n-embd", cli.n_embd, "--n-head", cli.n_head,
-             "--block-size", "64", "--batch-size", "8", "--sample", "0", "--eval-every", "0",
-             "--eval-iters", "1", "--log-every", "1"]
+    run = ["--block-size", "64", "--batch-size", "8", "--sample", "0", "--eval-every", "0",
+           "--eval-iters", "1", "--log-every", "1"]
+    rows = []
     with tempfile.TemporaryDirectory() as work:
-        ck, cache = os.path.join(work, "ck"), os.path.join(work, "cache")
-        subprocess.run(["mpiexec", "-n", "4", sys.executable,
-                        os.path.join(ROOT, "examples", "train_gpt.py"), *model, "--tp", "4",
-                        "--zero", "1", "--steps", "1", "--save", ck, "--cache-dir", cache],
-                       check=True, capture_output=True, timeout=600)
-        rows = []
-        for layout in LAYOUTS:
-            t0 = time.perf_counter()
-            fresh = peaks(model, layout, ["--steps", "1"], cache)
-            resumed = peaks(model, layout, ["--steps", "2", "--resume", ck], cache)
-            row = {"from": "--tp 4 --zero 1", "to": " ".join(layout),
-                   "fresh_peak_anon_mb": round(max(fresh) / 1024, 1),
-                   "resumed_peak_anon_mb": round(max(resumed) / 1024, 1),
-                   "resume_cost_mb": round((max(resumed) - max(fresh)) / 1024, 1),
-                   "seconds": round(time.perf_counter() - t0, 1)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        print(json.dumps({"summary": "resume cost per rank, MB",
-                          "by_layout": {r["to"]: r["resume_cost_mb"] for r in rows}}))
+        cache = os.path.join(work, "cache")
+        for name in cli.scenario or list(SCENARIOS):
+            div, moe, saved_as, layouts = SCENARIOS[name]
+            model = ["--n-layer", str(max(1, int(cli.n_layer) // div)),
+                     "--n-embd", str(int(cli.n_embd) // div), "--n-head", cli.n_head,
+                     *moe, *run]
+            ck = os.path.join(work, name)
+            subprocess.run(["mpiexec", "-n", "4", sys.executable,
+                            os.path.join(ROOT, "examples", "train_gpt.py"), *model,
+                            *saved_as.split(), "--steps", "1", "--save", ck,
+                            "--cache-dir", cache], check=True, capture_output=True,
+                           timeout=600)
+            for layout in layouts:
+                t0 = time.perf_counter()
+                fresh = peaks(model, layout.split(), ["--steps", "1"], cache)
+                resumed = peaks(model, layout.split(),
+                                ["--steps", "2", "--resume", ck], cache)
+                row = {"scenario": name, "from": saved_as, "to": layout,
+                       "fresh_peak_anon_mb": round(max(fresh) / 1024, 1),
+                       "resumed_peak_anon_mb": round(max(resumed) / 1024, 1),
+                       "resume_cost_mb": round((max(resumed) - max(fresh)) / 1024, 1),
+                       "seconds": round(time.perf_counter() - t0, 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(json.dumps({"summary": "resume cost per rank, MB",
+                      "by_layout": {f"{r['from']} -> {r['to']}": r["resume_cost_mb"]
+                                    for r in rows}}))
 
 
 if __name__ == "__main__":

@@ -269,3 +269,41 @@ def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
         assert meta["step"] >= first, (trial, meta["step"], first)
     save_checkpoint(d, model, opt, step=99)
     assert not [n for n in os.listdir(d) if n.startswith(".")]     # temporaries cleaned
+
+
+@pytest.mark.parametrize("fmt", ["plain", "zero"])
+def test_load_only_reads_the_named_parameters_and_keeps_the_scaler(tmp_path, fmt):
+    """checkpoint.load(only=names), as a pipeline stage or an expert-parallel rank reads:
+    just those parameters, their optimizer arrays and scalars; an optimizer entry that is no
+    parameter (the loss scaler's) kept; everything equal to the same names of a whole read.
+    The plain format and ZeRO's shards (read by name, the others never assembled)."""
+    if fmt == "plain":
+        model, opt = _trained()
+        sd = opt.state_dict()
+        sd["state"]["loss_scaler"] = {"scale": 1024.0, "good_steps": 3}
+        checkpoint.save(tmp_path, dict(model.state_dict()), sd,
+                        checkpoint.make_meta(TINY, "float32", opt, 2, {}, {}))
+    else:
+        strategy, model, opt = _zero_one_rank()
+        x = np.random.default_rng(0).integers(0, 16, (2, 8))
+        strategy.forward_backward(model, x, x, 1.0, False)       # one step: AdamW's moments
+        strategy.sync_grads(model)
+        opt.step()
+        strategy.save(str(tmp_path), model, opt, 1, {}, {})
+    names = [n for n, _ in model.named_parameters()]
+    only = {names[0], names[-1]}
+    whole, whole_sd, _ = checkpoint.load(tmp_path)
+    got, got_sd, _ = checkpoint.load(tmp_path, only=only)
+    assert set(got) == only and set(whole) == set(names)
+    for n in only:
+        np.testing.assert_array_equal(got[n], whole[n])
+    kept = {n for n in whole_sd["state"] if n in only or n not in names}
+    assert set(got_sd["state"]) == kept
+    for n in kept:
+        assert got_sd["state"][n].keys() == whole_sd["state"][n].keys()
+        for k, v in whole_sd["state"][n].items():
+            np.testing.assert_array_equal(got_sd["state"][n][k], v)
+    assert all("exp_avg" in got_sd["state"][n] for n in only)
+    assert len(whole_sd["state"]) > len(kept)              # the others' were there to drop
+    if fmt == "plain":
+        assert got_sd["state"]["loss_scaler"] == {"scale": 1024.0, "good_steps": 3}

@@ -301,16 +301,19 @@ def test_train_gpt_tp2_dp2_sequence_parallel_resumes_bit_identically(corpus, tmp
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_resume_memory_benchmark_runs(mpi):
-    """python examples/bench_resume_memory.py --n-layer 2 --n-embd 64 --n-head 4: a row per
-    layout (each rank's peak anonymous memory, fresh and resumed), then the summary."""
+    """python examples/bench_resume_memory.py --n-layer 4 --n-embd 64 --n-head 4: a row per
+    scenario and layout (each rank's peak anonymous memory, fresh and resumed), then the
+    summary."""
     import subprocess
     from mpirun import ROOT, mpi_env
-    out = subprocess.run([sys.executable, "examples/bench_resume_memory.py", "--n-layer", "2",
+    out = subprocess.run([sys.executable, "examples/bench_resume_memory.py", "--n-layer", "4",
                           "--n-embd", "64", "--n-head", "4"], cwd=ROOT, env=mpi_env(),
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r.get("to") for r in rows[:-1]] == ["--tp 4 --zero 1", "--tp 2 --zero 1", "--tp 2",
-                                                "--zero 3"]
+    assert [(r.get("scenario"), r.get("to")) for r in rows[:-1]] == [
+        ("tp", "--tp 4 --zero 1"), ("tp", "--tp 2 --zero 1"), ("tp", "--tp 2"),
+        ("tp", "--zero 3"), ("tp", "--pp 4"), ("tp", "--pp 2 --tp 2"), ("tp", "--pp 2 --dp 2"),
+        ("ep", "--ep 4"), ("ep", "--ep 4 --zero 1"), ("ep", "--ep 2 --zero 1")]
     assert all(r["fresh_peak_anon_mb"] > 0 and r["resumed_peak_anon_mb"] > 0 for r in rows[:-1])
-    assert set(rows[-1]["by_layout"]) == {r["to"] for r in rows[:-1]}
+    assert set(rows[-1]["by_layout"]) == {f"{r['from']} -> {r['to']}" for r in rows[:-1]}

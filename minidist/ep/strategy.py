@@ -196,9 +196,11 @@ class ExpertParallel(ModelParallel):
         self.mesh.world.barrier()                           # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the whole checkpoint and keeps its own experts (and, under ZeRO,
-        its shards of the rest). Returns meta."""
-        params, opt_sd, meta = checkpoint.load(directory)
+        """Every rank reads the dense parameters and its own experts of the checkpoint
+        (`only`: the other ranks' experts are not read) and keeps them (under ZeRO, its
+        shards of them). Returns meta."""
+        params, opt_sd, meta = checkpoint.load(
+            directory, only={n for n, _ in model.named_parameters()})
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(model), self.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):

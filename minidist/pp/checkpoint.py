@@ -9,7 +9,7 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            merged in model order (the tied wte, on the first and last stage and equal, kept
            once) and written by world rank 0; the dropout keys' step (every
            stage's, minidist/autograd/dropout_keys.py) is in the meta's "rng"
-    load   every rank reads the whole checkpoint and keeps its own parameters and optimizer
+    load   every rank reads only its own parameters of the checkpoint and their optimizer
            state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
            inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
            layout resumes on any other, or on one process
@@ -61,18 +61,15 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
 
 
 def load(strategy, directory, model, optimizer):
-    """Every rank reads the whole checkpoint and keeps its stage's part (its tp shard of each
-    array, cut as the array is read: TpPiece); returns the checkpoint's meta (its
+    """Every rank reads its stage's part of the checkpoint: only its parameters (`only`), each
+    array cut to its tp shard as it is read (TpPiece); returns the checkpoint's meta (its
     "rng"/"dropout", the keys' step, is every stage's)."""
     piece = TpPiece(model, strategy.mesh.tp) if strategy.mesh.shape["tp"] > 1 else None
-    params, opt_sd, meta = checkpoint.load(directory, keep=piece)
-    folder, mine = meta["folder"], {n for n, _ in model.named_parameters()}
+    mine = {n for n, _ in model.named_parameters()}
+    params, opt_sd, meta = checkpoint.load(directory, keep=piece, only=mine)
+    folder = meta["folder"]
     checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
                           strategy.inner.optimizer_type(optimizer))
-    opt_sd = {"groups": opt_sd["groups"],        # other stages' parameters left out
-              "state": {n: s for n, s in opt_sd["state"].items()
-                        if n in mine or n not in params}}       # (amp: the loss scaler kept)
-    params = {n: a for n, a in params.items() if n in mine}
     with checkpoint.does_not_fit(folder):
         if set(params) != mine:
             raise KeyError(f"parameters missing: {sorted(mine - set(params))[:6]}")

@@ -191,32 +191,48 @@ def read_record(folder, manifest=None):
         return json.load(f)
 
 
-def load(directory, keep=None):
+def load(directory, keep=None, only=None):
     """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
     a --save directory: its latest), every file verified; ZeRO's shards assembled by name,
     a TP x ZeRO checkpoint's tp pieces glued as its parts record.
     keep(name, array): what to keep of the whole array `array` of parameter `name` (the
     parameter, or one of its optimizer arrays), applied as each is read, so that a rank
-    keeping a piece (its tp shard) never holds every whole array at once; None: all."""
+    keeping a piece (its tp shard) never holds every whole array at once; None: all.
+    only: the parameter names this rank holds (a pipeline stage's, an expert-parallel rank's
+    own experts); the checkpoint's other parameters, their optimizer arrays and scalars, are
+    not read at all. Optimizer entries that are no parameter (the loss scaler's) are kept.
+    None: every parameter."""
     folder = dirs.resolve(directory)
     manifest = verify(folder)
     record = read_record(folder, manifest)
     with does_not_fit(folder):
         if "zero" in manifest or "parts" in manifest:
-            params, arrays = read_whole(folder, manifest, keep)
+            params, arrays, saved_names = read_whole(folder, manifest, keep, only)
         else:                                   # memory-mapped: `keep` reads only its piece
             params, _ = load_file(os.path.join(folder, "model.safetensors"))
             arrays, _ = load_file(os.path.join(folder, "optimizer.safetensors"))
+            saved_names = set(params)
+            if only is not None:
+                params = {n: a for n, a in params.items() if n in only}
+                arrays = {k: a for k, a in arrays.items() if _wanted(k.rsplit("/", 1)[0],
+                                                                      saved_names, only)}
             if keep is not None:
                 params = {n: keep(n, a) for n, a in params.items()}
                 arrays = {k: keep(k.rsplit("/", 1)[0], a) for k, a in arrays.items()}
     saved = record["optimizer"]
-    per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()}
+    per_param = {name: dict(scalars) for name, scalars in saved["scalars"].items()
+                 if _wanted(name, saved_names, only)}
     for key, a in arrays.items():
         name, k = key.rsplit("/", 1)
         per_param.setdefault(name, {})[k] = a
     meta = {**{k: record[k] for k in META_KEYS}, "optimizer": saved["type"], "folder": folder}
     return params, {"groups": saved["groups"], "state": per_param}, meta
+
+
+def _wanted(name, saved_names, only):
+    """An optimizer entry load keeps: every one when `only` is None, else those of the
+    parameters in `only` and those that are no parameter of the checkpoint (the scaler's)."""
+    return only is None or name in only or name not in saved_names
 
 
 @contextlib.contextmanager

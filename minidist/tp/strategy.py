@@ -169,8 +169,11 @@ class TensorParallel(ModelParallel):
         folder = checkpoint_dirs.resolve(directory)
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
-        # this rank's tp shards cut as each array is read: never every whole array at once
-        params, opt_sd, meta = checkpoint.load(folder, keep=TpPiece(self.model, self.group))
+        # this rank's tp shards cut as each array is read: never every whole array at once;
+        # only this rank's parameters (under --ep its own experts, not the other ranks')
+        params, opt_sd, meta = checkpoint.load(
+            folder, keep=TpPiece(self.model, self.group),
+            only={n for n, _ in self.model.named_parameters()})
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(self.model),
                               self.inner.optimizer_type(optimizer))
