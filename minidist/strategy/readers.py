@@ -140,11 +140,29 @@ class PartsReader:
         return None if pieces[0] is None else self.splits[name].unshard(pieces)
 
 
-def reader_for(directory, manifest, verified=False):
+class PieceReader:
+    """Another reader's arrays by name, each passed through keep(name, array) as it is read:
+    with TpPiece (minidist/tp/state.py) this rank's tp shard of it, so ZeRO under TP cuts
+    its flat shards from any checkpoint holding one whole array at a time."""
+
+    def __init__(self, reader, keep):
+        self.reader, self.keep = reader, keep
+        self.names = getattr(reader, "names", None)
+
+    def get(self, name, key="param"):
+        a = self.reader.get(name, key)
+        return None if a is None else self.keep(name, a)
+
+
+def reader_for(directory, manifest, verified=False, keep=None):
+    """The reader of a verified checkpoint folder's arrays by name; keep: PieceReader's."""
     if "parts" in manifest:
-        return PartsReader(manifest, verified)
-    return (ShardReader(directory, manifest, verified) if "zero" in manifest
-            else PlainReader(directory))
+        reader = PartsReader(manifest, verified)
+    elif "zero" in manifest:
+        reader = ShardReader(directory, manifest, verified)
+    else:
+        reader = PlainReader(directory)
+    return reader if keep is None else PieceReader(reader, keep)
 
 
 # ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------

@@ -160,15 +160,19 @@ class TensorParallel(ModelParallel):
         self.mesh.world.barrier()                                  # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the whole checkpoint and keeps its shards, handed to inner as whole
-        arrays by name. Under ZeRO without --ep, from a TP x ZeRO checkpoint of the same tp:
-        its tp rank's part, resharded over dp by ZeRO alone (only the bytes of its shards are
-        read); from any other checkpoint (another tp, one process, any layout): whole, as
-        below, then ZeRO cuts its shards. Returns the meta."""
+        """Every rank reads its tp shards of the checkpoint. Under ZeRO without --ep, ZeRO
+        cuts its flat shards by name: from a TP x ZeRO checkpoint of the same tp, its tp
+        rank's part (only the bytes of its shards are read); from any other (another tp, one
+        process, any layout), each array cut to this rank's tp shard as it is read (TpPiece),
+        one at a time. Otherwise the shards are handed to inner as whole arrays by name.
+        Returns the meta."""
         group = self._zero_group()
         folder = checkpoint_dirs.resolve(directory)
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
+        if group is not None:
+            return load_sharded(folder, model, optimizer, group,
+                                keep=TpPiece(self.model, self.group))
         # this rank's tp shards cut as each array is read: never every whole array at once;
         # only this rank's parameters (under --ep its own experts, not the other ranks')
         params, opt_sd, meta = checkpoint.load(

@@ -148,11 +148,13 @@ def optimizer_type(optimizer):
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------
 
-def load_sharded(directory, model, optimizer, group):
+def load_sharded(directory, model, optimizer, group, keep=None):
     """Collective over `group`: this rank's shards (parameters, m, v, masters) from a checkpoint
     written at any world size and stage, or by one process (`directory`: a checkpoint folder,
     or a --save directory). Every rank checks what it reads; all agree before any shard
-    changes (a failure anywhere raises on every rank). Returns the checkpoint's meta."""
+    changes (a failure anywhere raises on every rank). keep(name, array): what of each
+    whole array the model holds (under TP: TpPiece, its tp shard), applied as it is read.
+    Returns the checkpoint's meta."""
     err, new, record = None, None, None
     try:
         folder = dirs.resolve(directory)
@@ -162,7 +164,7 @@ def load_sharded(directory, model, optimizer, group):
         checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
                               optimizer_type(optimizer))
         _check_groups(folder, record["optimizer"]["groups"], optimizer)
-        reader = reader_for(folder, manifest)
+        reader = reader_for(folder, manifest, keep=keep)
         units = optimizer.engine.units
         keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
         new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
