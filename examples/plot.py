@@ -77,7 +77,8 @@ def plot_curves(axes, logs, labels):
         style = run_style(i, len(rows), len(logs))
         ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, label=label, **style)
         val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-        if final is not None and final.get("val_loss") is not None:
+        if final is not None and final.get("val_loss") is not None and not val:
+            # a log from before the evaluating steps' rows held their val loss: the end's
             val.append((final.get("steps", steps[-1] + 1) - 1, final["val_loss"]))
         if val:
             ax_loss.plot(*zip(*val), "*", color=color, ms=9, ls="none",

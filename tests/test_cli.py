@@ -80,8 +80,16 @@ BAD_FLAGS = [
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),
     (["--dropout", "1"], "--dropout 1.0: a probability in [0, 1)"),
-    (["--weight-decay", "-0.1"], "must not be negative"),
-    (["--grad-clip", "-1"], "must not be negative"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1: must not be negative (0: no weight"),
+    (["--grad-clip", "-1"], "--grad-clip -1.0: must not be negative (0: no clipping)"),
+    # was: accepted and ignored (the --log-json rows of an audit, 2026-11-27)
+    (["--stop-at", "10", "--steps", "3"], "--stop-at 10: past --steps 3, where the run ends"),
+    (["--warmup", "10", "--steps", "5"], "--warmup 10: more than --steps 5, so the learning "
+     "rate would never reach --lr"),
+    (["--keep", "3"], "--keep 3: sets the checkpoints kept under --save, which this run does "
+     "not use (add --save DIR, or leave --keep out)"),
+    (["--save-every", "5"], "--save-every 5: sets steps between checkpoints"),
+    (["--overwrite"], "--overwrite: sets whether --save may replace another run's"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0: the DDP bucket size must be positive"),
     (["--n-embd", "130"], "--n-embd 130 does not split into --n-head 4 heads"),
     # the --moe-* flags by their names (they were GPTConfig's field names, after MPI started)
@@ -93,7 +101,6 @@ BAD_FLAGS = [
      "to --n-layer 4"),
     (["--moe-experts", "4", "--moe-aux-loss-coef", "-1"], "--moe-aux-loss-coef -1.0: must not "
      "be negative"),
-    (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into --grad-accum 4"),
     (["--data", "/nonexistent"], "--data /nonexistent: no such file or folder"),
     (["--resume", "/nonexistent"], "--resume /nonexistent: does not exist"),
     # output paths, before step 0 ({file}: a file; {tmp}: a folder)
@@ -281,6 +288,21 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
     with pytest.raises(UsageError) as e:
         check_layout(args, ranks)
     assert refused in str(e.value)
+
+
+@pytest.mark.parametrize("ranks,flags,says", [
+    (1, ["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into dp 1 "
+     "x --grad-accum 4 = 4 equal micro-batches"),
+    # the multiple it names counts dp: was "a multiple of 4" before the ranks were known,
+    # then, for --batch-size 4, "a multiple of 8"
+    (2, ["--batch-size", "6", "--grad-accum", "4"], "choose a multiple of 8"),
+])
+def test_the_batch_error_names_the_multiple_the_layout_needs(ranks, flags, says):
+    from minidist.train.strategy import check_layout
+    check_flags(train_parser().parse_args(flags))            # not refused before the layout
+    with pytest.raises(UsageError) as e:
+        check_layout(train_parser().parse_args(flags), ranks)
+    assert says in str(e.value)
 
 
 @pytest.mark.mpi

@@ -102,6 +102,12 @@ def test_bad_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="the val split has 2 tokens, fewer than --block-size "
                        "12 [+] 1; give a --block-size below 2 or more text"):
         data.check_block_size(12)
+    with pytest.raises(DataError, match="the val split has 2 tokens"):   # the shorter one,
+        data.check_block_size(2)         # not the train split's "below 13", then val's
+    (tmp_path / "three.txt").write_text("abc")   # 2 train tokens, 1 val: no size fits
+    with pytest.raises(DataError, match="the val split has 1 token, fewer than --block-size "
+                       r"1 \+ 1; give more text \(each split needs at least 2 tokens\)"):
+        TokenData(str(tmp_path / "three.txt")).check_block_size(1)
     (tmp_path / "void.txt").write_text("")
     with pytest.raises(DataError, match=r"the train split is empty \(1 file\(s\): 0 train / "
                        r"0 val tokens\); give more text"):

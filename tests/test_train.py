@@ -10,6 +10,7 @@ import pytest
 
 from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
+from minidist.train.cli import UsageError
 from minidist.train.data import DataError
 from minidist.train.loop import train
 from minidist.train.strategy import make_strategy
@@ -37,13 +38,15 @@ def test_log_json_rows_and_final_summary(corpus, tmp_path, device):
                           "--grad-accum", "2", "--log-json", str(log), "--sample", "20"))
     rows = _rows(log)
     assert [r["step"] for r in rows[:-1]] == [0, 1, 2, 3] and rows[-1]["final"]
-    for r in rows[:-1]:
+    for r in rows[:-1]:        # "step" counts from 0 (the console's "step 2/4" is step 1)
+        evaluated = r["step"] in (1, 3)                           # --eval-every 2: its row
         assert set(r) == {"step", "loss", "lr", "tokens_per_s", "ms_per_step", "grad_norm",
-                          "mem", "comm_bytes"}
+                          "mem", "comm_bytes"} | ({"val_loss"} if evaluated else set())
         assert set(r["mem"]) == {"params", "grads", "optimizer", "activations", "total"}
         assert r["mem"]["optimizer"] == 2 * r["mem"]["params"] and r["comm_bytes"] == 0
         assert r["mem"]["activations"] > 0
     assert rows[-1]["val_loss"] == summary["val_loss"] and len(summary["sample"]) >= 20
+    assert rows[3]["val_loss"] == summary["val_loss"] and 0 < rows[1]["val_loss"] < 10
 
 
 def test_resume_continues_bit_identically(corpus, tmp_path, device):
@@ -128,3 +131,18 @@ def test_per_step_statistics_are_bounded():
     few.add(compute_s=9.0)
     few.add(compute_s=1.0)
     assert few.mean("compute_s") == 1.0
+
+
+def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
+    """A checkpoint at step 4 resumed with --steps 2 (or --stop-at 3) trained nothing and
+    exited 0 ("0.0 s of training"); it is one error line now. --steps 4, the same step, is a
+    requeued run that already finished: it evaluates and ends, as before."""
+    ck = str(tmp_path / "ck")
+    train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save", ck))
+    with pytest.raises(UsageError, match="--steps 2: the checkpoint .*step-00000004 is at "
+                       "step 4 already; give --steps 4 or more to continue it"):
+        train(_args(device, corpus, tmp_path, "--steps", "2", "--resume", ck))
+    with pytest.raises(UsageError, match="--stop-at 3: the checkpoint .* is at step 4"):
+        train(_args(device, corpus, tmp_path, "--steps", "8", "--stop-at", "3", "--resume", ck))
+    done = train(_args(device, corpus, tmp_path, "--steps", "4", "--resume", ck))
+    assert done["train_seconds"] < 1 and done["val_loss"] > 0

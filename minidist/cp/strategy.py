@@ -96,11 +96,16 @@ class ContextParallel(ModelParallel):
         return self.inner.zero_strategy()
 
     def notes(self):
-        s, ep = self.mesh.shape, self.expert_ranks()
+        """The layout, and how attention is computed: the ring's tiles in every forward (the
+        model's --attention only where the ring is not active: the end's sample)."""
+        s, ep, config = self.mesh.shape, self.expert_ranks(), self.model.config
+        sample = (" (--attention materialized: the end's sample only)"
+                  if config.attention == "materialized" else "")
         return self.inner.notes() + [
             f"context parallel: cp {s['cp']} x {data_axes(self.mesh, ep)} x tp {s['tp']}, "
             f"--cp-split {self.split}; gradients averaged over the {self.mesh.dpcp.size} dp x "
-            + ("ep x " if ep > 1 else "") + "cp ranks"]
+            + ("ep x " if ep > 1 else "") + "cp ranks; ring attention in tiles of "
+            f"{config.attention_block} tokens in training and evaluation" + sample]
 
     def summary(self):
         sent = self.sent_per_step()

@@ -105,7 +105,8 @@ class DataParallel(SingleProcess):
         sent, exposed = self.stats.mean("bytes_sent"), self.stats.mean("exposed_s")
         compute = self.stats.mean("compute_s")
         buckets = len(getattr(self.ddp, "buckets", ())) or len(self.ddp.params)
-        kind = "buckets" if self.mode != "naive" else "per-parameter all-reduces"
+        kind = ("per-parameter all-reduces" if self.mode == "naive"
+                else "bucket" if buckets == 1 else "buckets")
         ratio = (f"the naive algorithm's root sends {n - 1}x, the others 1x"
                  if self.group.algo == "naive" else f"2(N-1)/N = {2 * (n - 1) / n:.2f}")
         mode = self.mode + (" (in sequence: --sync-comm)" if self.group.sync_comm else "")

@@ -243,7 +243,11 @@ class PipelineParallel(ModelParallel):
         if self.group.rank != 0:
             return []
         mib = [f"{r[1] / 2**20:.2f}" for r in rows]
-        lines = [f"pipeline ({self.schedule}, pp {p}, {m} micro-batches): micro-batches in "
+        # interleaved: a stage holds (micro-batch, chunk) forwards, up to v per micro-batch
+        name, held = ((f"{self.schedule} interleaved, {self.virtual} chunks per stage",
+                       "micro-batch chunks") if self.virtual > 1
+                      else (self.schedule, "micro-batches"))
+        lines = [f"pipeline ({name}, pp {p}, {m} micro-batches): {held} in "
                  f"flight per stage {[r[0] for r in rows]}"
                  + (f", activations held {' / '.join(mib)} MiB" if any(r[1] for r in rows)
                     else "") + f"; p2p sent per step per stage "

@@ -59,7 +59,8 @@ def add_moe_args(p):
 def add_parallel_args(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None,
-                   help="data-parallel ranks (default: the number of MPI processes)")
+                   help="data-parallel ranks (default: the MPI processes left by the other "
+                        "axes, processes / (tp x pp x cp x ep))")
     g.add_argument("--ddp", choices=("naive", "bucketed", "overlapped"), default="overlapped",
                    help="how DDP averages gradients (README: Data parallelism)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
@@ -118,7 +119,9 @@ def add_train_args(p):
     g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     g.add_argument("--data", default=None,
                    help="text file or folder of text files (default: Python's stdlib sources)")
-    g.add_argument("--cache-dir", default=None, help="where token files are cached")
+    g.add_argument("--cache-dir", default=None,
+                   help="where token files are cached (default: .minidist-cache/ beside "
+                        "--data where writable, else $MINIDIST_CACHE or ~/.cache/minidist)")
     g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
     g.add_argument("--log-every", type=int, default=25, help="steps between log lines")

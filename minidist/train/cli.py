@@ -75,18 +75,24 @@ def check_flags(args):
         raise UsageError(f"--min-lr {args.min_lr}: must be between 0 and --lr {args.lr}")
     if not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout {args.dropout}: a probability in [0, 1)")
-    if args.weight_decay < 0 or args.grad_clip < 0:
-        raise UsageError(f"--weight-decay {args.weight_decay} / --grad-clip {args.grad_clip}: "
-                         "must not be negative (--grad-clip 0: no clipping)")
+    if args.weight_decay < 0:
+        raise UsageError(f"--weight-decay {args.weight_decay}: must not be negative (0: no "
+                         "weight decay)")
+    if args.grad_clip < 0:
+        raise UsageError(f"--grad-clip {args.grad_clip}: must not be negative (0: no "
+                         "clipping)")
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
-    if args.batch_size % args.grad_accum:
-        raise UsageError(f"--batch-size {args.batch_size} does not split into --grad-accum "
-                         f"{args.grad_accum} equal micro-batches: choose a multiple of "
-                         f"{args.grad_accum}")
+    if args.stop_at is not None and args.stop_at > args.steps:
+        raise UsageError(f"--stop-at {args.stop_at}: past --steps {args.steps}, where the run "
+                         "ends anyway; give a step below --steps, or leave --stop-at out")
+    if args.warmup is not None and args.warmup > args.steps:
+        raise UsageError(f"--warmup {args.warmup}: more than --steps {args.steps}, so the "
+                         f"learning rate would never reach --lr {args.lr:g}; give at most "
+                         f"--warmup {args.steps}")
     if args.data is not None and not os.path.exists(args.data):
         raise UsageError(f"--data {args.data}: no such file or folder (give a text file or a "
                          "folder of text files, or leave --data out for Python's sources)")
@@ -120,6 +126,11 @@ def idle_flags(args, replicas=None):
         if args.attention == "materialized":
             idle.append(("--attention-block", "the tiled attention's tile size",
                          "use --attention tiled or auto"))
+    if not args.save:
+        idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
+                 ("--keep", "the checkpoints kept under --save", "add --save DIR"),
+                 ("--overwrite", "whether --save may replace another run's checkpoints",
+                  "add --save DIR")]
     if args.zero:
         idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
                   "drop --zero"),
@@ -138,9 +149,11 @@ def check_idle_flags(args, replicas=None):
     defaults = train_parser()
     for flag, what, remedy in idle_flags(args, replicas):
         name = flag[2:].replace("-", "_")
-        if getattr(args, name) != defaults.get_default(name):
-            raise UsageError(f"{flag} {getattr(args, name)}: sets {what}, which this run does "
-                             f"not use ({remedy}, or leave {flag} out)")
+        value = getattr(args, name)
+        if value != defaults.get_default(name):
+            given = flag if isinstance(value, bool) else f"{flag} {value}"    # --overwrite
+            raise UsageError(f"{given}: sets {what}, which this run does not use ({remedy}, "
+                             f"or leave {flag} out)")
 
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",

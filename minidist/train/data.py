@@ -176,12 +176,16 @@ class TokenData:
 
     def check_block_size(self, block_size):
         """Both splits hold a window of block_size + 1 tokens: a short val split is found
-        before step 0, not at the first evaluation after training ran."""
-        for split, tokens in self.splits.items():
-            if len(tokens) < block_size + 1:
-                raise DataError(f"{self.source}: the {split} split has {len(tokens):,} "
-                                f"tokens, fewer than --block-size {block_size} + 1; give a "
-                                f"--block-size below {len(tokens)} or more text")
+        before step 0, not at the first evaluation after training ran. The error names the
+        shorter split, so the --block-size it suggests fits both."""
+        split, tokens = min(self.splits.items(), key=lambda kv: len(kv[1]))
+        if len(tokens) >= block_size + 1:
+            return
+        fix = (f"give a --block-size below {len(tokens)} or more text" if len(tokens) > 1
+               else "give more text (each split needs at least 2 tokens)")
+        n = f"{len(tokens):,} token" + ("s" if len(tokens) != 1 else "")
+        raise DataError(f"{self.source}: the {split} split has {n}, fewer "
+                        f"than --block-size {block_size} + 1; {fix}")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,

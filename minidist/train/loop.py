@@ -127,10 +127,15 @@ def train(args, world=None):
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
+    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    if start > stop:      # (start == stop: a requeued finished run; it evaluates, as below)
+        flag = "--stop-at" if stop < args.steps else "--steps"
+        raise UsageError(f"{flag} {stop}: the checkpoint {args.resume} is at step {start} "
+                         f"already; give {flag} {start} or more to continue it, or --save a "
+                         "new folder without --resume to start over")
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
-    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
     for step in range(start, stop):
@@ -148,7 +153,7 @@ def train(args, world=None):
         every = args.save_every or args.eval_every
         saves = args.save and (last or (every and (step + 1) % every == 0))
         printed = step == start or (step + 1) % args.log_every == 0 or last
-        rows = bad = None
+        rows = bad = row = None
         if values.due(printed or args.log_json or evals or saves):
             rows = values.read()        # the loss and norm of each step since the last read
             _settle(strategy, step)     # --amp verdicts taken on the device: read back too
@@ -159,7 +164,8 @@ def train(args, world=None):
                    "comm_bytes": strategy.comm_bytes()}
             if args.log_json:    # the same on every rank: every rank joins the stats' reduce
                 row.update(global_load_stats(model, world, _copies(strategy, world, x, y)))
-            log.json0(row)
+            if not evals:        # an evaluating step's row waits for its val loss, below
+                log.json0(row)
             if printed:
                 eta_ = eta(time.perf_counter() - t_start, step + 1 - start, stop - step - 1)
                 log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f}"
@@ -169,6 +175,8 @@ def train(args, world=None):
             if rows is None:                  # a signal between reads: check before saving
                 bad = first_not_finite(values.read(), strategy.amp is not None)
                 _settle(strategy, step)       # (not inside the save: rank 0's state_dict)
+            if evals and row is not None:     # stopping before its evaluation: the row now
+                log.json0(row)
             if strategy.any_rank(bad is not None):
                 raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
             _stop(args, strategy, log, model, opt, step, signals)
@@ -181,6 +189,7 @@ def train(args, world=None):
             val_loss = float(backend.host_read(strategy.global_mean(val_loss), "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
+            log.json0({**row, "val_loss": val_loss})     # (every evaluating step was read)
         if saves:
             _save(args, strategy, log, model, opt, step)
         t_mark = time.perf_counter() if evals or saves else t_mark
