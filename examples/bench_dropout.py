@@ -56,6 +56,9 @@ def main():
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
+    for name, value in vars(args).items():     # 0 numbers or 0 repeats: nothing to time
+        if value < 1:
+            p.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
     keys = DropoutKeys(1337)
     every = sites(args, keys)
     n = sum(int(np.prod(shape)) for _, shape, _ in every)
@@ -76,9 +79,10 @@ def main():
             else:
                 site.random(shape)
 
-    base = best(pcg64, args.repeats)
-    for name, fn in (("pcg64", pcg64), ("keyed", keyed), ("keyed_causal", keyed_causal)):
-        t = best(fn, args.repeats)
+    times = {name: best(fn, args.repeats) for name, fn in
+             (("pcg64", pcg64), ("keyed", keyed), ("keyed_causal", keyed_causal))}
+    base = times["pcg64"]           # one measurement, so pcg64's own ratio is exactly 1
+    for name, t in times.items():
         print(json.dumps({"way": name, "numbers": n, "ms": round(t * 1e3, 2),
                           "ns_per_number": round(t * 1e9 / n, 2),
                           "ratio_to_pcg64": round(t / base, 2), **vars(args)}), flush=True)

@@ -25,28 +25,34 @@ B, T, C, NH = 16, 128, 256, 4
 
 
 def cases(rng):
-    def t(*shape):
-        return Tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True)
+    """(name, shape, fused, composed, the shapes of its inputs): the inputs are made only
+    for the ops that run (inputs(rng, shapes)), so listing the names costs nothing."""
     targets = rng.integers(0, 256, (B, T))
     big_v = rng.integers(0, 8192, (8, 64))
     return [
-        ("linear", (B, T, C, 4 * C), F.linear, R.linear, [t(B, T, C), t(C, 4 * C), t(4 * C)]),
-        ("layer_norm", (B, T, C), F.layer_norm, R.layer_norm, [t(B, T, C), t(C), t(C)]),
-        ("gelu", (B, T, 4 * C), F.gelu, R.gelu, [t(B, T, 4 * C)]),
-        ("softmax", (B, NH, T, T), F.softmax, R.softmax, [t(B, NH, T, T)]),
-        ("log_softmax", (B * T, 256), F.log_softmax, R.log_softmax, [t(B * T, 256)]),
+        ("linear", (B, T, C, 4 * C), F.linear, R.linear, [(B, T, C), (C, 4 * C), (4 * C,)]),
+        ("layer_norm", (B, T, C), F.layer_norm, R.layer_norm, [(B, T, C), (C,), (C,)]),
+        ("gelu", (B, T, 4 * C), F.gelu, R.gelu, [(B, T, 4 * C)]),
+        ("softmax", (B, NH, T, T), F.softmax, R.softmax, [(B, NH, T, T)]),
+        ("log_softmax", (B * T, 256), F.log_softmax, R.log_softmax, [(B * T, 256)]),
         ("cross_entropy", (B, T, 256), lambda z: F.cross_entropy(z, targets),
-         lambda z: R.cross_entropy(z, targets), [t(B, T, 256)]),
+         lambda z: R.cross_entropy(z, targets), [(B, T, 256)]),
         ("cross_entropy_v8192", (8, 64, 8192), lambda z: F.cross_entropy(z, big_v),
-         lambda z: R.cross_entropy(z, big_v), [t(8, 64, 8192)]),
+         lambda z: R.cross_entropy(z, big_v), [(8, 64, 8192)]),
         ("causal_self_attention", (B, T, 3 * C, NH), lambda x: F.causal_self_attention(x, NH),
-         lambda x: R.causal_self_attention(x, NH), [t(B, T, 3 * C)]),
+         lambda x: R.causal_self_attention(x, NH), [(B, T, 3 * C)]),
         ("tiled_self_attention", (B, T, 3 * C, NH), lambda x: flash.tiled_self_attention(x, NH),
-         lambda x: F.causal_self_attention(x, NH), [t(B, T, 3 * C)]),
+         lambda x: F.causal_self_attention(x, NH), [(B, T, 3 * C)]),
         ("tiled_self_attention_T1024", (2, 1024, 3 * C, NH),
          lambda x: flash.tiled_self_attention(x, NH), lambda x: F.causal_self_attention(x, NH),
-         [t(2, 1024, 3 * C)]),
+         [(2, 1024, 3 * C)]),
     ]
+
+
+def inputs(rng, shapes):
+    """Random float32 tensors of these shapes that take gradients."""
+    return [Tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True)
+            for s in shapes]
 
 
 def _root(a):
@@ -118,17 +124,22 @@ def best_times(fns, inputs, repeats):
 
 
 def main():
+    rng = np.random.default_rng(0)
+    ops = cases(rng)
+    names = [name for name, *_ in ops]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--only", default=None, help="run just this op")
+    p.add_argument("--only", default=None, metavar="OP", choices=names,
+                   help=f"run just this op, one of: {', '.join(names)}")
     args = p.parse_args()
     backend.setup(threads=args.threads, device="cpu")
-    for name, shape, fused, composed, inputs in cases(np.random.default_rng(0)):
+    for name, shape, fused, composed, shapes in ops:
         if args.only and name != args.only:
             continue
-        tf, tc = best_times([fused, composed], inputs, args.repeats)
-        (sf, pf), (sc, pc) = memory(fused, inputs), memory(composed, inputs)
+        xs = inputs(rng, shapes)
+        tf, tc = best_times([fused, composed], xs, args.repeats)
+        (sf, pf), (sc, pc) = memory(fused, xs), memory(composed, xs)
         mb = 2.0 ** 20
         print(json.dumps({
             "op": name, "shape": shape, "fused_ms": round(tf * 1e3, 2),

@@ -29,10 +29,14 @@ beside the ledger's activations + gradients (ledger_act_plus_grads_mib): the dif
 the ops' transient buffers.
 More ranks than cores stretch every stage's compute while others compute too, which hides
 idle time: measure with one core per rank.
+Everything is checked before the first step: a default schedule or M that this model, batch
+or rank count cannot run is skipped with one `note:` line on stderr (stdout stays JSON lines);
+one given by --schedules or --micro-batches is one `error:` line, exit 2. Tested by
+tests/test_pipeline.py (test_bench_pipeline_*).
 """
-import argparse
 import json
 import statistics
+import sys
 import time
 import tracemalloc
 
@@ -43,10 +47,16 @@ from minidist import comm as minidist_comm
 from minidist.comm import trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
-from minidist.pp.schedule import bubble_fraction, measured_bubble
-from minidist.train.args import add_model_args, train_parser
+from minidist.launcher import world_size_from_env
+from minidist.pp.schedule import SCHEDULES, bubble_fraction, measured_bubble
+from minidist.pp.strategy import pp_problems
+from minidist.train.args import Parser, add_model_args, train_parser
+from minidist.train.cli import UsageError, check_flags, launcher_rank
 from minidist.train.step import train_step
-from minidist.train.strategy import make_strategy
+from minidist.train.strategy import check_layout, make_strategy
+
+DEFAULT_MICRO_BATCHES = "1,2,4,8,16"
+DEFAULT_SCHEDULES = "gpipe,1f1b,1f1b-v2,zb-h1"
 
 
 def batch(step, rows, config):
@@ -87,15 +97,76 @@ def traced_peak(strategy, model, opt, x, y, args):
     return peak
 
 
-def run(cli, name, m, comm, world):
-    schedule, _, virtual = name.partition("-v")               # "1f1b-v2": interleaved
-    v = int(virtual) if virtual else 1
-    flags = ["--pp", str(comm.size), "--micro-batches", str(m), "--schedule", schedule,
-             "--pp-virtual", str(v),
+def train_args(cli, name, m, pp):
+    """train_gpt.py's flags for schedule `name` ("1f1b-v2": interleaved) with m micro-batches
+    over pp stages."""
+    schedule, _, virtual = name.partition("-v")
+    flags = ["--pp", str(pp), "--micro-batches", str(m), "--schedule", schedule,
+             "--pp-virtual", virtual or "1",
              "--n-layer", str(cli.n_layer), "--n-head", str(cli.n_head), "--n-embd",
              str(cli.n_embd), "--block-size", str(cli.block_size), "--batch-size",
              str(cli.batch_size), "--lr", "1e-3"]
-    args = train_parser().parse_args(flags)
+    return train_parser().parse_args(flags)
+
+
+def micro_batch_counts(p, cli, size, notes):
+    """The Ms to run, checked before MPI starts (a late UsageError would abort the job after
+    some rows): 2 or more ranks, the model over `size` stages, and an M given by
+    --micro-batches must fit; a default M that does not split --batch-size is skipped, with a
+    note."""
+    asked = cli.micro_batches is not None
+    text = cli.micro_batches if asked else DEFAULT_MICRO_BATCHES
+    if not all(m.isdigit() and int(m) > 0 for m in text.split(",")):
+        p.error(f"--micro-batches {text}: give positive counts, comma-separated")
+    if size < 2:
+        p.error("one process: run the stages on 2 or more ranks (mpiexec -n 2 python ...)")
+    if cli.steps < 1:
+        p.error(f"--steps {cli.steps}: time at least 1 step")
+    ms = []
+    for m in map(int, text.split(",")):
+        try:
+            args = train_args(cli, "gpipe", m, size)
+            check_flags(args)
+            check_layout(args, size)
+            ms.append(m)
+        except UsageError as e:
+            if asked or m == 1:                # M = 1 always splits: the model does not fit
+                p.error(str(e))
+            notes.append(f"skipped --micro-batches {m}: {e}")
+    return ms
+
+
+def schedule_names(p, cli):
+    """--schedules (or the default), each name checked."""
+    names = (cli.schedules if cli.schedules is not None else DEFAULT_SCHEDULES).split(",")
+    for name in names:
+        schedule, _, virtual = name.partition("-v")
+        if schedule not in SCHEDULES or not (virtual.isdigit() or name == schedule):
+            p.error(f"--schedules {name!r}: choose from {', '.join(SCHEDULES)} or 1f1b-vN "
+                    "(N chunks per rank)")
+    return names
+
+
+def schedule_runs(p, cli, names, ms, size, notes):
+    """{schedule: the Ms it runs with}. A schedule given by --schedules must suit the model
+    and every M; a default one that does not (1f1b-v2 on 2 blocks over 2 stages) is skipped
+    where it does not, with a note."""
+    runs = {}
+    for name in names:
+        why = {m: pp_problems(train_args(cli, name, m, size), m) for m in ms}
+        bad = [str(m) for m in ms if why[m]]
+        problems = "; ".join(dict.fromkeys(sum(why.values(), [])))
+        if bad and cli.schedules is not None:
+            p.error(f"--schedules {name}: {problems}")
+        if bad:
+            notes.append(f"skipped {name} at --micro-batches {','.join(bad)}: {problems}")
+        runs[name] = [m for m in ms if not why[m]]
+    return runs
+
+
+def run(cli, name, m, comm, world):
+    args = train_args(cli, name, m, comm.size)
+    schedule, v = args.schedule, args.pp_virtual
     config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
                        block_size=cli.block_size, vocab_size=cli.vocab_size)
     strategy = make_strategy(args, world)
@@ -145,21 +216,32 @@ def run(cli, name, m, comm, world):
 
 
 def main():
-    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = add_model_args(Parser(description=__doc__.split("\n")[0]))  # errors: rank 0 only
     p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--micro-batches", default="1,2,4,8,16")
-    p.add_argument("--schedules", default="gpipe,1f1b,1f1b-v2,zb-h1",
-                   help="1f1b-vN: interleaved 1F1B with N chunks per rank (--pp-virtual N)")
+    p.add_argument("--micro-batches", default=None,
+                   help=f"comma-separated. Default: {DEFAULT_MICRO_BATCHES}, skipping those "
+                   "that do not split --batch-size")
+    p.add_argument("--schedules", default=None,
+                   help=f"comma-separated, from {', '.join(SCHEDULES)}; 1f1b-vN: interleaved "
+                   f"1F1B with N chunks per rank (--pp-virtual N). Default: {DEFAULT_SCHEDULES}"
+                   ", skipping those the model or --micro-batches cannot run")
     p.add_argument("--steps", type=int, default=5)
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
+    size, notes = world_size_from_env(), []      # before MPI starts: errors exit cleanly
+    names = schedule_names(p, cli)
+    ms = micro_batch_counts(p, cli, size, notes)
+    runs = schedule_runs(p, cli, names, ms, size, notes)
+    if launcher_rank() == 0:
+        for text in notes:                       # on stderr: stdout stays JSON lines
+            print(f"note: {text}", file=sys.stderr, flush=True)
     backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
     world = minidist_comm.init("ring")    # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
-    for m in map(int, cli.micro_batches.split(",")):
-        for schedule in cli.schedules.split(","):
-            if "-v" in schedule and m % comm.size:
-                continue                   # interleaving needs m a multiple of pp
+    for m in ms:
+        for schedule in runs:
+            if m not in runs[schedule]:
+                continue                   # its note said why
             row = run(cli, schedule, m, comm, world)
             if comm.rank == 0:
                 print(json.dumps(row), flush=True)

@@ -29,7 +29,21 @@ def parse():
     p.add_argument("--capacity", type=float, default=1.0, help="capacity factor (0: no limit)")
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--tokens", type=int, default=6, help="tokens per sequence")
-    return p.parse_args()
+    args = p.parse_args()
+    # checked here, so a bad flag is named rather than surfacing as GPTConfig's ValueError
+    if args.ep < 1:
+        p.error(f"--ep {args.ep}: use at least 1 rank")
+    if args.experts < 2 or args.experts % args.ep:
+        p.error(f"--experts {args.experts}: choose at least 2, a multiple of --ep ({args.ep})")
+    if args.batch < 1 or args.batch % args.ep:
+        p.error(f"--batch {args.batch}: choose at least 1, a multiple of --ep ({args.ep})")
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k {args.top_k}: choose from 1 to --experts ({args.experts})")
+    if not 0 <= args.capacity < float("inf"):                      # also rejects nan
+        p.error(f"--capacity {args.capacity}: use a finite factor >= 0 (0: no limit)")
+    if args.tokens < 1:
+        p.error(f"--tokens {args.tokens}: use at least 1 token per sequence")
+    return args
 
 
 def layer_and_input(args):
@@ -56,8 +70,6 @@ def show_rank(r, rows, r_routing, args, per_rank):
 
 def main():
     args = parse()
-    if args.experts % args.ep or args.batch % args.ep:
-        raise SystemExit("error: --experts and --batch must be multiples of --ep")
     layer, x = layer_and_input(args)
     B, T, C = x.shape
     E, N, per_rank = args.experts, args.ep, args.experts // args.ep

@@ -62,17 +62,29 @@ def parse():
     return p.parse_args()
 
 
+def count_text(n):
+    """A parameter count as people write it (124M, 7.06B, 1T); billions alone print 1e12 as
+    1e+03B."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale * 0.9995:               # from here .3g rounds to at least 1 of this unit
+            x = n / scale
+            return f"{x:.3g}{unit}" if x < 999.5 else f"{x:,.0f}{unit}"
+    return str(int(n))
+
+
 def print_plan(result):
     c = result["config"]
-    print(f"model: {result['params'] / 1e9:.3g}B parameters (L={c['n_layer']}, "
+    print(f"model: {count_text(result['params'])} parameters (L={c['n_layer']}, "
           f"h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}), seq {result['seq']}, "
           f"micro-batch {result['micro_batch']} per rank, {result['gpus']} GPUs, "
           f"budget {result['budget_bytes'] / GiB:.1f} GiB per GPU")
-    print(f"{'layout (per-rank GiB)':<44}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}"
-          f"{'total':>8}  fits")
+    keys = ("params", "grads", "optimizer", "activations", "total")
+    # 8 wide, or wider where a value needs it (a 1T model's 15255.66 GiB), one space between
+    w = max(8, *(len(f"{r[k] / GiB:.2f}") + 1 for r in result["rows"] for k in keys))
+    print(f"{'layout (per-rank GiB)':<44}{'params':>{w}}{'grads':>{w}}{'optim':>{w}}"
+          f"{'activ':>{w}}{'total':>{w}}  fits")
     for r in result["rows"]:
-        cols = "".join(f"{r[k] / GiB:8.2f}" for k in ("params", "grads", "optimizer",
-                                                      "activations", "total"))
+        cols = "".join(f"{r[k] / GiB:{w}.2f}" for k in keys)
         print(f"{r['layout']:<44}{cols}  {'yes' if r['fits'] else 'no'}")
     best = result["recommendation"]
     print(f"recommendation: {best}" if best else

@@ -76,10 +76,21 @@ def walk(T, n, split, row, hs=4, seed=0):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--T", type=int, default=16, help="sequence length (a multiple of 2N)")
+    p.add_argument("--T", type=int, default=16,
+                   help="sequence length, a multiple of 2N (N: --ranks)")
     p.add_argument("--split", choices=("zigzag", "naive"), default="zigzag")
-    p.add_argument("--row", type=int, default=13, help="the query position to follow")
+    p.add_argument("--row", type=int, default=None,
+                   help="the query position to follow, 0 to T-1 (default: 13, or T-1 if T <= 13)")
     args = p.parse_args()
+    # both tables show both splits, so T must split into 2N chunks even for --split naive
+    if args.ranks < 1:
+        p.error(f"--ranks {args.ranks}: simulate at least 1 rank")
+    if args.T < 1 or args.T % (2 * args.ranks):
+        p.error(f"--T {args.T}: choose a positive multiple of 2N = {2 * args.ranks}")
+    if args.row is None:
+        args.row = min(13, args.T - 1)
+    if not 0 <= args.row < args.T:
+        p.error(f"--row {args.row}: choose a query position from 0 to {args.T - 1}")
     show_layouts(args.T, args.ranks)
     show_balance(args.T, args.ranks, 2)
     walk(args.T, args.ranks, args.split, args.row)

@@ -41,6 +41,10 @@ def main():
     p.add_argument("--pdb", action="store_true",
                    help="stop in pdb inside the all-reduce, before its reduce-scatter phase")
     args = p.parse_args()
+    if args.ranks < 1:
+        p.error(f"--ranks {args.ranks}: simulate at least 1 rank")
+    if args.n < 1:
+        p.error(f"--n {args.n}: give each buffer at least 1 element")
 
     # rank r starts with r+1 everywhere, so the sum is N(N+1)/2 and easy to check by eye
     inputs = [np.full(args.n, r + 1.0) for r in range(args.ranks)]

@@ -36,7 +36,8 @@ def sample_parser():
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "
                    "a GPT-2 folder with minidist's byte vocabulary")
-    p.add_argument("--prompt", default="\n", help="the text to continue")
+    p.add_argument("--prompt", default="\n",
+                   help="the text to continue (default: %(default)r, a newline)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
                    help="tokens (bytes) to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

@@ -263,3 +263,14 @@ def test_mpich_defaults():
                              env=mpi_env(MPI_LOCALRANKID="0", **env),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.strip() == expect, (env, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("flags", [["--ranks", "0"], ["--ranks", "-2"], ["--n", "-1"]])
+def test_ring_walkthrough_refuses_bad_input(flags):
+    """python examples/ring_walkthrough.py --ranks 0 (and -2, --n -1): one `error:` line
+    naming the flag, exit 2, no traceback from the simulator."""
+    out = subprocess.run([sys.executable, "examples/ring_walkthrough.py", *flags], cwd=ROOT,
+                         env=mpi_env(), capture_output=True, text=True, timeout=60)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(errors) == 1 and f"error: {' '.join(flags)}:" in errors[0], out.stderr

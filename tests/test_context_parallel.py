@@ -403,3 +403,33 @@ def test_bad_cp_block_size_is_one_error_line(mpi):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: context parallelism: ")
     assert out.stderr.count("multiple of 4") == 1
+
+
+@pytest.mark.parametrize("flags, says", [(["--row", "1000"], "--row 1000"),
+                                         (["--row", "-1"], "--row -1"),
+                                         (["--T", "6", "--ranks", "4"], "--T 6"),
+                                         (["--ranks", "0"], "--ranks 0"),
+                                         (["--T", "0"], "--T 0")])
+def test_walkthrough_refuses_bad_input(flags, says):
+    """python examples/ring_attention_walkthrough.py --row 1000 (and --row -1, --T 6
+    --ranks 4, --ranks 0, --T 0): one `error:` line naming the flag, exit 2, no traceback."""
+    import subprocess
+    import sys
+    script = os.path.join(ROOT, "examples", "ring_attention_walkthrough.py")
+    out = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True,
+                         timeout=60)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(errors) == 1 and f"error: {says}:" in errors[0], out.stderr
+
+
+def test_walkthrough_default_row_fits_a_small_T():
+    """python examples/ring_attention_walkthrough.py --T 12 --ranks 3: the default row (13)
+    is past T, so it follows the last row, T - 1, exactly."""
+    import subprocess
+    import sys
+    script = os.path.join(ROOT, "examples", "ring_attention_walkthrough.py")
+    out = subprocess.run([sys.executable, script, "--T", "12", "--ranks", "3"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "query row 11 lives on rank 0" in out
+    assert float(out.rsplit("max |diff| = ", 1)[1].split()[0]) < 1e-12

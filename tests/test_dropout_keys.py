@@ -233,3 +233,23 @@ def test_bench_dropout_runs_and_counts_the_numbers():
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["way"] for r in rows] == ["pcg64", "keyed", "keyed_causal"]
     assert all(r["numbers"] == 2 * 8 * 8 * (1 + 2 * 2) + 2 * 2 * 2 * 8 * 8 for r in rows)
+
+
+def test_bench_dropout_ratios_share_one_baseline_measurement():
+    """examples/bench_dropout.py times pcg64 once: its own ratio is exactly 1 and every
+    ratio is that row's time per number over pcg64's; 0 repeats is one `error:` line."""
+    out = subprocess.run([sys.executable, "examples/bench_dropout.py", "--batch", "2",
+                          "--block-size", "8", "--n-embd", "8", "--n-head", "2", "--n-layer",
+                          "1", "--repeats", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    base = rows[0]
+    assert base["way"] == "pcg64" and base["ratio_to_pcg64"] == 1.0
+    for r in rows:
+        ratio = r["ns_per_number"] / base["ns_per_number"]
+        assert abs(r["ratio_to_pcg64"] - ratio) <= 0.005 + 1e-3 * ratio, (r, base)
+    bad = subprocess.run([sys.executable, "examples/bench_dropout.py", "--repeats", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert [line for line in bad.stderr.splitlines() if "error:" in line] == [
+        "bench_dropout.py: error: --repeats 0: must be at least 1"]

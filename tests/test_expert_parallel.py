@@ -425,3 +425,16 @@ def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
     for log in (ep, zero):
         b = [r["loss"] for r in _rows(log) if "loss" in r]
         assert len(a) == len(b) == 3 and np.allclose(a, b, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("flags", [["--experts", "0"], ["--ep", "0"], ["--batch", "0"],
+                                   ["--top-k", "5"], ["--top-k", "0"], ["--capacity", "-1"],
+                                   ["--tokens", "0"], ["--ep", "2", "--experts", "3"]])
+def test_moe_walkthrough_refuses_bad_input(flags):
+    """python examples/moe_walkthrough.py --experts 0 (and the others): one `error:` line
+    naming the flag, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "examples/moe_walkthrough.py", *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(errors) == 1 and f"error: {flags[-2]} {flags[-1]}" in errors[0], out.stderr

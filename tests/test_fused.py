@@ -162,3 +162,21 @@ def test_cupy_matches_numpy(name, device):
     np.testing.assert_allclose(backend.to_host(out.data), out_n, rtol=1e-10, atol=1e-12)
     for x, g in zip(inputs, grads_n):
         np.testing.assert_allclose(backend.to_host(x.grad), g, rtol=1e-9, atol=1e-12)
+
+
+def test_bench_fused_only_takes_the_listed_op_names():
+    """python examples/bench_fused.py --only nonexistent: one `error:` line naming the valid
+    ops, exit 2 (it printed nothing and exited 0); --help lists them too."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "bench_fused.py")
+    bad = subprocess.run([sys.executable, script, "--only", "nonexistent"],
+                         capture_output=True, text=True, timeout=60)
+    errors = [line for line in bad.stderr.splitlines() if "error:" in line]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(errors) == 1
+    helps = subprocess.run([sys.executable, script, "--help"], capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    for name in ("layer_norm", "cross_entropy_v8192", "tiled_self_attention_T1024"):
+        assert f"'{name}'" in errors[0] and name in helps, (name, errors, helps)

@@ -359,3 +359,55 @@ def test_train_gpt_pp2_amp(mpi):
     assert len(rows) == 3
     for r in rows:
         assert r["boundary_dtype"] == "float16" and r["loss_diff"] < 1e-2, r
+
+
+BENCH_SMALL = ["--n-layer", "2", "--n-embd", "64", "--steps", "1", "--batch-size", "8"]
+
+
+@pytest.mark.mpi
+def test_bench_pipeline_skips_default_schedules_the_model_cannot_run(mpi):
+    """The default --schedules and --micro-batches on a 2-block model over 2 stages: 1f1b-v2
+    (4 chunks) and M = 16 (of 8 rows) are skipped, one note each on stderr; stdout stays JSON.
+
+        mpiexec -n 2 python examples/bench_pipeline.py --n-layer 2 --n-embd 64 --steps 1 \\
+            --batch-size 8
+    """
+    out = mpi(2, "examples/bench_pipeline.py", *BENCH_SMALL, timeout=120)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {(r["schedule"], r["virtual"]) for r in rows} == {("gpipe", 1), ("1f1b", 1),
+                                                            ("zb-h1", 1)}
+    assert sorted({r["micro_batches"] for r in rows}) == [1, 2, 4, 8]
+    notes = out.stderr.splitlines()
+    assert len(notes) == 2 and all(n.startswith("note: skipped ") for n in notes), out.stderr
+    assert "1f1b-v2" in notes[1] and "4 chunks for --n-layer 2 blocks" in notes[1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags, says", [
+    (["--schedules", "gpipe,1f1b-v2"], "--schedules 1f1b-v2: "),
+    (["--schedules", "foo"], "--schedules 'foo': "),
+    (["--micro-batches", "3"], "--micro-batches 3 = 3 equal"),
+    (["--micro-batches", "x"], "--micro-batches x: "),
+    (["--steps", "0"], "--steps 0: "),
+])
+def test_bench_pipeline_refuses_what_cannot_run_before_running(mpi, flags, says):
+    """A schedule or M asked for that the model cannot run: one `error:` line before any row,
+    exit 2, no traceback (was: rows, then a UsageError and MPI_Abort).
+
+        mpiexec -n 2 python examples/bench_pipeline.py --n-layer 2 --schedules gpipe,1f1b-v2
+    """
+    out = mpi(2, "examples/bench_pipeline.py", *BENCH_SMALL, *flags, timeout=60, check=False)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("error:") == 1, out.stderr
+    assert says in out.stderr, out.stderr
+
+
+def test_bench_pipeline_on_one_process_says_to_use_mpiexec():
+    """python examples/bench_pipeline.py: one stage is no pipeline; one `error:` line, exit 2."""
+    import subprocess
+    import sys
+    from mpirun import ROOT
+    out = subprocess.run([sys.executable, "examples/bench_pipeline.py", *BENCH_SMALL],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: one process:") and out.stderr.count("\n") == 1

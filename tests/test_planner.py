@@ -614,3 +614,20 @@ def test_every_layout_the_memory_planner_proposes_is_one_training_accepts():
                 sp.add(row["sp"])
     assert not any(refused), [r for r in refused if r][:5]
     assert sp == {True, False}
+
+
+def test_plan_memory_table_keeps_large_values_apart():
+    """python examples/plan_memory.py --params 1e12 --gpus 8: the header says 1T (not
+    1e+03B) and every row still reads as a layout, five numbers and yes/no."""
+    out = subprocess.run([sys.executable, "examples/plan_memory.py", "--params", "1e12",
+                          "--gpus", "8"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.splitlines()
+    assert out[0].startswith("model: 1T parameters (")
+    assert out[1].split()[-6:] == ["params", "grads", "optim", "activ", "total", "fits"]
+    rows = out[2:-1]
+    assert rows and out[-1].startswith("recommendation:")
+    assert float(rows[0].split()[-2]) > 1e4           # a total that once ran into its neighbour
+    for line in rows:
+        *numbers, fits = line[44:].split()
+        assert len(numbers) == 5 and all(float(n) >= 0 for n in numbers), line
+        assert fits in ("yes", "no"), line

@@ -92,3 +92,12 @@ def test_a_gpt2_folder_with_byte_vocabulary_samples(tmp_path, device):
         tmp_path / "bytes")
     out = _sample(device, "--resume", tmp_path / "bytes", "--prompt", "ab", "--tokens", "5")
     assert out.stdout.startswith("ab") and "the GPT-2 folder" in out.stderr
+
+
+def test_prompt_help_names_its_newline_default():
+    """python examples/sample.py --help: the --prompt default (a newline) is named, not
+    printed raw as `(default: )` followed by a line break."""
+    out = subprocess.run([sys.executable, "examples/sample.py", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    prompt = " ".join(out.split("--prompt PROMPT", 2)[2].split("--tokens")[0].split())
+    assert prompt == "the text to continue (default: '\\n', a newline)", prompt
