@@ -16,6 +16,9 @@ memory-only table); the search: minidist/train/search.py. --preset h100 is H100 
 (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU); --preset here is this machine as
 examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
 can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
+A --layout train_gpt.py would refuse (its own checks: search.layout_problems), a --gpus with
+no valid layout, or a --params below the smallest shape is one `error:` line, exit 2; "nothing
+fits" (valid layouts, none in memory) says the least memory one needs.
 """
 import argparse
 import json
@@ -25,9 +28,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
-                                      number_problem)
-from minidist.train.planner import GiB, Layout                       # noqa: E402
-from minidist.train.search import evaluate, search, train_flags       # noqa: E402
+                                      count_text, number_problem)
+from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
+from minidist.train.search import (evaluate, layout_problems,  # noqa: E402
+                                   no_layout_problem, search, train_flags)
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -60,7 +64,8 @@ def parse(argv=None):
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
-                   "expert parallelism over ep of the dp ranks, MoE only)")
+                   "expert parallelism over ep of the dp ranks, MoE only); refused unless "
+                   "examples/train_gpt.py runs it")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -98,44 +103,65 @@ def make_cluster(args):
                       sync_s=args.sync_us and args.sync_us * us)
 
 
-def parse_layout(text, args):
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro")
+
+
+def parse_layout(text, args, config, v):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
-    sequence parallelism; "ep=2": expert parallelism."""
-    fields, micro, sp = {}, 1, True
+    sequence parallelism; "ep=2": expert parallelism. An unknown or repeated key, a value
+    that is not a whole number, and a layout examples/train_gpt.py would not run
+    (search.layout_problems: training's own checks) are one error line naming the key."""
+    fields, micro, sp, seen = {}, 1, True, set()
     for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key == "ckpt":
+        key, eq, value = item.partition("=")
+        if key in seen:
+            fail(f"--layout: {key} is given twice; give each key once")
+        seen.add(key)
+        if item == "ckpt":
             fields["recompute"] = "full"
-        elif key == "nosp":
+        elif item == "nosp":
             sp = False
-        elif key == "micro":
-            micro = int(value)
-        elif key in ("dp", "tp", "pp", "cp", "zero", "ep") and value.isdigit():
-            fields[key] = int(value)
+        elif key in LAYOUT_KEYS and eq:
+            if not (value.isascii() and value.isdecimal()):     # -1, abc, 2.5, ""
+                fail(f"--layout: {item}: {key} takes a whole number ("
+                     + ("0 to 3" if key == "zero" else "1 or more") + ")")
+            if key == "micro":
+                micro = int(value)
+            else:
+                fields[key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
                  f"ckpt,nosp")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
-    if layout.gpus != args.gpus:
-        fail(f"--layout: dp x tp x pp x cp = {layout.gpus}, but --gpus is {args.gpus}")
-    if args.global_batch % (layout.dp * micro):
-        fail(f"--layout: --global-batch {args.global_batch} must divide by dp x micro")
-    if layout.ep > 1 and (not args.moe_experts or layout.dp % layout.ep
-                          or args.moe_experts % layout.ep):
-        fail(f"--layout: ep={layout.ep} must divide dp ({layout.dp}) and --moe-experts "
-             f"({args.moe_experts}; 0: a dense model has no experts to split)")
+    problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,
+                               args.schedule, v)
+    if problems:
+        fail("--layout: " + "; ".join(problems) + " (change the layout, or leave --layout "
+             "out to search the ones train_gpt.py runs)")
     return layout, micro
 
 
 def print_table(rows, top):
-    print(f"{'layout':<40}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
+    w = max([40] + [len(r["layout"]) + 2 for r in rows[:top]])
+    print(f"{'layout':<{w}}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
           f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}  fits")
     for r in rows[:top]:
-        print(f"{r['layout']:<40}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
+        print(f"{r['layout']:<{w}}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
               f"{r['step']:9.3f}{r['tokens_per_s']:11.0f}{r['mfu']:6.2f}{r['compute']:8.3f}"
               f"{r['tp_cp']:8.3f}{r['ep_all_to_all']:8.3f}{r['bubble']:8.3f}"
               f"{r['dp_exposed']:8.3f}  {'yes' if r['fits'] else 'no'}")
+
+
+def nothing_fits(rows, cluster, headroom):
+    """Why no row fits, as a sentence: the smallest memory any layout needs, and the budget."""
+    least = min(rows, key=lambda r: r["mem"]["total"])
+    budget, m = cluster.mem_gib * (1 - headroom), least["micro_batches"]
+    which = "the layout" if len(rows) == 1 else "the smallest layout"
+    return (f"{which}, {least['layout']} ({m} micro-batch{'es' if m > 1 else ''}), needs "
+            f"{least['mem']['total'] / GiB:.1f} GiB per GPU, over the {budget:.1f} GiB of "
+            f"{cluster.mem_gib:g} less --headroom {headroom:g}; add --gpus or --gpu-mem, or "
+            f"plan a smaller model")
 
 
 def command(config, row, gpus, v):
@@ -162,7 +188,7 @@ def main(argv=None):
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
     if args.layout:
-        layout, micro = parse_layout(args.layout, args)
+        layout, micro = parse_layout(args.layout, args, config, v)
         try:
             rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
                              schedule, args.comm, args.headroom, v, args.moe_load)]
@@ -172,20 +198,28 @@ def main(argv=None):
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
                       headroom=args.headroom, v=v, moe_load=args.moe_load)
+        if not rows:                           # no valid layout (not: none fits)
+            fail(no_layout_problem(config, args.gpus, cluster.gpus_per_node, args.seq,
+                                   args.global_batch, v)
+                 or f"--gpus {args.gpus}: the search found no layout")
     best = next((r for r in rows if r["fits"]), None)
-    result = {"config": config.to_dict(), "cluster": cluster.name, "gpus": args.gpus,
-              "seq": args.seq, "global_batch": args.global_batch, "rows": rows[:args.top],
-              "best": best and best["layout"],
-              "command": best and command(config, best, args.gpus, v)}
+    n_params = sum(stage_params(config))
+    result = {"config": config.to_dict(), "params": n_params, "cluster": cluster.name,
+              "gpus": args.gpus, "seq": args.seq, "global_batch": args.global_batch,
+              "rows": rows[:args.top], "best": best and best["layout"],
+              "command": best and command(config, best, args.gpus, v),
+              "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom)}
     if args.json:
         print(json.dumps(result))
         return
     c = result["config"]
-    print(f"model: L={c['n_layer']} h={c['n_embd']} a={c['n_head']} V={c['vocab_size']}, "
-          f"seq {args.seq}, global batch {args.global_batch}; {args.gpus} GPUs of "
-          f"{cluster.name} ({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
+    print(f"model: {count_text(n_params)} parameters (L={c['n_layer']} h={c['n_embd']} "
+          f"a={c['n_head']} V={c['vocab_size']}), seq {args.seq}, global batch "
+          f"{args.global_batch}; {args.gpus} GPUs of {cluster.name} "
+          f"({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
     print_table(rows, args.top)
-    print(f"best: {result['best']}" if result["best"] else "best: nothing fits")
+    print(f"best: {result['best']}" if result["best"] else
+          f"best: nothing fits: {result['nothing_fits']}")
     if result["command"]:
         print(f"run it: {result['command']}")
 

@@ -631,3 +631,143 @@ def test_plan_memory_table_keeps_large_values_apart():
         *numbers, fits = line[44:].split()
         assert len(numbers) == 5 and all(float(n) >= 0 for n in numbers), line
         assert fits in ("yes", "no"), line
+
+
+# ---- plan.py's input: a hand layout, a size it cannot plan, a GPU count with no layout -------
+
+def _plan_cli():
+    """examples/plan.py as a module (its main(argv) runs in this process)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_cli", "examples/plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_error(argv, capsys):
+    """plan.py's error line for argv (after checking it is one line, exit 2, no output)."""
+    with pytest.raises(SystemExit) as e:
+        _plan_cli().main(argv)
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "" and out.err.count("\n") == 1, out
+    return out.err.strip()
+
+
+# (plan.py flags, the start of its error line): a run train_gpt refuses (most were priced,
+# with a `run it:` command that failed), a key unknown, repeated or not a whole number (a
+# traceback for micro=abc and micro=0)
+LAYOUT_BAD = [
+    (["--gpus", "8", "--layout", "dp=8,tp=1,pp=1,cp=1,zero=5"], "--layout: zero=5: the ZeRO"),
+    (["--gpus", "6", "--layout", "dp=2,tp=3,pp=1"], "--layout: tp=3: --n-head 4 is not"),
+    (["--gpus", "8", "--layout", "dp=1,pp=8"], "--layout: pp=8: --pp 8 stages for --n-layer 4"),
+    (["--layout", "dp=8,micro=abc"], "--layout: micro=abc: micro takes a whole number"),
+    (["--gpus", "8", "--layout", "dp=8,micro=0"], "--layout: micro=0: must be at least 1"),
+    (["--gpus", "8", "--layout", "dp=-8"], "--layout: dp=-8: dp takes a whole number"),
+    (["--gpus", "8", "--layout", "dp=8,speed=2"], "--layout: cannot read 'speed=2'"),
+    (["--gpus", "8", "--layout", "dp=4,dp=8"], "--layout: dp is given twice"),
+    (["--gpus", "8", "--seq", "12", "--layout", "dp=2,cp=4"], "--layout: cp=4: --block-size 12"),
+    (["--gpus", "8", "--layout", "dp=8,ep=2"], "--layout: ep=2: ep > 1 needs a Mixture"),
+    (["--gpus", "4", "--global-batch", "12", "--schedule", "interleaved", "--layout",
+      "dp=2,pp=2,micro=3"], "--layout: pp=2: --pp-virtual 2: --micro-batches 3 must be"),
+    (["--gpus", "8", "--layout", "dp=8,micro=3"], "--layout: dp=8 x micro=3 = 24 micro-batch"),
+]
+
+
+@pytest.mark.parametrize("argv,says", LAYOUT_BAD, ids=[" ".join(a) for a, _ in LAYOUT_BAD])
+def test_plan_layout_refuses_what_training_refuses(argv, says, capsys):
+    """    python examples/plan.py --gpus 6 --layout dp=2,tp=3,pp=1
+    One error line naming the key, exit 2: the layouts train_gpt.py refuses (its own checks,
+    search.layout_problems), keys that are unknown, repeated or not whole numbers."""
+    assert _plan_error(argv, capsys).startswith("error: " + says)
+
+
+def test_every_layout_the_search_proposes_passes_the_layout_check():
+    """The search (on 8 and 6 GPUs, 1F1B and interleaved, a MoE model too) proposes only
+    layouts that plan.py --layout takes: layout_problems is [] for each of its rows; and a
+    micro-batch count without a pipeline is train_gpt's --grad-accum, which it accepts."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import layout_problems, search, train_flags
+    for config in PROPOSAL_MODELS:
+        for gpus in (6, 8):
+            for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+                for row in search(config, H100_IB, gpus, config.block_size, 48, schedule,
+                                  v=v):
+                    layout = Layout(**{k: row[k] for k in Layout.__dataclass_fields__})
+                    assert layout_problems(config, layout, gpus, 48, row["micro_batches"],
+                                           schedule, v) == [], row["layout"]
+    config = PROPOSAL_MODELS[0]
+    row = {**vars(Layout(dp=8)), "micro_batches": 2, "micro_batch": 2, "schedule": "1f1b"}
+    flags = train_flags(config, row)
+    assert flags[flags.index("--grad-accum") + 1] == "2" and "--micro-batches" not in flags
+    assert _refused(config, row, 8) is None
+
+
+def test_layout_names_are_unique_and_name_zero():
+    """Every distinct layout of a search has its own name (ZeRO under dp 1 x cp 4 was
+    dropped: three rows read "TP2+SP x CP4"), for a dense and a MoE model, and of the
+    memory planner's candidates."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import search
+    fields = list(Layout.__dataclass_fields__)
+    for config, batch in ((GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=1024), 3),
+                          (PROPOSAL_MODELS[2], 32)):
+        for rows in (search(config, H100_IB, 8, config.block_size, batch),
+                     plan(config, 8)["rows"], plan(config, 16)["rows"]):
+            named = {}
+            for row in rows:
+                named.setdefault(row["layout"], set()).add(tuple(row[k] for k in fields))
+            assert all(len(layouts) == 1 for layouts in named.values()), \
+                {n: s for n, s in named.items() if len(s) > 1}
+    cp4 = Layout(tp=2, cp=4, sp=True, zero=3, tiled=True)
+    assert cp4.name() == "TP2+SP x CP4 x ZeRO-3 (amp, tiled)"
+    assert Layout(tp=2, cp=4, sp=True, tiled=True).name() == "TP2+SP x CP4 (amp, tiled)"
+
+
+def test_params_the_planner_cannot_build_is_one_line(capsys):
+    """    python examples/plan.py --params 1e3
+    planned a one-layer model of h 256 (14M parameters) without a word: refused, naming the
+    smallest size it can plan; a size it can build prints its real count on the model line,
+    within 2x of the request from half the smallest up (1.2e7 was h 512, 29M: now h 256)."""
+    from minidist.train.plan_args import count_text
+    least = sum(stage_params(config_for_params(1, 1024)))
+    says = _plan_error(["--params", "1e3"], capsys)
+    assert says.startswith("error: --params 1000: the smallest model") and \
+        f"has {count_text(least)} parameters" in says
+    asked = float(says.split("give --params ")[1].split()[0])
+    assert least / 2 <= asked <= 2 * least                  # what it says to give is planned
+    for n in [asked * 1.1 ** i for i in range(0, 240, 7)]:   # up to ~1e17
+        got = sum(stage_params(config_for_params(n, 1024)))
+        assert n / 2 <= got <= 2 * n, n
+    _plan_cli().main(["--params", str(asked), "--gpus", "8", "--top", "1"])
+    model = capsys.readouterr().out.splitlines()[0]
+    got = sum(stage_params(config_for_params(asked, 1024)))
+    assert model.startswith(f"model: {count_text(got)} parameters (L=")
+
+
+def test_no_valid_layout_is_told_apart_from_none_fitting(capsys):
+    """    python examples/plan.py --gpus 7
+    printed an empty table and "best: nothing fits" (exit 0) for a 7M-parameter model: no
+    split of 7 GPUs divides the batch, the heads and the layers. Now one error line naming
+    the nearest counts that have a layout (checked here: the search has rows for them and
+    none between); --gpus 3 plans pp 3 (4 micro-batches and up divide 512), which training
+    runs; where layouts exist but none fits, the line says the least memory one needs."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.planner import GiB
+    from minidist.train.search import micro_batch_counts, search
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=1024, vocab_size=50257)
+    says = _plan_error(["--gpus", "7"], capsys)
+    assert says.startswith("error: --gpus 7: no layout of 7 GPUs divides --global-batch 512")
+    lo, hi = (int(n) for n in says.split("try --gpus ")[1].split(" or "))
+    for n in range(lo, hi + 1):
+        assert bool(search(config, H100_IB, n, 1024, 512)) == (n in (lo, hi)), n
+    assert micro_batch_counts(3, 512) == [4, 8, 16, 32]
+    assert micro_batch_counts(3, 512, grouped=True) == []
+    rows = search(config, H100_IB, 3, 1024, 512)
+    assert rows and all(_refused(config, r, 3) is None for r in rows)
+    _plan_cli().main(["--params", "7e9", "--gpus", "2", "--seq", "4096", "--top", "1000",
+                      "--json"])
+    result = json.loads(capsys.readouterr().out)
+    least = min(r["mem"]["total"] for r in result["rows"]) / GiB
+    assert result["best"] is None and not any(r["fits"] for r in result["rows"])
+    budget = H100_IB.mem_gib * 0.9                              # --headroom 0.1
+    assert f"needs {least:.1f} GiB per GPU, over the {budget:.1f} GiB" in result["nothing_fits"]

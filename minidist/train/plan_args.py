@@ -8,14 +8,17 @@ from dataclasses import replace
 
 from minidist.nn.config import GPTConfig
 from minidist.train.args import add_moe_args
-from minidist.train.planner import config_for_params
+from minidist.train.planner import config_for_params, stage_params
 
 
 def add_model_args(p):
     """The model flags of both planners (examples/plan.py, plan_memory.py): --params (a shape
     assumed by config_for_params) or the shape, --vocab-size, --seq, and the Mixture of
     Experts: train_gpt.py's own flags (minidist/train/args.py add_moe_args)."""
-    p.add_argument("--params", type=float, help="model size; the shape is assumed (h/L~128)")
+    p.add_argument("--params", type=float,
+                   help="model size; the shape is assumed (h/L~128, the count it reaches is "
+                        "printed); refused where even the smallest shape (one layer of width "
+                        "256, with --vocab-size and --seq) is over twice it")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -43,7 +46,34 @@ def number_problem(args):
                     + ("a number >= 0" if zero else "a positive number"))
     if getattr(args, "headroom", 0) >= 1:
         return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
-    return None
+    return params_problem(args)
+
+
+def params_problem(args):
+    """--params below what config_for_params can build: its shape has over twice the
+    parameters asked for (--params 1e3 planned a 14M-parameter model, silently), as a
+    sentence naming the smallest it can plan; None when the shape is within 2x."""
+    if not args.params:
+        return None
+    built = sum(stage_params(config_for_params(args.params, args.seq, args.vocab_size)))
+    if built <= 2 * args.params:
+        return None
+    least = config_for_params(1, args.seq, args.vocab_size)    # one layer, h 256
+    n = sum(stage_params(least))
+    unit = 10 ** (math.floor(math.log10(n / 2)) - 2)           # n / 2 rounded up, 3 digits
+    return (f"--params {args.params:g}: the smallest model it can plan with --vocab-size "
+            f"{args.vocab_size} and --seq {args.seq} (L={least.n_layer}, h={least.n_embd}) "
+            f"has {count_text(n)} parameters, over twice that; give --params "
+            f"{math.ceil(n / 2 / unit) * unit:.3g} or more, or the shape (--n-layer, --n-head, "
+            f"--n-embd, a smaller --vocab-size)")
+
+
+def count_text(n):
+    """A parameter count for a person: 7.07B, 13.9M, 950k, 812."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def config_from_args(args):

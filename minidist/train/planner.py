@@ -91,7 +91,9 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     def name(self):
-        """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)"."""
+        """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)", "TP2+SP x CP4 x ZeRO-3
+        (amp, tiled)" (dp 1: ZeRO shards over the 4 cp ranks). On one GPU count no two layouts
+        share a name (dp alone is all the GPUs; sp is named with tp > 1, where it exists)."""
         parts = []
         if self.tp > 1:
             parts.append(f"TP{self.tp}" + ("+SP" if self.sp else ""))
@@ -102,8 +104,10 @@ class Layout:
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         data = f"ZeRO-{self.zero}" if self.zero else "DDP"
-        if not parts or self.dp > 1:
-            parts.append(f"{data} x{self.dp}" if parts else data)
+        if not parts:
+            parts.append(data)
+        elif self.dp > 1 or self.zero:   # ZeRO with dp 1 still shards (over cp, or one rank)
+            parts.append(f"{data} x{self.dp}" if self.dp > 1 else data)
         extras = ["amp" if self.amp else "fp32"] + (["tiled"] if self.tiled else [])
         if self.recompute != "none":
             extras.append("ckpt" if self.recompute == "full" else "selective recompute")
@@ -313,10 +317,16 @@ def config_for_params(n_params, seq=2048, vocab_size=50257):
     """A GPT shape of about n_params parameters at the aspect ratio of published large models
     (h / L ~ 128: GPT-3 175B is 12288 / 96, LLaMA-7B 4096 / 32), heads of 128 and h a
     multiple of 1024 from 2048 up (so 8-way tensor parallelism splits the heads evenly), of
-    256 below: 12 L h^2 + V h ~ n_params."""
+    256 below: 12 L h^2 + V h ~ n_params. Narrower (down to 256) where the vocabulary's
+    embedding at that width leaves no room for one layer: a small n_params is then dominated
+    by V h (1.2e7 at V 50257 was h 512, 29M; now h 256, 14M). Below about V x 256 the shape
+    is the smallest, h 256 and one layer (plan_args.params_problem refuses a request under
+    half of that)."""
     h = (n_params * 128 / 12) ** (1 / 3)
     step = 1024 if h >= 2048 else 256
     h = max(256, round(h / step) * step)
+    while h > 256 and n_params < vocab_size * h + 12 * h * h:
+        h -= 1024 if h > 2048 else 256
     L = max(1, round((n_params - vocab_size * h) / (12 * h * h)))
     return GPTConfig(n_layer=L, n_head=h // 128, n_embd=h, block_size=seq,
                      vocab_size=vocab_size)

@@ -6,8 +6,9 @@ Which splits are tried: tp a power of two inside one node dividing the heads (TP
 all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouring ranks);
 pp up to the layers; cp a power of two dividing the sequence; dp the rest, dividing the
 global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
-step), 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it
-fits); ckpt: without and with full recompute (not under ZB-H1, which training refuses).
+step; from the first count above pp that divides the batch where pp does not), 1 otherwise
+(a micro-batch of the whole per-rank batch, the usual choice when it fits); ckpt: without
+and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
 A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
@@ -15,11 +16,25 @@ expert count (expert parallelism carved out of dp), with cp and SP as a dense mo
 routing's exchange over the split sequence priced by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
 training to run (tests/test_planner.py checks that training accepts every one).
+`layout_problems` is the check of a layout given by hand (plan.py --layout): training's own
+checks on its train_flags, so the planner prices only what train_gpt runs. The search tries
+a subset of those (powers of two, tp inside a node, cp up to 8: the likely fastest);
+`no_layout_problem` says why it found none.
 """
 from dataclasses import asdict
 
+from minidist.cp.strategy import cp_problems
+from minidist.ep.strategy import ep_problems, moe_problems
+from minidist.pp.strategy import pp_problems
+from minidist.tp.strategy import tp_problems
+from minidist.train.args import train_parser
+from minidist.train.cli import UsageError
 from minidist.train.cost import step_time
+from minidist.train.moe_cost import check_moe_layout
 from minidist.train.planner import GiB, Layout, bill
+from minidist.train.strategy import check_layout
+
+ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
 
 
 def _powers_of_two(limit):
@@ -51,12 +66,15 @@ def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
     return out
 
 
-def micro_batch_counts(pp, per_rank_batch, most=4):
+def micro_batch_counts(pp, per_rank_batch, most=4, grouped=False):
     """Micro-batch counts to try: 1 without a pipeline, else pp, 2pp, 4pp, ... that divide
-    the per-rank batch (at most `most` of them)."""
+    the per-rank batch (at most `most` of them); where pp does not divide it (pp 3, 512
+    sequences), the same from the first count above pp that does (4, 8, ...: training runs
+    any), unless `grouped` (the interleaved schedule runs micro-batches in groups of pp)."""
     if pp == 1:
         return [1]
-    out, m = [], pp
+    out, m = [], next((m for m in range(pp, per_rank_batch + 1, pp if grouped else 1)
+                       if per_rank_batch % m == 0), per_rank_batch + 1)
     while m <= per_rank_batch and len(out) < most:
         if per_rank_batch % m == 0:
             out.append(m)
@@ -84,7 +102,7 @@ def expert_splits(config, dp):
 
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
-           tiled=True, zeros=(0, 1, 2, 3), recomputes=("none", "full"), headroom=0.1, v=1,
+           tiled=True, zeros=ZERO_STAGES, recomputes=("none", "full"), headroom=0.1, v=1,
            moe_load=1.0):
     """Every candidate row, fastest first among those that fit, then the rest."""
     rows = []
@@ -96,7 +114,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                 for ep in expert_splits(config, dp):
                     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
                                     recompute=recompute, sp=tp > 1, tiled=tiled)
-                    for m in micro_batch_counts(pp, global_batch // dp):
+                    for m in micro_batch_counts(pp, global_batch // dp, grouped=v > 1):
                         rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
                                              schedule, comm, headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
@@ -106,7 +124,8 @@ def train_flags(config, row, v=1):
     """examples/train_gpt.py's flags for a search row (its layout, micro-batches, schedule;
     v: model chunks per stage under the interleaved schedule) on `config`, global batch
     row["micro_batch"] x dp x micro-batches sequences of config.block_size tokens. The
-    planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not."""
+    planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not.
+    Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn)."""
     if row["recompute"] == "selective":
         raise ValueError("selective recompute: examples/train_gpt.py has no flag for it")
     flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
@@ -122,6 +141,72 @@ def train_flags(config, row, v=1):
         flags += ["--micro-batches", row["micro_batches"], "--schedule",
                   "1f1b" if interleaved else row["schedule"],
                   "--pp-virtual", v if interleaved else 1]
+    elif row["micro_batches"] > 1:
+        flags += ["--grad-accum", row["micro_batches"]]
     flags += (["--sequence-parallel"] if row["sp"] else []) + (["--amp"] if row["amp"] else [])
     flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
     return [str(f) for f in flags]
+
+
+def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b", v=1):
+    """Why examples/train_gpt.py would not run `layout` with `micro` micro-batches on `gpus`
+    GPUs, as sentences each naming a plan.py --layout key ([] if it runs): the keys' ranges,
+    the sizes, the step-time model's MoE rule (moe_cost.check_moe_layout), then training's own
+    checks (tp_problems, pp_problems, cp_problems, ep_problems; check_layout for the rest) on
+    the flags train_flags makes of it (sequences of config.block_size tokens)."""
+    sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
+             "ep": layout.ep, "micro": micro}
+    problems = [f"{k}={n}: must be at least 1" for k, n in sizes.items() if n < 1]
+    if layout.zero not in ZERO_STAGES:
+        problems.append(f"zero={layout.zero}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
+    if problems:
+        return problems
+    if layout.gpus != gpus:
+        problems.append(f"dp x tp x pp x cp = {layout.gpus}, but --gpus is {gpus}")
+    if global_batch % (layout.dp * micro):
+        problems.append(f"dp={layout.dp} x micro={micro} = {layout.dp * micro} micro-batches "
+                        f"do not split --global-batch {global_batch} evenly")
+    try:
+        check_moe_layout(config, layout)
+    except ValueError as e:
+        problems.append(f"ep={layout.ep}: {e}")
+    if problems:
+        return problems
+    row = {**asdict(layout), "micro_batches": micro, "schedule": schedule,
+           "micro_batch": global_batch // (layout.dp * micro)}
+    try:
+        args = train_parser().parse_args(train_flags(config, row, v))
+    except ValueError as e:                                 # selective recompute
+        return [f"recompute={layout.recompute}: {e}"]
+    named = [("tp", tp_problems(args) if layout.tp > 1 else []),
+             ("pp", pp_problems(args, micro) if layout.pp > 1 else []),
+             ("cp", cp_problems(args) if layout.cp > 1 else []),
+             ("ep", moe_problems(args) + (ep_problems(args) if layout.ep > 1 else []))]
+    problems = [f"{key}={getattr(layout, key)}: {p}" for key, found in named for p in found]
+    if not problems:
+        try:
+            check_layout(args, gpus)                        # whatever else training refuses
+        except UsageError as e:
+            problems.append(f"examples/train_gpt.py refuses it: {e}")
+    return problems
+
+
+def no_layout_problem(config, gpus, gpus_per_node, seq, global_batch, v=1, max_cp=8):
+    """Why the search has no layout of `gpus` GPUs, as a sentence naming splits' rules and
+    the nearest GPU counts below and above that have one; None when it has one."""
+    def found(n):
+        return any(micro_batch_counts(pp, global_batch // dp, grouped=v > 1)
+                   for dp, tp, pp, cp in splits(config, n, gpus_per_node, seq, global_batch,
+                                                max_cp, v))
+    if found(gpus):
+        return None
+    near = [next((n for n in range(gpus - 1, 0, -1) if found(n)), None),
+            next((n for n in range(gpus + 1, 2 * gpus + 1) if found(n)), None)]
+    chunks = f" x --chunks {v}" if v > 1 else ""
+    return (f"--gpus {gpus}: no layout of {gpus} GPUs divides --global-batch {global_batch}, "
+            f"the {config.n_head} heads and the {config.n_layer} layers (dp x tp x pp x cp "
+            f"= {gpus}: dp dividing the batch, tp a power of two up to {gpus_per_node} per node "
+            f"dividing the heads and --seq {seq} / cp, pp{chunks} at most the layers, cp a "
+            f"power of two up to {max_cp} dividing --seq / 2"
+            + (", micro-batches in groups of pp" if v > 1 else "") + "); try --gpus "
+            + " or ".join(str(n) for n in near if n))
