@@ -1,6 +1,6 @@
 """The seam between the training step and a parallel strategy, and what strategies share.
 
-Every strategy package (minidist/{ddp,zero,tp,pp,cp}/strategy.py) builds on this module; it
+Every strategy package (minidist/{ddp,zero,tp,pp,cp,ep}/strategy.py) builds on this module; it
 imports nothing from minidist/train/ (tests/test_layers.py checks the direction). The step
 (minidist/train/step.py) calls, for every strategy alike:
 

@@ -27,7 +27,7 @@ How one parameter is cut into per-rank shards and glued back: `Split`
 minidist/tp/collectives.py.
 The layers built on these: minidist/tp/layers.py; the model: minidist/tp/model.py.
 Tests: tests/test_tensor_parallel.py (distributed gradchecks of every Function here in
-tests/scripts/tp_check.py --gradcheck).
+tests/scripts/tp_check.py on 2 ranks; `--only gradcheck` for those alone).
 """
 from minidist.autograd import Function
 from minidist.autograd import fused as F

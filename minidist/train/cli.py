@@ -1,7 +1,7 @@
 """What a user sees when the input is wrong: one line, once, exit status 2.
 
     $ mpirun -n 4 python examples/train_gpt.py --steps 0
-    error: --steps 0: the number of optimizer steps must be at least 1
+    error: --steps 0: must be at least 1 (the number of optimizer steps)
 
 Every user error (a flag out of range or a combination that does not fit, a missing data
 file, a checkpoint that is missing, corrupt or does not fit) is raised as UsageError (or the

@@ -8,7 +8,7 @@
     -> zero the gradients -> loss averaged over the replicas
 
 What differs between strategies is which object `strategy` is (composed in plain sight by
-minidist/train/strategy.py make_strategy: TP, PP, CP, then DDP/ZeRO; the methods:
+minidist/train/strategy.py make_strategy: TP, PP, CP, EP, then DDP/ZeRO; the methods:
 minidist/strategy/base.py).
 Tests: tests/test_train.py, and every exactness script in tests/scripts/ (they all train
 through this function).
