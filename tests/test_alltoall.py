@@ -4,7 +4,7 @@ import pytest
 
 import numpy as np
 
-from minidist.comm.alltoall import pairwise_bytes, pairwise_step
+from minidist.comm.alltoall import own_chunk, pairwise_bytes, pairwise_chunks, pairwise_step
 from minidist.comm.simulate import simulate_all_to_all
 
 
@@ -31,6 +31,34 @@ def test_simulated_pairwise_all_to_all_delivers_every_chunk():
         want = np.concatenate([np.full(counts[i][j], 10 * i + j) for i in range(world)])
         assert (out[j] == want).all()
     assert len(lines) == world - 1 and lines[0].startswith("  step 1: 0->1")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_pairwise_chunks_posted_as_one_group_deliver_every_chunk(world):
+    """NCCL's all-to-all (nccl.py, not runnable here) posts every rank's pairwise_chunks as one
+    group: all sends, then all receives, matched by (sender, receiver). Played out on numpy
+    ranks with uneven counts, zeros among them: every send meets a receive of its length and
+    each rank's out is what it was addressed, in rank order."""
+    counts = [[(3 * i + j) % 4 for j in range(world)] for i in range(world)]   # i -> j
+    inputs = [np.concatenate([np.full(counts[i][j], 10 * i + j) for j in range(world)])
+              for i in range(world)]
+    posted = {}                                    # (sender, receiver) -> the chunk
+    for r in range(world):
+        send = counts[r]
+        recv = [counts[i][r] for i in range(world)]
+        for _, dst, (lo, hi), _, _ in pairwise_chunks(send, recv, r, world):
+            posted[(r, dst)] = inputs[r][lo:hi]
+    for r in range(world):
+        send, recv = counts[r], [counts[i][r] for i in range(world)]
+        out = np.full(sum(recv), -1)
+        own_chunk(out, inputs[r], send, recv, r)
+        for _, _, _, src, (lo, hi) in pairwise_chunks(send, recv, r, world):
+            chunk = posted.pop((src, r))
+            assert hi - lo == chunk.size
+            out[lo:hi] = chunk
+        want = np.concatenate([np.full(counts[i][r], 10 * i + r) for i in range(world)])
+        np.testing.assert_array_equal(out, want)
+    assert not posted                              # every send was received
 
 
 def test_pairwise_bytes_is_all_but_own_chunk():

@@ -26,7 +26,8 @@ sends its send_counts (N int64s) and its whole buffer to the root; the root cuts
 buffer into chunks and sends each rank the concatenation of the chunks addressed to it. The
 root moves every byte of the job twice, the others wait: time grows with N.
 The MPI library's own is MPI_Alltoallv (mpi.py's `mpi_all_to_all_v`), the reference in the
-tests and in examples/bench_collectives.py.
+tests and in examples/bench_collectives.py. NCCL has no all-to-all call: nccl.py posts the same
+pairwise chunks (`pairwise_chunks`) as grouped sends and receives, which NCCL runs together.
 
 Tests: tests/test_alltoall.py, tests/scripts/alltoall_check.py (closed forms, uneven counts,
 2-4 ranks, bytes = formula, against MPI_Alltoallv).
@@ -53,14 +54,28 @@ def pairwise_bytes(send_counts, rank, itemsize):
     return (int(np.sum(send_counts)) - int(send_counts[rank])) * itemsize
 
 
+def pairwise_chunks(send_counts, recv_counts, rank, world):
+    """[(step, dst, (lo, hi) of inp sent to dst, src, (lo, hi) of out received from src)] for
+    steps 1 .. world-1 of the pairwise exchange (step 0, this rank's own chunk, is a copy):
+    the ring's sendrecv per step, or NCCL's grouped sends and receives (nccl.py)."""
+    so, ro = offsets(send_counts), offsets(recv_counts)
+    return [(step, dst, (so[dst], so[dst + 1]), src, (ro[src], ro[src + 1]))
+            for step, (dst, src) in ((s, pairwise_step(rank, world, s))
+                                     for s in range(1, world))]
+
+
+def own_chunk(out, inp, send_counts, recv_counts, rank):
+    """Step 0: this rank's chunk for itself, copied."""
+    so, ro = offsets(send_counts), offsets(recv_counts)
+    out[ro[rank]:ro[rank + 1]] = inp[so[rank]:so[rank + 1]]
+
+
 def pairwise_all_to_all_v(ch, out, inp, send_counts, recv_counts):
     """out = the chunks every rank addressed to this one, in rank order (module docstring)."""
-    rank, world = ch.rank, ch.size
-    so, ro = offsets(send_counts), offsets(recv_counts)
-    out[ro[rank]:ro[rank + 1]] = inp[so[rank]:so[rank + 1]]            # step 0: my own chunk
-    for step in range(1, world):
-        dst, src = pairwise_step(rank, world, step)
-        ch.sendrecv(inp[so[dst]:so[dst + 1]], dst, out[ro[src]:ro[src + 1]], src,
+    own_chunk(out, inp, send_counts, recv_counts, ch.rank)
+    for step, dst, (s_lo, s_hi), src, (r_lo, r_hi) in pairwise_chunks(
+            send_counts, recv_counts, ch.rank, ch.size):
+        ch.sendrecv(inp[s_lo:s_hi], dst, out[r_lo:r_hi], src,
                     note=f"all-to-all step {step}: chunk for rank {dst} -> it, "
                          f"chunk from rank {src} <- it")
 

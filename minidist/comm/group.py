@@ -44,7 +44,7 @@ from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
                                    ready_event, write_back)
 from minidist.comm.stream import CompletedWork, RequestWork, Stream
-from minidist.backend import xp_of
+from minidist.backend import is_cupy, xp_of
 
 ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -137,33 +137,42 @@ class ProcessGroup:
     # collectives
     # ---------------------------------------------------------------------------------------
 
+    def _algo_for(self, buf):
+        """The algorithm module for `buf`: this group's, but on an "nccl" group a host (numpy)
+        buffer, which NCCL cannot take, goes to the MPI library's (nccl.py's docstring)."""
+        return mpi if self.algo == "nccl" and not is_cupy(buf) else self._algo
+
     def all_reduce(self, buf, op="sum", async_op=False):
         """buf = buf reduced over the group (sum, avg, max or min), in place."""
         buf = _flat(buf)
         _check_op(op)
+        algo = self._algo_for(buf)
         return self._issue("all_reduce", buf, None, buf.size, async_op, op, 0,
-                           lambda ch, out, _: self._algo.all_reduce(ch, out, op))
+                           lambda ch, out, _: algo.all_reduce(ch, out, op))
 
     def reduce_scatter(self, out, inp, op="sum", async_op=False):
         """out = chunk `rank` of inp, reduced over the group. out.size == chunk(inp.size)."""
         out, inp = _flat(out), _flat(inp)
         _check_op(op)
         _check_chunk(self, "reduce_scatter", "out", out, inp)
+        algo = self._algo_for(out)
         return self._issue("reduce_scatter", out, inp, inp.size, async_op, op, 0,
-                           lambda ch, o, i: self._algo.reduce_scatter(ch, o, i, op))
+                           lambda ch, o, i: algo.reduce_scatter(ch, o, i, op))
 
     def all_gather(self, out, inp, async_op=False):
         """out = every rank's inp, concatenated in rank order. inp.size == chunk(out.size)."""
         out, inp = _flat(out), _flat(inp)
         _check_chunk(self, "all_gather", "inp", inp, out)
+        algo = self._algo_for(out)
         return self._issue("all_gather", out, inp, out.size, async_op, "", 0,
-                           lambda ch, o, i: self._algo.all_gather(ch, o, i))
+                           lambda ch, o, i: algo.all_gather(ch, o, i))
 
     def broadcast(self, buf, root=0, async_op=False):
         """buf = root's buf on every rank (root: a rank of this group)."""
         buf = _flat(buf)
+        algo = self._algo_for(buf)
         return self._issue("broadcast", buf, None, buf.size, async_op, "", root,
-                           lambda ch, out, _: self._algo.broadcast(ch, out, root))
+                           lambda ch, out, _: algo.broadcast(ch, out, root))
 
     def all_to_all(self, out, inp, async_op=False):
         """Chunk j of inp (size/N elements each) to rank j; out = the chunks from every rank."""
@@ -178,18 +187,20 @@ class ProcessGroup:
         """inp's first send_counts[0] elements to rank 0, the next send_counts[1] to rank 1,
         ...; out = recv_counts[i] elements from each rank i, in rank order (alltoall.py).
         recv_counts[i] must be rank i's send_counts[rank]. Algorithm: "ring" (and "hier") is
-        the pairwise exchange, "naive" relays through rank 0, "mpi" is MPI_Alltoallv."""
+        the pairwise exchange, "naive" relays through rank 0, "mpi" is MPI_Alltoallv, "nccl"
+        the pairwise exchange's chunks as one group of NCCL sends and receives."""
         out, inp = _flat(out), _flat(inp)
         if sum(send_counts) != inp.size or sum(recv_counts) != out.size or \
                 len(send_counts) != self.size or len(recv_counts) != self.size:
             raise ValueError(f"all_to_all_v: {self.size} send_counts summing to inp.size "
                              f"({inp.size}) and recv_counts summing to out.size ({out.size}) "
                              f"expected, got {list(send_counts)} and {list(recv_counts)}")
-        if self.algo == "nccl":
-            raise ValueError("all_to_all on algo 'nccl' is not built; use ring, naive or mpi")
-        body = {"ring": alltoall.pairwise_all_to_all_v, "naive": alltoall.naive_all_to_all_v,
-                "mpi": mpi.mpi_all_to_all_v,
-                "hier": alltoall.pairwise_all_to_all_v}[self.algo]     # hier: "the rest as ring"
+        if self.algo == "nccl":                      # (host buffers: MPI_Alltoallv)
+            body = self._algo_for(out).all_to_all_v
+        else:
+            body = {"ring": alltoall.pairwise_all_to_all_v, "mpi": mpi.all_to_all_v,
+                    "naive": alltoall.naive_all_to_all_v,
+                    "hier": alltoall.pairwise_all_to_all_v}[self.algo]  # hier: as ring
         sc, rc = list(send_counts), list(recv_counts)
         return self._issue("all_to_all", out, inp, inp.size, async_op, "", 0,
                            lambda ch, o, i: body(ch, o, i, sc, rc))

@@ -124,3 +124,4 @@ all_reduce = mpi_all_reduce
 reduce_scatter = mpi_reduce_scatter
 all_gather = mpi_all_gather
 broadcast = mpi_broadcast
+all_to_all_v = mpi_all_to_all_v

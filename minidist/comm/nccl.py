@@ -11,7 +11,12 @@ ceil(n/size) elements per rank around the call (`_padded`), visibly.
 
 send/recv on an "nccl" group go through MPI (staged through the host unless MPI is CUDA-aware):
 NCCL point-to-point on one stream deadlocks unless every pair is grouped, which the simple
-blocking-call API here cannot promise.
+blocking-call API here cannot promise. All-to-all is such a grouped set (NCCL has no
+all-to-all call): every chunk of the pairwise exchange (alltoall.py pairwise_chunks) posted as
+ncclSend / ncclRecv between groupStart and groupEnd (NCCL >= 2.7), so NCCL runs them together
+and no pair waits on another; this rank's own chunk is a copy. Host (numpy) buffers, which
+NCCL cannot take (the MoE routing's expert ids, a few counts), are the MPI library's on an
+"nccl" group: minidist/comm/group.py sends them to mpi.py.
 
 Call `minidist.backend.set_device("cuda")` before creating an "nccl" group: each rank's NCCL
 communicator binds to the GPU that is current then (local rank % GPUs on the node).
@@ -24,6 +29,7 @@ Tests: tests/test_comm_gpu.py (marked gpu; run with `python -m pytest -m gpu --d
 import cupy
 from cupy.cuda import nccl
 
+from minidist.comm.alltoall import own_chunk, pairwise_bytes, pairwise_chunks
 from minidist.comm.ring import chunk_bounds, ring_bytes
 
 if not nccl.available:     # CuPy's wheels carry no NCCL; without one, nccl has no names at all
@@ -118,8 +124,30 @@ def nccl_broadcast(ch, buf, root=0):
     ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
 
 
+def nccl_all_to_all_v(ch, out, inp, send_counts, recv_counts):
+    """The pairwise exchange's chunks as one group of NCCL sends and receives (module
+    docstring); an empty chunk is not posted."""
+    own_chunk(out, inp, send_counts, recv_counts, ch.rank)
+    stream = _stream().ptr
+    nccl.groupStart()
+    try:
+        for _, dst, (s_lo, s_hi), src, (r_lo, r_hi) in pairwise_chunks(
+                send_counts, recv_counts, ch.rank, ch.size):
+            if s_hi > s_lo:
+                ptr, dtype = _args(inp[s_lo:s_hi])
+                ch.nccl.comm.send(ptr, int(s_hi - s_lo), dtype, dst, stream)
+            if r_hi > r_lo:
+                ptr, dtype = _args(out[r_lo:r_hi])
+                ch.nccl.comm.recv(ptr, int(r_hi - r_lo), dtype, src, stream)
+    finally:
+        nccl.groupEnd()
+    _stream().synchronize()
+    ch.count_nominal(pairwise_bytes(send_counts, ch.rank, inp.itemsize))
+
+
 # the names ProcessGroup dispatches on, one per algorithm module
 all_reduce = nccl_all_reduce
 reduce_scatter = nccl_reduce_scatter
 all_gather = nccl_all_gather
 broadcast = nccl_broadcast
+all_to_all_v = nccl_all_to_all_v

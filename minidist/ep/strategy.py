@@ -45,8 +45,9 @@ the clipping norm takes each stage's experts once over ep before the sum over st
 --cp, --sequence-parallel: each rank holds part of every sequence and sends its own tokens;
 the routing is over the whole sequence (minidist/nn/moe_split.py), and the experts' replicas
 edp are dp x cp ranks (expert_groups).
-Refused: --comm nccl (no NCCL all-to-all; under --cp or --sequence-parallel without --ep
-too: the routing's ids are host arrays), E not a multiple of ep.
+--comm nccl: the all-to-alls are NCCL's grouped sends and receives, the routing's host ids
+MPI's (minidist/comm/nccl.py; not run: NCCL needs a GPU per rank). Refused: E not a multiple
+of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
 import numpy as np
@@ -61,15 +62,11 @@ from minidist.tp.state import unscaled_sum_sq
 
 
 def moe_problems(args):
-    """Sentences saying what does not combine with --moe-experts, on one process or many
-    (under --sequence-parallel and --cp an MoE layer routes over the whole sequence:
-    minidist/nn/moe_split.py, whose all-gather of expert ids takes host arrays, which NCCL
-    does not)."""
+    """Sentences saying what does not combine with --moe-experts, on one process or many.
+    (Under --comm nccl the routing's host arrays, minidist/nn/moe_split.py's expert ids, go
+    through MPI: minidist/comm/group.py.)"""
     if not args.moe_experts:
         return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
-    if args.comm == "nccl" and (args.cp > 1 or args.sequence_parallel):
-        return ["--comm nccl does not combine with --cp or --sequence-parallel (the routing's "
-                "exchange of expert ids is on host arrays; not built)"]
     return []
 
 
@@ -80,8 +77,6 @@ def ep_problems(args):
     problems = []
     if args.moe_experts % args.ep:
         problems.append(f"--moe-experts {args.moe_experts} is not a multiple of --ep {args.ep}")
-    if args.comm == "nccl":                                  # no NCCL all-to-all
-        problems.append("--comm nccl does not combine with --ep (not built)")
     return problems
 
 
