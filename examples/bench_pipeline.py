@@ -52,6 +52,7 @@ from minidist.pp.schedule import SCHEDULES, bubble_fraction, measured_bubble
 from minidist.pp.strategy import pp_problems
 from minidist.train.args import Parser, add_model_args, train_parser
 from minidist.train.cli import UsageError, check_flags, launcher_rank
+from minidist.train.loop import moe_fields
 from minidist.train.step import train_step
 from minidist.train.strategy import check_layout, make_strategy
 
@@ -97,15 +98,27 @@ def traced_peak(strategy, model, opt, x, y, args):
     return peak
 
 
+def model_flags(cli):
+    """The model flags given to this script, as train_gpt.py takes them (every one is used:
+    the model, its dropout, attention and MoE, the dtype and seed)."""
+    flags = ["--n-layer", cli.n_layer, "--n-head", cli.n_head, "--n-embd", cli.n_embd,
+             "--block-size", cli.block_size, "--batch-size", cli.batch_size,
+             "--dropout", cli.dropout, "--attention", cli.attention,
+             "--attention-block", cli.attention_block, "--dtype", cli.dtype,
+             "--seed", cli.seed, "--moe-experts", cli.moe_experts]
+    if cli.moe_experts:
+        flags += ["--moe-top-k", cli.moe_top_k, "--moe-capacity-factor",
+                  cli.moe_capacity_factor, "--moe-aux-loss-coef", cli.moe_aux_loss_coef,
+                  "--moe-z-loss-coef", cli.moe_z_loss_coef, "--moe-every", cli.moe_every]
+    return [str(f) for f in flags] + ([] if cli.bias else ["--no-bias"])
+
+
 def train_args(cli, name, m, pp):
     """train_gpt.py's flags for schedule `name` ("1f1b-v2": interleaved) with m micro-batches
     over pp stages."""
     schedule, _, virtual = name.partition("-v")
     flags = ["--pp", str(pp), "--micro-batches", str(m), "--schedule", schedule,
-             "--pp-virtual", virtual or "1",
-             "--n-layer", str(cli.n_layer), "--n-head", str(cli.n_head), "--n-embd",
-             str(cli.n_embd), "--block-size", str(cli.block_size), "--batch-size",
-             str(cli.batch_size), "--lr", "1e-3"]
+             "--pp-virtual", virtual or "1", *model_flags(cli), "--lr", "1e-3"]
     return train_parser().parse_args(flags)
 
 
@@ -167,10 +180,12 @@ def schedule_runs(p, cli, names, ms, size, notes):
 def run(cli, name, m, comm, world):
     args = train_args(cli, name, m, comm.size)
     schedule, v = args.schedule, args.pp_virtual
-    config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
-                       block_size=cli.block_size, vocab_size=cli.vocab_size)
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       block_size=args.block_size, vocab_size=cli.vocab_size,
+                       dropout=args.dropout, bias=args.bias, attention=args.attention,
+                       attention_block=args.attention_block, **moe_fields(args))
     strategy = make_strategy(args, world)
-    model = strategy.build_model(config, 0, "float32")
+    model = strategy.build_model(config, args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)
     args.log_json = "measure"                          # step 0: the ledger's activations
     mem = train_step(strategy, model, opt, *batch(0, args.batch_size, config), args)[2]
@@ -228,6 +243,9 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
+    if cli.device == "cuda":
+        p.error("--device cuda: this benchmark times the stages on the host clock, so it runs "
+                "on CPUs (leave --device out)")
     size, notes = world_size_from_env(), []      # before MPI starts: errors exit cleanly
     names = schedule_names(p, cli)
     ms = micro_batch_counts(p, cli, size, notes)

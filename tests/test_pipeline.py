@@ -411,3 +411,31 @@ def test_bench_pipeline_on_one_process_says_to_use_mpiexec():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: one process:") and out.stderr.count("\n") == 1
+
+
+@pytest.mark.mpi
+def test_bench_pipeline_runs_the_model_its_flags_describe(mpi):
+    """--dtype float64 holds twice float32's activations per micro-batch (the flag was
+    accepted and ignored: every run was float32, dropout 0, dense); --device cuda, which the
+    host-clock timing cannot serve, is one error line.
+
+        mpiexec -n 2 python examples/bench_pipeline.py --n-layer 2 --n-embd 64 --steps 1 \\
+            --batch-size 8 --schedules 1f1b --micro-batches 2 --dtype float64
+    """
+    one = ["--schedules", "1f1b", "--micro-batches", "2"]
+    mib = {}
+    for dtype in ("float32", "float64"):
+        out = mpi(2, "examples/bench_pipeline.py", *BENCH_SMALL, *one, "--dtype", dtype,
+                  timeout=120)
+        (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+        mib[dtype] = row["mib_per_micro"]
+    assert all(d == pytest.approx(2 * s, rel=0.02) for s, d in zip(mib["float32"],
+                                                                  mib["float64"])), mib
+    import subprocess
+    import sys
+    from mpirun import ROOT
+    out = subprocess.run([sys.executable, "examples/bench_pipeline.py", *BENCH_SMALL,
+                          "--device", "cuda"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: --device cuda: this "
+                                                         "benchmark times the stages")
