@@ -7,8 +7,10 @@ then on the model's forward takes the WHOLE sequence idx (B, T) and targets, and
     -> embed (token + position embedding of those positions)        (B, Tl, C), Tl = T / N
        (a TensorParallelGPT with sequence parallelism keeps its tp rank's run of them:
        (B, Tl/tp, C) between the split layers; minidist/tp/model.py embed)
-    -> blocks, whose attention is RingSelfAttention over the cp group (minidist/cp/ring.py);
-       everything else in a block acts on each token alone, so it needs no communication
+    -> blocks, whose attention is RingSelfAttention over the cp group (minidist/cp/ring.py),
+       or with attention="ulysses" two all-to-alls around the model's own attention on
+       this rank's heads of the whole sequence (minidist/cp/ulysses.py); everything else
+       in a block acts on each token alone, so it needs no communication
     -> head: logits (B, Tl, V) and the mean loss over this rank's tokens.
 
 The mean of the N ranks' losses is the whole sequence's mean (each holds T/N tokens), and
@@ -28,20 +30,32 @@ import numpy as np
 
 from minidist.autograd.flash import DEFAULT_BLOCK
 from minidist.cp.ring import RingSelfAttention, check_split, layout, positions
+from minidist.cp.ulysses import ulysses_attention
 from minidist.nn.gpt import moe_loss
 
 
-class RingContext:
-    """The cp group, the split kind and the tile size; `layouts` (every rank's pieces of the
-    sequence) only while a forward runs, or a block's recompute inside backward."""
+ATTENTIONS = ("ring", "ulysses")
 
-    def __init__(self, group, split="zigzag", block=DEFAULT_BLOCK):
+
+class RingContext:
+    """The cp group, the split kind, the tile size, how attention runs (`attention`: "ring",
+    or "ulysses": all-to-alls around the model's own attention, `local` its --attention);
+    `layouts` (every rank's pieces of the sequence) only while a forward runs, or a block's
+    recompute inside backward."""
+
+    def __init__(self, group, split="zigzag", block=DEFAULT_BLOCK, attention="ring",
+                 local="auto"):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"context parallelism: attention {attention!r} is not one of "
+                             f"{ATTENTIONS}")
         self.group, self.split, self.block = group, split, block
+        self.attention, self.local = attention, local
         self.layouts = None
 
     @property
     def active(self):
-        """True inside forward (and a recompute): the attention layers then use the ring."""
+        """True inside forward (and a recompute): the attention layers then use the ring (or
+        Ulysses' all-to-alls)."""
         return self.layouts is not None
 
     def forward(self, model, idx, targets=None):
@@ -94,15 +108,19 @@ class RingContext:
         self.layouts = layouts
 
     def self_attention(self, qkv, n_head, dropout_p=0.0, rng=None):
-        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group; dropout on its
-        weights with probability dropout_p, numbers from rng (a DropoutSite)."""
+        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group, or Ulysses' (heads
+        over the cp group: minidist/cp/ulysses.py); dropout on its weights with probability
+        dropout_p, numbers from rng (a DropoutSite)."""
+        if self.attention == "ulysses":
+            return ulysses_attention(qkv, n_head, self, dropout_p, rng)
         return RingSelfAttention.apply(qkv, n_head, self, dropout_p, rng)
 
 
-def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK):
+def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK, attention="ring"):
     """Give `model`, each of its attention layers and each of its MoE layers (which route
-    over the whole sequence: minidist/nn/moe_split.py) one RingContext over `group`."""
-    context = RingContext(group, split, block)
+    over the whole sequence: minidist/nn/moe_split.py) one RingContext over `group`;
+    attention "ulysses": Ulysses' all-to-alls around the model's own --attention."""
+    context = RingContext(group, split, block, attention, model.config.attention)
     for m in model.moe_layers():
         m.context = context
     return model.set_context(context)

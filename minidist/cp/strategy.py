@@ -7,6 +7,7 @@ each sequence (ring attention: minidist/cp/ring.py), inside data parallelism ove
     mpirun -n 4 python examples/train_gpt.py --cp 2 --tp 2 --sequence-parallel
     mpirun -n 4 python examples/train_gpt.py --cp 2 --pp 2 [--schedule gpipe|zb-h1]
     mpirun -n 8 python examples/train_gpt.py --cp 2 --tp 2 --dp 2 --zero 3
+    mpirun -n 4 python examples/train_gpt.py --cp 4 --cp-attention ulysses
 
 World = dp x cp x tp (minidist/comm/mesh.py: tp fastest, then cp, then dp). All cp (and tp)
 ranks of one dp replica read the same rows of the global batch; the model keeps its own
@@ -32,7 +33,11 @@ them, so the recompute inside backward runs the ring forward again
 With --sequence-parallel too, tp splits each cp rank's T/cp tokens again (minidist/cp/README.md).
 A Mixture of Experts routes over the whole sequence (minidist/nn/moe_split.py); with --ep,
 ExpertParallel is this strategy's inner.
-Refused: a block size that does not split over cp (and over cp x tp with --sequence-parallel).
+--cp-attention ulysses: the same, but each attention layer trades tokens for heads by
+all-to-all over cp and runs the model's own attention on n_head/cp heads of the whole
+sequence (minidist/cp/ulysses.py); nothing else changes.
+Refused: a block size that does not split over cp (and over cp x tp with --sequence-parallel);
+with ulysses, heads (per tp rank) that do not divide over cp.
 Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
 tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """
@@ -53,24 +58,38 @@ def cp_problems(args):
         problems.append(f"--sequence-parallel splits each cp rank's --block-size "
                         f"{args.block_size} / cp {args.cp} tokens over tp {args.tp} ranks: "
                         f"--block-size must be a multiple of cp x tp = {n}")
+    if getattr(args, "cp_attention", "ring") == "ulysses":
+        problems += ulysses_problems(args)
     return problems
 
 
-class ContextParallel(ModelParallel):
-    """The ring over mesh.cp on each replica's sequences; `inner` (DDP or ZeRO) averages the
-    gradients over the dp x cp ranks."""
+def ulysses_problems(args):
+    """--cp-attention ulysses: each cp rank takes n_head/tp/cp whole heads."""
+    heads, per_tp = args.n_head // max(args.tp, 1), f" / --tp {args.tp}" if args.tp > 1 else ""
+    if args.n_head % max(args.tp, 1) == 0 and heads % args.cp:
+        return [f"--cp-attention ulysses gives each of the --cp {args.cp} ranks whole heads: "
+                f"--n-head {args.n_head}{per_tp} = {heads} heads do not divide by --cp "
+                f"{args.cp} (use --cp-attention ring, or heads a multiple of cp)"]
+    return []
 
-    def __init__(self, mesh, split, inner):
+
+class ContextParallel(ModelParallel):
+    """The ring (`attention` "ring") or Ulysses' all-to-alls ("ulysses") over mesh.cp on each
+    replica's sequences; `inner` (DDP or ZeRO) averages the gradients over the dp x cp
+    ranks."""
+
+    def __init__(self, mesh, split, inner, attention="ring"):
         super().__init__(mesh, mesh.cp, inner)
-        self.split = split
+        self.split, self.attention = split, attention
 
     def wrap(self, model):
-        """The ring over mesh.cp on `model` (the GPT, the TensorParallelGPT that
-        TensorParallel built, or the pipeline stage PipelineParallel built), then inner's
-        hold on it (DDP over dp x cp)."""
+        """The ring (or Ulysses' all-to-alls) over mesh.cp on `model` (the GPT, the
+        TensorParallelGPT that TensorParallel built, or the pipeline stage PipelineParallel
+        built), then inner's hold on it (DDP over dp x cp)."""
         self.model = model
         block = model.config.attention_block                     # the tile size
-        return self.inner.wrap(attach_ring(model, self.group, self.split, block))
+        return self.inner.wrap(attach_ring(model, self.group, self.split, block,
+                                           self.attention))
 
     def local_rows(self, *arrays):
         """Rows by dp rank: every cp rank of a replica reads the same rows (inner's group is
@@ -97,19 +116,28 @@ class ContextParallel(ModelParallel):
 
     def notes(self):
         """The layout, and how attention is computed: the ring's tiles in every forward (the
-        model's --attention only where the ring is not active: the end's sample)."""
+        model's --attention only where the ring is not active: the end's sample), or
+        Ulysses' all-to-alls around the model's --attention on n_head/cp heads."""
         s, ep, config = self.mesh.shape, self.expert_ranks(), self.model.config
         sample = (" (--attention materialized: the end's sample only)"
                   if config.attention == "materialized" else "")
+        how = ("ring attention in tiles of "
+               f"{config.attention_block} tokens in training and evaluation" + sample)
+        if self.attention == "ulysses":
+            H = config.n_head // s["tp"]
+            tp = " (this tp rank's)" if s["tp"] > 1 else ""
+            how = (f"Ulysses attention: an all-to-all per layer to {H // s['cp']} of the {H} "
+                   f"heads{tp} over the whole sequence (--attention {config.attention}), "
+                   "another back")
         return self.inner.notes() + [
             f"context parallel: cp {s['cp']} x {data_axes(self.mesh, ep)} x tp {s['tp']}, "
             f"--cp-split {self.split}; gradients averaged over the {self.mesh.dpcp.size} dp x "
-            + ("ep x " if ep > 1 else "") + "cp ranks; ring attention in tiles of "
-            f"{config.attention_block} tokens in training and evaluation" + sample]
+            + ("ep x " if ep > 1 else "") + "cp ranks; " + how]
 
     def summary(self):
         sent = self.sent_per_step()
-        return (f"context parallel over {self.group.size} ranks ({self.split}): "
+        return (f"context parallel over {self.group.size} ranks ({self.split}, "
+                f"{self.attention} attention): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the cp group")
 
     def finish(self, args, log):

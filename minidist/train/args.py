@@ -73,6 +73,11 @@ def add_parallel_args(p):
     g.add_argument("--cp-split", choices=("zigzag", "naive"), default="zigzag",
                    help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
                    "naive (contiguous; the last rank does the most causal work)")
+    g.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring",
+                   help="with --cp: ring (each rank's queries against every rank's keys and "
+                   "values, passed around a ring) or ulysses (all-to-alls trade tokens for "
+                   "heads: each rank attends with n_head/cp heads over the whole sequence; "
+                   "heads must divide by cp)")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: each holds E/ep experts (minidist/ep/)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,

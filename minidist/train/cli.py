@@ -121,8 +121,10 @@ def idle_flags(args, replicas=None):
         idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
                  ("--pp-virtual", "layer chunks per pipeline rank", "add --pp 2 or more")]
     if args.cp == 1:
-        idle.append(("--cp-split", "how context parallelism splits the sequence",
-                     "add --cp 2 or more"))
+        idle += [("--cp-split", "how context parallelism splits the sequence",
+                  "add --cp 2 or more"),
+                 ("--cp-attention", "how context parallelism computes attention",
+                  "add --cp 2 or more")]
         if args.attention == "materialized":
             idle.append(("--attention-block", "the tiled attention's tile size",
                          "use --attention tiled or auto"))

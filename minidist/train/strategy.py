@@ -53,7 +53,7 @@ def make_strategy(args, world=None):
         strategy = ExpertParallel(mesh, *expert_groups(mesh, args.ep), strategy)
     # 3. context parallelism: the ring over cp, on each replica's sequences
     if args.cp > 1:
-        strategy = ContextParallel(mesh, args.cp_split, strategy)
+        strategy = ContextParallel(mesh, args.cp_split, strategy, args.cp_attention)
     # 2. pipeline stages, with 1. tensor parallelism inside each stage (it builds them)
     if args.pp > 1:
         strategy = PipelineParallel(mesh, micro_batches, args.schedule, args.pp_virtual,

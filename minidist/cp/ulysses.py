@@ -1,0 +1,140 @@
+"""DeepSpeed-Ulysses attention: under --cp, each rank attends with a share of the heads over the
+whole sequence, instead of its tokens over a ring (--cp-attention ulysses).
+
+Dimensions: B batch, T the whole sequence, N the cp group's size, Tl = T / N this rank's
+tokens, C the width (C/tp under --tp), H = n_head (n_head/tp under --tp), Hl = H / N this
+rank's heads, hs head size. Every rank of the cp group, per attention layer:
+
+    qkv (B, Tl, 3C)        this rank's tokens, q|k|v of ALL H heads
+    -> all-to-all          chunk j (every token's q, k, v of rank j's heads) to rank j
+    (B, T, 3C/N)           ALL tokens, q|k|v of this rank's Hl heads, in global position order
+                           (the pieces arrive in rank order: zig-zag's are put back in place)
+    -> attention           the model's own causal attention on (B, Hl, T, hs), materialized or
+                           tiled as config.attention says (minidist/autograd/attention.py,
+                           flash.py): nothing new, the heads are independent
+    (B, T, C/N)            ALL tokens, this rank's heads' outputs
+    -> all-to-all          chunk j (rank j's tokens) back to rank j, heads put side by side
+    y (B, Tl, C)           this rank's tokens, every head: what c_proj takes
+
+The two exchanges are autograd Functions whose backward is the other one (the all-to-all
+undone): `HeadsForTokens` forward gathers tokens and scatters heads, backward the reverse;
+`TokensForHeads` the mirror image. Dropout on the attention weights: this rank computes heads
+[c Hl, (c+1) Hl) of all T positions, so its site is sliced by head as tensor parallelism's is
+(`head_site`: DropoutSite axis 1, parts tp x cp), and the masks are one process's.
+Bytes each rank sends per attention layer and micro-batch (an all-to-all keeps 1/N of its
+buffer), S = B x Tl x C x itemsize: forward 3S(N-1)/N + S(N-1)/N, backward the same again:
+8S(N-1)/N; with --ckpt-activations the forward's once more: 12S(N-1)/N (`ulysses_bytes`).
+Tests: tests/test_context_parallel.py, tests/scripts/ulysses_check.py.
+"""
+import numpy as np
+
+from minidist.autograd.attention import causal_self_attention
+from minidist.autograd.dropout_keys import DropoutSite
+from minidist.autograd.flash import tiled_self_attention
+from minidist.autograd.function import Function
+from minidist.backend import xp_of
+from minidist.nn.config import TILED_FROM_T
+
+
+def to_heads(x, group, order, parts):
+    """(B, Tl, parts*C) this rank's tokens, all heads -> (B, T, parts*C/N) every rank's tokens
+    at their global positions (`order[k]`: the position of the k-th token in rank order),
+    this rank's heads (slice `rank` of N of each of the `parts` parts: q, k, v)."""
+    xp, n = xp_of(x), group.size
+    B, Tl, W = x.shape
+    Cn = W // parts // n                                            # C/N: one rank's heads
+    send = xp.ascontiguousarray(x.reshape(B, Tl, parts, n, Cn).transpose(3, 0, 1, 2, 4))
+    recv = xp.empty_like(send)                                      # (N, B, Tl, parts, C/N)
+    group.all_to_all(recv, send)                                    # recv[i]: rank i's tokens
+    y = recv.transpose(1, 0, 2, 3, 4).reshape(B, n * Tl, parts * Cn)     # rank order
+    return y if order is None else y[:, xp.asarray(np.argsort(order))]   # (B, T, parts*C/N)
+
+
+def to_tokens(x, group, order, parts):
+    """to_heads undone: (B, T, parts*C/N) every token, this rank's heads -> (B, Tl, parts*C)
+    this rank's tokens, every rank's heads side by side in each part."""
+    xp, n = xp_of(x), group.size
+    B, T, W = x.shape
+    Tl, Cn = T // n, W // parts
+    x = x if order is None else x[:, xp.asarray(order)]             # rank order
+    send = xp.ascontiguousarray(x.reshape(B, n, Tl, parts, Cn).transpose(1, 0, 2, 3, 4))
+    recv = xp.empty_like(send)                                      # (N, B, Tl, parts, C/N)
+    group.all_to_all(recv, send)                                    # recv[j]: rank j's heads
+    return recv.transpose(1, 2, 3, 0, 4).reshape(B, Tl, parts * n * Cn)   # (B, Tl, parts*C)
+
+
+class HeadsForTokens(Function):
+    """All-to-all forward: this rank's tokens of every head (B, Tl, parts*C) -> every token of
+    this rank's heads (B, T, parts*C/N), in global order (`order`, or None: already so).
+    Backward: the inverse all-to-all (each token's gradient back to the rank holding it)."""
+
+    @staticmethod
+    def forward(ctx, x, group, order, parts):
+        ctx.group, ctx.order, ctx.parts = group, order, parts
+        return to_heads(x, group, order, parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_tokens(grad, ctx.group, ctx.order, ctx.parts), None, None, None
+
+
+class TokensForHeads(Function):
+    """HeadsForTokens the other way: forward to_tokens, backward to_heads."""
+
+    @staticmethod
+    def forward(ctx, x, group, order, parts):
+        ctx.group, ctx.order, ctx.parts = group, order, parts
+        return to_tokens(x, group, order, parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_heads(grad, ctx.group, ctx.order, ctx.parts), None, None, None
+
+
+def head_site(site, group):
+    """The attention-weights dropout site of this rank's heads: `site` (whole, or sliced by
+    head over tp) sliced again into the cp group's N parts, this rank's the `rank`-th. tp rank
+    t's heads are [t H, (t+1) H), this rank's of them [c Hl, (c+1) Hl): part t N + c of tp N.
+    A generator (not a DropoutSite) is returned as it is."""
+    if not isinstance(site, DropoutSite):
+        return site
+    parts, index = (site.parts, site.index) if site.axis == 1 and site.sliced() else (1, 0)
+    n = group.size
+    return DropoutSite(site.keys, site.name, axis=1, parts=parts * n,
+                       index=index * n + group.rank, seq_axis=site.seq_axis)
+
+
+def sequence_order(layouts):
+    """Global positions of every token in rank order ((T,) host ints), or None where that
+    is already 0 .. T-1 (the naive split): nothing to reorder."""
+    order = np.concatenate([np.arange(s, s + L) for pieces in layouts for s, L in pieces])
+    return None if np.array_equal(order, np.arange(len(order))) else order
+
+
+def uses_tiled(attention, T):
+    """The model's own choice (CausalSelfAttention.uses_tiled) for the whole length T."""
+    return T >= TILED_FROM_T if attention == "auto" else attention == "tiled"
+
+
+def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None):
+    """(B, Tl, 3C) Tensor -> (B, Tl, C): causal self-attention over the whole sequence with
+    this rank's n_head/N heads. context: a RingContext in a forward (its group, layouts,
+    tile size and the model's --attention)."""
+    group = context.group
+    order = sequence_order(context.layouts)
+    qkv_h = HeadsForTokens.apply(qkv, group, order, 3)                # (B, T, 3C/N)
+    heads, site = n_head // group.size, head_site(rng, group)
+    if uses_tiled(context.local, qkv_h.shape[1]):
+        y = tiled_self_attention(qkv_h, heads, context.block, dropout_p, site)   # (B, T, C/N)
+    else:
+        y = causal_self_attention(qkv_h, heads, dropout_p, site)                 # (B, T, C/N)
+    return TokensForHeads.apply(y, group, order, 1)                   # (B, Tl, C)
+
+
+def ulysses_bytes(S, n, recompute=False):
+    """Bytes one rank sends per attention layer and micro-batch, forward + backward, where S
+    is the bytes of its tokens' (B, Tl, C): each all-to-all sends (N-1)/N of its buffer, qkv
+    3S and y S forward, their gradients backward: 8S(N-1)/N; `recompute`
+    (--ckpt-activations): the forward once more, 12S(N-1)/N. Exact when N divides S."""
+    forward = 4 * S * (n - 1) // n
+    return forward * (3 if recompute else 2)
