@@ -161,11 +161,13 @@ def whole(strategy, model, opt):
                     if k in ("exp_avg", "exp_avg_sq")}
 
 
-def check_reload(name, strategy, model, opt, ref, comm):
+def check_reload(name, strategy, model, opt, ref, comm, make_flags=None):
     """--save of run `name` (sharded: ZeRO's files of each tp part), loaded back into a fresh
     strategy of each reload_into layout: parameters and Adam moments bitwise the saved ones
     (which equal one process's to 1e-10); then one more step of the run and of its reload
-    into the same layout log the same loss, bit for bit."""
+    into the same layout log the same loss, bit for bit. make_flags(name, *extra): the
+    layouts' flags (default: this script's `flags`; tests/scripts/ulysses_check.py's own)."""
+    make_flags = make_flags or flags
     path = comm.bcast(tempfile.mkdtemp(prefix="cp_check_") if comm.rank == 0 else None)
     path = os.path.join(path, "ckpt")
     strategy.save(path, model, opt, 3, {"dropout": model.dropout_keys.state_dict()}, {})
@@ -179,7 +181,7 @@ def check_reload(name, strategy, model, opt, ref, comm):
         out["adam_diff"] = max_abs([max_abs(v - sb[n][k]) for (n, k), v in mine_adam.items()])
         assert len(mine_adam) == 2 * len(sb) and max(out.values()) < 1e-10, (name, out)
     for into, extra in reload_into(comm.size).items():
-        args = flags(name, *extra)
+        args = make_flags(name, *extra)
         again = make_strategy(args, ProcessGroup.world(args.comm))
         m2 = again.build_model(CONFIG, SEED + 1, "float64")
         o2 = again.build_optimizer(m2, args)

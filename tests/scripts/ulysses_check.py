@@ -123,8 +123,8 @@ def run(name, refs, comm, tol, reload=False):
     assert comm.allreduce(ok, op=MPI.LAND), (name, row)           # NaN fails too
     assert sent == row["theory_sent"], (name, row)
     if reload:
-        cp_check.flags = reload_flags          # check_reload builds its layouts with it
-        row["reload"] = cp_check.check_reload(name, strategy, model, opt, ref[:2], comm)
+        row["reload"] = cp_check.check_reload(name, strategy, model, opt, ref[:2], comm,
+                                              make_flags=reload_flags)
     return row
 
 
