@@ -7,6 +7,8 @@
     python examples/plan.py --preset here --n-layer 4 --n-head 4 --n-embd 128 --seq 128 \\
         --vocab-size 256 --global-batch 16 --gpus 2 --layout dp=2 --fp32
     python examples/plan.py --params 7e9 --moe-experts 8 --moe-top-k 2 --gpus 64   # MoE: + ep
+    python examples/plan.py --params 7e9 --gpus 64 --seq 32768 --global-batch 64 \\
+        --layout dp=4,pp=2,cp=8,zero=1,micro=16,cpattn=ulysses    # Ulysses instead of the ring
 
 The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
@@ -30,7 +32,7 @@ from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       count_text, number_problem)
 from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
-from minidist.train.search import (evaluate, layout_problems,  # noqa: E402
+from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
@@ -64,7 +66,8 @@ def parse(argv=None):
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
-                   "expert parallelism over ep of the dp ranks, MoE only); refused unless "
+                   "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
+                   "ulysses: the CP attention, with cp > 1); refused unless "
                    "examples/train_gpt.py runs it")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -108,8 +111,9 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro")
 
 def parse_layout(text, args, config, v):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
-    sequence parallelism; "ep=2": expert parallelism. An unknown or repeated key, a value
-    that is not a whole number, and a layout examples/train_gpt.py would not run
+    sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
+    instead of the ring (cp > 1). An unknown or repeated key, a value that is not a whole
+    number (cpattn: not ring or ulysses), and a layout examples/train_gpt.py would not run
     (search.layout_problems: training's own checks) are one error line naming the key."""
     fields, micro, sp, seen = {}, 1, True, set()
     for item in text.split(","):
@@ -121,6 +125,10 @@ def parse_layout(text, args, config, v):
             fields["recompute"] = "full"
         elif item == "nosp":
             sp = False
+        elif key == "cpattn" and eq:
+            if value not in CP_ATTENTIONS:
+                fail(f"--layout: {item}: cpattn is " + " or ".join(CP_ATTENTIONS))
+            fields["cp_attention"] = value
         elif key in LAYOUT_KEYS and eq:
             if not (value.isascii() and value.isdecimal()):     # -1, abc, 2.5, ""
                 fail(f"--layout: {item}: {key} takes a whole number ("
@@ -131,7 +139,7 @@ def parse_layout(text, args, config, v):
                 fields[key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"ckpt,nosp")
+                 f"cpattn=,ckpt,nosp")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,

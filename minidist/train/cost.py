@@ -18,8 +18,9 @@ position add, ln_f. So (1 - 1/t) of it is added back, at `Cluster.replicated`'s 
 activation byte (forward, backward; shared cores slow it as they slow compute); with SP that
 work runs on s/t tokens and the division by t is right.
 Sync. Each blocking TP/CP collective (TP's all-reduces or SP's reduce-scatters and
-all-gathers, the vocabulary-parallel loss's two small all-reduces, CP's ring hops) also waits
-`Cluster.sync_s` for the ranks to arrive: measured here by bench_collectives.py --interleave.
+all-gathers, the vocabulary-parallel loss's two small all-reduces, CP's ring hops or
+Ulysses' all-to-alls) also waits `Cluster.sync_s` for the ranks to arrive: measured here by
+bench_collectives.py --interleave.
 Under SP each column-parallel layer (c_attn, c_fc, the head) keeps only its input's shard and
 all-gathers it again in backward (minidist/tp/gathered.py): one more all-gather of b s h e per
 column layer each backward, counted in full (minidist starts it before dX's matmul, which may
@@ -28,6 +29,11 @@ hide it; the model does not assume so) and as one more blocking collective.
 Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms and of its
 pairwise all-to-all, placed on the links a group spans by the mesh order
 (minidist/train/comm_cost.py).
+Context parallelism (cp_comm), per layer and micro-batch, S = b (s/cp) (h/tp) e: the ring's
+send/recv hops of K and V blocks (2S each; N-1 forward, 2N-1 backward, N-1 more under full
+recompute), or Ulysses' two all-to-alls each way (qkv 3S and y S a rank, the forward's again
+under full recompute) on the cp group's links: the bytes of cp/ring.py ring_bytes and
+cp/ulysses.py ulysses_bytes. The attention's FLOPs are the same either way.
 Mixture of Experts and expert parallelism (minidist/train/moe_cost.py): a MoE block's router
 and experts (k rows per token, at most the capacity), not split by tp (on s/tp tokens under
 SP); under ep its 3 + 2 blocking all-to-alls per micro-batch, the experts' gradients
@@ -36,8 +42,8 @@ over all dp (x cp) ranks; on a sequence split by cp or SP, the routing's exchang
 experts' ids, the loss statistics) and under SP the router's and experts' gradient sums.
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
-a stage (compute, TP's all-reduces, CP's ring, EP's all-to-alls, ZeRO-3's exposed gathers,
-the p2p sends), then
+a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-to-alls,
+ZeRO-3's exposed gathers, the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-2/3's reduce-scatter,
@@ -134,6 +140,7 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     layers = sum(1 for i in range(L) if i * pp // L == stage)
     moe = stage_moe_blocks(config, layout, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
+    # (Ulysses: all seq queries of a/cp heads, the same FLOPs)
     per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
     blocks = (layers - moe) * per_layer + \
         (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load,
@@ -148,8 +155,9 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
 
 
 def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
-    """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's ring of key
-    and value blocks for one micro-batch on a stage; act = b (s/cp) h e bytes. A MoE block
+    """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's exchanges
+    (cp_comm: the ring's key and value blocks, or Ulysses' all-to-alls) for one micro-batch
+    on a stage; act = b (s/cp) h e bytes. A MoE block
     (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP.
     With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
     f = b = 0.0
@@ -166,20 +174,35 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
         b = (per + redo + last) * one                        # + the head's input
         if layout.sp:                                        # + the column layers' re-gathers
             b += (per + last) * collective_time(cluster, "all_gather", act, layout, "tp")
-    if layout.cp > 1:
-        k, m = span(layout, "cp", cluster.gpus_per_node)
-        hop = p2p_time(2 * act, cluster.intra if m == 1 else cluster.inter)   # K and V
-        redo = layout.cp - 1 if layout.recompute == "full" else 0
-        f += layers * (layout.cp - 1) * hop          # cp/ring.py: forward N - 1 hops,
-        b += layers * (2 * layout.cp - 1 + redo) * hop   # backward N - 1 (k, v) + N (dk, dv)
-    return f, b
+    c_f, c_b = cp_comm(cluster, layout, layers, act)
+    return f + c_f, b + c_b
+
+
+def cp_comm(cluster, layout, layers, act):
+    """(forward, backward) seconds of context parallelism's exchanges for one micro-batch on
+    `layers` layers, act = b (s/cp) h e; S = act / tp, one tp rank's heads. The ring
+    (cp/ring.py ring_bytes): blocks of K and V, 2S, one send/recv a hop, N - 1 hops forward,
+    N - 1 (k, v) + N (dk, dv) backward, N - 1 more under full recompute. Ulysses
+    (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (3S a rank) and one of y (S),
+    backward the two reversed, full recompute the forward's again; priced as EP's, the
+    pairwise all-to-all on the links the cp group spans."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    S, n, redo = act / layout.tp, layout.cp, layout.recompute == "full"
+    if layout.cp_attention == "ulysses":
+        one = sum(collective_time(cluster, "all_to_all", parts * S, layout, "cp")
+                  for parts in (3, 1))                       # qkv, y
+        return layers * one, layers * (1 + redo) * one
+    k, m = span(layout, "cp", cluster.gpus_per_node)
+    hop = p2p_time(2 * S, cluster.intra if m == 1 else cluster.inter)       # K and V
+    return layers * (n - 1) * hop, layers * (2 * n - 1 + redo * (n - 1)) * hop
 
 
 def _blocking(layout, layers, stage, moe=0):
     """(forward, backward) counts of blocking TP/CP collectives of one micro-batch on a stage:
     TP's all-reduces (SP: a reduce-scatter and an all-gather each, and backward's re-gather
     per column layer; one fewer each way in a MoE block), the vocabulary-parallel loss's two
-    (max, sums: tp/layers.py) on the last stage, CP's ring hops."""
+    (max, sums: tp/layers.py) on the last stage, CP's ring hops or Ulysses' all-to-alls."""
     f = b = 0
     first, last = stage == 0, stage == layout.pp - 1
     if layout.tp > 1:
@@ -187,7 +210,11 @@ def _blocking(layout, layers, stage, moe=0):
         each, redo = (2 if layout.sp else 1), (per if layout.recompute == "full" else 0)
         f = (per + first) * each + 2 * last
         b = (per + redo + last) * each + (per + last if layout.sp else 0)
-    if layout.cp > 1:
+    if layout.cp > 1 and layout.cp_attention == "ulysses":   # 2 all-to-alls each way
+        redo = layout.recompute == "full"
+        f += layers * 2
+        b += layers * 2 * (1 + redo)
+    elif layout.cp > 1:
         redo = layout.cp - 1 if layout.recompute == "full" else 0
         f += layers * (layout.cp - 1)
         b += layers * (2 * layout.cp - 1 + redo)

@@ -49,6 +49,9 @@ backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentat
 --headroom). The as^2 term is attention's materialised scores; tiled attention
 (FlashAttention's algorithm, minidist/autograd/flash.py) and context parallelism's ring
 attention keep a log-sum-exp row instead (4as bytes), and cp divides s by the cp size.
+Ulysses' attention (cp_attention "ulysses", minidist/cp/ulysses.py) also keeps the copies its
+all-to-alls make, 4sbh e/(cp t) more per layer (layer_activation_bytes), and runs the model's
+own attention on a/cp heads of all s tokens (untiled: their (s, s) scores).
 
 `minidist_activation_bytes` is the same bill for minidist's own graph, which keeps more than
 Megatron's kernels (every fused op's output, layer norm's normalised input in float32):
@@ -74,7 +77,9 @@ class Layout:
     ("none", "selective", "full"), sequence parallelism (with tp), tiled attention (never the
     (T, T) scores: minidist/autograd/flash.py; context parallelism's ring attention is tiled
     too). `ep` (expert parallelism, minidist/ep/) is carved out of the dp ranks (ep divides
-    dp), so it is not a factor of gpus; the step-time model prices it in moe_cost.py."""
+    dp), so it is not a factor of gpus; the step-time model prices it in moe_cost.py.
+    `cp_attention`: how the cp ranks attend, the ring or Ulysses' all-to-alls
+    (--cp-attention; it means nothing with cp 1)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -85,6 +90,7 @@ class Layout:
     cp: int = 1
     tiled: bool = False
     ep: int = 1                      # experts sharded over ep of the dp ranks (MoE only)
+    cp_attention: str = "ring"       # with cp > 1: "ring" or "ulysses" (minidist/cp/ulysses.py)
 
     @property
     def gpus(self):
@@ -92,15 +98,17 @@ class Layout:
 
     def name(self):
         """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)", "TP2+SP x CP4 x ZeRO-3
-        (amp, tiled)" (dp 1: ZeRO shards over the 4 cp ranks). On one GPU count no two layouts
-        share a name (dp alone is all the GPUs; sp is named with tp > 1, where it exists)."""
+        (amp, tiled)" (dp 1: ZeRO shards over the 4 cp ranks), "CP8u x DDP x8 (amp, tiled)"
+        (u: Ulysses' all-to-alls instead of the ring). On one GPU count no two layouts share
+        a name (dp alone is all the GPUs; sp is named with tp > 1, the attention with cp > 1,
+        where they exist)."""
         parts = []
         if self.tp > 1:
             parts.append(f"TP{self.tp}" + ("+SP" if self.sp else ""))
         if self.pp > 1:
             parts.append(f"PP{self.pp}")
         if self.cp > 1:
-            parts.append(f"CP{self.cp}")
+            parts.append(f"CP{self.cp}" + ("u" if self.cp_attention == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         data = f"ZeRO-{self.zero}" if self.zero else "DDP"
@@ -159,23 +167,39 @@ def model_state_bytes(n_params, dp=1, zero=0, amp=True):
 # ---- activations -----------------------------------------------------------------------------
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
-                           tiled=False, cp=1):
+                           tiled=False, cp=1, ulysses=False):
     """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring).
     tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
     (4as bytes per sequence; dropout's numbers are recomputed per tile, no mask is kept);
     cp: this rank holds s / cp of the tokens (its
-    queries and, tiled by the ring, no scores)."""
+    queries and, tiled by the ring, no scores). ulysses (with cp > 1): the heads' copies
+    the all-to-alls make, 4 sbh e / (cp t) more (below); its attention is the model's own
+    on a/cp heads of all s tokens: untiled, their (s, s) scores."""
     d, k = int(bool(dropout)), (t if sp else 1)
-    s = s / cp
+    s_all, s = s, s / cp
+    ulysses = ulysses and cp > 1
     if recompute == "full":
         return s * b * h * e / k
     unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
     split = s * b * h * 12 * e               # Q, K, V, proj input, GELU input, fc2 input
-    if tiled or cp > 1:
+    if ulysses and not tiled:                # a/cp heads' scores over the whole sequence
+        core = 0 if recompute == "selective" else \
+            a / cp * s_all * s_all * b * (e + d * (1 + e))
+    elif tiled or cp > 1:
         core = 4 * a * s * b                 # the log-sum-exp rows, instead of T^2 scores
     else:
         core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))
-    return unsplit / k + split / t + core / t
+    # Ulysses (minidist/cp/ulysses.py ulysses_attention) holds, beside the local qkv
+    # (B, s/cp, 3h/t: HeadsForTokens' graph parent, Function.apply's _parents) and y (B, s/cp,
+    # h/t: c_proj's saved input) that the ring's RingSelfAttention saves too, the exchanged
+    # copies: HeadsForTokens' (B, s, 3h/(cp t)), saved by the attention (Tiled- or
+    # CausalSelfAttention save their qkv), and the attention's (B, s, h/(cp t)) output (they
+    # save y; TokensForHeads' graph parent): 3 + 1 = 4 sbh e/(cp t). Its log-sum-exp rows,
+    # (B, a/cp, s) float32, are the ring's (B, a, s/cp). Measured: 109.4 against 92.6 MB per
+    # rank at cp 2 (minidist/cp/README.md; the default model's 4 layers x 4 S, S = 16 x 128
+    # x 128 x 4 B = 1 MiB: 16.8 MB).
+    exchanged = 4 * s * b * h * e if ulysses else 0
+    return unsplit / k + split / t + core / t + exchanged / t
 
 
 def head_activation_bytes(s, b, h, v, t=1, sp=False, e=2, dropout=True):
@@ -192,7 +216,8 @@ def _stage_activations(config, layout, stage, s, b, dropout):
     in_flight = pp - stage                                       # 1F1B warm-up depth
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
                                        layout.sp, layout.recompute, e, dropout,
-                                       layout.tiled, layout.cp)
+                                       layout.tiled, layout.cp,
+                                       layout.cp_attention == "ulysses")
     out = layers * in_flight * per_layer
     moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
     if moe and layout.recompute != "full":                        # k experts per token

@@ -4,11 +4,12 @@ fastest that fit. The CLI is examples/plan.py; tests: tests/test_planner.py.
 
 Which splits are tried: tp a power of two inside one node dividing the heads (TP's
 all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouring ranks);
-pp up to the layers; cp a power of two dividing the sequence; dp the rest, dividing the
-global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle most of the
-step; from the first count above pp that divides the batch where pp does not), 1 otherwise
-(a micro-batch of the whole per-rank batch, the usual choice when it fits); ckpt: without
-and with full recompute (not under ZB-H1, which training refuses).
+pp up to the layers; cp a power of two dividing the sequence, each cp > 1 with the ring and,
+where the heads n_head / tp divide by cp, with Ulysses' all-to-alls (cp_attentions); dp the
+rest, dividing the global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle
+most of the step; from the first count above pp that divides the batch where pp does not),
+1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it fits);
+ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
 A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
@@ -23,7 +24,7 @@ a subset of those (powers of two, tp inside a node, cp up to 8: the likely faste
 """
 from dataclasses import asdict
 
-from minidist.cp.strategy import cp_problems
+from minidist.cp.strategy import cp_problems, ulysses_problems
 from minidist.ep.strategy import ep_problems, moe_problems
 from minidist.pp.strategy import pp_problems
 from minidist.tp.strategy import tp_problems
@@ -35,6 +36,7 @@ from minidist.train.planner import GiB, Layout, bill
 from minidist.train.strategy import check_layout
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
+CP_ATTENTIONS = ("ring", "ulysses")   # its --cp-attention choices
 
 
 def _powers_of_two(limit):
@@ -94,6 +96,14 @@ def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule
             "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
 
 
+def cp_attentions(config, tp, cp):
+    """CP attentions to try: none to choose without cp; the ring, and Ulysses where each cp
+    rank gets whole heads (n_head / tp divisible by cp: cp_problems refuses it otherwise)."""
+    if cp == 1:
+        return ["ring"]
+    return ["ring"] + (["ulysses"] if (config.n_head // tp) % cp == 0 else [])
+
+
 def expert_splits(config, dp):
     """ep degrees to try: 1 for a dense model; else every divisor of dp that divides the
     expert count."""
@@ -112,11 +122,13 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                 if recompute == "full" and schedule == "zb-h1" and pp > 1:
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
-                    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp, ep=ep,
-                                    recompute=recompute, sp=tp > 1, tiled=tiled)
-                    for m in micro_batch_counts(pp, global_batch // dp, grouped=v > 1):
-                        rows.append(evaluate(config, layout, cluster, seq, global_batch, m,
-                                             schedule, comm, headroom, v, moe_load))
+                    for attention in cp_attentions(config, tp, cp):
+                        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
+                                        ep=ep, recompute=recompute, sp=tp > 1, tiled=tiled,
+                                        cp_attention=attention)
+                        for m in micro_batch_counts(pp, global_batch // dp, grouped=v > 1):
+                            rows.append(evaluate(config, layout, cluster, seq, global_batch,
+                                                 m, schedule, comm, headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
@@ -145,6 +157,8 @@ def train_flags(config, row, v=1):
         flags += ["--grad-accum", row["micro_batches"]]
     flags += (["--sequence-parallel"] if row["sp"] else []) + (["--amp"] if row["amp"] else [])
     flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
+    ulysses = row.get("cp_attention", "ring") == "ulysses"   # the ring: training's default
+    flags += ["--cp-attention", "ulysses"] if ulysses else []
     return [str(f) for f in flags]
 
 
@@ -153,12 +167,15 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
     GPUs, as sentences each naming a plan.py --layout key ([] if it runs): the keys' ranges,
     the sizes, the step-time model's MoE rule (moe_cost.check_moe_layout), then training's own
     checks (tp_problems, pp_problems, cp_problems, ep_problems; check_layout for the rest) on
-    the flags train_flags makes of it (sequences of config.block_size tokens)."""
+    the flags train_flags makes of it (sequences of config.block_size tokens); cp_problems'
+    refusal of Ulysses (heads that do not divide by cp) is named by its key, cpattn."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
              "ep": layout.ep, "micro": micro}
     problems = [f"{k}={n}: must be at least 1" for k, n in sizes.items() if n < 1]
     if layout.zero not in ZERO_STAGES:
         problems.append(f"zero={layout.zero}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
+    if layout.cp_attention not in CP_ATTENTIONS:
+        problems.append(f"cpattn={layout.cp_attention}: the CP attention is ring or ulysses")
     if problems:
         return problems
     if layout.gpus != gpus:
@@ -178,11 +195,16 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         args = train_parser().parse_args(train_flags(config, row, v))
     except ValueError as e:                                 # selective recompute
         return [f"recompute={layout.recompute}: {e}"]
-    named = [("tp", tp_problems(args) if layout.tp > 1 else []),
-             ("pp", pp_problems(args, micro) if layout.pp > 1 else []),
-             ("cp", cp_problems(args) if layout.cp > 1 else []),
-             ("ep", moe_problems(args) + (ep_problems(args) if layout.ep > 1 else []))]
-    problems = [f"{key}={getattr(layout, key)}: {p}" for key, found in named for p in found]
+    cp = cp_problems(args) if layout.cp > 1 else []
+    heads = ulysses_problems(args) if layout.cp > 1 and layout.cp_attention == "ulysses" \
+        else []                                   # those of cp_problems' that are Ulysses'
+    named = [(f"tp={layout.tp}", tp_problems(args) if layout.tp > 1 else []),
+             (f"pp={layout.pp}", pp_problems(args, micro) if layout.pp > 1 else []),
+             (f"cp={layout.cp}", [p for p in cp if p not in heads]),
+             (f"cpattn={layout.cp_attention}", [p for p in cp if p in heads]),
+             (f"ep={layout.ep}", moe_problems(args) + (ep_problems(args) if layout.ep > 1
+                                                       else []))]
+    problems = [f"{key}: {p}" for key, found in named for p in found]
     if not problems:
         try:
             check_layout(args, gpus)                        # whatever else training refuses
