@@ -73,6 +73,8 @@ def candidate(rng, ranks):
     f["--comm"] = _pick(rng, ["ring", "naive", "mpi", "hier"])
     f["--sync-comm"] = rng.random() < 0.15
     f["--no-bias"] = rng.random() < 0.15
+    if cp > 1:           # drawn last: the draws above are the ones before Ulysses existed
+        f["--cp-attention"] = _pick(rng, ["ring", "ulysses"])
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -114,6 +116,7 @@ def _traits(flags):
     out += ["--dropout"] if flags.get("--dropout") else []
     out += ["--grad-accum 2"] if flags.get("--grad-accum") == 2 else []
     out += ["--attention tiled"] if flags.get("--attention") == "tiled" else []
+    out += ["--cp-attention ulysses"] if flags.get("--cp-attention") == "ulysses" else []
     return sorted(out)
 
 
