@@ -437,110 +437,19 @@ def test_walkthrough_default_row_fits_a_small_T():
 
 # ---- Ulysses attention (--cp-attention ulysses, minidist/cp/ulysses.py) ----------------------
 
-class _ThreadGroup:
-    """n ranks of a cp group as n threads of this process: all_to_all through a shared list
-    and a barrier (just enough of ProcessGroup for ulysses.py)."""
-
-    def __init__(self, shared, rank):
-        self.shared, self.rank, self.size = shared, rank, len(shared["slots"])
-
-    def all_to_all(self, out, inp):
-        slots, wait = self.shared["slots"], self.shared["barrier"].wait
-        slots[self.rank] = inp.reshape(self.size, -1)              # chunk j for rank j
-        wait()
-        out.reshape(self.size, -1)[:] = [slots[i][self.rank] for i in range(self.size)]
-        wait()                                                      # all read: slots free
-
-
-def _on_threads(n, fn):
-    """fn(group) on n threads, one _ThreadGroup rank each; their results in rank order."""
-    import threading
-    shared = {"slots": [None] * n, "barrier": threading.Barrier(n, timeout=30)}
-    out, errors = [None] * n, []
-
-    def body(r):
-        try:
-            out[r] = fn(_ThreadGroup(shared, r))
-        except Exception as e:                  # noqa: BLE001  (re-raised below)
-            errors.append(e)
-            shared["barrier"].abort()
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
-
-
-@pytest.mark.parametrize("n,split", [(2, "zigzag"), (4, "zigzag"), (4, "naive")])
-def test_ulysses_exchange_is_a_permutation_and_backward_its_adjoint(n, split):
-    """to_heads puts every token's q|k|v of rank r's heads at its global position on rank r
-    (checked against the whole tensor); to_tokens undoes it; and sum_r <to_heads(x_r), g_r>
-    = sum_r <x_r, to_tokens(g_r)>: the backward of each exchange is its adjoint."""
-    from minidist.cp.ulysses import sequence_order, to_heads, to_tokens
-    B, T, C = 2, 16, 8                                             # 4 heads of 2
-    rng = np.random.default_rng(3)
-    whole, g = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((n, B, T, 3 * C // n))
-    order = sequence_order([layout(T, n, r, split) for r in range(n)])
-
-    def body(group):
-        x = whole[:, positions(T, n, group.rank, split)]           # (B, Tl, 3C)
-        h = to_heads(x, group, order, 3)                           # (B, T, 3C/N)
-        return x, h, to_tokens(h, group, order, 3), to_tokens(g[group.rank], group, order, 3)
-    rows = _on_threads(n, body)
-    for r, (x, h, back, gx) in enumerate(rows):
-        mine = whole.reshape(B, T, 3, n, C // n)[:, :, :, r].reshape(B, T, -1)
-        assert np.array_equal(h, mine) and np.array_equal(back, x)
-    left = sum(float((h * g[r]).sum()) for r, (_, h, _, _) in enumerate(rows))
-    right = sum(float((x * gx).sum()) for x, _, _, gx in rows)
-    assert abs(left - right) < 1e-12
-
-
 def test_ulysses_exchange_gradcheck_on_one_rank():
     """On one rank the all-to-all keeps everything: HeadsForTokens and TokensForHeads are the
     reorder alone (a zig-zag order), and their backward passes a float64 gradcheck."""
+    from mpi4py import MPI
     from minidist.autograd.gradcheck import gradcheck
+    from minidist.comm import ProcessGroup
     from minidist.cp.ulysses import HeadsForTokens, TokensForHeads
-    import threading
-    group = _ThreadGroup({"slots": [None], "barrier": threading.Barrier(1)}, 0)
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank cp")
     order = np.array([0, 1, 6, 7, 2, 3, 4, 5])                     # a zig-zag rank order
     x = Tensor(np.random.default_rng(4).standard_normal((2, 8, 6)), requires_grad=True)
     gradcheck(lambda t: HeadsForTokens.apply(t, group, order, 3), [x], name="HeadsForTokens")
     gradcheck(lambda t: TokensForHeads.apply(t, group, order, 1), [x], name="TokensForHeads")
     assert np.array_equal(HeadsForTokens.apply(x, group, order, 3).data[:, order], x.data)
-
-
-@pytest.mark.parametrize("n,split,local,p", [(2, "zigzag", "materialized", 0),
-                                             (4, "zigzag", "tiled", 0.3),
-                                             (4, "naive", "materialized", 0.3)])
-def test_simulated_ulysses_equals_one_process_attention(n, split, local, p):
-    """n ranks on threads, each holding its tokens of one (B, T, 3C) qkv: Ulysses' outputs
-    and qkv gradients are one process's causal attention's (dropout p on the weights: each
-    rank's heads draw their own slice of the numbers, DropoutSite by head)."""
-    from minidist.autograd.attention import causal_self_attention
-    B, T, nh, C = 2, 16, 4, 16
-    rng = np.random.default_rng(5)
-    qkv, g = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
-    site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout")
-    whole = Tensor(qkv.copy(), requires_grad=True)
-    y_ref = causal_self_attention(whole, nh, p, site)
-    (y_ref * Tensor(g)).sum().backward()
-
-    def body(group):
-        pos = positions(T, n, group.rank, split)
-        ctx = RingContext(group, split, block=4, attention="ulysses", local=local)
-        ctx.layouts = [layout(T, n, r, split) for r in range(n)]
-        x = Tensor(qkv[:, pos].copy(), requires_grad=True)
-        y = ctx.self_attention(x, nh, p, site)                     # (B, Tl, C)
-        (y * Tensor(g[:, pos])).sum().backward()
-        return pos, y.data, x.grad
-    for pos, y, dx in _on_threads(n, body):
-        assert np.abs(y - y_ref.data[:, pos]).max() < 1e-12
-        assert np.abs(dx - np.asarray(whole.grad)[:, pos]).max() < 1e-12
-    if p:
-        assert np.abs(y_ref.data - causal_self_attention(Tensor(qkv), nh).data).max() > 1e-3
 
 
 def test_ulysses_bytes_formula_against_the_ring():
