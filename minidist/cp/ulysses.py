@@ -33,7 +33,7 @@ from minidist.autograd.dropout_keys import DropoutSite
 from minidist.autograd.flash import tiled_self_attention
 from minidist.autograd.function import Function
 from minidist.backend import xp_of
-from minidist.nn.config import TILED_FROM_T
+from minidist.nn.config import uses_tiled
 
 
 def to_heads(x, group, order, parts):
@@ -109,11 +109,6 @@ def sequence_order(layouts):
     is already 0 .. T-1 (the naive split): nothing to reorder."""
     order = np.concatenate([np.arange(s, s + L) for pieces in layouts for s, L in pieces])
     return None if np.array_equal(order, np.arange(len(order))) else order
-
-
-def uses_tiled(attention, T):
-    """The model's own choice (CausalSelfAttention.uses_tiled) for the whole length T."""
-    return T >= TILED_FROM_T if attention == "auto" else attention == "tiled"
 
 
 def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None):

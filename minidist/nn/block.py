@@ -13,7 +13,7 @@ Tests: tests/test_gpt.py.
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
 from minidist.autograd.fusions import bias_gelu
-from minidist.nn.config import TILED_FROM_T
+from minidist.nn.config import uses_tiled
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.nn.module import Module
 from minidist.nn.moe import MoE
@@ -35,9 +35,7 @@ class CausalSelfAttention(Module):
 
     def uses_tiled(self, T):
         """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
-        if self.attention == "auto":
-            return T >= TILED_FROM_T
-        return self.attention == "tiled"
+        return uses_tiled(self.attention, T)
 
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, 3C)

@@ -19,6 +19,12 @@ ATTENTIONS = ("auto", "materialized", "tiled")  # attention.py's (B, nh, T, T) P
 TILED_FROM_T = 256    # "auto": tiled from this length on, where it is faster on the CPU too
 
 
+def uses_tiled(attention, T):
+    """Whether --attention `attention` computes a length-T sequence in tiles (no (T, T)
+    matrix): the attention layers' choice, and Ulysses' on its whole-length heads."""
+    return T >= TILED_FROM_T if attention == "auto" else attention == "tiled"
+
+
 @dataclass
 class GPTConfig:
     n_layer: int = 12
