@@ -68,6 +68,12 @@ F="$LOGS/mpi4_cp_2_new.jsonl"
 rm -f "$F"
 run mpi4_cp_2_new curve "$F" -- env MINIDIST_CUDA_NEW_KERNELS=1 "$MPIEXEC" -n 4 "$PY" $TRAIN \
     --device "$DEVICE" --steps "$MPI_STEPS" --log-json "$F" --cp 2
+# Ulysses (--cp-attention ulysses): its all-to-alls on cupy buffers through host-staged MPI,
+# the reorder's device indexing; proven on the CPU only
+F="$LOGS/mpi4_cp_2_ulysses.jsonl"
+rm -f "$F"
+run mpi4_cp_2_ulysses curve "$F" -- "$MPIEXEC" -n 4 "$PY" $TRAIN --device "$DEVICE" \
+    --steps "$MPI_STEPS" --log-json "$F" --cp 2 --cp-attention ulysses
 
 "$PY" tests/scripts/acceptance.py summary "$RESULTS" > "$LOGS/summary.json"
 status=$?
