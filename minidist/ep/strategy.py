@@ -59,6 +59,7 @@ from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
 from minidist.strategy import checkpoint, memory
 from minidist.strategy.base import ModelParallel, all_reduce_number
 from minidist.tp.state import unscaled_sum_sq
+from minidist.zero.checkpoint import load_sharded
 
 
 def moe_problems(args):
@@ -191,9 +192,15 @@ class ExpertParallel(ModelParallel):
         self.mesh.world.barrier()                           # nobody reads it half-written
 
     def load(self, directory, model, optimizer):
-        """Every rank reads the dense parameters and its own experts of the checkpoint
-        (`only`: the other ranks' experts are not read) and keeps them (under ZeRO, its
-        shards of them). Returns meta."""
+        """Under ZeRO each engine cuts its own shards by name straight from the checkpoint
+        (minidist/zero/checkpoint.py load_sharded: the dense ones over dp x ep, this rank's
+        experts' over their replicas edp), one array at a time. Under DDP every rank reads the
+        dense parameters and its own experts (`only`: the other ranks' experts are not read)
+        and keeps them. Returns meta."""
+        if self._zero():
+            meta = self.inner.load(directory, model, optimizer.dense)
+            load_sharded(directory, model, optimizer.experts, self.edp, leading_groups=True)
+            return meta
         params, opt_sd, meta = checkpoint.load(
             directory, only={n for n, _ in model.named_parameters()})
         checkpoint.check_fits(meta["folder"], meta, model.config,

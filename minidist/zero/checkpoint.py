@@ -148,12 +148,14 @@ def optimizer_type(optimizer):
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------
 
-def load_sharded(directory, model, optimizer, group, keep=None):
+def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=False):
     """Collective over `group`: this rank's shards (parameters, m, v, masters) from a checkpoint
     written at any world size and stage, or by one process (`directory`: a checkpoint folder,
     or a --save directory). Every rank checks what it reads; all agree before any shard
     changes (a failure anywhere raises on every rank). keep(name, array): what of each
     whole array the model holds (under TP: TpPiece, its tp shard), applied as it is read.
+    leading_groups: `optimizer` holds the checkpoint's first parameter groups only (the
+    experts' engine, minidist/ep/optim.py: matrices, biases only with config.bias).
     Returns the checkpoint's meta."""
     err, new, record = None, None, None
     try:
@@ -163,7 +165,7 @@ def load_sharded(directory, model, optimizer, group, keep=None):
         meta = {**record, "optimizer": record["optimizer"]["type"]}
         checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
                               optimizer_type(optimizer))
-        _check_groups(folder, record["optimizer"]["groups"], optimizer)
+        _check_groups(folder, record["optimizer"]["groups"], optimizer, leading_groups)
         reader = reader_for(folder, manifest, keep=keep)
         units = optimizer.engine.units
         keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
@@ -187,8 +189,9 @@ def _agree(directory, verdicts):
             f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in found.items()))
 
 
-def _check_groups(directory, saved, optimizer):
-    if len(saved) != len(optimizer.param_groups):
+def _check_groups(directory, saved, optimizer, leading=False):
+    n = len(optimizer.param_groups)
+    if len(saved) < n or (len(saved) != n and not leading):
         raise CheckpointError(f"{directory}: {len(saved)} optimizer groups in the "
                               f"checkpoint, {len(optimizer.param_groups)} here")
 
