@@ -910,8 +910,9 @@ def test_plan_layout_cpattn_refusals_are_one_line(argv, says, capsys):
 
 def test_plan_layout_takes_cpattn_and_names_are_unique(capsys):
     """    python examples/plan.py --gpus 8 --layout dp=2,cp=4,cpattn=ulysses --json
-    prices Ulysses (less cp traffic than the ring's, more memory) and its command runs it;
-    Layout.name tells the two apart where cp > 1 (CP4u) and says nothing with cp 1."""
+    prices Ulysses (more memory; at --seq 4096 on NVLink the ring's hops hide behind its
+    blocks' attention, Ulysses' all-to-alls do not) and its command runs it; Layout.name
+    tells the two apart where cp > 1 (CP4u) and says nothing with cp 1."""
     def one(layout):
         _plan_cli().main(["--gpus", "8", "--seq", "4096", "--json", "--layout", layout])
         return json.loads(capsys.readouterr().out)
@@ -920,8 +921,27 @@ def test_plan_layout_takes_cpattn_and_names_are_unique(capsys):
     assert ulysses["command"].endswith("--cp-attention ulysses")
     assert "--cp-attention" not in ring["command"]
     r, u = ring["rows"][0], ulysses["rows"][0]
-    assert u["tp_cp"] < r["tp_cp"] and u["mem"]["activations"] > r["mem"]["activations"]
+    assert r["tp_cp"] < u["tp_cp"] and u["mem"]["activations"] > r["mem"]["activations"]
     assert (r["layout"], u["layout"]) == ("CP4 x DDP x2 (amp, tiled)",
                                           "CP4u x DDP x2 (amp, tiled)")
     assert Layout(tp=2, cp=4, sp=True, zero=3, cp_attention="ulysses").name() == \
         "TP2+SP x CP4u x ZeRO-3 (amp)"
+
+
+def test_ring_hops_hide_behind_their_blocks_attention_worked_by_hand():
+    """At 1 B/s, no latency, overlap 1: cp 2, S = 8 B (act 8, tp 1): a hop (K and V) is 16 s.
+    Forward, the one hop behind block 0's 10 s: 6 s exposed; backward 3 hops (48 s) behind 2
+    blocks of 20 s: 8 s, but never under the last hop: 16 s. Overlap 0: 16 and 48, the bytes
+    (ring_bytes(8, 2) = 64). Ulysses' all-to-alls hide behind nothing: the same either way.
+    And one ring block's seconds are 1/cp of the layer's attention FLOPs (ring_block_times)."""
+    from minidist.train.cost import cp_comm, ring_block_times
+    ring = Layout(cp=2, amp=False)
+    on = replace(UNIT, overlap=1.0)
+    assert cp_comm(on, ring, 1, 8, 10.0, 20.0) == (6.0, 16.0)
+    assert cp_comm(on, ring, 1, 8, 10.0, 1.0) == (6.0, 46.0)       # 48 - 2 x 1
+    assert cp_comm(UNIT, ring, 1, 8, 10.0, 20.0) == (16.0, 48.0)
+    assert cp_comm(on, ring, 3, 8, 100.0, 100.0) == (0.0, 48.0)    # 3 layers: 3 last hops
+    uly = Layout(cp=2, amp=False, cp_attention="ulysses")
+    assert cp_comm(on, uly, 1, 8, 10.0, 20.0) == cp_comm(UNIT, uly, 1, 8)
+    f, bwd = ring_block_times(TOY, Layout(cp=2, amp=False, tiled=True), b=1, seq=4, rate=1.0)
+    assert f == 4 * 1 * 2 * 4 * TOY.n_embd / 2 and bwd == 2.5 * f

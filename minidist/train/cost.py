@@ -154,9 +154,20 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     return fwd, extra, layers
 
 
-def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
+def ring_block_times(config, layout, b, seq, rate):
+    """(forward, backward) seconds of one ring block's attention on a rank: a 1/cp share of
+    the layer's 4 b (s/cp) s h / tp attention FLOPs (_stage_compute's), backward twice that
+    (with tiling, its q k^T again: + half). What a hop in flight can hide behind."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    f = 4 * b * (seq / layout.cp) * seq * config.n_embd / layout.tp / layout.cp / rate
+    return f, (2 + 0.5 * bool(layout.tiled)) * f
+
+
+def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0)):
     """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's exchanges
-    (cp_comm: the ring's key and value blocks, or Ulysses' all-to-alls) for one micro-batch
+    (cp_comm: the ring's key and value blocks, which hide behind `block`, one ring block's
+    attention seconds forward and backward, or Ulysses' all-to-alls) for one micro-batch
     on a stage; act = b (s/cp) h e bytes. A MoE block
     (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP.
     With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
@@ -174,18 +185,23 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0):
         b = (per + redo + last) * one                        # + the head's input
         if layout.sp:                                        # + the column layers' re-gathers
             b += (per + last) * collective_time(cluster, "all_gather", act, layout, "tp")
-    c_f, c_b = cp_comm(cluster, layout, layers, act)
+    c_f, c_b = cp_comm(cluster, layout, layers, act, *block)
     return f + c_f, b + c_b
 
 
-def cp_comm(cluster, layout, layers, act):
+def cp_comm(cluster, layout, layers, act, block_f=0.0, block_b=0.0):
     """(forward, backward) seconds of context parallelism's exchanges for one micro-batch on
     `layers` layers, act = b (s/cp) h e; S = act / tp, one tp rank's heads. The ring
     (cp/ring.py ring_bytes): blocks of K and V, 2S, one send/recv a hop, N - 1 hops forward,
-    N - 1 (k, v) + N (dk, dv) backward, N - 1 more under full recompute. Ulysses
-    (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (3S a rank) and one of y (S),
-    backward the two reversed, full recompute the forward's again; priced as EP's, the
-    pairwise all-to-all on the links the cp group spans."""
+    N - 1 (k, v) + N (dk, dv) backward, N - 1 more under full recompute. Each hop is posted
+    before the block in hand is attended to (cp/ring.py), so up to cluster.overlap of that
+    block's attention compute (block_f, block_b seconds: one block forward, backward) hides
+    it: forward, hop k behind block k (the last block is computed after the last hop);
+    backward, the hops behind the n blocks' backward (and the recompute's forward blocks),
+    never the last (the accumulators' way home comes after the compute).
+    Ulysses (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (3S a rank) and one of
+    y (S), backward the two reversed, full recompute the forward's again; priced as EP's, the
+    pairwise all-to-all on the links the cp group spans, blocking: nothing overlaps them."""
     if layout.cp == 1:
         return 0.0, 0.0
     S, n, redo = act / layout.tp, layout.cp, layout.recompute == "full"
@@ -195,7 +211,11 @@ def cp_comm(cluster, layout, layers, act):
         return layers * one, layers * (1 + redo) * one
     k, m = span(layout, "cp", cluster.gpus_per_node)
     hop = p2p_time(2 * S, cluster.intra if m == 1 else cluster.inter)       # K and V
-    return layers * (n - 1) * hop, layers * (2 * n - 1 + redo * (n - 1)) * hop
+    hops_b = 2 * n - 1 + redo * (n - 1)                       # per layer
+    forward = (n - 1) * max(hop - cluster.overlap * block_f, 0.0)
+    window_b = n * block_b + redo * (n - 1) * block_f
+    return (layers * forward,
+            layers * exposed(hops_b * hop, window_b, cluster.overlap, hops_b))
 
 
 def _blocking(layout, layers, stage, moe=0):
@@ -272,7 +292,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
-        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe)
+        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe,
+                                 ring_block_times(config, layout, b, seq, rate))
         s_moe = seq / layout.cp / (layout.tp if layout.sp else 1)   # an MoE block's tokens
         a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
                                               moe_load)
