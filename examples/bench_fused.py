@@ -133,6 +133,9 @@ def main():
     p.add_argument("--only", default=None, metavar="OP", choices=names,
                    help=f"run just this op, one of: {', '.join(names)}")
     args = p.parse_args()
+    for flag, value in (("--threads", args.threads), ("--repeats", args.repeats)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
     backend.setup(threads=args.threads, device="cpu")
     for name, shape, fused, composed, shapes in ops:
         if args.only and name != args.only:

@@ -180,3 +180,18 @@ def test_bench_fused_only_takes_the_listed_op_names():
                            text=True, timeout=60, check=True).stdout
     for name in ("layer_norm", "cross_entropy_v8192", "tiled_self_attention_T1024"):
         assert f"'{name}'" in errors[0] and name in helps, (name, errors, helps)
+
+
+def test_bench_fused_refuses_threads_or_repeats_below_one():
+    """python examples/bench_fused.py --repeats 0 (or --threads 0): one `error:` line, exit
+    2 (was: accepted, a row printed anyway, with "threads": 0 for --threads 0)."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "bench_fused.py")
+    for flag in ("--repeats", "--threads"):
+        out = subprocess.run([sys.executable, script, flag, "0", "--only", "layer_norm"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"error: {flag} 0: must be at least 1" in out.stderr
