@@ -38,7 +38,7 @@ import sys
 
 from mpi4py import MPI
 
-from minidist.comm import alltoall, debug, hier, mpi, naive, ring, trace, watchdog
+from minidist.comm import debug, hier, mpi, naive, ring, trace, watchdog
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -195,15 +195,10 @@ class ProcessGroup:
             raise ValueError(f"all_to_all_v: {self.size} send_counts summing to inp.size "
                              f"({inp.size}) and recv_counts summing to out.size ({out.size}) "
                              f"expected, got {list(send_counts)} and {list(recv_counts)}")
-        if self.algo == "nccl":                      # (host buffers: MPI_Alltoallv)
-            body = self._algo_for(out).all_to_all_v
-        else:
-            body = {"ring": alltoall.pairwise_all_to_all_v, "mpi": mpi.all_to_all_v,
-                    "naive": alltoall.naive_all_to_all_v,
-                    "hier": alltoall.pairwise_all_to_all_v}[self.algo]  # hier: as ring
+        algo = self._algo_for(out)
         sc, rc = list(send_counts), list(recv_counts)
         return self._issue("all_to_all", out, inp, inp.size, async_op, "", 0,
-                           lambda ch, o, i: body(ch, o, i, sc, rc))
+                           lambda ch, o, i: algo.all_to_all_v(ch, o, i, sc, rc))
 
     def barrier(self, async_op=False):
         """Return once every rank of the group has reached its barrier."""

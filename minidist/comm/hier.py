@@ -21,7 +21,7 @@ Nodes are simulated by grouping world ranks: world rank r is on node r // ranks_
 where ranks_per_node is MINIDIST_RANKS_PER_NODE, else the launcher's count of ranks on this
 node (minidist/launcher.py), so on a real cluster the grouping is the machines'. A group
 whose nodes hold different numbers of its ranks (or lies in one node, or one rank per node)
-runs the flat ring. reduce-scatter, all-gather and broadcast are the ring's.
+runs the flat ring. reduce-scatter, all-gather, broadcast and all-to-all are the ring's.
 
 Every rank ends bitwise identical: each chunk is reduced once by the inter-node ring of its
 owners, then copied. Tests: tests/test_hier.py (test_hierarchical_all_reduce:
@@ -29,7 +29,7 @@ tests/scripts/hier_check.py, 2 nodes x 2 ranks, odd lengths, against MPI's Allre
 """
 import os
 
-from minidist.comm import ring
+from minidist.comm import alltoall, ring
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds, ring_bytes
 from minidist.launcher import local_rank_and_size
@@ -109,6 +109,9 @@ class Hierarchy:
 
     def broadcast(self, ch, buf, root=0):
         ring.chain_broadcast(ch, buf, root)
+
+    def all_to_all_v(self, ch, out, inp, send_counts, recv_counts):
+        alltoall.pairwise_all_to_all_v(ch, out, inp, send_counts, recv_counts)
 
     def free(self):
         """Release the two communicators (ProcessGroup.destroy calls this)."""

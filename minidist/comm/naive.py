@@ -9,6 +9,7 @@ reduce or gather at the root, then scatter or broadcast from it.
 
 Tests: tests/test_comm.py (every op checked for the naive algorithm too).
 """
+from minidist.comm.alltoall import naive_all_to_all_v
 from minidist.comm.ring import chunk_bounds, reduce_into, same_buffer
 
 ROOT = 0
@@ -82,3 +83,4 @@ all_reduce = naive_all_reduce
 reduce_scatter = naive_reduce_scatter
 all_gather = naive_all_gather
 broadcast = naive_broadcast
+all_to_all_v = naive_all_to_all_v           # every chunk relayed by rank 0 (alltoall.py)

@@ -37,6 +37,7 @@ Tests: tests/test_comm.py (closed forms, uneven lengths, 2-4 ranks, bytes = theo
 from mpi4py import MPI
 
 from minidist.backend import is_cupy, xp_of
+from minidist.comm.alltoall import pairwise_all_to_all_v
 
 SEGMENT_BYTES = 1 << 20  # broadcast pipeline segment: small enough to pipeline, big to amortise
 
@@ -204,3 +205,4 @@ all_reduce = ring_all_reduce
 reduce_scatter = ring_reduce_scatter
 all_gather = ring_all_gather
 broadcast = chain_broadcast
+all_to_all_v = pairwise_all_to_all_v        # the pairwise exchange (alltoall.py)
