@@ -619,3 +619,12 @@ def test_ulysses_heads_not_dividing_is_one_error_line(mpi):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: context parallelism: ")
     assert out.stderr.count("heads do not divide by --cp 2") == 1
+
+
+def test_cp_attention_flag_offers_what_the_context_runs():
+    """--cp-attention's choices (minidist/train/args.py keeps them literal: it is imported
+    before numpy is) are RingContext's ATTENTIONS, which the planner's search also tries."""
+    from minidist.cp.context import ATTENTIONS
+    from minidist.train.search import CP_ATTENTIONS
+    action = next(a for a in train_parser()._actions if a.dest == "cp_attention")
+    assert tuple(action.choices) == ATTENTIONS == CP_ATTENTIONS

@@ -14,7 +14,6 @@ from minidist.train.cli import UsageError
 from minidist.train.data import DataError
 from minidist.train.loop import train
 from minidist.train.strategy import make_strategy
-from minidist.train.cli import UsageError
 from mpirun import device_flags
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

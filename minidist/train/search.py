@@ -24,6 +24,7 @@ a subset of those (powers of two, tp inside a node, cp up to 8: the likely faste
 """
 from dataclasses import asdict
 
+from minidist.cp.context import ATTENTIONS
 from minidist.cp.strategy import cp_problems, ulysses_problems
 from minidist.ep.strategy import ep_problems, moe_problems
 from minidist.pp.strategy import pp_problems
@@ -36,7 +37,7 @@ from minidist.train.planner import GiB, Layout, bill
 from minidist.train.strategy import check_layout
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
-CP_ATTENTIONS = ("ring", "ulysses")   # its --cp-attention choices
+CP_ATTENTIONS = ATTENTIONS             # its --cp-attention choices (minidist/cp/context.py)
 
 
 def _powers_of_two(limit):
