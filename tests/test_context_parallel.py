@@ -626,5 +626,5 @@ def test_cp_attention_flag_offers_what_the_context_runs():
     before numpy is) are RingContext's ATTENTIONS, which the planner's search also tries."""
     from minidist.cp.context import ATTENTIONS
     from minidist.train.search import CP_ATTENTIONS
-    action = next(a for a in train_parser()._actions if a.dest == "cp_attention")
-    assert tuple(action.choices) == ATTENTIONS == CP_ATTENTIONS
+    assert ATTENTIONS == CP_ATTENTIONS
+    assert "--cp-attention {" + ",".join(ATTENTIONS) + "}" in train_parser().format_help()
