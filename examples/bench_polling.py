@@ -7,10 +7,10 @@ Runs examples/bench_collectives.py (all_reduce, ring and mpi) under mpiexec once
 below and prints busbw (GB/s) per size. The settings: minidist's wait policy
 (MINIDIST_COMM_WAIT, minidist/comm/progress.py), MPICH's polling knobs (MPIR_CVAR_*, read by
 MPICH at MPI_Init), the MPI thread level mpi4py asks for (MPI4PY_RC_THREAD_LEVEL), BLAS threads
-per rank (MINIDIST_THREADS), and two busy-looping processes started beside the job (cores
+per rank (OPENBLAS_NUM_THREADS), and two busy-looping processes started beside the job (cores
 shared with other work, as when ranks still computing share them with ranks waiting).
-Results and what they mean: README, section
-"Collectives and process groups".
+Results: examples/BENCHMARKS.md, "When ranks outnumber cores"; what they mean:
+minidist/comm/README.md, "When ranks outnumber cores (MPICH's busy polling)".
 """
 import argparse
 import json

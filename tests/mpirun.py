@@ -3,7 +3,7 @@
 The job runs in its own process group (its own session); on timeout the whole group is killed,
 so a deadlocked collective becomes a failed test with each rank's output, not a stuck CI.
 
-    out = run_mpi(4, "tests/scripts/comm_check.py", "--algo", "ring")
+    out = run_mpi(4, "tests/scripts/comm_check.py", "--trace", "trace.json")
 
 The device: tests take the `mpi` fixture (tests/conftest.py), run_mpi with the suite's
 `--device` bound; run_mpi hands it to every rank as `--device cpu|cuda` at the end of the

@@ -5,7 +5,7 @@ does in `minidist.comm.init()` (importing minidist.comm tells mpi4py not to init
 import). `init` calls `apply_defaults()` just before MPI_Init; a value already in the
 environment always wins. Importing this module sets nothing.
 
-What is set, and why (measurements: README, "Collectives and process groups"): MPICH's
+What is set, and why (measurements: examples/BENCHMARKS.md, "When ranks outnumber cores"): MPICH's
 intra-node "release_gather" algorithms for Barrier, Bcast, Reduce and Allreduce spin on shared
 memory flags without ever yielding. mpi4py asks for MPI_THREAD_MULTIPLE, under which MPICH does
 not use them; a program that asks for a lower thread level (MPI4PY_RC_THREAD_LEVEL=single) gets

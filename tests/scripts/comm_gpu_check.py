@@ -1,7 +1,9 @@
 """Collectives on cupy arrays: host staging for ring/naive/mpi, NCCL where there are GPUs;
 the uneven all-to-all-v (NCCL: grouped sends and receives) and host buffers on each group.
 
-    MINIDIST_DEVICE=cuda mpiexec -n 2 python tests/scripts/comm_gpu_check.py ring,mpi,nccl
+    mpiexec -n 2 python tests/scripts/comm_gpu_check.py ring,mpi,nccl
+
+The device is always cuda (set_device("cuda") below; no environment variable).
 
 Run by tests/test_comm_gpu.py (marked gpu). Not run on the development machine (no GPU).
 """
