@@ -20,6 +20,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.autograd import Tensor, flash, fused as F, reference as R
+from minidist.autograd.tensor import Node
 
 B, T, C, NH = 16, 128, 256, 4
 
@@ -76,14 +77,14 @@ def _arrays(obj, out):
 def saved_bytes(out, inputs):
     """Bytes of distinct buffers the graph behind `out` keeps for backward, beyond the
     inputs' and the output's."""
-    arrays, stack, seen = [], [out], set()
+    arrays, stack, seen = [], [out.grad_fn], set()
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen or node._ctx is None:
-            continue
+        if not isinstance(node, Node) or id(node) in seen or node.ctx is None:
+            continue                  # None (no gradient), a leaf, a Node seen or freed
         seen.add(id(node))
-        _arrays(node._ctx, arrays)
-        stack.extend(node._parents)
+        _arrays(node.ctx, arrays)
+        stack.extend(node.parents)
     skip = {id(_root(x.data)) for x in inputs + [out]}
     roots = {id(_root(a)): _root(a) for a in arrays}
     return sum(r.nbytes for k, r in roots.items() if k not in skip)

@@ -170,7 +170,7 @@ def test_backward_frees_the_graph_and_second_backward_raises():
     h = x.exp()
     loss = (h * h).sum()
     loss.backward()
-    assert h._ctx is None and loss._ctx is None and loss._parents == ()
+    assert h.grad_fn.ctx is None and loss.grad_fn.ctx is None and loss.grad_fn.parents == ()
     with pytest.raises(RuntimeError, match="already freed"):
         loss.backward()
 
@@ -197,7 +197,7 @@ def test_no_grad_builds_no_graph_and_restores_state():
             pass
         assert not is_grad_enabled()
     assert is_grad_enabled()
-    assert not y.requires_grad and y._fn is None
+    assert not y.requires_grad and y.grad_fn is None
     with pytest.raises(RuntimeError, match="does not require grad"):
         y.sum().backward()
     with pytest.raises(ZeroDivisionError), no_grad():
@@ -208,7 +208,7 @@ def test_no_grad_builds_no_graph_and_restores_state():
 def test_detach_item_and_properties():
     x = P(2, 3)
     d = (x * 2.0).detach()
-    assert not d.requires_grad and d._fn is None and d.shape == (2, 3)
+    assert not d.requires_grad and d.grad_fn is None and d.shape == (2, 3)
     assert d.ndim == 2 and d.size == 6 and d.dtype == np.float64 and len(d) == 2
     assert isinstance(x.sum().item(), float)
 

@@ -215,6 +215,10 @@ def test_pp4_and_pp2_x_dp2_equal_one_process(mpi):
     assert [s[1] for s in zb] == [4, 4, 4, 4] and zb[0][2] == one[0][2]
     for z, o in zip(zb, one):        # a micro-batch waiting for its W costs at most 1F1B's
         assert z[2] / z[1] <= o[2] / o[1], (z, o)
+    # stage s holds p - s micro-batches waiting for B (1F1B's bytes each) and s for W: the
+    # middle stages (one block each) hold one W-waiting cost, whatever s
+    waiting_w = [(zb[s][2] - (4 - s) * one[s][2] / one[s][1]) / s for s in (1, 2)]
+    assert waiting_w[0] == waiting_w[1] < one[1][2] / one[1][1], (zb, one)
 
 
 @pytest.mark.mpi

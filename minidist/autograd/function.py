@@ -12,13 +12,14 @@
             return grad * b, grad * a
 
 `Mul.apply(x, y)` does the plumbing once, for every op: unwraps Tensors to arrays, calls
-forward, wraps the result, and records the graph edge if any input needs a gradient.
+forward, wraps the result, and records the op as the result's Node (tensor.py) if any input
+needs a gradient.
 Non-Tensor arguments (Python numbers, axes, index arrays) pass straight through and get
 `None` as their gradient. Gradients whose shape differs from the input's because forward
 broadcast are summed back here, in `Function._reduce_to`, the one place broadcasting is undone.
 Tests: tests/test_autograd.py, tests/test_gradcheck.py.
 """
-from minidist.autograd.tensor import Tensor, is_grad_enabled
+from minidist.autograd.tensor import Node, Tensor, is_grad_enabled
 from minidist.backend import xp_of
 
 
@@ -36,6 +37,15 @@ def _named_error(cls, arrays, e):
         return type(e)(msg)
     except Exception:                     # an exception type with a different constructor
         return TypeError(msg) if isinstance(e, TypeError) else ValueError(msg)
+
+
+def _graph_entry(a):
+    """What the graph records for one argument: an op's output by its Node (not the Tensor,
+    so the output's array is not kept alive), a leaf by itself (backward accumulates into its
+    .grad and fires its hooks), None where no gradient is needed."""
+    if not (isinstance(a, Tensor) and a.requires_grad):
+        return None
+    return a if a.is_leaf else a.grad_fn
 
 
 class Context:
@@ -79,10 +89,8 @@ class Function:
             out = xp_of(out).asarray(out)
         result = Tensor(out, requires_grad=needs_grad)
         if needs_grad:
-            result._fn = cls
-            result._ctx = ctx
-            result._parents = tuple(a if isinstance(a, Tensor) and a.requires_grad else None
-                                    for a in args)
+            parents = tuple(_graph_entry(a) for a in args)
+            result.grad_fn = Node(cls, ctx, parents, out.shape, out.dtype)
         return result
 
     @classmethod
@@ -162,8 +170,8 @@ class Outputs:
 
 
 class Pick(Function):
-    """Output i of an op with several outputs (the op's own Tensor is an empty placeholder
-    that carries the graph edges: 0 bytes, so the memory ledger counts the outputs only).
+    """Output i of an op with several outputs (the op's own Tensor is an empty placeholder,
+    0 bytes; its Node carries the graph edges).
     Forward hands out the array; backward puts its gradient in outputs.grads[i] and gives
     the op an empty gradient: the op's backward then runs once, after every Pick's (they
     consume its placeholder), and reads all the gradients there."""

@@ -114,7 +114,10 @@ def layer_norm_backward(grad, saved, cuda, needs):
 
 
 class LayerNorm(Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis."""
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis. dw and db are column sums
+    (of g xhat, of g) beside dx: zero-bubble pipelines' B pass computes them with dx
+    (weight_grads_in_b), so the saved xhat and the output's gradient do not wait for W."""
+    weight_grads_in_b = True
 
     @staticmethod
     def forward(ctx, x, w, b, eps=1e-5):

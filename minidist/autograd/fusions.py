@@ -76,7 +76,10 @@ class ResidualLayerNorm(Function):
     """s = x + r and y = layer_norm(s, w, b) for x, r (..., C), w, b (C,): two outputs, handed
     out by Pick nodes (function.apply_outputs). Backward: s's gradient arrives from later
     (grad_s, the next residual add) and y's through layer norm, so
-        dx = dr = grad_s + layer_norm's dx(grad_y),  dw, db from grad_y alone."""
+        dx = dr = grad_s + layer_norm's dx(grad_y),  dw, db from grad_y alone.
+    dw and db are column sums, computed in zero-bubble pipelines' B pass (weight_grads_in_b,
+    as fused.LayerNorm)."""
+    weight_grads_in_b = True
 
     @staticmethod
     def forward(ctx, x, r, w, b, eps, outputs):

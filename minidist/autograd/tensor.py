@@ -1,7 +1,10 @@
 """`Tensor`: one numpy/cupy array (`.data`), its gradient (`.grad`), and the graph behind it.
 
-A Tensor made by an op remembers the op (`_fn`), what the op saved (`_ctx`) and its inputs
-(`_parents`). `loss.backward()` walks that graph once, in reverse topological order, and:
+A Tensor made by an op points at that op's `Node` (`grad_fn`): the op, what it saved for its
+backward (`ctx`) and its inputs (`parents`: their Nodes, or the leaf Tensors themselves). A
+Node does not hold its op's output: the graph keeps alive only what ops saved, so an output no
+op saved is freed as soon as the code that made it lets go of it. `loss.backward()` walks the
+Nodes once, in reverse topological order, and:
   - hands each op the gradient of its output, which is complete by the time we reach it;
   - accumulates leaf gradients with `+=` into `.grad` (so gradient accumulation across
     backward calls works, and a tensor used twice gets both contributions);
@@ -32,6 +35,23 @@ def no_grad():
         _grad_enabled.pop()
 
 
+class Node:
+    """One op's record in the autograd graph, made by `Function.apply` for the Tensor it
+    returns (that Tensor's `grad_fn`): the op (`fn`, a Function class), what its forward saved
+    for its backward (`ctx`), and its inputs (`parents`: per argument the input's Node, the
+    input itself if it is a leaf, or None where no gradient is needed), with the shape and
+    dtype of its output, which backward checks gradients against. It does not hold the
+    output's array: only what an op saved outlives the forward code that made it, as with
+    PyTorch's grad_fn nodes. backward() empties `ctx` and `parents` as it passes."""
+
+    def __init__(self, fn, ctx, parents, shape, dtype):
+        self.fn, self.ctx, self.parents = fn, ctx, parents
+        self.shape, self.dtype = shape, dtype
+
+    def __repr__(self):
+        return f"Node({self.fn.__name__}, shape={self.shape}, dtype={self.dtype})"
+
+
 class Tensor:
 
     def __init__(self, data, requires_grad=False, dtype=None):
@@ -43,9 +63,7 @@ class Tensor:
         self.data = data
         self.grad = None
         self.requires_grad = bool(requires_grad)
-        self._fn = None         # the Function that made this tensor (None for a leaf)
-        self._ctx = None        # what that Function saved for its backward
-        self._parents = ()      # its Tensor inputs (None where no gradient is needed)
+        self.grad_fn = None     # the Node of the op that made this tensor (None for a leaf)
         self._hooks = []
 
     # ---- plain properties -----------------------------------------------------------------
@@ -53,13 +71,13 @@ class Tensor:
     dtype = property(lambda self: self.data.dtype)
     ndim = property(lambda self: self.data.ndim)
     size = property(lambda self: self.data.size)
-    is_leaf = property(lambda self: self._fn is None)
+    is_leaf = property(lambda self: self.grad_fn is None)
 
     def __len__(self):
         return len(self.data)
 
     def __repr__(self):
-        op = f", fn={self._fn.__name__}" if self._fn else ""
+        op = f", fn={self.grad_fn.fn.__name__}" if self.grad_fn else ""
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor(shape={self.shape}, dtype={self.dtype}{grad}{op})"
 
@@ -102,29 +120,29 @@ class Tensor:
             _accumulate(self, grad)
             _fire_hooks(self)
             return
-        order, pending = _topological_order(self)
+        order, pending = _topological_order(self.grad_fn)
         deferred = _deferring[-1]                         # defer_weight_grads(), or None
         if deferred is not None:
             deferred.note_views(order)
-        grads = {id(self): grad}
+        grads = {id(self.grad_fn): grad}
         for node in reversed(order):                      # outputs before their inputs
             if deferred is not None and deferred.holds(node):
                 deferred.defer_view(node)                 # made from weights: W runs it
                 continue
             g = grads.pop(id(node), None)                 # complete: all consumers ran
-            if node._ctx is None:
+            if node.ctx is None:
                 raise RuntimeError("backward through a graph that was already freed "
                                    "(a second backward over the same ops)")
             if deferred is not None and g is not None:    # B now, the weights' part later
                 in_grads = deferred.input_grads(node, g)
             else:
-                in_grads = (node._fn._backward(node._ctx, g, node._parents) if g is not None
-                            else [None] * len(node._parents))
-            node._ctx = None                              # free saved arrays as we go
-            for p, pg in zip(node._parents, in_grads):
+                in_grads = (node.fn._backward(node.ctx, g, node.parents) if g is not None
+                            else [None] * len(node.parents))
+            node.ctx = None                               # free saved arrays as we go
+            for p, pg in zip(node.parents, in_grads):
                 if p is None or (deferred is not None and deferred.holds(p)):
                     continue                              # a deferred weight: W counts it
-                if p.is_leaf:
+                if isinstance(p, Tensor):                 # a leaf
                     if pg is not None:
                         _accumulate(p, pg)
                     pending[id(p)] -= 1
@@ -133,7 +151,7 @@ class Tensor:
                 elif pg is not None:
                     prev = grads.get(id(p))
                     grads[id(p)] = pg if prev is None else prev + pg
-            node._parents = ()
+            node.parents = ()
 
     # ---- operators: each one op, called in plain sight -------------------------------------
     def __add__(self, other): return ops.Add.apply(self, other)
@@ -220,21 +238,21 @@ class WeightGradQueue:
         self.weight_ids = {id(w) for w in weights}
         self.work = []
 
-    def holds(self, tensor):
-        """A weight, or a view made from weights alone."""
-        return id(tensor) in self.weight_ids
+    def holds(self, entry):
+        """A weight (a leaf Tensor), or the Node of a view made from weights alone."""
+        return id(entry) in self.weight_ids
 
     def note_views(self, order):
         """Ops applied to weights directly, and to nothing else, are views."""
         leaves = set(self.weight_ids)
         for node in order:
-            parents = [p for p in node._parents if p is not None]
+            parents = [p for p in node.parents if p is not None]
             if parents and all(id(p) in leaves for p in parents):
                 self.weight_ids.add(id(node))
 
     def defer_view(self, node):
-        self.work.append((node._fn, node._ctx, None, node._parents,
-                          tuple(node._ctx.needs_input_grad), id(node)))
+        self.work.append((node.fn, node.ctx, None, node.parents,
+                          tuple(node.ctx.needs_input_grad), id(node)))
 
     def input_grads(self, node, grad):
         """B for one op: the gradients of its non-weight inputs (the op skips the weights' via
@@ -242,21 +260,21 @@ class WeightGradQueue:
         whose weight gradients cost next to nothing once its input's is known (a bias's
         column sum: `Function.weight_grads_in_b`) computes them now; only they are queued,
         not its saved values and output gradient, which B then frees as a plain backward."""
-        ctx, parents = node._ctx, node._parents
+        ctx, parents = node.ctx, node.parents
         weights = [p is not None and self.holds(p) for p in parents]
         if not any(weights):
-            return node._fn._backward(ctx, grad, parents)
-        if node._fn.weight_grads_in_b:
-            grads = node._fn._backward(ctx, grad, parents)
+            return node.fn._backward(ctx, grad, parents)
+        if node.fn.weight_grads_in_b:
+            grads = node.fn._backward(ctx, grad, parents)
             kept = tuple(p if w else None for p, w in zip(parents, weights))
-            self.work.append((node._fn, None, grads, kept, tuple(ctx.needs_input_grad), None))
+            self.work.append((node.fn, None, grads, kept, tuple(ctx.needs_input_grad), None))
             return [None if w else g for g, w in zip(grads, weights)]
         needs = ctx.needs_input_grad
-        self.work.append((node._fn, ctx, grad, parents, tuple(needs), None))
+        self.work.append((node.fn, ctx, grad, parents, tuple(needs), None))
         ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
         if not any(ctx.needs_input_grad):
             return [None] * len(parents)
-        return node._fn._backward(ctx, grad, parents)
+        return node.fn._backward(ctx, grad, parents)
 
     def contexts(self):
         """The saved values the queued work keeps alive (the memory ledger counts them)."""
@@ -269,7 +287,7 @@ class WeightGradQueue:
         pending, view_grads = {}, {}
         for *_, parents, _, _ in self.work:
             for p in parents:
-                if p is not None and p.is_leaf and self.holds(p):
+                if isinstance(p, Tensor) and self.holds(p):
                     pending[id(p)] = pending.get(id(p), 0) + 1
         for fn, ctx, grad, parents, needs, view in self.work:
             grad = view_grads.pop(view, None) if view is not None else grad
@@ -283,7 +301,7 @@ class WeightGradQueue:
             for p, pg, w in zip(parents, in_grads, weights):
                 if not w:
                     continue
-                if not p.is_leaf:                         # a view: summed, run later
+                if not isinstance(p, Tensor):              # a view: summed, run later
                     if pg is not None:
                         prev = view_grads.get(id(p))
                         view_grads[id(p)] = pg if prev is None else prev + pg
@@ -309,20 +327,20 @@ def _fire_hooks(leaf):
 
 
 def _topological_order(root):
-    """Interior nodes reachable from `root`, each after all of its inputs (iterative DFS),
+    """The Nodes reachable from the Node `root`, each after all of its inputs (iterative DFS),
     and for each leaf the number of graph edges into it (its pending contributions)."""
     order, visited, pending = [], {id(root)}, {}
-    stack = [(root, iter(root._parents))]
+    stack = [(root, iter(root.parents))]
     while stack:
         node, parents = stack[-1]
         for p in parents:
             if p is None:
                 continue
-            if p.is_leaf:
+            if isinstance(p, Tensor):  # a leaf
                 pending[id(p)] = pending.get(id(p), 0) + 1
             elif id(p) not in visited:
                 visited.add(id(p))
-                stack.append((p, iter(p._parents)))
+                stack.append((p, iter(p.parents)))
                 break
         else:                          # every input of `node` is placed: place node
             stack.pop()

@@ -3,8 +3,9 @@ activations, counted from the live arrays (not estimated from shapes).
 
 Each array is counted by the buffer behind it (`a.base` chain), once: a view costs nothing
 extra and a buffer shared by two names counts once. Activations are what the autograd graph
-keeps alive between forward and backward: the outputs of every op still referenced by the
-graph and the arrays ops saved for their backward (ctx attributes), minus parameter buffers.
+keeps alive between forward and backward: the arrays ops saved for their backward (ctx
+attributes) and the output itself, minus parameter buffers (a graph's Nodes hold no op's
+output: minidist/autograd/tensor.py).
 `activation_bytes(loss)` walks the graph from the loss, so call it after forward, before
 backward (which frees the graph as it goes).
 The ZeRO paper's per-rank arithmetic (`zero_model_states`) sits beside the ledger, and
@@ -15,6 +16,7 @@ import collections
 import itertools
 
 from minidist import backend
+from minidist.autograd.tensor import Node
 
 
 def _buffer(a):
@@ -55,17 +57,18 @@ def _ctx_arrays(ctx):
 
 
 def graph_arrays(output):
-    """Every array the graph behind the Tensor `output` holds: op outputs and saved values."""
-    stack, seen = [output], {id(output)}
+    """Every array the graph behind the Tensor `output` holds: `output`'s own and the values
+    its ops saved for backward."""
+    if output.is_leaf:
+        return
+    yield output.data
+    stack, seen = [output.grad_fn], {id(output.grad_fn)}
     while stack:
         node = stack.pop()
-        if node.is_leaf:
-            continue
-        yield node.data
-        if node._ctx is not None:
-            yield from _ctx_arrays(node._ctx)
-        for p in node._parents:
-            if p is not None and id(p) not in seen:
+        if node.ctx is not None:
+            yield from _ctx_arrays(node.ctx)
+        for p in node.parents:
+            if isinstance(p, Node) and id(p) not in seen:
                 seen.add(id(p))
                 stack.append(p)
 

@@ -189,16 +189,15 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
         core = 4 * a * s * b                 # the log-sum-exp rows, instead of T^2 scores
     else:
         core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))
-    # Ulysses (minidist/cp/ulysses.py ulysses_attention) holds, beside the local qkv
-    # (B, s/cp, 3h/t: HeadsForTokens' graph parent, Function.apply's _parents) and y (B, s/cp,
-    # h/t: c_proj's saved input) that the ring's RingSelfAttention saves too, the exchanged
-    # copies: HeadsForTokens' (B, s, 3h/(cp t)), saved by the attention (Tiled- or
-    # CausalSelfAttention save their qkv), and the attention's (B, s, h/(cp t)) output (they
-    # save y; TokensForHeads' graph parent): 3 + 1 = 4 sbh e/(cp t). Its log-sum-exp rows,
-    # (B, a/cp, s) float32, are the ring's (B, a, s/cp). Measured: 109.4 against 92.6 MB per
-    # rank at cp 2 (minidist/cp/README.md; the default model's 4 layers x 4 S, S = 16 x 128
-    # x 128 x 4 B = 1 MiB: 16.8 MB).
-    exchanged = 4 * s * b * h * e if ulysses else 0
+    # Ulysses (minidist/cp/ulysses.py ulysses_attention) keeps what the ring keeps in another
+    # layout: the attention saves the exchanged q, k, v (B, s, 3h/(cp t)) where the ring's
+    # saves the local (B, s/cp, 3h/t), the same bytes, and c_proj saves its input (B, s/cp,
+    # h/t) either way. One more: the attention's own output in the heads layout (B, s,
+    # h/(cp t)), which its backward reads, beside the tokens-layout copy c_proj keeps: 1 sbh
+    # e/(cp t). Its log-sum-exp rows, (B, a/cp, s) float32, are the ring's (B, a, s/cp).
+    # Measured: 75.7 against 71.5 MB per rank at cp 2 (minidist/cp/README.md; the default
+    # model's 4 layers x S, S = 16 x 128 x 128 x 4 B = 1 MiB: 4.2 MB).
+    exchanged = s * b * h * e if ulysses else 0
     return unsplit / k + split / t + core / t + exchanged / t
 
 
@@ -231,9 +230,16 @@ def _stage_activations(config, layout, stage, s, b, dropout):
 
 
 def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None):
-    """What minidist's own single-process graph holds after forward (the ledger's measure),
-    counted buffer by buffer: e-byte op outputs, float32 layer-norm statistics, 1-byte
-    dropout masks, int64 token ids; checkpointing keeps one (B, T, C) output per block."""
+    """What minidist's own single-process graph holds after forward (the ledger's measure):
+    the values its ops saved for backward, counted buffer by buffer (a graph holds no op's
+    output: minidist/autograd/tensor.py Node). Per block, e-byte inputs of the QKV, attention
+    projection, fc and fc2 matmuls (1 + 1 + 1 + 4 sbh), Q, K, V (3 sbh) and the GELU's input
+    (4 sbh): 14 sbh e; two layer norms' float32 xhat and rstd (and, in amp, their float32
+    weight); the attention probabilities (e bytes) and their 1-byte dropout mask; the two
+    residual dropouts' 1-byte masks. Then the int64 token and position ids and the embedding
+    dropout's mask; the final layer norm, the head's input and float32 softmax
+    probabilities, int64 targets, a 1-byte mask, the loss. Checkpointing keeps each block's
+    (B, T, C) input instead of its insides."""
     e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
         config.n_layer
     d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
@@ -242,9 +248,9 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
     if ckpt:
         per_layer = sbh * e
     else:
-        per_layer = 18 * sbh * e + 2 * ln + a * s * s * b * (e + d) + d * 2 * sbh * (e + 1)
-    embed = 2 * sbh * e + s * h * e + 8 * sb + 8 * s + d * sbh * (e + 1)
-    head = sbh * e + ln + sb * V * (e + 4) + 8 * sb + sb + 4
+        per_layer = 14 * sbh * e + 2 * ln + a * s * s * b * (e + d) + d * 2 * sbh
+    embed = 8 * sb + 8 * s + d * sbh
+    head = sbh * e + ln + sb * V * 4 + 8 * sb + sb + 4
     return L * per_layer + embed + head
 
 

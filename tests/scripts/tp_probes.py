@@ -197,11 +197,11 @@ def memory(comm, config, flags):
 def activations(comm, config, flags):
     """Bytes the graph of one sequence-parallel training forward keeps on this rank
     (minidist/strategy/memory.py), with the naive pair (keep_gathered: all-gather, then
-    Linear, which keeps the gathered (B, T, C)) and with gathered_linear (the shard only, as
-    the layer norm's output already is): each column layer's gathered input is gone, c_attn
-    and c_fc per block and the head once, (2L + 1) B*T*C x itemsize less; under
-    --ckpt-activations the blocks keep only their inputs anyway, so the head's alone. The
-    gradients are bitwise the same."""
+    Linear, which keeps the gathered (B, T, C)) and with gathered_linear (which keeps the
+    (B, T/tp, C) shard it was given): each column layer keeps its input's shard instead of
+    the whole, c_attn and c_fc per block and the head once, (2L + 1) B*T*C (1 - 1/tp) x
+    itemsize less; under --ckpt-activations the blocks keep only their inputs anyway, so the
+    head's alone. The gradients are bitwise the same."""
     g = DeviceMesh(dp=1, tp=comm.size).tp
     B, T, C, L, s = 2, config.block_size, config.n_embd, config.n_layer, 8
     idx = np.random.default_rng(SEED).integers(0, config.vocab_size, (B, T))
@@ -216,7 +216,7 @@ def activations(comm, config, flags):
             loss.backward()
             grads[keep] = {n: p.grad.copy() for n, p in model.named_parameters()}
         assert all(np.array_equal(grads[True][n], grads[False][n]) for n in grads[True])
-        want = (1 + (0 if ckpt else 2 * L)) * B * T * C * s
+        want = (1 + (0 if ckpt else 2 * L)) * B * T * C * s * (comm.size - 1) // comm.size
         assert kept[True] - kept[False] == want, (ckpt, kept, want)
         yield {"tp": comm.size, "rank": comm.rank, "ckpt": ckpt, "layers": L,
                "btc_bytes": B * T * C * s, "keep_gathered": kept[True],
