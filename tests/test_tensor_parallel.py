@@ -107,9 +107,10 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
     and parallel layer; tp 2, tp 2 + sequence parallel, and + activation checkpointing, each
     equal to one process (float64, dropout 0.1, clipped every step) to 1e-10; save_pretrained
     and --save files equal the reference's and load back both ways; split layers 1/2 of the
-    bytes; the activation ledger under sequence parallelism (2L + 1) B*T*C x 8 bytes below
-    the naive gather-then-Linear pair's (c_attn's, c_fc's and the head's gathered inputs),
-    1 B*T*C with recompute, gradients bitwise the same; tp traffic per block and per model =
+    bytes; the activation ledger under sequence parallelism (2L + 1) B*T*C (1 - 1/tp) x 8
+    bytes below the naive gather-then-Linear pair's (c_attn's, c_fc's and the head's inputs
+    kept as shards, not whole), B*T*C (1 - 1/tp) with recompute, gradients bitwise the
+    same; tp traffic per block and per model =
     theory (the re-gathers included); bad sizes refused before any mesh:
 
         mpiexec -n 2 python tests/scripts/tp_check.py

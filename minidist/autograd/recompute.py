@@ -2,11 +2,12 @@
 
     y = checkpoint(block, x, block.parameters(), rng=model.dropout_keys, context=model.context)
 
-Without it, the graph keeps every intermediate of `block` alive from forward until backward
-(GPT: ~20 (B, T, C)-sized arrays and the (B, nh, T, T) attention weights per block). With it:
+Without it, the graph keeps alive every intermediate of `block` that an op saved for backward,
+from forward until backward (GPT: ~16 (B, T, C)-sized arrays and the (B, nh, T, T) attention
+weights per block). With it:
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
-              keeps one node holding x (already alive as the previous node's output) and y,
+              keeps one node holding x (already alive as the previous node's output)
               and the state the block ran in: the dropout keys' step, rows and cp
               positions (or a generator's state) and, under context parallelism, the
               ring's layouts;

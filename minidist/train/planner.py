@@ -36,9 +36,8 @@ hidden size h, a heads, t = tp, with 16-bit activations and dropout, in bytes:
     The SP line's /t on the QKV and fc inputs (and the head's) holds because the column
     layers keep only their input's shard and all-gather it again in backward (Korthikanti
     4.2.2; minidist/tp/gathered.py; measured by tests/scripts/tp_probes.py). Keeping the
-    gathered copies instead would add 2sbh e (1 - 1/t) per layer here (minidist's graph,
-    which holds the layer norm's output as well, kept 2sbh e more per layer until it used
-    gathered_linear); so the bill needs no term for them.
+    gathered copies instead would add 2sbh e (1 - 1/t) per layer here (as minidist's graph
+    did until it used gathered_linear); so the bill needs no term for them.
 The 34 and 5 are 16e + 2 and 2e + 1 for e = 2 bytes per value and 1-byte dropout masks;
 here e is 4 in float32, and without dropout the masks (and the dropped copy of the scores)
 go: 16e and e. Embedding and output layer: the dropout mask, the inputs of the final layer
@@ -49,13 +48,13 @@ backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentat
 --headroom). The as^2 term is attention's materialised scores; tiled attention
 (FlashAttention's algorithm, minidist/autograd/flash.py) and context parallelism's ring
 attention keep a log-sum-exp row instead (4as bytes), and cp divides s by the cp size.
-Ulysses' attention (cp_attention "ulysses", minidist/cp/ulysses.py) also keeps the copies its
-all-to-alls make, 4sbh e/(cp t) more per layer (layer_activation_bytes), and runs the model's
+Ulysses' attention (cp_attention "ulysses", minidist/cp/ulysses.py) also keeps its output in
+the heads layout, sbh e/(cp t) more per layer (layer_activation_bytes), and runs the model's
 own attention on a/cp heads of all s tokens (untiled: their (s, s) scores).
 
-`minidist_activation_bytes` is the same bill for minidist's own graph, which keeps more than
-Megatron's kernels (every fused op's output, layer norm's normalised input in float32):
-18e + 8 bytes per sbh per layer, not 16e; the tests check it against the ledger.
+`minidist_activation_bytes` is the same bill for minidist's own graph, which keeps the layer
+norms' normalised inputs in float32 and fewer other tensors than Megatron's kernels: 14e + 8
+bytes per sbh per layer, not 16e (the same in float32); the tests check it against the ledger.
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 """
 import math
@@ -172,9 +171,9 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
     tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
     (4as bytes per sequence; dropout's numbers are recomputed per tile, no mask is kept);
     cp: this rank holds s / cp of the tokens (its
-    queries and, tiled by the ring, no scores). ulysses (with cp > 1): the heads' copies
-    the all-to-alls make, 4 sbh e / (cp t) more (below); its attention is the model's own
-    on a/cp heads of all s tokens: untiled, their (s, s) scores."""
+    queries and, tiled by the ring, no scores). ulysses (with cp > 1): its attention's
+    output in the heads layout, sbh e / (cp t) more (below); its attention is the model's
+    own on a/cp heads of all s tokens: untiled, their (s, s) scores."""
     d, k = int(bool(dropout)), (t if sp else 1)
     s_all, s = s, s / cp
     ulysses = ulysses and cp > 1

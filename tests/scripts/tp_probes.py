@@ -5,7 +5,8 @@
                 gathered_linear's backward collectives started asynchronously
     activations the activation ledger of a sequence-parallel training forward with the
                 column layers' gathered inputs kept (keep_gathered) and re-gathered in
-                backward (the default): less by (2L + 1) B*T*C x itemsize; same gradients
+                backward (the default): less by (2L + 1) B*T*C (1 - 1/tp) x itemsize;
+                same gradients
     memory      per-rank bytes of every split parameter vs the full one: 1/tp
     traffic     bytes one block, and the whole model, sends per forward + backward on the tp
                 group (trace counters) vs the theory
