@@ -7,8 +7,8 @@ from forward until backward (GPT: ~16 (B, T, C)-sized arrays and the (B, nh, T, 
 weights per block). With it:
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
-              keeps one node holding x (already alive as the previous node's output)
-              and the state the block ran in: the dropout keys' step, rows and cp
+              keeps one node holding x (the block's input, the one (B, T, C) array a
+              checkpointed block keeps) and the state the block ran in: the dropout keys' step, rows and cp
               positions (or a generator's state) and, under context parallelism, the
               ring's layouts;
     backward  runs block(x) again, grad on, from x as a fresh leaf and with that state
