@@ -290,6 +290,30 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
     assert refused in str(e.value)
 
 
+@pytest.mark.parametrize("ranks,flags,refused", [
+    (4, ["--zero", "3", "--zero-shard", "3"], "--zero-shard 3: the ranks each replica is "
+     "sharded over must divide dp 4: one of 1, 2, 4 (typically the ranks of one node)"),
+    (4, ["--zero", "1", "--zero-shard", "0"], "--zero-shard 0: the ranks each replica"),
+    (4, ["--zero-shard", "2"], "--zero-shard 2: sets the ranks ZeRO shards each replica over, "
+     "which this run does not use (add --zero 1, 2 or 3, or leave --zero-shard out)"),
+    (4, ["--zero", "2", "--zero-shard", "2", "--tp", "2"], "--zero-shard 2: hybrid sharding "
+     "runs over data parallelism alone so far"),
+    (4, ["--zero", "2", "--zero-shard", "2"], None),
+    (4, ["--zero", "2", "--zero-shard", "4"], None),            # one group: plain ZeRO
+])
+def test_zero_shard_is_checked_against_the_layout(ranks, flags, refused):
+    """--zero-shard K (hybrid sharding): K divides dp, needs --zero, dp alone so far; one
+    error line before any communication."""
+    from minidist.train.strategy import check_layout
+    args = train_parser().parse_args(flags)
+    if refused is None:
+        check_layout(args, ranks)
+        return
+    with pytest.raises(UsageError) as e:
+        check_layout(args, ranks)
+    assert refused in str(e.value)
+
+
 @pytest.mark.parametrize("ranks,flags,says", [
     (1, ["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into dp 1 "
      "x --grad-accum 4 = 4 equal micro-batches"),

@@ -116,6 +116,29 @@ def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory(mpi
     assert mem["amp"] and len(mem["by_rank"]) == 4     # the script checked every number
 
 
+def test_hybrid_sharding_matches_one_process_and_sends_one_all_reduce_across(mpi):
+    """Hybrid sharding (--zero-shard): each 2 of 4 ranks hold one sharded replica; stages 1,
+    2, 3 with clipping and 2 micro-batches == 1 process (float64), and the bytes each rank
+    sent to the other replica are one ring all-reduce of its gradient shards per step
+    (asserted in the script against ring_bytes); then shard groups of 1 (every rank a whole
+    replica, only the all-reduce between them), stages 2 and 3 under recompute without
+    prefetch:
+
+        mpiexec -n 4 python tests/scripts/zero_check.py --shard 2 --clip 0.05 --grad-accum 2
+        mpiexec -n 4 python tests/scripts/zero_check.py --shard 1 --stages 2,3 \
+            --ckpt-activations --no-prefetch
+    """
+    runs = [(["--shard", "2", "--clip", "0.05", "--grad-accum", "2"], [1, 2, 3], 2),
+            (["--shard", "1", "--stages", "2,3", "--ckpt-activations", "--no-prefetch"],
+             [2, 3], 1)]
+    for flags, stages, shard in runs:
+        results = tagged_json(mpi(4, "tests/scripts/zero_check.py", *flags, timeout=300))
+        assert [r["stage"] for r in results] == stages
+        for r in results:
+            assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
+            assert r["shard_ranks"] == shard and r["across_replicas"] > 0, r
+
+
 def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tmp_path, mpi):
     """Save at 4 ranks, ZeRO-3 (resume bitwise; a missing and a mismatched shard fail on every
     rank, named); load in one process (bitwise), step, save plain; load at 2 ranks, ZeRO-1
@@ -165,7 +188,8 @@ def one_process_from_sharded(d, expected):
 def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path, mpi):
     """The script end to end, float64: 4 ranks at ZeRO-3 log `mem` and print the memory
     table; stopped at step 2 and resumed on 2 ranks at ZeRO-1, the losses continue as if
-    uninterrupted:
+    uninterrupted; the same with hybrid sharding (--zero-shard 2) saved and resumed as plain
+    ZeRO-2, and the plain checkpoint resumed hybrid:
 
         mpiexec -n 4 python examples/train_gpt.py --zero 3 --dtype float64 --log-json a.jsonl
         mpiexec -n 4 python examples/train_gpt.py --zero 3 --stop-at 2 --save ckpt
@@ -190,6 +214,23 @@ def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path, mpi):
     resumed = [json.loads(line) for line in open(c)][:-1]
     assert [r["step"] for r in resumed] == [2, 3]
     assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in resumed)
+    # hybrid sharding: 2 replicas of 2 shards each, stopped at step 2, resumed at 4 ranks
+    # under plain ZeRO-2; and the plain ZeRO-3 checkpoint resumed as hybrid ZeRO-3
+    h, hc, hckpt = tmp_path / "h.jsonl", tmp_path / "hc.jsonl", str(tmp_path / "hckpt")
+    out = mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--zero-shard", "2",
+              "--stop-at", "2", "--save", hckpt, "--log-json", h, timeout=300)
+    assert "ZeRO stage 3 over 2 ranks, replicated x 2" in out.stdout
+    assert "across the shard groups" in out.stdout
+    mpi(4, "examples/train_gpt.py", *flags, "--zero", "2", "--resume", hckpt, "--log-json", hc,
+        timeout=300)
+    back = tmp_path / "back.jsonl"
+    mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--zero-shard", "2", "--resume",
+        ckpt, "--log-json", back, timeout=300)
+    hybrid = [json.loads(line) for line in open(h)][:-1]
+    assert [r["step"] for r in hybrid] == [0, 1]
+    for run in (hybrid, [json.loads(line) for line in open(hc)][:-1],
+                [json.loads(line) for line in open(back)][:-1]):
+        assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in run), run
 
 
 # ---- ZeRO-3 through the model's block hooks (in process, one-rank groups) -----------------

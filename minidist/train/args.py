@@ -83,6 +83,11 @@ def add_parallel_args(p):
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage instead of DDP: 1 shards the optimizer state, 2 also the "
                    "gradients, 3 also the parameters")
+    g.add_argument("--zero-shard", type=int, default=None, metavar="K",
+                   help="with --zero: hybrid sharding, each group of K neighbouring dp ranks "
+                   "(one node's) holds one sharded replica; gathers and reduce-scatters stay "
+                   "in the group, only the gradient shards are averaged across groups "
+                   "(FSDP's HYBRID_SHARD; default: one group of all dp ranks)")
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "hier", "nccl"), default="ring",
                    help="collective algorithm: ring (minidist's), naive (reduce + broadcast), "
                    "mpi (the MPI library's), hier (reduce-scatter in a node, all-reduce across, "

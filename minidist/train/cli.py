@@ -133,6 +133,9 @@ def idle_flags(args, replicas=None):
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),
                  ("--overwrite", "whether --save may replace another run's checkpoints",
                   "add --save DIR")]
+    if not args.zero:
+        idle.append(("--zero-shard", "the ranks ZeRO shards each replica over",
+                     "add --zero 1, 2 or 3"))
     if args.zero:
         idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
                   "drop --zero"),

@@ -29,7 +29,7 @@ from minidist.strategy.base import SingleProcess
 from minidist.tp.strategy import TensorParallel, tp_problems
 from minidist.train.amp import MixedPrecision
 from minidist.train.cli import UsageError, check_idle_flags
-from minidist.zero.strategy import ZeroDataParallel
+from minidist.zero.strategy import ZeroDataParallel, zero_shard_problem
 
 
 def make_strategy(args, world=None):
@@ -68,7 +68,8 @@ def make_data_parallel(args, group, amp):
     """ZeRO-k (--zero k), DDP (more than one replica), or one replica, over `group`."""
     ckpt = args.ckpt_activations
     if args.zero:
-        return ZeroDataParallel(group, args.zero, amp=amp, ckpt_activations=ckpt)
+        return ZeroDataParallel(group, args.zero, amp=amp, ckpt_activations=ckpt,
+                                shard_size=args.zero_shard)
     if group is None or group.size == 1:
         return SingleProcess(amp, ckpt)
     return DataParallel(group, args.ddp, args.bucket_mb, amp=amp, ckpt_activations=ckpt)
@@ -111,6 +112,10 @@ def check_layout(args, size):
                 "tensor parallelism: " if args.tp > 1 else "")
         raise UsageError(what + "; ".join(problems))
     check_idle_flags(args, replicas=dp * args.ep * args.cp)     # --ddp with one replica
+    if args.zero and args.zero_shard is not None:
+        problem = zero_shard_problem(args, dp)
+        if problem:
+            raise UsageError(problem)
     return dp, m
 
 

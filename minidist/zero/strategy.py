@@ -25,11 +25,16 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
                         rank) and the bytes sent per step
     takes_part_in_sampling   stage 3: every rank (each block's forward is a collective)
+Hybrid sharding (--zero-shard K, `shard_groups`): the engine shards over each group of K
+neighbouring ranks and averages the gradient shards across the groups (the replicas); the
+rows, the loss and the memory table stay over the whole dp group, the clip's sum over the
+shard group; the first group writes the checkpoints (README.md, "Hybrid sharding").
 Tests: tests/test_zero.py.
 """
 import contextlib
 
 from minidist.comm import trace
+from minidist.strategy.checkpoint import CheckpointError
 from minidist.strategy import memory
 from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
@@ -44,14 +49,45 @@ def ranks(n):
     return f"{n} rank" + ("" if n == 1 else "s")
 
 
+def shard_groups(group, shard_size=None):
+    """(the group ZeRO shards over, the replicas group or None). Hybrid sharding (FSDP's
+    HYBRID_SHARD, MiCS; `shard_size` K < group.size): group rank r shards with its K
+    neighbours [K (r // K), K (r // K) + K), and r, r + K, r + 2K, ... hold the same
+    shards; on one node per K ranks the gathers and reduce-scatters stay inside a node.
+    Collective over `group` (MPI_Comm_split) when hybrid."""
+    if shard_size is None or shard_size == group.size:
+        return group, None
+    r, k = group.rank, shard_size
+    shards = group.split(r // k, key=r % k, name=f"{group.name}-shard")
+    replicas = group.split(r % k, key=r // k, name=f"{group.name}-replicas")
+    return shards, replicas
+
+
+def zero_shard_problem(args, dp):
+    """Why --zero-shard cannot run in this layout, or None."""
+    k = args.zero_shard
+    if args.tp > 1 or args.pp > 1 or args.cp > 1 or args.ep > 1:
+        return (f"--zero-shard {k}: hybrid sharding runs over data parallelism alone so far "
+                "(leave --tp, --pp, --cp and --ep at 1, or leave --zero-shard out)")
+    if k < 1 or dp % k:
+        divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        return (f"--zero-shard {k}: the ranks each replica is sharded over must divide dp "
+                f"{dp}: one of {divisors} (typically the ranks of one node)")
+    return None
+
+
 class ZeroDataParallel(SingleProcess):
     """One-process training with the model state sharded over the dp group."""
     reports_memory = True               # finish() prints the memory table: measure every step
 
-    def __init__(self, group, stage, prefetch=True, amp=None, ckpt_activations=False):
+    def __init__(self, group, stage, prefetch=True, amp=None, ckpt_activations=False,
+                 shard_size=None):
         super().__init__(amp, ckpt_activations)
         self.group, self.stage, self.prefetch = group, stage, prefetch
         self.rank, self.world_size = group.rank, group.size
+        # the state is sharded over shard_group; hybrid sharding (--zero-shard K < the
+        # group): over K neighbouring ranks, each such group a replica of the others
+        self.shard_group, self.replicas = shard_groups(group, shard_size)
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
@@ -60,8 +96,10 @@ class ZeroDataParallel(SingleProcess):
     def wrap(self, model):
         """Shard `model` (the whole model, or this rank's part built by another strategy)."""
         self.model, self.n_params = model, model.num_parameters()
-        units = gpt_units(model, self.group.size, self.group.rank, apart=model.tied_copies())
-        self.engine = zero_engine(model, self.group, self.stage, units, self.prefetch)
+        shards = self.shard_group
+        units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())
+        self.engine = zero_engine(model, shards, self.stage, units, self.prefetch,
+                                  self.replicas)
         return model
 
     def build_optimizer(self, model, args):
@@ -75,7 +113,7 @@ class ZeroDataParallel(SingleProcess):
     def notes(self):
         pad = sum(u.flat.padding for u in self.engine.units)
         return super().notes() + [
-            f"ZeRO stage {self.stage} over {ranks(self.world_size)} ({self.group.algo}): "
+            f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
             f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
             f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
@@ -91,8 +129,20 @@ class ZeroDataParallel(SingleProcess):
         later is what they exist to avoid)."""
         return contextlib.nullcontext()
 
+    def over(self):
+        """'4 ranks', or under hybrid sharding '2 ranks, replicated x 2'."""
+        if self.replicas is None:
+            return ranks(self.world_size)
+        return f"{ranks(self.shard_group.size)}, replicated x {self.replicas.size}"
+
+    def _bytes_sent(self):
+        """Bytes this rank has sent in ZeRO's collectives: (in its shard group, across the
+        replicas: hybrid sharding's only traffic between groups)."""
+        return (trace.bytes_sent(self.shard_group.name),
+                0 if self.replicas is None else trace.bytes_sent(self.replicas.name))
+
     def start_step(self):
-        self._mark = trace.bytes_sent(self.group.name)
+        self._mark = self._bytes_sent()
 
     def sync_grads(self, model):
         with trace.compute("wait for gradients"):
@@ -101,8 +151,9 @@ class ZeroDataParallel(SingleProcess):
     def end_step(self, activation_bytes):
         """Bytes sent this step (the reduce-scatters and the optimizer's all-gathers: the
         fewest over the run, as the first step also broadcasts) and the activation peak."""
-        sent = trace.bytes_sent(self.group.name) - self._mark
-        self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent)
+        sent = tuple(now - then for now, then in zip(self._bytes_sent(), self._mark))
+        self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent,
+                                                                   key=sum)
         self.activations = max(self.activations, activation_bytes)
 
     def local_grads(self, params):
@@ -111,8 +162,10 @@ class ZeroDataParallel(SingleProcess):
         return self.engine.grad_pieces(params)
 
     def reduce_sum_sq(self, local):
-        """The global sum of squares: every rank holds different shards, so sum them."""
-        return all_reduce_number(self.group, local, "sum", self.engine.units[0].param_shard)
+        """The global sum of squares: the ranks of a shard group hold different shards, so
+        sum them (replicas hold the same ones: not over them)."""
+        return all_reduce_number(self.shard_group, local, "sum",
+                                 self.engine.units[0].param_shard)
 
     def after_step(self):
         self.engine.after_step()
@@ -125,10 +178,36 @@ class ZeroDataParallel(SingleProcess):
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        save_sharded(directory, model, optimizer, self.group, step, rng_states, extra)
+        """A sharded checkpoint; under hybrid sharding the first shard group writes it (the
+        others hold the same shards) and every rank learns how that went."""
+        if self.replicas is None:
+            return save_sharded(directory, model, optimizer, self.group, step, rng_states,
+                                extra)
+        err = None
+        if self.replicas.rank == 0:
+            try:
+                save_sharded(directory, model, optimizer, self.shard_group, step, rng_states,
+                             extra)
+            except CheckpointError as e:
+                err = str(e)
+        err = self.group.comm.bcast(err, root=0)    # group rank 0: the first group's rank 0
+        if err:
+            raise CheckpointError(err)
 
     def load(self, directory, model, optimizer):
-        return load_sharded(directory, model, optimizer, self.group)
+        """Each shard group reads its shards (any checkpoint, any layout); under hybrid
+        sharding all groups agree before any goes on."""
+        if self.replicas is None:
+            return load_sharded(directory, model, optimizer, self.group)
+        meta, err = None, None
+        try:
+            meta = load_sharded(directory, model, optimizer, self.shard_group)
+        except CheckpointError as e:
+            err = str(e)
+        errors = [e for e in self.group.comm.allgather(err) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        return meta
 
     def whole_state(self, model, optimizer):
         """(params, optimizer state_dict) in one process's format, gathered to dp rank 0
@@ -172,7 +251,7 @@ class ZeroDataParallel(SingleProcess):
         amp = self.amp is not None
         itemsize = 2 if amp else self.engine.units[0].flat.dtype.itemsize
         n_experts = experts.params if experts else 0
-        dense = memory.zero_model_states(self.n_params - n_experts, self.world_size,
+        dense = memory.zero_model_states(self.n_params - n_experts, self.shard_group.size,
                                          self.stage, amp=amp, itemsize=itemsize)
         if not n_experts:
             return dense
@@ -181,11 +260,15 @@ class ZeroDataParallel(SingleProcess):
         return {k: dense[k] + mine[k] for k in dense}
 
     def summary(self):
-        sent = self.step_bytes
+        within, across = self.step_bytes
+        sent = within + across
         psi = sum(u.flat.padded * u.flat.dtype.itemsize for u in self.engine.units)
-        return (f"ZeRO-{self.stage} over {ranks(self.world_size)} ({self.group.algo}): "
+        hybrid = "" if self.replicas is None else (
+            f", {across / 2**20:.2f} MiB of it across the shard groups ({across / psi:.2f} x; "
+            f"2(R-1)/(RK) = {2 * (self.replicas.size - 1) / self.world_size:.2f} x)")
+        return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
-                f"of parameters ({sent / psi:.2f} x; DDP sends "
+                f"of parameters ({sent / psi:.2f} x{hybrid}; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")
 
     def finish(self, args, log, experts=None):

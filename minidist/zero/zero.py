@@ -62,14 +62,16 @@ from minidist.backend import to_host, xp_of
 from minidist.zero.flat import FlatUnit, gpt_units
 
 
-def zero_engine(model, group, stage, units=None, prefetch=True):
+def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None):
     """Shard `model` over `group` (its dp ProcessGroup) at ZeRO `stage` 1, 2 or 3. `units`
     (FlatUnits) defaults to gpt_units(model): the root and one unit per block. Stage 3 sets
-    itself as the model's block hooks (GPT.set_block_hooks): the model calls its gathers."""
+    itself as the model's block hooks (GPT.set_block_hooks): the model calls its gathers.
+    `replicas` (hybrid sharding, --zero-shard): the group of ranks holding the same shards
+    in the other shard groups; sync_grads averages the gradient shards over it too."""
     units = units if units is not None else gpt_units(model, group.size, group.rank)
     if stage == 3:
-        return ZeroStage3(model, group, units, prefetch)
-    return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units)
+        return ZeroStage3(model, group, units, prefetch, replicas)
+    return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units, replicas)
 
 
 @dataclass(eq=False)
@@ -100,8 +102,8 @@ class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
     stage = 1
 
-    def __init__(self, model, group, flats):
-        self.module, self.group = model, group
+    def __init__(self, model, group, flats, replicas=None):
+        self.module, self.group, self.replicas = model, group, replicas
         self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
         self.units = [self._shard_params(f) for f in flats]
         self._init_grads()
@@ -143,6 +145,19 @@ class ZeroStage1:
                     view[...] = 0 if p.grad is None else p.grad
                     p.grad = view
             self.group.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
+        self._average_over_replicas()
+
+    def _average_over_replicas(self):
+        """Hybrid sharding: every shard group holds the same shards of its own ranks' average;
+        one all-reduce per unit across the groups (all in flight at once) makes each the
+        average over every data-parallel rank. The gathers never leave the shard group;
+        this is the only traffic between groups: 2(R-1)/R of a shard per rank."""
+        if self.replicas is None:
+            return
+        works = [self.replicas.all_reduce(u.grad_shard, op="avg", async_op=True)
+                 for u in self.units]
+        for work in works:
+            work.wait()
 
     def grad_pieces(self, params):
         """The pieces of this rank's gradient shards that belong to `params` (views, in unit
@@ -225,6 +240,7 @@ class ZeroStage2(ZeroStage1):
                 self._reduce_scatter(u)
         while self._inflight:
             self._finish_oldest()
+        self._average_over_replicas()
 
     def _transient_bytes(self):
         return sum(buf.nbytes for _, buf, _ in self._inflight)
@@ -265,9 +281,9 @@ class ZeroStage3(ZeroStage2):
     them, minidist/nn/gpt.py)."""
     stage = 3
 
-    def __init__(self, model, group, flats, prefetch=True):
+    def __init__(self, model, group, flats, prefetch=True, replicas=None):
         self.prefetch = prefetch
-        super().__init__(model, group, flats)
+        super().__init__(model, group, flats, replicas)
         self.blocks = [u for u in self.units if u.flat.module is not None]
         self.root = [u for u in self.units if u.flat.module is None]
         size = max((u.flat.padded for u in self.blocks), default=0)

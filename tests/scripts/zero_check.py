@@ -5,6 +5,7 @@ mpiexec run; then the memory ledger and the bytes sent per step, against theory.
     mpiexec -n 4 python tests/scripts/zero_check.py --clip 0.05 --grad-accum 2
     mpiexec -n 3 python tests/scripts/zero_check.py --ckpt-activations --no-prefetch --algo mpi
     mpiexec -n 4 python tests/scripts/zero_check.py --stages "" --memory --comm --amp
+    mpiexec -n 4 python tests/scripts/zero_check.py --shard 2 --clip 0.05 --grad-accum 2
 
 Every rank trains the single-process reference itself (SingleProcess, the whole global batch),
 then for each stage trains ZeroDataParallel through the loop's own train_step and checks:
@@ -17,7 +18,10 @@ it) on every rank, and the ZeRO paper's prediction: `MEMORY {json}`; the loss af
 equal to DDP's. --amp: the same with mixed precision (2 + 2 + 12 bytes per parameter; the loss
 within 1e-3 of DDP's under mixed precision).
 --comm: reduce-scatter and all-gather bytes each rank sent in one step vs the closed form:
-`COMM {json}`. Any failure raises, and the abort handler ends the whole job.
+`COMM {json}`. --shard K: hybrid sharding (each K ranks one sharded replica,
+ZeroDataParallel's shard_size), the same checks, and the bytes each rank sent across the
+replicas: one all-reduce of its shards per step, 2(R-1)/R of them on the ring. Any failure
+raises, and the abort handler ends the whole job.
 """
 import argparse
 import json
@@ -28,6 +32,7 @@ import numpy as np
 from minidist import backend
 import minidist.comm
 from minidist.comm import ProcessGroup, trace
+from minidist.comm.ring import ring_bytes
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.nn import GPTConfig
 from minidist.strategy import memory
@@ -69,8 +74,9 @@ def shard_diff(strategy, ref_model):
 def compare(args, comm, ref, stage):
     group = ProcessGroup(comm, args.algo, name=f"zero{stage}")
     strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch,
-                                ckpt_activations=args.ckpt_activations)
+                                ckpt_activations=args.ckpt_activations, shard_size=args.shard)
     model, _, losses, norms, _ = train(strategy, args)
+    across = replica_bytes(strategy, args.steps, args.algo)
     ref_model, ref_losses, ref_norms = ref
     diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
     full = strategy.engine.full_state_dict()
@@ -84,13 +90,30 @@ def compare(args, comm, ref, stage):
               "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
               "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
               "param_diff": diff, "norms": norms,
-              "padding": [u.flat.padding for u in strategy.engine.units]}
+              "padding": [u.flat.padding for u in strategy.engine.units],
+              "shard_ranks": strategy.shard_group.size, "across_replicas": across}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
         assert max(norms) > args.clip, f"--clip {args.clip} never clipped: {norms}"
     group.destroy()
     return result
+
+
+def replica_bytes(strategy, steps, algo):
+    """Hybrid sharding: the bytes this rank sent to the other replicas in `steps` steps, which
+    must be one all-reduce of its gradient shards per unit and step (on the ring: the
+    ring's count, 2(R-1)/R of them; comm/ring.py ring_bytes); None when not hybrid."""
+    replicas = strategy.replicas
+    if replicas is None:
+        return None
+    sent = trace.bytes_sent(replicas.name)
+    if algo == "ring":
+        want = steps * sum(ring_bytes("all_reduce", u.grad_shard.size, u.grad_shard.itemsize,
+                                      replicas.rank, replicas.size)
+                           for u in strategy.engine.units)
+        assert sent == want, ("bytes across replicas", sent, want)
+    return sent
 
 
 def measure(args, comm, stage, amp=False, dtype="float64"):
@@ -178,6 +201,8 @@ def main():
     p.add_argument("--amp", action="store_true", help="the memory check with --amp too")
     p.add_argument("--comm", action="store_true")
     p.add_argument("--tol", type=float, default=1e-10)
+    p.add_argument("--shard", type=int, default=None,
+                   help="hybrid sharding: ranks per sharded replica (ZeRO's shard_size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
