@@ -9,6 +9,8 @@
     python examples/plan.py --params 7e9 --moe-experts 8 --moe-top-k 2 --gpus 64   # MoE: + ep
     python examples/plan.py --params 7e9 --gpus 64 --seq 32768 --global-batch 64 \\
         --layout dp=4,pp=2,cp=8,zero=1,micro=16,cpattn=ulysses    # Ulysses instead of the ring
+    python examples/plan.py --params 1.3e9 --seq 2048 --global-batch 256 --gpus 64 \
+        --layout dp=64,zero=3,shard=8       # hybrid sharding: ZeRO-3 inside each node
 
 The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
@@ -67,7 +69,8 @@ def parse(argv=None):
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
-                   "ulysses: the CP attention, with cp > 1); refused unless "
+                   "ulysses: the CP attention, with cp > 1; shard=K: hybrid sharding, ZeRO "
+                   "over each K dp ranks); refused unless "
                    "examples/train_gpt.py runs it")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -106,13 +109,13 @@ def make_cluster(args):
                       sync_s=args.sync_us and args.sync_us * us)
 
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro")
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
 
 
 def parse_layout(text, args, config, v):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
     sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
-    instead of the ring (cp > 1). An unknown or repeated key, a value that is not a whole
+    instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An unknown or repeated key, a value that is not a whole
     number (cpattn: not ring or ulysses), and a layout examples/train_gpt.py would not run
     (search.layout_problems: training's own checks) are one error line naming the key."""
     fields, micro, sp, seen = {}, 1, True, set()
@@ -136,10 +139,10 @@ def parse_layout(text, args, config, v):
             if key == "micro":
                 micro = int(value)
             else:
-                fields[key] = int(value)
+                fields["zero_shard" if key == "shard" else key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"cpattn=,ckpt,nosp")
+                 f"shard=,cpattn=,ckpt,nosp")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,

@@ -945,3 +945,70 @@ def test_ring_hops_hide_behind_their_blocks_attention_worked_by_hand():
     assert cp_comm(on, uly, 1, 8, 10.0, 20.0) == cp_comm(UNIT, uly, 1, 8)
     f, bwd = ring_block_times(TOY, Layout(cp=2, amp=False, tiled=True), b=1, seq=4, rate=1.0)
     assert f == 4 * 1 * 2 * 4 * TOY.n_embd / 2 and bwd == 2.5 * f
+
+
+# ---- hybrid sharding (--zero-shard): ZeRO inside each node, replicas across -----------------
+
+def test_hybrid_sharding_step_and_memory_worked_by_hand():
+    """TOY (536 parameters, float32: 2144 B of gradients), dp 4 on 2 nodes of 2 ranks, the
+    node's link 10 B/s, between nodes 1 B/s, no compute to hide behind (overlap 0).
+    Plain ZeRO-1: its reduce-scatter and all-gather span both nodes, 3/4 x 2144 / 1 each:
+    3216 s. ZeRO-1/2 (sharded over each node's 2): 1/2 x 2144 / 10 each in the node (214.4),
+    then the 268-parameter shard's all-reduce between the 2 replicas, 2 x 1/2 x 1072 / 1 =
+    1072: 1286.4 s, all after backward. Each rank then holds 1/2 of the optimizer state, not
+    1/4. ZeRO-2/2 with overlap 1: the all-reduces start under backward (3584 s of it here),
+    all but the last of L + 1 = 3 units hidden: 1072 / 3."""
+    nodes = replace(UNIT, gpus_per_node=2, intra=Link(0.0, 10.0))
+    plain = step_time(TOY, Layout(dp=4, zero=1, amp=False), nodes, seq=2, global_batch=4)
+    hybrid1 = Layout(dp=4, zero=1, amp=False, zero_shard=2)
+    hybrid = step_time(TOY, hybrid1, nodes, seq=2, global_batch=4)
+    assert plain["dp_comm"] == pytest.approx(3216) == plain["dp_exposed"]
+    assert hybrid["dp_comm"] == pytest.approx(1286.4) == hybrid["dp_exposed"]
+    assert bill(TOY, hybrid1, 2)["optimizer"] == 8 * 268
+    assert bill(TOY, Layout(dp=4, zero=1, amp=False), 2)["optimizer"] == 8 * 134
+    assert hybrid1.name() == "ZeRO-1/2 (fp32)" and hybrid1.zero_ranks == 2
+    stage2 = step_time(TOY, replace(hybrid1, zero=2), replace(nodes, overlap=1.0), seq=2,
+                       global_batch=4)
+    assert stage2["compute"] == pytest.approx(5376)          # backward: 3584 s of it
+    assert stage2["dp_exposed"] == pytest.approx(107.2 + 1072 / 3)   # + the all-gather
+
+
+def test_search_proposes_hybrid_sharding_across_nodes_that_training_accepts():
+    """On 16 GPUs (2 nodes of 8) the search also prices ZeRO-1/2/3 sharded over each node's
+    8 (dp alone: training refuses it beside tp, pp, cp, ep), never on one node; each such row
+    is a layout train_gpt.py runs (--zero-shard 8) and plan.py --layout takes."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import layout_problems, search, train_flags
+    config = PROPOSAL_MODELS[1]
+    rows = search(config, H100_IB, 16, config.block_size, 32)
+    hybrid = [r for r in rows if r["zero_shard"]]
+    assert {(r["zero"], r["zero_shard"], r["dp"]) for r in hybrid} == \
+        {(z, 8, 16) for z in (1, 2, 3)}
+    for row in hybrid:
+        assert _refused(config, row, 16) is None
+        assert "--zero-shard" in train_flags(config, row)
+        layout = Layout(**{k: row[k] for k in Layout.__dataclass_fields__})
+        assert layout_problems(config, layout, 16, 32, row["micro_batches"]) == []
+    assert not any(r["zero_shard"] for r in search(config, H100_IB, 8, config.block_size, 32))
+
+
+SHARD_BAD = [
+    (["--gpus", "16", "--layout", "dp=16,shard=8"], "--layout: shard=8: hybrid sharding needs "
+     "zero=1, 2 or 3"),
+    (["--gpus", "16", "--layout", "dp=16,zero=3,shard=3"], "--layout: shard=3: --zero-shard 3: "
+     "the ranks each replica is sharded over must divide dp 16"),
+    (["--gpus", "16", "--layout", "dp=8,tp=2,zero=1,shard=4"], "--layout: shard=4: "
+     "--zero-shard 4: hybrid sharding runs over data parallelism alone so far"),
+]
+
+
+@pytest.mark.parametrize("argv,says", SHARD_BAD, ids=[" ".join(a) for a, _ in SHARD_BAD])
+def test_plan_layout_shard_refusals_are_one_line(argv, says, capsys):
+    assert _plan_error(argv, capsys).startswith("error: " + says)
+
+
+def test_plan_layout_takes_shard(capsys):
+    """    python examples/plan.py --gpus 16 --layout dp=16,zero=3,shard=8"""
+    _plan_cli().main(["--gpus", "16", "--layout", "dp=16,zero=3,shard=8"])
+    out = capsys.readouterr().out
+    assert "ZeRO-3/8 (amp, tiled)" in out and "--zero 3" in out and "--zero-shard 8" in out

@@ -68,9 +68,12 @@ AXES = ("tp", "cp", "dp", "pp")
 
 def axis_stride(layout, axis):
     """Distance in global ranks between neighbours of `axis`'s group (mesh order; "ep" and
-    "edp" inside dp)."""
+    "edp" inside dp; hybrid sharding's "shard" (K neighbouring dp ranks) and "replicas"
+    (every K-th dp rank))."""
     if axis in ("ep", "edp"):
         return layout.tp * layout.cp * (layout.ep if axis == "edp" else 1)
+    if axis in ("shard", "replicas"):
+        return layout.tp * layout.cp * (layout.zero_shard if axis == "replicas" else 1)
     stride = 1
     for a in AXES[:AXES.index(axis)]:
         stride *= getattr(layout, a)
@@ -78,7 +81,11 @@ def axis_stride(layout, axis):
 
 
 def axis_size(layout, axis):
-    """Ranks in one `axis` group (edp: dp / ep x cp)."""
+    """Ranks in one `axis` group (edp: dp / ep x cp; shard: K; replicas: dp / K)."""
+    if axis == "shard":
+        return layout.zero_shard
+    if axis == "replicas":
+        return layout.dp // layout.zero_shard
     return layout.dp // layout.ep * layout.cp if axis == "edp" else getattr(layout, axis)
 
 

@@ -283,7 +283,9 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     dpcp, axis = layout.dp * layout.cp, ("cp" if layout.cp > 1 else "dp")
 
-    def coll(op, nbytes):
+    def coll(op, nbytes):                   # ZeRO's (or DDP's) group: dp x cp, or the shard
+        if layout.zero and layout.zero_shard:
+            return collective_time(cluster, op, nbytes, layout, "shard", comm)
         return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
     worst = None
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
@@ -345,7 +347,15 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     elif layout.zero == 2:
         dp_comm = coll("all_gather", n * p_bytes)
         dp_exposed = dp_comm
-    shard = math.ceil(n / (layout.dp * layout.cp)) if layout.zero else n
+    shard = math.ceil(n / layout.zero_ranks) if layout.zero else n
+    if layout.zero and layout.zero_shard:   # hybrid: the shards averaged across the replicas
+        across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",
+                                 comm)
+        # stages 2, 3 start each unit's as its last reduce-scatter ends, under the rest of
+        # backward (minidist/zero/zero.py ZeroStage2); stage 1's follow backward
+        hidden = exposed(across, w["c_b"], cluster.overlap, config.n_layer + 1) \
+            if layout.zero >= 2 else across
+        dp_comm, dp_exposed = dp_comm + across, dp_exposed + hidden
     edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)
     mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \
         sum(w["experts"])

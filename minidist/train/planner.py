@@ -78,7 +78,9 @@ class Layout:
     too). `ep` (expert parallelism, minidist/ep/) is carved out of the dp ranks (ep divides
     dp), so it is not a factor of gpus; the step-time model prices it in moe_cost.py.
     `cp_attention`: how the cp ranks attend, the ring or Ulysses' all-to-alls
-    (--cp-attention; it means nothing with cp 1)."""
+    (--cp-attention; it means nothing with cp 1). `zero_shard` K (hybrid sharding,
+    --zero-shard; 0: none): ZeRO shards over each group of K neighbouring dp ranks, the
+    groups replicas of each other (minidist/zero/README.md)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -90,6 +92,12 @@ class Layout:
     tiled: bool = False
     ep: int = 1                      # experts sharded over ep of the dp ranks (MoE only)
     cp_attention: str = "ring"       # with cp > 1: "ring" or "ulysses" (minidist/cp/ulysses.py)
+    zero_shard: int = 0              # with zero > 0: ranks per sharded replica (0: dp x cp)
+
+    @property
+    def zero_ranks(self):
+        """The ranks ZeRO shards the model state over: the shard group's, else dp x cp."""
+        return self.zero_shard or self.dp * self.cp
 
     @property
     def gpus(self):
@@ -98,7 +106,8 @@ class Layout:
     def name(self):
         """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)", "TP2+SP x CP4 x ZeRO-3
         (amp, tiled)" (dp 1: ZeRO shards over the 4 cp ranks), "CP8u x DDP x8 (amp, tiled)"
-        (u: Ulysses' all-to-alls instead of the ring). On one GPU count no two layouts share
+        (u: Ulysses' all-to-alls instead of the ring), "ZeRO-3/8 (amp)" (hybrid: sharded
+        over each 8 ranks). On one GPU count no two layouts share
         a name (dp alone is all the GPUs; sp is named with tp > 1, the attention with cp > 1,
         where they exist)."""
         parts = []
@@ -110,7 +119,8 @@ class Layout:
             parts.append(f"CP{self.cp}" + ("u" if self.cp_attention == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
-        data = f"ZeRO-{self.zero}" if self.zero else "DDP"
+        data = (f"ZeRO-{self.zero}" + (f"/{self.zero_shard}" if self.zero_shard else "")
+                if self.zero else "DDP")
         if not parts:
             parts.append(data)
         elif self.dp > 1 or self.zero:   # ZeRO with dp 1 still shards (over cp, or one rank)
@@ -267,7 +277,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         units = expert_units(config, layout, stage)       # ep > 1: the experts, per block
         experts = sum(units)
-        row = model_state_bytes(n - experts, layout.dp * layout.cp, layout.zero, layout.amp)
+        row = model_state_bytes(n - experts, layout.zero_ranks, layout.zero, layout.amp)
         p, g, o = STATE_BYTES[bool(layout.amp)]             # experts: ZeRO-1 over edp
         row["params"], row["grads"] = row["params"] + p * experts, row["grads"] + g * experts
         edp = axis_size(layout, "edp")                       # an expert's replicas

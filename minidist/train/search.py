@@ -12,7 +12,8 @@ most of the step; from the first count above pp that divides the batch where pp 
 ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
-A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
+ZeRO over data parallelism alone across nodes also tries hybrid sharding, one node's ranks
+per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
 expert count (expert parallelism carved out of dp), with cp and SP as a dense model (its
 routing's exchange over the split sequence priced by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
@@ -35,6 +36,7 @@ from minidist.train.cost import step_time
 from minidist.train.moe_cost import check_moe_layout
 from minidist.train.planner import GiB, Layout, bill
 from minidist.train.strategy import check_layout
+from minidist.zero.strategy import zero_shard_problem
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
 CP_ATTENTIONS = ATTENTIONS             # its --cp-attention choices (minidist/cp/context.py)
@@ -105,6 +107,14 @@ def cp_attentions(config, tp, cp):
     return ["ring"] + (["ulysses"] if (config.n_head // tp) % cp == 0 else [])
 
 
+def zero_shards(zero, dp, others, gpus_per_node):
+    """Hybrid sharding's group sizes to try: 0 (ZeRO over every dp rank) and, where ZeRO
+    runs over data parallelism alone (`others`: the product of tp, pp, cp, ep, must be 1, as
+    training requires) across more than one node, one node's ranks."""
+    k = gpus_per_node
+    return [0, k] if zero and others == 1 and dp > k and dp % k == 0 else [0]
+
+
 def expert_splits(config, dp):
     """ep degrees to try: 1 for a dense model; else every divisor of dp that divides the
     expert count."""
@@ -124,12 +134,17 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
-                        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
-                                        ep=ep, recompute=recompute, sp=tp > 1, tiled=tiled,
-                                        cp_attention=attention)
-                        for m in micro_batch_counts(pp, global_batch // dp, grouped=v > 1):
-                            rows.append(evaluate(config, layout, cluster, seq, global_batch,
-                                                 m, schedule, comm, headroom, v, moe_load))
+                        for shard in zero_shards(zero, dp, tp * pp * cp * ep,
+                                                 cluster.gpus_per_node):
+                            layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
+                                            ep=ep, recompute=recompute, sp=tp > 1,
+                                            tiled=tiled, cp_attention=attention,
+                                            zero_shard=shard)
+                            for m in micro_batch_counts(pp, global_batch // dp,
+                                                        grouped=v > 1):
+                                rows.append(evaluate(config, layout, cluster, seq,
+                                                     global_batch, m, schedule, comm,
+                                                     headroom, v, moe_load))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
@@ -146,6 +161,8 @@ def train_flags(config, row, v=1):
              row["micro_batch"] * row["dp"] * row["micro_batches"], "--dp", row["dp"] // row["ep"],
              "--tp", row["tp"], "--pp", row["pp"], "--cp", row["cp"], "--ep", row["ep"],
              "--zero", row["zero"], "--attention", "tiled" if row["tiled"] else "auto"]
+    if row.get("zero_shard"):
+        flags += ["--zero-shard", row["zero_shard"]]
     if config.moe_experts:
         flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
                   "--moe-every", config.moe_every]
@@ -177,6 +194,8 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         problems.append(f"zero={layout.zero}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
     if layout.cp_attention not in CP_ATTENTIONS:
         problems.append(f"cpattn={layout.cp_attention}: the CP attention is ring or ulysses")
+    if layout.zero_shard and not layout.zero:
+        problems.append(f"shard={layout.zero_shard}: hybrid sharding needs zero=1, 2 or 3")
     if problems:
         return problems
     if layout.gpus != gpus:
@@ -206,6 +225,9 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
              (f"ep={layout.ep}", moe_problems(args) + (ep_problems(args) if layout.ep > 1
                                                        else []))]
     problems = [f"{key}: {p}" for key, found in named for p in found]
+    if not problems and layout.zero_shard:
+        shard = zero_shard_problem(args, layout.dp)
+        problems += [f"shard={layout.zero_shard}: {shard}"] if shard else []
     if not problems:
         try:
             check_layout(args, gpus)                        # whatever else training refuses

@@ -126,8 +126,11 @@ class ZeroDataParallel(SingleProcess):
         """Nothing to hold back: stage 1 accumulates micro-batches in its full gradient
         buffers and reduce-scatters once in sync_grads; stages 2 and 3 reduce-scatter every
         micro-batch's gradients as backward completes them (keeping a full gradient for
-        later is what they exist to avoid)."""
-        return contextlib.nullcontext()
+        later is what they exist to avoid). Under hybrid sharding stages 2 and 3 hold back
+        the all-reduce across the replicas to the last micro-batch (engine.accumulating)."""
+        if self.replicas is None:
+            return contextlib.nullcontext()
+        return self.engine.accumulating()
 
     def over(self):
         """'4 ranks', or under hybrid sharding '2 ranks, replicated x 2'."""

@@ -52,6 +52,7 @@ stage 2 must not keep; the unit plays the bucket, its hook counting is the same 
 Tests: tests/test_zero.py, tests/scripts/zero_check.py (4 ranks == 1 process in float64 for
 each stage, memory and communication against theory).
 """
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,11 @@ class ZeroStage1:
         for work in works:
             work.wait()
 
+    def accumulating(self):
+        """Around a micro-batch before the step's last (the strategy's no_sync): nothing
+        here, stage 1 communicates in sync_grads only."""
+        return contextlib.nullcontext()
+
     def grad_pieces(self, params):
         """The pieces of this rank's gradient shards that belong to `params` (views, in unit
         order; after sync_grads they hold the averaged gradient): what this rank's optimizer
@@ -198,7 +204,10 @@ class ZeroStage2(ZeroStage1):
     def _init_grads(self):
         for u in self.units:
             u.grad_shard = xp_of(u.param_shard).zeros(u.flat.shard_size, u.flat.dtype)
-        self._inflight = []          # (unit, flat buffer, Work), oldest first
+        self._inflight = []          # (unit, flat buffer, Work, last), oldest first; last:
+                                     # issued in a step's last micro-batch (not deferring)
+        self._across = {}            # hybrid: id(unit) -> its all-reduce across the replicas
+        self._deferring = False      # inside accumulating(): not the step's last micro-batch
         self._hooks = [p.register_grad_hook(functools.partial(self._grad_ready, u))
                        for u in self.units for p in u.flat.params]
 
@@ -223,15 +232,38 @@ class ZeroStage2(ZeroStage1):
             p.grad = None
         u.ready = 0
         work = self.group.reduce_scatter(buf[f.lo:f.hi], buf, op="avg", async_op=True)
-        self._inflight.append((u, buf, work))
+        self._inflight.append((u, buf, work, not self._deferring))
         self._note_transient()
         while len(self._inflight) > self.max_inflight:
             self._finish_oldest()
 
     def _finish_oldest(self):
-        u, buf, work = self._inflight.pop(0)
+        u, buf, work, last = self._inflight.pop(0)
         work.wait()
+        if id(u) in self._across:
+            raise RuntimeError(f"{u.flat.name}: reduce-scattered again after its all-reduce "
+                               "across the replicas started (hybrid sharding: run the micro-"
+                               "batches before a step's last under the strategy's no_sync())")
         u.grad_shard += buf[u.flat.lo:u.flat.hi]      # += : micro-batches accumulate
+        if self.replicas is not None and last:
+            self._start_across(u)                     # the last micro-batch: overlap it
+
+    def _start_across(self, u):
+        """Hybrid sharding: u's gradient shard averaged across the replicas, in the
+        background (backward goes on with the blocks below)."""
+        self._across[id(u)] = self.replicas.all_reduce(u.grad_shard, op="avg",
+                                                       async_op=True)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Around a micro-batch before the step's last (the strategy's no_sync): its
+        reduce-scatters only add into the shards; the last micro-batch's start each unit's
+        all-reduce across the replicas as soon as the unit's shard is complete."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""
@@ -240,10 +272,16 @@ class ZeroStage2(ZeroStage1):
                 self._reduce_scatter(u)
         while self._inflight:
             self._finish_oldest()
-        self._average_over_replicas()
+        if self.replicas is not None:     # units backward did not finish: theirs start now
+            for u in self.units:
+                if id(u) not in self._across:
+                    self._start_across(u)
+            for work in self._across.values():
+                work.wait()
+            self._across = {}
 
     def _transient_bytes(self):
-        return sum(buf.nbytes for _, buf, _ in self._inflight)
+        return sum(buf.nbytes for _, buf, *_ in self._inflight)
 
     def _note_transient(self):
         self.transient_peak = max(self.transient_peak, self._transient_bytes())

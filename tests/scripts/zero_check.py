@@ -75,8 +75,10 @@ def compare(args, comm, ref, stage):
     group = ProcessGroup(comm, args.algo, name=f"zero{stage}")
     strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch,
                                 ckpt_activations=args.ckpt_activations, shard_size=args.shard)
+    trace.clear_events()
     model, _, losses, norms, _ = train(strategy, args)
     across = replica_bytes(strategy, args.steps, args.algo)
+    early = started_in_backward(strategy)
     ref_model, ref_losses, ref_norms = ref
     diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
     full = strategy.engine.full_state_dict()
@@ -91,7 +93,8 @@ def compare(args, comm, ref, stage):
               "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
               "param_diff": diff, "norms": norms,
               "padding": [u.flat.padding for u in strategy.engine.units],
-              "shard_ranks": strategy.shard_group.size, "across_replicas": across}
+              "shard_ranks": strategy.shard_group.size, "across_replicas": across,
+              "across_in_backward": early, "units": len(strategy.engine.units)}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
@@ -114,6 +117,22 @@ def replica_bytes(strategy, steps, algo):
                            for u in strategy.engine.units)
         assert sent == want, ("bytes across replicas", sent, want)
     return sent
+
+
+def started_in_backward(strategy):
+    """Hybrid sharding (trace on): per step, how many of the all-reduces across the replicas
+    were issued before the step's "wait for gradients" (sync_grads) began, i.e. overlapped
+    with backward; the fewest over the steps (None when not hybrid)."""
+    if strategy.replicas is None:
+        return None
+    events = trace.events()
+    waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
+    issued = [e["issued"] for e in events if e["group"] == strategy.replicas.name]
+    counts, before = [], 0.0
+    for wait in waits:
+        counts.append(sum(1 for t in issued if before <= t < wait))
+        before = wait
+    return min(counts)
 
 
 def measure(args, comm, stage, amp=False, dtype="float64"):
@@ -207,6 +226,8 @@ def main():
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    if cli.shard:
+        trace.enable()     # the events tell when the all-reduces across replicas started
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
