@@ -280,14 +280,20 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
     """--ddp and --bucket-mb do nothing where no gradient is averaged (one process, or every
     rank a tp / pp shard of one replica): refused by check_layout, which knows the replicas
     (dp x ep x cp), as check_flags refuses them under --zero. Was: accepted, ignored."""
+    assert _layout_refusal(ranks, flags, refused)
+
+
+def _layout_refusal(ranks, flags, refused):
+    """check_layout on `ranks` accepts `flags` (refused None) or refuses them with an error
+    containing `refused`."""
     from minidist.train.strategy import check_layout
     args = train_parser().parse_args(flags)
     if refused is None:
         check_layout(args, ranks)
-        return
+        return True
     with pytest.raises(UsageError) as e:
         check_layout(args, ranks)
-    assert refused in str(e.value)
+    return refused in str(e.value)
 
 
 @pytest.mark.parametrize("ranks,flags,refused", [
@@ -304,14 +310,7 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
 def test_zero_shard_is_checked_against_the_layout(ranks, flags, refused):
     """--zero-shard K (hybrid sharding): K divides dp, needs --zero, dp alone so far; one
     error line before any communication."""
-    from minidist.train.strategy import check_layout
-    args = train_parser().parse_args(flags)
-    if refused is None:
-        check_layout(args, ranks)
-        return
-    with pytest.raises(UsageError) as e:
-        check_layout(args, ranks)
-    assert refused in str(e.value)
+    assert _layout_refusal(ranks, flags, refused)
 
 
 @pytest.mark.parametrize("ranks,flags,says", [
