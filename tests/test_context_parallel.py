@@ -240,8 +240,9 @@ def _check_reloads(rows, runs, ranks):
 
 
 def test_cp4_and_compositions_are_exact(mpi):
-    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum), cp 2 x tp 2, both splits, and with
-    ZeRO-1/2/3 over dp x cp (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
+    """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum; ZeRO-3 and ZeRO-2 + grad-accum with
+    hybrid sharding, each dp replica's cp ranks one sharded replica), cp 2 x tp 2, both
+    splits, and with ZeRO-1/2/3 over dp x cp (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
     grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
     without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Bytes on the cp and
@@ -251,7 +252,8 @@ def test_cp4_and_compositions_are_exact(mpi):
             --resume-runs cp2xtp2+zero3
     """
     runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
-            "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xtp2", "cp2xtp2+naive",
+            "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xdp2+zero3+shard2",
+            "cp2xdp2+zero2+shard2+accum", "cp2xtp2", "cp2xtp2+naive",
             "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
             "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt",

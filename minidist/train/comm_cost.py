@@ -68,12 +68,12 @@ AXES = ("tp", "cp", "dp", "pp")
 
 def axis_stride(layout, axis):
     """Distance in global ranks between neighbours of `axis`'s group (mesh order; "ep" and
-    "edp" inside dp; hybrid sharding's "shard" (K neighbouring dp ranks) and "replicas"
-    (every K-th dp rank))."""
+    "edp" inside dp; hybrid sharding's "shard" (K neighbouring ranks of ZeRO's dp x cp
+    group, whose cp ranks are neighbours) and "replicas" (every K-th of them))."""
     if axis in ("ep", "edp"):
         return layout.tp * layout.cp * (layout.ep if axis == "edp" else 1)
-    if axis in ("shard", "replicas"):
-        return layout.tp * layout.cp * (layout.zero_shard if axis == "replicas" else 1)
+    if axis in ("shard", "replicas"):      # within ZeRO's dp x cp group, cp fastest
+        return layout.tp * (layout.zero_shard if axis == "replicas" else 1)
     stride = 1
     for a in AXES[:AXES.index(axis)]:
         stride *= getattr(layout, a)
@@ -81,11 +81,11 @@ def axis_stride(layout, axis):
 
 
 def axis_size(layout, axis):
-    """Ranks in one `axis` group (edp: dp / ep x cp; shard: K; replicas: dp / K)."""
+    """Ranks in one `axis` group (edp: dp / ep x cp; shard: K; replicas: dp x cp / K)."""
     if axis == "shard":
         return layout.zero_shard
     if axis == "replicas":
-        return layout.dp // layout.zero_shard
+        return layout.dp * layout.cp // layout.zero_shard
     return layout.dp // layout.ep * layout.cp if axis == "edp" else getattr(layout, axis)
 
 

@@ -28,7 +28,8 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
 Hybrid sharding (--zero-shard K, `shard_groups`): the engine shards over each group of K
 neighbouring ranks and averages the gradient shards across the groups (the replicas); the
 rows, the loss and the memory table stay over the whole dp group, the clip's sum over the
-shard group; the first group writes the checkpoints (README.md, "Hybrid sharding").
+shard group; the first group writes the checkpoints (README.md, "Hybrid sharding"). Under
+--cp the group is dp x cp, so a shard group is made of neighbouring cp ranks first.
 Tests: tests/test_zero.py.
 """
 import contextlib
@@ -64,15 +65,18 @@ def shard_groups(group, shard_size=None):
 
 
 def zero_shard_problem(args, dp):
-    """Why --zero-shard cannot run in this layout, or None."""
-    k = args.zero_shard
-    if args.tp > 1 or args.pp > 1 or args.cp > 1 or args.ep > 1:
-        return (f"--zero-shard {k}: hybrid sharding runs over data parallelism alone so far "
-                "(leave --tp, --pp, --cp and --ep at 1, or leave --zero-shard out)")
-    if k < 1 or dp % k:
-        divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
-        return (f"--zero-shard {k}: the ranks each replica is sharded over must divide dp "
-                f"{dp}: one of {divisors} (typically the ranks of one node)")
+    """Why --zero-shard cannot run in this layout, or None. ZeRO's group is dp x cp (under
+    --cp every cp rank holds the replica): K divides it."""
+    k, n = args.zero_shard, dp * args.cp
+    if args.tp > 1 or args.pp > 1 or args.ep > 1:
+        return (f"--zero-shard {k}: hybrid sharding runs over data (and context) "
+                "parallelism alone so far (leave --tp, --pp and --ep at 1, or leave "
+                "--zero-shard out)")
+    if k < 1 or n % k:
+        divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        group = f"dp {dp}" if args.cp == 1 else f"dp x cp = {dp} x {args.cp} = {n}"
+        return (f"--zero-shard {k}: the ranks each replica is sharded over must divide "
+                f"{group}: one of {divisors} (typically the ranks of one node)")
     return None
 
 

@@ -53,6 +53,10 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
         "cp2xdp2+zero3": ["--dp", "2", "--zero", "3"], "cp2xtp2": ["--tp", "2"],
         "cp2xtp2+naive": ["--tp", "2", "--cp-split", "naive"],
         "cp2xdp2+zero3+accum": ["--dp", "2", "--zero", "3", "--grad-accum", "2"],
+        # hybrid sharding over dp x cp: each dp replica's 2 cp ranks one sharded replica
+        "cp2xdp2+zero3+shard2": ["--dp", "2", "--zero", "3", "--zero-shard", "2"],
+        "cp2xdp2+zero2+shard2+accum": ["--dp", "2", "--zero", "2", "--zero-shard", "2",
+                                       "--grad-accum", "2"],
         # cp x tp x ZeRO: ZeRO over dp x cp shards each tp rank's part (dp 1 on 4 ranks)
         "cp2xtp2+zero1": ["--tp", "2", "--zero", "1"],
         "cp2xtp2+zero2+naive": ["--tp", "2", "--zero", "2", "--cp-split", "naive"],
