@@ -26,9 +26,10 @@ TOL = 1e-10
 RUNS_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m4-1f1b-z2", "pp2-dp2-m4-1f1b-z3",
           "pp2-dp2-m4-v2-1f1b-z1", "pp2-dp2-m4-v2-1f1b-ckpt-z3", "pp2-dp2-m4-zbh1-z2",
           "pp2-dp2-m4-zbh1-z3", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m2-gpipe-ckpt-z3",
-          "pp4-m8-1f1b-z2", "pp4-m8-zbh1-z3"]
+          "pp4-m8-1f1b-z2", "pp4-m8-zbh1-z3", "pp2-dp2-m4-1f1b-z3-zs1",
+          "pp2-dp2-m4-zbh1-z3-zs1", "pp2-dp2-m2-ga2-1f1b-z2-zs1"]
 FILES_4 = ["pp2-dp2-m4-1f1b-z1", "pp2-dp2-m2-ga2-1f1b-z2", "pp2-dp2-m4-v2-1f1b-ckpt-z3",
-           "pp2-dp2-m4-zbh1-z3"]
+           "pp2-dp2-m4-zbh1-z3", "pp2-dp2-m2-ga2-1f1b-z2-zs1"]
 RUNS_8 = ["dp2-tp2-pp2-m2-1f1b-z1", "dp2-tp2-pp2-m4-zbh1-sp-z2", "dp2-tp2-pp2-m2-v2-1f1b-z3"]
 
 
@@ -85,7 +86,10 @@ def test_pp2_x_dp2_zero_equals_one_process(mpi):
     two gather buffers are reused, so backward re-gathers evicted blocks): 1F1B with each
     stage, interleaved (v 2) with ZeRO-1 and ZeRO-3 (+ checkpointing), ZB-H1 with ZeRO-2 and
     ZeRO-3 (the deferred W fires the reduce-scatter hooks), --grad-accum 2, GPipe; and one
-    pipeline of 4 stages (middle stages: blocks only) with ZeRO-2 and ZeRO-3 over one rank.
+    pipeline of 4 stages (middle stages: blocks only) with ZeRO-2 and ZeRO-3 over one rank;
+    hybrid sharding (--zero-shard 1: each rank its own shard group, the gradients all-reduced
+    across the 2 replicas of each stage) with ZeRO-3 (1F1B, ZB-H1) and ZeRO-2 (grad-accum,
+    its checkpoint).
     Losses, clipped grad norms and parameters equal to one process to 1e-10; the schedules
     of one size bitwise equal; the checkpoints of four runs load into one process (its
     parameters and Adam state) and back into the pipelines bitwise:

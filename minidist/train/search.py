@@ -12,8 +12,8 @@ most of the step; from the first count above pp that divides the batch where pp 
 ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
-ZeRO over data (and context) parallelism alone across nodes also tries hybrid sharding, one
-node's ranks per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
+ZeRO across nodes without tp or ep also tries hybrid sharding, one node's ranks per sharded
+replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
 expert count (expert parallelism carved out of dp), with cp and SP as a dense model (its
 routing's exchange over the split sequence priced by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
@@ -109,8 +109,8 @@ def cp_attentions(config, tp, cp):
 
 def zero_shards(zero, ranks, others, gpus_per_node):
     """Hybrid sharding's group sizes to try: 0 (ZeRO over all its `ranks`, dp x cp) and,
-    where those span more than one node and nothing else splits the model (`others`: tp x pp
-    x ep must be 1, as training requires), one node's ranks."""
+    where those span more than one node and neither tp nor ep splits the model (`others`:
+    tp x ep must be 1, as training requires), one node's ranks."""
     k = gpus_per_node
     return [0, k] if zero and others == 1 and ranks > k and ranks % k == 0 else [0]
 
@@ -134,7 +134,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
-                        for shard in zero_shards(zero, dp * cp, tp * pp * ep,
+                        for shard in zero_shards(zero, dp * cp, tp * ep,
                                                  cluster.gpus_per_node):
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,

@@ -66,12 +66,11 @@ def shard_groups(group, shard_size=None):
 
 def zero_shard_problem(args, dp):
     """Why --zero-shard cannot run in this layout, or None. ZeRO's group is dp x cp (under
-    --cp every cp rank holds the replica): K divides it."""
+    --cp every cp rank holds the replica; under --pp each stage's): K divides it."""
     k, n = args.zero_shard, dp * args.cp
-    if args.tp > 1 or args.pp > 1 or args.ep > 1:
-        return (f"--zero-shard {k}: hybrid sharding runs over data (and context) "
-                "parallelism alone so far (leave --tp, --pp and --ep at 1, or leave "
-                "--zero-shard out)")
+    if args.tp > 1 or args.ep > 1:
+        return (f"--zero-shard {k}: hybrid sharding does not run with tensor or expert "
+                "parallelism yet (leave --tp and --ep at 1, or leave --zero-shard out)")
     if k < 1 or n % k:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         group = f"dp {dp}" if args.cp == 1 else f"dp x cp = {dp} x {args.cp} = {n}"

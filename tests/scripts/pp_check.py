@@ -12,7 +12,7 @@
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
 gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), sp
 (--sequence-parallel), ckpt (--ckpt-activations), z1, z2, z3 (--zero k: ZeRO-k across the
-pipelines instead of DDP). Every rank also trains the
+pipelines instead of DDP), zs1 (--zero-shard 1: hybrid sharding, each shard group one rank). Every rank also trains the
 single-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
 clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
 through the loop's train_step, measuring activations. Checks: losses, grad norms and every
@@ -79,6 +79,8 @@ def flags(name, steps):
             extra += ["--ckpt-activations"]
         elif re.fullmatch(r"z[123]", t):
             extra += ["--zero", t[1]]
+        elif re.fullmatch(r"zs\d+", t):
+            extra += ["--zero-shard", t[2:]]
         else:
             raise ValueError(f"unknown run token {t!r} in {name!r}")
     c = CONFIG
