@@ -302,8 +302,9 @@ def _layout_refusal(ranks, flags, refused):
     (4, ["--zero", "1", "--zero-shard", "0"], "--zero-shard 0: the ranks each replica"),
     (4, ["--zero-shard", "2"], "--zero-shard 2: sets the ranks ZeRO shards each replica over, "
      "which this run does not use (add --zero 1, 2 or 3, or leave --zero-shard out)"),
-    (4, ["--zero", "2", "--zero-shard", "2", "--tp", "2"], "--zero-shard 2: hybrid sharding "
-     "does not run with tensor or expert parallelism yet"),
+    (4, ["--zero", "2", "--zero-shard", "2", "--moe-experts", "4", "--ep", "2"],
+     "--zero-shard 2: hybrid sharding does not run with expert parallelism yet"),
+    (4, ["--zero", "2", "--zero-shard", "1", "--tp", "2"], None),   # each tp rank's dp
     (4, ["--zero", "2", "--zero-shard", "2"], None),
     (4, ["--zero", "2", "--zero-shard", "4"], None),            # one group: plain ZeRO
     (4, ["--zero", "3", "--zero-shard", "2", "--cp", "2"], None),   # over dp x cp
@@ -313,7 +314,7 @@ def _layout_refusal(ranks, flags, refused):
 ])
 def test_zero_shard_is_checked_against_the_layout(ranks, flags, refused):
     """--zero-shard K (hybrid sharding): K divides ZeRO's dp (x cp) ranks, needs --zero, not
-    with tp or ep so far; one error line before any communication."""
+    with ep so far; one error line before any communication."""
     assert _layout_refusal(ranks, flags, refused)
 
 

@@ -242,14 +242,15 @@ def _check_reloads(rows, runs, ranks):
 def test_cp4_and_compositions_are_exact(mpi):
     """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum; ZeRO-3 and ZeRO-2 + grad-accum with
     hybrid sharding, each dp replica's cp ranks one sharded replica), cp 2 x tp 2, both
-    splits, and with ZeRO-1/2/3 over dp x cp (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
+    splits, and with ZeRO-1/2/3 over dp x cp (cp x tp x ZeRO-3 and cp x tp x SP x ZeRO-2
+    hybrid too: --zero-shard 1, each cp rank a replica) (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
     grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
     without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Bytes on the cp and
     tp groups = their formulas; the activation ledger of cp x tp without and with SP.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,... \
-            --resume-runs cp2xtp2+zero3
+            --resume-runs cp2xtp2+zero3,cp2xtp2+sp+zero3,cp2xtp2+zero3+shard1
     """
     runs = ["cp4", "cp4+naive", "cp2xdp2", "cp2xdp2+naive+accum", "cp2xdp2+zero1",
             "cp2xdp2+zero2", "cp2xdp2+zero3", "cp2xdp2+zero3+accum", "cp2xdp2+zero3+shard2",
@@ -257,12 +258,13 @@ def test_cp4_and_compositions_are_exact(mpi):
             "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
             "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt",
-            "cp2xtp2+zero3+ckpt", *SP_RUNS]
+            "cp2xtp2+zero3+ckpt", "cp2xtp2+zero3+shard1", "cp2xtp2+sp+zero2+shard1", *SP_RUNS]
+    resumed = ["cp2xtp2+zero3", "cp2xtp2+sp+zero3", "cp2xtp2+zero3+shard1"]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
-              "cp2xtp2+zero3,cp2xtp2+sp+zero3", timeout=240)
+              ",".join(resumed), timeout=240)
     rows = tagged_json(out, "RESULT")
     _check_exact(rows, runs)
-    _check_reloads(rows, ["cp2xtp2+zero3", "cp2xtp2+sp+zero3"], 4)
+    _check_reloads(rows, resumed, 4)
     assert tagged_json(out, "MESH")[0]["cp_group_of_0"] == [0, 1]
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 4)

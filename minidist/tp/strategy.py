@@ -115,10 +115,11 @@ class TensorParallel(ModelParallel):
 
     def _zero_group(self):
         """The group over which ZeRO shards this rank's whole part: inner's dp group, or under
-        --cp the dp x cp group of the ZeRO inside ContextParallel; None when ZeRO does not
+        --cp the dp x cp group of the ZeRO inside ContextParallel (under hybrid sharding the
+        shard group of either); None when ZeRO does not
         hold it (DDP; --ep, whose experts it holds apart). Not None: sharded checkpoints."""
         zero = self.inner.zero_strategy()
-        return None if zero is None else zero.group
+        return None if zero is None else zero.shard_group
 
     def _part(self):
         """Under ZeRO: this tp rank's folder of ZeRO's sharded files in a checkpoint."""
@@ -150,7 +151,8 @@ class TensorParallel(ModelParallel):
         group = self._zero_group()
         if group is not None:
             return save_sharded(directory, model, optimizer, group, step, rng_states, extra,
-                                part=self._part(), world=self.mesh.world, tp=self._tp_record())
+                                part=self._part(), world=self.mesh.world, tp=self._tp_record(),
+                                writes=self.inner.zero_strategy().writes_checkpoint())
         params, opt_sd = self.whole_state(model, optimizer)
         if self.rank == 0:
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),

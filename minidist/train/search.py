@@ -12,8 +12,8 @@ most of the step; from the first count above pp that divides the batch where pp 
 ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
-ZeRO across nodes without tp or ep also tries hybrid sharding, one node's ranks per sharded
-replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
+ZeRO whose dp x cp ranks span nodes, without ep, also tries hybrid sharding, one node's
+share of them per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
 expert count (expert parallelism carved out of dp), with cp and SP as a dense model (its
 routing's exchange over the split sequence priced by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
@@ -107,12 +107,13 @@ def cp_attentions(config, tp, cp):
     return ["ring"] + (["ulysses"] if (config.n_head // tp) % cp == 0 else [])
 
 
-def zero_shards(zero, ranks, others, gpus_per_node):
+def zero_shards(zero, ranks, ep, tp, gpus_per_node):
     """Hybrid sharding's group sizes to try: 0 (ZeRO over all its `ranks`, dp x cp) and,
-    where those span more than one node and neither tp nor ep splits the model (`others`:
-    tp x ep must be 1, as training requires), one node's ranks."""
-    k = gpus_per_node
-    return [0, k] if zero and others == 1 and ranks > k and ranks % k == 0 else [0]
+    without expert parallelism (training refuses it there) where they span more than one
+    node, as many as one node holds (its GPUs / tp: the group's ranks are tp apart), if
+    that is 2 or more (1 would shard nothing)."""
+    k = gpus_per_node // tp
+    return [0, k] if zero and ep == 1 and 2 <= k < ranks and ranks % k == 0 else [0]
 
 
 def expert_splits(config, dp):
@@ -134,7 +135,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
-                        for shard in zero_shards(zero, dp * cp, tp * ep,
+                        for shard in zero_shards(zero, dp * cp, ep, tp,
                                                  cluster.gpus_per_node):
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,

@@ -55,7 +55,7 @@ def shard_name(rank, world):
 # ---- save --------------------------------------------------------------------------------------
 
 def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
-                 part=None, world=None, tp=None):
+                 part=None, world=None, tp=None, writes=True):
     """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
     ShardedAdamW) and, from rank 0, state.json and the manifest, as the next numbered folder
     of `directory` (minidist/strategy/checkpoint_dirs.py). With `part`, `world` and `tp`
@@ -63,7 +63,9 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
     subfolder `part` of one checkpoint that world rank 0 commits once every group has
     written, collective over `world` then; its manifest's "tp" section is `tp` (this tp
     rank, the tp size, each split parameter's Split: what lets any layout read the pieces
-    back, minidist/strategy/readers.py PartsReader)."""
+    back, minidist/strategy/readers.py PartsReader). `writes` False (hybrid sharding: a
+    replica of the first shard group's shards, `world` the ranks of all the groups): this
+    rank writes nothing and only takes part in `world`'s agreement."""
     world = world if world is not None else group
     tmp, err = None, None
     if world.rank == 0:
@@ -75,13 +77,15 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
     if err:
         raise CheckpointError(err)
     folder = tmp if part is None else os.path.join(tmp, part)
-    if part is not None and group.rank == 0:
-        try:
-            os.mkdir(folder)
-        except OSError as e:
-            err = str(e)
-    err = group.comm.bcast(err, root=0)
-    err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra, tp)
+    if writes:
+        if part is not None and group.rank == 0:
+            try:
+                os.mkdir(folder)
+            except OSError as e:
+                err = str(e)
+        err = group.comm.bcast(err, root=0)
+        err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra,
+                                   tp)
     errors = [e for e in world.comm.allgather(err) if e]
     if world.rank == 0:
         if not errors:

@@ -29,7 +29,8 @@ Hybrid sharding (--zero-shard K, `shard_groups`): the engine shards over each gr
 neighbouring ranks and averages the gradient shards across the groups (the replicas); the
 rows, the loss and the memory table stay over the whole dp group, the clip's sum over the
 shard group; the first group writes the checkpoints (README.md, "Hybrid sharding"). Under
---cp the group is dp x cp, so a shard group is made of neighbouring cp ranks first.
+--cp the group is dp x cp, so a shard group is made of neighbouring cp ranks first; under
+--tp TensorParallel writes its parts from the first shard group (writes_checkpoint).
 Tests: tests/test_zero.py.
 """
 import contextlib
@@ -68,9 +69,9 @@ def zero_shard_problem(args, dp):
     """Why --zero-shard cannot run in this layout, or None. ZeRO's group is dp x cp (under
     --cp every cp rank holds the replica; under --pp each stage's): K divides it."""
     k, n = args.zero_shard, dp * args.cp
-    if args.tp > 1 or args.ep > 1:
-        return (f"--zero-shard {k}: hybrid sharding does not run with tensor or expert "
-                "parallelism yet (leave --tp and --ep at 1, or leave --zero-shard out)")
+    if args.ep > 1:
+        return (f"--zero-shard {k}: hybrid sharding does not run with expert parallelism "
+                "yet (its two ZeRO engines; leave --ep at 1, or leave --zero-shard out)")
     if k < 1 or n % k:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         group = f"dp {dp}" if args.cp == 1 else f"dp x cp = {dp} x {args.cp} = {n}"
@@ -184,21 +185,16 @@ class ZeroDataParallel(SingleProcess):
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        """A sharded checkpoint; under hybrid sharding the first shard group writes it (the
-        others hold the same shards) and every rank learns how that went."""
-        if self.replicas is None:
-            return save_sharded(directory, model, optimizer, self.group, step, rng_states,
-                                extra)
-        err = None
-        if self.replicas.rank == 0:
-            try:
-                save_sharded(directory, model, optimizer, self.shard_group, step, rng_states,
-                             extra)
-            except CheckpointError as e:
-                err = str(e)
-        err = self.group.comm.bcast(err, root=0)    # group rank 0: the first group's rank 0
-        if err:
-            raise CheckpointError(err)
+        """A sharded checkpoint of the shard group's shards; under hybrid sharding the first
+        shard group writes it (the others hold the same shards) and every rank of the dp
+        group learns how that went."""
+        save_sharded(directory, model, optimizer, self.shard_group, step, rng_states, extra,
+                     world=self.group, writes=self.writes_checkpoint())
+
+    def writes_checkpoint(self):
+        """Whether this rank writes its shards into a checkpoint: in the first shard group
+        (all of them without hybrid sharding)."""
+        return self.replicas is None or self.replicas.rank == 0
 
     def load(self, directory, model, optimizer):
         """Each shard group reads its shards (any checkpoint, any layout); under hybrid
