@@ -75,6 +75,9 @@ def candidate(rng, ranks):
     f["--no-bias"] = rng.random() < 0.15
     if cp > 1:           # drawn last: the draws above are the ones before Ulysses existed
         f["--cp-attention"] = _pick(rng, ["ring", "ulysses"])
+    zero_ranks = dp * cp                  # ZeRO's group; hybrid sharding: K of them per replica
+    if f["--zero"] and ep == 1 and zero_ranks > 1:        # after Ulysses' draw, for the same
+        f["--zero-shard"] = _pick(rng, [None] + [k for k in (1, 2) if k < zero_ranks])
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -117,6 +120,7 @@ def _traits(flags):
     out += ["--grad-accum 2"] if flags.get("--grad-accum") == 2 else []
     out += ["--attention tiled"] if flags.get("--attention") == "tiled" else []
     out += ["--cp-attention ulysses"] if flags.get("--cp-attention") == "ulysses" else []
+    out += ["--zero-shard"] if "--zero-shard" in flags else []
     return sorted(out)
 
 
