@@ -74,6 +74,12 @@ F="$LOGS/mpi4_cp_2_ulysses.jsonl"
 rm -f "$F"
 run mpi4_cp_2_ulysses curve "$F" -- "$MPIEXEC" -n 4 "$PY" $TRAIN --device "$DEVICE" \
     --steps "$MPI_STEPS" --log-json "$F" --cp 2 --cp-attention ulysses
+# hybrid sharding (--zero-shard): ZeRO-3 in each pair of ranks, the gradient shards
+# all-reduced across the pairs (cupy shards through host-staged MPI); proven on the CPU only
+F="$LOGS/mpi4_zero_3_shard_2.jsonl"
+rm -f "$F"
+run mpi4_zero_3_shard_2 curve "$F" -- "$MPIEXEC" -n 4 "$PY" $TRAIN --device "$DEVICE" \
+    --steps "$MPI_STEPS" --log-json "$F" --zero 3 --zero-shard 2
 
 "$PY" tests/scripts/acceptance.py summary "$RESULTS" > "$LOGS/summary.json"
 status=$?

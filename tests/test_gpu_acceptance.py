@@ -159,7 +159,7 @@ def test_speed_script_keeps_inside_its_budget(tmp_path):
 SESSION_ORDER = ["gpu_suite", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",      # kernels
                  "bf16", "bf16_new",                                            # speed
                  "mpi4_ddp", "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2",  # ranks
-                 "mpi4_cp_2_new", "mpi4_cp_2_ulysses",
+                 "mpi4_cp_2_new", "mpi4_cp_2_ulysses", "mpi4_zero_3_shard_2",
                  "fp32", "tf32", "bf16_new_tiled", "bf16_new_drop",             # speed2
                  "train_cpu", "train_device", "train_val_within_2pct",          # training
                  "suite_on_device"]                                             # suite
@@ -213,7 +213,7 @@ def test_dry_run_on_the_cpu_passes_every_check(tmp_path):
     assert names == ["gpu_suite", "suite_on_device", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",
                      "train_cpu", "train_device", "train_val_within_2pct", "mpi4_ddp",
                      "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2", "mpi4_cp_2_new",
-                     "mpi4_cp_2_ulysses", "summary"], out.stderr
+                     "mpi4_cp_2_ulysses", "mpi4_zero_3_shard_2", "summary"], out.stderr
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert out.returncode == 0
     assert (tmp_path / "results.jsonl").read_text().count("\n") == len(rows)
