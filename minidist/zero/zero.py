@@ -44,6 +44,11 @@ Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shar
     run_blocks calls before_block(i) (gather, prefetch) and after_block(i, y) (BeforeBackward)
     around block i, its embed and head call before_root(). No method is replaced.
 
+Hybrid sharding (`replicas`, --zero-shard): `group` is then a shard group of K ranks, and
+the engine also averages each gradient shard over `replicas`, the ranks holding the same
+shard in the other groups: stage 1 after its reduce-scatters, stages 2 and 3 as each unit's
+last reduce-scatter of the step lands (under the rest of backward; `accumulating()` holds
+back the micro-batches before the last).
 Bytes each rank sends per step (ring, Psi = padded parameter bytes): DDP 2(N-1)/N Psi; stages
 1, 2 reduce-scatter + all-gather, the same; stage 3, 3(N-1)/N Psi in the paper (1.5x), here
 (N-1)/N (Psi + root + (2L-2)/L blocks): the root and the last two blocks are gathered once.
