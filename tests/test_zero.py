@@ -225,6 +225,7 @@ def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path, mpi):
     out = mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--zero-shard", "2",
               "--stop-at", "2", "--save", hckpt, "--log-json", h, timeout=300)
     assert "ZeRO stage 3 over 2 ranks, replicated x 2" in out.stdout
+    assert "4 ranks, each replica sharded over 2: the ZeRO paper's" in out.stdout
     assert "across the shard groups" in out.stdout
     mpi(4, "examples/train_gpt.py", *flags, "--zero", "2", "--resume", hckpt, "--log-json", hc,
         timeout=300)

@@ -139,17 +139,19 @@ def zero_model_states(n_params, dp=1, stage=0, amp=False, itemsize=4):
 ExpertStates = collections.namedtuple("ExpertStates", "params ranks optimizer")
 
 
-def zero_table(rows, predicted, stage, n_params, experts=None):
+def zero_table(rows, predicted, stage, n_params, experts=None, shard_ranks=None):
     """Predicted (zero_model_states) vs measured (ledger rows with a "rank"): one line per
     rank, MiB, and measured / predicted for the model states. `experts` (an ExpertStates):
-    how many of the n_params are this rank's experts, said in the title."""
+    how many of the n_params are this rank's experts, said in the title. `shard_ranks`
+    (hybrid sharding): the ranks each replica is sharded over, said in the title."""
     mib = 2.0 ** 20
     kinds = ("params", "grads", "optimizer")
     mine = (f" ({experts.params:,} of them this rank's experts: optimizer state split over "
             f"{experts.ranks}, gradients whole)" if experts else "")
+    hybrid = f", each replica sharded over {shard_ranks}" if shard_ranks else ""
     lines = [f"memory per rank, ZeRO stage {stage}, {n_params:,} parameters{mine}, "
-             f"{len(rows)} ranks: the ZeRO paper's model states vs the ledger's live arrays "
-             "(MiB)",
+             f"{len(rows)} ranks{hybrid}: the ZeRO paper's model states vs the ledger's live "
+             "arrays (MiB)",
              "           " + "".join(f"{k:>12}" for k in kinds + ("states",)) +
              f"{'activations':>13}{'transient':>11}",
              "predicted  " + "".join(f"{predicted[k] / mib:12.3f}" for k in kinds) +

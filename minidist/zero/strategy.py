@@ -282,8 +282,9 @@ class ZeroDataParallel(SingleProcess):
         if self.step_bytes is not None:
             log.print0(self.summary())
         if self.rank == 0:
-            log.print0(memory.zero_table(rows, self.predicted_states(experts), self.stage,
-                                         self.n_params, experts))
+            log.print0(memory.zero_table(
+                rows, self.predicted_states(experts), self.stage, self.n_params, experts,
+                None if self.replicas is None else self.shard_group.size))
         if args.trace:
             trace.write_chrome_trace(args.trace, self.group)
             log.print0(f"trace of every collective written to {args.trace}")
