@@ -115,9 +115,10 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
 def parse_layout(text, args, config, v):
     """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
     sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
-    instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An unknown or repeated key, a value that is not a whole
-    number (cpattn: not ring or ulysses), and a layout examples/train_gpt.py would not run
-    (search.layout_problems: training's own checks) are one error line naming the key."""
+    instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An
+    unknown or repeated key, a value that is not a whole number (cpattn: not ring or
+    ulysses), and a layout examples/train_gpt.py would not run (search.layout_problems:
+    training's own checks) are one error line naming the key."""
     fields, micro, sp, seen = {}, 1, True, set()
     for item in text.split(","):
         key, eq, value = item.partition("=")

@@ -243,7 +243,8 @@ def test_cp4_and_compositions_are_exact(mpi):
     """cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2/3, grad-accum; ZeRO-3 and ZeRO-2 + grad-accum with
     hybrid sharding, each dp replica's cp ranks one sharded replica), cp 2 x tp 2, both
     splits, and with ZeRO-1/2/3 over dp x cp (cp x tp x ZeRO-3 and cp x tp x SP x ZeRO-2
-    hybrid too: --zero-shard 1, each cp rank a replica) (the ZeRO-3 runs' sharded checkpoints saved and loaded back); and
+    hybrid too: --zero-shard 1, each cp rank a replica) (the ZeRO-3 runs' sharded
+    checkpoints saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
     grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
     without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Bytes on the cp and

@@ -8,9 +8,9 @@ weights per block). With it:
 
     forward   runs block(x) under no_grad, so its intermediates are freed at once; the graph
               keeps one node holding x (the block's input, the one (B, T, C) array a
-              checkpointed block keeps) and the state the block ran in: the dropout keys' step, rows and cp
-              positions (or a generator's state) and, under context parallelism, the
-              ring's layouts;
+              checkpointed block keeps) and the state the block ran in: the dropout
+              keys' step, rows and cp positions (or a generator's state) and, under
+              context parallelism, the ring's layouts;
     backward  runs block(x) again, grad on, from x as a fresh leaf and with that state
               restored (the same dropout masks, the same ring; then put back),
               backpropagates the incoming gradient through that short-lived graph, and

@@ -5,13 +5,14 @@ does in `minidist.comm.init()` (importing minidist.comm tells mpi4py not to init
 import). `init` calls `apply_defaults()` just before MPI_Init; a value already in the
 environment always wins. Importing this module sets nothing.
 
-What is set, and why (measurements: examples/BENCHMARKS.md, "When ranks outnumber cores"): MPICH's
-intra-node "release_gather" algorithms for Barrier, Bcast, Reduce and Allreduce spin on shared
-memory flags without ever yielding. mpi4py asks for MPI_THREAD_MULTIPLE, under which MPICH does
-not use them; a program that asks for a lower thread level (MPI4PY_RC_THREAD_LEVEL=single) gets
-them, and with more ranks than cores they are 10-100x slower (a 64 KiB Allreduce: 62 ms instead
-of 0.2 ms on 4 ranks, 2 cores). Selecting MPICH's generic point-to-point algorithms ("mpir")
-fixes that and costs nothing under THREAD_MULTIPLE, so it is set when ranks outnumber cores.
+What is set, and why (measurements: examples/BENCHMARKS.md, "When ranks outnumber cores"):
+MPICH's intra-node "release_gather" algorithms for Barrier, Bcast, Reduce and Allreduce spin on
+shared memory flags without ever yielding. mpi4py asks for MPI_THREAD_MULTIPLE, under which
+MPICH does not use them; a program that asks for a lower thread level
+(MPI4PY_RC_THREAD_LEVEL=single) gets them, and with more ranks than cores they are 10-100x
+slower (a 64 KiB Allreduce: 62 ms instead of 0.2 ms on 4 ranks, 2 cores). Selecting MPICH's
+generic point-to-point algorithms ("mpir") fixes that and costs nothing under THREAD_MULTIPLE,
+so it is set when ranks outnumber cores.
 
 Nothing else is set. MPICH's other polling knobs did not help here:
 MPIR_CVAR_POLLS_BEFORE_YIELD belongs to the old ch3 device (this is ch4), and

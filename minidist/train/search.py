@@ -13,9 +13,10 @@ ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
 ZeRO whose dp x cp ranks span nodes, without ep, also tries hybrid sharding, one node's
-share of them per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts) also tries every ep dividing both dp and the
-expert count (expert parallelism carved out of dp), with cp and SP as a dense model (its
-routing's exchange over the split sequence priced by moe_cost.py split_times).
+share of them per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts)
+also tries every ep dividing both dp and the expert count (expert parallelism carved out of
+dp), with cp and SP as a dense model (its routing's exchange over the split sequence priced
+by moe_cost.py split_times).
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
 training to run (tests/test_planner.py checks that training accepts every one).
 `layout_problems` is the check of a layout given by hand (plan.py --layout): training's own

@@ -12,17 +12,17 @@
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
 gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), sp
 (--sequence-parallel), ckpt (--ckpt-activations), z1, z2, z3 (--zero k: ZeRO-k across the
-pipelines instead of DDP), zs1 (--zero-shard 1: hybrid sharding, each shard group one rank). Every rank also trains the
-single-process reference (SingleProcess, the whole global batch, clipping at 0.05 so every step
-clips); each run builds its strategy from train_gpt's own flags (make_strategy) and trains
-through the loop's train_step, measuring activations. Checks: losses, grad norms and every
-parameter equal to the reference to --tol; the tied wte bitwise equal on the first and the
-last stage; each stage's peak micro-batches in flight = what the schedule's simulation
-(minidist/pp/simulate.py) holds on that stage; GPipe, 1F1B, interleaved 1F1B and ZB-H1 runs
-of the same sizes bitwise equal (interleaved ones among themselves); for the --files runs, the
-checkpoint (one process loads the whole model and Adam state: the reference's; a fresh
-pipeline run loads its parts back, bitwise). Rank 0 prints `RESULT {json}`
-per run for tests/test_pipeline.py; any failure raises and the abort handler ends the job.
+pipelines instead of DDP), zs1 (--zero-shard 1: hybrid sharding, each shard group one rank).
+Every rank also trains the single-process reference (SingleProcess, the whole global batch,
+clipping at 0.05 so every step clips); each run builds its strategy from train_gpt's own flags
+(make_strategy) and trains through the loop's train_step, measuring activations. Checks: losses,
+grad norms and every parameter equal to the reference to --tol; the tied wte bitwise equal on
+the first and the last stage; each stage's peak micro-batches in flight = what the schedule's
+simulation (minidist/pp/simulate.py) holds on that stage; GPipe, 1F1B, interleaved 1F1B and
+ZB-H1 runs of the same sizes bitwise equal (interleaved ones among themselves); for the --files
+runs, the checkpoint (one process loads the whole model and Adam state: the reference's; a fresh
+pipeline run loads its parts back, bitwise). Rank 0 prints `RESULT {json}` per run for
+tests/test_pipeline.py; any failure raises and the abort handler ends the job.
 """
 import argparse
 import json
