@@ -170,11 +170,13 @@ class TensorParallel(ModelParallel):
         Returns the meta."""
         group = self._zero_group()
         folder = checkpoint_dirs.resolve(directory)
+        agree = None if group is None else self.inner.zero_strategy().group   # all replicas
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
-            return load_sharded(os.path.join(folder, self._part()), model, optimizer, group)
+            return load_sharded(os.path.join(folder, self._part()), model, optimizer, group,
+                                world=agree)
         if group is not None:
             return load_sharded(folder, model, optimizer, group,
-                                keep=TpPiece(self.model, self.group))
+                                keep=TpPiece(self.model, self.group), world=agree)
         # this rank's tp shards cut as each array is read: never every whole array at once;
         # only this rank's parameters (under --ep its own experts, not the other ranks')
         params, opt_sd, meta = checkpoint.load(

@@ -282,10 +282,10 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     rate = _rate(cluster, layout)
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     dpcp, axis = layout.dp * layout.cp, ("cp" if layout.cp > 1 else "dp")
+    if layout.zero and layout.zero_shard:   # hybrid sharding: ZeRO's in the shard group
+        dpcp, axis = layout.zero_shard, "shard"
 
-    def coll(op, nbytes):                   # ZeRO's (or DDP's) group: dp x cp, or the shard
-        if layout.zero and layout.zero_shard:
-            return collective_time(cluster, op, nbytes, layout, "shard", comm)
+    def coll(op, nbytes):                   # DDP's or ZeRO's group
         return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
     worst = None
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):

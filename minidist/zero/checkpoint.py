@@ -152,15 +152,17 @@ def optimizer_type(optimizer):
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------
 
-def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=False):
-    """Collective over `group`: this rank's shards (parameters, m, v, masters) from a checkpoint
-    written at any world size and stage, or by one process (`directory`: a checkpoint folder,
-    or a --save directory). Every rank checks what it reads; all agree before any shard
-    changes (a failure anywhere raises on every rank). keep(name, array): what of each
-    whole array the model holds (under TP: TpPiece, its tp shard), applied as it is read.
-    leading_groups: `optimizer` holds the checkpoint's first parameter groups only (the
-    experts' engine, minidist/ep/optim.py: matrices, biases only with config.bias).
-    Returns the checkpoint's meta."""
+def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=False,
+                 world=None):
+    """Collective over `world` (default: `group`, the ranks `optimizer` is sharded over):
+    this rank's shards (parameters, m, v, masters) from a checkpoint written at any world
+    size and stage, or by one process (`directory`: a checkpoint folder, or a --save
+    directory). Every rank checks what it reads; all of `world` agree before any shard
+    changes (a failure anywhere raises on every rank; hybrid sharding: `world` holds every
+    shard group). keep(name, array): what of each whole array the model holds (under TP:
+    TpPiece, its tp shard), applied as it is read. leading_groups: `optimizer` holds the
+    checkpoint's first parameter groups only (the experts' engine, minidist/ep/optim.py:
+    matrices, biases only with config.bias). Returns the checkpoint's meta."""
     err, new, record = None, None, None
     try:
         folder = dirs.resolve(directory)
@@ -176,7 +178,7 @@ def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=F
         new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
     except _ERRORS as e:
         err = str(e)
-    _agree(directory, group.comm.allgather(err))
+    _agree(directory, (world or group).comm.allgather(err))
     _assign(new, record["optimizer"]["groups"], record["optimizer"]["scalars"], optimizer)
     return {**meta, "folder": folder}              # as checkpoint.load's meta
 

@@ -36,7 +36,6 @@ Tests: tests/test_zero.py.
 import contextlib
 
 from minidist.comm import trace
-from minidist.strategy.checkpoint import CheckpointError
 from minidist.strategy import memory
 from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
@@ -198,18 +197,8 @@ class ZeroDataParallel(SingleProcess):
 
     def load(self, directory, model, optimizer):
         """Each shard group reads its shards (any checkpoint, any layout); under hybrid
-        sharding all groups agree before any goes on."""
-        if self.replicas is None:
-            return load_sharded(directory, model, optimizer, self.group)
-        meta, err = None, None
-        try:
-            meta = load_sharded(directory, model, optimizer, self.shard_group)
-        except CheckpointError as e:
-            err = str(e)
-        errors = [e for e in self.group.comm.allgather(err) if e]
-        if errors:
-            raise CheckpointError(errors[0])
-        return meta
+        sharding every rank of the dp group agrees before any shard changes."""
+        return load_sharded(directory, model, optimizer, self.shard_group, world=self.group)
 
     def whole_state(self, model, optimizer):
         """(params, optimizer state_dict) in one process's format, gathered to dp rank 0
