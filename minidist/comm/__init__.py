@@ -31,6 +31,7 @@ Importing this package starts nothing: it tells mpi4py not to initialise MPI on 
 every entry point calls it. It never imports cupy. Tests: tests/test_comm.py.
 """
 import atexit
+import faulthandler
 import os
 
 import mpi4py
@@ -59,9 +60,10 @@ def init(algo="ring", timeout=None, sync_comm=None):
     """Start MPI for this process and return the world group (algorithm `algo`).
 
     The first call, in this order: MPICH's settings (mpich.py), MPI_Init_thread (MULTIPLE, or
-    MPI4PY_RC_THREAD_LEVEL), the abort-on-uncaught-exception hooks (debug.py), the watchdog
-    thread with a collective timeout of `timeout` seconds (default MINIDIST_COMM_TIMEOUT or
-    600; 0: none), and an exit handler: a rank that exits waits for the others, then MPI is
+    MPI4PY_RC_THREAD_LEVEL; a rank still in it after the timeout below exits 1 with a stack
+    dump: another rank died before MPI_Init), the abort-on-uncaught-exception hooks
+    (debug.py), the watchdog thread with a collective timeout of `timeout` seconds (default
+    MINIDIST_COMM_TIMEOUT or 600; 0: none), and an exit handler: a rank that exits waits for the others, then MPI is
     finalised (watchdog.py). Later calls return another world group (another algo).
     `sync_comm`: every collective in the calling thread, for a debugger (group.py; default
     MINIDIST_SYNC_COMM)."""
@@ -71,7 +73,7 @@ def init(algo="ring", timeout=None, sync_comm=None):
             raise ValueError("; ".join(problems))
         mpich.apply_defaults()
         if not MPI.Is_initialized():
-            MPI.Init_thread(THREAD_LEVELS[_thread_level()])
+            _wait_in_mpi_init_for_every_rank(watchdog.default_timeout() if timeout is None else timeout)
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -79,6 +81,21 @@ def init(algo="ring", timeout=None, sync_comm=None):
         atexit.register(_finish)
         _state["initialised"] = True
     return ProcessGroup.world(algo, sync_comm)
+
+
+def _wait_in_mpi_init_for_every_rank(timeout):
+    """MPI_Init_thread, or exit 1 with a stack dump (faulthandler's) once it has waited
+    `timeout` seconds (0: wait for ever). A rank that dies before MPI_Init (an import that
+    fails on one node, a file edited while the job starts) leaves every other rank in MPI_Init
+    for ever: MPICH's launcher waits for it (pmodels/mpich#6124, wontfix), and the watchdog
+    cannot start before MPI has. MPI_Init_thread holds the GIL, so no Python thread could act;
+    faulthandler's timer is a C thread (a process has one such timer: this one replaces any
+    other while MPI starts)."""
+    if timeout:
+        faulthandler.dump_traceback_later(timeout, exit=True)
+    MPI.Init_thread(THREAD_LEVELS[_thread_level()])
+    if timeout:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _finish():

@@ -5,6 +5,8 @@
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py block   # rank 1 sleeps
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p     # never sent
     mpiexec -n 2 python tests/scripts/comm_small.py finish  # ranks exit 60 ms apart: clean
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit  # rank 1
+                                                            # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
     mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
     python -m minidist.comm.attach 4445          # in a second terminal: pdb on rank 1
@@ -14,6 +16,7 @@
 module on every rank.
 """
 import argparse
+import os
 import sys
 import time
 
@@ -23,6 +26,8 @@ cli = argparse.ArgumentParser()
 cli.add_argument("mode")
 cli.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 cli = cli.parse_args()
+if cli.mode == "preinit" and os.environ.get("PMI_RANK") == "1":   # Hydra's rank, before MPI
+    raise ImportError("rank 1 failed before MPI_Init (as a missing module would)")
 world = comm.init("ring")   # MPI_Init, the abort hooks and the watchdog (MINIDIST_COMM_TIMEOUT)
 backend.set_device(cli.device)
 xp = backend.get_xp()      # numpy or cupy: the buffers below live on --device
@@ -49,6 +54,8 @@ elif mode == "p2p":
         time.sleep(3600)              # never sends (a pipeline stage stuck in compute)
     world.recv(xp.ones(10), peer=1)
     print("unreachable: the recv cannot finish")
+elif mode == "preinit":
+    print("unreachable: MPI_Init cannot finish without rank 1", flush=True)
 elif mode == "finish":
     world.all_reduce(xp.ones(10))
     time.sleep(0.06 * world.rank + (1.5 if world.rank == 0 else 0))  # rank 0 leaves last
