@@ -198,16 +198,22 @@ def test_pp2_equals_one_process_every_schedule(mpi):
 @pytest.mark.mpi
 def test_pp4_and_pp2_x_dp2_equal_one_process(mpi):
     """pp 4 (2 and 8 micro-batches, 1F1B, GPipe, ZB-H1), pp 2 x dp 2 (1F1B; GPipe +
-    checkpointing; interleaved + checkpointing; ZB-H1); 1F1B's first stage holds pp of
-    GPipe's m micro-batches, in measured activation bytes; ZB-H1 holds p micro-batches on
-    every stage (1F1B's first stage's count; the first stage's bytes exactly), each
-    costing at most what it costs under 1F1B:
+    checkpointing; interleaved + checkpointing; ZB-H1; the last two with 16 KiB DDP
+    buckets); 1F1B's first stage holds pp of GPipe's m micro-batches, in measured activation
+    bytes; ZB-H1 holds p micro-batches on every stage (1F1B's first stage's count; the first
+    stage's bytes exactly), each costing at most what it costs under 1F1B; every DDP bucket's
+    all-reduce starts in the last micro-batch's backward (its W under ZB-H1), none waits
+    for sync_grads:
 
         mpiexec -n 4 python tests/scripts/pp_check.py
     """
     results = tagged_json(mpi(4, "tests/scripts/pp_check.py", timeout=180))
     _assert_exact(results, 8)
     by_run = {r["run"]: r for r in results}
+    for r in results:
+        if r["dp"] > 1:
+            assert r["in_backward"] == r["buckets"], r
+    assert by_run["pp2-dp2-m4-zbh1-b16k"]["buckets"] > 2
     one, gp = by_run["pp4-m8-1f1b"]["stages"], by_run["pp4-m8-gpipe"]["stages"]
     assert [s[1] for s in one] == [4, 3, 2, 1] and [s[1] for s in gp] == [8] * 4
     assert abs(one[0][2] / gp[0][2] - 4 / 8) < 0.02        # bytes scale with micro-batches

@@ -89,7 +89,8 @@ def test_pp2_x_dp2_zero_equals_one_process(mpi):
     pipeline of 4 stages (middle stages: blocks only) with ZeRO-2 and ZeRO-3 over one rank;
     hybrid sharding (--zero-shard 1: each rank its own shard group, the gradients all-reduced
     across the 2 replicas of each stage) with ZeRO-3 (1F1B, ZB-H1) and ZeRO-2 (grad-accum,
-    its checkpoint).
+    its checkpoint); hybrid, the all-reduces across the replicas start in the last
+    micro-batch's backward (its W under ZB-H1), not in sync_grads.
     Losses, clipped grad norms and parameters equal to one process to 1e-10; the schedules
     of one size bitwise equal; the checkpoints of four runs load into one process (its
     parameters and Adam state) and back into the pipelines bitwise:
@@ -99,7 +100,10 @@ def test_pp2_x_dp2_zero_equals_one_process(mpi):
     """
     out = mpi(4, "tests/scripts/pp_check.py", "--n-layer", "8", "--runs", ",".join(RUNS_4),
               "--files", ",".join(FILES_4), timeout=180)
-    _assert_exact(tagged_json(out), RUNS_4, FILES_4)
+    results = tagged_json(out)
+    _assert_exact(results, RUNS_4, FILES_4)
+    for r in results:     # hybrid: the last micro-batch's W / backward starts the all-reduces
+        assert (r["in_backward"] > 0) == ("zs1" in r["run"]), r
 
 
 @pytest.mark.mpi

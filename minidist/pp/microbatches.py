@@ -13,12 +13,20 @@ A micro-batch is in flight (`live`) from its forward to the end of its backward 
 split one): its graph, or after B the values W still needs, are what the memory ledger
 counts.
 
+Data parallelism across pipelines stays silent (the strategy's `no_sync`) in every backward
+but micro-batch M-1's (its W for a split one): the last contribution to each of a chunk's
+gradients, so DDP's buckets (and hybrid ZeRO's all-reduces across replicas) start there,
+under the rest of that backward and the pipeline's cooldown, as Megatron-LM overlaps them.
+A B pass fires no gradient hook (W does), so it needs no context.
+
 A Mixture of Experts: the router losses of the MoE blocks on a chunk that does not end the
 model (`router[(chunk, i)]`) are part of the loss, so that chunk's backward starts from its
 output's gradient and from them, seeded as the last stage seeds the loss (`scale_loss`), in
 one pass (autograd's backward_all); their values (`router_values`) are added to the loss
 the strategy reports. Tests: tests/test_pipeline.py, tests/test_expert_parallel.py.
 """
+import contextlib
+
 from minidist.autograd.function import backward_all
 from minidist.autograd.tensor import defer_weight_grads
 from minidist.comm import trace
@@ -32,13 +40,14 @@ class MicroBatches:
     training layer's memory ledger), the most activation bytes held at once.
     `backward_loss(loss)` starts the backward at the loss (the 1/M factor, the loss scale);
     `scale_loss(loss)` is the tensor it starts from (for the router losses of MoE blocks
-    elsewhere than at the head: module docstring)."""
+    elsewhere than at the head: module docstring). `no_sync()`: the context in which data
+    parallelism's hooks start nothing (the strategy's), around every backward but the last."""
 
     def __init__(self, stage, idx, targets, n_micro, backward_loss, measure=None,
-                 scale_loss=None):
+                 scale_loss=None, no_sync=contextlib.nullcontext):
         rows = len(idx) // n_micro
         self.stage, self.n_micro, self.backward_loss = stage, n_micro, backward_loss
-        self.scale_loss = scale_loss
+        self.scale_loss, self.no_sync = scale_loss, no_sync
         self.idx = [idx[i * rows:(i + 1) * rows] for i in range(n_micro)]
         self.targets = [targets[i * rows:(i + 1) * rows] for i in range(n_micro)]
         ids = stage.dropout_keys.rows_in_flight(len(idx))    # their numbers in the global batch
@@ -68,7 +77,7 @@ class MicroBatches:
         """Backpropagate micro-batch i from dL/d(output) (None after the head: the loss);
         returns dL/d(input) for the previous stage (None on the first)."""
         inp, out, _ = self.live.pop((chunk, i))
-        with traced("B", i, chunk):
+        with traced("B", i, chunk), self.silent_unless_last(i):
             self._start_backward(out, grad, chunk, self.router.pop((chunk, i), None))
         return None if inp is None else inp.grad
 
@@ -83,8 +92,13 @@ class MicroBatches:
     def backward_weight(self, i, chunk=0):
         """W: micro-batch i's weight gradients, from what its B queued."""
         _, _, work = self.live.pop((chunk, i))
-        with traced("W", i, chunk):
+        with traced("W", i, chunk), self.silent_unless_last(i):
             work.run()
+
+    def silent_unless_last(self, i):
+        """no_sync() around micro-batch i's gradients, except the last micro-batch's: every
+        schedule runs a chunk's backwards in micro-batch order (minidist/pp/schedule.py)."""
+        return contextlib.nullcontext() if i == self.n_micro - 1 else self.no_sync()
 
     def _start_backward(self, out, grad, chunk, router):
         if self.stage.holds_head(chunk):

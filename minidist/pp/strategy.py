@@ -23,7 +23,8 @@ dp x cp), as TensorParallel and ContextParallel do:
                         --micro-batches M, for each --grad-accum round; the last stage seeds each micro-batch's
                         backward with 1/M, so gradients are of the mean loss over the batch;
                         the loss is broadcast from the last stage. DDP stays silent (no_sync)
-                        until sync_grads; ZeRO-2/3 reduce-scatter each micro-batch's
+                        but in the last micro-batch's backward (ZB-H1: its W), where its
+                        buckets start; ZeRO-2/3 reduce-scatter each micro-batch's
                         gradients as backward (ZB-H1: W) completes them
     sync_grads          inner's average over dp (once per step), then the tied embedding: the
                         first and last stages' wte gradients summed over their 2-rank group
@@ -158,9 +159,9 @@ class PipelineParallel(ModelParallel):
         """One --grad-accum micro-step of a pipeline: the schedule (--schedule 1f1b | gpipe)
         runs forward and backward of --micro-batches M slices of (x, y) interleaved across
         the stages. The last stage seeds each micro-batch's backward with scale / M, so the
-        gradients are of the mean loss. DDP across pipelines stays silent throughout (sync_grads
-        runs it once): its grad hooks cannot tell which of M interleaved backward passes is
-        the last. Returns (the mean loss of these rows, broadcast from the last stage; the
+        gradients are of the mean loss. DDP across pipelines stays silent (inner's no_sync)
+        in every backward but micro-batch M-1's, whose hooks start its buckets' all-reduces
+        (MicroBatches knows which backward is the last; sync_grads waits for them). Returns (the mean loss of these rows, broadcast from the last stage; the
         most activation bytes this stage held at once, if `measure`)."""
         m, schedule = self.micro_batches, schedule_function(self.schedule, self.virtual)
         if len(x) % m:
@@ -168,11 +169,10 @@ class PipelineParallel(ModelParallel):
         model.expect(len(x) // m, x.shape[1])
         if self.amp and not model.last:     # backward starts from the last stage's scaled loss
             self.amp.scaled_upstream()
-        with self.inner.no_sync():
-            steps = MicroBatches(model, x, y, m, lambda loss: self.backward(loss, scale / m),
-                                 self.live_bytes if measure else None,
-                                 lambda loss: self.scaled_loss(loss, scale / m))
-            schedule(model.link, steps)
+        steps = MicroBatches(model, x, y, m, lambda loss: self.backward(loss, scale / m),
+                             self.live_bytes if measure else None,
+                             lambda loss: self.scaled_loss(loss, scale / m), self.inner.no_sync)
+        schedule(model.link, steps)
         self.stats["in_flight"] = max(self.stats["in_flight"], steps.peak_in_flight)
         return self.loss_of_the_stages(steps), steps.peak_bytes
 

@@ -263,12 +263,13 @@ class ZeroStage2(ZeroStage1):
     def accumulating(self):
         """Around a micro-batch before the step's last (the strategy's no_sync): its
         reduce-scatters only add into the shards; the last micro-batch's start each unit's
-        all-reduce across the replicas as soon as the unit's shard is complete."""
-        self._deferring = True
+        all-reduce across the replicas as soon as the unit's shard is complete. Nests (a
+        pipeline's micro-batches inside a --grad-accum round): the outer one still holds."""
+        previous, self._deferring = self._deferring, True
         try:
             yield
         finally:
-            self._deferring = False
+            self._deferring = previous
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""

@@ -12,14 +12,18 @@
 A run's name lists its flags: pp2, dp2, tp2 (sizes), m4 (--micro-batches), ga2 (--grad-accum),
 gpipe, 1f1b or zbh1 (--schedule), v2 (--pp-virtual 2: interleaved 1F1B), sp
 (--sequence-parallel), ckpt (--ckpt-activations), z1, z2, z3 (--zero k: ZeRO-k across the
-pipelines instead of DDP), zs1 (--zero-shard 1: hybrid sharding, each shard group one rank).
+pipelines instead of DDP), zs1 (--zero-shard 1: hybrid sharding, each shard group one rank),
+b16k (--bucket-mb 1/64: DDP buckets of 16 KiB, several per stage).
 Every rank also trains the single-process reference (SingleProcess, the whole global batch,
 clipping at 0.05 so every step clips); each run builds its strategy from train_gpt's own flags
 (make_strategy) and trains through the loop's train_step, measuring activations. Checks: losses,
 grad norms and every parameter equal to the reference to --tol; the tied wte bitwise equal on
 the first and the last stage; each stage's peak micro-batches in flight = what the schedule's
 simulation (minidist/pp/simulate.py) holds on that stage; GPipe, 1F1B, interleaved 1F1B and
-ZB-H1 runs of the same sizes bitwise equal (interleaved ones among themselves); for the --files
+ZB-H1 runs of the same sizes bitwise equal (interleaved ones among themselves); with dp > 1,
+how many all-reduces over the data-parallel groups (DDP's buckets, hybrid ZeRO's across the
+replicas) each step issued from backward's hooks, before sync_grads began to wait
+("in_backward", the fewest over the steps, and "buckets", DDP's per stage); for the --files
 runs, the checkpoint (one process loads the whole model and Adam state: the reference's; a fresh
 pipeline run loads its parts back, bitwise). Rank 0 prints `RESULT {json}` per run for
 tests/test_pipeline.py; any failure raises and the abort handler ends the job.
@@ -42,7 +46,8 @@ from minidist.pp.simulate import simulate
 from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
 from minidist.train.step import train_step
-from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.comm import ProcessGroup, trace  # noqa: E402
+from minidist.ddp.strategy import DataParallel
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import make_strategy
 from exact import check_tied_copies  # noqa: E402  (tests/scripts, the script's folder)
@@ -53,7 +58,7 @@ DEFAULT_RUNS = {
     2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe,pp2-m2-ga2-1f1b,"
        "pp2-m2-v2-1f1b,pp2-m8-v2-1f1b,pp2-m1-zbh1,pp2-m8-zbh1,pp2-m4-ga2-zbh1",
     4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp4-m8-zbh1,pp2-dp2-m4-1f1b,"
-       "pp2-dp2-m2-gpipe-ckpt,pp2-dp2-m4-v2-1f1b-ckpt,pp2-dp2-m4-zbh1",
+       "pp2-dp2-m2-gpipe-ckpt,pp2-dp2-m4-v2-1f1b-ckpt-b16k,pp2-dp2-m4-zbh1-b16k",
     8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp,dp2-tp2-pp2-m2-v2-1f1b,"
        "dp2-tp2-pp2-m4-zbh1-sp"}
 
@@ -81,6 +86,8 @@ def flags(name, steps):
             extra += ["--zero", t[1]]
         elif re.fullmatch(r"zs\d+", t):
             extra += ["--zero-shard", t[2:]]
+        elif t == "b16k":
+            extra += ["--bucket-mb", str(1 / 64)]
         else:
             raise ValueError(f"unknown run token {t!r} in {name!r}")
     c = CONFIG
@@ -129,10 +136,30 @@ def check_in_flight(strategy, comm):
     return got
 
 
+def started_in_backward(strategy):
+    """Per step, the all-reduces over the data-parallel groups (every group but tp's, pp's
+    and the tied embedding's) issued before the step's "wait for gradients" (sync_grads)
+    began: started by backward's hooks. The fewest over the steps (trace on; 0 without data
+    parallelism, where nothing waits for gradients)."""
+    events = trace.events()
+    other = {g.name for g in (strategy.mesh.tp, strategy.mesh.pp, strategy.embedding) if g}
+    waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
+    issued = [e["issued"] for e in events
+              if e["op"] == "all_reduce" and e["group"] not in other]
+    counts, before = [], 0.0
+    for wait in waits:
+        counts.append(sum(1 for t in issued if before <= t < wait))
+        before = wait
+    return min(counts, default=0)
+
+
 def compare(name, ref, comm, cli):
     args = flags(name, cli.steps)
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    trace.clear_events()
     model, opt, losses, norms, acts = train(strategy, args)
+    in_backward = comm.allreduce(started_in_backward(strategy), op=MPI.MIN)
+    ddp = strategy.inner.ddp if isinstance(strategy.inner, DataParallel) else None
     ref_model, ref_opt, ref_losses, ref_norms, _ = ref
     state = stage_state(strategy, opt)
     ref_state = {n: ref_model.state_dict()[n] for n in state}
@@ -154,7 +181,9 @@ def compare(name, ref, comm, cli):
               "param_diff": comm.allreduce(diff, op=MPI.MAX), "losses": losses,
               "norms": norms, "crcs": dict(sorted(crcs.items())),
               "stages": sorted({(s, f, a) for s, d, t, f, a in per_stage or []
-                                if d == 0 and t == 0})}
+                                if d == 0 and t == 0}),
+              "in_backward": in_backward,
+              "buckets": None if ddp is None else comm.allreduce(len(ddp.buckets), MPI.MIN)}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= cli.tol, (name, key, result)
     assert min(norms) > args.grad_clip, f"{name}: clipping never happened: {norms}"
@@ -237,6 +266,7 @@ def main():
     cli = p.parse_args()
     CONFIG.n_layer = cli.n_layer
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
+    trace.enable()         # the events tell which all-reduces backward's hooks started
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     if cli.amp:
