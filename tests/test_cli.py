@@ -333,6 +333,30 @@ def test_the_batch_error_names_the_multiple_the_layout_needs(ranks, flags, says)
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize("ranks,flags,suggests", [
+    (4, ["--tp", "2", "--dp", "4"], "run `mpirun -n 8 python examples/train_gpt.py --tp 2`"),
+    (4, ["--tp", "3"], None),              # --n-head 4 is not divisible by 3 either
+    (4, ["--cp", "3"], None),              # nor --block-size 128 into 6 chunks
+    (4, ["--zero", "3", "--zero-shard", "2", "--dp", "3"], None),   # 2 does not divide 3
+])
+def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, flags,
+                                                                        suggests):
+    """A wrong rank count names the mpirun command with the right one, unless another flag
+    is wrong too: that command would then fail on it (found by a first-use walk: `--tp 3` on
+    4 ranks suggested `mpirun -n 3 ... --tp 3`, refused next for --n-head 4). The suggested
+    command, with the other flags but --dp (it defaults to what is left), is accepted."""
+    from minidist.train.strategy import check_layout
+    with pytest.raises(UsageError) as e:
+        check_layout(train_parser().parse_args(flags), ranks)
+    assert "but this job has" in str(e.value)
+    if suggests is None:
+        assert "run `mpirun" not in str(e.value), str(e.value)
+        return
+    assert suggests in str(e.value)
+    dp, ranks = flags.index("--dp"), int(suggests.split()[3])
+    check_layout(train_parser().parse_args(flags[:dp] + flags[dp + 2:]), ranks)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("flags,says", UNDER_MPIEXEC,
                          ids=[" ".join(f) for f, _ in UNDER_MPIEXEC])

@@ -98,24 +98,23 @@ def check_layout(args, size):
         m = args.micro_batches or default_micro_batches(
             args.batch_size // (rows * accum), args.pp, args.pp if args.pp_virtual > 1 else 1)
     problems = []
-    if dp * others != size:
-        problems.append(_size_problem(dp, split, size))
     if m < 1 or args.batch_size % (rows * accum * m):
         problems.append(_batch_problem(args, dp, m))
     problems += tp_problems(args) if args.tp > 1 else []
     problems += pp_problems(args, m) if args.pp > 1 else []
     problems += cp_problems(args) if args.cp > 1 else []
     problems += ep_problems(args) if args.ep > 1 else []
+    shard = zero_shard_problem(args, dp) if args.zero and args.zero_shard is not None else None
+    if dp * others != size:     # the command it suggests must not fail on something else
+        problems.insert(0, _size_problem(dp, split, size, suggest=not (problems or shard)))
     if problems:
         what = ("expert parallelism: " if args.ep > 1 else "context parallelism: "
                 if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
                 "tensor parallelism: " if args.tp > 1 else "")
         raise UsageError(what + "; ".join(problems))
     check_idle_flags(args, replicas=dp * args.ep * args.cp)     # --ddp with one replica
-    if args.zero and args.zero_shard is not None:
-        problem = zero_shard_problem(args, dp)
-        if problem:
-            raise UsageError(problem)
+    if shard:
+        raise UsageError(shard)
     return dp, m
 
 
@@ -128,14 +127,17 @@ def _batch_problem(args, dp, m):
             f"multiple of {n}")
 
 
-def _size_problem(dp, split, size):
+def _size_problem(dp, split, size, suggest):
+    """The rank count's problem; `suggest`: name the mpirun command that has the right
+    count (only when nothing else is wrong, or that command would fail too)."""
     axes = [f"--{k} {v}" for k, v in split.items() if v > 1]
     n = dp * split["ep"] * split["cp"] * split["tp"] * split["pp"]
     rest = " x ".join(k for k, v in split.items() if v > 1)
+    run = (f"run `mpirun -n {n} python examples/train_gpt.py{''.join(' ' + a for a in axes)}`"
+           ", or " if suggest else "")
     return (f"--dp {dp}{''.join(' x ' + a for a in axes)} = {n} ranks, but this job has "
-            f"{size} MPI process(es); run `mpirun -n {n} python examples/train_gpt.py"
-            f"{''.join(' ' + a for a in axes)}`, or leave --dp out (it defaults to the "
-            f"processes" + (f" / ({rest}))" if rest else ")"))
+            f"{size} MPI process(es); {run}leave --dp out (it defaults to the processes"
+            + (f" / ({rest}))" if rest else ")"))
 
 
 def _nccl_device(args):
