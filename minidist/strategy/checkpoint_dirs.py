@@ -118,19 +118,24 @@ def step_of(folder):
         return None
 
 
-def check_save(save, resume, overwrite=False):
+def check_save(save, resume, overwrite=False, steps=None):
     """Refuse (CheckpointError) a --save directory holding a checkpoint newer than the one
     this run resumes from (`resume`: a checkpoint folder, or None: a fresh run, step 0): its
-    saves would replace that checkpoint and prune would delete it. `overwrite`: allow it."""
+    saves would replace that checkpoint and prune would delete it. `overwrite`: allow it.
+    `steps`: this run's --steps; a checkpoint already there is a finished run, and the hint
+    says how to train it further."""
     if not save or overwrite or not has_checkpoint(save):
         return
     newest = resolve(save)
     theirs = step_of(newest)
     if resume is None:
+        finished = steps is not None and theirs is not None and theirs >= steps
+        go_on = (f"It is a finished run: add --resume auto --steps N, N above {theirs}, to "
+                 "train it further" if finished else "Add --resume auto to continue it")
         raise CheckpointError(
             f"--save {save}: already holds a checkpoint (step {theirs}: {newest}); this run "
-            "starts at step 0 and its saves would replace it. Add --resume auto to continue "
-            "it, --overwrite to start over, or --save a new directory")
+            f"starts at step 0 and its saves would replace it. {go_on}, --overwrite to start "
+            "over, or --save a new directory")
     ours = step_of(resume)
     if theirs is not None and ours is not None and theirs > ours:
         raise CheckpointError(

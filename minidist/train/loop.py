@@ -116,7 +116,8 @@ def train(args, world=None):
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
-    checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False))
+    checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),
+                               args.steps)
     strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
