@@ -137,6 +137,7 @@ def train(args, world=None):
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
+    t_aside = 0.0                # of the run's seconds, those spent evaluating and saving
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
     for step in range(start, stop):
@@ -181,8 +182,10 @@ def train(args, world=None):
             if strategy.any_rank(bad is not None):
                 raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
             _stop(args, strategy, log, model, opt, step, signals)
+        t_mark = time.perf_counter() if evals or saves else t_mark
         if evals:
-            log.print0(f"{at} | evaluating on {args.eval_iters} val batches ...")
+            log.print0(f"{at} | evaluating on {args.eval_iters} val batch"
+                       f"{'es' * (args.eval_iters != 1)} ...")
             val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
                                 args.eval_iters)
             # every rank computed the same number; averaging it also lines the ranks up, so
@@ -193,9 +196,11 @@ def train(args, world=None):
             log.json0({**row, "val_loss": val_loss})     # (every evaluating step was read)
         if saves:
             _save(args, strategy, log, model, opt, step)
-        t_mark = time.perf_counter() if evals or saves else t_mark
+        if evals or saves:       # the next step's time starts after them
+            t_aside += time.perf_counter() - t_mark
+            t_mark = time.perf_counter()
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
-                   reads_before)
+                   t_aside, reads_before)
 
 
 def _settle(strategy, step):
@@ -305,7 +310,9 @@ def _stop(args, strategy, log, model, opt, step, signals):
     raise SystemExit(preemption.exit_status(interrupted))
 
 
-def _finish(args, strategy, log, model, data, val_loss, seconds, reads_before):
+def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before):
+    """The final evaluation (if none ran), the sample, the summary lines and JSON row.
+    `seconds`: the steps' wall time, `aside` of it evaluating and saving."""
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
         val_loss = float(backend.host_read(evaluate(model, data, args.seed, args.batch_size,
                                                     args.block_size, args.eval_iters),
@@ -317,11 +324,11 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, reads_before):
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
-               "steps": args.steps, "train_seconds": seconds, "sample": text,
-               "host_reads": reads}
+               "steps": args.steps, "train_seconds": seconds, "eval_save_seconds": aside,
+               "sample": text, "host_reads": reads}
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                f"{data.unigram_entropy:.4f} (a model that ignores context); "
-               f"{seconds:.1f} s of training")
+               f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating and saving")
     log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
         f"{why} {n}" for why, n in reads.items()) or "none"))
     strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file
