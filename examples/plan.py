@@ -32,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
-                                      count_text, number_problem)
+                                      model_text, number_problem)
 from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
@@ -225,8 +225,7 @@ def main(argv=None):
         print(json.dumps(result))
         return
     c = result["config"]
-    print(f"model: {count_text(n_params)} parameters (L={c['n_layer']} h={c['n_embd']} "
-          f"a={c['n_head']} V={c['vocab_size']}), seq {args.seq}, global batch "
+    print(f"model: {model_text(n_params, c)}, seq {args.seq}, global batch "
           f"{args.global_batch}; {args.gpus} GPUs of {cluster.name} "
           f"({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
     print_table(rows, args.top)

@@ -20,7 +20,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
-                                      number_problem)
+                                      model_text, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan           # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
@@ -62,20 +62,9 @@ def parse():
     return p.parse_args()
 
 
-def count_text(n):
-    """A parameter count as people write it (124M, 7.06B, 1T); billions alone print 1e12 as
-    1e+03B."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale * 0.9995:               # from here .3g rounds to at least 1 of this unit
-            x = n / scale
-            return f"{x:.3g}{unit}" if x < 999.5 else f"{x:,.0f}{unit}"
-    return str(int(n))
-
-
 def print_plan(result):
     c = result["config"]
-    print(f"model: {count_text(result['params'])} parameters (L={c['n_layer']}, "
-          f"h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}), seq {result['seq']}, "
+    print(f"model: {model_text(result['params'], c)}, seq {result['seq']}, "
           f"micro-batch {result['micro_batch']} per rank, {result['gpus']} GPUs, "
           f"budget {result['budget_bytes'] / GiB:.1f} GiB per GPU")
     keys = ("params", "grads", "optimizer", "activations", "total")

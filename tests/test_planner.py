@@ -7,6 +7,7 @@ Table 2); the decision order; the CLI.
 Adding a strategy is one row of ROWS: its train_gpt.py flags and the planner's Layout."""
 from dataclasses import replace
 import json
+import math
 import subprocess
 import sys
 
@@ -113,6 +114,47 @@ def test_tp_and_pp_split_the_parameters():
     assert stage_params(CFG, tp=2) == [n - split // 2]
     stages = stage_params(CFG, pp=2)
     assert sum(stages) == n + V * C                           # the last stage's wte copy
+
+
+@pytest.mark.parametrize("config", [
+    CFG, replace(CFG, n_layer=5, bias=False),
+    replace(CFG, n_layer=6, moe_experts=4, moe_top_k=2, moe_every=2),
+    replace(CFG, n_layer=3, moe_experts=8, moe_every=1, vocab_size=250)])
+def test_counts_per_kind_of_block_equal_a_walk_over_every_parameter(config):
+    """stage_params and the experts' tensors per stage count one block of each kind (dense,
+    MoE) and multiply, so the search does not walk every name of a 34-block, 8-expert model
+    per layout (plan.py --moe-experts 8 took 74-124 s): the same numbers as walking every
+    parameter of the model, for tp, pp and ep."""
+    from minidist.nn.config import gpt_param_specs
+    from minidist.train.moe_cost import expert_tensors, expert_units
+    from minidist.train.planner import local_size
+    specs, L = gpt_param_specs(config), config.n_layer
+    for tp, pp, ep in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 3, 2), (1, 2, 4)]:
+        if pp > L or (ep > 1 and (not config.moe_experts or config.moe_experts % ep)):
+            continue
+        want = [0] * pp
+        experts = [[] for _ in range(pp)]
+        for name, (shape, _) in specs.items():
+            parts = name.split(".")
+            stage = int(parts[2]) * pp // L if name.startswith("transformer.h.") else \
+                0 if parts[1] in ("wte", "wpe") else pp - 1
+            if ".mlp.experts." in name:
+                want[stage] += math.prod(shape) // ep
+                if int(parts[5]) < config.moe_experts // ep:
+                    experts[stage].append((int(parts[2]), math.prod(shape)))
+            else:
+                want[stage] += local_size(name, shape, tp)
+        if pp > 1:
+            want[-1] += local_size("transformer.wte.weight", specs["transformer.wte.weight"][0],
+                                   tp)
+        assert stage_params(config, tp, pp, ep) == want, (tp, pp, ep)
+        layout = Layout(tp=tp, pp=pp, ep=ep)
+        for stage in range(pp):
+            sizes = [n for _, n in experts[stage]]
+            assert expert_tensors(config, layout, stage) == (sizes if ep > 1 else [])
+            blocks = sorted({b for b, _ in experts[stage]})
+            units = [sum(n for b, n in experts[stage] if b == block) for block in blocks]
+            assert expert_units(config, layout, stage) == (units if ep > 1 else [])
 
 
 def test_decision_order():
@@ -748,6 +790,21 @@ def test_params_the_planner_cannot_build_is_one_line(capsys):
     model = capsys.readouterr().out.splitlines()[0]
     got = sum(stage_params(config_for_params(asked, 1024)))
     assert model.startswith(f"model: {count_text(got)} parameters (L=")
+
+
+def test_the_model_line_of_a_moe_plan_says_what_params_sized(capsys):
+    """    python examples/plan.py --params 7e9 --moe-experts 8 --moe-top-k 2 --gpus 64
+    printed "model: 39B parameters" with nothing saying that --params sizes the dense shape
+    whose MLPs become the experts (found by a first-use walk); the line now gives both."""
+    from minidist.train.plan_args import count_text
+    _plan_cli().main(["--params", "1e8", "--moe-experts", "4", "--moe-every", "2",
+                      "--gpus", "8", "--top", "1"])
+    model = capsys.readouterr().out.splitlines()[0]
+    dense = config_for_params(1e8, 1024)
+    moe = sum(stage_params(replace(dense, moe_experts=4, moe_every=2)))
+    assert model.startswith(f"model: {count_text(moe)} parameters: the "
+                            f"{count_text(sum(stage_params(dense)))} dense shape (L="), model
+    assert "what --params sizes) with the MLP of one block in 2 made 4 experts, top-1" in model
 
 
 def test_no_valid_layout_is_told_apart_from_none_fitting(capsys):

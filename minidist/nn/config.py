@@ -9,7 +9,7 @@ minidist/nn/gpt.py (its blocks: minidist/nn/block.py). Tests: tests/test_gpt.py.
 """
 import math
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -133,6 +133,16 @@ def gpt_param_specs(config):
         linear(h + "mlp.c_proj", 4 * C, C, proj_std)
     norm("transformer.ln_f")
     return specs
+
+
+def block_param_specs(config, moe):
+    """gpt_param_specs of one block, named as block 0's: a dense one or (`moe`) a Mixture of
+    Experts one; the shapes are the model's (the init stds a one-block model's). Every block
+    of a model is one of the two, so a planner pricing thousands of layouts counts one block
+    of each kind instead of walking every name of the model."""
+    one = replace(config, n_layer=1, moe_every=1, moe_experts=config.moe_experts * bool(moe))
+    return {name: spec for name, spec in gpt_param_specs(one).items()
+            if name.startswith("transformer.h.0.")}
 
 
 def gpt_init(config, seed, names=None, dtype="float32"):

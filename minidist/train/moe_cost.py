@@ -50,9 +50,10 @@ Tests: tests/test_planner.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
 """
+import collections
 import math
 
-from minidist.nn.config import gpt_param_specs
+from minidist.nn.config import block_param_specs
 from minidist.nn.moe import capacity
 from minidist.train.comm_cost import collective_time
 
@@ -130,22 +131,25 @@ def split_times(config, cluster, layout, b, s, e, stage):
     redo = layout.recompute == "full"
     bwd, n_bwd = redo * fwd, redo * n_fwd
     if tp > 1:                      # region.shared: the router's and experts' gradients
-        sizes = [config.n_embd * E] * blocks + [n for _, n in _own_experts(config, layout,
-                                                                            stage)]
-        bwd += sum(collective_time(cluster, "all_reduce", n * e, layout, "tp") for n in sizes)
-        n_bwd += len(sizes)
+        sizes = collections.Counter([config.n_embd * E] * blocks + [
+            n for _, n in _own_experts(config, layout, stage)])     # one price per size
+        bwd += sum(count * collective_time(cluster, "all_reduce", n * e, layout, "tp")
+                   for n, count in sizes.items())
+        n_bwd += sum(sizes.values())
     return fwd, bwd, n_fwd, n_bwd
 
 
 def _own_experts(config, layout, stage):
     """(block number, size) of each expert parameter tensor one rank of `stage` holds under
-    ep: the first E/ep experts' (every ep rank holds as many, of the same shapes)."""
+    ep: E/ep experts of each MoE block (every ep rank holds as many, of the same shapes; every
+    expert's tensors are expert 0's)."""
     L, pp, mine = config.n_layer, layout.pp, config.moe_experts // layout.ep
-    for name, (shape, _) in gpt_param_specs(config).items():
-        parts = name.split(".")
-        if ".mlp.experts." in name and int(parts[2]) * pp // L == stage \
-                and int(parts[5]) < mine:
-            yield parts[2], math.prod(shape)
+    one = [math.prod(shape) for name, (shape, _) in block_param_specs(config, True).items()
+           if ".mlp.experts.0." in name]
+    for i in range(L):
+        if i * pp // L == stage and config.is_moe(i):
+            for _ in range(mine):
+                yield from ((i, size) for size in one)
 
 
 def expert_tensors(config, layout, stage):

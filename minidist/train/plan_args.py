@@ -18,7 +18,9 @@ def add_model_args(p):
     p.add_argument("--params", type=float,
                    help="model size; the shape is assumed (h/L~128, the count it reaches is "
                         "printed); refused where even the smallest shape (one layer of width "
-                        "256, with --vocab-size and --seq) is over twice it")
+                        "256, with --vocab-size and --seq) is over twice it. With "
+                        "--moe-experts it sizes the dense shape, whose MLPs then become the "
+                        "experts: the model line prints both counts")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -69,11 +71,28 @@ def params_problem(args):
 
 
 def count_text(n):
-    """A parameter count for a person: 7.07B, 13.9M, 950k, 812."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
+    """A parameter count as people write it (7.07B, 13.9M, 950K, 812, 1T): from 0.9995 of a
+    unit on, .3g rounds to at least 1 of it; 1,000 units and up keep that unit's name
+    (billions alone printed 1e12 as 1e+03B)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale * 0.9995:
+            x = n / scale
+            return f"{x:.3g}{unit}" if x < 999.5 else f"{x:,.0f}{unit}"
+    return str(int(n))
+
+
+def model_text(n_params, c):
+    """The planners' model line: '7.07B parameters (L=32, h=4096, a=32, V=50257)'; with
+    experts it says what --params sized: the dense shape, whose MLPs became the experts."""
+    shape = f"L={c['n_layer']}, h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}"
+    if not c.get("moe_experts"):
+        return f"{count_text(n_params)} parameters ({shape})"
+    dense = sum(stage_params(GPTConfig(**{k: v for k, v in c.items()
+                                          if not k.startswith("moe_")})))
+    blocks = "every block" if c["moe_every"] == 1 else f"one block in {c['moe_every']}"
+    return (f"{count_text(n_params)} parameters: the {count_text(dense)} dense shape ({shape}, "
+            f"what --params sizes) with the MLP of {blocks} made {c['moe_experts']} experts, "
+            f"top-{c['moe_top_k']}")
 
 
 def config_from_args(args):

@@ -58,9 +58,9 @@ bytes per sbh per layer, not 16e (the same in float32); the tests check it again
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from minidist.nn.config import GPTConfig, gpt_param_specs
+from minidist.nn.config import GPTConfig, block_param_specs, gpt_param_specs
 from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
 
@@ -147,17 +147,22 @@ def local_size(name, shape, tp=1):
 
 def stage_params(config, tp=1, pp=1, ep=1):
     """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
-    an expert's on E/ep of the ranks)."""
+    an expert's on E/ep of the ranks). Counted per kind of block (dense, MoE: the search
+    prices thousands of layouts), each block's added to its stage."""
+    def held(specs):
+        return sum(local_size(name, shape, tp) if ".mlp.experts." not in name else
+                   math.prod(shape) // ep for name, (shape, _) in specs.items())   # ep | E
+    per_block = {moe: held(block_param_specs(config, moe))
+                 for moe in {config.is_moe(i) for i in range(config.n_layer)}}
     counts = [0] * pp
-    for name, (shape, _) in gpt_param_specs(config).items():
-        n = local_size(name, shape, tp) if ".mlp.experts." not in name else \
-            math.prod(shape) // ep                               # ep divides E
-        if name.startswith("transformer.h."):
-            counts[int(name.split(".")[2]) * pp // config.n_layer] += n
-        elif name in ("transformer.wte.weight", "transformer.wpe.weight"):
-            counts[0] += n
-        else:
-            counts[-1] += n                                      # ln_f
+    for i in range(config.n_layer):
+        counts[i * pp // config.n_layer] += per_block[config.is_moe(i)]
+    outside = {name: spec for name, spec in
+               gpt_param_specs(replace(config, n_layer=1, moe_experts=0)).items()
+               if not name.startswith("transformer.h.")}
+    for name, (shape, _) in outside.items():
+        first = name in ("transformer.wte.weight", "transformer.wpe.weight")
+        counts[0 if first else -1] += local_size(name, shape, tp)        # else ln_f
     if pp > 1:                                                   # the tied head's copy
         counts[-1] += local_size("transformer.wte.weight",
                                  (config.vocab_size, config.n_embd), tp)
