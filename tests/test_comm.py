@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_scatter_step,
                                 ring_bytes)
-from minidist.comm.simulate import simulate_all_reduce, simulate_broadcast
+from minidist.comm.simulate import (simulate_all_gather, simulate_all_reduce,
+                                    simulate_broadcast, simulate_reduce_scatter)
 from mpirun import ROOT, mpi_env
 
 
@@ -80,6 +81,14 @@ def test_simulation_matches_sum(world, n, op):
     expect = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}[op](inputs, axis=0)
     for out in outputs:
         np.testing.assert_allclose(out, expect, rtol=1e-12)
+    if op in ("sum", "avg"):        # its two phases alone (ZeRO's): rank r's own chunk
+        bounds = chunk_bounds(n, world)
+        halves = simulate_reduce_scatter(inputs, op=op, show=lambda *_: None)
+        for r, (lo, hi) in enumerate(bounds):
+            np.testing.assert_allclose(halves[r][lo:hi], expect[lo:hi], rtol=1e-12)
+            halves[r][:lo], halves[r][hi:] = np.nan, np.nan    # only its own chunk goes out
+        for out in simulate_all_gather(halves, show=lambda *_: None):
+            np.testing.assert_allclose(out, expect, rtol=1e-12)
     bufs = simulate_broadcast(np.arange(n, dtype=float), world, root=world - 1,
                               show=lambda *_: None)
     assert all(np.array_equal(b, np.arange(n)) for b in bufs)

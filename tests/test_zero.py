@@ -7,6 +7,7 @@ comparisons into one mpiexec start; each test's docstring gives the command to r
 """
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -70,6 +71,34 @@ def test_zero_paper_arithmetic():
     assert memory.zero_model_states(P_, 4, 2, amp=True) == {
         "params": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
     assert memory.zero_model_states(P_, 4, 3, amp=True)["total"] == 16 * P_ // 4
+
+
+@pytest.mark.cpu_only("examples/zero_walkthrough.py simulates the ranks on numpy by design")
+def test_zero_walkthrough_equals_one_process(capsys):
+    """python examples/zero_walkthrough.py --ranks 3 --steps 2: each simulated rank's slice
+    of the reduce-scattered gradient and, after AdamW on the shards and the all-gather, every
+    rank's parameters equal one process's; the shard table cuts through parameters."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import zero_walkthrough
+    assert zero_walkthrough.main(["--ranks", "3", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 owns [  28,   56): wte.weight[28:48] wpe.weight[0:8]" in out, out
+    slices = [float(line.rsplit("= ", 1)[1]) for line in out.splitlines()
+              if "reduce-scatter" in line and "max |slice" in line]
+    assert len(slices) == 4 and max(slices) < 1e-15, slices       # 2 units x 2 steps
+    worst = float(out.rstrip().rsplit("max difference ", 1)[1].rstrip(")"))
+    assert ": OK (max difference" in out and worst < 1e-12
+    assert "ZeRO-3       198     198     396" in out               # 594 / 3 each, m and v
+
+
+@pytest.mark.parametrize("flags", [["--ranks", "0"], ["--steps", "-1"]])
+def test_zero_walkthrough_refuses_bad_input(flags):
+    """One `error:` line naming the flag, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "examples/zero_walkthrough.py", *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(errors) == 1 and f"error: {' '.join(flags)}:" in errors[0], out.stderr
 
 
 def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm(mpi):

@@ -11,8 +11,9 @@ exactly as ring.py's `ring_all_reduce` does; its stand-alone `ring_reduce_scatte
 travelling sums in scratch buffers instead so as to leave its input untouched, with the same
 chunks sent and the same sums formed.
 
-`simulate_all_to_all` does the same for the pairwise all-to-all (alltoall.py's
-`pairwise_step`), which examples/moe_walkthrough.py prints.
+`simulate_reduce_scatter` and `simulate_all_gather` are its two phases alone, as ZeRO uses
+them (examples/zero_walkthrough.py). `simulate_all_to_all` does the same for the pairwise
+all-to-all (alltoall.py's `pairwise_step`), which examples/moe_walkthrough.py prints.
 Run: python examples/ring_walkthrough.py --ranks 4 --n 10.
 Tests: tests/test_comm.py::test_simulation_matches_sum, tests/test_alltoall.py.
 """
@@ -78,6 +79,33 @@ def simulate_all_reduce(inputs, op="sum", show=print):
             bufs[r][lo:hi] /= world
     _ring_phase("all-gather", bufs, who, bounds, all_gather_step, None, show)
     return bufs
+
+
+def simulate_reduce_scatter(inputs, op="sum", show=print):
+    """Ring reduce-scatter of `inputs` (one 1-D array per simulated rank): the all-reduce's
+    first phase. Returns each rank's buffer, whose chunk r (rank r's own: chunk_bounds) holds
+    the reduction over every rank; its other chunks hold partial sums. ZeRO's gradients
+    (examples/zero_walkthrough.py)."""
+    world, n = len(inputs), inputs[0].size
+    bounds = chunk_bounds(n, world)
+    bufs = [np.array(x, copy=True) for x in inputs]
+    who = [[{r} for _ in range(world)] for r in range(world)]
+    _ring_phase("reduce-scatter", bufs, who, bounds, reduce_scatter_step, op, show)
+    if op == "avg":
+        for r, (lo, hi) in enumerate(bounds):
+            bufs[r][lo:hi] /= world
+    return bufs
+
+
+def simulate_all_gather(bufs, show=print):
+    """Ring all-gather: chunk r of rank r's buffer (chunk_bounds) to every rank, in new
+    buffers (the all-reduce's second phase). ZeRO's updated parameter shards."""
+    world = len(bufs)
+    bounds = chunk_bounds(bufs[0].size, world)
+    out = [np.array(b, copy=True) for b in bufs]
+    who = [[{r} if c == r else set() for c in range(world)] for r in range(world)]
+    _ring_phase("all-gather", out, who, bounds, all_gather_step, None, show)
+    return out
 
 
 def simulate_broadcast(buf, world, root=0, nseg=3, show=print):
