@@ -190,7 +190,8 @@ def show_stages(units):
           "parameter),\nand when the moves above run:")
     print(f"  {'':8}{'params':>8}{'grads':>8}{'m, v':>8}")
     rows = [("DDP", full, full, 2 * full, "no sharding: one all-reduce of the gradients"),
-            ("ZeRO-1", full, full, 2 * mine, "the reduce-scatter after backward, the "
+            ("ZeRO-1", full, full, 2 * mine, "each block's reduce-scatter as backward "
+                                               "finishes it (the full gradients kept), the "
                                                "all-gather after the step"),
             ("ZeRO-2", full, mine, 2 * mine, "each block's reduce-scatter as backward "
                                                "finishes it, the all-gather after the step"),
@@ -201,7 +202,7 @@ def show_stages(units):
         print(f"  {name:8}{prm:>8}{grd:>8}{opt:>8}")
     for name, *_, when in rows[1:]:
         print(f"  {name}: {when}")
-    print("  (minidist/zero/zero.py: ZeroStage1.sync_grads, ZeroStage2._grad_ready, "
+    print("  (minidist/zero/zero.py: ZeroStage1._grad_complete, ZeroStage2._grad_ready, "
           "ZeroStage3.before_block)")
 
 

@@ -184,15 +184,16 @@ def test_sys_exit_on_one_rank_ends_the_job(mpi):
 @pytest.mark.mpi
 def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
-    ever (pmodels/mpich#6124). With a 3 s timeout each waiting rank exits with a stack dump
-    naming the wait; the failing rank's own traceback comes through. By hand:
+    ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump
+    naming the wait (the first one's always comes through: once it exits the launcher may
+    kill the rest before they print); the failing rank's own traceback comes through. By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit"""
     start = time.monotonic()
     out = mpi(3, "tests/scripts/comm_small.py", "preinit", timeout=60, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
     assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
     assert "rank 1 failed before MPI_Init" in out.stderr, out.stderr
-    assert out.stderr.count("in _wait_in_mpi_init_for_every_rank") == 2, out.stderr
+    assert 1 <= out.stderr.count("in _wait_in_mpi_init_for_every_rank") <= 2, out.stderr
     assert "unreachable" not in out.stdout
 
 

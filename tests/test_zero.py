@@ -103,7 +103,9 @@ def test_zero_walkthrough_refuses_bad_input(flags):
 
 def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm(mpi):
     """Stages 1, 2, 3 at 4 ranks == 1 process (float64, clipping active, 2 micro-batches,
-    every unit padded), then the ledger and the bytes sent per step against theory:
+    every unit padded), every unit's reduce-scatter started by backward's hooks before
+    sync_grads (stage 1: only in the last micro-batch, the first held back by no_sync;
+    stages 2, 3: in both), then the ledger and the bytes sent per step against theory:
 
         mpiexec -n 4 python tests/scripts/zero_check.py --clip 0.05 --grad-accum 2 \\
             --memory --comm
@@ -115,6 +117,7 @@ def test_stages_match_one_process_with_clipping_accumulation_memory_and_comm(mpi
     for r in results:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
         assert all(r["padding"]) and max(r["norms"]) > 0.05
+        assert r["scatters_in_backward"] == r["units"] * (1 if r["stage"] == 1 else 2), r
     mem, = tagged_json(out, "MEMORY")
     for rank_rows in mem["by_rank"]:
         m = {int(s): row["measured"] for s, row in rank_rows.items()}

@@ -50,6 +50,8 @@ MPI's (minidist/comm/nccl.py; not run: NCCL needs a GPU per rank). Refused: E no
 of ep.
 Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
 """
+import contextlib
+
 import numpy as np
 
 from minidist.backend import xp_of
@@ -126,6 +128,16 @@ class ExpertParallel(ModelParallel):
 
     def _zero(self):
         return getattr(self.inner, "engine", None) is not None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """inner's; under ZeRO the experts' engine holds back too: its hooks start each MoE
+        block's reduce-scatter over edp only in the step's last micro-batch (ZeRO-1's
+        accumulating, minidist/zero/zero.py)."""
+        experts = self.expert_engine.accumulating() if self._zero() else \
+            contextlib.nullcontext()
+        with self.inner.no_sync(), experts:
+            yield
 
     def sync_grads(self, model):
         """inner's DDP over the dense parameters; the experts' gradients summed over edp and

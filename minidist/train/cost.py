@@ -46,7 +46,7 @@ a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-
 ZeRO-3's exposed gathers, the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
-Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-2/3's reduce-scatter,
+Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
 """

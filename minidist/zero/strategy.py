@@ -8,10 +8,12 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
     wrap                the model (the GPT, or another strategy's part of it), flattened into
                         units and sharded over the dp group: zero_engine
     build_optimizer     ShardedAdamW over this rank's shards (minidist/zero/optim.py)
-    no_sync             nothing: stage 1 accumulates micro-batches in its full gradient
-                        buffers, stages 2 and 3 reduce-scatter each micro-batch's gradients
-                        into the shards as backward completes them
-    sync_grads          engine.sync_grads(): the reduce-scatters
+    no_sync             engine.accumulating(): stage 1 accumulates the micro-batches before
+                        the last in its full gradient buffers, no reduce-scatter started;
+                        stages 2 and 3 reduce-scatter each micro-batch's gradients into the
+                        shards as backward completes them, holding back only hybrid
+                        sharding's all-reduces across the replicas
+    sync_grads          engine.sync_grads(): wait for the reduce-scatters backward started
     local_grads         the pieces of the gradient shards that belong to some parameters
                         (a pipeline sums its tied wte's over two stages, and leaves one copy
                         out of the norm; tensor parallelism counts replicated ones once)
@@ -33,7 +35,6 @@ shard group; the first group writes the checkpoints (README.md, "Hybrid sharding
 --tp TensorParallel writes its parts from the first shard group (writes_checkpoint).
 Tests: tests/test_zero.py.
 """
-import contextlib
 
 from minidist.comm import trace
 from minidist.strategy import memory
@@ -126,13 +127,11 @@ class ZeroDataParallel(SingleProcess):
         return dp_rows(arrays, self.rank, self.world_size)
 
     def no_sync(self):
-        """Nothing to hold back: stage 1 accumulates micro-batches in its full gradient
-        buffers and reduce-scatters once in sync_grads; stages 2 and 3 reduce-scatter every
-        micro-batch's gradients as backward completes them (keeping a full gradient for
-        later is what they exist to avoid). Under hybrid sharding stages 2 and 3 hold back
-        the all-reduce across the replicas to the last micro-batch (engine.accumulating)."""
-        if self.replicas is None:
-            return contextlib.nullcontext()
+        """The engine's accumulating(): stage 1's hooks start no reduce-scatter, the
+        micro-batches adding up in its full gradient buffers until the last one's backward
+        starts each unit's; stages 2 and 3 reduce-scatter every micro-batch's gradients as
+        backward completes them (keeping a full gradient for later is what they exist to
+        avoid), holding back only hybrid sharding's all-reduce across the replicas."""
         return self.engine.accumulating()
 
     def over(self):

@@ -18,9 +18,12 @@ AdamW on those shards.
 
 Stage 1, one step:
     backward        grads accumulate in each unit's full flat gradient buffer (param.grad is a
-                    view into it, as in DDP's buckets)
-    sync_grads      reduce_scatter(grad[lo:hi], grad, avg) per unit: this rank's shard of the
-                    averaged gradient
+                    view into it, as in DDP's buckets); in the step's last micro-batch, when a
+                    unit's last gradient is complete (grad hook), its reduce_scatter(grad[lo:hi],
+                    grad, avg) starts in the background while backward goes on: this rank's
+                    shard of the averaged gradient (Megatron-LM's distributed optimizer
+                    overlaps it the same way)
+    sync_grads      waits for them
     step            AdamW on param[lo:hi] with m, v of S elements, then after_step:
                     all_gather(param, param[lo:hi]): every rank has the new full parameters
 Stage 2: when a unit's last gradient is complete (grad hook), its gradients are copied into a
@@ -46,9 +49,9 @@ Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shar
 
 Hybrid sharding (`replicas`, --zero-shard): `group` is then a shard group of K ranks, and
 the engine also averages each gradient shard over `replicas`, the ranks holding the same
-shard in the other groups: stage 1 after its reduce-scatters, stages 2 and 3 as each unit's
-last reduce-scatter of the step lands (under the rest of backward; `accumulating()` holds
-back the micro-batches before the last).
+shard in the other groups: stage 1 as sync_grads collects each unit's reduce-scatter,
+stages 2 and 3 as each unit's last reduce-scatter of the step lands (under the rest of
+backward; `accumulating()` holds back the micro-batches before the last).
 Bytes each rank sends per step (ring, Psi = padded parameter bytes): DDP 2(N-1)/N Psi; stages
 1, 2 reduce-scatter + all-gather, the same; stage 3, 3(N-1)/N Psi in the paper (1.5x), here
 (N-1)/N (Psi + root + (2L-2)/L blocks): the root and the last two blocks are gathered once.
@@ -129,12 +132,16 @@ class ZeroStage1:
     def free(self):
         """Drop gathered copies of parameters (stage 3; nothing here): between steps."""
 
-    # ---- gradients: full flat buffers, reduce-scattered once after backward ---------------
+    # ---- gradients: full flat buffers, each reduce-scattered when backward completes it ---
     def _init_grads(self):
         for u in self.units:
             u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.dtype)
             u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
             u.grad_views = u.flat.views(u.grad_full)
+        self._scattering = {}        # id(unit) -> its reduce-scatter in flight, this step
+        self._deferring = False      # inside accumulating(): not the step's last micro-batch
+        self._hooks = [p.register_grad_hook(functools.partial(self._grad_complete, u))
+                       for u in self.units for p in u.flat.params]
         self.zero_grad()
 
     def zero_grad(self):
@@ -143,32 +150,64 @@ class ZeroStage1:
             for p, view in zip(u.flat.params, u.grad_views):
                 p.grad = view
 
-    def sync_grads(self):
-        """Rank r's shard of the gradient averaged over the group, into grad_full[lo:hi]."""
-        for u in self.units:
-            for p, view in zip(u.flat.params, u.grad_views):   # a .grad someone replaced
-                if p.grad is not view:
-                    view[...] = 0 if p.grad is None else p.grad
-                    p.grad = view
-            self.group.reduce_scatter(u.grad_shard, u.grad_full, op="avg")
-        self._average_over_replicas()
-
-    def _average_over_replicas(self):
-        """Hybrid sharding: every shard group holds the same shards of its own ranks' average;
-        one all-reduce per unit across the groups (all in flight at once) makes each the
-        average over every data-parallel rank. The gathers never leave the shard group;
-        this is the only traffic between groups: 2(R-1)/R of a shard per rank."""
-        if self.replicas is None:
+    def _grad_complete(self, u, p):
+        """Autograd hook: p's gradient for this backward is complete. In the step's last
+        micro-batch, once all of u's are, u's reduce-scatter starts (in the background) while
+        backward goes on with the blocks below: the unit is DDP's bucket, and the full
+        gradients stay (stage 2 is the one that drops them)."""
+        if self._deferring:
             return
-        works = [self.replicas.all_reduce(u.grad_shard, op="avg", async_op=True)
-                 for u in self.units]
-        for work in works:
+        if id(u) in self._scattering:
+            raise RuntimeError(f"ZeRO-1: {u.flat.name}'s gradients changed after its "
+                               "reduce-scatter started (a second backward before sync_grads;"
+                               " run the micro-batches before a step's last under the "
+                               "strategy's no_sync())")
+        u.ready += 1
+        if u.ready == len(u.flat.params):
+            self._start_reduce_scatter(u)
+
+    def _start_reduce_scatter(self, u):
+        """Rank r's shard of u's gradient averaged over the group, into grad_full[lo:hi]."""
+        for p, view in zip(u.flat.params, u.grad_views):   # a .grad someone replaced
+            if p.grad is not view:
+                view[...] = 0 if p.grad is None else p.grad
+                p.grad = view
+        self._scattering[id(u)] = self.group.reduce_scatter(u.grad_shard, u.grad_full,
+                                                            op="avg", async_op=True)
+
+    def sync_grads(self):
+        """Wait for every unit's reduce-scatter (starting those no hook started: unused
+        parameters, --ddp-like no_sync runs); under hybrid sharding each unit's all-reduce
+        across the replicas starts as its reduce-scatter lands."""
+        for u in self.units:
+            if id(u) not in self._scattering:
+                self._start_reduce_scatter(u)
+        across = []
+        for u in self.units:
+            self._scattering.pop(id(u)).wait()
+            u.ready = 0
+            if self.replicas is not None:
+                across.append(self._average_over_replicas(u))
+        for work in across:
             work.wait()
 
+    def _average_over_replicas(self, u):
+        """Hybrid sharding: every shard group holds the same shards of its own ranks' average;
+        one all-reduce of u's shard across the groups (in flight with the others) makes it
+        the average over every data-parallel rank. The gathers never leave the shard group;
+        this is the only traffic between groups: 2(R-1)/R of a shard per rank."""
+        return self.replicas.all_reduce(u.grad_shard, op="avg", async_op=True)
+
+    @contextlib.contextmanager
     def accumulating(self):
-        """Around a micro-batch before the step's last (the strategy's no_sync): nothing
-        here, stage 1 communicates in sync_grads only."""
-        return contextlib.nullcontext()
+        """Around a micro-batch before the step's last (the strategy's no_sync): the
+        gradients only add up in the full buffers, no hook starts a reduce-scatter. Nests (a
+        pipeline's micro-batches inside a --grad-accum round): the outer one still holds."""
+        previous, self._deferring = self._deferring, True
+        try:
+            yield
+        finally:
+            self._deferring = previous
 
     def grad_pieces(self, params):
         """The pieces of this rank's gradient shards that belong to `params` (views, in unit
@@ -212,7 +251,7 @@ class ZeroStage2(ZeroStage1):
         self._inflight = []          # (unit, flat buffer, Work, last), oldest first; last:
                                      # issued in a step's last micro-batch (not deferring)
         self._across = {}            # hybrid: id(unit) -> its all-reduce across the replicas
-        self._deferring = False      # inside accumulating(): not the step's last micro-batch
+        self._deferring = False      # inside accumulating() (stage 1's): not the last
         self._hooks = [p.register_grad_hook(functools.partial(self._grad_ready, u))
                        for u in self.units for p in u.flat.params]
 
@@ -259,17 +298,10 @@ class ZeroStage2(ZeroStage1):
         self._across[id(u)] = self.replicas.all_reduce(u.grad_shard, op="avg",
                                                        async_op=True)
 
-    @contextlib.contextmanager
-    def accumulating(self):
-        """Around a micro-batch before the step's last (the strategy's no_sync): its
-        reduce-scatters only add into the shards; the last micro-batch's start each unit's
-        all-reduce across the replicas as soon as the unit's shard is complete. Nests (a
-        pipeline's micro-batches inside a --grad-accum round): the outer one still holds."""
-        previous, self._deferring = self._deferring, True
-        try:
-            yield
-        finally:
-            self._deferring = previous
+    # accumulating() is stage 1's: here the micro-batches before the last still reduce-
+    # scatter (a full gradient kept for later is what stage 2 exists to avoid), their shards
+    # only adding up; the last one's start each unit's all-reduce across the replicas as
+    # soon as the unit's shard is complete (_finish_oldest).
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""

@@ -20,7 +20,9 @@ within 1e-3 of DDP's under mixed precision).
 --comm: reduce-scatter and all-gather bytes each rank sent in one step vs the closed form:
 `COMM {json}`. --shard K: hybrid sharding (each K ranks one sharded replica,
 ZeroDataParallel's shard_size), the same checks, and the bytes each rank sent across the
-replicas: one all-reduce of its shards per step, 2(R-1)/R of them on the ring. Any failure
+replicas: one all-reduce of its shards per step, 2(R-1)/R of them on the ring. Each RESULT
+also counts the reduce-scatters backward's hooks started before sync_grads waited (the fewest
+over the steps): every unit's, at stage 1 only in a step's last micro-batch. Any failure
 raises, and the abort handler ends the whole job.
 """
 import argparse
@@ -79,6 +81,7 @@ def compare(args, comm, ref, stage):
     model, _, losses, norms, _ = train(strategy, args)
     across = replica_bytes(strategy, args.steps, args.algo)
     early = started_in_backward(strategy)
+    scatters = issued_in_backward(strategy.shard_group.name, "reduce_scatter")
     ref_model, ref_losses, ref_norms = ref
     diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
     full = strategy.engine.full_state_dict()
@@ -94,7 +97,8 @@ def compare(args, comm, ref, stage):
               "param_diff": diff, "norms": norms,
               "padding": [u.flat.padding for u in strategy.engine.units],
               "shard_ranks": strategy.shard_group.size, "across_replicas": across,
-              "across_in_backward": early, "units": len(strategy.engine.units)}
+              "across_in_backward": early, "units": len(strategy.engine.units),
+              "scatters_in_backward": comm.allreduce(scatters, op=MPI.MIN)}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
@@ -125,9 +129,15 @@ def started_in_backward(strategy):
     with backward; the fewest over the steps (None when not hybrid)."""
     if strategy.replicas is None:
         return None
+    return issued_in_backward(strategy.replicas.name, "all_reduce")
+
+
+def issued_in_backward(group, op):
+    """Per step, how many `op`s on `group` (a name) were issued before the step's "wait for
+    gradients" (sync_grads) began: started by backward's hooks. The fewest over the steps."""
     events = trace.events()
     waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
-    issued = [e["issued"] for e in events if e["group"] == strategy.replicas.name]
+    issued = [e["issued"] for e in events if e["group"] == group and e["op"] == op]
     counts, before = [], 0.0
     for wait in waits:
         counts.append(sum(1 for t in issued if before <= t < wait))
@@ -226,8 +236,7 @@ def main():
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
     minidist.comm.init()   # MPI_Init, the abort hooks, the watchdog
-    if cli.shard:
-        trace.enable()     # the events tell when the all-reduces across replicas started
+    trace.enable()         # the events tell which collectives backward's hooks started
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
