@@ -1018,9 +1018,10 @@ def test_hybrid_sharding_step_and_memory_worked_by_hand():
     Plain ZeRO-1: its reduce-scatter and all-gather span both nodes, 3/4 x 2144 / 1 each:
     3216 s. ZeRO-1/2 (sharded over each node's 2): 1/2 x 2144 / 10 each in the node (214.4),
     then the 268-parameter shard's all-reduce between the 2 replicas, 2 x 1/2 x 1072 / 1 =
-    1072: 1286.4 s, all after backward. Each rank then holds 1/2 of the optimizer state, not
+    1072: 1286.4 s, none of it hidden. Each rank then holds 1/2 of the optimizer state, not
     1/4. ZeRO-2/2 with overlap 1: the all-reduces start under backward (3584 s of it here),
-    all but the last of L + 1 = 3 units hidden: 1072 / 3."""
+    all but the last of L + 1 = 3 units hidden: 1072 / 3; ZeRO-1/2 the same (its
+    reduce-scatter, one 1 MiB bucket's worth, is the last piece and stays in view)."""
     nodes = replace(UNIT, gpus_per_node=2, intra=Link(0.0, 10.0))
     plain = step_time(TOY, Layout(dp=4, zero=1, amp=False), nodes, seq=2, global_batch=4)
     hybrid1 = Layout(dp=4, zero=1, amp=False, zero_shard=2)
@@ -1034,6 +1035,8 @@ def test_hybrid_sharding_step_and_memory_worked_by_hand():
                        global_batch=4)
     assert stage2["compute"] == pytest.approx(5376)          # backward: 3584 s of it
     assert stage2["dp_exposed"] == pytest.approx(107.2 + 1072 / 3)   # + the all-gather
+    stage1 = step_time(TOY, hybrid1, replace(nodes, overlap=1.0), seq=2, global_batch=4)
+    assert stage1["dp_exposed"] == pytest.approx(2 * 107.2 + 1072 / 3)   # + reduce-scatter
     # under cp ZeRO's group is dp x cp, cp ranks neighbours: dp 2 x cp 4 sharded over 4 on
     # nodes of 4 holds each shard group in a node (ranks 0-3), each replica group across
     cp = Layout(dp=2, cp=4, zero=3, zero_shard=4)

@@ -351,10 +351,9 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     if layout.zero and layout.zero_shard:   # hybrid: the shards averaged across the replicas
         across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",
                                  comm)
-        # stages 2, 3 start each unit's as its last reduce-scatter ends, under the rest of
-        # backward (minidist/zero/zero.py ZeroStage2); stage 1's follow backward
-        hidden = exposed(across, w["c_b"], cluster.overlap, config.n_layer + 1) \
-            if layout.zero >= 2 else across
+        # every stage starts each unit's as its last reduce-scatter lands, under the rest of
+        # backward (minidist/zero/zero.py: ZeroStage1._land, ZeroStage2._finish_oldest)
+        hidden = exposed(across, w["c_b"], cluster.overlap, config.n_layer + 1)
         dp_comm, dp_exposed = dp_comm + across, dp_exposed + hidden
     edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)
     mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \

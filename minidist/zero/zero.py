@@ -49,9 +49,9 @@ Stage 3: only param[lo:hi] is kept. Before a block runs, all_gather(buffer, shar
 
 Hybrid sharding (`replicas`, --zero-shard): `group` is then a shard group of K ranks, and
 the engine also averages each gradient shard over `replicas`, the ranks holding the same
-shard in the other groups: stage 1 as sync_grads collects each unit's reduce-scatter,
-stages 2 and 3 as each unit's last reduce-scatter of the step lands (under the rest of
-backward; `accumulating()` holds back the micro-batches before the last).
+shard in the other groups, as each unit's last reduce-scatter of the step lands (under the
+rest of backward, once a third is in flight; `accumulating()` holds back the micro-batches
+before the last).
 Bytes each rank sends per step (ring, Psi = padded parameter bytes): DDP 2(N-1)/N Psi; stages
 1, 2 reduce-scatter + all-gather, the same; stage 3, 3(N-1)/N Psi in the paper (1.5x), here
 (N-1)/N (Psi + root + (2L-2)/L blocks): the root and the last two blocks are gathered once.
@@ -138,7 +138,9 @@ class ZeroStage1:
             u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.dtype)
             u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
             u.grad_views = u.flat.views(u.grad_full)
-        self._scattering = {}        # id(unit) -> its reduce-scatter in flight, this step
+        self._scattering = {}        # id(unit) -> its reduce-scatter this step
+        self._pending = []           # units whose reduce-scatter is in flight, oldest first
+        self._across = []            # hybrid: the all-reduces across the replicas started
         self._deferring = False      # inside accumulating(): not the step's last micro-batch
         self._hooks = [p.register_grad_hook(functools.partial(self._grad_complete, u))
                        for u in self.units for p in u.flat.params]
@@ -167,29 +169,39 @@ class ZeroStage1:
             self._start_reduce_scatter(u)
 
     def _start_reduce_scatter(self, u):
-        """Rank r's shard of u's gradient averaged over the group, into grad_full[lo:hi]."""
+        """Rank r's shard of u's gradient averaged over the group, into grad_full[lo:hi].
+        Under hybrid sharding the oldest of more than two in flight is waited for here, so
+        its all-reduce across the replicas starts under the rest of backward too."""
         for p, view in zip(u.flat.params, u.grad_views):   # a .grad someone replaced
             if p.grad is not view:
                 view[...] = 0 if p.grad is None else p.grad
                 p.grad = view
         self._scattering[id(u)] = self.group.reduce_scatter(u.grad_shard, u.grad_full,
                                                             op="avg", async_op=True)
+        self._pending.append(u)
+        while self.replicas is not None and len(self._pending) > 2:
+            self._land(self._pending.pop(0))
+
+    def _land(self, u):
+        """Wait for u's reduce-scatter; under hybrid sharding start its all-reduce across."""
+        self._scattering[id(u)].wait()
+        if self.replicas is not None:
+            self._across.append(self._average_over_replicas(u))
 
     def sync_grads(self):
-        """Wait for every unit's reduce-scatter (starting those no hook started: unused
-        parameters, --ddp-like no_sync runs); under hybrid sharding each unit's all-reduce
-        across the replicas starts as its reduce-scatter lands."""
+        """Wait for every unit's reduce-scatter (starting those no hook started: a unit
+        holding a parameter this backward did not reach); under hybrid sharding each unit's
+        all-reduce across the replicas starts as its reduce-scatter lands."""
         for u in self.units:
             if id(u) not in self._scattering:
                 self._start_reduce_scatter(u)
-        across = []
-        for u in self.units:
-            self._scattering.pop(id(u)).wait()
-            u.ready = 0
-            if self.replicas is not None:
-                across.append(self._average_over_replicas(u))
-        for work in across:
+        while self._pending:
+            self._land(self._pending.pop(0))
+        for work in self._across:
             work.wait()
+        self._scattering, self._across = {}, []
+        for u in self.units:
+            u.ready = 0
 
     def _average_over_replicas(self, u):
         """Hybrid sharding: every shard group holds the same shards of its own ranks' average;
