@@ -300,6 +300,11 @@ def _layout_refusal(ranks, flags, refused):
     (4, ["--zero", "3", "--zero-shard", "3"], "--zero-shard 3: the ranks each replica is "
      "sharded over must divide dp 4: one of 1, 2, 4 (typically the ranks of one node)"),
     (4, ["--zero", "1", "--zero-shard", "0"], "--zero-shard 0: the ranks each replica"),
+    (4, ["--overlap-param-gather"], "--overlap-param-gather: sets when ZeRO-1 and -2 wait for "
+     "the updated parameters' all-gathers (ZeRO-3 gathers before each block anyway), which "
+     "this run does not use (use --zero 1 or 2, or leave --overlap-param-gather out)"),
+    (4, ["--zero", "3", "--overlap-param-gather"], "--overlap-param-gather: sets when"),
+    (4, ["--zero", "2", "--overlap-param-gather"], None),
     (4, ["--zero-shard", "2"], "--zero-shard 2: sets the ranks ZeRO shards each replica over, "
      "which this run does not use (add --zero 1, 2 or 3, or leave --zero-shard out)"),
     (4, ["--zero", "2", "--zero-shard", "2", "--moe-experts", "4", "--ep", "2"],

@@ -88,6 +88,10 @@ def add_parallel_args(p):
                    "(one node's) holds one sharded replica; gathers and reduce-scatters stay "
                    "in the group, only the gradient shards are averaged across groups "
                    "(FSDP's HYBRID_SHARD; default: one group of all dp ranks)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --zero 1 or 2: the updated parameters' all-gathers run in the "
+                   "background after the step, each block's waited for just before the next "
+                   "forward runs it (Megatron-LM's --overlap-param-gather)")
     g.add_argument("--comm", choices=("ring", "naive", "mpi", "hier", "nccl"), default="ring",
                    help="collective algorithm: ring (minidist's), naive (reduce + broadcast), "
                    "mpi (the MPI library's), hier (reduce-scatter in a node, all-reduce across, "

@@ -136,6 +136,10 @@ def idle_flags(args, replicas=None):
     if not args.zero:
         idle.append(("--zero-shard", "the ranks ZeRO shards each replica over",
                      "add --zero 1, 2 or 3"))
+    if args.zero not in (1, 2):
+        idle.append(("--overlap-param-gather", "when ZeRO-1 and -2 wait for the updated "
+                     "parameters' all-gathers (ZeRO-3 gathers before each block anyway)",
+                     "use --zero 1 or 2"))
     if args.zero:
         idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
                   "drop --zero"),

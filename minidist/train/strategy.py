@@ -69,7 +69,8 @@ def make_data_parallel(args, group, amp):
     ckpt = args.ckpt_activations
     if args.zero:
         return ZeroDataParallel(group, args.zero, amp=amp, ckpt_activations=ckpt,
-                                shard_size=args.zero_shard)
+                                shard_size=args.zero_shard,
+                                overlap_gather=args.overlap_param_gather)
     if group is None or group.size == 1:
         return SingleProcess(amp, ckpt)
     return DataParallel(group, args.ddp, args.bucket_mb, amp=amp, ckpt_activations=ckpt)

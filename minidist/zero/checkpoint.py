@@ -66,6 +66,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
     back, minidist/strategy/readers.py PartsReader). `writes` False (hybrid sharding: a
     replica of the first shard group's shards, `world` the ranks of all the groups): this
     rank writes nothing and only takes part in `world`'s agreement."""
+    optimizer.engine.wait_params()     # --overlap-param-gather: no gather still writing
     world = world if world is not None else group
     tmp, err = None, None
     if world.rank == 0:
@@ -163,6 +164,7 @@ def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=F
     TpPiece, its tp shard), applied as it is read. leading_groups: `optimizer` holds the
     checkpoint's first parameter groups only (the experts' engine, minidist/ep/optim.py:
     matrices, biases only with config.bias). Returns the checkpoint's meta."""
+    optimizer.engine.wait_params()     # --overlap-param-gather: none still reading a shard
     err, new, record = None, None, None
     try:
         folder = dirs.resolve(directory)
@@ -273,6 +275,7 @@ def load_whole(params, opt_sd, optimizer):
     """This rank's shards of every unit cut from whole arrays by name: `params` and `opt_sd`
     (an optimizer state_dict, as checkpoint.load returns them: one process's, or a pipeline
     stage's part of it). Collective over the engine's group (after_step's all-gather)."""
+    optimizer.engine.wait_params()     # --overlap-param-gather: none still reading a shard
     units = optimizer.engine.units
     _check_groups("the checkpoint", opt_sd["groups"], optimizer)
     reader = DictReader(params, opt_sd["state"])

@@ -18,8 +18,9 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
                         (a pipeline sums its tied wte's over two stages, and leaves one copy
                         out of the norm; tensor parallelism counts replicated ones once)
     reduce_sum_sq       the local sum of squares of the gradient shards, summed over dp
-    after_step          engine.after_step(): all-gather the updated shards (stages 1, 2) or
-                        drop the stale gathered copies (stage 3)
+    after_step          engine.after_step(): all-gather the updated shards (stages 1, 2; with
+                        --overlap-param-gather in the background, waited for by the next
+                        forward's block hooks) or drop the stale gathered copies (stage 3)
     save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
     whole_state / load_whole_state   the shards gathered into (cut from) whole arrays by
                         name, in one process's format: a pipeline's checkpoints
@@ -85,9 +86,10 @@ class ZeroDataParallel(SingleProcess):
     reports_memory = True               # finish() prints the memory table: measure every step
 
     def __init__(self, group, stage, prefetch=True, amp=None, ckpt_activations=False,
-                 shard_size=None):
+                 shard_size=None, overlap_gather=False):
         super().__init__(amp, ckpt_activations)
         self.group, self.stage, self.prefetch = group, stage, prefetch
+        self.overlap_gather = overlap_gather     # stages 1, 2: --overlap-param-gather
         self.rank, self.world_size = group.rank, group.size
         # the state is sharded over shard_group; hybrid sharding (--zero-shard K < the
         # group): over K neighbouring ranks, each such group a replica of the others
@@ -103,7 +105,7 @@ class ZeroDataParallel(SingleProcess):
         shards = self.shard_group
         units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())
         self.engine = zero_engine(model, shards, self.stage, units, self.prefetch,
-                                  self.replicas)
+                                  self.replicas, self.overlap_gather)
         return model
 
     def build_optimizer(self, model, args):

@@ -71,16 +71,20 @@ from minidist.backend import to_host, xp_of
 from minidist.zero.flat import FlatUnit, gpt_units
 
 
-def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None):
+def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None,
+                overlap_gather=False):
     """Shard `model` over `group` (its dp ProcessGroup) at ZeRO `stage` 1, 2 or 3. `units`
     (FlatUnits) defaults to gpt_units(model): the root and one unit per block. Stage 3 sets
     itself as the model's block hooks (GPT.set_block_hooks): the model calls its gathers.
     `replicas` (hybrid sharding, --zero-shard): the group of ranks holding the same shards
-    in the other shard groups; sync_grads averages the gradient shards over it too."""
+    in the other shard groups; sync_grads averages the gradient shards over it too.
+    `overlap_gather` (stages 1, 2; --overlap-param-gather): after_step's all-gathers run in
+    the background, each unit waited for by the next forward's block hook."""
     units = units if units is not None else gpt_units(model, group.size, group.rank)
     if stage == 3:
         return ZeroStage3(model, group, units, prefetch, replicas)
-    return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units, replicas)
+    return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units, replicas,
+                                                 overlap_gather)
 
 
 @dataclass(eq=False)
@@ -111,10 +115,16 @@ class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
     stage = 1
 
-    def __init__(self, model, group, flats, replicas=None):
+    def __init__(self, model, group, flats, replicas=None, overlap_gather=False):
         self.module, self.group, self.replicas = model, group, replicas
         self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
         self.units = [self._shard_params(f) for f in flats]
+        self.blocks = [u for u in self.units if u.flat.module is not None]
+        self.root = [u for u in self.units if u.flat.module is None]
+        self.overlap_gather = overlap_gather
+        self._gathering = {}         # overlap_gather: id(unit) -> its all-gather in flight
+        if overlap_gather:
+            model.set_block_hooks(self)      # the next forward waits for each unit
         self._init_grads()
 
     # ---- parameters: one full flat buffer per unit; model parameters are views into it -----
@@ -125,12 +135,50 @@ class ZeroStage1:
         return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi], full=full)   # a view
 
     def after_step(self):
-        """The updated shards to every rank: all_gather in place, unit by unit."""
+        """The updated shards to every rank: all_gather in place, unit by unit. With
+        overlap_gather they run in the background (Megatron-LM's --overlap-param-gather)
+        while the step ends and the next one's forward begins; each unit's parameters point
+        at NaN placeholders (flat.py) until the block hook that needs them waits for its
+        gather, so nothing can read them half-gathered."""
         for u in self.units:
-            self.group.all_gather(u.full, u.param_shard)
+            if not self.overlap_gather:
+                self.group.all_gather(u.full, u.param_shard)
+                continue
+            u.flat.release_params()
+            self._gathering[id(u)] = self.group.all_gather(u.full, u.param_shard,
+                                                           async_op=True)
+
+    def wait_for(self, u):
+        """overlap_gather: u's all-gather done, its parameters views into `full` again."""
+        work = self._gathering.pop(id(u), None)
+        if work is not None:
+            work.wait()
+            u.flat.point_params_at(u.full)
+
+    def wait_params(self):
+        """Every unit's parameters whole (overlap_gather: the gathers still in flight
+        waited for). What reads them outside a forward calls this first: checkpoints
+        (zero/checkpoint.py), full_state_dict, sync_grads before the optimizer writes."""
+        for u in self.units:
+            self.wait_for(u)
+
+    # ---- overlap_gather: the model's block hooks (GPT.set_block_hooks), as stage 3's ------
+    def before_root(self):
+        """Before embed and head: the root units' gathers waited for."""
+        for u in self.root:
+            self.wait_for(u)
+
+    def before_block(self, i):
+        """Before block i: its unit's gather waited for (the later ones still run)."""
+        self.wait_for(self.blocks[i])
+
+    def after_block(self, i, y):
+        return y
 
     def free(self):
-        """Drop gathered copies of parameters (stage 3; nothing here): between steps."""
+        """Between steps: drop gathered copies of parameters (stage 3); here, with
+        overlap_gather, finish the gathers still in flight."""
+        self.wait_params()
 
     # ---- gradients: full flat buffers, each reduce-scattered when backward completes it ---
     def _init_grads(self):
@@ -192,6 +240,7 @@ class ZeroStage1:
         """Wait for every unit's reduce-scatter (starting those no hook started: a unit
         holding a parameter this backward did not reach); under hybrid sharding each unit's
         all-reduce across the replicas starts as its reduce-scatter lands."""
+        self.wait_params()           # (overlap_gather: a unit no forward used)
         for u in self.units:
             if id(u) not in self._scattering:
                 self._start_reduce_scatter(u)
@@ -239,6 +288,7 @@ class ZeroStage1:
 
     def full_state_dict(self, root=0):
         """name -> host array of every full parameter, on rank `root` ({} elsewhere)."""
+        self.wait_params()
         out = {}
         for u in self.units:
             full = self._full_params(u)
@@ -317,6 +367,7 @@ class ZeroStage2(ZeroStage1):
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""
+        self.wait_params()           # (overlap_gather: a unit no forward used)
         for u in self.units:
             if any(p.grad is not None for p in u.flat.params):
                 self._reduce_scatter(u)
@@ -371,9 +422,7 @@ class ZeroStage3(ZeroStage2):
 
     def __init__(self, model, group, flats, prefetch=True, replicas=None):
         self.prefetch = prefetch
-        super().__init__(model, group, flats, replicas)
-        self.blocks = [u for u in self.units if u.flat.module is not None]
-        self.root = [u for u in self.units if u.flat.module is None]
+        super().__init__(model, group, flats, replicas)      # self.blocks, self.root
         size = max((u.flat.padded for u in self.blocks), default=0)
         self.buffers = [GatherBuffer(size) for _ in range(min(2, len(self.blocks)))]
         for i, u in enumerate(self.blocks):

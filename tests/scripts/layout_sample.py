@@ -78,6 +78,8 @@ def candidate(rng, ranks):
     zero_ranks = dp * cp                  # ZeRO's group; hybrid sharding: K of them per replica
     if f["--zero"] and ep == 1 and zero_ranks > 1:        # after Ulysses' draw, for the same
         f["--zero-shard"] = _pick(rng, [None] + [k for k in (1, 2) if k < zero_ranks])
+    if f["--zero"] in (1, 2):             # drawn last, after the hybrid sharding's
+        f["--overlap-param-gather"] = rng.random() < 0.5
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -121,6 +123,7 @@ def _traits(flags):
     out += ["--attention tiled"] if flags.get("--attention") == "tiled" else []
     out += ["--cp-attention ulysses"] if flags.get("--cp-attention") == "ulysses" else []
     out += ["--zero-shard"] if "--zero-shard" in flags else []
+    out += ["--overlap-param-gather"] if "--overlap-param-gather" in flags else []
     return sorted(out)
 
 

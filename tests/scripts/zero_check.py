@@ -6,6 +6,7 @@ mpiexec run; then the memory ledger and the bytes sent per step, against theory.
     mpiexec -n 3 python tests/scripts/zero_check.py --ckpt-activations --no-prefetch --algo mpi
     mpiexec -n 4 python tests/scripts/zero_check.py --stages "" --memory --comm --amp
     mpiexec -n 4 python tests/scripts/zero_check.py --shard 2 --clip 0.05 --grad-accum 2
+    mpiexec -n 4 python tests/scripts/zero_check.py --overlap-gather --stages 1,2 --grad-accum 2
 
 Every rank trains the single-process reference itself (SingleProcess, the whole global batch),
 then for each stage trains ZeroDataParallel through the loop's own train_step and checks:
@@ -22,8 +23,11 @@ within 1e-3 of DDP's under mixed precision).
 ZeroDataParallel's shard_size), the same checks, and the bytes each rank sent across the
 replicas: one all-reduce of its shards per step, 2(R-1)/R of them on the ring. Each RESULT
 also counts the reduce-scatters backward's hooks started before sync_grads waited (the fewest
-over the steps): every unit's, at stage 1 only in a step's last micro-batch. Any failure
-raises, and the abort handler ends the whole job.
+over the steps): every unit's, at stage 1 only in a step's last micro-batch.
+--overlap-gather (stages 1, 2): the all-gathers after each step run in the background, each
+unit waited for by the next forward; the parameters are NaN placeholders after the last step
+(no forward has waited), and the shards and the gathered state_dict equal the reference.
+Any failure raises, and the abort handler ends the whole job.
 """
 import argparse
 import json
@@ -75,10 +79,18 @@ def shard_diff(strategy, ref_model):
 
 def compare(args, comm, ref, stage):
     group = ProcessGroup(comm, args.algo, name=f"zero{stage}")
+    overlap = args.overlap_gather and stage < 3
     strategy = ZeroDataParallel(group, stage, prefetch=args.prefetch,
-                                ckpt_activations=args.ckpt_activations, shard_size=args.shard)
+                                ckpt_activations=args.ckpt_activations, shard_size=args.shard,
+                                overlap_gather=overlap)
     trace.clear_events()
     model, _, losses, norms, _ = train(strategy, args)
+    # --overlap-gather: after the last step no forward has waited for the gathers yet, so
+    # every parameter still points at a NaN placeholder (nothing reads it half-gathered);
+    # stage 3's are placeholders between steps anyway
+    placeholders = all(bool(np.isnan(p.data).all()) for p in model.parameters())
+    assert placeholders == (overlap or stage == 3), \
+        f"stage {stage}: parameters NaN after the step: {placeholders}, overlap {overlap}"
     across = replica_bytes(strategy, args.steps, args.algo)
     early = started_in_backward(strategy)
     scatters = issued_in_backward(strategy.shard_group.name, "reduce_scatter")
@@ -98,7 +110,8 @@ def compare(args, comm, ref, stage):
               "padding": [u.flat.padding for u in strategy.engine.units],
               "shard_ranks": strategy.shard_group.size, "across_replicas": across,
               "across_in_backward": early, "units": len(strategy.engine.units),
-              "scatters_in_backward": comm.allreduce(scatters, op=MPI.MIN)}
+              "scatters_in_backward": comm.allreduce(scatters, op=MPI.MIN),
+              "overlap_gather": overlap}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
@@ -232,6 +245,9 @@ def main():
     p.add_argument("--tol", type=float, default=1e-10)
     p.add_argument("--shard", type=int, default=None,
                    help="hybrid sharding: ranks per sharded replica (ZeRO's shard_size)")
+    p.add_argument("--overlap-gather", action="store_true",
+                   help="stages 1, 2: the all-gathers after each step in the background "
+                   "(--overlap-param-gather)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the arrays live (tests/mpirun.py passes pytest's --device)")
     cli = p.parse_args()
