@@ -97,6 +97,7 @@ class ZeroDataParallel(SingleProcess):
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
+        self._steps, self._second = 0, None     # steps begun; the bytes when the 2nd began
         self.step_bytes = None          # the fewest bytes this rank sent in one step
 
     def wrap(self, model):
@@ -150,6 +151,9 @@ class ZeroDataParallel(SingleProcess):
 
     def start_step(self):
         self._mark = self._bytes_sent()
+        self._steps += 1
+        if self._steps == 2:            # --overlap-param-gather: finish() counts from here
+            self._second = self._mark
 
     def sync_grads(self, model):
         with trace.compute("wait for gradients"):
@@ -157,10 +161,13 @@ class ZeroDataParallel(SingleProcess):
 
     def end_step(self, activation_bytes):
         """Bytes sent this step (the reduce-scatters and the optimizer's all-gathers: the
-        fewest over the run, as the first step also broadcasts) and the activation peak."""
-        sent = tuple(now - then for now, then in zip(self._bytes_sent(), self._mark))
-        self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent,
-                                                                   key=sum)
+        fewest over the run, as the first step also broadcasts) and the activation peak.
+        With --overlap-param-gather a step's all-gathers land during the next one, so
+        finish() averages over the steps after the first instead."""
+        if not self.overlap_gather:
+            sent = tuple(now - then for now, then in zip(self._bytes_sent(), self._mark))
+            self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent,
+                                                                       key=sum)
         self.activations = max(self.activations, activation_bytes)
 
     def local_grads(self, params):
@@ -268,7 +275,10 @@ class ZeroDataParallel(SingleProcess):
         memory.ExpertStates): this rank's experts are ZeRO-1 at any stage
         (minidist/ep/optim.py), so they are predicted apart, and measured with the optimizer
         of dense and experts."""
-        rows = self.memory_rows(experts.optimizer if experts else self.opt)
+        rows = self.memory_rows(experts.optimizer if experts else self.opt)   # gathers landed
+        if self.overlap_gather and self._second is not None:   # (+ the loss's 8-byte mean)
+            self.step_bytes = tuple((now - then) / (self._steps - 1) for now, then in
+                                    zip(self._bytes_sent(), self._second))
         if self.step_bytes is not None:
             log.print0(self.summary())
         if self.rank == 0:
