@@ -63,8 +63,9 @@ def init(algo="ring", timeout=None, sync_comm=None):
     MPI4PY_RC_THREAD_LEVEL; a rank still in it after the timeout below exits 1 with a stack
     dump: another rank died before MPI_Init), the abort-on-uncaught-exception hooks
     (debug.py), the watchdog thread with a collective timeout of `timeout` seconds (default
-    MINIDIST_COMM_TIMEOUT or 600; 0: none), and an exit handler: a rank that exits waits for the others, then MPI is
-    finalised (watchdog.py). Later calls return another world group (another algo).
+    MINIDIST_COMM_TIMEOUT or 600; 0: none), and an exit handler: a rank that exits waits for
+    the others, then MPI is finalised (watchdog.py). Later calls return another world group
+    (another algo).
     `sync_comm`: every collective in the calling thread, for a debugger (group.py; default
     MINIDIST_SYNC_COMM)."""
     if not _state["initialised"]:
@@ -73,7 +74,8 @@ def init(algo="ring", timeout=None, sync_comm=None):
             raise ValueError("; ".join(problems))
         mpich.apply_defaults()
         if not MPI.Is_initialized():
-            _wait_in_mpi_init_for_every_rank(watchdog.default_timeout() if timeout is None else timeout)
+            wait_s = watchdog.default_timeout() if timeout is None else timeout
+            _wait_in_mpi_init_for_every_rank(wait_s)
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:

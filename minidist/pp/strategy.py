@@ -161,8 +161,9 @@ class PipelineParallel(ModelParallel):
         the stages. The last stage seeds each micro-batch's backward with scale / M, so the
         gradients are of the mean loss. DDP across pipelines stays silent (inner's no_sync)
         in every backward but micro-batch M-1's, whose hooks start its buckets' all-reduces
-        (MicroBatches knows which backward is the last; sync_grads waits for them). Returns (the mean loss of these rows, broadcast from the last stage; the
-        most activation bytes this stage held at once, if `measure`)."""
+        (MicroBatches knows which backward is the last; sync_grads waits for them). Returns
+        (the mean loss of these rows, broadcast from the last stage; the most activation
+        bytes this stage held at once, if `measure`)."""
         m, schedule = self.micro_batches, schedule_function(self.schedule, self.virtual)
         if len(x) % m:
             raise ValueError(f"{len(x)} rows do not split into {m} micro-batches")

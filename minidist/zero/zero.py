@@ -18,11 +18,11 @@ AdamW on those shards.
 
 Stage 1, one step:
     backward        grads accumulate in each unit's full flat gradient buffer (param.grad is a
-                    view into it, as in DDP's buckets); in the step's last micro-batch, when a
-                    unit's last gradient is complete (grad hook), its reduce_scatter(grad[lo:hi],
-                    grad, avg) starts in the background while backward goes on: this rank's
-                    shard of the averaged gradient (Megatron-LM's distributed optimizer
-                    overlaps it the same way)
+                    view into it, as in DDP's buckets); in the step's last micro-batch, when
+                    a unit's last gradient is complete (grad hook), its reduce_scatter(
+                    grad[lo:hi], grad, avg) starts in the background while backward goes on:
+                    this rank's shard of the averaged gradient (Megatron-LM's distributed
+                    optimizer overlaps it the same way)
     sync_grads      waits for them
     step            AdamW on param[lo:hi] with m, v of S elements, then after_step:
                     all_gather(param, param[lo:hi]): every rank has the new full parameters
