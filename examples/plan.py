@@ -70,7 +70,8 @@ def parse(argv=None):
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
                    "ulysses: the CP attention, with cp > 1; shard=K: hybrid sharding, ZeRO "
-                   "over each K dp ranks); refused unless "
+                   "over each K dp ranks; ogather: ZeRO-1/2's all-gathers behind the next "
+                   "forward, --overlap-param-gather); refused unless "
                    "examples/train_gpt.py runs it")
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -129,6 +130,8 @@ def parse_layout(text, args, config, v):
             fields["recompute"] = "full"
         elif item == "nosp":
             sp = False
+        elif item == "ogather":
+            fields["overlap_gather"] = True
         elif key == "cpattn" and eq:
             if value not in CP_ATTENTIONS:
                 fail(f"--layout: {item}: cpattn is " + " or ".join(CP_ATTENTIONS))
@@ -143,7 +146,7 @@ def parse_layout(text, args, config, v):
                 fields["zero_shard" if key == "shard" else key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"shard=,cpattn=,ckpt,nosp")
+                 f"shard=,cpattn=,ckpt,nosp,ogather")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,

@@ -1043,6 +1043,30 @@ def test_hybrid_sharding_step_and_memory_worked_by_hand():
     assert span(cp, "shard", 4) == (4, 1) and span(cp, "replicas", 4) == (1, 2)
 
 
+def test_overlapped_parameter_gather_worked_by_hand(capsys):
+    """--overlap-param-gather (Layout.overlap_gather): TOY, dp 4 on 2 nodes of 2 (as above),
+    ZeRO-1, overlap 1: the reduce-scatter (1608 s across the nodes, one 1 MiB bucket: none
+    of it hidden) as before, the all-gather (1608 s) behind the next forward's 1792 s, all
+    but one of L + 1 = 3 units: 536 s left in view; with overlap 0 nothing changes. plan.py
+    --layout takes it as `ogather` (its command adds the flag) and refuses it at ZeRO-3."""
+    nodes = replace(UNIT, gpus_per_node=2, intra=Link(0.0, 10.0), overlap=1.0)
+    plain = Layout(dp=4, zero=1, amp=False)
+    before = step_time(TOY, plain, nodes, seq=2, global_batch=4)
+    after = step_time(TOY, replace(plain, overlap_gather=True), nodes, seq=2, global_batch=4)
+    assert before["compute"] == pytest.approx(5376)            # forward 1792 s of it
+    assert before["dp_comm"] == after["dp_comm"] == pytest.approx(3216)
+    assert before["dp_exposed"] == pytest.approx(3216)
+    assert after["dp_exposed"] == pytest.approx(1608 + 536)
+    quiet = replace(nodes, overlap=0.0)
+    assert step_time(TOY, replace(plain, overlap_gather=True), quiet, seq=2,
+                     global_batch=4)["dp_exposed"] == pytest.approx(3216)
+    assert replace(plain, overlap_gather=True).name() == "ZeRO-1 (fp32, gathers overlapped)"
+    _plan_cli().main(["--gpus", "8", "--layout", "dp=8,zero=1,ogather", "--top", "1"])
+    assert "--zero 1 --attention tiled --overlap-param-gather" in capsys.readouterr().out
+    says = _plan_error(["--gpus", "8", "--layout", "dp=8,zero=3,ogather"], capsys)
+    assert says.startswith("error: --layout: ogather: the overlapped parameter gather needs")
+
+
 def test_search_proposes_hybrid_sharding_across_nodes_that_training_accepts():
     """On 16 GPUs (2 nodes of 8) the search also prices ZeRO-1/2/3 sharded over each node's
     share of its dp x cp ranks (8 / tp of them: the group's ranks are tp apart; not under tp

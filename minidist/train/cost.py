@@ -323,7 +323,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
-                   t_f=t_f, t_b=t_b, c_b=c_b,
+                   t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b,
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         worst = row if worst is None or row["pipe"] > worst["pipe"] else worst
@@ -337,16 +337,20 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
+    ag = coll("all_gather", n * p_bytes) if layout.zero in (1, 2) else 0.0
+    # after the step in full view, or (--overlap-param-gather) behind the next step's first
+    # forward, unit by unit, the first (the root: the embedding) never hidden
+    ag_exposed = exposed(ag, w["c_f"], cluster.overlap, config.n_layer + 1) \
+        if layout.overlap_gather else ag
     if layout.zero == 0:
         dp_comm = coll("all_reduce", n * g_bytes)
         dp_exposed = exposed(dp_comm, w["c_b"], cluster.overlap, units)
     elif layout.zero == 1:
         rs = coll("reduce_scatter", n * g_bytes)
-        dp_comm = rs + coll("all_gather", n * p_bytes)
-        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + dp_comm - rs
+        dp_comm = rs + ag
+        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + ag_exposed
     elif layout.zero == 2:
-        dp_comm = coll("all_gather", n * p_bytes)
-        dp_exposed = dp_comm
+        dp_comm, dp_exposed = ag, ag_exposed
     shard = math.ceil(n / layout.zero_ranks) if layout.zero else n
     if layout.zero and layout.zero_shard:   # hybrid: the shards averaged across the replicas
         across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",

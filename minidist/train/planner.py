@@ -80,7 +80,8 @@ class Layout:
     `cp_attention`: how the cp ranks attend, the ring or Ulysses' all-to-alls
     (--cp-attention; it means nothing with cp 1). `zero_shard` K (hybrid sharding,
     --zero-shard; 0: none): ZeRO shards over each group of K neighbouring dp ranks, the
-    groups replicas of each other (minidist/zero/README.md)."""
+    groups replicas of each other (minidist/zero/README.md). `overlap_gather` (ZeRO-1/2,
+    --overlap-param-gather): the updated parameters' all-gathers behind the next forward."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -93,6 +94,7 @@ class Layout:
     ep: int = 1                      # experts sharded over ep of the dp ranks (MoE only)
     cp_attention: str = "ring"       # with cp > 1: "ring" or "ulysses" (minidist/cp/ulysses.py)
     zero_shard: int = 0              # with zero > 0: ranks per sharded replica (0: dp x cp)
+    overlap_gather: bool = False     # with zero 1 or 2: the all-gathers behind the forward
 
     @property
     def zero_ranks(self):
@@ -126,6 +128,7 @@ class Layout:
         elif self.dp > 1 or self.zero:   # ZeRO with dp 1 still shards (over cp, or one rank)
             parts.append(f"{data} x{self.dp}" if self.dp > 1 else data)
         extras = ["amp" if self.amp else "fp32"] + (["tiled"] if self.tiled else [])
+        extras += ["gathers overlapped"] if self.overlap_gather else []
         if self.recompute != "none":
             extras.append("ckpt" if self.recompute == "full" else "selective recompute")
         return " x ".join(parts) + " (" + ", ".join(extras) + ")"

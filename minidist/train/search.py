@@ -165,6 +165,7 @@ def train_flags(config, row, v=1):
              "--zero", row["zero"], "--attention", "tiled" if row["tiled"] else "auto"]
     if row.get("zero_shard"):
         flags += ["--zero-shard", row["zero_shard"]]
+    flags += ["--overlap-param-gather"] if row.get("overlap_gather") else []
     if config.moe_experts:
         flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
                   "--moe-every", config.moe_every]
@@ -198,6 +199,9 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         problems.append(f"cpattn={layout.cp_attention}: the CP attention is ring or ulysses")
     if layout.zero_shard and not layout.zero:
         problems.append(f"shard={layout.zero_shard}: hybrid sharding needs zero=1, 2 or 3")
+    if layout.overlap_gather and layout.zero not in (1, 2):
+        problems.append("ogather: the overlapped parameter gather needs zero=1 or 2 (ZeRO-3 "
+                        "gathers before each block anyway)")
     if problems:
         return problems
     if layout.gpus != gpus:
