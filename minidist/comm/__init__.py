@@ -95,9 +95,11 @@ def _wait_in_mpi_init_for_every_rank(timeout):
     other while MPI starts)."""
     if timeout:
         faulthandler.dump_traceback_later(timeout, exit=True)
-    MPI.Init_thread(THREAD_LEVELS[_thread_level()])
-    if timeout:
-        faulthandler.cancel_dump_traceback_later()
+    try:
+        MPI.Init_thread(THREAD_LEVELS[_thread_level()])
+    finally:                         # a failed MPI_Init raises: no timer left to kill later
+        if timeout:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _finish():

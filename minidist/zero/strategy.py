@@ -94,6 +94,11 @@ class ZeroDataParallel(SingleProcess):
         # the state is sharded over shard_group; hybrid sharding (--zero-shard K < the
         # group): over K neighbouring ranks, each such group a replica of the others
         self.shard_group, self.replicas = shard_groups(group, shard_size)
+        # --overlap-param-gather: the shard group's ranks again, with a communicator and a
+        # thread of their own for after_step's all-gathers, so that the step's next blocking
+        # collective on the group (the loss's mean) does not wait for them
+        self.gather_group = None if not overlap_gather else self.shard_group.split(
+            0, name=f"{self.shard_group.name}-gathers")
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
@@ -106,7 +111,7 @@ class ZeroDataParallel(SingleProcess):
         shards = self.shard_group
         units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())
         self.engine = zero_engine(model, shards, self.stage, units, self.prefetch,
-                                  self.replicas, self.overlap_gather)
+                                  self.replicas, self.gather_group)
         return model
 
     def build_optimizer(self, model, args):
@@ -144,9 +149,11 @@ class ZeroDataParallel(SingleProcess):
         return f"{ranks(self.shard_group.size)}, replicated x {self.replicas.size}"
 
     def _bytes_sent(self):
-        """Bytes this rank has sent in ZeRO's collectives: (in its shard group, across the
-        replicas: hybrid sharding's only traffic between groups)."""
-        return (trace.bytes_sent(self.shard_group.name),
+        """Bytes this rank has sent in ZeRO's collectives: (in its shard group, its
+        all-gathers' group included, across the replicas: hybrid sharding's only traffic
+        between groups)."""
+        gathers = 0 if self.gather_group is None else trace.bytes_sent(self.gather_group.name)
+        return (trace.bytes_sent(self.shard_group.name) + gathers,
                 0 if self.replicas is None else trace.bytes_sent(self.replicas.name))
 
     def start_step(self):

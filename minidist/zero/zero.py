@@ -72,19 +72,21 @@ from minidist.zero.flat import FlatUnit, gpt_units
 
 
 def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None,
-                overlap_gather=False):
+                gather_group=None):
     """Shard `model` over `group` (its dp ProcessGroup) at ZeRO `stage` 1, 2 or 3. `units`
     (FlatUnits) defaults to gpt_units(model): the root and one unit per block. Stage 3 sets
     itself as the model's block hooks (GPT.set_block_hooks): the model calls its gathers.
     `replicas` (hybrid sharding, --zero-shard): the group of ranks holding the same shards
     in the other shard groups; sync_grads averages the gradient shards over it too.
-    `overlap_gather` (stages 1, 2; --overlap-param-gather): after_step's all-gathers run in
-    the background, each unit waited for by the next forward's block hook."""
+    `gather_group` (stages 1, 2; --overlap-param-gather): a group of `group`'s ranks with
+    its own communicator and thread, on which after_step's all-gathers run in the
+    background, each unit waited for by the next forward's block hook (on `group` itself
+    the step's next blocking collective, the loss's mean, would wait for them all)."""
     units = units if units is not None else gpt_units(model, group.size, group.rank)
     if stage == 3:
         return ZeroStage3(model, group, units, prefetch, replicas)
     return {1: ZeroStage1, 2: ZeroStage2}[stage](model, group, units, replicas,
-                                                 overlap_gather)
+                                                 gather_group)
 
 
 @dataclass(eq=False)
@@ -98,7 +100,8 @@ class ZeroUnit:
         full          stages 1, 2: all the parameters (each parameter's .data is a view)
         grad_shard    the averaged gradient's [lo, hi). Stage 1: a view into grad_full
         grad_full     stage 1: every gradient (each parameter's .grad is one of grad_views)
-        ready         stages 2, 3: parameters whose gradient this backward has completed
+        ready         parameters whose gradient this backward has completed (stage 1: in
+                      the step's last micro-batch)
         slot          stage 3: the GatherBuffer this unit's parameters are gathered into
     """
     flat: FlatUnit
@@ -115,15 +118,15 @@ class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
     stage = 1
 
-    def __init__(self, model, group, flats, replicas=None, overlap_gather=False):
+    def __init__(self, model, group, flats, replicas=None, gather_group=None):
         self.module, self.group, self.replicas = model, group, replicas
         self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
         self.units = [self._shard_params(f) for f in flats]
         self.blocks = [u for u in self.units if u.flat.module is not None]
         self.root = [u for u in self.units if u.flat.module is None]
-        self.overlap_gather = overlap_gather
-        self._gathering = {}         # overlap_gather: id(unit) -> its all-gather in flight
-        if overlap_gather:
+        self.gather_group = gather_group     # --overlap-param-gather: after_step's, apart
+        self._gathering = {}         # gather_group: id(unit) -> its all-gather in flight
+        if gather_group is not None:
             model.set_block_hooks(self)      # the next forward waits for each unit
         self._init_grads()
 
@@ -135,34 +138,40 @@ class ZeroStage1:
         return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi], full=full)   # a view
 
     def after_step(self):
-        """The updated shards to every rank: all_gather in place, unit by unit. With
-        overlap_gather they run in the background (Megatron-LM's --overlap-param-gather)
-        while the step ends and the next one's forward begins; each unit's parameters point
-        at NaN placeholders (flat.py) until the block hook that needs them waits for its
-        gather, so nothing can read them half-gathered."""
-        for u in self.units:
-            if not self.overlap_gather:
+        """The updated shards to every rank: all_gather in place, unit by unit. With a
+        gather_group they run there in the background (Megatron-LM's
+        --overlap-param-gather) while the step ends and the next one's forward begins; each
+        unit's parameters point at NaN placeholders (flat.py) until the block hook that
+        needs them waits for its gather, so nothing can read them half-gathered."""
+        if self.gather_group is None:
+            for u in self.units:
                 self.group.all_gather(u.full, u.param_shard)
-                continue
+            return
+        for u in self.units:
             u.flat.release_params()
-            self._gathering[id(u)] = self.group.all_gather(u.full, u.param_shard,
-                                                           async_op=True)
+            self._gathering[id(u)] = self.gather_group.all_gather(u.full, u.param_shard,
+                                                                  async_op=True)
 
     def wait_for(self, u):
-        """overlap_gather: u's all-gather done, its parameters views into `full` again."""
+        """gather_group: u's all-gather done, its parameters views into `full` again."""
         work = self._gathering.pop(id(u), None)
         if work is not None:
             work.wait()
             u.flat.point_params_at(u.full)
 
+    def gathers_in_flight(self):
+        """gather_group: the units whose all-gather has not finished yet (what a test sees
+        of the overlap when a step returns)."""
+        return sum(not work.is_completed() for work in self._gathering.values())
+
     def wait_params(self):
-        """Every unit's parameters whole (overlap_gather: the gathers still in flight
+        """Every unit's parameters whole (gather_group: the gathers still in flight
         waited for). What reads them outside a forward calls this first: checkpoints
         (zero/checkpoint.py), full_state_dict, sync_grads before the optimizer writes."""
         for u in self.units:
             self.wait_for(u)
 
-    # ---- overlap_gather: the model's block hooks (GPT.set_block_hooks), as stage 3's ------
+    # ---- gather_group: the model's block hooks (GPT.set_block_hooks), as stage 3's --------
     def before_root(self):
         """Before embed and head: the root units' gathers waited for."""
         for u in self.root:
@@ -177,7 +186,7 @@ class ZeroStage1:
 
     def free(self):
         """Between steps: drop gathered copies of parameters (stage 3); here, with
-        overlap_gather, finish the gathers still in flight."""
+        a gather_group, finish the gathers still in flight."""
         self.wait_params()
 
     # ---- gradients: full flat buffers, each reduce-scattered when backward completes it ---
@@ -187,6 +196,7 @@ class ZeroStage1:
             u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
             u.grad_views = u.flat.views(u.grad_full)
         self._scattering = {}        # id(unit) -> its reduce-scatter this step
+        self._next = 0               # how many units, last to first, have started theirs
         self._pending = []           # units whose reduce-scatter is in flight, oldest first
         self._across = []            # hybrid: the all-reduces across the replicas started
         self._deferring = False      # inside accumulating(): not the step's last micro-batch
@@ -207,14 +217,24 @@ class ZeroStage1:
         gradients stay (stage 2 is the one that drops them)."""
         if self._deferring:
             return
-        if id(u) in self._scattering:
-            raise RuntimeError(f"ZeRO-1: {u.flat.name}'s gradients changed after its "
-                               "reduce-scatter started (a second backward before sync_grads;"
-                               " run the micro-batches before a step's last under the "
-                               "strategy's no_sync())")
-        u.ready += 1
         if u.ready == len(u.flat.params):
+            raise RuntimeError(f"ZeRO-1: {u.flat.name}'s gradients changed after they were "
+                               "complete (a second backward before sync_grads; run the "
+                               "micro-batches before a step's last under the strategy's "
+                               "no_sync())")
+        u.ready += 1
+        self._start_ready()
+
+    def _start_ready(self):
+        """Start the reduce-scatter of every complete unit whose predecessors have started,
+        in one fixed order, the units last to first (the order backward completes them):
+        every rank issues them alike whatever order its hooks fire in, as DDP's buckets."""
+        while self._next < len(self.units):
+            u = self.units[-1 - self._next]
+            if u.ready < len(u.flat.params):
+                return
             self._start_reduce_scatter(u)
+            self._next += 1
 
     def _start_reduce_scatter(self, u):
         """Rank r's shard of u's gradient averaged over the group, into grad_full[lo:hi].
@@ -240,15 +260,15 @@ class ZeroStage1:
         """Wait for every unit's reduce-scatter (starting those no hook started: a unit
         holding a parameter this backward did not reach); under hybrid sharding each unit's
         all-reduce across the replicas starts as its reduce-scatter lands."""
-        self.wait_params()           # (overlap_gather: a unit no forward used)
-        for u in self.units:
-            if id(u) not in self._scattering:
-                self._start_reduce_scatter(u)
+        self.wait_params()           # (gather_group: a unit no forward used)
+        for u in self.units:         # a unit holding a parameter backward did not reach
+            u.ready = len(u.flat.params)
+        self._start_ready()
         while self._pending:
             self._land(self._pending.pop(0))
         for work in self._across:
             work.wait()
-        self._scattering, self._across = {}, []
+        self._scattering, self._across, self._next = {}, [], 0
         for u in self.units:
             u.ready = 0
 
@@ -367,7 +387,7 @@ class ZeroStage2(ZeroStage1):
 
     def sync_grads(self):
         """Wait for every reduce-scatter backward started (and start any a hook did not)."""
-        self.wait_params()           # (overlap_gather: a unit no forward used)
+        self.wait_params()           # (gather_group: a unit no forward used)
         for u in self.units:
             if any(p.grad is not None for p in u.flat.params):
                 self._reduce_scatter(u)

@@ -85,6 +85,10 @@ def compare(args, comm, ref, stage):
                                 overlap_gather=overlap)
     trace.clear_events()
     model, _, losses, norms, _ = train(strategy, args)
+    in_flight = strategy.engine.gathers_in_flight()        # when the last step returned
+    if overlap:   # on a group of their own: the loss's mean on the dp group does not wait
+        assert strategy.gather_group.comm is not strategy.group.comm
+        assert trace.bytes_sent(strategy.gather_group.name, "all_gather") > 0
     # --overlap-gather: after the last step no forward has waited for the gathers yet, so
     # every parameter still points at a NaN placeholder (nothing reads it half-gathered);
     # stage 3's are placeholders between steps anyway
@@ -111,7 +115,8 @@ def compare(args, comm, ref, stage):
               "shard_ranks": strategy.shard_group.size, "across_replicas": across,
               "across_in_backward": early, "units": len(strategy.engine.units),
               "scatters_in_backward": comm.allreduce(scatters, op=MPI.MIN),
-              "overlap_gather": overlap}
+              "overlap_gather": overlap,
+              "gathers_in_flight": comm.allreduce(in_flight, op=MPI.MAX)}
     for key in ("loss_diff", "norm_diff", "param_diff"):
         assert result[key] <= args.tol, (stage, key, result)
     if args.clip:
