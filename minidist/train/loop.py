@@ -182,7 +182,7 @@ def train(args, world=None):
             if strategy.any_rank(bad is not None):
                 raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
             _stop(args, strategy, log, model, opt, step, signals)
-        t_mark = time.perf_counter() if evals or saves else t_mark
+        t_aside_from = time.perf_counter() if evals or saves else None
         if evals:
             log.print0(f"{at} | evaluating on {args.eval_iters} val batch"
                        f"{'es' * (args.eval_iters != 1)} ...")
@@ -196,9 +196,9 @@ def train(args, world=None):
             log.json0({**row, "val_loss": val_loss})     # (every evaluating step was read)
         if saves:
             _save(args, strategy, log, model, opt, step)
-        if evals or saves:       # the next step's time starts after them
-            t_aside += time.perf_counter() - t_mark
+        if t_aside_from is not None:     # the next step's time starts after them
             t_mark = time.perf_counter()
+            t_aside += t_mark - t_aside_from
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
                    t_aside, reads_before)
 

@@ -89,7 +89,6 @@ class ZeroDataParallel(SingleProcess):
                  shard_size=None, overlap_gather=False):
         super().__init__(amp, ckpt_activations)
         self.group, self.stage, self.prefetch = group, stage, prefetch
-        self.overlap_gather = overlap_gather     # stages 1, 2: --overlap-param-gather
         self.rank, self.world_size = group.rank, group.size
         # the state is sharded over shard_group; hybrid sharding (--zero-shard K < the
         # group): over K neighbouring ranks, each such group a replica of the others
@@ -97,8 +96,9 @@ class ZeroDataParallel(SingleProcess):
         # --overlap-param-gather: the shard group's ranks again, with a communicator and a
         # thread of their own for after_step's all-gathers, so that the step's next blocking
         # collective on the group (the loss's mean) does not wait for them
-        self.gather_group = None if not overlap_gather else self.shard_group.split(
-            0, name=f"{self.shard_group.name}-gathers")
+        # (stages 1, 2: stage 3 gathers before each block anyway)
+        self.gather_group = None if not overlap_gather or stage == 3 else \
+            self.shard_group.split(0, name=f"{self.shard_group.name}-gathers")
         self.engine = self.opt = self.model = None
         self.activations = 0            # the largest activation bytes measured (the table)
         self._mark = None               # bytes sent when the current step began
@@ -171,7 +171,7 @@ class ZeroDataParallel(SingleProcess):
         fewest over the run, as the first step also broadcasts) and the activation peak.
         With --overlap-param-gather a step's all-gathers land during the next one, so
         finish() averages over the steps after the first instead."""
-        if not self.overlap_gather:
+        if self.gather_group is None:
             sent = tuple(now - then for now, then in zip(self._bytes_sent(), self._mark))
             self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent,
                                                                        key=sum)
@@ -283,7 +283,7 @@ class ZeroDataParallel(SingleProcess):
         (minidist/ep/optim.py), so they are predicted apart, and measured with the optimizer
         of dense and experts."""
         rows = self.memory_rows(experts.optimizer if experts else self.opt)   # gathers landed
-        if self.overlap_gather and self._second is not None:   # (+ the loss's 8-byte mean)
+        if self.gather_group is not None and self._second is not None:   # (+ the loss's mean)
             self.step_bytes = tuple((now - then) / (self._steps - 1) for now, then in
                                     zip(self._bytes_sent(), self._second))
         if self.step_bytes is not None:

@@ -377,8 +377,7 @@ class ZeroStage2(ZeroStage1):
     def _start_across(self, u):
         """Hybrid sharding: u's gradient shard averaged across the replicas, in the
         background (backward goes on with the blocks below)."""
-        self._across[id(u)] = self.replicas.all_reduce(u.grad_shard, op="avg",
-                                                       async_op=True)
+        self._across[id(u)] = self._average_over_replicas(u)
 
     # accumulating() is stage 1's: here the micro-batches before the last still reduce-
     # scatter (a full gradient kept for later is what stage 2 exists to avoid), their shards

@@ -56,6 +56,19 @@ def check_tied_copies(strategy, state):
     assert crcs[0] == crcs[1], f"tied wte copies differ: {crcs}"
 
 
+def issued_before_waits(events, wanted):
+    """Per step, how many traced collectives `wanted(event)` picks were issued before the
+    step's "wait for gradients" (sync_grads) began: started by backward's hooks. The fewest
+    over the steps (0 where nothing waits for gradients)."""
+    waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
+    issued = [e["issued"] for e in events if wanted(e)]
+    counts, before = [], 0.0
+    for wait in waits:
+        counts.append(sum(1 for t in issued if before <= t < wait))
+        before = wait
+    return min(counts, default=0)
+
+
 def start(parser):
     """What every exactness script does first: --tol and --device added to `parser` and
     parsed, MPI started (minidist.comm.init) and the device set. Returns (cli, the world's

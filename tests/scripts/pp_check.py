@@ -50,7 +50,7 @@ from minidist.comm import ProcessGroup, trace  # noqa: E402
 from minidist.ddp.strategy import DataParallel
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import make_strategy
-from exact import check_tied_copies  # noqa: E402  (tests/scripts, the script's folder)
+from exact import check_tied_copies, issued_before_waits  # noqa: E402  (tests/scripts, the script's folder)
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7
@@ -141,16 +141,9 @@ def started_in_backward(strategy):
     and the tied embedding's) issued before the step's "wait for gradients" (sync_grads)
     began: started by backward's hooks. The fewest over the steps (trace on; 0 without data
     parallelism, where nothing waits for gradients)."""
-    events = trace.events()
     other = {g.name for g in (strategy.mesh.tp, strategy.mesh.pp, strategy.embedding) if g}
-    waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
-    issued = [e["issued"] for e in events
-              if e["op"] == "all_reduce" and e["group"] not in other]
-    counts, before = [], 0.0
-    for wait in waits:
-        counts.append(sum(1 for t in issued if before <= t < wait))
-        before = wait
-    return min(counts, default=0)
+    return issued_before_waits(trace.events(), lambda e: e["op"] == "all_reduce" and
+                               e["group"] not in other)
 
 
 def compare(name, ref, comm, cli):

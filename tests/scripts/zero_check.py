@@ -153,14 +153,8 @@ def started_in_backward(strategy):
 def issued_in_backward(group, op):
     """Per step, how many `op`s on `group` (a name) were issued before the step's "wait for
     gradients" (sync_grads) began: started by backward's hooks. The fewest over the steps."""
-    events = trace.events()
-    waits = [e["start"] for e in events if e["op"] == "wait for gradients"]
-    issued = [e["issued"] for e in events if e["group"] == group and e["op"] == op]
-    counts, before = [], 0.0
-    for wait in waits:
-        counts.append(sum(1 for t in issued if before <= t < wait))
-        before = wait
-    return min(counts)
+    return exact.issued_before_waits(trace.events(),
+                                     lambda e: e["group"] == group and e["op"] == op)
 
 
 def measure(args, comm, stage, amp=False, dtype="float64"):
