@@ -345,7 +345,7 @@ def test_zero3_gathers_in_block_hooks_and_matches_the_plain_model(kind, ckpt):
     model or its blocks is replaced; outside a gather the parameters are NaN placeholders;
     loss, gradient shards and samples equal the unsharded model's bit for bit (the backward
     re-gathers block 0 after block 2 took its buffer, or its gradients would be wrong)."""
-    from minidist.zero.zero import zero_engine
+    from minidist.zero.engine import zero_engine
     build = dict(zero3_models())[kind]
     ref, model = build().set_checkpointing(ckpt), build().set_checkpointing(ckpt)
     engine = zero_engine(model, one_rank("dp"), 3)

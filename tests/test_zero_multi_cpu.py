@@ -26,7 +26,7 @@ from minidist.train.amp import MixedPrecision
 from minidist.train.loss_scale import LossScaler
 from minidist.zero.flat import FlatUnit, gpt_units
 from minidist.zero.optim import ShardedAdamW
-from minidist.zero.zero import zero_engine
+from minidist.zero.engine import zero_engine
 from test_cuda_kernels_cpu import ORDERS, np_dtype
 from test_multi_tensor_cpu import Bag
 

@@ -30,7 +30,7 @@ tests/test_expert_parallel.py.
 from minidist.optim.clip import clip_grad_norm
 from minidist.zero.flat import FlatUnit
 from minidist.zero.optim import ShardedAdamW
-from minidist.zero.zero import zero_engine
+from minidist.zero.engine import zero_engine
 
 
 def expert_engine(model, edp):

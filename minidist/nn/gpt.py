@@ -14,7 +14,7 @@ Contracts other layers build on:
     stage can run only its own.
   - Block hooks (`set_block_hooks`): run_blocks calls `before_block(i)` and `after_block(i, y)`
     around block i, embed and head call `before_root()`. By default they do nothing
-    (`BlockHooks`); ZeRO-3 (minidist/zero/zero.py) gathers the sharded parameters there.
+    (`BlockHooks`); ZeRO-3 (minidist/zero/stage3.py) gathers the sharded parameters there.
   - The token embedding is one Parameter used twice (lookup and output head); both gradient
     contributions accumulate into its `.grad`.
 Save/load in GPT-2's Hugging Face format: minidist/nn/pretrained.py.
@@ -37,7 +37,7 @@ from minidist.nn.sampling import generate, sample
 
 class BlockHooks:
     """What GPT's forward calls around its blocks; these do nothing. ZeRO-3's engine
-    (ZeroStage3, minidist/zero/zero.py) has the same three methods and gathers there."""
+    (ZeroStage3, minidist/zero/stage3.py) has the same three methods and gathers there."""
 
     def before_root(self):
         """Before embed and head: the parameters outside the blocks are needed."""

@@ -1,4 +1,4 @@
-"""The ZeRO strategy: ZeRO-1/2/3 (minidist/zero/zero.py) plugged into the training loop.
+"""The ZeRO strategy: ZeRO-1/2/3 (minidist/zero/zero.py, stage3.py) in the training loop.
 
     mpirun -n 4 python examples/train_gpt.py --zero 1          # dp = 4 (the world) by default
     mpirun -n 4 python examples/train_gpt.py --zero 3 --log-json run.jsonl --save ckpt
@@ -44,7 +44,7 @@ from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, op
                                       save_sharded)
 from minidist.zero.optim import ShardedAdamW
 from minidist.zero.flat import gpt_units
-from minidist.zero.zero import zero_engine
+from minidist.zero.engine import zero_engine
 
 
 def ranks(n):
