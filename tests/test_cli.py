@@ -307,8 +307,11 @@ def _layout_refusal(ranks, flags, refused):
     (4, ["--zero", "2", "--overlap-param-gather"], None),
     (4, ["--zero-shard", "2"], "--zero-shard 2: sets the ranks ZeRO shards each replica over, "
      "which this run does not use (add --zero 1, 2 or 3, or leave --zero-shard out)"),
-    (4, ["--zero", "2", "--zero-shard", "2", "--moe-experts", "4", "--ep", "2"],
-     "--zero-shard 2: hybrid sharding does not run with expert parallelism yet"),
+    (4, ["--zero", "2", "--zero-shard", "2", "--moe-experts", "4", "--ep", "2"], None),
+    (4, ["--zero", "2", "--zero-shard", "4", "--moe-experts", "4", "--ep", "2"], None),
+    (4, ["--zero", "2", "--zero-shard", "3", "--moe-experts", "4", "--ep", "2"],
+     "--zero-shard 3: the ranks each replica is sharded over must divide dp x ep = 2 x 2 = "
+     "4: one of 1, 2, 4"),
     (4, ["--zero", "2", "--zero-shard", "1", "--tp", "2"], None),   # each tp rank's dp
     (4, ["--zero", "2", "--zero-shard", "2"], None),
     (4, ["--zero", "2", "--zero-shard", "4"], None),            # one group: plain ZeRO
@@ -318,8 +321,8 @@ def _layout_refusal(ranks, flags, refused):
      "replica is sharded over must divide dp x cp = 2 x 2 = 4"),
 ])
 def test_zero_shard_is_checked_against_the_layout(ranks, flags, refused):
-    """--zero-shard K (hybrid sharding): K divides ZeRO's dp (x cp) ranks, needs --zero, not
-    with ep so far; one error line before any communication."""
+    """--zero-shard K (hybrid sharding): K divides ZeRO's dp (x ep x cp) ranks, needs --zero;
+    one error line before any communication."""
     assert _layout_refusal(ranks, flags, refused)
 
 

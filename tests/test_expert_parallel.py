@@ -144,8 +144,11 @@ def test_ep4_and_compositions_are_exact(mpi):
     --ckpt-activations; --dropout 0.1), ep 2 x tp 2 (DDP, ZeRO-1/2/3; --dropout 0.1), MoE in
     pp 2 x dp 2 (ZeRO-1) and pp 2 x tp 2, and ep 2 x pp 2 (1F1B; GPipe with
     --ckpt-activations; ZB-H1; ZeRO-1/3 over the dense parameters; interleaved with ZeRO-2;
-    ZeRO-1 with --amp; --dropout 0.1 with --ckpt-activations) against one process in float64; +ckpt runs save, resume bit-identically and load on one process (ep
-    x pp: every stage's experts gathered); +amp runs with float16 --amp (test_ep2_is_exact).
+    ZeRO-1 with --amp; --dropout 0.1 with --ckpt-activations), and hybrid sharding of the
+    dense parameters (--zero-shard 2: ep 2 x dp 2 at ZeRO-1, 2 (--grad-accum 2), 3 and
+    ZeRO-1 --amp; ep 4 at ZeRO-2, two shard groups of different experts) against one process
+    in float64; +ckpt runs save, resume bit-identically and load on one process (ep x pp:
+    every stage's experts gathered); +amp runs with float16 --amp (test_ep2_is_exact).
 
         mpiexec -n 4 python tests/scripts/ep_check.py --runs ep4,ep2xdp2,ep2xtp2,...
     """
@@ -155,7 +158,8 @@ def test_ep4_and_compositions_are_exact(mpi):
             "ep2xdp2+drop", "ep2xtp2+drop", "ep1xpp2xdp2+zero1", "ep1xpp2xtp2", "ep2xpp2+ckpt",
             "ep2xpp2+gpipe+recompute", "ep2xpp2+zbh1+ckpt", "ep2xpp2+zero1+ckpt",
             "ep2xpp2+v2+zero2+ckpt", "ep2xpp2+zero3+ckpt", "ep2xpp2+zero1+amp+ckpt",
-            "ep2xpp2+drop+recompute"]
+            "ep2xpp2+drop+recompute", "ep2xdp2+zero1+zs2", "ep4+zero2+zs2",
+            "ep2xdp2+zero2+zs2+accum", "ep2xdp2+zero3+zs2+ckpt", "ep2xdp2+zero1+zs2+amp"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=420)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)

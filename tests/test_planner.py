@@ -1070,9 +1070,8 @@ def test_overlapped_parameter_gather_worked_by_hand(capsys):
 def test_search_proposes_hybrid_sharding_across_nodes_that_training_accepts():
     """On 16 GPUs (2 nodes of 8) the search also prices ZeRO-1/2/3 sharded over each node's
     share of its dp x cp ranks (8 / tp of them: the group's ranks are tp apart; not under tp
-    8, where that is 1; training refuses it beside ep; with pp 2 a stage is one node,
-    nothing to split), never on one node; each such row is a layout train_gpt.py runs
-    (--zero-shard) and plan.py --layout takes."""
+    8, where that is 1; with pp 2 a stage is one node, nothing to split), never on one node;
+    each such row is a layout train_gpt.py runs (--zero-shard) and plan.py --layout takes."""
     from minidist.train.cluster import H100_IB
     from minidist.train.search import layout_problems, search, train_flags
     config = PROPOSAL_MODELS[1]
@@ -1088,6 +1087,29 @@ def test_search_proposes_hybrid_sharding_across_nodes_that_training_accepts():
         layout = Layout(**{k: row[k] for k in Layout.__dataclass_fields__})
         assert layout_problems(config, layout, 16, 32, row["micro_batches"]) == []
     assert not any(r["zero_shard"] for r in search(config, H100_IB, 8, config.block_size, 32))
+
+
+def test_search_proposes_hybrid_sharding_beside_expert_parallelism():
+    """A Mixture of Experts on 16 GPUs: hybrid sharding with ep 2 and 4 too (the dense shards
+    over a node's 8 / tp ranks of dp x ep, the experts ZeRO-1 over their replicas as
+    without it), each row a layout training accepts; its dense optimizer state is the
+    node's share (1/8), the experts' the same as plain ZeRO's."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import search
+    config = PROPOSAL_MODELS[2]
+    rows = search(config, H100_IB, 16, config.block_size, 32, recomputes=("none",))
+    hybrid = [r for r in rows if r["zero_shard"] and r["ep"] > 1]
+    assert {r["ep"] for r in hybrid} == {2, 4} and {r["zero"] for r in hybrid} == {1, 2, 3}
+    for row in hybrid:
+        assert _refused(config, row, 16) is None
+    from minidist.train.moe_cost import expert_units
+    from minidist.train.planner import STATE_BYTES, stage_params
+    plain = Layout(dp=16, ep=4, zero=1)
+    states = {k: bill(config, replace(plain, zero_shard=k), 64)["optimizer"] for k in (0, 8)}
+    dense = stage_params(config, 1, 1, 4)[0] - sum(expert_units(config, plain, 0))
+    moments = STATE_BYTES[True][2]                   # --amp: masters, m, v per parameter
+    assert states[8] - states[0] == pytest.approx(moments * dense * (1 / 8 - 1 / 16),
+                                                  rel=1e-3)
 
 
 def test_plan_layout_takes_shard(capsys):

@@ -35,7 +35,10 @@ With --zero k, `inner` is ZeRO-k over the dense group: the experts stay out of i
 shards (minidist/zero/flat.py skips `expert_parallel` parameters) and are ZeRO-1 over their
 replicas, edp (minidist/ep/optim.py: optimizer state 1/dp, gradients reduce-scattered,
 parameters all-gathered after the step), clipped by the same global norm, skipped with
-ZeRO's step on an overflow under --amp.
+ZeRO's step on an overflow under --amp. With --zero-shard K (hybrid sharding) the dense
+shards are over each K neighbouring ranks of D (a shard group: with K = ep, one replica's
+ep ranks) and averaged across the groups; the experts, already split over ep, stay ZeRO-1
+over edp.
 --dropout: masks are keyed by the rows' places in the global batch
 (minidist/autograd/dropout_keys.py), so they are one process's, with any --grad-accum.
 --ckpt-activations: each block's forward, its all-to-alls included, runs again inside
@@ -159,14 +162,22 @@ class ExpertParallel(ModelParallel):
     def reduce_sum_sq(self, local):
         """The global sum of squares, each expert counted once, unscaled in float32 under
         --amp as the optimizer sums. ZeRO: `local` is its dense shards'; with the expert
-        shards' added, inner sums over D = ep x edp (each element once). DDP: `local`
+        shards' added, inner sums over D = ep x edp (each element once). Hybrid sharding
+        (--zero-shard): the dense shards repeat in every shard group, so inner sums them
+        over its shard group, and the experts' shards (ZeRO-1 over edp) are summed over D
+        apart. DDP: `local`
         counts the dense gradients (equal on every rank) and this rank's experts: one sum
         over ep of dense / ep + experts, so that every rank gets the same bits (the
         replicas' clip factors, so their parameters, stay bit-identical: a checkpoint holds
         one copy)."""
-        if self._zero():              # every rank's shards, dense and experts: one sum over D
+        if self._zero():
             shards = [u.grad_shard for u in self.expert_engine.units]
-            return self.inner.reduce_sum_sq(local + unscaled_sum_sq(shards, self.amp))
+            experts = unscaled_sum_sq(shards, self.amp)
+            if self.inner.replicas is None:   # every rank's shards, each once: one sum over D
+                return self.inner.reduce_sum_sq(local + experts)
+            like = self.inner.engine.units[0].param_shard
+            return (self.inner.reduce_sum_sq(local)
+                    + all_reduce_number(self.inner.group, experts, "sum", like))
         mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
         # a pipeline stage may hold no MoE block (--moe-every): no experts, the same sum
         like, ep = (self.experts or self.model.parameters())[0].data, self.group.size

@@ -12,7 +12,7 @@ most of the step; from the first count above pp that divides the batch where pp 
 ckpt: without and with full recompute (not under ZB-H1, which training refuses).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
-ZeRO whose dp x cp ranks span nodes, without ep, also tries hybrid sharding, one node's
+ZeRO whose dp x cp ranks span nodes also tries hybrid sharding, one node's
 share of them per sharded replica (zero_shards). A Mixture of Experts (config.moe_experts)
 also tries every ep dividing both dp and the expert count (expert parallelism carved out of
 dp), with cp and SP as a dense model (its routing's exchange over the split sequence priced
@@ -108,13 +108,13 @@ def cp_attentions(config, tp, cp):
     return ["ring"] + (["ulysses"] if (config.n_head // tp) % cp == 0 else [])
 
 
-def zero_shards(zero, ranks, ep, tp, gpus_per_node):
-    """Hybrid sharding's group sizes to try: 0 (ZeRO over all its `ranks`, dp x cp) and,
-    without expert parallelism (training refuses it there) where they span more than one
-    node, as many as one node holds (its GPUs / tp: the group's ranks are tp apart), if
-    that is 2 or more (1 would shard nothing)."""
+def zero_shards(zero, ranks, tp, gpus_per_node):
+    """Hybrid sharding's group sizes to try: 0 (ZeRO over all its `ranks`, dp x cp, the ep
+    ranks among dp) and, where they span more than one node, as many as one node holds (its
+    GPUs / tp: the group's ranks are tp apart), if that is 2 or more (1 would shard
+    nothing). Under --ep the experts stay ZeRO-1 over their replicas (minidist/ep/optim.py)."""
     k = gpus_per_node // tp
-    return [0, k] if zero and ep == 1 and 2 <= k < ranks and ranks % k == 0 else [0]
+    return [0, k] if zero and 2 <= k < ranks and ranks % k == 0 else [0]
 
 
 def expert_splits(config, dp):
@@ -136,8 +136,7 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
-                        for shard in zero_shards(zero, dp * cp, ep, tp,
-                                                 cluster.gpus_per_node):
+                        for shard in zero_shards(zero, dp * cp, tp, cluster.gpus_per_node):
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,
                                             tiled=tiled, cp_attention=attention,
@@ -232,7 +231,7 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
                                                        else []))]
     problems = [f"{key}: {p}" for key, found in named for p in found]
     if not problems and layout.zero_shard:
-        shard = zero_shard_problem(args, layout.dp)
+        shard = zero_shard_problem(args, layout.dp // layout.ep)
         problems += [f"shard={layout.zero_shard}: {shard}"] if shard else []
     if not problems:
         try:

@@ -36,6 +36,7 @@ shard group; the first group writes the checkpoints (README.md, "Hybrid sharding
 --tp TensorParallel writes its parts from the first shard group (writes_checkpoint).
 Tests: tests/test_zero.py.
 """
+import math
 
 from minidist.comm import trace
 from minidist.strategy import memory
@@ -67,15 +68,17 @@ def shard_groups(group, shard_size=None):
 
 
 def zero_shard_problem(args, dp):
-    """Why --zero-shard cannot run in this layout, or None. ZeRO's group is dp x cp (under
-    --cp every cp rank holds the replica; under --pp each stage's): K divides it."""
-    k, n = args.zero_shard, dp * args.cp
-    if args.ep > 1:
-        return (f"--zero-shard {k}: hybrid sharding does not run with expert parallelism "
-                "yet (its two ZeRO engines; leave --ep at 1, or leave --zero-shard out)")
+    """Why --zero-shard cannot run in this layout, or None. ZeRO's group is dp x ep x cp
+    (`dp`: training's --dp; under --ep the dense parameters are replicated over the ep
+    ranks too, under --cp over the cp ranks; under --pp each stage's): K divides it."""
+    k = args.zero_shard
+    sizes = [("dp", dp)] + [(a, getattr(args, a)) for a in ("ep", "cp") if getattr(args, a) > 1]
+    n = math.prod(size for _, size in sizes)
     if k < 1 or n % k:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        group = f"dp {dp}" if args.cp == 1 else f"dp x cp = {dp} x {args.cp} = {n}"
+        group = f"dp {dp}" if len(sizes) == 1 else (
+            " x ".join(a for a, _ in sizes) + " = " + " x ".join(str(s) for _, s in sizes)
+            + f" = {n}")
         return (f"--zero-shard {k}: the ranks each replica is sharded over must divide "
                 f"{group}: one of {divisors} (typically the ranks of one node)")
     return None

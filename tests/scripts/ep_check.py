@@ -66,6 +66,13 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xdp2+zero1": ["--dp", "2", "--zero", "1"], "ep2xdp2+zero2": ["--dp", "2", "--zero",
                                                                          "2"],
         "ep2xdp2+zero3": ["--dp", "2", "--zero", "3"], "ep2+zero3": ["--zero", "3"],
+        # hybrid sharding (--zero-shard K): the dense shards over each K neighbouring ranks of
+        # dp x ep (ep fastest): K = ep, a replica's ep ranks; K < ep (ep 4), half of them
+        "ep4+zero2+zs2": ["--zero", "2", "--zero-shard", "2"],
+        "ep2xdp2+zero1+zs2": ["--dp", "2", "--zero", "1", "--zero-shard", "2"],
+        "ep2xdp2+zero2+zs2+accum": ["--dp", "2", "--zero", "2", "--zero-shard", "2",
+                                    "--grad-accum", "2"],
+        "ep2xdp2+zero3+zs2": ["--dp", "2", "--zero", "3", "--zero-shard", "2"],
         "ep2+zero2+accum": ["--zero", "2", "--grad-accum", "2"],
         "ep2xtp2+zero1": ["--tp", "2", "--zero", "1"], "ep2xtp2+zero2": ["--tp", "2", "--zero",
                                                                          "2"],
@@ -131,7 +138,8 @@ RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
              "ep2+zero3+amp": ["--zero", "3", *AMP],
              "ep2xdp2+zero2+amp": ["--dp", "2", "--zero", "2", *AMP],
              "ep2xtp2+zero1+amp": ["--tp", "2", "--zero", "1", *AMP],
-             "ep2xpp2+zero1+amp": ["--pp", "2", "--micro-batches", "2", "--zero", "1", *AMP]})
+             "ep2xpp2+zero1+amp": ["--pp", "2", "--micro-batches", "2", "--zero", "1", *AMP],
+             "ep2xdp2+zero1+zs2+amp": ["--dp", "2", "--zero", "1", "--zero-shard", "2", *AMP]})
 for _name in list(RUNS):                 # each run also saves, resumes, and loads on one process
     RUNS[_name + "+ckpt"] = RUNS[_name]
 SEED = 7

@@ -75,8 +75,8 @@ def candidate(rng, ranks):
     f["--no-bias"] = rng.random() < 0.15
     if cp > 1:           # drawn last: the draws above are the ones before Ulysses existed
         f["--cp-attention"] = _pick(rng, ["ring", "ulysses"])
-    zero_ranks = dp * cp                  # ZeRO's group; hybrid sharding: K of them per replica
-    if f["--zero"] and ep == 1 and zero_ranks > 1:        # after Ulysses' draw, for the same
+    zero_ranks = dp * ep * cp             # ZeRO's group; hybrid sharding: K of them per replica
+    if f["--zero"] and zero_ranks > 1:    # after Ulysses' draw, for the same
         f["--zero-shard"] = _pick(rng, [None] + [k for k in (1, 2) if k < zero_ranks])
     if f["--zero"] in (1, 2):             # drawn last, after the hybrid sharding's
         f["--overlap-param-gather"] = rng.random() < 0.5
