@@ -26,19 +26,28 @@ set_thread_env()
 from minidist import backend, comm  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
-from minidist.train.cli import check_flags, run_main  # noqa: E402
+from minidist.train.cli import agree_on_flags, flag_problem, run_main  # noqa: E402
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.loop import train  # noqa: E402
 
 
 def main(args):
-    check_flags(args)                  # every flag's range and combination, before any work
-    backend.setup(threads=args.threads, device=args.device)   # BLAS threads; numpy or cupy
+    # every flag's range and combination, the files and the device, before any work; on
+    # this rank alone (a path or a GPU one node lacks), so several ranks agree below
+    problem = flag_problem(args)
+    several = world_size_from_env() > 1 or args.zero
+    if problem is not None and (not several or comm.env_problems("ring", None)):
+        raise problem         # one process, or a MINIDIST_* variable: the job's, every rank's
+    if problem is None:
+        backend.setup(threads=args.threads, device=args.device)  # BLAS threads; numpy or cupy
     world = None                       # one process: no MPI at all
-    if world_size_from_env() > 1 or args.zero:
+    if several:
         # MPI_Init; an uncaught exception or an early exit on one rank aborts the whole job;
         # a collective waiting longer than --comm-timeout aborts it too, naming who is missing
-        world = comm.init(args.comm, timeout=args.comm_timeout, sync_comm=args.sync_comm)
+        world = comm.init(args.comm if problem is None else "ring",
+                          timeout=args.comm_timeout if problem is None else None,
+                          sync_comm=args.sync_comm)
+        agree_on_flags(world, problem)   # any rank's problem stops every rank, named once
     return train(args, world)
 
 

@@ -110,6 +110,11 @@ BAD_FLAGS = [
     (["--log-json", "{file}/x.jsonl"], "/x.jsonl: cannot make the folder"),
     (["--log-json", "{tmp}"], ": is a folder; give a file name"),
     (["--trace", "/proc/t.json"], "--trace /proc/t.json: cannot write in /proc"),
+    # found before step 0, not at the first save after training ran
+    (["--save", "{tmp}"], ": holds ['afile'], which are not minidist checkpoints; --save into "
+     "an empty or new directory"),
+    (["--save", "{tmp}/ck", "--log-json", "{tmp}/ck/log.jsonl"],
+     "/ck/log.jsonl: inside --save"),
 ]
 # refused only where there is no GPU (this machine's case; skipped on one)
 NO_GPU = [
@@ -324,6 +329,24 @@ def test_zero_shard_is_checked_against_the_layout(ranks, flags, refused):
     """--zero-shard K (hybrid sharding): K divides ZeRO's dp (x ep x cp) ranks, needs --zero;
     one error line before any communication."""
     assert _layout_refusal(ranks, flags, refused)
+
+
+@pytest.mark.mpi
+def test_a_problem_one_rank_alone_finds_stops_every_rank_naming_it(corpus, tmp_path, mpi):
+    """The flags are checked on each rank before MPI starts, and a rank's node may lack what
+    another's has (here rank 1's --data path): the ranks agree on the verdict right after
+    MPI_Init, and every rank stops with one error line naming the rank, exit 2, in seconds
+    (rank 1 left alone before MPI_Init: the others waited there for the timeout, 600 s by
+    default, then died with a stack dump; rank 1's line was never printed). By hand:
+    mpiexec -n 2 python tests/scripts/node_lacks_data.py --data FILE"""
+    start = time.monotonic()
+    out = mpi(2, "tests/scripts/node_lacks_data.py", "--data", corpus, "--steps", "2",
+              "--cache-dir", tmp_path / "cache", timeout=120, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=100))
+    assert out.returncode == 2 and time.monotonic() - start < 60, out.stderr
+    assert out.stderr.count("error: ") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"error: --data {corpus}.not-on-this-node: no such file" in out.stderr
+    assert "(found on rank 1 of 2: do the nodes differ?)" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("ranks,flags,says", [

@@ -182,6 +182,51 @@ def test_sys_exit_on_one_rank_ends_the_job(mpi):
 
 
 @pytest.mark.mpi
+def test_sys_exit_while_the_others_gather_objects_ends_the_job(mpi):
+    """The object collectives (checkpoint verdicts, the memory table's rows: ProcessGroup's
+    gather_object, all_gather_object, broadcast_object) are watched as the array ones are:
+    rank 1 exits while the others wait in one, and the job ends in seconds naming it (they
+    were raw mpi4py calls, where the others waited for ever). By hand:
+    mpiexec -n 3 python tests/scripts/comm_small.py rawexit"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "rawexit", timeout=60, check=False)
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "world rank 1 exited" in out.stderr and "all_gather_object #1" in out.stderr, \
+        out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_an_asynchronous_collective_that_fails_ends_the_job_naming_it(mpi):
+    """Rank 1's async all_reduce raises in the communication thread (a read-only buffer), and
+    the rank goes on to its next collective: the thread ends the job at once, naming the
+    operation and the error (it kept the error for a wait() that came too late, and rank 1's
+    next collective met the others still in the first: an MPI error naming neither). By
+    hand: mpiexec -n 3 python tests/scripts/comm_small.py asyncfail"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "asyncfail", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=20))
+    assert out.returncode != 0 and time.monotonic() - start < 15, out.stderr
+    assert "[rank 1] asynchronous all_reduce #1 on group 'world' failed on this rank" \
+        in out.stderr and "output array is read-only" in out.stderr, out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_an_exiting_rank_waits_for_a_straggler_only_up_to_the_timeout(mpi):
+    """Rank 0 exits while rank 1 is stuck where no watchdog looks (compute, or MPI outside a
+    ProcessGroup): rank 0 waits for it in its exit handler up to the timeout, then ends the
+    job saying so (it waited for ever). By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py straggler"""
+    start = time.monotonic()
+    out = mpi(2, "tests/scripts/comm_small.py", "straggler", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "[rank 0] this rank is exiting, and the others have not exited 3 s later" \
+        in out.stderr, out.stderr
+
+
+@pytest.mark.mpi
 def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
     ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump

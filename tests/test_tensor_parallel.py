@@ -215,7 +215,8 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
     files and a manifest recording how its parameters were cut). Read in another layout, its
     parts are checked against each other first: a part missing, parts of another save, or
     parts saved before they recorded their cut (resumable with the same --tp only) are one
-    CheckpointError naming the folder, before any array is read."""
+    CheckpointError naming the folder, before any array is read. A corrupt shard of one tp
+    rank's part stops every rank with one error line."""
     import shutil
     from minidist.strategy.checkpoint import CheckpointError, load, verify
     from minidist.strategy.checkpoint_dirs import resolve
@@ -262,6 +263,24 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
               folder, timeout=120, check=False)
     assert out.returncode == 2 and "n_embd: 16 in the checkpoint, 32 here" in out.stderr, \
         out.stderr
+    # resumed in its own layout, each tp rank reads its own part's shards: a corrupt byte in
+    # tp rank 1's is found there alone, and every rank stops with its message (the verdict
+    # is agreed over every rank, not only tp rank 1's ZeRO group: rank 0 said "resumed" and
+    # the job died later naming no checkpoint, exit 1)
+    def corrupt(c):
+        shard = os.path.join(c, "tp1-of-2", "shard-00000-of-00001.safetensors")
+        data = bytearray(open(shard, "rb").read())
+        data[-8] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+    copy = tmp_path / "corrupt"
+    shutil.copytree(folder, copy)
+    corrupt(str(copy))
+    out = mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--zero", "1", "--steps", "5",
+              "--resume", copy, timeout=120, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("error: ") == 1 and "resumed" not in out.stdout, out.stderr
+    assert "tp1-of-2/shard-00000-of-00001.safetensors does not match the checksum" \
+        in out.stderr, out.stderr
 
 
 @pytest.mark.mpi

@@ -135,7 +135,8 @@ def test_per_step_statistics_are_bounded():
 def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
     """A checkpoint at step 4 resumed with --steps 2 (or --stop-at 3) trained nothing and
     exited 0 ("0.0 s of training"); it is one error line now. --steps 4, the same step, is a
-    requeued run that already finished: it evaluates and ends, as before."""
+    requeued run that already finished: it evaluates and ends, as before. Refused before
+    any work (it was after the strategy's collectives and the checkpoint's load)."""
     ck = str(tmp_path / "ck")
     train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save", ck))
     with pytest.raises(UsageError, match="--steps 2: the checkpoint .*step-00000004 is at "
@@ -143,5 +144,10 @@ def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
         train(_args(device, corpus, tmp_path, "--steps", "2", "--resume", ck))
     with pytest.raises(UsageError, match="--stop-at 3: the checkpoint .* is at step 4"):
         train(_args(device, corpus, tmp_path, "--steps", "8", "--stop-at", "3", "--resume", ck))
+    # decided from the folder's name before any work: before the data (not read: missing)
+    # and the strategy (with ranks, its collectives) are made
+    with pytest.raises(UsageError, match="--steps 2: the checkpoint"):
+        train(_args(device, corpus, tmp_path, "--steps", "2", "--resume", ck, "--data",
+                    str(tmp_path / "missing.txt")))
     done = train(_args(device, corpus, tmp_path, "--steps", "4", "--resume", ck))
     assert done["train_seconds"] < 1 and done["val_loss"] > 0

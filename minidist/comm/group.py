@@ -205,6 +205,30 @@ class ProcessGroup:
         return self._issue("barrier", None, None, 0, async_op, "", 0,
                            lambda ch, out, inp: ch.comm.Barrier())
 
+    # ---- Python objects (pickled by mpi4py): verdicts, table rows, whole states ------------
+    def gather_object(self, obj, root=0):
+        """Every rank's `obj`, in rank order, as a list on `root` (None elsewhere)."""
+        return self._objects("gather_object", lambda comm: comm.gather(obj, root=root))
+
+    def all_gather_object(self, obj):
+        """Every rank's `obj`, in rank order, as a list on every rank."""
+        return self._objects("all_gather_object", lambda comm: comm.allgather(obj))
+
+    def broadcast_object(self, obj, root=0):
+        """`root`'s `obj` on every rank."""
+        return self._objects("broadcast_object", lambda comm: comm.bcast(obj, root=root))
+
+    def _objects(self, op, call):
+        """A blocking object collective on the collectives' communicator, after everything
+        queued, numbered and announced to the watchdog as the others are (a rank that exits
+        or never comes ends the job instead of leaving this one waiting)."""
+        self._stream.synchronize()
+        self._seq += 1
+        watchdog.entered(self.key, op, self._seq)
+        out = call(self._coll)
+        watchdog.left(self.key, self._seq)
+        return out
+
     def synchronize(self):
         """Wait until every collective and send/recv issued so far on this group finished."""
         self._stream.synchronize()

@@ -12,7 +12,8 @@ queued ones (`synchronize`) and then runs in the caller's thread, so sync and as
 never interleave, and a debugger stepping into a blocking collective steps into the ring.
 
 A `Work` is the handle: `wait()` blocks until the operation is done and re-raises its error;
-`is_completed()` asks without blocking.
+`is_completed()` asks without blocking. In a job of several ranks an error in the thread ends
+the job at once (the other ranks are inside the same collective, which can no longer finish).
 
 Tests: tests/test_comm.py (async results equal sync ones; wait/is_completed).
 """
@@ -20,6 +21,8 @@ import queue
 import threading
 import time
 import traceback
+
+from mpi4py import MPI
 
 from minidist.comm import trace, watchdog
 from minidist.comm.progress import wait_all
@@ -98,9 +101,15 @@ class Stream:
             try:
                 fn()
                 work._finish()
-            except BaseException as e:  # kept for wait(); also shown now, wait() may be late
+            except BaseException as e:
+                failure = "".join(traceback.format_exception(e))
+                if watchdog.watching():   # the other ranks are in it, or will be: none can
+                    watchdog.abort_job(   # finish it, so end the job now, as for the main
+                        f"[rank {MPI.COMM_WORLD.Get_rank()}] asynchronous {work.label} "
+                        f"failed on this rank:\n{failure}"
+                        "aborting the whole MPI job")   # thread's uncaught exceptions
                 trace.log(f"asynchronous {work.label} failed (raised again by wait()):\n"
-                          + "".join(traceback.format_exception(e)))
+                          + failure)      # one process: kept for wait(), shown now too
                 work._finish(e)
 
 

@@ -183,7 +183,7 @@ def write_chrome_trace(path, group):
     first so its events are complete. Returns the path on rank 0, None elsewhere.
     """
     group.synchronize()
-    gathered = group.comm.gather(events(), root=0)   # the user communicator, never the ring's
+    gathered = group.gather_object(events(), root=0)
     if group.rank != 0:
         return None
     with open(path, "w") as f:

@@ -111,6 +111,11 @@ def start(timeout=None):
     _state["thread"].start()
 
 
+def watching():
+    """Whether the watchdog runs (comm.init on a job of more than one rank)."""
+    return _state["thread"] is not None
+
+
 def stop():
     """Stop the thread and free its communicator (before MPI_Finalize)."""
     if _state["thread"] is not None:
@@ -208,10 +213,16 @@ def _who_did_not_arrive(key, seq):
 
 def announce_exit(wait_s=1.0):
     """This rank is exiting: wait for every rank to exit too. If they have not all arrived
-    within `wait_s`, tell them (they abort if they wait for this rank) and keep waiting."""
-    comm = _state["comm"]
+    within `wait_s`, tell them (they abort if they wait for this rank) and keep waiting, up
+    to the timeout: a rank still away by then waits where no watchdog sees it (in MPI
+    outside a ProcessGroup's calls, or in compute that never ends), so end the job."""
+    comm, timeout = _state["comm"], _state["timeout"]
     barrier, start, told = comm.Ibarrier(), time.monotonic(), []
     while not barrier.Test():
+        if timeout > 0 and time.monotonic() - start > timeout:
+            abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] this rank is exiting, and the "
+                      f"others have not exited {timeout:g} s later (MINIDIST_COMM_TIMEOUT or "
+                      "comm.init(timeout=...)); aborting the whole MPI job")
         if not told and time.monotonic() - start > wait_s:
             with _lock:
                 done = {key: p[1] for key, p in _progress.items()}

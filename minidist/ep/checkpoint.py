@@ -42,7 +42,7 @@ def whole_state(strategy, model, optimizer):
     else:
         mine = ({n: backend.to_host(p.data).copy() for n, p in model.named_parameters()
                  if n in names}, {n: s for n, s in sd["state"].items() if n in names})
-    parts = strategy.group.comm.gather(mine, root=0)
+    parts = strategy.group.gather_object(mine, root=0)
     if strategy.group.rank != 0:
         return None, None
     for expert_params, expert_state in parts:

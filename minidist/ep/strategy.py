@@ -222,7 +222,8 @@ class ExpertParallel(ModelParallel):
         and keeps them. Returns meta."""
         if self._zero():
             meta = self.inner.load(directory, model, optimizer.dense)
-            load_sharded(directory, model, optimizer.experts, self.edp, leading_groups=True)
+            load_sharded(directory, model, optimizer.experts, self.edp, leading_groups=True,
+                         world=self.mesh.world)    # one edp group's failure stops every rank
             return meta
         params, opt_sd, meta = checkpoint.load(
             directory, only={n for n, _ in model.named_parameters()})

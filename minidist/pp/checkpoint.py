@@ -50,7 +50,7 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
     params, opt_sd = stage_state(strategy, optimizer)
     mesh, pp = strategy.mesh, strategy.group
     if mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0:   # one pipeline
-        parts = pp.comm.gather((params, opt_sd), root=0)    # in stage order
+        parts = pp.gather_object((params, opt_sd), root=0)    # in stage order
         if pp.rank == 0:
             params, opt_sd = merge_stages(parts)
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),

@@ -240,7 +240,7 @@ class PipelineParallel(ModelParallel):
         bytes in flight, p2p traffic, and with --trace the bubble measured vs theory."""
         p, m, st = self.group.size, self.micro_batches, self.stats
         mine = (st["in_flight"], st["bytes"], self.sent_per_step(), trace.events())
-        rows = self.group.comm.gather(mine, root=0)
+        rows = self.group.gather_object(mine, root=0)
         if self.group.rank != 0:
             return []
         mib = [f"{r[1] / 2**20:.2f}" for r in rows]

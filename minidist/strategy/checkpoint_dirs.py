@@ -144,20 +144,32 @@ def check_save(save, resume, overwrite=False, steps=None):
             f"{save} instead, add --overwrite, or --save a new directory")
 
 
+def save_problem(directory):
+    """Why checkpoints cannot be saved into `directory` (it holds anything else than
+    checkpoints and their temporaries), or None. Checked before a run starts
+    (minidist/train/cli.py check_outputs), so no training is lost to it, and at each save."""
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, "manifest.json")):
+        return (f"--save {directory}: this is one checkpoint (the older layout); --save into "
+                f"a new directory (--resume {directory} still reads it)")
+    if not os.path.isdir(directory):
+        return None
+    strangers = [n for n in os.listdir(directory) if not (_OURS.match(n) or _NUMBERED.match(n))]
+    if strangers:
+        return (f"--save {directory}: holds {sorted(strangers)[:3]}, which are not minidist "
+                "checkpoints; --save into an empty or new directory")
+    return None
+
+
 def begin(directory):
     """A new empty folder in `directory` (created if needed) to write a checkpoint into,
     after removing the temporaries of saves that were killed. Refuses a directory that holds
     anything else than checkpoints."""
     directory = os.fspath(directory)
-    if os.path.isfile(os.path.join(directory, "manifest.json")):
-        raise CheckpointError(f"--save {directory}: this is one checkpoint (the older layout); "
-                              f"--save into a new directory (--resume {directory} still reads "
-                              "it)")
+    problem = save_problem(directory)
+    if problem:
+        raise CheckpointError(problem)
     os.makedirs(directory, exist_ok=True)
-    strangers = [n for n in os.listdir(directory) if not (_OURS.match(n) or _NUMBERED.match(n))]
-    if strangers:
-        raise CheckpointError(f"--save {directory}: holds {sorted(strangers)[:3]}, which are "
-                              "not minidist checkpoints; --save into an empty or new directory")
     for name in os.listdir(directory):
         if name != LATEST and _OURS.match(name):
             path = os.path.join(directory, name)

@@ -170,7 +170,9 @@ class TensorParallel(ModelParallel):
         Returns the meta."""
         group = self._zero_group()
         folder = checkpoint_dirs.resolve(directory)
-        agree = None if group is None else self.inner.zero_strategy().group   # all replicas
+        # every rank agrees on the verdict, not only its tp rank's ZeRO group: a bad part of
+        # one tp rank must stop every rank, with its message, before any shard changes
+        agree = None if group is None else self.mesh.world
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group,
                                 world=agree)

@@ -6,14 +6,20 @@
 Every user error (a flag out of range or a combination that does not fit, a missing data
 file, a checkpoint that is missing, corrupt or does not fit) is raised as UsageError (or the
 data and checkpoint layers' own DataError / CheckpointError) and reaches `run_main`, which
-prints `error: <message>` on the launcher's rank 0 only (every rank finds the same problem:
-flags, data and checkpoints are checked identically everywhere) and exits with status 2, no
-traceback. `--traceback` or MINIDIST_DEBUG=1 shows the traceback instead.
-Flags are checked by `check_flags` before any work (no MPI communication, no data read):
+prints `error: <message>` on the launcher's rank 0 only and exits with status 2, no
+traceback: every rank raises the same error, as the ranks agree on each verdict one of them
+could reach alone (agree_on_flags below; a sharded checkpoint's verdict is agreed by every
+rank too, minidist/zero/checkpoint.py). `--traceback` or MINIDIST_DEBUG=1 shows the
+traceback instead.
+Flags are checked by `check_flags` before any work (no MPI communication, no data read), on
+each rank alone; in a job of several ranks they agree on the verdict right after MPI_Init
+(`agree_on_flags`: a path or a GPU one node lacks stops every rank, naming the rank):
 their ranges and combinations, the MINIDIST_* variables the communication layer reads
-(`check_env`), the device and --comm this machine can give, and every output path (`check_outputs`: --save, --log-json and --trace must be writable, their folders are
-made), so nothing is lost to a late error after training ran. argparse's own errors (an
-unknown flag, `--zero 4`) take the same path (minidist/train/args.py Parser).
+(`check_env`), the device and --comm this machine can give, and every output path
+(`check_outputs`: --save, --log-json and --trace must be writable, their folders are made;
+--save holds checkpoints only), so nothing is lost to a late error after training ran.
+argparse's own errors (an unknown flag, `--zero 4`) take the same path
+(minidist/train/args.py Parser).
 Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
 preemption.py), or a second one in it, ends the run at once with one line and exit status 130,
 no traceback per rank.
@@ -24,6 +30,8 @@ import math
 import os
 import sys
 import tempfile
+
+from minidist.strategy import checkpoint_dirs
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
@@ -58,6 +66,36 @@ _AT_LEAST = (
 class UsageError(ValueError):
     """A user error: a flag, a file or a combination; the message names it and says what
     to do."""
+
+
+def flag_problem(args):
+    """check_flags' UsageError, or None: what a rank found wrong before MPI starts, for
+    agree_on_flags to share once it has."""
+    try:
+        check_flags(args)
+    except UsageError as e:
+        return e
+    return None
+
+
+def agree_on_flags(world, problem):
+    """Every rank's `problem` (flag_problem's), agreed over `world` right after MPI_Init,
+    before any other communication: if any rank found one, raise it on every rank (rank 0
+    prints it), naming the ranks that found it when not all did (a --data path, a GPU or a
+    package one node lacks). Without it, a rank alone in exiting left the others in MPI_Init
+    until the timeout, and a rank other than 0 printed nothing. Collective over `world`."""
+    found = world.all_gather_object(None if problem is None else str(problem))
+    messages = {}
+    for rank, message in enumerate(found):
+        if message is not None:
+            messages.setdefault(message, []).append(rank)
+    if not messages:
+        return
+    if len(messages) == 1 and len(next(iter(messages.values()))) == world.size:
+        raise UsageError(next(iter(messages)))        # every rank found it: as one process
+    raise UsageError("; ".join(
+        f"{message} (found on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} of "
+        f"{world.size}: do the nodes differ?)" for message, ranks in messages.items()))
 
 
 def check_flags(args):
@@ -248,11 +286,24 @@ def check_outputs(args):
             raise UsageError(f"--save {args.save}: is a file; --save takes a folder for the "
                              "checkpoints (made if missing)")
         _writable_folder("--save", args.save, args.save)
+        problem = checkpoint_dirs.save_problem(args.save)     # not at the first save, after
+        if problem:                                           # training ran
+            raise UsageError(problem)
     for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
         if path:
             if os.path.isdir(path):
                 raise UsageError(f"{flag} {path}: is a folder; give a file name")
+            if args.save and _inside(path, args.save):
+                raise UsageError(f"{flag} {path}: inside --save {args.save}, which must hold "
+                                 "checkpoints only (the first save would refuse it); write "
+                                 "it beside the folder")
             _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _inside(path, folder):
+    """Whether the file `path` would be written somewhere inside `folder`."""
+    folder = os.path.realpath(folder)
+    return os.path.realpath(path).startswith(folder + os.sep)
 
 
 def _writable_folder(flag, path, folder):

@@ -111,6 +111,18 @@ class Diverged(UsageError):
     row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved."""
 
 
+def _check_stop(args, start):
+    """The step this run stops at (--steps, or --stop-at before it); UsageError if the
+    checkpoint it resumes from is past it already (`start`: its step, None: unknown)."""
+    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    if start is not None and start > stop:   # (start == stop: a requeued finished run: it
+        flag = "--stop-at" if stop < args.steps else "--steps"   # evaluates, as below)
+        raise UsageError(f"{flag} {stop}: the checkpoint {args.resume} is at step {start} "
+                         f"already; give {flag} {start} or more to continue it, or --save a "
+                         "new folder without --resume to start over")
+    return stop
+
+
 def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
@@ -118,6 +130,8 @@ def train(args, world=None):
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
     checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),
                                args.steps)
+    if args.resume:                  # by its folder's name or manifest, before any work
+        _check_stop(args, checkpoint_dirs.step_of(args.resume))
     strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
@@ -128,12 +142,7 @@ def train(args, world=None):
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
-    stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
-    if start > stop:      # (start == stop: a requeued finished run; it evaluates, as below)
-        flag = "--stop-at" if stop < args.steps else "--steps"
-        raise UsageError(f"{flag} {stop}: the checkpoint {args.resume} is at step {start} "
-                         f"already; give {flag} {start} or more to continue it, or --save a "
-                         "new folder without --resume to start over")
+    stop = _check_stop(args, start)
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()

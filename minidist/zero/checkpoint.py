@@ -74,7 +74,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
             tmp = dirs.begin(directory)
         except (CheckpointError, OSError) as e:
             err = str(e)
-    tmp, err = world.comm.bcast((tmp, err), root=0)
+    tmp, err = world.broadcast_object((tmp, err), root=0)
     if err:
         raise CheckpointError(err)
     folder = tmp if part is None else os.path.join(tmp, part)
@@ -84,10 +84,10 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
                 os.mkdir(folder)
             except OSError as e:
                 err = str(e)
-        err = group.comm.bcast(err, root=0)
+        err = group.broadcast_object(err, root=0)
         err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra,
                                    tp)
-    errors = [e for e in world.comm.allgather(err) if e]
+    errors = [e for e in world.all_gather_object(err) if e]
     if world.rank == 0:
         if not errors:
             try:
@@ -95,7 +95,7 @@ def save_sharded(directory, model, optimizer, group, step, rng_states=None, extr
             except OSError as e:
                 errors.append(str(e))
         shutil.rmtree(tmp, ignore_errors=True)
-    errors = world.comm.bcast(errors, root=0)
+    errors = world.broadcast_object(errors, root=0)
     if errors:
         raise CheckpointError(f"saving {directory} failed: {'; '.join(errors)}")
 
@@ -113,7 +113,7 @@ def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=
                  "rank": group.rank}
     except OSError as e:
         err = f"rank {group.rank}: {e}"
-    gathered = group.comm.gather((name, entry, err), root=0)
+    gathered = group.gather_object((name, entry, err), root=0)
     if group.rank != 0:
         return None
     err = "; ".join(e for _, _, e in gathered if e) or None
@@ -180,7 +180,7 @@ def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=F
         new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
     except _ERRORS as e:
         err = str(e)
-    _agree(directory, (world or group).comm.allgather(err))
+    _agree(directory, (world or group).all_gather_object(err))
     _assign(new, record["optimizer"]["groups"], record["optimizer"]["scalars"], optimizer)
     return {**meta, "folder": folder}              # as checkpoint.load's meta
 

@@ -252,7 +252,7 @@ class ZeroDataParallel(SingleProcess):
         self.engine.free()
         row = memory.ledger(self.model.parameters(), optimizer, self.activations)
         row.update(rank=self.rank, transient=self.engine.transient_peak)
-        return self.group.comm.gather(row, root=0)
+        return self.group.gather_object(row, root=0)
 
     def predicted_states(self, experts=None):
         """The ZeRO paper's model-state bytes of this rank: the dense parameters at this

@@ -5,6 +5,9 @@
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py block   # rank 1 sleeps
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p     # never sent
     mpiexec -n 2 python tests/scripts/comm_small.py finish  # ranks exit 60 ms apart: clean
+    mpiexec -n 3 python tests/scripts/comm_small.py asyncfail  # rank 1's async op raises
+    mpiexec -n 3 python tests/scripts/comm_small.py rawexit    # exits; the others gather
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py straggler
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit  # rank 1
                                                             # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
@@ -54,6 +57,25 @@ elif mode == "p2p":
         time.sleep(3600)              # never sends (a pipeline stage stuck in compute)
     world.recv(xp.ones(10), peer=1)
     print("unreachable: the recv cannot finish")
+elif mode == "asyncfail":
+    buf = xp.ones(1000)
+    if world.rank == 1:
+        time.sleep(0.5)               # the others are in the all_reduce by now
+        buf.flags.writeable = False   # the ring's first write raises, in the thread
+    work = world.all_reduce(buf, async_op=True)
+    world.all_reduce(xp.ones(10))     # rank 1 would come here with its first one failed
+    work.wait()
+    print("unreachable: the all_reduce cannot finish")
+elif mode == "rawexit":
+    if world.rank == 1:
+        time.sleep(0.5)
+        sys.exit(3)                   # as a user error on this rank alone would
+    world.all_gather_object({"rank": world.rank})   # an object collective: watched too
+    print("unreachable: the gather cannot finish")
+elif mode == "straggler":
+    if world.rank == 1:
+        time.sleep(3600)              # stuck where no watchdog looks (compute, a raw call)
+    sys.exit(0)                       # the others exit and wait for it: not for ever
 elif mode == "preinit":
     print("unreachable: MPI_Init cannot finish without rank 1", flush=True)
 elif mode == "finish":
