@@ -15,6 +15,26 @@ import json
 import sys
 
 
+def read_trace(path):
+    """The events of the Chrome trace train_gpt.py --trace wrote at `path`; ValueError with
+    one line saying what is wrong for anything else (a missing file, a --log-json file, a
+    trace with no event: a run on one process sends nothing)."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file (train_gpt.py --trace FILE writes it)") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path}: not a --trace file (one JSON document; a --log-json file "
+                         "holds one per line)") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list) or not any(e.get("ph") == "X" for e in events):
+        raise ValueError(f"{path}: no traced steps in it (train_gpt.py --trace FILE on more "
+                         "than one rank writes them)")
+    return events
+
+
 def steps_of(events, rank):
     """[(start, end) of each step: its first forward to its wait for gradients] on `rank`."""
     compute = sorted((e for e in events if e.get("pid") == rank and e.get("ph") == "X"
@@ -47,7 +67,8 @@ def draw(events, step, width, only=None):
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     ranks = [r for r in ranks if only is None or r in only]
     if not ranks:
-        fail("error: no rank of --ranks is in this trace")
+        fail(f"error: --ranks {','.join(map(str, sorted(only)))}: none of them is in this "
+             "trace")
     count = min(len(steps_of(events, r)) for r in ranks)
     if not -count <= step < count:
         fail(f"error: --step {step}: the trace holds steps 0 to {count - 1} "
@@ -56,8 +77,8 @@ def draw(events, step, width, only=None):
     windows = {r: steps_of(events, r)[step] for r in ranks}
     lo = windows[ranks[0]][0]
     hi = max(end for _, end in windows.values())
-    print(f"step {step} of {count} traced: {(hi - lo) / 1e3:.1f} ms shown, {width} columns "
-          f"({(hi - lo) / 1e3 / width:.2f} ms each)")
+    print(f"step {step} (traced: 0 to {count - 1}): {(hi - lo) / 1e3:.1f} ms shown, {width} "
+          f"columns ({(hi - lo) / 1e3 / width:.2f} ms each)")
     for r in ranks:
         start, end = windows[r]
         rows = sorted((e for e in events if e.get("pid") == r and e.get("ph") == "X"
@@ -77,8 +98,10 @@ def main():
     p.add_argument("--width", type=int, default=60)
     p.add_argument("--ranks", default=None, help="e.g. 0,3 (default: all)")
     args = p.parse_args()
-    with open(args.trace) as f:
-        events = json.load(f)["traceEvents"]
+    try:
+        events = read_trace(args.trace)
+    except ValueError as e:
+        fail(f"error: {e}")
     only = None if args.ranks is None else {int(r) for r in args.ranks.split(",")}
     draw(events, args.step, args.width, only)
 

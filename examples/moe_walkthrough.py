@@ -22,7 +22,7 @@ from minidist.nn.moe import MoE, capacity, route
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--top-k", type=int, default=2)

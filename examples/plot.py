@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from ddp_timeline import steps_of
+from ddp_timeline import read_trace, steps_of
 
 MiB = 2 ** 20
 # (line style, marker) per run, in order: curves that coincide still tell apart
@@ -130,7 +130,8 @@ def plot_timeline(ax, events, step):
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     count = min((len(steps_of(events, r)) for r in ranks), default=0)
     if not -count <= step < count or count == 0:
-        fail(f"--step {step}: the trace holds {count} DDP steps (train_gpt.py --dp with --trace)")
+        fail(f"--step {step}: the trace holds DDP steps 0 to {count - 1} (train_gpt.py --dp "
+             "with --trace)")
     step %= count
     windows = {r: steps_of(events, r)[step] for r in ranks}
     lo = min(start for start, _ in windows.values())
@@ -154,7 +155,8 @@ def plot_timeline(ax, events, step):
     ax.set_ylim(-0.2, 3 * len(ranks) + 1.2)      # room above the top rank for the legend
     ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=4)
     ax.set_xlabel("ms since the step's first forward")
-    ax.set_title(f"DDP step {step} of {count}: when each bucket's all-reduce ran")
+    ax.set_title(f"DDP step {step} (traced: 0 to {count - 1}): when each bucket's "
+                 "all-reduce ran")
     ax.grid(axis="x", alpha=0.3)
 
 
@@ -181,10 +183,10 @@ def main():
     logs = [read_log(f) for f in args.logs]
     events = None
     if args.trace:
-        if not os.path.isfile(args.trace):
-            fail(f"--trace {args.trace!r} not found: train_gpt.py --trace FILE writes it")
-        with open(args.trace) as f:
-            events = json.load(f)["traceEvents"]
+        try:
+            events = read_trace(args.trace)
+        except ValueError as e:
+            fail(f"--trace {e}")
     moe = [(log, label) for log, label in zip(logs, labels)
            if any("moe_tokens" in r for r in log[0])]
     rows = bool(logs) + bool(moe) + bool(events)

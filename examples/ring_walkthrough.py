@@ -33,7 +33,7 @@ def run_under_pdb(inputs, op):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--n", type=int, default=10, help="elements per buffer")
     p.add_argument("--op", default="sum", choices=("sum", "avg", "max", "min"))

@@ -31,7 +31,8 @@ from minidist.train.gather import model_config, whole_model  # noqa: E402
 
 
 def sample_parser():
-    p = Parser(description="Generate text from a checkpoint (README: Sampling).",
+    p = Parser(description="Generate text from a checkpoint (minidist/train/README.md: "
+                           "Sampling a checkpoint).",
                formatter_class=HelpWithDefaults)
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "

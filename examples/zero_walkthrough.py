@@ -108,7 +108,7 @@ def one_process(x, y, steps):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4, help="simulated data-parallel ranks")
     p.add_argument("--rows", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=1)

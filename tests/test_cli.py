@@ -365,7 +365,14 @@ def test_the_batch_error_names_the_multiple_the_layout_needs(ranks, flags, says)
 
 
 @pytest.mark.parametrize("ranks,flags,suggests", [
-    (4, ["--tp", "2", "--dp", "4"], "run `mpirun -n 8 python examples/train_gpt.py --tp 2`"),
+    (4, ["--tp", "2", "--dp", "4"], "run the same command with `mpirun -n 8`, or leave --dp "
+     "out"),
+    # --dp not given: no "leave --dp out"; the same command, every flag kept (it was rebuilt
+    # from the parallel flags alone, and `mpirun -n 8 ... --ep 4 --cp 2` lost --moe-experts)
+    (4, ["--moe-experts", "4", "--ep", "4", "--cp", "2"], "--ep 4 x --cp 2 = 8 ranks per "
+     "replica (the processes are dp x 8), but this job has 4 MPI process(es); run the same "
+     "command with `mpirun -n 8`"),
+    (3, ["--tp", "2", "--n-layer", "2"], "run the same command with `mpirun -n 2`"),
     (4, ["--tp", "3"], None),              # --n-head 4 is not divisible by 3 either
     (4, ["--cp", "3"], None),              # nor --block-size 128 into 6 chunks
     (4, ["--zero", "3", "--zero-shard", "2", "--dp", "3"], None),   # 2 does not divide 3
@@ -374,8 +381,8 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
                                                                         suggests):
     """A wrong rank count names the mpirun command with the right one, unless another flag
     is wrong too: that command would then fail on it (found by a first-use walk: `--tp 3` on
-    4 ranks suggested `mpirun -n 3 ... --tp 3`, refused next for --n-head 4). The suggested
-    command, with the other flags but --dp (it defaults to what is left), is accepted."""
+    4 ranks suggested `mpirun -n 3 ... --tp 3`, refused next for --n-head 4). The same
+    command on the rank count it names is accepted."""
     from minidist.train.strategy import check_layout
     with pytest.raises(UsageError) as e:
         check_layout(train_parser().parse_args(flags), ranks)
@@ -384,8 +391,9 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
         assert "run `mpirun" not in str(e.value), str(e.value)
         return
     assert suggests in str(e.value)
-    dp, ranks = flags.index("--dp"), int(suggests.split()[3])
-    check_layout(train_parser().parse_args(flags[:dp] + flags[dp + 2:]), ranks)
+    assert ("leave --dp out" in str(e.value)) == ("--dp" in flags), str(e.value)
+    ranks = int(str(e.value).split("`mpirun -n ")[1].split("`")[0])
+    check_layout(train_parser().parse_args(flags), ranks)
 
 
 @pytest.mark.mpi

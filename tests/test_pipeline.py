@@ -150,7 +150,8 @@ def _parse(*flags):
      "does not split into dp 1 x --grad-accum 1 x --micro-batches 3"),
     (4, ["--pp", "2", "--micro-batches", "4", "--batch-size", "12"],
      "dp 2 x --grad-accum 1 x --micro-batches 4 = 8"),
-    (6, ["--pp", "4"], "--dp 1 x --pp 4 = 4 ranks, but this job has 6"),
+    (6, ["--pp", "4"], r"--pp 4 = 4 ranks per replica \(the processes are dp x 4\), but "
+     "this job has 6"),
     (8, ["--pp", "2", "--tp", "2", "--dp", "3"], "= 12 ranks, but this job has 8"),
     (4, ["--pp", "2", "--tp", "2", "--n-head", "3", "--n-embd", "48"],
      "--n-head 3 is not divisible by --tp 2"),

@@ -72,8 +72,9 @@ def test_bad_input_is_one_line(tmp_path):
     t = tmp_path / "trace.json"
     write_trace(t)
     write_log(tmp_path / "a.jsonl", 3)
+    (tmp_path / "b.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": 4.9}\n')
     for args in ([tmp_path / "missing.jsonl"], ["--trace", tmp_path / "missing.json"],
-                 ["--trace", t, "--step", "5"],
+                 ["--trace", t, "--step", "5"], ["--trace", tmp_path / "b.jsonl"],
                  [tmp_path / "a.jsonl", "--labels", "x,y"]):
         done = plot(*args, "-o", tmp_path / "x.png")
         lines = done.stderr.strip().splitlines()
@@ -88,11 +89,22 @@ def test_ddp_timeline_text(tmp_path):
     write_trace(t, ranks=2, steps=3)
     run = [sys.executable, "examples/ddp_timeline.py"]
     done = subprocess.run(run + [str(t)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.startswith("step 2 of 3 traced"), done.stdout
+    assert done.returncode == 0 and done.stdout.startswith("step 2 (traced: 0 to 2)"), \
+        done.stdout
     assert "step -1" not in done.stdout and done.stdout.count("all_reduce") == 4, done.stdout
     bad = subprocess.run(run + [str(t), "--step", "3"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --step 3"), bad.stderr
+    # not a trace, none at all, no step in it: one line each (they were tracebacks)
+    log, empty = tmp_path / "run.jsonl", tmp_path / "empty.json"
+    log.write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": 4.9}\n')
+    empty.write_text('{"traceEvents": []}')
+    for path, says in ((tmp_path / "missing.json", "no such file"), (log, "not a --trace "
+                       "file"), (empty, "no traced steps in it")):
+        bad = subprocess.run(run + [str(path)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and bad.stderr == f"error: {path}: {says}" + \
+            bad.stderr.split(says, 1)[1] and bad.stderr.count("\n") == 1, bad.stderr
     helptext = subprocess.run(run + ["--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=60).stdout
     assert "mpirun -n 4 python examples/train_gpt.py" in helptext and "one node)" in helptext

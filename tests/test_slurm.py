@@ -6,10 +6,13 @@ SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID) wi
 own local-rank variables removed: minidist must find its place from Slurm's. A fake scontrol
 records the requeue. By hand (a real cluster): sbatch examples/slurm/train.sbatch --steps 100
 """
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,6 +64,36 @@ def test_fake_srun_gives_slurm_variables(tmp_path):
 
 
 @pytest.mark.mpi
+def test_sbatch_script_requeues_after_sigterm_to_the_whole_job(tmp_path, corpus):
+    """Preemption as Slurm does it: SIGTERM to every process of the job, the batch shell
+    too. The ranks save at the next step boundary and exit 75, and the script, which traps
+    the signal to outlive it, requeues the job (without the trap bash died of it at once, and
+    the requeue line never ran: the job was not restarted). By hand: run the script under the
+    fake srun, then kill -TERM -PGID."""
+    env = _fake_cluster(tmp_path)
+    log = tmp_path / "log.jsonl"
+    flags = ["--data", corpus, "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+             "--block-size", "16", "--batch-size", "4", "--eval-iters", "1", "--sample", "0",
+             "--device", "cpu", "--steps", "100000", "--log-json", log]
+    proc = subprocess.Popen(["bash", "examples/slurm/train.sbatch", *map(str, flags)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while not (log.exists() and sum(1 for _ in open(log)) >= 2):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)         # the batch shell, srun and every rank
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, (proc.returncode, out[-2000:], err[-2000:])
+    assert "requeueing job 42" in out and os.listdir(tmp_path / "ckpt"), out[-2000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
+
+
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
     """The batch script trains 2 ranks through srun, saves; started again (as after a requeue)
@@ -84,7 +117,8 @@ def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
 
 def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
     """DRY_RUN=1 runs nothing (no srun on PATH here) and prints the Python the job would use:
-    $VENV's (its bin/activate sourced), then the command. By hand:
+    $VENV's (its bin/activate sourced), whether CuPy imports in it (--comm nccl needs it: a
+    job without it waited in the queue to fail), then the command. By hand:
 
         DRY_RUN=1 VENV=.venv bash examples/slurm/train.sbatch --steps 5
     """
@@ -99,6 +133,9 @@ def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"python: {venv}/bin/python (minidist from {ROOT}/minidist)" in out.stdout, out.stdout
+    cupy = importlib.util.find_spec("cupy") is not None      # only the import is checked
+    assert ("cupy: not installed: --comm nccl and --device cuda need it" in out.stdout) \
+        != cupy, out.stdout
     assert (f"would run: srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=6 python "
             f"examples/train_gpt.py --save {tmp_path / 'ck'} --resume auto --steps 5"
             in out.stdout), out.stdout

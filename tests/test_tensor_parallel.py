@@ -60,7 +60,8 @@ def _parse(*flags):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tp", "2"], "--dp 1 x --tp 2 = 2 ranks, but this job has 1 MPI process"),
+    (["--tp", "2"], "--tp 2 = 2 ranks per replica (the processes are dp x 2), but this job "
+     "has 1 MPI process"),
     (["--tp", "2", "--dp", "3"], "--dp 3 x --tp 2 = 6 ranks, but this job has 4"),
     (["--tp", "4", "--n-head", "6", "--n-embd", "24"], "--n-head 6 is not divisible by --tp 4"),
     (["--tp", "2", "--sequence-parallel", "--block-size", "9"], "multiple of 2"),

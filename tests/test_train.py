@@ -86,7 +86,8 @@ def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus,
 
 
 @pytest.mark.parametrize("flags, says", [  # --tp (with --zero): test_tensor_parallel
-    (["--pp", "2"], "pipeline parallelism: .* 2 ranks, but this job has 1"),
+    (["--pp", "2"], "pipeline parallelism: --pp 2 = 2 ranks per replica .*, but this job "
+     "has 1"),
     (["--micro-batches", "2"], "--grad-accum")])             # more: tests/test_pipeline.py
 def test_parallel_flags_refuse_politely(flags, says):
     with pytest.raises(UsageError, match=says):
@@ -140,7 +141,7 @@ def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
     ck = str(tmp_path / "ck")
     train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save", ck))
     with pytest.raises(UsageError, match="--steps 2: the checkpoint .*step-00000004 is at "
-                       "step 4 already; give --steps 4 or more to continue it"):
+                       "step 4 already; give --steps above 4 to train it further"):
         train(_args(device, corpus, tmp_path, "--steps", "2", "--resume", ck))
     with pytest.raises(UsageError, match="--stop-at 3: the checkpoint .* is at step 4"):
         train(_args(device, corpus, tmp_path, "--steps", "8", "--stop-at", "3", "--resume", ck))

@@ -57,7 +57,8 @@ def _ring_phase(name, bufs, who, bounds, step_fn, op, show):
             else:
                 reduce_into(op, bufs[r][lo:hi], data, out=bufs[r][lo:hi])
                 who[r][chunk] = who[r][chunk] | contributors
-                verb = f"{op}s in its own -> {'+'.join(map(str, sorted(who[r][chunk])))}"
+                verb = (f"reduces ({op}) it into its own -> "
+                        f"{'+'.join(map(str, sorted(who[r][chunk])))}")
             show(f"  rank {left} -> rank {r}: chunk {chunk} "
                  f"({'+'.join(map(str, sorted(contributors)))}); rank {r} {verb}")
         _table(who, bounds, show)
@@ -70,7 +71,8 @@ def simulate_all_reduce(inputs, op="sum", show=print):
     bufs = [np.array(x, copy=True) for x in inputs]
     who = [[{r} for _ in range(world)] for r in range(world)]
     show(f"ring all-reduce ({op}) of {n} elements on {world} simulated ranks; "
-         f"chunks {bounds}\nat the start each rank holds only its own data:")
+         f"chunks {bounds}\nthe tables name whose data each chunk holds, by rank ('0+2': "
+         "rank 0's and rank 2's combined);\nat the start each rank holds only its own:")
     _table(who, bounds, show)
     _ring_phase("reduce-scatter", bufs, who, bounds, reduce_scatter_step, op, show)
     show("\nnow rank r holds chunk r reduced over all ranks; all-gather passes them around")

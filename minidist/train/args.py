@@ -100,7 +100,8 @@ def add_parallel_args(p):
     g.add_argument("--sync-comm", action="store_true", default=None,
                    help="run every collective in the calling thread, for a debugger: a "
                    "breakpoint in the ring then stops for DDP's gradient buckets too; costs "
-                   "the overlap of communication with backward (README: Debugging)")
+                   "the overlap of communication with backward (minidist/comm/README.md: "
+                   "Debugging)")
     g.add_argument("--comm-timeout", type=float, default=None, metavar="SECONDS",
                    help="a collective waiting longer aborts the job, naming the ranks that did "
                    "not arrive (default: MINIDIST_COMM_TIMEOUT or 600; 0: never)")

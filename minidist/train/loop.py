@@ -98,7 +98,8 @@ def _resume(args, strategy, log, model, opt):
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
-        " one)" if changed else ""))
+        " one)" if changed else "")
+        + ("" if args.save else "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
 
 
@@ -118,8 +119,8 @@ def _check_stop(args, start):
     if start is not None and start > stop:   # (start == stop: a requeued finished run: it
         flag = "--stop-at" if stop < args.steps else "--steps"   # evaluates, as below)
         raise UsageError(f"{flag} {stop}: the checkpoint {args.resume} is at step {start} "
-                         f"already; give {flag} {start} or more to continue it, or --save a "
-                         "new folder without --resume to start over")
+                         f"already; give {flag} above {start} to train it further, or --save "
+                         "a new folder without --resume to start over")
     return stop
 
 
@@ -337,7 +338,8 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                "sample": text, "host_reads": reads}
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                f"{data.unigram_entropy:.4f} (a model that ignores context); "
-               f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating and saving")
+               f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating"
+               + (" and saving" if args.save else ""))
     log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
         f"{why} {n}" for why, n in reads.items()) or "none"))
     strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file

@@ -107,7 +107,8 @@ def check_layout(args, size):
     problems += ep_problems(args) if args.ep > 1 else []
     shard = zero_shard_problem(args, dp) if args.zero and args.zero_shard is not None else None
     if dp * others != size:     # the command it suggests must not fail on something else
-        problems.insert(0, _size_problem(dp, split, size, suggest=not (problems or shard)))
+        problems.insert(0, _size_problem(dp, split, size, not (problems or shard),
+                                          args.dp is not None))
     if problems:
         what = ("expert parallelism: " if args.ep > 1 else "context parallelism: "
                 if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
@@ -128,17 +129,22 @@ def _batch_problem(args, dp, m):
             f"multiple of {n}")
 
 
-def _size_problem(dp, split, size, suggest):
-    """The rank count's problem; `suggest`: name the mpirun command that has the right
-    count (only when nothing else is wrong, or that command would fail too)."""
+def _size_problem(dp, split, size, suggest, dp_given):
+    """The rank count's problem; `suggest`: say how many ranks the same command needs (only
+    when nothing else is wrong, or that run would fail too). `dp_given`: --dp was on the
+    command line (else it defaulted to what the other axes leave, at least 1)."""
     axes = [f"--{k} {v}" for k, v in split.items() if v > 1]
-    n = dp * split["ep"] * split["cp"] * split["tp"] * split["pp"]
+    others = split["ep"] * split["cp"] * split["tp"] * split["pp"]
+    n = dp * others
+    run = f"run the same command with `mpirun -n {n}`" if suggest else ""
+    if not dp_given:                       # the axes alone do not fit: dp would be 0 or split
+        return (f"{' x '.join(axes)} = {others} ranks per replica (the processes are dp x "
+                f"{others}), but this job has {size} MPI process(es)"
+                + (f"; {run}" if run else ""))
     rest = " x ".join(k for k, v in split.items() if v > 1)
-    run = (f"run `mpirun -n {n} python examples/train_gpt.py{''.join(' ' + a for a in axes)}`"
-           ", or " if suggest else "")
     return (f"--dp {dp}{''.join(' x ' + a for a in axes)} = {n} ranks, but this job has "
-            f"{size} MPI process(es); {run}leave --dp out (it defaults to the processes"
-            + (f" / ({rest}))" if rest else ")"))
+            f"{size} MPI process(es); {run + ', or ' if run else ''}leave --dp out (it "
+            "defaults to the processes" + (f" / ({rest}))" if rest else ")"))
 
 
 def _nccl_device(args):

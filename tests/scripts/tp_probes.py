@@ -282,7 +282,8 @@ def _traffic(what, sp, tp, btc_bytes, L, counters, shared, ce_bytes=()):
             "shared_param_bytes": sum(shared), "regather_bytes": regather * btc_bytes}
 
 
-BAD = [(["--tp", "4"], "--dp 1 x --tp 4 = 4 ranks, but this job has 2 MPI process"),
+BAD = [(["--tp", "4"], "--tp 4 = 4 ranks per replica (the processes are dp x 4), but this "
+        "job has 2 MPI process"),
        (["--tp", "2", "--dp", "2"], "--dp 2 x --tp 2 = 4 ranks, but this job has 2"),
        (["--tp", "2", "--n-head", "3", "--n-embd", "15"],
         "--n-head 3 is not divisible by --tp 2"),
