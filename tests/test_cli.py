@@ -288,6 +288,21 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
     assert _layout_refusal(ranks, flags, refused)
 
 
+@pytest.mark.parametrize("ranks,flags,refused", [
+    (1, ["--trace", "t.json"], "--trace t.json: sets the file the collectives' trace is "
+     "written to, which this run does not use (one process sends nothing: run more ranks "
+     "(mpirun -n N), or leave --trace out)"),
+    (1, ["--comm", "mpi"], "--comm mpi: sets the collectives' algorithm"),
+    (1, ["--sync-comm"], "--sync-comm: sets where the collectives run"),
+    (1, ["--zero", "1", "--trace", "t.json"], None),   # ZeRO over one rank: a group, a trace
+    (2, ["--trace", "t.json", "--comm", "mpi"], None),
+])
+def test_communication_flags_on_one_process_are_refused(ranks, flags, refused):
+    """One process without ZeRO has no group: --trace (it trained the whole run, then said
+    there was no trace), --comm and --sync-comm would do nothing; refused before step 0."""
+    assert _layout_refusal(ranks, flags, refused)
+
+
 def _layout_refusal(ranks, flags, refused):
     """check_layout on `ranks` accepts `flags` (refused None) or refuses them with an error
     containing `refused`."""

@@ -200,7 +200,7 @@ def test_batch_must_split_into_dp_times_grad_accum():
 def test_nccl_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr("minidist.backend.cupy_module", lambda: None)
     with pytest.raises(UsageError, match="--comm nccl moves data GPU to GPU"):
-        make_strategy(_parse("--comm", "nccl"))
+        make_strategy(_parse("--comm", "nccl", "--zero", "1"))   # (one rank: a group)
 
 
 # ---- N ranks under mpiexec ---------------------------------------------------------------

@@ -150,6 +150,9 @@ def _parse(*flags):
      "does not split into dp 1 x --grad-accum 1 x --micro-batches 3"),
     (4, ["--pp", "2", "--micro-batches", "4", "--batch-size", "12"],
      "dp 2 x --grad-accum 1 x --micro-batches 4 = 8"),
+    # not given: the default count is named as such (it read as a --micro-batches 1 typed)
+    (6, ["--pp", "2", "--dp", "3"], r"dp 3 x --grad-accum 1 x 1 micro-batches \(the "
+     r"pipeline's default: give --micro-batches\) = 3"),
     (6, ["--pp", "4"], r"--pp 4 = 4 ranks per replica \(the processes are dp x 4\), but "
      "this job has 6"),
     (8, ["--pp", "2", "--tp", "2", "--dp", "3"], "= 12 ranks, but this job has 8"),

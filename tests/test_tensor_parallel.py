@@ -223,8 +223,10 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
     from minidist.strategy.checkpoint_dirs import resolve
     common = [*TINY, "--sample", "0", "--data", corpus, "--cache-dir", tmp_path / "cache"]
     for name, steps in (("ck", "3"), ("other", "2")):
-        mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--zero", "1", "--steps", steps,
-            "--save", tmp_path / name, timeout=120)
+        out = mpi(2, "examples/train_gpt.py", *common, "--tp", "2", "--zero", "1", "--steps",
+                  steps, "--save", tmp_path / name, timeout=120)
+    # its memory table's rows are tp rank 0's data-parallel group: said so
+    assert "ZeRO's memory table below is tp rank 0's" in out.stdout, out.stdout
     folder = resolve(str(tmp_path / "ck"))
     manifest = verify(folder)
     assert manifest["tp"]["size"] == 2 and manifest["step"] == 3

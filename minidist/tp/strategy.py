@@ -200,6 +200,9 @@ class TensorParallel(ModelParallel):
 
     def finish(self, args, log):
         log.print0(self.summary())
+        if self.inner.reports_memory:             # ZeRO's table: rank 0's group, tp rank 0
+            log.print0("ZeRO's memory table below is tp rank 0's: its part of the parameters, "
+                       "the ranks of its data-parallel group")
         self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)

@@ -150,11 +150,17 @@ def check_flags(args):
     check_outputs(args)
 
 
-def idle_flags(args, replicas=None):
+def idle_flags(args, replicas=None, ranks=None):
     """(flag, what it sets, what would use it) for each flag that does nothing in this run
     (the --moe-* flags are check_moe's). `replicas`: the ranks DDP would average over (dp x
-    ep x cp), known once the world size is (check_layout); None before."""
+    ep x cp), `ranks`: the processes, both known once the world size is (check_layout); None
+    before."""
     idle = []
+    if ranks == 1 and not args.zero:          # one process, no group: nothing is sent
+        alone = "one process sends nothing: run more ranks (mpirun -n N)"
+        idle += [("--trace", "the file the collectives' trace is written to", alone),
+                 ("--comm", "the collectives' algorithm", alone),
+                 ("--sync-comm", "where the collectives run", alone)]
     if args.pp == 1:
         idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
                  ("--pp-virtual", "layer chunks per pipeline rank", "add --pp 2 or more")]
@@ -189,12 +195,12 @@ def idle_flags(args, replicas=None):
     return idle
 
 
-def check_idle_flags(args, replicas=None):
+def check_idle_flags(args, replicas=None, ranks=None):
     """A flag changed from its default where it would do nothing is refused, not ignored
-    (`replicas`: as idle_flags)."""
+    (`replicas`, `ranks`: as idle_flags)."""
     from minidist.train.args import train_parser     # (args.py imports this module)
     defaults = train_parser()
-    for flag, what, remedy in idle_flags(args, replicas):
+    for flag, what, remedy in idle_flags(args, replicas, ranks):
         name = flag[2:].replace("-", "_")
         value = getattr(args, name)
         if value != defaults.get_default(name):

@@ -114,7 +114,7 @@ def check_layout(args, size):
                 if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
                 "tensor parallelism: " if args.tp > 1 else "")
         raise UsageError(what + "; ".join(problems))
-    check_idle_flags(args, replicas=dp * args.ep * args.cp)     # --ddp with one replica
+    check_idle_flags(args, replicas=dp * args.ep * args.cp, ranks=size)   # --ddp, one replica
     if shard:
         raise UsageError(shard)
     return dp, m
@@ -122,9 +122,11 @@ def check_layout(args, size):
 
 def _batch_problem(args, dp, m):
     n = dp * args.ep * args.grad_accum * m
+    micro = "" if args.pp == 1 else f" x --micro-batches {m}" if args.micro_batches else \
+        f" x {m} micro-batches (the pipeline's default: give --micro-batches)"
     return (f"--batch-size {args.batch_size} does not split into dp {dp} x "
             + (f"ep {args.ep} x " if args.ep > 1 else "") + f"--grad-accum {args.grad_accum}"
-            + (f" x --micro-batches {m}" if args.pp > 1 else "")
+            + micro
             + f" = {n} equal micro-batches (the batch is global, in sequences); choose a "
             f"multiple of {n}")
 
