@@ -257,3 +257,21 @@ def test_fifty_overflowing_steps_in_a_row_stop_the_run(corpus, tmp_path):
     with pytest.raises(Diverged, match=r"step 51: 50 steps in a row had inf/nan gradients "
                                        + scale + r".*nothing saved"):
         _train(corpus, tmp_path, "--steps", "60", "--amp", "--resume", str(tmp_path / "huge"))
+
+
+def test_the_ranks_agree_on_the_16_bit_type_or_are_refused():
+    """Without --amp-dtype each rank's device picks its 16-bit type (half_dtype: bfloat16 on
+    a GPU whose CuPy computes with it, float16 elsewhere); make_strategy agrees on it over
+    the world, and a job whose devices differ (CPU and GPU ranks under --device auto) is one
+    error naming the ranks: their 16-bit gradients would have been summed bit pattern
+    against bit pattern, silently. (The collective itself runs in every multi-rank --amp
+    test: tests/test_expert_parallel.py, tests/test_pp_zero.py, ...)"""
+    from minidist.train.cli import UsageError
+    from minidist.train.strategy import agreed_half_dtype, amp_dtype
+    assert agreed_half_dtype(["float16"] * 4) == "float16"
+    with pytest.raises(UsageError, match=r"--amp: the ranks' devices compute in different "
+                       r"16-bit types \(bfloat16 on ranks 0, 2; float16 on rank 1\): give "
+                       r"--amp-dtype float16"):
+        agreed_half_dtype(["bfloat16", "float16", "bfloat16"])
+    given = train_parser().parse_args(["--amp", "--amp-dtype", "bfloat16"])
+    assert amp_dtype(given, None) == "bfloat16"           # as given: nothing to agree on

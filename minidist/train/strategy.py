@@ -19,7 +19,9 @@ the model and hands it inward (TP builds, PP cuts, CP rings, DDP/ZeRO wraps). Th
 and what every strategy implements: minidist/strategy/base.py.
 Tests: tests/test_train.py, tests/test_ddp.py (refusals), tests/scripts/*_check.py.
 """
-from minidist import comm
+import os
+
+from minidist import backend, comm
 from minidist.comm import trace
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
@@ -27,7 +29,7 @@ from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe
 from minidist.pp.strategy import PipelineParallel, default_micro_batches, pp_problems
 from minidist.strategy.base import SingleProcess
 from minidist.tp.strategy import TensorParallel, tp_problems
-from minidist.train.amp import MixedPrecision
+from minidist.train.amp import MixedPrecision, half_dtype
 from minidist.train.cli import UsageError, check_idle_flags
 from minidist.zero.strategy import ZeroDataParallel, zero_shard_problem
 
@@ -47,7 +49,8 @@ def make_strategy(args, world=None):
     # 4. data parallelism, innermost: over dp (x ep: the dense parameters), or dp x cp (every
     # cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
-                                  MixedPrecision(dtype=args.amp_dtype) if args.amp else None)
+                                  MixedPrecision(dtype=amp_dtype(args, world))
+                                  if args.amp else None)
     # 3'. expert parallelism: this rank's experts over ep, the tokens sent by all-to-all
     if args.ep > 1:
         strategy = ExpertParallel(mesh, *expert_groups(mesh, args.ep), strategy)
@@ -62,6 +65,30 @@ def make_strategy(args, world=None):
     elif args.tp > 1:
         strategy = TensorParallel(mesh, args.sequence_parallel, strategy)
     return strategy
+
+
+def amp_dtype(args, world):
+    """--amp's 16-bit type: --amp-dtype (or MINIDIST_AMP_DTYPE, which MixedPrecision reads) as
+    given; else the one this rank's device computes best in (half_dtype: bfloat16 on a GPU
+    whose CuPy computes with it, float16 elsewhere), which every rank must share: agreed over
+    `world` (Collective), refused where the ranks' devices differ, as a job of CPU and GPU
+    ranks under --device auto would (their gradients would be summed bit pattern against
+    bit pattern, with no error)."""
+    if args.amp_dtype or os.environ.get("MINIDIST_AMP_DTYPE") or world is None:
+        return args.amp_dtype
+    return agreed_half_dtype(world.all_gather_object(half_dtype(backend.get_xp()).name))
+
+
+def agreed_half_dtype(names):
+    """The one 16-bit type every rank's device chose (`names`, by rank), or UsageError."""
+    chosen = list(dict.fromkeys(names))
+    if len(chosen) == 1:
+        return chosen[0]
+    where = "; ".join(f"{n} on rank{'s' * (names.count(n) > 1)} "
+                      f"{', '.join(str(r) for r, m in enumerate(names) if m == n)}"
+                      for n in chosen)
+    raise UsageError(f"--amp: the ranks' devices compute in different 16-bit types ({where}): "
+                     "give --amp-dtype float16, which every device computes in")
 
 
 def make_data_parallel(args, group, amp):
