@@ -235,7 +235,10 @@ def main(argv=None):
     print(f"best: {result['best']}" if result["best"] else
           f"best: nothing fits: {result['nothing_fits']}")
     if result["command"]:
-        print(f"run it: {result['command']}")
+        vocab = "" if c["vocab_size"] == 256 else (
+            f" (planned with a {c['vocab_size']:,}-token vocabulary; train_gpt.py trains "
+            "minidist's 256 bytes)")
+        print(f"run it{vocab}: {result['command']}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ The prompt and its continuation go to stdout (control characters escaped), the l
 what was loaded to stderr. --temperature 0 is greedy; the same --seed gives the same text.
 Tests: tests/test_sample.py.
 """
-from minidist.launcher import set_thread_env
+from minidist.launcher import set_thread_env, world_size_from_env
 
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
@@ -51,6 +51,9 @@ def sample_parser():
 
 
 def check(args):
+    if world_size_from_env() > 1:          # every rank would print the whole sample
+        raise UsageError(f"sample.py runs on one process, not {world_size_from_env()}: run "
+                         "`python examples/sample.py ...` without mpirun")
     if args.tokens < 1:
         raise UsageError(f"--tokens {args.tokens}: must be at least 1")
     if not 0 <= args.temperature < math.inf:

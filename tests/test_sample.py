@@ -101,3 +101,13 @@ def test_prompt_help_names_its_newline_default():
                          capture_output=True, text=True, timeout=60, check=True).stdout
     prompt = " ".join(out.split("--prompt PROMPT", 2)[2].split("--tokens")[0].split())
     assert prompt == "the text to continue (default: '\\n', a newline)", prompt
+
+
+@pytest.mark.mpi
+def test_sample_under_mpirun_is_one_error_line(tmp_path, mpi):
+    """mpirun -n 2 python examples/sample.py ...: every rank printed the whole sample; one
+    process samples, so it is one error line, exit 2 (checked before any checkpoint read)."""
+    out = mpi(2, "examples/sample.py", "--resume", tmp_path / "none", timeout=60, check=False)
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr == ("error: sample.py runs on one process, not 2: run `python "
+                          "examples/sample.py ...` without mpirun\n"), out.stderr
