@@ -221,14 +221,15 @@ def test_moe_on_split_sequences_8_ranks_is_exact(mpi):
 @pytest.mark.slow
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_x_pp2_x_tp2_is_exact(mpi):
-    """ep 2 x pp 2 x tp 2 on 8 ranks (DDP, ZeRO-3) and ep 2 x pp 2 x dp 2 (ZeRO-1: the
-    experts' AdamW state halved over edp 2) against one process in float64; their checkpoints
-    (the experts of every stage, tp's pieces and ZeRO's shards gathered) resume
-    bit-identically and load on one process.
+    """ep 2 x pp 2 x tp 2 on 8 ranks (DDP, ZeRO-3), ep 2 x pp 2 x dp 2 (ZeRO-1: the experts'
+    AdamW state halved over edp 2) and ep 2 x tp 2 x dp 2 with hybrid ZeRO-1 (--zero-shard 2)
+    against one process in float64; their checkpoints (the experts of every stage, tp's
+    pieces and ZeRO's shards gathered) resume bit-identically and load on one process.
 
         mpiexec -n 8 python tests/scripts/ep_check.py --runs ep2xpp2xtp2+ckpt,...
     """
-    runs = ["ep2xpp2xtp2+ckpt", "ep2xpp2xtp2+zero3+ckpt", "ep2xpp2xdp2+zero1+ckpt"]
+    runs = ["ep2xpp2xtp2+ckpt", "ep2xpp2xtp2+zero3+ckpt", "ep2xpp2xdp2+zero1+ckpt",
+            "ep2xtp2xdp2+zero1+zs2+ckpt"]
     out = mpi(8, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)

@@ -69,6 +69,8 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         # hybrid sharding (--zero-shard K): the dense shards over each K neighbouring ranks of
         # dp x ep (ep fastest): K = ep, a replica's ep ranks; K < ep (ep 4), half of them
         "ep4+zero2+zs2": ["--zero", "2", "--zero-shard", "2"],
+        "ep2xtp2xdp2+zero1+zs2": ["--tp", "2", "--dp", "2", "--zero", "1", "--zero-shard",
+                                  "2"],                                  # 8 ranks
         "ep2xdp2+zero1+zs2": ["--dp", "2", "--zero", "1", "--zero-shard", "2"],
         "ep2xdp2+zero2+zs2+accum": ["--dp", "2", "--zero", "2", "--zero-shard", "2",
                                     "--grad-accum", "2"],
