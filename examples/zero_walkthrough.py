@@ -127,7 +127,7 @@ def main(argv=None):
     model = GPT(CONFIG, seed=0, dtype="float64")        # every rank starts from these
     layouts = [gpt_units(model, n, r) for r in range(n)]  # one layout, each rank its [lo, hi)
     print(f"ZeRO over {n} simulated ranks, {args.rows} sequences each: a GPT of "
-          f"{sum(u.numel for u in layouts[0])} parameters (float64) in "
+          f"{sum(u.numel for u in layouts[0])} parameter elements (float64) in "
           f"{len(layouts[0])} flat units\n")
     show_units(layouts)
     flats = [[u.flatten() for u in units] for units in layouts]   # stage 1: full parameters
@@ -154,7 +154,7 @@ def main(argv=None):
             step_shards(shards, step + 1)
         print(f"  AdamW: each rank steps only its shards, "
               f"{sum(u.shard_size for u in layouts[0])} of the "
-              f"{sum(u.numel for u in layouts[0])} parameters, and keeps m, v for them alone")
+              f"{sum(u.numel for u in layouts[0])} elements, and keeps m, v for them alone")
         for k, unit in enumerate(layouts[0]):
             for r in range(n):
                 s = shards[r][k]
