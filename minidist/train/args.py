@@ -69,7 +69,8 @@ def add_parallel_args(p):
                    help="with --tp: layer norms and dropout on sequence shards")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--cp", type=int, default=1,
-                   help="context-parallel ranks: each sequence split over them, ring attention")
+                   help="context-parallel ranks: each sequence split over them (attention: "
+                   "--cp-attention)")
     g.add_argument("--cp-split", choices=("zigzag", "naive"), default="zigzag",
                    help="with --cp: zigzag (rank r holds chunks r and 2N-1-r, balanced) or "
                    "naive (contiguous; the last rank does the most causal work)")
@@ -159,8 +160,9 @@ def add_train_args(p):
                    help="rank 0 writes one JSON object per step (appended with --resume)")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="Chrome trace of compute and communication (chrome://tracing)")
-    g.add_argument("--sample", type=int, default=400, help="characters sampled at the end")
-    g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto)")
+    g.add_argument("--sample", type=int, default=400, help="tokens (bytes) sampled at the end")
+    g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto, "
+                   "the node's cores over its ranks; on busy cores 1 can be much faster)")
     g.add_argument("--traceback", action="store_true",
                    help="on a user error, show the traceback, not just the one error line "
                         "(also MINIDIST_DEBUG=1)")
