@@ -338,6 +338,20 @@ class ProcessGroup:
             _groups.remove(self)
 
 
+def ranks_by_value(values):
+    """{each distinct value: the ranks that gave it}, first seen first, from `values` (one per
+    rank, in rank order: an all_gather_object's): what each rank found, once per finding."""
+    out = {}
+    for rank, value in enumerate(values):
+        out.setdefault(value, []).append(rank)
+    return out
+
+
+def ranks_text(ranks):
+    """'rank 1', or 'ranks 0, 2': ranks_by_value's ranks in a message."""
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
 def _flat(buf):
     if not buf.flags.c_contiguous:
         raise ValueError(f"collectives need C-contiguous buffers, got shape {buf.shape} with "

@@ -84,18 +84,16 @@ def agree_on_flags(world, problem):
     prints it), naming the ranks that found it when not all did (a --data path, a GPU or a
     package one node lacks). Without it, a rank alone in exiting left the others in MPI_Init
     until the timeout, and a rank other than 0 printed nothing. Collective over `world`."""
-    found = world.all_gather_object(None if problem is None else str(problem))
-    messages = {}
-    for rank, message in enumerate(found):
-        if message is not None:
-            messages.setdefault(message, []).append(rank)
+    from minidist.comm.group import ranks_by_value, ranks_text   # (MPI is up: `world`)
+    found = ranks_by_value(world.all_gather_object(None if problem is None else str(problem)))
+    messages = {message: ranks for message, ranks in found.items() if message is not None}
     if not messages:
         return
     if len(messages) == 1 and len(next(iter(messages.values()))) == world.size:
         raise UsageError(next(iter(messages)))        # every rank found it: as one process
     raise UsageError("; ".join(
-        f"{message} (found on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} of "
-        f"{world.size}: do the nodes differ?)" for message, ranks in messages.items()))
+        f"{message} (found on {ranks_text(ranks)} of {world.size}: do the nodes differ?)"
+        for message, ranks in messages.items()))
 
 
 def check_flags(args):

@@ -23,6 +23,7 @@ import os
 
 from minidist import backend, comm
 from minidist.comm import trace
+from minidist.comm.group import ranks_by_value, ranks_text
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
 from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe_problems
@@ -81,12 +82,10 @@ def amp_dtype(args, world):
 
 def agreed_half_dtype(names):
     """The one 16-bit type every rank's device chose (`names`, by rank), or UsageError."""
-    chosen = list(dict.fromkeys(names))
+    chosen = ranks_by_value(names)
     if len(chosen) == 1:
-        return chosen[0]
-    where = "; ".join(f"{n} on rank{'s' * (names.count(n) > 1)} "
-                      f"{', '.join(str(r) for r, m in enumerate(names) if m == n)}"
-                      for n in chosen)
+        return names[0]
+    where = "; ".join(f"{n} on {ranks_text(ranks)}" for n, ranks in chosen.items())
     raise UsageError(f"--amp: the ranks' devices compute in different 16-bit types ({where}): "
                      "give --amp-dtype float16, which every device computes in")
 

@@ -38,6 +38,7 @@ import shutil
 import numpy as np
 
 from minidist import backend
+from minidist.comm.group import ranks_by_value, ranks_text
 from minidist.nn.safetensors import SafetensorsError
 from minidist.strategy import checkpoint
 from minidist.strategy import checkpoint_dirs as dirs
@@ -188,13 +189,10 @@ def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=F
 def _agree(directory, verdicts):
     """Raise, on every rank alike, if any rank's verdict is an error: each message once, with
     the ranks that found it."""
-    found = {}
-    for rank, err in enumerate(verdicts):
-        if err:
-            found.setdefault(err, []).append(str(rank))
+    found = {err: ranks for err, ranks in ranks_by_value(verdicts).items() if err}
     if found:
         raise CheckpointError(f"cannot load {directory}: " + "; ".join(
-            f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in found.items()))
+            f"{ranks_text(r)}: {e}" for e, r in found.items()))
 
 
 def _check_groups(directory, saved, optimizer, leading=False):
