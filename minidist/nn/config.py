@@ -145,18 +145,26 @@ def block_param_specs(config, moe):
             if name.startswith("transformer.h.0.")}
 
 
-def gpt_init(config, seed, names=None, dtype="float32"):
+def gpt_init(config, seed, names=None, dtype="float32", weights=None):
     """The initial parameters as host numpy arrays: name -> array, in model order.
 
     Normal draws are made in float64 from `backend.rng([seed, crc32(name)])` and then cast,
     so float32 and float64 runs start from the same numbers (to float32 precision).
     `names` restricts the result to those parameters (a pipeline stage's own).
+    `weights`: {name: host array} to start from instead, e.g. GPT-2's published parameters
+    (minidist/nn/pretrained.py pretrained_weights, --init-from): each layout cuts its part
+    out of these as out of the draws, so every layout starts from the same numbers again.
     """
     out = {}
     for name, (shape, init) in gpt_param_specs(config).items():
         if names is not None and name not in names:
             continue
-        if init == "zeros":
+        if weights is not None:
+            a = np.asarray(weights[name])
+            if a.shape != shape:
+                raise ValueError(f"initial weights: {name} has shape {a.shape}, the model "
+                                 f"{shape}")
+        elif init == "zeros":
             a = np.zeros(shape)
         elif init == "ones":
             a = np.ones(shape)

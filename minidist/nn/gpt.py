@@ -53,13 +53,15 @@ class BlockHooks:
 class GPT(Module):
     context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
-    def __init__(self, config, seed=0, dtype="float32", layers=None):
+    def __init__(self, config, seed=0, dtype="float32", layers=None, weights=None):
         """`layers`: how the layers are made (DenseLayers, the default; tensor parallelism's
-        split ones: minidist/tp/model.py)."""
+        split ones: minidist/tp/model.py). `weights`: {name: host array} to start from
+        instead of `seed`'s draws (gpt_init; --init-from); the dropout keys still follow
+        `seed`."""
         super().__init__()
         self.config = config
         self.transformer = self.build_transformer(layers or DenseLayers(config, dtype))
-        self.init_parameters(seed, dtype)
+        self.init_parameters(seed, dtype, weights)
         self.set_dropout_keys(DropoutKeys(seed))
         self.checkpointing = False
         self.block_hooks = BlockHooks()
@@ -74,10 +76,11 @@ class GPT(Module):
             h=ModuleList([Block(config, dtype, i, layers) for i in range(config.n_layer)]),
             ln_f=layers.norm())
 
-    def init_parameters(self, seed, dtype):
+    def init_parameters(self, seed, dtype, weights=None):
         """gpt_init's numbers for every parameter this model holds."""
         names = {n for n, _ in self.named_parameters()}
-        self.load_state_dict(gpt_init(self.config, seed, names=names, dtype=dtype))
+        self.load_state_dict(gpt_init(self.config, seed, names=names, dtype=dtype,
+                                      weights=weights))
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)

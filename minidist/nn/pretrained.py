@@ -124,6 +124,27 @@ def read_state(directory, config):
     return state
 
 
+def pretrained_weights(directory, config):
+    """{name: host array (memory-mapped)} of a GPT-2 folder's parameters for a model of
+    `config` to start from (gpt_init's `weights`, --init-from): the sizes must be the
+    folder's; a shorter block_size keeps the first rows of wpe (the positions it uses), as
+    nanoGPT's crop_block_size does. ValueError names what differs."""
+    saved = read_config(directory)
+    differ = [f"{k} {getattr(config, k)} (the folder's: {getattr(saved, k)})"
+              for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+              if getattr(config, k) != getattr(saved, k)]
+    if config.block_size > saved.block_size:
+        differ.append(f"block_size {config.block_size} (the folder's wpe has "
+                      f"{saved.block_size} positions)")
+    if config.moe_experts:
+        differ.append(f"moe_experts {config.moe_experts} (the folder's model is dense)")
+    if differ:
+        raise ValueError(f"{directory}: the model does not fit: " + ", ".join(differ))
+    state = read_state(directory, saved)
+    state[_PREFIX + "wpe.weight"] = state[_PREFIX + "wpe.weight"][:config.block_size]
+    return state
+
+
 def load_pretrained(cls, directory, dtype="float32", dropout=None, vocab_multiple=1):
     """`cls` (GPT) built from a GPT-2 directory, parameters cast to `dtype`, on the device;
     `vocab_multiple` pads wte's rows (GPTConfig.padded_vocab_size: zero rows added here,

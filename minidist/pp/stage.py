@@ -217,9 +217,9 @@ def part_of(a, pos):
 class GPTStage(PipelineStage, GPT):
     """Blocks `layers` of GPT(config, seed) on this rank of `pp_group`."""
 
-    def __init__(self, config, pp_group, layers, seed=0, dtype="float32"):
+    def __init__(self, config, pp_group, layers, seed=0, dtype="float32", weights=None):
         self._init_stage(pp_group, layers)
-        super().__init__(config, seed, dtype)
+        super().__init__(config, seed, dtype, weights=weights)
 
 
 class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
@@ -227,9 +227,9 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
     stage of 3-D parallelism (dp x tp x pp)."""
 
     def __init__(self, config, tp_group, pp_group, layers, seed=0, dtype="float32",
-                 sequence_parallel=False):
+                 sequence_parallel=False, weights=None):
         self._init_stage(pp_group, layers)
-        super().__init__(config, tp_group, seed, dtype, sequence_parallel)
+        super().__init__(config, tp_group, seed, dtype, sequence_parallel, weights)
 
     def begin(self, T):
         self.region.begin(T, shard=is_grad_enabled())   # training forwards: as tp/model.py

@@ -121,14 +121,14 @@ class PipelineParallel(ModelParallel):
         return self.model
 
     # ---- the model -------------------------------------------------------------------------
-    def build_model(self, config, seed, dtype):
+    def build_model(self, config, seed, dtype, weights=None):
         from minidist.pp.stage import GPTStage, TensorParallelGPTStage
         layers = chunk_layers(config.n_layer, self.group.size, self.virtual, self.group.rank)
         if self.mesh.shape["tp"] > 1:
             stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
-                                           dtype, self.sequence_parallel)
+                                           dtype, self.sequence_parallel, weights)
         else:
-            stage = GPTStage(config, self.group, layers, seed, dtype)
+            stage = GPTStage(config, self.group, layers, seed, dtype, weights)
         stage.set_checkpointing(self.ckpt_activations)
         if self.amp:
             stage = self.amp.cast_model(stage)

@@ -90,8 +90,11 @@ class SingleProcess:
     def __init__(self, amp=None, ckpt_activations=False):
         self.amp, self.ckpt_activations = amp, bool(ckpt_activations)
 
-    def build_model(self, config, seed, dtype):
-        model = GPT(config, seed=seed, dtype=dtype).set_checkpointing(self.ckpt_activations)
+    def build_model(self, config, seed, dtype, weights=None):
+        """The model, its parameters `seed`'s draws or `weights` ({name: the whole model's
+        host array}: --init-from), cast for --amp and wrapped by this strategy."""
+        model = GPT(config, seed=seed, dtype=dtype, weights=weights)
+        model.set_checkpointing(self.ckpt_activations)
         return self.wrap(self.amp.cast_model(model) if self.amp else model)
 
     def build_optimizer(self, model, args):

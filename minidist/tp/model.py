@@ -84,22 +84,25 @@ class TensorParallelGPT(GPT):
     shard (B, T, V/tp), the loss); with no targets (sampling) the full logits (B, T, V),
     gathered."""
 
-    def __init__(self, config, group, seed=0, dtype="float32", sequence_parallel=False):
+    def __init__(self, config, group, seed=0, dtype="float32", sequence_parallel=False,
+                 weights=None):
         problems = check_tp_sizes(config, group.size)
         if problems:
             raise ValueError("tensor parallelism: " + "; ".join(problems))
         self.group = group
         self.region = TensorParallelRegion(group, sequence_parallel)
-        super().__init__(config, seed, dtype, TensorParallelLayers(config, self.region, dtype))
+        super().__init__(config, seed, dtype, TensorParallelLayers(config, self.region, dtype),
+                         weights)
         for m in self.moe_layers():         # under SP an MoE layer routes over the whole
             m.region = self.region          # sequence (minidist/nn/moe_split.py)
 
-    def init_parameters(self, seed, dtype):
+    def init_parameters(self, seed, dtype, weights=None):
         """This rank's shard of each of gpt_init's full arrays, one parameter at a time."""
         for p in self.parameters():                     # layer norms, wpe, row biases
             p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
         for name, _ in self.named_parameters():
-            self.load_full_state_dict(gpt_init(self.config, seed, names={name}, dtype=dtype))
+            self.load_full_state_dict(gpt_init(self.config, seed, names={name}, dtype=dtype,
+                                               weights=weights))
 
     def set_dropout_keys(self, keys):
         """GPT's dropout sites; where a tensor is split, each rank keeps its slice of the

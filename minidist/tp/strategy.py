@@ -59,8 +59,9 @@ class TensorParallel(ModelParallel):
         super().__init__(mesh, mesh.tp, inner)
         self.sequence_parallel = bool(sequence_parallel)
 
-    def build_model(self, config, seed, dtype):
-        model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel)
+    def build_model(self, config, seed, dtype, weights=None):
+        model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel,
+                                  weights)
         model.set_checkpointing(self.ckpt_activations)
         if self.amp:
             model = self.amp.cast_model(model)

@@ -156,6 +156,11 @@ def add_train_args(p):
                    help="continue from a checkpoint folder or a --save DIR (its newest). "
                    "`--resume auto`: from --save DIR's newest if it holds one, else start "
                    "fresh, so a requeued job reruns the same command")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a GPT-2 folder's weights (config.json, model.safetensors, "
+                   "as Hugging Face writes them; the model flags follow it) instead of the "
+                   "seed's; train on data of its vocabulary (--data: token files, or text "
+                   "when the folder has vocab.json and merges.txt)")
     g.add_argument("--log-json", default=None, metavar="FILE",
                    help="rank 0 writes one JSON object per step (appended with --resume)")
     g.add_argument("--trace", default=None, metavar="FILE",

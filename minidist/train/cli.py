@@ -32,6 +32,7 @@ import sys
 import tempfile
 
 from minidist.strategy import checkpoint_dirs
+from minidist.train.token_files import token_file_names
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
@@ -119,6 +120,7 @@ def check_flags(args):
                          "clipping)")
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
+    take_init_from_sizes(args)          # --init-from: the model's sizes are the folder's
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
@@ -131,7 +133,11 @@ def check_flags(args):
                          f"--warmup {args.steps}")
     if args.data is not None and not os.path.exists(args.data):
         raise UsageError(f"--data {args.data}: no such file or folder (give a text file or a "
-                         "folder of text files, or leave --data out for Python's sources)")
+                         "folder of text files or of token files, or leave --data out for "
+                         "Python's sources)")
+    if args.cache_dir is not None and args.data and token_file_names(args.data):
+        raise UsageError(f"--cache-dir {args.cache_dir}: --data {args.data} holds token files, "
+                         "read where they are (nothing is cached); leave --cache-dir out")
     if args.resume not in (None, "auto") and not os.path.isdir(args.resume):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
@@ -209,6 +215,47 @@ def check_idle_flags(args, replicas=None, ranks=None):
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
              "moe_z_loss_coef")
+
+
+def take_init_from_sizes(args):
+    """--init-from DIR (a GPT-2 folder: config.json, model.safetensors): the model's sizes
+    become the folder's (--n-layer, --n-head, --n-embd, biases), so every later check sees
+    them (--block-size stays as given, at most its positions); one given with another value,
+    a --block-size past its positions or --moe-experts (GPT-2 is dense) is refused. Reads config.json only. With --resume the checkpoint's
+    weights are loaded instead, so the same command continues a fine-tuning run."""
+    folder = getattr(args, "init_from", None)
+    if folder is None:
+        return
+    from minidist.nn.pretrained import read_config
+    from minidist.train.args import train_parser          # (args.py imports this module)
+    missing = [f for f in ("config.json", "model.safetensors")
+               if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a "
+                         "GPT-2 folder as Hugging Face writes it (config.json, "
+                         "model.safetensors)")
+    try:
+        saved = read_config(folder)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(f"--init-from {folder}: {e}") from None
+    defaults = train_parser()
+    for name in ("n_layer", "n_head", "n_embd", "bias"):
+        value, theirs = getattr(args, name), getattr(saved, name)
+        if value != defaults.get_default(name) and value != theirs:
+            flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
+            raise UsageError(f"--init-from {folder}: its model has {name} {theirs}; "
+                             f"{flag}{'' if name == 'bias' else f' {value}'} differs (leave "
+                             f"{flag} out: the folder's sizes are used)")
+        setattr(args, name, theirs)
+    if args.block_size > saved.block_size and args.block_size == defaults.get_default(
+            "block_size"):
+        args.block_size = saved.block_size         # a folder of fewer positions than 128
+    if args.block_size > saved.block_size:
+        raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
+                         f"{saved.block_size} positions; give at most {saved.block_size}")
+    if args.moe_experts:
+        raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
+                         "dense GPT-2 (no experts); leave the --moe-* flags out")
 
 
 def check_moe(args):

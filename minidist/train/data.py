@@ -187,16 +187,34 @@ class TokenData:
         raise DataError(f"{self.source}: the {split} split has {n}, fewer "
                         f"than --block-size {block_size} + 1; {fix}")
 
+    def describe(self):
+        return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val "
+                f"tokens, cache {self.cache}")
+
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
         block_size), y[i, t] = the token after x[i, t]."""
-        data = self.splits[split]
-        last_start = len(data) - block_size - 1
-        if last_start < 0:
-            raise DataError(f"{self.source}: the {split} split has {len(data)} tokens, fewer "
-                            f"than block_size + 1 = {block_size + 1}")
-        rng = np.random.Generator(np.random.PCG64([seed, _SPLITS[split], step]))
-        starts = rng.integers(0, last_start + 1, size=batch_size)              # (B,)
-        window = data[starts[:, None] + np.arange(block_size + 1)]             # (B, T + 1)
-        window = window.astype(np.int64)
-        return window[:, :-1], window[:, 1:]
+        return draw_batch([self.splits[split]], seed, split, step, batch_size, block_size,
+                          self.source)
+
+
+def draw_batch(shards, seed, split, step, batch_size, block_size, source="the data"):
+    """batch_size windows of block_size + 1 tokens from the token arrays `shards` (a split
+    in one file or several), a pure function of (seed, split, step): the window starts are
+    drawn uniformly over every start that keeps a window inside one shard (with one shard:
+    integers in [0, len - block_size - 1]). Returns x, y int64 (batch_size, block_size)."""
+    starts_per = np.array([max(len(t) - block_size, 0) for t in shards], dtype=np.int64)
+    if starts_per.sum() == 0:
+        raise DataError(f"{source}: the {split} split has no run of block_size + 1 = "
+                        f"{block_size + 1} tokens")
+    rng = np.random.Generator(np.random.PCG64([seed, _SPLITS[split], step]))
+    starts = rng.integers(0, starts_per.sum(), size=batch_size)               # (B,)
+    ends = np.cumsum(starts_per)
+    which = np.searchsorted(ends, starts, side="right")                        # (B,) shard
+    starts -= ends[which] - starts_per[which]                                  # within it
+    offsets = np.arange(block_size + 1)
+    window = np.empty((batch_size, block_size + 1), dtype=np.int64)            # (B, T + 1)
+    for s in np.unique(which):
+        rows = which == s
+        window[rows] = shards[s][starts[rows, None] + offsets]
+    return window[:, :-1], window[:, 1:]

@@ -35,7 +35,9 @@ from minidist.nn.moe import load_stats, moe_layers_by_block
 from minidist.optim import WarmupCosine
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
+from minidist.nn.pretrained import pretrained_weights, read_config
 from minidist.train.data import TokenData
+from minidist.train.token_files import TokenFiles, token_file_names
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
@@ -74,6 +76,35 @@ def _config(args, data):
                          attention_block=args.attention_block, **moe_fields(args))
     except ValueError as e:
         raise UsageError(f"model flags: {e}") from None
+
+
+def _open_data(args):
+    """--data: a folder of token files (nanoGPT's, llm.c's: minidist/train/token_files.py),
+    else text, tokenized into bytes once and cached (minidist/train/data.py)."""
+    names = token_file_names(args.data) if args.data else None
+    if names:
+        return TokenFiles(args.data, names)
+    return TokenData(args.data, args.cache_dir)
+
+
+def _initial_weights(args, config, data):
+    """--init-from's parameters ({name: host array}, memory-mapped: each rank reads only what
+    it holds), or None: the seed's draws. None too when resuming: the checkpoint's weights
+    are loaded over the model. The data must be in the folder's vocabulary."""
+    if args.init_from is None or args.resume:
+        return None
+    vocab = read_config(args.init_from).vocab_size      # (its sizes: cli.take_init_from_sizes)
+    if data.vocab_size != vocab:
+        raise UsageError(
+            f"--init-from {args.init_from}: its model reads a {vocab:,}-token vocabulary, "
+            f"--data {args.data or '(Python sources)'} is in {data.vocab_size:,} tokens "
+            f"({data.tokenizer.name if data.tokenizer else 'token files'}); give --data token "
+            "files of its tokenizer (train.bin and val.bin, as nanoGPT or llm.c write them), "
+            f"or text with its vocab.json and merges.txt in {args.init_from}")
+    try:
+        return pretrained_weights(args.init_from, config)
+    except ValueError as e:                     # a tensor missing or of another shape
+        raise UsageError(f"--init-from {e}") from None
 
 
 def moe_fields(args):
@@ -137,9 +168,11 @@ def train(args, world=None):
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
-    data = TokenData(args.data, args.cache_dir)
+    data = _open_data(args)
     data.check_block_size(args.block_size)       # both splits, before step 0
-    model = strategy.build_model(_config(args, data), args.seed, args.dtype)
+    config = _config(args, data)
+    weights = _initial_weights(args, config, data)     # --init-from's, or None: the seed's draws
+    model = strategy.build_model(config, args.seed, args.dtype, weights)
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
@@ -274,8 +307,7 @@ def _describe(args, strategy, log, model, data):
     full = sum(math.prod(shape) for shape, _ in gpt_param_specs(model.config).values())
     here = model.num_parameters()
     share = f" ({here:,} on this rank, {100 * here / full:.0f}%)" if here != full else ""
-    log.print0(f"data: {data.source} ({data.meta['train_tokens']:,} train / "
-               f"{data.meta['val_tokens']:,} val tokens, cache {data.cache})")
+    log.print0(f"data: {data.source} ({data.describe()})")
     log.print0(f"model: {full:,} parameters{share}, {model.config}, {args.dtype} on "
                f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
                f"{strategy.world_size} process(es); unigram entropy of the data "
@@ -328,7 +360,10 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                                                     args.block_size, args.eval_iters),
                                            "eval loss"))
     text = ""
-    if args.sample and strategy.takes_part_in_sampling():     # tp: every rank of a replica
+    if args.sample and data.tokenizer is None:
+        log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text (put "
+                   "GPT-2's vocab.json and merges.txt beside the token files)")
+    elif args.sample and strategy.takes_part_in_sampling():   # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
         log.print0("---- sample ----\n" + printable(text) + "\n----------------")
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()

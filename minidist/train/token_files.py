@@ -1,0 +1,204 @@
+"""Training data that is tokenized already: the token files nanoGPT and llm.c write, so a run
+can train on their GPT-2-tokenized corpora (OpenWebText, FineWeb, Shakespeare) as they do.
+
+A folder of token files (`--data DIR`) holds a train split and a val split, each one file or
+several shards, read in name order:
+
+    train.bin, val.bin                         nanoGPT's prepare.py (also `<name>_train.bin`)
+    fineweb_train_000001.bin, ...              llm.c's shards: `<name>_<split>_<NNNNNN>.bin`
+    fineweb_val_000000.bin
+
+Two formats, told apart by the first four bytes:
+  - llm.c: a header of 256 int32 (little endian): [0] the magic 20240520, [1] the version
+    (1: uint16 tokens of GPT-2's 50,257-token vocabulary; 2: uint32 tokens of Llama 3's
+    128,256), [2] the number of tokens; the tokens follow. The file's size must match.
+  - nanoGPT: the uint16 tokens alone (its `np.memmap(..., dtype=np.uint16)` files). The
+    vocabulary is GPT-2's unless a `meta.pkl` lies beside them (prepare.py of the
+    character-level Shakespeare writes one: {"vocab_size", "itos", "stoi"}); it is read with
+    an unpickler that accepts plain dicts, lists, strings and numbers only, never code.
+    (A GPT-2 header's magic cannot begin a GPT-2 token file: as uint16 it reads 54504, past
+    the vocabulary.)
+
+Batches are drawn as TokenData's (minidist/train/data.py draw_batch): windows never cross
+from one shard into the next. Every window's tokens are checked against the vocabulary as it
+is read, and the first 4M tokens of every file when the data is opened, so a file of another
+tokenizer is one error naming it, not an embedding lookup out of range.
+The tokenizer that turns ids back into text: the character table of meta.pkl, else GPT-2's
+vocab.json and merges.txt where they are found (beside the files, or the --init-from folder's:
+minidist/train/bpe.py), else none (the run then prints no sample).
+Tests: tests/test_token_files.py.
+"""
+import io
+import os
+import pickle
+import re
+
+import numpy as np
+
+from minidist.train.data import DataError, draw_batch
+
+LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4
+LLMC_VERSIONS = {1: (np.uint16, 50257, "GPT-2"), 2: (np.uint32, 128256, "Llama 3")}
+GPT2_VOCAB = 50257
+CHECKED_AT_OPEN = 1 << 22          # tokens of each file checked when the data is opened
+ENTROPY_TOKENS = 1 << 24           # train tokens the unigram entropy is measured on
+_NAME = {split: re.compile(rf"^(?:(.+)_)?{split}(?:_(\d+))?\.bin$")
+         for split in ("train", "val")}
+
+
+def token_file_names(folder):
+    """{"train": [names], "val": [names]} of the token files in `folder`, sorted; None when
+    the folder holds none (so --data is text)."""
+    if not os.path.isdir(folder):
+        return None
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".bin"))
+    found = {split: [n for n in names if pattern.match(n)] for split, pattern in _NAME.items()}
+    return found if found["train"] or found["val"] else None
+
+
+def read_tokens(path):
+    """(the tokens of one file as a read-only memmap, the vocabulary size its format implies,
+    the format's name)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        first = f.read(LLMC_HEADER)
+    if len(first) >= 4 and int.from_bytes(first[:4], "little") == LLMC_MAGIC:
+        return _read_llmc(path, np.frombuffer(first[:len(first) // 4 * 4], dtype="<i4"),
+                          size)
+    if size % 2:
+        raise DataError(f"{path}: {size:,} bytes, an odd number: not uint16 tokens (nanoGPT's "
+                        "format) and no llm.c header")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+    return tokens, GPT2_VOCAB, "nanoGPT (uint16 tokens)"
+
+
+def _read_llmc(path, head, size):
+    version = int(head[1]) if len(head) > 1 else None
+    if len(head) < 256 or version not in LLMC_VERSIONS:
+        raise DataError(f"{path}: an llm.c header of version {version}; minidist reads "
+                        f"versions {sorted(LLMC_VERSIONS)} (a whole 1024-byte header)")
+    dtype, vocab, name = LLMC_VERSIONS[version]
+    n, width = int(head[2]), np.dtype(dtype).itemsize
+    if size != LLMC_HEADER + n * width:
+        raise DataError(f"{path}: its llm.c header says {n:,} tokens, but the file has "
+                        f"{size:,} bytes, not {LLMC_HEADER + n * width:,}: truncated, or "
+                        "still being written")
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER, shape=(n,)) if n \
+        else np.zeros(0, dtype)
+    return tokens, vocab, f"llm.c ({name} tokens)"
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Dicts, lists, tuples, strings and numbers: what nanoGPT's meta.pkl holds; any class
+    or function in the file (which is how a pickle runs code) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}; only plain data is read")
+
+
+def read_meta_pkl(path):
+    """nanoGPT's meta.pkl -> (vocab_size, CharTokenizer or None)."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(io.BytesIO(f.read())).load()
+    except Exception as e:               # any malformed pickle: one line naming the file
+        raise DataError(f"{path}: not a plain-data pickle ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"{path}: expected a dict with an integer 'vocab_size' (nanoGPT's "
+                        "prepare.py writes one)")
+    itos = meta.get("itos")
+    ok = isinstance(itos, dict) and all(isinstance(k, int) and isinstance(v, str)
+                                        for k, v in itos.items())
+    return meta["vocab_size"], CharTokenizer(itos, meta["vocab_size"]) if ok else None
+
+
+class CharTokenizer:
+    """nanoGPT's character-level vocabulary (meta.pkl's itos): one token per character."""
+    name = "chars"
+
+    def __init__(self, itos, vocab_size):
+        self.itos, self.vocab_size = dict(itos), vocab_size
+        self.stoi = {s: i for i, s in self.itos.items()}
+
+    def encode(self, text):
+        missing = sorted({c for c in text if c not in self.stoi})
+        if missing:
+            raise DataError(f"the text has characters outside the vocabulary: {missing[:10]}")
+        return np.array([self.stoi[c] for c in text], dtype=np.int64)
+
+    def decode(self, ids):
+        return "".join(self.itos.get(int(i), "\ufffd") for i in ids)
+
+
+class TokenFiles:
+    """The train and val token streams of a folder of token files (module docstring).
+
+    `.vocab_size`, `.tokenizer` (or None), `.unigram_entropy`, `.source`, `.splits` {split:
+    [memmaps]}, `.meta` {"train_tokens", "val_tokens"}, `.describe()`; get_batch and
+    check_block_size as TokenData's.
+    """
+
+    def __init__(self, folder, names, tokenizer=None):
+        self.source = folder
+        self.splits, formats, vocabs = {}, set(), set()
+        for split in ("train", "val"):
+            if not names[split]:
+                raise DataError(f"--data {folder}: has {split} files missing (found "
+                                f"{names['train'] + names['val']}; token files are named "
+                                f"{split}.bin or <name>_{split}_<N>.bin)")
+            self.splits[split] = []
+            for name in names[split]:
+                tokens, vocab, fmt = read_tokens(os.path.join(folder, name))
+                self.splits[split].append(tokens)
+                formats.add(fmt)
+                vocabs.add(vocab)
+        if len(formats) > 1:
+            raise DataError(f"--data {folder}: mixes token formats "
+                            f"({', '.join(sorted(formats))})")
+        self.format = formats.pop()
+        self.vocab_size = vocabs.pop() if len(vocabs) == 1 else max(vocabs)
+        self.tokenizer = tokenizer
+        meta_pkl = os.path.join(folder, "meta.pkl")
+        if os.path.isfile(meta_pkl):
+            self.vocab_size, chars = read_meta_pkl(meta_pkl)
+            self.tokenizer = chars or tokenizer
+        if self.tokenizer is not None and self.tokenizer.vocab_size != self.vocab_size:
+            raise DataError(f"--data {folder}: {self.vocab_size:,}-token data, but the "
+                            f"tokenizer found has {self.tokenizer.vocab_size:,} tokens")
+        self.meta = {f"{s}_tokens": sum(len(t) for t in self.splits[s]) for s in self.splits}
+        for split, shards in self.splits.items():
+            for name, tokens in zip(names[split], shards):
+                self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
+        train = np.concatenate([t[:ENTROPY_TOKENS] for t in self.splits["train"]])
+        counts = np.bincount(train[:ENTROPY_TOKENS], minlength=self.vocab_size)
+        p = counts[counts > 0] / max(counts.sum(), 1)
+        self.unigram_entropy = float(-(p * np.log(p)).sum())
+        self.entropy_tokens = int(min(len(train), ENTROPY_TOKENS))
+
+    def _check_ids(self, ids, where, offset):
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            at = offset + int(np.argmax(ids >= self.vocab_size))
+            raise DataError(f"{where}: token {int(ids.max())} (first past the vocabulary at "
+                            f"token {at:,}) >= the vocabulary's {self.vocab_size:,}: a file of "
+                            "another tokenizer?")
+
+    def describe(self):
+        shards = sum(len(s) for s in self.splits.values())
+        return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val "
+                f"tokens in {shards} file(s), {self.format}, vocabulary {self.vocab_size:,}, "
+                f"tokenizer {self.tokenizer.name if self.tokenizer else 'none'}")
+
+    def check_block_size(self, block_size):
+        for split, shards in self.splits.items():
+            longest = max(len(t) for t in shards)
+            if longest < block_size + 1:
+                raise DataError(f"{self.source}: the longest {split} file has {longest:,} "
+                                f"tokens, fewer than --block-size {block_size} + 1; give a "
+                                f"--block-size below {longest}")
+
+    def get_batch(self, seed, split, step, batch_size, block_size):
+        x, y = draw_batch(self.splits[split], seed, split, step, batch_size, block_size)
+        if int(x.max()) >= self.vocab_size or int(y[:, -1].max()) >= self.vocab_size:
+            bad = np.concatenate([x.ravel(), y[:, -1]])
+            self._check_ids(bad, f"{self.source} ({split} batch of step {step})", 0)
+        return x, y

@@ -1,0 +1,196 @@
+"""Token files (nanoGPT's and llm.c's formats: minidist/train/token_files.py) and --init-from
+(a GPT-2 folder's weights as the start of every layout: minidist/nn/pretrained.py
+pretrained_weights, gpt_init's `weights`).
+
+    python -m pytest -q tests/test_token_files.py
+"""
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.train import token_files
+from minidist.train.args import train_parser
+from minidist.train.cli import UsageError, check_flags
+from minidist.train.data import DataError, draw_batch
+from minidist.train.loop import train
+from minidist.train.token_files import TokenFiles, read_tokens, token_file_names
+from mpirun import device_flags, logged_losses
+
+SMALL = ["--block-size", "16", "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "1",
+         "--eval-every", "0", "--sample", "0", "--log-every", "1", "--threads", "1"]
+
+
+def nanogpt_file(path, tokens):
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+
+
+def llmc_file(path, tokens, version=1):
+    header = np.zeros(256, np.int32)
+    header[:3] = 20240520, version, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16 if version == 1 else np.uint32).tobytes())
+
+
+def test_files_are_found_by_name_and_read_in_both_formats(tmp_path):
+    assert token_file_names(str(tmp_path)) is None                 # no token files: text
+    for name in ("a_train_000002.bin", "a_train_000001.bin", "a_val_000000.bin", "x.bin"):
+        llmc_file(tmp_path / name, [1, 2, 3])
+    assert token_file_names(str(tmp_path)) == {
+        "train": ["a_train_000001.bin", "a_train_000002.bin"], "val": ["a_val_000000.bin"]}
+    nanogpt_file(tmp_path / "n.bin", [5, 50256, 0])
+    tokens, vocab, fmt = read_tokens(str(tmp_path / "n.bin"))
+    assert tokens.tolist() == [5, 50256, 0] and vocab == 50257 and fmt.startswith("nanoGPT")
+    tokens, vocab, fmt = read_tokens(str(tmp_path / "a_val_000000.bin"))
+    assert tokens.tolist() == [1, 2, 3] and vocab == 50257 and fmt.startswith("llm.c")
+    assert tokens.dtype == np.uint16 and isinstance(tokens, np.memmap)
+    llmc_file(tmp_path / "l3.bin", [128000, 7], version=2)         # Llama 3: uint32 tokens
+    tokens, vocab, _ = read_tokens(str(tmp_path / "l3.bin"))
+    assert tokens.tolist() == [128000, 7] and vocab == 128256
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: llmc_file(p, [1, 2], version=3), "version 3"),
+    (lambda p: (llmc_file(p, [1, 2, 3]), open(p, "ab").write(b"\0\0")), "header says 3 tokens"),
+    (lambda p: open(p, "wb").write(b"\1\2\3"), "odd number"),
+])
+def test_a_malformed_token_file_is_one_error_naming_it(tmp_path, make, says):
+    make(str(tmp_path / "train.bin"))
+    with pytest.raises(DataError, match=says) as e:
+        read_tokens(str(tmp_path / "train.bin"))
+    assert str(tmp_path / "train.bin") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_windows_stay_inside_one_shard_and_one_shard_draws_as_text_data_did():
+    a, b = np.arange(0, 100), np.arange(1000, 1040)        # two shards, told apart by value
+    x, y = draw_batch([a, b], seed=3, split="train", step=0, batch_size=400, block_size=8)
+    assert x.shape == y.shape == (400, 8) and np.array_equal(x[:, 1:], y[:, :-1])
+    inside_a = (x < 100).all(1) & (y < 100).all(1)
+    inside_b = (x >= 1000).all(1) & (y >= 1000).all(1)
+    assert (inside_a | inside_b).all()                     # no window crosses the boundary
+    assert np.all(np.diff(x, axis=1) == 1) and np.all(y[:, -1] - x[:, -1] == 1)
+    # both shards drawn, in proportion to their windows (92 starts in a, 32 in b)
+    assert 0.6 < inside_a.mean() < 0.87
+    # one shard: the starts TokenData always drew, integers in [0, len - T - 1]
+    rng = np.random.Generator(np.random.PCG64([3, 0, 5]))
+    starts = rng.integers(0, 100 - 8, size=6)
+    x1, _ = draw_batch([a], seed=3, split="train", step=5, batch_size=6, block_size=8)
+    assert np.array_equal(x1[:, 0], starts)
+
+
+def test_token_folder_vocabulary_checks_and_nanogpt_character_vocabulary(tmp_path):
+    nanogpt_file(tmp_path / "train.bin", np.arange(400) % 65)
+    nanogpt_file(tmp_path / "val.bin", np.arange(100) % 65)
+    chars = "\n !$&',-.3:;?" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "abcdefghijklmnopqrstuvwxyz"
+    with open(tmp_path / "meta.pkl", "wb") as f:                # as nanoGPT's prepare.py
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+    assert data.vocab_size == 65 and data.tokenizer.name == "chars"
+    assert data.tokenizer.decode(data.tokenizer.encode("To be, or not")) == "To be, or not"
+    assert data.meta == {"train_tokens": 400, "val_tokens": 100}
+    assert abs(data.unigram_entropy - np.log(65)) < 0.01          # 400 tokens, near uniform
+    x, y = data.get_batch(0, "val", 2, 3, 16)
+    assert x.dtype == np.int64 and x.shape == (3, 16)
+
+    with open(tmp_path / "meta.pkl", "wb") as f:               # a pickle that would run code
+        pickle.dump({"vocab_size": 65, "itos": os.system}, f)
+    with pytest.raises(DataError, match="only plain data is read"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+
+    os.remove(tmp_path / "meta.pkl")                            # GPT-2's vocabulary now
+    nanogpt_file(tmp_path / "val.bin", [3, 60000, 4])
+    with pytest.raises(DataError, match=r"val.bin: token 60000 .* 50,257"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+
+
+def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_path,
+                                                                         monkeypatch):
+    """Past the part checked when the data is opened, each batch is checked as it is read."""
+    tokens = np.zeros(300, np.int64)
+    tokens[250:] = 50300
+    nanogpt_file(tmp_path / "train.bin", tokens)
+    nanogpt_file(tmp_path / "val.bin", np.zeros(50))
+    monkeypatch.setattr(token_files, "CHECKED_AT_OPEN", 100)
+    data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+    with pytest.raises(DataError, match="train batch of step .*token 50300"):
+        for step in range(50):
+            data.get_batch(0, "train", step, 8, 16)
+
+
+def _gpt2_folder(tmp_path, vocab, seed, dtype="float32"):
+    """A GPT-2 folder (config.json, model.safetensors) of a tiny model drawn from `seed`,
+    and a folder of nanoGPT token files in its vocabulary."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=vocab),
+                seed=seed, dtype=dtype)
+    model.save_pretrained(str(tmp_path / "gpt2"))
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / "tokens")
+    nanogpt_file(tmp_path / "tokens" / "train.bin", rng.integers(0, vocab, 5000))
+    nanogpt_file(tmp_path / "tokens" / "val.bin", rng.integers(0, vocab, 500))
+    return str(tmp_path / "gpt2"), str(tmp_path / "tokens")
+
+
+def _train(flags):
+    args = train_parser().parse_args(flags)
+    check_flags(args)                        # as train_gpt.py: takes --init-from's sizes
+    return train(args)
+
+
+def test_init_from_a_folder_starts_where_the_seed_that_made_it_starts(tmp_path, corpus,
+                                                                      device):
+    """A run from a saved model's folder = a run from the seed that drew the model, bit for
+    bit (float32 round-trips the folder exactly); the model flags come from the folder."""
+    folder, _ = _gpt2_folder(tmp_path, 256, seed=5)
+    common = SMALL + ["--steps", "3", "--seed", "5", "--data", corpus,
+                      "--cache-dir", str(tmp_path / "c"), *device_flags(device)]
+    _train(common + ["--n-layer", "2", "--n-head", "2", "--n-embd", "16",
+                     "--log-json", str(tmp_path / "seed.jsonl")])
+    _train(common + ["--init-from", folder, "--log-json", str(tmp_path / "folder.jsonl")])
+    assert logged_losses(tmp_path / "folder.jsonl") == logged_losses(tmp_path / "seed.jsonl")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--n-embd", "32"], "has n_embd 16; --n-embd 32 differs"),
+    (["--block-size", "64"], "--block-size 64: --init-from .* has 32 positions"),
+    (["--moe-experts", "2"], "holds a dense GPT-2"),
+])
+def test_init_from_refuses_sizes_it_does_not_have(tmp_path, flags, says):
+    folder, tokens = _gpt2_folder(tmp_path, 256, seed=0)
+    with pytest.raises(UsageError, match=says):
+        check_flags(train_parser().parse_args(["--init-from", folder, *flags]))
+    with pytest.raises(UsageError, match="no config.json or model.safetensors"):
+        check_flags(train_parser().parse_args(["--init-from", str(tmp_path)]))
+
+
+def test_init_from_needs_data_in_its_vocabulary(tmp_path, corpus):
+    folder, tokens = _gpt2_folder(tmp_path, 50257, seed=0)
+    with pytest.raises(UsageError, match="50,257-token vocabulary, --data .* 256 tokens"):
+        _train(SMALL + ["--steps", "1", "--init-from", folder, "--data", corpus])
+    with pytest.raises(UsageError, match="--cache-dir .* holds token files"):
+        check_flags(train_parser().parse_args(["--data", tokens, "--cache-dir", "c"]))
+
+
+def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):
+    """GPT-2's vocabulary, nanoGPT token files: one process, 4 ranks as tp 2 x pp 2 (each
+    rank cuts its tp shard of its stage's parameters out of the folder) and 4 ranks as pp 2 x
+    dp 2 under ZeRO-3 train to the same losses (float64, 1e-10).
+
+        mpiexec -n 4 python examples/train_gpt.py --init-from gpt2 --data tokens --tp 2 --pp 2
+    """
+    folder, tokens = _gpt2_folder(tmp_path, 50257, seed=3)
+    common = SMALL + ["--steps", "3", "--seed", "9", "--dtype", "float64", "--init-from",
+                      folder, "--data", tokens]
+    _train(common + ["--log-json", str(tmp_path / "one.jsonl"),
+                     *device_flags(mpi.device)])
+    want = logged_losses(tmp_path / "one.jsonl")
+    assert len(want) == 3 and abs(want[0] - np.log(50257)) < 0.05      # a near-uniform start
+    for n, layout in ((4, ["--tp", "2", "--pp", "2"]),
+                      (4, ["--pp", "2", "--dp", "2", "--zero", "3"])):
+        log = tmp_path / f"{'_'.join(layout)}.jsonl"
+        mpi(n, "examples/train_gpt.py", *common, *layout, "--log-json", log, timeout=240)
+        got = logged_losses(log)
+        assert np.allclose(got, want, rtol=0, atol=1e-10), (layout, got, want)
