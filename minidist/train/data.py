@@ -205,8 +205,10 @@ def draw_batch(shards, seed, split, step, batch_size, block_size, source="the da
     integers in [0, len - block_size - 1]). Returns x, y int64 (batch_size, block_size)."""
     starts_per = np.array([max(len(t) - block_size, 0) for t in shards], dtype=np.int64)
     if starts_per.sum() == 0:
-        raise DataError(f"{source}: the {split} split has no run of block_size + 1 = "
-                        f"{block_size + 1} tokens")
+        longest = max((len(t) for t in shards), default=0)
+        raise DataError(f"{source}: the {split} split has {longest} tokens"
+                        f"{' in its longest file' * (len(shards) > 1)}, fewer than "
+                        f"block_size + 1 = {block_size + 1}")
     rng = np.random.Generator(np.random.PCG64([seed, _SPLITS[split], step]))
     starts = rng.integers(0, starts_per.sum(), size=batch_size)               # (B,)
     ends = np.cumsum(starts_per)
