@@ -236,8 +236,9 @@ def main(argv=None):
           f"best: nothing fits: {result['nothing_fits']}")
     if result["command"]:
         vocab = "" if c["vocab_size"] == 256 else (
-            f" (planned with a {c['vocab_size']:,}-token vocabulary; train_gpt.py trains "
-            "minidist's 256 bytes)")
+            f" (planned with a {c['vocab_size']:,}-token vocabulary: add --data, a folder of "
+            "token files in it, as nanoGPT or llm.c write them; without, train_gpt.py trains "
+            "256 bytes)")
         print(f"run it{vocab}: {result['command']}")
 
 

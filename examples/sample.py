@@ -7,9 +7,12 @@
 --resume takes what train_gpt.py's --resume takes (a --save directory: its newest checkpoint;
 or one checkpoint folder), written by one process, DDP, ZeRO-1/2/3, TP, PP, CP or TP x ZeRO:
 the pieces are gathered into the whole model in this one process
-(minidist/train/gather.py). A GPT-2 folder (config.json + model.safetensors) loads too when
-its vocabulary is minidist's bytes; an imported GPT-2 (50,257 BPE tokens) is refused, since
-minidist has no GPT-2 tokenizer to turn --prompt into its tokens.
+(minidist/train/gather.py). A GPT-2 folder (config.json + model.safetensors) loads too: a
+real GPT-2 (`--resume gpt2`, a Hugging Face download: its vocab.json and merges.txt are the
+tokenizer, minidist/train/bpe.py) or one minidist wrote.
+The tokenizer: bytes for a 256-token model; else --tokenizer DIR's, the --resume folder's,
+or that of the folders its run named (--init-from, --data: a GPT-2 tokenizer or nanoGPT's
+meta.pkl, minidist/train/token_files.py tokenizer_in).
 The prompt and its continuation go to stdout (control characters escaped), the line saying
 what was loaded to stderr. --temperature 0 is greedy; the same --seed gives the same text.
 Tests: tests/test_sample.py.
@@ -26,8 +29,10 @@ from minidist.nn import GPT  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import UsageError, check_device, printable, run_main  # noqa: E402
-from minidist.train.data import ByteTokenizer  # noqa: E402
-from minidist.train.gather import model_config, whole_model  # noqa: E402
+from minidist.train.bpe import TokenizerError  # noqa: E402
+from minidist.train.data import ByteTokenizer, DataError  # noqa: E402
+from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
+from minidist.train.token_files import tokenizer_in  # noqa: E402
 
 
 def sample_parser():
@@ -36,11 +41,15 @@ def sample_parser():
                formatter_class=HelpWithDefaults)
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "
-                   "a GPT-2 folder with minidist's byte vocabulary")
+                   "a GPT-2 folder (config.json, model.safetensors)")
     p.add_argument("--prompt", default="\n",
                    help="the text to continue (default: %(default)r, a newline)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
-                   help="tokens (bytes) to generate")
+                   help="tokens to generate (bytes, for a model in bytes)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="for a model not in bytes: a folder with its vocab.json and "
+                   "merges.txt (GPT-2's), or nanoGPT's meta.pkl (default: the --resume "
+                   "folder's, else the --init-from or --data folder of the run)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=0, help="the same seed, the same text")
@@ -66,17 +75,35 @@ def check(args):
     check_device(args)
 
 
+def pick_tokenizer(args, vocab_size):
+    """The model's tokenizer (module docstring), checked against its vocabulary."""
+    if args.tokenizer is not None:
+        tokenizer = tokenizer_in(args.tokenizer)
+        if tokenizer is None:
+            raise UsageError(f"--tokenizer {args.tokenizer}: no vocab.json and merges.txt (nor "
+                             "meta.pkl) there")
+    elif vocab_size == ByteTokenizer.vocab_size:
+        tokenizer = ByteTokenizer()
+    else:
+        flags = run_flags(args.resume)
+        found = (tokenizer_in(folder) for folder in (args.resume, flags.get("init_from"),
+                                                     flags.get("data")))
+        tokenizer = next((t for t in found if t is not None), None)
+        if tokenizer is None:
+            raise UsageError(f"--resume {args.resume}: a model of a {vocab_size:,}-token "
+                             "vocabulary, and no tokenizer found for it; give --tokenizer DIR, "
+                             "a folder with its vocab.json and merges.txt (as every GPT-2 "
+                             "download has them)")
+    if tokenizer.vocab_size != vocab_size:
+        raise UsageError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} tokens, "
+                         f"the model {vocab_size:,}: give --tokenizer DIR of the model's own")
+    return tokenizer
+
+
 def main(args):
     check(args)
-    tokenizer = ByteTokenizer()
     config = model_config(args.resume)          # state.json / config.json only: cheap
-    if config.vocab_size != tokenizer.vocab_size:
-        raise UsageError(
-            f"--resume {args.resume}: a model with a {config.vocab_size:,}-token vocabulary "
-            f"(an imported GPT-2's BPE tokens); minidist has only its byte tokenizer "
-            f"({tokenizer.vocab_size} tokens) and no GPT-2 tokenizer, so it cannot turn "
-            "--prompt into this model's tokens. Sample a model trained by "
-            "examples/train_gpt.py")
+    tokenizer = pick_tokenizer(args, config.vocab_size)
     backend.setup(device=args.device)
     config, params, what = whole_model(args.resume)
     dtype = "float64" if any(str(a.dtype) == "float64" for a in params.values()) else "float32"
@@ -93,4 +120,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, sample_parser().parse_args(), user_errors=(CheckpointError,))
+    run_main(main, sample_parser().parse_args(),
+             user_errors=(CheckpointError, DataError, TokenizerError))

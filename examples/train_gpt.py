@@ -27,6 +27,7 @@ from minidist import backend, comm  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import agree_on_flags, flag_problem, run_main  # noqa: E402
+from minidist.train.bpe import TokenizerError  # noqa: E402
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.loop import train  # noqa: E402
 
@@ -52,4 +53,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, train_parser().parse_args(), user_errors=(CheckpointError, DataError))
+    run_main(main, train_parser().parse_args(),
+             user_errors=(CheckpointError, DataError, TokenizerError))

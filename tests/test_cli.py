@@ -439,8 +439,10 @@ SAMPLE_BAD = [
     (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
     (["--resume", "examples"], "not a minidist checkpoint"),
     (["--tokens", "5"], "the following arguments are required: --resume"),
-    (["--resume", "{gpt2}"], "a model with a 50,257-token vocabulary (an imported GPT-2's BPE "
-     "tokens); minidist has only its byte tokenizer (256 tokens) and no GPT-2 tokenizer"),
+    (["--resume", "{gpt2}"], "a model of a 50,257-token vocabulary, and no tokenizer found "
+     "for it; give --tokenizer DIR, a folder with its vocab.json and merges.txt"),
+    (["--resume", "{gpt2}", "--tokenizer", "examples"], "--tokenizer examples: no vocab.json "
+     "and merges.txt (nor meta.pkl) there"),
 ]
 
 

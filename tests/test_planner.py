@@ -423,12 +423,13 @@ def test_plan_cli():
     bad = subprocess.run([sys.executable, "examples/plan.py", "--gpus", "8", "--layout",
                           "dp=4,tp=4"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --layout")
-    # the table's command says that training's vocabulary is not the one planned with
+    # the table's command says how to train in the vocabulary planned with
     table = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
                             "64", "--seq", "4096", "--top", "1"], capture_output=True,
                            text=True, timeout=60, check=True).stdout
-    assert "run it (planned with a 50,257-token vocabulary; train_gpt.py trains minidist's " \
-        "256 bytes): mpirun -n 64" in table, table
+    assert "run it (planned with a 50,257-token vocabulary: add --data, a folder of token " \
+        "files in it, as nanoGPT or llm.c write them; without, train_gpt.py trains 256 " \
+        "bytes): mpirun -n 64" in table, table
 
 
 def test_search_splits_and_micro_batches():

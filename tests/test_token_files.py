@@ -85,7 +85,7 @@ def test_token_folder_vocabulary_checks_and_nanogpt_character_vocabulary(tmp_pat
     nanogpt_file(tmp_path / "train.bin", np.arange(400) % 65)
     nanogpt_file(tmp_path / "val.bin", np.arange(100) % 65)
     chars = "\n !$&',-.3:;?" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "abcdefghijklmnopqrstuvwxyz"
-    with open(tmp_path / "meta.pkl", "wb") as f:                # as nanoGPT's prepare.py
+    with open(tmp_path / "meta.pkl", "wb") as f:                # as nanoGPT's data script
         pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)),
                      "stoi": {c: i for i, c in enumerate(chars)}}, f)
     data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))

@@ -134,7 +134,9 @@ def add_train_args(p):
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     g.add_argument("--data", default=None,
-                   help="text file or folder of text files (default: Python's stdlib sources)")
+                   help="text file or folder of text files, or a folder of token files "
+                   "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "
+                   "llm.c write them) (default: Python's stdlib sources)")
     g.add_argument("--cache-dir", default=None,
                    help="where token files are cached (default: .minidist-cache/ beside "
                         "--data where writable, else $MINIDIST_CACHE or ~/.cache/minidist)")
@@ -165,7 +167,8 @@ def add_train_args(p):
                    help="rank 0 writes one JSON object per step (appended with --resume)")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="Chrome trace of compute and communication (chrome://tracing)")
-    g.add_argument("--sample", type=int, default=400, help="tokens (bytes) sampled at the end")
+    g.add_argument("--sample", type=int, default=400,
+                   help="tokens sampled at the end (bytes, on text data)")
     g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto, "
                    "the node's cores over its ranks; on busy cores 1 can be much faster)")
     g.add_argument("--traceback", action="store_true",

@@ -43,7 +43,7 @@ _AT_LEAST = (
     ("--eval-every", "eval_every", 0, "steps between evaluations (0: only at the end)"),
     ("--eval-iters", "eval_iters", 1, "validation batches per evaluation"),
     ("--save-every", "save_every", 0, "steps between checkpoints (0: at evals and the end)"),
-    ("--sample", "sample", 0, "tokens (bytes) sampled at the end"),
+    ("--sample", "sample", 0, "tokens sampled at the end"),
     ("--n-layer", "n_layer", 1, "transformer blocks"),
     ("--n-head", "n_head", 1, "attention heads"),
     ("--n-embd", "n_embd", 1, "the embedding width"),

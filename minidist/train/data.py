@@ -2,7 +2,8 @@
 function of (seed, split, step).
 
 Text -> tokens: the byte tokenizer (vocab 256: token = byte value), so any text file works and
-no vocabulary file is needed. Sources:
+no vocabulary file is needed; or, for a model that reads GPT-2's tokens (--init-from), the
+BPE tokenizer of its folder (minidist/train/bpe.py; uint16 tokens in the cache). Sources:
   - `--data PATH`: a text file, or a folder of text files (read recursively, sorted; hidden
     entries skipped);
   - no `--data`: the `.py` sources of this Python's standard library, which every machine
@@ -10,11 +11,12 @@ no vocabulary file is needed. Sources:
 Train/val split: with 20 or more files, whole files go to val when crc32(relative path) % 10
 == 0 (held-out documents); with fewer, the last 10% of each file goes to val.
 
-Cache: tokens are written once to `train.bin` / `val.bin` (uint8) plus `meta.json`, in
+Cache: tokens are written once to `train.bin` / `val.bin` (uint8, or uint16 from a BPE) and
+`meta.json`, in
 `.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or $MINIDIST_CACHE,
 or `--cache-dir`) when that place is not writable: always so for the standard library,
-whose directory may be read-only. The key hashes the file list, sizes and mtimes, so edited
-data is re-tokenised. Files are built in a temporary directory and renamed into place.
+whose directory may be read-only. The key hashes the file list, sizes and mtimes and the
+tokenizer's identity, so edited data (or another tokenizer) is tokenised again. Files are built in a temporary directory and renamed into place.
 
 Batches: `get_batch(seed, split, step, batch_size, block_size)` draws batch_size random
 windows from a generator seeded by (seed, split, step) and returns the GLOBAL batch (x, y),
@@ -43,7 +45,7 @@ class DataError(ValueError):
 class ByteTokenizer:
     """Text <-> token ids, one token per UTF-8 byte."""
     vocab_size = 256
-    name = "bytes"
+    name = key = "bytes"          # key: its identity in the cache's key
 
     def encode(self, text):
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -79,8 +81,8 @@ def list_files(path=None):
     return root, sorted(files)
 
 
-def _cache_key(root, files):
-    h = hashlib.sha256(f"v{_VERSION} bytes {os.path.abspath(root)}".encode())
+def _cache_key(root, files, tokenizer):
+    h = hashlib.sha256(f"v{_VERSION} {tokenizer.key} {os.path.abspath(root)}".encode())
     for f in files:
         st = os.stat(os.path.join(root, f))
         h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -92,8 +94,8 @@ def default_cache_root():
         os.path.expanduser("~"), ".cache", "minidist")
 
 
-def _cache_dir(path, root, files, cache_dir):
-    key = _cache_key(root, files)
+def _cache_dir(path, root, files, cache_dir, tokenizer):
+    key = _cache_key(root, files, tokenizer)
     if cache_dir:
         return os.path.join(cache_dir, key)
     if path is None:
@@ -124,11 +126,22 @@ def _split_files(root, files):
     return b"".join(train), b"".join(val)
 
 
-def _build(root, files, out_dir):
-    train, val = _split_files(root, files)
-    counts = np.bincount(np.frombuffer(train, np.uint8), minlength=256)
-    p = counts[counts > 0] / counts.sum()
-    meta = {"version": _VERSION, "tokenizer": "bytes", "vocab_size": 256, "root": root,
+def _tokens(blob, tokenizer):
+    """The token array of a split's bytes: the bytes themselves (uint8) for the byte
+    tokenizer; a BPE's ids (uint16 while the vocabulary fits) of the text, invalid UTF-8
+    replaced."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return np.frombuffer(blob, np.uint8)
+    ids = tokenizer.encode(blob.decode("utf-8", "replace"))
+    return ids.astype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+
+def _build(root, files, out_dir, tokenizer):
+    train, val = (_tokens(blob, tokenizer) for blob in _split_files(root, files))
+    counts = np.bincount(train, minlength=tokenizer.vocab_size)
+    p = counts[counts > 0] / max(counts.sum(), 1)
+    meta = {"version": _VERSION, "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size, "dtype": str(train.dtype), "root": root,
             "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
             "unigram_entropy": float(-(p * np.log(p)).sum())}
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
@@ -136,7 +149,7 @@ def _build(root, files, out_dir):
     try:
         for name, blob in (("train.bin", train), ("val.bin", val)):
             with open(os.path.join(tmp, name), "wb") as f:
-                f.write(blob)
+                f.write(blob.tobytes())
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, out_dir)          # atomic; loses quietly to another process's build
@@ -150,18 +163,19 @@ def _build(root, files, out_dir):
 class TokenData:
     """The train and val token streams of one corpus, memory-mapped from the cache.
 
-    `.vocab_size`, `.tokenizer`, `.unigram_entropy` (nats per token of the train split's byte
+    `.vocab_size`, `.tokenizer`, `.unigram_entropy` (nats per token of the train split's token
     frequencies: the loss of a model that ignores context), `.source` (for logs).
+    `tokenizer`: the byte tokenizer (default), or a BPE (minidist/train/bpe.py).
     """
 
-    def __init__(self, path=None, cache_dir=None):
+    def __init__(self, path=None, cache_dir=None, tokenizer=None):
+        self.tokenizer = tokenizer or ByteTokenizer()
         root, files = list_files(path)
-        self.cache = _cache_dir(path, root, files, cache_dir)
+        self.cache = _cache_dir(path, root, files, cache_dir, self.tokenizer)
         if not os.path.isfile(os.path.join(self.cache, "meta.json")):
-            _build(root, files, self.cache)
+            _build(root, files, self.cache, self.tokenizer)
         with open(os.path.join(self.cache, "meta.json")) as f:
             self.meta = json.load(f)
-        self.tokenizer = ByteTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         self.unigram_entropy = self.meta["unigram_entropy"]
         self.source = path or f"the Python {sysconfig.get_python_version()} standard library"
@@ -172,7 +186,7 @@ class TokenData:
                                 f"file(s): {self.meta['train_tokens']:,} train / "
                                 f"{self.meta['val_tokens']:,} val tokens); give more text")
             self.splits[split] = np.memmap(os.path.join(self.cache, f"{split}.bin"),
-                                           dtype=np.uint8, mode="r")
+                                           dtype=self.meta.get("dtype", "uint8"), mode="r")
 
     def check_block_size(self, block_size):
         """Both splits hold a window of block_size + 1 tokens: a short val split is found

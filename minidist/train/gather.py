@@ -41,6 +41,21 @@ def model_config(path):
                               "minidist checkpoint (nor a GPT-2 folder: no config.json)") from None
 
 
+def run_flags(path):
+    """The flags of the run that wrote the checkpoint `path` (its state.json's "extra"), {}
+    for a GPT-2 folder or a checkpoint that recorded none: where sample.py looks for the
+    tokenizer of a model not in bytes (--init-from's folder, --data's)."""
+    path = _existing(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return {}
+    folder = checkpoint_dirs.resolve(path)
+    parts = _parts(folder)
+    try:
+        return checkpoint.read_record(parts[0] if parts else folder).get("extra") or {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 def whole_model(path):
     """(GPTConfig, {name: whole host array}, what it is) of the checkpoint or GPT-2 folder
     `path` (a --save directory: its newest checkpoint)."""

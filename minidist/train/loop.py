@@ -37,7 +37,7 @@ from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.nn.pretrained import pretrained_weights, read_config
 from minidist.train.data import TokenData
-from minidist.train.token_files import TokenFiles, token_file_names
+from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
@@ -80,11 +80,14 @@ def _config(args, data):
 
 def _open_data(args):
     """--data: a folder of token files (nanoGPT's, llm.c's: minidist/train/token_files.py),
-    else text, tokenized into bytes once and cached (minidist/train/data.py)."""
+    else text, tokenized once and cached (minidist/train/data.py): into bytes, or by the
+    BPE of --init-from's folder where it has one (vocab.json, merges.txt). The token files'
+    tokenizer (for the sample) is theirs, else --init-from's."""
+    bpe = tokenizer_in(args.init_from)
     names = token_file_names(args.data) if args.data else None
     if names:
-        return TokenFiles(args.data, names)
-    return TokenData(args.data, args.cache_dir)
+        return TokenFiles(args.data, names, tokenizer_in(args.data) or bpe)
+    return TokenData(args.data, args.cache_dir, bpe)
 
 
 def _initial_weights(args, config, data):

@@ -4,7 +4,7 @@ can train on their GPT-2-tokenized corpora (OpenWebText, FineWeb, Shakespeare) a
 A folder of token files (`--data DIR`) holds a train split and a val split, each one file or
 several shards, read in name order:
 
-    train.bin, val.bin                         nanoGPT's prepare.py (also `<name>_train.bin`)
+    train.bin, val.bin                         nanoGPT's data scripts (also `<name>_train.bin`)
     fineweb_train_000001.bin, ...              llm.c's shards: `<name>_<split>_<NNNNNN>.bin`
     fineweb_val_000000.bin
 
@@ -13,9 +13,9 @@ Two formats, told apart by the first four bytes:
     (1: uint16 tokens of GPT-2's 50,257-token vocabulary; 2: uint32 tokens of Llama 3's
     128,256), [2] the number of tokens; the tokens follow. The file's size must match.
   - nanoGPT: the uint16 tokens alone (its `np.memmap(..., dtype=np.uint16)` files). The
-    vocabulary is GPT-2's unless a `meta.pkl` lies beside them (prepare.py of the
-    character-level Shakespeare writes one: {"vocab_size", "itos", "stoi"}); it is read with
-    an unpickler that accepts plain dicts, lists, strings and numbers only, never code.
+    vocabulary is GPT-2's unless a `meta.pkl` lies beside them (nanoGPT's character-level
+    Shakespeare writes one: {"vocab_size", "itos", "stoi"}); it is read with an unpickler
+    that accepts plain dicts, lists, strings and numbers only, never code.
     (A GPT-2 header's magic cannot begin a GPT-2 token file: as uint16 it reads 54504, past
     the vocabulary.)
 
@@ -35,6 +35,7 @@ import re
 
 import numpy as np
 
+from minidist.train.bpe import BPETokenizer, tokenizer_files
 from minidist.train.data import DataError, draw_batch
 
 LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4
@@ -104,12 +105,24 @@ def read_meta_pkl(path):
     except Exception as e:               # any malformed pickle: one line naming the file
         raise DataError(f"{path}: not a plain-data pickle ({e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
-        raise DataError(f"{path}: expected a dict with an integer 'vocab_size' (nanoGPT's "
-                        "prepare.py writes one)")
+        raise DataError(f"{path}: expected a dict with an integer 'vocab_size' (as nanoGPT's "
+                        "data scripts write it)")
     itos = meta.get("itos")
     ok = isinstance(itos, dict) and all(isinstance(k, int) and isinstance(v, str)
                                         for k, v in itos.items())
     return meta["vocab_size"], CharTokenizer(itos, meta["vocab_size"]) if ok else None
+
+
+def tokenizer_in(folder):
+    """The tokenizer a folder holds: GPT-2's BPE (vocab.json and merges.txt, as every GPT-2
+    download has them), nanoGPT's character table (meta.pkl), or None."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    if tokenizer_files(folder):
+        return BPETokenizer.from_folder(folder)
+    if os.path.isfile(os.path.join(folder, "meta.pkl")):
+        return read_meta_pkl(os.path.join(folder, "meta.pkl"))[1]
+    return None
 
 
 class CharTokenizer:
@@ -117,6 +130,7 @@ class CharTokenizer:
     name = "chars"
 
     def __init__(self, itos, vocab_size):
+        self.key = f"chars-{vocab_size}"
         self.itos, self.vocab_size = dict(itos), vocab_size
         self.stoi = {s: i for i, s in self.itos.items()}
 
