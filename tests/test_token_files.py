@@ -4,8 +4,11 @@ pretrained_weights, gpt_init's `weights`).
 
     python -m pytest -q tests/test_token_files.py
 """
+import json
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +20,8 @@ from minidist.train.cli import UsageError, check_flags
 from minidist.train.data import DataError, draw_batch
 from minidist.train.loop import train
 from minidist.train.token_files import TokenFiles, read_tokens, token_file_names
-from mpirun import device_flags, logged_losses
+from minidist.train.bpe import bytes_to_unicode
+from mpirun import ROOT, device_flags, logged_losses, mpi_env
 
 SMALL = ["--block-size", "16", "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "1",
          "--eval-every", "0", "--sample", "0", "--log-every", "1", "--threads", "1"]
@@ -115,6 +119,7 @@ def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_pat
     nanogpt_file(tmp_path / "train.bin", tokens)
     nanogpt_file(tmp_path / "val.bin", np.zeros(50))
     monkeypatch.setattr(token_files, "CHECKED_AT_OPEN", 100)
+    monkeypatch.setattr(token_files, "ENTROPY_TOKENS", 100)
     data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
     with pytest.raises(DataError, match="train batch of step .*token 50300"):
         for step in range(50):
@@ -194,3 +199,46 @@ def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):
         mpi(n, "examples/train_gpt.py", *common, *layout, "--log-json", log, timeout=240)
         got = logged_losses(log)
         assert np.allclose(got, want, rtol=0, atol=1e-10), (layout, got, want)
+
+
+def _bpe_files(folder):
+    """A small GPT-2-style tokenizer in `folder`: the 256 byte characters (ids in byte
+    order), a few merges that the test corpus uses, and <|endoftext|> last."""
+    chars = [bytes_to_unicode()[b] for b in range(256)]
+    merges = [("r", "e"), ("re", "t"), ("u", "r"), ("ret", "ur"), ("Ġ", "x"), ("d", "e"),
+              ("de", "f")]
+    vocab = {c: i for i, c in enumerate(chars)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return len(vocab)
+
+
+def test_text_in_the_folders_bpe_fine_tunes_saves_and_samples(tmp_path, corpus, device):
+    """--init-from a folder with vocab.json and merges.txt: the text is tokenized by its BPE
+    (cached as uint16), the run samples text, and sample.py finds the tokenizer through the
+    checkpoint's flags, or in a GPT-2 folder given as --resume."""
+    folder = tmp_path / "gpt2"
+    os.makedirs(folder)
+    vocab = _bpe_files(folder)
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab),
+        seed=1).save_pretrained(str(folder))
+    summary = _train(SMALL + ["--steps", "2", "--init-from", str(folder), "--data", corpus,
+                              "--cache-dir", str(tmp_path / "c"), "--sample", "12",
+                              "--save", str(tmp_path / "ft"), *device_flags(device)])
+    assert isinstance(summary["sample"], str) and summary["sample"]
+    meta = json.load(open(next((tmp_path / "c").glob("*/meta.json"))))
+    assert meta["tokenizer"] == "gpt2-bpe" and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == vocab
+    text = open(corpus, "rb").read()
+    assert meta["train_tokens"] + meta["val_tokens"] < 0.8 * len(text)   # merges took hold
+    for resume in (tmp_path / "ft", folder):
+        out = subprocess.run([sys.executable, "examples/sample.py", "--resume", str(resume),
+                              "--tokens", "5", "--prompt", "def f", *device_flags(device)],
+                             cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("def f"), out.stderr

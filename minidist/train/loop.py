@@ -36,7 +36,7 @@ from minidist.optim import WarmupCosine
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.nn.pretrained import pretrained_weights, read_config
-from minidist.train.data import TokenData
+from minidist.train.data import DataError, TokenData
 from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
@@ -59,7 +59,10 @@ def evaluate(model, data, seed, batch_size, block_size, iters):
 
 
 def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
-    idx = data.tokenizer.encode(prompt)[None, :]
+    try:
+        idx = data.tokenizer.encode(prompt)[None, :]
+    except DataError:        # a character vocabulary without "\n": start from its token 0
+        idx = np.zeros((1, 1), dtype=np.int64)
     out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed)
     return data.tokenizer.decode(out[0])
 

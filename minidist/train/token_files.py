@@ -21,7 +21,7 @@ Two formats, told apart by the first four bytes:
 
 Batches are drawn as TokenData's (minidist/train/data.py draw_batch): windows never cross
 from one shard into the next. Every window's tokens are checked against the vocabulary as it
-is read, and the first 4M tokens of every file when the data is opened, so a file of another
+is read, and the first 1M tokens of every file when the data is opened, so a file of another
 tokenizer is one error naming it, not an embedding lookup out of range.
 The tokenizer that turns ids back into text: the character table of meta.pkl, else GPT-2's
 vocab.json and merges.txt where they are found (beside the files, or the --init-from folder's:
@@ -41,7 +41,7 @@ from minidist.train.data import DataError, draw_batch
 LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4
 LLMC_VERSIONS = {1: (np.uint16, 50257, "GPT-2"), 2: (np.uint32, 128256, "Llama 3")}
 GPT2_VOCAB = 50257
-CHECKED_AT_OPEN = 1 << 22          # tokens of each file checked when the data is opened
+CHECKED_AT_OPEN = 1 << 20          # tokens of each file checked when the data is opened
 ENTROPY_TOKENS = 1 << 24           # train tokens the unigram entropy is measured on
 _NAME = {split: re.compile(rf"^(?:(.+)_)?{split}(?:_(\d+))?\.bin$")
          for split in ("train", "val")}
@@ -147,7 +147,8 @@ class CharTokenizer:
 class TokenFiles:
     """The train and val token streams of a folder of token files (module docstring).
 
-    `.vocab_size`, `.tokenizer` (or None), `.unigram_entropy`, `.source`, `.splits` {split:
+    `.vocab_size`, `.tokenizer` (or None), `.unigram_entropy` (of the first 16M train
+    tokens), `.source`, `.splits` {split:
     [memmaps]}, `.meta` {"train_tokens", "val_tokens"}, `.describe()`; get_batch and
     check_block_size as TokenData's.
     """
@@ -183,11 +184,21 @@ class TokenFiles:
         for split, shards in self.splits.items():
             for name, tokens in zip(names[split], shards):
                 self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
-        train = np.concatenate([t[:ENTROPY_TOKENS] for t in self.splits["train"]])
-        counts = np.bincount(train[:ENTROPY_TOKENS], minlength=self.vocab_size)
+        self.unigram_entropy = self._unigram_entropy(names["train"])
+
+    def _unigram_entropy(self, names):
+        """Nats per token of the train split's token frequencies, counted on its first
+        ENTROPY_TOKENS tokens (the loss of a model that ignores context, for the logs)."""
+        counts, left = np.zeros(self.vocab_size, np.int64), ENTROPY_TOKENS
+        for name, tokens in zip(names, self.splits["train"]):
+            if left <= 0:
+                break
+            chunk = tokens[:left]
+            self._check_ids(chunk, os.path.join(self.source, name), 0)
+            counts += np.bincount(chunk, minlength=self.vocab_size)
+            left -= len(chunk)
         p = counts[counts > 0] / max(counts.sum(), 1)
-        self.unigram_entropy = float(-(p * np.log(p)).sum())
-        self.entropy_tokens = int(min(len(train), ENTROPY_TOKENS))
+        return float(-(p * np.log(p)).sum())
 
     def _check_ids(self, ids, where, offset):
         if len(ids) and int(ids.max()) >= self.vocab_size:
