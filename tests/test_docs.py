@@ -19,8 +19,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = sorted([ROOT / "README.md", *ROOT.glob("minidist/*/README.md"),
-               *ROOT.glob("examples/*.md")])
+DOCS = sorted({ROOT / "README.md", *ROOT.glob("minidist/*/*.md"), *ROOT.glob("examples/*.md"),
+               *ROOT.glob("examples/*/README.md")})
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(r"(?<![\w./~<-])((?:minidist|tests|examples|\.ci)/[\w./-]*[\w/](?:::\w+)?)")

@@ -25,6 +25,8 @@ Where to read what:
     mpich.py     MPICH settings, applied by init() before MPI_Init
     staging.py   cupy buffers: CUDA-aware MPI detection and host staging
     channel.py   the counted send/recv the hand-written algorithms use
+    alltoall.py  all-to-all(-v): the pairwise exchange and the naive relay (expert parallelism)
+    rankpdb.py   every rank of a script, one of them under pdb (python -m minidist.comm.rankpdb)
 
 Importing this package starts nothing: it tells mpi4py not to initialise MPI on import
 (mpi4py.rc.initialize = False, so import minidist.comm before mpi4py.MPI); `init()` does, and

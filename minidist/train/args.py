@@ -85,10 +85,11 @@ def add_parallel_args(p):
                    help="ZeRO stage instead of DDP: 1 shards the optimizer state, 2 also the "
                    "gradients, 3 also the parameters")
     g.add_argument("--zero-shard", type=int, default=None, metavar="K",
-                   help="with --zero: hybrid sharding, each group of K neighbouring dp ranks "
-                   "(one node's) holds one sharded replica; gathers and reduce-scatters stay "
-                   "in the group, only the gradient shards are averaged across groups "
-                   "(FSDP's HYBRID_SHARD; default: one group of all dp ranks)")
+                   help="with --zero: hybrid sharding, each group of K neighbouring ranks of "
+                   "ZeRO's group (the dp ranks, times --ep and --cp where given; one node's) "
+                   "holds one sharded replica; gathers and reduce-scatters stay in the group, "
+                   "only the gradient shards are averaged across groups (FSDP's "
+                   "HYBRID_SHARD; default: one group of all of them)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --zero 1 or 2: the updated parameters' all-gathers run in the "
                    "background after the step, each block's waited for just before the next "
@@ -166,7 +167,8 @@ def add_train_args(p):
     g.add_argument("--log-json", default=None, metavar="FILE",
                    help="rank 0 writes one JSON object per step (appended with --resume)")
     g.add_argument("--trace", default=None, metavar="FILE",
-                   help="Chrome trace of compute and communication (chrome://tracing)")
+                   help="Chrome trace of compute and communication (chrome://tracing); "
+                   "needs more than one rank, or --zero")
     g.add_argument("--sample", type=int, default=400,
                    help="tokens sampled at the end (bytes, on text data)")
     g.add_argument("--threads", type=int, default=None, help="BLAS threads (default: auto, "
