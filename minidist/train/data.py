@@ -202,8 +202,9 @@ class TokenData:
                         f"than --block-size {block_size} + 1; {fix}")
 
     def describe(self):
-        return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val "
-                f"tokens, cache {self.cache}")
+        kind = "" if isinstance(self.tokenizer, ByteTokenizer) else f" {self.tokenizer.name}"
+        return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val"
+                f"{kind} tokens, cache {self.cache}")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
