@@ -15,10 +15,12 @@ from minidist.backend import xp_of
 
 def _add_at(out, index, values):
     """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU).
-    bfloat16 adds up in float32, rounded once: cupyx.scatter_add takes no bfloat16 (CuPy 14
-    raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and numpy's
-    add.at would round after every add (1000 ones make 256)."""
-    if out.dtype.name == "bfloat16":
+    16-bit floats add up in float32, rounded once. bfloat16: cupyx.scatter_add takes none
+    (CuPy 14 raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and
+    numpy's add.at would round after every add (1000 ones make 256). float16: cupyx takes it,
+    but each atomicAdd on __half rounds, in an order that changes from run to run (float16
+    stops counting ones at 2048), where numpy's scatter_add_rows adds in float32."""
+    if backend.is_half(out.dtype):
         wide = out.astype("float32")
         _add_at(wide, index, xp_of(out).asarray(values).astype("float32"))
         out[...] = wide
