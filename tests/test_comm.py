@@ -436,3 +436,60 @@ def test_every_mpi_call_waits_for_the_device_before_mpi_touches_its_buffers(monk
                 assert any(np.shares_memory(a, r) for r in ready), \
                     f"{name} ({np.dtype(dtype)}): {what} got a buffer not readied before it"
         assert mpi_calls == 1, (name, log)
+
+
+class _FakeCupyArray(np.ndarray):
+    """A numpy array that the patched is_cupy takes for a cupy one (_fake_is_cupy)."""
+
+
+def _fake_is_cupy(a):
+    return isinstance(a, _FakeCupyArray)
+
+
+class _LoggedComm:
+    """An mpi4py communicator whose calls are logged (name, first argument) and then made."""
+
+    def __init__(self, comm, log):
+        self.comm, self.log = comm, log
+
+    def __getattr__(self, name):
+        real = getattr(self.comm, name)
+
+        def call(*args, **kwargs):
+            self.log.append((name, args[0] if args else None))
+            return real(*args, **kwargs)
+        return call
+
+
+@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
+def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(monkeypatch):
+    """With a CUDA-aware MPI, recv hands the device buffer to MPI_Irecv itself, and MPI may
+    write it while queued kernels still read it: ring attention posts the recv of the next
+    block into the buffer the previous step's kernels read as `cur`. send waited
+    (device_ready) and recv did not. Here (one rank, a message to itself) device_ready on
+    the buffer must come before the Irecv that is handed that buffer itself."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, group as group_module, staging
+    log = []
+    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: True)
+    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "device_ready",
+                        lambda *arrays: log.append(("ready", arrays)))
+    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank recv")
+    p2p = g._p2p
+    buf = np.zeros(5, np.float32).view(_FakeCupyArray)
+    try:
+        g._p2p = _LoggedComm(p2p, log)
+        work = g.send(np.arange(5, dtype=np.float32), 0, async_op=True)
+        g.recv(buf, 0)
+        work.wait()
+    finally:
+        g._p2p = p2p
+        g.destroy()
+    assert np.array_equal(buf, np.arange(5)), buf
+    irecv = [name for name, _ in log].index("Irecv")
+    handed = log[irecv][1]
+    assert _fake_is_cupy(handed) and np.shares_memory(handed, buf)     # not staged: buf itself
+    assert any(name == "ready" and any(np.shares_memory(a, buf) for a in arrays)
+               for name, arrays in log[:irecv]), log
