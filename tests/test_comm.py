@@ -493,3 +493,33 @@ def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(mon
     assert _fake_is_cupy(handed) and np.shares_memory(handed, buf)     # not staged: buf itself
     assert any(name == "ready" and any(np.shares_memory(a, buf) for a in arrays)
                for name, arrays in log[:irecv]), log
+
+
+def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read(monkeypatch):
+    """strategy.base.any_rank_of, the loop's stop/diverged agreement every step, put the flag
+    on the device on an NCCL group and read it back (a host_read: the CPU waited for the
+    whole step) though a group hands a host buffer to the MPI library on NCCL groups too.
+    Here a one-rank "nccl" group (its NCCL module a fake that refuses every call: there is no
+    GPU) agrees on the flag through MPI with no host_read."""
+    import types
+    from mpi4py import MPI
+    import minidist.comm
+    from minidist import backend
+    from minidist.comm import ProcessGroup
+    from minidist.strategy.base import any_rank_of
+
+    def no_nccl(*args, **kwargs):
+        raise AssertionError("a host buffer reached NCCL")
+    fake = types.ModuleType("minidist.comm.nccl")
+    fake.NcclComm = lambda comm: None
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v"):
+        setattr(fake, name, no_nccl)
+    monkeypatch.setitem(sys.modules, "minidist.comm.nccl", fake)
+    monkeypatch.delattr(minidist.comm, "nccl", raising=False)
+    g = ProcessGroup(MPI.COMM_SELF, "nccl", name="one-rank nccl")
+    try:
+        before = backend.host_reads()
+        assert (any_rank_of(g, True), any_rank_of(g, False)) == (True, False)
+        assert backend.host_reads() == before
+    finally:
+        g.destroy()
