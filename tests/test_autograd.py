@@ -6,6 +6,9 @@ Run: python -m pytest -q tests/test_autograd.py [--device cuda]: P() and the op 
 their arrays on --device (the `device` fixture, used by every test here) and compare on the
 host; the hypothesis gradient checks and numpy-only checks are marked cpu_only.
 """
+import sys
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -14,6 +17,7 @@ from hypothesis.extra.numpy import mutually_broadcastable_shapes
 from minidist import backend
 from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad, ops
 from minidist.autograd.gradcheck import gradcheck
+from minidist.autograd.indexing import scatter_add_rows
 from minidist.backend import to_host as H
 
 pytestmark = pytest.mark.usefixtures("device")      # backend.get_xp() is --device's module
@@ -290,6 +294,37 @@ def test_embedding_scatter_add_matches_add_at(vocab):
     want = np.zeros((vocab, 4))
     np.add.at(want, idx.reshape(-1), g.reshape(-1, 4))
     np.testing.assert_allclose(H(w.grad), want, rtol=1e-12, atol=1e-12)
+
+
+class _FakeCupyArray(np.ndarray):
+    """A numpy array that backend.is_cupy takes for a cupy one (patched below)."""
+
+
+@pytest.mark.cpu_only("stands numpy in for cupy and a recording fake for cupyx")
+def test_cupy_scatter_adds_16_bit_outs_in_float32(monkeypatch):
+    """On CuPy, scatter_add_rows (TP's vocabulary-split embedding backward, MoE's combine;
+    GetItem's backward too) adds through indexing._add_at into cupyx.scatter_add, which
+    widened only bfloat16: a float16 `out` went as it was, and every atomicAdd on __half
+    rounds (float16 stops counting ones at 2048; numpy's path adds in float32). The fake
+    scatter adds in the dtype it is handed, as the atomics do. Every 16-bit out must reach
+    it as float32 and come back in its own dtype, 3072 ones making 3072."""
+    seen = []
+
+    def scatter_add(a, index, values):
+        seen.append(a.dtype)
+        np.add.at(a, index, values)
+    monkeypatch.setattr(backend, "is_cupy", lambda a: isinstance(a, _FakeCupyArray))
+    monkeypatch.setitem(sys.modules, "cupy", np)       # xp_of's module for such arrays
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(scatter_add=scatter_add))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        dtype = np.dtype(dtype)
+        out = np.zeros((3, 2), dtype).view(_FakeCupyArray)
+        ids = np.array([1] * 3072 + [2])
+        got = scatter_add_rows(out, ids, np.ones((3073, 2), dtype))
+        assert seen == [np.float32], (dtype, seen)
+        assert got.dtype == dtype and np.asarray(got)[:, 0].tolist() == [0, 3072, 1], dtype
+        seen.clear()
 
 
 def test_dropout_seed_contract():

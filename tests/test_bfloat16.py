@@ -198,6 +198,32 @@ def test_a_python_float_keeps_a_bfloat16_tensor_bfloat16():
     assert (h * 0.01).dtype == np.float16 and (x.astype("float32") * 0.01).dtype == np.float32
 
 
+def test_where_and_masked_fill_keep_bfloat16_where_cupy_gives_float32(xp, monkeypatch):
+    """CuPy's where has no bfloat16 loop: its '?ff->f' loop returns float32
+    (cupy/_sorting/search.py, v14), so MoE's expert dropout (ops.where) under bfloat16 --amp
+    met the bfloat16 gate as float32 and raised "mixed float dtypes". numpy's where is made
+    to promote the same way here (on a GPU the test runs CuPy's own); Where and MaskedFill
+    keep bfloat16, forward and backward."""
+    from minidist.autograd import ops
+    real = np.where
+
+    def cupy_like_where(*args):
+        out = real(*args)
+        return out.astype(np.float32) if len(args) == 3 and out.dtype == BF16 else out
+    monkeypatch.setattr(np, "where", cupy_like_where)
+    x = Tensor(xp.asarray(np.linspace(-1, 1, 6).astype(BF16)), requires_grad=True)
+    keep = xp.asarray(np.array([True, False] * 3))
+    dropped, filled = ops.where(keep, x * 2.0, 0.0), ops.masked_fill(x, keep, 0.5)
+    assert (dropped.dtype, filled.dtype) == (BF16, BF16)
+    ((dropped * x).sum() + filled.sum()).backward()        # the gate's multiply: no raise
+    assert x.grad.dtype == BF16
+    h = backend.to_host(x.data).astype(np.float32)
+    assert backend.to_host(dropped.data).astype(np.float32).tolist() == [-2, 0, 2 * h[2], 0,
+                                                                       2 * h[4], 0]
+    assert backend.to_host(filled.data).astype(np.float32).tolist() == [0.5, h[1], 0.5, h[3],
+                                                                      0.5, h[5]]
+
+
 def test_a_checkpointed_moe_block_runs_under_bfloat16_amp(xp):
     """Found by the composition sweep with --amp-dtype bfloat16 (one process was enough):
     python examples/train_gpt.py --moe-experts 4 --ckpt-activations --amp --amp-dtype bfloat16

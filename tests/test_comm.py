@@ -344,3 +344,182 @@ def test_ring_walkthrough_refuses_bad_input(flags):
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert len(errors) == 1 and f"error: {' '.join(flags)}:" in errors[0], out.stderr
+
+
+# ---- CUDA-aware MPI: device buffers must be ready before MPI touches them -----------------
+
+class _RecordingComm:
+    """Stands in for the communicator mpi.py calls: each call is logged with the arrays it
+    was handed (nested lists of buffers and counts flattened), nothing is sent."""
+
+    def __init__(self, log, size):
+        self.log, self.size = log, size
+
+    def Get_size(self):
+        return self.size
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.log.append((name, _arrays_in(args)))
+
+
+def _arrays_in(args):
+    found = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _arrays_in(a)
+    return found
+
+
+def _mpi_calls(dtype):
+    """(name, world size, fn(ch, comm, a)) for each of mpi.py's calls; a(n) makes a buffer."""
+    from minidist.comm import mpi
+    calls = [
+        ("all_reduce", 2, lambda ch, comm, a: mpi.mpi_all_reduce(ch, a(6), "avg")),
+        ("reduce_scatter", 2, lambda ch, comm, a: mpi.mpi_reduce_scatter(ch, a(3), a(6))),
+        ("reduce_scatter uneven", 2,
+         lambda ch, comm, a: mpi.mpi_reduce_scatter(ch, a(4), a(7))),
+        ("reduce_scatter aliased", 2,
+         lambda ch, comm, a: (lambda buf: mpi.mpi_reduce_scatter(ch, buf[:3], buf))(a(6))),
+        ("all_gather", 2, lambda ch, comm, a: mpi.mpi_all_gather(ch, a(6), a(3))),
+        ("all_gather uneven", 3, lambda ch, comm, a: mpi.mpi_all_gather(ch, a(7), a(3))),
+        ("all_gather in place", 2,
+         lambda ch, comm, a: (lambda out: mpi.mpi_all_gather(ch, out, out[:3]))(a(6))),
+        ("broadcast", 2, lambda ch, comm, a: mpi.mpi_broadcast(ch, a(5), 1)),
+        ("all_to_all_v", 2,
+         lambda ch, comm, a: mpi.mpi_all_to_all_v(ch, a(5), a(4), [1, 3], [2, 3])),
+        ("start_all_gather", 2, lambda ch, comm, a: mpi.start_all_gather(comm, a(6), a(3))),
+        ("start_broadcast", 2, lambda ch, comm, a: mpi.start_broadcast(comm, a(5))),
+    ]
+    if dtype != "bfloat16":                  # MPI's non-blocking reductions refuse bfloat16
+        calls += [
+            ("start_all_reduce", 2, lambda ch, comm, a: mpi.start_all_reduce(comm, a(6))),
+            ("start_reduce_scatter", 2,
+             lambda ch, comm, a: mpi.start_reduce_scatter(comm, a(3), a(6))),
+        ]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_mpi_call_waits_for_the_device_before_mpi_touches_its_buffers(monkeypatch,
+                                                                           dtype):
+    """A CUDA-aware MPI is handed cupy arrays themselves and reads them at once, while the
+    kernels that write them (the caller's, or mpi.py's own float32 copies of bfloat16) may
+    still be queued: mpi4py's CuPy demo synchronizes before every MPI call. mpi.py called
+    MPI with no device_ready. Here (numpy buffers, device_ready recorded in place of the
+    stream sync) every array an MPI call is handed must share memory with one readied
+    before that call, after the array was made: the bfloat16 reductions' float32 copies
+    and the aliased reduce-scatter's copy are new arrays, readied only if after their
+    making."""
+    from types import SimpleNamespace
+    from minidist.comm import mpi
+    calls = _mpi_calls(dtype)
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    log = []
+    monkeypatch.setattr(mpi, "device_ready", lambda *arrays: log.append(("ready", arrays)),
+                        raising=False)    # an mpi.py without it fails the asserts
+    for name, size, call in calls:
+        log.clear()
+        comm = _RecordingComm(log, size)
+        ch = SimpleNamespace(comm=comm, rank=0, size=size, count_nominal=lambda n: None,
+                             scratch=lambda slot, n, like: np.empty(n, like.dtype))
+        call(ch, comm, lambda n: np.arange(n).astype(dtype))
+        ready, mpi_calls = [], 0
+        for what, arrays in log:
+            if what == "ready":
+                ready += [a for a in arrays if isinstance(a, np.ndarray)]
+                continue
+            mpi_calls += 1
+            for a in arrays:
+                assert any(np.shares_memory(a, r) for r in ready), \
+                    f"{name} ({np.dtype(dtype)}): {what} got a buffer not readied before it"
+        assert mpi_calls == 1, (name, log)
+
+
+class _FakeCupyArray(np.ndarray):
+    """A numpy array that the patched is_cupy takes for a cupy one (_fake_is_cupy)."""
+
+
+def _fake_is_cupy(a):
+    return isinstance(a, _FakeCupyArray)
+
+
+class _LoggedComm:
+    """An mpi4py communicator whose calls are logged (name, first argument) and then made."""
+
+    def __init__(self, comm, log):
+        self.comm, self.log = comm, log
+
+    def __getattr__(self, name):
+        real = getattr(self.comm, name)
+
+        def call(*args, **kwargs):
+            self.log.append((name, args[0] if args else None))
+            return real(*args, **kwargs)
+        return call
+
+
+@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
+def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(monkeypatch):
+    """With a CUDA-aware MPI, recv hands the device buffer to MPI_Irecv itself, and MPI may
+    write it while queued kernels still read it: ring attention posts the recv of the next
+    block into the buffer the previous step's kernels read as `cur`. send waited
+    (device_ready) and recv did not. Here (one rank, a message to itself) device_ready on
+    the buffer must come before the Irecv that is handed that buffer itself."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, group as group_module, staging
+    log = []
+    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: True)
+    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "device_ready",
+                        lambda *arrays: log.append(("ready", arrays)))
+    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank recv")
+    p2p = g._p2p
+    buf = np.zeros(5, np.float32).view(_FakeCupyArray)
+    try:
+        g._p2p = _LoggedComm(p2p, log)
+        work = g.send(np.arange(5, dtype=np.float32), 0, async_op=True)
+        g.recv(buf, 0)
+        work.wait()
+    finally:
+        g._p2p = p2p
+        g.destroy()
+    assert np.array_equal(buf, np.arange(5)), buf
+    irecv = [name for name, _ in log].index("Irecv")
+    handed = log[irecv][1]
+    assert _fake_is_cupy(handed) and np.shares_memory(handed, buf)     # not staged: buf itself
+    assert any(name == "ready" and any(np.shares_memory(a, buf) for a in arrays)
+               for name, arrays in log[:irecv]), log
+
+
+def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read(monkeypatch):
+    """strategy.base.any_rank_of, the loop's stop/diverged agreement every step, put the flag
+    on the device on an NCCL group and read it back (a host_read: the CPU waited for the
+    whole step) though a group hands a host buffer to the MPI library on NCCL groups too.
+    Here a one-rank "nccl" group (its NCCL module a fake that refuses every call: there is no
+    GPU) agrees on the flag through MPI with no host_read."""
+    import types
+    from mpi4py import MPI
+    import minidist.comm
+    from minidist import backend
+    from minidist.comm import ProcessGroup
+    from minidist.strategy.base import any_rank_of
+
+    def no_nccl(*args, **kwargs):
+        raise AssertionError("a host buffer reached NCCL")
+    fake = types.ModuleType("minidist.comm.nccl")
+    fake.NcclComm = lambda comm: None
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v"):
+        setattr(fake, name, no_nccl)
+    monkeypatch.setitem(sys.modules, "minidist.comm.nccl", fake)
+    monkeypatch.delattr(minidist.comm, "nccl", raising=False)
+    g = ProcessGroup(MPI.COMM_SELF, "nccl", name="one-rank nccl")
+    try:
+        before = backend.host_reads()
+        assert (any_rank_of(g, True), any_rank_of(g, False)) == (True, False)
+        assert backend.host_reads() == before
+    finally:
+        g.destroy()

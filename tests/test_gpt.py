@@ -160,6 +160,32 @@ def test_bad_input_is_a_clear_error(device):
         GPTConfig(n_embd=10, n_head=3)
 
 
+def test_a_token_id_outside_the_vocabulary_is_one_clear_error(device):
+    """numpy raised a bare IndexError deep in the embedding for an id >= V, CuPy wraps such
+    an id around silently (and its cross-entropy kernels read past the logits), and on both
+    a negative id wrapped and an id in the padding rows (vocab_multiple) was taken. The
+    batch is checked on the host, where it arrives: a ValueError naming the id and V, for
+    idx and targets (whose -1 is the loss's ignore_index), padded or not."""
+    for config in (TINY, GPTConfig(**{**TINY.to_dict(), "vocab_multiple": 8})):
+        model = GPT(config)
+        x, y = _batch(config)
+        for bad in (11, 13, -1):
+            xb = x.copy()
+            xb[1, 2] = bad
+            with pytest.raises(ValueError, match=rf"^idx: token id {bad} is outside the "
+                                                 r"vocabulary of 11 tokens \(ids 0\.\.10\)"):
+                model(xb, y)
+        for bad in (11, 13, -2):
+            yb = y.copy()
+            yb[0, 3] = bad
+            with pytest.raises(ValueError, match=rf"^targets: token id {bad} is outside the "
+                                                 r"vocabulary of 11 tokens \(ids 0\.\.10, or "
+                                                 r"-1: ignored\)"):
+                model(x, yb)
+        y[0, 3] = -1
+        assert np.isfinite(float(H(model(x, y)[1].data)))          # ignore_index is allowed
+
+
 def test_flops_per_token_formula():
     config = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256)
     model = GPT(config)

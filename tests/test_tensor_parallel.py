@@ -92,6 +92,25 @@ def test_one_rank_tp_model_is_the_gpt(device):
     assert (ref.generate(x[:, :2], 5, seed=1) == tp.generate(x[:, :2], 5, seed=1)).all()
 
 
+def test_a_tp_model_refuses_a_target_outside_the_vocabulary(device):
+    """TensorParallelGPT's own head checks its targets on the host as GPT's does: CuPy would
+    wrap a bad id around in the vocabulary-parallel loss; here one clear ValueError."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.tp.model import TensorParallelGPT
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=20)
+    tp = TensorParallelGPT(cfg, ProcessGroup(MPI.COMM_SELF, name="tp1 ids"), seed=3)
+    x = np.random.default_rng(0).integers(0, 20, (2, 8))
+    y = x.copy()
+    y[1, 4] = 20
+    with pytest.raises(ValueError, match=r"^targets: token id 20 is outside the vocabulary "
+                                         r"of 20 tokens"):
+        tp(x, y)
+    x[0, 0] = 25
+    with pytest.raises(ValueError, match=r"^idx: token id 25 is outside the vocabulary"):
+        tp(x, np.roll(x, -1, 1))
+
+
 # ---- under mpiexec -----------------------------------------------------------------------
 
 def _assert_exact(results, runs, tol=1e-10):

@@ -15,10 +15,12 @@ from minidist.backend import xp_of
 
 def _add_at(out, index, values):
     """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU).
-    bfloat16 adds up in float32, rounded once: cupyx.scatter_add takes no bfloat16 (CuPy 14
-    raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and numpy's
-    add.at would round after every add (1000 ones make 256)."""
-    if out.dtype.name == "bfloat16":
+    16-bit floats add up in float32, rounded once. bfloat16: cupyx.scatter_add takes none
+    (CuPy 14 raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and
+    numpy's add.at would round after every add (1000 ones make 256). float16: cupyx takes it,
+    but each atomicAdd on __half rounds, in an order that changes from run to run (float16
+    stops counting ones at 2048), where numpy's scatter_add_rows adds in float32."""
+    if backend.is_half(out.dtype):
         wide = out.astype("float32")
         _add_at(wide, index, xp_of(out).asarray(values).astype("float32"))
         out[...] = wide
@@ -69,23 +71,39 @@ def getitem(t, index):
 
 # ---- masks ---------------------------------------------------------------------------------
 
+def _select(cond, a, b, dtype):
+    """xp.where(cond, a, b) as `dtype` (None: as it comes). CuPy's where has no bfloat16
+    loop: it picks its '?ff->f' loop and returns float32 for bfloat16 inputs
+    (cupy/_sorting/search.py, v14.0.1 to v14.2.0), where numpy keeps bfloat16."""
+    out = xp_of(a, b, cond).where(cond, a, b)
+    return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def _float_dtype(a, b):
+    """The float dtype of a or b (after _same_float they share it), or None."""
+    for v in (a, b):
+        dtype = getattr(v, "dtype", None)
+        if dtype is not None and backend.is_float(dtype):
+            return dtype
+    return None
+
+
 class Where(Function):
-    """cond ? a : b elementwise (cond a boolean array, broadcast with a and b)."""
+    """cond ? a : b elementwise (cond a boolean array, broadcast with a and b); a float
+    result keeps the inputs' float dtype on CuPy too (`_select`)."""
 
     @staticmethod
     def forward(ctx, cond, a, b):
         a, b = _same_float(a, b)
-        xp = xp_of(a, b, cond)
-        cond = xp.asarray(cond)                          # a host mask to the device
+        cond = xp_of(a, b, cond).asarray(cond)           # a host mask to the device
         ctx.save_for_backward(cond)
-        return xp.where(cond, a, b)
+        return _select(cond, a, b, _float_dtype(a, b))
 
     @staticmethod
     def backward(ctx, grad):
         cond, = ctx.saved
-        xp = xp_of(grad)
-        ga = xp.where(cond, grad, 0) if ctx.needs_input_grad[1] else None
-        gb = xp.where(cond, 0, grad) if ctx.needs_input_grad[2] else None
+        ga = _select(cond, grad, 0, grad.dtype) if ctx.needs_input_grad[1] else None
+        gb = _select(cond, 0, grad, grad.dtype) if ctx.needs_input_grad[2] else None
         return None, ga, gb
 
 
@@ -101,12 +119,12 @@ class MaskedFill(Function):
     def forward(ctx, a, mask, value):
         mask = xp_of(a).asarray(mask)                    # a host mask to the device
         ctx.save_for_backward(mask)
-        return xp_of(a).where(mask, a.dtype.type(value), a)
+        return _select(mask, a.dtype.type(value), a, a.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         mask, = ctx.saved
-        return xp_of(grad).where(mask, 0, grad), None, None
+        return _select(mask, 0, grad, grad.dtype), None, None
 
 
 def masked_fill(t, mask, value):

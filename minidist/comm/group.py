@@ -299,6 +299,8 @@ class ProcessGroup:
         """Receive into buf from rank `peer` of this group."""
         buf = _flat(buf)
         host = mpi_buffer(buf)   # received into, then copied to the GPU if staged
+        if is_cupy(host):        # MPI writes GPU memory that queued kernels may still read
+            device_ready(buf)    # (ring attention's double buffer); staged: get() waited
         return self._p2p_call("recv", buf, peer, async_op, self._p2p.Irecv(host, peer, tag),
                               host, lambda: write_back(buf, host))
 

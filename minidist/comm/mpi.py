@@ -19,12 +19,16 @@ same call, marked nominal.
 bfloat16: MPI has no such type, so data moves as the uint16 view (`wire`), and the library's
 reductions run on float32 copies, rounded to bfloat16 once at the end.
 
+A CUDA-aware MPI is handed cupy arrays themselves (staging.py), and reads them at once: every
+call here waits for the queued kernels that write them first (`device_ready`; the float32
+copies are such kernels), as mpi4py's CuPy demo does before each MPI call. A no-op on numpy.
+
 Tests: tests/test_comm.py (ring and naive cross-checked against these), tests/test_bfloat16.py.
 """
 from mpi4py import MPI
 
 from minidist.comm.ring import chunk_bounds, ring_bytes, same_buffer
-from minidist.comm.staging import is_bfloat16, wire
+from minidist.comm.staging import device_ready, is_bfloat16, wire
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -41,6 +45,7 @@ def mpi_all_reduce(ch, buf, op="sum"):
         mpi_all_reduce(ch, tmp, op)
         buf[...] = tmp
         return
+    device_ready(buf)
     ch.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
     if op == "avg":
         buf /= ch.size
@@ -59,6 +64,7 @@ def mpi_reduce_scatter(ch, out, inp, op="sum"):
         copy = ch.scratch(1, inp.size, inp)
         copy[...] = inp
         inp = copy
+    device_ready(out, inp)
     if len(set(counts)) == 1:
         ch.comm.Reduce_scatter_block(inp, out, op=MPI_OPS[op])
     else:
@@ -72,6 +78,7 @@ def mpi_all_gather(ch, out, inp):
     counts, displs = _counts(out.size, ch.size)
     lo = displs[ch.rank]
     send = MPI.IN_PLACE if same_buffer(out[lo:lo + inp.size], inp) else inp
+    device_ready(out, inp)
     if len(set(counts)) == 1:
         ch.comm.Allgather(wire(send), wire(out))
     else:
@@ -80,6 +87,7 @@ def mpi_all_gather(ch, out, inp):
 
 
 def mpi_broadcast(ch, buf, root=0):
+    device_ready(buf)
     ch.comm.Bcast(wire(buf), root=root)
     ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
 
@@ -89,6 +97,7 @@ def mpi_all_to_all_v(ch, out, inp, send_counts, recv_counts):
     from minidist.comm.alltoall import offsets, pairwise_bytes
     sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
     so, ro = offsets(sc)[:-1].tolist(), offsets(rc)[:-1].tolist()
+    device_ready(out, inp)
     ch.comm.Alltoallv([wire(inp), (sc, so)], [wire(out), (rc, ro)])
     ch.count_nominal(pairwise_bytes(sc, ch.rank, inp.itemsize))
 
@@ -96,20 +105,24 @@ def mpi_all_to_all_v(ch, out, inp, send_counts, recv_counts):
 def start_all_reduce(comm, buf, op="sum"):
     """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
     _no_bfloat16_sum(buf)
+    device_ready(buf)
     return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
 
 
 def start_reduce_scatter(comm, out, inp, op="sum"):
     _no_bfloat16_sum(inp)
+    device_ready(out, inp)
     return comm.Ireduce_scatter(inp, out, _counts(inp.size, comm.Get_size())[0], op=MPI_OPS[op])
 
 
 def start_all_gather(comm, out, inp):
     counts, displs = _counts(out.size, comm.Get_size())
+    device_ready(out, inp)
     return comm.Iallgatherv(wire(inp), [wire(out), (counts, displs)])
 
 
 def start_broadcast(comm, buf, root=0):
+    device_ready(buf)
     return comm.Ibcast(wire(buf), root=root)
 
 

@@ -160,7 +160,9 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, 
             s = _mm(q_i * scale, xp.swapaxes(k_j, -1, -2))           # (B, nh, bq, bk)
             if masked:                                                # key after query
                 later = xp.arange(ks + c0, ks + c1)[None, :] > xp.arange(qs + r0, qs + r1)[:, None]
-                s = xp.where(later, -math.inf, s)
+                # a bfloat16 s stays bfloat16: numpy's where would make it float64
+                # beside a Python float, CuPy's (no bfloat16 loop) float32
+                s = xp.where(later, s.dtype.type(-math.inf), s).astype(s.dtype, copy=False)
             p = xp.exp(s - lse[..., rows, None])                      # forward's softmax
             dpz = _mm(g_i, xp.swapaxes(v_j, -1, -2))                  # d(p z) = g v^T
             if dropout is not None:                                   # y = (p z) v

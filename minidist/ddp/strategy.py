@@ -90,7 +90,7 @@ class DataParallel(SingleProcess):
         return all_reduce_number(self.group, value, "avg", self.ddp.params[0].data)
 
     def any_rank(self, flag):
-        return any_rank_of(self.group, flag, self.ddp.params[0].data)
+        return any_rank_of(self.group, flag)
 
     def save(self, directory, model, optimizer, step, rng_states, extra):
         if self.rank == 0:

@@ -213,6 +213,7 @@ class GPT(Module):
         V = self.config.vocab_size                     # vocab_multiple: columns V.. padding
         loss = None
         if targets is not None:                        # over the first V columns only
+            check_token_ids(targets, V, "targets", ignore=-1)
             targets = backend.to_device(targets, backend.xp_of(logits.data))
             loss = padded_cross_entropy(logits, targets, V, ignore_index=-1)
         return (logits[:, :, :V] if logits.shape[-1] > V else logits), loss   # (B, T, V)
@@ -220,13 +221,16 @@ class GPT(Module):
     def _check_idx(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
         xp = backend.xp_of(self.transformer.wte.weight.data)
-        idx = backend.to_device(idx, xp)
+        host = None if backend.is_cupy(idx) else np.asarray(idx)
+        idx = backend.to_device(idx if host is None else host, xp)
         if idx.ndim != 2 or idx.dtype.kind not in "iu":
             raise ValueError(f"GPT expects idx of integer dtype and shape (B, T), got "
                              f"{idx.dtype} {tuple(idx.shape)}")
         if idx.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
                              f"{self.config.block_size}")
+        if host is not None:                           # the range on the host copy only
+            check_token_ids(host, self.config.vocab_size, "idx")
         return idx
 
     def flops_per_token(self, T=None):
@@ -275,6 +279,27 @@ class GPT(Module):
 
 
 WTE = "transformer.wte.weight"
+
+
+def check_token_ids(ids, vocab_size, what, ignore=None):
+    """Raise ValueError, naming the id and the vocabulary size, if the host array `ids`
+    holds a token id outside 0..vocab_size-1 (`ignore`: one more id allowed, the loss's
+    ignore_index). numpy raises IndexError on such an id, but CuPy's integer indexing wraps
+    it around silently, and the cross-entropy kernels read past the logits; an id in the
+    padding rows (vocab_multiple) would be taken silently on both. A device array is not
+    checked: reading it would make the CPU wait for the GPU (the batch arrives as numpy)."""
+    if backend.is_cupy(ids):
+        return
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        return                               # not ids: the callers refuse these themselves
+    bad = ids >= vocab_size
+    bad |= (ids < 0) if ignore is None else (ids < 0) & (ids != ignore)
+    if bad.any():
+        also = "" if ignore is None else f", or {ignore}: ignored"
+        raise ValueError(f"{what}: token id {ids[bad].flat[0]} is outside the vocabulary of "
+                         f"{vocab_size} tokens (ids 0..{vocab_size - 1}{also}); the data and "
+                         f"the model disagree on the vocabulary")
 
 
 def moe_loss(router_losses):

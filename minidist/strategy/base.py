@@ -64,17 +64,14 @@ def all_reduce_number(group, value, op, like):
     return buf[0]
 
 
-def any_rank_of(group, flag, like):
+def any_rank_of(group, flag):
     """Whether the host bool `flag` is true on any rank of `group` (a one-element all-reduce,
     max), for the loop's stop/diverged agreement every step. The buffer is host memory
-    (numpy), so nothing waits for the GPU; an NCCL group reduces only device memory, so there
-    it lives on `like`'s device and is read back (one host_read)."""
-    if group.algo != "nccl":
-        buf = np.array([float(flag)])
-        group.all_reduce(buf, op="max")
-        return bool(buf[0])
-    value = all_reduce_number(group, float(flag), "max", like)
-    return bool(backend.host_read(value, "stop flag (nccl)"))
+    (numpy), so nothing waits for the GPU, on an NCCL group too: a group hands a host buffer
+    to the MPI library's all-reduce there (minidist/comm/group.py, ProcessGroup._algo_for)."""
+    buf = np.array([float(flag)])
+    group.all_reduce(buf, op="max")
+    return bool(buf[0])
 
 
 def data_axes(mesh, ep):
@@ -291,7 +288,7 @@ class ModelParallel(SingleProcess):
         return self.inner.global_mean(value)
 
     def any_rank(self, flag):
-        return any_rank_of(self.mesh.world, flag, self.model.parameters()[0].data)
+        return any_rank_of(self.mesh.world, flag)
 
     def takes_part_in_sampling(self):
         return self.inner.takes_part_in_sampling()

@@ -27,7 +27,7 @@ import numpy as np
 
 from minidist import backend
 from minidist.nn.config import gpt_init
-from minidist.nn.gpt import GPT
+from minidist.nn.gpt import GPT, check_token_ids
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops
 from minidist.autograd.dropout_keys import DropoutSite
@@ -155,6 +155,7 @@ class TensorParallelGPT(GPT):
         if targets is None:                                # sampling: the whole row
             full = gather_from_tp(logits, self.group)      # (B, T, V padded)
             return full[:, :, :self.config.vocab_size], None
+        check_token_ids(targets, self.config.vocab_size, "targets", ignore=-1)
         targets = backend.to_device(targets, backend.xp_of(logits.data))
         return logits, vocab_parallel_cross_entropy(logits, targets, self.group, wte.start,
                                                     self.config.vocab_size)

@@ -198,7 +198,7 @@ class ZeroDataParallel(SingleProcess):
         return all_reduce_number(self.group, value, "avg", self.engine.units[0].param_shard)
 
     def any_rank(self, flag):
-        return any_rank_of(self.group, flag, self.engine.units[0].param_shard)
+        return any_rank_of(self.group, flag)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, directory, model, optimizer, step, rng_states, extra):
