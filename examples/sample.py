@@ -95,8 +95,9 @@ def pick_tokenizer(args, vocab_size):
                              "a folder with its vocab.json and merges.txt (as every GPT-2 "
                              "download has them)")
     if tokenizer.vocab_size != vocab_size:
-        raise UsageError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} tokens, "
-                         f"the model {vocab_size:,}: give --tokenizer DIR of the model's own")
+        raise UsageError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} "
+                         f"tokens, the model {vocab_size:,}: give --tokenizer DIR of the "
+                         "model's own")
     return tokenizer
 
 

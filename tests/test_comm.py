@@ -488,7 +488,7 @@ def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(mon
     finally:
         g._p2p = p2p
         g.destroy()
-        trace.reset_counters()  # its 20 bytes would show in a later run's comm_bytes (test_train)
+        trace.reset_counters()  # its 20 bytes showed in a later run's comm_bytes (test_train)
     assert np.array_equal(buf, np.arange(5)), buf
     irecv = [name for name, _ in log].index("Irecv")
     handed = log[irecv][1]

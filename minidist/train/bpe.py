@@ -194,8 +194,9 @@ def read_vocab(path):
             raise TokenizerError(f"{path}: token {token!r} is listed twice (ids {vocab[token]} "
                                  f"and {i})")
         if not 0 <= i < len(pairs):
-            raise TokenizerError(f"{path}: token {token!r} has id {i}, outside 0..{len(pairs) - 1}"
-                                 f" (ids must be 0..n-1 for its n = {len(pairs)} tokens)")
+            raise TokenizerError(f"{path}: token {token!r} has id {i}, outside "
+                                 f"0..{len(pairs) - 1} (ids must be 0..n-1 for its n = "
+                                 f"{len(pairs)} tokens)")
         if i in owner:
             raise TokenizerError(f"{path}: id {i} is given to both {owner[i]!r} and {token!r}")
         vocab[token], owner[i] = i, token

@@ -221,8 +221,9 @@ def take_init_from_sizes(args):
     """--init-from DIR (a GPT-2 folder: config.json, model.safetensors): the model's sizes
     become the folder's (--n-layer, --n-head, --n-embd, biases), so every later check sees
     them (--block-size stays as given, at most its positions); one given with another value,
-    a --block-size past its positions or --moe-experts (GPT-2 is dense) is refused. Reads config.json only. With --resume the checkpoint's
-    weights are loaded instead, so the same command continues a fine-tuning run."""
+    a --block-size past its positions or --moe-experts (GPT-2 is dense) is refused. Reads
+    config.json only. With --resume the checkpoint's weights are loaded instead, so the same
+    command continues a fine-tuning run."""
     folder = getattr(args, "init_from", None)
     if folder is None:
         return

@@ -12,11 +12,11 @@ Train/val split: with 20 or more files, whole files go to val when crc32(relativ
 == 0 (held-out documents); with fewer, the last 10% of each file goes to val.
 
 Cache: tokens are written once to `train.bin` / `val.bin` (uint8, or uint16 from a BPE) and
-`meta.json`, in
-`.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or $MINIDIST_CACHE,
-or `--cache-dir`) when that place is not writable: always so for the standard library,
-whose directory may be read-only. The key hashes the file list, sizes and mtimes and the
-tokenizer's identity, so edited data (or another tokenizer) is tokenised again. Files are built in a temporary directory and renamed into place.
+`meta.json`, in `.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or
+$MINIDIST_CACHE, or `--cache-dir`) when that place is not writable: always so for the
+standard library, whose directory may be read-only. The key hashes the file list, sizes and
+mtimes and the tokenizer's identity, so edited data (or another tokenizer) is tokenised
+again. Files are built in a temporary directory and renamed into place.
 
 Batches: `get_batch(seed, split, step, batch_size, block_size)` draws batch_size random
 windows from a generator seeded by (seed, split, step) and returns the GLOBAL batch (x, y),

@@ -177,7 +177,7 @@ def train(args, world=None):
     data = _open_data(args)
     data.check_block_size(args.block_size)       # both splits, before step 0
     config = _config(args, data)
-    weights = _initial_weights(args, config, data)     # --init-from's, or None: the seed's draws
+    weights = _initial_weights(args, config, data)   # --init-from's; None: the seed's draws
     model = strategy.build_model(config, args.seed, args.dtype, weights)
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)

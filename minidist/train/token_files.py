@@ -148,30 +148,29 @@ class TokenFiles:
     """The train and val token streams of a folder of token files (module docstring).
 
     `.vocab_size`, `.tokenizer` (or None), `.unigram_entropy` (of the first 16M train
-    tokens), `.source`, `.splits` {split:
-    [memmaps]}, `.meta` {"train_tokens", "val_tokens"}, `.describe()`; get_batch and
-    check_block_size as TokenData's.
+    tokens), `.source`, `.splits` {split: [memmaps, one per file]}, `.meta` {"train_tokens",
+    "val_tokens"}, `.describe()`; get_batch and check_block_size as TokenData's.
+    `tokenizer`: the one to sample with, where the folder has no meta.pkl (whose characters
+    are the tokenizer then).
     """
 
     def __init__(self, folder, names, tokenizer=None):
         self.source = folder
-        self.splits, formats, vocabs = {}, set(), set()
+        self.splits, formats = {}, {}
         for split in ("train", "val"):
             if not names[split]:
-                raise DataError(f"--data {folder}: has {split} files missing (found "
-                                f"{names['train'] + names['val']}; token files are named "
-                                f"{split}.bin or <name>_{split}_<N>.bin)")
+                raise DataError(f"--data {folder}: no {split} file among its token files "
+                                f"({', '.join(names['train'] + names['val'])}); they are named "
+                                f"{split}.bin, or <name>_{split}_<N>.bin for shards")
             self.splits[split] = []
             for name in names[split]:
                 tokens, vocab, fmt = read_tokens(os.path.join(folder, name))
                 self.splits[split].append(tokens)
-                formats.add(fmt)
-                vocabs.add(vocab)
+                formats[fmt] = vocab
         if len(formats) > 1:
             raise DataError(f"--data {folder}: mixes token formats "
                             f"({', '.join(sorted(formats))})")
-        self.format = formats.pop()
-        self.vocab_size = vocabs.pop() if len(vocabs) == 1 else max(vocabs)
+        (self.format, self.vocab_size), = formats.items()
         self.tokenizer = tokenizer
         meta_pkl = os.path.join(folder, "meta.pkl")
         if os.path.isfile(meta_pkl):
