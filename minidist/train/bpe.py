@@ -14,7 +14,7 @@ Text -> ids, written from the algorithm's description:
   3. BPE: merge the adjacent pair of lowest rank (line order in merges.txt), every occurrence
      left to right, until no adjacent pair is a merge; each symbol's id from vocab.json.
 Step 3 runs once per distinct piece (a dict cache, emptied at _CACHE_MAX entries); it keeps
-the pairs in a heap, so a piece of n characters costs O(n log n), not GPT-2's O(n^2) rescans
+the pairs in a heap, so a piece of n bytes costs O(n log n), not GPT-2's O(n^2) rescans
 (a long run of one character stays fast), with the same result. `encode` feeds the pattern
 at most _CHUNK characters at a time, cut only between a non-space and a space, where the
 pieces are those of the whole text, so memory follows the chunk, not the text.
@@ -22,21 +22,25 @@ Ids -> text: the token strings joined, each character mapped back to its byte, t
 decoded as UTF-8 with errors="replace" (ids that split a character give U+FFFD, no error).
 
 Python's `re` has no \\p{L} or \\p{N}, and only the standard library is used, so the three
-classes of the pattern are spelled out from `unicodedata` (built once per process, ~0.3 s):
+classes of the pattern are spelled out from `unicodedata` (built once per process, ~0.05 s):
 letters = general category L*, numbers = N* (Nd, Nl, No), spaces = the 25 characters of
 Unicode's White_Space property, which is what \\s means in the engines GPT-2's pattern ran on
 (`regex`, and tiktoken's Rust one). The plain `re` spellings would differ: `[^\\W\\d_]` counts
-the 1131 Nl/No characters ('½', '²', 'Ⅻ') as letters, `\\d` misses them as numbers, and `\\s`
-also matches U+001C..U+001F. Where it can still differ from GPT-2's pieces (ASCII text: never):
+the 1131 Nl/No characters ('½', '²', 'Ⅻ') as letters, `\\d` misses them as numbers, and
+`\\s` also matches U+001C..U+001F. The classes hold the BMP only (astral ranges make `re` 5x
+slower); a text with astral characters is matched with each replaced by a BMP character of
+its category, and the pieces are cut from the original at the same places: exact, slower.
+Where it can still differ from GPT-2's pieces (ASCII text: never):
   - characters whose category differs between Python's Unicode version (unicodedata.
     unidata_version; 14.0 on Python 3.11) and the reference engine's: ones assigned in only
     one of them (newer scripts) or recategorised. Marks (M*) are neither letters nor numbers
     in either: "e" + U+0301 is two pieces, "e" and the accent;
   - U+180E counts as a space only for engines older than Unicode 6.3 (2013);
   - a str holding a lone surrogate (not UTF-8-encodable) raises TokenizerError.
-`<|endoftext|>` in the text is plain text: encode never produces the `eot` id (as GPT-2's own
-encoder, and tiktoken's default, which refuses it); put `tokenizer.eot` between documents
-yourself. `decode` gives back "<|endoftext|>" for it.
+`<|endoftext|>` in the text is plain text (7 tokens for GPT-2: '<', '|', 'end', 'of', ...):
+encode never gives the `eot` id (GPT-2's own encoder did the same; tiktoken by default raises
+instead). Put `tokenizer.eot` between documents yourself; `decode` gives "<|endoftext|>" back
+for it.
 
 Loading validates (TokenizerError, one line naming the file and what to do): both files
 exist and parse, ids are 0..n-1 without duplicates, the 256 byte characters are tokens (else
@@ -88,9 +92,11 @@ def _class(code_points):
 
 @functools.lru_cache(maxsize=None)
 def _patterns():
-    """(pre-tokenization regex, chunk-cut regex), built once per process."""
+    """(pre-tokenization regex, chunk-cut regex), built once per process. The classes hold
+    BMP code points only: astral ranges would sit in a list `re` scans linearly for every
+    character outside the class (5x slower); astral characters get a BMP stand-in instead."""
     by_category = {"L": [], "N": []}
-    for c in range(0x110000):
+    for c in range(0x10000):
         by_category.get(unicodedata.category(chr(c))[0], []).append(c)
     letters, numbers = _class(by_category["L"]), _class(by_category["N"])
     space = _class([ord(c) for c in _WHITE_SPACE])
@@ -99,9 +105,25 @@ def _patterns():
     return split, re.compile(rf"[^{space}](?=[{space}])")
 
 
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _stand_in(match):
+    """A BMP character of the astral character's class: 'A' (a letter, in no contraction),
+    '0' (a number) or NUL (neither, nor a space: White_Space is all in the BMP)."""
+    return {"L": "A", "N": "0"}.get(unicodedata.category(match.group())[0], "\x00")
+
+
 def pretokenize(text):
     """The pieces GPT-2's pattern splits `text` into (joined, they give `text` back)."""
-    return _patterns()[0].findall(text)
+    split = _patterns()[0]
+    if text.isascii() or max(text) <= "\uffff":         # isascii: O(1) in CPython
+        return split.findall(text)
+    pieces, start = [], 0                    # the same pieces, read off a text of stand-ins
+    for piece in split.findall(_ASTRAL.sub(_stand_in, text)):
+        pieces.append(text[start:start + len(piece)])
+        start += len(piece)
+    return pieces
 
 
 def _chunks(text, size):
@@ -194,8 +216,8 @@ def read_vocab(path):
             raise TokenizerError(f"{path}: token {token!r} is listed twice (ids {vocab[token]} "
                                  f"and {i})")
         if not 0 <= i < len(pairs):
-            raise TokenizerError(f"{path}: token {token!r} has id {i}, outside "
-                                 f"0..{len(pairs) - 1} (ids must be 0..n-1 for its n = "
+            raise TokenizerError(f"{path}: token {token!r} has id {i}, outside 0.."
+                                 f"{len(pairs) - 1} (ids must be 0..n-1 for its n = "
                                  f"{len(pairs)} tokens)")
         if i in owner:
             raise TokenizerError(f"{path}: id {i} is given to both {owner[i]!r} and {token!r}")
@@ -217,9 +239,11 @@ def _check_bytes(path, vocab):
 def read_merges(path, vocab):
     """merges.txt -> [(left, right)] in rank order, validated against `vocab`: two fields a
     line, both parts and their concatenation are tokens, no merge twice. A first line that
-    starts with '#version' is the header; blank lines at the end are ignored."""
+    starts with '#version' is the header; blank lines at the end are ignored (an empty
+    file: no merges)."""
     merges, seen = [], {}
-    lines = _read_text(path).rstrip("\r\n").split("\n")
+    text = _read_text(path).rstrip("\r\n")
+    lines = text.split("\n") if text else []
     for number, line in enumerate(lines, 1):
         if number == 1 and line.startswith("#version"):
             continue
@@ -251,7 +275,8 @@ def _check_merge(path, number, pair, vocab):
 
 class BPETokenizer:
     """Text <-> GPT-2 token ids (byte-level BPE), the interface of data.ByteTokenizer:
-    `encode(text)` -> int64 ids, `decode(ids)` -> str, `vocab_size`, `name`; and `eot`, the
+    `encode(text)` -> int64 ids, `decode(ids)` -> str, `vocab_size`, `name`, `key` (a digest
+    of the vocabulary and merges, for data caches); and `eot`, the
     id of <|endoftext|> (None if the vocabulary has none) to put between documents.
 
     BPETokenizer.from_folder(path) reads and validates a folder's vocab.json and merges.txt;
@@ -266,9 +291,9 @@ class BPETokenizer:
         self._ranks = {}
         for rank, pair in enumerate(merges):
             self._ranks.setdefault(tuple(pair), rank)
-        digest = hashlib.sha256(json.dumps([sorted(self._ids.items()), list(merges)],
+        digest = hashlib.sha256(json.dumps([sorted(self._ids.items()), list(self._ranks)],
                                            ensure_ascii=False).encode("utf-8"))
-        self.key = f"{self.name}-{digest.hexdigest()[:16]}"     # its identity in data caches
+        self.key = f"{self.name}-{digest.hexdigest()[:16]}"    # its identity in data caches
         self._byte_char = [bytes_to_unicode()[b] for b in range(256)]
         self._bytes = self._token_bytes()
         self._cache = {}
@@ -295,7 +320,8 @@ class BPETokenizer:
         return out
 
     def encode(self, text):
-        """Token ids of `text` (str, or UTF-8 bytes) as a 1-D int64 array."""
+        """Token ids of `text` (str, or UTF-8 bytes) as a 1-D int64 array; <|endoftext|> in
+        it is plain text (7 tokens for GPT-2), never `eot`."""
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = _utf8(bytes(text))
         parts = [self._encode_chunk(chunk) for chunk in _chunks(text, _CHUNK)]
@@ -303,7 +329,7 @@ class BPETokenizer:
 
     def _encode_chunk(self, text):
         ids, cache = [], self._cache
-        for piece in _patterns()[0].findall(text):
+        for piece in pretokenize(text):
             got = cache.get(piece)
             if got is None:
                 got = self._encode_piece(piece)
