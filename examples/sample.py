@@ -22,6 +22,7 @@ from minidist.launcher import set_thread_env, world_size_from_env
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
 import math  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from minidist import backend  # noqa: E402
@@ -78,26 +79,27 @@ def check(args):
 def pick_tokenizer(args, vocab_size):
     """The model's tokenizer (module docstring), checked against its vocabulary."""
     if args.tokenizer is not None:
-        tokenizer = tokenizer_in(args.tokenizer)
+        tokenizer, where = tokenizer_in(args.tokenizer), f"--tokenizer {args.tokenizer}"
         if tokenizer is None:
-            raise UsageError(f"--tokenizer {args.tokenizer}: no vocab.json and merges.txt (nor "
-                             "meta.pkl) there")
+            what = "no vocab.json and merges.txt (nor meta.pkl) there" if os.path.isdir(
+                args.tokenizer) else "no such folder"
+            raise UsageError(f"{where}: {what}")
     elif vocab_size == ByteTokenizer.vocab_size:
-        tokenizer = ByteTokenizer()
+        tokenizer, where = ByteTokenizer(), "bytes"
     else:
         flags = run_flags(args.resume)
-        found = (tokenizer_in(folder) for folder in (args.resume, flags.get("init_from"),
-                                                     flags.get("data")))
-        tokenizer = next((t for t in found if t is not None), None)
+        folders = [f for f in (args.resume, flags.get("init_from"), flags.get("data")) if f]
+        found = ((tokenizer_in(f), f) for f in folders)
+        tokenizer, where = next(((t, f) for t, f in found if t is not None), (None, None))
         if tokenizer is None:
             raise UsageError(f"--resume {args.resume}: a model of a {vocab_size:,}-token "
-                             "vocabulary, and no tokenizer found for it; give --tokenizer DIR, "
-                             "a folder with its vocab.json and merges.txt (as every GPT-2 "
-                             "download has them)")
+                             f"vocabulary, and no tokenizer found for it (looked in "
+                             f"{', '.join(folders)}); give --tokenizer DIR, a folder with its "
+                             "vocab.json and merges.txt (as every GPT-2 download has them) "
+                             "or nanoGPT's meta.pkl")
     if tokenizer.vocab_size != vocab_size:
-        raise UsageError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} "
-                         f"tokens, the model {vocab_size:,}: give --tokenizer DIR of the "
-                         "model's own")
+        raise UsageError(f"the tokenizer of {where} has {tokenizer.vocab_size:,} tokens, the "
+                         f"model {vocab_size:,}: give --tokenizer DIR of the model's own")
     return tokenizer
 
 
@@ -105,6 +107,10 @@ def main(args):
     check(args)
     config = model_config(args.resume)          # state.json / config.json only: cheap
     tokenizer = pick_tokenizer(args, config.vocab_size)
+    try:
+        idx = tokenizer.encode(args.prompt)[None, :]
+    except (DataError, TokenizerError) as e:
+        raise UsageError(f"--prompt {args.prompt!r}: {e}") from None
     backend.setup(device=args.device)
     config, params, what = whole_model(args.resume)
     dtype = "float64" if any(str(a.dtype) == "float64" for a in params.values()) else "float32"
@@ -112,7 +118,6 @@ def main(args):
     model.load_state_dict(params)
     print(f"sampling {args.tokens} tokens from {what}: {model.num_parameters():,} parameters, "
           f"{dtype} on {backend.device()}", file=sys.stderr, flush=True)
-    idx = tokenizer.encode(args.prompt)[None, :]
     out = model.generate(idx, args.tokens, temperature=args.temperature,
                          top_k=args.top_k or None, seed=args.seed)
     text = tokenizer.decode(out[0])

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
+from minidist.strategy import checkpoint
+from minidist.strategy.checkpoint import CheckpointError
 from minidist.train import token_files
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags
@@ -107,7 +109,8 @@ def test_token_folder_vocabulary_checks_and_nanogpt_character_vocabulary(tmp_pat
 
     os.remove(tmp_path / "meta.pkl")                            # GPT-2's vocabulary now
     nanogpt_file(tmp_path / "val.bin", [3, 60000, 4])
-    with pytest.raises(DataError, match=r"val.bin: token 60000 .* 50,257"):
+    with pytest.raises(DataError, match=r"val.bin: token id 60000 at position 1 is past the "
+                       r"vocabulary \(50,257 tokens\)"):
         TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
 
 
@@ -121,7 +124,7 @@ def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_pat
     monkeypatch.setattr(token_files, "CHECKED_AT_OPEN", 100)
     monkeypatch.setattr(token_files, "ENTROPY_TOKENS", 100)
     data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
-    with pytest.raises(DataError, match="train batch of step .*token 50300"):
+    with pytest.raises(DataError, match="train.bin: token id 50300 at position 250 is past"):
         for step in range(50):
             data.get_batch(0, "train", step, 8, 16)
 
@@ -146,7 +149,7 @@ def _train(flags):
 
 
 def test_init_from_a_folder_starts_where_the_seed_that_made_it_starts(tmp_path, corpus,
-                                                                      device):
+                                                                      device, capsys):
     """A run from a saved model's folder = a run from the seed that drew the model, bit for
     bit (float32 round-trips the folder exactly); the model flags come from the folder."""
     folder, _ = _gpt2_folder(tmp_path, 256, seed=5)
@@ -154,21 +157,67 @@ def test_init_from_a_folder_starts_where_the_seed_that_made_it_starts(tmp_path, 
                       "--cache-dir", str(tmp_path / "c"), *device_flags(device)]
     _train(common + ["--n-layer", "2", "--n-head", "2", "--n-embd", "16",
                      "--log-json", str(tmp_path / "seed.jsonl")])
+    capsys.readouterr()
     _train(common + ["--init-from", folder, "--log-json", str(tmp_path / "folder.jsonl")])
     assert logged_losses(tmp_path / "folder.jsonl") == logged_losses(tmp_path / "seed.jsonl")
+    assert f"init: the weights of --init-from {folder} (wpe's first 16 positions)" in \
+        capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=f"a GPT-2 folder, not a minidist checkpoint: "
+                       f"start from its weights with --init-from {folder}"):
+        checkpoint.verify(folder)
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--n-embd", "32"], "has n_embd 16; --n-embd 32 differs"),
+    (["--n-embd", "32"], r"--n-embd 32: its model has n_embd 16 \(--init-from"),
+    (["--n-layer", "4"], "--n-layer 4: its model has n_layer 2"),     # 4: the flag's default
     (["--block-size", "64"], "--block-size 64: --init-from .* has 32 positions"),
+    (["--block-size", "128"], "--block-size 128: --init-from .* has 32 positions"),
+    (["--no-bias"], "--no-bias: its model has biases"),
     (["--moe-experts", "2"], "holds a dense GPT-2"),
 ])
 def test_init_from_refuses_sizes_it_does_not_have(tmp_path, flags, says):
+    """A size given on the command line must be the folder's (given with the flag's default
+    value too); one left out is taken from it, --block-size at most its positions."""
     folder, tokens = _gpt2_folder(tmp_path, 256, seed=0)
     with pytest.raises(UsageError, match=says):
         check_flags(train_parser().parse_args(["--init-from", folder, *flags]))
-    with pytest.raises(UsageError, match="no config.json or model.safetensors"):
-        check_flags(train_parser().parse_args(["--init-from", str(tmp_path)]))
+    args = train_parser().parse_args(["--init-from", folder, "--n-head", "2"])
+    check_flags(args)
+    assert (args.n_layer, args.n_head, args.n_embd, args.block_size) == (2, 2, 16, 32)
+
+
+def test_init_from_names_what_the_folder_is_instead(tmp_path):
+    folder, tokens = _gpt2_folder(tmp_path, 256, seed=0)
+    for path, says in ((tmp_path, "no config.json or model.safetensors there"),
+                       (tmp_path / "none", "no such folder"),
+                       (tmp_path / "gpt2" / "config.json", "is a file; give the folder")):
+        with pytest.raises(UsageError, match=says):
+            check_flags(train_parser().parse_args(["--init-from", str(path)]))
+    os.remove(tmp_path / "gpt2" / "model.safetensors")
+    (tmp_path / "gpt2" / "pytorch_model.bin").write_bytes(b"\0")
+    with pytest.raises(UsageError, match="pytorch_model.bin are PyTorch pickles"):
+        check_flags(train_parser().parse_args(["--init-from", folder]))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("step-00000001\n")
+    with pytest.raises(UsageError, match="a minidist checkpoint, not a GPT-2 folder; --resume"):
+        check_flags(train_parser().parse_args(["--init-from", str(tmp_path / "ckpt")]))
+
+
+def test_token_files_given_wrongly_are_refused(tmp_path):
+    """The slips from nanoGPT: --data of one .bin file, a folder of .bin files named
+    otherwise, two sets of files in one folder."""
+    nanogpt_file(tmp_path / "train.bin", np.arange(100))
+    nanogpt_file(tmp_path / "val.bin", np.arange(50))
+    with pytest.raises(UsageError, match=f"give their folder, --data {tmp_path}"):
+        check_flags(train_parser().parse_args(["--data", str(tmp_path / "train.bin")]))
+    other = tmp_path / "other"
+    other.mkdir()
+    nanogpt_file(other / "data.bin", np.arange(100))
+    with pytest.raises(UsageError, match="holds .bin files, none named as token files"):
+        check_flags(train_parser().parse_args(["--data", str(other)]))
+    nanogpt_file(tmp_path / "old_train.bin", np.arange(100))
+    with pytest.raises(DataError, match="holds 2 sets of token files .*move all but one"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
 
 
 def test_init_from_needs_data_in_its_vocabulary(tmp_path, corpus):
@@ -221,13 +270,15 @@ def _bpe_files(folder):
 def test_text_in_the_folders_bpe_fine_tunes_saves_and_samples(tmp_path, corpus, device):
     """--init-from a folder with vocab.json and merges.txt: the text is tokenized by its BPE
     (cached as uint16), the run samples text, and sample.py finds the tokenizer through the
-    checkpoint's flags, or in a GPT-2 folder given as --resume."""
+    checkpoint's flags (recorded as absolute paths: --init-from is given relative here, and
+    sample.py runs from another folder), or in a GPT-2 folder given as --resume."""
     folder = tmp_path / "gpt2"
     os.makedirs(folder)
     vocab = _bpe_files(folder)
     GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab),
         seed=1).save_pretrained(str(folder))
-    summary = _train(SMALL + ["--steps", "2", "--init-from", str(folder), "--data", corpus,
+    summary = _train(SMALL + ["--steps", "2", "--init-from", os.path.relpath(folder),
+                              "--data", corpus,
                               "--cache-dir", str(tmp_path / "c"), "--sample", "12",
                               "--save", str(tmp_path / "ft"), *device_flags(device)])
     assert isinstance(summary["sample"], str) and summary["sample"]
@@ -237,8 +288,9 @@ def test_text_in_the_folders_bpe_fine_tunes_saves_and_samples(tmp_path, corpus, 
     text = open(corpus, "rb").read()
     assert meta["train_tokens"] + meta["val_tokens"] < 0.8 * len(text)   # merges took hold
     for resume in (tmp_path / "ft", folder):
-        out = subprocess.run([sys.executable, "examples/sample.py", "--resume", str(resume),
-                              "--tokens", "5", "--prompt", "def f", *device_flags(device)],
-                             cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "sample.py"),
+                              "--resume", str(resume), "--tokens", "5", "--prompt", "def f",
+                              *device_flags(device)],
+                             cwd=tmp_path, env=mpi_env(), capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("def f"), out.stderr

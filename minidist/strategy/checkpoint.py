@@ -131,8 +131,12 @@ def verify(folder, shard_checksums=True):
     if not os.path.isfile(path) and parts:
         return verify_parts(folder, parts, shard_checksums)
     if not os.path.isfile(path):
-        raise CheckpointError(f"--resume {folder}: no manifest.json, so not a complete "
-                              "minidist checkpoint")
+        gpt2 = all(os.path.isfile(os.path.join(folder, f))
+                   for f in ("config.json", "model.safetensors"))
+        raise CheckpointError(f"--resume {folder}: " + (
+            f"a GPT-2 folder, not a minidist checkpoint: start from its weights with "
+            f"--init-from {folder}" if gpt2 else
+            "no manifest.json, so not a complete minidist checkpoint"))
     digest = os.path.join(folder, DIGEST)
     if not os.path.isfile(digest):
         raise CheckpointError(f"{folder}: no {DIGEST} (an incomplete checkpoint, or one from "
@@ -265,8 +269,11 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
         diffs.append(f"optimizer: {meta['optimizer']} in the checkpoint, {optimizer_type} "
                      "here (--amp must match)")
     if diffs:
+        data = ("; vocab_size follows --data (and --init-from): give the data it was trained "
+                "on" if theirs.get("vocab_size") != ours.get("vocab_size") else "")
         raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs)
-                              + " (resume with the model flags, --dtype and --amp it was saved with)")
+                              + " (resume with the model flags, --dtype and --amp it was saved "
+                              f"with, or the --init-from folder that set them{data})")
 
 
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------

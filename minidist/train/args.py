@@ -14,18 +14,38 @@ import sys
 from minidist.train.cli import launcher_rank
 
 
+class Given(argparse.Action):
+    """Stores the flag's value and notes that it was given (`args.given`, a sorted list of
+    names), so --init-from can tell a size the user typed from its default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = sorted({*getattr(namespace, "given", []), self.dest})
+
+
+class GivenFalse(Given):
+    """`store_false`, noted as given."""
+
+    def __init__(self, option_strings, dest, default=True, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, False, option_string)
+
+
 def add_model_args(p):
     g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    g.add_argument("--n-head", type=int, default=4, help="attention heads")
-    g.add_argument("--n-embd", type=int, default=128, help="embedding width")
-    g.add_argument("--block-size", type=int, default=128, help="context length, in tokens")
+    g.add_argument("--n-layer", type=int, default=4, action=Given, help="transformer blocks")
+    g.add_argument("--n-head", type=int, default=4, action=Given, help="attention heads")
+    g.add_argument("--n-embd", type=int, default=128, action=Given, help="embedding width")
+    g.add_argument("--block-size", type=int, default=128, action=Given,
+                   help="context length, in tokens (with --init-from: at most its positions)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
                    help="tiled: FlashAttention-style tiles, O(T) memory (attention dropout "
                    "drawn per tile); auto: tiled from --block-size 256 on (faster there)")
     g.add_argument("--attention-block", type=int, default=64, help="tile size, --attention tiled")
-    g.add_argument("--no-bias", dest="bias", action="store_false",
+    g.add_argument("--no-bias", dest="bias", action=GivenFalse,
                    help="no biases in Linear and LayerNorm layers")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     add_moe_args(p)
@@ -139,8 +159,9 @@ def add_train_args(p):
                    "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "
                    "llm.c write them) (default: Python's stdlib sources)")
     g.add_argument("--cache-dir", default=None,
-                   help="where token files are cached (default: .minidist-cache/ beside "
-                        "--data where writable, else $MINIDIST_CACHE or ~/.cache/minidist)")
+                   help="where text data's tokens are cached (token files are read in place; "
+                   "default: .minidist-cache/ beside --data where writable, else "
+                   "$MINIDIST_CACHE or ~/.cache/minidist)")
     g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
     g.add_argument("--log-every", type=int, default=25, help="steps between log lines")

@@ -88,9 +88,12 @@ def _open_data(args):
     tokenizer (for the sample) is theirs, else --init-from's."""
     bpe = tokenizer_in(args.init_from)
     names = token_file_names(args.data) if args.data else None
-    if names:
-        return TokenFiles(args.data, names, tokenizer_in(args.data) or bpe)
-    return TokenData(args.data, args.cache_dir, bpe)
+    if not names:
+        return TokenData(args.data, args.cache_dir, bpe)
+    beside = tokenizer_in(args.data)
+    if beside is not None:
+        return TokenFiles(args.data, names, beside, f"{args.data} (beside the files)")
+    return TokenFiles(args.data, names, bpe, f"--init-from {args.init_from}")
 
 
 def _initial_weights(args, config, data):
@@ -131,8 +134,8 @@ def _resume(args, strategy, log, model, opt):
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]})
-    saved = state.get("extra", {})
-    changed = [k for k in _MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+    saved, ours = _recorded_flags(state.get("extra", {})), _recorded_flags(vars(args))
+    changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
@@ -142,6 +145,13 @@ def _resume(args, strategy, log, model, opt):
 
 _MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_accum",
                "weight_decay", "grad_clip", "data")
+_PATHS = ("data", "init_from", "cache_dir")
+
+
+def _recorded_flags(flags):
+    """The run's flags as a checkpoint records them (state.json's "extra"), its folders made
+    absolute: sample.py, run from anywhere, finds the tokenizer through them."""
+    return {k: os.path.abspath(v) if k in _PATHS and v else v for k, v in flags.items()}
 
 
 class Diverged(UsageError):
@@ -179,6 +189,11 @@ def train(args, world=None):
     config = _config(args, data)
     weights = _initial_weights(args, config, data)   # --init-from's; None: the seed's draws
     model = strategy.build_model(config, args.seed, args.dtype, weights)
+    if weights is not None:
+        log.print0(f"init: the weights of --init-from {args.init_from}"
+                   + (f" (wpe's first {config.block_size} positions)"
+                      if len(weights["transformer.wpe.weight"]) < read_config(
+                          args.init_from).block_size else ""))
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
@@ -335,7 +350,8 @@ def _save(args, strategy, log, model, opt, step, say=True):
     and (`say`) say so; returns the folder (on rank 0). Only called after a step whose loss
     and gradient norm were finite on every rank (an overflow under --amp skipped the update),
     so the parameters saved are finite: a diverged run stops before it saves."""
-    strategy.save(args.save, model, opt, step + 1, _rng_states(model), vars(args))
+    strategy.save(args.save, model, opt, step + 1, _rng_states(model),
+                  _recorded_flags(vars(args)))
     if strategy.rank == 0:          # every rank has written: older folders can go
         checkpoint_dirs.prune(args.save, args.keep)
         folder = os.path.join(args.save, checkpoint_dirs.read_latest(args.save))
@@ -367,8 +383,9 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                                            "eval loss"))
     text = ""
     if args.sample and data.tokenizer is None:
-        log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text (put "
-                   "GPT-2's vocab.json and merges.txt beside the token files)")
+        log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text (GPT-2's "
+                   "vocab.json and merges.txt beside the token files, or a meta.pkl with its "
+                   "itos table, would be one)")
     elif args.sample and strategy.takes_part_in_sampling():   # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
         log.print0("---- sample ----\n" + printable(text) + "\n----------------")

@@ -76,8 +76,9 @@ def read_tokens(path):
 def _read_llmc(path, head, size):
     version = int(head[1]) if len(head) > 1 else None
     if len(head) < 256 or version not in LLMC_VERSIONS:
-        raise DataError(f"{path}: an llm.c header of version {version}; minidist reads "
-                        f"versions {sorted(LLMC_VERSIONS)} (a whole 1024-byte header)")
+        raise DataError(f"{path}: an llm.c header of version {version}"
+                        + (" (the header is cut short)" if len(head) < 256 else "")
+                        + f"; minidist reads versions {sorted(LLMC_VERSIONS)}")
     dtype, vocab, name = LLMC_VERSIONS[version]
     n, width = int(head[2]), np.dtype(dtype).itemsize
     if size != LLMC_HEADER + n * width:
@@ -154,8 +155,13 @@ class TokenFiles:
     are the tokenizer then).
     """
 
-    def __init__(self, folder, names, tokenizer=None):
-        self.source = folder
+    def __init__(self, folder, names, tokenizer=None, tokenizer_from=None):
+        self.source, self.names = folder, names
+        sets = {_NAME[split].match(n).group(1) or "" for split in names for n in names[split]}
+        if len(sets) > 1:
+            shown = sorted(f"{p}_*.bin" if p else "train.bin, val.bin" for p in sets)
+            raise DataError(f"--data {folder}: holds {len(sets)} sets of token files ("
+                            f"{'; '.join(shown)}): move all but one set out")
         self.splits, formats = {}, {}
         for split in ("train", "val"):
             if not names[split]:
@@ -166,24 +172,33 @@ class TokenFiles:
             for name in names[split]:
                 tokens, vocab, fmt = read_tokens(os.path.join(folder, name))
                 self.splits[split].append(tokens)
-                formats[fmt] = vocab
+                formats.setdefault((fmt, vocab), []).append(name)
         if len(formats) > 1:
-            raise DataError(f"--data {folder}: mixes token formats "
-                            f"({', '.join(sorted(formats))})")
-        (self.format, self.vocab_size), = formats.items()
-        self.tokenizer = tokenizer
-        meta_pkl = os.path.join(folder, "meta.pkl")
-        if os.path.isfile(meta_pkl):
-            self.vocab_size, chars = read_meta_pkl(meta_pkl)
-            self.tokenizer = chars or tokenizer
-        if self.tokenizer is not None and self.tokenizer.vocab_size != self.vocab_size:
-            raise DataError(f"--data {folder}: {self.vocab_size:,}-token data, but the "
-                            f"tokenizer found has {self.tokenizer.vocab_size:,} tokens")
+            raise DataError(f"--data {folder}: mixes token formats ("
+                            + "; ".join(f"{fmt}: {', '.join(files)}"
+                                        for (fmt, _), files in sorted(formats.items()))
+                            + "): keep the files of one")
+        (self.format, self.vocab_size), = formats
+        self.tokenizer = self._tokenizer(tokenizer, tokenizer_from)
         self.meta = {f"{s}_tokens": sum(len(t) for t in self.splits[s]) for s in self.splits}
         for split, shards in self.splits.items():
             for name, tokens in zip(names[split], shards):
                 self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
         self.unigram_entropy = self._unigram_entropy(names["train"])
+
+    def _tokenizer(self, tokenizer, tokenizer_from):
+        """The tokenizer to sample with: meta.pkl's characters (whose vocab_size is the
+        data's then), else `tokenizer`, which must fit the data's vocabulary."""
+        meta_pkl = os.path.join(self.source, "meta.pkl")
+        if os.path.isfile(meta_pkl):
+            self.vocab_size, chars = read_meta_pkl(meta_pkl)
+            return chars
+        if tokenizer is not None and tokenizer.vocab_size != self.vocab_size:
+            raise DataError(f"--data {self.source}: its files are in a {self.vocab_size:,}-"
+                            f"token vocabulary ({self.format}), the tokenizer of "
+                            f"{tokenizer_from or 'the folder'} has {tokenizer.vocab_size:,}: "
+                            "they were not made with it; give the data of that tokenizer")
+        return tokenizer
 
     def _unigram_entropy(self, names):
         """Nats per token of the train split's token frequencies, counted on its first
@@ -200,11 +215,23 @@ class TokenFiles:
         return float(-(p * np.log(p)).sum())
 
     def _check_ids(self, ids, where, offset):
-        if len(ids) and int(ids.max()) >= self.vocab_size:
-            at = offset + int(np.argmax(ids >= self.vocab_size))
-            raise DataError(f"{where}: token {int(ids.max())} (first past the vocabulary at "
-                            f"token {at:,}) >= the vocabulary's {self.vocab_size:,}: a file of "
+        """Raise naming `where` and the first id past the vocabulary, at its position
+        (`offset`: the position of ids[0] in the file)."""
+        past = np.flatnonzero(ids >= self.vocab_size) if len(ids) else ()
+        if len(past):
+            at = int(past[0])
+            raise DataError(f"{where}: token id {int(ids[at])} at position {offset + at:,} "
+                            f"is past the vocabulary ({self.vocab_size:,} tokens): a file of "
                             "another tokenizer?")
+
+    def _find_past_vocabulary(self, split):
+        """A batch held an id past the vocabulary: name the file and position (a scan of the
+        split, in chunks; only on this error)."""
+        chunk = 1 << 24
+        for name, tokens in zip(self.names[split], self.splits[split]):
+            for start in range(0, len(tokens), chunk):
+                self._check_ids(tokens[start:start + chunk], os.path.join(self.source, name),
+                                start)
 
     def describe(self):
         shards = sum(len(s) for s in self.splits.values())
@@ -216,13 +243,13 @@ class TokenFiles:
         for split, shards in self.splits.items():
             longest = max(len(t) for t in shards)
             if longest < block_size + 1:
+                fix = (f"give a --block-size below {longest}" if longest > 1 else
+                       f"give a {split} file of more tokens")
                 raise DataError(f"{self.source}: the longest {split} file has {longest:,} "
-                                f"tokens, fewer than --block-size {block_size} + 1; give a "
-                                f"--block-size below {longest}")
+                                f"token(s), fewer than --block-size {block_size} + 1; {fix}")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         x, y = draw_batch(self.splits[split], seed, split, step, batch_size, block_size)
         if int(x.max()) >= self.vocab_size or int(y[:, -1].max()) >= self.vocab_size:
-            bad = np.concatenate([x.ravel(), y[:, -1]])
-            self._check_ids(bad, f"{self.source} ({split} batch of step {step})", 0)
+            self._find_past_vocabulary(split)
         return x, y
