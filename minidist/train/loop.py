@@ -383,9 +383,9 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                                            "eval loss"))
     text = ""
     if args.sample and data.tokenizer is None:
-        log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text (GPT-2's "
-                   "vocab.json and merges.txt beside the token files, or a meta.pkl with its "
-                   "itos table, would be one)")
+        log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
+                   "(GPT-2's vocab.json and merges.txt beside the token files, or a meta.pkl "
+                   "with its itos table, would be one)")
     elif args.sample and strategy.takes_part_in_sampling():   # tp: every rank of a replica
         text = sample_text(model, data, args.sample, args.seed)
         log.print0("---- sample ----\n" + printable(text) + "\n----------------")
