@@ -294,3 +294,43 @@ def test_text_in_the_folders_bpe_fine_tunes_saves_and_samples(tmp_path, corpus, 
                              cwd=tmp_path, env=mpi_env(), capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("def f"), out.stderr
+
+
+def test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run(tmp_path, corpus, device):
+    """examples/export_gpt2.py: a run's checkpoint (in a BPE's tokens) as a GPT-2 folder, its
+    tokenizer files copied beside: the folder holds the checkpoint's parameters exactly and
+    starts a new run (--init-from), whose first loss is the checkpoint's model's."""
+    folder = tmp_path / "gpt2"
+    os.makedirs(folder)
+    vocab = _bpe_files(folder)
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab),
+        seed=1).save_pretrained(str(folder))
+    common = SMALL + ["--data", corpus, "--cache-dir", str(tmp_path / "c"),
+                      *device_flags(device)]
+    _train(common + ["--steps", "3", "--init-from", str(folder), "--save", str(tmp_path / "ft")])
+    for dtype in ("float32", "bfloat16"):
+        out = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume",
+                              str(tmp_path / "ft"), "--out", str(tmp_path / dtype), "--dtype",
+                              dtype], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "vocab.json and merges.txt from" in out.stdout, \
+            out.stderr
+    params = checkpoint.load(tmp_path / "ft")[0]
+    exported = GPT.from_pretrained(str(tmp_path / "float32")).state_dict()
+    assert set(exported) == set(params)
+    assert all(np.array_equal(exported[n], params[n]) for n in params)
+    assert sorted(os.listdir(tmp_path / "float32")) == [
+        "config.json", "merges.txt", "model.safetensors", "vocab.json"]
+    _train(common + ["--steps", "1", "--init-from", str(tmp_path / "float32"),
+                     "--log-json", str(tmp_path / "next.jsonl")])
+    first = logged_losses(tmp_path / "next.jsonl")[0]     # step 0 of the ft run was 5.52
+    assert first < 5.3, first                            # the trained weights, not gpt2/'s
+    half = GPT.from_pretrained(str(tmp_path / "bfloat16")).state_dict()   # widened back
+    assert all(np.allclose(half[n], params[n], rtol=2 ** -8, atol=0) for n in params)
+    for flags, says in ((["--out", corpus], f"--out {corpus}: is a file; give a folder"),
+                        (["--out", "x", "--tokenizer", str(tmp_path)], "no vocab.json and")):
+        bad = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume",
+                              str(tmp_path / "ft"), *flags], cwd=ROOT, env=mpi_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr, \
+            bad.stderr

@@ -1,0 +1,91 @@
+"""Write a checkpoint of any strategy as a GPT-2 folder (Hugging Face's layout), in one process:
+what `transformers.GPT2LMHeadModel.from_pretrained(dir)` loads, what sample.py --resume and
+train_gpt.py --init-from take (a new run from trained weights: new data, a new schedule).
+
+    python examples/train_gpt.py --steps 400 --save ckpt
+    python examples/export_gpt2.py --resume ckpt --out exported
+    python examples/train_gpt.py --init-from exported --data other.txt --lr 1e-3 --steps 200
+
+The whole model is gathered from the checkpoint as sample.py gathers it (one process, DDP,
+ZeRO-1/2/3, TP, PP, CP, TP x ZeRO: minidist/train/gather.py; under --amp the float32
+masters), then written by minidist/nn/pretrained.py (config.json, model.safetensors). A model
+in a BPE's tokens gets the tokenizer's vocab.json and merges.txt copied beside it, found as
+sample.py finds it (--tokenizer DIR, else the folders the run named), so the folder is whole.
+A Mixture of Experts is refused: GPT-2's format has no experts.
+Tests: tests/test_token_files.py (test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run).
+"""
+from minidist.launcher import set_thread_env, world_size_from_env
+
+set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
+
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+from minidist import backend  # noqa: E402
+from minidist.nn.pretrained import save_state_pretrained  # noqa: E402
+from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
+from minidist.train.amp import bfloat16  # noqa: E402
+from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
+from minidist.train.bpe import MERGES, VOCAB, TokenizerError, tokenizer_files  # noqa: E402
+from minidist.train.cli import UsageError, run_main  # noqa: E402
+from minidist.train.data import DataError  # noqa: E402
+from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
+
+
+def export_parser():
+    p = Parser(description="Write a checkpoint as a GPT-2 folder (config.json, "
+                           "model.safetensors).", formatter_class=HelpWithDefaults)
+    p.add_argument("--resume", required=True, metavar="DIR",
+                   help="a --save directory (its newest checkpoint) or a checkpoint folder")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the folder to write (made if missing; its config.json and "
+                   "model.safetensors are replaced)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the parameters' type in model.safetensors")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="where the model's vocab.json and merges.txt are (default: the "
+                   "--init-from or --data folder of the run, when it has them)")
+    p.add_argument("--traceback", action="store_true",
+                   help="on a user error, show the traceback (also MINIDIST_DEBUG=1)")
+    return p
+
+
+def tokenizer_folder(args):
+    """The folder of the model's GPT-2 tokenizer files, or None (a model in bytes, or
+    characters: nothing to copy)."""
+    if args.tokenizer is not None:
+        if not tokenizer_files(args.tokenizer):
+            raise UsageError(f"--tokenizer {args.tokenizer}: no {VOCAB} and {MERGES} there")
+        return args.tokenizer
+    flags = run_flags(args.resume)
+    return next((f for f in (flags.get("init_from"), flags.get("data"))
+                 if f and tokenizer_files(f)), None)
+
+
+def main(args):
+    if world_size_from_env() > 1:
+        raise UsageError("export_gpt2.py runs on one process: run it without mpirun")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: is a file; give a folder")
+    config = model_config(args.resume)                  # state.json only: cheap
+    if args.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+        raise UsageError("--dtype bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
+    if config.moe_experts:
+        raise UsageError(f"--resume {args.resume}: a Mixture of Experts ({config.moe_experts} "
+                         "experts); GPT-2's format has no experts, so it cannot be exported")
+    tokenizer = tokenizer_folder(args)
+    backend.setup(device="cpu")
+    config, params, what = whole_model(args.resume)
+    os.makedirs(args.out, exist_ok=True)
+    save_state_pretrained(config, params, args.out,
+                          dtype=bfloat16() if args.dtype == "bfloat16" else args.dtype)
+    for name in (VOCAB, MERGES) if tokenizer else ():
+        shutil.copyfile(os.path.join(tokenizer, name), os.path.join(args.out, name))
+    print(f"wrote {what} to {args.out}: config.json, model.safetensors ({args.dtype})"
+          + (f", {VOCAB} and {MERGES} from {tokenizer}" if tokenizer else ""))
+
+
+if __name__ == "__main__":
+    run_main(main, export_parser().parse_args(),
+             user_errors=(CheckpointError, DataError, TokenizerError))
