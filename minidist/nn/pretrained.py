@@ -67,6 +67,13 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
         json.dump(hf_config(config), f, indent=2)
 
 
+def is_gpt2_folder(path):
+    """Whether `path` is a folder holding config.json and model.safetensors (what
+    save_pretrained writes, and a Hugging Face GPT-2 download)."""
+    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
+                                                                "model.safetensors"))
+
+
 def read_config(directory):
     """A GPTConfig from a GPT-2 config.json."""
     from minidist.nn.config import GPTConfig

@@ -35,6 +35,7 @@ import re
 import shutil
 
 from minidist import backend
+from minidist.nn.pretrained import is_gpt2_folder
 from minidist.nn.safetensors import SafetensorsError, load_file, save_file
 from minidist.strategy import checkpoint_dirs as dirs
 from minidist.strategy.checkpoint_dirs import CheckpointError
@@ -131,11 +132,9 @@ def verify(folder, shard_checksums=True):
     if not os.path.isfile(path) and parts:
         return verify_parts(folder, parts, shard_checksums)
     if not os.path.isfile(path):
-        gpt2 = all(os.path.isfile(os.path.join(folder, f))
-                   for f in ("config.json", "model.safetensors"))
         raise CheckpointError(f"--resume {folder}: " + (
             f"a GPT-2 folder, not a minidist checkpoint: start from its weights with "
-            f"--init-from {folder}" if gpt2 else
+            f"--init-from {folder}" if is_gpt2_folder(folder) else
             "no manifest.json, so not a complete minidist checkpoint"))
     digest = os.path.join(folder, DIGEST)
     if not os.path.isfile(digest):

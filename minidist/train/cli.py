@@ -26,14 +26,12 @@ no traceback per rank.
 Tests: tests/test_cli.py.
 """
 import importlib.util
-import json
 import math
 import os
 import sys
 import tempfile
 
 from minidist.strategy import checkpoint_dirs
-from minidist.train.token_files import token_file_names
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
@@ -121,7 +119,9 @@ def check_flags(args):
                          "clipping)")
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
-    take_init_from_sizes(args)          # --init-from: the model's sizes are the folder's
+    # --init-from: the model's sizes are the folder's (inputs.py imports this module)
+    from minidist.train.inputs import check_data_path, take_init_from_sizes
+    take_init_from_sizes(args)
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
@@ -136,11 +136,7 @@ def check_flags(args):
         raise UsageError(f"--data {args.data}: no such file or folder (give a text file or a "
                          "folder of text files or of token files, or leave --data out for "
                          "Python's sources)")
-    if args.data is not None:
-        check_data_path(args.data)
-    if args.cache_dir is not None and args.data and token_file_names(args.data):
-        raise UsageError(f"--cache-dir {args.cache_dir}: --data {args.data} holds token files, "
-                         "read where they are (nothing is cached); leave --cache-dir out")
+    check_data_path(args)                 # minidist/train/inputs.py
     if args.resume not in (None, "auto") and not os.path.isdir(args.resume):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
         raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
@@ -218,85 +214,6 @@ def check_idle_flags(args, replicas=None, ranks=None):
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
              "moe_z_loss_coef")
-
-
-def check_data_path(data):
-    """--data is text or a folder of token files: a token file itself (the likely slip from
-    nanoGPT: --data owt/train.bin), or a folder of .bin files none of which is named as a
-    token file, would be read as text, bytes of binary."""
-    if os.path.isfile(data) and data.endswith(".bin"):
-        folder = os.path.dirname(data) or "."
-        raise UsageError(f"--data {data}: a .bin file is read as a set of token files with "
-                         f"its split: give their folder, --data {folder} (text is given as "
-                         "any other file)")
-    if os.path.isdir(data) and not token_file_names(data):
-        files = [n for n in os.listdir(data) if not n.startswith(".")
-                 and os.path.isfile(os.path.join(data, n))]
-        if files and all(n.endswith(".bin") for n in files):
-            raise UsageError(f"--data {data}: holds .bin files, none named as token files "
-                             "(train.bin and val.bin, or <name>_train_<N>.bin and "
-                             "<name>_val_<N>.bin): rename them so")
-
-
-def take_init_from_sizes(args):
-    """--init-from DIR (a GPT-2 folder: config.json, model.safetensors): the model's sizes
-    become the folder's (--n-layer, --n-head, --n-embd, biases) and --block-size at most its
-    positions, so every later check sees them; one of these given (args.given: args.py's
-    Given) with another value, or --moe-experts (GPT-2 is dense), is refused. Reads
-    config.json only. With --resume the checkpoint's weights are loaded instead, so the same
-    command continues a fine-tuning run."""
-    folder = getattr(args, "init_from", None)
-    if folder is None:
-        return
-    _check_init_folder(folder)
-    from minidist.nn.pretrained import read_config
-    try:
-        saved = read_config(folder)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--init-from {folder}: its config.json is not JSON ({e})") from None
-    except (ValueError, KeyError, OSError) as e:
-        why = str(e).removeprefix("from_pretrained: ")
-        raise UsageError(f"--init-from {folder}: {why}") from None
-    given = getattr(args, "given", [])
-    for name in ("n_layer", "n_head", "n_embd", "bias"):
-        value, theirs = getattr(args, name), getattr(saved, name)
-        if name in given and value != theirs:
-            flag = "--" + name.replace("_", "-")
-            said = (f"--no-bias: its model has biases" if name == "bias" else
-                    f"{flag} {value}: its model has {name} {theirs}")
-            raise UsageError(f"{said} (--init-from {folder}); leave "
-                             f"{'--no-bias' if name == 'bias' else flag} out, the folder's "
-                             "sizes are used")
-        setattr(args, name, theirs)
-    if args.block_size > saved.block_size:
-        if "block_size" in given:
-            raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
-                             f"{saved.block_size} positions; give at most {saved.block_size}")
-        args.block_size = saved.block_size     # the default, past a small model's positions
-    if args.moe_experts:
-        raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
-                         "dense GPT-2 (no experts); leave the --moe-* flags out")
-
-
-def _check_init_folder(folder):
-    """--init-from names a GPT-2 folder, not a file, a minidist checkpoint or PyTorch files."""
-    if not os.path.isdir(folder):
-        what = "is a file; give the folder that holds it" if os.path.exists(folder) \
-            else "no such folder"
-        raise UsageError(f"--init-from {folder}: {what} (a GPT-2 folder: config.json, "
-                         "model.safetensors, as Hugging Face writes them)")
-    names = set(os.listdir(folder))
-    if "config.json" in names and "model.safetensors" in names:
-        return
-    if names & {"manifest.json", "latest"} or any(n.startswith("step-") for n in names):
-        raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 folder; "
-                         f"--resume {folder} continues its run")
-    torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
-    missing = [f for f in ("config.json", "model.safetensors") if f not in names]
-    raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a GPT-2 "
-                     "folder as Hugging Face writes it (config.json, model.safetensors)"
-                     + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
-                        "read: re-save the model with safe_serialization=True" if torch else ""))
 
 
 def check_moe(args):

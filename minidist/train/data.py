@@ -136,14 +136,20 @@ def _tokens(blob, tokenizer):
     return ids.astype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
 
 
+def unigram_entropy(counts):
+    """Nats per token of the frequencies `counts` (tokens counted by id): the loss of a model
+    that ignores context, which the logs print beside the val loss."""
+    p = counts[counts > 0] / max(counts.sum(), 1)
+    return float(-(p * np.log(p)).sum())
+
+
 def _build(root, files, out_dir, tokenizer):
     train, val = (_tokens(blob, tokenizer) for blob in _split_files(root, files))
-    counts = np.bincount(train, minlength=tokenizer.vocab_size)
-    p = counts[counts > 0] / max(counts.sum(), 1)
     meta = {"version": _VERSION, "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size, "dtype": str(train.dtype), "root": root,
             "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
-            "unigram_entropy": float(-(p * np.log(p)).sum())}
+            "unigram_entropy": unigram_entropy(np.bincount(train,
+                                                           minlength=tokenizer.vocab_size))}
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
     try:

@@ -35,9 +35,8 @@ from minidist.nn.moe import load_stats, moe_layers_by_block
 from minidist.optim import WarmupCosine
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
-from minidist.nn.pretrained import pretrained_weights, read_config
-from minidist.train.data import DataError, TokenData
-from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
+from minidist.train.data import DataError
+from minidist.train.inputs import initial_weights, open_data, recorded_flags
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
@@ -81,41 +80,6 @@ def _config(args, data):
         raise UsageError(f"model flags: {e}") from None
 
 
-def _open_data(args):
-    """--data: a folder of token files (nanoGPT's, llm.c's: minidist/train/token_files.py),
-    else text, tokenized once and cached (minidist/train/data.py): into bytes, or by the
-    BPE of --init-from's folder where it has one (vocab.json, merges.txt). The token files'
-    tokenizer (for the sample) is theirs, else --init-from's."""
-    bpe = tokenizer_in(args.init_from)
-    names = token_file_names(args.data) if args.data else None
-    if not names:
-        return TokenData(args.data, args.cache_dir, bpe)
-    beside = tokenizer_in(args.data)
-    if beside is not None:
-        return TokenFiles(args.data, names, beside, f"{args.data} (beside the files)")
-    return TokenFiles(args.data, names, bpe, f"--init-from {args.init_from}")
-
-
-def _initial_weights(args, config, data):
-    """--init-from's parameters ({name: host array}, memory-mapped: each rank reads only what
-    it holds), or None: the seed's draws. None too when resuming: the checkpoint's weights
-    are loaded over the model. The data must be in the folder's vocabulary."""
-    if args.init_from is None or args.resume:
-        return None
-    vocab = read_config(args.init_from).vocab_size      # (its sizes: cli.take_init_from_sizes)
-    if data.vocab_size != vocab:
-        raise UsageError(
-            f"--init-from {args.init_from}: its model reads a {vocab:,}-token vocabulary, "
-            f"--data {args.data or '(Python sources)'} is in {data.vocab_size:,} tokens "
-            f"({data.tokenizer.name if data.tokenizer else 'token files'}); give --data token "
-            "files of its tokenizer (train.bin and val.bin, as nanoGPT or llm.c write them), "
-            f"or text with its vocab.json and merges.txt in {args.init_from}")
-    try:
-        return pretrained_weights(args.init_from, config)
-    except ValueError as e:                     # a tensor missing or of another shape
-        raise UsageError(f"--init-from {e}") from None
-
-
 def moe_fields(args):
     """GPTConfig's moe_* fields from the --moe-* flags (minidist/nn/moe.py)."""
     return dict(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
@@ -134,7 +98,7 @@ def _resume(args, strategy, log, model, opt):
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]})
-    saved, ours = _recorded_flags(state.get("extra", {})), _recorded_flags(vars(args))
+    saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
@@ -145,15 +109,6 @@ def _resume(args, strategy, log, model, opt):
 
 _MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_accum",
                "weight_decay", "grad_clip", "data")
-_PATHS = ("data", "init_from", "cache_dir")
-
-
-def _recorded_flags(flags):
-    """The run's flags as a checkpoint records them (state.json's "extra"), its folders made
-    absolute: sample.py, run from anywhere, finds the tokenizer through them."""
-    return {k: os.path.abspath(v) if k in _PATHS and v else v for k, v in flags.items()}
-
-
 class Diverged(UsageError):
     """The loss or the gradients stopped being finite (or --amp skipped too many steps in a
     row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved."""
@@ -184,16 +139,11 @@ def train(args, world=None):
     log = Logger(strategy.rank, args.log_json)
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
-    data = _open_data(args)
+    data = open_data(args)                       # text or token files (inputs.py)
     data.check_block_size(args.block_size)       # both splits, before step 0
     config = _config(args, data)
-    weights = _initial_weights(args, config, data)   # --init-from's; None: the seed's draws
+    weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
     model = strategy.build_model(config, args.seed, args.dtype, weights)
-    if weights is not None:
-        log.print0(f"init: the weights of --init-from {args.init_from}"
-                   + (f" (wpe's first {config.block_size} positions)"
-                      if len(weights["transformer.wpe.weight"]) < read_config(
-                          args.init_from).block_size else ""))
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(args)
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
@@ -351,7 +301,7 @@ def _save(args, strategy, log, model, opt, step, say=True):
     and gradient norm were finite on every rank (an overflow under --amp skipped the update),
     so the parameters saved are finite: a diverged run stops before it saves."""
     strategy.save(args.save, model, opt, step + 1, _rng_states(model),
-                  _recorded_flags(vars(args)))
+                  recorded_flags(vars(args)))
     if strategy.rank == 0:          # every rank has written: older folders can go
         checkpoint_dirs.prune(args.save, args.keep)
         folder = os.path.join(args.save, checkpoint_dirs.read_latest(args.save))

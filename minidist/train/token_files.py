@@ -36,7 +36,7 @@ import re
 import numpy as np
 
 from minidist.train.bpe import BPETokenizer, tokenizer_files
-from minidist.train.data import DataError, draw_batch
+from minidist.train.data import DataError, draw_batch, unigram_entropy
 
 LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4
 LLMC_VERSIONS = {1: (np.uint16, 50257, "GPT-2"), 2: (np.uint32, 128256, "Llama 3")}
@@ -211,8 +211,7 @@ class TokenFiles:
             self._check_ids(chunk, os.path.join(self.source, name), 0)
             counts += np.bincount(chunk, minlength=self.vocab_size)
             left -= len(chunk)
-        p = counts[counts > 0] / max(counts.sum(), 1)
-        return float(-(p * np.log(p)).sum())
+        return unigram_entropy(counts)
 
     def _check_ids(self, ids, where, offset):
         """Raise naming `where` and the first id past the vocabulary, at its position

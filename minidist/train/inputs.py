@@ -1,0 +1,157 @@
+"""What a run starts from, besides the seed: its data (`--data`: text, or a folder of token
+files) and its initial weights (`--init-from`: a GPT-2 folder). Checked before any work, on
+each rank alone (`check_data_path`, `take_init_from_sizes`, called by cli.check_flags), then
+opened after the strategy is made (`open_data`, `initial_weights`, called by loop.train).
+
+    text            minidist/train/data.py: bytes, or --init-from's BPE, tokenized once, cached
+    token files     minidist/train/token_files.py: nanoGPT's and llm.c's, read in place
+    --init-from     minidist/nn/pretrained.py: the folder's arrays, which gpt_init hands to
+                    every layout (minidist/nn/config.py)
+
+A checkpoint records --data and --init-from as absolute paths (`recorded_flags`), so
+examples/sample.py finds their tokenizer from any folder.
+Tests: tests/test_token_files.py.
+"""
+import json
+import os
+
+from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
+from minidist.train.bpe import BPETokenizer, tokenizer_files
+from minidist.train.cli import UsageError
+from minidist.train.data import TokenData
+from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
+
+PATHS = ("data", "init_from", "cache_dir")       # flags a checkpoint records as absolute
+
+
+def check_data_path(args):
+    """--data is text or a folder of token files: a token file itself (the likely slip from
+    nanoGPT: --data owt/train.bin), or a folder of .bin files none of which is named as a
+    token file, would be read as text, bytes of binary; token files are not cached, so
+    --cache-dir with them does nothing."""
+    data = args.data
+    if data is None:
+        return
+    if os.path.isfile(data) and data.endswith(".bin"):
+        folder = os.path.dirname(data) or "."
+        raise UsageError(f"--data {data}: a .bin file is read as a set of token files with "
+                         f"its split: give their folder, --data {folder} (text is given as "
+                         "any other file)")
+    names = token_file_names(data)
+    if os.path.isdir(data) and not names:
+        files = [n for n in os.listdir(data) if not n.startswith(".")
+                 and os.path.isfile(os.path.join(data, n))]
+        if files and all(n.endswith(".bin") for n in files):
+            raise UsageError(f"--data {data}: holds .bin files, none named as token files "
+                             "(train.bin and val.bin, or <name>_train_<N>.bin and "
+                             "<name>_val_<N>.bin): rename them so")
+    if names and args.cache_dir is not None:
+        raise UsageError(f"--cache-dir {args.cache_dir}: --data {data} holds token files, "
+                         "read where they are (nothing is cached); leave --cache-dir out")
+
+
+def take_init_from_sizes(args):
+    """--init-from DIR (a GPT-2 folder: config.json, model.safetensors): the model's sizes
+    become the folder's (--n-layer, --n-head, --n-embd, biases) and --block-size at most its
+    positions, so every later check sees them; one of these given (args.given: args.py's
+    Given) with another value, or --moe-experts (GPT-2 is dense), is refused. Reads
+    config.json only. With --resume the checkpoint's weights are loaded instead, so the same
+    command continues a fine-tuning run."""
+    folder = getattr(args, "init_from", None)
+    if folder is None:
+        return
+    _check_init_folder(folder)
+    try:
+        saved = read_config(folder)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--init-from {folder}: its config.json is not JSON ({e})") from None
+    except (ValueError, KeyError, OSError) as e:
+        why = str(e).removeprefix("from_pretrained: ")
+        raise UsageError(f"--init-from {folder}: {why}") from None
+    given = getattr(args, "given", [])
+    for name in ("n_layer", "n_head", "n_embd", "bias"):
+        value, theirs = getattr(args, name), getattr(saved, name)
+        if name in given and value != theirs:
+            flag = "--" + name.replace("_", "-")
+            said = ("--no-bias: its model has biases" if name == "bias" else
+                    f"{flag} {value}: its model has {name} {theirs}")
+            raise UsageError(f"{said} (--init-from {folder}); leave "
+                             f"{'--no-bias' if name == 'bias' else flag} out, the folder's "
+                             "sizes are used")
+        setattr(args, name, theirs)
+    if args.block_size > saved.block_size:
+        if "block_size" in given:
+            raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
+                             f"{saved.block_size} positions; give at most {saved.block_size}")
+        args.block_size = saved.block_size     # the default, past a small model's positions
+    if args.moe_experts:
+        raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
+                         "dense GPT-2 (no experts); leave the --moe-* flags out")
+
+
+def _check_init_folder(folder):
+    """--init-from names a GPT-2 folder, not a file, a minidist checkpoint or PyTorch files."""
+    if not os.path.isdir(folder):
+        what = "is a file; give the folder that holds it" if os.path.exists(folder) \
+            else "no such folder"
+        raise UsageError(f"--init-from {folder}: {what} (a GPT-2 folder: config.json, "
+                         "model.safetensors, as Hugging Face writes them)")
+    if is_gpt2_folder(folder):
+        return
+    names = set(os.listdir(folder))
+    if names & {"manifest.json", "latest"} or any(n.startswith("step-") for n in names):
+        raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 folder; "
+                         f"--resume {folder} continues its run")
+    torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+    missing = [f for f in ("config.json", "model.safetensors") if f not in names]
+    raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a GPT-2 "
+                     "folder as Hugging Face writes it (config.json, model.safetensors)"
+                     + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
+                        "read: re-save the model with safe_serialization=True" if torch else ""))
+
+
+def open_data(args):
+    """--data: a folder of token files, else text, tokenized once and cached: into bytes, or
+    by the BPE of --init-from's folder where it has one (vocab.json, merges.txt). The token
+    files' tokenizer (for the sample) is meta.pkl's or the BPE beside them, else
+    --init-from's."""
+    names = token_file_names(args.data) if args.data else None
+    if not names:
+        return TokenData(args.data, args.cache_dir, tokenizer_in(args.init_from))
+    if tokenizer_files(args.data):
+        return TokenFiles(args.data, names, BPETokenizer.from_folder(args.data),
+                          f"{args.data} (beside the files)")
+    return TokenFiles(args.data, names, tokenizer_in(args.init_from),
+                      f"--init-from {args.init_from}")
+
+
+def initial_weights(args, config, data, log):
+    """--init-from's parameters ({name: host array}, memory-mapped: each rank reads only what
+    it holds), or None: the seed's draws. None too when resuming: the checkpoint's weights
+    are loaded over the model. The data must be in the folder's vocabulary; the log says
+    where the weights came from."""
+    if args.init_from is None or args.resume:
+        return None
+    saved = read_config(args.init_from)      # (its sizes were taken: take_init_from_sizes)
+    if data.vocab_size != saved.vocab_size:
+        raise UsageError(
+            f"--init-from {args.init_from}: its model reads a {saved.vocab_size:,}-token "
+            f"vocabulary, --data {args.data or '(Python sources)'} is in "
+            f"{data.vocab_size:,} tokens "
+            f"({data.tokenizer.name if data.tokenizer else 'token files'}); "
+            "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT or "
+            f"llm.c write them), or text with its vocab.json and merges.txt in {args.init_from}")
+    try:
+        weights = pretrained_weights(args.init_from, config)
+    except ValueError as e:                     # a tensor missing or of another shape
+        raise UsageError(f"--init-from {e}") from None
+    log.print0(f"init: the weights of --init-from {args.init_from}"
+               + (f" (wpe's first {config.block_size} positions)"
+                  if config.block_size < saved.block_size else ""))
+    return weights
+
+
+def recorded_flags(flags):
+    """The run's flags as a checkpoint records them (state.json's "extra"), its folders made
+    absolute: sample.py, run from anywhere, finds the tokenizer through them."""
+    return {k: os.path.abspath(v) if k in PATHS and v else v for k, v in flags.items()}
