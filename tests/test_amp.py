@@ -182,6 +182,28 @@ def test_bfloat16_where_the_array_module_cannot_is_float16_or_a_clear_error():
     assert half_dtype(np) == np.float16
 
 
+def test_the_log_says_why_a_gpu_run_computes_in_float16(monkeypatch):
+    """--amp on a CuPy without bfloat16 (CuPy 13) falls back to float16, and the log said
+    only "float16 compute": the --amp line now says why not bfloat16 (the probe's error and
+    what bfloat16 needs), and says nothing where the device could have (float16 asked for)."""
+    from minidist.train import amp as amp_module
+
+    def refuses(*_, **__):
+        raise TypeError("Unsupported dtype bfloat16")
+    old_cupy = types.SimpleNamespace(ones=refuses, float32=np.float32)
+    mp = MixedPrecision(dtype="float16")
+    mp.dtype = np.dtype(np.float16)
+    monkeypatch.setattr(amp_module.backend, "device", lambda: "cuda")
+    monkeypatch.setattr(amp_module.backend, "get_xp", lambda: old_cupy)
+    line = mp.describe()
+    assert "float16 compute" in line and "numpy has no 16-bit BLAS" not in line, line
+    assert line.endswith("; not bfloat16: this CuPy cannot compute with it (TypeError: "
+                         "Unsupported dtype bfloat16); it needs CuPy >= 14, ml_dtypes and "
+                         "NumPy >= 2.1.2"), line
+    monkeypatch.setattr(amp_module.backend, "get_xp", lambda: np)       # bfloat16 works
+    assert mp.describe().endswith("gradients are skipped"), mp.describe()
+
+
 # ---- training ----------------------------------------------------------------------------
 
 def _train(corpus, tmp, *flags):

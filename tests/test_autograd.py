@@ -327,6 +327,51 @@ def test_cupy_scatter_adds_16_bit_outs_in_float32(monkeypatch):
         seen.clear()
 
 
+def test_16_bit_embedding_gradients_are_summed_in_a_float32_table(monkeypatch):
+    """Tensor parallelism's vocabulary-split lookup made its gradient table in the gradient's
+    16-bit dtype, so on CuPy (indexing._add_at) every step widened the whole (V/tp, C) table
+    to float32, scattered into the copy and copied it back: three passes over a table that
+    started as zeros (Embedding's backward summed in a float32 table from the start). Both
+    now hand scatter_add_rows a float32 table (indexing.rows_into_table) and round it once;
+    the gradients are the same bit for bit."""
+    from minidist.autograd import indexing
+    from minidist.tp import layers
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 12, (3, 7))
+
+    def grads(dtype, g):
+        """(the lookup's gradient for rows 6..11 of 12, the whole embedding's)."""
+        w = Tensor(np.zeros((6, 4), dtype), requires_grad=True)
+        layers.VocabShardLookup.apply(w, idx, 6).backward(g)
+        e = Tensor(np.zeros((12, 4), dtype), requires_grad=True)
+        ops.embedding(e, idx).backward(g)
+        return H(w.grad), H(e.grad)
+    seen = []
+
+    def scatter(out, index, rows):
+        seen.append(out.dtype)
+        return scatter_add_rows(out, index, rows)
+    for dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        g = rng.standard_normal((3, 7, 4)).astype(dtype)
+        want = grads(dtype, g)
+        with monkeypatch.context() as m:
+            m.setattr(indexing, "scatter_add_rows", scatter)
+            m.setattr(layers, "scatter_add_rows", scatter, raising=False)
+            got = grads(dtype, g)
+        assert seen == [np.float32, np.float32], (dtype, seen)
+        for a, b in zip(got, want):
+            assert a.dtype == dtype and np.array_equal(a, b), dtype
+        seen.clear()
+    want = np.zeros((6, 4), np.float32)          # the lookup's gradient by hand, float32
+    g = rng.standard_normal((3, 7, 4)).astype(np.float32)
+    for i, row in zip(idx.reshape(-1), g.reshape(-1, 4)):
+        if i >= 6:
+            want[i - 6] += row
+    got = grads(np.float16, g.astype(np.float16))[0]
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+
+
 def test_dropout_seed_contract():
     x = Tensor(A(np.ones((50, 40), np.float32)), requires_grad=True)
     a = ops.dropout(x, 0.25, backend.rng(11))

@@ -4,6 +4,7 @@ Pure tests (schedule, chunk_bounds, simulation) run in-process. Distributed ones
 mpiexec through tests/mpirun.py (with a timeout; a hang is a failure, not a stuck suite);
 each docstring gives the command to run it by hand.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -442,6 +443,10 @@ def test_every_mpi_call_waits_for_the_device_before_mpi_touches_its_buffers(monk
 class _FakeCupyArray(np.ndarray):
     """A numpy array that the patched is_cupy takes for a cupy one (_fake_is_cupy)."""
 
+    def set(self, host):
+        """cupy.ndarray.set: copy a host array in (staging's write_back)."""
+        self[...] = host
+
 
 def _fake_is_cupy(a):
     return isinstance(a, _FakeCupyArray)
@@ -495,6 +500,90 @@ def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(mon
     assert _fake_is_cupy(handed) and np.shares_memory(handed, buf)     # not staged: buf itself
     assert any(name == "ready" and any(np.shares_memory(a, buf) for a in arrays)
                for name, arrays in log[:irecv]), log
+
+
+@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
+def test_staging_copies_to_the_host_only_the_buffers_mpi_reads(monkeypatch):
+    """MPI without CUDA support (the PyPI wheels) gets host copies of device buffers, made
+    with cupy's get(), which also waits for every kernel queued on the stream. Buffers that
+    MPI only writes were copied too: a recv's (ring attention and the pipeline post theirs
+    before the compute they mean to overlap: the CPU stalled until the GPU was idle) and the
+    out of reduce-scatter, all-gather and all-to-all (ZeRO-3 moved each gathered unit
+    device -> host for nothing). Here (one rank, to_host logged) only what MPI reads is copied,
+    every result is right, and every out is copied back to its device array."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, group as group_module, staging
+    copied, ready = [], []
+    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: False)
+    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(staging, "to_host", lambda a: copied.append(a) or np.array(a))
+    monkeypatch.setattr(staging, "device_ready", lambda *arrays: ready.extend(arrays))
+    monkeypatch.setattr(group_module, "device_of", lambda *arrays: contextlib.nullcontext())
+    monkeypatch.setattr(group_module, "device_ready", lambda *arrays: None)   # send's
+
+    def device(values):
+        return np.asarray(values, np.float32).view(_FakeCupyArray)
+
+    def was_copied(a):
+        return any(np.shares_memory(a, c) for c in copied)
+    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank staging")
+    try:
+        for op in ("reduce_scatter", "all_gather", "all_to_all"):
+            out, inp = device(np.full(6, np.nan)), device(np.arange(6))
+            getattr(g, op)(out, inp)
+            assert np.array_equal(out, np.arange(6)), (op, out)
+            assert was_copied(inp) and not was_copied(out), op       # out only written
+            assert any(np.shares_memory(a, out) for a in ready), op  # set, then waited for
+            copied.clear()
+        for op in ("all_reduce", "broadcast"):                         # these read their buf
+            buf = device(np.arange(6))
+            getattr(g, op)(buf)
+            assert np.array_equal(buf, np.arange(6)) and was_copied(buf), op
+            copied.clear()
+        work, buf = g.send(device(np.arange(5)), 0, async_op=True), device(np.full(5, np.nan))
+        g.recv(buf, 0)
+        work.wait()
+        assert np.array_equal(buf, np.arange(5)) and len(copied) == 1, copied   # the send's
+        assert not was_copied(buf)
+    finally:
+        g.destroy()
+        trace.reset_counters()
+
+
+@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
+def test_an_unstaged_device_collective_waits_for_its_last_kernels(monkeypatch):
+    """With a CUDA-aware MPI the ring works on the device arrays themselves, and its last
+    step (the final adds of a reduce-scatter, an average's division) runs as kernels on the
+    stream of the thread running the collective: an async one's worker thread. Its Work
+    completed with those kernels queued; the caller's next kernels were ordered after them
+    only because CuPy's default stream is shared by every thread, which per-thread default
+    streams or bench_step's graph stream undo. Here every op waits for its out (device_ready
+    on it) before it returns, blocking or async."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, group as group_module, staging
+    ready = []
+    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: True)
+    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
+    monkeypatch.setattr(staging, "device_ready", lambda *arrays: ready.extend(arrays))
+    monkeypatch.setattr(group_module, "device_of", lambda *arrays: contextlib.nullcontext())
+    monkeypatch.setattr(group_module, "ready_event", lambda *arrays: None)
+    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank unstaged")
+    try:
+        for async_op in (False, True):
+            for op in ("reduce_scatter", "all_gather", "all_to_all", "all_reduce"):
+                out = np.zeros(4, np.float32).view(_FakeCupyArray)
+                args = (out,) if op == "all_reduce" else \
+                    (out, np.arange(4, dtype=np.float32).view(_FakeCupyArray))
+                work = getattr(g, op)(*args, async_op=async_op)
+                if async_op:
+                    work.wait()
+                assert any(np.shares_memory(a, out) for a in ready), (op, async_op)
+                ready.clear()
+    finally:
+        g.destroy()
+        trace.reset_counters()
 
 
 def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read(monkeypatch):

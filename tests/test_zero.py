@@ -61,6 +61,8 @@ def test_gpt_units_and_placeholders():
     p = units[1].params[0]
     assert p.shape == units[1].shapes[0] and np.isnan(p.data).all()
     assert memory.unique_nbytes([p.data, placeholder((7,), p.data)]) == 4   # one float32
+    with pytest.raises(ValueError, match="read-only"):   # numpy finds a writer (CuPy would not)
+        p.data[...] = 0.0
 
 
 def test_zero_paper_arithmetic():

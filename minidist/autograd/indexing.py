@@ -265,14 +265,22 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, grad):
         idx, = ctx.saved
-        # 16-bit rows add up in float32 (numpy's bfloat16 sums keep a bfloat16 total, and
-        # cupyx.scatter_add has no bfloat16), rounded to the gradient's dtype once
-        acc = "float32" if backend.is_half(grad.dtype) else grad.dtype
-        gw = xp_of(grad).zeros(ctx.shape, acc)
-        if idx.size:
-            rows = grad.reshape(-1, ctx.shape[1]).astype(acc, copy=False)
-            scatter_add_rows(gw, idx.reshape(-1), rows)
-        return gw.astype(grad.dtype, copy=False), None
+        return rows_into_table(ctx.shape, idx, grad), None
+
+
+def rows_into_table(shape, idx, grad):
+    """An embedding table's gradient: a zero (V, C) table `shape` with grad's row i added at
+    row idx[i] (ids repeated add up), in grad's dtype. 16-bit rows add up in a float32 table
+    (numpy's bfloat16 sums keep a bfloat16 total, cupyx.scatter_add has no bfloat16 and
+    float16's atomics round at every add), rounded once: a 16-bit table handed to
+    scatter_add_rows would be widened to float32 and copied back inside it (_add_at) anyway.
+    Embedding's backward and tensor parallelism's vocabulary-split lookup (VocabShardLookup)."""
+    acc = "float32" if backend.is_half(grad.dtype) else grad.dtype
+    gw = xp_of(grad).zeros(shape, acc)
+    if idx.size:
+        rows = grad.reshape(-1, shape[1]).astype(acc, copy=False)
+        scatter_add_rows(gw, idx.reshape(-1), rows)
+    return gw.astype(grad.dtype, copy=False)
 
 
 def embedding(weight, idx):

@@ -48,6 +48,7 @@ from minidist.backend import is_cupy, xp_of
 
 ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
 REDUCE_OPS = ("sum", "avg", "max", "min")
+WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # ops that never read their out
 P2P_TAG = 0
 SYNC_COMM_NOTE = (
     "sync comm (--sync-comm, MINIDIST_SYNC_COMM=1): every collective runs in the calling "
@@ -266,7 +267,7 @@ class ProcessGroup:
             if self.algo == "nccl" or out is None:
                 body(ch, out, inp)
             else:
-                with host_staging(out, inp) as (h_out, h_inp):
+                with host_staging(out, inp, out_read=op not in WRITE_ONLY) as (h_out, h_inp):
                     body(ch, h_out, h_inp)
             end = trace.now()
         watchdog.left(self.key, seq)
@@ -298,9 +299,10 @@ class ProcessGroup:
     def recv(self, buf, peer, async_op=False, tag=P2P_TAG):
         """Receive into buf from rank `peer` of this group."""
         buf = _flat(buf)
-        host = mpi_buffer(buf)   # received into, then copied to the GPU if staged
-        if is_cupy(host):        # MPI writes GPU memory that queued kernels may still read
-            device_ready(buf)    # (ring attention's double buffer); staged: get() waited
+        host = mpi_buffer(buf, read=False)   # staged: an empty host array, copied to the
+        if is_cupy(host):        # GPU once received (write_back, stream-ordered after the
+            device_ready(buf)    # kernels that still read buf). Unstaged, MPI writes GPU
+                                 # memory that queued kernels may still read: wait for them
         return self._p2p_call("recv", buf, peer, async_op, self._p2p.Irecv(host, peer, tag),
                               host, lambda: write_back(buf, host))
 

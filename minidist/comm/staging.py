@@ -25,6 +25,8 @@ import contextlib
 import ctypes
 import os
 
+import numpy as np
+
 from minidist.backend import is_cupy, to_host
 
 _cache = {}
@@ -78,17 +80,22 @@ def wire(a):
     return a.view("uint16") if is_bfloat16(a) else a
 
 
-def _staged(a):
-    """`a` itself when MPI can use it (numpy, or cupy with a CUDA-aware MPI), else a host copy."""
+def _staged(a, read=True):
+    """`a` itself when MPI can use it (numpy, or cupy with a CUDA-aware MPI), else a host
+    array: a copy of `a` where MPI reads it (`read`), else an empty one of its shape and dtype.
+    A buffer MPI only writes (a recv's, an all-gather's `out`) is not copied: the copy would
+    move bytes about to be overwritten and wait for every kernel queued on the stream
+    (cupy's get() blocks), stalling the CPU that meant to post the recv and go on."""
     if a is None or not is_cupy(a) or cuda_aware_mpi():
         return a
-    return to_host(a)  # cupy -> a fresh numpy copy
+    return to_host(a) if read else np.empty(a.shape, a.dtype)
 
 
-def mpi_buffer(a):
-    """The buffer a point-to-point call hands mpi4py for `a`: `a` (or a host copy, see
-    _staged), bfloat16 as its uint16 view (`wire`)."""
-    return wire(_staged(a))
+def mpi_buffer(a, read=True):
+    """The buffer a point-to-point call hands mpi4py for `a`: `a` (or a host array, see
+    _staged; `read=False` for a buffer MPI only writes), bfloat16 as its uint16 view
+    (`wire`)."""
+    return wire(_staged(a, read))
 
 
 def write_back(a, host):
@@ -99,17 +106,23 @@ def write_back(a, host):
 
 
 @contextlib.contextmanager
-def host_staging(out, *inputs):
+def host_staging(out, *inputs, out_read=True):
     """Yield `(out, *inputs)` as buffers MPI can use (see _staged); on exit `out` is
     written back to the GPU if it was staged. An array passed twice (an in-place all-reduce:
-    out is the input) is staged once."""
+    out is the input) is staged once. `out_read=False`: the collective only writes `out`
+    (reduce-scatter, all-gather, all-to-all: their algorithms never read it, which
+    tests/scripts/comm_check.py proves by filling it with NaN), so it is not copied to the host.
+    On exit a device `out` that was not staged (a CUDA-aware MPI) is waited for: the ring's
+    last adds ran as kernels on this thread's stream, and the caller's wait() means "done"."""
     staged = {}
-    for a in (out,) + inputs:       # no uint16 views here: the ring adds these arrays
-        if a is not None and id(a) not in staged:
-            staged[id(a)] = _staged(a)
+    for a, read in [(out, out_read)] + [(a, True) for a in inputs]:
+        if a is not None and id(a) not in staged:   # no uint16 views: the ring adds these
+            staged[id(a)] = _staged(a, read or any(a is b for b in inputs))
     yield tuple(None if a is None else staged[id(a)] for a in (out,) + inputs)
     if out is not None:
         write_back(out, staged[id(out)])
+        if staged[id(out)] is out:
+            device_ready(out)
 
 
 def device_ready(*arrays):

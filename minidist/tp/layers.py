@@ -31,7 +31,7 @@ from minidist.autograd import Function
 from minidist.autograd import fused as F
 from minidist.autograd.fused import _f32, counted_rows_sum, rows_counted
 from minidist.autograd.fusions import residual_layer_norm
-from minidist.autograd.indexing import scatter_add_rows
+from minidist.autograd.indexing import rows_into_table
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm
 from minidist.nn.module import Module, Parameter
@@ -124,11 +124,8 @@ class VocabShardLookup(Function):
     @staticmethod
     def backward(ctx, grad):
         local, mine = ctx.saved
-        gw = xp_of(grad).zeros(ctx.shape, grad.dtype)
         # the other shards' ids point at row 0 and add a zero row there (no boolean mask)
-        rows = (grad * mine[..., None]).reshape(-1, ctx.shape[1])
-        scatter_add_rows(gw, local.reshape(-1), rows)
-        return gw, None, None
+        return rows_into_table(ctx.shape, local, grad * mine[..., None]), None, None
 
 
 class VocabParallelEmbedding(Module):

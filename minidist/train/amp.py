@@ -66,16 +66,24 @@ def half_dtype(xp, name=None):
         return np.dtype(np.float16)
     if xp is np:
         return bfloat16()
+    problem = bfloat16_problem(xp)
+    if problem is None:
+        return bfloat16()
+    if name == "bfloat16":
+        raise RuntimeError(f"bfloat16 asked for, but {problem}, or ask for float16")
+    return np.dtype(np.float16)
+
+
+def bfloat16_problem(xp):
+    """Why the GPU array library `xp` cannot compute in bfloat16 (a phrase), or None where it
+    can: a 4 x 4 matmul, a product and a cast tried once (one device read, at setup)."""
     try:
         a = xp.ones((4, 4), dtype=bfloat16())
         float(((a @ a) * a).astype(xp.float32).sum())     # matmul, elementwise, cast
-        return bfloat16()
+        return None
     except Exception as e:
-        if name == "bfloat16":
-            raise RuntimeError(f"bfloat16 asked for, but this CuPy cannot compute with it ({e}); "
-                               "it needs CuPy >= 14, ml_dtypes and NumPy >= 2.1.2, or ask for "
-                               "float16") from e
-        return np.dtype(np.float16)
+        return (f"this CuPy cannot compute with it ({type(e).__name__}: {e}); it needs "
+                f"CuPy >= 14, ml_dtypes and NumPy >= 2.1.2")
 
 
 class MixedPrecision:
@@ -183,9 +191,13 @@ class MixedPrecision:
         scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "
                    f"x{s.growth_factor:g} after {s.growth_interval} good steps)"
                    if s.growth_interval is not None else f"fixed loss scale {s.scale:g}")
-        cpu = (f"; on the CPU numpy has no 16-bit BLAS, so matmuls multiply in float32 and "
-               f"round to {self.dtype} ({self.dtype} storage, emulated compute)"
-               if backend.device() == "cpu" else "")
+        if backend.device() == "cpu":
+            device = (f"; on the CPU numpy has no 16-bit BLAS, so matmuls multiply in float32 "
+                      f"and round to {self.dtype} ({self.dtype} storage, emulated compute)")
+        else:   # a GPU in float16: say why where bfloat16 was out of reach (CuPy 13)
+            problem = bfloat16_problem(backend.get_xp()) if self.dtype.name == "float16" \
+                else None
+            device = f"; not bfloat16: {problem}" if problem else ""
         return (f"mixed precision: {self.dtype} compute, float32 master weights and Adam "
                 f"state (2+2+12 bytes per parameter), {scaling}; steps with inf/nan "
-                f"gradients are skipped{cpu}")
+                f"gradients are skipped{device}")
