@@ -73,6 +73,9 @@ BAD_FLAGS = [
     (["--cp-split", "naive"], "--cp-split naive: sets how context parallelism splits"),
     (["--attention", "materialized", "--attention-block", "16"], "--attention-block 16: sets "
      "the tiled attention's tile size, which this run does not use (use --attention tiled"),
+    (["--block-size", "128", "--attention-block", "16"], "--attention-block 16: sets the "
+     "tiled attention's tile size, which this run does not use (use --attention tiled, or "
+     "auto with --block-size 256 or more, or leave --attention-block out)"),
     (["--zero", "2", "--ddp", "naive"], "--ddp naive: sets how DDP averages gradients"),
     (["--zero", "1", "--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size (ZeRO does "
      "not bucket), which this run does not use (drop --zero, or leave --bucket-mb out)"),
@@ -110,6 +113,9 @@ BAD_FLAGS = [
     (["--log-json", "{file}/x.jsonl"], "/x.jsonl: cannot make the folder"),
     (["--log-json", "{tmp}"], ": is a folder; give a file name"),
     (["--trace", "/proc/t.json"], "--trace /proc/t.json: cannot write in /proc"),
+    (["--cache-dir", "/proc/cache"], "--cache-dir /proc/cache: cannot make the folder "
+     "/proc/cache (No such file or directory); choose a path you can write to"),
+    (["--cache-dir", "{file}"], ": is a file; give a folder for the tokenized text"),
     # found before step 0, not at the first save after training ran
     (["--save", "{tmp}"], ": holds ['afile'], which are not minidist checkpoints; --save into "
      "an empty or new directory"),

@@ -90,6 +90,10 @@ def test_default_corpus_is_the_stdlib_python_sources():
 def test_bad_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="no such file or directory"):
         TokenData(str(tmp_path / "missing.txt"))
+    (tmp_path / "text.txt").write_text("some text\n" * 20)
+    with pytest.raises(DataError, match=r"cannot cache the tokenized text in /proc/self \("
+                       r".*\): give --cache-dir a folder you can write to"):  # (was OSError)
+        TokenData(str(tmp_path / "text.txt"), "/proc/self")   # a folder even root can't write
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no text files"):
         TokenData(str(tmp_path / "empty"))

@@ -152,3 +152,39 @@ def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
                     str(tmp_path / "missing.txt")))
     done = train(_args(device, corpus, tmp_path, "--steps", "4", "--resume", ck))
     assert done["train_seconds"] < 1 and done["val_loss"] > 0
+
+
+def test_evaluation_splits_each_batch_over_the_replicas_as_training_does(corpus, tmp_path):
+    """Every data-parallel rank evaluated the whole global batch (4 ranks: the work 4 times,
+    on the README's mpirun -n 4 more time than the training steps). evaluate() now takes the
+    rows training would (strategy.local_rows) and averages the replicas' means
+    (global_mean): here rank r of 2, played in one process, sees only its 2 rows of 4, and
+    the two ranks' mean is the whole batch's loss."""
+    from minidist.nn import GPT, GPTConfig
+    from minidist.strategy.base import SingleProcess, dp_rows
+    from minidist.train.data import TokenData
+    from minidist.train.loop import evaluate
+
+    class RankOfTwo(SingleProcess):
+        def __init__(self, rank):
+            super().__init__()
+            self.rank = rank
+
+        def local_rows(self, *arrays):
+            return dp_rows(arrays, self.rank, 2)
+
+    class Counted(GPT):
+        def forward(self, idx, targets=None):
+            rows.append(len(idx))
+            return super().forward(idx, targets)
+    data = TokenData(corpus, str(tmp_path / "cache"))
+    model = Counted(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16,
+                              vocab_size=data.vocab_size), seed=0, dtype="float64")
+    rows = []
+    whole = float(evaluate(SingleProcess(), model, data, 0, 4, 16, 3))
+    assert rows == [4, 4, 4]
+    rows.clear()
+    halves = [float(evaluate(RankOfTwo(r), model, data, 0, 4, 16, 3)) for r in (0, 1)]
+    assert rows == [2] * 6 and halves[0] != halves[1]
+    assert abs((halves[0] + halves[1]) / 2 - whole) < 1e-12, (halves, whole)
+    assert model.training                      # evaluate puts back the mode it found

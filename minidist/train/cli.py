@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 
+from minidist.nn.config import TILED_FROM_T, uses_tiled
 from minidist.strategy import checkpoint_dirs
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
@@ -172,9 +173,12 @@ def idle_flags(args, replicas=None, ranks=None):
                   "add --cp 2 or more"),
                  ("--cp-attention", "how context parallelism computes attention",
                   "add --cp 2 or more")]
-        if args.attention == "materialized":
+        if not uses_tiled(args.attention, args.block_size):     # auto: tiled from T 256
             idle.append(("--attention-block", "the tiled attention's tile size",
-                         "use --attention tiled or auto"))
+                         "use --attention tiled" + (f", or auto with --block-size "
+                                                    f"{TILED_FROM_T} or more"
+                                                    if args.attention == "auto" else
+                                                    " or auto")))
     if not args.save:
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),
@@ -287,7 +291,7 @@ def check_device(args):
 
 def check_outputs(args):
     """Every file the run will write can be written: --save DIR (a folder, made if needed),
-    --log-json and --trace FILE (their folders made if needed). Checked by trying: a
+    --log-json and --trace FILE (their folders made if needed), a new --cache-dir. Checked by trying: a
     temporary file is made and removed in each folder (permission bits do not tell root);
     its name is one a --save folder's next save clears away if a kill left it there."""
     if args.save:
@@ -298,6 +302,11 @@ def check_outputs(args):
         problem = checkpoint_dirs.save_problem(args.save)     # not at the first save, after
         if problem:                                           # training ran
             raise UsageError(problem)
+    if args.cache_dir and not os.path.isdir(args.cache_dir):   # (an existing folder may be a
+        if os.path.exists(args.cache_dir):                     # read-only cache: data.py)
+            raise UsageError(f"--cache-dir {args.cache_dir}: is a file; give a folder for "
+                             "the tokenized text (made if missing)")
+        _writable_folder("--cache-dir", args.cache_dir, args.cache_dir)
     for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
         if path:
             if os.path.isdir(path):

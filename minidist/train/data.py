@@ -150,8 +150,13 @@ def _build(root, files, out_dir, tokenizer):
             "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
             "unigram_entropy": unigram_entropy(np.bincount(train,
                                                            minlength=tokenizer.vocab_size))}
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
+    try:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
+    except OSError as e:                # a read-only --cache-dir (or the default's folder)
+        raise DataError(f"cannot cache the tokenized text in {os.path.dirname(out_dir)} "
+                        f"({e.strerror or e}): give --cache-dir a folder you can write "
+                        "to") from None
     try:
         for name, blob in (("train.bin", train), ("val.bin", val)):
             with open(os.path.join(tmp, name), "wb") as f:

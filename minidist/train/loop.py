@@ -44,17 +44,20 @@ from minidist.train.cli import UsageError, printable
 
 
 @no_grad()
-def evaluate(model, data, seed, batch_size, block_size, iters):
+def evaluate(strategy, model, data, seed, batch_size, block_size, iters):
     """Mean val loss over `iters` fixed batches (the same ones at every eval), a 0-d float64
-    on the device: the caller reads it (one host read per evaluation, not one per batch)."""
+    on the device: the caller reads it (one host read per evaluation, not one per batch).
+    Split as training splits a batch: each replica evaluates its rows (local_rows), and the
+    replicas' means are averaged (global_mean; equal rows, so the mean of all of them), so
+    4 data-parallel ranks do a quarter of the work each, not the whole batch 4 times."""
     was_training = model.training
     model.eval()
     total = 0.0
     for i in range(iters):
-        x, y = data.get_batch(seed, "val", i, batch_size, block_size)
+        x, y = strategy.local_rows(*data.get_batch(seed, "val", i, batch_size, block_size))
         total = total + model(x, y)[1].data.astype("float64")     # summed on the device
     model.train(was_training)
-    return total / iters
+    return strategy.global_mean(total / iters)
 
 
 def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
@@ -200,11 +203,11 @@ def train(args, world=None):
         if evals:
             log.print0(f"{at} | evaluating on {args.eval_iters} val batch"
                        f"{'es' * (args.eval_iters != 1)} ...")
-            val_loss = evaluate(model, data, args.seed, args.batch_size, args.block_size,
-                                args.eval_iters)
-            # every rank computed the same number; averaging it also lines the ranks up, so
-            # the next step's time does not include another rank's evaluation
-            val_loss = float(backend.host_read(strategy.global_mean(val_loss), "eval loss"))
+            # its all-reduce also lines the ranks up, so the next step's time does not
+            # include another rank's evaluation
+            val_loss = float(backend.host_read(evaluate(strategy, model, data, args.seed,
+                                                        args.batch_size, args.block_size,
+                                                        args.eval_iters), "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
             log.json0({**row, "val_loss": val_loss})     # (every evaluating step was read)
@@ -328,9 +331,9 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     """The final evaluation (if none ran), the sample, the summary lines and JSON row.
     `seconds`: the steps' wall time, `aside` of it evaluating and saving."""
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
-        val_loss = float(backend.host_read(evaluate(model, data, args.seed, args.batch_size,
-                                                    args.block_size, args.eval_iters),
-                                           "eval loss"))
+        val_loss = float(backend.host_read(evaluate(strategy, model, data, args.seed,
+                                                    args.batch_size, args.block_size,
+                                                    args.eval_iters), "eval loss"))
     text = ""
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
