@@ -291,9 +291,10 @@ def check_device(args):
 
 def check_outputs(args):
     """Every file the run will write can be written: --save DIR (a folder, made if needed),
-    --log-json and --trace FILE (their folders made if needed), a new --cache-dir. Checked by trying: a
-    temporary file is made and removed in each folder (permission bits do not tell root);
-    its name is one a --save folder's next save clears away if a kill left it there."""
+    --log-json and --trace FILE (their folders made if needed), a new --cache-dir. Checked
+    by trying: a temporary file is made and removed in each folder (permission bits do not
+    tell root); its name is one a --save folder's next save clears away if a kill left it
+    there."""
     if args.save:
         if os.path.exists(args.save) and not os.path.isdir(args.save):
             raise UsageError(f"--save {args.save}: is a file; --save takes a folder for the "
