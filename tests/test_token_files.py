@@ -226,6 +226,18 @@ def test_init_from_needs_data_in_its_vocabulary(tmp_path, corpus):
         _train(SMALL + ["--steps", "1", "--init-from", folder, "--data", corpus])
     with pytest.raises(UsageError, match="--cache-dir .* holds token files"):
         check_flags(train_parser().parse_args(["--data", tokens, "--cache-dir", "c"]))
+    other = tmp_path / "bytes"                   # a byte-level model (export_gpt2.py of one)
+    other.mkdir()
+    folder, tokens = _gpt2_folder(other, 256, seed=0)
+    os.remove(os.path.join(tokens, "val.bin"))
+    nanogpt_file(os.path.join(tokens, "val.bin"), np.arange(88).repeat(6))
+    os.remove(os.path.join(tokens, "train.bin"))
+    nanogpt_file(os.path.join(tokens, "train.bin"), np.arange(88).repeat(60))
+    (other / "tokens" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 88}))
+    with pytest.raises(UsageError, match=r"256-token vocabulary, --data .* 88 tokens .*; give "
+                       r"--data text \(read as bytes, the vocabulary this model was trained "
+                       r"in\)$"):               # (it said: or text with its vocab.json ...)
+        _train(SMALL + ["--steps", "1", "--init-from", folder, "--data", tokens])
 
 
 def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):

@@ -65,6 +65,52 @@ def test_resume_continues_bit_identically(corpus, tmp_path, device):
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
+def test_a_resumed_run_takes_its_model_from_the_checkpoint(corpus, tmp_path, device):
+    """--resume needed every model flag retyped (a --n-layer 2 run resumed without it was
+    refused, "n_layer: 2 in the checkpoint, 4 here"), though the checkpoint holds its config.
+    Now the model flags, --dtype and --amp are the checkpoint's (cli.check_flags, before any
+    work): a run resumed with none of them continues the straight run bit for bit; a model
+    flag typed with another value is one error naming it; --dropout may change."""
+    from minidist.train.cli import check_flags
+    data = ["--data", corpus, "--cache-dir", str(tmp_path / "cache"), *device_flags(device),
+            "--batch-size", "4", "--lr", "1e-2", "--eval-iters", "1", "--sample", "0",
+            "--log-every", "1", "--eval-every", "0", "--steps", "5"]
+    model = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+             "--no-bias", "--dropout", "0.1", "--dtype", "float64"]
+
+    def args(*flags):
+        a = train_parser().parse_args(data + list(flags))
+        check_flags(a)
+        return a
+    straight = tmp_path / "straight.jsonl"
+    train(args(*model, "--log-json", str(straight)))
+    train(args(*model, "--save", str(tmp_path / "ck"), "--stop-at", "2"))
+    resumed = tmp_path / "resumed.jsonl"
+    a = args("--resume", str(tmp_path / "ck"), "--log-json", str(resumed))
+    assert (a.n_layer, a.n_head, a.n_embd, a.block_size, a.bias, a.dropout, a.dtype, a.amp) \
+        == (2, 2, 16, 16, False, 0.1, "float64", False)
+    train(a)
+    assert [r["loss"] for r in _rows(resumed)[:3]] == [r["loss"] for r in _rows(straight)[2:5]]
+    for typed, says in ((["--n-embd", "32"], "--n-embd 32: --resume .*step-00000002 holds a "
+                         "model with n_embd 16; leave --n-embd out \\(a resumed run takes "
+                         "its model from the checkpoint\\)"),
+                        (["--no-bias"], None),                      # the same: accepted
+                        (["--n-layer", "2", "--dtype", "float32"], "--dtype float32: --resume "
+                         ".* was trained in float64; leave --dtype out"),
+                        (["--moe-experts", "4"], "--moe-experts 4: .* holds a model with "
+                         "moe_experts 0")):
+        if says is None:
+            args("--resume", str(tmp_path / "ck"), *typed)
+            continue
+        with pytest.raises(UsageError, match=says):
+            args("--resume", str(tmp_path / "ck"), *typed)
+    assert args("--resume", str(tmp_path / "ck"), "--dropout", "0.2").dropout == 0.2
+    train(args(*model[:-4], "--amp", "--save", str(tmp_path / "amp"), "--stop-at", "1"))
+    a = args("--resume", str(tmp_path / "amp"))          # a 16-bit checkpoint: an --amp run's
+    assert a.amp and a.amp_dtype == "float16" and a.dtype == "float32"
+    train(a)
+
+
 def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,
                                                                          device):
     """Checkpoints written before dropout was keyed (2026-11-25) hold a generator's state as

@@ -194,6 +194,21 @@ def read_record(folder, manifest=None):
         return json.load(f)
 
 
+def saved_model(directory):
+    """(folder, config dict, dtype) of the checkpoint `directory` names (a checkpoint or a
+    --save directory), read from its record before any work and NOT verified (load does
+    that): what a resumed run takes its model from. CheckpointError where it cannot be read."""
+    folder = dirs.resolve(directory)
+    try:
+        parts = sorted(n for n in os.listdir(folder) if PART.match(n))    # TP x ZeRO's
+        where = os.path.join(folder, parts[0]) if parts else folder
+        with open(os.path.join(where, "state.json")) as f:
+            record = json.load(f)
+        return folder, dict(record["config"]), str(record["dtype"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint {folder}: its record cannot be read ({e})") from None
+
+
 def load(directory, keep=None, only=None):
     """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
     a --save directory: its latest), every file verified; ZeRO's shards assembled by name,
@@ -249,9 +264,10 @@ def does_not_fit(folder):
         raise CheckpointError(f"checkpoint {folder} does not fit this run: {e}") from None
 
 
-# GPTConfig fields that change how attention is computed, not the model: a run may resume
-# with either attention (and older checkpoints do not have them).
-HOW_COMPUTED = ("attention", "attention_block")
+# GPTConfig fields no parameter depends on: how attention is computed and the dropout rate.
+# A run may resume with others (a fine-tuning run often changes dropout; older checkpoints
+# do not have the attention fields).
+HOW_COMPUTED = ("attention", "attention_block", "dropout")
 
 
 def check_fits(folder, meta, config, dtype, optimizer_type=None):
@@ -271,8 +287,8 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
         data = ("; vocab_size follows --data (and --init-from): give the data it was trained "
                 "on" if theirs.get("vocab_size") != ours.get("vocab_size") else "")
         raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs)
-                              + " (resume with the model flags, --dtype and --amp it was saved "
-                              f"with, or the --init-from folder that set them{data})")
+                              + " (train_gpt.py takes the model flags, --dtype and --amp from "
+                              f"the checkpoint it resumes: leave them out{data})")
 
 
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------

@@ -40,7 +40,8 @@ def add_model_args(p):
     g.add_argument("--n-embd", type=int, default=128, action=Given, help="embedding width")
     g.add_argument("--block-size", type=int, default=128, action=Given,
                    help="context length, in tokens (with --init-from: at most its positions)")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    g.add_argument("--dropout", type=float, default=0.0, action=Given,
+                   help="dropout probability")
     g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
                    help="tiled: FlashAttention-style tiles, O(T) memory (attention dropout "
                    "drawn per tile); auto: tiled from --block-size 256 on (faster there)")
@@ -51,7 +52,7 @@ def add_model_args(p):
     add_moe_args(p)
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when CuPy sees a GPU, else cpu")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32", action=Given,
                    help="parameter and compute dtype (float64: the exactness tests)")
     g.add_argument("--seed", type=int, default=1337,
                    help="initial weights, batches and dropout all follow from it")
@@ -62,16 +63,17 @@ def add_moe_args(p):
     """Mixture of Experts (minidist/nn/moe.py); without --moe-experts the model is dense.
     Returns the group (the planners, minidist/train/planner.py, add to it)."""
     g = p.add_argument_group("mixture of experts")
-    g.add_argument("--moe-experts", type=int, default=0, metavar="E",
+    g.add_argument("--moe-experts", type=int, default=0, metavar="E", action=Given,
                    help="each (--moe-every n-th) block's MLP becomes E experts behind a router")
-    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", help="experts per token")
-    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F",
+    g.add_argument("--moe-top-k", type=int, default=1, metavar="K", action=Given,
+                   help="experts per token")
+    g.add_argument("--moe-capacity-factor", type=float, default=1.25, metavar="F", action=Given,
                    help="an expert takes ceil(F K T / E) tokens of a sequence; 0: no dropping")
-    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
+    g.add_argument("--moe-aux-loss-coef", type=float, default=0.01, action=Given,
                    help="weight of the load-balancing loss")
-    g.add_argument("--moe-z-loss-coef", type=float, default=0.0,
+    g.add_argument("--moe-z-loss-coef", type=float, default=0.0, action=Given,
                    help="weight of the router z-loss")
-    g.add_argument("--moe-every", type=int, default=1, metavar="N",
+    g.add_argument("--moe-every", type=int, default=1, metavar="N", action=Given,
                    help="every N-th block is MoE (the others keep their MLP)")
     return g
 

@@ -120,9 +120,11 @@ def check_flags(args):
                          "clipping)")
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
-    # --init-from: the model's sizes are the folder's (inputs.py imports this module)
-    from minidist.train.inputs import check_data_path, take_init_from_sizes
+    # --init-from: the model's sizes are the folder's; --resume: the checkpoint's model
+    from minidist.train.inputs import (check_data_path, take_init_from_sizes,  # (inputs.py
+                                       take_resume_model)            # imports this module)
     take_init_from_sizes(args)
+    take_resume_model(args)
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")

@@ -1,7 +1,8 @@
 """What a run starts from, besides the seed: its data (`--data`: text, or a folder of token
-files) and its initial weights (`--init-from`: a GPT-2 folder). Checked before any work, on
-each rank alone (`check_data_path`, `take_init_from_sizes`, called by cli.check_flags), then
-opened after the strategy is made (`open_data`, `initial_weights`, called by loop.train).
+files) and its initial weights (`--init-from`: a GPT-2 folder), or the checkpoint it resumes
+(`--resume`: its model). Checked before any work, on each rank alone (`check_data_path`,
+`take_init_from_sizes`, `take_resume_model`, called by cli.check_flags), then opened after the
+strategy is made (`open_data`, `initial_weights`, called by loop.train).
 
     text            minidist/train/data.py: bytes, or --init-from's BPE, tokenized once, cached
     token files     minidist/train/token_files.py: nanoGPT's and llm.c's, read in place
@@ -16,9 +17,11 @@ import json
 import os
 
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
+from minidist.strategy.checkpoint import CheckpointError, saved_model
+from minidist.strategy.checkpoint_dirs import resume_dir
 from minidist.train.bpe import BPETokenizer, tokenizer_files
 from minidist.train.cli import UsageError
-from minidist.train.data import TokenData
+from minidist.train.data import ByteTokenizer, TokenData
 from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
 
 PATHS = ("data", "init_from", "cache_dir")       # flags a checkpoint records as absolute
@@ -89,6 +92,54 @@ def take_init_from_sizes(args):
                          "dense GPT-2 (no experts); leave the --moe-* flags out")
 
 
+# the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
+RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
+           "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
+           "dropout")
+
+
+def take_resume_model(args):
+    """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
+    of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
+    moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
+    --amp and --amp-dtype follow it). One given with another value is refused here, before
+    any work, naming the flag; but --dropout, which no parameter depends on, may change
+    (fine-tuning). A checkpoint that cannot be read is left to the load, whose verification
+    names what is wrong; so is an --amp or --init-from that does not fit it."""
+    if getattr(args, "resume", None) is None:
+        return
+    try:
+        folder = resume_dir(args.resume, args.save)
+        if folder is None:                              # --resume auto, nothing saved yet
+            return
+        folder, config, dtype = saved_model(folder)
+    except CheckpointError:
+        return
+    given = getattr(args, "given", [])
+    config.setdefault("moe_experts", 0)
+    for name in RESUMED:
+        if name not in config or (name[:4] == "moe_" and not config["moe_experts"]
+                                  and name != "moe_experts"):
+            continue
+        value, theirs = getattr(args, name), config[name]
+        if name in given and value != theirs and name != "dropout":
+            flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
+            said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
+                    else f"{flag} {value}: --resume {folder} holds a model with {name} {theirs}")
+            raise UsageError(f"{said}; leave {flag} out (a resumed run takes its model from "
+                             "the checkpoint)")
+        if name not in given:
+            setattr(args, name, theirs)
+    if dtype in ("float32", "float64"):
+        if "dtype" in given and args.dtype != dtype:
+            raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "
+                             "leave --dtype out")
+        args.dtype = dtype
+    elif dtype in ("float16", "bfloat16") and not args.amp:    # an --amp run's 16-bit model
+        args.amp = True
+        args.amp_dtype = args.amp_dtype or dtype
+
+
 def _check_init_folder(folder):
     """--init-from names a GPT-2 folder, not a file, a minidist checkpoint or PyTorch files."""
     if not os.path.isdir(folder):
@@ -138,9 +189,12 @@ def initial_weights(args, config, data, log):
             f"--init-from {args.init_from}: its model reads a {saved.vocab_size:,}-token "
             f"vocabulary, --data {args.data or '(Python sources)'} is in "
             f"{data.vocab_size:,} tokens "
-            f"({data.tokenizer.name if data.tokenizer else 'token files'}); "
-            "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT or "
-            f"llm.c write them), or text with its vocab.json and merges.txt in {args.init_from}")
+            f"({data.tokenizer.name if data.tokenizer else 'token files'}); " + (
+                "give --data text (read as bytes, the vocabulary this model was trained in)"
+                if saved.vocab_size == ByteTokenizer.vocab_size else
+                "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT "
+                f"or llm.c write them), or text with its vocab.json and merges.txt in "
+                f"{args.init_from}"))
     try:
         weights = pretrained_weights(args.init_from, config)
     except ValueError as e:                     # a tensor missing or of another shape
