@@ -27,10 +27,15 @@ from minidist.nn.pretrained import save_state_pretrained  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.amp import bfloat16  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
-from minidist.train.bpe import MERGES, VOCAB, TokenizerError, tokenizer_files  # noqa: E402
+from minidist.strategy import checkpoint_dirs  # noqa: E402
+from minidist.train.bpe import (MERGES, VOCAB, BPETokenizer, TokenizerError,  # noqa: E402
+                                tokenizer_files)
 from minidist.train.cli import UsageError, run_main  # noqa: E402
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
+
+
+WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES)   # what --out receives
 
 
 def export_parser():
@@ -39,8 +44,8 @@ def export_parser():
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint) or a checkpoint folder")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="the folder to write (made if missing; its config.json and "
-                   "model.safetensors are replaced)")
+                   help="the folder to write: new, empty, or a GPT-2 folder whose files are "
+                   "replaced (a folder of other files or of checkpoints is refused)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the parameters' type in model.safetensors")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -51,33 +56,70 @@ def export_parser():
     return p
 
 
-def tokenizer_folder(args):
+def tokenizer_folder(args, vocab_size):
     """The folder of the model's GPT-2 tokenizer files, or None (a model in bytes, or
-    characters: nothing to copy)."""
+    characters: nothing to copy); one of another vocabulary than the model's is refused
+    (sample.py would refuse the folder it went into)."""
     if args.tokenizer is not None:
         if not tokenizer_files(args.tokenizer):
             raise UsageError(f"--tokenizer {args.tokenizer}: no {VOCAB} and {MERGES} there")
-        return args.tokenizer
-    flags = run_flags(args.resume)
-    return next((f for f in (flags.get("init_from"), flags.get("data"))
-                 if f and tokenizer_files(f)), None)
+        folder, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
+    else:
+        flags = run_flags(args.resume)
+        folder = next((f for f in (flags.get("init_from"), flags.get("data"))
+                       if f and tokenizer_files(f)), None)
+        where = f"{folder}, a folder the run named,"
+    if folder is None:
+        return None
+    tokens = BPETokenizer.from_folder(folder).vocab_size
+    if tokens != vocab_size:
+        raise UsageError(f"the tokenizer in {where} has {tokens:,} tokens, the model "
+                         f"{vocab_size:,}: give --tokenizer DIR of the model's own"
+                         + (" (a model of 256 tokens reads bytes: it needs none)"
+                            if vocab_size == 256 else ""))
+    return folder
+
+
+def check_out(args):
+    """--out is a new or empty folder, or a GPT-2 folder to replace, and can be made: not a
+    file, not the folder read (its weights are read while written), not a minidist
+    checkpoint or --save directory (a GPT-2 folder in it would stop --resume auto), nor a
+    folder of other files (a data folder)."""
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out}: is a file; give a folder")
+    if os.path.isdir(out):
+        if os.path.realpath(out) == os.path.realpath(args.resume):
+            raise UsageError(f"--out {out}: is the folder --resume reads; give another")
+        if checkpoint_dirs.has_checkpoint(out):
+            raise UsageError(f"--out {out}: holds minidist checkpoints (a --save directory); "
+                             "give a new folder")
+        others = sorted(n for n in os.listdir(out) if n not in WRITTEN)
+        if others:
+            raise UsageError(f"--out {out}: holds {others[:3]}{' ...' * (len(others) > 3)}, "
+                             "which this does not write; give a new or empty folder (a GPT-2 "
+                             "folder's config.json, model.safetensors, vocab.json and "
+                             "merges.txt are replaced)")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot make the folder ({e.strerror or e}); choose "
+                         "a path you can write to") from None
 
 
 def main(args):
     if world_size_from_env() > 1:
         raise UsageError("export_gpt2.py runs on one process: run it without mpirun")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out}: is a file; give a folder")
     config = model_config(args.resume)                  # state.json only: cheap
     if args.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
         raise UsageError("--dtype bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
     if config.moe_experts:
         raise UsageError(f"--resume {args.resume}: a Mixture of Experts ({config.moe_experts} "
                          "experts); GPT-2's format has no experts, so it cannot be exported")
-    tokenizer = tokenizer_folder(args)
+    tokenizer = tokenizer_folder(args, config.vocab_size)
+    check_out(args)
     backend.setup(device="cpu")
     config, params, what = whole_model(args.resume)
-    os.makedirs(args.out, exist_ok=True)
     save_state_pretrained(config, params, args.out,
                           dtype=bfloat16() if args.dtype == "bfloat16" else args.dtype)
     for name in (VOCAB, MERGES) if tokenizer else ():

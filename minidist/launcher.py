@@ -82,10 +82,25 @@ def default_threads():
     return max(1, available_cores() // local_rank_and_size()[1])
 
 
+def thread_env_problem(environ=os.environ):
+    """What is wrong with an exported OPENBLAS_NUM_THREADS (a sentence), or None: unset, or
+    a whole number >= 1. set_thread_env leaves a bad one alone (it runs at import, before
+    any error can be one line); examples/train_gpt.py's flag checks name it."""
+    value = environ.get("OPENBLAS_NUM_THREADS", "")
+    if value == "" or (value.isdigit() and int(value) >= 1):
+        return None
+    return (f"OPENBLAS_NUM_THREADS={value!r}: give the BLAS threads per rank, a whole number "
+            "of at least 1 (or unset it; --threads wins over it)")
+
+
 def set_thread_env(threads=None):
     """Put the BLAS thread count in the environment (read when numpy loads BLAS, and inherited
     by child processes): `threads`, else an exported OPENBLAS_NUM_THREADS, else
-    `default_threads()`. Returns the count."""
+    `default_threads()`. Returns the count. An exported value that is not a count, with no
+    `threads`, is left as it is, for the entry point's checks to name (thread_env_problem);
+    the count returned is then the default."""
+    if threads is None and thread_env_problem():
+        return default_threads()
     n = str(threads or os.environ.get("OPENBLAS_NUM_THREADS") or default_threads())
     for var in THREAD_ENV:
         os.environ[var] = n

@@ -77,6 +77,9 @@ BAD_FLAGS = [
      "tiled attention's tile size, which this run does not use (use --attention tiled, or "
      "auto with --block-size 256 or more, or leave --attention-block out)"),
     (["--zero", "2", "--ddp", "naive"], "--ddp naive: sets how DDP averages gradients"),
+    (["--ddp", "naive", "--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size "
+     "(--ddp naive all-reduces each parameter's gradient on its own), which this run does not "
+     "use (use --ddp bucketed or overlapped, or leave --bucket-mb out)"),
     (["--zero", "1", "--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size (ZeRO does "
      "not bucket), which this run does not use (drop --zero, or leave --bucket-mb out)"),
     (["--attention-block", "0"], "--attention-block 0: must be at least 1"),
@@ -156,6 +159,9 @@ BAD_ENV = [
     ("MINIDIST_COMM_TIMEOUT", "-5", [], "MINIDIST_COMM_TIMEOUT='-5': give the seconds"),
     ("MINIDIST_COMM_WAIT", "spin", [], "MINIDIST_COMM_WAIT='spin': give block"),
     ("MINIDIST_TRACE", "yes", [], "MINIDIST_TRACE='yes': give 0 (off), 1"),
+    ("MINIDIST_TRACE", "5", [], "MINIDIST_TRACE='5': give 0 (off), 1"),      # (ran at level 2)
+    ("OPENBLAS_NUM_THREADS", "abc", [], "OPENBLAS_NUM_THREADS='abc': give the BLAS threads"),
+    ("OPENBLAS_NUM_THREADS", "0", [], "OPENBLAS_NUM_THREADS='0': give the BLAS threads"),
     ("MINIDIST_RANKS_PER_NODE", "0", ["--comm", "hier"],
      "MINIDIST_RANKS_PER_NODE='0': give a positive integer"),
     ("MINIDIST_AMP_DTYPE", "fp16", ["--amp"], "MINIDIST_AMP_DTYPE='fp16': give float16 or"),
@@ -164,7 +170,8 @@ BAD_ENV = [
 # read only where used: a flag that wins over the variable, or no --comm hier, no --amp
 UNUSED_ENV = [("MINIDIST_COMM_TIMEOUT", "abc", ["--comm-timeout", "30"]),
               ("MINIDIST_RANKS_PER_NODE", "0", []),
-              ("MINIDIST_AMP_DTYPE", "fp16", ["--amp", "--amp-dtype", "float16"])]
+              ("MINIDIST_AMP_DTYPE", "fp16", ["--amp", "--amp-dtype", "float16"]),
+              ("OPENBLAS_NUM_THREADS", "abc", ["--threads", "1"])]
 
 
 @pytest.mark.parametrize("var,value,flags,says", BAD_ENV,
@@ -183,13 +190,18 @@ def test_a_variable_that_is_not_read_is_not_checked(var, value, flags, monkeypat
 
 
 @pytest.mark.mpi
-def test_a_bad_environment_variable_is_one_line_under_mpiexec():
+@pytest.mark.parametrize("var,says", [
+    ("MINIDIST_COMM_TIMEOUT", "give the seconds a collective may wait, a number >= 0 (0: "
+     "never abort)"),
+    # read at import by set_thread_env: was a traceback per rank, --threads 1 or not
+    ("OPENBLAS_NUM_THREADS", "give the BLAS threads per rank, a whole number of at least 1 "
+     "(or unset it; --threads wins over it)")])
+def test_a_bad_environment_variable_is_one_line_under_mpiexec(var, says):
     """    MINIDIST_COMM_TIMEOUT=abc mpiexec -n 2 python examples/train_gpt.py"""
     out = run_mpi(2, "examples/train_gpt.py", timeout=60, check=False,
-                  env=mpi_env(MINIDIST_COMM_TIMEOUT="abc"))
+                  env=mpi_env(**{var: "abc"}))
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
-    assert out.stderr == ("error: MINIDIST_COMM_TIMEOUT='abc': give the seconds a collective "
-                          "may wait, a number >= 0 (0: never abort)\n")
+    assert out.stderr == f"error: {var}='abc': {says}\n"
 
 
 def test_output_folders_are_made_before_step_0(tmp_path):
@@ -283,7 +295,7 @@ UNDER_MPIEXEC = [
      "not use (this layout has one replica: run more ranks for dp, cp or ep, or leave "
      "--bucket-mb out)"),
     (4, ["--pp", "2", "--tp", "2", "--ddp", "bucketed"], "--ddp bucketed: sets how DDP"),
-    (2, ["--ddp", "naive", "--bucket-mb", "4"], None),         # dp 2: DDP averages
+    (2, ["--ddp", "naive"], None),                             # dp 2: DDP averages
     (2, ["--cp", "2", "--ddp", "naive"], None),                # over the cp ranks
     (2, ["--moe-experts", "2", "--ep", "2", "--bucket-mb", "2"], None),  # the dense ones over ep
 ])
@@ -397,6 +409,10 @@ def test_the_batch_error_names_the_multiple_the_layout_needs(ranks, flags, says)
     (4, ["--tp", "3"], None),              # --n-head 4 is not divisible by 3 either
     (4, ["--cp", "3"], None),              # nor --block-size 128 into 6 chunks
     (4, ["--zero", "3", "--zero-shard", "2", "--dp", "3"], None),   # 2 does not divide 3
+    # "leave --dp out" only where the processes divide by the other axes (6 by tp x pp 4
+    # does not: it was suggested, and refused next)
+    (6, ["--tp", "2", "--pp", "2", "--dp", "2", "--n-layer", "2"], "run the same command "
+     "with `mpirun -n 8`"),
 ])
 def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, flags,
                                                                         suggests):
@@ -412,7 +428,9 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
         assert "run `mpirun" not in str(e.value), str(e.value)
         return
     assert suggests in str(e.value)
-    assert ("leave --dp out" in str(e.value)) == ("--dp" in flags), str(e.value)
+    a = train_parser().parse_args(flags)
+    leave = "--dp" in flags and ranks % (a.tp * a.pp * a.cp * a.ep) == 0
+    assert ("leave --dp out" in str(e.value)) == leave, str(e.value)
     ranks = int(str(e.value).split("`mpirun -n ")[1].split("`")[0])
     check_layout(train_parser().parse_args(flags), ranks)
 

@@ -339,10 +339,27 @@ def test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run(tmp_path, corpu
     assert first < 5.3, first                            # the trained weights, not gpt2/'s
     half = GPT.from_pretrained(str(tmp_path / "bfloat16")).state_dict()   # widened back
     assert all(np.allclose(half[n], params[n], rtol=2 ** -8, atol=0) for n in params)
+    other = tmp_path / "other"                  # a tokenizer of one token more
+    os.makedirs(other)
+    _bpe_files(other)
+    with open(other / "vocab.json") as f:
+        more = json.load(f)
+    with open(other / "vocab.json", "w") as f:
+        json.dump({**more, "extra": len(more)}, f)
+    ft, exported = str(tmp_path / "ft"), str(tmp_path / "float32")
     for flags, says in ((["--out", corpus], f"--out {corpus}: is a file; give a folder"),
-                        (["--out", "x", "--tokenizer", str(tmp_path)], "no vocab.json and")):
-        bad = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume",
-                              str(tmp_path / "ft"), *flags], cwd=ROOT, env=mpi_env(),
-                             capture_output=True, text=True, timeout=60)
+                        (["--out", "x", "--tokenizer", str(tmp_path)], "no vocab.json and"),
+                        # found by a first-use walk (each wrote, or was a traceback)
+                        (["--out", "/proc/zz"], "--out /proc/zz: cannot make the folder"),
+                        (["--out", ft], f"--out {ft}: is the folder --resume reads"),
+                        (["--resume", exported, "--out", ft], f"--out {ft}: holds minidist "
+                         "checkpoints (a --save directory); give a new folder"),
+                        (["--out", str(tmp_path / "c")], "which this does not write; give a "
+                         "new or empty folder"),
+                        (["--out", "x", "--tokenizer", str(other)], f"the tokenizer in "
+                         f"--tokenizer {other} has {vocab + 1:,} tokens, the model {vocab:,}")):
+        bad = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume", ft,
+                              *flags], cwd=ROOT, env=mpi_env(), capture_output=True,
+                             text=True, timeout=60)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr, \
             bad.stderr

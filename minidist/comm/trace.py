@@ -34,7 +34,7 @@ def env_level(environ=os.environ):
     """MINIDIST_TRACE as a number: 0 off, 1 log every collective, 2 also every ring step.
     A value that is not one raises ValueError naming it (comm.env_problems)."""
     value = environ.get("MINIDIST_TRACE", "") or "0"
-    if not value.isdigit():
+    if value not in ("0", "1", "2"):
         raise ValueError(f"MINIDIST_TRACE={value!r}: give 0 (off), 1 (log every collective) "
                          "or 2 (also every ring step)")
     return int(value)
@@ -42,7 +42,7 @@ def env_level(environ=os.environ):
 
 # read at import, where a bad value counts as 0: comm.init and the train CLI refuse it
 _ENV = os.environ.get("MINIDIST_TRACE", "0")
-_LEVEL = int(_ENV) if _ENV.isdigit() else 0
+_LEVEL = int(_ENV) if _ENV in ("0", "1", "2") else 0
 _state = {"on": _LEVEL >= 1, "log": _LEVEL >= 1, "steps": _LEVEL >= 2, "rank": None}
 
 

@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 
+from minidist.launcher import thread_env_problem
 from minidist.nn.config import TILED_FROM_T, uses_tiled
 from minidist.strategy import checkpoint_dirs
 
@@ -201,6 +202,9 @@ def idle_flags(args, replicas=None, ranks=None):
         more = "this layout has one replica: run more ranks for dp, cp or ep"
         idle += [("--ddp", "how DDP averages gradients over replicas", more),
                  ("--bucket-mb", "DDP's bucket size", more)]
+    elif args.ddp == "naive":
+        idle.append(("--bucket-mb", "DDP's bucket size (--ddp naive all-reduces each "
+                     "parameter's gradient on its own)", "use --ddp bucketed or overlapped"))
     return idle
 
 
@@ -269,10 +273,13 @@ def check_amp_dtype(args):
 
 def check_env(args):
     """The environment variables the communication layer reads (MINIDIST_COMM_TIMEOUT,
-    MINIDIST_COMM_WAIT, MINIDIST_TRACE, MINIDIST_RANKS_PER_NODE under --comm hier, ...):
+    MINIDIST_COMM_WAIT, MINIDIST_TRACE, MINIDIST_RANKS_PER_NODE under --comm hier, ...) and
+    OPENBLAS_NUM_THREADS (the launcher's, without --threads):
     a bad value is this run's one `error:` line, not a traceback per rank from comm.init."""
     from minidist import comm       # imports no MPI state (comm.init starts MPI)
     problems = comm.env_problems(args.comm, args.comm_timeout)
+    threads = None if args.threads else thread_env_problem()     # --threads wins over it
+    problems += [threads] if threads else []
     if problems:
         raise UsageError("; ".join(problems))
 

@@ -170,9 +170,11 @@ def _size_problem(dp, split, size, suggest, dp_given):
                 f"{others}), but this job has {size} MPI process(es)"
                 + (f"; {run}" if run else ""))
     rest = " x ".join(k for k, v in split.items() if v > 1)
+    leave = ("leave --dp out (it defaults to the processes" + (f" / ({rest}))" if rest else ")")
+             if size % others == 0 else "")       # only where the processes divide that way
+    said = "; ".join(w for w in (run, leave) if w).replace("; leave", ", or leave")
     return (f"--dp {dp}{''.join(' x ' + a for a in axes)} = {n} ranks, but this job has "
-            f"{size} MPI process(es); {run + ', or ' if run else ''}leave --dp out (it "
-            "defaults to the processes" + (f" / ({rest}))" if rest else ")"))
+            f"{size} MPI process(es)" + (f"; {said}" if said else ""))
 
 
 def _nccl_device(args):
