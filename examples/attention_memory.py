@@ -12,13 +12,13 @@ but the (T, C) position embedding has the batch as its leading axis, so the ledg
 affine in it. The tiled attention keeps L B nh T
 log-sum-exp floats instead (minidist/autograd/flash.py). Tests: tests/test_attention_tiled.py.
 """
-import argparse
 import json
 
 import numpy as np
 
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.memory import activation_bytes
+from minidist.train.args import example_parser
 
 
 def measure(config, batch):
@@ -31,7 +31,7 @@ def measure(config, batch):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = example_parser(__doc__)
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--n-layer", type=int, default=4)

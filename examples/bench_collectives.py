@@ -26,7 +26,6 @@ fraction of the shorter of the two that disappeared from the total (1: perfect o
 (minidist/comm/hier.py; it sets MINIDIST_RANKS_PER_NODE; default: the launcher's ranks on this
 node). examples/calibrate_here.py fits the alpha-beta model to these lines.
 """
-import argparse
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import numpy as np
 from minidist import backend, comm
 from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
+from minidist.train.args import example_parser
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -213,7 +213,7 @@ def interleave(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
     p.add_argument("--algos", default="ring,naive,mpi", type=lambda s: s.split(","),
                    help="comma list of ring, naive, mpi, hier, nccl (nccl: --device cuda)")

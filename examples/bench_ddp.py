@@ -13,7 +13,6 @@ SingleProcess run is timed too, as the baseline. Rank 0 prints one JSON line per
     exposed_comm_ms  how long the step then waited in sync_grads for the gradients
 and ms_per_step is the whole step (also clip, AdamW, the loss all-reduce), slowest rank.
 """
-import argparse
 import json
 import time
 from types import SimpleNamespace
@@ -26,10 +25,11 @@ from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.strategy.base import SingleProcess
+from minidist.train.args import example_parser
 
 
 def parse():
-    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--modes", default="naive,bucketed,overlapped")
     p.add_argument("--comm", default="ring", choices=("ring", "naive", "mpi", "nccl"))

@@ -17,7 +17,6 @@ embedding's and each block's two residual dropouts (B, T, C) and its attention w
 
 with ms per forward, ns per number and the ratio to pcg64's time per number.
 """
-import argparse
 import json
 import time
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from minidist.autograd.attention import keep_mask
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
+from minidist.train.args import example_parser
 
 
 def sites(args, keys):
@@ -48,7 +48,7 @@ def best(fn, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--batch", type=int, default=4, help="rows (one rank's)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-embd", type=int, default=128)

@@ -11,7 +11,6 @@ The composed versions are minidist/autograd/reference.py. The tiled_self_attenti
 compare minidist/autograd/flash.py's tiled attention (tiles of 64, in the "fused" columns) with
 the materialised fused attention (in the "composed" columns), at T = 128 and T = 1024.
 """
-import argparse
 import json
 import time
 import tracemalloc
@@ -21,6 +20,7 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor, flash, fused as F, reference as R
 from minidist.autograd.tensor import Node
+from minidist.train.args import example_parser
 
 B, T, C, NH = 16, 128, 256, 4
 
@@ -128,7 +128,7 @@ def main():
     rng = np.random.default_rng(0)
     ops = cases(rng)
     names = [name for name, *_ in ops]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = example_parser(__doc__)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--only", default=None, metavar="OP", choices=names,

@@ -50,11 +50,12 @@ from minidist.nn import GPTConfig
 from minidist.launcher import world_size_from_env
 from minidist.pp.schedule import SCHEDULES, bubble_fraction, measured_bubble
 from minidist.pp.strategy import pp_problems
-from minidist.train.args import Parser, add_model_args, train_parser
+from minidist.train.args import add_model_args, train_parser
 from minidist.train.cli import UsageError, check_flags, launcher_rank
 from minidist.train.loop import moe_fields
 from minidist.train.step import train_step
 from minidist.train.strategy import check_layout, make_strategy
+from minidist.train.args import example_parser
 
 DEFAULT_MICRO_BATCHES = "1,2,4,8,16"
 DEFAULT_SCHEDULES = "gpipe,1f1b,1f1b-v2,zb-h1"
@@ -231,7 +232,7 @@ def run(cli, name, m, comm, world):
 
 
 def main():
-    p = add_model_args(Parser(description=__doc__.split("\n")[0]))  # errors: rank 0 only
+    p = add_model_args(example_parser(__doc__))  # errors: rank 0 only
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--micro-batches", default=None,
                    help=f"comma-separated. Default: {DEFAULT_MICRO_BATCHES}, skipping those "

@@ -29,7 +29,6 @@ expert rows the busiest rank ran at the case's fastest step, and those of the re
 processes at theirs, over the balanced count the model assumes (cost.py's moe_load, 1 by
 default): the drops and, under ep, the imbalance, measured like the reference's compute.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -46,6 +45,7 @@ from minidist.train.cluster import cluster_from_calibration           # noqa: E4
 from minidist.train.cost import forward_flops, step_time              # noqa: E402
 from minidist.train.moe_cost import expert_rows                       # noqa: E402
 from minidist.train.planner import Layout                             # noqa: E402
+from minidist.train.args import example_parser  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # calibrate_here.py's
 BATCH = 16
@@ -214,12 +214,14 @@ def run_case(case, args, tmp):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--calibration", default=os.path.join(ROOT, "examples",
-                                                         "calibration_here.json"))
-    p.add_argument("--steps", type=int, default=8)
+                                                         "calibration_here.json"),
+                   help="this machine's figures (examples/calibrate_here.py writes them)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run of a case")
     p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per case (examples/BENCHMARKS.md: how long past runs took)")
     p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
     p.add_argument("--reference", action="store_true",
                    help="efficiency from a 1-process run just before each case")

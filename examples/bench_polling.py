@@ -12,11 +12,11 @@ shared with other work, as when ranks still computing share them with ranks wait
 Results: examples/BENCHMARKS.md, "When ranks outnumber cores"; what they mean:
 minidist/comm/README.md, "When ranks outnumber cores (MPICH's busy polling)".
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
+from minidist.train.args import example_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def _run(ranks, env, sizes, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--sizes", default="64K,1M,8M,64M")
     p.add_argument("--repeats", type=int, default=3)

@@ -17,7 +17,6 @@ twice on 4 ranks, fresh and with --resume: the difference is what the resume cos
           the dense model's MLP weights) saved by --zero 1, resumed under --ep: a rank reads
           the dense parameters and its own experts, not the other ranks'.
 """
-import argparse
 import json
 import os
 import runpy
@@ -26,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from minidist.train.args import example_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = {   # name: (size divisor, MoE flags, the saving layout, the resumed layouts)
@@ -80,7 +80,7 @@ def peaks(model, layout, extra, cache):
 def main():
     if len(sys.argv) > 3 and sys.argv[1] == "--measure":
         return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--n-layer", default="8")
     p.add_argument("--n-embd", default="512")
     p.add_argument("--n-head", default="8")

@@ -27,7 +27,6 @@ Not yet run on a GPU.
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
-import argparse
 import json
 import os
 import sys
@@ -41,6 +40,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args
+from minidist.train.args import example_parser
 
 
 def matmul_seconds(a):
@@ -166,7 +166,7 @@ def dropout_step(model, dropout):
 
 
 def main():
-    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

@@ -14,7 +14,6 @@ markdown tables:
     all-reduce) vs the paper's 2 Psi (N-1)/N for DDP and stages 1 and 2, 3 Psi (N-1)/N for
     stage 3, Psi = the parameters' bytes.
 """
-import argparse
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,6 +29,7 @@ from minidist.train.args import add_model_args
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.zero.strategy import ZeroDataParallel
+from minidist.train.args import example_parser
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -87,7 +87,7 @@ def tables(cli, results, n_ranks):
 
 
 def main():
-    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--stages", default="0,1,2,3")

@@ -23,7 +23,6 @@
    them) at each rank count, at 32 KiB, 256 KiB and 2 MiB, 15 repeats each; the median of the
    three sizes' sync_median_s (each the median of its repeats' differences), >= 0.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ from minidist.autograd import fused as F                              # noqa: E4
 from minidist.nn import GPT, GPTConfig                                # noqa: E402
 from minidist.optim import AdamW, clip_grad_norm                      # noqa: E402
 from minidist.train.cost import forward_flops                         # noqa: E402
+from minidist.train.args import example_parser  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # bench_plan.py's
 BATCH = 16
@@ -170,7 +170,7 @@ def compute(config, opt_s):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--out", default=os.path.join(ROOT, "examples", "calibration_here.json"))
     args = p.parse_args()

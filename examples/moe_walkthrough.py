@@ -10,7 +10,6 @@ the experts rank by rank on what they would receive and checks the combined outp
 the layer's own forward on one process. Nothing here sends a message: the same arithmetic as
 minidist/ep/exchange.py, laid out so you can read it.
 """
-import argparse
 
 import numpy as np
 
@@ -19,10 +18,11 @@ from minidist.comm.simulate import simulate_all_to_all
 from minidist.nn import GPTConfig
 from minidist.nn.block import MLP
 from minidist.nn.moe import MoE, capacity, route
+from minidist.train.args import example_parser
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = example_parser(__doc__)
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--top-k", type=int, default=2)

@@ -24,7 +24,6 @@ A --layout train_gpt.py would refuse (its own checks: search.layout_problems), a
 no valid layout, or a --params below the smallest shape is one `error:` line, exit 2; "nothing
 fits" (valid layouts, none in memory) says the least memory one needs.
 """
-import argparse
 import json
 import os
 import sys
@@ -36,22 +35,24 @@ from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa:
 from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
+from minidist.train.args import example_parser  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = example_parser(__doc__)
     g = add_model_args(p)
     g.add_argument("--moe-load", type=float, default=1.0, metavar="L",
                    help="expert rows of the busiest rank over a balanced routing's (1; "
                         "< 1: tokens dropped; > 1: an unbalanced routing under ep; capped "
                         "where its experts are full)")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    p.add_argument("--preset", choices=("h100", "here"), default="h100")
-    p.add_argument("--gpus", type=int, default=64)
-    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--preset", choices=("h100", "here"), default="h100",
+                   help="the cluster: H100 SXM nodes, or this machine as measured")
+    p.add_argument("--gpus", type=int, default=64, help="ranks in the job")
+    p.add_argument("--gpus-per-node", type=int, help="default: the preset's (h100: 8)")
     p.add_argument("--gpu-mem", type=float, help="GiB per GPU")
     p.add_argument("--peak-tflops", type=float, help="dense peak of one GPU (16-bit)")
     p.add_argument("--efficiency", type=float, help="fraction of peak the compute reaches")
@@ -60,12 +61,15 @@ def parse(argv=None):
         p.add_argument(f"--{link}-lat", type=float, help=f"{link}-node latency, us")
     p.add_argument("--sync-us", type=float,
                    help="wait per blocking TP/CP collective, us (the ranks' arrival)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="the pipeline schedule priced")
     p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
     p.add_argument("--comm", choices=("ring", "hier"), default="ring",
                    help="data-parallel all-reduce: flat ring or hierarchical")
-    p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled")
-    p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision")
+    p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled",
+                   help="attention's memory: (T, T) scores kept, or tiles")
+    p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision "
+                   "(always with --preset here: numpy emulates 16-bit compute, slower there)")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
@@ -73,7 +77,8 @@ def parse(argv=None):
                    "over each K dp ranks; ogather: ZeRO-1/2's all-gathers behind the next "
                    "forward, --overlap-param-gather); refused unless "
                    "examples/train_gpt.py runs it")
-    p.add_argument("--headroom", type=float, default=0.1)
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of GPU memory left free (fragmentation, buffers)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     return p.parse_args(argv)
@@ -157,15 +162,24 @@ def parse_layout(text, args, config, v):
     return layout, micro
 
 
+def cell(x, width, digits=3):
+    """`x` right-aligned in `width` after a space; past 1000, 4 significant digits, so that
+    a long step (a 7B model on this CPU: 143713.907 s) never runs into the next column."""
+    text = f"{x:.{digits}f}" if abs(x) < 1000 or digits == 0 else f"{x:.4g}"
+    return " " + text.rjust(width - 1)
+
+
 def print_table(rows, top):
     w = max([40] + [len(r["layout"]) + 2 for r in rows[:top]])
     print(f"{'layout':<{w}}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
           f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}  fits")
     for r in rows[:top]:
-        print(f"{r['layout']:<{w}}{r['micro_batches']:>4}{r['mem']['total'] / GiB:7.1f}"
-              f"{r['step']:9.3f}{r['tokens_per_s']:11.0f}{r['mfu']:6.2f}{r['compute']:8.3f}"
-              f"{r['tp_cp']:8.3f}{r['ep_all_to_all']:8.3f}{r['bubble']:8.3f}"
-              f"{r['dp_exposed']:8.3f}  {'yes' if r['fits'] else 'no'}")
+        print(f"{r['layout']:<{w}}{r['micro_batches']:>4}"
+              + cell(r["mem"]["total"] / GiB, 7, 1) + cell(r["step"], 9)
+              + cell(r["tokens_per_s"], 11, 0) + cell(r["mfu"], 6, 2)
+              + "".join(cell(r[k], 8) for k in ("compute", "tp_cp", "ep_all_to_all",
+                                                "bubble", "dp_exposed"))
+              + f"  {'yes' if r['fits'] else 'no'}")
 
 
 def nothing_fits(rows, cluster, headroom):
@@ -190,6 +204,7 @@ def command(config, row, gpus, v):
 
 def main(argv=None):
     args = parse(argv)
+    args.fp32 = args.fp32 or args.preset == "here"  # numpy emulates 16 bits: slower than 32
     problem = number_problem(args)
     if problem:
         fail(problem)
@@ -229,8 +244,11 @@ def main(argv=None):
         return
     c = result["config"]
     print(f"model: {model_text(n_params, c)}, seq {args.seq}, global batch "
-          f"{args.global_batch}; {args.gpus} GPUs of {cluster.name} "
-          f"({cluster.gpus_per_node} per node, {cluster.mem_gib:g} GiB)")
+          f"{args.global_batch}; {args.gpus} "
+          + (f"ranks of {cluster.name}" if args.preset == "here" else f"GPUs of {cluster.name}")
+          + f" ({cluster.gpus_per_node} per node, {cluster.mem_gib:.1f} GiB"
+          + ("; float32: numpy has no 16-bit arithmetic, --amp is slower here)"
+             if args.preset == "here" else ")"))
     print_table(rows, args.top)
     print(f"best: {result['best']}" if result["best"] else
           f"best: nothing fits: {result['nothing_fits']}")

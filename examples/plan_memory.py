@@ -10,7 +10,6 @@ The formulas and their assumptions: minidist/train/planner.py. --measure trains 
 train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
 ranks) and prints the ledger's per-rank bytes beside both predictions (README table).
 """
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ from minidist.nn import GPTConfig                                      # noqa: E
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan           # noqa: E402
+from minidist.train.args import example_parser  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
@@ -46,7 +46,7 @@ MEASURED = [
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = example_parser(__doc__)
     add_model_args(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
     p.add_argument("--dropout", action="store_true", help="count dropout masks")

@@ -11,13 +11,13 @@ attention is minidist/cp/ring.py's own `attend_block`, the code each real rank r
 its send and its receive (`mpiexec -n 4 python examples/train_gpt.py --cp 4`); the messages
 are slices here. Tested by tests/test_context_parallel.py (the same simulation, exact).
 """
-import argparse
 import math
 
 import numpy as np
 
 from minidist.autograd.flash import partial_attention
 from minidist.cp.ring import attend_block, causal_tiles, layout, positions
+from minidist.train.args import example_parser
 
 
 def show_layouts(T, n):
@@ -74,7 +74,7 @@ def walk(T, n, split, row, hs=4, seed=0):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = example_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--T", type=int, default=16,
                    help="sequence length, a multiple of 2N (N: --ranks)")

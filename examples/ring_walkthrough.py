@@ -11,7 +11,6 @@ The schedule is ring.py's own (`reduce_scatter_step`, `all_gather_step`), so wha
 is what `mpiexec -n 4 python ...` does with ProcessGroup(algo="ring"); the README section
 "Collectives and process groups" shows how to stop one real rank in a debugger too.
 """
-import argparse
 import inspect
 import pdb
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from minidist.comm import simulate
 from minidist.comm.simulate import simulate_all_reduce, simulate_broadcast
+from minidist.train.args import example_parser
 
 
 def run_under_pdb(inputs, op):
@@ -33,7 +33,7 @@ def run_under_pdb(inputs, op):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = example_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--n", type=int, default=10, help="elements per buffer")
     p.add_argument("--op", default="sum", choices=("sum", "avg", "max", "min"))

@@ -17,7 +17,6 @@ python examples/train_gpt.py --zero 1` does in a step, one list entry per rank; 
 differ in what a rank keeps between these moves and when they run (the table at the end).
 Tests: tests/test_zero.py::test_zero_walkthrough_equals_one_process.
 """
-import argparse
 import pdb
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from minidist.comm.simulate import simulate_all_gather, simulate_reduce_scatter
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, adamw_update
 from minidist.zero.flat import gpt_units
+from minidist.train.args import example_parser
 
 CONFIG = GPTConfig(n_layer=1, n_head=2, n_embd=6, block_size=4, vocab_size=8)
 LR, WEIGHT_DECAY = 0.01, 0.1
@@ -108,7 +108,7 @@ def one_process(x, y, steps):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = example_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4, help="simulated data-parallel ranks")
     p.add_argument("--rows", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=1)

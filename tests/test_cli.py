@@ -601,3 +601,35 @@ def test_ctrl_c_saves_at_the_step_boundary(ranks, save, corpus, tmp_path, device
         assert f"--resume {ck}" in lines[0] and (ck / f"step-{step:08d}").is_dir()
     else:
         assert lines[0] == f"interrupted (Ctrl-C) after step {step}: nothing saved (no --save DIR)"
+
+
+def test_the_flag_modules_load_no_numpy():
+    """train_gpt.py sets the BLAS thread count in the environment, then imports the flag
+    modules: numpy loaded by them would have read it first (cli.py imports numpy's users
+    inside the checks that need them)."""
+    out = subprocess.run([sys.executable, "-c", "import sys, minidist.train.args, "
+                          "minidist.train.cli; print(sorted(m for m in sys.modules "
+                          "if m.split('.')[0] == 'numpy')[:3])"], cwd=ROOT, env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "[]\n", (out.stdout, out.stderr)
+
+
+def test_every_example_states_its_defaults_and_its_first_paragraph():
+    """Every script in examples/ (but plot.py and ddp_timeline.py, whose --help is their
+    whole docstring) builds its parser with args.example_parser: --help shows each flag's
+    default and the docstring's first paragraph (plan.py showed no default; bench_plan.py's
+    description stopped mid-sentence, at its docstring's first line break). Two run here."""
+    scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "examples"))
+                     if f.endswith(".py") and f not in ("plot.py", "ddp_timeline.py"))
+    for name in scripts:
+        source = open(os.path.join(ROOT, "examples", name)).read()
+        if "parse_args(" in source and "train_parser()" not in source:
+            assert "example_parser(__doc__)" in source or name in ("sample.py",
+                                                                   "export_gpt2.py"), name
+    for name, default, ends in (("plan.py", "(default: 64)", "fastest first."),
+                                ("bench_plan.py", "(default: 8)", "EP2 x CP2).")):
+        out = subprocess.run([sys.executable, f"examples/{name}", "--help"], cwd=ROOT,
+                             env=mpi_env(), capture_output=True, text=True, timeout=60)
+        text = " ".join(out.stdout.split())
+        assert out.returncode == 0 and default in text, (name, text)
+        assert text.split(" options: ")[0].endswith(ends), (name, text[:600])

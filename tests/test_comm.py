@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minidist import comm
 from minidist.comm import trace
 from minidist.comm.ring import (all_gather_step, chain_step, chunk_bounds, reduce_scatter_step,
                                 ring_bytes)
@@ -242,6 +243,17 @@ def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     assert "rank 1 failed before MPI_Init" in out.stderr, out.stderr
     assert 1 <= out.stderr.count("in _wait_in_mpi_init_for_every_rank") <= 2, out.stderr
     assert "unreachable" not in out.stdout
+
+
+def test_a_sub_second_timeout_does_not_bound_mpi_init(monkeypatch):
+    """--comm-timeout 0.01 also bounded MPI_Init, which takes up to a second on a busy
+    machine: a healthy job was killed while it started (a stack dump, or only MPICH's
+    noise). MPI_Init now waits at least MPI_INIT_AT_LEAST_S; 0 still waits for ever, and a
+    timeout above the floor (the 3 s of the test above) is kept."""
+    monkeypatch.delenv("MINIDIST_COMM_TIMEOUT", raising=False)
+    assert comm.mpi_init_wait_s(0.01) == comm.MPI_INIT_AT_LEAST_S == 2.0
+    assert comm.mpi_init_wait_s(0) == 0 and comm.mpi_init_wait_s(3) == 3
+    assert comm.mpi_init_wait_s(None) == 600
 
 
 @pytest.mark.mpi

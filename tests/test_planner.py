@@ -203,6 +203,13 @@ PLANNER_BAD = [
     ("plan", ["--params", "nan"], "--params nan: must be a positive number"),
     ("plan", ["--params", "7e9", "--seq", "0"], "--seq 0: must be a positive number"),
     ("plan", ["--params", "7e9", "--seq", "7"], "--seq 7: must be even"),
+    # found by a first-use walk: the shape was dropped silently, a bad number was a usage block
+    ("plan", ["--params", "7e9", "--n-layer", "6"], "--n-layer 6: --params 7e+09 assumes its "
+     "own shape; give --params or the shape, not both"),
+    ("plan_memory", ["--params", "7e9", "--n-embd", "512", "--n-head", "8"], "--n-head 8 "
+     "--n-embd 512: --params 7e+09 assumes"),
+    ("plan", ["--params", "abc"], "argument --params: invalid float value: 'abc' (plan.py "
+     "--help lists the flags)"),
 ]
 
 

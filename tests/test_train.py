@@ -53,8 +53,10 @@ def test_resume_continues_bit_identically(corpus, tmp_path, device):
     straight = tmp_path / "straight.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--log-json", str(straight), "--save",
                 str(tmp_path / "a")))
-    train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "b"),
-                "--stop-at", "3"))
+    stopped = train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "b"),
+                          "--stop-at", "3"))
+    # the summary's steps are the steps done (it said 6: plot.py put the val loss at step 5)
+    assert (stopped["steps"], stopped["schedule_steps"]) == (3, 6)
     resumed = tmp_path / "resumed.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
                 str(tmp_path / "b"), "--log-json", str(resumed)))

@@ -76,8 +76,7 @@ def init(algo="ring", timeout=None, sync_comm=None):
             raise ValueError("; ".join(problems))
         mpich.apply_defaults()
         if not MPI.Is_initialized():
-            wait_s = watchdog.default_timeout() if timeout is None else timeout
-            _wait_in_mpi_init_for_every_rank(wait_s)
+            _wait_in_mpi_init_for_every_rank(mpi_init_wait_s(timeout))
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -85,6 +84,19 @@ def init(algo="ring", timeout=None, sync_comm=None):
         atexit.register(_finish)
         _state["initialised"] = True
     return ProcessGroup.world(algo, sync_comm)
+
+
+# MPI_Init of a few ranks on a busy machine takes up to a second: a collective timeout below
+# that (--comm-timeout 0.01) killed a healthy job while it started, with a stack dump
+MPI_INIT_AT_LEAST_S = 2.0
+
+
+def mpi_init_wait_s(timeout):
+    """How long a rank waits in MPI_Init for the others (0: for ever): the collective
+    timeout (`timeout`, else MINIDIST_COMM_TIMEOUT or 600 s), but at least
+    MPI_INIT_AT_LEAST_S."""
+    wait_s = watchdog.default_timeout() if timeout is None else timeout
+    return wait_s and max(wait_s, MPI_INIT_AT_LEAST_S)
 
 
 def _wait_in_mpi_init_for_every_rank(timeout):

@@ -39,7 +39,7 @@ def add_model_args(p):
     g.add_argument("--n-head", type=int, default=4, action=Given, help="attention heads")
     g.add_argument("--n-embd", type=int, default=128, action=Given, help="embedding width")
     g.add_argument("--block-size", type=int, default=128, action=Given,
-                   help="context length, in tokens (with --init-from: at most its positions)")
+                   help="context length, in tokens")
     g.add_argument("--dropout", type=float, default=0.0, action=Given,
                    help="dropout probability")
     g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
@@ -84,7 +84,7 @@ def add_parallel_args(p):
                    help="data-parallel ranks (default: the MPI processes left by the other "
                         "axes, processes / (tp x pp x cp x ep))")
     g.add_argument("--ddp", choices=("naive", "bucketed", "overlapped"), default="overlapped",
-                   help="how DDP averages gradients (README: Data parallelism)")
+                   help="how DDP averages gradients (minidist/ddp/README.md)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -132,7 +132,7 @@ def add_parallel_args(p):
     g.add_argument("--micro-batches", type=int, default=None,
                    help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1"), default="1f1b",
-                   help="pipeline schedule (README: Pipeline parallelism)")
+                   help="pipeline schedule (minidist/pp/README.md)")
     g.add_argument("--pp-virtual", type=int, default=1, metavar="V",
                    help="chunks of layers per pipeline rank: V > 1 interleaves 1F1B")
     g.add_argument("--amp", action="store_true",
@@ -179,12 +179,14 @@ def add_train_args(p):
                    help="--save into a DIR holding checkpoints of another (or a newer) run: "
                    "this run's saves then replace them")
     g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint folder or a --save DIR (its newest). "
-                   "`--resume auto`: from --save DIR's newest if it holds one, else start "
-                   "fresh, so a requeued job reruns the same command")
+                   help="continue from a checkpoint folder or a --save DIR (its newest; the "
+                   "model flags, --dtype and --amp follow it). `--resume auto`: from --save "
+                   "DIR's newest if it holds one, else start fresh, so a requeued job reruns "
+                   "the same command")
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a GPT-2 folder's weights (config.json, model.safetensors, "
-                   "as Hugging Face writes them; the model flags follow it) instead of the "
+                   "as Hugging Face writes them; the model flags follow it, --block-size at "
+                   "most its positions) instead of the "
                    "seed's; train on data of its vocabulary (--data: token files, or text "
                    "when the folder has vocab.json and merges.txt)")
     g.add_argument("--log-json", default=None, metavar="FILE",
@@ -225,7 +227,15 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def example_parser(doc):
+    """The parser of a script in examples/: the first paragraph of its docstring `doc` as the
+    description, each flag's default in --help, a bad flag one `error:` line (Parser)."""
+    return Parser(description=" ".join(doc.split("\n\n")[0].split()),
+                  formatter_class=HelpWithDefaults)
+
+
 def train_parser():
-    p = Parser(description="Train a GPT (see README: GPT on one process).",
+    p = Parser(description="Train a GPT, on one process or many (README.md; the step: "
+                        "minidist/train/README.md).",
                formatter_class=HelpWithDefaults)
     return add_train_args(add_parallel_args(add_model_args(p)))

@@ -32,7 +32,6 @@ import sys
 import tempfile
 
 from minidist.launcher import thread_env_problem
-from minidist.nn.config import TILED_FROM_T, uses_tiled
 from minidist.strategy import checkpoint_dirs
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
@@ -162,6 +161,7 @@ def idle_flags(args, replicas=None, ranks=None):
     (the --moe-* flags are check_moe's). `replicas`: the ranks DDP would average over (dp x
     ep x cp), `ranks`: the processes, both known once the world size is (check_layout); None
     before."""
+    from minidist.nn.config import TILED_FROM_T, uses_tiled    # (numpy: after BLAS setup)
     idle = []
     if ranks == 1 and not args.zero:          # one process, no group: nothing is sent
         alone = "one process sends nothing: run more ranks (mpirun -n N)"

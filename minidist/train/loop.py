@@ -217,7 +217,7 @@ def train(args, world=None):
             t_mark = time.perf_counter()
             t_aside += t_mark - t_aside_from
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
-                   t_aside, reads_before)
+                   t_aside, reads_before, stop)
 
 
 def _settle(strategy, step):
@@ -327,9 +327,10 @@ def _stop(args, strategy, log, model, opt, step, signals):
     raise SystemExit(preemption.exit_status(interrupted))
 
 
-def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before):
+def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before, stop):
     """The final evaluation (if none ran), the sample, the summary lines and JSON row.
-    `seconds`: the steps' wall time, `aside` of it evaluating and saving."""
+    `seconds`: the steps' wall time, `aside` of it evaluating and saving; `stop`: the steps
+    done (--stop-at's, below --steps, whose schedule the run follows: "schedule_steps")."""
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
         val_loss = float(backend.host_read(evaluate(strategy, model, data, args.seed,
                                                     args.batch_size, args.block_size,
@@ -345,7 +346,8 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
-               "steps": args.steps, "train_seconds": seconds, "eval_save_seconds": aside,
+               "steps": stop, "schedule_steps": args.steps, "train_seconds": seconds,
+               "eval_save_seconds": aside,
                "sample": text, "host_reads": reads}
     log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                f"{data.unigram_entropy:.4f} (a model that ignores context); "

@@ -21,10 +21,10 @@ def add_model_args(p):
                         "256, with --vocab-size and --seq) is over twice it. With "
                         "--moe-experts it sizes the dense shape, whose MLPs then become the "
                         "experts: the model line prints both counts")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--n-layer", type=int, default=4, help="blocks (without --params)")
+    p.add_argument("--n-head", type=int, default=4, help="heads (without --params)")
+    p.add_argument("--n-embd", type=int, default=128, help="width (without --params)")
+    p.add_argument("--vocab-size", type=int, default=50257, help="tokens (GPT-2's)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     return add_moe_args(p)
 
@@ -48,7 +48,15 @@ def number_problem(args):
                     + ("a number >= 0" if zero else "a positive number"))
     if getattr(args, "headroom", 0) >= 1:
         return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
+    shape = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, default in SHAPE.items()
+             if getattr(args, n) != default]
+    if args.params is not None and shape:      # the shape --params assumes would replace it
+        return (f"{' '.join(shape)}: --params {args.params:g} assumes its own shape; give "
+                "--params or the shape, not both")
     return params_problem(args)
+
+
+SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128}       # add_model_args' shape and defaults
 
 
 def params_problem(args):
