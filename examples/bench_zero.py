@@ -90,14 +90,17 @@ def main():
     p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to measure (0: DDP)")
     p.add_argument("--amp", action="store_true")
     p.add_argument("--comm", default="ring")
     cli = p.parse_args()
+    stages = cli.stages.split(",")
+    if not stages or any(s not in ("0", "1", "2", "3") for s in stages):
+        p.error(f"--stages {cli.stages}: a comma list of 0 (DDP), 1, 2 and 3")
     backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
     minidist_comm.init(cli.comm)          # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
-    results = {s: run_stage(cli, s, comm) for s in map(int, cli.stages.split(","))}
+    results = {s: run_stage(cli, s, comm) for s in map(int, stages)}
     if comm.rank == 0:
         tables(cli, results, comm.size)
 
