@@ -83,6 +83,11 @@ BAD_FLAGS = [
     (["--zero", "1", "--bucket-mb", "4"], "--bucket-mb 4.0: sets DDP's bucket size (ZeRO does "
      "not bucket), which this run does not use (drop --zero, or leave --bucket-mb out)"),
     (["--attention-block", "0"], "--attention-block 0: must be at least 1"),
+    (["--decay-steps", "3"], "--decay-steps 3: sets the steps of warmup-stable-decay's final "
+     "decay, which this run does not use (add --lr-schedule wsd, or leave --decay-steps out)"),
+    (["--lr-schedule", "wsd", "--steps", "100", "--decay-steps", "99"], "--decay-steps 99: "
+     "with 5 warm-up steps, more than --steps 100; give at most --decay-steps 95"),
+    (["--lr-schedule", "wsd", "--decay-steps", "0"], "--decay-steps 0: must be at least 1"),
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),
     (["--dropout", "1"], "--dropout 1.0: a probability in [0, 1)"),

@@ -9,8 +9,8 @@ import pytest
 
 from minidist.backend import to_host as H
 from minidist.nn import Parameter
-from minidist.optim import (SGD, AdamW, WarmupCosine, adamw_update, clip_grad_norm,
-                            warmup_cosine)
+from minidist.optim import (SGD, AdamW, WarmupCosine, WarmupStableDecay, adamw_update,
+                            clip_grad_norm, warmup_cosine, warmup_stable_decay)
 
 
 def _params(xp, seed=0, dtype=np.float64):
@@ -133,6 +133,20 @@ def test_warmup_cosine_values():
     sched = WarmupCosine(lr, warmup, total, floor)
     values = [sched(s) for s in range(warmup, total)]
     assert all(x >= y for x, y in zip(values, values[1:]))        # monotone decay
+
+
+def test_warmup_stable_decay_values_worked_by_hand():
+    """lr 1, warmup 2, 10 steps, the last 4 decaying to 0.1 along 1 - sqrt: steps 0, 1 warm
+    up (0.5, 1); 2..5 hold 1; step 6 is a quarter into the decay, 0.1 + 0.9 (1 - 1/2) = 0.55;
+    step 7 half, 0.1 + 0.9 (1 - sqrt(1/2)); step 9, the last, reaches 0.1. A longer run
+    (20 steps) has the same rates until its own decay begins (step 16)."""
+    lr, warmup, total, decay, floor = 1.0, 2, 10, 4, 0.1
+    got = [warmup_stable_decay(s, lr, warmup, total, decay, floor) for s in range(12)]
+    want = [0.5, 1, 1, 1, 1, 1, 0.55, 0.1 + 0.9 * (1 - 0.5 ** 0.5),
+            0.1 + 0.9 * (1 - 0.75 ** 0.5), 0.1, 0.1, 0.1]
+    assert got == pytest.approx(want, abs=1e-15)
+    longer = WarmupStableDecay(lr, warmup, 20, decay, floor)
+    assert [longer(s) for s in range(6)] == got[:6] and longer(15) == 1.0 > longer(16)
 
 
 def test_clip_grad_norm_scales_to_max_norm(xp):

@@ -113,6 +113,35 @@ def test_a_resumed_run_takes_its_model_from_the_checkpoint(corpus, tmp_path, dev
     train(a)
 
 
+def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tmp_path,
+                                                                   device, capsys):
+    """--lr-schedule wsd: the rate depends on --steps only in the last --decay-steps, so a run
+    of 8 steps saved at step 4 (its decay begins at 5) and resumed with --steps 12 trains the
+    12-step run's steps 4..11 bit for bit, and the resume says nothing changed. Cosine's rate
+    depends on --steps from step 0: the same extension is noted as a different run."""
+    common = ["--eval-every", "0", "--warmup", "2", "--decay-steps", "3"]
+    straight = tmp_path / "straight.jsonl"
+    train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
+                "--log-json", str(straight)))
+    train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "8",
+                "--stop-at", "4", "--save", str(tmp_path / "wsd")))
+    capsys.readouterr()
+    extended = tmp_path / "extended.jsonl"
+    train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
+                "--resume", str(tmp_path / "wsd"), "--log-json", str(extended)))
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "note:" not in said, said
+    rows = _rows(extended)[:-1]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(straight)[4:12]]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in _rows(straight)[4:12]]
+    train(_args(device, corpus, tmp_path, "--eval-every", "0", "--steps", "8", "--stop-at",
+                "4", "--save", str(tmp_path / "cos")))
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, "--eval-every", "0", "--steps", "12", "--resume",
+                str(tmp_path / "cos")))
+    assert "(note: steps changed, so the run will differ" in capsys.readouterr().out
+
+
 def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,
                                                                          device):
     """Checkpoints written before dropout was keyed (2026-11-25) hold a generator's state as

@@ -151,7 +151,15 @@ def add_train_args(p):
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    g.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (warmup, cosine)")
+    g.add_argument("--lr", type=float, default=4e-3, help="peak learning rate")
+    g.add_argument("--lr-schedule", choices=("cosine", "wsd"), default="cosine",
+                   help="after --warmup: cosine decay to --min-lr over the run, or wsd: "
+                   "warmup-stable-decay, --lr until the last --decay-steps, then down to "
+                   "--min-lr (a wsd run saved before its decay can be extended: --resume with "
+                   "a larger --steps)")
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="with --lr-schedule wsd: the steps of the final decay (default: "
+                   "steps / 5)")
     g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
     g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices")

@@ -58,6 +58,7 @@ _AT_LEAST = (
     ("--threads", "threads", 1, "BLAS threads"),
     ("--stop-at", "stop_at", 1, "the step to stop at"),
     ("--warmup", "warmup", 0, "warm-up steps"),
+    ("--decay-steps", "decay_steps", 1, "wsd's decay steps"),
     ("--keep", "keep", 1, "checkpoints kept"),
     ("--attention-block", "attention_block", 1, "the tiled attention's tile size"),
     ("--comm-timeout", "comm_timeout", 0, "seconds a collective may wait (0: never abort)"),
@@ -131,6 +132,12 @@ def check_flags(args):
     if args.stop_at is not None and args.stop_at > args.steps:
         raise UsageError(f"--stop-at {args.stop_at}: past --steps {args.steps}, where the run "
                          "ends anyway; give a step below --steps, or leave --stop-at out")
+    warmup = args.warmup if args.warmup is not None else args.steps // 20
+    if args.decay_steps is not None and args.lr_schedule == "wsd" and \
+            args.decay_steps + warmup > args.steps:
+        said = f"--warmup {warmup}" if args.warmup is not None else f"{warmup} warm-up steps"
+        raise UsageError(f"--decay-steps {args.decay_steps}: with {said}, more than --steps "
+                         f"{args.steps}; give at most --decay-steps {args.steps - warmup}")
     if args.warmup is not None and args.warmup > args.steps:
         raise UsageError(f"--warmup {args.warmup}: more than --steps {args.steps}, so the "
                          f"learning rate would never reach --lr {args.lr:g}; give at most "
@@ -182,6 +189,9 @@ def idle_flags(args, replicas=None, ranks=None):
                                                     f"{TILED_FROM_T} or more"
                                                     if args.attention == "auto" else
                                                     " or auto")))
+    if args.lr_schedule != "wsd":
+        idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
+                     "add --lr-schedule wsd"))
     if not args.save:
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),

@@ -32,7 +32,7 @@ from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import load_stats, moe_layers_by_block
-from minidist.optim import WarmupCosine
+from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.data import DataError
@@ -91,9 +91,28 @@ def moe_fields(args):
                 moe_every=args.moe_every)
 
 
-def _schedule(args):
-    return WarmupCosine(args.lr, args.warmup if args.warmup is not None else args.steps // 20,
-                        args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+def _schedule(flags):
+    """The learning-rate schedule of a run's flags (vars(args), or the flags a checkpoint
+    recorded: one from before --lr-schedule is a cosine run)."""
+    steps, lr = flags["steps"], flags["lr"]
+    warmup = flags["warmup"] if flags.get("warmup") is not None else steps // 20
+    min_lr = flags["min_lr"] if flags.get("min_lr") is not None else lr / 10
+    if flags.get("lr_schedule", "cosine") == "wsd":
+        decay = flags.get("decay_steps") or max(1, steps // 5)
+        return WarmupStableDecay(lr, warmup, steps, decay, min_lr)
+    return WarmupCosine(lr, warmup, steps, min_lr)
+
+
+def _schedule_changes(saved, ours, start):
+    """The schedule's flags that changed since the checkpoint, where they changed a learning
+    rate before its step `start` ([] where not: a wsd run extended before its decay began is
+    the run its new --steps would have trained)."""
+    saved = {"lr_schedule": "cosine", "decay_steps": None, **saved}   # (before they existed)
+    changed = [k for k in _SCHEDULE if k in saved and saved[k] != ours[k]]
+    if not changed or not all(k in saved for k in ("steps", "lr")):
+        return changed
+    before, now = _schedule(saved), _schedule(ours)
+    return changed if any(before(i) != now(i) for i in range(start)) else []
 
 
 def _resume(args, strategy, log, model, opt):
@@ -103,6 +122,7 @@ def _resume(args, strategy, log, model, opt):
         dropout if "step" in dropout else {"step": state["step"]})
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
+    changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
@@ -110,8 +130,8 @@ def _resume(args, strategy, log, model, opt):
     return state["step"]
 
 
-_MUST_MATCH = ("seed", "steps", "lr", "min_lr", "warmup", "batch_size", "grad_accum",
-               "weight_decay", "grad_clip", "data")
+_MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data")
+_SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 class Diverged(UsageError):
     """The loss or the gradients stopped being finite (or --amp skipped too many steps in a
     row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved."""
@@ -148,7 +168,7 @@ def train(args, world=None):
     weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
     model = strategy.build_model(config, args.seed, args.dtype, weights)
     opt = strategy.build_optimizer(model, args)
-    schedule = _schedule(args)
+    schedule = _schedule(vars(args))
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
     stop = _check_stop(args, start)
     _describe(args, strategy, log, model, data)
