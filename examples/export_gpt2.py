@@ -50,7 +50,7 @@ def export_parser():
                    help="the parameters' type in model.safetensors")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="where the model's vocab.json and merges.txt are (default: the "
-                   "--init-from or --data folder of the run, when it has them)")
+                   "--tokenizer, --init-from or --data folder of the run, when it has them)")
     p.add_argument("--traceback", action="store_true",
                    help="on a user error, show the traceback (also MINIDIST_DEBUG=1)")
     return p
@@ -66,8 +66,8 @@ def tokenizer_folder(args, vocab_size):
         folder, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
     else:
         flags = run_flags(args.resume)
-        folder = next((f for f in (flags.get("init_from"), flags.get("data"))
-                       if f and tokenizer_files(f)), None)
+        folder = next((f for f in (flags.get("tokenizer"), flags.get("init_from"),
+                                   flags.get("data")) if f and tokenizer_files(f)), None)
         where = f"{folder}, a folder the run named,"
     if folder is None:
         return None

@@ -11,8 +11,8 @@ the pieces are gathered into the whole model in this one process
 real GPT-2 (`--resume gpt2`, a Hugging Face download: its vocab.json and merges.txt are the
 tokenizer, minidist/train/bpe.py) or one minidist wrote.
 The tokenizer: bytes for a 256-token model; else --tokenizer DIR's, the --resume folder's,
-or that of the folders its run named (--init-from, --data: a GPT-2 tokenizer or nanoGPT's
-meta.pkl, minidist/train/token_files.py tokenizer_in).
+or that of the folders its run named (--tokenizer, --init-from, --data: a GPT-2 tokenizer
+or nanoGPT's meta.pkl, minidist/train/token_files.py tokenizer_in).
 The prompt and its continuation go to stdout (control characters escaped), the line saying
 what was loaded to stderr. --temperature 0 is greedy; the same --seed gives the same text.
 Tests: tests/test_sample.py.
@@ -88,7 +88,8 @@ def pick_tokenizer(args, vocab_size):
         tokenizer, where = ByteTokenizer(), "bytes"
     else:
         flags = run_flags(args.resume)
-        folders = [f for f in (args.resume, flags.get("init_from"), flags.get("data")) if f]
+        folders = [f for f in (args.resume, flags.get("tokenizer"), flags.get("init_from"),
+                               flags.get("data")) if f]
         found = ((tokenizer_in(f), f) for f in folders)
         tokenizer, where = next(((t, f) for t, f in found if t is not None), (None, None))
         if tokenizer is None:

@@ -268,3 +268,108 @@ def test_missing_files_and_folder(tmp_path):
         BPETokenizer.from_folder(folder)
     with pytest.raises(TokenizerError, match="nowhere: no such folder"):
         BPETokenizer.from_folder(tmp_path / "nowhere")
+
+
+# ---- training (train_bpe, examples/train_tokenizer.py) -------------------------------------
+
+def test_training_merges_the_most_frequent_pair_first_worked_by_hand():
+    """'aaabdaaabac' is one piece. Its pairs: aa 4 (overlaps count), ab 2, bd, da, ba, ac 1:
+    'aa' first; then [aa a b d aa a b a c]: (aa, a) and (a, b) 2 each, a tie, taken by string
+    order, ('a', 'b') first; then (aa, ab) 2: 'aaab'; then nothing occurs twice, so 3 merges
+    and a vocabulary short of the 300 asked, <|endoftext|> last. The trained tokenizer cuts
+    the text as training did."""
+    vocab, merges = bpe.train_bpe("aaabdaaabac", 300)
+    assert merges == [("a", "a"), ("a", "b"), ("aa", "ab")]
+    assert len(vocab) == 256 + 3 + 1 and vocab[bpe.EOT] == 259 and vocab["aaab"] == 258
+    assert [B2U[b] for b in range(256)] == sorted(vocab, key=vocab.get)[:256]  # id b = byte b
+    tok = BPETokenizer(vocab, merges)
+    assert [tok.decode([i]) for i in tok.encode("aaabdaaabac")] == ["aaab", "d", "aaab", "a",
+                                                                    "c"]
+    vocab, merges = bpe.train_bpe("aaabdaaabac", 258)          # room for one merge only
+    assert merges == [("a", "a")] and len(vocab) == 258
+    with pytest.raises(TokenizerError, match="a vocabulary of 256 tokens cannot hold the 256 "
+                       "bytes and 1 special"):
+        bpe.train_bpe("abc", 256)
+
+
+def test_a_trained_tokenizer_is_written_read_back_and_cuts_text_as_training_did(tmp_path,
+                                                                                corpus):
+    """Written as GPT-2's files are (read back through from_folder's checks), the trained
+    tokenizer encodes its training text into the pieces training made: the merges replayed
+    in rank order on each piece, every occurrence left to right (what training did to the
+    whole text at once), give the same count of tokens as encode; decode gives the text
+    back; a piece never seen (non-ASCII) still encodes, by its bytes."""
+    text = open(corpus).read()
+    vocab, merges = bpe.train_bpe(text, 300)
+    bpe.write_tokenizer(str(tmp_path / "tok"), vocab, merges)
+    tok = BPETokenizer.from_folder(str(tmp_path / "tok"))
+    assert tok.vocab_size == len(vocab) == 300 and tok.eot == 299
+    replayed = 0
+    for piece in pretokenize(text):
+        word = [B2U[b] for b in piece.encode("utf-8")]
+        for pair in merges:
+            out, i = [], 0
+            while i < len(word):
+                if word[i:i + 2] == list(pair):
+                    out.append(pair[0] + pair[1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            word = out
+        replayed += len(word)
+    ids = tok.encode(text)
+    assert len(ids) == replayed < len(text) / 2 and tok.decode(ids) == text
+    assert tok.decode(tok.encode("naïve café")) == "naïve café"
+    again = bpe.train_bpe(text, 300)                  # deterministic: the same files again
+    assert again == (vocab, merges)
+
+
+def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus):
+    """examples/train_tokenizer.py on the corpus, then train_gpt.py --tokenizer: the model's
+    vocabulary is the tokenizer's, the checkpoint resumes without --tokenizer (taken from
+    it), sample.py finds it, export_gpt2.py copies it; nanoGPT-style uint16 files of its ids
+    train with --tokenizer as their vocabulary (GPT-2's would be assumed without)."""
+    import os
+    import subprocess
+    import sys
+    from minidist.train.args import train_parser
+    from minidist.train.cli import UsageError, check_flags
+    from minidist.train.loop import train
+    from tests.mpirun import ROOT, mpi_env
+    tok = tmp_path / "tok"
+
+    def run(script, *flags):
+        out = subprocess.run([sys.executable, f"examples/{script}", *map(str, flags)],
+                             cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    said = run("train_tokenizer.py", "--data", corpus, "--vocab-size", 300, "--out", tok)
+    assert said.startswith(f"wrote {tok}: 300 tokens, 43 merges") and "bytes per token" in said
+
+    def args(*flags):
+        a = train_parser().parse_args(["--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                                       "--block-size", "16", "--batch-size", "4",
+                                       "--eval-iters", "1", "--sample", "0", *flags])
+        check_flags(a)
+        return a
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    train(args("--data", corpus, *cache, "--tokenizer", str(tok), "--steps", "2", "--save",
+               str(tmp_path / "ck")))
+    resumed = args("--data", corpus, *cache, "--resume", str(tmp_path / "ck"), "--steps", "3")
+    assert resumed.tokenizer == str(tok)
+    train(resumed)
+    assert run("sample.py", "--resume", tmp_path / "ck", "--tokens", 5, "--prompt", "def ")
+    assert "vocab.json and merges.txt from" in run("export_gpt2.py", "--resume",
+                                                   tmp_path / "ck", "--out", tmp_path / "x")
+    assert sorted(os.listdir(tmp_path / "x")) == ["config.json", "merges.txt",
+                                                  "model.safetensors", "vocab.json"]
+    ids = BPETokenizer.from_folder(str(tok)).encode(open(corpus).read()).astype(np.uint16)
+    os.makedirs(tmp_path / "bin")
+    ids[:2000].tofile(tmp_path / "bin" / "train.bin")
+    ids[2000:].tofile(tmp_path / "bin" / "val.bin")
+    done = train(args("--data", str(tmp_path / "bin"), "--tokenizer", str(tok), "--steps", "1"))
+    assert done["val_loss"] < 7                 # ln 300 = 5.7 at the start, not ln 50257 = 10.8
+    with pytest.raises(UsageError, match="--tokenizer .*nowhere: no such folder"):
+        args("--tokenizer", str(tmp_path / "nowhere"))

@@ -195,16 +195,17 @@ def read_record(folder, manifest=None):
 
 
 def saved_model(directory):
-    """(folder, config dict, dtype) of the checkpoint `directory` names (a checkpoint or a
-    --save directory), read from its record before any work and NOT verified (load does
-    that): what a resumed run takes its model from. CheckpointError where it cannot be read."""
+    """(folder, config dict, dtype, the run's flags) of the checkpoint `directory` names (a
+    checkpoint or a --save directory), read from its record before any work and NOT verified
+    (load does that): what a resumed run takes its model from. CheckpointError where it
+    cannot be read."""
     folder = dirs.resolve(directory)
     try:
         parts = sorted(n for n in os.listdir(folder) if PART.match(n))    # TP x ZeRO's
         where = os.path.join(folder, parts[0]) if parts else folder
         with open(os.path.join(where, "state.json")) as f:
             record = json.load(f)
-        return folder, dict(record["config"]), str(record["dtype"])
+        return folder, dict(record["config"]), str(record["dtype"]), record.get("extra") or {}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise CheckpointError(f"checkpoint {folder}: its record cannot be read ({e})") from None
 

@@ -168,6 +168,11 @@ def add_train_args(p):
                    help="text file or folder of text files, or a folder of token files "
                    "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "
                    "llm.c write them) (default: Python's stdlib sources)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a folder with a BPE's vocab.json and merges.txt (a GPT-2 download's, "
+                   "or examples/train_tokenizer.py's): text --data is tokenized with it, token "
+                   "files are checked against it and sampled with it (default: bytes; "
+                   "--init-from's, where it has them)")
     g.add_argument("--cache-dir", default=None,
                    help="where text data's tokens are cached (token files are read in place; "
                    "default: .minidist-cache/ beside --data where writable, else "

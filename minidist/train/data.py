@@ -108,6 +108,12 @@ def _cache_dir(path, root, files, cache_dir, tokenizer):
     return os.path.join(default_cache_root(), key)
 
 
+def text_splits(path=None):
+    """(train, val) bytes of --data `path` (a text file or folder; None: Python's sources),
+    split as training splits them (examples/train_tokenizer.py learns from the train part)."""
+    return _split_files(*list_files(path))
+
+
 def _split_files(root, files):
     """Bytes of train and val text: held-out files, or each file's last 10%."""
     train, val = [], []

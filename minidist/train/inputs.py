@@ -24,7 +24,7 @@ from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer, TokenData
 from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
 
-PATHS = ("data", "init_from", "cache_dir")       # flags a checkpoint records as absolute
+PATHS = ("data", "init_from", "cache_dir", "tokenizer")   # recorded as absolute paths
 
 
 def check_data_path(args):
@@ -32,6 +32,13 @@ def check_data_path(args):
     nanoGPT: --data owt/train.bin), or a folder of .bin files none of which is named as a
     token file, would be read as text, bytes of binary; token files are not cached, so
     --cache-dir with them does nothing."""
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and not tokenizer_files(tokenizer):
+        what = "no such folder" if not os.path.exists(tokenizer) else \
+            "is a file; give its folder" if not os.path.isdir(tokenizer) else \
+            "holds no vocab.json and merges.txt"
+        raise UsageError(f"--tokenizer {tokenizer}: {what} (a BPE tokenizer folder: a GPT-2 "
+                         "download, or what examples/train_tokenizer.py writes)")
     data = args.data
     if data is None:
         return
@@ -102,9 +109,9 @@ def take_resume_model(args):
     """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
-    --amp and --amp-dtype follow it). One given with another value is refused here, before
-    any work, naming the flag; but --dropout, which no parameter depends on, may change
-    (fine-tuning). A checkpoint that cannot be read is left to the load, whose verification
+    --amp and --amp-dtype follow it) and --tokenizer (where its folder is still there).
+    One given with another value is refused here, before any work, naming the flag; but
+    --dropout, which no parameter depends on, may change (fine-tuning). A checkpoint that cannot be read is left to the load, whose verification
     names what is wrong; so is an --amp or --init-from that does not fit it."""
     if getattr(args, "resume", None) is None:
         return
@@ -112,9 +119,12 @@ def take_resume_model(args):
         folder = resume_dir(args.resume, args.save)
         if folder is None:                              # --resume auto, nothing saved yet
             return
-        folder, config, dtype = saved_model(folder)
+        folder, config, dtype, flags = saved_model(folder)
     except CheckpointError:
         return
+    recorded = flags.get("tokenizer")               # what its text was tokenized with
+    if getattr(args, "tokenizer", None) is None and recorded and os.path.isdir(recorded):
+        args.tokenizer = recorded
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     for name in RESUMED:
@@ -163,12 +173,16 @@ def _check_init_folder(folder):
 
 def open_data(args):
     """--data: a folder of token files, else text, tokenized once and cached: into bytes, or
-    by the BPE of --init-from's folder where it has one (vocab.json, merges.txt). The token
-    files' tokenizer (for the sample) is meta.pkl's or the BPE beside them, else
-    --init-from's."""
+    by --tokenizer's BPE, else by --init-from's folder's where it has one (vocab.json,
+    merges.txt). The token files' tokenizer (for the sample) is --tokenizer's, else meta.pkl's
+    or the BPE beside them, else --init-from's."""
     names = token_file_names(args.data) if args.data else None
+    given = getattr(args, "tokenizer", None)
     if not names:
-        return TokenData(args.data, args.cache_dir, tokenizer_in(args.init_from))
+        return TokenData(args.data, args.cache_dir, tokenizer_in(given or args.init_from))
+    if given:
+        return TokenFiles(args.data, names, BPETokenizer.from_folder(given),
+                          f"--tokenizer {given}", made_them=True)
     if tokenizer_files(args.data):
         return TokenFiles(args.data, names, BPETokenizer.from_folder(args.data),
                           f"{args.data} (beside the files)")

@@ -41,6 +41,7 @@ from minidist.train.data import DataError, draw_batch, unigram_entropy
 LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4
 LLMC_VERSIONS = {1: (np.uint16, 50257, "GPT-2"), 2: (np.uint32, 128256, "Llama 3")}
 GPT2_VOCAB = 50257
+NANOGPT = "nanoGPT (uint16 tokens)"          # the format of bare files
 CHECKED_AT_OPEN = 1 << 20          # tokens of each file checked when the data is opened
 ENTROPY_TOKENS = 1 << 24           # train tokens the unigram entropy is measured on
 _NAME = {split: re.compile(rf"^(?:(.+)_)?{split}(?:_(\d+))?\.bin$")
@@ -70,7 +71,7 @@ def read_tokens(path):
         raise DataError(f"{path}: {size:,} bytes, an odd number: not uint16 tokens (nanoGPT's "
                         "format) and no llm.c header")
     tokens = np.memmap(path, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
-    return tokens, GPT2_VOCAB, "nanoGPT (uint16 tokens)"
+    return tokens, GPT2_VOCAB, NANOGPT
 
 
 def _read_llmc(path, head, size):
@@ -152,10 +153,11 @@ class TokenFiles:
     tokens), `.source`, `.splits` {split: [memmaps, one per file]}, `.meta` {"train_tokens",
     "val_tokens"}, `.describe()`; get_batch and check_block_size as TokenData's.
     `tokenizer`: the one to sample with, where the folder has no meta.pkl (whose characters
-    are the tokenizer then).
+    are the tokenizer then); `made_them`: bare uint16 files are in its vocabulary, not GPT-2's
+    (--tokenizer).
     """
 
-    def __init__(self, folder, names, tokenizer=None, tokenizer_from=None):
+    def __init__(self, folder, names, tokenizer=None, tokenizer_from=None, made_them=False):
         self.source, self.names = folder, names
         sets = {_NAME[split].match(n).group(1) or "" for split in names for n in names[split]}
         if len(sets) > 1:
@@ -179,20 +181,25 @@ class TokenFiles:
                                         for (fmt, _), files in sorted(formats.items()))
                             + "): keep the files of one")
         (self.format, self.vocab_size), = formats
-        self.tokenizer = self._tokenizer(tokenizer, tokenizer_from)
+        self.tokenizer = self._tokenizer(tokenizer, tokenizer_from, made_them)
         self.meta = {f"{s}_tokens": sum(len(t) for t in self.splits[s]) for s in self.splits}
         for split, shards in self.splits.items():
             for name, tokens in zip(names[split], shards):
                 self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
         self.unigram_entropy = self._unigram_entropy(names["train"])
 
-    def _tokenizer(self, tokenizer, tokenizer_from):
+    def _tokenizer(self, tokenizer, tokenizer_from, made_them):
         """The tokenizer to sample with: meta.pkl's characters (whose vocab_size is the
-        data's then), else `tokenizer`, which must fit the data's vocabulary."""
+        data's then), else `tokenizer`, which must fit the data's vocabulary. Bare uint16
+        files (nanoGPT's) say nothing of theirs: GPT-2's is assumed, but a BPE of at most
+        65,536 tokens said to have made them (`made_them`: --tokenizer's) is theirs, each
+        id checked against it as GPT-2's would be."""
         meta_pkl = os.path.join(self.source, "meta.pkl")
         if os.path.isfile(meta_pkl):
             self.vocab_size, chars = read_meta_pkl(meta_pkl)
             return chars
+        if made_them and self.format == NANOGPT and tokenizer.vocab_size <= 1 << 16:
+            self.vocab_size = tokenizer.vocab_size
         if tokenizer is not None and tokenizer.vocab_size != self.vocab_size:
             raise DataError(f"--data {self.source}: its files are in a {self.vocab_size:,}-"
                             f"token vocabulary ({self.format}), the tokenizer of "

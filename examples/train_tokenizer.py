@@ -1,0 +1,64 @@
+"""Train a byte-level BPE tokenizer (GPT-2's kind) on text, for train_gpt.py --tokenizer.
+
+    python examples/train_tokenizer.py --data input.txt --vocab-size 4096 --out tok
+    python examples/train_gpt.py --data input.txt --tokenizer tok --steps 400 --save ck
+    python examples/sample.py --resume ck --prompt "ROMEO:"
+
+It learns from the train part of --data, split as train_gpt.py splits it (a folder of 20 or
+more files: whole files held out; else each file's last 10%), so the val loss is measured on
+text the tokenizer never saw; it prints the bytes per token on both parts (the compression).
+The algorithm: minidist/train/bpe.py (train_bpe): GPT-2's pre-tokenization, then the most
+frequent adjacent pair merged, merge after merge; `<|endoftext|>` is the last token. The
+folder it writes holds vocab.json and merges.txt in GPT-2's format.
+Tests: tests/test_bpe.py (test_a_trained_tokenizer_trains_samples_and_exports).
+"""
+import sys
+import time
+
+from minidist.train.args import example_parser
+from minidist.train.bpe import BPETokenizer, TokenizerError, train_bpe, write_tokenizer
+from minidist.train.cli import UsageError, run_main
+from minidist.train.data import DataError, text_splits
+
+
+def tokenizer_parser():
+    p = example_parser(__doc__)
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or a folder of text files (default: Python's sources, "
+                   "as train_gpt.py)")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="tokens, the 256 bytes and <|endoftext|> included (GPT-2: 50257)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the folder to write vocab.json and merges.txt in (made if missing)")
+    p.add_argument("--traceback", action="store_true",
+                   help="on a user error, show the traceback (also MINIDIST_DEBUG=1)")
+    return p
+
+
+def main(args):
+    if args.vocab_size < 257 or args.vocab_size > 1 << 32:
+        raise UsageError(f"--vocab-size {args.vocab_size}: from 257 (the 256 bytes and "
+                         "<|endoftext|>) to 2^32")
+    train, val = (blob.decode("utf-8", "replace") for blob in text_splits(args.data))
+    start = time.perf_counter()
+    vocab, merges = train_bpe(train, args.vocab_size)
+    seconds = time.perf_counter() - start
+    try:
+        write_tokenizer(args.out, vocab, merges)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot write there ({e.strerror or e}); choose a "
+                         "folder you can write to") from None
+    tokenizer = BPETokenizer.from_folder(args.out)           # read back as a user's would be
+    per_token = {name: len(text.encode("utf-8")) / max(1, len(tokenizer.encode(text)))
+                 for name, text in (("train", train), ("val", val))}
+    short = (f" (no pair occurs twice past {len(merges):,} merges)"
+             if len(vocab) < args.vocab_size else "")
+    print(f"wrote {args.out}: {len(vocab):,} tokens{short}, {len(merges):,} merges, learnt "
+          f"from {len(train.encode('utf-8')):,} bytes in {seconds:.1f} s; "
+          f"{per_token['train']:.2f} bytes per token on the train text, "
+          f"{per_token['val']:.2f} on val", file=sys.stdout)
+    return tokenizer
+
+
+if __name__ == "__main__":
+    run_main(main, tokenizer_parser().parse_args(), user_errors=(DataError, TokenizerError))
