@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from minidist import backend
+from minidist.launcher import world_size_from_env
 from minidist import comm as minidist_comm
 from minidist.comm import ProcessGroup, trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
@@ -97,7 +98,9 @@ def main():
     stages = cli.stages.split(",")
     if not stages or any(s not in ("0", "1", "2", "3") for s in stages):
         p.error(f"--stages {cli.stages}: a comma list of 0 (DDP), 1, 2 and 3")
-    backend.setup(threads=None, device="cpu")   # cores on this node // ranks on it
+    if world_size_from_env() < 2:      # its bytes per rank over DDP's: nothing on one rank
+        p.error("it compares ranks' memory and bytes: run it under mpirun -n 2 or more")
+    backend.setup(threads=None, device=cli.device)   # threads: cores on this node // ranks
     minidist_comm.init(cli.comm)          # MPI_Init, abort hooks, watchdog
     comm = MPI.COMM_WORLD
     results = {s: run_stage(cli, s, comm) for s in map(int, stages)}

@@ -70,6 +70,9 @@ def draw(events, step, width, only=None):
         fail(f"error: --ranks {','.join(map(str, sorted(only)))}: none of them is in this "
              "trace")
     count = min(len(steps_of(events, r)) for r in ranks)
+    if count == 0:
+        fail("error: the trace holds no DDP or ZeRO step (no forward and backward on the "
+             "compute rows: a --tp or --pp run's); open it in https://ui.perfetto.dev")
     if not -count <= step < count:
         fail(f"error: --step {step}: the trace holds steps 0 to {count - 1} "
              "(DDP steps: train_gpt.py --dp with --trace)")
@@ -95,9 +98,13 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="the Chrome trace train_gpt.py --trace FILE wrote")
     p.add_argument("--step", type=int, default=-1, help="which step (default: the last)")
-    p.add_argument("--width", type=int, default=60)
+    p.add_argument("--width", type=int, default=60, help="columns of the bars (default: 60)")
     p.add_argument("--ranks", default=None, help="e.g. 0,3 (default: all)")
     args = p.parse_args()
+    if args.width < 1:
+        fail(f"error: --width {args.width}: give at least 1 column")
+    if args.ranks is not None and not all(r.strip().isdigit() for r in args.ranks.split(",")):
+        fail(f"error: --ranks {args.ranks}: give rank numbers separated by commas, e.g. 0,3")
     try:
         events = read_trace(args.trace)
     except ValueError as e:

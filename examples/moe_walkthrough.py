@@ -64,7 +64,10 @@ def show_rank(r, rows, r_routing, args, per_rank):
           f"{list(range(r * per_rank, (r + 1) * per_rank))}")
     for n in range(len(rows) * T):
         kept = sorted(int(e) for e in r_routing.expert[r_routing.token == n])
-        print(f"  token {n:2d} (seq {rows.start + n // T}, pos {n % T}) -> experts {kept}")
+        lost = args.top_k - len(kept)         # each token chooses top_k experts, each once
+        print(f"  token {n:2d} (seq {rows.start + n // T}, pos {n % T}) -> experts {kept}"
+              + (f" ({lost} of its {args.top_k} choices dropped: over capacity)"
+                 if lost else ""))
     print(f"  kept per expert {r_routing.counts.tolist()}, dropped {r_routing.dropped}")
 
 

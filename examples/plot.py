@@ -129,7 +129,10 @@ def plot_timeline(ax, events, step):
     all-reduces; time 0 is the step's first forward on the lowest rank."""
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     count = min((len(steps_of(events, r)) for r in ranks), default=0)
-    if not -count <= step < count or count == 0:
+    if count == 0:
+        fail("the trace holds no DDP or ZeRO step (no forward and backward on the compute "
+             "rows: a --tp or --pp run's); open it in https://ui.perfetto.dev")
+    if not -count <= step < count:
         fail(f"--step {step}: the trace holds DDP steps 0 to {count - 1} (train_gpt.py --dp "
              "with --trace)")
     step %= count

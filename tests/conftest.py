@@ -15,7 +15,10 @@ def pytest_configure(config):
     """The suite's setup, like any entry point's (nothing happens on import): BLAS threads and
     the device, then MPI for the in-process tests that build one-rank groups."""
     from minidist import backend, comm
-    backend.setup(threads=None, device=config.getoption("--device"))
+    try:
+        backend.setup(threads=None, device=config.getoption("--device"))
+    except RuntimeError as e:               # --device cuda without a GPU: one line, not a dump
+        raise pytest.UsageError(str(e)) from None
     comm.init()
 
 

@@ -171,6 +171,8 @@ BAD_ENV = [
      "MINIDIST_RANKS_PER_NODE='0': give a positive integer"),
     ("MINIDIST_AMP_DTYPE", "fp16", ["--amp"], "MINIDIST_AMP_DTYPE='fp16': give float16 or"),
     ("MPI4PY_RC_THREAD_LEVEL", "many", [], "MPI4PY_RC_THREAD_LEVEL='many': give one of"),
+    ("MINIDIST_SYNC_COMM", "false", [], "MINIDIST_SYNC_COMM='false': give 1 (on) or 0"),  # on
+    ("MINIDIST_DEBUG", "no", [], "MINIDIST_DEBUG='no': give 1 (on) or 0 (off)"),     # before
 ]
 # read only where used: a flag that wins over the variable, or no --comm hier, no --amp
 UNUSED_ENV = [("MINIDIST_COMM_TIMEOUT", "abc", ["--comm-timeout", "30"]),

@@ -400,6 +400,11 @@ def test_walkthrough_shows_routes_and_is_exact():
     out = subprocess.run([sys.executable, "examples/moe_walkthrough.py"], cwd=ROOT,
                          capture_output=True, text=True, check=True, timeout=60).stdout
     assert "rank 1: sequences 2..3, experts [2, 3]" in out and "dropped" in out
+    # each token names what capacity took from it (only the rank's total said so)
+    lost = sum(int(line.rsplit("(", 1)[1].split()[0]) for line in out.splitlines()
+               if line.endswith("choices dropped: over capacity)"))
+    assert lost == sum(int(line.rsplit("dropped ", 1)[1]) for line in out.splitlines()
+                       if line.startswith("  kept per expert")) > 0, out
     assert "all-to-all rows (from rank i, to rank j)" in out
     assert float(out.rsplit("one process = ", 1)[1].split()[0]) < 1e-12
 

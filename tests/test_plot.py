@@ -105,6 +105,18 @@ def test_ddp_timeline_text(tmp_path):
                              timeout=60)
         assert bad.returncode == 2 and bad.stderr == f"error: {path}: {says}" + \
             bad.stderr.split(says, 1)[1] and bad.stderr.count("\n") == 1, bad.stderr
+    # a --tp/--pp trace (collectives, no DDP step), a zero width, ranks not numbers: one line
+    # each (found by a first-use walk: "--step -1: ... steps 0 to -1", two tracebacks)
+    tp = tmp_path / "tp.json"
+    tp.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "tid": 1, "cat": "comm",
+                                               "name": "all_reduce", "ts": 0, "dur": 5,
+                                               "args": {"bytes": 64}}]}))
+    for flags, says in (([str(tp)], "error: the trace holds no DDP or ZeRO step"),
+                        ([str(t), "--width", "0"], "error: --width 0: give at least 1"),
+                        ([str(t), "--ranks", "a"], "error: --ranks a: give rank numbers")):
+        bad = subprocess.run(run + flags, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith(says) and \
+            bad.stderr.count("\n") == 1, bad.stderr
     helptext = subprocess.run(run + ["--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=60).stdout
     assert "mpirun -n 4 python examples/train_gpt.py" in helptext and "one node)" in helptext

@@ -140,3 +140,10 @@ def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
             f"examples/train_gpt.py --save {tmp_path / 'ck'} --resume auto --steps 5"
             in out.stdout), out.stdout
     assert not (tmp_path / "ck").exists()
+    # submitted from another folder, the job would wait in the queue, then fail on every
+    # rank (found by a first-use walk: the dry run passed): one line, before anything runs
+    away = subprocess.run(["bash", os.path.join(ROOT, "examples/slurm/train.sbatch")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert away.returncode == 2 and away.stdout == "" and away.stderr == (
+        f"error: {tmp_path} has no examples/train_gpt.py: submit from the repository's root "
+        "(cd minidist && sbatch examples/slurm/train.sbatch ...)\n"), away.stderr

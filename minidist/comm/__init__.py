@@ -128,6 +128,17 @@ def _finish():
     MPI.Finalize()
 
 
+SWITCHES = ("MINIDIST_SYNC_COMM", "MINIDIST_DEBUG")     # on/off variables: 1 or 0
+
+
+def _switches():
+    """The on/off variables hold 1, 0 or nothing: 'false' or 'no' read as on before."""
+    for name in SWITCHES:
+        value = os.environ.get(name, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name}={value!r}: give 1 (on) or 0 (off)")
+
+
 def _thread_level():
     level = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "") or "multiple"
     if level.lower() not in THREAD_LEVELS:
@@ -142,7 +153,7 @@ def env_problems(algo="ring", timeout=None):
     before MPI_Init; examples/train_gpt.py's flag checks make them its one `error:` line.
     `timeout`: init's; MINIDIST_COMM_TIMEOUT is read only without it, MINIDIST_RANKS_PER_NODE
     only under algo "hier"."""
-    checks = [trace.env_level, progress.env_policy, _thread_level]
+    checks = [trace.env_level, progress.env_policy, _thread_level, _switches]
     checks += [watchdog.default_timeout] if timeout is None else []
     checks += [hier.ranks_per_node] if algo == "hier" else []
     problems = []

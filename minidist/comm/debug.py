@@ -32,7 +32,7 @@ from mpi4py import MPI
 from minidist.comm import watchdog
 from minidist.comm.progress import wait_all
 
-_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") not in ("", "0")}
+_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") == "1"}   # another value: refused
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
 REDUCTIONS = ("", "sum", "avg", "max", "min")

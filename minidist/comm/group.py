@@ -102,7 +102,7 @@ class ProcessGroup:
             raise RuntimeError("MPI is not initialised: call minidist.comm.init() first (the "
                                "entry point's setup; it also installs the abort hooks)")
         if sync_comm is None:
-            sync_comm = os.environ.get("MINIDIST_SYNC_COMM", "0") not in ("", "0")
+            sync_comm = os.environ.get("MINIDIST_SYNC_COMM", "0") == "1"   # (comm.init checks)
         if sync_comm and MPI.COMM_WORLD.Get_rank() == 0 and not any(g.sync_comm for g in _groups):
             sys.stderr.write(SYNC_COMM_NOTE + "\n")     # once per process
         return cls(MPI.COMM_WORLD, algo, "world", sync_comm)
@@ -129,6 +129,11 @@ class ProcessGroup:
     def chunk(self, n):
         """(start, stop) of this rank's chunk of a length-n buffer (see chunk_bounds)."""
         return chunk_bounds(n, self.size)[self.rank]
+
+    def algo_text(self):
+        """The algorithm, for the logs: its name, and under "hier" the node split it runs
+        (or why it runs the flat ring: hier.Hierarchy.describe)."""
+        return self._hier.describe() if self._hier is not None else self.algo
 
     def __repr__(self):
         return (f"ProcessGroup(name={self.name!r}, algo={self.algo!r}, rank={self.rank}, "

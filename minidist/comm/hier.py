@@ -87,6 +87,15 @@ class Hierarchy:
         self.inter = comm.Split(self.local, me)
         self._scratch = scratch
 
+    def describe(self):
+        """'hier: 2 nodes x 2 ranks', or why the group runs the flat ring (the logs say it:
+        a run that set --comm hier and got the ring was told nothing)."""
+        if not self.flat:
+            return f"hier: {self.m} nodes x {self.k} ranks"
+        why = ("all its ranks on one node" if self.m == 1 else "one rank per node"
+               if self.uniform else "nodes holding different numbers of its ranks")
+        return f"hier, run as the flat ring: {why}"
+
     def all_reduce(self, ch, buf, op="sum"):
         """buf = buf reduced over the group: in the node, across nodes, in the node."""
         if self.flat:

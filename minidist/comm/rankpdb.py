@@ -48,9 +48,11 @@ class RankPdb(pdb.Pdb):
         self.prompt = f"(Pdb rank {rank}) "
 
     def do_quit(self, arg):
-        """q(uit): end the whole MPI job (every rank), not only this one."""
-        self.message(f"[rank {self.rank}] debugger quit: ending the whole MPI job")
-        self.stdout.flush()   # a served rank's console is a socket file: send it now
+        """q(uit): end the whole MPI job (every rank), not only this one. end_job says so on
+        the job's stderr; a console of its own (an attached rank's socket) is told too."""
+        if self.stdout is not sys.stdout:
+            self.message(f"[rank {self.rank}] debugger quit: ending the whole MPI job")
+            self.stdout.flush()   # a socket file: send it now
         end_job(self.rank)
     do_q = do_exit = do_quit
 

@@ -40,6 +40,9 @@ _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p w
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
           "exited": {}, "answers": {}}
 
+# where the timeout came from, for the abort line: train_gpt.py's flag, the variable, the call
+TIMEOUT_FROM = "--comm-timeout, MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)"
+
 
 def default_timeout(environ=os.environ):
     """MINIDIST_COMM_TIMEOUT in seconds (600 when unset; 0: never abort). A value that is
@@ -172,7 +175,7 @@ def _check_p2p():
                       f"{label}; aborting the whole MPI job")
         if timeout > 0 and now - start > timeout:
             abort_job(f"[rank {me}] {label} waited more than {timeout:g} s for world rank "
-                      f"{peer} (MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)); aborting "
+                      f"{peer} ({TIMEOUT_FROM}); aborting "
                       "the whole MPI job")
 
 
@@ -185,8 +188,8 @@ def _check_timeouts():
         if timeout > 0 and now - start > timeout:
             late, silent = _who_did_not_arrive(key, seq)
             abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] {op} #{seq} on {describe(key)} "
-                      f"waited more than {timeout:g} s (MINIDIST_COMM_TIMEOUT or "
-                      f"comm.init(timeout=...)); world ranks that did not arrive: {late}"
+                      f"waited more than {timeout:g} s ({TIMEOUT_FROM}); world ranks that "
+                      f"did not arrive: {late}"
                       + (f"; ranks that did not answer: {silent}" if silent else "")
                       + "; aborting the whole MPI job")
 

@@ -110,7 +110,7 @@ class DataParallel(SingleProcess):
         ratio = (f"the naive algorithm's root sends {n - 1}x, the others 1x"
                  if self.group.algo == "naive" else f"2(N-1)/N = {2 * (n - 1) / n:.2f}")
         mode = self.mode + (" (in sequence: --sync-comm)" if self.group.sync_comm else "")
-        return (f"DDP {mode} over {n} ranks ({self.group.algo}, {buckets} {kind}): "
+        return (f"DDP {mode} over {n} ranks ({self.group.algo_text()}, {buckets} {kind}): "
                 f"{sent / 2**20:.2f} MiB sent by rank {self.rank} per step for "
                 f"{grad / 2**20:.2f} MiB of gradients ({ratio}); waiting for communication "
                 f"{exposed * 1e3:.1f} ms per step after {compute * 1e3:.1f} ms of compute")

@@ -264,7 +264,7 @@ class ExpertParallel(ModelParallel):
 
     def summary(self):
         sent = self.sent_per_step()
-        return (f"expert parallel over {self.group.size} ranks ({self.group.algo}): "
+        return (f"expert parallel over {self.group.size} ranks ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)")
 
     def finish(self, args, log):

@@ -23,7 +23,7 @@ from minidist.comm import trace
 
 
 def verbose():
-    return os.environ.get("VERBOSE", "0") not in ("", "0")
+    return os.environ.get("VERBOSE", "0") == "1"      # (a common name: other values, off)
 
 
 class StageLink:

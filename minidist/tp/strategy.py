@@ -92,7 +92,7 @@ class TensorParallel(ModelParallel):
         dp, tp = data_axes(self.mesh, self.expert_ranks()), self.mesh.shape["tp"]
         pad = self.model.transformer.wte.weight.tp_split.padding(tp)
         return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
-            f"tensor parallel: tp {tp} x {dp} ({self.group.algo}), sequence parallel "
+            f"tensor parallel: tp {tp} x {dp} ({self.group.algo_text()}), sequence parallel "
             f"{'on' if self.sequence_parallel else 'off'}; this rank holds {local:,} of the "
             f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "
                                               f"a multiple of {tp}" if pad else "")]
@@ -195,8 +195,8 @@ class TensorParallel(ModelParallel):
     def summary(self):
         """One line: bytes this rank sent on the tp group per step (forward + backward)."""
         sent = self.sent_per_step()
-        return (f"tensor parallel over {self.group.size} ranks ({self.group.algo}, sequence "
-                f"parallel {'on' if self.sequence_parallel else 'off'}): "
+        return (f"tensor parallel over {self.group.size} ranks ({self.group.algo_text()}, "
+                f"sequence parallel {'on' if self.sequence_parallel else 'off'}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")
 
     def finish(self, args, log):

@@ -240,11 +240,33 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class ExampleParser(Parser):
+    """Parser, and a --device cuda (or --algos/--comm naming nccl) where CuPy sees no GPU is
+    its one `error:` line too: the benchmarks set the device up after parsing, where
+    backend.setup raised a traceback on every rank. (train_gpt.py checks this among its
+    flags, where the ranks agree on it: cli.check_device.)"""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        nccl = "nccl" in (getattr(parsed, "algos", None) or []) or \
+            getattr(parsed, "comm", None) == "nccl"
+        if (getattr(parsed, "device", None) == "cuda" or nccl) and not _gpu():
+            self.error(("--device cuda" if getattr(parsed, "device", None) == "cuda" else
+                        "nccl") + ": CuPy is not installed or sees no GPU (pip install -e "
+                       "'.[cuda]' on a machine with one)")
+        return parsed
+
+
+def _gpu():
+    from minidist import backend        # (numpy: entry points import this after BLAS setup)
+    return backend.cupy_module() is not None
+
+
 def example_parser(doc):
     """The parser of a script in examples/: the first paragraph of its docstring `doc` as the
-    description, each flag's default in --help, a bad flag one `error:` line (Parser)."""
-    return Parser(description=" ".join(doc.split("\n\n")[0].split()),
-                  formatter_class=HelpWithDefaults)
+    description, each flag's default in --help, a bad flag one `error:` line (ExampleParser)."""
+    return ExampleParser(description=" ".join(doc.split("\n\n")[0].split()),
+                         formatter_class=HelpWithDefaults)
 
 
 def train_parser():

@@ -128,7 +128,7 @@ class ZeroDataParallel(SingleProcess):
     def notes(self):
         pad = sum(u.flat.padding for u in self.engine.units)
         return super().notes() + [
-            f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo}): "
+            f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo_text()}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
             f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
             f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
@@ -275,7 +275,7 @@ class ZeroDataParallel(SingleProcess):
         hybrid = "" if self.replicas is None else (
             f", {across / 2**20:.2f} MiB of it across the shard groups ({across / psi:.2f} x; "
             f"2(R-1)/(RK) = {2 * (self.replicas.size - 1) / self.world_size:.2f} x)")
-        return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo}): "
+        return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x{hybrid}; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")

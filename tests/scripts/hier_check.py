@@ -48,14 +48,17 @@ def main():
     world = comm.init("hier")
     per_node = ranks_per_node()
     assert world._hier.k == per_node and not world._hier.flat, "expected 2 nodes x 2 ranks"
+    assert world.algo_text() == "hier: 2 nodes x 2 ranks", world.algo_text()   # the logs'
     check(world, per_node)
     odd = world.new_group([0, 2])          # one rank on each node: the flat ring
     if odd is not None:
         assert odd._hier.flat
+        assert odd.algo_text() == "hier, run as the flat ring: one rank per node"
         check(odd, per_node)
     uneven = world.new_group([0, 1, 2])    # 2 + 1: nodes differ, the flat ring
     if uneven is not None:
-        assert uneven._hier.flat
+        assert uneven._hier.flat and uneven.algo_text() == (
+            "hier, run as the flat ring: nodes holding different numbers of its ranks")
         check(uneven, per_node)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(f"hier_check OK: {world.size} ranks, {per_node} per node", flush=True)
