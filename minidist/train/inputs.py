@@ -4,7 +4,8 @@ files) and its initial weights (`--init-from`: a GPT-2 folder), or the checkpoin
 `take_init_from_sizes`, `take_resume_model`, called by cli.check_flags), then opened after the
 strategy is made (`open_data`, `initial_weights`, called by loop.train).
 
-    text            minidist/train/data.py: bytes, or --init-from's BPE, tokenized once, cached
+    text            minidist/train/data.py: bytes, or --tokenizer's (else --init-from's) BPE,
+                    tokenized once, cached
     token files     minidist/train/token_files.py: nanoGPT's and llm.c's, read in place
     --init-from     minidist/nn/pretrained.py: the folder's arrays, which gpt_init hands to
                     every layout (minidist/nn/config.py)
@@ -111,8 +112,9 @@ def take_resume_model(args):
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
     --amp and --amp-dtype follow it) and --tokenizer (where its folder is still there).
     One given with another value is refused here, before any work, naming the flag; but
-    --dropout, which no parameter depends on, may change (fine-tuning). A checkpoint that cannot be read is left to the load, whose verification
-    names what is wrong; so is an --amp or --init-from that does not fit it."""
+    --dropout, which no parameter depends on, may change (fine-tuning). A checkpoint that
+    cannot be read is left to the load, whose verification names what is wrong; so is an
+    --amp or --init-from that does not fit it."""
     if getattr(args, "resume", None) is None:
         return
     try:
