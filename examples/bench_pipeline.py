@@ -232,7 +232,8 @@ def run(cli, name, m, comm, world):
 
 
 def main():
-    p = add_model_args(example_parser(__doc__))  # errors: rank 0 only
+    host_clock = "this benchmark times the stages on the host clock, so it runs on CPUs"
+    p = add_model_args(example_parser(__doc__, cpu_only=host_clock))  # errors: rank 0 only
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--micro-batches", default=None,
                    help=f"comma-separated. Default: {DEFAULT_MICRO_BATCHES}, skipping those "
@@ -244,9 +245,6 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
-    if cli.device == "cuda":
-        p.error("--device cuda: this benchmark times the stages on the host clock, so it runs "
-                "on CPUs (leave --device out)")
     size, notes = world_size_from_env(), []      # before MPI starts: errors exit cleanly
     names = schedule_names(p, cli)
     ms = micro_batch_counts(p, cli, size, notes)

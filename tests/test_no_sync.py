@@ -184,7 +184,8 @@ ALLOWED = {
     # whole functions that never run inside a step
     "train/loss_scale.py:LossScaler.__init__": OUTSIDE_THE_STEP,
     "train/loss_scale.py:LossScaler.load_state_dict": OUTSIDE_THE_STEP,
-    "train/amp.py:half_dtype": OUTSIDE_THE_STEP + ": probes bfloat16 once, at setup",
+    "train/amp.py:bfloat16_problem": OUTSIDE_THE_STEP + ": probes bfloat16 once, at setup "
+                                      "(and for the --amp log line)",
     "train/master_weights.py:MasterWeightOptimizer.__init__": OUTSIDE_THE_STEP,
     "train/master_weights.py:MasterWeightOptimizer.state_dict": OUTSIDE_THE_STEP,
     "optim/optimizer.py:Optimizer.state_dict": OUTSIDE_THE_STEP,

@@ -246,10 +246,16 @@ class ExampleParser(Parser):
     backend.setup raised a traceback on every rank. (train_gpt.py checks this among its
     flags, where the ranks agree on it: cli.check_device.)"""
 
+    def __init__(self, *args, cpu_only=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cpu_only = cpu_only       # why the script refuses --device cuda, or None
+
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
         nccl = "nccl" in (getattr(parsed, "algos", None) or []) or \
             getattr(parsed, "comm", None) == "nccl"
+        if self.cpu_only and getattr(parsed, "device", None) == "cuda":
+            self.error(f"--device cuda: {self.cpu_only} (leave --device out)")
         if (getattr(parsed, "device", None) == "cuda" or nccl) and not _gpu():
             self.error(("--device cuda" if getattr(parsed, "device", None) == "cuda" else
                         "nccl") + ": CuPy is not installed or sees no GPU (pip install -e "
@@ -262,11 +268,12 @@ def _gpu():
     return backend.cupy_module() is not None
 
 
-def example_parser(doc):
+def example_parser(doc, cpu_only=None):
     """The parser of a script in examples/: the first paragraph of its docstring `doc` as the
-    description, each flag's default in --help, a bad flag one `error:` line (ExampleParser)."""
+    description, each flag's default in --help, a bad flag one `error:` line (ExampleParser;
+    `cpu_only`: why the script refuses --device cuda)."""
     return ExampleParser(description=" ".join(doc.split("\n\n")[0].split()),
-                         formatter_class=HelpWithDefaults)
+                         formatter_class=HelpWithDefaults, cpu_only=cpu_only)
 
 
 def train_parser():

@@ -86,10 +86,11 @@ def reload_into(ranks):
     """--resume-runs (cp x tp x ZeRO runs): after the run, its checkpoint (--save: ZeRO's
     sharded files of each tp part) is loaded back into a fresh strategy of the same layout,
     of ZeRO-1, and of tp 2 without cp (ZeRO reshards over its group: dp x cp ranks there, dp
-    here): name -> the flags that change."""
+    here; without cp the tiles' size is the default: the idle flag is refused):
+    name -> the flags that change."""
     return {"same": [], "zero1": ["--zero", "1"],
             f"tp2xdp{ranks // 2}+zero3": ["--cp", "1", "--dp", str(ranks // 2), "--zero", "3",
-                                            "--grad-accum", "1"]}
+                                            "--grad-accum", "1", "--attention-block", "64"]}
 
 
 def flags(name, *extra):
