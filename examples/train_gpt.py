@@ -23,6 +23,12 @@ from minidist.launcher import set_thread_env, world_size_from_env
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).
 set_thread_env()
 
+import warnings  # noqa: E402
+
+# mpi4py warns of a thread level it cannot read once per rank as it loads; the flag checks
+# name MPI4PY_RC_THREAD_LEVEL in the run's one error line instead
+warnings.filterwarnings("ignore", message="mpi4py.rc.thread_level")
+
 from minidist import backend, comm  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402

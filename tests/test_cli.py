@@ -202,7 +202,10 @@ def test_a_variable_that_is_not_read_is_not_checked(var, value, flags, monkeypat
      "never abort)"),
     # read at import by set_thread_env: was a traceback per rank, --threads 1 or not
     ("OPENBLAS_NUM_THREADS", "give the BLAS threads per rank, a whole number of at least 1 "
-     "(or unset it; --threads wins over it)")])
+     "(or unset it; --threads wins over it)"),
+    # mpi4py's own warning came first, once per rank
+    ("MPI4PY_RC_THREAD_LEVEL", "give one of single, funneled, serialized, multiple (default: "
+     "multiple)")])
 def test_a_bad_environment_variable_is_one_line_under_mpiexec(var, says):
     """    MINIDIST_COMM_TIMEOUT=abc mpiexec -n 2 python examples/train_gpt.py"""
     out = run_mpi(2, "examples/train_gpt.py", timeout=60, check=False,
