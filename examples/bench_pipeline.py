@@ -1,6 +1,6 @@
 """Pipeline schedules measured: activation memory per stage (the memory ledger) and the bubble
 from the trace next to its formula (minidist/pp/schedule.py bubble_fraction), for GPipe, 1F1B,
-interleaved 1F1B (`1f1b-v2`: --pp-virtual 2) and ZB-H1.
+interleaved 1F1B (`1f1b-v2`: --pp-virtual 2) and ZB-H1; one MPI process per stage.
 
     mpiexec -n 2 python examples/bench_pipeline.py --micro-batches 1,2,4,8,16
     mpiexec -n 4 python examples/bench_pipeline.py --micro-batches 4,8,16 --n-layer 8
@@ -134,6 +134,10 @@ def micro_batch_counts(p, cli, size, notes):
         p.error(f"--micro-batches {text}: give positive counts, comma-separated")
     if size < 2:
         p.error("one process: run the stages on 2 or more ranks (mpiexec -n 2 python ...)")
+    if size > cli.n_layer:      # (train_gpt's message would name a --pp this script lacks)
+        p.error(f"{size} processes for --n-layer {cli.n_layer} blocks: each process is a "
+                f"stage of at least one block; run it with mpiexec -n {cli.n_layer} or fewer, "
+                "or give more --n-layer")
     if cli.steps < 1:
         p.error(f"--steps {cli.steps}: time at least 1 step")
     ms = []

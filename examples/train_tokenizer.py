@@ -12,11 +12,14 @@ frequent adjacent pair merged, merge after merge; `<|endoftext|>` is the last to
 folder it writes holds vocab.json and merges.txt in GPT-2's format.
 Tests: tests/test_bpe.py (test_a_trained_tokenizer_trains_samples_and_exports).
 """
+import os
 import sys
 import time
 
+from minidist.strategy import checkpoint_dirs
 from minidist.train.args import example_parser
-from minidist.train.bpe import BPETokenizer, TokenizerError, train_bpe, write_tokenizer
+from minidist.train.bpe import (BPETokenizer, TokenizerError, tokenizer_files, train_bpe,
+                                write_tokenizer)
 from minidist.train.cli import UsageError, run_main
 from minidist.train.data import DataError, text_splits
 
@@ -29,16 +32,38 @@ def tokenizer_parser():
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="tokens, the 256 bytes and <|endoftext|> included (GPT-2: 50257)")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="the folder to write vocab.json and merges.txt in (made if missing)")
+                   help="a new or empty folder to write vocab.json and merges.txt in (made "
+                   "if missing; a tokenizer's folder is never replaced)")
     p.add_argument("--traceback", action="store_true",
                    help="on a user error, show the traceback (also MINIDIST_DEBUG=1)")
     return p
+
+
+def check_out(out):
+    """--out is a new or empty folder: not a file, not a minidist checkpoint or --save
+    directory, and not a tokenizer already (checkpoints trained with one record its folder:
+    new files there would give their ids other meanings), nor a folder of other files."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out}: is a file; give a new folder")
+    if not os.path.isdir(out):
+        return
+    if checkpoint_dirs.has_checkpoint(out):
+        raise UsageError(f"--out {out}: holds minidist checkpoints (a --save directory); give "
+                         "a new folder")
+    if tokenizer_files(out):
+        raise UsageError(f"--out {out}: holds a tokenizer already, which runs may have been "
+                         "trained with (their checkpoints name its folder); give a new folder")
+    others = sorted(os.listdir(out))
+    if others:
+        raise UsageError(f"--out {out}: holds {others[:3]}{' ...' * (len(others) > 3)}; give "
+                         "a new or empty folder")
 
 
 def main(args):
     if args.vocab_size < 257 or args.vocab_size > 1 << 32:
         raise UsageError(f"--vocab-size {args.vocab_size}: from 257 (the 256 bytes and "
                          "<|endoftext|>) to 2^32")
+    check_out(args.out)
     train, val = (blob.decode("utf-8", "replace") for blob in text_splits(args.data))
     start = time.perf_counter()
     vocab, merges = train_bpe(train, args.vocab_size)

@@ -5,7 +5,8 @@
 # most: this gets every verdict it has time for out of one call, and records the rest as
 # skipped ("BUDGET spent") instead of being killed with nothing written.
 #
-#   BUDGET=480 LOGS=$OUT/s bash tests/gpu_session.sh; tar czf $OUT/s.tgz -C $OUT s
+#   BUDGET=480 LOGS=/tmp/s bash tests/gpu_session.sh; tar czf $OUT/s.tgz -C /tmp s
+#   (the logs outside $OUT: the device tool returns only a few files from it)
 #   DEVICE=cpu DRY=1 SUITE=tests/test_bfloat16.py bash tests/gpu_session.sh   # CPU dry run
 #
 # The parts, in order (each script run with ONLY = its checks and BUDGET = what is left, its

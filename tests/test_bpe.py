@@ -359,6 +359,28 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus):
                str(tmp_path / "ck")))
     resumed = args("--data", corpus, *cache, "--resume", str(tmp_path / "ck"), "--steps", "3")
     assert resumed.tokenizer == str(tok)
+    # found by a first-use walk: another tokenizer (here one of the same size from other
+    # text) was taken silently, and --out replaced the tokenizer a checkpoint names
+    other_text = tmp_path / "other.txt"
+    other_text.write_text("".join(f"class C{i}:\n    pass\n\n" for i in range(300)))
+    run("train_tokenizer.py", "--data", other_text, "--vocab-size", 300, "--out",
+        tmp_path / "tok2")
+    with pytest.raises(UsageError, match="--tokenizer .*tok2: --resume .* was trained with "
+                       "--tokenizer .*tok, whose vocabulary or merges differ"):
+        args("--data", corpus, "--resume", str(tmp_path / "ck"), "--tokenizer",
+             str(tmp_path / "tok2"))
+    for out, says in ((tok, "holds a tokenizer already"),
+                      (tmp_path / "ck", "holds minidist checkpoints")):
+        bad = subprocess.run([sys.executable, "examples/train_tokenizer.py", "--data", corpus,
+                              "--out", str(out)], cwd=ROOT, env=mpi_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, \
+            bad.stderr
+    os.rename(tok, tmp_path / "moved")
+    with pytest.raises(UsageError, match="was trained with --tokenizer .*tok, which holds no "
+                       "vocab.json and merges.txt now; give --tokenizer DIR"):
+        args("--data", corpus, "--resume", str(tmp_path / "ck"))
+    os.rename(tmp_path / "moved", tok)
     train(resumed)
     assert run("sample.py", "--resume", tmp_path / "ck", "--tokens", 5, "--prompt", "def ")
     assert "vocab.json and merges.txt from" in run("export_gpt2.py", "--resume",

@@ -397,7 +397,7 @@ def test_a_problem_one_rank_alone_finds_stops_every_rank_naming_it(corpus, tmp_p
      "x --grad-accum 4 = 4 equal micro-batches"),
     # the multiple it names counts dp: was "a multiple of 4" before the ranks were known,
     # then, for --batch-size 4, "a multiple of 8"
-    (2, ["--batch-size", "6", "--grad-accum", "4"], "choose a multiple of 8"),
+    (2, ["--batch-size", "6", "--grad-accum", "4"], "give --batch-size a multiple of 8"),
 ])
 def test_the_batch_error_names_the_multiple_the_layout_needs(ranks, flags, says):
     from minidist.train.strategy import check_layout

@@ -107,6 +107,12 @@ def test_a_resumed_run_takes_its_model_from_the_checkpoint(corpus, tmp_path, dev
         with pytest.raises(UsageError, match=says):
             args("--resume", str(tmp_path / "ck"), *typed)
     assert args("--resume", str(tmp_path / "ck"), "--dropout", "0.2").dropout == 0.2
+    moe = ["--moe-experts", "2", "--moe-top-k", "1"]            # its losses' weights and
+    train(args(*model[:-2], *moe, "--save", str(tmp_path / "moe"), "--stop-at", "1"))
+    a = args("--resume", str(tmp_path / "moe"), "--moe-aux-loss-coef", "0.1",    # capacity
+             "--moe-capacity-factor", "2")                      # hold no parameter either
+    assert (a.moe_experts, a.moe_aux_loss_coef, a.moe_capacity_factor) == (2, 0.1, 2.0)
+    train(a)
     train(args(*model[:-4], "--amp", "--save", str(tmp_path / "amp"), "--stop-at", "1"))
     a = args("--resume", str(tmp_path / "amp"))          # a 16-bit checkpoint: an --amp run's
     assert a.amp and a.amp_dtype == "float16" and a.dtype == "float32"

@@ -265,10 +265,11 @@ def does_not_fit(folder):
         raise CheckpointError(f"checkpoint {folder} does not fit this run: {e}") from None
 
 
-# GPTConfig fields no parameter depends on: how attention is computed and the dropout rate.
-# A run may resume with others (a fine-tuning run often changes dropout; older checkpoints
-# do not have the attention fields).
-HOW_COMPUTED = ("attention", "attention_block", "dropout")
+# GPTConfig fields no parameter depends on: how attention is computed, the dropout rate, the
+# MoE losses' weights and capacity. A run may resume with others (a fine-tuning run often
+# changes dropout; older checkpoints do not have the attention fields).
+HOW_COMPUTED = ("attention", "attention_block", "dropout", "moe_capacity_factor",
+                "moe_aux_loss_coef", "moe_z_loss_coef")
 
 
 def check_fits(folder, meta, config, dtype, optimizer_type=None):

@@ -20,7 +20,7 @@ import os
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
-from minidist.train.bpe import BPETokenizer, tokenizer_files
+from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer, TokenData
 from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
@@ -104,6 +104,33 @@ def take_init_from_sizes(args):
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
            "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
            "dropout")
+# ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
+# change them (checkpoint.HOW_COMPUTED lets them differ)
+MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+
+
+def _take_resume_tokenizer(args, folder, recorded):
+    """--tokenizer on --resume: the checkpoint's (`recorded`, its run's) unless given; one
+    given with other files (another vocabulary or other merges: the ids would mean other
+    strings), or a recorded folder that no longer holds them, is one error line."""
+    given = getattr(args, "tokenizer", None)
+    if not recorded:
+        return
+    if given is None:
+        if not tokenizer_files(recorded):
+            raise UsageError(f"--resume {folder} was trained with --tokenizer {recorded}, "
+                             "which holds no vocab.json and merges.txt now; give --tokenizer "
+                             "DIR with the same two files")
+        args.tokenizer = recorded
+    elif tokenizer_files(given) and tokenizer_files(recorded):
+        try:
+            same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(recorded).key
+        except TokenizerError:
+            return                                       # check_data_path names the file
+        if not same:
+            raise UsageError(f"--tokenizer {given}: --resume {folder} was trained with "
+                             f"--tokenizer {recorded}, whose vocabulary or merges differ (its "
+                             "ids would mean other strings); leave --tokenizer out")
 
 
 def take_resume_model(args):
@@ -112,7 +139,8 @@ def take_resume_model(args):
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
     --amp and --amp-dtype follow it) and --tokenizer (where its folder is still there).
     One given with another value is refused here, before any work, naming the flag; but
-    --dropout, which no parameter depends on, may change (fine-tuning). A checkpoint that
+    MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
+    may change (fine-tuning). A checkpoint that
     cannot be read is left to the load, whose verification names what is wrong; so is an
     --amp or --init-from that does not fit it."""
     if getattr(args, "resume", None) is None:
@@ -124,9 +152,7 @@ def take_resume_model(args):
         folder, config, dtype, flags = saved_model(folder)
     except CheckpointError:
         return
-    recorded = flags.get("tokenizer")               # what its text was tokenized with
-    if getattr(args, "tokenizer", None) is None and recorded and os.path.isdir(recorded):
-        args.tokenizer = recorded
+    _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     for name in RESUMED:
@@ -134,7 +160,7 @@ def take_resume_model(args):
                                   and name != "moe_experts"):
             continue
         value, theirs = getattr(args, name), config[name]
-        if name in given and value != theirs and name != "dropout":
+        if name in given and value != theirs and name not in MAY_CHANGE:
             flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
             said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
                     else f"{flag} {value}: --resume {folder} holds a model with {name} {theirs}")

@@ -153,8 +153,8 @@ def _batch_problem(args, dp, m):
     return (f"--batch-size {args.batch_size} does not split into dp {dp} x "
             + (f"ep {args.ep} x " if args.ep > 1 else "") + f"--grad-accum {args.grad_accum}"
             + micro
-            + f" = {n} equal micro-batches (the batch is global, in sequences); choose a "
-            f"multiple of {n}")
+            + f" = {n} equal micro-batches (the batch is global, in sequences); give "
+            f"--batch-size a multiple of {n}")
 
 
 def _size_problem(dp, split, size, suggest, dp_given):

@@ -48,7 +48,7 @@ def rel_diff(a, b):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--dtype", choices=tuple(TOL), default="float64")
     args = p.parse_args()
