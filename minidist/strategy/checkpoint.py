@@ -194,6 +194,17 @@ def read_record(folder, manifest=None):
         return json.load(f)
 
 
+def record_folder(folder):
+    """The folder whose state.json describes the checkpoint folder `folder`: itself, or for a
+    TP x ZeRO checkpoint (no manifest of its own, one part per tp rank) its tp rank 0 part,
+    as read_record reads after verification. For reading the record before any is done."""
+    if os.path.isfile(os.path.join(folder, "manifest.json")):
+        return folder
+    parts = sorted((int(m.group(1)), n) for n in os.listdir(folder)
+                   if (m := PART.match(n)) and os.path.isdir(os.path.join(folder, n)))
+    return os.path.join(folder, parts[0][1]) if parts else folder
+
+
 def saved_model(directory):
     """(folder, config dict, dtype, the run's flags) of the checkpoint `directory` names (a
     checkpoint or a --save directory), read from its record before any work and NOT verified
@@ -201,10 +212,7 @@ def saved_model(directory):
     cannot be read."""
     folder = dirs.resolve(directory)
     try:
-        parts = sorted(n for n in os.listdir(folder) if PART.match(n))    # TP x ZeRO's
-        where = os.path.join(folder, parts[0]) if parts else folder
-        with open(os.path.join(where, "state.json")) as f:
-            record = json.load(f)
+        record = read_record(record_folder(folder))
         return folder, dict(record["config"]), str(record["dtype"]), record.get("extra") or {}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise CheckpointError(f"checkpoint {folder}: its record cannot be read ({e})") from None

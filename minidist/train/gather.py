@@ -31,9 +31,7 @@ def model_config(path):
             return read_config(path)
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"--resume {path}: {e}") from None
-    folder = checkpoint_dirs.resolve(path)
-    parts = _parts(folder)
-    where = parts[0] if parts else folder
+    where = checkpoint.record_folder(checkpoint_dirs.resolve(path))
     try:
         return _config(checkpoint.read_record(where), where)
     except (OSError, KeyError, json.JSONDecodeError):
@@ -48,10 +46,9 @@ def run_flags(path):
     path = _existing(path)
     if os.path.isfile(os.path.join(path, "config.json")):
         return {}
-    folder = checkpoint_dirs.resolve(path)
-    parts = _parts(folder)
+    folder = checkpoint.record_folder(checkpoint_dirs.resolve(path))
     try:
-        return checkpoint.read_record(parts[0] if parts else folder).get("extra") or {}
+        return checkpoint.read_record(folder).get("extra") or {}
     except (OSError, json.JSONDecodeError):
         return {}
 
@@ -75,15 +72,6 @@ def _existing(path):
         raise CheckpointError(f"--resume {path}: {what} (give a --save directory, one "
                               "checkpoint folder in it, or a GPT-2 folder)")
     return path
-
-
-def _parts(folder):
-    """A TP x ZeRO checkpoint's per-tp-rank folders, in tp rank order; [] for any other."""
-    if os.path.isfile(os.path.join(folder, "manifest.json")):
-        return []
-    found = sorted((int(m.group(1)), n) for n in os.listdir(folder)
-                   if (m := checkpoint.PART.match(n)) and os.path.isdir(os.path.join(folder, n)))
-    return [os.path.join(folder, n) for _, n in found]
 
 
 def _config(meta, folder):
