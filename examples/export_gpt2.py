@@ -27,10 +27,9 @@ from minidist.nn.pretrained import save_state_pretrained  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.amp import bfloat16  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
-from minidist.strategy import checkpoint_dirs  # noqa: E402
 from minidist.train.bpe import (MERGES, VOCAB, BPETokenizer, TokenizerError,  # noqa: E402
                                 tokenizer_files)
-from minidist.train.cli import UsageError, run_main  # noqa: E402
+from minidist.train.cli import UsageError, check_out_folder, run_main  # noqa: E402
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
 
@@ -81,30 +80,13 @@ def tokenizer_folder(args, vocab_size):
 
 
 def check_out(args):
-    """--out is a new or empty folder, or a GPT-2 folder to replace, and can be made: not a
-    file, not the folder read (its weights are read while written), not a minidist
-    checkpoint or --save directory (a GPT-2 folder in it would stop --resume auto), nor a
-    folder of other files (a data folder)."""
-    out = args.out
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out}: is a file; give a folder")
-    if os.path.isdir(out):
-        if os.path.realpath(out) == os.path.realpath(args.resume):
-            raise UsageError(f"--out {out}: is the folder --resume reads; give another")
-        if checkpoint_dirs.has_checkpoint(out):
-            raise UsageError(f"--out {out}: holds minidist checkpoints (a --save directory); "
-                             "give a new folder")
-        others = sorted(n for n in os.listdir(out) if n not in WRITTEN)
-        if others:
-            raise UsageError(f"--out {out}: holds {others[:3]}{' ...' * (len(others) > 3)}, "
-                             "which this does not write; give a new or empty folder (a GPT-2 "
-                             "folder's config.json, model.safetensors, vocab.json and "
-                             "merges.txt are replaced)")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot make the folder ({e.strerror or e}); choose "
-                         "a path you can write to") from None
+    """--out is a new or empty folder, or a GPT-2 folder to replace: not the folder read (its
+    weights are read while written), nor a file, a --save directory or a folder of other files
+    (cli.check_out_folder)."""
+    if os.path.isdir(args.out) and os.path.realpath(args.out) == os.path.realpath(args.resume):
+        raise UsageError(f"--out {args.out}: is the folder --resume reads; give another")
+    check_out_folder("--out", args.out, WRITTEN, "a GPT-2 folder's config.json, "
+                     "model.safetensors, vocab.json and merges.txt are replaced")
 
 
 def main(args):

@@ -7,20 +7,18 @@
 It learns from the train part of --data, split as train_gpt.py splits it (a folder of 20 or
 more files: whole files held out; else each file's last 10%), so the val loss is measured on
 text the tokenizer never saw; it prints the bytes per token on both parts (the compression).
-The algorithm: minidist/train/bpe.py (train_bpe): GPT-2's pre-tokenization, then the most
+The algorithm: minidist/train/bpe_train.py: GPT-2's pre-tokenization, then the most
 frequent adjacent pair merged, merge after merge; `<|endoftext|>` is the last token. The
 folder it writes holds vocab.json and merges.txt in GPT-2's format.
 Tests: tests/test_bpe.py (test_a_trained_tokenizer_trains_samples_and_exports).
 """
-import os
 import sys
 import time
 
-from minidist.strategy import checkpoint_dirs
 from minidist.train.args import example_parser
-from minidist.train.bpe import (BPETokenizer, TokenizerError, tokenizer_files, train_bpe,
-                                write_tokenizer)
-from minidist.train.cli import UsageError, run_main
+from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
+from minidist.train.bpe_train import train_bpe, write_tokenizer
+from minidist.train.cli import UsageError, check_out_folder, run_main
 from minidist.train.data import DataError, text_splits
 
 
@@ -40,23 +38,13 @@ def tokenizer_parser():
 
 
 def check_out(out):
-    """--out is a new or empty folder: not a file, not a minidist checkpoint or --save
-    directory, and not a tokenizer already (checkpoints trained with one record its folder:
-    new files there would give their ids other meanings), nor a folder of other files."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out}: is a file; give a new folder")
-    if not os.path.isdir(out):
-        return
-    if checkpoint_dirs.has_checkpoint(out):
-        raise UsageError(f"--out {out}: holds minidist checkpoints (a --save directory); give "
-                         "a new folder")
+    """--out is a new or empty folder: not a tokenizer already (checkpoints trained with one
+    record its folder: new files there would give their ids other meanings), nor a file, a
+    --save directory or a folder of other files (cli.check_out_folder)."""
     if tokenizer_files(out):
         raise UsageError(f"--out {out}: holds a tokenizer already, which runs may have been "
                          "trained with (their checkpoints name its folder); give a new folder")
-    others = sorted(os.listdir(out))
-    if others:
-        raise UsageError(f"--out {out}: holds {others[:3]}{' ...' * (len(others) > 3)}; give "
-                         "a new or empty folder")
+    check_out_folder("--out", out)
 
 
 def main(args):

@@ -1,4 +1,5 @@
-"""GPT-2's byte-level BPE tokenizer (minidist/train/bpe.py) on a small vocabulary built here:
+"""GPT-2's byte-level BPE tokenizer (minidist/train/bpe.py, trained by bpe_train.py) on a small
+vocabulary built here:
 the byte table, GPT-2's pre-tokenization pieces (worked out from the pattern), encodings worked
 out by hand from the merge ranks (priority, not left to right), the heap merge against the
 rescanning description, round trips, the chunked and cached paths, and each load error as
@@ -9,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from minidist.train import bpe
+from minidist.train import bpe, bpe_train
 from minidist.train.bpe import (BPETokenizer, TokenizerError, bpe_merge, bytes_to_unicode,
                                 pretokenize, tokenizer_files)
 
@@ -270,7 +271,7 @@ def test_missing_files_and_folder(tmp_path):
         BPETokenizer.from_folder(tmp_path / "nowhere")
 
 
-# ---- training (train_bpe, examples/train_tokenizer.py) -------------------------------------
+# ---- training (bpe_train.py, examples/train_tokenizer.py) -----------------------------------
 
 def test_training_merges_the_most_frequent_pair_first_worked_by_hand():
     """'aaabdaaabac' is one piece. Its pairs: aa 4 (overlaps count), ab 2, bd, da, ba, ac 1:
@@ -278,18 +279,18 @@ def test_training_merges_the_most_frequent_pair_first_worked_by_hand():
     order, ('a', 'b') first; then (aa, ab) 2: 'aaab'; then nothing occurs twice, so 3 merges
     and a vocabulary short of the 300 asked, <|endoftext|> last. The trained tokenizer cuts
     the text as training did."""
-    vocab, merges = bpe.train_bpe("aaabdaaabac", 300)
+    vocab, merges = bpe_train.train_bpe("aaabdaaabac", 300)
     assert merges == [("a", "a"), ("a", "b"), ("aa", "ab")]
     assert len(vocab) == 256 + 3 + 1 and vocab[bpe.EOT] == 259 and vocab["aaab"] == 258
     assert [B2U[b] for b in range(256)] == sorted(vocab, key=vocab.get)[:256]  # id b = byte b
     tok = BPETokenizer(vocab, merges)
     assert [tok.decode([i]) for i in tok.encode("aaabdaaabac")] == ["aaab", "d", "aaab", "a",
                                                                     "c"]
-    vocab, merges = bpe.train_bpe("aaabdaaabac", 258)          # room for one merge only
+    vocab, merges = bpe_train.train_bpe("aaabdaaabac", 258)          # room for one merge only
     assert merges == [("a", "a")] and len(vocab) == 258
     with pytest.raises(TokenizerError, match="a vocabulary of 256 tokens cannot hold the 256 "
                        "bytes and 1 special"):
-        bpe.train_bpe("abc", 256)
+        bpe_train.train_bpe("abc", 256)
 
 
 def test_a_trained_tokenizer_is_written_read_back_and_cuts_text_as_training_did(tmp_path,
@@ -300,8 +301,8 @@ def test_a_trained_tokenizer_is_written_read_back_and_cuts_text_as_training_did(
     whole text at once), give the same count of tokens as encode; decode gives the text
     back; a piece never seen (non-ASCII) still encodes, by its bytes."""
     text = open(corpus).read()
-    vocab, merges = bpe.train_bpe(text, 300)
-    bpe.write_tokenizer(str(tmp_path / "tok"), vocab, merges)
+    vocab, merges = bpe_train.train_bpe(text, 300)
+    bpe_train.write_tokenizer(str(tmp_path / "tok"), vocab, merges)
     tok = BPETokenizer.from_folder(str(tmp_path / "tok"))
     assert tok.vocab_size == len(vocab) == 300 and tok.eot == 299
     replayed = 0
@@ -321,7 +322,7 @@ def test_a_trained_tokenizer_is_written_read_back_and_cuts_text_as_training_did(
     ids = tok.encode(text)
     assert len(ids) == replayed < len(text) / 2 and tok.decode(ids) == text
     assert tok.decode(tok.encode("naïve café")) == "naïve café"
-    again = bpe.train_bpe(text, 300)                  # deterministic: the same files again
+    again = bpe_train.train_bpe(text, 300)                  # deterministic: the same files again
     assert again == (vocab, merges)
 
 

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from minidist.train.cli import launcher_rank
+from minidist.train.cli import device_problem, launcher_rank
 
 
 class Given(argparse.Action):
@@ -252,20 +252,15 @@ class ExampleParser(Parser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        nccl = "nccl" in (getattr(parsed, "algos", None) or []) or \
-            getattr(parsed, "comm", None) == "nccl"
-        if self.cpu_only and getattr(parsed, "device", None) == "cuda":
+        device = getattr(parsed, "device", None)
+        if self.cpu_only and device == "cuda":
             self.error(f"--device cuda: {self.cpu_only} (leave --device out)")
-        if (getattr(parsed, "device", None) == "cuda" or nccl) and not _gpu():
-            self.error(("--device cuda" if getattr(parsed, "device", None) == "cuda" else
-                        "nccl") + ": CuPy is not installed or sees no GPU (pip install -e "
-                       "'.[cuda]' on a machine with one)")
+        algos = "nccl" in (getattr(parsed, "algos", None) or [])
+        problem = device_problem(device, algos or getattr(parsed, "comm", None) == "nccl",
+                                 "--algos nccl" if algos else "--comm nccl")
+        if problem:
+            self.error(problem)
         return parsed
-
-
-def _gpu():
-    from minidist import backend        # (numpy: entry points import this after BLAS setup)
-    return backend.cupy_module() is not None
 
 
 def example_parser(doc, cpu_only=None):

@@ -297,15 +297,23 @@ def check_env(args):
 def check_device(args):
     """--device cuda and --comm nccl need CuPy and a GPU: refused here, on every rank alike,
     before MPI starts (comm.init would import CuPy for nccl and fail on every rank)."""
+    problem = device_problem(args.device, getattr(args, "comm", None) == "nccl")
+    if problem:
+        raise UsageError(problem)
+
+
+def device_problem(device, nccl, nccl_flag="--comm nccl"):
+    """Why --device `device` (and NCCL, asked for by `nccl_flag`) cannot run here: a sentence,
+    or None. train_gpt.py's check_device and every example's parser (args.ExampleParser)."""
     from minidist import backend       # numpy: imported by the entry point after BLAS setup
-    if args.device == "cuda" and backend.cupy_module() is None:
-        raise UsageError("--device cuda: CuPy is not installed or sees no GPU (pip install -e "
-                         "'.[cuda]' on a machine with one); --device cpu or auto runs on CPUs")
-    if getattr(args, "comm", None) == "nccl" and (args.device == "cpu"
-                                                  or backend.cupy_module() is None):
-        raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
-                         "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
-                         "--comm ring, naive or mpi.")
+    if device == "cuda" and backend.cupy_module() is None:
+        return ("--device cuda: CuPy is not installed or sees no GPU (pip install -e "
+                "'.[cuda]' on a machine with one); --device cpu or auto runs on CPUs")
+    if nccl and (device == "cpu" or backend.cupy_module() is None):
+        return (f"{nccl_flag} moves data GPU to GPU: it needs CuPy and a GPU per rank (pip "
+                f"install -e '.[cuda]'; --device cuda or auto). On CPUs use "
+                f"{nccl_flag.split()[0]} ring, naive or mpi.")
+    return None
 
 
 def check_outputs(args):
@@ -336,6 +344,26 @@ def check_outputs(args):
                                  "checkpoints only (the first save would refuse it); write "
                                  "it beside the folder")
             _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def check_out_folder(flag, out, replaced=(), replaced_note=""):
+    """An output folder a script writes whole files into (examples/export_gpt2.py's and
+    examples/train_tokenizer.py's --out): refused when it is a file, holds minidist
+    checkpoints (a --save directory: other files there stop --resume auto) or holds files
+    other than `replaced`, the ones the script writes again (`replaced_note` says so); else
+    made if missing and checked writable (_writable_folder)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{flag} {out}: is a file; give a folder")
+    if os.path.isdir(out):
+        if checkpoint_dirs.has_checkpoint(out):
+            raise UsageError(f"{flag} {out}: holds minidist checkpoints (a --save directory); "
+                             "give a new folder")
+        others = sorted(n for n in os.listdir(out) if n not in replaced)
+        if others:
+            raise UsageError(f"{flag} {out}: holds {others[:3]}{' ...' * (len(others) > 3)}, "
+                             "which this does not write; give a new or empty folder"
+                             + (f" ({replaced_note})" if replaced_note else ""))
+    _writable_folder(flag, out, out)
 
 
 def _inside(path, folder):
