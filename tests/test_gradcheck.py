@@ -13,7 +13,7 @@ import pytest
 
 from minidist import backend
 from minidist.autograd import Function, Tensor, fused as F, ops
-from minidist.autograd import attention, flash, function, fusions, indexing
+from minidist.autograd import attention, flash, function, fusions, indexing, llama_ops as LL
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.gradcheck import gradcheck
 
@@ -184,6 +184,17 @@ CASES = [
     Case("tiled_self_attention_dropout", (flash.TiledSelfAttention,),
          lambda x: flash.tiled_self_attention(x, 2, 3, 0.2, DropoutSite(DropoutKeys(2), "a")),
          lambda: [T(randn(2, 7, 12))]),
+    # Llama-style blocks (llama_ops.py)
+    Case("rms_norm", (LL.RMSNorm,), LL.rms_norm,
+         lambda: [T(randn(2, 3, 5)), T(randn(5))], lambda x, w: ref_rms(x, w)),
+    Case("residual_rms_norm", (LL.RMSNorm,), lambda x, r, w: list(LL.residual_rms_norm(x, r, w)),
+         lambda: [T(randn(4, 6)), T(randn(4, 6, seed=1)), T(randn(6))]),
+    Case("swiglu", (LL.SwiGLU,), LL.swiglu, lambda: [T(3 * randn(2, 3, 8))],
+         lambda h: ref_swiglu(h)),
+    Case("rotary", (LL.Rotary,), lambda x: LL.rotary(x, 2, 1, np.array([0, 5, 2]), 100.0),
+         lambda: [T(randn(2, 3, 16))], lambda x: ref_rotary(x, 2, 1, np.array([0, 5, 2]), 100.0)),
+    Case("repeat_kv", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 4, 2),
+         lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 4, 2)),
 ]
 
 TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
@@ -194,6 +205,39 @@ TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
 def ref_ln(x, w, b, eps=1e-5):
     mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def ref_rms(x, w, eps=1e-5):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def ref_swiglu(h):
+    a, b = np.split(h, 2, axis=-1)
+    return a / (1 + np.exp(-a)) * b
+
+
+def ref_rotary(x, nh, nkv, pos, theta):
+    """Each q and k head's column pairs (i, i + hs/2) turned by pos * theta^(-2i/hs), as a
+    2 x 2 rotation matrix per pair."""
+    B, T, W = x.shape
+    hs = W // (nh + 2 * nkv)
+    out = x.copy()
+    for h in range(nh + nkv):
+        for i in range(hs // 2):
+            a = pos * theta ** (-2 * i / hs)                       # (T,)
+            c1, c2 = h * hs + i, h * hs + i + hs // 2
+            x1, x2 = x[..., c1], x[..., c2]
+            out[..., c1] = np.cos(a) * x1 - np.sin(a) * x2
+            out[..., c2] = np.sin(a) * x1 + np.cos(a) * x2
+    return out
+
+
+def ref_repeat_kv(x, nh, nkv):
+    hs = x.shape[-1] // (nh + 2 * nkv)
+    q, k, v = np.split(x, [nh * hs, (nh + nkv) * hs], axis=-1)
+    heads = lambda a: [a[..., j * hs:(j + 1) * hs] for j in range(nkv)]    # noqa: E731
+    rep = lambda a: np.concatenate([h for h in heads(a) for _ in range(nh // nkv)], -1)  # noqa
+    return np.concatenate([q, rep(k), rep(v)], axis=-1)
 
 
 def ref_gelu(x):
@@ -246,7 +290,8 @@ def _functions_in(module):
 def test_every_function_is_in_the_table():
     covered = {c for case in CASES for c in case.covers}
     every = (_functions_in(ops) | _functions_in(indexing) | _functions_in(F)
-             | _functions_in(attention) | _functions_in(flash) | _functions_in(fusions))
+             | _functions_in(attention) | _functions_in(flash) | _functions_in(fusions)
+             | _functions_in(LL))
     missing = sorted(c.__name__ for c in every - covered)
     assert not missing, f"Functions with no gradient check in CASES: {missing}"
 

@@ -96,6 +96,11 @@ class RingContext:
         return np.stack([np.concatenate([np.arange(s, s + n) for s, n in pieces])
                          for pieces in self.layouts])
 
+    def positions(self):
+        """This rank's global positions of the sequence in hand (Tl,) host ints, in its local
+        order: rotary positions (RoPE, minidist/nn/block.py) turn each token by them."""
+        return self.all_positions()[self.group.rank]
+
     def snapshot(self):
         """This sequence's layouts (None outside a forward): what activation recompute
         (--ckpt-activations, minidist/autograd/recompute.py) saves with each block, so that

@@ -1,8 +1,11 @@
-"""GPT-2's transformer block, read bottom-up: attention -> MLP -> Block (pre-LN, tanh GELU).
+"""GPT-2's transformer block, read bottom-up: attention -> MLP -> Block (pre-LN, tanh GELU);
+with GPTConfig arch "llama", Llama's: RMSNorm, rotary positions on q and k, a SwiGLU MLP,
+and (n_kv_head) grouped-query attention (the ops: minidist/autograd/llama_ops.py).
 
 Dimensions, named once (the model built from these blocks, minidist/nn/gpt.py, uses them too):
     B batch (sequences), T time (tokens per sequence, <= block_size), C n_embd,
-    nh n_head, hs = C // nh head size, V vocab_size, L n_layer.
+    nh n_head, hs = C // nh head size, V vocab_size, L n_layer, nkv k and v heads (nh
+    unless grouped-query), F the MLP's hidden width (4C; SwiGLU: about 8C/3).
 
 Each layer takes a `layers` factory that makes its linear layers and norms: DenseLayers
 (minidist/nn/layers.py) by default, tensor parallelism's split ones (minidist/tp/model.py)
@@ -13,6 +16,8 @@ Tests: tests/test_gpt.py.
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention
 from minidist.autograd.fusions import bias_gelu
+from minidist.autograd.llama_ops import repeat_kv, rotary, swiglu
+from minidist.backend import xp_of
 from minidist.nn.config import uses_tiled
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.nn.module import Module
@@ -25,20 +30,33 @@ class CausalSelfAttention(Module):
     def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
         layers = layers or DenseLayers(config, dtype)
-        C = config.n_embd
-        self.c_attn = layers.column(C, 3 * C, blocks=3)
+        C, hs = config.n_embd, config.n_embd // config.n_head
+        q, kv = config.n_head * hs, config.kv_heads * hs
+        self.c_attn = layers.column(C, q + 2 * kv, blocks=(q, kv, kv))
         self.c_proj = layers.row(C, C)
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
-        self.n_head = layers.heads
+        self.n_head, self.n_kv_head = layers.heads, layers.kv_heads
         self.attention, self.attention_block = config.attention, config.attention_block
+        self.rope_theta = config.rope_theta if config.llama else None    # None: no RoPE
 
     def uses_tiled(self, T):
         """Tiled (no (T, T) matrix) or materialised attention for a sequence of length T."""
         return uses_tiled(self.attention, T)
 
+    def positions(self, T, xp):
+        """The global positions (T,) of the T tokens in hand (RoPE's angles): 0..T-1, or this
+        cp rank's (zig-zag) ones under context parallelism."""
+        if self.context is not None and self.context.active:
+            return xp.asarray(self.context.positions())
+        return xp.arange(T)
+
     def forward(self, x):                                          # (B, T, C)
-        qkv = self.c_attn(x)                                       # (B, T, 3C)
+        qkv = self.c_attn(x)                                       # (B, T, (nh + 2 nkv) hs)
+        if self.rope_theta is not None:                            # turn q and k by position
+            pos = self.positions(qkv.shape[1], xp_of(qkv.data))
+            qkv = rotary(qkv, self.n_head, self.n_kv_head, pos, self.rope_theta)
+        qkv = repeat_kv(qkv, self.n_head, self.n_kv_head)          # (B, T, 3C)
         p, rng = (self.attn_dropout.p if self.training else 0.0), self.attn_dropout.rng
         if self.context is not None and self.context.active:       # --cp: ring attention
             y = self.context.self_attention(qkv, self.n_head, p, rng)      # (B, T/cp, C)
@@ -50,18 +68,28 @@ class CausalSelfAttention(Module):
 
 
 class MLP(Module):
+    """c_proj(act(c_fc(x))): GPT-2's act is GELU (c_fc C -> F); Llama's SwiGLU, whose c_fc
+    (C -> 2F) holds the gate and up projections side by side, [gate | up]."""
 
     def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
         layers = layers or DenseLayers(config, dtype)
-        C = config.n_embd
-        self.c_fc = layers.column(C, 4 * C)
-        self.c_proj = layers.row(4 * C, C)
+        C, F, self.swiglu = config.n_embd, config.ffn_size, config.llama
+        self.c_fc = layers.column(C, 2 * F, blocks=2) if self.swiglu else \
+            layers.column(C, F)
+        self.c_proj = layers.row(F, C)
         self.dropout = Dropout(config.dropout)
 
     def forward(self, x):                                          # (B, T, C)
-        h = bias_gelu(self.c_fc.matmul(x), self.c_fc.bias)         # (B, T, 4C): gelu(xW + b)
+        h = self.activation(self.c_fc.matmul(x), self.c_fc.bias)   # (B, T, F)
         return self.dropout(self.c_proj(h))                        # (B, T, C)
+
+    def activation(self, h, b):
+        """h = x W_fc (a fresh matmul output) and c_fc's bias b (or None) -> (..., F):
+        gelu(h + b), or SwiGLU's silu(gate) * up of h + b = [gate | up]."""
+        if self.swiglu:
+            return swiglu(h if b is None else h + b)
+        return bias_gelu(h, b)                                     # gelu(xW + b), one pass
 
 
 class Block(Module):

@@ -15,6 +15,7 @@ import numpy as np
 
 from minidist import backend
 
+ARCHS = ("gpt2", "llama")
 ATTENTIONS = ("auto", "materialized", "tiled")  # attention.py's (B, nh, T, T) P, flash.py's tiles
 TILED_FROM_T = 256    # "auto": tiled from this length on, where it is faster on the CPU too
 
@@ -45,6 +46,13 @@ class GPTConfig:
     moe_aux_loss_coef: float = 0.01   # Switch/GShard load-balancing loss, times this
     moe_z_loss_coef: float = 0.0      # router z-loss (ST-MoE), times this
     moe_every: int = 1                # every n-th block is MoE (blocks n-1, 2n-1, ...)
+    # the block's kind: "gpt2" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm,
+    # SwiGLU MLP, rotary positions: no wpe; minidist/autograd/llama_ops.py)
+    arch: str = "gpt2"
+    n_kv_head: int = 0                # k and v heads (grouped-query attention); 0: n_head
+    rope_theta: float = 10000.0       # RoPE's base ("llama")
+    ffn_hidden: int = 0               # the MLP's hidden width; 0: 4C, or Llama's 8C/3 rounded
+                                      # up to a multiple of 64 for SwiGLU
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
@@ -61,6 +69,26 @@ class GPTConfig:
         if int(self.attention_block) < 1:
             raise ValueError(f"attention_block must be >= 1, not {self.attention_block}")
         _check_moe(self)
+        _check_arch(self)
+
+    @property
+    def llama(self):
+        """RMSNorm, SwiGLU and rotary positions (arch "llama") instead of GPT-2's."""
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self):
+        """The k and v heads: n_kv_head, or n_head (0: plain multi-head attention)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_size(self):
+        """The MLP's hidden width F: ffn_hidden, else 4C (GELU) or, for SwiGLU (two input
+        matrices, gate and up), Llama's 2/3 of 4C rounded up to a multiple of 64, which
+        keeps the MLP's parameter count about GPT-2's."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-8 * self.n_embd // (3 * 64)) * 64 if self.llama else 4 * self.n_embd
 
     @property
     def padded_vocab_size(self):
@@ -76,10 +104,31 @@ class GPTConfig:
         return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     def to_dict(self):
-        """The fields; without the moe_* ones for a dense model (its checkpoints unchanged)."""
+        """The fields; without the moe_* ones for a dense model and those of ARCH_DEFAULTS at
+        their defaults (a GPT-2's checkpoints unchanged)."""
         d = asdict(self)
-        return d if self.moe_experts else {k: v for k, v in d.items()
-                                           if not k.startswith("moe_")}
+        return {k: v for k, v in d.items()
+                if not (k.startswith("moe_") and not self.moe_experts)
+                and not (k in ARCH_DEFAULTS and v == ARCH_DEFAULTS[k])}
+
+
+# the block's fields and their defaults (GPT-2's): a checkpoint leaves out those at these
+ARCH_DEFAULTS = {"arch": "gpt2", "n_kv_head": 0, "rope_theta": 10000.0, "ffn_hidden": 0}
+
+
+def _check_arch(c):
+    if c.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, not {c.arch!r}")
+    if c.n_kv_head < 0 or c.ffn_hidden < 0:
+        raise ValueError("n_kv_head and ffn_hidden must be >= 0 (0: the default)")
+    if c.n_head % c.kv_heads:
+        raise ValueError(f"n_head ({c.n_head}) must be a multiple of n_kv_head "
+                         f"({c.n_kv_head}): each kv head serves n_head / n_kv_head q heads")
+    if c.llama and (c.n_embd // c.n_head) % 2:
+        raise ValueError(f"rotary positions turn pairs of columns: the head size n_embd / "
+                         f"n_head ({c.n_embd // c.n_head}) must be even")
+    if c.rope_theta <= 0:
+        raise ValueError(f"rope_theta must be > 0, not {c.rope_theta}")
 
 
 def _check_moe(c):
@@ -102,10 +151,16 @@ def _check_moe(c):
 def gpt_param_specs(config):
     """name -> (shape, init) for every parameter, in model order. init is a std (normal),
     "zeros" or "ones". Residual projections get std 0.02 / sqrt(2 L) (GPT-2's scaling: the
-    residual stream sums 2 L of them)."""
+    residual stream sums 2 L of them). arch "llama": no wpe (rotary positions), norms
+    without bias, c_fc's output [gate | up] (2F columns); n_kv_head: c_attn's output
+    q | k | v of nh, nkv, nkv heads."""
     C, V, T, L = config.n_embd, config.vocab_size, config.block_size, config.n_layer
     std, proj_std = 0.02, 0.02 / math.sqrt(2 * L)
-    specs = {"transformer.wte.weight": ((V, C), std), "transformer.wpe.weight": ((T, C), std)}
+    specs = {"transformer.wte.weight": ((V, C), std)}
+    if not config.llama:
+        specs["transformer.wpe.weight"] = ((T, C), std)
+    qkv = (config.n_head + 2 * config.kv_heads) * (C // config.n_head)
+    F, fc = config.ffn_size, config.ffn_size * (2 if config.llama else 1)
 
     def linear(name, n_in, n_out, w_std):
         specs[name + ".weight"] = ((n_in, n_out), w_std)
@@ -114,23 +169,23 @@ def gpt_param_specs(config):
 
     def norm(name):
         specs[name + ".weight"] = ((C,), "ones")
-        if config.bias:
+        if config.bias and not config.llama:              # RMSNorm has no bias
             specs[name + ".bias"] = ((C,), "zeros")
 
     for i in range(L):
         h = f"transformer.h.{i}."
         norm(h + "ln_1")
-        linear(h + "attn.c_attn", C, 3 * C, std)
+        linear(h + "attn.c_attn", C, qkv, std)
         linear(h + "attn.c_proj", C, C, proj_std)
         norm(h + "ln_2")
         if config.is_moe(i):        # the router, then E expert MLPs (minidist/nn/moe.py)
             specs[h + "mlp.router.weight"] = ((C, config.moe_experts), std)
             for e in range(config.moe_experts):
-                linear(h + f"mlp.experts.{e}.c_fc", C, 4 * C, std)
-                linear(h + f"mlp.experts.{e}.c_proj", 4 * C, C, proj_std)
+                linear(h + f"mlp.experts.{e}.c_fc", C, fc, std)
+                linear(h + f"mlp.experts.{e}.c_proj", F, C, proj_std)
             continue
-        linear(h + "mlp.c_fc", C, 4 * C, std)
-        linear(h + "mlp.c_proj", 4 * C, C, proj_std)
+        linear(h + "mlp.c_fc", C, fc, std)
+        linear(h + "mlp.c_proj", F, C, proj_std)
     norm("transformer.ln_f")
     return specs
 

@@ -70,9 +70,7 @@ class GPT(Module):
         """The modules, GPT-2's names (a pipeline stage builds only its part)."""
         config, dtype = self.config, layers.dtype
         return ModuleDict(
-            wte=layers.token_embedding(),
-            wpe=Embedding(config.block_size, config.n_embd, dtype=dtype),
-            drop=Dropout(config.dropout),
+            **embeddings(config, layers),
             h=ModuleList([Block(config, dtype, i, layers) for i in range(config.n_layer)]),
             ln_f=layers.norm())
 
@@ -169,6 +167,8 @@ class GPT(Module):
         xp = backend.xp_of(idx)
         pos = xp.arange(T) if pos is None else backend.to_device(pos, xp)   # (T,)
         tok = self.transformer.wte(idx)                            # (B, T, C)
+        if self.config.llama:                          # rotary positions, in each attention
+            return self.transformer.drop(tok)
         return self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
 
     def run_blocks(self, x, router_losses=None):
@@ -238,19 +238,23 @@ class GPT(Module):
 
             6 * N  +  12 * L * T * C
         N counts the weights that take part in matmuls: each block's c_attn, c_proj, c_fc,
-        c_proj (12 C^2 per layer) and the tied output head (V C); embeddings lookups, biases
-        and LayerNorms are not matmuls. Each such weight costs 2 FLOPs per token forward and
-        4 backward. Attention's QK^T and AV are 2 * 2 T C per token per layer forward, times 3
-        for forward + backward, counted over the full T x T (the causal mask saves nothing
-        in our implementation) -- the PaLM / nanoGPT convention. A Mixture-of-Experts block
-        counts its router (C E) and the k experts a token visits (8 C^2 each) in place of the
-        MLP's 8 C^2."""
+        c_proj (12 C^2 per layer in GPT-2; a Llama-style block's c_attn is narrower under
+        grouped-query attention and its SwiGLU c_fc twice F wide) and the tied output head
+        (V C); embeddings lookups, biases and norms are not matmuls. Each such weight costs
+        2 FLOPs per token forward and 4 backward. Attention's QK^T and AV are 2 * 2 T C per
+        token per layer forward, times 3 for forward + backward, counted over the full T x T
+        (the causal mask saves nothing in our implementation) -- the PaLM / nanoGPT
+        convention. A Mixture-of-Experts block counts its router (C E) and the k experts a
+        token visits (each an MLP's c_fc and c_proj) in place of the MLP's."""
         c = self.config
         T = c.block_size if T is None else T
-        n_matmul = c.n_layer * 12 * c.n_embd ** 2 + c.vocab_size * c.n_embd
+        C, F = c.n_embd, c.ffn_size
+        mlp = C * F * (3 if c.llama else 2)                        # c_fc (+ gate) and c_proj
+        attn = C * (c.n_head + 2 * c.kv_heads) * (C // c.n_head) + C * C
+        n_matmul = c.n_layer * (attn + mlp) + c.vocab_size * C
         n_moe = sum(c.is_moe(i) for i in range(c.n_layer))
-        n_matmul += n_moe * (c.n_embd * c.moe_experts + (c.moe_top_k - 1) * 8 * c.n_embd ** 2)
-        return 6 * n_matmul + 12 * c.n_layer * T * c.n_embd
+        n_matmul += n_moe * (C * c.moe_experts + (c.moe_top_k - 1) * mlp)
+        return 6 * n_matmul + 12 * c.n_layer * T * C
 
     # ---- sampling (minidist/nn/sampling.py) ----------------------------------------------
     def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
@@ -279,6 +283,17 @@ class GPT(Module):
 
 
 WTE = "transformer.wte.weight"
+
+
+def embeddings(config, layers):
+    """The modules before the blocks, by GPT-2's names: wte (the token embedding, tied to
+    the head), wpe (learned positions; none in a Llama-style model, whose attention turns q
+    and k by position), drop."""
+    parts = {"wte": layers.token_embedding()}
+    if not config.llama:
+        parts["wpe"] = Embedding(config.block_size, config.n_embd, dtype=layers.dtype)
+    parts["drop"] = Dropout(config.dropout)
+    return parts
 
 
 def check_token_ids(ids, vocab_size, what, ignore=None):

@@ -1,4 +1,5 @@
-"""The four layers GPT is made of: Linear, Embedding, LayerNorm, Dropout.
+"""The layers GPT is made of: Linear, Embedding, LayerNorm (RMSNorm in a Llama-style
+block), Dropout.
 
 Each holds its Parameters and calls one op; the math lives in minidist/autograd.
 `Linear.weight` is `(in_features, out_features)` and computes `x @ W + b`: GPT-2's layout
@@ -14,6 +15,7 @@ from minidist import backend
 from minidist.autograd import fused as F
 from minidist.autograd import ops
 from minidist.autograd.fusions import residual_layer_norm
+from minidist.autograd.llama_ops import residual_rms_norm, rms_norm
 from minidist.nn.module import Module, Parameter
 
 
@@ -63,12 +65,34 @@ class LayerNorm(Module):
         self.bias = _param((ndim,), dtype, decay=False) if bias else None
         self.eps = eps
 
+    def gain_and_shift(self):
+        """(weight, bias) as the op takes them (tensor parallelism's sequence-parallel norms
+        pass them through its region: minidist/tp/layers.py)."""
+        return self.weight, self.bias
+
     def forward(self, x):
-        return F.layer_norm(x, self.weight, self.bias, eps=self.eps)
+        w, b = self.gain_and_shift()
+        return F.layer_norm(x, w, b, eps=self.eps)
 
     def add_norm(self, x, r):
         """(x + r, this norm of it) in one op: the block's residual add and ln_2."""
-        return residual_layer_norm(x, r, self.weight, self.bias, eps=self.eps)
+        w, b = self.gain_and_shift()
+        return residual_layer_norm(x, r, w, b, eps=self.eps)
+
+
+class RMSNorm(LayerNorm):
+    """Scale the last axis to unit root mean square, then by a gain (Llama's norm): no mean
+    subtracted, no bias."""
+
+    def __init__(self, ndim, eps=1e-5, dtype="float32"):
+        super().__init__(ndim, bias=False, eps=eps, dtype=dtype)
+
+    def forward(self, x):
+        return rms_norm(x, self.gain_and_shift()[0], eps=self.eps)
+
+    def add_norm(self, x, r):
+        """(x + r, this norm of it): the block's residual add and ln_2."""
+        return residual_rms_norm(x, r, self.gain_and_shift()[0], eps=self.eps)
 
 
 class Dropout(Module):
@@ -98,9 +122,11 @@ class DenseLayers:
     def __init__(self, config, dtype="float32"):
         self.config, self.dtype = config, dtype
         self.heads = config.n_head                 # attention heads this rank computes
+        self.kv_heads = config.kv_heads            # and the k and v heads they share
 
     def column(self, n_in, n_out, blocks=1):
-        """c_attn (q|k|v: blocks=3) and c_fc: tensor parallelism splits their outputs."""
+        """c_attn (blocks: q|k|v's widths) and c_fc ([gate|up]: 2 for SwiGLU): tensor
+        parallelism splits their outputs, each block alike."""
         return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
 
     def row(self, n_in, n_out):
@@ -108,6 +134,8 @@ class DenseLayers:
         return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
 
     def norm(self):
+        if self.config.llama:
+            return RMSNorm(self.config.n_embd, dtype=self.dtype)
         return LayerNorm(self.config.n_embd, bias=self.config.bias, dtype=self.dtype)
 
     def token_embedding(self):

@@ -41,7 +41,6 @@ from minidist import backend
 from minidist.autograd import Function, Tensor
 from minidist.autograd import fused as F
 from minidist.autograd.indexing import concat, scatter_add_rows, where
-from minidist.autograd.fusions import bias_gelu
 from minidist.nn.layers import Dropout, Linear
 from minidist.nn.module import Module, ModuleDict
 from minidist.nn.moe_split import choice_dtype, sequence_parts
@@ -259,10 +258,10 @@ class MoE(Module):
         return parts[0] if len(parts) == 1 else concat(parts, axis=0)
 
     def run_expert(self, mlp, x):
-        """block.py's MLP forward, gelu(x W_fc + b_fc) W_proj + b_proj (its dropout is 0), on
+        """block.py's MLP forward, act(x W_fc + b_fc) W_proj + b_proj (its dropout is 0), on
         x (n, C), each parameter passed through `shared` (sequence parallelism)."""
         fc, proj, s = mlp.c_fc, mlp.c_proj, self.shared
-        h = bias_gelu(F.linear(x, s(fc.weight)), None if fc.bias is None else s(fc.bias))
+        h = mlp.activation(F.linear(x, s(fc.weight)), None if fc.bias is None else s(fc.bias))
         return F.linear(h, s(proj.weight), None if proj.bias is None else s(proj.bias))
 
 

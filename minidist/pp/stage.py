@@ -44,8 +44,7 @@ import numpy as np
 from minidist import backend
 from minidist.autograd import Tensor, is_grad_enabled
 from minidist.nn.block import Block
-from minidist.nn.gpt import GPT, moe_loss
-from minidist.nn.layers import Dropout, Embedding
+from minidist.nn.gpt import GPT, embeddings, moe_loss
 from minidist.nn.module import ModuleDict, ModuleList
 from minidist.nn.sampling import sample
 from minidist.pp.link import StageLink
@@ -72,8 +71,7 @@ class PipelineStage:
         config, dtype = self.config, factory.dtype
         parts = {}
         if self.first:
-            parts.update(wte=factory.token_embedding(), drop=Dropout(config.dropout),
-                         wpe=Embedding(config.block_size, config.n_embd, dtype=dtype))
+            parts.update(embeddings(config, factory))
         parts["h"] = ModuleList([Block(config, dtype, n, factory) for n in self.layers],
                                 numbers=self.layers)
         if self.last:

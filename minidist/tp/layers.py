@@ -11,6 +11,7 @@
                            logits never exist on any rank
 
     SequenceParallelLayerNorm      LayerNorm whose weight and bias pass `region.shared`
+    SequenceParallelRMSNorm        RMSNorm whose weight does (Llama-style blocks)
 
 Every split parameter carries `.tp_split` (a Split: how to cut the full tensor and glue it
 back); replicated ones (layer norms, position embedding, row-parallel biases) carry None.
@@ -30,10 +31,9 @@ from minidist import backend
 from minidist.autograd import Function
 from minidist.autograd import fused as F
 from minidist.autograd.fused import _f32, counted_rows_sum, rows_counted
-from minidist.autograd.fusions import residual_layer_norm
 from minidist.autograd.indexing import rows_into_table
 from minidist.backend import xp_of
-from minidist.nn.layers import LayerNorm
+from minidist.nn.layers import LayerNorm, RMSNorm
 from minidist.nn.module import Module, Parameter
 from minidist.strategy.split import Split
 
@@ -47,14 +47,15 @@ def _param(shape, dtype, split=None, decay=True):
 
 class ColumnParallelLinear(Module):
     """y_r = x @ W[:, cols of rank r] + b[cols of rank r]. `blocks`: the output axis is that
-    many equal parts (c_attn's q|k|v) and each rank takes its columns from every part."""
+    many equal parts, or parts of these lengths (c_attn's q|k|v, SwiGLU's [gate|up]), and
+    each rank takes its columns from every part."""
 
     def __init__(self, in_features, out_features, region, bias=True, dtype="float32",
                  blocks=1):
         super().__init__()
         self.region = region
         split = Split(1, out_features, blocks)
-        local = blocks * split.chunk(region.size)
+        local = split.local(region.size)
         self.weight = _param((in_features, local), dtype, split)
         self.bias = _param((local,), dtype, Split(0, out_features, blocks), False) \
             if bias else None
@@ -83,23 +84,34 @@ class RowParallelLinear(Module):
         return y + self.region.shared(self.bias) if self.bias is not None else y
 
 
+def shared_gain_and_shift(norm, region):
+    """A norm's (weight, bias) through `region.shared`: under sequence parallelism each rank
+    normalises only its positions, so their gradients are all-reduced over tp."""
+    b = region.shared(norm.bias) if norm.bias is not None else None
+    return region.shared(norm.weight), b
+
+
 class SequenceParallelLayerNorm(LayerNorm):
-    """LayerNorm whose (replicated) weight and bias go through `region.shared`: under
-    sequence parallelism each rank normalises only its positions, so their gradients are
-    all-reduced over tp; otherwise it is LayerNorm."""
+    """LayerNorm whose (replicated) weight and bias go through `region.shared`; otherwise it
+    is LayerNorm."""
 
     def __init__(self, ndim, region, bias=True, dtype="float32"):
         super().__init__(ndim, bias=bias, dtype=dtype)
         self.region = region
 
-    def forward(self, x):
-        b = self.region.shared(self.bias) if self.bias is not None else None
-        return F.layer_norm(x, self.region.shared(self.weight), b, eps=self.eps)
+    def gain_and_shift(self):
+        return shared_gain_and_shift(self, self.region)
 
-    def add_norm(self, x, r):
-        """(x + r, this norm of it) in one op, the weight and bias through region.shared."""
-        b = self.region.shared(self.bias) if self.bias is not None else None
-        return residual_layer_norm(x, r, self.region.shared(self.weight), b, eps=self.eps)
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm (Llama's) whose replicated weight goes through `region.shared`."""
+
+    def __init__(self, ndim, region, dtype="float32"):
+        super().__init__(ndim, dtype=dtype)
+        self.region = region
+
+    def gain_and_shift(self):
+        return shared_gain_and_shift(self, self.region)
 
 
 # ---- the vocabulary split ---------------------------------------------------------------

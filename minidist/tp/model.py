@@ -35,6 +35,7 @@ from minidist.nn.moe import MoE
 from minidist.tp.region import SEQ_AXIS, TensorParallelRegion, gather_from_tp
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                          SequenceParallelLayerNorm,
+                                         SequenceParallelRMSNorm,
                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 
@@ -44,9 +45,15 @@ def check_tp_sizes(config, tp, names=("n_head", "n_embd", "tp")):
     passes its flags). The vocabulary needs no check: it is padded to a multiple of tp."""
     head, embd, ranks = names
     problems = []
+    kv, ffn = config.n_kv_head or config.n_head, config.ffn_hidden   # (a GPTConfig or flags)
     if config.n_head % tp:
         problems.append(f"{head} {config.n_head} is not divisible by {ranks} {tp} (each rank "
                         f"computes {head} / {ranks} whole attention heads)")
+    elif kv % tp:
+        problems.append(f"--n-kv-head {kv} is not divisible by {ranks} {tp} (each rank holds "
+                        f"whole k and v heads for its q heads)")
+    if ffn % tp:
+        problems.append(f"--ffn-hidden {ffn} is not divisible by {ranks} {tp}")
     if config.n_embd % tp:
         problems.append(f"{embd} {config.n_embd} is not divisible by {ranks} {tp}")
     return problems
@@ -61,6 +68,7 @@ class TensorParallelLayers(DenseLayers):
         super().__init__(config, dtype)
         self.region = region
         self.heads = config.n_head // region.size        # forward: F.causal_self_attention
+        self.kv_heads = config.kv_heads // region.size
 
     def column(self, n_in, n_out, blocks=1):
         return ColumnParallelLinear(n_in, n_out, self.region, self.config.bias, self.dtype,
@@ -70,6 +78,8 @@ class TensorParallelLayers(DenseLayers):
         return RowParallelLinear(n_in, n_out, self.region, self.config.bias, self.dtype)
 
     def norm(self):
+        if self.config.llama:
+            return SequenceParallelRMSNorm(self.config.n_embd, self.region, self.dtype)
         return SequenceParallelLayerNorm(self.config.n_embd, self.region, self.config.bias,
                                          self.dtype)
 
@@ -138,6 +148,8 @@ class TensorParallelGPT(GPT):
             n = T // self.region.size
             pos = pos[self.region.rank * n:(self.region.rank + 1) * n]   # my positions
         tok = self.transformer.wte(idx)                    # partial lookups, summed by g
+        if self.config.llama:                              # rotary positions, in attention
+            return self.transformer.drop(tok)
         wpe = self.region.shared(self.transformer.wpe.weight)
         return self.transformer.drop(tok + ops.embedding(wpe, pos))
 

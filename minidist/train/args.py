@@ -48,6 +48,17 @@ def add_model_args(p):
     g.add_argument("--attention-block", type=int, default=64, help="tile size, --attention tiled")
     g.add_argument("--no-bias", dest="bias", action=GivenFalse,
                    help="no biases in Linear and LayerNorm layers")
+    g.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2", action=Given,
+                   help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama "
+                   "(RMSNorm, SwiGLU, rotary positions, no biases)")
+    g.add_argument("--n-kv-head", type=int, default=0, action=Given,
+                   help="k and v heads, shared by groups of q heads (grouped-query "
+                   "attention; 1: multi-query); 0: --n-head")
+    g.add_argument("--rope-theta", type=float, default=10000.0, action=Given,
+                   help="rotary positions' base, --arch llama")
+    g.add_argument("--ffn-hidden", type=int, default=0, action=Given,
+                   help="the MLP's hidden width; 0: 4 x --n-embd, or for --arch llama's "
+                   "SwiGLU 8/3 x --n-embd rounded up to a multiple of 64")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     add_moe_args(p)
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

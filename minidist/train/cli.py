@@ -61,6 +61,8 @@ _AT_LEAST = (
     ("--decay-steps", "decay_steps", 1, "wsd's decay steps"),
     ("--keep", "keep", 1, "checkpoints kept"),
     ("--attention-block", "attention_block", 1, "the tiled attention's tile size"),
+    ("--n-kv-head", "n_kv_head", 0, "k and v heads (0: --n-head)"),
+    ("--ffn-hidden", "ffn_hidden", 0, "the MLP's hidden width (0: the default)"),
     ("--comm-timeout", "comm_timeout", 0, "seconds a collective may wait (0: never abort)"),
 )
 
@@ -98,6 +100,22 @@ def agree_on_flags(world, problem):
         for message, ranks in messages.items()))
 
 
+def check_arch(args):
+    """--n-kv-head, --rope-theta and --arch llama's head size (GPTConfig's own checks, as
+    flags, before MPI starts)."""
+    kv = args.n_kv_head
+    if kv and args.n_head % kv:
+        raise UsageError(f"--n-kv-head {kv}: --n-head {args.n_head} is not a multiple of it "
+                         "(each k and v head serves --n-head / --n-kv-head q heads); give a "
+                         f"divisor of {args.n_head}")
+    if not args.rope_theta > 0:
+        raise UsageError(f"--rope-theta {args.rope_theta}: must be positive (Llama: 10000)")
+    if args.arch == "llama" and (args.n_embd // args.n_head) % 2:
+        raise UsageError(f"--arch llama: the head size --n-embd / --n-head = "
+                         f"{args.n_embd // args.n_head} must be even (rotary positions turn "
+                         "pairs of columns)")
+
+
 def check_flags(args):
     """Every flag's range and the combinations that cannot work, on this rank alone."""
     for flag, name, low, what in _AT_LEAST:
@@ -129,6 +147,7 @@ def check_flags(args):
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
+    check_arch(args)
     if args.stop_at is not None and args.stop_at > args.steps:
         raise UsageError(f"--stop-at {args.stop_at}: past --steps {args.steps}, where the run "
                          "ends anyway; give a step below --steps, or leave --stop-at out")

@@ -17,6 +17,7 @@ Tests: tests/test_token_files.py.
 import json
 import os
 
+from minidist.nn.config import ARCH_DEFAULTS
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
@@ -98,12 +99,17 @@ def take_init_from_sizes(args):
     if args.moe_experts:
         raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
                          "dense GPT-2 (no experts); leave the --moe-* flags out")
+    for name, plain in ARCH_DEFAULTS.items():
+        if getattr(args, name) != plain:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {getattr(args, name)}: --init-from {folder} holds GPT-2 "
+                             f"blocks; leave {flag} out")
 
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
            "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
-           "dropout")
+           "dropout") + tuple(ARCH_DEFAULTS)
 # ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
 # change them (checkpoint.HOW_COMPUTED lets them differ)
 MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
@@ -155,6 +161,7 @@ def take_resume_model(args):
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
+    config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
     for name in RESUMED:
         if name not in config or (name[:4] == "moe_" and not config["moe_experts"]
                                   and name != "moe_experts"):

@@ -77,10 +77,18 @@ def _config(args, data):
     try:
         return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                          block_size=args.block_size, vocab_size=data.vocab_size,
-                         dropout=args.dropout, bias=args.bias, attention=args.attention,
-                         attention_block=args.attention_block, **moe_fields(args))
+                         dropout=args.dropout, attention=args.attention,
+                         attention_block=args.attention_block, **arch_fields(args),
+                         **moe_fields(args))
     except ValueError as e:
         raise UsageError(f"model flags: {e}") from None
+
+
+def arch_fields(args):
+    """GPTConfig's block fields from --arch, --n-kv-head, --rope-theta, --ffn-hidden and
+    --no-bias (a Llama-style block has no biases)."""
+    return dict(arch=args.arch, n_kv_head=args.n_kv_head, rope_theta=args.rope_theta,
+                ffn_hidden=args.ffn_hidden, bias=args.bias and args.arch == "gpt2")
 
 
 def moe_fields(args):

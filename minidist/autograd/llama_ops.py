@@ -1,0 +1,215 @@
+"""The ops a Llama-style block adds to GPT-2's (GPTConfig arch="llama": minidist/nn/block.py):
+
+    rms_norm(x, w)              x / sqrt(mean(x^2) + eps) * w over the last axis (no mean
+                                subtracted, no bias: Zhang & Sennrich 2019)
+    residual_rms_norm(x, r, w)  (x + r, rms_norm(x + r, w)): the block's add_norm
+    swiglu(h)                   silu(a) * b for h = [a | b] split in halves on its last axis
+                                (Shazeer 2020): the MLP's gate and up projections are one
+                                matmul, c_fc, whose output columns are [gate | up]
+    rotary(qkv, nh, nkv, pos)   rotary position embedding (RoPE, Su et al. 2021) of the q and
+                                k heads of a fused qkv, token t turned by angles pos[t] * f_i
+    repeat_kv(qkv, nh, nkv)     grouped-query attention (Ainslie et al. 2023): each of the nkv
+                                k and v heads repeated for the nh / nkv q heads that share it
+
+The fused qkv is c_attn's output, (B, T, (nh + 2 nkv) hs): q's nh heads, then k's nkv, then
+v's nkv, each head hs contiguous columns. repeat_kv turns it into the (B, T, 3 nh hs) that
+every attention path (materialized, tiled, the cp ring, Ulysses) takes, so grouped-query
+attention needs no attention kernel of its own: its savings are c_attn's parameters and a
+generation cache's size, not the attention's arithmetic. (Llama's reference code repeats k
+and v the same way before its attention.)
+
+RoPE's convention is the "rotate half" one of GPT-NeoX and Hugging Face's Llama: in a head
+of hs columns, column i and column i + hs/2 form a pair turned by pos * theta^(-2i/hs).
+The angles are computed in float64 from the positions, so a rank that holds scattered
+positions (context parallelism's zig-zag chunks) turns each token exactly as one process does.
+
+Arrays in, arrays out, in xp code (numpy or cupy): the same code runs on a GPU, one
+elementwise pass per line. 16-bit inputs are computed in float32 and cast back (fused.py's
+rule). Tests: tests/test_gradcheck.py (float64 finite differences, numpy formulas),
+tests/test_llama.py.
+"""
+from minidist.autograd.function import Function
+from minidist.autograd.fused import _f32, _quiet
+from minidist.backend import is_half, xp_of
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------
+
+class RMSNorm(Function):
+    """y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) over the last axis.
+    Backward, with xhat = x * rstd and dxhat = g * w:
+        dx = rstd * (dxhat - xhat * mean(dxhat * xhat))     (through rstd's mean of x^2)
+        dw = sum over rows of g * xhat"""
+
+    @staticmethod
+    def forward(ctx, x, w, eps=1e-5):
+        if w.shape != x.shape[-1:]:
+            raise ValueError("the weight must have the shape of x's last axis")
+        xp, dtype = xp_of(x), x.dtype
+        x32, w32 = _f32(x), _f32(w)
+        rstd = 1.0 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)   # (..., 1)
+        xhat = x32 * rstd
+        ctx.save_for_backward(xhat, rstd, w32)
+        return (xhat * w32).astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, w = ctx.saved
+        grad = _f32(grad)
+        C = xhat.shape[-1]
+        dw = (grad * xhat).reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dxhat = grad * w
+            dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+            dx *= rstd
+        return dx, dw, None
+
+
+def rms_norm(x, weight, eps=1e-5):
+    return RMSNorm.apply(x, weight, eps)
+
+
+def residual_rms_norm(x, r, weight, eps=1e-5):
+    """(s, y) = (x + r, rms_norm(x + r)): the residual add and the norm after it, as
+    LayerNorm's add_norm gives them (two ops here; fusions.py fuses LayerNorm's)."""
+    s = x + r
+    return s, rms_norm(s, weight, eps)
+
+
+# ---- SwiGLU ---------------------------------------------------------------------------------
+
+def _sigmoid(xp, a):
+    with _quiet(xp):
+        return 1.0 / (1.0 + xp.exp(-a))                 # exp overflows to inf: 0, right
+
+
+class SwiGLU(Function):
+    """y = silu(a) * b = a * sigmoid(a) * b for h = [a | b] (..., 2F) -> (..., F).
+        da = g * b * s * (1 + a (1 - s)),  db = g * a * s,  s = sigmoid(a)
+    Saves h only; backward recomputes s."""
+
+    @staticmethod
+    def forward(ctx, h):
+        if h.shape[-1] % 2:
+            raise ValueError(f"swiglu: the last axis ({h.shape[-1]}) must be even: [gate | up]")
+        xp, dtype = xp_of(h), h.dtype
+        F = h.shape[-1] // 2
+        a, b = _f32(h[..., :F]), _f32(h[..., F:])
+        ctx.save_for_backward(h)
+        return (a * _sigmoid(xp, a) * b).astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, = ctx.saved
+        xp = xp_of(h)
+        F = h.shape[-1] // 2
+        a, b, grad = _f32(h[..., :F]), _f32(h[..., F:]), _f32(grad)
+        s = _sigmoid(xp, a)
+        dh = xp.empty(h.shape, grad.dtype)
+        xp.multiply(grad * a, s, out=dh[..., F:])                      # d/db = g silu(a)
+        xp.multiply(grad * b * s, 1.0 + a * (1.0 - s), out=dh[..., :F])   # d/da
+        return dh
+
+
+def swiglu(h):
+    return SwiGLU.apply(h)
+
+
+# ---- rotary position embedding --------------------------------------------------------------
+
+def rotary_tables(xp, pos, hs, theta, dtype):
+    """(cos, sin), each (T, hs/2) in `dtype`: the angles pos[t] * theta^(-2i/hs) of positions
+    pos (T,) ints, computed in float64."""
+    pos = xp.asarray(pos).astype("float64")
+    inv_freq = theta ** (-xp.arange(0, hs, 2, dtype="float64") / hs)          # (hs/2,)
+    angle = pos[:, None] * inv_freq[None, :]                                  # (T, hs/2)
+    return xp.cos(angle).astype(dtype), xp.sin(angle).astype(dtype)
+
+
+def _turn(x, cos, sin, sign):
+    """Turn the pairs (x1, x2) = (first, second half of each head) of x (B, T, heads, hs) in
+    place by the angles (sign 1) or back (sign -1): x1 c - x2 s, x2 c + x1 s."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].copy(), x[..., half:]
+    c, s = cos[:, None, :], sign * sin[:, None, :]                  # (T, 1, hs/2)
+    x[..., :half] = x1 * c - x2 * s
+    x[..., half:] = x2 * c + x1 * s
+
+
+class Rotary(Function):
+    """RoPE on the q and k heads of qkv (B, T, (nh + 2 nkv) hs), v untouched. A rotation:
+    backward turns the gradient back by the same angles."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, n_kv_head, pos, theta=10000.0):
+        B, T, width = qkv.shape
+        hs = width // (n_head + 2 * n_kv_head)
+        if hs * (n_head + 2 * n_kv_head) != width or hs % 2:
+            raise ValueError(f"rotary: qkv's {width} columns are not {n_head} + 2 x "
+                             f"{n_kv_head} heads of an even size")
+        if len(pos) != T:
+            raise ValueError(f"rotary: {len(pos)} positions for {T} tokens")
+        xp, dtype = xp_of(qkv), qkv.dtype
+        out = _f32(qkv).copy()
+        ctx.tables = rotary_tables(xp, pos, hs, theta, out.dtype)
+        ctx.heads, ctx.hs, ctx.dtype = n_head + n_kv_head, hs, dtype
+        qk = out[..., :ctx.heads * hs].reshape(B, T, ctx.heads, hs)      # a view of out
+        _turn(qk, *ctx.tables, 1.0)
+        return out.astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        B, T, _ = grad.shape
+        dqkv = _f32(grad).copy()
+        qk = dqkv[..., :ctx.heads * ctx.hs].reshape(B, T, ctx.heads, ctx.hs)
+        _turn(qk, *ctx.tables, -1.0)
+        return dqkv, None, None, None, None
+
+
+def rotary(qkv, n_head, n_kv_head, pos, theta=10000.0):
+    """qkv (B, T, (nh + 2 nkv) hs) with its q and k heads turned for positions pos (T,)."""
+    return Rotary.apply(qkv, n_head, n_kv_head, pos, theta)
+
+
+# ---- grouped-query attention ----------------------------------------------------------------
+
+class RepeatKV(Function):
+    """(B, T, (nh + 2 nkv) hs) -> (B, T, 3 nh hs): q as it is, each k and v head repeated
+    g = nh / nkv times in a row (q head j reads kv head j // g). Backward sums each group's
+    g gradients into its head."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, n_kv_head):
+        B, T, width = qkv.shape
+        if n_head % n_kv_head:
+            raise ValueError(f"repeat_kv: {n_head} heads do not share {n_kv_head} kv heads")
+        hs = width // (n_head + 2 * n_kv_head)
+        xp, g, Q = xp_of(qkv), n_head // n_kv_head, n_head * hs
+        ctx.shape, ctx.sizes = qkv.shape, (n_head, n_kv_head, hs)
+        out = xp.empty((B, T, 3 * Q), qkv.dtype)
+        out[..., :Q] = qkv[..., :Q]
+        for i, lo in enumerate((Q, Q + n_kv_head * hs)):                   # k, then v
+            heads = qkv[..., lo:lo + n_kv_head * hs].reshape(B, T, n_kv_head, 1, hs)
+            dst = out[..., (i + 1) * Q:(i + 2) * Q].reshape(B, T, n_kv_head, g, hs)
+            dst[...] = heads                                             # broadcast over g
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        B, T, _ = grad.shape
+        nh, nkv, hs = ctx.sizes
+        xp, g, Q = xp_of(grad), nh // nkv, nh * hs
+        dqkv = xp.empty(ctx.shape, grad.dtype)
+        dqkv[..., :Q] = grad[..., :Q]
+        for i, lo in enumerate((Q, Q + nkv * hs)):
+            part = grad[..., (i + 1) * Q:(i + 2) * Q].reshape(B, T, nkv, g, hs)
+            total = part.sum(axis=3, dtype="float32") if is_half(part.dtype) else \
+                part.sum(axis=3)                                         # 16 bits: in f32
+            dqkv[..., lo:lo + nkv * hs] = total.reshape(B, T, nkv * hs)
+        return dqkv, None, None
+
+
+def repeat_kv(qkv, n_head, n_kv_head):
+    """qkv with nkv k and v heads -> the (B, T, 3 nh hs) of nh each; nkv = nh: qkv itself."""
+    return qkv if n_kv_head == n_head else RepeatKV.apply(qkv, n_head, n_kv_head)
