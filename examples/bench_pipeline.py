@@ -50,7 +50,7 @@ from minidist.nn import GPTConfig
 from minidist.launcher import world_size_from_env
 from minidist.pp.schedule import SCHEDULES, bubble_fraction, measured_bubble
 from minidist.pp.strategy import pp_problems
-from minidist.train.args import add_model_args, train_parser
+from minidist.train.args import add_model_args, arch_fields, train_parser
 from minidist.train.cli import UsageError, check_flags, launcher_rank
 from minidist.train.loop import moe_fields
 from minidist.train.step import train_step
@@ -187,8 +187,9 @@ def run(cli, name, m, comm, world):
     schedule, v = args.schedule, args.pp_virtual
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=cli.vocab_size,
-                       dropout=args.dropout, bias=args.bias, attention=args.attention,
-                       attention_block=args.attention_block, **moe_fields(args))
+                       dropout=args.dropout, attention=args.attention,
+                       attention_block=args.attention_block, **arch_fields(args),
+                       **moe_fields(args))
     strategy = make_strategy(args, world)
     model = strategy.build_model(config, args.seed, args.dtype)
     opt = strategy.build_optimizer(model, args)

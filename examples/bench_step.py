@@ -39,7 +39,7 @@ from minidist.kernel_count import KernelCounter
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
 from minidist.train.amp import MixedPrecision
-from minidist.train.args import add_model_args
+from minidist.train.args import add_model_args, arch_fields
 from minidist.train.args import example_parser
 
 
@@ -189,7 +189,7 @@ def main():
         return 2
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
-                       dropout=args.dropout, bias=args.bias, attention=args.attention,
+                       dropout=args.dropout, attention=args.attention, **arch_fields(args),
                        attention_block=args.attention_block,
                        vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)

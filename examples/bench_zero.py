@@ -26,7 +26,7 @@ from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not o
 from minidist.nn import GPTConfig
 from minidist.strategy import memory
 from minidist.train.amp import MixedPrecision
-from minidist.train.args import add_model_args
+from minidist.train.args import add_model_args, arch_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.zero.strategy import ZeroDataParallel
@@ -39,7 +39,8 @@ def run_stage(cli, stage, comm):
     """--steps steps at `stage`; (ledger row with the largest value over ranks of each
     kind, bytes this rank sent in the last step, parameter count)."""
     config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
-                       block_size=cli.block_size, vocab_size=cli.vocab_size, bias=cli.bias)
+                       block_size=cli.block_size, vocab_size=cli.vocab_size,
+                       **arch_fields(cli))
     group = ProcessGroup(comm, cli.comm, name=f"bench-zero{stage}")
     amp = MixedPrecision() if cli.amp else None
     strategy = (DataParallel(group, amp=amp) if stage == 0

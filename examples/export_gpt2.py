@@ -1,6 +1,8 @@
 """Write a checkpoint of any strategy as a GPT-2 folder (Hugging Face's layout), in one process:
 what `transformers.GPT2LMHeadModel.from_pretrained(dir)` loads, what sample.py --resume and
 train_gpt.py --init-from take (a new run from trained weights: new data, a new schedule).
+A Llama-style model (--arch llama) is written as a Llama folder instead, what
+`LlamaForCausalLM.from_pretrained(dir)` loads (minidist/nn/pretrained_llama.py).
 
     python examples/train_gpt.py --steps 400 --save ckpt
     python examples/export_gpt2.py --resume ckpt --out exported
@@ -11,7 +13,7 @@ ZeRO-1/2/3, TP, PP, CP, TP x ZeRO: minidist/train/gather.py; under --amp the flo
 masters), then written by minidist/nn/pretrained.py (config.json, model.safetensors). A model
 in a BPE's tokens gets the tokenizer's vocab.json and merges.txt copied beside it, found as
 sample.py finds it (--tokenizer DIR, else the folders the run named), so the folder is whole.
-A Mixture of Experts is refused: GPT-2's format has no experts.
+A Mixture of Experts is refused: GPT-2's and Llama's formats have no experts.
 Tests: tests/test_token_files.py (test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run).
 """
 from minidist.launcher import set_thread_env, world_size_from_env
@@ -38,8 +40,8 @@ WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES)   # what --out rec
 
 
 def export_parser():
-    p = Parser(description="Write a checkpoint as a GPT-2 folder (config.json, "
-                           "model.safetensors).", formatter_class=HelpWithDefaults)
+    p = Parser(description="Write a checkpoint as a GPT-2 (or, --arch llama, a Llama) folder "
+                           "(config.json, model.safetensors).", formatter_class=HelpWithDefaults)
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint) or a checkpoint folder")
     p.add_argument("--out", required=True, metavar="DIR",
@@ -97,7 +99,8 @@ def main(args):
         raise UsageError("--dtype bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")
     if config.moe_experts:
         raise UsageError(f"--resume {args.resume}: a Mixture of Experts ({config.moe_experts} "
-                         "experts); GPT-2's format has no experts, so it cannot be exported")
+                         "experts); GPT-2's and Llama's formats have no experts, so it cannot "
+                         "be exported")
     tokenizer = tokenizer_folder(args, config.vocab_size)
     check_out(args)
     backend.setup(device="cpu")

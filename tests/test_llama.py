@@ -208,3 +208,80 @@ def test_llama_layouts_train_one_process_numbers(mpi, tmp_path, ranks, flags):
     sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs, run = sweep.check(ranks, {**LLAMA, **flags}, resume=ranks == 4)
     assert ok, (errs, run["stderr"][-2000:])
+
+
+# ---- Hugging Face's Llama folder -------------------------------------------------------------
+
+def test_a_llama_saves_as_hugging_faces_llama_and_loads_back(tmp_path):
+    """config.json is LlamaConfig's; the tensors are Hugging Face's names in (out, in)
+    layout (q_proj is c_attn's first nh hs columns, transposed; gate_proj c_fc's first F);
+    from_pretrained gives the same logits."""
+    import json
+    from minidist.nn.safetensors import load_file
+    config = llama(n_kv_head=1, rope_theta=500.0, block_size=16)
+    model = GPT(config, seed=5, dtype="float64")
+    model.save_pretrained(str(tmp_path), dtype="float64")
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["model_type"] == "llama" and hf["architectures"] == ["LlamaForCausalLM"]
+    assert (hf["num_key_value_heads"], hf["intermediate_size"], hf["rope_theta"],
+            hf["tie_word_embeddings"]) == (1, config.ffn_size, 500.0, True)
+    raw, _ = load_file(str(tmp_path / "model.safetensors"))
+    p = {n: q.data for n, q in model.named_parameters()}
+    attn, fc = p["transformer.h.1.attn.c_attn.weight"], p["transformer.h.1.mlp.c_fc.weight"]
+    np.testing.assert_array_equal(raw["model.layers.1.self_attn.q_proj.weight"], attn[:, :32].T)
+    np.testing.assert_array_equal(raw["model.layers.1.self_attn.v_proj.weight"], attn[:, 40:].T)
+    np.testing.assert_array_equal(raw["model.layers.1.mlp.up_proj.weight"],
+                                  fc[:, config.ffn_size:].T)
+    assert raw["model.layers.1.self_attn.k_proj.weight"].shape == (8, 32)
+    assert "lm_head.weight" not in raw and len(raw) == 2 + 9 * config.n_layer
+    back = GPT.from_pretrained(str(tmp_path), dtype="float64")
+    assert back.config == config
+    for name, q in back.named_parameters():
+        np.testing.assert_array_equal(q.data, p[name])
+    idx = np.random.default_rng(2).integers(0, 40, (2, 16))
+    np.testing.assert_allclose(back(idx)[0].data, model(idx)[0].data, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("attention_bias", True, "attention_bias True is not what"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
+    ("hidden_act", "gelu", "hidden_act 'gelu'"),
+])
+def test_a_llama_folder_minidist_cannot_compute_is_refused(tmp_path, field, value, says):
+    import json
+    GPT(llama(), seed=0).save_pretrained(str(tmp_path))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, field: value}))
+    with pytest.raises(ValueError, match=says):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_an_untied_llama_head_is_refused(tmp_path):
+    from minidist.nn.safetensors import load_file, save_file
+    GPT(llama(), seed=0).save_pretrained(str(tmp_path))
+    raw, _ = load_file(str(tmp_path / "model.safetensors"))
+    raw = {n: np.array(a) for n, a in raw.items()}           # off the file (memory-mapped)
+    raw["lm_head.weight"] = raw["model.embed_tokens.weight"] + 1
+    save_file(raw, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight different from model.embed_tokens"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_a_trained_llama_exports_and_starts_a_new_run(tmp_path):
+    """train --arch llama --save; export_gpt2.py writes a Llama folder; --init-from it takes
+    the block (no --arch given), and refuses an --arch that differs."""
+    ck, out = tmp_path / "ck", tmp_path / "hf"
+    small = ["--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
+             "--eval-iters", "1", "--dtype", "float64"]
+    first = _train(*small, "--arch", "llama", "--n-kv-head", "2", "--steps", "3",
+                   "--save", str(ck))
+    assert first.returncode == 0, first.stderr
+    exp = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "export_gpt2.py"),
+                          "--resume", str(ck), "--out", str(out), "--dtype", "float32"],
+                         cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert exp.returncode == 0, exp.stderr
+    again = _train(*small, "--init-from", str(out))
+    assert again.returncode == 0, again.stderr
+    assert "arch='llama', n_kv_head=2" in again.stdout and "init: the weights of" in again.stdout
+    wrong = _train(*small, "--init-from", str(out), "--arch", "gpt2")
+    assert wrong.returncode != 0 and "--arch gpt2: its model has arch llama" in wrong.stderr

@@ -173,7 +173,7 @@ def test_init_from_a_folder_starts_where_the_seed_that_made_it_starts(tmp_path, 
     (["--block-size", "64"], "--block-size 64: --init-from .* has 32 positions"),
     (["--block-size", "128"], "--block-size 128: --init-from .* has 32 positions"),
     (["--no-bias"], "--no-bias: its model has biases"),
-    (["--moe-experts", "2"], "holds a dense GPT-2"),
+    (["--moe-experts", "2"], "holds a dense model"),
 ])
 def test_init_from_refuses_sizes_it_does_not_have(tmp_path, flags, says):
     """A size given on the command line must be the folder's (given with the flag's default

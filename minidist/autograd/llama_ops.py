@@ -80,14 +80,19 @@ def residual_rms_norm(x, r, weight, eps=1e-5):
 # ---- SwiGLU ---------------------------------------------------------------------------------
 
 def _sigmoid(xp, a):
+    """sigmoid(a) = 1 / (1 + exp(-a)) in a new array, in place after its first pass."""
+    s = xp.negative(a)
     with _quiet(xp):
-        return 1.0 / (1.0 + xp.exp(-a))                 # exp overflows to inf: 0, right
+        xp.exp(s, out=s)                                 # inf for a << 0 ...
+    s += 1.0
+    return xp.reciprocal(s, out=s)                       # ... then s = 0, exactly right
 
 
 class SwiGLU(Function):
     """y = silu(a) * b = a * sigmoid(a) * b for h = [a | b] (..., 2F) -> (..., F).
-        da = g * b * s * (1 + a (1 - s)),  db = g * a * s,  s = sigmoid(a)
-    Saves h only; backward recomputes s."""
+        db = g * silu(a),  da = g * b * s * (1 + a (1 - s)) = g * b * s * (a - silu(a) + 1)
+    with s = sigmoid(a). Saves h only (the graph holds it: c_fc's output); backward
+    recomputes s. Each line one pass, into as few new arrays as it can."""
 
     @staticmethod
     def forward(ctx, h):
@@ -97,7 +102,10 @@ class SwiGLU(Function):
         F = h.shape[-1] // 2
         a, b = _f32(h[..., :F]), _f32(h[..., F:])
         ctx.save_for_backward(h)
-        return (a * _sigmoid(xp, a) * b).astype(dtype, copy=False)
+        y = _sigmoid(xp, a)
+        y *= a                                               # silu(a)
+        y *= b
+        return y.astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,8 +115,14 @@ class SwiGLU(Function):
         a, b, grad = _f32(h[..., :F]), _f32(h[..., F:]), _f32(grad)
         s = _sigmoid(xp, a)
         dh = xp.empty(h.shape, grad.dtype)
-        xp.multiply(grad * a, s, out=dh[..., F:])                      # d/db = g silu(a)
-        xp.multiply(grad * b * s, 1.0 + a * (1.0 - s), out=dh[..., :F])   # d/da
+        da, db = dh[..., :F], dh[..., F:]
+        xp.multiply(a, s, out=db)                            # silu(a)
+        xp.subtract(a, db, out=da)                           # a - silu(a)
+        da += 1.0
+        da *= s
+        da *= b
+        da *= grad                                           # g b s (a - silu(a) + 1)
+        db *= grad                                           # g silu(a)
         return dh
 
 
@@ -131,10 +145,14 @@ def _turn(x, cos, sin, sign):
     """Turn the pairs (x1, x2) = (first, second half of each head) of x (B, T, heads, hs) in
     place by the angles (sign 1) or back (sign -1): x1 c - x2 s, x2 c + x1 s."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].copy(), x[..., half:]
     c, s = cos[:, None, :], sign * sin[:, None, :]                  # (T, 1, hs/2)
-    x[..., :half] = x1 * c - x2 * s
-    x[..., half:] = x2 * c + x1 * s
+    x1, x2 = x[..., :half], x[..., half:]                           # views of x
+    x1_s = x1 * s                                                   # x1 s, before x1 turns
+    t = x2 * s
+    x1 *= c
+    x1 -= t                                                         # x1 c - x2 s
+    x2 *= c
+    x2 += x1_s                                                      # x2 c + x1 s
 
 
 class Rotary(Function):

@@ -21,6 +21,8 @@ import os
 import numpy as np
 
 from minidist import backend
+from minidist.nn.pretrained_llama import from_hf_llama, hf_llama_config, llama_config, \
+    to_hf_llama
 from minidist.nn.safetensors import load_file, save_file
 
 _PREFIX = "transformer."
@@ -55,7 +57,9 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
     from minidist.nn.config import gpt_param_specs
     from minidist.nn.config import GPTConfig
     state = {n: backend.to_host(a).astype(dtype) for n, a in params.items()}
-    if not config.bias:           # HF's GPT-2 always has biases: zeros compute the same
+    if config.llama:              # Hugging Face's Llama: its names, (out, in) layout
+        state = to_hf_llama(config, state)
+    elif not config.bias:         # HF's GPT-2 always has biases: zeros compute the same
         full = gpt_param_specs(GPTConfig(**{**config.to_dict(), "bias": True}))
         state = {n: state[n] if n in state else np.zeros(shape, dtype)
                  for n, (shape, _) in full.items()}
@@ -64,7 +68,7 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config(config), f, indent=2)
+        json.dump(hf_llama_config(config) if config.llama else hf_config(config), f, indent=2)
 
 
 def is_gpt2_folder(path):
@@ -75,15 +79,18 @@ def is_gpt2_folder(path):
 
 
 def read_config(directory):
-    """A GPTConfig from a GPT-2 config.json."""
+    """A GPTConfig from a GPT-2 (or Llama: minidist/nn/pretrained_llama.py) config.json."""
     from minidist.nn.config import GPTConfig
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"from_pretrained: no config.json in {directory!r}")
     with open(path) as f:
         hf = json.load(f)
+    if hf.get("model_type") == "llama":
+        return llama_config(hf, path)
     if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"from_pretrained: {path} is a {hf['model_type']!r} model, not gpt2")
+        raise ValueError(f"from_pretrained: {path} is a {hf['model_type']!r} model, not "
+                         "gpt2 or llama")
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"from_pretrained: activation {hf['activation_function']!r} is not "
                          "GPT-2's tanh GELU")
@@ -104,6 +111,9 @@ def read_state(directory, config):
                 "safe_serialization=True)" if bins else "")
         raise FileNotFoundError(f"from_pretrained: no model.safetensors in {directory!r}{hint}")
     raw, _ = load_file(path)
+    if config.llama:
+        raw, head = _llama_state(raw, config, path), raw.get("lm_head.weight")
+        return _checked(raw, head, gpt_param_specs(config), path, "model.embed_tokens")
     state = {}
     for name, a in raw.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")) and a.ndim == 4:
@@ -116,6 +126,12 @@ def read_state(directory, config):
             if np.any(state.pop(name)):
                 raise ValueError(f"from_pretrained: {name} is not zero but config.json says "
                                  "minidist_bias: false")
+    return _checked(state, head, specs, path, _PREFIX + "wte")
+
+
+def _checked(state, head, specs, path, wte):
+    """`state` if it holds exactly `specs`' names and shapes and `head` (lm_head.weight, or
+    None) equals the embedding (named `wte` in the file); else ValueError naming them."""
     missing = [n for n in specs if n not in state]
     unexpected = [n for n in state if n not in specs]
     if missing or unexpected:
@@ -127,7 +143,24 @@ def read_state(directory, config):
                              f"in {path}, config.json implies {shape}")
     if head is not None and not np.array_equal(head, state[_PREFIX + "wte.weight"]):
         raise ValueError(f"from_pretrained: {path} has an lm_head.weight different from "
-                         "transformer.wte.weight; minidist's GPT ties them")
+                         f"{wte}.weight (tie_word_embeddings false); minidist's GPT ties them")
+    return state
+
+
+def _llama_state(raw, config, path):
+    """Our names of a Llama folder's tensors; ValueError names one that is missing."""
+    try:
+        state = from_hf_llama(config, raw)
+    except KeyError as e:
+        raise ValueError(f"from_pretrained: {path} has no {e.args[0]} (a Llama of "
+                         f"{config.n_layer} layers)") from None
+    except ValueError as e:                       # a k_proj not nkv heads wide, ...
+        raise ValueError(f"from_pretrained: {path}: its tensors do not fit config.json "
+                         f"({e})") from None
+    known = {"lm_head.weight"} | {k for k in raw if k.startswith("model.")}
+    extra = sorted(set(raw) - known)
+    if extra:
+        raise ValueError(f"from_pretrained: {path} holds tensors of no Llama: {extra[:6]}")
     return state
 
 
@@ -138,7 +171,8 @@ def pretrained_weights(directory, config):
     nanoGPT's crop_block_size does. ValueError names what differs."""
     saved = read_config(directory)
     differ = [f"{k} {getattr(config, k)} (the folder's: {getattr(saved, k)})"
-              for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+              for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "arch",
+                        "kv_heads", "ffn_size", "rope_theta")
               if getattr(config, k) != getattr(saved, k)]
     if config.block_size > saved.block_size:
         differ.append(f"block_size {config.block_size} (the folder's wpe has "
@@ -148,7 +182,8 @@ def pretrained_weights(directory, config):
     if differ:
         raise ValueError(f"{directory}: the model does not fit: " + ", ".join(differ))
     state = read_state(directory, saved)
-    state[_PREFIX + "wpe.weight"] = state[_PREFIX + "wpe.weight"][:config.block_size]
+    if not saved.llama:                             # rotary positions: no table to crop
+        state[_PREFIX + "wpe.weight"] = state[_PREFIX + "wpe.weight"][:config.block_size]
     return state
 
 

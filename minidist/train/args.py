@@ -70,6 +70,13 @@ def add_model_args(p):
     return p
 
 
+def arch_fields(args):
+    """GPTConfig's block fields from add_model_args' --arch, --n-kv-head, --rope-theta,
+    --ffn-hidden and --no-bias (a Llama-style block has no biases)."""
+    return dict(arch=args.arch, n_kv_head=args.n_kv_head, rope_theta=args.rope_theta,
+                ffn_hidden=args.ffn_hidden, bias=args.bias and args.arch == "gpt2")
+
+
 def add_moe_args(p):
     """Mixture of Experts (minidist/nn/moe.py); without --moe-experts the model is dense.
     Returns the group (the planners, minidist/train/planner.py, add to it)."""

@@ -63,10 +63,11 @@ def check_data_path(args):
 
 
 def take_init_from_sizes(args):
-    """--init-from DIR (a GPT-2 folder: config.json, model.safetensors): the model's sizes
-    become the folder's (--n-layer, --n-head, --n-embd, biases) and --block-size at most its
-    positions, so every later check sees them; one of these given (args.given: args.py's
-    Given) with another value, or --moe-experts (GPT-2 is dense), is refused. Reads
+    """--init-from DIR (a GPT-2 or Llama folder: config.json, model.safetensors): the model's
+    sizes become the folder's (--n-layer, --n-head, --n-embd, biases, --arch, --n-kv-head,
+    --rope-theta, --ffn-hidden) and --block-size at most its positions, so every later
+    check sees them; one of these given (args.given: args.py's Given) with another value,
+    or --moe-experts (the folder's model is dense), is refused. Reads
     config.json only. With --resume the checkpoint's weights are loaded instead, so the same
     command continues a fine-tuning run."""
     folder = getattr(args, "init_from", None)
@@ -81,7 +82,7 @@ def take_init_from_sizes(args):
         why = str(e).removeprefix("from_pretrained: ")
         raise UsageError(f"--init-from {folder}: {why}") from None
     given = getattr(args, "given", [])
-    for name in ("n_layer", "n_head", "n_embd", "bias"):
+    for name in ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS):
         value, theirs = getattr(args, name), getattr(saved, name)
         if name in given and value != theirs:
             flag = "--" + name.replace("_", "-")
@@ -98,12 +99,7 @@ def take_init_from_sizes(args):
         args.block_size = saved.block_size     # the default, past a small model's positions
     if args.moe_experts:
         raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
-                         "dense GPT-2 (no experts); leave the --moe-* flags out")
-    for name, plain in ARCH_DEFAULTS.items():
-        if getattr(args, name) != plain:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} {getattr(args, name)}: --init-from {folder} holds GPT-2 "
-                             f"blocks; leave {flag} out")
+                         "dense model (no experts); leave the --moe-* flags out")
 
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume

@@ -35,6 +35,7 @@ from minidist.nn.moe import load_stats, moe_layers_by_block
 from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
+from minidist.train.args import arch_fields
 from minidist.train.data import DataError
 from minidist.train.inputs import initial_weights, open_data, recorded_flags
 from minidist.train.step import train_step
@@ -82,13 +83,6 @@ def _config(args, data):
                          **moe_fields(args))
     except ValueError as e:
         raise UsageError(f"model flags: {e}") from None
-
-
-def arch_fields(args):
-    """GPTConfig's block fields from --arch, --n-kv-head, --rope-theta, --ffn-hidden and
-    --no-bias (a Llama-style block has no biases)."""
-    return dict(arch=args.arch, n_kv_head=args.n_kv_head, rope_theta=args.rope_theta,
-                ffn_hidden=args.ffn_hidden, bias=args.bias and args.arch == "gpt2")
 
 
 def moe_fields(args):
