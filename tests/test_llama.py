@@ -285,3 +285,20 @@ def test_a_trained_llama_exports_and_starts_a_new_run(tmp_path):
     assert "arch='llama', n_kv_head=2" in again.stdout and "init: the weights of" in again.stdout
     wrong = _train(*small, "--init-from", str(out), "--arch", "gpt2")
     assert wrong.returncode != 0 and "--arch gpt2: its model has arch llama" in wrong.stderr
+
+
+def test_the_planner_plans_a_llama_and_prints_its_flags():
+    """plan.py --arch llama --n-kv-head 8: the model line names the block, the layouts keep
+    tp to divisors of the kv heads, and the command it prints trains that block."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"),
+                          "--params", "7e9", "--gpus", "16", "--arch", "llama",
+                          "--n-kv-head", "8"], cwd=ROOT, env=mpi_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Llama's block, 8 kv heads" in out.stdout
+    assert "--arch llama --n-kv-head 8" in out.stdout.splitlines()[-1]
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"),
+                          "--params", "7e9", "--gpus", "16", "--arch", "llama",
+                          "--n-kv-head", "5"], cwd=ROOT, env=mpi_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "n_head (32) must be a multiple of n_kv_head" in bad.stderr

@@ -146,6 +146,19 @@ def _check_moe(c):
         raise ValueError(f"moe_every must be in 1..n_layer ({c.n_layer}), not {c.moe_every}")
 
 
+def attention_weights(config):
+    """The matmul weights of one block's attention, c_attn and c_proj: 4 C^2 in GPT-2, less
+    under grouped-query attention (c_attn's k and v nkv heads wide)."""
+    C = config.n_embd
+    return C * (config.n_head + 2 * config.kv_heads) * (C // config.n_head) + C * C
+
+
+def mlp_weights(config):
+    """The matmul weights of one MLP (an expert's too), c_fc and c_proj: 2 C F (GPT-2: 8 C^2),
+    3 C F for SwiGLU (c_fc holds the gate and up projections)."""
+    return config.n_embd * config.ffn_size * (3 if config.llama else 2)
+
+
 # ---- initialisation ------------------------------------------------------------------------
 
 def gpt_param_specs(config):

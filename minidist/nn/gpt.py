@@ -28,7 +28,7 @@ from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
 from minidist.nn.block import Block, CausalSelfAttention
-from minidist.nn.config import gpt_init
+from minidist.nn.config import attention_weights, gpt_init, mlp_weights
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
@@ -248,10 +248,8 @@ class GPT(Module):
         token visits (each an MLP's c_fc and c_proj) in place of the MLP's."""
         c = self.config
         T = c.block_size if T is None else T
-        C, F = c.n_embd, c.ffn_size
-        mlp = C * F * (3 if c.llama else 2)                        # c_fc (+ gate) and c_proj
-        attn = C * (c.n_head + 2 * c.kv_heads) * (C // c.n_head) + C * C
-        n_matmul = c.n_layer * (attn + mlp) + c.vocab_size * C
+        C, mlp = c.n_embd, mlp_weights(c)
+        n_matmul = c.n_layer * (attention_weights(c) + mlp) + c.vocab_size * C
         n_moe = sum(c.is_moe(i) for i in range(c.n_layer))
         n_matmul += n_moe * (C * c.moe_experts + (c.moe_top_k - 1) * mlp)
         return 6 * n_matmul + 12 * c.n_layer * T * C

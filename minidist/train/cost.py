@@ -52,6 +52,7 @@ bucket or layer. Tests: tests/test_planner.py (each formula on a small case work
 """
 import math
 
+from minidist.nn.config import attention_weights, mlp_weights
 from minidist.pp.schedule import bubble_fraction
 from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time, span
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
@@ -62,9 +63,11 @@ from minidist.train.planner import STATE_BYTES, stage_params
 
 # ---- FLOPs -----------------------------------------------------------------------------------
 
-def layer_flops(b, s, h):
-    """Forward FLOPs of one transformer layer: 24bsh^2 (QKV, proj, fc, fc2) + 4bs^2h."""
-    return 24 * b * s * h * h + 4 * b * s * s * h
+def layer_flops(b, s, h, weights=None):
+    """Forward FLOPs of one transformer layer: 2bs x its matmul weights (`weights`; GPT-2's
+    12h^2: QKV, proj, fc, fc2) + 4bs^2h (QK^T and AV)."""
+    weights = 12 * h * h if weights is None else weights
+    return 2 * b * s * weights + 4 * b * s * s * h
 
 
 def forward_flops(config, b, s, active=False, load=1.0):
@@ -72,7 +75,9 @@ def forward_flops(config, b, s, active=False, load=1.0):
     MoE block's experts on the rows capacity keeps (x load; active: k per token;
     moe_cost.py)."""
     return sum(moe_block_flops(config, b, s, active=active, load=load) if config.is_moe(i)
-               else layer_flops(b, s, config.n_embd) for i in range(config.n_layer)) + \
+               else layer_flops(b, s, config.n_embd,
+                                attention_weights(config) + mlp_weights(config))
+               for i in range(config.n_layer)) + \
         2 * b * s * config.n_embd * config.vocab_size
 
 
@@ -141,7 +146,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     moe = stage_moe_blocks(config, layout, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     # (Ulysses: all seq queries of a/cp heads, the same FLOPs)
-    per_layer = (24 * b * s_local * h * h + 4 * b * s_local * seq * h) / layout.tp
+    weights = attention_weights(config) + mlp_weights(config)          # GPT-2: 12 h^2
+    per_layer = (2 * b * s_local * weights + 4 * b * s_local * seq * h) / layout.tp
     blocks = (layers - moe) * per_layer + \
         (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load,
                                        sp=layout.sp))

@@ -53,7 +53,7 @@ test_busiest_rank_load_worked_by_hand).
 import collections
 import math
 
-from minidist.nn.config import block_param_specs
+from minidist.nn.config import attention_weights, block_param_specs, mlp_weights
 from minidist.nn.moe import capacity
 from minidist.train.comm_cost import collective_time
 
@@ -85,9 +85,9 @@ def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0, sp=
     attention split by tp, the router and the experts' rows whole, on s/tp of the tokens
     under sequence parallelism (module docstring)."""
     h, keys = config.n_embd, s if s_keys is None else s_keys
-    attention = (8 * b * s * h * h + 4 * b * s * keys * h) / tp
+    attention = (2 * b * s * attention_weights(config) + 4 * b * s * keys * h) / tp
     moe = 2 * b * s * h * config.moe_experts + \
-        16 * h * h * b * expert_rows(config, s, active, load)
+        2 * mlp_weights(config) * b * expert_rows(config, s, active, load)
     return attention + (moe / tp if sp else moe)
 
 

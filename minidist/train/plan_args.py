@@ -26,11 +26,17 @@ def add_model_args(p):
     p.add_argument("--n-embd", type=int, default=128, help="width (without --params)")
     p.add_argument("--vocab-size", type=int, default=50257, help="tokens (GPT-2's)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="the block (train_gpt.py's --arch): llama's SwiGLU MLP keeps 3F "
+                   "values per token for GELU's 8h, and holds no position table")
+    p.add_argument("--n-kv-head", type=int, default=0,
+                   help="k and v heads (grouped-query attention); 0: --n-head (with --params: "
+                   "its assumed head count, h/128)")
     return add_moe_args(p)
 
 
 # the planners' numeric flags that may be 0 (the others must be positive)
-MAY_BE_ZERO = ("moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
+MAY_BE_ZERO = ("n_kv_head", "moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
                "headroom", "intra_lat", "inter_lat", "sync_us")
 
 
@@ -93,6 +99,8 @@ def model_text(n_params, c):
     """The planners' model line: '7.07B parameters (L=32, h=4096, a=32, V=50257)'; with
     experts it says what --params sized: the dense shape, whose MLPs became the experts."""
     shape = f"L={c['n_layer']}, h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}"
+    if c.get("arch") == "llama":                  # GPTConfig.to_dict names it only then
+        shape += f", Llama's block, {c.get('n_kv_head') or c['n_head']} kv heads"
     if not c.get("moe_experts"):
         return f"{count_text(n_params)} parameters ({shape})"
     dense = sum(stage_params(GPTConfig(**{k: v for k, v in c.items()
@@ -109,4 +117,5 @@ def config_from_args(args):
             GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                       block_size=args.seq, vocab_size=args.vocab_size))
     return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
+                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every,
+                   arch=args.arch, n_kv_head=args.n_kv_head, bias=args.arch == "gpt2")

@@ -184,8 +184,10 @@ def model_state_bytes(n_params, dp=1, zero=0, amp=True):
 # ---- activations -----------------------------------------------------------------------------
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
-                           tiled=False, cp=1, ulysses=False):
+                           tiled=False, cp=1, ulysses=False, mlp=8):
     """Korthikanti et al.'s bytes per transformer layer per micro-batch (see the docstring).
+    mlp: the values the MLP keeps per token, in units of h: GELU's input and fc2's, 4 + 4;
+    a Llama-style block's (mlp_saved) SwiGLU input [gate | up] and fc2's, 3F / h.
     tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
     (4as bytes per sequence; dropout's numbers are recomputed per tile, no mask is kept);
     cp: this rank holds s / cp of the tokens (its
@@ -198,7 +200,7 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
     if recompute == "full":
         return s * b * h * e / k
     unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
-    split = s * b * h * 12 * e               # Q, K, V, proj input, GELU input, fc2 input
+    split = s * b * h * (4 + mlp) * e        # Q, K, V, proj input, GELU input, fc2 input
     if ulysses and not tiled:                # a/cp heads' scores over the whole sequence
         core = 0 if recompute == "selective" else \
             a / cp * s_all * s_all * b * (e + d * (1 + e))
@@ -218,6 +220,12 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
     return unsplit / k + split / t + core / t + exchanged / t
 
 
+def mlp_saved(config):
+    """What one MLP keeps per token for backward, in units of h: the activation's input and
+    fc2's (GELU: F + F = 8h; SwiGLU: 2F + F, its c_fc holding gate and up)."""
+    return (3 if config.llama else 2) * config.ffn_size / config.n_embd
+
+
 def head_activation_bytes(s, b, h, v, t=1, sp=False, e=2, dropout=True):
     """Embedding dropout mask, final layer norm and output projection inputs, float32
     logits for the cross-entropy: 4sbh/t (1 + v/h) at e = 2 with SP (Korthikanti 4.3)."""
@@ -233,11 +241,12 @@ def _stage_activations(config, layout, stage, s, b, dropout):
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
                                        layout.sp, layout.recompute, e, dropout,
                                        layout.tiled, layout.cp,
-                                       layout.cp_attention == "ulysses")
+                                       layout.cp_attention == "ulysses", mlp_saved(config))
     out = layers * in_flight * per_layer
     moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
     if moe and layout.recompute != "full":                        # k experts per token
-        extra = (config.moe_top_k - 1) * 9 * s * b * config.n_embd * e / layout.tp \
+        extra = (config.moe_top_k - 1) * (1 + mlp_saved(config)) * s * b * config.n_embd * e \
+            / layout.tp \
             + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1)
         out += moe * in_flight * extra / layout.cp                # this rank's tokens
     if stage == pp - 1:
@@ -256,7 +265,10 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
     residual dropouts' 1-byte masks. Then the int64 token and position ids and the embedding
     dropout's mask; the final layer norm, the head's input and float32 softmax
     probabilities, int64 targets, a 1-byte mask, the loss. Checkpointing keeps each block's
-    (B, T, C) input instead of its insides."""
+    (B, T, C) input instead of its insides. A Llama-style block keeps its SwiGLU's [gate |
+    up] (2F) and fc2's input (F) for the MLP's 8 sbh (mlp_saved), its q, k and v with k and
+    v repeated to nh heads (the attention's input, 3 sbh, as GPT-2's), and RoPE's cos and
+    sin tables (s hs values, float32 under amp); it has no position ids."""
     e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
         config.n_layer
     d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
@@ -265,8 +277,10 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
     if ckpt:
         per_layer = sbh * e
     else:
-        per_layer = 14 * sbh * e + 2 * ln + a * s * s * b * (e + d) + d * 2 * sbh
-    embed = 8 * sb + 8 * s + d * sbh
+        per_layer = (6 + mlp_saved(config)) * sbh * e + 2 * ln + a * s * s * b * (e + d) + \
+            d * 2 * sbh
+        per_layer += s * (h // a) * (4 if amp else e) if config.llama else 0   # RoPE tables
+    embed = 8 * sb + (0 if config.llama else 8 * s) + d * sbh
     head = sbh * e + ln + sb * V * 4 + 8 * sb + sb + 4
     return L * per_layer + embed + head
 
@@ -306,7 +320,8 @@ def _tp_sizes(config, gpus, gpus_per_node):
     and n_embd."""
     t, out = 2, []
     while t <= min(gpus, gpus_per_node):
-        if gpus % t == 0 and config.n_head % t == 0 and config.n_embd % t == 0:
+        if gpus % t == 0 and config.n_head % t == 0 and config.n_embd % t == 0 \
+                and config.kv_heads % t == 0:
             out.append(t)
         t *= 2
     return out

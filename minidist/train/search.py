@@ -57,7 +57,7 @@ def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
     v chunks per stage (interleaved) each need a block."""
     out = []
     for tp in _powers_of_two(min(gpus, gpus_per_node)):
-        if config.n_head % tp or gpus % tp:
+        if config.n_head % tp or config.kv_heads % tp or gpus % tp:
             continue
         for cp in _powers_of_two(min(max_cp, gpus // tp)):
             if seq % (2 * cp) and cp > 1 or (gpus // tp) % cp:
@@ -168,6 +168,9 @@ def train_flags(config, row, v=1):
     if config.moe_experts:
         flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
                   "--moe-every", config.moe_every]
+    if config.llama:
+        flags += ["--arch", "llama"] + (["--n-kv-head", config.n_kv_head]
+                                        if config.n_kv_head else [])
     if row["pp"] > 1:
         interleaved = row["schedule"] == "interleaved"
         flags += ["--micro-batches", row["micro_batches"], "--schedule",
