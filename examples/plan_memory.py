@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, number_problem)
-from minidist.train.planner import GiB, Layout, bill, plan           # noqa: E402
+from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
 from minidist.train.args import example_parser  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
@@ -96,15 +96,20 @@ def _run_train(ranks, flags, data, tmp):
 
 
 def measure(args):
-    """Markdown: measured per-rank MiB beside the minidist count and Korthikanti's."""
-    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256)
+    """Markdown: measured per-rank MiB beside the minidist count and Korthikanti's, for
+    train_gpt.py's default model with --arch and --n-kv-head."""
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256,
+                       arch=args.arch, n_kv_head=args.n_kv_head, bias=args.arch == "gpt2")
+    block = ["--arch", args.arch, "--n-kv-head", str(args.n_kv_head)]
     mib = 2 ** 20
+    shape = model_text(sum(stage_params(config)), config.to_dict())
+    print(f"model: train_gpt.py's default, {shape}, T 128, batch 16")
     print("| strategy | params | grads | optimizer | activations (measured / minidist count "
           "/ Korthikanti) | total measured / predicted |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for label, ranks, flags, layout in MEASURED:
-            got = _run_train(ranks, flags, args.data, tmp)
+            got = _run_train(ranks, flags + block, args.data, tmp)
             b = 16 // layout.dp // (2 if layout.pp > 1 else 1)    # sequences per micro-batch
             theirs = bill(config, layout, 128, b)
             ours = bill(config, layout, 128, b, formula="minidist") \

@@ -42,7 +42,7 @@ def sample_parser():
                formatter_class=HelpWithDefaults)
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "
-                   "a GPT-2 folder (config.json, model.safetensors)")
+                   "a GPT-2 or Llama folder (config.json, model.safetensors)")
     p.add_argument("--prompt", default="\n",
                    help="the text to continue (default: %(default)r, a newline)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",

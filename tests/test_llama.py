@@ -120,6 +120,8 @@ def test_a_gpt2_config_records_no_arch_field():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(n_kv_head=3), "multiple of n_kv_head"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a finite number > 0"),
+    (dict(arch="gpt2", bias=True), "n_kv_head and rope_theta are Llama's block's"),
     (dict(n_embd=36, n_head=4, n_kv_head=4), "must be even"),
     (dict(arch="mamba"), "arch must be one of"),
 ])
@@ -155,8 +157,12 @@ def _train(*flags, timeout=120):
      "--n-kv-head 3: --n-head 4 is not a multiple of it"),
     (["--arch", "llama", "--n-embd", "12", "--n-head", "4"],
      "--arch llama: the head size --n-embd / --n-head = 3 must be even"),
-    (["--rope-theta", "0"], "--rope-theta 0.0: must be positive"),
+    (["--arch", "llama", "--rope-theta", "0"], "--rope-theta 0.0: must be positive"),
     (["--n-kv-head", "-1"], "--n-kv-head -1: must be at least 0"),
+    (["--n-kv-head", "2"], "--n-kv-head: belongs to --arch llama's block"),
+    (["--rope-theta", "5e5"], "--rope-theta: belongs to --arch llama's block"),
+    (["--arch", "llama", "--no-bias"], "--no-bias: --arch llama has no biases already"),
+    (["--arch", "llama", "--norm-eps", "0"], "--norm-eps 0.0: must be between 0 and 1"),
 ])
 def test_bad_arch_flags_are_one_line(flags, line):
     out = _train(*flags)
@@ -178,6 +184,9 @@ def test_a_resumed_llama_run_takes_its_block_from_the_checkpoint(tmp_path):
     other = _train(*small, "--steps", "2", "--resume", str(ck), "--n-kv-head", "4")
     assert other.returncode != 0 and "Traceback" not in other.stderr
     assert "--n-kv-head 4: --resume" in other.stderr and "n_kv_head 2" in other.stderr
+    typed = _train(*small, "--steps", "2", "--resume", str(ck), "--arch", "llama",
+                   "--n-kv-head", "2", "--ffn-hidden", "128")     # the sizes it holds: 128 = F
+    assert typed.returncode == 0, typed.stderr
 
 
 # ---- every layout: one process's numbers ----------------------------------------------------
@@ -285,6 +294,52 @@ def test_a_trained_llama_exports_and_starts_a_new_run(tmp_path):
     assert "arch='llama', n_kv_head=2" in again.stdout and "init: the weights of" in again.stdout
     wrong = _train(*small, "--init-from", str(out), "--arch", "gpt2")
     assert wrong.returncode != 0 and "--arch gpt2: its model has arch llama" in wrong.stderr
+    longer = _train(*small[:4], "--block-size", "32", *small[6:], "--init-from", str(out))
+    assert longer.returncode == 0, longer.stderr          # rotary positions: no table to outgrow
+
+
+def test_norm_eps_and_the_mlps_width_travel_with_the_folder(tmp_path):
+    """A Llama's rms_norm_eps (Hugging Face's default 1e-6) and a GPT-2's n_inner and
+    layer_norm_epsilon are written and read back: the same model, not 1e-5 and 4C."""
+    import json
+    for config in (llama(norm_eps=1e-6), GPTConfig(n_layer=1, n_head=2, n_embd=16,
+                                                   vocab_size=30, ffn_hidden=40, norm_eps=1e-6)):
+        folder = tmp_path / config.arch
+        GPT(config, seed=0).save_pretrained(str(folder))
+        hf = json.loads((folder / "config.json").read_text())
+        assert 1e-6 in (hf.get("rms_norm_eps"), hf.get("layer_norm_epsilon"))
+        assert GPT.from_pretrained(str(folder)).config == config
+    hf = json.loads((tmp_path / "llama" / "config.json").read_text())
+    del hf["rms_norm_eps"]                                   # LlamaConfig's default: 1e-6
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(hf))
+    assert GPT.from_pretrained(str(tmp_path / "llama")).config.norm_eps == 1e-6
+
+
+def test_a_sharded_folder_is_read_and_an_untied_one_without_a_head_refused(tmp_path):
+    """Hugging Face shards a model over 5 GB: model.safetensors.index.json maps each tensor
+    to its file. tie_word_embeddings false with no lm_head (Hugging Face would make a new
+    head) is refused."""
+    import json
+    from minidist.nn.safetensors import load_file, save_file
+    model = GPT(llama(), seed=1)
+    model.save_pretrained(str(tmp_path))
+    raw, _ = load_file(str(tmp_path / "model.safetensors"))
+    raw = {n: np.array(a) for n, a in raw.items()}
+    names = sorted(raw)
+    parts = {"model-00001-of-00002.safetensors": names[:7],
+             "model-00002-of-00002.safetensors": names[7:]}
+    for file, part in parts.items():
+        save_file({n: raw[n] for n in part}, str(tmp_path / file), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in parts.items() for n in part}}))
+    back = GPT.from_pretrained(str(tmp_path))
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(dict(back.named_parameters())[name].data, p.data)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="tie_word_embeddings false .* no lm_head.weight"):
+        GPT.from_pretrained(str(tmp_path))
 
 
 def test_the_planner_plans_a_llama_and_prints_its_flags():

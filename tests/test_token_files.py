@@ -199,7 +199,7 @@ def test_init_from_names_what_the_folder_is_instead(tmp_path):
         check_flags(train_parser().parse_args(["--init-from", folder]))
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("step-00000001\n")
-    with pytest.raises(UsageError, match="a minidist checkpoint, not a GPT-2 folder; --resume"):
+    with pytest.raises(UsageError, match="a minidist checkpoint, not a GPT-2 or Llama folder; --resume"):
         check_flags(train_parser().parse_args(["--init-from", str(tmp_path / "ckpt")]))
 
 

@@ -11,7 +11,7 @@ Each layer takes a `layers` factory that makes its linear layers and norms: Dens
 (minidist/nn/layers.py) by default, tensor parallelism's split ones (minidist/tp/model.py)
 otherwise, so one class serves both. The parameter names are GPT-2's (`attn.c_attn`,
 `mlp.c_fc`, ...): GPT puts block i at `transformer.h.i`.
-Tests: tests/test_gpt.py.
+Tests: tests/test_gpt.py, tests/test_llama.py (the Llama-style block).
 """
 from minidist.autograd import fused as F
 from minidist.autograd.flash import tiled_self_attention

@@ -53,6 +53,7 @@ class GPTConfig:
     rope_theta: float = 10000.0       # RoPE's base ("llama")
     ffn_hidden: int = 0               # the MLP's hidden width; 0: 4C, or Llama's 8C/3 rounded
                                       # up to a multiple of 64 for SwiGLU
+    norm_eps: float = 1e-5            # LayerNorm's / RMSNorm's epsilon (GPT-2, Llama 2: 1e-5)
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
@@ -113,7 +114,8 @@ class GPTConfig:
 
 
 # the block's fields and their defaults (GPT-2's): a checkpoint leaves out those at these
-ARCH_DEFAULTS = {"arch": "gpt2", "n_kv_head": 0, "rope_theta": 10000.0, "ffn_hidden": 0}
+ARCH_DEFAULTS = {"arch": "gpt2", "n_kv_head": 0, "rope_theta": 10000.0, "ffn_hidden": 0,
+                 "norm_eps": 1e-5}
 
 
 def _check_arch(c):
@@ -124,11 +126,16 @@ def _check_arch(c):
     if c.n_head % c.kv_heads:
         raise ValueError(f"n_head ({c.n_head}) must be a multiple of n_kv_head "
                          f"({c.n_kv_head}): each kv head serves n_head / n_kv_head q heads")
+    if not c.llama and (c.n_kv_head or c.rope_theta != ARCH_DEFAULTS["rope_theta"]):
+        raise ValueError("n_kv_head and rope_theta are Llama's block's (arch 'llama'); GPT-2's "
+                         "has multi-head attention and learned positions")
     if c.llama and (c.n_embd // c.n_head) % 2:
         raise ValueError(f"rotary positions turn pairs of columns: the head size n_embd / "
                          f"n_head ({c.n_embd // c.n_head}) must be even")
-    if c.rope_theta <= 0:
-        raise ValueError(f"rope_theta must be > 0, not {c.rope_theta}")
+    if not c.rope_theta > 0 or c.rope_theta == float("inf"):
+        raise ValueError(f"rope_theta must be a finite number > 0, not {c.rope_theta}")
+    if not 0 < c.norm_eps < 1:
+        raise ValueError(f"norm_eps must be in (0, 1), not {c.norm_eps}")
 
 
 def _check_moe(c):

@@ -134,9 +134,10 @@ class DenseLayers:
         return Linear(n_in, n_out, bias=self.config.bias, dtype=self.dtype)
 
     def norm(self):
-        if self.config.llama:
-            return RMSNorm(self.config.n_embd, dtype=self.dtype)
-        return LayerNorm(self.config.n_embd, bias=self.config.bias, dtype=self.dtype)
+        c = self.config
+        if c.llama:
+            return RMSNorm(c.n_embd, eps=c.norm_eps, dtype=self.dtype)
+        return LayerNorm(c.n_embd, bias=c.bias, eps=c.norm_eps, dtype=self.dtype)
 
     def token_embedding(self):
         """wte, with the vocabulary padded to config.padded_vocab_size (zero rows)."""

@@ -35,9 +35,11 @@ def hf_config(config):
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size,
         "n_ctx": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
-        "n_head": config.n_head, "n_inner": None, "activation_function": "gelu_new",
+        "n_head": config.n_head,
+        "n_inner": None if config.ffn_size == 4 * config.n_embd else config.ffn_size,
+        "activation_function": "gelu_new",
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout, "layer_norm_epsilon": 1e-5,
+        "attn_pdrop": config.dropout, "layer_norm_epsilon": config.norm_eps,
         "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
         "tie_word_embeddings": True, "torch_dtype": "float32",
         "bos_token_id": 50256 if gpt2_vocab else None,
@@ -71,11 +73,40 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
         json.dump(hf_llama_config(config) if config.llama else hf_config(config), f, indent=2)
 
 
+INDEX = "model.safetensors.index.json"      # a sharded folder's map: tensor name -> file
+
+
 def is_gpt2_folder(path):
-    """Whether `path` is a folder holding config.json and model.safetensors (what
-    save_pretrained writes, and a Hugging Face GPT-2 download)."""
-    return all(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
-                                                                "model.safetensors"))
+    """Whether `path` is a folder holding config.json and model.safetensors, or a sharded
+    folder's index and its files (what save_pretrained writes, and a Hugging Face GPT-2 or
+    Llama download: Hugging Face shards models over 5 GB)."""
+    has = lambda f: os.path.isfile(os.path.join(path, f))      # noqa: E731
+    return has("config.json") and (has("model.safetensors") or has(INDEX))
+
+
+def load_tensors(directory):
+    """({name: array, memory-mapped}, the file it names in errors) of model.safetensors, or
+    of every shard a sharded folder's index lists."""
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(path):
+        return load_file(path)[0], path
+    index = os.path.join(directory, INDEX)
+    if not os.path.isfile(index):
+        bins = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (f" (found {bins}: PyTorch pickles are not read; re-save the model with "
+                "safe_serialization=True)" if bins else "")
+        raise FileNotFoundError(f"from_pretrained: no model.safetensors (or {INDEX}) in "
+                                f"{directory!r}{hint}")
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    raw = {}
+    for name in files:
+        shard = os.path.join(directory, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"from_pretrained: {index} lists {name}, which is not "
+                                    f"in {directory!r}")
+        raw.update(load_file(shard)[0])
+    return raw, index
 
 
 def read_config(directory):
@@ -87,33 +118,46 @@ def read_config(directory):
     with open(path) as f:
         hf = json.load(f)
     if hf.get("model_type") == "llama":
-        return llama_config(hf, path)
+        try:
+            return llama_config(hf, path)
+        except KeyError as e:
+            raise ValueError(f"from_pretrained: {path} has no {e.args[0]!r}, which a Llama's "
+                             "config.json holds") from None
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"from_pretrained: {path} is a {hf['model_type']!r} model, not "
                          "gpt2 or llama")
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"from_pretrained: activation {hf['activation_function']!r} is not "
                          "GPT-2's tanh GELU")
-    return GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                     block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
-                     vocab_size=hf["vocab_size"], dropout=float(hf.get("resid_pdrop", 0.0)),
-                     bias=bool(hf.get("minidist_bias", True)))
+    try:
+        return GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                         block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                         vocab_size=hf["vocab_size"],
+                         dropout=float(hf.get("resid_pdrop", 0.0)),
+                         bias=bool(hf.get("minidist_bias", True)),
+                         ffn_hidden=int(hf.get("n_inner") or 0),
+                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+    except KeyError as e:
+        raise ValueError(f"from_pretrained: {path} has no {e.args[0]!r}, which a GPT-2's "
+                         "config.json holds") from None
 
 
 def read_state(directory, config):
     """Our state dict (host arrays, our names) from dir/model.safetensors, checked against
     `config`; errors name the offending tensors."""
     from minidist.nn.config import gpt_param_specs
-    path = os.path.join(directory, "model.safetensors")
-    if not os.path.isfile(path):
-        bins = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
-        hint = (f" (found {bins}: PyTorch pickles are not read; re-save the model with "
-                "safe_serialization=True)" if bins else "")
-        raise FileNotFoundError(f"from_pretrained: no model.safetensors in {directory!r}{hint}")
-    raw, _ = load_file(path)
+    raw, path = load_tensors(directory)
     if config.llama:
-        raw, head = _llama_state(raw, config, path), raw.get("lm_head.weight")
-        return _checked(raw, head, gpt_param_specs(config), path, "model.embed_tokens")
+        state, head = _llama_state(raw, config, path), raw.get("lm_head.weight")
+        with open(os.path.join(directory, "config.json")) as f:
+            tied = json.load(f).get("tie_word_embeddings", False)    # LlamaConfig's default
+        if head is None and not tied:
+            raise ValueError(f"from_pretrained: {directory}/config.json says "
+                             "tie_word_embeddings false (or leaves it out: Llama's default) "
+                             "and the folder has no lm_head.weight: Hugging Face would make "
+                             "a new, untrained head; minidist ties the head to embed_tokens "
+                             "(set tie_word_embeddings true if that is what it holds)")
+        return _checked(state, head, gpt_param_specs(config), path, "model.embed_tokens")
     state = {}
     for name, a in raw.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")) and a.ndim == 4:
@@ -143,7 +187,7 @@ def _checked(state, head, specs, path, wte):
                              f"in {path}, config.json implies {shape}")
     if head is not None and not np.array_equal(head, state[_PREFIX + "wte.weight"]):
         raise ValueError(f"from_pretrained: {path} has an lm_head.weight different from "
-                         f"{wte}.weight (tie_word_embeddings false); minidist's GPT ties them")
+                         f"{wte}.weight (an untied head); minidist's GPT ties them")
     return state
 
 
@@ -172,9 +216,9 @@ def pretrained_weights(directory, config):
     saved = read_config(directory)
     differ = [f"{k} {getattr(config, k)} (the folder's: {getattr(saved, k)})"
               for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "arch",
-                        "kv_heads", "ffn_size", "rope_theta")
+                        "kv_heads", "ffn_size", "rope_theta", "norm_eps")
               if getattr(config, k) != getattr(saved, k)]
-    if config.block_size > saved.block_size:
+    if config.block_size > saved.block_size and not saved.llama:     # (RoPE: any length)
         differ.append(f"block_size {config.block_size} (the folder's wpe has "
                       f"{saved.block_size} positions)")
     if config.moe_experts:

@@ -51,7 +51,7 @@ def hf_llama_config(config):
         "intermediate_size": config.ffn_size, "num_hidden_layers": config.n_layer,
         "num_attention_heads": config.n_head, "num_key_value_heads": config.kv_heads,
         "head_dim": config.n_embd // config.n_head,
-        "max_position_embeddings": config.block_size, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "rope_scaling": None, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
         "tie_word_embeddings": True, "initializer_range": 0.02, "use_cache": True,
@@ -116,6 +116,7 @@ def llama_config(hf, path):
                        else hf["num_key_value_heads"],
                        rope_theta=float(hf.get("rope_theta", 10000.0)),
                        ffn_hidden=hf["intermediate_size"],
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        dropout=float(hf.get("attention_dropout", 0.0)))
     default = replace(config, ffn_hidden=0)           # 0 where it is the default width
     return default if default.ffn_size == config.ffn_size else config

@@ -95,8 +95,8 @@ class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm whose (replicated) weight and bias go through `region.shared`; otherwise it
     is LayerNorm."""
 
-    def __init__(self, ndim, region, bias=True, dtype="float32"):
-        super().__init__(ndim, bias=bias, dtype=dtype)
+    def __init__(self, ndim, region, bias=True, dtype="float32", eps=1e-5):
+        super().__init__(ndim, bias=bias, eps=eps, dtype=dtype)
         self.region = region
 
     def gain_and_shift(self):
@@ -106,8 +106,8 @@ class SequenceParallelLayerNorm(LayerNorm):
 class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm (Llama's) whose replicated weight goes through `region.shared`."""
 
-    def __init__(self, ndim, region, dtype="float32"):
-        super().__init__(ndim, dtype=dtype)
+    def __init__(self, ndim, region, dtype="float32", eps=1e-5):
+        super().__init__(ndim, eps=eps, dtype=dtype)
         self.region = region
 
     def gain_and_shift(self):

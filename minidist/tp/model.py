@@ -78,10 +78,10 @@ class TensorParallelLayers(DenseLayers):
         return RowParallelLinear(n_in, n_out, self.region, self.config.bias, self.dtype)
 
     def norm(self):
-        if self.config.llama:
-            return SequenceParallelRMSNorm(self.config.n_embd, self.region, self.dtype)
-        return SequenceParallelLayerNorm(self.config.n_embd, self.region, self.config.bias,
-                                         self.dtype)
+        c = self.config
+        if c.llama:
+            return SequenceParallelRMSNorm(c.n_embd, self.region, self.dtype, c.norm_eps)
+        return SequenceParallelLayerNorm(c.n_embd, self.region, c.bias, self.dtype, c.norm_eps)
 
     def token_embedding(self):
         return VocabParallelEmbedding(self.config.vocab_size, self.config.n_embd, self.region,

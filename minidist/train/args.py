@@ -59,6 +59,8 @@ def add_model_args(p):
     g.add_argument("--ffn-hidden", type=int, default=0, action=Given,
                    help="the MLP's hidden width; 0: 4 x --n-embd, or for --arch llama's "
                    "SwiGLU 8/3 x --n-embd rounded up to a multiple of 64")
+    g.add_argument("--norm-eps", type=float, default=1e-5, action=Given,
+                   help="the norms' epsilon (GPT-2's and Llama 2's: 1e-5)")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     add_moe_args(p)
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -72,9 +74,10 @@ def add_model_args(p):
 
 def arch_fields(args):
     """GPTConfig's block fields from add_model_args' --arch, --n-kv-head, --rope-theta,
-    --ffn-hidden and --no-bias (a Llama-style block has no biases)."""
+    --ffn-hidden, --norm-eps and --no-bias (a Llama-style block has no biases)."""
     return dict(arch=args.arch, n_kv_head=args.n_kv_head, rope_theta=args.rope_theta,
-                ffn_hidden=args.ffn_hidden, bias=args.bias and args.arch == "gpt2")
+                ffn_hidden=args.ffn_hidden, norm_eps=args.norm_eps,
+                bias=args.bias and args.arch == "gpt2")
 
 
 def add_moe_args(p):
@@ -215,7 +218,8 @@ def add_train_args(p):
                    "DIR's newest if it holds one, else start fresh, so a requeued job reruns "
                    "the same command")
     g.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from a GPT-2 folder's weights (config.json, model.safetensors, "
+                   help="start from a GPT-2 or Llama folder's weights (config.json, "
+                   "model.safetensors, "
                    "as Hugging Face writes them; the model flags follow it, --block-size at "
                    "most its positions) instead of the "
                    "seed's; train on data of its vocabulary (--data: token files, or text "

@@ -101,15 +101,27 @@ def agree_on_flags(world, problem):
 
 
 def check_arch(args):
-    """--n-kv-head, --rope-theta and --arch llama's head size (GPTConfig's own checks, as
-    flags, before MPI starts)."""
+    """--n-kv-head, --rope-theta, --norm-eps and --arch llama's head size (GPTConfig's own
+    checks, as flags, before MPI starts)."""
     kv = args.n_kv_head
+    if args.arch == "gpt2":
+        typed = [f for f, on in (("--n-kv-head", kv), ("--rope-theta",
+                                                      args.rope_theta != 10000.0)) if on]
+        if typed:
+            raise UsageError(f"{typed[0]}: belongs to --arch llama's block (GPT-2's has "
+                             "multi-head attention and learned positions); add --arch llama "
+                             f"or leave {typed[0]} out")
+    if args.arch == "llama" and "bias" in getattr(args, "given", []):
+        raise UsageError("--no-bias: --arch llama has no biases already; leave --no-bias out")
     if kv and args.n_head % kv:
         raise UsageError(f"--n-kv-head {kv}: --n-head {args.n_head} is not a multiple of it "
                          "(each k and v head serves --n-head / --n-kv-head q heads); give a "
                          f"divisor of {args.n_head}")
     if not args.rope_theta > 0:
         raise UsageError(f"--rope-theta {args.rope_theta}: must be positive (Llama: 10000)")
+    if not 0 < args.norm_eps < 1:
+        raise UsageError(f"--norm-eps {args.norm_eps}: must be between 0 and 1 (1e-5, or a "
+                         "folder's own)")
     if args.arch == "llama" and (args.n_embd // args.n_head) % 2:
         raise UsageError(f"--arch llama: the head size --n-embd / --n-head = "
                          f"{args.n_embd // args.n_head} must be even (rotary positions turn "

@@ -89,6 +89,7 @@ def _masters(params, state):
 def _pretrained(path):
     try:
         config = read_config(path)
-        return config, read_state(path, config), f"the GPT-2 folder {path}"
+        kind = "Llama" if config.llama else "GPT-2"
+        return config, read_state(path, config), f"the {kind} folder {path}"
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         raise CheckpointError(f"--resume {path}: {e}") from None

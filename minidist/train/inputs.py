@@ -16,8 +16,9 @@ Tests: tests/test_token_files.py.
 """
 import json
 import os
+from dataclasses import asdict
 
-from minidist.nn.config import ARCH_DEFAULTS
+from minidist.nn.config import ARCH_DEFAULTS, GPTConfig
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
@@ -81,10 +82,10 @@ def take_init_from_sizes(args):
     except (ValueError, KeyError, OSError) as e:
         why = str(e).removeprefix("from_pretrained: ")
         raise UsageError(f"--init-from {folder}: {why}") from None
-    given = getattr(args, "given", [])
+    given, model = getattr(args, "given", []), asdict(saved)
     for name in ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS):
         value, theirs = getattr(args, name), getattr(saved, name)
-        if name in given and value != theirs:
+        if name in given and _resolved(name, value, model) != _resolved(name, theirs, model):
             flag = "--" + name.replace("_", "-")
             said = ("--no-bias: its model has biases" if name == "bias" else
                     f"{flag} {value}: its model has {name} {theirs}")
@@ -92,7 +93,7 @@ def take_init_from_sizes(args):
                              f"{'--no-bias' if name == 'bias' else flag} out, the folder's "
                              "sizes are used")
         setattr(args, name, theirs)
-    if args.block_size > saved.block_size:
+    if args.block_size > saved.block_size and not saved.llama:    # (RoPE: any length)
         if "block_size" in given:
             raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
                              f"{saved.block_size} positions; give at most {saved.block_size}")
@@ -109,6 +110,18 @@ RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "
 # ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
 # change them (checkpoint.HOW_COMPUTED lets them differ)
 MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+
+
+def _resolved(name, value, model):
+    """A model field's `value` as the size it means in `model` (a GPTConfig's fields, as a
+    dict): --n-kv-head 0 is --n-head's heads, --ffn-hidden 0 the block's default width; any
+    other as it is. So typing the size a checkpoint or folder holds is not refused."""
+    if name == "n_kv_head":
+        return value or model["n_head"]
+    if name == "ffn_hidden":
+        return GPTConfig(n_head=model["n_head"], n_embd=model["n_embd"], bias=False,
+                         arch=model.get("arch", "gpt2"), ffn_hidden=value).ffn_size
+    return value
 
 
 def _take_resume_tokenizer(args, folder, recorded):
@@ -163,13 +176,14 @@ def take_resume_model(args):
                                   and name != "moe_experts"):
             continue
         value, theirs = getattr(args, name), config[name]
-        if name in given and value != theirs and name not in MAY_CHANGE:
+        if name in given and _resolved(name, value, config) != _resolved(name, theirs, config) \
+                and name not in MAY_CHANGE:
             flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
             said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
                     else f"{flag} {value}: --resume {folder} holds a model with {name} {theirs}")
             raise UsageError(f"{said}; leave {flag} out (a resumed run takes its model from "
                              "the checkpoint)")
-        if name not in given:
+        if name not in given or name not in MAY_CHANGE:   # typed: the size it holds
             setattr(args, name, theirs)
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
@@ -182,22 +196,24 @@ def take_resume_model(args):
 
 
 def _check_init_folder(folder):
-    """--init-from names a GPT-2 folder, not a file, a minidist checkpoint or PyTorch files."""
+    """--init-from names a GPT-2 or Llama folder, not a file, a minidist checkpoint or PyTorch
+    files."""
     if not os.path.isdir(folder):
         what = "is a file; give the folder that holds it" if os.path.exists(folder) \
             else "no such folder"
-        raise UsageError(f"--init-from {folder}: {what} (a GPT-2 folder: config.json, "
+        raise UsageError(f"--init-from {folder}: {what} (a GPT-2 or Llama folder: config.json, "
                          "model.safetensors, as Hugging Face writes them)")
     if is_gpt2_folder(folder):
         return
     names = set(os.listdir(folder))
     if names & {"manifest.json", "latest"} or any(n.startswith("step-") for n in names):
-        raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 folder; "
-                         f"--resume {folder} continues its run")
+        raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 or Llama "
+                         f"folder; --resume {folder} continues its run")
     torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
     missing = [f for f in ("config.json", "model.safetensors") if f not in names]
     raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a GPT-2 "
-                     "folder as Hugging Face writes it (config.json, model.safetensors)"
+                     "or Llama folder as Hugging Face writes it (config.json, "
+                     "model.safetensors or a sharded one's model.safetensors.index.json)"
                      + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
                         "read: re-save the model with safe_serialization=True" if torch else ""))
 

@@ -32,11 +32,14 @@ def add_model_args(p):
     p.add_argument("--n-kv-head", type=int, default=0,
                    help="k and v heads (grouped-query attention); 0: --n-head (with --params: "
                    "its assumed head count, h/128)")
+    p.add_argument("--ffn-hidden", type=int, default=0,
+                   help="the MLP's width (train_gpt.py's flag; 0: 4h, Llama's ~8h/3; "
+                   "Llama-2-7B: 11008)")
     return add_moe_args(p)
 
 
 # the planners' numeric flags that may be 0 (the others must be positive)
-MAY_BE_ZERO = ("n_kv_head", "moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
+MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
                "headroom", "intra_lat", "inter_lat", "sync_us")
 
 
@@ -100,7 +103,10 @@ def model_text(n_params, c):
     experts it says what --params sized: the dense shape, whose MLPs became the experts."""
     shape = f"L={c['n_layer']}, h={c['n_embd']}, a={c['n_head']}, V={c['vocab_size']}"
     if c.get("arch") == "llama":                  # GPTConfig.to_dict names it only then
-        shape += f", Llama's block, {c.get('n_kv_head') or c['n_head']} kv heads"
+        kv = c.get("n_kv_head") or c["n_head"]
+        shape += f", Llama's block, {kv} kv head{'s' if kv > 1 else ''}"
+    if c.get("ffn_hidden"):
+        shape += f", MLP {c['ffn_hidden']} wide"
     if not c.get("moe_experts"):
         return f"{count_text(n_params)} parameters ({shape})"
     dense = sum(stage_params(GPTConfig(**{k: v for k, v in c.items()
@@ -113,9 +119,10 @@ def model_text(n_params, c):
 
 def config_from_args(args):
     """The GPTConfig of add_model_args' flags; GPTConfig's ValueError on bad moe_* values."""
-    base = (config_for_params(args.params, args.seq, args.vocab_size) if args.params else
-            GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                      block_size=args.seq, vocab_size=args.vocab_size))
+    block = dict(arch=args.arch, n_kv_head=args.n_kv_head, ffn_hidden=args.ffn_hidden,
+                 bias=args.arch == "gpt2")
+    base = (config_for_params(args.params, args.seq, args.vocab_size, **block) if args.params
+            else GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           block_size=args.seq, vocab_size=args.vocab_size, **block))
     return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every,
-                   arch=args.arch, n_kv_head=args.n_kv_head, bias=args.arch == "gpt2")
+                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)

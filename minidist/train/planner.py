@@ -60,7 +60,8 @@ Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 import math
 from dataclasses import asdict, dataclass, replace
 
-from minidist.nn.config import GPTConfig, block_param_specs, gpt_param_specs
+from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
+                                gpt_param_specs, mlp_weights)
 from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
 
@@ -376,20 +377,30 @@ def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=
             "rows": rows, "recommendation": best}
 
 
-def config_for_params(n_params, seq=2048, vocab_size=50257):
+def config_for_params(n_params, seq=2048, vocab_size=50257, **block):
     """A GPT shape of about n_params parameters at the aspect ratio of published large models
     (h / L ~ 128: GPT-3 175B is 12288 / 96, LLaMA-7B 4096 / 32), heads of 128 and h a
     multiple of 1024 from 2048 up (so 8-way tensor parallelism splits the heads evenly), of
-    256 below: 12 L h^2 + V h ~ n_params. Narrower (down to 256) where the vocabulary's
+    256 below: L w(h) + V h ~ n_params, w(h) a block's matmul weights (GPT-2's 12 h^2; with
+    `block`, GPTConfig's arch, n_kv_head, ffn_hidden, that block's: fewer under grouped-query
+    attention, so a Llama of 7e9 gets the layers its narrower c_attn leaves room for).
+    Narrower (down to 256) where the vocabulary's
     embedding at that width leaves no room for one layer: a small n_params is then dominated
     by V h (1.2e7 at V 50257 was h 512, 29M; now h 256, 14M). Below about V x 256 the shape
     is the smallest, h 256 and one layer (plan_args.params_problem refuses a request under
     half of that)."""
+    def weights(h):                     # one block's (kv heads: at most the shape's heads)
+        kv = min(block.get("n_kv_head", 0), h // 128)
+        kv = kv if kv and (h // 128) % kv == 0 else 0
+        probe = GPTConfig(n_layer=1, n_head=h // 128, n_embd=h, vocab_size=vocab_size,
+                          **{**block, "n_kv_head": kv})
+        return attention_weights(probe) + mlp_weights(probe)
+
     h = (n_params * 128 / 12) ** (1 / 3)
     step = 1024 if h >= 2048 else 256
     h = max(256, round(h / step) * step)
-    while h > 256 and n_params < vocab_size * h + 12 * h * h:
+    while h > 256 and n_params < vocab_size * h + weights(h):
         h -= 1024 if h > 2048 else 256
-    L = max(1, round((n_params - vocab_size * h) / (12 * h * h)))
+    L = max(1, round((n_params - vocab_size * h) / weights(h)))
     return GPTConfig(n_layer=L, n_head=h // 128, n_embd=h, block_size=seq,
-                     vocab_size=vocab_size)
+                     vocab_size=vocab_size, **block)
