@@ -191,7 +191,8 @@ CASES = [
          lambda: [T(randn(4, 6)), T(randn(4, 6, seed=1)), T(randn(6))]),
     Case("swiglu", (LL.SwiGLU,), LL.swiglu, lambda: [T(3 * randn(2, 3, 8))],
          lambda h: ref_swiglu(h)),
-    Case("rotary", (LL.Rotary,), lambda x: LL.rotary(x, 2, 1, np.array([0, 5, 2]), 100.0),
+    Case("rotary", (LL.Rotary,),             # x * 1.0: fresh, as c_attn's output (turned in place)
+         lambda x: LL.rotary(x * 1.0, 2, 1, np.array([0, 5, 2]), 100.0),
          lambda: [T(randn(2, 3, 16))], lambda x: ref_rotary(x, 2, 1, np.array([0, 5, 2]), 100.0)),
     Case("repeat_kv", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 4, 2),
          lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 4, 2)),

@@ -93,7 +93,7 @@ def test_rotary_scores_depend_on_the_distance_only():
     pos = np.array([0, 1, 2, 5, 9, 11])
 
     def scores(p):
-        out = LL.rotary(Tensor(qkv), 1, 1, p).data
+        out = LL.rotary(Tensor(qkv.copy()), 1, 1, p).data          # (turned in place)
         return out[0, :, :16] @ out[0, :, 16:32].T
 
     np.testing.assert_allclose(scores(pos), scores(pos + 7), atol=1e-12)

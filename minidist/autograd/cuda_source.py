@@ -15,8 +15,9 @@ which also compiles the source with nvcc where one is installed).
 
 The kernels come in parts, each compiled on its own: "fused" (this file), "flash"
 (cuda_source_flash.py), "fusions" (cuda_source_fusions.py), "multi" (the multi-tensor
-optimizer kernels, cuda_source_multi.py) and "philox" (dropout's numbers,
-cuda_source_philox.py); `source(dtype, part)`.
+optimizer kernels, cuda_source_multi.py), "philox" (dropout's numbers,
+cuda_source_philox.py) and "llama" (Llama's block, cuda_source_llama.py);
+`source(dtype, part)`.
 The same text compiles for the CPU with g++ and tests/cuda_host/cuda_host.h, where
 tests/test_cuda_kernels_cpu.py runs every kernel against the xp code, so write kernels in
 the subset that header gives a meaning: no dynamic shared memory, shuffles of up to 8 bytes.
@@ -28,6 +29,7 @@ import numpy as np
 
 from minidist.autograd.cuda_source_flash import FLASH, FLASH_NAMES
 from minidist.autograd.cuda_source_fusions import FUSION_NAMES, FUSIONS
+from minidist.autograd.cuda_source_llama import LLAMA, LLAMA_NAMES
 from minidist.autograd.cuda_source_multi import MULTI, MULTI_NAMES
 from minidist.autograd.cuda_source_philox import PHILOX, PHILOX_DEVICE, PHILOX_NAMES
 
@@ -263,12 +265,12 @@ def dtype_name(dtype):
 
 
 # The kernels in parts, each compiled on its own: "flash" (cuda_source_flash.py),
-# "fusions" (cuda_source_fusions.py), "multi" (cuda_source_multi.py) and "philox"
-# (cuda_source_philox.py) have not run on a GPU yet, so they are kept out of the source the
-# other kernels are compiled from
+# "fusions" (cuda_source_fusions.py), "multi" (cuda_source_multi.py), "philox"
+# (cuda_source_philox.py) and "llama" (cuda_source_llama.py) have not run on a GPU yet, so
+# they are kept out of the source the other kernels are compiled from
 PARTS = {"fused": (KERNELS, NAMES), "flash": (PHILOX_DEVICE + FLASH, FLASH_NAMES),
          "fusions": (FUSIONS, FUSION_NAMES), "multi": (MULTI, MULTI_NAMES),
-         "philox": (PHILOX_DEVICE + PHILOX, PHILOX_NAMES)}
+         "philox": (PHILOX_DEVICE + PHILOX, PHILOX_NAMES), "llama": (LLAMA, LLAMA_NAMES)}
 
 
 def part_of(kernel):
@@ -287,7 +289,7 @@ def source(dtype, part="fused"):
             + GELU_DEFINES + PARTS[part][0])
 
 
-def signature(name, text=KERNELS + FLASH + FUSIONS + MULTI + PHILOX):
+def signature(name, text=KERNELS + FLASH + FUSIONS + MULTI + PHILOX + LLAMA):
     """Kernel `name`'s parameters as (C type, is_pointer) pairs, read from the source:
     ("T", True) for `const T* x`, ("long long", False) for `long long C`."""
     m = re.search(r'extern "C" __global__ void ' + name + r"\(([^)]*)\)", text)

@@ -25,9 +25,14 @@ positions (context parallelism's zig-zag chunks) turns each token exactly as one
 
 Arrays in, arrays out, in xp code (numpy or cupy): the same code runs on a GPU, one
 elementwise pass per line. 16-bit inputs are computed in float32 and cast back (fused.py's
-rule). Tests: tests/test_gradcheck.py (float64 finite differences, numpy formulas),
+rule). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1, RMSNorm, SwiGLU and RoPE run one
+kernel each way instead (cuda_source_llama.py, planned by cuda_kernels_llama.py; proven on
+the CPU only: tests/test_cuda_llama_cpu.py). Tests: tests/test_gradcheck.py (float64 finite differences, numpy formulas),
 tests/test_llama.py.
 """
+from minidist.autograd import cuda_kernels_llama as _ckl
+from minidist.autograd.cuda_kernels import acc_dtype, launch
+from minidist.autograd.cuda_kernels_new import use_new
 from minidist.autograd.function import Function
 from minidist.autograd.fused import _f32, _quiet
 from minidist.backend import is_half, xp_of
@@ -46,6 +51,11 @@ class RMSNorm(Function):
         if w.shape != x.shape[-1:]:
             raise ValueError("the weight must have the shape of x's last axis")
         xp, dtype = xp_of(x), x.dtype
+        ctx.kernel = use_new(x, w)
+        if ctx.kernel:                                  # one kernel: a block per row
+            y, saved = _ckl.rms_norm(xp, launch, x, w, eps)
+            ctx.save_for_backward(*saved)
+            return y.reshape(x.shape)
         x32, w32 = _f32(x), _f32(w)
         rstd = 1.0 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)   # (..., 1)
         xhat = x32 * rstd
@@ -54,15 +64,23 @@ class RMSNorm(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.kernel:
+            dx, dw = _ckl.rms_norm_backward(xp_of(grad), launch, grad, ctx.saved,
+                                            ctx.needs_input_grad)
+            return (None if dx is None else dx.reshape(grad.shape)), dw, None
         xhat, rstd, w = ctx.saved
-        grad = _f32(grad)
+        xp, grad = xp_of(xhat), _f32(grad)
         C = xhat.shape[-1]
-        dw = (grad * xhat).reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dxhat = grad * w
-            dx = dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-            dx *= rstd
+        tmp = xp.multiply(grad, xhat)                          # y = xhat * w
+        dw = tmp.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, None
+        dx = xp.multiply(grad, w)                              # dxhat
+        xp.multiply(dx, xhat, out=tmp)
+        m = tmp.mean(axis=-1, keepdims=True)                   # mean(dxhat * xhat)
+        xp.multiply(xhat, m, out=tmp)
+        dx -= tmp
+        dx *= rstd
         return dx, dw, None
 
 
@@ -100,8 +118,11 @@ class SwiGLU(Function):
             raise ValueError(f"swiglu: the last axis ({h.shape[-1]}) must be even: [gate | up]")
         xp, dtype = xp_of(h), h.dtype
         F = h.shape[-1] // 2
-        a, b = _f32(h[..., :F]), _f32(h[..., F:])
         ctx.save_for_backward(h)
+        ctx.kernel = use_new(h)
+        if ctx.kernel:                                  # one elementwise kernel
+            return _ckl.swiglu(xp, launch, h)
+        a, b = _f32(h[..., :F]), _f32(h[..., F:])
         y = _sigmoid(xp, a)
         y *= a                                               # silu(a)
         y *= b
@@ -111,6 +132,8 @@ class SwiGLU(Function):
     def backward(ctx, grad):
         h, = ctx.saved
         xp = xp_of(h)
+        if ctx.kernel:
+            return _ckl.swiglu_backward(xp, launch, h, grad)
         F = h.shape[-1] // 2
         a, b, grad = _f32(h[..., :F]), _f32(h[..., F:]), _f32(grad)
         s = _sigmoid(xp, a)
@@ -157,7 +180,10 @@ def _turn(x, cos, sin, sign):
 
 class Rotary(Function):
     """RoPE on the q and k heads of qkv (B, T, (nh + 2 nkv) hs), v untouched. A rotation:
-    backward turns the gradient back by the same angles."""
+    backward turns the gradient back by the same angles. The turn is made IN PLACE on qkv
+    (as fusions.BiasGelu adds its bias into h): qkv must be a fresh array nobody else reads,
+    c_attn's output, which no op saves; backward needs only the angles. A 16-bit qkv is
+    turned in a float32 copy and cast back."""
 
     @staticmethod
     def forward(ctx, qkv, n_head, n_kv_head, pos, theta=10000.0):
@@ -169,15 +195,22 @@ class Rotary(Function):
         if len(pos) != T:
             raise ValueError(f"rotary: {len(pos)} positions for {T} tokens")
         xp, dtype = xp_of(qkv), qkv.dtype
-        out = _f32(qkv).copy()
+        ctx.heads, ctx.hs, ctx.kernel = n_head + n_kv_head, hs, use_new(qkv)
+        if ctx.kernel:                                    # a pair per thread, in place
+            ctx.tables = rotary_tables(xp, pos, hs, theta, acc_dtype(dtype))
+            return _ckl.rotary(xp, launch, xp.ascontiguousarray(qkv), ctx.heads, hs,
+                               ctx.tables)
+        out = _f32(qkv)                                   # qkv itself, or a float32 copy
         ctx.tables = rotary_tables(xp, pos, hs, theta, out.dtype)
-        ctx.heads, ctx.hs, ctx.dtype = n_head + n_kv_head, hs, dtype
         qk = out[..., :ctx.heads * hs].reshape(B, T, ctx.heads, hs)      # a view of out
         _turn(qk, *ctx.tables, 1.0)
         return out.astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.kernel:
+            return (_ckl.rotary_backward(xp_of(grad), launch, grad, ctx.heads, ctx.hs,
+                                         ctx.tables), None, None, None, None)
         B, T, _ = grad.shape
         dqkv = _f32(grad).copy()
         qk = dqkv[..., :ctx.heads * ctx.hs].reshape(B, T, ctx.heads, ctx.hs)
@@ -186,7 +219,8 @@ class Rotary(Function):
 
 
 def rotary(qkv, n_head, n_kv_head, pos, theta=10000.0):
-    """qkv (B, T, (nh + 2 nkv) hs) with its q and k heads turned for positions pos (T,)."""
+    """qkv (B, T, (nh + 2 nkv) hs) with its q and k heads turned for positions pos (T,);
+    qkv must be fresh (c_attn's output): the turn overwrites it (Rotary)."""
     return Rotary.apply(qkv, n_head, n_kv_head, pos, theta)
 
 
