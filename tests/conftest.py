@@ -77,6 +77,17 @@ def device(request):
     return backend.set_device(request.config.getoption("--device"))
 
 
+@pytest.fixture
+def cupy_new(device, monkeypatch):
+    """cupy, with MINIDIST_CUDA_NEW_KERNELS=1 (the kernel path of every op proven on the CPU
+    only); skips without --device cuda."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda")
+    import cupy
+    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
+    return cupy
+
+
 @pytest.fixture(scope="session")
 def xp(device):
     """numpy or cupy, --device's array module: tests build their arrays with it, so

@@ -15,8 +15,8 @@ import cuda_cpu
 from minidist.autograd import cuda_kernels as ck, cuda_kernels_new as ckn
 from minidist.autograd import cuda_source as cs, fused as F, fusions
 from minidist.autograd.cuda_source_fusions import FUSIONS
-from test_cuda_kernels_cpu import (DTYPES, ORDERS, close, f64, failing_orders, grads,
-                                   nth_replaced, rand)
+from test_cuda_kernels_cpu import (DTYPES, ORDERS, assert_declared_types, close, f64,
+                                   failing_orders, grads, nth_replaced, rand)
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
@@ -125,12 +125,7 @@ def _plans(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_plans_hand_each_kernel_its_declared_types(dtype):
-    want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
-    for p in _plans(dtype):
-        params, args = cs.signature(p.name), ck.describe(p.args)
-        assert cs.part_of(p.name) == "fusions" and len(params) == len(args), p.name
-        for (ctype, pointer), arg in zip(params, args):
-            assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
+    assert_declared_types(_plans(dtype), dtype, "fusions")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -197,6 +197,17 @@ def test_adamw_kernel_equals_adamw_update_bitwise(dtype, order):
 
 # ---- broken kernels must fail -----------------------------------------------------------
 
+def assert_declared_types(plans, dtype, part):
+    """Each plan of `part`'s kernels hands every parameter what the source declares: T*
+    arrays of `dtype`, A of its accumulation dtype, long long int64, int int32."""
+    want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
+    for p in plans:
+        params, args = cs.signature(p.name), ck.describe(p.args)
+        assert cs.part_of(p.name) == part and len(params) == len(args), p.name
+        for (ctype, pointer), arg in zip(params, args):
+            assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
+
+
 def nth_replaced(text, old, new, n):
     """text with the n-th (0-based) occurrence of `old` replaced by `new`."""
     parts = text.split(old)

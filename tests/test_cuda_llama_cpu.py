@@ -14,8 +14,8 @@ import cuda_cpu
 from minidist.autograd import cuda_kernels as ck, cuda_kernels_llama as ckl
 from minidist.autograd import cuda_source as cs, llama_ops as LL
 from minidist.autograd.cuda_source_llama import LLAMA
-from test_cuda_kernels_cpu import (DTYPES, ORDERS, close, f64, failing_orders, grads,
-                                   nth_replaced, rand)
+from test_cuda_kernels_cpu import (DTYPES, ORDERS, assert_declared_types, close, f64,
+                                   failing_orders, grads, nth_replaced, rand)
 
 pytestmark = pytest.mark.skipif(cuda_cpu.reason_unavailable() is not None,
                                 reason=str(cuda_cpu.reason_unavailable()))
@@ -118,12 +118,7 @@ def _plans(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_llama_plans_hand_each_kernel_its_declared_types(dtype):
-    want = {"T": dtype, "A": ck.acc_dtype(dtype).name, "long long": "int64", "int": "int32"}
-    for p in _plans(dtype):
-        params, args = cs.signature(p.name), ck.describe(p.args)
-        assert cs.part_of(p.name) == "llama" and len(params) == len(args), p.name
-        for (ctype, pointer), arg in zip(params, args):
-            assert arg[:2] == (("array" if pointer else "scalar"), want[ctype]), p.name
+    assert_declared_types(_plans(dtype), dtype, "llama")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,16 +128,6 @@ def test_nvcc_compiles_the_llama_kernels(dtype, tmp_path):
 
 
 # ---- on a GPU (pytest -m gpu --device cuda): the kernels llama_ops.py launches there ---------
-
-@pytest.fixture
-def cupy_new(device, monkeypatch):
-    """cupy, with MINIDIST_CUDA_NEW_KERNELS=1 (the kernel path of every op)."""
-    if device != "cuda":
-        pytest.skip("needs --device cuda")
-    import cupy
-    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
-    return cupy
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)

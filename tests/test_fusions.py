@@ -242,16 +242,6 @@ def test_padded_cross_entropy_glue_equals_the_xp_path(dtype):
 
 # ---- on a GPU: python -m pytest -m gpu --device cuda tests/test_fusions.py ----------------
 
-@pytest.fixture
-def cupy_new(device, monkeypatch):
-    """cupy, with MINIDIST_CUDA_NEW_KERNELS=1 (the kernel path of every op)."""
-    if device != "cuda":
-        pytest.skip("needs --device cuda")
-    import cupy
-    monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "1")
-    return cupy
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_gelu_on_a_gpu_equals_the_xp_path(cupy_new, dtype):
