@@ -132,7 +132,8 @@ def test_nvcc_compiles_the_llama_kernels(dtype, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_llama_ops_on_a_gpu_equal_the_xp_code(cupy_new, dtype):
-    """Each op's output and gradients by the kernels (cupy) against the xp code (numpy)."""
+    """Each op's output and gradients by the kernels (cupy) against the xp code (numpy); a
+    Llama GPT with the kernels on against off: tests/test_fusions.py."""
     from minidist.autograd.tensor import Tensor
     pos = np.array([0, 1, 10, 11, 5, 3])
     cases = [(lambda a, b: LL.rms_norm(a, b), [rand(dtype, 4, 6, 96), rand(dtype, 96, seed=1)]),
@@ -149,21 +150,3 @@ def test_llama_ops_on_a_gpu_equal_the_xp_code(cupy_new, dtype):
                          for a in [y.data] + [t.grad for t in ts]])
         for i, (a, c) in enumerate(zip(*outs)):
             close(a, c, dtype, f"{getattr(fn, '__name__', 'op')} #{i} on cupy")
-
-
-@pytest.mark.gpu
-def test_a_llama_gpt_with_its_kernels_equals_without_on_a_gpu(cupy_new, monkeypatch):
-    """The Llama-style model's loss and every gradient, float32, kernels on vs off."""
-    from minidist.nn import GPT, GPTConfig
-    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=100,
-                    arch="llama", bias=False, n_kv_head=2)
-    idx = np.random.default_rng(1).integers(0, 100, (3, 32))
-    runs = []
-    for new in ("1", "0"):
-        monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", new)
-        model = GPT(cfg, seed=0)
-        _, loss = model(idx, idx)
-        loss.backward()
-        runs.append([loss.data] + [p.grad for p in model.parameters()])
-    for i, (a, c) in enumerate(zip(*runs)):
-        close(cupy_new.asnumpy(a), cupy_new.asnumpy(c), "float32", f"GPT output/grad #{i}")

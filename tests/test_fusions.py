@@ -276,10 +276,13 @@ def test_padded_cross_entropy_on_a_gpu_equals_the_xp_path(cupy_new, dtype):
 
 
 @pytest.mark.gpu
-def test_gpt_with_the_fusion_kernels_equals_without_on_a_gpu(cupy_new, monkeypatch):
-    """The model's loss and every gradient, float32, padded vocabulary, kernels on vs off."""
+@pytest.mark.parametrize("block", [{}, dict(arch="llama", bias=False, n_kv_head=1)],
+                         ids=["gpt2", "llama"])
+def test_gpt_with_the_fusion_kernels_equals_without_on_a_gpu(cupy_new, monkeypatch, block):
+    """The model's loss and every gradient, float32, padded vocabulary, kernels on vs off;
+    a Llama's block runs tests/test_cuda_llama_cpu.py's kernels instead of the fusions."""
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=100,
-                    vocab_multiple=64)
+                    vocab_multiple=64, **block)
     idx = np.random.default_rng(1).integers(0, 100, (3, 32))
     runs = []
     for new in ("1", "0"):
