@@ -119,6 +119,30 @@ def test_a_resumed_run_takes_its_model_from_the_checkpoint(corpus, tmp_path, dev
     train(a)
 
 
+def test_a_resumed_run_takes_its_data_from_the_checkpoint(corpus, tmp_path):
+    """Resumed without --data, a run trained on --data X went on with Python's sources,
+    silently. Now the checkpoint's recorded --data is taken; a recorded file that is gone is
+    one error naming it; a given --data is kept."""
+    import shutil
+    from minidist.train.cli import check_flags
+    mine = tmp_path / "mine.py"
+    shutil.copyfile(corpus, mine)
+    base = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+            "--batch-size", "4", "--eval-iters", "1", "--sample", "0", "--steps", "2",
+            "--cache-dir", str(tmp_path / "cache")]
+
+    def args(*flags):
+        a = train_parser().parse_args(base + list(flags))
+        check_flags(a)
+        return a
+    train(args("--data", str(mine), "--save", str(tmp_path / "ck"), "--stop-at", "1"))
+    assert args("--resume", str(tmp_path / "ck")).data == str(mine)
+    assert args("--resume", str(tmp_path / "ck"), "--data", corpus).data == corpus
+    mine.unlink()
+    with pytest.raises(UsageError, match=f"was trained on --data {mine}, which is not there"):
+        args("--resume", str(tmp_path / "ck"))
+
+
 def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tmp_path,
                                                                    device, capsys):
     """--lr-schedule wsd: the rate depends on --steps only in the last --decay-steps, so a run

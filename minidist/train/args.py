@@ -188,7 +188,8 @@ def add_train_args(p):
     g.add_argument("--data", default=None,
                    help="text file or folder of text files, or a folder of token files "
                    "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "
-                   "llm.c write them) (default: Python's stdlib sources)")
+                   "llm.c write them) (default: Python's stdlib sources; --resume: the "
+                   "checkpoint's)")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a folder with a BPE's vocab.json and merges.txt (a GPT-2 download's, "
                    "or examples/train_tokenizer.py's): text --data is tokenized with it, token "

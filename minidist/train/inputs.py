@@ -124,6 +124,18 @@ def _resolved(name, value, model):
     return value
 
 
+def _take_resume_data(args, folder, recorded):
+    """--data on --resume: the checkpoint's run's (`recorded`, an absolute path) unless given,
+    so the command without it continues on the same text (it trained on Python's sources
+    instead, silently); a recorded path that is gone is one error line."""
+    if args.data is not None or not recorded:
+        return
+    if not os.path.exists(recorded):
+        raise UsageError(f"--resume {folder} was trained on --data {recorded}, which is not "
+                         "there now; give --data with the same text or token files")
+    args.data = recorded
+
+
 def _take_resume_tokenizer(args, folder, recorded):
     """--tokenizer on --resume: the checkpoint's (`recorded`, its run's) unless given; one
     given with other files (another vocabulary or other merges: the ids would mean other
@@ -152,7 +164,8 @@ def take_resume_model(args):
     """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
-    --amp and --amp-dtype follow it) and --tokenizer (where its folder is still there).
+    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there) and
+    --data (the text or token files it trained on).
     One given with another value is refused here, before any work, naming the flag; but
     MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
     may change (fine-tuning). A checkpoint that
@@ -168,6 +181,7 @@ def take_resume_model(args):
     except CheckpointError:
         return
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
+    _take_resume_data(args, folder, flags.get("data"))
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
