@@ -69,6 +69,8 @@ if [ "$DEVICE" = cuda ]; then     # a CUDA graph with dropout: bf16_new_drop's l
         --dropout 0.1 --cuda-graph
 fi
 
+only_missing bench "torch_eager_bf16 torch_eager_tf32 torch_compile_bf16 bf16_new_graph \
+    bf16_new_drop_graph"        # (with the peer; on CUDA)
 "$PY" tests/scripts/acceptance.py speed "$RESULTS" > "$LOGS/speed.json"
 status=$?
 tee -a "$RESULTS" < "$LOGS/speed.json"

@@ -175,6 +175,20 @@ def _session_script(tmp_path, **env):
                             if ln.startswith("{")]
 
 
+@pytest.mark.parametrize("script", ["gpu_acceptance.sh", "gpu_speed.sh"])
+def test_a_check_named_in_only_that_the_script_lacks_fails(tmp_path, script):
+    """ONLY="no_such_check": nothing ran and the summary said ok, exit 0 (a misspelt check
+    name passed). Now it is a failed row of its own and the script exits 1."""
+    env = dict(os.environ, DEVICE="cpu", DRY="1", LOGS=str(tmp_path), ONLY="no_such_check",
+               TORCH_REF=str(tmp_path / "no_peer.py"))
+    out = subprocess.run(["bash", os.path.join(ROOT, "tests", script)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows[0] == {"check": "no_such_check", "verdict": rows[0]["verdict"], "ok": False,
+                       "error": f"no check no_such_check in {script}"}
+    assert not rows[-1]["ok"] and out.returncode == 1, out.stdout
+
+
 def test_session_script_runs_the_telling_checks_first_and_records_the_rest(tmp_path):
     """tests/gpu_session.sh with no budget: both scripts' checks, each once, in the session's
     order (the CPU has no peer and no graph runs), all recorded as skipped, then one speed
