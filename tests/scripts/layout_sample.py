@@ -80,6 +80,10 @@ def candidate(rng, ranks):
         f["--zero-shard"] = _pick(rng, [None] + [k for k in (1, 2) if k < zero_ranks])
     if f["--zero"] in (1, 2):             # drawn last, after the hybrid sharding's
         f["--overlap-param-gather"] = rng.random() < 0.5
+    if rng.random() < 0.3:                # drawn last: Llama's block (no biases to drop)
+        f["--arch"] = "llama"
+        f["--n-kv-head"] = _pick(rng, [None, 2, 1])      # grouped-query, multi-query
+        f["--no-bias"] = False
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -124,6 +128,7 @@ def _traits(flags):
     out += ["--cp-attention ulysses"] if flags.get("--cp-attention") == "ulysses" else []
     out += ["--zero-shard"] if "--zero-shard" in flags else []
     out += ["--overlap-param-gather"] if "--overlap-param-gather" in flags else []
+    out += ["--arch llama"] if flags.get("--arch") == "llama" else []
     return sorted(out)
 
 
