@@ -130,6 +130,17 @@ def test_config_refuses_what_cannot_be_built(kw, match):
         llama(**kw)
 
 
+def test_tp_refuses_an_mlp_width_it_does_not_divide_typed_or_not():
+    """Llama's default F (C 192: 512) over tp 3 was padded with zero columns while the same
+    width typed was refused; now both are named, as the MLP's width."""
+    from minidist.tp.model import check_tp_sizes
+    for ffn in (0, 512):
+        config = llama(n_head=6, n_kv_head=0, n_embd=192, ffn_hidden=ffn)
+        assert check_tp_sizes(config, 3) == ["the MLP's width 512 (--ffn-hidden) is not "
+                                             "divisible by tp 3"]
+    assert check_tp_sizes(llama(n_head=6, n_kv_head=0, n_embd=192), 2) == []
+
+
 def test_split_cuts_q_k_v_of_unequal_widths_per_rank():
     """c_attn's q|k|v of 4, 2, 2 heads (hs 1) over tp 2: rank r keeps its 2 q heads and its
     k and v head, and the shards glue back; the manifest form round-trips."""
@@ -352,6 +363,11 @@ def test_the_planner_plans_a_llama_and_prints_its_flags():
     assert out.returncode == 0, out.stderr
     assert "Llama's block, 8 kv heads" in out.stdout
     assert "--arch llama --n-kv-head 8" in out.stdout.splitlines()[-1]
+    wide = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"),
+                           "--params", "7e9", "--gpus", "16", "--arch", "llama",
+                           "--ffn-hidden", "11008"], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert wide.returncode == 0 and "--ffn-hidden 11008" in wide.stdout.splitlines()[-1]
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "plan.py"),
                           "--params", "7e9", "--gpus", "16", "--arch", "llama",
                           "--n-kv-head", "5"], cwd=ROOT, env=mpi_env(), capture_output=True,

@@ -23,7 +23,7 @@ from minidist.autograd.function import Function
 from minidist.backend import is_half, matmul as _mm, xp_of
 
 
-def _f32(a):
+def in_f32(a):
     """float16 (or bfloat16) -> float32 for the arithmetic; anything else unchanged (no copy)."""
     return a.astype("float32") if a is not None and is_half(a.dtype) else a
 
@@ -77,7 +77,7 @@ def layer_norm_forward(x, w, b, eps):
     if _ck.use(x, w, b):                     # one kernel; saves x, mean, rstd, not xhat
         y, *saved = _ck.layer_norm(x, w, b, eps)             # saved: x, w, mean, rstd
         return y, tuple(saved), True
-    x, w, b = _f32(x), _f32(w), _f32(b)
+    x, w, b = in_f32(x), in_f32(w), in_f32(b)
     xhat = x - x.mean(axis=-1, keepdims=True)                     # x - mean
     out = xp.multiply(xhat, xhat)
     var = out.mean(axis=-1, keepdims=True)
@@ -94,7 +94,7 @@ def layer_norm_backward(grad, saved, cuda, needs):
     if cuda:
         return _ck.layer_norm_backward(grad, *saved, needs)
     xhat, rstd, w = saved
-    xp, grad = xp_of(grad), _f32(grad)
+    xp, grad = xp_of(grad), in_f32(grad)
     C = xhat.shape[-1]
     db = grad.reshape(-1, C).sum(axis=0) if needs[2] else None   # y = ... + b
     tmp = xp.multiply(grad, xhat)                                 # y = xhat * w + ...
@@ -142,7 +142,7 @@ _K = math.sqrt(2.0 / math.pi)
 _A = 0.044715
 
 
-def _quiet(xp):
+def quiet_overflow(xp):
     """numpy warns when exp overflows to inf; here inf is the right answer."""
     return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
 
@@ -152,12 +152,12 @@ def gelu_forward(x):
     xp, dtype = xp_of(x), x.dtype
     if _ck.use(x):
         return _ck.gelu(x)                         # one elementwise kernel, same formula
-    x = _f32(x)                                    # float16's x^3 overflows at |x| ~ 40
+    x = in_f32(x)                                    # float16's x^3 overflows at |x| ~ 40
     y = xp.multiply(x, x)
     y *= -2 * _K * _A
     y -= 2 * _K
     y *= x                                         # -2u = -2k (x + a x^3)
-    with _quiet(xp):
+    with quiet_overflow(xp):
         xp.exp(y, out=y)                           # exp(-2u); inf for x << 0 is fine:
     y += 1.0
     xp.divide(x, y, out=y)                         # x / inf = -0
@@ -168,7 +168,7 @@ def gelu_backward(x, grad):
     """dL/dx of gelu_forward(x) given dL/dy = grad."""
     if _ck.use(x):
         return _ck.gelu_backward(x, grad)
-    xp, x = xp_of(x), _f32(x)
+    xp, x = xp_of(x), in_f32(x)
     # y = x s, s = sigmoid(2u) = 1 / (1 + exp(-2u)), ds/d(2u) = s (1 - s)
     # dy/dx = s                                 (from the x factor)
     #       + x s (1 - s) 2k (1 + 3 a x^2)      (through s, d(2u)/dx = 2k (1 + 3 a x^2))
@@ -180,7 +180,7 @@ def gelu_backward(x, grad):
     s *= -2 * _K * _A
     s -= 2 * _K
     s *= x                                         # -2u
-    with _quiet(xp):
+    with quiet_overflow(xp):
         xp.exp(s, out=s)                           # may be inf for x << 0 ...
     s += 1.0
     xp.reciprocal(s, out=s)                        # ... then s = 0, exactly right
@@ -221,7 +221,7 @@ class Softmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1):
         xp, dtype = xp_of(x), x.dtype
-        p = _f32(x) - x.max(axis=axis, keepdims=True)           # max: exp cannot overflow
+        p = in_f32(x) - x.max(axis=axis, keepdims=True)           # max: exp cannot overflow
         xp.exp(p, out=p)
         p /= p.sum(axis=axis, keepdims=True)
         ctx.save_for_backward(p)
@@ -233,7 +233,7 @@ class Softmax(Function):
         p, = ctx.saved
         # dx_i = sum_j grad_j dp_j/dx_i = sum_j grad_j p_j (delta_ij - p_i)
         #      = p_i (grad_i - sum_j grad_j p_j)
-        dx = _f32(grad) * p
+        dx = in_f32(grad) * p
         s = dx.sum(axis=ctx.axis, keepdims=True)                  # sum_j grad_j p_j
         xp_of(p).subtract(grad, s, out=dx)
         dx *= p
@@ -250,7 +250,7 @@ class LogSoftmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1):
         xp, dtype = xp_of(x), x.dtype
-        out = _f32(x) - x.max(axis=axis, keepdims=True)
+        out = in_f32(x) - x.max(axis=axis, keepdims=True)
         e = xp.exp(out)                                          # exp(x - max)
         s = e.sum(axis=axis, keepdims=True)
         out -= xp.log(s)
@@ -263,7 +263,7 @@ class LogSoftmax(Function):
         e, s = ctx.saved
         # out_j = x_j - lse, d lse / dx_i = softmax_i = e_i / s:
         # dx_i = grad_i - softmax_i * sum_j grad_j
-        dx = e * (_f32(grad).sum(axis=ctx.axis, keepdims=True) / s)
+        dx = e * (in_f32(grad).sum(axis=ctx.axis, keepdims=True) / s)
         xp_of(e).subtract(grad, dx, out=dx)
         return dx, None
 
@@ -289,7 +289,7 @@ class CrossEntropy(Function):
             ctx.save_for_backward(*saved)
             ctx.cuda, ctx.shape, ctx.ignore = True, logits.shape, ignore_index
             return loss                      # float32 (float64 for float64 logits)
-        z, t = _f32(logits).reshape(-1, V), xp.asarray(targets).reshape(-1)  # to the device
+        z, t = in_f32(logits).reshape(-1, V), xp.asarray(targets).reshape(-1)  # to the device
         valid = t != ignore_index
         t = xp.where(valid, t, 0)                                # any in-range id
         rows = xp.arange(len(t))

@@ -27,14 +27,15 @@ Arrays in, arrays out, in xp code (numpy or cupy): the same code runs on a GPU, 
 elementwise pass per line. 16-bit inputs are computed in float32 and cast back (fused.py's
 rule). On cupy arrays with MINIDIST_CUDA_NEW_KERNELS=1, RMSNorm, SwiGLU and RoPE run one
 kernel each way instead (cuda_source_llama.py, planned by cuda_kernels_llama.py; proven on
-the CPU only: tests/test_cuda_llama_cpu.py). Tests: tests/test_gradcheck.py (float64 finite differences, numpy formulas),
+the CPU only: tests/test_cuda_llama_cpu.py).
+Tests: tests/test_gradcheck.py (float64 finite differences, numpy formulas),
 tests/test_llama.py.
 """
 from minidist.autograd import cuda_kernels_llama as _ckl
 from minidist.autograd.cuda_kernels import acc_dtype, launch
 from minidist.autograd.cuda_kernels_new import use_new
 from minidist.autograd.function import Function
-from minidist.autograd.fused import _f32, _quiet
+from minidist.autograd.fused import in_f32, quiet_overflow
 from minidist.backend import is_half, xp_of
 
 
@@ -56,7 +57,7 @@ class RMSNorm(Function):
             y, saved = _ckl.rms_norm(xp, launch, x, w, eps)
             ctx.save_for_backward(*saved)
             return y.reshape(x.shape)
-        x32, w32 = _f32(x), _f32(w)
+        x32, w32 = in_f32(x), in_f32(w)
         rstd = 1.0 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)   # (..., 1)
         xhat = x32 * rstd
         ctx.save_for_backward(xhat, rstd, w32)
@@ -69,7 +70,7 @@ class RMSNorm(Function):
                                             ctx.needs_input_grad)
             return (None if dx is None else dx.reshape(grad.shape)), dw, None
         xhat, rstd, w = ctx.saved
-        xp, grad = xp_of(xhat), _f32(grad)
+        xp, grad = xp_of(xhat), in_f32(grad)
         C = xhat.shape[-1]
         tmp = xp.multiply(grad, xhat)                          # y = xhat * w
         dw = tmp.reshape(-1, C).sum(axis=0) if ctx.needs_input_grad[1] else None
@@ -100,7 +101,7 @@ def residual_rms_norm(x, r, weight, eps=1e-5):
 def _sigmoid(xp, a):
     """sigmoid(a) = 1 / (1 + exp(-a)) in a new array, in place after its first pass."""
     s = xp.negative(a)
-    with _quiet(xp):
+    with quiet_overflow(xp):
         xp.exp(s, out=s)                                 # inf for a << 0 ...
     s += 1.0
     return xp.reciprocal(s, out=s)                       # ... then s = 0, exactly right
@@ -122,7 +123,7 @@ class SwiGLU(Function):
         ctx.kernel = use_new(h)
         if ctx.kernel:                                  # one elementwise kernel
             return _ckl.swiglu(xp, launch, h)
-        a, b = _f32(h[..., :F]), _f32(h[..., F:])
+        a, b = in_f32(h[..., :F]), in_f32(h[..., F:])
         y = _sigmoid(xp, a)
         y *= a                                               # silu(a)
         y *= b
@@ -135,7 +136,7 @@ class SwiGLU(Function):
         if ctx.kernel:
             return _ckl.swiglu_backward(xp, launch, h, grad)
         F = h.shape[-1] // 2
-        a, b, grad = _f32(h[..., :F]), _f32(h[..., F:]), _f32(grad)
+        a, b, grad = in_f32(h[..., :F]), in_f32(h[..., F:]), in_f32(grad)
         s = _sigmoid(xp, a)
         dh = xp.empty(h.shape, grad.dtype)
         da, db = dh[..., :F], dh[..., F:]
@@ -200,7 +201,7 @@ class Rotary(Function):
             ctx.tables = rotary_tables(xp, pos, hs, theta, acc_dtype(dtype))
             return _ckl.rotary(xp, launch, xp.ascontiguousarray(qkv), ctx.heads, hs,
                                ctx.tables)
-        out = _f32(qkv)                                   # qkv itself, or a float32 copy
+        out = in_f32(qkv)                                   # qkv itself, or a float32 copy
         ctx.tables = rotary_tables(xp, pos, hs, theta, out.dtype)
         qk = out[..., :ctx.heads * hs].reshape(B, T, ctx.heads, hs)      # a view of out
         _turn(qk, *ctx.tables, 1.0)
@@ -212,7 +213,7 @@ class Rotary(Function):
             return (_ckl.rotary_backward(xp_of(grad), launch, grad, ctx.heads, ctx.hs,
                                          ctx.tables), None, None, None, None)
         B, T, _ = grad.shape
-        dqkv = _f32(grad).copy()
+        dqkv = in_f32(grad).copy()
         qk = dqkv[..., :ctx.heads * ctx.hs].reshape(B, T, ctx.heads, ctx.hs)
         _turn(qk, *ctx.tables, -1.0)
         return dqkv, None, None, None, None

@@ -87,9 +87,7 @@ class GPTConfig:
         """The MLP's hidden width F: ffn_hidden, else 4C (GELU) or, for SwiGLU (two input
         matrices, gate and up), Llama's 2/3 of 4C rounded up to a multiple of 64, which
         keeps the MLP's parameter count about GPT-2's."""
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return -(-8 * self.n_embd // (3 * 64)) * 64 if self.llama else 4 * self.n_embd
+        return ffn_size(self.n_embd, self.arch, self.ffn_hidden)
 
     @property
     def padded_vocab_size(self):
@@ -151,6 +149,14 @@ def _check_moe(c):
                          ">= 0")
     if not 1 <= c.moe_every <= c.n_layer:
         raise ValueError(f"moe_every must be in 1..n_layer ({c.n_layer}), not {c.moe_every}")
+
+
+def ffn_size(n_embd, arch="gpt2", ffn_hidden=0):
+    """The MLP's hidden width (GPTConfig.ffn_size) of these fields: ffn_hidden, else 4C, or
+    for Llama's SwiGLU 8C/3 rounded up to a multiple of 64."""
+    if ffn_hidden:
+        return ffn_hidden
+    return -(-8 * n_embd // (3 * 64)) * 64 if arch == "llama" else 4 * n_embd
 
 
 def attention_weights(config):

@@ -53,7 +53,7 @@ def hf_llama_config(config):
         "head_dim": config.n_embd // config.n_head,
         "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "rope_scaling": None, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "tie_word_embeddings": True, "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
     }
@@ -116,7 +116,6 @@ def llama_config(hf, path):
                        else hf["num_key_value_heads"],
                        rope_theta=float(hf.get("rope_theta", 10000.0)),
                        ffn_hidden=hf["intermediate_size"],
-                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       dropout=float(hf.get("attention_dropout", 0.0)))
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
     default = replace(config, ffn_hidden=0)           # 0 where it is the default width
     return default if default.ffn_size == config.ffn_size else config

@@ -30,7 +30,7 @@ Tests: tests/test_tensor_parallel.py.
 from minidist import backend
 from minidist.autograd import Function
 from minidist.autograd import fused as F
-from minidist.autograd.fused import _f32, counted_rows_sum, rows_counted
+from minidist.autograd.fused import counted_rows_sum, in_f32, rows_counted
 from minidist.autograd.indexing import rows_into_table
 from minidist.backend import xp_of
 from minidist.nn.layers import LayerNorm, RMSNorm
@@ -169,7 +169,7 @@ class VocabParallelCrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets, group, start, vocab_size, ignore_index=-1):
         xp, Vr = xp_of(logits), logits.shape[-1]
-        p = _f32(logits).reshape(-1, Vr).copy()                # (N, V_r), becomes softmax
+        p = in_f32(logits).reshape(-1, Vr).copy()                # (N, V_r), becomes softmax
         t = xp.asarray(targets).reshape(-1)
         valid = t != ignore_index
         p[:, max(vocab_size - start, 0):] = -xp.inf            # padding columns

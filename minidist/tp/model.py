@@ -26,7 +26,7 @@ Tests: tests/test_tensor_parallel.py (exactness against one process, memory 1/tp
 import numpy as np
 
 from minidist import backend
-from minidist.nn.config import gpt_init
+from minidist.nn.config import ffn_size, gpt_init
 from minidist.nn.gpt import GPT, check_token_ids
 from minidist.nn.layers import DenseLayers, Dropout
 from minidist.autograd import is_grad_enabled, ops
@@ -45,7 +45,8 @@ def check_tp_sizes(config, tp, names=("n_head", "n_embd", "tp")):
     passes its flags). The vocabulary needs no check: it is padded to a multiple of tp."""
     head, embd, ranks = names
     problems = []
-    kv, ffn = config.n_kv_head or config.n_head, config.ffn_hidden   # (a GPTConfig or flags)
+    kv = config.n_kv_head or config.n_head                           # (a GPTConfig or flags)
+    ffn = ffn_size(config.n_embd, config.arch, config.ffn_hidden)
     if config.n_head % tp:
         problems.append(f"{head} {config.n_head} is not divisible by {ranks} {tp} (each rank "
                         f"computes {head} / {ranks} whole attention heads)")
@@ -53,7 +54,8 @@ def check_tp_sizes(config, tp, names=("n_head", "n_embd", "tp")):
         problems.append(f"--n-kv-head {kv} is not divisible by {ranks} {tp} (each rank holds "
                         f"whole k and v heads for its q heads)")
     if ffn % tp:
-        problems.append(f"--ffn-hidden {ffn} is not divisible by {ranks} {tp}")
+        problems.append(f"the MLP's width {ffn} (--ffn-hidden) is not divisible by {ranks} "
+                        f"{tp}")
     if config.n_embd % tp:
         problems.append(f"{embd} {config.n_embd} is not divisible by {ranks} {tp}")
     return problems

@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import asdict
 
-from minidist.nn.config import ARCH_DEFAULTS, GPTConfig
+from minidist.nn.config import ARCH_DEFAULTS, ffn_size
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
@@ -119,8 +119,7 @@ def _resolved(name, value, model):
     if name == "n_kv_head":
         return value or model["n_head"]
     if name == "ffn_hidden":
-        return GPTConfig(n_head=model["n_head"], n_embd=model["n_embd"], bias=False,
-                         arch=model.get("arch", "gpt2"), ffn_hidden=value).ffn_size
+        return ffn_size(model["n_embd"], model.get("arch", "gpt2"), value)
     return value
 
 
@@ -276,7 +275,7 @@ def initial_weights(args, config, data, log):
         raise UsageError(f"--init-from {e}") from None
     log.print0(f"init: the weights of --init-from {args.init_from}"
                + (f" (wpe's first {config.block_size} positions)"
-                  if config.block_size < saved.block_size else ""))
+                  if config.block_size < saved.block_size and not saved.llama else ""))
     return weights
 
 

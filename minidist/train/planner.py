@@ -389,9 +389,10 @@ def config_for_params(n_params, seq=2048, vocab_size=50257, **block):
     by V h (1.2e7 at V 50257 was h 512, 29M; now h 256, 14M). Below about V x 256 the shape
     is the smallest, h 256 and one layer (plan_args.params_problem refuses a request under
     half of that)."""
-    def weights(h):                     # one block's (kv heads: at most the shape's heads)
-        kv = min(block.get("n_kv_head", 0), h // 128)
-        kv = kv if kv and (h // 128) % kv == 0 else 0
+    def weights(h):         # one block's (a kv count the candidate's heads do not take sizes
+        kv = min(block.get("n_kv_head", 0), h // 128)       # it as theirs; the config built
+        kv = kv if kv and (h // 128) % kv == 0 else 0       # from the last raises GPTConfig's
+                                                            # error, naming both)
         probe = GPTConfig(n_layer=1, n_head=h // 128, n_embd=h, vocab_size=vocab_size,
                           **{**block, "n_kv_head": kv})
         return attention_weights(probe) + mlp_weights(probe)

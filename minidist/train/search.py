@@ -171,6 +171,7 @@ def train_flags(config, row, v=1):
     if config.llama:
         flags += ["--arch", "llama"] + (["--n-kv-head", config.n_kv_head]
                                         if config.n_kv_head else [])
+    flags += ["--ffn-hidden", config.ffn_hidden] if config.ffn_hidden else []
     if row["pp"] > 1:
         interleaved = row["schedule"] == "interleaved"
         flags += ["--micro-batches", row["micro_batches"], "--schedule",
