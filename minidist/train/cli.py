@@ -100,34 +100,6 @@ def agree_on_flags(world, problem):
         for message, ranks in messages.items()))
 
 
-def check_arch(args):
-    """--n-kv-head, --rope-theta, --norm-eps and --arch llama's head size (GPTConfig's own
-    checks, as flags, before MPI starts)."""
-    kv = args.n_kv_head
-    if args.arch == "gpt2":
-        typed = [f for f, on in (("--n-kv-head", kv), ("--rope-theta",
-                                                      args.rope_theta != 10000.0)) if on]
-        if typed:
-            raise UsageError(f"{typed[0]}: belongs to --arch llama's block (GPT-2's has "
-                             "multi-head attention and learned positions); add --arch llama "
-                             f"or leave {typed[0]} out")
-    if args.arch == "llama" and "bias" in getattr(args, "given", []):
-        raise UsageError("--no-bias: --arch llama has no biases already; leave --no-bias out")
-    if kv and args.n_head % kv:
-        raise UsageError(f"--n-kv-head {kv}: --n-head {args.n_head} is not a multiple of it "
-                         "(each k and v head serves --n-head / --n-kv-head q heads); give a "
-                         f"divisor of {args.n_head}")
-    if not args.rope_theta > 0:
-        raise UsageError(f"--rope-theta {args.rope_theta}: must be positive (Llama: 10000)")
-    if not 0 < args.norm_eps < 1:
-        raise UsageError(f"--norm-eps {args.norm_eps}: must be between 0 and 1 (1e-5, or a "
-                         "folder's own)")
-    if args.arch == "llama" and (args.n_embd // args.n_head) % 2:
-        raise UsageError(f"--arch llama: the head size --n-embd / --n-head = "
-                         f"{args.n_embd // args.n_head} must be even (rotary positions turn "
-                         "pairs of columns)")
-
-
 def check_flags(args):
     """Every flag's range and the combinations that cannot work, on this rank alone."""
     for flag, name, low, what in _AT_LEAST:
@@ -154,12 +126,13 @@ def check_flags(args):
     # --init-from: the model's sizes are the folder's; --resume: the checkpoint's model
     from minidist.train.inputs import (check_data_path, take_init_from_sizes,  # (inputs.py
                                        take_resume_model)            # imports this module)
+    from minidist.train.model_flags import check_arch, check_moe     # (so does it)
     take_init_from_sizes(args)
     take_resume_model(args)
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
-    check_arch(args)
+    check_arch(args)                      # minidist/train/model_flags.py
     if args.stop_at is not None and args.stop_at > args.steps:
         raise UsageError(f"--stop-at {args.stop_at}: past --steps {args.steps}, where the run "
                          "ends anyway; give a step below --steps, or leave --stop-at out")
@@ -261,37 +234,6 @@ def check_idle_flags(args, replicas=None, ranks=None):
             given = flag if isinstance(value, bool) else f"{flag} {value}"    # --overwrite
             raise UsageError(f"{given}: sets {what}, which this run does not use ({remedy}, "
                              f"or leave {flag} out)")
-
-
-MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
-             "moe_z_loss_coef")
-
-
-def check_moe(args):
-    """The --moe-* flags, in their own names and before any work (GPTConfig checks the same
-    fields later, after MPI started and the data was read, naming the fields)."""
-    experts = args.moe_experts
-    if experts < 0 or experts == 1:
-        raise UsageError(f"--moe-experts {experts}: 0 (a dense model) or at least 2 experts")
-    if not experts:
-        from minidist.train.args import train_parser     # (args.py imports this module)
-        defaults = train_parser()
-        for name in MOE_FLAGS:                  # a flag that would do nothing: refused
-            if getattr(args, name) != defaults.get_default(name):
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} {getattr(args, name)}: only used with --moe-experts "
-                                 f"(add --moe-experts E, 2 or more, or leave {flag} out)")
-        return
-    if not 1 <= args.moe_top_k <= experts:
-        raise UsageError(f"--moe-top-k {args.moe_top_k}: experts per token, from 1 to "
-                         f"--moe-experts {experts}")
-    if not 1 <= args.moe_every <= args.n_layer:
-        raise UsageError(f"--moe-every {args.moe_every}: from 1 (every block is MoE) to "
-                         f"--n-layer {args.n_layer}")
-    for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value < 0:
-            raise UsageError(f"{flag} {value}: must not be negative")
 
 
 def check_amp_dtype(args):
