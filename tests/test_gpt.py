@@ -245,3 +245,31 @@ def test_vocab_padding_loads_unpadded_state_and_refuses_a_bad_multiple(device):
     plain.load_state_dict(padded.state_dict())           # and stripped on the way out
     with pytest.raises(ValueError, match="vocab_multiple"):
         GPTConfig(vocab_multiple=0)
+
+
+@pytest.mark.parametrize("block", [{}, dict(arch="llama", bias=False, n_kv_head=2),
+                                   dict(arch="llama", bias=False, n_kv_head=1)],
+                         ids=["gpt2", "llama-gqa", "llama-mqa"])
+def test_sampling_with_the_kv_cache_is_the_whole_context_forward(block):
+    """minidist/nn/kv_cache.py: the logits after each token, run alone against the cached k
+    and v, are the whole context's (float64, 1e-12), through the prompt, token by token and
+    past block_size (where the window slides and the cache starts again); generate's tokens
+    (sampled, which uses the cache) are the uncached steps' own."""
+    from minidist import backend
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=12, vocab_size=50, **block)
+    model = GPT(config, seed=0, dtype="float64").eval()
+    idx = np.random.default_rng(0).integers(0, 50, (2, 20))
+    cache = model.sampling_cache()
+    with no_grad():
+        for T in range(5, 21):
+            ctx = idx[:, max(0, T - 12):T]
+            np.testing.assert_allclose(model.last_logits(ctx, cache), model.last_logits(ctx),
+                                       rtol=1e-12, atol=1e-12)
+    assert cache.length == 12                       # refilled after sliding past block_size
+    out = model.generate(idx[:, :5], 15, temperature=1.0, seed=4)
+    rng, steps = backend.rng(4), idx[:, :5]
+    with no_grad():
+        for _ in range(15):
+            nxt = model.next_token(steps[:, -12:], 1.0, None, rng)      # no cache
+            steps = np.concatenate([steps, nxt[:, None]], axis=1)
+    np.testing.assert_array_equal(out, steps)

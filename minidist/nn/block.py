@@ -26,6 +26,7 @@ from minidist.nn.moe import MoE
 
 class CausalSelfAttention(Module):
     context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
+    cache = None        # sampling's LayerCache (minidist/nn/kv_cache.py), or None
 
     def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
@@ -53,6 +54,9 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):                                          # (B, T, C)
         qkv = self.c_attn(x)                                       # (B, T, (nh + 2 nkv) hs)
+        if self.cache is not None:                                 # sampling: new tokens only
+            y = self.cache.attend(qkv, self.n_head, self.n_kv_head, self.rope_theta)
+            return self.resid_dropout(self.c_proj(y))              # (B, T, C)
         if self.rope_theta is not None:                            # turn q and k by position
             pos = self.positions(qkv.shape[1], xp_of(qkv.data))
             qkv = rotary(qkv, self.n_head, self.n_kv_head, pos, self.rope_theta)

@@ -29,6 +29,7 @@ from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
 from minidist.nn.block import Block, CausalSelfAttention
 from minidist.nn.config import attention_weights, gpt_init, mlp_weights
+from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
@@ -260,13 +261,43 @@ class GPT(Module):
         Deterministic (`seed`), temperature 0 greedy, in eval mode: sampling.generate."""
         return generate(self, idx, n, temperature, top_k, seed)
 
-    def next_token(self, ctx, temperature, top_k, rng):
+    def sampling_cache(self):
+        """A KVCache for generate (minidist/nn/kv_cache.py): each attention layer keeps its
+        tokens' k and v, so each token runs the model on itself alone. None for a Mixture of
+        Experts, whose capacity counts the tokens it runs on (one token would drop none)."""
+        if self.config.moe_experts:
+            return None
+        attentions = [m for _, m in self.named_modules() if isinstance(m, CausalSelfAttention)]
+        return KVCache(len(attentions), self.config.block_size)
+
+    def next_token(self, ctx, temperature, top_k, rng, cache=None):
         """One sampled token per row of ctx (B, T), as a host int64 array (B,): generate's
         step. The pipeline stage overrides this (forward through every stage, sample on the
         last)."""
-        x = self.run_blocks(self.embed(ctx))                           # (B, T, C)
+        return sample(self.last_logits(ctx, cache), temperature, top_k, rng)
+
+    def last_logits(self, ctx, cache=None):
+        """The logits (B, V) after the last token of each row of ctx (B, T), on the host; with
+        `cache` (sampling_cache's) only the tokens it has not seen run, at their positions."""
+        if cache is None:
+            x = self.run_blocks(self.embed(ctx))                       # (B, T, C)
+        else:
+            new, start = cache.new_tokens(ctx)                         # (B, t), t <= T
+            self.set_cache(cache)
+            try:
+                x = self.run_blocks(self.embed(new, np.arange(start, start + new.shape[1])))
+            finally:
+                self.set_cache(None)
         logits, _ = self.head(x[:, -1:, :])                            # (B, 1, V)
-        return sample(backend.to_host(logits.data)[:, -1, :], temperature, top_k, rng)
+        return backend.to_host(logits.data)[:, -1, :]
+
+    def set_cache(self, cache):
+        """Give each attention layer its LayerCache of `cache` (a KVCache), in model order;
+        None: none (every forward runs the whole sequence)."""
+        attentions = [m for _, m in self.named_modules() if isinstance(m, CausalSelfAttention)]
+        for i, m in enumerate(attentions):
+            m.cache = None if cache is None else cache.layers[i]
+        return self
 
     # ---- GPT-2 checkpoints (minidist/nn/pretrained.py) --------------------------------------
     def save_pretrained(self, directory, dtype="float32"):

@@ -1,9 +1,10 @@
 """Sampling from a model: `generate` appends n tokens to a prompt, one `model.next_token` at a
 time; `sample` draws one token per row of logits.
 
-`model.next_token(ctx, temperature, top_k, rng)` runs the model on the context ctx (B, T) and
-returns the next token of each row: GPT's (minidist/nn/gpt.py) runs its blocks and head on the
-last position and calls `sample`; a pipeline stage's (minidist/pp/stage.py) runs the forward
+`model.next_token(ctx, temperature, top_k, rng, cache)` runs the model on the context ctx
+(B, T) and returns the next token of each row: GPT's (minidist/nn/gpt.py) runs its blocks
+(with `model.sampling_cache()`'s KVCache, on the tokens it has not seen: minidist/nn/
+kv_cache.py) and head on the last position and calls `sample`; a pipeline stage's (minidist/pp/stage.py) runs the forward
 through every stage, samples on the last and broadcasts the tokens, so every stage of a
 pipeline calls `generate` together. Draws come from `backend.rng(seed)` on the host in float64:
 the same seed gives the same tokens on every device and under every parallel layout.
@@ -23,12 +24,13 @@ def generate(model, idx, n, temperature=1.0, top_k=None, seed=0):
     """
     rng, was_training = backend.rng(seed), model.training
     idx = np.array(backend.to_host(idx), dtype=np.int64)
+    cache = model.sampling_cache()           # k and v kept: each token runs alone (or None)
     model.eval()
     try:
         with no_grad():
             for _ in range(n):
                 ctx = idx[:, -model.config.block_size:]               # (B, <=block_size)
-                nxt = model.next_token(ctx, temperature, top_k, rng)  # (B,)
+                nxt = model.next_token(ctx, temperature, top_k, rng, cache)   # (B,)
                 idx = np.concatenate([idx, nxt[:, None]], axis=1)     # (B, T + 1)
     finally:
         model.train(was_training)

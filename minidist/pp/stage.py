@@ -195,7 +195,11 @@ class PipelineStage:
                 return self.head(x[:, -1:, :])[0]                  # logits (B, 1, V)
             return self.head(x, part_of(targets, pos))[1]
 
-    def next_token(self, ctx, temperature, top_k, rng):
+    def sampling_cache(self):
+        """None: a pipeline runs the whole context through its stages for each token."""
+        return None
+
+    def next_token(self, ctx, temperature, top_k, rng, cache=None):
         """GPT.generate's step over the pipeline: the forward runs through every stage, the
         last stage samples and broadcasts the token to all. Every stage calls generate."""
         logits = self._pipe_forward(ctx, None, last_position=True)
