@@ -304,7 +304,8 @@ def check_outputs(args):
         if problem:                                           # training ran
             raise UsageError(problem)
     if args.cache_dir and not os.path.isdir(args.cache_dir):   # (an existing folder may be a
-        if os.path.exists(args.cache_dir):                     # read-only cache: data.py)
+        # read-only cache: data.py); isdir asked again: another rank may have made it since
+        if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
             raise UsageError(f"--cache-dir {args.cache_dir}: is a file; give a folder for "
                              "the tokenized text (made if missing)")
         _writable_folder("--cache-dir", args.cache_dir, args.cache_dir)
