@@ -97,10 +97,13 @@ class GPT(Module):
         """Context parallelism (minidist/cp/context.py): from now on forward hands the whole
         sequence to `context`, and every attention layer uses its ring; None: off."""
         self.context = context
-        for _, m in self.named_modules():
-            if isinstance(m, CausalSelfAttention):
-                m.context = context
+        for m in self.attention_layers():
+            m.context = context
         return self
+
+    def attention_layers(self):
+        """The attention layers (block.py's CausalSelfAttention), in block order."""
+        return [m for _, m in self.named_modules() if isinstance(m, CausalSelfAttention)]
 
     def set_checkpointing(self, on=True):
         """Activation checkpointing (--ckpt-activations): each block keeps only its input and
@@ -267,8 +270,7 @@ class GPT(Module):
         Experts, whose capacity counts the tokens it runs on (one token would drop none)."""
         if self.config.moe_experts:
             return None
-        attentions = [m for _, m in self.named_modules() if isinstance(m, CausalSelfAttention)]
-        return KVCache(len(attentions), self.config.block_size)
+        return KVCache(len(self.attention_layers()), self.config.block_size)
 
     def next_token(self, ctx, temperature, top_k, rng, cache=None):
         """One sampled token per row of ctx (B, T), as a host int64 array (B,): generate's
@@ -294,8 +296,7 @@ class GPT(Module):
     def set_cache(self, cache):
         """Give each attention layer its LayerCache of `cache` (a KVCache), in model order;
         None: none (every forward runs the whole sequence)."""
-        attentions = [m for _, m in self.named_modules() if isinstance(m, CausalSelfAttention)]
-        for i, m in enumerate(attentions):
+        for i, m in enumerate(self.attention_layers()):
             m.cache = None if cache is None else cache.layers[i]
         return self
 
