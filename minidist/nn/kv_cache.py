@@ -21,6 +21,7 @@ Inference only (no_grad): nothing here has a backward. Tests: tests/test_gpt.py.
 import numpy as np
 
 from minidist.autograd import Tensor, is_grad_enabled
+from minidist.autograd.cuda_kernels import acc_dtype
 from minidist.autograd.llama_ops import rotary
 from minidist.backend import xp_of
 
@@ -52,7 +53,7 @@ class LayerCache:
         self._append(xp, k, v)
         K, V = self.k[:, :p0 + t], self.v[:, :p0 + t]                  # (B, L, nkv, hs)
         g, L = n_head // n_kv_head, p0 + t
-        f32 = "float64" if data.dtype == np.float64 else "float32"
+        f32 = acc_dtype(data.dtype)                  # float32, float64 for float64
         qg = q.reshape(B, t, n_kv_head, g, hs).transpose(0, 2, 3, 1, 4).astype(f32)
         kt = K.transpose(0, 2, 3, 1).astype(f32)                      # (B, nkv, hs, L)
         s = xp.matmul(qg.reshape(B, n_kv_head, g * t, hs), kt) / np.sqrt(hs)
@@ -64,6 +65,11 @@ class LayerCache:
         y = xp.matmul(s.reshape(B, n_kv_head, g * t, L), V.transpose(0, 2, 1, 3).astype(f32))
         y = y.reshape(B, n_kv_head, g, t, hs).transpose(0, 3, 1, 2, 4)  # (B, t, nkv, g, hs)
         return Tensor(y.reshape(B, t, n_head * hs).astype(data.dtype))
+
+    def clear(self):
+        """Forget every token (the context slid: the cache starts again)."""
+        self.k = self.v = None
+        self.length = 0
 
     def _append(self, xp, k, v):
         B, t = k.shape[:2]
@@ -93,8 +99,7 @@ class KVCache:
         n = self.length
         if not (0 < n < ctx.shape[1] and np.array_equal(ctx[:, :n], self.tokens)):
             for layer in self.layers:
-                layer.k = layer.v = None
-                layer.length = 0
+                layer.clear()
             self.tokens, n = None, 0
         self.tokens = ctx.copy()
         return ctx[:, n:], n
