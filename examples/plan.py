@@ -67,11 +67,14 @@ def parse(argv=None):
     p.add_argument("--comm", choices=("ring", "hier"), default="ring",
                    help="data-parallel all-reduce: flat ring or hierarchical")
     p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled",
-                   help="attention's memory: (T, T) scores kept, or tiles")
+                   help="attention's memory: (T, T) scores (the search also tries them "
+                   "recomputed in backward, selective recompute), or tiles")
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision "
                    "(always with --preset here: numpy emulates 16-bit compute, slower there)")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
-                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (nosp: TP without SP; ep=: "
+                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (ckpt: full recompute; "
+                   "selective: the attention's scores recomputed, with --attention "
+                   "materialized; nosp: TP without SP; ep=: "
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
                    "ulysses: the CP attention, with cp > 1; shard=K: hybrid sharding, ZeRO "
                    "over each K dp ranks; ogather: ZeRO-1/2's all-gathers behind the next "
@@ -133,6 +136,11 @@ def parse_layout(text, args, config, v):
         seen.add(key)
         if item == "ckpt":
             fields["recompute"] = "full"
+        elif item == "selective":
+            if args.attention == "tiled":
+                fail("--layout: selective: tiled attention keeps no scores to recompute; "
+                     "add --attention materialized, or leave selective out")
+            fields["recompute"] = "selective"
         elif item == "nosp":
             sp = False
         elif item == "ogather":
@@ -151,7 +159,7 @@ def parse_layout(text, args, config, v):
                 fields["zero_shard" if key == "shard" else key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"shard=,cpattn=,ckpt,nosp,ogather")
+                 f"shard=,cpattn=,ckpt,selective,nosp,ogather")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", **fields)
     problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,
@@ -194,12 +202,9 @@ def nothing_fits(rows, cluster, headroom):
 
 
 def command(config, row, gpus, v):
-    """The train_gpt command that runs `row` (None for selective recompute: no flag)."""
-    try:
-        flags = train_flags(config, row, v)
-    except ValueError:
-        return None
-    return f"mpirun -n {gpus} python examples/train_gpt.py " + " ".join(flags)
+    """The train_gpt command that runs `row`."""
+    return (f"mpirun -n {gpus} python examples/train_gpt.py "
+            + " ".join(train_flags(config, row, v)))
 
 
 def main(argv=None):

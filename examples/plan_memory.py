@@ -29,6 +29,8 @@ MEASURED = [
     ("1 process, float32, --ckpt-activations", 1, ["--ckpt-activations"],
      Layout(amp=False, recompute="full")),
     ("1 process, --amp", 1, ["--amp"], Layout(amp=True)),
+    ("1 process, --amp --attention recompute", 1, ["--amp", "--attention", "recompute"],
+     Layout(amp=True, recompute="selective")),
     ("1 process, --amp --ckpt-activations", 1, ["--amp", "--ckpt-activations"],
      Layout(amp=True, recompute="full")),
     ("DDP x2, float32", 2, [], Layout(dp=2, amp=False)),
@@ -70,11 +72,11 @@ def print_plan(result):
     keys = ("params", "grads", "optimizer", "activations", "total")
     # 8 wide, or wider where a value needs it (a 1T model's 15255.66 GiB), one space between
     w = max(8, *(len(f"{r[k] / GiB:.2f}") + 1 for r in result["rows"] for k in keys))
-    print(f"{'layout (per-rank GiB)':<44}{'params':>{w}}{'grads':>{w}}{'optim':>{w}}"
+    print(f"{'layout (per-rank GiB)':<48}{'params':>{w}}{'grads':>{w}}{'optim':>{w}}"
           f"{'activ':>{w}}{'total':>{w}}  fits")
     for r in result["rows"]:
         cols = "".join(f"{r[k] / GiB:{w}.2f}" for k in keys)
-        print(f"{r['layout']:<44}{cols}  {'yes' if r['fits'] else 'no'}")
+        print(f"{r['layout']:<48}{cols}  {'yes' if r['fits'] else 'no'}")
     best = result["recommendation"]
     print(f"recommendation: {best}" if best else
           "recommendation: nothing fits; add GPUs, shorten --seq or --micro-batch")

@@ -6,7 +6,8 @@ Dimensions: B batch, nh heads, T sequence, hs head size, C = nh * hs.
     P = softmax(S + causal mask)  (B, nh, T, T)  -inf above the diagonal: no peeking ahead
     y = dropout(P) v              (B, nh, T, hs)
 
-Saved for backward: q, k, v (inputs), P and the dropout mask. The backward uses
+Saved for backward: q, k, v (inputs), P and the dropout mask (with `recompute`, Megatron-LM's
+selective recompute, only q, k, v: the backward computes P and the mask again, Redo). It uses
 FlashAttention's identity sum_j P_ij dP_ij = g_i . y_i, a (B, nh, T) row sum over hs instead
 of over a (T, T) temporary. `CausalSelfAttention` also does GPT-2's head split and merge
 inside, as strided views, so a model's graph has one node per attention and no copies.
@@ -74,8 +75,9 @@ def _matmul_into(a, b, out):
         _mm(a, b, out=out)
 
 
-def _attn_forward(q, k, v, dropout_p, rng, out):
-    """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
+def _attn_weights(q, k, dropout_p, rng):
+    """What the attention multiplies v by: (P, keep mask or None, scale), P = softmax(S +
+    causal mask) (B, nh, T, T), keep = dropout's mask over it (None for p == 0)."""
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
     P = _mm(q, xp.swapaxes(k, -1, -2))                       # (B, nh, T, T)
@@ -88,14 +90,43 @@ def _attn_forward(q, k, v, dropout_p, rng, out):
         xp.exp(P, out=P)
         P /= P.sum(axis=-1, keepdims=True)                   # P = softmax(S)
     if dropout_p <= 0:
-        _matmul_into(P, v, out)                              # y = P v
         return P, None, 1.0
     keep = keep_mask(rng, P.shape, dropout_p, xp)
-    scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
+    return P, keep, (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+
+
+def _attn_forward(q, k, v, dropout_p, rng, out):
+    """Write y into `out`; return what backward needs: (P, keep mask or None, scale)."""
+    P, keep, scale = _attn_weights(q, k, dropout_p, rng)
+    if keep is None:
+        _matmul_into(P, v, out)                              # y = P v
+        return P, None, 1.0
     Pd = P * keep
     Pd *= scale
     _matmul_into(Pd, v, out)                                 # y = dropout(P) v
     return P, keep, scale
+
+
+class Redo:
+    """Selective recompute (--attention recompute, Megatron-LM's selective activation
+    recomputation): the forward keeps no (B, nh, T, T) weights, only q, k, v; the backward
+    computes P and dropout's mask again from them. The mask's numbers are keyed by place
+    (a DropoutSite): the keys' state of the forward (step, rows, cp positions) is kept and
+    the backward draws as of it, as a pipeline's backward runs micro-batches later."""
+
+    def __init__(self, dropout_p, rng):
+        if dropout_p > 0 and not isinstance(rng, DropoutSite):
+            raise TypeError("recomputed attention's dropout needs keyed numbers (a "
+                            "DropoutSite, as GPT gives its layers), not a generator")
+        self.p, self.rng = dropout_p, rng
+        self.state = rng.keys.snapshot() if dropout_p > 0 else None
+
+    def weights(self, q, k):
+        """(P, keep, scale) as the forward computed them, bit for bit."""
+        if self.state is None:
+            return _attn_weights(q, k, self.p, self.rng)
+        with self.rng.keys.as_of(self.state):
+            return _attn_weights(q, k, self.p, self.rng)
 
 
 def _attn_backward(g, gy, q, k, v, saved, out):
@@ -128,12 +159,13 @@ class CausalAttention(Function):
     """q, k, v (B, nh, T, hs) -> y (B, nh, T, hs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p=0.0, rng=None):
+    def forward(ctx, q, k, v, dropout_p=0.0, rng=None, recompute=False):
         if not (q.shape == k.shape == v.shape) or q.ndim < 2:
             raise ValueError("q, k, v must have one shape (B, nh, T, hs)")
         y = xp_of(q).empty(q.shape, q.dtype)
+        ctx.redo = Redo(dropout_p, rng) if recompute else None
         saved = _attn_forward(q, k, v, dropout_p, rng, y)
-        ctx.save_for_backward(q, k, v, y, saved)
+        ctx.save_for_backward(q, k, v, y, None if recompute else saved)
         return y
 
     @staticmethod
@@ -142,14 +174,16 @@ class CausalAttention(Function):
         xp = xp_of(grad)
         gy = (grad * y).sum(axis=-1, keepdims=True, dtype=_acc(y.dtype))
         out = xp.empty((3,) + q.shape, q.dtype)
+        saved = ctx.redo.weights(q, k) if ctx.redo else saved
         _attn_backward(grad, gy, q, k, v, saved, out)
-        return out[0], out[1], out[2], None, None
+        return out[0], out[1], out[2], None, None, None
 
 
-def causal_attention(q, k, v, dropout_p=0.0, rng=None):
+def causal_attention(q, k, v, dropout_p=0.0, rng=None, recompute=False):
     """Causal attention over heads already split: (B, nh, T, hs) each, scale 1/sqrt(hs).
-    Dropout on the attention weights follows ops.dropout's rng contract."""
-    return CausalAttention.apply(q, k, v, dropout_p, rng)
+    Dropout on the attention weights follows ops.dropout's rng contract. recompute: keep
+    no weights, compute them again in backward (Redo; rng then a DropoutSite)."""
+    return CausalAttention.apply(q, k, v, dropout_p, rng, recompute)
 
 
 def heads_view(a, n_head):
@@ -192,10 +226,11 @@ class CausalSelfAttention(Function):
     Split and merge are strided views: no transposed copies in forward or backward."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, dropout_p=0.0, rng=None):
+    def forward(ctx, qkv, n_head, dropout_p=0.0, rng=None, recompute=False):
         q, k, v, y, yh = split_heads(qkv, n_head)
+        ctx.redo = Redo(dropout_p, rng) if recompute else None
         saved = _attn_forward(q, k, v, dropout_p, rng, yh)
-        ctx.save_for_backward(qkv, y, saved)
+        ctx.save_for_backward(qkv, y, None if recompute else saved)
         ctx.n_head = n_head
         return y
 
@@ -209,11 +244,13 @@ class CausalSelfAttention(Function):
         gy = gy.transpose(0, 2, 1)[..., None]                # (B, nh, T, 1)
         dqkv = xp.empty_like(qkv)                            # (B, T, 3C)
         q, k, v = heads_view(qkv, nh)
+        saved = ctx.redo.weights(q, k) if ctx.redo else saved
         _attn_backward(g4.transpose(0, 2, 1, 3), gy, q, k, v, saved, heads_view(dqkv, nh))
-        return dqkv, None, None, None
+        return dqkv, None, None, None, None
 
 
-def causal_self_attention(qkv, n_head, dropout_p=0.0, rng=None):
+def causal_self_attention(qkv, n_head, dropout_p=0.0, rng=None, recompute=False):
     """(B, T, 3C) -> (B, T, C) causal self-attention with n_head heads of size C/n_head.
-    With tensor parallelism pass the local shard (B, T, 3C/tp) and n_head/tp."""
-    return CausalSelfAttention.apply(qkv, n_head, dropout_p, rng)
+    With tensor parallelism pass the local shard (B, T, 3C/tp) and n_head/tp. recompute:
+    keep no (B, nh, T, T) weights, compute them again in backward (Redo)."""
+    return CausalSelfAttention.apply(qkv, n_head, dropout_p, rng, recompute)

@@ -119,8 +119,8 @@ class ContextParallel(ModelParallel):
         model's --attention only where the ring is not active: the end's sample), or
         Ulysses' all-to-alls around the model's --attention on n_head/cp heads."""
         s, ep, config = self.mesh.shape, self.expert_ranks(), self.model.config
-        sample = (" (--attention materialized: the end's sample only)"
-                  if config.attention == "materialized" else "")
+        sample = (f" (--attention {config.attention}: the end's sample only)"
+                  if config.attention in ("materialized", "recompute") else "")
         how = ("ring attention in tiles of "
                f"{config.attention_block} tokens in training and evaluation" + sample)
         if self.attention == "ulysses":

@@ -122,7 +122,8 @@ def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None):
     if uses_tiled(context.local, qkv_h.shape[1]):
         y = tiled_self_attention(qkv_h, heads, context.block, dropout_p, site)   # (B, T, C/N)
     else:
-        y = causal_self_attention(qkv_h, heads, dropout_p, site)                 # (B, T, C/N)
+        y = causal_self_attention(qkv_h, heads, dropout_p, site,                 # (B, T, C/N)
+                                  recompute=context.local == "recompute")
     return TokensForHeads.apply(y, group, order, 1)                   # (B, Tl, C)
 
 

@@ -67,7 +67,8 @@ class CausalSelfAttention(Module):
         elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
             y = tiled_self_attention(qkv, self.n_head, self.attention_block, p, rng)
         else:                                                      # dropout on the weights
-            y = F.causal_self_attention(qkv, self.n_head, p, rng)  # (B, T, C)
+            y = F.causal_self_attention(qkv, self.n_head, p, rng,  # (B, T, C)
+                                        recompute=self.attention == "recompute")
         return self.resid_dropout(self.c_proj(y))                  # (B, T, C)
 
 

@@ -16,7 +16,9 @@ import numpy as np
 from minidist import backend
 
 ARCHS = ("gpt2", "llama")
-ATTENTIONS = ("auto", "materialized", "tiled")  # attention.py's (B, nh, T, T) P, flash.py's tiles
+# attention.py's (B, nh, T, T) P kept for backward, or computed again there (selective
+# recompute); flash.py's tiles
+ATTENTIONS = ("auto", "materialized", "tiled", "recompute")
 TILED_FROM_T = 256    # "auto": tiled from this length on, where it is faster on the CPU too
 
 

@@ -42,9 +42,12 @@ def add_model_args(p):
                    help="context length, in tokens")
     g.add_argument("--dropout", type=float, default=0.0, action=Given,
                    help="dropout probability")
-    g.add_argument("--attention", choices=("auto", "materialized", "tiled"), default="auto",
+    g.add_argument("--attention", choices=("auto", "materialized", "tiled", "recompute"),
+                   default="auto",
                    help="tiled: FlashAttention-style tiles, O(T) memory (attention dropout "
-                   "drawn per tile); auto: tiled from --block-size 256 on (faster there)")
+                   "drawn per tile); auto: tiled from --block-size 256 on (faster there); "
+                   "recompute: materialized, but its (T, T) weights are not kept for "
+                   "backward, which computes them again (Megatron's selective recompute)")
     g.add_argument("--attention-block", type=int, default=64, help="tile size, --attention tiled")
     g.add_argument("--no-bias", dest="bias", action=GivenFalse,
                    help="no biases in Linear and LayerNorm layers")

@@ -5,7 +5,7 @@ Compute. Forward FLOPs per micro-batch of b sequences of s tokens (Megatron's co
 et al. 2021, appendix): 24 b s h^2 per layer in the matmuls, 4 b s^2 h in attention (q k^T and
 p v), 2 b s h V in the output layer. Backward is twice forward; full recompute (--ckpt-activations)
 runs each block's forward once more; tiled attention's backward recomputes the scores (2 b s^2
-h per layer). TP divides the FLOPs by t, CP the tokens by c, PP the layers by p. Time = FLOPs /
+h per layer), and so does selective recompute's (--attention recompute). TP divides the FLOPs by t, CP the tokens by c, PP the layers by p. Time = FLOPs /
 (peak x efficiency), the efficiency a measured factor (`Cluster.efficiency`); on a machine with
 fewer cores than ranks (`compute_slots`), ranks share them: time x ranks per node / slots.
 MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak.
@@ -155,7 +155,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
     extra = blocks if layout.recompute == "full" else 0.0
-    if layout.tiled:                         # the backward recomputes q k^T tile by tile
+    ring = layout.cp > 1 and layout.cp_attention == "ring"              # tiles, whatever asked
+    if layout.tiled or ring or layout.recompute == "selective":   # backward: q k^T again
         extra += layers * 2 * b * s_local * seq * h / layout.tp
     return fwd, extra, layers
 
@@ -163,11 +164,12 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
 def ring_block_times(config, layout, b, seq, rate):
     """(forward, backward) seconds of one ring block's attention on a rank: a 1/cp share of
     the layer's 4 b (s/cp) s h / tp attention FLOPs (_stage_compute's), backward twice that
-    (with tiling, its q k^T again: + half). What a hop in flight can hide behind."""
+    and its q k^T again, + half (the ring's backward recomputes each block's scores from the
+    saved log-sum-exp, whatever --attention says). What a hop in flight can hide behind."""
     if layout.cp == 1:
         return 0.0, 0.0
     f = 4 * b * (seq / layout.cp) * seq * config.n_embd / layout.tp / layout.cp / rate
-    return f, (2 + 0.5 * bool(layout.tiled)) * f
+    return f, 2.5 * f
 
 
 def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0)):

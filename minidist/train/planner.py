@@ -31,8 +31,9 @@ hidden size h, a heads, t = tp, with 16-bit activations and dropout, in bytes:
     sbh (34 + 5as/h)                   no parallelism
     sbh (10 + 24/t + 5as/(ht))         TP: only the 24 sbh inside the split matmuls shrink
     sbh/t (34 + 5as/h)                 TP + sequence parallelism (SP)
-    selective recompute drops the 5as/h term (attention scores recomputed); full recompute
-    (minidist's --ckpt-activations) keeps only the layer input, 2sbh (/t with SP).
+    selective recompute (minidist's --attention recompute) drops the 5as/h term (attention
+    scores recomputed); full recompute (--ckpt-activations) keeps only the layer input,
+    2sbh (/t with SP).
     The SP line's /t on the QKV and fc inputs (and the head's) holds because the column
     layers keep only their input's shard and all-gather it again in backward (Korthikanti
     4.2.2; minidist/tp/gathered.py; measured by tests/scripts/tp_probes.py). Keeping the
@@ -256,7 +257,8 @@ def _stage_activations(config, layout, stage, s, b, dropout):
     return out
 
 
-def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None):
+def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
+                              selective=False):
     """What minidist's own single-process graph holds after forward (the ledger's measure):
     the values its ops saved for backward, counted buffer by buffer (a graph holds no op's
     output: minidist/autograd/tensor.py Node). Per block, e-byte inputs of the QKV, attention
@@ -269,7 +271,9 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
     (B, T, C) input instead of its insides. A Llama-style block keeps its SwiGLU's [gate |
     up] (2F) and fc2's input (F) for the MLP's 8 sbh (mlp_saved), its q, k and v with k and
     v repeated to nh heads (the attention's input, 3 sbh, as GPT-2's), and RoPE's cos and
-    sin tables (s hs values, float32 under amp); it has no position ids."""
+    sin tables (s hs values, float32 under amp); it has no position ids. `selective`
+    (--attention recompute): no probabilities or attention mask kept (the backward computes
+    them again, minidist/autograd/attention.py Redo)."""
     e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
         config.n_layer
     d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
@@ -278,8 +282,8 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
     if ckpt:
         per_layer = sbh * e
     else:
-        per_layer = (6 + mlp_saved(config)) * sbh * e + 2 * ln + a * s * s * b * (e + d) + \
-            d * 2 * sbh
+        core = 0 if selective else a * s * s * b * (e + d)       # P and its dropout mask
+        per_layer = (6 + mlp_saved(config)) * sbh * e + 2 * ln + core + d * 2 * sbh
         per_layer += s * (h // a) * (4 if amp else e) if config.llama else 0   # RoPE tables
     embed = 8 * sb + (0 if config.llama else 8 * s) + d * sbh
     head = sbh * e + ln + sb * V * 4 + 8 * sb + sb + 4
@@ -291,10 +295,9 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None)
 def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"):
     """Per-rank bytes {"params", "grads", "optimizer", "activations", "total"} of the stage
     whose total is largest. dropout: None takes config.dropout > 0. formula "minidist":
-    activations of minidist's own graph (no tp, pp or selective recompute)."""
+    activations of minidist's own graph (dp and ZeRO layouts; full or selective recompute)."""
     dropout = config.dropout > 0 if dropout is None else dropout
-    if formula == "minidist" and (layout.tp > 1 or layout.pp > 1
-                                  or layout.recompute == "selective"):
+    if formula == "minidist" and (layout.tp > 1 or layout.pp > 1):
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
@@ -308,7 +311,8 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
                                  if layout.zero else experts)
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
-                                      layout.recompute == "full", dropout)
+                                      layout.recompute == "full", dropout,
+                                      layout.recompute == "selective")
             if formula == "minidist" else
             _stage_activations(config, layout, stage, seq, micro_batch, dropout))
         row["total"] = sum(row.values())
@@ -335,27 +339,29 @@ def _sp(config, seq, t):
 
 def candidates(config, gpus, gpus_per_node=8, seq=None):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
-    precision and checkpointing; with experts, EP over gcd(gpus, E) of the dp ranks; then
-    (each without and with checkpointing) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a node
-    (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
+    precision and recompute (selective: the attention's scores, a few percent more compute;
+    then full); with experts, EP over gcd(gpus, E) of the dp ranks; then (each without,
+    with selective and with full recompute) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a
+    node (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
     training runs it: seq (default block_size) a multiple of tp."""
     seq = seq or config.block_size
-    out = [Layout(dp=gpus, amp=False), Layout(dp=gpus), Layout(dp=gpus, recompute="full")]
+    recomputes = ("none", "selective", "full")
+    out = [Layout(dp=gpus, amp=False)] + [Layout(dp=gpus, recompute=r) for r in recomputes]
     ep = math.gcd(gpus, config.moe_experts) if config.moe_experts else 1
     if ep > 1:                            # MoE: the experts sharded over ep of the dp ranks
         out.append(Layout(dp=gpus, ep=ep))   # (minidist's MoE has no --ckpt-activations)
     for zero in (1, 2, 3):
-        out += [Layout(dp=gpus, zero=zero, recompute=r) for r in ("none", "full")]
+        out += [Layout(dp=gpus, zero=zero, recompute=r) for r in recomputes]
     tps = _tp_sizes(config, gpus, gpus_per_node)
     for t in tps:
         out += [Layout(dp=gpus // t, tp=t, zero=int(gpus > t), sp=_sp(config, seq, t),
                        recompute=r)
-                for r in ("none", "full")]
+                for r in recomputes]
     t = tps[-1] if tps else 1
     for p in range(2, min(gpus // t, config.n_layer) + 1):
         if (gpus // t) % p == 0:
             out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
-                           sp=_sp(config, seq, t), recompute=r) for r in ("none", "full")]
+                           sp=_sp(config, seq, t), recompute=r) for r in recomputes]
     return out
 
 

@@ -9,7 +9,9 @@ where the heads n_head / tp divide by cp, with Ulysses' all-to-alls (cp_attentio
 rest, dividing the global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle
 most of the step; from the first count above pp that divides the batch where pp does not),
 1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it fits);
-ckpt: without and with full recompute (not under ZB-H1, which training refuses).
+ckpt: without and with full recompute (not under ZB-H1, which training refuses), and with
+selective recompute where attention is materialised (--attention recompute: its scores
+computed again in backward; tiled attention keeps none).
 With sequence parallelism (always with tp > 1) each cp rank's seq / cp tokens must split
 over tp; under the interleaved schedule every one of pp x v chunks needs a block.
 ZeRO whose dp x cp ranks span nodes also tries hybrid sharding, one node's
@@ -125,9 +127,12 @@ def expert_splits(config, dp):
 
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
-           tiled=True, zeros=ZERO_STAGES, recomputes=("none", "full"), headroom=0.1, v=1,
+           tiled=True, zeros=ZERO_STAGES, recomputes=None, headroom=0.1, v=1,
            moe_load=1.0):
-    """Every candidate row, fastest first among those that fit, then the rest."""
+    """Every candidate row, fastest first among those that fit, then the rest. recomputes:
+    None: none and full, and selective too where the attention is not tiled (tiles keep
+    no scores to recompute)."""
+    recomputes = recomputes or (("none", "full") if tiled else ("none", "selective", "full"))
     rows = []
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch, v=v):
         for zero in (zeros if dp * cp > 1 else (0,)):
@@ -136,6 +141,8 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
+                        if recompute == "selective" and cp > 1 and attention == "ring":
+                            continue            # the ring keeps no scores to recompute
                         for shard in zero_shards(zero, dp * cp, tp, cluster.gpus_per_node):
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,
@@ -155,13 +162,13 @@ def train_flags(config, row, v=1):
     row["micro_batch"] x dp x micro-batches sequences of config.block_size tokens. The
     planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not.
     Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn)."""
-    if row["recompute"] == "selective":
-        raise ValueError("selective recompute: examples/train_gpt.py has no flag for it")
+    attention = "tiled" if row["tiled"] else \
+        "recompute" if row["recompute"] == "selective" else "materialized"   # as priced
     flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
              config.n_embd, "--block-size", config.block_size, "--batch-size",
              row["micro_batch"] * row["dp"] * row["micro_batches"], "--dp", row["dp"] // row["ep"],
              "--tp", row["tp"], "--pp", row["pp"], "--cp", row["cp"], "--ep", row["ep"],
-             "--zero", row["zero"], "--attention", "tiled" if row["tiled"] else "auto"]
+             "--zero", row["zero"], "--attention", attention]
     if row.get("zero_shard"):
         flags += ["--zero-shard", row["zero_shard"]]
     flags += ["--overlap-param-gather"] if row.get("overlap_gather") else []
@@ -220,10 +227,7 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         return problems
     row = {**asdict(layout), "micro_batches": micro, "schedule": schedule,
            "micro_batch": global_batch // (layout.dp * micro)}
-    try:
-        args = train_parser().parse_args(train_flags(config, row, v))
-    except ValueError as e:                                 # selective recompute
-        return [f"recompute={layout.recompute}: {e}"]
+    args = train_parser().parse_args(train_flags(config, row, v))
     cp = cp_problems(args) if layout.cp > 1 else []
     heads = ulysses_problems(args) if layout.cp > 1 and layout.cp_attention == "ulysses" \
         else []                                   # those of cp_problems' that are Ulysses'

@@ -84,6 +84,8 @@ def candidate(rng, ranks):
         f["--arch"] = "llama"
         f["--n-kv-head"] = _pick(rng, [None, 2, 1])      # grouped-query, multi-query
         f["--no-bias"] = False
+    if f["--attention"] == "materialized" and rng.random() < 0.5:   # drawn last: selective
+        f["--attention"] = "recompute"                               # recompute
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
