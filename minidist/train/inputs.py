@@ -82,17 +82,15 @@ def take_init_from_sizes(args):
     except (ValueError, KeyError, OSError) as e:
         why = str(e).removeprefix("from_pretrained: ")
         raise UsageError(f"--init-from {folder}: {why}") from None
-    given, model = getattr(args, "given", []), asdict(saved)
-    for name in ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS):
-        value, theirs = getattr(args, name), getattr(saved, name)
-        if name in given and _resolved(name, value, model) != _resolved(name, theirs, model):
-            flag = "--" + name.replace("_", "-")
-            said = ("--no-bias: its model has biases" if name == "bias" else
-                    f"{flag} {value}: its model has {name} {theirs}")
-            raise UsageError(f"{said} (--init-from {folder}); leave "
-                             f"{'--no-bias' if name == 'bias' else flag} out, the folder's "
-                             "sizes are used")
-        setattr(args, name, theirs)
+    given = getattr(args, "given", [])
+    clash = take_model_fields(args, asdict(saved),
+                              ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS))
+    if clash:
+        name, value = clash
+        said = ("--no-bias: its model has biases" if name == "bias" else
+                f"{_flag(name)} {value}: its model has {name} {getattr(saved, name)}")
+        raise UsageError(f"{said} (--init-from {folder}); leave {_flag(name)} out, the "
+                         "folder's sizes are used")
     if args.block_size > saved.block_size and not saved.llama:    # (RoPE: any length)
         if "block_size" in given:
             raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
@@ -110,6 +108,29 @@ RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "
 # ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
 # change them (checkpoint.HOW_COMPUTED lets them differ)
 MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+
+
+def take_model_fields(args, model, names, keep=()):
+    """Set each model field of `names` on `args` to `model`'s (a GPTConfig's fields as a dict:
+    an --init-from folder's or a --resume checkpoint's), so that every later check sees the
+    sizes its weights have; `keep`: fields no parameter depends on, which keep a value given.
+    Returns the first other field given (args.given) with another size than the model's, as
+    (name, the value given), for the caller to refuse in its own words; None when none is.
+    (Sizes are compared as _resolved reads them: typing the size the model holds is fine.)"""
+    given = getattr(args, "given", [])
+    for name in names:
+        value, theirs = getattr(args, name), model[name]
+        if name in given and name not in keep \
+                and _resolved(name, value, model) != _resolved(name, theirs, model):
+            return name, value
+        if name not in given or name not in keep:
+            setattr(args, name, theirs)
+    return None
+
+
+def _flag(name):
+    """The flag that sets model field `name` away from its default (bias: --no-bias)."""
+    return "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
 
 
 def _resolved(name, value, model):
@@ -184,20 +205,17 @@ def take_resume_model(args):
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
-    for name in RESUMED:
-        if name not in config or (name[:4] == "moe_" and not config["moe_experts"]
-                                  and name != "moe_experts"):
-            continue
-        value, theirs = getattr(args, name), config[name]
-        if name in given and _resolved(name, value, config) != _resolved(name, theirs, config) \
-                and name not in MAY_CHANGE:
-            flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
-            said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
-                    else f"{flag} {value}: --resume {folder} holds a model with {name} {theirs}")
-            raise UsageError(f"{said}; leave {flag} out (a resumed run takes its model from "
-                             "the checkpoint)")
-        if name not in given or name not in MAY_CHANGE:   # typed: the size it holds
-            setattr(args, name, theirs)
+    dense = not config["moe_experts"]         # a dense model: its other moe_* left alone
+    names = [n for n in RESUMED if n in config
+             and not (dense and n.startswith("moe_") and n != "moe_experts")]
+    clash = take_model_fields(args, config, names, keep=MAY_CHANGE)
+    if clash:
+        name, value = clash
+        said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
+                else f"{_flag(name)} {value}: --resume {folder} holds a model with {name} "
+                f"{config[name]}")
+        raise UsageError(f"{said}; leave {_flag(name)} out (a resumed run takes its model "
+                         "from the checkpoint)")
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
             raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "
