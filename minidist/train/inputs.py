@@ -133,6 +133,28 @@ def _flag(name):
     return "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
 
 
+# the pipeline's schedule flags: no number depends on them (tests/test_pipeline.py: every
+# schedule gives the same losses), but memory and speed do: a resumed run keeps the
+# checkpoint's, as it keeps its model, where its pipeline is the same (resumed_schedule)
+SCHEDULE_FLAGS = ("schedule", "pp_virtual", "micro_batches")
+
+
+def resumed_schedule(args, flags):
+    """The schedule flags (SCHEDULE_FLAGS) a resumed run takes from its checkpoint's `flags`
+    (the run's it continues): those not given (args.given), where it keeps that run's
+    pipeline, the same --pp above 1 (they were chosen for its stages; another --pp starts
+    from the defaults); --micro-batches only where the batch splits as it did (the same
+    --batch-size, --grad-accum, --dp and --ep), or the count might not divide it. A flag
+    the checkpoint did not record is not taken."""
+    if args.pp == 1 or flags.get("pp") != args.pp:
+        return []
+    split = all(flags.get(k) == getattr(args, k) for k in ("batch_size", "grad_accum", "dp",
+                                                          "ep"))
+    given = getattr(args, "given", [])
+    return [k for k in SCHEDULE_FLAGS
+            if k in flags and k not in given and (split or k != "micro_batches")]
+
+
 def _resolved(name, value, model):
     """A model field's `value` as the size it means in `model` (a GPTConfig's fields, as a
     dict): --n-kv-head 0 is --n-head's heads, --ffn-hidden 0 the block's default width; any
@@ -184,8 +206,9 @@ def take_resume_model(args):
     """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
-    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there) and
-    --data (the text or token files it trained on).
+    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there),
+    --data (the text or token files it trained on) and, with the same pipeline, its
+    schedule (resumed_schedule: --schedule, --pp-virtual, --micro-batches).
     One given with another value is refused here, before any work, naming the flag; but
     MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
     may change (fine-tuning). A checkpoint that
@@ -202,6 +225,8 @@ def take_resume_model(args):
         return
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     _take_resume_data(args, folder, flags.get("data"))
+    for name in resumed_schedule(args, flags):
+        setattr(args, name, flags[name])
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
