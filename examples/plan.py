@@ -21,8 +21,9 @@ memory-only table); the search: minidist/train/search.py. --preset h100 is H100 
 examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
 can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
 A --layout train_gpt.py would refuse (its own checks: search.layout_problems), a --gpus with
-no valid layout, or a --params below the smallest shape is one `error:` line, exit 2; "nothing
-fits" (valid layouts, none in memory) says the least memory one needs.
+no valid layout or that does not fill whole nodes (12 on nodes of 8: plan_args.nodes_problem),
+or a --params below the smallest shape is one `error:` line, exit 2; "nothing fits" (valid
+layouts, none in memory) says the least memory one needs.
 """
 import json
 import os
@@ -31,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
-                                      model_text, number_problem)
+                                      model_text, nodes_problem, number_problem)
 from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
@@ -220,6 +221,9 @@ def main(argv=None):
              f"must be positive")
     config = make_config(args)
     cluster = make_cluster(args)
+    problem = nodes_problem(args.gpus, cluster.gpus_per_node)   # the preset's when not given
+    if problem:
+        fail(problem)
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
     if args.layout:

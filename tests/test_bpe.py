@@ -79,7 +79,7 @@ def test_pretokenize_unicode_classes(text, pieces):
 
 
 def test_encode_by_hand_merge_rank_not_left_to_right(tok):
-    assert tok.vocab_size == 265 and tok.eot == EOT and tok.name == "gpt2-bpe"
+    assert tok.vocab_size == 265 and tok.eot == EOT and tok.name == "bpe-265"
     # " the": Ġ t h e -> (Ġ t rank 0) Ġt h e -> (h e 1) Ġt he -> (Ġt he 3) Ġthe
     # " thing": Ġ t h i n g -> Ġt h i n g -> (i n 2) Ġt h in g -> (in g 4) Ġt h ing;
     #   't h' (rank 5) could not apply: 'Ġ t' (rank 0) took the t first
@@ -167,7 +167,7 @@ def test_decode_inputs_and_its_errors(tok):
         with pytest.raises(TokenizerError) as e:
             tok.decode(bad)
         assert "\n" not in str(e.value) and str(e.value).startswith("decode:")
-    with pytest.raises(TokenizerError, match="id 265 is out of range for gpt2-bpe"):
+    with pytest.raises(TokenizerError, match="id 265 is out of range for bpe-265"):
         tok.decode([1, 265])
     with pytest.raises(TokenizerError, match="1-D"):
         tok.decode(np.zeros((2, 2), np.int64))
@@ -326,7 +326,7 @@ def test_a_trained_tokenizer_is_written_read_back_and_cuts_text_as_training_did(
     assert again == (vocab, merges)
 
 
-def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus):
+def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys):
     """examples/train_tokenizer.py on the corpus, then train_gpt.py --tokenizer: the model's
     vocabulary is the tokenizer's, the checkpoint resumes without --tokenizer (taken from
     it), sample.py finds it, export_gpt2.py copies it; nanoGPT-style uint16 files of its ids
@@ -358,6 +358,10 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus):
     cache = ["--cache-dir", str(tmp_path / "cache")]
     train(args("--data", corpus, *cache, "--tokenizer", str(tok), "--steps", "2", "--save",
                str(tmp_path / "ck")))
+    # its name was GPT-2's ("gpt2-bpe"), in the log's data line and the cache's meta.json
+    meta = json.load(open(next((tmp_path / "cache").glob("*/meta.json"))))
+    assert meta["tokenizer"] == "bpe-300", meta
+    assert " val bpe-300 tokens, cache " in capsys.readouterr().out
     resumed = args("--data", corpus, *cache, "--resume", str(tmp_path / "ck"), "--steps", "3")
     assert resumed.tokenizer == str(tok)
     # found by a first-use walk: another tokenizer (here one of the same size from other

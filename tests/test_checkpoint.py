@@ -233,6 +233,37 @@ def test_train_keeps_the_newest_k_folders(corpus, tmp_path):
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000004\n"
 
 
+def test_overwrite_replaces_the_other_runs_checkpoints(corpus, tmp_path):
+    """--save ck --overwrite over a longer run: its steps 2 and 4 replace that run's folders,
+    its step 6 too (it stayed as the "newest", and --keep 2 deleted this run's step 2
+    instead). The same command again saves step 2 over a step 2: step-00000002.1, latest
+    pointed at it once it is complete, the old folder then removed; every folder left
+    verifies:
+
+        python examples/train_gpt.py ... --steps 6 --save-every 2 --keep 2 --save ck
+        python examples/train_gpt.py ... --steps 4 --save-every 2 --keep 2 --save ck \\
+            --overwrite      (twice)"""
+    from minidist.train.args import train_parser
+    from minidist.train.loop import train
+    ck = tmp_path / "ck"
+
+    def run(*flags):
+        train(train_parser().parse_args([
+            "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "8",
+            "--batch-size", "2", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
+            "--device", "cpu", "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+            "--save", str(ck), "--save-every", "2", "--keep", "2", *flags]))
+        return sorted(os.listdir(ck)), (ck / "latest").read_text()
+    assert run("--steps", "6") == (["latest", "step-00000004", "step-00000006"],
+                                   "step-00000006\n")
+    assert run("--steps", "4", "--overwrite") == (
+        ["latest", "step-00000002", "step-00000004"], "step-00000004\n")
+    assert run("--steps", "4", "--overwrite") == (
+        ["latest", "step-00000002.1", "step-00000004"], "step-00000004\n")
+    for name in ("step-00000002.1", "step-00000004"):
+        assert checkpoint.verify(ck / name)["step"] == int(name[5:13])
+
+
 _SAVER = """
 import sys
 from minidist.nn import GPT, GPTConfig

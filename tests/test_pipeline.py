@@ -294,15 +294,39 @@ def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path, mpi):
     events = [e for e in json.load(open(t))["traceEvents"] if e.get("ph") == "X"]
     assert {e["name"] for e in events if e["pid"] == 1} >= {f"F{i}" for i in range(4)}
     mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
-        "--sample", "0", timeout=120)
-    mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-        resumed, "--sample", "0", timeout=120)
+        "--sample", "0", "--schedule", "gpipe", timeout=120)
+    # the schedule flags left out: the checkpoint's, as its model is (they were the defaults,
+    # 1f1b and pp's count, silently); the log says so; the numbers are the same either way
+    pp = common.index("--micro-batches")
+    out = mpi(2, "examples/train_gpt.py", *common[:pp], *common[pp + 2:], "--resume",
+              tmp_path / "ck", "--log-json", resumed, "--sample", "0", timeout=120).stdout
+    assert "; the checkpoint's pipeline schedule: --schedule gpipe --pp-virtual 1 " \
+        "--micro-batches 4" in out and "pipeline (gpipe, pp 2, 4 micro-batches)" in out, out
     assert logged_losses(resumed)[:3] == logged_losses(straight)[3:6]
+    _check_resumed_schedule(tmp_path / "ck")
     state = checkpoint.load(tmp_path / "ck")[2]          # plain dicts: (params, opt, meta)
     one = SingleProcess()                   # the whole model, in the one-process format
     model = one.build_model(GPTConfig(**state["config"]), 0, "float32")
     opt = one.build_optimizer(model, _parse("--lr", "1e-2"))
     assert checkpoint.load_checkpoint(tmp_path / "ck", model, opt)["step"] == 3
+
+
+def _check_resumed_schedule(ck):
+    """--resume ck (a --pp 2 --schedule gpipe --micro-batches 4 --batch-size 8 run) keeps a
+    schedule flag given, takes none under another --pp, and not --micro-batches where the
+    batch splits otherwise (its count might not divide it)."""
+    from minidist.train.cli import check_flags
+
+    def resumed(*flags):
+        args = train_parser().parse_args(["--resume", str(ck), "--batch-size", "8", *flags])
+        check_flags(args)
+        return args.schedule, args.pp_virtual, args.micro_batches
+    assert resumed("--pp", "2") == ("gpipe", 1, 4)
+    assert resumed("--pp", "2", "--schedule", "zb-h1") == ("zb-h1", 1, 4)
+    assert resumed("--pp", "2", "--batch-size", "16") == ("gpipe", 1, None)
+    assert resumed("--pp", "2", "--dp", "2") == ("gpipe", 1, None)
+    assert resumed("--pp", "4") == ("1f1b", 1, None)
+    assert resumed() == ("1f1b", 1, None)                       # no pipeline: nothing taken
 
 
 @pytest.mark.mpi

@@ -253,6 +253,15 @@ PLANNER_BAD = [
      "--n-embd 512: --params 7e+09 assumes"),
     ("plan", ["--params", "abc"], "argument --params: invalid float value: 'abc' (plan.py "
      "--help lists the flags)"),
+    # a part of a node was planned as if it were full (8 + 4 priced as 8 + 8)
+    ("plan", ["--params", "7e9", "--gpus", "12"], "--gpus 12 --gpus-per-node 8: 12 GPUs fill 1 "
+     "node of 8 and part of another, which the planners cannot price (they take every node "
+     "as full); give --gpus 8 or 16, or --gpus-per-node 6 (2 full nodes)"),
+    ("plan_memory", ["--params", "7e9", "--gpus", "13", "--gpus-per-node", "8"], "--gpus 13 "
+     "--gpus-per-node 8: 13 GPUs fill 1 node of 8 and part of another, which the planners "
+     "cannot price (they take every node as full); give --gpus 8 or 16\n"),
+    ("plan_memory", ["--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node 0: must be "
+     "a positive number"),
 ]
 
 
@@ -264,6 +273,18 @@ def test_planner_bad_numbers_are_one_line(script, flags, says):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: " + says) and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_planners_plan_part_of_one_node_and_suggest_whole_nodes(capsys):
+    """    python examples/plan.py --gpus 36 --gpus-per-node 12
+    suggested --gpus 32, which fills 2 nodes of 12 and part of a third (refused); now the
+    whole-node counts that have a layout, 24 or 48. A job on part of one node (4 GPUs of
+    8, or --gpus-per-node above --gpus) is planned: every group is inside that node."""
+    says = _plan_error(["--gpus", "36", "--gpus-per-node", "12"], capsys)
+    assert says.endswith("try --gpus 24 or 48"), says
+    for argv in (["--gpus", "4"], ["--gpus", "4", "--gpus-per-node", "16"]):
+        _plan_cli().main(argv + ["--top", "1", "--json"])
+        assert json.loads(capsys.readouterr().out)["best"]
 
 
 # ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------

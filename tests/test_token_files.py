@@ -295,7 +295,7 @@ def test_text_in_the_folders_bpe_fine_tunes_saves_and_samples(tmp_path, corpus, 
                               "--save", str(tmp_path / "ft"), *device_flags(device)])
     assert isinstance(summary["sample"], str) and summary["sample"]
     meta = json.load(open(next((tmp_path / "c").glob("*/meta.json"))))
-    assert meta["tokenizer"] == "gpt2-bpe" and meta["dtype"] == "uint16"
+    assert meta["tokenizer"] == f"bpe-{vocab}" and meta["dtype"] == "uint16"
     assert meta["vocab_size"] == vocab
     text = open(corpus, "rb").read()
     assert meta["train_tokens"] + meta["val_tokens"] < 0.8 * len(text)   # merges took hold

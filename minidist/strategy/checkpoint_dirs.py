@@ -12,7 +12,8 @@ A save: begin(DIR) makes the temporary folder (mode from the user's umask, not m
 0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
 (step-<step>, or step-<step>.<n> when that step was saved before), fsyncs DIR and points
 `latest` at it. prune(DIR, keep) then removes all but the newest `keep` folders, never the
-one `latest` names. A kill at any point leaves the old pointer and its folder, or the new.
+one `latest` names, and any past its step (an --overwrite run's: the run it replaces).
+A kill at any point leaves the old pointer and its folder, or the new.
 
 resolve(path) finds the checkpoint to read: `path` itself when it is one (manifest.json), else
 the folder `latest` names, else the newest numbered folder (a save killed between its rename
@@ -201,13 +202,19 @@ def commit(tmp, directory, step):
 
 def prune(directory, keep):
     """Remove all but the newest `keep` numbered folders (0: keep all); the one `latest`
-    names always stays. Returns the names removed."""
-    if not keep or not os.path.isdir(directory):
+    names always stays. Whatever `keep`, also those of a step past latest's: a run saves
+    below a newer checkpoint only when it replaces that run (--overwrite: check_save refuses
+    it otherwise), and as the "newest" they stayed while this run's own went (--steps 4
+    --overwrite over a 6-step run, --keep 2: its step 4 and the other run's step 6 were
+    left). Returns the names removed."""
+    if not os.path.isdir(directory):
         return []
     latest = read_latest(directory)
-    others = [n for n in numbered(directory) if n != latest]
+    folders = numbered(directory)
+    past = [n for n in folders if latest is not None and step_of(n) > step_of(latest)]
+    others = [n for n in folders if n != latest and n not in past]
     stay = keep - 1 if latest is not None else keep
-    gone = others[:max(len(others) - stay, 0)]
+    gone = past + (others[:max(len(others) - stay, 0)] if keep else [])
     for name in gone:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     if gone:

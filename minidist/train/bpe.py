@@ -279,14 +279,16 @@ class BPETokenizer:
     `encode(text)` -> int64 ids, `decode(ids)` -> str, `vocab_size`, `name`, `key` (a digest
     of the vocabulary and merges, for data caches); and `eot`, the
     id of <|endoftext|> (None if the vocabulary has none) to put between documents.
+    `name` ("bpe-4096") says what every such tokenizer is, GPT-2's download ("bpe-50257") or
+    one examples/train_tokenizer.py wrote: it was "gpt2-bpe" for both, in the data log line
+    and a cache's meta.json. It names no folder: folders of the same files share a cache.
 
     BPETokenizer.from_folder(path) reads and validates a folder's vocab.json and merges.txt;
     the constructor trusts its `vocab` ({token: id}, ids 0..n-1, all 256 byte characters)
     and `merges` ([(left, right)], highest priority first)."""
-    name = "gpt2-bpe"
-
     def __init__(self, vocab, merges):
         self.vocab_size = len(vocab)
+        self.name = f"bpe-{self.vocab_size}"
         self.eot = vocab.get(EOT)
         self._ids = dict(vocab)
         self._ranks = {}
@@ -294,7 +296,9 @@ class BPETokenizer:
             self._ranks.setdefault(tuple(pair), rank)
         digest = hashlib.sha256(json.dumps([sorted(self._ids.items()), list(self._ranks)],
                                            ensure_ascii=False).encode("utf-8"))
-        self.key = f"{self.name}-{digest.hexdigest()[:16]}"    # its identity in data caches
+        # its identity in data caches; "gpt2-bpe" (the files' format) as before, so that the
+        # caches already built are found again
+        self.key = f"gpt2-bpe-{digest.hexdigest()[:16]}"
         self._byte_char = [bytes_to_unicode()[b] for b in range(256)]
         self._bytes = self._token_bytes()
         self._cache = {}

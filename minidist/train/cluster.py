@@ -99,6 +99,14 @@ def cluster_from_calibration(path, ranks=None):
                    sync_s=nearest(cal["sync"])["sync_s"], notes={"calibration": path})
 
 
+def fills_nodes(gpus, gpus_per_node):
+    """Whether `gpus` ranks fill whole nodes of `gpus_per_node`, or fit in one (a job on part
+    of one node). The planners assume every node alike: comm_cost.span prices each group like
+    the one holding rank 0, and PP across nodes means whole nodes per stage; launchers fill
+    nodes in rank order, so 12 GPUs on nodes of 8 are 8 + 4, and the 4 would be priced as 8."""
+    return gpus <= gpus_per_node or gpus % gpus_per_node == 0
+
+
 def with_links(cluster, intra=None, inter=None, **changes):
     """`cluster` with its links' alpha/bw replaced where given (CLI overrides)."""
     if intra:

@@ -82,17 +82,15 @@ def take_init_from_sizes(args):
     except (ValueError, KeyError, OSError) as e:
         why = str(e).removeprefix("from_pretrained: ")
         raise UsageError(f"--init-from {folder}: {why}") from None
-    given, model = getattr(args, "given", []), asdict(saved)
-    for name in ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS):
-        value, theirs = getattr(args, name), getattr(saved, name)
-        if name in given and _resolved(name, value, model) != _resolved(name, theirs, model):
-            flag = "--" + name.replace("_", "-")
-            said = ("--no-bias: its model has biases" if name == "bias" else
-                    f"{flag} {value}: its model has {name} {theirs}")
-            raise UsageError(f"{said} (--init-from {folder}); leave "
-                             f"{'--no-bias' if name == 'bias' else flag} out, the folder's "
-                             "sizes are used")
-        setattr(args, name, theirs)
+    given = getattr(args, "given", [])
+    clash = take_model_fields(args, asdict(saved),
+                              ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS))
+    if clash:
+        name, value = clash
+        said = ("--no-bias: its model has biases" if name == "bias" else
+                f"{_flag(name)} {value}: its model has {name} {getattr(saved, name)}")
+        raise UsageError(f"{said} (--init-from {folder}); leave {_flag(name)} out, the "
+                         "folder's sizes are used")
     if args.block_size > saved.block_size and not saved.llama:    # (RoPE: any length)
         if "block_size" in given:
             raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
@@ -110,6 +108,51 @@ RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "
 # ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
 # change them (checkpoint.HOW_COMPUTED lets them differ)
 MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+
+
+def take_model_fields(args, model, names, keep=()):
+    """Set each model field of `names` on `args` to `model`'s (a GPTConfig's fields as a dict:
+    an --init-from folder's or a --resume checkpoint's), so that every later check sees the
+    sizes its weights have; `keep`: fields no parameter depends on, which keep a value given.
+    Returns the first other field given (args.given) with another size than the model's, as
+    (name, the value given), for the caller to refuse in its own words; None when none is.
+    (Sizes are compared as _resolved reads them: typing the size the model holds is fine.)"""
+    given = getattr(args, "given", [])
+    for name in names:
+        value, theirs = getattr(args, name), model[name]
+        if name in given and name not in keep \
+                and _resolved(name, value, model) != _resolved(name, theirs, model):
+            return name, value
+        if name not in given or name not in keep:
+            setattr(args, name, theirs)
+    return None
+
+
+def _flag(name):
+    """The flag that sets model field `name` away from its default (bias: --no-bias)."""
+    return "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
+
+
+# the pipeline's schedule flags: no number depends on them (tests/test_pipeline.py: every
+# schedule gives the same losses), but memory and speed do: a resumed run keeps the
+# checkpoint's, as it keeps its model, where its pipeline is the same (resumed_schedule)
+SCHEDULE_FLAGS = ("schedule", "pp_virtual", "micro_batches")
+
+
+def resumed_schedule(args, flags):
+    """The schedule flags (SCHEDULE_FLAGS) a resumed run takes from its checkpoint's `flags`
+    (the run's it continues): those not given (args.given), where it keeps that run's
+    pipeline, the same --pp above 1 (they were chosen for its stages; another --pp starts
+    from the defaults); --micro-batches only where the batch splits as it did (the same
+    --batch-size, --grad-accum, --dp and --ep), or the count might not divide it. A flag
+    the checkpoint did not record is not taken."""
+    if args.pp == 1 or flags.get("pp") != args.pp:
+        return []
+    split = all(flags.get(k) == getattr(args, k) for k in ("batch_size", "grad_accum", "dp",
+                                                          "ep"))
+    given = getattr(args, "given", [])
+    return [k for k in SCHEDULE_FLAGS
+            if k in flags and k not in given and (split or k != "micro_batches")]
 
 
 def _resolved(name, value, model):
@@ -163,8 +206,9 @@ def take_resume_model(args):
     """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
-    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there) and
-    --data (the text or token files it trained on).
+    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there),
+    --data (the text or token files it trained on) and, with the same pipeline, its
+    schedule (resumed_schedule: --schedule, --pp-virtual, --micro-batches).
     One given with another value is refused here, before any work, naming the flag; but
     MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
     may change (fine-tuning). A checkpoint that
@@ -181,23 +225,22 @@ def take_resume_model(args):
         return
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     _take_resume_data(args, folder, flags.get("data"))
+    for name in resumed_schedule(args, flags):
+        setattr(args, name, flags[name])
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
-    for name in RESUMED:
-        if name not in config or (name[:4] == "moe_" and not config["moe_experts"]
-                                  and name != "moe_experts"):
-            continue
-        value, theirs = getattr(args, name), config[name]
-        if name in given and _resolved(name, value, config) != _resolved(name, theirs, config) \
-                and name not in MAY_CHANGE:
-            flag = "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
-            said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
-                    else f"{flag} {value}: --resume {folder} holds a model with {name} {theirs}")
-            raise UsageError(f"{said}; leave {flag} out (a resumed run takes its model from "
-                             "the checkpoint)")
-        if name not in given or name not in MAY_CHANGE:   # typed: the size it holds
-            setattr(args, name, theirs)
+    dense = not config["moe_experts"]         # a dense model: its other moe_* left alone
+    names = [n for n in RESUMED if n in config
+             and not (dense and n.startswith("moe_") and n != "moe_experts")]
+    clash = take_model_fields(args, config, names, keep=MAY_CHANGE)
+    if clash:
+        name, value = clash
+        said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
+                else f"{_flag(name)} {value}: --resume {folder} holds a model with {name} "
+                f"{config[name]}")
+        raise UsageError(f"{said}; leave {_flag(name)} out (a resumed run takes its model "
+                         "from the checkpoint)")
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
             raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "

@@ -37,7 +37,8 @@ from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
 from minidist.train.data import DataError
-from minidist.train.inputs import initial_weights, open_data, recorded_flags
+from minidist.train.inputs import (initial_weights, open_data, recorded_flags,
+                                   resumed_schedule)
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
@@ -125,9 +126,12 @@ def _resume(args, strategy, log, model, opt):
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
+    taken = [f"--{k.replace('_', '-')} {saved[k]}" for k in resumed_schedule(args, saved)
+             if saved[k] is not None]            # (--micro-batches None: pp's default)
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
+        + (f"; the checkpoint's pipeline schedule: {' '.join(taken)}" if taken else "")
         + ("" if args.save else "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
 

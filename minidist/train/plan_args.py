@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from minidist.nn.config import GPTConfig
 from minidist.train.args import add_moe_args
+from minidist.train.cluster import fills_nodes
 from minidist.train.planner import config_for_params, stage_params
 
 
@@ -63,6 +64,22 @@ def number_problem(args):
         return (f"{' '.join(shape)}: --params {args.params:g} assumes its own shape; give "
                 "--params or the shape, not both")
     return params_problem(args)
+
+
+def nodes_problem(gpus, gpus_per_node):
+    """--gpus that do not fill whole nodes of --gpus-per-node (cluster.fills_nodes: 12 on
+    nodes of 8 were planned, and priced, as if the last node were full), as a sentence naming
+    the whole-node counts either side and the largest per-node count that divides --gpus;
+    None when they fill whole nodes or fit in one."""
+    if fills_nodes(gpus, gpus_per_node):
+        return None
+    full = gpus // gpus_per_node
+    even = next((k for k in range(gpus_per_node - 1, 1, -1) if gpus % k == 0), None)
+    return (f"--gpus {gpus} --gpus-per-node {gpus_per_node}: {gpus} GPUs fill {full} "
+            f"node{'s' if full > 1 else ''} of {gpus_per_node} and part of another, which the "
+            f"planners cannot price (they take every node as full); give --gpus "
+            f"{full * gpus_per_node} or {(full + 1) * gpus_per_node}"
+            + (f", or --gpus-per-node {even} ({gpus // even} full nodes)" if even else ""))
 
 
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128}       # add_model_args' shape and defaults

@@ -35,6 +35,7 @@ from minidist.pp.strategy import pp_problems
 from minidist.tp.strategy import tp_problems
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
+from minidist.train.cluster import fills_nodes
 from minidist.train.cost import step_time
 from minidist.train.moe_cost import check_moe_layout
 from minidist.train.planner import GiB, Layout, bill
@@ -252,10 +253,10 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
 def no_layout_problem(config, gpus, gpus_per_node, seq, global_batch, v=1, max_cp=8):
     """Why the search has no layout of `gpus` GPUs, as a sentence naming splits' rules and
     the nearest GPU counts below and above that have one; None when it has one."""
-    def found(n):
-        return any(micro_batch_counts(pp, global_batch // dp, grouped=v > 1)
-                   for dp, tp, pp, cp in splits(config, n, gpus_per_node, seq, global_batch,
-                                                max_cp, v))
+    def found(n):                      # no count plan.py refuses (a part of a node)
+        return fills_nodes(n, gpus_per_node) and any(
+            micro_batch_counts(pp, global_batch // dp, grouped=v > 1)
+            for dp, tp, pp, cp in splits(config, n, gpus_per_node, seq, global_batch, max_cp, v))
     if found(gpus):
         return None
     near = [next((n for n in range(gpus - 1, 0, -1) if found(n)), None),
