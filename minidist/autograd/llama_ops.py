@@ -99,12 +99,15 @@ def residual_rms_norm(x, r, weight, eps=1e-5):
 # ---- SwiGLU ---------------------------------------------------------------------------------
 
 def _sigmoid(xp, a):
-    """sigmoid(a) = 1 / (1 + exp(-a)) in a new array, in place after its first pass."""
-    s = xp.negative(a)
-    with quiet_overflow(xp):
-        xp.exp(s, out=s)                                 # inf for a << 0 ...
-    s += 1.0
-    return xp.reciprocal(s, out=s)                       # ... then s = 0, exactly right
+    """sigmoid(a) = (1 + tanh(a / 2)) / 2 in a new array, in place after its first pass: a
+    tanh costs numpy less than an exp and a reciprocal (float32 (2048, 384): 1.4 against
+    2.0 ms here) and cannot overflow. Far left it rounds to 0 (float32 from a ~ -17) where
+    1 / (1 + exp(-a)) keeps a tiny value; silu(a) = a s is ~0 there either way."""
+    s = xp.multiply(a, 0.5)
+    xp.tanh(s, out=s)
+    s *= 0.5
+    s += 0.5
+    return s
 
 
 class SwiGLU(Function):
