@@ -37,6 +37,7 @@ from minidist.train.planner import GiB, Layout, stage_params         # noqa: E40
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
 from minidist.train.args import example_parser  # noqa: E402
+from minidist.train.cli import run_main  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -270,4 +271,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, None)            # (None: parse reads sys.argv; `| head` ends quietly)

@@ -22,6 +22,7 @@ from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa:
                                       model_text, nodes_problem, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
 from minidist.train.args import example_parser  # noqa: E402
+from minidist.train.cli import run_main  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
@@ -47,7 +48,7 @@ MEASURED = [
 ]
 
 
-def parse():
+def parse(argv=None):
     p = example_parser(__doc__)
     add_model_args(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
@@ -61,7 +62,7 @@ def parse():
     p.add_argument("--measure", action="store_true",
                    help="measure the train_gpt.py default model (ledger vs planner)")
     p.add_argument("--data", default=None, help="--measure: training text (default stdlib)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def print_plan(result):
@@ -125,8 +126,8 @@ def measure(args):
                   f"{(ours or theirs)['total'] / mib:.2f} |" + ("" if same else " states differ!"))
 
 
-def main():
-    args = parse()
+def main(argv=None):
+    args = parse(argv)
     if args.measure:
         return measure(args)
     problem = number_problem(args) or nodes_problem(args.gpus, args.gpus_per_node)
@@ -147,4 +148,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, None)            # (None: parse reads sys.argv; `| head` ends quietly)

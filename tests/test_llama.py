@@ -198,6 +198,9 @@ def test_a_resumed_llama_run_takes_its_block_from_the_checkpoint(tmp_path):
     typed = _train(*small, "--steps", "2", "--resume", str(ck), "--arch", "llama",
                    "--n-kv-head", "2", "--ffn-hidden", "128")     # the sizes it holds: 128 = F
     assert typed.returncode == 0, typed.stderr
+    wide = _train(*small, "--steps", "2", "--resume", str(ck), "--ffn-hidden", "100")
+    assert wide.returncode != 0 and "Traceback" not in wide.stderr
+    assert "holds a model with ffn_hidden 128" in wide.stderr, wide.stderr   # not its 0
 
 
 # ---- every layout: one process's numbers ----------------------------------------------------

@@ -6,7 +6,7 @@ Table 2); the decision order; the CLI.
 
 Adding a strategy is one row of ROWS: its train_gpt.py flags and the planner's Layout."""
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 import math
 import subprocess
 import sys
@@ -262,7 +262,41 @@ PLANNER_BAD = [
      "cannot price (they take every node as full); give --gpus 8 or 16\n"),
     ("plan_memory", ["--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node 0: must be "
      "a positive number"),
+    # first-use walk 18: an efficiency of 2 priced MFU 1.86; --moe-* without --moe-experts
+    # planned a dense model silently (training refuses them)
+    ("plan", ["--params", "7e9", "--gpus", "64", "--efficiency", "2"], "--efficiency 2.0: the "
+     "fraction of peak the compute reaches, at most 1 (0.45 for 45%)"),
+    ("plan", ["--params", "7e9", "--moe-top-k", "2"], "--moe-top-k 2: only used with "
+     "--moe-experts (add --moe-experts E, 2 or more, or leave --moe-top-k out)"),
+    ("plan_memory", ["--params", "7e9", "--moe-every", "2"], "--moe-every 2: only used with "
+     "--moe-experts"),
 ]
+
+
+@pytest.mark.parametrize("script", ["plan", "plan_memory"])
+def test_a_planner_piped_into_head_ends_quietly(script):
+    """    python examples/plan.py --params 7e9 --gpus 64 | head -1
+    was a BrokenPipeError traceback once head had its line; now no traceback (status 141,
+    as a shell tool killed by SIGPIPE, where the table did not fit the pipe's buffer)."""
+    more = " --top 200" if script == "plan" else ""                # a table past 64 KiB
+    out = subprocess.run(f"{sys.executable} examples/{script}.py --params 7e9 --gpus 64{more}"
+                         " | head -c 10", shell=True, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout == "model: 7.0" and out.stderr == "", out.stderr
+
+
+def test_the_printed_command_carries_what_the_plan_was_priced_with():
+    """The capacity factor and the losses' weights of a MoE plan, and --comm hier, were
+    priced (or trained) but left out of the "run it" command (first-use walk 18)."""
+    from minidist.train.search import train_flags
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64, moe_experts=4, moe_top_k=2,
+                       moe_capacity_factor=0.5, moe_z_loss_coef=0.001)
+    row = {**asdict(Layout(dp=4, ep=2)), "micro_batches": 1, "micro_batch": 1,
+           "schedule": "1f1b", "comm": "hier"}
+    flags = train_flags(config, row)
+    args = train_parser().parse_args(flags)
+    assert (args.moe_capacity_factor, args.moe_z_loss_coef, args.comm) == (0.5, 0.001, "hier")
+    assert "--moe-aux-loss-coef" not in flags                    # the default: left out
 
 
 @pytest.mark.parametrize("script,flags,says", PLANNER_BAD,

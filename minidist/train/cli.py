@@ -373,9 +373,13 @@ def launcher_rank():
 
 def run_main(main, args, user_errors=()):
     """Call main(args); a UsageError or one of `user_errors` becomes one `error:` line from
-    rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback)."""
+    rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback); output
+    piped into a reader that stops early (`| head`) ends quietly, status 141."""
     try:
         return main(args)
+    except BrokenPipeError:     # stdout closed early (`| head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (exit's flush)
+        sys.exit(141)           # 128 + SIGPIPE, the status a shell tool killed by it has
     except KeyboardInterrupt:   # Ctrl-C before the loop takes it over, or a second one in it
         if launcher_rank() == 0:
             print("interrupted (Ctrl-C): stopped at once, nothing saved", file=sys.stderr,

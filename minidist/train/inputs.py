@@ -82,13 +82,14 @@ def take_init_from_sizes(args):
     except (ValueError, KeyError, OSError) as e:
         why = str(e).removeprefix("from_pretrained: ")
         raise UsageError(f"--init-from {folder}: {why}") from None
-    given = getattr(args, "given", [])
-    clash = take_model_fields(args, asdict(saved),
+    given, model = getattr(args, "given", []), asdict(saved)
+    clash = take_model_fields(args, model,
                               ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS))
     if clash:
         name, value = clash
         said = ("--no-bias: its model has biases" if name == "bias" else
-                f"{_flag(name)} {value}: its model has {name} {getattr(saved, name)}")
+                f"{_flag(name)} {value}: its model has {name} "
+                f"{_resolved(name, model[name], model)}")          # (0: the size it means)
         raise UsageError(f"{said} (--init-from {folder}); leave {_flag(name)} out, the "
                          "folder's sizes are used")
     if args.block_size > saved.block_size and not saved.llama:    # (RoPE: any length)
@@ -238,7 +239,7 @@ def take_resume_model(args):
         name, value = clash
         said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
                 else f"{_flag(name)} {value}: --resume {folder} holds a model with {name} "
-                f"{config[name]}")
+                f"{_resolved(name, config[name], config)}")
         raise UsageError(f"{said}; leave {_flag(name)} out (a resumed run takes its model "
                          "from the checkpoint)")
     if dtype in ("float32", "float64"):

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 from minidist.nn.config import GPTConfig
 from minidist.train.args import add_moe_args
+from minidist.train.cli import UsageError
 from minidist.train.cluster import fills_nodes
+from minidist.train.model_flags import check_moe
 from minidist.train.planner import config_for_params, stage_params
 
 
@@ -40,13 +42,16 @@ def add_model_args(p):
 
 
 # the planners' numeric flags that may be 0 (the others must be positive)
-MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef",
-               "headroom", "intra_lat", "inter_lat", "sync_us")
+MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_capacity_factor",
+               "moe_aux_loss_coef", "moe_z_loss_coef", "headroom", "intra_lat", "inter_lat",
+               "sync_us")
 
 
 def number_problem(args):
     """The first numeric flag of a planner's `args` that is not a finite number > 0 (>= 0
-    for MAY_BE_ZERO; --headroom below 1), as a sentence naming it; None when all are.
+    for MAY_BE_ZERO; --headroom below 1, --efficiency at most 1), or a --moe-* flag given
+    without --moe-experts (refused as training refuses it), as a sentence naming it; None
+    when all are.
     (A GPU count of 0 or an efficiency of 0 was a ZeroDivisionError, a negative --params a
     complex number, a negative --gpu-mem a plan in which nothing fits.)"""
     for name, value in sorted(vars(args).items()):
@@ -58,6 +63,14 @@ def number_problem(args):
                     + ("a number >= 0" if zero else "a positive number"))
     if getattr(args, "headroom", 0) >= 1:
         return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
+    if (getattr(args, "efficiency", None) or 0) > 1:   # (45 for 45%: MFU 40, steps / 45)
+        return (f"--efficiency {args.efficiency}: the fraction of peak the compute reaches, "
+                "at most 1 (0.45 for 45%)")
+    if not args.moe_experts:                 # a dense plan would ignore them, silently
+        try:
+            check_moe(args)                  # training's own refusal of the idle --moe-*
+        except UsageError as e:
+            return str(e)
     shape = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, default in SHAPE.items()
              if getattr(args, n) != default]
     if args.params is not None and shape:      # the shape --params assumes would replace it

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from minidist.cp.context import ATTENTIONS
 from minidist.cp.strategy import cp_problems, ulysses_problems
 from minidist.ep.strategy import ep_problems, moe_problems
+from minidist.nn.config import GPTConfig
 from minidist.pp.strategy import pp_problems
 from minidist.tp.strategy import tp_problems
 from minidist.train.args import train_parser
@@ -176,6 +177,11 @@ def train_flags(config, row, v=1):
     if config.moe_experts:
         flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
                   "--moe-every", config.moe_every]
+        defaults = GPTConfig()          # the capacity and the losses' weights, where not
+        flags += [f for name in ("moe_capacity_factor", "moe_aux_loss_coef",  # the default
+                                 "moe_z_loss_coef")
+                  if getattr(config, name) != getattr(defaults, name)
+                  for f in ("--" + name.replace("_", "-"), getattr(config, name))]
     if config.llama:
         flags += ["--arch", "llama"] + (["--n-kv-head", config.n_kv_head]
                                         if config.n_kv_head else [])
@@ -191,6 +197,7 @@ def train_flags(config, row, v=1):
     flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
     ulysses = row.get("cp_attention", "ring") == "ulysses"   # the ring: training's default
     flags += ["--cp-attention", "ulysses"] if ulysses else []
+    flags += ["--comm", "hier"] if row.get("comm") == "hier" else []   # ring: the default
     return [str(f) for f in flags]
 
 
