@@ -35,7 +35,7 @@ from minidist.autograd import cuda_kernels_llama as _ckl
 from minidist.autograd.cuda_kernels import acc_dtype, launch
 from minidist.autograd.cuda_kernels_new import use_new
 from minidist.autograd.function import Function
-from minidist.autograd.fused import in_f32, quiet_overflow
+from minidist.autograd.fused import in_f32
 from minidist.backend import is_half, xp_of
 
 
