@@ -207,6 +207,10 @@ def add_train_args(p):
                    "$MINIDIST_CACHE or ~/.cache/minidist)")
     g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
+    g.add_argument("--eval-only", action="store_true",
+                   help="train nothing: evaluate the weights of --resume DIR or --init-from "
+                   "DIR on --eval-iters val batches (in any layout), print the val loss and "
+                   "perplexity, sample --sample tokens, and exit")
     g.add_argument("--log-every", type=int, default=25, help="steps between log lines")
     g.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint folder: DIR/step-<N>/ per save and DIR/latest naming the "

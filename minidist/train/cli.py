@@ -129,6 +129,14 @@ def check_flags(args):
     from minidist.train.model_flags import check_arch, check_moe     # (so does it)
     take_init_from_sizes(args)
     take_resume_model(args)
+    if getattr(args, "eval_only", False):
+        if not (args.resume or args.init_from):
+            raise UsageError("--eval-only: no weights to evaluate; give --resume DIR (a "
+                             "checkpoint or a --save folder) or --init-from DIR (a GPT-2 or "
+                             "Llama folder)")
+        if args.resume == "auto":
+            raise UsageError("--resume auto: --eval-only evaluates the checkpoint you name; "
+                             "give --resume DIR")
     if args.n_embd % args.n_head:
         raise UsageError(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} "
                          f"heads: choose a multiple of {args.n_head}")
@@ -193,6 +201,17 @@ def idle_flags(args, replicas=None, ranks=None):
                                                     f"{TILED_FROM_T} or more"
                                                     if args.attention == "auto" else
                                                     " or auto")))
+    if getattr(args, "eval_only", False):
+        drop = "drop --eval-only to train"
+        idle += [(f"--{name.replace('_', '-')}", what, drop) for name, what in (
+            ("steps", "the steps to train"), ("stop_at", "the step to stop training at"),
+            ("grad_accum", "the micro-steps of a training step"),
+            ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
+            ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
+            ("weight_decay", "AdamW's weight decay"), ("grad_clip", "the gradients' clip"),
+            ("eval_every", "the steps between evaluations"),
+            ("log_every", "the steps between log lines"),
+            ("ckpt_activations", "what backward recomputes"), ("save", "where to save"))]
     if args.lr_schedule != "wsd":
         idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
                      "add --lr-schedule wsd"))

@@ -126,13 +126,15 @@ def _resume(args, strategy, log, model, opt):
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
+    changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
     taken = [f"--{k.replace('_', '-')} {saved[k]}" for k in resumed_schedule(args, saved)
              if saved[k] is not None]            # (--micro-batches None: pp's default)
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
         + (f"; the checkpoint's pipeline schedule: {' '.join(taken)}" if taken else "")
-        + ("" if args.save else "; no --save DIR: the steps this run trains are not saved"))
+        + ("" if args.save or args.eval_only else
+           "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
 
 
@@ -162,7 +164,7 @@ def train(args, world=None):
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
     checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),
                                args.steps)
-    if args.resume:                  # by its folder's name or manifest, before any work
+    if args.resume and not args.eval_only:   # by its folder's name or manifest, first
         _check_stop(args, checkpoint_dirs.step_of(args.resume))
     strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
@@ -176,7 +178,7 @@ def train(args, world=None):
     opt = strategy.build_optimizer(model, args)
     schedule = _schedule(vars(args))
     start = _resume(args, strategy, log, model, opt) if args.resume else 0
-    stop = _check_stop(args, start)
+    stop = start if args.eval_only else _check_stop(args, start)   # --eval-only: no steps
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
@@ -375,10 +377,18 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                "steps": stop, "schedule_steps": args.steps, "train_seconds": seconds,
                "eval_save_seconds": aside,
                "sample": text, "host_reads": reads}
-    log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
-               f"{data.unigram_entropy:.4f} (a model that ignores context); "
-               f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating"
-               + (" and saving" if args.save else ""))
+    if args.eval_only:
+        tokens = args.eval_iters * args.batch_size * args.block_size
+        summary.update(eval_only=True, perplexity=math.exp(val_loss), eval_tokens=tokens)
+        log.print0(f"val loss {val_loss:.4f} nats/token, perplexity "
+                   f"{math.exp(val_loss):.2f}, over {tokens:,} tokens of the val split "
+                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size}) "
+                   f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
+    else:
+        log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
+                   f"{data.unigram_entropy:.4f} (a model that ignores context); "
+                   f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating"
+                   + (" and saving" if args.save else ""))
     log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
         f"{why} {n}" for why, n in reads.items()) or "none"))
     strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file

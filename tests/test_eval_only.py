@@ -1,0 +1,113 @@
+"""`--eval-only`: the val loss of a checkpoint (--resume DIR) or of a GPT-2 / Llama folder
+(--init-from DIR), in any layout, nothing trained or written: the number its training run
+ended with, the same under tensor and pipeline parallelism, the same for the folder the
+checkpoint exports to; the flags that would do nothing refused.
+
+Run: python -m pytest -q tests/test_eval_only.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minidist.train.args import train_parser
+from minidist.train.cli import UsageError, check_flags
+from minidist.train.loop import train
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+         "--batch-size", "4", "--eval-iters", "3", "--sample", "0", "--dtype", "float64"]
+
+
+def _run(flags):
+    args = train_parser().parse_args(flags)
+    check_flags(args)                         # as train_gpt.py: the resumed model's flags
+    return train(args)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """A 3-step float64 run saved to ck: (its folder, its final summary, the data flags)."""
+    tmp = tmp_path_factory.mktemp("eval_only")
+    data = ["--data", corpus, "--cache-dir", str(tmp / "cache")]
+    summary = _run(SMALL + data + ["--steps", "3", "--save", str(tmp / "ck")])
+    return str(tmp / "ck"), summary, data
+
+
+def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, capsys):
+    """    python examples/train_gpt.py --resume ck --eval-only
+    The same val batches (seed, --eval-iters, --batch-size): the same number, bit for bit;
+    no step taken, no folder written."""
+    ck, summary, data = trained
+    before = sorted(os.listdir(ck))
+    capsys.readouterr()
+    got = _run(["--resume", ck, "--eval-only", "--batch-size", "4", "--eval-iters", "3",
+                "--sample", "0"] + data)
+    assert got["val_loss"] == summary["val_loss"] and got["eval_only"]
+    assert got["steps"] == 3 and got["eval_tokens"] == 3 * 4 * 16
+    assert got["perplexity"] == pytest.approx(2.718281828459045 ** summary["val_loss"])
+    assert sorted(os.listdir(ck)) == before
+    out = capsys.readouterr().out
+    assert f"val loss {summary['val_loss']:.4f} nats/token, perplexity" in out
+    assert "over 192 tokens of the val split (3 batches of 4 x 16)" in out
+    assert "step    1/" not in out                                     # nothing trained
+
+
+def test_its_exported_folder_evaluates_to_the_same_number(trained, tmp_path):
+    """    python examples/export_gpt2.py --resume ck --out hf
+    python examples/train_gpt.py --init-from hf --eval-only
+    The exported GPT-2 folder holds the checkpoint's parameters exactly (float64 written as
+    float32: to float32's rounding)."""
+    ck, summary, data = trained
+    out = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume", ck, "--out",
+                          str(tmp_path / "hf")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = _run(["--init-from", str(tmp_path / "hf"), "--eval-only", "--batch-size", "4",
+                "--eval-iters", "3", "--sample", "0", "--block-size", "16"] + data)
+    assert got["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-5)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--zero", "3"]],
+                         ids=["tp2", "pp2", "zero3"])
+def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layout):
+    """    mpirun -n 2 python examples/train_gpt.py --resume ck --eval-only --tp 2
+    The one-process checkpoint read into 2 ranks' layout: its val loss to 1e-12 (float64)."""
+    ck, summary, data = trained
+    log = tmp_path / "log.jsonl"
+    mpi(2, "examples/train_gpt.py", "--resume", ck, "--eval-only", "--batch-size", "4",
+        "--eval-iters", "3", "--sample", "0", "--log-json", str(log), *layout, *data,
+        timeout=180)
+    row = json.loads(open(log).read().splitlines()[-1])
+    assert row["eval_only"] and abs(row["val_loss"] - summary["val_loss"]) < 1e-12
+
+
+@pytest.mark.parametrize("flags, says", [
+    ([], "--eval-only: no weights to evaluate; give --resume DIR"),
+    (["--resume", "auto", "--save", "x"], "--resume auto: --eval-only evaluates the "
+     "checkpoint you name; give --resume DIR"),
+    (["--init-from", "nowhere", "--lr", "1"], "--init-from nowhere"),
+])
+def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path):
+    """One line each: no weights named; --resume auto (it needs --save, which would do
+    nothing); a folder that is not there, as training says it."""
+    args = train_parser().parse_args(["--eval-only"] + flags)
+    with pytest.raises(UsageError, match=None) as e:
+        check_flags(args)
+    assert str(e.value).startswith(says), str(e.value)
+
+
+@pytest.mark.parametrize("flag, says", [
+    (["--lr", "1"], r"^--lr 1.0: sets the learning rate, which this run does not use \(drop "
+     r"--eval-only to train, or leave --lr out\)"),
+    (["--save", "x"], r"^--save x: sets where to save, which this run does not use"),
+    (["--steps", "9"], r"^--steps 9: sets the steps to train"),
+])
+def test_a_training_flag_is_refused_by_name(trained, flag, says):
+    """Every flag only training reads (the learning rate's, the steps', --save...) is
+    refused, not ignored."""
+    ck, _, data = trained
+    args = train_parser().parse_args(["--eval-only", "--resume", ck] + flag + data)
+    with pytest.raises(UsageError, match=says):
+        check_flags(args)
