@@ -108,6 +108,9 @@ def test_bad_data_is_a_clear_error(tmp_path):
         data.check_block_size(12)
     with pytest.raises(DataError, match="the val split has 2 tokens"):   # the shorter one,
         data.check_block_size(2)         # not the train split's "below 13", then val's
+    with pytest.raises(DataError, match=r"give more text \(--resume ck's block size cannot "
+                       r"change\)$"):       # first-use walk 18: not a --block-size it refuses
+        data.check_block_size(12, fixed="--resume ck")
     (tmp_path / "three.txt").write_text("abc")   # 2 train tokens, 1 val: no size fits
     with pytest.raises(DataError, match="the val split has 1 token, fewer than --block-size "
                        r"1 \+ 1; give more text \(each split needs at least 2 tokens\)"):

@@ -114,6 +114,21 @@ def test_token_folder_vocabulary_checks_and_nanogpt_character_vocabulary(tmp_pat
         TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
 
 
+def test_a_short_file_suggests_a_block_size_that_fits_unless_a_checkpoint_fixes_it(tmp_path):
+    """The longest val file has 40 tokens: --block-size below 40; resumed (the block size
+    is the checkpoint's), longer files instead (first-use walk 18)."""
+    nanogpt_file(tmp_path / "train.bin", np.zeros(300, np.int64))
+    nanogpt_file(tmp_path / "val.bin", np.zeros(40, np.int64))
+    data = TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+    data.check_block_size(39)
+    with pytest.raises(DataError, match="fewer than --block-size 64 [+] 1; give a --block-size "
+                       "below 40$"):
+        data.check_block_size(64)
+    with pytest.raises(DataError, match=r"give a val file of more tokens \(--resume ck's "
+                       r"block size cannot change\)$"):
+        data.check_block_size(64, fixed="--resume ck")
+
+
 def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_path,
                                                                          monkeypatch):
     """Past the part checked when the data is opened, each batch is checked as it is read."""

@@ -205,14 +205,16 @@ class TokenData:
             self.splits[split] = np.memmap(os.path.join(self.cache, f"{split}.bin"),
                                            dtype=self.meta.get("dtype", "uint8"), mode="r")
 
-    def check_block_size(self, block_size):
+    def check_block_size(self, block_size, fixed=None):
         """Both splits hold a window of block_size + 1 tokens: a short val split is found
         before step 0, not at the first evaluation after training ran. The error names the
-        shorter split, so the --block-size it suggests fits both."""
+        shorter split, so the --block-size it suggests fits both; `fixed` (the resumed
+        checkpoint, whose block size cannot change): it suggests more text only."""
         split, tokens = min(self.splits.items(), key=lambda kv: len(kv[1]))
         if len(tokens) >= block_size + 1:
             return
-        fix = (f"give a --block-size below {len(tokens)} or more text" if len(tokens) > 1
+        fix = (f"give more text ({fixed}'s block size cannot change)" if fixed else
+               f"give a --block-size below {len(tokens)} or more text" if len(tokens) > 1
                else "give more text (each split needs at least 2 tokens)")
         n = f"{len(tokens):,} token" + ("s" if len(tokens) != 1 else "")
         raise DataError(f"{self.source}: the {split} split has {n}, fewer "

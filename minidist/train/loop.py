@@ -171,7 +171,8 @@ def train(args, world=None):
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
     data = open_data(args)                       # text or token files (inputs.py)
-    data.check_block_size(args.block_size)       # both splits, before step 0
+    data.check_block_size(args.block_size,       # both splits, before step 0
+                          fixed=args.resume and f"--resume {args.resume}")
     config = _config(args, data)
     weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
     model = strategy.build_model(config, args.seed, args.dtype, weights)

@@ -245,12 +245,15 @@ class TokenFiles:
                 f"tokens in {shards} file(s), {self.format}, vocabulary {self.vocab_size:,}, "
                 f"tokenizer {self.tokenizer.name if self.tokenizer else 'none'}")
 
-    def check_block_size(self, block_size):
+    def check_block_size(self, block_size, fixed=None):
+        """Each split has a file of block_size + 1 tokens (a window lies inside one file);
+        `fixed`: as TokenData.check_block_size's."""
         for split, shards in self.splits.items():
             longest = max(len(t) for t in shards)
             if longest < block_size + 1:
-                fix = (f"give a --block-size below {longest}" if longest > 1 else
-                       f"give a {split} file of more tokens")
+                fix = (f"give a {split} file of more tokens" if fixed or longest < 2 else
+                       f"give a --block-size below {longest}")
+                fix += f" ({fixed}'s block size cannot change)" if fixed else ""
                 raise DataError(f"{self.source}: the longest {split} file has {longest:,} "
                                 f"token(s), fewer than --block-size {block_size} + 1; {fix}")
 
