@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from minidist import backend
 from minidist.autograd import Tensor, fused as F
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.nn import GPT, GPTConfig
@@ -29,11 +30,11 @@ def randn(*shape, seed=0):
 
 
 def run(fn, arrays, g):
-    """fn's output and its inputs' gradients for the incoming gradient g."""
+    """fn's output and its inputs' gradients for the incoming gradient g, on the host."""
     ts = [Tensor(a.copy(), requires_grad=True) for a in arrays]
     y = fn(*ts)
     y.backward(g)
-    return [y.data] + [t.grad for t in ts]
+    return [backend.to_host(a) for a in [y.data] + [t.grad for t in ts]]
 
 
 def site(seed=3):
@@ -42,17 +43,18 @@ def site(seed=3):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_recompute_equals_the_kept_weights_bit_for_bit(dtype, p):
+def test_recompute_equals_the_kept_weights_bit_for_bit(xp, dtype, p):
     """Both attention Functions, with and without dropout: the backward that computes P and
-    the mask again gives the gradients of the one that kept them, bit for bit."""
-    qkv = randn(2, 13, 24).astype(dtype)                        # 2 heads of 4
-    g = randn(2, 13, 8, seed=1).astype(dtype)
+    the mask again gives the gradients of the one that kept them, bit for bit (on the GPU
+    too, `--device cuda`: the same softmax kernel and keyed mask both times)."""
+    qkv = xp.asarray(randn(2, 13, 24).astype(dtype))            # 2 heads of 4
+    g = xp.asarray(randn(2, 13, 8, seed=1).astype(dtype))
     kept = run(lambda x: F.causal_self_attention(x, 2, p, site()), [qkv], g)
     redo = run(lambda x: F.causal_self_attention(x, 2, p, site(), recompute=True), [qkv], g)
     for a, b in zip(redo, kept):
         np.testing.assert_array_equal(a, b)
-    q, k, v = (randn(2, 3, 11, 5, seed=i).astype(dtype) for i in range(3))
-    g = randn(2, 3, 11, 5, seed=7).astype(dtype)
+    q, k, v = (xp.asarray(randn(2, 3, 11, 5, seed=i).astype(dtype)) for i in range(3))
+    g = xp.asarray(randn(2, 3, 11, 5, seed=7).astype(dtype))
     kept = run(lambda *a: F.causal_attention(*a, p, site()), [q, k, v], g)
     redo = run(lambda *a: F.causal_attention(*a, p, site(), recompute=True), [q, k, v], g)
     for a, b in zip(redo, kept):
