@@ -339,7 +339,7 @@ def _sp(config, seq, t):
 
 def candidates(config, gpus, gpus_per_node=8, seq=None):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
-    precision and recompute (selective: the attention's scores, a few percent more compute;
+    precision and recompute (selective: the attention's scores, one q k^T more per layer;
     then full); with experts, EP over gcd(gpus, E) of the dp ranks; then (each without,
     with selective and with full recompute) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a
     node (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
