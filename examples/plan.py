@@ -55,7 +55,8 @@ def parse(argv=None):
                    help="the cluster: H100 SXM nodes, or this machine as measured")
     p.add_argument("--gpus", type=int, default=64, help="ranks in the job")
     p.add_argument("--gpus-per-node", type=int, help="default: the preset's (h100: 8)")
-    p.add_argument("--gpu-mem", type=float, help="GiB per GPU")
+    p.add_argument("--gpu-mem", type=float, help="GiB per GPU (--preset here: per rank; "
+                   "default: the node's memory over the ranks, which share it)")
     p.add_argument("--peak-tflops", type=float, help="dense peak of one GPU (16-bit)")
     p.add_argument("--efficiency", type=float, help="fraction of peak the compute reaches")
     for link in ("intra", "inter"):
@@ -257,8 +258,8 @@ def main(argv=None):
           f"{args.global_batch}; {args.gpus} "
           + (f"ranks of {cluster.name}" if args.preset == "here" else f"GPUs of {cluster.name}")
           + f" ({cluster.gpus_per_node} per node, {cluster.mem_gib:.1f} GiB"
-          + ("; float32: numpy has no 16-bit arithmetic, --amp is slower here)"
-             if args.preset == "here" else ")"))
+          + (" a rank, its share of the node's; float32: numpy has no 16-bit arithmetic, "
+             "--amp is slower here)" if args.preset == "here" else ")"))
     print_table(rows, args.top)
     print(f"best: {result['best']}" if result["best"] else
           f"best: nothing fits: {result['nothing_fits']}")

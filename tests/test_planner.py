@@ -487,7 +487,8 @@ def test_tiled_attention_and_cp_in_the_memory_model():
 
 def test_here_cluster_reads_the_calibration(tmp_path):
     """cluster_from_calibration: the link fit and the sync of the rank count nearest the
-    asked one, the elementwise seconds as measured, ranks sharing the cores."""
+    asked one, the elementwise seconds as measured, ranks sharing the cores and the
+    node's memory."""
     from minidist.train.cluster import cluster_from_calibration
     link = {"alpha": 1e-5, "bw": 1e9, "gamma": 0.0}
     cal = {"cores": 2, "mem_gib": 4.0, "peak_tflops": 0.1, "efficiency": 0.5, "overlap": 0.0,
@@ -501,6 +502,9 @@ def test_here_cluster_reads_the_calibration(tmp_path):
     assert four.intra.alpha == 7e-5 and four.sync_s == 2e-3 and four.compute_slots == 2
     assert four.replicated == Elementwise(1e-9, 2e-9, 3e-9, 4e-9, 5e-9, 6e-9)
     assert cluster_from_calibration(str(path), 2).sync_s == 1e-4
+    # each rank's share of the node's memory (it was the whole node's for every rank: 4
+    # ranks of 8.7 GiB "fit" in 11.8; first-use walk 18)
+    assert (four.mem_gib, cluster_from_calibration(str(path), 2).mem_gib) == (1.0, 2.0)
     t = step_time(TOY, Layout(tp=4, amp=False), four, seq=2, global_batch=1)
     assert t["replicated"] > 0 and t["sync"] == pytest.approx((2 * 2 + 3 + 2 * 2 + 1) * 2e-3)
 

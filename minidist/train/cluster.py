@@ -82,7 +82,10 @@ def cluster_from_calibration(path, ranks=None):
     `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
     bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
     slow messages too, so each count has its own fit), and the sync of a blocking collective
-    likewise; the elementwise work TP repeats, timed in one process."""
+    likewise; the elementwise work TP repeats, timed in one process. Its `mem_gib` is each
+    rank's share of the node's memory (the calibration's, measured with the machine): the
+    ranks are processes on this one node (a GPU's memory is its own; here it was the whole
+    node's for every rank, so 4 ranks of 8.7 GiB "fit" in 11.8)."""
     with open(path) as f:
         cal = json.load(f)
     ranks = ranks or cal["cores"]
@@ -91,7 +94,7 @@ def cluster_from_calibration(path, ranks=None):
         return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
     fit = nearest(cal["links"])
     return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
-                   mem_gib=cal["mem_gib"], peak_tflops=cal["peak_tflops"],
+                   mem_gib=cal["mem_gib"] / ranks, peak_tflops=cal["peak_tflops"],
                    efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
                    inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
                    opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
