@@ -32,12 +32,14 @@ def measure(config, batch):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--attention-block", type=int, default=64)
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096],
+                   help="sequence lengths T to measure")
+    p.add_argument("--batch-size", type=int, default=16, help="batch, in sequences")
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    p.add_argument("--attention-block", type=int, default=64,
+                   help="tile size of the tiled attention")
     p.add_argument("--max-gib", type=float, default=3.0,
                    help="largest attention-probability memory to really allocate")
     args = p.parse_args()

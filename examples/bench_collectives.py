@@ -214,19 +214,23 @@ def interleave(args):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
+    p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","),
+                   help="the collectives to time, comma-separated")
     p.add_argument("--algos", default="ring,naive,mpi", type=lambda s: s.split(","),
                    help="comma list of ring, naive, mpi, hier, nccl (nccl: --device cuda)")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="hier: simulated node size (0: MINIDIST_RANKS_PER_NODE or the launcher's)")
-    p.add_argument("--min-bytes", default="4K", type=parse_bytes)
-    p.add_argument("--max-bytes", default="64M", type=parse_bytes)
+    p.add_argument("--min-bytes", default="4K", type=parse_bytes,
+                   help="smallest buffer, in bytes (K, M, G suffixes)")
+    p.add_argument("--max-bytes", default="64M", type=parse_bytes,
+                   help="largest buffer (--overlap, --interleave: the only size)")
     p.add_argument("--factor", default=2, type=int, help="size step (nccl-tests' -f)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="the buffers' element type")
     p.add_argument("--iters", type=int, default=0, help="calls timed per repeat (0: by size)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size, first")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per size, best kept")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when CuPy sees a GPU, else cpu")
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
     p.add_argument("--interleave", action="store_true",
                    help="measure a blocking all-reduce between compute instead (sync_s)")

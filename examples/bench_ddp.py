@@ -30,14 +30,17 @@ from minidist.train.args import example_parser
 
 def parse():
     p = add_model_args(example_parser(__doc__))
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--modes", default="naive,bucketed,overlapped")
-    p.add_argument("--comm", default="ring", choices=("ring", "naive", "mpi", "nccl"))
-    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
+    p.add_argument("--modes", default="naive,bucketed,overlapped",
+                   help="DDP modes to time, comma-separated")
+    p.add_argument("--comm", default="ring", choices=("ring", "naive", "mpi", "nccl"),
+                   help="the all-reduce's algorithm")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="turns of timed steps per mode")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode, first")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="BLAS threads per rank (default: the node's cores over its ranks)")
     return p.parse_args()
 
 

@@ -50,11 +50,11 @@ def best(fn, repeats):
 def main():
     p = example_parser(__doc__)
     p.add_argument("--batch", type=int, default=4, help="rows (one rank's)")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=128, help="context length, in tokens")
+    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per way, best kept")
     args = p.parse_args()
     for name, value in vars(args).items():     # 0 numbers or 0 repeats: nothing to time
         if value < 1:

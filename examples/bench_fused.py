@@ -129,8 +129,8 @@ def main():
     ops = cases(rng)
     names = [name for name, *_ in ops]
     p = example_parser(__doc__)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads")
+    p.add_argument("--repeats", type=int, default=15, help="timed runs per op, best kept")
     p.add_argument("--only", default=None, metavar="OP", choices=names,
                    help=f"run just this op, one of: {', '.join(names)}")
     args = p.parse_args()

@@ -239,7 +239,7 @@ def run(cli, name, m, comm, world):
 def main():
     host_clock = "this benchmark times the stages on the host clock, so it runs on CPUs"
     p = add_model_args(example_parser(__doc__, cpu_only=host_clock))  # errors: rank 0 only
-    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
     p.add_argument("--micro-batches", default=None,
                    help=f"comma-separated. Default: {DEFAULT_MICRO_BATCHES}, skipping those "
                    "that do not split --batch-size")
@@ -247,7 +247,8 @@ def main():
                    help=f"comma-separated, from {', '.join(SCHEDULES)}; 1f1b-vN: interleaved "
                    f"1F1B with N chunks per rank (--pp-virtual N). Default: {DEFAULT_SCHEDULES}"
                    ", skipping those the model or --micro-batches cannot run")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5,
+                   help="traced steps per schedule and M; the median bubble counts")
     p.set_defaults(batch_size=32)
     cli = p.parse_args()
     size, notes = world_size_from_env(), []      # before MPI starts: errors exit cleanly

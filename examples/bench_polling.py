@@ -73,9 +73,10 @@ def _run(ranks, env, sizes, repeats):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--sizes", default="64K,1M,8M,64M")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=4, help="MPI processes per run")
+    p.add_argument("--sizes", default="64K,1M,8M,64M",
+                   help="all_reduce sizes in bytes, comma-separated (K, M suffixes)")
+    p.add_argument("--repeats", type=int, default=3, help="bench_collectives.py's --repeats")
     args = p.parse_args()
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     head = "".join(f"{algo} {s >> 10}K".rjust(13) for s in sizes for algo in ("ring", "mpi"))

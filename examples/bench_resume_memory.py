@@ -81,9 +81,9 @@ def main():
     if len(sys.argv) > 3 and sys.argv[1] == "--measure":
         return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
     p = example_parser(__doc__)
-    p.add_argument("--n-layer", default="8")
-    p.add_argument("--n-embd", default="512")
-    p.add_argument("--n-head", default="8")
+    p.add_argument("--n-layer", default="8", help="transformer blocks (ep: half as many)")
+    p.add_argument("--n-embd", default="512", help="embedding width (ep: half as wide)")
+    p.add_argument("--n-head", default="8", help="attention heads")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), action="append",
                    help="which checkpoints to resume (default: all)")
     cli = p.parse_args()

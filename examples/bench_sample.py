@@ -34,14 +34,16 @@ def uncached(model, prompt, n, seed):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=384)
-    p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
-    p.add_argument("--n-kv-head", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate, each way")
+    p.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=6, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=384, help="embedding width")
+    p.add_argument("--block-size", type=int, default=512, help="context length, in tokens")
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="the block: gpt2, or llama (RMSNorm, SwiGLU, rotary, no biases)")
+    p.add_argument("--n-kv-head", type=int, default=0,
+                   help="k and v heads (grouped-query attention); 0: --n-head")
     args = p.parse_args()
     for flag in ("threads", "tokens", "n_layer", "n_head", "n_embd", "block_size"):
         if getattr(args, flag) < 1:

@@ -167,10 +167,11 @@ def dropout_step(model, dropout):
 
 def main():
     p = add_model_args(example_parser(__doc__))
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
+    p.add_argument("--steps", type=int, default=10, help="timed steps; the median counts")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps, first")
+    p.add_argument("--threads", type=int, default=None,
+                   help="BLAS threads (default: the node's cores)")
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
     p.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
                    help="the 16-bit type of --amp (default: bfloat16 on CuPy, float16 on numpy)")

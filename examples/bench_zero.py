@@ -90,11 +90,13 @@ def tables(cli, results, n_ranks):
 
 def main():
     p = add_model_args(example_parser(__doc__))
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
+    p.add_argument("--steps", type=int, default=2,
+                   help="steps per stage; the bytes sent are the last one's")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to measure (0: DDP)")
-    p.add_argument("--amp", action="store_true")
-    p.add_argument("--comm", default="ring")
+    p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
+    p.add_argument("--comm", default="ring",
+                   help="collective algorithm: ring, naive, mpi, hier or nccl")
     cli = p.parse_args()
     stages = cli.stages.split(",")
     if not stages or any(s not in ("0", "1", "2", "3") for s in stages):

@@ -171,8 +171,10 @@ def compute(config, opt_s):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--out", default=os.path.join(ROOT, "examples", "calibration_here.json"))
+    p.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")],
+                   help="rank counts to measure the collectives at, comma-separated")
+    p.add_argument("--out", default=os.path.join(ROOT, "examples", "calibration_here.json"),
+                   help="the JSON file to write")
     args = p.parse_args()
     config = GPTConfig(**MODEL, vocab_size=256)
     cal = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -23,9 +23,9 @@ from minidist.train.args import example_parser
 
 def parse():
     p = example_parser(__doc__)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--experts", type=int, default=4, help="experts E, a multiple of --ep")
+    p.add_argument("--ep", type=int, default=2, help="simulated expert-parallel ranks")
+    p.add_argument("--top-k", type=int, default=2, help="experts each token chooses")
     p.add_argument("--capacity", type=float, default=1.0, help="capacity factor (0: no limit)")
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--tokens", type=int, default=6, help="tokens per sequence")

@@ -53,8 +53,10 @@ def parse(argv=None):
     add_model_args(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
     p.add_argument("--dropout", action="store_true", help="count dropout masks")
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus", type=int, default=8,
+                   help="GPUs in all, whole nodes of --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node (tensor parallelism stays inside one)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction kept free for workspace, buffers, fragmentation")

@@ -167,7 +167,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="*", metavar="LOG.jsonl", help="train_gpt.py --log-json files")
-    p.add_argument("-o", "--out", required=True, metavar="OUT.png")
+    p.add_argument("-o", "--out", required=True, metavar="OUT.png", help="the PNG to write")
     p.add_argument("--labels", default=None, help="comma-separated, one per log (default: names)")
     p.add_argument("--trace", default=None, metavar="FILE", help="train_gpt.py --trace FILE")
     p.add_argument("--step", type=int, default=-1, help="the traced step to draw (-1: last)")

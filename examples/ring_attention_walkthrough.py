@@ -75,10 +75,11 @@ def walk(T, n, split, row, hs=4, seed=0):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=4, help="simulated context-parallel ranks N")
     p.add_argument("--T", type=int, default=16,
                    help="sequence length, a multiple of 2N (N: --ranks)")
-    p.add_argument("--split", choices=("zigzag", "naive"), default="zigzag")
+    p.add_argument("--split", choices=("zigzag", "naive"), default="zigzag",
+                   help="the ring to follow: zigzag (chunks r, 2N-1-r) or naive (contiguous)")
     p.add_argument("--row", type=int, default=None,
                    help="the query position to follow, 0 to T-1 (default: 13, or T-1 if T <= 13)")
     args = p.parse_args()

@@ -34,9 +34,10 @@ def run_under_pdb(inputs, op):
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=4, help="simulated ranks")
     p.add_argument("--n", type=int, default=10, help="elements per buffer")
-    p.add_argument("--op", default="sum", choices=("sum", "avg", "max", "min"))
+    p.add_argument("--op", default="sum", choices=("sum", "avg", "max", "min"),
+                   help="the all-reduce's reduction")
     p.add_argument("--broadcast", action="store_true", help="also show a chain broadcast")
     p.add_argument("--pdb", action="store_true",
                    help="stop in pdb inside the all-reduce, before its reduce-scatter phase")

@@ -54,7 +54,8 @@ def sample_parser():
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=0, help="the same seed, the same text")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when CuPy sees a GPU, else cpu")
     p.add_argument("--traceback", action="store_true",
                    help="on a user error, show the traceback (also MINIDIST_DEBUG=1)")
     return p

@@ -111,7 +111,7 @@ def main(argv=None):
     p = example_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4, help="simulated data-parallel ranks")
     p.add_argument("--rows", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1, help="training steps to simulate")
     p.add_argument("--rings", action="store_true", help="print every ring step's table")
     p.add_argument("--pdb", action="store_true", help="stop in pdb before the shards step")
     args = p.parse_args(argv)
