@@ -48,7 +48,7 @@ MEASURED = [
 ]
 
 
-def parse(argv=None):
+def parser():
     p = example_parser(__doc__)
     add_model_args(p)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per pass")
@@ -64,7 +64,30 @@ def parse(argv=None):
     p.add_argument("--measure", action="store_true",
                    help="measure the train_gpt.py default model (ledger vs planner)")
     p.add_argument("--data", default=None, help="--measure: training text (default stdlib)")
-    return p.parse_args(argv)
+    return p
+
+
+# the flags both runs read (--measure trains train_gpt.py's default model with this block),
+# and the one only --measure reads
+BOTH_READ, MEASURE_ONLY = ("measure", "arch", "n_kv_head"), ("data",)
+
+
+def measure_problem(args, p):
+    """A flag given (not its default) that this run would ignore, as a sentence naming it:
+    with --measure every planning flag (the model's size, the GPUs, --json...), without it
+    --data (first-use walk 18: --measure --n-layer 2 measured the 4-layer default model
+    silently); None when there is none."""
+    for name, value in sorted(vars(args).items()):
+        if value == p.get_default(name) or name in BOTH_READ or \
+                (name in MEASURE_ONLY) == bool(args.measure):
+            continue
+        flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+        if args.measure:
+            return (f"{flag}: --measure trains train_gpt.py's default model (only --arch, "
+                    f"--n-kv-head and --data change what it runs); leave {flag.split()[0]} out, "
+                    "or drop --measure to plan with it")
+        return f"{flag}: only read by --measure (the text it trains on); leave it out"
+    return None
 
 
 def print_plan(result):
@@ -129,7 +152,12 @@ def measure(args):
 
 
 def main(argv=None):
-    args = parse(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    problem = measure_problem(args, p)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     if args.measure:
         return measure(args)
     problem = number_problem(args) or nodes_problem(args.gpus, args.gpus_per_node)

@@ -270,6 +270,12 @@ PLANNER_BAD = [
      "--moe-experts (add --moe-experts E, 2 or more, or leave --moe-top-k out)"),
     ("plan_memory", ["--params", "7e9", "--moe-every", "2"], "--moe-every 2: only used with "
      "--moe-experts"),
+    # --measure runs train_gpt.py's default model: --n-layer 2 was measured as 4 layers
+    ("plan_memory", ["--measure", "--n-layer", "2"], "--n-layer 2: --measure trains "
+     "train_gpt.py's default model (only --arch, --n-kv-head and --data change what it "
+     "runs); leave --n-layer out, or drop --measure to plan with it"),
+    ("plan_memory", ["--params", "7e9", "--data", "x.txt"], "--data x.txt: only read by "
+     "--measure"),
 ]
 
 
