@@ -153,15 +153,12 @@ def add_parallel_args(p):
     g.add_argument("--comm-timeout", type=float, default=None, metavar="SECONDS",
                    help="a collective waiting longer aborts the job, naming the ranks that did "
                    "not arrive (default: MINIDIST_COMM_TIMEOUT or 600; 0: never)")
-    g.add_argument("--micro-batches", type=int, default=None, action=Given,
-                   help="pipeline micro-batches per step (default: up to 2 x pp; --resume: "
-                   "the checkpoint's, with the same --pp and batch split)")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="pipeline micro-batches per step (default: up to 2 x pp)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1"), default="1f1b",
-                   action=Given, help="pipeline schedule (minidist/pp/README.md; --resume: "
-                   "the checkpoint's, with the same --pp)")
-    g.add_argument("--pp-virtual", type=int, default=1, metavar="V", action=Given,
-                   help="chunks of layers per pipeline rank: V > 1 interleaves 1F1B "
-                   "(--resume: the checkpoint's, with the same --pp)")
+                   help="pipeline schedule (minidist/pp/README.md)")
+    g.add_argument("--pp-virtual", type=int, default=1, metavar="V",
+                   help="chunks of layers per pipeline rank: V > 1 interleaves 1F1B")
     g.add_argument("--amp", action="store_true",
                    help="16-bit compute (bfloat16 on CuPy, float16 on numpy), float32 master")
     g.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,

@@ -135,25 +135,20 @@ def _flag(name):
 
 
 # the pipeline's schedule flags: no number depends on them (tests/test_pipeline.py: every
-# schedule gives the same losses), but memory and speed do: a resumed run keeps the
-# checkpoint's, as it keeps its model, where its pipeline is the same (resumed_schedule)
+# schedule gives the same losses), but memory and speed do
 SCHEDULE_FLAGS = ("schedule", "pp_virtual", "micro_batches")
 
 
-def resumed_schedule(args, flags):
-    """The schedule flags (SCHEDULE_FLAGS) a resumed run takes from its checkpoint's `flags`
-    (the run's it continues): those not given (args.given), where it keeps that run's
-    pipeline, the same --pp above 1 (they were chosen for its stages; another --pp starts
-    from the defaults); --micro-batches only where the batch splits as it did (the same
-    --batch-size, --grad-accum, --dp and --ep), or the count might not divide it. A flag
-    the checkpoint did not record is not taken."""
+def schedule_differences(args, flags):
+    """The schedule flags (SCHEDULE_FLAGS) the checkpoint's run (`flags`) gave another value
+    than this run has, as "--schedule gpipe", where both run the same pipeline (the same --pp
+    above 1): a resumed run names them rather than taking them, since a value taken could
+    be one this run's other flags refuse (--schedule zb-h1 beside --ckpt-activations, a
+    --micro-batches that no longer divides the batch at another world size)."""
     if args.pp == 1 or flags.get("pp") != args.pp:
         return []
-    split = all(flags.get(k) == getattr(args, k) for k in ("batch_size", "grad_accum", "dp",
-                                                          "ep"))
-    given = getattr(args, "given", [])
-    return [k for k in SCHEDULE_FLAGS
-            if k in flags and k not in given and (split or k != "micro_batches")]
+    return [f"--{k.replace('_', '-')} {flags[k]}" for k in SCHEDULE_FLAGS
+            if flags.get(k) is not None and flags[k] != getattr(args, k)]
 
 
 def _resolved(name, value, model):
@@ -207,9 +202,9 @@ def take_resume_model(args):
     """--resume: the model is the checkpoint's, so a resumed run needs no model flag. Each
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
-    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there),
-    --data (the text or token files it trained on) and, with the same pipeline, its
-    schedule (resumed_schedule: --schedule, --pp-virtual, --micro-batches).
+    --amp and --amp-dtype follow it), --tokenizer (where its folder is still there) and
+    --data (the text or token files it trained on); its pipeline schedule is this run's
+    flags' (the log names the checkpoint's where it differs: schedule_differences).
     One given with another value is refused here, before any work, naming the flag; but
     MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
     may change (fine-tuning). A checkpoint that
@@ -226,8 +221,6 @@ def take_resume_model(args):
         return
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     _take_resume_data(args, folder, flags.get("data"))
-    for name in resumed_schedule(args, flags):
-        setattr(args, name, flags[name])
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out

@@ -38,7 +38,7 @@ from minidist.train import preemption
 from minidist.train.args import arch_fields
 from minidist.train.data import DataError
 from minidist.train.inputs import (initial_weights, open_data, recorded_flags,
-                                   resumed_schedule)
+                                   schedule_differences)
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
@@ -127,12 +127,12 @@ def _resume(args, strategy, log, model, opt):
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
-    taken = [f"--{k.replace('_', '-')} {saved[k]}" for k in resumed_schedule(args, saved)
-             if saved[k] is not None]            # (--micro-batches None: pp's default)
+    other = [] if args.eval_only else schedule_differences(args, saved)
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
-        + (f"; the checkpoint's pipeline schedule: {' '.join(taken)}" if taken else "")
+        + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
+           "any schedule, another speed and memory: give them to keep its)" if other else "")
         + ("" if args.save or args.eval_only else
            "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
