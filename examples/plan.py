@@ -137,6 +137,9 @@ def parse_layout(text, args, config, v):
         if key in seen:
             fail(f"--layout: {key} is given twice; give each key once")
         seen.add(key)
+        if item in ("ckpt", "selective") and "recompute" in fields:
+            fail("--layout: ckpt and selective: give one recompute (ckpt: full; selective: "
+                 "the attention's scores)")
         if item == "ckpt":
             fields["recompute"] = "full"
         elif item == "selective":

@@ -200,8 +200,9 @@ def test_grad_accum_draws_one_process_masks():
 def test_every_layout_with_dropout_equals_one_process(mpi):
     """--dropout 0.1, float64, 3 steps on 4 ranks: DDP (also with grad-accum), ZeRO-3, ZeRO-2
     with grad-accum and recompute, pp 2 x dp 2 (1F1B, GPipe with recompute, ZB-H1 with
-    ZeRO-1, interleaved, tiled attention), tp 2 x dp 2 (also sequence parallel with
-    grad-accum), tp 2 x pp 2 (sequence parallel; recompute with grad-accum), cp 4, cp 2 x dp 2
+    ZeRO-1, interleaved, tiled attention; ZB-H1 and interleaved with selective recompute),
+    tp 2 x dp 2 (also sequence parallel with grad-accum), tp 2 x pp 2 (sequence parallel,
+    also with selective recompute; recompute with grad-accum), cp 4, cp 2 x dp 2
     (ZeRO-3, grad-accum, recompute), cp 2 x tp 2 (naive split; sequence parallel, naive and
     zig-zag with recompute), cp 2 x pp 2 (1F1B; GPipe with
     recompute): losses, norms and every parameter equal one process's (grad-accum 1, no
@@ -214,7 +215,8 @@ def test_every_layout_with_dropout_equals_one_process(mpi):
     assert [r["run"] for r in rows] == [
         "dp4", "dp4+accum2", "dp4+zero3", "dp4+zero2+accum2+recompute", "pp2xdp2",
         "pp2xdp2+gpipe+recompute", "pp2xdp2+zbh1+zero1", "pp2xdp2+v2", "pp2xdp2+tiled",
-        "tp2xdp2", "tp2xdp2+sp+accum2", "tp2xpp2+sp", "tp2xpp2+recompute+accum2", "cp4",
+        "pp2xdp2+zbh1+selective", "pp2xdp2+v2+selective", "tp2xdp2", "tp2xdp2+sp+accum2",
+        "tp2xpp2+sp", "tp2xpp2+sp+selective", "tp2xpp2+recompute+accum2", "cp4",
         "cp2xdp2+zero3+accum2+recompute", "cp2xtp2+naive", "cp2xtp2+sp+naive",
         "cp2xtp2+sp+recompute", "cp2xpp2",
         "cp2xpp2+gpipe+recompute"]

@@ -840,6 +840,13 @@ LAYOUT_BAD = [
      "the ranks each replica is sharded over must divide dp 16"),
     (["--gpus", "16", "--layout", "dp=8,tp=2,zero=1,shard=3"], "--layout: shard=3: "
      "--zero-shard 3: the ranks each replica is sharded over must divide dp 8"),
+    # audit 18: both recomputes, the last silently winning; selective under the ring's tiles
+    (["--gpus", "8", "--attention", "materialized", "--layout", "dp=8,ckpt,selective"],
+     "--layout: ckpt and selective: give one recompute"),
+    (["--gpus", "8", "--attention", "materialized", "--layout", "dp=4,cp=2,selective"],
+     "--layout: selective: the ring keeps no scores to recompute"),
+    (["--gpus", "8", "--layout", "dp=8,selective"], "--layout: selective: tiled attention "
+     "keeps no scores to recompute"),
 ]
 
 

@@ -20,6 +20,8 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import ATTENTIONS
 from minidist.strategy.memory import activation_bytes
 from minidist.train.args import train_parser
+from minidist.train.cli import check_flags
+from minidist.train.strategy import check_layout
 from minidist.train.cluster import H100_IB
 from minidist.train.planner import Layout, bill
 from minidist.train.search import search, train_flags
@@ -155,7 +157,10 @@ def test_the_search_proposes_it_with_a_command_training_runs():
     row = chosen[0]
     flags = train_flags(config, row)
     assert flags[flags.index("--attention") + 1] == "recompute"
-    assert train_parser().parse_args(flags).attention == "recompute"
+    args = train_parser().parse_args(flags + ["--device", "cpu"])
+    check_flags(args)                                   # training's own checks, as run
+    check_layout(args, row["dp"] * row["tp"] * row["pp"] * row["cp"])
+    assert args.attention == "recompute"
     plain = [r for r in rows if r["recompute"] == "none" and r["layout"] ==
              row["layout"].replace(", selective recompute", "")
              and r["micro_batches"] == row["micro_batches"]]

@@ -217,6 +217,9 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         problems.append(f"cpattn={layout.cp_attention}: the CP attention is ring or ulysses")
     if layout.zero_shard and not layout.zero:
         problems.append(f"shard={layout.zero_shard}: hybrid sharding needs zero=1, 2 or 3")
+    if layout.recompute == "selective" and layout.cp > 1 and layout.cp_attention == "ring":
+        problems.append("selective: the ring keeps no scores to recompute (its blocks are "
+                        "tiled); use cpattn=ulysses, or leave selective out")
     if layout.overlap_gather and layout.zero not in (1, 2):
         problems.append("ogather: the overlapped parameter gather needs zero=1 or 2 (ZeRO-3 "
                         "gathers before each block anyway)")

@@ -6,8 +6,8 @@
 The masks are keyed by (step, site, the row's number in the global batch)
 (minidist/autograd/dropout_keys.py), so with --dropout 0.1 every layout trains one process's
 numbers: data parallelism (DDP, ZeRO), --grad-accum, pipelines (their micro-batches and
-schedules; with tiled attention, which draws the weights' numbers again in a micro-batch's
-backward), tensor and sequence parallelism, context parallelism (the ring's tiles and the
+schedules; with tiled attention and with selective recompute, which draw the weights'
+numbers again in a micro-batch's backward), tensor and sequence parallelism, context parallelism (the ring's tiles and the
 residual stream by global position; also inside pipeline stages), activation recompute, and
 their compositions.
 Every rank also trains the reference: one process, the whole global batch, --grad-accum 1, no
@@ -46,9 +46,16 @@ RUNS = {"dp4": [],                                             # DDP, overlapped
         "pp2xdp2+zbh1+zero1": [*PP2, "--schedule", "zb-h1", "--zero", "1"],
         "pp2xdp2+v2": [*PP2, "--pp-virtual", "2", "--n-layer", "4"],
         "pp2xdp2+tiled": [*PP2, "--attention", "tiled", "--attention-block", "2"],
+        # selective recompute: each micro-batch's backward draws its forward's masks again,
+        # later forwards having moved the keys on (attention.py Redo)
+        "pp2xdp2+zbh1+selective": [*PP2, "--schedule", "zb-h1", "--attention", "recompute"],
+        "pp2xdp2+v2+selective": [*PP2, "--pp-virtual", "2", "--n-layer", "4", "--attention",
+                                 "recompute"],
         "tp2xdp2": ["--tp", "2"],
         "tp2xdp2+sp+accum2": ["--tp", "2", "--sequence-parallel", "--grad-accum", "2"],
         "tp2xpp2+sp": ["--tp", "2", *PP2, "--sequence-parallel"],
+        "tp2xpp2+sp+selective": ["--tp", "2", *PP2, "--sequence-parallel", "--attention",
+                                 "recompute"],
         "tp2xpp2+recompute+accum2": ["--tp", "2", *PP2, "--ckpt-activations",
                                      "--grad-accum", "2"],
         "cp4": ["--cp", "4"],
