@@ -235,10 +235,10 @@ def test_train_keeps_the_newest_k_folders(corpus, tmp_path):
 
 def test_overwrite_replaces_the_other_runs_checkpoints(corpus, tmp_path):
     """--save ck --overwrite over a longer run: its steps 2 and 4 replace that run's folders,
-    its step 6 too (it stayed as the "newest", and --keep 2 deleted this run's step 2
-    instead). The same command again saves step 2 over a step 2: step-00000002.1, latest
-    pointed at it once it is complete, the old folder then removed; every folder left
-    verifies:
+    its step 6 too (counted as the newest, it would outlive this run's step 2 under --keep
+    2). The same command again saves step 2 over a step 2: step-00000002.1, latest pointed
+    at it once it is complete, the old folder then removed; every folder left verifies. A
+    run resumed from a `latest` set back by hand keeps the later folders (no --overwrite):
 
         python examples/train_gpt.py ... --steps 6 --save-every 2 --keep 2 --save ck
         python examples/train_gpt.py ... --steps 4 --save-every 2 --keep 2 --save ck \\
@@ -262,6 +262,9 @@ def test_overwrite_replaces_the_other_runs_checkpoints(corpus, tmp_path):
         ["latest", "step-00000002.1", "step-00000004"], "step-00000004\n")
     for name in ("step-00000002.1", "step-00000004"):
         assert checkpoint.verify(ck / name)["step"] == int(name[5:13])
+    (ck / "latest").write_text("step-00000002.1\n")              # set back by hand
+    assert checkpoint_dirs.prune(ck, 5) == [] and checkpoint_dirs.prune(ck, 0) == []
+    assert checkpoint_dirs.prune(ck, 5, replacing=True) == ["step-00000004"]
 
 
 _SAVER = """

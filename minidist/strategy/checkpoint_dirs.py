@@ -12,7 +12,7 @@ A save: begin(DIR) makes the temporary folder (mode from the user's umask, not m
 0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
 (step-<step>, or step-<step>.<n> when that step was saved before), fsyncs DIR and points
 `latest` at it. prune(DIR, keep) then removes all but the newest `keep` folders, never the
-one `latest` names, and any past its step (an --overwrite run's: the run it replaces).
+one `latest` names (and, for an --overwrite run, any past its step: the run it replaces).
 A kill at any point leaves the old pointer and its folder, or the new.
 
 resolve(path) finds the checkpoint to read: `path` itself when it is one (manifest.json), else
@@ -200,18 +200,19 @@ def commit(tmp, directory, step):
     return os.path.join(directory, name)
 
 
-def prune(directory, keep):
+def prune(directory, keep, replacing=False):
     """Remove all but the newest `keep` numbered folders (0: keep all); the one `latest`
-    names always stays. Whatever `keep`, also those of a step past latest's: a run saves
-    below a newer checkpoint only when it replaces that run (--overwrite: check_save refuses
-    it otherwise), and as the "newest" they stayed while this run's own went (--steps 4
-    --overwrite over a 6-step run, --keep 2: its step 4 and the other run's step 6 were
-    left). Returns the names removed."""
+    names always stays. `replacing` (a run with --overwrite, which replaces the run that
+    saved here): also every folder of a step past latest's, whatever `keep`, since they are
+    that run's, and counted as the newest they would outlive this run's own. Without it
+    those stay (a `latest` set back by hand, a save killed before its pointer moved).
+    Returns the names removed."""
     if not os.path.isdir(directory):
         return []
     latest = read_latest(directory)
     folders = numbered(directory)
-    past = [n for n in folders if latest is not None and step_of(n) > step_of(latest)]
+    past = [n for n in folders if replacing and latest is not None
+            and step_of(n) > step_of(latest)]
     others = [n for n in folders if n != latest and n not in past]
     stay = keep - 1 if latest is not None else keep
     gone = past + (others[:max(len(others) - stay, 0)] if keep else [])

@@ -219,7 +219,8 @@ def add_train_args(p):
                    help="numbered checkpoint folders kept under --save (the newest K)")
     g.add_argument("--overwrite", action="store_true",
                    help="--save into a DIR holding checkpoints of another (or a newer) run: "
-                   "this run's saves then replace them")
+                   "this run's saves then replace them (its folders of later steps too, "
+                   "once this run's save is complete)")
     g.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint folder or a --save DIR (its newest; the "
                    "model flags, --dtype and --amp follow it). `--resume auto`: from --save "

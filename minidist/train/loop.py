@@ -335,7 +335,7 @@ def _save(args, strategy, log, model, opt, step, say=True):
     strategy.save(args.save, model, opt, step + 1, _rng_states(model),
                   recorded_flags(vars(args)))
     if strategy.rank == 0:          # every rank has written: older folders can go
-        checkpoint_dirs.prune(args.save, args.keep)
+        checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
         folder = os.path.join(args.save, checkpoint_dirs.read_latest(args.save))
         if say:
             log.print0(f"saved step {step + 1} to {folder}")
