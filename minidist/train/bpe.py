@@ -280,8 +280,8 @@ class BPETokenizer:
     of the vocabulary and merges, for data caches); and `eot`, the
     id of <|endoftext|> (None if the vocabulary has none) to put between documents.
     `name` ("bpe-4096") says what every such tokenizer is, GPT-2's download ("bpe-50257") or
-    one examples/train_tokenizer.py wrote: it was "gpt2-bpe" for both, in the data log line
-    and a cache's meta.json. It names no folder: folders of the same files share a cache.
+    one examples/train_tokenizer.py wrote, in the data log line and a cache's meta.json; it
+    names no folder, since folders of the same files share a cache.
 
     BPETokenizer.from_folder(path) reads and validates a folder's vocab.json and merges.txt;
     the constructor trusts its `vocab` ({token: id}, ids 0..n-1, all 256 byte characters)

@@ -84,8 +84,7 @@ def cluster_from_calibration(path, ranks=None):
     slow messages too, so each count has its own fit), and the sync of a blocking collective
     likewise; the elementwise work TP repeats, timed in one process. Its `mem_gib` is each
     rank's share of the node's memory (the calibration's, measured with the machine): the
-    ranks are processes on this one node (a GPU's memory is its own; here it was the whole
-    node's for every rank, so 4 ranks of 8.7 GiB "fit" in 11.8)."""
+    ranks are processes on this one node sharing it, where a GPU's memory is its own."""
     with open(path) as f:
         cal = json.load(f)
     ranks = ranks or cal["cores"]

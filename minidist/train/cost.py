@@ -3,9 +3,11 @@ The cluster (`Cluster`: peak, efficiency, links, ...; the presets) is minidist/t
 
 Compute. Forward FLOPs per micro-batch of b sequences of s tokens (Megatron's count, Narayanan
 et al. 2021, appendix): 24 b s h^2 per layer in the matmuls, 4 b s^2 h in attention (q k^T and
-p v), 2 b s h V in the output layer. Backward is twice forward; full recompute (--ckpt-activations)
-runs each block's forward once more; tiled attention's backward recomputes the scores (2 b s^2
-h per layer), and so does selective recompute's (--attention recompute). TP divides the FLOPs by t, CP the tokens by c, PP the layers by p. Time = FLOPs /
+p v), 2 b s h V in the output layer. Backward is twice forward; full recompute
+(--ckpt-activations) runs each block's forward once more; tiled attention's backward
+recomputes the scores (2 b s^2 h per layer), and so do selective recompute's (--attention
+recompute) and the cp ring's. TP divides the FLOPs by t, CP the tokens by c, PP the layers
+by p. Time = FLOPs /
 (peak x efficiency), the efficiency a measured factor (`Cluster.efficiency`); on a machine with
 fewer cores than ranks (`compute_slots`), ranks share them: time x ranks per node / slots.
 MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak.

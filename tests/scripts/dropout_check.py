@@ -7,9 +7,9 @@ The masks are keyed by (step, site, the row's number in the global batch)
 (minidist/autograd/dropout_keys.py), so with --dropout 0.1 every layout trains one process's
 numbers: data parallelism (DDP, ZeRO), --grad-accum, pipelines (their micro-batches and
 schedules; with tiled attention and with selective recompute, which draw the weights'
-numbers again in a micro-batch's backward), tensor and sequence parallelism, context parallelism (the ring's tiles and the
-residual stream by global position; also inside pipeline stages), activation recompute, and
-their compositions.
+numbers again in a micro-batch's backward), tensor and sequence parallelism, context
+parallelism (the ring's tiles and the residual stream by global position; also inside
+pipeline stages), activation recompute, and their compositions.
 Every rank also trains the reference: one process, the whole global batch, --grad-accum 1, no
 recompute (one run per depth). Each run builds its strategy from train_gpt's flags
 (make_strategy) and trains through the loop's train_step (tests/scripts/exact.py); losses,
