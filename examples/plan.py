@@ -196,15 +196,19 @@ def print_table(rows, top):
               + f"  {'yes' if r['fits'] else 'no'}")
 
 
-def nothing_fits(rows, cluster, headroom):
-    """Why no row fits, as a sentence: the smallest memory any layout needs, and the budget."""
+def nothing_fits(rows, cluster, headroom, here=False):
+    """Why no row fits, as a sentence: the smallest memory any layout needs, and the budget.
+    `here` (--preset here): the ranks share one machine's memory, so more of them hold less
+    each; the remedy is a smaller model or sequence."""
     least = min(rows, key=lambda r: r["mem"]["total"])
     budget, m = cluster.mem_gib * (1 - headroom), least["micro_batches"]
     which = "the layout" if len(rows) == 1 else "the smallest layout"
+    unit, fix = ("rank", "plan a smaller model or --seq (the ranks share this machine's "
+                 "memory: more of them hold less each)") if here else \
+        ("GPU", "add --gpus or --gpu-mem, or plan a smaller model")
     return (f"{which}, {least['layout']} ({m} micro-batch{'es' if m > 1 else ''}), needs "
-            f"{least['mem']['total'] / GiB:.1f} GiB per GPU, over the {budget:.1f} GiB of "
-            f"{cluster.mem_gib:g} less --headroom {headroom:g}; add --gpus or --gpu-mem, or "
-            f"plan a smaller model")
+            f"{least['mem']['total'] / GiB:.1f} GiB per {unit}, over the {budget:.1f} GiB of "
+            f"{cluster.mem_gib:.3g} less --headroom {headroom:g}; {fix}")
 
 
 def command(config, row, gpus, v):
@@ -252,7 +256,8 @@ def main(argv=None):
               "gpus": args.gpus, "seq": args.seq, "global_batch": args.global_batch,
               "rows": rows[:args.top], "best": best and best["layout"],
               "command": best and command(config, best, args.gpus, v),
-              "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom)}
+              "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom,
+                                                             args.preset == "here")}
     if args.json:
         print(json.dumps(result))
         return

@@ -256,11 +256,11 @@ PLANNER_BAD = [
      "--help lists the flags)"),
     # a part of a node was planned as if it were full (8 + 4 priced as 8 + 8)
     ("plan", ["--params", "7e9", "--gpus", "12"], "--gpus 12 --gpus-per-node 8: 12 GPUs fill 1 "
-     "node of 8 and part of another, which the planners cannot price (they take every node "
-     "as full); give --gpus 8 or 16, or --gpus-per-node 6 (2 full nodes)"),
-    ("plan_memory", ["--params", "7e9", "--gpus", "13", "--gpus-per-node", "8"], "--gpus 13 "
-     "--gpus-per-node 8: 13 GPUs fill 1 node of 8 and part of another, which the planners "
-     "cannot price (they take every node as full); give --gpus 8 or 16\n"),
+     "node of 8 and part of another, which the step-time model cannot price (it takes every "
+     "node as full); give --gpus 8 or 16, or --gpus-per-node 6 (2 full nodes)"),
+    ("plan", ["--params", "7e9", "--gpus", "13", "--gpus-per-node", "8"], "--gpus 13 "
+     "--gpus-per-node 8: 13 GPUs fill 1 node of 8 and part of another, which the step-time "
+     "model cannot price (it takes every node as full); give --gpus 8 or 16\n"),
     ("plan_memory", ["--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node 0: must be "
      "a positive number"),
     # first-use walk 18: an efficiency of 2 priced MFU 1.86; --moe-* without --moe-experts
@@ -964,6 +964,11 @@ def test_no_valid_layout_is_told_apart_from_none_fitting(capsys):
     assert result["best"] is None and not any(r["fits"] for r in result["rows"])
     budget = H100_IB.mem_gib * 0.9                              # --headroom 0.1
     assert f"needs {least:.1f} GiB per GPU, over the {budget:.1f} GiB" in result["nothing_fits"]
+    # --preset here: ranks share the machine's memory, so more ranks are no remedy (audit 18)
+    _plan_cli().main(["--preset", "here", "--params", "1e9", "--gpus", "4", "--global-batch",
+                      "8", "--json"])
+    says = json.loads(capsys.readouterr().out)["nothing_fits"]
+    assert " GiB per rank, over the " in says and "add --gpus" not in says, says
 
 
 # ---- context parallelism's attention: the ring or Ulysses' all-to-alls ------------------------

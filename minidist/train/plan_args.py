@@ -80,17 +80,18 @@ def number_problem(args):
 
 
 def nodes_problem(gpus, gpus_per_node):
-    """--gpus that do not fill whole nodes of --gpus-per-node (cluster.fills_nodes: 12 on
-    nodes of 8 were planned, and priced, as if the last node were full), as a sentence naming
-    the whole-node counts either side and the largest per-node count that divides --gpus;
-    None when they fill whole nodes or fit in one."""
+    """--gpus that do not fill whole nodes of --gpus-per-node (cluster.fills_nodes: the
+    step-time model prices every node like the one holding rank 0, so 8 + 4 would be priced
+    as 8 + 8), as a sentence naming the whole-node counts either side and the largest
+    per-node count that divides --gpus; None when they fill whole nodes or fit in one.
+    examples/plan.py's; plan_memory.py prices no link, so any count is fine there."""
     if fills_nodes(gpus, gpus_per_node):
         return None
     full = gpus // gpus_per_node
     even = next((k for k in range(gpus_per_node - 1, 1, -1) if gpus % k == 0), None)
     return (f"--gpus {gpus} --gpus-per-node {gpus_per_node}: {gpus} GPUs fill {full} "
             f"node{'s' if full > 1 else ''} of {gpus_per_node} and part of another, which the "
-            f"planners cannot price (they take every node as full); give --gpus "
+            f"step-time model cannot price (it takes every node as full); give --gpus "
             f"{full * gpus_per_node} or {(full + 1) * gpus_per_node}"
             + (f", or --gpus-per-node {even} ({gpus // even} full nodes)" if even else ""))
 
