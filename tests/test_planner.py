@@ -157,7 +157,8 @@ def test_tp_and_pp_split_the_parameters():
 @pytest.mark.parametrize("config", [
     CFG, replace(CFG, n_layer=5, bias=False),
     replace(CFG, n_layer=6, moe_experts=4, moe_top_k=2, moe_every=2),
-    replace(CFG, n_layer=3, moe_experts=8, moe_every=1, vocab_size=250)])
+    replace(CFG, n_layer=3, moe_experts=8, moe_every=1, vocab_size=250),
+    replace(CFG, n_layer=4, moe_experts=4, moe_every=2, moe_shared=2)])
 def test_counts_per_kind_of_block_equal_a_walk_over_every_parameter(config):
     """stage_params and the experts' tensors per stage count one block of each kind (dense,
     MoE) and multiply, so the search does not walk every name of a 34-block, 8-expert model

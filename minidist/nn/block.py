@@ -109,9 +109,11 @@ class Block(Module):
         self.ln_2 = layers.norm()
         # a Mixture of Experts keeps whole experts under tensor parallelism too (each tp rank
         # routes and runs the same tokens, or its own under sequence parallelism:
-        # minidist/nn/moe_split.py; minidist/ep/ shards them over ranks)
-        self.mlp = MoE(config, MLP, dtype) if config.is_moe(layer) else \
-            MLP(config, dtype, layers)
+        # minidist/nn/moe_split.py; minidist/ep/ shards them over ranks); its shared experts
+        # are one MLP of this block's layers, split by tp as a dense block's
+        shared = config.shared_expert()
+        self.mlp = MoE(config, MLP, dtype, shared and MLP(shared, dtype, layers)) \
+            if config.is_moe(layer) else MLP(config, dtype, layers)
 
     def forward(self, x):                                          # (B, T, C)
         x, h = self.ln_2.add_norm(x, self.attn(self.ln_1(x)))      # x + attn(..), ln_2 of it

@@ -48,6 +48,8 @@ class GPTConfig:
     moe_aux_loss_coef: float = 0.01   # Switch/GShard load-balancing loss, times this
     moe_z_loss_coef: float = 0.0      # router z-loss (ST-MoE), times this
     moe_every: int = 1                # every n-th block is MoE (blocks n-1, 2n-1, ...)
+    moe_shared: int = 0               # shared experts: an MLP S x F wide every token runs,
+                                      # beside the routed ones (DeepSeekMoE; 0: none)
     # the block's kind: "gpt2" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm,
     # SwiGLU MLP, rotary positions: no wpe; minidist/autograd/llama_ops.py)
     arch: str = "gpt2"
@@ -105,12 +107,20 @@ class GPTConfig:
         return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     def to_dict(self):
-        """The fields; without the moe_* ones for a dense model and those of ARCH_DEFAULTS at
-        their defaults (a GPT-2's checkpoints unchanged)."""
+        """The fields; without the moe_* ones for a dense model, moe_shared at 0 and those of
+        ARCH_DEFAULTS at their defaults (older checkpoints unchanged)."""
         d = asdict(self)
         return {k: v for k, v in d.items()
                 if not (k.startswith("moe_") and not self.moe_experts)
+                and not (k == "moe_shared" and v == 0)
                 and not (k in ARCH_DEFAULTS and v == ARCH_DEFAULTS[k])}
+
+    def shared_expert(self):
+        """The config of a MoE block's shared experts, as one MLP moe_shared x F wide (F the
+        experts' width, ffn_size), or None without them."""
+        if not (self.moe_experts and self.moe_shared):
+            return None
+        return replace(self, ffn_hidden=self.moe_shared * self.ffn_size)
 
 
 # the block's fields and their defaults (GPT-2's): a checkpoint leaves out those at these
@@ -151,6 +161,8 @@ def _check_moe(c):
                          ">= 0")
     if not 1 <= c.moe_every <= c.n_layer:
         raise ValueError(f"moe_every must be in 1..n_layer ({c.n_layer}), not {c.moe_every}")
+    if c.moe_shared < 0:
+        raise ValueError(f"moe_shared must be >= 0 (shared experts), not {c.moe_shared}")
 
 
 def ffn_size(n_embd, arch="gpt2", ffn_hidden=0):
@@ -211,6 +223,10 @@ def gpt_param_specs(config):
             for e in range(config.moe_experts):
                 linear(h + f"mlp.experts.{e}.c_fc", C, fc, std)
                 linear(h + f"mlp.experts.{e}.c_proj", F, C, proj_std)
+            if config.moe_shared:   # the shared experts, one MLP S x F wide
+                S = config.moe_shared
+                linear(h + "mlp.shared_expert.c_fc", C, S * fc, std)
+                linear(h + "mlp.shared_expert.c_proj", S * F, C, proj_std)
             continue
         linear(h + "mlp.c_fc", C, fc, std)
         linear(h + "mlp.c_proj", F, C, proj_std)

@@ -248,14 +248,15 @@ class GPT(Module):
         2 FLOPs per token forward and 4 backward. Attention's QK^T and AV are 2 * 2 T C per
         token per layer forward, times 3 for forward + backward, counted over the full T x T
         (the causal mask saves nothing in our implementation) -- the PaLM / nanoGPT
-        convention. A Mixture-of-Experts block counts its router (C E) and the k experts a
-        token visits (each an MLP's c_fc and c_proj) in place of the MLP's."""
+        convention. A Mixture-of-Experts block counts its router (C E), the k experts a
+        token visits (each an MLP's c_fc and c_proj) in place of the MLP's, and its shared
+        experts (moe_shared MLPs' worth)."""
         c = self.config
         T = c.block_size if T is None else T
         C, mlp = c.n_embd, mlp_weights(c)
         n_matmul = c.n_layer * (attention_weights(c) + mlp) + c.vocab_size * C
         n_moe = sum(c.is_moe(i) for i in range(c.n_layer))
-        n_matmul += n_moe * (C * c.moe_experts + (c.moe_top_k - 1) * mlp)
+        n_matmul += n_moe * (C * c.moe_experts + (c.moe_top_k - 1 + c.moe_shared) * mlp)
         return 6 * n_matmul + 12 * c.n_layer * T * C
 
     # ---- sampling (minidist/nn/sampling.py) ----------------------------------------------

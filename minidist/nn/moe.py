@@ -11,6 +11,11 @@ M kept (token, expert) assignments.
     experts:   expert e runs its MLP (GPT-2's, block.py's MLP) on its tokens, in token order
     combine:   out_n = sum over token n's kept assignments e of probs[n, e] * expert_e(x_n)
                (a dropped assignment adds 0; the block's residual carries the token on)
+    shared:    (moe_shared S > 0) + shared(x_n): S shared experts every token runs, ungated,
+               as one MLP S F wide (DeepSeekMoE, Dai et al. 2024: common knowledge in them,
+               the routed ones free to specialise); built by the block with its layers, so
+               under tensor parallelism it is split as the dense MLP is, and under expert
+               parallelism it is dense, on every rank
     dropout:   (training, config.dropout > 0) the experts' output rows, before the combine,
                with a mask per (token, expert) (`expert_dropout`), not drawn by the expert
                MLPs in the order they run, so any rank may run any expert
@@ -172,17 +177,19 @@ def z_sum(logits):
 class MoE(Module):
     """E experts (`make_expert(config, dtype)`, block.py's MLP, built without dropout) behind a
     router; the MLP of a MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc /
-    c_proj (e global). `dropout`: the experts' (expert_dropout), its rng set by GPT."""
+    c_proj (e global), and with `shared_expert` (an MLP, its own dropout) its c_fc / c_proj.
+    `dropout`: the experts' (expert_dropout), its rng set by GPT."""
     exchange = None     # expert parallelism's ExpertExchange (minidist/ep/exchange.py), or None
     region = None       # tensor parallelism's TensorParallelRegion (set by TensorParallelGPT)
     context = None      # context parallelism's RingContext (set by minidist/cp/context.py)
 
-    def __init__(self, config, make_expert, dtype="float32"):
+    def __init__(self, config, make_expert, dtype="float32", shared_expert=None):
         super().__init__()
         E = config.moe_experts
         self.router = Linear(config.n_embd, E, bias=False, dtype=dtype)
         plain = replace(config, dropout=0.0)       # the experts' dropout is the layer's
         self.experts = ModuleDict(**{str(e): make_expert(plain, dtype) for e in range(E)})
+        self.shared_expert = shared_expert
         self.dropout = Dropout(config.dropout)     # expert_dropout's rate and draws
         self.n_experts, self.top_k = E, config.moe_top_k
         self.capacity_factor = config.moe_capacity_factor
@@ -222,8 +229,10 @@ class MoE(Module):
             y = self.exchange.run(xin, r.counts, self.run_experts)      # (M, C)
         if self.training and self.dropout.p > 0:
             y = expert_dropout(y, r, self.dropout.rng, self.dropout.p, (B, T, C), parts)
-        out = IndexAddRows.apply(y * gate, token, B * T)                # (N, C)
-        return out.reshape(B, T, C)
+        out = IndexAddRows.apply(y * gate, token, B * T).reshape(B, T, C)
+        if self.shared_expert is not None:                              # every token, ungated
+            out = out + self.shared_expert(x)
+        return out
 
     def losses(self, probs, logits, chosen, parts):
         """(load-balancing loss, z-loss) of this forward, from each sequence's sums over its

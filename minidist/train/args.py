@@ -99,6 +99,10 @@ def add_moe_args(p):
                    help="weight of the router z-loss")
     g.add_argument("--moe-every", type=int, default=1, metavar="N", action=Given,
                    help="every N-th block is MoE (the others keep their MLP)")
+    g.add_argument("--moe-shared", type=int, default=0, metavar="S", action=Given,
+                   help="shared experts every token runs beside its routed ones, ungated "
+                   "(DeepSeekMoE), as one MLP S x the experts' width; split by --tp as a "
+                   "dense MLP")
     return g
 
 

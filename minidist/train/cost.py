@@ -178,8 +178,9 @@ def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.
     """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's exchanges
     (cp_comm: the ring's key and value blocks, which hide behind `block`, one ring block's
     attention seconds forward and backward, or Ulysses' all-to-alls) for one micro-batch
-    on a stage; act = b (s/cp) h e bytes. A MoE block
-    (`moe` of the layers) has one TP all-reduce each way, its attention's: no split MLP.
+    on a stage; act = b (s/cp) h e bytes. A MoE block without shared experts (`moe` of the
+    layers) has one TP all-reduce each way, its attention's: no split MLP (its shared
+    experts are one, split as a dense block's).
     With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
     f = b = 0.0
     if layout.tp > 1:
@@ -301,10 +302,11 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load)
         moe = stage_moe_blocks(config, layout, stage)
+        unsplit = 0 if config.moe_shared else moe            # MoE blocks with no tp-split MLP
         experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
-        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe,
+        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, unsplit,
                                  ring_block_times(config, layout, b, seq, rate))
         s_moe = seq / layout.cp / (layout.tp if layout.sp else 1)   # an MoE block's tokens
         a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
@@ -313,7 +315,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                                            stage)
         tp_f, tp_b = tp_f + q_f, tp_b + q_b                  # + the routing's exchange
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
-        n_f, n_b = _blocking(layout, layers, stage, moe)
+        n_f, n_b = _blocking(layout, layers, stage, unsplit)
         n_f, n_b = n_f + na_f + nq_f, n_b + na_b + nq_b      # + EP's all-to-alls, routing
         loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
         extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits

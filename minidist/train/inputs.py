@@ -105,7 +105,7 @@ def take_init_from_sizes(args):
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
            "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
-           "dropout") + tuple(ARCH_DEFAULTS)
+           "moe_shared", "dropout") + tuple(ARCH_DEFAULTS)
 # ... of which these hold no parameter (a rate, a loss weight, a capacity): a resumed run may
 # change them (checkpoint.HOW_COMPUTED lets them differ)
 MAY_CHANGE = ("dropout", "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")

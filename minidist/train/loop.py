@@ -91,7 +91,7 @@ def moe_fields(args):
     return dict(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
                 moe_capacity_factor=args.moe_capacity_factor,
                 moe_aux_loss_coef=args.moe_aux_loss_coef, moe_z_loss_coef=args.moe_z_loss_coef,
-                moe_every=args.moe_every)
+                moe_every=args.moe_every, moe_shared=args.moe_shared)
 
 
 def _schedule(flags):

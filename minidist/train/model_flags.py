@@ -36,7 +36,7 @@ def check_arch(args):
 
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
-             "moe_z_loss_coef")
+             "moe_z_loss_coef", "moe_shared")
 
 
 def check_moe(args):
@@ -60,6 +60,8 @@ def check_moe(args):
     if not 1 <= args.moe_every <= args.n_layer:
         raise UsageError(f"--moe-every {args.moe_every}: from 1 (every block is MoE) to "
                          f"--n-layer {args.n_layer}")
+    if args.moe_shared < 0:
+        raise UsageError(f"--moe-shared {args.moe_shared}: shared experts, 0 or more")
     for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 0:

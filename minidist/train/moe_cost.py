@@ -6,6 +6,8 @@ capacity factor F (what minidist/nn/moe.py runs):
     attention        (8 b s h^2 + 4 b s^2 h) / tp       split by tp as in a dense block
     router           2 b s h E                          replicated on every tp rank
     experts          16 h^2 per (token, expert) row     whole experts on every tp rank
+    shared experts   16 h^2 S per token / tp            (--moe-shared S) one MLP S wide,
+                                                        split by tp as a dense MLP
     rows per sequence  min(k s, E ceil(F k s / E))      each expert keeps at most
                                                         ceil(F k s / E) tokens of a sequence
 The rows assume a balanced routing by default: no expert gets more than its capacity, so
@@ -88,7 +90,8 @@ def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0, sp=
     attention = (2 * b * s * attention_weights(config) + 4 * b * s * keys * h) / tp
     moe = 2 * b * s * h * config.moe_experts + \
         2 * mlp_weights(config) * b * expert_rows(config, s, active, load)
-    return attention + (moe / tp if sp else moe)
+    shared = 2 * mlp_weights(config) * config.moe_shared * b * s / tp     # split by tp
+    return attention + (moe / tp if sp else moe) + shared
 
 
 def stage_moe_blocks(config, layout, stage):

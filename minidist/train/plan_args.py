@@ -42,7 +42,7 @@ def add_model_args(p):
 
 
 # the planners' numeric flags that may be 0 (the others must be positive)
-MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_capacity_factor",
+MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_shared", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef", "headroom", "intra_lat", "inter_lat",
                "sync_us")
 
@@ -156,4 +156,5 @@ def config_from_args(args):
             else GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                            block_size=args.seq, vocab_size=args.vocab_size, **block))
     return replace(base, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every)
+                   moe_capacity_factor=args.moe_capacity_factor, moe_every=args.moe_every,
+                   moe_shared=args.moe_shared)

@@ -68,8 +68,9 @@ from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
 STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
-_COLUMN = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias")
-_ROW = ("attn.c_proj.weight", "mlp.c_proj.weight")
+_COLUMN = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+           "shared_expert.c_fc.weight", "shared_expert.c_fc.bias")
+_ROW = ("attn.c_proj.weight", "mlp.c_proj.weight", "shared_expert.c_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -246,10 +247,11 @@ def _stage_activations(config, layout, stage, s, b, dropout):
                                        layout.cp_attention == "ulysses", mlp_saved(config))
     out = layers * in_flight * per_layer
     moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
-    if moe and layout.recompute != "full":                        # k experts per token
+    if moe and layout.recompute != "full":      # k experts per token, S shared ones (split)
         extra = (config.moe_top_k - 1) * (1 + mlp_saved(config)) * s * b * config.n_embd * e \
             / layout.tp \
-            + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1)
+            + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1) \
+            + config.moe_shared * mlp_saved(config) * s * b * config.n_embd * e / layout.tp
         out += moe * in_flight * extra / layout.cp                # this rank's tokens
     if stage == pp - 1:
         out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,

@@ -177,9 +177,9 @@ def train_flags(config, row, v=1):
     if config.moe_experts:
         flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
                   "--moe-every", config.moe_every]
-        defaults = GPTConfig()          # the capacity and the losses' weights, where not
-        flags += [f for name in ("moe_capacity_factor", "moe_aux_loss_coef",  # the default
-                                 "moe_z_loss_coef")
+        defaults = GPTConfig()          # the capacity, the losses' weights and the shared
+        flags += [f for name in ("moe_capacity_factor", "moe_aux_loss_coef",  # experts, where
+                                 "moe_z_loss_coef", "moe_shared")       # not the default
                   if getattr(config, name) != getattr(defaults, name)
                   for f in ("--" + name.replace("_", "-"), getattr(config, name))]
     if config.llama:

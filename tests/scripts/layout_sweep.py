@@ -40,9 +40,9 @@ TOL = 1e-9
 AMP_TOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 1e-2, "params_l2": 2e-2}
 BF16_TOL = {k: 8 * t for k, t in AMP_TOL.items()}        # 2^-8 against float16's 2^-11
 # the flags the one-process reference shares with a layout; the rest is the layout
-REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor", "--moe-every",
-       "--moe-aux-loss-coef", "--moe-z-loss-coef", "--amp", "--no-bias", "--arch",
-       "--n-kv-head", "--rope-theta", "--ffn-hidden")
+REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor",
+       "--moe-every", "--moe-aux-loss-coef", "--moe-z-loss-coef", "--moe-shared", "--amp",
+       "--no-bias", "--arch", "--n-kv-head", "--rope-theta", "--ffn-hidden")
 
 
 def reference_flags(flags):
