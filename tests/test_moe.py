@@ -76,12 +76,15 @@ def test_aux_loss_is_one_when_balanced():
     assert load_balancing_loss(probs, np.array([[1, 1], [1, 1]]), T=2, k=1).item() == 1.0
 
 
-@pytest.mark.parametrize("k,factor", [(1, 1.0), (2, 1.0), (2, 0.0)])
-def test_gradcheck_moe_layer(k, factor):
-    """The whole layer (router, top-k, dropping, experts, combine, aux and z losses) in
-    float64 against central differences, for x and every parameter."""
-    config = moe_config(moe_top_k=k, moe_capacity_factor=factor)
-    layer = MoE(config, MLP, dtype="float64")
+@pytest.mark.parametrize("k,factor,shared", [(1, 1.0, 0), (2, 1.0, 0), (2, 0.0, 0),
+                                             (2, 1.0, 2)])
+def test_gradcheck_moe_layer(k, factor, shared):
+    """The whole layer (router, top-k, dropping, experts, combine, aux and z losses; with
+    `shared` experts, --moe-shared, their MLP too) in float64 against central differences,
+    for x and every parameter."""
+    config = moe_config(moe_top_k=k, moe_capacity_factor=factor, moe_shared=shared)
+    layer = MoE(config, MLP, dtype="float64",
+                shared_expert=MLP(config.shared_expert(), dtype="float64") if shared else None)
     rng = np.random.default_rng(3)
     names = [n for n, _ in layer.named_parameters()]
     values = [Tensor(rng.standard_normal(p.shape) * 0.5, requires_grad=True)
@@ -97,7 +100,7 @@ def test_gradcheck_moe_layer(k, factor):
         y = layer(x)
         return [y, layer.aux_loss, layer.z_loss]
 
-    gradcheck(fn, [x] + values, name=f"moe(k={k}, f={factor})")
+    gradcheck(fn, [x] + values, name=f"moe(k={k}, f={factor}, shared={shared})")
 
 
 def test_parameter_names_and_dense_unchanged():

@@ -1,6 +1,7 @@
 """Shared experts (`--moe-shared S`, DeepSeekMoE: minidist/nn/moe.py): every token runs one
 MLP S experts wide beside its routed ones, ungated. The layer = the routed layer + that MLP,
-bit for bit; its gradient = finite differences; the parameter counts (the planner's, per tp
+bit for bit (its gradient against finite differences: tests/test_moe.py
+test_gradcheck_moe_layer); the parameter counts (the planner's, per tp
 rank too) = the model's; every layout (ep, tp + SP where the MLP is split as a dense one,
 pp, ep x tp x ZeRO, ep x dp x ZeRO-3 with recompute and dropout) = one process, resumed bit
 for bit; a resumed run takes S from its checkpoint; the flag refused where it does nothing.
@@ -18,7 +19,6 @@ import numpy as np
 import pytest
 
 from minidist.autograd import Tensor
-from minidist.autograd.gradcheck import gradcheck
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.block import MLP
 from minidist.nn.config import gpt_param_specs
@@ -51,29 +51,6 @@ def test_the_layer_is_the_routed_one_plus_an_mlp_every_token_runs():
         p.data[...] = q.data                                     # the same routed weights
     x = Tensor(np.random.default_rng(0).standard_normal((2, 5, 8)))
     np.testing.assert_array_equal(both(x).data, (routed(x) + shared(x)).data)
-
-
-def test_gradcheck_the_layer_with_shared_experts():
-    """Router, top-2, dropping, experts, the shared MLP, the combine, both losses: float64
-    central differences for x and every parameter."""
-    c = config(moe_z_loss_coef=0.01)
-    layer = MoE(c, MLP, dtype="float64", shared_expert=MLP(c.shared_expert(), "float64"))
-    rng = np.random.default_rng(3)
-    names = [n for n, _ in layer.named_parameters()]
-    assert any(n.startswith("shared_expert.") for n in names)
-    values = [Tensor(rng.standard_normal(p.shape) * 0.5, requires_grad=True)
-              for _, p in layer.named_parameters()]
-    x = Tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
-
-    def fn(x, *params):
-        for name, p in zip(names, params):     # the layer computes with the checked tensors
-            owner = layer
-            for part in name.split(".")[:-1]:
-                owner = getattr(owner, part)
-            setattr(owner, name.split(".")[-1], p)
-        return [layer(x), layer.aux_loss, layer.z_loss]
-
-    gradcheck(fn, [x] + values, name="moe with shared experts")
 
 
 def test_parameters_and_flops_count_the_shared_experts():
