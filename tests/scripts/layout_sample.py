@@ -86,6 +86,8 @@ def candidate(rng, ranks):
         f["--no-bias"] = False
     if f["--attention"] == "materialized" and rng.random() < 0.5:   # drawn last: selective
         f["--attention"] = "recompute"                               # recompute
+    if moe and rng.random() < 0.4:        # drawn last: shared experts beside the routed
+        f["--moe-shared"] = 1
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -131,6 +133,8 @@ def _traits(flags):
     out += ["--zero-shard"] if "--zero-shard" in flags else []
     out += ["--overlap-param-gather"] if "--overlap-param-gather" in flags else []
     out += ["--arch llama"] if flags.get("--arch") == "llama" else []
+    out += ["--attention recompute"] if flags.get("--attention") == "recompute" else []
+    out += ["--moe-shared"] if "--moe-shared" in flags else []
     return sorted(out)
 
 
