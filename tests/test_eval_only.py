@@ -37,13 +37,13 @@ def trained(tmp_path_factory, corpus):
 
 def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, capsys):
     """    python examples/train_gpt.py --resume ck --eval-only
-    The same val batches (seed, --eval-iters, --batch-size): the same number, bit for bit;
-    no step taken, no folder written."""
+    The run's val batches (its --seed, --batch-size and --eval-iters, taken from the
+    checkpoint as its data is): the same number, bit for bit; no step taken, no folder
+    written. Given, they are this command's (another number)."""
     ck, summary, data = trained
     before = sorted(os.listdir(ck))
     capsys.readouterr()
-    got = _run(["--resume", ck, "--eval-only", "--batch-size", "4", "--eval-iters", "3",
-                "--sample", "0"] + data)
+    got = _run(["--resume", ck, "--eval-only", "--sample", "0"])    # data: the checkpoint's
     assert got["val_loss"] == summary["val_loss"] and got["eval_only"]
     assert got["steps"] == 3 and got["eval_tokens"] == 3 * 4 * 16
     assert got["perplexity"] == pytest.approx(2.718281828459045 ** summary["val_loss"])
@@ -52,6 +52,8 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert f"val loss {summary['val_loss']:.4f} nats/token, perplexity" in out
     assert "over 192 tokens of the val split (3 batches of 4 x 16)" in out
     assert "step    1/" not in out                                     # nothing trained
+    other = _run(["--resume", ck, "--eval-only", "--sample", "0", "--eval-iters", "1"])
+    assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
 
 
 def test_its_exported_folder_evaluates_to_the_same_number(trained, tmp_path):
@@ -85,13 +87,16 @@ def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layo
 
 @pytest.mark.parametrize("flags, says", [
     ([], "--eval-only: no weights to evaluate; give --resume DIR"),
+    (["--resume", "ck", "--init-from", "hf"], "--init-from hf: --eval-only evaluates one "
+     "model, and --resume ck's would be it; give one of the two"),
     (["--resume", "auto", "--save", "x"], "--resume auto: --eval-only evaluates the "
      "checkpoint you name; give --resume DIR"),
     (["--init-from", "nowhere", "--lr", "1"], "--init-from nowhere"),
 ])
-def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path):
+def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path, monkeypatch):
     """One line each: no weights named; --resume auto (it needs --save, which would do
     nothing); a folder that is not there, as training says it."""
+    monkeypatch.chdir(tmp_path)
     args = train_parser().parse_args(["--eval-only"] + flags)
     with pytest.raises(UsageError, match=None) as e:
         check_flags(args)
@@ -103,6 +108,10 @@ def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path):
      r"--eval-only to train, or leave --lr out\)"),
     (["--save", "x"], r"^--save x: sets where to save, which this run does not use"),
     (["--steps", "9"], r"^--steps 9: sets the steps to train"),
+    (["--ddp", "naive"], r"^--ddp naive: sets how DDP averages gradients"),
+    (["--attention", "recompute"], r"^--attention recompute: sets what the attention's "),
+    (["--save-every", "2"], r"^--save-every 2: sets steps between checkpoints, which this "
+     r"run does not use \(drop --eval-only"),
 ])
 def test_a_training_flag_is_refused_by_name(trained, flag, says):
     """Every flag only training reads (the learning rate's, the steps', --save...) is
@@ -111,3 +120,24 @@ def test_a_training_flag_is_refused_by_name(trained, flag, says):
     args = train_parser().parse_args(["--eval-only", "--resume", ck] + flag + data)
     with pytest.raises(UsageError, match=says):
         check_flags(args)
+
+
+def test_a_llama_folder_evaluates_at_its_own_context_and_a_dropout_run_is_not_refused(
+        corpus, tmp_path):
+    """    python examples/export_gpt2.py --resume llama-ck --out llama-hf
+    python examples/train_gpt.py --init-from llama-hf --eval-only
+    A Llama folder's max_position_embeddings (16) is the block size when --block-size is
+    not given (it evaluated at the default 128, another number); the checkpoint of a
+    --dropout 0.1 run evaluates with no flag refused (its dropout is taken, not typed)."""
+    data = ["--data", corpus, "--cache-dir", str(tmp_path / "cache")]
+    ck, hf = str(tmp_path / "ck"), str(tmp_path / "hf")
+    summary = _run(SMALL + data + ["--arch", "llama", "--n-kv-head", "1", "--steps", "2",
+                                   "--dropout", "0.1", "--save", ck])
+    resumed = _run(["--resume", ck, "--eval-only", "--sample", "0"])
+    assert resumed["val_loss"] == summary["val_loss"]
+    out = subprocess.run([sys.executable, "examples/export_gpt2.py", "--resume", ck, "--out",
+                          hf], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    folder = _run(["--init-from", hf, "--eval-only", "--batch-size", "4", "--eval-iters",
+                   "3", "--sample", "0"] + data)
+    assert folder["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-5)

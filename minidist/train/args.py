@@ -64,13 +64,14 @@ def add_model_args(p):
                    "SwiGLU 8/3 x --n-embd rounded up to a multiple of 64")
     g.add_argument("--norm-eps", type=float, default=1e-5, action=Given,
                    help="the norms' epsilon (GPT-2's and Llama 2's: 1e-5)")
-    g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    g.add_argument("--batch-size", type=int, default=16, action=Given,
+                   help="global batch, in sequences")
     add_moe_args(p)
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when CuPy sees a GPU, else cpu")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32", action=Given,
                    help="parameter and compute dtype (float64: the exactness tests)")
-    g.add_argument("--seed", type=int, default=1337,
+    g.add_argument("--seed", type=int, default=1337, action=Given,
                    help="initial weights, batches and dropout all follow from it")
     return p
 
@@ -207,11 +208,13 @@ def add_train_args(p):
                    "default: .minidist-cache/ beside --data where writable, else "
                    "$MINIDIST_CACHE or ~/.cache/minidist)")
     g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
-    g.add_argument("--eval-iters", type=int, default=20, help="val batches per eval")
+    g.add_argument("--eval-iters", type=int, default=20, action=Given,
+                   help="val batches per eval")
     g.add_argument("--eval-only", action="store_true",
                    help="train nothing: evaluate the weights of --resume DIR or --init-from "
                    "DIR on --eval-iters val batches (in any layout), print the val loss and "
-                   "perplexity, sample --sample tokens, and exit")
+                   "perplexity, sample --sample tokens, and exit; of a checkpoint, on its "
+                   "run's val batches (its --seed, --batch-size, --eval-iters) unless given")
     g.add_argument("--log-every", type=int, default=25, help="steps between log lines")
     g.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint folder: DIR/step-<N>/ per save and DIR/latest naming the "

@@ -127,6 +127,9 @@ def check_flags(args):
     from minidist.train.inputs import (check_data_path, take_init_from_sizes,  # (inputs.py
                                        take_resume_model)            # imports this module)
     from minidist.train.model_flags import check_arch, check_moe     # (so does it)
+    if getattr(args, "eval_only", False) and args.resume and args.init_from:
+        raise UsageError(f"--init-from {args.init_from}: --eval-only evaluates one model, and "
+                         f"--resume {args.resume}'s would be it; give one of the two")
     take_init_from_sizes(args)
     take_resume_model(args)
     if getattr(args, "eval_only", False):
@@ -182,6 +185,25 @@ def idle_flags(args, replicas=None, ranks=None):
     before."""
     from minidist.nn.config import TILED_FROM_T, uses_tiled    # (numpy: after BLAS setup)
     idle = []
+    if getattr(args, "eval_only", False):     # no step, no backward: first, so they say it
+        drop = "drop --eval-only to train"
+        idle += [(f"--{name.replace('_', '-')}", what, drop) for name, what in (
+            ("steps", "the steps to train"), ("stop_at", "the step to stop training at"),
+            ("grad_accum", "the micro-steps of a training step"),
+            ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
+            ("decay_steps", "the learning rate's decay"),
+            ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
+            ("weight_decay", "AdamW's weight decay"), ("grad_clip", "the gradients' clip"),
+            ("eval_every", "the steps between evaluations"),
+            ("log_every", "the steps between log lines"),
+            ("ckpt_activations", "what backward recomputes"),
+            ("ddp", "how DDP averages gradients"), ("bucket_mb", "DDP's bucket size"),
+            ("schedule", "the pipeline's training schedule"),
+            ("overlap_param_gather", "when ZeRO waits for the updated parameters"),
+            ("save", "where to save"), ("save_every", "steps between checkpoints"),
+            ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
+        if args.attention == "recompute":
+            idle.append(("--attention", "what the attention's backward recomputes", drop))
     if ranks == 1 and not args.zero:          # one process, no group: nothing is sent
         alone = "one process sends nothing: run more ranks (mpirun -n N)"
         idle += [("--trace", "the file the collectives' trace is written to", alone),
@@ -201,17 +223,6 @@ def idle_flags(args, replicas=None, ranks=None):
                                                     f"{TILED_FROM_T} or more"
                                                     if args.attention == "auto" else
                                                     " or auto")))
-    if getattr(args, "eval_only", False):
-        drop = "drop --eval-only to train"
-        idle += [(f"--{name.replace('_', '-')}", what, drop) for name, what in (
-            ("steps", "the steps to train"), ("stop_at", "the step to stop training at"),
-            ("grad_accum", "the micro-steps of a training step"),
-            ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
-            ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
-            ("weight_decay", "AdamW's weight decay"), ("grad_clip", "the gradients' clip"),
-            ("eval_every", "the steps between evaluations"),
-            ("log_every", "the steps between log lines"),
-            ("ckpt_activations", "what backward recomputes"), ("save", "where to save"))]
     if args.lr_schedule != "wsd":
         idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
                      "add --lr-schedule wsd"))

@@ -92,15 +92,19 @@ def take_init_from_sizes(args):
                 f"{_resolved(name, model[name], model)}")          # (0: the size it means)
         raise UsageError(f"{said} (--init-from {folder}); leave {_flag(name)} out, the "
                          "folder's sizes are used")
-    if args.block_size > saved.block_size and not saved.llama:    # (RoPE: any length)
-        if "block_size" in given:
-            raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
-                             f"{saved.block_size} positions; give at most {saved.block_size}")
-        args.block_size = saved.block_size     # the default, past a small model's positions
+    if args.block_size > saved.block_size and "block_size" not in given:
+        args.block_size = saved.block_size     # the default, past the folder's positions
+    elif args.block_size > saved.block_size and not saved.llama:  # (RoPE: any length asked)
+        raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
+                         f"{saved.block_size} positions; give at most {saved.block_size}")
     if args.moe_experts:
         raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
                          "dense model (no experts); leave the --moe-* flags out")
 
+
+# the flags that pick the val batches, which --eval-only of a checkpoint takes from its run
+# (unless given), so that it reports the val loss that run ended with
+EVALUATED_AS = ("seed", "batch_size", "eval_iters")
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
@@ -221,6 +225,10 @@ def take_resume_model(args):
         return
     _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
     _take_resume_data(args, folder, flags.get("data"))
+    if getattr(args, "eval_only", False):        # its run's val batches: its final val loss
+        for name in EVALUATED_AS:
+            if name not in getattr(args, "given", []) and flags.get(name) is not None:
+                setattr(args, name, flags[name])
     given = getattr(args, "given", [])
     config.setdefault("moe_experts", 0)
     config = {**ARCH_DEFAULTS, **config}      # a GPT-2's checkpoint leaves these out
