@@ -22,6 +22,7 @@ import numpy as np
 from minidist import backend, comm
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args, arch_fields
+from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.strategy.base import SingleProcess
@@ -96,7 +97,9 @@ def main():
     group = comm.init(args.comm)          # MPI_Init, abort hooks, watchdog; the world group
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
-                       **arch_fields(args))
+                       dropout=args.dropout, attention=args.attention,
+                       attention_block=args.attention_block, **arch_fields(args),
+                       **moe_fields(args))
     runs = [setup("single process", SingleProcess(), config, args)] if group.size == 1 else []
     runs += [setup(mode, DataParallel(group, mode, args.bucket_mb), config, args)
              for mode in args.modes.split(",")]

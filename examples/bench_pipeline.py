@@ -110,7 +110,12 @@ def model_flags(cli):
     if cli.moe_experts:
         flags += ["--moe-top-k", cli.moe_top_k, "--moe-capacity-factor",
                   cli.moe_capacity_factor, "--moe-aux-loss-coef", cli.moe_aux_loss_coef,
-                  "--moe-z-loss-coef", cli.moe_z_loss_coef, "--moe-every", cli.moe_every]
+                  "--moe-z-loss-coef", cli.moe_z_loss_coef, "--moe-every", cli.moe_every,
+                  "--moe-shared", cli.moe_shared]
+    defaults = GPTConfig()                  # the block's fields where not GPT-2's defaults
+    flags += [f for name, value in arch_fields(cli).items()
+              if name != "bias" and value != getattr(defaults, name)      # (--no-bias below)
+              for f in ("--" + name.replace("_", "-"), value)]
     return [str(f) for f in flags] + ([] if cli.bias else ["--no-bias"])
 
 

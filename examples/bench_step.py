@@ -40,6 +40,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args, arch_fields
+from minidist.train.loop import moe_fields
 from minidist.train.args import example_parser
 
 
@@ -191,7 +192,7 @@ def main():
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        block_size=args.block_size, vocab_size=args.vocab_size,
                        dropout=args.dropout, attention=args.attention, **arch_fields(args),
-                       attention_block=args.attention_block,
+                       attention_block=args.attention_block, **moe_fields(args),
                        vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision(dtype=args.amp_dtype) if args.amp else None

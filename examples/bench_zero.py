@@ -27,6 +27,7 @@ from minidist.nn import GPTConfig
 from minidist.strategy import memory
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args, arch_fields
+from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.zero.strategy import ZeroDataParallel
@@ -40,7 +41,9 @@ def run_stage(cli, stage, comm):
     kind, bytes this rank sent in the last step, parameter count)."""
     config = GPTConfig(n_layer=cli.n_layer, n_head=cli.n_head, n_embd=cli.n_embd,
                        block_size=cli.block_size, vocab_size=cli.vocab_size,
-                       **arch_fields(cli))
+                       dropout=cli.dropout, attention=cli.attention,
+                       attention_block=cli.attention_block, **arch_fields(cli),
+                       **moe_fields(cli))
     group = ProcessGroup(comm, cli.comm, name=f"bench-zero{stage}")
     amp = MixedPrecision() if cli.amp else None
     strategy = (DataParallel(group, amp=amp) if stage == 0

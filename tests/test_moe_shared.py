@@ -24,6 +24,7 @@ from minidist.nn.block import MLP
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import MoE
 from minidist.train.moe_cost import moe_block_flops
+from minidist.train.plan_args import model_text
 from minidist.train.planner import stage_params
 from mpirun import ROOT, mpi_env
 
@@ -66,6 +67,9 @@ def test_parameters_and_flops_count_the_shared_experts():
         6 * 3 * S * mlp
     assert c.to_dict()["moe_shared"] == 2 and "moe_shared" not in replace(
         c, moe_shared=0).to_dict()
+    # the planners' model line says where the count went (first-use walk 18b)
+    assert model_text(model.num_parameters(), c.to_dict()).endswith(
+        "made 4 experts, top-2 + 2 shared")
     # the step-time model: S MLPs a token more, forward, split by tp as a dense MLP's
     for tp in (1, 2):
         extra = moe_block_flops(c, 3, 8, tp) - moe_block_flops(replace(c, moe_shared=0), 3,

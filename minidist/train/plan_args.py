@@ -143,9 +143,10 @@ def model_text(n_params, c):
     dense = sum(stage_params(GPTConfig(**{k: v for k, v in c.items()
                                           if not k.startswith("moe_")})))
     blocks = "every block" if c["moe_every"] == 1 else f"one block in {c['moe_every']}"
+    shared = f" + {c['moe_shared']} shared" if c.get("moe_shared") else ""
     return (f"{count_text(n_params)} parameters: the {count_text(dense)} dense shape ({shape}, "
             f"what --params sizes) with the MLP of {blocks} made {c['moe_experts']} experts, "
-            f"top-{c['moe_top_k']}")
+            f"top-{c['moe_top_k']}{shared}")
 
 
 def config_from_args(args):
