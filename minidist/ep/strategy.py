@@ -71,8 +71,10 @@ def moe_problems(args):
     """Sentences saying what does not combine with --moe-experts, on one process or many.
     (Under --comm nccl the routing's host arrays, minidist/nn/moe_split.py's expert ids, go
     through MPI: minidist/comm/group.py.)"""
-    if not args.moe_experts:
-        return ["--ep needs a Mixture of Experts: add --moe-experts E"] if args.ep > 1 else []
+    if not args.moe_experts and args.ep > 1:
+        weights = getattr(args, "resume", None) or getattr(args, "init_from", None)
+        return [f"--ep needs a Mixture of Experts, and the model of {weights} is dense: leave "
+                "--ep out" if weights else "--ep needs a Mixture of Experts: add --moe-experts E"]
     return []
 
 

@@ -48,11 +48,14 @@ def check_moe(args):
     if not experts:
         from minidist.train.args import train_parser     # (args.py imports cli.py)
         defaults = train_parser()
+        weights = getattr(args, "resume", None) or getattr(args, "init_from", None)
         for name in MOE_FLAGS:                  # a flag that would do nothing: refused
             if getattr(args, name) != defaults.get_default(name):
                 flag = "--" + name.replace("_", "-")
+                fix = (f"the model of {weights} is dense: leave {flag} out" if weights else
+                       f"add --moe-experts E, 2 or more, or leave {flag} out")
                 raise UsageError(f"{flag} {getattr(args, name)}: only used with --moe-experts "
-                                 f"(add --moe-experts E, 2 or more, or leave {flag} out)")
+                                 f"({fix})")
         return
     if not 1 <= args.moe_top_k <= experts:
         raise UsageError(f"--moe-top-k {args.moe_top_k}: experts per token, from 1 to "
