@@ -73,8 +73,9 @@ def moe_problems(args):
     through MPI: minidist/comm/group.py.)"""
     if not args.moe_experts and args.ep > 1:
         weights = getattr(args, "resume", None) or getattr(args, "init_from", None)
-        return [f"--ep needs a Mixture of Experts, and the model of {weights} is dense: leave "
-                "--ep out" if weights else "--ep needs a Mixture of Experts: add --moe-experts E"]
+        return [f"--ep needs a Mixture of Experts, and the model of {weights} is dense: "
+                "leave --ep out" if weights else
+                "--ep needs a Mixture of Experts: add --moe-experts E"]
     return []
 
 
