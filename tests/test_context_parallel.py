@@ -508,7 +508,7 @@ def test_ulysses_refuses_heads_that_do_not_divide(extra, words):
 
 
 def test_cp_attention_without_cp_is_refused():
-    from minidist.train.cli import check_idle_flags
+    from minidist.train.idle_flags import check_idle_flags
     with pytest.raises(UsageError, match=r"^--cp-attention ulysses: sets how context "
                        r"parallelism computes attention, which this run does not use \(add "
                        r"--cp 2 or more"):

@@ -127,6 +127,7 @@ def check_flags(args):
     from minidist.train.inputs import (check_data_path, take_init_from_sizes,  # (inputs.py
                                        take_resume_model)            # imports this module)
     from minidist.train.model_flags import check_arch, check_moe     # (so does it)
+    from minidist.train.idle_flags import check_idle_flags           # (and it)
     if getattr(args, "eval_only", False) and args.resume and args.init_from:
         raise UsageError(f"--init-from {args.init_from}: --eval-only evaluates one model, and "
                          f"--resume {args.resume}'s would be it; give one of the two")
@@ -176,94 +177,6 @@ def check_flags(args):
     check_env(args)
     check_device(args)
     check_outputs(args)
-
-
-def idle_flags(args, replicas=None, ranks=None):
-    """(flag, what it sets, what would use it) for each flag that does nothing in this run
-    (the --moe-* flags are check_moe's). `replicas`: the ranks DDP would average over (dp x
-    ep x cp), `ranks`: the processes, both known once the world size is (check_layout); None
-    before."""
-    from minidist.nn.config import TILED_FROM_T, uses_tiled    # (numpy: after BLAS setup)
-    idle = []
-    if getattr(args, "eval_only", False):     # no step, no backward: first, so they say it
-        drop = "drop --eval-only to train"
-        idle += [(f"--{name.replace('_', '-')}", what, drop) for name, what in (
-            ("steps", "the steps to train"), ("stop_at", "the step to stop training at"),
-            ("grad_accum", "the micro-steps of a training step"),
-            ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
-            ("decay_steps", "the learning rate's decay"),
-            ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
-            ("weight_decay", "AdamW's weight decay"), ("grad_clip", "the gradients' clip"),
-            ("eval_every", "the steps between evaluations"),
-            ("log_every", "the steps between log lines"),
-            ("ckpt_activations", "what backward recomputes"),
-            ("ddp", "how DDP averages gradients"), ("bucket_mb", "DDP's bucket size"),
-            ("schedule", "the pipeline's training schedule"),
-            ("overlap_param_gather", "when ZeRO waits for the updated parameters"),
-            ("save", "where to save"), ("save_every", "steps between checkpoints"),
-            ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
-        if args.attention == "recompute":
-            idle.append(("--attention", "what the attention's backward recomputes", drop))
-    if ranks == 1 and not args.zero:          # one process, no group: nothing is sent
-        alone = "one process sends nothing: run more ranks (mpirun -n N)"
-        idle += [("--trace", "the file the collectives' trace is written to", alone),
-                 ("--comm", "the collectives' algorithm", alone),
-                 ("--sync-comm", "where the collectives run", alone)]
-    if args.pp == 1:
-        idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
-                 ("--pp-virtual", "layer chunks per pipeline rank", "add --pp 2 or more")]
-    if args.cp == 1:
-        idle += [("--cp-split", "how context parallelism splits the sequence",
-                  "add --cp 2 or more"),
-                 ("--cp-attention", "how context parallelism computes attention",
-                  "add --cp 2 or more")]
-        if not uses_tiled(args.attention, args.block_size):     # auto: tiled from T 256
-            idle.append(("--attention-block", "the tiled attention's tile size",
-                         "use --attention tiled" + (f", or auto with --block-size "
-                                                    f"{TILED_FROM_T} or more"
-                                                    if args.attention == "auto" else
-                                                    " or auto")))
-    if args.lr_schedule != "wsd":
-        idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
-                     "add --lr-schedule wsd"))
-    if not args.save:
-        idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
-                 ("--keep", "the checkpoints kept under --save", "add --save DIR"),
-                 ("--overwrite", "whether --save may replace another run's checkpoints",
-                  "add --save DIR")]
-    if not args.zero:
-        idle.append(("--zero-shard", "the ranks ZeRO shards each replica over",
-                     "add --zero 1, 2 or 3"))
-    if args.zero not in (1, 2):
-        idle.append(("--overlap-param-gather", "when ZeRO-1 and -2 wait for the updated "
-                     "parameters' all-gathers (ZeRO-3 gathers before each block anyway)",
-                     "use --zero 1 or 2"))
-    if args.zero:
-        idle += [("--ddp", "how DDP averages gradients (ZeRO does under --zero)",
-                  "drop --zero"),
-                 ("--bucket-mb", "DDP's bucket size (ZeRO does not bucket)", "drop --zero")]
-    elif replicas == 1:
-        more = "this layout has one replica: run more ranks for dp, cp or ep"
-        idle += [("--ddp", "how DDP averages gradients over replicas", more),
-                 ("--bucket-mb", "DDP's bucket size", more)]
-    elif args.ddp == "naive":
-        idle.append(("--bucket-mb", "DDP's bucket size (--ddp naive all-reduces each "
-                     "parameter's gradient on its own)", "use --ddp bucketed or overlapped"))
-    return idle
-
-
-def check_idle_flags(args, replicas=None, ranks=None):
-    """A flag changed from its default where it would do nothing is refused, not ignored
-    (`replicas`, `ranks`: as idle_flags)."""
-    from minidist.train.args import train_parser     # (args.py imports this module)
-    defaults = train_parser()
-    for flag, what, remedy in idle_flags(args, replicas, ranks):
-        name = flag[2:].replace("-", "_")
-        value = getattr(args, name)
-        if value != defaults.get_default(name):
-            given = flag if isinstance(value, bool) else f"{flag} {value}"    # --overwrite
-            raise UsageError(f"{given}: sets {what}, which this run does not use ({remedy}, "
-                             f"or leave {flag} out)")
 
 
 def check_amp_dtype(args):

@@ -31,7 +31,8 @@ from minidist.pp.strategy import PipelineParallel, default_micro_batches, pp_pro
 from minidist.strategy.base import SingleProcess
 from minidist.tp.strategy import TensorParallel, tp_problems
 from minidist.train.amp import MixedPrecision, half_dtype
-from minidist.train.cli import UsageError, check_idle_flags
+from minidist.train.cli import UsageError
+from minidist.train.idle_flags import check_idle_flags
 from minidist.zero.strategy import ZeroDataParallel, zero_shard_problem
 
 
