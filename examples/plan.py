@@ -142,10 +142,7 @@ def parse_layout(text, args, config, v):
                  "the attention's scores)")
         if item == "ckpt":
             fields["recompute"] = "full"
-        elif item == "selective":
-            if args.attention == "tiled":
-                fail("--layout: selective: tiled attention keeps no scores to recompute; "
-                     "add --attention materialized, or leave selective out")
+        elif item == "selective":         # (search.layout_problems: where no scores are kept)
             fields["recompute"] = "selective"
         elif item == "nosp":
             sp = False

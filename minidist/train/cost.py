@@ -157,8 +157,7 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     if stage == pp - 1:
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
     extra = blocks if layout.recompute == "full" else 0.0
-    ring = layout.cp > 1 and layout.cp_attention == "ring"              # tiles, whatever asked
-    if layout.tiled or ring or layout.recompute == "selective":   # backward: q k^T again
+    if not layout.keeps_scores or layout.recompute == "selective":   # backward: q k^T again
         extra += layers * 2 * b * s_local * seq * h / layout.tp
     return fwd, extra, layers
 

@@ -108,6 +108,13 @@ class Layout:
     def gpus(self):
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def keeps_scores(self):
+        """Whether the attention keeps (T, T) scores, the ones selective recompute computes
+        again: not tiled, and not under cp's ring (its blocks are tiles whatever
+        --attention says)."""
+        return not self.tiled and not (self.cp > 1 and self.cp_attention == "ring")
+
     def name(self):
         """e.g. "ZeRO-1 (amp, ckpt)", "TP8+SP x PP2 x ZeRO-1 x4 (amp)", "TP2+SP x CP4 x ZeRO-3
         (amp, tiled)" (dp 1: ZeRO shards over the 4 cp ranks), "CP8u x DDP x8 (amp, tiled)"

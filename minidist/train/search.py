@@ -143,13 +143,13 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                     continue                    # training refuses it: W would recompute
                 for ep in expert_splits(config, dp):
                     for attention in cp_attentions(config, tp, cp):
-                        if recompute == "selective" and cp > 1 and attention == "ring":
-                            continue            # the ring keeps no scores to recompute
                         for shard in zero_shards(zero, dp * cp, tp, cluster.gpus_per_node):
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,
                                             tiled=tiled, cp_attention=attention,
                                             zero_shard=shard)
+                            if recompute == "selective" and not layout.keeps_scores:
+                                continue        # no scores to recompute (the ring's tiles)
                             for m in micro_batch_counts(pp, global_batch // dp,
                                                         grouped=v > 1):
                                 rows.append(evaluate(config, layout, cluster, seq,
@@ -217,8 +217,10 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         problems.append(f"cpattn={layout.cp_attention}: the CP attention is ring or ulysses")
     if layout.zero_shard and not layout.zero:
         problems.append(f"shard={layout.zero_shard}: hybrid sharding needs zero=1, 2 or 3")
-    if layout.recompute == "selective" and layout.cp > 1 and layout.cp_attention == "ring":
-        problems.append("selective: the ring keeps no scores to recompute (its blocks are "
+    if layout.recompute == "selective" and not layout.keeps_scores:
+        problems.append("selective: tiled attention keeps no scores to recompute; use "
+                        "--attention materialized, or leave selective out" if layout.tiled else
+                        "selective: the ring keeps no scores to recompute (its blocks are "
                         "tiled); use cpattn=ulysses, or leave selective out")
     if layout.overlap_gather and layout.zero not in (1, 2):
         problems.append("ogather: the overlapped parameter gather needs zero=1 or 2 (ZeRO-3 "
