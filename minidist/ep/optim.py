@@ -29,8 +29,8 @@ tests/test_expert_parallel.py.
 """
 from minidist.optim.clip import clip_grad_norm
 from minidist.zero.flat import FlatUnit
-from minidist.zero.optim import ShardedAdamW
 from minidist.zero.engine import zero_engine
+from minidist.zero.strategy import sharded_optimizer
 
 
 def expert_engine(model, edp):
@@ -45,12 +45,11 @@ def expert_engine(model, edp):
     return zero_engine(model, edp, 1, units)
 
 
-def experts_optimizer(engine, args, amp=None):
-    """AdamW over the experts' shards (its float32 masters under --amp), as ZeRO's: on cupy
-    with MINIDIST_CUDA_NEW_KERNELS=1 its two multi-tensor launches too
-    (tests/test_zero_multi_cpu.py)."""
-    return ShardedAdamW(engine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                        amp=amp)
+def experts_optimizer(engine, args, amp=None, tp=None, splits=None):
+    """AdamW (or --optimizer muon's Muon) over the experts' shards (its float32 masters
+    under --amp), as ZeRO's: on cupy with MINIDIST_CUDA_NEW_KERNELS=1 AdamW's two
+    multi-tensor launches too (tests/test_zero_multi_cpu.py)."""
+    return sharded_optimizer(engine, args, amp, tp, splits)
 
 
 class DenseAndExperts:

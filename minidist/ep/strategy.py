@@ -62,7 +62,7 @@ from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
 from minidist.strategy import checkpoint, memory
-from minidist.strategy.base import ModelParallel, all_reduce_number
+from minidist.strategy.base import ModelParallel, all_reduce_number, tp_splits
 from minidist.tp.state import unscaled_sum_sq
 from minidist.zero.checkpoint import load_sharded
 
@@ -120,13 +120,15 @@ class ExpertParallel(ModelParallel):
             self.expert_engine = expert_engine(model, self.edp)
         return model
 
-    def build_optimizer(self, model, args):
-        """inner's AdamW (DDP: over every parameter of this rank, experts included); under
-        ZeRO, its sharded AdamW plus one over the experts' shards (minidist/ep/optim.py)."""
+    def build_optimizer(self, model, args, tp=None):
+        """inner's optimizer (DDP: over every parameter of this rank, experts included); under
+        ZeRO, its sharded one plus one over the experts' shards (minidist/ep/optim.py)."""
         if not self._zero():
-            return self.inner.build_optimizer(model, args)
-        opt = DenseAndExperts(self.inner.build_optimizer(model, args),
-                              experts_optimizer(self.expert_engine, args, self.amp), self.amp)
+            return self.inner.build_optimizer(model, args, tp)
+        splits = tp_splits(model) if tp is not None else {}
+        opt = DenseAndExperts(self.inner.build_optimizer(model, args, tp),
+                              experts_optimizer(self.expert_engine, args, self.amp, tp, splits),
+                              self.amp)
         self.optimizer = opt            # finish(): the memory table measures both parts
         if self.amp is not None:        # the other ranks' experts' float32 copies (both
             self.amp.masters.clear()    # optimizers took shards of their own)

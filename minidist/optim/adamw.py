@@ -101,7 +101,7 @@ class AdamW(Optimizer):
                                                          states, group))
         return True
 
-    def update(self, p, grad, state, group):
+    def update(self, p, grad, state, group, name=None):
         if "exp_avg" not in state:
             xp = xp_of(p)
             state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(p), xp.zeros_like(p)

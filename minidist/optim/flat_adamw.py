@@ -141,7 +141,7 @@ class FlatAdamW(AdamW):
         for name, p in zip(flat.names, flat.params):
             if p.grad is not None:
                 self.state[name]["step"] += 1
-                self.update(p.data, p.grad, self.state[name], group)
+                self.update(p.data, p.grad, self.state[name], group, name)
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)

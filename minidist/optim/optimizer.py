@@ -44,9 +44,10 @@ class Optimizer:
                 continue
             state = self.state.setdefault(name, {"step": 0})
             state["step"] += 1
-            self.update(p.data, p.grad, state, group)
+            self.update(p.data, p.grad, state, group, name)
 
-    def update(self, p, grad, state, group):
+    def update(self, p, grad, state, group, name=None):
+        """One parameter's update in place; `name` its name (Muon looks up its tp split)."""
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):

@@ -32,7 +32,7 @@ class SGD(Optimizer):
         super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                          nesterov=nesterov)
 
-    def update(self, p, grad, state, group):
+    def update(self, p, grad, state, group, name=None):
         first = group["momentum"] and "momentum_buffer" not in state
         if first:
             state["momentum_buffer"] = xp_of(p).empty_like(p)

@@ -135,6 +135,12 @@ class PipelineParallel(ModelParallel):
         self.model = stage
         return self.inner.wrap(stage)          # DDP or ZeRO across the pipelines, or as it is
 
+    def build_optimizer(self, model, args, tp=None):
+        """inner's, told the tp group inside the stage, if any (Muon gathers each split
+        matrix's update whole)."""
+        return self.inner.build_optimizer(model, args,
+                                          self.mesh.tp if self.mesh.shape["tp"] > 1 else None)
+
     def takes_part_in_sampling(self):
         """Sampling runs through every stage (and tp rank) of the first replica; under
         ZeRO-3 through every replica (each block's gather is a collective over dp)."""

@@ -17,7 +17,8 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
     end_step(activation_bytes)
     global_mean(value)        a float or 0-d device array averaged over the replicas, left on
                               the device (no host sync)
-and around the steps: build_model(config, seed, dtype), build_optimizer(model, args),
+and around the steps: build_model(config, seed, dtype), build_optimizer(model, args, tp)
+(AdamW, or Muon: `tp` the tensor-parallel group its split matrices are gathered over),
 any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
 whole_state / load_whole_state / optimizer_type (a pipeline's checkpoints),
 takes_part_in_sampling(), reports_memory, rank, world_size, zero_strategy(), expert_ranks().
@@ -42,6 +43,7 @@ from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.nn import GPT
 from minidist.optim import AdamW
+from minidist.optim.muon import Muon
 from minidist.strategy import checkpoint, memory
 
 
@@ -80,6 +82,22 @@ def data_axes(mesh, ep):
     return f"dp {mesh.shape['dp'] // ep}" + (f" x ep {ep}" if ep > 1 else "")
 
 
+def make_optimizer(named_params, args, tp=None, splits=None):
+    """The optimizer --optimizer names over `named_params`: AdamW, or Muon for the blocks'
+    matrices (AdamW for the rest; minidist/optim/muon.py) with `tp` and `splits` (name ->
+    Split of each parameter split over tp)."""
+    if args.optimizer == "muon":
+        return Muon(named_params, lr=args.lr, betas=(0.9, 0.95),
+                    weight_decay=args.weight_decay, momentum=args.muon_momentum,
+                    ns_steps=args.muon_ns_steps, tp=tp, splits=splits)
+    return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+
+
+def tp_splits(model):
+    """{name: Split} of a tensor-parallel model's split parameters (minidist/tp/layers.py)."""
+    return {n: p.tp_split for n, p in model.named_parameters() if p.tp_split is not None}
+
+
 class SingleProcess:
     rank, world_size = 0, 1
     reports_memory = False              # measure activations every step for finish()
@@ -94,13 +112,17 @@ class SingleProcess:
         model.set_checkpointing(self.ckpt_activations)
         return self.wrap(self.amp.cast_model(model) if self.amp else model)
 
-    def build_optimizer(self, model, args):
-        def adamw(named_params):
-            return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95),
-                         weight_decay=args.weight_decay)
+    def build_optimizer(self, model, args, tp=None):
+        """AdamW, or --optimizer muon's Muon (`tp`: the tensor-parallel group over which the
+        model's split matrices are gathered whole; a TP strategy passes it); under --amp over
+        float32 master weights."""
+        splits = tp_splits(model) if tp is not None else {}
+
+        def make(named_params):
+            return make_optimizer(named_params, args, tp, splits)
         if self.amp:
-            return self.amp.optimizer(model.named_parameters(), adamw)
-        return adamw(model.named_parameters())
+            return self.amp.optimizer(model.named_parameters(), make)
+        return make(model.named_parameters())
 
     def wrap(self, model):
         """This strategy's hold on a model (built here, or by a strategy around it: tensor
@@ -247,8 +269,8 @@ class ModelParallel(SingleProcess):
         self.steps, self.sent, self._mark = 0, 0, 0
         self.model = None               # this rank's part of the model, once built
 
-    def build_optimizer(self, model, args):
-        return self.inner.build_optimizer(model, args)
+    def build_optimizer(self, model, args, tp=None):
+        return self.inner.build_optimizer(model, args, tp)
 
     def expert_ranks(self):
         return self.inner.expert_ranks()

@@ -69,6 +69,10 @@ class TensorParallel(ModelParallel):
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
         return self.inner.wrap(model)
 
+    def build_optimizer(self, model, args, tp=None):
+        """inner's, told the tp group (Muon gathers each split matrix's update whole)."""
+        return self.inner.build_optimizer(model, args, self.group)
+
     def reduce_sum_sq(self, local):
         """Global sum of squares from this rank's: the split part summed over tp, the
         replicated part (the same on every tp rank) added once (minidist/tp/state.py), then

@@ -191,7 +191,16 @@ def add_train_args(p):
                    "steps / 5)")
     g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
     g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices")
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="decoupled weight decay, on matrices")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", action=Given,
+                   help="adamw, or muon: the blocks' matrices by Muon (momentum, "
+                   "orthogonalised by Newton-Schulz, scaled to AdamW's RMS: one --lr), "
+                   "the rest by AdamW (--resume: the checkpoint's)")
+    g.add_argument("--muon-momentum", type=float, default=0.95, action=Given,
+                   help="Muon's (Nesterov) momentum, in [0, 1)")
+    g.add_argument("--muon-ns-steps", type=int, default=5, action=Given,
+                   help="Muon's Newton-Schulz iterations per step")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     g.add_argument("--data", default=None,
                    help="text file or folder of text files, or a folder of token files "

@@ -59,6 +59,7 @@ _AT_LEAST = (
     ("--stop-at", "stop_at", 1, "the step to stop at"),
     ("--warmup", "warmup", 0, "warm-up steps"),
     ("--decay-steps", "decay_steps", 1, "wsd's decay steps"),
+    ("--muon-ns-steps", "muon_ns_steps", 1, "Muon's Newton-Schulz iterations"),
     ("--keep", "keep", 1, "checkpoints kept"),
     ("--attention-block", "attention_block", 1, "the tiled attention's tile size"),
     ("--n-kv-head", "n_kv_head", 0, "k and v heads (0: --n-head)"),
@@ -118,6 +119,9 @@ def check_flags(args):
     if args.weight_decay < 0:
         raise UsageError(f"--weight-decay {args.weight_decay}: must not be negative (0: no "
                          "weight decay)")
+    if not 0 <= args.muon_momentum < 1:
+        raise UsageError(f"--muon-momentum {args.muon_momentum}: a momentum in [0, 1) (e.g. "
+                         "0.95)")
     if args.grad_clip < 0:
         raise UsageError(f"--grad-clip {args.grad_clip}: must not be negative (0: no "
                          "clipping)")

@@ -26,7 +26,9 @@ def idle_flags(args, replicas=None, ranks=None):
             ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
             ("decay_steps", "the learning rate's decay"),
             ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
-            ("weight_decay", "AdamW's weight decay"), ("grad_clip", "the gradients' clip"),
+            ("weight_decay", "the weight decay"), ("grad_clip", "the gradients' clip"),
+            ("muon_momentum", "Muon's momentum"),
+            ("muon_ns_steps", "Muon's Newton-Schulz iterations"),
             ("eval_every", "the steps between evaluations"),
             ("log_every", "the steps between log lines"),
             ("ckpt_activations", "what backward recomputes"),
@@ -59,6 +61,10 @@ def idle_flags(args, replicas=None, ranks=None):
     if args.lr_schedule != "wsd":
         idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
                      "add --lr-schedule wsd"))
+    if args.optimizer != "muon" and not getattr(args, "eval_only", False):
+        idle += [("--muon-momentum", "Muon's momentum", "add --optimizer muon"),
+                 ("--muon-ns-steps", "Muon's Newton-Schulz iterations",
+                  "add --optimizer muon")]
     if not args.save:
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),

@@ -251,6 +251,22 @@ def take_resume_model(args):
     elif dtype in ("float16", "bfloat16") and not args.amp:    # an --amp run's 16-bit model
         args.amp = True
         args.amp_dtype = args.amp_dtype or dtype
+    _take_resume_optimizer(args, folder, flags)
+
+
+def _take_resume_optimizer(args, folder, flags):
+    """--optimizer is the checkpoint's: its state is that optimizer's (Muon's momentum is not
+    AdamW's m and v); another one given is refused. --muon-momentum and --muon-ns-steps are
+    the checkpoint's unless given (they hold no state: a run may change them)."""
+    theirs, given = flags.get("optimizer") or "adamw", getattr(args, "given", [])
+    if "optimizer" in given and args.optimizer != theirs:      # (before the flag: AdamW)
+        raise UsageError(f"--optimizer {args.optimizer}: --resume {folder} was trained with "
+                         f"{theirs}, whose state it holds; leave --optimizer out (a resumed "
+                         "run takes its optimizer from the checkpoint)")
+    args.optimizer = theirs
+    for name in ("muon_momentum", "muon_ns_steps"):
+        if name not in given and flags.get(name) is not None:
+            setattr(args, name, flags[name])
 
 
 def _check_init_folder(folder):

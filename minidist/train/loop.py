@@ -138,7 +138,8 @@ def _resume(args, strategy, log, model, opt):
     return state["step"]
 
 
-_MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data")
+_MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data",
+               "muon_momentum", "muon_ns_steps")
 _SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 class Diverged(UsageError):
     """The loss or the gradients stopped being finite (or --amp skipped too many steps in a

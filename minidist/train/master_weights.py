@@ -144,7 +144,8 @@ class MasterWeightOptimizer:
                 continue
             state = self.inner.state.setdefault(name, {"step": 0})
             state["step"] += 1
-            self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group)
+            self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group,
+                              name)
             p.data[...] = master.data            # float32 master -> 16-bit weights
 
     def _multi_step_group(self, group, factor):

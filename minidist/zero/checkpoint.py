@@ -149,7 +149,7 @@ def _write_state(folder, files, model, optimizer, step, rng_states, extra, tp):
 
 def optimizer_type(optimizer):
     """The class a one-process run of the same flags uses (a checkpoint loads in either)."""
-    return "MasterWeightOptimizer" if optimizer.amp is not None else "AdamW"
+    return "MasterWeightOptimizer" if optimizer.amp is not None else optimizer.one_process
 
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------

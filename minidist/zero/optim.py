@@ -34,11 +34,13 @@ from minidist.backend import xp_of
 from minidist.optim import multi_tensor
 from minidist.optim.adamw import adamw_update
 from minidist.optim.clip import clip_grad_norm
+from minidist.optim.muon import nesterov_momentum, orthogonalised, takes_muon
 
 
 class ShardedAdamW:
     """AdamW over a ZeRO engine's shards. Used like AdamW by the loop: set_lr, zero_grad,
     clip_grad_norm, step; state_arrays() and ledger_arrays() for the memory ledger."""
+    one_process = "AdamW"                 # the class one process uses (checkpoints' type)
 
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  amp=None):
@@ -231,3 +233,75 @@ class ShardedAdamW:
             out[f"{name}/param"] = u.param_shard
             out.update((f"{name}/{k}", v) for k, v in self.state[name].items())
         return out
+
+
+class ShardedMuon(ShardedAdamW):
+    """Muon (minidist/optim/muon.py) over a ZeRO engine's shards: each unit's matrices by
+    Muon, the rest by AdamW, as the per-parameter Muon does, to rounding. A step, per unit:
+
+        AdamW pieces     adamw_update on this rank's slice of them (ShardedAdamW's math)
+        Muon pieces      M <- mu M + G and U <- G + mu M on this rank's slice
+        all-gather       U's shards over the shard group (zeros where AdamW's elements are):
+                         the unit's whole flat U on every rank, (N-1)/N of it received
+        each matrix      cut by this rank's shard: its whole U (under TP also gathered over
+                         tp: `orthogonalised`), NS, this rank's slice of lr x scale x O
+
+    `tp`, `splits`: as Muon's. The groups are Muon's three; the state ShardedAdamW's, exp_avg
+    M for a matrix's elements, exp_avg_sq zero there. The multi-tensor path is AdamW's only:
+    Muon's steps run per unit, and --amp's verdict on the host."""
+    one_process = "Muon"
+
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 amp=None, momentum=0.95, ns_steps=5, tp=None, splits=None):
+        super().__init__(engine, lr, betas, eps, weight_decay, amp)
+        self.momentum, self.ns_steps = momentum, ns_steps
+        self.tp, self.splits = tp, dict(splits or {})
+        hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
+        self.param_groups = [{**hyper, "weight_decay": weight_decay, "muon": True},
+                             {**hyper, "weight_decay": weight_decay, "muon": False},
+                             {**hyper, "weight_decay": 0.0, "muon": False}]
+        self.muon = {u.flat.name: [takes_muon(n, s, d) for n, s, d in
+                                   zip(u.flat.names, u.flat.shapes, u.flat.decay)]
+                     for u in engine.units}
+
+    def multi_ok(self):
+        return False
+
+    def _update(self, u, factor):
+        s, f, muon = self.state[u.flat.name], u.flat, self.muon[u.flat.name]
+        group = self.param_groups[0]
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        target = s["master"] if self.amp is not None else u.param_shard
+        grad = self.amp.unscaled(u.grad_shard, factor) if self.amp else u.grad_shard
+        if self.weight_decay:
+            for a, b in f.decay_ranges():          # decoupled decay, both optimizers alike
+                target[a:b] *= 1.0 - lr * self.weight_decay
+        look = self._adam_scratch(target)
+        look[...] = 0
+        for i, a, b in self._pieces(f):
+            if muon[i]:
+                nesterov_momentum(s["exp_avg"][a:b], grad[a:b], self.momentum, look[a:b])
+            else:
+                adamw_update(target[a:b], grad[a:b], s["exp_avg"][a:b], s["exp_avg_sq"][a:b],
+                             self.steps, lr, beta1, beta2, group["eps"], 0.0)
+        if any(muon):
+            full = xp_of(look).empty(f.padded, look.dtype)
+            self.engine.group.all_gather(full, look)
+            for (i, a, b), (_, start, stop) in zip(self._pieces(f), f.pieces()):
+                if not muon[i]:
+                    continue
+                off = f.offsets[i]
+                whole = full[off:off + f.sizes[i]].reshape(f.shapes[i])
+                o = orthogonalised(whole, self.splits.get(f.names[i]), self.tp,
+                                   self.ns_steps).reshape(-1)[start:stop]
+                o *= lr
+                target[a:b] -= o
+        if self.amp is not None:
+            u.param_shard[...] = target            # float32 master -> 16-bit shard
+
+    @staticmethod
+    def _pieces(f):
+        """(index, a, b): each parameter's piece of this rank's shard, [a, b) in shard
+        coordinates."""
+        for i, start, stop in f.pieces():
+            yield i, f.offsets[i] + start - f.lo, f.offsets[i] + stop - f.lo

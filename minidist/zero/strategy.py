@@ -40,10 +40,11 @@ import math
 
 from minidist.comm import trace
 from minidist.strategy import memory
-from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
+from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
+                                    tp_splits)
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
                                       save_sharded)
-from minidist.zero.optim import ShardedAdamW
+from minidist.zero.optim import ShardedAdamW, ShardedMuon
 from minidist.zero.flat import gpt_units
 from minidist.zero.engine import zero_engine
 
@@ -84,6 +85,17 @@ def zero_shard_problem(args, dp):
     return None
 
 
+def sharded_optimizer(engine, args, amp=None, tp=None, splits=None):
+    """The optimizer --optimizer names over `engine`'s shards (minidist/zero/optim.py)."""
+    if args.optimizer == "muon":
+        return ShardedMuon(engine, lr=args.lr, betas=(0.9, 0.95),
+                           weight_decay=args.weight_decay, amp=amp,
+                           momentum=args.muon_momentum, ns_steps=args.muon_ns_steps, tp=tp,
+                           splits=splits)
+    return ShardedAdamW(engine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                        amp=amp)
+
+
 class ZeroDataParallel(SingleProcess):
     """One-process training with the model state sharded over the dp group."""
     reports_memory = True               # finish() prints the memory table: measure every step
@@ -117,9 +129,11 @@ class ZeroDataParallel(SingleProcess):
                                   self.replicas, self.gather_group)
         return model
 
-    def build_optimizer(self, model, args):
-        self.opt = ShardedAdamW(self.engine, lr=args.lr, betas=(0.9, 0.95),
-                                weight_decay=args.weight_decay, amp=self.amp)
+    def build_optimizer(self, model, args, tp=None):
+        """AdamW over this rank's shards, or --optimizer muon's Muon (ShardedMuon: each unit's
+        update gathered over the shard group, and over `tp` for a split matrix)."""
+        self.opt = sharded_optimizer(self.engine, args, self.amp, tp,
+                                     tp_splits(model) if tp is not None else {})
         return self.opt
 
     def takes_part_in_sampling(self):

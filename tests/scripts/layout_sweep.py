@@ -42,7 +42,8 @@ BF16_TOL = {k: 8 * t for k, t in AMP_TOL.items()}        # 2^-8 against float16'
 # the flags the one-process reference shares with a layout; the rest is the layout
 REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor",
        "--moe-every", "--moe-aux-loss-coef", "--moe-z-loss-coef", "--moe-shared", "--amp",
-       "--no-bias", "--arch", "--n-kv-head", "--rope-theta", "--ffn-hidden")
+       "--no-bias", "--arch", "--n-kv-head", "--rope-theta", "--ffn-hidden", "--optimizer",
+       "--muon-momentum", "--muon-ns-steps")
 
 
 def reference_flags(flags):

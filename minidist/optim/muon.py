@@ -1,0 +1,170 @@
+"""Muon (Jordan et al. 2024; at scale: Liu et al. 2025, "Muon is Scalable for LLM Training"):
+momentum whose update for a weight matrix is orthogonalised, for the blocks' matrices; AdamW
+for every other parameter (the embeddings, the head, biases, norms).
+
+For a block's weight matrix W (A x B) with gradient G, at every step (--optimizer muon):
+    W <- W (1 - lr wd)                          decoupled decay, as AdamW's
+    M <- mu M + G                               momentum (the state's exp_avg holds M)
+    U <- G + mu M                               Nesterov's look-ahead
+    O <- NS(U)                                  ~ the orthogonal factor P Q^T of U = P S Q^T
+    W <- W - lr 0.2 sqrt(max(A, B)) O           an update of RMS ~0.2, AdamW's: one --lr
+NS (`newton_schulz`) is Newton-Schulz's iteration with the quintic of Jordan et al.:
+X = U / ||U||_F, then 5 times X <- a X + b (X X^T) X + c (X X^T)^2 X, (a, b, c) = (3.4445,
+-4.7750, 2.0315), on the wide orientation (A <= B) so that X X^T is the smaller product. Each
+singular value s of X goes through p(s) = a s + b s^3 + c s^5 while the singular vectors stay
+(tests/test_muon.py checks it against the SVD); the quintic is tuned to push every s in
+(0, 1] into about [0.7, 1.2] in 5 steps, not to converge: "about orthogonal", cheaply.
+Every expert of an MoE layer is a matrix of its own, and so its own NS.
+
+Why this needs the whole matrix: O depends on all of U (its singular vectors), where AdamW's
+update of an element depends on that element only. A rank that holds a piece of W must see
+the whole U first:
+    tensor parallelism   W split over tp (c_attn by heads, c_proj by rows...): `whole`
+                         all-gathers U's tp shards and glues them (Split.unshard, the
+                         checkpoints' own), NS runs on the whole matrix on every tp rank, each
+                         keeps its shard of O (Split.shard)
+    ZeRO                 a rank owns a flat shard that may cut through W: ShardedMuon
+                         (minidist/zero/optim.py) all-gathers each unit's U over the shard
+                         group (the bytes of a ZeRO-1 parameter gather), then as above
+Every rank so computes the same O as one process, from the same U, to rounding: N ranks train
+one process's numbers (tests/test_muon.py). The NS of a matrix is repeated on the ranks that
+share it (the tp group; at most 2 ZeRO ranks for a matrix cut by a shard boundary): Liu et
+al.'s "Distributed Muon" does the same.
+
+State: M per matrix (4 bytes a parameter in float32, AdamW's m and v 8); the others AdamW's m
+and v. Under ZeRO the unit's flat v spans the matrices too (kept zero there), so that one
+flat layout and checkpoint format serve both optimizers. `Muon` is the per-parameter
+optimizer (one process, DDP, TP, PP, CP, EP): its groups are always three, [Muon's matrices,
+AdamW decayed, AdamW undecayed] (some may be empty), in every layout, so checkpoints of one
+layout load in any other.
+Tests: tests/test_muon.py.
+"""
+import math
+
+import numpy as np
+
+from minidist.backend import xp_of
+from minidist.optim.adamw import _scratch, adamw_update
+from minidist.optim.optimizer import Optimizer, wants_decay
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+RMS_MATCH = 0.2          # Liu et al.: 0.2 sqrt(max(A, B)) gives AdamW's update RMS
+
+
+def takes_muon(name, shape, decay=True):
+    """True for the matrices Muon updates: a transformer block's decayed weights of 2 or more
+    dimensions (attention, MLP, router, every expert's). Embeddings, the head, biases and
+    norms stay with AdamW (as in Jordan's and Liu et al.'s runs). c_attn's packed q|k|v and
+    SwiGLU's packed gate|up are one matrix each here."""
+    return decay and len(shape) >= 2 and name.startswith("transformer.h.")
+
+
+def newton_schulz(u, steps=5):
+    """NS(u) over the last two axes (a stack is each matrix's NS): the quintic Newton-Schulz
+    iteration from u / ||u||_F, in u's dtype; returns a new array."""
+    xp = xp_of(u)
+    a, b, c = NS_COEFFICIENTS
+    tall = u.shape[-2] > u.shape[-1]
+    x = xp.swapaxes(u, -1, -2) if tall else u
+    norm = xp.sqrt((x * x).sum(axis=(-2, -1), keepdims=True))
+    x = xp.ascontiguousarray(x / (norm + NS_EPS))
+    for _ in range(steps):
+        s = x @ xp.swapaxes(x, -1, -2)                  # X X^T, the small side
+        x = a * x + (b * s + c * (s @ s)) @ x
+    return xp.ascontiguousarray(xp.swapaxes(x, -1, -2)) if tall else x
+
+
+def muon_scale(shape):
+    """The update's factor for matrices of `shape` (last two axes A x B): 0.2 sqrt(max(A, B))."""
+    return RMS_MATCH * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def nesterov_momentum(m, g, momentum, out):
+    """M <- mu M + G in place; `out` <- G + mu M (the look-ahead NS takes)."""
+    m *= momentum
+    m += g
+    xp_of(out).multiply(m, momentum, out=out)
+    out += g
+    return out
+
+
+def whole(u, split, tp):
+    """U of a parameter split over the tp group `tp` (its Split `split`): every rank's shard
+    all-gathered and glued in one process's order. Collective over tp; None split: u."""
+    if split is None:
+        return u
+    xp = xp_of(u)
+    shards = xp.empty((tp.size,) + tuple(u.shape), u.dtype)
+    tp.all_gather(shards, xp.ascontiguousarray(u))
+    return split.unshard(list(shards))
+
+
+def orthogonalised(u, split=None, tp=None, steps=5):
+    """This rank's part of 0.2 sqrt(max(A, B)) NS(U) for the whole U that `u` is this rank's
+    tp shard of (`split`; None: u is whole). Collective over tp when split."""
+    full = whole(u, split, tp)
+    o = newton_schulz(full, steps)
+    o *= muon_scale(full.shape)
+    return o if split is None else split.shard(o, tp.size, tp.rank)
+
+
+class Muon(Optimizer):
+    """Muon for the blocks' matrices (`takes_muon`), AdamW for the rest, per parameter.
+    `tp`: the tensor-parallel group and `splits` {name: Split} of the parameters split over
+    it (their U is gathered whole); None: every parameter is whole here."""
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 momentum=0.95, ns_steps=5, tp=None, splits=None):
+        self.momentum, self.ns_steps = momentum, ns_steps
+        self.tp, self.splits = tp, dict(splits or {})
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    def _default_groups(self, groups):
+        """One group -> [Muon's matrices, AdamW decayed, AdamW undecayed], always all three
+        (empty ones too), each marked by "muon"."""
+        if len(groups) != 1:
+            raise ValueError("Muon takes one list of (name, parameter) pairs and makes its "
+                             "own groups")
+        g = groups[0]
+        pairs = list(zip(g["names"], g["params"]))
+        muon = [takes_muon(n, p.shape, wants_decay(p)) for n, p in pairs]
+        kinds = ((True, None), (False, True), (False, False))
+        out = []
+        for want_muon, want_decay in kinds:
+            chosen = [(n, p) for (n, p), m in zip(pairs, muon) if m == want_muon
+                      and (want_decay is None or wants_decay(p) == want_decay)]
+            out.append({**g, "names": [n for n, _ in chosen], "params": [p for _, p in chosen],
+                        "muon": want_muon})
+        out[2]["weight_decay"] = 0.0
+        return out
+
+    def update(self, p, grad, state, group, name=None):
+        if not group["muon"]:
+            if "exp_avg" not in state:
+                state["exp_avg"], state["exp_avg_sq"] = xp_of(p).zeros_like(p), \
+                    xp_of(p).zeros_like(p)
+            beta1, beta2 = group["betas"]
+            adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                         scratch=_scratch(self, p))
+            return
+        if "exp_avg" not in state:
+            state["exp_avg"] = xp_of(p).zeros_like(p)
+        if group["weight_decay"]:
+            p *= 1.0 - group["lr"] * group["weight_decay"]
+        u = nesterov_momentum(state["exp_avg"], grad, self.momentum, _scratch(self, p))
+        o = orthogonalised(u, self.splits.get(name), self.tp, self.ns_steps)
+        o *= group["lr"]
+        p -= o
+
+    def load_state_dict(self, sd):
+        """Optimizer's; a matrix's exp_avg_sq (ZeRO's flat v, zero there) is left out."""
+        muon = {n for g in self.param_groups if g["muon"] for n in g["names"]}
+        state = {n: {k: v for k, v in s.items() if not (n in muon and k == "exp_avg_sq")}
+                 for n, s in sd["state"].items()}
+        super().load_state_dict({"groups": sd["groups"], "state": state})
+        for g in self.param_groups:
+            g["betas"] = tuple(g["betas"])
+
