@@ -92,6 +92,7 @@ def _median_ms(stats, key):
 def main():
     args = parse()
     args.lr, args.weight_decay, args.grad_accum, args.grad_clip = 1e-4, 0.1, 1, 1.0
+    args.optimizer = "adamw"                # (the optimizer is not what this times)
     args.log_json = None
     backend.setup(threads=args.threads, device=args.device)   # before the first numpy work
     group = comm.init(args.comm)          # MPI_Init, abort hooks, watchdog; the world group

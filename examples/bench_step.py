@@ -38,6 +38,7 @@ from minidist import backend
 from minidist.kernel_count import KernelCounter
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
+from minidist.optim.muon import Muon
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args, arch_fields
 from minidist.train.loop import moe_fields
@@ -178,6 +179,9 @@ def main():
                    help="the 16-bit type of --amp (default: bfloat16 on CuPy, float16 on numpy)")
     p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
                    help="FlatAdamW (one update per group) or AdamW (one per parameter)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon for the blocks' matrices and its own per-parameter AdamW for "
+                   "the rest (--adamw then unused)")
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocabulary to a multiple of this (default: 64 on cuda, 1 on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
@@ -196,7 +200,9 @@ def main():
                        vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision(dtype=args.amp_dtype) if args.amp else None
-    adamw = FlatAdamW if args.adamw == "flat" else AdamW
+    adamw = {"flat": FlatAdamW, "per-param": AdamW}[args.adamw]
+    if args.optimizer == "muon":
+        adamw = Muon
     if amp:
         amp.cast_model(model)
         opt = amp.optimizer(model.named_parameters(), lambda named: adamw(named, lr=1e-4))
@@ -249,6 +255,7 @@ def main():
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
                       "amp_dtype": amp.dtype.name if amp else None, "adamw": args.adamw,
+                      "optimizer": args.optimizer,
                       "vocab_padded": config.padded_vocab_size, "loss": last_loss,
                       "ms_min": round(min(times) * 1e3, 2)}))
 

@@ -41,8 +41,6 @@ Tests: tests/test_muon.py.
 """
 import math
 
-import numpy as np
-
 from minidist.backend import xp_of
 from minidist.optim.adamw import _scratch, adamw_update
 from minidist.optim.optimizer import Optimizer, wants_decay

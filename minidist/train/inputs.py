@@ -264,6 +264,8 @@ def _take_resume_optimizer(args, folder, flags):
                          f"{theirs}, whose state it holds; leave --optimizer out (a resumed "
                          "run takes its optimizer from the checkpoint)")
     args.optimizer = theirs
+    if getattr(args, "eval_only", False):          # nothing steps: they stay unset
+        return
     for name in ("muon_momentum", "muon_ns_steps"):
         if name not in given and flags.get(name) is not None:
             setattr(args, name, flags[name])

@@ -33,6 +33,7 @@ from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import load_stats, moe_layers_by_block
 from minidist.optim import WarmupCosine, WarmupStableDecay
+from minidist.optim.muon import takes_muon
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
@@ -316,6 +317,14 @@ def _describe(args, strategy, log, model, data):
                f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
                f"{strategy.world_size} process(es); unigram entropy of the data "
                f"{data.unigram_entropy:.4f} nats/token")
+    if args.optimizer == "muon":
+        mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
+                if takes_muon(name, shape)]
+        n = sum(math.prod(shape) for shape in mats)
+        log.print0(f"optimizer: Muon for the blocks' {len(mats)} matrices ({n:,} parameters, "
+                   f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
+                   f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
+                   f"{full - n:,}")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
 

@@ -267,6 +267,14 @@ class ShardedMuon(ShardedAdamW):
     def multi_ok(self):
         return False
 
+    def gather_bytes(self):
+        """The bytes a rank sends per step in the update's all-gathers (a ring's (K-1)/K of
+        each unit holding a matrix, K the shard group's size, in the update's dtype)."""
+        k = self.engine.group.size
+        itemsize = 4 if self.amp is not None else self.engine.units[0].flat.dtype.itemsize
+        return sum(u.flat.padded * itemsize * (k - 1) // k for u in self.engine.units
+                   if any(self.muon[u.flat.name]))
+
     def _update(self, u, factor):
         s, f, muon = self.state[u.flat.name], u.flat, self.muon[u.flat.name]
         group = self.param_groups[0]

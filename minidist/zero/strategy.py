@@ -292,7 +292,9 @@ class ZeroDataParallel(SingleProcess):
         return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x{hybrid}; DDP sends "
-                f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x)")
+                f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x"
+                + (f", Muon's update all-gathers {self.opt.gather_bytes() / psi:.2f} x more"
+                   if isinstance(self.opt, ShardedMuon) else "") + ")")
 
     def finish(self, args, log, experts=None):
         """The traffic summary and the memory table. `experts` (under --ep, a

@@ -88,6 +88,8 @@ def candidate(rng, ranks):
         f["--attention"] = "recompute"                               # recompute
     if moe and rng.random() < 0.4:        # drawn last: shared experts beside the routed
         f["--moe-shared"] = 1
+    if rng.random() < 0.3:                # drawn last: Muon for the blocks' matrices
+        f["--optimizer"] = "muon"
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -135,6 +137,7 @@ def _traits(flags):
     out += ["--arch llama"] if flags.get("--arch") == "llama" else []
     out += ["--attention recompute"] if flags.get("--attention") == "recompute" else []
     out += ["--moe-shared"] if "--moe-shared" in flags else []
+    out += ["--optimizer muon"] if flags.get("--optimizer") == "muon" else []
     return sorted(out)
 
 

@@ -1,0 +1,200 @@
+"""Muon (`--optimizer muon`, minidist/optim/muon.py): Newton-Schulz against the SVD it
+approximates; a step worked by hand (Muon for a block's matrix, AdamW for its bias); which
+parameters Muon takes; every layout (tp and ZeRO gather a matrix's update whole) = one
+process, resumed bit for bit and resumed in another layout; ZeRO's extra bytes = its formula;
+a resumed run takes the checkpoint's optimizer; the flags refused where they do nothing.
+
+Run: python -m pytest -q tests/test_muon.py
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.nn.module import Parameter
+from minidist.optim import AdamW
+from minidist.optim.muon import Muon, newton_schulz, takes_muon
+from mpirun import ROOT, mpi_env
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import layout_sweep  # noqa: E402
+
+TRAIN = os.path.join(ROOT, "examples", "train_gpt.py")
+A, B, C = 3.4445, -4.7750, 2.0315          # Jordan et al.'s quintic
+
+
+def by_the_svd(u, steps=5):
+    """NS(u) as its definition says it acts: u = P diag(s) Q^T, each s / ||u||_F taken
+    through p(x) = A x + B x^3 + C x^5 `steps` times, the singular vectors kept."""
+    p, s, qt = np.linalg.svd(u, full_matrices=False)
+    x = s / (np.linalg.norm(u) + 1e-7)
+    for _ in range(steps):
+        x = A * x + B * x ** 3 + C * x ** 5
+    return p @ np.diag(x) @ qt
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8), (1, 5)])
+def test_newton_schulz_takes_each_singular_value_through_the_quintic(shape):
+    """float64: NS(u) = P diag(p^5(s / ||u||_F)) Q^T to 1e-13, wide, tall (run transposed)
+    or square; for a random matrix every singular value lands in [0.68, 1.2] (about
+    orthogonal, not exactly: the quintic trades convergence for 5 steps); a stack is each
+    matrix's NS."""
+    u = np.random.default_rng(0).standard_normal(shape)
+    o = newton_schulz(u)
+    assert o.shape == u.shape and o.dtype == u.dtype
+    np.testing.assert_allclose(o, by_the_svd(u), rtol=0, atol=1e-13)
+    s = np.linalg.svd(o, compute_uv=False)
+    assert s.min() > 0.68 and s.max() < 1.2, s
+    v = np.random.default_rng(1).standard_normal(shape)
+    np.testing.assert_array_equal(newton_schulz(np.stack([u, -u, v])),
+                                  np.stack([o, -o, newton_schulz(v)]))
+
+
+def test_a_step_worked_by_hand():
+    """Two steps of Muon on a block's matrix W (3 x 5) and its bias b, with lr, wd, mu:
+        W <- W (1 - lr wd); M <- mu M + G; U <- G + mu M; W <- W - lr 0.2 sqrt(5) NS(U)
+    (NS by the SVD), and b moved as AdamW moves it (no decay: a bias)."""
+    rng = np.random.default_rng(1)
+    w0, b0 = rng.standard_normal((3, 5)), rng.standard_normal(5)
+    g1, g2 = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    gb1, gb2 = rng.standard_normal(5), rng.standard_normal(5)
+    lr, wd, mu = 0.02, 0.1, 0.9
+    w, b = Parameter(w0.copy()), Parameter(b0.copy(), decay=False)
+    opt = Muon([("transformer.h.0.mlp.c_fc.weight", w), ("transformer.h.0.mlp.c_fc.bias", b)],
+               lr=lr, weight_decay=wd, momentum=mu)
+    ref_b = Parameter(b0.copy(), decay=False)
+    ref = AdamW([("bias", ref_b)], lr=lr, weight_decay=wd)
+    assert [g["names"] for g in opt.param_groups] == [
+        ["transformer.h.0.mlp.c_fc.weight"], [], ["transformer.h.0.mlp.c_fc.bias"]]
+    want, m = w0.copy(), np.zeros((3, 5))
+    for g, gb in ((g1, gb1), (g2, gb2)):
+        w.grad, b.grad, ref_b.grad = g.copy(), gb.copy(), gb.copy()
+        opt.step()
+        ref.step()
+        want = want * (1 - lr * wd)
+        m = mu * m + g
+        want = want - lr * 0.2 * math.sqrt(5) * by_the_svd(g + mu * m)
+        np.testing.assert_allclose(w.data, want, rtol=0, atol=1e-13)
+        np.testing.assert_array_equal(b.data, ref_b.data)
+    assert set(opt.state["transformer.h.0.mlp.c_fc.weight"]) == {"step", "exp_avg"}
+    np.testing.assert_allclose(opt.state["transformer.h.0.mlp.c_fc.weight"]["exp_avg"], m,
+                               rtol=0, atol=1e-15)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    """GPT-2 with MoE and a shared expert: attention, MLP, router, every expert's and the
+    shared expert's matrices are Muon's; wte, wpe, norms and biases AdamW's."""
+    c = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16, moe_experts=2,
+                  moe_shared=1)
+    model = GPT(c, dtype="float64")
+    opt = Muon(model.named_parameters())
+    muon = set(opt.param_groups[0]["names"])
+    assert muon == {n for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n}
+    assert {n.split(".h.0.")[-1] for n in muon} == {
+        "attn.c_attn.weight", "attn.c_proj.weight", "mlp.router.weight",
+        "mlp.experts.0.c_fc.weight", "mlp.experts.0.c_proj.weight",
+        "mlp.experts.1.c_fc.weight", "mlp.experts.1.c_proj.weight",
+        "mlp.shared_expert.c_fc.weight", "mlp.shared_expert.c_proj.weight"}
+    assert not takes_muon("transformer.wte.weight", (16, 8), False)
+    assert not takes_muon("lm_head.weight", (16, 8), True)       # the head: AdamW's
+
+
+M = {"--optimizer": "muon"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks, flags", [
+    (2, {"--zero": 3}),
+    (2, {"--tp": 2, "--sequence-parallel": True}),
+    (2, {"--pp": 2, "--micro-batches": 2}),
+    (2, {"--cp": 2}),
+    (2, {"--ep": 2, "--moe-experts": 4, "--moe-shared": 1}),
+    (2, {"--arch": "llama", "--n-head": 4, "--n-kv-head": 2, "--tp": 2, "--zero": 1}),
+    (2, {"--zero": 1, "--amp": True}),
+    (4, {"--tp": 2, "--zero": 2}),
+    (4, {"--zero": 3, "--zero-shard": 2, "--muon-momentum": 0.9, "--muon-ns-steps": 4}),
+    (4, {"--ep": 2, "--tp": 2, "--zero": 1, "--moe-experts": 4}),
+], ids=["zero3", "tp2-sp", "pp2", "cp2", "ep2-shared", "llama-gqa-tp2-zero1", "zero1-amp",
+        "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1"])
+def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
+    """Each step's loss and gradient norm, the val loss and every parameter within 1e-9 of
+    one process in float64 (--amp: the sweep's float16 tolerance); the 4-rank ones also
+    stopped after step 2 and resumed bit for bit. TP gathers a split matrix's update whole
+    and each rank keeps its shard of NS's; ZeRO all-gathers each unit's update."""
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    ok, errs, run = sweep.check(ranks, {**M, **flags}, resume=ranks == 4)
+    assert ok, (errs, run["stderr"][-2000:])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks, flags, into", [
+    (4, {"--tp": 2, "--zero": 3}, (1, {})),
+    (1, {}, (2, {"--zero": 1})),
+    (2, {"--ep": 2, "--zero": 2, "--moe-experts": 4}, (1, {"--moe-experts": 4})),
+], ids=["tp2-zero3-to-one", "one-to-zero1", "ep2-zero2-to-one"])
+def test_a_checkpoint_resumes_in_another_layout(mpi, tmp_path, ranks, flags, into):
+    """Stopped after step 2, resumed in another layout: step 3 and the end = one process's
+    (Muon's momentum carried across: ZeRO's flat exp_avg, one process's per matrix)."""
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
+    ok, errs = sweep.check_resharded(ranks, {**M, **flags}, (into[0], {**M, **into[1]}))
+    assert ok, errs
+
+
+@pytest.mark.mpi
+def test_zero_sends_its_bytes_and_the_update_all_gather(mpi, corpus, tmp_path):
+    """    mpiexec -n 2 python examples/train_gpt.py --zero 1 --optimizer muon
+    The summary's measured bytes per step = ZeRO-1's 2(N-1)/N Psi + Muon's all-gather of
+    the block units' updates, (N-1)/N of their padded bytes (ShardedMuon.gather_bytes)."""
+    out = mpi(2, "examples/train_gpt.py", "--zero", "1", "--optimizer", "muon", "--n-layer",
+              "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
+              "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
+              str(tmp_path / "c"), timeout=120).stdout
+    sent, ddp, muon = map(float, re.search(
+        r"\((\S+) x; DDP sends 2\(N-1\)/N = (\S+) x, Muon's update all-gathers (\S+) x more",
+        out).groups())
+    # a block, C = 32: 2 norms 4C, c_attn 3C^2 + 3C, c_proj C^2 + C, c_fc 4C^2 + 4C,
+    # mlp.c_proj 4C^2 + C: 12,704, even (no padding); psi = 2 blocks + the root (wte 256 C,
+    # wpe 16 C, ln_f 2C: 8,768) = 34,176; the gathers send (N-1)/N = half of 2 x 12,704
+    assert muon == pytest.approx(0.5 * 25408 / 34176, abs=0.005)
+    assert sent == pytest.approx(ddp + muon, abs=0.011)
+    assert "optimizer: Muon for the blocks' 8 matrices (24,576 parameters" in out
+
+
+def _train(*flags):
+    return subprocess.run([sys.executable, TRAIN, "--steps", "1", "--sample", "0",
+                           "--n-layer", "1", "--n-embd", "16", "--block-size", "8",
+                           "--batch-size", "2", "--eval-iters", "1", *flags], cwd=ROOT,
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
+    """A --resume without --optimizer continues with the checkpoint's (its momentum and
+    Newton-Schulz steps too); another optimizer is refused by name, so is --muon-* alone."""
+    muon, adamw = str(tmp_path / "muon"), str(tmp_path / "adamw")
+    first = _train("--optimizer", "muon", "--muon-ns-steps", "3", "--save", muon)
+    assert first.returncode == 0, first.stderr
+    again = _train("--steps", "2", "--resume", muon, "--save", muon)
+    assert again.returncode == 0, again.stderr
+    assert "optimizer: Muon for the blocks' 4 matrices" in again.stdout
+    assert "3 Newton-Schulz steps" in again.stdout
+    evaluated = _train("--resume", muon, "--eval-only")        # its state read, no step
+    assert evaluated.returncode == 0, evaluated.stderr
+    other = _train("--steps", "3", "--resume", muon, "--optimizer", "adamw")
+    assert other.returncode == 2 and other.stderr == (
+        f"error: --optimizer adamw: --resume {muon}/step-00000002 was trained with muon, "
+        "whose state it holds; leave --optimizer out (a resumed run takes its optimizer "
+        "from the checkpoint)\n")
+    assert _train("--save", adamw).returncode == 0
+    into = _train("--steps", "2", "--resume", adamw, "--optimizer", "muon")
+    assert into.returncode == 2 and "was trained with adamw" in into.stderr
+    alone = _train("--muon-momentum", "0.9")
+    assert alone.returncode == 2 and alone.stderr == (
+        "error: --muon-momentum 0.9: sets Muon's momentum, which this run does not use (add "
+        "--optimizer muon, or leave --muon-momentum out)\n")
+    bad = _train("--optimizer", "muon", "--muon-momentum", "1")
+    assert bad.returncode == 2 and "--muon-momentum 1.0: a momentum in [0, 1)" in bad.stderr
