@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from minidist import backend
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.module import Parameter
 from minidist.optim import AdamW
@@ -39,23 +40,25 @@ def by_the_svd(u, steps=5):
 
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8), (1, 5)])
-def test_newton_schulz_takes_each_singular_value_through_the_quintic(shape):
+def test_newton_schulz_takes_each_singular_value_through_the_quintic(xp, shape):
     """float64: NS(u) = P diag(p^5(s / ||u||_F)) Q^T to 1e-13, wide, tall (run transposed)
     or square; for a random matrix every singular value lands in [0.68, 1.2] (about
     orthogonal, not exactly: the quintic trades convergence for 5 steps); a stack is each
-    matrix's NS."""
+    matrix's NS. (On the --device's arrays: a GPU session checks cupy's.)"""
     u = np.random.default_rng(0).standard_normal(shape)
-    o = newton_schulz(u)
+    o = newton_schulz(xp.asarray(u))
     assert o.shape == u.shape and o.dtype == u.dtype
+    o = backend.to_host(o)
     np.testing.assert_allclose(o, by_the_svd(u), rtol=0, atol=1e-13)
     s = np.linalg.svd(o, compute_uv=False)
     assert s.min() > 0.68 and s.max() < 1.2, s
-    v = np.random.default_rng(1).standard_normal(shape)
-    np.testing.assert_array_equal(newton_schulz(np.stack([u, -u, v])),
-                                  np.stack([o, -o, newton_schulz(v)]))
+    v = xp.asarray(np.random.default_rng(1).standard_normal(shape))
+    stack = newton_schulz(xp.stack([xp.asarray(u), -xp.asarray(u), v]))
+    np.testing.assert_array_equal(backend.to_host(stack),
+                                  np.stack([o, -o, backend.to_host(newton_schulz(v))]))
 
 
-def test_a_step_worked_by_hand():
+def test_a_step_worked_by_hand(xp):
     """Two steps of Muon on a block's matrix W (3 x 5) and its bias b, with lr, wd, mu:
         W <- W (1 - lr wd); M <- mu M + G; U <- G + mu M; W <- W - lr 0.2 sqrt(5) NS(U)
     (NS by the SVD), and b moved as AdamW moves it (no decay: a bias)."""
@@ -64,26 +67,26 @@ def test_a_step_worked_by_hand():
     g1, g2 = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
     gb1, gb2 = rng.standard_normal(5), rng.standard_normal(5)
     lr, wd, mu = 0.02, 0.1, 0.9
-    w, b = Parameter(w0.copy()), Parameter(b0.copy(), decay=False)
+    w, b = Parameter(xp.asarray(w0)), Parameter(xp.asarray(b0), decay=False)
     opt = Muon([("transformer.h.0.mlp.c_fc.weight", w), ("transformer.h.0.mlp.c_fc.bias", b)],
                lr=lr, weight_decay=wd, momentum=mu)
-    ref_b = Parameter(b0.copy(), decay=False)
+    ref_b = Parameter(xp.asarray(b0), decay=False)
     ref = AdamW([("bias", ref_b)], lr=lr, weight_decay=wd)
     assert [g["names"] for g in opt.param_groups] == [
         ["transformer.h.0.mlp.c_fc.weight"], [], ["transformer.h.0.mlp.c_fc.bias"]]
     want, m = w0.copy(), np.zeros((3, 5))
     for g, gb in ((g1, gb1), (g2, gb2)):
-        w.grad, b.grad, ref_b.grad = g.copy(), gb.copy(), gb.copy()
+        w.grad, b.grad, ref_b.grad = xp.asarray(g), xp.asarray(gb), xp.asarray(gb)
         opt.step()
         ref.step()
         want = want * (1 - lr * wd)
         m = mu * m + g
         want = want - lr * 0.2 * math.sqrt(5) * by_the_svd(g + mu * m)
-        np.testing.assert_allclose(w.data, want, rtol=0, atol=1e-13)
-        np.testing.assert_array_equal(b.data, ref_b.data)
+        np.testing.assert_allclose(backend.to_host(w.data), want, rtol=0, atol=1e-13)
+        np.testing.assert_array_equal(backend.to_host(b.data), backend.to_host(ref_b.data))
     assert set(opt.state["transformer.h.0.mlp.c_fc.weight"]) == {"step", "exp_avg"}
-    np.testing.assert_allclose(opt.state["transformer.h.0.mlp.c_fc.weight"]["exp_avg"], m,
-                               rtol=0, atol=1e-15)
+    np.testing.assert_allclose(backend.to_host(opt.state["transformer.h.0.mlp.c_fc.weight"][
+        "exp_avg"]), m, rtol=0, atol=1e-15)
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
@@ -182,7 +185,9 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "optimizer: Muon for the blocks' 4 matrices" in again.stdout
     assert "3 Newton-Schulz steps" in again.stdout
-    evaluated = _train("--resume", muon, "--eval-only")        # its state read, no step
+    evaluated = subprocess.run([sys.executable, TRAIN, "--resume", muon, "--eval-only",
+                                "--sample", "0"], cwd=ROOT, env=mpi_env(),
+                               capture_output=True, text=True, timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr
     other = _train("--steps", "3", "--resume", muon, "--optimizer", "adamw")
     assert other.returncode == 2 and other.stderr == (
