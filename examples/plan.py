@@ -11,15 +11,18 @@
         --layout dp=4,pp=2,cp=8,zero=1,micro=16,cpattn=ulysses    # Ulysses instead of the ring
     python examples/plan.py --params 1.3e9 --seq 2048 --global-batch 256 --gpus 64 \
         --layout dp=64,zero=3,shard=8       # hybrid sharding: ZeRO-3 inside each node
+    python examples/plan.py --params 7e9 --seq 4096 --gpus 64 --optimizer muon
 
 The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
 the bubble; a Mixture of Experts' router, experts and expert parallelism's all-to-alls in
-minidist/train/moe_cost.py); memory: minidist/train/planner.py (examples/plan_memory.py is its
-memory-only table); the search: minidist/train/search.py. --preset h100 is H100 SXM nodes
-(8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU); --preset here is this machine as
-examples/calibrate_here.py measured it (examples/calibration_here.json). Every cluster figure
-can be overridden (--gpu-mem, --peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
+minidist/train/moe_cost.py; --optimizer muon's Newton-Schulz, at the float32 rate, and its
+gathers in minidist/train/muon_cost.py); memory: minidist/train/planner.py
+(examples/plan_memory.py is its memory-only table); the search: minidist/train/search.py.
+--preset h100 is H100 SXM nodes (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU);
+--preset here is this machine as examples/calibrate_here.py measured it
+(examples/calibration_here.json). Every cluster figure can be overridden (--gpu-mem,
+--peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
 A --layout train_gpt.py would refuse (its own checks: search.layout_problems), a --gpus with
 no valid layout or that does not fill whole nodes (12 on nodes of 8: plan_args.nodes_problem),
 or a --params below the smallest shape is one `error:` line, exit 2; "nothing fits" (valid
@@ -32,7 +35,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
-                                      model_text, nodes_problem, number_problem)
+                                      model_text, muon_problem, nodes_problem,
+                                      number_problem)
 from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
@@ -72,6 +76,16 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled",
                    help="attention's memory: (T, T) scores (the search also tries them "
                    "recomputed in backward, selective recompute), or tiles")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="train_gpt.py's: muon prices Muon for the blocks' matrices (AdamW the "
+                   "rest): its momentum alone as their state, its Newton-Schulz iterations "
+                   "(steps x (4 A^2 B + 2 A^3) FLOPs per A x B matrix, A <= B, at the float32 "
+                   "rate: it runs on float32 masters) on the whole matrix on every rank that "
+                   "updates a piece of it, and the gathers of the update first (over tp for "
+                   "a split matrix, over ZeRO's shard group per block); the command runs it")
+    p.add_argument("--muon-ns-steps", type=int, default=5,
+                   help="Muon's Newton-Schulz iterations per step (train_gpt.py's flag; "
+                   "with --optimizer muon)")
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision "
                    "(always with --preset here: numpy emulates 16-bit compute, slower there)")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
@@ -164,7 +178,8 @@ def parse_layout(text, args, config, v):
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
                  f"shard=,cpattn=,ckpt,selective,nosp,ogather")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
-                    tiled=args.attention == "tiled", **fields)
+                    tiled=args.attention == "tiled", muon=args.optimizer == "muon",
+                    **fields)
     problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,
                                args.schedule, v)
     if problems:
@@ -183,13 +198,15 @@ def cell(x, width, digits=3):
 def print_table(rows, top):
     w = max([40] + [len(r["layout"]) + 2 for r in rows[:top]])
     print(f"{'layout':<{w}}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
-          f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}  fits")
+          f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}{'optim':>8}"
+          "  fits")
     for r in rows[:top]:
         print(f"{r['layout']:<{w}}{r['micro_batches']:>4}"
               + cell(r["mem"]["total"] / GiB, 7, 1) + cell(r["step"], 9)
               + cell(r["tokens_per_s"], 11, 0) + cell(r["mfu"], 6, 2)
               + "".join(cell(r[k], 8) for k in ("compute", "tp_cp", "ep_all_to_all",
                                                 "bubble", "dp_exposed"))
+              + cell(r["optimizer"] + r["muon_comm"], 8)     # Muon: its NS and gathers
               + f"  {'yes' if r['fits'] else 'no'}")
 
 
@@ -217,7 +234,7 @@ def command(config, row, gpus, v):
 def main(argv=None):
     args = parse(argv)
     args.fp32 = args.fp32 or args.preset == "here"  # numpy emulates 16 bits: slower than 32
-    problem = number_problem(args)
+    problem = number_problem(args) or muon_problem(args)
     if problem:
         fail(problem)
     if args.seq % 2:
@@ -236,13 +253,15 @@ def main(argv=None):
         layout, micro = parse_layout(args.layout, args, config, v)
         try:
             rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
-                             schedule, args.comm, args.headroom, v, args.moe_load)]
+                             schedule, args.comm, args.headroom, v, args.moe_load,
+                             args.muon_ns_steps)]
         except ValueError as e:                # a MoE layout minidist does not run
             fail(f"--layout: {e}")
     else:
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
-                      headroom=args.headroom, v=v, moe_load=args.moe_load)
+                      headroom=args.headroom, v=v, moe_load=args.moe_load,
+                      muon=args.optimizer == "muon", ns_steps=args.muon_ns_steps)
         if not rows:                           # no valid layout (not: none fits)
             fail(no_layout_problem(config, args.gpus, cluster.gpus_per_node, args.seq,
                                    args.global_batch, v)
@@ -251,6 +270,7 @@ def main(argv=None):
     n_params = sum(stage_params(config))
     result = {"config": config.to_dict(), "params": n_params, "cluster": cluster.name,
               "gpus": args.gpus, "seq": args.seq, "global_batch": args.global_batch,
+              "optimizer": args.optimizer,
               "rows": rows[:args.top], "best": best and best["layout"],
               "command": best and command(config, best, args.gpus, v),
               "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom,
@@ -259,8 +279,10 @@ def main(argv=None):
         print(json.dumps(result))
         return
     c = result["config"]
+    muon = (f", Muon ({args.muon_ns_steps} Newton-Schulz steps) for the blocks' matrices"
+            if args.optimizer == "muon" else "")
     print(f"model: {model_text(n_params, c)}, seq {args.seq}, global batch "
-          f"{args.global_batch}; {args.gpus} "
+          f"{args.global_batch}{muon}; {args.gpus} "
           + (f"ranks of {cluster.name}" if args.preset == "here" else f"GPUs of {cluster.name}")
           + f" ({cluster.gpus_per_node} per node, {cluster.mem_gib:.1f} GiB"
           + (" a rank, its share of the node's; float32: numpy has no 16-bit arithmetic, "

@@ -5,16 +5,19 @@
         --gpus 4 --gpu-mem 24 --micro-batch 4 --json
     python examples/plan_memory.py --measure        # small model: ledger beside the planner
     python examples/plan_memory.py --params 1e9 --moe-experts 8 --moe-top-k 2 --gpus 8
+    python examples/plan_memory.py --params 7e9 --gpus 8 --seq 4096 --optimizer muon
 
 The formulas and their assumptions: minidist/train/planner.py. --measure trains the
 train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
-ranks) and prints the ledger's per-rank bytes beside both predictions (README table).
+ranks) and prints the ledger's per-rank bytes beside both predictions (README table);
+with --optimizer muon, trained and planned with Muon.
 """
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
@@ -58,6 +61,11 @@ def parser():
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node (tensor parallelism stays inside one)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="train_gpt.py's: muon keeps Muon's momentum alone for the blocks' "
+                   "matrices, 4 bytes a parameter less than AdamW's m and v where the "
+                   "optimizer is per parameter (no ZeRO); under ZeRO the same bytes as AdamW "
+                   "(its flat v spans them, zero there)"),
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction kept free for workspace, buffers, fragmentation")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -69,7 +77,7 @@ def parser():
 
 # the flags both runs read (--measure trains train_gpt.py's default model with this block),
 # and the one only --measure reads
-BOTH_READ, MEASURE_ONLY = ("measure", "arch", "n_kv_head"), ("data",)
+BOTH_READ, MEASURE_ONLY = ("measure", "arch", "n_kv_head", "optimizer"), ("data",)
 
 
 def measure_problem(args, p):
@@ -84,16 +92,17 @@ def measure_problem(args, p):
         flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
         if args.measure:
             return (f"{flag}: --measure trains train_gpt.py's default model (only --arch, "
-                    f"--n-kv-head and --data change what it runs); leave {flag.split()[0]} out, "
-                    "or drop --measure to plan with it")
+                    f"--n-kv-head, --optimizer and --data change what it runs); leave "
+                    f"{flag.split()[0]} out, or drop --measure to plan with it")
         return f"{flag}: only read by --measure (the text it trains on); leave it out"
     return None
 
 
 def print_plan(result):
     c = result["config"]
+    muon = ", Muon for the blocks' matrices" if result["optimizer"] == "muon" else ""
     print(f"model: {model_text(result['params'], c)}, seq {result['seq']}, "
-          f"micro-batch {result['micro_batch']} per rank, {result['gpus']} GPUs, "
+          f"micro-batch {result['micro_batch']} per rank{muon}, {result['gpus']} GPUs, "
           f"budget {result['budget_bytes'] / GiB:.1f} GiB per GPU")
     keys = ("params", "grads", "optimizer", "activations", "total")
     # 8 wide, or wider where a value needs it (a 1T model's 15255.66 GiB), one space between
@@ -125,18 +134,22 @@ def _run_train(ranks, flags, data, tmp):
 
 def measure(args):
     """Markdown: measured per-rank MiB beside the minidist count and Korthikanti's, for
-    train_gpt.py's default model with --arch and --n-kv-head."""
+    train_gpt.py's default model with --arch, --n-kv-head and --optimizer."""
     config = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256,
                        arch=args.arch, n_kv_head=args.n_kv_head, bias=args.arch == "gpt2")
-    block = ["--arch", args.arch, "--n-kv-head", str(args.n_kv_head)]
+    block = ["--arch", args.arch, "--n-kv-head", str(args.n_kv_head), "--optimizer",
+             args.optimizer]
+    muon = args.optimizer == "muon"
     mib = 2 ** 20
     shape = model_text(sum(stage_params(config)), config.to_dict())
-    print(f"model: train_gpt.py's default, {shape}, T 128, batch 16")
+    print(f"model: train_gpt.py's default, {shape}, T 128, batch 16"
+          + (", --optimizer muon" if muon else ""))
     print("| strategy | params | grads | optimizer | activations (measured / minidist count "
           "/ Korthikanti) | total measured / predicted |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for label, ranks, flags, layout in MEASURED:
+            layout = replace(layout, muon=muon)
             got = _run_train(ranks, flags + block, args.data, tmp)
             b = 16 // layout.dp // (2 if layout.pp > 1 else 1)    # sequences per micro-batch
             theirs = bill(config, layout, 128, b)
@@ -170,7 +183,8 @@ def main(argv=None):
         print(f"error: model flags: {e}", file=sys.stderr)
         sys.exit(2)
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
-                  args.gpus_per_node, args.headroom, dropout=args.dropout)
+                  args.gpus_per_node, args.headroom, dropout=args.dropout,
+                  muon=args.optimizer == "muon")
     if args.json:
         print(json.dumps(result))
     else:

@@ -35,12 +35,17 @@ ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec fo
      Layout(amp=True, recompute="selective")),
     ("amp ckpt accum2", 1, ["--amp", "--ckpt-activations", "--grad-accum", "2"],
      Layout(amp=True, recompute="full")),
+    # Muon: its momentum alone for the blocks' matrices (4 B less each), AdamW's m, v the rest
+    ("fp32 muon", 1, ["--optimizer", "muon"], Layout(amp=False, muon=True)),
+    ("amp muon", 1, ["--amp", "--optimizer", "muon"], Layout(amp=True, muon=True)),
     pytest.param("ddp2 amp ckpt", 2, ["--amp", "--ckpt-activations"],
                  Layout(dp=2, amp=True, recompute="full"), marks=pytest.mark.mpi),
     pytest.param("ddp2 fp32", 2, [], Layout(dp=2, amp=False),
                  marks=[pytest.mark.mpi, pytest.mark.slow]),
     pytest.param("zero1 amp", 2, ["--zero", "1", "--amp"], Layout(dp=2, zero=1),
                  marks=pytest.mark.mpi),
+    pytest.param("zero1 amp muon", 2, ["--zero", "1", "--amp", "--optimizer", "muon"],
+                 Layout(dp=2, zero=1, muon=True), marks=pytest.mark.mpi),   # AdamW's bytes
     pytest.param("zero2 amp", 2, ["--zero", "2", "--amp"], Layout(dp=2, zero=2),
                  marks=[pytest.mark.mpi, pytest.mark.slow]),
     pytest.param("zero3 amp", 2, ["--zero", "3", "--amp"], Layout(dp=2, zero=3),
@@ -57,6 +62,8 @@ ROWS = [   # (name, ranks, train_gpt.py flags, the planner's layout); mpiexec fo
                  Layout(pp=2, amp=True), marks=pytest.mark.mpi),
     pytest.param("pp2 fp32", 2, ["--pp", "2", "--micro-batches", "2"],
                  Layout(pp=2, amp=False), marks=[pytest.mark.mpi, pytest.mark.slow]),
+    pytest.param("tp2 fp32 muon", 2, ["--tp", "2", "--optimizer", "muon"],
+                 Layout(tp=2, amp=False, muon=True), marks=[pytest.mark.mpi, pytest.mark.slow]),
 ]
 
 
@@ -274,8 +281,14 @@ PLANNER_BAD = [
      "--moe-experts"),
     # --measure runs train_gpt.py's default model: --n-layer 2 was measured as 4 layers
     ("plan_memory", ["--measure", "--n-layer", "2"], "--n-layer 2: --measure trains "
-     "train_gpt.py's default model (only --arch, --n-kv-head and --data change what it "
-     "runs); leave --n-layer out, or drop --measure to plan with it"),
+     "train_gpt.py's default model (only --arch, --n-kv-head, --optimizer and --data change "
+     "what it runs); leave --n-layer out, or drop --measure to plan with it"),
+    # Muon's iterations without Muon would price nothing (training refuses them too)
+    ("plan", ["--params", "7e9", "--muon-ns-steps", "3"], "--muon-ns-steps 3: sets Muon's "
+     "Newton-Schulz iterations, which this plan does not price (add --optimizer muon, or "
+     "leave --muon-ns-steps out)"),
+    ("plan", ["--params", "7e9", "--optimizer", "muon", "--muon-ns-steps", "0"],
+     "--muon-ns-steps 0: must be a positive number"),
     ("plan_memory", ["--params", "7e9", "--data", "x.txt"], "--data x.txt: only read by "
      "--measure"),
 ]
@@ -1259,3 +1272,189 @@ def test_plan_layout_takes_shard(capsys):
     _plan_cli().main(["--gpus", "16", "--layout", "dp=16,zero=3,shard=8"])
     out = capsys.readouterr().out
     assert "ZeRO-3/8 (amp, tiled)" in out and "--zero 3" in out and "--zero-shard 8" in out
+
+
+# ---- --optimizer muon: its state, its Newton-Schulz and its gathers, worked by hand -----------
+
+def test_muon_state_bytes_worked_by_hand():
+    """TOY's blocks hold 4 matrices each, c_attn 4 x 12 (48), c_proj 4 x 4 (16), c_fc 4 x 16
+    (64) and c_proj 16 x 4 (64): 192, 384 of its 536 parameters. Muon keeps M alone for
+    them: 4 B less each where the optimizer is per parameter. One process, float32: AdamW's
+    8 x 536 = 4288 B, Muon's 4288 - 4 x 384 = 2752 (M 4 x 384 + m, v 8 x 152); --amp
+    (masters 4, m 4, v 4): 12 x 536 - 4 x 384 = 4896. TP2: 300 parameters a rank (2 x 134
+    in the blocks: the split matrices and c_attn's bias halved; wte's half 16, wpe 8, ln_f
+    8), 192 of them Muon's halves: 8 x 300 - 4 x 192 = 1632. ZeRO-1 over 2: the flat v
+    spans the matrices too, AdamW's 8 x 268 = 2144. MOE_TOY under ep 2 (no ZeRO): block 1
+    keeps its attention (64), router 4 x 2 (8) and this rank's one expert (128) by Muon: 192
+    + 200 = 392 of 544: 8 x 544 - 4 x 392 = 2784; with ZeRO-1 AdamW's again."""
+    from minidist.train.planner import stage_muon_params
+    assert stage_muon_params(TOY) == [384] and stage_muon_params(TOY, tp=2) == [192]
+    assert stage_params(TOY, tp=2) == [300]
+    expect = [(Layout(amp=False), 4288, 2752), (Layout(amp=True), 6432, 4896),
+              (Layout(tp=2, amp=False), 2400, 1632),
+              (Layout(dp=2, zero=1, amp=False), 2144, 2144)]
+    for layout, adamw, muon in expect:
+        assert bill(TOY, layout, 2)["optimizer"] == adamw
+        assert bill(TOY, replace(layout, muon=True), 2)["optimizer"] == muon, layout
+    assert stage_muon_params(MOE_TOY, ep=2) == [392]
+    ep2 = Layout(dp=4, ep=2, amp=False, muon=True)
+    assert bill(MOE_TOY, ep2, 2)["optimizer"] == 8 * 544 - 4 * 392 == 2784
+    assert bill(MOE_TOY, replace(ep2, zero=1), 2)["optimizer"] == \
+        bill(MOE_TOY, replace(ep2, zero=1, muon=False), 2)["optimizer"]
+    assert replace(ep2, zero=1).name() == "EP2 x ZeRO-1 x4 (fp32)"    # the plan says Muon
+
+
+def test_muon_step_worked_by_hand():
+    """TOY at 1 FLOP/s and 1 B/s, sync 10 s. Newton-Schulz, 5 steps of 4 A^2 B + 2 A^3 on
+    the wide orientation (A <= B): c_attn (A 4, B 12) 5 x (768 + 128) = 4480, c_proj 4 x 4
+    5 x (256 + 128) = 1920, c_fc and the MLP's c_proj (4, 16) 5 x (1024 + 128) = 5760 each:
+    17920 a block, 35840 for both.
+    One process (and DDP x2: every rank all of them): 35840 s more, nothing sent. At the
+    float32 rate: with a 16-bit peak of 4 FLOP/s --amp's step computes 4 x faster, its NS
+    (on the float32 masters) does not.
+    TP2: the whole matrix on each rank (35840 s, not / 2), each split matrix's update
+    gathered first (4 B a value; over 2 ranks 1/2 of it received): c_attn 192 B -> 96 s,
+    c_proj 64 -> 32, c_fc and c_proj 256 -> 128 each, + 10 s of sync each: 424 s a block.
+    ZeRO-1 over 2: each block's unit (244 values: ln_1 0-8, c_attn 8-56 and its bias 56-68,
+    c_proj 68-84 and 84-88, ln_2 88-96, c_fc 96-160 and 160-176, c_proj 176-240 and its
+    bias) is all-gathered (976 B, 488 s), rank 0 (0-122) runs c_attn, c_proj and c_fc (cut
+    at 122), 12160 s, rank 1 c_fc and c_proj, 11520: each unit waits for the 12160; both:
+    24320 s of NS and 976 s of gathers.
+    ZeRO-1 over dp 2 x TP2: 134 values a unit on a tp rank (c_attn 8-32, its bias 32-38,
+    c_proj 38-46, 46-50, ln_2 50-58, c_fc 58-90 cut at 67, 90-98, c_proj 98-130, 130-134):
+    rank 0 gathers over tp and runs c_attn, c_proj and c_fc: 12160 + (96 + 32 + 128) + 3 x
+    10 = 12446 s, rank 1 c_fc and c_proj 11520 + 2 x 138 = 11796; the unit's gather 536 B,
+    268 s. PP2: a block a stage, 17920 s."""
+    from minidist.train.muon_cost import ns_flops
+    assert [ns_flops(s) for s in ((4, 12), (4, 4), (4, 16), (16, 4))] == \
+        [4480, 1920, 5760, 5760]
+    assert ns_flops((4, 16), steps=3) == 3 * 1152
+    unit = replace(UNIT, sync_s=10.0)
+
+    def both(layout, global_batch=1, micro_batches=1, cluster=unit):
+        muon = step_time(TOY, replace(layout, muon=True), cluster, 2, global_batch,
+                         micro_batches)
+        adamw = step_time(TOY, layout, cluster, 2, global_batch, micro_batches)
+        assert muon["optimizer"] - adamw["optimizer"] == pytest.approx(muon["muon_ns"])
+        assert muon["step"] - adamw["step"] == pytest.approx(muon["muon_ns"] +
+                                                             muon["muon_comm"])
+        return muon["muon_ns"], muon["muon_comm"]
+    assert both(Layout(amp=False)) == (35840, 0)
+    assert both(Layout(dp=2, amp=False), 2) == (35840, 0)
+    fast16 = replace(unit, peak_tflops=4e-12, peak_tflops_fp32=1e-12)
+    assert both(Layout(amp=True), cluster=fast16) == (35840, 0)
+    assert both(Layout(tp=2, amp=False)) == (35840, pytest.approx(2 * 424))
+    assert both(Layout(dp=2, zero=1, amp=False), 2) == (24320, 976)
+    assert both(Layout(dp=2, tp=2, zero=1, amp=False), 2) == \
+        (2 * 12160, pytest.approx(2 * (286 + 268)))
+    assert both(Layout(pp=2, amp=False), 2, 2) == (17920, 0)
+
+
+def test_muon_with_experts_worked_by_hand():
+    """MOE_TOY (block 1 a MoE block: router 4 x 2, NS 5 x (4 x 4 x 4 + 2 x 8) = 400; two
+    experts, c_fc and c_proj 5760 each), 1 FLOP/s, 1 B/s. DDP x4: block 0 17920, block 1
+    4480 + 1920 + 400 + 2 x 11520 = 29840. EP2: this rank's one expert, 18320. EP2 x ZeRO-1
+    over 4: block 0's unit (S 61) busiest on rank 2 (c_fc 96-160 and c_proj 176-240 both
+    overlap 122-183): 11520, gathered 3/4 x 976 B = 732 s; block 1's dense unit (attention,
+    norms, router: 104, S 26) busiest on rank 2 (c_attn 8-56 and c_proj 68-84 both overlap
+    52-78): 6400, 3/4 x 416 = 312 s; its experts' unit (one expert, 148, over edp 2: c_fc
+    0-64 rank 0, c_proj 80-144 rank 1) 5760, 1/2 x 592 = 296 s."""
+    def muon(layout):
+        t = step_time(MOE_TOY, layout, UNIT, seq=2, global_batch=4)
+        return t["muon_ns"], t["muon_comm"]
+    assert muon(Layout(dp=4, amp=False, muon=True)) == (17920 + 29840, 0)
+    assert muon(Layout(dp=4, ep=2, amp=False, muon=True)) == (17920 + 18320, 0)
+    assert muon(Layout(dp=4, ep=2, zero=1, amp=False, muon=True)) == \
+        (11520 + 6400 + 5760, 732 + 312 + 296)
+
+
+@pytest.mark.parametrize("config", [
+    GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64),
+    GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, moe_experts=4,
+              moe_top_k=2, moe_shared=1, moe_every=2),
+    GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, arch="llama",
+              n_kv_head=2, bias=False)], ids=["gpt2", "moe", "llama"])
+def test_muon_ns_per_zero_rank_is_the_sharded_optimizers(config):
+    """The ranks' NS work under ZeRO is ShardedMuon's: for a real model's block units
+    (zero/flat.py gpt_units) over n ranks, each rank runs NS for the Muon matrices among its
+    shard's pieces; the planner prices per unit the most any rank runs, after a gather of the
+    unit's padded flat U (4 B a value)."""
+    from minidist.optim.muon import takes_muon
+    from minidist.train.muon_cost import muon_times, ns_flops
+    from minidist.zero.flat import gpt_units
+    model = GPT(config, seed=0)
+    for n in (2, 3, 5):
+        want_ns = want_bytes = 0
+        for f in gpt_units(model, n, 0):
+            muon = [takes_muon(*m) for m in zip(f.names, f.shapes, f.decay)]
+            if not any(muon):
+                continue                                    # the root: nothing gathered
+            S = f.shard_size
+            want_ns += max(sum(ns_flops(f.shapes[i]) for i, _, _ in f.pieces(r * S, r * S + S)
+                               if muon[i]) for r in range(n))
+            want_bytes += 4 * f.padded
+        layout = Layout(dp=n, zero=1, amp=False, muon=True)
+        got = muon_times(config, layout, UNIT, 1.0, lambda op, nbytes: nbytes)
+        assert got == [(want_ns, want_bytes)], n
+
+
+def test_a_muon_plans_command_is_one_training_accepts(capsys):
+    """    python examples/plan.py --gpus 8 --optimizer muon --muon-ns-steps 3
+    prices Muon and its `run it:` command trains with it (--optimizer muon, --muon-ns-steps
+    3: what was priced), a command train_gpt.py's checks accept (check_layout); so does
+    every row of a Muon search (the default 5 iterations left out of the command), and a
+    hand layout. plan_memory.py --optimizer muon: a row per candidate with Muon's state."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import search, train_flags
+    from minidist.train.strategy import check_layout
+    _plan_cli().main(["--gpus", "8", "--optimizer", "muon", "--muon-ns-steps", "3", "--json",
+                      "--top", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["optimizer"] == "muon" and result["rows"][0]["muon_ns_steps"] == 3
+    assert result["rows"][0]["muon"] and result["rows"][0]["muon_ns"] > 0
+    run = result["command"].split()
+    args = train_parser().parse_args(run[5:])
+    assert (args.optimizer, args.muon_ns_steps) == ("muon", 3)
+    check_layout(args, 8)                                     # training accepts it
+    _plan_cli().main(["--gpus", "8", "--optimizer", "muon", "--layout", "dp=4,tp=2,zero=1",
+                      "--top", "1"])
+    out = capsys.readouterr().out
+    assert "Muon (5 Newton-Schulz steps)" in out and out.rstrip().endswith("--optimizer muon")
+    for config in PROPOSAL_MODELS[::2]:
+        rows = search(config, H100_IB, 8, config.block_size, 32, muon=True)
+        assert all(r["muon"] for r in rows)
+        assert not [r for r in rows if _refused(config, r, 8)]
+        flags = train_flags(config, rows[0])
+        assert flags[-2:] == ["--optimizer", "muon"] and "--muon-ns-steps" not in flags
+    # plan_memory.py: the same candidates, Muon's state (the DDP rows 4 B less a matrix
+    # parameter, ZeRO's the same), its rows' commands what training runs
+    memory = {muon: plan(PROPOSAL_MODELS[1], 8, muon=muon) for muon in (False, True)}
+    assert memory[True]["optimizer"] == "muon"
+    for adamw, muon in zip(memory[False]["rows"], memory[True]["rows"]):
+        assert muon["muon"] and muon["layout"] == adamw["layout"]
+        assert (muon["optimizer"] < adamw["optimizer"]) == (not muon["zero"])
+        row = {**muon, "micro_batch": 1, "micro_batches": muon["pp"], "schedule": "1f1b"}
+        assert _refused(PROPOSAL_MODELS[1], row, 8) is None
+
+
+def test_the_planners_optimizer_flags_are_training_s():
+    """--optimizer's choices and default, and plan.py's --muon-ns-steps default, are
+    train_gpt.py's; plan_memory.py --measure trains with --optimizer (it changes what it
+    measures), where every other planning flag is refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_memory", "examples/plan_memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+
+    def choices(parser):
+        return {a.dest: a.choices for a in parser._actions}["optimizer"]
+    train = train_parser()
+    assert tuple(choices(memory.parser())) == tuple(choices(train)) == ("adamw", "muon")
+    plan_cli = _plan_cli()
+    for name in ("optimizer", "muon_ns_steps"):
+        assert getattr(plan_cli.parse([]), name) == train.get_default(name)
+    assert memory.parser().get_default("optimizer") == train.get_default("optimizer")
+    for choice in choices(train):
+        assert plan_cli.parse(["--optimizer", choice]).optimizer == choice
+    p = memory.parser()
+    assert memory.measure_problem(p.parse_args(["--measure", "--optimizer", "muon"]), p) is None

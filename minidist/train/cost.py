@@ -48,6 +48,8 @@ a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-
 ZeRO-3's exposed gathers, the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
+               (+ Muon's gathers: --optimizer muon, whose Newton-Schulz is in the optimizer's
+               time at the float32 rate; minidist/train/muon_cost.py)
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
@@ -60,6 +62,7 @@ from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_t
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
                                      split_times, stage_moe_blocks)
+from minidist.train.muon_cost import muon_times
 from minidist.train.planner import STATE_BYTES, stage_params
 
 
@@ -131,10 +134,11 @@ def _share(cluster, layout):
     return max(1.0, on_node / (cluster.compute_slots or on_node))
 
 
-def _rate(cluster, layout):
-    """FLOP/s one rank sustains: peak x efficiency, shared when ranks outnumber compute slots."""
-    peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
-                                                    or cluster.peak_tflops)
+def _rate(cluster, layout, float32=False):
+    """FLOP/s one rank sustains: peak x efficiency, shared when ranks outnumber compute slots;
+    `float32`: at the float32 peak whatever the layout's precision (Muon's Newton-Schulz)."""
+    peak = cluster.peak_tflops if layout.amp and not float32 else (cluster.peak_tflops_fp32
+                                                                   or cluster.peak_tflops)
     return peak * 1e12 * cluster.efficiency / _share(cluster, layout)
 
 
@@ -275,12 +279,14 @@ def _replicated(cluster, layout, layers, act, stage):
 
 
 def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, schedule="1f1b",
-              comm="ring", v=1, bucket_mb=25.0, moe_load=1.0):
+              comm="ring", v=1, bucket_mb=25.0, moe_load=1.0, ns_steps=5):
     """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
     "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
-    "expert_grads", "optimizer", "step", "tokens_per_s", "mfu"}. global_batch in
-    sequences; micro_batches per step; comm "ring" or "hier" (data-parallel all-reduce);
-    moe_load: the busiest rank's expert rows over a balanced routing's (moe_cost.py).
+    "expert_grads", "optimizer", "muon_ns", "muon_comm", "step", "tokens_per_s", "mfu"}.
+    global_batch in sequences; micro_batches per step; comm "ring" or "hier" (data-parallel
+    all-reduce); moe_load: the busiest rank's expert rows over a balanced routing's
+    (moe_cost.py); ns_steps: Muon's Newton-Schulz iterations (layout.muon, --optimizer muon:
+    muon_cost.py; "optimizer" includes its "muon_ns", "muon_comm" is its gathers).
     ValueError for a MoE layout minidist does not run (moe_cost.check_moe_layout)."""
     check_moe_layout(config, layout)
     if moe_load <= 0:
@@ -290,6 +296,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     b = global_batch / (layout.dp * m)
     act = b * seq / layout.cp * config.n_embd * e
     rate = _rate(cluster, layout)
+    rate32 = _rate(cluster, layout, float32=True)          # Muon's NS, in float32
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     dpcp, axis = layout.dp * layout.cp, ("cp" if layout.cp > 1 else "dp")
     if layout.zero and layout.zero_shard:   # hybrid sharding: ZeRO's in the shard group
@@ -297,6 +304,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
 
     def coll(op, nbytes):                   # DDP's or ZeRO's group
         return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
+    muon = muon_times(config, layout, cluster, rate32, coll, comm, ns_steps) if layout.muon \
+        else [(0.0, 0.0)] * layout.pp                    # per stage: NS, gathers
     worst = None
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load)
@@ -337,14 +346,18 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b,
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
-        worst = row if worst is None or row["pipe"] > worst["pipe"] else worst
+        row["muon_ns"], row["muon_comm"] = muon[stage]
+        # the slowest stage: its pipeline and Muon's work after it (AdamW: the pipeline's)
+        row["slowest"] = row["pipe"] + row["muon_ns"] + row["muon_comm"]
+        worst = row if worst is None or row["slowest"] > worst["slowest"] else worst
     return _finish(config, layout, cluster, seq, global_batch, worst, coll, bucket_mb, comm)
 
 
 def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm="ring"):
     """Add the once-per-step data-parallel communication (the dense parameters' `w["n"]`,
-    the experts' all-reduce over edp) and the optimizer to the slowest stage's pipeline time
-    `w`, and the derived figures."""
+    the experts' all-reduce over edp) and the optimizer (with Muon's NS and gathers, `w`'s
+    "muon_ns" and "muon_comm") to the slowest stage's pipeline time `w`, and the derived
+    figures."""
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
@@ -379,8 +392,10 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
            "dp_comm": dp_comm, "dp_exposed": dp_exposed,
            "expert_grads": expert_grad_time(cluster, layout, w["experts"], g_bytes, comm,
                                             w["expert_units"], p_bytes),
-           "optimizer": (shard + mine) * cluster.opt_s_per_param}
-    out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"]
+           "optimizer": (shard + mine) * cluster.opt_s_per_param + w["muon_ns"],
+           "muon_ns": w["muon_ns"], "muon_comm": w["muon_comm"]}
+    out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"] + \
+        out["muon_comm"]
     out["tokens_per_s"] = global_batch * seq / out["step"]
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
                                                     or cluster.peak_tflops)

@@ -10,6 +10,13 @@ small model under each strategy and compare, tests/test_planner.py):
                                                    m and v in the optimizer (train/amp.py)
     ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also the
     parameters: ceil(P / dp) each (a flat buffer padded to a multiple of dp).
+    --optimizer muon (Layout.muon; minidist/optim/muon.py): a block's matrices (takes_muon)
+    keep Muon's momentum M alone, 4 bytes a parameter, not AdamW's m and v: 4 bytes less per
+    matrix parameter this rank holds (its state 4 bytes in float32, 8 with --amp's master),
+    where the optimizer is per parameter (no ZeRO; the experts under ep without ZeRO too). Under ZeRO
+    (any stage; the experts' ZeRO-1 over edp too) the flat v spans the matrices as well (zero
+    there): AdamW's bytes. Not counted, as the transients below: Muon's scratch U and, under
+    ZeRO, the gathered unit (minidist/zero/optim.py ShardedMuon) and NS's temporaries.
     TP (Megatron's layout, minidist/tp/model.py): c_attn and c_fc split by output
     columns (weights and biases), both c_proj by input rows (biases replicated), wte by
     vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.
@@ -63,11 +70,13 @@ from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
                                 gpt_param_specs, mlp_weights)
+from minidist.optim.muon import takes_muon
 from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
 
 GiB = 2 ** 30
 STATE_BYTES = {False: (4, 4, 8), True: (2, 2, 12)}   # amp -> bytes/param: params, grads, opt
+MUON_SAVES = 4         # bytes per matrix parameter Muon keeps less than AdamW: v (float32)
 _COLUMN = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
            "shared_expert.c_fc.weight", "shared_expert.c_fc.bias")
 _ROW = ("attn.c_proj.weight", "mlp.c_proj.weight", "shared_expert.c_proj.weight")
@@ -84,7 +93,10 @@ class Layout:
     (--cp-attention; it means nothing with cp 1). `zero_shard` K (hybrid sharding,
     --zero-shard; 0: none): ZeRO shards over each group of K neighbouring dp ranks, the
     groups replicas of each other (minidist/zero/README.md). `overlap_gather` (ZeRO-1/2,
-    --overlap-param-gather): the updated parameters' all-gathers behind the next forward."""
+    --overlap-param-gather): the updated parameters' all-gathers behind the next forward.
+    `muon` (--optimizer muon): Muon for the blocks' matrices, AdamW the rest (its state: the
+    module docstring; its Newton-Schulz and gathers: minidist/train/muon_cost.py); not in the
+    name: every row of one plan has the same optimizer, which the planners print once."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -98,6 +110,7 @@ class Layout:
     cp_attention: str = "ring"       # with cp > 1: "ring" or "ulysses" (minidist/cp/ulysses.py)
     zero_shard: int = 0              # with zero > 0: ranks per sharded replica (0: dp x cp)
     overlap_gather: bool = False     # with zero 1 or 2: the all-gathers behind the forward
+    muon: bool = False               # --optimizer muon: the blocks' matrices by Muon
 
     @property
     def zero_ranks(self):
@@ -158,18 +171,27 @@ def local_size(name, shape, tp=1):
     return n
 
 
-def stage_params(config, tp=1, pp=1, ep=1):
-    """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
-    an expert's on E/ep of the ranks). Counted per kind of block (dense, MoE: the search
-    prices thousands of layouts), each block's added to its stage."""
+def _block_counts(config, tp, pp, ep, keep):
+    """Per pipeline stage, the elements one rank holds of the blocks' parameters for which
+    keep(name, shape) is true (an expert's on E/ep of the ranks, ep dividing E), counted per
+    kind of block (dense, MoE: the search prices thousands of layouts)."""
     def held(specs):
         return sum(local_size(name, shape, tp) if ".mlp.experts." not in name else
-                   math.prod(shape) // ep for name, (shape, _) in specs.items())   # ep | E
+                   math.prod(shape) // ep for name, (shape, _) in specs.items()
+                   if keep(name, shape))
     per_block = {moe: held(block_param_specs(config, moe))
                  for moe in {config.is_moe(i) for i in range(config.n_layer)}}
     counts = [0] * pp
     for i in range(config.n_layer):
         counts[i * pp // config.n_layer] += per_block[config.is_moe(i)]
+    return counts
+
+
+def stage_params(config, tp=1, pp=1, ep=1):
+    """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
+    an expert's on E/ep of the ranks). Counted per kind of block (dense, MoE: the search
+    prices thousands of layouts), each block's added to its stage."""
+    counts = _block_counts(config, tp, pp, ep, lambda name, shape: True)
     outside = {name: spec for name, spec in
                gpt_param_specs(replace(config, n_layer=1, moe_experts=0)).items()
                if not name.startswith("transformer.h.")}
@@ -180,6 +202,12 @@ def stage_params(config, tp=1, pp=1, ep=1):
         counts[-1] += local_size("transformer.wte.weight",
                                  (config.vocab_size, config.n_embd), tp)
     return counts
+
+
+def stage_muon_params(config, tp=1, pp=1, ep=1):
+    """Of stage_params, the parameters --optimizer muon updates by Muon (takes_muon: a
+    block's weights of 2 or more dimensions, all of them decayed), per pipeline stage."""
+    return _block_counts(config, tp, pp, ep, lambda name, shape: takes_muon(name, shape))
 
 
 def model_state_bytes(n_params, dp=1, zero=0, amp=True):
@@ -309,6 +337,8 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
     if formula == "minidist" and (layout.tp > 1 or layout.pp > 1):
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
+    muon = stage_muon_params(config, layout.tp, layout.pp, layout.ep) \
+        if layout.muon and not layout.zero else [0] * layout.pp     # per parameter: M alone
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         units = expert_units(config, layout, stage)       # ep > 1: the experts, per block
         experts = sum(units)
@@ -318,6 +348,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         edp = axis_size(layout, "edp")                       # an expert's replicas
         row["optimizer"] += o * (sum(math.ceil(u / edp) for u in units)
                                  if layout.zero else experts)
+        row["optimizer"] -= MUON_SAVES * muon[stage]              # Muon's matrices: no v
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
                                       layout.recompute == "full", dropout,
@@ -346,13 +377,14 @@ def _sp(config, seq, t):
     return t > 1 and seq % t == 0
 
 
-def candidates(config, gpus, gpus_per_node=8, seq=None):
+def candidates(config, gpus, gpus_per_node=8, seq=None, muon=False):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
     precision and recompute (selective: the attention's scores, one q k^T more per layer;
     then full); with experts, EP over gcd(gpus, E) of the dp ranks; then (each without,
     with selective and with full recompute) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a
     node (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
-    training runs it: seq (default block_size) a multiple of tp."""
+    training runs it: seq (default block_size) a multiple of tp. Every one with Muon where
+    `muon` (--optimizer muon)."""
     seq = seq or config.block_size
     recomputes = ("none", "selective", "full")
     out = [Layout(dp=gpus, amp=False)] + [Layout(dp=gpus, recompute=r) for r in recomputes]
@@ -371,25 +403,26 @@ def candidates(config, gpus, gpus_per_node=8, seq=None):
         if (gpus // t) % p == 0:
             out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
                            sp=_sp(config, seq, t), recompute=r) for r in recomputes]
-    return out
+    return [replace(layout, muon=muon) for layout in out]
 
 
 def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=8,
-         headroom=0.1, dropout=None):
+         headroom=0.1, dropout=None, muon=False):
     """Every candidate's per-rank bill, whether it fits in (1 - headroom) x gpu memory, and
-    the first that fits (None if none does)."""
+    the first that fits (None if none does); `muon`: with --optimizer muon."""
     seq = seq or config.block_size
     budget = gpu_mem_gib * GiB * (1 - headroom)
     rows = []
-    for layout in candidates(config, gpus, gpus_per_node, seq):
+    for layout in candidates(config, gpus, gpus_per_node, seq, muon):
         row = {"layout": layout.name(), **asdict(layout),
                **bill(config, layout, seq, micro_batch, dropout)}
         row["fits"] = row["total"] <= budget
         rows.append(row)
     best = next((r["layout"] for r in rows if r["fits"]), None)
     return {"config": config.to_dict(), "params": sum(stage_params(config)),
-            "gpus": gpus, "seq": seq, "micro_batch": micro_batch, "budget_bytes": int(budget),
-            "rows": rows, "recommendation": best}
+            "gpus": gpus, "seq": seq, "micro_batch": micro_batch,
+            "optimizer": "muon" if muon else "adamw",
+            "budget_bytes": int(budget), "rows": rows, "recommendation": best}
 
 
 def config_for_params(n_params, seq=2048, vocab_size=50257, **block):

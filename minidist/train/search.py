@@ -19,6 +19,8 @@ share of them per sharded replica (zero_shards). A Mixture of Experts (config.mo
 also tries every ep dividing both dp and the expert count (expert parallelism carved out of
 dp), with cp and SP as a dense model (its routing's exchange over the split sequence priced
 by moe_cost.py split_times).
+`muon` (plan.py --optimizer muon) prices every row with Muon (its state in
+planner.bill, its Newton-Schulz and gathers in muon_cost.py) and its command runs it.
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
 training to run (tests/test_planner.py checks that training accepts every one).
 `layout_problems` is the check of a layout given by hand (plan.py --layout): training's own
@@ -44,6 +46,7 @@ from minidist.train.strategy import check_layout
 from minidist.zero.strategy import zero_shard_problem
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
+MUON_NS_STEPS = train_parser().get_default("muon_ns_steps")     # its --muon-ns-steps: 5
 CP_ATTENTIONS = ATTENTIONS             # its --cp-attention choices (minidist/cp/context.py)
 
 
@@ -93,13 +96,15 @@ def micro_batch_counts(pp, per_rank_batch, most=4, grouped=False):
 
 
 def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule="1f1b",
-             comm="ring", headroom=0.1, v=1, moe_load=1.0):
-    """One row: the layout, its memory bill on the worst stage and its step-time figures."""
+             comm="ring", headroom=0.1, v=1, moe_load=1.0, ns_steps=5):
+    """One row: the layout, its memory bill on the worst stage and its step-time figures;
+    under Muon (layout.muon) also its Newton-Schulz iterations, "muon_ns_steps"."""
     b = global_batch // (layout.dp * micro_batches)
     mem = bill(config, layout, seq, b, dropout=False)
     t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v,
-                  moe_load=moe_load)
-    return {"layout": layout.name(), **asdict(layout), "micro_batches": micro_batches,
+                  moe_load=moe_load, ns_steps=ns_steps)
+    muon = {"muon_ns_steps": ns_steps} if layout.muon else {}
+    return {"layout": layout.name(), **asdict(layout), **muon, "micro_batches": micro_batches,
             "micro_batch": b, "schedule": schedule, "comm": comm, "mem": mem,
             "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
 
@@ -130,10 +135,11 @@ def expert_splits(config, dp):
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
            tiled=True, zeros=ZERO_STAGES, recomputes=None, headroom=0.1, v=1,
-           moe_load=1.0):
+           moe_load=1.0, muon=False, ns_steps=5):
     """Every candidate row, fastest first among those that fit, then the rest. recomputes:
     None: none and full, and selective too where the attention is not tiled (tiles keep
-    no scores to recompute)."""
+    no scores to recompute). muon: every row with --optimizer muon (ns_steps: its
+    Newton-Schulz iterations)."""
     recomputes = recomputes or (("none", "full") if tiled else ("none", "selective", "full"))
     rows = []
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch, v=v):
@@ -147,14 +153,14 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,
                                             tiled=tiled, cp_attention=attention,
-                                            zero_shard=shard)
+                                            zero_shard=shard, muon=muon)
                             if recompute == "selective" and not layout.keeps_scores:
                                 continue        # no scores to recompute (the ring's tiles)
                             for m in micro_batch_counts(pp, global_batch // dp,
                                                         grouped=v > 1):
                                 rows.append(evaluate(config, layout, cluster, seq,
                                                      global_batch, m, schedule, comm,
-                                                     headroom, v, moe_load))
+                                                     headroom, v, moe_load, ns_steps))
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
@@ -163,7 +169,9 @@ def train_flags(config, row, v=1):
     v: model chunks per stage under the interleaved schedule) on `config`, global batch
     row["micro_batch"] x dp x micro-batches sequences of config.block_size tokens. The
     planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not.
-    Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn)."""
+    Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn).
+    A row priced with Muon (row["muon"]) runs --optimizer muon, with --muon-ns-steps
+    where its "muon_ns_steps" is not training's default, 5."""
     attention = "tiled" if row["tiled"] else \
         "recompute" if row["recompute"] == "selective" else "materialized"   # as priced
     flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
@@ -198,6 +206,10 @@ def train_flags(config, row, v=1):
     ulysses = row.get("cp_attention", "ring") == "ulysses"   # the ring: training's default
     flags += ["--cp-attention", "ulysses"] if ulysses else []
     flags += ["--comm", "hier"] if row.get("comm") == "hier" else []   # ring: the default
+    if row.get("muon"):                                                # adamw: the default
+        flags += ["--optimizer", "muon"]
+        steps = row.get("muon_ns_steps", MUON_NS_STEPS)
+        flags += ["--muon-ns-steps", steps] if steps != MUON_NS_STEPS else []
     return [str(f) for f in flags]
 
 

@@ -1,0 +1,144 @@
+"""The step-time model's Muon (--optimizer muon: minidist/optim/muon.py, the per-parameter
+optimizer; minidist/zero/optim.py ShardedMuon under ZeRO): the Newton-Schulz iterations one
+rank runs each step and the all-gathers they wait for; minidist/train/cost.py adds both to
+the step. Muon's state (memory) is minidist/train/planner.py's.
+
+Which matrices: takes_muon's, a block's weights of 2 or more dimensions (attention's c_attn
+and c_proj, the MLP's c_fc and c_proj; in a MoE block the router, every expert's and the
+shared experts' matrices). AdamW updates the rest. The elementwise part of either update
+(momentum, decay, the step) is the cluster's opt_s_per_param per parameter, as before.
+
+Newton-Schulz (muon.py newton_schulz) of an A x B matrix, A <= B (it runs on the wide
+orientation), `steps` iterations (--muon-ns-steps, 5), each
+    S = X X^T                  2 A^2 B
+    S @ S                      2 A^3
+    (b S + c S S) @ X          2 A^2 B
+so steps x (4 A^2 B + 2 A^3) FLOPs per matrix and step (the norm, the scalings and the
+adds, O(A B) each, are left out). Priced at the float32 rate, peak_tflops_fp32 x efficiency
+(shared like compute where ranks share cores): NS runs in the optimizer's dtype, float32
+(--amp's master weights), never in the 16-bit compute's; on the h100 preset 67 TFLOP/s of
+peak, not 989.
+
+Who runs which NS, and what moves first (U in float32: 4 bytes a value):
+    no ZeRO      every matrix the rank holds, whole: one process, DDP and CP all of them, PP
+                 its stage's, EP its E/ep experts of each MoE block (and every dense matrix)
+    TP           a matrix split over tp (c_attn, c_fc, both c_proj, the shared experts'; the
+                 router and the experts are whole on every tp rank) is all-gathered over tp
+                 first (muon.py `whole`): (tp-1)/tp of the whole matrix's bytes received,
+                 one blocking collective each (+ Cluster.sync_s, as TP's others); NS then
+                 runs on the whole matrix on every tp rank: not divided by tp
+    ZeRO         per block unit (zero/flat.py gpt_units: one per block), its flat U, padded
+                 to a multiple of the shard group's N ranks, all-gathered over the shard
+                 group (the bytes of a ZeRO-1 parameter gather, priced like ZeRO's other
+                 gathers: no sync); then each rank runs NS for the matrices that overlap its
+                 shard (a matrix cut by a shard boundary on both ranks), under TP each one's
+                 tp gather first. The next unit's gather is a ring every rank must join, so
+                 a unit costs its gather and the most any rank spends on its matrices; x the
+                 blocks of each kind (dense, MoE), whose units are laid out alike
+    EP + ZeRO    the experts' unit of each MoE block (minidist/ep/optim.py: this rank's E/ep
+                 experts) likewise, over the experts' replicas (edp)
+Nothing here overlaps: the optimizer runs after backward, each gather before its NS.
+Tests: tests/test_planner.py (test_muon_step_worked_by_hand,
+test_muon_with_experts_worked_by_hand, test_muon_ns_per_zero_rank_is_the_sharded_optimizers).
+"""
+import collections
+import math
+
+from minidist.nn.config import block_param_specs
+from minidist.optim.muon import takes_muon
+from minidist.train.comm_cost import axis_size, collective_time
+from minidist.train.planner import local_size
+
+MUON_BYTES = 4           # U's bytes a value: float32, the optimizer's dtype (masters under amp)
+
+
+def ns_flops(shape, steps=5):
+    """FLOPs of Newton-Schulz on a matrix of `shape` (its last two axes, A <= B on the wide
+    orientation): steps x (4 A^2 B + 2 A^3)."""
+    a, b = sorted(shape[-2:])
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
+Piece = collections.namedtuple("Piece", "size shape split")
+# one parameter of a block on one rank: `size` its elements there (its tp shard), `shape`
+# its whole shape where Muon updates it (else None), `split` whether TP splits it
+
+
+def block_pieces(config, moe, layout):
+    """(dense, experts): one block's parameters on one rank in model order (the flat order of
+    its ZeRO unit, and of the experts' unit under ep) as Pieces. Under ep the experts are a
+    list of their own, this rank's E/ep of them (each the same shapes as expert 0's); without
+    ep they are in `dense`, all E, as in the block's unit."""
+    mine = config.moe_experts // layout.ep
+    dense, experts = [], []
+    for name, (shape, _) in block_param_specs(config, moe).items():
+        expert = ".mlp.experts." in name
+        if expert and int(name.split(".mlp.experts.")[1].split(".")[0]) >= mine:
+            continue                                   # another ep rank's
+        size = local_size(name, shape, layout.tp)
+        piece = Piece(size, tuple(shape) if takes_muon(name, shape) else None,
+                      size != math.prod(shape))
+        (experts if expert and layout.ep > 1 else dense).append(piece)
+    return dense, experts
+
+
+def _matrix_seconds(piece, layout, cluster, rate, steps):
+    """(NS seconds, tp gather seconds) of one matrix's update on a rank that runs its NS."""
+    ns = ns_flops(piece.shape, steps) / rate
+    if not piece.split:
+        return ns, 0.0
+    whole = math.prod(piece.shape) * MUON_BYTES
+    return ns, collective_time(cluster, "all_gather", whole, layout, "tp") + cluster.sync_s
+
+
+def _whole(pieces, layout, cluster, rate, steps):
+    """(NS seconds, gather seconds) of every matrix of `pieces` on one rank (no ZeRO)."""
+    parts = [_matrix_seconds(p, layout, cluster, rate, steps) for p in pieces if p.shape]
+    return sum(ns for ns, _ in parts), sum(talk for _, talk in parts)
+
+
+def _busiest(pieces, n, layout, cluster, rate, steps):
+    """(NS seconds, tp gather seconds, padded elements) of one flat unit of `pieces` sharded
+    over n ranks (zero/flat.py FlatUnit: padded to a multiple of n, rank r owning [r S,
+    (r + 1) S)): the rank that spends the most on the matrices overlapping its shard."""
+    padded = -(-sum(p.size for p in pieces) // n) * n
+    shard = padded // n
+    ranks = [(0.0, 0.0)] * n
+    start = 0
+    for p in pieces:
+        if p.shape and p.size:
+            ns, talk = _matrix_seconds(p, layout, cluster, rate, steps)
+            for r in range(start // shard, (start + p.size - 1) // shard + 1):
+                ranks[r] = (ranks[r][0] + ns, ranks[r][1] + talk)
+        start += p.size
+    ns, talk = max(ranks, key=sum)
+    return ns, talk, padded
+
+
+def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
+    """[(NS seconds, communication seconds)] of Muon in one step on one rank of each pipeline
+    stage (module docstring): `rate` the float32 FLOP/s of one rank; `coll(op, nbytes)` a
+    collective over ZeRO's shard group (cost.step_time's). Priced once per kind of block
+    (dense, MoE: every block of a kind is laid out alike), then added up per stage."""
+    L, pp = config.n_layer, layout.pp
+    per_kind = {}
+    for moe in {config.is_moe(i) for i in range(L)}:
+        dense, experts = block_pieces(config, moe, layout)
+        if not layout.zero:
+            per_kind[moe] = _whole(dense + experts, layout, cluster, rate, steps)
+            continue
+        ns, talk, padded = _busiest(dense, layout.zero_ranks, layout, cluster, rate, steps)
+        talk += coll("all_gather", padded * MUON_BYTES)
+        if experts:                                    # their own unit, over edp
+            e_ns, e_talk, e_padded = _busiest(experts, axis_size(layout, "edp"), layout,
+                                              cluster, rate, steps)
+            ns += e_ns
+            talk += e_talk + collective_time(cluster, "all_gather", e_padded * MUON_BYTES,
+                                             layout, "edp", comm)
+        per_kind[moe] = ns, talk
+    out = [(0.0, 0.0)] * pp
+    for i in range(L):
+        ns, talk = per_kind[config.is_moe(i)]
+        stage = i * pp // L
+        out[stage] = (out[stage][0] + ns, out[stage][1] + talk)
+    return out
