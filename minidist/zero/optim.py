@@ -209,10 +209,13 @@ class ShardedAdamW:
             plain += [(arrays, lo, hi) for lo, hi in p]
         return decayed, plain
 
-    def _adam_scratch(self, like):
-        key = ("adam", like.size, like.dtype.str, type(like).__module__)
+    def _adam_scratch(self, like, role="adam", size=None):
+        """A reusable buffer of `like`'s dtype (and size, or `size`), one per role: a step
+        allocates nothing after the first."""
+        size = like.size if size is None else size
+        key = (role, size, like.dtype.str, type(like).__module__)
         if key not in self._scratch:
-            self._scratch[key] = xp_of(like).empty_like(like)
+            self._scratch[key] = xp_of(like).empty(size, like.dtype)
         return self._scratch[key]
 
     # ---- memory ledger and checkpoints -----------------------------------------------------
@@ -284,16 +287,16 @@ class ShardedMuon(ShardedAdamW):
         if self.weight_decay:
             for a, b in f.decay_ranges():          # decoupled decay, both optimizers alike
                 target[a:b] *= 1.0 - lr * self.weight_decay
-        look = self._adam_scratch(target)
+        look, tmp = self._adam_scratch(target, "look"), self._adam_scratch(target)
         look[...] = 0
         for i, a, b in self._pieces(f):
             if muon[i]:
                 nesterov_momentum(s["exp_avg"][a:b], grad[a:b], self.momentum, look[a:b])
             else:
                 adamw_update(target[a:b], grad[a:b], s["exp_avg"][a:b], s["exp_avg_sq"][a:b],
-                             self.steps, lr, beta1, beta2, group["eps"], 0.0)
+                             self.steps, lr, beta1, beta2, group["eps"], 0.0, scratch=tmp[a:b])
         if any(muon):
-            full = xp_of(look).empty(f.padded, look.dtype)
+            full = self._adam_scratch(look, "gathered", f.padded)
             self.engine.group.all_gather(full, look)
             for (i, a, b), (_, start, stop) in zip(self._pieces(f), f.pieces()):
                 if not muon[i]:
