@@ -19,7 +19,7 @@ from minidist import backend
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.module import Parameter
 from minidist.optim import AdamW
-from minidist.optim.muon import Muon, newton_schulz, takes_muon
+from minidist.optim.muon import Muon, balance, newton_schulz, ns_flops, takes_muon
 from mpirun import ROOT, mpi_env
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
@@ -107,6 +107,19 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert not takes_muon("lm_head.weight", (16, 8), True)       # the head: AdamW's
 
 
+def test_zero_gives_each_matrix_to_one_rank_worked_by_hand():
+    """muon.balance, the costliest first to the least busy rank (ties: the first in the
+    turned order): a GPT-2 block of C 4 (NS FLOPs c_attn 4 x 12 4480, c_proj 1920, c_fc and
+    the MLP's c_proj 5760 each) over 2 ranks: c_fc 0, c_proj 1, c_attn 0, c_proj 1 (10240
+    against 7680); the next unit's order turned by one; over 3: 5760, 5760, 4480 + 1920."""
+    costs = [ns_flops(s) for s in ((4, 12), (4, 4), (4, 16), (16, 4))]
+    assert costs == [4480, 1920, 5760, 5760]
+    assert balance(costs, 2) == [0, 1, 0, 1]
+    assert balance(costs, 2, first=1) == [1, 0, 1, 0]
+    assert balance(costs, 3) == [2, 2, 0, 1]
+    assert balance(costs, 8) == [2, 3, 0, 1]          # more ranks than matrices: one each
+
+
 M = {"--optimizer": "muon"}
 
 
@@ -149,21 +162,24 @@ def test_a_checkpoint_resumes_in_another_layout(mpi, tmp_path, ranks, flags, int
 
 
 @pytest.mark.mpi
-def test_zero_sends_its_bytes_and_the_update_all_gather(mpi, corpus, tmp_path):
+def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path):
     """    mpiexec -n 2 python examples/train_gpt.py --zero 1 --optimizer muon
     The summary's measured bytes per step = ZeRO-1's 2(N-1)/N Psi + Muon's all-gather of
-    the block units' updates, (N-1)/N of their padded bytes (ShardedMuon.gather_bytes)."""
+    the block units' updates and the reduce-scatter of their owners' steps, (N-1)/N of their
+    padded bytes each (ShardedMuon.update_bytes)."""
     out = mpi(2, "examples/train_gpt.py", "--zero", "1", "--optimizer", "muon", "--n-layer",
               "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
               "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
               str(tmp_path / "c"), timeout=120).stdout
     sent, ddp, muon = map(float, re.search(
-        r"\((\S+) x; DDP sends 2\(N-1\)/N = (\S+) x, Muon's update all-gathers (\S+) x more",
+        r"\((\S+) x; DDP sends 2\(N-1\)/N = (\S+) x, Muon's update all-gather and "
+        r"reduce-scatter (\S+) x more",
         out).groups())
     # a block, C = 32: 2 norms 4C, c_attn 3C^2 + 3C, c_proj C^2 + C, c_fc 4C^2 + 4C,
     # mlp.c_proj 4C^2 + C: 12,704, even (no padding); psi = 2 blocks + the root (wte 256 C,
-    # wpe 16 C, ln_f 2C: 8,768) = 34,176; the gathers send (N-1)/N = half of 2 x 12,704
-    assert muon == pytest.approx(0.5 * 25408 / 34176, abs=0.005)
+    # wpe 16 C, ln_f 2C: 8,768) = 34,176; each of the two collectives sends (N-1)/N = half
+    # of the 2 x 12,704 block elements
+    assert muon == pytest.approx(2 * 0.5 * 25408 / 34176, abs=0.005)
     assert sent == pytest.approx(ddp + muon, abs=0.011)
     assert "optimizer: Muon for the blocks' 8 matrices (24,576 parameters" in out
 

@@ -1317,15 +1317,16 @@ def test_muon_step_worked_by_hand():
     c_proj 64 -> 32, c_fc and c_proj 256 -> 128 each, + 10 s of sync each: 424 s a block.
     ZeRO-1 over 2: each block's unit (244 values: ln_1 0-8, c_attn 8-56 and its bias 56-68,
     c_proj 68-84 and 84-88, ln_2 88-96, c_fc 96-160 and 160-176, c_proj 176-240 and its
-    bias) is all-gathered (976 B, 488 s), rank 0 (0-122) runs c_attn, c_proj and c_fc (cut
-    at 122), 12160 s, rank 1 c_fc and c_proj, 11520: each unit waits for the 12160; both:
-    24320 s of NS and 976 s of gathers.
-    ZeRO-1 over dp 2 x TP2: 134 values a unit on a tp rank (c_attn 8-32, its bias 32-38,
-    c_proj 38-46, 46-50, ln_2 50-58, c_fc 58-90 cut at 67, 90-98, c_proj 98-130, 130-134):
-    rank 0 gathers over tp and runs c_attn, c_proj and c_fc: 12160 + (96 + 32 + 128) + 3 x
-    10 = 12446 s, rank 1 c_fc and c_proj 11520 + 2 x 138 = 11796; the unit's gather 536 B,
-    268 s. PP2: a block a stage, 17920 s."""
-    from minidist.train.muon_cost import ns_flops
+    bias) is all-gathered (976 B, 488 s) and its steps reduce-scattered (488 s); each matrix
+    is one rank's, the costliest first to the least busy (muon.balance): c_fc to rank 0, the
+    MLP's c_proj to rank 1, c_attn to rank 0 (a tie: the first), c_proj to rank 1: rank 0
+    10240 s, rank 1 7680; each unit waits for the 10240; both: 20480 s of NS and 1952 s of
+    collectives.
+    ZeRO-1 over dp 2 x TP2: the same owners; rank 0 gathers c_fc and c_attn over tp first,
+    10240 + (128 + 96) + 2 x 10 = 10484 s a unit (rank 1 7680 + 160); the unit (134 values
+    on a tp rank, 536 B) gathered and reduce-scattered, 268 s each. PP2: a block a stage,
+    17920 s."""
+    from minidist.optim.muon import ns_flops
     assert [ns_flops(s) for s in ((4, 12), (4, 4), (4, 16), (16, 4))] == \
         [4480, 1920, 5760, 5760]
     assert ns_flops((4, 16), steps=3) == 3 * 1152
@@ -1344,9 +1345,9 @@ def test_muon_step_worked_by_hand():
     fast16 = replace(unit, peak_tflops=4e-12, peak_tflops_fp32=1e-12)
     assert both(Layout(amp=True), cluster=fast16) == (35840, 0)
     assert both(Layout(tp=2, amp=False)) == (35840, pytest.approx(2 * 424))
-    assert both(Layout(dp=2, zero=1, amp=False), 2) == (24320, 976)
+    assert both(Layout(dp=2, zero=1, amp=False), 2) == (20480, 1952)
     assert both(Layout(dp=2, tp=2, zero=1, amp=False), 2) == \
-        (2 * 12160, pytest.approx(2 * (286 + 268)))
+        (2 * 10240, pytest.approx(2 * (244 + 2 * 268)))
     assert both(Layout(pp=2, amp=False), 2, 2) == (17920, 0)
 
 
@@ -1354,18 +1355,18 @@ def test_muon_with_experts_worked_by_hand():
     """MOE_TOY (block 1 a MoE block: router 4 x 2, NS 5 x (4 x 4 x 4 + 2 x 8) = 400; two
     experts, c_fc and c_proj 5760 each), 1 FLOP/s, 1 B/s. DDP x4: block 0 17920, block 1
     4480 + 1920 + 400 + 2 x 11520 = 29840. EP2: this rank's one expert, 18320. EP2 x ZeRO-1
-    over 4: block 0's unit (S 61) busiest on rank 2 (c_fc 96-160 and c_proj 176-240 both
-    overlap 122-183): 11520, gathered 3/4 x 976 B = 732 s; block 1's dense unit (attention,
-    norms, router: 104, S 26) busiest on rank 2 (c_attn 8-56 and c_proj 68-84 both overlap
-    52-78): 6400, 3/4 x 416 = 312 s; its experts' unit (one expert, 148, over edp 2: c_fc
-    0-64 rank 0, c_proj 80-144 rank 1) 5760, 1/2 x 592 = 296 s."""
+    over 4 (each matrix one rank's, muon.balance): block 0's unit, its four matrices on four
+    ranks: 5760, gathered and reduce-scattered 2 x 3/4 x 976 B = 1464 s; block 1's dense
+    unit (attention, norms, router: 104 values) c_attn, c_proj, router on three ranks:
+    4480, 2 x 3/4 x 416 = 624 s; its experts' unit (one expert, 148, over edp 2: c_fc and
+    c_proj a rank each) 5760, 2 x 1/2 x 592 = 592 s."""
     def muon(layout):
         t = step_time(MOE_TOY, layout, UNIT, seq=2, global_batch=4)
         return t["muon_ns"], t["muon_comm"]
     assert muon(Layout(dp=4, amp=False, muon=True)) == (17920 + 29840, 0)
     assert muon(Layout(dp=4, ep=2, amp=False, muon=True)) == (17920 + 18320, 0)
     assert muon(Layout(dp=4, ep=2, zero=1, amp=False, muon=True)) == \
-        (11520 + 6400 + 5760, 732 + 312 + 296)
+        (5760 + 4480 + 5760, 1464 + 624 + 592)
 
 
 @pytest.mark.parametrize("config", [
@@ -1376,23 +1377,24 @@ def test_muon_with_experts_worked_by_hand():
               n_kv_head=2, bias=False)], ids=["gpt2", "moe", "llama"])
 def test_muon_ns_per_zero_rank_is_the_sharded_optimizers(config):
     """The ranks' NS work under ZeRO is ShardedMuon's: for a real model's block units
-    (zero/flat.py gpt_units) over n ranks, each rank runs NS for the Muon matrices among its
-    shard's pieces; the planner prices per unit the most any rank runs, after a gather of the
-    unit's padded flat U (4 B a value)."""
-    from minidist.optim.muon import takes_muon
-    from minidist.train.muon_cost import muon_times, ns_flops
+    (zero/flat.py gpt_units) over n ranks, each Muon matrix is one rank's (muon.balance, as
+    ShardedMuon._owners gives them); the planner prices per unit the most any rank runs,
+    after a gather of the unit's padded flat U and before a reduce-scatter of the steps (4 B
+    a value each)."""
+    from minidist.optim.muon import balance, ns_flops, takes_muon
+    from minidist.train.muon_cost import muon_times
     from minidist.zero.flat import gpt_units
     model = GPT(config, seed=0)
     for n in (2, 3, 5):
         want_ns = want_bytes = 0
-        for f in gpt_units(model, n, 0):
-            muon = [takes_muon(*m) for m in zip(f.names, f.shapes, f.decay)]
-            if not any(muon):
+        for k, f in enumerate(gpt_units(model, n, 0)):
+            costs = [ns_flops(s) for m in zip(f.names, f.shapes, f.decay) if takes_muon(*m)
+                     for s in [m[1]]]
+            if not costs:
                 continue                                    # the root: nothing gathered
-            S = f.shard_size
-            want_ns += max(sum(ns_flops(f.shapes[i]) for i, _, _ in f.pieces(r * S, r * S + S)
-                               if muon[i]) for r in range(n))
-            want_bytes += 4 * f.padded
+            owners = balance(costs, n, k % n)
+            want_ns += max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n))
+            want_bytes += 2 * 4 * f.padded
         layout = Layout(dp=n, zero=1, amp=False, muon=True)
         got = muon_times(config, layout, UNIT, 1.0, lambda op, nbytes: nbytes)
         assert got == [(want_ns, want_bytes)], n

@@ -25,11 +25,13 @@ the whole U first:
                          keeps its shard of O (Split.shard)
     ZeRO                 a rank owns a flat shard that may cut through W: ShardedMuon
                          (minidist/zero/optim.py) all-gathers each unit's U over the shard
-                         group (the bytes of a ZeRO-1 parameter gather), then as above
+                         group (the bytes of a ZeRO-1 parameter gather), gives each matrix
+                         to one rank (`balance`), which runs its NS (under TP as above), and
+                         reduce-scatters the steps back to the shards (the same bytes)
 Every rank so computes the same O as one process, from the same U, to rounding: N ranks train
-one process's numbers (tests/test_muon.py). The NS of a matrix is repeated on the ranks that
-share it (the tp group; at most 2 ZeRO ranks for a matrix cut by a shard boundary): Liu et
-al.'s "Distributed Muon" does the same.
+one process's numbers (tests/test_muon.py). The NS of a split matrix is repeated on its tp
+ranks (Megatron's "duplicated" way); under ZeRO it runs once (Liu et al.'s "Distributed
+Muon" runs it on every rank whose shard the matrix touches).
 
 State: M per matrix (4 bytes a parameter in float32, AdamW's m and v 8); the others AdamW's m
 and v. Under ZeRO the unit's flat v spans the matrices too (kept zero there), so that one
@@ -73,6 +75,28 @@ def newton_schulz(u, steps=5):
     return xp.ascontiguousarray(xp.swapaxes(x, -1, -2)) if tall else x
 
 
+def ns_flops(shape, steps=5):
+    """FLOPs of newton_schulz on a matrix of `shape` (its last two axes; A <= B on the wide
+    orientation): each step X X^T (2 A^2 B), S S (2 A^3), (b S + c S S) X (2 A^2 B), so
+    steps x (4 A^2 B + 2 A^3) (the norm, scalings and adds, O(A B), left out)."""
+    a, b = sorted(shape[-2:])
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
+def balance(costs, ranks, first=0):
+    """The owner (0..ranks-1) of each of the matrices whose NS costs are `costs`: the most
+    costly first, each to the rank with the least work so far, ties to the first in the order
+    first, first + 1, ... (the longest-processing-time rule: the busiest rank within 4/3 of
+    the best split). ZeRO's Muon gives each matrix of a unit to one rank of the shard group;
+    `first` turns the order from unit to unit, so the small units' work spreads too."""
+    load, owner = [0] * ranks, [0] * len(costs)
+    order = [(first + k) % ranks for k in range(ranks)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner[i] = min(order, key=lambda r: load[r])
+        load[owner[i]] += costs[i]
+    return owner
+
+
 def muon_scale(shape):
     """The update's factor for matrices of `shape` (last two axes A x B): 0.2 sqrt(max(A, B))."""
     return RMS_MATCH * math.sqrt(max(shape[-2], shape[-1]))
@@ -96,6 +120,14 @@ def whole(u, split, tp):
     shards = xp.empty((tp.size,) + tuple(u.shape), u.dtype)
     tp.all_gather(shards, xp.ascontiguousarray(u))
     return split.unshard(list(shards))
+
+
+def whole_shape(shape, split):
+    """The whole matrix's shape of a parameter whose shape here is `shape`, split by `split`
+    over tp (None: whole here)."""
+    if split is None:
+        return tuple(shape)
+    return tuple(split.size if k == split.axis else n for k, n in enumerate(shape))
 
 
 def orthogonalised(u, split=None, tp=None, steps=5):

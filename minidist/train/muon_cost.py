@@ -1,6 +1,6 @@
 """The step-time model's Muon (--optimizer muon: minidist/optim/muon.py, the per-parameter
 optimizer; minidist/zero/optim.py ShardedMuon under ZeRO): the Newton-Schulz iterations one
-rank runs each step and the all-gathers they wait for; minidist/train/cost.py adds both to
+rank runs each step and the collectives they wait for; minidist/train/cost.py adds both to
 the step. Muon's state (memory) is minidist/train/planner.py's.
 
 Which matrices: takes_muon's, a block's weights of 2 or more dimensions (attention's c_attn
@@ -9,12 +9,8 @@ shared experts' matrices). AdamW updates the rest. The elementwise part of eithe
 (momentum, decay, the step) is the cluster's opt_s_per_param per parameter, as before.
 
 Newton-Schulz (muon.py newton_schulz) of an A x B matrix, A <= B (it runs on the wide
-orientation), `steps` iterations (--muon-ns-steps, 5), each
-    S = X X^T                  2 A^2 B
-    S @ S                      2 A^3
-    (b S + c S S) @ X          2 A^2 B
-so steps x (4 A^2 B + 2 A^3) FLOPs per matrix and step (the norm, the scalings and the
-adds, O(A B) each, are left out). Priced at the float32 rate, peak_tflops_fp32 x efficiency
+orientation), `steps` iterations (--muon-ns-steps, 5): muon.py ns_flops, steps x (4 A^2 B +
+2 A^3) FLOPs per matrix and step (X X^T, S S, (b S + c S S) X). Priced at the float32 rate, peak_tflops_fp32 x efficiency
 (shared like compute where ranks share cores): NS runs in the optimizer's dtype, float32
 (--amp's master weights), never in the 16-bit compute's; on the h100 preset 67 TFLOP/s of
 peak, not 989.
@@ -30,11 +26,13 @@ Who runs which NS, and what moves first (U in float32: 4 bytes a value):
     ZeRO         per block unit (zero/flat.py gpt_units: one per block), its flat U, padded
                  to a multiple of the shard group's N ranks, all-gathered over the shard
                  group (the bytes of a ZeRO-1 parameter gather, priced like ZeRO's other
-                 gathers: no sync); then each rank runs NS for the matrices that overlap its
-                 shard (a matrix cut by a shard boundary on both ranks), under TP each one's
-                 tp gather first. The next unit's gather is a ring every rank must join, so
-                 a unit costs its gather and the most any rank spends on its matrices; x the
-                 blocks of each kind (dense, MoE), whose units are laid out alike
+                 gathers: no sync); each matrix is then one rank's (muon.py balance: the
+                 costliest first, to the least busy rank), which runs its NS (under TP its
+                 tp gather first), and a reduce-scatter of the unit's flat steps (the same
+                 bytes) hands each rank its shard of them. The next unit's gather is a ring
+                 every rank must join, so a unit costs its two collectives and the most any
+                 rank spends on the matrices it owns; x the blocks of each kind (dense,
+                 MoE), whose units are laid out alike
     EP + ZeRO    the experts' unit of each MoE block (minidist/ep/optim.py: this rank's E/ep
                  experts) likewise, over the experts' replicas (edp)
 Nothing here overlaps: the optimizer runs after backward, each gather before its NS.
@@ -45,18 +43,11 @@ import collections
 import math
 
 from minidist.nn.config import block_param_specs
-from minidist.optim.muon import takes_muon
+from minidist.optim.muon import balance, ns_flops, takes_muon
 from minidist.train.comm_cost import axis_size, collective_time
 from minidist.train.planner import local_size
 
 MUON_BYTES = 4           # U's bytes a value: float32, the optimizer's dtype (masters under amp)
-
-
-def ns_flops(shape, steps=5):
-    """FLOPs of Newton-Schulz on a matrix of `shape` (its last two axes, A <= B on the wide
-    orientation): steps x (4 A^2 B + 2 A^3)."""
-    a, b = sorted(shape[-2:])
-    return steps * (4 * a * a * b + 2 * a ** 3)
 
 
 Piece = collections.namedtuple("Piece", "size shape split")
@@ -99,18 +90,15 @@ def _whole(pieces, layout, cluster, rate, steps):
 
 def _busiest(pieces, n, layout, cluster, rate, steps):
     """(NS seconds, tp gather seconds, padded elements) of one flat unit of `pieces` sharded
-    over n ranks (zero/flat.py FlatUnit: padded to a multiple of n, rank r owning [r S,
-    (r + 1) S)): the rank that spends the most on the matrices overlapping its shard."""
+    over n ranks (zero/flat.py FlatUnit: padded to a multiple of n): each matrix is one
+    rank's (ShardedMuon's owners: optim/muon.py balance, by whole-matrix NS FLOPs); the rank
+    that spends the most on the matrices it owns."""
     padded = -(-sum(p.size for p in pieces) // n) * n
-    shard = padded // n
+    mats = [p for p in pieces if p.shape and p.size]
     ranks = [(0.0, 0.0)] * n
-    start = 0
-    for p in pieces:
-        if p.shape and p.size:
-            ns, talk = _matrix_seconds(p, layout, cluster, rate, steps)
-            for r in range(start // shard, (start + p.size - 1) // shard + 1):
-                ranks[r] = (ranks[r][0] + ns, ranks[r][1] + talk)
-        start += p.size
+    for p, r in zip(mats, balance([ns_flops(p.shape, steps) for p in mats], n)):
+        ns, talk = _matrix_seconds(p, layout, cluster, rate, steps)
+        ranks[r] = (ranks[r][0] + ns, ranks[r][1] + talk)
     ns, talk = max(ranks, key=sum)
     return ns, talk, padded
 
@@ -128,13 +116,15 @@ def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
             per_kind[moe] = _whole(dense + experts, layout, cluster, rate, steps)
             continue
         ns, talk, padded = _busiest(dense, layout.zero_ranks, layout, cluster, rate, steps)
-        talk += coll("all_gather", padded * MUON_BYTES)
+        talk += coll("all_gather", padded * MUON_BYTES) + coll("reduce_scatter",
+                                                               padded * MUON_BYTES)
         if experts:                                    # their own unit, over edp
             e_ns, e_talk, e_padded = _busiest(experts, axis_size(layout, "edp"), layout,
                                               cluster, rate, steps)
             ns += e_ns
-            talk += e_talk + collective_time(cluster, "all_gather", e_padded * MUON_BYTES,
-                                             layout, "edp", comm)
+            talk += e_talk + sum(collective_time(cluster, op, e_padded * MUON_BYTES, layout,
+                                                 "edp", comm)
+                                 for op in ("all_gather", "reduce_scatter"))
         per_kind[moe] = ns, talk
     out = [(0.0, 0.0)] * pp
     for i in range(L):

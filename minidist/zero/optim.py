@@ -34,7 +34,8 @@ from minidist.backend import xp_of
 from minidist.optim import multi_tensor
 from minidist.optim.adamw import adamw_update
 from minidist.optim.clip import clip_grad_norm
-from minidist.optim.muon import nesterov_momentum, orthogonalised, takes_muon
+from minidist.optim.muon import (balance, nesterov_momentum, ns_flops, orthogonalised,
+                                 takes_muon, whole_shape)
 
 
 class ShardedAdamW:
@@ -246,8 +247,14 @@ class ShardedMuon(ShardedAdamW):
         Muon pieces      M <- mu M + G and U <- G + mu M on this rank's slice
         all-gather       U's shards over the shard group (zeros where AdamW's elements are):
                          the unit's whole flat U on every rank, (N-1)/N of it received
-        each matrix      cut by this rank's shard: its whole U (under TP also gathered over
-                         tp: `orthogonalised`), NS, this rank's slice of lr x scale x O
+        its matrices     each matrix of the unit is one rank's (`owners`: muon.balance, the
+                         costliest first to the least busy rank): its owner runs NS on the
+                         whole U (under TP with its tp peers, which own it too: `whole`) and
+                         writes lr x scale x O into a flat buffer of the unit, zeros elsewhere
+        reduce-scatter   of that buffer: each rank's shard of it, every element one owner's
+                         value plus zeros (exact), subtracted from this rank's matrix pieces
+    So NS runs once per matrix, not on every rank its shard cuts, for the bytes of one more
+    collective: all-gather + reduce-scatter = an all-reduce of the unit, (N-1)/N x 2 of it.
 
     `tp`, `splits`: as Muon's. The groups are Muon's three; the state ShardedAdamW's, exp_avg
     M for a matrix's elements, exp_avg_sq zero there. The multi-tensor path is AdamW's only:
@@ -266,16 +273,27 @@ class ShardedMuon(ShardedAdamW):
         self.muon = {u.flat.name: [takes_muon(n, s, d) for n, s, d in
                                    zip(u.flat.names, u.flat.shapes, u.flat.decay)]
                      for u in engine.units}
+        self.owners = {u.flat.name: self._owners(u.flat, k) for k, u in enumerate(engine.units)}
+
+    def _owners(self, f, k):
+        """{index: the shard-group rank that runs its NS} for unit f's matrices (the k-th
+        unit: the ranks' order turned by k), by NS FLOPs of the whole matrix."""
+        mats = [i for i, m in enumerate(self.muon[f.name]) if m]
+        costs = [ns_flops(whole_shape(f.shapes[i], self.splits.get(f.names[i])),
+                          self.ns_steps) for i in mats]
+        size = self.engine.group.size
+        return dict(zip(mats, balance(costs, size, k % size)))
 
     def multi_ok(self):
         return False
 
-    def gather_bytes(self):
-        """The bytes a rank sends per step in the update's all-gathers (a ring's (K-1)/K of
-        each unit holding a matrix, K the shard group's size, in the update's dtype)."""
+    def update_bytes(self):
+        """The bytes a rank sends per step in the update's all-gathers and reduce-scatters
+        (a ring's (K-1)/K of each unit holding a matrix, twice, K the shard group's size, in
+        the update's dtype)."""
         k = self.engine.group.size
         itemsize = 4 if self.amp is not None else self.engine.units[0].flat.dtype.itemsize
-        return sum(u.flat.padded * itemsize * (k - 1) // k for u in self.engine.units
+        return sum(2 * (u.flat.padded * itemsize * (k - 1) // k) for u in self.engine.units
                    if any(self.muon[u.flat.name]))
 
     def _update(self, u, factor):
@@ -296,17 +314,23 @@ class ShardedMuon(ShardedAdamW):
                 adamw_update(target[a:b], grad[a:b], s["exp_avg"][a:b], s["exp_avg_sq"][a:b],
                              self.steps, lr, beta1, beta2, group["eps"], 0.0, scratch=tmp[a:b])
         if any(muon):
+            group = self.engine.group
             full = self._adam_scratch(look, "gathered", f.padded)
-            self.engine.group.all_gather(full, look)
-            for (i, a, b), (_, start, stop) in zip(self._pieces(f), f.pieces()):
-                if not muon[i]:
+            group.all_gather(full, look)
+            step = self._adam_scratch(look, "step", f.padded)
+            step[...] = 0
+            for i, owner in self.owners[f.name].items():
+                if owner != group.rank:
                     continue
                 off = f.offsets[i]
-                whole = full[off:off + f.sizes[i]].reshape(f.shapes[i])
-                o = orthogonalised(whole, self.splits.get(f.names[i]), self.tp,
-                                   self.ns_steps).reshape(-1)[start:stop]
+                o = orthogonalised(full[off:off + f.sizes[i]].reshape(f.shapes[i]),
+                                   self.splits.get(f.names[i]), self.tp, self.ns_steps)
                 o *= lr
-                target[a:b] -= o
+                step[off:off + f.sizes[i]] = o.reshape(-1)
+            group.reduce_scatter(look, step)       # this rank's [lo, hi) of every update
+            for i, a, b in self._pieces(f):
+                if muon[i]:
+                    target[a:b] -= look[a:b]
         if self.amp is not None:
             u.param_shard[...] = target            # float32 master -> 16-bit shard
 

@@ -293,7 +293,8 @@ class ZeroDataParallel(SingleProcess):
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x{hybrid}; DDP sends "
                 f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x"
-                + (f", Muon's update all-gathers {self.opt.gather_bytes() / psi:.2f} x more"
+                + (f", Muon's update all-gather and reduce-scatter "
+                   f"{self.opt.update_bytes() / psi:.2f} x more"
                    if isinstance(self.opt, ShardedMuon) else "") + ")")
 
     def finish(self, args, log, experts=None):
