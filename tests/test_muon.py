@@ -182,6 +182,15 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     assert muon == pytest.approx(2 * 0.5 * 25408 / 34176, abs=0.005)
     assert sent == pytest.approx(ddp + muon, abs=0.011)
     assert "optimizer: Muon for the blocks' 8 matrices (24,576 parameters" in out
+    # --tp 2: each rank sends its half of every split matrix's update (a ring all-gather of 2
+    # sends its own chunk): 12 C^2 / 2 = 6,144 float32 values a block, 2 x 24,576 B, after
+    # the gradient sync (with the clip's 8-byte norm)
+    tp = mpi(2, "examples/train_gpt.py", "--tp", "2", "--optimizer", "muon", "--n-layer",
+             "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
+             "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
+             str(tmp_path / "c"), timeout=120).stdout
+    after = float(re.search(r"and (\S+) MiB in the optimizer's step \(Muon's", tp).group(1))
+    assert after == pytest.approx(2 * 24576 / 2**20, abs=0.0006)
 
 
 def _train(*flags):
@@ -209,7 +218,8 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
     assert other.returncode == 2 and other.stderr == (
         f"error: --optimizer adamw: --resume {muon}/step-00000002 was trained with muon, "
         "whose state it holds; leave --optimizer out (a resumed run takes its optimizer "
-        "from the checkpoint)\n")
+        f"from the checkpoint), or start a new run from its weights: examples/export_gpt2.py "
+        f"--resume {muon}/step-00000002 --out W, then --init-from W --optimizer adamw\n")
     assert _train("--save", adamw).returncode == 0
     into = _train("--steps", "2", "--resume", adamw, "--optimizer", "muon")
     assert into.returncode == 2 and "was trained with adamw" in into.stderr

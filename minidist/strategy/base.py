@@ -267,6 +267,7 @@ class ModelParallel(SingleProcess):
         self.reports_memory = inner.reports_memory
         self.rank, self.world_size = mesh.world.rank, mesh.world.size
         self.steps, self.sent, self._mark = 0, 0, 0
+        self.sent_after = 0             # on `group` after the gradient sync (the optimizer's)
         self.model = None               # this rank's part of the model, once built
 
     def build_optimizer(self, model, args, tp=None):
@@ -289,7 +290,9 @@ class ModelParallel(SingleProcess):
         """inner's gradient sync; this group's traffic (forward and backward) is done by now."""
         self.inner.sync_grads(model)
         self.steps += 1
-        self.sent += trace.bytes_sent(self.group.name) - self._mark
+        synced = trace.bytes_sent(self.group.name)
+        self.sent += synced - self._mark
+        self._mark = synced             # end_step counts the rest as sent_after
 
     def reduce_sum_sq(self, local):
         return self.inner.reduce_sum_sq(local)
@@ -304,6 +307,7 @@ class ModelParallel(SingleProcess):
         self.inner.zero_grad(opt)
 
     def end_step(self, activation_bytes):
+        self.sent_after += trace.bytes_sent(self.group.name) - self._mark
         self.inner.end_step(activation_bytes)
 
     def global_mean(self, value):

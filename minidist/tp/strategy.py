@@ -204,7 +204,10 @@ class TensorParallel(ModelParallel):
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the tp group")
 
     def finish(self, args, log):
-        log.print0(self.summary())
+        after = self.sent_after / max(self.steps, 1)
+        log.print0(self.summary() + (
+            f"; and {after / 2**20:.3f} MiB in the optimizer's step (Muon's update "
+            "all-gathers, the clip's norm)" if args.optimizer == "muon" else ""))
         if self.inner.reports_memory:             # ZeRO's table: rank 0's group, tp rank 0
             log.print0("ZeRO's memory table below is tp rank 0's: its part of the parameters, "
                        "the ranks of its data-parallel group")

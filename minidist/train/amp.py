@@ -198,6 +198,7 @@ class MixedPrecision:
             problem = bfloat16_problem(backend.get_xp()) if self.dtype.name == "float16" \
                 else None
             device = f"; not bfloat16: {problem}" if problem else ""
-        return (f"mixed precision: {self.dtype} compute, float32 master weights and Adam "
-                f"state (2+2+12 bytes per parameter), {scaling}; steps with inf/nan "
+        return (f"mixed precision: {self.dtype} compute, float32 master weights and "
+                f"optimizer state (2+2+12 bytes per parameter with AdamW), {scaling}; steps "
+                f"with inf/nan "
                 f"gradients are skipped{device}")

@@ -198,9 +198,9 @@ def add_train_args(p):
                    "orthogonalised by Newton-Schulz, scaled to AdamW's RMS: one --lr), "
                    "the rest by AdamW (--resume: the checkpoint's)")
     g.add_argument("--muon-momentum", type=float, default=0.95, action=Given,
-                   help="Muon's (Nesterov) momentum, in [0, 1)")
+                   help="with --optimizer muon: its (Nesterov) momentum, in [0, 1)")
     g.add_argument("--muon-ns-steps", type=int, default=5, action=Given,
-                   help="Muon's Newton-Schulz iterations per step")
+                   help="with --optimizer muon: its Newton-Schulz iterations per step")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     g.add_argument("--data", default=None,
                    help="text file or folder of text files, or a folder of token files "

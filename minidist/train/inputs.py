@@ -262,7 +262,9 @@ def _take_resume_optimizer(args, folder, flags):
     if "optimizer" in given and args.optimizer != theirs:      # (before the flag: AdamW)
         raise UsageError(f"--optimizer {args.optimizer}: --resume {folder} was trained with "
                          f"{theirs}, whose state it holds; leave --optimizer out (a resumed "
-                         "run takes its optimizer from the checkpoint)")
+                         "run takes its optimizer from the checkpoint), or start a new run "
+                         f"from its weights: examples/export_gpt2.py --resume {folder} --out "
+                         f"W, then --init-from W --optimizer {args.optimizer}")
     args.optimizer = theirs
     if getattr(args, "eval_only", False):          # nothing steps: they stay unset
         return

@@ -321,10 +321,12 @@ def _describe(args, strategy, log, model, data):
         mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
                 if takes_muon(name, shape)]
         n = sum(math.prod(shape) for shape in mats)
+        settings = "" if args.eval_only else (f"; momentum {args.muon_momentum}, "
+                                              f"{args.muon_ns_steps} Newton-Schulz steps")
         log.print0(f"optimizer: Muon for the blocks' {len(mats)} matrices ({n:,} parameters, "
-                   f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
-                   f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
-                   f"{full - n:,}")
+                   f"{100 * n / full:.0f}%{settings}), AdamW for the other {full - n:,}; a "
+                   "matrix keeps its momentum only (4 bytes a parameter less than AdamW's "
+                   "m and v, but under ZeRO, whose flat v spans it)")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
 
