@@ -108,13 +108,5 @@ class AdamW(Optimizer):
         beta1, beta2 = group["betas"]
         adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                      group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                     scratch=_scratch(self, p))
+                     scratch=self.scratch(p))
 
-
-def _scratch(opt, p):
-    """One reusable temporary per (shape, dtype), so a step allocates nothing after the first."""
-    bufs = opt.__dict__.setdefault("_scratch", {})
-    key = (p.shape, p.dtype.str, type(p).__module__)
-    if key not in bufs:
-        bufs[key] = xp_of(p).empty_like(p)
-    return bufs[key]

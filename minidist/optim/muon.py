@@ -44,7 +44,7 @@ Tests: tests/test_muon.py.
 import math
 
 from minidist.backend import xp_of
-from minidist.optim.adamw import _scratch, adamw_update
+from minidist.optim.adamw import adamw_update
 from minidist.optim.optimizer import Optimizer, wants_decay
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -178,13 +178,14 @@ class Muon(Optimizer):
             beta1, beta2 = group["betas"]
             adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                         scratch=_scratch(self, p))
+                         scratch=self.scratch(p))
             return
         if "exp_avg" not in state:
             state["exp_avg"] = xp_of(p).zeros_like(p)
         if group["weight_decay"]:
             p *= 1.0 - group["lr"] * group["weight_decay"]
-        u = nesterov_momentum(state["exp_avg"], grad, self.momentum, _scratch(self, p))
+        u = nesterov_momentum(state["exp_avg"], grad, self.momentum,
+                              self.scratch(p, "look-ahead"))
         o = orthogonalised(u, self.splits.get(name), self.tp, self.ns_steps)
         o *= group["lr"]
         p -= o

@@ -12,6 +12,7 @@ Tests: tests/test_optim.py.
 import numpy as np
 
 from minidist import backend
+from minidist.backend import xp_of
 from minidist.optim.clip import clip_grad_norm
 
 
@@ -24,6 +25,7 @@ class Optimizer:
         for group in self._default_groups(_as_groups(params)):
             self.param_groups.append({**self.defaults, **group})
         self.state = {}                          # parameter name -> {state arrays, "step"}
+        self._buffers = {}                       # scratch(): (role, shape, dtype) -> array
         names = [n for g in self.param_groups for n in g["names"]]
         if len(set(names)) != len(names):
             raise ValueError("a parameter appears twice in the optimizer's groups")
@@ -49,6 +51,14 @@ class Optimizer:
     def update(self, p, grad, state, group, name=None):
         """One parameter's update in place; `name` its name (Muon looks up its tp split)."""
         raise NotImplementedError
+
+    def scratch(self, p, role="update"):
+        """A reusable temporary like `p` (its shape, dtype and device), one per role: a step
+        allocates nothing after the first."""
+        key = (role, p.shape, p.dtype.str, type(p).__module__)
+        if key not in self._buffers:
+            self._buffers[key] = xp_of(p).empty_like(p)
+        return self._buffers[key]
 
     def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
         """`clip_grad_norm` over this optimizer's gradients; returns the norm before clipping.
