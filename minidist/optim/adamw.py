@@ -102,11 +102,17 @@ class AdamW(Optimizer):
         return True
 
     def update(self, p, grad, state, group, name=None):
-        if "exp_avg" not in state:
-            xp = xp_of(p)
-            state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(p), xp.zeros_like(p)
-        beta1, beta2 = group["betas"]
-        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                     scratch=self.scratch(p))
+        update_with_state(p, grad, state, group, self.scratch(p))
+
+
+def update_with_state(p, grad, state, group, scratch=None):
+    """adamw_update of one parameter from its optimizer `state` ({"step", "exp_avg",
+    "exp_avg_sq"}: m and v made on the first step) and its `group`'s hyperparameters. AdamW
+    and Muon (for the parameters it leaves to AdamW) both call it."""
+    if "exp_avg" not in state:
+        xp = xp_of(p)
+        state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(p), xp.zeros_like(p)
+    beta1, beta2 = group["betas"]
+    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                 beta1, beta2, group["eps"], group["weight_decay"], scratch=scratch)
 

@@ -44,7 +44,7 @@ Tests: tests/test_muon.py.
 import math
 
 from minidist.backend import xp_of
-from minidist.optim.adamw import adamw_update
+from minidist.optim.adamw import update_with_state
 from minidist.optim.optimizer import Optimizer, wants_decay
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -172,13 +172,7 @@ class Muon(Optimizer):
 
     def update(self, p, grad, state, group, name=None):
         if not group["muon"]:
-            if "exp_avg" not in state:
-                state["exp_avg"], state["exp_avg_sq"] = xp_of(p).zeros_like(p), \
-                    xp_of(p).zeros_like(p)
-            beta1, beta2 = group["betas"]
-            adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                         scratch=self.scratch(p))
+            update_with_state(p, grad, state, group, self.scratch(p))
             return
         if "exp_avg" not in state:
             state["exp_avg"] = xp_of(p).zeros_like(p)
