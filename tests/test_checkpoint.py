@@ -173,7 +173,8 @@ def _zero_one_rank(stage=3):
     from minidist.zero.strategy import ZeroDataParallel
     strategy = ZeroDataParallel(ProcessGroup(MPI.COMM_WORLD, "ring", name="z"), stage)
     model = strategy.build_model(TINY, 0, "float32")
-    opt = strategy.build_optimizer(model, SimpleNamespace(lr=1e-2, weight_decay=0.1))
+    opt = strategy.build_optimizer(model, SimpleNamespace(lr=1e-2, weight_decay=0.1,
+                                                          optimizer="adamw"))
     return strategy, model, opt
 
 

@@ -119,7 +119,7 @@ def test_sites_drawn_by_the_kernel_path_are_the_host_paths(request):
 def run_steps(ckpt, attention, steps=3):
     """Losses and the model after `steps` float64 train_steps (dropout 0.2)."""
     args = SimpleNamespace(grad_accum=2, grad_clip=1.0, log_json=None, lr=1e-2,
-                           weight_decay=0.1)
+                           weight_decay=0.1, optimizer="adamw")
     strategy = SingleProcess(ckpt_activations=ckpt)
     config = GPTConfig(**{**CONFIG.__dict__, "attention": attention})
     model = strategy.build_model(config, 3, "float64")

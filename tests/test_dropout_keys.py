@@ -181,7 +181,7 @@ def test_grad_accum_draws_one_process_masks():
     the same losses, norms and parameters in float64 (dropout 0.2 every step)."""
     def run(accum):
         args = SimpleNamespace(grad_accum=accum, grad_clip=1.0, log_json=None, lr=1e-2,
-                               weight_decay=0.1)
+                               weight_decay=0.1, optimizer="adamw")
         strategy = SingleProcess()
         model = strategy.build_model(CONFIG, 3, "float64")
         opt = strategy.build_optimizer(model, args)

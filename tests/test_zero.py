@@ -227,7 +227,7 @@ def one_process_from_sharded(d, expected):
     DIR/after_1proc.npz and the plain checkpoint DIR/plain for the 2-rank part."""
     from types import SimpleNamespace
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
-                           batch_size=8, log_json=None)
+                           batch_size=8, log_json=None, optimizer="adamw")
     strategy = SingleProcess()
     model = strategy.build_model(CONFIG, SEED, "float64")
     opt = strategy.build_optimizer(model, args)

@@ -137,7 +137,8 @@ def main():
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(steps=cli.steps, batch_size=cli.batch_size, lr=1e-2,
                            weight_decay=0.1, grad_accum=cli.grad_accum, grad_clip=cli.clip,
-                           log_json=None, clip=cli.clip, bucket_mb=cli.bucket_mb, tol=cli.tol)
+                           log_json=None, clip=cli.clip, bucket_mb=cli.bucket_mb, tol=cli.tol,
+                           optimizer="adamw")
     ref = train(SingleProcess(), args)
     for algo in cli.algos.split(","):
         for mode in cli.modes.split(","):

@@ -46,7 +46,7 @@ def main():
     world = comm.init("ring")   # sync_comm from MINIDIST_SYNC_COMM
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     args = SimpleNamespace(steps=2, batch_size=4, lr=1e-2, weight_decay=0.1, grad_accum=1,
-                           grad_clip=0.0, log_json=None)
+                           grad_clip=0.0, log_json=None, optimizer="adamw")
     ref_model, _, ref, _, _ = run_steps(SingleProcess(), args, CONFIG, 7, "float64")
     if cli.watch:
         sys.settrace(watch)

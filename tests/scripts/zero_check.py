@@ -255,7 +255,7 @@ def main():
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
-                           log_json=None)
+                           log_json=None, optimizer="adamw")
     stages = [int(s) for s in cli.stages.split(",") if s]
     if stages:
         ref = SingleProcess(ckpt_activations=cli.ckpt_activations)

@@ -34,7 +34,7 @@ from minidist.zero.strategy import ZeroDataParallel
 from zero_check import CONFIG, SEED, batch
 
 ARGS = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1, batch_size=8,
-                       log_json=None)
+                       log_json=None, optimizer="adamw")
 
 
 def fresh(comm, stage, name):
