@@ -180,8 +180,8 @@ def main():
     p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
                    help="FlatAdamW (one update per group) or AdamW (one per parameter)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="muon: Muon for the blocks' matrices and its own per-parameter AdamW for "
-                   "the rest (--adamw then unused)")
+                   help="muon: Muon for the blocks' matrices, its own per-parameter "
+                   "AdamW for the rest (--adamw then unused)")
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocabulary to a multiple of this (default: 64 on cuda, 1 on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")

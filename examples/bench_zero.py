@@ -49,7 +49,7 @@ def run_stage(cli, stage, comm):
     strategy = (DataParallel(group, amp=amp) if stage == 0
                 else ZeroDataParallel(group, stage, amp=amp))
     args = SimpleNamespace(lr=1e-3, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
-                           optimizer="adamw", log_json="yes")                      # makes train_step measure
+                           optimizer="adamw", log_json="yes")   # makes train_step measure
     model = strategy.build_model(config, cli.seed, "float32" if cli.amp else cli.dtype)
     opt = strategy.build_optimizer(model, args)
     rng = np.random.default_rng(cli.seed)

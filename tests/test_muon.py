@@ -135,8 +135,9 @@ M = {"--optimizer": "muon"}
     (4, {"--tp": 2, "--zero": 2}),
     (4, {"--zero": 3, "--zero-shard": 2, "--muon-momentum": 0.9, "--muon-ns-steps": 4}),
     (4, {"--ep": 2, "--tp": 2, "--zero": 1, "--moe-experts": 4}),
+    (4, {"--pp": 2, "--zero": 1, "--micro-batches": 2, "--overlap-param-gather": True}),
 ], ids=["zero3", "tp2-sp", "pp2", "cp2", "ep2-shared", "llama-gqa-tp2-zero1", "zero1-amp",
-        "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1"])
+        "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1", "pp2-zero1-overlap"])
 def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
     """Each step's loss and gradient norm, the val loss and every parameter within 1e-9 of
     one process in float64 (--amp: the sweep's float16 tolerance); the 4-rank ones also

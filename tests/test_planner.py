@@ -1377,23 +1377,23 @@ def test_muon_with_experts_worked_by_hand():
               n_kv_head=2, bias=False)], ids=["gpt2", "moe", "llama"])
 def test_muon_ns_per_zero_rank_is_the_sharded_optimizers(config):
     """The ranks' NS work under ZeRO is ShardedMuon's: for a real model's block units
-    (zero/flat.py gpt_units) over n ranks, each Muon matrix is one rank's (muon.balance, as
-    ShardedMuon._owners gives them); the planner prices per unit the most any rank runs,
-    after a gather of the unit's padded flat U and before a reduce-scatter of the steps (4 B
-    a value each)."""
-    from minidist.optim.muon import balance, ns_flops, takes_muon
+    (zero/flat.py gpt_units) over n ranks, each Muon matrix is one rank's (zero/muon.py
+    unit_owners, which ShardedMuon runs by); the planner prices per unit the most any rank
+    runs, after a gather of the unit's padded flat U and before a reduce-scatter of the
+    steps (4 B a value each)."""
+    from minidist.optim.muon import ns_flops
     from minidist.train.muon_cost import muon_times
     from minidist.zero.flat import gpt_units
+    from minidist.zero.muon import unit_owners
     model = GPT(config, seed=0)
     for n in (2, 3, 5):
         want_ns = want_bytes = 0
         for k, f in enumerate(gpt_units(model, n, 0)):
-            costs = [ns_flops(s) for m in zip(f.names, f.shapes, f.decay) if takes_muon(*m)
-                     for s in [m[1]]]
-            if not costs:
+            owners = unit_owners(f, n, k)
+            if not owners:
                 continue                                    # the root: nothing gathered
-            owners = balance(costs, n, k % n)
-            want_ns += max(sum(c for c, o in zip(costs, owners) if o == r) for r in range(n))
+            want_ns += max(sum(ns_flops(f.shapes[i]) for i, o in owners.items() if o == r)
+                           for r in range(n))
             want_bytes += 2 * 4 * f.padded
         layout = Layout(dp=n, zero=1, amp=False, muon=True)
         got = muon_times(config, layout, UNIT, 1.0, lambda op, nbytes: nbytes)

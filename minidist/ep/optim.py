@@ -53,9 +53,9 @@ def experts_optimizer(engine, args, amp=None, tp=None, splits=None):
 
 
 class DenseAndExperts:
-    """`dense` (ShardedAdamW over ZeRO's shards over dp x ep) and `experts` (ShardedAdamW over
-    expert_engine's shards over edp), used by the step as one optimizer: set_lr,
-    clip_grad_norm, step, zero_grad."""
+    """`dense` (ShardedAdamW or ShardedMuon over ZeRO's shards over dp x ep) and `experts`
+    (the same kind over expert_engine's shards over edp), used by the step as one optimizer:
+    set_lr, clip_grad_norm, step, zero_grad."""
 
     def __init__(self, dense, experts, amp=None):
         self.dense, self.experts, self.amp = dense, experts, amp

@@ -115,4 +115,3 @@ def update_with_state(p, grad, state, group, scratch=None):
     beta1, beta2 = group["betas"]
     adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
                  beta1, beta2, group["eps"], group["weight_decay"], scratch=scratch)
-

@@ -24,7 +24,7 @@ the whole U first:
                          checkpoints' own), NS runs on the whole matrix on every tp rank, each
                          keeps its shard of O (Split.shard)
     ZeRO                 a rank owns a flat shard that may cut through W: ShardedMuon
-                         (minidist/zero/optim.py) all-gathers each unit's U over the shard
+                         (minidist/zero/muon.py) all-gathers each unit's U over the shard
                          group (the bytes of a ZeRO-1 parameter gather), gives each matrix
                          to one rank (`balance`), which runs its NS (under TP as above), and
                          reduce-scatters the steps back to the shards (the same bytes)
@@ -88,7 +88,8 @@ def balance(costs, ranks, first=0):
     costly first, each to the rank with the least work so far, ties to the first in the order
     first, first + 1, ... (the longest-processing-time rule: the busiest rank within 4/3 of
     the best split). ZeRO's Muon gives each matrix of a unit to one rank of the shard group;
-    `first` turns the order from unit to unit, so the small units' work spreads too."""
+    `first` turns the order from unit to unit, which spreads the work (and the transient
+    memory) over the ranks, not the time: each unit waits for its busiest rank anyway."""
     load, owner = [0] * ranks, [0] * len(costs)
     order = [(first + k) % ranks for k in range(ranks)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):

@@ -5,7 +5,7 @@ An optimizer takes
   - a list of (name, Parameter) pairs (`model.named_parameters()`): state is then saved by
     name, so a checkpoint is readable and survives reordering, or
   - a list of groups, dicts {"params": [...], "lr": ..., ...} overriding the defaults.
-Subclasses implement `update(p, grad, state, group)` on raw arrays; the math itself is a
+Subclasses implement `update(p, grad, state, group, name)` on raw arrays; the math itself is a
 plain function on arrays (`adamw_update`, `sgd_update`) that ZeRO applies to flat shards.
 Tests: tests/test_optim.py.
 """

@@ -1,5 +1,5 @@
 """The step-time model's Muon (--optimizer muon: minidist/optim/muon.py, the per-parameter
-optimizer; minidist/zero/optim.py ShardedMuon under ZeRO): the Newton-Schulz iterations one
+optimizer; minidist/zero/muon.py ShardedMuon under ZeRO): the Newton-Schulz iterations one
 rank runs each step and the collectives they wait for; minidist/train/cost.py adds both to
 the step. Muon's state (memory) is minidist/train/planner.py's.
 
@@ -10,10 +10,10 @@ shared experts' matrices). AdamW updates the rest. The elementwise part of eithe
 
 Newton-Schulz (muon.py newton_schulz) of an A x B matrix, A <= B (it runs on the wide
 orientation), `steps` iterations (--muon-ns-steps, 5): muon.py ns_flops, steps x (4 A^2 B +
-2 A^3) FLOPs per matrix and step (X X^T, S S, (b S + c S S) X). Priced at the float32 rate, peak_tflops_fp32 x efficiency
-(shared like compute where ranks share cores): NS runs in the optimizer's dtype, float32
-(--amp's master weights), never in the 16-bit compute's; on the h100 preset 67 TFLOP/s of
-peak, not 989.
+2 A^3) FLOPs per matrix and step (X X^T, S S, (b S + c S S) X). Priced at the float32
+rate, peak_tflops_fp32 x efficiency (shared like compute where ranks share cores): NS
+runs in the optimizer's dtype, float32 (--amp's master weights), never in the 16-bit
+compute's; on the h100 preset 67 TFLOP/s of peak, not 989.
 
 Who runs which NS, and what moves first (U in float32: 4 bytes a value):
     no ZeRO      every matrix the rank holds, whole: one process, DDP and CP all of them, PP

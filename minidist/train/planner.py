@@ -13,10 +13,11 @@ small model under each strategy and compare, tests/test_planner.py):
     --optimizer muon (Layout.muon; minidist/optim/muon.py): a block's matrices (takes_muon)
     keep Muon's momentum M alone, 4 bytes a parameter, not AdamW's m and v: 4 bytes less per
     matrix parameter this rank holds (its state 4 bytes in float32, 8 with --amp's master),
-    where the optimizer is per parameter (no ZeRO; the experts under ep without ZeRO too). Under ZeRO
-    (any stage; the experts' ZeRO-1 over edp too) the flat v spans the matrices as well (zero
-    there): AdamW's bytes. Not counted, as the transients below: Muon's scratch U and, under
-    ZeRO, the gathered unit (minidist/zero/optim.py ShardedMuon) and NS's temporaries.
+    where the optimizer is per parameter (no ZeRO; the experts under ep without ZeRO too).
+    Under ZeRO (any stage; the experts' ZeRO-1 over edp too) the flat v spans the matrices
+    as well (zero there): AdamW's bytes. Not counted, as the transients below: Muon's
+    scratch U and, under ZeRO, the gathered unit (minidist/zero/muon.py ShardedMuon) and
+    NS's temporaries.
     TP (Megatron's layout, minidist/tp/model.py): c_attn and c_fc split by output
     columns (weights and biases), both c_proj by input rows (biases replicated), wte by
     vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.

@@ -58,7 +58,7 @@ def shard_name(rank, world):
 def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
                  part=None, world=None, tp=None, writes=True):
     """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
-    ShardedAdamW) and, from rank 0, state.json and the manifest, as the next numbered folder
+    ShardedOptimizer) and, from rank 0, state.json and the manifest, as the next numbered folder
     of `directory` (minidist/strategy/checkpoint_dirs.py). With `part`, `world` and `tp`
     (tensor parallelism: one ZeRO folder per tp rank), this group's files go to the
     subfolder `part` of one checkpoint that world rank 0 commits once every group has

@@ -106,10 +106,15 @@ class FlatUnit:
             if start < stop:
                 yield i, start - off, stop - off
 
+    def shard_pieces(self):
+        """(index, a, b): each parameter's piece of this rank's shard, [a, b) in shard
+        coordinates (0..S)."""
+        for i, s, e in self.pieces():
+            yield i, self.offsets[i] + s - self.lo, self.offsets[i] + e - self.lo
+
     def decay_ranges(self):
         """[(a, b)] in shard coordinates (0..S) of the elements that get weight decay."""
-        return [(self.offsets[i] + s - self.lo, self.offsets[i] + e - self.lo)
-                for i, s, e in self.pieces() if self.decay[i]]
+        return [(a, b) for i, a, b in self.shard_pieces() if self.decay[i]]
 
     def update_ranges(self):
         """(decayed, plain): this rank's shard [0, S) cut into runs of elements that get weight

@@ -1,4 +1,5 @@
-"""AdamW on ZeRO shards: each rank updates only flat[lo:hi) of every unit, in place.
+"""AdamW on ZeRO shards: each rank updates only flat[lo:hi) of every unit, in place
+(ShardedOptimizer: what any optimizer over shards is; ShardedAdamW; Muon's: zero/muon.py).
 
 The math is minidist/optim/adamw.py's `adamw_update`, element by element the same as the
 per-parameter AdamW of one process, so N ranks match one process to rounding. Two details:
@@ -34,22 +35,20 @@ from minidist.backend import xp_of
 from minidist.optim import multi_tensor
 from minidist.optim.adamw import adamw_update
 from minidist.optim.clip import clip_grad_norm
-from minidist.optim.muon import (balance, nesterov_momentum, ns_flops, orthogonalised,
-                                 takes_muon, whole_shape)
 
 
-class ShardedAdamW:
-    """AdamW over a ZeRO engine's shards. Used like AdamW by the loop: set_lr, zero_grad,
-    clip_grad_norm, step; state_arrays() and ledger_arrays() for the memory ledger."""
-    one_process = "AdamW"                 # the class one process uses (checkpoints' type)
+class ShardedOptimizer:
+    """What an optimizer over a ZeRO engine's shards is, whatever its update: the state per
+    unit shard (m and v: exp_avg, exp_avg_sq; the float32 master under amp), the clip and
+    --amp's verdict, the step, the arrays the ledger and checkpoints read. Used like AdamW by
+    the loop: set_lr, zero_grad, clip_grad_norm, step; state_arrays() and ledger_arrays()
+    for the memory ledger. A subclass gives `param_groups` and `_update(unit, factor)`:
+    ShardedAdamW here, ShardedMuon (minidist/zero/muon.py)."""
+    one_process = None                    # the class one process uses (checkpoints' type)
 
-    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 amp=None):
+    def __init__(self, engine, param_groups, weight_decay=0.1, amp=None):
         self.engine, self.amp, self.weight_decay = engine, amp, weight_decay
-        hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
-        kinds = {d for u in engine.units for d in u.flat.decay}    # AdamW's default split
-        self.param_groups = [{**hyper, "weight_decay": wd} for want, wd in
-                             ((True, weight_decay), (False, 0.0)) if want in kinds]
+        self.param_groups = param_groups
         self.steps = 0                    # updates taken (AdamW's per-parameter "step")
         self.state = {u.flat.name: self._new_state(u) for u in engine.units}
         if amp is not None:               # the full float32 copies: only shards are kept
@@ -118,8 +117,7 @@ class ShardedAdamW:
                 self.clip_grad_norm(None)
             if self._verdict is not None:        # every block skips an overflowing step
                 verdict, self._verdict = self._verdict, None
-                for plan in self.multi_launches(verdict=verdict):
-                    multi_tensor.run(plan)
+                self.update_on_device(verdict)
                 return None
             if not self.amp.scaler.update(self._found_inf):
                 self._factor = None
@@ -129,17 +127,82 @@ class ShardedAdamW:
         return True
 
     def update_shards(self, factor=None):
-        """The update once the verdict is in: AdamW on every shard, under amp with the 16-bit
+        """The update once the verdict is in, unit by unit, under amp with the 16-bit
         gradient x `factor` (1/S, times the clip factor). step() calls it; so does an
         optimizer that took the verdict for these shards and others together
         (minidist/ep/optim.py: the experts' shards over their replicas)."""
         self.steps += 1
-        if self.multi_ok():
-            for plan in self.multi_launches(factor):
-                multi_tensor.run(plan)
-            return
         for u in self.engine.units:
             self._update(u, factor)
+
+    def _update(self, u, factor):
+        raise NotImplementedError
+
+    def multi_ok(self):
+        """Whether the update runs as multi-tensor launches (ShardedAdamW's, on cupy); only
+        then can --amp's verdict stay on the device."""
+        return False
+
+    def update_on_device(self, verdict):
+        raise NotImplementedError("only a multi-tensor update reads the verdict on the "
+                                  "device")
+
+    def _scratch_buffer(self, like, role="adam", size=None):
+        """A reusable buffer of `like`'s dtype (and size, or `size`), one per role: a step
+        allocates nothing after the first."""
+        size = like.size if size is None else size
+        key = (role, size, like.dtype.str, type(like).__module__)
+        if key not in self._scratch:
+            self._scratch[key] = xp_of(like).empty(size, like.dtype)
+        return self._scratch[key]
+
+    # ---- memory ledger and checkpoints -----------------------------------------------------
+    def state_arrays(self):
+        """m, v (and the float32 master shards under amp): the optimizer state."""
+        for s in self.state.values():
+            yield from s.values()
+
+    def ledger_arrays(self):
+        """Parameter and gradient arrays held for the model (shards, flat buffers)."""
+        return self.engine.held()
+
+    def shard_arrays(self):
+        """"<unit>/<key>" -> this rank's shard, key param, exp_avg, exp_avg_sq (master)."""
+        out = {}
+        for u in self.engine.units:
+            name = u.flat.name
+            out[f"{name}/param"] = u.param_shard
+            out.update((f"{name}/{k}", v) for k, v in self.state[name].items())
+        return out
+
+
+class ShardedAdamW(ShardedOptimizer):
+    """AdamW over a ZeRO engine's shards; on cupy with MINIDIST_CUDA_NEW_KERNELS=1 every
+    shard in two multi-tensor launches."""
+    one_process = "AdamW"
+
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 amp=None):
+        hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
+        kinds = {d for u in engine.units for d in u.flat.decay}    # AdamW's default split
+        super().__init__(engine, [{**hyper, "weight_decay": wd} for want, wd in
+                                  ((True, weight_decay), (False, 0.0)) if want in kinds],
+                         weight_decay, amp)
+
+    def update_shards(self, factor=None):
+        """AdamW on every shard: the multi-tensor launches where they apply, else unit by
+        unit (ShardedOptimizer's)."""
+        if not self.multi_ok():
+            super().update_shards(factor)
+            return
+        self.steps += 1
+        for plan in self.multi_launches(factor):
+            multi_tensor.run(plan)
+
+    def update_on_device(self, verdict):
+        """The update reading --amp's verdict on the device (multi_amp_adamw_dev)."""
+        for plan in self.multi_launches(verdict=verdict):
+            multi_tensor.run(plan)
 
     def _update(self, u, factor):
         s, group = self.state[u.flat.name], self.param_groups[0]
@@ -150,7 +213,7 @@ class ShardedAdamW:
             for a, b in u.flat.decay_ranges():     # decoupled decay, decayed params only
                 target[a:b] *= 1.0 - lr * self.weight_decay
         adamw_update(target, grad, s["exp_avg"], s["exp_avg_sq"], self.steps, lr, beta1,
-                     beta2, group["eps"], 0.0, scratch=self._adam_scratch(target))
+                     beta2, group["eps"], 0.0, scratch=self._scratch_buffer(target))
         if self.amp is not None:
             u.param_shard[...] = target            # float32 master -> 16-bit shard
 
@@ -209,134 +272,3 @@ class ShardedAdamW:
             decayed += [(arrays, lo, hi) for lo, hi in d]
             plain += [(arrays, lo, hi) for lo, hi in p]
         return decayed, plain
-
-    def _adam_scratch(self, like, role="adam", size=None):
-        """A reusable buffer of `like`'s dtype (and size, or `size`), one per role: a step
-        allocates nothing after the first."""
-        size = like.size if size is None else size
-        key = (role, size, like.dtype.str, type(like).__module__)
-        if key not in self._scratch:
-            self._scratch[key] = xp_of(like).empty(size, like.dtype)
-        return self._scratch[key]
-
-    # ---- memory ledger and checkpoints -----------------------------------------------------
-    def state_arrays(self):
-        """m, v (and the float32 master shards under amp): the optimizer state."""
-        for s in self.state.values():
-            yield from s.values()
-
-    def ledger_arrays(self):
-        """Parameter and gradient arrays held for the model (shards, flat buffers)."""
-        return self.engine.held()
-
-    def shard_arrays(self):
-        """"<unit>/<key>" -> this rank's shard, key param, exp_avg, exp_avg_sq (master)."""
-        out = {}
-        for u in self.engine.units:
-            name = u.flat.name
-            out[f"{name}/param"] = u.param_shard
-            out.update((f"{name}/{k}", v) for k, v in self.state[name].items())
-        return out
-
-
-class ShardedMuon(ShardedAdamW):
-    """Muon (minidist/optim/muon.py) over a ZeRO engine's shards: each unit's matrices by
-    Muon, the rest by AdamW, as the per-parameter Muon does, to rounding. A step, per unit:
-
-        AdamW pieces     adamw_update on this rank's slice of them (ShardedAdamW's math)
-        Muon pieces      M <- mu M + G and U <- G + mu M on this rank's slice
-        all-gather       U's shards over the shard group (zeros where AdamW's elements are):
-                         the unit's whole flat U on every rank, (N-1)/N of it received
-        its matrices     each matrix of the unit is one rank's (`owners`: muon.balance, the
-                         costliest first to the least busy rank): its owner runs NS on the
-                         whole U (under TP with its tp peers, which own it too: `whole`) and
-                         writes lr x scale x O into a flat buffer of the unit, zeros elsewhere
-        reduce-scatter   of that buffer: each rank's shard of it, every element one owner's
-                         value plus zeros (exact), subtracted from this rank's matrix pieces
-    So NS runs once per matrix, not on every rank its shard cuts, for the bytes of one more
-    collective: all-gather + reduce-scatter = an all-reduce of the unit, (N-1)/N x 2 of it.
-
-    `tp`, `splits`: as Muon's. The groups are Muon's three; the state ShardedAdamW's, exp_avg
-    M for a matrix's elements, exp_avg_sq zero there. The multi-tensor path is AdamW's only:
-    Muon's steps run per unit, and --amp's verdict on the host."""
-    one_process = "Muon"
-
-    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 amp=None, momentum=0.95, ns_steps=5, tp=None, splits=None):
-        super().__init__(engine, lr, betas, eps, weight_decay, amp)
-        self.momentum, self.ns_steps = momentum, ns_steps
-        self.tp, self.splits = tp, dict(splits or {})
-        hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
-        self.param_groups = [{**hyper, "weight_decay": weight_decay, "muon": True},
-                             {**hyper, "weight_decay": weight_decay, "muon": False},
-                             {**hyper, "weight_decay": 0.0, "muon": False}]
-        self.muon = {u.flat.name: [takes_muon(n, s, d) for n, s, d in
-                                   zip(u.flat.names, u.flat.shapes, u.flat.decay)]
-                     for u in engine.units}
-        self.owners = {u.flat.name: self._owners(u.flat, k) for k, u in enumerate(engine.units)}
-
-    def _owners(self, f, k):
-        """{index: the shard-group rank that runs its NS} for unit f's matrices (the k-th
-        unit: the ranks' order turned by k), by NS FLOPs of the whole matrix."""
-        mats = [i for i, m in enumerate(self.muon[f.name]) if m]
-        costs = [ns_flops(whole_shape(f.shapes[i], self.splits.get(f.names[i])),
-                          self.ns_steps) for i in mats]
-        size = self.engine.group.size
-        return dict(zip(mats, balance(costs, size, k % size)))
-
-    def multi_ok(self):
-        return False
-
-    def update_bytes(self):
-        """The bytes a rank sends per step in the update's all-gathers and reduce-scatters
-        (a ring's (K-1)/K of each unit holding a matrix, twice, K the shard group's size, in
-        the update's dtype)."""
-        k = self.engine.group.size
-        itemsize = 4 if self.amp is not None else self.engine.units[0].flat.dtype.itemsize
-        return sum(2 * (u.flat.padded * itemsize * (k - 1) // k) for u in self.engine.units
-                   if any(self.muon[u.flat.name]))
-
-    def _update(self, u, factor):
-        s, f, muon = self.state[u.flat.name], u.flat, self.muon[u.flat.name]
-        group = self.param_groups[0]
-        lr, (beta1, beta2) = group["lr"], group["betas"]
-        target = s["master"] if self.amp is not None else u.param_shard
-        grad = self.amp.unscaled(u.grad_shard, factor) if self.amp else u.grad_shard
-        if self.weight_decay:
-            for a, b in f.decay_ranges():          # decoupled decay, both optimizers alike
-                target[a:b] *= 1.0 - lr * self.weight_decay
-        look, tmp = self._adam_scratch(target, "look"), self._adam_scratch(target)
-        look[...] = 0
-        for i, a, b in self._pieces(f):
-            if muon[i]:
-                nesterov_momentum(s["exp_avg"][a:b], grad[a:b], self.momentum, look[a:b])
-            else:
-                adamw_update(target[a:b], grad[a:b], s["exp_avg"][a:b], s["exp_avg_sq"][a:b],
-                             self.steps, lr, beta1, beta2, group["eps"], 0.0, scratch=tmp[a:b])
-        if any(muon):
-            group = self.engine.group
-            full = self._adam_scratch(look, "gathered", f.padded)
-            group.all_gather(full, look)
-            step = self._adam_scratch(look, "step", f.padded)
-            step[...] = 0
-            for i, owner in self.owners[f.name].items():
-                if owner != group.rank:
-                    continue
-                off = f.offsets[i]
-                o = orthogonalised(full[off:off + f.sizes[i]].reshape(f.shapes[i]),
-                                   self.splits.get(f.names[i]), self.tp, self.ns_steps)
-                o *= lr
-                step[off:off + f.sizes[i]] = o.reshape(-1)
-            group.reduce_scatter(look, step)       # this rank's [lo, hi) of every update
-            for i, a, b in self._pieces(f):
-                if muon[i]:
-                    target[a:b] -= look[a:b]
-        if self.amp is not None:
-            u.param_shard[...] = target            # float32 master -> 16-bit shard
-
-    @staticmethod
-    def _pieces(f):
-        """(index, a, b): each parameter's piece of this rank's shard, [a, b) in shard
-        coordinates."""
-        for i, start, stop in f.pieces():
-            yield i, f.offsets[i] + start - f.lo, f.offsets[i] + stop - f.lo

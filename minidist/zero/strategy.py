@@ -7,7 +7,8 @@
 What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank as in DDP:
     wrap                the model (the GPT, or another strategy's part of it), flattened into
                         units and sharded over the dp group: zero_engine
-    build_optimizer     ShardedAdamW over this rank's shards (minidist/zero/optim.py)
+    build_optimizer     ShardedAdamW (minidist/zero/optim.py) or ShardedMuon (zero/muon.py)
+                        over this rank's shards
     no_sync             engine.accumulating(): stage 1 accumulates the micro-batches before
                         the last in its full gradient buffers, no reduce-scatter started;
                         stages 2 and 3 reduce-scatter each micro-batch's gradients into the
@@ -44,7 +45,8 @@ from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_o
                                     tp_splits)
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
                                       save_sharded)
-from minidist.zero.optim import ShardedAdamW, ShardedMuon
+from minidist.zero.muon import ShardedMuon
+from minidist.zero.optim import ShardedAdamW
 from minidist.zero.flat import gpt_units
 from minidist.zero.engine import zero_engine
 
