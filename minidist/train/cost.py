@@ -48,8 +48,7 @@ a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-
 ZeRO-3's exposed gathers, the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
-               (+ Muon's gathers: --optimizer muon, whose Newton-Schulz is in the optimizer's
-               time at the float32 rate; minidist/train/muon_cost.py)
+               (+ Muon's collectives; its Newton-Schulz is optimizer time: muon_cost.py)
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
 bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
@@ -285,8 +284,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     "expert_grads", "optimizer", "muon_ns", "muon_comm", "step", "tokens_per_s", "mfu"}.
     global_batch in sequences; micro_batches per step; comm "ring" or "hier" (data-parallel
     all-reduce); moe_load: the busiest rank's expert rows over a balanced routing's
-    (moe_cost.py); ns_steps: Muon's Newton-Schulz iterations (layout.muon, --optimizer muon:
-    muon_cost.py; "optimizer" includes its "muon_ns", "muon_comm" is its gathers).
+    (moe_cost.py); ns_steps: Muon's Newton-Schulz iterations (layout.muon: muon_cost.py).
     ValueError for a MoE layout minidist does not run (moe_cost.check_moe_layout)."""
     check_moe_layout(config, layout)
     if moe_load <= 0:
@@ -355,9 +353,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
 
 def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm="ring"):
     """Add the once-per-step data-parallel communication (the dense parameters' `w["n"]`,
-    the experts' all-reduce over edp) and the optimizer (with Muon's NS and gathers, `w`'s
-    "muon_ns" and "muon_comm") to the slowest stage's pipeline time `w`, and the derived
-    figures."""
+    the experts' all-reduce over edp) and the optimizer (with Muon's `w["muon_ns"]` and
+    `w["muon_comm"]`) to the slowest stage's pipeline time `w`, and the derived figures."""
     p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
     n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
