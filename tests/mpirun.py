@@ -86,6 +86,16 @@ class MpiRunner:
         return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
+def train_tiny(*flags, timeout=120):
+    """examples/train_gpt.py in one process on a tiny model (1 layer of 16, 8 tokens, batch 2,
+    1 step, 1 val batch, no sample) plus `flags` (later ones win); the CompletedProcess."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                           "--steps", "1", "--sample", "0", "--n-layer", "1", "--n-embd", "16",
+                           "--block-size", "8", "--batch-size", "2", "--eval-iters", "1",
+                           *flags], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def logged_losses(path):
     """The training losses of a train_gpt.py --log-json file, step by step."""
     return [row["loss"] for row in map(json.loads, open(path)) if "loss" in row]

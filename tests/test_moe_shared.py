@@ -11,7 +11,6 @@ Run: python -m pytest -q tests/test_moe_shared.py
 import math
 import os
 import re
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -26,12 +25,11 @@ from minidist.nn.moe import MoE
 from minidist.train.moe_cost import moe_block_flops
 from minidist.train.plan_args import model_text
 from minidist.train.planner import stage_params
-from mpirun import ROOT, mpi_env
+from mpirun import ROOT, train_tiny
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 import layout_sweep  # noqa: E402
 
-TRAIN = os.path.join(ROOT, "examples", "train_gpt.py")
 
 
 def config(**kw):
@@ -113,23 +111,16 @@ def test_each_tp_rank_holds_the_planners_count(mpi, corpus, tmp_path):
     assert here == stage_params(c, tp=2)[0]
 
 
-def _train(*flags):
-    return subprocess.run([sys.executable, TRAIN, "--steps", "1", "--sample", "0",
-                           "--n-layer", "1", "--n-embd", "16", "--block-size", "8",
-                           "--batch-size", "2", "--eval-iters", "1", *flags], cwd=ROOT,
-                          env=mpi_env(), capture_output=True, text=True, timeout=120)
-
-
 def test_a_resumed_run_takes_the_shared_experts_and_the_flag_is_refused_alone(tmp_path):
     ck = str(tmp_path / "ck")
-    first = _train("--moe-experts", "2", "--moe-shared", "1", "--save", ck)
+    first = train_tiny("--moe-experts", "2", "--moe-shared", "1", "--save", ck)
     assert first.returncode == 0, first.stderr
-    again = _train("--steps", "2", "--resume", ck)                    # no --moe-* flag
+    again = train_tiny("--steps", "2", "--resume", ck)                    # no --moe-* flag
     assert again.returncode == 0 and "moe_shared=1" in again.stdout, again.stderr
-    alone = _train("--moe-shared", "1")
+    alone = train_tiny("--moe-shared", "1")
     assert alone.returncode == 2 and alone.stderr == (
         "error: --moe-shared 1: only used with --moe-experts (add --moe-experts E, 2 or more, "
         "or leave --moe-shared out)\n")
-    negative = _train("--moe-experts", "2", "--moe-shared", "-1")
+    negative = train_tiny("--moe-experts", "2", "--moe-shared", "-1")
     assert negative.returncode == 2 and "--moe-shared -1: shared experts, 0 or more" in \
         negative.stderr

@@ -20,7 +20,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.module import Parameter
 from minidist.optim import AdamW
 from minidist.optim.muon import Muon, balance, newton_schulz, ns_flops, takes_muon
-from mpirun import ROOT, mpi_env
+from mpirun import ROOT, mpi_env, train_tiny
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 import layout_sweep  # noqa: E402
@@ -194,20 +194,13 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     assert after == pytest.approx(2 * 24576 / 2**20, abs=0.0006)
 
 
-def _train(*flags):
-    return subprocess.run([sys.executable, TRAIN, "--steps", "1", "--sample", "0",
-                           "--n-layer", "1", "--n-embd", "16", "--block-size", "8",
-                           "--batch-size", "2", "--eval-iters", "1", *flags], cwd=ROOT,
-                          env=mpi_env(), capture_output=True, text=True, timeout=120)
-
-
 def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
     """A --resume without --optimizer continues with the checkpoint's (its momentum and
     Newton-Schulz steps too); another optimizer is refused by name, so is --muon-* alone."""
     muon, adamw = str(tmp_path / "muon"), str(tmp_path / "adamw")
-    first = _train("--optimizer", "muon", "--muon-ns-steps", "3", "--save", muon)
+    first = train_tiny("--optimizer", "muon", "--muon-ns-steps", "3", "--save", muon)
     assert first.returncode == 0, first.stderr
-    again = _train("--steps", "2", "--resume", muon, "--save", muon)
+    again = train_tiny("--steps", "2", "--resume", muon, "--save", muon)
     assert again.returncode == 0, again.stderr
     assert "optimizer: Muon for the blocks' 4 matrices" in again.stdout
     assert "3 Newton-Schulz steps" in again.stdout
@@ -215,18 +208,18 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
                                 "--sample", "0"], cwd=ROOT, env=mpi_env(),
                                capture_output=True, text=True, timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr
-    other = _train("--steps", "3", "--resume", muon, "--optimizer", "adamw")
+    other = train_tiny("--steps", "3", "--resume", muon, "--optimizer", "adamw")
     assert other.returncode == 2 and other.stderr == (
         f"error: --optimizer adamw: --resume {muon}/step-00000002 was trained with muon, "
         "whose state it holds; leave --optimizer out (a resumed run takes its optimizer "
         f"from the checkpoint), or start a new run from its weights: examples/export_gpt2.py "
         f"--resume {muon}/step-00000002 --out W, then --init-from W --optimizer adamw\n")
-    assert _train("--save", adamw).returncode == 0
-    into = _train("--steps", "2", "--resume", adamw, "--optimizer", "muon")
+    assert train_tiny("--save", adamw).returncode == 0
+    into = train_tiny("--steps", "2", "--resume", adamw, "--optimizer", "muon")
     assert into.returncode == 2 and "was trained with adamw" in into.stderr
-    alone = _train("--muon-momentum", "0.9")
+    alone = train_tiny("--muon-momentum", "0.9")
     assert alone.returncode == 2 and alone.stderr == (
         "error: --muon-momentum 0.9: sets Muon's momentum, which this run does not use (add "
         "--optimizer muon, or leave --muon-momentum out)\n")
-    bad = _train("--optimizer", "muon", "--muon-momentum", "1")
+    bad = train_tiny("--optimizer", "muon", "--muon-momentum", "1")
     assert bad.returncode == 2 and "--muon-momentum 1.0: a momentum in [0, 1)" in bad.stderr
