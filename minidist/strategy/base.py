@@ -87,10 +87,18 @@ def make_optimizer(named_params, args, tp=None, splits=None):
     matrices (AdamW for the rest; minidist/optim/muon.py) with `tp` and `splits` (name ->
     Split of each parameter split over tp)."""
     if args.optimizer == "muon":
-        return Muon(named_params, lr=args.lr, betas=(0.9, 0.95),
-                    weight_decay=args.weight_decay, momentum=args.muon_momentum,
-                    ns_steps=args.muon_ns_steps, tp=tp, splits=splits)
-    return AdamW(named_params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        return Muon(named_params, **optimizer_settings(args), tp=tp, splits=splits)
+    return AdamW(named_params, **optimizer_settings(args))
+
+
+def optimizer_settings(args):
+    """The optimizer's hyperparameters from the flags, as keyword arguments: AdamW's (lr,
+    betas, weight decay), and under --optimizer muon Muon's momentum and Newton-Schulz steps.
+    The per-parameter optimizers (make_optimizer) and ZeRO's sharded ones take the same."""
+    out = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
+    if args.optimizer == "muon":
+        out.update(momentum=args.muon_momentum, ns_steps=args.muon_ns_steps)
+    return out
 
 
 def tp_splits(model):

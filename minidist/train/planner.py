@@ -208,7 +208,7 @@ def stage_params(config, tp=1, pp=1, ep=1):
 def stage_muon_params(config, tp=1, pp=1, ep=1):
     """Of stage_params, the parameters --optimizer muon updates by Muon (takes_muon: a
     block's weights of 2 or more dimensions, all of them decayed), per pipeline stage."""
-    return _block_counts(config, tp, pp, ep, lambda name, shape: takes_muon(name, shape))
+    return _block_counts(config, tp, pp, ep, takes_muon)
 
 
 def model_state_bytes(n_params, dp=1, zero=0, amp=True):

@@ -42,7 +42,7 @@ import math
 from minidist.comm import trace
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
-                                    tp_splits)
+                                    optimizer_settings, tp_splits)
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
                                       save_sharded)
 from minidist.zero.muon import ShardedMuon
@@ -90,12 +90,8 @@ def zero_shard_problem(args, dp):
 def sharded_optimizer(engine, args, amp=None, tp=None, splits=None):
     """The optimizer --optimizer names over `engine`'s shards (minidist/zero/optim.py)."""
     if args.optimizer == "muon":
-        return ShardedMuon(engine, lr=args.lr, betas=(0.9, 0.95),
-                           weight_decay=args.weight_decay, amp=amp,
-                           momentum=args.muon_momentum, ns_steps=args.muon_ns_steps, tp=tp,
-                           splits=splits)
-    return ShardedAdamW(engine, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                        amp=amp)
+        return ShardedMuon(engine, **optimizer_settings(args), amp=amp, tp=tp, splits=splits)
+    return ShardedAdamW(engine, **optimizer_settings(args), amp=amp)
 
 
 class ZeroDataParallel(SingleProcess):
