@@ -251,6 +251,29 @@ def test_amp_resume_is_bit_identical(corpus, tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
 
 
+@pytest.mark.cpu_only("trains with --device cpu (SMALL)")
+def test_a_resume_takes_the_16_bit_type_and_names_another_amp_dtype(corpus, tmp_path, capsys):
+    """A bfloat16 --amp checkpoint resumed with --amp alone computes in bfloat16 (not this
+    device's default, float16 on numpy, which the checkpoint's dtype refused); resumed with
+    --amp-dtype float16 it is refused naming that flag."""
+    from minidist.train.cli import UsageError, check_flags
+    ck = str(tmp_path / "ck")
+    _train(corpus, tmp_path, "--steps", "4", "--amp", "--amp-dtype", "bfloat16", "--save", ck,
+           "--stop-at", "2")
+    refused = train_parser().parse_args(["--amp", "--amp-dtype", "float16", "--resume", ck])
+    with pytest.raises(UsageError, match=r"^--amp-dtype float16: --resume .* was trained "
+                                         r"with --amp in bfloat16; leave --amp-dtype out$"):
+        check_flags(refused)
+    taken = train_parser().parse_args(["--amp", "--resume", ck])
+    check_flags(taken)
+    assert taken.amp_dtype == "bfloat16"
+    capsys.readouterr()
+    rows, _ = _train(corpus, tmp_path, "--steps", "4", "--amp", "--amp-dtype", "bfloat16",
+                     "--resume", ck)
+    assert "mixed precision: bfloat16 compute" in capsys.readouterr().out
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+
+
 @pytest.mark.gpu
 def test_amp_trains_on_cuda(corpus, tmp_path, capsys):
     """python -m pytest -m gpu --device cuda tests/test_amp.py: bfloat16 if CuPy takes

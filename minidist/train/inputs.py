@@ -248,9 +248,11 @@ def take_resume_model(args):
             raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "
                              "leave --dtype out")
         args.dtype = dtype
-    elif dtype in ("float16", "bfloat16") and not args.amp:    # an --amp run's 16-bit model
-        args.amp = True
-        args.amp_dtype = args.amp_dtype or dtype
+    elif dtype in ("float16", "bfloat16"):                     # an --amp run's 16-bit model
+        if args.amp_dtype and args.amp_dtype != dtype:
+            raise UsageError(f"--amp-dtype {args.amp_dtype}: --resume {folder} was trained "
+                             f"with --amp in {dtype}; leave --amp-dtype out")
+        args.amp, args.amp_dtype = True, dtype
     _take_resume_optimizer(args, folder, flags)
 
 
