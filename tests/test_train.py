@@ -172,6 +172,40 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
     assert "(note: steps changed, so the run will differ" in capsys.readouterr().out
 
 
+def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, device,
+                                                              capsys):
+    """`--resume ck --steps N` alone continues the run the checkpoint holds: its --lr,
+    --batch-size, --grad-accum, --warmup, --weight-decay, --grad-clip, --seed (RUN_RESUMED),
+    not this parser's defaults; one given is the run's, and the resume notes it."""
+    from minidist.train.cli import check_flags
+    from minidist.train.inputs import RUN_RESUMED
+    run = ["--lr", "1e-3", "--batch-size", "8", "--grad-accum", "2", "--warmup", "1",
+           "--weight-decay", "0.05", "--grad-clip", "0.5", "--seed", "7", "--eval-every", "0",
+           "--steps", "6"]
+    straight = tmp_path / "straight.jsonl"
+    train(_args(device, corpus, tmp_path, *run, "--log-json", str(straight)))
+    train(_args(device, corpus, tmp_path, *run, "--stop-at", "3", "--save",
+                str(tmp_path / "ck")))
+    bare = [*device_flags(device), "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+            "--eval-iters", "2", "--sample", "0", "--steps", "6", "--eval-every", "0",
+            "--resume", str(tmp_path / "ck")]                  # no TINY: its --lr, --batch-size
+    resumed = train_parser().parse_args(bare + ["--log-json", str(tmp_path / "r.jsonl")])
+    check_flags(resumed)
+    assert {n: getattr(resumed, n) for n in RUN_RESUMED} == {
+        "seed": 7, "batch_size": 8, "grad_accum": 2, "lr": 1e-3, "min_lr": None, "warmup": 1,
+        "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5}
+    capsys.readouterr()
+    train(resumed)
+    assert "note:" not in capsys.readouterr().out
+    assert [r["loss"] for r in _rows(tmp_path / "r.jsonl")[:-1]] == \
+        [r["loss"] for r in _rows(straight)[3:6]]
+    given = train_parser().parse_args(bare + ["--lr", "2e-3"])
+    check_flags(given)
+    assert given.lr == 2e-3 and given.batch_size == 8
+    train(given)
+    assert "(note: lr changed, so the run will differ" in capsys.readouterr().out
+
+
 def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,
                                                                          device):
     """Checkpoints written before dropout was keyed (2026-11-25) hold a generator's state as

@@ -179,19 +179,19 @@ def add_train_args(p):
     g.add_argument("--steps", type=int, default=800, help="optimizer steps")
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    g.add_argument("--lr", type=float, default=4e-3, help="peak learning rate")
-    g.add_argument("--lr-schedule", choices=("cosine", "wsd"), default="cosine",
+    g.add_argument("--grad-accum", type=int, default=1, action=Given, help="micro-steps per step")
+    g.add_argument("--lr", type=float, default=4e-3, action=Given, help="peak learning rate")
+    g.add_argument("--lr-schedule", choices=("cosine", "wsd"), default="cosine", action=Given,
                    help="after --warmup: cosine decay to --min-lr over the run, or wsd: "
                    "warmup-stable-decay, --lr until the last --decay-steps, then down to "
                    "--min-lr (a wsd run saved before its decay can be extended: --resume with "
                    "a larger --steps)")
-    g.add_argument("--decay-steps", type=int, default=None,
+    g.add_argument("--decay-steps", type=int, default=None, action=Given,
                    help="with --lr-schedule wsd: the steps of the final decay (default: "
                    "steps / 5)")
-    g.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
-    g.add_argument("--warmup", type=int, default=None, help="default steps / 20")
-    g.add_argument("--weight-decay", type=float, default=0.1,
+    g.add_argument("--min-lr", type=float, default=None, action=Given, help="default lr / 10")
+    g.add_argument("--warmup", type=int, default=None, action=Given, help="default steps / 20")
+    g.add_argument("--weight-decay", type=float, default=0.1, action=Given,
                    help="decoupled weight decay, on matrices")
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", action=Given,
                    help="adamw, or muon: the blocks' matrices by Muon (momentum, "
@@ -201,7 +201,7 @@ def add_train_args(p):
                    help="with --optimizer muon: its (Nesterov) momentum, in [0, 1)")
     g.add_argument("--muon-ns-steps", type=int, default=5, action=Given,
                    help="with --optimizer muon: its Newton-Schulz iterations per step")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
+    g.add_argument("--grad-clip", type=float, default=1.0, action=Given, help="0: no clipping")
     g.add_argument("--data", default=None,
                    help="text file or folder of text files, or a folder of token files "
                    "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "

@@ -106,6 +106,12 @@ def take_init_from_sizes(args):
 # (unless given), so that it reports the val loss that run ended with
 EVALUATED_AS = ("seed", "batch_size", "eval_iters")
 
+# the run's hyperparameters, which a resume takes from its checkpoint's run unless given
+# (so `--resume ck --steps N` continues that run, not one at this parser's defaults); one
+# given with another value is the run's, and the "resumed from" line notes the change
+RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr_schedule",
+               "decay_steps", "weight_decay", "grad_clip")
+
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
            "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
@@ -207,9 +213,11 @@ def take_resume_model(args):
     of RESUMED not given (args.given) becomes the checkpoint's (a dense model's record has no
     moe_* fields: 0 experts), and so do --dtype and --amp (a 16-bit record is an --amp run:
     --amp and --amp-dtype follow it), --tokenizer (where its folder is still there) and
-    --data (the text or token files it trained on); its pipeline schedule is this run's
-    flags' (the log names the checkpoint's where it differs: schedule_differences).
-    One given with another value is refused here, before any work, naming the flag; but
+    --data (the text or token files it trained on), its optimizer, and the run's
+    hyperparameters not given (RUN_RESUMED: --lr, --batch-size, ...; one given is the run's);
+    its pipeline schedule is this run's flags' (the log names the checkpoint's where it
+    differs: schedule_differences).
+    A model flag given with another value is refused here, before any work, naming it; but
     MAY_CHANGE (--dropout, the MoE loss weights and capacity), which no parameter depends on,
     may change (fine-tuning). A checkpoint that
     cannot be read is left to the load, whose verification names what is wrong; so is an
@@ -258,8 +266,9 @@ def take_resume_model(args):
 
 def _take_resume_optimizer(args, folder, flags):
     """--optimizer is the checkpoint's: its state is that optimizer's (Muon's momentum is not
-    AdamW's m and v); another one given is refused. --muon-momentum and --muon-ns-steps are
-    the checkpoint's unless given (they hold no state: a run may change them)."""
+    AdamW's m and v); another one given is refused. --muon-momentum, --muon-ns-steps and the
+    run's hyperparameters (RUN_RESUMED) are the checkpoint's unless given (they hold no
+    state: a run may change them)."""
     theirs, given = flags.get("optimizer") or "adamw", getattr(args, "given", [])
     if "optimizer" in given and args.optimizer != theirs:      # (before the flag: AdamW)
         raise UsageError(f"--optimizer {args.optimizer}: --resume {folder} was trained with "
@@ -270,7 +279,7 @@ def _take_resume_optimizer(args, folder, flags):
     args.optimizer = theirs
     if getattr(args, "eval_only", False):          # nothing steps: they stay unset
         return
-    for name in ("muon_momentum", "muon_ns_steps"):
+    for name in ("muon_momentum", "muon_ns_steps") + RUN_RESUMED:
         if name not in given and flags.get(name) is not None:
             setattr(args, name, flags[name])
 
