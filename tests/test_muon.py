@@ -89,6 +89,47 @@ def test_a_step_worked_by_hand(xp):
         "exp_avg"]), m, rtol=0, atol=1e-15)
 
 
+def test_packed_weights_are_orthogonalised_matrix_by_matrix(xp):
+    """A Llama block with grouped-query attention (4 q heads, 2 k/v heads of 4): c_attn
+    (16, 32) packs q (16 wide), k and v (8 each), the SwiGLU c_fc [gate | up]; each is its
+    own matrix, with its own scale 0.2 sqrt(max(A, B)), as separate weights would be. One
+    step (no momentum, no decay: U = G) moves each block of c_attn by -lr x that, by the
+    SVD; c_proj (one matrix) as before."""
+    from minidist.strategy.base import matrix_views
+    c = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=16, block_size=8, vocab_size=16,
+                  arch="llama", bias=False)
+    model = GPT(c, dtype="float64")
+    views = matrix_views(model)
+    F = c.ffn_size
+    assert views["packed"] == {"transformer.h.0.attn.c_attn.weight": (16, 8, 8),
+                               "transformer.h.0.mlp.c_fc.weight": (F, F)}
+    params = dict(model.named_parameters())
+    before = {n: backend.to_host(p.data).copy() for n, p in params.items()}
+    rng = np.random.default_rng(3)
+    grads = {n: rng.standard_normal(p.shape) for n, p in params.items()}
+    for n, p in params.items():
+        p.grad = xp.asarray(grads[n])
+    lr = 0.01
+    opt = Muon(model.named_parameters(), lr=lr, weight_decay=0.0, momentum=0.0, **views)
+    opt.step()
+
+    def step_of(g, widths):
+        out, lo = [], 0
+        for w in widths:
+            part = g[:, lo:lo + w]
+            out.append(0.2 * math.sqrt(max(part.shape)) * by_the_svd(part))
+            lo += w
+        return -lr * np.concatenate(out, axis=1)
+    for name, widths in [("attn.c_attn.weight", (16, 8, 8)), ("mlp.c_fc.weight", (F, F)),
+                         ("attn.c_proj.weight", (16,))]:
+        name = "transformer.h.0." + name
+        moved = backend.to_host(params[name].data) - before[name]
+        np.testing.assert_allclose(moved, step_of(grads[name], widths), rtol=0, atol=1e-13)
+    whole = step_of(grads["transformer.h.0.attn.c_attn.weight"], (32,))
+    assert np.abs(whole - step_of(grads["transformer.h.0.attn.c_attn.weight"],
+                                  (16, 8, 8))).max() > 1e-3       # and that is not the same
+
+
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     """GPT-2 with MoE and a shared expert: attention, MLP, router, every expert's and the
     shared expert's matrices are Muon's; wte, wpe, norms and biases AdamW's."""

@@ -1306,30 +1306,32 @@ def test_muon_state_bytes_worked_by_hand():
 
 def test_muon_step_worked_by_hand():
     """TOY at 1 FLOP/s and 1 B/s, sync 10 s. Newton-Schulz, 5 steps of 4 A^2 B + 2 A^3 on
-    the wide orientation (A <= B): c_attn (A 4, B 12) 5 x (768 + 128) = 4480, c_proj 4 x 4
-    5 x (256 + 128) = 1920, c_fc and the MLP's c_proj (4, 16) 5 x (1024 + 128) = 5760 each:
-    17920 a block, 35840 for both.
-    One process (and DDP x2: every rank all of them): 35840 s more, nothing sent. At the
+    the wide orientation (A <= B): a 4 x 4 matrix 5 x (256 + 128) = 1920, so c_attn (4, 12),
+    which packs q, k and v, 3 x 1920 = 5760 (as one 4 x 12 matrix it would be 5 x (768 +
+    128) = 4480), c_proj 1920, c_fc and the MLP's c_proj (4, 16) 5 x (1024 + 128) = 5760
+    each: 19200 a block, 38400 for both.
+    One process (and DDP x2: every rank all of them): 38400 s more, nothing sent. At the
     float32 rate: with a 16-bit peak of 4 FLOP/s --amp's step computes 4 x faster, its NS
     (on the float32 masters) does not.
-    TP2: the whole matrix on each rank (35840 s, not / 2), each split matrix's update
+    TP2: the whole matrix on each rank (38400 s, not / 2), each split matrix's update
     gathered first (4 B a value; over 2 ranks 1/2 of it received): c_attn 192 B -> 96 s,
     c_proj 64 -> 32, c_fc and c_proj 256 -> 128 each, + 10 s of sync each: 424 s a block.
     ZeRO-1 over 2: each block's unit (244 values: ln_1 0-8, c_attn 8-56 and its bias 56-68,
     c_proj 68-84 and 84-88, ln_2 88-96, c_fc 96-160 and 160-176, c_proj 176-240 and its
     bias) is all-gathered (976 B, 488 s) and its steps reduce-scattered (488 s); each matrix
-    is one rank's, the costliest first to the least busy (muon.balance): c_fc to rank 0, the
-    MLP's c_proj to rank 1, c_attn to rank 0 (a tie: the first), c_proj to rank 1: rank 0
-    10240 s, rank 1 7680; each unit waits for the 10240; both: 20480 s of NS and 1952 s of
-    collectives.
-    ZeRO-1 over dp 2 x TP2: the same owners; rank 0 gathers c_fc and c_attn over tp first,
-    10240 + (128 + 96) + 2 x 10 = 10484 s a unit (rank 1 7680 + 160); the unit (134 values
-    on a tp rank, 536 B) gathered and reduce-scattered, 268 s each. PP2: a block a stage,
-    17920 s."""
-    from minidist.optim.muon import ns_flops
+    is one rank's, the costliest first to the least busy (muon.balance; ties in unit order,
+    ranks from the unit's `first`): c_attn to the first rank, c_fc to the other, the MLP's
+    c_proj to the first (a tie), c_proj to the other: 11520 s against 7680; each unit waits
+    for the 11520; both: 23040 s of NS and 1952 s of collectives.
+    ZeRO-1 over dp 2 x TP2: the same owners; the first gathers c_attn and the MLP's c_proj
+    over tp first, 11520 + (96 + 128) + 2 x 10 = 11764 s a unit (the other 7680 + 180);
+    the unit (134 values on a tp rank, 536 B) gathered and reduce-scattered, 268 s each.
+    PP2: a block a stage, 19200 s."""
+    from minidist.optim.muon import ns_flops, packed_flops
     assert [ns_flops(s) for s in ((4, 12), (4, 4), (4, 16), (16, 4))] == \
         [4480, 1920, 5760, 5760]
     assert ns_flops((4, 16), steps=3) == 3 * 1152
+    assert packed_flops((4, 12), (4, 4, 4)) == 5760 and packed_flops((4, 12)) == 4480
     unit = replace(UNIT, sync_s=10.0)
 
     def both(layout, global_batch=1, micro_batches=1, cluster=unit):
@@ -1340,33 +1342,33 @@ def test_muon_step_worked_by_hand():
         assert muon["step"] - adamw["step"] == pytest.approx(muon["muon_ns"] +
                                                              muon["muon_comm"])
         return muon["muon_ns"], muon["muon_comm"]
-    assert both(Layout(amp=False)) == (35840, 0)
-    assert both(Layout(dp=2, amp=False), 2) == (35840, 0)
+    assert both(Layout(amp=False)) == (38400, 0)
+    assert both(Layout(dp=2, amp=False), 2) == (38400, 0)
     fast16 = replace(unit, peak_tflops=4e-12, peak_tflops_fp32=1e-12)
-    assert both(Layout(amp=True), cluster=fast16) == (35840, 0)
-    assert both(Layout(tp=2, amp=False)) == (35840, pytest.approx(2 * 424))
-    assert both(Layout(dp=2, zero=1, amp=False), 2) == (20480, 1952)
+    assert both(Layout(amp=True), cluster=fast16) == (38400, 0)
+    assert both(Layout(tp=2, amp=False)) == (38400, pytest.approx(2 * 424))
+    assert both(Layout(dp=2, zero=1, amp=False), 2) == (23040, 1952)
     assert both(Layout(dp=2, tp=2, zero=1, amp=False), 2) == \
-        (2 * 10240, pytest.approx(2 * (244 + 2 * 268)))
-    assert both(Layout(pp=2, amp=False), 2, 2) == (17920, 0)
+        (2 * 11520, pytest.approx(2 * (244 + 2 * 268)))
+    assert both(Layout(pp=2, amp=False), 2, 2) == (19200, 0)
 
 
 def test_muon_with_experts_worked_by_hand():
     """MOE_TOY (block 1 a MoE block: router 4 x 2, NS 5 x (4 x 4 x 4 + 2 x 8) = 400; two
-    experts, c_fc and c_proj 5760 each), 1 FLOP/s, 1 B/s. DDP x4: block 0 17920, block 1
-    4480 + 1920 + 400 + 2 x 11520 = 29840. EP2: this rank's one expert, 18320. EP2 x ZeRO-1
+    experts, c_fc and c_proj 5760 each), 1 FLOP/s, 1 B/s. DDP x4: block 0 19200, block 1
+    5760 + 1920 + 400 + 2 x 11520 = 31120. EP2: this rank's one expert, 19600. EP2 x ZeRO-1
     over 4 (each matrix one rank's, muon.balance): block 0's unit, its four matrices on four
     ranks: 5760, gathered and reduce-scattered 2 x 3/4 x 976 B = 1464 s; block 1's dense
     unit (attention, norms, router: 104 values) c_attn, c_proj, router on three ranks:
-    4480, 2 x 3/4 x 416 = 624 s; its experts' unit (one expert, 148, over edp 2: c_fc and
+    5760, 2 x 3/4 x 416 = 624 s; its experts' unit (one expert, 148, over edp 2: c_fc and
     c_proj a rank each) 5760, 2 x 1/2 x 592 = 592 s."""
     def muon(layout):
         t = step_time(MOE_TOY, layout, UNIT, seq=2, global_batch=4)
         return t["muon_ns"], t["muon_comm"]
-    assert muon(Layout(dp=4, amp=False, muon=True)) == (17920 + 29840, 0)
-    assert muon(Layout(dp=4, ep=2, amp=False, muon=True)) == (17920 + 18320, 0)
+    assert muon(Layout(dp=4, amp=False, muon=True)) == (19200 + 31120, 0)
+    assert muon(Layout(dp=4, ep=2, amp=False, muon=True)) == (19200 + 19600, 0)
     assert muon(Layout(dp=4, ep=2, zero=1, amp=False, muon=True)) == \
-        (5760 + 4480 + 5760, 1464 + 624 + 592)
+        (5760 + 5760 + 5760, 1464 + 624 + 592)
 
 
 @pytest.mark.parametrize("config", [
@@ -1380,20 +1382,26 @@ def test_muon_ns_per_zero_rank_is_the_sharded_optimizers(config):
     (zero/flat.py gpt_units) over n ranks, each Muon matrix is one rank's (zero/muon.py
     unit_owners, which ShardedMuon runs by); the planner prices per unit the most any rank
     runs, after a gather of the unit's padded flat U and before a reduce-scatter of the
-    steps (4 B a value each)."""
-    from minidist.optim.muon import ns_flops
+    steps (4 B a value each). The packed matrices (c_attn's q, k, v; SwiGLU's gate, up) are
+    the model's (strategy/base.py matrix_views), the planner's from the config alone."""
+    from minidist.optim.muon import packed_flops
+    from minidist.strategy.base import matrix_views
     from minidist.train.muon_cost import muon_times
     from minidist.zero.flat import gpt_units
     from minidist.zero.muon import unit_owners
     model = GPT(config, seed=0)
+    packed = matrix_views(model)["packed"]
+    assert {n.split(".", 3)[3] for n in packed} == (
+        {"attn.c_attn.weight", "mlp.c_fc.weight"} if config.llama else
+        {"attn.c_attn.weight"})
     for n in (2, 3, 5):
         want_ns = want_bytes = 0
         for k, f in enumerate(gpt_units(model, n, 0)):
-            owners = unit_owners(f, n, k)
+            owners = unit_owners(f, n, k, packed=packed)
             if not owners:
                 continue                                    # the root: nothing gathered
-            want_ns += max(sum(ns_flops(f.shapes[i]) for i, o in owners.items() if o == r)
-                           for r in range(n))
+            want_ns += max(sum(packed_flops(f.shapes[i], packed.get(f.names[i]))
+                               for i, o in owners.items() if o == r) for r in range(n))
             want_bytes += 2 * 4 * f.padded
         layout = Layout(dp=n, zero=1, amp=False, muon=True)
         got = muon_times(config, layout, UNIT, 1.0, lambda op, nbytes: nbytes)

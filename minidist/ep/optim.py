@@ -45,11 +45,11 @@ def expert_engine(model, edp):
     return zero_engine(model, edp, 1, units)
 
 
-def experts_optimizer(engine, args, amp=None, tp=None, splits=None):
+def experts_optimizer(engine, args, amp=None, views=None):
     """AdamW (or --optimizer muon's Muon) over the experts' shards (its float32 masters
     under --amp), as ZeRO's: on cupy with MINIDIST_CUDA_NEW_KERNELS=1 AdamW's two
     multi-tensor launches too (tests/test_zero_multi_cpu.py)."""
-    return sharded_optimizer(engine, args, amp, tp, splits)
+    return sharded_optimizer(engine, args, amp, views)
 
 
 class DenseAndExperts:

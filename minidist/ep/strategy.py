@@ -62,7 +62,7 @@ from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
 from minidist.strategy import checkpoint, memory
-from minidist.strategy.base import ModelParallel, all_reduce_number, tp_splits
+from minidist.strategy.base import ModelParallel, all_reduce_number, matrix_views
 from minidist.tp.state import unscaled_sum_sq
 from minidist.zero.checkpoint import load_sharded
 
@@ -125,9 +125,9 @@ class ExpertParallel(ModelParallel):
         ZeRO, its sharded one plus one over the experts' shards (minidist/ep/optim.py)."""
         if not self._zero():
             return self.inner.build_optimizer(model, args, tp)
-        splits = tp_splits(model) if tp is not None else {}
         opt = DenseAndExperts(self.inner.build_optimizer(model, args, tp),
-                              experts_optimizer(self.expert_engine, args, self.amp, tp, splits),
+                              experts_optimizer(self.expert_engine, args, self.amp,
+                                                matrix_views(model, tp)),
                               self.amp)
         self.optimizer = opt            # finish(): the memory table measures both parts
         if self.amp is not None:        # the other ranks' experts' float32 copies (both

@@ -31,9 +31,8 @@ class CausalSelfAttention(Module):
     def __init__(self, config, dtype="float32", layers=None):
         super().__init__()
         layers = layers or DenseLayers(config, dtype)
-        C, hs = config.n_embd, config.n_embd // config.n_head
-        q, kv = config.n_head * hs, config.kv_heads * hs
-        self.c_attn = layers.column(C, q + 2 * kv, blocks=(q, kv, kv))
+        C, widths = config.n_embd, config.qkv_widths                  # q | k | v
+        self.c_attn = layers.column(C, sum(widths), blocks=widths)
         self.c_proj = layers.row(C, C)
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)

@@ -87,6 +87,12 @@ class GPTConfig:
         return self.n_kv_head or self.n_head
 
     @property
+    def qkv_widths(self):
+        """c_attn's output blocks q | k | v: n_head and twice kv_heads heads of C / n_head."""
+        hs = self.n_embd // self.n_head
+        return (self.n_head * hs, self.kv_heads * hs, self.kv_heads * hs)
+
+    @property
     def ffn_size(self):
         """The MLP's hidden width F: ffn_hidden, else 4C (GELU) or, for SwiGLU (two input
         matrices, gate and up), Llama's 2/3 of 4C rounded up to a multiple of 64, which
@@ -232,6 +238,19 @@ def gpt_param_specs(config):
         linear(h + "mlp.c_proj", F, C, proj_std)
     norm("transformer.ln_f")
     return specs
+
+
+def packed_widths(config, name, shape):
+    """The widths of the matrices a block's weight `name` (its whole `shape`, (in, out))
+    packs side by side on its last axis, the layers' `blocks` (block.py): c_attn's q | k | v
+    (config.qkv_widths), a SwiGLU c_fc's [gate | up] (the MLP's, an expert's, the shared
+    experts'); (out,) for any other weight. Muon orthogonalises each on its own, as the
+    separate matrices they are (minidist/optim/muon.py)."""
+    if name.endswith("attn.c_attn.weight"):
+        return config.qkv_widths
+    if config.llama and name.endswith("c_fc.weight"):
+        return (shape[-1] // 2,) * 2
+    return (shape[-1],)
 
 
 def block_param_specs(config, moe):

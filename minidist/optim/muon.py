@@ -14,7 +14,10 @@ X = U / ||U||_F, then 5 times X <- a X + b (X X^T) X + c (X X^T)^2 X, (a, b, c) 
 singular value s of X goes through p(s) = a s + b s^3 + c s^5 while the singular vectors stay
 (tests/test_muon.py checks it against the SVD); the quintic is tuned to push every s in
 (0, 1] into about [0.7, 1.2] in 5 steps, not to converge: "about orthogonal", cheaply.
-Every expert of an MoE layer is a matrix of its own, and so its own NS.
+Every expert of an MoE layer is a matrix of its own, and so its own NS; so are q, k and v,
+which c_attn packs side by side, and SwiGLU's gate and up in c_fc (`orthogonal_blocks`, each
+with its own scale, as Jordan's runs split q, k, v: at 300 steps of the default model, lr
+1.6e-2, val loss 1.704 against 1.758 with c_attn as one matrix; examples/BENCHMARKS.md).
 
 Why this needs the whole matrix: O depends on all of U (its singular vectors), where AdamW's
 update of an element depends on that element only. A rank that holds a piece of W must see
@@ -55,8 +58,9 @@ RMS_MATCH = 0.2          # Liu et al.: 0.2 sqrt(max(A, B)) gives AdamW's update 
 def takes_muon(name, shape, decay=True):
     """True for the matrices Muon updates: a transformer block's decayed weights of 2 or more
     dimensions (attention, MLP, router, every expert's). Embeddings, the head, biases and
-    norms stay with AdamW (as in Jordan's and Liu et al.'s runs). c_attn's packed q|k|v and
-    SwiGLU's packed gate|up are one matrix each here."""
+    norms stay with AdamW (as in Jordan's and Liu et al.'s runs). A weight that packs several
+    matrices side by side (c_attn's q|k|v, SwiGLU's gate|up: nn/config.py packed_widths) is
+    orthogonalised matrix by matrix (`orthogonal_blocks`)."""
     return decay and len(shape) >= 2 and name.startswith("transformer.h.")
 
 
@@ -81,6 +85,13 @@ def ns_flops(shape, steps=5):
     steps x (4 A^2 B + 2 A^3) (the norm, scalings and adds, O(A B), left out)."""
     a, b = sorted(shape[-2:])
     return steps * (4 * a * a * b + 2 * a ** 3)
+
+
+def packed_flops(shape, widths=None, steps=5):
+    """FLOPs of orthogonal_blocks on a weight of `shape` whose last axis packs matrices of
+    `widths` (None: one matrix): each one's ns_flops."""
+    widths = widths or (shape[-1],)
+    return sum(ns_flops(tuple(shape[:-1]) + (w,), steps) for w in widths)
 
 
 def balance(costs, ranks, first=0):
@@ -131,25 +142,41 @@ def whole_shape(shape, split):
     return tuple(split.size if k == split.axis else n for k, n in enumerate(shape))
 
 
-def orthogonalised(u, split=None, tp=None, steps=5):
-    """This rank's part of 0.2 sqrt(max(A, B)) NS(U) for the whole U that `u` is this rank's
-    tp shard of (`split`; None: u is whole). Collective over tp when split."""
+def orthogonal_blocks(u, widths=None, steps=5):
+    """0.2 sqrt(max(A, B)) NS(U) of each matrix U (A x B) that the whole update `u` packs
+    side by side on its last axis, `widths` wide (None: u is one matrix), in place of it;
+    returns a new array."""
+    if widths is None or len(widths) == 1:
+        o = newton_schulz(u, steps)
+        o *= muon_scale(u.shape)
+        return o
+    out, lo = [], 0
+    for w in widths:
+        out.append(orthogonal_blocks(u[..., lo:lo + w], None, steps))
+        lo += w
+    return xp_of(u).concatenate(out, axis=-1)
+
+
+def orthogonalised(u, split=None, tp=None, steps=5, widths=None):
+    """This rank's part of orthogonal_blocks(U, widths) for the whole U that `u` is this
+    rank's tp shard of (`split`; None: u is whole). Collective over tp when split."""
     full = whole(u, split, tp)
-    o = newton_schulz(full, steps)
-    o *= muon_scale(full.shape)
+    o = orthogonal_blocks(full, widths, steps)
     return o if split is None else split.shard(o, tp.size, tp.rank)
 
 
 class Muon(Optimizer):
     """Muon for the blocks' matrices (`takes_muon`), AdamW for the rest, per parameter.
     `tp`: the tensor-parallel group and `splits` {name: Split} of the parameters split over
-    it (their U is gathered whole); None: every parameter is whole here."""
+    it (their U is gathered whole); None: every parameter is whole here. `packed` {name:
+    widths} of the weights that pack several matrices (orthogonal_blocks); the three:
+    strategy/base.py matrix_views."""
     defaults = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 momentum=0.95, ns_steps=5, tp=None, splits=None):
+                 momentum=0.95, ns_steps=5, tp=None, splits=None, packed=None):
         self.momentum, self.ns_steps = momentum, ns_steps
-        self.tp, self.splits = tp, dict(splits or {})
+        self.tp, self.splits, self.packed = tp, dict(splits or {}), dict(packed or {})
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
     def _default_groups(self, groups):
@@ -181,7 +208,8 @@ class Muon(Optimizer):
             p *= 1.0 - group["lr"] * group["weight_decay"]
         u = nesterov_momentum(state["exp_avg"], grad, self.momentum,
                               self.scratch(p, "look-ahead"))
-        o = orthogonalised(u, self.splits.get(name), self.tp, self.ns_steps)
+        o = orthogonalised(u, self.splits.get(name), self.tp, self.ns_steps,
+                           self.packed.get(name))
         o *= group["lr"]
         p -= o
 

@@ -43,7 +43,8 @@ from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.nn import GPT
 from minidist.optim import AdamW
-from minidist.optim.muon import Muon
+from minidist.nn.config import packed_widths
+from minidist.optim.muon import Muon, whole_shape
 from minidist.strategy import checkpoint, memory
 
 
@@ -82,12 +83,12 @@ def data_axes(mesh, ep):
     return f"dp {mesh.shape['dp'] // ep}" + (f" x ep {ep}" if ep > 1 else "")
 
 
-def make_optimizer(named_params, args, tp=None, splits=None):
+def make_optimizer(named_params, args, views=None):
     """The optimizer --optimizer names over `named_params`: AdamW, or Muon for the blocks'
-    matrices (AdamW for the rest; minidist/optim/muon.py) with `tp` and `splits` (name ->
-    Split of each parameter split over tp)."""
+    matrices (AdamW for the rest; minidist/optim/muon.py) seeing them by `views`
+    (matrix_views; None: each parameter is one whole matrix here)."""
     if args.optimizer == "muon":
-        return Muon(named_params, **optimizer_settings(args), tp=tp, splits=splits)
+        return Muon(named_params, **optimizer_settings(args), **(views or {}))
     return AdamW(named_params, **optimizer_settings(args))
 
 
@@ -104,6 +105,21 @@ def optimizer_settings(args):
 def tp_splits(model):
     """{name: Split} of a tensor-parallel model's split parameters (minidist/tp/layers.py)."""
     return {n: p.tp_split for n, p in model.named_parameters() if p.tp_split is not None}
+
+
+def matrix_views(model, tp=None):
+    """How Muon sees `model`'s matrices whole, as its keyword arguments: `tp`, the
+    tensor-parallel group (None: none), `splits` {name: Split} of the parameters split over
+    it (their update is gathered whole first), and `packed` {name: widths} of the weights
+    whose last axis packs several matrices (c_attn's q|k|v, SwiGLU's gate|up:
+    nn/config.py packed_widths), each orthogonalised on its own."""
+    splits = tp_splits(model) if tp is not None else {}
+    packed = {}
+    for name, p in model.named_parameters():
+        widths = packed_widths(model.config, name, whole_shape(p.shape, splits.get(name)))
+        if len(widths) > 1:
+            packed[name] = widths
+    return {"tp": tp, "splits": splits, "packed": packed}
 
 
 class SingleProcess:
@@ -124,10 +140,10 @@ class SingleProcess:
         """AdamW, or --optimizer muon's Muon (`tp`: the tensor-parallel group over which the
         model's split matrices are gathered whole; a TP strategy passes it); under --amp over
         float32 master weights."""
-        splits = tp_splits(model) if tp is not None else {}
+        views = matrix_views(model, tp)
 
         def make(named_params):
-            return make_optimizer(named_params, args, tp, splits)
+            return make_optimizer(named_params, args, views)
         if self.amp:
             return self.amp.optimizer(model.named_parameters(), make)
         return make(model.named_parameters())

@@ -10,8 +10,9 @@ shared experts' matrices). AdamW updates the rest. The elementwise part of eithe
 
 Newton-Schulz (muon.py newton_schulz) of an A x B matrix, A <= B (it runs on the wide
 orientation), `steps` iterations (--muon-ns-steps, 5): muon.py ns_flops, steps x (4 A^2 B +
-2 A^3) FLOPs per matrix and step (X X^T, S S, (b S + c S S) X). Priced at the float32
-rate, peak_tflops_fp32 x efficiency (shared like compute where ranks share cores): NS
+2 A^3) FLOPs per matrix and step (X X^T, S S, (b S + c S S) X); c_attn's q, k, v and a
+SwiGLU c_fc's gate and up are matrices of their own (muon.py packed_flops). Priced at the
+float32 rate, peak_tflops_fp32 x efficiency (shared like compute where ranks share cores): NS
 runs in the optimizer's dtype, float32 (--amp's master weights), never in the 16-bit
 compute's; on the h100 preset 67 TFLOP/s of peak, not 989.
 
@@ -42,17 +43,18 @@ test_muon_with_experts_worked_by_hand, test_muon_ns_per_zero_rank_is_the_sharded
 import collections
 import math
 
-from minidist.nn.config import block_param_specs
-from minidist.optim.muon import balance, ns_flops, takes_muon
+from minidist.nn.config import block_param_specs, packed_widths
+from minidist.optim.muon import balance, packed_flops, takes_muon
 from minidist.train.comm_cost import axis_size, collective_time
 from minidist.train.planner import local_size
 
 MUON_BYTES = 4           # U's bytes a value: float32, the optimizer's dtype (masters under amp)
 
 
-Piece = collections.namedtuple("Piece", "size shape split")
+Piece = collections.namedtuple("Piece", "size shape split widths")
 # one parameter of a block on one rank: `size` its elements there (its tp shard), `shape`
-# its whole shape where Muon updates it (else None), `split` whether TP splits it
+# its whole shape where Muon updates it (else None), `split` whether TP splits it, `widths`
+# the matrices its last axis packs (nn/config.py packed_widths: c_attn's q, k, v)
 
 
 def block_pieces(config, moe, layout):
@@ -68,14 +70,14 @@ def block_pieces(config, moe, layout):
             continue                                   # another ep rank's
         size = local_size(name, shape, layout.tp)
         piece = Piece(size, tuple(shape) if takes_muon(name, shape) else None,
-                      size != math.prod(shape))
+                      size != math.prod(shape), packed_widths(config, name, shape))
         (experts if expert and layout.ep > 1 else dense).append(piece)
     return dense, experts
 
 
 def _matrix_seconds(piece, layout, cluster, rate, steps):
     """(NS seconds, tp gather seconds) of one matrix's update on a rank that runs its NS."""
-    ns = ns_flops(piece.shape, steps) / rate
+    ns = packed_flops(piece.shape, piece.widths, steps) / rate
     if not piece.split:
         return ns, 0.0
     whole = math.prod(piece.shape) * MUON_BYTES
@@ -96,7 +98,8 @@ def _busiest(pieces, n, layout, cluster, rate, steps):
     padded = -(-sum(p.size for p in pieces) // n) * n
     mats = [p for p in pieces if p.shape and p.size]
     ranks = [(0.0, 0.0)] * n
-    for p, r in zip(mats, balance([ns_flops(p.shape, steps) for p in mats], n)):
+    for p, r in zip(mats, balance([packed_flops(p.shape, p.widths, steps) for p in mats],
+                                  n)):
         ns, talk = _matrix_seconds(p, layout, cluster, rate, steps)
         ranks[r] = (ranks[r][0] + ns, ranks[r][1] + talk)
     ns, talk = max(ranks, key=sum)

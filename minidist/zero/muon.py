@@ -22,18 +22,19 @@ Tests: tests/test_muon.py (every layout = one process; the bytes), tests/test_pl
 (the planner's owners = unit_owners').
 """
 from minidist.optim.adamw import adamw_update
-from minidist.optim.muon import (balance, nesterov_momentum, ns_flops, orthogonalised,
+from minidist.optim.muon import (balance, nesterov_momentum, orthogonalised, packed_flops,
                                  takes_muon, whole_shape)
 from minidist.zero.optim import ShardedOptimizer
 
 
-def unit_owners(f, ranks, k, splits=None, steps=5):
+def unit_owners(f, ranks, k, splits=None, steps=5, packed=None):
     """{index: the shard-group rank (of `ranks`) that runs its NS} for FlatUnit f's Muon
-    matrices, by NS FLOPs of the whole matrix (`splits`: {name: Split} under TP); f is the
-    k-th unit, which turns the ranks' order (muon.balance's `first`)."""
+    weights, by NS FLOPs of the whole weight (`splits`: {name: Split} under TP; `packed`:
+    {name: widths} of those that pack several matrices); f is the k-th unit, which turns the
+    ranks' order (muon.balance's `first`)."""
     mats = [i for i, m in enumerate(muon_mask(f)) if m]
-    costs = [ns_flops(whole_shape(f.shapes[i], (splits or {}).get(f.names[i])), steps)
-             for i in mats]
+    costs = [packed_flops(whole_shape(f.shapes[i], (splits or {}).get(f.names[i])),
+                          (packed or {}).get(f.names[i]), steps) for i in mats]
     return dict(zip(mats, balance(costs, ranks, k % ranks)))
 
 
@@ -44,22 +45,22 @@ def muon_mask(f):
 
 class ShardedMuon(ShardedOptimizer):
     """Muon over a ZeRO engine's shards (the module's docstring): each unit's matrices by
-    Muon, the rest by AdamW, as the per-parameter Muon does, to rounding. `tp`, `splits`: as
-    Muon's."""
+    Muon, the rest by AdamW, as the per-parameter Muon does, to rounding. `tp`, `splits`,
+    `packed`: as Muon's."""
     one_process = "Muon"
 
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 amp=None, momentum=0.95, ns_steps=5, tp=None, splits=None):
+                 amp=None, momentum=0.95, ns_steps=5, tp=None, splits=None, packed=None):
         hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
         super().__init__(engine, [{**hyper, "weight_decay": weight_decay, "muon": True},
                                   {**hyper, "weight_decay": weight_decay, "muon": False},
                                   {**hyper, "weight_decay": 0.0, "muon": False}],
                          weight_decay, amp)
         self.momentum, self.ns_steps = momentum, ns_steps
-        self.tp, self.splits = tp, dict(splits or {})
+        self.tp, self.splits, self.packed = tp, dict(splits or {}), dict(packed or {})
         self.muon = {u.flat.name: muon_mask(u.flat) for u in engine.units}
         self.owners = {u.flat.name: unit_owners(u.flat, engine.group.size, k, self.splits,
-                                                ns_steps)
+                                                ns_steps, self.packed)
                        for k, u in enumerate(engine.units)}
 
     def update_bytes(self):
@@ -99,7 +100,8 @@ class ShardedMuon(ShardedOptimizer):
                     continue
                 off = f.offsets[i]
                 o = orthogonalised(full[off:off + f.sizes[i]].reshape(f.shapes[i]),
-                                   self.splits.get(f.names[i]), self.tp, self.ns_steps)
+                                   self.splits.get(f.names[i]), self.tp, self.ns_steps,
+                                   self.packed.get(f.names[i]))
                 o *= lr
                 step[off:off + f.sizes[i]] = o.reshape(-1)
             shards.reduce_scatter(look, step)      # this rank's [lo, hi) of every update

@@ -42,7 +42,7 @@ import math
 from minidist.comm import trace
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
-                                    optimizer_settings, tp_splits)
+                                    matrix_views, optimizer_settings)
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
                                       save_sharded)
 from minidist.zero.muon import ShardedMuon
@@ -87,10 +87,11 @@ def zero_shard_problem(args, dp):
     return None
 
 
-def sharded_optimizer(engine, args, amp=None, tp=None, splits=None):
-    """The optimizer --optimizer names over `engine`'s shards (minidist/zero/optim.py)."""
+def sharded_optimizer(engine, args, amp=None, views=None):
+    """The optimizer --optimizer names over `engine`'s shards (minidist/zero/optim.py);
+    `views`: Muon's (strategy/base.py matrix_views)."""
     if args.optimizer == "muon":
-        return ShardedMuon(engine, **optimizer_settings(args), amp=amp, tp=tp, splits=splits)
+        return ShardedMuon(engine, **optimizer_settings(args), amp=amp, **(views or {}))
     return ShardedAdamW(engine, **optimizer_settings(args), amp=amp)
 
 
@@ -130,8 +131,7 @@ class ZeroDataParallel(SingleProcess):
     def build_optimizer(self, model, args, tp=None):
         """AdamW over this rank's shards, or --optimizer muon's Muon (ShardedMuon: each unit's
         update gathered over the shard group, and over `tp` for a split matrix)."""
-        self.opt = sharded_optimizer(self.engine, args, self.amp, tp,
-                                     tp_splits(model) if tp is not None else {})
+        self.opt = sharded_optimizer(self.engine, args, self.amp, matrix_views(model, tp))
         return self.opt
 
     def takes_part_in_sampling(self):
