@@ -16,8 +16,9 @@ import pytest
 from minidist.nn import GPT, GPTConfig
 from minidist.train.args import train_parser
 from minidist.train.loop import train
-from minidist.train.planner import (Layout, bill, config_for_params, layer_activation_bytes,
-                                    model_state_bytes, plan, stage_params)
+from minidist.train.activations import layer_activation_bytes
+from minidist.train.planner import (Layout, bill, config_for_params, model_state_bytes, plan,
+                                    stage_params)
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256)
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",

@@ -1,0 +1,141 @@
+"""Activation bytes per rank, for the memory planner (minidist/train/planner.py bill).
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4). Per layer, per micro-batch of b sequences of s tokens,
+hidden size h, a heads, t = tp, with 16-bit activations and dropout, in bytes:
+    sbh (34 + 5as/h)                   no parallelism
+    sbh (10 + 24/t + 5as/(ht))         TP: only the 24 sbh inside the split matmuls shrink
+    sbh/t (34 + 5as/h)                 TP + sequence parallelism (SP)
+    selective recompute (minidist's --attention recompute) drops the 5as/h term (attention
+    scores recomputed); full recompute (--ckpt-activations) keeps only the layer input,
+    2sbh (/t with SP).
+    The SP line's /t on the QKV and fc inputs (and the head's) holds because the column
+    layers keep only their input's shard and all-gather it again in backward (Korthikanti
+    4.2.2; minidist/tp/gathered.py; measured by tests/scripts/tp_probes.py). Keeping the
+    gathered copies instead would add 2sbh e (1 - 1/t) per layer here (as minidist's graph
+    did until it used gathered_linear); so the bill needs no term for them.
+The 34 and 5 are 16e + 2 and 2e + 1 for e = 2 bytes per value and 1-byte dropout masks;
+here e is 4 in float32, and without dropout the masks (and the dropped copy of the scores)
+go: 16e and e. Embedding and output layer: the dropout mask, the inputs of the final layer
+norm and of the output projection (2e sbh), and float32 logits for the cross-entropy
+(4sbv/t). Pipelines run 1F1B: stage 0 keeps pp micro-batches of its layers in flight, the
+last stage one. Not counted: a recompute's transient (one layer's activations during its
+backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentation (see
+--headroom). The as^2 term is attention's materialised scores; tiled attention
+(FlashAttention's algorithm, minidist/autograd/flash.py) and context parallelism's ring
+attention keep a log-sum-exp row instead (4as bytes), and cp divides s by the cp size.
+Ulysses' attention (cp_attention "ulysses", minidist/cp/ulysses.py) also keeps its output in
+the heads layout, sbh e/(cp t) more per layer (layer_activation_bytes), and runs the model's
+own attention on a/cp heads of all s tokens (untiled: their (s, s) scores).
+
+`minidist_activation_bytes` is the same bill for minidist's own graph, which keeps the layer
+norms' normalised inputs in float32 and fewer other tensors than Megatron's kernels: 14e + 8
+bytes per sbh per layer, not 16e (the same in float32); the tests check it against the ledger.
+Tests: tests/test_planner.py.
+"""
+
+
+def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
+                           tiled=False, cp=1, ulysses=False, mlp=8):
+    """Korthikanti et al.'s bytes per transformer layer per micro-batch (module docstring).
+    mlp: the values the MLP keeps per token, in units of h: GELU's input and fc2's, 4 + 4;
+    a Llama-style block's (mlp_saved) SwiGLU input [gate | up] and fc2's, 3F / h.
+    tiled: the (s, s) scores are never kept, only a float32 log-sum-exp per query row
+    (4as bytes per sequence; dropout's numbers are recomputed per tile, no mask is kept);
+    cp: this rank holds s / cp of the tokens (its
+    queries and, tiled by the ring, no scores). ulysses (with cp > 1): its attention's
+    output in the heads layout, sbh e / (cp t) more (below); its attention is the model's
+    own on a/cp heads of all s tokens: untiled, their (s, s) scores."""
+    d, k = int(bool(dropout)), (t if sp else 1)
+    s_all, s = s, s / cp
+    ulysses = ulysses and cp > 1
+    if recompute == "full":
+        return s * b * h * e / k
+    unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
+    split = s * b * h * (4 + mlp) * e        # Q, K, V, proj input, GELU input, fc2 input
+    if ulysses and not tiled:                # a/cp heads' scores over the whole sequence
+        core = 0 if recompute == "selective" else \
+            a / cp * s_all * s_all * b * (e + d * (1 + e))
+    elif tiled or cp > 1:
+        core = 4 * a * s * b                 # the log-sum-exp rows, instead of T^2 scores
+    else:
+        core = 0 if recompute == "selective" else a * s * s * b * (e + d * (1 + e))
+    # Ulysses (minidist/cp/ulysses.py ulysses_attention) keeps what the ring keeps in another
+    # layout: the attention saves the exchanged q, k, v (B, s, 3h/(cp t)) where the ring's
+    # saves the local (B, s/cp, 3h/t), the same bytes, and c_proj saves its input (B, s/cp,
+    # h/t) either way. One more: the attention's own output in the heads layout (B, s,
+    # h/(cp t)), which its backward reads, beside the tokens-layout copy c_proj keeps: 1 sbh
+    # e/(cp t). Its log-sum-exp rows, (B, a/cp, s) float32, are the ring's (B, a, s/cp).
+    # Measured: 75.7 against 71.5 MB per rank at cp 2 (minidist/cp/README.md; the default
+    # model's 4 layers x S, S = 16 x 128 x 128 x 4 B = 1 MiB: 4.2 MB).
+    exchanged = s * b * h * e if ulysses else 0
+    return unsplit / k + split / t + core / t + exchanged / t
+
+
+def mlp_saved(config):
+    """What one MLP keeps per token for backward, in units of h: the activation's input and
+    fc2's (GELU: F + F = 8h; SwiGLU: 2F + F, its c_fc holding gate and up)."""
+    return (3 if config.llama else 2) * config.ffn_size / config.n_embd
+
+
+def head_activation_bytes(s, b, h, v, t=1, sp=False, e=2, dropout=True):
+    """Embedding dropout mask, final layer norm and output projection inputs, float32
+    logits for the cross-entropy: 4sbh/t (1 + v/h) at e = 2 with SP (Korthikanti 4.3)."""
+    k = t if sp else 1
+    return s * b * h * (int(bool(dropout)) + 2 * e) / k + 4 * s * b * v / t
+
+
+def stage_activations(config, layout, stage, s, b, dropout):
+    """Korthikanti's bill for one rank of `stage` (of `layout`, planner.Layout) under 1F1B."""
+    L, pp, e = config.n_layer, layout.pp, 2 if layout.amp else 4
+    layers = sum(1 for i in range(L) if i * pp // L == stage)
+    in_flight = pp - stage                                       # 1F1B warm-up depth
+    per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
+                                       layout.sp, layout.recompute, e, dropout,
+                                       layout.tiled, layout.cp,
+                                       layout.cp_attention == "ulysses", mlp_saved(config))
+    out = layers * in_flight * per_layer
+    moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
+    if moe and layout.recompute != "full":      # k experts per token, S shared ones (split)
+        extra = (config.moe_top_k - 1) * (1 + mlp_saved(config)) * s * b * config.n_embd * e \
+            / layout.tp \
+            + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1) \
+            + config.moe_shared * mlp_saved(config) * s * b * config.n_embd * e / layout.tp
+        out += moe * in_flight * extra / layout.cp                # this rank's tokens
+    if stage == pp - 1:
+        out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
+                                     layout.tp, layout.sp, e, dropout)
+    return out
+
+
+def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
+                              selective=False):
+    """What minidist's own single-process graph holds after forward (the ledger's measure):
+    the values its ops saved for backward, counted buffer by buffer (a graph holds no op's
+    output: minidist/autograd/tensor.py Node). Per block, e-byte inputs of the QKV, attention
+    projection, fc and fc2 matmuls (1 + 1 + 1 + 4 sbh), Q, K, V (3 sbh) and the GELU's input
+    (4 sbh): 14 sbh e; two layer norms' float32 xhat and rstd (and, in amp, their float32
+    weight); the attention probabilities (e bytes) and their 1-byte dropout mask; the two
+    residual dropouts' 1-byte masks. Then the int64 token and position ids and the embedding
+    dropout's mask; the final layer norm, the head's input and float32 softmax
+    probabilities, int64 targets, a 1-byte mask, the loss. Checkpointing keeps each block's
+    (B, T, C) input instead of its insides. A Llama-style block keeps its SwiGLU's [gate |
+    up] (2F) and fc2's input (F) for the MLP's 8 sbh (mlp_saved), its q, k and v with k and
+    v repeated to nh heads (the attention's input, 3 sbh, as GPT-2's), and RoPE's cos and
+    sin tables (s hs values, float32 under amp); it has no position ids. `selective`
+    (--attention recompute): no probabilities or attention mask kept (the backward computes
+    them again, minidist/autograd/attention.py Redo)."""
+    e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
+        config.n_layer
+    d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
+    sbh, sb = s * b * h, s * b
+    ln = sbh * 4 + sb * 4 + (h * 4 if amp else 0)    # xhat, rstd (float32), amp: weight
+    if ckpt:
+        per_layer = sbh * e
+    else:
+        core = 0 if selective else a * s * s * b * (e + d)       # P and its dropout mask
+        per_layer = (6 + mlp_saved(config)) * sbh * e + 2 * ln + core + d * 2 * sbh
+        per_layer += s * (h // a) * (4 if amp else e) if config.llama else 0   # RoPE tables
+    embed = 8 * sb + (0 if config.llama else 8 * s) + d * sbh
+    head = sbh * e + ln + sb * V * 4 + 8 * sb + sb + 4
+    return L * per_layer + embed + head
