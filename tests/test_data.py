@@ -67,14 +67,14 @@ def test_read_only_folder_caches_in_home_cache(tmp_path, monkeypatch):
 
 def test_batches_are_a_pure_function_of_seed_split_step(tmp_path):
     path = tmp_path / "input.txt"
-    path.write_bytes(bytes(range(256)) * 20)
+    path.write_bytes(bytes(range(1, 256)) * 20)              # (no NUL: a text file)
     data = TokenData(str(path), cache_dir=str(tmp_path / "c"))
     x, y = data.get_batch(1, "train", 5, batch_size=4, block_size=8)
     x2, y2 = TokenData(str(path), cache_dir=str(tmp_path / "c")).get_batch(1, "train", 5, 4, 8)
     assert x.shape == y.shape == (4, 8) and x.dtype == np.int64
     assert np.array_equal(x, x2) and np.array_equal(y, y2)
     assert np.array_equal(y[:, :-1], x[:, 1:])                  # y is x shifted by one
-    assert np.array_equal((x[:, 1:] - x[:, :-1]) % 256, np.ones((4, 7)))
+    assert np.array_equal((x[:, 1:] - x[:, :-1]) % 255, np.ones((4, 7)))
     assert not np.array_equal(x, data.get_batch(1, "train", 6, 4, 8)[0])
     assert not np.array_equal(x, data.get_batch(2, "train", 5, 4, 8)[0])
     assert not np.array_equal(x, data.get_batch(1, "val", 5, 4, 8)[0])
@@ -85,6 +85,21 @@ def test_default_corpus_is_the_stdlib_python_sources():
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
     assert "os.py" in files
+
+
+def test_binary_files_are_not_text(tmp_path):
+    """A file with NUL bytes (a checkpoint's safetensors, a token .bin, an image) given as
+    --data is refused by name; in a folder such files are left out (grep -I's rule), and a
+    folder of nothing else is refused saying so. (They trained as bytes of "text", and wrote
+    a .minidist-cache into a checkpoint folder.)"""
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00{}" + bytes(64))
+    with pytest.raises(DataError, match=r"model.safetensors: not a text file \(it holds NUL "
+                                        r"bytes\); give a text file"):
+        list_files(str(tmp_path / "model.safetensors"))
+    with pytest.raises(DataError, match=r"no text files found \(1 binary file\(s\) left out\)"):
+        list_files(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("some text\n")
+    assert list_files(str(tmp_path)) == (str(tmp_path), ["notes.txt"])
 
 
 def test_bad_data_is_a_clear_error(tmp_path):

@@ -59,25 +59,43 @@ def stdlib_root():
     return sysconfig.get_paths()["stdlib"]
 
 
+def is_text(path, probe=8192):
+    """Whether the file looks like text: no NUL byte in its first `probe` bytes (git's and
+    grep's test; a safetensors file, a .bin of tokens, an image have them early)."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(probe)
+
+
 def list_files(path=None):
-    """(root, sorted relative paths) of the text files to train on."""
+    """(root, sorted relative paths) of the text files to train on. A file given that is
+    not text (is_text) is refused; in a folder, such files are left out (as grep -I does),
+    and a folder with none left is refused, naming how many were binary."""
     if path is None:
         root, skip, suffix = stdlib_root(), {"site-packages", "dist-packages"}, ".py"
     else:
         if not os.path.exists(path):
             raise DataError(f"--data {path}: no such file or directory")
         if os.path.isfile(path):
+            if not is_text(path):
+                raise DataError(f"--data {path}: not a text file (it holds NUL bytes); give "
+                                "a text file, a folder of them, or a folder of token files "
+                                "(*.bin, as nanoGPT and llm.c write them)")
             return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
         root, skip, suffix = path, set(), ""
-    files = []
+    files, binary = [], 0
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
                          and x != "__pycache__")
         for n in sorted(names):
-            if not n.startswith(".") and n.endswith(suffix):
-                files.append(os.path.relpath(os.path.join(d, n), root))
+            if n.startswith(".") or not n.endswith(suffix):
+                continue
+            if path is not None and not is_text(os.path.join(d, n)):
+                binary += 1
+                continue
+            files.append(os.path.relpath(os.path.join(d, n), root))
     if not files:
-        raise DataError(f"--data {path or root}: no text files found")
+        raise DataError(f"--data {path or root}: no text files found"
+                        + (f" ({binary} binary file(s) left out)" if binary else ""))
     return root, sorted(files)
 
 
