@@ -16,7 +16,7 @@ sample.py finds it (--tokenizer DIR, else the folders the run named), so the fol
 A Mixture of Experts is refused: GPT-2's and Llama's formats have no experts.
 Tests: tests/test_token_files.py (test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run).
 """
-from minidist.launcher import set_thread_env, world_size_from_env
+from minidist.launcher import set_thread_env
 
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
@@ -31,7 +31,8 @@ from minidist.train.amp import bfloat16  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
 from minidist.train.bpe import (MERGES, VOCAB, BPETokenizer, TokenizerError,  # noqa: E402
                                 tokenizer_files)
-from minidist.train.cli import UsageError, check_out_folder, run_main  # noqa: E402
+from minidist.train.cli import (UsageError, check_one_process, check_out_folder,  # noqa: E402
+                               run_main)
 from minidist.train.data import DataError  # noqa: E402
 from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
 
@@ -92,8 +93,7 @@ def check_out(args):
 
 
 def main(args):
-    if world_size_from_env() > 1:
-        raise UsageError("export_gpt2.py runs on one process: run it without mpirun")
+    check_one_process("export_gpt2.py")
     config = model_config(args.resume)                  # state.json only: cheap
     if args.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
         raise UsageError("--dtype bfloat16 needs the ml_dtypes package (pip install ml_dtypes)")

@@ -41,7 +41,7 @@ from minidist.train.planner import GiB, Layout, stage_params         # noqa: E40
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
                                    no_layout_problem, search, train_flags)
 from minidist.train.args import example_parser  # noqa: E402
-from minidist.train.cli import run_main  # noqa: E402
+from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -234,6 +234,7 @@ def command(config, row, gpus, v):
 
 
 def main(argv=None):
+    check_one_process("plan.py")
     args = parse(argv)
     args.fp32 = args.fp32 or args.preset == "here"  # numpy emulates 16 bits: slower than 32
     problem = number_problem(args) or muon_problem(args)

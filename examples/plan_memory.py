@@ -25,7 +25,7 @@ from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa:
                                       model_text, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
 from minidist.train.args import example_parser  # noqa: E402
-from minidist.train.cli import run_main  # noqa: E402
+from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
 MEASURED = [
@@ -165,6 +165,7 @@ def measure(args):
 
 
 def main(argv=None):
+    check_one_process("plan_memory.py")
     p = parser()
     args = p.parse_args(argv)
     problem = measure_problem(args, p)

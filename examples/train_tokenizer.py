@@ -18,7 +18,7 @@ import time
 from minidist.train.args import example_parser
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.bpe_train import train_bpe, write_tokenizer
-from minidist.train.cli import UsageError, check_out_folder, run_main
+from minidist.train.cli import UsageError, check_one_process, check_out_folder, run_main
 from minidist.train.data import DataError, text_splits
 
 
@@ -48,6 +48,7 @@ def check_out(out):
 
 
 def main(args):
+    check_one_process("train_tokenizer.py")
     if args.vocab_size < 257 or args.vocab_size > 1 << 32:
         raise UsageError(f"--vocab-size {args.vocab_size}: from 257 (the 256 bytes and "
                          "<|endoftext|>) to 2^32")

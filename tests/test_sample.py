@@ -16,7 +16,7 @@ import pytest
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.split import Split
 from minidist.train.gather import whole_model
-from mpirun import ROOT, device_flags, mpi_env, mpiexec
+from mpirun import ROOT, device_flags, mpi_env, mpiexec, run_mpi
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "1", "--eval-every", "0", "--sample", "0",
@@ -104,10 +104,19 @@ def test_prompt_help_names_its_newline_default():
 
 
 @pytest.mark.mpi
-def test_sample_under_mpirun_is_one_error_line(tmp_path, mpi):
-    """mpirun -n 2 python examples/sample.py ...: every rank printed the whole sample; one
-    process samples, so it is one error line, exit 2 (checked before any checkpoint read)."""
-    out = mpi(2, "examples/sample.py", "--resume", tmp_path / "none", timeout=60, check=False)
+@pytest.mark.parametrize("script,flags", [
+    ("sample.py", ["--resume", "{tmp}/none"]),
+    ("export_gpt2.py", ["--resume", "{tmp}/none", "--out", "{tmp}/out"]),
+    ("train_tokenizer.py", ["--data", "{tmp}/none.txt", "--out", "{tmp}/tok"]),
+    ("plan.py", ["--params", "1e9", "--gpus", "8"]),
+    ("plan_memory.py", ["--params", "1e9", "--gpus", "8"])])
+def test_a_one_process_script_under_mpirun_is_one_error_line(tmp_path, script, flags):
+    """mpirun -n 2 python examples/sample.py ...: every rank printed the whole sample (and
+    train_tokenizer.py's ranks wrote one folder, the second refused it and exit 2; the
+    planners printed their table twice); a script that trains nothing runs on one process,
+    so it is one error line, exit 2 (cli.check_one_process, before any file is read)."""
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    out = run_mpi(2, f"examples/{script}", *flags, timeout=60, check=False)  # (no --device)
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
-    assert out.stderr == ("error: sample.py runs on one process, not 2: run `python "
-                          "examples/sample.py ...` without mpirun\n"), out.stderr
+    assert out.stderr == (f"error: {script} runs on one process, not 2: run `python "
+                          f"examples/{script} ...` without mpirun\n"), out.stderr

@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 
-from minidist.launcher import thread_env_problem
+from minidist.launcher import thread_env_problem, world_size_from_env
 from minidist.strategy import checkpoint_dirs
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
@@ -307,6 +307,16 @@ def _writable_folder(flag, path, folder):
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); "
                          "choose a path you can write to") from None
+
+
+def check_one_process(script):
+    """UsageError where a launcher started `script`, an examples/ script that trains nothing
+    (sampling, exporting, planning, training a tokenizer), on more than one rank: each
+    would do all of it, print all of it, and write over the others' files."""
+    n = world_size_from_env()
+    if n > 1:
+        raise UsageError(f"{script} runs on one process, not {n}: run `python examples/"
+                         f"{script} ...` without mpirun")
 
 
 def launcher_rank():
