@@ -47,11 +47,11 @@ from minidist import comm as minidist_comm
 from minidist.comm import trace
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 from minidist.nn import GPTConfig
-from minidist.launcher import world_size_from_env
+from minidist.launcher import launcher_rank, world_size_from_env
 from minidist.pp.schedule import SCHEDULES, bubble_fraction, measured_bubble
 from minidist.pp.strategy import pp_problems
 from minidist.train.args import add_model_args, arch_fields, train_parser
-from minidist.train.cli import UsageError, check_flags, launcher_rank
+from minidist.train.cli import UsageError, check_flags
 from minidist.train.loop import moe_fields
 from minidist.train.step import train_step
 from minidist.train.strategy import check_layout, make_strategy

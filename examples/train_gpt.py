@@ -17,25 +17,28 @@ before step 0. Ctrl-C stops every rank at the step boundary (saving it with --sa
 a loss that is not finite stops the run without saving. Text from a checkpoint:
 python examples/sample.py --resume ckpt --prompt "def ".
 """
-from minidist.launcher import set_thread_env, world_size_from_env
+from minidist.launcher import interrupted_while_loading, set_thread_env, world_size_from_env
 
 # BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).
 set_thread_env()
 
-import warnings  # noqa: E402
+try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is one line)
+    import warnings
 
-# mpi4py warns of a thread level it cannot read once per rank as it loads; the flag checks
-# name MPI4PY_RC_THREAD_LEVEL in the run's one error line instead
-warnings.filterwarnings("ignore", message="mpi4py.rc.thread_level")
+    # mpi4py warns of a thread level it cannot read once per rank as it loads; the flag
+    # checks name MPI4PY_RC_THREAD_LEVEL in the run's one error line instead
+    warnings.filterwarnings("ignore", message="mpi4py.rc.thread_level")
 
-from minidist import backend, comm  # noqa: E402
-from minidist.train.args import train_parser  # noqa: E402
-from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
-from minidist.train.cli import agree_on_flags, flag_problem, run_main  # noqa: E402
-from minidist.train.bpe import TokenizerError  # noqa: E402
-from minidist.train.data import DataError  # noqa: E402
-from minidist.train.loop import train  # noqa: E402
+    from minidist import backend, comm
+    from minidist.train.args import train_parser
+    from minidist.strategy.checkpoint import CheckpointError
+    from minidist.train.cli import agree_on_flags, flag_problem, run_main
+    from minidist.train.bpe import TokenizerError
+    from minidist.train.data import DataError
+    from minidist.train.loop import train
+except KeyboardInterrupt:
+    interrupted_while_loading()
 
 
 def main(args):

@@ -21,6 +21,7 @@ No launcher: rank 0 of 1. Importing this module sets nothing.
 Tests: tests/test_backend.py (each launcher's variables; threads per rank under mpiexec).
 """
 import os
+import sys
 
 # (local rank, ranks on this node) variables, in lookup order; Slurm's are read last because an
 # mpirun started inside an allocation sees both, and mpirun's are the ones that count.
@@ -32,6 +33,26 @@ _LOCAL_ENV = (
 _WORLD_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS")
+
+
+def launcher_rank():
+    """This process's rank in the job, from the launcher's environment (0 without one):
+    known before MPI starts, so an error found before any communication is printed once."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def interrupted_while_loading():
+    """Ctrl-C while an entry point loads numpy, MPI and the package, before run_main can take
+    it (minidist/train/cli.py): one line from rank 0 and exit status 130 on every rank,
+    without Python's teardown, which an MPI library loaded half-way turned into a traceback
+    per rank and a "BAD TERMINATION ... Segmentation fault" report."""
+    if launcher_rank() == 0:
+        print("interrupted (Ctrl-C) while starting: nothing trained, nothing saved",
+              file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def slurm_tasks_on_node(tasks_per_node, node_id):

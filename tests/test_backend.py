@@ -127,3 +127,23 @@ def test_threads_per_rank_under_mpiexec(tmp_path):
     rows = ast.literal_eval(line[len("threads"):])
     expected = max(1, backend.available_cores() // 4)
     assert rows == [((r, 4), expected) for r in range(4)], out
+
+
+@pytest.mark.parametrize("rank,says", [("0", "interrupted (Ctrl-C) while starting: nothing "
+                                             "trained, nothing saved\n"), ("1", "")])
+def test_ctrl_c_while_loading_is_one_line_exit_130(rank, says):
+    """examples/train_gpt.py's imports (numpy, MPI, the package) run before run_main can
+    take a Ctrl-C: their KeyboardInterrupt goes to launcher.interrupted_while_loading, one
+    line from rank 0, exit 130 with no teardown (it was a traceback per rank, then mpiexec's
+    BAD TERMINATION report of a segmentation fault)."""
+    import subprocess
+    import sys
+    code = ("from minidist.launcher import interrupted_while_loading\n"
+            "try:\n    raise KeyboardInterrupt\n"
+            "except KeyboardInterrupt:\n    interrupted_while_loading()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PMI_RANK": rank})
+    assert (out.returncode, out.stderr, out.stdout) == (130, says, "")
+    source = open(os.path.join(os.path.dirname(__file__), "..", "examples",
+                               "train_gpt.py")).read()
+    assert "except KeyboardInterrupt:\n    interrupted_while_loading()" in source

@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 
-from minidist.launcher import thread_env_problem, world_size_from_env
+from minidist.launcher import launcher_rank, thread_env_problem, world_size_from_env
 from minidist.strategy import checkpoint_dirs
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
@@ -317,15 +317,6 @@ def check_one_process(script):
     if n > 1:
         raise UsageError(f"{script} runs on one process, not {n}: run `python examples/"
                          f"{script} ...` without mpirun")
-
-
-def launcher_rank():
-    """This process's rank in the job, from the launcher's environment (0 without one):
-    known before MPI starts, so an error found before any communication is printed once."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def run_main(main, args, user_errors=()):
