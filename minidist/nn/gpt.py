@@ -33,6 +33,7 @@ from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
 from minidist.nn.moe import MoE
+from minidist.nn.moe_bias import RouterBias, moe_layers_of
 from minidist.nn.sampling import generate, sample
 
 
@@ -64,6 +65,7 @@ class GPT(Module):
         self.transformer = self.build_transformer(layers or DenseLayers(config, dtype))
         self.init_parameters(seed, dtype, weights)
         self.set_dropout_keys(DropoutKeys(seed))
+        self.set_router_bias(RouterBias(config))
         self.checkpointing = False
         self.block_hooks = BlockHooks()
 
@@ -122,6 +124,14 @@ class GPT(Module):
             if isinstance(m, Dropout):
                 seq = None if name.endswith(".attn_dropout") else 1    # (B, T, C)
                 m.rng = DropoutSite(keys, name, seq_axis=seq)
+
+    def set_router_bias(self, bias):
+        """Each MoE layer routes by its block's row of `bias`, a RouterBias of every MoE block
+        (minidist/nn/moe_bias.py: auxiliary-loss-free balancing; zeros until updated)."""
+        self.router_bias = bias
+        for block, m in moe_layers_of(self).items():
+            m.bias = bias.row(block)
+        return self
 
     # ---- the vocabulary padding stays inside the model --------------------------------------
     def state_dict(self):

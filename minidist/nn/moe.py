@@ -4,7 +4,8 @@ Dimensions as in block.py (B, T, C), plus N = B T tokens, E experts, k experts p
 M kept (token, expert) assignments.
 
     x (B, T, C) -> (N, C) -> router: logits = x W_r (N, E), probs = softmax(logits)
-    top-k:     each token's k most probable experts (slot 0 the most probable)
+    top-k:     each token's k most probable experts (slot 0 the most probable), ranked by
+               probs + bias where the layer has a bias (below)
     capacity:  each expert takes at most cap = ceil(f k T / E) tokens of each sequence
                (f = moe_capacity_factor; 0: no limit); past it an assignment is dropped, in
                GShard's priority order: every token's slot-0 choice in token order, then slot 1
@@ -31,11 +32,25 @@ and has the same losses: this is what makes the parallel runs exact. A sequence 
 positions per rank (sequence parallelism: `region`, context parallelism: `context`) needs
 the other ranks' choices and sums: minidist/nn/moe_split.py, the same code with `parts`.
 
+Auxiliary-loss-free balancing (--moe-bias-rate; Wang et al. 2024, DeepSeek-V3): `bias` (E,)
+is added to probs for the top-k choice only (`route`; the combine's weights stay probs), and
+each training forward adds its per-sequence `chosen` to `load`, which the loop sums over the
+global batch to move the bias after every step (minidist/nn/moe_bias.py). Where the bias
+lives: not as a Parameter, since every strategy's parameter machinery (DDP's buckets, ZeRO's
+flat shards, tensor-parallel splits, the optimizers) would carry, shard or step a thing no
+gradient trains, but as a host table of every block's bias (moe_bias.RouterBias, the GPT's,
+the same bits on every rank, each MoE layer a view of its row), saved with the run's state
+beside the parameters: the meta's "rng" dict, where the dropout keys' step is, which every
+strategy's save writes from its writing rank and every rank reads back (_run_state in
+minidist/train/loop.py). So a checkpoint holds it in one layout-free form: a resume is
+bit-identical (JSON keeps a float64 exact), any other layout reads it as it is, and one from
+before it (or a dense model's) starts the bias at 0. examples/sample.py routes by it too.
+
 Expert parallelism (minidist/ep/) keeps only this rank's experts (`keep_experts`) and sets
 `exchange`, which carries the (M, C) expert inputs to the experts' ranks and the outputs back
 (all-to-all); the routing and the combine stay here, the same code in both.
 Tests: tests/test_moe.py (float64 gradchecks, routing and dropping, losses);
-tests/scripts/ep_check.py (SP and CP runs against one process).
+tests/scripts/ep_check.py (SP and CP runs against one process); tests/test_moe_bias.py.
 """
 import math
 from dataclasses import replace
@@ -43,7 +58,7 @@ from dataclasses import replace
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Function, Tensor
+from minidist.autograd import Function, Tensor, is_grad_enabled
 from minidist.autograd import fused as F
 from minidist.autograd.indexing import concat, scatter_add_rows, where
 from minidist.nn.layers import Dropout, Linear
@@ -80,14 +95,18 @@ def capacity(T, E, k, factor):
     return T if factor <= 0 else min(T, math.ceil(factor * k * T / E))
 
 
-def route(probs, k, cap, T, parts=None):
+def route(probs, k, cap, T, parts=None, bias=None):
     """probs (N, E) host array, N = B T -> Routing (top-k, then capacity `cap` per sequence
     and expert, GShard's priority: slot-major, token-minor). `parts` (moe_split.py): the T
     tokens here are some positions of longer sequences; the choices of the others are
-    gathered so that the priority runs over the whole sequence, as in one process."""
+    gathered so that the priority runs over the whole sequence, as in one process.
+    `bias` (E,) host float64 or None: each token's k experts are the top-k of probs + bias
+    (moe_bias.py), slot 0 the highest, so the capacity's priority follows the biased choice;
+    the combine's weights stay probs (MoE.forward reads them, not the scores)."""
     N, E = probs.shape
     B = N // T
-    top = np.argsort(-probs, axis=1, kind="stable")[:, :k].reshape(B, T, k)
+    scores = probs if bias is None else probs + bias                    # (N, E)
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k].reshape(B, T, k)
     top = top.astype(choice_dtype(E))                                  # (B, T, k) expert ids
     whole = top if parts is None else parts.gather(top)                # (B, Tg, k)
     Tg = whole.shape[1]
@@ -178,7 +197,9 @@ class MoE(Module):
     """E experts (`make_expert(config, dtype)`, block.py's MLP, built without dropout) behind a
     router; the MLP of a MoE block. Parameters: router.weight (C, E), experts.<e>.c_fc /
     c_proj (e global), and with `shared_expert` (an MLP, its own dropout) its c_fc / c_proj.
-    `dropout`: the experts' (expert_dropout), its rng set by GPT."""
+    `dropout`: the experts' (expert_dropout), its rng set by GPT. `bias`: the routing bias
+    (module docstring), set by GPT; `load`: the assignments per expert, before dropping, of
+    the training forwards since moe_bias.global_loads last took them."""
     exchange = None     # expert parallelism's ExpertExchange (minidist/ep/exchange.py), or None
     region = None       # tensor parallelism's TensorParallelRegion (set by TensorParallelGPT)
     context = None      # context parallelism's RingContext (set by minidist/cp/context.py)
@@ -196,6 +217,8 @@ class MoE(Module):
         self.aux_coef, self.z_coef = config.moe_aux_loss_coef, config.moe_z_loss_coef
         self.local = list(range(E))     # the experts this rank holds (all, on one process)
         self.aux_loss = self.z_loss = self.routing = None     # from the last forward
+        self.bias = None                # (E,): a view of the GPT's RouterBias row, or None
+        self.load = np.zeros(E, dtype=np.int64)     # chosen per expert since last taken
 
     def keep_experts(self, ids):
         """Drop every expert not in `ids` (expert parallelism: this rank's share)."""
@@ -216,8 +239,12 @@ class MoE(Module):
         # the one host read of an MoE layer's forward: the routing decides the shapes (tokens
         # per expert), which the host needs to slice, launch and exchange (a GPU-side routing
         # with fixed-capacity buffers would remove it: minidist/train/README.md)
-        r = route(backend.host_read(probs.data, "moe routing"), self.top_k, cap, T, parts)
+        r = route(backend.host_read(probs.data, "moe routing"), self.top_k, cap, T, parts,
+                  self.bias)
         self.routing = r
+        if self.training and is_grad_enabled():   # the forward backward follows: once per
+            self.load += r.chosen.sum(axis=0)     # micro-batch (a checkpointed block's first
+                                                  # run records no graph, its recompute does)
         self.aux_loss, self.z_loss = self.losses(probs, logits, r.chosen, parts)
         xp = backend.xp_of(x.data)
         token, expert = xp.asarray(r.token), xp.asarray(r.expert)

@@ -8,8 +8,9 @@ verified on load, one code path for every strategy.
     optimizer_state  the optimizer's state_dict(): {"groups": [...], "state": {name: {key:
                      array or scalar}}}
     meta             {"step": steps done, "config": GPTConfig.to_dict(), "dtype", "optimizer":
-                     its class name, "rng": {"dropout": the dropout keys' state_dict},
-                     "extra": the run's flags}
+                     its class name, "rng": the run's state beside the arrays, {"dropout":
+                     the dropout keys' state_dict, "moe_bias": the MoE routers' biases
+                     (minidist/nn/moe_bias.py)}, "extra": the run's flags}
 
 `directory` is a --save directory: each save is a new numbered folder and a `latest` pointer
 (minidist/strategy/checkpoint_dirs.py). One checkpoint folder holds

@@ -11,7 +11,8 @@ from. Every strategy's checkpoint is read back by parameter name into whole arra
     a GPT-2 folder                   config.json + model.safetensors (minidist/nn/pretrained.py)
 
 Under --amp the float32 master weights are taken where the checkpoint holds them (the 16-bit
-parameters are their rounded copies). Every file is verified as --resume verifies it.
+parameters are their rounded copies). An MoE model's router biases are the meta's
+(`router_bias`). Every file is verified as --resume verifies it.
 Tests: tests/test_sample.py.
 """
 import json
@@ -63,6 +64,18 @@ def whole_model(path):
     params, opt_state, meta = checkpoint.load(folder)
     what = f"step {meta['step']} of {folder}"
     return _config(meta, folder), _masters(params, opt_state["state"]), what
+
+
+def router_bias(path):
+    """The MoE routers' biases the checkpoint `path` holds ({block: [E floats]}, in its meta's
+    "rng": minidist/nn/moe_bias.py), for RouterBias.load_state_dict; {} for a GPT-2 folder,
+    a dense model or a checkpoint from before them (their biases are 0). Read from the record
+    whole_model verified."""
+    path = _existing(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return {}
+    folder = checkpoint.record_folder(checkpoint_dirs.resolve(path))
+    return checkpoint.read_record(folder).get("rng", {}).get("moe_bias", {})
 
 
 def _existing(path):

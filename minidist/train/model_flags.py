@@ -36,7 +36,7 @@ def check_arch(args):
 
 
 MOE_FLAGS = ("moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_loss_coef",
-             "moe_z_loss_coef", "moe_shared")
+             "moe_z_loss_coef", "moe_shared", "moe_bias_rate")
 
 
 def check_moe(args):
@@ -50,7 +50,8 @@ def check_moe(args):
         defaults = train_parser()
         weights = getattr(args, "resume", None) or getattr(args, "init_from", None)
         for name in MOE_FLAGS:                  # a flag that would do nothing: refused
-            if getattr(args, name) != defaults.get_default(name):
+            value = getattr(args, name, None)   # (a planner's flags have no --moe-bias-rate)
+            if value is not None and value != defaults.get_default(name):
                 flag = "--" + name.replace("_", "-")
                 fix = (f"the model of {weights} is dense: leave {flag} out" if weights else
                        f"add --moe-experts E, 2 or more, or leave {flag} out")
@@ -65,7 +66,8 @@ def check_moe(args):
                          f"--n-layer {args.n_layer}")
     if args.moe_shared < 0:
         raise UsageError(f"--moe-shared {args.moe_shared}: shared experts, 0 or more")
-    for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef"):
-        value = getattr(args, flag[2:].replace("-", "_"))
+    for flag in ("--moe-capacity-factor", "--moe-aux-loss-coef", "--moe-z-loss-coef",
+                 "--moe-bias-rate"):
+        value = getattr(args, flag[2:].replace("-", "_"), 0)      # (a planner: no bias rate)
         if value < 0:
             raise UsageError(f"{flag} {value}: must not be negative")

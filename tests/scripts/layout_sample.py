@@ -90,6 +90,8 @@ def candidate(rng, ranks):
         f["--moe-shared"] = 1
     if rng.random() < 0.3:                # drawn last: Muon for the blocks' matrices
         f["--optimizer"] = "muon"
+    if moe and rng.random() < 0.4:        # drawn last: auxiliary-loss-free balancing
+        f["--moe-bias-rate"] = 0.01       # (10 x DeepSeek-V3's: it moves routing in 3 steps)
     return {k: v for k, v in f.items() if v is not None and v is not False}
 
 
@@ -138,6 +140,7 @@ def _traits(flags):
     out += ["--attention recompute"] if flags.get("--attention") == "recompute" else []
     out += ["--moe-shared"] if "--moe-shared" in flags else []
     out += ["--optimizer muon"] if flags.get("--optimizer") == "muon" else []
+    out += ["--moe-bias-rate"] if "--moe-bias-rate" in flags else []
     return sorted(out)
 
 

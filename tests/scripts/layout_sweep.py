@@ -11,7 +11,8 @@ The layouts: tests/scripts/layout_sample.py. Each runs examples/train_gpt.py und
 process with the same model, data, dropout, MoE and --amp flags (`reference_flags`), run
 once per distinct setting. Compared (`differences`): each step's loss and gradient norm, the
 final val loss, and every parameter of the saved checkpoint read back whole
-(minidist/train/gather.py whole_model; --amp: the float32 masters). float64 runs are held to
+(minidist/train/gather.py whole_model; --amp: the float32 masters) and the MoE routers'
+biases (`router_bias`, --moe-bias-rate). float64 runs are held to
 TOL; --amp computes in 16 bits, so its runs are held to AMP_TOL (a few float16 roundings;
 --amp-dtype bfloat16: BF16_TOL, eight times wider as its unit roundoff is;
 `compare`), and the sweep prints beside them what merely reordering the same sums on one
@@ -43,7 +44,7 @@ BF16_TOL = {k: 8 * t for k, t in AMP_TOL.items()}        # 2^-8 against float16'
 REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor",
        "--moe-every", "--moe-aux-loss-coef", "--moe-z-loss-coef", "--moe-shared", "--amp",
        "--no-bias", "--arch", "--n-kv-head", "--rope-theta", "--ffn-hidden", "--optimizer",
-       "--muon-momentum", "--muon-ns-steps")
+       "--muon-momentum", "--muon-ns-steps", "--moe-bias-rate")
 
 
 def reference_flags(flags):
@@ -78,19 +79,24 @@ def differences(ref, got):
     """{what: the largest relative difference} of a run against its reference: each step's
     loss and gradient norm (before clipping: AdamW alone would hide a gradient off by a
     constant factor), the final val loss, every parameter's entries relative to its largest
-    entry (`params`), and the whole model's L2 distance relative to its norm (`params_l2`)."""
+    entry (`params`), the whole model's L2 distance relative to its norm (`params_l2`), and
+    the MoE routers' biases, absolute (`router_bias`: multiples of the rate, often 0)."""
     rel = lambda a, b: float(np.max(np.abs(np.subtract(a, b)) / np.abs(b)))  # noqa: E731
     if len(got["losses"]) != len(ref["losses"]) or set(got["params"]) != set(ref["params"]):
         return {"shape": float("inf")}
     names = sorted(ref["params"])
     flat = [np.concatenate([d[n].ravel().astype(np.float64) for n in names])
             for d in (got["params"], ref["params"])]
+    if set(got["biases"]) != set(ref["biases"]):
+        return {"router_bias_blocks": float("inf")}
+    bias = [np.array([d["biases"][b] for b in sorted(ref["biases"])]) for d in (got, ref)]
     return {"loss": rel(got["losses"], ref["losses"]),
             "grad_norm": rel(got["norms"], ref["norms"]),
             "val_loss": rel(got["val_loss"], ref["val_loss"]),
             "params": max(float(np.max(np.abs(got["params"][n] - p)) / np.max(np.abs(p)))
                           for n, p in ref["params"].items()),
-            "params_l2": float(np.linalg.norm(flat[0] - flat[1]) / np.linalg.norm(flat[1]))}
+            "params_l2": float(np.linalg.norm(flat[0] - flat[1]) / np.linalg.norm(flat[1])),
+            "router_bias": float(np.max(np.abs(bias[0] - bias[1]), initial=0.0))}
 
 
 def compare(ref, got, amp=False, moe=False):
@@ -138,7 +144,7 @@ class Sweep:
         """Train one layout (ranks 1: one process, no mpiexec) with `extra` flags, saving to
         workdir/name: {rc, stdout, stderr} and, if it ran, its losses and gradient norms, the
         final val loss and the saved parameters, whole."""
-        from minidist.train.gather import whole_model
+        from minidist.train.gather import router_bias, whole_model
         log, ck = (os.path.join(self.workdir, name + e) for e in (".jsonl", ""))
         args = [*BASE, *argv(flags), "--data", self.data, "--cache-dir",
                 os.path.join(self.workdir, "cache"), "--log-json", log, "--save", ck, *extra]
@@ -157,6 +163,8 @@ class Sweep:
             out["norms"] = [r["grad_norm"] for r in rows if "grad_norm" in r]
             out["val_loss"] = [r["val_loss"] for r in rows if r.get("final")][0]
             out["params"] = whole_model(ck)[1]
+            out["biases"] = router_bias(ck)
+            out["rows"] = rows
         return out
 
     def reference(self, flags):
@@ -224,8 +232,9 @@ class Sweep:
         """(bit-identical?, what differs): the layout stopped after step 2 with --save
         (--stop-at 2), then resumed from that checkpoint in the same layout, against the
         uninterrupted run `straight`: step 3's loss and norm, the val loss, every parameter
-        saved at the end, all bit for bit (the checkpoint holds the parameters, the
-        optimizer state, the dropout keys' step; batches depend on (seed, step) alone)."""
+        saved at the end and the MoE routers' biases, all bit for bit (the checkpoint holds
+        the parameters, the optimizer state, the dropout keys' step and the biases; batches
+        depend on (seed, step) alone)."""
         name = f"stop{self.runs}"
         first = self.run(ranks, flags, name, ["--stop-at", "2"])
         if first["rc"]:
@@ -238,7 +247,8 @@ class Sweep:
                 "norm": back["norms"] == straight["norms"][2:],
                 "val_loss": back["val_loss"] == straight["val_loss"],
                 "params": all(np.array_equal(p, straight["params"][n])
-                              for n, p in back["params"].items())}
+                              for n, p in back["params"].items()),
+                "router_bias": back["biases"] == straight["biases"]}
         return all(same.values()), "same" if all(same.values()) else \
             "differs: " + ", ".join(k for k, v in same.items() if not v)
 
