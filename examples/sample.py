@@ -17,7 +17,7 @@ The prompt and its continuation go to stdout (control characters escaped), the l
 what was loaded to stderr. --temperature 0 is greedy; the same --seed gives the same text.
 Tests: tests/test_sample.py.
 """
-from minidist.launcher import set_thread_env, world_size_from_env
+from minidist.launcher import set_thread_env
 
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
@@ -29,10 +29,11 @@ from minidist import backend  # noqa: E402
 from minidist.nn import GPT  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
-from minidist.train.cli import UsageError, check_device, printable, run_main  # noqa: E402
+from minidist.train.cli import (UsageError, check_device, check_one_process,  # noqa: E402
+                               printable, run_main)
 from minidist.train.bpe import TokenizerError  # noqa: E402
 from minidist.train.data import ByteTokenizer, DataError  # noqa: E402
-from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
+from minidist.train.gather import model_config, router_bias, run_flags, whole_model  # noqa: E402
 from minidist.train.token_files import tokenizer_in  # noqa: E402
 
 
@@ -62,9 +63,7 @@ def sample_parser():
 
 
 def check(args):
-    if world_size_from_env() > 1:          # every rank would print the whole sample
-        raise UsageError(f"sample.py runs on one process, not {world_size_from_env()}: run "
-                         "`python examples/sample.py ...` without mpirun")
+    check_one_process("sample.py")         # every rank would print the whole sample
     if args.tokens < 1:
         raise UsageError(f"--tokens {args.tokens}: must be at least 1")
     if not 0 <= args.temperature < math.inf:
@@ -118,6 +117,7 @@ def main(args):
     dtype = "float64" if any(str(a.dtype) == "float64" for a in params.values()) else "float32"
     model = GPT(config, seed=0, dtype=dtype)
     model.load_state_dict(params)
+    model.router_bias.load_state_dict(router_bias(args.resume))    # MoE: how it routes
     print(f"sampling {args.tokens} tokens from {what}: {model.num_parameters():,} parameters, "
           f"{dtype} on {backend.device()}", file=sys.stderr, flush=True)
     out = model.generate(idx, args.tokens, temperature=args.temperature,

@@ -255,7 +255,8 @@ def test_amp_resume_is_bit_identical(corpus, tmp_path):
 def test_a_resume_takes_the_16_bit_type_and_names_another_amp_dtype(corpus, tmp_path, capsys):
     """A bfloat16 --amp checkpoint resumed with --amp alone computes in bfloat16 (not this
     device's default, float16 on numpy, which the checkpoint's dtype refused); resumed with
-    --amp-dtype float16 it is refused naming that flag."""
+    --amp-dtype float16 it is refused naming that flag, and a float32 one with --amp naming
+    --amp (it was "checkpoint config mismatch ... MasterWeightOptimizer here")."""
     from minidist.train.cli import UsageError, check_flags
     ck = str(tmp_path / "ck")
     _train(corpus, tmp_path, "--steps", "4", "--amp", "--amp-dtype", "bfloat16", "--save", ck,
@@ -270,6 +271,11 @@ def test_a_resume_takes_the_16_bit_type_and_names_another_amp_dtype(corpus, tmp_
     capsys.readouterr()
     rows, _ = _train(corpus, tmp_path, "--steps", "4", "--amp", "--amp-dtype", "bfloat16",
                      "--resume", ck)
+    full = str(tmp_path / "full")                      # and a float32 one: --amp by name
+    _train(corpus, tmp_path, "--steps", "4", "--save", full, "--stop-at", "2")
+    with pytest.raises(UsageError, match=r"^--amp: --resume .* was trained in float32, "
+                                         r"without --amp; leave --amp out"):
+        check_flags(train_parser().parse_args(["--amp", "--resume", full]))
     assert "mixed precision: bfloat16 compute" in capsys.readouterr().out
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
 

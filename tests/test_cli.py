@@ -323,6 +323,7 @@ def test_ddp_flags_with_one_replica_are_refused(ranks, flags, refused):
      "(mpirun -n N), or leave --trace out)"),
     (1, ["--comm", "mpi"], "--comm mpi: sets the collectives' algorithm"),
     (1, ["--sync-comm"], "--sync-comm: sets where the collectives run"),
+    (1, ["--comm-timeout", "5"], "--comm-timeout 5.0: sets how long a collective may wait"),
     (1, ["--zero", "1", "--trace", "t.json"], None),   # ZeRO over one rank: a group, a trace
     (2, ["--trace", "t.json", "--comm", "mpi"], None),
 ])
@@ -527,6 +528,13 @@ RUNS = [
     ("--resume auto continues it", 1, [["--save", "{ck}", "--steps", "2"]],
      ["--save", "{ck}", "--resume", "auto"], 0,
      ["at step 2", "step     3/3", "saved step 3 to {ck}"], []),
+    ("--resume auto on an empty --save says it starts fresh", 1, [],
+     ["--save", "{ck}", "--resume", "auto"], 0,
+     ["--resume auto: no checkpoint in {ck} yet: starting at step 0", "step     3/3"], []),
+    ("--muon-* on an AdamW checkpoint names it", 1, [["--save", "{ck}", "--steps", "2"]],
+     ["--resume", "{ck}", "--muon-momentum", "0.9"], 2,
+     ["error: --muon-momentum 0.9: sets Muon's momentum, which this run does not use "
+      "(--resume {ck}", "was trained with adamw, which a resumed run keeps"], []),
     ("--resume older, --save newer is refused", 1,
      [["--save", "{old}", "--steps", "1"], ["--save", "{ck}"]],
      ["--resume", "{old}", "--save", "{ck}"], 2,
@@ -665,3 +673,15 @@ def test_every_flag_of_every_example_has_a_help_text():
                         and "help" not in {k.arg for k in node.keywords}):
                     missing.append(f"{path}:{node.lineno}")
     assert not missing, f"flags without help= (their default is not shown): {missing}"
+
+
+@pytest.mark.parametrize("flags,unknown", [(["--seq", "256"], "--seq 256"),
+                                           (["--step", "3"], "--step 3"),
+                                           (["--opt", "muon"], "--opt muon")])
+def test_a_flag_is_not_taken_for_its_abbreviation(flags, unknown, capsys):
+    """argparse's prefixes are off (args.Parser): plan.py's --seq was read as
+    --sequence-parallel (the error named a stray 256), and --step 3 ran as --steps 3."""
+    with pytest.raises(SystemExit) as e:
+        train_parser().parse_args(flags)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: unrecognized arguments: {unknown} (")

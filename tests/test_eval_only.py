@@ -78,11 +78,13 @@ def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layo
     The one-process checkpoint read into 2 ranks' layout: its val loss to 1e-12 (float64)."""
     ck, summary, data = trained
     log = tmp_path / "log.jsonl"
-    mpi(2, "examples/train_gpt.py", "--resume", ck, "--eval-only", "--batch-size", "4",
-        "--eval-iters", "3", "--sample", "0", "--log-json", str(log), *layout, *data,
-        timeout=180)
+    out = mpi(2, "examples/train_gpt.py", "--resume", ck, "--eval-only", "--batch-size", "4",
+              "--eval-iters", "3", "--sample", "0", "--log-json", str(log), *layout, *data,
+              timeout=180).stdout
     row = json.loads(open(log).read().splitlines()[-1])
     assert row["eval_only"] and abs(row["val_loss"] - summary["val_loss"]) < 1e-12
+    for per_step in ("per step", "memory table", "in flight"):   # no training's summary:
+        assert per_step not in out, out                       # it printed 0.00 MiB per step
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -112,6 +114,8 @@ def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path, monkeypatch
     (["--attention", "recompute"], r"^--attention recompute: sets what the attention's "),
     (["--save-every", "2"], r"^--save-every 2: sets steps between checkpoints, which this "
      r"run does not use \(drop --eval-only"),
+    (["--dropout", "0.5"], r"^--dropout 0.5: sets the training's dropout \(an evaluation "
+     r"drops nothing\), which this run does not use"),
 ])
 def test_a_training_flag_is_refused_by_name(trained, flag, says):
     """Every flag only training reads (the learning rate's, the steps', --save...) is

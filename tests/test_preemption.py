@@ -63,3 +63,54 @@ def test_sigterm_saves_and_exits_75_then_resume_continues(corpus, tmp_path, rank
                              env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"at step {done[-1] + 1}" in resumed.stdout
+
+
+def _interrupt_when(cmd, out_path, text, timeout=60):
+    """Start `cmd` with its stdout in out_path; Ctrl-C its whole job once `text` is there."""
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while text not in open(out_path).read():
+            assert proc.poll() is None and time.time() < deadline, open(out_path).read()[-2000:]
+            time.sleep(0.2)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)      # what mpiexec forwards on Ctrl-C
+        proc.wait(timeout=60)                   # not the 10^6 val batches' time
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, open(out_path).read()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_path, ranks,
+                                                                 device):
+    """An evaluation asks the ranks before each val batch whether any was signalled: a
+    Ctrl-C during a long one (10^6 batches) saves the step it follows and exits 130 at once,
+    where it used to finish the evaluation, train a step more, then stop; --eval-only's
+    evaluation likewise ends, nothing to save, 130 (it used to exit 0 after it)."""
+    save = str(tmp_path / "ck")
+    flags = [*TINY, *device_flags(device), "--data", corpus, "--cache-dir",
+             str(tmp_path / "cache")]
+    flags[flags.index("--eval-iters") + 1] = "1000000"
+    del flags[flags.index("--eval-every"):flags.index("--eval-every") + 2]
+    launcher = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    train = [*launcher, sys.executable, "examples/train_gpt.py", *flags]
+    rc, out = _interrupt_when([*train, "--steps", "6", "--eval-every", "2", "--save", save],
+                              str(tmp_path / "out.txt"), "evaluating on 1000000 val batches")
+    assert rc == 130, out[-2000:]
+    assert "interrupted (Ctrl-C) after step 2 (its evaluation cut): saved to " in out, out
+    assert "step     3/6" not in out and out.count("interrupted") == 1
+    if ranks > 1:
+        return
+    rc, out = _interrupt_when([sys.executable, "examples/train_gpt.py", *device_flags(device),
+                               "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+                               "--eval-iters", "1000000", "--sample", "0", "--resume", save,
+                               "--eval-only"],
+                              str(tmp_path / "eval.txt"), "resumed from")
+    assert rc == 130, out[-2000:]
+    assert "interrupted (Ctrl-C) during the evaluation at step 2: nothing evaluated, " \
+        "nothing saved" in out, out

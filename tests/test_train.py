@@ -176,7 +176,8 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
                                                               capsys):
     """`--resume ck --steps N` alone continues the run the checkpoint holds: its --lr,
     --batch-size, --grad-accum, --warmup, --weight-decay, --grad-clip, --seed (RUN_RESUMED),
-    not this parser's defaults; one given is the run's, and the resume notes it."""
+    not this parser's defaults; one given is the run's, and the resume notes it (--dropout
+    too, which a resume may change)."""
     from minidist.train.cli import check_flags
     from minidist.train.inputs import RUN_RESUMED
     run = ["--lr", "1e-3", "--batch-size", "8", "--grad-accum", "2", "--warmup", "1",
@@ -193,17 +194,18 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
     check_flags(resumed)
     assert {n: getattr(resumed, n) for n in RUN_RESUMED} == {
         "seed": 7, "batch_size": 8, "grad_accum": 2, "lr": 1e-3, "min_lr": None, "warmup": 1,
-        "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5}
+        "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5,
+        "moe_bias_rate": 0.0}
     capsys.readouterr()
     train(resumed)
     assert "note:" not in capsys.readouterr().out
     assert [r["loss"] for r in _rows(tmp_path / "r.jsonl")[:-1]] == \
         [r["loss"] for r in _rows(straight)[3:6]]
-    given = train_parser().parse_args(bare + ["--lr", "2e-3"])
+    given = train_parser().parse_args(bare + ["--lr", "2e-3", "--dropout", "0.1"])
     check_flags(given)
     assert given.lr == 2e-3 and given.batch_size == 8
     train(given)
-    assert "(note: lr changed, so the run will differ" in capsys.readouterr().out
+    assert "(note: dropout, lr changed, so the run will differ" in capsys.readouterr().out
 
 
 def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,

@@ -199,6 +199,7 @@ class MixedPrecision:
                 else None
             device = f"; not bfloat16: {problem}" if problem else ""
         return (f"mixed precision: {self.dtype} compute, float32 master weights and "
-                f"optimizer state (2+2+12 bytes per parameter with AdamW), {scaling}; steps "
+                f"optimizer state (2+2+12 bytes per parameter with AdamW, 2+2+8 for Muon's "
+                f"matrices outside ZeRO), {scaling}; steps "
                 f"with inf/nan "
                 f"gradients are skipped{device}")

@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-from minidist.train.cli import device_problem, launcher_rank
+from minidist.launcher import launcher_rank
+from minidist.train.cli import device_problem
 
 
 class Given(argparse.Action):
@@ -66,7 +67,7 @@ def add_model_args(p):
                    help="the norms' epsilon (GPT-2's and Llama 2's: 1e-5)")
     g.add_argument("--batch-size", type=int, default=16, action=Given,
                    help="global batch, in sequences")
-    add_moe_args(p)
+    add_moe_bias_arg(add_moe_args(p))
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when CuPy sees a GPU, else cpu")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32", action=Given,
@@ -105,6 +106,17 @@ def add_moe_args(p):
                    "(DeepSeekMoE), as one MLP S x the experts' width; split by --tp as a "
                    "dense MLP")
     return g
+
+
+def add_moe_bias_arg(g):
+    """--moe-bias-rate, in the MoE group `g` of training's flags only (a planner, which shares
+    add_moe_args, prices no bias update: minidist/nn/moe_bias.py)."""
+    g.add_argument("--moe-bias-rate", type=float, default=0.0, metavar="GAMMA", action=Given,
+                   help="auxiliary-loss-free balancing (DeepSeek-V3: 0.001, with "
+                   "--moe-aux-loss-coef 0 or a small one): each block's per-expert bias, "
+                   "added to the router's probabilities to pick the experts (not to weight "
+                   "them), moves by GAMMA after every step: up for an expert below the mean "
+                   "load of the step's global batch, down above it; 0: not updated")
 
 
 def add_parallel_args(p):
@@ -278,7 +290,12 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors as every other user error (minidist/train/cli.py): one
-    `error:` line from the launcher's rank 0 only, exit status 2, no usage block per rank."""
+    `error:` line from the launcher's rank 0 only, exit status 2, no usage block per rank;
+    and no abbreviations: `--seq 256` (plan.py's flag) is an unknown --seq, not
+    --sequence-parallel with a stray 256, and `--step 3` does not run as --steps 3."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         if launcher_rank() == 0:

@@ -29,6 +29,7 @@ def idle_flags(args, replicas=None, ranks=None):
             ("weight_decay", "the weight decay"), ("grad_clip", "the gradients' clip"),
             ("muon_momentum", "Muon's momentum"),
             ("muon_ns_steps", "Muon's Newton-Schulz iterations"),
+            ("moe_bias_rate", "how fast the MoE routers' biases move"),
             ("eval_every", "the steps between evaluations"),
             ("log_every", "the steps between log lines"),
             ("ckpt_activations", "what backward recomputes"),
@@ -36,14 +37,19 @@ def idle_flags(args, replicas=None, ranks=None):
             ("schedule", "the pipeline's training schedule"),
             ("overlap_param_gather", "when ZeRO waits for the updated parameters"),
             ("save", "where to save"), ("save_every", "steps between checkpoints"),
+            ("trace", "the file the training's collectives are traced to"),
             ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
         if args.attention == "recompute":
             idle.append(("--attention", "what the attention's backward recomputes", drop))
+        if "dropout" in getattr(args, "given", []):   # (a checkpoint's, taken, is no flag)
+            idle.append(("--dropout", "the training's dropout (an evaluation drops nothing)",
+                         drop))
     if ranks == 1 and not args.zero:          # one process, no group: nothing is sent
         alone = "one process sends nothing: run more ranks (mpirun -n N)"
         idle += [("--trace", "the file the collectives' trace is written to", alone),
                  ("--comm", "the collectives' algorithm", alone),
-                 ("--sync-comm", "where the collectives run", alone)]
+                 ("--sync-comm", "where the collectives run", alone),
+                 ("--comm-timeout", "how long a collective may wait", alone)]
     if args.pp == 1:
         idle += [("--schedule", "the pipeline schedule", "add --pp 2 or more"),
                  ("--pp-virtual", "layer chunks per pipeline rank", "add --pp 2 or more")]
@@ -62,9 +68,10 @@ def idle_flags(args, replicas=None, ranks=None):
         idle.append(("--decay-steps", "the steps of warmup-stable-decay's final decay",
                      "add --lr-schedule wsd"))
     if args.optimizer != "muon" and not getattr(args, "eval_only", False):
-        idle += [("--muon-momentum", "Muon's momentum", "add --optimizer muon"),
-                 ("--muon-ns-steps", "Muon's Newton-Schulz iterations",
-                  "add --optimizer muon")]
+        muon = (f"--resume {args.resume} was trained with {args.optimizer}, which a resumed "
+                "run keeps" if getattr(args, "resume", None) else "add --optimizer muon")
+        idle += [("--muon-momentum", "Muon's momentum", muon),
+                 ("--muon-ns-steps", "Muon's Newton-Schulz iterations", muon)]
     if not args.save:
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),

@@ -110,7 +110,7 @@ EVALUATED_AS = ("seed", "batch_size", "eval_iters")
 # (so `--resume ck --steps N` continues that run, not one at this parser's defaults); one
 # given with another value is the run's, and the "resumed from" line notes the change
 RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr_schedule",
-               "decay_steps", "weight_decay", "grad_clip")
+               "decay_steps", "weight_decay", "grad_clip", "moe_bias_rate")
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
@@ -255,6 +255,10 @@ def take_resume_model(args):
         if "dtype" in given and args.dtype != dtype:
             raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "
                              "leave --dtype out")
+        if args.amp:             # its state is a float32 optimizer's, not --amp's masters'
+            raise UsageError(f"--amp: --resume {folder} was trained in {dtype}, without "
+                             "--amp; leave --amp out (a resumed run takes its precision from "
+                             "the checkpoint)")
         args.dtype = dtype
     elif dtype in ("float16", "bfloat16"):                     # an --amp run's 16-bit model
         if args.amp_dtype and args.amp_dtype != dtype:

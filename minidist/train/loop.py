@@ -7,8 +7,9 @@ with the schedule's lr, logs and --log-json rows from rank 0 (`print0`), periodi
 checkpoints (--save, --resume) and a text sample at the end. What a parallel run does
 differently lives in its Strategy (composed by minidist/train/strategy.py, the methods in
 minidist/strategy/base.py); this file does not change.
-Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG and
-the step, and batches depend only on (seed, step).
+Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG, the
+MoE routers' biases (--moe-bias-rate: minidist/nn/moe_bias.py) and the step, and batches
+depend only on (seed, step).
 No device -> host read in a step that does not log: each step's loss and gradient norm stay
 on the device (minidist/train/progress.py StepValues) and are read in one go at the steps
 that log (--log-every, every step with --log-json), evaluate, save or end.
@@ -32,6 +33,7 @@ from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import load_stats, moe_layers_by_block
+from minidist.nn.moe_bias import LoadBalance, report_line
 from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.optim.muon import takes_muon
 from minidist.strategy import checkpoint_dirs
@@ -47,19 +49,25 @@ from minidist.train.cli import UsageError, printable
 
 
 @no_grad()
-def evaluate(strategy, model, data, seed, batch_size, block_size, iters):
+def evaluate(strategy, model, data, seed, batch_size, block_size, iters, signals=None):
     """Mean val loss over `iters` fixed batches (the same ones at every eval), a 0-d float64
     on the device: the caller reads it (one host read per evaluation, not one per batch).
     Split as training splits a batch: each replica evaluates its rows (local_rows), and the
     replicas' means are averaged (global_mean; equal rows, so the mean of all of them), so
-    4 data-parallel ranks do a quarter of the work each, not the whole batch 4 times."""
+    4 data-parallel ranks do a quarter of the work each, not the whole batch 4 times.
+    `signals` (preemption.Flag): before each batch the ranks ask whether any was signalled
+    (Ctrl-C; with --save SIGTERM, SIGUSR1), and all stop together: None, nothing measured."""
     was_training = model.training
     model.eval()
     total = 0.0
-    for i in range(iters):
-        x, y = strategy.local_rows(*data.get_batch(seed, "val", i, batch_size, block_size))
-        total = total + model(x, y)[1].data.astype("float64")     # summed on the device
-    model.train(was_training)
+    try:
+        for i in range(iters):
+            if signals is not None and strategy.any_rank(signals.is_set()):
+                return None
+            x, y = strategy.local_rows(*data.get_batch(seed, "val", i, batch_size, block_size))
+            total = total + model(x, y)[1].data.astype("float64")     # summed on the device
+    finally:
+        model.train(was_training)
     return strategy.global_mean(total / iters)
 
 
@@ -72,8 +80,12 @@ def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
     return data.tokenizer.decode(out[0])
 
 
-def _rng_states(model):
-    return {"dropout": model.dropout_keys.state_dict()}
+def _run_state(model):
+    """What a checkpoint's meta "rng" holds beside the parameters and optimizer state: the
+    dropout keys' step and the MoE routers' biases (minidist/nn/moe_bias.py; every rank holds
+    all of them, so whichever rank writes has them all)."""
+    return {"dropout": model.dropout_keys.state_dict(),
+            "moe_bias": model.router_bias.state_dict()}
 
 
 def _config(args, data):
@@ -124,6 +136,7 @@ def _resume(args, strategy, log, model, opt):
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]})
+    model.router_bias.load_state_dict(state["rng"].get("moe_bias", {}))   # before: all 0
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
@@ -140,7 +153,7 @@ def _resume(args, strategy, log, model, opt):
 
 
 _MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data",
-               "muon_momentum", "muon_ns_steps")
+               "dropout", "muon_momentum", "muon_ns_steps", "moe_bias_rate")
 _SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 class Diverged(UsageError):
     """The loss or the gradients stopped being finite (or --amp skipped too many steps in a
@@ -163,6 +176,7 @@ def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
+    auto = args.resume == "auto"
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
     checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),
                                args.steps)
@@ -170,6 +184,8 @@ def train(args, world=None):
         _check_stop(args, checkpoint_dirs.step_of(args.resume))
     strategy = make_strategy(args, world)
     log = Logger(strategy.rank, args.log_json)
+    if auto and args.resume is None:         # a requeued job's first run, or a --save typo
+        log.print0(f"--resume auto: no checkpoint in {args.save} yet: starting at step 0")
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
     data = open_data(args)                       # text or token files (inputs.py)
@@ -187,6 +203,7 @@ def train(args, world=None):
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
     t_aside = 0.0                # of the run's seconds, those spent evaluating and saving
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
+    balance = LoadBalance(model, world, args.moe_bias_rate)   # MoE: the router biases
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
     for step in range(start, stop):
         lr = schedule(step)
@@ -197,6 +214,7 @@ def train(args, world=None):
                 loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         except FloatingPointError as e:     # --amp: too many overflowing steps in a row
             raise Diverged(f"step {step + 1}: {e}; stopped, nothing saved") from None
+        balance.after_step(_copies(strategy, world, x, y))   # --moe-bias-rate: all-reduce
         values.add(step, loss, norm)         # on the device: nothing waits for the GPU here
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         evals = (args.eval_every and (step + 1) % args.eval_every == 0) or last
@@ -236,19 +254,24 @@ def train(args, world=None):
                        f"{'es' * (args.eval_iters != 1)} ...")
             # its all-reduce also lines the ranks up, so the next step's time does not
             # include another rank's evaluation
-            val_loss = float(backend.host_read(evaluate(strategy, model, data, args.seed,
-                                                        args.batch_size, args.block_size,
-                                                        args.eval_iters), "eval loss"))
+            mean = evaluate(strategy, model, data, args.seed, args.batch_size,
+                            args.block_size, args.eval_iters, signals)
+            if mean is None:                  # a signal during it: save this step, stop
+                _stop(args, strategy, log, model, opt, step, signals, " (its evaluation cut)")
+            val_loss = float(backend.host_read(mean, "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
-            log.json0({**row, "val_loss": val_loss})     # (every evaluating step was read)
+            moe = balance.report(_copies(strategy, world, x, y))    # MoE: the experts' loads
+            if moe:
+                log.print0(f"{at} | {report_line(moe)}")
+            log.json0({**row, "val_loss": val_loss, **moe})   # (every evaluating step was read)
         if saves:
             _save(args, strategy, log, model, opt, step)
         if t_aside_from is not None:     # the next step's time starts after them
             t_mark = time.perf_counter()
             t_aside += t_mark - t_aside_from
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
-                   t_aside, reads_before, stop)
+                   t_aside, reads_before, stop, signals)
 
 
 def _settle(strategy, step):
@@ -317,16 +340,16 @@ def _describe(args, strategy, log, model, data):
                f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
                f"{strategy.world_size} process(es); unigram entropy of the data "
                f"{data.unigram_entropy:.4f} nats/token")
-    if args.optimizer == "muon":
+    if args.optimizer == "muon" and not args.eval_only:    # (nothing steps under it)
         mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
                 if takes_muon(name, shape)]
         n = sum(math.prod(shape) for shape in mats)
-        settings = "" if args.eval_only else (f"; momentum {args.muon_momentum}, "
-                                              f"{args.muon_ns_steps} Newton-Schulz steps")
+        state = ("ZeRO's flat v spans them too, kept zero" if args.zero else "a matrix keeps "
+                 "its momentum only, 4 bytes a parameter less than AdamW's m and v")
         log.print0(f"optimizer: Muon for the blocks' {len(mats)} matrices ({n:,} parameters, "
-                   f"{100 * n / full:.0f}%{settings}), AdamW for the other {full - n:,}; a "
-                   "matrix keeps its momentum only (4 bytes a parameter less than AdamW's "
-                   "m and v, but under ZeRO, whose flat v spans it)")
+                   f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
+                   f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
+                   f"{full - n:,}; {state}")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
 
@@ -344,7 +367,7 @@ def _save(args, strategy, log, model, opt, step, say=True):
     and (`say`) say so; returns the folder (on rank 0). Only called after a step whose loss
     and gradient norm were finite on every rank (an overflow under --amp skipped the update),
     so the parameters saved are finite: a diverged run stops before it saves."""
-    strategy.save(args.save, model, opt, step + 1, _rng_states(model),
+    strategy.save(args.save, model, opt, step + 1, _run_state(model),
                   recorded_flags(vars(args)))
     if strategy.rank == 0:          # every rank has written: older folders can go
         checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
@@ -355,27 +378,36 @@ def _save(args, strategy, log, model, opt, step, say=True):
     return None
 
 
-def _stop(args, strategy, log, model, opt, step, signals):
-    """A signal on some rank: every rank saves this step (with --save), one line, exit."""
+def _stop(args, strategy, log, model, opt, step, signals, when=""):
+    """A signal on some rank: every rank saves this step (with --save), one line, exit.
+    `when`: what the line adds after "after step N" (an evaluation cut short)."""
     interrupted = strategy.any_rank(signals.interrupted())      # Ctrl-C anywhere: 130
     what = preemption.describe(interrupted, signals.name)
     if args.save:
         folder = _save(args, strategy, log, model, opt, step, say=False)
-        log.print0(f"{what} after step {step + 1}: saved to {folder}; run the same command "
-                   f"with --resume {args.save} (or --resume auto) to continue")
+        log.print0(f"{what} after step {step + 1}{when}: saved to {folder}; run the same "
+                   f"command with --resume {args.save} (or --resume auto) to continue")
     else:
-        log.print0(f"{what} after step {step + 1}: nothing saved (no --save DIR)")
+        log.print0(f"{what} after step {step + 1}{when}: nothing saved (no --save DIR)")
     raise SystemExit(preemption.exit_status(interrupted))
 
 
-def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before, stop):
+def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before, stop,
+            signals):
     """The final evaluation (if none ran), the sample, the summary lines and JSON row.
     `seconds`: the steps' wall time, `aside` of it evaluating and saving; `stop`: the steps
-    done (--stop-at's, below --steps, whose schedule the run follows: "schedule_steps")."""
+    done (--stop-at's, below --steps, whose schedule the run follows: "schedule_steps");
+    `signals`: a Ctrl-C during that evaluation ends the run there (nothing trained, so
+    nothing to save): one line, exit 130."""
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
-        val_loss = float(backend.host_read(evaluate(strategy, model, data, args.seed,
-                                                    args.batch_size, args.block_size,
-                                                    args.eval_iters), "eval loss"))
+        mean = evaluate(strategy, model, data, args.seed, args.batch_size, args.block_size,
+                        args.eval_iters, signals)
+        if mean is None:
+            interrupted = strategy.any_rank(signals.interrupted())
+            log.print0(f"{preemption.describe(interrupted, signals.name)} during the "
+                       f"evaluation at step {stop}: nothing evaluated, nothing saved")
+            raise SystemExit(preemption.exit_status(interrupted))
+        val_loss = float(backend.host_read(mean, "eval loss"))
     text = ""
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
@@ -404,6 +436,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                    + (" and saving" if args.save else ""))
     log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
         f"{why} {n}" for why, n in reads.items()) or "none"))
-    strategy.finish(args, log)         # e.g. DDP's communication summary, the --trace file
+    if not args.eval_only:             # (its figures are per training step)
+        strategy.finish(args, log)     # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
     return summary

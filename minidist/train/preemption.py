@@ -14,6 +14,8 @@ resumable", what examples/slurm/train.sbatch requeues on), 130 after Ctrl-C (128
 what a shell reports for an interrupted command). SIGTERM and SIGUSR1 are taken only with
 --save (without it there is nowhere to save, and the default, ending the process, stays);
 Ctrl-C always is: without --save the run stops at the step boundary, saying nothing was saved.
+An evaluation asks before each of its val batches (loop.evaluate), so a long one is cut short
+and the step it follows saved.
 A second Ctrl-C is Python's KeyboardInterrupt again, for a step that does not end
 (minidist/train/cli.py run_main turns it into one line, exit 130).
 Tests: tests/test_preemption.py.
