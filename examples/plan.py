@@ -80,11 +80,11 @@ def parse(argv=None):
                    help="train_gpt.py's: muon prices Muon for the blocks' matrices (AdamW the "
                    "rest): its momentum alone as their state, its Newton-Schulz iterations "
                    "(steps x (4 A^2 B + 2 A^3) FLOPs per A x B matrix, A <= B, at the float32 "
-                   "rate: it runs on float32 masters) on the whole matrix: every tp rank "
-                   "runs a split one's, under ZeRO one owner rank each; and the collectives "
-                   "of the update (over tp, the gather of a split matrix; over ZeRO's shard "
-                   "group per block, a gather before and a reduce-scatter after); the command "
-                   "runs it")
+                   "rate: it runs on float32 masters) on the whole matrix: under TP one tp "
+                   "rank runs a split one's, under ZeRO one owner rank each (and its tp "
+                   "peers); and the collectives of the update (over tp, a split matrix's "
+                   "gather before and reduce-scatter after; over ZeRO's shard group per "
+                   "block, the same of its unit); the command runs it")
     p.add_argument("--muon-ns-steps", type=int, default=5,
                    help="Muon's Newton-Schulz iterations per step (train_gpt.py's flag; "
                    "with --optimizer muon)")

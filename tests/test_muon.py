@@ -1,11 +1,14 @@
 """Muon (`--optimizer muon`, minidist/optim/muon.py): Newton-Schulz against the SVD it
 approximates; a step worked by hand (Muon for a block's matrix, AdamW for its bias); which
-parameters Muon takes; every layout (tp and ZeRO gather a matrix's update whole) = one
-process, resumed bit for bit and resumed in another layout; ZeRO's extra bytes = its formula;
-a resumed run takes the checkpoint's optimizer; the flags refused where they do nothing.
+parameters Muon takes; which rank runs each matrix's NS (ZeRO's, TP's, by hand), and under
+TP each rank half of them (counted); every layout (tp and ZeRO gather a matrix's update
+whole) = one process, resumed bit for bit and resumed in another layout; ZeRO's and TP's
+extra bytes = their formulas; a resumed run takes the checkpoint's optimizer; the flags
+refused where they do nothing.
 
 Run: python -m pytest -q tests/test_muon.py
 """
+import json
 import math
 import os
 import re
@@ -19,7 +22,8 @@ from minidist import backend
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.module import Parameter
 from minidist.optim import AdamW
-from minidist.optim.muon import Muon, balance, newton_schulz, ns_flops, takes_muon
+from minidist.optim.muon import (Muon, balance, block_of, newton_schulz, ns_flops,
+                                 packed_flops, takes_muon, tp_owners)
 from mpirun import ROOT, mpi_env, train_tiny
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
@@ -161,6 +165,52 @@ def test_zero_gives_each_matrix_to_one_rank_worked_by_hand():
     assert balance(costs, 8) == [2, 3, 0, 1]          # more ranks than matrices: one each
 
 
+def test_tp_gives_each_split_matrix_to_one_rank_worked_by_hand():
+    """muon.tp_owners, one block's tp-split matrices by NS FLOPs of the whole matrix (a
+    GPT-2 block of C 4: c_attn 4 x 12 packing q, k, v 3 x 1920 = 5760, c_proj 1920, c_fc
+    and the MLP's c_proj 5760 each), the costliest first to the least busy tp rank (ties in
+    block order, ranks from the block's `first`): block 0 over 2 ranks c_attn 0, c_fc 1,
+    the MLP's c_proj 0, c_proj 1 (11520 against 7680); block 1 turns the order, 1 0 0 1, so
+    two blocks even out (19200 each, half of one process's); over 4 ranks one each, block 5
+    starting at rank 1. block_of reads the block from the name."""
+    shapes, widths = [(4, 12), (4, 4), (4, 16), (16, 4)], [(4, 4, 4), None, None, None]
+    assert [packed_flops(s, w) for s, w in zip(shapes, widths)] == [5760, 1920, 5760, 5760]
+    assert tp_owners(shapes, widths, 2, block=0) == [0, 1, 1, 0]
+    assert tp_owners(shapes, widths, 2, block=1) == [1, 0, 0, 1]
+    assert tp_owners(shapes, widths, 4, block=0) == [0, 3, 1, 2]
+    assert tp_owners(shapes, widths, 4, block=5) == [1, 0, 2, 3]
+    assert block_of("transformer.h.5.attn.c_attn.weight") == 5
+    assert block_of("transformer.h.12.mlp.experts.3.c_fc.weight") == 12
+
+
+@pytest.mark.mpi
+def test_tp_runs_each_split_matrixs_newton_schulz_on_one_rank(mpi):
+    """    mpiexec -n 2 python tests/scripts/muon_tp_check.py
+    --tp 2 --optimizer muon trains one process's numbers (float64: losses, gradient norms,
+    every parameter to 1e-12) and shares the NS (each rank's Muon.ns_flops_run): GPT-2,
+    whose Muon matrices tp all splits, each rank exactly half of one process's FLOPs (the
+    owners turn per block); MoE with a shared expert, whose router and routed experts are
+    whole on both tp ranks and run NS on both: each rank those and half the rest."""
+    out = mpi(2, "tests/scripts/muon_tp_check.py", timeout=240).stdout
+    results = {r["run"]: r for r in (json.loads(line.split(" ", 1)[1])
+                                     for line in out.splitlines() if line.startswith("RESULT"))}
+    assert set(results) == {"gpt2", "moe"}, out
+    for r in results.values():
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-12, r
+        assert r["params_compared"] > 20, r
+    gpt2 = results["gpt2"]
+    # 3 steps x 2 blocks x 10 NS of 16 x 16 each (5 x 6 x 16^3 FLOPs): q, k, v, c_proj one
+    # each, c_fc and the MLP's c_proj (16 x 64: 5 x (4 x 16^2 x 64 + 2 x 16^3)) three each
+    assert gpt2["ns_flops_one"] == 3 * 2 * 10 * 5 * 6 * 16 ** 3
+    assert gpt2["ns_flops"] == [gpt2["ns_flops_one"] // 2] * 2
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=32,
+                       moe_experts=2, moe_top_k=1, moe_shared=1)
+    both = 3 * sum(ns_flops(p.shape) for n, p in GPT(config).named_parameters()
+                   if p.ndim == 2 and (".mlp.router." in n or ".mlp.experts." in n))
+    moe = results["moe"]
+    assert moe["ns_flops"] == [both + (moe["ns_flops_one"] - both) // 2] * 2, (both, moe)
+
+
 M = {"--optimizer": "muon"}
 
 
@@ -173,12 +223,14 @@ M = {"--optimizer": "muon"}
     (2, {"--ep": 2, "--moe-experts": 4, "--moe-shared": 1}),
     (2, {"--arch": "llama", "--n-head": 4, "--n-kv-head": 2, "--tp": 2, "--zero": 1}),
     (2, {"--zero": 1, "--amp": True}),
+    (2, {"--tp": 2, "--amp": True, "--moe-experts": 2}),
     (4, {"--tp": 2, "--zero": 2}),
     (4, {"--zero": 3, "--zero-shard": 2, "--muon-momentum": 0.9, "--muon-ns-steps": 4}),
     (4, {"--ep": 2, "--tp": 2, "--zero": 1, "--moe-experts": 4}),
     (4, {"--pp": 2, "--zero": 1, "--micro-batches": 2, "--overlap-param-gather": True}),
 ], ids=["zero3", "tp2-sp", "pp2", "cp2", "ep2-shared", "llama-gqa-tp2-zero1", "zero1-amp",
-        "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1", "pp2-zero1-overlap"])
+        "tp2-amp-moe", "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1",
+        "pp2-zero1-overlap"])
 def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
     """Each step's loss and gradient norm, the val loss and every parameter within 1e-9 of
     one process in float64 (--amp: the sweep's float16 tolerance); the 4-rank ones also
@@ -208,7 +260,8 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     """    mpiexec -n 2 python examples/train_gpt.py --zero 1 --optimizer muon
     The summary's measured bytes per step = ZeRO-1's 2(N-1)/N Psi + Muon's all-gather of
     the block units' updates and the reduce-scatter of their owners' steps, (N-1)/N of their
-    padded bytes each (ShardedMuon.update_bytes)."""
+    padded bytes each (ShardedMuon.update_bytes). Under --tp 2 (no ZeRO) the same two
+    collectives per split matrix, over tp: (tp-1)/tp of its update each way."""
     out = mpi(2, "examples/train_gpt.py", "--zero", "1", "--optimizer", "muon", "--n-layer",
               "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
               "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
@@ -225,14 +278,15 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     assert sent == pytest.approx(ddp + muon, abs=0.011)
     assert "optimizer: Muon for the blocks' 8 matrices (24,576 parameters" in out
     # --tp 2: each rank sends its half of every split matrix's update (a ring all-gather of 2
-    # sends its own chunk): 12 C^2 / 2 = 6,144 float32 values a block, 2 x 24,576 B, after
-    # the gradient sync (with the clip's 8-byte norm)
+    # sends its own chunk: 12 C^2 / 2 = 6,144 float32 values a block, 24,576 B), and the
+    # reduce-scatter of the owners' steps as much again (a ring of 2 sends the other's
+    # chunk): 2 blocks x 2 x 24,576 B after the gradient sync (with the clip's 8-byte norm)
     tp = mpi(2, "examples/train_gpt.py", "--tp", "2", "--optimizer", "muon", "--n-layer",
              "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
              "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
              str(tmp_path / "c"), timeout=120).stdout
     after = float(re.search(r"and (\S+) MiB in the optimizer's step \(Muon's", tp).group(1))
-    assert after == pytest.approx(2 * 24576 / 2**20, abs=0.0006)
+    assert after == pytest.approx(2 * 2 * 24576 / 2**20, abs=0.0006)
 
 
 def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):

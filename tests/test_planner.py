@@ -1314,9 +1314,14 @@ def test_muon_step_worked_by_hand():
     One process (and DDP x2: every rank all of them): 38400 s more, nothing sent. At the
     float32 rate: with a 16-bit peak of 4 FLOP/s --amp's step computes 4 x faster, its NS
     (on the float32 masters) does not.
-    TP2: the whole matrix on each rank (38400 s, not / 2), each split matrix's update
-    gathered first (4 B a value; over 2 ranks 1/2 of it received): c_attn 192 B -> 96 s,
-    c_proj 64 -> 32, c_fc and c_proj 256 -> 128 each, + 10 s of sync each: 424 s a block.
+    TP2: each split matrix's NS on one tp rank (muon.tp_owners, the costliest first to the
+    least busy, ties in block order): c_attn to the first, c_fc to the other, the MLP's
+    c_proj to the first (a tie), c_proj to the other: 11520 s against 7680, each block
+    waits for the 11520 (the second block turns the order: the other rank's 11520), 23040
+    for both; each split matrix's update all-gathered first (4 B a value; over 2 ranks 1/2
+    of it received): c_attn 192 B -> 96 s, c_proj 64 -> 32, c_fc and c_proj 256 -> 128
+    each, + 10 s of sync each: 424 s a block, and the owners' steps reduce-scattered after
+    (the same bytes and syncs) 424 s more: 848 s a block.
     ZeRO-1 over 2: each block's unit (244 values: ln_1 0-8, c_attn 8-56 and its bias 56-68,
     c_proj 68-84 and 84-88, ln_2 88-96, c_fc 96-160 and 160-176, c_proj 176-240 and its
     bias) is all-gathered (976 B, 488 s) and its steps reduce-scattered (488 s); each matrix
@@ -1347,7 +1352,7 @@ def test_muon_step_worked_by_hand():
     assert both(Layout(dp=2, amp=False), 2) == (38400, 0)
     fast16 = replace(unit, peak_tflops=4e-12, peak_tflops_fp32=1e-12)
     assert both(Layout(amp=True), cluster=fast16) == (38400, 0)
-    assert both(Layout(tp=2, amp=False)) == (38400, pytest.approx(2 * 424))
+    assert both(Layout(tp=2, amp=False)) == (2 * 11520, pytest.approx(2 * 2 * 424))
     assert both(Layout(dp=2, zero=1, amp=False), 2) == (23040, 1952)
     assert both(Layout(dp=2, tp=2, zero=1, amp=False), 2) == \
         (2 * 11520, pytest.approx(2 * (244 + 2 * 268)))

@@ -22,19 +22,26 @@ with its own scale, as Jordan's runs split q, k, v: at 300 steps of the default 
 Why this needs the whole matrix: O depends on all of U (its singular vectors), where AdamW's
 update of an element depends on that element only. A rank that holds a piece of W must see
 the whole U first:
-    tensor parallelism   W split over tp (c_attn by heads, c_proj by rows...): `whole`
-                         all-gathers U's tp shards and glues them (Split.unshard, the
-                         checkpoints' own), NS runs on the whole matrix on every tp rank, each
-                         keeps its shard of O (Split.shard)
+    tensor parallelism   W split over tp (c_attn by heads, c_proj by rows...): its NS waits
+                         for the block's other split matrices (`Muon`'s per-parameter loop
+                         defers it); at the block's end (`end_group` at the group's) three
+                         loops: all-gather each one's U over tp (`whole`: Split.unshard,
+                         the checkpoints' own), each matrix's NS on ONE tp rank (`tp_owners`:
+                         `balance`, the order turned per block), a reduce-scatter per matrix
+                         of a (tp, shard) buffer its owner fills with every rank's shard of O
+                         (Split.shard) and the others with zeros (exact: one nonzero term);
+                         the weights tp does not split (router, experts) run NS here
     ZeRO                 a rank owns a flat shard that may cut through W: ShardedMuon
                          (minidist/zero/muon.py) all-gathers each unit's U over the shard
                          group (the bytes of a ZeRO-1 parameter gather), gives each matrix
-                         to one rank (`balance`), which runs its NS (under TP as above), and
-                         reduce-scatters the steps back to the shards (the same bytes)
+                         to one rank (`balance`), which runs its NS (under TP with its tp
+                         peers, which own it too: `orthogonalised`, on every one of them),
+                         and reduce-scatters the steps back to the shards (the same bytes)
 Every rank so computes the same O as one process, from the same U, to rounding: N ranks train
-one process's numbers (tests/test_muon.py). The NS of a split matrix is repeated on its tp
-ranks (Megatron's "duplicated" way); under ZeRO it runs once (Liu et al.'s "Distributed
-Muon" runs it on every rank whose shard the matrix touches).
+one process's numbers (tests/test_muon.py). A matrix's NS runs once per step: on one tp rank
+under TP (not Megatron's "duplicated" way, every tp rank the whole matrix's), on one rank of
+the shard group under ZeRO (Liu et al.'s "Distributed Muon" runs it on every rank whose shard
+the matrix touches); for twice the bytes of the gather alone.
 
 State: M per matrix (4 bytes a parameter in float32, AdamW's m and v 8); the others AdamW's m
 and v. Under ZeRO the unit's flat v spans the matrices too (kept zero there), so that one
@@ -44,6 +51,7 @@ AdamW decayed, AdamW undecayed] (some may be empty), in every layout, so checkpo
 layout load in any other.
 Tests: tests/test_muon.py.
 """
+import collections
 import math
 
 from minidist.backend import xp_of
@@ -109,6 +117,20 @@ def balance(costs, ranks, first=0):
     return owner
 
 
+def block_of(name):
+    """The index i of the block that the Muon matrix `name` ("transformer.h.<i>. ...") is of."""
+    return int(name.split(".")[2])
+
+
+def tp_owners(shapes, widths, ranks, block, steps=5):
+    """The tp rank (0..ranks-1) that runs the NS of each of one block's tp-split matrices
+    (`Muon` under TP), of whole `shapes`, each packing matrices of its `widths` (None: one):
+    `balance` by packed_flops, the ranks' order turned by the block's index `block`, as
+    zero/muon.py unit_owners turns it by the unit's."""
+    costs = [packed_flops(shape, w, steps) for shape, w in zip(shapes, widths)]
+    return balance(costs, ranks, block % ranks)
+
+
 def muon_scale(shape):
     """The update's factor for matrices of `shape` (last two axes A x B): 0.2 sqrt(max(A, B))."""
     return RMS_MATCH * math.sqrt(max(shape[-2], shape[-1]))
@@ -165,18 +187,26 @@ def orthogonalised(u, split=None, tp=None, steps=5, widths=None):
     return o if split is None else split.shard(o, tp.size, tp.rank)
 
 
+Pending = collections.namedtuple("Pending", "name p u split lr")
+# a tp-split matrix whose NS waits for its block's end: its weight p (updated in place), a
+# copy of U's shard here (the look-ahead scratch is reused), its Split, the group's lr
+
+
 class Muon(Optimizer):
     """Muon for the blocks' matrices (`takes_muon`), AdamW for the rest, per parameter.
     `tp`: the tensor-parallel group and `splits` {name: Split} of the parameters split over
-    it (their U is gathered whole); None: every parameter is whole here. `packed` {name:
-    widths} of the weights that pack several matrices (orthogonal_blocks); the three:
-    strategy/base.py matrix_views."""
+    it (their NS deferred to the block's end and shared over tp: `_flush`); None: every
+    parameter is whole here. `packed` {name: widths} of the weights that pack several
+    matrices (orthogonal_blocks); the three: strategy/base.py matrix_views. `ns_flops_run`
+    counts the NS FLOPs this rank ran (packed_flops of each whole matrix), for the tests."""
     defaults = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  momentum=0.95, ns_steps=5, tp=None, splits=None, packed=None):
         self.momentum, self.ns_steps = momentum, ns_steps
         self.tp, self.splits, self.packed = tp, dict(splits or {}), dict(packed or {})
+        self.ns_flops_run = 0
+        self.pending = []                # one block's Pending, at most
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
     def _default_groups(self, groups):
@@ -208,10 +238,54 @@ class Muon(Optimizer):
             p *= 1.0 - group["lr"] * group["weight_decay"]
         u = nesterov_momentum(state["exp_avg"], grad, self.momentum,
                               self.scratch(p, "look-ahead"))
-        o = orthogonalised(u, self.splits.get(name), self.tp, self.ns_steps,
-                           self.packed.get(name))
+        split = self.splits.get(name)
+        if split is not None:                # its NS at the block's end, on one tp rank
+            if self.pending and block_of(self.pending[0].name) != block_of(name):
+                self._flush()
+            self.pending.append(Pending(name, p, u.copy(), split, group["lr"]))
+            return
+        o = self._orthogonal(u, name)
         o *= group["lr"]
         p -= o
+
+    def end_group(self, group):
+        """The last block's deferred split matrices (`_flush`)."""
+        self._flush()
+
+    def _orthogonal(self, u, name):
+        """orthogonal_blocks of the whole U `u` of parameter `name`, counted in ns_flops_run."""
+        widths = self.packed.get(name)
+        self.ns_flops_run += packed_flops(u.shape, widths, self.ns_steps)
+        return orthogonal_blocks(u, widths, self.ns_steps)
+
+    def _flush(self):
+        """The pending split matrices of one block, in three loops (blocking collectives, in
+        the same order on every tp rank, so that the owners run their NS at the same time):
+        all-gather each one's U whole over tp; each one's NS on its owner (tp_owners), which
+        fills a (tp, *shard) buffer with every rank's shard of O (the other ranks: zeros);
+        a reduce-scatter of each buffer (one nonzero term: exact), and lr x this rank's
+        shard of O subtracted from its weight."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        tp, xp = self.tp, xp_of(pending[0].u)
+        wholes = [whole(q.u, q.split, tp) for q in pending]                  # all-gather
+        owners = tp_owners([w.shape for w in wholes], [self.packed.get(q.name) for q in pending],
+                           tp.size, block_of(pending[0].name), self.ns_steps)
+        steps = []
+        for k, (q, owner) in enumerate(zip(pending, owners)):               # NS, once each
+            step = xp.zeros((tp.size,) + q.u.shape, q.u.dtype)
+            if owner == tp.rank:
+                o = self._orthogonal(wholes[k], q.name)
+                for r in range(tp.size):
+                    step[r] = q.split.shard(o, tp.size, r)
+            wholes[k] = None                 # held no longer than its NS
+            steps.append(step)
+        for q, step in zip(pending, steps):                                 # reduce-scatter
+            p, o = q.p, q.u                  # U's copy, done with: this rank's shard of O
+            tp.reduce_scatter(o, step)
+            o *= q.lr
+            p -= o
 
     def load_state_dict(self, sd):
         """Optimizer's; a matrix's exp_avg_sq (ZeRO's flat v, zero there) is left out."""

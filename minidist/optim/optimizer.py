@@ -5,7 +5,8 @@ An optimizer takes
   - a list of (name, Parameter) pairs (`model.named_parameters()`): state is then saved by
     name, so a checkpoint is readable and survives reordering, or
   - a list of groups, dicts {"params": [...], "lr": ..., ...} overriding the defaults.
-Subclasses implement `update(p, grad, state, group, name)` on raw arrays; the math itself is a
+Subclasses implement `update(p, grad, state, group, name)` on raw arrays, and may finish a
+group's updates in `end_group(group)` (Muon's deferred ones); the math itself is a
 plain function on arrays (`adamw_update`, `sgd_update`) that ZeRO applies to flat shards.
 Tests: tests/test_optim.py.
 """
@@ -40,17 +41,24 @@ class Optimizer:
             self.step_group(group)
 
     def step_group(self, group):
-        """One group's update, one parameter at a time (AdamW may do a group in one go)."""
+        """One group's update, one parameter at a time (AdamW may do a group in one go), then
+        end_group."""
         for name, p in zip(group["names"], group["params"]):
             if p.grad is None:
                 continue
             state = self.state.setdefault(name, {"step": 0})
             state["step"] += 1
             self.update(p.data, p.grad, state, group, name)
+        self.end_group(group)
 
     def update(self, p, grad, state, group, name=None):
         """One parameter's update in place; `name` its name (Muon looks up its tp split)."""
         raise NotImplementedError
+
+    def end_group(self, group):
+        """After a group's updates, what they left to do: nothing here; Muon's tp-split
+        matrices, whose updates land at their block's end (minidist/optim/muon.py). Whoever
+        calls update() for a group calls this after its last one."""
 
     def scratch(self, p, role="update"):
         """A reusable temporary like `p` (its shape, dtype and device), one per role: a step

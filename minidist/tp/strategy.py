@@ -70,7 +70,8 @@ class TensorParallel(ModelParallel):
         return self.inner.wrap(model)
 
     def build_optimizer(self, model, args, tp=None):
-        """inner's, told the tp group (Muon gathers each split matrix's update whole)."""
+        """inner's, told the tp group (Muon gathers each split matrix's update whole, for
+        its NS on one tp rank)."""
         return self.inner.build_optimizer(model, args, self.group)
 
     def reduce_sum_sq(self, local):
@@ -207,7 +208,8 @@ class TensorParallel(ModelParallel):
         after = self.sent_after / max(self.steps, 1)
         log.print0(self.summary() + (
             f"; and {after / 2**20:.3f} MiB in the optimizer's step (Muon's update "
-            "all-gathers, the clip's norm)" if args.optimizer == "muon" else ""))
+            "all-gathers and reduce-scatters, the clip's norm)" if args.optimizer == "muon"
+            else ""))
         if self.inner.reports_memory:             # ZeRO's table: rank 0's group, tp rank 0
             log.print0("ZeRO's memory table below is tp rank 0's: its part of the parameters, "
                        "the ranks of its data-parallel group")

@@ -137,7 +137,9 @@ class MasterWeightOptimizer:
                 self.inner.state.setdefault(name, {"step": 0})["step"] = step
 
     def _step_group(self, group, factor):
-        """Per parameter: unscale into the scratch buffer, the inner update, copy back."""
+        """Per parameter: unscale into the scratch buffer, the inner update; the inner's
+        end_group (Muon's tp-split matrices land there); then the masters copied back."""
+        stepped = []
         for name, master in zip(group["names"], group["params"]):
             p = self._model_param[name]
             if p.grad is None:
@@ -146,6 +148,9 @@ class MasterWeightOptimizer:
             state["step"] += 1
             self.inner.update(master.data, self.amp.unscaled(p.grad, factor), state, group,
                               name)
+            stepped.append((p, master))
+        self.inner.end_group(group)
+        for p, master in stepped:
             p.data[...] = master.data            # float32 master -> 16-bit weights
 
     def _multi_step_group(self, group, factor):

@@ -20,10 +20,14 @@ Who runs which NS, and what moves first (U in float32: 4 bytes a value):
     no ZeRO      every matrix the rank holds, whole: one process, DDP and CP all of them, PP
                  its stage's, EP its E/ep experts of each MoE block (and every dense matrix)
     TP           a matrix split over tp (c_attn, c_fc, both c_proj, the shared experts'; the
-                 router and the experts are whole on every tp rank) is all-gathered over tp
-                 first (muon.py `whole`): (tp-1)/tp of the whole matrix's bytes received,
-                 one blocking collective each (+ Cluster.sync_s, as TP's others); NS then
-                 runs on the whole matrix on every tp rank: not divided by tp
+                 router and the experts are whole on every tp rank, and run NS on each) is
+                 all-gathered over tp (muon.py `whole`): (tp-1)/tp of the whole matrix's
+                 bytes received, one blocking collective each (+ Cluster.sync_s, as TP's
+                 others); its NS runs on one tp rank (muon.py tp_owners: per block, the
+                 costliest first to the least busy), and a reduce-scatter over tp of its
+                 steps (the same bytes, + sync) hands each rank its shard. The block's
+                 reduce-scatters wait for every owner, so a block costs its collectives
+                 and the most any tp rank owns (+ the whole matrices' NS)
     ZeRO         per block unit (zero/flat.py gpt_units: one per block), its flat U, padded
                  to a multiple of the shard group's N ranks, all-gathered over the shard
                  group (the bytes of a ZeRO-1 parameter gather, priced like ZeRO's other
@@ -34,6 +38,8 @@ Who runs which NS, and what moves first (U in float32: 4 bytes a value):
                  every rank must join, so a unit costs its two collectives and the most any
                  rank spends on the matrices it owns; x the blocks of each kind (dense,
                  MoE), whose units are laid out alike
+    TP x ZeRO    ZeRO's owners; an owner's tp peers own the matrix too and each runs its
+                 whole NS after the tp gather (minidist/zero/muon.py): not divided by tp
     EP + ZeRO    the experts' unit of each MoE block (minidist/ep/optim.py: this rank's E/ep
                  experts) likewise, over the experts' replicas (edp)
 Nothing here overlaps: the optimizer runs after backward, each gather before its NS.
@@ -44,7 +50,7 @@ import collections
 import math
 
 from minidist.nn.config import block_param_specs, packed_widths
-from minidist.optim.muon import balance, packed_flops, takes_muon
+from minidist.optim.muon import balance, packed_flops, takes_muon, tp_owners
 from minidist.train.comm_cost import axis_size, collective_time
 from minidist.train.planner import local_size
 
@@ -76,7 +82,8 @@ def block_pieces(config, moe, layout):
 
 
 def _matrix_seconds(piece, layout, cluster, rate, steps):
-    """(NS seconds, tp gather seconds) of one matrix's update on a rank that runs its NS."""
+    """(NS seconds, tp gather seconds) of one matrix's update on a ZeRO rank that runs its NS
+    (ShardedMuon: with its tp peers, each the whole matrix's)."""
     ns = packed_flops(piece.shape, piece.widths, steps) / rate
     if not piece.split:
         return ns, 0.0
@@ -84,10 +91,23 @@ def _matrix_seconds(piece, layout, cluster, rate, steps):
     return ns, collective_time(cluster, "all_gather", whole, layout, "tp") + cluster.sync_s
 
 
-def _whole(pieces, layout, cluster, rate, steps):
-    """(NS seconds, gather seconds) of every matrix of `pieces` on one rank (no ZeRO)."""
-    parts = [_matrix_seconds(p, layout, cluster, rate, steps) for p in pieces if p.shape]
-    return sum(ns for ns, _ in parts), sum(talk for _, talk in parts)
+def _per_parameter(pieces, layout, cluster, rate, steps):
+    """(NS seconds, tp seconds) of one block's matrices `pieces` on one rank without ZeRO (the
+    per-parameter Muon): the NS of each one whole here (every matrix without TP; under TP
+    the router and the experts, on every tp rank); each tp-split one's on one tp rank
+    (muon.tp_owners; the busiest rank's share, which the block's turned order does not
+    change), all-gathered before and reduce-scattered after over tp, every tp rank in both
+    (the whole matrix's bytes, (tp-1)/tp of them sent, + sync each)."""
+    split = [p for p in pieces if p.shape and p.split]
+    ns = sum(packed_flops(p.shape, p.widths, steps) for p in pieces
+             if p.shape and not p.split) / rate
+    load = [0.0] * layout.tp
+    owners = tp_owners([p.shape for p in split], [p.widths for p in split], layout.tp, 0, steps)
+    for p, r in zip(split, owners):
+        load[r] += packed_flops(p.shape, p.widths, steps) / rate
+    talk = sum(collective_time(cluster, op, math.prod(p.shape) * MUON_BYTES, layout, "tp")
+               + cluster.sync_s for p in split for op in ("all_gather", "reduce_scatter"))
+    return ns + max(load), talk
 
 
 def _busiest(pieces, n, layout, cluster, rate, steps):
@@ -116,7 +136,7 @@ def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
     for moe in {config.is_moe(i) for i in range(L)}:
         dense, experts = block_pieces(config, moe, layout)
         if not layout.zero:
-            per_kind[moe] = _whole(dense + experts, layout, cluster, rate, steps)
+            per_kind[moe] = _per_parameter(dense + experts, layout, cluster, rate, steps)
             continue
         ns, talk, padded = _busiest(dense, layout.zero_ranks, layout, cluster, rate, steps)
         talk += coll("all_gather", padded * MUON_BYTES) + coll("reduce_scatter",

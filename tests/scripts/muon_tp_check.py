@@ -1,0 +1,81 @@
+"""Muon under tensor parallelism shares the Newton-Schulz work over the tp ranks, and still
+trains one process's numbers, float64.
+
+    mpiexec -n 2 python tests/scripts/muon_tp_check.py             # gpt2, moe
+    mpiexec -n 2 python tests/scripts/muon_tp_check.py --runs moe
+
+Each run trains `--tp 2 --optimizer muon` from train_gpt's flags (make_strategy, the loop's
+train_step: tests/scripts/exact.py) and, on every rank, the one-process reference. Rank 0
+prints `RESULT {json}` per run: the largest difference of the losses, gradient norms and
+parameters (the whole model as a checkpoint gathers it) from the reference's, and the NS
+FLOPs each rank ran (minidist/optim/muon.py Muon.ns_flops_run) beside the reference's.
+gpt2: every Muon matrix is split over tp, so each one's NS runs on one tp rank (tp_owners);
+moe (a shared expert): the router and the routed experts are whole on both tp ranks and run
+NS on both, the attention and the shared expert are split. tests/test_muon.py reads it.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exact import run_steps, start, whole_params  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
+from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.nn import GPTConfig  # noqa: E402
+from minidist.strategy.base import SingleProcess  # noqa: E402
+from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.strategy import make_strategy  # noqa: E402
+
+CONFIG = dict(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=32)
+RUNS = {"gpt2": {}, "moe": {"moe_experts": 2, "moe_top_k": 1, "moe_shared": 1}}
+SEED = 5
+
+
+def flags(config, tp):
+    """train_gpt's flags for `config` under --tp `tp`, Muon, float64, 3 steps."""
+    moe = ["--moe-experts", str(config.moe_experts), "--moe-top-k", str(config.moe_top_k),
+           "--moe-shared", str(config.moe_shared)] if config.moe_experts else []
+    return train_parser().parse_args([
+        "--tp", str(tp), "--optimizer", "muon", "--n-layer", str(config.n_layer), "--n-head",
+        str(config.n_head), "--n-embd", str(config.n_embd), "--block-size",
+        str(config.block_size), "--batch-size", "4", "--steps", "3", "--lr", "1e-2",
+        "--dtype", "float64", "--seed", str(SEED), *moe])
+
+
+def run(name, comm):
+    """One run against the reference: {run, *_diff, ns_flops per tp rank, ns_flops_one}."""
+    config = GPTConfig(**CONFIG, **RUNS[name])
+    one = flags(config, 1)
+    ref_model, ref_opt, ref_losses, ref_norms, _ = run_steps(SingleProcess(), one, config,
+                                                             SEED, "float64")
+    args = flags(config, comm.size)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    model, opt, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
+    whole = whole_params(strategy, model, opt)
+    ref = {n: np.asarray(p.data) for n, p in ref_model.named_parameters()}
+    return {"run": name, "ranks": comm.size,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+            "param_diff": max((float(np.abs(whole[n] - ref[n]).max()) for n in whole),
+                              default=0.0),
+            "params_compared": len(whole),
+            "ns_flops": comm.allgather(opt.ns_flops_run), "ns_flops_one": ref_opt.ns_flops_run}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", default=",".join(RUNS))
+    cli, comm = start(p)
+    for name in cli.runs.split(","):
+        result = run(name, comm)
+        if comm.rank == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    MPI.COMM_WORLD.Barrier()
+
+
+if __name__ == "__main__":
+    main()
