@@ -32,8 +32,8 @@ from minidist.nn.config import attention_weights, gpt_init, mlp_weights
 from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList
-from minidist.nn.moe import MoE
-from minidist.nn.moe_bias import RouterBias, moe_layers_of
+from minidist.nn.moe import MoE, moe_layers
+from minidist.nn.moe_bias import RouterBias
 from minidist.nn.sampling import generate, sample
 
 
@@ -129,7 +129,7 @@ class GPT(Module):
         """Each MoE layer routes by its block's row of `bias`, a RouterBias of every MoE block
         (minidist/nn/moe_bias.py: auxiliary-loss-free balancing; zeros until updated)."""
         self.router_bias = bias
-        for block, m in moe_layers_of(self).items():
+        for block, m in moe_layers(self).items():
             m.bias = bias.row(block)
         return self
 

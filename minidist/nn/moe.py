@@ -301,11 +301,16 @@ class MoE(Module):
         return F.linear(h, s(proj.weight), None if proj.bias is None else s(proj.bias))
 
 
-def moe_layers_by_block(model):
-    """{block number: its MoE layer} for the MoE blocks `model` holds (a pipeline stage: its
-    own, under their global numbers) that have run a forward."""
+def moe_layers(model):
+    """{block number: its MoE layer} for every MoE block `model` holds (a pipeline stage: its
+    own, under their global numbers)."""
     return {int(name.split(".")[2]): m for name, m in model.named_modules()
-            if isinstance(m, MoE) and m.routing is not None}
+            if isinstance(m, MoE)}
+
+
+def moe_layers_by_block(model):
+    """moe_layers, those that have run a forward."""
+    return {b: m for b, m in moe_layers(model).items() if m.routing is not None}
 
 
 def load_stats(model):

@@ -32,7 +32,7 @@ imbalance falling; every layout = one process, resumed bit for bit and in anothe
 """
 import numpy as np
 
-from minidist.nn.moe import MoE
+from minidist.nn.moe import moe_layers
 
 
 class RouterBias:
@@ -65,13 +65,6 @@ class RouterBias:
             self.row(int(block))[...] = values
 
 
-def moe_layers_of(model):
-    """{block number: its MoE layer} for every MoE block `model` holds (a pipeline stage: its
-    own, under their global numbers)."""
-    return {int(name.split(".")[2]): m for name, m in model.named_modules()
-            if isinstance(m, MoE)}
-
-
 def global_loads(model, world=None, copies=1):
     """(blocks, E) float64: each MoE block's assignments per expert, before dropping, over the
     GLOBAL batch of the training forwards since the last call (the layers' `load`, taken:
@@ -83,7 +76,7 @@ def global_loads(model, world=None, copies=1):
     bias = model.router_bias
     E = bias.table.shape[1]
     vec = np.zeros((len(bias.blocks), E + 1))                   # load (E), held
-    for block, m in moe_layers_of(model).items():
+    for block, m in moe_layers(model).items():
         vec[bias.blocks.index(block)] = [*m.load, 1]
         m.load[...] = 0
     if world is None or world.size == 1:
