@@ -65,25 +65,36 @@ class RouterBias:
             self.row(int(block))[...] = values
 
 
+def world_block_sums(rows, held, world, copies):
+    """(sums, h, per_row) of `rows` (blocks, n): this rank's numbers for every MoE block of
+    the whole model, `held` (blocks,) 1 for the blocks this rank holds (zeros in their rows
+    where another pipeline stage holds them). One float64 all-reduce over `world` of host
+    memory (nothing waits for the GPU; as strategy/base.py any_rank_of), `held` appended:
+    h (blocks, 1) the ranks holding each block (the world, or its stage's). `copies`: the
+    ranks holding each row of the batch (loop._copies: tp, cp and the stages, times 1 under
+    dp and ep), of which per_row = copies x h / world hold the block (the tp group, which
+    routes the same rows alike); each counted its sequences whole, so sums / per_row count
+    every sequence once."""
+    vec = np.concatenate([rows, np.asarray(held, dtype=np.float64)[:, None]], axis=1)
+    world.all_reduce(vec, op="sum")                                       # in place
+    sums, h = vec[:, :-1], vec[:, -1:]
+    return sums, h, copies * h / world.size
+
+
 def global_loads(model, world=None, copies=1):
     """(blocks, E) float64: each MoE block's assignments per expert, before dropping, over the
     GLOBAL batch of the training forwards since the last call (the layers' `load`, taken:
-    zeroed). One float64 all-reduce over `world` (None: one process) of [load (E), 1] per
-    block of the whole model, the 1 counting the ranks that hold the block (h: the world, or
-    its stage's). `copies`: the ranks holding each row of the batch (loop._copies: tp, cp and
-    the stages, times 1 under dp and ep), of which copies x h / world hold the block; each
-    counted its sequences whole, so the sums / that are every sequence once."""
+    zeroed), summed over `world` (None: one process) by world_block_sums."""
     bias = model.router_bias
-    E = bias.table.shape[1]
-    vec = np.zeros((len(bias.blocks), E + 1))                   # load (E), held
+    rows, held = np.zeros_like(bias.table), np.zeros(len(bias.blocks))
     for block, m in moe_layers(model).items():
-        vec[bias.blocks.index(block)] = [*m.load, 1]
+        i = bias.blocks.index(block)
+        rows[i], held[i] = m.load, 1
         m.load[...] = 0
     if world is None or world.size == 1:
-        return vec[:, :E]
-    world.all_reduce(vec, op="sum")                 # in place; host memory, as any_rank_of
-    held = vec[:, E:]                                           # (blocks, 1)
-    return np.rint(vec[:, :E] / (copies * held / world.size))
+        return rows
+    sums, _, per_row = world_block_sums(rows, held, world, copies)
+    return np.rint(sums / per_row)
 
 
 def imbalance(loads):

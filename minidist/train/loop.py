@@ -33,7 +33,7 @@ from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe import load_stats, moe_layers_by_block
-from minidist.nn.moe_bias import LoadBalance, report_line
+from minidist.nn.moe_bias import LoadBalance, report_line, world_block_sums
 from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.optim.muon import takes_muon
 from minidist.strategy import checkpoint_dirs
@@ -302,8 +302,9 @@ def _copies(strategy, world, x, y):
 def global_load_stats(model, world, copies):
     """nn/moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
     summed over the ranks: every rank of the world calls this). One float64 all-reduce over
-    the world of [tokens, dropped, aux, 1] per MoE block of the whole model, zeros for the
-    blocks this rank does not hold (another pipeline stage's). Of the h ranks holding a block
+    the world of [tokens, dropped, aux] per MoE block of the whole model (world_block_sums,
+    host memory), zeros for the blocks this rank does not hold (another pipeline stage's).
+    Of the h ranks holding a block
     (the world, or its stage's ranks under --pp), those holding the same rows computed the
     same routing: `copies` (the ranks holding each row, the loop's count) x h / world of
     them (the tp group), so the sums / that are the sums over the ranks that hold different
@@ -314,17 +315,15 @@ def global_load_stats(model, world, copies):
     config = model.config
     if not config.moe_experts or world is None or world.size == 1:
         return load_stats(model)
-    blocks, E = [i for i in range(config.n_layer) if config.is_moe(i)], config.moe_experts
-    vec = np.zeros((len(blocks), E + 3))                     # tokens (E), dropped, aux, held
+    blocks, E = model.router_bias.blocks, config.moe_experts
+    rows, mine = np.zeros((len(blocks), E + 2)), np.zeros(len(blocks))  # tokens, dropped, aux
     for b, m in moe_layers_by_block(model).items():
         r = m.routing
         aux = float(backend.host_read(m.aux_loss.data, "moe log"))
-        vec[blocks.index(b)] = [*(r.counts * r.parts), r.dropped * r.parts, aux, 1]
-    buf = backend.xp_of(model.parameters()[0].data).asarray(vec.ravel())
-    world.all_reduce(buf, op="sum")
-    total = backend.host_read(buf, "moe log").reshape(len(blocks), E + 3)
-    held = total[:, -1:]                                     # (blocks, 1) ranks holding each
-    counts = np.rint(total[:, :E + 1] / (copies * held / world.size)).astype(np.int64)
+        i = blocks.index(b)
+        rows[i], mine[i] = [*(r.counts * r.parts), r.dropped * r.parts, aux], 1
+    total, held, per_row = world_block_sums(rows, mine, world, copies)
+    counts = np.rint(total[:, :E + 1] / per_row).astype(np.int64)
     return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
             "moe_aux": (total[:, E + 1] / held[:, 0]).tolist()}
 
