@@ -170,7 +170,8 @@ STEP_MODULES = [
     "tp/strategy.py", "tp/state.py", "tp/model.py", "pp/microbatches.py", "pp/schedule.py",
     "pp/stage.py", "pp/strategy.py", "pp/link.py", "cp/context.py", "cp/ring.py",
     "cp/strategy.py", "ep/exchange.py", "ep/optim.py", "ep/strategy.py", "nn/gpt.py",
-    "nn/block.py", "nn/layers.py", "nn/moe.py", "nn/module.py", "autograd/ops.py",
+    "nn/block.py", "nn/layers.py", "nn/moe.py", "nn/moe_bias.py", "nn/module.py",
+    "autograd/ops.py",
     "autograd/fused.py", "autograd/attention.py", "autograd/tensor.py", "autograd/function.py",
     "autograd/indexing.py", "autograd/recompute.py", "autograd/flash.py",
     "autograd/cuda_kernels.py", "autograd/cuda_kernels_new.py", "autograd/fusions.py"]
@@ -210,9 +211,14 @@ ALLOWED = {
     "autograd/tensor.py:Tensor.item": "the user's explicit read; nothing in the step calls it",
     "autograd/tensor.py:Tensor.numpy": "the user's explicit read; nothing in the step calls it",
     # single calls inside the step, on host values
-    "train/loop.py:global_load_stats: counts[:, :E].tolist()": HOST_VALUE + " (--log-json)",
-    "train/loop.py:global_load_stats: counts[:, E].tolist()": HOST_VALUE + " (--log-json)",
-    "train/loop.py:global_load_stats: (total[:, E + 1] / held[:, 0]).tolist()":
+    "nn/moe_bias.py:RouterBias.state_dict": OUTSIDE_THE_STEP + ": checkpoints",
+    "nn/moe_bias.py:RouterBias.load_state_dict": OUTSIDE_THE_STEP + ": checkpoints",
+    "nn/moe_bias.py:LoadBalance.report": HOST_VALUE + ": the host table of router biases and "
+                                         "the summed loads, at evaluations",
+    "nn/moe_bias.py:imbalance": HOST_VALUE + ": the summed loads, at evaluations",
+    "nn/moe_bias.py:global_load_stats: counts[:, :E].tolist()": HOST_VALUE + " (--log-json)",
+    "nn/moe_bias.py:global_load_stats: counts[:, E].tolist()": HOST_VALUE + " (--log-json)",
+    "nn/moe_bias.py:global_load_stats: (total[:, E + 1] / held[:, 0]).tolist()":
         HOST_VALUE + " (--log-json)",
     "train/progress.py:StepValues.__init__: int(capacity)": HOST_VALUE + ": --log-every",
     "train/progress.py:StepValues.due: bool(wanted)": HOST_VALUE + ": flags and step numbers",

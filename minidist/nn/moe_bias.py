@@ -26,13 +26,15 @@ sums are of integers, so every rank gets the same bits and makes the same update
 holds every block's b (`RouterBias`, the GPT's table; each MoE layer routes by a view of its
 block's row, as DDP's .grad are views into its buckets), a pipeline stage the others' too.
 Where b is saved (with the run's state, beside the parameters), and why there: the docstring
-of minidist/nn/moe.py.
+of minidist/nn/moe.py. The --log-json rows' routing figures (`global_load_stats`: tokens and
+drops per expert, the aux loss, over the global batch) are summed the same way.
 Tests: tests/test_moe_bias.py (the update and the biased routing by hand, the counts, the
 imbalance falling; every layout = one process, resumed bit for bit and in another layout).
 """
 import numpy as np
 
-from minidist.nn.moe import moe_layers
+from minidist import backend
+from minidist.nn.moe import load_stats, moe_layers, moe_layers_by_block
 
 
 class RouterBias:
@@ -95,6 +97,35 @@ def global_loads(model, world=None, copies=1):
         return rows
     sums, _, per_row = world_block_sums(rows, held, world, copies)
     return np.rint(sums / per_row)
+
+
+def global_load_stats(model, world, copies):
+    """moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
+    summed over the ranks: every rank of the world calls this). One float64 all-reduce over
+    the world of [tokens, dropped, aux] per MoE block of the whole model (world_block_sums,
+    host memory), zeros for the blocks this rank does not hold (another pipeline stage's).
+    Of the h ranks holding a block
+    (the world, or its stage's ranks under --pp), those holding the same rows computed the
+    same routing: `copies` (the ranks holding each row, the loop's count) x h / world of
+    them (the tp group), so the sums / that are the sums over the ranks that hold different
+    rows (dp x ep), and aux summed / h is their mean (every rank holds as many rows). A rank
+    holding 1/R of each sequence's tokens (cp, sequence parallelism: Routing.parts) counts
+    R times its own, as if it held them whole (the aux is already the whole sequence's). {}
+    for a dense model; as is on one process."""
+    config = model.config
+    if not config.moe_experts or world is None or world.size == 1:
+        return load_stats(model)
+    blocks, E = model.router_bias.blocks, config.moe_experts
+    rows, mine = np.zeros((len(blocks), E + 2)), np.zeros(len(blocks))  # tokens, dropped, aux
+    for b, m in moe_layers_by_block(model).items():
+        r = m.routing
+        aux = float(backend.host_read(m.aux_loss.data, "moe log"))
+        i = blocks.index(b)
+        rows[i], mine[i] = [*(r.counts * r.parts), r.dropped * r.parts, aux], 1
+    total, held, per_row = world_block_sums(rows, mine, world, copies)
+    counts = np.rint(total[:, :E + 1] / per_row).astype(np.int64)
+    return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
+            "moe_aux": (total[:, E + 1] / held[:, 0]).tolist()}
 
 
 def imbalance(loads):

@@ -32,8 +32,7 @@ from minidist import backend
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
-from minidist.nn.moe import load_stats, moe_layers_by_block
-from minidist.nn.moe_bias import LoadBalance, report_line, world_block_sums
+from minidist.nn.moe_bias import LoadBalance, global_load_stats, report_line
 from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.optim.muon import takes_muon
 from minidist.strategy import checkpoint_dirs
@@ -214,7 +213,8 @@ def train(args, world=None):
                 loss, norm, mem = train_step(strategy, model, opt, x, y, args)
         except FloatingPointError as e:     # --amp: too many overflowing steps in a row
             raise Diverged(f"step {step + 1}: {e}; stopped, nothing saved") from None
-        balance.after_step(_copies(strategy, world, x, y))   # --moe-bias-rate: all-reduce
+        copies = _copies(strategy, world, x, y)     # ranks holding each row (MoE's sums)
+        balance.after_step(copies)           # --moe-bias-rate: one all-reduce
         values.add(step, loss, norm)         # on the device: nothing waits for the GPU here
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         evals = (args.eval_every and (step + 1) % args.eval_every == 0) or last
@@ -231,7 +231,7 @@ def train(args, world=None):
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
                    "comm_bytes": strategy.comm_bytes()}
             if args.log_json:    # the same on every rank: every rank joins the stats' reduce
-                row.update(global_load_stats(model, world, _copies(strategy, world, x, y)))
+                row.update(global_load_stats(model, world, copies))
             if not evals:        # an evaluating step's row waits for its val loss, below
                 log.json0(row)
             if printed:
@@ -261,7 +261,7 @@ def train(args, world=None):
             val_loss = float(backend.host_read(mean, "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
-            moe = balance.report(_copies(strategy, world, x, y))    # MoE: the experts' loads
+            moe = balance.report(copies)     # MoE: the experts' loads
             if moe:
                 log.print0(f"{at} | {report_line(moe)}")
             log.json0({**row, "val_loss": val_loss, **moe})   # (every evaluating step was read)
@@ -297,35 +297,6 @@ def _copies(strategy, world, x, y):
     """How many ranks hold each row of the global batch (x, y): world size x this rank's
     rows / the batch's rows (1 on one process and under plain dp or ep; tp under --tp)."""
     return 1 if world is None else world.size * len(strategy.local_rows(x, y)[0]) // len(x)
-
-
-def global_load_stats(model, world, copies):
-    """nn/moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
-    summed over the ranks: every rank of the world calls this). One float64 all-reduce over
-    the world of [tokens, dropped, aux] per MoE block of the whole model (world_block_sums,
-    host memory), zeros for the blocks this rank does not hold (another pipeline stage's).
-    Of the h ranks holding a block
-    (the world, or its stage's ranks under --pp), those holding the same rows computed the
-    same routing: `copies` (the ranks holding each row, the loop's count) x h / world of
-    them (the tp group), so the sums / that are the sums over the ranks that hold different
-    rows (dp x ep), and aux summed / h is their mean (every rank holds as many rows). A rank
-    holding 1/R of each sequence's tokens (cp, sequence parallelism: Routing.parts) counts
-    R times its own, as if it held them whole (the aux is already the whole sequence's). {}
-    for a dense model; as is on one process."""
-    config = model.config
-    if not config.moe_experts or world is None or world.size == 1:
-        return load_stats(model)
-    blocks, E = model.router_bias.blocks, config.moe_experts
-    rows, mine = np.zeros((len(blocks), E + 2)), np.zeros(len(blocks))  # tokens, dropped, aux
-    for b, m in moe_layers_by_block(model).items():
-        r = m.routing
-        aux = float(backend.host_read(m.aux_loss.data, "moe log"))
-        i = blocks.index(b)
-        rows[i], mine[i] = [*(r.counts * r.parts), r.dropped * r.parts, aux], 1
-    total, held, per_row = world_block_sums(rows, mine, world, copies)
-    counts = np.rint(total[:, :E + 1] / per_row).astype(np.int64)
-    return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
-            "moe_aux": (total[:, E + 1] / held[:, 0]).tolist()}
 
 
 def _describe(args, strategy, log, model, data):
