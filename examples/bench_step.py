@@ -24,6 +24,8 @@ capture, beside the speed). With --dropout the masks' step is on the device too 
 each replay advances, which the Philox and flash kernels read: minidist/autograd/
 dropout_keys.py, "The step on the device"), so each replay draws its own step's masks.
 Not yet run on a GPU.
+MoE (--moe-experts): "moe_bias", the [min, max] of the router biases after the last step; with
+--moe-bias-rate each step updates them as training does (minidist/nn/moe_bias.py LoadBalance).
 A 2048^3 float32 matmul is timed after every step, so both medians see the same load on a
 shared machine (other processes slow both alike; the ratio is the robust figure).
 """
@@ -37,6 +39,7 @@ import numpy as np
 from minidist import backend
 from minidist.kernel_count import KernelCounter
 from minidist.nn import GPT, GPTConfig
+from minidist.nn.moe_bias import LoadBalance
 from minidist.optim import AdamW, FlatAdamW, clip_grad_norm, multi_tensor
 from minidist.optim.muon import Muon
 from minidist.train.amp import MixedPrecision
@@ -62,6 +65,9 @@ def graph_refusal(args, device):
     number."""
     if not args.cuda_graph:
         return None
+    if args.moe_experts:
+        return ("--cuda-graph cannot capture a Mixture of Experts step: its routing reads the "
+                "host (the rows each expert gets); drop --moe-experts or --cuda-graph")
     if device != "cuda":
         return "--cuda-graph needs --device cuda (CUDA graphs are a GPU feature)"
     if not args.amp or os.environ.get("MINIDIST_CUDA_NEW_KERNELS") != "1":
@@ -214,6 +220,8 @@ def main():
     times, mm_times = [], []
     n = 2048
     a = backend.get_xp().asarray(backend.rng(0).standard_normal((n, n)), dtype="float32")
+    balance = LoadBalance(model, None, args.moe_bias_rate)   # MoE: the router biases
+
     def one_step():
         _, loss = model(x, y)
         if amp:
@@ -224,6 +232,7 @@ def main():
             clip_grad_norm(opt.params, 1.0)
         opt.step()
         opt.zero_grad()
+        balance.after_step(1)               # --moe-bias-rate: as training updates them
         return loss
 
     step, first = one_step, 0
@@ -247,6 +256,9 @@ def main():
     extra = {"kernels_per_step": kernels_per_step(step),
              "host_reads_per_step": host_reads_per_step(step), "cuda_graph": args.cuda_graph,
              "dropout_step": dropout_step(model, args.dropout)}
+    if config.moe_experts:
+        table = model.router_bias.table
+        extra["moe_bias"] = [float(table.min()), float(table.max())]
     if args.peak_tflops:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),

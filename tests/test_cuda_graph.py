@@ -35,7 +35,7 @@ def bench_module():
 
 
 def flags(**kw):
-    args = {"cuda_graph": True, "amp": True, "dropout": 0.0}
+    args = {"cuda_graph": True, "amp": True, "dropout": 0.0, "moe_experts": 0}
     args.update(kw)
     return argparse.Namespace(**args)
 
@@ -50,6 +50,8 @@ def test_graph_refusals_name_what_a_graph_would_freeze(monkeypatch):
     assert refusal(flags(dropout=0.1), "cuda") is None      # the masks' step on the device
     monkeypatch.setenv("MINIDIST_CUDA_NEW_KERNELS", "0")
     assert "would freeze them" in refusal(flags(), "cuda")
+    assert refusal(flags(moe_experts=4), "cuda").startswith(
+        "--cuda-graph cannot capture a Mixture of Experts step")     # its routing reads the host
 
 
 def test_cuda_graph_on_the_cpu_is_one_error_line():

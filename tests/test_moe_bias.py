@@ -273,3 +273,21 @@ def test_a_checkpoint_from_before_the_biases_resumes_them_at_zero(tmp_path, corp
     again = train_tiny("--steps", "6", "--resume", old, "--save", old, "--data", corpus)
     assert again.returncode == 0, again.stderr
     assert all(abs(v) in (0.0, 0.01) for b in router_bias(old).values() for v in b)
+
+
+def test_bench_step_moves_the_biases_as_training_does():
+    """examples/bench_step.py times the step training takes: with --moe-bias-rate its step
+    updates the router biases (one process's global loads), without it they stay 0."""
+    def bench(*flags):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "bench_step.py"),
+                              "--device", "cpu", "--n-layer", "2", "--n-head", "2",
+                              "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+                              "--steps", "1", "--warmup", "1", "--threads", "1",
+                              "--moe-experts", "4", "--moe-top-k", "2", *flags], cwd=ROOT,
+                             env=mpi_env(), capture_output=True, text=True, timeout=120)
+    moved = bench("--moe-bias-rate", "0.01")
+    assert moved.returncode == 0, moved.stderr
+    lo, hi = json.loads(moved.stdout)["moe_bias"]
+    assert lo <= -0.01 and hi >= 0.01 and max(-lo, hi) <= 0.02 + 1e-12   # two steps of 0.01
+    still = bench()
+    assert still.returncode == 0 and json.loads(still.stdout)["moe_bias"] == [0.0, 0.0]
