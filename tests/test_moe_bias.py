@@ -280,11 +280,11 @@ def test_bench_step_moves_the_biases_as_training_does():
     updates the router biases (one process's global loads), without it they stay 0."""
     def bench(*flags):
         return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "bench_step.py"),
-                              "--device", "cpu", "--n-layer", "2", "--n-head", "2",
-                              "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
-                              "--steps", "1", "--warmup", "1", "--threads", "1",
-                              "--moe-experts", "4", "--moe-top-k", "2", *flags], cwd=ROOT,
-                             env=mpi_env(), capture_output=True, text=True, timeout=120)
+                               "--device", "cpu", "--n-layer", "2", "--n-head", "2",
+                               "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+                               "--steps", "1", "--warmup", "1", "--threads", "1",
+                               "--moe-experts", "4", "--moe-top-k", "2", *flags], cwd=ROOT,
+                              env=mpi_env(), capture_output=True, text=True, timeout=120)
     moved = bench("--moe-bias-rate", "0.01")
     assert moved.returncode == 0, moved.stderr
     lo, hi = json.loads(moved.stdout)["moe_bias"]
