@@ -4,6 +4,7 @@
     python examples/plan.py --params 70e9 --seq 4096 --global-batch 1024 --gpus 512 \\
         --schedule interleaved --comm hier --top 5 --json
     python examples/plan.py --params 7e9 --gpus 64 --layout dp=8,tp=8,zero=1,ckpt
+    python examples/plan.py --params 7e9 --gpus 64 --layout "PP2 x ZeRO-1/8 x32 (amp, tiled)"
     python examples/plan.py --preset here --n-layer 4 --n-head 4 --n-embd 128 --seq 128 \\
         --vocab-size 256 --global-batch 16 --gpus 2 --layout dp=2 --fp32
     python examples/plan.py --params 7e9 --moe-experts 8 --moe-top-k 2 --gpus 64   # MoE: + ep
@@ -30,6 +31,7 @@ layouts, none in memory) says the least memory one needs.
 """
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,9 +39,11 @@ from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, muon_problem, nodes_problem,
                                       number_problem)
-from minidist.train.planner import GiB, Layout, stage_params         # noqa: E402
+from minidist.train.planner import (GiB, Layout, layout_from_name,  # noqa: E402
+                                    stage_params)
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
-                                   no_layout_problem, search, train_flags)
+                                   micro_batch_counts, no_layout_problem, search,
+                                   train_flags)
 from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
@@ -97,8 +101,9 @@ def parse(argv=None):
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
                    "ulysses: the CP attention, with cp > 1; shard=K: hybrid sharding, ZeRO "
                    "over each K dp ranks; ogather: ZeRO-1/2's all-gathers behind the next "
-                   "forward, --overlap-param-gather); refused unless "
-                   "examples/train_gpt.py runs it")
+                   "forward, --overlap-param-gather); or a name as the table prints it, "
+                   "e.g. \"PP2 x ZeRO-1/8 x32 (amp, tiled)\" (every micro-batch count the "
+                   "search tries); refused unless examples/train_gpt.py runs it")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of GPU memory left free (fragmentation, buffers)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -141,13 +146,58 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
 
 
 def parse_layout(text, args, config, v):
-    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (Layout, micro-batches); "nosp": TP without
+    """--layout -> (Layout, the micro-batch counts to price): key=value items
+    (`layout_fields`: one count, micro=, default 1) or a name as the tables print it
+    (`named_fields`: every count the search tries). A layout examples/train_gpt.py would not
+    run (search.layout_problems: training's own checks) is one error line."""
+    named = NAMED.match(text.strip())
+    fields, micro = named_fields(text, args) if named else layout_fields(text)
+    sp = fields.pop("sp", True)
+    fields.pop("amp", None), fields.pop("tiled", None)       # the flags', checked by name
+    layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
+                    tiled=args.attention == "tiled", muon=args.optimizer == "muon",
+                    **fields)
+    counts = micro_batch_counts(layout.pp, args.global_batch // layout.dp, grouped=v > 1) \
+        if micro is None else [micro]
+    problems = layout_problems(config, layout, args.gpus, args.global_batch, counts[0],
+                               args.schedule, v) if counts else \
+        [f"a global batch of {args.global_batch} over dp {layout.dp} leaves no micro-batch "
+         f"count for {layout.pp} stages"]
+    if problems:
+        fail("--layout: " + "; ".join(problems) + " (change the layout, or leave --layout "
+             "out to search the ones train_gpt.py runs)")
+    return layout, counts
+
+
+NAMED = re.compile(r"(TP|PP|CP|EP|ZeRO|DDP)")
+
+
+def named_fields(text, args):
+    """A layout's name as plan.py's and plan_memory.py's tables print it -> (its fields,
+    None: the search's micro-batch counts). Its precision and attention must be the
+    flags': the name says "fp32" with --fp32 alone, "tiled" with --attention tiled alone."""
+    fields = layout_from_name(text, args.gpus)
+    if isinstance(fields, str):
+        fail(f"--layout: {fields}")
+    amp = fields.get("amp", not args.fp32)
+    tiled = fields.get("tiled", args.attention == "tiled")
+    if amp == args.fp32:
+        fail(f"--layout {text!r}: names a " + ("mixed-precision layout: drop --fp32" if amp
+                                                  else "float32 layout: add --fp32"))
+    if tiled != (args.attention == "tiled"):
+        fail(f"--layout {text!r}: names " + ("tiled attention: give --attention tiled"
+                                             if tiled else "(T, T) scores: give --attention "
+                                             "materialized"))
+    return fields, None
+
+
+def layout_fields(text):
+    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (fields, micro-batches); "nosp": TP without
     sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
     instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An
     unknown or repeated key, a value that is not a whole number (cpattn: not ring or
-    ulysses), and a layout examples/train_gpt.py would not run (search.layout_problems:
-    training's own checks) are one error line naming the key."""
-    fields, micro, sp, seen = {}, 1, True, set()
+    ulysses) are one error line naming the key."""
+    fields, micro, seen = {}, 1, set()
     for item in text.split(","):
         key, eq, value = item.partition("=")
         if key in seen:
@@ -161,7 +211,7 @@ def parse_layout(text, args, config, v):
         elif item == "selective":         # (search.layout_problems: where no scores are kept)
             fields["recompute"] = "selective"
         elif item == "nosp":
-            sp = False
+            fields["sp"] = False
         elif item == "ogather":
             fields["overlap_gather"] = True
         elif key == "cpattn" and eq:
@@ -178,16 +228,9 @@ def parse_layout(text, args, config, v):
                 fields["zero_shard" if key == "shard" else key] = int(value)
         else:
             fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"shard=,cpattn=,ckpt,selective,nosp,ogather")
-    layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
-                    tiled=args.attention == "tiled", muon=args.optimizer == "muon",
-                    **fields)
-    problems = layout_problems(config, layout, args.gpus, args.global_batch, micro,
-                               args.schedule, v)
-    if problems:
-        fail("--layout: " + "; ".join(problems) + " (change the layout, or leave --layout "
-             "out to search the ones train_gpt.py runs)")
-    return layout, micro
+                 f"shard=,cpattn=,ckpt,selective,nosp,ogather, or a name as the table "
+                 f"prints it")
+    return fields, micro
 
 
 def cell(x, width, digits=3):
@@ -253,11 +296,12 @@ def main(argv=None):
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
     if args.layout:
-        layout, micro = parse_layout(args.layout, args, config, v)
+        layout, counts = parse_layout(args.layout, args, config, v)
         try:
-            rows = [evaluate(config, layout, cluster, args.seq, args.global_batch, micro,
-                             schedule, args.comm, args.headroom, v, args.moe_load,
-                             args.muon_ns_steps)]
+            rows = sorted((evaluate(config, layout, cluster, args.seq, args.global_batch, m,
+                                    schedule, args.comm, args.headroom, v, args.moe_load,
+                                    args.muon_ns_steps) for m in counts),
+                          key=lambda r: (not r["fits"], r["step"]))
         except ValueError as e:                # a MoE layout minidist does not run
             fail(f"--layout: {e}")
     else:

@@ -571,8 +571,38 @@ def test_search_splits_and_micro_batches():
     assert all(dp * tp * pp * cp == 8 for dp, tp, pp, cp in got)
     assert {tp for _, tp, _, _ in got} == {1, 2, 4} and max(pp for *_, pp, _ in got) == 2
     assert (8, 1, 1, 1) in got and (1, 4, 2, 1) in got and (2, 1, 1, 4) in got
-    assert micro_batch_counts(1, 64) == [1]
+    assert micro_batch_counts(1, 64) == [1, 2, 4, 8, 16, 32, 64]     # --grad-accum
+    assert micro_batch_counts(1, 12) == [1, 2, 4]
     assert micro_batch_counts(4, 64) == [4, 8, 16, 32]
+
+
+def test_search_accumulates_gradients_where_the_whole_batch_does_not_fit():
+    """    python examples/plan.py --params 7e9 --gpus 8 --seq 4096 --global-batch 512
+    proposed PP2 x ZeRO-1 x4 with full recompute, 42.3 s a step: without a pipeline the search
+    tried one micro-batch of the whole per-rank batch (64 sequences), which fits nowhere.
+    Now it tries --grad-accum 1, 2, 4, ... up to the first count that fits (more only costs
+    time: checked for every layout here), and proposes ZeRO-1 with 32 micro-batches of 2
+    sequences, no recompute: 29.7 s, the command training's checks accept."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.search import search, train_flags
+    config = config_for_params(7e9, 4096)
+    rows = search(config, H100_IB, 8, 4096, 512)
+    best = next(r for r in rows if r["fits"])
+    assert best["layout"] == "ZeRO-1 (amp, tiled)" and best["micro_batches"] == 32, best
+    assert best["step"] < 30 and _refused(config, best, 8) is None
+    flags = train_flags(config, best)
+    assert flags[flags.index("--grad-accum") + 1] == "32" and "--ckpt-activations" not in flags
+    by_layout = {}
+    for r in rows:
+        if r["pp"] == 1:
+            by_layout.setdefault(r["layout"], []).append(r)
+    for name, tried in by_layout.items():
+        counts = sorted(r["micro_batches"] for r in tried)
+        assert counts == [2 ** i for i in range(len(counts))], (name, counts)
+        assert [r["fits"] for r in sorted(tried, key=lambda r: r["micro_batches"])][:-1] == \
+            [False] * (len(tried) - 1), name          # stopped at the first that fits
+        steps = [r["step"] for r in sorted(tried, key=lambda r: r["micro_batches"])]
+        assert steps == sorted(steps), (name, steps)   # accumulating never priced faster
 
 
 def test_bench_collectives_interleave_row(mpi):
@@ -972,8 +1002,8 @@ def test_no_valid_layout_is_told_apart_from_none_fitting(capsys):
     assert micro_batch_counts(3, 512, grouped=True) == []
     rows = search(config, H100_IB, 3, 1024, 512)
     assert rows and all(_refused(config, r, 3) is None for r in rows)
-    _plan_cli().main(["--params", "7e9", "--gpus", "2", "--seq", "4096", "--top", "1000",
-                      "--json"])
+    _plan_cli().main(["--params", "13e9", "--gpus", "2", "--seq", "4096", "--top", "1000",
+                      "--json"])          # (7e9 fits now: ZeRO-3 accumulating 256 micro-batches)
     result = json.loads(capsys.readouterr().out)
     least = min(r["mem"]["total"] for r in result["rows"]) / GiB
     assert result["best"] is None and not any(r["fits"] for r in result["rows"])
@@ -1474,3 +1504,67 @@ def test_the_planners_optimizer_flags_are_training_s():
         assert plan_cli.parse(["--optimizer", choice]).optimizer == choice
     p = memory.parser()
     assert memory.measure_problem(p.parse_args(["--measure", "--optimizer", "muon"]), p) is None
+
+
+# ---- --layout takes a name as the tables print it ----------------------------------------------
+
+NAME_FIELDS = ("dp", "tp", "pp", "cp", "zero", "ep", "zero_shard", "recompute", "sp", "amp",
+               "tiled", "overlap_gather")
+
+
+@pytest.mark.parametrize("gpus,kw", [(64, {}), (16, {"moe_experts": 8, "moe_top_k": 2}),
+                                     (16, {"tiled": False}), (8, {"amp": False})])
+def test_every_name_the_search_prints_reads_back_as_its_layout(gpus, kw):
+    """Layout.name's inverse, planner.layout_from_name: every row of a search (dense, MoE with
+    ep, materialised attention with selective recompute, fp32; hybrid sharding and Ulysses
+    where the GPUs span nodes) and overlapped gathers read back as the fields they name."""
+    from minidist.train.cluster import H100_IB
+    from minidist.train.planner import layout_from_name
+    from minidist.train.search import search
+    moe = {k: kw.pop(k) for k in ("moe_experts", "moe_top_k") if k in kw}
+    config = GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=1024, vocab_size=50257,
+                       **moe)
+    rows = search(config, H100_IB, gpus, 1024, 64, **kw)
+    names = {r["layout"]: r for r in rows}
+    assert len(names) > 20 and any("/8" in n for n in names) == (gpus > 8), len(names)
+    layouts = [Layout(**{k: r[k] for k in NAME_FIELDS}) for r in names.values()]
+    layouts.append(replace(layouts[0], zero=1, overlap_gather=True))
+    for layout in layouts:
+        fields = layout_from_name(layout.name(), layout.gpus)
+        assert not isinstance(fields, str), fields
+        assert Layout(**fields) == replace(layout, cp_attention=fields.get(
+            "cp_attention", layout.cp_attention)), layout.name()   # (named with cp > 1)
+
+
+def test_plan_layout_takes_the_name_its_table_prints(capsys):
+    """    python examples/plan.py --params 7e9 --gpus 16 --seq 4096 --layout "ZeRO-1/8 (amp,
+        tiled)"
+    was "cannot read 'ZeRO-1/8 (amp'": --layout took key=value items only. A name
+    now prices the layout at every micro-batch count the search tries: its first row is the
+    search's row of that name, the same command; amp and the attention must be the flags'."""
+    base = ["--params", "7e9", "--gpus", "16", "--seq", "4096", "--json", "--top", "1000"]
+    _plan_cli().main(base)
+    searched = json.loads(capsys.readouterr().out)
+    for row in searched["rows"][:3] + searched["rows"][-2:]:
+        _plan_cli().main(base + ["--layout", row["layout"]])
+        one = json.loads(capsys.readouterr().out)
+        assert {r["layout"] for r in one["rows"]} == {row["layout"]}
+        same = [r for r in searched["rows"] if r["layout"] == row["layout"]]
+        assert one["rows"][0] == same[0] or not same[0]["fits"], row["layout"]
+    assert searched["best"] and json.loads(
+        (_plan_cli().main(base + ["--layout", searched["best"]]), capsys.readouterr().out)[1]
+    )["command"] == searched["command"]
+    gpus8 = ["--params", "7e9", "--gpus", "8", "--seq", "4096"]
+    assert _plan_error(gpus8 + ["--layout", "ZeRO-1 (fp32, tiled)"], capsys) == (
+        "error: --layout 'ZeRO-1 (fp32, tiled)': names a float32 layout: add --fp32")
+    assert _plan_error(gpus8 + ["--layout", "ZeRO-1 (amp)"], capsys) == (
+        "error: --layout 'ZeRO-1 (amp)': names (T, T) scores: give --attention materialized")
+    assert _plan_error(gpus8 + ["--layout", "TP2+SP x ZeRO-1 x4 (amp, tiled"], capsys) == (
+        "error: --layout: 'TP2+SP x ZeRO-1 x4 (amp, tiled': its parentheses are not closed")
+    assert _plan_error(gpus8 + ["--layout", "TP2 x ZeRO-9 x4"], capsys).startswith(
+        "error: --layout: cannot read 'ZeRO-9 x4' (a part such as TP2+SP")
+    assert _plan_error(gpus8 + ["--layout", "ZeRO-1 (amp, tiled, fast)"], capsys).startswith(
+        "error: --layout: cannot read 'fast' in the parentheses (amp, fp32, tiled")
+    assert _plan_error(gpus8 + ["--layout", "TP2+SP x DDP x2 (amp, tiled)"], capsys) == (
+        "error: --layout: dp x tp x pp x cp = 4, but --gpus is 8 (change the layout, or leave "
+        "--layout out to search the ones train_gpt.py runs)")

@@ -38,6 +38,7 @@ own graph's).
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
 """
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
@@ -128,6 +129,50 @@ class Layout:
         if self.recompute != "none":
             extras.append("ckpt" if self.recompute == "full" else "selective recompute")
         return " x ".join(parts) + " (" + ", ".join(extras) + ")"
+
+
+_PART = re.compile(r"(TP)(\d+)(\+SP)?|(PP)(\d+)|(CP)(\d+)(u?)|(EP)(\d+)"
+                   r"|(?:ZeRO-([0-3])(?:/(\d+))?|(DDP))(?: x(\d+))?")
+_EXTRAS = {"amp": ("amp", True), "fp32": ("amp", False), "tiled": ("tiled", True),
+           "gathers overlapped": ("overlap_gather", True), "ckpt": ("recompute", "full"),
+           "selective recompute": ("recompute", "selective")}
+
+
+def layout_from_name(text, gpus):
+    """Layout.name's inverse: {field: value} of the layout a name such as "TP2+SP x PP2 x
+    ZeRO-1/8 x4 (amp, tiled)" names on `gpus` ranks (amp and tiled only where it has
+    parentheses), or a sentence saying what cannot be read.
+    dp is the "xN" after DDP or ZeRO, else 1, or all of `gpus` in a name of data
+    parallelism alone ("ZeRO-3/8 (amp)")."""
+    head, paren, rest = text.strip().partition("(")
+    fields, parts = {"recompute": "none"}, head.strip().split(" x ")
+    for part in parts:
+        m = _PART.fullmatch(part.strip())
+        if m is None:
+            return f"cannot read {part.strip()!r} (a part such as TP2+SP, PP2, CP4u, EP2, " \
+                   "ZeRO-3/8 x4 or DDP x8)"
+        g = m.groups()
+        if g[0]:
+            fields.update(tp=int(g[1]), sp=bool(g[2]))
+        elif g[3]:
+            fields["pp"] = int(g[4])
+        elif g[5]:
+            fields.update(cp=int(g[6]), cp_attention="ulysses" if g[7] else "ring")
+        elif g[8]:
+            fields["ep"] = int(g[9])
+        else:
+            fields.update(zero=int(g[10] or 0), zero_shard=int(g[11] or 0),
+                          dp=int(g[13] or (gpus if len(parts) == 1 else 1)))
+    if paren:
+        if not rest.endswith(")"):
+            return f"{text!r}: its parentheses are not closed"
+        fields["tiled"] = False                 # unless they say it
+        for word in filter(None, (w.strip() for w in rest[:-1].split(","))):
+            if word not in _EXTRAS:
+                return f"cannot read {word!r} in the parentheses (" + ", ".join(_EXTRAS) + ")"
+            key, value = _EXTRAS[word]
+            fields[key] = value
+    return fields
 
 
 # ---- model states ----------------------------------------------------------------------------

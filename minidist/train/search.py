@@ -7,8 +7,11 @@ all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouri
 pp up to the layers; cp a power of two dividing the sequence, each cp > 1 with the ring and,
 where the heads n_head / tp divide by cp, with Ulysses' all-to-alls (cp_attentions); dp the
 rest, dividing the global batch. micro-batches: pp, 2 pp, 4 pp, ... with pp > 1 (fewer idle
-most of the step; from the first count above pp that divides the batch where pp does not),
-1 otherwise (a micro-batch of the whole per-rank batch, the usual choice when it fits);
+most of the step; from the first count above pp that divides the batch where pp does not);
+without a pipeline 1, 2, 4, ... (--grad-accum), up to the first that fits: a micro-batch of
+the whole per-rank batch when it fits, else the largest that does (in the model more
+accumulation only costs time: smaller backwards to hide DDP's all-reduce behind, ZeRO-3's
+gathers once a micro-batch);
 ckpt: without and with full recompute (not under ZB-H1, which training refuses), and with
 selective recompute where attention is materialised (--attention recompute: its scores
 computed again in backward; tiled attention keeps none).
@@ -80,12 +83,15 @@ def splits(config, gpus, gpus_per_node, seq, global_batch, max_cp=8, v=1):
 
 
 def micro_batch_counts(pp, per_rank_batch, most=4, grouped=False):
-    """Micro-batch counts to try: 1 without a pipeline, else pp, 2pp, 4pp, ... that divide
-    the per-rank batch (at most `most` of them); where pp does not divide it (pp 3, 512
-    sequences), the same from the first count above pp that does (4, 8, ...: training runs
-    any), unless `grouped` (the interleaved schedule runs micro-batches in groups of pp)."""
+    """Micro-batch counts to try: without a pipeline 1, 2, 4, ... that divide the per-rank
+    batch (gradient accumulation, --grad-accum: the search stops at the first that fits);
+    else pp, 2pp, 4pp, ... that divide it (at most `most` of them); where pp does not divide
+    it (pp 3, 512 sequences), the same from the first count above pp that does (4, 8, ...:
+    training runs any), unless `grouped` (the interleaved schedule runs micro-batches in
+    groups of pp)."""
     if pp == 1:
-        return [1]
+        return [m for m in (2 ** i for i in range(per_rank_batch.bit_length()))
+                if per_rank_batch % m == 0]
     out, m = [], next((m for m in range(pp, per_rank_batch + 1, pp if grouped else 1)
                        if per_rank_batch % m == 0), per_rank_batch + 1)
     while m <= per_rank_batch and len(out) < most:
@@ -161,6 +167,9 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                                 rows.append(evaluate(config, layout, cluster, seq,
                                                      global_batch, m, schedule, comm,
                                                      headroom, v, moe_load, ns_steps))
+                                if pp == 1 and rows[-1]["fits"]:
+                                    break       # more accumulation: only slower
+
     return sorted(rows, key=lambda r: (not r["fits"], r["step"]))
 
 
