@@ -103,6 +103,27 @@ def default_threads():
     return max(1, available_cores() // local_rank_and_size()[1])
 
 
+def busy_cores_note(threads, load=None, cores=None):
+    """A note (a sentence) when `threads` BLAS threads > 1 were chosen for this rank on
+    cores other processes already keep busy, else None: OpenBLAS's threads spin waiting for
+    each other, so a busy core stalls every matmul (measured on this 2-core machine under a
+    load of 6-8: --threads 1 2.4x to 9x faster). `load`: the 1-minute load average (read
+    when None; None where the system has none), `cores`: available_cores()."""
+    if threads is None or threads <= 1:
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):       # no load average here (Windows)
+            return None
+    cores = cores or available_cores()
+    if load < cores - 0.5:                      # (this process has not started its work)
+        return None
+    return (f"the load average is {load:.1f} on {cores} core(s) before training starts: "
+            f"other processes keep them busy, and {threads} BLAS threads wait for each "
+            f"other on busy cores; if steps are slow, try --threads 1")
+
+
 def thread_env_problem(environ=os.environ):
     """What is wrong with an exported OPENBLAS_NUM_THREADS (a sentence), or None: unset, or
     a whole number >= 1. set_thread_env leaves a bad one alone (it runs at import, before

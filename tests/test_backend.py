@@ -3,12 +3,13 @@ import ast
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from minidist import backend, launcher
-from mpirun import mpi_env, run_mpi
+from mpirun import ROOT, mpi_env, run_mpi
 
 
 def test_cpu_device_and_xp_of():
@@ -48,6 +49,51 @@ def test_local_rank_from_launcher_env(monkeypatch):
     assert backend.local_rank_and_size() == (3, 4)
     monkeypatch.setattr(launcher, "available_cores", lambda: 2)
     assert launcher.default_threads() == 1  # 2 cores shared by 4 ranks: never 0
+
+
+def test_busy_cores_note_only_when_other_processes_keep_the_cores_busy():
+    """A first-use walk ran one process with the default threads (2 here) beside other jobs
+    and its steps were 5x slower than --threads 1's, the log saying nothing. The model line
+    is now followed by a note where the load average before training is at least the cores
+    less a half and more than one BLAS thread was chosen (training: not with --threads
+    typed; the whole run: the slow test below)."""
+    note = launcher.busy_cores_note
+    assert note(1, load=8.0, cores=2) is None and note(None, load=8.0, cores=2) is None
+    assert note(2, load=1.4, cores=2) is None and note(16, load=15.4, cores=16) is None
+    assert note(2, load=6.0, cores=2) == (
+        "the load average is 6.0 on 2 core(s) before training starts: other processes keep "
+        "them busy, and 2 BLAS threads wait for each other on busy cores; if steps are slow, "
+        "try --threads 1")
+
+
+@pytest.mark.slow
+def test_train_gpt_notes_busy_cores_unless_threads_are_typed(tmp_path, corpus):
+    """    python examples/train_gpt.py   (beside 2 busy processes a core)
+    prints the busy-cores note after its model line; with --threads 2 typed it does not.
+    Slow: a minute's load average takes ~30 s to rise."""
+    run = [sys.executable, "examples/train_gpt.py", "--n-layer", "1", "--n-embd", "16",
+           "--block-size", "8", "--batch-size", "2", "--steps", "1", "--eval-iters", "1",
+           "--sample", "0", "--data", corpus, "--cache-dir", str(tmp_path)]
+    env = mpi_env()
+    env.pop("OPENBLAS_NUM_THREADS"), env.pop("OMP_NUM_THREADS")
+    cores = launcher.available_cores()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * cores)] if cores > 1 else []
+    try:
+        if busy:               # a minute's load average: wait until it says the cores are busy
+            deadline = time.time() + 90
+            while os.getloadavg()[0] < cores - 0.5 and time.time() < deadline:
+                time.sleep(1)
+        out = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        typed = subprocess.run(run + ["--threads", "2"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=300)
+    finally:
+        for p in busy:
+            p.kill()
+    assert out.returncode == 0 and typed.returncode == 0, out.stderr + typed.stderr
+    assert ("note: the load average is" in out.stdout) == (cores > 1), out.stdout
+    assert "note: the load average" not in typed.stdout
 
 
 # (environment, (local rank, ranks on this node), ranks in the job): one row per launcher

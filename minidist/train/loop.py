@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from minidist import backend
+from minidist.launcher import busy_cores_note
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
@@ -310,6 +311,9 @@ def _describe(args, strategy, log, model, data):
                f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
                f"{strategy.world_size} process(es); unigram entropy of the data "
                f"{data.unigram_entropy:.4f} nats/token")
+    busy = None if args.threads else busy_cores_note(backend.blas_threads())
+    if busy and backend.device() == "cpu":     # (the default count; a GPU's step is not BLAS)
+        log.print0(f"note: {busy}")
     if args.optimizer == "muon" and not args.eval_only:    # (nothing steps under it)
         mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
                 if takes_muon(name, shape)]
