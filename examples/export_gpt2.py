@@ -66,11 +66,12 @@ def tokenizer_folder(args, vocab_size):
         if not tokenizer_files(args.tokenizer):
             raise UsageError(f"--tokenizer {args.tokenizer}: no {VOCAB} and {MERGES} there")
         folder, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
-    else:
+    else:       # the folder read first (a GPT-2 folder holds its own), as sample.py looks
         flags = run_flags(args.resume)
-        folder = next((f for f in (flags.get("tokenizer"), flags.get("init_from"),
+        folder = next((f for f in (args.resume, flags.get("tokenizer"), flags.get("init_from"),
                                    flags.get("data")) if f and tokenizer_files(f)), None)
-        where = f"{folder}, a folder the run named,"
+        where = (f"--resume {folder}" if folder == args.resume else
+                 f"{folder}, a folder the run named,")
     if folder is None:
         return None
     tokens = BPETokenizer.from_folder(folder).vocab_size

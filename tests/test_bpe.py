@@ -392,6 +392,20 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
                                                    tmp_path / "ck", "--out", tmp_path / "x")
     assert sorted(os.listdir(tmp_path / "x")) == ["config.json", "merges.txt",
                                                   "model.safetensors", "vocab.json"]
+    # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
+    # files, and sample.py refused the result: the folder read is looked in first
+    assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(
+        "export_gpt2.py", "--resume", tmp_path / "x", "--out", tmp_path / "y", "--dtype",
+        "bfloat16")
+    assert sorted(os.listdir(tmp_path / "y")) == sorted(os.listdir(tmp_path / "x"))
+    assert run("sample.py", "--resume", tmp_path / "y", "--tokens", 3)
+    # and --tokenizer on a checkpoint trained in bytes: a late "config mismatch" naming --data
+    train(args("--data", corpus, *cache, "--steps", "1", "--save", str(tmp_path / "bytes")))
+    with pytest.raises(UsageError, match=r"--tokenizer .*tok: --resume .*bytes\S* was trained "
+                       "without one, on a vocabulary of 256 tokens, and its 300 ids would "
+                       "not fit the model; leave --tokenizer out"):
+        args("--data", corpus, "--resume", str(tmp_path / "bytes"), "--tokenizer", str(tok),
+             "--steps", "2")
     ids = BPETokenizer.from_folder(str(tok)).encode(open(corpus).read()).astype(np.uint16)
     os.makedirs(tmp_path / "bin")
     ids[:2000].tofile(tmp_path / "bin" / "train.bin")

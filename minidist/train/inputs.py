@@ -184,12 +184,25 @@ def _take_resume_data(args, folder, recorded):
     args.data = recorded
 
 
-def _take_resume_tokenizer(args, folder, recorded):
+def _take_resume_tokenizer(args, folder, recorded, vocab_size):
     """--tokenizer on --resume: the checkpoint's (`recorded`, its run's) unless given; one
     given with other files (another vocabulary or other merges: the ids would mean other
-    strings), or a recorded folder that no longer holds them, is one error line."""
+    strings), or a recorded folder that no longer holds them, is one error line; so is one
+    given to a checkpoint trained without one (bytes, or token files) whose vocabulary is
+    of another size (its `vocab_size`): the load would say the model does not fit, naming
+    the data. One of the same size is taken (GPT-2's files on a run of GPT-2 token ids)."""
     given = getattr(args, "tokenizer", None)
     if not recorded:
+        if given is not None and tokenizer_files(given):
+            try:
+                size = BPETokenizer.from_folder(given).vocab_size
+            except TokenizerError:
+                return                                   # check_data_path names the file
+            if size != vocab_size:
+                raise UsageError(
+                    f"--tokenizer {given}: --resume {folder} was trained without one, on a "
+                    f"vocabulary of {vocab_size:,} tokens, and its {size:,} ids would not "
+                    "fit the model; leave --tokenizer out, or start a new run with it")
         return
     if given is None:
         if not tokenizer_files(recorded):
@@ -231,7 +244,7 @@ def take_resume_model(args):
         folder, config, dtype, flags = saved_model(folder)
     except CheckpointError:
         return
-    _take_resume_tokenizer(args, folder, flags.get("tokenizer"))
+    _take_resume_tokenizer(args, folder, flags.get("tokenizer"), config.get("vocab_size"))
     _take_resume_data(args, folder, flags.get("data"))
     if getattr(args, "eval_only", False):        # its run's val batches: its final val loss
         for name in EVALUATED_AS:
