@@ -262,7 +262,9 @@ class ExpertParallel(ModelParallel):
         s, ep = self.mesh.shape, self.group.size
         n = len(self.experts)
         return self.inner.notes() + [
-            f"expert parallel: ep {ep} x dp {s['dp'] // ep} x tp {s['tp']}; this rank holds "
+            f"expert parallel: ep {ep} x dp {s['dp'] // ep} x tp {s['tp']}"
+            + "".join(f" x {axis} {s[axis]}" for axis in ("cp", "pp") if s[axis] > 1)
+            + "; this rank holds "
             f"{n} expert parameter tensors ({sum(p.size for p in self.experts):,} values); "
             f"dense gradients averaged over the {self.inner.group.size} dp x ep"
             + (" x cp" if s["cp"] > 1 else "") + " ranks"]
