@@ -53,3 +53,16 @@ def test_ddp_over_hier_equals_one_process(mpi):
             if line.startswith("RESULT ")]
     assert [r["algo"] for r in rows] == ["hier"]
     assert max(rows[0]["loss_diff"], rows[0]["norm_diff"], rows[0]["param_diff"]) <= 1e-10
+
+
+@pytest.mark.mpi
+def test_train_gpt_says_how_hier_splits_before_step_one(mpi, tmp_path):
+    """    MINIDIST_RANKS_PER_NODE=3 mpiexec -n 4 python examples/train_gpt.py --comm hier
+    ran the flat ring (nodes of 3 and 1 ranks) and said so only in the end's summary; the
+    set-up lines now say it before step 1."""
+    out = mpi(4, "examples/train_gpt.py", "--comm", "hier", "--n-layer", "1", "--n-embd", "16",
+              "--block-size", "8", "--batch-size", "4", "--steps", "1", "--eval-iters", "1",
+              "--sample", "0", timeout=240, env=mpi_env(MINIDIST_RANKS_PER_NODE=3))
+    said = out.stdout.split("step     1/1")[0]
+    assert ("DDP over 4 ranks: hier, run as the flat ring: nodes holding different numbers of "
+            "its ranks\n") in said, out.stdout

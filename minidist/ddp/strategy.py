@@ -97,6 +97,15 @@ class DataParallel(SingleProcess):
             super().save(directory, model, optimizer, step, rng_states, extra)
         self.group.barrier()            # nobody reads it before it is complete
 
+    def notes(self):
+        """Strategy's, and under --comm hier how the group splits (or that it runs the flat
+        ring, nodes holding different numbers of its ranks): said before step 1, not only in
+        the end's summary (a first-use walk benchmarked "hier" and learned at the end)."""
+        lines = super().notes()
+        if self.group.algo == "hier":
+            lines.append(f"DDP over {self.world_size} ranks: {self.group.algo_text()}")
+        return lines
+
     def summary(self):
         """One line for people: the mode, bytes and exposed communication per step."""
         if not self.stats.count:
