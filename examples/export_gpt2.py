@@ -115,5 +115,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, export_parser().parse_args(),
+    run_main(main, parser=export_parser,
              user_errors=(CheckpointError, DataError, TokenizerError))

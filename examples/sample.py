@@ -128,5 +128,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, sample_parser().parse_args(),
+    run_main(main, parser=sample_parser,
              user_errors=(CheckpointError, DataError, TokenizerError))

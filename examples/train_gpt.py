@@ -62,5 +62,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, train_parser().parse_args(),
+    run_main(main, parser=train_parser,
              user_errors=(CheckpointError, DataError, TokenizerError))

@@ -75,4 +75,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run_main(main, tokenizer_parser().parse_args(), user_errors=(DataError, TokenizerError))
+    run_main(main, parser=tokenizer_parser, user_errors=(DataError, TokenizerError))

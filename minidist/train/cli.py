@@ -319,11 +319,15 @@ def check_one_process(script):
                          f"{script} ...` without mpirun")
 
 
-def run_main(main, args, user_errors=()):
-    """Call main(args); a UsageError or one of `user_errors` becomes one `error:` line from
-    rank 0 and exit status 2 (with --traceback or MINIDIST_DEBUG=1: the traceback); output
-    piped into a reader that stops early (`| head`) ends quietly, status 141."""
+def run_main(main, args=None, user_errors=(), parser=None):
+    """Call main(args), or main(parser().parse_args()) with `parser` (a function making the
+    entry point's parser: built and read inside, so a Ctrl-C there is the one line too); a
+    UsageError or one of `user_errors` becomes one `error:` line from rank 0 and exit status
+    2 (with --traceback or MINIDIST_DEBUG=1: the traceback); output piped into a reader that
+    stops early (`| head`) ends quietly, status 141."""
     try:
+        if parser is not None:
+            args = parser().parse_args()
         return main(args)
     except BrokenPipeError:     # stdout closed early (`| head`): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (exit's flush)
