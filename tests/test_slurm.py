@@ -118,7 +118,8 @@ def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
 def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
     """DRY_RUN=1 runs nothing (no srun on PATH here) and prints the Python the job would use:
     $VENV's (its bin/activate sourced), whether CuPy imports in it (--comm nccl needs it: a
-    job without it waited in the queue to fail), then the command. By hand:
+    job without it waited in the queue to fail), the cores and BLAS threads each rank gets,
+    then the command. By hand:
 
         DRY_RUN=1 VENV=.venv bash examples/slurm/train.sbatch --steps 5
     """
@@ -127,8 +128,9 @@ def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
     (venv / "bin" / "python").symlink_to(sys.executable)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv}/bin:$PATH"\n')
     env = mpi_env(VENV=str(venv), DRY_RUN="1", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="3",
-                  CKPT=str(tmp_path / "ck"))
+                  CKPT=str(tmp_path / "ck"), SLURM_CPUS_PER_TASK="8")
     env.pop("PYTHON", None)
+    env.pop("SRUN_CPUS_PER_TASK", None)
     out = subprocess.run(["bash", "examples/slurm/train.sbatch", "--steps", "5"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -136,6 +138,10 @@ def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
     cupy = importlib.util.find_spec("cupy") is not None      # only the import is checked
     assert ("cupy: not installed: --comm nccl and --device cuda need it" in out.stdout) \
         != cupy, out.stdout
+    # first-use walk 26: from Slurm 22.05 srun does not take the job's --cpus-per-task
+    # (each rank one core, 8 BLAS threads on it): SRUN_CPUS_PER_TASK hands it on
+    assert "cores per rank: 8 (SRUN_CPUS_PER_TASK), BLAS threads 8 (OPENBLAS_NUM_THREADS)" \
+        in out.stdout, out.stdout
     assert (f"would run: srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=6 python "
             f"examples/train_gpt.py --save {tmp_path / 'ck'} --resume auto --steps 5"
             in out.stdout), out.stdout
