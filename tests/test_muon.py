@@ -1,10 +1,10 @@
 """Muon (`--optimizer muon`, minidist/optim/muon.py): Newton-Schulz against the SVD it
 approximates; a step worked by hand (Muon for a block's matrix, AdamW for its bias); which
 parameters Muon takes; which rank runs each matrix's NS (ZeRO's, TP's, by hand), and under
-TP each rank half of them (counted); every layout (tp and ZeRO gather a matrix's update
-whole) = one process, resumed bit for bit and resumed in another layout; ZeRO's and TP's
-extra bytes = their formulas; a resumed run takes the checkpoint's optimizer; the flags
-refused where they do nothing.
+TP (and TP x ZeRO) each tp rank its share of them, once each (counted); every layout (tp
+and ZeRO gather a matrix's update whole) = one process, resumed bit for bit and resumed in
+another layout; ZeRO's and TP's extra bytes = their formulas; a resumed run takes the
+checkpoint's optimizer; the flags refused where they do nothing.
 
 Run: python -m pytest -q tests/test_muon.py
 """
@@ -183,32 +183,63 @@ def test_tp_gives_each_split_matrix_to_one_rank_worked_by_hand():
     assert block_of("transformer.h.12.mlp.experts.3.c_fc.weight") == 12
 
 
+def _results(out):
+    """muon_tp_check.py's RESULT lines: {run: result}."""
+    return {r["run"]: r for r in (json.loads(line.split(" ", 1)[1])
+                                  for line in out.splitlines() if line.startswith("RESULT"))}
+
+
 @pytest.mark.mpi
 def test_tp_runs_each_split_matrixs_newton_schulz_on_one_rank(mpi):
     """    mpiexec -n 2 python tests/scripts/muon_tp_check.py
-    --tp 2 --optimizer muon trains one process's numbers (float64: losses, gradient norms,
-    every parameter to 1e-12) and shares the NS (each rank's Muon.ns_flops_run): GPT-2,
-    whose Muon matrices tp all splits, each rank exactly half of one process's FLOPs (the
-    owners turn per block); MoE with a shared expert, whose router and routed experts are
-    whole on both tp ranks and run NS on both: each rank those and half the rest."""
+    --tp 2 --optimizer muon, and --tp 2 --zero 1 (ShardedMuon, dp 1), train one process's
+    numbers (float64: losses, gradient norms, every parameter to 1e-12) and share the NS
+    (each rank's ns_flops_run): GPT-2, whose Muon matrices tp all splits, each rank exactly
+    half of one process's FLOPs (the owners turn per block, under ZeRO per unit); MoE with a
+    shared expert, whose router and routed experts are whole on both tp ranks and run NS on
+    both: each rank those and half the rest. Under ZeRO the same split as without: a unit's
+    matrices are all dp rank 0's, and tp_owners shares them over tp as Muon's blocks."""
     out = mpi(2, "tests/scripts/muon_tp_check.py", timeout=240).stdout
-    results = {r["run"]: r for r in (json.loads(line.split(" ", 1)[1])
-                                     for line in out.splitlines() if line.startswith("RESULT"))}
-    assert set(results) == {"gpt2", "moe"}, out
+    results = _results(out)
+    assert set(results) == {"gpt2", "moe", "gpt2-zero1", "moe-zero1"}, out
     for r in results.values():
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-12, r
         assert r["params_compared"] > 20, r
-    gpt2 = results["gpt2"]
-    # 3 steps x 2 blocks x 10 NS of 16 x 16 each (5 x 6 x 16^3 FLOPs): q, k, v, c_proj one
-    # each, c_fc and the MLP's c_proj (16 x 64: 5 x (4 x 16^2 x 64 + 2 x 16^3)) three each
-    assert gpt2["ns_flops_one"] == 3 * 2 * 10 * 5 * 6 * 16 ** 3
-    assert gpt2["ns_flops"] == [gpt2["ns_flops_one"] // 2] * 2
+    for name in ("gpt2", "gpt2-zero1"):
+        gpt2 = results[name]
+        # 3 steps x 2 blocks x 10 NS of 16 x 16 each (5 x 6 x 16^3 FLOPs): q, k, v, c_proj
+        # one each, c_fc and the MLP's c_proj (16 x 64: 5 x (4 x 16^2 x 64 + 2 x 16^3)) three
+        assert gpt2["ns_flops_one"] == 3 * 2 * 10 * 5 * 6 * 16 ** 3
+        assert gpt2["ns_flops"] == [gpt2["ns_flops_one"] // 2] * 2, name
     config = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=32,
                        moe_experts=2, moe_top_k=1, moe_shared=1)
     both = 3 * sum(ns_flops(p.shape) for n, p in GPT(config).named_parameters()
                    if p.ndim == 2 and (".mlp.router." in n or ".mlp.experts." in n))
-    moe = results["moe"]
-    assert moe["ns_flops"] == [both + (moe["ns_flops_one"] - both) // 2] * 2, (both, moe)
+    for name in ("moe", "moe-zero1"):
+        moe = results[name]
+        assert moe["ns_flops"] == [both + (moe["ns_flops_one"] - both) // 2] * 2, (both, moe)
+
+
+@pytest.mark.mpi
+def test_tp_x_zero_runs_each_owned_matrixs_newton_schulz_on_one_tp_rank(mpi):
+    """    mpiexec -n 4 python tests/scripts/muon_tp_check.py --runs gpt2-zero1
+    --tp 2 --dp 2 --zero 1 = one process (1e-12), and each matrix's NS runs once: on one
+    rank of the shard group (unit_owners, over dp), then on one of its tp peers
+    (ShardedMuon.tp_owners). In units of a 16 x 16 NS (c_attn 3, c_proj 1, c_fc and the
+    MLP's c_proj 3 each; unit k = block k - 1 turns both orders by k, the root unit 0):
+    block 0 (k 1, dp ranks in order 1, 0): c_attn dp 1, c_fc dp 0, the MLP's c_proj dp 1
+    (a tie), c_proj dp 0; over tp (order 1, 0) dp 1's c_attn tp 1, the MLP's c_proj tp 0,
+    dp 0's c_fc tp 1, c_proj tp 0. Block 1 (k 2, orders 0, 1): c_attn dp 0 -> tp 0, the
+    MLP's c_proj dp 0 -> tp 1, c_fc dp 1 -> tp 0, c_proj dp 1 -> tp 1. World ranks (tp
+    fastest) (dp 0, tp 0) 1 + 3, (0, 1) 3 + 3, (1, 0) 3 + 3, (1, 1) 3 + 1: 4, 6, 6, 4 of one
+    process's 20 a step, summing to it (before, each tp peer ran its dp rank's whole 10)."""
+    out = mpi(4, "tests/scripts/muon_tp_check.py", "--runs", "gpt2-zero1", timeout=240).stdout
+    r = _results(out)["gpt2-zero1"]
+    assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-12, r
+    unit = 3 * 5 * 6 * 16 ** 3                  # 3 steps of one 16 x 16 NS
+    assert r["ns_flops_one"] == 20 * unit
+    assert r["ns_flops"] == [4 * unit, 6 * unit, 6 * unit, 4 * unit], r
+    assert sum(r["ns_flops"]) == r["ns_flops_one"]
 
 
 M = {"--optimizer": "muon"}
@@ -260,8 +291,9 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     """    mpiexec -n 2 python examples/train_gpt.py --zero 1 --optimizer muon
     The summary's measured bytes per step = ZeRO-1's 2(N-1)/N Psi + Muon's all-gather of
     the block units' updates and the reduce-scatter of their owners' steps, (N-1)/N of their
-    padded bytes each (ShardedMuon.update_bytes). Under --tp 2 (no ZeRO) the same two
-    collectives per split matrix, over tp: (tp-1)/tp of its update each way."""
+    padded bytes each (ShardedMuon.update_bytes). Under --tp 2, with or without --zero 1,
+    the same two collectives per split matrix, over tp: (tp-1)/tp of its update each way,
+    in the tp summary (ZeRO's shard group of 1 rank sends nothing)."""
     out = mpi(2, "examples/train_gpt.py", "--zero", "1", "--optimizer", "muon", "--n-layer",
               "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
               "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
@@ -280,13 +312,16 @@ def test_zero_sends_its_bytes_and_the_updates_collectives(mpi, corpus, tmp_path)
     # --tp 2: each rank sends its half of every split matrix's update (a ring all-gather of 2
     # sends its own chunk: 12 C^2 / 2 = 6,144 float32 values a block, 24,576 B), and the
     # reduce-scatter of the owners' steps as much again (a ring of 2 sends the other's
-    # chunk): 2 blocks x 2 x 24,576 B after the gradient sync (with the clip's 8-byte norm)
-    tp = mpi(2, "examples/train_gpt.py", "--tp", "2", "--optimizer", "muon", "--n-layer",
-             "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4", "--steps", "2",
-             "--eval-iters", "1", "--sample", "0", "--data", corpus, "--cache-dir",
-             str(tmp_path / "c"), timeout=120).stdout
-    after = float(re.search(r"and (\S+) MiB in the optimizer's step \(Muon's", tp).group(1))
-    assert after == pytest.approx(2 * 2 * 24576 / 2**20, abs=0.0006)
+    # chunk): 2 blocks x 2 x 24,576 B after the gradient sync (with the clip's 8-byte norm);
+    # --zero 1 as much (ShardedMuon's tp owners; 0.047 MiB when each tp rank ran every NS)
+    for zero in ([], ["--zero", "1"]):
+        tp = mpi(2, "examples/train_gpt.py", "--tp", "2", *zero, "--optimizer", "muon",
+                 "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--batch-size",
+                 "4", "--steps", "2", "--eval-iters", "1", "--sample", "0", "--data", corpus,
+                 "--cache-dir", str(tmp_path / "c"), timeout=120).stdout
+        after = float(re.search(r"and (\S+) MiB in the optimizer's step \(Muon's",
+                                tp).group(1))
+        assert after == pytest.approx(2 * 2 * 24576 / 2**20, abs=0.0006), zero
 
 
 def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):

@@ -1359,9 +1359,14 @@ def test_muon_step_worked_by_hand():
     ranks from the unit's `first`): c_attn to the first rank, c_fc to the other, the MLP's
     c_proj to the first (a tie), c_proj to the other: 11520 s against 7680; each unit waits
     for the 11520; both: 23040 s of NS and 1952 s of collectives.
-    ZeRO-1 over dp 2 x TP2: the same owners; the first gathers c_attn and the MLP's c_proj
-    over tp first, 11520 + (96 + 128) + 2 x 10 = 11764 s a unit (the other 7680 + 180);
-    the unit (134 values on a tp rank, 536 B) gathered and reduce-scattered, 268 s each.
+    ZeRO-1 over dp 2 x TP2: the same dp owners, and each dp rank shares the split matrices
+    it owns with its tp peer (ShardedMuon's tp_owners, as TP2's): the first dp rank's c_attn
+    and MLP c_proj one per tp rank, 5760 s, each gathered and reduce-scattered over tp,
+    2 x (96 + 10) + 2 x (128 + 10) = 488 s: 6248 s; the other's c_fc and c_proj, 5760 s (the
+    busiest tp rank) + 2 x (128 + 10) + 2 x (32 + 10) = 360 s: 6120 s. Each unit waits for
+    the first's (5760, 488) and gathers and reduce-scatters itself (134 values on a tp rank,
+    536 B), 268 s each: (5760, 1024) a unit, (11520, 2048) for both (when each tp rank ran
+    its dp rank's whole NS and gathered only: 23040 s of NS, 1560 s of collectives).
     PP2: a block a stage, 19200 s."""
     from minidist.optim.muon import ns_flops, packed_flops
     assert [ns_flops(s) for s in ((4, 12), (4, 4), (4, 16), (16, 4))] == \
@@ -1385,7 +1390,7 @@ def test_muon_step_worked_by_hand():
     assert both(Layout(tp=2, amp=False)) == (2 * 11520, pytest.approx(2 * 2 * 424))
     assert both(Layout(dp=2, zero=1, amp=False), 2) == (23040, 1952)
     assert both(Layout(dp=2, tp=2, zero=1, amp=False), 2) == \
-        (2 * 11520, pytest.approx(2 * (244 + 2 * 268)))
+        (2 * 5760, pytest.approx(2 * (488 + 2 * 268)))
     assert both(Layout(pp=2, amp=False), 2, 2) == (19200, 0)
 
 

@@ -34,14 +34,16 @@ the whole U first:
     ZeRO                 a rank owns a flat shard that may cut through W: ShardedMuon
                          (minidist/zero/muon.py) all-gathers each unit's U over the shard
                          group (the bytes of a ZeRO-1 parameter gather), gives each matrix
-                         to one rank (`balance`), which runs its NS (under TP with its tp
-                         peers, which own it too: `orthogonalised`, on every one of them),
-                         and reduce-scatters the steps back to the shards (the same bytes)
+                         to one rank (`balance`), which runs its NS (under TP its tp peers
+                         own it too, and share the split ones as `_flush` does: `whole`,
+                         NS on one tp rank by `tp_owners`, a reduce-scatter over tp), and
+                         reduce-scatters the steps back to the shards (the same bytes)
 Every rank so computes the same O as one process, from the same U, to rounding: N ranks train
 one process's numbers (tests/test_muon.py). A matrix's NS runs once per step: on one tp rank
 under TP (not Megatron's "duplicated" way, every tp rank the whole matrix's), on one rank of
 the shard group under ZeRO (Liu et al.'s "Distributed Muon" runs it on every rank whose shard
-the matrix touches); for twice the bytes of the gather alone.
+the matrix touches), and under TP x ZeRO on one tp rank of its owner; for twice the bytes
+of the gather alone.
 
 State: M per matrix (4 bytes a parameter in float32, AdamW's m and v 8); the others AdamW's m
 and v. Under ZeRO the unit's flat v spans the matrices too (kept zero there), so that one
@@ -124,9 +126,10 @@ def block_of(name):
 
 def tp_owners(shapes, widths, ranks, block, steps=5):
     """The tp rank (0..ranks-1) that runs the NS of each of one block's tp-split matrices
-    (`Muon` under TP), of whole `shapes`, each packing matrices of its `widths` (None: one):
-    `balance` by packed_flops, the ranks' order turned by the block's index `block`, as
-    zero/muon.py unit_owners turns it by the unit's."""
+    (`Muon` under TP; under TP x ZeRO, zero/muon.py ShardedMuon's, of the ones a rank of the
+    shard group owns, `block` the unit's index), of whole `shapes`, each packing matrices of
+    its `widths` (None: one): `balance` by packed_flops, the ranks' order turned by
+    `block`, as zero/muon.py unit_owners turns it by the unit's."""
     costs = [packed_flops(shape, w, steps) for shape, w in zip(shapes, widths)]
     return balance(costs, ranks, block % ranks)
 
@@ -177,14 +180,6 @@ def orthogonal_blocks(u, widths=None, steps=5):
         out.append(orthogonal_blocks(u[..., lo:lo + w], None, steps))
         lo += w
     return xp_of(u).concatenate(out, axis=-1)
-
-
-def orthogonalised(u, split=None, tp=None, steps=5, widths=None):
-    """This rank's part of orthogonal_blocks(U, widths) for the whole U that `u` is this
-    rank's tp shard of (`split`; None: u is whole). Collective over tp when split."""
-    full = whole(u, split, tp)
-    o = orthogonal_blocks(full, widths, steps)
-    return o if split is None else split.shard(o, tp.size, tp.rank)
 
 
 Pending = collections.namedtuple("Pending", "name p u split lr")

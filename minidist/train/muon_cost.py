@@ -32,14 +32,17 @@ Who runs which NS, and what moves first (U in float32: 4 bytes a value):
                  to a multiple of the shard group's N ranks, all-gathered over the shard
                  group (the bytes of a ZeRO-1 parameter gather, priced like ZeRO's other
                  gathers: no sync); each matrix is then one rank's (muon.py balance: the
-                 costliest first, to the least busy rank), which runs its NS (under TP its
-                 tp gather first), and a reduce-scatter of the unit's flat steps (the same
-                 bytes) hands each rank its shard of them. The next unit's gather is a ring
-                 every rank must join, so a unit costs its two collectives and the most any
-                 rank spends on the matrices it owns; x the blocks of each kind (dense,
-                 MoE), whose units are laid out alike
-    TP x ZeRO    ZeRO's owners; an owner's tp peers own the matrix too and each runs its
-                 whole NS after the tp gather (minidist/zero/muon.py): not divided by tp
+                 costliest first, to the least busy rank), which runs its NS (under TP
+                 shared with its tp peers, below), and a reduce-scatter of the unit's flat
+                 steps (the same bytes) hands each rank its shard of them. The next unit's
+                 gather is a ring every rank must join, so a unit costs its two collectives
+                 and the most any rank spends on the matrices it owns; x the blocks of each
+                 kind (dense, MoE), whose units are laid out alike
+    TP x ZeRO    ZeRO's owners; an owner's tp peers own the matrix too, and its split
+                 matrices are shared over them as TP's (minidist/zero/muon.py ShardedMuon
+                 tp_owners: muon.tp_owners over the matrices of the unit it owns): the most
+                 any tp rank owns of them, + a tp all-gather and reduce-scatter each (+
+                 sync); the router and the experts, whole, on every tp peer of their owner
     EP + ZeRO    the experts' unit of each MoE block (minidist/ep/optim.py: this rank's E/ep
                  experts) likewise, over the experts' replicas (edp)
 Nothing here overlaps: the optimizer runs after backward, each gather before its NS.
@@ -81,23 +84,14 @@ def block_pieces(config, moe, layout):
     return dense, experts
 
 
-def _matrix_seconds(piece, layout, cluster, rate, steps):
-    """(NS seconds, tp gather seconds) of one matrix's update on a ZeRO rank that runs its NS
-    (ShardedMuon: with its tp peers, each the whole matrix's)."""
-    ns = packed_flops(piece.shape, piece.widths, steps) / rate
-    if not piece.split:
-        return ns, 0.0
-    whole = math.prod(piece.shape) * MUON_BYTES
-    return ns, collective_time(cluster, "all_gather", whole, layout, "tp") + cluster.sync_s
-
-
 def _per_parameter(pieces, layout, cluster, rate, steps):
-    """(NS seconds, tp seconds) of one block's matrices `pieces` on one rank without ZeRO (the
-    per-parameter Muon): the NS of each one whole here (every matrix without TP; under TP
-    the router and the experts, on every tp rank); each tp-split one's on one tp rank
-    (muon.tp_owners; the busiest rank's share, which the block's turned order does not
-    change), all-gathered before and reduce-scattered after over tp, every tp rank in both
-    (the whole matrix's bytes, (tp-1)/tp of them sent, + sync each)."""
+    """(NS seconds, tp seconds) of the matrices `pieces` of one block on one rank without
+    ZeRO (the per-parameter Muon), or of one unit that a ZeRO rank owns (ShardedMuon, the
+    same three loops over tp): the NS of each one whole here (every matrix without TP; under
+    TP the router and the experts, on every tp rank); each tp-split one's on one tp rank
+    (muon.tp_owners; the busiest rank's share, which the turned order does not change),
+    all-gathered before and reduce-scattered after over tp, every tp rank in both (the
+    whole matrix's bytes, (tp-1)/tp of them sent, + sync each)."""
     split = [p for p in pieces if p.shape and p.split]
     ns = sum(packed_flops(p.shape, p.widths, steps) for p in pieces
              if p.shape and not p.split) / rate
@@ -111,17 +105,16 @@ def _per_parameter(pieces, layout, cluster, rate, steps):
 
 
 def _busiest(pieces, n, layout, cluster, rate, steps):
-    """(NS seconds, tp gather seconds, padded elements) of one flat unit of `pieces` sharded
-    over n ranks (zero/flat.py FlatUnit: padded to a multiple of n): each matrix is one
-    rank's (ShardedMuon's owners: optim/muon.py balance, by whole-matrix NS FLOPs); the rank
+    """(NS seconds, tp seconds, padded elements) of one flat unit of `pieces` sharded over n
+    ranks (zero/flat.py FlatUnit: padded to a multiple of n): each matrix is one rank's
+    (ShardedMuon's owners: optim/muon.py balance, by whole-matrix NS FLOPs), which under TP
+    shares the split ones' NS with its tp peers (`_per_parameter` of what it owns); the rank
     that spends the most on the matrices it owns."""
     padded = -(-sum(p.size for p in pieces) // n) * n
     mats = [p for p in pieces if p.shape and p.size]
-    ranks = [(0.0, 0.0)] * n
-    for p, r in zip(mats, balance([packed_flops(p.shape, p.widths, steps) for p in mats],
-                                  n)):
-        ns, talk = _matrix_seconds(p, layout, cluster, rate, steps)
-        ranks[r] = (ranks[r][0] + ns, ranks[r][1] + talk)
+    owners = balance([packed_flops(p.shape, p.widths, steps) for p in mats], n)
+    ranks = [_per_parameter([p for p, o in zip(mats, owners) if o == r], layout, cluster,
+                            rate, steps) for r in range(n)]
     ns, talk = max(ranks, key=sum)
     return ns, talk, padded
 
