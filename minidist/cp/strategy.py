@@ -96,8 +96,8 @@ class ContextParallel(ModelParallel):
         dp x cp, so its own split would be wrong here)."""
         return dp_rows(arrays, self.mesh.dp_rank, self.mesh.shape["dp"])
 
-    def save(self, directory, model, optimizer, step, rng_states, extra):
-        return self.inner.save(directory, model, optimizer, step, rng_states, extra)
+    def save_plan(self, model, optimizer, step, rng_states, extra):
+        return self.inner.save_plan(model, optimizer, step, rng_states, extra)
 
     def load(self, directory, model, optimizer):
         return self.inner.load(directory, model, optimizer)

@@ -14,7 +14,7 @@ What it changes from SingleProcess (minidist/strategy/base.py):
     zero_grad           DDP's: the buckets zeroed in place, so every .grad stays a view into
                         its bucket and backward's `+=` writes there (no copy per step)
     global_mean         the loss averaged over the dp group (all-reduce "avg")
-    save / load         rank 0 writes (the model is replicated), every rank reads
+    save_plan / load    rank 0 writes (the model is replicated), every rank reads
 Per step it also adds to `stats` (running means): compute seconds (forward + backward), exposed communication
 seconds (how long sync_grads kept the step waiting) and gradient bytes this rank sent.
 Tests: tests/test_ddp.py.
@@ -24,6 +24,7 @@ import time
 
 from minidist.comm import trace
 from minidist.ddp.ddp import DistributedDataParallel
+from minidist.strategy import saving
 from minidist.strategy.base import SingleProcess, all_reduce_number, any_rank_of, dp_rows
 
 
@@ -92,10 +93,15 @@ class DataParallel(SingleProcess):
     def any_rank(self, flag):
         return any_rank_of(self.group, flag)
 
-    def save(self, directory, model, optimizer, step, rng_states, extra):
+    def job_group(self):
+        return self.group
+
+    def save_plan(self, model, optimizer, step, rng_states, extra):
+        """Rank 0 writes the whole model (every replica holds the same); the others join
+        the commit only (saving.Save.commit: nobody goes on before it is complete)."""
         if self.rank == 0:
-            super().save(directory, model, optimizer, step, rng_states, extra)
-        self.group.barrier()            # nobody reads it before it is complete
+            return super().save_plan(model, optimizer, step, rng_states, extra)
+        return saving.SavePlan()
 
     def notes(self):
         """Strategy's, and under --comm hier how the group splits (or that it runs the flat

@@ -61,7 +61,7 @@ from minidist.backend import xp_of
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
-from minidist.strategy import checkpoint, memory
+from minidist.strategy import checkpoint, memory, saving
 from minidist.strategy.base import ModelParallel, all_reduce_number, matrix_views
 from minidist.tp.state import unscaled_sum_sq
 from minidist.zero.checkpoint import load_sharded
@@ -207,17 +207,17 @@ class ExpertParallel(ModelParallel):
         if self._zero():
             self.expert_engine.after_step()
 
-    def save(self, directory, model, optimizer, step, rng_states, extra):
+    def save_plan(self, model, optimizer, step, rng_states, extra):
         """One process's checkpoint (minidist/strategy/checkpoint.py), so any --ep, or one
-        process, resumes it: whole_state gathers it to world rank 0, which writes.
+        process, resumes it: whole_state gathers it to world rank 0, whose plan writes it.
         Collective."""
         params, opt_sd = self.whole_state(model, optimizer)
-        if self.rank == 0:
-            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model), optimizer,
-                                        step, rng_states, extra)
-            meta["optimizer"] = self.optimizer_type(optimizer)     # one process's name
-            checkpoint.save(directory, params, opt_sd, meta)
-        self.mesh.world.barrier()                           # nobody reads it half-written
+        if self.rank != 0:
+            return saving.SavePlan()
+        meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model), optimizer,
+                                    step, rng_states, extra)
+        meta["optimizer"] = self.optimizer_type(optimizer)         # one process's name
+        return checkpoint.plain_plan(params, opt_sd, meta)
 
     def load(self, directory, model, optimizer):
         """Under ZeRO each engine cuts its own shards by name straight from the checkpoint

@@ -1,13 +1,14 @@
 """Checkpoints of a pipeline: the stages' parts gathered into the whole model and written in
 the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back by every stage.
 
-    save   each stage's parameters and optimizer state as whole arrays (under ZeRO gathered
+    save_plan  each stage's parameters and optimizer state as whole arrays (under ZeRO gathered
            over dp first: the data-parallel strategy's whole_state; under --ep the stage's
            experts too, from every ep rank: minidist/ep/checkpoint.py; then over tp when the
            stage is tensor-parallel: minidist/tp/state.py), sent to stage 0 of the first
            replica (and cp rank 0: under --cp every cp rank holds the same parameters),
            merged in model order (the tied wte, on the first and last stage and equal, kept
-           once) and written by world rank 0; the dropout keys' step (every
+           once) and planned for world rank 0 to write (minidist/strategy/saving.py:
+           written, then committed by every rank together); the dropout keys' step (every
            stage's, minidist/autograd/dropout_keys.py) is in the meta's "rng"
     load   every rank reads only its own parameters of the checkpoint and their optimizer
            state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
@@ -18,7 +19,7 @@ tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp),
 tests/test_cp_pp.py (cp x pp: tests/scripts/cp_pp_check.py --files, train_gpt's resume).
 """
 from minidist.tp.state import TpPiece, gather_optimizer_state
-from minidist.strategy import checkpoint
+from minidist.strategy import checkpoint, saving
 
 
 def stage_state(strategy, optimizer):
@@ -45,8 +46,9 @@ def merge_stages(parts):
     return params, {"groups": parts[0][1]["groups"], "state": state}
 
 
-def save(strategy, directory, model, optimizer, step, rng_states, extra):
-    """Collective over the world: the whole model and optimizer, written by world rank 0."""
+def save_plan(strategy, model, optimizer, step, rng_states, extra):
+    """Collective over the world: the whole model and optimizer gathered to world rank 0,
+    whose plan writes them (a saving.SavePlan; nothing elsewhere)."""
     params, opt_sd = stage_state(strategy, optimizer)
     mesh, pp = strategy.mesh, strategy.group
     if mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0:   # one pipeline
@@ -56,8 +58,8 @@ def save(strategy, directory, model, optimizer, step, rng_states, extra):
             meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(model),
                                         optimizer, step, rng_states, extra)
             meta["optimizer"] = strategy.inner.optimizer_type(optimizer)   # ZeRO: AdamW
-            checkpoint.save(directory, params, opt_sd, meta)
-    mesh.world.barrier()            # nobody reads it half-written
+            return checkpoint.plain_plan(params, opt_sd, meta)
+    return saving.SavePlan()
 
 
 def load(strategy, directory, model, optimizer):

@@ -32,7 +32,7 @@ dp x cp), as TensorParallel and ContextParallel do:
                         unit of its own, cut alike on both stages)
     reduce_sum_sq       local squares (the last stage's wte copy left out: the first stage
                         counts it), TP's reduction over tp, summed over pp, then inner's
-    save / load         the whole model gathered to rank 0 in the one-process format (under
+    save_plan / load    the whole model gathered to rank 0 in the one-process format (under
                         ZeRO first gathered over dp); every rank loads its own parameters (its
                         shards) from it (minidist/pp/checkpoint.py)
 Tests: tests/test_pipeline.py, tests/test_pp_zero.py, tests/test_cp_pp.py.
@@ -234,8 +234,8 @@ class PipelineParallel(ModelParallel):
         return all_reduce_number(self.group, stage, "sum", self.stage.parameters()[0].data)
 
     # ---- checkpoints: the whole model, in the one-process format (minidist/pp/checkpoint.py) --
-    def save(self, directory, model, optimizer, step, rng_states, extra):
-        pp_checkpoint.save(self, directory, model, optimizer, step, rng_states, extra)
+    def save_plan(self, model, optimizer, step, rng_states, extra):
+        return pp_checkpoint.save_plan(self, model, optimizer, step, rng_states, extra)
 
     def load(self, directory, model, optimizer):
         return pp_checkpoint.load(self, directory, model, optimizer)

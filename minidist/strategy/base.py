@@ -19,7 +19,8 @@ imports nothing from minidist/train/ (tests/test_layers.py checks the direction)
                               the device (no host sync)
 and around the steps: build_model(config, seed, dtype), build_optimizer(model, args, tp)
 (AdamW, or Muon: `tp` the tensor-parallel group its split matrices are gathered over),
-any_rank(flag), comm_bytes(), save / load, notes(), finish(args, log),
+any_rank(flag), comm_bytes(), save_plan / job_group / save (minidist/strategy/saving.py),
+load, notes(), finish(args, log),
 whole_state / load_whole_state / optimizer_type (a pipeline's checkpoints),
 takes_part_in_sampling(), reports_memory, rank, world_size, zero_strategy(), expert_ranks().
 
@@ -45,7 +46,7 @@ from minidist.nn import GPT
 from minidist.optim import AdamW
 from minidist.nn.config import packed_widths
 from minidist.optim.muon import Muon, whole_shape
-from minidist.strategy import checkpoint, memory
+from minidist.strategy import checkpoint, memory, saving
 
 
 def dp_rows(arrays, rank, size):
@@ -237,8 +238,23 @@ class SingleProcess:
         """Whether this rank runs the end-of-training sample (rank 0 prints it)."""
         return self.rank == 0
 
+    # ---- checkpoints: planned here, written and committed by minidist/strategy/saving.py ---
+    def save_plan(self, model, optimizer, step, rng_states, extra):
+        """What this rank writes of a checkpoint of the state after `step` (a SavePlan of
+        host copies): here the whole model and optimizer. Collective in the strategies
+        that gather or shard (every rank of job_group calls it)."""
+        return checkpoint.save_checkpoint_plan(model, optimizer, step, rng_states, extra)
+
+    def job_group(self):
+        """The group of every rank of the job, which commits a save together (as any_rank
+        agrees): None here, one process."""
+        return None
+
     def save(self, directory, model, optimizer, step, rng_states, extra):
-        checkpoint.save_checkpoint(directory, model, optimizer, step, rng_states, extra)
+        """A checkpoint into the next numbered folder of `directory`, complete on return:
+        save_plan, written, committed. Returns the folder on rank 0. Collective."""
+        plan = self.save_plan(model, optimizer, step, rng_states, extra)
+        return saving.save_now(directory, step, plan, self.job_group())
 
     def load(self, directory, model, optimizer):
         return checkpoint.load_checkpoint(directory, model, optimizer)
@@ -339,6 +355,9 @@ class ModelParallel(SingleProcess):
 
     def any_rank(self, flag):
         return any_rank_of(self.mesh.world, flag)
+
+    def job_group(self):
+        return self.mesh.world
 
     def takes_part_in_sampling(self):
         return self.inner.takes_part_in_sampling()

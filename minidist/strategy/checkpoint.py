@@ -2,6 +2,8 @@
 verified on load, one code path for every strategy.
 
     save(directory, params, optimizer_state, meta)      -> the checkpoint folder written
+    plain_plan(params, optimizer_state, meta)            -> the same as a SavePlan: what one
+                                                            rank writes (saving.py writes it)
     load(directory) -> (params, optimizer_state, meta)  whole host arrays, whoever wrote it
 
     params           {GPT-2 name: host array}, the whole model
@@ -21,8 +23,10 @@ verified on load, one code path for every strategy.
     manifest.json           format, version, world size, step, each file's bytes and sha256
     manifest.sha256         the sha256 of manifest.json: the manifest is checked too
 
-ZeRO writes per-rank shards instead of the two .safetensors, with write_arrays / write_json /
-finish below (minidist/zero/checkpoint.py: shards carry a "rank", "zero" the flat layout).
+A save is planned, written, then committed (minidist/strategy/saving.py: the same steps for
+every strategy, the writing on a thread under --async-save). ZeRO plans per-rank shards
+instead of the two .safetensors (minidist/zero/checkpoint.py: shards carry a "rank", "zero"
+the flat layout).
 verify() is the one check for all of them: the manifest against its digest, then every file's
 size and sha256 (a shard's checksum optionally left to whoever reads it). An edited "step",
 "weight_decay" or manifest "offset" fails as a flipped byte does: CheckpointError naming the
@@ -33,57 +37,22 @@ import contextlib
 import json
 import os
 import re
-import shutil
 
-from minidist import backend
 from minidist.nn.pretrained import is_gpt2_folder
-from minidist.nn.safetensors import SafetensorsError, load_file, save_file
+from minidist.nn.safetensors import SafetensorsError, load_file
 from minidist.strategy import checkpoint_dirs as dirs
+from minidist.strategy import saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.strategy.readers import read_whole, sha256_file, verify_file
+from minidist.strategy.saving import DIGEST, FORMAT, VERSION
 
 __all__ = ["CheckpointError", "save", "load", "verify", "check_fits", "make_meta",
            "save_checkpoint", "load_checkpoint"]
-FORMAT, VERSION = "minidist-checkpoint", 2
 PART = re.compile(r"^tp(\d+)-of-(\d+)$")       # a TP x ZeRO checkpoint's part folders
-DIGEST = "manifest.sha256"
 META_KEYS = ("step", "config", "dtype", "rng", "extra")
 
 
-def _entry(path):
-    """fsync a written file; its manifest entry."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-
-
-# ---- writing a checkpoint folder ----------------------------------------------------------------
-
-def write_arrays(folder, name, arrays, metadata=None):
-    """folder/name: {key: array} as safetensors (on the host), fsynced; its manifest entry."""
-    path = os.path.join(folder, name)
-    save_file({k: backend.to_host(v) for k, v in arrays.items()}, path, metadata=metadata)
-    return _entry(path)
-
-
-def write_json(folder, name, obj):
-    path = os.path.join(folder, name)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-    return _entry(path)
-
-
-def finish(folder, files, step, world_size=1, **sections):
-    """Write manifest.json (the files' entries, `sections` such as ZeRO's "zero") and its
-    digest, last."""
-    manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size,
-                "step": int(step), **sections, "files": files}
-    write_json(folder, "manifest.json", manifest)
-    with open(os.path.join(folder, DIGEST), "w") as f:
-        f.write(sha256_file(os.path.join(folder, "manifest.json")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
+# ---- writing a checkpoint folder (minidist/strategy/saving.py writes the plan) -----------------
 
 def state_record(meta, optimizer_state):
     """state.json's content, and the optimizer's arrays ("<name>/<key>" -> array)."""
@@ -98,19 +67,24 @@ def state_record(meta, optimizer_state):
     return record, arrays
 
 
-def save(directory, params, optimizer_state, meta):
-    """Write a checkpoint of plain dicts as the next numbered folder of `directory`."""
+def plain_plan(params, optimizer_state, meta):
+    """A one-process checkpoint of plain dicts as a SavePlan (minidist/strategy/saving.py):
+    model.safetensors, optimizer.safetensors, state.json and the manifest of the three.
+    `params` and `optimizer_state`'s arrays are host arrays the plan keeps until it is
+    written: copies, not the model's own (save_checkpoint_plan's saving.host_copy; a state_dict's
+    and every gather's arrays are copies already)."""
     record, arrays = state_record(meta, optimizer_state)
-    tmp = dirs.begin(directory)
-    try:
-        files = {"model.safetensors": write_arrays(tmp, "model.safetensors", params,
-                                                   metadata={"format": "pt"}),
-                 "optimizer.safetensors": write_arrays(tmp, "optimizer.safetensors", arrays),
-                 "state.json": write_json(tmp, "state.json", record)}
-        finish(tmp, files, record["step"])
-        return dirs.commit(tmp, directory, record["step"])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)          # gone already once committed
+    return saving.SavePlan(
+        files=[saving.arrays_file("model.safetensors", params, metadata={"format": "pt"}),
+               saving.arrays_file("optimizer.safetensors", arrays),
+               saving.json_file("state.json", record)],
+        manifests=[saving.Manifest("")])
+
+
+def save(directory, params, optimizer_state, meta):
+    """Write a checkpoint of plain dicts as the next numbered folder of `directory`, now;
+    returns the folder."""
+    return saving.save_now(directory, meta["step"], plain_plan(params, optimizer_state, meta))
 
 
 def make_meta(config, dtype, optimizer, step, rng_states=None, extra=None):
@@ -310,11 +284,18 @@ def model_dtype(model):
     return next(p.dtype for p in model.parameters())
 
 
-def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):
-    """save() of a whole model's and its optimizer's state dicts; returns the folder."""
-    params = {n: backend.to_host(a) for n, a in model.state_dict().items()}
+def save_checkpoint_plan(model, optimizer, step, rng_states=None, extra=None):
+    """plain_plan of a whole model's and its optimizer's state dicts: the parameters copied
+    to the host (host_copy: the next step changes them in place)."""
+    params = {n: saving.host_copy(a) for n, a in model.state_dict().items()}
     meta = make_meta(model.config, model_dtype(model), optimizer, step, rng_states, extra)
-    return save(directory, params, optimizer.state_dict(), meta)
+    return plain_plan(params, optimizer.state_dict(), meta)
+
+
+def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):
+    """A whole model's and its optimizer's checkpoint, written now; returns the folder."""
+    return saving.save_now(directory, step, save_checkpoint_plan(model, optimizer, step,
+                                                                 rng_states, extra))
 
 
 def load_checkpoint(directory, model, optimizer=None):

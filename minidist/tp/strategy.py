@@ -18,7 +18,7 @@ SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to 
                         parameters' gradients: region.shared)
     reduce_sum_sq       split parameters' squares summed over tp, replicated ones counted
                         once (every tp rank holds the same copy), then inner's reduction
-    save / load         the full model and optimizer state (whole_state: inner's, then
+    save_plan / load    the full model and optimizer state (whole_state: inner's, then
                         gathered over tp) written by rank 0 in the single-process format: a
                         checkpoint from any tp resumes on any other tp, or on one process
                         (also under --ep, with or without ZeRO). Under ZeRO without --ep: one
@@ -37,9 +37,9 @@ import argparse
 from minidist.comm import trace
 from minidist.tp.model import TensorParallelGPT, check_tp_sizes
 from minidist.tp.state import TpPiece, gather_optimizer_state, sum_sq_over_tp
-from minidist.strategy import checkpoint, checkpoint_dirs
+from minidist.strategy import checkpoint, checkpoint_dirs, saving
 from minidist.strategy.base import ModelParallel, data_axes
-from minidist.zero.checkpoint import load_sharded, save_sharded
+from minidist.zero.checkpoint import load_sharded, shard_plan
 
 
 def tp_problems(args):
@@ -149,23 +149,23 @@ class TensorParallel(ModelParallel):
         return (self.model.full_state_dict(params),                 # collective over tp
                 gather_optimizer_state(self.model, self.group, sd))
 
-    def save(self, directory, model, optimizer, step, rng_states, extra):
+    def save_plan(self, model, optimizer, step, rng_states, extra):
         """The whole model and optimizer state (whole_state), written by rank 0 as one
         process's (minidist/strategy/checkpoint.py). Under ZeRO (not under --ep): one
         checkpoint holding ZeRO's sharded files of each tp rank's part
-        (minidist/zero/checkpoint.py). Collective."""
+        (minidist/zero/checkpoint.py), each rank its shards. Collective."""
         group = self._zero_group()
         if group is not None:
-            return save_sharded(directory, model, optimizer, group, step, rng_states, extra,
-                                part=self._part(), world=self.mesh.world, tp=self._tp_record(),
-                                writes=self.inner.zero_strategy().writes_checkpoint())
+            return shard_plan(model, optimizer, group, step, rng_states, extra,
+                              part=self._part(), tp=self._tp_record(),
+                              writes=self.inner.zero_strategy().writes_checkpoint())
         params, opt_sd = self.whole_state(model, optimizer)
-        if self.rank == 0:
-            meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
-                                        optimizer, step, rng_states, extra)
-            meta["optimizer"] = self.inner.optimizer_type(optimizer)    # one process's name
-            checkpoint.save(directory, params, opt_sd, meta)
-        self.mesh.world.barrier()                                  # nobody reads it half-written
+        if self.rank != 0:
+            return saving.SavePlan()
+        meta = checkpoint.make_meta(model.config, checkpoint.model_dtype(self.model),
+                                    optimizer, step, rng_states, extra)
+        meta["optimizer"] = self.inner.optimizer_type(optimizer)        # one process's name
+        return checkpoint.plain_plan(params, opt_sd, meta)
 
     def load(self, directory, model, optimizer):
         """Every rank reads its tp shards of the checkpoint. Under ZeRO without --ep, ZeRO

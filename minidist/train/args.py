@@ -243,6 +243,11 @@ def add_train_args(p):
                    "SIGUSR1 or Ctrl-C. A DIR that already holds a checkpoint is refused "
                    "unless the run resumes from it (--resume) or --overwrite is given")
     g.add_argument("--save-every", type=int, default=0, help="0: at evals and at the end")
+    g.add_argument("--async-save", action="store_true",
+                   help="a save stalls the step only for host copies of what each rank "
+                   "writes; a thread writes the files while the next steps train, and the "
+                   "checkpoint is committed (`latest`) once every rank's are written (at most "
+                   "one in flight; waited for before the next save and at the end)")
     g.add_argument("--keep", type=int, default=1, metavar="K",
                    help="numbered checkpoint folders kept under --save (the newest K)")
     g.add_argument("--overwrite", action="store_true",

@@ -37,6 +37,7 @@ def idle_flags(args, replicas=None, ranks=None):
             ("schedule", "the pipeline's training schedule"),
             ("overlap_param_gather", "when ZeRO waits for the updated parameters"),
             ("save", "where to save"), ("save_every", "steps between checkpoints"),
+            ("async_save", "whether checkpoints are written on a thread"),
             ("trace", "the file the training's collectives are traced to"),
             ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
         if args.attention == "recompute":
@@ -75,6 +76,8 @@ def idle_flags(args, replicas=None, ranks=None):
     if not args.save:
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),
+                 ("--async-save", "whether checkpoints are written on a thread while "
+                  "training goes on", "add --save DIR"),
                  ("--overwrite", "whether --save may replace another run's checkpoints",
                   "add --save DIR")]
     if not args.zero:

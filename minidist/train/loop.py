@@ -4,7 +4,8 @@
     -> gradient sync -> global grad-norm clip -> AdamW step -> loss averaged over ranks
 
 with the schedule's lr, logs and --log-json rows from rank 0 (`print0`), periodic val loss,
-checkpoints (--save, --resume) and a text sample at the end. What a parallel run does
+checkpoints (--save, --resume; --async-save writes them on a thread while the next steps
+train: minidist/train/saves.py) and a text sample at the end. What a parallel run does
 differently lives in its Strategy (composed by minidist/train/strategy.py, the methods in
 minidist/strategy/base.py); this file does not change.
 Resume is bit-identical: the checkpoint holds parameters, optimizer state, the dropout RNG, the
@@ -23,7 +24,6 @@ would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check
 Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
 """
 import math
-import os
 import time
 
 import numpy as np
@@ -40,6 +40,7 @@ from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
 from minidist.train.data import DataError
+from minidist.train.saves import Saves
 from minidist.train.inputs import (initial_weights, open_data, recorded_flags,
                                    schedule_differences)
 from minidist.train.step import train_step
@@ -201,9 +202,10 @@ def train(args, world=None):
     _describe(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
-    t_aside = 0.0                # of the run's seconds, those spent evaluating and saving
+    t_aside = 0.0                # of the run's seconds, those spent evaluating (saving: saves)
     signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
     balance = LoadBalance(model, world, args.moe_bias_rate)   # MoE: the router biases
+    saves = Saves(args, strategy, log)       # --save: written here, or on a thread (--async-save)
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
     for step in range(start, stop):
         lr = schedule(step)
@@ -220,10 +222,10 @@ def train(args, world=None):
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         evals = (args.eval_every and (step + 1) % args.eval_every == 0) or last
         every = args.save_every or args.eval_every
-        saves = args.save and (last or (every and (step + 1) % every == 0))
+        saving = args.save and (last or (every and (step + 1) % every == 0))
         printed = step == start or (step + 1) % args.log_every == 0 or last
         rows = bad = row = None
-        if values.due(printed or args.log_json or evals or saves):
+        if values.due(printed or args.log_json or evals or saving):
             rows = values.read()        # the loss and norm of each step since the last read
             _settle(strategy, step)     # --amp verdicts taken on the device: read back too
             bad = first_not_finite(rows, strategy.amp is not None)
@@ -240,6 +242,7 @@ def train(args, world=None):
                 log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f}"
                            f" tok/s | {dt * 1e3:7.1f} ms/step | {eta_}")
             t_mark = time.perf_counter()
+        saves.commit_if_written()            # --async-save: once every rank's files are written
         if strategy.any_rank(signals.is_set() or bad is not None):  # every rank stops together
             if rows is None:                  # a signal between reads: check before saving
                 bad = first_not_finite(values.read(), strategy.amp is not None)
@@ -247,9 +250,10 @@ def train(args, world=None):
             if evals and row is not None:     # stopping before its evaluation: the row now
                 log.json0(row)
             if strategy.any_rank(bad is not None):
+                saves.finish()                # a save in flight holds an earlier, finite step
                 raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
-            _stop(args, strategy, log, model, opt, step, signals)
-        t_aside_from = time.perf_counter() if evals or saves else None
+            _stop(args, saves, strategy, log, model, opt, step, signals)
+        t_eval_from = time.perf_counter()
         if evals:
             log.print0(f"{at} | evaluating on {args.eval_iters} val batch"
                        f"{'es' * (args.eval_iters != 1)} ...")
@@ -258,7 +262,8 @@ def train(args, world=None):
             mean = evaluate(strategy, model, data, args.seed, args.batch_size,
                             args.block_size, args.eval_iters, signals)
             if mean is None:                  # a signal during it: save this step, stop
-                _stop(args, strategy, log, model, opt, step, signals, " (its evaluation cut)")
+                _stop(args, saves, strategy, log, model, opt, step, signals,
+                      " (its evaluation cut)")
             val_loss = float(backend.host_read(mean, "eval loss"))
             log.print0(f"{at} | val loss {val_loss:.4f} (unigram entropy "
                        f"{data.unigram_entropy:.4f})")
@@ -266,13 +271,14 @@ def train(args, world=None):
             if moe:
                 log.print0(f"{at} | {report_line(moe)}")
             log.json0({**row, "val_loss": val_loss, **moe})   # (every evaluating step was read)
-        if saves:
-            _save(args, strategy, log, model, opt, step)
-        if t_aside_from is not None:     # the next step's time starts after them
+            t_aside += time.perf_counter() - t_eval_from
+        if saving:    # every rank's host copies now; the files on a thread with --async-save
+            saves.save(model, opt, step, _run_state(model), background=args.async_save)
+        if evals or saving:              # the next step's time starts after them
             t_mark = time.perf_counter()
-            t_aside += t_mark - t_aside_from
+    saves.finish()              # the last save committed before the summary and the sample
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
-                   t_aside, reads_before, stop, signals)
+                   t_aside + saves.seconds, reads_before, stop, signals, saves.seconds)
 
 
 def _settle(strategy, step):
@@ -336,29 +342,16 @@ def _kept(args):
     return f"; {args.save} keeps step {checkpoint_dirs.step_of(folder)} ({folder})"
 
 
-def _save(args, strategy, log, model, opt, step, say=True):
-    """Collective: save the state after `step` (0-based) to the next folder of --save, prune,
-    and (`say`) say so; returns the folder (on rank 0). Only called after a step whose loss
-    and gradient norm were finite on every rank (an overflow under --amp skipped the update),
-    so the parameters saved are finite: a diverged run stops before it saves."""
-    strategy.save(args.save, model, opt, step + 1, _run_state(model),
-                  recorded_flags(vars(args)))
-    if strategy.rank == 0:          # every rank has written: older folders can go
-        checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
-        folder = os.path.join(args.save, checkpoint_dirs.read_latest(args.save))
-        if say:
-            log.print0(f"saved step {step + 1} to {folder}")
-        return folder
-    return None
-
-
-def _stop(args, strategy, log, model, opt, step, signals, when=""):
-    """A signal on some rank: every rank saves this step (with --save), one line, exit.
-    `when`: what the line adds after "after step N" (an evaluation cut short)."""
+def _stop(args, saves, strategy, log, model, opt, step, signals, when=""):
+    """A signal on some rank: every rank saves this step (with --save; a save in flight is
+    committed first, and this one is written in the step, --async-save or not: the job is
+    about to end), one line, exit. `when`: what the line adds after "after step N" (an
+    evaluation cut short). Only called after a step whose loss and gradient norm were
+    finite on every rank, so the parameters saved are finite."""
     interrupted = strategy.any_rank(signals.interrupted())      # Ctrl-C anywhere: 130
     what = preemption.describe(interrupted, signals.name)
     if args.save:
-        folder = _save(args, strategy, log, model, opt, step, say=False)
+        folder = saves.save(model, opt, step, _run_state(model), say=False)
         log.print0(f"{what} after step {step + 1}{when}: saved to {folder}; run the same "
                    f"command with --resume {args.save} (or --resume auto) to continue")
     else:
@@ -367,9 +360,10 @@ def _stop(args, strategy, log, model, opt, step, signals, when=""):
 
 
 def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before, stop,
-            signals):
+            signals, save_seconds=0.0):
     """The final evaluation (if none ran), the sample, the summary lines and JSON row.
-    `seconds`: the steps' wall time, `aside` of it evaluating and saving; `stop`: the steps
+    `seconds`: the steps' wall time, `aside` of it evaluating and saving, `save_seconds` the
+    loop's time in saves (Saves.seconds: with --async-save, not the writes); `stop`: the steps
     done (--stop-at's, below --steps, whose schedule the run follows: "schedule_steps");
     `signals`: a Ctrl-C during that evaluation ends the run there (nothing trained, so
     nothing to save): one line, exit 130."""
@@ -394,7 +388,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
                "steps": stop, "schedule_steps": args.steps, "train_seconds": seconds,
-               "eval_save_seconds": aside,
+               "eval_save_seconds": aside, "save_seconds": save_seconds,
                "sample": text, "host_reads": reads}
     if args.eval_only:
         tokens = args.eval_iters * args.batch_size * args.block_size
@@ -407,7 +401,9 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
         log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                    f"{data.unigram_entropy:.4f} (a model that ignores context); "
                    f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating"
-                   + (" and saving" if args.save else ""))
+                   + (f" and saving ({save_seconds:.1f} s in saves"
+                      + (", their files written on a thread: --async-save" if args.async_save
+                         else "") + ")" if args.save else ""))
     log.print0("device -> host reads on rank 0 (backend.host_read): " + (", ".join(
         f"{why} {n}" for why, n in reads.items()) or "none"))
     if not args.eval_only:             # (its figures are per training step)

@@ -11,12 +11,13 @@ world size and ZeRO stage reads them back (resharding).
                                        offsets, numel, padding, shard size); each file's size
                                        and sha256 (a shard's with its "rank"); the digest
 
-One folder of a --save directory, written with minidist/strategy/checkpoint.py's writers and
-committed as its numbered folders are (minidist/strategy/checkpoint_dirs.py): rank 0 makes the
-temporary folder, every rank writes and fsyncs its shard there and sends rank 0 its size and
-sha256, rank 0 writes state.json and the manifest last and commits (a filesystem all ranks
-see, as on one machine or a cluster's shared disk). `write_sharded` is the part without the
-commit (tensor parallelism puts one such folder per tp rank into one checkpoint).
+One folder of a --save directory, saved as every checkpoint is (minidist/strategy/saving.py):
+`shard_plan` is what a rank writes (a host copy of its shards; rank 0 also state.json and
+the manifest's "zero" section); every rank writes and fsyncs its shard into the temporary
+folder world rank 0 made, and at commit world rank 0 writes the manifest of every rank's
+sizes and sha256s last and renames the folder into place (a filesystem all ranks see, as on
+one machine or a cluster's shared disk). Tensor parallelism puts one such folder per tp rank
+into one checkpoint (`part`).
 
 Loading goes by parameter name, whoever wrote the checkpoint: a `ShardReader` cuts a
 parameter's pieces out of the old ranks' shards (memory-mapped: only those bytes are read), a
@@ -33,14 +34,13 @@ Nobody waits in a collective.
 Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
 """
 import os
-import shutil
 
 import numpy as np
 
 from minidist import backend
 from minidist.comm.group import ranks_by_value, ranks_text
 from minidist.nn.safetensors import SafetensorsError
-from minidist.strategy import checkpoint
+from minidist.strategy import checkpoint, saving
 from minidist.strategy import checkpoint_dirs as dirs
 from minidist.strategy.checkpoint import CheckpointError
 from minidist.strategy.readers import STATE_KEYS, DictReader, reader_for
@@ -55,79 +55,33 @@ def shard_name(rank, world):
 
 # ---- save --------------------------------------------------------------------------------------
 
-def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
-                 part=None, world=None, tp=None, writes=True):
-    """Collective over `group` (the dp group): this rank's shards of `optimizer` (a
-    ShardedOptimizer) and, from rank 0, state.json and the manifest, as the next numbered folder
-    of `directory` (minidist/strategy/checkpoint_dirs.py). With `part`, `world` and `tp`
-    (tensor parallelism: one ZeRO folder per tp rank), this group's files go to the
-    subfolder `part` of one checkpoint that world rank 0 commits once every group has
-    written, collective over `world` then; its manifest's "tp" section is `tp` (this tp
-    rank, the tp size, each split parameter's Split: what lets any layout read the pieces
-    back, minidist/strategy/readers.py PartsReader). `writes` False (hybrid sharding: a
-    replica of the first shard group's shards, `world` the ranks of all the groups): this
-    rank writes nothing and only takes part in `world`'s agreement."""
+def shard_plan(model, optimizer, group, step, rng_states=None, extra=None, part=None,
+               tp=None, writes=True):
+    """What this rank writes of a sharded checkpoint (a saving.SavePlan; no collective): a
+    host copy of its shards of `optimizer` (a ShardedOptimizer over `group`, the shard
+    group), and on group rank 0 state.json and the manifest of the group's files. With
+    `part` and `tp` (tensor parallelism: one ZeRO folder per tp rank) the files go to the
+    subfolder `part` of the checkpoint, whose manifest's "tp" section is `tp` (this tp rank,
+    the tp size, each split parameter's Split: what lets any layout read the pieces back,
+    minidist/strategy/readers.py PartsReader). `writes` False (hybrid sharding: a replica of
+    the first shard group's shards): nothing (the rank only commits with the others)."""
     optimizer.engine.wait_params()     # --overlap-param-gather: no gather still writing
-    world = world if world is not None else group
-    tmp, err = None, None
-    if world.rank == 0:
-        try:
-            tmp = dirs.begin(directory)
-        except (CheckpointError, OSError) as e:
-            err = str(e)
-    tmp, err = world.broadcast_object((tmp, err), root=0)
-    if err:
-        raise CheckpointError(err)
-    folder = tmp if part is None else os.path.join(tmp, part)
-    if writes:
-        if part is not None and group.rank == 0:
-            try:
-                os.mkdir(folder)
-            except OSError as e:
-                err = str(e)
-        err = group.broadcast_object(err, root=0)
-        err = err or write_sharded(folder, model, optimizer, group, step, rng_states, extra,
-                                   tp)
-    errors = [e for e in world.all_gather_object(err) if e]
-    if world.rank == 0:
-        if not errors:
-            try:
-                dirs.commit(tmp, directory, step)
-            except OSError as e:
-                errors.append(str(e))
-        shutil.rmtree(tmp, ignore_errors=True)
-    errors = world.broadcast_object(errors, root=0)
-    if errors:
-        raise CheckpointError(f"saving {directory} failed: {'; '.join(errors)}")
+    optimizer.settle()                 # --amp verdicts taken on the device: the step count
+    if not writes:
+        return saving.SavePlan()
+    where = "" if part is None else part
+    shards = {k: saving.host_copy(v) for k, v in optimizer.shard_arrays().items()}
+    plan = saving.SavePlan(files=[saving.arrays_file(
+        os.path.join(where, shard_name(group.rank, group.size)), shards, rank=group.rank)])
+    if group.rank == 0:
+        record, sections = _state(model, optimizer, step, rng_states, extra, tp)
+        plan.files.append(saving.json_file(os.path.join(where, "state.json"), record))
+        plan.manifests.append(saving.Manifest(where, optimizer.engine.group.size, sections))
+    return plan
 
 
-def write_sharded(folder, model, optimizer, group, step, rng_states=None, extra=None,
-                  tp=None):
-    """Collective over `group`: every rank writes its shard into `folder` (which exists),
-    rank 0 state.json and the manifest (minidist/strategy/checkpoint.py's writers; `tp`: its
-    "tp" section, see save_sharded). Returns None, or on rank 0 what failed (the caller
-    commits or discards the folder)."""
-    optimizer.settle()              # --amp verdicts taken on the device: the step count
-    name, entry, err = shard_name(group.rank, group.size), None, None
-    try:
-        entry = {**checkpoint.write_arrays(folder, name, optimizer.shard_arrays()),
-                 "rank": group.rank}
-    except OSError as e:
-        err = f"rank {group.rank}: {e}"
-    gathered = group.gather_object((name, entry, err), root=0)
-    if group.rank != 0:
-        return None
-    err = "; ".join(e for _, _, e in gathered if e) or None
-    if err is None:
-        try:
-            files = {n: info for n, info, _ in gathered}
-            _write_state(folder, files, model, optimizer, step, rng_states, extra, tp)
-        except OSError as e:
-            err = str(e)
-    return err
-
-
-def _write_state(folder, files, model, optimizer, step, rng_states, extra, tp):
+def _state(model, optimizer, step, rng_states, extra, tp):
+    """state.json's record and the manifest's sections ("zero": the flat layout; "tp")."""
     amp, engine = optimizer.amp, optimizer.engine
     scalars = {n: {"step": optimizer.steps} for n, _ in model.named_parameters()}
     if amp is not None:
@@ -139,12 +93,10 @@ def _write_state(folder, files, model, optimizer, step, rng_states, extra, tp):
     record, _ = checkpoint.state_record(
         meta, {"groups": [{k: v for k, v in g.items() if k not in ("params", "names")}
                           for g in optimizer.param_groups], "state": scalars})
-    files["state.json"] = checkpoint.write_json(folder, "state.json", record)
     keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[engine.units[0].flat.name]]
     zero = {"stage": engine.stage, "dp": engine.group.size, "amp": amp is not None,
             "dtype": dtype, "keys": keys, "units": [u.flat.layout() for u in engine.units]}
-    sections = {"zero": zero, **({"tp": tp} if tp is not None else {})}
-    checkpoint.finish(folder, files, step, world_size=engine.group.size, **sections)
+    return record, {"zero": zero, **({"tp": tp} if tp is not None else {})}
 
 
 def optimizer_type(optimizer):

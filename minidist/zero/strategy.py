@@ -22,7 +22,7 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
     after_step          engine.after_step(): all-gather the updated shards (stages 1, 2; with
                         --overlap-param-gather in the background, waited for by the next
                         forward's block hooks) or drop the stale gathered copies (stage 3)
-    save / load         sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
+    save_plan / load    sharded checkpoints, any world size / stage (minidist/zero/checkpoint.py)
     whole_state / load_whole_state   the shards gathered into (cut from) whole arrays by
                         name, in one process's format: a pipeline's checkpoints
     save_pretrained     GPT-2 format, the parameters gathered to rank 0
@@ -44,7 +44,7 @@ from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
                                     matrix_views, optimizer_settings)
 from minidist.zero.checkpoint import (gather_whole, load_sharded, load_whole, optimizer_type,
-                                      save_sharded)
+                                      shard_plan)
 from minidist.zero.muon import ShardedMuon
 from minidist.zero.optim import ShardedAdamW
 from minidist.zero.flat import gpt_units
@@ -213,12 +213,15 @@ class ZeroDataParallel(SingleProcess):
         return any_rank_of(self.group, flag)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save(self, directory, model, optimizer, step, rng_states, extra):
-        """A sharded checkpoint of the shard group's shards; under hybrid sharding the first
-        shard group writes it (the others hold the same shards) and every rank of the dp
-        group learns how that went."""
-        save_sharded(directory, model, optimizer, self.shard_group, step, rng_states, extra,
-                     world=self.group, writes=self.writes_checkpoint())
+    def job_group(self):
+        return self.group
+
+    def save_plan(self, model, optimizer, step, rng_states, extra):
+        """This rank's shards of a sharded checkpoint of the shard group's shards; under
+        hybrid sharding the first shard group writes it (the others hold the same shards)
+        and every rank of the dp group commits it (learns how that went)."""
+        return shard_plan(model, optimizer, self.shard_group, step, rng_states, extra,
+                          writes=self.writes_checkpoint())
 
     def writes_checkpoint(self):
         """Whether this rank writes its shards into a checkpoint: in the first shard group

@@ -1,0 +1,85 @@
+"""The training loop's checkpoints (--save): each written in the step (the default) or, with
+--async-save, on a thread while the next steps train (Megatron-LM's --async-save, PyTorch
+DCP's async_save). One code path either way (minidist/strategy/saving.py):
+
+    collect  strategy.save_plan: the ranks' collectives (gathers to rank 0, ZeRO's shards)
+             and a host copy of what this rank writes; then begin (rank 0 makes the
+             temporary folder). The loop waits for this part in both modes
+    write    this rank's files written, fsynced and hashed: here, or on a thread
+    commit   collective: rank 0 writes the manifests, renames the folder into place, moves
+             `latest`, prunes (--keep) and says "saved step N to DIR/step-0000000N"
+
+Under --async-save at most one save is in flight. It is committed at the first step boundary
+where every rank's files are written (commit_if_written: one 1-element all-reduce of host
+memory a step, strategy.any_rank, while a save is in flight; the writer thread never calls
+MPI), or waited for (finish) before the next save begins, before a signal's save (which is
+written in the step: the job is about to end), before a divergence's error line, and before
+the end of the run (the last step's save is committed before the final summary and sample).
+A write that fails on any rank is one CheckpointError on every rank at that commit, naming
+the --save directory (the run stops: exit 2), and `latest` still names the checkpoint before.
+Tests: tests/test_async_save.py.
+"""
+import time
+
+from minidist.strategy import checkpoint_dirs, saving
+from minidist.train.inputs import recorded_flags
+
+
+class Saves:
+    """The --save checkpoints of one run; `seconds`: the time the loop spent on them (the
+    collect and, in the step, the write; under --async-save the collect, the commits and any
+    wait for a write still running)."""
+
+    def __init__(self, args, strategy, log):
+        self.args, self.strategy, self.log = args, strategy, log
+        self.pending = None              # the save whose files are being written (async)
+        self.seconds = 0.0
+
+    def save(self, model, opt, step, run_state, background=False, say=True):
+        """Collective: save the state after `step` (0-based; `run_state`: the meta's "rng")
+        as --save's next folder. `background`: write it on a thread and return None (a later
+        commit says "saved step N"); else written and committed now: the folder on rank 0
+        (None elsewhere), said if `say`. Waits for a save still in flight first."""
+        self.finish()                    # at most one save in flight
+        t = time.perf_counter()
+        plan = self.strategy.save_plan(model, opt, step + 1, run_state,
+                                       recorded_flags(vars(self.args)))
+        save = saving.begin(self.args.save, step + 1, plan, self.strategy.job_group())
+        if background:
+            save.write_in_background()   # the writer thread: files only, no MPI
+            self.pending = save
+            self.seconds += time.perf_counter() - t
+            return None
+        save.write()
+        self.seconds += time.perf_counter() - t
+        return self._commit(save, say)
+
+    def commit_if_written(self):
+        """At a step boundary, collective while a save is in flight: commit it if every
+        rank's files are written (one all-reduce tells), else leave it for a later step."""
+        if self.pending is None:
+            return
+        t = time.perf_counter()
+        still_writing = self.strategy.any_rank(not self.pending.written())
+        self.seconds += time.perf_counter() - t
+        if not still_writing:
+            self.finish()
+
+    def finish(self, say=True):
+        """Collective: wait for the save in flight (if any) and commit it; its folder on rank
+        0, else None."""
+        save, self.pending = self.pending, None
+        return None if save is None else self._commit(save, say)
+
+    def _commit(self, save, say):
+        t = time.perf_counter()
+        try:
+            folder = save.commit()       # every rank's files written: rank 0 renames
+            if self.strategy.rank == 0:  # older folders can go
+                args = self.args
+                checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
+                if say:
+                    self.log.print0(f"saved step {save.step} to {folder}")
+            return folder
+        finally:
+            self.seconds += time.perf_counter() - t
