@@ -202,7 +202,9 @@ class GPT(Module):
         None without --cp) as they were now. An MoE block's router loss (MoE.router_loss) is
         appended to `router_losses` (a list, or None: dropped): under recompute it comes out
         of the checkpoint beside the block's output, so its gradient enters the recompute's
-        backward and it is counted once, however often the block runs."""
+        backward and it is counted once, however often the block runs. In evaluation (not
+        self.training) it is not: a val loss is the language model's cross-entropy alone, as
+        Megatron-LM and DeepSpeed report it, comparable with a dense model's."""
         moe = isinstance(block.mlp, MoE)
         keys, context = self.dropout_keys, self.context
         if not recompute:
@@ -212,8 +214,8 @@ class GPT(Module):
             y, loss = checkpoint(block.with_router_loss, x, block.parameters(), keys, context)
         else:
             y, loss = checkpoint(block, x, block.parameters(), keys, context), None
-        if loss is not None and router_losses is not None:
-            router_losses.append(loss)
+        if loss is not None and router_losses is not None and self.training:
+            router_losses.append(loss)         # (an evaluation's loss: the model's alone)
         return y
 
     def head(self, x, targets=None):
