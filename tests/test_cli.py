@@ -706,3 +706,44 @@ def test_ctrl_c_while_the_flags_are_read_is_one_line(capsys):
                  and getattr(n.func, "id", None) == "run_main"]
         assert len(calls) == 1 and not calls[0].args[1:], script    # nothing parsed outside
         assert [k.arg for k in calls[0].keywords][:1] == ["parser"], script
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,flags", [(1, ()), (2, ("--tp", "2"))])
+def test_ctrl_c_during_the_sample_is_one_line_and_130(ranks, flags, corpus, tmp_path):
+    """First-use walk 26: the end's sample (--sample 400 by default, under --eval-only too)
+    never looked at the flag a Ctrl-C sets, so it ran to its end and the run exited 0, the
+    Ctrl-C lost. Now a rank that samples alone stops at the next token, the ranks of a split
+    model (here TP) at its end (a rank stopping a token before another would leave it in a
+    collective), and the run says so in one line, exit 130, its steps saved.
+
+        python examples/train_gpt.py --save ck --sample 100000, then Ctrl-C as it samples
+    """
+    ck, out_path = tmp_path / "ck", tmp_path / "out.txt"
+    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    tokens = "100000" if ranks == 1 else "300"
+    cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
+           "--cache-dir", str(tmp_path / "cache"), "--steps", "2", "--save", str(ck),
+           "--sample", tokens, *flags]
+    with open(out_path, "w") as out:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.time() + 120
+            while "sampling " not in out_path.read_text():
+                assert time.time() < deadline and job.poll() is None, job.communicate()
+                time.sleep(0.1)
+            os.killpg(job.pid, signal.SIGINT)
+            t = time.time()
+            _, err = job.communicate(timeout=120)
+            took = time.time() - t
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    said = out_path.read_text()
+    assert job.returncode == 130 and "Traceback" not in err, (said[-1500:], err)
+    assert said.count("interrupted (Ctrl-C) during the sample") == 1, said[-1500:]
+    assert f"the 2 steps are done and saved in {ck}" in said and (ck / "step-00000002").is_dir()
+    sample = said.split("---- sample ----\n")[1].split("\n----------------")[0]
+    if ranks == 1:                    # cut at once (100,000 tokens would take minutes)
+        assert len(sample) < 20000 and took < 30, (len(sample), took)

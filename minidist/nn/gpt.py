@@ -272,10 +272,11 @@ class GPT(Module):
         return 6 * n_matmul + 12 * c.n_layer * T * C
 
     # ---- sampling (minidist/nn/sampling.py) ----------------------------------------------
-    def generate(self, idx, n, temperature=1.0, top_k=None, seed=0):
+    def generate(self, idx, n, temperature=1.0, top_k=None, seed=0, stop=None):
         """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n).
-        Deterministic (`seed`), temperature 0 greedy, in eval mode: sampling.generate."""
-        return generate(self, idx, n, temperature, top_k, seed)
+        Deterministic (`seed`), temperature 0 greedy, in eval mode; `stop` cuts it short:
+        sampling.generate."""
+        return generate(self, idx, n, temperature, top_k, seed, stop)
 
     def sampling_cache(self):
         """A KVCache for generate (minidist/nn/kv_cache.py): each attention layer keeps its

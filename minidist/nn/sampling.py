@@ -16,8 +16,9 @@ from minidist import backend
 from minidist.autograd import no_grad
 
 
-def generate(model, idx, n, temperature=1.0, top_k=None, seed=0):
-    """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n).
+def generate(model, idx, n, temperature=1.0, top_k=None, seed=0, stop=None):
+    """Append `n` sampled tokens to idx (B, T); returns a host numpy array (B, T + n), or
+    fewer tokens where `stop` (a function, asked before each token; None: never) said True.
 
     Deterministic: draws come from `backend.rng(seed)`. temperature 0 means greedy. Runs the
     model in eval mode (no dropout) and restores its previous mode.
@@ -29,6 +30,8 @@ def generate(model, idx, n, temperature=1.0, top_k=None, seed=0):
     try:
         with no_grad():
             for _ in range(n):
+                if stop is not None and stop():
+                    break
                 ctx = idx[:, -model.config.block_size:]               # (B, <=block_size)
                 nxt = model.next_token(ctx, temperature, top_k, rng, cache)   # (B,)
                 idx = np.concatenate([idx, nxt[:, None]], axis=1)     # (B, T + 1)

@@ -72,12 +72,14 @@ def evaluate(strategy, model, data, seed, batch_size, block_size, iters, signals
     return strategy.global_mean(total / iters)
 
 
-def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40):
+def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40, stop=None):
+    """`n` tokens sampled after `prompt`, as text (the prompt's included); fewer where
+    `stop`, asked before each token, says so (GPT.generate)."""
     try:
         idx = data.tokenizer.encode(prompt)[None, :]
     except DataError:        # a character vocabulary without "\n": start from its token 0
         idx = np.zeros((1, 1), dtype=np.int64)
-    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed)
+    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed, stop=stop)
     return data.tokenizer.decode(out[0])
 
 
@@ -376,14 +378,13 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                        f"evaluation at step {stop}: nothing evaluated, nothing saved")
             raise SystemExit(preemption.exit_status(interrupted))
         val_loss = float(backend.host_read(mean, "eval loss"))
-    text = ""
+    text, cut = "", False
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
                    "(GPT-2's vocab.json and merges.txt beside the token files, or a meta.pkl "
                    "with its itos table, would be one)")
-    elif args.sample and strategy.takes_part_in_sampling():   # tp: every rank of a replica
-        text = sample_text(model, data, args.sample, args.seed)
-        log.print0("---- sample ----\n" + printable(text) + "\n----------------")
+    elif args.sample:
+        text, cut = _sample(args, strategy, log, model, data, signals)
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
@@ -409,4 +410,27 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     if not args.eval_only:             # (its figures are per training step)
         strategy.finish(args, log)     # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
+    if cut:                            # a Ctrl-C during the sample: the run is done, say so
+        log.print0(f"interrupted (Ctrl-C) during the sample (--sample 0 skips it): the "
+                   f"{stop} steps are done" + (f" and saved in {args.save}" if args.save
+                                               and not args.eval_only else ""))
+        raise SystemExit(preemption.exit_status(True))
     return summary
+
+
+def _sample(args, strategy, log, model, data, signals):
+    """The end's sample: (its text, whether a Ctrl-C came during it). Collective: every rank
+    calls it. A rank that samples alone (one process; rank 0 under DDP, ZeRO-1/2) stops at
+    the next token after a signal; the ranks of a model split over several (TP, PP, EP,
+    ZeRO-3: the same tokens through collectives) sample to the end, since a stop that one
+    rank sees a token before another would leave the other waiting in its collective."""
+    takes = strategy.takes_part_in_sampling()                 # tp: every rank of a replica
+    alone = not strategy.any_rank(takes and strategy.rank != 0)
+    text = ""
+    if takes:
+        log.print0(f"sampling {args.sample} tokens (--sample N; Ctrl-C "
+                   + ("stops it" if alone else "ends the run after it") + ") ...")
+        text = sample_text(model, data, args.sample, args.seed,
+                           stop=signals.is_set if alone else None)
+        log.print0("---- sample ----\n" + printable(text) + "\n----------------")
+    return text, strategy.any_rank(signals.interrupted())
