@@ -169,7 +169,20 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
     capsys.readouterr()
     train(_args(device, corpus, tmp_path, "--eval-every", "0", "--steps", "12", "--resume",
                 str(tmp_path / "cos")))
-    assert "(note: steps changed, so the run will differ" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "(note: steps changed, so the run will differ" in said and "jumps" not in said
+    # first-use walk 26: a wsd run resumed past its decay with a larger --steps went from
+    # --min-lr back to the peak in one step, noted only as "steps changed"
+    train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "8",
+                "--save", str(tmp_path / "decayed")))
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
+                "--resume", str(tmp_path / "decayed")))
+    said = capsys.readouterr().out
+    lr = float(_args(device, corpus, tmp_path).lr)
+    assert (f"; note: the learning rate jumps from {lr / 10:.2e} (the checkpoint's last step) "
+            f"to {lr:.2e} (step 9), with no warmup; its run had decayed from step 5: resume "
+            "from a checkpoint saved before then to extend it") in said, said
 
 
 def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, device,

@@ -134,6 +134,25 @@ def _schedule_changes(saved, ours, start):
     return changed if any(before(i) != now(i) for i in range(start)) else []
 
 
+def _lr_jump(saved, ours, start):
+    """A note (words) where this run's learning rate at step `start` is over twice the one
+    the checkpoint's run took its last step with (a finished or decayed run resumed with a
+    larger --steps: its schedule starts again from high up, with no warmup), else None."""
+    if start < 1 or not all(k in saved for k in ("steps", "lr")):
+        return None
+    saved = {"lr_schedule": "cosine", "decay_steps": None, **saved}   # (before they existed)
+    last, nxt = _schedule(saved)(start - 1), _schedule(ours)(start)
+    if nxt <= 2 * last:
+        return None
+    said = (f"the learning rate jumps from {last:.2e} (the checkpoint's last step) to "
+            f"{nxt:.2e} (step {start + 1}), with no warmup")
+    if saved["lr_schedule"] == "wsd":
+        decay = saved["decay_steps"] or max(1, saved["steps"] // 5)
+        said += (f"; its run had decayed from step {saved['steps'] - decay}: resume from a "
+                 "checkpoint saved before then to extend it")
+    return said
+
+
 def _resume(args, strategy, log, model, opt):
     state = strategy.load(args.resume, model, opt)
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
@@ -145,11 +164,13 @@ def _resume(args, strategy, log, model, opt):
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
     other = [] if args.eval_only else schedule_differences(args, saved)
+    jump = None if args.eval_only or not saved else _lr_jump(saved, ours, state["step"])
     log.print0(f"resumed from {args.resume} at step {state['step']}" + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
         + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
            "any schedule, another speed and memory: give them to keep its)" if other else "")
+        + (f"; note: {jump}" if jump else "")
         + ("" if args.save or args.eval_only else
            "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
