@@ -4,6 +4,7 @@ user's umask, and a clear CheckpointError for a missing, corrupt, edited or mism
 (the manifest itself included; a ZeRO checkpoint through the same check)."""
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -98,8 +99,15 @@ def test_resume_finds_a_complete_checkpoint_at_every_instant(tmp_path):
     with pytest.raises(CheckpointError, match="--resume auto .* --save DIR"):
         checkpoint_dirs.resume_dir("auto", None)
     (d / "latest").write_text("step-00000009\n")
-    with pytest.raises(CheckpointError, match="latest names step-00000009, which is missing"):
+    with pytest.raises(CheckpointError, match="latest names step-00000009, which is missing; "
+                       r"resume from one of \['step-00000001', 'step-00000002'\] by its path"):
         load_checkpoint(d, model, opt)
+    # first-use walk 26: with no folder left the fix offered was "one of []"
+    for name in ("step-00000001", "step-00000002"):
+        shutil.rmtree(d / name)
+    with pytest.raises(CheckpointError, match="which is missing; no checkpoint is left in it: "
+                       f"remove {d / 'latest'} to start afresh there, or --save another"):
+        checkpoint_dirs.resume_dir("auto", str(d))
 
 
 def test_stale_temporaries_cleaned_umask_and_strangers_refused(tmp_path):

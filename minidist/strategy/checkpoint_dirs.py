@@ -87,8 +87,12 @@ def resolve(path):
     name = read_latest(path)
     if name is not None:
         if not os.path.isdir(os.path.join(path, name)):
-            raise CheckpointError(f"--resume {path}: {LATEST} names {name}, which is missing; "
-                                  f"resume from one of {numbered(path)[-3:]} by its path")
+            left = numbered(path)[-3:]
+            raise CheckpointError(
+                f"--resume {path}: {LATEST} names {name}, which is missing; " + (
+                    f"resume from one of {left} by its path" if left else
+                    f"no checkpoint is left in it: remove {os.path.join(path, LATEST)} to "
+                    f"start afresh there, or --save another folder"))
         return os.path.join(path, name)
     folders = numbered(path)
     return os.path.join(path, folders[-1]) if folders else path
