@@ -52,6 +52,8 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert f"val loss {summary['val_loss']:.4f} nats/token, perplexity" in out
     assert "over 192 tokens of the val split (3 batches of 4 x 16)" in out
     assert "step    1/" not in out                                     # nothing trained
+    # its first line read "resumed from ck/step-00000003 at step 3", as if training went on
+    assert out.startswith(f"evaluating {ck}/step-00000003, trained 3 steps\n"), out
     other = _run(["--resume", ck, "--eval-only", "--sample", "0", "--eval-iters", "1"])
     assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
 

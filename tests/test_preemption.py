@@ -110,7 +110,7 @@ def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_pat
                                "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
                                "--eval-iters", "1000000", "--sample", "0", "--resume", save,
                                "--eval-only"],
-                              str(tmp_path / "eval.txt"), "resumed from")
+                              str(tmp_path / "eval.txt"), "evaluating ")
     assert rc == 130, out[-2000:]
     assert "interrupted (Ctrl-C) during the evaluation at step 2: nothing evaluated, " \
         "nothing saved" in out, out

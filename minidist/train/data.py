@@ -74,7 +74,9 @@ def list_files(path=None):
         root, skip, suffix = stdlib_root(), {"site-packages", "dist-packages"}, ".py"
     else:
         if not os.path.exists(path):
-            raise DataError(f"--data {path}: no such file or directory")
+            raise DataError(f"--data {path}: no such file or directory (give a text file or "
+                            "a folder of text files, or leave --data out for Python's "
+                            "sources)")
         if os.path.isfile(path):
             if not is_text(path):
                 raise DataError(f"--data {path}: not a text file (it holds NUL bytes); give "

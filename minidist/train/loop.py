@@ -165,7 +165,8 @@ def _resume(args, strategy, log, model, opt):
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
     other = [] if args.eval_only else schedule_differences(args, saved)
     jump = None if args.eval_only or not saved else _lr_jump(saved, ours, state["step"])
-    log.print0(f"resumed from {args.resume} at step {state['step']}" + (
+    log.print0((f"evaluating {args.resume}, trained {state['step']} steps" if args.eval_only
+                else f"resumed from {args.resume} at step {state['step']}") + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
         + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
