@@ -48,6 +48,7 @@ from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
+HERE_NAME = "examples/calibration_here.json"
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -270,6 +271,28 @@ def nothing_fits(rows, cluster, headroom, here=False):
             f"{cluster.mem_gib:.3g} less --headroom {headroom:g}; {fix}")
 
 
+def here_load_note(preset, load=None):
+    """With --preset here, a sentence when the machine is busier now than when it was
+    calibrated (a 1-minute load average over half its cores above the calibration's):
+    steps measured now take longer than the plan says. None otherwise. `load`: read when
+    None (None where the system has none)."""
+    if preset != "here":
+        return None
+    with open(HERE) as f:
+        cal = json.load(f)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    if load <= cal.get("load_before", 0.0) + cal["cores"] / 2:
+        return None
+    return (f"the load average is {load:.1f} now, {cal.get('load_before', 0.0):.2f} when "
+            f"{HERE_NAME} was measured ({cal.get('date', 'its date unknown')}): steps run "
+            f"here now take longer than planned (python examples/calibrate_here.py measures "
+            f"again)")
+
+
 def command(config, row, gpus, v):
     """The train_gpt command that runs `row`."""
     return (f"mpirun -n {gpus} python examples/train_gpt.py "
@@ -334,6 +357,9 @@ def main(argv=None):
           + f" ({cluster.gpus_per_node} per node, {cluster.mem_gib:.1f} GiB"
           + (" a rank, its share of the node's; float32: numpy has no 16-bit arithmetic, "
              "--amp is slower here)" if args.preset == "here" else ")"))
+    busy = here_load_note(args.preset)
+    if busy:
+        print(f"note: {busy}")
     print_table(rows, args.top)
     print(f"best: {result['best']}" if result["best"] else
           f"best: nothing fits: {result['nothing_fits']}")

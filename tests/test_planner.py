@@ -1573,3 +1573,22 @@ def test_plan_layout_takes_the_name_its_table_prints(capsys):
     assert _plan_error(gpus8 + ["--layout", "TP2+SP x DDP x2 (amp, tiled)"], capsys) == (
         "error: --layout: dp x tp x pp x cp = 4, but --gpus is 8 (change the layout, or leave "
         "--layout out to search the ones train_gpt.py runs)")
+
+
+def test_here_says_when_it_was_measured_and_a_busier_machine_now():
+    """First-use walk 26: --preset here planned 0.075 s a step for a run that measured 0.56 s
+    under a load of 4-7 from other jobs; the calibration was taken at load 0.02 and the plan
+    did not say so. The cluster's name now gives the calibration's date and load, and the
+    table a note where the load now is over half the cores above it."""
+    from minidist.train.cluster import cluster_from_calibration
+    plan = _plan_cli()
+    cal = json.load(open(plan.HERE))
+    name = cluster_from_calibration(plan.HERE, 4).name
+    assert name == f"here (measured {cal['date']} at load {cal['load_before']:.2f})"
+    quiet = cal["load_before"] + cal["cores"] / 2
+    assert plan.here_load_note("here", load=quiet) is None
+    assert plan.here_load_note("h100", load=50.0) is None
+    assert plan.here_load_note("here", load=6.0) == (
+        f"the load average is 6.0 now, {cal['load_before']:.2f} when "
+        f"examples/calibration_here.json was measured ({cal['date']}): steps run here now "
+        "take longer than planned (python examples/calibrate_here.py measures again)")

@@ -84,7 +84,8 @@ def cluster_from_calibration(path, ranks=None):
     slow messages too, so each count has its own fit), and the sync of a blocking collective
     likewise; the elementwise work TP repeats, timed in one process. Its `mem_gib` is each
     rank's share of the node's memory (the calibration's, measured with the machine): the
-    ranks are processes on this one node sharing it, where a GPU's memory is its own."""
+    ranks are processes on this one node sharing it, where a GPU's memory is its own. Its
+    name says when, and under what load, the figures were measured."""
     with open(path) as f:
         cal = json.load(f)
     ranks = ranks or cal["cores"]
@@ -92,7 +93,9 @@ def cluster_from_calibration(path, ranks=None):
     def nearest(fits):
         return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
     fit = nearest(cal["links"])
-    return Cluster("here (measured)", gpus_per_node=max(ranks, cal["cores"]),
+    when = (f" {cal['date']} at load {cal['load_before']:.2f}" if "date" in cal and
+            "load_before" in cal else "")
+    return Cluster(f"here (measured{when})", gpus_per_node=max(ranks, cal["cores"]),
                    mem_gib=cal["mem_gib"] / ranks, peak_tflops=cal["peak_tflops"],
                    efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
                    inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
