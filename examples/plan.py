@@ -59,7 +59,8 @@ def parse(argv=None):
                    help="expert rows of the busiest rank over a balanced routing's (1; "
                         "< 1: tokens dropped; > 1: an unbalanced routing under ep; capped "
                         "where its experts are full)")
-    p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+    p.add_argument("--global-batch", "--batch-size", type=int, default=512,
+                   help="sequences per step (train_gpt.py's --batch-size)")
     p.add_argument("--preset", choices=("h100", "here"), default="h100",
                    help="the cluster: H100 SXM nodes, or this machine as measured")
     p.add_argument("--gpus", type=int, default=64, help="ranks in the job")

@@ -1592,3 +1592,15 @@ def test_here_says_when_it_was_measured_and_a_busier_machine_now():
         f"the load average is 6.0 now, {cal['load_before']:.2f} when "
         f"examples/calibration_here.json was measured ({cal['date']}): steps run here now "
         "take longer than planned (python examples/calibrate_here.py measures again)")
+
+
+def test_the_planners_take_train_gpts_names_for_the_batch_and_the_sequence(capsys):
+    """First-use walk 26: a flag copied from train_gpt.py (--batch-size, --block-size) was an
+    error in plan.py, whose names are --global-batch and --seq: both now take either."""
+    plan = _plan_cli()
+    plan.main(["--params", "1e9", "--gpus", "8", "--seq", "2048", "--global-batch", "64",
+               "--json"])
+    ours = capsys.readouterr().out
+    plan.main(["--params", "1e9", "--gpus", "8", "--block-size", "2048", "--batch-size", "64",
+               "--json"])
+    assert capsys.readouterr().out == ours and json.loads(ours)["global_batch"] == 64

@@ -28,7 +28,8 @@ def add_model_args(p):
     p.add_argument("--n-head", type=int, default=4, help="heads (without --params)")
     p.add_argument("--n-embd", type=int, default=128, help="width (without --params)")
     p.add_argument("--vocab-size", type=int, default=50257, help="tokens (GPT-2's)")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--seq", "--block-size", type=int, default=1024,
+                   help="tokens per sequence (train_gpt.py's --block-size)")
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
                    help="the block (train_gpt.py's --arch): llama's SwiGLU MLP keeps 3F "
                    "values per token for GELU's 8h, and holds no position table")
