@@ -719,15 +719,15 @@ def test_ctrl_c_while_the_flags_are_read_is_one_line(capsys):
 def test_ctrl_c_during_the_sample_is_one_line_and_130(ranks, flags, corpus, tmp_path):
     """First-use walk 26: the end's sample (--sample 400 by default, under --eval-only too)
     never looked at the flag a Ctrl-C sets, so it ran to its end and the run exited 0, the
-    Ctrl-C lost. Now a rank that samples alone stops at the next token, the ranks of a split
-    model (here TP) at its end (a rank stopping a token before another would leave it in a
-    collective), and the run says so in one line, exit 130, its steps saved.
+    Ctrl-C lost. Now the ranks agree every 16 tokens whether a signal came, so one process
+    and the ranks of a split model (here TP: the same tokens through its collectives) stop
+    at the same token, and the run says so in one line, exit 130, its steps saved.
 
         python examples/train_gpt.py --save ck --sample 100000, then Ctrl-C as it samples
     """
     ck, out_path = tmp_path / "ck", tmp_path / "out.txt"
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    tokens = "100000" if ranks == 1 else "300"
+    tokens = "100000"                 # minutes to sample whole: the cut is what ends it
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
            "--cache-dir", str(tmp_path / "cache"), "--steps", "2", "--save", str(ck),
            "--sample", tokens, *flags]
@@ -751,5 +751,4 @@ def test_ctrl_c_during_the_sample_is_one_line_and_130(ranks, flags, corpus, tmp_
     assert said.count("interrupted (Ctrl-C) during the sample") == 1, said[-1500:]
     assert f"the 2 steps are done and saved in {ck}" in said and (ck / "step-00000002").is_dir()
     sample = said.split("---- sample ----\n")[1].split("\n----------------")[0]
-    if ranks == 1:                    # cut at once (100,000 tokens would take minutes)
-        assert len(sample) < 20000 and took < 30, (len(sample), took)
+    assert len(sample) < 20000 and took < 60, (len(sample), took)

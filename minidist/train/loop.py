@@ -23,6 +23,7 @@ Log lines count steps done, `step N/total`, with the time elapsed and the ETA; a
 would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check_save).
 Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
 """
+import itertools
 import math
 import time
 
@@ -440,19 +441,28 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     return summary
 
 
+SAMPLE_AGREE = 16     # tokens between the sample's agreements on a signal
+
+
 def _sample(args, strategy, log, model, data, signals):
     """The end's sample: (its text, whether a Ctrl-C came during it). Collective: every rank
-    calls it. A rank that samples alone (one process; rank 0 under DDP, ZeRO-1/2) stops at
-    the next token after a signal; the ranks of a model split over several (TP, PP, EP,
-    ZeRO-3: the same tokens through collectives) sample to the end, since a stop that one
-    rank sees a token before another would leave the other waiting in its collective."""
+    calls it. Every SAMPLE_AGREE tokens all ranks agree whether a signal came (one
+    1-element all-reduce, strategy.any_rank, as at a step boundary): the ranks that sample
+    ask it from generate's `stop` before those tokens, the others ask it as often, so a
+    model split over ranks (TP, PP, EP, ZeRO-3: the same tokens through their collectives)
+    stops at the same token on each, and nobody waits in a collective another has left."""
     takes = strategy.takes_part_in_sampling()                 # tp: every rank of a replica
-    alone = not strategy.any_rank(takes and strategy.rank != 0)
+    asked = itertools.count()
+
+    def stop():                  # before each token: the agreement, every SAMPLE_AGREE-th
+        return next(asked) % SAMPLE_AGREE == 0 and strategy.any_rank(signals.is_set())
     text = ""
     if takes:
-        log.print0(f"sampling {args.sample} tokens (--sample N; Ctrl-C "
-                   + ("stops it" if alone else "ends the run after it") + ") ...")
-        text = sample_text(model, data, args.sample, args.seed,
-                           stop=signals.is_set if alone else None)
+        log.print0(f"sampling {args.sample} tokens (--sample N; Ctrl-C stops it) ...")
+        text = sample_text(model, data, args.sample, args.seed, stop=stop)
         log.print0("---- sample ----\n" + printable(text) + "\n----------------")
+    else:                        # the same agreements, at the same tokens
+        for _ in range(args.sample):
+            if stop():
+                break
     return text, strategy.any_rank(signals.interrupted())
