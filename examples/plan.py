@@ -97,7 +97,9 @@ def parse(argv=None):
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision "
                    "(always with --preset here: numpy emulates 16-bit compute, slower there)")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
-                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (ckpt: full recompute; "
+                   "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (micro: micro-batches, "
+                   "--grad-accum without pp; left out: every count the search tries; "
+                   "ckpt: full recompute; "
                    "selective: the attention's scores recomputed, with --attention "
                    "materialized; nosp: TP without SP; ep=: "
                    "expert parallelism over ep of the dp ranks, MoE only; cpattn=ring or "
@@ -149,8 +151,8 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
 
 def parse_layout(text, args, config, v):
     """--layout -> (Layout, the micro-batch counts to price): key=value items
-    (`layout_fields`: one count, micro=, default 1) or a name as the tables print it
-    (`named_fields`: every count the search tries). A layout examples/train_gpt.py would not
+    (`layout_fields`: micro=M one count; without micro=, every count the search tries) or a
+    name as the tables print it (`named_fields`: every count the search tries). A layout examples/train_gpt.py would not
     run (search.layout_problems: training's own checks) is one error line."""
     named = NAMED.match(text.strip())
     fields, micro = named_fields(text, args) if named else layout_fields(text)
@@ -171,7 +173,7 @@ def parse_layout(text, args, config, v):
     return layout, counts
 
 
-NAMED = re.compile(r"(TP|PP|CP|EP|ZeRO|DDP)")
+NAMED = re.compile(r"(TP|PP|CP|EP)\d|ZeRO-|DDP", re.IGNORECASE)  # (key=value: tp=, zero=)
 
 
 def named_fields(text, args):
@@ -187,19 +189,21 @@ def named_fields(text, args):
         fail(f"--layout {text!r}: names a " + ("mixed-precision layout: drop --fp32" if amp
                                                   else "float32 layout: add --fp32"))
     if tiled != (args.attention == "tiled"):
-        fail(f"--layout {text!r}: names " + ("tiled attention: give --attention tiled"
-                                             if tiled else "(T, T) scores: give --attention "
-                                             "materialized"))
+        fail(f"--layout {text!r}: " + (
+            "names tiled attention: give --attention tiled" if tiled else
+            "has no 'tiled': it names materialized attention, as plan_memory.py prices it; "
+            "give --attention materialized, or write the name with 'tiled'"))
     return fields, None
 
 
 def layout_fields(text):
-    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (fields, micro-batches); "nosp": TP without
+    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (fields, micro-batches, None where not given);
+    "nosp": TP without
     sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
     instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An
     unknown or repeated key, a value that is not a whole number (cpattn: not ring or
     ulysses) are one error line naming the key."""
-    fields, micro, seen = {}, 1, set()
+    fields, micro, seen = {}, None, set()      # micro None: the search's counts
     for item in text.split(","):
         key, eq, value = item.partition("=")
         if key in seen:

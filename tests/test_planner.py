@@ -1563,7 +1563,17 @@ def test_plan_layout_takes_the_name_its_table_prints(capsys):
     assert _plan_error(gpus8 + ["--layout", "ZeRO-1 (fp32, tiled)"], capsys) == (
         "error: --layout 'ZeRO-1 (fp32, tiled)': names a float32 layout: add --fp32")
     assert _plan_error(gpus8 + ["--layout", "ZeRO-1 (amp)"], capsys) == (
-        "error: --layout 'ZeRO-1 (amp)': names (T, T) scores: give --attention materialized")
+        "error: --layout 'ZeRO-1 (amp)': has no 'tiled': it names materialized attention, as "
+        "plan_memory.py prices it; give --attention materialized, or write the name with "
+        "'tiled'")
+    # first-use walk 27: a name in other letters fell to the key=value reader ("cannot read
+    # 'Zero-3/8 (amp'"); and key=value without micro= priced one micro-batch only, "nothing
+    # fits" where the same layout by name fitted with 4
+    for text in ("zero-1 (AMP, Tiled)", "dp=8,zero=1"):
+        _plan_cli().main(gpus8 + ["--layout", text, "--json"])
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert {r["layout"] for r in rows} == {"ZeRO-1 (amp, tiled)"}, text
+        assert rows[0]["fits"] and rows[0]["micro_batches"] == 32, text
     assert _plan_error(gpus8 + ["--layout", "TP2+SP x ZeRO-1 x4 (amp, tiled"], capsys) == (
         "error: --layout: 'TP2+SP x ZeRO-1 x4 (amp, tiled': its parentheses are not closed")
     assert _plan_error(gpus8 + ["--layout", "TP2 x ZeRO-9 x4"], capsys).startswith(

@@ -132,7 +132,7 @@ class Layout:
 
 
 _PART = re.compile(r"(TP)(\d+)(\+SP)?|(PP)(\d+)|(CP)(\d+)(u?)|(EP)(\d+)"
-                   r"|(?:ZeRO-([0-3])(?:/(\d+))?|(DDP))(?: x(\d+))?")
+                   r"|(?:ZeRO-([0-3])(?:/(\d+))?|(DDP))(?: x(\d+))?", re.IGNORECASE)
 _EXTRAS = {"amp": ("amp", True), "fp32": ("amp", False), "tiled": ("tiled", True),
            "gathers overlapped": ("overlap_gather", True), "ckpt": ("recompute", "full"),
            "selective recompute": ("recompute", "selective")}
@@ -168,6 +168,7 @@ def layout_from_name(text, gpus):
             return f"{text!r}: its parentheses are not closed"
         fields["tiled"] = False                 # unless they say it
         for word in filter(None, (w.strip() for w in rest[:-1].split(","))):
+            word = word.lower()
             if word not in _EXTRAS:
                 return f"cannot read {word!r} in the parentheses (" + ", ".join(_EXTRAS) + ")"
             key, value = _EXTRAS[word]
