@@ -99,15 +99,28 @@ def test_resume_finds_a_complete_checkpoint_at_every_instant(tmp_path):
     with pytest.raises(CheckpointError, match="--resume auto .* --save DIR"):
         checkpoint_dirs.resume_dir("auto", None)
     (d / "latest").write_text("step-00000009\n")
-    with pytest.raises(CheckpointError, match="latest names step-00000009, which is missing; "
-                       r"resume from one of \['step-00000001', 'step-00000002'\] by its path"):
+    with pytest.raises(CheckpointError, match=f"latest names step-00000009, which is missing; "
+                       f"remove {d / 'latest'} \\(then {d} means its newest, "
+                       f"{d / 'step-00000002'}\\), or resume from one by its path: "
+                       f"{d / 'step-00000001'}, {d / 'step-00000002'}"):
         load_checkpoint(d, model, opt)
+    # first-use walk 27: the --save check took the same error, so resuming by that path
+    # with the same --save (a requeue's command) was refused as well
+    checkpoint_dirs.check_save(str(d), str(d / "step-00000002"))
+    with pytest.raises(CheckpointError, match="--save .* holds step 2 .*step-00000002"):
+        checkpoint_dirs.check_save(str(d), str(d / "step-00000001"))
+    with pytest.raises(CheckpointError, match=f"--resume auto: --save {d}: latest names"):
+        checkpoint_dirs.resume_dir("auto", str(d))
     # first-use walk 26: with no folder left the fix offered was "one of []"
     for name in ("step-00000001", "step-00000002"):
         shutil.rmtree(d / name)
     with pytest.raises(CheckpointError, match="which is missing; no checkpoint is left in it: "
                        f"remove {d / 'latest'} to start afresh there, or --save another"):
         checkpoint_dirs.resume_dir("auto", str(d))
+    (d / "latest").write_text("")             # an emptied pointer: "write one of []"
+    with pytest.raises(CheckpointError, match="no checkpoint folder is left beside it: "
+                       "remove it"):
+        checkpoint_dirs.read_latest(str(d))
 
 
 def test_stale_temporaries_cleaned_umask_and_strangers_refused(tmp_path):

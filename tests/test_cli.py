@@ -260,12 +260,15 @@ def test_resume_a_file_or_an_empty_folder(tmp_path, device):
     (tmp_path / "empty").mkdir()
     out = _run(device, "--resume", str(tmp_path / "afile"))
     assert out.returncode == 2 and "is a file" in out.stderr and "Traceback" not in out.stderr
-    (tmp_path / "ck").mkdir()                 # a --save folder's pointer (first-use walk 26)
-    (tmp_path / "ck" / "latest").write_text("step-00000001\n")
-    out = _run(device, "--resume", str(tmp_path / "ck" / "latest"))
-    assert out.returncode == 2 and out.stderr == (
-        f"error: --resume {tmp_path / 'ck' / 'latest'}: is the file naming the newest "
-        f"checkpoint of {tmp_path / 'ck'}; give --resume {tmp_path / 'ck'}\n")
+    # a --save folder's pointer file (first-use walks 26, 27): the folder it names
+    ck = tmp_path / "ck"
+    out = _run(device, "--steps", "1", "--eval-iters", "1", "--sample", "0", "--save", str(ck),
+               timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = _run(device, "--resume", str(ck / "latest"), "--steps", "2", "--eval-iters", "1",
+               "--sample", "0", timeout=120)
+    assert out.returncode == 0 and f"resumed from {ck}/step-00000001 at step 1" in out.stdout, \
+        out.stdout + out.stderr
     out = _run(device, "--resume", str(tmp_path / "empty"), "--steps", "1", "--eval-iters", "1",
                "--sample", "0", timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("error: ")

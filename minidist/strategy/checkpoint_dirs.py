@@ -66,8 +66,10 @@ def read_latest(directory):
     with open(path) as f:
         name = f.read().strip()
     if not _NUMBERED.match(name):
-        raise CheckpointError(f"{path}: {name!r} is not a checkpoint folder name (edited?); "
-                              f"write one of {numbered(directory)[-3:]} into it")
+        left = numbered(directory)[-3:]
+        raise CheckpointError(f"{path}: {name!r} is not a checkpoint folder name (edited?); " + (
+            f"write one of {', '.join(left)} into it, or remove it" if left else
+            "no checkpoint folder is left beside it: remove it"))
     return name
 
 
@@ -77,22 +79,27 @@ def has_checkpoint(directory):
         or read_latest(directory) is not None or bool(numbered(directory)))
 
 
-def resolve(path):
-    """The checkpoint folder to read for `path`: a checkpoint, or a --save directory."""
+def resolve(path, flag="--resume"):
+    """The checkpoint folder to read for `path`: a checkpoint, a --save directory, or the
+    `latest` file in one (the folder it names). `flag`: the flag the errors name."""
     path = os.fspath(path)
+    if os.path.basename(os.path.normpath(path)) == LATEST and os.path.isfile(path):
+        path = os.path.dirname(os.path.normpath(path)) or "."     # DIR/latest: DIR's newest
     if not os.path.isdir(path):
-        raise CheckpointError(f"--resume {path}: no such checkpoint directory")
+        raise CheckpointError(f"{flag} {path}: no such checkpoint directory")
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     name = read_latest(path)
     if name is not None:
         if not os.path.isdir(os.path.join(path, name)):
-            left = numbered(path)[-3:]
+            left = [os.path.join(path, n) for n in numbered(path)[-3:]]
+            pointer = os.path.join(path, LATEST)
             raise CheckpointError(
-                f"--resume {path}: {LATEST} names {name}, which is missing; " + (
-                    f"resume from one of {left} by its path" if left else
-                    f"no checkpoint is left in it: remove {os.path.join(path, LATEST)} to "
-                    f"start afresh there, or --save another folder"))
+                f"{flag} {path}: {LATEST} names {name}, which is missing; " + (
+                    f"remove {pointer} (then {path} means its newest, {left[-1]}), or resume "
+                    f"from one by its path: {', '.join(left)}" if left else
+                    f"no checkpoint is left in it: remove {pointer} to start afresh there, or "
+                    "--save another folder"))
         return os.path.join(path, name)
     folders = numbered(path)
     return os.path.join(path, folders[-1]) if folders else path
@@ -107,7 +114,7 @@ def resume_dir(resume, save):
         if save is None:
             raise CheckpointError("--resume auto resumes from the --save directory: give "
                                   "--save DIR too")
-        return resolve(save) if has_checkpoint(save) else None
+        return resolve(save, "--resume auto: --save") if has_checkpoint(save) else None
     return resolve(resume)
 
 
@@ -129,9 +136,17 @@ def check_save(save, resume, overwrite=False, steps=None):
     saves would replace that checkpoint and prune would delete it. `overwrite`: allow it.
     `steps`: this run's --steps; a checkpoint already there is a finished run, and the hint
     says how to train it further."""
-    if not save or overwrite or not has_checkpoint(save):
+    if not save or overwrite:
         return
-    newest = resolve(save)
+    try:
+        if not has_checkpoint(save):
+            return
+        newest = resolve(save, "--save")
+    except CheckpointError:      # a latest naming a missing folder, or edited: its newest
+        folders = numbered(save)     # (the commit rewrites latest; --resume names it)
+        if not folders:
+            return
+        newest = os.path.join(save, folders[-1])
     theirs = step_of(newest)
     if resume is None:
         finished = steps is not None and theirs is not None and theirs >= steps

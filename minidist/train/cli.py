@@ -169,13 +169,10 @@ def check_flags(args):
     check_data_path(args)                 # minidist/train/inputs.py
     if args.resume not in (None, "auto") and not os.path.isdir(args.resume):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
-        parent = os.path.dirname(os.path.normpath(args.resume)) or "."
-        if os.path.basename(os.path.normpath(args.resume)) == "latest" and \
-                os.path.isfile(args.resume):              # the pointer a --save keeps
-            raise UsageError(f"--resume {args.resume}: is the file naming the newest "
-                             f"checkpoint of {parent}; give --resume {parent}")
-        raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory or "
-                         "the --save directory of an earlier run")
+        latest = os.path.basename(os.path.normpath(args.resume)) == "latest"
+        if not (latest and os.path.isfile(args.resume)):   # DIR/latest: DIR's newest
+            raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory "
+                             "or the --save directory of an earlier run")
     if args.sequence_parallel and args.tp == 1:
         raise UsageError("--sequence-parallel: splits what tensor parallelism repeats over the "
                          "--tp ranks; with --tp 1 it does nothing (add --tp 2 or more, or "
