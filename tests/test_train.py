@@ -173,16 +173,19 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
     assert "(note: steps changed, so the run will differ" in said and "jumps" not in said
     # first-use walk 26: a wsd run resumed past its decay with a larger --steps went from
     # --min-lr back to the peak in one step, noted only as "steps changed"
+    decayed = tmp_path / "decayed"
     train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "8",
-                "--save", str(tmp_path / "decayed")))
+                "--save", str(decayed), "--save-every", "4", "--keep", "2"))
     capsys.readouterr()
     train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
-                "--resume", str(tmp_path / "decayed")))
+                "--resume", str(decayed), "--save", str(decayed), "--keep", "2"))
     said = capsys.readouterr().out
     lr = float(_args(device, corpus, tmp_path).lr)
+    # first-use walk 27: it named no checkpoint, and --keep then removed the one it meant
     assert (f"; note: the learning rate jumps from {lr / 10:.2e} (the checkpoint's last step) "
-            f"to {lr:.2e} (step 9), with no warmup; its run had decayed from step 5: resume "
-            "from a checkpoint saved before then to extend it") in said, said
+            f"to {lr:.2e} (step 9), with no warmup; its run's decay began after step 5: "
+            f"--resume {decayed / 'step-00000004'} extends it (this run's first save, keeping "
+            "--keep 2, would remove it: --save another folder or raise --keep)") in said, said
 
 
 def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, device,

@@ -25,6 +25,7 @@ Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
 """
 import itertools
 import math
+import os
 import time
 
 import numpy as np
@@ -135,10 +136,12 @@ def _schedule_changes(saved, ours, start):
     return changed if any(before(i) != now(i) for i in range(start)) else []
 
 
-def _lr_jump(saved, ours, start):
+def _lr_jump(args, saved, ours, start):
     """A note (words) where this run's learning rate at step `start` is over twice the one
     the checkpoint's run took its last step with (a finished or decayed run resumed with a
-    larger --steps: its schedule starts again from high up, with no warmup), else None."""
+    larger --steps: its schedule starts again from high up, with no warmup), else None. A
+    wsd run's names the checkpoint beside --resume's from before its decay, which extends
+    it (`_before_decay`)."""
     if start < 1 or not all(k in saved for k in ("steps", "lr")):
         return None
     saved = {"lr_schedule": "cosine", "decay_steps": None, **saved}   # (before they existed)
@@ -149,8 +152,28 @@ def _lr_jump(saved, ours, start):
             f"{nxt:.2e} (step {start + 1}), with no warmup")
     if saved["lr_schedule"] == "wsd":
         decay = saved["decay_steps"] or max(1, saved["steps"] // 5)
-        said += (f"; its run had decayed from step {saved['steps'] - decay}: resume from a "
-                 "checkpoint saved before then to extend it")
+        said += f"; its run's decay began after step {saved['steps'] - decay}: " + \
+            _before_decay(args, saved["steps"] - decay)
+    return said
+
+
+def _before_decay(args, last):
+    """Words naming the newest checkpoint beside --resume's (its --save directory's) of a
+    step <= `last`, which a longer wsd run extends exactly, and whether this run's own saves
+    (--keep) would remove it; or saying to resume from one."""
+    folder = os.path.dirname(os.path.normpath(args.resume))
+    steps = {name: checkpoint_dirs.step_of(os.path.join(folder, name))
+             for name in checkpoint_dirs.numbered(folder)}
+    before = [name for name, step in steps.items() if step is not None and step <= last]
+    if not before:
+        return "resume from a checkpoint saved by then to extend it"
+    name = max(before, key=lambda n: steps[n])
+    said = f"--resume {os.path.join(folder, name)} extends it"
+    newer = sum(1 for step in steps.values() if step is not None and step > steps[name])
+    same = args.save and os.path.abspath(args.save) == os.path.abspath(folder)
+    if same and args.keep and newer + 1 >= args.keep:
+        said += (f" (this run's first save, keeping --keep {args.keep}, would remove it: "
+                 "--save another folder or raise --keep)")
     return said
 
 
@@ -165,7 +188,8 @@ def _resume(args, strategy, log, model, opt):
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
     other = [] if args.eval_only else schedule_differences(args, saved)
-    jump = None if args.eval_only or not saved else _lr_jump(saved, ours, state["step"])
+    jump = None if args.eval_only or not saved else _lr_jump(args, saved, ours,
+                                                             state["step"])
     log.print0((f"evaluating {args.resume}, trained {state['step']} steps" if args.eval_only
                 else f"resumed from {args.resume} at step {state['step']}") + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
