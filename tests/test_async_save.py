@@ -288,6 +288,9 @@ def test_a_write_that_fails_mid_run_stops_every_rank_with_one_line(ranks, layout
     assert err.startswith(f"error: saving {ck} failed: ") and "File too large" in err, err
     kept = checkpoint.load(ck)[2]["step"]
     assert kept % 3 == 0 and f"saved step {kept} to {ck}" in out
+    # first-use walk 27: the line said neither which step failed nor what is still there
+    assert err.endswith(f" (step {kept + 3}); {ck} keeps step {kept} "
+                        f"({ck}/step-{kept:08d})\n"), err
     assert not [n for n in os.listdir(ck) if n.startswith(".tmp")], os.listdir(ck)
 
 
@@ -298,8 +301,8 @@ def test_a_write_that_fails_mid_run_stops_every_rank_with_one_line(ranks, layout
      "while training goes on, which this run does not use (add --save DIR, or leave "
      "--async-save out)"),
     (["--async-save", "--eval-only", "--resume", "{ck}"], "error: --async-save: sets whether "
-     "checkpoints are written on a thread, which this run does not use (drop --eval-only to "
-     "train, or leave --async-save out)")])
+     "checkpoints are written on a thread while training goes on, which this run does not "
+     "use (drop --eval-only to train, or leave --async-save out)")])
 def test_the_flag_is_refused_where_it_does_nothing(flags, says, corpus, tmp_path):
     """By hand: python examples/train_gpt.py --async-save (no --save); ... --resume ck
     --eval-only --async-save (nothing is saved)."""

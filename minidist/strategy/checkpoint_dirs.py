@@ -105,6 +105,18 @@ def resolve(path, flag="--resume"):
     return os.path.join(path, folders[-1]) if folders else path
 
 
+def kept(save):
+    """What the --save directory `save` holds, for a line saying a run stopped: "; DIR keeps
+    step N (DIR/step-0000000N)", or "" (nothing there, or nothing readable)."""
+    try:
+        if not save or not has_checkpoint(save):
+            return ""
+        folder = resolve(save, "--save")
+    except CheckpointError:
+        return ""
+    return f"; {save} keeps step {step_of(folder)} ({folder})"
+
+
 def resume_dir(resume, save):
     """The checkpoint folder --resume asks for, or None to start fresh. "auto": --save's
     newest checkpoint if it holds one (a requeued job runs the same command every time)."""

@@ -37,7 +37,8 @@ def idle_flags(args, replicas=None, ranks=None):
             ("schedule", "the pipeline's training schedule"),
             ("overlap_param_gather", "when ZeRO waits for the updated parameters"),
             ("save", "where to save"), ("save_every", "steps between checkpoints"),
-            ("async_save", "whether checkpoints are written on a thread"),
+            ("async_save", "whether checkpoints are written on a thread while training "
+             "goes on"),
             ("trace", "the file the training's collectives are traced to"),
             ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
         if args.attention == "recompute":

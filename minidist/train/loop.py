@@ -346,7 +346,8 @@ def _settle(strategy, step):
 def _diverged(args, bad):
     step, loss, norm = bad
     return (f"step {step + 1}: loss {loss:.4g}, gradient norm {norm:.4g}: training diverged "
-            f"(--lr {args.lr:g} too high?); stopped, nothing saved" + _kept(args))
+            f"(--lr {args.lr:g} too high?); stopped, nothing saved"
+            + checkpoint_dirs.kept(args.save))
 
 
 def _copies(strategy, world, x, y):
@@ -381,14 +382,6 @@ def _describe(args, strategy, log, model, data):
                    f"{full - n:,}; {state}")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
-
-
-def _kept(args):
-    """What --save still holds, for the divergence line."""
-    if not args.save or not checkpoint_dirs.has_checkpoint(args.save):
-        return ""
-    folder = checkpoint_dirs.resolve(args.save)
-    return f"; {args.save} keeps step {checkpoint_dirs.step_of(folder)} ({folder})"
 
 
 def _stop(args, saves, strategy, log, model, opt, step, signals, when=""):

@@ -22,6 +22,7 @@ Tests: tests/test_async_save.py.
 import time
 
 from minidist.strategy import checkpoint_dirs, saving
+from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.inputs import recorded_flags
 
 
@@ -74,7 +75,11 @@ class Saves:
     def _commit(self, save, say):
         t = time.perf_counter()
         try:
-            folder = save.commit()       # every rank's files written: rank 0 renames
+            try:
+                folder = save.commit()   # every rank's files written: rank 0 renames
+            except CheckpointError as e:     # what failed, and what is still there
+                raise CheckpointError(f"{e} (step {save.step})"
+                                      f"{checkpoint_dirs.kept(self.args.save)}") from None
             if self.strategy.rank == 0:  # older folders can go
                 args = self.args
                 checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
