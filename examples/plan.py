@@ -46,6 +46,7 @@ from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # 
                                    train_flags)
 from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
+from minidist.launcher import load_average  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_here.json")
 HERE_NAME = "examples/calibration_here.json"
@@ -285,11 +286,9 @@ def here_load_note(preset, load=None):
         return None
     with open(HERE) as f:
         cal = json.load(f)
+    load = load_average() if load is None else load
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            return None
+        return None
     if load <= cal.get("load_before", 0.0) + cal["cores"] / 2:
         return None
     return (f"the load average is {load:.1f} now, {cal.get('load_before', 0.0):.2f} when "

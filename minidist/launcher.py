@@ -103,19 +103,25 @@ def default_threads():
     return max(1, available_cores() // local_rank_and_size()[1])
 
 
+def load_average():
+    """The 1-minute load average, or None where the system keeps none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def busy_cores_note(threads, load=None, cores=None):
     """A note (a sentence) when `threads` BLAS threads > 1 were chosen for this rank on
     cores other processes already keep busy, else None: OpenBLAS's threads spin waiting for
     each other, so a busy core stalls every matmul (measured on this 2-core machine under a
-    load of 6-8: --threads 1 2.4x to 9x faster). `load`: the 1-minute load average (read
-    when None; None where the system has none), `cores`: available_cores()."""
+    load of 6-8: --threads 1 2.4x to 9x faster). `load`: the 1-minute load average
+    (load_average() when None), `cores`: available_cores()."""
     if threads is None or threads <= 1:
         return None
+    load = load_average() if load is None else load
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):       # no load average here (Windows)
-            return None
+        return None
     cores = cores or available_cores()
     if load < cores - 0.5:                      # (this process has not started its work)
         return None
