@@ -42,8 +42,8 @@ from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa:
 from minidist.train.planner import (GiB, Layout, layout_from_name,  # noqa: E402
                                     stage_params)
 from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
-                                   micro_batch_counts, no_layout_problem, search,
-                                   train_flags)
+                                   fastest_first, micro_batch_counts, no_layout_problem,
+                                   search, train_flags)
 from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 from minidist.launcher import load_average  # noqa: E402
@@ -153,12 +153,14 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
 def parse_layout(text, args, config, v):
     """--layout -> (Layout, the micro-batch counts to price): key=value items
     (`layout_fields`: micro=M one count; without micro=, every count the search tries) or a
-    name as the tables print it (`named_fields`: every count the search tries). A layout examples/train_gpt.py would not
-    run (search.layout_problems: training's own checks) is one error line."""
+    name as the tables print it (`named_fields`: every count the search tries). A layout
+    examples/train_gpt.py would not run (search.layout_problems: training's own checks) is
+    one error line."""
     named = NAMED.match(text.strip())
     fields, micro = named_fields(text, args) if named else layout_fields(text)
     sp = fields.pop("sp", True)
-    fields.pop("amp", None), fields.pop("tiled", None)       # the flags', checked by name
+    fields.pop("amp", None)                  # the flags' (named_fields checked the name's)
+    fields.pop("tiled", None)
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", muon=args.optimizer == "muon",
                     **fields)
@@ -280,8 +282,8 @@ def nothing_fits(rows, cluster, headroom, here=False):
 def here_load_note(preset, load=None):
     """With --preset here, a sentence when the machine is busier now than when it was
     calibrated (a 1-minute load average over half its cores above the calibration's):
-    steps measured now take longer than the plan says. None otherwise. `load`: read when
-    None (None where the system has none)."""
+    steps measured now take longer than the plan says. None otherwise. `load`: the 1-minute
+    load average (launcher.load_average() when None)."""
     if preset != "here":
         return None
     with open(HERE) as f:
@@ -325,10 +327,10 @@ def main(argv=None):
     if args.layout:
         layout, counts = parse_layout(args.layout, args, config, v)
         try:
-            rows = sorted((evaluate(config, layout, cluster, args.seq, args.global_batch, m,
-                                    schedule, args.comm, args.headroom, v, args.moe_load,
-                                    args.muon_ns_steps) for m in counts),
-                          key=lambda r: (not r["fits"], r["step"]))
+            rows = fastest_first([evaluate(config, layout, cluster, args.seq,
+                                           args.global_batch, m, schedule, args.comm,
+                                           args.headroom, v, args.moe_load,
+                                           args.muon_ns_steps) for m in counts])
         except ValueError as e:                # a MoE layout minidist does not run
             fail(f"--layout: {e}")
     else:
