@@ -77,12 +77,17 @@ def parse(argv=None):
                    help="wait per blocking TP/CP collective, us (the ranks' arrival)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="the pipeline schedule priced")
-    p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
+    p.add_argument("--chunks", "--pp-virtual", dest="chunks", type=int, default=2,
+                   help="model chunks per stage, with --schedule interleaved (train_gpt.py's "
+                   "--pp-virtual)")
     p.add_argument("--comm", choices=("ring", "hier"), default="ring",
                    help="data-parallel all-reduce: flat ring or hierarchical")
-    p.add_argument("--attention", choices=("materialized", "tiled"), default="tiled",
+    p.add_argument("--attention", choices=("materialized", "tiled", "recompute"),
+                   default="tiled",
                    help="attention's memory: (T, T) scores (the search also tries them "
-                   "recomputed in backward, selective recompute), or tiles")
+                   "recomputed in backward, selective recompute), tiles, or recompute: "
+                   "the scores recomputed always, train_gpt.py's --attention recompute "
+                   "(selective recompute, or full)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="train_gpt.py's: muon prices Muon for the blocks' matrices (AdamW the "
                    "rest): its momentum alone as their state, its Newton-Schulz iterations "
@@ -161,6 +166,8 @@ def parse_layout(text, args, config, v):
     sp = fields.pop("sp", True)
     fields.pop("amp", None)                  # the flags' (named_fields checked the name's)
     fields.pop("tiled", None)
+    if args.attention == "recompute":        # train_gpt's: the scores always recomputed
+        fields.setdefault("recompute", "selective")
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", muon=args.optimizer == "muon",
                     **fields)
@@ -196,6 +203,9 @@ def named_fields(text, args):
             "names tiled attention: give --attention tiled" if tiled else
             "has no 'tiled': it names materialized attention, as plan_memory.py prices it; "
             "give --attention materialized, or write the name with 'tiled'"))
+    if args.attention == "recompute" and fields.get("recompute", "none") == "none":
+        fail(f"--layout {text!r}: names attention that keeps its scores; give --attention "
+             "materialized, or write the name with 'selective recompute'")
     return fields, None
 
 
@@ -336,7 +346,8 @@ def main(argv=None):
     else:
         rows = search(config, cluster, args.gpus, args.seq, args.global_batch, schedule,
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
-                      headroom=args.headroom, v=v, moe_load=args.moe_load,
+                      recomputes=("selective", "full") if args.attention == "recompute"
+                      else None, headroom=args.headroom, v=v, moe_load=args.moe_load,
                       muon=args.optimizer == "muon", ns_steps=args.muon_ns_steps)
         if not rows:                           # no valid layout (not: none fits)
             fail(no_layout_problem(config, args.gpus, cluster.gpus_per_node, args.seq,

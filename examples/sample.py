@@ -46,8 +46,9 @@ def sample_parser():
                    "a GPT-2 or Llama folder (config.json, model.safetensors)")
     p.add_argument("--prompt", default="\n",
                    help="the text to continue (default: %(default)r, a newline)")
-    p.add_argument("--tokens", type=int, default=200, metavar="N",
-                   help="tokens to generate (bytes, for a model in bytes)")
+    p.add_argument("--tokens", "--sample", dest="tokens", type=int, default=200, metavar="N",
+                   help="tokens to generate (bytes, for a model in bytes; --sample: "
+                   "train_gpt.py's name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="for a model not in bytes: a folder with its vocab.json and "
                    "merges.txt (GPT-2's), or nanoGPT's meta.pkl (default: the --resume "
@@ -65,7 +66,7 @@ def sample_parser():
 def check(args):
     check_one_process("sample.py")         # every rank would print the whole sample
     if args.tokens < 1:
-        raise UsageError(f"--tokens {args.tokens}: must be at least 1")
+        raise UsageError(f"--tokens/--sample {args.tokens}: must be at least 1")
     if not 0 <= args.temperature < math.inf:
         raise UsageError(f"--temperature {args.temperature}: must be a number >= 0 (0: "
                          "greedy)")

@@ -476,7 +476,8 @@ def test_startup_errors_are_one_line_from_rank_0(flags, says, tmp_path):
 # examples/sample.py: (flags, the one error line). {gpt2}: a GPT-2 folder with 50,257 BPE tokens
 SAMPLE_BAD = [
     (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
-    (["--resume", ".", "--tokens", "0"], "--tokens 0: must be at least 1"),
+    (["--resume", ".", "--tokens", "0"], "--tokens/--sample 0: must be at least 1"),
+    (["--resume", ".", "--sample", "0"], "--tokens/--sample 0: must be at least 1"),
     (["--resume", ".", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
     (["--resume", ".", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
     (["--resume", "{file}"], ": is a file, not a folder (give a --save directory"),

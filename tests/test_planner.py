@@ -252,9 +252,15 @@ PLANNER_BAD = [
     ("plan_memory", ["--params", "7e9", "--gpu-mem", "-1"], "--gpu-mem -1.0: must be a positive"),
     ("plan_memory", ["--params", "7e9", "--headroom", "1"], "--headroom 1.0: the fraction"),
     ("plan", ["--params", "7e9", "--gpus", "8", "--efficiency", "0"], "--efficiency 0.0: must"),
-    ("plan", ["--params", "7e9", "--schedule", "interleaved", "--chunks", "0"], "--chunks 0:"),
+    ("plan", ["--params", "7e9", "--schedule", "interleaved", "--chunks", "0"],
+     "--chunks/--pp-virtual 0:"),
+    # train_gpt.py's names of three flags: the error named the other one
+    ("plan", ["--params", "7e9", "--schedule", "interleaved", "--pp-virtual", "0"],
+     "--chunks/--pp-virtual 0: must be a positive number"),
+    ("plan", ["--params", "7e9", "--batch-size", "0"],
+     "--global-batch/--batch-size 0: must be a positive number"),
     ("plan", ["--params", "nan"], "--params nan: must be a positive number"),
-    ("plan", ["--params", "7e9", "--seq", "0"], "--seq 0: must be a positive number"),
+    ("plan", ["--params", "7e9", "--seq", "0"], "--seq/--block-size 0: must be a positive"),
     ("plan", ["--params", "7e9", "--seq", "7"], "--seq 7: must be even"),
     # found by a first-use walk: the shape was dropped silently, a bad number was a usage block
     ("plan", ["--params", "7e9", "--n-layer", "6"], "--n-layer 6: --params 7e+09 assumes its "
@@ -1583,6 +1589,35 @@ def test_plan_layout_takes_the_name_its_table_prints(capsys):
     assert _plan_error(gpus8 + ["--layout", "TP2+SP x DDP x2 (amp, tiled)"], capsys) == (
         "error: --layout: dp x tp x pp x cp = 4, but --gpus is 8 (change the layout, or leave "
         "--layout out to search the ones train_gpt.py runs)")
+
+
+def test_plan_takes_train_gpts_attention_recompute_and_pp_virtual(capsys):
+    """    python examples/plan.py --params 1.3e9 --gpus 8 --seq 2048 --attention recompute
+    train_gpt.py's --attention recompute (the (T, T) scores recomputed in backward) was
+    "invalid choice" in plan.py, and its --pp-virtual was plan.py's --chunks. The search now
+    prices only layouts that recompute, and every command it prints runs them so; a
+    key=value layout recomputes the scores (selective) unless it says ckpt; a name that
+    keeps the scores is refused; --pp-virtual is --chunks."""
+    base = ["--params", "1.3e9", "--gpus", "8", "--seq", "2048", "--json", "--top", "1000"]
+    _plan_cli().main(base + ["--attention", "recompute"])
+    result = json.loads(capsys.readouterr().out)
+    assert {r["recompute"] for r in result["rows"]} == {"selective", "full"}
+    assert "--attention recompute" in result["command"] or "--ckpt-activations" in \
+        result["command"]
+    for text, recompute in (("dp=8,zero=1", "selective"), ("dp=8,ckpt", "full")):
+        _plan_cli().main(base + ["--attention", "recompute", "--layout", text])
+        assert {r["recompute"] for r in json.loads(capsys.readouterr().out)["rows"]} == {
+            recompute}, text
+    assert _plan_error(base + ["--attention", "recompute", "--layout", "DDP (amp)"],
+                       capsys) == ("error: --layout 'DDP (amp)': names attention that keeps "
+                                   "its scores; give --attention materialized, or write the "
+                                   "name with 'selective recompute'")
+    runs = []
+    for flag, v in (("--chunks", "4"), ("--pp-virtual", "4"), ("--pp-virtual", "2")):
+        _plan_cli().main(["--params", "7e9", "--gpus", "16", "--seq", "4096", "--json",
+                          "--top", "1000", "--schedule", "interleaved", flag, v])
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1] and runs[1]["rows"] != runs[2]["rows"]   # the flag is read
 
 
 def test_here_says_when_it_was_measured_and_a_busier_machine_now():

@@ -47,6 +47,10 @@ MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_shared", "moe_capa
                "moe_aux_loss_coef", "moe_z_loss_coef", "headroom", "intra_lat", "inter_lat",
                "sync_us")
 
+# flags with a second name (train_gpt.py's): an error names both, as either may have been typed
+TWO_NAMES = {"seq": "--seq/--block-size", "global_batch": "--global-batch/--batch-size",
+             "chunks": "--chunks/--pp-virtual"}
+
 
 def number_problem(args):
     """The first numeric flag of a planner's `args` that is not a finite number > 0 (>= 0
@@ -60,7 +64,8 @@ def number_problem(args):
             continue
         zero = name in MAY_BE_ZERO
         if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            return (f"--{name.replace('_', '-')} {value}: must be "
+            flag = TWO_NAMES.get(name, f"--{name.replace('_', '-')}")
+            return (f"{flag} {value}: must be "
                     + ("a number >= 0" if zero else "a positive number"))
     if getattr(args, "headroom", 0) >= 1:
         return f"--headroom {args.headroom}: the fraction of memory kept free, below 1"
