@@ -197,7 +197,10 @@ def show_stages(units):
                                                "finishes it, the all-gather after the step"),
             ("ZeRO-3", mine, mine, 2 * mine, f"each block all-gathered before its forward "
                                                f"and again before its backward ({gather} "
-                                               f"elements at a time), then dropped")]
+                                               f"elements at a time), then dropped (in "
+                                               f"training the last two blocks are still "
+                                               f"held at the turn, and the root is gathered "
+                                               f"once a step: minidist/zero/stage3.py)")]
     for name, prm, grd, opt, _ in rows:
         print(f"  {name:8}{prm:>8}{grd:>8}{opt:>8}")
     for name, *_, when in rows[1:]:

@@ -56,6 +56,12 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert out.startswith(f"evaluating {ck}/step-00000003, trained 3 steps\n"), out
     other = _run(["--resume", ck, "--eval-only", "--sample", "0", "--eval-iters", "1"])
     assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
+    # first-use walk 28: the number came last, under the sample's text
+    capsys.readouterr()
+    _run(["--resume", ck, "--eval-only", "--sample", "8"])
+    out = capsys.readouterr().out
+    assert 0 <= out.index(f"val loss {summary['val_loss']:.4f} nats/token") < out.index(
+        "sampling 8 tokens"), out
 
 
 def test_its_exported_folder_evaluates_to_the_same_number(trained, tmp_path):

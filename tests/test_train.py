@@ -153,9 +153,12 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
     straight = tmp_path / "straight.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
                 "--log-json", str(straight)))
+    capsys.readouterr()
     train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "8",
                 "--stop-at", "4", "--save", str(tmp_path / "wsd")))
-    capsys.readouterr()
+    # first-use walk 28: "step 4/4" read as a schedule cut to 4 steps
+    assert ("--stop-at 4: the log counts to step 4; the lr schedule spans --steps 8"
+            in capsys.readouterr().out)
     extended = tmp_path / "extended.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--lr-schedule", "wsd", "--steps", "12",
                 "--resume", str(tmp_path / "wsd"), "--log-json", str(extended)))

@@ -23,7 +23,8 @@ with S = B * Tl * C * itemsize (one of k or v):
     forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv;
 with activation recompute (--ckpt-activations) the forward's 2 S (N - 1) again in backward.
 Split of the sequence (`layout`): "naive" gives rank r the contiguous piece r of N; causal
-attention then makes rank N - 1 do N times rank 0's work. "zigzag" cuts T into 2N chunks and
+attention then makes rank N - 1 do 2N - 1 times rank 0's work (rank 0: half a diagonal
+block; rank N - 1: N - 1 whole blocks and half of one). "zigzag" cuts T into 2N chunks and
 gives rank r chunks r and 2N-1-r: every rank does the same work (`causal_tiles` counts).
 On cupy with MINIDIST_CUDA_NEW_KERNELS=1 (`tile_run`) each pair of pieces of a held block is
 one flash kernel launch forward and two backward, at the pieces' global positions

@@ -287,6 +287,10 @@ def _describe(args, strategy, log, model, data):
                    f"{full - n:,}; {state}")
     for line in strategy.notes():                 # --amp, --ckpt-activations, the split
         log.print0(line)
+    if args.stop_at and args.stop_at < args.steps and not args.eval_only:
+        # (the log's step N/total counts to the stop: 60/60 read as a shortened schedule)
+        log.print0(f"--stop-at {args.stop_at}: the log counts to step {args.stop_at}; the lr "
+                   f"schedule spans --steps {args.steps} (--resume goes on from the stop)")
 
 
 def _stop(args, saves, strategy, log, model, opt, step, signals, when=""):
@@ -323,6 +327,12 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                        f"evaluation at step {stop}: nothing evaluated, nothing saved")
             raise SystemExit(preemption.exit_status(interrupted))
         val_loss = float(backend.host_read(mean, "eval loss"))
+    if args.eval_only:                # the number asked for, before the sample's text
+        tokens = args.eval_iters * args.batch_size * args.block_size
+        log.print0(f"val loss {val_loss:.4f} nats/token, perplexity "
+                   f"{math.exp(val_loss):.2f}, over {tokens:,} tokens of the val split "
+                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size}) "
+                   f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
     text, cut = "", False
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
@@ -337,12 +347,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                "eval_save_seconds": aside, "save_seconds": save_seconds,
                "sample": text, "host_reads": reads}
     if args.eval_only:
-        tokens = args.eval_iters * args.batch_size * args.block_size
         summary.update(eval_only=True, perplexity=math.exp(val_loss), eval_tokens=tokens)
-        log.print0(f"val loss {val_loss:.4f} nats/token, perplexity "
-                   f"{math.exp(val_loss):.2f}, over {tokens:,} tokens of the val split "
-                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size}) "
-                   f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
     else:
         log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
                    f"{data.unigram_entropy:.4f} (a model that ignores context); "
@@ -356,9 +361,10 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
         strategy.finish(args, log)     # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
     if cut:                            # a Ctrl-C during the sample: the run is done, say so
-        log.print0(f"interrupted (Ctrl-C) during the sample (--sample 0 skips it): the "
-                   f"{stop} steps are done" + (f" and saved in {args.save}" if args.save
-                                               and not args.eval_only else ""))
+        log.print0("interrupted (Ctrl-C) during the sample (--sample 0 skips it): " + (
+            "the evaluation is done (above)" if args.eval_only else
+            f"the {stop} steps are done" + (f" and saved in {args.save}" if args.save
+                                           else "")))
         raise SystemExit(preemption.exit_status(True))
     return summary
 
