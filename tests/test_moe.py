@@ -82,7 +82,8 @@ def test_gradcheck_moe_layer(k, factor, shared):
     """The whole layer (router, top-k, dropping, experts, combine, aux and z losses; with
     `shared` experts, --moe-shared, their MLP too) in float64 against central differences,
     for x and every parameter."""
-    config = moe_config(moe_top_k=k, moe_capacity_factor=factor, moe_shared=shared)
+    config = moe_config(moe_top_k=k, moe_capacity_factor=factor, moe_shared=shared,
+                        ffn_hidden=8)        # (the 4C = 32 default: 4x the differences)
     layer = MoE(config, MLP, dtype="float64",
                 shared_expert=MLP(config.shared_expert(), dtype="float64") if shared else None)
     rng = np.random.default_rng(3)
