@@ -6,7 +6,8 @@ with a large float32 matmul's in the same process and thread count.
 
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
 "flops_ratio", "loss" (the last timed step's), ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
---amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp.
+--amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp;
+--grad-dtype float32 (with --amp) keeps the gradients in float32, as train_gpt.py's does.
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
 --device cuda adds "kernels_per_step": the kernels one more step launches, counted by CUPTI
 (minidist/kernel_count.py); null on the CPU or without libcupti. "host_reads_per_step": the
@@ -183,6 +184,8 @@ def main():
     p.add_argument("--amp", action="store_true", help="16-bit compute, float32 master")
     p.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
                    help="the 16-bit type of --amp (default: bfloat16 on CuPy, float16 on numpy)")
+    p.add_argument("--grad-dtype", choices=("float32",), default=None,
+                   help="with --amp: float32 gradients (default: the 16-bit type)")
     p.add_argument("--adamw", choices=("flat", "per-param"), default="flat",
                    help="FlatAdamW (one update per group) or AdamW (one per parameter)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
@@ -196,6 +199,9 @@ def main():
     args = p.parse_args()
     threads, device = backend.setup(threads=args.threads, device=args.device)
     refusal = graph_refusal(args, device)
+    if args.grad_dtype and not args.amp:
+        refusal = (f"--grad-dtype {args.grad_dtype}: only used with --amp (add --amp, or "
+                   "leave --grad-dtype out)")
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
@@ -205,7 +211,8 @@ def main():
                        attention_block=args.attention_block, **moe_fields(args),
                        vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
     model = GPT(config, seed=args.seed, dtype=args.dtype)
-    amp = MixedPrecision(dtype=args.amp_dtype) if args.amp else None
+    amp = MixedPrecision(dtype=args.amp_dtype, grad_dtype=args.grad_dtype) if args.amp \
+        else None
     adamw = {"flat": FlatAdamW, "per-param": AdamW}[args.adamw]
     if args.optimizer == "muon":
         adamw = Muon
@@ -266,7 +273,8 @@ def main():
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
-                      "amp_dtype": amp.dtype.name if amp else None, "adamw": args.adamw,
+                      "amp_dtype": amp.dtype.name if amp else None,
+                      "grad_dtype": args.grad_dtype, "adamw": args.adamw,
                       "optimizer": args.optimizer,
                       "vocab_padded": config.padded_vocab_size, "loss": last_loss,
                       "ms_min": round(min(times) * 1e3, 2)}))

@@ -13,6 +13,7 @@
     python examples/plan.py --params 1.3e9 --seq 2048 --global-batch 256 --gpus 64 \
         --layout dp=64,zero=3,shard=8       # hybrid sharding: ZeRO-3 inside each node
     python examples/plan.py --params 7e9 --seq 4096 --gpus 64 --optimizer muon
+    python examples/plan.py --params 7e9 --seq 4096 --gpus 64 --grad-dtype float32
 
 The model: minidist/train/cost.py (compute, the elementwise work TP repeats without SP, the
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
@@ -102,6 +103,10 @@ def parse(argv=None):
                    "with --optimizer muon)")
     p.add_argument("--fp32", action="store_true", help="float32 instead of mixed precision "
                    "(always with --preset here: numpy emulates 16-bit compute, slower there)")
+    p.add_argument("--grad-dtype", choices=("float32",), default=None,
+                   help="train_gpt.py's: mixed precision with float32 gradients (4 bytes a "
+                   "parameter, in memory and in the data-parallel reductions); the command "
+                   "runs it")
     p.add_argument("--layout", help="one layout instead of a search, e.g. "
                    "dp=8,tp=8,pp=1,cp=1,zero=1,micro=1,ckpt (micro: micro-batches, "
                    "--grad-accum without pp; left out: every count the search tries; "
@@ -168,9 +173,10 @@ def parse_layout(text, args, config, v):
     fields.pop("tiled", None)
     if args.attention == "recompute":        # train_gpt's: the scores always recomputed
         fields.setdefault("recompute", "selective")
+    fields.pop("grad32", None)               # the flag's (named_fields checked the name's)
     layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
                     tiled=args.attention == "tiled", muon=args.optimizer == "muon",
-                    **fields)
+                    grad32=args.grad_dtype == "float32", **fields)
     counts = micro_batch_counts(layout.pp, args.global_batch // layout.dp, grouped=v > 1) \
         if micro is None else [micro]
     problems = layout_problems(config, layout, args.gpus, args.global_batch, counts[0],
@@ -198,6 +204,11 @@ def named_fields(text, args):
     if amp == args.fp32:
         fail(f"--layout {text!r}: names a " + ("mixed-precision layout: drop --fp32" if amp
                                                   else "float32 layout: add --fp32"))
+    if fields.get("grad32", False) != (args.grad_dtype == "float32"):
+        fail(f"--layout {text!r}: " + ("names float32 gradients: give --grad-dtype float32"
+                                       if fields.get("grad32") else
+                                       "has no 'fp32 grads': leave --grad-dtype out, or write "
+                                       "the name with 'fp32 grads'"))
     if tiled != (args.attention == "tiled"):
         fail(f"--layout {text!r}: " + (
             "names tiled attention: give --attention tiled" if tiled else
@@ -322,6 +333,10 @@ def main(argv=None):
     problem = number_problem(args) or muon_problem(args)
     if problem:
         fail(problem)
+    if args.grad_dtype and args.fp32:
+        fail(f"--grad-dtype {args.grad_dtype}: only with mixed precision, and "
+             + ("--preset here plans float32" if args.preset == "here" else "--fp32 is given")
+             + " (its gradients are float32 already); leave --grad-dtype out")
     if args.seq % 2:
         fail(f"--seq {args.seq}: must be even")
     if args.moe_load <= 0:
@@ -348,7 +363,8 @@ def main(argv=None):
                       args.comm, amp=not args.fp32, tiled=args.attention == "tiled",
                       recomputes=("selective", "full") if args.attention == "recompute"
                       else None, headroom=args.headroom, v=v, moe_load=args.moe_load,
-                      muon=args.optimizer == "muon", ns_steps=args.muon_ns_steps)
+                      muon=args.optimizer == "muon", ns_steps=args.muon_ns_steps,
+                      grad32=args.grad_dtype == "float32")
         if not rows:                           # no valid layout (not: none fits)
             fail(no_layout_problem(config, args.gpus, cluster.gpus_per_node, args.seq,
                                    args.global_batch, v)

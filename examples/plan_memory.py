@@ -6,6 +6,7 @@
     python examples/plan_memory.py --measure        # small model: ledger beside the planner
     python examples/plan_memory.py --params 1e9 --moe-experts 8 --moe-top-k 2 --gpus 8
     python examples/plan_memory.py --params 7e9 --gpus 8 --seq 4096 --optimizer muon
+    python examples/plan_memory.py --params 7e9 --gpus 8 --seq 4096 --grad-dtype float32
 
 The formulas and their assumptions: minidist/train/planner.py. --measure trains the
 train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
@@ -66,6 +67,9 @@ def parser():
                    "matrices, 4 bytes a parameter less than AdamW's m and v where the "
                    "optimizer is per parameter (no ZeRO); under ZeRO the same bytes as AdamW "
                    "(its flat v spans them, zero there)"),
+    p.add_argument("--grad-dtype", choices=("float32",), default=None,
+                   help="train_gpt.py's: the mixed-precision rows with float32 gradients, 4 "
+                   "bytes a parameter (sharded under ZeRO-2/3)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction kept free for workspace, buffers, fragmentation")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -185,7 +189,7 @@ def main(argv=None):
         sys.exit(2)
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
                   args.gpus_per_node, args.headroom, dropout=args.dropout,
-                  muon=args.optimizer == "muon")
+                  muon=args.optimizer == "muon", grad32=args.grad_dtype == "float32")
     if args.json:
         print(json.dumps(result))
     else:

@@ -64,6 +64,7 @@ def _backward(ddp, step=0):
 class FakeParam:
     def __init__(self, n, dtype="float32"):
         self.data = np.zeros(n, dtype=dtype)
+        self.size, self.grad_dtype = n, self.data.dtype      # bucket_layout reads these
 
 
 def test_bucket_layout_reverse_order_and_caps():

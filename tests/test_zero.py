@@ -33,6 +33,7 @@ class P:
     def __init__(self, xp, *shape, decay=True):
         self.data, self.decay = xp.arange(np.prod(shape), dtype=float).reshape(shape), decay
         self.shape, self.size, self.dtype = shape, self.data.size, self.data.dtype
+        self.grad_dtype = self.dtype
 
 
 def test_flat_unit_pads_to_a_multiple_of_the_ranks_and_cuts_equal_shards(xp):

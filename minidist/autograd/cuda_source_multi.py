@@ -21,6 +21,9 @@ multi_tensor_apply and PyTorch's fused AdamW (learned from, not copied).
                          adamw_update, then p.data[...] = master)
     multi_amp_adamw_dev  the same, reading the factor and the step's scalars from the device
                          array amp_verdict fills, and doing nothing on an overflow
+    multi_amp_adamw_g32  the two above over float32 gradients (--grad-dtype float32: the
+    multi_amp_adamw_dev_g32  16-bit weights' gradients accumulated and reduced in float32);
+                         the same arithmetic, the gradient read as a float
     amp_verdict          one thread: --amp's overflow verdict, the loss scale's rules and
                          AdamW's step count, kept on the device (no host read a step;
                          minidist/train/master_weights.py)
@@ -73,9 +76,11 @@ extern "C" __global__ void multi_adamw(const unsigned long long* p_tab,
 }
 
 // --amp's update of elements [start, end) of one tensor: w, the 16-bit model weights (T), g
-// their 16-bit gradients; p, m, v float32. s: factor, b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2,
-// eps, step_size (as a float array, whether from the host or the verdict kernel)
-__device__ __forceinline__ void amp_adamw_range(T* w, const T* g, float* p, float* m, float* v,
+// their gradients (G: T, or float under --grad-dtype float32); p, m, v float32. s: factor,
+// b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, step_size (as a float array, whether from the
+// host or the verdict kernel)
+template <typename G>
+__device__ __forceinline__ void amp_adamw_range(T* w, const G* g, float* p, float* m, float* v,
                                                 long long start, long long end, float decay,
                                                 const float* s) {
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -109,6 +114,27 @@ extern "C" __global__ void multi_amp_adamw(const unsigned long long* w_tab,
                     (float*)v_tab[t], start, end, decay, s);
 }
 
+// multi_amp_adamw over float32 gradients (--grad-dtype float32)
+extern "C" __global__ void multi_amp_adamw_g32(const unsigned long long* w_tab,
+                                               const unsigned long long* g_tab,
+                                               const unsigned long long* p_tab,
+                                               const unsigned long long* m_tab,
+                                               const unsigned long long* v_tab,
+                                               const long long* sizes, const int* blk_tensor,
+                                               const long long* blk_start, long long chunk,
+                                               float factor, float b1, float one_minus_b1,
+                                               float b2, float one_minus_b2, float decay,
+                                               float inv_sqrt_bc2, float eps,
+                                               float step_size) {
+    int t;
+    long long start, end;
+    multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
+    const float s[8] = {factor, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                        step_size};
+    amp_adamw_range((T*)w_tab[t], (const float*)g_tab[t], (float*)p_tab[t], (float*)m_tab[t],
+                    (float*)v_tab[t], start, end, decay, s);
+}
+
 // The same update with the verdict decided on the device (amp_verdict below): verdict[0]
 // nonzero skips the step (every block returns); verdict[1..8] are multi_amp_adamw's
 // factor .. step_size. decay (1 - lr x weight decay) is the group's, known on the host.
@@ -125,6 +151,25 @@ extern "C" __global__ void multi_amp_adamw_dev(const unsigned long long* w_tab,
     long long start, end;
     multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
     amp_adamw_range((T*)w_tab[t], (const T*)g_tab[t], (float*)p_tab[t], (float*)m_tab[t],
+                    (float*)v_tab[t], start, end, decay, verdict + 1);
+}
+
+// multi_amp_adamw_dev over float32 gradients (--grad-dtype float32)
+extern "C" __global__ void multi_amp_adamw_dev_g32(const unsigned long long* w_tab,
+                                                   const unsigned long long* g_tab,
+                                                   const unsigned long long* p_tab,
+                                                   const unsigned long long* m_tab,
+                                                   const unsigned long long* v_tab,
+                                                   const long long* sizes,
+                                                   const int* blk_tensor,
+                                                   const long long* blk_start,
+                                                   long long chunk, float decay,
+                                                   const float* verdict) {
+    if (verdict[0] != 0.0f) return;
+    int t;
+    long long start, end;
+    multi_chunk(sizes, blk_tensor, blk_start, chunk, &t, &start, &end);
+    amp_adamw_range((T*)w_tab[t], (const float*)g_tab[t], (float*)p_tab[t], (float*)m_tab[t],
                     (float*)v_tab[t], start, end, decay, verdict + 1);
 }
 
@@ -219,5 +264,6 @@ extern "C" __global__ void multi_sum_sq_final(const A* partial, long long n, A* 
 }
 """
 
-MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_amp_adamw_dev", "amp_verdict",
-               "multi_scale", "multi_sum_sq", "multi_sum_sq_final")
+MULTI_NAMES = ("multi_adamw", "multi_amp_adamw", "multi_amp_adamw_dev", "multi_amp_adamw_g32",
+               "multi_amp_adamw_dev_g32", "amp_verdict", "multi_scale", "multi_sum_sq",
+               "multi_sum_sq_final")

@@ -108,8 +108,8 @@ class Function:
                 out.append(None)
                 continue
             g = cls._reduce_to(g, p.shape)
-            if g.dtype != p.dtype:
-                g = g.astype(p.dtype)
+            if g.dtype not in (p.dtype, p.grad_dtype):    # a leaf's float32 .grad (--grad-
+                g = g.astype(p.grad_dtype)                # dtype float32) takes float32 as is
             out.append(g)
         return out
 

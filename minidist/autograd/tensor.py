@@ -6,8 +6,9 @@ Node does not hold its op's output: the graph keeps alive only what ops saved, s
 op saved is freed as soon as the code that made it lets go of it. `loss.backward()` walks the
 Nodes once, in reverse topological order, and:
   - hands each op the gradient of its output, which is complete by the time we reach it;
-  - accumulates leaf gradients with `+=` into `.grad` (so gradient accumulation across
-    backward calls works, and a tensor used twice gets both contributions);
+  - accumulates leaf gradients with `+=` into `.grad`, of the leaf's `grad_dtype` (so
+    gradient accumulation across backward calls works, and a tensor used twice gets both
+    contributions);
   - fires a leaf's hooks (`register_grad_hook`) as soon as its last contribution for this
     backward has arrived: DDP starts a bucket's all-reduce there, ZeRO-2 its reduce-scatter;
   - frees each op's saved arrays as soon as its backward has run.
@@ -48,6 +49,8 @@ class Node:
         self.fn, self.ctx, self.parents = fn, ctx, parents
         self.shape, self.dtype = shape, dtype
 
+    grad_dtype = property(lambda self: self.dtype)      # an output's gradient: its dtype
+
     def __repr__(self):
         return f"Node({self.fn.__name__}, shape={self.shape}, dtype={self.dtype})"
 
@@ -65,6 +68,7 @@ class Tensor:
         self.requires_grad = bool(requires_grad)
         self.grad_fn = None     # the Node of the op that made this tensor (None for a leaf)
         self._hooks = []
+        self._grad_dtype = None     # .grad's dtype where it is not the data's (grad_dtype)
 
     # ---- plain properties -----------------------------------------------------------------
     shape = property(lambda self: self.data.shape)
@@ -72,6 +76,18 @@ class Tensor:
     ndim = property(lambda self: self.data.ndim)
     size = property(lambda self: self.data.size)
     is_leaf = property(lambda self: self.grad_fn is None)
+
+    @property
+    def grad_dtype(self):
+        """The dtype `.grad` accumulates in: the data's, unless set. --amp --grad-dtype
+        float32 sets float32 on every 16-bit parameter (minidist/train/amp.py cast_model),
+        so each micro-batch's 16-bit gradient is added into a float32 .grad (Megatron-LM's
+        main_grad), and the strategies' gradient buffers are made in this dtype."""
+        return self.data.dtype if self._grad_dtype is None else self._grad_dtype
+
+    @grad_dtype.setter
+    def grad_dtype(self, dtype):
+        self._grad_dtype = dtype
 
     def __len__(self):
         return len(self.data)
@@ -315,8 +331,13 @@ class WeightGradQueue:
 
 
 def _accumulate(leaf, grad):
+    """`grad` into leaf.grad, which is made in leaf.grad_dtype: under --amp --grad-dtype
+    float32 each 16-bit gradient is added into a float32 .grad."""
     if leaf.grad is None:
-        leaf.grad = grad.copy()        # never alias an array an op may still own
+        # a C-contiguous copy (never alias an op's array; collectives take flat buffers)
+        leaf.grad = grad.astype(leaf.grad_dtype, order="C")
+    elif grad.dtype != leaf.grad.dtype:    # cast first: no mixed-dtype kernel (CuPy's
+        leaf.grad += grad.astype(leaf.grad.dtype)      # bfloat16 + float32) is asked for
     else:
         leaf.grad += grad
 

@@ -106,7 +106,7 @@ class DataParallelNaive:
     def _sync(self):
         for p in reversed(self.params):       # the order backward completed them
             if p.grad is None:                # no gradient this step: still take part
-                p.grad = xp_of(p.data).zeros_like(p.data)
+                p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
             self.group.all_reduce(p.grad, op="avg")
 
     def zero_grad(self):
@@ -115,38 +115,43 @@ class DataParallelNaive:
             p.grad = None
 
     def grad_bytes(self):
-        """Bytes of gradient every step averages: the all-reduce payload."""
-        return sum(p.data.nbytes for p in self.params)
+        """Bytes of gradient every step averages: the all-reduce payload (in the gradients'
+        dtype: float32 under --amp --grad-dtype float32)."""
+        return sum(p.size * p.grad_dtype.itemsize for p in self.params)
 
 
 def bucket_layout(params, bucket_mb):
     """Indices into `params`, last parameter first, cut into buckets of at most bucket_mb
-    (MiB): a parameter that would overflow the current bucket starts a new one, so only a
-    parameter larger than bucket_mb on its own exceeds it. A change of dtype or array module
-    also starts a new bucket (a flat buffer has one dtype, on one device)."""
+    (MiB) of gradient: a parameter that would overflow the current bucket starts a new one,
+    so only a parameter larger than bucket_mb on its own exceeds it. A change of gradient
+    dtype or array module also starts a new bucket (a flat buffer has one dtype, on one
+    device)."""
     cap = bucket_mb * 2**20
     buckets, current, nbytes, current_kind = [], [], 0, None
     for i in reversed(range(len(params))):
         p = params[i]
-        kind = (p.data.dtype, type(p.data))
-        if current and (nbytes + p.data.nbytes > cap or kind != current_kind):
+        kind = (p.grad_dtype, type(p.data))
+        size = p.size * p.grad_dtype.itemsize
+        if current and (nbytes + size > cap or kind != current_kind):
             buckets.append(current)
             current, nbytes = [], 0
         current_kind = kind
         current.append(i)
-        nbytes += p.data.nbytes
+        nbytes += size
     if current:
         buckets.append(current)
     return buckets
 
 
 class Bucket:
-    """One flat gradient buffer and the parameters whose .grad are views into it."""
+    """One flat gradient buffer, in the parameters' grad_dtype (float32 under --amp
+    --grad-dtype float32: backward's `+=` adds each 16-bit gradient into it in float32, and
+    the all-reduce sums float32), and the parameters whose .grad are views into it."""
 
     def __init__(self, params):
         self.params = params
         xp = xp_of(params[0].data)
-        self.buffer = xp.zeros(sum(p.size for p in params), dtype=params[0].dtype)
+        self.buffer = xp.zeros(sum(p.size for p in params), dtype=params[0].grad_dtype)
         self.views, offset = [], 0
         for p in params:
             self.views.append(self.buffer[offset:offset + p.size].reshape(p.shape))

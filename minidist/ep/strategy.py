@@ -159,7 +159,7 @@ class ExpertParallel(ModelParallel):
             return
         for p in self.experts:
             if p.grad is None:                              # no tokens this step: still sync
-                p.grad = xp_of(p.data).zeros_like(p.data)
+                p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
             if self.edp.size > 1:
                 self.edp.all_reduce(p.grad, op="sum")
             p.grad /= dense

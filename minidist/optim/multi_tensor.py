@@ -57,11 +57,26 @@ def adamw_ok(params, grads):
 
 
 def amp_adamw_ok(weights, grads, masters):
-    """multi_amp_adamw can take these: 16-bit weights and gradients of one dtype, float32
-    masters (their m and v are made like them), all qualifying for use_multi."""
-    return (use_multi(weights + grads, masters) and grads[0].dtype.name in ("float16",
-                                                                            "bfloat16")
+    """multi_amp_adamw can take these: 16-bit weights, gradients of their dtype or float32
+    (--grad-dtype float32: multi_amp_adamw_g32), float32 masters (their m and v are made
+    like them), each list qualifying for use_multi."""
+    return (use_multi(weights, grads, masters)
+            and weights[0].dtype.name in ("float16", "bfloat16")
+            and grads[0].dtype in (weights[0].dtype, np.float32)
             and masters[0].dtype.name == "float32")
+
+
+def amp_kernel(name, weights, grads):
+    """(kernel, the 16-bit dtype, the gradients' dtype) of an --amp launch over `weights`
+    and `grads`: `name` over 16-bit gradients, `name`_g32 over float32 ones (--grad-dtype
+    float32). The 16-bit dtype is the gradients' where they are 16-bit (a table of other
+    weights is then refused), else the weights'; never float32 or float64."""
+    grad = grads[0].dtype
+    half = weights[0].dtype if grad == np.float32 else grad
+    if half.name not in ("float16", "bfloat16"):
+        raise ValueError(f"{name}: 16-bit weights wanted (float16 or bfloat16), not "
+                         f"{half.name}")
+    return (name + "_g32" if grad == np.float32 else name), half, grad
 
 
 def moment_states(state, names, arrays):
@@ -183,16 +198,16 @@ def multi_adamw_launch(xp, params, grads, ms, vs, step, lr, beta1, beta2, eps, w
 
 def multi_amp_adamw_launch(xp, weights, grads, masters, ms, vs, factor, step, lr, beta1,
                            beta2, eps, weight_decay, chunk=CHUNK):
-    """--amp's step over a group: 16-bit weights and gradients, float32 masters, m, v.
+    """--amp's step over a group: 16-bit weights, their gradients (16-bit, or float32 under
+    --grad-dtype float32: amp_kernel), float32 masters, m, v.
     `factor` (1/S, or 1/S x clip: a Python float) becomes float32 by rounding to nearest,
     as numpy does for `float32_buffer *= factor` (amp.unscaled)."""
-    half = grads[0].dtype
+    name, half, grad = amp_kernel("multi_amp_adamw", weights, grads)
     args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs),
-                                   [half, half] + [np.float32] * 3, chunk)
+                                   [half, grad] + [np.float32] * 3, chunk)
     scalars = (factor,) + adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)
     args += [np.float32(x) for x in scalars]
-    plan = Launch("multi_amp_adamw", half, (blocks,), (THREADS,),
-                  tuple(args))
+    plan = Launch(name, half, (blocks,), (THREADS,), tuple(args))
     return plan, tables
 
 
@@ -201,11 +216,11 @@ def multi_amp_adamw_dev_launch(xp, weights, grads, masters, ms, vs, decay, verdi
     """multi_amp_adamw_launch with the verdict on the device: `verdict` the float32 array
     amp_verdict fills (skip, factor, Adam's scalars for the new step count); `decay`
     (1 - lr x weight decay, a Python float) the group's."""
-    half = grads[0].dtype
+    name, half, grad = amp_kernel("multi_amp_adamw_dev", weights, grads)
     args, tables, blocks = _tables(xp, (weights, grads, masters, ms, vs),
-                                   [half, half] + [np.float32] * 3, chunk)
+                                   [half, grad] + [np.float32] * 3, chunk)
     args += [np.float32(decay), verdict]
-    return Launch("multi_amp_adamw_dev", half, (blocks,), (THREADS,), tuple(args)), tables
+    return Launch(name, half, (blocks,), (THREADS,), tuple(args)), tables
 
 
 def amp_verdict_launch(sum_sq, state, verdict, half, max_norm, scaler, lr, beta1, beta2, eps):

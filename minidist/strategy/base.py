@@ -198,7 +198,7 @@ class SingleProcess:
         wte, tensor parallelism's replicated parameters)."""
         for p in params:
             if p.grad is None:
-                p.grad = xp_of(p.data).zeros_like(p.data)
+                p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
         return [p.grad for p in params]
 
     def reduce_sum_sq(self, local):

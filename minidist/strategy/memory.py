@@ -117,14 +117,16 @@ def _state(arrays):
 
 # ---- the ZeRO paper's arithmetic, beside the ledger -------------------------------------------
 
-def zero_model_states(n_params, dp=1, stage=0, amp=False, itemsize=4):
+def zero_model_states(n_params, dp=1, stage=0, amp=False, itemsize=4, grad_bytes=None):
     """Model-state bytes per rank in the ZeRO paper's accounting (Rajbhandari et al. 2020,
     section 3): P parameters in `itemsize` bytes hold itemsize P params + itemsize P grads +
     2 itemsize P Adam moments (4 + 4 + 8 in float32); with mixed precision (`amp`) 2P 16-bit
-    params + 2P 16-bit grads + 12P float32 master, m, v. Stage 1 shards the optimizer state,
-    stage 2 also the gradients, stage 3 also the parameters: ceil(P / dp) of each.
+    params + 2P 16-bit grads + 12P float32 master, m, v (`grad_bytes` 4: --grad-dtype
+    float32's 4P float32 grads). Stage 1 shards the optimizer state, stage 2 also the
+    gradients, stage 3 also the parameters: ceil(P / dp) of each.
     Returns {"params", "grads", "optimizer", "total"}; minidist/train/planner.py agrees."""
     p, g, o = (2, 2, 12) if amp else (itemsize, itemsize, 2 * itemsize)
+    g = grad_bytes or g
     shard = -(-n_params // dp)
     row = {"params": p * (shard if stage >= 3 else n_params),
            "grads": g * (shard if stage >= 2 else n_params),

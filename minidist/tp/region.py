@@ -42,16 +42,20 @@ class CopyToTP(Function):
     """Identity forward, all-reduce backward: Megatron's f.
 
     Where a replicated activation x enters a column-parallel layer: every rank reads all of
-    x, so dL/dx is the sum of every rank's contribution (each computed only its columns)."""
+    x, so dL/dx is the sum of every rank's contribution (each computed only its columns).
+    `grad_dtype` (a replicated parameter's, TensorParallelRegion.shared): the all-reduce
+    sums in that dtype, float32 under --amp --grad-dtype float32; None: the gradient's."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, grad_dtype=None):
+        ctx.group, ctx.grad_dtype = group, grad_dtype
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+        if ctx.grad_dtype is not None:
+            grad = grad.astype(ctx.grad_dtype, copy=False)
+        return all_reduce(grad, ctx.group), None, None
 
 
 class ReduceFromTP(Function):
@@ -129,8 +133,8 @@ class ReduceScatterToSequence(Function):
         return all_gather(grad, ctx.group, SEQ_AXIS), None
 
 
-def copy_to_tp(x, group):
-    return CopyToTP.apply(x, group)
+def copy_to_tp(x, group, grad_dtype=None):
+    return CopyToTP.apply(x, group, grad_dtype)
 
 
 def reduce_from_tp(x, group):
@@ -210,5 +214,6 @@ class TensorParallelRegion:
         """A replicated parameter as a layer on the sequence shards uses it (layer norms,
         row-parallel biases, wpe): through f when sharded, since each rank's gradient then
         covers only its positions and f's all-reduce sums them into the whole gradient, in
-        the graph, before any hook (DDP, ZeRO) sees it."""
-        return copy_to_tp(p, self.group) if self.sharded else p
+        the graph, before any hook (DDP, ZeRO) sees it: in p's grad_dtype (float32 under
+        --amp --grad-dtype float32, a float32 sum over the ranks)."""
+        return copy_to_tp(p, self.group, p.grad_dtype) if self.sharded else p

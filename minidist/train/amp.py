@@ -24,6 +24,16 @@ m and v, kept by the optimizer) = 16 bytes, the ZeRO paper's accounting, which t
 ledger measures and minidist/train/planner.py predicts. No float32 gradient is ever stored
 whole: the unscaled gradient lives one parameter at a time in the scratch buffer.
 
+float32 gradients (`grad_dtype="float32"`, train_gpt.py --grad-dtype float32; Megatron-LM's
+main_grad, --accumulate-allreduce-grads-in-fp32): cast_model sets every parameter's
+grad_dtype (minidist/autograd/tensor.py), so its .grad, and every strategy's gradient buffer
+made from it (DDP's buckets, ZeRO's flat units and shards), is float32. Each micro-batch's
+gradient still comes out of backward in 16 bits (rounded once, as the GEMM writes it; an op
+that returns a float32 gradient, the xp layer norm's for its weight and bias, is no longer
+rounded) and is added into the float32 .grad; the sums over micro-batches and the
+reductions over ranks run in float32, and the optimizer unscales the float32 gradient.
+2 + 4 + 12 = 18 bytes a parameter (the 4 sharded under ZeRO-2/3).
+
 Overflow across ranks: the global norm is a sum over ranks of each rank's sum of squares
 (ZeRO, tensor and pipeline ranks hold different gradients and must all-reduce it for
 clipping anyway; DDP's ranks hold the same averaged gradients). An inf or nan on any rank
@@ -90,13 +100,18 @@ class MixedPrecision:
     """The --amp policy: casts a float32 model to 16 bits (keeping its float32 arrays as the
     master weights), scales losses, and builds the master-weight optimizer."""
 
-    def __init__(self, scaler=None, dtype=None):
+    def __init__(self, scaler=None, dtype=None, grad_dtype=None):
         self.scaler = scaler or LossScaler()
         # None: chosen by cast_model, once the device is known; MINIDIST_AMP_DTYPE=bfloat16
         # asks for bfloat16 on numpy too (the CPU tests of the bfloat16 path through the
         # strategies: tests/test_bfloat16.py)
         self.dtype_name = dtype or os.environ.get("MINIDIST_AMP_DTYPE") or None
         self.dtype = None
+        if grad_dtype not in (None, "float32"):
+            raise ValueError(f"--grad-dtype {grad_dtype}: give float32, or leave it out for "
+                             "the 16-bit type")
+        # float32: the gradients accumulate and are reduced in float32 (module docstring)
+        self.grad_dtype = None if grad_dtype is None else np.dtype(np.float32)
         self.masters = {}            # parameter name -> float32 array
         self.optimizers = []         # the MasterWeightOptimizers built here: settle()
         self._scratch = {}           # (shape, array module) -> float32 buffer: unscaled()
@@ -113,7 +128,12 @@ class MixedPrecision:
                                  f"{p.dtype} (use --dtype float32 with --amp)")
             self.masters[name] = p.data
             p.data = p.data.astype(self.dtype)
+            p.grad_dtype = self.grad_dtype           # None: the 16-bit type
         return model
+
+    def grad_bytes(self):
+        """Bytes of a parameter's gradient: 2, or 4 with float32 gradients."""
+        return 4 if self.grad_dtype is not None else 2
 
     def scale_loss(self, loss, factor=1.0):
         """The tensor backward starts from: loss x factor x the loss scale."""
@@ -184,7 +204,7 @@ class MixedPrecision:
         self.scaler.check_used(bool(grads))
         self.scaler.to_device(backend.xp_of(grads[0]), step)
         return self.scaler.decide_on_device(self.unscaled_sum_sq(grads), max_norm,
-                                            reduce_sum_sq, grads[0].dtype, group)
+                                            reduce_sum_sq, self.dtype, group)
 
     def describe(self):
         s = self.scaler
@@ -198,8 +218,11 @@ class MixedPrecision:
             problem = bfloat16_problem(backend.get_xp()) if self.dtype.name == "float16" \
                 else None
             device = f"; not bfloat16: {problem}" if problem else ""
+        g = self.grad_bytes()
+        grads = ("; float32 gradients: accumulated over micro-batches and reduced over "
+                 "ranks in float32 (--grad-dtype float32)" if g == 4 else "")
         return (f"mixed precision: {self.dtype} compute, float32 master weights and "
-                f"optimizer state (2+2+12 bytes per parameter with AdamW, 2+2+8 for Muon's "
-                f"matrices outside ZeRO), {scaling}; steps "
+                f"optimizer state (2+{g}+12 bytes per parameter with AdamW, 2+{g}+8 for "
+                f"Muon's matrices outside ZeRO), {scaling}; steps "
                 f"with inf/nan "
-                f"gradients are skipped{device}")
+                f"gradients are skipped{grads}{device}")

@@ -181,6 +181,10 @@ def add_parallel_args(p):
     g.add_argument("--amp-dtype", choices=("float16", "bfloat16"), default=None,
                    help="the 16-bit type of --amp (default: MINIDIST_AMP_DTYPE, else as "
                    "--amp says; bfloat16 on numpy is emulated and slow)")
+    g.add_argument("--grad-dtype", choices=("float32",), default=None, action=Given,
+                   help="with --amp: accumulate gradients over micro-batches and reduce them "
+                   "over ranks in float32 (Megatron-LM's main_grad; 4 bytes a parameter, not "
+                   "2); default: --amp's 16-bit type")
     g.add_argument("--ckpt-activations", action="store_true",
                    help="keep only each block's input; recompute the rest in backward")
     return p

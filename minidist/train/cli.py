@@ -186,13 +186,18 @@ def check_flags(args):
 
 
 def check_amp_dtype(args):
-    """--amp-dtype means nothing without --amp; MINIDIST_AMP_DTYPE, read under --amp without
-    it, names one of the two types; bfloat16 needs ml_dtypes (numpy and CuPy both take their
-    bfloat16 from it)."""
+    """--amp-dtype and --grad-dtype mean nothing without --amp; MINIDIST_AMP_DTYPE, read
+    under --amp without it, names one of the two types; bfloat16 needs ml_dtypes (numpy and
+    CuPy both take their bfloat16 from it)."""
     dtype, given = getattr(args, "amp_dtype", None), "--amp-dtype "
     if dtype is not None and not args.amp:
         raise UsageError(f"--amp-dtype {dtype}: only used with --amp (add --amp, or leave "
                          "--amp-dtype out)")
+    grads = getattr(args, "grad_dtype", None)
+    if grads is not None and not args.amp:     # without --amp gradients are --dtype's
+        raise UsageError(f"--grad-dtype {grads}: only used with --amp (without it the "
+                         f"gradients are --dtype {args.dtype}'s; add --amp, or leave "
+                         "--grad-dtype out)")
     if dtype is None and args.amp and os.environ.get("MINIDIST_AMP_DTYPE"):
         dtype, given = os.environ["MINIDIST_AMP_DTYPE"], "MINIDIST_AMP_DTYPE="
         if dtype not in ("float16", "bfloat16"):

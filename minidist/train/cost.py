@@ -51,7 +51,9 @@ ZeRO-3's exposed gathers, the p2p sends), then
                (+ Muon's collectives; its Newton-Schulz is optimizer time: muon_cost.py)
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
-bucket or layer. Tests: tests/test_planner.py (each formula on a small case worked by hand).
+bucket or layer. Gradients travel in the planner's gradient bytes (planner.state_bytes: 2
+under --amp, 4 with --grad-dtype float32), parameters in their own.
+Tests: tests/test_planner.py (each formula on a small case worked by hand).
 """
 import math
 
@@ -62,7 +64,7 @@ from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_gr
                                      expert_tensors, expert_units, moe_block_flops,
                                      split_times, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
-from minidist.train.planner import STATE_BYTES, stage_params
+from minidist.train.planner import stage_params, state_bytes
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------
@@ -295,7 +297,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     act = b * seq / layout.cp * config.n_embd * e
     rate = _rate(cluster, layout)
     rate32 = _rate(cluster, layout, float32=True)          # Muon's NS, in float32
-    p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
+    p_bytes, g_bytes, _ = state_bytes(layout.amp, layout.grad32)
     dpcp, axis = layout.dp * layout.cp, ("cp" if layout.cp > 1 else "dp")
     if layout.zero and layout.zero_shard:   # hybrid sharding: ZeRO's in the shard group
         dpcp, axis = layout.zero_shard, "shard"
@@ -355,7 +357,7 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     """Add the once-per-step data-parallel communication (the dense parameters' `w["n"]`,
     the experts' all-reduce over edp) and the optimizer (with Muon's `w["muon_ns"]` and
     `w["muon_comm"]`) to the slowest stage's pipeline time `w`, and the derived figures."""
-    p_bytes, g_bytes, _ = STATE_BYTES[bool(layout.amp)]
+    p_bytes, g_bytes, _ = state_bytes(layout.amp, layout.grad32)
     n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
     ag = coll("all_gather", n * p_bytes) if layout.zero in (1, 2) else 0.0

@@ -33,6 +33,7 @@ def idle_flags(args, replicas=None, ranks=None):
             ("eval_every", "the steps between evaluations"),
             ("log_every", "the steps between log lines"),
             ("ckpt_activations", "what backward recomputes"),
+            ("grad_dtype", "the dtype gradients accumulate in"),
             ("ddp", "how DDP averages gradients"), ("bucket_mb", "DDP's bucket size"),
             ("schedule", "the pipeline's training schedule"),
             ("overlap_param_gather", "when ZeRO waits for the updated parameters"),

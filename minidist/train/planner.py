@@ -8,6 +8,8 @@ small model under each strategy and compare, tests/test_planner.py):
     float32               4P     4P      8P        AdamW's m and v
     mixed precision       2P     2P     12P        16-bit weights and grads; float32 master,
                                                    m and v in the optimizer (train/amp.py)
+    --grad-dtype float32  2P     4P     12P        the same with float32 gradients
+                                                   (Layout.grad32: Megatron-LM's main_grad)
     ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the gradients, ZeRO-3 also the
     parameters: ceil(P / dp) each (a flat buffer padded to a multiple of dp).
     --optimizer muon (Layout.muon; minidist/optim/muon.py): a block's matrices (takes_muon)
@@ -70,7 +72,9 @@ class Layout:
     --overlap-param-gather): the updated parameters' all-gathers behind the next forward.
     `muon` (--optimizer muon): Muon for the blocks' matrices, AdamW the rest (its state: the
     module docstring; its Newton-Schulz and gathers: minidist/train/muon_cost.py); not in the
-    name: every row of one plan has the same optimizer, which the planners print once."""
+    name: every row of one plan has the same optimizer, which the planners print once.
+    `grad32` (with amp, --grad-dtype float32): float32 gradients, 4 bytes a parameter, in
+    memory and in the data-parallel reductions; "fp32 grads" in the name."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -85,6 +89,7 @@ class Layout:
     zero_shard: int = 0              # with zero > 0: ranks per sharded replica (0: dp x cp)
     overlap_gather: bool = False     # with zero 1 or 2: the all-gathers behind the forward
     muon: bool = False               # --optimizer muon: the blocks' matrices by Muon
+    grad32: bool = False             # with amp: --grad-dtype float32, 4-byte gradients
 
     @property
     def zero_ranks(self):
@@ -124,7 +129,8 @@ class Layout:
             parts.append(data)
         elif self.dp > 1 or self.zero:   # ZeRO with dp 1 still shards (over cp, or one rank)
             parts.append(f"{data} x{self.dp}" if self.dp > 1 else data)
-        extras = ["amp" if self.amp else "fp32"] + (["tiled"] if self.tiled else [])
+        extras = ["amp" if self.amp else "fp32"] + (["fp32 grads"] if self.grad32 else [])
+        extras += ["tiled"] if self.tiled else []
         extras += ["gathers overlapped"] if self.overlap_gather else []
         if self.recompute != "none":
             extras.append("ckpt" if self.recompute == "full" else "selective recompute")
@@ -135,7 +141,8 @@ _PART = re.compile(r"(TP)(\d+)(\+SP)?|(PP)(\d+)|(CP)(\d+)(u?)|(EP)(\d+)"
                    r"|(?:ZeRO-([0-3])(?:/(\d+))?|(DDP))(?: x(\d+))?", re.IGNORECASE)
 _EXTRAS = {"amp": ("amp", True), "fp32": ("amp", False), "tiled": ("tiled", True),
            "gathers overlapped": ("overlap_gather", True), "ckpt": ("recompute", "full"),
-           "selective recompute": ("recompute", "selective")}
+           "selective recompute": ("recompute", "selective"),
+           "fp32 grads": ("grad32", True)}
 
 
 def layout_from_name(text, gpus):
@@ -229,9 +236,16 @@ def stage_muon_params(config, tp=1, pp=1, ep=1):
     return _block_counts(config, tp, pp, ep, takes_muon)
 
 
-def model_state_bytes(n_params, dp=1, zero=0, amp=True):
-    """{"params", "grads", "optimizer"} bytes on a rank holding n_params (before ZeRO)."""
+def state_bytes(amp=True, grad32=False):
+    """Bytes per parameter (params, grads, optimizer): STATE_BYTES by the precision, the
+    gradients 4 bytes under --amp --grad-dtype float32 (`grad32`)."""
     p, g, o = STATE_BYTES[bool(amp)]
+    return p, (4 if grad32 else g), o
+
+
+def model_state_bytes(n_params, dp=1, zero=0, amp=True, grad32=False):
+    """{"params", "grads", "optimizer"} bytes on a rank holding n_params (before ZeRO)."""
+    p, g, o = state_bytes(amp, grad32)
     shard = math.ceil(n_params / dp)
     return {"params": p * (shard if zero >= 3 else n_params),
             "grads": g * (shard if zero >= 2 else n_params),
@@ -253,8 +267,9 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         units = expert_units(config, layout, stage)       # ep > 1: the experts, per block
         experts = sum(units)
-        row = model_state_bytes(n - experts, layout.zero_ranks, layout.zero, layout.amp)
-        p, g, o = STATE_BYTES[bool(layout.amp)]             # experts: ZeRO-1 over edp
+        row = model_state_bytes(n - experts, layout.zero_ranks, layout.zero, layout.amp,
+                                layout.grad32)
+        p, g, o = state_bytes(layout.amp, layout.grad32)    # experts: ZeRO-1 over edp
         row["params"], row["grads"] = row["params"] + p * experts, row["grads"] + g * experts
         edp = axis_size(layout, "edp")                       # an expert's replicas
         row["optimizer"] += o * (sum(math.ceil(u / edp) for u in units)
@@ -288,14 +303,15 @@ def _sp(config, seq, t):
     return t > 1 and seq % t == 0
 
 
-def candidates(config, gpus, gpus_per_node=8, seq=None, muon=False):
+def candidates(config, gpus, gpus_per_node=8, seq=None, muon=False, grad32=False):
     """Layouts in the decision order, cheapest first: plain DDP in float32; then mixed
     precision and recompute (selective: the attention's scores, one q k^T more per layer;
     then full); with experts, EP over gcd(gpus, E) of the dp ranks; then (each without,
     with selective and with full recompute) ZeRO-1, ZeRO-2, ZeRO-3; TP with SP inside a
     node (ZeRO-1 over the other ranks); TP over the node x PP across nodes. SP only where
     training runs it: seq (default block_size) a multiple of tp. Every one with Muon where
-    `muon` (--optimizer muon)."""
+    `muon` (--optimizer muon); every mixed-precision one with float32 gradients where
+    `grad32` (--grad-dtype float32)."""
     seq = seq or config.block_size
     recomputes = ("none", "selective", "full")
     out = [Layout(dp=gpus, amp=False)] + [Layout(dp=gpus, recompute=r) for r in recomputes]
@@ -314,17 +330,18 @@ def candidates(config, gpus, gpus_per_node=8, seq=None, muon=False):
         if (gpus // t) % p == 0:
             out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
                            sp=_sp(config, seq, t), recompute=r) for r in recomputes]
-    return [replace(layout, muon=muon) for layout in out]
+    return [replace(layout, muon=muon, grad32=grad32 and layout.amp) for layout in out]
 
 
 def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=8,
-         headroom=0.1, dropout=None, muon=False):
+         headroom=0.1, dropout=None, muon=False, grad32=False):
     """Every candidate's per-rank bill, whether it fits in (1 - headroom) x gpu memory, and
-    the first that fits (None if none does); `muon`: with --optimizer muon."""
+    the first that fits (None if none does); `muon`: with --optimizer muon; `grad32`: the
+    mixed-precision rows with --grad-dtype float32."""
     seq = seq or config.block_size
     budget = gpu_mem_gib * GiB * (1 - headroom)
     rows = []
-    for layout in candidates(config, gpus, gpus_per_node, seq, muon):
+    for layout in candidates(config, gpus, gpus_per_node, seq, muon, grad32):
         row = {"layout": layout.name(), **asdict(layout),
                **bill(config, layout, seq, micro_batch, dropout)}
         row["fits"] = row["total"] <= budget

@@ -20,7 +20,7 @@ from minidist.train.inputs import recorded_flags, schedule_differences
 
 # flags whose change makes a resumed run differ from an uninterrupted one; the schedule's
 _MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data",
-               "dropout", "muon_momentum", "muon_ns_steps", "moe_bias_rate")
+               "dropout", "muon_momentum", "muon_ns_steps", "moe_bias_rate", "grad_dtype")
 _SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 
 

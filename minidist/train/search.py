@@ -141,11 +141,11 @@ def expert_splits(config, dp):
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
            tiled=True, zeros=ZERO_STAGES, recomputes=None, headroom=0.1, v=1,
-           moe_load=1.0, muon=False, ns_steps=5):
+           moe_load=1.0, muon=False, ns_steps=5, grad32=False):
     """Every candidate row, fastest first among those that fit, then the rest. recomputes:
     None: none and full, and selective too where the attention is not tiled (tiles keep
     no scores to recompute). muon: every row with --optimizer muon (ns_steps: its
-    Newton-Schulz iterations)."""
+    Newton-Schulz iterations). grad32 (with amp): --grad-dtype float32's 4-byte gradients."""
     recomputes = recomputes or (("none", "full") if tiled else ("none", "selective", "full"))
     rows = []
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch, v=v):
@@ -159,7 +159,8 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, amp=amp,
                                             ep=ep, recompute=recompute, sp=tp > 1,
                                             tiled=tiled, cp_attention=attention,
-                                            zero_shard=shard, muon=muon)
+                                            zero_shard=shard, muon=muon,
+                                            grad32=grad32 and amp)
                             if recompute == "selective" and not layout.keeps_scores:
                                 continue        # no scores to recompute (the ring's tiles)
                             for m in micro_batch_counts(pp, global_batch // dp,
@@ -185,7 +186,8 @@ def train_flags(config, row, v=1):
     planner's dp counts the ep ranks (ep is carved out of it), train_gpt's --dp does not.
     Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn).
     A row priced with Muon (row["muon"]) runs --optimizer muon, with --muon-ns-steps
-    where its "muon_ns_steps" is not training's default, 5."""
+    where its "muon_ns_steps" is not training's default, 5; one with float32 gradients
+    (row["grad32"]) --grad-dtype float32."""
     attention = "tiled" if row["tiled"] else \
         "recompute" if row["recompute"] == "selective" else "materialized"   # as priced
     flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
@@ -216,6 +218,7 @@ def train_flags(config, row, v=1):
     elif row["micro_batches"] > 1:
         flags += ["--grad-accum", row["micro_batches"]]
     flags += (["--sequence-parallel"] if row["sp"] else []) + (["--amp"] if row["amp"] else [])
+    flags += ["--grad-dtype", "float32"] if row.get("grad32") else []
     flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
     ulysses = row.get("cp_attention", "ring") == "ulysses"   # the ring: training's default
     flags += ["--cp-attention", "ulysses"] if ulysses else []

@@ -51,7 +51,8 @@ def make_strategy(args, world=None):
     # 4. data parallelism, innermost: over dp (x ep: the dense parameters), or dp x cp (every
     # cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
-                                  MixedPrecision(dtype=amp_dtype(args, world))
+                                  MixedPrecision(dtype=amp_dtype(args, world),
+                                                 grad_dtype=args.grad_dtype)
                                   if args.amp else None)
     # 3'. expert parallelism: this rank's experts over ep, the tokens sent by all-to-all
     if args.ep > 1:

@@ -11,6 +11,8 @@ of S = padded / N elements, rank r owning flat[r*S : (r+1)*S]:
         owner   [rank 0][rank 1][rank 2][rank 3]
         rank 1's shard = flat[2:4] = (w2, b0): a shard may cut through a parameter
 
+The gradient buffers are in the parameters' grad_dtype (`FlatUnit.grad_dtype`: float32 under
+--amp --grad-dtype float32, so they accumulate and are reduce-scattered in float32).
 The padding is part of every flat buffer (parameters, gradients, Adam's m and v) and stays
 zero: its gradient is zero, so AdamW moves it by 0 (m = v = 0, m / (sqrt(v) + eps) = 0).
 Equal shards let reduce-scatter and all-gather use equal chunks (the comm layer's
@@ -65,6 +67,7 @@ class FlatUnit:
         self.shard_size = self.padded // world               # S
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.dtype = self.params[0].dtype
+        self.grad_dtype = self.params[0].grad_dtype      # the gradient buffers' (--grad-dtype)
 
     def __repr__(self):
         return (f"FlatUnit({self.name!r}, {len(self.params)} params, numel {self.numel} + "

@@ -274,13 +274,15 @@ class ZeroDataParallel(SingleProcess):
         stage over the group, plus `experts` (memory.ExpertStates) at stage 1 over theirs."""
         amp = self.amp is not None
         itemsize = 2 if amp else self.engine.units[0].flat.dtype.itemsize
+        grad = self.engine.units[0].flat.grad_dtype.itemsize     # 4: --grad-dtype float32
         n_experts = experts.params if experts else 0
         dense = memory.zero_model_states(self.n_params - n_experts, self.shard_group.size,
-                                         self.stage, amp=amp, itemsize=itemsize)
+                                         self.stage, amp=amp, itemsize=itemsize,
+                                         grad_bytes=grad)
         if not n_experts:
             return dense
         mine = memory.zero_model_states(n_experts, experts.ranks, 1, amp=amp,
-                                        itemsize=itemsize)
+                                        itemsize=itemsize, grad_bytes=grad)
         return {k: dense[k] + mine[k] for k in dense}
 
     def summary(self):

@@ -157,7 +157,7 @@ class ZeroStage1:
     # ---- gradients: full flat buffers, each reduce-scattered when backward completes it ---
     def _init_grads(self):
         for u in self.units:
-            u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.dtype)
+            u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.grad_dtype)
             u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
             u.grad_views = u.flat.views(u.grad_full)
         self._scattering = {}        # id(unit) -> its reduce-scatter this step
@@ -294,7 +294,7 @@ class ZeroStage2(ZeroStage1):
 
     def _init_grads(self):
         for u in self.units:
-            u.grad_shard = xp_of(u.param_shard).zeros(u.flat.shard_size, u.flat.dtype)
+            u.grad_shard = xp_of(u.param_shard).zeros(u.flat.shard_size, u.flat.grad_dtype)
         self._inflight = []          # (unit, flat buffer, Work, last), oldest first; last:
                                      # issued in a step's last micro-batch (not deferring)
         self._across = {}            # hybrid: id(unit) -> its all-reduce across the replicas
@@ -318,7 +318,7 @@ class ZeroStage2(ZeroStage1):
         """Copy u's gradients into a padded flat buffer, drop them, start the reduce-scatter:
         this rank receives buffer[lo:hi] averaged over the group."""
         f = u.flat
-        buf = f.flatten([p.grad for p in f.params], dtype=f.dtype)
+        buf = f.flatten([p.grad for p in f.params], dtype=f.grad_dtype)
         for p in f.params:
             p.grad = None
         u.ready = 0
