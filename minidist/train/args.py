@@ -8,6 +8,7 @@ on (--dp --tp --pp --zero --comm --device --dtype --amp --ckpt-activations --n-l
 Tests: tests/test_train.py.
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -349,3 +350,20 @@ def train_parser():
                         "minidist/train/README.md).",
                formatter_class=HelpWithDefaults)
     return add_train_args(add_parallel_args(add_model_args(p)))
+
+
+@functools.cache
+def _checking_parser():
+    """One train_parser, built on first use, for the checks below (never handed out)."""
+    return train_parser()
+
+
+def parse_train_flags(argv):
+    """train_gpt.py's flags `argv` parsed, by one parser built once: building one takes
+    about 3 ms, and the planners check thousands of layouts as training's flags."""
+    return _checking_parser().parse_args(argv)
+
+
+def train_default(name):
+    """train_gpt.py's default of the flag whose dest is `name` (e.g. "muon_ns_steps")."""
+    return _checking_parser().get_default(name)

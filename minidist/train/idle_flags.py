@@ -7,7 +7,7 @@ train/strategy.py's check_layout again once the world size says how many replica
 ranks there are.
 Tests: tests/test_cli.py, tests/test_eval_only.py.
 """
-from minidist.train.args import train_parser
+from minidist.train.args import train_default
 from minidist.train.cli import UsageError
 
 
@@ -106,11 +106,10 @@ def idle_flags(args, replicas=None, ranks=None):
 def check_idle_flags(args, replicas=None, ranks=None):
     """A flag changed from its default where it would do nothing is refused, not ignored
     (`replicas`, `ranks`: as idle_flags)."""
-    defaults = train_parser()
     for flag, what, remedy in idle_flags(args, replicas, ranks):
         name = flag[2:].replace("-", "_")
         value = getattr(args, name)
-        if value != defaults.get_default(name):
+        if value != train_default(name):
             given = flag if isinstance(value, bool) else f"{flag} {value}"    # --overwrite
             raise UsageError(f"{given}: sets {what}, which this run does not use ({remedy}, "
                              f"or leave {flag} out)")

@@ -46,12 +46,11 @@ def check_moe(args):
     if experts < 0 or experts == 1:
         raise UsageError(f"--moe-experts {experts}: 0 (a dense model) or at least 2 experts")
     if not experts:
-        from minidist.train.args import train_parser     # (args.py imports cli.py)
-        defaults = train_parser()
+        from minidist.train.args import train_default    # (args.py imports cli.py)
         weights = getattr(args, "resume", None) or getattr(args, "init_from", None)
         for name in MOE_FLAGS:                  # a flag that would do nothing: refused
             value = getattr(args, name, None)   # (a planner's flags have no --moe-bias-rate)
-            if value is not None and value != defaults.get_default(name):
+            if value is not None and value != train_default(name):
                 flag = "--" + name.replace("_", "-")
                 fix = (f"the model of {weights} is dense: leave {flag} out" if weights else
                        f"add --moe-experts E, 2 or more, or leave {flag} out")

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 from minidist.nn.config import GPTConfig
-from minidist.train.args import add_moe_args, train_parser
+from minidist.train.args import add_moe_args, train_default
 from minidist.train.cli import UsageError
 from minidist.train.cluster import fills_nodes
 from minidist.train.model_flags import check_moe
@@ -91,7 +91,7 @@ def muon_problem(args):
     otherwise (and for plan_memory.py, which has no such flag: it prices no time)."""
     steps = getattr(args, "muon_ns_steps", None)
     if steps is None or args.optimizer == "muon" or \
-            steps == train_parser().get_default("muon_ns_steps"):
+            steps == train_default("muon_ns_steps"):
         return None
     return (f"--muon-ns-steps {steps}: sets Muon's Newton-Schulz iterations, which this plan "
             "does not price (add --optimizer muon, or leave --muon-ns-steps out)")

@@ -39,7 +39,7 @@ from minidist.ep.strategy import ep_problems, moe_problems
 from minidist.nn.config import GPTConfig
 from minidist.pp.strategy import pp_problems
 from minidist.tp.strategy import tp_problems
-from minidist.train.args import train_parser
+from minidist.train.args import parse_train_flags, train_default
 from minidist.train.cli import UsageError
 from minidist.train.cluster import fills_nodes
 from minidist.train.cost import step_time
@@ -49,7 +49,7 @@ from minidist.train.strategy import check_layout
 from minidist.zero.strategy import zero_shard_problem
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
-MUON_NS_STEPS = train_parser().get_default("muon_ns_steps")     # its --muon-ns-steps: 5
+MUON_NS_STEPS = train_default("muon_ns_steps")     # its --muon-ns-steps: 5
 CP_ATTENTIONS = ATTENTIONS             # its --cp-attention choices (minidist/cp/context.py)
 
 
@@ -269,7 +269,7 @@ def layout_problems(config, layout, gpus, global_batch, micro=1, schedule="1f1b"
         return problems
     row = {**asdict(layout), "micro_batches": micro, "schedule": schedule,
            "micro_batch": global_batch // (layout.dp * micro)}
-    args = train_parser().parse_args(train_flags(config, row, v))
+    args = parse_train_flags(train_flags(config, row, v))
     cp = cp_problems(args) if layout.cp > 1 else []
     heads = ulysses_problems(args) if layout.cp > 1 and layout.cp_attention == "ulysses" \
         else []                                   # those of cp_problems' that are Ulysses'
