@@ -141,6 +141,25 @@ def test_one_rank_ddp_equals_single_process(mode, device):
             np.testing.assert_array_equal(H(p.grad), H(q.grad), err_msg=f"{mode} {name}")
 
 
+@pytest.mark.parametrize("mode", ["naive", "bucketed", "overlapped"])
+def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode):
+    """First-use walk 29: an own loop without ddp.sync_grads() stepped on each rank's own
+    gradients, and the replicas drifted apart silently (bucketed, naive). Every mode now
+    refuses the next forward after a backward that was never averaged, naming the call;
+    sync_grads() clears it, and no_sync()'s micro-batches are not counted."""
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), mode, 0.002)
+    _backward(ddp)
+    with pytest.raises(RuntimeError, match=r"call ddp.sync_grads\(\) after the backward"):
+        ddp(*_batch())
+    ddp.sync_grads()
+    ddp.zero_grad()
+    with ddp.no_sync():
+        _backward(ddp)
+    _backward(ddp)
+    ddp.sync_grads()
+    _backward(ddp, step=1)                                    # the next step: fine
+
+
 def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device):
     model = GPT(CONFIG, seed=0)
     wpe = model.transformer.wpe.weight          # used first in forward: gradient done last

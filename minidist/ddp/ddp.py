@@ -82,10 +82,30 @@ class DataParallelNaive:
                        if p.requires_grad and not p.expert_parallel]  # are minidist/ep/'s
         self.sync_enabled = True      # False inside no_sync()
         self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
+        self.unsynced = False         # a backward outside no_sync() since the last sync
+        self._marks = [p.register_grad_hook(self._backward_ran) for p in self.params]
         broadcast_parameters(self.params, group)
 
     def __call__(self, *args, **kwargs):
+        self.check_synced()
         return self.module(*args, **kwargs)
+
+    def _backward_ran(self, p):
+        """Autograd hook: a backward reached `p`; outside no_sync() its gradients now wait
+        for sync_grads()."""
+        if self.sync_enabled:
+            self.unsynced = True
+
+    def check_synced(self):
+        """A forward after a backward whose gradients were never averaged (first-use walk
+        29: a loop without sync_grads() let the replicas drift apart, silently): a
+        RuntimeError naming the call that was missed."""
+        if self.unsynced:
+            raise RuntimeError(
+                "DDP: a forward after a backward whose gradients were not averaged: call "
+                "ddp.sync_grads() after the backward of each step's last micro-batch, before "
+                "the optimizer's step; run the other micro-batches of a step inside `with "
+                "ddp.no_sync():`")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -101,6 +121,7 @@ class DataParallelNaive:
         Call once per optimizer step, after the last backward."""
         start = time.perf_counter()
         self._sync()
+        self.unsynced = False
         self.last_sync_s = time.perf_counter() - start
 
     def _sync(self):
@@ -111,6 +132,7 @@ class DataParallelNaive:
 
     def zero_grad(self):
         """Drop the gradients (.grad = None, as the optimizer's zero_grad does)."""
+        self.unsynced = False         # (dropped: nothing left to average)
         for p in self.params:
             p.grad = None
 
@@ -186,6 +208,7 @@ class DataParallelBucket(DataParallelNaive):
         self.zero_grad()
 
     def __call__(self, *args, **kwargs):
+        self.check_synced()
         for b in self.buckets:               # before backward writes: grads into the buckets
             b.attach()
         return self.module(*args, **kwargs)
@@ -193,6 +216,7 @@ class DataParallelBucket(DataParallelNaive):
     def zero_grad(self):
         """Zero every gradient in place, keeping them views into the buckets (the training
         step calls this instead of the optimizer's zero_grad: no copies in the next step)."""
+        self.unsynced = False         # (dropped: nothing left to average)
         for b in self.buckets:
             b.buffer.fill(0)
             b.attach()
@@ -220,7 +244,8 @@ class DataParallelOverlap(DataParallelBucket):
         b = self._bucket_of[id(p)]
         if b.ready == len(b.params):
             raise RuntimeError("DDP: a second backward before sync_grads(); accumulate "
-                               "gradients inside `with ddp.no_sync():` instead")
+                               "gradients inside `with ddp.no_sync():`, and call "
+                               "ddp.sync_grads() after each step's last backward")
         b.ready += 1
         if b.ready == len(b.params):
             self._launch_ready()

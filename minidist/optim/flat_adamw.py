@@ -106,6 +106,7 @@ class FlatAdamW(AdamW):
     def step(self):
         """Update every group: one adamw_update over its flat buffer, or per parameter on the
         views when a gradient is missing or the step counts differ."""
+        self.check_has_gradients()
         for group, flat in zip(self.param_groups, self.flats):
             flat.attach()
             states = [self.state[n] for n in flat.names]

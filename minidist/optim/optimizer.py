@@ -10,6 +10,8 @@ group's updates in `end_group(group)` (Muon's deferred ones); the math itself is
 plain function on arrays (`adamw_update`, `sgd_update`) that ZeRO applies to flat shards.
 Tests: tests/test_optim.py.
 """
+import re
+
 import numpy as np
 
 from minidist import backend
@@ -37,8 +39,22 @@ class Optimizer:
     # ---- the step --------------------------------------------------------------------------
     def step(self):
         """Update every parameter that has a gradient, in place."""
+        self.check_has_gradients()
         for group in self.param_groups:
             self.step_group(group)
+
+    def check_has_gradients(self):
+        """A step where no parameter has a gradient would change nothing, silently: a
+        RuntimeError saying where the gradients went (first-use walk 29: a plain AdamW
+        beside a ZeRO-3 engine, whose gradients live in its shards, trained nothing)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if params and all(p.grad is None for p in params):
+            raise RuntimeError(
+                f"{type(self).__name__}.step: no parameter has a gradient (.grad is None on "
+                f"all {len(params)}): run loss.backward() before step(); under ZeRO "
+                "(minidist.zero.engine.zero_engine) the gradients are the engine's shards: "
+                "step with ShardedAdamW(engine, ...), not an optimizer of the model's "
+                "parameters")
 
     def step_group(self, group):
         """One group's update, one parameter at a time (AdamW may do a group in one go), then
@@ -110,7 +126,11 @@ class Optimizer:
         params = {n: p for g in self.param_groups for n, p in zip(g["names"], g["params"])}
         unknown = [n for n in sd["state"] if n not in params]
         if unknown:
-            raise ValueError(f"optimizer state for unknown parameters {unknown[:6]}")
+            unnamed = [n for n in (unknown + list(params)) if re.fullmatch(r"param\d+", n)]
+            raise ValueError(f"optimizer state for unknown parameters {unknown[:6]}" + (
+                "; one side was built from parameters() without names (param0, param1, "
+                "...): build the optimizer from model.named_parameters(), as the strategies "
+                "and their checkpoints do" if unnamed else ""))
         for group, saved in zip(self.param_groups, sd["groups"]):
             group.update(saved)
         self.state = {}

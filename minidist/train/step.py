@@ -32,6 +32,11 @@ def train_step(strategy, model, opt, x, y, args):
     x, y, ids = strategy.local_rows(x, y, np.arange(len(x)))
     n = args.grad_accum
     rows = len(x) // n
+    if rows * n != len(x) or not rows:   # (train_gpt.py refuses it first; a script may not)
+        raise ValueError(f"train_step: this rank's {len(x)} rows of the batch do not split "
+                         f"into grad_accum {n} equal micro-batches (rows {rows * n} to "
+                         f"{len(x) - 1} would be dropped); give a batch of a multiple of "
+                         f"{n} rows per replica")
     strategy.start_step()                              # counters for the end-of-run summary
     model.dropout_keys.next_step()                     # this step's masks
     loss_sum, act = 0.0, 0

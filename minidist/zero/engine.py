@@ -16,6 +16,12 @@ def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None,
     its own communicator and thread, on which after_step's all-gathers run in the
     background, each unit waited for by the next forward's block hook (on `group` itself
     the step's next blocking collective, the loss's mean, would wait for them all)."""
+    if stage == 3 and not hasattr(model, "set_block_hooks"):   # (was an AttributeError)
+        raise TypeError(f"zero_engine: stage 3 gathers each block's parameters from the "
+                        f"model's forward, which calls the engine's block hooks: "
+                        f"{type(model).__name__} has no set_block_hooks (minidist/nn/gpt.py "
+                        "shows one: before_root, before_block, after_block); stages 1 and 2 "
+                        "take any model")
     units = units if units is not None else gpt_units(model, group.size, group.rank)
     if stage == 3:
         return ZeroStage3(model, group, units, prefetch, replicas)

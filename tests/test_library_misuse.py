@@ -1,0 +1,84 @@
+"""minidist used as a library, from a script's own loop: the mistakes first-use walk 29 made
+are told at once, in a sentence naming the call that was missed, instead of training
+something else silently.
+
+    python -m pytest -q tests/test_library_misuse.py
+
+DDP's forgotten sync_grads(): tests/test_ddp.py::test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward.
+"""
+import types
+
+import numpy as np
+import pytest
+
+from minidist.nn import GPT, GPTConfig
+from minidist.nn.module import Module
+from minidist.optim import AdamW
+from minidist.strategy.base import SingleProcess
+from minidist.train.step import train_step
+from minidist.zero.engine import zero_engine
+
+CONFIG = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+
+
+def _batch(rows):
+    x = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (rows, CONFIG.block_size))
+    return x, np.roll(x, -1, axis=1)
+
+
+def test_a_step_without_any_gradient_is_refused():
+    """A plain AdamW beside a ZeRO-3 engine (whose gradients are its shards) trained
+    nothing, silently: every .grad was None and step() skipped each parameter. A step
+    where no parameter has a gradient is now an error; one with some is as before."""
+    model = GPT(CONFIG, seed=0)
+    opt = AdamW(model.named_parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError, match=r"AdamW.step: no parameter has a gradient .* "
+                                           r"step with ShardedAdamW\(engine, ...\)"):
+        opt.step()
+    _, loss = model(*_batch(2))
+    loss.backward()
+    before = [p.data.copy() for p in model.parameters()]
+    opt.step()
+    assert all(not np.array_equal(b, p.data) for b, p in zip(before, model.parameters()))
+
+
+def test_train_step_refuses_rows_that_do_not_split_into_its_micro_batches():
+    """train_step with 6 rows and grad_accum 4 trained on rows 0-3 and dropped 4 and 5
+    (train_gpt.py refuses the flags first; a script calling train_step was not told)."""
+    model = GPT(CONFIG, seed=0)
+    strategy = SingleProcess()
+    opt = AdamW(model.named_parameters(), lr=1e-3)
+    args = types.SimpleNamespace(log_json=None, grad_accum=4, grad_clip=1.0)
+    with pytest.raises(ValueError, match=r"this rank's 6 rows of the batch do not split "
+                                         r"into grad_accum 4 equal micro-batches \(rows 4 to "
+                                         r"5 would be dropped\)"):
+        train_step(strategy, model, opt, *_batch(6), args)
+    train_step(strategy, model, opt, *_batch(8), args)      # 4 x 2 rows: as before
+
+
+def test_zero3_on_a_model_without_block_hooks_says_what_it_needs():
+    """ZeRO-3 on a model of one's own was `AttributeError: 'MLP' object has no attribute
+    'set_block_hooks'`; stages 1 and 2 take any model."""
+    class Plain(Module):
+        pass
+
+    with pytest.raises(TypeError, match="zero_engine: stage 3 gathers .* Plain has no "
+                                        "set_block_hooks"):
+        zero_engine(Plain(), None, 3)
+
+
+def test_an_unnamed_optimizers_state_says_to_build_it_from_named_parameters():
+    """AdamW(model.parameters()), PyTorch's habit, names its state param0, param1, ...: a
+    named optimizer (the strategies', train_gpt.py's checkpoints) could not load it, and
+    the error gave no hint."""
+    model = GPT(CONFIG, seed=0)
+    unnamed = AdamW(model.parameters(), lr=1e-3)
+    _, loss = model(*_batch(2))
+    loss.backward()
+    unnamed.step()
+    named = AdamW(model.named_parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"optimizer state for unknown parameters \['param"
+                                         r".*build the optimizer from "
+                                         r"model.named_parameters\(\)"):
+        named.load_state_dict(unnamed.state_dict())
+    named.load_state_dict(AdamW(model.named_parameters(), lr=1e-3).state_dict())
