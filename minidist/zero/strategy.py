@@ -292,10 +292,18 @@ class ZeroDataParallel(SingleProcess):
         hybrid = "" if self.replicas is None else (
             f", {across / 2**20:.2f} MiB of it across the shard groups ({across / psi:.2f} x; "
             f"2(R-1)/(RK) = {2 * (self.replicas.size - 1) / self.world_size:.2f} x)")
+        n = self.world_size
+        if n == 1:                     # (was "0.00 MiB ... (0.00 x; DDP sends ... 0.00 x)")
+            return (f"ZeRO-{self.stage} over 1 rank: nothing sent, the one rank owns every "
+                    f"shard ({psi / 2**20:.2f} MiB of parameters)")
+        # the paper's stage 3 re-gathers every block in backward; minidist's keeps the last
+        # two blocks from forward and gathers the root once (minidist/zero/README.md)
+        paper = (f", the paper's ZeRO-3 3(N-1)/N = {3 * (n - 1) / n:.2f} x less the last two "
+                 f"blocks' and the root's second gathers" if self.stage == 3 else "")
         return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
-                f"of parameters ({sent / psi:.2f} x{hybrid}; DDP sends "
-                f"2(N-1)/N = {2 * (self.world_size - 1) / self.world_size:.2f} x"
+                f"of parameters ({sent / psi:.2f} x{hybrid}{paper}; DDP sends "
+                f"2(N-1)/N = {2 * (n - 1) / n:.2f} x"
                 + (f", Muon's update all-gather and reduce-scatter "
                    f"{self.opt.update_bytes() / psi:.2f} x more"
                    if isinstance(self.opt, ShardedMuon) else "") + ")")
