@@ -1,0 +1,115 @@
+"""Tensor parallelism (and TP x DP) from your own training loop, checked against one process: a
+tiny GPT trained a few steps (float64, dropout, clipping) over tp ranks, DDP across the tp
+groups when there are more ranks than --tp, by the recipe that minidist/tp/README.md shows,
+without and with sequence parallelism; every rank compares the gathered parameters with one
+process's.
+
+    mpiexec -n 2 python examples/own_loop_tp.py                  # tp 2
+    mpiexec -n 4 python examples/own_loop_tp.py --tp 2           # tp 2 x dp 2
+    mpiexec -n 4 python examples/own_loop_tp.py --tp 4 --dropout 0.5
+
+The lines between the recipe's markers are the README's snippet, word for word
+(tests/test_own_loop.py checks it). Rank 0 prints each run's largest difference over the
+ranks; the exit status is 1 if one exceeds --tol.
+"""
+import sys
+
+import numpy as np
+
+from minidist import backend, comm
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.train.args import example_parser
+
+LR, CLIP = 1e-2, 0.5
+
+
+def global_batch(step, config, rows=8):
+    """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
+    data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
+                                                     (rows, config.block_size + 1))
+    return data[:, :-1], data[:, 1:]
+
+
+def own_loop(group, config, tp, sp, steps):
+    """`steps` optimizer steps of a GPT split over tp ranks of `group` (sequence parallel if
+    `sp`), DDP over the rest. Returns the model."""
+    # --- the recipe (minidist/tp/README.md) ---
+    from minidist.comm import DeviceMesh
+    from minidist.ddp.ddp import DistributedDataParallel
+    from minidist.tp.model import TensorParallelGPT
+    from minidist.tp.state import sum_sq_over_tp
+    mesh = DeviceMesh(dp=group.size // tp, tp=tp, world=group)   # tp: neighbouring ranks
+    model = TensorParallelGPT(config, mesh.tp, seed=0, dtype="float64", sequence_parallel=sp)
+    ddp = DistributedDataParallel(model, mesh.dp)    # across the tp groups (dp 1: a no-op)
+    opt = AdamW(model.named_parameters(), lr=LR)     # named: its checkpoints load anywhere
+    replicated = [p for p in model.parameters() if p.tp_split is None]  # whole on each rank
+    keys = model.dropout_keys                        # dropout masks keyed by (step, row)
+    for step in range(steps):
+        x, y = global_batch(step, config)            # the same global batch on every rank
+        n = len(x) // mesh.dp.size                   # the dp rank's rows: the SAME rows on
+        rows = np.arange(mesh.dp_rank * n, (mesh.dp_rank + 1) * n)   # each rank of a tp group
+        keys.next_step()                             # once per optimizer step
+        with keys.rows_of(rows):
+            _, loss = ddp(x[rows], y[rows])          # the loss of all the rows, on each tp rank
+            loss.backward()
+        ddp.sync_grads()                             # the mean over dp
+        opt.clip_grad_norm(CLIP, lambda s: sum_sq_over_tp(    # split: summed over tp;
+            model, mesh.tp, s, [p.grad for p in replicated]))  # replicated: counted once
+        opt.step()
+        ddp.zero_grad()
+    # --- end of the recipe ---
+    return model
+
+
+def one_process(config, steps):
+    """The reference: one process, the whole global batch, the plain loop."""
+    model = GPT(config, seed=0, dtype="float64")
+    opt = AdamW(model.named_parameters(), lr=LR)
+    for step in range(steps):
+        _, loss = model(*global_batch(step, config))   # advances the dropout step itself
+        loss.backward()
+        opt.clip_grad_norm(CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def max_difference(group, model, ref):
+    """The largest |parameter - one process's| over every (gathered) parameter and rank."""
+    full = model.full_state_dict()                   # collective over tp; on every rank
+    ref = {n: backend.to_host(p.data) for n, p in ref.named_parameters()}
+    buf = np.array([max(float(np.abs(a - ref[n]).max()) for n, a in full.items())])
+    group.all_reduce(buf, op="max")
+    return float(buf[0])
+
+
+def main():
+    p = example_parser(__doc__)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest: dp)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    p.add_argument("--dropout", type=float, default=0.1, help="the GPT's dropout")
+    p.add_argument("--tol", type=float, default=1e-10, help="largest difference allowed")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="array device")
+    args = p.parse_args()
+    backend.setup(device=args.device)
+    group = comm.init("ring")
+    if group.size % args.tp:
+        p.error(f"--tp {args.tp} does not divide the {group.size} ranks")
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64,
+                       dropout=args.dropout)
+    ref = one_process(config, args.steps)
+    worst = 0.0
+    for sp in (False, True):
+        model = own_loop(group, config, args.tp, sp, args.steps)
+        diff = max_difference(group, model, ref)
+        worst = max(worst, diff)
+        if group.rank == 0:
+            print(f"TP {args.tp} x DP {group.size // args.tp}, sequence parallel "
+                  f"{'on ' if sp else 'off'}, {args.steps} steps, dropout {args.dropout}: "
+                  f"max |parameter - one process| = {diff:.2e}", flush=True)
+    sys.exit(0 if worst <= args.tol else 1)
+
+
+if __name__ == "__main__":
+    main()
