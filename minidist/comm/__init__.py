@@ -43,16 +43,17 @@ mpi4py.rc.initialize = False   # before mpi4py.MPI is imported: init() below ini
 from mpi4py import MPI  # noqa: E402
 
 from minidist.comm import hier, mpich, progress, trace, watchdog  # noqa: E402
-from minidist.comm.debug import CollectiveMismatch, install_abort_handler  # noqa: E402
+from minidist.comm.debug import (CollectiveFailed, CollectiveMismatch,  # noqa: E402
+                                 install_abort_handler)
 from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
 from minidist.comm.mesh import DeviceMesh  # noqa: E402
 from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: E402
 from minidist.comm.staging import cuda_aware_mpi  # noqa: E402
 from minidist.comm.stream import Work  # noqa: E402
 
-__all__ = ["ALGOS", "CollectiveMismatch", "DeviceMesh", "ProcessGroup", "Work", "chunk_bounds",
-           "cuda_aware_mpi", "env_problems", "init", "install_abort_handler", "ring_bytes",
-           "trace"]
+__all__ = ["ALGOS", "CollectiveFailed", "CollectiveMismatch", "DeviceMesh", "ProcessGroup",
+           "Work", "chunk_bounds", "cuda_aware_mpi", "env_problems", "init",
+           "install_abort_handler", "ring_bytes", "trace"]
 THREAD_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
                  "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
 _state = {"initialised": False}

@@ -7,7 +7,10 @@ Two classic ways a distributed program dies silently:
    `enable()`), every collective first all-gathers a small signature (sequence number, op, size,
    dtype, root) over the group and, if they differ, raises `CollectiveMismatch` on every rank,
    naming which ranks called what. If some rank never arrives at all, the watchdog's timeout
-   (watchdog.py) ends the job, naming the ranks that did not arrive.
+   (watchdog.py) ends the job, naming the ranks that did not arrive. Without debug mode a
+   mismatch that makes MPI fail (an all-reduce of 10 elements on one rank, 12 on another)
+   raises `CollectiveFailed` naming the op, its number, group, count and dtype, and pointing
+   here (`failed_in_mpi`; ProcessGroup catches MPI's error around each collective).
 2. One rank raises and exits, the others wait forever for its messages. `install_abort_handler`
    (installed by `comm.init()`) replaces `sys.excepthook` and `threading.excepthook`: print the
    traceback, then `MPI.COMM_WORLD.Abort(1)`, which makes mpiexec kill every rank at once.
@@ -41,6 +44,28 @@ DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int32", "int64", "in
 
 class CollectiveMismatch(RuntimeError):
     """Ranks of a group called different collectives (or sizes, dtypes, roots) at one point."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed inside MPI (an MPI.Exception, kept as __cause__). Without debug
+    mode that is mostly ranks that disagree on it: the ring's messages do not fit."""
+
+
+def failed_in_mpi(group, seq, op, count, dtype, error):
+    """The CollectiveFailed for MPI's `error` in collective #seq `op` (`count` elements of
+    `dtype`) of the group named `group`: what failed, and where to look next. Built only
+    once MPI has failed; the collectives' fast path checks nothing."""
+    what = f"{op} #{seq} on group {group!r} (count {count}{', ' + dtype if dtype else ''})"
+    if enabled():
+        hint = ("MINIDIST_DEBUG=1 found every rank calling the same collective (all_to_all's "
+                "counts are not compared), so look at the counts, or at MPI itself")
+    else:
+        hint = ("the ranks probably disagree on the collective (op, size or dtype, or one "
+                "rank called another collective); rerun with MINIDIST_DEBUG=1, which checks "
+                "every collective's signature across the ranks and names what each called")
+    said = "" if error.Get_error_class() == MPI.ERR_IN_STATUS else \
+        f" ({error.Get_error_string()})"    # ERR_IN_STATUS's text points to a status we lack
+    return CollectiveFailed(f"{what} failed inside MPI{said}: {hint}")
 
 
 def enable():

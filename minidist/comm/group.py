@@ -1,7 +1,7 @@
 """ProcessGroup: a set of ranks, the collectives they run together, and how they run them.
 
     world = comm.init(algo="ring")                  # every rank (MPI_Init, hooks: once)
-    pair = world.new_group([0, 1])                  # call on every rank; None outside [0, 1]
+    pair = world.new_group([0, 1])                  # every rank, same list; None outside it
     world.all_reduce(grads, op="avg")               # in place, returns when done
     work = world.all_reduce(bucket, async_op=True)  # returns at once ...
     work.wait()                                     # ... done (and bucket reduced) after this
@@ -31,8 +31,13 @@ group's private duplicates of `comm` (one for collectives, one for send/recv), n
 itself, so user traffic on `comm` cannot be mistaken for ours.
 
 Every collective is announced to the watchdog (watchdog.py), which ends the job when one waits
-longer than the timeout. Tests: tests/test_comm.py and tests/scripts/comm_check.py.
+longer than the timeout. An MPI error inside a collective is raised again as
+debug.CollectiveFailed naming the call (the ranks probably disagree on it). Misuse that every
+rank sees alike (a list for an array, avg on integers, bad new_group ranks) raises before any
+communication. Tests: tests/test_comm.py, tests/scripts/comm_check.py and
+tests/test_comm_misuse.py.
 """
+import numbers
 import os
 import sys
 
@@ -108,9 +113,14 @@ class ProcessGroup:
         return cls(MPI.COMM_WORLD, algo, "world", sync_comm)
 
     def new_group(self, ranks, algo=None, name=None):
-        """A group of `ranks` (ranks of this group, in the new group's order). Collective:
-        call on every rank of this group; returns None on ranks not in `ranks`."""
-        ranks = list(ranks)
+        """A group of `ranks` (distinct ranks of this group, in the new group's order).
+        Collective: call on every rank of this group with the same list; returns None on
+        ranks not in `ranks`. A list that differs between the ranks, a rank outside 0..size-1
+        or one given twice raises ValueError on every rank (the lists are all-gathered first,
+        one small collective beside the Split, so every rank judges the same lists)."""
+        ranks = [int(r) if isinstance(r, numbers.Integral) and not isinstance(r, bool) else r
+                 for r in ranks]             # numpy ints as ints: the lists compare alike
+        _check_new_group(self, self.comm.allgather(ranks))
         member = self.rank in ranks
         comm = self.comm.Split(0 if member else MPI.UNDEFINED,
                                ranks.index(self.rank) if member else 0)
@@ -151,7 +161,7 @@ class ProcessGroup:
     def all_reduce(self, buf, op="sum", async_op=False):
         """buf = buf reduced over the group (sum, avg, max or min), in place."""
         buf = _flat(buf)
-        _check_op(op)
+        _check_op(op, buf, "all_reduce")
         algo = self._algo_for(buf)
         return self._issue("all_reduce", buf, None, buf.size, async_op, op, 0,
                            lambda ch, out, _: algo.all_reduce(ch, out, op))
@@ -159,7 +169,7 @@ class ProcessGroup:
     def reduce_scatter(self, out, inp, op="sum", async_op=False):
         """out = chunk `rank` of inp, reduced over the group. out.size == chunk(inp.size)."""
         out, inp = _flat(out), _flat(inp)
-        _check_op(op)
+        _check_op(op, inp, "reduce_scatter")
         _check_chunk(self, "reduce_scatter", "out", out, inp)
         algo = self._algo_for(out)
         return self._issue("reduce_scatter", out, inp, inp.size, async_op, op, 0,
@@ -182,6 +192,7 @@ class ProcessGroup:
 
     def all_to_all(self, out, inp, async_op=False):
         """Chunk j of inp (size/N elements each) to rank j; out = the chunks from every rank."""
+        out, inp = _flat(out), _flat(inp)
         if inp.size % self.size or out.size != inp.size:
             raise ValueError(f"all_to_all: inp ({inp.size}) and out ({out.size}) must have the "
                              f"same size, a multiple of the group size {self.size}; for uneven "
@@ -269,11 +280,15 @@ class ProcessGroup:
             trace.count_call(self.name, op, nbytes, nominal=self.algo in ("mpi", "nccl"))
             ch = Channel(self._coll, self.name, op, self._get_scratch, self._nccl)
             start = trace.now()
-            if self.algo == "nccl" or out is None:
-                body(ch, out, inp)
-            else:
-                with host_staging(out, inp, out_read=op not in WRITE_ONLY) as (h_out, h_inp):
-                    body(ch, h_out, h_inp)
+            try:
+                if self.algo == "nccl" or out is None:
+                    body(ch, out, inp)
+                else:
+                    with host_staging(out, inp, out_read=op not in WRITE_ONLY) as (h_out, h_inp):
+                        body(ch, h_out, h_inp)
+            except MPI.Exception as e:   # costs nothing until MPI fails: say what failed
+                watchdog.left(self.key, seq)
+                raise debug.failed_in_mpi(self.name, seq, op, count, dtype, e) from e
             end = trace.now()
         watchdog.left(self.key, seq)
         if trace.enabled():
@@ -362,15 +377,51 @@ def ranks_text(ranks):
 
 
 def _flat(buf):
+    if not (hasattr(buf, "flags") and hasattr(buf, "dtype")):
+        raise TypeError(f"collectives take a numpy or cupy array, which they fill in place, "
+                        f"not a {type(buf).__name__}; pass x = np.asarray(...) and read the "
+                        "result from x")
     if not buf.flags.c_contiguous:
         raise ValueError(f"collectives need C-contiguous buffers, got shape {buf.shape} with "
                          f"strides {buf.strides}; pass a flat buffer or x.copy()")
     return buf.reshape(-1)
 
 
-def _check_op(op):
+def _check_op(op, buf=None, name="all_reduce"):
+    """A known op; "avg" only on a floating buffer (it divides in place). Both depend only on
+    the call's op and dtype, which every rank of a correct program shares, so every rank
+    raises alike, before any communication."""
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, not {op!r}")
+    if op == "avg" and buf is not None and buf.dtype.kind in "biu":
+        raise ValueError(f"{name}: avg needs a floating buffer (it divides by the group size "
+                         f"in place), not {buf.dtype}; reduce with op='sum' and divide a "
+                         "floating copy, or pass a float array")
+
+
+def _check_new_group(group, lists):
+    """new_group's `ranks`, as every rank gave them (`lists`, in rank order): the same list
+    everywhere, of distinct ints in 0..size-1. Raises ValueError, alike on every rank."""
+    texts = ranks_by_value([repr(lst) for lst in lists])
+    if len(texts) > 1:
+        detail = "; ".join(f"{ranks_text(who)} passed {text}" for text, who in texts.items())
+        raise ValueError(f"new_group on group {group.name!r}: the ranks passed different lists "
+                         f"({detail}); every rank must pass the same list, in the same order "
+                         "(it is the new group's rank order)")
+    ranks = lists[0]
+    def is_rank(r):
+        return isinstance(r, numbers.Integral) and not isinstance(r, bool) and \
+            0 <= r < group.size
+
+    bad = [r for r in ranks if not is_rank(r)]
+    seen = [r for r in ranks if is_rank(r)]
+    twice = sorted({int(r) for i, r in enumerate(seen) if r in seen[:i]})
+    if bad or twice:
+        problems = ([f"not ranks of it: {bad}"] if bad else []) + \
+            ([f"given more than once: {twice}"] if twice else [])
+        raise ValueError(f"new_group({ranks}) on group {group.name!r} of size {group.size}: "
+                         f"ranks must be distinct ints in 0..{group.size - 1}; "
+                         + "; ".join(problems))
 
 
 def _check_chunk(group, name, which, chunk, full):

@@ -5,8 +5,10 @@ collective a ProcessGroup runs is announced to it (`entered` / `left`). Once a s
 
 - aborts the job when a collective has waited longer than the timeout (`comm.init(timeout=)`,
   or MINIDIST_COMM_TIMEOUT seconds; default 600, 0 turns it off). Before aborting it asks the
-  group's other ranks which collective of that group they reached, so the message names the
-  op, the group and the ranks that did not arrive;
+  group's other ranks which collective of that group they reached (its number and op), so the
+  message names the op, the group, the ranks that did not arrive and the ranks that sit in
+  another collective at the same number (rank 0 in all_reduce #1, rank 1 in barrier #1: the
+  ranks called different collectives);
 - aborts the job when a rank that exited (end of script, `sys.exit`, SystemExit: anything
   that runs Python's exit handlers) had not finished a collective this rank is waiting in.
   The exiting rank announces its exit (`announce_exit`) and waits for the others to exit too;
@@ -35,7 +37,7 @@ ASK_S = 3.0                             # how long a timed-out rank waits for an
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
 _lock = threading.Lock()
 _active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
-_progress = {}    # group key -> [entered seq, done seq]
+_progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
           "exited": {}, "answers": {}}
@@ -75,13 +77,14 @@ def entered(key, op, seq):
     """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n)."""
     with _lock:
         _active[threading.get_ident()] = (key, op, seq, time.monotonic())
-        _progress.setdefault(key, [0, 0])[0] = seq
+        progress = _progress.setdefault(key, [0, 0, ""])
+        progress[0], progress[2] = seq, op
 
 
 def left(key, seq):
     with _lock:
         _active.pop(threading.get_ident(), None)
-        _progress.setdefault(key, [0, 0])[1] = seq
+        _progress.setdefault(key, [0, 0, ""])[1] = seq
 
 
 @contextlib.contextmanager
@@ -146,7 +149,7 @@ def _serve():
             _state["exited"][source] = msg
         elif tag == ASK:
             with _lock:
-                comm.send(list(_progress.get(msg, [0, 0])), dest=source, tag=ANSWER)
+                comm.send(list(_progress.get(msg, [0, 0, ""])), dest=source, tag=ANSWER)
         else:
             _state["answers"][source] = msg
 
@@ -186,16 +189,40 @@ def _check_timeouts():
     now, timeout = time.monotonic(), _state["timeout"]
     for key, op, seq, start in calls:
         if timeout > 0 and now - start > timeout:
-            late, silent = _who_did_not_arrive(key, seq)
             abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] {op} #{seq} on {describe(key)} "
-                      f"waited more than {timeout:g} s ({TIMEOUT_FROM}); world ranks that "
-                      f"did not arrive: {late}"
-                      + (f"; ranks that did not answer: {silent}" if silent else "")
+                      f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
+                      + why_waiting(op, seq, _ask_the_others(key))
                       + "; aborting the whole MPI job")
 
 
-def _who_did_not_arrive(key, seq):
-    """Ask the group's other ranks how far they got on `key`: (behind, not answering)."""
+def why_waiting(op, seq, answers):
+    """What the other ranks' `answers` ({world rank: [entered seq, done seq, op]} or None for
+    no answer) say about this rank waiting in `op` #`seq`: who did not arrive, who is in
+    another collective at that number (or past it), who did not answer."""
+    late = [r for r, a in answers.items() if a is not None and a[0] < seq]
+    silent = [r for r, a in answers.items() if a is None]
+    elsewhere = {}   # (finished it?, op, seq) -> the world ranks in (or past) that one
+    for r, a in answers.items():
+        if a is not None and a[0] >= seq and (a[0], a[2]) != (seq, op):
+            elsewhere.setdefault((a[1] >= a[0], a[2], a[0]), []).append(r)
+    parts = [f"world ranks that did not arrive: {late}"] if late else []
+    for (finished, other, at), who in elsewhere.items():
+        many = len(who) > 1
+        verb = ("have finished" if many else "has finished") if finished else \
+            ("are in" if many else "is in")
+        parts.append(f"world rank{'s' * many} {', '.join(map(str, who))} {verb} {other} #{at} "
+                     f"while this rank is in {op} #{seq}")
+    if elsewhere:
+        parts[-1] += ": the ranks called different collectives"
+    if not parts and not silent:
+        parts = [f"every rank is in {op} #{seq}: they may disagree on its size, dtype or root "
+                 "(MINIDIST_DEBUG=1 checks every collective's signature)"]
+    return "; ".join(parts + ([f"ranks that did not answer: {silent}"] if silent else []))
+
+
+def _ask_the_others(key):
+    """Ask the group's other ranks how far they got on `key`: {world rank: their answer,
+    [entered seq, done seq, op], or None when none came within ASK_S}."""
     me, comm = MPI.COMM_WORLD.Get_rank(), _state["comm"]
     others = [r for r in key[1] if r != me]
     _state["answers"].clear()
@@ -205,9 +232,7 @@ def _who_did_not_arrive(key, seq):
     while time.monotonic() < deadline and len(_state["answers"]) < len(others):
         _serve()
         time.sleep(0.05)
-    answers = dict(_state["answers"])
-    behind = [r for r in others if r in answers and answers[r][0] < seq]
-    return behind, [r for r in others if r not in answers]
+    return {r: _state["answers"].get(r) for r in others}
 
 
 # -------------------------------------------------------------------------------------------
