@@ -17,16 +17,7 @@ from minidist import backend, comm
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.train.args import example_parser
-
-LR, CLIP = 1e-2, 0.5
-
-
-def global_batch(step, config, rows=8):
-    """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
-    data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
-                                                     (rows, config.block_size + 1))
-    return data[:, :-1], data[:, 1:]
-
+from own_loop_reference import CLIP, LR, global_batch, largest_difference, one_process
 
 def own_loop(group, model, mode, steps, accum):
     """`steps` optimizer steps of DDP over `group`, `accum` micro-batches each."""
@@ -53,29 +44,6 @@ def own_loop(group, model, mode, steps, accum):
     # --- end of the recipe ---
 
 
-def one_process(config, steps):
-    """The reference: one process, the whole global batch, the plain loop."""
-    model = GPT(config, seed=0, dtype="float64")
-    opt = AdamW(model.named_parameters(), lr=LR)
-    for step in range(steps):
-        _, loss = model(*global_batch(step, config))   # advances the dropout step itself
-        loss.backward()
-        opt.clip_grad_norm(CLIP)
-        opt.step()
-        opt.zero_grad()
-    return model
-
-
-def max_difference(group, model, ref):
-    """The largest |parameter - one process's| over every parameter and every rank."""
-    ref = dict(ref.named_parameters())
-    mine = max(float(np.abs(backend.to_host(p.data) - backend.to_host(ref[n].data)).max())
-               for n, p in model.named_parameters())
-    buf = np.array([mine])
-    group.all_reduce(buf, op="max")
-    return float(buf[0])
-
-
 def main():
     p = example_parser(__doc__)
     p.add_argument("--modes", nargs="+", default=["naive", "bucketed", "overlapped"],
@@ -98,7 +66,8 @@ def main():
     for mode in args.modes:
         model = GPT(config, seed=0, dtype="float64")
         own_loop(group, model, mode, args.steps, args.grad_accum)
-        diff = max_difference(group, model, ref)
+        diff = largest_difference(group, {n: p.data for n, p in model.named_parameters()},
+                                  ref)
         worst = max(worst, diff)
         if group.rank == 0:
             print(f"DDP {mode:10s} {group.size} ranks, {args.steps} steps, grad-accum "

@@ -17,19 +17,10 @@ import sys
 import numpy as np
 
 from minidist import backend, comm
-from minidist.nn import GPT, GPTConfig
+from minidist.nn import GPTConfig
 from minidist.optim import AdamW
 from minidist.train.args import example_parser
-
-LR, CLIP = 1e-2, 0.5
-
-
-def global_batch(step, config, rows=8):
-    """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
-    data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
-                                                     (rows, config.block_size + 1))
-    return data[:, :-1], data[:, 1:]
-
+from own_loop_reference import CLIP, LR, global_batch, largest_difference, one_process
 
 def own_loop(group, config, tp, sp, steps):
     """`steps` optimizer steps of a GPT split over tp ranks of `group` (sequence parallel if
@@ -62,28 +53,6 @@ def own_loop(group, config, tp, sp, steps):
     return model
 
 
-def one_process(config, steps):
-    """The reference: one process, the whole global batch, the plain loop."""
-    model = GPT(config, seed=0, dtype="float64")
-    opt = AdamW(model.named_parameters(), lr=LR)
-    for step in range(steps):
-        _, loss = model(*global_batch(step, config))   # advances the dropout step itself
-        loss.backward()
-        opt.clip_grad_norm(CLIP)
-        opt.step()
-        opt.zero_grad()
-    return model
-
-
-def max_difference(group, model, ref):
-    """The largest |parameter - one process's| over every (gathered) parameter and rank."""
-    full = model.full_state_dict()                   # collective over tp; on every rank
-    ref = {n: backend.to_host(p.data) for n, p in ref.named_parameters()}
-    buf = np.array([max(float(np.abs(a - ref[n]).max()) for n, a in full.items())])
-    group.all_reduce(buf, op="max")
-    return float(buf[0])
-
-
 def main():
     p = example_parser(__doc__)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest: dp)")
@@ -102,7 +71,7 @@ def main():
     worst = 0.0
     for sp in (False, True):
         model = own_loop(group, config, args.tp, sp, args.steps)
-        diff = max_difference(group, model, ref)
+        diff = largest_difference(group, model.full_state_dict(), ref)   # gathered over tp
         worst = max(worst, diff)
         if group.rank == 0:
             print(f"TP {args.tp} x DP {group.size // args.tp}, sequence parallel "

@@ -19,18 +19,8 @@ import numpy as np
 
 from minidist import backend, comm
 from minidist.nn import GPT, GPTConfig
-from minidist.optim import AdamW
 from minidist.train.args import example_parser
-
-LR, CLIP = 1e-2, 0.5
-
-
-def global_batch(step, config, rows=8):
-    """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
-    data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
-                                                     (rows, config.block_size + 1))
-    return data[:, :-1], data[:, 1:]
-
+from own_loop_reference import CLIP, LR, global_batch, largest_difference, one_process
 
 def own_loop(group, model, stage, steps, accum, resume=None, save=None):
     """Train `model` to `steps` at ZeRO `stage` over `group` (from the checkpoint `resume`
@@ -71,29 +61,6 @@ def own_loop(group, model, stage, steps, accum, resume=None, save=None):
     return engine
 
 
-def one_process(config, steps):
-    """The reference: one process, the whole global batch, the plain loop."""
-    model = GPT(config, seed=0, dtype="float64")
-    opt = AdamW(model.named_parameters(), lr=LR)
-    for step in range(steps):
-        _, loss = model(*global_batch(step, config))   # advances the dropout step itself
-        loss.backward()
-        opt.clip_grad_norm(CLIP)
-        opt.step()
-        opt.zero_grad()
-    return model
-
-
-def max_difference(group, engine, ref):
-    """The largest |parameter - one process's| (the full parameters, gathered to rank 0)."""
-    full = engine.full_state_dict()                  # collective; {} but on rank 0
-    ref = {n: backend.to_host(p.data) for n, p in ref.named_parameters()}
-    buf = np.array([max((float(np.abs(a - ref[n]).max()) for n, a in full.items()),
-                        default=0.0)])
-    group.all_reduce(buf, op="max")
-    return float(buf[0])
-
-
 def main():
     p = example_parser(__doc__)
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3],
@@ -121,7 +88,7 @@ def main():
                  args.grad_accum, save=folder)
         fresh = GPT(config, seed=0, dtype="float64")     # the seed: dropout's keys follow it
         engine = own_loop(group, fresh, stage, args.steps, args.grad_accum, resume=folder)
-        diff = max_difference(group, engine, ref)
+        diff = largest_difference(group, engine.full_state_dict(), ref)   # {} off rank 0
         worst = max(worst, diff)
         if group.rank == 0:
             print(f"ZeRO-{stage} {group.size} ranks, {args.steps} steps (saved after "

@@ -1,0 +1,41 @@
+"""What examples/own_loop_ddp.py, own_loop_zero.py and own_loop_tp.py check their recipes
+against: the same global batches, trained by one process with the plain loop, and the
+largest difference of a run's parameters from it over every rank. Not a script: those three
+import it (they run from examples/, which Python puts on the path)."""
+import numpy as np
+
+from minidist import backend
+from minidist.nn import GPT
+from minidist.optim import AdamW
+
+LR, CLIP = 1e-2, 0.5
+
+
+def global_batch(step, config, rows=8):
+    """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
+    data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
+                                                     (rows, config.block_size + 1))
+    return data[:, :-1], data[:, 1:]
+
+
+def one_process(config, steps):
+    """The reference: one process, the whole global batch, the plain loop."""
+    model = GPT(config, seed=0, dtype="float64")
+    opt = AdamW(model.named_parameters(), lr=LR)
+    for step in range(steps):
+        _, loss = model(*global_batch(step, config))   # advances the dropout step itself
+        loss.backward()
+        opt.clip_grad_norm(CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def largest_difference(group, arrays, ref):
+    """The largest |parameter - one process's| over `arrays` ({name: array} this rank
+    holds whole; none on a rank that holds none) and every rank of `group`."""
+    ref = {n: backend.to_host(p.data) for n, p in ref.named_parameters()}
+    buf = np.array([max((float(np.abs(backend.to_host(a) - ref[n]).max())
+                         for n, a in arrays.items()), default=0.0)])
+    group.all_reduce(buf, op="max")
+    return float(buf[0])
