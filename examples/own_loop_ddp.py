@@ -13,11 +13,12 @@ import sys
 
 import numpy as np
 
-from minidist import backend, comm
-from minidist.nn import GPT, GPTConfig
+from minidist.nn import GPT
 from minidist.optim import AdamW
 from minidist.train.args import example_parser
-from own_loop_reference import CLIP, LR, global_batch, largest_difference, one_process
+from own_loop_reference import (CLIP, LR, add_check_flags, global_batch,
+                                 largest_difference, one_process, start)
+
 
 def own_loop(group, model, mode, steps, accum):
     """`steps` optimizer steps of DDP over `group`, `accum` micro-batches each."""
@@ -48,19 +49,9 @@ def main():
     p = example_parser(__doc__)
     p.add_argument("--modes", nargs="+", default=["naive", "bucketed", "overlapped"],
                    choices=["naive", "bucketed", "overlapped"], help="DDP modes to run")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps")
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step")
-    p.add_argument("--dropout", type=float, default=0.1, help="the GPT's dropout")
-    p.add_argument("--tol", type=float, default=1e-10, help="largest difference allowed")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="array device")
-    args = p.parse_args()
-    backend.setup(device=args.device)
-    group = comm.init("ring")
-    if args.grad_accum < 1 or 8 % (group.size * args.grad_accum):
-        p.error(f"--grad-accum {args.grad_accum} x {group.size} ranks does not divide the "
-                "batch of 8 rows into equal micro-batches")
-    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64,
-                       dropout=args.dropout)
+    add_check_flags(p, steps=3)
+    args, group, config = start(p, lambda args: args.grad_accum)
     ref = one_process(config, args.steps)
     worst = 0.0
     for mode in args.modes:

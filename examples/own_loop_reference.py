@@ -4,14 +4,38 @@ largest difference of a run's parameters from it over every rank. Not a script: 
 import it (they run from examples/, which Python puts on the path)."""
 import numpy as np
 
-from minidist import backend
-from minidist.nn import GPT
+from minidist import backend, comm
+from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 
 LR, CLIP = 1e-2, 0.5
+ROWS = 8                 # a global batch's rows
 
 
-def global_batch(step, config, rows=8):
+def add_check_flags(p, steps):
+    """The flags every script takes: --steps (default `steps`), --dropout, --tol, --device."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--dropout", type=float, default=0.1, help="the GPT's dropout")
+    p.add_argument("--tol", type=float, default=1e-10, help="largest difference allowed")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="array device")
+
+
+def start(p, per_rank_split):
+    """Parse `p`'s flags, set up the device and MPI: (args, the world group, the tiny GPT's
+    config with --dropout). `per_rank_split(args)`: the count this rank's rows must split
+    into (micro-batches; 1), refused by `p` where the global batch does not split so."""
+    args = p.parse_args()
+    backend.setup(device=args.device)
+    group = comm.init("ring")
+    split = per_rank_split(args)
+    if split < 1 or ROWS % (group.size * split):
+        p.error(f"{group.size} ranks x {split} micro-batches do not divide the global batch "
+                f"of {ROWS} rows into equal micro-batches")
+    return args, group, GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16,
+                                  vocab_size=64, dropout=args.dropout)
+
+
+def global_batch(step, config, rows=ROWS):
     """The step's global batch (x, y), (rows, T) token ids: the same on every rank."""
     data = np.random.default_rng([0, step]).integers(0, config.vocab_size,
                                                      (rows, config.block_size + 1))

@@ -16,11 +16,11 @@ import sys
 
 import numpy as np
 
-from minidist import backend, comm
-from minidist.nn import GPTConfig
 from minidist.optim import AdamW
 from minidist.train.args import example_parser
-from own_loop_reference import CLIP, LR, global_batch, largest_difference, one_process
+from own_loop_reference import (CLIP, LR, add_check_flags, global_batch,
+                                 largest_difference, one_process, start)
+
 
 def own_loop(group, config, tp, sp, steps):
     """`steps` optimizer steps of a GPT split over tp ranks of `group` (sequence parallel if
@@ -56,17 +56,10 @@ def own_loop(group, config, tp, sp, steps):
 def main():
     p = example_parser(__doc__)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest: dp)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    p.add_argument("--dropout", type=float, default=0.1, help="the GPT's dropout")
-    p.add_argument("--tol", type=float, default=1e-10, help="largest difference allowed")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="array device")
-    args = p.parse_args()
-    backend.setup(device=args.device)
-    group = comm.init("ring")
+    add_check_flags(p, steps=3)
+    args, group, config = start(p, lambda args: 1)
     if group.size % args.tp:
         p.error(f"--tp {args.tp} does not divide the {group.size} ranks")
-    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64,
-                       dropout=args.dropout)
     ref = one_process(config, args.steps)
     worst = 0.0
     for sp in (False, True):
