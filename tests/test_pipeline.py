@@ -22,7 +22,7 @@ from minidist.pp.strategy import default_micro_batches
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout
 from minidist.train.cli import UsageError
-from mpirun import logged_losses, tagged_json
+from mpirun import ROOT, logged_losses, tagged_json
 
 TOL = 1e-10
 
@@ -101,6 +101,22 @@ def test_simulate_draws_every_schedule(monkeypatch, capsys):
         if "formula" in line:
             per_stage = line.split("bubble per stage ")[1].split(" (formula ")
             assert set(per_stage[0].split(", ")) == {per_stage[1][:5]}, line
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--stages", "0"], "--stages 0: must be at least 1"),
+    (["--stages", "4", "--micro-batches", "3", "--virtual", "2"], "--virtual 2: "
+     "--micro-batches 3 must be a multiple of --stages 4")])
+def test_simulate_refuses_sizes_it_cannot_draw(argv, says):
+    """    python -m minidist.pp.simulate --stages 4 --micro-batches 3 --virtual 2
+    was a KeyError in a thread after two timelines (--stages 0: a ValueError from max()):
+    now one usage error before any timeline."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "minidist.pp.simulate", *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_bubble_formulas_compare():

@@ -171,6 +171,16 @@ def main():
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--virtual", type=int, default=2, help="chunks per rank (interleaved)")
     a = p.parse_args()
+    # (first-use walk 29: --stages 0 was "max() arg is an empty sequence", --virtual 2 with
+    # 3 micro-batches a KeyError in a thread, after two timelines)
+    for flag, value in (("--stages", a.stages), ("--micro-batches", a.micro_batches),
+                        ("--virtual", a.virtual)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
+    if a.virtual > 1 and a.micro_batches % a.stages:
+        p.error(f"--virtual {a.virtual}: --micro-batches {a.micro_batches} must be a multiple "
+                f"of --stages {a.stages} (the interleaved order runs micro-batches in groups "
+                "of the stages), or give --virtual 1")
     runs = [("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"),
             ("1f1b", a.virtual, f"interleaved 1F1B, v = {a.virtual}"),
             ("zb-h1", 1, "ZB-H1 (B and W split, 1 unit each)")]
