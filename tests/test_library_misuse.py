@@ -82,3 +82,23 @@ def test_an_unnamed_optimizers_state_says_to_build_it_from_named_parameters():
                                          r"model.named_parameters\(\)"):
         named.load_state_dict(unnamed.state_dict())
     named.load_state_dict(AdamW(model.named_parameters(), lr=1e-3).state_dict())
+
+
+def test_a_custom_op_whose_forward_returns_a_tensor_is_told_so():
+    """A Function whose forward returned a Tensor (wrapping its result, as a module would)
+    failed later, in gradcheck, with "float() argument must be a string or a real number,
+    not 'Tensor'"."""
+    from minidist.autograd import Function, Tensor
+
+    class Twice(Function):
+        @staticmethod
+        def forward(ctx, x):
+            return Tensor(2 * x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad
+
+    with pytest.raises(TypeError, match=r"Twice.forward returned a Tensor: forward and "
+                                        r"backward work on the arrays"):
+        Twice.apply(Tensor(np.ones(3), requires_grad=True))

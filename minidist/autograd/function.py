@@ -85,6 +85,10 @@ class Function:
             out = cls.forward(ctx, *arrays, **kwargs)
         except (ValueError, TypeError, IndexError) as e:
             raise _named_error(cls, arrays, e) from e
+        if isinstance(out, Tensor):       # (was "float() argument must be ... not 'Tensor'")
+            raise TypeError(f"{cls.__name__}.forward returned a Tensor: forward and backward "
+                            "work on the arrays apply() hands them (x.data), and return "
+                            "arrays; apply() makes the Tensor")
         if not isinstance(out, xp_of(out).ndarray):   # numpy reductions give scalars
             out = xp_of(out).asarray(out)
         result = Tensor(out, requires_grad=needs_grad)
