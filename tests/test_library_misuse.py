@@ -102,3 +102,37 @@ def test_a_custom_op_whose_forward_returns_a_tensor_is_told_so():
     with pytest.raises(TypeError, match=r"Twice.forward returned a Tensor: forward and "
                                         r"backward work on the arrays"):
         Twice.apply(Tensor(np.ones(3), requires_grad=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_zero_loop_that_misses_sync_grads_or_after_step_is_told_at_the_step(stage):
+    """First-use walk 29: an own loop under ZeRO without engine.sync_grads() stepped on
+    gradients not yet averaged (ZeRO-3: other numbers, silently; ZeRO-1: 93 off, then an
+    error at the next backward advising no_sync()); without engine.after_step() the next
+    forward read the old parameters (silently). The optimizer's step now names the call."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.zero.optim import ShardedAdamW
+    model = GPT(CONFIG, seed=0)
+    engine = zero_engine(model, ProcessGroup(MPI.COMM_SELF, name="dp"), stage)
+    opt = ShardedAdamW(engine, lr=1e-3)
+
+    def backward():
+        _, loss = model(*_batch(2))
+        loss.backward()
+
+    backward()
+    with pytest.raises(RuntimeError, match=rf"ZeRO-{stage}: ShardedAdamW.step before "
+                                           r"engine.sync_grads\(\)"):
+        opt.step()
+    engine.sync_grads()
+    opt.step()
+    with pytest.raises(RuntimeError, match=rf"ZeRO-{stage}: ShardedAdamW.step again before "
+                                           r"engine.after_step\(\)"):
+        opt.step()
+    engine.after_step()                    # the recipe's order from here on: no error
+    opt.zero_grad()
+    backward()
+    engine.sync_grads()
+    opt.step()
+    engine.after_step()

@@ -112,6 +112,7 @@ class ShardedOptimizer:
         """Update this rank's shards (the engine's after_step, run next by the strategy, makes
         the full parameters from them). Returns False when mixed precision skipped the update
         (inf/nan gradients), None when that was decided on the device."""
+        self.engine.check_step_ready(type(self).__name__)
         if self.amp is not None:
             if self._factor is None and self._verdict is None:
                 self.clip_grad_norm(None)

@@ -101,6 +101,7 @@ class ZeroStage3(ZeroStage2):
 
     def after_step(self):
         """Shards changed: every gathered copy is stale. Free them all."""
+        self.stepped = False
         self.free()
 
     def free(self):

@@ -93,6 +93,9 @@ class ZeroStage1:
         self._gathering = {}         # gather_group: id(unit) -> its all-gather in flight
         if gather_group is not None:
             model.set_block_hooks(self)      # the next forward waits for each unit
+        # where a script's own loop is in the step (check_step_ready): a backward since
+        # the last sync_grads; an optimizer step since the last after_step
+        self.unsynced, self.stepped = False, False
         self._init_grads()
 
     # ---- parameters: one full flat buffer per unit; model parameters are views into it -----
@@ -102,12 +105,30 @@ class ZeroStage1:
         flat.point_params_at(full)
         return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi], full=full)   # a view
 
+    def check_step_ready(self, who):
+        """Called by the optimizer's step (`who`: its class name): a RuntimeError naming the
+        engine call a script's own loop missed, where the step would read gradients not
+        yet averaged (no sync_grads since a backward) or follow a step whose shards were
+        never gathered (no after_step): first-use walk 29 found both training other
+        numbers silently (ZeRO-3), or failing a step later with other advice."""
+        if self.stepped:
+            raise RuntimeError(f"ZeRO-{self.stage}: {who}.step again before engine."
+                               "after_step(): the last step's updated shards were never "
+                               "gathered into the parameters (call engine.after_step() "
+                               "after each optimizer step)")
+        if self.unsynced:
+            raise RuntimeError(f"ZeRO-{self.stage}: {who}.step before engine.sync_grads(): "
+                               "the gradient shards are not averaged over the ranks yet "
+                               "(call engine.sync_grads() after the step's last backward)")
+        self.stepped = True
+
     def after_step(self):
         """The updated shards to every rank: all_gather in place, unit by unit. With a
         gather_group they run there in the background (Megatron-LM's
         --overlap-param-gather) while the step ends and the next one's forward begins; each
         unit's parameters point at NaN placeholders (flat.py) until the block hook that
         needs them waits for its gather, so nothing can read them half-gathered."""
+        self.stepped = False
         if self.gather_group is None:
             for u in self.units:
                 self.group.all_gather(u.full, u.param_shard)
@@ -180,6 +201,7 @@ class ZeroStage1:
         micro-batch, once all of u's are, u's reduce-scatter starts (in the background) while
         backward goes on with the blocks below: the unit is DDP's bucket, and the full
         gradients stay (stage 2 is the one that drops them)."""
+        self.unsynced = True
         if self._deferring:
             return
         if u.ready == len(u.flat.params):
@@ -233,6 +255,7 @@ class ZeroStage1:
             self._land(self._pending.pop(0))
         for work in self._across:
             work.wait()
+        self.unsynced = False
         self._scattering, self._across, self._next = {}, [], 0
         for u in self.units:
             u.ready = 0
@@ -310,6 +333,7 @@ class ZeroStage2(ZeroStage1):
 
     def _grad_ready(self, u, p):
         """Autograd hook: p's gradient for this backward is complete."""
+        self.unsynced = True
         u.ready += 1
         if u.ready == len(u.flat.params):
             self._reduce_scatter(u)
@@ -364,6 +388,7 @@ class ZeroStage2(ZeroStage1):
             for work in self._across.values():
                 work.wait()
             self._across = {}
+        self.unsynced = False
 
     def _transient_bytes(self):
         return sum(buf.nbytes for _, buf, *_ in self._inflight)
