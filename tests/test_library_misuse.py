@@ -136,3 +136,22 @@ def test_a_zero_loop_that_misses_sync_grads_or_after_step_is_told_at_the_step(st
     engine.sync_grads()
     opt.step()
     engine.after_step()
+
+
+def test_dropout_keys_refuse_a_model_of_another_seed():
+    """A checkpoint's dropout state held only the step: a model resumed with another seed
+    drew other masks, silently (3e-2 off in first-use walk 29's own ZeRO loop). It now
+    holds the seed, and loading it into another seed's keys is refused unless allowed
+    (train_gpt.py's --resume --seed N, whose resumed line notes the change)."""
+    saved = GPT(CONFIG, seed=7).dropout_keys
+    saved.next_step()
+    state = saved.state_dict()
+    assert state == {"step": 1, "seed": 7}
+    other = GPT(CONFIG, seed=0).dropout_keys
+    with pytest.raises(ValueError, match="the checkpoint's masks are drawn from seed 7, this "
+                                         "model's from seed 0: build the model with seed=7"):
+        other.load_state_dict(state)
+    other.load_state_dict(state, seed_may_change=True)
+    GPT(CONFIG, seed=7).dropout_keys.load_state_dict(state)
+    other.load_state_dict({"step": 3})                 # a checkpoint from before: no seed
+    assert other.step == 3

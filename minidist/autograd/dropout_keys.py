@@ -157,11 +157,21 @@ class DropoutKeys:
             self.restore(now)
 
     def state_dict(self):
-        """What a checkpoint keeps: the step (the seed is the run's), settled first."""
+        """What a checkpoint keeps: the step, settled first, and the seed the masks are
+        drawn from (the model's: load_state_dict checks it)."""
         self.settle()
-        return {"step": self.step}
+        return {"step": self.step, "seed": self.seed}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, seed_may_change=False):
+        """The step a checkpoint's masks were at. Its seed (checkpoints before 2026-11-28
+        have none) must be this model's unless `seed_may_change` (train_gpt.py's --resume
+        with another --seed, which its resumed line notes): a model built with another seed
+        drew other masks, silently (first-use walk 29's own-loop resume, 3e-2 off)."""
+        saved = state.get("seed")
+        if saved is not None and int(saved) != self.seed and not seed_may_change:
+            raise ValueError(f"dropout keys: the checkpoint's masks are drawn from seed "
+                             f"{int(saved)}, this model's from seed {self.seed}: build the "
+                             f"model with seed={int(saved)}, as the run that saved it was")
         self.step = self.count = int(state["step"])
         if self.counter is not None:
             self.counter.fill(self.count)       # a device op: no upload

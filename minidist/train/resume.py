@@ -96,7 +96,8 @@ def resume_run(args, strategy, log, model, opt):
     state = strategy.load(args.resume, model, opt)
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
-        dropout if "step" in dropout else {"step": state["step"]})
+        dropout if "step" in dropout else {"step": state["step"]},
+        seed_may_change=True)                    # (--seed given: the line below notes it)
     model.router_bias.load_state_dict(state["rng"].get("moe_bias", {}))   # before: all 0
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
