@@ -29,8 +29,7 @@ def own_loop(group, model, stage, steps, accum, resume=None, save=None):
     # --- the recipe (minidist/zero/README.md) ---
     import contextlib
     from minidist.strategy.base import all_reduce_number
-    from minidist.strategy.saving import save_now
-    from minidist.zero.checkpoint import load_sharded, shard_plan
+    from minidist.zero.checkpoint import load_sharded, save_sharded
     from minidist.zero.engine import zero_engine
     from minidist.zero.optim import ShardedAdamW
     engine = zero_engine(model, group, stage)        # shards the model over the group's ranks
@@ -56,8 +55,7 @@ def own_loop(group, model, stage, steps, accum, resume=None, save=None):
         engine.after_step()                          # all-gather them (ZeRO-3: drop copies)
         opt.zero_grad()
     if save:                                         # each rank its shards; rank 0 commits
-        plan = shard_plan(model, opt, group, steps, rng_states={"dropout": keys.state_dict()})
-        save_now(save, steps, plan, group)
+        save_sharded(save, model, opt, group, steps, rng_states={"dropout": keys.state_dict()})
     # --- end of the recipe ---
     return engine
 

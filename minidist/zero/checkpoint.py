@@ -80,6 +80,15 @@ def shard_plan(model, optimizer, group, step, rng_states=None, extra=None, part=
     return plan
 
 
+def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None):
+    """A sharded checkpoint of `optimizer`'s shards over `group`, written now (collective:
+    every rank writes its shards, rank 0 the manifest and `latest`): what a script's own
+    loop calls, as save_checkpoint in one process; load_sharded reads it back at any world
+    size and stage. Returns the folder on rank 0 (None elsewhere)."""
+    plan = shard_plan(model, optimizer, group, step, rng_states, extra)
+    return saving.save_now(directory, step, plan, group)
+
+
 def _state(model, optimizer, step, rng_states, extra, tp):
     """state.json's record and the manifest's sections ("zero": the flat layout; "tp")."""
     amp, engine = optimizer.amp, optimizer.engine
