@@ -63,7 +63,7 @@ def test_state_dict_settles_and_load_writes_the_counter_in_place():
     keys.next_step()
     counter, _ = keys.device_step(np)
     counter += 2                                   # replays
-    assert keys.state_dict() == {"step": 3}
+    assert keys.state_dict() == {"step": 3, "seed": 5}
     keys.load_state_dict({"step": 7})
     assert keys.counter is counter and counter[0] == 7 and keys.step == keys.count == 7
     fresh = DropoutKeys(5)
