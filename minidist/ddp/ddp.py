@@ -83,7 +83,7 @@ class DataParallelNaive:
         self.sync_enabled = True      # False inside no_sync()
         self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
         self.unsynced = False         # a backward outside no_sync() since the last sync
-        self._marks = [p.register_grad_hook(self._backward_ran) for p in self.params]
+        self._hooks = [p.register_grad_hook(self._backward_ran) for p in self.params]
         broadcast_parameters(self.params, group)
 
     def __call__(self, *args, **kwargs):
@@ -235,10 +235,11 @@ class DataParallelOverlap(DataParallelBucket):
         super().__init__(model, group, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0                       # the next bucket to launch, in bucket order
-        self._hooks = [p.register_grad_hook(self._grad_ready) for p in self.params]
 
-    def _grad_ready(self, p):
-        """Autograd hook: `p`'s gradient for this backward is complete."""
+    def _backward_ran(self, p):
+        """Autograd hook (the one DataParallelNaive registers): `p`'s gradient for this
+        backward is complete; outside no_sync() its bucket's all-reduce may start."""
+        super()._backward_ran(p)
         if not self.sync_enabled:
             return
         b = self._bucket_of[id(p)]
