@@ -4,6 +4,7 @@
     python examples/ring_walkthrough.py --ranks 3 --n 7 --op max
     python examples/ring_walkthrough.py --pdb           # stop in pdb where `bufs` exists:
     (Pdb) p bufs                                        # every simulated rank's buffer
+                                                        # (rank r starts with r + 1)
     (Pdb) s                                             # into the reduce-scatter phase
     (Pdb) p bufs
 

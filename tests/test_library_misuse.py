@@ -155,3 +155,27 @@ def test_dropout_keys_refuse_a_model_of_another_seed():
     GPT(CONFIG, seed=7).dropout_keys.load_state_dict(state)
     other.load_state_dict({"step": 3})                 # a checkpoint from before: no seed
     assert other.step == 3
+
+
+def test_a_save_of_an_older_step_does_not_move_latest_back(tmp_path):
+    """save_checkpoint of step 1 into a directory whose latest was step 3 made `latest`
+    name step 1, and the next load_checkpoint read the older state, silently (the CLI's
+    check_save refuses the run; a script's own saves were not checked). Refused now, naming
+    both steps; overwrite=True replaces that run; saving the same step again still adds a
+    folder beside it."""
+    from minidist.strategy.checkpoint import load_checkpoint, save_checkpoint
+    from minidist.strategy.checkpoint_dirs import CheckpointError, read_latest
+    model = GPT(CONFIG, seed=0)
+    opt = AdamW(model.named_parameters(), lr=1e-3)
+    save_checkpoint(tmp_path, model, opt, step=3)
+    with pytest.raises(CheckpointError, match=r"latest checkpoint is step 3 \(step-00000003\), "
+                                              r"newer than step 1 this save writes.*"
+                                              r"overwrite=True"):
+        save_checkpoint(tmp_path, model, opt, step=1)
+    assert read_latest(tmp_path) == "step-00000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+    assert load_checkpoint(tmp_path, model, opt)["step"] == 3
+    save_checkpoint(tmp_path, model, opt, step=3)
+    assert read_latest(tmp_path) == "step-00000003.1"
+    save_checkpoint(tmp_path, model, opt, step=1, overwrite=True)
+    assert read_latest(tmp_path) == "step-00000001"

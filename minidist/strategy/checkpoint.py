@@ -272,8 +272,10 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
         data = ("; vocab_size follows --data (and --init-from): give the data it was trained "
                 "on" if theirs.get("vocab_size") != ours.get("vocab_size") else "")
         raise CheckpointError(f"checkpoint config mismatch ({folder}): " + "; ".join(diffs)
-                              + " (train_gpt.py takes the model flags, --dtype and --amp from "
-                              f"the checkpoint it resumes: leave them out{data})")
+                              + " (examples/train_gpt.py takes the model flags, --dtype and "
+                              "--amp from the checkpoint it resumes: leave them out; a script "
+                              "of its own builds the model from checkpoint.saved_model(DIR)'s "
+                              f"config and dtype{data})")
 
 
 # ---- one whole model and its optimizer (one process, DDP's rank 0) ---------------------------
@@ -292,10 +294,14 @@ def save_checkpoint_plan(model, optimizer, step, rng_states=None, extra=None):
     return plain_plan(params, optimizer.state_dict(), meta)
 
 
-def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None):
-    """A whole model's and its optimizer's checkpoint, written now; returns the folder."""
-    return saving.save_now(directory, step, save_checkpoint_plan(model, optimizer, step,
-                                                                 rng_states, extra))
+def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=None,
+                    overwrite=False):
+    """A whole model's and its optimizer's checkpoint, written now as `directory`'s next
+    numbered folder; returns the folder. Refuses (CheckpointError) a `directory` whose
+    latest checkpoint is past `step`, which the save would make `latest` name no more,
+    unless `overwrite`."""
+    plan = save_checkpoint_plan(model, optimizer, step, rng_states, extra)
+    return saving.save_now(directory, step, plan, overwrite=overwrite)
 
 
 def load_checkpoint(directory, model, optimizer=None):

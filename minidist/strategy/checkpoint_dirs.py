@@ -193,12 +193,14 @@ def save_problem(directory):
     return None
 
 
-def begin(directory):
+def begin(directory, step=None, overwrite=False):
     """A new empty folder in `directory` (created if needed) to write a checkpoint into,
     after removing the temporaries of saves that were killed. Refuses a directory that holds
-    anything else than checkpoints."""
+    anything else than checkpoints, and (unless `overwrite`) one whose `latest` is past
+    `step`: the commit would move `latest` back to an older step."""
     directory = os.fspath(directory)
-    problem = save_problem(directory)
+    problem = save_problem(directory) or (None if overwrite or step is None
+                                          else moves_latest_back(directory, step))
     if problem:
         raise CheckpointError(problem)
     os.makedirs(directory, exist_ok=True)
@@ -209,6 +211,22 @@ def begin(directory):
     tmp = os.path.join(directory, f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(tmp)                       # 0777 & ~umask, as any folder the user makes
     return tmp
+
+
+def moves_latest_back(directory, step):
+    """Why saving `step` into `directory` would move its `latest` back to an older step (the
+    next load_checkpoint would read it), or None. The CLI refuses the run before it starts
+    (check_save); this catches a script's own save_checkpoint / save_sharded."""
+    try:
+        name = read_latest(directory) if os.path.isdir(directory) else None
+    except CheckpointError:         # an edited `latest`: the commit replaces it
+        return None
+    theirs = None if name is None else step_of(name)
+    if theirs is None or theirs <= int(step):
+        return None
+    return (f"{directory}: its latest checkpoint is step {theirs} ({name}), newer than step "
+            f"{int(step)} this save writes, and the save would make `latest` name the older "
+            "one; save into a new directory, or pass overwrite=True to replace that run")
 
 
 def commit(tmp, directory, step):

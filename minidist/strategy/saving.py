@@ -211,15 +211,15 @@ class Save:
         return errors, folder
 
 
-def begin(directory, step, plan, group=None):
+def begin(directory, step, plan, group=None, overwrite=False):
     """Collective over `group` (None: one process): world rank 0 makes the temporary folder
     of a save of `plan` (this rank's SavePlan) under `directory`; every rank gets the Save,
     or the same CheckpointError (a directory holding other files, one that cannot be
-    written)."""
+    written, one whose `latest` is past `step` unless `overwrite`: checkpoint_dirs.begin)."""
     tmp, err = None, None
     if group is None or group.rank == 0:
         try:
-            tmp = dirs.begin(directory)
+            tmp = dirs.begin(directory, step, overwrite)
         except CheckpointError as e:
             err = str(e)
         except OSError as e:
@@ -231,9 +231,9 @@ def begin(directory, step, plan, group=None):
     return Save(directory, tmp, step, plan, group)
 
 
-def save_now(directory, step, plan, group=None):
+def save_now(directory, step, plan, group=None, overwrite=False):
     """begin, write, commit: a save that is complete when it returns. Returns the folder on
     rank 0 (None elsewhere)."""
-    save = begin(directory, step, plan, group)
+    save = begin(directory, step, plan, group, overwrite)
     save.write()
     return save.commit()

@@ -45,7 +45,8 @@ class Saves:
         t = time.perf_counter()
         plan = self.strategy.save_plan(model, opt, step + 1, run_state,
                                        recorded_flags(vars(self.args)))
-        save = saving.begin(self.args.save, step + 1, plan, self.strategy.job_group())
+        save = saving.begin(self.args.save, step + 1, plan, self.strategy.job_group(),
+                            overwrite=self.args.overwrite)
         if background:
             save.write_in_background()   # the writer thread: files only, no MPI
             self.pending = save

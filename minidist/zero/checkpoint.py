@@ -80,13 +80,15 @@ def shard_plan(model, optimizer, group, step, rng_states=None, extra=None, part=
     return plan
 
 
-def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None):
+def save_sharded(directory, model, optimizer, group, step, rng_states=None, extra=None,
+                 overwrite=False):
     """A sharded checkpoint of `optimizer`'s shards over `group`, written now (collective:
     every rank writes its shards, rank 0 the manifest and `latest`): what a script's own
     loop calls, as save_checkpoint in one process; load_sharded reads it back at any world
-    size and stage. Returns the folder on rank 0 (None elsewhere)."""
+    size and stage. Refuses a `directory` whose latest checkpoint is past `step` unless
+    `overwrite`. Returns the folder on rank 0 (None elsewhere)."""
     plan = shard_plan(model, optimizer, group, step, rng_states, extra)
-    return saving.save_now(directory, step, plan, group)
+    return saving.save_now(directory, step, plan, group, overwrite)
 
 
 def _state(model, optimizer, step, rng_states, extra, tp):
