@@ -294,10 +294,11 @@ import sys
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.strategy.checkpoint import save_checkpoint
-from minidist.strategy.checkpoint_dirs import prune
+from minidist.strategy.checkpoint_dirs import has_checkpoint, prune, resolve, step_of
 model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
 opt = AdamW(model.named_parameters())
-for step in range(1, 10**6):
+start = step_of(resolve(sys.argv[1])) + 1 if has_checkpoint(sys.argv[1]) else 1
+for step in range(start, 10**6):          # on from the killed run's latest
     save_checkpoint(sys.argv[1], model, opt, step=step)
     prune(sys.argv[1], 1)
     print(step, flush=True)
@@ -323,7 +324,7 @@ def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
         child.wait()
         meta = load_checkpoint(d, model, opt)
         assert meta["step"] >= first, (trial, meta["step"], first)
-    save_checkpoint(d, model, opt, step=99)
+    save_checkpoint(d, model, opt, step=10**6)
     assert not [n for n in os.listdir(d) if n.startswith(".")]     # temporaries cleaned
 
 

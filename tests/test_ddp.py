@@ -141,6 +141,20 @@ def test_one_rank_ddp_equals_single_process(mode, device):
             np.testing.assert_array_equal(H(p.grad), H(q.grad), err_msg=f"{mode} {name}")
 
 
+def test_the_wrapper_answers_the_models_parameters_modes_and_state():
+    """ddp.eval(), ddp.parameters(), ddp.state_dict() were AttributeErrors (first-use walk
+    29: the PyTorch habit); they are the wrapped model's."""
+    model = GPT(GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1}), seed=0)
+    ddp = DistributedDataParallel(model, RecordingGroup(), "bucketed", 0.002)
+    assert ddp.eval() is ddp and not model.training
+    assert ddp.train() is ddp and model.training
+    assert ddp.parameters() == model.parameters()
+    assert [n for n, _ in ddp.named_parameters()] == [n for n, _ in model.named_parameters()]
+    state = {n: a * 0 for n, a in ddp.state_dict().items()}
+    ddp.load_state_dict(state)
+    assert all(not H(p.data).any() for p in model.parameters())
+
+
 @pytest.mark.parametrize("mode", ["naive", "bucketed", "overlapped"])
 def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode):
     """First-use walk 29: an own loop without ddp.sync_grads() stepped on each rank's own

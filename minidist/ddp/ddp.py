@@ -90,6 +90,26 @@ class DataParallelNaive:
         self.check_synced()
         return self.module(*args, **kwargs)
 
+    # the wrapped model's own, as torch's DDP answers them (the wrapper is no Module itself)
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    def load_state_dict(self, state, strict=True):
+        return self.module.load_state_dict(state, strict)
+
     def _backward_ran(self, p):
         """Autograd hook: a backward reached `p`; outside no_sync() its gradients now wait
         for sync_grads()."""
