@@ -110,10 +110,10 @@ def argv(flags):
 
 def accepted(ranks, flags):
     """None if check_flags and check_layout accept the layout on `ranks`, else the error."""
-    from minidist.train.args import train_parser
+    from minidist.train.args import parse_train_flags
     from minidist.train.cli import UsageError, check_flags
     from minidist.train.strategy import check_layout
-    args = train_parser().parse_args(BASE + argv(flags) + ["--device", "cpu"])
+    args = parse_train_flags(BASE + argv(flags) + ["--device", "cpu"])
     try:
         check_flags(args)
         check_layout(args, ranks)
@@ -160,8 +160,10 @@ def candidates(seed, ranks_list, n=4000):
         ranks = rng.choice(ranks_list)
         flags = candidate(rng, ranks)
         key = (ranks, tuple(sorted(flags.items())))
-        if key not in seen and accepted(ranks, flags) is None:
-            seen.add(key)
+        if key in seen:                 # drawn before: accepted then, or refused
+            continue
+        seen.add(key)
+        if accepted(ranks, flags) is None:
             out.append((ranks, flags))
     return out
 
@@ -171,17 +173,18 @@ def select(cands, want=3, pairs=2, limit=None):
     their showings (a (flag, value): `want`; a pair of traits: `pairs`; a (flag, value,
     ranks): one), until none brings any (or `limit`)."""
     need = {}
-    for ranks, flags in cands:
-        for f in features(ranks, flags):
+    left = [(c, features(*c)) for c in cands]          # each candidate's, computed once
+    for _, feats in left:
+        for f in feats:
             need[f] = want if len(f) == 2 else pairs if f[2] == "pair" else 1
-    chosen, left = [], list(cands)
+    chosen = []
     while left and (limit is None or len(chosen) < limit):
-        gain = [sum(1 for f in features(*c) if need[f] > 0) for c in left]
+        gain = [sum(1 for f in feats if need[f] > 0) for _, feats in left]
         best = max(range(len(left)), key=lambda i: (gain[i], -i))
         if gain[best] == 0:
             break
-        c = left.pop(best)
-        for f in features(*c):
+        c, feats = left.pop(best)
+        for f in feats:
             need[f] -= 1
         chosen.append(c)
     return chosen
