@@ -106,6 +106,18 @@ def mpi(device):
 
 
 @pytest.fixture(scope="session")
+def sweep(mpi, tmp_path_factory):
+    """One composition sweep (tests/scripts/layout_sweep.py) for the whole session: each
+    one-process reference (one per distinct reference_flags: the model, data, dropout, MoE,
+    --amp and optimizer flags) runs once, for every test whose layouts compare with it,
+    instead of once per test; each layout's own runs are its own."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+    import layout_sweep
+    return layout_sweep.Sweep(str(tmp_path_factory.mktemp("sweep")), mpi.device or "cpu",
+                              say=print)
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small Python-like text file for training tests (300 tiny functions, ~9 KB)."""
     d = tmp_path_factory.mktemp("corpus")

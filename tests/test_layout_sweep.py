@@ -63,7 +63,7 @@ def test_banner_problems_names_a_size_the_layout_does_not_have():
 
 
 @pytest.mark.mpi
-def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers(mpi, tmp_path):
+def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers(sweep):
     """Found by the sweep: with --moe-every 4 stage 0 of 2 holds no MoE block, so no experts.
     The gradient norm's sum over ep took its device from the first expert (IndexError, every
     rank aborted); under ZeRO, --resume cut the experts' empty engine's state (IndexError,
@@ -72,7 +72,6 @@ def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers
 
         mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --moe-every 4 --pp 2 --ep 2
     """
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     for zero in (0, 3):
         flags = {"--moe-experts": 4, "--moe-every": 4, "--pp": 2, "--ep": 2, "--zero": zero}
         ok, errs, run = sweep.check(4, flags, resume=zero == 3)
@@ -81,7 +80,7 @@ def test_a_pipeline_stage_without_moe_blocks_under_ep_trains_one_process_numbers
 
 
 @pytest.mark.mpi
-def test_log_lines_under_ep_name_dp_and_ep_apart(mpi, tmp_path):
+def test_log_lines_under_ep_name_dp_and_ep_apart(sweep):
     """Found by the sweep: the mesh's dp axis holds dp x ep ranks, and the tp, pp and cp
     lines called it dp (`tensor parallel: tp 2 x dp 2` for --dp 1 --ep 2); the cp line
     counted the ep group as the ranks averaging the gradients. Now every size they name is
@@ -89,7 +88,6 @@ def test_log_lines_under_ep_name_dp_and_ep_apart(mpi, tmp_path):
 
         mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --cp 2 --zero 1
     """
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     for axis in ("--cp", "--tp"):
         flags = {"--moe-experts": 4, "--ep": 2, axis: 2, "--zero": 1}
         ok, errs, run = sweep.check(4, flags)
@@ -110,7 +108,7 @@ RESHARDED = [
 
 
 @pytest.mark.mpi
-def test_checkpoints_resume_in_another_layout_with_one_process_numbers(mpi, tmp_path):
+def test_checkpoints_resume_in_another_layout_with_one_process_numbers(sweep):
     """Found by the sweep (--reshard): a TP x ZeRO checkpoint (one ZeRO folder per tp rank)
     resumed only with the same --tp, and no other checkpoint resumed under TP x ZeRO. Now
     each part records how its parameters were cut, any layout glues them back, and every
@@ -119,7 +117,6 @@ def test_checkpoints_resume_in_another_layout_with_one_process_numbers(mpi, tmp_
         mpiexec -n 4 python examples/train_gpt.py --tp 4 --zero 1 --stop-at 2 --save ck
         mpiexec -n 4 python examples/train_gpt.py --tp 2 --zero 3 --resume ck
     """
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     failed = []
     for source, into in RESHARDED:
         ok, errs = sweep.check_resharded(*source, into)
@@ -129,8 +126,7 @@ def test_checkpoints_resume_in_another_layout_with_one_process_numbers(mpi, tmp_
 
 
 @pytest.mark.mpi
-def test_bfloat16_amp_trains_one_process_numbers_through_tp_zero_and_the_pipeline(mpi,
-                                                                                  tmp_path):
+def test_bfloat16_amp_trains_one_process_numbers_through_tp_zero_and_the_pipeline(sweep):
     """--amp --amp-dtype bfloat16 (numpy + ml_dtypes here; what a GPU runs) through TP x
     ZeRO-1 and a pipeline over DDP on 4 ranks: each step's loss and gradient norm, the val
     loss and the parameters' L2 distance within BF16_TOL of one bfloat16 process (until now
@@ -139,7 +135,6 @@ def test_bfloat16_amp_trains_one_process_numbers_through_tp_zero_and_the_pipelin
         mpiexec -n 4 python examples/train_gpt.py --amp --amp-dtype bfloat16 --tp 2 --zero 1
     """
     pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     for flags in ({"--tp": 2, "--zero": 1}, {"--pp": 2, "--dp": 2}):
         ok, errs, run = sweep.check(4, {**flags, "--amp": True, "--amp-dtype": "bfloat16"})
         assert ok, (flags, errs, run["stderr"][-2000:])

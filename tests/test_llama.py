@@ -19,8 +19,6 @@ from minidist.nn.gpt import GPT
 from minidist.strategy.split import Split
 from mpirun import ROOT, mpi_env
 
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-import layout_sweep  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "examples", "train_gpt.py")
 
@@ -223,12 +221,11 @@ LLAMA = {"--arch": "llama", "--n-kv-head": 2}
     (4, {"--dp": 2, "--tp": 2, "--zero": 3}),
 ], ids=["zero3", "tp2-sp", "pp2", "cp2-ring", "cp2-ulysses", "mqa-ddp-dropout-recompute",
         "dp2-amp", "tp2-pp2-zero1", "moe-ep2-tp2-sp", "dp2-tp2-zero3"])
-def test_llama_layouts_train_one_process_numbers(mpi, tmp_path, ranks, flags):
+def test_llama_layouts_train_one_process_numbers(sweep, ranks, flags):
     """float64: each step's loss and gradient norm, the val loss and every parameter within
     1e-9 of one process (--amp: a few float16 roundings); the 4-rank ones also stopped
     after step 2 and resumed bit for bit. Rotary positions under cp: each rank's zig-zag
     positions; GQA under tp: each rank its q heads' k and v heads."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs, run = sweep.check(ranks, {**LLAMA, **flags}, resume=ranks == 4)
     assert ok, (errs, run["stderr"][-2000:])
 

@@ -29,8 +29,6 @@ from minidist.strategy import checkpoint
 from minidist.train.gather import router_bias
 from mpirun import ROOT, mpi_env, train_tiny
 
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-import layout_sweep  # noqa: E402
 
 
 def config(**kw):
@@ -167,12 +165,11 @@ def _check(sweep, ranks, flags, resume=False):
     (2, {"--pp": 2, "--moe-every": 2, "--micro-batches": 4}),
     (2, {"--ep": 2, "--zero": 3, "--grad-accum": 2, "--ckpt-activations": True}),
 ], ids=["ep2", "ep2-dp2-zero1-resumed", "ep2-cp2-top2", "ep2-tp2-sp", "pp2", "ep2-zero3-accum2"])
-def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
+def test_every_layout_trains_one_process_numbers(sweep, ranks, flags):
     """float64, gamma 0.01 (it moves the routing from step 2 on), no auxiliary loss: each
     step's loss and gradient norm, the val loss, every parameter within 1e-9 of one process,
     the biases and the loads counted equal; dp 2 x ep 2 also stopped after step 2 and resumed
     bit for bit (the biases too)."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     errs, _ = _check(sweep, ranks, flags, resume=ranks == 4 and "--dp" in flags)
     assert errs.get("resumed", "same") == "same"
     ref, _ = sweep.reference({**LAYOUT, **flags})
@@ -191,10 +188,9 @@ def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
     (8, {"--ep": 4, "--dp": 2, "--zero": 3, "--zero-shard": 2, "--moe-top-k": 2}),
 ], ids=["ep2-pp2-ckpt-zero2", "ep2-cp2-naive-dropout-zero3", "tp2-dp2-accum2",
         "ep2-pp2-tp2-sp", "ep4-dp2-hybrid-zero3"])
-def test_more_layouts_train_one_process_numbers(mpi, tmp_path, ranks, flags):
+def test_more_layouts_train_one_process_numbers(sweep, ranks, flags):
     """The same on layouts that compose more (8 ranks on 2 cores: slow), resumed bit for
     bit."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     errs, _ = _check(sweep, ranks, {"--moe-experts": 8, **flags} if ranks == 8 else flags,
                      resume=True)
     assert errs["resumed"] == "same"
@@ -206,15 +202,14 @@ def test_more_layouts_train_one_process_numbers(mpi, tmp_path, ranks, flags):
     (2, {"--pp": 2, "--moe-every": 2}, (2, {"--ep": 2, "--zero": 3, "--moe-every": 2})),
     (1, {"--moe-every": 2}, (4, {"--ep": 2, "--cp": 2, "--moe-every": 2})),
 ], ids=["ep2-dp2-zero2-to-one", "pp2-to-ep2-zero3", "one-to-ep2-cp2"])
-def test_a_checkpoint_resumes_in_another_layout(mpi, tmp_path, ranks, flags, into):
+def test_a_checkpoint_resumes_in_another_layout(sweep, ranks, flags, into):
     """Stopped after step 2, resumed in another layout: step 3 and the end (the biases too)
     = one process's; the biases of every block came through (a pipeline's rank 0 holds the
     other stage's)."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs = sweep.check_resharded(ranks, {**LAYOUT, **flags}, (into[0],
                                                                 {**LAYOUT, **into[1]}))
     assert ok, errs
-    saved = router_bias(os.path.join(str(tmp_path), f"stop{sweep.runs}"))
+    saved = router_bias(os.path.join(sweep.workdir, f"stop{sweep.runs}"))
     assert len(saved) == (2 if "--moe-every" in flags else 4) and any(
         any(b) for b in saved.values())
 

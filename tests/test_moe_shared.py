@@ -9,9 +9,7 @@ for bit; a resumed run takes S from its checkpoint; the flag refused where it do
 Run: python -m pytest -q tests/test_moe_shared.py
 """
 import math
-import os
 import re
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -25,10 +23,7 @@ from minidist.nn.moe import MoE
 from minidist.train.moe_cost import moe_block_flops
 from minidist.train.plan_args import model_text
 from minidist.train.planner import stage_params
-from mpirun import ROOT, train_tiny
-
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-import layout_sweep  # noqa: E402
+from mpirun import train_tiny
 
 
 
@@ -86,12 +81,11 @@ LAYOUT = {"--moe-experts": 4, "--moe-top-k": 2, "--moe-shared": 1}
     (4, {"--ep": 2, "--tp": 2, "--zero": 1}),
     (4, {"--ep": 2, "--dp": 2, "--zero": 3, "--ckpt-activations": True, "--dropout": 0.1}),
 ], ids=["ep2", "tp2-sp-dropout", "pp2", "ep2-tp2-zero1", "ep2-dp2-zero3-ckpt-dropout"])
-def test_shared_experts_train_one_process_numbers_in_every_layout(mpi, tmp_path, ranks, flags):
+def test_shared_experts_train_one_process_numbers_in_every_layout(sweep, ranks, flags):
     """float64: each step's loss and gradient norm, the val loss and every parameter within
     1e-9 of one process; the 4-rank ones also stopped after step 2 and resumed bit for bit.
     Under tp the shared MLP is split as a dense block's (its own all-reduce, or SP's
     reduce-scatter), under ep it is dense (averaged over every replica)."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs, run = sweep.check(ranks, {**LAYOUT, **flags}, resume=ranks == 4)
     assert ok, (errs, run["stderr"][-2000:])
 

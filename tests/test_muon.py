@@ -26,8 +26,6 @@ from minidist.optim.muon import (Muon, balance, block_of, newton_schulz, ns_flop
                                  packed_flops, takes_muon, tp_owners)
 from mpirun import ROOT, mpi_env, train_tiny
 
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-import layout_sweep  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "examples", "train_gpt.py")
 A, B, C = 3.4445, -4.7750, 2.0315          # Jordan et al.'s quintic
@@ -262,12 +260,11 @@ M = {"--optimizer": "muon"}
 ], ids=["zero3", "tp2-sp", "pp2", "cp2", "ep2-shared", "llama-gqa-tp2-zero1", "zero1-amp",
         "tp2-amp-moe", "tp2-zero2", "zero3-hybrid-mu0.9-ns4", "ep2-tp2-zero1",
         "pp2-zero1-overlap"])
-def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
+def test_every_layout_trains_one_process_numbers(sweep, ranks, flags):
     """Each step's loss and gradient norm, the val loss and every parameter within 1e-9 of
     one process in float64 (--amp: the sweep's float16 tolerance); the 4-rank ones also
     stopped after step 2 and resumed bit for bit. TP gathers a split matrix's update whole
     and each rank keeps its shard of NS's; ZeRO all-gathers each unit's update."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs, run = sweep.check(ranks, {**M, **flags}, resume=ranks == 4)
     assert ok, (errs, run["stderr"][-2000:])
 
@@ -278,10 +275,9 @@ def test_every_layout_trains_one_process_numbers(mpi, tmp_path, ranks, flags):
     (1, {}, (2, {"--zero": 1})),
     (2, {"--ep": 2, "--zero": 2, "--moe-experts": 4}, (1, {"--moe-experts": 4})),
 ], ids=["tp2-zero3-to-one", "one-to-zero1", "ep2-zero2-to-one"])
-def test_a_checkpoint_resumes_in_another_layout(mpi, tmp_path, ranks, flags, into):
+def test_a_checkpoint_resumes_in_another_layout(sweep, ranks, flags, into):
     """Stopped after step 2, resumed in another layout: step 3 and the end = one process's
     (Muon's momentum carried across: ZeRO's flat exp_avg, one process's per matrix)."""
-    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=print)
     ok, errs = sweep.check_resharded(ranks, {**M, **flags}, (into[0], {**M, **into[1]}))
     assert ok, errs
 
