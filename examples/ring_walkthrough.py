@@ -9,8 +9,10 @@
     (Pdb) p bufs
 
 The schedule is ring.py's own (`reduce_scatter_step`, `all_gather_step`), so what this prints
-is what `mpiexec -n 4 python ...` does with ProcessGroup(algo="ring"); the README section
-"Collectives and process groups" shows how to stop one real rank in a debugger too.
+is what `mpiexec -n 4 python ...` does with ProcessGroup(algo="ring"); `--pdb` steps this
+simulator's loop, not ring.py's send/receive loop. To step the real one on a real rank:
+`mpiexec -n 4 python -m minidist.comm.rankpdb SCRIPT`, `b
+minidist.comm.ring.ring_reduce_scatter_in_place` (minidist/comm/README.md, "Debugging").
 """
 import inspect
 import pdb

@@ -297,9 +297,11 @@ class ZeroDataParallel(SingleProcess):
             return (f"ZeRO-{self.stage} over 1 rank: nothing sent, the one rank owns every "
                     f"shard ({psi / 2**20:.2f} MiB of parameters)")
         # the paper's stage 3 re-gathers every block in backward; minidist's keeps the last
-        # two blocks from forward and gathers the root once (minidist/zero/README.md)
-        paper = (f", the paper's ZeRO-3 3(N-1)/N = {3 * (n - 1) / n:.2f} x less the last two "
-                 f"blocks' and the root's second gathers" if self.stage == 3 else "")
+        # two blocks from forward and gathers the root once (minidist/zero/README.md). Each
+        # micro-batch (--grad-accum, a pipeline's) gathers and reduce-scatters again
+        paper = (f"; per micro-batch, the paper's ZeRO-3 3(N-1)/N = {3 * (n - 1) / n:.2f} x "
+                 "less the last two blocks' and the root's second gathers"
+                 if self.stage == 3 else "")
         return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x{hybrid}{paper}; DDP sends "

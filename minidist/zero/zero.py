@@ -29,7 +29,8 @@ Stage 1, one step:
 Stage 2: when a unit's last gradient is complete (grad hook), its gradients are copied into a
     transient flat buffer and dropped, and its reduce-scatter starts (async) while backward goes
     on with earlier blocks; when it is done, grad_shard += buffer[lo:hi] and the buffer goes.
-    At most `max_inflight` buffers are alive. The unit is the bucket.
+    At most `max_inflight` + 1 buffers are alive (the newest starts before the oldest is
+    waited for). The unit is the bucket.
 Stage 3: only param[lo:hi] is kept; each block's parameters are gathered just before it runs
     and again before its backward, into one of two shared buffers (minidist/zero/stage3.py).
 Hybrid sharding (`replicas`, --zero-shard): `group` is then a shard group of K ranks, and
