@@ -174,6 +174,35 @@ def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode):
     _backward(ddp, step=1)                                    # the next step: fine
 
 
+def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over():
+    """A loop that drops a step's gradients (zero_grad) without sync_grads(): the overlapped
+    mode zeroed the buckets under the all-reduces its hooks had started, and the next
+    backward raised "a second backward before sync_grads()" (the buckets still counted
+    full). Now zero_grad waits for them and counts anew: the next step's gradients are a
+    fresh backward's."""
+    waited = []
+
+    class Pending:
+        def wait(self):
+            waited.append(True)
+
+    group = RecordingGroup()
+    group.all_reduce = lambda buf, op="sum", async_op=False: Pending() if async_op else None
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "overlapped", 0.002)
+    _backward(ddp)
+    launched = sum(b.work is not None for b in ddp.buckets)
+    assert launched == len(ddp.buckets) > 1
+    ddp.zero_grad()
+    assert len(waited) == launched and all(b.work is None for b in ddp.buckets)
+    _backward(ddp, step=1)
+    ddp.sync_grads()
+    fresh = GPT(CONFIG, seed=0)
+    _, loss = fresh(*_batch(step=1))
+    loss.backward()
+    for (name, p), q in zip(ddp.module.named_parameters(), fresh.parameters()):
+        np.testing.assert_array_equal(H(p.grad), H(q.grad), err_msg=name)
+
+
 def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device):
     model = GPT(CONFIG, seed=0)
     wpe = model.transformer.wpe.weight          # used first in forward: gradient done last

@@ -252,9 +252,21 @@ class DataParallelOverlap(DataParallelBucket):
     mode = "overlapped"
 
     def __init__(self, model, group, bucket_mb=1.0):
+        self._next = 0                       # the next bucket to launch, in bucket order
         super().__init__(model, group, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0                       # the next bucket to launch, in bucket order
+
+    def zero_grad(self):
+        """As the bucketed mode's, after waiting for any all-reduce a backward started (a
+        loop that drops a step's gradients without sync_grads(): zeroing under a running
+        all-reduce would race with its writes, and the next backward found its buckets
+        still counted full). Every rank started the same ones, so the wait is safe."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.ready = None, 0
+        self._next = 0
+        super().zero_grad()
 
     def _backward_ran(self, p):
         """Autograd hook (the one DataParallelNaive registers): `p`'s gradient for this
