@@ -15,6 +15,7 @@ numpy loaded, but the library's idle threads of the default pool stay around).
     MPICH (Hydra)   MPI_LOCALRANKID                      MPI_LOCALNRANKS       PMI_SIZE
     Open MPI        OMPI_COMM_WORLD_LOCAL_RANK           ..._LOCAL_SIZE        OMPI_COMM_WORLD_SIZE
     PMIx / Cray     PMI_LOCAL_RANK                       PMI_LOCAL_SIZE        PMIX_SIZE
+    MVAPICH         MV2_COMM_WORLD_LOCAL_RANK            ..._LOCAL_SIZE        MV2_COMM_WORLD_SIZE
     Slurm srun      SLURM_LOCALID                        SLURM_STEP_TASKS_PER_NODE[SLURM_NODEID]
                                                                                SLURM_STEP_NUM_TASKS
 No launcher: rank 0 of 1. Importing this module sets nothing.
@@ -29,8 +30,10 @@ _LOCAL_ENV = (
     ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),                          # MPICH / Hydra
     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),    # Open MPI
     ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),                            # PMIx / Cray
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),      # MVAPICH's mpirun_rsh
 )
-_WORLD_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+_WORLD_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
+              "SLURM_STEP_NUM_TASKS")
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS")
 
@@ -38,7 +41,8 @@ THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
 def launcher_rank():
     """This process's rank in the job, from the launcher's environment (0 without one):
     known before MPI starts, so an error found before any communication is printed once."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+                "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0

@@ -140,6 +140,47 @@ def test_a_write_that_fails_on_the_thread_is_one_error_and_latest_stays(tmp_path
     assert checkpoint.load(d)[2]["step"] == 1
 
 
+class _RankOneElsewhere:
+    """World rank 0 of two, whose rank 1 reports `written` (a file on its node's own disk)."""
+    rank, size = 0, 2
+
+    def __init__(self, written):
+        self.written = written
+
+    def gather_object(self, obj, root=0):
+        return [obj, (self.written, None, [])]
+
+    def broadcast_object(self, obj, root=0):
+        return obj
+
+
+def test_a_save_folder_a_rank_does_not_see_is_an_error_not_a_checkpoint(tmp_path, monkeypatch):
+    """First-use walk 31: --save on a node's own disk (rank 1 "another node") printed "saved
+    step 3", exit 0, and the resume found rank 1's shard missing: rank 1 had made the
+    temporary folder on its own disk and written there. Now a rank that does not see rank
+    0's temporary folder fails its write, and rank 0 commits only files it sees whole:
+    otherwise one error naming the rank and the file, nothing committed, `latest` kept."""
+    monkeypatch.setattr(saving, "VISIBLE_WITHIN_S", 0.1)
+    elsewhere = tmp_path / "node1" / ".tmp-1-ab"
+    with pytest.raises(OSError, match=r"made by world rank 0, is not there on this rank; "
+                                      r"--save must be a folder every rank sees"):
+        saving.write_file(str(elsewhere), saving.json_file("state.json", {}))
+    assert not elsewhere.exists()                     # (it was made, and written into)
+    model, opt = _trained()
+    d = str(tmp_path / "ck")
+    first = checkpoint.save_checkpoint(d, model, opt, step=1)
+    plan = saving.SavePlan(files=[saving.json_file("state.json", {"step": 2})],
+                           manifests=[saving.Manifest("", 2)])
+    shard = {"shard-00001-of-00002.safetensors": {"bytes": 80, "sha256": "0" * 64}}
+    save = saving.begin(d, 2, plan, _RankOneElsewhere(shard))
+    save.write()
+    with pytest.raises(CheckpointError, match=r"rank 1's shard-00001-of-00002.safetensors is "
+                                              r"not in .* as world rank 0 sees it; --save must"):
+        save.commit()
+    assert checkpoint_dirs.resolve(d) == first and sorted(os.listdir(d)) == \
+        ["latest", "step-00000001"]
+
+
 # ---- whole runs: the same files, the same numbers after a resume ------------------------------
 
 LAYOUTS = [(1, []), (2, []), (2, ["--zero", "3"]), (4, ["--tp", "2", "--dp", "2"]),

@@ -403,6 +403,49 @@ def test_a_problem_one_rank_alone_finds_stops_every_rank_naming_it(corpus, tmp_p
     assert "(found on rank 1 of 2: do the nodes differ?)" in out.stderr, out.stderr
 
 
+def test_a_launcher_of_another_mpi_is_one_error_line_not_n_separate_runs(corpus, tmp_path):
+    """First-use walk 31: Open MPI's mpirun with the mpich wheel's libmpi starts each rank as
+    an MPI job of its own: N copies trained, saved into one folder (prune deleted one run's
+    checkpoint) and exited 0. Two processes with Open MPI's variables (what its mpirun sets)
+    now stop at MPI_Init: one error line (from the launcher's rank 0) naming both sizes and
+    the library mpi4py loaded, exit 2 on both, nothing trained or saved."""
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--data", corpus,
+         "--steps", "2", "--n-layer", "1",
+         "--n-embd", "16", "--cache-dir", str(tmp_path / "cache"), "--save", "ck"],
+        cwd=tmp_path, env=mpi_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK=str(r),
+                                  OMPI_COMM_WORLD_LOCAL_RANK=str(r),
+                                  OMPI_COMM_WORLD_LOCAL_SIZE="2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    errors = [line for _, err in outs for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and errors[0].startswith(
+        "error: the launcher started 2 processes but MPI sees 1: mpi4py loaded another MPI "
+        "than the launcher's ("), outs
+    assert all("step " not in out for out, _ in outs) and not os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.mpi
+def test_a_save_folder_on_each_nodes_own_disk_is_refused_before_step_0(corpus, tmp_path, mpi):
+    """First-use walk 31: --save on a node's own disk (here: each rank starts in a folder
+    of its own, and --save is relative) trained, said "saved step 3", exit 0, and the resume
+    found rank 1's shard missing. Every rank now looks for a file rank 0 makes in --save
+    right after MPI_Init: one error line naming the rank, exit 2, before step 0.
+    By hand: mpiexec -n 2 python tests/scripts/node_own_disk.py --node-dirs A,B --save ck"""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for n in nodes:
+        n.mkdir()
+    out = mpi(2, "tests/scripts/node_own_disk.py", "--node-dirs", ",".join(map(str, nodes)),
+              "--save", "ck", "--zero", "1", "--data", corpus, "--steps", "2", "--cache-dir",
+              tmp_path / "cache", timeout=120, check=False)
+    assert out.returncode == 2 and "step " not in out.stdout, (out.stdout, out.stderr)
+    assert out.stderr.count("error: ") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert ("error: --save ck: rank 1 of 2 does not see the files world rank 0 writes there; "
+            "--save must be a folder every rank sees") in out.stderr, out.stderr
+    assert os.listdir(nodes[0] / "ck") == []                 # the probe removed
+
+
 @pytest.mark.parametrize("ranks,flags,says", [
     (1, ["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into dp 1 "
      "x --grad-accum 4 = 4 equal micro-batches"),

@@ -50,9 +50,10 @@ from minidist.comm.mesh import DeviceMesh  # noqa: E402
 from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: E402
 from minidist.comm.staging import cuda_aware_mpi  # noqa: E402
 from minidist.comm.stream import Work  # noqa: E402
+from minidist.launcher import world_size_from_env  # noqa: E402
 
-__all__ = ["ALGOS", "CollectiveFailed", "CollectiveMismatch", "DeviceMesh", "ProcessGroup",
-           "Work", "chunk_bounds", "cuda_aware_mpi", "env_problems", "init",
+__all__ = ["ALGOS", "CollectiveFailed", "CollectiveMismatch", "DeviceMesh", "LaunchMismatch",
+           "ProcessGroup", "Work", "chunk_bounds", "cuda_aware_mpi", "env_problems", "init",
            "install_abort_handler", "ring_bytes", "trace"]
 THREAD_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
                  "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
@@ -78,6 +79,9 @@ def init(algo="ring", timeout=None, sync_comm=None):
         mpich.apply_defaults()
         if not MPI.Is_initialized():
             _wait_in_mpi_init_for_every_rank(mpi_init_wait_s(timeout))
+        mismatch = launch_mismatch(world_size_from_env(), MPI.COMM_WORLD.Get_size())
+        if mismatch:                    # every process alone: no collective could tell
+            raise LaunchMismatch(mismatch)
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -85,6 +89,24 @@ def init(algo="ring", timeout=None, sync_comm=None):
         atexit.register(_finish)
         _state["initialised"] = True
     return ProcessGroup.world(algo, sync_comm)
+
+
+class LaunchMismatch(RuntimeError):
+    """The launcher started N processes, and MPI sees another number (each its own job)."""
+
+
+def launch_mismatch(launched, in_mpi):
+    """Why this job is not one MPI job, or None: the launcher's environment says `launched`
+    processes, MPI_COMM_WORLD holds `in_mpi` (first-use walk 31: Open MPI's mpirun with the
+    mpich wheel's libmpi started each rank as a job of its own, and N copies trained, saved
+    into one folder and exited 0)."""
+    if launched <= 1 or in_mpi == launched:
+        return None
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    return (f"the launcher started {launched} processes but MPI sees {in_mpi}: mpi4py loaded "
+            f"another MPI than the launcher's ({' '.join(library.split())}); start the job "
+            "with that MPI's mpiexec, or point mpi4py at the cluster's MPI (MPI4PY_LIBMPI; "
+            "examples/slurm/README.md, \"The cluster's own MPI\")")
 
 
 # MPI_Init of a few ranks on a busy machine takes up to a second: a collective timeout below

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 
 from minidist import backend
@@ -98,8 +99,29 @@ def _entry(path):
     return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
+# a folder another node just made may take a moment to be seen here (NFS attribute caches)
+VISIBLE_WITHIN_S = 3.0
+NOT_SHARED = ("--save must be a folder every rank sees: on a filesystem the nodes share, not "
+              "a node's own disk")
+
+
+def visible(path, within_s=None):
+    """Whether `path` exists, looking again for up to `within_s` seconds (VISIBLE_WITHIN_S)."""
+    deadline = time.monotonic() + (VISIBLE_WITHIN_S if within_s is None else within_s)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def write_file(folder, f):
-    """File `f` into `folder` (its subfolder made if needed), fsynced; its manifest entry."""
+    """File `f` into `folder` (world rank 0's temporary folder, which must be there: a rank
+    on a node that does not see it made its own, and saved its files where rank 0 never
+    looked) and its subfolder (made if needed), fsynced; its manifest entry."""
+    if not visible(folder):
+        raise OSError(f"{folder}, made by world rank 0, is not there on this rank; "
+                      + NOT_SHARED)
     path = os.path.join(folder, f.path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if f.arrays is not None:
@@ -198,6 +220,8 @@ class Save:
         folder = None
         if not errors:
             entries = {path: e for written, _, _ in everyone for path, e in written.items()}
+            errors = _not_seen(self.tmp, self.directory, everyone)
+        if not errors:
             try:
                 for m in (m for _, _, manifests in everyone for m in manifests):
                     files = {os.path.basename(p): entries[p] for p in sorted(entries)
@@ -209,6 +233,22 @@ class Save:
                 errors.append(str(e))
         shutil.rmtree(self.tmp, ignore_errors=True)            # gone already once committed
         return errors, folder
+
+
+def _not_seen(tmp, directory, everyone):
+    """World rank 0, before it commits: each rank's first file that is not in `tmp` with
+    the bytes that rank wrote, as rank 0 sees it (a --save on a node's own disk: the rank
+    wrote into a folder of the same name there; "saved", and the resume found a shard
+    missing)."""
+    errors = []
+    for r, (written, _, _) in enumerate(everyone):
+        for path, entry in written.items():
+            full = os.path.join(tmp, path)
+            if not (visible(full) and os.path.getsize(full) == entry["bytes"]):
+                errors.append(f"rank {r}'s {path} is not in {directory} as world rank 0 "
+                              f"sees it; {NOT_SHARED}")
+                break
+    return errors
 
 
 def begin(directory, step, plan, group=None, overwrite=False):

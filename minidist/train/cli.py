@@ -101,6 +101,30 @@ def agree_on_flags(world, problem):
         for message, ranks in messages.items()))
 
 
+def check_save_is_shared(world, save):
+    """Collective over `world`, before step 0: every rank sees a file world rank 0 makes in
+    --save, else a UsageError naming the ranks that do not (first-use walk 31: --save on a
+    node's own disk trained until its first save, and before that check at the commit, it
+    "saved" a checkpoint missing the other nodes' shards). check_outputs made the folder."""
+    if save is None or world.size == 1:
+        return
+    from minidist.strategy import saving      # (numpy: loaded by now)
+    probe = None
+    if world.rank == 0:
+        probe = os.path.join(save, f".tmp-probe-{os.getpid()}")
+        open(probe, "w").close()
+    probe = world.broadcast_object(probe, root=0)
+    seen = world.all_gather_object(os.path.isfile(probe) or saving.visible(probe))
+    if world.rank == 0:
+        os.remove(probe)
+    blind = [r for r, s in enumerate(seen) if not s]
+    if blind:
+        from minidist.comm.group import ranks_text      # (MPI is up: `world`)
+        verb = "does" if len(blind) == 1 else "do"
+        raise UsageError(f"--save {save}: {ranks_text(blind)} of {world.size} {verb} not see "
+                         f"the files world rank 0 writes there; {saving.NOT_SHARED}")
+
+
 def check_flags(args):
     """Every flag's range and the combinations that cannot work, on this rank alone."""
     for flag, name, low, what in _AT_LEAST:

@@ -1,0 +1,18 @@
+"""examples/train_gpt.py as it runs when each node has its own disk where --save points (the
+same command on every rank; a --save on a node's local disk): each rank starts in its own
+folder, `--node-dirs A,B` (rank r in the r-th), so a relative --save names another folder
+on each rank. Every other flag is train_gpt.py's. For tests/test_cli.py.
+
+    mpiexec -n 2 python tests/scripts/node_own_disk.py --node-dirs A,B --save ck [flags]
+"""
+import os
+import runpy
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+i = sys.argv.index("--node-dirs")
+folders = sys.argv[i + 1].split(",")
+del sys.argv[i:i + 2]
+os.chdir(folders[int(os.environ.get("PMI_RANK", "0"))])   # Hydra's rank, before MPI_Init
+sys.argv[0] = os.path.join(here, "..", "..", "examples", "train_gpt.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
