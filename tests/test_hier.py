@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from minidist.comm.hier import hier_bytes, node_grouping, ranks_per_node
+from minidist.comm.hier import hier_bytes, members_nodes, node_grouping, ranks_per_node
+from minidist.comm.debug import LaunchMismatch
 from tests.mpirun import mpi_env
 
 
@@ -16,6 +17,50 @@ def test_node_grouping_and_ranks_per_node():
     assert ranks_per_node({}) == 1
     with pytest.raises(ValueError, match="MINIDIST_RANKS_PER_NODE"):
         ranks_per_node({"MINIDIST_RANKS_PER_NODE": "two"})
+
+
+class _Gathered:
+    """A communicator whose allgather answers with the members' (setting, host) pairs."""
+
+    def __init__(self, members):
+        self.members = members
+
+    def allgather(self, mine):
+        return self.members
+
+
+def test_a_members_node_is_its_host_whatever_the_placement():
+    """First-use walk 31: the node was world rank // the launcher's ranks per node, on each
+    rank from its own environment. Under cyclic placement (srun -m cyclic) a tp group across
+    two hosts was called "all its ranks on one node", and nodes of 4 and 2 ranks had the
+    ranks disagree on the algorithm (they met in different collectives: a 600 s hang). The
+    node is now the host each member reports; MINIDIST_RANKS_PER_NODE (the simulation) must be
+    the same on every rank."""
+    cyclic = _Gathered([("", "a"), ("", "b"), ("", "a"), ("", "b")])
+    nodes = members_nodes(cyclic, environ={})
+    assert nodes == [0, 1, 0, 1]
+    assert node_grouping([0, 1, 2, 3], 4, nodes) == ([(0, 0), (1, 0), (0, 1), (1, 1)], True)
+    uneven = members_nodes(_Gathered([("", "a")] * 4 + [("", "b")] * 2), environ={})
+    assert node_grouping(range(6), 4, uneven)[1] is False       # the flat ring, everywhere
+    simulated = _Gathered([("2", "a")] * 4)
+    assert members_nodes(simulated, environ={"MINIDIST_RANKS_PER_NODE": "2"}) is None
+    with pytest.raises(LaunchMismatch, match=r"the ranks disagree on MINIDIST_RANKS_PER_NODE "
+                                             r"\('2', '4'\): give it the same value"):
+        members_nodes(_Gathered([("2", "a"), ("4", "a")]), {"MINIDIST_RANKS_PER_NODE": "2"})
+
+
+@pytest.mark.mpi
+def test_ranks_told_different_node_sizes_stop_with_one_line(mpi, tmp_path):
+    """    mpiexec -n 4 python tests/scripts/nodes_differ.py --comm hier
+    (rank 0: MINIDIST_RANKS_PER_NODE=2, the others 4) split the job two ways and hung until
+    the timeout; now one error line, exit 2, in seconds."""
+    out = mpi(4, "tests/scripts/nodes_differ.py", "--comm", "hier", "--n-layer", "1",
+              "--n-embd", "16", "--steps", "1", "--sample", "0", "--cache-dir",
+              tmp_path / "c", timeout=120, check=False, env=mpi_env(MINIDIST_COMM_TIMEOUT=100))
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stderr.count("error: ") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "error: --comm hier: the ranks disagree on MINIDIST_RANKS_PER_NODE ('2', '4')" \
+        in out.stderr
 
 
 def test_hier_bytes_by_hand():

@@ -43,8 +43,8 @@ mpi4py.rc.initialize = False   # before mpi4py.MPI is imported: init() below ini
 from mpi4py import MPI  # noqa: E402
 
 from minidist.comm import hier, mpich, progress, trace, watchdog  # noqa: E402
-from minidist.comm.debug import (CollectiveFailed, CollectiveMismatch,  # noqa: E402
-                                 install_abort_handler)
+from minidist.comm.debug import (  # noqa: E402
+    CollectiveFailed, CollectiveMismatch, LaunchMismatch, install_abort_handler)
 from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
 from minidist.comm.mesh import DeviceMesh  # noqa: E402
 from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: E402
@@ -89,10 +89,6 @@ def init(algo="ring", timeout=None, sync_comm=None):
         atexit.register(_finish)
         _state["initialised"] = True
     return ProcessGroup.world(algo, sync_comm)
-
-
-class LaunchMismatch(RuntimeError):
-    """The launcher started N processes, and MPI sees another number (each its own job)."""
 
 
 def launch_mismatch(launched, in_mpi):

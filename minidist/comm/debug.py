@@ -46,6 +46,13 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of a group called different collectives (or sizes, dtypes, roots) at one point."""
 
 
+class LaunchMismatch(RuntimeError):
+    """The job is not the one the launcher started: MPI sees another number of processes
+    than the launcher's (each its own job: comm.init), or the ranks place themselves on
+    nodes differently (--comm hier: hier.Hierarchy). The same on every rank, before any
+    other collective."""
+
+
 class CollectiveFailed(RuntimeError):
     """A collective failed inside MPI (an MPI.Exception, kept as __cause__). Without debug
     mode that is mostly ranks that disagree on it: the ring's messages do not fit."""

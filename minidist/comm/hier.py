@@ -17,20 +17,24 @@ their k links (NICs) at once:
 Bytes each rank sends: (k-1)/k n in the node twice, 2(m-1)/m n/k across (`hier_bytes`); the
 step-time model is minidist/train/comm_cost.py's hier_all_reduce_time.
 
-Nodes are simulated by grouping world ranks: world rank r is on node r // ranks_per_node,
-where ranks_per_node is MINIDIST_RANKS_PER_NODE, else the launcher's count of ranks on this
-node (minidist/launcher.py), so on a real cluster the grouping is the machines'. A group
-whose nodes hold different numbers of its ranks (or lies in one node, or one rank per node)
-runs the flat ring. reduce-scatter, all-gather, broadcast and all-to-all are the ring's.
+A rank's node is its host (each rank's host name, gathered when the group is made), so on a
+cluster the grouping is the machines', whatever the launcher's placement (block or cyclic).
+MINIDIST_RANKS_PER_NODE=k simulates nodes on one machine instead: world rank r is on node
+r // k; the ranks must agree on it (a LaunchMismatch otherwise: each rank grouped the job
+its own way, and the ranks met in different collectives until the timeout). A group whose
+nodes hold different numbers of its ranks (or lies in one node, or one rank per node) runs
+the flat ring. reduce-scatter, all-gather, broadcast and all-to-all are the ring's.
 
 Every rank ends bitwise identical: each chunk is reduced once by the inter-node ring of its
 owners, then copied. Tests: tests/test_hier.py (test_hierarchical_all_reduce:
 tests/scripts/hier_check.py, 2 nodes x 2 ranks, odd lengths, against MPI's Allreduce; DDP).
 """
 import os
+import socket
 
 from minidist.comm import alltoall, ring
 from minidist.comm.channel import Channel
+from minidist.comm.debug import LaunchMismatch
 from minidist.comm.ring import chunk_bounds, ring_bytes
 from minidist.launcher import local_rank_and_size
 
@@ -38,7 +42,8 @@ RANKS_PER_NODE_ENV = "MINIDIST_RANKS_PER_NODE"
 
 
 def ranks_per_node(environ=os.environ):
-    """MINIDIST_RANKS_PER_NODE, else the launcher's ranks on this node (1 without one)."""
+    """MINIDIST_RANKS_PER_NODE, else the launcher's ranks on this node (1 without one):
+    hier_bytes's and the simulation's."""
     value = environ.get(RANKS_PER_NODE_ENV, "")
     if value:
         if not value.isdigit() or int(value) < 1:
@@ -47,10 +52,11 @@ def ranks_per_node(environ=os.environ):
     return local_rank_and_size(environ)[1]
 
 
-def node_grouping(world_ranks, per_node):
+def node_grouping(world_ranks, per_node, nodes=None):
     """[(node, index in node)] for each member of a group given by its world ranks, and
-    whether every node holds the same number of them."""
-    nodes = [r // per_node for r in world_ranks]
+    whether every node holds the same number of them. `nodes`: each member's node (its
+    host) instead of world rank // per_node."""
+    nodes = [r // per_node for r in world_ranks] if nodes is None else list(nodes)
     places = [(n, nodes[:i].count(n)) for i, n in enumerate(nodes)]
     counts = [nodes.count(n) for n in set(nodes)]
     return places, len(set(counts)) == 1
@@ -71,13 +77,32 @@ def hier_bytes(n, itemsize, member, world_ranks, per_node):
             + ring_bytes("all_gather", n, itemsize, local, k))
 
 
+def members_nodes(comm, environ=os.environ):
+    """Each member's node (collective over `comm`): None under MINIDIST_RANKS_PER_NODE (world
+    rank // its value, the same on every rank, else LaunchMismatch), else its host's number
+    (hosts numbered in the order of the members)."""
+    simulated = environ.get(RANKS_PER_NODE_ENV, "")
+    everyone = comm.allgather((simulated, socket.gethostname()))
+    settings = sorted({s for s, _ in everyone})
+    if len(settings) > 1:
+        raise LaunchMismatch(
+            f"--comm hier: the ranks disagree on {RANKS_PER_NODE_ENV} ("
+            + ", ".join(repr(s) for s in settings) + "): give it the same value on every "
+            "rank, or leave it out (each rank's node is then its host)")
+    if simulated:
+        return None
+    numbers = {}
+    return [numbers.setdefault(host, len(numbers)) for _, host in everyone]
+
+
 class Hierarchy:
     """One group's node split: `intra` (this rank's node) and `inter` (the ranks with this
     local index on every node) communicators, made from the group's communicator `comm`
     (collective: every member constructs it, as it constructs the group)."""
 
     def __init__(self, comm, world_ranks, per_node, scratch):
-        places, self.uniform = node_grouping(world_ranks, per_node)
+        places, self.uniform = node_grouping(world_ranks, per_node,
+                                             members_nodes(comm))
         me = comm.Get_rank()
         node, self.local = places[me]
         self.k = sum(1 for p in places if p[0] == node)
