@@ -32,9 +32,9 @@ try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is
 
     from minidist import backend, comm
     from minidist.train.args import train_parser
+    from minidist.strategy import checkpoint_dirs
     from minidist.strategy.checkpoint import CheckpointError
-    from minidist.train.cli import (agree_on_flags, check_save_is_shared, flag_problem,
-                                    run_main)
+    from minidist.train.cli import agree_on_flags, claim_save, flag_problem, run_main
     from minidist.train.bpe import TokenizerError
     from minidist.train.data import DataError
     from minidist.train.loop import train
@@ -59,8 +59,12 @@ def main(args):
                           timeout=args.comm_timeout if problem is None else None,
                           sync_comm=args.sync_comm)
         agree_on_flags(world, problem)   # any rank's problem stops every rank, named once
-        check_save_is_shared(world, args.save)   # a node's own disk: refused before step 0
-    return train(args, world)
+    # --save: this run's alone (rank 0 holds its lock until the run ends), seen by every rank
+    save_lock = claim_save(world, args.save)
+    try:
+        return train(args, world)
+    finally:
+        checkpoint_dirs.release(save_lock)
 
 
 if __name__ == "__main__":

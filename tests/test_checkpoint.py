@@ -5,6 +5,7 @@ user's umask, and a clear CheckpointError for a missing, corrupt, edited or mism
 import json
 import os
 import shutil
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -123,11 +124,20 @@ def test_resume_finds_a_complete_checkpoint_at_every_instant(tmp_path):
         checkpoint_dirs.read_latest(str(d))
 
 
+def _a_pid_that_ended():
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_stale_temporaries_cleaned_umask_and_strangers_refused(tmp_path):
     model, opt = _trained()
     d = tmp_path / "ck"
     save_checkpoint(d, model, opt, step=1)
-    for stale in (".tmp-99-dead", ".old-99-dead", ".latest.tmp-99"):
+    gone = _a_pid_that_ended()
+    for stale in (f".tmp-{gone}-dead", ".old-99-dead", f".latest.tmp-{gone}"):
         (d / stale).mkdir() if "latest" not in stale else (d / stale).write_text("x")
     old = os.umask(0o022)
     try:
@@ -303,6 +313,28 @@ for step in range(start, 10**6):          # on from the killed run's latest
     prune(sys.argv[1], 1)
     print(step, flush=True)
 """
+
+
+def test_a_save_leaves_another_running_saves_temporary_alone(tmp_path):
+    """First-use walk 31: two jobs saving into one folder (a submission twice, one default
+    checkpoint folder): each save removed every temporary folder, the other job's included,
+    and that job died mid-write ("No such file ... .tmp-..."). A temporary is now removed only
+    once its process is gone: this host's by its pid, another host's after FOREIGN_AFTER_S."""
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    save_checkpoint(d, model, opt, step=1)
+    host = checkpoint_dirs.temporary_name().split("-")[1]
+    running = d / f".tmp-{host}-{os.getpid()}-0abc"          # a save in progress here
+    ended = d / f".tmp-{host}-{_a_pid_that_ended()}-0abc"    # killed mid-way
+    fresh, stale = d / ".tmp-othernode-12-0abc", d / ".tmp-othernode-13-0abc"
+    for folder in (running, ended, fresh, stale):
+        folder.mkdir()
+    long_ago = time.time() - checkpoint_dirs.FOREIGN_AFTER_S - 60
+    os.utime(stale, (long_ago, long_ago))
+    save_checkpoint(d, model, opt, step=2)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == \
+        sorted([running.name, fresh.name])
+    assert checkpoint_dirs.left_behind(str(fresh), now=time.time() + 7 * 3600)
 
 
 def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):

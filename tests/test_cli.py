@@ -19,6 +19,7 @@ import ast
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -424,6 +425,39 @@ def test_a_launcher_of_another_mpi_is_one_error_line_not_n_separate_runs(corpus,
         "error: the launcher started 2 processes but MPI sees 1: mpi4py loaded another MPI "
         "than the launcher's ("), outs
     assert all("step " not in out for out, _ in outs) and not os.listdir(tmp_path / "ck")
+
+
+def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(corpus,
+                                                                             tmp_path):
+    """First-use walk 31: two runs on one --save (a job submitted twice; one default folder
+    for every submission): one removed the other's temporary folder mid-save, or pruned the
+    checkpoint the other was resuming from (a FileNotFoundError traceback). The run holds
+    --save's lock (DIR/.lock, flock) until it ends: a second one is one error line naming the
+    first, exit 2, before it reads or writes anything; once the first has ended, a run
+    takes the folder (here: resumes it)."""
+    common = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--data",
+              corpus, "--n-layer", "1", "--n-embd", "16", "--cache-dir", str(tmp_path / "c"),
+              "--save", "ck", "--resume", "auto", "--sample", "0", "--eval-iters", "1"]
+    first = subprocess.Popen([*common, "--steps", "400", "--save-every", "1", "--keep", "2"],
+                             cwd=tmp_path, env=mpi_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        while "saved step" not in first.stdout.readline():        # it trains and saves
+            assert first.poll() is None, first.stderr.read()
+        second = subprocess.run([*common, "--steps", "2"], cwd=tmp_path, env=mpi_env(),
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGINT)          # Ctrl-C: saves its step, exits 130
+        first.wait(timeout=120)
+    assert second.returncode == 2 and "step " not in second.stdout, second.stderr
+    assert second.stderr.startswith(f"error: --save ck: another run saves into it "
+                                    f"({socket.gethostname()}, pid {first.pid}, since "), \
+        second.stderr
+    assert second.stderr.count("\n") == 1
+    done = int((tmp_path / "ck" / "latest").read_text().strip().split("-")[1])
+    again = subprocess.run([*common, "--steps", str(done + 1)], cwd=tmp_path, env=mpi_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "resumed from ck/step-" in again.stdout, again.stderr
 
 
 @pytest.mark.mpi

@@ -5,8 +5,9 @@ checkpoint that --resume finds.
     DIR/step-00000050/        each renamed into place only once every file in it is fsynced
     DIR/latest                "step-00000050": the newest, replaced atomically (a temporary
                               file, fsync, os.replace, fsync of DIR)
-    DIR/.tmp-<pid>-<random>/  a save in progress, or one killed mid-way (the next save
-                              removes it, and any .old-* an older minidist left)
+    DIR/.tmp-<host>-<pid>-<random>/  a save in progress, or one killed mid-way (the next
+                              save removes it once its process is gone, and any .old-* an
+                              older minidist left)
 
 A save: begin(DIR) makes the temporary folder (mode from the user's umask, not mkdtemp's
 0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
@@ -24,15 +25,18 @@ checkpoint is newer than where this run starts (a fresh run: any checkpoint), si
 saves would replace it and prune would delete it; --overwrite allows it.
 Tests: tests/test_checkpoint.py, tests/test_cli.py.
 """
+import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
+import time
 
-LATEST = "latest"
+LATEST, LOCK = "latest", ".lock"
 _NUMBERED = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
-_OURS = re.compile(r"^(latest|\.latest\.tmp-.*|\.tmp-.*|\..*\.(tmp|old)-.*|\.old-.*)$")
+_OURS = re.compile(r"^(latest|\.lock|\.latest\.tmp-.*|\.tmp-.*|\..*\.(tmp|old)-.*|\.old-.*)$")
 
 
 class CheckpointError(ValueError):
@@ -205,12 +209,103 @@ def begin(directory, step=None, overwrite=False):
         raise CheckpointError(problem)
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
-        if name != LATEST and _OURS.match(name):
-            path = os.path.join(directory, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        path = os.path.join(directory, name)
+        if name not in (LATEST, LOCK) and _OURS.match(name) and left_behind(path):
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else \
+                _remove_if_there(path)
+    tmp = os.path.join(directory, temporary_name())
     os.mkdir(tmp)                       # 0777 & ~umask, as any folder the user makes
     return tmp
+
+
+# a temporary of another machine's process is taken as left behind after this long (its
+# process cannot be asked; no save takes hours)
+FOREIGN_AFTER_S = 6 * 3600
+
+
+def hold(directory):
+    """This process's claim on `directory` (made if needed) as the one run saving into it: an
+    open file holding an exclusive flock on DIR/.lock, released when it is closed or the
+    process ends (a crashed node's, on NFS, when its lease runs out). Raises CheckpointError
+    naming the holder where another process holds it (walk 31: a second job on the same
+    --save removed the first's files mid-save, or read a checkpoint the first pruned);
+    returns None where the filesystem has no locks (Lustre mounted without flock)."""
+    os.makedirs(directory, exist_ok=True)
+    f = open(os.path.join(directory, LOCK), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "its .lock is held"
+        f.close()
+        raise CheckpointError(f"--save {directory}: another run saves into it ({holder}); "
+                              "let it end, or --save another folder") from None
+    except OSError:                      # no locks here: nothing to hold
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    job = os.environ.get("SLURM_JOB_ID")
+    f.write(f"{socket.gethostname()}, pid {os.getpid()}" + (f", job {job}" if job else "")
+            + time.strftime(", since %Y-%m-%d %H:%M:%S") + "\n")
+    f.flush()
+    return f
+
+
+def release(held):
+    """Give up hold()'s claim (None: nothing held): DIR/.lock removed, then closed, so the
+    folder holds checkpoints only again. (A run that opened the file in the instant between
+    would lock a removed file: three runs started at once on one folder.)"""
+    if held is None:
+        return
+    _remove_if_there(held.name)
+    held.close()
+
+
+def temporary_name(what="save"):
+    """`.tmp-<host>-<pid>-<random>` (what="probe": ...-probe): whose it is, so that another
+    job's save into the same folder leaves it alone while its process runs (left_behind)."""
+    tail = secrets.token_hex(4) if what == "save" else what
+    return f".tmp-{socket.gethostname().replace('-', '_')}-{os.getpid()}-{tail}"
+
+
+def left_behind(path, now=None):
+    """Whether the temporary `path` (begin's, commit's pointer, an older minidist's) belongs to
+    no running save: its process, on this host, is gone, or another host's has not touched it
+    for FOREIGN_AFTER_S. Until walk 31 every save removed every temporary, and a second job
+    saving into the same folder lost its files mid-write."""
+    host, pid = _owner(os.path.basename(path))
+    if host not in (None, socket.gethostname().replace("-", "_")):
+        try:
+            return (now or time.time()) - os.path.getmtime(path) > FOREIGN_AFTER_S
+        except OSError:
+            return False
+    return pid is None or not _running(pid)
+
+
+def _owner(name):
+    """(host or None, pid or None) of a temporary's name."""
+    m = re.match(r"^\.tmp-(?:(.+)-)?(\d+)-[^-]+$", name) or re.match(
+        r"^\.latest\.tmp-()(\d+)$", name)
+    return (None, None) if m is None else (m.group(1) or None, int(m.group(2)))
+
+
+def _running(pid):
+    """Whether process `pid` runs on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_if_there(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def moves_latest_back(directory, step):
