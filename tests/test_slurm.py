@@ -153,3 +153,30 @@ def test_dry_run_prints_the_launch_and_the_venv_it_found(tmp_path):
     assert away.returncode == 2 and away.stdout == "" and away.stderr == (
         f"error: {tmp_path} has no examples/train_gpt.py: submit from the repository's root "
         "(cd minidist && sbatch examples/slurm/train.sbatch ...)\n"), away.stderr
+
+
+def test_dry_run_launches_for_the_clusters_mpi_and_the_jobs_own_folder(tmp_path):
+    """First-use walk 31: the script launched only the mpich wheel's way (srun --mpi=pmi2,
+    Hydra's mpirun -ppn) and saved every submission into one folder. SRUN_MPI picks srun's
+    PMI (pmix: Open MPI); under LAUNCH=mpirun an Open MPI mpirun gets --map-by ppr:N:node;
+    CKPT defaults to checkpoints/<job name>-<job id>, which a requeue keeps."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpirun").write_text("#!/bin/sh\necho 'mpirun (Open MPI) 5.0.6'\n")
+    (fake / "mpirun").chmod(0o755)
+    env = mpi_env(DRY_RUN="1", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="8",
+                  SLURM_JOB_NAME="gpt", SLURM_JOB_ID="4242", PYTHON=sys.executable,
+                  PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    env.pop("CKPT", None)
+
+    def would_run(**extra):
+        out = subprocess.run(["bash", "examples/slurm/train.sbatch", "--tp", "8"], cwd=ROOT,
+                             env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split("would run: ")[1].split(sys.executable)[0].strip()
+
+    assert would_run(SRUN_MPI="pmix") == "srun --mpi=pmix --kill-on-bad-exit=1 --ntasks=16"
+    assert would_run(LAUNCH="mpirun") == "mpirun -n 16 --map-by ppr:8:node"
+    out = subprocess.run(["bash", "examples/slurm/train.sbatch"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "--save checkpoints/gpt-4242 --resume auto" in out, out
