@@ -8,6 +8,7 @@ checkpoint that --resume finds.
     DIR/.tmp-<host>-<pid>-<random>/  a save in progress, or one killed mid-way (the next
                               save removes it once its process is gone, and any .old-* an
                               older minidist left)
+    DIR/.lock                 while a run saves here: its flock (hold / release), naming it
 
 A save: begin(DIR) makes the temporary folder (mode from the user's umask, not mkdtemp's
 0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
