@@ -1,6 +1,6 @@
 """examples/train_gpt.py as it runs when the ranks are told different node sizes: rank 0 has
 MINIDIST_RANKS_PER_NODE=2, the others 4 (one node's environment set otherwise). Every flag
-is train_gpt.py's. For tests/test_hier.py.
+is train_gpt.py's, --device included (train_parser()). For tests/test_hier.py.
 
     mpiexec -n 4 python tests/scripts/nodes_differ.py --comm hier [train_gpt flags]
 """
