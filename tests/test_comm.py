@@ -130,6 +130,21 @@ def test_group_before_init_is_a_clear_error():
     assert "call minidist.comm.init() first" in out.stdout, (out.stdout, out.stderr)
 
 
+def test_a_gpu_run_whose_collectives_go_through_the_host_is_told():
+    """First-use walk 31: a GPU run of several ranks with --comm ring (or naive, mpi, hier)
+    over an MPI that is not CUDA-aware copies every collective through host memory, and
+    nothing said so. The start-up note (train/loop.py, under --device cuda with more than
+    one rank) names the cost and --comm nccl; nothing under nccl or a CUDA-aware MPI."""
+    from minidist.comm.staging import host_staging_note
+    for algo in ("ring", "naive", "mpi", "hier"):
+        note = host_staging_note(algo, aware=False)
+        assert note.startswith(f"--comm {algo} on GPUs: this MPI is not CUDA-aware, so every "
+                               "collective copies its buffers to host memory and back")
+        assert note.endswith("--comm nccl moves them GPU to GPU")
+        assert host_staging_note(algo, aware=True) is None
+    assert host_staging_note("nccl", aware=False) is None
+
+
 def test_import_does_not_import_cupy_and_detects_cuda_awareness():
     """The PyPI mpich wheel is not CUDA-aware; MINIDIST_CUDA_AWARE_MPI overrides it."""
     code = ("import sys, minidist.comm as c; c.init(); assert 'cupy' not in sys.modules; "

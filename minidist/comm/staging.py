@@ -70,6 +70,18 @@ def cuda_aware_mpi():
     return _cache["aware"]
 
 
+def host_staging_note(algo, aware):
+    """What a GPU run of several ranks is told at start-up when its collectives go through
+    host memory (`algo`: --comm; `aware`: cuda_aware_mpi()), or None: --comm nccl, or an MPI
+    that reads GPU memory (first-use walk 31: nothing said so, and a cluster run trained at a
+    fraction of NCCL's speed)."""
+    if algo == "nccl" or aware:
+        return None
+    return (f"--comm {algo} on GPUs: this MPI is not CUDA-aware, so every collective copies "
+            "its buffers to host memory and back (minidist/comm/staging.py): right for "
+            "checking, slow for training; --comm nccl moves them GPU to GPU")
+
+
 def is_bfloat16(a):
     """True for a bfloat16 array (False for None, MPI.IN_PLACE and other non-arrays)."""
     return getattr(getattr(a, "dtype", None), "name", None) == "bfloat16"

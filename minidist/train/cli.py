@@ -139,7 +139,7 @@ def _check_shared(world, save):
         probe = os.path.join(save, checkpoint_dirs.temporary_name("probe"))
         open(probe, "w").close()
     probe = world.broadcast_object(probe, root=0)
-    seen = world.all_gather_object(os.path.isfile(probe) or saving.visible(probe))
+    seen = world.all_gather_object(saving.visible(probe))
     if world.rank == 0:
         os.remove(probe)
     blind = [r for r, s in enumerate(seen) if not s]

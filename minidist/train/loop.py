@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from minidist import backend
+from minidist.comm.staging import cuda_aware_mpi, host_staging_note
 from minidist.launcher import busy_cores_note
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
@@ -275,6 +276,10 @@ def _describe(args, strategy, log, model, data):
     busy = None if args.threads else busy_cores_note(backend.blas_threads())
     if busy and backend.device() == "cpu":     # (the default count; a GPU's step is not BLAS)
         log.print0(f"note: {busy}")
+    staged = None if backend.device() != "cuda" or strategy.world_size == 1 else \
+        host_staging_note(args.comm, cuda_aware_mpi())
+    if staged:
+        log.print0(f"note: {staged}")
     if args.optimizer == "muon" and not args.eval_only:    # (nothing steps under it)
         mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
                 if takes_muon(name, shape)]
