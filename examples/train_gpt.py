@@ -34,10 +34,11 @@ try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is
     from minidist.train.args import train_parser
     from minidist.strategy import checkpoint_dirs
     from minidist.strategy.checkpoint import CheckpointError
-    from minidist.train.cli import agree_on_flags, claim_save, flag_problem, run_main
+    from minidist.train.cli import agree_on_flags, flag_problem, run_main
     from minidist.train.bpe import TokenizerError
     from minidist.train.data import DataError
     from minidist.train.loop import train
+    from minidist.train.saves import claim_save
 except KeyboardInterrupt:
     interrupted_while_loading()
 

@@ -267,7 +267,12 @@ def temporary_name(what="save"):
     """`.tmp-<host>-<pid>-<random>` (what="probe": ...-probe): whose it is, so that another
     job's save into the same folder leaves it alone while its process runs (left_behind)."""
     tail = secrets.token_hex(4) if what == "save" else what
-    return f".tmp-{socket.gethostname().replace('-', '_')}-{os.getpid()}-{tail}"
+    return f".tmp-{_host()}-{os.getpid()}-{tail}"
+
+
+def _host():
+    """This host's name as temporary names carry it (no '-': the name's separator)."""
+    return socket.gethostname().replace("-", "_")
 
 
 def left_behind(path, now=None):
@@ -276,7 +281,7 @@ def left_behind(path, now=None):
     for FOREIGN_AFTER_S. Until walk 31 every save removed every temporary, and a second job
     saving into the same folder lost its files mid-write."""
     host, pid = _owner(os.path.basename(path))
-    if host not in (None, socket.gethostname().replace("-", "_")):
+    if host not in (None, _host()):
         try:
             return (now or time.time()) - os.path.getmtime(path) > FOREIGN_AFTER_S
         except OSError:

@@ -101,55 +101,6 @@ def agree_on_flags(world, problem):
         for message, ranks in messages.items()))
 
 
-def claim_save(world, save):
-    """Before step 0, collective over `world` (None: one process), first-use walk 31: world
-    rank 0 holds --save's lock for the run (checkpoint_dirs.hold: a second run saving into
-    the folder is refused, naming the first), and every rank sees a file rank 0 makes there
-    (--save on a node's own disk trained until its first save, and before that check at the
-    commit, it "saved" a checkpoint missing the other nodes' shards). Returns the lock, to
-    keep for the run and checkpoint_dirs.release() at its end (None: no --save, another
-    rank, or no locks on that filesystem); a UsageError on every rank otherwise."""
-    if save is None:
-        return None
-    held, problem = None, None
-    if world is None or world.rank == 0:
-        try:
-            held = checkpoint_dirs.hold(save)
-        except checkpoint_dirs.CheckpointError as e:
-            problem = str(e)
-    if world is not None and world.size > 1:
-        problem = world.broadcast_object(problem, root=0)
-    if problem:
-        raise UsageError(problem)
-    if world is not None and world.size > 1:
-        try:
-            _check_shared(world, save)
-        except UsageError:
-            checkpoint_dirs.release(held)
-            raise
-    return held
-
-
-def _check_shared(world, save):
-    """Every rank of `world` sees a file world rank 0 makes in `save`, else a UsageError
-    naming the ones that do not."""
-    from minidist.strategy import saving      # (numpy: loaded by now)
-    probe = None
-    if world.rank == 0:
-        probe = os.path.join(save, checkpoint_dirs.temporary_name("probe"))
-        open(probe, "w").close()
-    probe = world.broadcast_object(probe, root=0)
-    seen = world.all_gather_object(saving.visible(probe))
-    if world.rank == 0:
-        os.remove(probe)
-    blind = [r for r, s in enumerate(seen) if not s]
-    if blind:
-        from minidist.comm.group import ranks_text      # (MPI is up: `world`)
-        verb = "does" if len(blind) == 1 else "do"
-        raise UsageError(f"--save {save}: {ranks_text(blind)} of {world.size} {verb} not see "
-                         f"the files world rank 0 writes there; {saving.NOT_SHARED}")
-
-
 def check_flags(args):
     """Every flag's range and the combinations that cannot work, on this rank alone."""
     for flag, name, low, what in _AT_LEAST:

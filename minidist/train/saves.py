@@ -17,12 +17,16 @@ written in the step: the job is about to end), before a divergence's error line,
 the end of the run (the last step's save is committed before the final summary and sample).
 A write that fails on any rank is one CheckpointError on every rank at that commit, naming
 the --save directory (the run stops: exit 2), and `latest` still names the checkpoint before.
-Tests: tests/test_async_save.py.
+claim_save, before step 0: the run's hold on --save (its .lock) and every rank seeing it.
+Tests: tests/test_async_save.py, tests/test_cli.py.
 """
+import os
 import time
 
+from minidist.comm.group import ranks_text
 from minidist.strategy import checkpoint_dirs, saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
+from minidist.train.cli import UsageError
 from minidist.train.inputs import recorded_flags
 
 
@@ -89,3 +93,51 @@ class Saves:
             return folder
         finally:
             self.seconds += time.perf_counter() - t
+
+
+def claim_save(world, save):
+    """Before step 0, collective over `world` (None: one process), first-use walk 31: world
+    rank 0 holds --save's lock for the run (checkpoint_dirs.hold: a second run saving into
+    the folder is refused, naming the first), and every rank sees a file rank 0 makes there
+    (--save on a node's own disk trained until its first save, and before that check at the
+    commit, it "saved" a checkpoint missing the other nodes' shards). Returns the lock, to
+    keep for the run and checkpoint_dirs.release() at its end (None: no --save, another
+    rank, or no locks on that filesystem); a UsageError on every rank otherwise."""
+    if save is None:
+        return None
+    held, problem = None, None
+    if world is None or world.rank == 0:
+        try:
+            held = checkpoint_dirs.hold(save)
+        except CheckpointError as e:
+            problem = str(e)
+    several = world is not None and world.size > 1
+    if several:
+        problem = world.broadcast_object(problem, root=0)
+    if problem:
+        raise UsageError(problem)
+    if several:
+        try:
+            _check_shared(world, save)
+        except UsageError:
+            checkpoint_dirs.release(held)
+            raise
+    return held
+
+
+def _check_shared(world, save):
+    """Every rank of `world` sees a file world rank 0 makes in `save`, else a UsageError
+    naming the ones that do not."""
+    probe = None
+    if world.rank == 0:
+        probe = os.path.join(save, checkpoint_dirs.temporary_name("probe"))
+        open(probe, "w").close()
+    probe = world.broadcast_object(probe, root=0)
+    seen = world.all_gather_object(saving.visible(probe))
+    if world.rank == 0:
+        os.remove(probe)
+    blind = [r for r, s in enumerate(seen) if not s]
+    if blind:
+        verb = "does" if len(blind) == 1 else "do"
+        raise UsageError(f"--save {save}: {ranks_text(blind)} of {world.size} {verb} not see "
+                         f"the files world rank 0 writes there; {saving.NOT_SHARED}")
