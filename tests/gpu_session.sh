@@ -18,7 +18,7 @@
 #   3 ranks    (acceptance, LIMIT 100) mpi4_ddp, mpi4_zero_3, mpi4_tp_2_amp, mpi4_dp_2_pp_2,
 #              mpi4_cp_2_new, mpi4_cp_2_ulysses, mpi4_zero_3_shard_2: four ranks on the one GPU through
 #              host-staged MPI
-#   4 speed2   (speed, LIMIT 100) fp32, tf32, bf16_new_tiled, bf16_new_graph,
+#   4 speed2   (speed, LIMIT 100) fp32, tf32, bf16_new_tiled, bf16_new_g32, bf16_new_graph,
 #              torch_compile_bf16, torch_eager_tf32, bf16_new_drop, bf16_new_drop_graph
 #   5 training (acceptance, LIMIT 150) train_cpu, train_device, train_val_within_2pct
 #   6 suite    (acceptance, LIMIT 300) suite_on_device: the whole suite on the device, the
@@ -51,8 +51,8 @@ part kernels gpu_acceptance.sh 150 gpu_suite gpu_vs_cpu_float64 gpu_vs_cpu_float
 part speed gpu_speed.sh 100 bf16 bf16_new torch_eager_bf16
 part ranks gpu_acceptance.sh 100 mpi4_ddp mpi4_zero_3 mpi4_tp_2_amp mpi4_dp_2_pp_2 \
     mpi4_cp_2_new mpi4_cp_2_ulysses mpi4_zero_3_shard_2
-part speed2 gpu_speed.sh 100 fp32 tf32 bf16_new_tiled bf16_new_graph torch_compile_bf16 \
-    torch_eager_tf32 bf16_new_drop bf16_new_drop_graph
+part speed2 gpu_speed.sh 100 fp32 tf32 bf16_new_tiled bf16_new_g32 bf16_new_graph \
+    torch_compile_bf16 torch_eager_tf32 bf16_new_drop bf16_new_drop_graph
 part training gpu_acceptance.sh 150 train_cpu train_device train_val_within_2pct
 part suite gpu_acceptance.sh 300 suite_on_device
 

@@ -13,7 +13,8 @@
 # minidist runs (examples/bench_step.py): fp32 (the CUDA kernels on), tf32 (MINIDIST_TF32=1),
 # bf16 (--amp), bf16_new (MINIDIST_CUDA_NEW_KERNELS=1: the parts proven on the CPU only, the
 # batched GEMMs through cuBLAS among them),
-# bf16_new_tiled (the same with --attention tiled), on a GPU bf16_new_graph (bf16_new's step
+# bf16_new_tiled (the same with --attention tiled), bf16_new_g32 (the same with --grad-dtype
+# float32: the _g32 kernels, float32 gradients, proven on the CPU only), on a GPU bf16_new_graph (bf16_new's step
 # captured as a CUDA graph and replayed: its loss must equal bf16_new's), bf16_new_drop
 # (bf16_new with --dropout 0.1: what dropout costs there) and on a GPU bf16_new_drop_graph
 # (bf16_new_drop's step captured: the masks' step on the device, each replay its own; its loss
@@ -48,6 +49,8 @@ run bf16 bench -- "$PY" $BENCH $AMP
 run bf16_new bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP
 run bf16_new_tiled bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP \
     --attention tiled
+run bf16_new_g32 bench -- env MINIDIST_CUDA_NEW_KERNELS=1 "$PY" $BENCH $AMP \
+    --grad-dtype float32
 
 if [ -f "$TORCH_REF" ] && "$PY" -c "import torch" 2>/dev/null; then
     PEER="$TORCH_REF $SIZE $STEPS --device $DEVICE --peak-tflops $PEAK"

@@ -140,9 +140,10 @@ def _speed_script(tmp_path, **env):
 
 
 def test_speed_script_dry_run_on_the_cpu(tmp_path):
-    """DEVICE=cpu DRY=1 bash tests/gpu_speed.sh: the six minidist runs, then the table."""
+    """DEVICE=cpu DRY=1 bash tests/gpu_speed.sh: the seven minidist runs, then the table."""
     rc, rows = _speed_script(tmp_path)
-    names = ["fp32", "tf32", "bf16", "bf16_new", "bf16_new_tiled", "bf16_new_drop"]
+    names = ["fp32", "tf32", "bf16", "bf16_new", "bf16_new_tiled", "bf16_new_g32",
+             "bf16_new_drop"]
     assert rc == 0 and [r["check"] for r in rows] == names + ["speed"]
     assert all(r["ok"] and r["loss"] > 0 and r["device"] == "cpu" for r in rows[:-1])
     assert rows[-1]["ok"] and sorted(rows[-1]["runs"]) == sorted(names)
@@ -153,14 +154,14 @@ def test_speed_script_keeps_inside_its_budget(tmp_path):
     rc, rows = _speed_script(tmp_path, BUDGET="0")
     assert rc == 1 and all(r.get("skipped") == "BUDGET spent" for r in rows[:-1])
     assert rows[-1]["check"] == "speed" and not rows[-1]["ok"]
-    assert rows[-1]["failed"] == [] and len(rows[-1]["skipped"]) == 6
+    assert rows[-1]["failed"] == [] and len(rows[-1]["skipped"]) == 7
 
 
 SESSION_ORDER = ["gpu_suite", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",      # kernels
                  "bf16", "bf16_new",                                            # speed
                  "mpi4_ddp", "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2",  # ranks
                  "mpi4_cp_2_new", "mpi4_cp_2_ulysses", "mpi4_zero_3_shard_2",
-                 "fp32", "tf32", "bf16_new_tiled", "bf16_new_drop",             # speed2
+                 "fp32", "tf32", "bf16_new_tiled", "bf16_new_g32", "bf16_new_drop",  # speed2
                  "train_cpu", "train_device", "train_val_within_2pct",          # training
                  "suite_on_device"]                                             # suite
 
@@ -198,7 +199,7 @@ def test_session_script_runs_the_telling_checks_first_and_records_the_rest(tmp_p
     assert all(r["skipped"] == "BUDGET spent" for r in rows[:-2])
     speed, summary = rows[-2:]
     assert sorted(speed["runs"]) == sorted(["bf16", "bf16_new", "fp32", "tf32",
-                                            "bf16_new_tiled", "bf16_new_drop"])
+                                            "bf16_new_tiled", "bf16_new_g32", "bf16_new_drop"])
     assert summary["skipped"] == SESSION_ORDER and summary["failed"] == [] and rc == 1
     saved = (tmp_path / "results.jsonl").read_text().splitlines()
     assert [json.loads(ln)["check"] for ln in saved] == ["speed", "summary"]
