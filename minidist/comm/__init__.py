@@ -15,6 +15,7 @@ Where to read what:
     mpi.py       the MPI library's own collectives
     nccl.py      NCCL through cupy.cuda.nccl (imported only for algo="nccl")
     group.py     ProcessGroup: dispatch, async_op, staging, counters, sub-groups
+    checks.py    what a group checks before it communicates (alike on every rank)
     stream.py    the per-group communication thread behind async_op=True
     mesh.py      DeviceMesh(dp, tp, pp), Megatron's rank order
     trace.py     counters, MINIDIST_TRACE=1 logs, the Chrome trace

@@ -37,13 +37,12 @@ rank sees alike (a list for an array, avg on integers, bad new_group ranks) rais
 communication. Tests: tests/test_comm.py, tests/scripts/comm_check.py and
 tests/test_comm_misuse.py.
 """
-import numbers
 import os
 import sys
 
 from mpi4py import MPI
 
-from minidist.comm import debug, hier, mpi, naive, ring, trace, watchdog
+from minidist.comm import checks, debug, hier, mpi, naive, ring, trace, watchdog
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -52,7 +51,6 @@ from minidist.comm.stream import CompletedWork, RequestWork, Stream
 from minidist.backend import is_cupy, xp_of
 
 ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
-REDUCE_OPS = ("sum", "avg", "max", "min")
 WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # ops that never read their out
 P2P_TAG = 0
 SYNC_COMM_NOTE = (
@@ -118,9 +116,9 @@ class ProcessGroup:
         ranks not in `ranks`. A list that differs between the ranks, a rank outside 0..size-1
         or one given twice raises ValueError on every rank (the lists are all-gathered first,
         one small collective beside the Split, so every rank judges the same lists)."""
-        ranks = [int(r) if isinstance(r, numbers.Integral) and not isinstance(r, bool) else r
+        ranks = [int(r) if checks.is_int(r) else r
                  for r in ranks]             # numpy ints as ints: the lists compare alike
-        _check_new_group(self, self.comm.allgather(ranks))
+        checks.check_new_group(self, self.comm.allgather(ranks))
         member = self.rank in ranks
         comm = self.comm.Split(0 if member else MPI.UNDEFINED,
                                ranks.index(self.rank) if member else 0)
@@ -160,39 +158,39 @@ class ProcessGroup:
 
     def all_reduce(self, buf, op="sum", async_op=False):
         """buf = buf reduced over the group (sum, avg, max or min), in place."""
-        buf = _flat(buf)
-        _check_op(op, buf, "all_reduce")
+        buf = checks.flat(buf)
+        checks.check_op(op, buf, "all_reduce")
         algo = self._algo_for(buf)
         return self._issue("all_reduce", buf, None, buf.size, async_op, op, 0,
                            lambda ch, out, _: algo.all_reduce(ch, out, op))
 
     def reduce_scatter(self, out, inp, op="sum", async_op=False):
         """out = chunk `rank` of inp, reduced over the group. out.size == chunk(inp.size)."""
-        out, inp = _flat(out), _flat(inp)
-        _check_op(op, inp, "reduce_scatter")
-        _check_chunk(self, "reduce_scatter", "out", out, inp)
+        out, inp = checks.flat(out), checks.flat(inp)
+        checks.check_op(op, inp, "reduce_scatter")
+        checks.check_chunk(self, "reduce_scatter", "out", out, inp)
         algo = self._algo_for(out)
         return self._issue("reduce_scatter", out, inp, inp.size, async_op, op, 0,
                            lambda ch, o, i: algo.reduce_scatter(ch, o, i, op))
 
     def all_gather(self, out, inp, async_op=False):
         """out = every rank's inp, concatenated in rank order. inp.size == chunk(out.size)."""
-        out, inp = _flat(out), _flat(inp)
-        _check_chunk(self, "all_gather", "inp", inp, out)
+        out, inp = checks.flat(out), checks.flat(inp)
+        checks.check_chunk(self, "all_gather", "inp", inp, out)
         algo = self._algo_for(out)
         return self._issue("all_gather", out, inp, out.size, async_op, "", 0,
                            lambda ch, o, i: algo.all_gather(ch, o, i))
 
     def broadcast(self, buf, root=0, async_op=False):
         """buf = root's buf on every rank (root: a rank of this group)."""
-        buf = _flat(buf)
+        buf = checks.flat(buf)
         algo = self._algo_for(buf)
         return self._issue("broadcast", buf, None, buf.size, async_op, "", root,
                            lambda ch, out, _: algo.broadcast(ch, out, root))
 
     def all_to_all(self, out, inp, async_op=False):
         """Chunk j of inp (size/N elements each) to rank j; out = the chunks from every rank."""
-        out, inp = _flat(out), _flat(inp)
+        out, inp = checks.flat(out), checks.flat(inp)
         if inp.size % self.size or out.size != inp.size:
             raise ValueError(f"all_to_all: inp ({inp.size}) and out ({out.size}) must have the "
                              f"same size, a multiple of the group size {self.size}; for uneven "
@@ -206,7 +204,7 @@ class ProcessGroup:
         recv_counts[i] must be rank i's send_counts[rank]. Algorithm: "ring" (and "hier") is
         the pairwise exchange, "naive" relays through rank 0, "mpi" is MPI_Alltoallv, "nccl"
         the pairwise exchange's chunks as one group of NCCL sends and receives."""
-        out, inp = _flat(out), _flat(inp)
+        out, inp = checks.flat(out), checks.flat(inp)
         if sum(send_counts) != inp.size or sum(recv_counts) != out.size or \
                 len(send_counts) != self.size or len(recv_counts) != self.size:
             raise ValueError(f"all_to_all_v: {self.size} send_counts summing to inp.size "
@@ -310,7 +308,7 @@ class ProcessGroup:
 
     def send(self, buf, peer, async_op=False, tag=P2P_TAG):
         """Send buf to rank `peer` of this group (matched by its recv with the same tag)."""
-        buf = _flat(buf)
+        buf = checks.flat(buf)
         host = mpi_buffer(buf)
         device_ready(buf)
         return self._p2p_call("send", buf, peer, async_op, self._p2p.Isend(host, peer, tag),
@@ -318,7 +316,7 @@ class ProcessGroup:
 
     def recv(self, buf, peer, async_op=False, tag=P2P_TAG):
         """Receive into buf from rank `peer` of this group."""
-        buf = _flat(buf)
+        buf = checks.flat(buf)
         host = mpi_buffer(buf, read=False)   # staged: an empty host array, copied to the
         if is_cupy(host):        # GPU once received (write_back, stream-ordered after the
             device_ready(buf)    # kernels that still read buf). Unstaged, MPI writes GPU
@@ -360,78 +358,6 @@ class ProcessGroup:
         self._coll = self._p2p = MPI.COMM_NULL
         if self in _groups:
             _groups.remove(self)
-
-
-def ranks_by_value(values):
-    """{each distinct value: the ranks that gave it}, first seen first, from `values` (one per
-    rank, in rank order: an all_gather_object's): what each rank found, once per finding."""
-    out = {}
-    for rank, value in enumerate(values):
-        out.setdefault(value, []).append(rank)
-    return out
-
-
-def ranks_text(ranks):
-    """'rank 1', or 'ranks 0, 2': ranks_by_value's ranks in a message."""
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-
-
-def _flat(buf):
-    if not (hasattr(buf, "flags") and hasattr(buf, "dtype")):
-        raise TypeError(f"collectives take a numpy or cupy array, which they fill in place, "
-                        f"not a {type(buf).__name__}; pass x = np.asarray(...) and read the "
-                        "result from x")
-    if not buf.flags.c_contiguous:
-        raise ValueError(f"collectives need C-contiguous buffers, got shape {buf.shape} with "
-                         f"strides {buf.strides}; pass a flat buffer or x.copy()")
-    return buf.reshape(-1)
-
-
-def _check_op(op, buf=None, name="all_reduce"):
-    """A known op; "avg" only on a floating buffer (it divides in place). Both depend only on
-    the call's op and dtype, which every rank of a correct program shares, so every rank
-    raises alike, before any communication."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {REDUCE_OPS}, not {op!r}")
-    if op == "avg" and buf is not None and buf.dtype.kind in "biu":
-        raise ValueError(f"{name}: avg needs a floating buffer (it divides by the group size "
-                         f"in place), not {buf.dtype}; reduce with op='sum' and divide a "
-                         "floating copy, or pass a float array")
-
-
-def _check_new_group(group, lists):
-    """new_group's `ranks`, as every rank gave them (`lists`, in rank order): the same list
-    everywhere, of distinct ints in 0..size-1. Raises ValueError, alike on every rank."""
-    texts = ranks_by_value([repr(lst) for lst in lists])
-    if len(texts) > 1:
-        detail = "; ".join(f"{ranks_text(who)} passed {text}" for text, who in texts.items())
-        raise ValueError(f"new_group on group {group.name!r}: the ranks passed different lists "
-                         f"({detail}); every rank must pass the same list, in the same order "
-                         "(it is the new group's rank order)")
-    ranks = lists[0]
-    def is_rank(r):
-        return isinstance(r, numbers.Integral) and not isinstance(r, bool) and \
-            0 <= r < group.size
-
-    bad = [r for r in ranks if not is_rank(r)]
-    seen = [r for r in ranks if is_rank(r)]
-    twice = sorted({int(r) for i, r in enumerate(seen) if r in seen[:i]})
-    if bad or twice:
-        problems = ([f"not ranks of it: {bad}"] if bad else []) + \
-            ([f"given more than once: {twice}"] if twice else [])
-        raise ValueError(f"new_group({ranks}) on group {group.name!r} of size {group.size}: "
-                         f"ranks must be distinct ints in 0..{group.size - 1}; "
-                         + "; ".join(problems))
-
-
-def _check_chunk(group, name, which, chunk, full):
-    lo, hi = group.chunk(full.size)
-    if chunk.size != hi - lo:
-        raise ValueError(f"{name}: rank {group.rank} of {group.size} owns elements [{lo}:{hi}) "
-                         f"of {full.size}, so `{which}` must have {hi - lo} elements, not "
-                         f"{chunk.size} (see chunk_bounds)")
-    if chunk.dtype != full.dtype:
-        raise ValueError(f"{name}: out and inp dtypes differ ({chunk.dtype} vs {full.dtype})")
 
 
 def shutdown_all():

@@ -89,7 +89,7 @@ def agree_on_flags(world, problem):
     prints it), naming the ranks that found it when not all did (a --data path, a GPU or a
     package one node lacks). Without it, a rank alone in exiting left the others in MPI_Init
     until the timeout, and a rank other than 0 printed nothing. Collective over `world`."""
-    from minidist.comm.group import ranks_by_value, ranks_text   # (MPI is up: `world`)
+    from minidist.comm.checks import ranks_by_value, ranks_text   # (MPI is up: `world`)
     found = ranks_by_value(world.all_gather_object(None if problem is None else str(problem)))
     messages = {message: ranks for message, ranks in found.items() if message is not None}
     if not messages:

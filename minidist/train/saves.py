@@ -23,7 +23,7 @@ Tests: tests/test_async_save.py, tests/test_cli.py.
 import os
 import time
 
-from minidist.comm.group import ranks_text
+from minidist.comm.checks import ranks_text
 from minidist.strategy import checkpoint_dirs, saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.cli import UsageError

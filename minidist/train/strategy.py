@@ -23,7 +23,7 @@ import os
 
 from minidist import backend, comm
 from minidist.comm import trace
-from minidist.comm.group import ranks_by_value, ranks_text
+from minidist.comm.checks import ranks_by_value, ranks_text
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
 from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe_problems

@@ -38,7 +38,7 @@ import os
 import numpy as np
 
 from minidist import backend
-from minidist.comm.group import ranks_by_value, ranks_text
+from minidist.comm.checks import ranks_by_value, ranks_text
 from minidist.nn.safetensors import SafetensorsError
 from minidist.strategy import checkpoint, saving
 from minidist.strategy import checkpoint_dirs as dirs
