@@ -30,18 +30,15 @@ import time
 import numpy as np
 
 from minidist import backend
-from minidist.comm.staging import cuda_aware_mpi, host_staging_note
-from minidist.launcher import busy_cores_note
 from minidist.autograd import no_grad
 from minidist.nn import GPTConfig
-from minidist.nn.config import gpt_param_specs
 from minidist.nn.moe_bias import LoadBalance, global_load_stats, report_line
-from minidist.optim.muon import takes_muon
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
 from minidist.train.data import DataError
 from minidist.train.saves import Saves
+from minidist.train.startup import describe_run
 from minidist.train.inputs import initial_weights, open_data
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
@@ -154,7 +151,7 @@ def train(args, world=None):
     schedule = lr_schedule(vars(args))
     start = resume_run(args, strategy, log, model, opt) if args.resume else 0
     stop = start if args.eval_only else _check_stop(args, start)   # --eval-only: no steps
-    _describe(args, strategy, log, model, data)
+    describe_run(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
     t_aside = 0.0                # of the run's seconds, those spent evaluating (saving: saves)
@@ -260,42 +257,6 @@ def _copies(strategy, world, x, y):
     """How many ranks hold each row of the global batch (x, y): world size x this rank's
     rows / the batch's rows (1 on one process and under plain dp or ep; tp under --tp)."""
     return 1 if world is None else world.size * len(strategy.local_rows(x, y)[0]) // len(x)
-
-
-def _describe(args, strategy, log, model, data):
-    """The data and model lines: the whole model's parameters, and this rank's share when
-    the model is split (TP, PP)."""
-    full = sum(math.prod(shape) for shape, _ in gpt_param_specs(model.config).values())
-    here = model.num_parameters()
-    share = f" ({here:,} on this rank, {100 * here / full:.0f}%)" if here != full else ""
-    log.print0(f"data: {data.source} ({data.describe()})")
-    log.print0(f"model: {full:,} parameters{share}, {model.config}, {args.dtype} on "
-               f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
-               f"{strategy.world_size} process(es); unigram entropy of the data "
-               f"{data.unigram_entropy:.4f} nats/token")
-    busy = None if args.threads else busy_cores_note(backend.blas_threads())
-    if busy and backend.device() == "cpu":     # (the default count; a GPU's step is not BLAS)
-        log.print0(f"note: {busy}")
-    staged = None if backend.device() != "cuda" or strategy.world_size == 1 else \
-        host_staging_note(args.comm, cuda_aware_mpi())
-    if staged:
-        log.print0(f"note: {staged}")
-    if args.optimizer == "muon" and not args.eval_only:    # (nothing steps under it)
-        mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
-                if takes_muon(name, shape)]
-        n = sum(math.prod(shape) for shape in mats)
-        state = ("ZeRO's flat v spans them too, kept zero" if args.zero else "a matrix keeps "
-                 "its momentum only, 4 bytes a parameter less than AdamW's m and v")
-        log.print0(f"optimizer: Muon for the blocks' {len(mats)} matrices ({n:,} parameters, "
-                   f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
-                   f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
-                   f"{full - n:,}; {state}")
-    for line in strategy.notes():                 # --amp, --ckpt-activations, the split
-        log.print0(line)
-    if args.stop_at and args.stop_at < args.steps and not args.eval_only:
-        # (the log's step N/total counts to the stop: 60/60 read as a shortened schedule)
-        log.print0(f"--stop-at {args.stop_at}: the log counts to step {args.stop_at}; the lr "
-                   f"schedule spans --steps {args.steps} (--resume goes on from the stop)")
 
 
 def _stop(args, saves, strategy, log, model, opt, step, signals, when=""):

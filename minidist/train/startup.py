@@ -1,0 +1,58 @@
+"""What a training run says before step 0 (train/loop.py calls describe_run once the model
+and the strategy are made): the lines a user reads to see that the run is the one they meant.
+
+    data: <source> (<train / val tokens>, cache <folder>)
+    model: <N> parameters (<this rank's share>), <config>, <dtype> on <device>, ...
+    note: ...                  busy cores for the BLAS threads; a GPU run staged through host
+    optimizer: Muon for ...    with --optimizer muon
+    <the strategy's lines>     --amp, --ckpt-activations, how the model is split
+    --stop-at N: ...           the log counts to the stop, the schedule to --steps
+
+Tests: tests/test_cli.py (its RUNS read the model line), tests/test_muon.py (the optimizer
+line), tests/test_comm.py (host_staging_note), tests/test_backend.py (busy_cores_note).
+"""
+import math
+
+from minidist import backend
+from minidist.comm.staging import cuda_aware_mpi, host_staging_note
+from minidist.launcher import busy_cores_note
+from minidist.nn.config import gpt_param_specs
+from minidist.optim.muon import takes_muon
+
+
+def describe_run(args, strategy, log, model, data):
+    """The start-up lines, from rank 0 (`log.print0`): the data; the model, the whole
+    model's parameters and this rank's share when it is split (TP, PP); the notes on where
+    the time may go (busy cores, GPU buffers through host memory); Muon's split of the
+    parameters; the strategy's own lines (Strategy.notes); what --stop-at does to the log."""
+    full = sum(math.prod(shape) for shape, _ in gpt_param_specs(model.config).values())
+    here = model.num_parameters()
+    share = f" ({here:,} on this rank, {100 * here / full:.0f}%)" if here != full else ""
+    log.print0(f"data: {data.source} ({data.describe()})")
+    log.print0(f"model: {full:,} parameters{share}, {model.config}, {args.dtype} on "
+               f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
+               f"{strategy.world_size} process(es); unigram entropy of the data "
+               f"{data.unigram_entropy:.4f} nats/token")
+    busy = None if args.threads else busy_cores_note(backend.blas_threads())
+    if busy and backend.device() == "cpu":     # (the default count; a GPU's step is not BLAS)
+        log.print0(f"note: {busy}")
+    staged = None if backend.device() != "cuda" or strategy.world_size == 1 else \
+        host_staging_note(args.comm, cuda_aware_mpi())
+    if staged:
+        log.print0(f"note: {staged}")
+    if args.optimizer == "muon" and not args.eval_only:    # (nothing steps under it)
+        mats = [shape for name, (shape, _) in gpt_param_specs(model.config).items()
+                if takes_muon(name, shape)]
+        n = sum(math.prod(shape) for shape in mats)
+        state = ("ZeRO's flat v spans them too, kept zero" if args.zero else "a matrix keeps "
+                 "its momentum only, 4 bytes a parameter less than AdamW's m and v")
+        log.print0(f"optimizer: Muon for the blocks' {len(mats)} matrices ({n:,} parameters, "
+                   f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
+                   f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
+                   f"{full - n:,}; {state}")
+    for line in strategy.notes():                 # --amp, --ckpt-activations, the split
+        log.print0(line)
+    if args.stop_at and args.stop_at < args.steps and not args.eval_only:
+        # (the log's step N/total counts to the stop: 60/60 read as a shortened schedule)
+        log.print0(f"--stop-at {args.stop_at}: the log counts to step {args.stop_at}; the lr "
+                   f"schedule spans --steps {args.steps} (--resume goes on from the stop)")
