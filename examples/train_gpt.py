@@ -17,10 +17,14 @@ before step 0. Ctrl-C stops every rank at the step boundary (saving it with --sa
 a loss that is not finite stops the run without saving. Text from a checkpoint:
 python examples/sample.py --resume ckpt --prompt "def ".
 """
-from minidist.launcher import interrupted_while_loading, set_thread_env, world_size_from_env
+import os
+
+from minidist.launcher import (bound_threads, interrupted_while_loading, placement,
+                               set_thread_env, world_size_from_env)
 
 # BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).
+THREADS_EXPORTED = "OPENBLAS_NUM_THREADS" in os.environ     # the user's count: kept
 set_thread_env()
 
 try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is one line)
@@ -60,6 +64,14 @@ def main(args):
                           timeout=args.comm_timeout if problem is None else None,
                           sync_comm=args.sync_comm)
         agree_on_flags(world, problem)   # any rank's problem stops every rank, named once
+        if args.threads is None and not THREADS_EXPORTED:
+            # ranks the launcher bound to cores of their own use them all (not cores // ranks)
+            bound = bound_threads(world.all_gather_object(placement()), world.rank)
+            if bound:
+                backend.set_blas_threads(bound)
+                if world.rank == 0:
+                    print(f"note: the launcher bound each rank to cores of its own: {bound} "
+                          "BLAS thread(s) on rank 0, one a core (--threads N sets them)")
     # --save: this run's alone (rank 0 holds its lock until the run ends), seen by every rank
     save_lock = claim_save(world, args.save)
     try:

@@ -9,7 +9,9 @@ these functions first thing, before numpy loads its BLAS library:
     import numpy            # BLAS starts its thread pool with that size
 
 `backend.setup()` then also sets the live limit through the BLAS library (it works after
-numpy loaded, but the library's idle threads of the default pool stay around).
+numpy loaded, but the library's idle threads of the default pool stay around). Once MPI is
+up, `bound_threads(all ranks' placement(), rank)` sees ranks the launcher bound to cores of
+their own (examples/train_gpt.py then gives each its cores, unless a count was given).
 
     launcher        local rank (GPU choice)              ranks on this node    ranks in job
     MPICH (Hydra)   MPI_LOCALRANKID                      MPI_LOCALNRANKS       PMI_SIZE
@@ -22,6 +24,7 @@ No launcher: rank 0 of 1. Importing this module sets nothing.
 Tests: tests/test_backend.py (each launcher's variables; threads per rank under mpiexec).
 """
 import os
+import socket
 import sys
 
 # (local rank, ranks on this node) variables, in lookup order; Slurm's are read last because an
@@ -103,8 +106,37 @@ def available_cores():
 
 
 def default_threads():
-    """BLAS threads per rank: cores on this node shared among the ranks on it, at least 1."""
+    """BLAS threads per rank: cores on this node shared among the ranks on it, at least 1.
+    Where the launcher bound each rank to cores of its own, bound_threads says more, once
+    MPI is up."""
     return max(1, available_cores() // local_rank_and_size()[1])
+
+
+def placement():
+    """(host, the cores this process may run on): what bound_threads compares between ranks."""
+    try:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS: no affinity to read, so no binding to see
+        cores = None
+    return socket.gethostname(), cores
+
+
+def bound_threads(placements, rank):
+    """BLAS threads for `rank` when the launcher bound each rank on its host to cores of its
+    own (srun's --cpu-bind, Open MPI's --bind-to, Hydra's -bind-to): the cores of its
+    affinity mask, which no other rank on the host may run on. None where it shares a core
+    with another rank on the host (no binding: default_threads divides the cores), where it
+    is alone on the host (default_threads gives it every core already), or where a mask
+    cannot be read. `placements`: placement() of every rank, in rank order (an
+    all_gather_object's). default_threads divided a bound rank's cores again: 8 ranks bound
+    to 8 cores each of a 64-core node ran one BLAS thread each (walk 31)."""
+    host, mine = placements[rank]
+    here = [cores for r, (h, cores) in enumerate(placements) if h == host and r != rank]
+    if mine is None or not here or any(cores is None for cores in here):
+        return None
+    if any(set(cores) & set(mine) for cores in here):
+        return None
+    return len(mine)
 
 
 def load_average():

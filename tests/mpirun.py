@@ -49,14 +49,16 @@ def device_flags(device):
     return ["--device", device]
 
 
-def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=True):
+def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=True,
+            launcher_args=()):
     """Run `python script args... [--device DEVICE]` on `nprocs` ranks; return the
     CompletedProcess. Tests call it through the `mpi` fixture, which passes pytest's --device.
+    `launcher_args`: mpiexec's own options before -n (e.g. ["-bind-to", "core"]).
 
     With `check`, a non-zero exit or a timeout raises AssertionError carrying the output.
     """
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, script, *map(str, args),
-           *device_flags(device)]
+    cmd = [mpiexec(), *launcher_args, "-n", str(nprocs), sys.executable, script,
+           *map(str, args), *device_flags(device)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -175,6 +175,41 @@ def test_threads_per_rank_under_mpiexec(tmp_path):
     assert rows == [((r, 4), expected) for r in range(4)], out
 
 
+def test_bound_threads_are_a_bound_ranks_own_cores():
+    """bound_threads: a rank whose cores no other rank on its host shares (the launcher bound
+    them) takes them all; sharing one core, alone on its host, or a mask it cannot read
+    leaves default_threads' count (None). Other hosts' masks do not count."""
+    four = [("a", (0, 1, 2, 3)), ("a", (4, 5, 6, 7)), ("b", (0, 1, 2, 3)), ("b", (4, 5))]
+    assert [launcher.bound_threads(four, r) for r in range(4)] == [4, 4, 4, 2]
+    shared = [("a", (0, 1, 2, 3)), ("a", (0, 1, 2, 3))]
+    assert [launcher.bound_threads(shared, r) for r in range(2)] == [None, None]
+    touching = [("a", (0, 1)), ("a", (1, 2)), ("a", (3,))]
+    assert [launcher.bound_threads(touching, r) for r in range(3)] == [None, None, 1]
+    assert launcher.bound_threads([("a", (0, 1)), ("b", (0, 1))], 0) is None      # alone
+    assert launcher.bound_threads([("a", (0,)), ("a", None)], 0) is None          # macOS
+    assert launcher.placement()[1] == tuple(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(launcher.available_cores() < 2, reason="binding 2 ranks needs 2 cores")
+def test_train_gpt_takes_the_cores_the_launcher_bound_each_rank_to(tmp_path, corpus):
+    """mpiexec -bind-to core -n 2 python examples/train_gpt.py: each rank's affinity mask is
+    its own core, and rank 0 says so once, with the threads it set; not without the binding,
+    nor with --threads typed (which wins)."""
+    flags = ["--n-layer", "1", "--n-embd", "16", "--block-size", "8", "--batch-size", "2",
+             "--steps", "1", "--eval-iters", "1", "--sample", "0", "--data", corpus,
+             "--cache-dir", str(tmp_path)]
+    env = _clean_env(PYTHONPATH=ROOT)
+    say = "note: the launcher bound each rank to cores of its own: 1 BLAS thread(s) on rank 0"
+
+    def notes(*extra, bind=True):
+        out = run_mpi(2, "examples/train_gpt.py", *flags, *extra, env=env, timeout=90,
+                      launcher_args=["-bind-to", "core"] if bind else []).stdout
+        return [line for line in out.splitlines() if line.startswith("note: the launcher")]
+    assert [line[:len(say)] for line in notes()] == [say]
+    assert notes(bind=False) == [] and notes("--threads", "1") == []
+
+
 @pytest.mark.parametrize("rank,says", [("0", "interrupted (Ctrl-C) while starting: nothing "
                                              "trained, nothing saved\n"), ("1", "")])
 def test_ctrl_c_while_loading_is_one_line_exit_130(rank, says):
