@@ -337,6 +337,27 @@ def test_a_save_leaves_another_running_saves_temporary_alone(tmp_path):
     assert checkpoint_dirs.left_behind(str(fresh), now=time.time() + 7 * 3600)
 
 
+def test_a_lock_released_under_a_waiting_run_is_no_claim(tmp_path):
+    """Three runs on one --save: A holds DIR/.lock; B opens the file; A releases (unlinks
+    it); C makes a new .lock and holds it. B's flock on the unlinked file succeeds, and B
+    took itself for the holder beside C. hold() now checks that the path still names the
+    file it locked (same_file), and a second hold() while C holds is refused."""
+    import fcntl
+    d = tmp_path / "ck"
+    a = checkpoint_dirs.hold(str(d))
+    b = open(d / ".lock", "a+")                         # B, between its open and its flock
+    checkpoint_dirs.release(a)
+    c = checkpoint_dirs.hold(str(d))
+    fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)       # the race: B's lock is granted
+    assert not checkpoint_dirs.same_file(b, str(d / ".lock"))   # ... on no file of DIR's
+    assert checkpoint_dirs.same_file(c, str(d / ".lock"))
+    with pytest.raises(CheckpointError, match="another run saves into it"):
+        checkpoint_dirs.hold(str(d))
+    b.close()
+    checkpoint_dirs.release(c)
+    assert not (d / ".lock").exists()
+
+
 def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
     """A process saving (and pruning) in a loop is killed with SIGKILL at varied moments: the
     --save directory always resolves to a complete checkpoint that loads, and the next save

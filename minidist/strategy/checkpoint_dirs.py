@@ -230,20 +230,27 @@ def hold(directory):
     process ends (a crashed node's, on NFS, when its lease runs out). Raises CheckpointError
     naming the holder where another process holds it (walk 31: a second job on the same
     --save removed the first's files mid-save, or read a checkpoint the first pruned);
-    returns None where the filesystem has no locks (Lustre mounted without flock)."""
+    returns None where the filesystem has no locks (Lustre mounted without flock).
+    A lock won on a file that release() unlinked in the meantime is no claim (the next run
+    makes a new .lock and locks that): it is taken again, on the file the path names now."""
     os.makedirs(directory, exist_ok=True)
-    f = open(os.path.join(directory, LOCK), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "its .lock is held"
-        f.close()
-        raise CheckpointError(f"--save {directory}: another run saves into it ({holder}); "
-                              "let it end, or --save another folder") from None
-    except OSError:                      # no locks here: nothing to hold
-        f.close()
-        return None
+    path = os.path.join(directory, LOCK)
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "its .lock is held"
+            f.close()
+            raise CheckpointError(f"--save {directory}: another run saves into it ({holder}); "
+                                  "let it end, or --save another folder") from None
+        except OSError:                      # no locks here: nothing to hold
+            f.close()
+            return None
+        if same_file(f, path):
+            break
+        f.close()                            # released and unlinked under us: again
     f.seek(0)
     f.truncate()
     job = os.environ.get("SLURM_JOB_ID")
@@ -253,10 +260,20 @@ def hold(directory):
     return f
 
 
+def same_file(f, path):
+    """Whether the open file `f` is the one `path` names now."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+
 def release(held):
     """Give up hold()'s claim (None: nothing held): DIR/.lock removed, then closed, so the
-    folder holds checkpoints only again. (A run that opened the file in the instant between
-    would lock a removed file: three runs started at once on one folder.)"""
+    folder holds checkpoints only again. A run that opened the file in the instant between
+    finds, once it has the lock, that the path no longer names it, and locks again (hold)."""
     if held is None:
         return
     _remove_if_there(held.name)
