@@ -128,8 +128,8 @@ def bound_threads(placements, rank):
     with another rank on the host (no binding: default_threads divides the cores), where it
     is alone on the host (default_threads gives it every core already), or where a mask
     cannot be read. `placements`: placement() of every rank, in rank order (an
-    all_gather_object's). default_threads divided a bound rank's cores again: 8 ranks bound
-    to 8 cores each of a 64-core node ran one BLAS thread each (walk 31)."""
+    all_gather_object's). default_threads alone divides a bound rank's cores again: 8 ranks
+    bound to 8 cores each of a 64-core node get 8 // 8 = 1 BLAS thread each (walk 31)."""
     host, mine = placements[rank]
     here = [cores for r, (h, cores) in enumerate(placements) if h == host and r != rank]
     if mine is None or not here or any(cores is None for cores in here):
