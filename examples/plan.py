@@ -32,18 +32,17 @@ layouts, none in memory) says the least memory one needs.
 """
 import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minidist.train.cluster import H100_IB, cluster_from_calibration, with_links  # noqa: E402
+from minidist.train.cluster import (H100_IB, assumptions, assumptions_text,  # noqa: E402
+                                    cluster_from_calibration, with_links)
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, muon_problem, nodes_problem,
                                       number_problem)
-from minidist.train.planner import (GiB, Layout, layout_from_name,  # noqa: E402
-                                    stage_params)
-from minidist.train.search import (CP_ATTENTIONS, evaluate, layout_problems,  # noqa: E402
-                                   fastest_first, micro_batch_counts, no_layout_problem,
+from minidist.train.plan_layout import LayoutError, parse_layout  # noqa: E402
+from minidist.train.planner import GiB, stage_params  # noqa: E402
+from minidist.train.search import (evaluate, fastest_first, no_layout_problem,  # noqa: E402
                                    search, train_flags)
 from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
@@ -69,13 +68,27 @@ def parse(argv=None):
     p.add_argument("--gpus-per-node", type=int, help="default: the preset's (h100: 8)")
     p.add_argument("--gpu-mem", type=float, help="GiB per GPU (--preset here: per rank; "
                    "default: the node's memory over the ranks, which share it)")
-    p.add_argument("--peak-tflops", type=float, help="dense peak of one GPU (16-bit)")
-    p.add_argument("--efficiency", type=float, help="fraction of peak the compute reaches")
-    for link in ("intra", "inter"):
-        p.add_argument(f"--{link}-bw", type=float, help=f"{link}-node GB/s per GPU")
-        p.add_argument(f"--{link}-lat", type=float, help=f"{link}-node latency, us")
-    p.add_argument("--sync-us", type=float,
-                   help="wait per blocking TP/CP collective, us (the ranks' arrival)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="with --preset here: the file examples/calibrate_here.py --out wrote "
+                   f"(default: {HERE_NAME})")
+    p.add_argument("--peak-tflops", type=float,
+                   help="dense 16-bit peak of one GPU, the --amp rate (h100: 989; here: the "
+                   "measured float32 rate of one core)")
+    p.add_argument("--peak-tflops-fp32", type=float,
+                   help="dense float32 peak of one GPU: --fp32 and Muon's Newton-Schulz "
+                   "(h100: 67; here: the same as --peak-tflops)")
+    p.add_argument("--efficiency", type=float, help="fraction of peak the compute reaches "
+                   "(h100: 0.45, assumed; here: measured, by model width where the "
+                   "calibration has several)")
+    p.add_argument("--overlap", type=float, help="fraction of a compute window "
+                   "communication can hide in (h100: 1, assumed; here: measured)")
+    for link, h100 in (("intra", (450, 3)), ("inter", (50, 5))):
+        p.add_argument(f"--{link}-bw", type=float,
+                       help=f"{link}-node GB/s per GPU (h100: {h100[0]})")
+        p.add_argument(f"--{link}-lat", type=float,
+                       help=f"{link}-node latency, us (h100: {h100[1]})")
+    p.add_argument("--sync-us", type=float, help="wait per blocking TP/CP collective, us "
+                   "(the ranks' arrival; h100: 5, assumed; here: measured)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="the pipeline schedule priced")
     p.add_argument("--chunks", "--pp-virtual", dest="chunks", type=int, default=2,
@@ -139,11 +152,22 @@ def make_config(args):
         fail(f"model flags: {e}")
 
 
-def make_cluster(args):
+def make_cluster(args, config):
+    """The preset (here: from the calibration, its efficiency for the model's width) with
+    the flags' changes."""
+    if args.calibration and args.preset != "here":
+        fail(f"--calibration {args.calibration}: only with --preset here")
     if args.preset == "here":
-        if not os.path.exists(HERE):
-            fail(f"--preset here needs {HERE}: run examples/calibrate_here.py first")
-        base = cluster_from_calibration(HERE, args.gpus)
+        path = args.calibration or HERE
+        if not os.path.exists(path):
+            fail(f"--calibration {path}: no such file; run examples/calibrate_here.py "
+                 f"--out {path} first" if args.calibration else
+                 f"--preset here needs {HERE}: run examples/calibrate_here.py first")
+        try:
+            base = cluster_from_calibration(path, args.gpus, config.n_embd)
+        except (OSError, ValueError, KeyError, TypeError) as e:   # not a calibration
+            fail(f"--calibration {path}: not a calibration examples/calibrate_here.py wrote "
+                 f"({type(e).__name__}: {e}); measure again")
     else:
         base = H100_IB
     us = 1e-6
@@ -153,114 +177,8 @@ def make_cluster(args):
         return (lat and lat * us, bw and bw * 1e9) if (lat or bw) else None
     return with_links(base, link("intra"), link("inter"), gpus_per_node=args.gpus_per_node,
                       mem_gib=args.gpu_mem, peak_tflops=args.peak_tflops,
-                      peak_tflops_fp32=args.peak_tflops, efficiency=args.efficiency,
-                      sync_s=args.sync_us and args.sync_us * us)
-
-
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "zero", "ep", "micro", "shard")
-
-
-def parse_layout(text, args, config, v):
-    """--layout -> (Layout, the micro-batch counts to price): key=value items
-    (`layout_fields`: micro=M one count; without micro=, every count the search tries) or a
-    name as the tables print it (`named_fields`: every count the search tries). A layout
-    examples/train_gpt.py would not run (search.layout_problems: training's own checks) is
-    one error line."""
-    named = NAMED.match(text.strip())
-    fields, micro = named_fields(text, args) if named else layout_fields(text)
-    sp = fields.pop("sp", True)
-    fields.pop("amp", None)                  # the flags' (named_fields checked the name's)
-    fields.pop("tiled", None)
-    if args.attention == "recompute":        # train_gpt's: the scores always recomputed
-        fields.setdefault("recompute", "selective")
-    fields.pop("grad32", None)               # the flag's (named_fields checked the name's)
-    layout = Layout(amp=not args.fp32, sp=sp and fields.get("tp", 1) > 1,
-                    tiled=args.attention == "tiled", muon=args.optimizer == "muon",
-                    grad32=args.grad_dtype == "float32", **fields)
-    counts = micro_batch_counts(layout.pp, args.global_batch // layout.dp, grouped=v > 1) \
-        if micro is None else [micro]
-    problems = layout_problems(config, layout, args.gpus, args.global_batch, counts[0],
-                               args.schedule, v) if counts else \
-        [f"a global batch of {args.global_batch} over dp {layout.dp} leaves no micro-batch "
-         f"count for {layout.pp} stages"]
-    if problems:
-        fail("--layout: " + "; ".join(problems) + " (change the layout, or leave --layout "
-             "out to search the ones train_gpt.py runs)")
-    return layout, counts
-
-
-NAMED = re.compile(r"(TP|PP|CP|EP)\d|ZeRO-|DDP", re.IGNORECASE)  # (key=value: tp=, zero=)
-
-
-def named_fields(text, args):
-    """A layout's name as plan.py's and plan_memory.py's tables print it -> (its fields,
-    None: the search's micro-batch counts). Its precision and attention must be the
-    flags': the name says "fp32" with --fp32 alone, "tiled" with --attention tiled alone."""
-    fields = layout_from_name(text, args.gpus)
-    if isinstance(fields, str):
-        fail(f"--layout: {fields}")
-    amp = fields.get("amp", not args.fp32)
-    tiled = fields.get("tiled", args.attention == "tiled")
-    if amp == args.fp32:
-        fail(f"--layout {text!r}: names a " + ("mixed-precision layout: drop --fp32" if amp
-                                                  else "float32 layout: add --fp32"))
-    if fields.get("grad32", False) != (args.grad_dtype == "float32"):
-        fail(f"--layout {text!r}: " + ("names float32 gradients: give --grad-dtype float32"
-                                       if fields.get("grad32") else
-                                       "has no 'fp32 grads': leave --grad-dtype out, or write "
-                                       "the name with 'fp32 grads'"))
-    if tiled != (args.attention == "tiled"):
-        fail(f"--layout {text!r}: " + (
-            "names tiled attention: give --attention tiled" if tiled else
-            "has no 'tiled': it names materialized attention, as plan_memory.py prices it; "
-            "give --attention materialized, or write the name with 'tiled'"))
-    if args.attention == "recompute" and fields.get("recompute", "none") == "none":
-        fail(f"--layout {text!r}: names attention that keeps its scores; give --attention "
-             "materialized, or write the name with 'selective recompute'")
-    return fields, None
-
-
-def layout_fields(text):
-    """"dp=8,tp=8,zero=1,micro=4,ckpt" -> (fields, micro-batches, None where not given);
-    "nosp": TP without
-    sequence parallelism; "ep=2": expert parallelism; "cpattn=ulysses": Ulysses' all-to-alls
-    instead of the ring (cp > 1); "shard=8": hybrid sharding, ZeRO over each 8 dp ranks. An
-    unknown or repeated key, a value that is not a whole number (cpattn: not ring or
-    ulysses) are one error line naming the key."""
-    fields, micro, seen = {}, None, set()      # micro None: the search's counts
-    for item in text.split(","):
-        key, eq, value = item.partition("=")
-        if key in seen:
-            fail(f"--layout: {key} is given twice; give each key once")
-        seen.add(key)
-        if item in ("ckpt", "selective") and "recompute" in fields:
-            fail("--layout: ckpt and selective: give one recompute (ckpt: full; selective: "
-                 "the attention's scores)")
-        if item == "ckpt":
-            fields["recompute"] = "full"
-        elif item == "selective":         # (search.layout_problems: where no scores are kept)
-            fields["recompute"] = "selective"
-        elif item == "nosp":
-            fields["sp"] = False
-        elif item == "ogather":
-            fields["overlap_gather"] = True
-        elif key == "cpattn" and eq:
-            if value not in CP_ATTENTIONS:
-                fail(f"--layout: {item}: cpattn is " + " or ".join(CP_ATTENTIONS))
-            fields["cp_attention"] = value
-        elif key in LAYOUT_KEYS and eq:
-            if not (value.isascii() and value.isdecimal()):     # -1, abc, 2.5, ""
-                fail(f"--layout: {item}: {key} takes a whole number ("
-                     + ("0 to 3" if key == "zero" else "1 or more") + ")")
-            if key == "micro":
-                micro = int(value)
-            else:
-                fields["zero_shard" if key == "shard" else key] = int(value)
-        else:
-            fail(f"--layout: cannot read {item!r}; use dp=,tp=,pp=,cp=,zero=,ep=,micro=,"
-                 f"shard=,cpattn=,ckpt,selective,nosp,ogather, or a name as the table "
-                 f"prints it")
-    return fields, micro
+                      peak_tflops_fp32=args.peak_tflops_fp32, efficiency=args.efficiency,
+                      overlap=args.overlap, sync_s=args.sync_us and args.sync_us * us)
 
 
 def cell(x, width, digits=3):
@@ -271,13 +189,17 @@ def cell(x, width, digits=3):
 
 
 def print_table(rows, top):
+    """The first `top` rows; memory in GiB, or in MiB where every row's is under 1 GiB (a
+    small model on --preset here was a column of 0.0)."""
     w = max([40] + [len(r["layout"]) + 2 for r in rows[:top]])
-    print(f"{'layout':<{w}}{'mb':>4}{'GiB':>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
+    unit, size = ("GiB", GiB) if max(r["mem"]["total"] for r in rows[:top]) >= GiB else \
+        ("MiB", 2 ** 20)
+    print(f"{'layout':<{w}}{'mb':>4}{unit:>7}{'step s':>9}{'tok/s':>11}{'MFU':>6}"
           f"{'comp':>8}{'tp/cp':>8}{'ep a2a':>8}{'bubble':>8}{'dp exp':>8}{'optim':>8}"
           "  fits")
     for r in rows[:top]:
         print(f"{r['layout']:<{w}}{r['micro_batches']:>4}"
-              + cell(r["mem"]["total"] / GiB, 7, 1) + cell(r["step"], 9)
+              + cell(r["mem"]["total"] / size, 7, 1) + cell(r["step"], 9)
               + cell(r["tokens_per_s"], 11, 0) + cell(r["mfu"], 6, 2)
               + "".join(cell(r[k], 8) for k in ("compute", "tp_cp", "ep_all_to_all",
                                                 "bubble", "dp_exposed"))
@@ -300,14 +222,14 @@ def nothing_fits(rows, cluster, headroom, here=False):
             f"{cluster.mem_gib:.3g} less --headroom {headroom:g}; {fix}")
 
 
-def here_load_note(preset, load=None):
+def here_load_note(preset, load=None, path=HERE):
     """With --preset here, a sentence when the machine is busier now than when it was
     calibrated (a 1-minute load average over half its cores above the calibration's):
     steps measured now take longer than the plan says. None otherwise. `load`: the 1-minute
-    load average (launcher.load_average() when None)."""
+    load average (launcher.load_average() when None); `path`: the calibration."""
     if preset != "here":
         return None
-    with open(HERE) as f:
+    with open(path) as f:
         cal = json.load(f)
     load = load_average() if load is None else load
     if load is None:
@@ -315,9 +237,26 @@ def here_load_note(preset, load=None):
     if load <= cal.get("load_before", 0.0) + cal["cores"] / 2:
         return None
     return (f"the load average is {load:.1f} now, {cal.get('load_before', 0.0):.2f} when "
-            f"{HERE_NAME} was measured ({cal.get('date', 'its date unknown')}): steps run "
-            f"here now take longer than planned (python examples/calibrate_here.py measures "
-            f"again)")
+            f"{os.path.relpath(path)} was measured ({cal.get('date', 'its date unknown')}): "
+            f"steps run here now take longer than planned (python examples/calibrate_here.py "
+            f"measures again)")
+
+
+def here_notes(args, cluster):
+    """What the plan's figures rest on, where a reader could take them for more: on the
+    H100 preset, that nothing here was measured on a GPU; on `here`, how the efficiency was
+    chosen for this model's width, a rank count the collectives were not measured at, and
+    a machine busier now than at its calibration (here_load_note)."""
+    if args.preset != "here":
+        return ["the H100 figures are published peaks and assumed efficiency, overlap and "
+                "latencies, never measured by minidist on a GPU; the step-time model was "
+                "checked against runs on a 2-core CPU only (minidist/train/PLAN.md); MFU is "
+                "model FLOPs / (step x peak), at most the efficiency"]
+    notes = [f"efficiency {cluster.efficiency:.2f}: {cluster.notes['efficiency']} "
+             f"({os.path.relpath(cluster.notes['calibration'])})"]
+    notes += [cluster.notes["ranks"]] if "ranks" in cluster.notes else []
+    busy = here_load_note(args.preset, path=cluster.notes["calibration"])
+    return notes + ([busy] if busy else [])
 
 
 def command(config, row, gpus, v):
@@ -342,15 +281,21 @@ def main(argv=None):
     if args.moe_load <= 0:
         fail(f"--moe-load {args.moe_load}: the busiest rank's rows over the balanced count "
              f"must be positive")
+    if (args.overlap or 0) > 1:
+        fail(f"--overlap {args.overlap}: the fraction of a compute window communication "
+             "hides in, at most 1")
     config = make_config(args)
-    cluster = make_cluster(args)
+    cluster = make_cluster(args, config)
     problem = nodes_problem(args.gpus, cluster.gpus_per_node)   # the preset's when not given
     if problem:
         fail(problem)
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
     if args.layout:
-        layout, counts = parse_layout(args.layout, args, config, v)
+        try:
+            layout, counts = parse_layout(args.layout, args, config, v)
+        except LayoutError as e:
+            fail(str(e))
         try:
             rows = fastest_first([evaluate(config, layout, cluster, args.seq,
                                            args.global_batch, m, schedule, args.comm,
@@ -373,7 +318,7 @@ def main(argv=None):
     n_params = sum(stage_params(config))
     result = {"config": config.to_dict(), "params": n_params, "cluster": cluster.name,
               "gpus": args.gpus, "seq": args.seq, "global_batch": args.global_batch,
-              "optimizer": args.optimizer,
+              "optimizer": args.optimizer, "assumed": assumptions(cluster),
               "rows": rows[:args.top], "best": best and best["layout"],
               "command": best and command(config, best, args.gpus, v),
               "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom,
@@ -390,9 +335,9 @@ def main(argv=None):
           + f" ({cluster.gpus_per_node} per node, {cluster.mem_gib:.1f} GiB"
           + (" a rank, its share of the node's; float32: numpy has no 16-bit arithmetic, "
              "--amp is slower here)" if args.preset == "here" else ")"))
-    busy = here_load_note(args.preset)
-    if busy:
-        print(f"note: {busy}")
+    print(assumptions_text(cluster, amp=not args.fp32))
+    for note in here_notes(args, cluster):
+        print(f"note: {note}")
     print_table(rows, args.top)
     print(f"best: {result['best']}" if result["best"] else
           f"best: nothing fits: {result['nothing_fits']}")

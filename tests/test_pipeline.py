@@ -14,7 +14,7 @@ import pytest
 
 from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig
-from minidist.pp.schedule import bubble_fraction, chunk_layers, split_layers
+from minidist.pp.schedule import bubble_fraction, chunk_layers, peak_in_flight, split_layers
 from minidist.pp.simulate import simulate, timeline
 from minidist.strategy import checkpoint
 from minidist.train.args import train_parser
@@ -64,6 +64,7 @@ def test_simulated_schedules(p, m):
         if v > 1:
             want = [min((p - s - 1) * 2 + (v - 1) * p + 1, m * v) for s in range(p)]
         assert held == want, (name, v, held)
+        assert held == [peak_in_flight(name, p, s, m, v) for s in range(p)]   # the planner's
         for s in steps:
             for c in range(v):
                 done = [i for k, i, _, chunk in s.events if k in "BW" and chunk == c]

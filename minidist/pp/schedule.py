@@ -203,6 +203,26 @@ def bubble_fraction(schedule, p, m, v=1, t_f=1.0, t_b=1.0, t_w=1.0):
     raise ValueError(f"no bubble formula for schedule {schedule!r} with v = {v}")
 
 
+def peak_in_flight(schedule, p, stage, m, v=1):
+    """The most micro-batches (interleaved: chunk-micro-batches) stage `stage` of p holds
+    the activations of at once, in the order these functions run them:
+        gpipe             m on every stage: all forwards come first
+        1f1b              min(m, p - s): the warmup's p - s - 1 forwards and one more
+        zb-h1             min(m, p) on every stage: a micro-batch is held until its W
+        1f1b, v > 1       min(m v, 2 (p - s - 1) + (v - 1) p + 1): Megatron's warmup and one
+    (tests/test_pipeline.py checks them against the simulator's count). The memory planner
+    (minidist/train/activations.py) prices activations with them."""
+    if v > 1:
+        if schedule not in ("1f1b", "interleaved"):
+            raise ValueError(f"v = {v} chunks per stage interleave 1F1B, not {schedule!r}")
+        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+    counts = {"gpipe": m, "1f1b": min(m, p - stage), "interleaved": min(m, p - stage),
+              "zb-h1": min(m, p)}
+    if schedule not in counts:
+        raise ValueError(f"schedule must be gpipe, 1f1b, interleaved or zb-h1, not {schedule!r}")
+    return counts[schedule]
+
+
 def measured_bubble(events_by_rank):
     """The measured bubble of the last step: on each rank, the share of the window from the
     first micro-batch's start to the last one's end (over all ranks) spent not computing

@@ -18,12 +18,14 @@ The 34 and 5 are 16e + 2 and 2e + 1 for e = 2 bytes per value and 1-byte dropout
 here e is 4 in float32, and without dropout the masks (and the dropped copy of the scores)
 go: 16e and e. Embedding and output layer: the dropout mask, the inputs of the final layer
 norm and of the output projection (2e sbh), and float32 logits for the cross-entropy
-(4sbv/t). Pipelines run 1F1B: stage 0 keeps pp micro-batches of its layers in flight, the
-last stage one. Not counted: a recompute's transient (one layer's activations during its
-backward), ZeRO-3's gathered layer, communication buckets, workspace, fragmentation (see
---headroom). The as^2 term is attention's materialised scores; tiled attention
-(FlashAttention's algorithm, minidist/autograd/flash.py) and context parallelism's ring
-attention keep a log-sum-exp row instead (4as bytes), and cp divides s by the cp size.
+(4sbv/t). A pipeline stage holds several micro-batches at its peak, as many as its schedule
+runs before the first backward frees one (held_layers: GPipe all m, 1F1B's stage 0 pp and its
+last stage one, interleaving's warmup of chunks). Not counted: a recompute's transient (one
+layer's activations during its backward), ZeRO-3's gathered layer, communication buckets,
+workspace, fragmentation (see --headroom). The as^2 term is attention's materialised scores;
+tiled attention (FlashAttention's algorithm, minidist/autograd/flash.py) and context
+parallelism's ring attention keep a log-sum-exp row instead (4as bytes), and cp divides s by
+the cp size.
 Ulysses' attention (cp_attention "ulysses", minidist/cp/ulysses.py) also keeps its output in
 the heads layout, sbh e/(cp t) more per layer (layer_activation_bytes), and runs the model's
 own attention on a/cp heads of all s tokens (untiled: their (s, s) scores).
@@ -33,6 +35,7 @@ norms' normalised inputs in float32 and fewer other tensors than Megatron's kern
 bytes per sbh per layer, not 16e (the same in float32); the tests check it against the ledger.
 Tests: tests/test_planner.py.
 """
+from minidist.pp.schedule import chunk_layers, peak_in_flight
 
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
@@ -85,26 +88,55 @@ def head_activation_bytes(s, b, h, v, t=1, sp=False, e=2, dropout=True):
     return s * b * h * (int(bool(dropout)) + 2 * e) / k + 4 * s * b * v / t
 
 
-def stage_activations(config, layout, stage, s, b, dropout):
-    """Korthikanti's bill for one rank of `stage` (of `layout`, planner.Layout) under 1F1B."""
-    L, pp, e = config.n_layer, layout.pp, 2 if layout.amp else 4
-    layers = sum(1 for i in range(L) if i * pp // L == stage)
-    in_flight = pp - stage                                       # 1F1B warm-up depth
+def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
+    """(how many micro-batches' activations `stage` holds of each of its blocks at its peak,
+    {block index: count}; how many of the head's) under `schedule` with m micro-batches and
+    v chunks per stage (pp/schedule.py peak_in_flight: GPipe m, 1F1B min(m, p - s), ZB-H1
+    min(m, p), interleaved Megatron's warmup + 1 chunk-micro-batches; m None: as many as
+    fill the pipeline, p v; pp 1: one, gradient accumulation). Without interleaving the
+    stage's blocks are i * pp // L == stage, each held peak times, the head on the last
+    stage as often (ZB-H1 counted as if a micro-batch waiting for its W still held all of
+    it: 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
+    at the end of the warmup: the chunks of the first `peak` forwards (the k-th forward's
+    chunk (k mod p v) // p), each with its blocks (chunk_layers); the head is the last
+    stage's last chunk's."""
+    m = pp * v if m is None else m
+    if pp == 1:                       # no pipeline: each micro-batch's backward follows it
+        return dict.fromkeys(range(n_layer), 1), 1
+    peak = peak_in_flight(schedule, pp, stage, m, v)
+    last = stage == pp - 1
+    if v == 1:
+        return {i: peak for i in range(n_layer) if i * pp // n_layer == stage}, \
+            peak if last else 0
+    chunks = chunk_layers(n_layer, pp, v, stage)
+    held, head = {}, 0
+    for k in range(peak):
+        c = (k % (pp * v)) // pp
+        for i in chunks[c]:
+            held[i] = held.get(i, 0) + 1
+        head += last and c == v - 1
+    return held, head
+
+
+def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=None, v=1):
+    """Korthikanti's bill for one rank of `stage` (of `layout`, planner.Layout) at its peak
+    under the pipeline `schedule` with m micro-batches and v chunks (held_layers)."""
+    e = 2 if layout.amp else 4
+    held, head = held_layers(config.n_layer, layout.pp, stage, schedule, m, v)
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
                                        layout.sp, layout.recompute, e, dropout,
                                        layout.tiled, layout.cp,
                                        layout.cp_attention == "ulysses", mlp_saved(config))
-    out = layers * in_flight * per_layer
-    moe = sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
+    out = sum(held.values()) * per_layer
+    moe = sum(n for i, n in held.items() if config.is_moe(i))
     if moe and layout.recompute != "full":      # k experts per token, S shared ones (split)
         extra = (config.moe_top_k - 1) * (1 + mlp_saved(config)) * s * b * config.n_embd * e \
             / layout.tp \
             + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1) \
             + config.moe_shared * mlp_saved(config) * s * b * config.n_embd * e / layout.tp
-        out += moe * in_flight * extra / layout.cp                # this rank's tokens
-    if stage == pp - 1:
-        out += head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
-                                     layout.tp, layout.sp, e, dropout)
+        out += moe * extra / layout.cp                # this rank's tokens
+    out += head * head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
+                                        layout.tp, layout.sp, e, dropout)
     return out
 
 

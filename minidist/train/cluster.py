@@ -8,6 +8,7 @@ writes) and the command line's changes to either (`with_links`; examples/plan.py
 Tests: tests/test_planner.py.
 """
 import json
+import math
 from dataclasses import astuple, dataclass, field, replace
 
 from minidist.train.comm_cost import Link
@@ -77,7 +78,31 @@ H100_IB = Cluster("h100-sxm-ib400", gpus_per_node=8, mem_gib=80.0, peak_tflops=9
                   replicated=hbm_elementwise(3.35e12), sync_s=5e-6)
 
 
-def cluster_from_calibration(path, ranks=None):
+def efficiency_for_width(cal, n_embd=None):
+    """(efficiency, how it was chosen) for a model `n_embd` wide from a calibration: its
+    "efficiency_by_width" ({width: efficiency}, examples/calibrate_here.py measures a few)
+    interpolated in log2(width) between the two measured widths around n_embd, the nearest
+    one's outside them (said so); a calibration with one figure, that figure, and a warning
+    that other shapes differ (first-use walk 32: 0.39 at width 128 against 0.53 at 256 here:
+    Python's per-op time does not shrink with the matmuls)."""
+    widths = sorted((int(w), e) for w, e in cal.get("efficiency_by_width", {}).items())
+    if not widths:
+        return cal["efficiency"], ("measured on one model (4 x 256, T 128) only: a model of "
+                                   "another width can step up to 2x off")
+    if n_embd is None:
+        n_embd = widths[-1][0]
+    lo = max([p for p in widths if p[0] <= n_embd], default=widths[0])
+    hi = min([p for p in widths if p[0] >= n_embd], default=widths[-1])
+    measured = "/".join(str(w) for w, _ in widths)
+    if lo == hi:
+        inside = widths[0][0] <= n_embd <= widths[-1][0]
+        return lo[1], (f"measured at width {lo[0]}" if inside else
+                       f"width {n_embd} is outside the measured {measured}: width {lo[0]}'s")
+    f = (math.log2(n_embd) - math.log2(lo[0])) / (math.log2(hi[0]) - math.log2(lo[0]))
+    return lo[1] + f * (hi[1] - lo[1]), f"interpolated between widths {lo[0]} and {hi[0]}"
+
+
+def cluster_from_calibration(path, ranks=None, n_embd=None):
     """The measured machine (examples/calibrate_here.py writes the file): one node of
     `ranks` ranks sharing `cores` cores; the ring's alpha, bandwidth and gamma fitted from
     bench_collectives.py at that rank count (the nearest one measured; oversubscribed cores
@@ -85,7 +110,9 @@ def cluster_from_calibration(path, ranks=None):
     likewise; the elementwise work TP repeats, timed in one process. Its `mem_gib` is each
     rank's share of the node's memory (the calibration's, measured with the machine): the
     ranks are processes on this one node sharing it, where a GPU's memory is its own. Its
-    name says when, and under what load, the figures were measured."""
+    name says when, and under what load, the figures were measured; its notes, what was
+    measured where the plan asks for something else (efficiency_for_width for a model
+    `n_embd` wide; a rank count the collectives were not measured at)."""
     with open(path) as f:
         cal = json.load(f)
     ranks = ranks or cal["cores"]
@@ -93,15 +120,61 @@ def cluster_from_calibration(path, ranks=None):
     def nearest(fits):
         return fits[min(fits, key=lambda k: abs(int(k) - ranks))]
     fit = nearest(cal["links"])
+    efficiency, how = efficiency_for_width(cal, n_embd)
+    notes = {"calibration": path, "efficiency": how}
+    if str(ranks) not in cal["links"]:
+        measured = ", ".join(sorted(cal["links"], key=int))
+        notes["ranks"] = (f"collectives measured at {measured} ranks; {ranks} priced with "
+                          f"{min(cal['links'], key=lambda k: abs(int(k) - ranks))}'s fit and "
+                          f"{cal['cores']} cores shared evenly")
     when = (f" {cal['date']} at load {cal['load_before']:.2f}" if "date" in cal and
             "load_before" in cal else "")
     return Cluster(f"here (measured{when})", gpus_per_node=max(ranks, cal["cores"]),
                    mem_gib=cal["mem_gib"] / ranks, peak_tflops=cal["peak_tflops"],
-                   efficiency=cal["efficiency"], intra=Link(fit["alpha"], fit["bw"]),
+                   efficiency=efficiency, intra=Link(fit["alpha"], fit["bw"]),
                    inter=Link(fit["alpha"], fit["bw"]), gamma=fit["gamma"],
                    opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
                    compute_slots=cal["cores"], replicated=Elementwise(**cal["replicated"]),
-                   sync_s=nearest(cal["sync"])["sync_s"], notes={"calibration": path})
+                   sync_s=nearest(cal["sync"])["sync_s"], notes=notes)
+
+
+def assumptions(cluster):
+    """What the step-time model takes as given for `cluster`, for the planners to print: the
+    peaks (TFLOP/s; float32's, the 16-bit one where the cluster has no other), the
+    efficiency, the share of a compute window communication hides in, each link's latency
+    (us) and bandwidth (GB/s per GPU), the wait per blocking collective (us), and the
+    cluster's "notes" (a calibration: its file, how the efficiency was chosen, ranks it did
+    not measure)."""
+    return {"peak_tflops": cluster.peak_tflops,
+            "peak_tflops_fp32": cluster.peak_tflops_fp32 or cluster.peak_tflops,
+            "efficiency": cluster.efficiency, "overlap": cluster.overlap,
+            "intra_us": cluster.intra.alpha * 1e6, "intra_gbps": cluster.intra.bw / 1e9,
+            "inter_us": cluster.inter.alpha * 1e6, "inter_gbps": cluster.inter.bw / 1e9,
+            "sync_us": cluster.sync_s * 1e6, "compute_slots": cluster.compute_slots,
+            "notes": dict(cluster.notes)}
+
+
+def assumptions_text(cluster, amp=True):
+    """assumptions() as one line: "assumed: 989 TFLOP/s (16-bit; float32 67) at 0.45 of it;
+    communication hides in 100% of a compute window; intra-node 3 us + 450 GB/s, inter-node
+    5 us + 50 GB/s; 5 us per blocking collective". `amp`: which peak the plan computes at
+    comes first."""
+    a = assumptions(cluster)
+    if a["peak_tflops_fp32"] == a["peak_tflops"]:
+        peak = f"{a['peak_tflops']:.4g} TFLOP/s"
+    elif amp:
+        peak = f"{a['peak_tflops']:.4g} TFLOP/s (16-bit; float32 {a['peak_tflops_fp32']:.4g})"
+    else:
+        peak = (f"{a['peak_tflops_fp32']:.4g} TFLOP/s (float32; 16-bit "
+                f"{a['peak_tflops']:.4g})")
+    slots = f" per core, {a['compute_slots']} cores" if a["compute_slots"] else ""
+    links = (f"{a['intra_us']:.3g} us + {a['intra_gbps']:.3g} GB/s" if cluster.intra ==
+             cluster.inter else
+             f"intra-node {a['intra_us']:.3g} us + {a['intra_gbps']:.3g} GB/s, inter-node "
+             f"{a['inter_us']:.3g} us + {a['inter_gbps']:.3g} GB/s")
+    return (f"assumed: {peak}{slots} at {a['efficiency']:.2f} of it; communication hides in "
+            f"{a['overlap']:.0%} of a compute window; links {links}; "
+            f"{a['sync_us']:.3g} us per blocking collective")
 
 
 def fills_nodes(gpus, gpus_per_node):

@@ -124,5 +124,10 @@ def collective_time(cluster, op, nbytes, layout, axis, algo="ring", size=None):
 
 
 def p2p_link(cluster, layout):
-    """The link between neighbouring pipeline stages."""
-    return cluster.intra if axis_stride(layout, "pp") < cluster.gpus_per_node else cluster.inter
+    """The link between neighbouring pipeline stages: the inter-node one as soon as the
+    stages span nodes. The stages advance in step (every micro-batch crosses every
+    boundary), so the slowest hop sets the pace: with tp 4, pp 4 on nodes of 8, stages 0-1
+    sit on node 0 and 2-3 on node 1, and the 1 -> 2 hop crosses the network (first-use walk
+    32: it was priced as intra-node)."""
+    inside = axis_stride(layout, "pp") * layout.pp <= cluster.gpus_per_node
+    return cluster.intra if inside else cluster.inter

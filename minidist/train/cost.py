@@ -10,7 +10,8 @@ recompute) and the cp ring's. TP divides the FLOPs by t, CP the tokens by c, PP 
 by p. Time = FLOPs /
 (peak x efficiency), the efficiency a measured factor (`Cluster.efficiency`); on a machine with
 fewer cores than ranks (`compute_slots`), ranks share them: time x ranks per node / slots.
-MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak.
+MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak (of the
+GPUs; of the cores where ranks share them, `compute_units`): at most the efficiency.
 
 Work TP does not split. The efficiency is measured on (or assumed for) a whole step, layer
 norms and adds included, and TP divides it all by t; but without sequence parallelism every TP
@@ -64,7 +65,7 @@ from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_gr
                                      expert_tensors, expert_units, moe_block_flops,
                                      split_times, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
-from minidist.train.planner import stage_params, state_bytes
+from minidist.train.planner import stage_block_params, stage_params, state_bytes
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------
@@ -154,7 +155,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     # (Ulysses: all seq queries of a/cp heads, the same FLOPs)
     weights = attention_weights(config) + mlp_weights(config)          # GPT-2: 12 h^2
-    per_layer = (2 * b * s_local * weights + 4 * b * s_local * seq * h) / layout.tp
+    attention = 4 * b * s_local * seq * h * causal_share(layout, seq)
+    per_layer = (2 * b * s_local * weights + attention) / layout.tp
     blocks = (layers - moe) * per_layer + \
         (moe and moe * moe_block_flops(config, b, s_local, layout.tp, seq, load=load,
                                        sp=layout.sp))
@@ -163,8 +165,21 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
         fwd += 2 * b * s_local * h * config.vocab_size / layout.tp
     extra = blocks if layout.recompute == "full" else 0.0
     if not layout.keeps_scores or layout.recompute == "selective":   # backward: q k^T again
-        extra += layers * 2 * b * s_local * seq * h / layout.tp
+        extra += layers * attention / 2 / layout.tp
     return fwd, extra, layers
+
+
+def causal_share(layout, seq, block=64):
+    """The share of the (s, s) attention square a rank computes: all of it where the scores
+    are materialised (the mask is applied to a full square); tiled (cp 1), only the tiles
+    on or below the diagonal, n (n + 1) / 2 of n^2 for n = s / block
+    (minidist/autograd/flash.py attention_flops; its DEFAULT_BLOCK of 64, and
+    FlashAttention's kernels skip the same tiles). 0.53 at s = 1024. The MFU still counts
+    the whole square (model_flops: the convention)."""
+    if not layout.tiled or layout.cp > 1:
+        return 1.0
+    n = math.ceil(seq / block)
+    return (n + 1) / (2 * n)
 
 
 def ring_block_times(config, layout, b, seq, rate):
@@ -283,7 +298,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
               comm="ring", v=1, bucket_mb=25.0, moe_load=1.0, ns_steps=5):
     """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
     "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
-    "expert_grads", "optimizer", "muon_ns", "muon_comm", "step", "tokens_per_s", "mfu"}.
+    "expert_grads", "optimizer", "muon_ns", "muon_comm", "clip_norm", "step",
+    "tokens_per_s", "mfu"}.
     global_batch in sequences; micro_batches per step; comm "ring" or "hier" (data-parallel
     all-reduce); moe_load: the busiest rank's expert rows over a balanced routing's
     (moe_cost.py); ns_steps: Muon's Newton-Schulz iterations (layout.muon: muon_cost.py).
@@ -307,6 +323,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     muon = muon_times(config, layout, cluster, rate32, coll, comm, ns_steps) if layout.muon \
         else [(0.0, 0.0)] * layout.pp                    # per stage: NS, gathers
     worst = None
+    blocks = stage_block_params(config, layout.tp, layout.pp, layout.ep)
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
         fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load)
         moe = stage_moe_blocks(config, layout, stage)
@@ -328,11 +345,16 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
         extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits
         extra_b = r_b + n_b * cluster.sync_s
-        p2p = p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
+        # a micro-batch crosses each boundary once per chunk: v sends each way interleaved
+        p2p = v * p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
         z_f = z_b = 0.0
         if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per layer
+            # forward gathers the root and every block; backward the blocks again but the
+            # last two, still in their buffers (zero/README.md: (N-1)/N (Psi + root +
+            # (2L-2)/L blocks) a step, 1.85 Psi at L = 4 where the paper's 3 Psi gives 2.25)
+            again = (blocks[stage] - sum(experts)) * max(layers - 2, 0) / max(layers, 1)
             z_f = exposed(coll("all_gather", dense * p_bytes), c_f, cluster.overlap, layers)
-            z_b = exposed(coll("all_gather", dense * p_bytes) +
+            z_b = exposed(coll("all_gather", again * p_bytes) +
                           coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap, layers)
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
             z_b = exposed(coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap,
@@ -385,7 +407,8 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)
     mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \
         sum(w["experts"])
-    out = {"compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
+    out = {"clip_norm": clip_norm_time(cluster, layout, coll),
+           "compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
            "ep_all_to_all": w["a2a"], "loss_comm": w["loss"], "sync": w["sync"],
            "pp_p2p": w["p2p"], "bubble": w["bubble"], "zero_in_pipeline": w["zero"],
            "dp_comm": dp_comm, "dp_exposed": dp_exposed,
@@ -394,10 +417,32 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
            "optimizer": (shard + mine) * cluster.opt_s_per_param + w["muon_ns"],
            "muon_ns": w["muon_ns"], "muon_comm": w["muon_comm"]}
     out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"] + \
-        out["muon_comm"]
+        out["muon_comm"] + out["clip_norm"]
     out["tokens_per_s"] = global_batch * seq / out["step"]
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
                                                     or cluster.peak_tflops)
     out["mfu"] = model_flops(config, global_batch, seq) / (
-        out["step"] * layout.gpus * peak * 1e12)
+        out["step"] * compute_units(cluster, layout.gpus) * peak * 1e12)
     return out
+
+
+def clip_norm_time(cluster, layout, coll):
+    """Seconds of the gradient clip's global norm (minidist/train/step.py, every step): one
+    blocking all-reduce of a number, plus the ranks' arrival (sync_s), over each group whose
+    ranks hold different gradients (the strategies' reduce_sum_sq): ZeRO's shard group
+    (`coll`: DDP's or ZeRO's), tp, pp. DDP's replicas hold the same: none. (ep's sum is
+    among the experts' gradients: moe_cost.expert_grad_time.)"""
+    groups = [coll("all_reduce", 8)] if layout.zero else []
+    groups += [collective_time(cluster, "all_reduce", 8, layout, axis)
+               for axis in ("tp", "pp") if getattr(layout, axis) > 1]
+    return sum(groups) + len(groups) * cluster.sync_s
+
+
+def compute_units(cluster, gpus):
+    """What computes at the peak for `gpus` ranks: the GPUs; on a machine whose ranks share
+    `compute_slots` cores per node, at most the cores of the nodes the ranks fill (4 ranks
+    on 2 cores have 2 cores' peak, as 2 ranks do: MFU must not halve because ranks did)."""
+    if cluster.compute_slots is None:
+        return gpus
+    nodes = math.ceil(gpus / cluster.gpus_per_node)
+    return min(gpus, nodes * cluster.compute_slots)

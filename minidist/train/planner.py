@@ -230,6 +230,12 @@ def stage_params(config, tp=1, pp=1, ep=1):
     return counts
 
 
+def stage_block_params(config, tp=1, pp=1, ep=1):
+    """Of stage_params, the blocks' parameters (the experts' among them), per pipeline
+    stage: what ZeRO-3 gathers block by block (the rest, the root: embeddings, ln_f)."""
+    return _block_counts(config, tp, pp, ep, lambda name, shape: True)
+
+
 def stage_muon_params(config, tp=1, pp=1, ep=1):
     """Of stage_params, the parameters --optimizer muon updates by Muon (takes_muon: a
     block's weights of 2 or more dimensions, all of them decayed), per pipeline stage."""
@@ -254,10 +260,14 @@ def model_state_bytes(n_params, dp=1, zero=0, amp=True, grad32=False):
 
 # ---- the bill and the plan -------------------------------------------------------------------
 
-def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"):
+def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti",
+         schedule="1f1b", micro_batches=None, v=1):
     """Per-rank bytes {"params", "grads", "optimizer", "activations", "total"} of the stage
-    whose total is largest. dropout: None takes config.dropout > 0. formula "minidist":
-    activations of minidist's own graph (dp and ZeRO layouts; full or selective recompute)."""
+    whose total is largest, and that "stage". dropout: None takes config.dropout > 0.
+    formula "minidist": activations of minidist's own graph (dp and ZeRO layouts; full or
+    selective recompute). schedule, micro_batches (m), v: the pipeline's, which set how many
+    micro-batches a stage holds at once (activations.held_layers; m None: enough to fill
+    the pipeline)."""
     dropout = config.dropout > 0 if dropout is None else dropout
     if formula == "minidist" and (layout.tp > 1 or layout.pp > 1):
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
@@ -280,8 +290,10 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
                                       layout.recompute == "full", dropout,
                                       layout.recompute == "selective")
             if formula == "minidist" else
-            stage_activations(config, layout, stage, seq, micro_batch, dropout))
+            stage_activations(config, layout, stage, seq, micro_batch, dropout, schedule,
+                              micro_batches, v))
         row["total"] = sum(row.values())
+        row["stage"] = stage
         rows.append(row)
     return max(rows, key=lambda r: r["total"])
 

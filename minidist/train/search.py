@@ -106,7 +106,8 @@ def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule
     """One row: the layout, its memory bill on the worst stage and its step-time figures;
     under Muon (layout.muon) also its Newton-Schulz iterations, "muon_ns_steps"."""
     b = global_batch // (layout.dp * micro_batches)
-    mem = bill(config, layout, seq, b, dropout=False)
+    mem = bill(config, layout, seq, b, dropout=False, schedule=schedule,
+               micro_batches=micro_batches, v=v)
     t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v,
                   moe_load=moe_load, ns_steps=ns_steps)
     muon = {"muon_ns_steps": ns_steps} if layout.muon else {}
