@@ -216,6 +216,24 @@ def test_a_bad_environment_variable_is_one_line_under_mpiexec(var, says):
     assert out.stderr == f"error: {var}='abc': {says}\n"
 
 
+@pytest.mark.mpi
+def test_a_thread_level_below_multiple_is_refused_on_several_ranks():
+    """    MPI4PY_RC_THREAD_LEVEL=single mpiexec -n 2 python examples/train_gpt.py
+    The watchdog thread called MPI beside the main thread: MPICH aborted now and then with
+    "Message truncated" in a Comm_dup (first-use walk 32). One line, before MPI_Init; one
+    process alone (no watchdog, no streams) may still ask for it."""
+    out = run_mpi(2, "examples/train_gpt.py", timeout=60, check=False,
+                  env=mpi_env(MPI4PY_RC_THREAD_LEVEL="single"))
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.startswith("error: MPI4PY_RC_THREAD_LEVEL=single: minidist's watchdog")
+    assert out.stderr.count("\n") == 1 and "needs MPI_THREAD_MULTIPLE" in out.stderr
+    from minidist.comm import thread_level_problem    # (first: mpi4py set not to MPI_Init)
+    from mpi4py import MPI
+    assert thread_level_problem(MPI.THREAD_MULTIPLE, 4) is None
+    assert thread_level_problem(MPI.THREAD_SINGLE, 1) is None
+    assert "provides thread level serialized" in thread_level_problem(MPI.THREAD_SERIALIZED, 2)
+
+
 def test_output_folders_are_made_before_step_0(tmp_path):
     """--log-json / --trace in a folder that does not exist yet: made, nothing written."""
     log, trace = tmp_path / "new" / "x.jsonl", tmp_path / "deep" / "er" / "t.json"

@@ -64,9 +64,11 @@ _state = {"initialised": False}
 def init(algo="ring", timeout=None, sync_comm=None):
     """Start MPI for this process and return the world group (algorithm `algo`).
 
-    The first call, in this order: MPICH's settings (mpich.py), MPI_Init_thread (MULTIPLE, or
-    MPI4PY_RC_THREAD_LEVEL; a rank still in it after the timeout below exits 1 with a stack
-    dump: another rank died before MPI_Init), the abort-on-uncaught-exception hooks
+    The first call, in this order: MPICH's settings (mpich.py), MPI_Init_thread (MULTIPLE;
+    MPI4PY_RC_THREAD_LEVEL may say so, or a lower level on one process alone; a rank still
+    in it after the timeout below exits 1 with a stack dump: another rank died before
+    MPI_Init), a LaunchMismatch where the library gives several ranks less than MULTIPLE,
+    the abort-on-uncaught-exception hooks
     (debug.py), the watchdog thread with a collective timeout of `timeout` seconds (default
     MINIDIST_COMM_TIMEOUT or 600; 0: none), and an exit handler: a rank that exits waits for
     the others, then MPI is finalised (watchdog.py). Later calls return another world group
@@ -83,6 +85,9 @@ def init(algo="ring", timeout=None, sync_comm=None):
         mismatch = launch_mismatch(world_size_from_env(), MPI.COMM_WORLD.Get_size())
         if mismatch:                    # every process alone: no collective could tell
             raise LaunchMismatch(mismatch)
+        too_low = thread_level_problem(MPI.Query_thread(), MPI.COMM_WORLD.Get_size())
+        if too_low:                     # the same on every rank: one library
+            raise LaunchMismatch(too_low)
         trace.set_rank(MPI.COMM_WORLD.Get_rank())
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -160,11 +165,31 @@ def _switches():
 
 
 def _thread_level():
+    """MPI4PY_RC_THREAD_LEVEL, checked: on a job of more than one rank only "multiple" (the
+    watchdog thread and the communication streams call MPI beside the main thread; under
+    "single" MPICH aborted now and then with "Message truncated" in a Comm_dup: first-use
+    walk 32)."""
     level = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "") or "multiple"
     if level.lower() not in THREAD_LEVELS:
         raise ValueError(f"MPI4PY_RC_THREAD_LEVEL={level!r}: give one of "
                          f"{', '.join(THREAD_LEVELS)} (default: multiple)")
+    if level.lower() != "multiple" and world_size_from_env() > 1:
+        raise ValueError(f"MPI4PY_RC_THREAD_LEVEL={level}: minidist's watchdog and "
+                         "communication streams call MPI from threads of their own, which "
+                         "needs MPI_THREAD_MULTIPLE; unset it (or give multiple)")
     return level.lower()
+
+
+def thread_level_problem(provided, size):
+    """Why a job of `size` ranks cannot run at the thread level the MPI library `provided`
+    (MPI_Query_thread after MPI_Init), or None: below MPI_THREAD_MULTIPLE the watchdog's and
+    the streams' threads may not call MPI (an MPI built without thread support)."""
+    if size <= 1 or provided >= MPI.THREAD_MULTIPLE:
+        return None
+    name = next(k for k, v in THREAD_LEVELS.items() if v == provided)
+    return (f"this MPI library provides thread level {name}, not multiple: minidist's "
+            f"watchdog and communication streams call MPI from threads of their own; use an "
+            f"MPI built with thread support (the mpich wheel has it)")
 
 
 def env_problems(algo="ring", timeout=None):

@@ -49,8 +49,9 @@ class CollectiveMismatch(RuntimeError):
 class LaunchMismatch(RuntimeError):
     """The job is not the one the launcher started: MPI sees another number of processes
     than the launcher's (each its own job: comm.init), or the ranks place themselves on
-    nodes differently (--comm hier: hier.Hierarchy). The same on every rank, before any
-    other collective."""
+    nodes differently (--comm hier: hier.Hierarchy), or the MPI library gives less than
+    MPI_THREAD_MULTIPLE to a job of several ranks. The same on every rank, before any other
+    collective."""
 
 
 class CollectiveFailed(RuntimeError):
