@@ -134,3 +134,31 @@ def test_bad_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"the train split is empty \(1 file\(s\): 0 train / "
                        r"0 val tokens\); give more text"):
         TokenData(str(tmp_path / "void.txt"))
+
+
+def test_held_out_files_fall_back_to_each_files_tail(tmp_path):
+    """20+ files: whole files go to val by a hash of their names, unless that picks none or
+    more than 30% of the text; then each file's last 10% does, and the start-up line says
+    which (first-use walk 33: one big file among 19 small ones trained on 114 tokens and
+    held 417,540 out; 20 names that all hashed to train were "the val split is empty")."""
+    import zlib
+    from minidist.train.data import split_files
+    names = [f"doc{i:03d}.txt" for i in range(40)]
+    held = [n for n in names if zlib.crc32(n.encode()) % 10 == 0]
+    kept = [n for n in names if n not in held]
+    assert held and len(kept) >= 20
+    for case, files, big in (("even", names, None), ("none held", kept[:20], None),
+                             ("big held", held + kept[:19], held[0])):
+        d = tmp_path / case
+        d.mkdir()
+        for n in files:
+            (d / n).write_text(("x" * 999 + "\n") * (100 if n == big else 1))
+        train, val, rule = split_files(str(d), sorted(files))
+        if case == "even":
+            assert rule == f"{len(held)} of 40 files held out"
+            assert len(val) == 1000 * len(held) and len(train) == 1000 * (40 - len(held))
+        else:
+            assert rule.startswith("the last 10% of each file (")
+            assert len(val) == pytest.approx(0.1 * (len(train) + len(val)), abs=len(files))
+        data = TokenData(str(d), cache_dir=str(tmp_path / "cache"))
+        assert f"val: {rule}" in data.describe()

@@ -9,7 +9,10 @@ BPE tokenizer of its folder (minidist/train/bpe.py; uint16 tokens in the cache).
   - no `--data`: the `.py` sources of this Python's standard library, which every machine
     that runs minidist already has (site-packages excluded).
 Train/val split: with 20 or more files, whole files go to val when crc32(relative path) % 10
-== 0 (held-out documents); with fewer, the last 10% of each file goes to val.
+== 0 (held-out documents), unless that holds no file or more than 30% of the text (one big
+file among small ones, or names that all hash to train: first-use walk 33 trained on 114
+tokens and evaluated on 417,540); then, and with fewer files, the last 10% of each file goes
+to val. The start-up line says which rule split the data.
 
 Cache: tokens are written once to `train.bin` / `val.bin` (uint8, or uint16 from a BPE) and
 `meta.json`, in `.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or
@@ -35,7 +38,8 @@ import zlib
 import numpy as np
 
 _SPLITS = {"train": 0, "val": 1}
-_VERSION = 1
+_VERSION = 2          # 2: the held-out files' fallback (a split may differ from 1's)
+HELD_OUT_AT_MOST = 0.3        # of the text, in held-out files; beyond: each file's last 10%
 
 
 class DataError(ValueError):
@@ -131,25 +135,34 @@ def _cache_dir(path, root, files, cache_dir, tokenizer):
 def text_splits(path=None):
     """(train, val) bytes of --data `path` (a text file or folder; None: Python's sources),
     split as training splits them (examples/train_tokenizer.py learns from the train part)."""
-    return _split_files(*list_files(path))
+    train, val, _ = split_files(*list_files(path))
+    return train, val
 
 
-def _split_files(root, files):
-    """Bytes of train and val text: held-out files, or each file's last 10%."""
-    train, val = [], []
-    by_file = len(files) >= 20
+def split_files(root, files):
+    """(train bytes, val bytes, the rule as words): held-out files (20 or more files, and
+    the held-out ones 0 < val <= HELD_OUT_AT_MOST of the text), else each file's last 10%."""
+    texts = {}
     for f in files:
         with open(os.path.join(root, f), "rb") as fh:
             data = fh.read()
-        if data and not data.endswith(b"\n"):
-            data += b"\n"
-        if by_file:
-            (val if zlib.crc32(f.encode()) % 10 == 0 else train).append(data)
-        else:
-            cut = int(len(data) * 0.9)
-            train.append(data[:cut])
-            val.append(data[cut:])
-    return b"".join(train), b"".join(val)
+        texts[f] = data + b"\n" if data and not data.endswith(b"\n") else data
+    if len(files) >= 20:
+        held = [f for f in files if zlib.crc32(f.encode()) % 10 == 0]
+        val = sum(len(texts[f]) for f in held)
+        total = sum(len(t) for t in texts.values())
+        if 0 < val <= HELD_OUT_AT_MOST * total:
+            return (b"".join(texts[f] for f in files if f not in held),
+                    b"".join(texts[f] for f in held),
+                    f"{len(held)} of {len(files)} files held out")
+        why = ("no file's name" if not held else
+               f"the held-out files were {val / total:.0%} of the text")
+        rule = f"the last 10% of each file ({why} chose val)"
+    else:
+        rule = "the last 10% of each file"
+    cuts = {f: int(len(t) * 0.9) for f, t in texts.items()}
+    return (b"".join(t[:cuts[f]] for f, t in texts.items()),
+            b"".join(t[cuts[f]:] for f, t in texts.items()), rule)
 
 
 def _tokens(blob, tokenizer):
@@ -170,8 +183,9 @@ def unigram_entropy(counts):
 
 
 def _build(root, files, out_dir, tokenizer):
-    train, val = (_tokens(blob, tokenizer) for blob in _split_files(root, files))
-    meta = {"version": _VERSION, "tokenizer": tokenizer.name,
+    train, val, rule = split_files(root, files)
+    train, val = _tokens(train, tokenizer), _tokens(val, tokenizer)
+    meta = {"version": _VERSION, "tokenizer": tokenizer.name, "split": rule,
             "vocab_size": tokenizer.vocab_size, "dtype": str(train.dtype), "root": root,
             "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
             "unigram_entropy": unigram_entropy(np.bincount(train,
@@ -243,7 +257,8 @@ class TokenData:
     def describe(self):
         kind = "" if isinstance(self.tokenizer, ByteTokenizer) else f" {self.tokenizer.name}"
         return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val"
-                f"{kind} tokens, cache {self.cache}")
+                f"{kind} tokens, val: {self.meta.get('split', 'held out')}, "
+                f"cache {self.cache}")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
