@@ -52,8 +52,12 @@ def main(args):
     if args.vocab_size < 257 or args.vocab_size > 1 << 32:
         raise UsageError(f"--vocab-size {args.vocab_size}: from 257 (the 256 bytes and "
                          "<|endoftext|>) to 2^32")
-    check_out(args.out)
+    # the text first: a bad --data or an empty train part leaves no --out folder behind
     train, val = (blob.decode("utf-8", "replace") for blob in text_splits(args.data))
+    if not train:
+        raise DataError(f"{args.data or 'the standard library'}: the train part is empty "
+                        "(no text to learn merges from); give a file or folder with text")
+    check_out(args.out)
     start = time.perf_counter()
     vocab, merges = train_bpe(train, args.vocab_size)
     seconds = time.perf_counter() - start

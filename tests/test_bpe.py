@@ -414,3 +414,22 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     assert done["val_loss"] < 7                 # ln 300 = 5.7 at the start, not ln 50257 = 10.8
     with pytest.raises(UsageError, match="--tokenizer .*nowhere: no such folder"):
         args("--tokenizer", str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("text, says", [(None, "no such file"), ("", "the train part is empty")])
+def test_train_tokenizer_checks_the_text_before_making_out(tmp_path, text, says):
+    """    python examples/train_tokenizer.py --data empty.txt --out tok
+    An empty corpus was a 257-token tokenizer written to a folder that is never replaced;
+    a missing --data left an empty --out folder behind (first-use walk 33)."""
+    import subprocess
+    import sys
+    from tests.mpirun import ROOT, mpi_env
+    data = tmp_path / "text.txt"
+    if text is not None:
+        data.write_text(text)
+    bad = subprocess.run([sys.executable, "examples/train_tokenizer.py", "--data", str(data),
+                          "--out", str(tmp_path / "tok")], cwd=ROOT, env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, \
+        bad.stderr
+    assert not (tmp_path / "tok").exists()
