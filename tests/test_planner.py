@@ -1079,7 +1079,7 @@ CP_MODEL = GPTConfig(n_layer=2, n_head=8, n_embd=16, block_size=16, vocab_size=3
 
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
 def test_cp_bytes_the_model_prices_are_the_training_codes(attention):
-    """At 1 B/s and no latency a second is a byte: what cost.cp_comm prices one rank sending
+    """At 1 B/s and no latency a second is a byte: what tp_cp_cost.cp_comm prices one rank sending
     per layer and micro-batch is minidist/cp/ring.py ring_bytes or minidist/cp/ulysses.py
     ulysses_bytes of S = b (s/N) (h/tp) e (the formulas tests/scripts/cp_check.py and
     ulysses_check.py measure training against), at N = 2 and 4, tp 1 and 2, with and
@@ -1087,7 +1087,7 @@ def test_cp_bytes_the_model_prices_are_the_training_codes(attention):
     all-to-alls each way per layer, 2 more under recompute) add up from them."""
     from minidist.cp.ring import ring_bytes
     from minidist.cp.ulysses import ulysses_bytes
-    from minidist.train.cost import cp_comm
+    from minidist.train.tp_cp_cost import cp_comm
     formula = ulysses_bytes if attention == "ulysses" else ring_bytes
     b, s, h, e = 1, 16, 16, 4
     for n in (2, 4):
@@ -1239,7 +1239,7 @@ def test_ring_hops_hide_behind_their_blocks_attention_worked_by_hand():
     blocks of 20 s: 8 s, but never under the last hop: 16 s. Overlap 0: 16 and 48, the bytes
     (ring_bytes(8, 2) = 64). Ulysses' all-to-alls hide behind nothing: the same either way.
     And one ring block's seconds are 1/cp of the layer's attention FLOPs (ring_block_times)."""
-    from minidist.train.cost import cp_comm, ring_block_times
+    from minidist.train.tp_cp_cost import cp_comm, ring_block_times
     ring = Layout(cp=2, amp=False)
     on = replace(UNIT, overlap=1.0)
     assert cp_comm(on, ring, 1, 8, 10.0, 20.0) == (6.0, 16.0)

@@ -60,12 +60,14 @@ import math
 
 from minidist.nn.config import attention_weights, mlp_weights
 from minidist.pp.schedule import bubble_fraction
-from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time, span
+from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
                                      split_times, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
 from minidist.train.planner import stage_block_params, stage_params, state_bytes
+from minidist.train.tp_cp_cost import (blocking_counts, exposed, loss_comm,  # (exposed: also
+                                       ring_block_times, tp_cp_comm)          # the tests')
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------
@@ -118,14 +120,6 @@ def bubble_time(schedule, p, m, t_f, t_b, v=1, t_w=None):
     else:
         raise ValueError(f"schedule must be gpipe, 1f1b, interleaved or zb-h1, not {schedule!r}")
     return work * f / (1 - f)
-
-
-def exposed(comm, window, overlap, units=1):
-    """Communication left over after hiding behind `window` seconds of compute: at most
-    overlap x window hides, and never the last of `units` pieces (it starts after compute)."""
-    if comm == 0:
-        return 0.0
-    return max(comm - overlap * window, comm / max(1, units))
 
 
 # ---- one training step -----------------------------------------------------------------------
@@ -182,104 +176,6 @@ def causal_share(layout, seq, block=64):
     return (n + 1) / (2 * n)
 
 
-def ring_block_times(config, layout, b, seq, rate):
-    """(forward, backward) seconds of one ring block's attention on a rank: a 1/cp share of
-    the layer's 4 b (s/cp) s h / tp attention FLOPs (_stage_compute's), backward twice that
-    and its q k^T again, + half (the ring's backward recomputes each block's scores from the
-    saved log-sum-exp, whatever --attention says). What a hop in flight can hide behind."""
-    if layout.cp == 1:
-        return 0.0, 0.0
-    f = 4 * b * (seq / layout.cp) * seq * config.n_embd / layout.tp / layout.cp / rate
-    return f, 2.5 * f
-
-
-def _tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0)):
-    """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's exchanges
-    (cp_comm: the ring's key and value blocks, which hide behind `block`, one ring block's
-    attention seconds forward and backward, or Ulysses' all-to-alls) for one micro-batch
-    on a stage; act = b (s/cp) h e bytes. A MoE block without shared experts (`moe` of the
-    layers) has one TP all-reduce each way, its attention's: no split MLP (its shared
-    experts are one, split as a dense block's).
-    With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
-    f = b = 0.0
-    if layout.tp > 1:
-        if layout.sp:
-            one = sum(collective_time(cluster, op, act, layout, "tp")
-                      for op in ("reduce_scatter", "all_gather"))
-        else:
-            one = collective_time(cluster, "all_reduce", act, layout, "tp", comm)
-        per = 2 * layers - moe                               # also the column layers
-        redo = per if layout.recompute == "full" else 0
-        last = stage == layout.pp - 1
-        f = (per + (stage == 0)) * one                       # + the vocab-parallel embedding
-        b = (per + redo + last) * one                        # + the head's input
-        if layout.sp:                                        # + the column layers' re-gathers
-            b += (per + last) * collective_time(cluster, "all_gather", act, layout, "tp")
-    c_f, c_b = cp_comm(cluster, layout, layers, act, *block)
-    return f + c_f, b + c_b
-
-
-def cp_comm(cluster, layout, layers, act, block_f=0.0, block_b=0.0):
-    """(forward, backward) seconds of context parallelism's exchanges for one micro-batch on
-    `layers` layers, act = b (s/cp) h e; S = act / tp, one tp rank's heads. The ring
-    (cp/ring.py ring_bytes): blocks of K and V, 2S, one send/recv a hop, N - 1 hops forward,
-    N - 1 (k, v) + N (dk, dv) backward, N - 1 more under full recompute. Each hop is posted
-    before the block in hand is attended to (cp/ring.py), so up to cluster.overlap of that
-    block's attention compute (block_f, block_b seconds: one block forward, backward) hides
-    it: forward, hop k behind block k (the last block is computed after the last hop);
-    backward, the hops behind the n blocks' backward (and the recompute's forward blocks),
-    never the last (the accumulators' way home comes after the compute).
-    Ulysses (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (3S a rank) and one of
-    y (S), backward the two reversed, full recompute the forward's again; priced as EP's, the
-    pairwise all-to-all on the links the cp group spans, blocking: nothing overlaps them."""
-    if layout.cp == 1:
-        return 0.0, 0.0
-    S, n, redo = act / layout.tp, layout.cp, layout.recompute == "full"
-    if layout.cp_attention == "ulysses":
-        one = sum(collective_time(cluster, "all_to_all", parts * S, layout, "cp")
-                  for parts in (3, 1))                       # qkv, y
-        return layers * one, layers * (1 + redo) * one
-    k, m = span(layout, "cp", cluster.gpus_per_node)
-    hop = p2p_time(2 * S, cluster.intra if m == 1 else cluster.inter)       # K and V
-    hops_b = 2 * n - 1 + redo * (n - 1)                       # per layer
-    forward = (n - 1) * max(hop - cluster.overlap * block_f, 0.0)
-    window_b = n * block_b + redo * (n - 1) * block_f
-    return (layers * forward,
-            layers * exposed(hops_b * hop, window_b, cluster.overlap, hops_b))
-
-
-def _blocking(layout, layers, stage, moe=0):
-    """(forward, backward) counts of blocking TP/CP collectives of one micro-batch on a stage:
-    TP's all-reduces (SP: a reduce-scatter and an all-gather each, and backward's re-gather
-    per column layer; one fewer each way in a MoE block), the vocabulary-parallel loss's two
-    (max, sums: tp/layers.py) on the last stage, CP's ring hops or Ulysses' all-to-alls."""
-    f = b = 0
-    first, last = stage == 0, stage == layout.pp - 1
-    if layout.tp > 1:
-        per = 2 * layers - moe
-        each, redo = (2 if layout.sp else 1), (per if layout.recompute == "full" else 0)
-        f = (per + first) * each + 2 * last
-        b = (per + redo + last) * each + (per + last if layout.sp else 0)
-    if layout.cp > 1 and layout.cp_attention == "ulysses":   # 2 all-to-alls each way
-        redo = layout.recompute == "full"
-        f += layers * 2
-        b += layers * 2 * (1 + redo)
-    elif layout.cp > 1:
-        redo = layout.cp - 1 if layout.recompute == "full" else 0
-        f += layers * (layout.cp - 1)
-        b += layers * (2 * layout.cp - 1 + redo)
-    return f, b
-
-
-def _loss_comm(cluster, layout, tokens, stage):
-    """Seconds of the vocabulary-parallel loss's all-reduces (float32 max of `tokens` numbers,
-    then 2 x `tokens` sums) on the last stage under TP, forward only."""
-    if layout.tp == 1 or stage != layout.pp - 1:
-        return 0.0
-    return sum(collective_time(cluster, "all_reduce", 4 * n * tokens, layout, "tp")
-               for n in (1, 2))
-
-
 def _replicated(cluster, layout, layers, act, stage):
     """(forward, backward) seconds of the elementwise work every TP rank repeats without SP,
     beyond the 1/t of it the compute term already counts: (1 - 1/t) x act x Elementwise's
@@ -331,7 +227,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
-        tp_f, tp_b = _tp_cp_comm(cluster, layout, layers, act, stage, comm, unsplit,
+        tp_f, tp_b = tp_cp_comm(cluster, layout, layers, act, stage, comm, unsplit,
                                  ring_block_times(config, layout, b, seq, rate))
         s_moe = seq / layout.cp / (layout.tp if layout.sp else 1)   # an MoE block's tokens
         a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
@@ -340,9 +236,9 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                                            stage)
         tp_f, tp_b = tp_f + q_f, tp_b + q_b                  # + the routing's exchange
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
-        n_f, n_b = _blocking(layout, layers, stage, unsplit)
+        n_f, n_b = blocking_counts(layout, layers, stage, unsplit)
         n_f, n_b = n_f + na_f + nq_f, n_b + na_b + nq_b      # + EP's all-to-alls, routing
-        loss = _loss_comm(cluster, layout, b * seq / layout.cp, stage)
+        loss = loss_comm(cluster, layout, b * seq / layout.cp, stage)
         extra_f = r_f + loss + n_f * cluster.sync_s        # work TP repeats, waits
         extra_b = r_b + n_b * cluster.sync_s
         # a micro-batch crosses each boundary once per chunk: v sends each way interleaved
