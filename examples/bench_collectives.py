@@ -15,16 +15,18 @@ algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for red
 all_gather and all_to_all, x 1 for broadcast, which is the bandwidth a link must carry,
 comparable across rank counts and algorithms. `bytes` is the full buffer (reduce_scatter's
 input, all_gather's output, all_to_all's input: ring is the pairwise exchange, mpi
-MPI_Alltoallv). time_s: `--iters` back-to-back calls averaged, the slowest rank's, best of
-`--repeats`
-(the best, because other processes share this machine's cores; the algorithms take turns
-inside each repeat so that they meet the same conditions). Rank 0 prints the lines on
+MPI_Alltoallv), each size rounded down to whole --dtype elements. time_s: `--iters`
+back-to-back calls averaged, the slowest rank's, best of `--repeats` (the best, because
+other processes share this machine's cores; the algorithms take turns inside each repeat so
+that they meet the same conditions). Rank 0 prints the lines on
 stdout and a ring/mpi busbw table on stderr. --overlap measures how much of an async
 all-reduce hides behind numpy work (the stream thread vs MPI_Iallreduce): "hidden" is the
 fraction of the shorter of the two that disappeared from the total (1: perfect overlap).
 --ranks-per-node N groups world ranks r into simulated nodes r // N for the `hier` algorithm
 (minidist/comm/hier.py; it sets MINIDIST_RANKS_PER_NODE; default: the launcher's ranks on this
 node). examples/calibrate_here.py fits the alpha-beta model to these lines.
+It needs 2 ranks or more (busbw is 0 on one). Every flag is checked before MPI starts: a bad
+one is one `error:` line from rank 0, exit status 2 (tests/test_bench_flags.py).
 """
 import json
 import os
@@ -36,6 +38,7 @@ import numpy as np
 from minidist import backend, comm
 from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
+from minidist.launcher import world_size_from_env
 from minidist.train.args import example_parser
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
@@ -45,8 +48,20 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
               "all_to_all": lambda n: (n - 1) / n}
 
 
+DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
+# (flag, lowest allowed value, what it is), checked in this order
+AT_LEAST = (("--factor", 2, "each size is the last one times it"),
+            ("--repeats", 1, "timed repeats per size"),
+            ("--iters", 0, "calls timed per repeat; 0: by size"),
+            ("--warmup", 0, "untimed calls per size"),
+            ("--ranks-per-node", 0, "0: MINIDIST_RANKS_PER_NODE or the launcher's"),
+            ("--compute-iters", 0, "0: sized to the all-reduce"))
+
+
 def parse_bytes(text):
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if not text:
+        raise ValueError("no size")
     return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units \
         else int(text)
 
@@ -97,8 +112,10 @@ def bench(args):
     results = []
     groups = {algo: comm.init(algo) for algo in args.algos}
     world = next(iter(groups.values()))
+    itemsize = np.dtype(args.dtype).itemsize
     for op in args.ops:
-        for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
+        for size in sizes(args.min_bytes, args.max_bytes, args.factor):
+            nbytes = size // itemsize * itemsize       # whole elements: what the calls move
             calls = {algo: make_call(g, op, nbytes, args.dtype) for algo, g in groups.items()}
             iters = args.iters or max(2, min(50, (32 << 20) // nbytes))
             for call in calls.values():
@@ -212,6 +229,39 @@ def interleave(args):
         print(json.dumps(row), flush=True)
 
 
+def check_flags(p, args):
+    """Every flag, before MPI starts, alike on every rank (p.error: one line from rank 0,
+    exit status 2): a sweep that would never end (--factor 1, --min-bytes 0), print
+    nothing (--min-bytes above --max-bytes) or time nothing (--repeats 0, a buffer smaller
+    than one element), an op, algorithm or dtype that does not exist, and one rank."""
+    for flag, low, what in AT_LEAST:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < low:
+            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    for flag, names, known in (("--ops", args.ops, OPS), ("--algos", args.algos, comm.ALGOS)):
+        for name in names:
+            if name not in known:
+                p.error(f"{flag} {','.join(names)}: {name!r} is not one of {', '.join(known)}")
+    itemsize = np.dtype(args.dtype).itemsize
+    sweep = not (args.overlap or args.interleave)   # (those two time --max-bytes of float32)
+    if sweep and args.min_bytes < itemsize:
+        p.error(f"--min-bytes {args.min_bytes}: smaller than one {args.dtype} element; give "
+                f"at least {itemsize}")
+    if not sweep and args.max_bytes < 4:
+        p.error(f"--max-bytes {args.max_bytes}: smaller than one float32 element (what "
+                "--overlap and --interleave move); give at least 4")
+    if sweep and args.min_bytes > args.max_bytes:
+        p.error(f"--min-bytes {args.min_bytes}: above --max-bytes {args.max_bytes}, so no size "
+                "would be timed; give --max-bytes at least --min-bytes")
+    n = world_size_from_env()
+    if n < 2:
+        p.error("one process: a collective needs 2 ranks or more; run it under mpiexec -n N "
+                "(N >= 2), e.g. mpiexec -n 2 python examples/bench_collectives.py")
+    problems = comm.env_problems("hier" if "hier" in args.algos else "ring")
+    if problems:
+        p.error("; ".join(problems))
+
+
 def main():
     p = example_parser(__doc__)
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","),
@@ -225,7 +275,8 @@ def main():
     p.add_argument("--max-bytes", default="64M", type=parse_bytes,
                    help="largest buffer (--overlap, --interleave: the only size)")
     p.add_argument("--factor", default=2, type=int, help="size step (nccl-tests' -f)")
-    p.add_argument("--dtype", default="float32", help="the buffers' element type")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the buffers' element type")
     p.add_argument("--iters", type=int, default=0, help="calls timed per repeat (0: by size)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size, first")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per size, best kept")
@@ -243,6 +294,7 @@ def main():
     args = p.parse_args()
     if args.ranks_per_node:   # read by minidist.comm.hier when the hier groups are made
         os.environ["MINIDIST_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    check_flags(p, args)
     backend.setup(threads=1, device=args.device)   # the collectives' own reductions: 1 thread
     comm.init()              # MPI_Init (MPICH settings first), abort hooks, watchdog
     if args.trace:

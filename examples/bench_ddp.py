@@ -8,18 +8,25 @@ through the training loop's own train_step; the modes take turns, `--steps` step
 `--rounds` rounds, so a noisy shared machine slows them alike. On one rank a plain
 SingleProcess run is timed too, as the baseline. Rank 0 prints one JSON line per mode:
 {"mode", "ranks", "algo", "tokens_per_s", "ms_per_step", "compute_ms", "exposed_comm_ms",
-"comm_mb_per_step", "buckets", ...}: medians over the timed steps, where
-    compute_ms       forward + backward of this rank (overlapped: comm threads compete for it)
-    exposed_comm_ms  how long the step then waited in sync_grads for the gradients
+"comm_mib_per_step", "buckets", ...}: medians over the timed steps, where
+    compute_ms         forward + backward of this rank (overlapped: comm threads compete
+                       for it)
+    exposed_comm_ms    how long the step then waited in sync_grads for the gradients
+    comm_mib_per_step  the bytes this rank sent in the last step, in MiB (2**20 bytes)
 and ms_per_step is the whole step (also clip, AdamW, the loss all-reduce), slowest rank.
+Every flag is checked before MPI starts (a bad one is one `error:` line from rank 0, exit
+status 2): --batch-size must split evenly over the ranks.
 """
 import json
+import math
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
 from minidist import backend, comm
+from minidist.ddp.ddp import MODES
+from minidist.launcher import world_size_from_env
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args, arch_fields
 from minidist.train.loop import moe_fields
@@ -29,20 +36,61 @@ from minidist.strategy.base import SingleProcess
 from minidist.train.args import example_parser
 
 
+# (flag, lowest allowed value, what it is); None (not given) is not checked
+AT_LEAST = (("--steps", 1, "timed steps per mode per round"),
+            ("--rounds", 1, "turns of timed steps"), ("--warmup", 0, "untimed steps"),
+            ("--batch-size", 1, "the global batch, in sequences"),
+            ("--n-layer", 1, "transformer blocks"), ("--n-head", 1, "attention heads"),
+            ("--n-embd", 1, "the embedding width"), ("--block-size", 1, "the context length"),
+            ("--vocab-size", 1, "token ids"), ("--threads", 1, "BLAS threads per rank"))
+
+
 def parse():
+    """(the flags, checked: check_flags; the model's config)."""
     p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
-    p.add_argument("--modes", default="naive,bucketed,overlapped",
-                   help="DDP modes to time, comma-separated")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"DDP modes to time, comma-separated, from {', '.join(MODES)}")
     p.add_argument("--comm", default="ring", choices=("ring", "naive", "mpi", "nccl"),
                    help="the all-reduce's algorithm")
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size, MiB (> 0)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode per round")
     p.add_argument("--rounds", type=int, default=3, help="turns of timed steps per mode")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode, first")
     p.add_argument("--threads", type=int, default=None,
                    help="BLAS threads per rank (default: the node's cores over its ranks)")
-    return p.parse_args()
+    args = p.parse_args()
+    return args, check_flags(p, args)
+
+
+def check_flags(p, args):
+    """Every flag, before MPI starts and alike on every rank (p.error: one `error:` line from
+    rank 0, exit status 2); returns the model's config, made from them."""
+    for flag, low, what in AT_LEAST:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < low:
+            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            p.error(f"--modes {args.modes}: {mode!r} is not one of {', '.join(MODES)}")
+    if not 0 < args.bucket_mb < math.inf:
+        p.error(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
+    problems = comm.env_problems(args.comm)      # MINIDIST_COMM_WAIT=..., read by comm.init
+    if problems:
+        p.error("; ".join(problems))
+    ranks = world_size_from_env()
+    if args.batch_size % ranks:
+        p.error(f"--batch-size {args.batch_size}: does not split over {ranks} ranks; give a "
+                f"multiple of {ranks}")
+    try:
+        config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           block_size=args.block_size, vocab_size=args.vocab_size,
+                           dropout=args.dropout, attention=args.attention,
+                           attention_block=args.attention_block, **arch_fields(args),
+                           **moe_fields(args))
+    except ValueError as e:             # --dropout 1.5, n_embd not a multiple of n_head, ...
+        p.error(f"model flags: {e}")
+    return config
 
 
 def setup(name, strategy, config, args):
@@ -80,7 +128,7 @@ def report(run_, args, group):
         stats = list(strategy.stats.rows)[run_["first"] - strategy.stats.count:]
         row.update(compute_ms=_median_ms(stats, "compute_s"),
                    exposed_comm_ms=_median_ms(stats, "exposed_s"),
-                   comm_mb_per_step=round(stats[-1]["bytes_sent"] / 2**20, 3),
+                   comm_mib_per_step=round(stats[-1]["bytes_sent"] / 2**20, 3),
                    buckets=len(getattr(strategy.ddp, "buckets", ())), bucket_mb=args.bucket_mb)
     return row
 
@@ -90,17 +138,12 @@ def _median_ms(stats, key):
 
 
 def main():
-    args = parse()
+    args, config = parse()
     args.lr, args.weight_decay, args.grad_accum, args.grad_clip = 1e-4, 0.1, 1, 1.0
     args.optimizer = "adamw"                # (the optimizer is not what this times)
     args.log_json = None
     backend.setup(threads=args.threads, device=args.device)   # before the first numpy work
     group = comm.init(args.comm)          # MPI_Init, abort hooks, watchdog; the world group
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                       block_size=args.block_size, vocab_size=args.vocab_size,
-                       dropout=args.dropout, attention=args.attention,
-                       attention_block=args.attention_block, **arch_fields(args),
-                       **moe_fields(args))
     runs = [setup("single process", SingleProcess(), config, args)] if group.size == 1 else []
     runs += [setup(mode, DataParallel(group, mode, args.bucket_mb), config, args)
              for mode in args.modes.split(",")]

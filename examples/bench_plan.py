@@ -4,7 +4,8 @@ a Mixture of Experts (4 experts, top-2) under DDP and expert parallelism (EP2, E
 and on split sequences (CP2, TP2 with SP, EP2 x CP2).
 
     python examples/calibrate_here.py          # first: examples/calibration_here.json
-    python examples/bench_plan.py --repeats 3  # one JSON line per case, then a markdown table
+    python examples/bench_plan.py --repeats 3  # JSON lines on stdout, a markdown table on stderr
+    python examples/bench_plan.py --cases 0,7  # cases by number, from 0: DDP x2 and TP4
 
 Each case is examples/train_gpt.py (float32, materialized attention, the model below, global
 batch 16) for --steps steps under mpiexec, --repeats times; of the steps after each run's first
@@ -12,7 +13,11 @@ batch 16) for --steps steps under mpiexec, --repeats times; of the steps after e
 only ever slow a step down; the calibration takes best-of figures likewise), and the median
 and slowest are reported beside it, so the noise is shown, not hidden. The prediction is
 minidist/train/cost.py's step_time with the calibrated "here" cluster for that rank count
-(minidist/train/cluster.py: cluster_from_calibration).
+(minidist/train/cluster.py: cluster_from_calibration). Each case's JSON line has its number
+("index", the table's # column, what --cases takes), "error" (predicted / fastest - 1) and
+"error_median" (predicted / median - 1: the fastest step is what an unloaded machine would
+run, the median what a loaded one did). Every flag (and the calibration file) is checked
+before the first case runs: a bad one is one `error:` line, exit status 2.
 
 --reference: the other jobs on a shared machine change its speed minute by minute, so just
 before each run of a case its N ranks' compute is measured as N independent processes (1
@@ -180,6 +185,37 @@ def predict(cal_path, ranks, layout, micro, per_node, comm, config, reference_ms
                      bucket_mb=1.0, moe_load=moe_load)
 
 
+def check_flags(p, args):
+    """--steps, --skip, --repeats, --cases and --calibration, before any case runs (a case
+    takes minutes): p.error's one `error:` line, exit status 2. Returns the chosen cases'
+    numbers."""
+    for flag, low, what in (("--steps", 1, "steps per run"), ("--skip", 0, "warm-up steps"),
+                            ("--repeats", 1, "runs per case")):
+        value = getattr(args, flag[2:])
+        if value < low:
+            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    if args.steps <= args.skip:
+        p.error(f"--skip {args.skip}: leaves none of --steps {args.steps} to time; give "
+                "--steps above --skip")
+    if args.reference and args.steps <= 2 * args.skip:
+        p.error(f"--steps {args.steps}: --reference leaves out each reference process's "
+                f"first and last --skip {args.skip} steps; give --steps above {2 * args.skip}")
+    numbers = args.cases.split(",") if args.cases is not None else range(len(CASES))
+    for i in numbers:
+        if not str(i).isdigit() or int(i) >= len(CASES):
+            p.error(f"--cases {args.cases}: {i!r} is not a case number; give numbers from 0 "
+                    f"to {len(CASES) - 1}, comma-separated")
+    try:
+        cluster_from_calibration(args.calibration, 2)
+    except OSError as e:
+        p.error(f"--calibration {args.calibration}: {e.strerror or e} (python examples/"
+                "calibrate_here.py --out FILE writes one)")
+    except (ValueError, KeyError, TypeError) as e:
+        p.error(f"--calibration {args.calibration}: not a calibration file ({e!r}); "
+                "python examples/calibrate_here.py --out FILE writes one")
+    return [int(i) for i in numbers]
+
+
 def run_case(case, args, tmp):
     """One case's JSON row: its runs alternating with the references, the predictions."""
     name, ranks, flags, layout, micro, per_node = case
@@ -202,6 +238,7 @@ def run_case(case, args, tmp):
                         if k not in ("step", "tokens_per_s", "mfu")},
            "load_1min": [load, os.getloadavg()[0]]}
     row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+    row["error_median"] = row["predicted_ms"] / row["median_ms"] - 1
     if config.moe_experts:   # at the routing the runs logged: the case's fastest step's
         moe_load = min(steps)[1]                   # busiest rank, the reference's rows
         at = predict(args.calibration, ranks, layout, micro, per_node, comm, config, ref,
@@ -209,8 +246,28 @@ def run_case(case, args, tmp):
         row.update(moe_load=moe_load, reference_moe_load=ref_load,
                    moe_loads=sorted({round(x, 3) for _, x in steps}),
                    predicted_at_load_ms=at["step"] * 1e3,
-                   error_at_load=at["step"] * 1e3 / row["measured_ms"] - 1)
+                   error_at_load=at["step"] * 1e3 / row["measured_ms"] - 1,
+                   error_at_load_median=at["step"] * 1e3 / row["median_ms"] - 1)
     return row
+
+
+def table(rows):
+    """The rows as a markdown table, on stderr (stdout: the JSON lines). # is the case's
+    number for --cases; the reference cell is blank without --reference."""
+    lines = ["\n| # | case | ranks | measured ms: fastest (median, slowest) | predicted ms | "
+             "error vs fastest (vs median) | load | reference ms | from the calibration "
+             "alone | at the logged routing |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        at = (f"{r['predicted_at_load_ms']:.0f} ({r['error_at_load']:+.0%}; rows x"
+              f"{r['moe_load']:.2f}, reference x{r['reference_moe_load']:.2f})"
+              if "moe_load" in r else "")
+        ref = "" if r["reference_ms"] is None else f"{r['reference_ms']:.0f}"
+        lines.append(
+            f"| {r['index']} | {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} "
+            f"({r['median_ms']:.0f}, {r['slowest_ms']:.0f}) | {r['predicted_ms']:.0f} | "
+            f"{r['error']:+.0%} ({r['error_median']:+.0%}) | {r['load_1min'][0]:.1f} | {ref} | "
+            f"{r['predicted_from_calibration_ms']:.0f} | {at} |")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def main():
@@ -222,28 +279,20 @@ def main():
     p.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per case (examples/BENCHMARKS.md: how long past runs took)")
-    p.add_argument("--cases", default="", help="comma list of case numbers (default: all)")
+    p.add_argument("--cases", default=None,
+                   help="comma list of case numbers, counted from 0 (the table's # column; "
+                   "default: all): " + "; ".join(f"{i}: {c[0]}" for i, c in enumerate(CASES)))
     p.add_argument("--reference", action="store_true",
                    help="efficiency from a 1-process run just before each case")
     args = p.parse_args()
-    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
-    table = []
+    chosen = check_flags(p, args)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for case in chosen:
-            row = run_case(case, args, tmp)
+        for i in chosen:
+            row = {"index": i, **run_case(CASES[i], args, tmp)}
             print(json.dumps(row), flush=True)
-            table.append(row)
-    print("\n| case | ranks | measured ms: fastest (median, slowest) | predicted ms | error |"
-          " load | reference ms | from the calibration alone | at the logged routing |"
-          "\n|---|---|---|---|---|---|---|---|---|")
-    for r in table:
-        at = (f"{r['predicted_at_load_ms']:.0f} ({r['error_at_load']:+.0%}; rows x"
-              f"{r['moe_load']:.2f}, reference x{r['reference_moe_load']:.2f})"
-              if "moe_load" in r else "")
-        print(f"| {r['case']} | {r['ranks']} | {r['measured_ms']:.0f} ({r['median_ms']:.0f}, "
-              f"{r['slowest_ms']:.0f}) | {r['predicted_ms']:.0f} | {r['error']:+.0%} | "
-              f"{r['load_1min'][0]:.1f} | {r['reference_ms'] or 0:.0f} | "
-              f"{r['predicted_from_calibration_ms']:.0f} | {at} |")
+            rows.append(row)
+    table(rows)
 
 
 if __name__ == "__main__":

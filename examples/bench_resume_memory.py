@@ -16,18 +16,28 @@ twice on 4 ranks, fresh and with --resume: the difference is what the resume cos
     ep    a mixture of experts (--moe-experts 16, at half the layers and half the width: 8 x
           the dense model's MLP weights) saved by --zero 1, resumed under --ep: a rank reads
           the dense parameters and its own experts, not the other ranks'.
+Every layout's flags are checked as train_gpt.py checks them before the first run: the tp
+scenario needs --n-head a multiple of 4 (--tp 4) and --n-layer 4 or more (--pp 4); ep halves
+--n-layer and --n-embd, and the half width must split into --n-head heads. A bad one is one
+`error:` line, exit status 2; a run that fails anyway ends the benchmark with one `error:`
+line carrying the run's own, and its exit status.
 """
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from minidist.train.args import example_parser
+from minidist.train.args import example_parser, train_parser
+from minidist.train.cli import UsageError, check_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANKS = 4
+RUN = ["--block-size", "64", "--batch-size", "8", "--sample", "0", "--eval-every", "0",
+       "--eval-iters", "1", "--log-every", "1"]
 SCENARIOS = {   # name: (size divisor, MoE flags, the saving layout, the resumed layouts)
     "tp": (1, [], "--tp 4 --zero 1", ["--tp 4 --zero 1", "--tp 2 --zero 1", "--tp 2", "--zero 3",
                                    "--pp 4", "--pp 2 --tp 2", "--pp 2 --dp 2"]),
@@ -64,45 +74,91 @@ def measure(out_dir, script, args):
         json.dump({"peak_anon_kb": max(peak[0], rss_anon_kb())}, f)
 
 
+def run_job(cmd, timeout=600):
+    """Run one mpiexec job (in a session of its own, so a timeout kills every rank). Where
+    it fails: its `error:` line (else the last line of its stderr) in our one `error:` line,
+    and exit with its status (2 for a timeout), without a traceback of ours."""
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        _, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        why, rc = f"ran past {timeout} s", 2
+    else:
+        if not job.returncode:
+            return
+        lines = [line for line in err.splitlines() if line.strip()]
+        said = [line for line in lines if line.startswith("error:")] or lines or ["no output"]
+        why, rc = f"exit status {job.returncode}: {said[-1]}", job.returncode
+    print(f"error: {' '.join(cmd[4:])} failed ({why})", file=sys.stderr, flush=True)
+    sys.exit(rc)
+
+
 def peaks(model, layout, extra, cache):
     """Each rank's peak RssAnon (KB) of one 4-rank run."""
     with tempfile.TemporaryDirectory() as out_dir:
-        cmd = ["mpiexec", "-n", "4", sys.executable, __file__, "--measure", out_dir,
-               os.path.join(ROOT, "examples", "train_gpt.py"), *model, *layout, *extra,
-               "--cache-dir", cache]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if out.returncode:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+        run_job(["mpiexec", "-n", str(RANKS), sys.executable, __file__, "--measure", out_dir,
+                 os.path.join(ROOT, "examples", "train_gpt.py"), *model, *layout, *extra,
+                 "--cache-dir", cache])
         return [json.load(open(os.path.join(out_dir, n)))["peak_anon_kb"]
                 for n in sorted(os.listdir(out_dir))]
+
+
+def model_flags(cli, name):
+    """train_gpt.py's model and run flags of scenario `name` (ep: half the layers and width)."""
+    div, moe = SCENARIOS[name][:2]
+    return ["--n-layer", str(max(1, cli.n_layer // div)), "--n-embd", str(cli.n_embd // div),
+            "--n-head", str(cli.n_head), *moe, *RUN]
+
+
+def check_scenarios(p, cli, names):
+    """Every layout of every scenario, checked as train_gpt.py checks it (check_flags, and
+    check_layout on 4 ranks) before the first run: a model a layout cannot split is one
+    `error:` line (p.error: exit status 2), not a failed run minutes in."""
+    # (not at the top: it loads numpy, which a --measure process must leave to train_gpt.py,
+    # which sets the BLAS threads first)
+    from minidist.train.strategy import check_layout
+    for name in names:
+        _, _, saved_as, layouts = SCENARIOS[name]
+        for layout in dict.fromkeys([saved_as, *layouts]):
+            args = train_parser().parse_args([*model_flags(cli, name), *layout.split()])
+            try:
+                check_flags(args)
+                check_layout(args, RANKS)
+            except UsageError as e:
+                model = "" if SCENARIOS[name][0] == 1 else (     # ep: not the flags given
+                    f" (its model: {' '.join(model_flags(cli, name)[:6])})")
+                p.error(f"--scenario {name}{model}, its {layout} run: {e}")
 
 
 def main():
     if len(sys.argv) > 3 and sys.argv[1] == "--measure":
         return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
     p = example_parser(__doc__)
-    p.add_argument("--n-layer", default="8", help="transformer blocks (ep: half as many)")
-    p.add_argument("--n-embd", default="512", help="embedding width (ep: half as wide)")
-    p.add_argument("--n-head", default="8", help="attention heads")
+    p.add_argument("--n-layer", type=int, default=8,
+                   help="transformer blocks (ep: half as many); tp's --pp 4 needs 4 or more")
+    p.add_argument("--n-embd", type=int, default=512,
+                   help="embedding width (ep: half as wide); a multiple of --n-head (ep: "
+                   "half of it too)")
+    p.add_argument("--n-head", type=int, default=8,
+                   help="attention heads; the tp scenario (--tp 4) needs a multiple of 4")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), action="append",
                    help="which checkpoints to resume (default: all)")
     cli = p.parse_args()
-    run = ["--block-size", "64", "--batch-size", "8", "--sample", "0", "--eval-every", "0",
-           "--eval-iters", "1", "--log-every", "1"]
+    names = cli.scenario or list(SCENARIOS)
+    check_scenarios(p, cli, names)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         cache = os.path.join(work, "cache")
-        for name in cli.scenario or list(SCENARIOS):
-            div, moe, saved_as, layouts = SCENARIOS[name]
-            model = ["--n-layer", str(max(1, int(cli.n_layer) // div)),
-                     "--n-embd", str(int(cli.n_embd) // div), "--n-head", cli.n_head,
-                     *moe, *run]
+        for name in names:
+            _, _, saved_as, layouts = SCENARIOS[name]
+            model = model_flags(cli, name)
             ck = os.path.join(work, name)
-            subprocess.run(["mpiexec", "-n", "4", sys.executable,
-                            os.path.join(ROOT, "examples", "train_gpt.py"), *model,
-                            *saved_as.split(), "--steps", "1", "--save", ck,
-                            "--cache-dir", cache], check=True, capture_output=True,
-                           timeout=600)
+            run_job(["mpiexec", "-n", str(RANKS), sys.executable,
+                     os.path.join(ROOT, "examples", "train_gpt.py"), *model,
+                     *saved_as.split(), "--steps", "1", "--save", ck, "--cache-dir", cache])
             for layout in layouts:
                 t0 = time.perf_counter()
                 fresh = peaks(model, layout.split(), ["--steps", "1"], cache)

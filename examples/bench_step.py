@@ -5,7 +5,10 @@ with a large float32 matmul's in the same process and thread count.
         --batch-size 16 --threads 1
 
 prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gflops",
-"flops_ratio", "loss" (the last timed step's), ...}. Model FLOPs: GPT.flops_per_token (6 N + 12 L T C per token).
+"flops_ratio", "loss" (the last timed step's), ...}: medians over the --steps timed steps,
+and beside them the best-of figures "ms_min" (the fastest step) and "matmul_gflops_max" (the
+fastest matmul), which examples/calibrate_here.py divides. Model FLOPs: GPT.flops_per_token
+(6 N + 12 L T C per token). A flag out of range is one `error:` line, exit status 2.
 --amp: 16-bit compute with float32 master weights (train/amp.py), as train_gpt.py --amp;
 --grad-dtype float32 (with --amp) keeps the gradients in float32, as train_gpt.py's does.
 --adamw flat (default): FlatAdamW, one update per parameter group; per-param: AdamW.
@@ -14,7 +17,7 @@ prints one JSON line: {"ms_per_step", "tokens_per_s", "model_gflops", "matmul_gf
 device -> host reads one more step makes through backend.host_read (minidist/train/README.md,
 "The host reads of a step"): 0, or 1 under --amp.
 --vocab-multiple M pads the vocabulary (wte rows, the head's matmul) to a multiple of M.
---peak-tflops P adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
+--peak-tflops P (> 0) adds "mfu": model FLOP/s over P (the GPU's dense peak for that dtype).
 "dropout_step" (--dropout > 0): the step the last masks were drawn for (the keys settled).
 --cuda-graph (--device cuda, --amp, MINIDIST_CUDA_NEW_KERNELS=1): after the --warmup eager
 steps, one step is captured as a CUDA graph and every timed step replays it (`captured`):
@@ -174,6 +177,28 @@ def dropout_step(model, dropout):
     return model.dropout_keys.step
 
 
+# (flag, lowest allowed value, what it is); None (not given) is not checked
+AT_LEAST = (("--steps", 1, "timed steps"), ("--warmup", 0, "untimed steps"),
+            ("--batch-size", 1, "sequences per step"), ("--n-layer", 1, "transformer blocks"),
+            ("--n-head", 1, "attention heads"), ("--n-embd", 1, "the embedding width"),
+            ("--block-size", 1, "the context length"), ("--vocab-size", 1, "token ids"),
+            ("--threads", 1, "BLAS threads"), ("--vocab-multiple", 1, "1: no padding"))
+
+
+def check_flags(p, args):
+    """The flags' ranges, before any work (p.error: one `error:` line, exit status 2); the
+    model's own checks (GPTConfig's) follow where the config is made."""
+    for flag, low, what in AT_LEAST:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < low:
+            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout {args.dropout}: a probability in [0, 1)")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
+        p.error(f"--peak-tflops {args.peak_tflops}: the device's peak must be a positive "
+                "number (leave it out for no mfu)")
+
+
 def main():
     p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
@@ -193,10 +218,12 @@ def main():
                    "AdamW for the rest (--adamw then unused)")
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocabulary to a multiple of this (default: 64 on cuda, 1 on cpu)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="for the mfu field")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense peak, TFLOP/s, for the mfu field (> 0)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay one captured step (CUDA graph) after the warm-up")
     args = p.parse_args()
+    check_flags(p, args)
     threads, device = backend.setup(threads=args.threads, device=args.device)
     refusal = graph_refusal(args, device)
     if args.grad_dtype and not args.amp:
@@ -205,11 +232,15 @@ def main():
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                       block_size=args.block_size, vocab_size=args.vocab_size,
-                       dropout=args.dropout, attention=args.attention, **arch_fields(args),
-                       attention_block=args.attention_block, **moe_fields(args),
-                       vocab_multiple=args.vocab_multiple or (64 if device == "cuda" else 1))
+    try:
+        config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           block_size=args.block_size, vocab_size=args.vocab_size,
+                           dropout=args.dropout, attention=args.attention,
+                           **arch_fields(args), attention_block=args.attention_block,
+                           **moe_fields(args), vocab_multiple=args.vocab_multiple or (
+                               64 if device == "cuda" else 1))
+    except ValueError as e:             # n_embd not a multiple of n_head, ...: one line
+        p.error(f"model flags: {e}")
     model = GPT(config, seed=args.seed, dtype=args.dtype)
     amp = MixedPrecision(dtype=args.amp_dtype, grad_dtype=args.grad_dtype) if args.amp \
         else None
@@ -260,17 +291,19 @@ def main():
     tokens = args.batch_size * args.block_size
     model_gflops = model.flops_per_token(args.block_size) * tokens / dt / 1e9
     mm = 2 * n ** 3 / float(np.median(mm_times)) / 1e9
+    mm_max = 2 * n ** 3 / min(mm_times) / 1e9         # the fastest matmul, beside ms_min
     extra = {"kernels_per_step": kernels_per_step(step),
              "host_reads_per_step": host_reads_per_step(step), "cuda_graph": args.cuda_graph,
              "dropout_step": dropout_step(model, args.dropout)}
     if config.moe_experts:
         table = model.router_bias.table
         extra["moe_bias"] = [float(table.min()), float(table.max())]
-    if args.peak_tflops:
+    if args.peak_tflops is not None:
         extra["mfu"] = round(model_gflops / 1e3 / args.peak_tflops, 3)
     print(json.dumps({**extra, "ms_per_step": round(dt * 1e3, 2),
                       "tokens_per_s": round(tokens / dt),
                       "model_gflops": round(model_gflops, 2), "matmul_gflops": round(mm, 2),
+                      "matmul_gflops_max": round(mm_max, 2),
                       "flops_ratio": round(model_gflops / mm, 3), "threads": threads,
                       "device": backend.device(), "dtype": args.dtype, "amp": args.amp,
                       "amp_dtype": amp.dtype.name if amp else None,

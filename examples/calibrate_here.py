@@ -11,8 +11,12 @@
 2. Overlap: bench_collectives.py --overlap --compute matmul at 2 ranks, its "hidden_thread"
    (how much of an async all-reduce hides behind CPU compute: little, with no idle core).
 3. Compute: examples/bench_step.py on one process, one thread, the validation model of
-   examples/bench_plan.py: peak = its float32 matmul GFLOP/s, efficiency = the model's FLOP
-   rate in its fastest step (cost.py's count, the optimizer's time taken out) / peak.
+   examples/bench_plan.py: peak = its fastest float32 matmul's GFLOP/s ("matmul_gflops_max"),
+   efficiency = the model's FLOP rate in its fastest step (cost.py's count, the optimizer's
+   time taken out) / peak: best-of over best-of, as other jobs on the machine only ever slow
+   a step or a matmul down (a median matmul under load made the efficiency read high). The
+   same at widths 64, 128 and 256 ("efficiency_by_width"): plan.py --preset here uses the
+   one for the planned model's width (interpolated; narrow models reach less of the peak).
 4. Optimizer: seconds per parameter of grad-norm clipping + AdamW (what train_gpt.py runs),
    timed here on that model.
 5. Elementwise work TP repeats without SP (cluster.py's Elementwise): forward and backward of a
@@ -28,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -43,6 +48,7 @@ from minidist.train.args import example_parser  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # bench_plan.py's
 BATCH = 16
+WIDTHS = (64, 128, 256)      # the efficiency by model width (n_head 4, the rest MODEL's)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -155,27 +161,56 @@ def sync(ranks, sizes=("32K", "256K", "2M")):
     return {"sync_s": max(0.0, median), "rows": rows}
 
 
-def compute(config, opt_s):
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+def step_efficiency(config, opt_s):
+    """(efficiency, matmul peak FLOP/s, bench_step's row) of one bench_step.py run of
+    `config` (batch BATCH, one thread): its fastest step, the optimizer's time taken out,
+    over its fastest matmul."""
+    shape = dict(n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                 block_size=config.block_size)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
     out = run([sys.executable, "examples/bench_step.py", *flags, "--vocab-size",
                str(config.vocab_size), "--batch-size", str(BATCH), "--threads", "1",
                "--adamw", "per-param", "--steps", "10", "--attention", "materialized"])
     row = json.loads(out.strip().splitlines()[-1])
     n = GPT(config).num_parameters()
     step = row["ms_min"] / 1e3 - opt_s * n         # the fastest step: others only slow it
-    peak = row["matmul_gflops"] * 1e9
-    return {"peak_tflops": peak / 1e12,
-            "efficiency": 3 * forward_flops(config, BATCH, config.block_size) / step / peak,
+    peak = row["matmul_gflops_max"] * 1e9           # and the fastest matmul, likewise
+    return 3 * forward_flops(config, BATCH, config.block_size) / step / peak, peak, row
+
+
+def compute(config, opt_s):
+    """The peak and efficiency of the validation model (`config`), and the efficiency at
+    each of WIDTHS (the same model narrower or wider: Python's per-op time does not shrink
+    with the matmuls, so a narrow model reaches less of the peak; first-use walk 32: 0.39
+    at 128 against 0.53 at 256), which plan.py interpolates for the width it plans
+    (cluster.efficiency_for_width)."""
+    efficiency, peak, row = step_efficiency(config, opt_s)
+    by_width = {str(config.n_embd): efficiency}
+    for width in WIDTHS:
+        if width != config.n_embd:
+            by_width[str(width)] = step_efficiency(replace(config, n_embd=width), opt_s)[0]
+    return {"peak_tflops": peak / 1e12, "efficiency": efficiency,
+            "efficiency_by_width": dict(sorted(by_width.items(), key=lambda kv: int(kv[0]))),
             "bench_step": row}
+
+
+def rank_counts(text):
+    """--ranks: rank counts, comma-separated."""
+    return [int(x) for x in text.split(",")]
 
 
 def main():
     p = example_parser(__doc__)
-    p.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")],
+    p.add_argument("--ranks", default="2,4", type=rank_counts,
                    help="rank counts to measure the collectives at, comma-separated")
     p.add_argument("--out", default=os.path.join(ROOT, "examples", "calibration_here.json"),
                    help="the JSON file to write")
     args = p.parse_args()
+    if min(args.ranks) < 2:         # (bench_collectives.py refuses one rank: no collective)
+        p.error(f"--ranks {','.join(map(str, args.ranks))}: the collectives need 2 ranks or "
+                "more at each count")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f"--out {args.out}: no such folder; give a file in an existing folder")
     config = GPTConfig(**MODEL, vocab_size=256)
     cal = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_before": os.getloadavg()[0], "cores": os.cpu_count(),

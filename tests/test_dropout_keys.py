@@ -237,6 +237,24 @@ def test_bench_dropout_runs_and_counts_the_numbers():
     assert all(r["numbers"] == 2 * 8 * 8 * (1 + 2 * 2) + 2 * 2 * 2 * 8 * 8 for r in rows)
 
 
+def test_bench_dropout_causal_way_counts_only_the_numbers_it_draws():
+    """keyed_causal computes the attention weights' numbers up to each band's last query
+    only: at block 32, bands of 16 rows, 16 x 16 + 16 x 32 = 768 of each head's 1024; its
+    ns per number divides by those (it divided by all of them, reading 1.4x fast)."""
+    out = subprocess.run([sys.executable, "examples/bench_dropout.py", "--batch", "1",
+                          "--block-size", "32", "--n-embd", "8", "--n-head", "2", "--n-layer",
+                          "1", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    rows = {r["way"]: r for r in map(json.loads, out.stdout.splitlines())}
+    residual = 3 * 32 * 8                            # the embedding's and 2 per block
+    assert all(r["numbers"] == residual + 2 * 1024 for r in rows.values())
+    assert rows["keyed"]["numbers_drawn"] == residual + 2 * 1024
+    assert rows["keyed_causal"]["numbers_drawn"] == residual + 2 * 768
+    r = rows["keyed_causal"]
+    assert r["ns_per_number"] == pytest.approx(r["ms"] * 1e6 / r["numbers_drawn"], rel=0.02,
+                                               abs=0.01)
+
+
 def test_bench_dropout_ratios_share_one_baseline_measurement():
     """examples/bench_dropout.py times pcg64 once: its own ratio is exactly 1 and every
     ratio is that row's time per number over pcg64's; 0 repeats is one `error:` line."""
