@@ -161,4 +161,4 @@ def test_held_out_files_fall_back_to_each_files_tail(tmp_path):
             assert rule.startswith("the last 10% of each file (")
             assert len(val) == pytest.approx(0.1 * (len(train) + len(val)), abs=len(files))
         data = TokenData(str(d), cache_dir=str(tmp_path / "cache"))
-        assert f"val: {rule}" in data.describe()
+        assert f"val split: {rule}" in data.describe()

@@ -257,8 +257,8 @@ class TokenData:
     def describe(self):
         kind = "" if isinstance(self.tokenizer, ByteTokenizer) else f" {self.tokenizer.name}"
         return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val"
-                f"{kind} tokens, val: {self.meta.get('split', 'held out')}, "
-                f"cache {self.cache}")
+                f"{kind} tokens, cache {self.cache}; val split: "
+                f"{self.meta.get('split', 'held out')}")
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
