@@ -54,12 +54,13 @@ def _scripts_run_under_mpi():
 def test_every_script_run_under_mpi_parses_device():
     """A rank script that did not take --device would fail every distributed test on its
     first argument; the train_parser scripts (ddp_abort.py; train_gpt.py hands run_main its
-    parser) take train_gpt's own flag, the
+    parser) and the benches built on add_model_args (bench_zero.py, bench_ddp.py) take
+    train_gpt's own flag, the
     scripts started by exact.start (tests/scripts/exact.py) its --device."""
     scripts = _scripts_run_under_mpi()
     assert "examples/train_gpt.py" in scripts and "tests/scripts/ddp_check.py" in scripts
     for script in scripts:
         text = open(os.path.join(ROOT, script)).read()
         assert '"--device"' in text or "train_parser()" in text or \
-            "parser=train_parser" in text or \
+            "parser=train_parser" in text or "add_model_args(" in text or \
             "from exact import" in text and "start(" in text, script
