@@ -23,8 +23,10 @@ gathers in minidist/train/muon_cost.py); memory: minidist/train/planner.py
 (examples/plan_memory.py is its memory-only table); the search: minidist/train/search.py.
 --preset h100 is H100 SXM nodes (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU);
 --preset here is this machine as examples/calibrate_here.py measured it
-(examples/calibration_here.json). Every cluster figure can be overridden (--gpu-mem,
---peak-tflops, --efficiency, --intra-bw, --sync-us, ...).
+(examples/calibration_here.json, or --calibration FILE), its efficiency the one measured for
+the model's width. Every cluster figure can be overridden (--gpu-mem, --peak-tflops (16-bit),
+--peak-tflops-fp32, --efficiency, --overlap, --intra-bw, --sync-us, ...), and every plan
+prints what it assumed (an `assumed:` line; "assumed" in --json).
 A --layout train_gpt.py would refuse (its own checks: search.layout_problems), a --gpus with
 no valid layout or that does not fill whole nodes (12 on nodes of 8: plan_args.nodes_problem),
 or a --params below the smallest shape is one `error:` line, exit 2; "nothing fits" (valid
