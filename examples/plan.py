@@ -157,30 +157,33 @@ def make_config(args):
 def make_cluster(args, config):
     """The preset (here: from the calibration, its efficiency for the model's width) with
     the flags' changes."""
-    if args.calibration and args.preset != "here":
+    if args.calibration is not None and args.preset != "here":
         fail(f"--calibration {args.calibration}: only with --preset here")
     if args.preset == "here":
-        path = args.calibration or HERE
+        path = HERE if args.calibration is None else args.calibration
         if not os.path.exists(path):
             fail(f"--calibration {path}: no such file; run examples/calibrate_here.py "
-                 f"--out {path} first" if args.calibration else
+                 f"--out {path} first" if args.calibration is not None else
                  f"--preset here needs {HERE}: run examples/calibrate_here.py first")
         try:
             base = cluster_from_calibration(path, args.gpus, config.n_embd)
-        except (OSError, ValueError, KeyError, TypeError) as e:   # not a calibration
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
             fail(f"--calibration {path}: not a calibration examples/calibrate_here.py wrote "
                  f"({type(e).__name__}: {e}); measure again")
     else:
         base = H100_IB
     us = 1e-6
 
-    def link(name):
+    def link(name):                  # (a latency of 0 is a value: `is None`, not falsy)
         lat, bw = getattr(args, f"{name}_lat"), getattr(args, f"{name}_bw")
-        return (lat and lat * us, bw and bw * 1e9) if (lat or bw) else None
+        if lat is None and bw is None:
+            return None
+        return (None if lat is None else lat * us, None if bw is None else bw * 1e9)
     return with_links(base, link("intra"), link("inter"), gpus_per_node=args.gpus_per_node,
                       mem_gib=args.gpu_mem, peak_tflops=args.peak_tflops,
                       peak_tflops_fp32=args.peak_tflops_fp32, efficiency=args.efficiency,
-                      overlap=args.overlap, sync_s=args.sync_us and args.sync_us * us)
+                      overlap=args.overlap,
+                      sync_s=None if args.sync_us is None else args.sync_us * us)
 
 
 def cell(x, width, digits=3):
@@ -253,7 +256,8 @@ def here_notes(args, cluster):
         return ["the H100 figures are published peaks and assumed efficiency, overlap and "
                 "latencies, never measured by minidist on a GPU; the step-time model was "
                 "checked against runs on a 2-core CPU only (minidist/train/PLAN.md); MFU is "
-                "model FLOPs / (step x peak), at most the efficiency"]
+                "model FLOPs / (step x peak), the whole attention square counted (tiled "
+                "attention computes half of it, so MFU can pass the efficiency a little)"]
     notes = [f"efficiency {cluster.efficiency:.2f}: {cluster.notes['efficiency']} "
              f"({os.path.relpath(cluster.notes['calibration'])})"]
     notes += [cluster.notes["ranks"]] if "ranks" in cluster.notes else []

@@ -1807,9 +1807,37 @@ def test_the_plan_says_what_it_assumed_and_peaks_are_separate(capsys):
     (["--calibration", "examples/calibration_here.json"], "only with --preset here"),
     (["--calibration", "README.md", "--preset", "here"], "not a calibration"),
     (["--overlap", "1.5"], "--overlap 1.5:"),
+    (["--calibration", "", "--preset", "here"], "--calibration : no such file"),
 ])
 def test_plan_calibration_and_overlap_flags_are_checked(flags, says):
     out = subprocess.run([sys.executable, "examples/plan.py", "--n-layer", "2", "--gpus", "2",
                           *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_hand_edited_calibrations_are_refused_and_zeros_are_values(tmp_path, capsys):
+    """First-use walk 34: cores 0 was a ZeroDivisionError, a text efficiency a TypeError, a
+    negative peak negative step times; --overlap 0 (the calibration's own value) was refused
+    and --intra-lat 0 silently ignored."""
+    import importlib.util
+    from minidist.train.cluster import calibration_problem
+    good = json.load(open("examples/calibration_here.json"))
+    assert calibration_problem(good) is None
+    for key, value in (("cores", 0), ("efficiency", "0.5"), ("peak_tflops", -1.0),
+                       ("overlap", 2.0)):
+        assert key in calibration_problem({**good, key: value})
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({**good, "cores": 0}))
+    out = subprocess.run([sys.executable, "examples/plan.py", "--preset", "here",
+                          "--calibration", str(bad), "--n-layer", "2", "--gpus", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cores: not a positive number" in out.stderr
+    assert "Traceback" not in out.stderr
+    spec = importlib.util.spec_from_file_location("plan_cli", "examples/plan.py")
+    plan_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_cli)
+    plan_cli.main(["--params", "1e9", "--gpus", "16", "--overlap", "0", "--intra-lat", "0",
+                   "--inter-lat", "0", "--json"])
+    assumed = json.loads(capsys.readouterr().out)["assumed"]
+    assert (assumed["overlap"], assumed["intra_us"], assumed["inter_us"]) == (0, 0, 0)

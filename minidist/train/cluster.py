@@ -115,6 +115,9 @@ def cluster_from_calibration(path, ranks=None, n_embd=None):
     `n_embd` wide; a rank count the collectives were not measured at)."""
     with open(path) as f:
         cal = json.load(f)
+    problem = calibration_problem(cal)
+    if problem:
+        raise ValueError(problem)
     ranks = ranks or cal["cores"]
 
     def nearest(fits):
@@ -136,6 +139,26 @@ def cluster_from_calibration(path, ranks=None, n_embd=None):
                    opt_s_per_param=cal["opt_s_per_param"], overlap=cal["overlap"],
                    compute_slots=cal["cores"], replicated=Elementwise(**cal["replicated"]),
                    sync_s=nearest(cal["sync"])["sync_s"], notes=notes)
+
+
+def calibration_problem(cal):
+    """What is wrong with a calibration's numbers (a hand-edited file: cores 0 was a
+    ZeroDivisionError, a negative peak negative step times; first-use walk 34), or None."""
+    def number(x, low=0.0, high=float("inf"), low_ok=False):
+        return (isinstance(x, (int, float)) and not isinstance(x, bool) and
+                (x >= low if low_ok else x > low) and x <= high)
+    checks = [("cores", number(cal.get("cores")) and cal.get("cores") == int(cal["cores"])),
+              ("mem_gib", number(cal.get("mem_gib"))),
+              ("peak_tflops", number(cal.get("peak_tflops"))),
+              ("efficiency", number(cal.get("efficiency"), high=1.0)),
+              ("overlap", number(cal.get("overlap"), high=1.0, low_ok=True)),
+              ("opt_s_per_param", number(cal.get("opt_s_per_param"), low_ok=True))]
+    checks += [(f"efficiency_by_width {w}", number(e, high=1.0))
+               for w, e in cal.get("efficiency_by_width", {}).items()]
+    checks += [(f"links {r} {k}", number(fit.get(k), low_ok=k != "bw"))
+               for r, fit in cal.get("links", {}).items() for k in ("alpha", "bw", "gamma")]
+    bad = [name for name, ok in checks if not ok]
+    return f"{', '.join(bad)}: not a positive number (or out of range)" if bad else None
 
 
 def assumptions(cluster):
@@ -164,6 +187,8 @@ def assumptions_text(cluster, amp=True):
         peak = f"{a['peak_tflops']:.4g} TFLOP/s"
     elif amp:
         peak = f"{a['peak_tflops']:.4g} TFLOP/s (16-bit; float32 {a['peak_tflops_fp32']:.4g})"
+    elif a["compute_slots"]:          # cores: a measured float32 rate, no 16-bit one
+        peak = f"{a['peak_tflops_fp32']:.4g} TFLOP/s (float32)"
     else:
         peak = (f"{a['peak_tflops_fp32']:.4g} TFLOP/s (float32; 16-bit "
                 f"{a['peak_tflops']:.4g})")
@@ -186,9 +211,12 @@ def fills_nodes(gpus, gpus_per_node):
 
 
 def with_links(cluster, intra=None, inter=None, **changes):
-    """`cluster` with its links' alpha/bw replaced where given (CLI overrides)."""
+    """`cluster` with its links' alpha/bw replaced where given, not None (CLI overrides; a
+    latency of 0 is given)."""
+    def link(new, old):
+        return Link(old.alpha if new[0] is None else new[0], old.bw if new[1] is None else new[1])
     if intra:
-        changes["intra"] = Link(intra[0] or cluster.intra.alpha, intra[1] or cluster.intra.bw)
+        changes["intra"] = link(intra, cluster.intra)
     if inter:
-        changes["inter"] = Link(inter[0] or cluster.inter.alpha, inter[1] or cluster.inter.bw)
+        changes["inter"] = link(inter, cluster.inter)
     return replace(cluster, **{k: v for k, v in changes.items() if v is not None})

@@ -11,7 +11,8 @@ by p. Time = FLOPs /
 (peak x efficiency), the efficiency a measured factor (`Cluster.efficiency`); on a machine with
 fewer cores than ranks (`compute_slots`), ranks share them: time x ranks per node / slots.
 MFU counts model FLOPs (3 x forward, no recompute) over the step time and the peak (of the
-GPUs; of the cores where ranks share them, `compute_units`): at most the efficiency.
+GPUs; of the cores where ranks share them, `compute_units`): the whole attention square
+counted, so under tiled attention (half of it computed) MFU can pass the efficiency a little.
 
 Work TP does not split. The efficiency is measured on (or assumed for) a whole step, layer
 norms and adds included, and TP divides it all by t; but without sequence parallelism every TP

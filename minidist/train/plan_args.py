@@ -45,7 +45,7 @@ def add_model_args(p):
 # the planners' numeric flags that may be 0 (the others must be positive)
 MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_shared", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef", "headroom", "intra_lat", "inter_lat",
-               "sync_us")
+               "sync_us", "overlap")
 
 # flags with a second name (train_gpt.py's): an error names both, as either may have been typed
 TWO_NAMES = {"seq": "--seq/--block-size", "global_batch": "--global-batch/--batch-size",
