@@ -88,28 +88,34 @@ def list_files(path=None):
                                 "(*.bin, as nanoGPT and llm.c write them)")
             return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
         root, skip, suffix = path, set(), ""
-    files, binary = [], 0
+    files, binary, other = [], 0, 0
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
                          and x != "__pycache__")
         for n in sorted(names):
             if n.startswith(".") or not n.endswith(suffix):
                 continue
+            if not os.path.isfile(os.path.join(d, n)):   # a dangling link, a pipe: a
+                other += 1                               # traceback, a hang (walk 33)
+                continue
             if path is not None and not is_text(os.path.join(d, n)):
                 binary += 1
                 continue
             files.append(os.path.relpath(os.path.join(d, n), root))
     if not files:
+        left = [f"{binary} binary file(s)"] * bool(binary) + \
+            [f"{other} broken link(s) or special file(s)"] * bool(other)
         raise DataError(f"--data {path or root}: no text files found"
-                        + (f" ({binary} binary file(s) left out)" if binary else ""))
+                        + (f" ({' and '.join(left)} left out)" if left else ""))
     return root, sorted(files)
 
 
 def _cache_key(root, files, tokenizer):
-    h = hashlib.sha256(f"v{_VERSION} {tokenizer.key} {os.path.abspath(root)}".encode())
-    for f in files:
+    h = hashlib.sha256(f"v{_VERSION} {tokenizer.key} ".encode() + os.fsencode(
+        os.path.abspath(root)))
+    for f in files:             # (names as bytes: a Latin-1 name is no UTF-8: walk 33)
         st = os.stat(os.path.join(root, f))
-        h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(b"\0" + os.fsencode(f) + f"\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
@@ -148,21 +154,29 @@ def split_files(root, files):
             data = fh.read()
         texts[f] = data + b"\n" if data and not data.endswith(b"\n") else data
     if len(files) >= 20:
-        held = [f for f in files if zlib.crc32(f.encode()) % 10 == 0]
+        held = [f for f in files if zlib.crc32(os.fsencode(f)) % 10 == 0]
         val = sum(len(texts[f]) for f in held)
         total = sum(len(t) for t in texts.values())
         if 0 < val <= HELD_OUT_AT_MOST * total:
             return (b"".join(texts[f] for f in files if f not in held),
                     b"".join(texts[f] for f in held),
                     f"{len(held)} of {len(files)} files held out")
-        why = ("no file's name" if not held else
-               f"the held-out files were {val / total:.0%} of the text")
-        rule = f"the last 10% of each file ({why} chose val)"
+        why = ("no file's name chose val" if not held else
+               f"the files held out by name were {val / total:.0%} of the text")
+        rule = f"the last 10% of each file ({why})"
     else:
         rule = "the last 10% of each file"
-    cuts = {f: int(len(t) * 0.9) for f, t in texts.items()}
+    cuts = {f: utf8_boundary(t, int(len(t) * 0.9)) for f, t in texts.items()}
     return (b"".join(t[:cuts[f]] for f, t in texts.items()),
             b"".join(t[cuts[f]:] for f, t in texts.items()), rule)
+
+
+def utf8_boundary(data, cut):
+    """`cut` moved back to the start of the UTF-8 character it falls in (a continuation
+    byte is 10xxxxxx): a byte cut inside one gave both splits a U+FFFD under a BPE (walk 33)."""
+    while 0 < cut < len(data) and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return cut
 
 
 def _tokens(blob, tokenizer):
@@ -211,6 +225,21 @@ def _build(root, files, out_dir, tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def cache_problem(cache, meta):
+    """What is wrong with a cache folder's token files against its meta.json (a file
+    deleted, a partial copy: a traceback per rank, or training on what was left while the
+    data line printed the full count; walk 33), or None."""
+    size = np.dtype(meta.get("dtype", "uint8")).itemsize
+    for split in _SPLITS:
+        path = os.path.join(cache, f"{split}.bin")
+        want = meta[f"{split}_tokens"] * size
+        if not os.path.isfile(path):
+            return f"{split}.bin is missing"
+        if os.path.getsize(path) != want:
+            return f"{split}.bin holds {os.path.getsize(path):,} bytes, meta.json says {want:,}"
+    return None
+
+
 class TokenData:
     """The train and val token streams of one corpus, memory-mapped from the cache.
 
@@ -231,6 +260,10 @@ class TokenData:
         self.unigram_entropy = self.meta["unigram_entropy"]
         self.source = path or f"the Python {sysconfig.get_python_version()} standard library"
         self.splits = {}
+        damaged = cache_problem(self.cache, self.meta)
+        if damaged:
+            raise DataError(f"the tokenized cache {self.cache} is damaged ({damaged}); delete "
+                            "that folder and run again (it is built anew from the text)")
         for split in _SPLITS:
             if self.meta[f"{split}_tokens"] == 0:
                 raise DataError(f"{self.source}: the {split} split is empty ({len(files)} "
@@ -248,7 +281,8 @@ class TokenData:
         if len(tokens) >= block_size + 1:
             return
         fix = (f"give more text ({fixed}'s block size cannot change)" if fixed else
-               f"give a --block-size below {len(tokens)} or more text" if len(tokens) > 1
+               f"give a --block-size below {len(tokens)} or more text" if len(tokens) > 8
+               else "give more text" if len(tokens) > 1     # (not "--block-size below 2")
                else "give more text (each split needs at least 2 tokens)")
         n = f"{len(tokens):,} token" + ("s" if len(tokens) != 1 else "")
         raise DataError(f"{self.source}: the {split} split has {n}, fewer "
