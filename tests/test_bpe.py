@@ -361,7 +361,7 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     # its name was GPT-2's ("gpt2-bpe"), in the log's data line and the cache's meta.json
     meta = json.load(open(next((tmp_path / "cache").glob("*/meta.json"))))
     assert meta["tokenizer"] == "bpe-300", meta
-    assert " val bpe-300 tokens, cache " in capsys.readouterr().out
+    assert " val bpe-300 tokens from 1 file(s), cache " in capsys.readouterr().out
     resumed = args("--data", corpus, *cache, "--resume", str(tmp_path / "ck"), "--steps", "3")
     assert resumed.tokenizer == str(tok)
     # found by a first-use walk: another tokenizer (here one of the same size from other

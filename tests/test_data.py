@@ -43,7 +43,7 @@ def test_single_file_is_split_by_its_tail_and_cached_beside_it(tmp_path):
 
 def test_folder_holds_out_whole_files_and_skips_hidden(tmp_path):
     d = _folder(tmp_path, 30)
-    root, files = list_files(str(d))
+    root, files, _ = list_files(str(d))
     assert len(files) == 30 and not any(".hidden" in f for f in files)
     assert "sub/f01.txt" in files
     data = TokenData(str(d))
@@ -81,7 +81,7 @@ def test_batches_are_a_pure_function_of_seed_split_step(tmp_path):
 
 
 def test_default_corpus_is_the_stdlib_python_sources():
-    root, files = list_files(None)
+    root, files, _ = list_files(None)
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
     assert "os.py" in files
@@ -96,10 +96,11 @@ def test_binary_files_are_not_text(tmp_path):
     with pytest.raises(DataError, match=r"model.safetensors: not a text file \(it holds NUL "
                                         r"bytes\); give a text file"):
         list_files(str(tmp_path / "model.safetensors"))
-    with pytest.raises(DataError, match=r"no text files found \(1 binary file\(s\) left out\)"):
+    with pytest.raises(DataError, match=r"no text files found \(left out: model.safetensors "
+                                        r"\(binary\)\)"):
         list_files(str(tmp_path))
     (tmp_path / "notes.txt").write_text("some text\n")
-    assert list_files(str(tmp_path)) == (str(tmp_path), ["notes.txt"])
+    assert list_files(str(tmp_path))[:2] == (str(tmp_path), ["notes.txt"])
 
 
 def test_bad_data_is_a_clear_error(tmp_path):
@@ -194,5 +195,27 @@ def test_odd_folder_entries_and_a_damaged_cache(tmp_path):
         TokenData(str(d), cache_dir=str(tmp_path / "cache"))
     (tmp_path / "only").mkdir()
     os.symlink(tmp_path / "nowhere.txt", tmp_path / "only" / "broken.txt")
-    with pytest.raises(DataError, match=r"1 broken link\(s\) or special file\(s\) left out"):
+    with pytest.raises(DataError, match=r"left out: broken.txt \(a broken link or special "
+                                        r"file\)\)"):
         TokenData(str(tmp_path / "only"))
+
+
+def test_the_data_line_names_what_a_folder_left_out(tmp_path):
+    """First-use walk 33: a UTF-16 file (Notepad's) was "not a text file" and in a folder
+    dropped without a word; a checkpoint's or a tokenizer's text files inside --data were
+    trained on. Now UTF-16 says to re-encode, and the data line names what was left out."""
+    d = tmp_path / "corpus"
+    (d / "ck" / "step-00000001").mkdir(parents=True)
+    (d / "tok").mkdir()
+    (d / "a.txt").write_text("hello world\n" * 50)
+    (d / "win.txt").write_bytes("hello\n".encode("utf-16"))
+    (d / "ck" / "latest").write_text("step-00000001")
+    (d / "tok" / "vocab.json").write_text("{}")
+    (d / "tok" / "merges.txt").write_text("#version: 0.2\n")
+    data = TokenData(str(d), cache_dir=str(tmp_path / "cache"))
+    assert data.meta["files"] == 1
+    said = data.describe()
+    assert "from 1 file(s)" in said and "left out: win.txt (UTF-16/32 text); ck (a " \
+        "checkpoint); tok (a tokenizer)" in said, said
+    with pytest.raises(DataError, match="UTF-16/32 text: re-encode it as UTF-8"):
+        TokenData(str(d / "win.txt"))

@@ -66,14 +66,41 @@ def stdlib_root():
 def is_text(path, probe=8192):
     """Whether the file looks like text: no NUL byte in its first `probe` bytes (git's and
     grep's test; a safetensors file, a .bin of tokens, an image have them early)."""
+    return not_text(path, probe) is None
+
+
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
+
+
+def not_text(path, probe=8192):
+    """Why the file is not UTF-8 text (NUL bytes in its first `probe`: "binary"; a UTF-16 or
+    UTF-32 byte-order mark, what Windows Notepad and PowerShell write: "UTF-16/32 text:
+    re-encode it as UTF-8"), or None."""
     with open(path, "rb") as f:
-        return b"\0" not in f.read(probe)
+        head = f.read(probe)
+    if head.startswith(UTF16_32_BOMS):
+        return "UTF-16/32 text: re-encode it as UTF-8 (iconv -f UTF-16 -t UTF-8)"
+    return "binary" if b"\0" in head else None
+
+
+def holds_outputs(folder, names):
+    """What a folder inside --data holds that is no corpus (first-use walk 33: its text
+    files were trained on): a minidist checkpoint (state.json and manifest.json, or a
+    `latest` pointer) or a tokenizer (vocab.json and merges.txt); None for text."""
+    names = set(names)
+    if {"state.json", "manifest.json"} <= names or "latest" in names:
+        return "a checkpoint"
+    if {"vocab.json", "merges.txt"} <= names:
+        return "a tokenizer"
+    return None
 
 
 def list_files(path=None):
-    """(root, sorted relative paths) of the text files to train on. A file given that is
-    not text (is_text) is refused; in a folder, such files are left out (as grep -I does),
-    and a folder with none left is refused, naming how many were binary."""
+    """(root, sorted relative paths of the text files to train on, [(relative path, why
+    left out)]). A file given that is not text (not_text) is refused; in a folder, such
+    files are left out (as grep -I does), and so are broken links, special files, and the
+    folders that hold a checkpoint or a tokenizer (holds_outputs); a folder with no text
+    left is refused, naming how many were left out. The data line names what was."""
     if path is None:
         root, skip, suffix = stdlib_root(), {"site-packages", "dist-packages"}, ".py"
     else:
@@ -82,32 +109,46 @@ def list_files(path=None):
                             "a folder of text files, or leave --data out for Python's "
                             "sources)")
         if os.path.isfile(path):
-            if not is_text(path):
+            why = not_text(path)
+            if why == "binary":
                 raise DataError(f"--data {path}: not a text file (it holds NUL bytes); give "
                                 "a text file, a folder of them, or a folder of token files "
                                 "(*.bin, as nanoGPT and llm.c write them)")
-            return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
+            if why:
+                raise DataError(f"--data {path}: {why}")
+            return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)], []
         root, skip, suffix = path, set(), ""
-    files, binary, other = [], 0, 0
+    files, skipped = [], []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
                          and x != "__pycache__")
+        outputs = holds_outputs(d, names) if path is not None and d != root else None
+        if outputs:
+            skipped.append((os.path.relpath(d, root), outputs))
+            dirs[:] = []
+            continue
         for n in sorted(names):
             if n.startswith(".") or not n.endswith(suffix):
                 continue
+            name = os.path.relpath(os.path.join(d, n), root)
             if not os.path.isfile(os.path.join(d, n)):   # a dangling link, a pipe: a
-                other += 1                               # traceback, a hang (walk 33)
+                skipped.append((name, "a broken link or special file"))   # traceback, a
+                continue                                                  # hang (walk 33)
+            why = not_text(os.path.join(d, n)) if path is not None else None
+            if why:
+                skipped.append((name, why.split(":")[0]))
                 continue
-            if path is not None and not is_text(os.path.join(d, n)):
-                binary += 1
-                continue
-            files.append(os.path.relpath(os.path.join(d, n), root))
+            files.append(name)
     if not files:
-        left = [f"{binary} binary file(s)"] * bool(binary) + \
-            [f"{other} broken link(s) or special file(s)"] * bool(other)
         raise DataError(f"--data {path or root}: no text files found"
-                        + (f" ({' and '.join(left)} left out)" if left else ""))
-    return root, sorted(files)
+                        + (f" (left out: {left_out_text(skipped)})" if skipped else ""))
+    return root, sorted(files), skipped
+
+
+def left_out_text(skipped, most=3):
+    """"a.bin (binary); ck (a checkpoint); 2 more": what list_files left out, for people."""
+    shown = "; ".join(f"{name} ({why})" for name, why in skipped[:most])
+    return shown + (f"; {len(skipped) - most} more" if len(skipped) > most else "")
 
 
 def _cache_key(root, files, tokenizer):
@@ -141,7 +182,8 @@ def _cache_dir(path, root, files, cache_dir, tokenizer):
 def text_splits(path=None):
     """(train, val) bytes of --data `path` (a text file or folder; None: Python's sources),
     split as training splits them (examples/train_tokenizer.py learns from the train part)."""
-    train, val, _ = split_files(*list_files(path))
+    root, files, _ = list_files(path)
+    train, val, _ = split_files(root, files)
     return train, val
 
 
@@ -250,7 +292,7 @@ class TokenData:
 
     def __init__(self, path=None, cache_dir=None, tokenizer=None):
         self.tokenizer = tokenizer or ByteTokenizer()
-        root, files = list_files(path)
+        root, files, self.left_out = list_files(path)
         self.cache = _cache_dir(path, root, files, cache_dir, self.tokenizer)
         if not os.path.isfile(os.path.join(self.cache, "meta.json")):
             _build(root, files, self.cache, self.tokenizer)
@@ -290,9 +332,11 @@ class TokenData:
 
     def describe(self):
         kind = "" if isinstance(self.tokenizer, ByteTokenizer) else f" {self.tokenizer.name}"
+        left = left_out_text(self.left_out)
         return (f"{self.meta['train_tokens']:,} train / {self.meta['val_tokens']:,} val"
-                f"{kind} tokens, cache {self.cache}; val split: "
-                f"{self.meta.get('split', 'held out')}")
+                f"{kind} tokens from {self.meta['files']} file(s), cache {self.cache}; "
+                f"val split: {self.meta.get('split', 'held out')}"
+                + (f"; left out: {left}" if left else ""))
 
     def get_batch(self, seed, split, step, batch_size, block_size):
         """The global batch for (seed, split, step): x, y int64 arrays (batch_size,
