@@ -378,3 +378,16 @@ def test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run(tmp_path, corpu
                              text=True, timeout=60)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr, \
             bad.stderr
+
+
+def test_ids_written_as_int32_are_refused(tmp_path):
+    """First-use walk 33: np.int32 ids tofile'd into train.bin were read as uint16, twice the
+    tokens and every other one 0, without a word."""
+    ids = np.arange(1, 200) % 700
+    ids.astype(np.int32).tofile(tmp_path / "train.bin")
+    ids.astype(np.uint16).tofile(tmp_path / "val.bin")
+    with pytest.raises(DataError, match=r"train.bin: every other uint16 is 0: the ids look "
+                       r"written as int32 or int64"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    assert TokenFiles(str(tmp_path), token_file_names(str(tmp_path))).meta["train_tokens"] == 199

@@ -295,9 +295,11 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
         val_loss = float(backend.host_read(mean, "eval loss"))
     if args.eval_only:                # the number asked for, before the sample's text
         tokens = args.eval_iters * args.batch_size * args.block_size
+        split = data.meta["val_tokens"]        # (windows drawn at random: some repeat)
         log.print0(f"val loss {val_loss:.4f} nats/token, perplexity "
                    f"{math.exp(val_loss):.2f}, over {tokens:,} tokens of the val split "
-                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size}) "
+                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size} "
+                   f"windows drawn at random from its {split:,} tokens) "
                    f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
     text, cut = "", False
     if args.sample and data.tokenizer is None:

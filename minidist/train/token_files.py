@@ -58,6 +58,14 @@ def token_file_names(folder):
     return found if found["train"] or found["val"] else None
 
 
+def looks_wider(tokens, at_least=64):
+    """Whether bare uint16 tokens are in fact wider ids (int32, int64: little-endian, so
+    each id's high halves are zeros): every odd-placed uint16 is 0 while the even-placed are
+    not all 0, over at least `at_least` tokens (first-use walk 33: int32 files trained on
+    twice the tokens, every other one 0, without a word)."""
+    return len(tokens) >= at_least and not tokens[1::2].any() and bool(tokens[0::2].any())
+
+
 def read_tokens(path):
     """(the tokens of one file as a read-only memmap, the vocabulary size its format implies,
     the format's name)."""
@@ -185,6 +193,11 @@ class TokenFiles:
         self.meta = {f"{s}_tokens": sum(len(t) for t in self.splits[s]) for s in self.splits}
         for split, shards in self.splits.items():
             for name, tokens in zip(names[split], shards):
+                if self.format == NANOGPT and looks_wider(tokens[:CHECKED_AT_OPEN]):
+                    raise DataError(f"{os.path.join(folder, name)}: every other uint16 is 0: "
+                                    "the ids look written as int32 or int64 (tofile of an "
+                                    "int array); write them as uint16 (ids.astype(np.uint16)"
+                                    ".tofile(path)), nanoGPT's format")
                 self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
         self.unigram_entropy = self._unigram_entropy(names["train"])
 
