@@ -214,13 +214,17 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
     assert {n: getattr(resumed, n) for n in RUN_RESUMED} == {
         "seed": 7, "batch_size": 8, "grad_accum": 2, "lr": 1e-3, "min_lr": None, "warmup": 1,
         "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5,
-        "moe_bias_rate": 0.0, "grad_dtype": None}
+        "moe_bias_rate": 0.0, "grad_dtype": None, "eval_every": 0, "eval_iters": 2}
     capsys.readouterr()
     train(resumed)
     said = capsys.readouterr().out            # (the resumed line's notes; a loaded machine's
     assert "(note:" not in said and "; note:" not in said, said     # busy-cores note may come)
     assert [r["loss"] for r in _rows(tmp_path / "r.jsonl")[:-1]] == \
         [r["loss"] for r in _rows(straight)[3:6]]
+    # the run's --eval-every and --eval-iters too (first-use walk 33: evaluations moved)
+    cadence = train_parser().parse_args([a for a in bare if a not in ("--eval-iters", "2")])
+    check_flags(cadence)
+    assert (cadence.eval_every, cadence.eval_iters) == (0, 2)    # the run's, not 200, 20
     given = train_parser().parse_args(bare + ["--lr", "2e-3", "--dropout", "0.1"])
     check_flags(given)
     assert given.lr == 2e-3 and given.batch_size == 8

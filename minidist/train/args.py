@@ -233,7 +233,8 @@ def add_train_args(p):
                    help="where text data's tokens are cached (token files are read in place; "
                    "default: .minidist-cache/ beside --data where writable, else "
                    "$MINIDIST_CACHE or ~/.cache/minidist)")
-    g.add_argument("--eval-every", type=int, default=200, help="0: only at the end")
+    g.add_argument("--eval-every", type=int, default=200, action=Given,
+                   help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=20, action=Given,
                    help="val batches per eval")
     g.add_argument("--eval-only", action="store_true",

@@ -110,7 +110,8 @@ EVALUATED_AS = ("seed", "batch_size", "eval_iters")
 # (so `--resume ck --steps N` continues that run, not one at this parser's defaults); one
 # given with another value is the run's, and the "resumed from" line notes the change
 RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr_schedule",
-               "decay_steps", "weight_decay", "grad_clip", "moe_bias_rate", "grad_dtype")
+               "decay_steps", "weight_decay", "grad_clip", "moe_bias_rate", "grad_dtype",
+               "eval_every", "eval_iters")   # (walk 33: the val curve changed basis there)
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
