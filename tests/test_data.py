@@ -219,3 +219,11 @@ def test_the_data_line_names_what_a_folder_left_out(tmp_path):
         "checkpoint); tok (a tokenizer)" in said, said
     with pytest.raises(DataError, match="UTF-16/32 text: re-encode it as UTF-8"):
         TokenData(str(d / "win.txt"))
+
+
+def test_a_bpe_of_text_that_is_not_utf8_says_so(tmp_path):
+    """First-use walk 33: Latin-1 text under --tokenizer turned every accented letter into
+    U+FFFD without a word; the data line now counts them and says to re-encode."""
+    from minidist.train.data import not_utf8
+    assert not_utf8("café".encode()) == 0 and not_utf8("café".encode("latin-1")) == 1
+    assert not_utf8("a\ufffd".encode() + b"\xe9") == 1         # a real U+FFFD is not counted
