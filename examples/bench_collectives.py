@@ -39,7 +39,7 @@ from minidist import backend, comm
 from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
 from minidist.launcher import world_size_from_env
-from minidist.train.args import example_parser
+from minidist.train.args import check_at_least, example_parser
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -234,10 +234,7 @@ def check_flags(p, args):
     exit status 2): a sweep that would never end (--factor 1, --min-bytes 0), print
     nothing (--min-bytes above --max-bytes) or time nothing (--repeats 0, a buffer smaller
     than one element), an op, algorithm or dtype that does not exist, and one rank."""
-    for flag, low, what in AT_LEAST:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value < low:
-            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    check_at_least(p, args, AT_LEAST)
     for flag, names, known in (("--ops", args.ops, OPS), ("--algos", args.algos, comm.ALGOS)):
         for name in names:
             if name not in known:

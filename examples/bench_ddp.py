@@ -33,7 +33,7 @@ from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.strategy.base import SingleProcess
-from minidist.train.args import example_parser
+from minidist.train.args import check_at_least, example_parser
 
 
 # (flag, lowest allowed value, what it is); None (not given) is not checked
@@ -66,10 +66,7 @@ def parse():
 def check_flags(p, args):
     """Every flag, before MPI starts and alike on every rank (p.error: one `error:` line from
     rank 0, exit status 2); returns the model's config, made from them."""
-    for flag, low, what in AT_LEAST:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < low:
-            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    check_at_least(p, args, AT_LEAST)
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"--modes {args.modes}: {mode!r} is not one of {', '.join(MODES)}")

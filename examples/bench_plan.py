@@ -50,7 +50,7 @@ from minidist.train.cluster import cluster_from_calibration           # noqa: E4
 from minidist.train.cost import forward_flops, step_time              # noqa: E402
 from minidist.train.moe_cost import expert_rows                       # noqa: E402
 from minidist.train.planner import Layout                             # noqa: E402
-from minidist.train.args import example_parser  # noqa: E402
+from minidist.train.args import check_at_least, example_parser  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # calibrate_here.py's
 BATCH = 16
@@ -189,11 +189,8 @@ def check_flags(p, args):
     """--steps, --skip, --repeats, --cases and --calibration, before any case runs (a case
     takes minutes): p.error's one `error:` line, exit status 2. Returns the chosen cases'
     numbers."""
-    for flag, low, what in (("--steps", 1, "steps per run"), ("--skip", 0, "warm-up steps"),
-                            ("--repeats", 1, "runs per case")):
-        value = getattr(args, flag[2:])
-        if value < low:
-            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    check_at_least(p, args, (("--steps", 1, "steps per run"), ("--skip", 0, "warm-up steps"),
+                             ("--repeats", 1, "runs per case")))
     if args.steps <= args.skip:
         p.error(f"--skip {args.skip}: leaves none of --steps {args.steps} to time; give "
                 "--steps above --skip")

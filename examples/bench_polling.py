@@ -6,15 +6,17 @@
 Runs examples/bench_collectives.py (all_reduce, ring and mpi) under mpiexec once per setting
 below and prints busbw (GB/s) per size. The settings: minidist's wait policy
 (MINIDIST_COMM_WAIT, minidist/comm/progress.py), MPICH's polling knobs (MPIR_CVAR_*, read by
-MPICH at MPI_Init), BLAS threads per rank (OPENBLAS_NUM_THREADS), and two busy-looping processes started beside the job (cores
-shared with other work, as when ranks still computing share them with ranks waiting).
+MPICH at MPI_Init), BLAS threads per rank (OPENBLAS_NUM_THREADS), and two busy-looping
+processes started beside the job (cores shared with other work, as when ranks still
+computing share them with ranks waiting).
 One JSON line per (setting, size) on stdout: {"setting", "ranks", "bytes", "busy",
 "ring_busbw_GBps", "mpi_busbw_GBps"}, or for a run that failed {"setting", "ranks", "bytes",
 "busy", "error" (the run's `error:` line, else the last line of its stderr), "rc" (its exit
-status; null when it ran past 300 s)}; the table on stderr says "failed (rc N)" or "timed out"
-there, and "not run" for a size above a setting's largest. (The MPI thread level, once a
-setting, is refused below multiple on several ranks: minidist/comm/README.md.) Results: examples/BENCHMARKS.md, "When ranks outnumber cores"; what
-they mean: minidist/comm/README.md, "When ranks outnumber cores (MPICH's busy polling)".
+status; null when it ran past 300 s)}; the table on stderr says "failed (rc N)" or "timed
+out" there, and "not run" for a size above a setting's largest. (The MPI thread level, once
+a setting, is refused below multiple on several ranks: minidist/comm/README.md.) Results:
+examples/BENCHMARKS.md, "When ranks outnumber cores"; what they mean:
+minidist/comm/README.md, "When ranks outnumber cores (MPICH's busy polling)".
 Tests: tests/test_bench_flags.py.
 """
 import json

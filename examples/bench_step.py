@@ -49,7 +49,7 @@ from minidist.optim.muon import Muon
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args, arch_fields
 from minidist.train.loop import moe_fields
-from minidist.train.args import example_parser
+from minidist.train.args import check_at_least, example_parser
 
 
 def matmul_seconds(a):
@@ -188,10 +188,7 @@ AT_LEAST = (("--steps", 1, "timed steps"), ("--warmup", 0, "untimed steps"),
 def check_flags(p, args):
     """The flags' ranges, before any work (p.error: one `error:` line, exit status 2); the
     model's own checks (GPTConfig's) follow where the config is made."""
-    for flag, low, what in AT_LEAST:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < low:
-            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    check_at_least(p, args, AT_LEAST)
     if not 0 <= args.dropout < 1:
         p.error(f"--dropout {args.dropout}: a probability in [0, 1)")
     if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):

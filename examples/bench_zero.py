@@ -39,7 +39,7 @@ from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
 from minidist.zero.strategy import ZeroDataParallel
-from minidist.train.args import example_parser
+from minidist.train.args import check_at_least, example_parser
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -141,10 +141,7 @@ AT_LEAST = (("--steps", 1, "steps per stage"), ("--batch-size", 1, "the global b
 def check_flags(p, cli):
     """Every flag and the model they make, before MPI starts and alike on every rank
     (p.error: one `error:` line from rank 0, exit status 2). Returns the stages."""
-    for flag, low, what in AT_LEAST:
-        value = getattr(cli, flag[2:].replace("-", "_"))
-        if value < low:
-            p.error(f"{flag} {value}: must be at least {low} ({what})")
+    check_at_least(p, cli, AT_LEAST)
     stages = cli.stages.split(",")
     if any(s not in ("0", "1", "2", "3") for s in stages):
         p.error(f"--stages {cli.stages}: a comma list of 0 (DDP), 1, 2 and 3")

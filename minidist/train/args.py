@@ -346,6 +346,16 @@ def example_parser(doc, cpu_only=None):
                          formatter_class=HelpWithDefaults, cpu_only=cpu_only)
 
 
+def check_at_least(p, args, table):
+    """The benches' range checks: for each (flag, lowest value, what it is) of `table`, a
+    value given below its lowest is p.error's one `error:` line, exit status 2 (None, a flag
+    left unset, is not checked)."""
+    for flag, low, what in table:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < low:
+            p.error(f"{flag} {value}: must be at least {low} ({what})")
+
+
 def train_parser():
     p = Parser(description="Train a GPT, on one process or many (README.md; the step: "
                         "minidist/train/README.md).",
