@@ -19,7 +19,8 @@ from minidist.train.args import example_parser
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.bpe_train import train_bpe, write_tokenizer
 from minidist.train.cli import UsageError, check_one_process, check_out_folder, run_main
-from minidist.train.data import DataError, text_splits
+from minidist.train.data import DataError
+from minidist.train.data_files import text_splits
 
 
 def tokenizer_parser():

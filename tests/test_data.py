@@ -1,12 +1,14 @@
 """Data: byte tokenizer, file and folder sources, the cache beside the data (or in the home
 cache when that is read-only), the train/val split, and batches as a pure function of
-(seed, split, step)."""
+(seed, split, step); one tokenizing per node (data_open.py)."""
+import json
 import os
 
 import numpy as np
 import pytest
 
-from minidist.train.data import ByteTokenizer, DataError, TokenData, list_files
+from minidist.train.data import ByteTokenizer, DataError, TokenData
+from minidist.train.data_files import list_files
 
 
 def _folder(tmp_path, n_files, size=400):
@@ -143,7 +145,7 @@ def test_held_out_files_fall_back_to_each_files_tail(tmp_path):
     which (first-use walk 33: one big file among 19 small ones trained on 114 tokens and
     held 417,540 out; 20 names that all hashed to train were "the val split is empty")."""
     import zlib
-    from minidist.train.data import split_files
+    from minidist.train.data_files import split_files
     names = [f"doc{i:03d}.txt" for i in range(40)]
     held = [n for n in names if zlib.crc32(n.encode()) % 10 == 0]
     kept = [n for n in names if n not in held]
@@ -154,7 +156,8 @@ def test_held_out_files_fall_back_to_each_files_tail(tmp_path):
         d.mkdir()
         for n in files:
             (d / n).write_text(("x" * 999 + "\n") * (100 if n == big else 1))
-        train, val, rule = split_files(str(d), sorted(files))
+        train, val, rule = (b"".join(docs) if isinstance(docs, list) else docs
+                            for docs in split_files(str(d), sorted(files)))
         if case == "even":
             assert rule == f"{len(held)} of 40 files held out"
             assert len(val) == 1000 * len(held) and len(train) == 1000 * (40 - len(held))
@@ -170,7 +173,7 @@ def test_odd_folder_entries_and_a_damaged_cache(tmp_path):
     (both skipped now); a Latin-1 file name a UnicodeEncodeError (hashed as bytes); a cut
     inside a UTF-8 character gave both splits a U+FFFD; a cache missing a file was a
     traceback, a truncated one trained silently (both one error line now)."""
-    from minidist.train.data import split_files, utf8_boundary
+    from minidist.train.data_files import split_files, utf8_boundary
     d = tmp_path / "corpus"
     d.mkdir()
     (d / "ok.txt").write_text("hello world\n" * 50)
@@ -184,7 +187,7 @@ def test_odd_folder_entries_and_a_damaged_cache(tmp_path):
     assert utf8_boundary(text, 80) == 78 and utf8_boundary(text, 81) == 81
     (tmp_path / "cjk").mkdir()
     (tmp_path / "cjk" / "a.txt").write_bytes(text)
-    train, val, _ = split_files(str(tmp_path / "cjk"), ["a.txt"])
+    (train,), (val,), _ = split_files(str(tmp_path / "cjk"), ["a.txt"])
     assert train.decode() + val.decode() == text.decode() + "\n"
     os.remove(os.path.join(data.cache, "val.bin"))
     with pytest.raises(DataError, match=r"cache .* is damaged \(val.bin is missing\); delete"):
@@ -224,6 +227,56 @@ def test_the_data_line_names_what_a_folder_left_out(tmp_path):
 def test_a_bpe_of_text_that_is_not_utf8_says_so(tmp_path):
     """First-use walk 33: Latin-1 text under --tokenizer turned every accented letter into
     U+FFFD without a word; the data line now counts them and says to re-encode."""
-    from minidist.train.data import not_utf8
+    from minidist.train.data_files import not_utf8
     assert not_utf8("café".encode()) == 0 and not_utf8("café".encode("latin-1")) == 1
     assert not_utf8("a\ufffd".encode() + b"\xe9") == 1         # a real U+FFFD is not counted
+
+
+@pytest.mark.mpi
+def test_one_rank_per_node_tokenizes_and_errors_are_agreed(corpus, tmp_path, mpi):
+    """open_data_shared (minidist/train/data_open.py): on one node only local rank 0
+    tokenizes the text and writes the cache; the others map it (first-use walk 33: every
+    rank tokenized the whole text itself). A rank whose --data is missing (a node without
+    the file) makes every rank raise that rank's error, the same line on all, so none is
+    left waiting in a collective."""
+    def run(*flags):
+        out = tmp_path / f"out{len(flags)}"
+        out.mkdir()
+        mpi(3, "tests/scripts/data_open_check.py", "--data", corpus, "--out", out, *flags,
+            timeout=120)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+
+    rows = run("--cache-dir", tmp_path / "cache")
+    assert [r["built"] for r in rows] == [True, False, False], rows
+    assert len({r["train_tokens"] for r in rows}) == 1, rows
+    rows = run("--cache-dir", tmp_path / "cache2", "--missing-on-rank", "2")
+    assert len({r.get("error") for r in rows}) == 1, rows
+    assert f"--data {corpus}.not-on-this-node: no such file" in rows[0]["error"], rows
+
+
+def test_each_document_ends_with_the_bpes_end_of_text(tmp_path):
+    """Under a BPE with <|endoftext|>, each file's part of a split ends with that token, as
+    nanoGPT's and llm.c's data scripts end each document (first-use walk 33: a folder's
+    files ran into each other); in bytes, files are joined, each ending in a newline. The
+    cache's digest follows the tokens (a resume compares it: resume.py)."""
+    from minidist.train import bpe_train
+    from minidist.train.bpe import BPETokenizer
+    d = tmp_path / "docs"
+    d.mkdir()
+    texts = {"a.txt": "the cat sat on the mat\n" * 20, "b.txt": "a dog ran in the fog\n" * 20}
+    for name, text in texts.items():
+        (d / name).write_text(text)
+    vocab, merges = bpe_train.train_bpe("".join(texts.values()), 300)
+    bpe_train.write_tokenizer(str(tmp_path / "tok"), vocab, merges)
+    tok = BPETokenizer.from_folder(str(tmp_path / "tok"))
+    data = TokenData(str(d), cache_dir=str(tmp_path / "cache"), tokenizer=tok)
+    train, val = (np.asarray(data.splits[s]) for s in ("train", "val"))
+    assert list(np.flatnonzero(train == tok.eot)) != [] and train[-1] == val[-1] == tok.eot
+    ends = np.flatnonzero(train == tok.eot)
+    first = tok.decode(train[:ends[0]])
+    assert len(ends) == 2 and texts["a.txt"].startswith(first) and first.endswith("\n")
+    assert tok.decode(train[ends[0] + 1:ends[1]]).startswith("a dog ran")
+    assert tok.decode(val).count("<|endoftext|>") == 2
+    raw = TokenData(str(d), cache_dir=str(tmp_path / "cache"))        # bytes: no such token
+    assert bytes(np.asarray(raw.splits["train"])).decode().startswith(first + "a dog ran")
+    assert len({data.meta["digest"], raw.meta["digest"]}) == 2

@@ -12,7 +12,8 @@ Attributes: `rank`, `size` (in this group), `name`, `algo`, `comm` (the mpi4py c
 Collectives act in place on C-contiguous xp arrays (numpy or cupy; flattened, so think 1-D):
 `all_reduce(buf, op)`, `reduce_scatter(out, inp, op)`, `all_gather(out, inp)`,
 `broadcast(buf, root)`, `all_to_all(out, inp)`, `all_to_all_v(out, inp, send_counts,
-recv_counts)` (alltoall.py), `barrier()`; point-to-point `send(buf, peer)`, `recv(buf, peer)`.
+recv_counts)` (alltoall.py), `barrier()` (`wait_for_all()`: one that naps); point-to-point
+`send(buf, peer)`, `recv(buf, peer)`.
 `op` is "sum", "avg", "max" or "min". Every call takes `async_op`; with True it returns a Work
 whose `wait()` finishes it. Every rank of the group must issue the same collectives in the same
 order (debug mode checks it: minidist/comm/debug.py). With `sync_comm` (for a debugger:
@@ -39,6 +40,7 @@ tests/test_comm_misuse.py.
 """
 import os
 import sys
+import time
 
 from mpi4py import MPI
 
@@ -219,6 +221,20 @@ class ProcessGroup:
         """Return once every rank of the group has reached its barrier."""
         return self._issue("barrier", None, None, 0, async_op, "", 0,
                            lambda ch, out, inp: ch.comm.Barrier())
+
+    def wait_for_all(self, nap_s=0.02):
+        """A barrier for ranks that wait while another works alone (the first rank on each
+        node tokenizing the text: minidist/train/inputs.py open_data_shared): MPI_Ibarrier,
+        then test and nap `nap_s`, so the waiting ranks leave the cores to the working one
+        (MPICH's blocking wait spins). No timeout (the work takes what it takes), but a
+        rank that exits first still ends the job (watchdog.py); a Ctrl-C stops the nap."""
+        self._stream.synchronize()
+        self._seq += 1
+        watchdog.entered(self.key, "wait_for_all", self._seq, timed=False)
+        request = self._coll.Ibarrier()
+        while not request.Test():
+            time.sleep(nap_s)
+        watchdog.left(self.key, self._seq)
 
     # ---- Python objects (pickled by mpi4py): verdicts, table rows, whole states ------------
     def gather_object(self, obj, root=0):

@@ -73,10 +73,12 @@ def abort_job(message, code=1):
 # what the groups tell the watchdog
 # -------------------------------------------------------------------------------------------
 
-def entered(key, op, seq):
-    """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n)."""
+def entered(key, op, seq, timed=True):
+    """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n).
+    `timed` False: no timeout (ranks waiting while one works alone, as long as it takes:
+    ProcessGroup.wait_for_all); a rank that exits before it still ends the job."""
     with _lock:
-        _active[threading.get_ident()] = (key, op, seq, time.monotonic())
+        _active[threading.get_ident()] = (key, op, seq, time.monotonic() if timed else None)
         progress = _progress.setdefault(key, [0, 0, ""])
         progress[0], progress[2] = seq, op
 
@@ -188,7 +190,7 @@ def _check_timeouts():
         calls = list(_active.values())
     now, timeout = time.monotonic(), _state["timeout"]
     for key, op, seq, start in calls:
-        if timeout > 0 and now - start > timeout:
+        if timeout > 0 and start is not None and now - start > timeout:
             abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] {op} #{seq} on {describe(key)} "
                       f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
                       + why_waiting(op, seq, _ask_the_others(key))

@@ -1,25 +1,25 @@
-"""Training data: byte-level tokens in a memory-mapped file, and batches that are a pure
-function of (seed, split, step).
+"""Training data: text tokenized once into a cache of memory-mapped token files, and
+batches that are a pure function of (seed, split, step).
 
 Text -> tokens: the byte tokenizer (vocab 256: token = byte value), so any text file works and
-no vocabulary file is needed; or, for a model that reads GPT-2's tokens (--init-from), the
-BPE tokenizer of its folder (minidist/train/bpe.py; uint16 tokens in the cache). Sources:
-  - `--data PATH`: a text file, or a folder of text files (read recursively, sorted; hidden
-    entries skipped);
-  - no `--data`: the `.py` sources of this Python's standard library, which every machine
-    that runs minidist already has (site-packages excluded).
-Train/val split: with 20 or more files, whole files go to val when crc32(relative path) % 10
-== 0 (held-out documents), unless that holds no file or more than 30% of the text (one big
-file among small ones, or names that all hash to train: first-use walk 33 trained on 114
-tokens and evaluated on 417,540); then, and with fewer files, the last 10% of each file goes
-to val. The start-up line says which rule split the data.
+no vocabulary file is needed; or a BPE (--tokenizer's, or the --init-from folder's:
+minidist/train/bpe.py; uint16 tokens in the cache). Which files, and how they split into
+train and val: minidist/train/data_files.py (no --data: Python's own sources). The start-up
+line says which rule split the data.
+Documents: each file's part of a split is one document. Under a BPE with `<|endoftext|>`
+(GPT-2's, and every one examples/train_tokenizer.py writes) each document ends with that
+token, as nanoGPT's and llm.c's data scripts end theirs, so the model learns where one
+text stops and an unrelated one starts (first-use walk 33: the files ran into each other).
+In bytes there is no such token: documents are joined, each ending in a newline.
 
 Cache: tokens are written once to `train.bin` / `val.bin` (uint8, or uint16 from a BPE) and
 `meta.json`, in `.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or
 $MINIDIST_CACHE, or `--cache-dir`) when that place is not writable: always so for the
 standard library, whose directory may be read-only. The key hashes the file list, sizes and
 mtimes and the tokenizer's identity, so edited data (or another tokenizer) is tokenised
-again. Files are built in a temporary directory and renamed into place.
+again. Files are built in a temporary directory and renamed into place. meta.json holds the
+tokens' digest (`digest`): a checkpoint records it, and a resume on other contents under
+the same path says so (minidist/train/resume.py).
 
 Batches: `get_batch(seed, split, step, batch_size, block_size)` draws batch_size random
 windows from a generator seeded by (seed, split, step) and returns the GLOBAL batch (x, y),
@@ -33,23 +33,21 @@ import os
 import shutil
 import sysconfig
 import tempfile
-import zlib
 
 import numpy as np
 
+from minidist.train.data_files import (DataError, left_out_text, list_files, not_utf8,
+                                       split_files)
+
 _SPLITS = {"train": 0, "val": 1}
-_VERSION = 2          # 2: the held-out files' fallback (a split may differ from 1's)
-HELD_OUT_AT_MOST = 0.3        # of the text, in held-out files; beyond: each file's last 10%
-
-
-class DataError(ValueError):
-    """Bad or missing training data; the message says what and where."""
+_VERSION = 3     # 2: the held-out files' fallback; 3: <|endoftext|> ends each document
 
 
 class ByteTokenizer:
     """Text <-> token ids, one token per UTF-8 byte."""
     vocab_size = 256
     name = key = "bytes"          # key: its identity in the cache's key
+    eot = None                    # no token ends a document: a newline does
 
     def encode(self, text):
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -57,98 +55,6 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", "replace")
-
-
-def stdlib_root():
-    return sysconfig.get_paths()["stdlib"]
-
-
-def is_text(path, probe=8192):
-    """Whether the file looks like text: no NUL byte in its first `probe` bytes (git's and
-    grep's test; a safetensors file, a .bin of tokens, an image have them early)."""
-    return not_text(path, probe) is None
-
-
-UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
-
-
-def not_text(path, probe=8192):
-    """Why the file is not UTF-8 text (NUL bytes in its first `probe`: "binary"; a UTF-16 or
-    UTF-32 byte-order mark, what Windows Notepad and PowerShell write: "UTF-16/32 text:
-    re-encode it as UTF-8"), or None."""
-    with open(path, "rb") as f:
-        head = f.read(probe)
-    if head.startswith(UTF16_32_BOMS):
-        return "UTF-16/32 text: re-encode it as UTF-8 (iconv -f UTF-16 -t UTF-8)"
-    return "binary" if b"\0" in head else None
-
-
-def holds_outputs(folder, names):
-    """What a folder inside --data holds that is no corpus (first-use walk 33: its text
-    files were trained on): a minidist checkpoint (state.json and manifest.json, or a
-    `latest` pointer) or a tokenizer (vocab.json and merges.txt); None for text."""
-    names = set(names)
-    if {"state.json", "manifest.json"} <= names or "latest" in names:
-        return "a checkpoint"
-    if {"vocab.json", "merges.txt"} <= names:
-        return "a tokenizer"
-    return None
-
-
-def list_files(path=None):
-    """(root, sorted relative paths of the text files to train on, [(relative path, why
-    left out)]). A file given that is not text (not_text) is refused; in a folder, such
-    files are left out (as grep -I does), and so are broken links, special files, and the
-    folders that hold a checkpoint or a tokenizer (holds_outputs); a folder with no text
-    left is refused, naming how many were left out. The data line names what was."""
-    if path is None:
-        root, skip, suffix = stdlib_root(), {"site-packages", "dist-packages"}, ".py"
-    else:
-        if not os.path.exists(path):
-            raise DataError(f"--data {path}: no such file or directory (give a text file or "
-                            "a folder of text files, or leave --data out for Python's "
-                            "sources)")
-        if os.path.isfile(path):
-            why = not_text(path)
-            if why == "binary":
-                raise DataError(f"--data {path}: not a text file (it holds NUL bytes); give "
-                                "a text file, a folder of them, or a folder of token files "
-                                "(*.bin, as nanoGPT and llm.c write them)")
-            if why:
-                raise DataError(f"--data {path}: {why}")
-            return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)], []
-        root, skip, suffix = path, set(), ""
-    files, skipped = [], []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
-                         and x != "__pycache__")
-        outputs = holds_outputs(d, names) if path is not None and d != root else None
-        if outputs:
-            skipped.append((os.path.relpath(d, root), outputs))
-            dirs[:] = []
-            continue
-        for n in sorted(names):
-            if n.startswith(".") or not n.endswith(suffix):
-                continue
-            name = os.path.relpath(os.path.join(d, n), root)
-            if not os.path.isfile(os.path.join(d, n)):   # a dangling link, a pipe: a
-                skipped.append((name, "a broken link or special file"))   # traceback, a
-                continue                                                  # hang (walk 33)
-            why = not_text(os.path.join(d, n)) if path is not None else None
-            if why:
-                skipped.append((name, why.split(":")[0]))
-                continue
-            files.append(name)
-    if not files:
-        raise DataError(f"--data {path or root}: no text files found"
-                        + (f" (left out: {left_out_text(skipped)})" if skipped else ""))
-    return root, sorted(files), skipped
-
-
-def left_out_text(skipped, most=3):
-    """"a.bin (binary); ck (a checkpoint); 2 more": what list_files left out, for people."""
-    shown = "; ".join(f"{name} ({why})" for name, why in skipped[:most])
-    return shown + (f"; {len(skipped) - most} more" if len(skipped) > most else "")
 
 
 def _cache_key(root, files, tokenizer):
@@ -179,67 +85,18 @@ def _cache_dir(path, root, files, cache_dir, tokenizer):
     return os.path.join(default_cache_root(), key)
 
 
-def text_splits(path=None):
-    """(train, val) bytes of --data `path` (a text file or folder; None: Python's sources),
-    split as training splits them (examples/train_tokenizer.py learns from the train part)."""
-    root, files, _ = list_files(path)
-    train, val, _ = split_files(root, files)
-    return train, val
-
-
-def split_files(root, files):
-    """(train bytes, val bytes, the rule as words): held-out files (20 or more files, and
-    the held-out ones 0 < val <= HELD_OUT_AT_MOST of the text), else each file's last 10%."""
-    texts = {}
-    for f in files:
-        with open(os.path.join(root, f), "rb") as fh:
-            data = fh.read()
-        texts[f] = data + b"\n" if data and not data.endswith(b"\n") else data
-    if len(files) >= 20:
-        held = [f for f in files if zlib.crc32(os.fsencode(f)) % 10 == 0]
-        val = sum(len(texts[f]) for f in held)
-        total = sum(len(t) for t in texts.values())
-        if 0 < val <= HELD_OUT_AT_MOST * total:
-            return (b"".join(texts[f] for f in files if f not in held),
-                    b"".join(texts[f] for f in held),
-                    f"{len(held)} of {len(files)} files held out")
-        why = ("no file's name chose val" if not held else
-               f"the files held out by name were {val / total:.0%} of the text")
-        rule = f"the last 10% of each file ({why})"
-    else:
-        rule = "the last 10% of each file"
-    cuts = {f: utf8_boundary(t, int(len(t) * 0.9)) for f, t in texts.items()}
-    return (b"".join(t[:cuts[f]] for f, t in texts.items()),
-            b"".join(t[cuts[f]:] for f, t in texts.items()), rule)
-
-
-def utf8_boundary(data, cut):
-    """`cut` moved back to the start of the UTF-8 character it falls in (a continuation
-    byte is 10xxxxxx): a byte cut inside one gave both splits a U+FFFD under a BPE (walk 33)."""
-    while 0 < cut < len(data) and data[cut] & 0xC0 == 0x80:
-        cut -= 1
-    return cut
-
-
-def _tokens(blob, tokenizer):
-    """The token array of a split's bytes: the bytes themselves (uint8) for the byte
-    tokenizer; a BPE's ids (uint16 while the vocabulary fits) of the text, invalid UTF-8
-    replaced."""
+def _tokens(documents, tokenizer):
+    """The token array of a split's documents (bytes each): the bytes themselves (uint8)
+    for the byte tokenizer; else the tokenizer's ids (uint16 while the vocabulary fits) of
+    each document's text (invalid UTF-8 replaced), each followed by its `eot` where it has
+    one (module docstring)."""
     if isinstance(tokenizer, ByteTokenizer):
-        return np.frombuffer(blob, np.uint8)
-    ids = tokenizer.encode(blob.decode("utf-8", "replace"))
-    return ids.astype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-
-
-def not_utf8(blob):
-    """How many characters invalid UTF-8 in `blob` turns into U+FFFD under a BPE (Latin-1
-    text's accents: first-use walk 33 found them mangled without a word), 0 for UTF-8."""
-    try:
-        blob.decode("utf-8")
-        return 0
-    except UnicodeDecodeError:
-        return blob.decode("utf-8", "replace").count("\ufffd") - blob.count(
-            "\ufffd".encode())
+        return np.frombuffer(b"".join(documents), np.uint8)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    end = np.array([] if tokenizer.eot is None else [tokenizer.eot], dtype)
+    parts = [np.concatenate([tokenizer.encode(d.decode("utf-8", "replace")).astype(dtype),
+                             end]) for d in documents]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def unigram_entropy(counts):
@@ -251,10 +108,13 @@ def unigram_entropy(counts):
 
 def _build(root, files, out_dir, tokenizer):
     train, val, rule = split_files(root, files)
-    replaced = 0 if isinstance(tokenizer, ByteTokenizer) else not_utf8(train) + not_utf8(val)
+    replaced = 0 if isinstance(tokenizer, ByteTokenizer) else \
+        sum(not_utf8(d) for d in train + val)
     train, val = _tokens(train, tokenizer), _tokens(val, tokenizer)
+    digest = hashlib.blake2b(train.tobytes(), digest_size=8)
+    digest.update(val.tobytes())
     meta = {"version": _VERSION, "tokenizer": tokenizer.name, "split": rule,
-            "not_utf8": replaced,
+            "not_utf8": replaced, "digest": digest.hexdigest(),
             "vocab_size": tokenizer.vocab_size, "dtype": str(train.dtype), "root": root,
             "files": len(files), "train_tokens": len(train), "val_tokens": len(val),
             "unigram_entropy": unigram_entropy(np.bincount(train,
@@ -299,7 +159,8 @@ class TokenData:
     """The train and val token streams of one corpus, memory-mapped from the cache.
 
     `.vocab_size`, `.tokenizer`, `.unigram_entropy` (nats per token of the train split's token
-    frequencies: the loss of a model that ignores context), `.source` (for logs).
+    frequencies: the loss of a model that ignores context), `.source` (for logs), `.built`
+    (whether this process tokenized the text, or found the cache made).
     `tokenizer`: the byte tokenizer (default), or a BPE (minidist/train/bpe.py).
     """
 
@@ -307,7 +168,8 @@ class TokenData:
         self.tokenizer = tokenizer or ByteTokenizer()
         root, files, self.left_out = list_files(path)
         self.cache = _cache_dir(path, root, files, cache_dir, self.tokenizer)
-        if not os.path.isfile(os.path.join(self.cache, "meta.json")):
+        self.built = not os.path.isfile(os.path.join(self.cache, "meta.json"))  # tokenized here
+        if self.built:
             _build(root, files, self.cache, self.tokenizer)
         with open(os.path.join(self.cache, "meta.json")) as f:
             self.meta = json.load(f)

@@ -2,7 +2,8 @@
 files) and its initial weights (`--init-from`: a GPT-2 folder), or the checkpoint it resumes
 (`--resume`: its model). Checked before any work, on each rank alone (`check_data_path`,
 `take_init_from_sizes`, `take_resume_model`, called by cli.check_flags), then opened after the
-strategy is made (`open_data`, `initial_weights`, called by loop.train).
+strategy is made (`initial_weights`, called by loop.train; --data by
+minidist/train/data_open.py).
 
     text            minidist/train/data.py: bytes, or --tokenizer's (else --init-from's) BPE,
                     tokenized once, cached
@@ -24,8 +25,8 @@ from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
-from minidist.train.data import ByteTokenizer, TokenData
-from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
+from minidist.train.data import ByteTokenizer
+from minidist.train.token_files import token_file_names
 
 PATHS = ("data", "init_from", "cache_dir", "tokenizer")   # recorded as absolute paths
 
@@ -323,25 +324,6 @@ def _check_init_folder(folder):
                      "model.safetensors or a sharded one's model.safetensors.index.json)"
                      + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
                         "read: re-save the model with safe_serialization=True" if torch else ""))
-
-
-def open_data(args):
-    """--data: a folder of token files, else text, tokenized once and cached: into bytes, or
-    by --tokenizer's BPE, else by --init-from's folder's where it has one (vocab.json,
-    merges.txt). The token files' tokenizer (for the sample) is --tokenizer's, else meta.pkl's
-    or the BPE beside them, else --init-from's."""
-    names = token_file_names(args.data) if args.data else None
-    given = getattr(args, "tokenizer", None)
-    if not names:
-        return TokenData(args.data, args.cache_dir, tokenizer_in(given or args.init_from))
-    if given:
-        return TokenFiles(args.data, names, BPETokenizer.from_folder(given),
-                          f"--tokenizer {given}", made_them=True)
-    if tokenizer_files(args.data):
-        return TokenFiles(args.data, names, BPETokenizer.from_folder(args.data),
-                          f"{args.data} (beside the files)")
-    return TokenFiles(args.data, names, tokenizer_in(args.init_from),
-                      f"--init-from {args.init_from}")
 
 
 def initial_weights(args, config, data, log):

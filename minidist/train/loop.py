@@ -39,7 +39,8 @@ from minidist.train.args import arch_fields
 from minidist.train.data import DataError
 from minidist.train.saves import Saves
 from minidist.train.startup import describe_run
-from minidist.train.inputs import initial_weights, open_data
+from minidist.train.data_open import open_data_shared
+from minidist.train.inputs import initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
@@ -141,7 +142,7 @@ def train(args, world=None):
         log.print0(f"--resume auto: no checkpoint in {args.save} yet: starting at step 0")
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
-    data = open_data(args)                       # text or token files (inputs.py)
+    data = open_data_shared(args, strategy.job_group())  # text or token files (data_open.py)
     data.check_block_size(args.block_size,       # both splits, before step 0
                           fixed=args.resume and f"--resume {args.resume}")
     config = _config(args, data)

@@ -138,6 +138,7 @@ def tokenizer_in(folder):
 class CharTokenizer:
     """nanoGPT's character-level vocabulary (meta.pkl's itos): one token per character."""
     name = "chars"
+    eot = None                 # no token ends a document
 
     def __init__(self, itos, vocab_size):
         self.key = f"chars-{vocab_size}"
