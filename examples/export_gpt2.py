@@ -34,7 +34,8 @@ from minidist.train.bpe import (MERGES, VOCAB, BPETokenizer, TokenizerError,  # 
 from minidist.train.cli import (UsageError, check_one_process, check_out_folder,  # noqa: E402
                                run_main)
 from minidist.train.data import DataError  # noqa: E402
-from minidist.train.gather import model_config, run_flags, whole_model  # noqa: E402
+from minidist.train.gather import model_config, whole_model  # noqa: E402
+from minidist.train.model_tokenizer import not_its_tokenizer, tokenizer_folders  # noqa: E402
 
 
 WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES)   # what --out receives
@@ -61,15 +62,15 @@ def export_parser():
 def tokenizer_folder(args, vocab_size):
     """The folder of the model's GPT-2 tokenizer files, or None (a model in bytes, or
     characters: nothing to copy); one of another vocabulary than the model's is refused
-    (sample.py would refuse the folder it went into)."""
+    (sample.py would refuse the folder it went into), and so is one given that is not the
+    model's own (model_tokenizer.not_its_tokenizer: the folder would pair the model with
+    other merges)."""
     if args.tokenizer is not None:
         if not tokenizer_files(args.tokenizer):
             raise UsageError(f"--tokenizer {args.tokenizer}: no {VOCAB} and {MERGES} there")
         folder, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
     else:       # the folder read first (a GPT-2 folder holds its own), as sample.py looks
-        flags = run_flags(args.resume)
-        folder = next((f for f in (args.resume, flags.get("tokenizer"), flags.get("init_from"),
-                                   flags.get("data")) if f and tokenizer_files(f)), None)
+        folder = next((f for f in tokenizer_folders(args.resume) if tokenizer_files(f)), None)
         where = (f"--resume {folder}" if folder == args.resume else
                  f"{folder}, a folder the run named,")
     if folder is None:
@@ -80,6 +81,11 @@ def tokenizer_folder(args, vocab_size):
                          f"{vocab_size:,}: give --tokenizer DIR of the model's own"
                          + (" (a model of 256 tokens reads bytes: it needs none)"
                             if vocab_size == 256 else ""))
+    why = args.tokenizer is not None and not_its_tokenizer(args.resume,
+                                                           BPETokenizer.from_folder(folder))
+    if why:
+        raise UsageError(f"{where}: {why}; its ids would mean other strings: leave "
+                         "--tokenizer out (the model's own is found through --resume)")
     return folder
 
 

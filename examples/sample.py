@@ -33,7 +33,8 @@ from minidist.train.cli import (UsageError, check_device, check_one_process,  # 
                                printable, run_main)
 from minidist.train.bpe import TokenizerError  # noqa: E402
 from minidist.train.data import ByteTokenizer, DataError  # noqa: E402
-from minidist.train.gather import model_config, router_bias, run_flags, whole_model  # noqa: E402
+from minidist.train.gather import model_config, router_bias, whole_model  # noqa: E402
+from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer  # noqa: E402
 from minidist.train.token_files import tokenizer_in  # noqa: E402
 
 
@@ -78,7 +79,8 @@ def check(args):
 
 
 def pick_tokenizer(args, vocab_size):
-    """The model's tokenizer (module docstring), checked against its vocabulary."""
+    """The model's tokenizer (module docstring), checked against its vocabulary; one given
+    that is not the model's own (another of the same size) is refused."""
     if args.tokenizer is not None:
         tokenizer, where = tokenizer_in(args.tokenizer), f"--tokenizer {args.tokenizer}"
         if tokenizer is None:
@@ -88,20 +90,20 @@ def pick_tokenizer(args, vocab_size):
     elif vocab_size == ByteTokenizer.vocab_size:
         tokenizer, where = ByteTokenizer(), "bytes"
     else:
-        flags = run_flags(args.resume)
-        folders = [f for f in (args.resume, flags.get("tokenizer"), flags.get("init_from"),
-                               flags.get("data")) if f]
-        found = ((tokenizer_in(f), f) for f in folders)
-        tokenizer, where = next(((t, f) for t, f in found if t is not None), (None, None))
+        tokenizer, where = own_tokenizer(args.resume)
         if tokenizer is None:
             raise UsageError(f"--resume {args.resume}: a model of a {vocab_size:,}-token "
                              f"vocabulary, and no tokenizer found for it (looked in "
-                             f"{', '.join(folders)}); give --tokenizer DIR, a folder with its "
+                             f"{', '.join(where)}); give --tokenizer DIR, a folder with its "
                              "vocab.json and merges.txt (as every GPT-2 download has them) "
                              "or nanoGPT's meta.pkl")
     if tokenizer.vocab_size != vocab_size:
         raise UsageError(f"the tokenizer of {where} has {tokenizer.vocab_size:,} tokens, the "
                          f"model {vocab_size:,}: give --tokenizer DIR of the model's own")
+    why = args.tokenizer is not None and not_its_tokenizer(args.resume, tokenizer)
+    if why:
+        raise UsageError(f"{where}: {why}; its ids would mean other strings: leave "
+                         "--tokenizer out (the model's own is found through --resume)")
     return tokenizer
 
 

@@ -371,7 +371,7 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     run("train_tokenizer.py", "--data", other_text, "--vocab-size", 300, "--out",
         tmp_path / "tok2")
     with pytest.raises(UsageError, match="--tokenizer .*tok2: --resume .* was trained with "
-                       "--tokenizer .*tok, whose vocabulary or merges differ"):
+                       "the tokenizer of --tokenizer .*tok, whose vocabulary or merges differ"):
         args("--data", corpus, "--resume", str(tmp_path / "ck"), "--tokenizer",
              str(tmp_path / "tok2"))
     for out, says in ((tok, "holds a tokenizer already"),
@@ -382,8 +382,8 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
         assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, \
             bad.stderr
     os.rename(tok, tmp_path / "moved")
-    with pytest.raises(UsageError, match="was trained with --tokenizer .*tok, which holds no "
-                       "vocab.json and merges.txt now; give --tokenizer DIR"):
+    with pytest.raises(UsageError, match="was trained in the tokenizer of --tokenizer .*tok, "
+                       "which holds no vocab.json and merges.txt now; give --tokenizer DIR"):
         args("--data", corpus, "--resume", str(tmp_path / "ck"))
     os.rename(tmp_path / "moved", tok)
     train(resumed)
@@ -392,6 +392,33 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
                                                    tmp_path / "ck", "--out", tmp_path / "x")
     assert sorted(os.listdir(tmp_path / "x")) == ["config.json", "merges.txt",
                                                   "model.safetensors", "vocab.json"]
+    # first-use walk 33: another tokenizer of the same size was taken by sample.py, written
+    # beside the model by export_gpt2.py, and fine-tuned in by --init-from
+    merges = [tuple(line.split()) for line in
+              (tok / "merges.txt").read_text().splitlines()[1:]]
+    bpe_train.write_tokenizer(str(tmp_path / "same_size"),
+                              json.loads((tok / "vocab.json").read_text()),
+                              merges[:-2] + merges[-2:][::-1])   # its last two merges swapped
+    for script, *flags in (("sample.py", "--tokens", 3), ("export_gpt2.py", "--out",
+                                                           tmp_path / "z")):
+        bad = subprocess.run([sys.executable, f"examples/{script}", "--resume",
+                              str(tmp_path / "ck"), "--tokenizer", str(tmp_path / "same_size"),
+                              *map(str, flags)], cwd=ROOT, env=mpi_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith(
+            f"error: --tokenizer {tmp_path / 'same_size'}: the model was trained in another "
+            "tokenizer (its checkpoint records which); its ids would mean other strings: "
+            "leave --tokenizer out"), bad.stderr
+    assert not os.path.exists(tmp_path / "z")
+    with pytest.raises(UsageError, match=r"--tokenizer .*same_size: --init-from .*x holds its "
+                       r"model's own tokenizer \(vocab.json, merges.txt\), whose vocabulary"):
+        args("--data", corpus, "--init-from", str(tmp_path / "x"), "--tokenizer",
+             str(tmp_path / "same_size"))
+    # ... and a fine-tune from it could not be resumed: its text was read as bytes
+    train(args("--data", corpus, *cache, "--init-from", str(tmp_path / "x"), "--steps", "2",
+               "--save", str(tmp_path / "ft")))
+    again = args("--resume", str(tmp_path / "ft"), "--steps", "3", *cache)
+    assert again.tokenizer == str(tmp_path / "x") and train(again)["steps"] == 3
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(

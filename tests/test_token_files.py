@@ -131,7 +131,8 @@ def test_a_short_file_suggests_a_block_size_that_fits_unless_a_checkpoint_fixes_
 
 def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_path,
                                                                          monkeypatch):
-    """Past the part checked when the data is opened, each batch is checked as it is read."""
+    """Past the part of the train files checked when the data is opened, each batch is
+    checked as it is read; the val split is checked whole at open."""
     tokens = np.zeros(300, np.int64)
     tokens[250:] = 50300
     nanogpt_file(tmp_path / "train.bin", tokens)
@@ -142,6 +143,12 @@ def test_a_token_past_the_vocabulary_is_found_in_the_batch_that_reads_it(tmp_pat
     with pytest.raises(DataError, match="train.bin: token id 50300 at position 250 is past"):
         for step in range(50):
             data.get_batch(0, "train", step, 8, 16)
+    # the val split is checked whole when opened (first-use walk 33: an id past the first
+    # 1M val tokens stopped the run at its first evaluation, the steps before it unsaved)
+    nanogpt_file(tmp_path / "train.bin", np.zeros(300, np.int64))
+    nanogpt_file(tmp_path / "val.bin", tokens)
+    with pytest.raises(DataError, match="val.bin: token id 50300 at position 250 is past"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
 
 
 def _gpt2_folder(tmp_path, vocab, seed, dtype="float32"):
@@ -391,3 +398,27 @@ def test_ids_written_as_int32_are_refused(tmp_path):
         TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
     ids.astype(np.uint16).tofile(tmp_path / "train.bin")
     assert TokenFiles(str(tmp_path), token_file_names(str(tmp_path))).meta["train_tokens"] == 199
+
+
+def test_a_resume_on_data_of_another_vocabulary_names_the_data(tmp_path, corpus, device):
+    """First-use walk 33: a checkpoint trained in bytes, resumed on GPT-2 token files, was a
+    "checkpoint config mismatch" about model flags nobody typed; now one line names --data,
+    the two vocabularies and the data the run trained on. The files' digest (TokenFiles
+    .digest) follows their tokens."""
+    os.makedirs(tmp_path / "tokens")
+    rng = np.random.default_rng(0)
+    nanogpt_file(tmp_path / "tokens" / "train.bin", rng.integers(0, 50257, 3000))
+    nanogpt_file(tmp_path / "tokens" / "val.bin", rng.integers(0, 50257, 300))
+    _train(SMALL + ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--steps", "1",
+                    "--data", corpus, "--cache-dir", str(tmp_path / "c"),
+                    "--save", str(tmp_path / "ck"), *device_flags(device)])
+    with pytest.raises(UsageError, match=(
+            rf"--data {tmp_path / 'tokens'}: in a 50,257-token vocabulary \(nanoGPT \(uint16 "
+            rf"tokens\)\); --resume \S+ holds a model of 256 tokens: give the data it was "
+            rf"trained on \(text, read as bytes: --data {corpus}\)")):
+        _train(SMALL + ["--steps", "2", "--data", str(tmp_path / "tokens"), "--resume",
+                        str(tmp_path / "ck"), *device_flags(device)])
+    names = token_file_names(str(tmp_path / "tokens"))
+    before = TokenFiles(str(tmp_path / "tokens"), names).digest
+    nanogpt_file(tmp_path / "tokens" / "val.bin", rng.integers(0, 50257, 300))
+    assert TokenFiles(str(tmp_path / "tokens"), names).digest != before

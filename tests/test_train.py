@@ -355,3 +355,36 @@ def test_evaluation_splits_each_batch_over_the_replicas_as_training_does(corpus,
     assert rows == [2] * 6 and halves[0] != halves[1]
     assert abs((halves[0] + halves[1]) / 2 - whole) < 1e-12, (halves, whole)
     assert model.training                      # evaluate puts back the mode it found
+
+
+def test_a_resume_on_other_contents_at_the_same_path_says_so(corpus, tmp_path, device, capsys):
+    """First-use walk 33: a corpus regenerated in place (the same --data path, other text)
+    was resumed on, and evaluated by --eval-only, without a word. The checkpoint records the
+    tokens' digest (data_open.record_data); the same text written again (a new mtime, a new
+    cache) is no change."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(open(corpus).read())
+    flags = ["--data", str(text), "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0"]
+    train(_args(device, corpus, tmp_path, *flags, "--steps", "4", "--stop-at", "2",
+                "--save", str(tmp_path / "ck")))
+    text.write_text(open(corpus).read())             # the same text again: nothing to say
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, *flags, "--steps", "4",
+                "--resume", str(tmp_path / "ck")))
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "(note:" not in said, said
+    text.write_text(open(corpus).read().replace("return", "yield"))     # regenerated
+    train(_args(device, corpus, tmp_path, *flags, "--steps", "4",
+                "--resume", str(tmp_path / "ck")))
+    said = capsys.readouterr().out
+    assert ("(note: data (the same path, other contents) changed, so the run will "
+            "differ") in said, said
+    from minidist.train.cli import check_flags
+    evaluate = train_parser().parse_args([*device_flags(device), "--resume", str(tmp_path / "ck"),
+                                          "--eval-only", "--sample", "0", "--cache-dir",
+                                          str(tmp_path / "cache")])
+    check_flags(evaluate)                      # (its data: the path the checkpoint recorded)
+    train(evaluate)
+    said = capsys.readouterr().out
+    assert (f"; note: --data {text} holds other tokens than when that run trained (edited or "
+            "replaced): this val loss is not the one it ended with") in said, said

@@ -160,7 +160,8 @@ class TokenData:
 
     `.vocab_size`, `.tokenizer`, `.unigram_entropy` (nats per token of the train split's token
     frequencies: the loss of a model that ignores context), `.source` (for logs), `.built`
-    (whether this process tokenized the text, or found the cache made).
+    (whether this process tokenized the text, or found the cache made), `.digest` (of the
+    tokens: a checkpoint records it).
     `tokenizer`: the byte tokenizer (default), or a BPE (minidist/train/bpe.py).
     """
 
@@ -175,6 +176,7 @@ class TokenData:
             self.meta = json.load(f)
         self.vocab_size = self.tokenizer.vocab_size
         self.unigram_entropy = self.meta["unigram_entropy"]
+        self.digest = self.meta.get("digest")          # the tokens' identity: resume.py
         self.source = path or f"the Python {sysconfig.get_python_version()} standard library"
         self.splits = {}
         damaged = cache_problem(self.cache, self.meta)

@@ -11,15 +11,21 @@
                        itself: 4 ranks paid 4x the CPU and memory of one build (first-use
                        walk 33: 15.0 s for a 30 MB text on 4 ranks, 7.0 s on one)
 
+`check_resume_vocabulary`: the data is in the vocabulary of the model --resume holds.
+`record_data` puts what a checkpoint records of the data beside the run's flags: the tokens'
+digest and the tokenizer's identity (a resume on other contents at the same path says so,
+minidist/train/resume.py; examples/sample.py and export_gpt2.py refuse another tokenizer).
+
 An error in either round (a missing file, an id past the vocabulary) is agreed on by every
 rank (one all-gather of the error, or of None) and raised on every rank, so rank 0 prints it
 once and no rank is left waiting.
 Tests: tests/test_data.py (test_one_rank_per_node_tokenizes).
 """
 from minidist.launcher import local_rank_and_size
+from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
-from minidist.train.data import DataError, TokenData
+from minidist.train.data import ByteTokenizer, DataError, TokenData
 from minidist.train.token_files import TokenFiles, token_file_names, tokenizer_in
 
 OPEN_ERRORS = (UsageError, DataError, TokenizerError)   # what --data's opening can raise
@@ -75,3 +81,36 @@ def _open_agreed(args, group, opens):
     if first is not None:
         raise errors[first]
     return data
+
+
+def record_data(args, data):
+    """What the run's checkpoints record of its data, beside the flags (state.json's
+    "extra" is vars(args)): `data_digest` (TokenData's, TokenFiles' `.digest`) and
+    `tokenizer_key` (the identity of the tokenizer its ids are in: "bytes", a BPE's hash
+    of its vocabulary and merges, "chars-N"; None for token files of no known tokenizer)."""
+    args.data_digest = data.digest
+    args.tokenizer_key = data.tokenizer.key if data.tokenizer is not None else None
+
+
+def check_resume_vocabulary(args, data):
+    """A --resume's model reads the vocabulary --data is in: else one line naming --data and
+    what each holds (first-use walk 33: a bytes checkpoint resumed on GPT-2 token files was a
+    "config mismatch" about model flags nobody typed). A checkpoint the load cannot read is
+    left to the load, whose verification names what is wrong."""
+    if not args.resume:
+        return
+    try:
+        folder, config, _, flags = saved_model(args.resume)
+    except CheckpointError:
+        return
+    theirs = config.get("vocab_size")
+    if theirs is None or theirs == data.vocab_size:
+        return
+    kind = data.tokenizer.name if data.tokenizer is not None else data.format
+    hint = ("text, read as bytes" if theirs == ByteTokenizer.vocab_size else
+            "its token files, or its text with its --tokenizer")
+    recorded = flags.get("data")
+    raise UsageError(f"--data {args.data or '(Python sources)'}: in a {data.vocab_size:,}-token "
+                     f"vocabulary ({kind}); --resume {folder} holds a model of "
+                     f"{theirs:,} tokens: give the data it was trained on ({hint}"
+                     + (f": --data {recorded}" if recorded else "") + ")")

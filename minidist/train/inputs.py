@@ -101,6 +101,25 @@ def take_init_from_sizes(args):
     if args.moe_experts:
         raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
                          "dense model (no experts); leave the --moe-* flags out")
+    _check_init_tokenizer(args, folder)
+
+
+def _check_init_tokenizer(args, folder):
+    """--tokenizer beside an --init-from folder that holds its model's own (vocab.json and
+    merges.txt) must be that one: another of the same size fine-tuned the weights on text
+    cut into other ids (first-use walk 33)."""
+    given = getattr(args, "tokenizer", None)
+    if given is None or args.resume or not (tokenizer_files(given) and
+                                            tokenizer_files(folder)):
+        return
+    try:
+        same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(folder).key
+    except TokenizerError:
+        return                                 # check_data_path and the load name the file
+    if not same:
+        raise UsageError(f"--tokenizer {given}: --init-from {folder} holds its model's own "
+                         "tokenizer (vocab.json, merges.txt), whose vocabulary or merges "
+                         "differ (its ids would mean other strings); leave --tokenizer out")
 
 
 # the flags that pick the val batches, which --eval-only of a checkpoint takes from its run
@@ -186,14 +205,29 @@ def _take_resume_data(args, folder, recorded):
     args.data = recorded
 
 
-def _take_resume_tokenizer(args, folder, recorded, vocab_size):
-    """--tokenizer on --resume: the checkpoint's (`recorded`, its run's) unless given; one
-    given with other files (another vocabulary or other merges: the ids would mean other
-    strings), or a recorded folder that no longer holds them, is one error line; so is one
-    given to a checkpoint trained without one (bytes, or token files) whose vocabulary is
-    of another size (its `vocab_size`): the load would say the model does not fit, naming
-    the data. One of the same size is taken (GPT-2's files on a run of GPT-2 token ids)."""
+def _run_tokenizer(flags):
+    """(the folder of the BPE the checkpoint's run (its `flags`) tokenized its text in, the
+    flag that named it): its --tokenizer, else its --init-from folder where that holds one
+    (a fine-tune's: first-use walk 33 found `--resume` of one re-reading the text as bytes,
+    refused as a "config mismatch"); (None, None): bytes, or token files without one."""
+    if flags.get("tokenizer"):
+        return flags["tokenizer"], "--tokenizer"
+    init = flags.get("init_from")
+    if init and (tokenizer_files(init) or flags.get("tokenizer_key") not in (None, "bytes")):
+        return init, "--init-from"
+    return None, None
+
+
+def _take_resume_tokenizer(args, folder, flags, vocab_size):
+    """--tokenizer on --resume: the checkpoint's run's (_run_tokenizer: its --tokenizer, or
+    its --init-from folder's) unless given; one given with other files (another vocabulary
+    or other merges: the ids would mean other strings), or a recorded folder that no longer
+    holds them, is one error line; so is one given to a checkpoint trained without one
+    (bytes, or token files) whose vocabulary is of another size (its `vocab_size`): the load
+    would say the model does not fit, naming the data. One of the same size is taken
+    (GPT-2's files on a run of GPT-2 token ids)."""
     given = getattr(args, "tokenizer", None)
+    recorded, flag = _run_tokenizer(flags)
     if not recorded:
         if given is not None and tokenizer_files(given):
             try:
@@ -208,9 +242,9 @@ def _take_resume_tokenizer(args, folder, recorded, vocab_size):
         return
     if given is None:
         if not tokenizer_files(recorded):
-            raise UsageError(f"--resume {folder} was trained with --tokenizer {recorded}, "
-                             "which holds no vocab.json and merges.txt now; give --tokenizer "
-                             "DIR with the same two files")
+            raise UsageError(f"--resume {folder} was trained in the tokenizer of {flag} "
+                             f"{recorded}, which holds no vocab.json and merges.txt now; "
+                             "give --tokenizer DIR with the same two files")
         args.tokenizer = recorded
     elif tokenizer_files(given) and tokenizer_files(recorded):
         try:
@@ -219,8 +253,9 @@ def _take_resume_tokenizer(args, folder, recorded, vocab_size):
             return                                       # check_data_path names the file
         if not same:
             raise UsageError(f"--tokenizer {given}: --resume {folder} was trained with "
-                             f"--tokenizer {recorded}, whose vocabulary or merges differ (its "
-                             "ids would mean other strings); leave --tokenizer out")
+                             f"the tokenizer of {flag} {recorded}, whose vocabulary or "
+                             "merges differ (its ids would mean other strings); leave "
+                             "--tokenizer out")
 
 
 def take_resume_model(args):
@@ -246,7 +281,7 @@ def take_resume_model(args):
         folder, config, dtype, flags = saved_model(folder)
     except CheckpointError:
         return
-    _take_resume_tokenizer(args, folder, flags.get("tokenizer"), config.get("vocab_size"))
+    _take_resume_tokenizer(args, folder, flags, config.get("vocab_size"))
     _take_resume_data(args, folder, flags.get("data"))
     if getattr(args, "eval_only", False):        # its run's val batches: its final val loss
         for name in EVALUATED_AS:

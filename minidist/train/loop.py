@@ -39,7 +39,7 @@ from minidist.train.args import arch_fields
 from minidist.train.data import DataError
 from minidist.train.saves import Saves
 from minidist.train.startup import describe_run
-from minidist.train.data_open import open_data_shared
+from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
 from minidist.train.inputs import initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
@@ -143,6 +143,8 @@ def train(args, world=None):
     if strategy.rank == 0 and args.log_json and not args.resume:
         open(args.log_json, "w").close()         # a new run starts a new log; --resume appends
     data = open_data_shared(args, strategy.job_group())  # text or token files (data_open.py)
+    record_data(args, data)                      # its digest and tokenizer, for checkpoints
+    check_resume_vocabulary(args, data)          # --resume's model reads its ids
     data.check_block_size(args.block_size,       # both splits, before step 0
                           fixed=args.resume and f"--resume {args.resume}")
     config = _config(args, data)

@@ -5,7 +5,8 @@ what this run does differently from the one that saved it (loop.py calls `resume
                       checkpoint recorded (so the two can be compared step by step)
     resume_run        the load, the dropout keys' step and the MoE routers' biases; the
                       "resumed from DIR at step N" line (--eval-only: "evaluating DIR") with
-                      its notes: flags that change the numbers (_MUST_MATCH), schedule flags
+                      its notes: flags that change the numbers (_MUST_MATCH; --data's
+                      contents by their digest: _other_contents), schedule flags
                       that changed a rate before the checkpoint's step (a wsd run extended
                       before its decay is the longer run, and says nothing), the checkpoint's
                       pipeline schedule, and a learning rate that jumps over twice the
@@ -89,6 +90,15 @@ def _before_decay(args, last):
     return said
 
 
+def _other_contents(saved, ours):
+    """Whether --data is the path the checkpoint's run trained on but holds other tokens
+    now (their digests differ: data_open.record_data); a checkpoint from before the digest
+    says nothing. First-use walk 33: a corpus regenerated in place was resumed on without a
+    word."""
+    return (saved.get("data") == ours.get("data") and bool(saved.get("data_digest"))
+            and bool(ours.get("data_digest")) and saved["data_digest"] != ours["data_digest"])
+
+
 def resume_run(args, strategy, log, model, opt):
     """Load --resume into the model and optimizer (and the run's dropout keys and MoE
     biases), say so in one line with what differs from the checkpoint's run (the flags that
@@ -101,6 +111,8 @@ def resume_run(args, strategy, log, model, opt):
     model.router_bias.load_state_dict(state["rng"].get("moe_bias", {}))   # before: all 0
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
+    other_tokens = _other_contents(saved, ours)
+    changed += ["data (the same path, other contents)"] if other_tokens else []
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
     other = [] if args.eval_only else schedule_differences(args, saved)
@@ -113,6 +125,9 @@ def resume_run(args, strategy, log, model, opt):
         + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
            "any schedule, another speed and memory: give them to keep its)" if other else "")
         + (f"; note: {jump}" if jump else "")
+        + (f"; note: --data {args.data or '(Python sources)'} holds other tokens than when "
+           "that run trained (edited or replaced): this val loss is not the one it ended "
+           "with" if other_tokens and args.eval_only else "")
         + ("" if args.save or args.eval_only else
            "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]

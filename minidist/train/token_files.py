@@ -21,14 +21,18 @@ Two formats, told apart by the first four bytes:
 
 Batches are drawn as TokenData's (minidist/train/data.py draw_batch): windows never cross
 from one shard into the next. Every window's tokens are checked against the vocabulary as it
-is read, and the first 1M tokens of every file when the data is opened, so a file of another
-tokenizer is one error naming it, not an embedding lookup out of range.
+is read, and when the data is opened the first 1M tokens of every train file and the whole
+val split (small, and first read at the first evaluation: first-use walk 33 lost a run's
+steps to a bad id there), so a file of another tokenizer is one error naming it, not an
+embedding lookup out of range.
 The tokenizer that turns ids back into text: the character table of meta.pkl, else GPT-2's
 vocab.json and merges.txt where they are found (beside the files, or the --init-from folder's:
 minidist/train/bpe.py), else none (the run then prints no sample).
 Tests: tests/test_token_files.py.
 """
+import hashlib
 import io
+import json
 import os
 import pickle
 import re
@@ -44,6 +48,7 @@ GPT2_VOCAB = 50257
 NANOGPT = "nanoGPT (uint16 tokens)"          # the format of bare files
 CHECKED_AT_OPEN = 1 << 20          # tokens of each file checked when the data is opened
 ENTROPY_TOKENS = 1 << 24           # train tokens the unigram entropy is measured on
+DIGEST_TAIL = 1 << 16              # last tokens of each file in the files' digest
 _NAME = {split: re.compile(rf"^(?:(.+)_)?{split}(?:_(\d+))?\.bin$")
          for split in ("train", "val")}
 
@@ -141,8 +146,9 @@ class CharTokenizer:
     eot = None                 # no token ends a document
 
     def __init__(self, itos, vocab_size):
-        self.key = f"chars-{vocab_size}"
         self.itos, self.vocab_size = dict(itos), vocab_size
+        table = json.dumps(sorted(self.itos.items()), ensure_ascii=False).encode()
+        self.key = f"chars-{vocab_size}-{hashlib.sha256(table).hexdigest()[:16]}"   # which
         self.stoi = {s: i for i, s in self.itos.items()}
 
     def encode(self, text):
@@ -160,7 +166,8 @@ class TokenFiles:
 
     `.vocab_size`, `.tokenizer` (or None), `.unigram_entropy` (of the first 16M train
     tokens), `.source`, `.splits` {split: [memmaps, one per file]}, `.meta` {"train_tokens",
-    "val_tokens"}, `.describe()`; get_batch and check_block_size as TokenData's.
+    "val_tokens"}, `.digest` (the files' identity), `.describe()`; get_batch and
+    check_block_size as TokenData's.
     `tokenizer`: the one to sample with, where the folder has no meta.pkl (whose characters
     are the tokenizer then); `made_them`: bare uint16 files are in its vocabulary, not GPT-2's
     (--tokenizer).
@@ -200,7 +207,22 @@ class TokenFiles:
                                     "int array); write them as uint16 (ids.astype(np.uint16)"
                                     ".tofile(path)), nanoGPT's format")
                 self._check_ids(tokens[:CHECKED_AT_OPEN], os.path.join(folder, name), 0)
+        self._find_past_vocabulary("val")  # whole: found at the first evaluation, it stopped
         self.unigram_entropy = self._unigram_entropy(names["train"])
+        self.digest = self._digest()
+
+    def _digest(self):
+        """The files' identity, which a checkpoint records (minidist/train/resume.py: a
+        resume on other files at the same path says so): each file's name, token count, and
+        first CHECKED_AT_OPEN and last DIGEST_TAIL tokens (a regenerated corpus differs
+        there; hashing billions of tokens would cost the start-up seconds)."""
+        h = hashlib.blake2b(self.format.encode(), digest_size=8)
+        for split in ("train", "val"):
+            for name, tokens in zip(self.names[split], self.splits[split]):
+                h.update(f"\0{name}\0{len(tokens)}\0".encode())
+                h.update(np.ascontiguousarray(tokens[:CHECKED_AT_OPEN]).tobytes())
+                h.update(np.ascontiguousarray(tokens[-DIGEST_TAIL:]).tobytes())
+        return h.hexdigest()
 
     def _tokenizer(self, tokenizer, tokenizer_from, made_them):
         """The tokenizer to sample with: meta.pkl's characters (whose vocab_size is the
@@ -245,8 +267,8 @@ class TokenFiles:
                             "another tokenizer?")
 
     def _find_past_vocabulary(self, split):
-        """A batch held an id past the vocabulary: name the file and position (a scan of the
-        split, in chunks; only on this error)."""
+        """Raise naming the file and position of the first id past the vocabulary in the
+        split (a scan, in chunks): the val split at open, and a train batch that held one."""
         chunk = 1 << 24
         for name, tokens in zip(self.names[split], self.splits[split]):
             for start in range(0, len(tokens), chunk):
