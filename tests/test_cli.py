@@ -607,6 +607,12 @@ def test_sample_errors_are_one_line(flags, says, tmp_path, device):
 def test_printable_escapes_control_characters():
     assert printable("a\x1b[2Jb\tc\nd\x00") == "a\\x1b[2Jb\tc\nd\\x00"
     assert printable("def f(x):\n    return x") == "def f(x):\n    return x"
+    # first-use walk 33: the zero-width joiner of an emoji sequence came back escaped; text
+    # Python calls unprintable (joiners, no-break and ideographic spaces) stays, while a
+    # bidirectional override (it reorders the screen) and a lone surrogate are escaped
+    kept = "👩\u200d💻 \u0930\u094d\u200d \xa0\u3000"
+    assert printable(kept) == kept
+    assert printable("a\u202eb\ud800") == "a\\u202eb\\ud800"
 
 
 # ---- whole runs ------------------------------------------------------------------------------

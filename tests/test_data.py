@@ -101,6 +101,11 @@ def test_binary_files_are_not_text(tmp_path):
     with pytest.raises(DataError, match=r"no text files found \(left out: model.safetensors "
                                         r"\(binary\)\)"):
         list_files(str(tmp_path))
+    (tmp_path / "npy").mkdir()                      # pre-tokenized numpy arrays (walk 33)
+    np.save(tmp_path / "npy" / "train.npy", np.arange(100, dtype=np.uint16))
+    with pytest.raises(DataError, match=r"\(binary\)\); train.npy: numpy files are not read: "
+                       r"write the token ids as bare uint16 train.bin and val.bin"):
+        list_files(str(tmp_path / "npy"))
     (tmp_path / "notes.txt").write_text("some text\n")
     assert list_files(str(tmp_path))[:2] == (str(tmp_path), ["notes.txt"])
 

@@ -106,6 +106,11 @@ def test_token_folder_vocabulary_checks_and_nanogpt_character_vocabulary(tmp_pat
         pickle.dump({"vocab_size": 65, "itos": os.system}, f)
     with pytest.raises(DataError, match="only plain data is read"):
         TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
+    with open(tmp_path / "meta.pkl", "wb") as f:       # numpy ids (walk 33: no word of how)
+        pickle.dump({"vocab_size": np.int64(65), "itos": {np.int64(0): "a"}}, f)
+    with pytest.raises(DataError, match=r"only plain data is read\); write vocab_size, itos "
+                       r"and stoi as Python ints and strs \(int\(i\) for numpy integers\)"):
+        TokenFiles(str(tmp_path), token_file_names(str(tmp_path)))
 
     os.remove(tmp_path / "meta.pkl")                            # GPT-2's vocabulary now
     nanogpt_file(tmp_path / "val.bin", [3, 60000, 4])
@@ -221,7 +226,10 @@ def test_init_from_names_what_the_folder_is_instead(tmp_path):
         check_flags(train_parser().parse_args(["--init-from", folder]))
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("step-00000001\n")
-    with pytest.raises(UsageError, match="a minidist checkpoint, not a GPT-2 or Llama folder; --resume"):
+    with pytest.raises(UsageError, match=(  # walk 33: the export route was not said
+            r"a minidist checkpoint, not a GPT-2 or Llama folder; --resume \S+ continues its "
+            r"run \(its optimizer, step and schedule\), or to start a new run from its weights: "
+            r"examples/export_gpt2.py --resume \S+ --out W, then --init-from W$")):
         check_flags(train_parser().parse_args(["--init-from", str(tmp_path / "ckpt")]))
 
 

@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import tempfile
+import unicodedata
 
 from minidist.launcher import launcher_rank, thread_env_problem, world_size_from_env
 from minidist.strategy import checkpoint_dirs
@@ -352,8 +353,20 @@ def run_main(main, args=None, user_errors=(), parser=None):
         sys.exit(2)
 
 
+# bidirectional embeddings, overrides and isolates: they reorder what follows on the screen
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def printable(text):
-    """`text` with what a terminal would act on (escape sequences, other control
-    characters but newline and tab) shown as escapes instead: an untrained model's sample
-    is random bytes."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+    """`text` with what a terminal would act on shown as escapes instead: control characters
+    but newline and tab (escape sequences), bidirectional controls, lone surrogates. An
+    untrained model's sample is random bytes. Other characters Python calls unprintable
+    are text: the zero-width joiners of emoji sequences and Indic and Persian scripts
+    (first-use walk 33: a prompt's 👩‍💻 came back as 👩\\u200d💻), no-break and ideographic
+    spaces."""
+    return "".join(repr(c)[1:-1] if _acts_on_terminal(c) else c for c in text)
+
+
+def _acts_on_terminal(c):
+    category = unicodedata.category(c)
+    return (category == "Cc" and c not in "\n\t") or category == "Cs" or c in BIDI_CONTROLS

@@ -106,8 +106,13 @@ def list_files(path=None):
                 continue
             files.append(name)
     if not files:
+        arrays = [n for n, _ in skipped if n.endswith((".npy", ".npz"))]
         raise DataError(f"--data {path or root}: no text files found"
-                        + (f" (left out: {left_out_text(skipped)})" if skipped else ""))
+                        + (f" (left out: {left_out_text(skipped)})" if skipped else "")
+                        + (f"; {', '.join(arrays[:2])}: numpy files are not read: write the "
+                           "token ids as bare uint16 train.bin and val.bin "
+                           "(np.load(f).astype(np.uint16).tofile('train.bin'))"
+                           if arrays else ""))
     return root, sorted(files), skipped
 
 

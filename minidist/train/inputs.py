@@ -351,7 +351,9 @@ def _check_init_folder(folder):
     names = set(os.listdir(folder))
     if names & {"manifest.json", "latest"} or any(n.startswith("step-") for n in names):
         raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 or Llama "
-                         f"folder; --resume {folder} continues its run")
+                         f"folder; --resume {folder} continues its run (its optimizer, step "
+                         "and schedule), or to start a new run from its weights: "
+                         f"examples/export_gpt2.py --resume {folder} --out W, then --init-from W")
     torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
     missing = [f for f in ("config.json", "model.safetensors") if f not in names]
     raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a GPT-2 "

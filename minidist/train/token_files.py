@@ -118,7 +118,10 @@ def read_meta_pkl(path):
         with open(path, "rb") as f:
             meta = _PlainUnpickler(io.BytesIO(f.read())).load()
     except Exception as e:               # any malformed pickle: one line naming the file
-        raise DataError(f"{path}: not a plain-data pickle ({e})") from None
+        numpy = "numpy" in str(e)            # (walk 33: np.int64 ids, no word of the fix)
+        raise DataError(f"{path}: not a plain-data pickle ({e})" + (
+            "; write vocab_size, itos and stoi as Python ints and strs (int(i) for numpy "
+            "integers), as nanoGPT's prepare.py does" if numpy else "")) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int):
         raise DataError(f"{path}: expected a dict with an integer 'vocab_size' (as nanoGPT's "
                         "data scripts write it)")
