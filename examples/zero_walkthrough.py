@@ -205,8 +205,8 @@ def show_stages(units):
         print(f"  {name:8}{prm:>8}{grd:>8}{opt:>8}")
     for name, *_, when in rows[1:]:
         print(f"  {name}: {when}")
-    print("  (minidist/zero/zero.py: ZeroStage1._grad_complete, ZeroStage2._grad_ready; "
-          "minidist/zero/stage3.py: ZeroStage3.before_block)")
+    print("  (minidist/zero/zero.py: ZeroStage1._grad_complete; minidist/zero/stage2.py: "
+          "ZeroStage2._grad_ready; minidist/zero/stage3.py: ZeroStage3.before_block)")
 
 
 if __name__ == "__main__":

@@ -298,7 +298,7 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
         across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",
                                  comm)
         # every stage starts each unit's as its last reduce-scatter lands, under the rest of
-        # backward (minidist/zero/zero.py: ZeroStage1._land, ZeroStage2._finish_oldest)
+        # backward (minidist/zero/zero.py ZeroStage1._land, stage2.py ZeroStage2._finish_oldest)
         hidden = exposed(across, w["c_b"], cluster.overlap, config.n_layer + 1)
         dp_comm, dp_exposed = dp_comm + across, dp_exposed + hidden
     edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)

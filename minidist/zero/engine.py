@@ -2,7 +2,8 @@
 minidist/zero/stage3.py: stage 3)."""
 from minidist.zero.flat import gpt_units
 from minidist.zero.stage3 import ZeroStage3
-from minidist.zero.zero import ZeroStage1, ZeroStage2
+from minidist.zero.stage2 import ZeroStage2
+from minidist.zero.zero import ZeroStage1
 
 
 def zero_engine(model, group, stage, units=None, prefetch=True, replicas=None,

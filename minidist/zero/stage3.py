@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (FSDP's full sharding): stage 2 (minidist/zero/zero.py) with the parameters
+"""ZeRO stage 3 (FSDP's full sharding): stage 2 (minidist/zero/stage2.py) with the parameters
 sharded too. Each rank keeps only param[lo:hi] of every unit.
 
 Before a block runs, all_gather(buffer, shard) rebuilds its parameters, as views into a
@@ -26,7 +26,8 @@ import functools
 from minidist.autograd import is_grad_enabled
 from minidist.autograd.function import Function
 from minidist.backend import xp_of
-from minidist.zero.zero import ZeroStage2, ZeroUnit
+from minidist.zero.stage2 import ZeroStage2
+from minidist.zero.zero import ZeroUnit
 
 
 class GatherBuffer:
