@@ -137,7 +137,20 @@ def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=N
         out += moe * extra / layout.cp                # this rank's tokens
     out += head * head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
                                         layout.tp, layout.sp, e, dropout)
-    return out
+    return out + stage_outputs(layout.pp, stage, schedule, m, v, head) * s * b \
+        * config.n_embd * e / (layout.tp if layout.sp else 1) / layout.cp
+
+
+def stage_outputs(pp, stage, schedule, m, v, head):
+    """How many (chunk-)micro-batch outputs `stage` keeps at its peak besides what its
+    layers saved: a pipeline stage holds each in-flight forward's output until that
+    micro-batch's backward starts from it (minidist/pp/microbatches.py `live`; a graph holds
+    no op's output, and Korthikanti's per-layer count has none); the ones ending at the head
+    (`head` of them) are the loss. An (s, b, h) tensor each: the 7% the interleaved runs held
+    over the bill (one block per chunk: an output per block), 2-3% at two blocks a stage."""
+    if pp == 1:
+        return 0
+    return peak_in_flight(schedule, pp, stage, pp * v if m is None else m, v) - head
 
 
 def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
