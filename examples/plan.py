@@ -265,10 +265,19 @@ def here_notes(args, cluster):
     return notes + ([busy] if busy else [])
 
 
-def command(config, row, gpus, v):
-    """The train_gpt command that runs `row`."""
-    return (f"mpirun -n {gpus} python examples/train_gpt.py "
-            + " ".join(train_flags(config, row, v)))
+def command(config, row, gpus, v, on_gpus):
+    """The train_gpt command that runs `row`; `on_gpus` (a GPU preset): one rank per GPU,
+    --device cuda --comm nccl, the collectives GPU to GPU at the links' bandwidth the plan
+    priced (minidist's own ring and hier move GPU data through host memory: far slower
+    than priced). NCCL picks its own algorithm per call, so a plan priced with --comm hier
+    runs NCCL too."""
+    flags = train_flags(config, row, v)
+    if on_gpus:
+        if "--comm" in flags:                      # hier: NCCL's own choice instead
+            at = flags.index("--comm")
+            del flags[at:at + 2]
+        flags = ["--device", "cuda", "--comm", "nccl"] + flags
+    return f"mpirun -n {gpus} python examples/train_gpt.py " + " ".join(flags)
 
 
 def main(argv=None):
@@ -326,7 +335,8 @@ def main(argv=None):
               "gpus": args.gpus, "seq": args.seq, "global_batch": args.global_batch,
               "optimizer": args.optimizer, "assumed": assumptions(cluster),
               "rows": rows[:args.top], "best": best and best["layout"],
-              "command": best and command(config, best, args.gpus, v),
+              "command": best and command(config, best, args.gpus, v,
+                                          on_gpus=args.preset != "here"),
               "nothing_fits": None if best else nothing_fits(rows, cluster, args.headroom,
                                                              args.preset == "here")}
     if args.json:

@@ -600,8 +600,10 @@ def test_plan_cli():
     assert result["best"] == result["rows"][0]["layout"]
     run = result["command"].split()                     # the best row, as a train_gpt command
     assert run[:5] == ["mpirun", "-n", "64", "python", "examples/train_gpt.py"]
+    # on GPUs, GPU to GPU: the bandwidth priced (walk 32's leftover: no --comm nccl)
+    assert run[5:9] == ["--device", "cuda", "--comm", "nccl"]
     from minidist.train.strategy import check_layout
-    check_layout(train_parser().parse_args(run[5:]), 64)          # training accepts it
+    check_layout(train_parser().parse_args(run[9:]), 64)          # training accepts it
     nosp = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
                            "8", "--seq", "4096", "--json", "--global-batch", "8", "--layout",
                            "tp=8,nosp"], capture_output=True, text=True, timeout=60, check=True)
@@ -1520,7 +1522,7 @@ def test_a_muon_plans_command_is_one_training_accepts(capsys):
     assert result["optimizer"] == "muon" and result["rows"][0]["muon_ns_steps"] == 3
     assert result["rows"][0]["muon"] and result["rows"][0]["muon_ns"] > 0
     run = result["command"].split()
-    args = train_parser().parse_args(run[5:])
+    args = train_parser().parse_args(run[9:])                 # (after --device, --comm nccl)
     assert (args.optimizer, args.muon_ns_steps) == ("muon", 3)
     check_layout(args, 8)                                     # training accepts it
     _plan_cli().main(["--gpus", "8", "--optimizer", "muon", "--layout", "dp=4,tp=2,zero=1",
