@@ -419,6 +419,23 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
                "--save", str(tmp_path / "ft")))
     again = args("--resume", str(tmp_path / "ft"), "--steps", "3", *cache)
     assert again.tokenizer == str(tmp_path / "x") and train(again)["steps"] == 3
+    # --init-from a checkpoint itself (walk 33 was sent to --resume, which continued the old
+    # schedule): its weights exactly (the val loss --resume --eval-only reports), its
+    # tokenizer taken, a new run from step 0; another tokenizer refused
+    evaluated = ["--eval-only", "--data", corpus, *cache, "--batch-size", "4",
+                 "--eval-iters", "1", "--seed", "0"]
+    resumed = train(args("--resume", str(tmp_path / "ck"), *evaluated))["val_loss"]
+    started = args("--init-from", str(tmp_path / "ck"), *evaluated)
+    assert started.tokenizer == str(tok) and train(started)["val_loss"] == resumed
+    fresh = args("--init-from", str(tmp_path / "ck"), "--data", corpus, *cache, "--steps", "2",
+                 "--save", str(tmp_path / "ft2"))
+    capsys.readouterr()
+    assert train(fresh)["steps"] == 2 and (tmp_path / "ft2" / "step-00000002").is_dir()
+    said = capsys.readouterr().out
+    assert f"init: the weights of --init-from {tmp_path / 'ck'} (step 2 of " in said, said
+    with pytest.raises(UsageError, match=r"--tokenizer .*same_size: --init-from .*ck: the "
+                       "model was trained in another tokenizer"):
+        args("--init-from", str(tmp_path / "ck"), "--tokenizer", str(tmp_path / "same_size"))
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(

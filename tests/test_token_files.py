@@ -226,10 +226,8 @@ def test_init_from_names_what_the_folder_is_instead(tmp_path):
         check_flags(train_parser().parse_args(["--init-from", folder]))
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("step-00000001\n")
-    with pytest.raises(UsageError, match=(  # walk 33: the export route was not said
-            r"a minidist checkpoint, not a GPT-2 or Llama folder; --resume \S+ continues its "
-            r"run \(its optimizer, step and schedule\), or to start a new run from its weights: "
-            r"examples/export_gpt2.py --resume \S+ --out W, then --init-from W$")):
+    with pytest.raises(UsageError, match=(  # a checkpoint starts a run (init_from.py): not
+            r"--init-from \S+ckpt: \S+ckpt: latest names step-00000001, which is missing")):
         check_flags(train_parser().parse_args(["--init-from", str(tmp_path / "ckpt")]))
 
 

@@ -266,12 +266,12 @@ def add_train_args(p):
                    "DIR's newest if it holds one, else start fresh, so a requeued job reruns "
                    "the same command")
     g.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from a GPT-2 or Llama folder's weights (config.json, "
-                   "model.safetensors, "
-                   "as Hugging Face writes them; the model flags follow it, --block-size at "
-                   "most its positions) instead of the "
-                   "seed's; train on data of its vocabulary (--data: token files, or text "
-                   "when the folder has vocab.json and merges.txt)")
+                   help="start a new run (fresh optimizer, step 0) from the weights of a "
+                   "GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face "
+                   "writes them) or of a minidist checkpoint, instead of the seed's; the "
+                   "model flags follow it, --block-size at most its positions; train on data "
+                   "of its vocabulary (--data: token files, or text when the folder has "
+                   "vocab.json and merges.txt, or the checkpoint's run had a --tokenizer)")
     g.add_argument("--log-json", default=None, metavar="FILE",
                    help="rank 0 writes one JSON object per step (appended with --resume)")
     g.add_argument("--trace", default=None, metavar="FILE",

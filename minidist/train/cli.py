@@ -129,8 +129,8 @@ def check_flags(args):
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb {args.bucket_mb}: the DDP bucket size must be positive")
     # --init-from: the model's sizes are the folder's; --resume: the checkpoint's model
-    from minidist.train.inputs import (check_data_path, take_init_from_sizes,  # (inputs.py
-                                       take_resume_model)            # imports this module)
+    from minidist.train.inputs import check_data_path, take_resume_model   # (they import
+    from minidist.train.init_from import take_init_from_sizes             # this module)
     from minidist.train.model_flags import check_arch, check_moe     # (so does it)
     from minidist.train.idle_flags import check_idle_flags           # (and it)
     if getattr(args, "eval_only", False) and args.resume and args.init_from:
@@ -142,7 +142,7 @@ def check_flags(args):
         if not (args.resume or args.init_from):
             raise UsageError("--eval-only: no weights to evaluate; give --resume DIR (a "
                              "checkpoint or a --save folder) or --init-from DIR (a GPT-2 or "
-                             "Llama folder)")
+                             "Llama folder, or a checkpoint)")
         if args.resume == "auto":
             raise UsageError("--resume auto: --eval-only evaluates the checkpoint you name; "
                              "give --resume DIR")

@@ -1,31 +1,25 @@
 """What a run starts from, besides the seed: its data (`--data`: text, or a folder of token
-files) and its initial weights (`--init-from`: a GPT-2 folder), or the checkpoint it resumes
-(`--resume`: its model). Checked before any work, on each rank alone (`check_data_path`,
-`take_init_from_sizes`, `take_resume_model`, called by cli.check_flags), then opened after the
-strategy is made (`initial_weights`, called by loop.train; --data by
-minidist/train/data_open.py).
+files), or the checkpoint it resumes (`--resume`: its model, tokenizer, data and run
+settings). Checked before any work, on each rank alone (`check_data_path`,
+`take_resume_model`, called by cli.check_flags); --init-from's weights:
+minidist/train/init_from.py; --data opened after the strategy is made:
+minidist/train/data_open.py.
 
     text            minidist/train/data.py: bytes, or --tokenizer's (else --init-from's) BPE,
                     tokenized once, cached
     token files     minidist/train/token_files.py: nanoGPT's and llm.c's, read in place
-    --init-from     minidist/nn/pretrained.py: the folder's arrays, which gpt_init hands to
-                    every layout (minidist/nn/config.py)
 
 A checkpoint records --data and --init-from as absolute paths (`recorded_flags`), so
 examples/sample.py finds their tokenizer from any folder.
 Tests: tests/test_token_files.py.
 """
-import json
 import os
-from dataclasses import asdict
 
 from minidist.nn.config import ARCH_DEFAULTS, ffn_size
-from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
-from minidist.train.data import ByteTokenizer
 from minidist.train.token_files import token_file_names
 
 PATHS = ("data", "init_from", "cache_dir", "tokenizer")   # recorded as absolute paths
@@ -64,64 +58,6 @@ def check_data_path(args):
                          "read where they are (nothing is cached); leave --cache-dir out")
 
 
-def take_init_from_sizes(args):
-    """--init-from DIR (a GPT-2 or Llama folder: config.json, model.safetensors): the model's
-    sizes become the folder's (--n-layer, --n-head, --n-embd, biases, --arch, --n-kv-head,
-    --rope-theta, --ffn-hidden) and --block-size at most its positions, so every later
-    check sees them; one of these given (args.given: args.py's Given) with another value,
-    or --moe-experts (the folder's model is dense), is refused. Reads
-    config.json only. With --resume the checkpoint's weights are loaded instead, so the same
-    command continues a fine-tuning run."""
-    folder = getattr(args, "init_from", None)
-    if folder is None:
-        return
-    _check_init_folder(folder)
-    try:
-        saved = read_config(folder)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--init-from {folder}: its config.json is not JSON ({e})") from None
-    except (ValueError, KeyError, OSError) as e:
-        why = str(e).removeprefix("from_pretrained: ")
-        raise UsageError(f"--init-from {folder}: {why}") from None
-    given, model = getattr(args, "given", []), asdict(saved)
-    clash = take_model_fields(args, model,
-                              ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS))
-    if clash:
-        name, value = clash
-        said = ("--no-bias: its model has biases" if name == "bias" else
-                f"{_flag(name)} {value}: its model has {name} "
-                f"{_resolved(name, model[name], model)}")          # (0: the size it means)
-        raise UsageError(f"{said} (--init-from {folder}); leave {_flag(name)} out, the "
-                         "folder's sizes are used")
-    if args.block_size > saved.block_size and "block_size" not in given:
-        args.block_size = saved.block_size     # the default, past the folder's positions
-    elif args.block_size > saved.block_size and not saved.llama:  # (RoPE: any length asked)
-        raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
-                         f"{saved.block_size} positions; give at most {saved.block_size}")
-    if args.moe_experts:
-        raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
-                         "dense model (no experts); leave the --moe-* flags out")
-    _check_init_tokenizer(args, folder)
-
-
-def _check_init_tokenizer(args, folder):
-    """--tokenizer beside an --init-from folder that holds its model's own (vocab.json and
-    merges.txt) must be that one: another of the same size fine-tuned the weights on text
-    cut into other ids (first-use walk 33)."""
-    given = getattr(args, "tokenizer", None)
-    if given is None or args.resume or not (tokenizer_files(given) and
-                                            tokenizer_files(folder)):
-        return
-    try:
-        same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(folder).key
-    except TokenizerError:
-        return                                 # check_data_path and the load name the file
-    if not same:
-        raise UsageError(f"--tokenizer {given}: --init-from {folder} holds its model's own "
-                         "tokenizer (vocab.json, merges.txt), whose vocabulary or merges "
-                         "differ (its ids would mean other strings); leave --tokenizer out")
-
-
 # the flags that pick the val batches, which --eval-only of a checkpoint takes from its run
 # (unless given), so that it reports the val loss that run ended with
 EVALUATED_AS = ("seed", "batch_size", "eval_iters")
@@ -148,19 +84,19 @@ def take_model_fields(args, model, names, keep=()):
     sizes its weights have; `keep`: fields no parameter depends on, which keep a value given.
     Returns the first other field given (args.given) with another size than the model's, as
     (name, the value given), for the caller to refuse in its own words; None when none is.
-    (Sizes are compared as _resolved reads them: typing the size the model holds is fine.)"""
+    (Sizes are compared as resolved_size reads them: typing the size the model holds is fine.)"""
     given = getattr(args, "given", [])
     for name in names:
         value, theirs = getattr(args, name), model[name]
         if name in given and name not in keep \
-                and _resolved(name, value, model) != _resolved(name, theirs, model):
+                and resolved_size(name, value, model) != resolved_size(name, theirs, model):
             return name, value
         if name not in given or name not in keep:
             setattr(args, name, theirs)
     return None
 
 
-def _flag(name):
+def flag_of(name):
     """The flag that sets model field `name` away from its default (bias: --no-bias)."""
     return "--no-bias" if name == "bias" else "--" + name.replace("_", "-")
 
@@ -182,7 +118,7 @@ def schedule_differences(args, flags):
             if flags.get(k) is not None and flags[k] != getattr(args, k)]
 
 
-def _resolved(name, value, model):
+def resolved_size(name, value, model):
     """A model field's `value` as the size it means in `model` (a GPTConfig's fields, as a
     dict): --n-kv-head 0 is --n-head's heads, --ffn-hidden 0 the block's default width; any
     other as it is. So typing the size a checkpoint or folder holds is not refused."""
@@ -297,9 +233,9 @@ def take_resume_model(args):
     if clash:
         name, value = clash
         said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
-                else f"{_flag(name)} {value}: --resume {folder} holds a model with {name} "
-                f"{_resolved(name, config[name], config)}")
-        raise UsageError(f"{said}; leave {_flag(name)} out (a resumed run takes its model "
+                else f"{flag_of(name)} {value}: --resume {folder} holds a model with {name} "
+                f"{resolved_size(name, config[name], config)}")
+        raise UsageError(f"{said}; leave {flag_of(name)} out (a resumed run takes its model "
                          "from the checkpoint)")
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
@@ -336,60 +272,6 @@ def _take_resume_optimizer(args, folder, flags):
     for name in ("muon_momentum", "muon_ns_steps") + RUN_RESUMED:
         if name not in given and flags.get(name) is not None:
             setattr(args, name, flags[name])
-
-
-def _check_init_folder(folder):
-    """--init-from names a GPT-2 or Llama folder, not a file, a minidist checkpoint or PyTorch
-    files."""
-    if not os.path.isdir(folder):
-        what = "is a file; give the folder that holds it" if os.path.exists(folder) \
-            else "no such folder"
-        raise UsageError(f"--init-from {folder}: {what} (a GPT-2 or Llama folder: config.json, "
-                         "model.safetensors, as Hugging Face writes them)")
-    if is_gpt2_folder(folder):
-        return
-    names = set(os.listdir(folder))
-    if names & {"manifest.json", "latest"} or any(n.startswith("step-") for n in names):
-        raise UsageError(f"--init-from {folder}: a minidist checkpoint, not a GPT-2 or Llama "
-                         f"folder; --resume {folder} continues its run (its optimizer, step "
-                         "and schedule), or to start a new run from its weights: "
-                         f"examples/export_gpt2.py --resume {folder} --out W, then --init-from W")
-    torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
-    missing = [f for f in ("config.json", "model.safetensors") if f not in names]
-    raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give a GPT-2 "
-                     "or Llama folder as Hugging Face writes it (config.json, "
-                     "model.safetensors or a sharded one's model.safetensors.index.json)"
-                     + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
-                        "read: re-save the model with safe_serialization=True" if torch else ""))
-
-
-def initial_weights(args, config, data, log):
-    """--init-from's parameters ({name: host array}, memory-mapped: each rank reads only what
-    it holds), or None: the seed's draws. None too when resuming: the checkpoint's weights
-    are loaded over the model. The data must be in the folder's vocabulary; the log says
-    where the weights came from."""
-    if args.init_from is None or args.resume:
-        return None
-    saved = read_config(args.init_from)      # (its sizes were taken: take_init_from_sizes)
-    if data.vocab_size != saved.vocab_size:
-        raise UsageError(
-            f"--init-from {args.init_from}: its model reads a {saved.vocab_size:,}-token "
-            f"vocabulary, --data {args.data or '(Python sources)'} is in "
-            f"{data.vocab_size:,} tokens "
-            f"({data.tokenizer.name if data.tokenizer else 'token files'}); " + (
-                "give --data text (read as bytes, the vocabulary this model was trained in)"
-                if saved.vocab_size == ByteTokenizer.vocab_size else
-                "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT "
-                f"or llm.c write them), or text with its vocab.json and merges.txt in "
-                f"{args.init_from}"))
-    try:
-        weights = pretrained_weights(args.init_from, config)
-    except ValueError as e:                     # a tensor missing or of another shape
-        raise UsageError(f"--init-from {e}") from None
-    log.print0(f"init: the weights of --init-from {args.init_from}"
-               + (f" (wpe's first {config.block_size} positions)"
-                  if config.block_size < saved.block_size and not saved.llama else ""))
-    return weights
 
 
 def recorded_flags(flags):

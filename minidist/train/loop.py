@@ -40,7 +40,7 @@ from minidist.train.data import DataError
 from minidist.train.saves import Saves
 from minidist.train.startup import describe_run
 from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
-from minidist.train.inputs import initial_weights
+from minidist.train.init_from import initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite

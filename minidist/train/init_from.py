@@ -1,0 +1,200 @@
+"""--init-from DIR: a new run that starts from trained weights instead of the seed's draws,
+with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR is
+
+    a GPT-2 or Llama folder   config.json + model.safetensors, as Hugging Face writes them
+                              (minidist/nn/pretrained.py; examples/export_gpt2.py writes one
+                              of any checkpoint): memory-mapped, each rank reads what it holds;
+                              its tokenizer is the folder's vocab.json and merges.txt
+    a minidist checkpoint     a --save directory (its newest) or one checkpoint folder, of any
+                              layout (minidist/train/gather.py reads it whole, in each rank):
+                              its parameters, the float32 masters under --amp; its optimizer
+                              state, step and schedule are left (--resume continues those),
+                              and so are an MoE's router biases (they start from 0). Its
+                              tokenizer is its run's (model_tokenizer.own_tokenizer), taken as
+                              this run's --tokenizer. First-use walk 33 was sent from here to
+                              --resume, which continued the old run's schedule instead
+
+    take_init_from_sizes  cli.check_flags, on each rank before any work: the model flags
+                          become the saved model's (one given with another size refused),
+                          --block-size at most its positions, a --tokenizer not its own refused
+    initial_weights       loop.train, once the data is open: the data must be in the model's
+                          vocabulary; the weights, for gpt_init in every layout
+                          (minidist/nn/config.py), and the log's "init:" line
+With --resume the checkpoint's weights are loaded instead, so the same command (plus
+--resume auto) continues a fine-tuning run.
+Tests: tests/test_token_files.py (folders), tests/test_bpe.py (a checkpoint, its tokenizer).
+"""
+import json
+import os
+from dataclasses import asdict
+
+from minidist.nn.config import ARCH_DEFAULTS
+from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
+from minidist.strategy.checkpoint import CheckpointError
+from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
+from minidist.train.cli import UsageError
+from minidist.train.data import ByteTokenizer
+from minidist.train.gather import model_config, whole_model
+from minidist.train.inputs import RESUMED, flag_of, resolved_size, take_model_fields
+from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
+
+FOLDER = "a GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face writes them)"
+
+
+def is_checkpoint(folder):
+    """Whether `folder` is a minidist checkpoint or a --save directory of them."""
+    names = set(os.listdir(folder))
+    return bool(names & {"manifest.json", "latest"}) or any(n.startswith("step-")
+                                                           for n in names)
+
+
+def saved_config(folder):
+    """The GPTConfig of the model --init-from names (a folder's config.json, a checkpoint's
+    record); UsageError naming what cannot be read."""
+    try:
+        return model_config(folder) if is_checkpoint(folder) else read_config(folder)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--init-from {folder}: its config.json is not JSON ({e})") from None
+    except CheckpointError as e:
+        raise UsageError(f"--init-from {folder}: {str(e).removeprefix('--resume ')}") from None
+    except (ValueError, KeyError, OSError) as e:
+        why = str(e).removeprefix("from_pretrained: ")
+        raise UsageError(f"--init-from {folder}: {why}") from None
+
+
+def take_init_from_sizes(args):
+    """--init-from DIR (module docstring): the model's sizes become DIR's (--n-layer,
+    --n-head, --n-embd, biases, --arch, --n-kv-head, --rope-theta, --ffn-hidden; a
+    checkpoint's --moe-* too) and --block-size at most its positions, so every later check
+    sees them; one of these given (args.given: args.py's Given) with another value, or
+    --moe-experts for a folder (a dense model), is refused. Reads config.json or the
+    checkpoint's record only. A checkpoint's tokenizer becomes --tokenizer unless given."""
+    folder = getattr(args, "init_from", None)
+    if folder is None:
+        return
+    _check_init_folder(folder)
+    checkpoint = is_checkpoint(folder)
+    saved = saved_config(folder)
+    given, model = getattr(args, "given", []), asdict(saved)
+    names = ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS)
+    if checkpoint and saved.moe_experts:      # its experts' sizes and routing, as --resume's
+        names += tuple(n for n in RESUMED if n.startswith("moe_"))
+    clash = take_model_fields(args, model, names,
+                              keep=("moe_capacity_factor", "moe_aux_loss_coef",
+                                    "moe_z_loss_coef"))
+    if clash:
+        name, value = clash
+        said = ("--no-bias: its model has biases" if name == "bias" else
+                f"{flag_of(name)} {value}: its model has {name} "
+                f"{resolved_size(name, model[name], model)}")    # (0: the size it means)
+        raise UsageError(f"{said} (--init-from {folder}); leave {flag_of(name)} out, the "
+                         "saved model's sizes are used")
+    if args.block_size > saved.block_size and "block_size" not in given:
+        args.block_size = saved.block_size     # the default, past the folder's positions
+    elif args.block_size > saved.block_size and not saved.llama:  # (RoPE: any length asked)
+        raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
+                         f"{saved.block_size} positions; give at most {saved.block_size}")
+    if args.moe_experts and not saved.moe_experts:
+        raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
+                         "dense model (no experts); leave the --moe-* flags out")
+    if checkpoint:
+        _take_checkpoint_tokenizer(args, folder)
+    else:
+        _check_init_tokenizer(args, folder)
+
+
+def _take_checkpoint_tokenizer(args, folder):
+    """A checkpoint's tokenizer (its run's --tokenizer, or the BPE its run found) is this
+    run's --tokenizer unless one is given; one given that is not it is refused."""
+    given = getattr(args, "tokenizer", None)
+    if given is not None:
+        if tokenizer_files(given):
+            try:
+                why = not_its_tokenizer(folder, BPETokenizer.from_folder(given))
+            except TokenizerError:
+                return                         # check_data_path and the load name the file
+            if why:
+                raise UsageError(f"--tokenizer {given}: --init-from {folder}: {why}; its ids "
+                                 "would mean other strings: leave --tokenizer out")
+        return
+    _, where = own_tokenizer(folder)
+    if isinstance(where, str) and tokenizer_files(where):
+        args.tokenizer = where
+
+
+def _check_init_tokenizer(args, folder):
+    """--tokenizer beside an --init-from folder that holds its model's own (vocab.json and
+    merges.txt) must be that one: another of the same size fine-tuned the weights on text
+    cut into other ids (first-use walk 33)."""
+    given = getattr(args, "tokenizer", None)
+    if given is None or args.resume or not (tokenizer_files(given) and
+                                            tokenizer_files(folder)):
+        return
+    try:
+        same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(folder).key
+    except TokenizerError:
+        return                                 # check_data_path and the load name the file
+    if not same:
+        raise UsageError(f"--tokenizer {given}: --init-from {folder} holds its model's own "
+                         "tokenizer (vocab.json, merges.txt), whose vocabulary or merges "
+                         "differ (its ids would mean other strings); leave --tokenizer out")
+
+
+def _check_init_folder(folder):
+    """--init-from names a GPT-2 or Llama folder or a minidist checkpoint, not a file or
+    PyTorch files."""
+    if not os.path.isdir(folder):
+        what = "is a file; give the folder that holds it" if os.path.exists(folder) \
+            else "no such folder"
+        raise UsageError(f"--init-from {folder}: {what} ({FOLDER}, or a minidist checkpoint)")
+    if is_gpt2_folder(folder) or is_checkpoint(folder):
+        return
+    names = set(os.listdir(folder))
+    torch = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+    missing = [f for f in ("config.json", "model.safetensors") if f not in names]
+    raise UsageError(f"--init-from {folder}: no {' or '.join(missing)} there; give {FOLDER}, "
+                     "a sharded one's model.safetensors.index.json, or a minidist checkpoint"
+                     + (f"; {', '.join(torch)} are PyTorch pickles, which minidist does not "
+                        "read: re-save the model with safe_serialization=True" if torch else ""))
+
+
+def initial_weights(args, config, data, log):
+    """--init-from's parameters ({name: host array}; a folder's memory-mapped, each rank
+    reading only what it holds), or None: the seed's draws. None too when resuming: the
+    checkpoint's weights are loaded over the model. The data must be in the saved model's
+    vocabulary; the log says where the weights came from."""
+    if args.init_from is None or args.resume:
+        return None
+    folder = args.init_from
+    saved = saved_config(folder)      # (its sizes were taken: take_init_from_sizes)
+    if data.vocab_size != saved.vocab_size:
+        raise UsageError(
+            f"--init-from {folder}: its model reads a {saved.vocab_size:,}-token "
+            f"vocabulary, --data {args.data or '(Python sources)'} is in "
+            f"{data.vocab_size:,} tokens "
+            f"({data.tokenizer.name if data.tokenizer else 'token files'}); " + (
+                "give --data text (read as bytes, the vocabulary this model was trained in)"
+                if saved.vocab_size == ByteTokenizer.vocab_size else
+                "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT "
+                "or llm.c write them), or text with its tokenizer (" + (
+                    "--tokenizer" if is_checkpoint(folder) else
+                    f"its vocab.json and merges.txt in {folder}") + ")"))
+    if is_checkpoint(folder):
+        try:
+            _, weights, what = whole_model(folder)
+        except CheckpointError as e:
+            raise UsageError(f"--init-from {folder}: "
+                             f"{str(e).removeprefix('--resume ')}") from None
+        if not saved.llama:                     # its first positions, as a folder's below
+            weights["transformer.wpe.weight"] = \
+                weights["transformer.wpe.weight"][:config.block_size]
+    else:
+        try:
+            weights = pretrained_weights(folder, config)
+        except ValueError as e:                 # a tensor missing or of another shape
+            raise UsageError(f"--init-from {e}") from None
+        what = None
+    log.print0(f"init: the weights of --init-from {folder}" + (f" ({what})" if what else "")
+               + (f" (wpe's first {config.block_size} positions)"
+                  if config.block_size < saved.block_size and not saved.llama else ""))
+    return weights
