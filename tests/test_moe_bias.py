@@ -286,3 +286,23 @@ def test_bench_step_moves_the_biases_as_training_does():
     assert lo <= -0.01 and hi >= 0.01 and max(-lo, hi) <= 0.02 + 1e-12   # two steps of 0.01
     still = bench()
     assert still.returncode == 0 and json.loads(still.stdout)["moe_bias"] == [0.0, 0.0]
+
+
+def test_a_run_from_a_checkpoint_takes_its_biases(tmp_path, corpus):
+    """--init-from an MoE checkpoint (minidist/train/init_from.py): its experts and its
+    routers' biases, so it routes as the checkpoint does: --eval-only reports the val loss
+    of `--resume ck --eval-only`, which zero biases would not."""
+    ck = str(tmp_path / "ck")
+    data = ("--data", corpus, "--cache-dir", str(tmp_path / "c"), "--dtype", "float64")
+    first = train_tiny("--moe-experts", "4", "--moe-bias-rate", "0.05", "--steps", "6",
+                       "--save", ck, *data)
+    assert first.returncode == 0, first.stderr
+    assert any(v for b in router_bias(ck).values() for v in b)
+    evaluated = ("--eval-only", "--sample", "0", "--batch-size", "2", "--eval-iters", "1",
+                 "--seed", "0", *data)
+    said = [subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                            how, ck, *evaluated], cwd=ROOT, env=mpi_env(), capture_output=True,
+                           text=True, timeout=120) for how in ("--resume", "--init-from")]
+    losses = [line for s in said for line in s.stdout.splitlines()
+              if line.startswith("val loss")]
+    assert len(losses) == 2 and losses[0] == losses[1], [s.stderr for s in said]

@@ -8,8 +8,8 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
     a minidist checkpoint     a --save directory (its newest) or one checkpoint folder, of any
                               layout (minidist/train/gather.py reads it whole, in each rank):
                               its parameters, the float32 masters under --amp; its optimizer
-                              state, step and schedule are left (--resume continues those),
-                              and so are an MoE's router biases (they start from 0). Its
+                              state, step and schedule are left (--resume continues those);
+                              an MoE's router biases come with it (initial_router_bias). Its
                               tokenizer is its run's (model_tokenizer.own_tokenizer), taken as
                               this run's --tokenizer. First-use walk 33 was sent from here to
                               --resume, which continued the old run's schedule instead
@@ -20,6 +20,8 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
     initial_weights       loop.train, once the data is open: the data must be in the model's
                           vocabulary; the weights, for gpt_init in every layout
                           (minidist/nn/config.py), and the log's "init:" line
+    initial_router_bias   loop.train: a checkpoint's MoE router biases (--moe-bias-rate), so
+                          its experts are picked as they were
 With --resume the checkpoint's weights are loaded instead, so the same command (plus
 --resume auto) continues a fine-tuning run.
 Tests: tests/test_token_files.py (folders), tests/test_bpe.py (a checkpoint, its tokenizer).
@@ -34,7 +36,7 @@ from minidist.strategy.checkpoint import CheckpointError
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
-from minidist.train.gather import model_config, whole_model
+from minidist.train.gather import model_config, router_bias, whole_model
 from minidist.train.inputs import RESUMED, flag_of, resolved_size, take_model_fields
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
 
@@ -198,3 +200,13 @@ def initial_weights(args, config, data, log):
                + (f" (wpe's first {config.block_size} positions)"
                   if config.block_size < saved.block_size and not saved.llama else ""))
     return weights
+
+
+def initial_router_bias(args):
+    """The MoE routers' biases to start from ({block: [E floats]}, RouterBias.load_state_dict):
+    an --init-from checkpoint's (its run's --moe-bias-rate learnt them; without them its
+    experts would be picked otherwise); {} (all 0) for a folder, the seed or a resume (the
+    checkpoint's are loaded with it)."""
+    if args.init_from is None or args.resume or not is_checkpoint(args.init_from):
+        return {}
+    return router_bias(args.init_from)

@@ -40,7 +40,7 @@ from minidist.train.data import DataError
 from minidist.train.saves import Saves
 from minidist.train.startup import describe_run
 from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
-from minidist.train.init_from import initial_weights
+from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
@@ -150,6 +150,7 @@ def train(args, world=None):
     config = _config(args, data)
     weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
     model = strategy.build_model(config, args.seed, args.dtype, weights)
+    model.router_bias.load_state_dict(initial_router_bias(args))   # an MoE checkpoint's
     opt = strategy.build_optimizer(model, args)
     schedule = lr_schedule(vars(args))
     start = resume_run(args, strategy, log, model, opt) if args.resume else 0
