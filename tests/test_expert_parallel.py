@@ -336,8 +336,9 @@ def test_load_stats_cover_the_global_batch(corpus, tmp_path, mpi):
 @pytest.mark.mpi
 def test_train_gpt_pp2_logs_one_process(corpus, tmp_path, mpi):
     """train_gpt.py --pp 2 with MoE blocks logs one process's losses, val losses (the router
-    losses of both stages summed) and load statistics (one micro-batch: the whole batch), with
-    only the second stage holding an MoE block (--moe-every 2):
+    losses of both stages summed) and load statistics, with only the second stage holding an
+    MoE block (--moe-every 2), at one micro-batch and at the default 4 (first-use walk 35:
+    the counts were the last micro-batch's, a quarter of the batch's); --grad-accum 2 too:
 
         python examples/train_gpt.py --data CORPUS --moe-experts 4 --moe-every 2 ...
         mpiexec -n 2 python examples/train_gpt.py ... --pp 2 --micro-batches 1
@@ -348,15 +349,16 @@ def test_train_gpt_pp2_logs_one_process(corpus, tmp_path, mpi):
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
                    capture_output=True, check=True)
-    mpi(2, "examples/train_gpt.py", *common, "--pp", "2", "--micro-batches", "1",
-        "--log-json", pp, timeout=120)
-    a, b = _rows(one), _rows(pp)
-    assert len(a) == len(b) and "val_loss" in a[-1]
-    for r, s in zip(a, b):
-        key = "loss" if "loss" in r else "val_loss"
-        assert abs(r[key] - s[key]) < 1e-10, (r, s)
-    assert_same_load_stats(a, b)
-    assert len(a[0]["moe_tokens"]) == 1                      # block 1 alone is MoE
+    for flags in (["--pp", "2", "--micro-batches", "1"], ["--pp", "2"], ["--grad-accum", "2"]):
+        mpi(2 if "--pp" in flags else 1, "examples/train_gpt.py", *common, *flags,
+            "--log-json", pp, timeout=120)
+        a, b = _rows(one), _rows(pp)
+        assert len(a) == len(b) and "val_loss" in a[-1]
+        for r, s in zip(a, b):
+            key = "loss" if "loss" in r else "val_loss"
+            assert abs(r[key] - s[key]) < 1e-10, (flags, r, s)
+        assert_same_load_stats(a, b)
+        assert len(a[0]["moe_tokens"]) == 1                  # block 1 alone is MoE
 
 
 @pytest.mark.mpi

@@ -248,7 +248,7 @@ ALLOWED = {
     "nn/moe.py:Routing.dropped: int(self.assigned - self.counts.sum())":
         HOST_VALUE + ": the routing is computed on the host (one host_read of the probs)",
     "nn/moe.py:MoE.run_experts: int(n)": HOST_VALUE + ": counts of the routing",
-    "nn/moe.py:load_stats: m.routing.counts.tolist()": HOST_VALUE + ": counts of the routing",
+    "nn/moe.py:load_stats: kept.tolist()": HOST_VALUE + ": counts of the routing",
     "autograd/cuda_kernels.py:_threads: int(n)": HOST_VALUE + ": a size",
 }
 CALLS = {"item", "tolist", "get", "asnumpy", "to_host"}

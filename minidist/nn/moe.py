@@ -219,6 +219,7 @@ class MoE(Module):
         self.aux_loss = self.z_loss = self.routing = None     # from the last forward
         self.bias = None                # (E,): a view of the GPT's RouterBias row, or None
         self.load = np.zeros(E, dtype=np.int64)     # chosen per expert since last taken
+        self.logged = StepRouting(E)                # the log's, since last taken
 
     def keep_experts(self, ids):
         """Drop every expert not in `ids` (expert parallelism: this rank's share)."""
@@ -246,6 +247,8 @@ class MoE(Module):
             self.load += r.chosen.sum(axis=0)     # micro-batch (a checkpointed block's first
                                                   # run records no graph, its recompute does)
         self.aux_loss, self.z_loss = self.losses(probs, logits, r.chosen, parts)
+        if self.training and is_grad_enabled():   # every micro-batch of the step, for the
+            self.logged.add(r, self.aux_loss.data)  # log (not only the last: walk 35)
         xp = backend.xp_of(x.data)
         token, expert = xp.asarray(r.token), xp.asarray(r.expert)
         gate = probs[token, expert].reshape(-1, 1)                      # (M, 1)
@@ -313,13 +316,46 @@ def moe_layers_by_block(model):
     return {b: m for b, m in moe_layers(model).items() if m.routing is not None}
 
 
+class StepRouting:
+    """A layer's routing summed over the training forwards since last taken (every
+    micro-batch of a step: --grad-accum's, a pipeline's), for the log's rows: assignments
+    kept per expert, dropped, and the load-balancing losses (summed on the device: read when
+    taken, the layer's one "moe log" host read). First-use walk 35: a pipeline's rows held its last
+    micro-batch's counts only, a quarter of the batch at 4 micro-batches."""
+
+    def __init__(self, n_experts):
+        self.n_experts = n_experts
+        self._start()
+
+    def _start(self):
+        self.kept, self.dropped = np.zeros(self.n_experts, np.int64), 0
+        self.aux, self.forwards = None, 0           # (the losses' sum, on the device)
+
+    def add(self, routing, aux):
+        self.kept += routing.counts
+        self.dropped += routing.dropped
+        self.aux = aux.astype("float64") if self.aux is None else self.aux + aux
+        self.forwards += 1
+
+    def take(self):
+        """(kept (E,) int64, dropped, the mean load-balancing loss: a host float, read here
+        (0.0 without a forward)) since the last take; starts again from zero."""
+        aux = 0.0 if self.aux is None else \
+            float(backend.host_read(self.aux / self.forwards, "moe log"))
+        taken = self.kept, self.dropped, aux
+        self._start()
+        return taken
+
+
 def load_stats(model):
-    """The MoE blocks' routing in the last forward, on this rank's rows, for the log:
-    {"moe_tokens": [[assignments kept per expert] per MoE block], "moe_dropped": [per block],
-    "moe_aux": [load-balancing loss per block]}; {} for a dense model."""
+    """The MoE blocks' routing in the step's training forwards (StepRouting, taken), on this
+    rank's rows, for the log: {"moe_tokens": [[assignments kept per expert] per MoE block],
+    "moe_dropped": [per block], "moe_aux": [load-balancing loss per block, the micro-batches'
+    mean]}; {} for a dense model."""
     layers = list(moe_layers_by_block(model).values())
     if not layers:
         return {}
-    return {"moe_tokens": [m.routing.counts.tolist() for m in layers],
-            "moe_dropped": [m.routing.dropped for m in layers],
-            "moe_aux": [float(backend.host_read(m.aux_loss.data, "moe log")) for m in layers]}
+    taken = [m.logged.take() for m in layers]
+    return {"moe_tokens": [kept.tolist() for kept, _, _ in taken],
+            "moe_dropped": [dropped for _, dropped, _ in taken],
+            "moe_aux": [aux for _, _, aux in taken]}

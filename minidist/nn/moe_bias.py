@@ -33,7 +33,6 @@ imbalance falling; every layout = one process, resumed bit for bit and in anothe
 """
 import numpy as np
 
-from minidist import backend
 from minidist.nn.moe import load_stats, moe_layers, moe_layers_by_block
 
 
@@ -100,8 +99,8 @@ def global_loads(model, world=None, copies=1):
 
 
 def global_load_stats(model, world, copies):
-    """moe.py's load_stats over the GLOBAL batch (this rank's rows of its last micro-batch,
-    summed over the ranks: every rank of the world calls this). One float64 all-reduce over
+    """moe.py's load_stats over the GLOBAL batch (this rank's rows of the step's
+    micro-batches, summed over the ranks: every rank of the world calls this). One float64 all-reduce over
     the world of [tokens, dropped, aux] per MoE block of the whole model (world_block_sums,
     host memory), zeros for the blocks this rank does not hold (another pipeline stage's).
     Of the h ranks holding a block
@@ -118,10 +117,11 @@ def global_load_stats(model, world, copies):
     blocks, E = model.router_bias.blocks, config.moe_experts
     rows, mine = np.zeros((len(blocks), E + 2)), np.zeros(len(blocks))  # tokens, dropped, aux
     for b, m in moe_layers_by_block(model).items():
-        r = m.routing
-        aux = float(backend.host_read(m.aux_loss.data, "moe log"))
+        kept, dropped, aux = m.logged.take()          # the step's micro-batches, summed
+        parts = m.routing.parts
         i = blocks.index(b)
-        rows[i], mine[i] = [*(r.counts * r.parts), r.dropped * r.parts, aux], 1
+        rows[i] = [*(kept * parts), dropped * parts, aux]
+        mine[i] = 1
     total, held, per_row = world_block_sums(rows, mine, world, copies)
     counts = np.rint(total[:, :E + 1] / per_row).astype(np.int64)
     return {"moe_tokens": counts[:, :E].tolist(), "moe_dropped": counts[:, E].tolist(),
