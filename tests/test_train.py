@@ -388,3 +388,30 @@ def test_a_resume_on_other_contents_at_the_same_path_says_so(corpus, tmp_path, d
     said = capsys.readouterr().out
     assert (f"; note: --data {text} holds other tokens than when that run trained (edited or "
             "replaced): this val loss is not the one it ended with") in said, said
+
+
+def test_a_resume_names_what_changes_its_numbers_and_what_cannot_change(corpus, tmp_path,
+                                                                        device, capsys):
+    """First-use walk 35: an MoE loss weight given on a resume changed the losses without a
+    note; another --grad-accum (the same batch, split otherwise: the same numbers) was
+    "will differ"; a layout refusal on a resume asked to change a model size the
+    checkpoint fixes. Now: noted; named as the checkpoint's run's; named as fixed."""
+    from minidist.train.cli import check_flags
+    from minidist.train.strategy import check_layout
+    ck = str(tmp_path / "ck")
+    moe = ["--moe-experts", "4", "--eval-every", "0"]
+    train(_args(device, corpus, tmp_path, *moe, "--steps", "4", "--stop-at", "2",
+                "--save", ck))
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, *moe, "--steps", "4", "--resume", ck,
+                "--moe-aux-loss-coef", "0", "--grad-accum", "2"))
+    said = capsys.readouterr().out
+    assert ("(note: moe_aux_loss_coef changed, so the run will differ from an uninterrupted "
+            "one); note: the checkpoint's run had --grad-accum 1 (the same numbers under any "
+            "schedule or split of the batch, up to rounding") in said, said
+    args = train_parser().parse_args(["--resume", ck, "--cp", "3", "--steps", "4"])
+    check_flags(args)
+    with pytest.raises(UsageError, match=(
+            rf"choose a multiple of 6 \(under --resume {ck}, --block-size 16 is its "
+            r"model's and cannot change: choose a layout that fits them\)$")):
+        check_layout(args, 3)

@@ -19,9 +19,15 @@ from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.strategy import checkpoint_dirs
 from minidist.train.inputs import recorded_flags, schedule_differences
 
-# flags whose change makes a resumed run differ from an uninterrupted one; the schedule's
-_MUST_MATCH = ("seed", "batch_size", "grad_accum", "weight_decay", "grad_clip", "data",
-               "dropout", "muon_momentum", "muon_ns_steps", "moe_bias_rate", "grad_dtype")
+# flags whose change makes a resumed run differ from an uninterrupted one (the MoE loss
+# weights and capacity too: first-use walk 35 saw them change the losses without a note);
+# the schedule's
+_MUST_MATCH = ("seed", "batch_size", "weight_decay", "grad_clip", "data", "dropout",
+               "muon_momentum", "muon_ns_steps", "moe_bias_rate", "moe_capacity_factor",
+               "moe_aux_loss_coef", "moe_z_loss_coef", "grad_dtype")
+# flags that split the same global batch otherwise: the same numbers up to rounding (walk 35:
+# "grad_accum changed, so the run will differ" on a resume equal to 8.9e-16), another memory
+_SAME_BATCH = ("grad_accum",)
 _SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 
 
@@ -115,7 +121,9 @@ def resume_run(args, strategy, log, model, opt):
     changed += ["data (the same path, other contents)"] if other_tokens else []
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
     changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
-    other = [] if args.eval_only else schedule_differences(args, saved)
+    other = [] if args.eval_only else schedule_differences(args, saved) + [
+        f"--{k.replace('_', '-')} {saved[k]}" for k in _SAME_BATCH
+        if saved.get(k) is not None and saved[k] != ours[k]]
     jump = None if args.eval_only or not saved else _lr_jump(args, saved, ours,
                                                              state["step"])
     log.print0((f"evaluating {args.resume}, trained {state['step']} steps" if args.eval_only
@@ -123,7 +131,8 @@ def resume_run(args, strategy, log, model, opt):
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
         + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
-           "any schedule, another speed and memory: give them to keep its)" if other else "")
+           "any schedule or split of the batch, up to rounding; another speed and memory: "
+           "give them to keep its)" if other else "")
         + (f"; note: {jump}" if jump else "")
         + (f"; note: --data {args.data or '(Python sources)'} holds other tokens than when "
            "that run trained (edited or replaced): this val loss is not the one it ended "

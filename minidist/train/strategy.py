@@ -20,6 +20,7 @@ and what every strategy implements: minidist/strategy/base.py.
 Tests: tests/test_train.py, tests/test_ddp.py (refusals), tests/scripts/*_check.py.
 """
 import os
+import re
 
 from minidist import backend, comm
 from minidist.comm import trace
@@ -33,6 +34,7 @@ from minidist.tp.strategy import TensorParallel, tp_problems
 from minidist.train.amp import MixedPrecision, half_dtype
 from minidist.train.cli import UsageError
 from minidist.train.idle_flags import check_idle_flags
+from minidist.train.inputs import RESUMED, flag_of
 from minidist.zero.strategy import ZeroDataParallel, zero_shard_problem
 
 
@@ -141,11 +143,28 @@ def check_layout(args, size):
         what = ("expert parallelism: " if args.ep > 1 else "context parallelism: "
                 if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
                 "tensor parallelism: " if args.tp > 1 else "")
-        raise UsageError(what + "; ".join(problems))
+        said = "; ".join(problems)
+        raise UsageError(what + said + fixed_by_resume(args, said))
     check_idle_flags(args, replicas=dp * args.ep * args.cp, ranks=size)   # --ddp, one replica
     if shard:
         raise UsageError(shard)
     return dp, m
+
+
+def fixed_by_resume(args, said):
+    """Under --resume, words naming the model sizes a layout refusal (`said`) asks to change
+    that the checkpoint set (not typed: a resume refuses another value), so the fix is the
+    layout; "" otherwise. First-use walk 35: `--resume ck --cp 3` said "--block-size 32 ...
+    choose a multiple of 6", which the resume would then refuse."""
+    if not getattr(args, "resume", None):
+        return ""
+    given = getattr(args, "given", [])
+    named = [f"{flag_of(n)} {getattr(args, n)}" for n in RESUMED     # (0: the default size,
+             if n != "bias" and n not in given and getattr(args, n)   # named by the refusal)
+             and re.search(rf"{flag_of(n)}\b", said)]
+    return (f" (under --resume {args.resume}, {', '.join(named)} "
+            f"{'is' if len(named) == 1 else 'are'} its model's and cannot change: choose a "
+            "layout that fits them)") if named else ""
 
 
 def _batch_problem(args, dp, m):
