@@ -294,6 +294,20 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16
 
 
 @pytest.mark.mpi
+def test_a_batch_too_small_to_split_is_said(corpus, tmp_path, mpi):
+    """    mpiexec -n 2 python examples/train_gpt.py --pp 2 --batch-size 5
+    splits into 1 micro-batch (5 has no divisor from 2 to 4): the stages wait for each other
+    the whole step. First-use walk 35 found it said only as "1 micro-batches"."""
+    flags = [a for a in TINY if a not in ("--micro-batches", "4")]
+    flags[flags.index("--batch-size") + 1] = "5"
+    out = mpi(2, "examples/train_gpt.py", *flags, "--data", corpus, "--cache-dir",
+              tmp_path / "cache", "--steps", "1", "--sample", "0", timeout=120).stdout
+    assert "1f1b over 1 micro-batch; rank 0" in out, out
+    assert "; note: fewer micro-batches than stages, so a stage waits while the others " \
+        "compute (most of the step a bubble): give --micro-batches M" in out, out
+
+
+@pytest.mark.mpi
 def test_train_gpt_pp2_end_to_end_with_resume(corpus, tmp_path, mpi):
     """train_gpt --pp 2: summary lines, a trace with every micro-batch, a sample through the
     pipeline; a checkpoint that one process loads, and a resume that repeats the straight run

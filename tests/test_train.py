@@ -214,7 +214,8 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
     assert {n: getattr(resumed, n) for n in RUN_RESUMED} == {
         "seed": 7, "batch_size": 8, "grad_accum": 2, "lr": 1e-3, "min_lr": None, "warmup": 1,
         "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5,
-        "moe_bias_rate": 0.0, "grad_dtype": None, "eval_every": 0, "eval_iters": 2}
+        "moe_bias_rate": 0.0, "grad_dtype": None, "eval_every": 0, "eval_iters": 2,
+        "steps": 6}
     capsys.readouterr()
     train(resumed)
     said = capsys.readouterr().out            # (the resumed line's notes; a loaded machine's

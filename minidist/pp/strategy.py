@@ -81,6 +81,11 @@ def schedule_problems(args, pp, m, v):
     return problems
 
 
+def micro_batches_text(m):
+    """"4 micro-batches", "1 micro-batch"."""
+    return f"{m} micro-batch" + ("es" if m != 1 else "")
+
+
 def default_micro_batches(rows, pp, multiple=1):
     """Without --micro-batches: the most micro-batches up to 2 x pp that divide the rows
     (multiples of pp under interleaving)."""
@@ -155,10 +160,14 @@ class PipelineParallel(ModelParallel):
             + (f" x cp {cp} (a ring over cp inside each stage)" if cp > 1 else "")
             + f", {self.schedule}"
             + (f" interleaved over {self.virtual} chunks per rank" if self.virtual > 1 else "")
-            + f" over {self.micro_batches} micro-batches; rank 0 is stage 0 of {p} with blocks "
-            + ", ".join(f"{c.start}..{c.stop - 1}" for c in s.chunks)
+            + f" over {micro_batches_text(self.micro_batches)}; rank 0 is stage 0 of {p} with "
+            "blocks " + ", ".join(f"{c.start}..{c.stop - 1}" for c in s.chunks)
             + (" and the embedding" if s.first else "")
-            + f": {s.num_parameters():,} of the model's {full:,} parameters"]
+            + f": {s.num_parameters():,} of the model's {full:,} parameters"
+            + ("; note: fewer micro-batches than stages, so a stage waits while the others "
+               "compute (most of the step a bubble): give --micro-batches M, or a batch per "
+               "replica M divides (first-use walk 35: --batch-size 5 fell back to 1)"
+               if self.micro_batches < p else "")]
 
     # ---- one step --------------------------------------------------------------------------
     def forward_backward(self, model, x, y, scale, measure):
@@ -254,7 +263,7 @@ class PipelineParallel(ModelParallel):
         name, held = ((f"{self.schedule} interleaved, {self.virtual} chunks per stage",
                        "micro-batch chunks") if self.virtual > 1
                       else (self.schedule, "micro-batches"))
-        lines = [f"pipeline ({name}, pp {p}, {m} micro-batches): {held} in "
+        lines = [f"pipeline ({name}, pp {p}, {micro_batches_text(m)}): {held} in "
                  f"flight per stage {[r[0] for r in rows]}"
                  + (f", activations held {' / '.join(mib)} MiB" if any(r[1] for r in rows)
                     else "") + f"; p2p sent per step per stage "

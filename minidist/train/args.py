@@ -193,7 +193,8 @@ def add_parallel_args(p):
 
 def add_train_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=800, help="optimizer steps")
+    g.add_argument("--steps", type=int, default=800, action=Given,
+                   help="optimizer steps (on --resume: its run's unless given)")
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
     g.add_argument("--grad-accum", type=int, default=1, action=Given, help="micro-steps per step")

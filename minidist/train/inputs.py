@@ -67,7 +67,8 @@ EVALUATED_AS = ("seed", "batch_size", "eval_iters")
 # given with another value is the run's, and the "resumed from" line notes the change
 RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr_schedule",
                "decay_steps", "weight_decay", "grad_clip", "moe_bias_rate", "grad_dtype",
-               "eval_every", "eval_iters")   # (walk 33: the val curve changed basis there)
+               "eval_every", "eval_iters",   # (walk 33: the val curve changed basis there)
+               "steps")     # (walk 35: `--resume ck` alone trained to the parser's 800)
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
