@@ -242,21 +242,23 @@ def test_one_rank_per_node_tokenizes_and_errors_are_agreed(corpus, tmp_path, mpi
     """open_data_shared (minidist/train/data_open.py): on one node only local rank 0
     tokenizes the text and writes the cache; the others map it (first-use walk 33: every
     rank tokenized the whole text itself). A rank whose --data is missing (a node without
-    the file) makes every rank raise that rank's error, the same line on all, so none is
-    left waiting in a collective."""
-    def run(*flags):
-        out = tmp_path / f"out{len(flags)}"
+    the file: rank 2, which opens second, or rank 0, which tokenizes first while the others
+    wait with no timeout) makes every rank raise that rank's error, the same line on all,
+    so none is left waiting in a collective."""
+    def run(name, *flags):
+        out = tmp_path / name
         out.mkdir()
-        mpi(3, "tests/scripts/data_open_check.py", "--data", corpus, "--out", out, *flags,
-            timeout=120)
+        mpi(3, "tests/scripts/data_open_check.py", "--data", corpus, "--out", out,
+            "--cache-dir", tmp_path / name / "cache", *flags, timeout=120)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
 
-    rows = run("--cache-dir", tmp_path / "cache")
+    rows = run("all")
     assert [r["built"] for r in rows] == [True, False, False], rows
     assert len({r["train_tokens"] for r in rows}) == 1, rows
-    rows = run("--cache-dir", tmp_path / "cache2", "--missing-on-rank", "2")
-    assert len({r.get("error") for r in rows}) == 1, rows
-    assert f"--data {corpus}.not-on-this-node: no such file" in rows[0]["error"], rows
+    for missing in ("2", "0"):
+        rows = run(f"missing{missing}", "--missing-on-rank", missing)
+        assert len({r.get("error") for r in rows}) == 1, rows
+        assert f"--data {corpus}.not-on-this-node: no such file" in rows[0]["error"], rows
 
 
 def test_each_document_ends_with_the_bpes_end_of_text(tmp_path):

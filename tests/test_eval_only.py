@@ -97,6 +97,29 @@ def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layo
         assert per_step not in out, out                       # it printed 0.00 MiB per step
 
 
+@pytest.mark.mpi
+def test_a_run_from_a_checkpoint_starts_from_its_numbers_in_another_layout(trained, tmp_path,
+                                                                          mpi):
+    """    mpirun -n 2 python examples/train_gpt.py --tp 2 --save ck2 ...
+    mpirun -n 2 python examples/train_gpt.py --init-from ck2 --pp 2 --eval-only
+    A checkpoint of tp 2, read whole (gather.py) as the weights of a new run in another
+    layout (pp 2, ZeRO-3 over 2): the val loss `--resume ck2 --eval-only` gives on one
+    process, to 1e-12 (float64). minidist/train/init_from.py."""
+    _, _, data = trained
+    ck = str(tmp_path / "ck2")
+    mpi(2, "examples/train_gpt.py", *SMALL, *data, "--steps", "3", "--tp", "2", "--save", ck,
+        timeout=180)
+    evaluated = ["--eval-only", "--batch-size", "4", "--eval-iters", "3", "--seed", "5",
+                 "--sample", "0", *data]
+    want = _run(["--resume", ck, *evaluated])["val_loss"]
+    for layout in (["--pp", "2"], ["--zero", "3"]):
+        log = tmp_path / f"{layout[0][2:]}.jsonl"
+        mpi(2, "examples/train_gpt.py", "--init-from", ck, *evaluated, "--log-json", log,
+            *layout, timeout=180)
+        row = json.loads(open(log).read().splitlines()[-1])
+        assert abs(row["val_loss"] - want) < 1e-12, (layout, row["val_loss"], want)
+
+
 @pytest.mark.parametrize("flags, says", [
     ([], "--eval-only: no weights to evaluate; give --resume DIR"),
     (["--resume", "ck", "--init-from", "hf"], "--init-from hf: --eval-only evaluates one "

@@ -224,7 +224,7 @@ class ProcessGroup:
 
     def wait_for_all(self, nap_s=0.02):
         """A barrier for ranks that wait while another works alone (the first rank on each
-        node tokenizing the text: minidist/train/inputs.py open_data_shared): MPI_Ibarrier,
+        node tokenizing the text: minidist/train/data_open.py open_data_shared): MPI_Ibarrier,
         then test and nap `nap_s`, so the waiting ranks leave the cores to the working one
         (MPICH's blocking wait spins). No timeout (the work takes what it takes), but a
         rank that exits first still ends the job (watchdog.py); a Ctrl-C stops the nap."""

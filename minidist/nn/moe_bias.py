@@ -100,8 +100,9 @@ def global_loads(model, world=None, copies=1):
 
 def global_load_stats(model, world, copies):
     """moe.py's load_stats over the GLOBAL batch (this rank's rows of the step's
-    micro-batches, summed over the ranks: every rank of the world calls this). One float64 all-reduce over
-    the world of [tokens, dropped, aux] per MoE block of the whole model (world_block_sums,
+    micro-batches, summed over the ranks: every rank of the world calls this). One float64
+    all-reduce over the world of [tokens, dropped, aux] per MoE block of the whole model
+    (world_block_sums,
     host memory), zeros for the blocks this rank does not hold (another pipeline stage's).
     Of the h ranks holding a block
     (the world, or its stage's ranks under --pp), those holding the same rows computed the

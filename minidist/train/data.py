@@ -8,9 +8,11 @@ train and val: minidist/train/data_files.py (no --data: Python's own sources). T
 line says which rule split the data.
 Documents: each file's part of a split is one document. Under a BPE with `<|endoftext|>`
 (GPT-2's, and every one examples/train_tokenizer.py writes) each document ends with that
-token, as nanoGPT's and llm.c's data scripts end theirs, so the model learns where one
-text stops and an unrelated one starts (first-use walk 33: the files ran into each other).
-In bytes there is no such token: documents are joined, each ending in a newline.
+token, as nanoGPT's prepare scripts end theirs (llm.c's put it before each), so the model
+learns where one text stops and an unrelated one starts (first-use walk 33: the files ran
+into each other). A file's train part, cut at 90%, ends at a line's end (data_files
+cut_point): what follows it in the stream is another file. In bytes there is no such
+token: documents are joined, each ending in a newline.
 
 Cache: tokens are written once to `train.bin` / `val.bin` (uint8, or uint16 from a BPE) and
 `meta.json`, in `.minidist-cache/<key>/` next to the data, or under `~/.cache/minidist/` (or

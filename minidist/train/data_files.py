@@ -10,8 +10,8 @@ tokenizes and caches what these give it).
                    % 10 == 0 (held-out documents), unless that holds no file or more than
                    30% of the text (one big file among small ones, or names that all hash to
                    train: first-use walk 33 trained on 114 tokens and evaluated on 417,540);
-                   then, and with fewer files, the last 10% of each file goes to val, cut on
-                   a UTF-8 character
+                   then, and with fewer files, the last 10% of each file goes to val, cut at
+                   a line's start (else a UTF-8 character's)
     text_splits    the two splits' bytes, joined (examples/train_tokenizer.py learns from the
                    train one)
 Tests: tests/test_data.py.
@@ -153,10 +153,21 @@ def split_files(root, files):
         rule = f"the last 10% of each file ({why})"
     else:
         rule = "the last 10% of each file"
-    cuts = {f: utf8_boundary(t, int(len(t) * 0.9)) for f, t in texts.items()}
+    cuts = {f: cut_point(t) for f, t in texts.items()}
     train = [t[:cuts[f]] for f, t in texts.items()]
     val = [t[cuts[f]:] for f, t in texts.items()]
     return [t for t in train if t], [t for t in val if t], rule
+
+
+def cut_point(data, share=0.9, window=4096):
+    """Where a file's train part ends: at `share` of its bytes, moved back to the start of
+    a line within `window` bytes, so the train part ends a line (under a BPE the
+    <|endoftext|> after it then follows a line's end, not half a word: a review of
+    data.py's documents); without a newline there, the start of the UTF-8 character the
+    cut falls in."""
+    cut = int(len(data) * share)
+    line = data.rfind(b"\n", max(cut - window, 0), cut)
+    return line + 1 if line >= 0 else utf8_boundary(data, cut)
 
 
 def utf8_boundary(data, cut):

@@ -19,7 +19,8 @@ minidist/train/resume.py; examples/sample.py and export_gpt2.py refuse another t
 An error in either round (a missing file, an id past the vocabulary) is agreed on by every
 rank (one all-gather of the error, or of None) and raised on every rank, so rank 0 prints it
 once and no rank is left waiting.
-Tests: tests/test_data.py (test_one_rank_per_node_tokenizes).
+Token files (read in place, nothing cached) are opened by every rank at once, in one round.
+Tests: tests/test_data.py (test_one_rank_per_node_tokenizes_and_errors_are_agreed).
 """
 from minidist.launcher import local_rank_and_size
 from minidist.strategy.checkpoint import CheckpointError, saved_model
@@ -57,6 +58,8 @@ def open_data_shared(args, group, first_on_node=None):
     none makes every rank first, which is the old way: each tokenizes)."""
     if group is None or group.size == 1:
         return open_data(args)
+    if args.data and token_file_names(args.data):   # read in place: nothing to build first,
+        return _open_agreed(args, group, True)      # all at once (a review: twice the time)
     if first_on_node is None:
         first_on_node = local_rank_and_size()[0] == 0
     data = _open_agreed(args, group, first_on_node)
@@ -87,7 +90,8 @@ def record_data(args, data):
     """What the run's checkpoints record of its data, beside the flags (state.json's
     "extra" is vars(args)): `data_digest` (TokenData's, TokenFiles' `.digest`) and
     `tokenizer_key` (the identity of the tokenizer its ids are in: "bytes", a BPE's hash
-    of its vocabulary and merges, "chars-N"; None for token files of no known tokenizer)."""
+    of its vocabulary and merges, "chars-N-<hash of its table>"; None for token files of no
+    known tokenizer)."""
     args.data_digest = data.digest
     args.tokenizer_key = data.tokenizer.key if data.tokenizer is not None else None
 

@@ -7,7 +7,8 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
                               its tokenizer is the folder's vocab.json and merges.txt
     a minidist checkpoint     a --save directory (its newest) or one checkpoint folder, of any
                               layout (minidist/train/gather.py reads it whole, in each rank):
-                              its parameters, the float32 masters under --amp; its optimizer
+                              its parameters, the float32 masters under --amp, in its dtype
+                              unless --dtype is given; its optimizer
                               state, step and schedule are left (--resume continues those);
                               an MoE's router biases come with it (initial_router_bias). Its
                               tokenizer is its run's (model_tokenizer.own_tokenizer), taken as
@@ -32,7 +33,7 @@ from dataclasses import asdict
 
 from minidist.nn.config import ARCH_DEFAULTS
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
-from minidist.strategy.checkpoint import CheckpointError
+from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
@@ -101,8 +102,21 @@ def take_init_from_sizes(args):
                          "dense model (no experts); leave the --moe-* flags out")
     if checkpoint:
         _take_checkpoint_tokenizer(args, folder)
+        _take_checkpoint_dtype(args, folder)
     else:
         _check_init_tokenizer(args, folder)
+
+
+def _take_checkpoint_dtype(args, folder):
+    """A float64 (or float32) checkpoint's run goes on in its dtype unless --dtype is given
+    (its weights would be rounded to float32, the parser's default, without a word); an
+    --amp run's (16-bit) is float32, its masters' precision."""
+    try:
+        _, _, dtype, _ = saved_model(folder)
+    except CheckpointError:
+        return                                 # saved_config named what cannot be read
+    if dtype in ("float32", "float64") and "dtype" not in getattr(args, "given", []):
+        args.dtype = dtype
 
 
 def _take_checkpoint_tokenizer(args, folder):
@@ -128,9 +142,9 @@ def _check_init_tokenizer(args, folder):
     """--tokenizer beside an --init-from folder that holds its model's own (vocab.json and
     merges.txt) must be that one: another of the same size fine-tuned the weights on text
     cut into other ids (first-use walk 33)."""
-    given = getattr(args, "tokenizer", None)
-    if given is None or args.resume or not (tokenizer_files(given) and
-                                            tokenizer_files(folder)):
+    given = getattr(args, "tokenizer", None)      # (also under --resume: `--resume auto`'s
+    if given is None or not (tokenizer_files(given) and    # first launch is a new run)
+                             tokenizer_files(folder)):
         return
     try:
         same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(folder).key

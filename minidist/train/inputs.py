@@ -149,10 +149,10 @@ def _run_tokenizer(flags):
     refused as a "config mismatch"); (None, None): bytes, or token files without one."""
     if flags.get("tokenizer"):
         return flags["tokenizer"], "--tokenizer"
-    init = flags.get("init_from")
-    if init and (tokenizer_files(init) or flags.get("tokenizer_key") not in (None, "bytes")):
-        return init, "--init-from"
-    return None, None
+    init, key = flags.get("init_from"), flags.get("tokenizer_key") or ""
+    if init and (tokenizer_files(init) or key.startswith("gpt2-bpe-")):   # (a BPE's key: its
+        return init, "--init-from"          # folder gone is named; a meta.pkl's chars are not
+    return None, None                       # a --tokenizer, and travel with the token files)
 
 
 def _take_resume_tokenizer(args, folder, flags, vocab_size):
