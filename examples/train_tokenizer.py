@@ -20,7 +20,7 @@ from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.bpe_train import train_bpe, write_tokenizer
 from minidist.train.cli import UsageError, check_one_process, check_out_folder, run_main
 from minidist.train.data import DataError
-from minidist.train.data_files import text_splits
+from minidist.train.data_files import left_out_text, not_utf8, text_splits
 
 
 def tokenizer_parser():
@@ -54,7 +54,9 @@ def main(args):
         raise UsageError(f"--vocab-size {args.vocab_size}: from 257 (the 256 bytes and "
                          "<|endoftext|>) to 2^32")
     # the text first: a bad --data or an empty train part leaves no --out folder behind
-    train, val = (blob.decode("utf-8", "replace") for blob in text_splits(args.data))
+    train_bytes, val_bytes, left_out = text_splits(args.data)
+    replaced = not_utf8(train_bytes) + not_utf8(val_bytes)
+    train, val = (blob.decode("utf-8", "replace") for blob in (train_bytes, val_bytes))
     if not train:
         raise DataError(f"{args.data or 'the standard library'}: the train part is empty "
                         "(no text to learn merges from); give a file or folder with text")
@@ -76,6 +78,11 @@ def main(args):
           f"from {len(train.encode('utf-8')):,} bytes in {seconds:.1f} s; "
           f"{per_token['train']:.2f} bytes per token on the train text, "
           f"{per_token['val']:.2f} on val", file=sys.stdout)
+    if left_out:                        # (first-use walk 36: as train_gpt.py's data line)
+        print(f"note: left out of --data: {left_out_text(left_out)}")
+    if replaced:
+        print(f"note: {replaced:,} character(s) of the text were not UTF-8 and were learnt as "
+              "U+FFFD (Latin-1 accents?): re-encode the text as UTF-8 and train again")
     return tokenizer
 
 

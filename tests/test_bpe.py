@@ -477,3 +477,25 @@ def test_train_tokenizer_checks_the_text_before_making_out(tmp_path, text, says)
     assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, \
         bad.stderr
     assert not (tmp_path / "tok").exists()
+
+
+def test_train_tokenizer_names_what_it_left_out_and_text_not_utf8(tmp_path):
+    """    python examples/train_tokenizer.py --data folder --out tok
+    First-use walk 36: Latin-1 text was learnt as U+FFFD tokens and a binary file left out,
+    neither said (train_gpt.py's data line says both): now two notes after the result."""
+    import subprocess
+    import sys
+    from tests.mpirun import ROOT, mpi_env
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("the cat sat on the mat\n" * 50)
+    (tmp_path / "text" / "b.txt").write_bytes("café très bon\n".encode("latin-1") * 50)
+    (tmp_path / "text" / "c.bin").write_bytes(b"\0\1\2" * 10)
+    out = subprocess.run([sys.executable, "examples/train_tokenizer.py", "--data",
+                          str(tmp_path / "text"), "--vocab-size", "300", "--out",
+                          str(tmp_path / "tok")], cwd=ROOT, env=mpi_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == "note: left out of --data: c.bin (binary)", lines
+    assert lines[2].startswith("note: 100 character(s) of the text were not UTF-8 and were "
+                               "learnt as U+FFFD"), lines

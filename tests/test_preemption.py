@@ -114,3 +114,40 @@ def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_pat
     assert rc == 130, out[-2000:]
     assert "interrupted (Ctrl-C) during the evaluation at step 2: nothing evaluated, " \
         "nothing saved" in out, out
+
+
+@pytest.mark.mpi
+def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device):
+    """    mpiexec -n 2 python examples/train_gpt.py --data big.txt --tokenizer tok --save ck
+    --resume auto, then SIGTERM to the job while rank 0 tokenizes (rank 1 naps in
+    wait_for_all): exit 75, one line, no cache half-written. First-use walk 36: the loop's
+    handlers came after the data, so the job died of the signal (143/15), which a requeueing
+    script does not requeue (preemption.stop_at_once)."""
+    from minidist.train import bpe_train
+    text = "".join(f"the quick brown fox {i} jumps over the lazy dog.\n" for i in range(200))
+    vocab, merges = bpe_train.train_bpe(text, 300)
+    bpe_train.write_tokenizer(str(tmp_path / "tok"), vocab, merges)
+    (tmp_path / "big.txt").write_text(text * 1000)                        # ~10 MB
+    out_path = tmp_path / "out.txt"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "examples/train_gpt.py", *TINY,
+           *device_flags(device), "--data", str(tmp_path / "big.txt"), "--tokenizer",
+           str(tmp_path / "tok"), "--cache-dir", str(tmp_path / "cache"), "--steps", "5",
+           "--save", str(tmp_path / "ck"), "--resume", "auto"]
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while "no checkpoint in" not in open(out_path).read():    # printed before the data
+            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = open(out_path).read()
+    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    assert said.count("preempted (SIGTERM) while starting: stopped at once, nothing trained "
+                      "since the last checkpoint") == 1, said
+    assert "data:" not in said and not any((tmp_path / "cache").glob("*/meta.json"))

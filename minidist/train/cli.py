@@ -34,6 +34,7 @@ import unicodedata
 
 from minidist.launcher import launcher_rank, thread_env_problem, world_size_from_env
 from minidist.strategy import checkpoint_dirs
+from minidist.train import preemption
 
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
@@ -345,6 +346,12 @@ def run_main(main, args=None, user_errors=(), parser=None):
             print("interrupted (Ctrl-C): stopped at once, nothing saved", file=sys.stderr,
                   flush=True)
         sys.exit(130)
+    except preemption.Preempted as e:   # a scheduler's signal before step 1 (stop_at_once)
+        if launcher_rank() == 0:
+            print(f"preempted ({e}) while starting: stopped at once, nothing trained since "
+                  "the last checkpoint; run the same command with --resume auto to start "
+                  "again", file=sys.stderr, flush=True)
+        sys.exit(preemption.EXIT_STATUS)
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
             raise

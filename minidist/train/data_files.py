@@ -123,11 +123,12 @@ def left_out_text(skipped, most=3):
 
 
 def text_splits(path=None):
-    """(train, val) bytes of --data `path` (a text file or folder; None: Python's sources),
-    split as training splits them (examples/train_tokenizer.py learns from the train part)."""
-    root, files, _ = list_files(path)
+    """(train bytes, val bytes, [(file, why left out)]) of --data `path` (a text file or
+    folder; None: Python's sources), split as training splits them
+    (examples/train_tokenizer.py learns from the train part)."""
+    root, files, left_out = list_files(path)
     train, val, _ = split_files(root, files)
-    return b"".join(train), b"".join(val)
+    return b"".join(train), b"".join(val), left_out
 
 
 def split_files(root, files):

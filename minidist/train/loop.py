@@ -130,6 +130,7 @@ def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
+    preemption.stop_at_once(save=bool(args.save))   # SIGTERM before step 1: exit 75 at once
     auto = args.resume == "auto"
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
     checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),

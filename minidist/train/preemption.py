@@ -18,6 +18,8 @@ An evaluation asks before each of its val batches (loop.evaluate), so a long one
 and the step it follows saved.
 A second Ctrl-C is Python's KeyboardInterrupt again, for a step that does not end
 (minidist/train/cli.py run_main turns it into one line, exit 130).
+Before the loop (MPI started, the data opened, the model built or loaded) the same
+signals end the run at once (`stop_at_once`, Preempted): exit 75, nothing to save.
 Tests: tests/test_preemption.py.
 """
 import signal
@@ -26,6 +28,27 @@ EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (-
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
 SIGNALS = ("SIGTERM", "SIGUSR1")    # taken with --save
 SIGINT = "SIGINT"                   # always taken
+
+
+class Preempted(BaseException):
+    """A scheduler's signal (SIGTERM, SIGUSR1) while the run starts, before its loop takes
+    signals (`stop_at_once`): a BaseException, as KeyboardInterrupt is, so that no handler of
+    errors takes it; cli.run_main ends the job with one line and EXIT_STATUS."""
+
+
+def stop_at_once(save):
+    """Until the loop's Flag replaces them: with --save (`save`), SIGTERM and SIGUSR1 raise
+    Preempted where the run is (tokenizing the text, loading a checkpoint), which ends it
+    with exit status 75, so a requeueing script (examples/slurm/train.sbatch) requeues it
+    (first-use walk 36: a SIGTERM while the ranks tokenized ended the job with 15, which
+    is not requeued). Nothing is lost: no step has been taken since the checkpoint."""
+    if save:
+        for name in SIGNALS:
+            signal.signal(getattr(signal, name), _raise_preempted)
+
+
+def _raise_preempted(signum, frame):
+    raise Preempted(signal.Signals(signum).name)
 
 
 class Flag:
