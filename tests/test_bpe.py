@@ -382,9 +382,11 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
         assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, \
             bad.stderr
     os.rename(tok, tmp_path / "moved")
-    with pytest.raises(UsageError, match="was trained in the tokenizer of --tokenizer .*tok, "
-                       "which holds no vocab.json and merges.txt now; give --tokenizer DIR"):
-        args("--data", corpus, "--resume", str(tmp_path / "ck"))
+    for how in ("--resume", "--init-from"):        # (walk 36: --init-from said "vocabulary")
+        with pytest.raises(UsageError, match="was trained in the tokenizer of --tokenizer "
+                           ".*tok, which holds no vocab.json and merges.txt now; give "
+                           "--tokenizer DIR"):
+            args("--data", corpus, how, str(tmp_path / "ck"))
     os.rename(tmp_path / "moved", tok)
     train(resumed)
     assert run("sample.py", "--resume", tmp_path / "ck", "--tokens", 5, "--prompt", "def ")
@@ -436,6 +438,12 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     with pytest.raises(UsageError, match=r"--tokenizer .*same_size: --init-from .*ck: the "
                        "model was trained in another tokenizer"):
         args("--init-from", str(tmp_path / "ck"), "--tokenizer", str(tmp_path / "same_size"))
+    # walk 36: its run's --data taken (Python's sources were evaluated); --save on the
+    # folder it starts from refused (the advice, --resume auto or --overwrite, undid it)
+    assert args("--init-from", str(tmp_path / "ck")).data == corpus
+    with pytest.raises(UsageError, match=r"--save .*ck: holds the checkpoint --init-from "
+                       r".*ck starts this run from; save the new run elsewhere"):
+        args("--init-from", str(tmp_path / "ck"), "--save", str(tmp_path / "ck"))
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(

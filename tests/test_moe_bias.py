@@ -26,7 +26,7 @@ from minidist.nn.block import MLP
 from minidist.nn.moe import MoE, route
 from minidist.nn.moe_bias import RouterBias, global_loads, imbalance
 from minidist.strategy import checkpoint
-from minidist.train.gather import router_bias
+from minidist.train.gather import router_bias, run_flags
 from mpirun import ROOT, mpi_env, train_tiny
 
 
@@ -257,7 +257,7 @@ def test_a_checkpoint_from_before_the_biases_resumes_them_at_zero(tmp_path, corp
     flag): it resumes, the biases start at 0, so after one step at gamma 0.01 each is 0 or
     +-0.01."""
     ck, old = str(tmp_path / "ck"), str(tmp_path / "old")
-    first = train_tiny("--moe-experts", "4", "--moe-bias-rate", "0.01", "--steps", "5",
+    first = train_tiny("--moe-experts", "4", "--moe-bias-rate", "0.01", "--steps", "8",
                        "--save", ck, "--data", corpus, "--cache-dir", str(tmp_path / "c"))
     assert first.returncode == 0, first.stderr
     params, opt_state, meta = checkpoint.load(ck)
@@ -265,7 +265,7 @@ def test_a_checkpoint_from_before_the_biases_resumes_them_at_zero(tmp_path, corp
     del meta["rng"]["moe_bias"]
     checkpoint.save(old, params, opt_state, meta)
     assert router_bias(old) == {}
-    again = train_tiny("--steps", "6", "--resume", old, "--save", old, "--data", corpus)
+    again = train_tiny("--steps", "9", "--resume", old, "--save", old, "--data", corpus)
     assert again.returncode == 0, again.stderr
     assert all(abs(v) in (0.0, 0.01) for b in router_bias(old).values() for v in b)
 
@@ -306,3 +306,7 @@ def test_a_run_from_a_checkpoint_takes_its_biases(tmp_path, corpus):
     losses = [line for s in said for line in s.stdout.splitlines()
               if line.startswith("val loss")]
     assert len(losses) == 2 and losses[0] == losses[1], [s.stderr for s in said]
+    # and its rate, so they keep moving (walk 36: frozen at 0 without a word)
+    tuned = train_tiny("--init-from", ck, "--save", str(tmp_path / "ft"), *data)
+    assert tuned.returncode == 0, tuned.stderr
+    assert run_flags(str(tmp_path / "ft"))["moe_bias_rate"] == 0.05

@@ -7,13 +7,14 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
                               its tokenizer is the folder's vocab.json and merges.txt
     a minidist checkpoint     a --save directory (its newest) or one checkpoint folder, of any
                               layout (minidist/train/gather.py reads it whole, in each rank):
-                              its parameters, the float32 masters under --amp, in its dtype
-                              unless --dtype is given; its optimizer
+                              its parameters, the float32 masters under --amp; its run's
+                              dtype, --moe-bias-rate and --data unless given; its optimizer
                               state, step and schedule are left (--resume continues those);
                               an MoE's router biases come with it (initial_router_bias). Its
                               tokenizer is its run's (model_tokenizer.own_tokenizer), taken as
-                              this run's --tokenizer. First-use walk 33 was sent from here to
-                              --resume, which continued the old run's schedule instead
+                              this run's --tokenizer. --save must be another folder. First-use
+                              walk 33 was sent from here to --resume, which continued the old
+                              run's schedule instead
 
     take_init_from_sizes  cli.check_flags, on each rank before any work: the model flags
                           become the saved model's (one given with another size refused),
@@ -37,8 +38,9 @@ from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
-from minidist.train.gather import model_config, router_bias, whole_model
-from minidist.train.inputs import RESUMED, flag_of, resolved_size, take_model_fields
+from minidist.train.gather import model_config, router_bias, run_flags, whole_model
+from minidist.train.inputs import (RESUMED, flag_of, resolved_size, run_tokenizer,
+                                   take_model_fields)
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
 
 FOLDER = "a GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face writes them)"
@@ -101,29 +103,53 @@ def take_init_from_sizes(args):
         raise UsageError(f"--moe-experts {args.moe_experts}: --init-from {folder} holds a "
                          "dense model (no experts); leave the --moe-* flags out")
     if checkpoint:
+        _check_save_elsewhere(args, folder)
+        _take_checkpoint_run(args, folder)
         _take_checkpoint_tokenizer(args, folder)
-        _take_checkpoint_dtype(args, folder)
     else:
         _check_init_tokenizer(args, folder)
 
 
-def _take_checkpoint_dtype(args, folder):
-    """A float64 (or float32) checkpoint's run goes on in its dtype unless --dtype is given
-    (its weights would be rounded to float32, the parser's default, without a word); an
-    --amp run's (16-bit) is float32, its masters' precision."""
+def _check_save_elsewhere(args, folder):
+    """--save is not the checkpoint --init-from reads (or a folder holding it): its
+    check_save advice (--resume auto continues the old run, --overwrite prunes the model
+    this run starts from) would undo the fine-tune (first-use walk 36)."""
+    if not args.save:
+        return
+    save, init = os.path.realpath(args.save), os.path.realpath(folder)
+    if init == save or init.startswith(save + os.sep):
+        raise UsageError(f"--save {args.save}: holds the checkpoint --init-from {folder} "
+                         "starts this run from; save the new run elsewhere (--save "
+                         f"{args.save.rstrip(os.sep)}-ft)")
+
+
+def _take_checkpoint_run(args, folder):
+    """From the checkpoint's run, unless given: its dtype (a float64 run goes on in float64;
+    an --amp run's 16-bit record is float32, its masters'), its --moe-bias-rate (its loaded
+    router biases keep moving as they did: walk 36 found them frozen at 0) and its --data
+    where still there (without, --eval-only evaluated Python's sources in its tokens)."""
     try:
-        _, _, dtype, _ = saved_model(folder)
+        _, _, dtype, flags = saved_model(folder)
     except CheckpointError:
         return                                 # saved_config named what cannot be read
-    if dtype in ("float32", "float64") and "dtype" not in getattr(args, "given", []):
+    given = getattr(args, "given", [])
+    if dtype in ("float32", "float64") and "dtype" not in given:
         args.dtype = dtype
+    if args.moe_experts and "moe_bias_rate" not in given and flags.get("moe_bias_rate") \
+            and not getattr(args, "eval_only", False):           # (nothing moves under it)
+        args.moe_bias_rate = flags["moe_bias_rate"]
+    if args.data is None and flags.get("data") and os.path.exists(flags["data"]):
+        args.data = flags["data"]
 
 
 def _take_checkpoint_tokenizer(args, folder):
     """A checkpoint's tokenizer (its run's --tokenizer, or the BPE its run found) is this
     run's --tokenizer unless one is given; one given that is not it is refused."""
-    given = getattr(args, "tokenizer", None)
+    given, flags = getattr(args, "tokenizer", None), run_flags(folder)
     if given is not None:
+        if flags.get("tokenizer_key") == "bytes":
+            raise UsageError(f"--tokenizer {given}: --init-from {folder} was trained without "
+                             "one, in bytes (256 tokens); leave --tokenizer out")
         if tokenizer_files(given):
             try:
                 why = not_its_tokenizer(folder, BPETokenizer.from_folder(given))
@@ -133,6 +159,11 @@ def _take_checkpoint_tokenizer(args, folder):
                 raise UsageError(f"--tokenizer {given}: --init-from {folder}: {why}; its ids "
                                  "would mean other strings: leave --tokenizer out")
         return
+    recorded, flag = run_tokenizer(flags)
+    if recorded and not tokenizer_files(recorded):     # moved away (walk 36: "vocabulary")
+        raise UsageError(f"--init-from {folder} was trained in the tokenizer of {flag} "
+                         f"{recorded}, which holds no vocab.json and merges.txt now; give "
+                         "--tokenizer DIR with the same two files")
     _, where = own_tokenizer(folder)
     if isinstance(where, str) and tokenizer_files(where):
         args.tokenizer = where

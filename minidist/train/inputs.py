@@ -142,7 +142,7 @@ def _take_resume_data(args, folder, recorded):
     args.data = recorded
 
 
-def _run_tokenizer(flags):
+def run_tokenizer(flags):
     """(the folder of the BPE the checkpoint's run (its `flags`) tokenized its text in, the
     flag that named it): its --tokenizer, else its --init-from folder where that holds one
     (a fine-tune's: first-use walk 33 found `--resume` of one re-reading the text as bytes,
@@ -156,7 +156,7 @@ def _run_tokenizer(flags):
 
 
 def _take_resume_tokenizer(args, folder, flags, vocab_size):
-    """--tokenizer on --resume: the checkpoint's run's (_run_tokenizer: its --tokenizer, or
+    """--tokenizer on --resume: the checkpoint's run's (run_tokenizer: its --tokenizer, or
     its --init-from folder's) unless given; one given with other files (another vocabulary
     or other merges: the ids would mean other strings), or a recorded folder that no longer
     holds them, is one error line; so is one given to a checkpoint trained without one
@@ -164,7 +164,7 @@ def _take_resume_tokenizer(args, folder, flags, vocab_size):
     would say the model does not fit, naming the data. One of the same size is taken
     (GPT-2's files on a run of GPT-2 token ids)."""
     given = getattr(args, "tokenizer", None)
-    recorded, flag = _run_tokenizer(flags)
+    recorded, flag = run_tokenizer(flags)
     if not recorded:
         if given is not None and tokenizer_files(given):
             try:
