@@ -287,3 +287,37 @@ def test_each_document_ends_with_the_bpes_end_of_text(tmp_path):
     raw = TokenData(str(d), cache_dir=str(tmp_path / "cache"))        # bytes: no such token
     assert bytes(np.asarray(raw.splits["train"])).decode().startswith(first + "a dog ran")
     assert len({data.meta["digest"], raw.meta["digest"]}) == 2
+
+
+def test_what_a_run_writes_may_not_go_inside_its_text_folder(tmp_path):
+    """    python examples/train_gpt.py --data corpus --log-json corpus/run.jsonl
+    First-use walk 36: the log became training text of the next run (and its resume said the
+    data had changed); --trace and --cache-dir too. A hidden folder is not read: allowed."""
+    from minidist.train.args import train_parser
+    from minidist.train.cli import UsageError, check_flags
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text\n" * 20)
+    for flag, path in (("--log-json", "run.jsonl"), ("--trace", "t.json"),
+                       ("--cache-dir", "cache")):
+        where = str(tmp_path / "corpus" / path)
+        with pytest.raises(UsageError, match=rf"^{flag} {where}: inside --data .*corpus, "
+                           "whose files are the text trained on"):
+            check_flags(train_parser().parse_args(["--data", str(tmp_path / "corpus"), flag,
+                                                   where]))
+    check_flags(train_parser().parse_args(["--data", str(tmp_path / "corpus"), "--cache-dir",
+                                           str(tmp_path / "corpus" / ".cache")]))
+
+
+def test_a_linked_folder_is_read_once(tmp_path):
+    """First-use walk 33 and 36: a symlinked folder inside --data was skipped without a word.
+    Now read, as a linked file is; a link back to a folder read already (a loop) is left out
+    and named."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("linked text\n" * 10)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("own text\n" * 10)
+    os.symlink(tmp_path / "docs", tmp_path / "corpus" / "linkdir")
+    os.symlink(tmp_path / "corpus", tmp_path / "corpus" / "loop")
+    root, files, skipped = list_files(str(tmp_path / "corpus"))
+    assert files == ["a.txt", os.path.join("linkdir", "b.txt")], files
+    assert skipped == [("loop", "a link to a folder read already")], skipped

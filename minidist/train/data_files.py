@@ -1,9 +1,10 @@
 """The text files of --data, and how they split into train and val (minidist/train/data.py
 tokenizes and caches what these give it).
 
-    list_files     which files: a file, or a folder read recursively in name order (hidden
-                   entries skipped; binary files, UTF-16/32 files, broken links and pipes,
-                   and the folders that hold a checkpoint or a tokenizer left out and named);
+    list_files     which files: a file, or a folder read recursively in name order, linked
+                   folders too, each once (hidden entries skipped; binary files, UTF-16/32
+                   files, broken links and pipes, and the folders that hold a checkpoint or a
+                   tokenizer left out and named);
                    no --data: the `.py` sources of this Python's standard library
     split_files    each file's train part and val part, as documents (a file's part each):
                    with 20 or more files, whole files go to val when crc32(relative path)
@@ -85,9 +86,17 @@ def list_files(path=None):
             return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)], []
         root, skip, suffix = path, set(), ""
     files, skipped = [], []
-    for d, dirs, names in os.walk(root):
+    seen = {os.path.realpath(root)}             # folders read: a linked one is read once
+    for d, dirs, names in os.walk(root, followlinks=path is not None):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
                          and x != "__pycache__")
+        for x in list(dirs):                    # (walk 33, 36: a linked folder was skipped
+            real = os.path.realpath(os.path.join(d, x))      # without a word; a loop of
+            if real in seen:                                 # links must end)
+                skipped.append((os.path.relpath(os.path.join(d, x), root),
+                                "a link to a folder read already"))
+                dirs.remove(x)
+            seen.add(real)
         outputs = holds_outputs(d, names) if path is not None and d != root else None
         if outputs:
             skipped.append((os.path.relpath(d, root), outputs))

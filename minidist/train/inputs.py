@@ -56,6 +56,26 @@ def check_data_path(args):
     if names and args.cache_dir is not None:
         raise UsageError(f"--cache-dir {args.cache_dir}: --data {data} holds token files, "
                          "read where they are (nothing is cached); leave --cache-dir out")
+    if os.path.isdir(data) and not names:
+        _check_outputs_outside(args, data)
+
+
+def _check_outputs_outside(args, data):
+    """A file this run writes (--log-json, --trace, --cache-dir's meta.json) inside the text
+    folder --data would be read as text by the next run on it (first-use walk 36: a resume
+    trained on its own log, then said the data had changed); a hidden folder is not read."""
+    root = os.path.realpath(data)
+    for flag in ("log_json", "trace", "cache_dir"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        inside = os.path.relpath(os.path.realpath(path), root)
+        if inside != os.pardir and not inside.startswith(os.pardir + os.sep) and not any(
+                part.startswith(".") for part in inside.split(os.sep)):
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"{name} {path}: inside --data {data}, whose files are the text "
+                             "trained on: the next run would train on what this one writes "
+                             f"there; give {name} a path outside it")
 
 
 # the flags that pick the val batches, which --eval-only of a checkpoint takes from its run
