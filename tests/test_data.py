@@ -259,6 +259,13 @@ def test_one_rank_per_node_tokenizes_and_errors_are_agreed(corpus, tmp_path, mpi
         rows = run(f"missing{missing}", "--missing-on-rank", missing)
         assert len({r.get("error") for r in rows}) == 1, rows
         assert f"--data {corpus}.not-on-this-node: no such file" in rows[0]["error"], rows
+    other = tmp_path / "other.txt"                 # a node whose copy differs (walk 36)
+    other.write_text(open(corpus).read().replace("return", "yield"))
+    rows = run("other", "--other", other, "--other-on-rank", "1")      # (rank 1's path is
+    assert all("the ranks read other contents (their digests: " in r.get("error", "")  # its
+               for r in rows), rows                                     # own: here another)
+    assert " on ranks 0, 2; " in rows[0]["error"] and "do the nodes' copies differ?" in \
+        rows[0]["error"], rows
 
 
 def test_each_document_ends_with_the_bpes_end_of_text(tmp_path):

@@ -16,12 +16,14 @@
 digest and the tokenizer's identity (a resume on other contents at the same path says so,
 minidist/train/resume.py; examples/sample.py and export_gpt2.py refuse another tokenizer).
 
+The ranks then compare the data's digests: other contents on some node is one error line.
 An error in either round (a missing file, an id past the vocabulary) is agreed on by every
 rank (one all-gather of the error, or of None) and raised on every rank, so rank 0 prints it
 once and no rank is left waiting.
 Token files (read in place, nothing cached) are opened by every rank at once, in one round.
 Tests: tests/test_data.py (test_one_rank_per_node_tokenizes_and_errors_are_agreed).
 """
+from minidist.comm.checks import ranks_by_value, ranks_text
 from minidist.launcher import local_rank_and_size
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
@@ -59,12 +61,26 @@ def open_data_shared(args, group, first_on_node=None):
     if group is None or group.size == 1:
         return open_data(args)
     if args.data and token_file_names(args.data):   # read in place: nothing to build first,
-        return _open_agreed(args, group, True)      # all at once (a review: twice the time)
-    if first_on_node is None:
-        first_on_node = local_rank_and_size()[0] == 0
-    data = _open_agreed(args, group, first_on_node)
-    later = _open_agreed(args, group, not first_on_node)
-    return data if first_on_node else later
+        data = _open_agreed(args, group, True)      # all at once (a review: twice the time)
+    else:
+        if first_on_node is None:
+            first_on_node = local_rank_and_size()[0] == 0
+        data = _open_agreed(args, group, first_on_node)
+        later = _open_agreed(args, group, not first_on_node)
+        data = data if first_on_node else later
+    _check_same_contents(args, data, group)
+    return data
+
+
+def _check_same_contents(args, data, group):
+    """Every rank read the same tokens (their digests, all-gathered): a node whose copy of
+    the data differs (a stale node-local copy) would train on other text without a word
+    (first-use walk 36). DataError on every rank, naming the ranks, where they differ."""
+    found = ranks_by_value(group.all_gather_object(data.digest))
+    if len(found) > 1:
+        where = "; ".join(f"{digest} on {ranks_text(ranks)}" for digest, ranks in found.items())
+        raise DataError(f"--data {args.data or '(Python sources)'}: the ranks read other "
+                        f"contents (their digests: {where}): do the nodes' copies differ?")
 
 
 def _open_agreed(args, group, opens):
