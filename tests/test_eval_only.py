@@ -81,8 +81,8 @@ def test_its_exported_folder_evaluates_to_the_same_number(trained, tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--zero", "3"]],
-                         ids=["tp2", "pp2", "zero3"])
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], ["--zero", "3"],
+                                    ["--cp", "2"]], ids=["tp2", "pp2", "zero3", "cp2"])
 def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layout):
     """    mpirun -n 2 python examples/train_gpt.py --resume ck --eval-only --tp 2
     The one-process checkpoint read into 2 ranks' layout: its val loss to 1e-12 (float64)."""
@@ -93,8 +93,9 @@ def test_any_layout_evaluates_to_one_process_number(trained, tmp_path, mpi, layo
               timeout=180).stdout
     row = json.loads(open(log).read().splitlines()[-1])
     assert row["eval_only"] and abs(row["val_loss"] - summary["val_loss"]) < 1e-12
-    for per_step in ("per step", "memory table", "in flight"):   # no training's summary:
-        assert per_step not in out, out                       # it printed 0.00 MiB per step
+    for per_step in ("per step", "memory table", "in flight",     # no training's summary:
+                     "gradients averaged"):             # it printed 0.00 MiB per step; nor
+        assert per_step not in out, out                 # its layout line's gradients
 
 
 @pytest.mark.mpi

@@ -114,7 +114,7 @@ class ContextParallel(ModelParallel):
         TensorParallel around this one saves and loads its sharded files as without --cp."""
         return self.inner.zero_strategy()
 
-    def notes(self):
+    def notes(self, training=True):
         """The layout, and how attention is computed: the ring's tiles in every forward (the
         model's --attention only where the ring is not active: the end's sample), or
         Ulysses' all-to-alls around the model's --attention on n_head/cp heads."""
@@ -129,10 +129,11 @@ class ContextParallel(ModelParallel):
             how = (f"Ulysses attention: an all-to-all per layer to {H // s['cp']} of the {H} "
                    f"heads{tp} over the whole sequence (--attention {config.attention}), "
                    "another back")
-        return self.inner.notes() + [
+        return self.inner.notes(training) + [
             f"context parallel: cp {s['cp']} x {data_axes(self.mesh, ep)} x tp {s['tp']}, "
-            f"--cp-split {self.split}; gradients averaged over the {self.mesh.dpcp.size} dp x "
-            + ("ep x " if ep > 1 else "") + "cp ranks; " + how]
+            f"--cp-split {self.split}; "
+            + (f"gradients averaged over the {self.mesh.dpcp.size} dp x "
+               + ("ep x " if ep > 1 else "") + "cp ranks; " if training else "") + how]
 
     def summary(self):
         sent = self.sent_per_step()

@@ -103,11 +103,11 @@ class DataParallel(SingleProcess):
             return super().save_plan(model, optimizer, step, rng_states, extra)
         return saving.SavePlan()
 
-    def notes(self):
+    def notes(self, training=True):
         """Strategy's, and under --comm hier how the group splits (or that it runs the flat
         ring, nodes holding different numbers of its ranks): said before step 1, not only in
         the end's summary (a first-use walk benchmarked "hier" and learned at the end)."""
-        lines = super().notes()
+        lines = super().notes(training)
         if self.group.algo == "hier":
             lines.append(f"DDP over {self.world_size} ranks: {self.group.algo_text()}")
         return lines

@@ -258,16 +258,16 @@ class ExpertParallel(ModelParallel):
     def expert_ranks(self):
         return self.group.size
 
-    def notes(self):
+    def notes(self, training=True):
         s, ep = self.mesh.shape, self.group.size
         n = len(self.experts)
-        return self.inner.notes() + [
+        return self.inner.notes(training) + [
             f"expert parallel: ep {ep} x dp {s['dp'] // ep} x tp {s['tp']}"
             + "".join(f" x {axis} {s[axis]}" for axis in ("cp", "pp") if s[axis] > 1)
             + "; this rank holds "
-            f"{n} expert parameter tensors ({sum(p.size for p in self.experts):,} values); "
-            f"dense gradients averaged over the {self.inner.group.size} dp x ep"
-            + (" x cp" if s["cp"] > 1 else "") + " ranks"]
+            f"{n} expert parameter tensors ({sum(p.size for p in self.experts):,} values)"
+            + (f"; dense gradients averaged over the {self.inner.group.size} dp x ep"
+               + (" x cp" if s["cp"] > 1 else "") + " ranks" if training else "")]
 
     def summary(self):
         sent = self.sent_per_step()

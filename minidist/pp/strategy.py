@@ -151,11 +151,11 @@ class PipelineParallel(ModelParallel):
         ZeRO-3 through every replica (each block's gather is a collective over dp)."""
         return self.mesh.dp_rank == 0 or self.inner.takes_part_in_sampling()
 
-    def notes(self):
+    def notes(self, training=True):
         from minidist.nn.config import gpt_param_specs
         s, (cp, t, p) = self.stage, (self.mesh.shape[k] for k in ("cp", "tp", "pp"))
         full = sum(math.prod(shape) for shape, _ in gpt_param_specs(s.config).values())
-        return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
+        return self.inner.notes(training) + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
             f"pipeline parallel: pp {p} x tp {t} x {data_axes(self.mesh, self.expert_ranks())}"
             + (f" x cp {cp} (a ring over cp inside each stage)" if cp > 1 else "")
             + f", {self.schedule}"

@@ -226,8 +226,10 @@ class SingleProcess:
         """Bytes this rank sent since the run began."""
         return trace.bytes_sent()
 
-    def notes(self):
-        """Lines for the log: how this run computes (precision, activation checkpointing)."""
+    def notes(self, training=True):
+        """Lines for the log: how this run computes (precision, activation checkpointing).
+        `training` False (--eval-only): what only training does (gradients, their averaging)
+        is left out of the lines that would name it."""
         lines = [self.amp.describe()] if self.amp else []
         if self.ckpt_activations:
             lines.append("activation checkpointing: each block keeps its input and is "

@@ -92,11 +92,11 @@ class TensorParallel(ModelParallel):
     # sampling runs the split model: every tp rank of the replicas that sample (dp rank 0;
     # under ZeRO-3 every dp rank, whose blocks are gathered collectively): inner decides
 
-    def notes(self):
+    def notes(self, training=True):
         local, full = self.model.parameter_counts()
         dp, tp = data_axes(self.mesh, self.expert_ranks()), self.mesh.shape["tp"]
         pad = self.model.transformer.wte.weight.tp_split.padding(tp)
-        return self.inner.notes() + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
+        return self.inner.notes(training) + [        # inner's: amp, recompute, ZeRO's, cp's, ep's
             f"tensor parallel: tp {tp} x {dp} ({self.group.algo_text()}), sequence parallel "
             f"{'on' if self.sequence_parallel else 'off'}; this rank holds {local:,} of the "
             f"model's {full:,} parameters" + (f"; vocabulary padded with {pad} zero rows to "

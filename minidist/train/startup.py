@@ -50,7 +50,7 @@ def describe_run(args, strategy, log, model, data):
                    f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
                    f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
                    f"{full - n:,}; {state}")
-    for line in strategy.notes():                 # --amp, --ckpt-activations, the split
+    for line in strategy.notes(training=not args.eval_only):   # --amp, recompute, the split
         log.print0(line)
     if args.stop_at and args.stop_at < args.steps and not args.eval_only:
         # (the log's step N/total counts to the stop: 60/60 read as a shortened schedule)

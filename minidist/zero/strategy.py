@@ -137,9 +137,9 @@ class ZeroDataParallel(SingleProcess):
     def takes_part_in_sampling(self):
         return self.stage == 3 or self.rank == 0
 
-    def notes(self):
+    def notes(self, training=True):
         pad = sum(u.flat.padding for u in self.engine.units)
-        return super().notes() + [
+        return super().notes(training) + [
             f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo_text()}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
             f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
