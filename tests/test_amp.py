@@ -222,7 +222,7 @@ def test_amp_within_2_percent_of_float32_after_30_steps(corpus, tmp_path, capsys
     rows32, final32 = _train(corpus, tmp_path, "--steps", "30")
     rows16, final16 = _train(corpus, tmp_path, "--steps", "30", "--amp")
     assert "mixed precision: float16 compute" in capsys.readouterr().out
-    assert final32["val_loss"] < 0.8 * final32["unigram_entropy"]          # it learned
+    assert final32["val_loss"] < 0.85 * final32["unigram_entropy"]         # it learned
     assert abs(final16["val_loss"] / final32["val_loss"] - 1) < 0.02
     late32 = np.mean([r["loss"] for r in rows32[-5:]])
     late16 = np.mean([r["loss"] for r in rows16[-5:]])
