@@ -441,9 +441,10 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     # walk 36: its run's --data taken (Python's sources were evaluated); --save on the
     # folder it starts from refused (the advice, --resume auto or --overwrite, undid it)
     assert args("--init-from", str(tmp_path / "ck")).data == corpus
-    with pytest.raises(UsageError, match=r"--save .*ck: holds the checkpoint --init-from "
-                       r".*ck starts this run from; save the new run elsewhere"):
-        args("--init-from", str(tmp_path / "ck"), "--save", str(tmp_path / "ck"))
+    for save in (tmp_path / "ck", tmp_path):          # the folder, or one that holds it
+        with pytest.raises(UsageError, match=r"--save .*: holds the checkpoint --init-from "
+                           r".*ck starts this run from; save the new run elsewhere"):
+            args("--init-from", str(tmp_path / "ck"), "--save", str(save))
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(
@@ -458,6 +459,9 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
                        "not fit the model; leave --tokenizer out"):
         args("--data", corpus, "--resume", str(tmp_path / "bytes"), "--tokenizer", str(tok),
              "--steps", "2")
+    with pytest.raises(UsageError, match=r"--tokenizer .*tok: --init-from .*bytes was trained "
+                       r"without one, in bytes \(256 tokens\); leave --tokenizer out"):
+        args("--init-from", str(tmp_path / "bytes"), "--tokenizer", str(tok))
     ids = BPETokenizer.from_folder(str(tok)).encode(open(corpus).read()).astype(np.uint16)
     os.makedirs(tmp_path / "bin")
     ids[:2000].tofile(tmp_path / "bin" / "train.bin")

@@ -311,6 +311,9 @@ def test_what_a_run_writes_may_not_go_inside_its_text_folder(tmp_path):
                            "whose files are the text trained on"):
             check_flags(train_parser().parse_args(["--data", str(tmp_path / "corpus"), flag,
                                                    where]))
+    with pytest.raises(UsageError, match="^--cache-dir .*corpus: inside --data"):   # itself
+        check_flags(train_parser().parse_args(["--data", str(tmp_path / "corpus"),
+                                               "--cache-dir", str(tmp_path / "corpus")]))
     check_flags(train_parser().parse_args(["--data", str(tmp_path / "corpus"), "--cache-dir",
                                            str(tmp_path / "corpus" / ".cache")]))
 
@@ -328,3 +331,17 @@ def test_a_linked_folder_is_read_once(tmp_path):
     root, files, skipped = list_files(str(tmp_path / "corpus"))
     assert files == ["a.txt", os.path.join("linkdir", "b.txt")], files
     assert skipped == [("loop", "a link to a folder read already")], skipped
+
+
+def test_a_files_train_part_ends_a_line_near_its_90_percent():
+    """data_files.cut_point: the 90% cut moves back to a line's start, at most 4 KiB and 5%
+    of the file (a review: a title line before a long paragraph kept 8 of 3,009 bytes for
+    training), else to a UTF-8 character's start."""
+    from minidist.train.data_files import cut_point
+    lines = b"".join(b"line %03d of the text\n" % i for i in range(100))     # 2,100 bytes
+    cut = cut_point(lines)
+    assert lines[cut - 1:cut] == b"\n" and 0.85 * len(lines) <= cut <= 0.9 * len(lines)
+    titled = b"Title\n" + b"word " * 600 + b"\n"                             # one paragraph
+    assert cut_point(titled) == int(0.9 * len(titled))          # not back to the title
+    wide = "日本語".encode() * 100                                             # no newline
+    assert cut_point(wide) % 3 == 0 and cut_point(wide) <= int(0.9 * len(wide))

@@ -228,8 +228,8 @@ class SingleProcess:
 
     def notes(self, training=True):
         """Lines for the log: how this run computes (precision, activation checkpointing).
-        `training` False (--eval-only): what only training does (gradients, their averaging)
-        is left out of the lines that would name it."""
+        `training` False (--eval-only): the EP and CP lines leave out the gradients'
+        averaging (the other lines describe the layout, and stay)."""
         lines = [self.amp.describe()] if self.amp else []
         if self.ckpt_activations:
             lines.append("activation checkpointing: each block keeps its input and is "

@@ -351,7 +351,7 @@ def run_main(main, args=None, user_errors=(), parser=None):
             print(f"preempted ({e}) while starting: stopped at once, nothing trained since "
                   "the last checkpoint; run the same command with --resume auto to start "
                   "again", file=sys.stderr, flush=True)
-        sys.exit(preemption.EXIT_STATUS)
+        preemption.end_job()                # 75; under MPI every rank, blocked ones too
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
             raise

@@ -42,7 +42,8 @@ from minidist.train.data_files import (DataError, left_out_text, list_files, not
                                        split_files)
 
 _SPLITS = {"train": 0, "val": 1}
-_VERSION = 3     # 2: the held-out files' fallback; 3: <|endoftext|> ends each document
+_VERSION = 4     # 2: the held-out files' fallback; 3: <|endoftext|> ends each document; 4:
+#                  the train part cut at a line's start
 
 
 class ByteTokenizer:

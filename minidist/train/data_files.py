@@ -88,8 +88,9 @@ def list_files(path=None):
     files, skipped = [], []
     seen = {os.path.realpath(root)}             # folders read: a linked one is read once
     for d, dirs, names in os.walk(root, followlinks=path is not None):
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in skip
-                         and x != "__pycache__")
+        dirs[:] = sorted((x for x in dirs if not x.startswith(".") and x not in skip
+                          and x != "__pycache__"),           # real folders before links to
+                         key=lambda x: (os.path.islink(os.path.join(d, x)), x))   # them
         for x in list(dirs):                    # (walk 33, 36: a linked folder was skipped
             real = os.path.realpath(os.path.join(d, x))      # without a word; a loop of
             if real in seen:                                 # links must end)
@@ -171,12 +172,13 @@ def split_files(root, files):
 
 def cut_point(data, share=0.9, window=4096):
     """Where a file's train part ends: at `share` of its bytes, moved back to the start of
-    a line within `window` bytes, so the train part ends a line (under a BPE the
+    a line within `window` bytes and 5% of the file, so the train part ends a line (under a BPE the
     <|endoftext|> after it then follows a line's end, not half a word: a review of
     data.py's documents); without a newline there, the start of the UTF-8 character the
     cut falls in."""
     cut = int(len(data) * share)
-    line = data.rfind(b"\n", max(cut - window, 0), cut)
+    window = min(window, len(data) // 20)     # at most 5% of the file: a long last paragraph
+    line = data.rfind(b"\n", max(cut - window, 0), cut)   # moves no cut to its title
     return line + 1 if line >= 0 else utf8_boundary(data, cut)
 
 

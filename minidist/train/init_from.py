@@ -133,8 +133,8 @@ def _take_checkpoint_run(args, folder):
     except CheckpointError:
         return                                 # saved_config named what cannot be read
     given = getattr(args, "given", [])
-    if dtype in ("float32", "float64") and "dtype" not in given:
-        args.dtype = dtype
+    if dtype in ("float32", "float64") and "dtype" not in given and not args.amp:
+        args.dtype = dtype                     # (--amp: float32 masters, 16-bit compute)
     if args.moe_experts and "moe_bias_rate" not in given and flags.get("moe_bias_rate") \
             and not getattr(args, "eval_only", False):           # (nothing moves under it)
         args.moe_bias_rate = flags["moe_bias_rate"]

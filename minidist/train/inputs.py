@@ -69,9 +69,10 @@ def _check_outputs_outside(args, data):
         path = getattr(args, flag, None)
         if not path:
             continue
-        inside = os.path.relpath(os.path.realpath(path), root)
-        if inside != os.pardir and not inside.startswith(os.pardir + os.sep) and not any(
-                part.startswith(".") for part in inside.split(os.sep)):
+        inside = os.path.relpath(os.path.realpath(path), root)     # ".": the folder itself
+        below = inside != os.pardir and not inside.startswith(os.pardir + os.sep)
+        hidden = any(part.startswith(".") for part in inside.split(os.sep))
+        if inside == os.curdir or (below and not hidden):
             name = "--" + flag.replace("_", "-")
             raise UsageError(f"{name} {path}: inside --data {data}, whose files are the text "
                              "trained on: the next run would train on what this one writes "

@@ -23,6 +23,8 @@ signals end the run at once (`stop_at_once`, Preempted): exit 75, nothing to sav
 Tests: tests/test_preemption.py.
 """
 import signal
+import sys
+import time
 
 EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (--resume)
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
@@ -48,7 +50,25 @@ def stop_at_once(save):
 
 
 def _raise_preempted(signum, frame):
+    for name in SIGNALS:       # once: the launcher may forward the scheduler's signal again
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     raise Preempted(signal.Signals(signum).name)
+
+
+def end_job():
+    """Exit with EXIT_STATUS after a Preempted; in a job of several ranks, MPI_Abort with it
+    (the launcher returns 75), so a rank blocked in a collective, which cannot run its
+    handler, ends too instead of aborting the job with status 1 once this one exited (a
+    review of stop_at_once). Other ranks first give rank 0 a moment to print its line.
+    mpi4py is looked up, not imported: a run of one process never started MPI."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.Get_size() > 1:
+        if mpi.COMM_WORLD.Get_rank() != 0:
+            time.sleep(1.0)
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(EXIT_STATUS)
+    sys.exit(EXIT_STATUS)
 
 
 class Flag:
