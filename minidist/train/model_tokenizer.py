@@ -11,7 +11,7 @@ given for it checked against it (examples/sample.py, examples/export_gpt2.py).
                         else the one own_tokenizer finds. First-use walk 33: sample.py
                         compared the sizes only, so another BPE of the same size printed
                         garbage, and export_gpt2.py wrote it beside the model
-Tests: tests/test_bpe.py (test_a_trained_tokenizer_trains_samples_and_exports).
+Tests: tests/test_init_from.py (test_another_tokenizer_of_the_same_size_is_refused).
 """
 from minidist.train.gather import run_flags
 from minidist.train.token_files import tokenizer_in
