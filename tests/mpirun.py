@@ -88,6 +88,19 @@ class MpiRunner:
         return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
+def tiny_args(*flags):
+    """train_gpt's parsed flags for a tiny model (1 layer of 16, 16 tokens, batch 4, 1 val
+    batch, no sample) plus `flags`, checked as examples/train_gpt.py checks them (the
+    resumed or --init-from model's sizes taken): for minidist.train.loop.train in-process."""
+    from minidist.train.args import train_parser
+    from minidist.train.cli import check_flags
+    args = train_parser().parse_args(["--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                                      "--block-size", "16", "--batch-size", "4",
+                                      "--eval-iters", "1", "--sample", "0", *flags])
+    check_flags(args)
+    return args
+
+
 def train_tiny(*flags, timeout=120):
     """examples/train_gpt.py in one process on a tiny model (1 layer of 16, 8 tokens, batch 2,
     1 step, 1 val batch, no sample) plus `flags` (later ones win); the CompletedProcess."""

@@ -334,10 +334,9 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     import os
     import subprocess
     import sys
-    from minidist.train.args import train_parser
-    from minidist.train.cli import UsageError, check_flags
+    from minidist.train.cli import UsageError
     from minidist.train.loop import train
-    from tests.mpirun import ROOT, mpi_env
+    from tests.mpirun import ROOT, mpi_env, tiny_args as args
     tok = tmp_path / "tok"
 
     def run(script, *flags):
@@ -349,12 +348,6 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     said = run("train_tokenizer.py", "--data", corpus, "--vocab-size", 300, "--out", tok)
     assert said.startswith(f"wrote {tok}: 300 tokens, 43 merges") and "bytes per token" in said
 
-    def args(*flags):
-        a = train_parser().parse_args(["--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-                                       "--block-size", "16", "--batch-size", "4",
-                                       "--eval-iters", "1", "--sample", "0", *flags])
-        check_flags(a)
-        return a
     cache = ["--cache-dir", str(tmp_path / "cache")]
     train(args("--data", corpus, *cache, "--tokenizer", str(tok), "--steps", "2", "--save",
                str(tmp_path / "ck")))

@@ -13,19 +13,9 @@ import sys
 import pytest
 
 from minidist.train import bpe_train
-from minidist.train.args import train_parser
-from minidist.train.cli import UsageError, check_flags
+from minidist.train.cli import UsageError
 from minidist.train.loop import train
-from tests.mpirun import ROOT, mpi_env
-
-
-def _args(*flags):
-    """train_gpt's flags for a tiny model, checked as train_gpt.py checks them."""
-    args = train_parser().parse_args(["--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-                                      "--block-size", "16", "--batch-size", "4",
-                                      "--eval-iters", "1", "--sample", "0", *flags])
-    check_flags(args)
-    return args
+from tests.mpirun import ROOT, mpi_env, tiny_args
 
 
 def _script(script, *flags):
@@ -43,7 +33,7 @@ def base(tmp_path_factory, corpus):
     vocab, merges = bpe_train.train_bpe(open(corpus).read(), 300)
     bpe_train.write_tokenizer(str(tmp / "tok"), vocab, merges)
     bpe_train.write_tokenizer(str(tmp / "same_size"), vocab, merges[:-2] + merges[-2:][::-1])
-    train(_args("--data", corpus, "--cache-dir", str(tmp / "cache"), "--tokenizer",
+    train(tiny_args("--data", corpus, "--cache-dir", str(tmp / "cache"), "--tokenizer",
                 str(tmp / "tok"), "--steps", "2", "--save", str(tmp / "ck")))
     out = _script("export_gpt2.py", "--resume", tmp / "ck", "--out", tmp / "x")
     assert out.returncode == 0, out.stderr
@@ -64,20 +54,20 @@ def test_another_tokenizer_of_the_same_size_is_refused(base, corpus):
     assert not os.path.exists(base / "z")
     with pytest.raises(UsageError, match=r"--tokenizer .*same_size: --init-from .*x holds its "
                        r"model's own tokenizer \(vocab.json, merges.txt\), whose vocabulary"):
-        _args("--data", corpus, "--init-from", str(base / "x"), "--tokenizer",
+        tiny_args("--data", corpus, "--init-from", str(base / "x"), "--tokenizer",
               str(base / "same_size"))
     with pytest.raises(UsageError, match=r"--tokenizer .*same_size: --init-from .*ck: the "
                        "model was trained in another tokenizer"):
-        _args("--init-from", str(base / "ck"), "--tokenizer", str(base / "same_size"))
+        tiny_args("--init-from", str(base / "ck"), "--tokenizer", str(base / "same_size"))
 
 
 def test_a_fine_tune_from_a_folder_resumes_in_its_bpe(base, corpus, tmp_path):
     """--init-from a GPT-2 folder with its BPE, then `--resume DIR` alone: its text was
     read as bytes and the resume refused as a "config mismatch" (walk 33)."""
     cache = ["--cache-dir", str(tmp_path / "cache")]
-    train(_args("--data", corpus, *cache, "--init-from", str(base / "x"), "--steps", "2",
+    train(tiny_args("--data", corpus, *cache, "--init-from", str(base / "x"), "--steps", "2",
                 "--save", str(tmp_path / "ft")))
-    again = _args("--resume", str(tmp_path / "ft"), "--steps", "3", *cache)
+    again = tiny_args("--resume", str(tmp_path / "ft"), "--steps", "3", *cache)
     assert again.tokenizer == str(base / "x") and train(again)["steps"] == 3
 
 
@@ -89,20 +79,20 @@ def test_a_run_from_a_checkpoint(base, corpus, tmp_path, capsys):
     cache = ["--cache-dir", str(tmp_path / "cache")]
     evaluated = ["--eval-only", "--data", corpus, *cache, "--batch-size", "4",
                  "--eval-iters", "1", "--seed", "0"]
-    resumed = train(_args("--resume", str(base / "ck"), *evaluated))["val_loss"]
-    started = _args("--init-from", str(base / "ck"), *evaluated)
+    resumed = train(tiny_args("--resume", str(base / "ck"), *evaluated))["val_loss"]
+    started = tiny_args("--init-from", str(base / "ck"), *evaluated)
     assert started.tokenizer == str(base / "tok") and train(started)["val_loss"] == resumed
-    fresh = _args("--init-from", str(base / "ck"), "--data", corpus, *cache, "--steps", "2",
+    fresh = tiny_args("--init-from", str(base / "ck"), "--data", corpus, *cache, "--steps", "2",
                   "--save", str(tmp_path / "ft2"))
     capsys.readouterr()
     assert train(fresh)["steps"] == 2 and (tmp_path / "ft2" / "step-00000002").is_dir()
     said = capsys.readouterr().out
     assert f"init: the weights of --init-from {base / 'ck'} (step 2 of " in said, said
-    assert _args("--init-from", str(base / "ck")).data == corpus
+    assert tiny_args("--init-from", str(base / "ck")).data == corpus
     for save in (base / "ck", base):                  # the folder, or one that holds it
         with pytest.raises(UsageError, match=r"--save .*: holds the checkpoint --init-from "
                            r".*ck starts this run from; save the new run elsewhere"):
-            _args("--init-from", str(base / "ck"), "--save", str(save))
+            tiny_args("--init-from", str(base / "ck"), "--save", str(save))
 
 
 def test_a_checkpoints_tokenizer_moved_away_or_none_is_named(base, corpus, tmp_path):
@@ -113,15 +103,15 @@ def test_a_checkpoints_tokenizer_moved_away_or_none_is_named(base, corpus, tmp_p
     merges = [tuple(line.split()) for line in
               (base / "tok" / "merges.txt").read_text().splitlines()[1:]]
     bpe_train.write_tokenizer(str(tmp_path / "tokmv"), vocab, merges)
-    train(_args("--data", corpus, *cache, "--tokenizer", str(tmp_path / "tokmv"), "--steps",
+    train(tiny_args("--data", corpus, *cache, "--tokenizer", str(tmp_path / "tokmv"), "--steps",
                 "1", "--save", str(tmp_path / "ck")))
     os.rename(tmp_path / "tokmv", tmp_path / "gone")
     for how in ("--resume", "--init-from"):
         with pytest.raises(UsageError, match="was trained in the tokenizer of --tokenizer "
                            ".*tokmv, which holds no vocab.json and merges.txt now; give "
                            "--tokenizer DIR"):
-            _args("--data", corpus, how, str(tmp_path / "ck"))
-    train(_args("--data", corpus, *cache, "--steps", "1", "--save", str(tmp_path / "bytes")))
+            tiny_args("--data", corpus, how, str(tmp_path / "ck"))
+    train(tiny_args("--data", corpus, *cache, "--steps", "1", "--save", str(tmp_path / "bytes")))
     with pytest.raises(UsageError, match=r"--tokenizer .*tok: --init-from .*bytes was trained "
                        r"without one, in bytes \(256 tokens\); leave --tokenizer out"):
-        _args("--init-from", str(tmp_path / "bytes"), "--tokenizer", str(base / "tok"))
+        tiny_args("--init-from", str(tmp_path / "bytes"), "--tokenizer", str(base / "tok"))

@@ -178,6 +178,16 @@ def tokenizer_files(path):
     return bool(path) and all(os.path.isfile(os.path.join(path, f)) for f in (VOCAB, MERGES))
 
 
+def same_tokenizer(a, b):
+    """Whether the BPE folders `a` and `b` hold the same vocabulary and merges (their keys:
+    one of the same size with other merges would give its ids other strings); None where
+    either's files do not load (the caller leaves that to the check that names the file)."""
+    try:
+        return BPETokenizer.from_folder(a).key == BPETokenizer.from_folder(b).key
+    except TokenizerError:
+        return None
+
+
 class _Pairs(list):
     """A JSON object as its (key, value) list, so repeated keys are seen."""
 

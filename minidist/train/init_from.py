@@ -36,7 +36,7 @@ from dataclasses import asdict
 from minidist.nn.config import ARCH_DEFAULTS
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy.checkpoint import CheckpointError, saved_model
-from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
+from minidist.train.bpe import BPETokenizer, TokenizerError, same_tokenizer, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
 from minidist.train.gather import model_config, router_bias, run_flags, whole_model
@@ -178,11 +178,7 @@ def _check_init_tokenizer(args, folder):
     if given is None or not (tokenizer_files(given) and    # first launch is a new run)
                              tokenizer_files(folder)):
         return
-    try:
-        same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(folder).key
-    except TokenizerError:
-        return                                 # check_data_path and the load name the file
-    if not same:
+    if same_tokenizer(given, folder) is False:     # (None: check_data_path names the file)
         raise UsageError(f"--tokenizer {given}: --init-from {folder} holds its model's own "
                          "tokenizer (vocab.json, merges.txt), whose vocabulary or merges "
                          "differ (its ids would mean other strings); leave --tokenizer out")
@@ -214,6 +210,7 @@ def initial_weights(args, config, data, log):
     if args.init_from is None or args.resume:
         return None
     folder = args.init_from
+    checkpoint = is_checkpoint(folder)
     saved = saved_config(folder)      # (its sizes were taken: take_init_from_sizes)
     if data.vocab_size != saved.vocab_size:
         raise UsageError(
@@ -225,9 +222,9 @@ def initial_weights(args, config, data, log):
                 if saved.vocab_size == ByteTokenizer.vocab_size else
                 "give --data token files of its tokenizer (train.bin and val.bin, as nanoGPT "
                 "or llm.c write them), or text with its tokenizer (" + (
-                    "--tokenizer" if is_checkpoint(folder) else
+                    "--tokenizer" if checkpoint else
                     f"its vocab.json and merges.txt in {folder}") + ")"))
-    if is_checkpoint(folder):
+    if checkpoint:
         try:
             _, weights, what = whole_model(folder)
         except CheckpointError as e:

@@ -18,7 +18,7 @@ import os
 from minidist.nn.config import ARCH_DEFAULTS, ffn_size
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.strategy.checkpoint_dirs import resume_dir
-from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
+from minidist.train.bpe import BPETokenizer, TokenizerError, same_tokenizer, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.token_files import token_file_names
 
@@ -205,11 +205,7 @@ def _take_resume_tokenizer(args, folder, flags, vocab_size):
                              "give --tokenizer DIR with the same two files")
         args.tokenizer = recorded
     elif tokenizer_files(given) and tokenizer_files(recorded):
-        try:
-            same = BPETokenizer.from_folder(given).key == BPETokenizer.from_folder(recorded).key
-        except TokenizerError:
-            return                                       # check_data_path names the file
-        if not same:
+        if same_tokenizer(given, recorded) is False:     # (None: check_data_path names it)
             raise UsageError(f"--tokenizer {given}: --resume {folder} was trained with "
                              f"the tokenizer of {flag} {recorded}, whose vocabulary or "
                              "merges differ (its ids would mean other strings); leave "
