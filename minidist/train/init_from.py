@@ -40,8 +40,8 @@ from minidist.train.bpe import BPETokenizer, TokenizerError, same_tokenizer, tok
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
 from minidist.train.gather import model_config, router_bias, run_flags, whole_model
-from minidist.train.inputs import (RESUMED, flag_of, resolved_size, run_tokenizer,
-                                   take_model_fields)
+from minidist.train.inputs import (MAY_CHANGE, RESUMED, flag_of, resolved_size,
+                                   run_tokenizer, take_model_fields)
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
 
 FOLDER = "a GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face writes them)"
@@ -85,9 +85,7 @@ def take_init_from_sizes(args):
     names = ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS)
     if checkpoint and saved.moe_experts:      # its experts' sizes and routing, as --resume's
         names += tuple(n for n in RESUMED if n.startswith("moe_"))
-    clash = take_model_fields(args, model, names,
-                              keep=("moe_capacity_factor", "moe_aux_loss_coef",
-                                    "moe_z_loss_coef"))
+    clash = take_model_fields(args, model, names, keep=MAY_CHANGE)   # (as a resume's)
     if clash:
         name, value = clash
         said = ("--no-bias: its model has biases" if name == "bias" else
