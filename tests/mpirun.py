@@ -88,6 +88,37 @@ class MpiRunner:
         return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
+def rank_pids(job, script="train_gpt.py"):
+    """{rank: pid} of the processes running `script` that the mpiexec `job` (a Popen) started:
+    its descendants (MPICH's proxies start the ranks in sessions of their own), each rank
+    read from the PMI_RANK its launcher put in its environment (`job` itself when it is one
+    process). For tests that signal or limit one rank of a job."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    family, grew = {job.pid}, True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in family} - family
+        family |= more
+        grew = bool(more)
+    ranks = {}
+    for pid in family:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                words = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(w.split(b"=", 1) for w in f.read().split(b"\0") if b"=" in w)
+        except OSError:
+            continue
+        if any(w.endswith(script.encode()) for w in words) and b"mpiexec" not in words[0]:
+            ranks[int(env.get(b"PMI_RANK", 0))] = pid      # (no launcher: one process)
+    return ranks
+
+
 def tiny_args(*flags):
     """train_gpt's parsed flags for a tiny model (1 layer of 16, 16 tokens, batch 4, 1 val
     batch, no sample) plus `flags`, checked as examples/train_gpt.py checks them (the

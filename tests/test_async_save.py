@@ -25,7 +25,8 @@ from minidist.optim import AdamW
 from minidist.strategy import checkpoint, checkpoint_dirs, saving
 from minidist.strategy.base import SingleProcess
 from minidist.strategy.checkpoint import CheckpointError
-from mpirun import ROOT, device_flags, logged_losses, mpi_env, mpiexec, train_tiny
+from mpirun import (ROOT, device_flags, logged_losses, mpi_env, mpiexec, rank_pids,
+                    train_tiny)
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
@@ -222,33 +223,6 @@ def test_async_checkpoints_are_the_saves_in_the_step_and_resume_bit_for_bit(
 
 # ---- signals and the end of a run -------------------------------------------------------------
 
-def _ranks_of(job):
-    """The pids of a job's train_gpt.py processes: the job's descendants (MPICH's proxies
-    start the ranks in sessions of their own) running it."""
-    parent = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-    family, grew = {job.pid}, True
-    while grew:
-        more = {pid for pid, ppid in parent.items() if ppid in family} - family
-        family |= more
-        grew = bool(more)
-    ranks = []
-    for pid in family:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                words = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(w.endswith(b"train_gpt.py") for w in words) and b"mpiexec" not in words[0]:
-            ranks.append(pid)
-    return ranks
-
-
 def _start(ranks, flags, corpus, tmp_path, device):
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
@@ -316,10 +290,10 @@ def test_a_write_that_fails_mid_run_stops_every_rank_with_one_line(ranks, layout
                  tmp_path, device)
     try:
         _wait_until(job, lambda: checkpoint_dirs.read_latest(ck) is not None)
-        pids = _ranks_of(job)
-        assert len(pids) == ranks, pids
-        for pid in pids if limited == "every rank" else pids[-1:]:
-            resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, 4096))
+        pids = rank_pids(job)
+        assert sorted(pids) == list(range(ranks)), pids
+        for rank in range(ranks) if limited == "every rank" else [ranks - 1]:
+            resource.prlimit(pids[rank], resource.RLIMIT_FSIZE, (4096, 4096))
         out, err = job.communicate(timeout=120)
     finally:
         if job.poll() is None:

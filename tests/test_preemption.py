@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec
+from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, rank_pids
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
@@ -117,12 +117,15 @@ def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_pat
 
 
 @pytest.mark.mpi
-def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device):
+@pytest.mark.parametrize("signalled", ["every rank", "rank 0", "rank 1"])
+def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
     """    mpiexec -n 2 python examples/train_gpt.py --data big.txt --tokenizer tok --save ck
-    --resume auto, then SIGTERM to the job while rank 0 tokenizes (rank 1 naps in
-    wait_for_all): exit 75, one line, no cache half-written. First-use walk 36: the loop's
-    handlers came after the data, so the job died of the signal (143/15), which a requeueing
-    script does not requeue (preemption.stop_at_once)."""
+    --resume auto, then SIGTERM while rank 0 tokenizes (rank 1 naps in wait_for_all): exit
+    75, one line, no cache half-written. First-use walk 36: the loop's handlers came after
+    the data, so the job died of the signal (143/15), which a requeueing script does not
+    requeue (preemption.stop_at_once). To the job (as a scheduler signals) or to one rank
+    (`kill PID`): the other, never signalled, is ended by the signalled one's MPI_Abort(75)
+    (preemption.end_job), and the line is printed once, by rank 0 or the rank signalled."""
     from minidist.train import bpe_train
     text = "".join(f"the quick brown fox {i} jumps over the lazy dog.\n" for i in range(200))
     vocab, merges = bpe_train.train_bpe(text, 300)
@@ -141,7 +144,12 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device):
         while "no checkpoint in" not in open(out_path).read():    # printed before the data
             assert proc.poll() is None and time.time() < deadline, open(out_path).read()
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGTERM)
+        if signalled == "every rank":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            pids = rank_pids(proc)
+            assert sorted(pids) == [0, 1], pids
+            os.kill(pids[int(signalled[-1])], signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -150,4 +158,8 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device):
     assert proc.returncode == 75, (proc.returncode, said[-2000:])
     assert said.count("preempted (SIGTERM) while starting: stopped at once, nothing trained "
                       "since the last checkpoint") == 1, said
-    assert "data:" not in said and not any((tmp_path / "cache").glob("*/meta.json"))
+    assert "data:" not in said
+    cache = tmp_path / "cache"
+    assert not list(cache.glob(".build-*")), list(cache.iterdir())     # nothing half-written
+    if signalled != "rank 1":         # (signalled alone, rank 1 waits 2 s before its abort:
+        assert not list(cache.glob("*/meta.json"))   # rank 0 may finish the cache meanwhile)

@@ -30,6 +30,7 @@ EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (-
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
 SIGNALS = ("SIGTERM", "SIGUSR1")    # taken with --save
 SIGINT = "SIGINT"                   # always taken
+ABORT_WAIT = 2.0                    # seconds a rank but 0 waits for rank 0's abort (end_job)
 
 
 class Preempted(BaseException):
@@ -55,18 +56,22 @@ def _raise_preempted(signum, frame):
     raise Preempted(signal.Signals(signum).name)
 
 
-def end_job():
-    """Exit with EXIT_STATUS after a Preempted; in a job of several ranks, MPI_Abort with it
-    (the launcher returns 75), so a rank blocked in a collective, which cannot run its
-    handler, ends too instead of aborting the job with status 1 once this one exited (a
-    review of stop_at_once). Other ranks first give rank 0 a moment to print its line.
-    mpi4py is looked up, not imported: a run of one process never started MPI."""
+def end_job(line):
+    """Print `line` once and exit with EXIT_STATUS after a Preempted; in a job of several
+    ranks, MPI_Abort with it (the launcher returns 75), so a rank blocked in a collective,
+    which cannot run its handler, ends too instead of aborting the job with status 1 once
+    this one exited (a review of stop_at_once). Rank 0 prints at once; another rank waits
+    ABORT_WAIT seconds first: when the scheduler signalled every rank, rank 0's abort ends
+    it in that time, unprinted, and when it was signalled alone (`kill` of one pid), its
+    line is the job's only one. mpi4py is looked up, not imported: a run of one process
+    never started MPI."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
-            and mpi.COMM_WORLD.Get_size() > 1:
-        if mpi.COMM_WORLD.Get_rank() != 0:
-            time.sleep(1.0)
-        sys.stderr.flush()
+    several = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+        and mpi.COMM_WORLD.Get_size() > 1
+    if several and mpi.COMM_WORLD.Get_rank() != 0:
+        time.sleep(ABORT_WAIT)
+    print(line, file=sys.stderr, flush=True)
+    if several:
         mpi.COMM_WORLD.Abort(EXIT_STATUS)
     sys.exit(EXIT_STATUS)
 
