@@ -223,6 +223,18 @@ def peak_in_flight(schedule, p, stage, m, v=1):
     return counts[schedule]
 
 
+def waiting_for_weights(schedule, p, stage, m):
+    """At the peak of a ZB-H1 stage, how many of its micro-batches in flight are past their
+    B, waiting for their W (0 for the other schedules, which run B and W together): stage s
+    holds 1F1B's min(m, p - s) whole, and then the W's it holds back, min(s, m - (p - s)),
+    at once (the round of the steady state that ends the holding-back; peak_in_flight counts
+    both). Such a micro-batch keeps only what its weights' gradients read (the matmuls'
+    inputs and output gradients: minidist/train/activations.py weight_work_bytes)."""
+    if schedule != "zb-h1":
+        return 0
+    return min(m, p) - min(m, p - stage)
+
+
 def measured_bubble(events_by_rank):
     """The measured bubble of the last step: on each rank, the share of the window from the
     first micro-batch's start to the last one's end (over all ranks) spent not computing

@@ -94,6 +94,8 @@ class SimSteps:
         self.n_micro, self.clock = n_micro, clock
         self.t = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
         self.events, self.live, self.peak_in_flight = [], set(), 0
+        self.waiting = set()        # past their input gradient (I), before their W
+        self.held = set()           # every (whole, waiting) count seen after an F or an I
 
     def _run(self, kind, i, chunk):
         self.events.append((kind, i, self.clock["t"], chunk))
@@ -103,6 +105,7 @@ class SimSteps:
         self._run("F", i, chunk)
         self.live.add((chunk, i))
         self.peak_in_flight = max(self.peak_in_flight, len(self.live))
+        self.held.add((len(self.live) - len(self.waiting), len(self.waiting)))
         return i
 
     def backward(self, i, grad, chunk=0):
@@ -112,11 +115,14 @@ class SimSteps:
 
     def backward_input(self, i, grad, chunk=0):
         self._run("I", i, chunk)              # still in flight until its W
+        self.waiting.add((chunk, i))
+        self.held.add((len(self.live) - len(self.waiting), len(self.waiting)))
         return i
 
     def backward_weight(self, i, chunk=0):
         self._run("W", i, chunk)
         self.live.remove((chunk, i))
+        self.waiting.remove((chunk, i))
 
 
 def simulate(schedule, n_stages, n_micro, n_chunks=1, t_f=1, t_b=1, t_w=1):

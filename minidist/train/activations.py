@@ -35,7 +35,7 @@ norms' normalised inputs in float32 and fewer other tensors than Megatron's kern
 bytes per sbh per layer, not 16e (the same in float32); the tests check it against the ledger.
 Tests: tests/test_planner.py.
 """
-from minidist.pp.schedule import chunk_layers, peak_in_flight
+from minidist.pp.schedule import chunk_layers, peak_in_flight, waiting_for_weights
 
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
@@ -95,15 +95,16 @@ def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
     min(m, p), interleaved Megatron's warmup + 1 chunk-micro-batches; m None: as many as
     fill the pipeline, p v; pp 1: one, gradient accumulation). Without interleaving the
     stage's blocks are i * pp // L == stage, each held peak times, the head on the last
-    stage as often (ZB-H1 counted as if a micro-batch waiting for its W still held all of
-    it: 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
+    stage as often. ZB-H1's are 1F1B's whole ones: those past their B, waiting for their W
+    (schedule.waiting_for_weights), hold less (weight_work_bytes; priced whole until
+    2026-11-30, 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
     at the end of the warmup: the chunks of the first `peak` forwards (the k-th forward's
     chunk (k mod p v) // p), each with its blocks (chunk_layers); the head is the last
     stage's last chunk's."""
     m = pp * v if m is None else m
     if pp == 1:                       # no pipeline: each micro-batch's backward follows it
         return dict.fromkeys(range(n_layer), 1), 1
-    peak = peak_in_flight(schedule, pp, stage, m, v)
+    peak = peak_in_flight(whole_of(schedule), pp, stage, m, v)
     last = stage == pp - 1
     if v == 1:
         return {i: peak for i in range(n_layer) if i * pp // n_layer == stage}, \
@@ -118,11 +119,56 @@ def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
     return held, head
 
 
+def whole_of(schedule):
+    """The schedule whose count of whole micro-batches (forward done, backward not begun) a
+    stage's peak has: ZB-H1's is 1F1B's (waiting_for_weights counts the rest)."""
+    return "1f1b" if schedule == "zb-h1" else schedule
+
+
+def weight_work_bytes(config, layout, s, b):
+    """What one micro-batch past its B and waiting for its W (ZB-H1) keeps of one of its
+    blocks on one rank: what the weights' gradients read, each weight matmul's input and its
+    output's gradient (minidist/autograd/tensor.py WeightGradQueue), e bytes a value. Per
+    token: the QKV, projection, fc and fc2 inputs, h + h + h + F (the column layers' under SP
+    a shard, as they keep it), and the gradients of their outputs, h + 2 h_kv + h + F' + h
+    (F' = 2F for SwiGLU's gate and up); an MoE block's k experts and shared ones each, and
+    its router (h in, E out). Layer norms and biases compute theirs in B (fused.py,
+    fusions.py weight_grads_in_b). GPT-2's 16 h of the 34 h + 5 a s a whole block holds:
+    measured 1.16 MiB of 1.16 at pp 2, 2 blocks and the head (tests/test_planner.py)."""
+    e, t, h = (2 if layout.amp else 4), layout.tp, config.n_embd
+    k = t if layout.sp else 1
+    f, hkv = config.ffn_size, config.kv_heads * config.n_embd // config.n_head
+    up = 2 * f if config.llama else f
+    attention = h / k + h / t + (h + 2 * hkv) / t + h
+    mlp = h / k + f / t + up / t + h
+    out = []
+    for i in range(config.n_layer):
+        n = config.moe_top_k + config.moe_shared if config.is_moe(i) else 1
+        router = h + config.moe_experts if config.is_moe(i) else 0
+        out.append((attention + n * mlp + router) * s * b * e / layout.cp)
+    return out
+
+
+def head_weight_work_bytes(config, layout, s, b):
+    """weight_work_bytes of the head: its input and its logits' gradient (v / t a token)."""
+    e = 2 if layout.amp else 4
+    return (config.n_embd / (layout.tp if layout.sp else 1) + config.vocab_size / layout.tp) \
+        * s * b * e / layout.cp
+
+
 def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=None, v=1):
     """Korthikanti's bill for one rank of `stage` (of `layout`, planner.Layout) at its peak
-    under the pipeline `schedule` with m micro-batches and v chunks (held_layers)."""
+    under the pipeline `schedule` with m micro-batches and v chunks (held_layers), and
+    under ZB-H1 what its micro-batches waiting for their W keep (weight_work_bytes)."""
     e = 2 if layout.amp else 4
+    m_all = layout.pp * v if m is None else m
     held, head = held_layers(config.n_layer, layout.pp, stage, schedule, m, v)
+    waiting = waiting_for_weights(schedule, layout.pp, stage, m_all) if layout.pp > 1 else 0
+    if waiting:
+        work = weight_work_bytes(config, layout, s, b)
+        last = stage == layout.pp - 1
+        waiting *= sum(work[i] for i in held) \
+            + (head_weight_work_bytes(config, layout, s, b) if last else 0)
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
                                        layout.sp, layout.recompute, e, dropout,
                                        layout.tiled, layout.cp,
@@ -137,7 +183,7 @@ def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=N
         out += moe * extra / layout.cp                # this rank's tokens
     out += head * head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
                                         layout.tp, layout.sp, e, dropout)
-    return out + stage_outputs(layout.pp, stage, schedule, m, v, head) * s * b \
+    return out + waiting + stage_outputs(layout.pp, stage, schedule, m, v, head) * s * b \
         * config.n_embd * e / (layout.tp if layout.sp else 1) / layout.cp
 
 
@@ -150,7 +196,7 @@ def stage_outputs(pp, stage, schedule, m, v, head):
     over the bill (one block per chunk: an output per block), 2-3% at two blocks a stage."""
     if pp == 1:
         return 0
-    return peak_in_flight(schedule, pp, stage, pp * v if m is None else m, v) - head
+    return peak_in_flight(whole_of(schedule), pp, stage, pp * v if m is None else m, v) - head
 
 
 def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
