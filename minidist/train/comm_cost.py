@@ -15,7 +15,7 @@ gamma seconds per byte of local reduction:
 A group's link comes from the mesh order (minidist/comm/mesh.py: tp fastest, then cp, dp,
 pp): a group whose ranks all sit on one node uses the intra-node link, one that spans nodes
 runs at the inter-node link's speed (every ring step waits for its slowest hop).
-Tests: tests/test_planner.py.
+Tests: tests/test_plan_time.py.
 """
 from dataclasses import dataclass
 

@@ -3,7 +3,7 @@ print it, read into a planner.Layout and the micro-batch counts to price. A layo
 examples/train_gpt.py would not run (search.layout_problems: training's own checks), an
 unknown or repeated key, a name whose precision or attention contradicts the flags: a
 LayoutError whose message is plan.py's one `error:` line.
-Tests: tests/test_planner.py (the CLI's --layout cases).
+Tests: tests/test_plan_cli.py (the CLI's --layout cases).
 """
 import re
 

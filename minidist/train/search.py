@@ -1,6 +1,7 @@
 """The layout search: every dp x tp x pp x cp split of a cluster, ZeRO stage, recompute and
 micro-batch count; its per-rank memory (planner.bill) and step time (cost.step_time); the
-fastest that fit. The CLI is examples/plan.py; tests: tests/test_planner.py.
+fastest that fit. The CLI is examples/plan.py; tests: tests/test_plan_time.py,
+tests/test_plan_cli.py.
 
 Which splits are tried: tp a power of two inside one node dividing the heads (TP's
 all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouring ranks);
@@ -25,7 +26,7 @@ by moe_cost.py split_times).
 `muon` (plan.py --optimizer muon) prices every row with Muon (its state in
 planner.bill, its Newton-Schulz and gathers in muon_cost.py) and its command runs it.
 `train_flags(config, row)` is a row as examples/train_gpt.py's flags: what a proposal asks
-training to run (tests/test_planner.py checks that training accepts every one).
+training to run (tests/test_plan_strategies.py checks that training accepts every one).
 `layout_problems` is the check of a layout given by hand (plan.py --layout): training's own
 checks on its train_flags, so the planner prices only what train_gpt runs. The search tries
 a subset of those (powers of two, tp inside a node, cp up to 8: the likely fastest);
