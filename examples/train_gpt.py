@@ -18,9 +18,15 @@ a loss that is not finite stops the run without saving. Text from a checkpoint:
 python examples/sample.py --resume ckpt --prompt "def ".
 """
 import os
+import sys
 
 from minidist.launcher import (bound_threads, interrupted_while_loading, placement,
                                set_thread_env, world_size_from_env)
+from minidist.train import preemption
+
+# with --save, a scheduler's SIGTERM from the first instant on is exit 75, "requeue me"
+# (loading numpy and MPI takes a second or more; the loop takes the signals over later)
+preemption.stop_while_loading(sys.argv[1:])
 
 # BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).
@@ -45,6 +51,7 @@ try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is
     from minidist.train.saves import claim_save
 except KeyboardInterrupt:
     interrupted_while_loading()
+preemption.stop_at_once(save=preemption.saving(sys.argv[1:]))   # now: Preempted, run_main's
 
 
 def main(args):

@@ -358,6 +358,19 @@ def test_a_lock_released_under_a_waiting_run_is_no_claim(tmp_path):
     assert not (d / ".lock").exists()
 
 
+def test_a_lock_that_cannot_be_removed_is_released_quietly(tmp_path):
+    """First-use walk 37: a --save folder turned read-only mid-run (chattr +i; here the
+    .lock path made a folder, which os.remove refuses the same way) made release(), in
+    train_gpt.py's `finally`, raise over the save's one-line error: a two-exception
+    traceback, exit 1. The lock goes with the file's close; release says nothing."""
+    d = tmp_path / "ck"
+    held = checkpoint_dirs.hold(str(d))
+    os.remove(d / ".lock")
+    os.mkdir(d / ".lock")                               # os.remove: IsADirectoryError
+    checkpoint_dirs.release(held)
+    assert held.closed
+
+
 def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
     """A process saving (and pruning) in a loop is killed with SIGKILL at varied moments: the
     --save directory always resolves to a complete checkpoint that loads, and the next save

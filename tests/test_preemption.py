@@ -163,3 +163,48 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
     assert not list(cache.glob(".build-*")), list(cache.iterdir())     # nothing half-written
     if signalled != "rank 1":         # (signalled alone, rank 1 waits 2 s before its abort:
         assert not list(cache.glob("*/meta.json"))   # rank 0 may finish the cache meanwhile)
+
+
+def _takes_sigterm(pid):
+    """Whether process `pid` has a handler of its own for SIGTERM (/proc's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks):
+    """    mpiexec -n 2 python examples/train_gpt.py --save ck ..., then SIGTERM to the job as
+    soon as every rank's Python runs the script (its first lines take SIGTERM), while it
+    still loads numpy, MPI and minidist (a second or more on a cluster's file system):
+    exit 75 and the one line, as later in the start (first-use walk 37: status 15 and
+    MPICH's BAD TERMINATION block, which a requeueing script does not requeue)."""
+    out_path = tmp_path / "out.txt"
+    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
+    cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, *device_flags(device),
+           "--steps", "5", "--save", str(tmp_path / "ck")]
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            pids = rank_pids(proc)
+            if len(pids) == ranks and all(map(_takes_sigterm, pids.values())):
+                break
+            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = open(out_path).read()
+    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    assert said == "preempted (SIGTERM) while starting: stopped at once, nothing trained " \
+        "since the last checkpoint; run the same command with --resume auto to start " \
+        "again\n", said

@@ -276,7 +276,10 @@ def release(held):
     finds, once it has the lock, that the path no longer names it, and locks again (hold)."""
     if held is None:
         return
-    _remove_if_there(held.name)
+    try:
+        _remove_if_there(held.name)
+    except OSError:             # a folder turned read-only mid-run (walk 37): the lock goes
+        pass                    # with the close; the error that ended the run is the one said
     held.close()
 
 

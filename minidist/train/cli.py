@@ -347,9 +347,7 @@ def run_main(main, args=None, user_errors=(), parser=None):
                   flush=True)
         sys.exit(130)
     except preemption.Preempted as e:   # a scheduler's signal before step 1 (stop_at_once)
-        preemption.end_job(f"preempted ({e}) while starting: stopped at once, nothing "
-                           "trained since the last checkpoint; run the same command with "
-                           "--resume auto to start again")   # 75; every rank, blocked too
+        preemption.end_job(preemption.starting_line(e))     # 75; every rank, blocked too
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
             raise

@@ -22,9 +22,12 @@ Before the loop (MPI started, the data opened, the model built or loaded) the sa
 signals end the run at once (`stop_at_once`, Preempted): exit 75, nothing to save.
 Tests: tests/test_preemption.py.
 """
+import os
 import signal
 import sys
 import time
+
+from minidist.launcher import launcher_rank
 
 EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (--resume)
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
@@ -41,13 +44,46 @@ class Preempted(BaseException):
 
 def stop_at_once(save):
     """Until the loop's Flag replaces them: with --save (`save`), SIGTERM and SIGUSR1 raise
-    Preempted where the run is (tokenizing the text, loading a checkpoint), which ends it
-    with exit status 75, so a requeueing script (examples/slurm/train.sbatch) requeues it
-    (first-use walk 36: a SIGTERM while the ranks tokenized ended the job with 15, which
-    is not requeued). Nothing is lost: no step has been taken since the checkpoint."""
-    if save:
+    Preempted where the run is (loading the package, starting MPI, tokenizing the text,
+    loading a checkpoint), which ends it with exit status 75, so a requeueing script
+    (examples/slurm/train.sbatch) requeues it (first-use walk 36: a SIGTERM while the ranks
+    tokenized ended the job with 15, which is not requeued; walk 37: the same in the first
+    second, while Python loaded numpy and MPI). Nothing is lost: no step has been taken
+    since the checkpoint. Without --save the signals end the process as by default."""
+    for name in SIGNALS:
+        signal.signal(getattr(signal, name), _raise_preempted if save else signal.SIG_DFL)
+
+
+def saving(argv):
+    """Whether the command line `argv` gives --save, read before the flags are parsed (the
+    entry point's first instant: stop_at_once while the package loads)."""
+    return any(a == "--save" or a.startswith("--save=") for a in argv)
+
+
+def starting_line(name):
+    """The one line of a run preempted before step 1 (`name`: the signal's)."""
+    return (f"preempted ({name}) while starting: stopped at once, nothing trained since the "
+            "last checkpoint; run the same command with --resume auto to start again")
+
+
+def stop_while_loading(argv):
+    """With --save in `argv`: SIGTERM and SIGUSR1 while an entry point loads numpy, MPI and
+    the package (before MPI started; stop_at_once follows) end the process at once, one
+    line from rank 0, exit status 75 (first-use walk 37: 15 and MPICH's BAD TERMINATION
+    block). Not an exception: raised inside an import, numpy turns it into an ImportError
+    and its page of advice. Nothing to clean up yet; os._exit skips the teardown of a
+    half-loaded MPI library (launcher.interrupted_while_loading does the same for Ctrl-C)."""
+    if saving(argv):
         for name in SIGNALS:
-            signal.signal(getattr(signal, name), _raise_preempted)
+            signal.signal(getattr(signal, name), _exit_while_loading)
+
+
+def _exit_while_loading(signum, frame):
+    for name in SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    if launcher_rank() == 0:
+        print(starting_line(signal.Signals(signum).name), file=sys.stderr, flush=True)
+    os._exit(EXIT_STATUS)
 
 
 def _raise_preempted(signum, frame):
@@ -71,7 +107,8 @@ def end_job(line):
     if several and mpi.COMM_WORLD.Get_rank() != 0:
         time.sleep(ABORT_WAIT)
     print(line, file=sys.stderr, flush=True)
-    if several:
+    if several:                 # (the MPI library's own "application called MPI_Abort" line
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())   # would be a second)
         mpi.COMM_WORLD.Abort(EXIT_STATUS)
     sys.exit(EXIT_STATUS)
 
