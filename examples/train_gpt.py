@@ -25,8 +25,8 @@ from minidist.launcher import (bound_threads, interrupted_while_loading, placeme
 from minidist.train import preemption
 
 # with --save, a scheduler's SIGTERM from the first instant on is exit 75, "requeue me"
-# (loading numpy and MPI takes a second or more; the loop takes the signals over later)
-preemption.stop_while_loading(sys.argv[1:])
+# (loading numpy and MPI takes a second or more): noted now, ended once MPI has started
+LOADING = preemption.WhileLoading(sys.argv[1:])
 
 # BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).
@@ -51,7 +51,6 @@ try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is
     from minidist.train.saves import claim_save
 except KeyboardInterrupt:
     interrupted_while_loading()
-preemption.stop_at_once(save=preemption.saving(sys.argv[1:]))   # now: Preempted, run_main's
 
 
 def main(args):
@@ -79,6 +78,7 @@ def main(args):
                 if world.rank == 0:
                     print(f"note: the launcher bound each rank to cores of its own: {bound} "
                           "BLAS thread(s) on rank 0, one a core (--threads N sets them)")
+    LOADING.stop_now()    # a SIGTERM while loading or starting MPI: exit 75 now, every rank
     # --save: this run's alone (rank 0 holds its lock until the run ends), seen by every rank
     save_lock = claim_save(world, args.save)
     try:

@@ -176,13 +176,16 @@ def _takes_sigterm(pid):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks):
+@pytest.mark.parametrize("ranks,signalled", [(1, "every rank"), (2, "every rank"),
+                                             (2, "rank 1")])
+def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks, signalled):
     """    mpiexec -n 2 python examples/train_gpt.py --save ck ..., then SIGTERM to the job as
     soon as every rank's Python runs the script (its first lines take SIGTERM), while it
     still loads numpy, MPI and minidist (a second or more on a cluster's file system):
     exit 75 and the one line, as later in the start (first-use walk 37: status 15 and
-    MPICH's BAD TERMINATION block, which a requeueing script does not requeue)."""
+    MPICH's BAD TERMINATION block, which a requeueing script does not requeue). To rank 1
+    alone: rank 0 goes on into MPI_Init, where a rank that left before it would leave it
+    waiting for ever (preemption.WhileLoading notes the signal and stops once MPI runs)."""
     out_path = tmp_path / "out.txt"
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, *device_flags(device),
@@ -198,7 +201,10 @@ def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks
                 break
             assert proc.poll() is None and time.time() < deadline, open(out_path).read()
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGTERM)
+        if signalled == "every rank":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(pids[1], signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -208,3 +214,37 @@ def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks
     assert said == "preempted (SIGTERM) while starting: stopped at once, nothing trained " \
         "since the last checkpoint; run the same command with --resume auto to start " \
         "again\n", said
+
+
+def test_a_signal_during_a_save_stops_at_the_step_saved(tmp_path, device):
+    """    python examples/train_gpt.py --save ck --save-every 2, SIGTERM while it writes
+    step 2: it stops there, exit 75, step 2 its one checkpoint (first-use walk 37: it
+    trained step 3 and saved that too, twice the time a scheduler's grace period must
+    cover). The process is stopped (SIGSTOP) while its save's temporary folder exists, so
+    the signal is sure to land inside the save, then continued."""
+    ck, out_path = tmp_path / "ck", tmp_path / "out.txt"
+    cmd = [sys.executable, "examples/train_gpt.py", *TINY, "--n-layer", "4", "--n-embd",
+           "256", *device_flags(device), "--steps", "6", "--save", str(ck), "--save-every",
+           "2"]
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not (ck.exists() and any(p.name.startswith(".tmp") for p in ck.iterdir())):
+            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert not (ck / "latest").exists(), "step 2's save was over before the signal"
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = open(out_path).read()
+    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    assert f"preempted (SIGTERM) after step 2: saved to {ck}/step-00000002" in said, said
+    assert "step     3/" not in said and said.count("saved") == 2, said   # (one save said)
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000002"]

@@ -230,7 +230,11 @@ def train(args, world=None):
             log.json0({**row, "val_loss": val_loss, **moe})   # (every evaluating step was read)
             t_aside += time.perf_counter() - t_eval_from
         if saving:    # every rank's host copies now; the files on a thread with --async-save
-            saves.save(model, opt, step, _run_state(model), background=args.async_save)
+            folder = saves.save(model, opt, step, _run_state(model),
+                                background=args.async_save)
+            if not (args.async_save or last) and strategy.any_rank(signals.is_set()):
+                _stop(args, saves, strategy, log, model, opt, step, signals, saved=True,
+                      folder=folder)
         if evals or saving:              # the next step's time starts after them
             t_mark = time.perf_counter()
     saves.finish()              # the last save committed before the summary and the sample
@@ -264,16 +268,20 @@ def _copies(strategy, world, x, y):
     return 1 if world is None else world.size * len(strategy.local_rows(x, y)[0]) // len(x)
 
 
-def _stop(args, saves, strategy, log, model, opt, step, signals, when=""):
+def _stop(args, saves, strategy, log, model, opt, step, signals, when="", saved=False,
+          folder=None):
     """A signal on some rank: every rank saves this step (with --save; a save in flight is
     committed first, and this one is written in the step, --async-save or not: the job is
     about to end), one line, exit. `when`: what the line adds after "after step N" (an
-    evaluation cut short). Only called after a step whose loss and gradient norm were
-    finite on every rank, so the parameters saved are finite."""
+    evaluation cut short). `saved`: this step was just saved, in `folder` (a signal during
+    a periodic save: first-use walk 37 found the run trained a step more and saved again,
+    twice the time a scheduler's grace period must cover). Only called after a step whose
+    loss and gradient norm were finite on every rank, so the parameters saved are finite."""
     interrupted = strategy.any_rank(signals.interrupted())      # Ctrl-C anywhere: 130
     what = preemption.describe(interrupted, signals.name)
     if args.save:
-        folder = saves.save(model, opt, step, _run_state(model), say=False)
+        if not saved:
+            folder = saves.save(model, opt, step, _run_state(model), say=False)
         log.print0(f"{what} after step {step + 1}{when}: saved to {folder}; run the same "
                    f"command with --resume {args.save} (or --resume auto) to continue")
     else:

@@ -27,8 +27,6 @@ import signal
 import sys
 import time
 
-from minidist.launcher import launcher_rank
-
 EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (--resume)
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
 SIGNALS = ("SIGTERM", "SIGUSR1")    # taken with --save
@@ -66,24 +64,30 @@ def starting_line(name):
             "last checkpoint; run the same command with --resume auto to start again")
 
 
-def stop_while_loading(argv):
-    """With --save in `argv`: SIGTERM and SIGUSR1 while an entry point loads numpy, MPI and
-    the package (before MPI started; stop_at_once follows) end the process at once, one
-    line from rank 0, exit status 75 (first-use walk 37: 15 and MPICH's BAD TERMINATION
-    block). Not an exception: raised inside an import, numpy turns it into an ImportError
-    and its page of advice. Nothing to clean up yet; os._exit skips the teardown of a
-    half-loaded MPI library (launcher.interrupted_while_loading does the same for Ctrl-C)."""
-    if saving(argv):
-        for name in SIGNALS:
-            signal.signal(getattr(signal, name), _exit_while_loading)
+class WhileLoading:
+    """With --save in `argv`, SIGTERM and SIGUSR1 noted from an entry point's first line,
+    while it loads numpy, MPI and the package and while MPI starts: `stop_now`, once MPI
+    has started, turns one noted into Preempted (exit 75 and the one line, every rank
+    ended by end_job), and hands the signals to stop_at_once. First-use walk 37: a SIGTERM
+    in the first second was status 15 and MPICH's BAD TERMINATION block. Not raised in
+    the handler: inside an import numpy turns an exception into an ImportError and its
+    page of advice; and not an exit there: a rank gone before MPI_Init leaves the others in
+    it for ever (comm/__init__.py, pmodels/mpich#6124)."""
 
+    def __init__(self, argv):
+        self.save, self.name = saving(argv), None
+        if self.save:
+            for name in SIGNALS:
+                signal.signal(getattr(signal, name), self._note)
 
-def _exit_while_loading(signum, frame):
-    for name in SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-    if launcher_rank() == 0:
-        print(starting_line(signal.Signals(signum).name), file=sys.stderr, flush=True)
-    os._exit(EXIT_STATUS)
+    def _note(self, signum, frame):
+        self.name = signal.Signals(signum).name
+
+    def stop_now(self):
+        """After MPI started (or in a run of one process): Preempted if a signal came."""
+        stop_at_once(self.save)
+        if self.name is not None:
+            raise Preempted(self.name)
 
 
 def _raise_preempted(signum, frame):
