@@ -154,6 +154,9 @@ class _RankOneElsewhere:
     def broadcast_object(self, obj, root=0):
         return obj
 
+    def wait_for_all(self):
+        """Rank 1 has written (its report is `written`)."""
+
 
 def test_a_save_folder_a_rank_does_not_see_is_an_error_not_a_checkpoint(tmp_path, monkeypatch):
     """First-use walk 31: --save on a node's own disk (rank 1 "another node") printed "saved
@@ -328,3 +331,34 @@ def test_the_flag_is_refused_where_it_does_nothing(flags, says, corpus, tmp_path
                           *[f.format(ck=ck) for f in flags]], cwd=ROOT, env=mpi_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr == says + "\n", out.stderr
+
+
+@pytest.mark.mpi
+def test_a_save_longer_than_the_collective_timeout_is_no_hang(corpus, tmp_path, device):
+    """    mpiexec -n 2 python examples/train_gpt.py --save ck --save-every 2 --comm-timeout 1
+    with rank 0 held (SIGSTOP) for 3 s while it writes step 2: under DDP rank 0 writes the
+    whole model, and rank 1 waited for it in a watched collective, so a save longer than
+    --comm-timeout aborted the job in every save, blaming "different collectives"
+    (first-use walk 37; at the default 600 s, a big model on a slow file system). The
+    ranks now wait for each other's files untimed (saving.Save.commit): the run ends."""
+    ck = tmp_path / "ck"
+    job = _start(2, ["--n-layer", "4", "--n-embd", "256", "--steps", "4", "--save", ck,
+                     "--save-every", "2", "--comm-timeout", "1"], corpus, tmp_path, device)
+    try:
+        def writing():             # a file in the save's temporary folder: begin is over
+            return ck.exists() and any(f.is_file() for p in ck.glob(".tmp-*")
+                                       for f in p.rglob("*"))
+        deadline = time.time() + 90
+        while not writing():
+            assert time.time() < deadline and job.poll() is None, job.communicate()
+            time.sleep(0.002)
+        rank0 = rank_pids(job)[0]
+        os.kill(rank0, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(rank0, signal.SIGCONT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, (job.returncode, out[-2000:], err[-2000:])
+    assert f"saved step 2 to {ck}" in out and f"saved step 4 to {ck}" in out, out

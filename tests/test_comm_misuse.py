@@ -98,6 +98,11 @@ def test_the_watchdog_names_the_collective_each_other_rank_is_in():
     said = watchdog.why_waiting("broadcast", 4, {1: [4, 3, "broadcast"]})
     assert said.startswith("every rank is in broadcast #4: they may disagree on its size, "
                            "dtype or root"), said
+    # first-use walk 37: the root of a broadcast came late (writing a checkpoint), sent and
+    # went on; "the ranks called different collectives" blamed a healthy job
+    said = watchdog.why_waiting("broadcast_object", 186, {0: [188, 187, "all_reduce"]})
+    assert said == ("world rank 0 is past it, in all_reduce #188: it came late to "
+                    "broadcast_object #186, or called another collective there"), said
 
 
 # ---- under mpiexec -----------------------------------------------------------------------

@@ -203,11 +203,20 @@ def why_waiting(op, seq, answers):
     another collective at that number (or past it), who did not answer."""
     late = [r for r, a in answers.items() if a is not None and a[0] < seq]
     silent = [r for r, a in answers.items() if a is None]
-    elsewhere = {}   # (finished it?, op, seq) -> the world ranks in (or past) that one
+    past = {}        # (op, seq) -> the world ranks past this one: late to it, or elsewhere
+    elsewhere = {}   # (finished it?, op, seq) -> the world ranks in that one at this number
     for r, a in answers.items():
-        if a is not None and a[0] >= seq and (a[0], a[2]) != (seq, op):
+        if a is not None and a[0] > seq:
+            past.setdefault((a[2], a[0]), []).append(r)
+        elif a is not None and a[0] == seq and a[2] != op:
             elsewhere.setdefault((a[1] >= a[0], a[2], a[0]), []).append(r)
     parts = [f"world ranks that did not arrive: {late}"] if late else []
+    for (other, at), who in past.items():   # (a broadcast's root returns as it sends: walk
+        many = len(who) > 1                 # 37's rank 0 came late and went on)
+        parts.append(f"world rank{'s' * many} {', '.join(map(str, who))} "
+                     f"{'are' if many else 'is'} past it, in {other} #{at}: "
+                     f"{'they' if many else 'it'} came late to {op} #{seq}, or called "
+                     "another collective there")
     for (finished, other, at), who in elsewhere.items():
         many = len(who) > 1
         verb = ("have finished" if many else "has finished") if finished else \

@@ -200,8 +200,13 @@ class Save:
         """Collective over `group`: once this rank's files are written, world rank 0 writes
         the manifests of every rank's files and renames the folder into place; every rank
         raises the same CheckpointError if any rank failed. Returns the checkpoint folder on
-        rank 0 (None elsewhere)."""
+        rank 0 (None elsewhere). The ranks first wait for every rank's files untimed
+        (wait_for_all): under DDP, TP or PP rank 0 writes what the others hold too, and a
+        write longer than --comm-timeout (a big model on a slow file system) aborted the job
+        in every save (first-use walk 37), however healthy."""
         self.wait()
+        if self.group is not None:
+            self.group.wait_for_all()
         mine = (self.entries, self.error, self.manifests)
         everyone = [mine] if self.group is None else self.group.gather_object(mine, root=0)
         if everyone is None:                                   # not rank 0
