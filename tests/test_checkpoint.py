@@ -4,6 +4,7 @@ user's umask, and a clear CheckpointError for a missing, corrupt, edited or mism
 (the manifest itself included; a ZeRO checkpoint through the same check)."""
 import json
 import os
+import re
 import shutil
 import time
 from types import SimpleNamespace
@@ -356,6 +357,21 @@ def test_a_lock_released_under_a_waiting_run_is_no_claim(tmp_path):
     b.close()
     checkpoint_dirs.release(c)
     assert not (d / ".lock").exists()
+
+
+@pytest.mark.parametrize("held", [b"", b"\x00" * 14, b"\x00\xff junk", b"the newest\n"])
+def test_a_damaged_latest_is_one_error_naming_the_folders_left(tmp_path, held):
+    """`latest` emptied, zeroed by a crash, holding bytes that are not UTF-8 (first-use walk
+    37: a UnicodeDecodeError traceback on every rank) or hand-edited: one CheckpointError
+    naming the file and the checkpoint folders beside it."""
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    checkpoint.save_checkpoint(str(d), model, opt, step=1)
+    (d / "latest").write_bytes(held)
+    with pytest.raises(CheckpointError, match=re.escape(f"{d}/latest: ") + r".* is not a "
+                       r"checkpoint folder name \(edited\?\); write one of step-00000001 "
+                       r"into it, or remove it"):
+        checkpoint_dirs.read_latest(str(d))
 
 
 def test_a_lock_that_cannot_be_removed_is_released_quietly(tmp_path):

@@ -269,6 +269,11 @@ def test_a_sub_second_timeout_does_not_bound_mpi_init(monkeypatch):
     assert comm.mpi_init_wait_s(0.01) == comm.MPI_INIT_AT_LEAST_S == 2.0
     assert comm.mpi_init_wait_s(0) == 0 and comm.mpi_init_wait_s(3) == 3
     assert comm.mpi_init_wait_s(None) == 600
+    # walk 37: "a big number for never" overflowed faulthandler's timer, a traceback per rank
+    import faulthandler
+    assert comm.mpi_init_wait_s(1e30) == comm.MPI_INIT_AT_MOST_S
+    faulthandler.dump_traceback_later(comm.mpi_init_wait_s(1e30), exit=True)
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.mpi

@@ -3,12 +3,16 @@ cache when that is read-only), the train/val split, and batches as a pure functi
 (seed, split, step); one tokenizing per node (data_open.py)."""
 import json
 import os
+import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from minidist.train.data import ByteTokenizer, DataError, TokenData
 from minidist.train.data_files import list_files
+from tests.mpirun import ROOT
 
 
 def _folder(tmp_path, n_files, size=400):
@@ -117,6 +121,19 @@ def test_bad_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"cannot cache the tokenized text in /proc/self \("
                        r".*\): give --cache-dir a folder you can write to"):  # (was OSError)
         TokenData(str(tmp_path / "text.txt"), "/proc/self")   # a folder even root can't write
+    # a disk that fills while the cache is written (walk 37: a traceback, exit 1): the file
+    # size limit of a child process stands for it (Python ignores SIGXFSZ: EFBIG)
+    (tmp_path / "long.txt").write_text("some longer text\n" * 2000)     # 34,000 bytes
+    code = ("from minidist.train.data import DataError, TokenData\n"
+            "try:\n    TokenData(%r, %r)\nexcept DataError as e:\n    print(e)\n"
+            % (str(tmp_path / "long.txt"), str(tmp_path / "cache")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, preexec_fn=lambda: resource.setrlimit(
+                             resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert out.returncode == 0 and out.stdout.startswith(
+        f"cannot cache the tokenized text in {tmp_path / 'cache'} (File too large): give "
+        "--cache-dir a folder with room for 33 KiB"), (out.stdout, out.stderr)
+    assert not list((tmp_path / "cache").glob(".build-*"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no text files"):
         TokenData(str(tmp_path / "empty"))

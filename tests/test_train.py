@@ -416,3 +416,17 @@ def test_a_resume_names_what_changes_its_numbers_and_what_cannot_change(corpus, 
             rf"choose a multiple of 6 \(under --resume {ck}, --block-size 16 is its "
             r"model's and cannot change: choose a layout that fits them\)$")):
         check_layout(args, 3)
+
+
+def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys):
+    """First-use walk 37: --log-json on a disk that filled mid-run aborted the job at its
+    next logged step (a traceback, exit 1, the steps since the last save lost). Now one
+    warning, the log stops there, training goes on (/dev/full: every write is ENOSPC)."""
+    from minidist.train.progress import Logger
+    log = Logger(0, "/dev/full")
+    log.json0({"step": 4, "loss": 1.0})
+    log.json0({"step": 5, "loss": 1.0})
+    err = capsys.readouterr().err
+    assert err == ("warning: --log-json /dev/full: cannot write (No space left on device); "
+                   "no rows from step 5 on, training goes on\n"), err
+    assert log.log_json is None

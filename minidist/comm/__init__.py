@@ -114,6 +114,9 @@ def launch_mismatch(launched, in_mpi):
 # MPI_Init of a few ranks on a busy machine takes up to a second: a collective timeout below
 # that (--comm-timeout 0.01) killed a healthy job while it started, with a stack dump
 MPI_INIT_AT_LEAST_S = 2.0
+# faulthandler's timer takes at most ~1e9 s: "a big number for never" (--comm-timeout 1e30)
+# was an OverflowError per rank (first-use walk 37)
+MPI_INIT_AT_MOST_S = 365 * 86400.0
 
 
 def mpi_init_wait_s(timeout):
@@ -121,7 +124,7 @@ def mpi_init_wait_s(timeout):
     timeout (`timeout`, else MINIDIST_COMM_TIMEOUT or 600 s), but at least
     MPI_INIT_AT_LEAST_S."""
     wait_s = watchdog.default_timeout() if timeout is None else timeout
-    return wait_s and max(wait_s, MPI_INIT_AT_LEAST_S)
+    return wait_s and min(max(wait_s, MPI_INIT_AT_LEAST_S), MPI_INIT_AT_MOST_S)
 
 
 def _wait_in_mpi_init_for_every_rank(timeout):

@@ -68,8 +68,8 @@ def read_latest(directory):
     path = os.path.join(directory, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        name = f.read().strip()
+    with open(path, errors="replace") as f:       # (bytes not UTF-8: a traceback per rank
+        name = f.read().strip()                   # before first-use walk 37)
     if not _NUMBERED.match(name):
         left = numbered(directory)[-3:]
         raise CheckpointError(f"{path}: {name!r} is not a checkpoint folder name (edited?); " + (

@@ -136,9 +136,13 @@ def _build(root, files, out_dir, tokenizer):
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, out_dir)          # atomic; loses quietly to another process's build
-    except OSError:
-        if not os.path.isfile(os.path.join(out_dir, "meta.json")):
-            raise
+    except OSError as e:
+        if not os.path.isfile(os.path.join(out_dir, "meta.json")):   # (walk 37: a full disk
+            n = train.nbytes + val.nbytes                              # was a traceback)
+            need = f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 17 else f"{n / 2 ** 10:,.0f} KiB"
+            raise DataError(f"cannot cache the tokenized text in {os.path.dirname(out_dir)} "
+                            f"({e.strerror or e}): give --cache-dir a folder with room for "
+                            f"{need}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -19,12 +19,16 @@ Tests: tests/test_no_sync.py (the reads counted per step), tests/test_cli.py (di
 """
 import json
 import math
+import sys
 
 from minidist import backend
 
 
 class Logger:
-    """Rank 0's output: `print0` for people, `json0` for --log-json (one object per line)."""
+    """Rank 0's output: `print0` for people, `json0` for --log-json (one object per line).
+    A row that cannot be written (the log's disk full) is taken back, the log stops there
+    with one warning, and training goes on: first-use walk 37's full disk aborted the run
+    at its next logged step, losing the steps since the last save, for a metrics file."""
 
     def __init__(self, rank, log_json=None):
         self.rank, self.log_json = rank, log_json
@@ -34,9 +38,23 @@ class Logger:
             print(*args, flush=True)
 
     def json0(self, row):
-        if self.rank == 0 and self.log_json:
+        if self.rank != 0 or not self.log_json:
+            return
+        line = json.dumps(row) + "\n"
+        try:
             with open(self.log_json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                end = f.tell()
+                try:
+                    f.write(line)
+                    f.flush()
+                except OSError:
+                    f.truncate(end)           # no half row for a reader to choke on
+                    raise
+        except OSError as e:
+            since = f"from step {row['step'] + 1} on" if "step" in row else "from here on"
+            print(f"warning: --log-json {self.log_json}: cannot write ({e.strerror or e}); "
+                  f"no rows {since}, training goes on", file=sys.stderr, flush=True)
+            self.log_json = None
 
 
 class StepValues:
