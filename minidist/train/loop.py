@@ -314,13 +314,13 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                    f"({args.eval_iters} batches of {args.batch_size} x {args.block_size} "
                    f"windows drawn at random from its {split:,} tokens) "
                    f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
-    text, cut = "", False
+    text, cut, interrupted = "", False, False
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
                    "(GPT-2's vocab.json and merges.txt beside the token files, or a meta.pkl "
                    "with its itos table, would be one)")
     elif args.sample:
-        text, cut = _sample(args, strategy, log, model, data, signals)
+        text, cut, interrupted = _sample(args, strategy, log, model, data, signals)
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
@@ -341,12 +341,14 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     if not args.eval_only:             # (its figures are per training step)
         strategy.finish(args, log)     # e.g. DDP's communication summary, the --trace file
     log.json0(summary)
-    if cut:                            # a Ctrl-C during the sample: the run is done, say so
-        log.print0("interrupted (Ctrl-C) during the sample (--sample 0 skips it): " + (
-            "the evaluation is done (above)" if args.eval_only else
-            f"the {stop} steps are done" + (f" and saved in {args.save}" if args.save
-                                           else "")))
-        raise SystemExit(preemption.exit_status(True))
+    if cut:                            # a signal during the sample: the run is done, say so
+        log.print0(f"{preemption.describe(interrupted, signals.name)} during the sample "
+                   "(--sample 0 skips it): " + (
+                       "the evaluation is done (above)" if args.eval_only else
+                       f"the {stop} steps are done" + (f" and saved in {args.save}"
+                                                      if args.save else "")))
+        if interrupted:                # Ctrl-C: 130; a scheduler's signal: the job is done,
+            raise SystemExit(preemption.exit_status(True))      # 0 (a requeue has no work)
     return summary
 
 
@@ -354,7 +356,8 @@ SAMPLE_AGREE = 16     # tokens between the sample's agreements on a signal
 
 
 def _sample(args, strategy, log, model, data, signals):
-    """The end's sample: (its text, whether a Ctrl-C came during it). Collective: every rank
+    """The end's sample: (its text, whether a signal cut it, whether that was Ctrl-C; first-
+    use walk 37: a SIGTERM cut it without a word). Collective: every rank
     calls it. Every SAMPLE_AGREE tokens all ranks agree whether a signal came (one
     1-element all-reduce, strategy.any_rank, as at a step boundary): the ranks that sample
     ask it from generate's `stop` before those tokens, the others ask it as often, so a
@@ -374,4 +377,4 @@ def _sample(args, strategy, log, model, data, signals):
         for _ in range(args.sample):
             if stop():
                 break
-    return text, strategy.any_rank(signals.interrupted())
+    return text, strategy.any_rank(signals.is_set()), strategy.any_rank(signals.interrupted())
