@@ -430,3 +430,28 @@ def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys)
     assert err == ("warning: --log-json /dev/full: cannot write (No space left on device); "
                    "no rows from step 5 on, training goes on\n"), err
     assert log.log_json is None
+
+
+def test_a_corrupt_newest_checkpoint_names_the_older_ones_beside_it(corpus, tmp_path):
+    """    python examples/train_gpt.py --save ck --save-every 2 --keep 2, step 4's shard
+    truncated, then --resume auto: the corrupt-checkpoint line goes on to name step 2,
+    intact beside it, and how to continue from it (first-use walk 37: a requeued job failed
+    on it again and again, the line naming no way out)."""
+    from minidist.strategy import checkpoint_dirs
+    from minidist.strategy.checkpoint import CheckpointError
+    from mpirun import tiny_args
+    ck = tmp_path / "ck"
+    flags = ("--data", corpus, "--cache-dir", str(tmp_path / "cache"), "--save", str(ck),
+             "--save-every", "2", "--keep", "2", "--eval-every", "0")
+    train(tiny_args(*flags, "--steps", "4"))
+    shard = next((ck / "step-00000004").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointError) as e:
+        train(tiny_args(*flags, "--steps", "6", "--resume", "auto"))
+    assert "corrupt checkpoint" in str(e.value) and str(e.value).endswith(
+        f"; older checkpoints beside it: {ck}/step-00000002 (--resume {ck}/step-00000002 "
+        "--overwrite continues from the newest of them)"), e.value
+    assert train(tiny_args(*flags, "--steps", "6", "--resume", str(ck / "step-00000002"),
+                           "--overwrite"))["steps"] == 6
+    assert checkpoint_dirs.read_latest(str(ck)) == "step-00000006"      # the corrupt one
+    assert "step-00000004" not in checkpoint_dirs.numbered(str(ck))      # replaced, pruned

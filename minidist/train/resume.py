@@ -17,6 +17,7 @@ import os
 
 from minidist.optim import WarmupCosine, WarmupStableDecay
 from minidist.strategy import checkpoint_dirs
+from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.inputs import recorded_flags, schedule_differences
 
 # flags whose change makes a resumed run differ from an uninterrupted one (the MoE loss
@@ -109,7 +110,17 @@ def resume_run(args, strategy, log, model, opt):
     """Load --resume into the model and optimizer (and the run's dropout keys and MoE
     biases), say so in one line with what differs from the checkpoint's run (the flags that
     change its numbers, its schedule's, a learning-rate jump); returns its step."""
-    state = strategy.load(args.resume, model, opt)
+    try:
+        state = strategy.load(args.resume, model, opt)
+    except CheckpointError as e:
+        older = checkpoint_dirs.older_checkpoints(args.resume)
+        if "corrupt checkpoint" not in str(e) or not older:
+            raise
+        same = args.save and os.path.realpath(args.save) == \
+            os.path.realpath(os.path.dirname(older[-1]))     # (its saves replace the newer)
+        raise CheckpointError(f"{e}; older checkpoints beside it: {', '.join(older)} "
+                              f"(--resume {older[-1]}{' --overwrite' * bool(same)} "
+                              "continues from the newest of them)") from None
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]},
