@@ -20,7 +20,7 @@ from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from minidist.train.step import train_step
-from mpirun import logged_losses, tagged_json
+from mpirun import logged_losses, mpi_env, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -332,6 +332,24 @@ def test_exception_on_one_rank_aborts_the_job(mpi):
     out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
     assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
     assert "NOT aborted" not in out.stdout and time.time() - start < 60
+
+
+@pytest.mark.mpi
+def test_a_rank_that_skips_a_step_is_named_in_debug_mode(mpi):
+    """Rank 1 catches an exception after its forward and `continue`s (first-use walk 37):
+    its next step's gradients paired with rank 0's current ones, the same collectives in
+    the same order, and the replicas drifted apart without a word, MINIDIST_DEBUG=1 too,
+    until rank 1 ran out of steps a sync early. In debug mode the next sync_grads now
+    raises on every rank, naming the counts:
+
+        MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py
+    """
+    out = mpi(2, "tests/scripts/ddp_skip.py", timeout=60, check=False,
+              env=mpi_env(MINIDIST_DEBUG="1"))
+    assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
+    assert "CollectiveMismatch: DDP: the ranks ran different numbers of forwards since " \
+        "the last sync_grads (rank 0: 1; rank 1: 2): a rank skipped the rest of a step " \
+        "after its forward" in out.stderr, out.stderr[-2000:]
 
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

@@ -48,7 +48,10 @@ grad-accum 2, bytes = 2(N-1)/N x gradient bytes, clipping, the overlap trace).
 import contextlib
 import time
 
+from minidist.autograd.tensor import is_grad_enabled
 from minidist.backend import xp_of
+from minidist.comm import debug
+from minidist.comm.checks import ranks_by_value, ranks_text
 
 MODES = ("naive", "bucketed", "overlapped")
 
@@ -83,11 +86,12 @@ class DataParallelNaive:
         self.sync_enabled = True      # False inside no_sync()
         self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
         self.unsynced = False         # a backward outside no_sync() since the last sync
+        self.forwards = 0             # forwards that build a graph since the last sync
         self._hooks = [p.register_grad_hook(self._backward_ran) for p in self.params]
         broadcast_parameters(self.params, group)
 
     def __call__(self, *args, **kwargs):
-        self.check_synced()
+        self.before_forward()
         return self.module(*args, **kwargs)
 
     # the wrapped model's own, as torch's DDP answers them (the wrapper is no Module itself)
@@ -116,6 +120,11 @@ class DataParallelNaive:
         if self.sync_enabled:
             self.unsynced = True
 
+    def before_forward(self):
+        """check_synced, and a forward counted for sync_grads' check (MINIDIST_DEBUG=1)."""
+        self.check_synced()
+        self.forwards += is_grad_enabled()
+
     def check_synced(self):
         """A forward after a backward whose gradients were never averaged (first-use walk
         29: a loop without sync_grads() let the replicas drift apart, silently): a
@@ -140,9 +149,28 @@ class DataParallelNaive:
         """Average the gradients over the group, in place; returns when they are averaged.
         Call once per optimizer step, after the last backward."""
         start = time.perf_counter()
+        if debug.enabled():
+            self.check_same_forwards()
         self._sync()
         self.unsynced = False
+        self.forwards = 0
         self.last_sync_s = time.perf_counter() - start
+
+    def check_same_forwards(self):
+        """Debug mode (MINIDIST_DEBUG=1): every rank ran as many forwards since the last
+        sync, or CollectiveMismatch on every rank, naming who ran how many. First-use walk
+        37: a rank that caught an exception after its forward and skipped the rest of the
+        step (`continue`) had its next step's gradients averaged with the others' current
+        ones, the same collectives in the same order, and the replicas drifted apart
+        without a word. One all_gather_object a step, only in debug mode."""
+        counts = ranks_by_value(self.group.all_gather_object(self.forwards))
+        if len(counts) > 1:
+            raise debug.CollectiveMismatch(
+                "DDP: the ranks ran different numbers of forwards since the last sync_grads ("
+                + "; ".join(f"{ranks_text(r)}: {n}" for n, r in counts.items())
+                + "): a rank skipped the rest of a step after its forward (an exception "
+                "caught, then `continue`?), so its gradients would be averaged with another "
+                "step's; skip a step on every rank alike, or not at all")
 
     def _sync(self):
         for p in reversed(self.params):       # the order backward completed them
@@ -228,7 +256,7 @@ class DataParallelBucket(DataParallelNaive):
         self.zero_grad()
 
     def __call__(self, *args, **kwargs):
-        self.check_synced()
+        self.before_forward()
         for b in self.buckets:               # before backward writes: grads into the buckets
             b.attach()
         return self.module(*args, **kwargs)
