@@ -98,7 +98,7 @@ class Function:
         return result
 
     @classmethod
-    def _backward(cls, ctx, grad, parents):
+    def run_backward(cls, ctx, grad, parents):
         """Run backward and check its result: one gradient per input, shaped like the input."""
         grads = cls.backward(ctx, grad)
         if not isinstance(grads, tuple):

@@ -8,7 +8,7 @@ both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd.py.
 from minidist import backend
 from minidist.autograd.dropout_keys import uniforms
 from minidist.autograd.function import Function
-from minidist.autograd.ops import _same_float   # ops imports this module after defining it
+from minidist.autograd.ops import same_float   # ops imports this module after defining it
 from minidist.autograd.tensor import Tensor, is_grad_enabled
 from minidist.backend import xp_of
 
@@ -80,7 +80,7 @@ def _select(cond, a, b, dtype):
 
 
 def _float_dtype(a, b):
-    """The float dtype of a or b (after _same_float they share it), or None."""
+    """The float dtype of a or b (after same_float they share it), or None."""
     for v in (a, b):
         dtype = getattr(v, "dtype", None)
         if dtype is not None and backend.is_float(dtype):
@@ -94,7 +94,7 @@ class Where(Function):
 
     @staticmethod
     def forward(ctx, cond, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         cond = xp_of(a, b, cond).asarray(cond)           # a host mask to the device
         ctx.save_for_backward(cond)
         return _select(cond, a, b, _float_dtype(a, b))

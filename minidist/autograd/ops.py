@@ -16,7 +16,7 @@ from minidist.autograd.function import Function
 from minidist.backend import is_float, matmul as _mm, xp_of
 
 
-def _same_float(a, b):
+def same_float(a, b):
     """`a`, `b` with one float dtype. A 0-d operand takes the other's dtype (like a Python
     float does), so `x32 * np.float64(2)` stays float32; two real arrays of different float
     dtypes are an error rather than a silent, slow promotion. A Python float beside a
@@ -53,7 +53,7 @@ def _weak(s, array):
 class Add(Function):
     @staticmethod
     def forward(ctx, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         return a + b
 
     @staticmethod
@@ -64,7 +64,7 @@ class Add(Function):
 class Sub(Function):
     @staticmethod
     def forward(ctx, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         return a - b
 
     @staticmethod
@@ -75,7 +75,7 @@ class Sub(Function):
 class Mul(Function):
     @staticmethod
     def forward(ctx, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         ctx.save_for_backward(a, b)
         return a * b
 
@@ -89,7 +89,7 @@ class Mul(Function):
 class Div(Function):
     @staticmethod
     def forward(ctx, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         out = a / b
         ctx.save_for_backward(b, out)
         return out
@@ -117,7 +117,7 @@ class Pow(Function):
 
     @staticmethod
     def forward(ctx, a, e):
-        a, e = _same_float(a, e)
+        a, e = same_float(a, e)
         out = a ** e
         ctx.save_for_backward(a, e, out)
         return out
@@ -270,7 +270,7 @@ class MatMul(Function):
 
     @staticmethod
     def forward(ctx, a, b):
-        a, b = _same_float(a, b)
+        a, b = same_float(a, b)
         if a.ndim == 0 or b.ndim == 0:
             raise ValueError("matmul needs at least 1-D operands (use * for scalars)")
         if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:

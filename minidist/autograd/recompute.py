@@ -54,7 +54,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd import tensor as _tensor
+from minidist.autograd.tensor import enable_grad, hooks_held
 from minidist.autograd.function import Function
 from minidist.autograd.indexing import concat, split
 from minidist.autograd.tensor import Tensor, no_grad
@@ -95,7 +95,7 @@ class Checkpoint(Function):
         x, = ctx.saved
         block = ctx.block
         leaf = Tensor(x, requires_grad=ctx.needs_input_grad[0])
-        with _grad_enabled(), _rewound(block.rewind, ctx.states), _hooks_held(block.params):
+        with enable_grad(), _rewound(block.rewind, ctx.states), hooks_held(block.params):
             out = block.run(leaf)                    # the same forward, graph recorded
             if out.requires_grad:
                 out.backward(grad)                   # parameter grads: += into .grad
@@ -119,16 +119,6 @@ def checkpoint(fn, x, params, rng=None, context=None):
         return out
     parts = split(out, [math.prod(s) for s in block.shapes])
     return tuple(p.reshape(s) for p, s in zip(parts, block.shapes))
-
-
-@contextlib.contextmanager
-def _grad_enabled():
-    """Record the graph even if backward was called inside no_grad()."""
-    _tensor._grad_enabled.append(True)
-    try:
-        yield
-    finally:
-        _tensor._grad_enabled.pop()
 
 
 def _state(obj):
@@ -157,16 +147,3 @@ def _rewound(objs, states):
     finally:
         for obj, state in zip(objs, now):
             _set_state(obj, state)
-
-
-@contextlib.contextmanager
-def _hooks_held(params):
-    """The inner backward must not fire the parameters' hooks: the outer engine does, once."""
-    held = [p._hooks for p in params]
-    for p in params:
-        p._hooks = []
-    try:
-        yield
-    finally:
-        for p, hooks in zip(params, held):
-            p._hooks = hooks

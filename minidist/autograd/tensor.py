@@ -6,9 +6,8 @@ Node does not hold its op's output: the graph keeps alive only what ops saved, s
 op saved is freed as soon as the code that made it lets go of it. `loss.backward()` walks the
 Nodes once, in reverse topological order, and:
   - hands each op the gradient of its output, which is complete by the time we reach it;
-  - accumulates leaf gradients with `+=` into `.grad`, of the leaf's `grad_dtype` (so
-    gradient accumulation across backward calls works, and a tensor used twice gets both
-    contributions);
+  - accumulates leaf gradients with `+=` into `.grad`, of the leaf's `grad_dtype` (gradient
+    accumulation across backward calls; a tensor used twice gets both contributions);
   - fires a leaf's hooks (`register_grad_hook`) as soon as its last contribution for this
     backward has arrived: DDP starts a bucket's all-reduce there, ZeRO-2 its reduce-scatter;
   - frees each op's saved arrays as soon as its backward has run.
@@ -26,14 +25,36 @@ def is_grad_enabled():
     return _grad_enabled[-1]
 
 
-@contextlib.contextmanager
 def no_grad():
     """Ops inside build no graph: for evaluation, sampling and optimizer updates."""
-    _grad_enabled.append(False)
+    return _grad_mode(False)
+
+
+def enable_grad():
+    """Ops inside build a graph, even inside no_grad() (recompute.py: a backward's rerun)."""
+    return _grad_mode(True)
+
+
+@contextlib.contextmanager
+def _grad_mode(on):
+    _grad_enabled.append(on)
     try:
         yield
     finally:
         _grad_enabled.pop()
+
+
+@contextlib.contextmanager
+def hooks_held(params):
+    """Inside, no gradient hook of `params` fires (recompute.py's inner backward)."""
+    held = [p._hooks for p in params]
+    for p in params:
+        p._hooks = []
+    try:
+        yield
+    finally:
+        for p, hooks in zip(params, held):
+            p._hooks = hooks
 
 
 class Node:
@@ -79,10 +100,9 @@ class Tensor:
 
     @property
     def grad_dtype(self):
-        """The dtype `.grad` accumulates in: the data's, unless set. --amp --grad-dtype
-        float32 sets float32 on every 16-bit parameter (minidist/train/amp.py cast_model),
-        so each micro-batch's 16-bit gradient is added into a float32 .grad (Megatron-LM's
-        main_grad), and the strategies' gradient buffers are made in this dtype."""
+        """The dtype `.grad` accumulates in: the data's, unless set (--amp --grad-dtype
+        float32 sets float32 on every 16-bit parameter, train/amp.py cast_model: Megatron-LM's
+        main_grad; the strategies' gradient buffers are made in this dtype)."""
         return self.data.dtype if self._grad_dtype is None else self._grad_dtype
 
     @grad_dtype.setter
@@ -100,8 +120,7 @@ class Tensor:
     def item(self):
         return self.data.item()
 
-    def numpy(self):
-        """The data as a numpy array (copied from the GPU if needed)."""
+    def numpy(self):                    # the data as a numpy array (from the GPU if there)
         return backend.to_host(self.data)
 
     def detach(self):
@@ -152,7 +171,7 @@ class Tensor:
             if deferred is not None and g is not None:    # B now, the weights' part later
                 in_grads = deferred.input_grads(node, g)
             else:
-                in_grads = (node.fn._backward(node.ctx, g, node.parents) if g is not None
+                in_grads = (node.fn.run_backward(node.ctx, g, node.parents) if g is not None
                             else [None] * len(node.parents))
             node.ctx = None                               # free saved arrays as we go
             for p, pg in zip(node.parents, in_grads):
@@ -214,8 +233,7 @@ def _default_dtype(data):
     if hasattr(data, "dtype"):
         return None
     import numpy as np
-    kind = np.asarray(data).dtype.kind
-    return "float32" if kind == "f" else None
+    return "float32" if np.asarray(data).dtype.kind == "f" else None
 
 
 # ---- the backward split in two: input gradients (B) now, weight gradients (W) later -------
@@ -279,9 +297,9 @@ class WeightGradQueue:
         ctx, parents = node.ctx, node.parents
         weights = [p is not None and self.holds(p) for p in parents]
         if not any(weights):
-            return node.fn._backward(ctx, grad, parents)
+            return node.fn.run_backward(ctx, grad, parents)
         if node.fn.weight_grads_in_b:
-            grads = node.fn._backward(ctx, grad, parents)
+            grads = node.fn.run_backward(ctx, grad, parents)
             kept = tuple(p if w else None for p, w in zip(parents, weights))
             self.work.append((node.fn, None, grads, kept, tuple(ctx.needs_input_grad), None))
             return [None if w else g for g, w in zip(grads, weights)]
@@ -290,7 +308,7 @@ class WeightGradQueue:
         ctx.needs_input_grad = tuple(n and not w for n, w in zip(needs, weights))
         if not any(ctx.needs_input_grad):
             return [None] * len(parents)
-        return node.fn._backward(ctx, grad, parents)
+        return node.fn.run_backward(ctx, grad, parents)
 
     def contexts(self):
         """The saved values the queued work keeps alive (the memory ledger counts them)."""
@@ -313,7 +331,7 @@ class WeightGradQueue:
             else:
                 ctx.needs_input_grad = tuple(n and w for n, w in zip(needs, weights))
                 in_grads = ([None] * len(parents) if grad is None
-                            else fn._backward(ctx, grad, parents))
+                            else fn.run_backward(ctx, grad, parents))
             for p, pg, w in zip(parents, in_grads, weights):
                 if not w:
                     continue

@@ -355,8 +355,8 @@ class ProcessGroup:
                                   start=issued, end=trace.now(), peer=peer,
                                   **{"async": async_op}))
         work = RequestWork(request, f"{op} with rank {peer} of group {self.name!r}", done,
-                           peer=self.ranks[peer])     # its world rank, for the watchdog
-        work._keep = host                     # the buffer must outlive the request
+                           peer=self.ranks[peer],     # its world rank, for the watchdog
+                           keep=host)                 # the buffer must outlive the request
         if async_op:   # keep it even if the caller drops the handle; forget finished ones
             self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
             return work

@@ -115,11 +115,12 @@ class Stream:
 
 class RequestWork(Work):
     """Handle of a non-blocking MPI point-to-point request (Isend/Irecv); `on_done` runs once,
-    after completion (copying a staged receive back to the GPU, recording the trace event)."""
+    after completion (copying a staged receive back to the GPU, recording the trace event);
+    `keep`: a buffer the request reads or writes, held until the handle goes (a host copy)."""
 
-    def __init__(self, request, label="", on_done=None, peer=None):
+    def __init__(self, request, label="", on_done=None, peer=None, keep=None):
         super().__init__(label)
-        self.request, self._on_done, self.peer = request, on_done, peer
+        self.request, self._on_done, self.peer, self.keep = request, on_done, peer, keep
 
     def wait(self, timeout=None):
         if timeout is None:
