@@ -463,6 +463,26 @@ def test_walkthrough_default_row_fits_a_small_T():
     assert float(out.rsplit("max |diff| = ", 1)[1].split()[0]) < 1e-12
 
 
+def test_ring_self_attention_gradcheck_on_one_rank():
+    """RingSelfAttention's own backward (the ring's tiles, the log-sum-exp, the dq and dkv
+    sent home) against central differences, float64: one rank holding a zig-zag sequence
+    of two pieces, tiles of 2 positions (review 38: only compared with tiled attention)."""
+    from mpi4py import MPI
+    from minidist.autograd.gradcheck import gradcheck
+    from minidist.comm import ProcessGroup
+    from minidist.cp.ring import RingSelfAttention
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank cp")
+    ring = RingContext(group, split="zigzag", block=2)
+    ring.restore([layout(8, 1, 0, "zigzag")])            # (what RingContext.part sets)
+    assert len(ring.layouts[0]) == 2                      # two pieces: both tile orders
+    qkv = Tensor(np.random.default_rng(3).standard_normal((2, 8, 12)), requires_grad=True)
+    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.0, None), [qkv],
+              name="RingSelfAttention")
+    site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout")   # keyed masks:
+    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.25, site), [qkv],   # the same
+              name="RingSelfAttention with dropout")                          # every call
+
+
 # ---- Ulysses attention (--cp-attention ulysses, minidist/cp/ulysses.py) ----------------------
 
 def test_ulysses_exchange_gradcheck_on_one_rank():

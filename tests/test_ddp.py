@@ -32,11 +32,12 @@ class Done:
 
 class RecordingGroup:
     """A one-rank stand-in for ProcessGroup: records each call; the average over one rank
-    is the identity. `probe()` is evaluated at every all-reduce, to see when it happened."""
+    is the identity. `probe()` is evaluated at every all-reduce, to see when it happened;
+    `work()` makes the handle an async one returns (Done: finished at once)."""
     rank, size, name, algo = 0, 1, "recording", "recording"
 
-    def __init__(self, probe=lambda: None):
-        self.calls, self.probe = [], probe
+    def __init__(self, probe=lambda: None, work=Done):
+        self.calls, self.probe, self.work = [], probe, work
 
     def broadcast(self, buf, root=0):
         self.calls.append(("broadcast", buf.size, False, None))
@@ -44,7 +45,7 @@ class RecordingGroup:
     def all_reduce(self, buf, op="sum", async_op=False):
         assert op == "avg" and buf.flags.c_contiguous
         self.calls.append(("all_reduce", buf.size, async_op, self.probe()))
-        return Done() if async_op else None
+        return self.work() if async_op else None
 
     def reduces(self):
         return [c for c in self.calls if c[0] == "all_reduce"]
@@ -186,8 +187,7 @@ def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over()
         def wait(self):
             waited.append(True)
 
-    group = RecordingGroup()
-    group.all_reduce = lambda buf, op="sum", async_op=False: Pending() if async_op else None
+    group = RecordingGroup(work=Pending)
     ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "overlapped", 0.002)
     _backward(ddp)
     launched = sum(b.work is not None for b in ddp.buckets)

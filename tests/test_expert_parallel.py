@@ -449,3 +449,18 @@ def test_moe_walkthrough_refuses_bad_input(flags):
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert len(errors) == 1 and f"error: {flags[-2]} {flags[-1]}" in errors[0], out.stderr
+
+
+def test_all_to_all_gradcheck_on_one_rank():
+    """AllToAll's backward (the exchange the other way, send and receive counts swapped)
+    against central differences, float64, on a one-rank group, where the rows come back
+    in place (review 38: no gradient check; the ep runs check it against one process)."""
+    from mpi4py import MPI
+    from minidist.autograd import Tensor
+    from minidist.autograd.gradcheck import gradcheck
+    from minidist.comm import ProcessGroup
+    from minidist.ep.exchange import AllToAll
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank ep")
+    x = Tensor(np.random.default_rng(6).standard_normal((5, 3)), requires_grad=True)
+    gradcheck(lambda t: AllToAll.apply(t, group, [5], [5]), [x], name="AllToAll")
+    assert np.array_equal(AllToAll.apply(x, group, [5], [5]).data, x.data)

@@ -382,3 +382,20 @@ def test_zero3_gathers_in_block_hooks_and_matches_the_plain_model(kind, ckpt):
     assert all(np.isnan(p.data).all() for p in model.parameters())
     assert np.array_equal(H(model.generate(x[:, :2], 3, seed=1)),
                           H(ref.generate(x[:, :2], 3, seed=1)))
+
+
+def test_before_backward_gradcheck_calls_its_function_first():
+    """ZeRO-3's BeforeBackward (a block's output: its backward gathers the block's
+    parameters before any of the block's ops runs) is the identity, its gradient checked
+    against central differences, float64, and calls its function once per backward."""
+    from minidist.autograd import Tensor
+    from minidist.autograd.gradcheck import gradcheck
+    from minidist.zero.stage3 import BeforeBackward
+    calls = []
+    x = Tensor(np.random.default_rng(7).standard_normal((3, 4)), requires_grad=True)
+    gradcheck(lambda t: BeforeBackward.apply(t, lambda: calls.append(1)) * t, [x],
+              name="BeforeBackward")
+    assert calls
+    calls.clear()
+    (BeforeBackward.apply(x, lambda: calls.append(1)) * 2.0).sum().backward()
+    assert calls == [1]
