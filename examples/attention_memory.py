@@ -18,7 +18,12 @@ import numpy as np
 
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.memory import activation_bytes
-from minidist.train.args import example_parser
+from minidist.train.args import check_at_least, example_parser
+
+# (flag, lowest allowed value, what it is)
+AT_LEAST = (("--batch-size", 1, "sequences"), ("--n-layer", 1, "transformer blocks"),
+            ("--n-head", 1, "attention heads"), ("--n-embd", 1, "the embedding width"),
+            ("--attention-block", 1, "the tile size"), ("--max-gib", 0, "GiB"))
 
 
 def measure(config, batch):
@@ -43,11 +48,10 @@ def main():
     p.add_argument("--max-gib", type=float, default=3.0,
                    help="largest attention-probability memory to really allocate")
     args = p.parse_args()
+    configs = check_flags(p, args)            # every flag, before seconds of measuring
     for T in args.seq:
         for attention in ("materialized", "tiled"):
-            config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                               block_size=T, vocab_size=256, attention=attention,
-                               attention_block=args.attention_block)
+            config = configs[T, attention]
             b = args.batch_size
             p_bytes = 4 * args.n_layer * args.n_head * T * T     # P per sequence, float32
             while attention == "materialized" and b > 1 and b * p_bytes > args.max_gib * 2**30:
@@ -61,6 +65,23 @@ def main():
                               "measured_batch": b, "activations_mib": round(act / 2**20, 1),
                               "attention_kept_mib": round(args.batch_size * kept / 2**20, 2)}),
                   flush=True)
+
+
+def check_flags(p, args):
+    """The flags' ranges and every model the run will build ({(T, attention): GPTConfig}),
+    before any is measured: a bad one is p.error's one `error:` line, exit status 2 (review
+    38: tracebacks, one of them after a minute of measuring the first length)."""
+    check_at_least(p, args, AT_LEAST)
+    bad = [T for T in args.seq if T < 1]
+    if bad:
+        p.error(f"--seq {bad[0]}: a sequence length is at least 1")
+    try:
+        return {(T, attention): GPTConfig(
+                    n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=T,
+                    vocab_size=256, attention=attention, attention_block=args.attention_block)
+                for T in args.seq for attention in ("materialized", "tiled")}
+    except ValueError as e:                   # n_embd not a multiple of n_head, ...
+        p.error(f"model flags: {e}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,13 @@ ONE_PROCESS = [
     ("bench_resume_memory.py", ["--n-layer", "2", "--n-embd", "64", "--n-head", "2",
                                 "--scenario", "tp"], "--n-head"),
     ("calibrate_here.py", ["--ranks", "1,2"], "--ranks"),
+    # review 38: tracebacks, --seq 1024 0 after measuring T = 1024 first
+    ("attention_memory.py", ["--seq", "1024", "0"], "--seq 0"),
+    ("attention_memory.py", ["--attention-block", "0"], "--attention-block"),
+    ("attention_memory.py", ["--n-head", "3", "--n-embd", "10"], "n_head"),
+    ("attention_memory.py", ["--batch-size", "0"], "--batch-size"),
+    ("plot.py", ["--bogus", "-o", "x.png"], "--bogus"),        # (argparse's usage block)
+    ("ddp_timeline.py", [], "trace"),
     ("bench_collectives.py", [], "mpiexec -n"),          # one process: no collective
     ("bench_zero.py", [], "mpirun -n"),
 ]
