@@ -261,7 +261,10 @@ def test_one_rank_per_node_tokenizes_and_errors_are_agreed(corpus, tmp_path, mpi
     rank tokenized the whole text itself). A rank whose --data is missing (a node without
     the file: rank 2, which opens second, or rank 0, which tokenizes first while the others
     wait with no timeout) makes every rank raise that rank's error, the same line on all,
-    so none is left waiting in a collective."""
+    so none is left waiting in a collective.
+
+        mpiexec -n 3 python tests/scripts/data_open_check.py --data D --out O --cache-dir C
+    """
     def run(name, *flags):
         out = tmp_path / name
         out.mkdir()

@@ -265,7 +265,11 @@ def test_search_accumulates_gradients_where_the_whole_batch_does_not_fit():
 
 def test_bench_collectives_interleave_row(mpi):
     """--interleave: compute alone, the all-reduce alone, both in turn, and sync_s, the cost of
-    the blocking all-reduce beyond the two timed apart (BENCHMARKS: where TP4's step goes)."""
+    the blocking all-reduce beyond the two timed apart (BENCHMARKS: where TP4's step goes).
+
+        mpiexec -n 2 python examples/bench_collectives.py --interleave --max-bytes 64K \
+            --repeats 1
+    """
     out = mpi(2, "examples/bench_collectives.py", "--interleave", "--max-bytes", "64K",
               "--repeats", "1", timeout=120)
     row = json.loads(out.stdout.strip().splitlines()[-1])

@@ -122,7 +122,11 @@ def test_planner_matches_a_llamas_ledger(name, ranks, flags, layout, corpus, tmp
     and optimizer bytes are the ledger's, its count of minidist's graph (SwiGLU's 2F + F
     per token, the repeated k and v, RoPE's tables, no position ids) the ledger's
     activations to the batch's token ids; without dropout Korthikanti's count is below them
-    (with it, not: it keeps more for dropout than minidist's graph does, GPT-2's too)."""
+    (with it, not: it keeps more for dropout than minidist's graph does, GPT-2's too).
+
+        mpiexec -n 2 python examples/train_gpt.py --arch llama --n-kv-head 1 --log-json L
+        ... (ROWS' flags; the ledger is the JSON row's "mem")
+    """
     flags = ["--arch", "llama", "--n-kv-head", "1", *flags]      # tp: --n-kv-head 2 after it
     got = _ledger(ranks, flags, corpus, tmp_path, mpi)
     b, states = BATCH // layout.dp, ("params", "grads", "optimizer")

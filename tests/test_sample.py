@@ -67,7 +67,11 @@ def test_a_tp_part_records_the_tensor_parallel_models_own_splits(bias):
 @pytest.mark.mpi
 def test_every_strategy_gathers_to_the_one_process_model(corpus, tmp_path, mpi):
     """Float64, same seed and batches: each strategy's checkpoint, gathered, holds the
-    one-process run's parameters (to 1e-10), and sample.py writes the same greedy text."""
+    one-process run's parameters (to 1e-10), and sample.py writes the same greedy text.
+
+        mpiexec -n 2 python examples/train_gpt.py --tp 2 --zero 1 --save S --dtype float64
+        python examples/sample.py --resume S --prompt "def " --tokens 24 --temperature 0
+    """
     device = mpi.device
     _train([], corpus, tmp_path, tmp_path / "one", *device_flags(device))
     _, ref, _ = whole_model(tmp_path / "one")

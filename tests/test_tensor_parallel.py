@@ -236,7 +236,11 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
     parts are checked against each other first: a part missing, parts of another save, or
     parts saved before they recorded their cut (resumable with the same --tp only) are one
     CheckpointError naming the folder, before any array is read. A corrupt shard of one tp
-    rank's part stops every rank with one error line."""
+    rank's part stops every rank with one error line.
+
+        mpiexec -n 2 python examples/train_gpt.py --tp 2 --zero 1 --steps 3 --save ck, then
+        its tp1-of-2 folder damaged and ck read in another layout
+    """
     import shutil
     from minidist.strategy.checkpoint import CheckpointError, load, verify
     from minidist.strategy.checkpoint_dirs import resolve
