@@ -231,6 +231,38 @@ def test_zero_checkpoint_goes_through_the_same_verification(tmp_path, edit):
             load()
 
 
+def _rehashed(folder):
+    """Make `folder`'s checksums agree with its files again (state.json's in manifest.json,
+    manifest.json's in manifest.sha256): an edit that hides itself."""
+    from minidist.strategy.readers import sha256_file
+    state = folder / "state.json"
+    _edit_json(folder / "manifest.json", lambda m: m["files"]["state.json"].update(
+        bytes=state.stat().st_size, sha256=sha256_file(str(state))))
+    (folder / "manifest.sha256").write_text(sha256_file(str(folder / "manifest.json")))
+
+
+def test_rehashed_edits_are_refused_by_what_they_break(tmp_path):
+    """First-use walk 37: edits whose checksums were made anew. An offset moved onto its
+    neighbour's elements resumed with wrong weights; a state.json that is not JSON was a
+    line naming no file. Both are now refused, naming the file."""
+    strategy, model, opt = _zero_one_rank()
+    strategy.save(str(tmp_path), model, opt, 1, {}, {})
+    folder = tmp_path / "step-00000001"
+    first = json.load(open(folder / "manifest.json"))["zero"]["units"][0]["params"][0]
+    _edit_json(folder / "manifest.json", lambda m: m["zero"]["units"][0]["params"][1].update(
+        offset=first["offset"] + 1))
+    _rehashed(folder)
+    with pytest.raises(CheckpointError, match=r"corrupt checkpoint: .*manifest.json: .* "
+                                              r"overlaps .* \(edited\?\)"):
+        checkpoint.load(tmp_path)
+    strategy.save(str(tmp_path / "b"), model, opt, 1, {}, {})
+    folder = tmp_path / "b" / "step-00000001"
+    (folder / "state.json").write_text("{")
+    _rehashed(folder)
+    with pytest.raises(CheckpointError, match=r"corrupt checkpoint: .*state.json is not JSON"):
+        checkpoint.load(tmp_path / "b")
+
+
 def test_config_mismatch_names_the_fields(tmp_path):
     model, opt = _trained()
     save_checkpoint(tmp_path / "ck", model, opt, step=1)

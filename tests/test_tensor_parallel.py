@@ -269,6 +269,12 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
 
     assert "not the 2 of tp 2" in broken(lambda c: shutil.rmtree(os.path.join(c, "tp1-of-2")))
 
+    def swapped(c):                    # walk 37: named the two parts it said were missing
+        for a, b in (("tp0-of-2", "x"), ("tp1-of-2", "tp0-of-2"), ("x", "tp1-of-2")):
+            os.rename(os.path.join(c, a), os.path.join(c, b))
+    assert "tp0-of-2 holds tp rank 1 of 2's part; tp1-of-2 holds tp rank 0 of 2's part " \
+        "(renamed or moved?)" in broken(swapped)
+
     def other_save(c):
         shutil.rmtree(os.path.join(c, "tp1-of-2"))
         shutil.copytree(os.path.join(resolve(str(tmp_path / "other")), "tp1-of-2"),

@@ -145,8 +145,12 @@ def verify_parts(folder, parts, shard_checksums=True):
     tps = {n: m["tp"] for n, m in manifests.items()}
     size = tps[parts[0]]["size"]
     by_rank = {t["rank"]: n for n, t in tps.items()}
-    if (sorted(by_rank) != list(range(size)) or len(parts) != size
-            or any(n != f"tp{t['rank']}-of-{t['size']}" for n, t in tps.items())):
+    moved = [f"{n} holds tp rank {t['rank']} of {t['size']}'s part" for n, t in tps.items()
+             if n != f"tp{t['rank']}-of-{t['size']}"]
+    if moved:                    # (walk 37: two parts swapped read "not the 2 of tp 2")
+        raise CheckpointError(f"corrupt checkpoint: in {folder}, {'; '.join(moved)} "
+                              "(renamed or moved?)")
+    if sorted(by_rank) != list(range(size)) or len(parts) != size:
         raise CheckpointError(f"corrupt checkpoint: {folder} holds the parts "
                               f"{', '.join(parts)}, not the {size} of tp {size}")
     steps = {m["step"] for m in manifests.values()}
@@ -165,8 +169,12 @@ def read_record(folder, manifest=None):
     """state.json of a verified folder (of a TP x ZeRO checkpoint: its tp rank 0 part's; the
     parts' records are the same but for the tp part each describes)."""
     where = manifest["parts"][0] if manifest and "parts" in manifest else folder
-    with open(os.path.join(where, "state.json")) as f:
-        return json.load(f)
+    path = os.path.join(where, "state.json")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:    # (walk 37: the line named no file)
+            raise CheckpointError(f"corrupt checkpoint: {path} is not JSON ({e})") from None
 
 
 def record_folder(folder):

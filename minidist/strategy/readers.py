@@ -88,6 +88,7 @@ class ShardReader:
     def __init__(self, directory, manifest, verified=False):
         zero = manifest["zero"]
         self.directory, self.manifest, self.verified = directory, manifest, verified
+        _check_tiling(directory, zero["units"])
         self.files = {info["rank"]: n for n, info in manifest["files"].items() if "rank" in info}
         self.where = {p["name"]: (u, p) for u in zero["units"] for p in u["params"]}
         self.keys, self._open = set(zero["keys"]), {}
@@ -119,6 +120,20 @@ class ShardReader:
                                       f"{k} of {S} elements (a shard of another layout?)")
             pieces.append(shard[k][max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
         return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
+
+
+def _check_tiling(directory, units):
+    """Each unit's parameters lie apart in its flat buffer (offsets rising, none overlapping
+    the one before): first-use walk 37 moved an offset onto its neighbour's elements and
+    rehashed the manifest, and the resume read wrong weights without a word."""
+    for unit in units:
+        end, before = 0, None
+        for p in sorted(unit["params"], key=lambda p: p["offset"]):
+            if p["offset"] < end:
+                raise CheckpointError(
+                    f"corrupt checkpoint: {directory}/manifest.json: {p['name']} (offset "
+                    f"{p['offset']}) overlaps {before} in unit {unit['name']} (edited?)")
+            end, before = p["offset"] + math.prod(p["shape"]), p["name"]
 
 
 class PartsReader:
