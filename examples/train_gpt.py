@@ -18,15 +18,15 @@ a loss that is not finite stops the run without saving. Text from a checkpoint:
 python examples/sample.py --resume ckpt --prompt "def ".
 """
 import os
-import sys
 
 from minidist.launcher import (bound_threads, interrupted_while_loading, placement,
                                set_thread_env, world_size_from_env)
 from minidist.train import preemption
 
-# with --save, a scheduler's SIGTERM from the first instant on is exit 75, "requeue me"
-# (loading numpy and MPI takes a second or more): noted now, ended once MPI has started
-LOADING = preemption.WhileLoading(sys.argv[1:])
+# a scheduler's SIGTERM from the first instant on is one line and exit 75, "requeue me" (143
+# without --save); loading numpy and MPI takes a second or more: noted now, ended once MPI
+# has started
+LOADING = preemption.WhileLoading()
 
 # BLAS reads its thread count when numpy loads it: 4 ranks sharing 2 cores must not start
 # 2 threads each, so this comes before anything imports numpy (--threads also applies live).

@@ -65,6 +65,27 @@ def test_sigterm_saves_and_exits_75_then_resume_continues(corpus, tmp_path, rank
     assert f"at step {done[-1] + 1}" in resumed.stdout
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_schedulers_signal_without_save_is_one_line_and_143(corpus, tmp_path, signum,
+                                                             device):
+    """    mpiexec -n 2 python examples/train_gpt.py --steps 100000 (no --save), then SIGTERM
+    or SIGUSR1 to the job: it stops at the step boundary with one line saying nothing was
+    saved, exit 143 (128 + SIGTERM: nothing to resume, so a requeueing script does not).
+    First-use walk 37: the signal killed the job, status 15 and MPICH's BAD TERMINATION
+    block, no line."""
+    log = str(tmp_path / "log.jsonl")
+    cmd = [mpiexec(), "-n", "2", sys.executable, "examples/train_gpt.py", *TINY,
+           *device_flags(device), "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+           "--steps", "100000", "--log-json", log]
+    rc, out, err = _preempt(cmd, log, signum)
+    assert rc == 143, (rc, out[-2000:], err[-2000:])
+    said = [line for line in (out + err).splitlines() if line.startswith("preempted")]
+    assert len(said) == 1 and said[0].startswith(f"preempted ({signum.name}) after step ") \
+        and said[0].endswith(": nothing saved (no --save DIR)"), (out[-2000:], err[-2000:])
+    assert "BAD TERMINATION" not in out + err
+
+
 def _interrupt_when(cmd, out_path, text, timeout=60):
     """Start `cmd` with its stdout in out_path; Ctrl-C its whole job once `text` is there."""
     with open(out_path, "w") as out:

@@ -347,7 +347,8 @@ def run_main(main, args=None, user_errors=(), parser=None):
                   flush=True)
         sys.exit(130)
     except preemption.Preempted as e:   # a scheduler's signal before step 1 (stop_at_once)
-        preemption.end_job(preemption.starting_line(e))     # 75; every rank, blocked too
+        save = bool(getattr(args, "save", None))    # 75 (143 without); every rank, blocked too
+        preemption.end_job(preemption.starting_line(e, save), preemption.exit_status(False, save))
     except (UsageError, *user_errors) as e:
         if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
             raise

@@ -130,7 +130,7 @@ def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
-    preemption.stop_at_once(save=bool(args.save))   # SIGTERM before step 1: exit 75 at once
+    preemption.stop_at_once()       # SIGTERM before step 1: exit 75 at once (143: no --save)
     auto = args.resume == "auto"
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
     checkpoint_dirs.check_save(args.save, args.resume, getattr(args, "overwrite", False),
@@ -160,7 +160,7 @@ def train(args, world=None):
     tokens_per_step = args.batch_size * args.block_size
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
     t_aside = 0.0                # of the run's seconds, those spent evaluating (saving: saves)
-    signals = preemption.Flag(save=bool(args.save))   # Ctrl-C; with --save SIGTERM, SIGUSR1
+    signals = preemption.Flag()     # Ctrl-C, SIGTERM, SIGUSR1: stop at the step boundary
     balance = LoadBalance(model, world, args.moe_bias_rate)   # MoE: the router biases
     saves = Saves(args, strategy, log)       # --save: written here, or on a thread (--async-save)
     values, t_mark = StepValues(args.log_every), t_start    # each step's loss and norm
@@ -286,7 +286,7 @@ def _stop(args, saves, strategy, log, model, opt, step, signals, when="", saved=
                    f"command with --resume {args.save} (or --resume auto) to continue")
     else:
         log.print0(f"{what} after step {step + 1}{when}: nothing saved (no --save DIR)")
-    raise SystemExit(preemption.exit_status(interrupted))
+    raise SystemExit(preemption.exit_status(interrupted, bool(args.save)))
 
 
 def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_before, stop,
@@ -304,7 +304,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
             interrupted = strategy.any_rank(signals.interrupted())
             log.print0(f"{preemption.describe(interrupted, signals.name)} during the "
                        f"evaluation at step {stop}: nothing evaluated, nothing saved")
-            raise SystemExit(preemption.exit_status(interrupted))
+            raise SystemExit(preemption.exit_status(interrupted, bool(args.save)))
         val_loss = float(backend.host_read(mean, "eval loss"))
     if args.eval_only:                # the number asked for, before the sample's text
         tokens = args.eval_iters * args.batch_size * args.block_size

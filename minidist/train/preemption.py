@@ -11,15 +11,17 @@ in the middle of a collective. At the end of each step the loop asks whether ANY
 signalled (one 1-element all-reduce, strategy.any_rank), so all ranks save the same step
 together, print one line, then exit: 75 after SIGTERM / SIGUSR1 (EX_TEMPFAIL: "preempted,
 resumable", what examples/slurm/train.sbatch requeues on), 130 after Ctrl-C (128 + SIGINT,
-what a shell reports for an interrupted command). SIGTERM and SIGUSR1 are taken only with
---save (without it there is nowhere to save, and the default, ending the process, stays);
-Ctrl-C always is: without --save the run stops at the step boundary, saying nothing was saved.
+what a shell reports for an interrupted command). Without --save the run stops the same way,
+its line saying nothing was saved, and a scheduler's signal exits 143 (128 + SIGTERM, as if
+killed by it: nothing would resume, so nothing is requeued; until first-use walk 37 the
+signal killed the job, MPICH's BAD TERMINATION block and no line).
 An evaluation asks before each of its val batches (loop.evaluate), so a long one is cut short
 and the step it follows saved.
 A second Ctrl-C is Python's KeyboardInterrupt again, for a step that does not end
 (minidist/train/cli.py run_main turns it into one line, exit 130).
 Before the loop (MPI started, the data opened, the model built or loaded) the same
-signals end the run at once (`stop_at_once`, Preempted): exit 75, nothing to save.
+signals end the run at once (`stop_at_once`, Preempted): exit 75 (143 without --save),
+nothing to save.
 Tests: tests/test_preemption.py.
 """
 import os
@@ -29,8 +31,9 @@ import time
 
 EXIT_STATUS = 75                    # sysexits.h EX_TEMPFAIL: try again later (--resume)
 INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-C
-SIGNALS = ("SIGTERM", "SIGUSR1")    # taken with --save
-SIGINT = "SIGINT"                   # always taken
+TERMINATED = 143                    # 128 + SIGTERM: a scheduler's signal without --save
+SIGNALS = ("SIGTERM", "SIGUSR1")    # a scheduler's
+SIGINT = "SIGINT"
 ABORT_WAIT = 2.0                    # seconds a rank but 0 waits for rank 0's abort (end_job)
 
 
@@ -40,52 +43,47 @@ class Preempted(BaseException):
     errors takes it; cli.run_main ends the job with one line and EXIT_STATUS."""
 
 
-def stop_at_once(save):
-    """Until the loop's Flag replaces them: with --save (`save`), SIGTERM and SIGUSR1 raise
-    Preempted where the run is (loading the package, starting MPI, tokenizing the text,
-    loading a checkpoint), which ends it with exit status 75, so a requeueing script
-    (examples/slurm/train.sbatch) requeues it (first-use walk 36: a SIGTERM while the ranks
-    tokenized ended the job with 15, which is not requeued; walk 37: the same in the first
-    second, while Python loaded numpy and MPI). Nothing is lost: no step has been taken
-    since the checkpoint. Without --save the signals end the process as by default."""
+def stop_at_once():
+    """Until the loop's Flag replaces them: SIGTERM and SIGUSR1 raise Preempted where the
+    run is (starting MPI, tokenizing the text, loading a checkpoint), which ends it with
+    exit status 75 (with --save: a requeueing script, examples/slurm/train.sbatch, requeues
+    it; first-use walk 36: a SIGTERM while the ranks tokenized ended the job with 15, which
+    is not requeued) or 143 (without). Nothing is lost: no step has been taken since the
+    checkpoint."""
     for name in SIGNALS:
-        signal.signal(getattr(signal, name), _raise_preempted if save else signal.SIG_DFL)
+        signal.signal(getattr(signal, name), _raise_preempted)
 
 
-def saving(argv):
-    """Whether the command line `argv` gives --save, read before the flags are parsed (the
-    entry point's first instant: stop_at_once while the package loads)."""
-    return any(a == "--save" or a.startswith("--save=") for a in argv)
-
-
-def starting_line(name):
-    """The one line of a run preempted before step 1 (`name`: the signal's)."""
+def starting_line(name, save):
+    """The one line of a run preempted before step 1 (`name`: the signal's; `save`: --save
+    given)."""
+    if not save:
+        return f"preempted ({name}) while starting: stopped at once, nothing trained"
     return (f"preempted ({name}) while starting: stopped at once, nothing trained since the "
             "last checkpoint; run the same command with --resume auto to start again")
 
 
 class WhileLoading:
-    """With --save in `argv`, SIGTERM and SIGUSR1 noted from an entry point's first line,
-    while it loads numpy, MPI and the package and while MPI starts: `stop_now`, once MPI
-    has started, turns one noted into Preempted (exit 75 and the one line, every rank
-    ended by end_job), and hands the signals to stop_at_once. First-use walk 37: a SIGTERM
+    """SIGTERM and SIGUSR1 noted from an entry point's first line, while it loads numpy, MPI
+    and the package and while MPI starts: `stop_now`, once MPI has started, turns one
+    noted into Preempted (exit 75, or 143 without --save, and the one line, every
+    rank ended by end_job), and hands the signals to stop_at_once. First-use walk 37: a SIGTERM
     in the first second was status 15 and MPICH's BAD TERMINATION block. Not raised in
     the handler: inside an import numpy turns an exception into an ImportError and its
     page of advice; and not an exit there: a rank gone before MPI_Init leaves the others in
     it for ever (comm/__init__.py, pmodels/mpich#6124)."""
 
-    def __init__(self, argv):
-        self.save, self.name = saving(argv), None
-        if self.save:
-            for name in SIGNALS:
-                signal.signal(getattr(signal, name), self._note)
+    def __init__(self):
+        self.name = None
+        for name in SIGNALS:
+            signal.signal(getattr(signal, name), self._note)
 
     def _note(self, signum, frame):
         self.name = signal.Signals(signum).name
 
     def stop_now(self):
         """After MPI started (or in a run of one process): Preempted if a signal came."""
-        stop_at_once(self.save)
+        stop_at_once()
         if self.name is not None:
             raise Preempted(self.name)
 
@@ -96,11 +94,12 @@ def _raise_preempted(signum, frame):
     raise Preempted(signal.Signals(signum).name)
 
 
-def end_job(line):
-    """Print `line` once and exit with EXIT_STATUS after a Preempted; in a job of several
-    ranks, MPI_Abort with it (the launcher returns 75), so a rank blocked in a collective,
-    which cannot run its handler, ends too instead of aborting the job with status 1 once
-    this one exited (a review of stop_at_once). Rank 0 prints at once; another rank waits
+def end_job(line, status=EXIT_STATUS):
+    """Print `line` once and exit with `status` (75; 143 without --save) after a Preempted;
+    in a job of several ranks, MPI_Abort with it (the launcher returns it), so a rank
+    blocked in a collective, which cannot run its handler, ends too instead of aborting the
+    job with status 1 once this one exited (a review of stop_at_once). Rank 0 prints at
+    once; another rank waits
     ABORT_WAIT seconds first: when the scheduler signalled every rank, rank 0's abort ends
     it in that time, unprinted, and when it was signalled alone (`kill` of one pid), its
     line is the job's only one. mpi4py is looked up, not imported: a run of one process
@@ -113,17 +112,17 @@ def end_job(line):
     print(line, file=sys.stderr, flush=True)
     if several:                 # (the MPI library's own "application called MPI_Abort" line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())   # would be a second)
-        mpi.COMM_WORLD.Abort(EXIT_STATUS)
-    sys.exit(EXIT_STATUS)
+        mpi.COMM_WORLD.Abort(status)
+    sys.exit(status)
 
 
 class Flag:
-    """Set by SIGINT, and with `save` by SIGTERM or SIGUSR1 (the previous handlers are
-    replaced for this process)."""
+    """Set by SIGINT, SIGTERM or SIGUSR1 (the previous handlers are replaced for this
+    process)."""
 
-    def __init__(self, save=True):
+    def __init__(self):
         self.name = None
-        for name in (*SIGNALS, SIGINT) if save else (SIGINT,):
+        for name in (*SIGNALS, SIGINT):
             signal.signal(getattr(signal, name), self._handler)
 
     def _handler(self, signum, frame):
@@ -139,9 +138,10 @@ class Flag:
         return self.name == SIGINT
 
 
-def exit_status(interrupted):
-    """75 after a scheduler's signal (resumable: requeue), 130 after Ctrl-C on any rank."""
-    return INTERRUPTED if interrupted else EXIT_STATUS
+def exit_status(interrupted, save=True):
+    """130 after Ctrl-C on any rank; after a scheduler's signal 75 with --save (`save`:
+    resumable, requeue), else 143 (nothing would resume)."""
+    return INTERRUPTED if interrupted else EXIT_STATUS if save else TERMINATED
 
 
 def describe(interrupted, name):
