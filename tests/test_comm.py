@@ -196,6 +196,7 @@ def test_sys_exit_on_one_rank_ends_the_job(mpi):
     out = mpi(4, "tests/scripts/comm_small.py", "exit", timeout=60, check=False)
     assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
     assert "world rank 1 exited" in out.stderr and "all_reduce #1" in out.stderr, out.stderr
+    assert out.stderr.count("world rank 1 exited") == 1, out.stderr    # by rank 0 alone
     assert "unreachable" not in out.stdout
 
 
@@ -289,6 +290,8 @@ def test_collective_timeout_names_op_group_and_missing_ranks(mpi):
         in out.stderr, out.stderr
     assert "MINIDIST_COMM_TIMEOUT" in out.stderr
     assert "world ranks that did not arrive: [1]" in out.stderr
+    # once, by rank 0, the lowest waiting (walk 37: once per waiting rank)
+    assert out.stderr.count("waited more than 3 s") == 1, out.stderr
 
 
 @pytest.mark.mpi

@@ -35,6 +35,7 @@ EXIT, ASK, ANSWER = 11, 12, 13          # message tags on the watchdog's communi
 POLL_S = 0.5                            # how often the thread looks
 ASK_S = 3.0                             # how long a timed-out rank waits for answers
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
+LATER_S = 3.0                           # a rank not the first to abort waits (abort_job)
 _lock = threading.Lock()
 _active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
@@ -60,8 +61,14 @@ def default_timeout(environ=os.environ):
     return seconds
 
 
-def abort_job(message, code=1):
-    """Print `message` on stderr, give the launcher time to forward it, abort every rank."""
+def abort_job(message, code=1, first=True):
+    """Print `message` on stderr, give the launcher time to forward it, abort every rank.
+    `first` False: another rank waiting in the same collective says the same and aborts
+    first (the lowest of them); this one waits LATER_S before saying it, so the job prints
+    it once, not once per waiting rank (first-use walk 37), and still says it if that rank
+    does not (its own timeout ran from a later start)."""
+    if not first:
+        time.sleep(LATER_S)
     sys.stdout.flush()
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
@@ -160,13 +167,15 @@ def _check_stranded():
     """Abort if a rank that exited never finished the collective this rank waits in."""
     with _lock:
         calls = list(_active.values())
+    me = MPI.COMM_WORLD.Get_rank()
     for rank, done in list(_state["exited"].items()):
         for key, op, seq, _ in calls:
             if rank in key[1] and done.get(key, 0) < seq:
-                abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] world rank {rank} exited (end "
+                stayed = [r for r in key[1] if r not in _state["exited"]]
+                abort_job(f"[rank {me}] world rank {rank} exited (end "
                           f"of script, sys.exit or SystemExit) after #{done.get(key, 0)} on "
                           f"{describe(key)}, while this rank waits for it in {op} #{seq}; "
-                          f"aborting the whole MPI job")
+                          f"aborting the whole MPI job", first=me == min(stayed))
 
 
 def _check_p2p():
@@ -189,12 +198,16 @@ def _check_timeouts():
     with _lock:
         calls = list(_active.values())
     now, timeout = time.monotonic(), _state["timeout"]
+    me = MPI.COMM_WORLD.Get_rank()
     for key, op, seq, start in calls:
         if timeout > 0 and start is not None and now - start > timeout:
-            abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] {op} #{seq} on {describe(key)} "
+            answers = _ask_the_others(key)
+            waiting = [r for r, a in answers.items()      # in it too, and not done with it
+                       if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
+            abort_job(f"[rank {me}] {op} #{seq} on {describe(key)} "
                       f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
-                      + why_waiting(op, seq, _ask_the_others(key))
-                      + "; aborting the whole MPI job")
+                      + why_waiting(op, seq, answers)
+                      + "; aborting the whole MPI job", first=me == min([me, *waiting]))
 
 
 def why_waiting(op, seq, answers):
