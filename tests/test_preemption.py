@@ -269,3 +269,14 @@ def test_a_signal_during_a_save_stops_at_the_step_saved(tmp_path, device):
     assert "step     3/" not in said and said.count("saved") == 2, said   # (one save said)
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
         ["step-00000002"]
+
+
+def test_train_gives_the_signal_handlers_back(corpus, tmp_path):
+    """minidist.train.loop.train in-process (a test suite, a notebook) takes SIGTERM,
+    SIGUSR1 and SIGINT while it runs (stop_at_once, then the loop's Flag) and leaves them
+    as they were when it returns (review 39: a later SIGTERM was swallowed)."""
+    from minidist.train.loop import train
+    from tests.mpirun import tiny_args
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    train(tiny_args("--data", corpus, "--cache-dir", str(tmp_path / "cache"), "--steps", "1"))
+    assert {s: signal.getsignal(s) for s in before} == before

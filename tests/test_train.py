@@ -2,6 +2,7 @@
 continues bit-identically, polite refusals of not-yet-available parallel flags, bad input.
 (--dp and world size > 1, i.e. data parallelism: tests/test_ddp.py.)"""
 import json
+import resource
 import subprocess
 import sys
 
@@ -418,7 +419,7 @@ def test_a_resume_names_what_changes_its_numbers_and_what_cannot_change(corpus, 
         check_layout(args, 3)
 
 
-def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys):
+def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys, tmp_path):
     """First-use walk 37: --log-json on a disk that filled mid-run aborted the job at its
     next logged step (a traceback, exit 1, the steps since the last save lost). Now one
     warning, the log stops there, training goes on (/dev/full: every write is ENOSPC)."""
@@ -430,6 +431,17 @@ def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys)
     assert err == ("warning: --log-json /dev/full: cannot write (No space left on device); "
                    "no rows from step 5 on, training goes on\n"), err
     assert log.log_json is None
+    # a disk that fills in the middle of a row (a child's file size limit stands for it):
+    # the part written is taken back, the rows before are whole
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"step": 0}\n')
+    code = ("from minidist.train.progress import Logger\n"
+            f"Logger(0, {str(path)!r}).json0({{'step': 1, 'text': 'x' * 5000}})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, preexec_fn=lambda: resource.setrlimit(
+                             resource.RLIMIT_FSIZE, (2048, 2048)))
+    assert out.returncode == 0 and "File too large" in out.stderr, out
+    assert path.read_text() == '{"step": 0}\n'
 
 
 def test_a_corrupt_newest_checkpoint_names_the_older_ones_beside_it(corpus, tmp_path):

@@ -41,7 +41,7 @@ _active = {}      # thread id -> (key, op, seq, start): the collective each thre
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
-          "exited": {}, "answers": {}}
+          "exited": {}, "answers": {}, "later": None}   # later: abort_job's deferred line
 
 # where the timeout came from, for the abort line: train_gpt.py's flag, the variable, the call
 TIMEOUT_FROM = "--comm-timeout, MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)"
@@ -63,12 +63,15 @@ def default_timeout(environ=os.environ):
 
 def abort_job(message, code=1, first=True):
     """Print `message` on stderr, give the launcher time to forward it, abort every rank.
-    `first` False: another rank waiting in the same collective says the same and aborts
-    first (the lowest of them); this one waits LATER_S before saying it, so the job prints
-    it once, not once per waiting rank (first-use walk 37), and still says it if that rank
-    does not (its own timeout ran from a later start)."""
+    `first` False (the watchdog's thread only): another rank waiting in the same collective
+    says the same and aborts first (the lowest of them); this one notes it and goes on
+    answering the others' questions, and says it LATER_S seconds later if that rank has not
+    ended the job by then (its own timeout ran from a later start): the job prints it once,
+    not once per waiting rank (first-use walk 37)."""
     if not first:
-        time.sleep(LATER_S)
+        if _state["later"] is None:
+            _state["later"] = (time.monotonic() + LATER_S, message, code)
+        return
     sys.stdout.flush()
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
@@ -143,8 +146,11 @@ def stop():
 def _loop():
     while not _state["stop"]:
         _serve()
-        _check_stranded()
-        _check_timeouts()
+        if _state["later"] is None:
+            _check_stranded()
+            _check_timeouts()
+        elif time.monotonic() > _state["later"][0]:      # the first has not ended the job
+            abort_job(*_state["later"][1:])
         time.sleep(POLL_S)
 
 

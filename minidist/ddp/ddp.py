@@ -170,7 +170,8 @@ class DataParallelNaive:
                 + "; ".join(f"{ranks_text(r)}: {n}" for n, r in counts.items())
                 + "): a rank skipped the rest of a step after its forward (an exception "
                 "caught, then `continue`?), so its gradients would be averaged with another "
-                "step's; skip a step on every rank alike, or not at all")
+                "step's; skip a step on every rank alike, or not at all (or some ranks ran "
+                "a forward through the wrapper outside no_grad() that no backward followed)")
 
     def _sync(self):
         for p in reversed(self.params):       # the order backward completed them

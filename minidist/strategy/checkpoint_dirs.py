@@ -110,22 +110,6 @@ def resolve(path, flag="--resume"):
     return os.path.join(path, folders[-1]) if folders else path
 
 
-def older_checkpoints(path, most=3):
-    """The checkpoint folders older than the one --resume `path` names, beside it in its
-    --save directory (the newest `most`, oldest first), or []: what a run whose newest
-    checkpoint is corrupt can resume from instead (first-use walk 37: a requeued
-    --resume auto failed on it again and again, the line naming no way out)."""
-    try:
-        folder = os.path.normpath(resolve(path))
-    except CheckpointError:
-        return []
-    parent, name = os.path.split(folder)
-    names = numbered(parent or ".")
-    if name not in names:
-        return []
-    return [os.path.join(parent, n) for n in names[:names.index(name)][-most:]]
-
-
 def kept(save):
     """What the --save directory `save` holds, for a line saying a run stopped: "; DIR keeps
     step N (DIR/step-0000000N)", or "" (nothing there, or nothing readable)."""

@@ -29,6 +29,7 @@ int64 numpy arrays (B, T) with y = x shifted by one. Data-parallel ranks slice t
 a resumed run needs only the step.
 Tests: tests/test_data.py.
 """
+import errno
 import hashlib
 import json
 import os
@@ -140,9 +141,10 @@ def _build(root, files, out_dir, tokenizer):
         if not os.path.isfile(os.path.join(out_dir, "meta.json")):   # (walk 37: a full disk
             n = train.nbytes + val.nbytes                              # was a traceback)
             need = f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 17 else f"{n / 2 ** 10:,.0f} KiB"
+            full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+            room = f"with room for {need}" if full else "you can write to"
             raise DataError(f"cannot cache the tokenized text in {os.path.dirname(out_dir)} "
-                            f"({e.strerror or e}): give --cache-dir a folder with room for "
-                            f"{need}") from None
+                            f"({e.strerror or e}): give --cache-dir a folder {room}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

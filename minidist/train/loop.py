@@ -129,7 +129,13 @@ def _check_stop(args, start):
 def train(args, world=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
-    backend (backend.setup: threads, device), as examples/train_gpt.py shows."""
+    backend (backend.setup: threads, device), as examples/train_gpt.py shows. The signal
+    handlers it takes (preemption.py) are the caller's again when it returns or raises."""
+    with preemption.handlers_kept():
+        return _train(args, world)
+
+
+def _train(args, world):
     preemption.stop_at_once()       # SIGTERM before step 1: exit 75 at once (143: no --save)
     auto = args.resume == "auto"
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest

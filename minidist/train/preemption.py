@@ -24,6 +24,7 @@ signals end the run at once (`stop_at_once`, Preempted): exit 75 (143 without --
 nothing to save.
 Tests: tests/test_preemption.py.
 """
+import contextlib
 import os
 import signal
 import sys
@@ -35,12 +36,27 @@ TERMINATED = 143                    # 128 + SIGTERM: a scheduler's signal withou
 SIGNALS = ("SIGTERM", "SIGUSR1")    # a scheduler's
 SIGINT = "SIGINT"
 ABORT_WAIT = 2.0                    # seconds a rank but 0 waits for rank 0's abort (end_job)
+FLUSH_S = 1.0                       # the line's head start before MPI_Abort (as the watchdog's)
 
 
 class Preempted(BaseException):
     """A scheduler's signal (SIGTERM, SIGUSR1) while the run starts, before its loop takes
     signals (`stop_at_once`): a BaseException, as KeyboardInterrupt is, so that no handler of
     errors takes it; cli.run_main ends the job with one line and EXIT_STATUS."""
+
+
+@contextlib.contextmanager
+def handlers_kept():
+    """Inside, the run may take SIGTERM, SIGUSR1 and SIGINT (stop_at_once, Flag); after, the
+    handlers are the ones before again (loop.train called in-process: a test suite, a
+    notebook, which would otherwise swallow a SIGTERM later; review 39)."""
+    before = {name: signal.getsignal(getattr(signal, name)) for name in (*SIGNALS, SIGINT)}
+    try:
+        yield
+    finally:
+        for name, handler in before.items():
+            if handler is not None:           # (None: set outside Python, left as it is)
+                signal.signal(getattr(signal, name), handler)
 
 
 def stop_at_once():
@@ -104,6 +120,8 @@ def end_job(line, status=EXIT_STATUS):
     it in that time, unprinted, and when it was signalled alone (`kill` of one pid), its
     line is the job's only one. mpi4py is looked up, not imported: a run of one process
     never started MPI."""
+    for name in SIGNALS:        # a second signal while this one ends the job: nothing more
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     mpi = sys.modules.get("mpi4py.MPI")
     several = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
         and mpi.COMM_WORLD.Get_size() > 1
@@ -111,7 +129,8 @@ def end_job(line, status=EXIT_STATUS):
         time.sleep(ABORT_WAIT)
     print(line, file=sys.stderr, flush=True)
     if several:                 # (the MPI library's own "application called MPI_Abort" line
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())   # would be a second)
+        time.sleep(FLUSH_S)     # would be a second; the launcher drops what is still in its
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())    # pipes at the abort)
         mpi.COMM_WORLD.Abort(status)
     sys.exit(status)
 

@@ -17,8 +17,10 @@ would, and the run stops before anything is saved.
 
 Tests: tests/test_no_sync.py (the reads counted per step), tests/test_cli.py (divergence).
 """
+import contextlib
 import json
 import math
+import os
 import sys
 
 from minidist import backend
@@ -40,16 +42,21 @@ class Logger:
     def json0(self, row):
         if self.rank != 0 or not self.log_json:
             return
-        line = json.dumps(row) + "\n"
-        try:
-            with open(self.log_json, "a") as f:
-                end = f.tell()
+        data = (json.dumps(row) + "\n").encode()
+        try:                                  # (unbuffered: a failed write is known here)
+            fd = os.open(self.log_json, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                end = os.lseek(fd, 0, os.SEEK_END)
                 try:
-                    f.write(line)
-                    f.flush()
+                    written = 0
+                    while written < len(data):            # (a full disk: a part, then
+                        written += os.write(fd, data[written:])    # ENOSPC)
                 except OSError:
-                    f.truncate(end)           # no half row for a reader to choke on
+                    with contextlib.suppress(OSError):    # (a device: nothing to take)
+                        os.ftruncate(fd, end)     # no half row for a reader to choke on
                     raise
+            finally:
+                os.close(fd)
         except OSError as e:
             since = f"from step {row['step'] + 1} on" if "step" in row else "from here on"
             print(f"warning: --log-json {self.log_json}: cannot write ({e.strerror or e}); "

@@ -113,7 +113,7 @@ def resume_run(args, strategy, log, model, opt):
     try:
         state = strategy.load(args.resume, model, opt)
     except CheckpointError as e:
-        older = checkpoint_dirs.older_checkpoints(args.resume)
+        older = _older_checkpoints(args.resume)
         if "corrupt checkpoint" not in str(e) or not older:
             raise
         same = args.save and os.path.realpath(args.save) == \
@@ -152,3 +152,18 @@ def resume_run(args, strategy, log, model, opt):
            "; no --save DIR: the steps this run trains are not saved"))
     return state["step"]
 
+
+def _older_checkpoints(path, most=3):
+    """The checkpoint folders older than the one --resume `path` names, beside it in its
+    --save directory (the newest `most`, oldest first), or []: what a run whose newest
+    checkpoint is corrupt can resume from instead (first-use walk 37: a requeued
+    --resume auto failed on it again and again, the line naming no way out)."""
+    try:
+        folder = os.path.normpath(checkpoint_dirs.resolve(path))
+    except CheckpointError:
+        return []
+    parent, name = os.path.split(folder)
+    names = checkpoint_dirs.numbered(parent or ".")
+    if name not in names:
+        return []
+    return [os.path.join(parent, n) for n in names[:names.index(name)][-most:]]
