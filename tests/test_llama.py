@@ -245,6 +245,7 @@ def test_a_llama_saves_as_hugging_faces_llama_and_loads_back(tmp_path):
     assert hf["model_type"] == "llama" and hf["architectures"] == ["LlamaForCausalLM"]
     assert (hf["num_key_value_heads"], hf["intermediate_size"], hf["rope_theta"],
             hf["tie_word_embeddings"]) == (1, config.ffn_size, 500.0, True)
+    assert hf["torch_dtype"] == "float64"          # the stored weights' (walk 38: "float32")
     raw, _ = load_file(str(tmp_path / "model.safetensors"))
     p = {n: q.data for n, q in model.named_parameters()}
     attn, fc = p["transformer.h.1.attn.c_attn.weight"], p["transformer.h.1.mlp.c_fc.weight"]

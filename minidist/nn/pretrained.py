@@ -69,8 +69,10 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
     tmp = os.path.join(directory, f".model.safetensors.tmp{os.getpid()}")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_llama_config(config) if config.llama else hf_config(config), f, indent=2)
+    fields = hf_llama_config(config) if config.llama else hf_config(config)
+    fields["torch_dtype"] = str(np.dtype(dtype))     # the stored weights' (walk 38: float32
+    with open(os.path.join(directory, "config.json"), "w") as f:   # beside bfloat16 ones)
+        json.dump(fields, f, indent=2)
 
 
 INDEX = "model.safetensors.index.json"      # a sharded folder's map: tensor name -> file
