@@ -21,6 +21,7 @@ from minidist.launcher import set_thread_env
 set_thread_env()            # BLAS threads, before numpy loads (as examples/train_gpt.py)
 
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 
@@ -29,8 +30,8 @@ from minidist.nn.pretrained import save_state_pretrained  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.amp import bfloat16  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
-from minidist.train.bpe import (MERGES, VOCAB, BPETokenizer, TokenizerError,  # noqa: E402
-                                tokenizer_files)
+from minidist.train.bpe import (EOT, MERGES, VOCAB, BPETokenizer,  # noqa: E402
+                                TokenizerError, tokenizer_files)
 from minidist.train.cli import (UsageError, check_one_process, check_out_folder,  # noqa: E402
                                run_main)
 from minidist.train.data import DataError  # noqa: E402
@@ -38,7 +39,8 @@ from minidist.train.gather import model_config, whole_model  # noqa: E402
 from minidist.train.model_tokenizer import not_its_tokenizer, tokenizer_folders  # noqa: E402
 
 
-WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES)   # what --out receives
+TOKENIZER_CONFIG = "tokenizer_config.json"
+WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES, TOKENIZER_CONFIG)   # --out's
 
 
 def export_parser():
@@ -116,8 +118,24 @@ def main(args):
                           dtype=bfloat16() if args.dtype == "bfloat16" else args.dtype)
     for name in (VOCAB, MERGES) if tokenizer else ():
         shutil.copyfile(os.path.join(tokenizer, name), os.path.join(args.out, name))
+    if tokenizer:
+        write_tokenizer_config(args.out, BPETokenizer.from_folder(tokenizer), config)
     print(f"wrote {what} to {args.out}: config.json, model.safetensors ({args.dtype})"
-          + (f", {VOCAB} and {MERGES} from {tokenizer}" if tokenizer else ""))
+          + (f", {TOKENIZER_CONFIG}; {VOCAB} and {MERGES} from {tokenizer}" if tokenizer
+             else ""))
+
+
+def write_tokenizer_config(out, tokenizer, config):
+    """tokenizer_config.json: the class that reads vocab.json and merges.txt (GPT-2's byte
+    BPE), so that Hugging Face's AutoTokenizer loads the folder whatever its model_type
+    (first-use walk 38: a Llama folder's went to LlamaTokenizer, which wants
+    tokenizer.model), and <|endoftext|> as its special tokens where the vocabulary has it."""
+    fields = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
+              "add_prefix_space": False}
+    if tokenizer.eot is not None:
+        fields.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+    with open(os.path.join(out, TOKENIZER_CONFIG), "w") as f:
+        json.dump(fields, f, indent=2)
 
 
 if __name__ == "__main__":

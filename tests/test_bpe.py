@@ -384,7 +384,12 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     assert "vocab.json and merges.txt from" in run("export_gpt2.py", "--resume",
                                                    tmp_path / "ck", "--out", tmp_path / "x")
     assert sorted(os.listdir(tmp_path / "x")) == ["config.json", "merges.txt",
-                                                  "model.safetensors", "vocab.json"]
+                                                  "model.safetensors", "tokenizer_config.json",
+                                                  "vocab.json"]
+    # walk 38: AutoTokenizer went by a Llama folder's model_type to a tokenizer wanting
+    # tokenizer.model; the folder names the class that reads vocab.json and merges.txt
+    said = json.loads((tmp_path / "x" / "tokenizer_config.json").read_text())
+    assert said["tokenizer_class"] == "GPT2Tokenizer" and said["eos_token"] == "<|endoftext|>"
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(

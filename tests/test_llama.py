@@ -267,6 +267,9 @@ def test_a_llama_saves_as_hugging_faces_llama_and_loads_back(tmp_path):
     ("attention_bias", True, "attention_bias True is not what"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
     ("hidden_act", "gelu", "hidden_act 'gelu'"),
+    # transformers 5's field (walk 38: Llama 3's scaling read as plain RoPE at theta 10000)
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0},
+     "rope_parameters"),
 ])
 def test_a_llama_folder_minidist_cannot_compute_is_refused(tmp_path, field, value, says):
     import json
@@ -275,6 +278,18 @@ def test_a_llama_folder_minidist_cannot_compute_is_refused(tmp_path, field, valu
     (tmp_path / "config.json").write_text(json.dumps({**hf, field: value}))
     with pytest.raises(ValueError, match=says):
         GPT.from_pretrained(str(tmp_path))
+
+
+def test_transformers_5s_rope_parameters_give_rope_theta(tmp_path):
+    """A folder transformers 5 wrote keeps RoPE's base in rope_parameters (no top-level
+    rope_theta): read from there (walk 38: theta 10000 taken, the logits off by 2e-3)."""
+    import json
+    GPT(llama(rope_theta=100.0), seed=0).save_pretrained(str(tmp_path))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["rope_theta"]
+    hf["rope_parameters"] = {"rope_theta": 100.0, "rope_type": "default"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert GPT.from_pretrained(str(tmp_path)).config.rope_theta == 100.0
 
 
 def test_an_untied_llama_head_is_refused(tmp_path):

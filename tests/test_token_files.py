@@ -360,7 +360,8 @@ def test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run(tmp_path, corpu
     assert set(exported) == set(params)
     assert all(np.array_equal(exported[n], params[n]) for n in params)
     assert sorted(os.listdir(tmp_path / "float32")) == [
-        "config.json", "merges.txt", "model.safetensors", "vocab.json"]
+        "config.json", "merges.txt", "model.safetensors", "tokenizer_config.json",
+        "vocab.json"]
     _train(common + ["--steps", "1", "--init-from", str(tmp_path / "float32"),
                      "--log-json", str(tmp_path / "next.jsonl")])
     first = logged_losses(tmp_path / "next.jsonl")[0]     # step 0 of the ft run was 5.52

@@ -96,12 +96,16 @@ def from_hf_llama(config, raw):
 
 def llama_config(hf, path):
     """A GPTConfig from LlamaConfig's fields `hf` (config.json at `path`); ValueError names
-    a field this model cannot follow."""
+    a field this model cannot follow. RoPE's base is transformers 4's top-level rope_theta
+    or 5's rope_parameters {"rope_theta", "rope_type"} (first-use walk 38: a folder v5 wrote
+    was read at theta 10000, its llama3 scaling unrefused)."""
     from minidist.nn.config import GPTConfig
+    rope = hf.get("rope_parameters") or {}
     refused = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
                "attention_bias": bool(hf.get("attention_bias")),
                "mlp_bias": bool(hf.get("mlp_bias")),
-               "rope_scaling": bool(hf.get("rope_scaling"))}
+               "rope_scaling": bool(hf.get("rope_scaling")),
+               "rope_parameters": rope.get("rope_type", "default") != "default"}
     C, nh = hf["hidden_size"], hf["num_attention_heads"]
     refused["head_dim"] = hf.get("head_dim", C // nh) != C // nh
     bad = [k for k, v in refused.items() if v]
@@ -114,7 +118,7 @@ def llama_config(hf, path):
                        vocab_size=hf["vocab_size"], bias=False, arch="llama",
                        n_kv_head=0 if hf.get("num_key_value_heads") in (None, nh)
                        else hf["num_key_value_heads"],
-                       rope_theta=float(hf.get("rope_theta", 10000.0)),
+                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
                        ffn_hidden=hf["intermediate_size"],
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
     default = replace(config, ffn_hidden=0)           # 0 where it is the default width
