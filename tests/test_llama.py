@@ -323,6 +323,16 @@ def test_a_trained_llama_exports_and_starts_a_new_run(tmp_path):
     assert wrong.returncode != 0 and "--arch gpt2: its model has arch llama" in wrong.stderr
     longer = _train(*small[:4], "--block-size", "32", *small[6:], "--init-from", str(out))
     assert longer.returncode == 0, longer.stderr          # rotary positions: no table to outgrow
+    assert "(RoPE past the 16 positions it was trained on: --rope-theta raises its base)" \
+        in longer.stdout, longer.stdout
+    # walk 38: a long-context fine-tune raises RoPE's base, which no parameter holds; it was
+    # refused as a size ("its model has rope_theta 10000.0")
+    stretched = _train(*small[:4], "--block-size", "32", *small[6:], "--init-from", str(out),
+                       "--rope-theta", "40000")
+    assert stretched.returncode == 0, stretched.stderr
+    assert "rope_theta=40000.0" in stretched.stdout and \
+        "(RoPE past the 16 positions it was trained on, theta 40000 for its 10000)" \
+        in stretched.stdout, stretched.stdout
 
 
 def test_norm_eps_and_the_mlps_width_travel_with_the_folder(tmp_path):

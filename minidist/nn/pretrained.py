@@ -213,12 +213,13 @@ def _llama_state(raw, config, path):
 def pretrained_weights(directory, config):
     """{name: host array (memory-mapped)} of a GPT-2 folder's parameters for a model of
     `config` to start from (gpt_init's `weights`, --init-from): the sizes must be the
-    folder's; a shorter block_size keeps the first rows of wpe (the positions it uses), as
-    nanoGPT's crop_block_size does. ValueError names what differs."""
+    folder's (RoPE's base and the norms' epsilon, which no parameter holds, may differ: a
+    new run's to set); a shorter block_size keeps the first rows of wpe (the positions it
+    uses), as nanoGPT's crop_block_size does. ValueError names what differs."""
     saved = read_config(directory)
     differ = [f"{k} {getattr(config, k)} (the folder's: {getattr(saved, k)})"
               for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "arch",
-                        "kv_heads", "ffn_size", "rope_theta", "norm_eps")
+                        "kv_heads", "ffn_size")
               if getattr(config, k) != getattr(saved, k)]
     if config.block_size > saved.block_size and not saved.llama:     # (RoPE: any length)
         differ.append(f"block_size {config.block_size} (the folder's wpe has "

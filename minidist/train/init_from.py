@@ -45,6 +45,10 @@ from minidist.train.inputs import (MAY_CHANGE, RESUMED, flag_of, resolved_size,
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
 
 FOLDER = "a GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face writes them)"
+# held by no parameter, and a new run may set them where a resume keeps its run's: RoPE's
+# base (a long-context fine-tune raises it: Code Llama's 1e4 -> 1e6; first-use walk 38 was
+# refused it, "its model has rope_theta") and RMSNorm's epsilon
+NEW_RUN_MAY_CHANGE = ("rope_theta", "norm_eps")
 
 
 def is_checkpoint(folder):
@@ -85,7 +89,7 @@ def take_init_from_sizes(args):
     names = ("n_layer", "n_head", "n_embd", "bias") + tuple(ARCH_DEFAULTS)
     if checkpoint and saved.moe_experts:      # its experts' sizes and routing, as --resume's
         names += tuple(n for n in RESUMED if n.startswith("moe_"))
-    clash = take_model_fields(args, model, names, keep=MAY_CHANGE)   # (as a resume's)
+    clash = take_model_fields(args, model, names, keep=MAY_CHANGE + NEW_RUN_MAY_CHANGE)
     if clash:
         name, value = clash
         said = ("--no-bias: its model has biases" if name == "bias" else
@@ -237,9 +241,14 @@ def initial_weights(args, config, data, log):
         except ValueError as e:                 # a tensor missing or of another shape
             raise UsageError(f"--init-from {e}") from None
         what = None
+    longer = saved.llama and config.block_size > saved.block_size
     log.print0(f"init: the weights of --init-from {folder}" + (f" ({what})" if what else "")
                + (f" (wpe's first {config.block_size} positions)"
-                  if config.block_size < saved.block_size and not saved.llama else ""))
+                  if config.block_size < saved.block_size and not saved.llama else "")
+               + (f" (RoPE past the {saved.block_size} positions it was trained on"
+                  + (f", theta {config.rope_theta:g} for its {saved.rope_theta:g}"
+                     if config.rope_theta != saved.rope_theta else
+                     ": --rope-theta raises its base") + ")" if longer else ""))
     return weights
 
 
