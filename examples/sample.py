@@ -123,6 +123,10 @@ def main(args):
     model.router_bias.load_state_dict(router_bias(args.resume))    # MoE: how it routes
     print(f"sampling {args.tokens} tokens from {what}: {model.num_parameters():,} parameters, "
           f"{dtype} on {backend.device()}", file=sys.stderr, flush=True)
+    if idx.shape[1] > config.block_size:       # (walk 38: cropped without a word)
+        print(f"note: the prompt's {idx.shape[1]:,} tokens are more than the model's "
+              f"{config.block_size:,}: it reads the last {config.block_size:,} (and each new "
+              "token the last as many before it)", file=sys.stderr, flush=True)
     out = model.generate(idx, args.tokens, temperature=args.temperature,
                          top_k=args.top_k or None, seed=args.seed)
     text = tokenizer.decode(out[0])

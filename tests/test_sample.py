@@ -96,6 +96,11 @@ def test_a_gpt2_folder_with_byte_vocabulary_samples(tmp_path, device):
         tmp_path / "bytes")
     out = _sample(device, "--resume", tmp_path / "bytes", "--prompt", "ab", "--tokens", "5")
     assert out.stdout.startswith("ab") and "the GPT-2 folder" in out.stderr
+    assert "note: the prompt" not in out.stderr
+    # a prompt past the context is cut to its last block_size tokens: said (walk 38)
+    out = _sample(device, "--resume", tmp_path / "bytes", "--prompt", "x" * 12, "--tokens", "1")
+    assert "note: the prompt's 12 tokens are more than the model's 8: it reads the last 8" \
+        in out.stderr, out.stderr
 
 
 def test_prompt_help_names_its_newline_default():
