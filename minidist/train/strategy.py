@@ -131,18 +131,22 @@ def check_layout(args, size):
     problems = []
     if m < 1 or args.batch_size % (rows * accum * m):
         problems.append(_batch_problem(args, dp, m))
-    problems += tp_problems(args) if args.tp > 1 else []
-    problems += pp_problems(args, m) if args.pp > 1 else []
-    problems += cp_problems(args) if args.cp > 1 else []
-    problems += ep_problems(args) if args.ep > 1 else []
+    axis = {}                   # the parallelism whose check found each problem
+    for name, found in (("tensor", tp_problems(args) if args.tp > 1 else []),
+                        ("pipeline", pp_problems(args, m) if args.pp > 1 else []),
+                        ("context", cp_problems(args) if args.cp > 1 else []),
+                        ("expert", ep_problems(args) if args.ep > 1 else [])):
+        problems += found
+        axis.update(dict.fromkeys(found, f"{name} parallelism: "))
     shard = zero_shard_problem(args, dp) if args.zero and args.zero_shard is not None else None
     if dp * others != size:     # the command it suggests must not fail on something else
         problems.insert(0, _size_problem(dp, split, size, not (problems or shard),
                                           args.dp is not None))
-    if problems:
-        what = ("expert parallelism: " if args.ep > 1 else "context parallelism: "
-                if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
-                "tensor parallelism: " if args.tp > 1 else "")
+    if problems:               # named by the check that found the first (walk 38: a tp
+        what = axis.get(problems[0]) or (                   # problem said "context ...")
+            "expert parallelism: " if args.ep > 1 else "context parallelism: "
+            if args.cp > 1 else "pipeline parallelism: " if args.pp > 1 else
+            "tensor parallelism: " if args.tp > 1 else "")
         said = "; ".join(problems)
         raise UsageError(what + said + fixed_by_resume(args, said))
     check_idle_flags(args, replicas=dp * args.ep * args.cp, ranks=size)   # --ddp, one replica
