@@ -22,6 +22,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minidist.nn import GPTConfig                                      # noqa: E402
+from minidist.nn.config import TILED_FROM_T                            # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
@@ -119,6 +120,15 @@ def print_plan(result):
     best = result["recommendation"]
     print(f"recommendation: {best}" if best else
           "recommendation: nothing fits; add GPUs, shorten --seq or --micro-batch")
+    if result["seq"] >= TILED_FROM_T:
+        print(f"note: {LONG_SEQUENCE}")
+
+
+# first-use walk 38: a 131072-token plan priced the scores train_gpt.py would never keep
+LONG_SEQUENCE = (f"activations are priced with the attention's (T, T) scores kept (--attention "
+                 f"materialized); train_gpt.py tiles attention from {TILED_FROM_T} tokens on "
+                 "(--attention auto), and context parallelism splits the sequence: "
+                 "examples/plan.py prices both")
 
 
 def _run_train(ranks, flags, data, tmp):
@@ -191,7 +201,8 @@ def main(argv=None):
                   args.gpus_per_node, args.headroom, dropout=args.dropout,
                   muon=args.optimizer == "muon", grad32=args.grad_dtype == "float32")
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, **({"note": LONG_SEQUENCE}
+                                       if result["seq"] >= TILED_FROM_T else {})}))
     else:
         print_plan(result)
 

@@ -246,6 +246,10 @@ def test_cli_json():
     assert result["recommendation"] == "ZeRO-1 (amp, selective recompute)"
     assert {"params", "grads", "optimizer", "activations", "total", "fits"} <= set(
         result["rows"][0])
+    # walk 38: at 4096 tokens training tiles the attention; the table prices the scores kept,
+    # and says so (plan.py prices tiled attention and cp)
+    assert "train_gpt.py tiles attention from 256 tokens" in result["note"]
+    assert "examples/plan.py prices both" in result["note"]
     bad = subprocess.run([sys.executable, "examples/plan_memory.py", "--params", "1e9",
                           "--moe-experts", "8", "--moe-top-k", "9"],
                          capture_output=True, text=True, timeout=60)
