@@ -115,3 +115,20 @@ def test_a_checkpoints_tokenizer_moved_away_or_none_is_named(base, corpus, tmp_p
     with pytest.raises(UsageError, match=r"--tokenizer .*tok: --init-from .*bytes was trained "
                        r"without one, in bytes \(256 tokens\); leave --tokenizer out"):
         tiny_args("--init-from", str(tmp_path / "bytes"), "--tokenizer", str(base / "tok"))
+
+
+def test_eval_only_of_a_folder_runs_at_its_own_context(tmp_path):
+    """--init-from FOLDER --eval-only without --block-size evaluates at the folder's own
+    context (its n_positions / max_position_embeddings), as the README says (first-use walk
+    38: at min(128, its), GPT-2's loss at 128 tokens of context, not comparable with
+    published numbers); a training run keeps the default 128 where the folder has more."""
+    from minidist.nn import GPT, GPTConfig
+    from minidist.train.args import train_parser
+    from minidist.train.cli import check_flags
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=256, vocab_size=256),
+        seed=0).save_pretrained(str(tmp_path / "gpt"))
+    for flags, context in ((["--eval-only"], 256), ([], 128), (["--eval-only",
+                                                              "--block-size", "64"], 64)):
+        args = train_parser().parse_args(["--init-from", str(tmp_path / "gpt"), *flags])
+        check_flags(args)
+        assert args.block_size == context, (flags, args.block_size)

@@ -97,8 +97,10 @@ def take_init_from_sizes(args):
                 f"{resolved_size(name, model[name], model)}")    # (0: the size it means)
         raise UsageError(f"{said} (--init-from {folder}); leave {flag_of(name)} out, the "
                          "saved model's sizes are used")
-    if args.block_size > saved.block_size and "block_size" not in given:
-        args.block_size = saved.block_size     # the default, past the folder's positions
+    if "block_size" not in given and (args.block_size > saved.block_size or
+                                      getattr(args, "eval_only", False)):
+        args.block_size = saved.block_size     # the default past its positions; --eval-only
+                                               # at the model's own context (walk 38: 128)
     elif args.block_size > saved.block_size and not saved.llama:  # (RoPE: any length asked)
         raise UsageError(f"--block-size {args.block_size}: --init-from {folder} has "
                          f"{saved.block_size} positions; give at most {saved.block_size}")
@@ -245,6 +247,9 @@ def initial_weights(args, config, data, log):
     log.print0(f"init: the weights of --init-from {folder}" + (f" ({what})" if what else "")
                + (f" (wpe's first {config.block_size} positions)"
                   if config.block_size < saved.block_size and not saved.llama else "")
+               + (f" (a context of {config.block_size} of its {saved.block_size} positions: "
+                  "--block-size sets it)" if config.block_size < saved.block_size and
+                  saved.llama else "")
                + (f" (RoPE past the {saved.block_size} positions it was trained on"
                   + (f", theta {config.rope_theta:g} for its {saved.rope_theta:g}"
                      if config.rope_theta != saved.rope_theta else
