@@ -122,6 +122,8 @@ def main(args):
         write_tokenizer_config(args.out, BPETokenizer.from_folder(tokenizer), config)
     print(f"wrote {what} to {args.out}: config.json, model.safetensors ({args.dtype})"
           + (f", {TOKENIZER_CONFIG}; {VOCAB} and {MERGES} from {tokenizer}" if tokenizer
+             else "; no tokenizer: the model reads bytes (id = the byte's value, 0-255: "
+             "list(text.encode('utf-8')) gives its input)" if config.vocab_size == 256
              else ""))
 
 

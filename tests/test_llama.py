@@ -316,6 +316,7 @@ def test_a_trained_llama_exports_and_starts_a_new_run(tmp_path):
                           "--resume", str(ck), "--out", str(out), "--dtype", "float32"],
                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert exp.returncode == 0, exp.stderr
+    assert "; no tokenizer: the model reads bytes (id = the byte's value" in exp.stdout  # walk 38
     again = _train(*small, "--init-from", str(out))
     assert again.returncode == 0, again.stderr
     assert "arch='llama', n_kv_head=2" in again.stdout and "init: the weights of" in again.stdout
