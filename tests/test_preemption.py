@@ -137,6 +137,19 @@ def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_pat
         "nothing saved" in out, out
 
 
+def _sigterm_and_wait(proc, signalled):
+    """SIGTERM to the job `proc` ("every rank", as a scheduler sends it) or to one of its
+    ranks alone ("rank R", a `kill PID`), then wait for the job to end."""
+    if signalled == "every rank":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        pids = rank_pids(proc)
+        rank = int(signalled.split()[-1])
+        assert rank in pids, pids
+        os.kill(pids[rank], signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("signalled", ["every rank", "rank 0", "rank 1"])
 def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
@@ -165,13 +178,7 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
         while "no checkpoint in" not in open(out_path).read():    # printed before the data
             assert proc.poll() is None and time.time() < deadline, open(out_path).read()
             time.sleep(0.05)
-        if signalled == "every rank":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            pids = rank_pids(proc)
-            assert sorted(pids) == [0, 1], pids
-            os.kill(pids[int(signalled[-1])], signal.SIGTERM)
-        proc.wait(timeout=60)
+        _sigterm_and_wait(proc, signalled)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -222,11 +229,7 @@ def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks
                 break
             assert proc.poll() is None and time.time() < deadline, open(out_path).read()
             time.sleep(0.01)
-        if signalled == "every rank":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            os.kill(pids[1], signal.SIGTERM)
-        proc.wait(timeout=60)
+        _sigterm_and_wait(proc, signalled)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
