@@ -129,6 +129,8 @@ class SingleProcess:
 
     def __init__(self, amp=None, ckpt_activations=False):
         self.amp, self.ckpt_activations = amp, bool(ckpt_activations)
+        self.bytes_before = trace.bytes_sent()     # the process's, before this run (a
+                                                   # test suite's own collectives: not its)
 
     def build_model(self, config, seed, dtype, weights=None):
         """The model, its parameters `seed`'s draws or `weights` ({name: the whole model's
@@ -224,7 +226,7 @@ class SingleProcess:
 
     def comm_bytes(self):
         """Bytes this rank sent since the run began."""
-        return trace.bytes_sent()
+        return trace.bytes_sent() - self.bytes_before
 
     def notes(self, training=True):
         """Lines for the log: how this run computes (precision, activation checkpointing).
