@@ -42,7 +42,8 @@ FLUSH_S = 1.0                       # the line's head start before MPI_Abort (as
 class Preempted(BaseException):
     """A scheduler's signal (SIGTERM, SIGUSR1) while the run starts, before its loop takes
     signals (`stop_at_once`): a BaseException, as KeyboardInterrupt is, so that no handler of
-    errors takes it; cli.run_main ends the job with one line and EXIT_STATUS."""
+    errors takes it; cli.run_main ends the job with one line and exit_status (75; 143
+    without --save)."""
 
 
 @contextlib.contextmanager
@@ -82,8 +83,8 @@ def starting_line(name, save):
 class WhileLoading:
     """SIGTERM and SIGUSR1 noted from an entry point's first line, while it loads numpy, MPI
     and the package and while MPI starts: `stop_now`, once MPI has started, turns one
-    noted into Preempted (exit 75, or 143 without --save, and the one line, every
-    rank ended by end_job), and hands the signals to stop_at_once. First-use walk 37: a SIGTERM
+    noted into Preempted (exit 75, or 143 without --save, and the one line, every rank
+    ended by end_job), and hands the signals to stop_at_once. First-use walk 37: a SIGTERM
     in the first second was status 15 and MPICH's BAD TERMINATION block. Not raised in
     the handler: inside an import numpy turns an exception into an ImportError and its
     page of advice; and not an exit there: a rank gone before MPI_Init leaves the others in
@@ -115,11 +116,10 @@ def end_job(line, status=EXIT_STATUS):
     in a job of several ranks, MPI_Abort with it (the launcher returns it), so a rank
     blocked in a collective, which cannot run its handler, ends too instead of aborting the
     job with status 1 once this one exited (a review of stop_at_once). Rank 0 prints at
-    once; another rank waits
-    ABORT_WAIT seconds first: when the scheduler signalled every rank, rank 0's abort ends
-    it in that time, unprinted, and when it was signalled alone (`kill` of one pid), its
-    line is the job's only one. mpi4py is looked up, not imported: a run of one process
-    never started MPI."""
+    once; another rank waits ABORT_WAIT seconds first: when the scheduler signalled every
+    rank, rank 0's abort ends it in that time, unprinted, and when it was signalled alone
+    (`kill` of one pid), its line is the job's only one. mpi4py is looked up, not imported:
+    a run of one process never started MPI."""
     for name in SIGNALS:        # a second signal while this one ends the job: nothing more
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     mpi = sys.modules.get("mpi4py.MPI")
