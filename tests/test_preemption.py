@@ -86,23 +86,32 @@ def test_a_schedulers_signal_without_save_is_one_line_and_143(corpus, tmp_path, 
     assert "BAD TERMINATION" not in out + err
 
 
-def _interrupt_when(cmd, out_path, text, timeout=60):
-    """Start `cmd` with its stdout in out_path; Ctrl-C its whole job once `text` is there."""
+def _signal_when(cmd, out_path, ready, send, nap=0.2, timeout=60):
+    """Start `cmd` (its own session) with stdout and stderr in out_path; once `ready(proc)`
+    (polled every `nap` s), `send(proc)` signals it; wait for the job to end (killed if a
+    check fails or it outlives 60 s more). Returns (its exit status, what it printed)."""
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + timeout
-        while text not in open(out_path).read():
+        while not ready(proc):
             assert proc.poll() is None and time.time() < deadline, open(out_path).read()[-2000:]
-            time.sleep(0.2)
-        time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)      # what mpiexec forwards on Ctrl-C
-        proc.wait(timeout=60)                   # not the 10^6 val batches' time
+            time.sleep(nap)
+        send(proc)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, open(out_path).read()
+
+
+def _interrupt_when(cmd, out_path, text):
+    """Ctrl-C the whole job of `cmd` half a second after `text` is in its output."""
+    def ctrl_c(proc):
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)      # what mpiexec forwards on Ctrl-C
+    return _signal_when(cmd, out_path, lambda proc: text in open(out_path).read(), ctrl_c)
 
 
 @pytest.mark.mpi
@@ -137,17 +146,18 @@ def test_ctrl_c_during_an_evaluation_stops_it_and_saves_the_step(corpus, tmp_pat
         "nothing saved" in out, out
 
 
-def _sigterm_and_wait(proc, signalled):
-    """SIGTERM to the job `proc` ("every rank", as a scheduler sends it) or to one of its
-    ranks alone ("rank R", a `kill PID`), then wait for the job to end."""
-    if signalled == "every rank":
-        os.killpg(proc.pid, signal.SIGTERM)
-    else:
-        pids = rank_pids(proc)
-        rank = int(signalled.split()[-1])
-        assert rank in pids, pids
-        os.kill(pids[rank], signal.SIGTERM)
-    proc.wait(timeout=60)
+def _sigterm(signalled):
+    """What sends SIGTERM to a job `proc` ("every rank", as a scheduler sends it) or to one
+    of its ranks alone ("rank R", a `kill PID`): _signal_when's `send`."""
+    def send(proc):
+        if signalled == "every rank":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            pids = rank_pids(proc)
+            rank = int(signalled.split()[-1])
+            assert rank in pids, pids
+            os.kill(pids[rank], signal.SIGTERM)
+    return send
 
 
 @pytest.mark.mpi
@@ -170,20 +180,10 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
            *device_flags(device), "--data", str(tmp_path / "big.txt"), "--tokenizer",
            str(tmp_path / "tok"), "--cache-dir", str(tmp_path / "cache"), "--steps", "5",
            "--save", str(tmp_path / "ck"), "--resume", "auto"]
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 60
-        while "no checkpoint in" not in open(out_path).read():    # printed before the data
-            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
-            time.sleep(0.05)
-        _sigterm_and_wait(proc, signalled)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = open(out_path).read()
-    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    def starting(proc):            # its resume line is printed before the data is opened
+        return "no checkpoint in" in open(out_path).read()
+    rc, said = _signal_when(cmd, out_path, starting, _sigterm(signalled), nap=0.05)
+    assert rc == 75, (rc, said[-2000:])
     assert said.count("preempted (SIGTERM) while starting: stopped at once, nothing trained "
                       "since the last checkpoint") == 1, said
     assert "data:" not in said
@@ -218,23 +218,11 @@ def test_sigterm_while_python_loads_the_package_exits_75(tmp_path, device, ranks
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, *device_flags(device),
            "--steps", "5", "--save", str(tmp_path / "ck")]
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 60
-        while True:
-            pids = rank_pids(proc)
-            if len(pids) == ranks and all(map(_takes_sigterm, pids.values())):
-                break
-            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
-            time.sleep(0.01)
-        _sigterm_and_wait(proc, signalled)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = open(out_path).read()
-    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    def loading(proc):             # every rank's Python runs the script's first lines
+        pids = rank_pids(proc)
+        return len(pids) == ranks and all(map(_takes_sigterm, pids.values()))
+    rc, said = _signal_when(cmd, out_path, loading, _sigterm(signalled), nap=0.01)
+    assert rc == 75, (rc, said[-2000:])
     assert said == "preempted (SIGTERM) while starting: stopped at once, nothing trained " \
         "since the last checkpoint; run the same command with --resume auto to start " \
         "again\n", said
@@ -250,24 +238,16 @@ def test_a_signal_during_a_save_stops_at_the_step_saved(tmp_path, device):
     cmd = [sys.executable, "examples/train_gpt.py", *TINY, "--n-layer", "4", "--n-embd",
            "256", *device_flags(device), "--steps", "6", "--save", str(ck), "--save-every",
            "2"]
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 60
-        while not (ck.exists() and any(p.name.startswith(".tmp") for p in ck.iterdir())):
-            assert proc.poll() is None and time.time() < deadline, open(out_path).read()
-            time.sleep(0.002)
+    def saving(proc):
+        return ck.exists() and any(p.name.startswith(".tmp") for p in ck.iterdir())
+
+    def sigterm_inside(proc):
         os.kill(proc.pid, signal.SIGSTOP)
         assert not (ck / "latest").exists(), "step 2's save was over before the signal"
         os.kill(proc.pid, signal.SIGTERM)
         os.kill(proc.pid, signal.SIGCONT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = open(out_path).read()
-    assert proc.returncode == 75, (proc.returncode, said[-2000:])
+    rc, said = _signal_when(cmd, out_path, saving, sigterm_inside, nap=0.002)
+    assert rc == 75, (rc, said[-2000:])
     assert f"preempted (SIGTERM) after step 2: saved to {ck}/step-00000002" in said, said
     assert "step     3/" not in said and said.count("saved") == 2, said   # (one save said)
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
