@@ -120,8 +120,8 @@ def print_plan(result):
     best = result["recommendation"]
     print(f"recommendation: {best}" if best else
           "recommendation: nothing fits; add GPUs, shorten --seq or --micro-batch")
-    if result["seq"] >= TILED_FROM_T:
-        print(f"note: {LONG_SEQUENCE}")
+    if "note" in result:
+        print(f"note: {result['note']}")
 
 
 # first-use walk 38: a 131072-token plan priced the scores train_gpt.py would never keep
@@ -200,9 +200,10 @@ def main(argv=None):
     result = plan(config, args.gpus, args.gpu_mem, args.seq, args.micro_batch,
                   args.gpus_per_node, args.headroom, dropout=args.dropout,
                   muon=args.optimizer == "muon", grad32=args.grad_dtype == "float32")
+    if args.seq >= TILED_FROM_T:
+        result["note"] = LONG_SEQUENCE
     if args.json:
-        print(json.dumps({**result, **({"note": LONG_SEQUENCE}
-                                       if result["seq"] >= TILED_FROM_T else {})}))
+        print(json.dumps(result))
     else:
         print_plan(result)
 

@@ -28,8 +28,9 @@ from minidist.nn.safetensors import load_file, save_file
 _PREFIX = "transformer."
 
 
-def hf_config(config):
-    """GPT2Config's fields (config.json) for a GPTConfig."""
+def hf_config(config, dtype="float32"):
+    """GPT2Config's fields (config.json) for a GPTConfig whose weights are stored in
+    `dtype` (its torch_dtype: walk 38 found bfloat16 weights said float32)."""
     gpt2_vocab = config.vocab_size == 50257
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -41,7 +42,7 @@ def hf_config(config):
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
         "attn_pdrop": config.dropout, "layer_norm_epsilon": config.norm_eps,
         "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
-        "tie_word_embeddings": True, "torch_dtype": "float32",
+        "tie_word_embeddings": True, "torch_dtype": str(np.dtype(dtype)),
         "bos_token_id": 50256 if gpt2_vocab else None,
         "eos_token_id": 50256 if gpt2_vocab else None,
         "minidist_bias": config.bias,
@@ -69,9 +70,8 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
     tmp = os.path.join(directory, f".model.safetensors.tmp{os.getpid()}")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
-    fields = hf_llama_config(config) if config.llama else hf_config(config)
-    fields["torch_dtype"] = str(np.dtype(dtype))     # the stored weights' (walk 38: float32
-    with open(os.path.join(directory, "config.json"), "w") as f:   # beside bfloat16 ones)
+    fields = hf_llama_config(config, dtype) if config.llama else hf_config(config, dtype)
+    with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(fields, f, indent=2)
 
 
