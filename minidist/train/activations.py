@@ -161,9 +161,9 @@ def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=N
     under the pipeline `schedule` with m micro-batches and v chunks (held_layers), and
     under ZB-H1 what its micro-batches waiting for their W keep (weight_work_bytes)."""
     e = 2 if layout.amp else 4
-    m_all = layout.pp * v if m is None else m
     held, head = held_layers(config.n_layer, layout.pp, stage, schedule, m, v)
-    waiting = waiting_for_weights(schedule, layout.pp, stage, m_all) if layout.pp > 1 else 0
+    waiting = waiting_for_weights(schedule, layout.pp, stage,      # (pp 1: min(m, 1) - 1 = 0)
+                                  layout.pp * v if m is None else m)
     if waiting:
         work = weight_work_bytes(config, layout, s, b)
         last = stage == layout.pp - 1
