@@ -114,12 +114,14 @@ def main(args):
     check_out(args)
     backend.setup(device="cpu")
     config, params, what = whole_model(args.resume)
+    bpe = BPETokenizer.from_folder(tokenizer) if tokenizer else None
     save_state_pretrained(config, params, args.out,
-                          dtype=bfloat16() if args.dtype == "bfloat16" else args.dtype)
+                          dtype=bfloat16() if args.dtype == "bfloat16" else args.dtype,
+                          eot_id=bpe.eot if bpe else None)
     for name in (VOCAB, MERGES) if tokenizer else ():
         shutil.copyfile(os.path.join(tokenizer, name), os.path.join(args.out, name))
-    if tokenizer:
-        write_tokenizer_config(args.out, BPETokenizer.from_folder(tokenizer), config)
+    if bpe:
+        write_tokenizer_config(args.out, bpe, config)
     print(f"wrote {what} to {args.out}: config.json, model.safetensors ({args.dtype})"
           + (f", {TOKENIZER_CONFIG}; {VOCAB} and {MERGES} from {tokenizer}" if tokenizer
              else "; no tokenizer: the model reads bytes (id = the byte's value, 0-255: "

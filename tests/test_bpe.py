@@ -390,6 +390,10 @@ def test_a_trained_tokenizer_trains_samples_and_exports(tmp_path, corpus, capsys
     # tokenizer.model; the folder names the class that reads vocab.json and merges.txt
     said = json.loads((tmp_path / "x" / "tokenizer_config.json").read_text())
     assert said["tokenizer_class"] == "GPT2Tokenizer" and said["eos_token"] == "<|endoftext|>"
+    # and config.json names its id (it said null beside a BPE that has <|endoftext|>)
+    eot = json.loads((tok / "vocab.json").read_text())["<|endoftext|>"]
+    fields = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert fields["bos_token_id"] == fields["eos_token_id"] == eot
     # first-use walk 26: a GPT-2 folder exported again (here to bfloat16) lost its tokenizer
     # files, and sample.py refused the result: the folder read is looked in first
     assert f"vocab.json and merges.txt from {tmp_path / 'x'}\n" in run(

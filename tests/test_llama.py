@@ -237,6 +237,7 @@ def test_a_llama_saves_as_hugging_faces_llama_and_loads_back(tmp_path):
     layout (q_proj is c_attn's first nh hs columns, transposed; gate_proj c_fc's first F);
     from_pretrained gives the same logits."""
     import json
+    from minidist.nn.pretrained import save_state_pretrained
     from minidist.nn.safetensors import load_file
     config = llama(n_kv_head=1, rope_theta=500.0, block_size=16)
     model = GPT(config, seed=5, dtype="float64")
@@ -246,6 +247,10 @@ def test_a_llama_saves_as_hugging_faces_llama_and_loads_back(tmp_path):
     assert (hf["num_key_value_heads"], hf["intermediate_size"], hf["rope_theta"],
             hf["tie_word_embeddings"]) == (1, config.ffn_size, 500.0, True)
     assert hf["torch_dtype"] == "float64"          # the stored weights' (walk 38: "float32")
+    assert hf["bos_token_id"] is None               # a toy vocabulary, no tokenizer given
+    save_state_pretrained(config, model.state_dict(), str(tmp_path / "t"), "float64", eot_id=60)
+    told = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert told["bos_token_id"] == told["eos_token_id"] == 60
     raw, _ = load_file(str(tmp_path / "model.safetensors"))
     p = {n: q.data for n, q in model.named_parameters()}
     attn, fc = p["transformer.h.1.attn.c_attn.weight"], p["transformer.h.1.mlp.c_fc.weight"]

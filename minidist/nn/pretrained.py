@@ -28,10 +28,19 @@ from minidist.nn.safetensors import load_file, save_file
 _PREFIX = "transformer."
 
 
-def hf_config(config, dtype="float32"):
+def special_token_id(config, eot_id=None):
+    """config.json's bos/eos id: the tokenizer's <|endoftext|> id where the export has a
+    tokenizer (`eot_id`), else GPT-2's 50256 for a model of GPT-2's vocabulary, else None
+    (first-use walk 38: a Llama folder said null beside a BPE that has <|endoftext|>)."""
+    if eot_id is not None:
+        return int(eot_id)
+    return 50256 if config.vocab_size == 50257 else None
+
+
+def hf_config(config, dtype="float32", eot=None):
     """GPT2Config's fields (config.json) for a GPTConfig whose weights are stored in
-    `dtype` (its torch_dtype: walk 38 found bfloat16 weights said float32)."""
-    gpt2_vocab = config.vocab_size == 50257
+    `dtype` (its torch_dtype: walk 38 found bfloat16 weights said float32); `eot`: the
+    bos/eos id (special_token_id)."""
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size,
@@ -43,8 +52,7 @@ def hf_config(config, dtype="float32"):
         "attn_pdrop": config.dropout, "layer_norm_epsilon": config.norm_eps,
         "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
         "tie_word_embeddings": True, "torch_dtype": str(np.dtype(dtype)),
-        "bos_token_id": 50256 if gpt2_vocab else None,
-        "eos_token_id": 50256 if gpt2_vocab else None,
+        "bos_token_id": eot, "eos_token_id": eot,
         "minidist_bias": config.bias,
     }
 
@@ -54,9 +62,10 @@ def save_pretrained(model, directory, dtype="float32"):
     save_state_pretrained(model.config, model.state_dict(), directory, dtype)
 
 
-def save_state_pretrained(config, params, directory, dtype="float32"):
+def save_state_pretrained(config, params, directory, dtype="float32", eot_id=None):
     """save_pretrained of plain data: a GPTConfig and {name: array} of the whole model (as a
-    sharded strategy gathers it)."""
+    sharded strategy gathers it); `eot_id`: the tokenizer's <|endoftext|> id, config.json's
+    bos/eos (special_token_id)."""
     from minidist.nn.config import gpt_param_specs
     from minidist.nn.config import GPTConfig
     state = {n: backend.to_host(a).astype(dtype) for n, a in params.items()}
@@ -70,7 +79,9 @@ def save_state_pretrained(config, params, directory, dtype="float32"):
     tmp = os.path.join(directory, f".model.safetensors.tmp{os.getpid()}")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))
-    fields = hf_llama_config(config, dtype) if config.llama else hf_config(config, dtype)
+    eot = special_token_id(config, eot_id)
+    fields = (hf_llama_config(config, dtype, eot) if config.llama
+              else hf_config(config, dtype, eot))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(fields, f, indent=2)
 

@@ -43,9 +43,9 @@ _ROOT = (("transformer.wte.weight", "model.embed_tokens.weight"),
          ("transformer.ln_f.weight", "model.norm.weight"))
 
 
-def hf_llama_config(config, dtype="float32"):
+def hf_llama_config(config, dtype="float32", eot=None):
     """LlamaConfig's fields (config.json) for a GPTConfig of arch "llama" whose weights are
-    stored in `dtype`."""
+    stored in `dtype`; `eot`: the bos/eos id (pretrained.special_token_id)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.n_embd,
@@ -56,7 +56,7 @@ def hf_llama_config(config, dtype="float32"):
         "rope_theta": config.rope_theta, "rope_scaling": None, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "tie_word_embeddings": True, "initializer_range": 0.02, "use_cache": True,
-        "torch_dtype": str(np.dtype(dtype)), "bos_token_id": None, "eos_token_id": None,
+        "torch_dtype": str(np.dtype(dtype)), "bos_token_id": eot, "eos_token_id": eot,
     }
 
 
