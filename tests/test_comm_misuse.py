@@ -6,6 +6,7 @@ at the end) under mpiexec through tests/mpirun.py, with a timeout; each docstrin
 command to run it by hand.
 """
 import re
+import subprocess
 import sys
 import time
 
@@ -29,6 +30,23 @@ def one_rank():
 
 
 # ---- one process ---------------------------------------------------------------------------
+
+def test_debug_trace_and_wait_variables_are_read_by_init_not_at_import():
+    """MINIDIST_DEBUG, MINIDIST_TRACE and MINIDIST_COMM_WAIT were read when minidist.comm
+    was imported (review 38: a side effect of the import; a variable set after it, as
+    rankpdb sets its defaults, was ignored). comm.init reads them, after checking them."""
+    code = ("import os\n"
+            "from minidist import comm\n"
+            "from minidist.comm import debug, progress, trace\n"
+            "print(debug.enabled(), trace.enabled(), progress.wait_policy())\n"
+            "os.environ.update(MINIDIST_TRACE='1', MINIDIST_COMM_WAIT='poll')\n"
+            "comm.init()\n"
+            "print(debug.enabled(), trace.enabled(), progress.wait_policy())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=mpi_env(MINIDIST_DEBUG=1),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False False block", "True True poll"], out.stdout
+
 
 @pytest.mark.parametrize("ranks,says", [
     ([0, 1], "not ranks of it: [1]"),

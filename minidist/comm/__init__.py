@@ -43,7 +43,7 @@ mpi4py.rc.initialize = False   # before mpi4py.MPI is imported: init() below ini
 
 from mpi4py import MPI  # noqa: E402
 
-from minidist.comm import hier, mpich, progress, trace, watchdog  # noqa: E402
+from minidist.comm import debug, hier, mpich, progress, trace, watchdog  # noqa: E402
 from minidist.comm.debug import (  # noqa: E402
     CollectiveFailed, CollectiveMismatch, LaunchMismatch, install_abort_handler)
 from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
@@ -79,6 +79,9 @@ def init(algo="ring", timeout=None, sync_comm=None):
         problems = env_problems(algo, timeout)
         if problems:                    # every rank alike, before MPI_Init
             raise ValueError("; ".join(problems))
+        debug.enable_from_env()         # the variables are read here, not at import
+        trace.enable_from_env()
+        progress.policy_from_env()
         mpich.apply_defaults()
         if not MPI.Is_initialized():
             _wait_in_mpi_init_for_every_rank(mpi_init_wait_s(timeout))

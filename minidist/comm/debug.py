@@ -35,7 +35,7 @@ from mpi4py import MPI
 from minidist.comm import watchdog
 from minidist.comm.progress import wait_all
 
-_state = {"on": os.environ.get("MINIDIST_DEBUG", "0") == "1"}   # another value: refused
+_state = {"on": False}       # comm.init turns it on under MINIDIST_DEBUG=1 (enable_from_env)
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
 REDUCTIONS = ("", "sum", "avg", "max", "min")
@@ -86,6 +86,13 @@ def disable():
 
 def enabled():
     return _state["on"]
+
+
+def enable_from_env(environ=os.environ):
+    """enable() where MINIDIST_DEBUG=1 (comm.init, after env_problems checked the value);
+    unset or 0 leaves an enable() made by the caller as it is."""
+    if environ.get("MINIDIST_DEBUG", "") == "1":
+        enable()
 
 
 def _index(table, name):

@@ -29,7 +29,7 @@ import time
 from mpi4py import MPI
 
 POLICIES = ("block", "poll")
-_state = {"policy": os.environ.get("MINIDIST_COMM_WAIT", "block")}
+_state = {"policy": "block"}   # comm.init takes MINIDIST_COMM_WAIT's (policy_from_env)
 
 
 def set_wait_policy(policy):
@@ -48,9 +48,14 @@ def env_policy(environ=os.environ):
     return value
 
 
+def policy_from_env(environ=os.environ):
+    """set_wait_policy(MINIDIST_COMM_WAIT) where it is set (comm.init; a bad value raises
+    ValueError, as env_policy); unset leaves a set_wait_policy made before as it is."""
+    if environ.get("MINIDIST_COMM_WAIT", ""):
+        set_wait_policy(env_policy(environ))
+
+
 def wait_policy():
-    if _state["policy"] not in POLICIES:
-        set_wait_policy(_state["policy"])   # raises: a bad MINIDIST_COMM_WAIT
     return _state["policy"]
 
 

@@ -40,10 +40,8 @@ def env_level(environ=os.environ):
     return int(value)
 
 
-# read at import, where a bad value counts as 0: comm.init and the train CLI refuse it
-_ENV = os.environ.get("MINIDIST_TRACE", "0")
-_LEVEL = int(_ENV) if _ENV in ("0", "1", "2") else 0
-_state = {"on": _LEVEL >= 1, "log": _LEVEL >= 1, "steps": _LEVEL >= 2, "rank": None}
+# off until enable(), or comm.init under MINIDIST_TRACE=1|2 (enable_from_env)
+_state = {"on": False, "log": False, "steps": False, "rank": None}
 
 
 def enable(log=False, steps=False):
@@ -51,6 +49,14 @@ def enable(log=False, steps=False):
     prints every point-to-point step of the hand-written algorithms. MINIDIST_TRACE=1 is
     enable(log=True), MINIDIST_TRACE=2 is enable(log=True, steps=True)."""
     _state.update(on=True, log=bool(log), steps=bool(steps))
+
+
+def enable_from_env(environ=os.environ):
+    """enable(log=True[, steps=True]) where MINIDIST_TRACE is 1 or 2 (comm.init; a bad value
+    raises ValueError, as env_level); 0 or unset leaves an enable() made before as it is."""
+    level = env_level(environ)
+    if level:
+        enable(log=True, steps=level >= 2)
 
 
 def disable():
