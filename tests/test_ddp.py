@@ -1,5 +1,5 @@
-"""Data parallelism: bucket layout and hook logic in-process (a recording stand-in for the
-group), then N ranks under mpiexec against one process in float64, for every mode x algorithm.
+"""Data parallelism: bucket layout and hook logic in-process (a one-rank group that notes
+its calls), then N ranks under mpiexec against one process in float64, for every mode x algorithm.
 
 The distributed checks run tests/scripts/ddp_check.py, which batches many comparisons into
 one mpiexec start; each test's docstring gives the command to run it by hand.
@@ -10,8 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
+from minidist.autograd import Tensor
 from minidist.backend import to_host as H, xp_of
+from minidist.comm import ProcessGroup
 from minidist.nn import GPT, GPTConfig
 from minidist.ddp.ddp import Bucket, DistributedDataParallel, bucket_layout
 from minidist.ddp.strategy import DataParallel
@@ -25,33 +28,43 @@ from mpirun import logged_losses, mpi_env, tagged_json
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
 
-class Done:
-    def wait(self):
-        return True
+class RecordingGroup(ProcessGroup):
+    """A real one-rank ProcessGroup (COMM_SELF, ring: the average over one rank is the
+    identity) that also notes each all-reduce and broadcast as it is called: (op, size,
+    async, probe(), the Work an async call returned). `probe()` is evaluated at every
+    all-reduce, to see when it happened."""
 
+    def __init__(self, probe=lambda: None):
+        super().__init__(MPI.COMM_SELF, "ring", name="recording")
+        self.calls, self.probe = [], probe
 
-class RecordingGroup:
-    """A one-rank stand-in for ProcessGroup: records each call; the average over one rank
-    is the identity. `probe()` is evaluated at every all-reduce, to see when it happened;
-    `work()` makes the handle an async one returns (Done: finished at once)."""
-    rank, size, name, algo = 0, 1, "recording", "recording"
-
-    def __init__(self, probe=lambda: None, work=Done):
-        self.calls, self.probe, self.work = [], probe, work
-
-    def broadcast(self, buf, root=0):
-        self.calls.append(("broadcast", buf.size, False, None))
+    def broadcast(self, buf, root=0, async_op=False):
+        work = super().broadcast(buf, root, async_op)
+        self.calls.append(("broadcast", buf.size, async_op, None, work))
+        return work
 
     def all_reduce(self, buf, op="sum", async_op=False):
         assert op == "avg" and buf.flags.c_contiguous
-        self.calls.append(("all_reduce", buf.size, async_op, self.probe()))
-        return self.work() if async_op else None
-
-    def all_gather_object(self, obj):          # (DDP's forwards check, MINIDIST_DEBUG=1)
-        return [obj]
+        probe = self.probe()
+        work = super().all_reduce(buf, op, async_op)
+        self.calls.append(("all_reduce", buf.size, async_op, probe, work))
+        return work
 
     def reduces(self):
         return [c for c in self.calls if c[0] == "all_reduce"]
+
+
+@pytest.fixture
+def recording():
+    """RecordingGroup(probe), each one destroyed (stream thread, communicators) at the end."""
+    made = []
+
+    def make(probe=lambda: None):
+        made.append(RecordingGroup(probe))
+        return made[-1]
+    yield make
+    for group in made:
+        group.destroy()
 
 
 def _batch(rows=4, step=0):
@@ -65,25 +78,23 @@ def _backward(ddp, step=0):
     return loss
 
 
-class FakeParam:
-    def __init__(self, n, dtype="float32"):
-        self.data = np.zeros(n, dtype=dtype)
-        self.size, self.grad_dtype = n, self.data.dtype      # bucket_layout reads these
+def _param(n, dtype="float32"):
+    return Tensor(np.zeros(n, dtype=dtype), requires_grad=True)
 
 
 def test_bucket_layout_reverse_order_and_caps():
     mib = 2**20 // 4                                    # float32 elements in one MiB
-    params = [FakeParam(mib // 2), FakeParam(mib // 4), FakeParam(3 * mib), FakeParam(mib // 2),
-              FakeParam(mib // 2), FakeParam(10, "float64"), FakeParam(10, "float64")]
+    params = [_param(mib // 2), _param(mib // 4), _param(3 * mib), _param(mib // 2),
+              _param(mib // 2), _param(10, "float64"), _param(10, "float64")]
     layout = bucket_layout(params, bucket_mb=1.0)
     assert layout == [[6, 5], [4, 3], [2], [1, 0]]     # last first; dtype change cuts; 3 MiB alone
     assert sorted(i for b in layout for i in b) == list(range(len(params)))
     assert bucket_layout(params, bucket_mb=100.0) == [[6, 5], [4, 3, 2, 1, 0]]
 
 
-def test_grads_are_views_into_buckets_and_survive_zero_grad(device):
+def test_grads_are_views_into_buckets_and_survive_zero_grad(device, recording):
     """On pytest's --device (the model's parameters live there; the `device` fixture)."""
-    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), "bucketed", 0.002)
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), recording(), "bucketed", 0.002)
     assert len(ddp.buckets) > 3
     _backward(ddp)
     for b in ddp.buckets:
@@ -100,7 +111,7 @@ def test_grads_are_views_into_buckets_and_survive_zero_grad(device):
 
 @pytest.mark.parametrize("mode", ["bucketed", "overlapped"])
 def test_the_training_step_keeps_every_gradient_a_view_into_its_bucket(mode, device,
-                                                                        monkeypatch):
+                                                                        monkeypatch, recording):
     """Four steps of the loop's own train_step (2 micro-batches each): the step lets DDP zero
     the gradients (strategy.zero_grad), so every .grad stays its bucket's view and backward's
     `+=` writes straight into the bucket. Counted where a copy would happen: Bucket.attach,
@@ -114,7 +125,7 @@ def test_the_training_step_keeps_every_gradient_a_view_into_its_bucket(mode, dev
                           for p, v in zip(bucket.params, bucket.views)))
         attach(bucket)
     monkeypatch.setattr(Bucket, "attach", counting_attach)
-    strategy = DataParallel(RecordingGroup(), mode, bucket_mb=0.002)
+    strategy = DataParallel(recording(), mode, bucket_mb=0.002)
     args = train_parser().parse_args(["--grad-accum", "2", "--batch-size", "4"])
     model = strategy.build_model(CONFIG, 0, "float32")
     opt = strategy.build_optimizer(model, args)
@@ -128,11 +139,11 @@ def test_the_training_step_keeps_every_gradient_a_view_into_its_bucket(mode, dev
 
 
 @pytest.mark.parametrize("mode", ["naive", "bucketed", "overlapped"])
-def test_one_rank_ddp_equals_single_process(mode, device):
+def test_one_rank_ddp_equals_single_process(mode, device, recording):
     """Same gradients as plain backward, including over two accumulated micro-batches and
     after the optimizer's zero_grad() (which sets .grad = None) between steps."""
     ref, model = GPT(CONFIG, seed=0, dtype="float64"), GPT(CONFIG, seed=0, dtype="float64")
-    ddp = DistributedDataParallel(model, RecordingGroup(), mode, 0.002)
+    ddp = DistributedDataParallel(model, recording(), mode, 0.002)
     for step in range(2):
         ref.zero_grad()
         model.zero_grad()
@@ -145,11 +156,11 @@ def test_one_rank_ddp_equals_single_process(mode, device):
             np.testing.assert_array_equal(H(p.grad), H(q.grad), err_msg=f"{mode} {name}")
 
 
-def test_the_wrapper_answers_the_models_parameters_modes_and_state():
+def test_the_wrapper_answers_the_models_parameters_modes_and_state(recording):
     """ddp.eval(), ddp.parameters(), ddp.state_dict() were AttributeErrors (first-use walk
     29: the PyTorch habit); they are the wrapped model's."""
     model = GPT(GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1}), seed=0)
-    ddp = DistributedDataParallel(model, RecordingGroup(), "bucketed", 0.002)
+    ddp = DistributedDataParallel(model, recording(), "bucketed", 0.002)
     assert ddp.eval() is ddp and not model.training
     assert ddp.train() is ddp and model.training
     assert ddp.parameters() == model.parameters()
@@ -160,12 +171,12 @@ def test_the_wrapper_answers_the_models_parameters_modes_and_state():
 
 
 @pytest.mark.parametrize("mode", ["naive", "bucketed", "overlapped"])
-def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode):
+def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode, recording):
     """First-use walk 29: an own loop without ddp.sync_grads() stepped on each rank's own
     gradients, and the replicas drifted apart silently (bucketed, naive). Every mode now
     refuses the next forward after a backward that was never averaged, naming the call;
     sync_grads() clears it, and no_sync()'s micro-batches are not counted."""
-    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), mode, 0.002)
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), recording(), mode, 0.002)
     _backward(ddp)
     with pytest.raises(RuntimeError, match=r"call ddp.sync_grads\(\) after the backward"):
         ddp(*_batch())
@@ -178,25 +189,21 @@ def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode):
     _backward(ddp, step=1)                                    # the next step: fine
 
 
-def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over():
+def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over(recording):
     """A loop that drops a step's gradients (zero_grad) without sync_grads(): the overlapped
     mode zeroed the buckets under the all-reduces its hooks had started, and the next
     backward raised "a second backward before sync_grads()" (the buckets still counted
     full). Now zero_grad waits for them and counts anew: the next step's gradients are a
     fresh backward's."""
-    waited = []
-
-    class Pending:
-        def wait(self):
-            waited.append(True)
-
-    group = RecordingGroup(work=Pending)
+    group = recording()
     ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "overlapped", 0.002)
     _backward(ddp)
     launched = sum(b.work is not None for b in ddp.buckets)
     assert launched == len(ddp.buckets) > 1
+    works = [c[4] for c in group.reduces()]
     ddp.zero_grad()
-    assert len(waited) == launched and all(b.work is None for b in ddp.buckets)
+    assert len(works) == launched and all(w.is_completed() for w in works)
+    assert all(b.work is None for b in ddp.buckets)
     _backward(ddp, step=1)
     ddp.sync_grads()
     fresh = GPT(CONFIG, seed=0)
@@ -206,10 +213,10 @@ def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over()
         np.testing.assert_array_equal(H(p.grad), H(q.grad), err_msg=name)
 
 
-def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device):
+def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device, recording):
     model = GPT(CONFIG, seed=0)
     wpe = model.transformer.wpe.weight          # used first in forward: gradient done last
-    group = RecordingGroup(probe=lambda: wpe.grad is not None and bool(wpe.grad.any()))
+    group = recording(probe=lambda: wpe.grad is not None and bool(wpe.grad.any()))
     ddp = DistributedDataParallel(model, group, "overlapped", 0.002)
     n = len(ddp.buckets)
     with ddp.no_sync():
@@ -218,9 +225,9 @@ def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device):
     ddp.zero_grad()
     _backward(ddp, step=1)
     launched = group.reduces()
-    assert len(launched) == n and all(async_op for _, _, async_op, _ in launched)
-    assert [size for _, size, _, _ in launched] == [b.buffer.size for b in ddp.buckets]
-    probes = [probe for _, _, _, probe in launched]
+    assert len(launched) == n and all(async_op for _, _, async_op, _, _ in launched)
+    assert [size for _, size, _, _, _ in launched] == [b.buffer.size for b in ddp.buckets]
+    probes = [probe for _, _, _, probe, _ in launched]
     assert probes[0] is False and probes[-1] is True   # the first while backward still ran
     ddp.sync_grads()
     assert len(group.reduces()) == n                # sync only waits
@@ -229,19 +236,19 @@ def test_overlapped_launches_in_order_during_backward_not_under_no_sync(device):
         _backward(ddp, step=3)                      # a second backward without sync_grads
 
 
-def test_naive_mode_one_all_reduce_per_parameter_in_reverse_order():
-    group = RecordingGroup()
+def test_naive_mode_one_all_reduce_per_parameter_in_reverse_order(recording):
+    group = recording()
     ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "naive")
     _backward(ddp)
     ddp.sync_grads()
-    sizes = [size for _, size, _, _ in group.reduces()]
+    sizes = [c[1] for c in group.reduces()]
     assert sizes == [p.size for p in reversed(ddp.params)]
     assert [c[1] for c in group.calls if c[0] == "broadcast"] == [p.size for p in ddp.params]
 
 
-def test_bad_mode_is_refused():
+def test_bad_mode_is_refused(recording):
     with pytest.raises(ValueError, match="overlapped"):
-        DistributedDataParallel(GPT(CONFIG, seed=0), RecordingGroup(), "fast")
+        DistributedDataParallel(GPT(CONFIG, seed=0), recording(), "fast")
 
 
 # ---- make_strategy: refusals happen on every rank, before any communication ---------------
