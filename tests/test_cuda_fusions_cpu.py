@@ -2,8 +2,8 @@
 norm, cross-entropy over a padded vocabulary) RUN on the CPU (tests/cuda_cpu.py) against
 the xp code (bias add then fused.gelu; x + r then fused.layer_norm; the xp path of
 fusions.padded_cross_entropy: -inf padding, then fused.cross_entropy's code) in float64,
-forward and gradients, in float16, bfloat16, float32 and float64, both thread orders; broken variants that must
-fail; the plans' argument types; nvcc compiles them where installed.
+forward and gradients, in float16, bfloat16, float32 and float64, both thread orders;
+broken variants that must fail; the plans' argument types; nvcc compiles them where installed.
 Run: python -m pytest -q tests/test_cuda_fusions_cpu.py   (skips without a C++ compiler)
 """
 import functools

@@ -4,7 +4,8 @@ something else silently.
 
     python -m pytest -q tests/test_library_misuse.py
 
-DDP's forgotten sync_grads(): tests/test_ddp.py::test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward.
+DDP's forgotten sync_grads():
+tests/test_ddp.py::test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward.
 """
 import types
 

@@ -1,4 +1,5 @@
-"""examples/slurm/train.sbatch under a fake `srun`: the launch a cluster job makes, on this machine.
+"""examples/slurm/train.sbatch under a fake `srun`: the launch a cluster job makes, on this
+machine.
 
 The fake srun (written first on PATH) starts the ranks through the mpich wheel's mpiexec, so
 they can talk, and gives each the task variables Slurm's srun sets (SLURM_PROCID,

@@ -176,8 +176,9 @@ extern "C" __global__ void multi_amp_adamw_dev_g32(const unsigned long long* w_t
 // --amp's overflow verdict and AdamW's step count, decided on the device (one thread), so
 // the step needs no host read: LossScaler.unscale_and_clip, verdict and update, line for
 // line in double. sum_sq: the global sum of squares of the unscaled gradients (as the host
-// verdict's, MixedPrecision.unscaled_sum_sq, every rank's added). state (double, in place): loss scale,
-// good steps, skipped, skips in a row, AdamW's step count, the step's unscaled norm.
+// verdict's, MixedPrecision.unscaled_sum_sq, every rank's added). state (double, in
+// place): loss scale, good steps, skipped, skips in a row, AdamW's step count, the step's
+// unscaled norm.
 // verdict (float): skip, then multi_amp_adamw's factor .. step_size for the new step count.
 // interval <= 0: a fixed scale. max_skips: after that many skips in a row the host verdict
 // raises and the run stops; here the state freezes instead (every later step skipped,

@@ -50,7 +50,8 @@ from minidist.comm import ProcessGroup, trace  # noqa: E402
 from minidist.ddp.strategy import DataParallel
 from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import make_strategy
-from exact import check_tied_copies, issued_before_waits  # noqa: E402  (tests/scripts, the script's folder)
+# (exact: tests/scripts, the script's folder)
+from exact import check_tied_copies, issued_before_waits  # noqa: E402
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=30)
 SEED = 7

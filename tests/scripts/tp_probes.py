@@ -23,7 +23,8 @@ from minidist.tp import region as tpf
 from minidist.tp.gathered import gathered_linear
 from minidist.tp.region import TensorParallelRegion
 from minidist.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                                         SequenceParallelLayerNorm, VocabShardLookup, vocab_parallel_cross_entropy)
+                                SequenceParallelLayerNorm, VocabShardLookup,
+                                vocab_parallel_cross_entropy)
 from minidist.nn.block import Block
 from minidist.tp.model import TensorParallelGPT
 from minidist.train.strategy import make_strategy
