@@ -26,7 +26,7 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 
 from minidist import backend  # noqa: E402
-from minidist.nn.pretrained import save_state_pretrained  # noqa: E402
+from minidist.nn.pretrained import save_state_pretrained, unwritten_fields  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.amp import bfloat16  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
@@ -110,6 +110,9 @@ def main(args):
         raise UsageError(f"--resume {args.resume}: a Mixture of Experts ({config.moe_experts} "
                          "experts); GPT-2's and Llama's formats have no experts, so it cannot "
                          "be exported")
+    lost = unwritten_fields(config)
+    if lost:
+        raise UsageError(f"--resume {args.resume}: {lost}, so it cannot be exported")
     tokenizer = tokenizer_folder(args, config.vocab_size)
     check_out(args)
     backend.setup(device="cpu")

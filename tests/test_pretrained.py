@@ -143,3 +143,51 @@ def test_padded_vocabulary_is_stripped_on_export_and_added_on_import(tmp_path):
     logits = [m(x)[0].data for m in (padded, plain, again)]
     assert np.array_equal(logits[1], logits[2])                # float64: padding changes none
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-6)   # float32 model
+
+
+# every GPTConfig field set off its default, one at a time: (field, value), the llama ones
+# on a Llama; a field added to GPTConfig without a row here fails the first test
+OFF_DEFAULT = {"n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 40,
+               "dropout": 0.1, "bias": False, "attention": "tiled", "attention_block": 8,
+               "vocab_multiple": 64, "moe_experts": 2, "moe_top_k": 2,
+               "moe_capacity_factor": 2.0, "moe_aux_loss_coef": 0.5, "moe_z_loss_coef": 0.1,
+               "moe_every": 2, "moe_shared": 1, "arch": "llama", "n_kv_head": 2,
+               "rope_theta": 500.0, "ffn_hidden": 48, "norm_eps": 1e-6}
+LLAMA_ONLY = ("n_kv_head", "rope_theta")
+
+
+def test_a_config_json_keeps_every_field_or_the_export_says_which_it_cannot(tmp_path):
+    """First-use walk 39: a model of a field the writers did not carry (a new activation)
+    was exported as GELU's GPT-2 without a word. unwritten_fields reads the written
+    config.json back: each field either survives the round trip, is a run's choice
+    (RUN_FIELDS), or is named, and save_pretrained refuses to write that folder."""
+    from dataclasses import fields, replace
+    from minidist.nn.pretrained import RUN_FIELDS, read_config, unwritten_fields
+    assert {f.name for f in fields(GPTConfig)} == set(OFF_DEFAULT)
+    base = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=40)
+    for name, value in OFF_DEFAULT.items():
+        extra = ({"arch": "llama", "bias": False} if name in LLAMA_ONLY else
+                 {"moe_experts": 4} if name.startswith("moe_") and name != "moe_experts"
+                 else {})
+        config = replace(base, **{name: value, **extra})
+        lost = unwritten_fields(config)
+        if name.startswith("moe_"):
+            assert lost == "GPT-2's config.json cannot hold the model's moe_experts " + \
+                str(config.moe_experts), (name, lost)
+        elif name == "arch":                   # a Llama of GPT-2's biases: not Llama's
+            assert lost == "Llama's config.json cannot hold the model's bias True", lost
+        else:
+            assert lost == "", (name, lost)
+    llama = replace(base, arch="llama", bias=False, n_kv_head=2, rope_theta=500.0,
+                    ffn_hidden=48, norm_eps=1e-6)
+    for i, config in enumerate((llama, replace(base, bias=False, ffn_hidden=48,
+                                                norm_eps=1e-6))):
+        assert unwritten_fields(config) == ""
+        GPT(config, seed=0).save_pretrained(str(tmp_path / str(i)))
+        back = read_config(str(tmp_path / str(i)))
+        assert {k: v for k, v in back.to_dict().items() if k not in RUN_FIELDS} == \
+            {k: v for k, v in config.to_dict().items() if k not in RUN_FIELDS}
+    with pytest.raises(ValueError, match="cannot hold the model's bias True; the folder "
+                       "would hold another model"):
+        GPT(replace(base, arch="llama"), seed=0).save_pretrained(str(tmp_path / "bias"))
+    assert not (tmp_path / "bias").exists()

@@ -68,6 +68,9 @@ def save_state_pretrained(config, params, directory, dtype="float32", eot_id=Non
     bos/eos (special_token_id)."""
     from minidist.nn.config import gpt_param_specs
     from minidist.nn.config import GPTConfig
+    lost = unwritten_fields(config)
+    if lost:
+        raise ValueError(f"save_pretrained: {lost}; the folder would hold another model")
     state = {n: backend.to_host(a).astype(dtype) for n, a in params.items()}
     if config.llama:              # Hugging Face's Llama: its names, (out, in) layout
         state = to_hf_llama(config, state)
@@ -84,6 +87,37 @@ def save_state_pretrained(config, params, directory, dtype="float32", eot_id=Non
               else hf_config(config, dtype, eot))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(fields, f, indent=2)
+
+
+# how a run computes, not which model it is: a folder need not keep them
+RUN_FIELDS = ("dropout", "attention", "attention_block", "vocab_multiple")
+
+
+def unwritten_fields(config):
+    """What config.json cannot say of `config`, as one sentence, or "": the fields that
+    read back (read_config's way) from the fields hf_config / hf_llama_config write differ
+    from the model's, RUN_FIELDS aside. A round trip, not a list of fields: a field added to
+    GPTConfig that the writers do not carry is found (first-use walk 39: a model of a new
+    activation was exported as GELU's GPT-2, and --init-from it built another model)."""
+    fields = hf_llama_config(config) if config.llama else hf_config(config)
+    back = (llama_config if config.llama else _gpt2_config)(fields, "config.json")
+    ours, read = _meaning(config), _meaning(back)
+    lost = [f"{k} {ours[k]!r}" for k in ours if read.get(k) != ours[k]
+            and not (k.startswith("moe_") and k != "moe_experts")]     # the experts say it
+    if not lost:
+        return ""
+    kind = "Llama's" if config.llama else "GPT-2's"
+    return f"{kind} config.json cannot hold the model's {', '.join(lost)}"
+
+
+def _meaning(config):
+    """config's fields that decide what the weights compute (kv heads and the MLP's width
+    resolved: 0 and the default width are one model)."""
+    from dataclasses import asdict
+    d = {k: v for k, v in asdict(config).items() if k not in RUN_FIELDS
+         and not (k.startswith("moe_") and not config.moe_experts)}   # a dense model's
+    d.update(n_kv_head=config.kv_heads, ffn_hidden=config.ffn_size)
+    return d
 
 
 INDEX = "model.safetensors.index.json"      # a sharded folder's map: tensor name -> file
@@ -124,7 +158,6 @@ def load_tensors(directory):
 
 def read_config(directory):
     """A GPTConfig from a GPT-2 (or Llama: minidist/nn/pretrained_llama.py) config.json."""
-    from minidist.nn.config import GPTConfig
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"from_pretrained: no config.json in {directory!r}")
@@ -142,6 +175,12 @@ def read_config(directory):
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"from_pretrained: activation {hf['activation_function']!r} is not "
                          "GPT-2's tanh GELU")
+    return _gpt2_config(hf, path)
+
+
+def _gpt2_config(hf, path):
+    """A GPTConfig from GPT2Config's fields `hf` (config.json at `path`)."""
+    from minidist.nn.config import GPTConfig
     try:
         return GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                          block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
