@@ -105,6 +105,43 @@ def test_a_custom_op_whose_forward_returns_a_tensor_is_told_so():
         Twice.apply(Tensor(np.ones(3), requires_grad=True))
 
 
+def _op(broken):
+    """A one-input Function doubling its input whose backward returns `broken(ctx, grad)`."""
+    from minidist.autograd import Function
+
+    class Twice(Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return broken(ctx, grad)
+    return Twice
+
+
+@pytest.mark.parametrize("backward,error,says", [
+    (lambda ctx, grad: None, RuntimeError,                   # `2 * grad` without `return`
+     r"Twice.backward returned None: return one gradient per input"),
+    (lambda ctx, grad: 2.0, TypeError, r"Twice.backward returned float for input 0"),
+    (lambda ctx, grad: (ctx.saved[0] > 0), TypeError,
+     r"Twice.backward returned a bool gradient for input 0: a gradient is floats"),
+    (lambda ctx, grad: grad.missing, AttributeError,
+     r"Twice.backward\(\(3,\) float64\): 'numpy.ndarray' object has no attribute"),
+])
+def test_a_custom_ops_broken_backward_is_named(backward, error, says):
+    """First-use walk 39: a backward that forgot its `return` left x.grad None and the
+    parameter untrained, silently; a mask returned for a gradient was cast to floats; an
+    error inside backward named neither the op nor its place. Each is now an error naming
+    the op."""
+    from minidist.autograd import Tensor
+    x = Tensor(np.ones(3), requires_grad=True)
+    out = _op(backward).apply(x)
+    with pytest.raises(error, match=says):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_zero_loop_that_misses_sync_grads_or_after_step_is_told_at_the_step(stage):
     """First-use walk 29: an own loop under ZeRO without engine.sync_grads() stepped on

@@ -30,9 +30,10 @@ def _describe(a):
     return type(a).__name__
 
 
-def _named_error(cls, arrays, e):
-    """The same kind of error, its message prefixed with the op and its inputs' shapes."""
-    msg = f"{cls.__name__}({', '.join(_describe(a) for a in arrays)}): {e}"
+def _named_error(cls, arrays, e, where=""):
+    """The same kind of error, its message prefixed with the op (and `where`: ".backward")
+    and its inputs' shapes (backward's: the output gradient's)."""
+    msg = f"{cls.__name__}{where}({', '.join(_describe(a) for a in arrays)}): {e}"
     try:
         return type(e)(msg)
     except Exception:                     # an exception type with a different constructor
@@ -99,23 +100,47 @@ class Function:
 
     @classmethod
     def run_backward(cls, ctx, grad, parents):
-        """Run backward and check its result: one gradient per input, shaped like the input."""
-        grads = cls.backward(ctx, grad)
+        """Run backward and check its result: a tuple of one gradient per input (None: no
+        contribution), each an array of floats shaped like its input; a bare None (a
+        backward that forgot its `return` left a parameter untrained without a word:
+        first-use walk 39) and an error inside backward name the op, as forward's do."""
+        try:
+            grads = cls.backward(ctx, grad)
+        except (ValueError, TypeError, IndexError, AttributeError) as e:
+            raise _named_error(cls, [grad], e, ".backward") from e
+        if grads is None and parents:
+            raise RuntimeError(f"{cls.__name__}.backward returned None: return one gradient "
+                               "per input (None for an input that needs none)")
         if not isinstance(grads, tuple):
             grads = (grads,)
         if len(grads) != len(parents):
             raise RuntimeError(f"{cls.__name__}.backward returned {len(grads)} gradients "
                                f"for {len(parents)} inputs")
         out = []
-        for g, p in zip(grads, parents):
-            if p is None or g is None:
+        for i, (g, p) in enumerate(zip(grads, parents)):
+            if p is None or g is None:     # (None: no contribution; SplitPart's pieces)
                 out.append(None)
                 continue
+            cls._check_gradient(g, i)
             g = cls._reduce_to(g, p.shape)
             if g.dtype not in (p.dtype, p.grad_dtype):    # a leaf's float32 .grad (--grad-
                 g = g.astype(p.grad_dtype)                # dtype float32) takes float32 as is
             out.append(g)
         return out
+
+    @classmethod
+    def _check_gradient(cls, g, i):
+        """Input i's gradient is an array of floats: not a Tensor, a number or a mask."""
+        if isinstance(g, Tensor):
+            raise TypeError(f"{cls.__name__}.backward returned a Tensor for input {i}: "
+                            "backward works on arrays and returns arrays")
+        kind = getattr(getattr(g, "dtype", None), "kind", None)
+        if kind is None or not hasattr(g, "shape"):
+            raise TypeError(f"{cls.__name__}.backward returned {type(g).__name__} for input "
+                            f"{i}: return an array shaped like the input")
+        if kind in "biu":
+            raise TypeError(f"{cls.__name__}.backward returned a {g.dtype} gradient for input "
+                            f"{i}: a gradient is floats (a mask times grad, not the mask)")
 
     @classmethod
     def _reduce_to(cls, grad, shape):

@@ -57,7 +57,8 @@ def gradcheck(fn, inputs, name=None, eps=1e-6, atol=1e-6, rtol=1e-5, seed=0):
             term = (o * Tensor(w)).sum()
             total = term if total is None else total + term
     if total is None:
-        raise AssertionError(f"{name}: no output requires grad")
+        raise AssertionError(f"{name}: no output requires grad (give the inputs to check "
+                             "as Tensor(array, requires_grad=True))")
     total.backward()
     for i, x in enumerate(inputs):
         if not (isinstance(x, Tensor) and x.requires_grad):
