@@ -24,7 +24,7 @@ import math
 from minidist.autograd import cuda_kernels
 from minidist.backend import xp_of
 from minidist.optim import multi_tensor
-from minidist.optim.optimizer import Optimizer, wants_decay
+from minidist.optim.optimizer import Optimizer
 
 
 def adamw_update(p, g, m, v, step, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
@@ -63,22 +63,14 @@ def fused_adamw_ok(p, g, m, v):
 
 class AdamW(Optimizer):
     defaults = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    split_decay = True              # biases and norms' gains undecayed (wants_decay)
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps,
-                         weight_decay=weight_decay)
-
-    def _default_groups(self, groups):
-        """One group given without its own weight_decay splits into decay / no-decay."""
-        if len(groups) != 1 or "weight_decay" in groups[0]:
-            return groups
-        g = groups[0]
-        pairs = list(zip(g["names"], g["params"]))
-        split = [{**g, "names": [n for n, p in pairs if wants_decay(p) == want],
-                  "params": [p for n, p in pairs if wants_decay(p) == want]}
-                 for want in (True, False)]
-        split[1]["weight_decay"] = 0.0
-        return [s for s in split if s["params"]]
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None):
+        """An argument left out takes `defaults`' value, a subclass's own defaults too
+        (first-use walk 39: a subclass's class defaults were overridden by these)."""
+        given = {"lr": lr, "betas": None if betas is None else tuple(betas), "eps": eps,
+                 "weight_decay": weight_decay}
+        super().__init__(params, **{k: v for k, v in given.items() if v is not None})
 
     def step_group(self, group):
         """The per-parameter update (Optimizer.step_group), or on cupy with

@@ -84,7 +84,7 @@ class FlatGroup:
 class FlatAdamW(AdamW):
     """AdamW, one flat buffer per parameter group. Same arguments, same results."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.flats = [FlatGroup(g["names"], g["params"]) for g in self.param_groups]
         self._point_state_at_flats()

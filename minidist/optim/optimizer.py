@@ -21,6 +21,9 @@ from minidist.optim.clip import clip_grad_norm
 
 class Optimizer:
     defaults = {}
+    # True: one group given without its own weight_decay splits into a decayed group and an
+    # undecayed one (biases, norms' gains: wants_decay), as AdamW's; a new optimizer sets it
+    split_decay = False
 
     def __init__(self, params, **overrides):
         self.defaults = {**self.defaults, **overrides}
@@ -34,7 +37,7 @@ class Optimizer:
             raise ValueError("a parameter appears twice in the optimizer's groups")
 
     def _default_groups(self, groups):
-        return groups
+        return decay_groups(groups) if self.split_decay else groups
 
     # ---- the step --------------------------------------------------------------------------
     def step(self):
@@ -166,6 +169,20 @@ def _as_groups(params):
         g["names"] = names
         groups.append(g)
     return groups
+
+
+def decay_groups(groups):
+    """One group given without its own weight_decay -> [the parameters that want decay,
+    those that do not (weight_decay 0.0)], empty ones left out; other groups as given."""
+    if len(groups) != 1 or "weight_decay" in groups[0]:
+        return groups
+    g = groups[0]
+    pairs = list(zip(g["names"], g["params"]))
+    split = [{**g, "names": [n for n, p in pairs if wants_decay(p) == want],
+              "params": [p for n, p in pairs if wants_decay(p) == want]}
+             for want in (True, False)]
+    split[1]["weight_decay"] = 0.0
+    return [s for s in split if s["params"]]
 
 
 def wants_decay(p):

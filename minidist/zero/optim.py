@@ -42,9 +42,13 @@ class ShardedOptimizer:
     unit shard (m and v: exp_avg, exp_avg_sq; the float32 master under amp), the clip and
     --amp's verdict, the step, the arrays the ledger and checkpoints read. Used like AdamW by
     the loop: set_lr, zero_grad, clip_grad_norm, step; state_arrays() and ledger_arrays()
-    for the memory ledger. A subclass gives `param_groups` and `_update(unit, factor)`:
+    for the memory ledger. A subclass gives `param_groups` and `_update(unit, factor)`, and
+    `state_keys` where its update keeps other arrays than m and v (a Lion: m alone):
     ShardedAdamW here, ShardedMuon (minidist/zero/muon.py)."""
     one_process = None                    # the class one process uses (checkpoints' type)
+    # the update's arrays per unit shard, zeros at the start; checkpoints keep those named in
+    # minidist/strategy/readers.py STATE_KEYS (the master under --amp is the base's own)
+    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, engine, param_groups, weight_decay=0.1, amp=None):
         self.engine, self.amp, self.weight_decay = engine, amp, weight_decay
@@ -60,11 +64,11 @@ class ShardedOptimizer:
             amp.adopt(self)                # its settle() reads the device verdicts back
 
     def _new_state(self, u):
-        """m and v (and the float32 master shard under amp) for unit u's [lo, hi)."""
+        """state_keys' arrays (and the float32 master shard under amp) for unit u's
+        [lo, hi)."""
         xp, f = xp_of(u.param_shard), u.flat
         dtype = np.float32 if self.amp is not None else f.dtype
-        state = {"exp_avg": xp.zeros(f.shard_size, dtype),
-                 "exp_avg_sq": xp.zeros(f.shard_size, dtype)}
+        state = {key: xp.zeros(f.shard_size, dtype) for key in self.state_keys}
         if self.amp is not None:
             masters = [self.amp.masters[n] for n in f.names]
             state["master"] = f.flatten(masters, dtype=np.float32)[f.lo:f.hi].copy()
