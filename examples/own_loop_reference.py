@@ -42,10 +42,11 @@ def global_batch(step, config, rows=ROWS):
     return data[:, :-1], data[:, 1:]
 
 
-def one_process(config, steps):
-    """The reference: one process, the whole global batch, the plain loop."""
+def one_process(config, steps, make_optimizer=None):
+    """The reference: one process, the whole global batch, the plain loop.
+    `make_optimizer(named_parameters)`: your own optimizer's (default AdamW at LR)."""
     model = GPT(config, seed=0, dtype="float64")
-    opt = AdamW(model.named_parameters(), lr=LR)
+    opt = (make_optimizer or _adamw)(model.named_parameters())
     for step in range(steps):
         _, loss = model(*global_batch(step, config))   # advances the dropout step itself
         loss.backward()
@@ -53,6 +54,10 @@ def one_process(config, steps):
         opt.step()
         opt.zero_grad()
     return model
+
+
+def _adamw(named_parameters):
+    return AdamW(named_parameters, lr=LR)
 
 
 def largest_difference(group, arrays, ref):
