@@ -38,8 +38,11 @@ TRAIN="examples/train_gpt.py $MODEL --sample 0 --eval-every 0"
 # ---- 1. the gpu-marked tests, 2. the whole suite on the device -----------------------------
 # on the CPU (dry run) the gpu tests all skip: allowed there, a failure on a GPU
 EMPTY=$([ "$DEVICE" = cpu ] && echo allow-empty || echo need-tests)
-run gpu_suite pytest "$EMPTY" -- "$PY" -m pytest -q -m gpu --device "$DEVICE" $SUITE
-run suite_on_device pytest need-tests -- "$PY" -m pytest -q --device "$DEVICE" $SUITE
+# (-rfE --tb=short: the log names each failure and error even when the run is cut)
+run gpu_suite pytest "$EMPTY" -- "$PY" -m pytest -q -rfE --tb=short -m gpu --device "$DEVICE" \
+    $SUITE
+run suite_on_device pytest need-tests -- "$PY" -m pytest -q -rfE --tb=short --device "$DEVICE" \
+    $SUITE
 
 # ---- 3. GPU vs CPU, same seed ----------------------------------------------------------------
 for dt in float64 float32; do

@@ -3,6 +3,7 @@
 gpu_acceptance.sh in its CPU dry mode, DEVICE=cpu DRY=1, where every check must pass:
 python -m pytest -m slow tests/test_gpu_acceptance.py
 """
+import glob
 import json
 import os
 import subprocess
@@ -232,3 +233,54 @@ def test_dry_run_on_the_cpu_passes_every_check(tmp_path):
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert out.returncode == 0
     assert (tmp_path / "results.jsonl").read_text().count("\n") == len(rows)
+
+
+def _common(tmp_path, body, path=None, **env):
+    """bash: tests/scripts/gpu_common.sh sourced, then `body`; (rc, stdout, stderr)."""
+    env = dict(os.environ, **{"LOGS": str(tmp_path / "logs"), "LIMIT": "60", **env})
+    if path is not None:
+        env["PATH"] = path
+    out = subprocess.run(["bash", "-c", ". tests/scripts/gpu_common.sh\n" + body], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    return out.returncode, out.stdout, out.stderr
+
+
+def test_a_pytest_cut_by_its_limit_still_names_its_failures(tmp_path):
+    """Review 40: `timeout`'s SIGTERM killed pytest before its summary, and a cut check's log
+    held progress dots only. `run` interrupts with SIGINT: the log names the failure and
+    counts what passed, and the verdict is a failed check with those counts.
+
+        LOGS=/tmp/l LIMIT=6 bash -c '. tests/scripts/gpu_common.sh; run cut pytest \\
+            allow-empty -- python -m pytest -q -rfE test_cut.py'"""
+    (tmp_path / "test_cut.py").write_text(
+        "import time\n\n\ndef test_a():\n    assert 1 == 2\n\n\n"
+        "def test_b():\n    pass\n\n\ndef test_c():\n    time.sleep(120)\n")
+    rc, out, _ = _common(tmp_path, f'run cut pytest allow-empty -- "$PY" -m pytest -q -rfE '
+                         f'--tb=short -p no:cacheprovider {tmp_path / "test_cut.py"}',
+                         LIMIT="8")
+    row = json.loads(out.splitlines()[-1])
+    assert row["check"] == "cut" and not row["ok"], row
+    assert (row["failed"], row["passed"]) == (1, 1), row
+    log = (tmp_path / "logs" / "cut.log").read_text()
+    assert "FAILED" in log and "test_a" in log and "KeyboardInterrupt" in log, log
+
+
+def test_no_mpi_and_no_wheels_is_one_failed_setup_row_before_any_check(tmp_path):
+    """`import mpi4py` succeeds without an MPI library, so a machine with neither an MPI nor
+    .whl/'s wheels ran every check into the same import error. gpu_common now asks for
+    mpi4py.MPI and mpiexec and stops at once with one row saying what to carry."""
+    bin_dir = tmp_path / "bin"                      # a python3 without mpi4py, no mpiexec
+    bin_dir.mkdir()
+    system = "/usr/bin/python3"
+    if not os.path.exists(system) or subprocess.run(
+            [system, "-c", "import mpi4py"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 without mpi4py at /usr/bin/python3")
+    if glob.glob(os.path.join(ROOT, ".whl", "*.whl")):
+        pytest.skip("this checkout has .whl/'s wheels (a GPU session's): gpu_common uses them")
+    os.symlink(system, bin_dir / "python3")
+    rc, out, _ = _common(tmp_path, 'echo "a check ran"', path=f"{bin_dir}:/bin")
+    assert rc == 1 and "a check ran" not in out, out
+    row = json.loads(out.splitlines()[-1])
+    assert row["check"] == "setup" and not row["ok"]
+    assert row["error"].startswith("no MPI: python3 cannot load mpi4py.MPI and .whl/ holds "
+                                   "no mpi4py and mpich wheels"), row
