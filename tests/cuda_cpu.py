@@ -138,6 +138,23 @@ def _guarded(a):
     return np.concatenate([guard, a.reshape(-1).view(np.uint8), guard])
 
 
+# the numpy dtype of each C type a kernel parameter names outright (T and A, the part's
+# template types, vary with the dtype; bfloat16 is stored as its bits)
+C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64,
+           "unsigned long long": np.uint64, "float": np.float32, "double": np.float64,
+           "unsigned short": np.uint16, "unsigned char": np.uint8, "bool": np.bool_}
+
+
+def _width_problem(ctype, a):
+    """Why argument `a` (an array for a pointer, else a numpy scalar) is not of C type
+    `ctype`'s width, or None: an np.int32 handed to a `long long` would read 4 bytes past
+    it, on the GPU and here alike, and often pass as zeros (review 40)."""
+    want = C_TYPES.get(ctype)
+    if want is None or a.dtype == np.dtype(want):
+        return None
+    return f"{a.dtype} for a {ctype}"
+
+
 def launch(source, name, grid, block, args, order="low", tables=None):
     """Run kernel `name` of `source` over grid x block on numpy arrays (in place) and numpy
     scalars (their exact C width: np.int64 for long long, np.float32 for float, ...).
@@ -157,6 +174,9 @@ def launch(source, name, grid, block, args, order="low", tables=None):
         if pointer != isinstance(a, np.ndarray) or not isinstance(a, (np.ndarray, np.generic)):
             raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): got "
                               f"{type(a).__name__}")
+        wrong = _width_problem(ctype, a)
+        if wrong:
+            raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): {wrong}")
         if tables and i in tables:
             a, made = _table_of_copies(name, i, a, tables[i])
             copies += made

@@ -164,6 +164,11 @@ def test_two_dimensional_blocks_and_grids():
     ("past_the_end", (np.zeros(8, np.float32), np.int64(8)), 4, "wrote outside argument #0"),
     ("divergent", (np.zeros(2048, np.float32),), 2048, "CUDA allows 1..1024"),
     ("past_the_end", (np.zeros(8, np.float32), 8), 4, "got int"),
+    # review 40: a scalar or an array of another width than its parameter's C type
+    ("past_the_end", (np.zeros(8, np.float32), np.int32(8)), 4,
+     r"argument #1 \(long long\): int32 for a long long"),
+    ("past_the_end", (np.zeros(8, np.float64), np.int64(8)), 4,
+     r"argument #0 \(float\*\): float64 for a float"),
     ("past_the_end", (np.zeros(8, np.float32), np.int64(8)), [4], "must be tuples, not tuple "
      "and list"),                                   # CuPy's launch refuses a list as well
 ])
