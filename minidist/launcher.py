@@ -89,6 +89,18 @@ def local_rank_and_size(environ=os.environ):
     return 0, 1
 
 
+def gpu_sharing_problem(local_size, device_count, what="--comm nccl"):
+    """Why `local_size` ranks on a node cannot each have a GPU of their own among
+    `device_count`, or None. NCCL refuses two ranks of a communicator on one GPU ("Duplicate
+    GPU detected" from every rank, a traceback each: review 40); minidist's own algorithms
+    stage through host memory and share a GPU fine."""
+    if local_size <= device_count:
+        return None
+    return (f"{what} needs a GPU per rank: this node runs {local_size} ranks on "
+            f"{device_count} GPU(s), and NCCL refuses two ranks on one GPU; start at most "
+            f"{device_count} rank(s) per node, or use --comm ring or mpi (through host memory)")
+
+
 def world_size_from_env(environ=os.environ):
     """Processes in this job, read from the launcher's environment (1 without a launcher)."""
     for var in _WORLD_ENV:

@@ -228,3 +228,17 @@ def test_ctrl_c_while_loading_is_one_line_exit_130(rank, says):
     source = open(os.path.join(os.path.dirname(__file__), "..", "examples",
                                "train_gpt.py")).read()
     assert "except KeyboardInterrupt:\n    interrupted_while_loading()" in source
+
+
+def test_nccl_needs_a_gpu_per_rank_on_a_node():
+    """Review 40: `--comm nccl` with four ranks on one GPU died in ncclCommInitRank
+    ("Duplicate GPU detected"), a CuPy traceback on every rank. Refused before any group
+    is built, naming the ranks, the GPUs and what runs instead (on a GPU machine:
+    minidist/train/strategy.py's _nccl_device and comm/nccl.py's NcclComm ask it)."""
+    from minidist.launcher import gpu_sharing_problem
+    assert gpu_sharing_problem(1, 1) is None and gpu_sharing_problem(8, 8) is None
+    said = gpu_sharing_problem(4, 1)
+    assert said.startswith("--comm nccl needs a GPU per rank: this node runs 4 ranks on 1 "
+                           "GPU(s), and NCCL refuses two ranks on one GPU; start at most 1 "
+                           "rank(s) per node, or use --comm ring or mpi"), said
+    assert gpu_sharing_problem(3, 2, "algo='nccl'").startswith("algo='nccl' needs a GPU")

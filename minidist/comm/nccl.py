@@ -31,6 +31,7 @@ from cupy.cuda import nccl
 
 from minidist.comm.alltoall import own_chunk, pairwise_bytes, pairwise_chunks
 from minidist.comm.ring import chunk_bounds, ring_bytes
+from minidist.launcher import gpu_sharing_problem, local_rank_and_size
 
 if not nccl.available:     # CuPy's wheels carry no NCCL; without one, nccl has no names at all
     raise ImportError("algo='nccl' needs the NCCL library, which CuPy did not find (pip install "
@@ -51,6 +52,10 @@ class NcclComm:
     """The NCCL communicator of one group, bootstrapped over the group's MPI communicator."""
 
     def __init__(self, mpi_comm):
+        shared = gpu_sharing_problem(local_rank_and_size()[1],
+                                     cupy.cuda.runtime.getDeviceCount(), "algo='nccl'")
+        if shared:                   # before NCCL's own error, a traceback on every rank
+            raise ValueError(shared)
         uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
         uid = mpi_comm.bcast(uid, root=0)
         self.comm = nccl.NcclCommunicator(mpi_comm.Get_size(), uid, mpi_comm.Get_rank())

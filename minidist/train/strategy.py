@@ -25,6 +25,7 @@ import re
 from minidist import backend, comm
 from minidist.comm import trace
 from minidist.comm.checks import ranks_by_value, ranks_text
+from minidist.launcher import gpu_sharing_problem, local_rank_and_size
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
 from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe_problems
@@ -211,4 +212,8 @@ def _nccl_device(args):
         raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
                          "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
                          "--comm ring, naive or mpi.")
+    shared = gpu_sharing_problem(local_rank_and_size()[1],
+                                 backend.cupy_module().cuda.runtime.getDeviceCount())
+    if shared:                                  # the same on every rank of the node
+        raise UsageError(shared)
     backend.set_device(args.device)
