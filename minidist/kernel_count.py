@@ -104,16 +104,25 @@ class KernelCounter:
                 self.count += 1
         self._buffers.pop(ctypes.cast(buffer, ctypes.c_void_p).value, None)
 
-    def __enter__(self):
+    def start(self):
+        """Count from here (a RuntimeError where CUPTI refuses: another subscriber, no
+        privileges, a CUPTI of another CUDA than CuPy's); returns self."""
         import cupy                   # only on the GPU path: the caller has cupy arrays
         cupy.cuda.Device().synchronize()
         self.count = 0
         self._check(self.lib.cuptiActivityEnable(KIND_CONCURRENT_KERNEL), "cuptiActivityEnable")
         return self
 
-    def __exit__(self, *exc):
+    def stop(self):
+        """Stop counting; `count` then holds every kernel since start()."""
         import cupy
         cupy.cuda.Device().synchronize()           # every record complete: flush them all
         self.lib.cuptiActivityFlushAll(FLUSH_FORCED)
         self.lib.cuptiActivityDisable(KIND_CONCURRENT_KERNEL)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
         return False
