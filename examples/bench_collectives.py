@@ -8,6 +8,8 @@
     mpiexec -n 4 python examples/bench_collectives.py --max-bytes 1M --trace comm.json
     mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce --algos ring,hier,mpi \
         --ranks-per-node 2                             # hierarchical: 2 simulated nodes x 2
+    mpiexec -n 4 python examples/bench_collectives.py --ops all_reduce \
+        --algos ring,mpi,examples/recursive_doubling.py   # an algorithm of your own
 
 Each line: {"op", "algo", "ranks", "bytes", "time_s", "algbw_GBps", "busbw_GBps"}, with
 nccl-tests' definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
@@ -28,6 +30,7 @@ node). examples/calibrate_here.py fits the alpha-beta model to these lines.
 It needs 2 ranks or more (busbw is 0 on one). Every flag is checked before MPI starts: a bad
 one is one `error:` line from rank 0, exit status 2 (tests/test_bench_flags.py).
 """
+import importlib.util
 import json
 import os
 import sys
@@ -229,16 +232,38 @@ def interleave(args):
         print(json.dumps(row), flush=True)
 
 
+def own_algorithm(p, args, path):
+    """The module of an algorithm of your own, `--algos PATH.py` (examples/recursive_doubling.py
+    shows one: functions over a Channel, as minidist/comm/ring.py's), registered under the
+    file's name; each --ops it lacks is one error line."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if not os.path.isfile(path) or spec is None:
+        p.error(f"--algos {path}: no such file (an algorithm of your own: a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for op in args.ops:
+        function = "all_to_all_v" if op == "all_to_all" else op
+        if not callable(getattr(module, function, None)):
+            p.error(f"--algos {path}: it has no {function}(ch, ...), which --ops {op} times; "
+                    f"give --ops {','.join(o for o in args.ops if hasattr(module, o))}")
+    comm.register_algo(name, module)
+    return name
+
+
 def check_flags(p, args):
     """Every flag, before MPI starts, alike on every rank (p.error: one line from rank 0,
     exit status 2): a sweep that would never end (--factor 1, --min-bytes 0), print
     nothing (--min-bytes above --max-bytes) or time nothing (--repeats 0, a buffer smaller
     than one element), an op, algorithm or dtype that does not exist, and one rank."""
     check_at_least(p, args, AT_LEAST)
-    for flag, names, known in (("--ops", args.ops, OPS), ("--algos", args.algos, comm.ALGOS)):
+    args.algos = [own_algorithm(p, args, name) if name.endswith(".py") else name
+                  for name in args.algos]
+    for flag, names, known in (("--ops", args.ops, OPS), ("--algos", args.algos, comm.algos())):
         for name in names:
             if name not in known:
-                p.error(f"{flag} {','.join(names)}: {name!r} is not one of {', '.join(known)}")
+                p.error(f"{flag} {','.join(names)}: {name!r} is not one of {', '.join(known)} "
+                        "(or a .py file: an algorithm of your own)")
     itemsize = np.dtype(args.dtype).itemsize
     sweep = not (args.overlap or args.interleave)   # (those two time --max-bytes of float32)
     if sweep and args.min_bytes < itemsize:
@@ -264,7 +289,8 @@ def main():
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","),
                    help="the collectives to time, comma-separated")
     p.add_argument("--algos", default="ring,naive,mpi", type=lambda s: s.split(","),
-                   help="comma list of ring, naive, mpi, hier, nccl (nccl: --device cuda)")
+                   help="comma list of ring, naive, mpi, hier, nccl (nccl: --device cuda) "
+                   "and .py files of your own (examples/recursive_doubling.py)")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="hier: simulated node size (0: MINIDIST_RANKS_PER_NODE or the launcher's)")
     p.add_argument("--min-bytes", default="4K", type=parse_bytes,

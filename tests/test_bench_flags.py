@@ -64,6 +64,9 @@ TWO_RANKS = [
     ("bench_collectives.py", ["--min-bytes", "8M", "--max-bytes", "1M"], "--max-bytes"),
     ("bench_collectives.py", ["--min-bytes", "3", "--max-bytes", "3"], "--min-bytes"),
     ("bench_collectives.py", ["--algos", "foo"], "--algos"),
+    ("bench_collectives.py", ["--algos", "nothing.py"], "--algos nothing.py: no such file"),
+    ("bench_collectives.py", ["--algos", "examples/recursive_doubling.py"],  # all_reduce only
+     "it has no reduce_scatter(ch, ...), which --ops reduce_scatter times"),
     ("bench_collectives.py", ["--ops", "foo"], "--ops"),
     ("bench_collectives.py", ["--dtype", "int7"], "--dtype"),
     ("bench_ddp.py", ["--steps", "0"], "--steps"),

@@ -15,6 +15,7 @@ Where to read what:
     mpi.py       the MPI library's own collectives
     nccl.py      NCCL through cupy.cuda.nccl (imported only for algo="nccl")
     group.py     ProcessGroup: dispatch, async_op, staging, counters, sub-groups
+    algos.py     which algorithms a group takes; register_algo: a module of your own
     checks.py    what a group checks before it communicates (alike on every rank)
     stream.py    the per-group communication thread behind async_op=True
     mesh.py      DeviceMesh(dp, tp, pp), Megatron's rank order
@@ -46,7 +47,8 @@ from mpi4py import MPI  # noqa: E402
 from minidist.comm import debug, hier, mpich, progress, trace, watchdog  # noqa: E402
 from minidist.comm.debug import (  # noqa: E402
     CollectiveFailed, CollectiveMismatch, LaunchMismatch, install_abort_handler)
-from minidist.comm.group import ALGOS, ProcessGroup, shutdown_all  # noqa: E402
+from minidist.comm.algos import ALGOS, algos, register_algo  # noqa: E402
+from minidist.comm.group import ProcessGroup, shutdown_all  # noqa: E402
 from minidist.comm.mesh import DeviceMesh  # noqa: E402
 from minidist.comm.ring import chunk_bounds, ring_bytes  # noqa: E402
 from minidist.comm.staging import cuda_aware_mpi  # noqa: E402
@@ -54,8 +56,8 @@ from minidist.comm.stream import Work  # noqa: E402
 from minidist.launcher import world_size_from_env  # noqa: E402
 
 __all__ = ["ALGOS", "CollectiveFailed", "CollectiveMismatch", "DeviceMesh", "LaunchMismatch",
-           "ProcessGroup", "Work", "chunk_bounds", "cuda_aware_mpi", "env_problems", "init",
-           "install_abort_handler", "ring_bytes", "trace"]
+           "ProcessGroup", "Work", "algos", "chunk_bounds", "cuda_aware_mpi", "env_problems",
+           "init", "install_abort_handler", "register_algo", "ring_bytes", "trace"]
 THREAD_LEVELS = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED,
                  "serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}
 _state = {"initialised": False}

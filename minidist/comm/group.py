@@ -44,7 +44,8 @@ import time
 
 from mpi4py import MPI
 
-from minidist.comm import checks, debug, hier, mpi, naive, ring, trace, watchdog
+from minidist.comm import checks, debug, hier, mpi, trace, watchdog
+from minidist.comm.algos import algos, module_of
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
 from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
@@ -52,7 +53,6 @@ from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_bu
 from minidist.comm.stream import CompletedWork, RequestWork, Stream
 from minidist.backend import is_cupy, xp_of
 
-ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
 WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # ops that never read their out
 P2P_TAG = 0
 SYNC_COMM_NOTE = (
@@ -68,8 +68,9 @@ class ProcessGroup:
     """The ranks of one mpi4py communicator, with collectives by algorithm `algo`."""
 
     def __init__(self, comm, algo="ring", name="world", sync_comm=False):
-        if algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS}, not {algo!r}")
+        if algo not in algos():
+            raise ValueError(f"algo must be one of {algos()}, not {algo!r} (an algorithm of "
+                             "your own: comm.register_algo(name, module) first)")
         self.comm, self.algo, self.name = comm, algo, name
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.ranks = MPI.Group.Translate_ranks(comm.Get_group(), list(range(self.size)),
@@ -87,7 +88,7 @@ class ProcessGroup:
         # watchdog's messages about a group mean the same group on every rank
         _made[(name, tuple(self.ranks))] = _made.get((name, tuple(self.ranks)), 0) + 1
         self.key = (name, tuple(self.ranks), _made[(name, tuple(self.ranks))])
-        self._algo = {"ring": ring, "naive": naive, "mpi": mpi}.get(algo)
+        self._algo = module_of(algo)       # (None for hier and nccl: made below)
         self._nccl = self._hier = None
         if algo == "hier":       # the node split: two more communicators, made here
             self._algo = self._hier = hier.Hierarchy(self._coll, self.ranks,
@@ -153,16 +154,21 @@ class ProcessGroup:
     # collectives
     # ---------------------------------------------------------------------------------------
 
-    def _algo_for(self, buf):
+    def _algo_for(self, buf, function):
         """The algorithm module for `buf`: this group's, but on an "nccl" group a host (numpy)
-        buffer, which NCCL cannot take, goes to the MPI library's (nccl.py's docstring)."""
-        return mpi if self.algo == "nccl" and not is_cupy(buf) else self._algo
+        buffer, which NCCL cannot take, goes to the MPI library's (nccl.py's docstring). A
+        registered module without `function` is refused here, before any communication."""
+        algo = mpi if self.algo == "nccl" and not is_cupy(buf) else self._algo
+        if not hasattr(algo, function):
+            raise NotImplementedError(f"algo {self.algo!r} has no {function}(ch, ...): give "
+                                      f"its module one, or use a group of another algo")
+        return algo
 
     def all_reduce(self, buf, op="sum", async_op=False):
         """buf = buf reduced over the group (sum, avg, max or min), in place."""
         buf = checks.flat(buf)
         checks.check_op(op, buf, "all_reduce")
-        algo = self._algo_for(buf)
+        algo = self._algo_for(buf, "all_reduce")
         return self._issue("all_reduce", buf, None, buf.size, async_op, op, 0,
                            lambda ch, out, _: algo.all_reduce(ch, out, op))
 
@@ -171,7 +177,7 @@ class ProcessGroup:
         out, inp = checks.flat(out), checks.flat(inp)
         checks.check_op(op, inp, "reduce_scatter")
         checks.check_chunk(self, "reduce_scatter", "out", out, inp)
-        algo = self._algo_for(out)
+        algo = self._algo_for(out, "reduce_scatter")
         return self._issue("reduce_scatter", out, inp, inp.size, async_op, op, 0,
                            lambda ch, o, i: algo.reduce_scatter(ch, o, i, op))
 
@@ -179,14 +185,14 @@ class ProcessGroup:
         """out = every rank's inp, concatenated in rank order. inp.size == chunk(out.size)."""
         out, inp = checks.flat(out), checks.flat(inp)
         checks.check_chunk(self, "all_gather", "inp", inp, out)
-        algo = self._algo_for(out)
+        algo = self._algo_for(out, "all_gather")
         return self._issue("all_gather", out, inp, out.size, async_op, "", 0,
                            lambda ch, o, i: algo.all_gather(ch, o, i))
 
     def broadcast(self, buf, root=0, async_op=False):
         """buf = root's buf on every rank (root: a rank of this group)."""
         buf = checks.flat(buf)
-        algo = self._algo_for(buf)
+        algo = self._algo_for(buf, "broadcast")
         return self._issue("broadcast", buf, None, buf.size, async_op, "", root,
                            lambda ch, out, _: algo.broadcast(ch, out, root))
 
@@ -212,7 +218,7 @@ class ProcessGroup:
             raise ValueError(f"all_to_all_v: {self.size} send_counts summing to inp.size "
                              f"({inp.size}) and recv_counts summing to out.size ({out.size}) "
                              f"expected, got {list(send_counts)} and {list(recv_counts)}")
-        algo = self._algo_for(out)
+        algo = self._algo_for(out, "all_to_all_v")
         sc, rc = list(send_counts), list(recv_counts)
         return self._issue("all_to_all", out, inp, inp.size, async_op, "", 0,
                            lambda ch, o, i: algo.all_to_all_v(ch, o, i, sc, rc))

@@ -1,0 +1,39 @@
+"""The collective algorithms a ProcessGroup can be built with: minidist's (ALGOS: ring.py,
+naive.py, mpi.py, hier.py, nccl.py) and modules of your own (register_algo).
+
+An algorithm module has ALGO_FUNCTIONS' functions, or some of them (a group refuses the
+others before any communication), each taking the group's Channel (channel.py: counted,
+traced send/recv/sendrecv, scratch buffers) first, as ring.py's do:
+    all_reduce(ch, buf, op)                    buf reduced over the group, in place
+    reduce_scatter(ch, out, inp, op)           out = chunk ch.rank of inp, reduced
+    all_gather(ch, out, inp)                   out = every rank's inp, in rank order
+    broadcast(ch, buf, root)                   buf = root's
+    all_to_all_v(ch, out, inp, send_counts, recv_counts)
+Tests: tests/test_comm.py (a recursive-doubling all-reduce registered and run).
+"""
+from minidist.comm import mpi, naive, ring
+
+ALGOS = ("ring", "naive", "mpi", "hier", "nccl")
+ALGO_FUNCTIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v")
+_registered = {}   # name -> a module of your own, beside ALGOS
+
+
+def register_algo(name, module):
+    """Make `module` a collective algorithm groups can be built with (`comm.init(name)`,
+    `ProcessGroup(comm, name)`, examples/bench_collectives.py `--algos`). Every rank
+    registers the same before building a group of it."""
+    if name in ALGOS:
+        raise ValueError(f"register_algo: {name!r} is minidist's own; give another name")
+    if not any(callable(getattr(module, f, None)) for f in ALGO_FUNCTIONS):
+        raise TypeError(f"register_algo: {module!r} has none of {', '.join(ALGO_FUNCTIONS)}")
+    _registered[name] = module
+
+
+def algos():
+    """The algorithms a group can be built with: ALGOS, then the registered ones."""
+    return ALGOS + tuple(_registered)
+
+
+def module_of(algo):
+    """The module of algorithm `algo` (None for "hier" and "nccl", which a group builds)."""
+    return {"ring": ring, "naive": naive, "mpi": mpi}.get(algo) or _registered.get(algo)
