@@ -233,7 +233,7 @@ def interleave(args):
 
 
 def own_algorithm(p, args, path):
-    """The module of an algorithm of your own, `--algos PATH.py` (examples/recursive_doubling.py
+    """The module of an algorithm of your own, `--algos FILE` (examples/recursive_doubling.py
     shows one: functions over a Channel, as minidist/comm/ring.py's), registered under the
     file's name; each --ops it lacks is one error line."""
     name = os.path.splitext(os.path.basename(path))[0]

@@ -251,7 +251,8 @@ def test_a_pytest_cut_by_its_limit_still_names_its_failures(tmp_path):
     counts what passed, and the verdict is a failed check with those counts.
 
         LOGS=/tmp/l LIMIT=6 bash -c '. tests/scripts/gpu_common.sh; run cut pytest \\
-            allow-empty -- python -m pytest -q -rfE test_cut.py'"""
+            allow-empty -- python -m pytest -q -rfE TESTS'   (a failing, a passing and a
+        sleeping test)"""
     (tmp_path / "test_cut.py").write_text(
         "import time\n\n\ndef test_a():\n    assert 1 == 2\n\n\n"
         "def test_b():\n    pass\n\n\ndef test_c():\n    time.sleep(120)\n")
