@@ -22,7 +22,6 @@ from rank 0, exit status 2 (--batch-size must split evenly over the ranks).
 """
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not o
 from minidist.nn import GPTConfig
 from minidist.strategy import memory
 from minidist.train.amp import MixedPrecision
-from minidist.train.args import add_model_args, arch_fields
+from minidist.train.args import add_model_args, arch_fields, train_parser
 from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
@@ -61,8 +60,8 @@ def run_stage(cli, stage, comm):
     amp = MixedPrecision() if cli.amp else None
     strategy = (DataParallel(group, amp=amp) if stage == 0
                 else ZeroDataParallel(group, stage, amp=amp))
-    args = SimpleNamespace(lr=1e-3, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
-                           optimizer="adamw", log_json="yes")   # makes train_step measure
+    # (--log-json: train_step measures each step; the bench writes no log)
+    args = train_parser().parse_args(["--lr", "1e-3", "--log-json", "measure"])
     model = strategy.build_model(config, cli.seed, "float32" if cli.amp else cli.dtype)
     opt = strategy.build_optimizer(model, args)
     rng = np.random.default_rng(cli.seed)

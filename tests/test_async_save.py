@@ -80,11 +80,10 @@ def _zero_one_rank(stage):
     from mpi4py import MPI
     from minidist.comm import ProcessGroup
     from minidist.zero.strategy import ZeroDataParallel
-    from types import SimpleNamespace
+    from minidist.train.args import train_parser
     strategy = ZeroDataParallel(ProcessGroup(MPI.COMM_WORLD, "ring", name="z"), stage)
     model = strategy.build_model(CONFIG, 0, "float32")
-    opt = strategy.build_optimizer(model, SimpleNamespace(lr=1e-2, weight_decay=0.1,
-                                                          optimizer="adamw"))
+    opt = strategy.build_optimizer(model, train_parser().parse_args(["--lr", "1e-2"]))
     x = np.random.default_rng(0).integers(0, 16, (2, 8))
     strategy.forward_backward(model, x, x, 1.0, False)      # one step: AdamW's moments
     strategy.sync_grads(model)

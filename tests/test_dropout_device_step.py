@@ -13,7 +13,6 @@ backward after a later forward (lag 1), and no upload after the first step.
 The kernels themselves: tests/test_cuda_philox_cpu.py, tests/test_cuda_flash_cpu.py.
 Run: python -m pytest -q tests/test_dropout_device_step.py
 """
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from minidist.autograd.dropout_keys import DropoutKeys
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.base import SingleProcess
 from minidist.train.step import train_step
+from minidist.train.args import train_parser
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30, dropout=0.2)
 
@@ -118,8 +118,7 @@ def test_sites_drawn_by_the_kernel_path_are_the_host_paths(request):
 
 def run_steps(ckpt, attention, steps=3):
     """Losses and the model after `steps` float64 train_steps (dropout 0.2)."""
-    args = SimpleNamespace(grad_accum=2, grad_clip=1.0, log_json=None, lr=1e-2,
-                           weight_decay=0.1, optimizer="adamw")
+    args = train_parser().parse_args(["--grad-accum", "2", "--lr", "1e-2"])
     strategy = SingleProcess(ckpt_activations=ckpt)
     config = GPTConfig(**{**CONFIG.__dict__, "attention": attention})
     model = strategy.build_model(config, 3, "float64")

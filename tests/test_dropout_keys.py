@@ -9,7 +9,6 @@ parallelism's slices, recompute, and
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from minidist.autograd.philox import philox4x32, to_unit_float32
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.base import SingleProcess
 from minidist.train.step import train_step
+from minidist.train.args import train_parser
 from mpirun import ROOT, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=30, dropout=0.2)
@@ -180,8 +180,7 @@ def test_grad_accum_draws_one_process_masks():
     """train_step with --grad-accum 2 and 4 (micro-batches of the global batch) = one batch:
     the same losses, norms and parameters in float64 (dropout 0.2 every step)."""
     def run(accum):
-        args = SimpleNamespace(grad_accum=accum, grad_clip=1.0, log_json=None, lr=1e-2,
-                               weight_decay=0.1, optimizer="adamw")
+        args = train_parser().parse_args(["--grad-accum", str(accum), "--lr", "1e-2"])
         strategy = SingleProcess()
         model = strategy.build_model(CONFIG, 3, "float64")
         opt = strategy.build_optimizer(model, args)

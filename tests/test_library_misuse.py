@@ -7,8 +7,6 @@ something else silently.
 DDP's forgotten sync_grads():
 tests/test_ddp.py::test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward.
 """
-import types
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ from minidist.nn import GPT, GPTConfig
 from minidist.nn.module import Module
 from minidist.optim import AdamW
 from minidist.strategy.base import SingleProcess
+from minidist.train.args import train_parser
 from minidist.train.step import train_step
 from minidist.zero.engine import zero_engine
 
@@ -49,7 +48,7 @@ def test_train_step_refuses_rows_that_do_not_split_into_its_micro_batches():
     model = GPT(CONFIG, seed=0)
     strategy = SingleProcess()
     opt = AdamW(model.named_parameters(), lr=1e-3)
-    args = types.SimpleNamespace(log_json=None, grad_accum=4, grad_clip=1.0)
+    args = train_parser().parse_args(["--grad-accum", "4"])
     with pytest.raises(ValueError, match=r"this rank's 6 rows of the batch do not split "
                                          r"into grad_accum 4 equal micro-batches \(rows 4 to "
                                          r"5 would be dropped\)"):

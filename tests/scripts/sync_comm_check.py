@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from minidist import backend, comm
 from minidist.ddp.strategy import DataParallel
 from minidist.nn import GPTConfig
 from minidist.strategy.base import SingleProcess
+from minidist.train.args import train_parser
 
 from exact import run_steps
 
@@ -45,8 +45,8 @@ def main():
     cli = p.parse_args()
     world = comm.init("ring")   # sync_comm from MINIDIST_SYNC_COMM
     backend.set_device(cli.device)   # numpy or cupy, on every rank
-    args = SimpleNamespace(steps=2, batch_size=4, lr=1e-2, weight_decay=0.1, grad_accum=1,
-                           grad_clip=0.0, log_json=None, optimizer="adamw")
+    args = train_parser().parse_args(["--steps", "2", "--batch-size", "4", "--lr", "1e-2",
+                                      "--grad-clip", "0"])
     ref_model, _, ref, _, _ = run_steps(SingleProcess(), args, CONFIG, 7, "float64")
     if cli.watch:
         sys.settrace(watch)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -28,13 +27,13 @@ from minidist.comm import ProcessGroup
 from mpi4py import MPI  # after minidist.comm: MPI starts in comm.init(), not here
 from minidist.strategy.checkpoint import CheckpointError
 from minidist.strategy.checkpoint_dirs import resolve
+from minidist.train.args import train_parser
 from minidist.train.step import train_step
 from minidist.zero.checkpoint import shard_name
 from minidist.zero.strategy import ZeroDataParallel
 from zero_check import CONFIG, SEED, batch
 
-ARGS = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1, batch_size=8,
-                       log_json=None, optimizer="adamw")
+ARGS = train_parser().parse_args(["--lr", "1e-2", "--batch-size", "8"])
 
 
 def fresh(comm, stage, name):
