@@ -1,6 +1,6 @@
 """examples/sample.py: text from a checkpoint of any strategy, gathered into the whole model in
 one process (minidist/train/gather.py). Its bad input (an imported GPT-2's BPE vocabulary
-included) is a table in tests/test_cli.py.
+included) is a table in tests/test_cli_examples.py.
 
     python examples/train_gpt.py --steps 3 --save ck ...
     mpiexec -n 2 python examples/train_gpt.py --tp 2 --zero 1 --steps 3 --save ck_tpz ...
@@ -91,7 +91,7 @@ def test_every_strategy_gathers_to_the_one_process_model(corpus, tmp_path, mpi):
 
 def test_a_gpt2_folder_with_byte_vocabulary_samples(tmp_path, device):
     """A GPT-2 folder (config.json + model.safetensors) with minidist's byte vocabulary loads
-    and samples; one with GPT-2's BPE is refused (tests/test_cli.py, SAMPLE_BAD)."""
+    and samples; one with GPT-2's BPE is refused (tests/test_cli_examples.py, SAMPLE_BAD)."""
     GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=256)).save_pretrained(
         tmp_path / "bytes")
     out = _sample(device, "--resume", tmp_path / "bytes", "--prompt", "ab", "--tokens", "5")

@@ -23,7 +23,7 @@ argparse's own errors (an unknown flag, `--zero 4`) take the same path
 Ctrl-C before the training loop (which saves at the step boundary: minidist/train/
 preemption.py), or a second one in it, ends the run at once with one line and exit status 130,
 no traceback per rank.
-Tests: tests/test_cli.py.
+Tests: tests/test_cli.py, tests/test_cli_runs.py.
 """
 import importlib.util
 import math

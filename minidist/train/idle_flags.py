@@ -5,7 +5,8 @@ lists them for a run's flags; `check_idle_flags` raises cli.UsageError for the f
 changed from its default. cli.check_flags calls it on each rank alone, and
 train/strategy.py's check_layout again once the world size says how many replicas and
 ranks there are.
-Tests: tests/test_cli.py, tests/test_eval_only.py.
+Tests: tests/test_cli.py, tests/test_cli_ranks.py (check_layout),
+tests/test_eval_only.py.
 """
 from minidist.train.args import train_default
 from minidist.train.cli import UsageError

@@ -21,7 +21,7 @@ that is not finite, found at the next read, raises Diverged (one `error:` line n
 first such step) before anything is saved, so no checkpoint holds NaNs.
 Log lines count steps done, `step N/total`, with the time elapsed and the ETA; a --save that
 would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check_save).
-Tests: tests/test_train.py, tests/test_cli.py (RUNS, CTRL_C).
+Tests: tests/test_train.py, tests/test_cli_runs.py (RUNS, CTRL_C).
 """
 import itertools
 import math

@@ -15,7 +15,7 @@ would, and the run stops before anything is saved.
     values.add(step, loss, norm)          # a device copy; nothing waits
     if values.due(...): rows = values.read()      # [(step, loss, norm)] as Python floats
 
-Tests: tests/test_no_sync.py (the reads counted per step), tests/test_cli.py (divergence).
+Tests: tests/test_no_sync.py (the reads counted per step), tests/test_cli_runs.py (divergence).
 """
 import contextlib
 import json

@@ -18,7 +18,7 @@ the end of the run (the last step's save is committed before the final summary a
 A write that fails on any rank is one CheckpointError on every rank at that commit, naming
 the --save directory (the run stops: exit 2), and `latest` still names the checkpoint before.
 claim_save, before step 0: the run's hold on --save (its .lock) and every rank seeing it.
-Tests: tests/test_async_save.py, tests/test_cli.py.
+Tests: tests/test_async_save.py, tests/test_cli_ranks.py.
 """
 import os
 import time

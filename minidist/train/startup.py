@@ -8,7 +8,7 @@ and the strategy are made): the lines a user reads to see that the run is the on
     <the strategy's lines>     --amp, --ckpt-activations, how the model is split
     --stop-at N: ...           the log counts to the stop, the schedule to --steps
 
-Tests: tests/test_cli.py (its RUNS read the model line), tests/test_muon.py (the optimizer
+Tests: tests/test_cli_runs.py (its RUNS read the model line), tests/test_muon.py (the optimizer
 line), tests/test_comm.py (host_staging_note), tests/test_backend.py (busy_cores_note).
 """
 import math

@@ -1,7 +1,7 @@
 """examples/train_gpt.py as it runs when rank 1's node lacks the --data file (the same
 command on every rank; a path on a disk only some nodes mount): rank 1 sees a --data path
 that does not exist. Every flag, --device included, is train_gpt.py's (train_parser()).
-For tests/test_cli.py.
+For tests/test_cli_ranks.py.
 
     mpiexec -n 2 python tests/scripts/node_lacks_data.py --data FILE [train_gpt flags]
 """

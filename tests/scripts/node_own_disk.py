@@ -2,7 +2,7 @@
 same command on every rank; a --save on a node's local disk): each rank starts in its own
 folder, `--node-dirs A,B` (rank r in the r-th), so a relative --save names another folder
 on each rank. Every other flag, --device included, is train_gpt.py's (train_parser()).
-For tests/test_cli.py.
+For tests/test_cli_ranks.py.
 
     mpiexec -n 2 python tests/scripts/node_own_disk.py --node-dirs A,B --save ck [flags]
 """
