@@ -48,7 +48,7 @@ rank's s/tp tokens (their FLOPs / tp), and each of their parameters' gradients i
 all-reduced over tp in backward (region.shared, one blocking call per tensor: the router's
 h E and the 4 tensors of each of this rank's E/ep experts), which the dense MLP, split by
 tp, does not need.
-Tests: tests/test_plan_strategies.py (test_all_to_all_time_worked_by_hand,
+Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
 """

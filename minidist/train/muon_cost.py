@@ -46,7 +46,7 @@ Who runs which NS, and what moves first (U in float32: 4 bytes a value):
     EP + ZeRO    the experts' unit of each MoE block (minidist/ep/optim.py: this rank's E/ep
                  experts) likewise, over the experts' replicas (edp)
 Nothing here overlaps: the optimizer runs after backward, each gather before its NS.
-Tests: tests/test_plan_strategies.py (test_muon_step_worked_by_hand,
+Tests: tests/test_plan_muon.py (test_muon_step_worked_by_hand,
 test_muon_with_experts_worked_by_hand, test_muon_ns_per_zero_rank_is_the_sharded_optimizers).
 """
 import collections

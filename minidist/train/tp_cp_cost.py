@@ -5,7 +5,7 @@ behind the blocks' attention, Ulysses' all-to-alls, the vocabulary-parallel loss
 all-reduces, and how many of them block (each waits `Cluster.sync_s` for the ranks); and
 `exposed`, the communication left over after hiding behind compute, which every term uses.
 The formulas: cost.py's module docstring, minidist/train/PLAN.md.
-Tests: tests/test_plan_strategies.py (worked by hand).
+Tests: tests/test_plan_cp.py (worked by hand).
 """
 from minidist.train.comm_cost import collective_time, p2p_time, span
 

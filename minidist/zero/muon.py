@@ -29,8 +29,8 @@ The groups are Muon's three; the state ShardedOptimizer's, exp_avg M for a matri
 elements, exp_avg_sq zero there (one checkpoint format for both optimizers). No multi-tensor
 path: Muon's steps run per unit, and --amp's verdict is taken on the host.
 Tests: tests/test_muon.py (every layout = one process; the bytes; the NS FLOPs each rank
-runs, under TP x ZeRO too: muon_tp_check.py), tests/test_plan_strategies.py (the planner's owners =
-unit_owners').
+runs, under TP x ZeRO too: muon_tp_check.py), tests/test_plan_muon.py (the planner's
+owners = unit_owners').
 """
 from minidist.backend import xp_of
 from minidist.optim.adamw import adamw_update

@@ -1,0 +1,163 @@
+"""The planners under Mixture of Experts and expert parallelism (moe_cost.py), worked by hand:
+the pairwise all-to-all, the experts' compute on a split sequence, ep x dp communication, the
+busiest rank's load, ZeRO over the experts' replicas; examples/plan.py with experts."""
+import json
+from dataclasses import replace
+import subprocess
+import sys
+
+import pytest
+
+from minidist.train.args import train_parser
+from minidist.train.cluster import Cluster
+from minidist.train.comm_cost import Link, collective_time, span
+from minidist.train.cost import step_time
+from minidist.train.planner import Layout, bill, stage_params
+
+from tests.plan_cases import MOE_TOY, TOY, UNIT, plan_cli
+
+
+# ---- Mixture of Experts and expert parallelism (minidist/train/moe_cost.py) ------------------
+
+# block 1 is MoE: 2 experts, top-2, capacity ceil(0.5 x 2 x 2 / 2) = 1 token per expert and
+# sequence, so a sequence of 2 tokens keeps min(k s, E cap) = min(4, 2) = 2 of its 4 rows
+
+
+def test_all_to_all_time_worked_by_hand():
+    """Pairwise exchange, 4 ranks, 1200 B per rank: 3 steps of alpha + 300 B / 100 B/s = 12 s.
+    EP groups are neighbours after tp: dp 4 = ep 2 x edp 2, tp 2, 4 GPUs per node: the ep
+    group (ranks 0, 2) is one node, the edp group (ranks 0, 4) two."""
+    from minidist.train.comm_cost import all_to_all_time
+    assert all_to_all_time(1200, 4, Link(1.0, 100.0)) == pytest.approx(12.0)
+    assert all_to_all_time(1200, 1, Link(1.0, 100.0)) == 0.0
+    layout = Layout(dp=4, tp=2, ep=2)
+    assert span(layout, "ep", 4) == (2, 1) and span(layout, "edp", 4) == (1, 2)
+    two_nodes = Cluster("2x4", 4, 1, 1, 1, Link(1.0, 100.0), Link(10.0, 10.0))
+    assert collective_time(two_nodes, "all_to_all", 200, layout, "ep") == pytest.approx(2.0)
+    assert collective_time(two_nodes, "all_reduce", 200, layout, "edp") == pytest.approx(40.0)
+
+
+def test_moe_compute_worked_by_hand():
+    """MOE_TOY, b = 1, s = 2, 1 FLOP/s. Block 0 dense: 832. Block 1: attention 8 b s h^2 + 4 b
+    s^2 h = 256 + 64, the router 2 b s h E = 32, the experts 16 h^2 x 2 kept rows = 512: 864.
+    Output layer 128. Forward 1824, step 3 x = 5472 s. MFU's model FLOPs count the k s = 4
+    rows (capacity ignored): experts 1024, forward 2336, 7008 (> the step's FLOPs: capacity
+    dropped half the rows). TP2: attention halves, the router and experts stay whole: 416 +
+    (160 + 544) + 64 = 1184, x 3 = 3552; all-reduces of 32 B (32 s each): forward 2 (dense
+    block) + 1 (MoE block: attention only) + the embedding's, backward 2 + 1 + the head's."""
+    t = step_time(MOE_TOY, Layout(amp=False), UNIT, seq=2, global_batch=1)
+    assert t["compute"] == pytest.approx(5472) and t["step"] == pytest.approx(5472)
+    assert t["mfu"] == pytest.approx(7008 / 5472)
+    tp = step_time(MOE_TOY, Layout(tp=2, amp=False), UNIT, seq=2, global_batch=1)
+    assert tp["compute"] == pytest.approx(3552) and tp["tp_cp"] == pytest.approx(8 * 32)
+    with pytest.raises(ValueError):         # 2 experts do not split over ep 4
+        step_time(MOE_TOY, Layout(dp=4, ep=4, amp=False), UNIT, seq=2, global_batch=4)
+
+
+def test_moe_on_a_split_sequence_worked_by_hand():
+    """MOE_TOY, b = 1, s = 2, 1 FLOP/s, 1 B/s, no latency (minidist/train/moe_cost.py
+    split_times). TP2 + SP: the MoE block's router and experts run on s/2 tokens: (160 + 16
+    + 256) + 416 + 64 = 912, x 3 = 2736 s. Its routing's exchange over tp: the ids, 1 B x k
+    2 x s 2 = 4 B all-gathered (1/2 of it sent: 2 s), the sums (b E + 1) x 4 B = 12 B
+    all-reduced (12 s): 14 s forward, 2 calls; backward the gradients all-reduced over tp:
+    the router's 8 values (32 s) and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4: 592 s
+    each): 1216 s, 9 calls. CP2 (s = 1 token a rank): the ring (forward 1 hop, backward 3,
+    of K and V: 2 x 16 B: 32 s each, in both blocks: 256 s) + the ids over cp (k 2 x 2
+    tokens = 4 B: 2 s) and the sums (12 s): 270 s of the step's tp_cp."""
+    from minidist.train.moe_cost import split_times
+    sp = Layout(tp=2, sp=True, amp=False)
+    assert split_times(MOE_TOY, UNIT, sp, b=1, s=2, e=4, stage=0) == (14, 1216, 2, 9)
+    assert split_times(MOE_TOY, UNIT, Layout(tp=2, amp=False), 1, 2, 4, 0) == (0, 0, 0, 0)
+    assert step_time(MOE_TOY, sp, UNIT, seq=2, global_batch=1)["compute"] == pytest.approx(2736)
+    cp = step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
+    assert cp["tp_cp"] == pytest.approx(256 + 14)
+
+
+def test_ep2_dp2_communication_worked_by_hand():
+    """MOE_TOY on dp 4 = ep 2 x edp 2, b = 1 per rank, 1 B/s, sync 10 s, 1 s per parameter.
+    All-to-alls: 2 kept rows x h 4 x 4 B = 32 B, over 2 ranks 1 step of 16 B: 16 s; the
+    counts 8 E = 16 B: 8 s; forward counts + dispatch + combine = 40, backward 32: 72 s, 5
+    syncs: 50 s. Parameters: dense 244 (block 0) + 104 (block 1's attention, norms, router)
+    + 48 (wte, wpe, ln_f) = 396, all-reduced over the 4 ranks: 2 x 3/4 x 396 x 4 B = 2376 s;
+    each expert 148 (c_fc 64 + 16, c_proj 64 + 4), this rank's one all-reduced tensor by
+    tensor over its 2 replicas (n B each): 592 s, + clipping's 8 B over ep: 600 s.
+    Optimizer: 396 + 148 = 544 s. ZeRO-1: the experts' one unit (148) over edp 2, a
+    reduce-scatter of 1/2 x 592 B and an all-gather as much: 592 s (no clipping sum of its
+    own); optimizer ceil(396 / 4) + ceil(148 / 2) = 99 + 74 = 173 s. ep = dp = 2: no edp
+    sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s. Full recompute
+    runs the forward's 3 all-to-alls again in backward: 72 + 40 = 112 s, 8 syncs: 80 s; the
+    blocks' forward once more: 5472 + 832 + 864 = 7168 s of compute."""
+    unit = replace(UNIT, sync_s=10.0, opt_s_per_param=1.0)
+    assert stage_params(MOE_TOY, ep=2) == [396 + 148]
+    t = step_time(MOE_TOY, Layout(dp=4, ep=2, amp=False), unit, seq=2, global_batch=4)
+    assert t["ep_all_to_all"] == pytest.approx(72) and t["sync"] == pytest.approx(50)
+    assert t["dp_exposed"] == pytest.approx(2376) and t["expert_grads"] == pytest.approx(600)
+    assert t["optimizer"] == pytest.approx(544)
+    assert t["step"] == pytest.approx(5472 + 72 + 50 + 2376 + 600 + 544)
+    z1 = step_time(MOE_TOY, Layout(dp=4, ep=2, zero=1, amp=False), unit, seq=2, global_batch=4)
+    assert z1["optimizer"] == pytest.approx(173) and z1["dp_comm"] == pytest.approx(2376)
+    assert z1["expert_grads"] == pytest.approx(592)
+    ep2 = step_time(MOE_TOY, Layout(dp=2, ep=2, amp=False), unit, seq=2, global_batch=2)
+    assert ep2["expert_grads"] == pytest.approx(8) and ep2["dp_exposed"] == pytest.approx(1584)
+    redo = step_time(MOE_TOY, Layout(dp=4, ep=2, amp=False, recompute="full"), unit, seq=2,
+                     global_batch=4)
+    assert redo["ep_all_to_all"] == pytest.approx(112) and redo["sync"] == pytest.approx(80)
+    assert redo["compute"] == pytest.approx(7168)
+
+
+def test_plan_cli_with_experts():
+    """python examples/plan.py ... --moe-experts 4 --moe-top-k 2 --layout dp=4,ep=2 --json: the
+    row carries ep and the all-to-all time; the search tries ep; a bad ep is one error line,
+    exit 2; the MoE flags' names and defaults are train_gpt.py's."""
+    model = ["--preset", "here", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq",
+             "32", "--vocab-size", "64", "--global-batch", "8", "--gpus", "4", "--fp32",
+             "--moe-experts", "4", "--moe-top-k", "2", "--json"]
+    run = [sys.executable, "examples/plan.py", *model]
+    one = json.loads(subprocess.run(run + ["--layout", "dp=4,ep=2"], capture_output=True,
+                                    text=True, timeout=60, check=True).stdout)["rows"][0]
+    assert one["ep"] == 2 and one["ep_all_to_all"] > 0 and one["layout"].startswith("EP2")
+    rows = json.loads(subprocess.run(run + ["--top", "100"], capture_output=True, text=True,
+                                     timeout=60, check=True).stdout)["rows"]
+    assert {r["ep"] for r in rows} == {1, 2, 4} and any(r["cp"] > 1 for r in rows)
+    assert all(r["sp"] == (r["tp"] > 1) for r in rows)     # MoE on split sequences: built
+    bad = subprocess.run(run + ["--layout", "dp=4,ep=3"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --layout: ep=3")
+    assert len(bad.stderr.strip().splitlines()) == 1
+    cli = plan_cli()
+    ours, train = vars(cli.parse([])), vars(train_parser().parse_args([]))
+    for flag in ("moe_experts", "moe_top_k", "moe_capacity_factor", "moe_every"):
+        assert ours[flag] == train[flag]
+
+
+def test_busiest_rank_load_worked_by_hand():
+    """E = 2, top-1, capacity factor 2, s = 2: capacity ceil(2 x 1 x 2 / 2) = 2 tokens per
+    expert, balanced 1 x 2 = 2 rows per sequence, full E x 2 = 4. ep 2, b = 1, load 1.5:
+    the busiest rank runs 3 rows (load 3: capped at 4), 16 h^2 = 256 FLOPs each, x 3 for the
+    step: + 768 (+ 1536) s over load 1; each of the 4 all-to-alls of rows (dispatch and
+    combine, forward and backward) moves 3 x 16 B, half of it to the other rank: 24 s, not 16.
+    Load 0.5 without ep (half the tokens dropped): 1 row, - 768 s."""
+    from minidist.train.moe_cost import expert_rows
+    cfg = replace(TOY, moe_experts=2, moe_top_k=1, moe_capacity_factor=2.0, moe_every=2)
+    assert [expert_rows(cfg, 2, load=x) for x in (1, 1.5, 3)] == [2, 3, 4]
+    ep2 = Layout(dp=2, ep=2, amp=False)
+    base = step_time(cfg, ep2, UNIT, seq=2, global_batch=2)
+    busy = step_time(cfg, ep2, UNIT, seq=2, global_batch=2, moe_load=1.5)
+    full = step_time(cfg, ep2, UNIT, seq=2, global_batch=2, moe_load=3.0)
+    assert busy["compute"] - base["compute"] == pytest.approx(768)
+    assert full["compute"] - base["compute"] == pytest.approx(1536)
+    assert busy["ep_all_to_all"] - base["ep_all_to_all"] == pytest.approx(4 * (24 - 16))
+    dp2 = Layout(dp=2, amp=False)
+    assert step_time(cfg, dp2, UNIT, seq=2, global_batch=2)["compute"] - step_time(
+        cfg, dp2, UNIT, seq=2, global_batch=2, moe_load=0.5)["compute"] == pytest.approx(768)
+
+
+def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
+    """MOE_TOY on dp 4 = ep 2 x edp 2, ZeRO-3, float32: the 396 dense parameters sharded over
+    the 4 ranks (ceil(396 / 4) = 99 each: 4 + 4 + 8 B), this rank's expert (148) ZeRO-1 over
+    its 2 replicas, as minidist/ep/optim.py keeps it: params 4 (99 + 148), grads the same,
+    optimizer 8 (99 + ceil(148 / 2) = 74)."""
+    row = bill(MOE_TOY, Layout(dp=4, ep=2, zero=3, amp=False), seq=2)
+    assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 173)
+    ddp = bill(MOE_TOY, Layout(dp=4, ep=2, amp=False), seq=2)
+    assert ddp["params"] == 4 * 544
