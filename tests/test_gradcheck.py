@@ -308,9 +308,9 @@ CHECKED_ELSEWHERE = {
     "minidist.cp.ring.RingSelfAttention":
         "tests/test_context_parallel.py::test_ring_self_attention_gradcheck_on_one_rank",
     "minidist.cp.ulysses.HeadsForTokens":
-        "tests/test_context_parallel.py::test_ulysses_exchange_gradcheck_on_one_rank",
+        "tests/test_cp_ulysses.py::test_ulysses_exchange_gradcheck_on_one_rank",
     "minidist.cp.ulysses.TokensForHeads":
-        "tests/test_context_parallel.py::test_ulysses_exchange_gradcheck_on_one_rank",
+        "tests/test_cp_ulysses.py::test_ulysses_exchange_gradcheck_on_one_rank",
     "minidist.ep.exchange.AllToAll":
         "tests/test_expert_parallel.py::test_all_to_all_gradcheck_on_one_rank",
     "minidist.nn.moe.IndexAddRows": "tests/test_moe.py::test_gradcheck_index_add_rows",

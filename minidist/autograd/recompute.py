@@ -46,7 +46,7 @@ and its router loss, minidist/nn/gpt.py run_block); `checkpoint` then returns th
 node has one output, so they travel through it as one flat array (each flattened, joined by
 concat) and are cut apart after it (split): the gradients of all of them meet in that one
 array, and the recompute backpropagates through all of them at once. They must share a dtype.
-Tests: tests/test_checkpointing.py; under context parallelism tests/test_context_parallel.py
+Tests: tests/test_checkpointing.py; under context parallelism tests/test_cp_exact.py
 (tests/scripts/cp_check.py, the "+ckpt" runs).
 """
 import contextlib

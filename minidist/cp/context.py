@@ -22,7 +22,8 @@ Activation recompute (--ckpt-activations) runs a block again inside backward, af
 has returned: the checkpoint saves the layouts (`snapshot`) and restores them for the rerun.
 A pipeline stage (--pp) does not call forward: it runs each micro-batch of its blocks
 inside `part(model, T)`, the same setup (minidist/pp/stage.py sequence_part).
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py, tests/test_cp_pp.py.
+Tests: tests/test_context_parallel.py, tests/test_cp_exact.py (tests/scripts/cp_check.py),
+tests/test_cp_pp.py.
 """
 import contextlib
 

@@ -29,7 +29,8 @@ gives rank r chunks r and 2N-1-r: every rank does the same work (`causal_tiles` 
 On cupy with MINIDIST_CUDA_NEW_KERNELS=1 (`tile_run`) each pair of pieces of a held block is
 one flash kernel launch forward and two backward, at the pieces' global positions
 (minidist/autograd/cuda_source_flash.py; proven on the CPU only: tests/test_cuda_ring_cpu.py).
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py, tests/test_cuda_ring_cpu.py.
+Tests: tests/test_context_parallel.py, tests/test_cp_exact.py (tests/scripts/cp_check.py),
+tests/test_cuda_ring_cpu.py.
 """
 import math
 

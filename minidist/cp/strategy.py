@@ -38,7 +38,8 @@ all-to-all over cp and runs the model's own attention on n_head/cp heads of the 
 sequence (minidist/cp/ulysses.py); nothing else changes.
 Refused: a block size that does not split over cp (and over cp x tp with --sequence-parallel);
 with ulysses, heads (per tp rank) that do not divide over cp.
-Tests: tests/test_context_parallel.py, tests/scripts/cp_check.py; with --pp
+Tests: tests/test_context_parallel.py, tests/test_cp_exact.py (tests/scripts/cp_check.py),
+tests/test_cp_ulysses.py; with --pp
 tests/test_cp_pp.py, tests/scripts/cp_pp_check.py.
 """
 from minidist.cp.context import attach_ring

@@ -24,7 +24,7 @@ undone): `HeadsForTokens` forward gathers tokens and scatters heads, backward th
 Bytes each rank sends per attention layer and micro-batch (an all-to-all keeps 1/N of its
 buffer), S = B x Tl x C x itemsize: forward 3S(N-1)/N + S(N-1)/N, backward the same again:
 8S(N-1)/N; with --ckpt-activations the forward's once more: 12S(N-1)/N (`ulysses_bytes`).
-Tests: tests/test_context_parallel.py, tests/scripts/ulysses_check.py.
+Tests: tests/test_cp_ulysses.py, tests/scripts/ulysses_check.py.
 """
 import numpy as np
 

@@ -13,7 +13,7 @@ equal the reference to --tol; the bytes each rank sent on the cp group equal the
 minidist/cp/ring.py (a "+ckpt" run's recompute included); the activations each rank keeps,
 without and with --ckpt-activations (on 2 and 4 ranks); with --resume-runs, a run's checkpoint
 saved and loaded back (check_reload). Rank 0 prints `RESULT {json}` lines for
-tests/test_context_parallel.py. Any failure raises and the abort handler ends the job.
+tests/test_cp_exact.py. Any failure raises and the abort handler ends the job.
 """
 import argparse
 import json

@@ -18,7 +18,7 @@ schedule (1F1B, GPipe, ZB-H1) or in recompute end bitwise equal. --files runs: e
 (on the ring) and sampling (without) give one process's loss and tokens; the checkpoint (one
 process loads the whole model and Adam state: the reference's) and a fresh cp x pp run that
 loads it back, bitwise, and takes the next step as the saved run does. Rank 0 prints
-`RESULT {json}` per run for tests/test_context_parallel.py; any failure raises and the abort
+`RESULT {json}` per run for tests/test_cp_pp.py; any failure raises and the abort
 handler ends the job.
 """
 import argparse

@@ -15,7 +15,7 @@ minidist/cp/ulysses.py's formula (recompute included); with --resume-runs the ru
 checkpoint loaded back (cp_check.check_reload's way). First (`attention_vs_ring`): on the same
 random qkv and output gradient, Ulysses' attention and the ring's give each rank the same y
 and dqkv (zig-zag and naive, dropout 0 and 0.2). Rank 0 prints `RESULT {json}` (and one
-`RING {json}`) lines for tests/test_context_parallel.py; any failure raises and aborts the job.
+`RING {json}`) lines for tests/test_cp_ulysses.py; any failure raises and aborts the job.
 """
 import argparse
 import copy

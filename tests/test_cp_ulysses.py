@@ -1,0 +1,210 @@
+"""Ulysses attention (--cp-attention ulysses, minidist/cp/ulysses.py): its exchange's
+gradient in one process, its bytes against the ring's, its refusals, and its exactness runs
+under mpiexec (tests/scripts/cp_check.py, examples/train_gpt.py), in pipeline stages and
+with experts too.
+"""
+import numpy as np
+import pytest
+
+from minidist.autograd import Tensor
+from minidist.cp.ring import ring_bytes
+from minidist.cp.strategy import cp_problems
+from minidist.train.args import train_parser
+from minidist.train.cli import UsageError
+from mpirun import ROOT, tagged_json
+from tests.cp_cases import TINY, _check_exact, _flags, _losses, _sample
+
+
+# ---- Ulysses attention (--cp-attention ulysses, minidist/cp/ulysses.py) ----------------------
+
+def test_ulysses_exchange_gradcheck_on_one_rank():
+    """On one rank the all-to-all keeps everything: HeadsForTokens and TokensForHeads are the
+    reorder alone (a zig-zag order), and their backward passes a float64 gradcheck."""
+    from mpi4py import MPI
+    from minidist.autograd.gradcheck import gradcheck
+    from minidist.comm import ProcessGroup
+    from minidist.cp.ulysses import HeadsForTokens, TokensForHeads
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank cp")
+    order = np.array([0, 1, 6, 7, 2, 3, 4, 5])                     # a zig-zag rank order
+    x = Tensor(np.random.default_rng(4).standard_normal((2, 8, 6)), requires_grad=True)
+    gradcheck(lambda t: HeadsForTokens.apply(t, group, order, 3), [x], name="HeadsForTokens")
+    gradcheck(lambda t: TokensForHeads.apply(t, group, order, 1), [x], name="TokensForHeads")
+    assert np.array_equal(HeadsForTokens.apply(x, group, order, 3).data[:, order], x.data)
+
+
+def test_ulysses_bytes_formula_against_the_ring():
+    """8S(N-1)/N per layer and micro-batch (12S(N-1)/N with recompute) against the ring's
+    (6N-4)S: half the ring's at N = 2, and Ulysses' falls with N where the ring's grows."""
+    from minidist.cp.ulysses import ulysses_bytes
+    assert ulysses_bytes(12, 2) == 48 and ulysses_bytes(12, 4) == 72
+    assert ulysses_bytes(12, 4, recompute=True) == 108
+    assert ulysses_bytes(12, 2) * 2 == ring_bytes(12, 2)
+    S0 = 4096                                                    # one sequence's B T C bytes
+    ring = [ring_bytes(S0 // n, n) for n in (2, 4, 8)]
+    ulysses = [ulysses_bytes(S0 // n, n) for n in (2, 4, 8)]
+    assert ring == sorted(ring) and ulysses == sorted(ulysses, reverse=True)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--cp", "4", "--n-head", "2", "--n-embd", "16"],
+     "--cp-attention ulysses gives each of the --cp 4 ranks whole heads: --n-head 2 = 2 "
+     "heads do not divide by --cp 4"),
+    (["--cp", "4", "--tp", "2", "--n-head", "4"],
+     "--n-head 4 / --tp 2 = 2 heads do not divide by --cp 4")])
+def test_ulysses_refuses_heads_that_do_not_divide(extra, words):
+    args = _flags("--cp-attention", "ulysses", *extra)
+    problems = cp_problems(args)
+    assert len(problems) == 1 and words in problems[0], problems
+    args.cp_attention = "ring"
+    assert cp_problems(args) == []                               # the ring takes any heads
+
+
+def test_cp_attention_without_cp_is_refused():
+    from minidist.train.idle_flags import check_idle_flags
+    with pytest.raises(UsageError, match=r"^--cp-attention ulysses: sets how context "
+                       r"parallelism computes attention, which this run does not use \(add "
+                       r"--cp 2 or more"):
+        check_idle_flags(_flags("--cp-attention", "ulysses"))
+    check_idle_flags(_flags("--cp-attention", "ring"))           # the default: no complaint
+
+
+def _check_ulysses_rows(out, runs):
+    """The RING row (Ulysses' attention = the ring's on the same input) and every run exact,
+    its cp bytes = ulysses_bytes, its summary naming the attention."""
+    assert max(tagged_json(out, "RING")[0].values()) < 1e-12
+    rows = tagged_json(out, "RESULT")
+    _check_exact(rows, runs)
+    assert all("ulysses attention" in r["summary"] for r in rows)
+    return rows
+
+
+@pytest.mark.mpi
+def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
+    """--cp 2 --cp-attention ulysses, float64, 3 steps against one process: zig-zag and
+    naive, dropout 0.1, --ckpt-activations (the all-to-alls redone inside backward), tiled
+    local attention, grad-accum; cp bytes = 8S(N-1)/N per layer (12S(N-1)/N with recompute):
+
+        mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2,u2+naive,u2+drop,...
+    """
+    runs = ["u2", "u2+naive", "u2+drop", "u2+ckpt", "u2+naive+drop+ckpt", "u2+tiled+drop",
+            "u2+accum"]
+    out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
+    rows = _check_ulysses_rows(out, runs)
+    by = {r["run"]: r for r in rows}
+    assert by["u2+ckpt"]["losses"] == by["u2"]["losses"]              # recompute: bitwise
+    assert by["u2+ckpt"]["bytes_sent"] == 1.5 * by["u2"]["bytes_sent"]
+    assert by["u2+drop"]["losses"] != by["u2"]["losses"]              # dropout acted
+
+
+@pytest.mark.mpi
+def test_ulysses_cp4_and_compositions_are_exact(mpi):
+    """On 4 ranks: cp 4 (naive with dropout; tiled with recompute), cp 2 x dp 2 (DDP, ZeRO-1,
+    ZeRO-2 with dropout, ZeRO-3 with grad-accum and recompute), cp 2 x tp 2 (naive with
+    dropout; --sequence-parallel, also naive with dropout, and with dropout and recompute;
+    ZeRO-3, its sharded checkpoint loaded back into the same layout, ZeRO-1 and tp 2 x dp 2
+    without cp, and the next step's loss the same bit for bit):
+
+        mpiexec -n 4 python tests/scripts/ulysses_check.py --runs u4,u4+naive+drop,... \
+            --resume-runs u2xtp2+zero3
+    """
+    runs = ["u4", "u4+naive+drop", "u4+tiled+ckpt", "u2xdp2", "u2xdp2+zero1",
+            "u2xdp2+zero2+drop", "u2xdp2+zero3+accum+ckpt", "u2xtp2+naive+drop", "u2xtp2+sp",
+            "u2xtp2+sp+naive+drop", "u2xtp2+sp+drop+ckpt", "u2xtp2+zero3"]
+    out = mpi(4, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), "--resume-runs",
+              "u2xtp2+zero3", timeout=240)
+    rows = _check_ulysses_rows(out, runs)
+    reload = rows[-1]["reload"]
+    assert reload["param_diff"] < 1e-10 and reload["adam_diff"] < 1e-10
+    assert [reload["same"], reload["zero1"], reload["tp2xdp2+zero3"]] == ["bitwise"] * 3
+
+
+@pytest.mark.mpi
+def test_train_gpt_ulysses_matches_one_process_and_resumes_with_the_ring(corpus, tmp_path,
+                                                                        mpi):
+    """train_gpt.py --cp 2 --cp-attention ulysses logs one process's losses, val loss and
+    sample (float64) and says which attention ran; stopped at step 2, its checkpoint (nothing
+    of the attention in it) resumes under the ring, and on one process, to the same losses:
+
+        python examples/train_gpt.py --data CORPUS --dtype float64 ... --log-json one.jsonl
+        mpiexec -n 2 python examples/train_gpt.py --cp 2 --cp-attention ulysses ... \
+            --stop-at 2 --save ck
+        mpiexec -n 2 python examples/train_gpt.py --cp 2 ... --resume ck
+    """
+    import subprocess
+    import sys
+    from mpirun import device_flags, mpi_env
+    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache"]
+    one, cp = tmp_path / "one.jsonl", tmp_path / "cp.jsonl"
+
+    def single(*flags):
+        return subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
+                               *map(str, flags), *device_flags(mpi.device)], cwd=ROOT,
+                              env=mpi_env(), text=True, capture_output=True, check=True).stdout
+    ref = single("--log-json", one)
+    ulysses = ["--cp", "2", "--cp-attention", "ulysses"]
+    out = mpi(2, "examples/train_gpt.py", *common, *ulysses, "--log-json", cp,
+              timeout=120).stdout
+    assert "context parallel over 2 ranks (zigzag, ulysses attention)" in out
+    assert "Ulysses attention: an all-to-all per layer to 1 of the 2 heads over" in out
+    assert np.allclose(_losses(cp), _losses(one), rtol=0, atol=1e-10)
+    assert _sample(out) == _sample(ref)
+    mpi(2, "examples/train_gpt.py", *common, *ulysses, "--save", tmp_path / "ck", "--stop-at",
+        "2", timeout=120)
+    ring, alone = tmp_path / "ring.jsonl", tmp_path / "alone.jsonl"
+    mpi(2, "examples/train_gpt.py", *common, "--cp", "2", "--resume", tmp_path / "ck",
+        "--log-json", ring, timeout=120)
+    single("--resume", tmp_path / "ck", "--log-json", alone)
+    for back in (ring, alone):
+        assert len(_losses(back)) == 2                          # step 2 and the val loss
+        assert np.allclose(_losses(back), _losses(one)[2:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("model,layout_flags", [
+    (["--dropout", "0.1"], ["--cp", "2", "--pp", "2", "--schedule", "gpipe",
+                            "--ckpt-activations"]),
+    (["--dropout", "0.1"], ["--cp", "2", "--pp", "2", "--schedule", "zb-h1"]),
+    (["--moe-experts", "4"], ["--cp", "2", "--ep", "2"])], ids=["pp-gpipe-ckpt", "pp-zbh1",
+                                                              "moe-ep"])
+def test_train_gpt_ulysses_in_pipeline_stages_and_with_experts(corpus, tmp_path, mpi, model,
+                                                                layout_flags):
+    """Ulysses needs nothing of its own inside pipeline stages (each micro-batch runs in the
+    context's part, the all-to-alls in its blocks) or with MoE layers (they route over the
+    whole sequence by the context's positions, as under the ring): 4 ranks, float64, one
+    process's losses (the same `model` flags: dropout 0.1, or 4 experts):
+
+        mpiexec -n 4 python examples/train_gpt.py --cp 2 --pp 2 --cp-attention ulysses ...
+    """
+    import subprocess
+    import sys
+    from mpirun import device_flags, mpi_env
+    common = [*TINY, "--sample", "0", "--data", corpus, "--cache-dir", tmp_path / "cache",
+              *model]
+    one, mine = tmp_path / "one.jsonl", tmp_path / "mine.jsonl"
+    subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
+                    "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
+                   env=mpi_env(), text=True, capture_output=True, check=True)
+    out = mpi(4, "examples/train_gpt.py", *common, *layout_flags, "--cp-attention", "ulysses",
+              "--log-json", mine, timeout=120).stdout
+    assert "ulysses attention" in out
+    assert np.allclose(_losses(mine), _losses(one), rtol=0, atol=1e-10)
+
+
+@pytest.mark.mpi
+def test_ulysses_heads_not_dividing_is_one_error_line(mpi):
+    """mpiexec -n 2 python examples/train_gpt.py --cp 2 --cp-attention ulysses --n-head 3
+    --n-embd 48"""
+    out = mpi(2, "examples/train_gpt.py", "--cp", "2", "--cp-attention", "ulysses",
+              "--n-head", "3", "--n-embd", "48", timeout=60, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: context parallelism: ")
+    assert out.stderr.count("heads do not divide by --cp 2") == 1
+
+
+def test_cp_attention_flag_offers_what_the_context_runs():
+    """--cp-attention's choices (minidist/train/args.py keeps them literal: it is imported
+    before numpy is) are RingContext's ATTENTIONS, which the planner's search also tries."""
+    from minidist.cp.context import ATTENTIONS
+    from minidist.train.search import CP_ATTENTIONS
+    assert ATTENTIONS == CP_ATTENTIONS
+    assert "--cp-attention {" + ",".join(ATTENTIONS) + "}" in train_parser().format_help()
