@@ -22,7 +22,8 @@ Two classic ways a distributed program dies silently:
    that pdb ends the whole job (minidist/comm/rankpdb.py, which also runs a whole script
    under pdb on one rank: `python -m minidist.comm.rankpdb --rank R script.py`).
 
-Tests: tests/test_comm.py (collectives: mismatch; raise_on_one_rank_aborts; breakpoint_on).
+Tests: tests/test_comm.py (collectives: mismatch; breakpoint_on), tests/test_comm_failures.py
+(raise_on_one_rank_aborts).
 """
 import os
 import sys

@@ -23,7 +23,8 @@ A CUDA-aware MPI is handed cupy arrays themselves (staging.py), and reads them a
 call here waits for the queued kernels that write them first (`device_ready`; the float32
 copies are such kernels), as mpi4py's CuPy demo does before each MPI call. A no-op on numpy.
 
-Tests: tests/test_comm.py (ring and naive cross-checked against these), tests/test_bfloat16.py.
+Tests: tests/test_comm.py (ring and naive cross-checked against these), tests/test_bfloat16.py,
+tests/test_comm_cuda_aware.py (device_ready before every call).
 """
 from mpi4py import MPI
 

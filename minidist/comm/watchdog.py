@@ -21,7 +21,7 @@ rank ends the job through the launcher. All messages travel on the watchdog's ow
 of COMM_WORLD, so they can never be confused with the program's traffic. `abort_job` writes
 the message and waits a moment before MPI_Abort, so the launcher forwards it before it kills.
 
-Tests: tests/test_comm.py (exception, sys.exit and a blocked rank on one rank).
+Tests: tests/test_comm_failures.py (exception, sys.exit and a blocked rank on one rank).
 """
 import contextlib
 import os

@@ -1,4 +1,4 @@
-"""Small jobs for tests/test_comm.py that must run alone.
+"""Small jobs for tests/test_comm.py and tests/test_comm_failures.py that must run alone.
 
     mpiexec -n 4 python tests/scripts/comm_small.py abort   # rank 1 raises; the job must end
     mpiexec -n 4 python tests/scripts/comm_small.py exit    # rank 1 calls sys.exit(3)

@@ -1,0 +1,158 @@
+"""The communication layer when a rank fails: an exception, sys.exit or a death before MPI_Init
+on one rank ends the whole job, an asynchronous collective that fails names itself, and a
+collective or point-to-point that waits past the timeout names the op, the group and the
+missing ranks; ranks finishing at different times exit cleanly.
+
+Each starts mpiexec through tests/mpirun.py (with a timeout; a hang is a failure, not a stuck
+suite); each docstring gives the command to run it by hand.
+"""
+import time
+
+import pytest
+
+from minidist import comm
+from mpirun import mpi_env
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("repeat", range(3))
+def test_raise_on_one_rank_aborts(repeat, mpi):
+    """A raise on one rank ends the whole job quickly (MPI Abort), never a hang, and the
+    traceback always reaches the output (3 runs here; 20 of 20 by hand). By hand:
+    mpiexec -n 4 python tests/scripts/comm_small.py abort"""
+    start = time.monotonic()
+    out = mpi(4, "tests/scripts/comm_small.py", "abort", timeout=60, check=False)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "boom on rank 1" in out.stderr and "aborting the whole MPI job" in out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_sys_exit_on_one_rank_ends_the_job(mpi):
+    """sys.exit(3) on rank 1 while the others wait for it in an all_reduce: no exception hook
+    sees a SystemExit, the exit handler does; the job ends in seconds, naming the rank and
+    the collective. By hand: mpiexec -n 4 python tests/scripts/comm_small.py exit"""
+    start = time.monotonic()
+    out = mpi(4, "tests/scripts/comm_small.py", "exit", timeout=60, check=False)
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "world rank 1 exited" in out.stderr and "all_reduce #1" in out.stderr, out.stderr
+    assert out.stderr.count("world rank 1 exited") == 1, out.stderr    # by rank 0 alone
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_sys_exit_while_the_others_gather_objects_ends_the_job(mpi):
+    """The object collectives (checkpoint verdicts, the memory table's rows: ProcessGroup's
+    gather_object, all_gather_object, broadcast_object) are watched as the array ones are:
+    rank 1 exits while the others wait in one, and the job ends in seconds naming it (they
+    were raw mpi4py calls, where the others waited for ever). By hand:
+    mpiexec -n 3 python tests/scripts/comm_small.py rawexit"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "rawexit", timeout=60, check=False)
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "world rank 1 exited" in out.stderr and "all_gather_object #1" in out.stderr, \
+        out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_an_asynchronous_collective_that_fails_ends_the_job_naming_it(mpi):
+    """Rank 1's async all_reduce raises in the communication thread (a read-only buffer), and
+    the rank goes on to its next collective: the thread ends the job at once, naming the
+    operation and the error (it kept the error for a wait() that came too late, and rank 1's
+    next collective met the others still in the first: an MPI error naming neither). By
+    hand: mpiexec -n 3 python tests/scripts/comm_small.py asyncfail"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "asyncfail", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=20))
+    assert out.returncode != 0 and time.monotonic() - start < 15, out.stderr
+    assert "[rank 1] asynchronous all_reduce #1 on group 'world' failed on this rank" \
+        in out.stderr and "output array is read-only" in out.stderr, out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_an_exiting_rank_waits_for_a_straggler_only_up_to_the_timeout(mpi):
+    """Rank 0 exits while rank 1 is stuck where no watchdog looks (compute, or MPI outside a
+    ProcessGroup): rank 0 waits for it in its exit handler up to the timeout, then ends the
+    job saying so (it waited for ever). By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py straggler"""
+    start = time.monotonic()
+    out = mpi(2, "tests/scripts/comm_small.py", "straggler", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "[rank 0] this rank is exiting, and the others have not exited 3 s later" \
+        in out.stderr, out.stderr
+
+
+@pytest.mark.mpi
+def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
+    """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
+    ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump
+    naming the wait (the first one's always comes through: once it exits the launcher may
+    kill the rest before they print); the failing rank's own traceback comes through. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "preinit", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "rank 1 failed before MPI_Init" in out.stderr, out.stderr
+    assert 1 <= out.stderr.count("in _wait_in_mpi_init_for_every_rank") <= 2, out.stderr
+    assert "unreachable" not in out.stdout
+
+
+def test_a_sub_second_timeout_does_not_bound_mpi_init(monkeypatch):
+    """--comm-timeout 0.01 also bounded MPI_Init, which takes up to a second on a busy
+    machine: a healthy job was killed while it started (a stack dump, or only MPICH's
+    noise). MPI_Init now waits at least MPI_INIT_AT_LEAST_S; 0 still waits for ever, and a
+    timeout above the floor (the 3 s of the test above) is kept."""
+    monkeypatch.delenv("MINIDIST_COMM_TIMEOUT", raising=False)
+    assert comm.mpi_init_wait_s(0.01) == comm.MPI_INIT_AT_LEAST_S == 2.0
+    assert comm.mpi_init_wait_s(0) == 0 and comm.mpi_init_wait_s(3) == 3
+    assert comm.mpi_init_wait_s(None) == 600
+    # walk 37: "a big number for never" overflowed faulthandler's timer, a traceback per rank
+    import faulthandler
+    assert comm.mpi_init_wait_s(1e30) == comm.MPI_INIT_AT_MOST_S
+    faulthandler.dump_traceback_later(comm.mpi_init_wait_s(1e30), exit=True)
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.mpi
+def test_collective_timeout_names_op_group_and_missing_ranks(mpi):
+    """Rank 1 never reaches the all_reduce; with a 3 s timeout the others abort the job,
+    naming the op, the group and rank 1. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py block"""
+    start = time.monotonic()
+    out = mpi(3, "tests/scripts/comm_small.py", "block", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "all_reduce #1 on group 'world' (world ranks [0, 1, 2]) waited more than 3 s" \
+        in out.stderr, out.stderr
+    assert "MINIDIST_COMM_TIMEOUT" in out.stderr
+    assert "world ranks that did not arrive: [1]" in out.stderr
+    # once, by rank 0, the lowest waiting (walk 37: once per waiting rank)
+    assert out.stderr.count("waited more than 3 s") == 1, out.stderr
+
+
+@pytest.mark.mpi
+def test_point_to_point_timeout_names_the_peer(mpi):
+    """A pipeline's receive whose sender never comes: with a 3 s timeout the job aborts,
+    naming the peer. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py p2p"""
+    start = time.monotonic()
+    out = mpi(2, "tests/scripts/comm_small.py", "p2p", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0 and time.monotonic() - start < 30, out.stderr
+    assert "recv with rank 1 of group 'world' waited more than 3 s for world rank 1" \
+        in out.stderr, out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@pytest.mark.mpi
+def test_ranks_finishing_at_different_times_exit_cleanly(mpi):
+    """A clean finish is not an abort: rank 0 leaves 1.5 s after the others (which announce
+    their exit and wait for it). By hand: mpiexec -n 3 python tests/scripts/comm_small.py finish"""
+    out = mpi(3, "tests/scripts/comm_small.py", "finish", timeout=60)
+    assert all(f"rank {r} finished" in out.stdout for r in range(3)), out.stderr
+    assert "abort" not in out.stderr.lower()
