@@ -32,7 +32,7 @@ idle time: measure with one core per rank.
 Everything is checked before the first step: a default schedule or M that this model, batch
 or rank count cannot run is skipped with one `note:` line on stderr (stdout stays JSON lines);
 one given by --schedules or --micro-batches is one `error:` line, exit 2. Tested by
-tests/test_pipeline.py (test_bench_pipeline_*).
+tests/test_pipeline_train.py (test_bench_pipeline_*).
 """
 import json
 import statistics

@@ -14,7 +14,8 @@ the one-process format (minidist/strategy/checkpoint.py: plain dicts), read back
            state (its tp shard of them; under ZeRO its dp shards, under --ep its own experts:
            inner's load_whole_state), so a checkpoint from any pp x tp x dp (x ZeRO, x ep)
            layout resumes on any other, or on one process
-Tests: tests/test_pipeline.py, tests/test_pp_zero.py (resume with dropout),
+Tests: tests/test_pipeline.py, tests/test_pipeline_train.py (train_gpt's resume),
+tests/test_pp_zero.py (resume with dropout),
 tests/scripts/pp_check.py (--files), tests/test_ep_pp_checkpoint.py (ep x pp),
 tests/test_cp_pp.py (cp x pp: tests/scripts/cp_pp_check.py --files, train_gpt's resume).
 """
