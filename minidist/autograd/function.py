@@ -181,7 +181,7 @@ def backward_all(tensors, grads):
     not one per output, so each node's backward runs once with its gradients summed and each
     parameter's hooks fire once, when its gradient is complete (DDP, ZeRO rely on that).
     A pipeline stage uses it for its output's gradient and its MoE blocks' router losses
-    (minidist/pp/microbatches.py). Tests: tests/test_autograd.py."""
+    (minidist/pp/microbatches.py). Tests: tests/test_autograd_ops.py."""
     grads = tuple(xp_of(t.data).ones_like(t.data) if g is None else g
                   for t, g in zip(tensors, grads))
     _Join.apply(*tensors, grads=grads).backward()

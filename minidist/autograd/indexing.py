@@ -3,7 +3,7 @@ masked fill, embedding lookup, dropout. Re-exported by `ops`, so use them as `op
 
 Their backwards are the scatter half of a gather: the gradient of `a[index]` is zero
 everywhere except at the picked elements, where it adds up (an index picked twice gets
-both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd.py.
+both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd_ops.py.
 """
 from minidist import backend
 from minidist.autograd.dropout_keys import uniforms

@@ -10,7 +10,8 @@ Two rules every backward here follows:
   - return gradients shaped like the op's *output* broadcast; `Function._reduce_to` sums
     them back to each input's shape, the one place broadcasting is undone.
 `ctx.needs_input_grad[i]` says whether input i wants a gradient, so no work is done for
-constants. Tests: tests/test_gradcheck.py (every op), tests/test_autograd.py.
+constants. Tests: tests/test_gradcheck.py (every op), tests/test_autograd.py,
+tests/test_autograd_ops.py.
 """
 from minidist.autograd.function import Function
 from minidist.backend import is_float, matmul as _mm, xp_of

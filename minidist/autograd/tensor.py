@@ -252,7 +252,7 @@ def defer_weight_grads(weights):
         with defer_weight_grads(model.parameters()) as w:
             loss.backward()        # B: inputs' gradients only
         w.run()                    # W: the weights' .grad, the same numbers as one backward
-    Tests: tests/test_autograd.py (identical to a plain backward, and gradcheck)."""
+    Tests: tests/test_autograd_ops.py (identical to a plain backward, and gradcheck)."""
     queue = WeightGradQueue(weights)
     _deferring.append(queue)
     try:
