@@ -24,7 +24,7 @@ checkpoint if it holds one, else None (start fresh), so a requeued job reruns on
 check_save(save, resume, overwrite) refuses, before any work, a --save directory whose newest
 checkpoint is newer than where this run starts (a fresh run: any checkpoint), since this run's
 saves would replace it and prune would delete it; --overwrite allows it.
-Tests: tests/test_checkpoint.py, tests/test_cli_runs.py.
+Tests: tests/test_checkpoint_dirs.py, tests/test_cli_runs.py.
 """
 import fcntl
 import json

@@ -21,7 +21,7 @@ MPI, so it can run on a thread while the next steps train (--async-save, as Mega
 A synchronous save is the three in a row (save_now); the loop's --async-save starts the write
 on a thread and commits at a later step boundary once every rank's files are written
 (minidist/train/saves.py). A process killed before commit leaves only `.tmp-*`, which the next
-begin removes. Tests: tests/test_checkpoint.py, tests/test_async_save.py.
+begin removes. Tests: tests/test_checkpoint_dirs.py, tests/test_async_save.py.
 """
 import json
 import os
