@@ -15,7 +15,7 @@ warmup-stable-decay (MiniCPM, Hu et al. 2024; the 1-sqrt cooldown of Hagele et a
 Cosine's rate at every step depends on the run's length; WSD's does only in the last `decay`
 steps, so a run saved before its decay began can be extended (--resume with a larger --steps)
 into exactly the run that longer --steps would have trained from the start
-(tests/test_train.py). Both are pure functions of the step: a resumed run needs nothing but
+(tests/test_train_resume.py). Both are pure functions of the step: a resumed run needs nothing but
 the step.
 Tests: tests/test_optim.py.
 """

@@ -11,7 +11,7 @@ what this run does differently from the one that saved it (loop.py calls `resume
                       before its decay is the longer run, and says nothing), the checkpoint's
                       pipeline schedule, and a learning rate that jumps over twice the
                       checkpoint's last (_lr_jump; for wsd the checkpoint that extends it)
-Tests: tests/test_train.py (the notes, the wsd extension), tests/test_moe_bias.py.
+Tests: tests/test_train_resume.py (the notes, the wsd extension), tests/test_moe_bias.py.
 """
 import os
 
