@@ -316,7 +316,7 @@ def test_the_ranks_agree_on_the_16_bit_type_or_are_refused():
     the world, and a job whose devices differ (CPU and GPU ranks under --device auto) is one
     error naming the ranks: their 16-bit gradients would have been summed bit pattern
     against bit pattern, silently. (The collective itself runs in every multi-rank --amp
-    test: tests/test_expert_parallel.py, tests/test_pp_zero.py, ...)"""
+    test: tests/test_ep_exact.py, tests/test_pp_zero.py, ...)"""
     from minidist.train.cli import UsageError
     from minidist.train.strategy import agreed_half_dtype, amp_dtype
     assert agreed_half_dtype(["float16"] * 4) == "float16"

@@ -3,7 +3,7 @@ examples/train_gpt.py: one process's format (every stage's experts, from every e
 gathered: minidist/ep/checkpoint.py inside minidist/pp/checkpoint.py), loaded on other
 layouts, and a resume that repeats the straight run. The exactness of ep x pp checkpoints
 against one process, step by step: the ep2xpp2...+ckpt runs of tests/scripts/ep_check.py in
-tests/test_expert_parallel.py."""
+tests/test_ep_exact.py."""
 import subprocess
 import sys
 
@@ -13,7 +13,7 @@ from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.strategy import checkpoint
 from mpirun import ROOT, device_flags, mpi_env
-from test_expert_parallel import TINY, _rows
+from tests.ep_cases import TINY, _rows
 
 
 def _one_process(common, log, mpi, *flags):

@@ -14,7 +14,7 @@ checkpoint.py), so a run saved on any --ep (with DDP or ZeRO-k, with or without 
 With --tp, TensorParallel (minidist/tp/strategy.py) calls these as its inner's and gathers
 (shards) the tensor-parallel pieces around them, as for a pipeline's stages.
 Tests: tests/scripts/ep_check.py (the +ckpt runs: resume bit-identical, one process
-continues to 1e-10), tests/test_expert_parallel.py.
+continues to 1e-10), tests/test_ep_exact.py.
 """
 from minidist import backend
 from minidist.ep.optim import DenseAndExperts

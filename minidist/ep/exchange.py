@@ -17,7 +17,7 @@ expert; `ExpertExchange.run` then does, on every rank of the ep group:
 Backward runs through the same steps in reverse: AllToAll's backward is the all-to-all the
 other way round, the reorders are index gathers. Every rank of the ep group must call `run`
 together (once per MoE layer, in the same order; backward likewise).
-Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
+Tests: tests/test_expert_parallel.py, tests/test_ep_exact.py (tests/scripts/ep_check.py).
 """
 import numpy as np
 

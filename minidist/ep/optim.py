@@ -25,7 +25,7 @@ Mixed precision (--amp): ZeRO's clip over the dense shards takes the verdict on 
 norm (an inf or nan anywhere is in every rank's sum); the experts take the same factor
 (LossScaler.verdict) and step only if ZeRO's step did (the scaler is updated once).
 Tests: tests/scripts/ep_check.py (runs ep2xdp2+zero1/2/3, ep2xtp2+zero*, +amp, +ckpt),
-tests/test_expert_parallel.py.
+tests/test_ep_exact.py.
 """
 from minidist.optim.clip import clip_grad_norm
 from minidist.zero.flat import FlatUnit

@@ -51,7 +51,7 @@ edp are dp x cp ranks (expert_groups).
 --comm nccl: the all-to-alls are NCCL's grouped sends and receives, the routing's host ids
 MPI's (minidist/comm/nccl.py; not run: NCCL needs a GPU per rank). Refused: E not a multiple
 of ep.
-Tests: tests/test_expert_parallel.py, tests/scripts/ep_check.py.
+Tests: tests/test_expert_parallel.py, tests/test_ep_exact.py (tests/scripts/ep_check.py).
 """
 import contextlib
 

@@ -30,7 +30,7 @@ gradients of its own tokens are summed by `shared`): factor 1.
 Calls and bytes per MoE layer forward (host ints and the sums; nothing in backward; a
 recompute under --ckpt-activations runs the forward's again): `split_calls`.
 Tests: tests/scripts/ep_check.py (the SP / CP runs against one process in float64: the same
-drops, the calls and bytes of split_calls; tests/test_expert_parallel.py), SequenceSum's
+drops, the calls and bytes of split_calls; tests/test_ep_exact.py), SequenceSum's
 gradient across 2 ranks (tests/scripts/moe_split_check.py; tests/test_moe.py).
 """
 import numpy as np

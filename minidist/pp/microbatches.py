@@ -23,7 +23,7 @@ A Mixture of Experts: the router losses of the MoE blocks on a chunk that does n
 model (`router[(chunk, i)]`) are part of the loss, so that chunk's backward starts from its
 output's gradient and from them, seeded as the last stage seeds the loss (`scale_loss`), in
 one pass (autograd's backward_all); their values (`router_values`) are added to the loss
-the strategy reports. Tests: tests/test_pipeline.py, tests/test_expert_parallel.py.
+the strategy reports. Tests: tests/test_pipeline.py, tests/test_ep_exact.py.
 """
 import contextlib
 

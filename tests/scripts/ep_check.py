@@ -23,7 +23,7 @@ does steps 3-4 bit-identically (losses, norms, every parameter), and one process
 follows to --tol (resume_diffs). A run with +amp trains float32 with float16 --amp against
 one process's --amp (to float16's rounding), an inf put into one expert's gradient on one
 rank at step 2 (and in one process): every rank skips that step, as one process does.
-Rank 0 prints `RESULT {json}` lines for tests/test_expert_parallel.py. Any failure raises
+Rank 0 prints `RESULT {json}` lines for tests/test_ep_exact.py. Any failure raises
 and aborts the job.
 """
 import argparse
