@@ -10,7 +10,7 @@ text the tokenizer never saw; it prints the bytes per token on both parts (the c
 The algorithm: minidist/train/bpe_train.py: GPT-2's pre-tokenization, then the most
 frequent adjacent pair merged, merge after merge; `<|endoftext|>` is the last token. The
 folder it writes holds vocab.json and merges.txt in GPT-2's format.
-Tests: tests/test_bpe.py (test_a_trained_tokenizer_trains_samples_and_exports).
+Tests: tests/test_bpe_train.py (test_a_trained_tokenizer_trains_samples_and_exports).
 """
 import sys
 import time

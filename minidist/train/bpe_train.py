@@ -8,7 +8,7 @@ training is deterministic. Pair counts are kept up to date through the pieces ea
 touches (an index pair -> pieces, a heap of counts with stale entries skipped), not counted
 again per merge. `write_tokenizer` writes the two files as GPT-2's are written, so a trained
 tokenizer loads as GPT-2's does (and Hugging Face's GPT2Tokenizer reads it).
-Tests: tests/test_bpe.py.
+Tests: tests/test_bpe_train.py.
 """
 import collections
 import heapq
