@@ -12,8 +12,6 @@ test's docstring gives the command to run it by hand. How it works: minidist/pp/
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.pp.schedule import split_layers
-from minidist.pp.stage import GPTStage
 from minidist.strategy import checkpoint
 from minidist.strategy.base import SingleProcess
 from minidist.train.amp import MixedPrecision
@@ -42,27 +40,28 @@ def test_zero_with_every_schedule_is_accepted(zero, schedule):
     assert check_layout(args, 4) == (2, 4)          # (dp, micro-batches): no UsageError
 
 
-def test_tied_wte_is_a_unit_of_its_own_cut_alike_on_first_and_last_stage():
-    """ZeRO's units of a first and a last stage (a one-rank stand-in for the pp group, as in
-    tests/test_pipeline.py): wte alone in its own unit, with the same layout and the same
-    shard bounds on every dp rank, so the two stages' shards hold the same elements; the
-    whole model keeps wte in its root unit, and a middle stage has blocks only."""
-    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=30)
+@pytest.mark.mpi
+def test_tied_wte_is_a_unit_of_its_own_cut_alike_on_first_and_last_stage(mpi):
+    """ZeRO's units of a first, a middle and a last stage (each built on its rank of a real
+    pp group of 3): wte alone in its own unit, with the same layout and the same shard bounds
+    on every dp rank, so the two stages' shards hold the same elements; the whole model
+    keeps wte in its root unit, and a middle stage has blocks only.
 
-    class Group:
-        def __init__(self, rank):
-            self.rank, self.size = rank, 3
-    stages = [GPTStage(config, Group(s), split_layers(3, 3)[s]) for s in range(3)]
-    assert [len(st.tied_copies()) for st in stages] == [1, 0, 1]
+        mpiexec -n 3 python tests/scripts/pp_stages_check.py --n-layer 3"""
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=30)
+    out = mpi(3, "tests/scripts/pp_stages_check.py", "--n-layer", "3", timeout=120)
+    stages = tagged_json(out, "STAGES")[0]["stages"]
+    assert [st["tied_copies"] for st in stages] == [1, 0, 1]
     for r in range(4):                                  # dp rank r of 4
-        first, middle, last = (gpt_units(st, 4, r, apart=st.tied_copies()) for st in stages)
-        wte = [next(u for u in units if u.names == ["transformer.wte.weight"])
+        first, middle, last = (st["units"][r] for st in stages)
+        wte = [next(u for u in units if u["names"] == ["transformer.wte.weight"])
                for units in (first, last)]
-        assert wte[0].layout() == wte[1].layout()
-        assert (wte[0].lo, wte[0].hi) == (wte[1].lo, wte[1].hi) == (r * 120, (r + 1) * 120)
-        assert first[0].names == ["transformer.wpe.weight"]
-        assert last[0].names == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
-        assert all(u.module is not None for u in middle)
+        assert wte[0]["layout"] == wte[1]["layout"]
+        assert (wte[0]["lo"], wte[0]["hi"]) == (wte[1]["lo"], wte[1]["hi"]) == \
+            (r * 120, (r + 1) * 120)
+        assert first[0]["names"] == ["transformer.wpe.weight"]
+        assert last[0]["names"] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+        assert all(u["module"] for u in middle)
     whole = GPT(config)
     assert whole.tied_copies() == []
     assert "transformer.wte.weight" in gpt_units(whole, 4, 0, apart=[])[0].names
