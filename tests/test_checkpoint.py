@@ -181,6 +181,13 @@ def test_config_mismatch_names_the_fields(tmp_path):
     dense = GPT(TINY)
     with pytest.raises(CheckpointError, match=r"\): moe_experts: 2 in the checkpoint, 0 here \("):
         load_checkpoint(tmp_path / "moe", dense)
+    # another optimizer alone: said so, without the model flags' hint (first-use walk 39)
+    from minidist.optim import SGD
+    with pytest.raises(CheckpointError, match=r"\): optimizer: AdamW in the checkpoint, SGD "
+                       r"here \(--amp must match\); one optimizer's state is not another's: "
+                       r"load it into AdamW, or start the new optimizer from the model "
+                       r"alone \(train_gpt.py --init-from\)$"):
+        load_checkpoint(tmp_path / "ck", model, SGD(model.named_parameters()))
 
 
 @pytest.mark.parametrize("fmt", ["plain", "zero"])

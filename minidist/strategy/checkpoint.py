@@ -276,6 +276,11 @@ def check_fits(folder, meta, config, dtype, optimizer_type=None):
     if optimizer_type is not None and meta["optimizer"] != optimizer_type:
         diffs.append(f"optimizer: {meta['optimizer']} in the checkpoint, {optimizer_type} "
                      "here (--amp must match)")
+        if len(diffs) == 1:         # (walk 39: the hint on model flags read oddly here)
+            raise CheckpointError(f"checkpoint config mismatch ({folder}): {diffs[0]}; one "
+                                  "optimizer's state is not another's: load it into "
+                                  f"{meta['optimizer']}, or start the new optimizer from the "
+                                  "model alone (train_gpt.py --init-from)")
     if diffs:
         data = ("; vocab_size follows --data (and --init-from): give the data it was trained "
                 "on" if theirs.get("vocab_size") != ours.get("vocab_size") else "")
