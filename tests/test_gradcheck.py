@@ -316,7 +316,7 @@ CHECKED_ELSEWHERE = {
     "minidist.nn.moe.IndexAddRows": "tests/test_moe.py::test_gradcheck_index_add_rows",
     "minidist.nn.moe_split.SequenceSum": "tests/test_moe.py::test_gradcheck_sequence_sum",
     "minidist.zero.stage3.BeforeBackward":
-        "tests/test_zero.py::test_before_backward_gradcheck_calls_its_function_first",
+        "tests/test_zero_hooks.py::test_before_backward_gradcheck_calls_its_function_first",
     **{f"minidist.tp.{name}": "tests/test_tensor_parallel.py::"
        "test_two_ranks_gradchecks_exactness_memory_traffic_refusals"     # (tp_check.py)
        for name in ("gathered.GatheredLinear", "layers.VocabParallelCrossEntropy",

@@ -1,11 +1,11 @@
 """ZeRO: the flat layout in-process, then N ranks under mpiexec against one process in float64
-(stages 1, 2, 3), the memory ledger and bytes per step against theory, and sharded checkpoints
-resharded across world sizes and stages.
+(stages 1, 2, 3, hybrid sharding, overlapped parameter gathers), the memory ledger and bytes
+per step against theory. Sharded checkpoints: tests/test_zero_checkpoint.py; ZeRO-3 through
+the model's block hooks: tests/test_zero_hooks.py.
 
-The distributed checks run tests/scripts/zero_check.py and zero_ckpt_check.py, which batch many
-comparisons into one mpiexec start; each test's docstring gives the command to run it by hand.
+The distributed checks run tests/scripts/zero_check.py, which batches many comparisons into one
+mpiexec start; each test's docstring gives the command to run it by hand.
 """
-import json
 import os
 import subprocess
 import sys
@@ -13,18 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from minidist.backend import to_host as H
 from minidist.nn import GPT
-from minidist.nn.gpt import BlockHooks
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.strategy import memory
-from minidist.strategy.checkpoint import CheckpointError, load_checkpoint
-from minidist.train.step import train_step
-from minidist.strategy.base import SingleProcess
 from mpirun import ROOT, tagged_json
-
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-from zero_check import CONFIG, SEED, batch  # noqa: E402
+from tests.zero_cases import CONFIG
 
 
 class P:
@@ -195,207 +188,3 @@ def test_overlapped_parameter_gathers_equal_one_process(mpi):
     for r in results:
         assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) < 1e-10, r
         assert 0 <= r["gathers_in_flight"] <= r["units"], r   # 4 of 5 measured here
-
-
-def test_sharded_checkpoint_reshards_4_stage3_to_1_process_and_2_ranks_stage1(tmp_path, mpi):
-    """Save at 4 ranks, ZeRO-3 (resume bitwise; a missing and a mismatched shard fail on every
-    rank, named); load in one process (bitwise), step, save plain; load at 2 ranks, ZeRO-1
-    (bitwise, the same step to 1e-10), and the plain checkpoint into ZeRO-2 (bitwise):
-
-        mpiexec -n 4 python tests/scripts/zero_ckpt_check.py --save /tmp/z --stage 3
-        (one process: this test's middle part)
-        mpiexec -n 2 python tests/scripts/zero_ckpt_check.py --load /tmp/z --stage 1
-    """
-    d = str(tmp_path)
-    out = mpi(4, "tests/scripts/zero_ckpt_check.py", "--save", d, "--stage", "3",
-              timeout=300)
-    saved, = tagged_json(out)
-    assert saved["resume_bitwise"] and "shard-00002-of-00004" in saved["missing"]
-    assert "shard-00001-of-00004" in saved["mismatch"] and "checksum" in saved["mismatch"]
-    expected = np.load(os.path.join(d, "expected.npz"))
-    one_process_from_sharded(d, expected)
-    pretrained = GPT.from_pretrained(os.path.join(d, "pretrained"))      # float32 files
-    assert all(np.array_equal(H(p.data), expected[n].astype(np.float32))
-               for n, p in pretrained.named_parameters())
-    out = mpi(2, "tests/scripts/zero_ckpt_check.py", "--load", d, "--stage", "1",
-              timeout=300)
-    loaded, = tagged_json(out)
-    assert loaded["reshard_bitwise"] and loaded["step_diff_vs_1proc"] < 1e-10
-
-
-def one_process_from_sharded(d, expected):
-    """The 4-rank ZeRO-3 checkpoint in one process: the same parameters; one step; saved as
-    DIR/after_1proc.npz and the plain checkpoint DIR/plain for the 2-rank part."""
-    from types import SimpleNamespace
-    args = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
-                           batch_size=8, log_json=None, optimizer="adamw")
-    strategy = SingleProcess()
-    model = strategy.build_model(CONFIG, SEED, "float64")
-    opt = strategy.build_optimizer(model, args)
-    state = strategy.load(os.path.join(d, "ckpt"), model, opt)
-    assert state["step"] == 2
-    assert all(np.array_equal(H(p.data), expected[n]) for n, p in model.named_parameters())
-    train_step(strategy, model, opt, *batch(2, args.batch_size), args)
-    np.savez(os.path.join(d, "after_1proc.npz"),
-             **{n: H(p.data) for n, p in model.named_parameters()})
-    strategy.save(os.path.join(d, "plain"), model, opt, 3, {}, {})
-    with pytest.raises(CheckpointError, match="shard-00002-of-00004.*missing"):
-        load_checkpoint(os.path.join(d, "missing"), model, opt)
-
-
-def test_train_gpt_zero3_log_table_and_resume_at_2_ranks_zero1(tmp_path, mpi):
-    """The script end to end, float64: 4 ranks at ZeRO-3 log `mem` and print the memory
-    table; stopped at step 2 and resumed on 2 ranks at ZeRO-1, the losses continue as if
-    uninterrupted; the same with hybrid sharding (--zero-shard 2) saved and resumed as plain
-    ZeRO-2, and the plain checkpoint resumed hybrid:
-
-        mpiexec -n 4 python examples/train_gpt.py --zero 3 --dtype float64 --log-json a.jsonl
-        mpiexec -n 4 python examples/train_gpt.py --zero 3 --stop-at 2 --save ckpt
-        mpiexec -n 2 python examples/train_gpt.py --zero 1 --resume ckpt --log-json c.jsonl
-    (with the tiny model and data flags below)"""
-    corpus = tmp_path / "code.py"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(300)))
-    flags = ["--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-             "--batch-size", "8", "--steps", "4", "--eval-every", "0", "--eval-iters", "1",
-             "--sample", "0", "--dtype", "float64", "--data", str(corpus),
-             "--cache-dir", str(tmp_path / "cache")]
-    a, c, ckpt = tmp_path / "a.jsonl", tmp_path / "c.jsonl", str(tmp_path / "ckpt")
-    out = mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--log-json", a,
-              timeout=300)
-    assert "memory per rank, ZeRO stage 3" in out.stdout and "rank 3" in out.stdout
-    # first-use walks 28, 29: the paper's 3(N-1)/N named beside the measured ratio; over one
-    # rank "0.00 MiB sent ... (0.00 x; DDP sends 2(N-1)/N = 0.00 x)"
-    assert ("x; per micro-batch, the paper's ZeRO-3 3(N-1)/N = 2.25 x less the last two "
-            "blocks'") in out.stdout
-    one = subprocess.run([sys.executable, "examples/train_gpt.py", *flags, "--zero", "2",
-                          "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    assert "ZeRO-2 over 1 rank: nothing sent, the one rank owns every shard" in one, one
-    mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--stop-at", "2", "--save",
-        ckpt, timeout=300)
-    mpi(2, "examples/train_gpt.py", *flags, "--zero", "1", "--resume", ckpt,
-        "--log-json", c, timeout=300)
-    rows = [json.loads(line) for line in open(a)][:-1]
-    assert set(rows[-1]["mem"]) >= {"params", "grads", "optimizer", "activations", "total"}
-    resumed = [json.loads(line) for line in open(c)][:-1]
-    assert [r["step"] for r in resumed] == [2, 3]
-    assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in resumed)
-    # hybrid sharding: 2 replicas of 2 shards each, stopped at step 2, resumed at 4 ranks
-    # under plain ZeRO-2; and the plain ZeRO-3 checkpoint resumed as hybrid ZeRO-3
-    h, hc, hckpt = tmp_path / "h.jsonl", tmp_path / "hc.jsonl", str(tmp_path / "hckpt")
-    out = mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--zero-shard", "2",
-              "--stop-at", "2", "--save", hckpt, "--log-json", h, timeout=300)
-    assert "ZeRO stage 3 over 2 ranks, replicated x 2" in out.stdout
-    assert "4 ranks, each replica sharded over 2: the ZeRO paper's" in out.stdout
-    assert "across the shard groups" in out.stdout
-    mpi(4, "examples/train_gpt.py", *flags, "--zero", "2", "--resume", hckpt, "--log-json", hc,
-        timeout=300)
-    back = tmp_path / "back.jsonl"
-    mpi(4, "examples/train_gpt.py", *flags, "--zero", "3", "--zero-shard", "2", "--resume",
-        ckpt, "--log-json", back, timeout=300)
-    hybrid = [json.loads(line) for line in open(h)][:-1]
-    assert [r["step"] for r in hybrid] == [0, 1]
-    for run in (hybrid, [json.loads(line) for line in open(hc)][:-1],
-                [json.loads(line) for line in open(back)][:-1]):
-        assert all(abs(r["loss"] - rows[r["step"]]["loss"]) < 1e-9 for r in run), run
-
-
-# ---- ZeRO-3 through the model's block hooks (in process, one-rank groups) -----------------
-
-class Recorder(BlockHooks):
-    """Block hooks that write down each call, in the order the model makes them."""
-
-    def __init__(self):
-        self.calls = []
-
-    def before_root(self):
-        self.calls.append("root")
-
-    def before_block(self, i):
-        self.calls.append(f"before {i}")
-
-    def after_block(self, i, y):
-        self.calls.append(f"after {i}")
-        return y
-
-
-@pytest.mark.parametrize("ckpt", [False, True])
-def test_gpt_calls_its_block_hooks_around_each_block(ckpt):
-    model = GPT(CONFIG, seed=0, dtype="float64").set_checkpointing(ckpt)
-    x = batch(0, 2)[0]
-    plain = float(model(x)[0].data.sum())
-    hooks = Recorder()
-    model.set_block_hooks(hooks)
-    assert float(model(x)[0].data.sum()) == plain
-    blocks = [f"{k} {i}" for i in range(CONFIG.n_layer) for k in ("before", "after")]
-    assert hooks.calls == ["root"] + blocks + ["root"]               # embed, blocks, head
-    assert type(model.set_block_hooks(None).block_hooks) is BlockHooks
-
-
-def one_rank(name):
-    from mpi4py import MPI
-    from minidist.comm import ProcessGroup
-    return ProcessGroup(MPI.COMM_SELF, name=name)
-
-
-def zero3_models():
-    """(name, model builder) for each model class ZeRO-3 wraps: GPT, the tensor-parallel GPT
-    and a pipeline stage holding every block (tp and pp groups of one rank)."""
-    from minidist.pp.stage import GPTStage
-    from minidist.tp.model import TensorParallelGPT
-    return [("gpt", lambda: GPT(CONFIG, SEED, "float64")),
-            ("tp", lambda: TensorParallelGPT(CONFIG, one_rank("tp"), SEED, "float64")),
-            ("pp", lambda: GPTStage(CONFIG, one_rank("pp"), range(CONFIG.n_layer), SEED,
-                                    "float64"))]
-
-
-@pytest.mark.parametrize("kind", ["gpt", "tp", "pp"])
-@pytest.mark.parametrize("ckpt", [False, True])
-def test_zero3_gathers_in_block_hooks_and_matches_the_plain_model(kind, ckpt):
-    """ZeRO-3 on a one-rank group: the engine is the model's block hooks and no method of the
-    model or its blocks is replaced; outside a gather the parameters are NaN placeholders;
-    loss, gradient shards and samples equal the unsharded model's bit for bit (the backward
-    re-gathers block 0 after block 2 took its buffer, or its gradients would be wrong)."""
-    from minidist.zero.engine import zero_engine
-    build = dict(zero3_models())[kind]
-    ref, model = build().set_checkpointing(ckpt), build().set_checkpointing(ckpt)
-    engine = zero_engine(model, one_rank("dp"), 3)
-    assert model.block_hooks is engine
-    for m in [model] + list(model.transformer.h):
-        assert not {"forward", "embed", "head"} & set(vars(m)), type(m)
-    assert all(np.isnan(p.data).all() for p in model.parameters())
-    x, y = batch(0, 4)
-
-    def loss_of(m):
-        return m.stage_forward(None, x, y) if kind == "pp" else m(x, y)[1]
-
-    want, got = loss_of(ref), loss_of(model)
-    assert float(got.data) == float(want.data)
-    want.backward()
-    got.backward()
-    engine.sync_grads()
-    grads = dict(ref.named_parameters())
-    for u in engine.units:
-        expected = u.flat.flatten([grads[n].grad for n in u.flat.names])
-        assert np.array_equal(H(u.grad_shard), H(expected)), u.flat.name
-    engine.free()
-    assert all(np.isnan(p.data).all() for p in model.parameters())
-    assert np.array_equal(H(model.generate(x[:, :2], 3, seed=1)),
-                          H(ref.generate(x[:, :2], 3, seed=1)))
-
-
-def test_before_backward_gradcheck_calls_its_function_first():
-    """ZeRO-3's BeforeBackward (a block's output: its backward gathers the block's
-    parameters before any of the block's ops runs) is the identity, its gradient checked
-    against central differences, float64, and calls its function once per backward."""
-    from minidist.autograd import Tensor
-    from minidist.autograd.gradcheck import gradcheck
-    from minidist.zero.stage3 import BeforeBackward
-    calls = []
-    x = Tensor(np.random.default_rng(7).standard_normal((3, 4)), requires_grad=True)
-    gradcheck(lambda t: BeforeBackward.apply(t, lambda: calls.append(1)) * t, [x],
-              name="BeforeBackward")
-    assert calls
-    calls.clear()
-    (BeforeBackward.apply(x, lambda: calls.append(1)) * 2.0).sum().backward()
-    assert calls == [1]

@@ -11,8 +11,8 @@
 The format of the shards: minidist/zero/checkpoint.py, which writes them; this module sits
 below the strategy packages so that checkpoint.load (one process, DDP, TP, PP) reads ZeRO's
 and TP x ZeRO's checkpoints too without importing minidist/zero/ or minidist/tp/.
-Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py), tests/test_tensor_parallel.py
-and tests/test_layout_sweep.py (TP x ZeRO's parts).
+Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero_checkpoint.py),
+tests/test_tensor_parallel.py and tests/test_layout_sweep.py (TP x ZeRO's parts).
 """
 import hashlib
 import math

@@ -31,7 +31,7 @@ state.json by its checksum); a shard's checksum is checked by the rank that read
 are agreed on before anyone acts: the ranks all-gather their verdicts, and if any rank failed,
 every rank raises the same CheckpointError naming the file and the rank that found it.
 Nobody waits in a collective.
-Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero.py).
+Tests: tests/scripts/zero_ckpt_check.py (run by tests/test_zero_checkpoint.py).
 """
 import os
 

@@ -35,7 +35,7 @@ rows, the loss and the memory table stay over the whole dp group, the clip's sum
 shard group; the first group writes the checkpoints (README.md, "Hybrid sharding"). Under
 --cp the group is dp x cp, so a shard group is made of neighbouring cp ranks first; under
 --tp TensorParallel writes its parts from the first shard group (writes_checkpoint).
-Tests: tests/test_zero.py.
+Tests: tests/test_zero.py, tests/test_zero_checkpoint.py, tests/test_zero_hooks.py.
 """
 import math
 

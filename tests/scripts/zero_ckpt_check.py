@@ -1,7 +1,8 @@
 """Sharded checkpoints under mpiexec: save, resume, reshard, and errors agreed on every rank.
 
     mpiexec -n 4 python tests/scripts/zero_ckpt_check.py --save /tmp/z --stage 3
-    python -c "..."   (tests/test_zero.py: one process loads /tmp/z/ckpt, steps, saves plain)
+    python -c "..."   (tests/test_zero_checkpoint.py: one process loads /tmp/z/ckpt, steps,
+                       saves plain)
     mpiexec -n 2 python tests/scripts/zero_ckpt_check.py --load /tmp/z --stage 1
 
 --save DIR: 2 steps at --stage, then DIR/ckpt (sharded), DIR/expected.npz (the full parameters,
