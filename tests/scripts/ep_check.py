@@ -23,6 +23,8 @@ does steps 3-4 bit-identically (losses, norms, every parameter), and one process
 follows to --tol (resume_diffs). A run with +amp trains float32 with float16 --amp against
 one process's --amp (to float16's rounding), an inf put into one expert's gradient on one
 rank at step 2 (and in one process): every rank skips that step, as one process does.
+A run on a sequence split over ranks (--cp, --sequence-parallel: tests/scripts/ep_split.py)
+also counts the MoE layers' sequence exchange on the tp and cp groups against split_calls.
 Rank 0 prints `RESULT {json}` lines for tests/test_ep_exact.py. Any failure raises
 and aborts the job.
 """
@@ -37,12 +39,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import batch, run_steps, start, whole_params  # noqa: E402
+from ep_split import SPLIT, split_counted, split_traffic  # noqa: E402
 
 from minidist import backend  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.ep.exchange import exchange_bytes  # noqa: E402
-from minidist.nn.moe_split import split_calls  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.moe_cost import expert_units  # noqa: E402
@@ -115,25 +117,7 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
         "ep2xpp2xdp2+zero1": ["--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
         "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
-# a sequence split over ranks (minidist/nn/moe_split.py): sequence parallelism, context
-# parallelism (zig-zag, naive), both; routing and losses over the whole sequence
-SPLIT = {"ep1xtp2+sp": ["--tp", "2", "--sequence-parallel"],
-         "ep1xtp2+sp+drop": ["--tp", "2", "--sequence-parallel", "--dropout", "0.1"],
-         "ep1xcp2": ["--cp", "2"], "ep1xcp2+naive": ["--cp", "2", "--cp-split", "naive"],
-         "ep1xcp2+drop+recompute": ["--cp", "2", "--dropout", "0.1", "--ckpt-activations"],
-         "ep2xcp2": ["--cp", "2"],
-         "ep2xcp2+naive+drop": ["--cp", "2", "--cp-split", "naive", "--dropout", "0.1"],
-         "ep2xcp2+zero1": ["--cp", "2", "--zero", "1"],
-         "ep1xtp2+sp+zero3": ["--tp", "2", "--sequence-parallel", "--zero", "3"],
-         "ep1xcp2+zero3+accum": ["--cp", "2", "--zero", "3", "--grad-accum", "2"],
-         "ep2xcp2+amp": ["--cp", "2", "--amp", "--dtype", "float32"],
-         "ep2xtp2+sp": ["--tp", "2", "--sequence-parallel"],
-         "ep1xcp2xtp2+sp": ["--cp", "2", "--tp", "2", "--sequence-parallel"],
-         "ep1xcp2xpp2": ["--cp", "2", "--pp", "2", "--micro-batches", "2"],
-         "ep2xcp2xtp2+sp": ["--cp", "2", "--tp", "2", "--sequence-parallel"],       # 8 ranks
-         "ep2xcp2xtp2+sp+zero3+drop": ["--cp", "2", "--tp", "2", "--sequence-parallel",
-                                       "--zero", "3", "--dropout", "0.1"],
-         "ep2xcp2xdp2+zero2": ["--cp", "2", "--dp", "2", "--zero", "2"]}
+# a sequence split over ranks (SPLIT, and the checks of its exchange): ep_split.py
 RUNS.update(SPLIT)
 AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
@@ -225,62 +209,6 @@ def resume_diffs(args, config, comm):
         diff[i] = float(np.max([diff[i]] + [np.abs(v.astype(np.float64) - other[n]).max()
                                             for n, v in pa.items()]))
     return diff
-
-
-def split_traffic(args, config, strategy):
-    """(calls, bytes) one rank makes and sends, summed over a run, on the tp and cp groups for
-    the MoE layers' sequence exchange (minidist/nn/moe_split.py split_calls; the ring's bytes:
-    minidist/comm/ring.py ring_bytes), every forward counted (a recompute's too)."""
-    from minidist.comm.ring import ring_bytes
-    mesh, pp = strategy.mesh, args.pp
-    B, m = forward_rows(args, strategy)
-    tp = args.tp if args.sequence_parallel else 1
-    n = config.block_size // args.cp // tp
-    stage = strategy.stage.link.stage if pp > 1 else 0
-    moe = sum(config.is_moe(i) for i in range(config.n_layer) if i * pp // config.n_layer ==
-              stage)
-    forwards = args.steps * m * moe * (2 if args.ckpt_activations else 1)
-    rank = {"tp": mesh.tp_rank, "cp": mesh.cp_rank}
-    out = {}
-    for group, op, count, size in split_calls(B, n, config.moe_top_k, config.moe_experts, tp,
-                                              args.cp, 8):
-        calls, sent = out.get((group, op), (0, 0))
-        g = args.tp if group == "tp" else args.cp
-        out[(group, op)] = (calls + forwards, sent + forwards * ring_bytes(op, count, size,
-                                                                          rank[group], g))
-    return out
-
-
-def forward_rows(args, strategy):
-    """(rows of one forward, forwards per step and MoE layer): micro-batches of the global
-    batch over mesh dp (= dp x ep), --grad-accum and a pipeline's --micro-batches."""
-    m = args.grad_accum * (args.micro_batches if args.pp > 1 else 1)
-    return args.batch_size // strategy.mesh.shape["dp"] // m, m
-
-
-def split_counted(before, events, args, strategy):
-    """The same, measured: on the cp group (which otherwise carries only the ring's
-    sends) the counters' all-gathers and all-reduces since `before`; on the tp group the
-    traced all-gathers of expert ids (uint8) and all-reduces of the B E + 1 sums (float64)."""
-    from minidist.comm.ring import ring_bytes
-    out = {}
-    after = trace.counters("cp")
-    for op in ("all_gather", "all_reduce"):
-        zero = {"calls": 0, "bytes_sent": 0}
-        a, b = after.get(op, zero), before.get(op, zero)
-        if a["calls"] > b["calls"]:
-            out[("cp", op)] = (a["calls"] - b["calls"], a["bytes_sent"] - b["bytes_sent"])
-    B = forward_rows(args, strategy)[0]
-    for e in events:
-        ids = e["op"] == "all_gather" and e["dtype"] == "uint8"
-        sums = e["op"] == "all_reduce" and e["bytes"] == (B * args.moe_experts + 1) * 8
-        if e["group"] == "tp" and (ids or sums):
-            calls, sent = out.get(("tp", e["op"]), (0, 0))
-            itemsize = 1 if ids else 8
-            out[("tp", e["op"])] = (calls + 1, sent + ring_bytes(
-                e["op"], e["bytes"] // itemsize, itemsize, MPI.COMM_WORLD.rank % args.tp,
-                args.tp))
-    return out
 
 
 def same_drops(model, ref, args, config, strategy):
