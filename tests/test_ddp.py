@@ -1,12 +1,10 @@
-"""Data parallelism: bucket layout and hook logic in-process (a one-rank group that notes
-its calls), then N ranks under mpiexec against one process in float64, for every mode x algorithm.
+"""Data parallelism in-process: bucket layout and hook logic (a one-rank group that notes its
+calls), the wrapper, and make_strategy's refusals (before any communication).
 
-The distributed checks run tests/scripts/ddp_check.py, which batches many comparisons into
-one mpiexec start; each test's docstring gives the command to run it by hand.
+N ranks under mpiexec against one process in float64, for every mode x algorithm:
+tests/test_ddp_exact.py; examples/train_gpt.py under mpiexec: tests/test_ddp_train.py.
 """
 import contextlib
-import json
-import time
 
 import numpy as np
 import pytest
@@ -23,7 +21,6 @@ from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from minidist.train.step import train_step
-from mpirun import logged_losses, mpi_env, tagged_json
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -274,160 +271,3 @@ def test_nccl_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr("minidist.backend.cupy_module", lambda: None)
     with pytest.raises(UsageError, match="--comm nccl moves data GPU to GPU"):
         make_strategy(_parse("--comm", "nccl", "--zero", "1"))   # (one rank: a group)
-
-
-# ---- N ranks under mpiexec ---------------------------------------------------------------
-
-def _assert_exact(results, n, tol=1e-10):
-    assert len(results) == n, results
-    for r in results:
-        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= tol, r
-        print(f"{r['ranks']} ranks {r['algo']:5s} {r['mode']:10s} accum {r['grad_accum']} "
-              f"clip {r['clip']}: |loss diff| {r['loss_diff']:.1e}, |param diff| "
-              f"{r['param_diff']:.1e}, sent {r['bytes_sent']} B for {r['grad_bytes']} B")
-
-
-@pytest.mark.mpi
-def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path, mpi):
-    """4 ranks x {naive, bucketed, overlapped} x {ring, naive, mpi}, float64, 3 steps: losses,
-    norms and parameters equal to one process to 1e-10, replicas bitwise equal, bytes per step
-    = 2(N-1)/N x gradient bytes; then a traced overlapped run shows all-reduces in backward.
-
-        mpiexec -n 4 python tests/scripts/ddp_check.py --trace /tmp/ddp_trace.json
-    """
-    path = tmp_path / "trace.json"
-    out = mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
-    results = tagged_json(out)
-    _assert_exact(results, 9)
-    overlap = tagged_json(out, "OVERLAP")[0]
-    assert min(overlap["started_inside_by_rank"]) > 0
-    events = json.load(open(path))["traceEvents"]
-    ranks = {e["pid"] for e in events if e.get("name") == "all_reduce"}
-    assert ranks == {0, 1, 2, 3}
-    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"forward", "backward",
-                                                                 "all_reduce"}
-
-
-@pytest.mark.mpi
-def test_two_ranks_with_grad_accum_equal_one_process(mpi):
-    """dp 2 x grad-accum 2 (hooks silent under no_sync until the last micro-batch):
-
-        mpiexec -n 2 python tests/scripts/ddp_check.py --grad-accum 2
-    """
-    out = mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
-    _assert_exact(tagged_json(out), 9)
-
-
-@pytest.mark.mpi
-def test_global_grad_clipping_under_dp(mpi):
-    """A max norm small enough to clip every step: the same norms and parameters as one
-    process, the same norm on every rank (replicated gradients, so the local norm is global):
-
-        mpiexec -n 4 python tests/scripts/ddp_check.py --clip 0.05 --algos ring
-    """
-    out = mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
-              timeout=180)
-    results = tagged_json(out)
-    _assert_exact(results, 3)
-    assert all(min(r["norms"]) > 0.05 for r in results)
-
-
-@pytest.mark.mpi
-def test_exception_on_one_rank_aborts_the_job(mpi):
-    """Rank 1 raises; rank 0, waiting in sync_grads, must not hang:
-
-        mpiexec -n 2 python tests/scripts/ddp_abort.py
-    """
-    start = time.time()
-    out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
-    assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
-    assert "NOT aborted" not in out.stdout and time.time() - start < 60
-
-
-@pytest.mark.mpi
-def test_a_rank_that_skips_a_step_is_named_in_debug_mode(mpi):
-    """Rank 1 catches an exception after its forward and `continue`s (first-use walk 37):
-    its next step's gradients paired with rank 0's current ones, the same collectives in
-    the same order, and the replicas drifted apart without a word, MINIDIST_DEBUG=1 too,
-    until rank 1 ran out of steps a sync early. In debug mode the next sync_grads now
-    raises on every rank, naming the counts:
-
-        MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py
-    """
-    out = mpi(2, "tests/scripts/ddp_skip.py", timeout=60, check=False,
-              env=mpi_env(MINIDIST_DEBUG="1"))
-    assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
-    assert "CollectiveMismatch: DDP: the ranks ran different numbers of forwards since " \
-        "the last sync_grads (rank 0: 1; rank 1: 2): a rank skipped the rest of a step " \
-        "after its forward" in out.stderr, out.stderr[-2000:]
-
-
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "2", "--sample", "0",
-        "--log-every", "1", "--bucket-mb", "0.005"]
-
-
-@pytest.mark.mpi
-def test_bad_dp_is_refused_on_every_rank(mpi):
-    """No collective is reached, so nothing hangs; one line says why (rank 0's), exit 2, no
-    traceback:
-
-        mpiexec -n 2 python examples/train_gpt.py --dp 3
-    """
-    out = mpi(2, "examples/train_gpt.py", "--dp", "3", timeout=60, check=False)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.count("error: --dp 3 = 3 ranks, but this job has 2 MPI process") == 1
-
-
-@pytest.mark.mpi
-def test_train_gpt_under_mpiexec(corpus, tmp_path, mpi):
-    """The main job's path end to end, small: 2 ranks, --log-json from rank 0 only with
-    comm_bytes growing, a DDP summary line and a Chrome trace with both ranks:
-
-        mpiexec -n 2 python examples/train_gpt.py --data CORPUS --steps 4 --trace t.json ...
-    """
-    log, path = tmp_path / "log.jsonl", tmp_path / "trace.json"
-    out = mpi(2, "examples/train_gpt.py", *TINY, "--data", corpus, "--cache-dir",
-              tmp_path / "cache", "--steps", "4", "--eval-every", "0", "--grad-accum", "2",
-              "--log-json", log, "--trace", path, timeout=120)
-    rows = [json.loads(line) for line in open(log)]
-    assert [r["step"] for r in rows[:-1]] == [0, 1, 2, 3] and rows[-1]["final"]
-    sent = [r["comm_bytes"] for r in rows[:-1]]
-    assert sent[0] > 0 and all(b > a for a, b in zip(sent, sent[1:]))
-    assert out.stdout.count("step     1/") == 1                  # rank 0 prints alone
-    assert "DDP overlapped over 2 ranks" in out.stdout and "2 process(es)" in out.stdout
-    pids = {e["pid"] for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"}
-    assert pids == {0, 1}
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_ddp_resume_continues_bit_identically(corpus, tmp_path, mpi):
-    """Rank 0 saves, every rank resumes; the resumed steps repeat the uninterrupted run's:
-
-        mpiexec -n 2 python examples/train_gpt.py ... --stop-at 3 --save DIR; ... --resume DIR
-    """
-    common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--steps", "6",
-              "--eval-every", "0"]
-    straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    mpi(2, "examples/train_gpt.py", *common, "--log-json", straight, timeout=120)
-    mpi(2, "examples/train_gpt.py", *common, "--save", tmp_path / "ck", "--stop-at", "3",
-        timeout=120)
-    mpi(2, "examples/train_gpt.py", *common, "--resume", tmp_path / "ck", "--log-json",
-        resumed, timeout=120)
-    assert logged_losses(resumed)[:3] == logged_losses(straight)[3:6]
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_main_job_defaults_train(tmp_path, mpi):
-    """The Quick start's main job with its default flags, cut to 60 steps: the loss falls.
-
-        mpirun -n 4 python examples/train_gpt.py
-    """
-    log = tmp_path / "log.jsonl"
-    mpi(4, "examples/train_gpt.py", "--steps", "60", "--eval-every", "0", "--log-json",
-        log, "--sample", "0", timeout=600)
-    rows = [row for row in map(json.loads, open(log)) if "loss" in row]
-    assert len(rows) == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
-

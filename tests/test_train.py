@@ -2,7 +2,7 @@
 continues bit-identically, polite refusals of not-yet-available parallel flags, bad input,
 the per-step statistics, the evaluation's split over replicas. What a resume takes from the
 checkpoint and what it refuses: tests/test_train_resume.py. (--dp and world size > 1, i.e.
-data parallelism: tests/test_ddp.py.)"""
+data parallelism: tests/test_ddp.py, test_ddp_exact.py, test_ddp_train.py.)"""
 import resource
 import subprocess
 import sys

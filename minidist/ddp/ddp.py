@@ -33,7 +33,7 @@ communication thread waits for that event, then stages the bucket through host m
 (or, with --comm nccl, enqueues NCCL on that thread's current stream, cupy's default stream).
 Tracing (`trace.enable()`) records each all-reduce's start and end: the Chrome trace shows
 them running inside the backward pass
-(tests/test_ddp.py::test_four_ranks_equal_one_process_every_mode_and_algo).
+(tests/test_ddp_exact.py::test_four_ranks_equal_one_process_every_mode_and_algo).
 
 A debugger (pdb) traces only the thread it runs in, so it cannot stop in these all-reduces;
 with `sync_comm` on the group (train_gpt.py --sync-comm, MINIDIST_SYNC_COMM=1) each bucket's
@@ -42,8 +42,9 @@ all-reduce runs in the hook itself, in the calling thread: steppable, and no lon
 Gradient accumulation: inside `with ddp.no_sync():` the hooks start nothing and gradients add
 up in the buckets; run the last micro-batch outside it, then call sync_grads().
 
-Tests: tests/test_ddp.py (4 ranks == 1 process in float64 for every mode and algorithm, dp 2 x
-grad-accum 2, bytes = 2(N-1)/N x gradient bytes, clipping, the overlap trace).
+Tests: tests/test_ddp.py (in-process), tests/test_ddp_exact.py (4 ranks == 1 process in float64
+for every mode and algorithm, dp 2 x grad-accum 2, bytes = 2(N-1)/N x gradient bytes,
+clipping, the overlap trace).
 """
 import contextlib
 import time

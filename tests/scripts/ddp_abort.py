@@ -5,7 +5,7 @@
 The setup is an entry point's (comm.init installs the abort handler), the strategy is built as
 examples/train_gpt.py builds it (make_strategy). Rank 1 then raises before its backward; rank 0
 goes on into sync_grads, where it would wait for rank 1's gradients forever without the handler.
-Run by tests/test_ddp.py::test_exception_on_one_rank_aborts_the_job.
+Run by tests/test_ddp_exact.py::test_exception_on_one_rank_aborts_the_job.
 """
 import sys
 

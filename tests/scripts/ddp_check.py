@@ -11,8 +11,8 @@ batch), then for each (algorithm, mode) trains a DDP model through the loop's ow
 and checks: losses, grad norms and final parameters equal to the reference to --tol; the
 parameters bitwise equal on all ranks; the gradient bytes each step sent, from the trace
 counters, equal to the ring's 2(N-1)/N x gradient bytes (summed over ranks: exactly 2(N-1) x).
-Rank 0 prints one `RESULT {json}` line per combination for tests/test_ddp.py. With --trace, a
-float32 overlapped step is traced and every rank must show an all-reduce that started before
+Rank 0 prints one `RESULT {json}` line per combination for tests/test_ddp_exact.py. With --trace,
+a float32 overlapped step is traced and every rank must show an all-reduce that started before
 its backward ended. Any failure raises, and the abort handler ends the whole job.
 """
 import argparse

@@ -6,7 +6,7 @@ nothing said so).
 
     MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py [--device cuda]
 
-Run by tests/test_ddp.py::test_a_rank_that_skips_a_step_is_named_in_debug_mode.
+Run by tests/test_ddp_exact.py::test_a_rank_that_skips_a_step_is_named_in_debug_mode.
 """
 import argparse
 

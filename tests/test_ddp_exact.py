@@ -1,0 +1,97 @@
+"""Data parallelism's exactness runs: N ranks under mpiexec against one process in float64, for
+every mode x algorithm, with grad-accum and clipping; a rank that raises aborts the job, and a
+rank that skips a step is named in debug mode.
+
+The exactness checks run tests/scripts/ddp_check.py, which batches many comparisons into one
+mpiexec start; each test's docstring gives the command to run it by hand.
+"""
+import json
+import time
+
+import pytest
+
+from mpirun import mpi_env, tagged_json
+
+
+def _assert_exact(results, n, tol=1e-10):
+    assert len(results) == n, results
+    for r in results:
+        assert max(r["loss_diff"], r["norm_diff"], r["param_diff"]) <= tol, r
+        print(f"{r['ranks']} ranks {r['algo']:5s} {r['mode']:10s} accum {r['grad_accum']} "
+              f"clip {r['clip']}: |loss diff| {r['loss_diff']:.1e}, |param diff| "
+              f"{r['param_diff']:.1e}, sent {r['bytes_sent']} B for {r['grad_bytes']} B")
+
+
+@pytest.mark.mpi
+def test_four_ranks_equal_one_process_every_mode_and_algo(tmp_path, mpi):
+    """4 ranks x {naive, bucketed, overlapped} x {ring, naive, mpi}, float64, 3 steps: losses,
+    norms and parameters equal to one process to 1e-10, replicas bitwise equal, bytes per step
+    = 2(N-1)/N x gradient bytes; then a traced overlapped run shows all-reduces in backward.
+
+        mpiexec -n 4 python tests/scripts/ddp_check.py --trace /tmp/ddp_trace.json
+    """
+    path = tmp_path / "trace.json"
+    out = mpi(4, "tests/scripts/ddp_check.py", "--trace", path, timeout=240)
+    results = tagged_json(out)
+    _assert_exact(results, 9)
+    overlap = tagged_json(out, "OVERLAP")[0]
+    assert min(overlap["started_inside_by_rank"]) > 0
+    events = json.load(open(path))["traceEvents"]
+    ranks = {e["pid"] for e in events if e.get("name") == "all_reduce"}
+    assert ranks == {0, 1, 2, 3}
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"forward", "backward",
+                                                                 "all_reduce"}
+
+
+@pytest.mark.mpi
+def test_two_ranks_with_grad_accum_equal_one_process(mpi):
+    """dp 2 x grad-accum 2 (hooks silent under no_sync until the last micro-batch):
+
+        mpiexec -n 2 python tests/scripts/ddp_check.py --grad-accum 2
+    """
+    out = mpi(2, "tests/scripts/ddp_check.py", "--grad-accum", "2", timeout=180)
+    _assert_exact(tagged_json(out), 9)
+
+
+@pytest.mark.mpi
+def test_global_grad_clipping_under_dp(mpi):
+    """A max norm small enough to clip every step: the same norms and parameters as one
+    process, the same norm on every rank (replicated gradients, so the local norm is global):
+
+        mpiexec -n 4 python tests/scripts/ddp_check.py --clip 0.05 --algos ring
+    """
+    out = mpi(4, "tests/scripts/ddp_check.py", "--clip", "0.05", "--algos", "ring",
+              timeout=180)
+    results = tagged_json(out)
+    _assert_exact(results, 3)
+    assert all(min(r["norms"]) > 0.05 for r in results)
+
+
+@pytest.mark.mpi
+def test_exception_on_one_rank_aborts_the_job(mpi):
+    """Rank 1 raises; rank 0, waiting in sync_grads, must not hang:
+
+        mpiexec -n 2 python tests/scripts/ddp_abort.py
+    """
+    start = time.time()
+    out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
+    assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
+    assert "NOT aborted" not in out.stdout and time.time() - start < 60
+
+
+@pytest.mark.mpi
+def test_a_rank_that_skips_a_step_is_named_in_debug_mode(mpi):
+    """Rank 1 catches an exception after its forward and `continue`s (first-use walk 37):
+    its next step's gradients paired with rank 0's current ones, the same collectives in
+    the same order, and the replicas drifted apart without a word, MINIDIST_DEBUG=1 too,
+    until rank 1 ran out of steps a sync early. In debug mode the next sync_grads now
+    raises on every rank, naming the counts:
+
+        MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py
+    """
+    out = mpi(2, "tests/scripts/ddp_skip.py", timeout=60, check=False,
+              env=mpi_env(MINIDIST_DEBUG="1"))
+    assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
+    assert "CollectiveMismatch: DDP: the ranks ran different numbers of forwards since " \
+        "the last sync_grads (rank 0: 1; rank 1: 2): a rank skipped the rest of a step " \
+        "after its forward" in out.stderr, out.stderr[-2000:]
