@@ -14,7 +14,7 @@ masters), then written by minidist/nn/pretrained.py (config.json, model.safetens
 in a BPE's tokens gets the tokenizer's vocab.json and merges.txt copied beside it, found as
 sample.py finds it (--tokenizer DIR, else the folders the run named), so the folder is whole.
 A Mixture of Experts is refused: GPT-2's and Llama's formats have no experts.
-Tests: tests/test_token_files.py (test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run).
+Tests: tests/test_init_from_gpt2.py (test_a_checkpoint_exports_as_a_gpt2_folder_that_starts_a_run).
 """
 from minidist.launcher import set_thread_env
 

@@ -26,7 +26,7 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
                           its experts are picked as they were
 With --resume the checkpoint's weights are loaded instead, so the same command (plus
 --resume auto) continues a fine-tuning run.
-Tests: tests/test_token_files.py (folders), tests/test_init_from.py (a checkpoint, its
+Tests: tests/test_init_from_gpt2.py (folders), tests/test_init_from.py (a checkpoint, its
 tokenizer), tests/test_eval_only.py (across layouts), tests/test_moe_bias.py (its biases).
 """
 import json

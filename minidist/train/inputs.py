@@ -11,7 +11,7 @@ minidist/train/data_open.py.
 
 A checkpoint records --data and --init-from as absolute paths (`recorded_flags`), so
 examples/sample.py finds their tokenizer from any folder.
-Tests: tests/test_token_files.py.
+Tests: tests/test_token_files.py, tests/test_init_from_gpt2.py.
 """
 import os
 
