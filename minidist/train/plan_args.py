@@ -1,7 +1,8 @@
 """The planners' command line (examples/plan.py, examples/plan_memory.py): their model flags,
 the check of every numeric flag before any planning (one `error:` line naming it), and the
 GPTConfig the flags describe (minidist/train/planner.py plans for it).
-Tests: tests/test_planner.py, tests/test_plan_cli.py (the planners' bad input).
+Tests: tests/test_planner_cli.py (the planners' bad numbers), tests/test_plan_cli.py (the
+planners' bad input), tests/test_planner.py.
 """
 import math
 from dataclasses import replace

@@ -37,7 +37,7 @@ small model under each strategy and compare, tests/test_planner.py):
 
 Activations per rank: minidist/train/activations.py (Korthikanti et al.'s bill, and minidist's
 own graph's).
-Tests: tests/test_planner.py. CLI: examples/plan_memory.py.
+Tests: tests/test_planner.py. CLI: examples/plan_memory.py (tests/test_planner_cli.py).
 """
 import math
 import re
