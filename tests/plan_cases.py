@@ -1,7 +1,7 @@
 """The small models and the toy cluster the planners' tests work cases by hand on
-(tests/test_planner.py, test_planner_cli.py, test_plan_time.py, test_plan_strategies.py,
-test_plan_moe.py, test_plan_cp.py, test_plan_muon.py, test_plan_cli.py), and examples/plan.py
-run in-process."""
+(tests/test_planner.py, test_planner_cli.py, test_plan_time.py, test_plan_calibration.py,
+test_plan_search.py, test_plan_strategies.py, test_plan_moe.py, test_plan_cp.py,
+test_plan_muon.py, test_plan_cli.py), and examples/plan.py run in-process."""
 import importlib.util
 from dataclasses import replace
 

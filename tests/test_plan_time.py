@@ -1,22 +1,18 @@
 """The step-time model (minidist/train/cost.py, comm_cost.py, cluster.py): collectives,
-bubbles, overlap and whole steps worked by hand on toy models, the search and plan.py's
-command line; first-use walk 32's terms (tests/plan_cases.py: the toys)."""
-import json
+bubbles, overlap and whole steps worked by hand on toy models; first-use walk 32's terms
+(tests/plan_cases.py: the toys). The search and plan.py's command line:
+tests/test_plan_search.py; the calibration: tests/test_plan_calibration.py."""
 from dataclasses import replace
-import math
-import subprocess
-import sys
 
 import pytest
 
 from minidist.nn import GPTConfig
-from minidist.train.args import train_parser
 from minidist.train.cluster import Cluster, Elementwise, hbm_elementwise
 from minidist.train.comm_cost import Link, collective_time, hier_all_reduce_time, ring_time, span
 from minidist.train.cost import bubble_time, exposed, layer_flops, step_time
-from minidist.train.planner import Layout, config_for_params, stage_params
+from minidist.train.planner import Layout, stage_params
 
-from tests.plan_cases import TOY, TOY4, UNIT, plan_cli, training_refusal
+from tests.plan_cases import TOY, TOY4, UNIT
 
 # ---- the step-time model (minidist/train/cost.py): small cases worked by hand ----------------
 
@@ -163,122 +159,6 @@ def test_sync_per_blocking_collective_worked_by_hand():
     assert pp["sync"] == pytest.approx(140)
 
 
-def test_here_cluster_reads_the_calibration(tmp_path):
-    """cluster_from_calibration: the link fit and the sync of the rank count nearest the
-    asked one, the elementwise seconds as measured, ranks sharing the cores and the
-    node's memory."""
-    from minidist.train.cluster import cluster_from_calibration
-    link = {"alpha": 1e-5, "bw": 1e9, "gamma": 0.0}
-    cal = {"cores": 2, "mem_gib": 4.0, "peak_tflops": 0.1, "efficiency": 0.5, "overlap": 0.0,
-           "opt_s_per_param": 1e-9, "links": {"2": link, "4": dict(link, alpha=7e-5)},
-           "sync": {"2": {"sync_s": 1e-4}, "4": {"sync_s": 2e-3}},
-           "replicated": dict(zip(("layer_f", "layer_b", "embed_f", "embed_b", "head_f",
-                                   "head_b"), (1e-9, 2e-9, 3e-9, 4e-9, 5e-9, 6e-9)))}
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(cal))
-    four = cluster_from_calibration(str(path), 4)
-    assert four.intra.alpha == 7e-5 and four.sync_s == 2e-3 and four.compute_slots == 2
-    assert four.replicated == Elementwise(1e-9, 2e-9, 3e-9, 4e-9, 5e-9, 6e-9)
-    assert cluster_from_calibration(str(path), 2).sync_s == 1e-4
-    # each rank's share of the node's memory (it was the whole node's for every rank: 4
-    # ranks of 8.7 GiB "fit" in 11.8; first-use walk 18)
-    assert (four.mem_gib, cluster_from_calibration(str(path), 2).mem_gib) == (1.0, 2.0)
-    t = step_time(TOY, Layout(tp=4, amp=False), four, seq=2, global_batch=1)
-    assert t["replicated"] > 0 and t["sync"] == pytest.approx((2 * 2 + 3 + 2 * 2 + 1) * 2e-3)
-
-
-def test_plan_cli():
-    """python examples/plan.py --params 7e9 --gpus 64 --json: rows fastest first, the best
-    fits, its train_gpt command passes train_gpt's checks; a bad --layout is one error line
-    and exit 2."""
-    out = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus", "64",
-                          "--seq", "4096", "--json", "--top", "3"],
-                         capture_output=True, text=True, timeout=60, check=True)
-    result = json.loads(out.stdout)
-    steps = [r["step"] for r in result["rows"]]
-    assert steps == sorted(steps) and result["rows"][0]["fits"]
-    assert result["best"] == result["rows"][0]["layout"]
-    run = result["command"].split()                     # the best row, as a train_gpt command
-    assert run[:5] == ["mpirun", "-n", "64", "python", "examples/train_gpt.py"]
-    # on GPUs, GPU to GPU: the bandwidth priced (walk 32's leftover: no --comm nccl)
-    assert run[5:9] == ["--device", "cuda", "--comm", "nccl"]
-    from minidist.train.strategy import check_layout
-    check_layout(train_parser().parse_args(run[9:]), 64)          # training accepts it
-    nosp = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
-                           "8", "--seq", "4096", "--json", "--global-batch", "8", "--layout",
-                           "tp=8,nosp"], capture_output=True, text=True, timeout=60, check=True)
-    row = json.loads(nosp.stdout)["rows"][0]
-    assert not row["sp"] and row["replicated"] > 0 and row["sync"] > 0
-    bad = subprocess.run([sys.executable, "examples/plan.py", "--gpus", "8", "--layout",
-                          "dp=4,tp=4"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --layout")
-    # the table's command says how to train in the vocabulary planned with
-    table = subprocess.run([sys.executable, "examples/plan.py", "--params", "7e9", "--gpus",
-                            "64", "--seq", "4096", "--top", "1"], capture_output=True,
-                           text=True, timeout=60, check=True).stdout
-    assert "run it (planned with a 50,257-token vocabulary: add --data, a folder of token " \
-        "files in it, as nanoGPT or llm.c write them; without, train_gpt.py trains 256 " \
-        "bytes): mpirun -n 64" in table, table
-
-
-def test_search_splits_and_micro_batches():
-    """8 ranks, 8 per node, 4 heads, 2 layers: tp in {1, 2, 4}, cp a power of two dividing
-    the sequence, pp up to the layers, dp the rest and dividing the batch."""
-    from minidist.train.search import micro_batch_counts, splits
-    got = splits(GPTConfig(n_layer=2, n_head=4, n_embd=64), 8, 8, seq=64, global_batch=8)
-    assert all(dp * tp * pp * cp == 8 for dp, tp, pp, cp in got)
-    assert {tp for _, tp, _, _ in got} == {1, 2, 4} and max(pp for *_, pp, _ in got) == 2
-    assert (8, 1, 1, 1) in got and (1, 4, 2, 1) in got and (2, 1, 1, 4) in got
-    assert micro_batch_counts(1, 64) == [1, 2, 4, 8, 16, 32, 64]     # --grad-accum
-    assert micro_batch_counts(1, 12) == [1, 2, 4]
-    assert micro_batch_counts(4, 64) == [4, 8, 16, 32]
-
-
-def test_search_accumulates_gradients_where_the_whole_batch_does_not_fit():
-    """    python examples/plan.py --params 7e9 --gpus 8 --seq 4096 --global-batch 512
-    proposed PP2 x ZeRO-1 x4 with full recompute, 42.3 s a step: without a pipeline the search
-    tried one micro-batch of the whole per-rank batch (64 sequences), which fits nowhere.
-    Now it tries --grad-accum 1, 2, 4, ... up to the first count that fits (more only costs
-    time: checked for every layout here), and proposes ZeRO-1 with 32 micro-batches of 2
-    sequences, no recompute: 29.7 s, the command training's checks accept."""
-    from minidist.train.cluster import H100_IB
-    from minidist.train.search import search, train_flags
-    config = config_for_params(7e9, 4096)
-    rows = search(config, H100_IB, 8, 4096, 512)
-    best = next(r for r in rows if r["fits"])
-    assert best["layout"] == "ZeRO-1 (amp, tiled)" and best["micro_batches"] == 32, best
-    assert best["step"] < 30 and training_refusal(config, best, 8) is None
-    flags = train_flags(config, best)
-    assert flags[flags.index("--grad-accum") + 1] == "32" and "--ckpt-activations" not in flags
-    by_layout = {}
-    for r in rows:
-        if r["pp"] == 1:
-            by_layout.setdefault(r["layout"], []).append(r)
-    for name, tried in by_layout.items():
-        counts = sorted(r["micro_batches"] for r in tried)
-        assert counts == [2 ** i for i in range(len(counts))], (name, counts)
-        assert [r["fits"] for r in sorted(tried, key=lambda r: r["micro_batches"])][:-1] == \
-            [False] * (len(tried) - 1), name          # stopped at the first that fits
-        steps = [r["step"] for r in sorted(tried, key=lambda r: r["micro_batches"])]
-        assert steps == sorted(steps), (name, steps)   # accumulating never priced faster
-
-
-def test_bench_collectives_interleave_row(mpi):
-    """--interleave: compute alone, the all-reduce alone, both in turn, and sync_s, the cost of
-    the blocking all-reduce beyond the two timed apart (BENCHMARKS: where TP4's step goes).
-
-        mpiexec -n 2 python examples/bench_collectives.py --interleave --max-bytes 64K \
-            --repeats 1
-    """
-    out = mpi(2, "examples/bench_collectives.py", "--interleave", "--max-bytes", "64K",
-              "--repeats", "1", timeout=120)
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert row["ranks"] == 2 and row["bytes"] == 64 * 1024
-    assert min(row["compute"], row["all_reduce"], row["interleaved"]) > 0
-    assert row["sync_s"] == pytest.approx(row["interleaved"] - row["compute"]
-                                          - row["all_reduce"], abs=1e-12)
-    assert isinstance(row["sync_median_s"], float) and row["compute_iters"] >= 1
-
 
 # ---- first-use walk 32: the terms the cost model missed or over-counted -----------------------
 
@@ -338,78 +218,3 @@ def test_mfu_counts_the_cores_ranks_share():
     cores = replace(UNIT, compute_slots=2, gpus_per_node=16)
     assert [compute_units(cores, g) for g in (1, 2, 4, 16)] == [1, 2, 2, 2]
     assert compute_units(UNIT, 16) == 16
-
-
-def test_efficiency_by_model_width():
-    """A calibration with efficiencies at widths 128 and 256 gives 128's at 128, halfway (in
-    log2) at 181, the nearest outside, and says which; one with a single figure warns."""
-    from minidist.train.cluster import efficiency_for_width
-    cal = {"efficiency": 0.5, "efficiency_by_width": {"128": 0.4, "256": 0.6}}
-    assert efficiency_for_width(cal, 128) == (0.4, "measured at width 128")
-    e, how = efficiency_for_width(cal, 181)
-    assert e == pytest.approx(0.4 + 0.2 * (math.log2(181) - 7)) and "between" in how
-    assert efficiency_for_width(cal, 1024)[0] == 0.6
-    assert "outside" in efficiency_for_width(cal, 64)[1]
-    assert "one model" in efficiency_for_width({"efficiency": 0.5}, 128)[1]
-
-
-def test_the_plan_says_what_it_assumed_and_peaks_are_separate(capsys):
-    """plan.py prints (and --json carries) the peaks, efficiency, overlap, links and sync it
-    assumed; --peak-tflops is the 16-bit peak only (it was also float32's: restating 989 made
-    --fp32 15x faster), --peak-tflops-fp32 the other; --overlap changes the overlap."""
-    cli = plan_cli()
-    base = ["--params", "1.3e9", "--seq", "2048", "--global-batch", "256", "--gpus", "64",
-            "--fp32", "--layout", "dp=64,zero=1", "--json"]
-
-    def run(*extra):
-        cli.main(base + list(extra))
-        return json.loads(capsys.readouterr().out)
-    plain, restated = run(), run("--peak-tflops", "989")
-    assert plain["assumed"]["peak_tflops_fp32"] == 67 and plain["assumed"]["overlap"] == 1
-    assert restated["rows"][0]["step"] == pytest.approx(plain["rows"][0]["step"])
-    faster = run("--peak-tflops-fp32", "134")
-    assert faster["rows"][0]["compute"] == pytest.approx(plain["rows"][0]["compute"] / 2)
-    assert run("--overlap", "0.5")["assumed"]["overlap"] == 0.5
-    cli.main(base[:-1])
-    out = capsys.readouterr().out
-    assert "assumed: 989 TFLOP/s" not in out and "assumed: 67 TFLOP/s (float32" in out
-    assert "never measured by minidist on a GPU" in out
-
-
-@pytest.mark.parametrize("flags, says", [
-    (["--calibration", "/nonexistent.json", "--preset", "here"],
-     "--calibration /nonexistent.json: no such file"),
-    (["--calibration", "examples/calibration_here.json"], "only with --preset here"),
-    (["--calibration", "README.md", "--preset", "here"], "not a calibration"),
-    (["--overlap", "1.5"], "--overlap 1.5:"),
-    (["--calibration", "", "--preset", "here"], "--calibration : no such file"),
-])
-def test_plan_calibration_and_overlap_flags_are_checked(flags, says):
-    out = subprocess.run([sys.executable, "examples/plan.py", "--n-layer", "2", "--gpus", "2",
-                          *flags], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and says in out.stderr, out.stderr
-    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
-
-
-def test_hand_edited_calibrations_are_refused_and_zeros_are_values(tmp_path, capsys):
-    """First-use walk 34: cores 0 was a ZeroDivisionError, a text efficiency a TypeError, a
-    negative peak negative step times; --overlap 0 (the calibration's own value) was refused
-    and --intra-lat 0 silently ignored."""
-    from minidist.train.cluster import calibration_problem
-    good = json.load(open("examples/calibration_here.json"))
-    assert calibration_problem(good) is None
-    for key, value in (("cores", 0), ("efficiency", "0.5"), ("peak_tflops", -1.0),
-                       ("overlap", 2.0)):
-        assert key in calibration_problem({**good, key: value})
-    bad = tmp_path / "cal.json"
-    bad.write_text(json.dumps({**good, "cores": 0}))
-    out = subprocess.run([sys.executable, "examples/plan.py", "--preset", "here",
-                          "--calibration", str(bad), "--n-layer", "2", "--gpus", "2"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "cores: not a positive number" in out.stderr
-    assert "Traceback" not in out.stderr
-    cli = plan_cli()
-    cli.main(["--params", "1e9", "--gpus", "16", "--overlap", "0", "--intra-lat", "0",
-                   "--inter-lat", "0", "--json"])
-    assumed = json.loads(capsys.readouterr().out)["assumed"]
-    assert (assumed["overlap"], assumed["intra_us"], assumed["inter_us"]) == (0, 0, 0)

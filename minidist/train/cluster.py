@@ -5,7 +5,7 @@ communication hides under compute), `Elementwise` (the elementwise work tensor p
 repeats without sequence parallelism, seconds per activation byte); the preset `H100_IB`,
 this machine measured (`cluster_from_calibration`, from the file examples/calibrate_here.py
 writes) and the command line's changes to either (`with_links`; examples/plan.py).
-Tests: tests/test_plan_time.py.
+Tests: tests/test_plan_time.py, tests/test_plan_calibration.py.
 """
 import json
 import math

@@ -1,6 +1,6 @@
 """The layout search: every dp x tp x pp x cp split of a cluster, ZeRO stage, recompute and
 micro-batch count; its per-rank memory (planner.bill) and step time (cost.step_time); the
-fastest that fit. The CLI is examples/plan.py; tests: tests/test_plan_time.py,
+fastest that fit. The CLI is examples/plan.py; tests: tests/test_plan_search.py,
 tests/test_plan_cli.py.
 
 Which splits are tried: tp a power of two inside one node dividing the heads (TP's
