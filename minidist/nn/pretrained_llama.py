@@ -24,7 +24,7 @@ RoPE needs no permutation: Hugging Face's Llama turns the pairs (i, i + hs/2) of
 (2i, 2i + 1), and Hugging Face's conversion script permutes q_proj and k_proj into this
 order, so its folders are read as they are. Biases (attention_bias, mlp_bias), an lm_head
 that differs from the embedding (minidist ties them), rope_scaling and other activations
-are refused, naming the field: the model here has none of them. Tests: tests/test_llama.py.
+are refused, naming the field: the model here has none of them. Tests: tests/test_llama_hf.py.
 """
 from dataclasses import replace
 
