@@ -16,7 +16,8 @@ What it changes from SingleProcess (minidist/strategy/base.py):
     global_mean         the loss averaged over the dp group (all-reduce "avg")
     save_plan / load    rank 0 writes (the model is replicated), every rank reads
 Per step it also adds to `stats` (running means): compute seconds (forward + backward),
-exposed communication seconds (how long sync_grads kept the step waiting) and gradient bytes this rank sent.
+exposed communication seconds (how long sync_grads kept the step waiting) and gradient bytes
+this rank sent.
 Tests: tests/test_ddp.py, tests/test_ddp_exact.py, tests/test_ddp_train.py.
 """
 import collections

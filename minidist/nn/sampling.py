@@ -5,9 +5,10 @@ time; `sample` draws one token per row of logits.
 (B, T) and returns the next token of each row: GPT's (minidist/nn/gpt.py) runs its blocks
 (with `model.sampling_cache()`'s KVCache, on the tokens it has not seen: minidist/nn/
 kv_cache.py) and head on the last position and calls `sample`; a pipeline stage's
-(minidist/pp/stage.py) runs the forward through every stage, samples on the last and broadcasts the tokens, so every stage of a
-pipeline calls `generate` together. Draws come from `backend.rng(seed)` on the host in float64:
-the same seed gives the same tokens on every device and under every parallel layout.
+(minidist/pp/stage.py) runs the forward through every stage, samples on the last and
+broadcasts the tokens, so every stage of a pipeline calls `generate` together. Draws come
+from `backend.rng(seed)` on the host in float64: the same seed gives the same tokens on every
+device and under every parallel layout.
 Tests: tests/test_gpt.py (determinism, greedy, vocabulary padding), tests/test_sample.py.
 """
 import numpy as np

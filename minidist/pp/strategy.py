@@ -21,7 +21,8 @@ dp x cp), as TensorParallel and ContextParallel do:
                         same rows)
     forward_backward    the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v) over
                         --micro-batches M, for each --grad-accum round; the last stage
-                        seeds each micro-batch's backward with 1/M, so gradients are of the mean loss over the batch;
+                        seeds each micro-batch's backward with 1/M, so gradients are of the
+                        mean loss over the batch;
                         the loss is broadcast from the last stage. DDP stays silent (no_sync)
                         but in the last micro-batch's backward (ZB-H1: its W), where its
                         buckets start; ZeRO-2/3 reduce-scatter each micro-batch's
