@@ -130,3 +130,22 @@ def test_every_distributed_test_gives_its_command():
                 if not re.search(r"\b(mpiexec|mpirun|python) ", said):
                     missing.append(f"{path.name}::{node.name}")
     assert not missing, missing
+
+
+MAX_LINES, MAX_WIDTH = 400, 99       # STYLE.md: files read in one sitting, lines under 100
+
+
+def test_files_and_lines_keep_their_lengths():
+    """Every .py file of minidist/, examples/ and tests/ under 400 lines, every line of them
+    99 characters at most (review 38: sixteen test files were over, nine lines too wide, and
+    nothing kept them from drifting)."""
+    long_files, wide = [], []
+    for path in sorted(p for folder in ("minidist", "examples", "tests")
+                       for p in (ROOT / folder).rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        name = str(path.relative_to(ROOT))
+        if len(lines) >= MAX_LINES:
+            long_files.append(f"{name} ({len(lines)} lines)")
+        wide += [f"{name}:{i}" for i, line in enumerate(lines, 1) if len(line) > MAX_WIDTH]
+    assert not long_files, f"split these by subject: {long_files}"
+    assert not wide, f"lines over {MAX_WIDTH} characters: {wide}"
