@@ -301,7 +301,7 @@ def _functions_in(module):
 # mpiexec job, a context): where it is. _Join's backward is by design no derivative of its
 # forward (a constant root handing each output its given gradient): its test is that.
 CHECKED_ELSEWHERE = {
-    "minidist.autograd.function._Join": "tests/test_autograd.py::"
+    "minidist.autograd.function._Join": "tests/test_autograd_ops.py::"
         "test_backward_all_is_the_sum_of_separate_backwards_hooks_fire_once",
     "minidist.autograd.recompute.Checkpoint":
         "tests/test_checkpointing.py::test_gradcheck_through_the_recompute",
