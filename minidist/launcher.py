@@ -89,16 +89,24 @@ def local_rank_and_size(environ=os.environ):
     return 0, 1
 
 
-def gpu_sharing_problem(local_size, device_count, what="--comm nccl"):
-    """Why `local_size` ranks on a node cannot each have a GPU of their own among
-    `device_count`, or None. NCCL refuses two ranks of a communicator on one GPU ("Duplicate
-    GPU detected" from every rank, a traceback each: review 40); minidist's own algorithms
-    stage through host memory and share a GPU fine."""
-    if local_size <= device_count:
-        return None
-    return (f"{what} needs a GPU per rank: this node runs {local_size} ranks on "
-            f"{device_count} GPU(s), and NCCL refuses two ranks on one GPU; start at most "
-            f"{device_count} rank(s) per node, or use --comm ring or mpi (through host memory)")
+def gpu_sharing_problem(places, what="--comm nccl"):
+    """Why the ranks cannot each have a GPU of their own, or None. `places`: per rank, (its
+    node's name, its GPU's PCI bus id), all-gathered. NCCL refuses two ranks of a
+    communicator on one GPU ("Duplicate GPU detected" from every rank, a traceback each:
+    review 40); minidist's own algorithms stage through host memory and share a GPU fine.
+    A GPU is told by its bus id, not its index: a rank may see only its own GPU (srun
+    --gpus-per-task, CUDA_VISIBLE_DEVICES), where each one's index is 0 (walk 40)."""
+    first = {}
+    for rank, (host, bus) in enumerate(places):
+        if (host, bus) in first:
+            ranks = sum(h == host for h, _ in places)
+            gpus = len({b for h, b in places if h == host})
+            return (f"{what} needs a GPU per rank: on {host} {ranks} ranks share {gpus} "
+                    f"GPU(s) (ranks {first[host, bus]} and {rank} both on {bus}), and NCCL "
+                    "refuses two ranks on one GPU; start one rank per GPU, or use --comm "
+                    "ring or mpi (through host memory)")
+        first[host, bus] = rank
+    return None
 
 
 def world_size_from_env(environ=os.environ):

@@ -232,13 +232,21 @@ def test_ctrl_c_while_loading_is_one_line_exit_130(rank, says):
 
 def test_nccl_needs_a_gpu_per_rank_on_a_node():
     """Review 40: `--comm nccl` with four ranks on one GPU died in ncclCommInitRank
-    ("Duplicate GPU detected"), a CuPy traceback on every rank. Refused before any group
-    is built, naming the ranks, the GPUs and what runs instead (on a GPU machine:
-    minidist/train/strategy.py's _nccl_device and comm/nccl.py's NcclComm ask it)."""
+    ("Duplicate GPU detected"), a CuPy traceback on every rank. Refused before any group is
+    built, naming the node, the ranks and the GPU. A GPU is told by its PCI bus id, not by
+    how many a rank sees (walk 40: under srun --gpus-per-task each of 8 ranks sees one GPU,
+    index 0, all different). On a GPU machine minidist/train/strategy.py's _nccl_device and
+    comm/nccl.py's NcclComm all-gather the places and ask this."""
     from minidist.launcher import gpu_sharing_problem
-    assert gpu_sharing_problem(1, 1) is None and gpu_sharing_problem(8, 8) is None
-    said = gpu_sharing_problem(4, 1)
-    assert said.startswith("--comm nccl needs a GPU per rank: this node runs 4 ranks on 1 "
-                           "GPU(s), and NCCL refuses two ranks on one GPU; start at most 1 "
-                           "rank(s) per node, or use --comm ring or mpi"), said
-    assert gpu_sharing_problem(3, 2, "algo='nccl'").startswith("algo='nccl' needs a GPU")
+    bus = [f"0000:{i:02X}:00.0" for i in range(8)]
+    assert gpu_sharing_problem([("n0", bus[0])]) is None
+    assert gpu_sharing_problem([("n0", b) for b in bus]) is None          # one GPU each
+    assert gpu_sharing_problem([("n0", bus[0]), ("n1", bus[0])]) is None  # two nodes
+    said = gpu_sharing_problem([("n0", bus[0])] * 4)
+    assert said == ("--comm nccl needs a GPU per rank: on n0 4 ranks share 1 GPU(s) (ranks 0 "
+                    "and 1 both on 0000:00:00.0), and NCCL refuses two ranks on one GPU; "
+                    "start one rank per GPU, or use --comm ring or mpi (through host memory)")
+    two = gpu_sharing_problem([("n0", bus[0]), ("n0", bus[1]), ("n1", bus[0]),
+                               ("n1", bus[0])], "algo='nccl'")
+    assert two.startswith("algo='nccl' needs a GPU per rank: on n1 2 ranks share 1 GPU(s) "
+                          "(ranks 2 and 3 both on 0000:00:00.0)"), two

@@ -26,12 +26,14 @@ v13.6.0 and v14.2.0: the unique id is a tuple in 13, bytes in 14; MPI's pickling
 either over as it is); it has NOT been run on a GPU here (no GPU on the development machine).
 Tests: tests/test_comm_gpu.py (marked gpu; run with `python -m pytest -m gpu --device cuda`).
 """
+import socket
+
 import cupy
 from cupy.cuda import nccl
 
 from minidist.comm.alltoall import own_chunk, pairwise_bytes, pairwise_chunks
 from minidist.comm.ring import chunk_bounds, ring_bytes
-from minidist.launcher import gpu_sharing_problem, local_rank_and_size
+from minidist.launcher import gpu_sharing_problem
 
 if not nccl.available:     # CuPy's wheels carry no NCCL; without one, nccl has no names at all
     raise ImportError("algo='nccl' needs the NCCL library, which CuPy did not find (pip install "
@@ -52,8 +54,9 @@ class NcclComm:
     """The NCCL communicator of one group, bootstrapped over the group's MPI communicator."""
 
     def __init__(self, mpi_comm):
-        shared = gpu_sharing_problem(local_rank_and_size()[1],
-                                     cupy.cuda.runtime.getDeviceCount(), "algo='nccl'")
+        here = (socket.gethostname(),
+                cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
+        shared = gpu_sharing_problem(mpi_comm.allgather(here), "algo='nccl'")
         if shared:                   # before NCCL's own error, a traceback on every rank
             raise ValueError(shared)
         uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None

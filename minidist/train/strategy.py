@@ -21,11 +21,12 @@ Tests: tests/test_train.py, tests/test_ddp.py (refusals), tests/scripts/*_check.
 """
 import os
 import re
+import socket
 
 from minidist import backend, comm
 from minidist.comm import trace
 from minidist.comm.checks import ranks_by_value, ranks_text
-from minidist.launcher import gpu_sharing_problem, local_rank_and_size
+from minidist.launcher import gpu_sharing_problem
 from minidist.cp.strategy import ContextParallel, cp_problems
 from minidist.ddp.strategy import DataParallel
 from minidist.ep.strategy import ExpertParallel, ep_problems, expert_groups, moe_problems
@@ -44,7 +45,7 @@ def make_strategy(args, world=None):
     size = 1 if world is None else world.size
     dp, micro_batches = check_layout(args, size)
     if args.comm == "nccl":
-        _nccl_device(args)
+        _nccl_device(args, world)
     if args.trace:
         trace.enable()
     mesh = None
@@ -203,17 +204,20 @@ def _size_problem(dp, split, size, suggest, dp_given):
             f"{size} MPI process(es)" + (f"; {said}" if said else ""))
 
 
-def _nccl_device(args):
+def _nccl_device(args, world):
     """--comm nccl moves data GPU to GPU: each rank's GPU must be chosen before any group
     builds its NCCL communicator (the loop's set_device comes later). Without CuPy and a GPU
-    it is refused on every rank, before any communication."""
+    it is refused on every rank, before any communication; ranks that share a GPU (NCCL
+    refuses them) after one all-gather of each rank's (node, GPU bus id), alike on every
+    rank."""
     from minidist import backend
     if args.device == "cpu" or backend.cupy_module() is None:
         raise UsageError("--comm nccl moves data GPU to GPU: it needs CuPy and a GPU per rank "
                          "(pip install -e '.[cuda]'; --device cuda or auto). On CPUs use "
                          "--comm ring, naive or mpi.")
-    shared = gpu_sharing_problem(local_rank_and_size()[1],
-                                 backend.cupy_module().cuda.runtime.getDeviceCount())
-    if shared:                                  # the same on every rank of the node
-        raise UsageError(shared)
     backend.set_device(args.device)
+    cp = backend.cupy_module()
+    here = (socket.gethostname(), cp.cuda.runtime.deviceGetPCIBusId(cp.cuda.Device().id))
+    shared = gpu_sharing_problem([here] if world is None else world.all_gather_object(here))
+    if shared:                                  # the same on every rank
+        raise UsageError(shared)
