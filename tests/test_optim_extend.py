@@ -91,3 +91,18 @@ def test_a_sharded_optimizer_with_its_own_state_equals_one_process(stage):
     for name, q in ref.named_parameters():
         np.testing.assert_allclose(full[name], H(q.data), rtol=0, atol=1e-12, err_msg=name)
     group.destroy()
+
+
+class ShardedMomentumNamedApart(ShardedMomentum):
+    state_keys = ("momentum",)
+
+
+def test_state_a_sharded_checkpoint_would_not_keep_is_refused():
+    """Walk 40: a state key outside the checkpoint's (STATE_KEYS) was saved by no one and
+    resumed as zeros, silently; refused when the optimizer is built."""
+    group = ProcessGroup(MPI.COMM_SELF, name="dp")
+    engine = zero_engine(GPT(CONFIG, seed=0), group, 1)
+    with pytest.raises(ValueError, match=r"ShardedMomentumNamedApart.state_keys \['momentum'\]: "
+                       "a sharded checkpoint keeps exp_avg and exp_avg_sq"):
+        ShardedMomentumNamedApart(engine, lr=0.1, momentum=0.9)
+    group.destroy()

@@ -111,8 +111,11 @@ def _state(model, optimizer, step, rng_states, extra, tp):
 
 
 def optimizer_type(optimizer):
-    """The class a one-process run of the same flags uses (a checkpoint loads in either)."""
-    return "MasterWeightOptimizer" if optimizer.amp is not None else optimizer.one_process
+    """The class a one-process run of the same flags uses (a checkpoint loads in either);
+    a sharded optimizer that names none (one_process), its own class (walk 40: "None")."""
+    if optimizer.amp is not None:
+        return "MasterWeightOptimizer"
+    return optimizer.one_process or type(optimizer).__name__
 
 
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------

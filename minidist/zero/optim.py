@@ -35,6 +35,7 @@ from minidist.backend import xp_of
 from minidist.optim import multi_tensor
 from minidist.optim.adamw import adamw_update
 from minidist.optim.clip import clip_grad_norm
+from minidist.strategy.readers import STATE_KEYS
 
 
 class ShardedOptimizer:
@@ -51,6 +52,11 @@ class ShardedOptimizer:
     state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, engine, param_groups, weight_decay=0.1, amp=None):
+        unkept = [k for k in self.state_keys if k not in STATE_KEYS or k == "master"]
+        if unkept:                       # (walk 40: resumed as zeros, without a word)
+            raise ValueError(f"{type(self).__name__}.state_keys {unkept}: a sharded "
+                             "checkpoint keeps exp_avg and exp_avg_sq (minidist/strategy/"
+                             "readers.py STATE_KEYS); name the update's arrays from those")
         self.engine, self.amp, self.weight_decay = engine, amp, weight_decay
         self.param_groups = param_groups
         self.steps = 0                    # updates taken (AdamW's per-parameter "step")
