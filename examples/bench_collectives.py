@@ -232,6 +232,9 @@ def interleave(args):
         print(json.dumps(row), flush=True)
 
 
+FUNCTIONS = {"all_to_all": "all_to_all_v"}      # an op timed -> the module's function
+
+
 def own_algorithm(p, args, path):
     """The module of an algorithm of your own, `--algos FILE` (examples/recursive_doubling.py
     shows one: functions over a Channel, as minidist/comm/ring.py's), registered under the
@@ -242,12 +245,15 @@ def own_algorithm(p, args, path):
         p.error(f"--algos {path}: no such file (an algorithm of your own: a .py file)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    has = [op for op in OPS if callable(getattr(module, FUNCTIONS.get(op, op), None))]
     for op in args.ops:
-        function = "all_to_all_v" if op == "all_to_all" else op
-        if not callable(getattr(module, function, None)):
-            p.error(f"--algos {path}: it has no {function}(ch, ...), which --ops {op} times; "
-                    f"give --ops {','.join(o for o in args.ops if hasattr(module, o))}")
-    comm.register_algo(name, module)
+        if op not in has:
+            p.error(f"--algos {path}: it has no {FUNCTIONS.get(op, op)}(ch, ...), which --ops "
+                    f"{op} times; give --ops {','.join(has) or '(none: it has no collective)'}")
+    try:
+        comm.register_algo(name, module)
+    except (ValueError, TypeError) as e:       # (a file named like minidist's own: walk 40)
+        p.error(f"--algos {path}: {e}")
     return name
 
 

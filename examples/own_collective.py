@@ -1,15 +1,17 @@
 """A collective algorithm of your own beside minidist's: examples/recursive_doubling.py
 registered with comm.register_algo, a group built with it, and its all-reduce checked against
-the ring's and the MPI library's on the same data, then timed (any rank count).
+the ring's and the MPI library's on the same data, then timed; its broadcast checked too (any
+rank count).
 
     mpiexec -n 4 python examples/own_collective.py
     mpiexec -n 3 python examples/own_collective.py --sizes 1,7,100003 --iters 50
 
 Rank 0 prints one JSON line per size: the largest difference of the registered algorithm's
 sum from the ring's and MPI's (float64; another order of additions: ~1e-16 relative), whether
-every rank holds the same bits, and microseconds per call of each (timing is for one run on
-this machine; examples/bench_collectives.py --algos ring,mpi,examples/recursive_doubling.py
-sweeps sizes properly). Exit status 1 when a difference exceeds --tol.
+every rank holds the same bits, whether its broadcast from the last rank gave every rank that
+rank's buffer exactly, and microseconds per all-reduce of each (one run on this machine;
+examples/bench_collectives.py --ops all_reduce --algos ring,mpi,examples/recursive_doubling.py
+sweeps sizes properly). Exit status 1 when a difference exceeds --tol or a broadcast differs.
 """
 import json
 import sys
@@ -62,12 +64,20 @@ def main():
         gathered = np.empty(own.size * n)
         groups["mpi"].all_gather(gathered, out["recursive_doubling"])   # (it has no gather)
         same = bool((gathered.reshape(own.size, n) == out["recursive_doubling"]).all())
-        worst = max(worst, *diffs.values(), 0.0 if same else np.inf)
+        sent = data.copy()
+        own.broadcast(sent, root=own.size - 1)
+        last = data.copy()
+        groups["mpi"].broadcast(last, root=own.size - 1)
+        flags = np.array([float(np.array_equal(sent, last))])
+        groups["mpi"].all_reduce(flags, op="min")
+        broadcast = bool(flags[0])
+        worst = max(worst, *diffs.values(), 0.0 if same and broadcast else np.inf)
         us = {f"{name}_us": round(timed(group, data.copy(), args.iters), 1)
               for name, group in groups.items()}
         if own.rank == 0:
             print(json.dumps({"ranks": own.size, "elements": n, **diffs,
-                              "same_on_every_rank": same, **us}), flush=True)
+                              "same_on_every_rank": same, "broadcast_exact": broadcast, **us}),
+                  flush=True)
     sys.exit(0 if worst <= args.tol else 1)
 
 

@@ -16,8 +16,12 @@ counted, traced sendrecv / send / recv, scratch buffers). Register it, then buil
     comm.register_algo("recursive_doubling", recursive_doubling)
     world = comm.init("recursive_doubling")     # world.all_reduce(buf) runs all_reduce below
 
-examples/own_collective.py does that and checks it against the ring and MPI's;
-examples/bench_collectives.py times it: `--algos ring,mpi,examples/recursive_doubling.py`.
+`broadcast` below is its companion, a binomial tree (log2 N rounds, each rank that has the
+buffer sending it on), so that a strategy can run on the group: DDP broadcasts rank 0's
+parameters at the start, then all-reduces its buckets.
+examples/own_collective.py checks both against the ring and MPI's and times them;
+examples/bench_collectives.py sweeps them: `--ops all_reduce,broadcast --algos
+ring,mpi,examples/recursive_doubling.py`.
 """
 from minidist.comm.ring import reduce_into
 
@@ -45,3 +49,16 @@ def all_reduce(ch, buf, op="sum"):
             buf /= size
         if rank + p2 < size:
             ch.send(buf, rank + p2, note="fold out")
+
+
+def broadcast(ch, buf, root=0):
+    """buf = root's buf on every rank: a binomial tree over the ranks counted from root."""
+    me = (ch.rank - root) % ch.size                    # the rank's number, root at 0
+    bit = 1
+    while bit < ch.size:                               # the round in which `me` receives
+        if me < 2 * bit:
+            if me >= bit:
+                ch.recv(buf, (me - bit + root) % ch.size, note=f"tree round {bit}")
+            elif me + bit < ch.size:
+                ch.send(buf, (me + bit + root) % ch.size, note=f"tree round {bit}")
+        bit <<= 1

@@ -21,6 +21,9 @@ def test_register_algo_refuses_minidists_names_and_modules_without_a_collective(
         comm.register_algo("ring", types.SimpleNamespace(all_reduce=print))
     with pytest.raises(TypeError, match="has none of all_reduce, reduce_scatter"):
         comm.register_algo("empty", types.ModuleType("empty"))
+    for name in ("", None, 3, "two words"):               # (walk 40: taken silently)
+        with pytest.raises(ValueError, match="must be a word"):
+            comm.register_algo(name, types.SimpleNamespace(all_reduce=print))
     with pytest.raises(ValueError, match=r"not 'mine' \(an algorithm of your own: "
                                          r"comm.register_algo\(name, module\) first\)"):
         ProcessGroup(MPI.COMM_SELF, "mine")
@@ -35,10 +38,14 @@ def test_a_registered_algorithm_runs_its_collective_and_refuses_the_ones_it_lack
     finally:
         sys.path.remove("examples")
     comm.register_algo("recursive_doubling", recursive_doubling)
+    comm.register_algo("recursive_doubling", recursive_doubling)     # the same again: fine
     assert comm.algos()[-1] == "recursive_doubling"
+    with pytest.raises(ValueError, match="'recursive_doubling' is registered already"):
+        comm.register_algo("recursive_doubling", types.SimpleNamespace(all_reduce=print))
     group = ProcessGroup(MPI.COMM_SELF, "recursive_doubling", name="own")
     buf = np.arange(5.0)
     group.all_reduce(buf, op="avg")
+    group.broadcast(buf, root=0)
     np.testing.assert_array_equal(buf, np.arange(5.0))
     with pytest.raises(NotImplementedError, match="algo 'recursive_doubling' has no "
                                                   r"reduce_scatter\(ch, ...\)"):
@@ -50,12 +57,12 @@ def test_a_registered_algorithm_runs_its_collective_and_refuses_the_ones_it_lack
 def test_recursive_doubling_equals_the_ring_and_mpi_on_any_rank_count(mpi):
     """mpiexec -n 3 python examples/own_collective.py (3: the ranks past a power of two fold
     in and out): the registered algorithm's sums = the ring's and MPI's to 1e-12 relative,
-    the same bits on every rank, each size timed."""
+    the same bits on every rank, its tree broadcast exact, each size timed."""
     out = mpi(3, "examples/own_collective.py", "--sizes", "1,7,1000", "--iters", "2",
               timeout=120)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["elements"] for r in rows] == [1, 7, 1000]
     for r in rows:
-        assert r["ranks"] == 3 and r["same_on_every_rank"], r
+        assert r["ranks"] == 3 and r["same_on_every_rank"] and r["broadcast_exact"], r
         assert r["vs_ring"] <= 1e-12 and r["vs_mpi"] <= 1e-12, r
         assert min(r["recursive_doubling_us"], r["ring_us"], r["mpi_us"]) > 0, r

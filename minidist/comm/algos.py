@@ -9,7 +9,13 @@ traced send/recv/sendrecv, scratch buffers) first, as ring.py's do:
     all_gather(ch, out, inp)                   out = every rank's inp, in rank order
     broadcast(ch, buf, root)                   buf = root's
     all_to_all_v(ch, out, inp, send_counts, recv_counts)
-Tests: tests/test_comm.py (a recursive-doubling all-reduce registered and run).
+Chunks are chunk_bounds(n, size)'s. `out` may be inp's own chunk (ZeRO reduce-scatters its
+gradient buffer in place, all-gathers its parameters from their own shard): read a chunk of
+inp before writing out (walk 40: an out zeroed first broke ZeRO, 6e-2 off, while DDP passed).
+op "avg" is a sum divided by the group's size. Every rank must register the same module under
+the same name: nothing can compare them.
+Tests: tests/test_own_algorithm.py (a recursive-doubling all-reduce and broadcast registered
+and run).
 """
 from minidist.comm import mpi, naive, ring
 
@@ -22,8 +28,13 @@ def register_algo(name, module):
     """Make `module` a collective algorithm groups can be built with (`comm.init(name)`,
     `ProcessGroup(comm, name)`, examples/bench_collectives.py `--algos`). Every rank
     registers the same before building a group of it."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_algo: the name {name!r} must be a word (letters, digits, _)")
     if name in ALGOS:
         raise ValueError(f"register_algo: {name!r} is minidist's own; give another name")
+    if _registered.get(name, module) is not module:
+        raise ValueError(f"register_algo: {name!r} is registered already, to "
+                         f"{_registered[name]!r}; give another name")
     if not any(callable(getattr(module, f, None)) for f in ALGO_FUNCTIONS):
         raise TypeError(f"register_algo: {module!r} has none of {', '.join(ALGO_FUNCTIONS)}")
     _registered[name] = module
