@@ -132,7 +132,7 @@ def test_every_distributed_test_gives_its_command():
     assert not missing, missing
 
 
-MAX_LINES, MAX_WIDTH = 400, 99       # STYLE.md: files read in one sitting, lines under 100
+MAX_LINES, MAX_WIDTH = 400, 99       # the house style: a file read in one sitting
 
 
 def test_files_and_lines_keep_their_lengths():

@@ -122,7 +122,9 @@ def _op(broken):
 
 @pytest.mark.parametrize("backward,error,says", [
     (lambda ctx, grad: None, RuntimeError,                   # `2 * grad` without `return`
-     r"Twice.backward returned None: return one gradient per input"),
+     r"Twice.backward returned None: return its input's gradient \(several inputs: a "
+     r"tuple"),
+    (lambda ctx, grad: 1j * grad, TypeError, r"returned a complex128 gradient for input 0"),
     (lambda ctx, grad: 2.0, TypeError, r"Twice.backward returned float for input 0"),
     (lambda ctx, grad: (ctx.saved[0] > 0), TypeError,
      r"Twice.backward returned a bool gradient for input 0: a gradient is floats"),

@@ -109,8 +109,11 @@ class Function:
         except (ValueError, TypeError, IndexError, AttributeError) as e:
             raise _named_error(cls, [grad], e, ".backward") from e
         if grads is None and parents:
-            raise RuntimeError(f"{cls.__name__}.backward returned None: return one gradient "
-                               "per input (None for an input that needs none)")
+            raise RuntimeError(f"{cls.__name__}.backward returned None: return its input's "
+                               "gradient (several inputs: a tuple, None for one that needs "
+                               "none)")
+        if isinstance(grads, list):          # (walk 40: a list was taken as one gradient)
+            grads = tuple(grads)
         if not isinstance(grads, tuple):
             grads = (grads,)
         if len(grads) != len(parents):
@@ -138,7 +141,7 @@ class Function:
         if kind is None or not hasattr(g, "shape"):
             raise TypeError(f"{cls.__name__}.backward returned {type(g).__name__} for input "
                             f"{i}: return an array shaped like the input")
-        if kind in "biu":
+        if kind in "biuc":
             raise TypeError(f"{cls.__name__}.backward returned a {g.dtype} gradient for input "
                             f"{i}: a gradient is floats (a mask times grad, not the mask)")
 
