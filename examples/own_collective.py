@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 import recursive_doubling
-from minidist import comm
+from minidist import backend, comm
+from minidist.backend import to_device, to_host
 from minidist.train.args import check_at_least, example_parser
 
 
@@ -36,13 +37,13 @@ def timed(group, buf, iters):
 
 
 def main():
-    p = example_parser(__doc__, cpu_only="the example's buffers are numpy arrays")
+    p = example_parser(__doc__)
     p.add_argument("--sizes", default="1,1000,100003",
                    help="comma-separated buffer lengths (float64 elements)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and algorithm")
     p.add_argument("--tol", type=float, default=1e-12, help="largest relative difference")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the buffers live (cpu only: the example's are numpy arrays)")
+                   help="where the buffers live (cuda: staged through the host for MPI)")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     check_at_least(p, args, [("--iters", 1, "calls to time")])
@@ -50,14 +51,16 @@ def main():
         p.error(f"--sizes {args.sizes}: give lengths of at least 1")
     comm.register_algo("recursive_doubling", recursive_doubling)   # every rank, before init
     groups = {name: comm.init(name) for name in ("recursive_doubling", "ring", "mpi")}
+    backend.setup(threads=1, device=args.device)
     own = groups["recursive_doubling"]
     worst = 0.0
     for n in sizes:
-        data = np.random.default_rng([own.rank, n]).standard_normal(n)
+        data = to_device(np.random.default_rng([own.rank, n]).standard_normal(n))
         out = {}
         for name, group in groups.items():
             out[name] = data.copy()
             group.all_reduce(out[name])
+        out = {name: to_host(a) for name, a in out.items()}
         scale = float(np.abs(out["ring"]).max())
         diffs = {f"vs_{name}": float(np.abs(out["recursive_doubling"] - out[name]).max()) / scale
                  for name in ("ring", "mpi")}
@@ -68,7 +71,7 @@ def main():
         own.broadcast(sent, root=own.size - 1)
         last = data.copy()
         groups["mpi"].broadcast(last, root=own.size - 1)
-        flags = np.array([float(np.array_equal(sent, last))])
+        flags = np.array([float(np.array_equal(to_host(sent), to_host(last)))])
         groups["mpi"].all_reduce(flags, op="min")
         broadcast = bool(flags[0])
         worst = max(worst, *diffs.values(), 0.0 if same and broadcast else np.inf)
