@@ -55,7 +55,7 @@ BAD_FLAGS = [
     (["--threads", "0"], "--threads 0: must be at least 1"),
     (["--stop-at", "0"], "--stop-at 0: must be at least 1"),
     (["--warmup", "-1"], "--warmup -1: must be at least 0"),
-    (["--keep", "0"], "--keep 0: must be at least 1"),
+    (["--keep", "-1"], "--keep -1: must be at least 0"),
     (["--amp-dtype", "bfloat16"], "--amp-dtype bfloat16: only used with --amp (add --amp"),
     (["--sequence-parallel"], "--sequence-parallel: splits what tensor parallelism repeats"),
     (["--moe-top-k", "2"], "--moe-top-k 2: only used with --moe-experts (add --moe-experts"),

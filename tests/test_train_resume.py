@@ -303,3 +303,34 @@ def test_a_corrupt_newest_checkpoint_names_the_older_ones_beside_it(corpus, tmp_
                            "--overwrite"))["steps"] == 6
     assert checkpoint_dirs.read_latest(str(ck)) == "step-00000006"      # the corrupt one
     assert "step-00000004" not in checkpoint_dirs.numbered(str(ck))      # replaced, pruned
+
+
+def test_a_resume_keeps_the_runs_checkpoints_and_cadence_unless_given(corpus, tmp_path,
+                                                                       device, capsys):
+    """First-use walk 41: a run saved every 2 steps with --keep 100, then `--resume ck --steps
+    N` alone, fell back to --keep 1 and removed the run's kept checkpoints without a word
+    (--save-every and --log-every fell back too). They are the run's now (RUN_SAVING); a
+    --keep given that removes several folders at once says which; --keep 0 keeps all."""
+    ck = tmp_path / "ck"
+    train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save-every",
+                "2", "--keep", "100", "--log-every", "2", "--save", str(ck)))
+    bare = [*device_flags(device), "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+            "--eval-iters", "2", "--sample", "0", "--resume", str(ck), "--save", str(ck)]
+    from minidist.train.cli import check_flags
+
+    def parsed(*flags):                        # as train_gpt.py reads them (check_flags)
+        args = train_parser().parse_args(bare + list(flags))
+        check_flags(args)
+        return args
+    longer = parsed("--steps", "6")
+    train(longer)
+    assert (longer.keep, longer.save_every, longer.log_every) == (100, 2, 2)
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000002", "step-00000004", "step-00000006"]
+    capsys.readouterr()
+    train(parsed("--steps", "8", "--keep", "1"))
+    assert "saved step 8 to" in (said := capsys.readouterr().out)
+    assert "; removed step-00000002, step-00000004, step-00000006 (--keep 1)" in said, said
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000008"]
+    train(parsed("--steps", "12", "--keep", "0"))
+    assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 3   # 8, 10, 12

@@ -243,20 +243,23 @@ def add_train_args(p):
                    "DIR on --eval-iters val batches (in any layout), print the val loss and "
                    "perplexity, sample --sample tokens, and exit; of a checkpoint, on its "
                    "run's val batches (its --seed, --batch-size, --eval-iters) unless given")
-    g.add_argument("--log-every", type=int, default=25, help="steps between log lines")
+    g.add_argument("--log-every", type=int, default=25, action=Given,
+                   help="steps between log lines (--resume: the run's unless given)")
     g.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint folder: DIR/step-<N>/ per save and DIR/latest naming the "
                    "newest, written at evals, --save-every and the end, and on SIGTERM, "
                    "SIGUSR1 or Ctrl-C. A DIR that already holds a checkpoint is refused "
                    "unless the run resumes from it (--resume) or --overwrite is given")
-    g.add_argument("--save-every", type=int, default=0, help="0: at evals and at the end")
+    g.add_argument("--save-every", type=int, default=0, action=Given,
+                   help="0: at evals and at the end (--resume: the run's unless given)")
     g.add_argument("--async-save", action="store_true",
                    help="a save stalls the step only for host copies of what each rank "
                    "writes; a thread writes the files while the next steps train, and the "
                    "checkpoint is committed (`latest`) once every rank's are written (at most "
                    "one in flight; waited for before the next save and at the end)")
-    g.add_argument("--keep", type=int, default=1, metavar="K",
-                   help="numbered checkpoint folders kept under --save (the newest K)")
+    g.add_argument("--keep", type=int, default=1, metavar="K", action=Given,
+                   help="numbered checkpoint folders kept under --save (the newest K; 0: "
+                   "all; --resume: the run's unless given)")
     g.add_argument("--overwrite", action="store_true",
                    help="--save into a DIR holding checkpoints of another (or a newer) run: "
                    "this run's saves then replace them (its folders of later steps too, "

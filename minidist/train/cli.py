@@ -62,7 +62,7 @@ _AT_LEAST = (
     ("--warmup", "warmup", 0, "warm-up steps"),
     ("--decay-steps", "decay_steps", 1, "wsd's decay steps"),
     ("--muon-ns-steps", "muon_ns_steps", 1, "Muon's Newton-Schulz iterations"),
-    ("--keep", "keep", 1, "checkpoints kept"),
+    ("--keep", "keep", 0, "checkpoints kept; 0: all"),
     ("--attention-block", "attention_block", 1, "the tiled attention's tile size"),
     ("--n-kv-head", "n_kv_head", 0, "k and v heads (0: --n-head)"),
     ("--ffn-hidden", "ffn_hidden", 0, "the MLP's hidden width (0: the default)"),

@@ -91,6 +91,11 @@ RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr
                "eval_every", "eval_iters",   # (walk 33: the val curve changed basis there)
                "steps")     # (walk 35: `--resume ck` alone trained to the parser's 800)
 
+# how the run saves and logs, which a resume takes from its run too unless given (first-use
+# walk 41: `--resume ck --steps N` fell back to --keep 1 and removed the checkpoints the run
+# had kept with --keep 100, without a word)
+RUN_SAVING = ("keep", "save_every", "log_every")
+
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
            "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_every",
@@ -275,8 +280,8 @@ def take_resume_model(args):
 def _take_resume_optimizer(args, folder, flags):
     """--optimizer is the checkpoint's: its state is that optimizer's (Muon's momentum is not
     AdamW's m and v); another one given is refused. --muon-momentum, --muon-ns-steps and the
-    run's hyperparameters (RUN_RESUMED) are the checkpoint's unless given (they hold no
-    state: a run may change them)."""
+    run's hyperparameters (RUN_RESUMED) and how it saves and logs (RUN_SAVING) are the
+    checkpoint's unless given (they hold no state: a run may change them)."""
     theirs, given = flags.get("optimizer") or "adamw", getattr(args, "given", [])
     if "optimizer" in given and args.optimizer != theirs:      # (before the flag: AdamW)
         raise UsageError(f"--optimizer {args.optimizer}: --resume {folder} was trained with "
@@ -287,7 +292,7 @@ def _take_resume_optimizer(args, folder, flags):
     args.optimizer = theirs
     if getattr(args, "eval_only", False):          # nothing steps: they stay unset
         return
-    for name in ("muon_momentum", "muon_ns_steps") + RUN_RESUMED:
+    for name in ("muon_momentum", "muon_ns_steps") + RUN_RESUMED + RUN_SAVING:
         if name not in given and flags.get(name) is not None:
             setattr(args, name, flags[name])
 

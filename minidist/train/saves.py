@@ -87,9 +87,11 @@ class Saves:
                                       f"{checkpoint_dirs.kept(self.args.save)}") from None
             if self.strategy.rank == 0:  # older folders can go
                 args = self.args
-                checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
-                if say:
-                    self.log.print0(f"saved step {save.step} to {folder}")
+                gone = checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
+                if say:                  # (several at once is news: walk 41 lost six)
+                    self.log.print0(f"saved step {save.step} to {folder}" + (
+                        f"; removed {', '.join(gone)} (--keep {args.keep})"
+                        if len(gone) > 1 else ""))
             return folder
         finally:
             self.seconds += time.perf_counter() - t
