@@ -37,15 +37,17 @@ def test_log_json_rows_and_final_summary(corpus, tmp_path, device):
     assert rows[3]["val_loss"] == summary["val_loss"] and 0 < rows[1]["val_loss"] < 10
 
 
-def test_resume_continues_bit_identically(corpus, tmp_path, device):
+def test_resume_continues_bit_identically(corpus, tmp_path, device, capsys):
     common = ["--steps", "6", "--eval-every", "0", "--dropout", "0.1"]
     straight = tmp_path / "straight.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--log-json", str(straight), "--save",
                 str(tmp_path / "a")))
     stopped = train(_args(device, corpus, tmp_path, *common, "--save", str(tmp_path / "b"),
                           "--stop-at", "3"))
-    # the summary's steps are the steps done (it said 6: plot.py put the val loss at step 5)
-    assert (stopped["steps"], stopped["schedule_steps"]) == (3, 6)
+    # the summary's steps are the steps done (it said 6: plot.py put the val loss at step 5),
+    # and a stop is said as one (walk 41: "final val loss" at a --stop-at, read as the end)
+    assert (stopped["steps"], stopped["schedule_steps"], stopped["stopped_at"]) == (3, 6, 3)
+    assert "\nval loss at step 3 of 6 (--stop-at) " in capsys.readouterr().out
     resumed = tmp_path / "resumed.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
                 str(tmp_path / "b"), "--log-json", str(resumed)))

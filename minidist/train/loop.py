@@ -333,10 +333,14 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                "steps": stop, "schedule_steps": args.steps, "train_seconds": seconds,
                "eval_save_seconds": aside, "save_seconds": save_seconds,
                "sample": text, "host_reads": reads}
+    if stop < args.steps and not args.eval_only:    # (walk 41: read as the run's end)
+        summary["stopped_at"] = stop
     if args.eval_only:
         summary.update(eval_only=True, perplexity=math.exp(val_loss), eval_tokens=tokens)
     else:
-        log.print0(f"final val loss {val_loss:.4f} nats/token vs unigram entropy "
+        said = ("final val loss" if stop == args.steps else
+                f"val loss at step {stop} of {args.steps} (--stop-at)")
+        log.print0(f"{said} {val_loss:.4f} nats/token vs unigram entropy "
                    f"{data.unigram_entropy:.4f} (a model that ignores context); "
                    f"{seconds:.1f} s of training, {aside:.1f} s of it evaluating"
                    + (f" and saving ({save_seconds:.1f} s in saves"
