@@ -47,7 +47,14 @@ def test_resume_continues_bit_identically(corpus, tmp_path, device, capsys):
     # the summary's steps are the steps done (it said 6: plot.py put the val loss at step 5),
     # and a stop is said as one (walk 41: "final val loss" at a --stop-at, read as the end)
     assert (stopped["steps"], stopped["schedule_steps"], stopped["stopped_at"]) == (3, 6, 3)
-    assert "\nval loss at step 3 of 6 (--stop-at) " in capsys.readouterr().out
+    run = stopped["run"]                        # which run it was, for a sweep's logs
+    assert (run["flags"]["lr"], run["flags"]["stop_at"], run["ranks"]) == (1e-2, 3, 1), run
+    said = capsys.readouterr().out
+    assert "\nval loss at step 3 of 6 (--stop-at) " in said
+    # the run's hyperparameters in one line (walk 41: a sweep's logs named none of them)
+    assert ("\nrun: adamw, lr 0.01 -> 0.001 (cosine, warmup 0 of 6 steps), weight decay 0.1, "
+            "grad clip 1; global batch 4 x 16 = 64 tokens/step (grad-accum 1); seed 1337\n"
+            in said), said
     resumed = tmp_path / "resumed.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
                 str(tmp_path / "b"), "--log-json", str(resumed)))

@@ -40,6 +40,7 @@ from minidist.train.data import DataError
 from minidist.train.saves import Saves
 from minidist.train.startup import describe_run
 from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
+from minidist.train.inputs import recorded_flags
 from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
@@ -332,7 +333,10 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
                "steps": stop, "schedule_steps": args.steps, "train_seconds": seconds,
                "eval_save_seconds": aside, "save_seconds": save_seconds,
-               "sample": text, "host_reads": reads}
+               "sample": text, "host_reads": reads,
+               # what ran, for a sweep's logs (first-use walk 41: none said which run it was)
+               "run": {"flags": recorded_flags(vars(args)), "ranks": strategy.world_size,
+                       "blas_threads": backend.blas_threads()}}
     if stop < args.steps and not args.eval_only:    # (walk 41: read as the run's end)
         summary["stopped_at"] = stop
     if args.eval_only:

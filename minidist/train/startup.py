@@ -18,6 +18,7 @@ from minidist.comm.staging import cuda_aware_mpi, host_staging_note
 from minidist.launcher import busy_cores_note
 from minidist.nn.config import gpt_param_specs
 from minidist.optim.muon import takes_muon
+from minidist.train.resume import lr_schedule
 
 
 def describe_run(args, strategy, log, model, data):
@@ -50,9 +51,25 @@ def describe_run(args, strategy, log, model, data):
                    f"{100 * n / full:.0f}%; momentum {args.muon_momentum}, "
                    f"{args.muon_ns_steps} Newton-Schulz steps), AdamW for the other "
                    f"{full - n:,}; {state}")
+    if not args.eval_only:
+        log.print0(run_line(args))
     for line in strategy.notes(training=not args.eval_only):   # --amp, recompute, the split
         log.print0(line)
     if args.stop_at and args.stop_at < args.steps and not args.eval_only:
         # (the log's step N/total counts to the stop: 60/60 read as a shortened schedule)
         log.print0(f"--stop-at {args.stop_at}: the log counts to step {args.stop_at}; the lr "
                    f"schedule spans --steps {args.steps} (--resume goes on from the stop)")
+
+
+def run_line(args):
+    """The run's hyperparameters in one line, as the schedule resolves them (first-use walk
+    41: a sweep's logs named none of them; the step lines show the scheduled rate)."""
+    schedule = lr_schedule(vars(args))
+    shape = (f"wsd, decay over the last {schedule.decay}" if args.lr_schedule == "wsd"
+             else "cosine")
+    tokens = args.batch_size * args.block_size
+    return (f"run: {args.optimizer}, lr {args.lr:g} -> {schedule.min_lr:g} ({shape}, warmup "
+            f"{schedule.warmup} of {args.steps} steps), weight decay {args.weight_decay:g}, "
+            f"grad clip {args.grad_clip:g}; global batch {args.batch_size} x "
+            f"{args.block_size} = {tokens:,} tokens/step (grad-accum {args.grad_accum}); "
+            f"seed {args.seed}")
