@@ -235,6 +235,21 @@ def test_output_folders_are_made_before_step_0(tmp_path):
     assert not log.exists() and not trace.exists() and not os.listdir(tmp_path / "ck")
 
 
+def test_a_new_run_does_not_replace_another_runs_log_unless_told(tmp_path):
+    """First-use walk 41: a sweep's typo sent two runs to one --log-json and the first run's
+    61 rows were truncated away, silently (--save is guarded). Refused now, naming the rows;
+    --overwrite replaces it (without --save too), an empty file is fine."""
+    log = tmp_path / "x.jsonl"
+    log.write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.4}\n')
+    with pytest.raises(UsageError, match=r"--log-json .*x.jsonl: holds 2 rows of an earlier "
+                                         r"run, which a new run would replace; give another "
+                                         r"file, --overwrite to replace it, or --resume"):
+        check_flags(train_parser().parse_args(["--log-json", str(log)]))
+    check_flags(train_parser().parse_args(["--log-json", str(log), "--overwrite"]))
+    log.write_text("")
+    check_flags(train_parser().parse_args(["--log-json", str(log)]))
+
+
 def test_help_shows_defaults_and_documents_save_and_resume_auto():
     text = " ".join(train_parser().format_help().split())
     assert "optimizer steps (on --resume: its run's unless given) (default: 800)" in text

@@ -263,7 +263,8 @@ def add_train_args(p):
     g.add_argument("--overwrite", action="store_true",
                    help="--save into a DIR holding checkpoints of another (or a newer) run: "
                    "this run's saves then replace them (its folders of later steps too, "
-                   "once this run's save is complete)")
+                   "once this run's save is complete); --log-json into a file holding "
+                   "another run's rows: replaced")
     g.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint folder or a --save DIR (its newest; the "
                    "model flags, --dtype and --amp follow it). `--resume auto`: from --save "

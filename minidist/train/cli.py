@@ -273,7 +273,24 @@ def check_outputs(args):
                 raise UsageError(f"{flag} {path}: inside --save {args.save}, which must hold "
                                  "checkpoints only (the first save would refuse it); write "
                                  "it beside the folder")
+            if flag == "--log-json" and not args.resume and not args.overwrite:
+                _check_fresh_log(path)
             _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _check_fresh_log(path):
+    """A new run starts its --log-json afresh: one holding an earlier run's rows is refused
+    (first-use walk 41: a sweep's typo sent two runs to one file and the first's curve was
+    truncated away, where --save is guarded)."""
+    try:
+        with open(path, "rb") as f:
+            rows = sum(1 for line in f if line.strip())
+    except OSError:
+        return                      # none yet (or unreadable: _writable_folder says so)
+    if rows:
+        raise UsageError(f"--log-json {path}: holds {rows} rows of an earlier run, which a "
+                         "new run would replace; give another file, --overwrite to replace "
+                         "it, or --resume that run's checkpoint (a resume appends)")
 
 
 def check_out_folder(flag, out, replaced=(), replaced_note=""):

@@ -80,9 +80,10 @@ def idle_flags(args, replicas=None, ranks=None):
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),
                  ("--async-save", "whether checkpoints are written on a thread while "
-                  "training goes on", "add --save DIR"),
-                 ("--overwrite", "whether --save may replace another run's checkpoints",
-                  "add --save DIR")]
+                  "training goes on", "add --save DIR")]
+    if not args.save and not args.log_json:
+        idle.append(("--overwrite", "whether --save may replace another run's checkpoints "
+                     "(and --log-json another run's log)", "add --save DIR"))
     if not args.zero:
         idle.append(("--zero-shard", "the ranks ZeRO shards each replica over",
                      "add --zero 1, 2 or 3"))
