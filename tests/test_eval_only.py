@@ -38,9 +38,10 @@ def trained(tmp_path_factory, corpus):
 
 def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, capsys):
     """    python examples/train_gpt.py --resume ck --eval-only
-    The run's val batches (its --seed, --batch-size and --eval-iters, taken from the
-    checkpoint as its data is): the same number, bit for bit; no step taken, no folder
-    written. Given, they are this command's (another number)."""
+    The run's val batches (its --batch-size and --eval-iters, taken from the checkpoint as
+    its data is; any --seed: the val windows are the same for every seed): the same number,
+    bit for bit; no step taken, no folder written. Given, they are this command's (another
+    number)."""
     ck, summary, data = trained
     before = sorted(os.listdir(ck))
     capsys.readouterr()
@@ -58,6 +59,8 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert out.startswith(f"evaluating {ck}/step-00000003, trained 3 steps\n"), out
     other = _run(["--resume", ck, "--eval-only", "--sample", "0", "--eval-iters", "1"])
     assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
+    seeded = _run(["--resume", ck, "--eval-only", "--sample", "0", "--seed", "99"])
+    assert seeded["val_loss"] == summary["val_loss"]    # (walk 41: the seed moved it)
     # first-use walk 28: the number came last, under the sample's text
     capsys.readouterr()
     _run(["--resume", ck, "--eval-only", "--sample", "8"])

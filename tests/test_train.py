@@ -140,10 +140,10 @@ def test_evaluation_splits_each_batch_over_the_replicas_as_training_does(corpus,
     model = Counted(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16,
                               vocab_size=data.vocab_size), seed=0, dtype="float64")
     rows = []
-    whole = float(evaluate(SingleProcess(), model, data, 0, 4, 16, 3))
+    whole = float(evaluate(SingleProcess(), model, data, 4, 16, 3))
     assert rows == [4, 4, 4]
     rows.clear()
-    halves = [float(evaluate(RankOfTwo(r), model, data, 0, 4, 16, 3)) for r in (0, 1)]
+    halves = [float(evaluate(RankOfTwo(r), model, data, 4, 16, 3)) for r in (0, 1)]
     assert rows == [2] * 6 and halves[0] != halves[1]
     assert abs((halves[0] + halves[1]) / 2 - whole) < 1e-12, (halves, whole)
     assert model.training                      # evaluate puts back the mode it found

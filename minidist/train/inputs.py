@@ -79,9 +79,10 @@ def _check_outputs_outside(args, data):
                              f"there; give {name} a path outside it")
 
 
-# the flags that pick the val batches, which --eval-only of a checkpoint takes from its run
-# (unless given), so that it reports the val loss that run ended with
-EVALUATED_AS = ("seed", "batch_size", "eval_iters")
+# the flags that pick the val batches (loop.VAL_SEED draws them, whatever --seed), which
+# --eval-only of a checkpoint takes from its run (unless given), so that it reports the val
+# loss that run ended with
+EVALUATED_AS = ("batch_size", "eval_iters")
 
 # the run's hyperparameters, which a resume takes from its checkpoint's run unless given
 # (so `--resume ck --steps N` continues that run, not one at this parser's defaults); one
