@@ -3,6 +3,7 @@ continues bit-identically, polite refusals of not-yet-available parallel flags, 
 the per-step statistics, the evaluation's split over replicas. What a resume takes from the
 checkpoint and what it refuses: tests/test_train_resume.py. (--dp and world size > 1, i.e.
 data parallelism: tests/test_ddp.py, test_ddp_exact.py, test_ddp_train.py.)"""
+import json
 import resource
 import subprocess
 import sys
@@ -172,3 +173,25 @@ def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys,
                              resource.RLIMIT_FSIZE, (2048, 2048)))
     assert out.returncode == 0 and "File too large" in out.stderr, out
     assert path.read_text() == '{"step": 0}\n'
+
+
+def test_a_diverged_run_logs_strict_json_a_summary_row_and_exit_status_3(corpus, tmp_path,
+                                                                         device):
+    """First-use walk 41: a diverged run's rows held NaN and Infinity (no JSON to node, 1.8e308
+    to jq), it left no summary row, and it exited 2 like a bad flag. Now the rows hold null
+    there, a summary row says it diverged and which run it was, and the error's exit status
+    is 3."""
+    from minidist.train.loop import Diverged
+    log = tmp_path / "d.jsonl"
+    with pytest.raises(Diverged) as e:
+        train(_args(device, corpus, tmp_path, "--lr", "1e30", "--grad-clip", "0", "--steps",
+                    "20", "--log-json", str(log)))
+    assert e.value.exit_status == 3
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    rows = [json.loads(line, parse_constant=refuse) for line in open(log)]
+    last = rows[-1]
+    assert last["final"] and last["diverged"] and last["loss"] is None, last
+    assert last["run"]["flags"]["lr"] == 1e30 and last["val_loss"] is None
+    assert any(r.get("loss") is None for r in rows[:-1] if "step" in r)

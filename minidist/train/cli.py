@@ -72,7 +72,8 @@ _AT_LEAST = (
 
 class UsageError(ValueError):
     """A user error: a flag, a file or a combination; the message names it and says what
-    to do."""
+    to do. run_main exits with `exit_status`."""
+    exit_status = 2
 
 
 def flag_problem(args):
@@ -349,7 +350,7 @@ def run_main(main, args=None, user_errors=(), parser=None):
     """Call main(args), or main(parser().parse_args()) with `parser` (a function making the
     entry point's parser: built and read inside, so a Ctrl-C there is the one line too); a
     UsageError or one of `user_errors` becomes one `error:` line from rank 0 and exit status
-    2 (with --traceback or MINIDIST_DEBUG=1: the traceback); output piped into a reader that
+    2 (its exit_status: 3 for a run that diverged) (with --traceback or MINIDIST_DEBUG=1: the traceback); output piped into a reader that
     stops early (`| head`) ends quietly, status 141."""
     try:
         if parser is not None:
@@ -371,7 +372,7 @@ def run_main(main, args=None, user_errors=(), parser=None):
             raise
         if launcher_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_status", 2))
 
 
 # bidirectional embeddings, overrides and isolates: they reorder what follows on the screen

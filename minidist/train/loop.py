@@ -23,7 +23,6 @@ Log lines count steps done, `step N/total`, with the time elapsed and the ETA; a
 would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check_save).
 Tests: tests/test_train.py, tests/test_cli_runs.py (RUNS, CTRL_C).
 """
-import itertools
 import math
 import time
 
@@ -36,17 +35,16 @@ from minidist.nn.moe_bias import LoadBalance, global_load_stats, report_line
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
-from minidist.train.data import DataError
 from minidist.train.saves import Saves
-from minidist.train.startup import describe_run
+from minidist.train.end_sample import sample_at_end
+from minidist.train.startup import describe_run, run_record
 from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
-from minidist.train.inputs import recorded_flags
 from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
 from minidist.train.progress import Logger, StepValues, eta, first_not_finite
 from minidist.train.strategy import make_strategy
-from minidist.train.cli import UsageError, printable
+from minidist.train.cli import UsageError
 
 
 # the val batches' draw: one set for every run, whatever its --seed (first-use walk 41: one
@@ -80,17 +78,6 @@ def evaluate(strategy, model, data, batch_size, block_size, iters, signals=None)
     return strategy.global_mean(total / iters)
 
 
-def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40, stop=None):
-    """`n` tokens sampled after `prompt`, as text (the prompt's included); fewer where
-    `stop`, asked before each token, says so (GPT.generate)."""
-    try:
-        idx = data.tokenizer.encode(prompt)[None, :]
-    except DataError:        # a character vocabulary without "\n": start from its token 0
-        idx = np.zeros((1, 1), dtype=np.int64)
-    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed, stop=stop)
-    return data.tokenizer.decode(out[0])
-
-
 def _run_state(model):
     """What a checkpoint's meta "rng" holds beside the parameters and optimizer state: the
     dropout keys' step and the MoE routers' biases (minidist/nn/moe_bias.py; every rank holds
@@ -120,7 +107,9 @@ def moe_fields(args):
 
 class Diverged(UsageError):
     """The loss or the gradients stopped being finite (or --amp skipped too many steps in a
-    row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved."""
+    row): one `error:` line naming the step (minidist/train/cli.py run_main), nothing saved,
+    exit status 3 (a sweep's script tells it from a bad flag's 2: first-use walk 41)."""
+    exit_status = 3
 
 
 def _check_stop(args, start):
@@ -223,7 +212,11 @@ def _train(args, world):
                 log.json0(row)
             if strategy.any_rank(bad is not None):
                 saves.finish()                # a save in flight holds an earlier, finite step
-                raise Diverged(_diverged(args, bad or (step, math.nan, math.nan)))
+                bad = bad or (step, math.nan, math.nan)
+                log.json0({"final": True, "diverged": True, "steps": bad[0] + 1,
+                           "schedule_steps": args.steps, "loss": bad[1], "grad_norm": bad[2],
+                           "val_loss": None, "run": run_record(args, strategy)})
+                raise Diverged(_diverged(args, bad))
             _stop(args, saves, strategy, log, model, opt, step, signals)
         t_eval_from = time.perf_counter()
         if evals:
@@ -335,7 +328,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                    "(GPT-2's vocab.json and merges.txt beside the token files, or a meta.pkl "
                    "with its itos table, would be one)")
     elif args.sample:
-        text, cut, interrupted = _sample(args, strategy, log, model, data, signals)
+        text, cut, interrupted = sample_at_end(args, strategy, log, model, data, signals)
     reads = {k: n - reads_before.get(k, 0) for k, n in backend.host_reads().items()
              if n > reads_before.get(k, 0)}
     summary = {"final": True, "val_loss": val_loss, "unigram_entropy": data.unigram_entropy,
@@ -343,8 +336,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
                "eval_save_seconds": aside, "save_seconds": save_seconds,
                "sample": text, "host_reads": reads,
                # what ran, for a sweep's logs (first-use walk 41: none said which run it was)
-               "run": {"flags": recorded_flags(vars(args)), "ranks": strategy.world_size,
-                       "blas_threads": backend.blas_threads()}}
+               "run": run_record(args, strategy)}
     if stop < args.steps and not args.eval_only:    # (walk 41: read as the run's end)
         summary["stopped_at"] = stop
     if args.eval_only:
@@ -372,31 +364,3 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
         if interrupted:                # Ctrl-C: 130; a scheduler's signal: the job is done,
             raise SystemExit(preemption.exit_status(True))      # 0 (a requeue has no work)
     return summary
-
-
-SAMPLE_AGREE = 16     # tokens between the sample's agreements on a signal
-
-
-def _sample(args, strategy, log, model, data, signals):
-    """The end's sample: (its text, whether a signal cut it, whether that was Ctrl-C; first-
-    use walk 37: a SIGTERM cut it without a word). Collective: every rank
-    calls it. Every SAMPLE_AGREE tokens all ranks agree whether a signal came (one
-    1-element all-reduce, strategy.any_rank, as at a step boundary): the ranks that sample
-    ask it from generate's `stop` before those tokens, the others ask it as often, so a
-    model split over ranks (TP, PP, EP, ZeRO-3: the same tokens through their collectives)
-    stops at the same token on each, and nobody waits in a collective another has left."""
-    takes = strategy.takes_part_in_sampling()                 # tp: every rank of a replica
-    asked = itertools.count()
-
-    def stop():                  # before each token: the agreement, every SAMPLE_AGREE-th
-        return next(asked) % SAMPLE_AGREE == 0 and strategy.any_rank(signals.is_set())
-    text = ""
-    if takes:
-        log.print0(f"sampling {args.sample} tokens (--sample N; Ctrl-C stops it) ...")
-        text = sample_text(model, data, args.sample, args.seed, stop=stop)
-        log.print0("---- sample ----\n" + printable(text) + "\n----------------")
-    else:                        # the same agreements, at the same tokens
-        for _ in range(args.sample):
-            if stop():
-                break
-    return text, strategy.any_rank(signals.is_set()), strategy.any_rank(signals.interrupted())

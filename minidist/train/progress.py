@@ -42,7 +42,7 @@ class Logger:
     def json0(self, row):
         if self.rank != 0 or not self.log_json:
             return
-        data = (json.dumps(row) + "\n").encode()
+        data = (json.dumps(_finite(row), allow_nan=False) + "\n").encode()
         try:                                  # (unbuffered: a failed write is known here)
             fd = os.open(self.log_json, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             try:
@@ -93,6 +93,18 @@ class StepValues:
         out = [(s, float(loss), float(norm)) for s, (loss, norm) in zip(self.steps, rows)]
         self.steps = []
         return out
+
+
+def _finite(value):
+    """`value` with every float that is not finite as None: JSON has no NaN or Infinity
+    (first-use walk 41: a diverged run's rows were no JSON to node, and 1.8e308 to jq)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def first_not_finite(rows, amp):

@@ -18,6 +18,7 @@ from minidist.comm.staging import cuda_aware_mpi, host_staging_note
 from minidist.launcher import busy_cores_note
 from minidist.nn.config import gpt_param_specs
 from minidist.optim.muon import takes_muon
+from minidist.train.inputs import recorded_flags
 from minidist.train.resume import lr_schedule
 
 
@@ -73,3 +74,11 @@ def run_line(args):
             f"grad clip {args.grad_clip:g}; global batch {args.batch_size} x "
             f"{args.block_size} = {tokens:,} tokens/step (grad-accum {args.grad_accum}); "
             f"seed {args.seed}")
+
+
+def run_record(args, strategy):
+    """What ran, for a sweep's logs (first-use walk 41: none said which run it was): every
+    flag as a checkpoint records it, the ranks and the BLAS threads (they move float32's last
+    digits)."""
+    return {"flags": recorded_flags(vars(args)), "ranks": strategy.world_size,
+            "blas_threads": backend.blas_threads()}

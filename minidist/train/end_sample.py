@@ -1,0 +1,50 @@
+"""The end of a training run (or an --eval-only one): `--sample N` tokens of text from the
+model, which every rank of a model split over ranks computes together, and stops together
+at a signal. Called by minidist/train/loop.py. Tests: tests/test_preemption.py (a signal
+during the sample), tests/test_sample.py.
+"""
+import itertools
+
+import numpy as np
+
+from minidist.train.cli import printable
+from minidist.train.data import DataError
+
+
+def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40, stop=None):
+    """`n` tokens sampled after `prompt`, as text (the prompt's included); fewer where
+    `stop`, asked before each token, says so (GPT.generate)."""
+    try:
+        idx = data.tokenizer.encode(prompt)[None, :]
+    except DataError:        # a character vocabulary without "\n": start from its token 0
+        idx = np.zeros((1, 1), dtype=np.int64)
+    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed, stop=stop)
+    return data.tokenizer.decode(out[0])
+
+
+SAMPLE_AGREE = 16     # tokens between the sample's agreements on a signal
+
+
+def sample_at_end(args, strategy, log, model, data, signals):
+    """The end's sample: (its text, whether a signal cut it, whether that was Ctrl-C; first-
+    use walk 37: a SIGTERM cut it without a word). Collective: every rank
+    calls it. Every SAMPLE_AGREE tokens all ranks agree whether a signal came (one
+    1-element all-reduce, strategy.any_rank, as at a step boundary): the ranks that sample
+    ask it from generate's `stop` before those tokens, the others ask it as often, so a
+    model split over ranks (TP, PP, EP, ZeRO-3: the same tokens through their collectives)
+    stops at the same token on each, and nobody waits in a collective another has left."""
+    takes = strategy.takes_part_in_sampling()                 # tp: every rank of a replica
+    asked = itertools.count()
+
+    def stop():                  # before each token: the agreement, every SAMPLE_AGREE-th
+        return next(asked) % SAMPLE_AGREE == 0 and strategy.any_rank(signals.is_set())
+    text = ""
+    if takes:
+        log.print0(f"sampling {args.sample} tokens (--sample N; Ctrl-C stops it) ...")
+        text = sample_text(model, data, args.sample, args.seed, stop=stop)
+        log.print0("---- sample ----\n" + printable(text) + "\n----------------")
+    else:                        # the same agreements, at the same tokens
+        for _ in range(args.sample):
+            if stop():
+                break
+    return text, strategy.any_rank(signals.is_set()), strategy.any_rank(signals.interrupted())
