@@ -48,6 +48,7 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     got = _run(["--resume", ck, "--eval-only", "--sample", "0"])    # data: the checkpoint's
     assert got["val_loss"] == summary["val_loss"] and got["eval_only"]
     assert got["steps"] == 3 and got["eval_tokens"] == 3 * 4 * 16
+    assert got["evaluated"].endswith("step-00000003") and got["schedule_steps"] is None
     assert got["perplexity"] == pytest.approx(2.718281828459045 ** summary["val_loss"])
     assert sorted(os.listdir(ck)) == before
     out = capsys.readouterr().out

@@ -119,7 +119,7 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
     train(_args(device, corpus, tmp_path, "--eval-every", "0", "--steps", "12", "--resume",
                 str(tmp_path / "cos")))
     said = capsys.readouterr().out
-    assert "(note: steps changed, so the run will differ" in said and "jumps" not in said
+    assert "(note: steps 8 -> 12 changed, so the run will differ" in said and "jumps" not in said
     # first-use walk 26: a wsd run resumed past its decay with a larger --steps went from
     # --min-lr back to the peak in one step, noted only as "steps changed"
     decayed = tmp_path / "decayed"
@@ -176,7 +176,8 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
     check_flags(given)
     assert given.lr == 2e-3 and given.batch_size == 8
     train(given)
-    assert "(note: dropout, lr changed, so the run will differ" in capsys.readouterr().out
+    assert "(note: dropout 0.0 -> 0.1, lr 0.001 -> 0.002 changed, so the run will differ" in \
+        capsys.readouterr().out                 # (the values too: first-use walk 41)
 
 
 def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus, tmp_path,
@@ -269,7 +270,8 @@ def test_a_resume_names_what_changes_its_numbers_and_what_cannot_change(corpus, 
     train(_args(device, corpus, tmp_path, *moe, "--steps", "4", "--resume", ck,
                 "--moe-aux-loss-coef", "0", "--grad-accum", "2"))
     said = capsys.readouterr().out
-    assert ("(note: moe_aux_loss_coef changed, so the run will differ from an uninterrupted "
+    assert ("(note: moe_aux_loss_coef 0.01 -> 0.0 changed, so the run will differ from an "
+            "uninterrupted "
             "one); note: the checkpoint's run had --grad-accum 1 (the same numbers under any "
             "schedule or split of the batch, up to rounding") in said, said
     args = train_parser().parse_args(["--resume", ck, "--cp", "3", "--steps", "4"])
@@ -334,3 +336,21 @@ def test_a_resume_keeps_the_runs_checkpoints_and_cadence_unless_given(corpus, tm
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000008"]
     train(parsed("--steps", "12", "--keep", "0"))
     assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 3   # 8, 10, 12
+
+
+def test_a_resumed_log_takes_out_the_rows_a_cut_off_run_wrote_past_its_checkpoint(
+        corpus, tmp_path, device, capsys):
+    """First-use walk 41: after a kill -9 past the last save and a resume, the --log-json held
+    steps 40-52 twice (the cut-off run's and the resumed run's). Rows of steps from the
+    checkpoint on, and a half row, are taken out when the resume starts, and it says so."""
+    log, ck = tmp_path / "l.jsonl", tmp_path / "ck"
+    common = ["--steps", "6", "--eval-every", "0", "--log-json", str(log)]
+    train(_args(device, corpus, tmp_path, *common, "--stop-at", "3", "--save", str(ck)))
+    with open(log, "a") as f:                   # what a run cut off after step 5 left
+        f.write('{"step": 3, "loss": 9.0}\n{"step": 4, "loss": 9.0}\n{"step": 5, "lo')
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, *common, "--resume", str(ck)))
+    assert "note: --log-json " in (said := capsys.readouterr().out), said
+    assert "3 row(s) of steps past step 3 taken out" in said      # (2 and a half)
+    steps = [r["step"] for r in _rows(log) if "step" in r]
+    assert steps == [0, 1, 2, 3, 4, 5] and 9.0 not in [r.get("loss") for r in _rows(log)]

@@ -42,7 +42,8 @@ from minidist.train.data_open import check_resume_vocabulary, open_data_shared, 
 from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
-from minidist.train.progress import Logger, StepValues, eta, first_not_finite
+from minidist.train.progress import (Logger, StepValues, drop_rows_from, eta,
+                                     first_not_finite)
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
 
@@ -159,6 +160,12 @@ def _train(args, world):
     opt = strategy.build_optimizer(model, args)
     schedule = lr_schedule(vars(args))
     start = resume_run(args, strategy, log, model, opt) if args.resume else 0
+    if start and strategy.rank == 0 and args.log_json and not args.eval_only:
+        dropped = drop_rows_from(args.log_json, start)
+        if dropped:
+            log.print0(f"note: --log-json {args.log_json}: {dropped} row(s) of steps past "
+                       f"step {start} taken out (the run that wrote them stopped before "
+                       "saving them; this run logs those steps again)")
     stop = start if args.eval_only else _check_stop(args, start)   # --eval-only: no steps
     describe_run(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
@@ -340,7 +347,9 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     if stop < args.steps and not args.eval_only:    # (walk 41: read as the run's end)
         summary["stopped_at"] = stop
     if args.eval_only:
-        summary.update(eval_only=True, perplexity=math.exp(val_loss), eval_tokens=tokens)
+        summary.update(eval_only=True, perplexity=math.exp(val_loss), eval_tokens=tokens,
+                       evaluated=args.resume or args.init_from,   # (walk 41: unnamed, and
+                       schedule_steps=None)                        # --steps' default 800)
     else:
         said = ("final val loss" if stop == args.steps else
                 f"val loss at step {stop} of {args.steps} (--stop-at)")

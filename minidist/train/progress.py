@@ -64,6 +64,33 @@ class Logger:
             self.log_json = None
 
 
+def drop_rows_from(path, start):
+    """A resumed run's --log-json: its rows of steps `start` on taken out (the run that wrote
+    them was cut off after its last checkpoint, at `start`; the resumed run logs them again:
+    first-use walk 41 found steps 40-52 twice after a kill -9), and a half row a kill left.
+    Rows of no step (summaries) stay. Returns how many rows went. Rank 0 alone calls it."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue                              # (half a row: the kill's)
+        if not (isinstance(row, dict) and row.get("step", -1) >= start):
+            kept.append(line)
+    gone = sum(bool(line.strip()) for line in lines) - len(kept)
+    if gone:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return gone
+
+
 class StepValues:
     """A (capacity, 2) float64 table on the values' device: (loss, norm) of each step since
     the last read. Full: `due` says so, so the table never overflows."""

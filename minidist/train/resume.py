@@ -131,7 +131,8 @@ def resume_run(args, strategy, log, model, opt):
     other_tokens = _other_contents(saved, ours)
     changed += ["data (the same path, other contents)"] if other_tokens else []
     changed += _schedule_changes(saved, ours, state["step"]) if saved else []
-    changed = [] if args.eval_only else changed          # (nothing trains: nothing differs)
+    changed = [] if args.eval_only else [          # (nothing trains: nothing differs)
+        f"{k} {saved[k]} -> {ours[k]}" if k in saved else k for k in changed]   # (walk 41)
     other = [] if args.eval_only else schedule_differences(args, saved) + [
         f"--{k.replace('_', '-')} {saved[k]}" for k in _SAME_BATCH
         if saved.get(k) is not None and saved[k] != ours[k]]
