@@ -350,8 +350,9 @@ def run_main(main, args=None, user_errors=(), parser=None):
     """Call main(args), or main(parser().parse_args()) with `parser` (a function making the
     entry point's parser: built and read inside, so a Ctrl-C there is the one line too); a
     UsageError or one of `user_errors` becomes one `error:` line from rank 0 and exit status
-    2 (its exit_status: 3 for a run that diverged) (with --traceback or MINIDIST_DEBUG=1: the traceback); output piped into a reader that
-    stops early (`| head`) ends quietly, status 141."""
+    2 (its exit_status: 3 for a run that diverged; with --traceback or MINIDIST_DEBUG=1: the
+    traceback); output piped into a reader that stops early (`| head`) ends quietly, status
+    141."""
     try:
         if parser is not None:
             args = parser().parse_args()
