@@ -354,3 +354,13 @@ def test_a_resumed_log_takes_out_the_rows_a_cut_off_run_wrote_past_its_checkpoin
     assert "3 row(s) of steps past step 3 taken out" in said      # (2 and a half)
     steps = [r["step"] for r in _rows(log) if "step" in r]
     assert steps == [0, 1, 2, 3, 4, 5] and 9.0 not in [r.get("loss") for r in _rows(log)]
+    # a branch from an older checkpoint (newer ones beside it): those rows are its run's,
+    # kept (appended after, as before); nothing is taken out
+    train(_args(device, corpus, tmp_path, "--steps", "6", "--eval-every", "2", "--keep", "0",
+                "--save", str(tmp_path / "all"), "--log-json", str(tmp_path / "b.jsonl")))
+    before = len(_rows(tmp_path / "b.jsonl"))
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, "--steps", "6", "--eval-every", "2", "--log-json",
+                str(tmp_path / "b.jsonl"), "--resume", str(tmp_path / "all" / "step-00000002")))
+    assert "taken out" not in capsys.readouterr().out
+    assert len(_rows(tmp_path / "b.jsonl")) > before

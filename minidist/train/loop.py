@@ -24,6 +24,7 @@ would replace a newer checkpoint is refused before step 0 (checkpoint_dirs.check
 Tests: tests/test_train.py, tests/test_cli_runs.py (RUNS, CTRL_C).
 """
 import math
+import os
 import time
 
 import numpy as np
@@ -160,8 +161,10 @@ def _train(args, world):
     opt = strategy.build_optimizer(model, args)
     schedule = lr_schedule(vars(args))
     start = resume_run(args, strategy, log, model, opt) if args.resume else 0
-    if start and strategy.rank == 0 and args.log_json and not args.eval_only:
-        dropped = drop_rows_from(args.log_json, start)
+    folder, name = os.path.split(os.path.abspath(args.resume or "."))
+    if start and strategy.rank == 0 and args.log_json and not args.eval_only \
+            and checkpoint_dirs.numbered(folder)[-1:] == [name]:     # (not a branch from an
+        dropped = drop_rows_from(args.log_json, start)   # older one: its run's rows, saved)
         if dropped:
             log.print0(f"note: --log-json {args.log_json}: {dropped} row(s) of steps past "
                        f"step {start} taken out (the run that wrote them stopped before "
