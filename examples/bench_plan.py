@@ -100,7 +100,7 @@ def train_cmd(steps, log, flags):
     model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     return [sys.executable, "examples/train_gpt.py", *model, "--attention", "materialized",
             "--steps", str(steps), "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
-            "--log-json", log, *flags]
+            "--log-json", log, "--overwrite", *flags]     # (scratch logs, one per case)
 
 
 def step_rows(log, skip):

@@ -110,11 +110,12 @@ def test_train_gpt_pp2_logs_one_process(corpus, tmp_path, mpi):
     """
     common = [*TINY, "--data", corpus, "--cache-dir", tmp_path / "cache", "--moe-every", "2",
               "--moe-z-loss-coef", "0.01"]
-    one, pp = tmp_path / "one.jsonl", tmp_path / "pp.jsonl"
+    one = tmp_path / "one.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
                    capture_output=True, check=True)
     for flags in (["--pp", "2", "--micro-batches", "1"], ["--pp", "2"], ["--grad-accum", "2"]):
+        pp = tmp_path / f"{'_'.join(flags)}.jsonl"         # (a new run: a new log)
         mpi(2 if "--pp" in flags else 1, "examples/train_gpt.py", *common, *flags,
             "--log-json", pp, timeout=120)
         a, b = _rows(one), _rows(pp)

@@ -227,6 +227,8 @@ ALLOWED = {
     "train/progress.py:first_not_finite: math.isfinite(loss)": HOST_VALUE + ": read's rows",
     "train/progress.py:first_not_finite: math.isfinite(norm)": HOST_VALUE + ": read's rows",
     "train/progress.py:clock: int(round(seconds))": HOST_VALUE + ": a time in seconds",
+    "train/progress.py:_finite: math.isfinite(value)": HOST_VALUE + ": a --log-json row's",
+    "train/progress.py:drop_rows_from": OUTSIDE_THE_STEP + ": the log's lines, at a resume",
     "train/loss_scale.py:LossScaler.verdict: math.isfinite(norm)":
         HOST_VALUE + ": the norm from the verdict's one host_read",
     "train/master_weights.py:MasterWeightOptimizer.clip_grad_norm: bool(grads)": "a Python list",
