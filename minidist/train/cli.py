@@ -274,9 +274,9 @@ def check_outputs(args):
                 raise UsageError(f"{flag} {path}: inside --save {args.save}, which must hold "
                                  "checkpoints only (the first save would refuse it); write "
                                  "it beside the folder")
-            if flag == "--log-json" and not args.resume and not args.overwrite:
-                _check_fresh_log(path)
             _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+    if args.log_json and not args.resume and not args.overwrite:   # (a resume appends)
+        _check_fresh_log(args.log_json)
 
 
 def _check_fresh_log(path):
