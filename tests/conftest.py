@@ -1,5 +1,6 @@
 import compileall
 import os
+import pathlib
 import sys
 
 import pytest
@@ -86,6 +87,36 @@ def pytest_collection_modifyitems(config, items):
         if on_cuda and mark is not None:
             why = mark.args[0] if mark.args else mark.kwargs.get("reason", "CPU only")
             item.add_marker(pytest.mark.skip(reason=f"cpu_only: {why}"))
+
+
+def _ran_whole(session, files):
+    """Whether this run asked for every test of `files` its marks select: each file is, or is
+    in, a path the command line named (none: the suite), and no -k or --deselect picked
+    tests out."""
+    opt = session.config.option
+    asked = [pathlib.Path(a).resolve() for a in session.config.args if "::" not in a]
+    inside = all(any(a == f or a in f.parents for a in asked) for f in files)
+    return inside and not opt.keyword and not opt.deselect
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A CUDA kernel that no test runs on the CPU harness fails a passing run of the suite,
+    naming it (before, a new kernel without a CPU test failed nothing: walk 40). Checked
+    where the run held every file that imports tests/cuda_cpu.py, on the CPU, with a C++
+    compiler; its launches are cuda_cpu.LAUNCHED."""
+    if exitstatus != 0 or session.config.getoption("--device") != "cpu":
+        return
+    import cuda_cpu
+    if cuda_cpu.reason_unavailable() or not _ran_whole(session, cuda_cpu.harness_files()):
+        return
+    missing = cuda_cpu.never_launched(cuda_cpu.LAUNCHED)
+    if missing:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(
+            f"error: no test ran these CUDA kernels on the CPU harness (tests/cuda_cpu.py): "
+            f"{', '.join(missing)}; prove each against the numpy code there", red=True)
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,9 @@ folder where that is not writable), keyed by the hash of the source, the header,
 flags; `reason_unavailable()` says why not, where no compiler is.
 Tests: tests/test_cuda_cpu.py (the harness itself); the kernels: tests/test_cuda_kernels_cpu.py,
 tests/test_cuda_flash_cpu.py, tests/test_cuda_fusions_cpu.py, tests/test_multi_tensor_cpu.py.
+Every kernel must have one: a run of the suite that holds every file importing this harness
+fails, naming them, if a kernel of cuda_source's PARTS was never launched (LAUNCHED,
+tests/conftest.py's pytest_sessionfinish).
 """
 import ctypes
 import hashlib
@@ -39,6 +42,7 @@ CACHE = HERE.parent / ".minidist-cache" / "cuda-cpu"
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-ffp-contract=off",
          "-fno-strict-aliasing")
 GUARD = 256
+LAUNCHED = set()              # the kernels this process ran (tests/conftest.py checks them)
 _LIBS = {}
 _LOCK = threading.Lock()      # the scheduler's state is global in each library
 
@@ -188,11 +192,23 @@ def launch(source, name, grid, block, args, order="low", tables=None):
         rc = getattr(lib, f"cpu_launch_{name}")(dims[0], dims[1], int(order == "high"), argv)
         if rc:
             raise KernelError(f"{name}: {lib.cuda_cpu_error().decode()}")
+    LAUNCHED.add(name)
     for i, (a, buf) in enumerate(zip(args, keep)):
         if isinstance(a, np.ndarray) and not (tables and i in tables):
             _copy_back(name, f"argument #{i} {params[i]}", a, buf)
     for what, a, buf in copies:
         _copy_back(name, what, a, buf)
+
+
+def harness_files():
+    """The test files that run kernels on this harness: those that import it."""
+    return sorted(p for p in HERE.glob("test_*.py") if "import cuda_cpu" in p.read_text())
+
+
+def never_launched(launched):
+    """The kernels of minidist/autograd/cuda_source.py's PARTS that are not in `launched`
+    (LAUNCHED after a run of the whole suite: a kernel without a CPU test)."""
+    return sorted({name for _, names in cs.PARTS.values() for name in names} - launched)
 
 
 def _table_of_copies(name, i, table, arrays):

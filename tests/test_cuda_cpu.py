@@ -176,3 +176,14 @@ def test_misbehaving_launches_are_refused(name, args, block, message):
     block = block if isinstance(block, list) else (block,)
     with pytest.raises(cuda_cpu.KernelError, match=message):
         cuda_cpu.launch(SRC, name, (1,), block, args)
+
+
+def test_a_kernel_no_test_launched_is_named():
+    """The suite's end (tests/conftest.py's pytest_sessionfinish) fails a run of every
+    harness file that left a kernel unlaunched, naming it: never_launched's answer."""
+    every = set(cuda_cpu.never_launched(set()))
+    assert {"ln_fwd", "flash_bwd_dq", "multi_adamw", "philox_uniforms", "rope"} <= every
+    assert cuda_cpu.never_launched(every) == []
+    assert cuda_cpu.never_launched(every - {"ce_pad_bwd"}) == ["ce_pad_bwd"]
+    names = {p.name for p in cuda_cpu.harness_files()}
+    assert {"test_cuda_kernels_cpu.py", "test_cuda_flash_cpu.py", "test_fusions.py"} <= names
