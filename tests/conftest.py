@@ -90,13 +90,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _ran_whole(session, files):
-    """Whether this run asked for every test of `files` its marks select: each file is, or is
-    in, a path the command line named (none: the suite), and no -k or --deselect picked
-    tests out."""
+    """Whether this run held every test of `files` its marks select: each file is, or is in,
+    a path the command line named (none: the suite) and has tests selected, and no -k or
+    --deselect picked tests out (nor --collect-only ran none)."""
     opt = session.config.option
     asked = [pathlib.Path(a).resolve() for a in session.config.args if "::" not in a]
     inside = all(any(a == f or a in f.parents for a in asked) for f in files)
-    return inside and not opt.keyword and not opt.deselect
+    selected = {item.path for item in session.items}
+    return (inside and set(files) <= selected and not opt.keyword and not opt.deselect
+            and not opt.collectonly)
 
 
 def pytest_sessionfinish(session, exitstatus):
