@@ -6,6 +6,9 @@ Run: python -m pytest -q tests/test_autograd.py [--device cuda]: P() and the op 
 their arrays on --device (the `device` fixture, used by every test here) and compare on the
 host; the hypothesis gradient checks and numpy-only checks are marked cpu_only.
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -163,6 +166,28 @@ def test_backward_frees_the_graph_and_second_backward_raises():
     assert h.grad_fn.ctx is None and loss.grad_fn.ctx is None and loss.grad_fn.parents == ()
     with pytest.raises(RuntimeError, match="already freed"):
         loss.backward()
+
+
+def test_the_graph_keeps_only_what_ops_saved_not_their_outputs():
+    """h = x @ w and s = h + b are outputs no backward reads (matmul saves x and w, the add
+    nothing, tanh its own output): once the forward code drops them, neither the Tensors nor
+    their arrays live on in the graph (its records are Nodes, minidist/autograd/tensor.py),
+    and backward still gives the gradients worked out by hand."""
+    x, w, b = (Tensor(rng.standard_normal(s), requires_grad=True)
+               for s in ((4, 8), (8, 5), (5,)))
+    h = ops.matmul(x, w)
+    s = h + b
+    y = s.tanh()
+    refs = [weakref.ref(o) for o in (h, h.data, s, s.data)]
+    del h, s
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+    y.sum().backward()
+    xd, wd, bd = (H(t.data) for t in (x, w, b))
+    dy = 1 - np.tanh(xd @ wd + bd) ** 2
+    assert np.allclose(H(x.grad), dy @ wd.T, rtol=1e-12, atol=0)
+    assert np.allclose(H(w.grad), xd.T @ dy, rtol=1e-12, atol=0)
+    assert np.allclose(H(b.grad), dy.sum(axis=0), rtol=1e-12, atol=0)
 
 
 def test_deep_chain_has_no_recursion_limit():
