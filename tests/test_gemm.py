@@ -263,6 +263,21 @@ def test_cublas_enums_are_cublas_api_h():
     assert found == {n: getattr(gemm, n) for n in names}
 
 
+# cuBLAS's and CUDA's enum values as their headers give them, copied by hand from CuPy's
+# cupy_backends/cuda/libs/cublas.pxd (v13, v14; it mirrors cublas_api.h) and CUDA's
+# library_types.h: a source other than gemm.py, for machines with no headers (the tests above
+# skip there, and the CPU executor reads gemm.py's own values, so a wrong one passed them)
+DOCUMENTED = {"CUBLAS_OP_N": 0, "CUBLAS_OP_T": 1, "CUBLAS_COMPUTE_32F": 68,
+              "CUBLAS_COMPUTE_32F_FAST_TF32": 77, "CUBLAS_COMPUTE_64F": 70,
+              "CUBLAS_GEMM_DEFAULT": -1, "CUBLAS_POINTER_MODE_HOST": 0}
+DOCUMENTED_TYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}  # CUDA_R_*
+
+
+def test_the_enums_are_the_documented_values():
+    assert {n: getattr(gemm, n) for n in DOCUMENTED} == DOCUMENTED
+    assert gemm.DATA_TYPES == DOCUMENTED_TYPES
+
+
 GPU_TOL = {"float32": 1e-5, "float32_tf32": 1e-2, "float16": 2e-3, "bfloat16": 8e-3}
 
 
