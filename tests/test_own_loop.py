@@ -44,11 +44,14 @@ def test_each_chapter_shows_its_scripts_recipe_word_for_word(script):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_own_loop_trains_one_process_numbers(script, mpi):
-    """mpiexec -n 2 python examples/own_loop_ddp.py (own_loop_zero.py, own_loop_tp.py):
-    every run's parameters within 1e-10 of one process's (the script exits 1 otherwise)."""
-    out = mpi(2, script, timeout=120).stdout
+@pytest.mark.parametrize("script, ranks", [(s, 2) for s in SCRIPTS]
+                         + [("examples/own_loop_tp.py", 4)])
+def test_own_loop_trains_one_process_numbers(script, ranks, mpi):
+    """mpiexec -n 2 python examples/own_loop_ddp.py (own_loop_zero.py, own_loop_tp.py), and
+    mpiexec -n 4 python examples/own_loop_tp.py --tp 2 (the recipe's DDP across the tp groups,
+    a no-op on 2 ranks): every run's parameters within 1e-10 of one process's (the script
+    exits 1 otherwise)."""
+    out = mpi(ranks, script, *(["--tp", "2"] if ranks == 4 else []), timeout=180).stdout
     diffs = [float(line.rsplit("= ", 1)[1]) for line in out.splitlines()
              if "max |parameter - one process| = " in line]
-    assert len(diffs) == SCRIPTS[script] and max(diffs) <= 1e-10, out
+    assert len(diffs) == SCRIPTS[script] and all(d <= 1e-10 for d in diffs), out
