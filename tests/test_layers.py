@@ -1,4 +1,5 @@
-"""The layers of README.md's "Layers" table: each imports only the ones above it.
+"""The layers of README.md's "Layers" table: each imports only the ones above it; and
+every strategy class is built by the one composition, make_strategy.
 
 Read from the source with `ast` (nothing is imported): every `import minidist.x...` and
 `from minidist[.x] import ...` in minidist/, at any depth (a function-level import counts), is
@@ -87,3 +88,39 @@ def test_the_readme_table_lists_the_rows_in_this_order():
     order = [f for f in firsts if f in ROW]
     assert [ROW[f] for f in order] == sorted(ROW[f] for f in order), order
     assert {ROW[f] for f in order} == set(range(len(LAYERS))), (order, LAYERS)
+
+
+def _strategy_classes():
+    """{class name: file} of every class in minidist/ that derives, at any depth, from the
+    Strategy base (minidist/strategy/base.py's SingleProcess), read from the source."""
+    bases = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                         for b in node.bases]
+                bases[node.name] = (names, str(path.relative_to(ROOT)))
+    found, grew = {"SingleProcess": bases["SingleProcess"][1]}, True
+    while grew:
+        grew = False
+        for name, (parents, where) in bases.items():
+            if name not in found and any(p in found for p in parents):
+                found[name], grew = where, True
+    return found
+
+
+def test_every_strategy_is_made_by_the_one_composition():
+    """Every Strategy class is built by minidist/train/strategy.py's make_strategy (or its
+    make_data_parallel), so every layout runs the one train_step the exactness scripts run
+    (tests/scripts/exact.py): a strategy added without its place in the composition fails
+    here. ModelParallel is the base the model-parallel ones share, built by none."""
+    tree = ast.parse((PACKAGE / "train" / "strategy.py").read_text())
+    made = {node.func.id for fn in tree.body if isinstance(fn, ast.FunctionDef)
+            and fn.name in ("make_strategy", "make_data_parallel")
+            for node in ast.walk(fn) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)}
+    classes = _strategy_classes()
+    assert {"DataParallel", "ZeroDataParallel", "TensorParallel", "PipelineParallel",
+            "ContextParallel", "ExpertParallel"} <= set(classes)
+    missing = {n: f for n, f in classes.items() if n not in made and n != "ModelParallel"}
+    assert not missing, f"strategies make_strategy never builds: {missing}"
