@@ -200,11 +200,12 @@ def test_a_checkpoint_from_before_keyed_dropout_resumes_the_straight_run(corpus,
     assert [r["loss"] for r in _rows(resumed)[:2]] == [r["loss"] for r in _rows(straight)[2:4]]
 
 
-def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
+def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device, capsys):
     """A checkpoint at step 4 resumed with --steps 2 (or --stop-at 3) trained nothing and
     exited 0 ("0.0 s of training"); it is one error line now. --steps 4, the same step, is a
-    requeued run that already finished: it evaluates and ends, as before. Refused before
-    any work (it was after the strategy's collectives and the checkpoint's load)."""
+    requeued run that already finished: it evaluates and ends, as before, and its --log-json
+    keeps one summary row. Refused before any work (it was after the strategy's collectives
+    and the checkpoint's load)."""
     ck = str(tmp_path / "ck")
     train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save", ck))
     with pytest.raises(UsageError, match="--steps 2: the checkpoint .*step-00000004 is at "
@@ -217,8 +218,17 @@ def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device):
     with pytest.raises(UsageError, match="--steps 2: the checkpoint"):
         train(_args(device, corpus, tmp_path, "--steps", "2", "--resume", ck, "--data",
                     str(tmp_path / "missing.txt")))
-    done = train(_args(device, corpus, tmp_path, "--steps", "4", "--resume", ck))
-    assert done["train_seconds"] < 1 and done["val_loss"] > 0
+    log = tmp_path / "log.jsonl"
+    first = train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0",
+                        "--save", str(tmp_path / "ck2"), "--log-json", str(log)))
+    capsys.readouterr()
+    done = train(_args(device, corpus, tmp_path, "--steps", "4", "--resume",
+                       str(tmp_path / "ck2"), "--log-json", str(log)))
+    assert "loss and norm" not in done["host_reads"] and done["val_loss"] == first["val_loss"]
+    # a requeued run that finished writes no second summary (walk 41), and says so
+    assert [r["steps"] for r in _rows(log) if r.get("final")] == [4]
+    assert "holds this run's summary of 4 steps already: not written again" in \
+        capsys.readouterr().out
 
 
 def test_a_resume_on_other_contents_at_the_same_path_says_so(corpus, tmp_path, device, capsys):

@@ -43,7 +43,7 @@ from minidist.train.data_open import check_resume_vocabulary, open_data_shared, 
 from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
-from minidist.train.progress import (Logger, StepValues, drop_rows_from, eta,
+from minidist.train.progress import (Logger, StepValues, drop_rows_from, eta, holds_summary,
                                      first_not_finite)
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
@@ -315,6 +315,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     done (--stop-at's, below --steps, whose schedule the run follows: "schedule_steps");
     `signals`: a Ctrl-C during that evaluation ends the run there (nothing trained, so
     nothing to save): one line, exit 130."""
+    requeued = val_loss is None and not args.eval_only    # (nothing trained: at the end)
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
         mean = evaluate(strategy, model, data, args.batch_size, args.block_size,
                         args.eval_iters, signals)
@@ -366,7 +367,11 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
         f"{why} {n}" for why, n in reads.items()) or "none"))
     if not args.eval_only:             # (its figures are per training step)
         strategy.finish(args, log)     # e.g. DDP's communication summary, the --trace file
-    log.json0(summary)
+    if requeued and strategy.rank == 0 and args.log_json and holds_summary(args.log_json, stop):
+        log.print0(f"note: --log-json {args.log_json} holds this run's summary of {stop} "
+                   "steps already: not written again")     # (walk 41: a second final row)
+    else:
+        log.json0(summary)
     if cut:                            # a signal during the sample: the run is done, say so
         log.print0(f"{preemption.describe(interrupted, signals.name)} during the sample "
                    "(--sample 0 skips it): " + (

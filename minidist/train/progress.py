@@ -64,6 +64,26 @@ class Logger:
             self.log_json = None
 
 
+def holds_summary(path, steps):
+    """Whether the --log-json at `path` ends a run of `steps` steps already: a summary row of
+    that many steps done, not --stop-at's, --eval-only's or a divergence's. A requeued run
+    that finished (resumed at its last step: nothing to train) writes no second one."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(row, dict) and row.get("final") and row.get("steps") == steps
+                and not {"stopped_at", "eval_only", "diverged"} & set(row)):
+            return True
+    return False
+
+
 def drop_rows_from(path, start):
     """A resumed run's --log-json: its rows of steps `start` on taken out (the run that wrote
     them was cut off after its last checkpoint, at `start`; the resumed run logs them again:
