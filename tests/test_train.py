@@ -195,3 +195,27 @@ def test_a_diverged_run_logs_strict_json_a_summary_row_and_exit_status_3(corpus,
     assert last["final"] and last["diverged"] and last["loss"] is None, last
     assert last["run"]["flags"]["lr"] == 1e30 and last["val_loss"] is None
     assert any(r.get("loss") is None for r in rows[:-1] if "step" in r)
+
+
+@pytest.mark.parametrize("layout", [[], ["--zero", "1"], ["--amp"]])
+def test_a_resume_given_another_hyperparameter_trains_with_it(layout, corpus, tmp_path,
+                                                              device):
+    """The flags set the resumed optimizer's hyperparameters, not the checkpoint it loads: a
+    resume given --weight-decay 5 trained on with the checkpoint's 0.1 (the same losses as a
+    resume without it), though its line said the decay had changed. One process, ZeRO-1 and
+    --amp's master weights; the resumed run's checkpoint holds the new decay."""
+    common = [*layout, "--steps", "4", "--eval-every", "0", "--lr", "3e-2"]
+    train(_args(device, corpus, tmp_path, *common, "--stop-at", "2",
+                "--save", str(tmp_path / "ck")))
+    losses = {}
+    for wd in ("0.1", "5"):
+        folder = tmp_path / f"wd{wd}"
+        subprocess.run(["cp", "-r", str(tmp_path / "ck"), str(folder)], check=True, timeout=60)
+        train(_args(device, corpus, tmp_path, *common, "--resume", str(folder), "--save",
+                    str(folder), "--weight-decay", wd, "--log-json", str(tmp_path / wd)))
+        losses[wd] = [r["loss"] for r in _rows(tmp_path / wd) if "loss" in r]
+    assert len(losses["5"]) == 2 and losses["5"][0] == losses["0.1"][0]    # step 2: the
+    assert losses["5"][1] != losses["0.1"][1]                             # same weights
+    if not layout or layout == ["--amp"]:
+        state = json.loads((tmp_path / "wd5" / "step-00000004" / "state.json").read_text())
+        assert [g["weight_decay"] for g in state["optimizer"]["groups"]] == [5.0, 0.0]

@@ -66,6 +66,15 @@ class DenseAndExperts:
         self.dense.set_lr(lr)
         self.experts.set_lr(lr)
 
+    def hyperparameters(self):
+        """(the dense optimizer's, the experts')"""
+        return self.dense.hyperparameters(), self.experts.hyperparameters()
+
+    def set_hyperparameters(self, groups):
+        dense, experts = groups
+        self.dense.set_hyperparameters(dense)
+        self.experts.set_hyperparameters(experts)
+
     def zero_grad(self):
         self.dense.zero_grad()
         self.experts.zero_grad()

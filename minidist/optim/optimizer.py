@@ -103,6 +103,18 @@ class Optimizer:
         for group in self.param_groups:
             group["lr"] = lr
 
+    def hyperparameters(self):
+        """Each group's settings (lr, betas, weight decay, ...; not its parameters): what a
+        checkpoint's "groups" hold."""
+        return [{k: v for k, v in g.items() if k not in ("params", "names")}
+                for g in self.param_groups]
+
+    def set_hyperparameters(self, groups):
+        """Each group's settings from `groups` (hyperparameters()'s form). A resumed run puts
+        back its flags' after the load, which set the checkpoint's (train/resume.py)."""
+        for group, settings in zip(self.param_groups, groups):
+            group.update(settings)
+
     @property
     def params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -116,8 +128,7 @@ class Optimizer:
     def state_dict(self):
         """{"groups": hyperparameters per group (no params), "state": {name: {key: host
         array or int}}}: JSON for the groups, arrays for the state."""
-        groups = [{k: v for k, v in g.items() if k not in ("params", "names")}
-                  for g in self.param_groups]
+        groups = self.hyperparameters()
         state = {n: {k: (backend.to_host(v).copy() if hasattr(v, "shape") else v)
                      for k, v in s.items()} for n, s in self.state.items()}
         return {"groups": groups, "state": state}
@@ -134,8 +145,7 @@ class Optimizer:
                 "; one side was built from parameters() without names (param0, param1, "
                 "...): build the optimizer from model.named_parameters(), as the strategies "
                 "and their checkpoints do" if unnamed else ""))
-        for group, saved in zip(self.param_groups, sd["groups"]):
-            group.update(saved)
+        self.set_hyperparameters(sd["groups"])
         self.state = {}
         for name, s in sd["state"].items():
             p = params[name].data

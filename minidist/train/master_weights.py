@@ -52,6 +52,12 @@ class MasterWeightOptimizer:
     def set_lr(self, lr):
         self.inner.set_lr(lr)
 
+    def hyperparameters(self):
+        return self.inner.hyperparameters()
+
+    def set_hyperparameters(self, groups):
+        self.inner.set_hyperparameters(groups)
+
     def zero_grad(self):
         for p in self.params:
             p.grad = None

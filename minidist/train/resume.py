@@ -110,6 +110,7 @@ def resume_run(args, strategy, log, model, opt):
     """Load --resume into the model and optimizer (and the run's dropout keys and MoE
     biases), say so in one line with what differs from the checkpoint's run (the flags that
     change its numbers, its schedule's, a learning-rate jump); returns its step."""
+    flags = opt.hyperparameters()        # this run's (its flags'), which the load replaces
     try:
         state = strategy.load(args.resume, model, opt)
     except CheckpointError as e:
@@ -121,6 +122,8 @@ def resume_run(args, strategy, log, model, opt):
         raise CheckpointError(f"{e}; older checkpoints beside it: {', '.join(older)} "
                               f"(--resume {older[-1]}{' --overwrite' * bool(same)} "
                               "continues from the newest of them)") from None
+    opt.set_hyperparameters(flags)   # (a resume given --weight-decay 0.5 trained on with the
+    # checkpoint's 0.1, its line saying the decay had changed)
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]},

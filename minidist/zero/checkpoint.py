@@ -192,11 +192,8 @@ def _assign(new, groups, scalars, optimizer):
     after_step (stages 1, 2: all-gather, a collective)."""
     steps = {s["step"] for n, s in scalars.items() if n != SCALER_KEY and "step" in s}
     optimizer.steps = max(steps, default=0)
-    for group, g in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in g.items() if k not in ("params", "names")})
-        group["betas"] = tuple(group["betas"])
-    optimizer.weight_decay = max((g["weight_decay"] for g in optimizer.param_groups),
-                                 default=optimizer.weight_decay)      # no units: no groups
+    optimizer.set_hyperparameters([{k: v for k, v in g.items() if k not in ("params", "names")}
+                                   for g in groups])
     if optimizer.amp is not None and SCALER_KEY in scalars:
         optimizer.amp.scaler.load_state_dict(scalars[SCALER_KEY])
     for (unit, key), host in new.items():

@@ -84,6 +84,20 @@ class ShardedOptimizer:
         for g in self.param_groups:
             g["lr"] = lr
 
+    def hyperparameters(self):
+        """Each group's settings (lr, betas, weight decay, ...): a checkpoint's "groups"."""
+        return [{k: v for k, v in g.items() if k not in ("params", "names")}
+                for g in self.param_groups]
+
+    def set_hyperparameters(self, groups):
+        """Each group's settings from `groups` (a checkpoint's, or a resumed run's flags'
+        put back after its load), and the decay the matrices' ranges take."""
+        for group, settings in zip(self.param_groups, groups):
+            group.update(settings)
+            group["betas"] = tuple(group["betas"])
+        self.weight_decay = max((g["weight_decay"] for g in self.param_groups),
+                                default=self.weight_decay)      # no units: no groups
+
     def zero_grad(self):
         self.engine.zero_grad()
 
