@@ -110,6 +110,8 @@ CASES = [
          lambda: [T(randn(2, 3, 4))], lambda a: a.transpose(2, 0, 1)),
     Case("transpose_reverse", (ops.Transpose,), lambda a: a.T, lambda: [T(randn(2, 3))],
          lambda a: a.T),
+    # the forward rounds to float32 (relative 6e-8), which a 1e-6 step would drown in; with
+    # a 1e-2 step each difference is off by ~1e-5 (the op is linear: no O(eps^2) error)
     Case("cast_float32", (ops.Cast,), lambda a: ops.cast(a, "float32").astype("float64"),
          lambda: [T(randn(3, 4))], lambda a: a, atol=1e-4, eps=1e-2),
     Case("getitem_slices", (indexing.GetItem,), lambda a: a[1:, ::2, None],
@@ -279,9 +281,27 @@ def ref_self_attn(x, nh):
     return ref_attn(q, k, v).transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)
 
 
+def functions_in_graph(out):
+    """The Function classes of every Node reachable from `out` (a Tensor or a list)."""
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    todo, seen = [o.grad_fn for o in outs if o.grad_fn is not None], set()
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            todo += [p for p in node.parents if p is not None and not isinstance(p, Tensor)]
+            yield node.fn
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_backward_matches_central_differences(case):
-    gradcheck(case.fn, case.inputs(), name=case.id, eps=case.eps, atol=case.atol)
+    """The row's backward against central differences, after checking that the graph its fn
+    builds holds every Function the row `covers` (test_every_function_is_in_the_table
+    trusts that list)."""
+    inputs = case.inputs()
+    ran = set(functions_in_graph(case.fn(*inputs)))
+    assert set(case.covers) <= ran, f"{case.id} never runs {set(case.covers) - ran}"
+    gradcheck(case.fn, inputs, name=case.id, eps=case.eps, atol=case.atol)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.ref], ids=lambda c: c.id)
