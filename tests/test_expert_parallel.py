@@ -135,9 +135,10 @@ def test_moe_walkthrough_refuses_bad_input(flags):
 
 
 def test_all_to_all_gradcheck_on_one_rank():
-    """AllToAll's backward (the exchange the other way, send and receive counts swapped)
-    against central differences, float64, on a one-rank group, where the rows come back
-    in place (review 38: no gradient check; the ep runs check it against one process)."""
+    """AllToAll on a one-rank group, where the rows come back in place: the identity, and
+    its gradient the identity's (float64 central differences). The exchange across ranks
+    with uneven counts, where backward must swap them, is checked by
+    tests/test_alltoall.py::test_all_to_all (tests/scripts/alltoall_check.py)."""
     from mpi4py import MPI
     from minidist.autograd import Tensor
     from minidist.autograd.gradcheck import gradcheck

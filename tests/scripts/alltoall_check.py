@@ -6,8 +6,10 @@ Closed forms (rank i sends rank j the value 100 i + j, so rank j must receive 10
 each i), uneven counts (rank i sends rank j (i + 2 j) % 3 elements: some zero), float32,
 float64 and int64, algorithms ring (pairwise), naive and mpi, blocking and async, results
 against MPI_Alltoallv on the world communicator, and the byte ledger against the formulas
-(alltoall.pairwise_bytes, naive_bytes). Any failure raises and aborts the job.
-Run by tests/test_alltoall.py.
+(alltoall.pairwise_bytes, naive_bytes); and expert parallelism's AllToAll Function
+(minidist/ep/exchange.py): its backward against central differences across the ranks
+(tests/scripts/dist_gradcheck.py), float64, uneven counts. Any failure raises and aborts the
+job. Run by tests/test_alltoall.py.
 """
 import argparse
 
@@ -15,7 +17,10 @@ import numpy as np
 
 from minidist import comm
 from minidist.comm import alltoall, trace
+from minidist.ep.exchange import AllToAll
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init()
+
+from dist_gradcheck import dist_gradcheck   # (tests/scripts/dist_gradcheck.py)
 
 ALGOS = ("ring", "naive", "mpi")
 
@@ -71,6 +76,20 @@ def check_random_payload(g):
     assert (out == ref).all()
 
 
+def gradcheck_all_to_all(g):
+    """AllToAll's backward, the exchange the other way with the counts swapped, against
+    central differences of a loss every rank's output counts in: rank i sends rank j
+    (2 i + j + 1) % 3 rows of 2 values (rows kept at home, empty chunks, and on 2 or 4 ranks
+    shards of different sizes: a backward that kept the forward's counts fails)."""
+    N, r = g.size, g.rank
+    i, j = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    counts = (2 * i + j + 1) % 3
+    send, recv = counts[r], counts[:, r]
+    x = np.random.default_rng([5, r]).standard_normal((int(send.sum()), 2))
+    return dist_gradcheck(f"AllToAll ({g.algo})", lambda t: AllToAll.apply(t, g, send, recv),
+                          x, MPI.COMM_WORLD, "sharded", "sharded")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", choices=("cpu",), default="cpu",
@@ -84,6 +103,11 @@ def main():
                 for async_op in (False, True):
                     check(g, dtype, uneven, async_op)
         check_random_payload(g)
+        rows = MPI.COMM_WORLD.gather(gradcheck_all_to_all(g))
+        if world.rank == 0:
+            print(f"AllToAll gradcheck OK ({algo}): elements per rank "
+                  f"{[row['elements'] for row in rows]}, max |diff| "
+                  f"{max(row['max_abs_diff'] for row in rows):.2g}", flush=True)
     if world.rank == 0:
         print(f"alltoall_check OK: {world.size} ranks", flush=True)
 

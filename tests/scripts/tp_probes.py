@@ -15,7 +15,7 @@
 import numpy as np
 
 import minidist.comm
-from minidist.autograd import Tensor, fused as F, no_grad
+from minidist.autograd import Tensor, fused as F
 from minidist.comm import DeviceMesh, trace
 from minidist.nn import GPT
 from minidist.strategy.memory import activation_bytes
@@ -29,47 +29,9 @@ from minidist.nn.block import Block
 from minidist.tp.model import TensorParallelGPT
 from minidist.train.strategy import make_strategy
 from minidist.train.cli import UsageError
+from dist_gradcheck import dist_gradcheck   # (tests/scripts/dist_gradcheck.py)
 
 SEED = 11
-
-
-def _numeric(fn, t, R, comm, inp, out, eps):
-    """dL/dt by central differences, L = sum over ranks of <fn(t)_r, R_r> (out "sharded": each
-    rank's output is its own) or <fn(t), R> counted once (out "replicated"). inp "sharded":
-    each rank's t is its own, perturbed one rank at a time; "replicated": one t, perturbed
-    on every rank at once."""
-    def loss():
-        with no_grad():
-            v = float((fn(t).data * R).sum())
-        return comm.allreduce(v) if out == "sharded" else v
-    numeric = np.zeros_like(t.data)
-    for owner in (range(comm.size) if inp == "sharded" else [comm.rank]):
-        mine = owner == comm.rank
-        for j in np.ndindex(t.shape):
-            orig = t.data[j]
-            t.data[j] = orig + eps if mine else orig
-            plus = loss()
-            t.data[j] = orig - eps if mine else orig
-            minus = loss()
-            t.data[j] = orig
-            if mine:
-                numeric[j] = (plus - minus) / (2 * eps)
-    return numeric
-
-
-def dist_gradcheck(name, fn, x, comm, inp, out, eps=1e-6, atol=1e-6, rtol=1e-5):
-    t = Tensor(x.copy(), requires_grad=True)
-    y = fn(t)
-    seed = [SEED, 1 + comm.rank] if out == "sharded" else [SEED, 0]
-    R = np.random.default_rng(seed).standard_normal(y.shape)
-    (y * Tensor(R)).sum().backward()
-    numeric = _numeric(fn, t, R, comm, inp, out, eps)
-    err = np.abs(t.grad - numeric) - (atol + rtol * np.abs(numeric))
-    worst = np.unravel_index(np.argmax(err), err.shape)
-    assert err.max() <= 0, (f"{name} on rank {comm.rank}: backward {t.grad[worst]:.8g}, "
-                            f"central difference {numeric[worst]:.8g} at {worst}")
-    return {"op": name, "rank": comm.rank, "inp": inp, "out": out,
-            "max_abs_diff": float(np.abs(t.grad - numeric).max())}
 
 
 def _rand(comm, *shape, shared=False):
