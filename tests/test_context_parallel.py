@@ -258,9 +258,11 @@ def test_walkthrough_default_row_fits_a_small_T():
 
 
 def test_ring_self_attention_gradcheck_on_one_rank():
-    """RingSelfAttention's own backward (the ring's tiles, the log-sum-exp, the dq and dkv
-    sent home) against central differences, float64: one rank holding a zig-zag sequence
-    of two pieces, tiles of 2 positions (review 38: only compared with tiled attention)."""
+    """RingSelfAttention's own backward (the ring's tiles, the log-sum-exp, dq and dkv)
+    against central differences, float64: one rank holding a zig-zag sequence of two pieces,
+    tiles of 2 positions. One rank sends nothing anywhere: the dk and dv sent home across
+    ranks are checked on 2 ranks by cp_check.py's ring_gradcheck
+    (tests/test_cp_exact.py::test_cp2_is_exact_and_sends_the_formula)."""
     from mpi4py import MPI
     from minidist.autograd.gradcheck import gradcheck
     from minidist.comm import ProcessGroup

@@ -33,7 +33,9 @@ def _check_memory(row, n):
 def test_cp2_is_exact_and_sends_the_formula(mpi):
     """cp 2, zig-zag and naive, also with --ckpt-activations (the ring forward recomputed
     inside backward), against one process without recompute in float64 (and bit-identical
-    to the same run without it); bytes; activations.
+    to the same run without it); bytes; activations; RingSelfAttention's backward against
+    central differences across the 2 ranks (zig-zag, naive, zig-zag with dropout; the script
+    asserts each element).
 
         mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2,cp2+naive,cp2+ckpt,...
     """
@@ -43,6 +45,9 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
     _check_exact(rows, runs)
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 2)
+    checked = tagged_json(out, "GRADCHECK")[0]
+    assert sorted(checked) == ["naive p=0.0", "zigzag p=0.0", "zigzag p=0.25"], checked
+    assert max(checked.values()) < 1e-6, checked
 
 
 def _check_reloads(rows, runs, ranks):

@@ -1,7 +1,7 @@
 """Ulysses attention (--cp-attention ulysses, minidist/cp/ulysses.py): its exchange's
-gradient in one process, its bytes against the ring's, its refusals, and its exactness runs
-under mpiexec (tests/scripts/cp_check.py, examples/train_gpt.py), in pipeline stages and
-with experts too.
+gradient in one process and across ranks, its bytes against the ring's, its refusals, and its
+exactness runs under mpiexec (tests/scripts/cp_check.py, examples/train_gpt.py), in pipeline
+stages and with experts too.
 """
 import numpy as np
 import pytest
@@ -19,7 +19,9 @@ from tests.cp_cases import TINY, _check_exact, _flags, _losses, _sample
 
 def test_ulysses_exchange_gradcheck_on_one_rank():
     """On one rank the all-to-all keeps everything: HeadsForTokens and TokensForHeads are the
-    reorder alone (a zig-zag order), and their backward passes a float64 gradcheck."""
+    reorder alone (a zig-zag order), and their backward passes a float64 gradcheck. Across
+    ranks (heads and tokens exchanged): ulysses_check.py's exchange_gradcheck, run by
+    test_ulysses_cp2_is_exact_and_sends_the_formula (and on 4 ranks)."""
     from mpi4py import MPI
     from minidist.autograd.gradcheck import gradcheck
     from minidist.comm import ProcessGroup
@@ -69,9 +71,15 @@ def test_cp_attention_without_cp_is_refused():
 
 
 def _check_ulysses_rows(out, runs):
-    """The RING row (Ulysses' attention = the ring's on the same input) and every run exact,
-    its cp bytes = ulysses_bytes, its summary naming the attention."""
+    """The RING row (Ulysses' attention = the ring's on the same input), the GRADCHECK row
+    (both exchanges' backward = central differences across the ranks, zig-zag and naive; the
+    script asserts each element) and every run exact, its cp bytes = ulysses_bytes, its
+    summary naming the attention."""
     assert max(tagged_json(out, "RING")[0].values()) < 1e-12
+    checked = tagged_json(out, "GRADCHECK")[0]
+    assert sorted(checked) == sorted(f"{f} {s}" for f in ("HeadsForTokens", "TokensForHeads")
+                                     for s in ("zigzag", "naive"))
+    assert max(checked.values()) < 1e-6, checked
     rows = tagged_json(out, "RESULT")
     _check_exact(rows, runs)
     assert all("ulysses attention" in r["summary"] for r in rows)
@@ -82,7 +90,8 @@ def _check_ulysses_rows(out, runs):
 def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
     """--cp 2 --cp-attention ulysses, float64, 3 steps against one process: zig-zag and
     naive, dropout 0.1, --ckpt-activations (the all-to-alls redone inside backward), tiled
-    local attention, grad-accum; cp bytes = 8S(N-1)/N per layer (12S(N-1)/N with recompute):
+    local attention, grad-accum; cp bytes = 8S(N-1)/N per layer (12S(N-1)/N with recompute);
+    HeadsForTokens' and TokensForHeads' gradients = central differences across the 2 ranks:
 
         mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2,u2+naive,u2+drop,...
     """

@@ -325,12 +325,11 @@ CHECKED_ELSEWHERE = {
         "test_backward_all_is_the_sum_of_separate_backwards_hooks_fire_once",
     "minidist.autograd.recompute.Checkpoint":
         "tests/test_checkpointing.py::test_gradcheck_through_the_recompute",
-    "minidist.cp.ring.RingSelfAttention":
-        "tests/test_context_parallel.py::test_ring_self_attention_gradcheck_on_one_rank",
-    "minidist.cp.ulysses.HeadsForTokens":
-        "tests/test_cp_ulysses.py::test_ulysses_exchange_gradcheck_on_one_rank",
-    "minidist.cp.ulysses.TokensForHeads":
-        "tests/test_cp_ulysses.py::test_ulysses_exchange_gradcheck_on_one_rank",
+    "minidist.cp.ring.RingSelfAttention":        # 2 ranks (cp_check.py's ring_gradcheck)
+        "tests/test_cp_exact.py::test_cp2_is_exact_and_sends_the_formula",
+    **{f"minidist.cp.ulysses.{name}": "tests/test_cp_ulysses.py::"     # (ulysses_check.py)
+       "test_ulysses_cp2_is_exact_and_sends_the_formula" for name in ("HeadsForTokens",
+                                                                      "TokensForHeads")},
     "minidist.ep.exchange.AllToAll": "tests/test_alltoall.py::test_all_to_all",  # 2-4 ranks
     "minidist.nn.moe.IndexAddRows": "tests/test_moe.py::test_gradcheck_index_add_rows",
     "minidist.nn.moe_split.SequenceSum": "tests/test_moe.py::test_gradcheck_sequence_sum",

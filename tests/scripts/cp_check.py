@@ -12,8 +12,10 @@ the loop's train_step (tests/scripts/exact.py). Checks: losses, grad norms and p
 equal the reference to --tol; the bytes each rank sent on the cp group equal the formula of
 minidist/cp/ring.py (a "+ckpt" run's recompute included); the activations each rank keeps,
 without and with --ckpt-activations (on 2 and 4 ranks); with --resume-runs, a run's checkpoint
-saved and loaded back (check_reload). Rank 0 prints `RESULT {json}` lines for
-tests/test_cp_exact.py. Any failure raises and the abort handler ends the job.
+saved and loaded back (check_reload); on 2 ranks, RingSelfAttention's backward against
+float64 central differences across the ranks (`ring_gradcheck`). Rank 0 prints
+`RESULT {json}` (and `MEMORY`, `GRADCHECK`) lines for tests/test_cp_exact.py. Any failure
+raises and the abort handler ends the job.
 """
 import argparse
 import json
@@ -27,12 +29,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import batch, run_steps, start  # noqa: E402
 from cp_tp_ledger import sp_activations, step_tp_traffic, tp_counted  # noqa: E402
+from dist_gradcheck import dist_gradcheck  # noqa: E402
 
 from minidist import backend  # noqa: E402
 import minidist.comm  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
-from minidist.cp.ring import ring_bytes  # noqa: E402
+from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite  # noqa: E402
+from minidist.cp.context import RingContext  # noqa: E402
+from minidist.cp.ring import RingSelfAttention, layout, ring_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy import memory  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -259,6 +264,27 @@ def mesh_members(group):
     return [int(v) for v in buf]
 
 
+def ring_gradcheck(comm, B=2, T=8, n_head=2, C=4):
+    """RingSelfAttention (minidist/cp/ring.py) on the world: each rank's (B, T/N, 3C) qkv its
+    own, every rank's output in the loss, so the dk and dv a rank computes for another's
+    keys must reach that rank (sent home) and be right there. Zig-zag and naive, tiles of 2
+    positions; zig-zag also with dropout on the weights (keyed masks: the same every call).
+    The largest |backward - central difference| over the ranks, per case."""
+    group = ProcessGroup.world()
+    n, r = group.size, group.rank
+    rng = np.random.default_rng([9, r])
+    out = {}
+    for split, p in (("zigzag", 0.0), ("naive", 0.0), ("zigzag", 0.25)):
+        ring = RingContext(group, split=split, block=2)
+        ring.restore([layout(T, n, s, split) for s in range(n)])   # (what RingContext.part sets)
+        site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout") if p else None
+        row = dist_gradcheck(f"RingSelfAttention {split} p={p}",
+                             lambda t: RingSelfAttention.apply(t, n_head, ring, p, site),
+                             rng.standard_normal((B, T // n, 3 * C)), comm, "sharded", "sharded")
+        out[f"{split} p={p}"] = comm.allreduce(row["max_abs_diff"], op=MPI.MAX)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="default: cp2,cp2+naive (2 ranks)")
@@ -273,6 +299,10 @@ def main():
         row = run(name, ref, comm, cli.tol, name in cli.resume_runs.split(","))
         if comm.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
+    if comm.size == 2:
+        row = ring_gradcheck(comm)
+        if comm.rank == 0:
+            print("GRADCHECK " + json.dumps(row), flush=True)
     if comm.size in (2, 4):                     # cp 2, cp 4 (8 ranks: the compositions only)
         row = activations(comm)
         if comm.rank == 0:

@@ -8,7 +8,7 @@ L = sum over ranks of <fn(t)_r, R_r> (out "sharded": each rank's output is its o
 t is its own, perturbed one rank at a time (the ranks' shards may differ in shape: the owner
 tells the others how many elements it perturbs); "replicated": one t, perturbed on every rank
 at once. Every rank calls it together (each loss is an allreduce on `comm`, mpi4py's).
-Used by tests/scripts/tp_probes.py and tests/scripts/alltoall_check.py.
+Used by tests/scripts/tp_probes.py, alltoall_check.py, ulysses_check.py and cp_check.py.
 """
 import numpy as np
 

@@ -14,8 +14,10 @@ parameters equal the reference to --tol; the bytes each rank sent on the cp grou
 minidist/cp/ulysses.py's formula (recompute included); with --resume-runs the run's
 checkpoint loaded back (cp_check.check_reload's way). First (`attention_vs_ring`): on the same
 random qkv and output gradient, Ulysses' attention and the ring's give each rank the same y
-and dqkv (zig-zag and naive, dropout 0 and 0.2). Rank 0 prints `RESULT {json}` (and one
-`RING {json}`) lines for tests/test_cp_ulysses.py; any failure raises and aborts the job.
+and dqkv (zig-zag and naive, dropout 0 and 0.2); and (`exchange_gradcheck`) the two
+all-to-alls' backward against float64 central differences across the ranks
+(tests/scripts/dist_gradcheck.py). Rank 0 prints `RESULT {json}` (and one `RING {json}`, one
+`GRADCHECK {json}`) lines for tests/test_cp_ulysses.py; any failure raises and aborts the job.
 """
 import argparse
 import copy
@@ -28,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import run_steps, start  # noqa: E402
 import cp_check  # noqa: E402
+from dist_gradcheck import dist_gradcheck  # noqa: E402
 
 from minidist.autograd import Tensor  # noqa: E402
 from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite  # noqa: E402
@@ -36,7 +39,8 @@ from mpi4py import MPI  # noqa: E402  (after exact: minidist.comm.init() starts 
 from minidist.cp.context import RingContext  # noqa: E402
 from minidist.cp.strategy import ContextParallel  # noqa: E402
 from minidist.cp.ring import layout  # noqa: E402
-from minidist.cp.ulysses import ulysses_bytes  # noqa: E402
+from minidist.cp.ulysses import (HeadsForTokens, TokensForHeads, sequence_order,  # noqa: E402
+                                  ulysses_bytes)
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -154,6 +158,29 @@ def attention_vs_ring(comm, n_head=4, C=16, T=16, B=2):
     return {k: comm.allreduce(v, op=MPI.MAX) for k, v in out.items()}
 
 
+def exchange_gradcheck(comm, B=2):
+    """HeadsForTokens (q|k|v of this rank's tokens, every head -> every token, this rank's
+    heads) and TokensForHeads (back), zig-zag and naive: each rank's input its own shard,
+    every rank's output in the loss, so a gradient sent to the wrong rank or the wrong
+    position fails. T = 2N tokens, C = 2N wide (two columns per rank's heads). The largest
+    |backward - central difference| over the ranks, per (Function, split)."""
+    group = ProcessGroup.world()
+    n, r = group.size, group.rank
+    T, C = 2 * n, 2 * n
+    rng = np.random.default_rng([3, r])
+    out = {}
+    for split in ("zigzag", "naive"):
+        order = sequence_order([layout(T, n, s, split) for s in range(n)])
+        for name, fn, x in [
+                ("HeadsForTokens", lambda t: HeadsForTokens.apply(t, group, order, 3),
+                 rng.standard_normal((B, T // n, 3 * C))),
+                ("TokensForHeads", lambda t: TokensForHeads.apply(t, group, order, 1),
+                 rng.standard_normal((B, T, C // n)))]:
+            row = dist_gradcheck(f"{name} {split}", fn, x, comm, "sharded", "sharded")
+            out[f"{name} {split}"] = comm.allreduce(row["max_abs_diff"], op=MPI.MAX)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default="u2,u2+naive")
@@ -164,6 +191,9 @@ def main():
     assert max(row.values()) < cli.tol, row
     if comm.rank == 0:
         print("RING " + json.dumps(row), flush=True)
+    row = exchange_gradcheck(comm)
+    if comm.rank == 0:
+        print("GRADCHECK " + json.dumps(row), flush=True)
     refs = {}
     for name in cli.runs.split(","):
         row = run(name, refs, comm, cli.tol, name in cli.resume_runs.split(","))
