@@ -1,15 +1,14 @@
-"""The communication layer under CUDA-aware MPI, in one process with recording stand-ins for
-MPI and CuPy: device buffers must be ready before MPI touches them (every MPI call, a recv
-into a device buffer, an unstaged collective wait for the device), staging copies to the
-host only the buffers MPI reads, and the stop flag on an NCCL group is a host all-reduce.
+"""The communication layer's decisions about device buffers, judged from plain values where
+there is no GPU: device buffers must be ready before MPI touches them (every MPI call in
+mpi.py; a send's and an unstaged recv's buffer, an unstaged collective's out: the plans of
+staging.buffer_plan), staging copies to the host only the buffers MPI reads, and a host
+buffer on an NCCL group (the loop's stop flag) goes to the MPI library (algos.algo_for_buffer).
+The same decisions on real cupy arrays: tests/test_comm_gpu.py (marked gpu).
 """
-import contextlib
-import sys
 
 import numpy as np
 import pytest
 
-from minidist import comm
 from minidist.comm import trace
 
 
@@ -105,174 +104,98 @@ def test_every_mpi_call_waits_for_the_device_before_mpi_touches_its_buffers(monk
         assert mpi_calls == 1, (name, log)
 
 
-class _FakeCupyArray(np.ndarray):
-    """A numpy array that the patched is_cupy takes for a cupy one (_fake_is_cupy)."""
+# ---- staging.buffer_plan: which buffers are staged, where the device is waited for --------
 
-    def set(self, host):
-        """cupy.ndarray.set: copy a host array in (staging's write_back)."""
-        self[...] = host
+COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
 
 
-def _fake_is_cupy(a):
-    return isinstance(a, _FakeCupyArray)
+def test_a_host_buffer_is_handed_to_mpi_itself_and_never_waits_for_a_device():
+    """numpy buffers, CUDA-aware MPI or not: no copy, no device wait."""
+    from minidist.comm.staging import Plan, buffer_plan
+    for op in COLLECTIVES + ("send", "recv"):
+        for aware in (False, True):
+            for in_place in (False, True):
+                assert buffer_plan(op, False, aware, in_place) == \
+                    Plan("itself", False, False), (op, aware, in_place)
 
 
-class _LoggedComm:
-    """An mpi4py communicator whose calls are logged (name, first argument) and then made."""
-
-    def __init__(self, comm, log):
-        self.comm, self.log = comm, log
-
-    def __getattr__(self, name):
-        real = getattr(self.comm, name)
-
-        def call(*args, **kwargs):
-            self.log.append((name, args[0] if args else None))
-            return real(*args, **kwargs)
-        return call
-
-
-@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
-def test_recv_into_a_device_buffer_waits_for_the_device_before_posting_irecv(monkeypatch):
+def test_under_cuda_aware_mpi_a_recv_waits_for_the_device_before_mpi_writes_its_buffer():
     """With a CUDA-aware MPI, recv hands the device buffer to MPI_Irecv itself, and MPI may
     write it while queued kernels still read it: ring attention posts the recv of the next
     block into the buffer the previous step's kernels read as `cur`. send waited
-    (device_ready) and recv did not. Here (one rank, a message to itself) device_ready on
-    the buffer must come before the Irecv that is handed that buffer itself."""
-    from mpi4py import MPI
-    from minidist.comm import ProcessGroup, group as group_module, staging
-    log = []
-    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: True)
-    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(group_module, "device_ready",
-                        lambda *arrays: log.append(("ready", arrays)))
-    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank recv")
-    p2p = g._p2p
-    buf = np.zeros(5, np.float32).view(_FakeCupyArray)
-    try:
-        g._p2p = _LoggedComm(p2p, log)
-        work = g.send(np.arange(5, dtype=np.float32), 0, async_op=True)
-        g.recv(buf, 0)
-        work.wait()
-    finally:
-        g._p2p = p2p
-        g.destroy()
-        trace.reset_counters()  # its 20 bytes showed in a later run's comm_bytes (test_train)
-    assert np.array_equal(buf, np.arange(5)), buf
-    irecv = [name for name, _ in log].index("Irecv")
-    handed = log[irecv][1]
-    assert _fake_is_cupy(handed) and np.shares_memory(handed, buf)     # not staged: buf itself
-    assert any(name == "ready" and any(np.shares_memory(a, buf) for a in arrays)
-               for name, arrays in log[:irecv]), log
+    (device_ready) and recv did not. Both now wait before MPI is handed the buffer itself."""
+    from minidist.comm.staging import Plan, buffer_plan
+    for op in ("send", "recv"):
+        assert buffer_plan(op, True, True) == Plan("itself", True, False), op
 
 
-@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
-def test_staging_copies_to_the_host_only_the_buffers_mpi_reads(monkeypatch):
+def test_staging_copies_to_the_host_only_the_buffers_mpi_reads():
     """MPI without CUDA support (the PyPI wheels) gets host copies of device buffers, made
     with cupy's get(), which also waits for every kernel queued on the stream. Buffers that
     MPI only writes were copied too: a recv's (ring attention and the pipeline post theirs
     before the compute they mean to overlap: the CPU stalled until the GPU was idle) and the
     out of reduce-scatter, all-gather and all-to-all (ZeRO-3 moved each gathered unit
-    device -> host for nothing). Here (one rank, to_host logged) only what MPI reads is copied,
-    every result is right, and every out is copied back to its device array."""
-    from mpi4py import MPI
-    from minidist.comm import ProcessGroup, group as group_module, staging
-    copied, ready = [], []
-    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: False)
-    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(staging, "to_host", lambda a: copied.append(a) or np.array(a))
-    monkeypatch.setattr(staging, "device_ready", lambda *arrays: ready.extend(arrays))
-    monkeypatch.setattr(group_module, "device_of", lambda *arrays: contextlib.nullcontext())
-    monkeypatch.setattr(group_module, "device_ready", lambda *arrays: None)   # send's
-
-    def device(values):
-        return np.asarray(values, np.float32).view(_FakeCupyArray)
-
-    def was_copied(a):
-        return any(np.shares_memory(a, c) for c in copied)
-    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank staging")
-    try:
-        for op in ("reduce_scatter", "all_gather", "all_to_all"):
-            out, inp = device(np.full(6, np.nan)), device(np.arange(6))
-            getattr(g, op)(out, inp)
-            assert np.array_equal(out, np.arange(6)), (op, out)
-            assert was_copied(inp) and not was_copied(out), op       # out only written
-            assert any(np.shares_memory(a, out) for a in ready), op  # set, then waited for
-            copied.clear()
-        for op in ("all_reduce", "broadcast"):                         # these read their buf
-            buf = device(np.arange(6))
-            getattr(g, op)(buf)
-            assert np.array_equal(buf, np.arange(6)) and was_copied(buf), op
-            copied.clear()
-        work, buf = g.send(device(np.arange(5)), 0, async_op=True), device(np.full(5, np.nan))
-        g.recv(buf, 0)
-        work.wait()
-        assert np.array_equal(buf, np.arange(5)) and len(copied) == 1, copied   # the send's
-        assert not was_copied(buf)
-    finally:
-        g.destroy()
-        trace.reset_counters()
+    device -> host for nothing). Now only what MPI reads is copied (an out that is also the
+    input is read); every staged out is copied back and waited for; a send waits before."""
+    from minidist.comm.staging import Plan, WRITE_ONLY, buffer_plan, placement
+    assert set(WRITE_ONLY) == {"reduce_scatter", "all_gather", "all_to_all"}
+    for op in WRITE_ONLY:
+        assert buffer_plan(op, True, False) == Plan("host empty", False, True), op
+        assert buffer_plan(op, True, False, in_place=True) == Plan("host copy", False, True)
+    for op in ("all_reduce", "broadcast"):                      # these read their buf
+        for in_place in (False, True):
+            assert buffer_plan(op, True, False, in_place) == Plan("host copy", False, True)
+    assert buffer_plan("recv", True, False) == Plan("host empty", False, True)
+    assert buffer_plan("send", True, False) == Plan("host copy", True, False)
+    assert placement(True, False, read=True) == "host copy"    # a collective's inputs
 
 
-@pytest.mark.cpu_only("stands a numpy subclass in for a cupy array")
-def test_an_unstaged_device_collective_waits_for_its_last_kernels(monkeypatch):
+def test_an_unstaged_device_collective_waits_for_its_last_kernels():
     """With a CUDA-aware MPI the ring works on the device arrays themselves, and its last
     step (the final adds of a reduce-scatter, an average's division) runs as kernels on the
     stream of the thread running the collective: an async one's worker thread. Its Work
     completed with those kernels queued; the caller's next kernels were ordered after them
     only because CuPy's default stream is shared by every thread, which per-thread default
-    streams or bench_step's graph stream undo. Here every op waits for its out (device_ready
-    on it) before it returns, blocking or async."""
-    from mpi4py import MPI
-    from minidist.comm import ProcessGroup, group as group_module, staging
-    ready = []
-    monkeypatch.setattr(staging, "cuda_aware_mpi", lambda: True)
-    monkeypatch.setattr(staging, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(group_module, "is_cupy", _fake_is_cupy)
-    monkeypatch.setattr(staging, "device_ready", lambda *arrays: ready.extend(arrays))
-    monkeypatch.setattr(group_module, "device_of", lambda *arrays: contextlib.nullcontext())
-    monkeypatch.setattr(group_module, "ready_event", lambda *arrays: None)
-    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank unstaged")
-    try:
-        for async_op in (False, True):
-            for op in ("reduce_scatter", "all_gather", "all_to_all", "all_reduce"):
-                out = np.zeros(4, np.float32).view(_FakeCupyArray)
-                args = (out,) if op == "all_reduce" else \
-                    (out, np.arange(4, dtype=np.float32).view(_FakeCupyArray))
-                work = getattr(g, op)(*args, async_op=async_op)
-                if async_op:
-                    work.wait()
-                assert any(np.shares_memory(a, out) for a in ready), (op, async_op)
-                ready.clear()
-    finally:
-        g.destroy()
-        trace.reset_counters()
+    streams or bench_step's graph stream undo. Now every collective's device out is waited
+    for (device_ready on it) before it returns, blocking or async, staged or not."""
+    from minidist.comm.staging import Plan, buffer_plan
+    for op in COLLECTIVES:
+        for in_place in (False, True):
+            assert buffer_plan(op, True, True, in_place) == Plan("itself", False, True), op
 
 
-def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read(monkeypatch):
+def test_host_staging_of_host_buffers_hands_the_arrays_themselves_and_keeps_results():
+    """The real host_staging on numpy buffers (what runs on the CPU): the arrays themselves,
+    an array passed twice handed once, and what the collective writes is kept."""
+    from minidist.comm.staging import host_staging
+    out, inp = np.zeros(4), np.arange(4.0)
+    with host_staging("all_gather", out, inp) as (h_out, h_inp):
+        assert h_out is out and h_inp is inp
+        h_out[...] = h_inp
+    assert np.array_equal(out, inp)
+    with host_staging("all_reduce", out, out) as (h_out, h_inp):
+        assert h_out is out and h_inp is out
+
+
+# ---- algos.algo_for_buffer: host buffers on an NCCL group go through MPI ------------------
+
+def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read():
     """strategy.base.any_rank_of, the loop's stop/diverged agreement every step, put the flag
     on the device on an NCCL group and read it back (a host_read: the CPU waited for the
     whole step) though a group hands a host buffer to the MPI library on NCCL groups too.
-    Here a one-rank "nccl" group (its NCCL module a fake that refuses every call: there is no
-    GPU) agrees on the flag through MPI with no host_read."""
-    import types
+    Now the flag is a host buffer, agreed with no host_read (a real one-rank group), and a
+    host buffer on an "nccl" group runs the MPI library's algorithm; on device buffers
+    NCCL's own (on GPUs: tests/scripts/comm_gpu_check.py's host buffers on an nccl group)."""
     from mpi4py import MPI
-    import minidist.comm
     from minidist import backend
     from minidist.comm import ProcessGroup
+    from minidist.comm.algos import algo_for_buffer
     from minidist.strategy.base import any_rank_of
-
-    def no_nccl(*args, **kwargs):
-        raise AssertionError("a host buffer reached NCCL")
-    fake = types.ModuleType("minidist.comm.nccl")
-    fake.NcclComm = lambda comm: None
-    for name in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v"):
-        setattr(fake, name, no_nccl)
-    monkeypatch.setitem(sys.modules, "minidist.comm.nccl", fake)
-    monkeypatch.delattr(minidist.comm, "nccl", raising=False)
-    g = ProcessGroup(MPI.COMM_SELF, "nccl", name="one-rank nccl")
+    assert algo_for_buffer("nccl", on_device=False) == "mpi"
+    assert algo_for_buffer("nccl", on_device=True) == "nccl"
+    for algo in ("ring", "naive", "mpi", "hier"):
+        assert algo_for_buffer(algo, False) == algo_for_buffer(algo, True) == algo
+    g = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank flag")
     try:
         before = backend.host_reads()
         assert (any_rank_of(g, True), any_rank_of(g, False)) == (True, False)

