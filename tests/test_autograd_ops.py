@@ -7,15 +7,12 @@ Run: python -m pytest -q tests/test_autograd_ops.py [--device cuda]: P() and the
 build their arrays on --device (the `device` fixture, used by every test here) and compare on
 the host; numpy-only checks are marked cpu_only.
 """
-import sys
-import types
-
 import numpy as np
 import pytest
 
 from minidist import backend
 from minidist.autograd import Tensor, ops
-from minidist.autograd.indexing import scatter_add_rows
+from minidist.autograd.indexing import add_dtype, scatter_add_rows
 from minidist.backend import to_host as H
 from tests.autograd_cases import A, P, rng
 
@@ -53,35 +50,33 @@ def test_embedding_scatter_add_matches_add_at(vocab):
     np.testing.assert_allclose(H(w.grad), want, rtol=1e-12, atol=1e-12)
 
 
-class _FakeCupyArray(np.ndarray):
-    """A numpy array that backend.is_cupy takes for a cupy one (patched below)."""
-
-
-@pytest.mark.cpu_only("stands numpy in for cupy and a recording fake for cupyx")
-def test_cupy_scatter_adds_16_bit_outs_in_float32(monkeypatch):
-    """On CuPy, scatter_add_rows (TP's vocabulary-split embedding backward, MoE's combine;
-    GetItem's backward too) adds through indexing._add_at into cupyx.scatter_add, which
-    widened only bfloat16: a float16 `out` went as it was, and every atomicAdd on __half
-    rounds (float16 stops counting ones at 2048; numpy's path adds in float32). The fake
-    scatter adds in the dtype it is handed, as the atomics do. Every 16-bit out must reach
-    it as float32 and come back in its own dtype, 3072 ones making 3072."""
-    seen = []
-
-    def scatter_add(a, index, values):
-        seen.append(a.dtype)
-        np.add.at(a, index, values)
-    monkeypatch.setattr(backend, "is_cupy", lambda a: isinstance(a, _FakeCupyArray))
-    monkeypatch.setitem(sys.modules, "cupy", np)       # xp_of's module for such arrays
-    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(scatter_add=scatter_add))
+def test_repeated_index_adds_run_in_float32_for_16_bit_types():
+    """indexing.add_dtype, the one decision both scatter paths follow: 16-bit floats add up
+    in float32 (rounded once), every other dtype in itself."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
-        dtype = np.dtype(dtype)
-        out = np.zeros((3, 2), dtype).view(_FakeCupyArray)
-        ids = np.array([1] * 3072 + [2])
-        got = scatter_add_rows(out, ids, np.ones((3073, 2), dtype))
-        assert seen == [np.float32], (dtype, seen)
-        assert got.dtype == dtype and np.asarray(got)[:, 0].tolist() == [0, 3072, 1], dtype
-        seen.clear()
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        assert add_dtype(np.dtype(dtype)) == np.float32, dtype
+    for dtype in (np.float32, np.float64):
+        assert add_dtype(np.dtype(dtype)) == dtype, dtype
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_scatter_adds_of_16_bit_outs_count_past_2048(dtype):
+    """On CuPy, scatter_add_rows (TP's vocabulary-split embedding backward, MoE's combine)
+    and GetItem's backward add through indexing._add_at into cupyx.scatter_add, which
+    widened only bfloat16: a float16 `out` went as it was, and every atomicAdd on __half
+    rounds (float16 stops counting ones at 2048; numpy's path adds in float32). Both now
+    add in add_dtype(out.dtype) and round once. On --device (numpy's add.reduceat and add.at
+    here, cupyx on a GPU) 3072 ones make 3072, in the out's own dtype."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    ids = np.array([1] * 3072 + [2])
+    got = scatter_add_rows(A(np.zeros((3, 2), dtype)), A(ids), A(np.ones((3073, 2), dtype)))
+    assert got.dtype == dtype and H(got)[:, 0].tolist() == [0, 3072, 1], got
+    x = Tensor(A(np.zeros(3, dtype)), requires_grad=True)
+    x[A(ids)].backward(A(np.ones(3073, dtype)))               # GetItem's backward: _add_at
+    assert x.grad.dtype == dtype and H(x.grad).tolist() == [0, 3072, 1], x.grad
 
 
 def test_16_bit_embedding_gradients_are_summed_in_a_float32_table(monkeypatch):

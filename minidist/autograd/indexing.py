@@ -5,6 +5,8 @@ Their backwards are the scatter half of a gather: the gradient of `a[index]` is 
 everywhere except at the picked elements, where it adds up (an index picked twice gets
 both contributions). Tests: tests/test_gradcheck.py, tests/test_autograd_ops.py.
 """
+import numpy as np
+
 from minidist import backend
 from minidist.autograd.dropout_keys import uniforms
 from minidist.autograd.function import Function
@@ -13,17 +15,25 @@ from minidist.autograd.tensor import Tensor, is_grad_enabled
 from minidist.backend import xp_of
 
 
+def add_dtype(dtype):
+    """The dtype that repeated-index adds into an array of `dtype` run in (_add_at,
+    scatter_add_rows): float32 for 16-bit floats, rounded to `dtype` once at the end; else
+    `dtype` itself. bfloat16: cupyx.scatter_add takes none (CuPy 14 raises TypeError:
+    cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and numpy's add.at would round
+    after every add (1000 ones make 256). float16: cupyx takes it, but each atomicAdd on
+    __half rounds, in an order that changes from run to run (float16 stops counting ones at
+    2048), where numpy's scatter_add_rows adds in float32."""
+    return np.dtype(np.float32) if backend.is_half(dtype) else np.dtype(dtype)
+
+
 def _add_at(out, index, values):
-    """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU).
-    16-bit floats add up in float32, rounded once. bfloat16: cupyx.scatter_add takes none
-    (CuPy 14 raises TypeError: cupy/_core/_routines_indexing.pyx, v14.0.1 to v14.2.0), and
-    numpy's add.at would round after every add (1000 ones make 256). float16: cupyx takes it,
-    but each atomicAdd on __half rounds, in an order that changes from run to run (float16
-    stops counting ones at 2048), where numpy's scatter_add_rows adds in float32."""
-    if backend.is_half(out.dtype):
-        wide = out.astype("float32")
-        _add_at(wide, index, xp_of(out).asarray(values).astype("float32"))
-        out[...] = wide
+    """out[index] += values, repeated indices adding up (numpy's add.at; cupyx on a GPU), in
+    add_dtype(out.dtype): a 16-bit `out` through a float32 copy, rounded once."""
+    wide = add_dtype(out.dtype)
+    if wide != out.dtype:
+        total = out.astype(wide)
+        _add_at(total, index, xp_of(out).asarray(values).astype(wide))
+        out[...] = total
     elif backend.is_cupy(out):
         import cupyx
         cupyx.scatter_add(out, index, values)
@@ -236,7 +246,8 @@ def scatter_add_rows(out, idx, rows):
     numpy: sort the indices, sum each run of equal ones with one `add.reduceat` (16-bit rows
     in float32: reduceat keeps a bfloat16 total, 1000 ones making 256), write each
     distinct row once (about 6x faster than `np.add.at` at vocab 50257).
-    cupy: atomic adds on the GPU (bfloat16 through float32: `_add_at`)."""
+    cupy: atomic adds on the GPU (16-bit through float32: `_add_at`). Both add in
+    add_dtype(out.dtype)."""
     xp = xp_of(out, rows)
     if backend.is_cupy(out):
         _add_at(out, idx, rows)
@@ -244,7 +255,7 @@ def scatter_add_rows(out, idx, rows):
     order = xp.argsort(idx, kind="stable")
     sorted_idx = idx[order]
     starts = xp.flatnonzero(xp.concatenate(([True], sorted_idx[1:] != sorted_idx[:-1])))
-    wide = rows.dtype if not backend.is_half(rows.dtype) else xp.dtype("float32")
+    wide = add_dtype(rows.dtype)
     sums = xp.add.reduceat(rows[order], starts, axis=0, dtype=wide)
     out[sorted_idx[starts]] += sums.astype(out.dtype, copy=False)
     return out
