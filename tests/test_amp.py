@@ -5,7 +5,6 @@ matmul, and --amp training: within 2% of float32 after 30 steps, checkpointing c
 number under amp with gradient accumulation, and a bit-identical resume."""
 import json
 import re
-import types
 
 import numpy as np
 import pytest
@@ -171,37 +170,40 @@ def test_amp_refuses_a_float64_model():
 def test_bfloat16_where_the_array_module_cannot_is_float16_or_a_clear_error():
     """CuPy 13 has no bfloat16 arrays (CuPy 14 has, given ml_dtypes and NumPy >= 2.1.2): the
     default policy falls back to float16 there; bfloat16 asked for by name says why at once.
-    A stand-in module whose `ones` refuses the dtype, as CuPy 13's does, plays that CuPy."""
-    def refuses(*_, **__):
-        raise TypeError("Unsupported dtype bfloat16")
-    old_cupy = types.SimpleNamespace(ones=refuses, float32=np.float32)
-    assert half_dtype(old_cupy) == np.float16
-    assert half_dtype(old_cupy, "float16") == np.float16
-    with pytest.raises(RuntimeError, match="CuPy >= 14"):
-        half_dtype(old_cupy, "bfloat16")
-    assert half_dtype(np) == np.float16
+    pick_half_dtype takes what half_dtype learns from the array library as plain values (on
+    numpy or not; the probe's phrase for CuPy 13's TypeError, or None)."""
+    from minidist.train.amp import bfloat16, bfloat16_problem, bfloat16_reason, pick_half_dtype
+    cupy13 = bfloat16_reason(TypeError("Unsupported dtype bfloat16"))
+    assert pick_half_dtype(None, False, cupy13) == np.float16
+    assert pick_half_dtype("float16", False, cupy13) == np.float16
+    with pytest.raises(RuntimeError, match=r"bfloat16 asked for, but this CuPy cannot compute "
+                                           r"with it \(TypeError: .*CuPy >= 14"):
+        pick_half_dtype("bfloat16", False, cupy13)
+    assert pick_half_dtype(None, False, None) == pick_half_dtype("bfloat16", False, None) == \
+        bfloat16()                                          # a CuPy that computes with it
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        pick_half_dtype("float32", False, None)
+    assert half_dtype(np) == np.float16 and half_dtype(np, "bfloat16") == bfloat16()
+    assert bfloat16_problem(np) is None                     # the real probe, on numpy
 
 
-def test_the_log_says_why_a_gpu_run_computes_in_float16(monkeypatch):
+def test_the_log_says_why_a_gpu_run_computes_in_float16():
     """--amp on a CuPy without bfloat16 (CuPy 13) falls back to float16, and the log said
-    only "float16 compute": the --amp line now says why not bfloat16 (the probe's error and
-    what bfloat16 needs), and says nothing where the device could have (float16 asked for)."""
-    from minidist.train import amp as amp_module
-
-    def refuses(*_, **__):
-        raise TypeError("Unsupported dtype bfloat16")
-    old_cupy = types.SimpleNamespace(ones=refuses, float32=np.float32)
-    mp = MixedPrecision(dtype="float16")
-    mp.dtype = np.dtype(np.float16)
-    monkeypatch.setattr(amp_module.backend, "device", lambda: "cuda")
-    monkeypatch.setattr(amp_module.backend, "get_xp", lambda: old_cupy)
+    only "float16 compute": the --amp line now ends saying why not bfloat16 (the probe's
+    error and what bfloat16 needs), and says nothing where the device could have (no
+    problem) or float16 was asked for on a GPU that has bfloat16."""
+    from minidist.train.amp import bfloat16_reason, device_note
+    cupy13 = bfloat16_reason(TypeError("Unsupported dtype bfloat16"))
+    assert device_note("cuda", "float16", cupy13) == (
+        "; not bfloat16: this CuPy cannot compute with it (TypeError: Unsupported dtype "
+        "bfloat16); it needs CuPy >= 14, ml_dtypes and NumPy >= 2.1.2")
+    assert device_note("cuda", "float16", None) == device_note("cuda", "bfloat16", None) == ""
+    assert "numpy has no 16-bit BLAS" in device_note("cpu", "float16", None)
+    mp = MixedPrecision(dtype="float16")                    # the real line, here on the CPU
+    mp.cast_model(GPT(CFG, dtype="float32"))
     line = mp.describe()
-    assert "float16 compute" in line and "numpy has no 16-bit BLAS" not in line, line
-    assert line.endswith("; not bfloat16: this CuPy cannot compute with it (TypeError: "
-                         "Unsupported dtype bfloat16); it needs CuPy >= 14, ml_dtypes and "
-                         "NumPy >= 2.1.2"), line
-    monkeypatch.setattr(amp_module.backend, "get_xp", lambda: np)       # bfloat16 works
-    assert mp.describe().endswith("gradients are skipped"), mp.describe()
+    assert "float16 compute" in line, line
+    assert line.endswith("gradients are skipped" + device_note("cpu", "float16", None)), line
 
 
 # ---- training ----------------------------------------------------------------------------

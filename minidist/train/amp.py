@@ -64,20 +64,26 @@ def bfloat16():
 
 
 def half_dtype(xp, name=None):
+    """The 16-bit compute dtype for the array library `xp` (pick_half_dtype), probing the
+    device (bfloat16_problem) only where the answer depends on it: a GPU, no float16 asked."""
+    on_numpy = xp is np
+    probe = not on_numpy and name in (None, "bfloat16")
+    return pick_half_dtype(name, on_numpy, bfloat16_problem(xp) if probe else None)
+
+
+def pick_half_dtype(name, on_numpy, problem):
     """The 16-bit compute dtype: `name` ("float16" or "bfloat16") if given; else bfloat16
-    where the array library computes with it (CuPy given ml_dtypes' bfloat16), float16
-    otherwise (numpy: its bfloat16 through ml_dtypes works, but is emulated and slow, so
-    the CPU default stays float16; tests ask for bfloat16 by name). CuPy computes with
-    bfloat16 from CuPy 14 on, given ml_dtypes and NumPy >= 2.1.2 (cupy/_core/_scalar.pyx,
-    v14.0.1); asked for by name where it cannot, this says so instead of failing later."""
+    where the array library computes with it (a GPU whose CuPy has no `problem`: see
+    bfloat16_problem), float16 otherwise (numpy, `on_numpy`: its bfloat16 through ml_dtypes
+    works, but is emulated and slow, so the CPU default stays float16; tests ask for
+    bfloat16 by name). CuPy computes with bfloat16 from CuPy 14 on, given ml_dtypes and
+    NumPy >= 2.1.2 (cupy/_core/_scalar.pyx, v14.0.1); asked for by name where it cannot,
+    this says so instead of failing later."""
     if name is not None and name not in ("float16", "bfloat16"):
         raise ValueError(f"mixed precision dtype must be float16 or bfloat16, not {name!r}")
-    if name == "float16" or (name is None and xp is np):
+    if name == "float16" or (name is None and on_numpy):
         return np.dtype(np.float16)
-    if xp is np:
-        return bfloat16()
-    problem = bfloat16_problem(xp)
-    if problem is None:
+    if on_numpy or problem is None:
         return bfloat16()
     if name == "bfloat16":
         raise RuntimeError(f"bfloat16 asked for, but {problem}, or ask for float16")
@@ -85,15 +91,32 @@ def half_dtype(xp, name=None):
 
 
 def bfloat16_problem(xp):
-    """Why the GPU array library `xp` cannot compute in bfloat16 (a phrase), or None where it
-    can: a 4 x 4 matmul, a product and a cast tried once (one device read, at setup)."""
+    """Why the GPU array library `xp` cannot compute in bfloat16 (bfloat16_reason), or None
+    where it can: a 4 x 4 matmul, a product and a cast tried once (one device read, at
+    setup)."""
     try:
         a = xp.ones((4, 4), dtype=bfloat16())
         float(((a @ a) * a).astype(xp.float32).sum())     # matmul, elementwise, cast
         return None
     except Exception as e:
-        return (f"this CuPy cannot compute with it ({type(e).__name__}: {e}); it needs "
-                f"CuPy >= 14, ml_dtypes and NumPy >= 2.1.2")
+        return bfloat16_reason(e)
+
+
+def bfloat16_reason(error):
+    """The phrase for the `error` a CuPy raised computing in bfloat16."""
+    return (f"this CuPy cannot compute with it ({type(error).__name__}: {error}); it needs "
+            f"CuPy >= 14, ml_dtypes and NumPy >= 2.1.2")
+
+
+def device_note(device, dtype_name, problem):
+    """The end of the --amp log line for `device` ("cpu" or "cuda") computing in
+    `dtype_name`: on the CPU, that 16-bit matmuls are emulated; on a GPU in float16, why not
+    bfloat16 where it was out of reach (`problem`: bfloat16_problem's phrase, CuPy 13), so
+    the log does not say only "float16 compute"; else nothing."""
+    if device == "cpu":
+        return (f"; on the CPU numpy has no 16-bit BLAS, so matmuls multiply in float32 "
+                f"and round to {dtype_name} ({dtype_name} storage, emulated compute)")
+    return f"; not bfloat16: {problem}" if problem and dtype_name == "float16" else ""
 
 
 class MixedPrecision:
@@ -211,13 +234,9 @@ class MixedPrecision:
         scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "
                    f"x{s.growth_factor:g} after {s.growth_interval} good steps)"
                    if s.growth_interval is not None else f"fixed loss scale {s.scale:g}")
-        if backend.device() == "cpu":
-            device = (f"; on the CPU numpy has no 16-bit BLAS, so matmuls multiply in float32 "
-                      f"and round to {self.dtype} ({self.dtype} storage, emulated compute)")
-        else:   # a GPU in float16: say why where bfloat16 was out of reach (CuPy 13)
-            problem = bfloat16_problem(backend.get_xp()) if self.dtype.name == "float16" \
-                else None
-            device = f"; not bfloat16: {problem}" if problem else ""
+        on_gpu_in_float16 = backend.device() != "cpu" and self.dtype.name == "float16"
+        problem = bfloat16_problem(backend.get_xp()) if on_gpu_in_float16 else None
+        device = device_note(backend.device(), self.dtype.name, problem)
         g = self.grad_bytes()
         grads = ("; float32 gradients: accumulated over micro-batches and reduced over "
                  "ranks in float32 (--grad-dtype float32)" if g == 4 else "")
