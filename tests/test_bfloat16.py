@@ -198,19 +198,21 @@ def test_a_python_float_keeps_a_bfloat16_tensor_bfloat16():
     assert (h * 0.01).dtype == np.float16 and (x.astype("float32") * 0.01).dtype == np.float32
 
 
-def test_where_and_masked_fill_keep_bfloat16_where_cupy_gives_float32(xp, monkeypatch):
+def test_where_and_masked_fill_keep_bfloat16_where_cupy_gives_float32(xp):
     """CuPy's where has no bfloat16 loop: its '?ff->f' loop returns float32
     (cupy/_sorting/search.py, v14), so MoE's expert dropout (ops.where) under bfloat16 --amp
-    met the bfloat16 gate as float32 and raised "mixed float dtypes". numpy's where is made
-    to promote the same way here (on a GPU the test runs CuPy's own); Where and MaskedFill
-    keep bfloat16, forward and backward."""
+    met the bfloat16 gate as float32 and raised "mixed float dtypes". Where and MaskedFill
+    now pick through indexing.select, which casts where's result to the dtype asked for:
+    shown on numpy with inputs numpy's where promotes to float32 (bfloat16 with float32);
+    then Where and MaskedFill keep bfloat16, forward and backward, on --device (on a GPU
+    with CuPy's own where)."""
     from minidist.autograd import ops
-    real = np.where
-
-    def cupy_like_where(*args):
-        out = real(*args)
-        return out.astype(np.float32) if len(args) == 3 and out.dtype == BF16 else out
-    monkeypatch.setattr(np, "where", cupy_like_where)
+    from minidist.autograd.indexing import select
+    cond = np.array([True, False, True])
+    a, b = np.array([1, 2, 3], BF16), np.array([7, 8, 9], np.float32)
+    assert np.where(cond, a, b).dtype == np.float32                # promoted, as on CuPy
+    got = select(cond, a, b, BF16)
+    assert got.dtype == BF16 and got.astype(np.float32).tolist() == [1, 8, 3]
     x = Tensor(xp.asarray(np.linspace(-1, 1, 6).astype(BF16)), requires_grad=True)
     keep = xp.asarray(np.array([True, False] * 3))
     dropped, filled = ops.where(keep, x * 2.0, 0.0), ops.masked_fill(x, keep, 0.5)

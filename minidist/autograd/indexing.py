@@ -81,10 +81,11 @@ def getitem(t, index):
 
 # ---- masks ---------------------------------------------------------------------------------
 
-def _select(cond, a, b, dtype):
-    """xp.where(cond, a, b) as `dtype` (None: as it comes). CuPy's where has no bfloat16
-    loop: it picks its '?ff->f' loop and returns float32 for bfloat16 inputs
-    (cupy/_sorting/search.py, v14.0.1 to v14.2.0), where numpy keeps bfloat16."""
+def select(cond, a, b, dtype):
+    """xp.where(cond, a, b) as `dtype` (None: as it comes), whatever dtype where promotes
+    to. CuPy's where has no bfloat16 loop: it picks its '?ff->f' loop and returns float32
+    for bfloat16 inputs (cupy/_sorting/search.py, v14.0.1 to v14.2.0), where numpy keeps
+    bfloat16 (and promotes bfloat16 with a float32 array to float32)."""
     out = xp_of(a, b, cond).where(cond, a, b)
     return out if dtype is None else out.astype(dtype, copy=False)
 
@@ -100,20 +101,20 @@ def _float_dtype(a, b):
 
 class Where(Function):
     """cond ? a : b elementwise (cond a boolean array, broadcast with a and b); a float
-    result keeps the inputs' float dtype on CuPy too (`_select`)."""
+    result keeps the inputs' float dtype on CuPy too (`select`)."""
 
     @staticmethod
     def forward(ctx, cond, a, b):
         a, b = same_float(a, b)
         cond = xp_of(a, b, cond).asarray(cond)           # a host mask to the device
         ctx.save_for_backward(cond)
-        return _select(cond, a, b, _float_dtype(a, b))
+        return select(cond, a, b, _float_dtype(a, b))
 
     @staticmethod
     def backward(ctx, grad):
         cond, = ctx.saved
-        ga = _select(cond, grad, 0, grad.dtype) if ctx.needs_input_grad[1] else None
-        gb = _select(cond, 0, grad, grad.dtype) if ctx.needs_input_grad[2] else None
+        ga = select(cond, grad, 0, grad.dtype) if ctx.needs_input_grad[1] else None
+        gb = select(cond, 0, grad, grad.dtype) if ctx.needs_input_grad[2] else None
         return None, ga, gb
 
 
@@ -129,12 +130,12 @@ class MaskedFill(Function):
     def forward(ctx, a, mask, value):
         mask = xp_of(a).asarray(mask)                    # a host mask to the device
         ctx.save_for_backward(mask)
-        return _select(mask, a.dtype.type(value), a, a.dtype)
+        return select(mask, a.dtype.type(value), a, a.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         mask, = ctx.saved
-        return _select(mask, 0, grad, grad.dtype), None, None
+        return select(mask, 0, grad, grad.dtype), None, None
 
 
 def masked_fill(t, mask, value):
