@@ -230,12 +230,16 @@ class Bucket:
             offset += p.size
         self.ready = 0            # parameters whose gradient is complete in this backward
         self.work = None          # its all-reduce in flight (overlapped mode)
+        self.attaches = 0         # attach() calls, and the gradients they copied in: each
+        self.copies = 0           # copy is a step's gradient that backward did not add in place
 
     def attach(self):
         """Make every parameter's .grad its view again, keeping the value it holds. Only a
         fallback: DDP's own zero_grad() keeps the views, so backward's `+=` writes into the
         bucket; after the optimizer's zero_grad() (.grad = None) backward leaves the engine's
-        own array, which is copied in here (one copy per gradient per step)."""
+        own array, which is copied in here (one copy per gradient per step, counted in
+        `copies`)."""
+        self.attaches += 1
         for p, view in zip(self.params, self.views):
             if p.grad is view:
                 continue
@@ -243,6 +247,7 @@ class Bucket:
                 view.fill(0)
             else:
                 view[...] = p.grad
+                self.copies += 1
             p.grad = view
 
 
