@@ -137,9 +137,11 @@ def test_source_names_every_kernel_and_is_balanced(dtype):
 
 
 def test_block_sizes_are_whole_warps():
+    """row_grid's block for rows of n: a power of two, whole warps, one row per block."""
     for n in (1, 5, 32, 33, 768, 1024, 1025, 50257):
-        t = ck._threads(n)
-        assert t % 32 == 0 and 32 <= t <= 1024 and (t >= n or t == 1024)
+        grid, (t,) = ck.row_grid(np.empty((3, n), np.float32))
+        assert grid == (3,)
+        assert t & (t - 1) == 0 and 32 <= t <= 1024 and (t >= n or t == 1024)
 
 
 # ---- on a GPU --------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def check_cross_entropy(dtype, N=7, V=1001, src=None, order="low"):
 def check_attn_softmax(dtype, BH=3, T=37, src=None, order="low"):
     S, dP, gy = rand(dtype, BH, T, T), rand(dtype, BH, T, T, seed=1), rand(dtype, BH, T, 1, seed=2)
     scale = 1 / math.sqrt(8)
-    want = f64(S) * scale + attention._causal_bias(np, T, np.float64)   # attention.py's xp
+    want = f64(S) * scale + attention.causal_bias(np, T, np.float64)   # attention.py's xp
     want = np.exp(want - want.max(-1, keepdims=True))
     want /= want.sum(-1, keepdims=True)
     P = S.copy()

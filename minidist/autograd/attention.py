@@ -29,7 +29,7 @@ from minidist.backend import is_half, matmul as _mm, xp_of
 _MASKS = {}
 
 
-def _causal_bias(xp, T, dtype):
+def causal_bias(xp, T, dtype):
     """(T, T): 0 on and below the diagonal, -inf above; cached per (module, T, dtype)."""
     key = (xp.__name__, T, str(dtype))
     if key not in _MASKS:
@@ -85,7 +85,7 @@ def _attn_weights(q, k, dropout_p, rng):
         _ck.attn_softmax_(P, 1.0 / math.sqrt(hs))            # all of the below, one kernel
     else:
         P *= 1.0 / math.sqrt(hs)                             # S
-        P += _causal_bias(xp, T, P.dtype)
+        P += causal_bias(xp, T, P.dtype)
         P -= P.max(axis=-1, keepdims=True)                   # the diagonal is always finite
         xp.exp(P, out=P)
         P /= P.sum(axis=-1, keepdims=True)                   # P = softmax(S)
