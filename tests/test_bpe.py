@@ -182,15 +182,14 @@ def test_encode_takes_utf8_bytes_and_refuses_lone_surrogates(tok):
         tok.encode(b"\xff")
 
 
-def test_chunks_and_the_cache_change_nothing(tok, monkeypatch, tmp_path):
+def test_chunks_and_the_cache_change_nothing(tok, tmp_path):
+    """encode in 5-character chunks with a 3-piece cache gives the whole text's ids."""
     text = "the  thing\n\n  x  y\t\tz   aaa é 🙂 \n" * 3 + "end"
     whole = tok.encode(text).tolist()
-    parts = list(bpe._chunks(text, 5))
+    parts = list(bpe.chunks(text, 5))
     assert len(parts) > 5 and "".join(parts) == text
-    monkeypatch.setattr(bpe, "_CHUNK", 5)
-    monkeypatch.setattr(bpe, "_CACHE_MAX", 3)
-    fresh = BPETokenizer.from_folder(_write(tmp_path / "t"))
-    assert fresh.encode(text).tolist() == whole and len(fresh._cache) <= 3
+    fresh = BPETokenizer.from_folder(_write(tmp_path / "t"), chunk=5, cache_max=3)
+    assert fresh.encode(text).tolist() == whole and 0 < fresh.cache_size <= 3
 
 
 def test_one_long_piece_is_fast(tok):

@@ -13,10 +13,10 @@ Text -> ids, written from the algorithm's description:
      byte order: a space is 'Ġ', a newline 'Ċ');
   3. BPE: merge the adjacent pair of lowest rank (line order in merges.txt), every occurrence
      left to right, until no adjacent pair is a merge; each symbol's id from vocab.json.
-Step 3 runs once per distinct piece (a dict cache, emptied at _CACHE_MAX entries); it keeps
+Step 3 runs once per distinct piece (a dict cache, emptied at CACHE_MAX entries); it keeps
 the pairs in a heap, so a piece of n bytes costs O(n log n), not GPT-2's O(n^2) rescans
 (a long run of one character stays fast), with the same result. `encode` feeds the pattern
-at most _CHUNK characters at a time, cut only between a non-space and a space, where the
+at most CHUNK characters at a time, cut only between a non-space and a space, where the
 pieces are those of the whole text, so memory follows the chunk, not the text.
 Ids -> text: the token strings joined, each character mapped back to its byte, the bytes
 decoded as UTF-8 with errors="replace" (ids that split a character give U+FFFD, no error).
@@ -62,8 +62,8 @@ import numpy as np
 
 VOCAB, MERGES = "vocab.json", "merges.txt"
 EOT = "<|endoftext|>"
-_CHUNK = 1 << 20              # characters per pattern pass in encode
-_CACHE_MAX = 1 << 19          # cached pieces; the cache empties when it reaches this
+CHUNK = 1 << 20              # characters per pattern pass in encode
+CACHE_MAX = 1 << 19          # cached pieces; the cache empties when it reaches this
 _WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
                 "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
 
@@ -127,7 +127,7 @@ def pretokenize(text):
     return pieces
 
 
-def _chunks(text, size):
+def chunks(text, size):
     """`text` in parts of about `size` characters, each cut between a non-space and a space:
     no piece of the pattern spans such a cut or looks across it, so the parts' pieces are
     the text's."""
@@ -296,7 +296,7 @@ class BPETokenizer:
     BPETokenizer.from_folder(path) reads and validates a folder's vocab.json and merges.txt;
     the constructor trusts its `vocab` ({token: id}, ids 0..n-1, all 256 byte characters)
     and `merges` ([(left, right)], highest priority first)."""
-    def __init__(self, vocab, merges):
+    def __init__(self, vocab, merges, chunk=CHUNK, cache_max=CACHE_MAX):
         self.vocab_size = len(vocab)
         self.name = f"bpe-{self.vocab_size}"
         self.eot = vocab.get(EOT)
@@ -311,16 +311,21 @@ class BPETokenizer:
         self.key = f"gpt2-bpe-{digest.hexdigest()[:16]}"
         self._byte_char = [bytes_to_unicode()[b] for b in range(256)]
         self._bytes = self._token_bytes()
-        self._cache = {}
+        self._cache, self.chunk, self.cache_max = {}, chunk, cache_max  # encode's sizes
+
+    @property
+    def cache_size(self):
+        """Pieces in the cache now (at most `cache_max`)."""
+        return len(self._cache)
 
     @classmethod
-    def from_folder(cls, path):
+    def from_folder(cls, path, **sizes):
         """The tokenizer of a folder holding vocab.json and merges.txt."""
         if not os.path.isdir(path):
             raise TokenizerError(f"{path}: no such folder; give the folder that holds {VOCAB} "
                                  f"and {MERGES}")
         vocab = read_vocab(os.path.join(path, VOCAB))
-        return cls(vocab, read_merges(os.path.join(path, MERGES), vocab))
+        return cls(vocab, read_merges(os.path.join(path, MERGES), vocab), **sizes)
 
     def _token_bytes(self):
         """[bytes of each id]: a token's characters mapped back through bytes_to_unicode; a
@@ -339,7 +344,7 @@ class BPETokenizer:
         it is plain text (7 tokens for GPT-2), never `eot`."""
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = _utf8(bytes(text))
-        parts = [self._encode_chunk(chunk) for chunk in _chunks(text, _CHUNK)]
+        parts = [self._encode_chunk(chunk) for chunk in chunks(text, self.chunk)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _encode_chunk(self, text):
@@ -359,7 +364,7 @@ class BPETokenizer:
                                  f"surrogate that UTF-8 cannot encode") from None
         symbols = bpe_merge([self._byte_char[b] for b in data], self._ranks)
         ids = tuple(self._ids[s] for s in symbols)
-        if len(self._cache) >= _CACHE_MAX:
+        if len(self._cache) >= self.cache_max:
             self._cache.clear()
         self._cache[piece] = ids
         return ids
