@@ -111,7 +111,10 @@ def test_injected_overflow_skips_the_step_and_leaves_everything_untouched(bad):
 
 def test_an_overflow_on_another_rank_skips_here_too():
     """Another rank's inf arrives through the norm's sum over ranks (the strategy's
-    reduce_sum_sq): this rank, whose gradients are finite, skips."""
+    reduce_sum_sq, stood for here by the function clip_grad_norm takes): this rank, whose
+    gradients are finite, skips. On real ranks: tests/scripts/ep_check.py's --amp runs put
+    an inf in one expert's gradient on one rank, and every rank skips that step
+    (tests/test_ep_exact.py::check_amp_row)."""
     amp, model, opt = _amp_model()
     _backward(amp, model)
     assert np.isinf(opt.clip_grad_norm(1.0, lambda local: local + np.inf))
