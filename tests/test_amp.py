@@ -325,9 +325,9 @@ def test_the_ranks_agree_on_the_16_bit_type_or_are_refused():
     from minidist.train.cli import UsageError
     from minidist.train.strategy import agreed_half_dtype, amp_dtype
     assert agreed_half_dtype(["float16"] * 4) == "float16"
-    with pytest.raises(UsageError, match=r"--amp: the ranks' devices compute in different "
-                       r"16-bit types \(bfloat16 on ranks 0, 2; float16 on rank 1\): give "
-                       r"--amp-dtype float16"):
+    with pytest.raises(UsageError, match=r"--amp: the ranks chose different 16-bit types "
+                       r"\(bfloat16 on ranks 0, 2; float16 on rank 1: their devices differ, "
+                       r"or MINIDIST_AMP_DTYPE is set on some\): give --amp-dtype float16"):
         agreed_half_dtype(["bfloat16", "float16", "bfloat16"])
     given = train_parser().parse_args(["--amp", "--amp-dtype", "bfloat16"])
     assert amp_dtype(given, None) == "bfloat16"           # as given: nothing to agree on

@@ -75,25 +75,29 @@ def make_strategy(args, world=None):
 
 
 def amp_dtype(args, world):
-    """--amp's 16-bit type: --amp-dtype (or MINIDIST_AMP_DTYPE, which MixedPrecision reads) as
-    given; else the one this rank's device computes best in (half_dtype: bfloat16 on a GPU
-    whose CuPy computes with it, float16 elsewhere), which every rank must share: agreed over
-    `world` (Collective), refused where the ranks' devices differ, as a job of CPU and GPU
-    ranks under --device auto would (their gradients would be summed bit pattern against
-    bit pattern, with no error)."""
-    if args.amp_dtype or os.environ.get("MINIDIST_AMP_DTYPE") or world is None:
+    """--amp's 16-bit type: --amp-dtype, else MINIDIST_AMP_DTYPE, else the one this rank's
+    device computes best in (half_dtype: bfloat16 on a GPU whose CuPy computes with it,
+    float16 elsewhere). Every rank must hold the same: agreed over `world` (Collective, on
+    every rank whatever it was given: a rank given the variable skipped the gather the others
+    waited in), refused where they differ, as a job of CPU and GPU ranks under --device auto,
+    or the variable set on some nodes only, would (their gradients would be summed bit
+    pattern against bit pattern, with no error). One process: --amp-dtype as given."""
+    if world is None:
         return args.amp_dtype
-    return agreed_half_dtype(world.all_gather_object(half_dtype(backend.get_xp()).name))
+    return agreed_half_dtype(world.all_gather_object(
+        args.amp_dtype or os.environ.get("MINIDIST_AMP_DTYPE")
+        or half_dtype(backend.get_xp()).name))
 
 
 def agreed_half_dtype(names):
-    """The one 16-bit type every rank's device chose (`names`, by rank), or UsageError."""
+    """The one 16-bit type every rank chose (`names`, by rank), or UsageError."""
     chosen = ranks_by_value(names)
     if len(chosen) == 1:
         return names[0]
     where = "; ".join(f"{n} on {ranks_text(ranks)}" for n, ranks in chosen.items())
-    raise UsageError(f"--amp: the ranks' devices compute in different 16-bit types ({where}): "
-                     "give --amp-dtype float16, which every device computes in")
+    raise UsageError(f"--amp: the ranks chose different 16-bit types ({where}: their devices "
+                     "differ, or MINIDIST_AMP_DTYPE is set on some): give --amp-dtype "
+                     "float16, which every device computes in")
 
 
 def make_data_parallel(args, group, amp):
