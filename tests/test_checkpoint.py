@@ -106,6 +106,7 @@ def _zero_one_rank(stage=3):
     strategy = ZeroDataParallel(ProcessGroup(MPI.COMM_WORLD, "ring", name="z"), stage)
     model = strategy.build_model(TINY, 0, "float32")
     opt = strategy.build_optimizer(model, SimpleNamespace(lr=1e-2, weight_decay=0.1,
+                                                          beta1=0.9, beta2=0.95,
                                                           optimizer="adamw"))
     return strategy, model, opt
 

@@ -86,6 +86,8 @@ BAD_FLAGS = [
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),
     (["--dropout", "1"], "--dropout 1.0: a probability in [0, 1)"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must not be negative (0: no weight"),
+    (["--beta2", "1"], "--beta2 1.0: a decay in [0, 1) (e.g. 0.95)"),
+    (["--beta1", "-0.1"], "--beta1 -0.1: a decay in [0, 1) (e.g. 0.9)"),
     (["--grad-clip", "-1"], "--grad-clip -1.0: must not be negative (0: no clipping)"),
     # was: accepted and ignored (the --log-json rows of an audit, 2026-11-27)
     (["--stop-at", "10", "--steps", "3"], "--stop-at 10: past --steps 3, where the run ends"),

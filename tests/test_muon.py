@@ -348,4 +348,4 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
         "error: --muon-momentum 0.9: sets Muon's momentum, which this run does not use (add "
         "--optimizer muon, or leave --muon-momentum out)\n")
     bad = train_tiny("--optimizer", "muon", "--muon-momentum", "1")
-    assert bad.returncode == 2 and "--muon-momentum 1.0: a momentum in [0, 1)" in bad.stderr
+    assert bad.returncode == 2 and "--muon-momentum 1.0: a decay in [0, 1)" in bad.stderr

@@ -219,3 +219,18 @@ def test_a_resume_given_another_hyperparameter_trains_with_it(layout, corpus, tm
     if not layout or layout == ["--amp"]:
         state = json.loads((tmp_path / "wd5" / "step-00000004" / "state.json").read_text())
         assert [g["weight_decay"] for g in state["optimizer"]["groups"]] == [5.0, 0.0]
+
+
+def test_the_adam_betas_are_flags():
+    """--beta1 and --beta2 reach every optimizer the strategies build (one process, ZeRO's
+    shards, EP's experts: optimizer_settings); the defaults are (0.9, 0.95)."""
+    from minidist.strategy.base import optimizer_settings
+    assert optimizer_settings(train_parser().parse_args([]))["betas"] == (0.9, 0.95)
+    args = train_parser().parse_args(["--beta1", "0.8", "--beta2", "0.99"])
+    assert optimizer_settings(args)["betas"] == (0.8, 0.99)
+    from minidist.nn import GPTConfig
+    strategy = make_strategy(args)
+    model = strategy.build_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16,
+                                           vocab_size=32), 0, "float32")
+    opt = strategy.build_optimizer(model, args)
+    assert {g["betas"] for g in opt.param_groups} == {(0.8, 0.99)}

@@ -140,14 +140,14 @@ def test_a_wsd_run_saved_before_its_decay_extends_into_the_longer_run(corpus, tm
 def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, device,
                                                               capsys):
     """`--resume ck --steps N` alone continues the run the checkpoint holds: its --lr,
-    --batch-size, --grad-accum, --warmup, --weight-decay, --grad-clip, --seed (RUN_RESUMED),
-    not this parser's defaults; one given is the run's, and the resume notes it (--dropout
-    too, which a resume may change)."""
+    --batch-size, --grad-accum, --warmup, --weight-decay, --beta2, --grad-clip, --seed
+    (RUN_RESUMED), not this parser's defaults; one given is the run's, and the resume notes
+    it (--dropout too, which a resume may change)."""
     from minidist.train.cli import check_flags
     from minidist.train.inputs import RUN_RESUMED
     run = ["--lr", "1e-3", "--batch-size", "8", "--grad-accum", "2", "--warmup", "1",
-           "--weight-decay", "0.05", "--grad-clip", "0.5", "--seed", "7", "--eval-every", "0",
-           "--steps", "6"]
+           "--weight-decay", "0.05", "--beta2", "0.99", "--grad-clip", "0.5", "--seed", "7",
+           "--eval-every", "0", "--steps", "6"]
     straight = tmp_path / "straight.jsonl"
     train(_args(device, corpus, tmp_path, *run, "--log-json", str(straight)))
     train(_args(device, corpus, tmp_path, *run, "--stop-at", "3", "--save",
@@ -159,7 +159,8 @@ def test_a_resume_takes_the_runs_hyperparameters_unless_given(corpus, tmp_path, 
     check_flags(resumed)
     assert {n: getattr(resumed, n) for n in RUN_RESUMED} == {
         "seed": 7, "batch_size": 8, "grad_accum": 2, "lr": 1e-3, "min_lr": None, "warmup": 1,
-        "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "grad_clip": 0.5,
+        "lr_schedule": "cosine", "decay_steps": None, "weight_decay": 0.05, "beta1": 0.9,
+        "beta2": 0.99, "grad_clip": 0.5,
         "moe_bias_rate": 0.0, "grad_dtype": None, "eval_every": 0, "eval_iters": 2,
         "steps": 6}
     capsys.readouterr()

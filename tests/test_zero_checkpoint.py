@@ -52,7 +52,8 @@ def one_process_from_sharded(d, expected):
     """The 4-rank ZeRO-3 checkpoint in one process: the same parameters; one step; saved as
     DIR/after_1proc.npz and the plain checkpoint DIR/plain for the 2-rank part."""
     from types import SimpleNamespace
-    args = SimpleNamespace(lr=1e-2, weight_decay=0.1, grad_clip=1.0, grad_accum=1,
+    args = SimpleNamespace(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                           grad_clip=1.0, grad_accum=1,
                            batch_size=8, log_json=None, optimizer="adamw")
     strategy = SingleProcess()
     model = strategy.build_model(CONFIG, SEED, "float64")

@@ -189,7 +189,8 @@ def test_experts_optimizer_takes_the_same_path_bitwise(amp_dtype):
     from minidist.ep.optim import expert_engine, experts_optimizer
     config = GPTConfig(n_layer=2, n_head=2, n_embd=18, block_size=8, vocab_size=31,
                        moe_experts=2)
-    args = argparse.Namespace(optimizer="adamw", lr=1e-2, weight_decay=0.1)
+    args = argparse.Namespace(optimizer="adamw", lr=1e-2, weight_decay=0.1, beta1=0.9,
+                              beta2=0.95)
     opts = []
     for _ in range(2):
         amp = None

@@ -95,9 +95,11 @@ def make_optimizer(named_params, args, views=None):
 
 def optimizer_settings(args):
     """The optimizer's hyperparameters from the flags, as keyword arguments: AdamW's (lr,
-    betas, weight decay), and under --optimizer muon Muon's momentum and Newton-Schulz steps.
-    The per-parameter optimizers (make_optimizer) and ZeRO's sharded ones take the same."""
-    out = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
+    betas: --beta1, --beta2; weight decay), and under --optimizer muon Muon's momentum and
+    Newton-Schulz steps. The per-parameter optimizers (make_optimizer) and ZeRO's sharded
+    ones take the same."""
+    out = {"lr": args.lr, "betas": (args.beta1, args.beta2),
+           "weight_decay": args.weight_decay}
     if args.optimizer == "muon":
         out.update(momentum=args.muon_momentum, ns_steps=args.muon_ns_steps)
     return out

@@ -211,6 +211,10 @@ def add_train_args(p):
     g.add_argument("--warmup", type=int, default=None, action=Given, help="default steps / 20")
     g.add_argument("--weight-decay", type=float, default=0.1, action=Given,
                    help="decoupled weight decay, on matrices")
+    g.add_argument("--beta1", type=float, default=0.9, action=Given,
+                   help="AdamW's first-moment decay, in [0, 1)")
+    g.add_argument("--beta2", type=float, default=0.95, action=Given,
+                   help="AdamW's second-moment decay, in [0, 1) (nanoGPT's small runs: 0.99)")
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", action=Given,
                    help="adamw, or muon: the blocks' matrices by Muon (momentum, "
                    "orthogonalised by Newton-Schulz, scaled to AdamW's RMS: one --lr), "

@@ -122,9 +122,10 @@ def check_flags(args):
     if args.weight_decay < 0:
         raise UsageError(f"--weight-decay {args.weight_decay}: must not be negative (0: no "
                          "weight decay)")
-    if not 0 <= args.muon_momentum < 1:
-        raise UsageError(f"--muon-momentum {args.muon_momentum}: a momentum in [0, 1) (e.g. "
-                         "0.95)")
+    for name, e_g in (("muon_momentum", 0.95), ("beta1", 0.9), ("beta2", 0.95)):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: a decay in "
+                             f"[0, 1) (e.g. {e_g})")
     if args.grad_clip < 0:
         raise UsageError(f"--grad-clip {args.grad_clip}: must not be negative (0: no "
                          "clipping)")

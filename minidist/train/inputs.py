@@ -88,7 +88,8 @@ EVALUATED_AS = ("batch_size", "eval_iters")
 # (so `--resume ck --steps N` continues that run, not one at this parser's defaults); one
 # given with another value is the run's, and the "resumed from" line notes the change
 RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr_schedule",
-               "decay_steps", "weight_decay", "grad_clip", "moe_bias_rate", "grad_dtype",
+               "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "moe_bias_rate",
+               "grad_dtype",
                "eval_every", "eval_iters",   # (walk 33: the val curve changed basis there)
                "steps")     # (walk 35: `--resume ck` alone trained to the parser's 800)
 

@@ -23,9 +23,9 @@ from minidist.train.inputs import recorded_flags, schedule_differences
 # flags whose change makes a resumed run differ from an uninterrupted one (the MoE loss
 # weights and capacity too: first-use walk 35 saw them change the losses without a note);
 # the schedule's
-_MUST_MATCH = ("seed", "batch_size", "weight_decay", "grad_clip", "data", "dropout",
-               "muon_momentum", "muon_ns_steps", "moe_bias_rate", "moe_capacity_factor",
-               "moe_aux_loss_coef", "moe_z_loss_coef", "grad_dtype")
+_MUST_MATCH = ("seed", "batch_size", "weight_decay", "beta1", "beta2", "grad_clip", "data",
+               "dropout", "muon_momentum", "muon_ns_steps", "moe_bias_rate",
+               "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "grad_dtype")
 # flags that split the same global batch otherwise: the same numbers up to rounding (walk 35:
 # "grad_accum changed, so the run will differ" on a resume equal to 8.9e-16), another memory
 _SAME_BATCH = ("grad_accum",)

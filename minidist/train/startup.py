@@ -71,6 +71,7 @@ def run_line(args):
     tokens = args.batch_size * args.block_size
     return (f"run: {args.optimizer}, lr {args.lr:g} -> {schedule.min_lr:g} ({shape}, warmup "
             f"{schedule.warmup} of {args.steps} steps), weight decay {args.weight_decay:g}, "
+            f"betas ({args.beta1:g}, {args.beta2:g}), "
             f"grad clip {args.grad_clip:g}; global batch {args.batch_size} x "
             f"{args.block_size} = {tokens:,} tokens/step (grad-accum {args.grad_accum}); "
             f"seed {args.seed}")

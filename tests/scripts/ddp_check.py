@@ -136,7 +136,8 @@ def main():
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
     args = SimpleNamespace(steps=cli.steps, batch_size=cli.batch_size, lr=1e-2,
-                           weight_decay=0.1, grad_accum=cli.grad_accum, grad_clip=cli.clip,
+                           weight_decay=0.1, beta1=0.9, beta2=0.95,
+                           grad_accum=cli.grad_accum, grad_clip=cli.clip,
                            log_json=None, clip=cli.clip, bucket_mb=cli.bucket_mb, tol=cli.tol,
                            optimizer="adamw")
     ref = train(SingleProcess(), args)

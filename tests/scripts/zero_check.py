@@ -254,7 +254,8 @@ def main():
     trace.enable()         # the events tell which collectives backward's hooks started
     backend.set_device(cli.device)   # numpy or cupy, on every rank
     comm = MPI.COMM_WORLD
-    args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, grad_clip=cli.clip,
+    args = SimpleNamespace(**vars(cli), lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                           grad_clip=cli.clip,
                            log_json=None, optimizer="adamw")
     stages = [int(s) for s in cli.stages.split(",") if s]
     if stages:
