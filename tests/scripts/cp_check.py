@@ -27,7 +27,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, run_steps, start  # noqa: E402
+from exact import batch, max_abs, run_steps, start  # noqa: E402
 from cp_tp_ledger import sp_activations, step_tp_traffic, tp_counted  # noqa: E402
 from dist_gradcheck import dist_gradcheck  # noqa: E402
 
@@ -159,11 +159,6 @@ def run(name, ref, comm, tol, reload=False):
     return row
 
 
-def max_abs(values):
-    """The largest |value| (NaN if any is NaN: max() would skip a NaN after the first)."""
-    return float(np.max(np.abs(np.asarray(values, dtype="float64"))))
-
-
 def whole(strategy, model, opt):
     """(params, Adam moments) by name, as one process holds them, on world rank 0 (the
     checkpoint's gather: ZeRO's over dp x cp, then tp's); ({}, {}) elsewhere. Collective."""
@@ -192,7 +187,7 @@ def check_reload(name, strategy, model, opt, ref, comm, make_flags=None):
                                      for n, p in r_model.named_parameters()])
         sb = r_opt.state_dict()["state"]
         out["adam_diff"] = max_abs([max_abs(v - sb[n][k]) for (n, k), v in mine_adam.items()])
-        assert len(mine_adam) == 2 * len(sb) and max(out.values()) < 1e-10, (name, out)
+        assert len(mine_adam) == 2 * len(sb) and all(v < 1e-10 for v in out.values()), out
     for into, extra in reload_into(comm.size).items():
         args = make_flags(name, *extra)
         again = make_strategy(args, ProcessGroup.world(args.comm))

@@ -32,7 +32,8 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, check_tied_copies, run_steps, start, whole_params  # noqa: E402
+from exact import (batch, check_tied_copies, max_abs, run_steps, start,  # noqa: E402
+                   whole_params, worst_over_ranks)
 
 from minidist.comm import ProcessGroup, trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
@@ -107,18 +108,18 @@ def run(name, ref, comm, cli):
     state = whole_params(strategy, model, opt)
     r_model, r_losses, r_norms = ref
     want = {n: np.asarray(p.data) for n, p in r_model.named_parameters()}
-    d_par = max([float(np.abs(a - want[n]).max()) for n, a in state.items()] or [0.0])
+    d_par = max_abs(a - want[n] for n, a in state.items())
     check_tied_copies(strategy, state)
     crcs = crcs_of(state, comm)
-    row = {"run": name, "loss_diff": max(abs(float(a) - float(b))
-                                         for a, b in zip(losses, r_losses)),
-           "norm_diff": max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms)),
-           "param_diff": comm.allreduce(d_par, op=MPI.MAX), "compared": len(crcs),
+    row = {"run": name,
+           "loss_diff": max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)]),
+           "norm_diff": max_abs([float(a) - float(b) for a, b in zip(norms, r_norms)]),
+           "param_diff": worst_over_ranks(comm, d_par), "compared": len(crcs),
            "ref_params": len(want), "bytes_sent": sent,
            "theory_sent": step_ring_bytes(args, strategy), "crcs": crcs,
            "losses": [float(v) for v in losses]}
-    worst = comm.allreduce(max(row["loss_diff"], row["norm_diff"], row["param_diff"]),
-                           op=MPI.MAX)
+    worst = worst_over_ranks(comm, max_abs([row[k] for k in ("loss_diff", "norm_diff",
+                                                             "param_diff")]))
     assert worst < cli.tol and len(crcs) == len(want), (name, row, worst)
     assert not comm.allreduce(sent != row["theory_sent"], op=MPI.LOR), (name, row)
     if name in cli.files.split(","):
@@ -147,7 +148,7 @@ def check_eval_and_sample(strategy, model, r_model, comm, tol):
     same = tokens is None or np.array_equal(tokens, r_model.generate(prompt, 12, seed=3))
     assert comm.allreduce(same, op=MPI.LAND), "a sample differs from one process's"
     model.train()
-    return {"eval_diff": comm.allreduce(abs(got - want), op=MPI.MAX)}
+    return {"eval_diff": worst_over_ranks(comm, got - want)}
 
 
 def check_files(strategy, model, opt, args, r_model, comm, tol):
@@ -160,8 +161,8 @@ def check_files(strategy, model, opt, args, r_model, comm, tol):
     one = SingleProcess()
     m1 = one.build_model(CONFIG, SEED + 1, "float64")
     checkpoint.load_checkpoint(path, m1, one.build_optimizer(m1, args))
-    ckpt_diff = max(float(np.abs(a - np.asarray(r_model.state_dict()[n])).max())
-                    for n, a in m1.state_dict().items())
+    ckpt_diff = max_abs(a - np.asarray(r_model.state_dict()[n])
+                        for n, a in m1.state_dict().items())
     again = make_strategy(args, ProcessGroup.world(args.comm))
     m2 = again.build_model(CONFIG, SEED + 1, "float64")
     o2 = again.build_optimizer(m2, args)
@@ -172,7 +173,7 @@ def check_files(strategy, model, opt, args, r_model, comm, tol):
     next_losses = [float(train_step(s, m, o, x, y, args)[0])
                    for s, m, o in ((strategy, model, opt), (again, m2, o2))]
     assert next_losses[0] == next_losses[1], next_losses
-    out = {"ckpt_diff": comm.allreduce(ckpt_diff, op=MPI.MAX), "next_loss": next_losses[0]}
+    out = {"ckpt_diff": worst_over_ranks(comm, ckpt_diff), "next_loss": next_losses[0]}
     assert out["ckpt_diff"] <= tol, out
     return out
 

@@ -30,7 +30,7 @@ from minidist.nn import GPTConfig
 from minidist.ddp.strategy import DataParallel
 from minidist.strategy.base import SingleProcess
 
-from exact import run_steps
+from exact import max_abs, run_steps
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 SEED = 7
@@ -43,8 +43,9 @@ def train(strategy, args, dtype="float64", config=CONFIG):
 
 
 def max_diff(model, ref):
+    """The largest difference of any parameter entry from the reference's (NaN if any is)."""
     ref = dict(ref.named_parameters())
-    return max(float(np.abs(p.data - ref[n].data).max()) for n, p in model.named_parameters())
+    return max_abs(p.data - ref[n].data for n, p in model.named_parameters())
 
 
 def check_replicas_equal(model, comm):
@@ -78,8 +79,8 @@ def compare(args, comm, ref, algo, mode):
     ref_model, ref_losses, ref_norms = ref
     result = {"algo": algo, "mode": mode, "ranks": strategy.world_size,
               "grad_accum": args.grad_accum, "clip": args.clip, "steps": args.steps,
-              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-              "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+              "loss_diff": max_abs(np.subtract(losses, ref_losses)),
+              "norm_diff": max_abs(np.subtract(norms, ref_norms)),
               "param_diff": max_diff(model, ref_model), "norms": norms,
               "bytes_sent": check_bytes(strategy, comm), "grad_bytes": strategy.ddp.grad_bytes(),
               "buckets": len(getattr(strategy.ddp, "buckets", ()))}

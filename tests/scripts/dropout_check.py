@@ -23,13 +23,10 @@ import json
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import run_steps, start, whole_params  # noqa: E402
+from exact import max_abs, run_steps, start, whole_params, worst_over_ranks  # noqa: E402
 
 from minidist.comm import ProcessGroup  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -106,15 +103,15 @@ def run(name, refs, comm, tol):
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, norms, _ = run_steps(strategy, args, config_of(args), SEED, "float64")
     params, want = whole_params(strategy, model, opt), dict(ref.named_parameters())
-    d_par = max([float(np.abs(v - want[n].data).max()) for n, v in params.items()] or [0.0])
-    d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
-    d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
+    d_par = max_abs(v - want[n].data for n, v in params.items())
+    d_loss = max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)])
+    d_norm = max_abs([float(a) - float(b) for a, b in zip(norms, r_norms)])
     names = comm.gather(sorted(params), root=0)
     row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
            "compared": len(set().union(*names)) if comm.rank == 0 else len(params),
            "ref_params": len(want), "losses": [float(v) for v in losses]}
-    worst = comm.allreduce(max(d_loss, d_norm, d_par), op=MPI.MAX)
-    assert worst < tol, (name, row, worst)                       # (a nan fails too)
+    worst = worst_over_ranks(comm, max_abs([d_loss, d_norm, d_par]))
+    assert worst < tol, (name, row, worst)                       # (a NaN fails too)
     return row
 
 

@@ -38,7 +38,8 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import batch, run_steps, start, whole_params  # noqa: E402
+from exact import (batch, max_abs, run_steps, start, whole_params,  # noqa: E402
+                   worst_over_ranks)
 from ep_split import SPLIT, split_counted, split_traffic  # noqa: E402
 
 from minidist import backend  # noqa: E402
@@ -204,11 +205,9 @@ def resume_diffs(args, config, comm):
     if comm.rank == 0:
         shutil.rmtree(folder)
     (a, pa), (b, pb), (c, pc) = runs
-    diff = [max(abs(x - y) for x, y in zip(a, other)) for other in (b, c)]
-    for i, other in ((0, pb), (1, pc)):
-        diff[i] = float(np.max([diff[i]] + [np.abs(v.astype(np.float64) - other[n]).max()
-                                            for n, v in pa.items()]))
-    return diff
+    return [max_abs([np.subtract(a, other)] + [v.astype(np.float64) - theirs[n]
+                                                for n, v in pa.items()])
+            for other, theirs in ((b, pb), (c, pc))]
 
 
 def same_drops(model, ref, args, config, strategy):
@@ -283,7 +282,7 @@ def amp_run(name, args, config, comm, refs):
     r_losses, r_norms, r_scaler = refs["amp"]
     losses, norms, scaler = amp_steps(make_strategy(args, ProcessGroup.world(args.comm)),
                                       args, config)
-    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses))
+    rel = max_abs([(a - b) / b for a, b in zip(losses, r_losses)])
     row = {"run": name, "loss_rel_diff": rel, "skipped": scaler.skipped,
            "ref_skipped": r_scaler.skipped, "scale": scaler.scale, "ref_scale": r_scaler.scale,
            "norm_at_poison": norms[POISON_STEP], "losses": losses}
@@ -330,11 +329,10 @@ def run(name, ref_runs, comm, tol):
         exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8, backward)
         for m in model.moe_layers() for s, r, backward in m.exchange.history)
     (params, experts), ref = my_params(strategy, model, opt), dict(r_model.named_parameters())
-    d_par = float(np.max([np.abs(v - np.asarray(ref[n].data)).max() for n, v in params.items()]
-                         or [0.0]))
-    d_loss = max(abs(float(a) - float(b)) for a, b in zip(losses, r_losses))
-    d_norm = max(abs(float(a) - float(b)) for a, b in zip(norms, r_norms))
-    worst = comm.allreduce(float(np.max([d_loss, d_norm, d_par])), op=MPI.MAX)
+    d_par = max_abs(v - np.asarray(ref[n].data) for n, v in params.items())
+    d_loss = max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)])
+    d_norm = max_abs([float(a) - float(b) for a, b in zip(norms, r_norms)])
+    worst = worst_over_ranks(comm, max_abs([d_loss, d_norm, d_par]))
     assert worst < tol, (name, d_loss, d_norm, d_par)        # (a nan fails too)
     dropped, mine = same_drops(model, r_model, args, config, strategy)
     t = args.tp

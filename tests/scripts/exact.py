@@ -1,5 +1,6 @@
 """What the exactness scripts share: the global batch of a step, and N steps of the real loop;
-a pipeline's tied-embedding check (pp_check, cp_pp_check); the scripts' common start (`start`).
+a pipeline's tied-embedding check (pp_check, cp_pp_check); the scripts' common start (`start`);
+the NaN-safe largest difference (`max_abs`), on one rank and over all (`worst_over_ranks`).
 
 Each script (ddp_check, tp_check, zero_check, ep_check, dropout_check) trains a strategy and
 the one-process reference through these same functions, so any difference comes from the
@@ -45,6 +46,25 @@ def whole_params(strategy, model, opt):
         return pp_checkpoint.stage_state(strategy, opt)[0] or {}
     whole, _ = strategy.whole_state(model, opt)
     return whole if strategy.rank == 0 else {}
+
+
+def max_abs(values):
+    """The largest |value| over `values` (numbers and arrays of any shape, host or device,
+    mixed) as a float; NaN if any entry is NaN, 0.0 if there are none. Python's max() is no
+    substitute: it keeps its best so far unless the next value is greater, and `nan > x` is
+    False, so a NaN anywhere but first is dropped (max(0.0, nan) == 0.0). np.max propagates
+    it, and a NaN compared with `<= tol` is False: a NaN difference fails the check."""
+    flat = [np.abs(backend.to_host(v).astype(np.float64)).ravel() for v in values]
+    return float(np.max(np.concatenate(flat), initial=0.0)) if flat else 0.0
+
+
+def worst_over_ranks(comm, value):
+    """max_abs of `value` (one rank's largest difference) over every rank of the mpi4py
+    communicator `comm`: NaN if it is NaN on any rank. Gathered to every rank and reduced
+    with max_abs rather than allreduce(op=MPI.MAX): MPI leaves MAX of a NaN undefined, and
+    the usual `a > b ? a : b` keeps or drops it depending on which rank's value comes first.
+    (One float per rank: the gather costs nothing.) Collective."""
+    return max_abs(comm.allgather(float(value)))
 
 
 def check_tied_copies(strategy, state):

@@ -24,10 +24,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import run_steps, start  # noqa: E402
+from exact import max_abs, run_steps, start, worst_over_ranks  # noqa: E402
 
 from minidist.comm import ProcessGroup  # noqa: E402
-from mpi4py import MPI  # noqa: E402  (after minidist.comm: MPI starts in comm.init())
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.amp import MixedPrecision  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -127,15 +126,15 @@ def run(name, refs, comm, cli):
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, _, _ = run_steps(strategy, args, config, SEED, "float32")
     got = masters(strategy, model, opt)
-    loss_rel = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, r_losses))
+    loss_rel = max_abs([(float(a) - float(b)) / float(b) for a, b in zip(losses, r_losses)])
     diffs = [np.abs(v - r_masters[n]) for n, v in got.items()]
     mean = float(np.concatenate([d.ravel() for d in diffs]).mean()) if diffs else 0.0
-    worst = float(max(d.max() for d in diffs)) if diffs else 0.0
+    worst = max_abs(diffs)
     dtypes = comm.allgather(grad_dtypes(strategy, model))
     compared = comm.allreduce(len(got))
-    row = {"run": name, "loss_rel_diff": comm.allreduce(loss_rel, op=MPI.MAX),
-           "master_mean_diff": comm.allreduce(mean, op=MPI.MAX),
-           "master_worst_diff": comm.allreduce(worst, op=MPI.MAX),
+    row = {"run": name, "loss_rel_diff": worst_over_ranks(comm, loss_rel),
+           "master_mean_diff": worst_over_ranks(comm, mean),
+           "master_worst_diff": worst_over_ranks(comm, worst),
            "masters_compared": compared, "grad_dtypes": sorted(set(sum(dtypes, [])))}
     assert row["grad_dtypes"] == ["float32"], row
     assert compared >= len(r_masters), (row, len(r_masters))     # every parameter seen

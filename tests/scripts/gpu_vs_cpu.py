@@ -55,7 +55,7 @@ def main():
     losses_cpu, params_cpu = run("cpu", args.dtype)
     losses_dev, params_dev = run(args.device, args.dtype)
     diffs = {n: rel_diff(params_dev[n], params_cpu[n]) for n in params_cpu}
-    worst = max(diffs, key=diffs.get)
+    worst = max(diffs, key=lambda n: np.inf if np.isnan(diffs[n]) else diffs[n])  # NaN worst
     out = {"check": f"gpu_vs_cpu_{args.dtype}", "dtype": args.dtype, "device": args.device,
            "losses_cpu": losses_cpu, "losses_dev": losses_dev,
            "max_loss_diff": rel_diff(losses_dev, losses_cpu), "max_param_diff": diffs[worst],

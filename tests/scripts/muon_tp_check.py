@@ -7,9 +7,10 @@ trains one process's numbers, float64.
 
 Each run trains `--tp 2 --optimizer muon` (the -zero1 runs with `--zero 1`: ShardedMuon,
 minidist/zero/muon.py; dp = the ranks / 2) from train_gpt's flags (make_strategy, the loop's
-train_step: tests/scripts/exact.py) and, on every rank, the one-process reference. Rank 0
-prints `RESULT {json}` per run: the largest difference of the losses, gradient norms and
-parameters (the whole model as a checkpoint gathers it) from the reference's, and the NS
+train_step: tests/scripts/exact.py) and, on every rank, the one-process reference. The
+largest difference of the losses, gradient norms and parameters (the whole model as a
+checkpoint gathers it) from the reference's must be within --tol on every rank (a NaN
+fails). Rank 0 prints `RESULT {json}` per run: those differences, and the NS
 FLOPs each rank ran (Muon's or ShardedMuon's ns_flops_run, in world rank order: tp rank
 fastest) beside the reference's.
 gpt2: every Muon matrix is split over tp, so each one's NS runs on one tp rank (tp_owners;
@@ -25,7 +26,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import run_steps, start, whole_params  # noqa: E402
+from exact import max_abs, run_steps, start, whole_params, worst_over_ranks  # noqa: E402
 
 from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
 from minidist.comm import ProcessGroup  # noqa: E402
@@ -52,8 +53,9 @@ def flags(config, tp, layout=()):
         "--dtype", "float64", "--seed", str(SEED), *moe, *layout])
 
 
-def run(name, comm):
-    """One run against the reference: {run, *_diff, ns_flops per tp rank, ns_flops_one}."""
+def run(name, comm, tol):
+    """One run against the reference: {run, *_diff, ns_flops per tp rank, ns_flops_one}.
+    Raises if a difference on any rank is over `tol` or NaN."""
     model_flags, layout = RUNS[name]
     config = GPTConfig(**CONFIG, **model_flags)
     one = flags(config, 1)
@@ -64,13 +66,16 @@ def run(name, comm):
     model, opt, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
     whole = whole_params(strategy, model, opt)
     ref = {n: np.asarray(p.data) for n, p in ref_model.named_parameters()}
-    return {"run": name, "ranks": comm.size,
-            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
-            "param_diff": max((float(np.abs(whole[n] - ref[n]).max()) for n in whole),
-                              default=0.0),
-            "params_compared": len(whole),
-            "ns_flops": comm.allgather(opt.ns_flops_run), "ns_flops_one": ref_opt.ns_flops_run}
+    row = {"run": name, "ranks": comm.size,
+           "loss_diff": max_abs(np.subtract(losses, ref_losses)),
+           "norm_diff": max_abs(np.subtract(norms, ref_norms)),
+           "param_diff": max_abs(whole[n] - ref[n] for n in whole),
+           "params_compared": len(whole),
+           "ns_flops": comm.allgather(opt.ns_flops_run), "ns_flops_one": ref_opt.ns_flops_run}
+    worst = worst_over_ranks(comm, max_abs([row["loss_diff"], row["norm_diff"],
+                                            row["param_diff"]]))
+    assert worst <= tol, (name, row, worst)                      # a NaN fails too
+    return row
 
 
 def main():
@@ -78,7 +83,7 @@ def main():
     p.add_argument("--runs", default=",".join(RUNS))        # on 2 ranks; gpt2-zero1 on 4
     cli, comm = start(p)
     for name in cli.runs.split(","):
-        result = run(name, comm)
+        result = run(name, comm, cli.tol)
         if comm.rank == 0:
             print("RESULT " + json.dumps(result), flush=True)
     MPI.COMM_WORLD.Barrier()

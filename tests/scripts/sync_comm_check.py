@@ -23,7 +23,7 @@ from minidist.nn import GPTConfig
 from minidist.strategy.base import SingleProcess
 from minidist.train.args import train_parser
 
-from exact import run_steps
+from exact import max_abs, run_steps
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 seen = {"calls": 0, "max_size": 0}
@@ -55,11 +55,10 @@ def main():
     if cli.watch:
         sys.settrace(None)
     ref_params = dict(ref_model.named_parameters())
-    param_diff = max(float(np.abs(p.data - ref_params[n].data).max())
-                     for n, p in model.named_parameters())
+    param_diff = max_abs(p.data - ref_params[n].data for n, p in model.named_parameters())
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("minidist"))
     result = {"sync_comm": world.sync_comm,
-              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref)),
+              "loss_diff": max_abs(np.subtract(losses, ref)),
               "param_diff": param_diff, "buckets": len(strategy.ddp.buckets),
               "comm_threads": threads,
               "traced_calls": seen["calls"], "traced_max_size": seen["max_size"],

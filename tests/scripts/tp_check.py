@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_probes  # noqa: E402
-from exact import run_steps  # noqa: E402
+from exact import max_abs, run_steps, worst_over_ranks  # noqa: E402
 
 from minidist import backend
 import minidist.comm  # noqa: E402
@@ -77,7 +77,7 @@ def train(strategy, args):
 
 def max_diff(a, b):
     assert list(a) == list(b), (list(a)[:4], list(b)[:4])
-    return max(float(np.abs(np.asarray(a[n]) - np.asarray(b[n])).max()) for n in a)
+    return max_abs(np.asarray(a[n]) - np.asarray(b[n]) for n in a)
 
 
 def host_state(model):
@@ -108,12 +108,12 @@ def compare(name, refs, comm, tol, tmp):
     model, opt, losses, norms = train(strategy, args)
     ref_model, ref_opt, ref_losses, ref_norms = ref
     full = strategy.full_state_dict()              # on the ranks of dp rank 0 under ZeRO
-    param_diff = MPI.COMM_WORLD.allreduce(max_diff(full, host_state(ref_model)) if full
-                                          else 0.0, op=MPI.MAX)
+    param_diff = worst_over_ranks(MPI.COMM_WORLD, max_diff(full, host_state(ref_model))
+                                  if full else 0.0)
     result = {"run": name, "ranks": comm.size, "tp": strategy.group.size,
               "dp": strategy.mesh.shape["dp"], "steps": args.steps,
-              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-              "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+              "loss_diff": max_abs(np.subtract(losses, ref_losses)),
+              "norm_diff": max_abs(np.subtract(norms, ref_norms)),
               "param_diff": param_diff, "norms": norms,
               "losses": losses}
     for key in ("loss_diff", "norm_diff", "param_diff"):
@@ -148,18 +148,18 @@ def check_files(strategy, model, opt, ref, args, tmp):
     checkpoint.load_checkpoint(ckpt, m1, o1)
     ckpt_diff = max_diff(host_state(m1), host_state(ref_model))
     sa, sb = o1.state_dict()["state"], ref_opt.state_dict()["state"]
-    adam_diff = max(max_diff({k: v for k, v in sa[n].items() if k != "step"},
-                             {k: v for k, v in sb[n].items() if k != "step"}) for n in sb)
+    adam_diff = max_abs(max_diff({k: v for k, v in sa[n].items() if k != "step"},
+                                 {k: v for k, v in sb[n].items() if k != "step"}) for n in sb)
     again = make_strategy(args, ProcessGroup.world(args.comm))     # and back into a fresh tp run
     m2 = again.build_model(config_of(args), SEED + 1, "float64")
     o2 = again.build_optimizer(m2, args)
     again.load(ckpt, m2, o2)
     reload_diff = max_diff(m2.full_state_dict(), host_state(ref_model))
-    adam_back = max(float(np.abs(o2.state[n][k] - opt.state[n][k]).max())
-                    for n in opt.state for k in ("exp_avg", "exp_avg_sq"))
+    adam_back = max_abs(o2.state[n][k] - opt.state[n][k]
+                        for n in opt.state for k in ("exp_avg", "exp_avg_sq"))
     out = {"pretrained_diff": pretrained_diff, "ckpt_diff": ckpt_diff, "adam_diff": adam_diff,
            "reload_diff": reload_diff, "adam_reload_diff": adam_back}
-    assert max(out.values()) <= 1e-10, out
+    assert all(v <= 1e-10 for v in out.values()), out
     return out
 
 

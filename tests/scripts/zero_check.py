@@ -64,17 +64,17 @@ def batch(step, rows):
 
 
 def shard_diff(strategy, ref_model):
-    """Largest |shard - the same slice of the reference's flat unit| on this rank; checks the
-    padding (the flat buffer's tail) is zero."""
+    """Largest |shard - the same slice of the reference's flat unit| on this rank (NaN if
+    any entry is); checks the padding (the flat buffer's tail) is zero."""
     ref = dict(ref_model.named_parameters())
-    worst = 0.0
+    diffs = []
     for u in strategy.engine.units:
         f = u.flat                                  # the layout; u holds the shards
         flat = f.flatten([ref[n].data for n in f.names])
-        worst = max(worst, float(np.abs(u.param_shard - flat[f.lo:f.hi]).max()))
+        diffs.append(u.param_shard - flat[f.lo:f.hi])
         tail = max(f.numel, f.lo) - f.lo           # where the padding starts in this shard
         assert not np.any(u.param_shard[tail:]), f"padding of {f.name} is not zero"
-    return worst
+    return exact.max_abs(diffs)
 
 
 def compare(args, comm, ref, stage):
@@ -99,17 +99,17 @@ def compare(args, comm, ref, stage):
     early = started_in_backward(strategy)
     scatters = issued_in_backward(strategy.shard_group.name, "reduce_scatter")
     ref_model, ref_losses, ref_norms = ref
-    diff = comm.allreduce(shard_diff(strategy, ref_model), op=MPI.MAX)
+    diff = exact.worst_over_ranks(comm, shard_diff(strategy, ref_model))
     full = strategy.engine.full_state_dict()
     if comm.rank == 0:
         want = dict(ref_model.named_parameters())
-        diff = max(diff, max(float(np.abs(a - want[n].data).max()) for n, a in full.items()))
+        diff = exact.max_abs([diff] + [a - want[n].data for n, a in full.items()])
         assert list(full) == list(want), "full_state_dict: names or order differ"
     result = {"stage": stage, "ranks": group.size, "algo": args.algo, "steps": args.steps,
               "grad_accum": args.grad_accum, "clip": args.clip,
               "ckpt_activations": args.ckpt_activations, "prefetch": args.prefetch,
-              "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-              "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+              "loss_diff": exact.max_abs(np.subtract(losses, ref_losses)),
+              "norm_diff": exact.max_abs(np.subtract(norms, ref_norms)),
               "param_diff": diff, "norms": norms,
               "padding": [u.flat.padding for u in strategy.engine.units],
               "shard_ranks": strategy.shard_group.size, "across_replicas": across,

@@ -32,6 +32,7 @@ from minidist.train.args import train_parser
 from minidist.train.step import train_step
 from minidist.zero.checkpoint import shard_name
 from minidist.zero.strategy import ZeroDataParallel
+from exact import max_abs
 from zero_check import CONFIG, SEED, batch
 
 ARGS = train_parser().parse_args(["--lr", "1e-2", "--batch-size", "8"])
@@ -109,7 +110,7 @@ def load_side(cli, comm):
     full, diff = strategy.engine.full_state_dict(), 0.0
     if comm.rank == 0:
         want = np.load(os.path.join(cli.load, "after_1proc.npz"))
-        diff = max(float(np.abs(full[n] - want[n]).max()) for n in want)
+        diff = max_abs(full[n] - want[n] for n in want)
         assert diff < 1e-10, f"one step after resharding differs by {diff}"
     plain, model2, opt2 = fresh(comm, 2, "d")          # a plain checkpoint into stage 2
     plain.load(os.path.join(cli.load, "plain"), model2, opt2)
