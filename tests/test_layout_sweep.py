@@ -17,11 +17,13 @@ import collections
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from mpirun import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import exact  # noqa: E402
 import layout_sample  # noqa: E402
 import layout_sweep  # noqa: E402
 
@@ -60,6 +62,48 @@ def test_banner_problems_names_a_size_the_layout_does_not_have():
     problems = layout_sweep.banner_problems(4, flags, before + "\n" + ep_line)
     assert [p.split(":")[0] for p in problems] == ["dp 2", "4 dp x ep"], problems
     assert layout_sweep.banner_problems(4, flags, "step 1 | tp 3\n" + after) == []
+
+
+def _saved_run(**changes):
+    """What Sweep reads back from a run (its log and its saved checkpoint), tiny, with
+    `changes` applied: two parameters, so a NaN can sit in one that is not the first."""
+    run = {"rc": 0, "losses": [4.0, 3.5, 3.25], "norms": [1.0, 0.75, 0.5], "val_loss": [3.5],
+           "params": {"wte": np.array([1.0, -2.0, 3.0]), "ln.bias": np.array([0.5, -0.25])},
+           "biases": {}}
+    return {**run, **changes}
+
+
+def test_compare_fails_a_nan_parameter_or_a_later_nan_gradient_norm():
+    """A NaN anywhere fails the run: in a saved parameter (what a checkpoint writer that
+    saved ZeRO-3's or --overlap-param-gather's NaN placeholders would leave), or in the
+    gradient norm of the last step only. Each difference is compared with TOL on its own;
+    max() over them skipped a NaN that was not first (`nan > x` is False), so both passed."""
+    ref = _saved_run()
+    assert layout_sweep.compare(ref, _saved_run())[0]
+    nan = float("nan")
+    for got in (_saved_run(params={**ref["params"], "ln.bias": np.array([nan, nan])}),
+                _saved_run(norms=[1.0, 0.75, nan])):
+        ok, errs = layout_sweep.compare(ref, got)
+        assert not ok and any(np.isnan(e) for e in errs.values()), errs
+        # under --amp (MoE: the parameters are held to nothing) a NaN fails too
+        assert not layout_sweep.compare(ref, got, amp="float16", moe=True)[0], errs
+    off = _saved_run(params={**ref["params"], "ln.bias": np.array([0.5, -0.25 * (1 + 1e-8)])})
+    assert not layout_sweep.compare(ref, off)[0]
+
+
+def test_max_abs_keeps_a_nan_that_max_drops():
+    """tests/scripts/exact.py's max_abs, which every exactness script's differences use:
+    the largest |entry| over numbers and arrays, NaN if any entry is, 0.0 for none; and
+    worst_over_ranks, the same over the ranks (here the one rank of COMM_SELF)."""
+    from mpi4py import MPI          # started by conftest (comm.init)
+    nan = float("nan")
+    assert max(0.0, nan, 1e-12) == 1e-12                      # the pitfall
+    assert np.isnan(exact.max_abs([0.0, np.array([[1e-12, nan]]), 2e-12]))
+    assert np.isnan(exact.max_abs(np.zeros(3) + v for v in (0.0, nan)))
+    assert exact.max_abs([np.array([-3.0, 2.0]), 1.0, np.zeros(0)]) == 3.0
+    assert exact.max_abs([]) == 0.0 and exact.max_abs([np.inf, 0.0]) == np.inf
+    assert np.isnan(exact.worst_over_ranks(MPI.COMM_SELF, nan))
+    assert exact.worst_over_ranks(MPI.COMM_SELF, -2.0) == 2.0
 
 
 @pytest.mark.mpi

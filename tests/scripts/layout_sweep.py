@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))         # tests/mpirun.py
 from mpirun import ROOT, logged_losses, mpi_env, run_mpi  # noqa: E402
 from layout_sample import BASE, accepted, argv, describe, layouts  # noqa: E402
+from exact import max_abs  # noqa: E402
 
 TRAIN = "examples/train_gpt.py"
 TOL = 1e-9
@@ -93,14 +94,15 @@ def differences(ref, got):
     return {"loss": rel(got["losses"], ref["losses"]),
             "grad_norm": rel(got["norms"], ref["norms"]),
             "val_loss": rel(got["val_loss"], ref["val_loss"]),
-            "params": max(float(np.max(np.abs(got["params"][n] - p)) / np.max(np.abs(p)))
-                          for n, p in ref["params"].items()),
+            "params": max_abs([np.max(np.abs(got["params"][n] - p)) / np.max(np.abs(p))
+                               for n, p in ref["params"].items()]),
             "params_l2": float(np.linalg.norm(flat[0] - flat[1]) / np.linalg.norm(flat[1])),
             "router_bias": float(np.max(np.abs(bias[0] - bias[1]), initial=0.0))}
 
 
 def compare(ref, got, amp=False, moe=False):
-    """(passed, differences): float64, every difference within TOL; --amp (`amp`: the 16-bit
+    """(passed, differences): float64, every difference within TOL (each compared on its
+    own: a NaN one fails, where max() over them would skip it); --amp (`amp`: the 16-bit
     dtype), those of AMP_TOL within it (float16's unit roundoff is 2^-11 = 4.9e-4), of
     BF16_TOL under bfloat16 (2^-8 = 3.9e-3). Entry by entry the parameters are
     not held to anything under --amp: AdamW's step m / sqrt(v) turns a gradient that is
@@ -108,15 +110,17 @@ def compare(ref, got, amp=False, moe=False):
     way, on one process too (see the amp floor). MoE under --amp: nor is their L2 distance;
     top-k routing is discrete, and a token near a tie whose router logits differ in float16
     goes to another expert (seen from step 1 under --cp 2: one token of 64; more each step as
-    the tiny router collapses)."""
+    the tiny router collapses). A NaN difference fails, held or not (a NaN saved parameter:
+    `params` is NaN)."""
     if got["rc"] != 0:
         return False, {"rc": got["rc"]}
     errs = differences(ref, got)
     if not amp:
-        return max(errs.values()) <= TOL, errs
+        return all(e <= TOL for e in errs.values()), errs
     tols = BF16_TOL if amp == "bfloat16" else AMP_TOL
     held = {k: t for k, t in tols.items() if not (moe and k == "params_l2")}
-    return all(errs.get(k, float("inf")) <= tol for k, tol in held.items()), errs
+    within = all(errs.get(k, float("inf")) <= tol for k, tol in held.items())
+    return within and not any(np.isnan(e) for e in errs.values()), errs
 
 
 def amp_dtype(flags):
