@@ -84,7 +84,7 @@ def test_every_strategy_gathers_to_the_one_process_model(corpus, tmp_path, mpi):
                *device_flags(device))
         config, got, what = whole_model(save)
         assert set(got) == set(ref) and config.n_layer == 2, what
-        worst = max(float(np.abs(got[n] - ref[n]).max()) for n in ref)
+        worst = float(np.max([np.abs(got[n] - ref[n]).max() for n in ref]))   # NaN: fails
         assert worst <= 1e-10, (flags, worst)
         assert _sample(device, "--resume", save, *greedy).stdout == text, flags
 
