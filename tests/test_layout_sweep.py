@@ -1,6 +1,6 @@
 """The composition sweep (tests/scripts/layout_sweep.py): every layout check_layout accepts,
 of a seeded sample covering every flag value and every pair of strategies, trains one
-process's numbers (float64 to 1e-9: each step's loss and gradient norm, the val loss, every
+process's numbers (float64 to 1e-10: each step's loss and gradient norm, the val loss, every
 saved parameter; --amp: to a few float16 roundings, --amp-dtype bfloat16 to a few of its
 own), prints only sizes the layout has,
 resumes bit for bit, and resumed in another layout continues one process's run.
@@ -156,7 +156,7 @@ def test_checkpoints_resume_in_another_layout_with_one_process_numbers(sweep):
     """Found by the sweep (--reshard): a TP x ZeRO checkpoint (one ZeRO folder per tp rank)
     resumed only with the same --tp, and no other checkpoint resumed under TP x ZeRO. Now
     each part records how its parameters were cut, any layout glues them back, and every
-    pair below continues one process's run (float64 to 1e-9; --amp to float16's):
+    pair below continues one process's run (float64 to 1e-10; --amp to float16's):
 
         mpiexec -n 4 python examples/train_gpt.py --tp 4 --zero 1 --stop-at 2 --save ck
         mpiexec -n 4 python examples/train_gpt.py --tp 2 --zero 3 --resume ck
