@@ -62,9 +62,11 @@ def _adamw(named_parameters):
 
 def largest_difference(group, arrays, ref):
     """The largest |parameter - one process's| over `arrays` ({name: array} this rank
-    holds whole; none on a rank that holds none) and every rank of `group`."""
+    holds whole; none on a rank that holds none) and every rank of `group`; inf where any
+    is NaN (Python's max() and MPI's MAX could drop a NaN, and a NaN compares as passing)."""
     ref = {n: backend.to_host(p.data) for n, p in ref.named_parameters()}
-    buf = np.array([max((float(np.abs(backend.to_host(a) - ref[n]).max())
-                         for n, a in arrays.items()), default=0.0)])
+    local = np.max([np.abs(backend.to_host(a) - ref[n]).max() for n, a in arrays.items()],
+                   initial=0.0)
+    buf = np.array([np.inf if np.isnan(local) else float(local)])
     group.all_reduce(buf, op="max")
     return float(buf[0])

@@ -145,7 +145,7 @@ def main(argv=None):
             for r in range(n):
                 s = shards[r][k]
                 s.grad = averaged[r][s.unit.lo:s.unit.hi].copy()
-                diff = max(diff, float(np.abs(s.grad - want[s.unit.lo:s.unit.hi]).max()))
+                diff = np.maximum(diff, np.abs(s.grad - want[s.unit.lo:s.unit.hi]).max())
             print(f"  reduce-scatter {unit.name} (avg): rank r keeps slice r of the mean "
                   f"gradient; max |slice - one process's| = {diff:.1e}")
         if args.pdb:
@@ -166,9 +166,9 @@ def main(argv=None):
                 flats[r][k][...] = gathered[r]
                 shards[r][k].param = gathered[r][layouts[r][k].lo:layouts[r][k].hi].copy()
             if want is not None:
-                diff = max(float(np.abs(g[:unit.numel] - want[:unit.numel]).max())
-                           for g in gathered)
-                worst = max(worst, diff)
+                diff = np.max([np.abs(g[:unit.numel] - want[:unit.numel]).max()
+                               for g in gathered])             # (a NaN stays NaN)
+                worst = np.maximum(worst, diff)
                 print(f"  all-gather {unit.name}: every rank holds every updated shard; max "
                       f"|parameters - one process's after AdamW| = {diff:.1e}")
         for u, f in zip(layouts[0], flats[0]):     # the model (every rank's copy: equal)
