@@ -147,7 +147,9 @@ def test_two_ranks_gradchecks_exactness_memory_traffic_refusals(mpi):
     assert len(checks) == 16 and all(c["max_abs_diff"] < 1e-6 for c in checks)
     assert [c["op"] for c in checks if "gathered_linear" in c["op"]] == \
         ["gathered_linear: input", "gathered_linear: weight", "gathered_linear: bias"]
-    for row in tagged_json(out, "ACTIVATIONS"):   # the re-gather's saving, measured = formula
+    rows = tagged_json(out, "ACTIVATIONS")        # the re-gather's saving, measured = formula
+    assert [r["ckpt"] for r in rows] == [False, True], rows
+    for row in rows:
         per_layer = 0 if row["ckpt"] else 2 * row["layers"]      # c_attn, c_fc; + the head
         whole_less_shard = row["btc_bytes"] * (row["tp"] - 1) // row["tp"]
         assert row["drop"] == (per_layer + 1) * whole_less_shard == row["formula"] > 0, row

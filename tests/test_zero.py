@@ -137,6 +137,7 @@ def test_stages_with_activation_checkpointing_no_prefetch_mpi_and_amp_memory(mpi
     """
     out = mpi(3, "tests/scripts/zero_check.py", "--ckpt-activations", "--no-prefetch",
               "--algo", "mpi", "--batch-size", "6", timeout=300)
+    assert [r["stage"] for r in tagged_json(out)] == [1, 2, 3]
     for r in tagged_json(out):
         assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
     out = mpi(4, "tests/scripts/zero_check.py", "--stages", "", "--amp", timeout=300)
@@ -187,4 +188,6 @@ def test_overlapped_parameter_gathers_equal_one_process(mpi):
     assert [(r["stage"], r["overlap_gather"]) for r in results] == [(1, True), (2, True)]
     for r in results:
         assert all(r[k] < 1e-10 for k in ("loss_diff", "norm_diff", "param_diff")), r
-        assert 0 <= r["gathers_in_flight"] <= r["units"], r   # 4 of 5 measured here
+        # how many gathers the next forward found still running is a measurement (4 of 5
+        # here), not asserted: on shared cores all may finish first
+        assert r["gathers_in_flight"] <= r["units"], r
