@@ -48,6 +48,21 @@ def whole_params(strategy, model, opt):
     return whole if strategy.rank == 0 else {}
 
 
+def whole_masters(strategy, model, opt):
+    """name -> float32 master weight (host, as float64) of what this rank holds whole, as
+    whole_params places them: world rank 0 the whole model (whole_state: ZeRO's shards, tp's
+    pieces, every expert gathered); a pipeline stage its own part on its first replica; {}
+    elsewhere. Collective."""
+    from minidist.pp import checkpoint as pp_checkpoint   # imports mpi4py.MPI: after comm.init
+    if hasattr(strategy, "embedding"):                      # PipelineParallel
+        _, sd = pp_checkpoint.stage_state(strategy, opt)
+    else:
+        _, sd = strategy.whole_state(model, opt)
+        sd = sd if strategy.rank == 0 else None
+    return {} if not sd else {n: np.asarray(s["master"], np.float64)
+                              for n, s in sd["state"].items() if "master" in s}
+
+
 def max_abs(values):
     """The largest |value| over `values` (numbers and arrays of any shape, host or device,
     mixed) as a float; NaN if any entry is NaN, 0.0 if there are none. Python's max() is no

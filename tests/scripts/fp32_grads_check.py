@@ -24,7 +24,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exact import max_abs, run_steps, start, worst_over_ranks  # noqa: E402
+from exact import (max_abs, run_steps, start, whole_masters,  # noqa: E402
+                   worst_over_ranks)
 
 from minidist.comm import ProcessGroup  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
@@ -89,20 +90,6 @@ def config_of(args):
                      block_size=args.block_size, vocab_size=30, **moe_fields(args))
 
 
-def masters(strategy, model, opt):
-    """name -> float32 master weight (host) of what this rank holds whole: world rank 0
-    the whole model (whole_state: ZeRO's shards, tp's pieces, every expert gathered); a
-    pipeline stage its own part on its first replica; {} elsewhere. Collective."""
-    from minidist.pp import checkpoint as pp_checkpoint  # imports mpi4py.MPI: after init
-    if hasattr(strategy, "embedding"):                      # PipelineParallel
-        _, sd = pp_checkpoint.stage_state(strategy, opt)
-    else:
-        _, sd = strategy.whole_state(model, opt)
-        sd = sd if strategy.rank == 0 else None
-    return {} if not sd else {n: np.asarray(s["master"], np.float64)
-                              for n, s in sd["state"].items() if "master" in s}
-
-
 def grad_dtypes(strategy, model):
     """The dtypes of the gradients this rank's optimizer reads (local_grads: .grad, or
     ZeRO's shard pieces) and of every .grad left after the step."""
@@ -125,7 +112,7 @@ def run(name, refs, comm, cli):
         else {}
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     model, opt, losses, _, _ = run_steps(strategy, args, config, SEED, "float32")
-    got = masters(strategy, model, opt)
+    got = whole_masters(strategy, model, opt)
     loss_rel = max_abs([(float(a) - float(b)) / float(b) for a, b in zip(losses, r_losses)])
     diffs = [np.abs(v - r_masters[n]) for n, v in got.items()]
     mean = float(np.concatenate([d.ravel() for d in diffs]).mean()) if diffs else 0.0
