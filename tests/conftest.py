@@ -96,7 +96,7 @@ def _ran_whole(session, files):
     opt = session.config.option
     asked = [pathlib.Path(a).resolve() for a in session.config.args if "::" not in a]
     inside = all(any(a == f or a in f.parents for a in asked) for f in files)
-    selected = {item.path for item in session.items}
+    selected = {item.path.resolve() for item in session.items}   # (files: resolved)
     return (inside and set(files) <= selected and not opt.keyword and not opt.deselect
             and not opt.collectonly)
 

@@ -197,13 +197,14 @@ def test_a_diverged_run_logs_strict_json_a_summary_row_and_exit_status_3(corpus,
     assert any(r.get("loss") is None for r in rows[:-1] if "step" in r)
 
 
-@pytest.mark.parametrize("layout", [[], ["--zero", "1"], ["--amp"]])
+@pytest.mark.parametrize("layout", [[], ["--zero", "1"], ["--amp"], ["--optimizer", "muon"]])
 def test_a_resume_given_another_hyperparameter_trains_with_it(layout, corpus, tmp_path,
                                                               device):
     """The flags set the resumed optimizer's hyperparameters, not the checkpoint it loads: a
     resume given --weight-decay 5 trained on with the checkpoint's 0.1 (the same losses as a
-    resume without it), though its line said the decay had changed. One process, ZeRO-1 and
-    --amp's master weights; the resumed run's checkpoint holds the new decay."""
+    resume without it), though its line said the decay had changed. One process, ZeRO-1
+    (whose update reads the optimizer's weight_decay), --amp's master weights and Muon's
+    groups; the resumed run's checkpoint holds the new decay."""
     common = [*layout, "--steps", "4", "--eval-every", "0", "--lr", "3e-2"]
     train(_args(device, corpus, tmp_path, *common, "--stop-at", "2",
                 "--save", str(tmp_path / "ck")))
@@ -216,17 +217,19 @@ def test_a_resume_given_another_hyperparameter_trains_with_it(layout, corpus, tm
         losses[wd] = [r["loss"] for r in _rows(tmp_path / wd) if "loss" in r]
     assert len(losses["5"]) == 2 and losses["5"][0] == losses["0.1"][0]    # step 2: the
     assert losses["5"][1] != losses["0.1"][1]                             # same weights
-    if not layout or layout == ["--amp"]:
+    if "--zero" not in layout:
         state = json.loads((tmp_path / "wd5" / "step-00000004" / "state.json").read_text())
-        assert [g["weight_decay"] for g in state["optimizer"]["groups"]] == [5.0, 0.0]
+        decays = [g["weight_decay"] for g in state["optimizer"]["groups"]]
+        assert decays == ([5.0, 5.0, 0.0] if "muon" in layout else [5.0, 0.0]), decays
 
 
-def test_the_adam_betas_are_flags():
-    """--beta1 and --beta2 reach every optimizer the strategies build (one process, ZeRO's
-    shards, EP's experts: optimizer_settings); the defaults are (0.9, 0.95)."""
+@pytest.mark.parametrize("layout", [[], ["--zero", "1"]])
+def test_the_adam_betas_are_flags(layout):
+    """--beta1 and --beta2 reach the optimizer the strategies build, one process's and ZeRO's
+    over its shards (EP's experts take optimizer_settings too); defaults (0.9, 0.95)."""
     from minidist.strategy.base import optimizer_settings
     assert optimizer_settings(train_parser().parse_args([]))["betas"] == (0.9, 0.95)
-    args = train_parser().parse_args(["--beta1", "0.8", "--beta2", "0.99"])
+    args = train_parser().parse_args(["--beta1", "0.8", "--beta2", "0.99", *layout])
     assert optimizer_settings(args)["betas"] == (0.8, 0.99)
     from minidist.nn import GPTConfig
     strategy = make_strategy(args)

@@ -122,14 +122,16 @@ def resume_run(args, strategy, log, model, opt):
         raise CheckpointError(f"{e}; older checkpoints beside it: {', '.join(older)} "
                               f"(--resume {older[-1]}{' --overwrite' * bool(same)} "
                               "continues from the newest of them)") from None
-    opt.set_hyperparameters(flags)   # (a resume given --weight-decay 0.5 trained on with the
-    # checkpoint's 0.1, its line saying the decay had changed)
     dropout = state["rng"].get("dropout", {})   # before keyed dropout: a generator's state,
     model.dropout_keys.load_state_dict(          # and the keys' step is the steps taken
         dropout if "step" in dropout else {"step": state["step"]},
         seed_may_change=True)                    # (--seed given: the line below notes it)
     model.router_bias.load_state_dict(state["rng"].get("moe_bias", {}))   # before: all 0
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
+    if saved:       # a run's checkpoint: its settings are this run's flags (RUN_RESUMED took
+        opt.set_hyperparameters(flags)   # the run's where not given; a resume given
+    # --weight-decay 0.5 trained on with the checkpoint's 0.1, its line saying it changed).
+    # One of your own loop's, which records no flags, keeps the settings it saved.
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     other_tokens = _other_contents(saved, ours)
     changed += ["data (the same path, other contents)"] if other_tokens else []

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 
+from minidist import backend
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import SGD, sgd_update
 from minidist.zero.engine import zero_engine
@@ -45,7 +46,7 @@ def one_process():
         opt.zero_grad()
         model(*exact.batch(step, ROWS, CONFIG, seed=0))[1].backward()
         opt.step()
-    return {name: p.data for name, p in model.named_parameters()}
+    return {name: backend.to_host(p.data) for name, p in model.named_parameters()}
 
 
 def sharded(stage, group):
