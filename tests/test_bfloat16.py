@@ -213,6 +213,11 @@ def test_where_and_masked_fill_keep_bfloat16_where_cupy_gives_float32(xp):
     assert np.where(cond, a, b).dtype == np.float32                # promoted, as on CuPy
     got = select(cond, a, b, BF16)
     assert got.dtype == BF16 and got.astype(np.float32).tolist() == [1, 8, 3]
+    # Where hands select its inputs' float dtype: numpy's where makes (float16, int16)
+    # float32 too, and the Function's result stays float16 only through that dtype
+    half, ints = Tensor(np.array([1, 2, 3], np.float16)), np.array([7, 8, 9], np.int16)
+    assert np.where(cond, half.data, ints).dtype == np.float32
+    assert ops.where(cond, half, ints).dtype == np.float16
     x = Tensor(xp.asarray(np.linspace(-1, 1, 6).astype(BF16)), requires_grad=True)
     keep = xp.asarray(np.array([True, False] * 3))
     dropped, filled = ops.where(keep, x * 2.0, 0.0), ops.masked_fill(x, keep, 0.5)
