@@ -183,9 +183,11 @@ def test_the_stop_flag_on_an_nccl_group_is_a_host_all_reduce_and_no_device_read(
     """strategy.base.any_rank_of, the loop's stop/diverged agreement every step, put the flag
     on the device on an NCCL group and read it back (a host_read: the CPU waited for the
     whole step) though a group hands a host buffer to the MPI library on NCCL groups too.
-    Now the flag is a host buffer, agreed with no host_read (a real one-rank group), and a
-    host buffer on an "nccl" group runs the MPI library's algorithm; on device buffers
-    NCCL's own (on GPUs: tests/scripts/comm_gpu_check.py's host buffers on an nccl group)."""
+    Now the flag is a host buffer, agreed with no host_read (a real one-rank group: a ring
+    one, since an nccl group needs GPUs), and algo_for_buffer, which a group's dispatch
+    consults, gives a host buffer on an "nccl" group the MPI library's algorithm, device
+    buffers NCCL's own. That an nccl group follows it is shown on GPUs only
+    (tests/scripts/comm_gpu_check.py's host buffers on an nccl group)."""
     from mpi4py import MPI
     from minidist import backend
     from minidist.comm import ProcessGroup
