@@ -49,30 +49,44 @@ def device_flags(device):
     return ["--device", device]
 
 
+def run_job(cmd, *, timeout=120, env=None, cwd=ROOT, check=True, input=None):
+    """Run the command `cmd` (a list: an mpiexec line, or one process) in a session of its
+    own; return the CompletedProcess. On timeout the whole process group is killed (mpiexec,
+    its proxies and every rank: subprocess.run's timeout kills only mpiexec, and the ranks
+    lived on) and AssertionError carries the output; with `check`, so does a non-zero exit.
+    `input`: text for its stdin (a pipe; without it the job inherits pytest's stdin).
+    run_mpi runs its jobs here; tests that build their own mpiexec line (examples'
+    command lines) call it directly."""
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or mpi_env(),
+                            stdin=None if input is None else subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=True,
             launcher_args=()):
-    """Run `python script args... [--device DEVICE]` on `nprocs` ranks; return the
-    CompletedProcess. Tests call it through the `mpi` fixture, which passes pytest's --device.
+    """Run `python script args... [--device DEVICE]` on `nprocs` ranks (run_job: a timeout
+    kills the job's process group); return the CompletedProcess. Tests call it through the
+    `mpi` fixture, which passes pytest's --device.
     `launcher_args`: mpiexec's own options before -n (e.g. ["-bind-to", "core"]).
 
     With `check`, a non-zero exit or a timeout raises AssertionError carrying the output.
     """
     cmd = [mpiexec(), *launcher_args, "-n", str(nprocs), sys.executable, script,
            *map(str, args), *device_flags(device)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n"
-                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n"
-                             f"--- stdout ---\n{out}\n--- stderr ---\n{err}")
-    return result
+    return run_job(cmd, timeout=timeout, env=env, check=check)
 
 
 class MpiRunner:

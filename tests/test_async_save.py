@@ -28,7 +28,7 @@ from minidist.strategy import checkpoint, checkpoint_dirs, saving
 from minidist.strategy.base import SingleProcess
 from minidist.strategy.checkpoint import CheckpointError
 from mpirun import (ROOT, device_flags, logged_losses, mpi_env, mpiexec, rank_pids,
-                    train_tiny)
+                    run_job, train_tiny)
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
@@ -40,10 +40,8 @@ def _train(ranks, flags, corpus, tmp_path, device, timeout=240):
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
            "--cache-dir", str(tmp_path / "cache"), *map(str, flags), *device_flags(device)]
-    out = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, \
-        (out.stdout[-3000:], out.stderr[-3000:])
+    out = run_job(cmd, timeout=timeout)      # a timeout kills the job's process group
+    assert "Traceback" not in out.stderr, (out.stdout[-3000:], out.stderr[-3000:])
     return out.stdout
 
 

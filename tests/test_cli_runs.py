@@ -21,7 +21,7 @@ import pytest
 
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
-from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec
+from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, run_job
 
 
 # ---- whole runs ------------------------------------------------------------------------------
@@ -79,8 +79,7 @@ def _train(ranks, flags, corpus, tmp_path):
     launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
            "--cache-dir", str(tmp_path / "cache"), "--steps", "3", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
-                          timeout=120)
+    return run_job(cmd, timeout=120, check=False)   # a timeout kills the process group
 
 
 @pytest.mark.mpi

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from minidist.train.args import train_parser
-from mpirun import ROOT, mpi_env, mpiexec, run_mpi, tagged_json
+from mpirun import ROOT, mpi_env, mpiexec, run_job, run_mpi, tagged_json
 
 RECIPE_RANK0 = ["import minidist.comm.ring",
                 "b minidist.comm.ring.ring_reduce_scatter_in_place",
@@ -32,17 +32,11 @@ def readme_text():
 
 
 def run_fed(cmd, lines, timeout=90, env=None):
-    """Run `cmd` (mpiexec ...) with `lines` on its stdin; kill its process group on timeout."""
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env or mpi_env(), stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    try:
-        out, err = job.communicate("".join(line + "\n" for line in lines), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        out, err = job.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {cmd}\n{out}\n{err}")
-    return job.returncode, out, err
+    """Run `cmd` (mpiexec ...) with `lines` on its stdin (run_job: a timeout kills its
+    process group); (exit status, stdout, stderr)."""
+    job = run_job(cmd, input="".join(line + "\n" for line in lines), timeout=timeout, env=env,
+                  check=False)
+    return job.returncode, job.stdout, job.stderr
 
 
 def attach_to_rank1(script_args, lines, port_offset):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, rank_pids
+from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, rank_pids, run_job
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-every", "0", "--eval-iters", "1", "--sample", "0",
@@ -58,10 +58,8 @@ def test_sigterm_saves_and_exits_75_then_resume_continues(corpus, tmp_path, rank
     assert rc == 75, (rc, out[-2000:], err[-2000:])
     assert "preempted (SIGTERM)" in out and f"--resume {save}" in out
     done = [json.loads(line)["step"] for line in open(log)]
-    resumed = subprocess.run([*launcher, sys.executable, "examples/train_gpt.py", *flags[:-2],
-                              "--resume", save, "--stop-at", str(done[-1] + 3)], cwd=ROOT,
-                             env=mpi_env(), capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resumed = run_job([*launcher, sys.executable, "examples/train_gpt.py", *flags[:-2],
+                       "--resume", save, "--stop-at", str(done[-1] + 3)], timeout=120)
     assert f"at step {done[-1] + 1}" in resumed.stdout
 
 

@@ -16,7 +16,7 @@ import pytest
 from minidist.nn import GPT, GPTConfig
 from minidist.strategy.split import Split
 from minidist.train.gather import whole_model
-from mpirun import ROOT, device_flags, mpi_env, mpiexec, run_mpi
+from mpirun import ROOT, device_flags, mpi_env, mpiexec, run_job, run_mpi
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "1", "--eval-every", "0", "--sample", "0",
@@ -42,9 +42,7 @@ def _sample(device, *flags, check=True):
 def _train(launch, corpus, tmp_path, save, *flags):
     cmd = [*launch, sys.executable, "examples/train_gpt.py", *TINY, "--data", corpus,
            "--cache-dir", str(tmp_path / "cache"), "--save", str(save), *flags]
-    out = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run_job(cmd, timeout=180)       # a timeout kills the job's process group
 
 
 @pytest.mark.parametrize("bias", [True, False])
