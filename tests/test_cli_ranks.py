@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -108,11 +107,11 @@ def test_a_problem_one_rank_alone_finds_stops_every_rank_naming_it(corpus, tmp_p
     (rank 1 left alone before MPI_Init: the others waited there for the timeout, 600 s by
     default, then died with a stack dump; rank 1's line was never printed). By hand:
     mpiexec -n 2 python tests/scripts/node_lacks_data.py --data FILE"""
-    start = time.monotonic()
+    # "in seconds": a job left waiting in MPI_Init for the 100 s timeout fails as timed out
     out = mpi(2, "tests/scripts/node_lacks_data.py", "--data", corpus, "--steps", "2",
-              "--cache-dir", tmp_path / "cache", timeout=120, check=False,
+              "--cache-dir", tmp_path / "cache", timeout=60, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=100))
-    assert out.returncode == 2 and time.monotonic() - start < 60, out.stderr
+    assert out.returncode == 2, out.stderr
     assert out.stderr.count("error: ") == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"error: --data {corpus}.not-on-this-node: no such file" in out.stderr
     assert "(found on rank 1 of 2: do the nodes differ?)" in out.stderr, out.stderr

@@ -192,9 +192,7 @@ def test_ctrl_c_during_the_sample_is_one_line_and_130(ranks, flags, signum, corp
                 assert time.time() < deadline and job.poll() is None, job.communicate()
                 time.sleep(0.1)
             os.killpg(job.pid, signum)
-            t = time.time()
-            _, err = job.communicate(timeout=120)
-            took = time.time() - t
+            _, err = job.communicate(timeout=60)    # the cut ends it: whole, it took minutes
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
@@ -205,4 +203,4 @@ def test_ctrl_c_during_the_sample_is_one_line_and_130(ranks, flags, signum, corp
     assert said.count(f"{what} during the sample") == 1, said[-1500:]
     assert f"the 2 steps are done and saved in {ck}" in said and (ck / "step-00000002").is_dir()
     sample = said.split("---- sample ----\n")[1].split("\n----------------")[0]
-    assert len(sample) < 20000 and took < 60, (len(sample), took)
+    assert len(sample) < 20000, len(sample)

@@ -8,7 +8,6 @@ command to run it by hand.
 import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -169,10 +168,9 @@ def test_a_size_mismatch_without_debug_mode_names_the_collective(mpi):
     """10 elements on rank 0, 12 on rank 1, MINIDIST_DEBUG unset: mpi4py's "See the MPI_ERROR
     field in MPI_Status" before, naming nothing; now CollectiveFailed naming the call, and
     MINIDIST_DEBUG=1. By hand: mpiexec -n 2 python tests/test_comm_misuse.py size_mismatch"""
-    start = time.monotonic()
     out = mpi(2, SCRIPT, "size_mismatch", timeout=90, check=False,
               env=mpi_env(MINIDIST_DEBUG=0, MINIDIST_COMM_TIMEOUT=30))
-    assert out.returncode != 0 and time.monotonic() - start < 60, out.stderr
+    assert out.returncode != 0, out.stderr
     assert re.search(r"CollectiveFailed: all_reduce #2 on group 'world' \(count 1[02], "
                      r"float64\) failed inside MPI: the ranks probably disagree on the "
                      r"collective .* rerun with MINIDIST_DEBUG=1", out.stderr), out.stderr
@@ -185,10 +183,9 @@ def test_the_timeout_names_the_other_collective_a_rank_is_in(mpi):
     """Rank 0 in all_reduce #2, rank 1 in barrier #2: both reached #2, so the timeout's
     message said "world ranks that did not arrive: []". By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/test_comm_misuse.py different_ops"""
-    start = time.monotonic()
     out = mpi(2, SCRIPT, "different_ops", timeout=90, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
-    assert out.returncode != 0 and time.monotonic() - start < 60, out.stderr
+    assert out.returncode != 0, out.stderr
     assert ("world rank 1 is in barrier #2 while this rank is in all_reduce #2: the ranks "
             "called different collectives" in out.stderr
             or "world rank 0 is in all_reduce #2 while this rank is in barrier #2: the ranks "

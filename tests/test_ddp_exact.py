@@ -6,7 +6,6 @@ The exactness checks run tests/scripts/ddp_check.py, which batches many comparis
 mpiexec start; each test's docstring gives the command to run it by hand.
 """
 import json
-import time
 
 import pytest
 
@@ -73,10 +72,9 @@ def test_exception_on_one_rank_aborts_the_job(mpi):
 
         mpiexec -n 2 python tests/scripts/ddp_abort.py
     """
-    start = time.time()
-    out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)
+    out = mpi(2, "tests/scripts/ddp_abort.py", timeout=60, check=False)   # (a hang: timed out)
     assert out.returncode != 0 and "deliberate failure on rank 1" in out.stderr
-    assert "NOT aborted" not in out.stdout and time.time() - start < 60
+    assert "NOT aborted" not in out.stdout
 
 
 @pytest.mark.mpi
