@@ -13,9 +13,11 @@ tests/test_mpirun.py.
 """
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +89,29 @@ def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=Tru
     cmd = [mpiexec(), *launcher_args, "-n", str(nprocs), sys.executable, script,
            *map(str, args), *device_flags(device)]
     return run_job(cmd, timeout=timeout, env=env, check=check)
+
+
+def lines_of(proc, timeout):
+    """The lines `proc` (a Popen with stdout=PIPE) writes to its stdout, each as it comes, until
+    its stdout closes; AssertionError if `timeout` seconds from now pass first (a hung child
+    fails the test instead of blocking it in readline). Reads the pipe's file descriptor:
+    take every line from here, not from proc.stdout."""
+    deadline = time.monotonic() + timeout
+    fd, pending = proc.stdout.fileno(), b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no end of output after {timeout}s: {proc.args}\n{pending!r}")
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            if pending:
+                yield pending.decode()
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode()
 
 
 class MpiRunner:

@@ -137,7 +137,7 @@ def test_import_sets_nothing_and_set_thread_env_comes_before_numpy():
             "import numpy; from minidist import backend as b\n"
             "print(os.environ['OPENBLAS_NUM_THREADS'], b.blas_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=_clean_env(MPI_LOCALRANKID="0", MPI_LOCALNRANKS="4"))
+                         env=_clean_env(MPI_LOCALRANKID="0", MPI_LOCALNRANKS="4"), timeout=60)
     expected = max(1, launcher.available_cores() // 4)
     assert out.stdout.split() == [str(expected), str(expected)], out.stderr
 
@@ -147,7 +147,7 @@ def test_setup_limits_blas_after_numpy_loaded():
     code = ("import numpy; from minidist import backend as b\n"
             "print(b.blas_threads() >= 1, b.setup(threads=1, device='cpu'), b.blas_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=_clean_env())
+                         env=_clean_env(), timeout=60)
     assert out.stdout.split() == ["True", "(1,", "'cpu')", "1"], (out.stdout, out.stderr)
 
 

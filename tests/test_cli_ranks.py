@@ -21,7 +21,7 @@ import pytest
 
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags
-from tests.mpirun import ROOT, mpi_env
+from tests.mpirun import ROOT, lines_of, mpi_env
 
 
 @pytest.mark.parametrize("ranks,flags,refused", [
@@ -155,8 +155,11 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(co
                              cwd=tmp_path, env=mpi_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        while "saved step" not in first.stdout.readline():        # it trains and saves
-            assert first.poll() is None, first.stderr.read()
+        for line in lines_of(first, timeout=120):                # it trains and saves
+            if "saved step" in line:
+                break
+        else:
+            raise AssertionError(f"the first run ended: {first.stderr.read()}")
         second = subprocess.run([*common, "--steps", "2"], cwd=tmp_path, env=mpi_env(),
                                 capture_output=True, text=True, timeout=120)
     finally:

@@ -147,7 +147,8 @@ def test_train_gpt_cp2_matches_one_process_and_resumes_on_one(corpus, tmp_path, 
     one, cp = tmp_path / "one.jsonl", tmp_path / "cp.jsonl"
     ref = subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                           "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
-                         env=mpi_env(), text=True, capture_output=True, check=True).stdout
+                         env=mpi_env(), text=True, capture_output=True,
+                         check=True, timeout=600).stdout
     out = mpi(2, "examples/train_gpt.py", *common, "--cp", "2", "--log-json", cp,
               "--save", tmp_path / "ck", timeout=120).stdout
     assert "context parallel: cp 2" in out and "MiB sent per rank per step on the cp" in out
@@ -156,7 +157,8 @@ def test_train_gpt_cp2_matches_one_process_and_resumes_on_one(corpus, tmp_path, 
     back = tmp_path / "back.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--resume",
                     str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
-                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
+                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
+                   check=True, timeout=600)
     assert abs(_losses(back)[-1] - _losses(one)[-1]) <= 1e-10
 
 
@@ -180,7 +182,7 @@ def test_train_gpt_cp2_tp2_zero3_matches_one_process_and_resumes(corpus, tmp_pat
     one, straight = tmp_path / "one.jsonl", tmp_path / "straight.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
-                   capture_output=True, check=True)
+                   capture_output=True, check=True, timeout=600)
     out = mpi(4, "examples/train_gpt.py", *common, *layout, "--log-json", straight,
               timeout=120).stdout
     assert "context parallel: cp 2 x dp 1 x tp 2" in out and "ZeRO stage 3 over 2 ranks" in out

@@ -143,7 +143,7 @@ def test_train_gpt_cp2_pp2_matches_one_process_and_resumes(corpus, tmp_path, mpi
     ref = subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                           "--log-json", str(one), "--sample", "20",
                           *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
-                         capture_output=True, check=True).stdout
+                         capture_output=True, check=True, timeout=600).stdout
     out = mpi(4, "examples/train_gpt.py", *common, *CP_PP, "--log-json", both, "--sample",
               "20", timeout=180).stdout
     assert "x cp 2 (a ring over cp inside each stage)" in out, out

@@ -148,7 +148,8 @@ def test_train_gpt_ulysses_matches_one_process_and_resumes_with_the_ring(corpus,
     def single(*flags):
         return subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                                *map(str, flags), *device_flags(mpi.device)], cwd=ROOT,
-                              env=mpi_env(), text=True, capture_output=True, check=True).stdout
+                              env=mpi_env(), text=True, capture_output=True,
+                              check=True, timeout=600).stdout
     ref = single("--log-json", one)
     ulysses = ["--cp", "2", "--cp-attention", "ulysses"]
     out = mpi(2, "examples/train_gpt.py", *common, *ulysses, "--log-json", cp,
@@ -192,7 +193,7 @@ def test_train_gpt_ulysses_in_pipeline_stages_and_with_experts(corpus, tmp_path,
     one, mine = tmp_path / "one.jsonl", tmp_path / "mine.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                     "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
-                   env=mpi_env(), text=True, capture_output=True, check=True)
+                   env=mpi_env(), text=True, capture_output=True, check=True, timeout=600)
     out = mpi(4, "examples/train_gpt.py", *common, *layout_flags, "--cp-attention", "ulysses",
               "--log-json", mine, timeout=120).stdout
     assert "ulysses attention" in out

@@ -20,7 +20,7 @@ def _one_process(common, log, mpi, *flags):
     """examples/train_gpt.py on one process, logging to `log`."""
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), *flags,
                     "--log-json", str(log), *device_flags(mpi.device)], cwd=ROOT,
-                   env=mpi_env(), text=True, capture_output=True, check=True)
+                   env=mpi_env(), text=True, capture_output=True, check=True, timeout=600)
 
 
 EP_PP = ["--ep", "2", "--pp", "2", "--micro-batches", "2"]

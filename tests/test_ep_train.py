@@ -32,7 +32,8 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
     ref = subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                           "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
-                         env=mpi_env(), text=True, capture_output=True, check=True).stdout
+                         env=mpi_env(), text=True, capture_output=True,
+                         check=True, timeout=600).stdout
     out = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep,
               timeout=120).stdout
     # a checkpoint of --ep 2 --zero 1 after step 2 (the dense shards and the experts gathered)
@@ -42,7 +43,8 @@ def test_train_gpt_ep2_matches_one_process(corpus, tmp_path, mpi):
     back = tmp_path / "back.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--resume",
                     str(tmp_path / "ck"), "--log-json", str(back), *device_flags(mpi.device)],
-                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True, check=True)
+                   cwd=ROOT, env=mpi_env(), text=True, capture_output=True,
+                   check=True, timeout=600)
     again = tmp_path / "again.jsonl"                        # ... and on --ep 2 --zero 3
     table = mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "3", "--resume",
                 tmp_path / "ck", "--log-json", again, timeout=120).stdout
@@ -91,7 +93,7 @@ def test_load_stats_cover_the_global_batch(corpus, tmp_path, mpi):
     one = tmp_path / "one.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common),
                     "--log-json", str(one), *device_flags(mpi.device)], cwd=ROOT,
-                   env=mpi_env(), text=True, capture_output=True, check=True)
+                   env=mpi_env(), text=True, capture_output=True, check=True, timeout=600)
     for flags in ([], ["--tp", "2"], ["--cp", "2"], ["--tp", "2", "--sequence-parallel"]):
         log = tmp_path / f"{'_'.join(flags) or 'dp'}.jsonl"
         mpi(2, "examples/train_gpt.py", *common, *flags, "--log-json", log, timeout=120)
@@ -113,7 +115,7 @@ def test_train_gpt_pp2_logs_one_process(corpus, tmp_path, mpi):
     one = tmp_path / "one.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(), text=True,
-                   capture_output=True, check=True)
+                   capture_output=True, check=True, timeout=600)
     for flags in (["--pp", "2", "--micro-batches", "1"], ["--pp", "2"], ["--grad-accum", "2"]):
         pp = tmp_path / f"{'_'.join(flags)}.jsonl"         # (a new run: a new log)
         mpi(2 if "--pp" in flags else 1, "examples/train_gpt.py", *common, *flags,
@@ -143,7 +145,7 @@ def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
     one, ep = tmp_path / "one.jsonl", tmp_path / "ep.jsonl"
     subprocess.run([sys.executable, "examples/train_gpt.py", *map(str, common), "--log-json",
                     str(one), *device_flags(mpi.device)], cwd=ROOT, env=mpi_env(),
-                   text=True, capture_output=True, check=True)
+                   text=True, capture_output=True, check=True, timeout=600)
     mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--log-json", ep, timeout=120)
     zero = tmp_path / "zero.jsonl"
     mpi(2, "examples/train_gpt.py", *common, "--ep", "2", "--zero", "2", "--log-json", zero,

@@ -77,7 +77,7 @@ def test_the_ledger_holds_4_bytes_of_gradient_as_the_planner_says(ranks, flags, 
 def example(script, *flags, check=True):
     """examples/<script> in a subprocess: the CompletedProcess."""
     return subprocess.run([sys.executable, f"examples/{script}", *flags], cwd=ROOT,
-                          capture_output=True, text=True, check=check)
+                          capture_output=True, text=True, check=check, timeout=600)
 
 
 def test_plan_prices_and_runs_float32_gradients():

@@ -20,7 +20,8 @@ def _verdict(tmp_path, kind, name, rc, log_text, *extra):
     log = tmp_path / f"{name}.log"
     log.write_text(log_text)
     out = subprocess.run([sys.executable, SCRIPT, kind, name, str(rc), "1.5", str(log),
-                          *map(str, extra)], capture_output=True, text=True, check=True)
+                          *map(str, extra)], capture_output=True, text=True,
+                          check=True, timeout=60)
     row = json.loads(out.stdout)
     assert row["check"] == name and row["rc"] == rc and row["seconds"] == 1.5
     return row
@@ -84,7 +85,7 @@ def _speed(tmp_path, rows):
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, SCRIPT, "speed", str(results)], capture_output=True,
-                         text=True)
+                         text=True, timeout=60)
     return out.returncode, json.loads(out.stdout)
 
 
@@ -274,7 +275,7 @@ def test_no_mpi_and_no_wheels_is_one_failed_setup_row_before_any_check(tmp_path)
     bin_dir.mkdir()
     system = "/usr/bin/python3"
     if not os.path.exists(system) or subprocess.run(
-            [system, "-c", "import mpi4py"], capture_output=True).returncode == 0:
+            [system, "-c", "import mpi4py"], capture_output=True, timeout=60).returncode == 0:
         pytest.skip("needs a python3 without mpi4py at /usr/bin/python3")
     if glob.glob(os.path.join(ROOT, ".whl", "*.whl")):
         pytest.skip("this checkout has .whl/'s wheels (a GPU session's): gpu_common uses them")

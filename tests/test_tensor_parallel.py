@@ -203,7 +203,8 @@ def _python(device, *args):
     import subprocess
     from mpirun import ROOT, device_flags, mpi_env
     return subprocess.run([sys.executable, *map(str, args), *device_flags(device)], cwd=ROOT,
-                          env=mpi_env(), text=True, capture_output=True, check=True).stdout
+                          env=mpi_env(), text=True, capture_output=True,
+                          check=True, timeout=600).stdout
 
 
 @pytest.mark.mpi
