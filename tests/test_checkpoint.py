@@ -4,6 +4,7 @@ CheckpointError for a missing, corrupt, edited or mismatched one (the manifest i
 included; a ZeRO checkpoint through the same check). The folders: tests/test_checkpoint_dirs.py."""
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +21,12 @@ def _edit_json(path, change):
     obj = json.loads(path.read_text())
     change(obj)
     path.write_text(json.dumps(obj, indent=1))
+
+
+def _cut_in_half(path):
+    """Truncate the file at `path` to half its size, as a full disk or a copy cut short does."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
 
 
 def test_round_trip_restores_parameters_optimizer_and_state(tmp_path):
@@ -79,10 +86,14 @@ def test_corrupt_file_is_caught_by_checksum(tmp_path):
         load_checkpoint(tmp_path / "ck", model, opt)
 
 
-@pytest.mark.parametrize("edit", ["step", "weight_decay", "manifest"])
-def test_edited_metadata_fails(tmp_path, edit):
-    """Hand edits of state.json (the step, a weight decay) or of the manifest are caught like
-    a flipped byte: state.json by its checksum, the manifest by manifest.sha256."""
+@pytest.mark.parametrize("edit", ["step", "weight_decay", "manifest", "cut model.safetensors",
+                                  "cut optimizer.safetensors", "cut state.json",
+                                  "cut manifest.json", "cut manifest.sha256"])
+def test_truncated_or_edited_files_fail(tmp_path, edit):
+    """Hand edits of state.json (the step, a weight decay) or of the manifest, and any file of
+    the checkpoint cut to half its size, are caught like a flipped byte, naming the file:
+    the arrays and state.json by their checksums, the manifest by manifest.sha256 (a cut
+    manifest.sha256 no longer matches the manifest it guards)."""
     model, opt = _trained()
     folder = tmp_path / os.path.basename(save_checkpoint(tmp_path, model, opt, step=5))
     if edit == "step":
@@ -90,11 +101,15 @@ def test_edited_metadata_fails(tmp_path, edit):
     elif edit == "weight_decay":
         _edit_json(folder / "state.json",
                    lambda s: s["optimizer"]["groups"][0].update(weight_decay=0.5))
-    else:
+    elif edit == "manifest":
         _edit_json(folder / "manifest.json", lambda m: m.update(step=7))
-    want = "manifest.json does not match manifest.sha256" if edit == "manifest" else \
-        "state.json does not match the checksum"
-    with pytest.raises(CheckpointError, match=want):
+    else:
+        _cut_in_half(folder / edit.split()[1])
+    named = {"step": "state.json", "weight_decay": "state.json"}.get(edit, edit.split()[-1])
+    want = (f"{folder}/manifest.json does not match manifest.sha256"
+            if named in ("manifest", "manifest.json", "manifest.sha256") else
+            f"{folder}/{named} does not match the checksum in manifest.json")
+    with pytest.raises(CheckpointError, match=re.escape(want)):
         load_checkpoint(tmp_path, model, opt)
 
 
@@ -111,10 +126,11 @@ def _zero_one_rank(stage=3):
     return strategy, model, opt
 
 
-@pytest.mark.parametrize("edit", ["offset", "step"])
+@pytest.mark.parametrize("edit", ["offset", "step", "cut shard"])
 def test_zero_checkpoint_goes_through_the_same_verification(tmp_path, edit):
-    """ZeRO's sharded checkpoint: an edited manifest "offset" or state.json "step" fails on
-    load, with ZeRO's own loader and with checkpoint.load (whole arrays)."""
+    """ZeRO's sharded checkpoint: an edited manifest "offset" or state.json "step", or a
+    shard cut to half its size, fails on load, with ZeRO's own loader and with
+    checkpoint.load (whole arrays)."""
     strategy, model, opt = _zero_one_rank()
     strategy.save(str(tmp_path), model, opt, 1, {}, {})
     params, _, meta = checkpoint.load(tmp_path)
@@ -124,11 +140,16 @@ def test_zero_checkpoint_goes_through_the_same_verification(tmp_path, edit):
     if edit == "offset":
         _edit_json(folder / "manifest.json",
                    lambda m: m["zero"]["units"][0]["params"][1].update(offset=1))
-    else:
+    elif edit == "step":
         _edit_json(folder / "state.json", lambda s: s.update(step=7))
+    else:
+        _cut_in_half(folder / "shard-00000-of-00001.safetensors")
+    want = {"offset": "manifest.json does not match manifest.sha256",
+            "step": "state.json does not match the checksum",
+            "cut shard": "shard-00000-of-00001.safetensors does not match the checksum"}[edit]
     for load in (lambda: checkpoint.load(tmp_path),
                  lambda: strategy.load(str(tmp_path), model, opt)):
-        with pytest.raises(CheckpointError, match="manifest.sha256|state.json does not match"):
+        with pytest.raises(CheckpointError, match=re.escape(f"{folder}/{want}")):
             load()
 
 
