@@ -21,7 +21,7 @@ import pytest
 
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags
-from tests.mpirun import ROOT, lines_of, mpi_env
+from tests.mpirun import ROOT, lines_of, mpi_env, mpiexec, run_job
 
 
 @pytest.mark.parametrize("ranks,flags,refused", [
@@ -138,6 +138,27 @@ def test_a_launcher_of_another_mpi_is_one_error_line_not_n_separate_runs(corpus,
         "error: the launcher started 2 processes but MPI sees 1: mpi4py loaded another MPI "
         "than the launcher's ("), outs
     assert all("step " not in out for out, _ in outs) and not os.listdir(tmp_path / "ck")
+
+
+def test_ranks_given_different_amp_types_are_one_error_line(corpus, tmp_path):
+    """MINIDIST_AMP_DTYPE set on one rank only (a node's own environment): that rank skipped
+    the gather in which the others agreed on --amp's 16-bit type, and they waited in it
+    (train/strategy.py amp_dtype). Every rank now takes part: one error line naming the
+    ranks, exit 2.
+
+        mpiexec -n 1 -env MINIDIST_AMP_DTYPE bfloat16 python examples/train_gpt.py --amp ... \
+            : -n 1 python examples/train_gpt.py --amp ...
+    """
+    rank = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--amp",
+            "--data", corpus, "--steps", "2", "--n-layer", "1", "--n-embd", "16",
+            "--cache-dir", str(tmp_path / "cache"), "--sample", "0", "--device", "cpu"]
+    job = run_job([mpiexec(), "-n", "1", "-env", "MINIDIST_AMP_DTYPE", "bfloat16", *rank,
+                   ":", "-n", "1", *rank], timeout=120, check=False)
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
+    assert job.returncode == 2 and errors == [
+        "error: --amp: the ranks chose different 16-bit types (bfloat16 on rank 0; float16 on "
+        "rank 1: their devices differ, or MINIDIST_AMP_DTYPE is set on some): give "
+        "--amp-dtype float16, which every device computes in"], (job.stdout, job.stderr)
 
 
 def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(corpus,
