@@ -54,8 +54,8 @@ def test_resume_continues_bit_identically(corpus, tmp_path, device, capsys):
     assert "\nval loss at step 3 of 6 (--stop-at) " in said
     # the run's hyperparameters in one line (walk 41: a sweep's logs named none of them)
     assert ("\nrun: adamw, lr 0.01 -> 0.001 (cosine, warmup 0 of 6 steps), weight decay 0.1, "
-            "grad clip 1; global batch 4 x 16 = 64 tokens/step (grad-accum 1); seed 1337\n"
-            in said), said
+            "betas (0.9, 0.95), grad clip 1; global batch 4 x 16 = 64 tokens/step "
+            "(grad-accum 1); seed 1337\n" in said), said
     resumed = tmp_path / "resumed.jsonl"
     train(_args(device, corpus, tmp_path, *common, "--resume", str(tmp_path / "b"), "--save",
                 str(tmp_path / "b"), "--log-json", str(resumed)))

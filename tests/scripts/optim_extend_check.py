@@ -17,7 +17,7 @@ from minidist.optim import SGD, sgd_update
 from minidist.zero.engine import zero_engine
 from minidist.zero.optim import ShardedOptimizer
 
-import exact
+from exact import batch, start
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 ROWS, STEPS, LR, MOMENTUM = 6, 3, 0.1, 0.9
@@ -44,7 +44,7 @@ def one_process():
     opt = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
         opt.zero_grad()
-        model(*exact.batch(step, ROWS, CONFIG, seed=0))[1].backward()
+        model(*batch(step, ROWS, CONFIG, seed=0))[1].backward()
         opt.step()
     return {name: backend.to_host(p.data) for name, p in model.named_parameters()}
 
@@ -58,7 +58,7 @@ def sharded(stage, group):
     rows = slice(group.rank * ROWS // group.size, (group.rank + 1) * ROWS // group.size)
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = exact.batch(step, ROWS, CONFIG, seed=0)
+        x, y = batch(step, ROWS, CONFIG, seed=0)
         model(x[rows], y[rows])[1].backward()
         engine.sync_grads()
         opt.step()
@@ -68,7 +68,7 @@ def sharded(stage, group):
 
 
 def main():
-    cli, world = exact.start(argparse.ArgumentParser(description=__doc__))
+    cli, world = start(argparse.ArgumentParser(description=__doc__))
     from minidist.comm import ProcessGroup
     group = ProcessGroup(world, name="dp")
     ref = one_process() if group.rank == 0 else {}
