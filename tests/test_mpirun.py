@@ -1,5 +1,6 @@
 """pytest's --device reaches the ranks: tests/mpirun.py's run_mpi and the `mpi` fixture
-(tests/conftest.py) hand it to every rank script as `--device`, and an unknown one is refused.
+(tests/conftest.py) hand it to every rank script as `--device`, and an unknown one is refused;
+a job past its timeout is killed with its whole process group (run_job).
 
     python -m pytest -q tests/test_mpirun.py                  # the device: cpu
     python -m pytest -q tests/test_mpirun.py --device cuda    # on a GPU machine
@@ -7,12 +8,14 @@
 import ast
 import glob
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
-from mpirun import ROOT, MpiRunner, device_flags, run_mpi, tagged_json
+from mpirun import ROOT, MpiRunner, device_flags, run_job, run_mpi, tagged_json
 
 
 @pytest.mark.mpi
@@ -64,3 +67,22 @@ def test_every_script_run_under_mpi_parses_device():
         assert '"--device"' in text or "train_parser()" in text or \
             "parser=train_parser" in text or "add_model_args(" in text or \
             "from exact import" in text and "start(" in text, script
+
+
+def test_a_job_past_its_timeout_is_killed_with_its_process_group():
+    """run_job (run_mpi's runner, and the tests' own mpiexec lines): on timeout every process
+    the job started dies with it (subprocess.run's timeout killed only mpiexec: the ranks
+    lived on), and the failure carries the job's output."""
+    with pytest.raises(AssertionError, match=r"(?s)timed out after 1s: .*child \d+") as e:
+        run_job(["bash", "-c", "sleep 300 >/dev/null 2>&1 & echo child $!; wait"], timeout=1)
+    pid = int(re.search(r"child (\d+)", str(e.value)).group(1))
+    for _ in range(100):                # killed; gone once reaped (a zombie till then)
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the job's child {pid} outlived the timeout")
