@@ -87,6 +87,7 @@ BAD_FLAGS = [
     (["--dropout", "1"], "--dropout 1.0: a probability in [0, 1)"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must not be negative (0: no weight"),
     (["--beta2", "1"], "--beta2 1.0: a decay in [0, 1) (e.g. 0.95)"),
+    (["--peak-tflops", "0"], "--peak-tflops 0.0: must be at least 0.001 (a device's dense "),
     (["--beta1", "-0.1"], "--beta1 -0.1: a decay in [0, 1) (e.g. 0.9)"),
     (["--grad-clip", "-1"], "--grad-clip -1.0: must not be negative (0: no clipping)"),
     # was: accepted and ignored (the --log-json rows of an audit, 2026-11-27)

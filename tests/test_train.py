@@ -30,7 +30,8 @@ def test_log_json_rows_and_final_summary(corpus, tmp_path, device):
     for r in rows[:-1]:        # "step" counts from 0 (the console's "step 2/4" is step 1)
         evaluated = r["step"] in (1, 3)                           # --eval-every 2: its row
         assert set(r) == {"step", "loss", "lr", "tokens_per_s", "ms_per_step", "grad_norm",
-                          "mem", "comm_bytes"} | ({"val_loss"} if evaluated else set())
+                          "mem", "comm_bytes", "model_tflops"} | (
+                              {"val_loss"} if evaluated else set())
         assert set(r["mem"]) == {"params", "grads", "optimizer", "activations", "total"}
         assert r["mem"]["optimizer"] == 2 * r["mem"]["params"] and r["comm_bytes"] == 0
         assert r["mem"]["activations"] > 0
@@ -237,3 +238,20 @@ def test_the_adam_betas_are_flags(layout):
                                            vocab_size=32), 0, "float32")
     opt = strategy.build_optimizer(model, args)
     assert {g["betas"] for g in opt.param_groups} == {(0.8, 0.99)}
+
+
+def test_the_rows_give_the_models_flops_per_rank_and_mfu_against_a_peak(corpus, tmp_path,
+                                                                        device):
+    """Each --log-json row's model_tflops is the step's model FLOPs (train/cost.py
+    model_flops, the planners' MFU numerator) per rank over its time; --peak-tflops adds mfu,
+    that over the peak, to the rows and the log lines (walk 41: no MFU in a training log)."""
+    from minidist.nn import GPTConfig
+    from minidist.train.cost import model_flops
+    log = tmp_path / "log.jsonl"
+    train(_args(device, corpus, tmp_path, "--steps", "3", "--eval-every", "0",
+                "--peak-tflops", "0.05", "--log-json", str(log), "--log-every", "1"))
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=256)
+    for row in _rows(log)[:-1]:
+        flops = row["model_tflops"] * 1e12 * row["ms_per_step"] / 1e3
+        assert flops == pytest.approx(model_flops(config, 4, 16), rel=1e-9)
+        assert row["mfu"] == pytest.approx(row["model_tflops"] / 0.05, rel=1e-12)

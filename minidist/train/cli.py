@@ -60,6 +60,7 @@ _AT_LEAST = (
     ("--threads", "threads", 1, "BLAS threads"),
     ("--stop-at", "stop_at", 1, "the step to stop at"),
     ("--warmup", "warmup", 0, "warm-up steps"),
+    ("--peak-tflops", "peak_tflops", 1e-3, "a device's dense peak, TFLOP/s"),
     ("--decay-steps", "decay_steps", 1, "wsd's decay steps"),
     ("--muon-ns-steps", "muon_ns_steps", 1, "Muon's Newton-Schulz iterations"),
     ("--keep", "keep", 0, "checkpoints kept; 0: all"),

@@ -36,6 +36,7 @@ from minidist.nn.moe_bias import LoadBalance, global_load_stats, report_line
 from minidist.strategy import checkpoint_dirs
 from minidist.train import preemption
 from minidist.train.args import arch_fields
+from minidist.train.cost import model_flops
 from minidist.train.saves import Saves
 from minidist.train.end_sample import sample_at_end
 from minidist.train.startup import describe_run, run_record
@@ -172,6 +173,8 @@ def _train(args, world):
     stop = start if args.eval_only else _check_stop(args, start)   # --eval-only: no steps
     describe_run(args, strategy, log, model, data)
     tokens_per_step = args.batch_size * args.block_size
+    flops_per_rank = model_flops(config, args.batch_size, args.block_size) / (   # the model's
+        1 if world is None else world.size)             # in theory (MFU's numerator), a rank's
     val_loss, t_start, reads_before = None, time.perf_counter(), backend.host_reads()
     t_aside = 0.0                # of the run's seconds, those spent evaluating (saving: saves)
     signals = preemption.Flag()     # Ctrl-C, SIGTERM, SIGUSR1: stop at the step boundary
@@ -203,7 +206,9 @@ def _train(args, world):
             dt, (_, loss, norm) = (time.perf_counter() - t_mark) / len(rows), rows[-1]
             row = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                    "ms_per_step": dt * 1e3, "grad_norm": norm, "mem": mem,
-                   "comm_bytes": strategy.comm_bytes()}
+                   "comm_bytes": strategy.comm_bytes(), "model_tflops": flops_per_rank / dt / 1e12}
+            if args.peak_tflops:
+                row["mfu"] = row["model_tflops"] / args.peak_tflops
             if args.log_json:    # the same on every rank: every rank joins the stats' reduce
                 row.update(global_load_stats(model, world, copies))
             if not evals:        # an evaluating step's row waits for its val loss, below
@@ -211,7 +216,9 @@ def _train(args, world):
             if printed:
                 eta_ = eta(time.perf_counter() - t_start, step + 1 - start, stop - step - 1)
                 log.print0(f"{at} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_step / dt:8.0f}"
-                           f" tok/s | {dt * 1e3:7.1f} ms/step | {eta_}")
+                           f" tok/s | {dt * 1e3:7.1f} ms/step | " + (
+                               f"mfu {100 * row['mfu']:5.2f}% | " if "mfu" in row else "")
+                           + eta_)
             t_mark = time.perf_counter()
         saves.commit_if_written()            # --async-save: once every rank's files are written
         if strategy.any_rank(signals.is_set() or bad is not None):  # every rank stops together
