@@ -84,15 +84,16 @@ def summarize(path, rows):
 
 
 def differing(runs, defaults):
-    """(the flags whose values differ between the runs, in the first run's order; those
-    every run shares, where that is not train_gpt.py's default, `defaults`)."""
+    """(the flags whose values differ between the runs, in the first run's order (and what
+    a run's record adds: its data's digest); the flags every run shares, where that is not
+    train_gpt.py's default, `defaults`)."""
     names = []
     for r in runs:
         names += [k for k in r["flags"] if k not in names]
     values = {k: {json.dumps(r["flags"].get(k)) for r in runs} for k in names}
     shared = {k: runs[0]["flags"].get(k) for k in names if len(values[k]) == 1}
     return ([k for k in names if len(values[k]) > 1],
-            {k: v for k, v in shared.items() if k not in defaults or v != defaults[k]})
+            {k: v for k, v in shared.items() if k in defaults and v != defaults[k]})
 
 
 def _cell(value):
