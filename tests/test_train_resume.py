@@ -326,7 +326,8 @@ def test_a_resume_keeps_the_runs_checkpoints_and_cadence_unless_given(corpus, tm
     --keep given that removes several folders at once says which; --keep 0 keeps all."""
     ck = tmp_path / "ck"
     train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--save-every",
-                "2", "--keep", "100", "--log-every", "2", "--save", str(ck)))
+                "2", "--keep", "100", "--log-every", "2", "--peak-tflops", "0.05",
+                "--save", str(ck)))
     bare = [*device_flags(device), "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
             "--eval-iters", "2", "--sample", "0", "--resume", str(ck), "--save", str(ck)]
     from minidist.train.cli import check_flags
@@ -337,7 +338,8 @@ def test_a_resume_keeps_the_runs_checkpoints_and_cadence_unless_given(corpus, tm
         return args
     longer = parsed("--steps", "6")
     train(longer)
-    assert (longer.keep, longer.save_every, longer.log_every) == (100, 2, 2)
+    assert (longer.keep, longer.save_every, longer.log_every, longer.peak_tflops) == \
+        (100, 2, 2, 0.05)
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
         ["step-00000002", "step-00000004", "step-00000006"]
     capsys.readouterr()

@@ -249,7 +249,7 @@ def add_train_args(p):
                    "run's val batches (its --seed, --batch-size, --eval-iters) unless given")
     g.add_argument("--log-every", type=int, default=25, action=Given,
                    help="steps between log lines (--resume: the run's unless given)")
-    g.add_argument("--peak-tflops", type=float, default=None,
+    g.add_argument("--peak-tflops", type=float, default=None, action=Given,
                    help="a rank's device's dense peak, TFLOP/s: the log lines and rows add "
                    "mfu, the model's FLOP/s per rank over it")
     g.add_argument("--save", default=None, metavar="DIR",
