@@ -138,27 +138,27 @@ def test_simulated_ring_backward_equals_tiled_attention_gradients(n, split, p):
         assert np.abs(got - np.asarray(want)).max() < 1e-12
 
 
-def test_a_masked_tile_of_the_ring_backward_keeps_a_bfloat16_score_out_of_float64(
-        monkeypatch):
+def test_a_masked_tile_of_the_ring_backward_keeps_a_bfloat16_score_out_of_float64():
     """attend_block_backward's xp path masks a tile with xp.where(later, -inf, s). numpy
     promotes a bfloat16 s to float64 beside the Python float (CuPy's where, which has no
     bfloat16 loop, to float32), and that tile's softmax and products then ran in float64.
     Today s comes out float32 (`q_i * scale`: a Python float promotes bfloat16 on numpy and
-    CuPy alike), so the products are made bfloat16 here, as a bfloat16 GEMM's would be:
-    the masked tile must keep s's dtype, p = exp(s - lse) being float32 (lse is)."""
-    from minidist.cp import ring
+    CuPy alike), so the products are made bfloat16 here, as a bfloat16 GEMM's would be
+    (attend_block_backward's matmul argument): the masked tile must keep s's dtype,
+    p = exp(s - lse) being float32 (lse is)."""
+    from minidist.backend import matmul
     bf16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
     q, k, v, g = (a.astype(bf16) for a in _qkv(T=8) + [_qkv(T=8, seed=1)[0]])
     y, lse = partial_attention(q, k, v, 0, 0, 4)                 # bfloat16, float32
     D = (g.astype(np.float32) * y.astype(np.float32)).sum(axis=-1)
-    seen, real = set(), ring._mm
+    seen = set()
 
-    def bf16_gemm(a, b, out=None):
+    def bf16_gemm(a, b):
         seen.update((a.dtype, b.dtype))
-        return real(a, b).astype(bf16)
-    monkeypatch.setattr(ring, "_mm", bf16_gemm)
+        return matmul(a, b).astype(bf16)
     dq, dkv = np.zeros_like(q), np.zeros((2,) + k.shape, bf16)
-    attend_block_backward(g, q, [(0, 8)], np.stack([k, v]), [(0, 8)], lse, D, dq, dkv, 4)
+    attend_block_backward(g, q, [(0, 8)], np.stack([k, v]), [(0, 8)], lse, D, dq, dkv, 4,
+                          matmul=bf16_gemm)
     assert seen == {bf16, np.dtype(np.float32)}, seen
 
 

@@ -42,7 +42,7 @@ from minidist.autograd.cuda_kernels_new import flash_partial, flash_piece_backwa
 from minidist.autograd.flash import (DEFAULT_BLOCK, AttnDropout, block_pairs, kernels_ok,
                                      merge_partials, partial_attention)
 from minidist.autograd.function import Function
-from minidist.backend import matmul as _mm, xp_of
+from minidist.backend import matmul, xp_of
 
 SPLITS = ("zigzag", "naive")
 KV_TAG, DKV_TAG = 16, 17        # point-to-point tags of the ring's two kinds of message
@@ -144,11 +144,13 @@ def _kernels_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, dropout, ru
 
 
 def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, dropout=None,
-                          run=None):
+                          run=None, matmul=matmul):
     """Gradients of one held block: dq (B, nh, Tl, hs) and the block's accumulator dkv
     (2, B, nh, Tl, hs), added to in place. Each tile's probabilities (and dropout's
     Z = keep / (1 - p)) are recomputed, as flash.py's backward does; D = rowsum(g * y).
-    run: executes the flash kernels' plans (_kernels_backward), or None: the xp code below."""
+    run: executes the flash kernels' plans (_kernels_backward), or None: the xp code below.
+    matmul: the xp code's products (backend.matmul; another gives products of another
+    dtype, as tests/test_context_parallel.py's bfloat16 GEMM does)."""
     if run is not None:
         _kernels_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, dropout, run)
         return
@@ -159,24 +161,24 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, 
             rows, cols = slice(qo + r0, qo + r1), slice(ko + c0, ko + c1)
             q_i, g_i, k_j, v_j = q[..., rows, :], g[..., rows, :], kv[0][..., cols, :], \
                 kv[1][..., cols, :]
-            s = _mm(q_i * scale, xp.swapaxes(k_j, -1, -2))           # (B, nh, bq, bk)
+            s = matmul(q_i * scale, xp.swapaxes(k_j, -1, -2))         # (B, nh, bq, bk)
             if masked:                                                # key after query
                 later = xp.arange(ks + c0, ks + c1)[None, :] > xp.arange(qs + r0, qs + r1)[:, None]
                 # a bfloat16 s stays bfloat16: numpy's where would make it float64
                 # beside a Python float, CuPy's (no bfloat16 loop) float32
                 s = xp.where(later, s.dtype.type(-math.inf), s).astype(s.dtype, copy=False)
             p = xp.exp(s - lse[..., rows, None])                      # forward's softmax
-            dpz = _mm(g_i, xp.swapaxes(v_j, -1, -2))                  # d(p z) = g v^T
+            dpz = matmul(g_i, xp.swapaxes(v_j, -1, -2))               # d(p z) = g v^T
             if dropout is not None:                                   # y = (p z) v
                 z = dropout.tile(qs + r0, qs + r1, ks + c0, ks + c1, xp, p.dtype)
                 dpz *= z
                 p_used = p * z
             else:
                 p_used = p
-            dkv[1][..., cols, :] += _mm(xp.swapaxes(p_used, -1, -2), g_i)  # dv = (p z)^T g
+            dkv[1][..., cols, :] += matmul(xp.swapaxes(p_used, -1, -2), g_i)  # dv = (p z)^T g
             ds = p * (dpz - D[..., rows, None]) * scale
-            dq[..., rows, :] += _mm(ds, k_j)                          # dq = ds k
-            dkv[0][..., cols, :] += _mm(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
+            dq[..., rows, :] += matmul(ds, k_j)                       # dq = ds k
+            dkv[0][..., cols, :] += matmul(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
 
 
 def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
