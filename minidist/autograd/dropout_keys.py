@@ -46,7 +46,8 @@ by the replays less one (the capture ran nothing) until `settle()` reads the cou
 columns the kernels read are uploaded once per distinct content and kept (`on_device`):
 the same each step, they are found there, and a step uploads nothing, which a capture
 could not hold. On the CPU none of this runs: the numbers, and the numpy path, are as
-before.
+before, unless `run` is set (tests/test_dropout_device_step.py sets the CPU harness that
+runs the kernels, tests/cuda_cpu.py, and so takes the device path on numpy).
 Tests: tests/test_dropout_keys.py; every strategy's exactness with --dropout; the step on the
 device: tests/test_dropout_device_step.py, tests/test_cuda_philox_cpu.py.
 """
@@ -67,14 +68,29 @@ MAX_UPLOADS = 1024      # on_device's kept arrays: cleared past this (a run need
 class DropoutKeys:
     """The run's dropout key: `seed`, `step` (the optimizer step the masks are for, advanced
     by `next_step`), `rows` (the global batch rows of the micro-batch in flight; None: a
-    forward outside a step, whose rows are 0 .. B-1)."""
+    forward outside a step, whose rows are 0 .. B-1); `run`: see kernel_run."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, run=None):
         self.seed, self.step, self.rows = int(seed), 0, None
         self.positions = None       # context parallelism: (this rank's positions, whole T)
         self.count = 0              # next_step calls (the live step; restore leaves it)
         self.counter = None         # the count on the device, once a kernel draws
+        self.run = run              # what runs the Philox kernel for any xp (kernel_run)
         self._uploads = {}          # on_device's: (module, shape, bytes) -> device array
+
+    def kernel_run(self, xp):
+        """What executes the Philox kernel's plan for arrays of xp, or None: the xp code
+        (philox_numbers). `run` where set (the CPU harness, on numpy: the device path
+        taken on the CPU), else cuda_kernels.launch where the new kernels are on
+        (cuda_kernels_new.new_on: cupy, MINIDIST_CUDA_NEW_KERNELS=1)."""
+        if self.run is not None:
+            return self.run
+        return launch if _ckn.new_on(xp) else None
+
+    @property
+    def uploads_kept(self):
+        """How many arrays on_device keeps (after a step's first draws: no more)."""
+        return len(self._uploads)
 
     def next_step(self):
         """New masks from here on (once per optimizer step, or per forward outside one); the
@@ -188,7 +204,7 @@ class DropoutKeys:
         S, L = np.broadcast_shapes(rows.shape, base.shape), len(cols)
         whole = (L and L % 4 == 0 and cols[0] % 4 == 0 and not (base % 4).any()
                  and np.array_equal(cols, cols[0] + np.arange(L)))
-        up = self.on_device if _ckn.new_on(xp) else backend.to_device    # kept: kernels
+        up = self.on_device if self.kernel_run(xp) else backend.to_device  # kept: kernels
         firsts = up(cols[::4] if whole else cols, xp)
         shape = S + (len(firsts),)                                        # L, or L/4
         flat = xp.broadcast_to(up(base, xp)[..., None] + firsts, shape).ravel()
@@ -207,10 +223,11 @@ class DropoutKeys:
         """(n, 4) float32: Philox's four words for counters (blocks[i] low and high halves,
         rows[i], step) under this site's key, as numbers in [0, 1); hashed HOST_CHUNK
         counters at a time on the host (the arrays stay in cache), all at once on a
-        device (one kernel, cuda_source_philox.py, where the new kernels are on: the step
+        device (one kernel, cuda_source_philox.py, where kernel_run gives one: the step
         read on the device, kernel_numbers)."""
-        if _ckn.new_on(xp):                      # cupy, MINIDIST_CUDA_NEW_KERNELS=1
-            return self.kernel_numbers(name, blocks, rows, xp, launch)       # one launch
+        run = self.kernel_run(xp)                # cupy, MINIDIST_CUDA_NEW_KERNELS=1
+        if run is not None:
+            return self.kernel_numbers(name, blocks, rows, xp, run)          # one launch
         key = self.philox_key(name)
         n = blocks.size
         out = xp.empty((n, 4), dtype=xp.float32)
