@@ -3,7 +3,10 @@ there is no GPU: device buffers must be ready before MPI touches them (every MPI
 mpi.py; a send's and an unstaged recv's buffer, an unstaged collective's out: the plans of
 staging.buffer_plan), staging copies to the host only the buffers MPI reads, and a host
 buffer on an NCCL group (the loop's stop flag) goes to the MPI library (algos.algo_for_buffer).
-The same decisions on real cupy arrays: tests/test_comm_gpu.py (marked gpu).
+The code that carries the plans out (mpi.call_mpi, staging.post, write_back and
+staged_collective) takes the device wait and the MPI call as arguments: here they are
+loggers and numpy arrays stand for device ones, so the order of waits, copies and calls is
+seen on the CPU. The same decisions on real cupy arrays: tests/test_comm_gpu.py (marked gpu).
 """
 
 import numpy as np
@@ -12,96 +15,109 @@ import pytest
 from minidist.comm import trace
 
 
-# ---- CUDA-aware MPI: device buffers must be ready before MPI touches them -----------------
+# ---- mpi.py: every MPI call waits for the device before MPI touches its buffers -----------
 
-class _RecordingComm:
-    """Stands in for the communicator mpi.py calls: each call is logged with the arrays it
-    was handed (nested lists of buffers and counts flattened), nothing is sent."""
-
-    def __init__(self, log, size):
-        self.log, self.size = log, size
-
-    def Get_size(self):
-        return self.size
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: self.log.append((name, _arrays_in(args)))
+def _logger(log, what, returns=None):
+    """A function that appends (what, *its arguments) to log and returns `returns`: the
+    tests' device wait (`ready`) and MPI call."""
+    def logged(*args, **kwargs):
+        log.append((what,) + args + ((kwargs,) if kwargs else ()))
+        return returns
+    return logged
 
 
-def _arrays_in(args):
-    found = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found += _arrays_in(a)
-    return found
-
-
-def _mpi_calls(dtype):
-    """(name, world size, fn(ch, comm, a)) for each of mpi.py's calls; a(n) makes a buffer."""
-    from minidist.comm import mpi
-    calls = [
-        ("all_reduce", 2, lambda ch, comm, a: mpi.mpi_all_reduce(ch, a(6), "avg")),
-        ("reduce_scatter", 2, lambda ch, comm, a: mpi.mpi_reduce_scatter(ch, a(3), a(6))),
-        ("reduce_scatter uneven", 2,
-         lambda ch, comm, a: mpi.mpi_reduce_scatter(ch, a(4), a(7))),
-        ("reduce_scatter aliased", 2,
-         lambda ch, comm, a: (lambda buf: mpi.mpi_reduce_scatter(ch, buf[:3], buf))(a(6))),
-        ("all_gather", 2, lambda ch, comm, a: mpi.mpi_all_gather(ch, a(6), a(3))),
-        ("all_gather uneven", 3, lambda ch, comm, a: mpi.mpi_all_gather(ch, a(7), a(3))),
-        ("all_gather in place", 2,
-         lambda ch, comm, a: (lambda out: mpi.mpi_all_gather(ch, out, out[:3]))(a(6))),
-        ("broadcast", 2, lambda ch, comm, a: mpi.mpi_broadcast(ch, a(5), 1)),
-        ("all_to_all_v", 2,
-         lambda ch, comm, a: mpi.mpi_all_to_all_v(ch, a(5), a(4), [1, 3], [2, 3])),
-        ("start_all_gather", 2, lambda ch, comm, a: mpi.start_all_gather(comm, a(6), a(3))),
-        ("start_broadcast", 2, lambda ch, comm, a: mpi.start_broadcast(comm, a(5))),
-    ]
-    if dtype != "bfloat16":                  # MPI's non-blocking reductions refuse bfloat16
-        calls += [
-            ("start_all_reduce", 2, lambda ch, comm, a: mpi.start_all_reduce(comm, a(6))),
-            ("start_reduce_scatter", 2,
-             lambda ch, comm, a: mpi.start_reduce_scatter(comm, a(3), a(6))),
-        ]
-    return calls
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_mpi_call_waits_for_the_device_before_mpi_touches_its_buffers(monkeypatch,
-                                                                           dtype):
+def test_an_mpi_call_is_made_once_the_device_has_written_every_array_it_is_handed():
     """A CUDA-aware MPI is handed cupy arrays themselves and reads them at once, while the
     kernels that write them (the caller's, or mpi.py's own float32 copies of bfloat16) may
     still be queued: mpi4py's CuPy demo synchronizes before every MPI call. mpi.py called
-    MPI with no device_ready. Here (numpy buffers, device_ready recorded in place of the
-    stream sync) every array an MPI call is handed must share memory with one readied
-    before that call, after the array was made: the bfloat16 reductions' float32 copies
-    and the aliased reduce-scatter's copy are new arrays, readied only if after their
-    making."""
-    from types import SimpleNamespace
-    from minidist.comm import mpi
-    calls = _mpi_calls(dtype)
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    MPI with no device_ready. Now every call is made by mpi.call_mpi: `ready` (device_ready;
+    here a logger) on each array it hands MPI, found in nested lists (Allgatherv's
+    [buffer, (counts, displs)]) and a bfloat16 array's uint16 view among them, then the
+    call with those very arrays; MPI.IN_PLACE and the counts are not arrays."""
+    from mpi4py import MPI
+    from minidist.comm.mpi import call_mpi
+    from minidist.comm.staging import wire
+    out, inp = np.zeros(6, pytest.importorskip("ml_dtypes").bfloat16), np.arange(3.0)
     log = []
-    monkeypatch.setattr(mpi, "device_ready", lambda *arrays: log.append(("ready", arrays)),
-                        raising=False)    # an mpi.py without it fails the asserts
-    for name, size, call in calls:
-        log.clear()
-        comm = _RecordingComm(log, size)
-        ch = SimpleNamespace(comm=comm, rank=0, size=size, count_nominal=lambda n: None,
-                             scratch=lambda slot, n, like: np.empty(n, like.dtype))
-        call(ch, comm, lambda n: np.arange(n).astype(dtype))
-        ready, mpi_calls = [], 0
-        for what, arrays in log:
-            if what == "ready":
-                ready += [a for a in arrays if isinstance(a, np.ndarray)]
-                continue
-            mpi_calls += 1
-            for a in arrays:
-                assert any(np.shares_memory(a, r) for r in ready), \
-                    f"{name} ({np.dtype(dtype)}): {what} got a buffer not readied before it"
-        assert mpi_calls == 1, (name, log)
+    got = call_mpi(_logger(log, "Allgatherv", "request"), MPI.IN_PLACE, inp,
+                   [wire(out), ([3, 3], [0, 3])], op=MPI.SUM, ready=_logger(log, "ready"))
+    assert got == "request" and [entry[0] for entry in log] == ["ready", "Allgatherv"]
+    (_, r_inp, r_out), (_, in_place, c_inp, [c_out, counts], kwargs) = log
+    assert r_inp is inp and r_out.dtype == np.uint16 and np.shares_memory(r_out, out)
+    assert in_place is MPI.IN_PLACE and c_inp is inp and c_out is r_out
+    assert counts == ([3, 3], [0, 3]) and kwargs == {"op": MPI.SUM}
+
+
+def test_no_mpi_call_in_mpi_py_bypasses_call_mpi():
+    """What makes call_mpi's order every call's: mpi.py calls no communicator method
+    (capitalized, Get_size aside) itself, but hands each to call_mpi. That the calls give
+    the ring's results: tests/test_comm.py, tests/test_bfloat16.py."""
+    import ast
+    import inspect
+    from minidist.comm import mpi
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(mpi)))
+             if isinstance(node, ast.Call)]
+    direct = [c.func.attr for c in calls if isinstance(c.func, ast.Attribute)
+              and c.func.attr[:1].isupper() and c.func.attr != "Get_size"]
+    assert direct == [], direct
+    handed = {c.args[0].attr for c in calls if getattr(c.func, "id", None) == "call_mpi"}
+    assert handed == {"Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Allgather",
+                      "Allgatherv", "Bcast", "Alltoallv", "Iallreduce", "Ireduce_scatter",
+                      "Iallgatherv", "Ibcast"}, handed
+
+
+# ---- staging.post and write_back: send and recv follow their plans ------------------------
+
+def test_a_device_buffer_handed_to_mpi_itself_is_waited_for_before_the_post():
+    """group.send and group.recv post through staging.post. Under a CUDA-aware MPI (the
+    plan of a device buffer: handed itself, wait before) the device is waited for before
+    MPI_Isend/MPI_Irecv is handed buf: ring attention posts the recv of the next block into
+    the buffer the previous step's kernels read as `cur` (recv did not wait). A numpy buf
+    stands for the device one; `ready` and the post are loggers. Nothing waits after."""
+    from minidist.comm.staging import buffer_plan, post, write_back
+    for op in ("send", "recv"):
+        buf, log = np.arange(4.0), []
+        plan = buffer_plan(op, True, True)
+        request, host = post(plan, buf, _logger(log, "post", "request"), _logger(log, "ready"))
+        assert request == "request" and host is buf, op
+        assert [(what, a is buf) for what, a in log] == [("ready", True), ("post", True)], op
+        write_back(buf, host, plan, _logger(log, "ready after"))
+        assert len(log) == 2, op
+
+
+def test_a_staged_recv_hands_mpi_an_empty_host_buffer_and_waits_after_the_copy_back():
+    """Without a CUDA-aware MPI a recv's device buffer is staged: MPI_Irecv gets an empty
+    host array of its shape and dtype (no copy of bytes about to be overwritten, and no
+    wait before: cupy's get() would block the CPU that meant to post and go on), its
+    bfloat16 as the uint16 view; once done write_back copies it into buf and then waits for
+    the device. A send's buffer is read: it is copied and waited for before the post."""
+    from minidist.comm.staging import buffer_plan, post, write_back
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    for dtype in (np.float32, bf16):
+        buf, log = np.arange(4.0).astype(dtype), []
+        plan = buffer_plan("recv", True, False)
+        _, host = post(plan, buf, _logger(log, "post"), _logger(log, "ready"))
+        assert [what for what, _ in log] == ["post"] and log[0][1] is host
+        assert host.shape == buf.shape and not np.shares_memory(host, buf)
+        assert host.dtype == (np.uint16 if dtype is bf16 else dtype)
+        host[...] = np.array([5, 6, 7, 8], dtype).view(host.dtype)    # what MPI writes
+        write_back(buf, host, plan, lambda a: log.append(("ready", a.tolist())))
+        assert buf.tolist() == [5, 6, 7, 8] and log[1] == ("ready", [5, 6, 7, 8]), log
+    buf, log = np.arange(4.0), []
+    _, host = post(buffer_plan("send", True, False), buf, _logger(log, "post"),
+                   _logger(log, "ready"))
+    assert [what for what, _ in log] == ["ready", "post"] and host.tolist() == buf.tolist()
+
+
+def test_a_host_buffer_is_posted_itself_with_no_device_wait():
+    from minidist.comm.staging import buffer_plan, post, write_back
+    for op in ("send", "recv"):
+        for aware in (False, True):
+            buf, log = np.arange(4.0), []
+            plan = buffer_plan(op, False, aware)
+            _, host = post(plan, buf, _logger(log, "post"), _logger(log, "ready"))
+            write_back(buf, host, plan, _logger(log, "ready"))
+            assert host is buf and [what for what, _ in log] == ["post"], (op, aware)
 
 
 # ---- staging.buffer_plan: which buffers are staged, where the device is waited for --------
@@ -175,6 +191,31 @@ def test_host_staging_of_host_buffers_hands_the_arrays_themselves_and_keeps_resu
     assert np.array_equal(out, inp)
     with host_staging("all_reduce", out, out) as (h_out, h_inp):
         assert h_out is out and h_inp is out
+
+
+def test_a_collective_stages_its_out_as_the_plan_says_and_waits_after_the_copy_back():
+    """host_staging runs the collective inside staging.staged_collective with out's plan.
+    A device out MPI only writes (an all-gather's, without CUDA-aware MPI) is handed as an
+    empty host array, not a copy (which host_staging used to make: ZeRO-3 moved each
+    gathered unit device -> host for nothing), and is copied back and then waited for; a
+    host input is handed itself. Under a CUDA-aware MPI out is handed itself and waited
+    for after the collective (its last kernels). A numpy out stands for the device one."""
+    from minidist.comm.staging import buffer_plan, staged_collective
+    out, inp, log = np.zeros(4), np.arange(4.0), []
+    ready = _logger(log, "ready")
+    with staged_collective(buffer_plan("all_gather", True, False), False, out, inp,
+                           ready=lambda a: log.append(("ready", a.tolist()))) as (h_out, h_inp):
+        assert not np.shares_memory(h_out, out) and h_out.shape == out.shape and h_inp is inp
+        h_out[...] = inp + 1                                        # the collective
+        log.append(("collective", None))
+    assert out.tolist() == [1, 2, 3, 4]
+    assert log == [("collective", None), ("ready", [1, 2, 3, 4])], log
+    log.clear()
+    with staged_collective(buffer_plan("reduce_scatter", True, True), True, out, inp,
+                           ready=ready) as (h_out, h_inp):
+        assert h_out is out and h_inp is inp and log == []
+        log.append(("collective", None))
+    assert [what for what, _ in log] == ["collective", "ready"] and log[1][1] is out
 
 
 # ---- algos.algo_for_buffer: host buffers on an NCCL group go through MPI ------------------

@@ -48,9 +48,8 @@ from minidist.comm import checks, debug, hier, mpi, trace, watchdog
 from minidist.comm.algos import algo_for_buffer, algos, module_of
 from minidist.comm.channel import Channel
 from minidist.comm.ring import chunk_bounds
-from minidist.comm.staging import (buffer_plan, cuda_aware_mpi, device_of,
-                                   device_ready, host_staging, ready_event, staged, wire,
-                                   write_back)
+from minidist.comm.staging import (buffer_plan, cuda_aware_mpi, device_of, host_staging,
+                                   post, ready_event, write_back)
 from minidist.comm.stream import CompletedWork, RequestWork, Stream
 from minidist.backend import is_cupy, xp_of
 
@@ -332,21 +331,17 @@ class ProcessGroup:
         """Send buf to rank `peer` of this group (matched by its recv with the same tag)."""
         buf = checks.flat(buf)
         plan = buffer_plan("send", is_cupy(buf), cuda_aware_mpi())
-        host = wire(staged(buf, plan.handed))     # bfloat16 as its uint16 view (staging.py)
-        if plan.wait_before:
-            device_ready(buf)
-        return self._p2p_call("send", buf, peer, async_op, self._p2p.Isend(host, peer, tag),
-                              host)
+        request, host = post(plan, buf, lambda handed: self._p2p.Isend(handed, peer, tag))
+        return self._p2p_call("send", buf, peer, async_op, request, host)
 
     def recv(self, buf, peer, async_op=False, tag=P2P_TAG):
-        """Receive into buf from rank `peer` of this group."""
+        """Receive into buf from rank `peer` of this group (staged: into a host buffer,
+        copied back when done; unstaged: the device waited for before MPI writes buf)."""
         buf = checks.flat(buf)
-        plan = buffer_plan("recv", is_cupy(buf), cuda_aware_mpi())   # staged: host empty
-        host = wire(staged(buf, plan.handed))
-        if plan.wait_before:     # unstaged: MPI writes GPU memory queued kernels may read
-            device_ready(buf)
-        return self._p2p_call("recv", buf, peer, async_op, self._p2p.Irecv(host, peer, tag),
-                              host, lambda: write_back(buf, host, plan))
+        plan = buffer_plan("recv", is_cupy(buf), cuda_aware_mpi())
+        request, host = post(plan, buf, lambda handed: self._p2p.Irecv(handed, peer, tag))
+        return self._p2p_call("recv", buf, peer, async_op, request, host,
+                              lambda: write_back(buf, host, plan))
 
     def _p2p_call(self, op, buf, peer, async_op, request, host, on_done=None):
         issued = trace.now()

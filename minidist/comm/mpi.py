@@ -20,11 +20,12 @@ bfloat16: MPI has no such type, so data moves as the uint16 view (`wire`), and t
 reductions run on float32 copies, rounded to bfloat16 once at the end.
 
 A CUDA-aware MPI is handed cupy arrays themselves (staging.py), and reads them at once: every
-call here waits for the queued kernels that write them first (`device_ready`; the float32
-copies are such kernels), as mpi4py's CuPy demo does before each MPI call. A no-op on numpy.
+call here goes through `call_mpi`, which waits for the queued kernels that write the arrays
+it hands MPI first (`device_ready`; the float32 copies are such kernels), as mpi4py's CuPy
+demo does before each MPI call. A no-op on numpy.
 
 Tests: tests/test_comm.py (ring and naive cross-checked against these), tests/test_bfloat16.py,
-tests/test_comm_cuda_aware.py (device_ready before every call).
+tests/test_comm_cuda_aware.py (call_mpi's order, and no MPI call here outside it).
 """
 from mpi4py import MPI
 
@@ -32,6 +33,25 @@ from minidist.comm.ring import chunk_bounds, ring_bytes, same_buffer
 from minidist.comm.staging import device_ready, is_bfloat16, wire
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def call_mpi(method, *args, ready=device_ready, **kwargs):
+    """method(*args, **kwargs), an MPI call, once the device has written every array it is
+    handed: `ready` on each array in args (arrays_in), then the call."""
+    ready(*arrays_in(args))
+    return method(*args, **kwargs)
+
+
+def arrays_in(args):
+    """The arrays among args, lists and tuples looked into (MPI's [buffer, (counts, displs)]);
+    MPI.IN_PLACE and counts are not arrays."""
+    found = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            found += arrays_in(a)
+        elif hasattr(a, "__array_interface__") or hasattr(a, "__cuda_array_interface__"):
+            found.append(a)
+    return found
 
 
 def _counts(n, size):
@@ -46,8 +66,7 @@ def mpi_all_reduce(ch, buf, op="sum"):
         mpi_all_reduce(ch, tmp, op)
         buf[...] = tmp
         return
-    device_ready(buf)
-    ch.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
+    call_mpi(ch.comm.Allreduce, MPI.IN_PLACE, buf, op=MPI_OPS[op])
     if op == "avg":
         buf /= ch.size
     ch.count_nominal(ring_bytes("all_reduce", buf.size, buf.itemsize, ch.rank, ch.size))
@@ -65,11 +84,10 @@ def mpi_reduce_scatter(ch, out, inp, op="sum"):
         copy = ch.scratch(1, inp.size, inp)
         copy[...] = inp
         inp = copy
-    device_ready(out, inp)
     if len(set(counts)) == 1:
-        ch.comm.Reduce_scatter_block(inp, out, op=MPI_OPS[op])
+        call_mpi(ch.comm.Reduce_scatter_block, inp, out, op=MPI_OPS[op])
     else:
-        ch.comm.Reduce_scatter(inp, out, counts, op=MPI_OPS[op])
+        call_mpi(ch.comm.Reduce_scatter, inp, out, counts, op=MPI_OPS[op])
     if op == "avg":
         out /= ch.size
     ch.count_nominal(ring_bytes("reduce_scatter", inp.size, inp.itemsize, ch.rank, ch.size))
@@ -79,17 +97,15 @@ def mpi_all_gather(ch, out, inp):
     counts, displs = _counts(out.size, ch.size)
     lo = displs[ch.rank]
     send = MPI.IN_PLACE if same_buffer(out[lo:lo + inp.size], inp) else inp
-    device_ready(out, inp)
     if len(set(counts)) == 1:
-        ch.comm.Allgather(wire(send), wire(out))
+        call_mpi(ch.comm.Allgather, wire(send), wire(out))
     else:
-        ch.comm.Allgatherv(wire(send), [wire(out), (counts, displs)])
+        call_mpi(ch.comm.Allgatherv, wire(send), [wire(out), (counts, displs)])
     ch.count_nominal(ring_bytes("all_gather", out.size, out.itemsize, ch.rank, ch.size))
 
 
 def mpi_broadcast(ch, buf, root=0):
-    device_ready(buf)
-    ch.comm.Bcast(wire(buf), root=root)
+    call_mpi(ch.comm.Bcast, wire(buf), root=root)
     ch.count_nominal(ring_bytes("broadcast", buf.size, buf.itemsize, ch.rank, ch.size, root))
 
 
@@ -98,33 +114,29 @@ def mpi_all_to_all_v(ch, out, inp, send_counts, recv_counts):
     from minidist.comm.alltoall import offsets, pairwise_bytes
     sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
     so, ro = offsets(sc)[:-1].tolist(), offsets(rc)[:-1].tolist()
-    device_ready(out, inp)
-    ch.comm.Alltoallv([wire(inp), (sc, so)], [wire(out), (rc, ro)])
+    call_mpi(ch.comm.Alltoallv, [wire(inp), (sc, so)], [wire(out), (rc, ro)])
     ch.count_nominal(pairwise_bytes(sc, ch.rank, inp.itemsize))
 
 
 def start_all_reduce(comm, buf, op="sum"):
     """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
     _no_bfloat16_sum(buf)
-    device_ready(buf)
-    return comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op])
+    return call_mpi(comm.Iallreduce, MPI.IN_PLACE, buf, op=MPI_OPS[op])
 
 
 def start_reduce_scatter(comm, out, inp, op="sum"):
     _no_bfloat16_sum(inp)
-    device_ready(out, inp)
-    return comm.Ireduce_scatter(inp, out, _counts(inp.size, comm.Get_size())[0], op=MPI_OPS[op])
+    return call_mpi(comm.Ireduce_scatter, inp, out, _counts(inp.size, comm.Get_size())[0],
+                    op=MPI_OPS[op])
 
 
 def start_all_gather(comm, out, inp):
     counts, displs = _counts(out.size, comm.Get_size())
-    device_ready(out, inp)
-    return comm.Iallgatherv(wire(inp), [wire(out), (counts, displs)])
+    return call_mpi(comm.Iallgatherv, wire(inp), [wire(out), (counts, displs)])
 
 
 def start_broadcast(comm, buf, root=0):
-    device_ready(buf)
-    return comm.Ibcast(wire(buf), root=root)
+    return call_mpi(comm.Ibcast, wire(buf), root=root)
 
 
 def _no_bfloat16_sum(buf):

