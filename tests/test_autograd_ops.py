@@ -79,18 +79,22 @@ def test_scatter_adds_of_16_bit_outs_count_past_2048(dtype):
     assert x.grad.dtype == dtype and H(x.grad).tolist() == [0, 3072, 1], x.grad
 
 
-def test_16_bit_embedding_gradients_are_summed_in_a_float32_table(monkeypatch):
+def test_16_bit_embedding_gradients_are_summed_in_a_float32_table():
     """Tensor parallelism's vocabulary-split lookup made its gradient table in the gradient's
     16-bit dtype, so on CuPy (indexing._add_at) every step widened the whole (V/tp, C) table
     to float32, scattered into the copy and copied it back: three passes over a table that
     started as zeros (Embedding's backward summed in a float32 table from the start). Both
-    now hand scatter_add_rows a float32 table (indexing.rows_into_table) and round it once;
-    the gradients are the same bit for bit."""
-    from minidist.autograd import indexing
+    now return indexing.rows_into_table, whose table (summed_rows) is float32, rounded once:
+    each backward's gradient is rows_into_table's bit for bit, and the float32 sums by hand
+    rounded once. (On numpy a 16-bit table would give the same numbers: scatter_add_rows
+    sums in float32 there; only its dtype differs.)"""
+    from minidist.autograd.indexing import rows_into_table, summed_rows
     from minidist.tp import layers
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 12, (3, 7))
+    mine = idx >= 6                              # the lookup holds rows 6..11 of 12
+    local = np.where(mine, idx - 6, 0)
 
     def grads(dtype, g):
         """(the lookup's gradient for rows 6..11 of 12, the whole embedding's)."""
@@ -99,29 +103,20 @@ def test_16_bit_embedding_gradients_are_summed_in_a_float32_table(monkeypatch):
         e = Tensor(np.zeros((12, 4), dtype), requires_grad=True)
         ops.embedding(e, idx).backward(g)
         return H(w.grad), H(e.grad)
-    seen = []
-
-    def scatter(out, index, rows):
-        seen.append(out.dtype)
-        return scatter_add_rows(out, index, rows)
     for dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
         g = rng.standard_normal((3, 7, 4)).astype(dtype)
-        want = grads(dtype, g)
-        with monkeypatch.context() as m:
-            m.setattr(indexing, "scatter_add_rows", scatter)
-            m.setattr(layers, "scatter_add_rows", scatter, raising=False)
-            got = grads(dtype, g)
-        assert seen == [np.float32, np.float32], (dtype, seen)
-        for a, b in zip(got, want):
-            assert a.dtype == dtype and np.array_equal(a, b), dtype
-        seen.clear()
-    want = np.zeros((6, 4), np.float32)          # the lookup's gradient by hand, float32
-    g = rng.standard_normal((3, 7, 4)).astype(np.float32)
-    for i, row in zip(idx.reshape(-1), g.reshape(-1, 4)):
-        if i >= 6:
-            want[i - 6] += row
-    got = grads(np.float16, g.astype(np.float16))[0]
-    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+        lookup, whole = summed_rows((6, 4), local, g * mine[..., None]), \
+            summed_rows((12, 4), idx, g)
+        assert lookup.dtype == whole.dtype == np.float32, dtype
+        by_hand = np.zeros((12, 4))
+        np.add.at(by_hand, idx.reshape(-1), g.reshape(-1, 4).astype(np.float64))
+        np.testing.assert_allclose(whole, by_hand, rtol=1e-6, atol=1e-6)   # float32 sums
+        np.testing.assert_allclose(lookup, by_hand[6:], rtol=1e-6, atol=1e-6)
+        want = (rows_into_table((6, 4), local, g * mine[..., None]),
+                rows_into_table((12, 4), idx, g))
+        for got, table, w in zip(grads(dtype, g), (lookup, whole), want):
+            assert got.dtype == w.dtype == dtype and np.array_equal(got, w), dtype
+            assert np.array_equal(got, table.astype(dtype)), dtype         # rounded once
 
 
 def test_dropout_seed_contract():

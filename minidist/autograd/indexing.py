@@ -287,12 +287,18 @@ def rows_into_table(shape, idx, grad):
     float16's atomics round at every add), rounded once: a 16-bit table handed to
     scatter_add_rows would be widened to float32 and copied back inside it (_add_at) anyway.
     Embedding's backward and tensor parallelism's vocabulary-split lookup (VocabShardLookup)."""
-    acc = "float32" if backend.is_half(grad.dtype) else grad.dtype
+    return summed_rows(shape, idx, grad).astype(grad.dtype, copy=False)
+
+
+def summed_rows(shape, idx, grad):
+    """rows_into_table's table before its one rounding: a zero (V, C) table `shape` in
+    add_dtype(grad.dtype) (float32 for 16-bit rows) with grad's row i added at row idx[i]."""
+    acc = add_dtype(grad.dtype)
     gw = xp_of(grad).zeros(shape, acc)
     if idx.size:
         rows = grad.reshape(-1, shape[1]).astype(acc, copy=False)
         scatter_add_rows(gw, idx.reshape(-1), rows)
-    return gw.astype(grad.dtype, copy=False)
+    return gw
 
 
 def embedding(weight, idx):
