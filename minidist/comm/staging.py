@@ -187,13 +187,13 @@ def staged(a, handed):
 
 
 def post(plan, buf, start, ready=device_ready):
-    """A send's or recv's post of `buf` as `plan` says (group.py's send and recv): stage
-    buf (staged), wait for the device where plan.wait_before (`ready(buf)`: queued kernels
-    may still write a buffer MPI reads, or read one MPI writes), then `start(host)`, the
-    MPI call, handed the staged buffer as `wire` makes it. Returns (what start returned,
-    the request; host, the buffer MPI holds until it completes: write_back's, for a recv).
-    tests/test_comm_cuda_aware.py passes plans, a numpy buf and list-appending ready and
-    start, and sees the order."""
+    """Post `buf` to MPI as `plan` says (group.py's send and recv): stage it (staged; a
+    bfloat16 as its uint16 view, wire), wait for the device where plan.wait_before
+    (`ready(buf)`: queued kernels may still write a buffer MPI reads, or read one MPI
+    writes), then start the MPI call on what was staged (`start(host)`). Returns (start's
+    result, the request; host, which MPI holds until the request completes and write_back
+    reads after a recv). tests/test_comm_cuda_aware.py passes plans, a numpy buf and
+    loggers for ready and start, and sees the order."""
     host = wire(staged(buf, plan.handed))
     if plan.wait_before:
         ready(buf)
