@@ -98,7 +98,7 @@ def test_grads_are_views_into_buckets_and_survive_zero_grad(device, recording):
         for p, view in zip(b.params, b.views):
             assert p.grad is view and xp_of(b.buffer).shares_memory(p.grad, b.buffer)
     assert any(float(abs(b.buffer).max()) > 0 for b in ddp.buckets)
-    ddp.zero_grad()                                     # zeros, views kept
+    ddp.zero_grad(discard=True)              # zeros, views kept (no sync: dropped)
     assert all(not b.buffer.any() for b in ddp.buckets)
     assert all(p.grad is v for b in ddp.buckets for p, v in zip(b.params, b.views))
     ddp.module.zero_grad()                              # the optimizer's way: .grad = None
@@ -169,12 +169,17 @@ def test_the_wrapper_answers_the_models_parameters_modes_and_state(recording):
 def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode, recording):
     """First-use walk 29: an own loop without ddp.sync_grads() stepped on each rank's own
     gradients, and the replicas drifted apart silently (bucketed, naive). Every mode now
-    refuses the next forward after a backward that was never averaged, naming the call;
-    sync_grads() clears it, and no_sync()'s micro-batches are not counted."""
+    refuses the next forward after a backward that was never averaged, naming the call, and
+    so does the recipe's zero_grad() before it (walk 43: zero_grad forgave the backward, so
+    the recipe without sync_grads drifted apart in every mode); sync_grads() clears it, and
+    no_sync()'s micro-batches are not counted."""
     ddp = DistributedDataParallel(GPT(CONFIG, seed=0), recording(), mode, 0.002)
     _backward(ddp)
     with pytest.raises(RuntimeError, match=r"call ddp.sync_grads\(\) after the backward"):
         ddp(*_batch())
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward whose gradients "
+                       r"were not averaged: call ddp.sync_grads\(\)"):
+        ddp.zero_grad()
     ddp.sync_grads()
     ddp.zero_grad()
     with ddp.no_sync():
@@ -185,18 +190,20 @@ def test_a_loop_that_forgets_sync_grads_is_stopped_at_its_next_forward(mode, rec
 
 
 def test_overlapped_zero_grad_after_an_unsynced_backward_waits_and_starts_over(recording):
-    """A loop that drops a step's gradients (zero_grad) without sync_grads(): the overlapped
-    mode zeroed the buckets under the all-reduces its hooks had started, and the next
-    backward raised "a second backward before sync_grads()" (the buckets still counted
-    full). Now zero_grad waits for them and counts anew: the next step's gradients are a
-    fresh backward's."""
+    """A loop that drops a step's gradients (zero_grad(discard=True)) without sync_grads():
+    the overlapped mode zeroed the buckets under the all-reduces its hooks had started, and
+    the next backward raised "a second backward before sync_grads()" (the buckets still
+    counted full). Now zero_grad waits for them and counts anew: the next step's gradients
+    are a fresh backward's."""
     group = recording()
     ddp = DistributedDataParallel(GPT(CONFIG, seed=0), group, "overlapped", 0.002)
     _backward(ddp)
     launched = sum(b.work is not None for b in ddp.buckets)
     assert launched == len(ddp.buckets) > 1
     works = [c[4] for c in group.reduces()]
-    ddp.zero_grad()
+    with pytest.raises(RuntimeError, match=r"ddp.zero_grad\(discard=True\)"):
+        ddp.zero_grad()                               # dropped on purpose only, said so
+    ddp.zero_grad(discard=True)
     assert len(works) == launched and all(w.is_completed() for w in works)
     assert all(b.work is None for b in ddp.buckets)
     _backward(ddp, step=1)

@@ -180,11 +180,24 @@ class DataParallelNaive:
                 p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
             self.group.all_reduce(p.grad, op="avg")
 
-    def zero_grad(self):
-        """Drop the gradients (.grad = None, as the optimizer's zero_grad does)."""
-        self.unsynced = False         # (dropped: nothing left to average)
+    def zero_grad(self, discard=False):
+        """Drop the gradients (.grad = None, as the optimizer's zero_grad does). After a
+        backward that was never averaged, a RuntimeError unless `discard` (the step dropped
+        on purpose, on every rank alike): first-use walk 43 left sync_grads() out of the
+        recipe's loop, and this call forgave it before the next forward could, every step."""
+        self.check_dropped(discard)
         for p in self.params:
             p.grad = None
+
+    def check_dropped(self, discard):
+        """zero_grad's check: an unaveraged backward's gradients dropped only with `discard`."""
+        if self.unsynced and not discard:
+            raise RuntimeError(
+                "DDP: zero_grad() after a backward whose gradients were not averaged: call "
+                "ddp.sync_grads() after the backward of each step's last micro-batch, before "
+                "the optimizer's step (to drop a step's gradients on purpose, on every rank "
+                "alike: ddp.zero_grad(discard=True))")
+        self.unsynced = False
 
     def grad_bytes(self):
         """Bytes of gradient every step averages: the all-reduce payload (in the gradients'
@@ -268,10 +281,11 @@ class DataParallelBucket(DataParallelNaive):
             b.attach()
         return self.module(*args, **kwargs)
 
-    def zero_grad(self):
+    def zero_grad(self, discard=False):
         """Zero every gradient in place, keeping them views into the buckets (the training
-        step calls this instead of the optimizer's zero_grad: no copies in the next step)."""
-        self.unsynced = False         # (dropped: nothing left to average)
+        step calls this instead of the optimizer's zero_grad: no copies in the next step);
+        `discard` as the naive mode's."""
+        self.check_dropped(discard)
         for b in self.buckets:
             b.buffer.fill(0)
             b.attach()
@@ -291,17 +305,18 @@ class DataParallelOverlap(DataParallelBucket):
         super().__init__(model, group, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
-    def zero_grad(self):
+    def zero_grad(self, discard=False):
         """As the bucketed mode's, after waiting for any all-reduce a backward started (a
-        loop that drops a step's gradients without sync_grads(): zeroing under a running
-        all-reduce would race with its writes, and the next backward found its buckets
-        still counted full). Every rank started the same ones, so the wait is safe."""
+        loop that drops a step's gradients without sync_grads(), `discard`: zeroing under a
+        running all-reduce would race with its writes, and the next backward found its
+        buckets still counted full). Every rank started the same ones, so the wait is safe."""
+        self.check_dropped(discard)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
             b.work, b.ready = None, 0
         self._next = 0
-        super().zero_grad()
+        super().zero_grad(discard=True)          # (checked above)
 
     def _backward_ran(self, p):
         """Autograd hook (the one DataParallelNaive registers): `p`'s gradient for this
