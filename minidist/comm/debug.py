@@ -38,7 +38,8 @@ from minidist.comm.progress import wait_all
 
 _state = {"on": False}       # comm.init turns it on under MINIDIST_DEBUG=1 (enable_from_env)
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all",
+       "gather_object", "all_gather_object", "broadcast_object")   # objects: no count
 REDUCTIONS = ("", "sum", "avg", "max", "min")
 DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
 
@@ -104,7 +105,10 @@ def _describe(row):
     seq, op, red, count, dtype, root = (int(x) for x in row)
     red = f" {REDUCTIONS[red]}" if red > 0 else ""
     dt = DTYPES[dtype] if dtype >= 0 else "other dtype"
-    where = f", root={root}" if OPS[op] == "broadcast" else ""
+    where = f", root={root}" if OPS[op] in ("broadcast", "gather_object",
+                                             "broadcast_object") else ""
+    if OPS[op].endswith("_object"):
+        return f"#{seq} {OPS[op]}({where[2:]})"
     return f"#{seq} {OPS[op]}{red}(count={count}, {dt}{where})"
 
 

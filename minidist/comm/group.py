@@ -244,7 +244,7 @@ class ProcessGroup:
     # ---- Python objects (pickled by mpi4py): verdicts, table rows, whole states ------------
     def gather_object(self, obj, root=0):
         """Every rank's `obj`, in rank order, as a list on `root` (None elsewhere)."""
-        return self._objects("gather_object", lambda comm: comm.gather(obj, root=root))
+        return self._objects("gather_object", lambda comm: comm.gather(obj, root=root), root)
 
     def all_gather_object(self, obj):
         """Every rank's `obj`, in rank order, as a list on every rank."""
@@ -252,15 +252,19 @@ class ProcessGroup:
 
     def broadcast_object(self, obj, root=0):
         """`root`'s `obj` on every rank."""
-        return self._objects("broadcast_object", lambda comm: comm.bcast(obj, root=root))
+        return self._objects("broadcast_object", lambda comm: comm.bcast(obj, root=root), root)
 
-    def _objects(self, op, call):
+    def _objects(self, op, call, root=0):
         """A blocking object collective on the collectives' communicator, after everything
         queued, numbered and announced to the watchdog as the others are (a rank that exits
-        or never comes ends the job instead of leaving this one waiting)."""
+        or never comes ends the job instead of leaving this one waiting), and checked against
+        the other ranks' call in debug mode as the array collectives are (first-use walk 43:
+        a rank here and another in an array collective's check waited for ever)."""
         self._stream.synchronize()
         self._seq += 1
         watchdog.entered(self.key, op, self._seq)
+        if debug.enabled():
+            debug.check_same_call(self._coll, self.name, self._seq, op, 0, "", "", root)
         out = call(self._coll)
         watchdog.left(self.key, self._seq)
         return out
