@@ -167,6 +167,22 @@ def test_attach_clear_asks_on_the_console():
 
 
 @pytest.mark.mpi
+def test_the_builtin_breakpoint_on_rank_1_is_served_to_the_attach_console():
+    """breakpoint() on rank 1 showed a (Pdb) prompt that read a stdin mpiexec feeds rank 0
+    alone: the job hung (first-use walk 43). comm.init makes it breakpoint_on's pdb, served
+    as `debug.breakpoint_on(1)` is, stopped in the caller's frame. By hand:
+
+        mpiexec -n 2 python tests/scripts/comm_small.py builtin
+        python -m minidist.comm.attach 4445          # in a second terminal
+    """
+    console, rc, out, err = attach_to_rank1(["tests/scripts/comm_small.py", "builtin"],
+                                            ["p buf", "c"], port_offset=4)
+    assert "comm_small.py" in console and "-> world.all_reduce(buf)" in console and \
+        "array([2., 2., 2., 2.])" in console, (console, err)       # stopped in the script
+    assert rc == 0 and "rank 0 done 3.0" in out and "rank 1 done 3.0" in out, (out, err)
+
+
+@pytest.mark.mpi
 def test_attach_quit_ends_the_job():
     """`q` on rank 1 ends the job, rank 0 (waiting in the all-reduce) included."""
     console, rc, out, err = attach_to_rank1(["tests/scripts/comm_small.py", "breakpoint"],
@@ -189,6 +205,21 @@ def test_rankpdb_on_rank1_through_attach():
     size = re.search(r"\(1, (\d+)\)", console)
     assert size and int(size.group(1)) > 1, (console, err)
     assert rc == 0 and "RESULT" in out, (rc, out, err)
+
+
+@pytest.mark.mpi
+def test_under_rankpdb_ctrl_c_is_the_debugged_ranks_and_the_others_nap():
+    """Ctrl-C reaches every rank of mpiexec's job: under rankpdb the others ignore it, so it
+    breaks into pdb on the debugged rank as plain pdb's does (first-use walk 43: they died of
+    it at the next `c`); and the ranks waiting for it nap instead of spinning (walk 43: 30 s
+    of system CPU in 20 s at a prompt). By hand:
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb tests/scripts/comm_small.py handlers
+    """
+    job = run_job([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                   "tests/scripts/comm_small.py", "handlers"], input="c\n", timeout=60)
+    assert "rank 1 SIGINT ignored True, wait poll" in job.stdout, (job.stdout, job.stderr)
+    assert "rank 0 SIGINT ignored False, wait poll" in job.stdout, (job.stdout, job.stderr)
 
 
 def test_ring_walkthrough_pdb_recipe():

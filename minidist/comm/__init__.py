@@ -37,6 +37,7 @@ every entry point calls it. It never imports cupy. Tests: tests/test_comm.py.
 import atexit
 import faulthandler
 import os
+import sys
 
 import mpi4py
 
@@ -97,6 +98,8 @@ def init(algo="ring", timeout=None, sync_comm=None):
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
             watchdog.start(timeout)
+            if not os.environ.get("PYTHONBREAKPOINT"):   # breakpoint(): on any rank
+                sys.breakpointhook = debug.breakpoint_here
         atexit.register(_finish)
         _state["initialised"] = True
     return ProcessGroup.world(algo, sync_comm)

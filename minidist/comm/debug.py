@@ -148,16 +148,32 @@ def install_abort_handler():
                                                            args.exc_traceback)
 
 
-def breakpoint_on(rank, port_base=None):
-    """Stop COMM_WORLD rank `rank` in pdb here; other ranks go on (until they need it).
+def breakpoint_on(rank, port_base=None, frame=None):
+    """Stop COMM_WORLD rank `rank` in pdb here (in `frame`, default the caller's); other
+    ranks go on (until they need it).
 
     Rank 0 reads the terminal mpiexec forwards; any other rank listens on 127.0.0.1 at port
     `port_base + rank` (MINIDIST_PDB_PORT, default 4444) and waits for
     `python -m minidist.comm.attach PORT` to attach. The pdb is minidist/comm/rankpdb.py's
-    RankPdb: `q` ends the whole job, `cl` asks on that console."""
+    RankPdb: `q` ends the whole job, `cl` asks on that console. Under the watchdog's timeout
+    it says first how long the others will wait (walk 43 lost a session at it, unwarned)."""
     if MPI.COMM_WORLD.Get_rank() != rank:
         return
     # imported here, not at the top: `python -m minidist.comm.rankpdb` needs it unimported
     from minidist.comm.rankpdb import debugger_for
-    debugger_for(rank, port_base).set_trace(sys._getframe().f_back)
+    debugger = debugger_for(rank, port_base)
+    if watchdog.timeout_s() > 0:
+        debugger.message(f"[rank {rank}] note: the other ranks end the job once they wait "
+                         f"{watchdog.timeout_s():g} s for this one; MINIDIST_COMM_TIMEOUT=0 "
+                         "lets you step for as long as you like (python -m "
+                         "minidist.comm.rankpdb sets it)")
+    debugger.set_trace(frame or sys._getframe().f_back)
+
+
+def breakpoint_here(*args, **kwargs):
+    """sys.breakpointhook on a job of several ranks (comm.init, where PYTHONBREAKPOINT is
+    unset): the builtin breakpoint() stops this rank in breakpoint_on's pdb. Plain pdb read
+    a stdin that mpiexec gives rank 0 alone: breakpoint() on rank 1 showed a prompt that
+    nothing could answer (first-use walk 43)."""
+    breakpoint_on(MPI.COMM_WORLD.Get_rank(), frame=sys._getframe().f_back)
 

@@ -28,6 +28,7 @@ import bdb
 import builtins
 import os
 import pdb
+import signal
 import socket
 import sys
 
@@ -107,9 +108,10 @@ def run_script(path, args, rank, port_base=None):
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     scope = {"__name__": "__main__", "__file__": path, "__builtins__": builtins}
-    if MPI.COMM_WORLD.Get_rank() != rank:
-        exec(code, scope)
-        return
+    if MPI.COMM_WORLD.Get_rank() != rank:   # Ctrl-C reaches every rank: here it breaks
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # into pdb on `rank` alone (walk 43:
+        exec(code, scope)                 # the others died of it at the next `c`); a script's
+        return                            # own handler still wins (train_gpt.py's)
     os.environ.setdefault("MINIDIST_SYNC_COMM", "1")
     debugger = debugger_for(rank, port_base)
     debugger.run(code, scope)
@@ -126,6 +128,7 @@ def main(argv=None):
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     a = p.parse_args(argv)
     os.environ.setdefault("MINIDIST_COMM_TIMEOUT", "0")   # before init() starts the watchdog
+    os.environ.setdefault("MINIDIST_COMM_WAIT", "poll")   # the waiting ranks nap, not spin
     comm.init()      # MPI_Init and the abort hooks; the script's own init() finds them done
     size = MPI.COMM_WORLD.Get_size()
     if not os.path.isfile(a.script):

@@ -134,6 +134,11 @@ def watching():
     return _state["thread"] is not None
 
 
+def timeout_s():
+    """The collective timeout the watchdog holds waits to (0: none, or not watching)."""
+    return _state["timeout"] if watching() else 0.0
+
+
 def stop():
     """Stop the thread and free its communicator (before MPI_Finalize)."""
     if _state["thread"] is not None:

@@ -11,7 +11,7 @@
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit  # rank 1
                                                             # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
-    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
+    mpiexec -n 2 python tests/scripts/comm_small.py breakpoint   # (or builtin: breakpoint())
     python -m minidist.comm.attach 4445          # in a second terminal: pdb on rank 1
     mpiexec -n 2 python tests/scripts/comm_small.py finish --device cuda   # cupy buffers
 
@@ -85,9 +85,18 @@ elif mode == "finish":
 elif mode == "log":
     world.all_reduce(xp.ones(7, xp.float32))
     world.broadcast(xp.ones(3), root=1)
-elif mode == "breakpoint":
+elif mode == "handlers":     # under rankpdb: what Ctrl-C does on each rank, and the waits
+    import signal
+    from minidist.comm import progress
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    print(f"rank {world.rank} SIGINT ignored {ignored}, wait {progress.wait_policy()}",
+          flush=True)
+elif mode in ("breakpoint", "builtin"):
     from minidist.comm import debug
     buf = xp.full(4, world.rank + 1.0)
-    debug.breakpoint_on(1)   # rank 1 serves pdb on MINIDIST_PDB_PORT + 1
+    if mode == "breakpoint":
+        debug.breakpoint_on(1)   # rank 1 serves pdb on MINIDIST_PDB_PORT + 1
+    elif world.rank == 1:
+        breakpoint()             # the builtin: comm.init's hook serves it the same way
     world.all_reduce(buf)
     print(f"rank {world.rank} done {buf[0]}")
