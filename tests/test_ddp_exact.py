@@ -6,6 +6,7 @@ The exactness checks run tests/scripts/ddp_check.py, which batches many comparis
 mpiexec start; each test's docstring gives the command to run it by hand.
 """
 import json
+import re
 
 import pytest
 
@@ -86,10 +87,28 @@ def test_a_rank_that_skips_a_step_is_named_in_debug_mode(mpi):
     raises on every rank, naming the counts:
 
         MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py
-    """
+        MINIDIST_DEBUG=1 mpiexec -n 2 python tests/scripts/ddp_skip.py --skip backward \
+            [--mode bucketed]
+
+    A rank that swallows only its backward is named too (first-use walk 43: its zeros were
+    averaged in without a word)."""
     out = mpi(2, "tests/scripts/ddp_skip.py", timeout=60, check=False,
               env=mpi_env(MINIDIST_DEBUG="1"))
     assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
     assert "CollectiveMismatch: DDP: the ranks ran different numbers of forwards since " \
         "the last sync_grads (rank 0: 1; rank 1: 2): a rank skipped the rest of a step " \
         "after its forward" in out.stderr, out.stderr[-2000:]
+    out = mpi(2, "tests/scripts/ddp_skip.py", "--skip", "backward", "--mode", "bucketed",
+              timeout=60, check=False, env=mpi_env(MINIDIST_DEBUG="1"))
+    assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
+    assert re.search(r"CollectiveMismatch: DDP: the ranks' backwards since the last "
+                     r"sync_grads completed different numbers of parameter gradients "
+                     r"\(rank 0: \d+; rank 1: 0\) after as many forwards: a rank skipped a "
+                     r"backward", out.stderr), out.stderr[-2000:]
+    out = mpi(2, "tests/scripts/ddp_skip.py", "--skip", "backward", timeout=60, check=False,
+              env=mpi_env(MINIDIST_DEBUG="1"))          # overlapped: the buckets' own check
+    assert out.returncode != 0 and "NOT caught" not in out.stdout, out.stdout
+    assert re.search(r"CollectiveMismatch: group 'world': ranks disagree on the next "
+                     r"collective: ranks \[0\] called #\d+ all_reduce avg\(count=\d+, float32\); "
+                     r"ranks \[1\] called #\d+ all_gather_object\(\)", out.stderr), \
+        out.stderr[-2000:]

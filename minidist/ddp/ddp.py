@@ -88,6 +88,7 @@ class DataParallelNaive:
         self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
         self.unsynced = False         # a backward outside no_sync() since the last sync
         self.forwards = 0             # forwards that build a graph since the last sync
+        self.grads_done = 0           # and parameter gradients backward completed (hooks)
         self._hooks = [p.register_grad_hook(self._backward_ran) for p in self.params]
         broadcast_parameters(self.params, group)
 
@@ -118,6 +119,7 @@ class DataParallelNaive:
     def _backward_ran(self, p):
         """Autograd hook: a backward reached `p`; outside no_sync() its gradients now wait
         for sync_grads()."""
+        self.grads_done += 1
         if self.sync_enabled:
             self.unsynced = True
 
@@ -154,17 +156,28 @@ class DataParallelNaive:
             self.check_same_forwards()
         self._sync()
         self.unsynced = False
-        self.forwards = 0
+        self.forwards = self.grads_done = 0
         self.last_sync_s = time.perf_counter() - start
 
     def check_same_forwards(self):
         """Debug mode (MINIDIST_DEBUG=1): every rank ran as many forwards since the last
-        sync, or CollectiveMismatch on every rank, naming who ran how many. First-use walk
-        37: a rank that caught an exception after its forward and skipped the rest of the
-        step (`continue`) had its next step's gradients averaged with the others' current
-        ones, the same collectives in the same order, and the replicas drifted apart
-        without a word. One all_gather_object a step, only in debug mode."""
-        counts = ranks_by_value(self.group.all_gather_object(self.forwards))
+        sync, and as many backwards (parameter gradients completed), or CollectiveMismatch on
+        every rank, naming who ran how many. First-use walk 37: a rank that caught an
+        exception after its forward and skipped the rest of the step (`continue`) had its
+        next step's gradients averaged with the others' current ones, the same collectives
+        in the same order, and the replicas drifted apart without a word; walk 43's rank
+        that swallowed its backward averaged zeros in. One all_gather_object a step, only in
+        debug mode."""
+        both = self.group.all_gather_object((self.forwards, self.grads_done))
+        counts = ranks_by_value([f for f, _ in both])
+        grads = ranks_by_value([g for _, g in both])
+        if len(counts) == 1 and len(grads) > 1:             # (walk 43: a swallowed backward)
+            raise debug.CollectiveMismatch(
+                "DDP: the ranks' backwards since the last sync_grads completed different "
+                "numbers of parameter gradients (" + "; ".join(
+                    f"{ranks_text(r)}: {n}" for n, r in grads.items()) + ") after as many "
+                "forwards: a rank skipped a backward (an exception caught around "
+                "loss.backward()?), and its zeros would be averaged in")
         if len(counts) > 1:
             raise debug.CollectiveMismatch(
                 "DDP: the ranks ran different numbers of forwards since the last sync_grads ("
