@@ -173,14 +173,16 @@ def test_collectives(nprocs, wait, tmp_path, mpi):
 
 @pytest.mark.mpi
 def test_trace_log_every_collective_and_step(mpi):
-    """MINIDIST_TRACE=2 logs each collective (seq, op, algo, group, dtype, bytes, times) and
-    each ring step. By hand:
+    """MINIDIST_TRACE=2 logs each collective (seq, op, algo, group, dtype, bytes, times),
+    the object ones too (first-use walk 43: their numbers were holes in the log), and each
+    ring step. By hand:
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log"""
     out = mpi(2, "tests/scripts/comm_small.py", "log", env=mpi_env(MINIDIST_TRACE=2))
     for rank in (0, 1):
         assert (f"[rank {rank}] #1 all_reduce algo=ring group=world dtype=float32 bytes=28"
                 in out.stderr), out.stderr
         assert f"[rank {rank}] #2 broadcast" in out.stderr
+        assert f"[rank {rank}] #3 all_gather_object group=world (Python objects)" in out.stderr
     assert "reduce-scatter step 0: chunk" in out.stderr and "all-gather step 0" in out.stderr
 
 

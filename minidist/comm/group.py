@@ -265,6 +265,8 @@ class ProcessGroup:
         watchdog.entered(self.key, op, self._seq)
         if debug.enabled():
             debug.check_same_call(self._coll, self.name, self._seq, op, 0, "", "", root)
+        if trace.logging():     # logged, not recorded: the events are the arrays' traffic
+            trace.log(f"#{self._seq} {op} group={self.name} (Python objects)")
         out = call(self._coll)
         watchdog.left(self.key, self._seq)
         return out

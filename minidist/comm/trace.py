@@ -67,6 +67,11 @@ def enabled():
     return _state["on"]
 
 
+def logging():
+    """True when every collective is logged to stderr (MINIDIST_TRACE=1 or 2)."""
+    return _state["log"]
+
+
 def log_steps():
     """True when every point-to-point step should be logged (MINIDIST_TRACE=2)."""
     return _state["steps"]

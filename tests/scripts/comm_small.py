@@ -85,6 +85,7 @@ elif mode == "finish":
 elif mode == "log":
     world.all_reduce(xp.ones(7, xp.float32))
     world.broadcast(xp.ones(3), root=1)
+    world.all_gather_object(world.rank)
 elif mode == "handlers":     # under rankpdb: what Ctrl-C does on each rank, and the waits
     import signal
     from minidist.comm import progress
