@@ -1,6 +1,9 @@
 """Expert parallelism, stepped through in one process: which tokens go to which rank.
 
     python examples/moe_walkthrough.py [--experts 4] [--ep 2] [--top-k 2] [--capacity 1.0]
+    python examples/moe_walkthrough.py --pdb     # stop before the experts run, rank by rank:
+    (Pdb) p sends                                # the all-to-all's rows, rank i to rank j
+    (Pdb) p routings[0].expert, routings[0].token   # rank 0's kept (expert, token) pairs
 
 A Mixture-of-Experts layer (minidist/nn/moe.py) routes a small batch; the batch's rows are cut
 over `--ep` ranks as data parallelism would (rank r holds rows r B/ep ..), and each rank holds
@@ -10,6 +13,7 @@ the experts rank by rank on what they would receive and checks the combined outp
 the layer's own forward on one process. Nothing here sends a message: the same arithmetic as
 minidist/ep/exchange.py, laid out so you can read it.
 """
+import pdb
 
 import numpy as np
 
@@ -29,6 +33,8 @@ def parse():
     p.add_argument("--capacity", type=float, default=1.0, help="capacity factor (0: no limit)")
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--tokens", type=int, default=6, help="tokens per sequence")
+    p.add_argument("--pdb", action="store_true",
+                   help="stop in pdb once every rank has routed, before the experts run")
     args = p.parse_args()
     # checked here, so a bad flag is named rather than surfacing as GPTConfig's ValueError
     if args.ep < 1:
@@ -99,6 +105,8 @@ def main():
         print(f"rank 0 sends {out0} rows in the dispatch and {in0} in the combine (the outputs "
               f"of the rows it received), the same again in backward: exchange_bytes = "
               f"{N - 1} x {per_rank} x 8 (counts) + 2 x ({out0} + {in0}) x C x itemsize\n")
+        if args.pdb:                  # routings, sends and probs in scope (the docstring)
+            pdb.set_trace()
         got = np.zeros((B * T, C))
         for r, rr in enumerate(routings):                           # experts on their ranks
             base = r * rows_per * T

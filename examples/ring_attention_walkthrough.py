@@ -2,6 +2,9 @@
 
     python examples/ring_attention_walkthrough.py                  # 4 ranks, T = 16, zig-zag
     python examples/ring_attention_walkthrough.py --split naive --row 15
+    python examples/ring_attention_walkthrough.py --pdb   # stop at each ring step's block:
+    (Pdb) p held, src, kp                      # who holds which block; the row's; positions
+    (Pdb) b attend_block                       # then c: into minidist/cp/ring.py's own
 
 Three tables: who holds which positions (zig-zag: chunks r and 2N-1-r of 2N; naive:
 contiguous), the causal tiles each rank computes (the naive split's imbalance), then the ring
@@ -12,6 +15,7 @@ its send and its receive (`mpiexec -n 4 python examples/train_gpt.py --cp 4`); t
 are slices here. Tested by tests/test_context_parallel.py (the same simulation, exact).
 """
 import math
+import pdb
 
 import numpy as np
 
@@ -41,7 +45,7 @@ def row_stats(q_row, k, q_pos, k_pos):
     return (s.max(), np.exp(s - s.max()).sum()) if s.size else None
 
 
-def walk(T, n, split, row, hs=4, seed=0):
+def walk(T, n, split, row, hs=4, seed=0, stop=False):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((T, hs)) for _ in range(3))   # one head, one sequence
     owner = next(r for r in range(n) if row in positions(T, n, r, split))
@@ -56,6 +60,8 @@ def walk(T, n, split, row, hs=4, seed=0):
         print(f"  step {step}: " + "  ".join(f"rank {r} holds kv{s}" for r, s in enumerate(held)))
         src = held[owner]
         kp = positions(T, n, src, split)
+        if stop:                       # --pdb: held, src, kp in scope; `s` steps into it
+            pdb.set_trace()
         attend_block(q[mine], layout(T, n, owner, split), np.stack([k[kp], v[kp]]),
                      layout(T, n, src, split), y, lse, block=2)
         stats = row_stats(q[row], k[kp], row, kp)
@@ -82,6 +88,8 @@ def main():
                    help="the ring to follow: zigzag (chunks r, 2N-1-r) or naive (contiguous)")
     p.add_argument("--row", type=int, default=None,
                    help="the query position to follow, 0 to T-1 (default: 13, or T-1 if T <= 13)")
+    p.add_argument("--pdb", action="store_true",
+                   help="stop in pdb at each ring step, before the owner's attend_block")
     args = p.parse_args()
     # both tables show both splits, so T must split into 2N chunks even for --split naive
     if args.ranks < 1:
@@ -94,7 +102,7 @@ def main():
         p.error(f"--row {args.row}: choose a query position from 0 to {args.T - 1}")
     show_layouts(args.T, args.ranks)
     show_balance(args.T, args.ranks, 2)
-    walk(args.T, args.ranks, args.split, args.row)
+    walk(args.T, args.ranks, args.split, args.row, stop=args.pdb)
 
 
 if __name__ == "__main__":

@@ -234,3 +234,21 @@ def test_ring_walkthrough_pdb_recipe():
     first = ", ".join(f"array([{r}., {r}., {r}., {r}., {r}.])" for r in (1, 2, 3))
     assert done.stdout.count(f"[{first}]") == 2 and "NameError" not in done.stdout, done.stdout
     assert "_ring_phase()" in done.stdout and "OK" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("script, lines, shows", [
+    ("examples/moe_walkthrough.py", ["p sends", "c"], "array([[11,  9],"),
+    ("examples/ring_attention_walkthrough.py", ["p held, src, kp", "b attend_block", "c",
+                                                "p q_pieces", "cl", "y", "c", "c", "c", "c"],
+     "([0, 1, 2, 3], 1, array([ 2,  3, 12, 13]))")])
+def test_the_walkthroughs_stop_in_pdb_where_their_docstrings_say(script, lines, shows):
+    """The MoE and ring-attention walkthroughs take --pdb as the ring and ZeRO ones do
+    (first-use walk 43 found none there), the names their docstrings print in scope:
+
+        python examples/moe_walkthrough.py --pdb
+        python examples/ring_attention_walkthrough.py --pdb
+    """
+    done = subprocess.run([sys.executable, script, "--pdb"], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True, input="\n".join(lines) + "\n")
+    assert shows in done.stdout and "Error" not in done.stdout, done.stdout
+    assert done.returncode == 0, done.stderr
