@@ -8,8 +8,9 @@ A sweep's logs each end with a summary row naming the run (`"run": {"flags": ...
 table shows only the flags whose values differ (those the runs share, where not at their
 defaults, are printed once, above it); the
 paths a run writes (--log-json, --save, --trace, ...) and its own BLAS threads are left out.
-Per run: the steps done of the schedule's, how it ended (finished, stopped by --stop-at or a
-signal, diverged, or no summary yet: still running or cut off), the final val loss, the best
+Per run: the steps done of the schedule's, how it ended (finished, stopped by --stop-at,
+diverged, or no summary: still running, or cut off by a kill or a signal, which write none;
+such a run's flags are unknown, "-"), the final val loss, the best
 val loss seen and at which step (the rows' "step" counts from 0: step 9 is the console's
 10/N), the last train loss and the median tokens/s. A resumed run's log holds a summary per
 part; the last one is the run's. The curves themselves: examples/plot.py.
@@ -25,7 +26,7 @@ from minidist.train.args import example_parser, train_parser
 # flags that say where a run writes or how it is launched, not what it computes
 NOT_COMPARED = ("log_json", "save", "resume", "trace", "cache_dir", "overwrite", "traceback",
                 "threads", "save_every", "keep", "log_every", "async_save", "stop_at",
-                "sample", "given")
+                "sample", "given", "peak_tflops")
 SORTS = ("best_val_loss", "val_loss", "last_loss", "tokens_per_s")
 
 
@@ -87,11 +88,12 @@ def differing(runs, defaults):
     """(the flags whose values differ between the runs, in the first run's order (and what
     a run's record adds: its data's digest); the flags every run shares, where that is not
     train_gpt.py's default, `defaults`)."""
+    known = [r for r in runs if r["flags"]] or runs     # (a run without a summary: unknown)
     names = []
-    for r in runs:
+    for r in known:
         names += [k for k in r["flags"] if k not in names]
-    values = {k: {json.dumps(r["flags"].get(k)) for r in runs} for k in names}
-    shared = {k: runs[0]["flags"].get(k) for k in names if len(values[k]) == 1}
+    values = {k: {json.dumps(r["flags"].get(k)) for r in known} for k in names}
+    shared = {k: known[0]["flags"].get(k) for k in names if len(values[k]) == 1}
     return ([k for k in names if len(values[k]) > 1],
             {k: v for k, v in shared.items() if k in defaults and v != defaults[k]})
 
@@ -110,7 +112,7 @@ def table(runs, keys):
     """The text table: run, the differing flags `keys`, then the results."""
     head = ["run", *keys, "steps", "ended", "val loss", "best val (step)", "last loss",
             "tokens/s"]
-    body = [[r["run"], *[_cell(r["flags"].get(k)) for k in keys],
+    body = [[r["run"], *[_cell(r["flags"].get(k)) if r["flags"] else "-" for k in keys],
              f"{r['steps']}/{_cell(r['schedule_steps'])}", r["ended"], _cell(r["val_loss"]),
              "-" if r["best_val_loss"] is None else
              f"{_cell(r['best_val_loss'])} ({r['best_val_step']})",

@@ -72,12 +72,17 @@ def test_the_json_rows_are_the_logs_numbers(sweep):
 
 
 def test_a_cut_off_log_is_read_and_a_file_that_is_no_log_is_one_error_line(sweep, tmp_path):
-    cut = tmp_path / "cut.jsonl"
+    cut = tmp_path / "killed.jsonl"
     rows = open(sweep["fast"]).read().splitlines()[:3]
     cut.write_text("\n".join(rows) + '\n{"step": 3, "lo')           # a kill -9 mid-row
     out = _run(cut, "--json")
     run, = [json.loads(line) for line in out.stdout.splitlines()]
     assert run["ended"] == "no summary (running, or cut off)" and run["steps"] == 3
+    out = _run(cut, *sweep.values())            # beside finished runs: its flags unknown
+    head, = [line for line in out.stdout.splitlines() if line.startswith("run ")]
+    row, = [line for line in out.stdout.splitlines() if "no summary" in line]
+    assert head.split()[:3] == ["run", "lr", "beta2"] and row.split()[:4] == \
+        ["killed", "-", "-", "3/-"], out.stdout
     bad = tmp_path / "notes.jsonl"
     bad.write_text("my notes\n{}\n")
     out = _run(bad)

@@ -170,16 +170,18 @@ def test_attach_clear_asks_on_the_console():
 def test_the_builtin_breakpoint_on_rank_1_is_served_to_the_attach_console():
     """breakpoint() on rank 1 showed a (Pdb) prompt that read a stdin mpiexec feeds rank 0
     alone: the job hung (first-use walk 43). comm.init makes it breakpoint_on's pdb, served
-    as `debug.breakpoint_on(1)` is, stopped in the caller's frame. By hand:
+    as `debug.breakpoint_on(1)` is, stopped in the caller's frame; a second breakpoint()
+    reuses the console (a second server on the port ended the job: review 43). By hand:
 
         mpiexec -n 2 python tests/scripts/comm_small.py builtin
         python -m minidist.comm.attach 4445          # in a second terminal
     """
     console, rc, out, err = attach_to_rank1(["tests/scripts/comm_small.py", "builtin"],
-                                            ["p buf", "c"], port_offset=4)
+                                            ["p buf", "c", "p buf", "c"], port_offset=4)
     assert "comm_small.py" in console and "-> world.all_reduce(buf)" in console and \
         "array([2., 2., 2., 2.])" in console, (console, err)       # stopped in the script
-    assert rc == 0 and "rank 0 done 3.0" in out and "rank 1 done 3.0" in out, (out, err)
+    assert "array([3., 3., 3., 3.])" in console, (console, err)    # again, the same console
+    assert rc == 0 and "rank 0 done 6.0" in out and "rank 1 done 6.0" in out, (out, err)
 
 
 @pytest.mark.mpi

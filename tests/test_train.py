@@ -255,3 +255,20 @@ def test_the_rows_give_the_models_flops_per_rank_and_mfu_against_a_peak(corpus, 
         flops = row["model_tflops"] * 1e12 * row["ms_per_step"] / 1e3
         assert flops == pytest.approx(model_flops(config, 4, 16), rel=1e-9)
         assert row["mfu"] == pytest.approx(row["model_tflops"] / 0.05, rel=1e-12)
+
+
+def test_a_checkpoint_that_records_no_runs_flags_keeps_its_optimizer_and_says_so(
+        corpus, tmp_path, device, capsys):
+    """One of your own loop's checkpoints records no run's flags: a resume keeps the
+    optimizer settings it saved, and says which given flags it did not apply (review 43:
+    --weight-decay 5 was dropped without a word)."""
+    train(_args(device, corpus, tmp_path, "--steps", "4", "--stop-at", "2", "--eval-every",
+                "0", "--save", str(tmp_path / "ck")))
+    params, opt_sd, meta = checkpoint.load(tmp_path / "ck")
+    meta["extra"] = {}                                   # as a library save writes it
+    checkpoint.save(tmp_path / "own", params, opt_sd, meta)
+    capsys.readouterr()
+    train(_args(device, corpus, tmp_path, "--steps", "4", "--eval-every", "0", "--resume",
+                str(tmp_path / "own"), "--weight-decay", "5", "--beta2", "0.99"))
+    assert ("records no run's flags (a checkpoint of your own loop?): its optimizer keeps "
+            "the settings it saved, not --weight-decay, --beta2") in capsys.readouterr().out

@@ -98,7 +98,8 @@ def init(algo="ring", timeout=None, sync_comm=None):
         install_abort_handler()
         if MPI.COMM_WORLD.Get_size() > 1:
             watchdog.start(timeout)
-            if not os.environ.get("PYTHONBREAKPOINT"):   # breakpoint(): on any rank
+            if (not os.environ.get("PYTHONBREAKPOINT")           # breakpoint(): on any rank,
+                    and sys.breakpointhook is sys.__breakpointhook__):   # unless a debugger's
                 sys.breakpointhook = debug.breakpoint_here
         atexit.register(_finish)
         _state["initialised"] = True

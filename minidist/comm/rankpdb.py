@@ -38,6 +38,7 @@ from mpi4py import MPI   # after minidist.comm, which decides when MPI is initia
 
 DEFAULT_PORT = 4444
 _open = []   # the served rank's socket and files: kept, collecting them would trip the tracer
+_debuggers = {}   # rank -> its RankPdb (debugger_for)
 
 
 class RankPdb(pdb.Pdb):
@@ -85,9 +86,17 @@ def end_job(rank):
 
 def debugger_for(rank, port_base=None):
     """A RankPdb on the terminal (rank 0, which mpiexec gives stdin) or, for any other rank,
-    on a TCP connection from `python -m minidist.comm.attach`, waited for here."""
-    if rank == 0:
-        return RankPdb(rank)
+    on a TCP connection from `python -m minidist.comm.attach`, waited for here. One per rank
+    for the process: a second breakpoint (a breakpoint() in a loop) reuses the first's
+    console (a second server on its port failed, "Address already in use", and the abort
+    handler ended the job: review 43)."""
+    if rank not in _debuggers:
+        _debuggers[rank] = RankPdb(rank) if rank == 0 else _served(rank, port_base)
+    return _debuggers[rank]
+
+
+def _served(rank, port_base):
+    """A RankPdb on the connection an attach console makes to 127.0.0.1:port_base + rank."""
     base = port_base or int(os.environ.get("MINIDIST_PDB_PORT", DEFAULT_PORT))
     server = socket.create_server(("127.0.0.1", base + rank))
     sys.stderr.write(f"[rank {rank}] waiting for a debugger: "

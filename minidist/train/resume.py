@@ -29,6 +29,8 @@ _MUST_MATCH = ("seed", "batch_size", "weight_decay", "beta1", "beta2", "grad_cli
 # flags that split the same global batch otherwise: the same numbers up to rounding (walk 35:
 # "grad_accum changed, so the run will differ" on a resume equal to 8.9e-16), another memory
 _SAME_BATCH = ("grad_accum",)
+# the flags a resumed optimizer takes (set_hyperparameters), over a run's checkpoint only
+OPTIMIZER = ("weight_decay", "beta1", "beta2")
 _SCHEDULE = ("steps", "lr", "min_lr", "warmup", "lr_schedule", "decay_steps")
 
 
@@ -131,7 +133,12 @@ def resume_run(args, strategy, log, model, opt):
     if saved:       # a run's checkpoint: its settings are this run's flags (RUN_RESUMED took
         opt.set_hyperparameters(flags)   # the run's where not given; a resume given
     # --weight-decay 0.5 trained on with the checkpoint's 0.1, its line saying it changed).
-    # One of your own loop's, which records no flags, keeps the settings it saved.
+    # One of your own loop's, which records no flags, keeps the settings it saved: said so
+    kept = [] if saved or args.eval_only else [f"--{k.replace('_', '-')}" for k in OPTIMIZER
+                                               if k in getattr(args, "given", [])]
+    if kept:
+        log.print0(f"note: {args.resume} records no run's flags (a checkpoint of your own "
+                   f"loop?): its optimizer keeps the settings it saved, not {', '.join(kept)}")
     changed = [k for k in _MUST_MATCH if k in saved and saved[k] != ours[k]]
     other_tokens = _other_contents(saved, ours)
     changed += ["data (the same path, other contents)"] if other_tokens else []

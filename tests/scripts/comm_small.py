@@ -95,9 +95,10 @@ elif mode == "handlers":     # under rankpdb: what Ctrl-C does on each rank, and
 elif mode in ("breakpoint", "builtin"):
     from minidist.comm import debug
     buf = xp.full(4, world.rank + 1.0)
-    if mode == "breakpoint":
-        debug.breakpoint_on(1)   # rank 1 serves pdb on MINIDIST_PDB_PORT + 1
-    elif world.rank == 1:
-        breakpoint()             # the builtin: comm.init's hook serves it the same way
-    world.all_reduce(buf)
+    for _ in range(1 if mode == "breakpoint" else 2):   # builtin: stops twice, one console
+        if mode == "breakpoint":
+            debug.breakpoint_on(1)   # rank 1 serves pdb on MINIDIST_PDB_PORT + 1
+        elif world.rank == 1:
+            breakpoint()             # the builtin: comm.init's hook serves it the same way
+        world.all_reduce(buf)
     print(f"rank {world.rank} done {buf[0]}")
