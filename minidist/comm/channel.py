@@ -32,8 +32,10 @@ class Channel:
         """Send `sendbuf` to `dest` while receiving `recvbuf` from `source` (either may be
         MPI.PROC_NULL). Both at once, so a ring of blocking calls cannot deadlock: MPI_Sendrecv,
         written as Irecv + Isend + wait so that the wait can be polite. (`wire`: bfloat16
-        travels as its uint16 view; the caller adds the bfloat16 arrays.)"""
-        device_ready(sendbuf)
+        travels as its uint16 view; the caller adds the bfloat16 arrays.) The device first:
+        queued kernels may still write `sendbuf`, or read `recvbuf` (a reused scratch, which
+        a CUDA-aware MPI would write under them: review 43)."""
+        device_ready(sendbuf, recvbuf)
         wait_all([self.comm.Irecv(wire(recvbuf), source, COLL_TAG),
                   self.comm.Isend(wire(sendbuf), dest, COLL_TAG)])
         sent = sendbuf.nbytes if dest != MPI.PROC_NULL else 0
@@ -50,6 +52,7 @@ class Channel:
             trace.log(f"{self.op} {note}: sent {buf.nbytes} B to {dest}")
 
     def recv(self, buf, source, note=""):
+        device_ready(buf)             # (queued kernels may still read it: sendrecv's note)
         wait_all([self.comm.Irecv(wire(buf), source, COLL_TAG)])
         if trace.log_steps():
             trace.log(f"{self.op} {note}: received {buf.nbytes} B from {source}")
