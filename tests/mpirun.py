@@ -190,3 +190,10 @@ def tagged_json(result, tag="RESULT"):
     """The JSON objects a rank script printed as `TAG {json}` lines, in order."""
     return [json.loads(line[len(tag) + 1:]) for line in result.stdout.splitlines()
             if line.startswith(tag + " ")]
+
+
+def within(row, tol):
+    """Whether an exactness row (a RESULT of tests/scripts/*_check.py) holds its loss, norm
+    and parameter differences each below `tol`; a NaN difference is not (each compared on
+    its own: max() of them dropped a NaN, review 41)."""
+    return all(row[k] < tol for k in ("loss_diff", "norm_diff", "param_diff"))
