@@ -97,6 +97,8 @@ BAD_FLAGS = [
     (["--keep", "3"], "--keep 3: sets the checkpoints kept under --save, which this run does "
      "not use (add --save DIR, or leave --keep out)"),
     (["--save-every", "5"], "--save-every 5: sets steps between checkpoints"),
+    (["--keep-best"], "--keep-best: sets whether the best val loss's checkpoint is kept under "
+     "--save, which this run does not use (add --save DIR, or leave --keep-best out)"),
     (["--overwrite"], "--overwrite: sets whether --save may replace another run's"),
     (["--bucket-mb", "0"], "--bucket-mb 0.0: the DDP bucket size must be positive"),
     (["--n-embd", "130"], "--n-embd 130 does not split into --n-head 4 heads"),

@@ -9,18 +9,22 @@ checkpoint that --resume finds.
                               save removes it once its process is gone, and any .old-* an
                               older minidist left)
     DIR/.lock                 while a run saves here: its flock (hold / release), naming it
+    DIR/best                  --keep-best: the folder of the lowest val loss the run measured
+                              (minidist/strategy/best_checkpoint.py), which prune keeps
 
 A save: begin(DIR) makes the temporary folder (mode from the user's umask, not mkdtemp's
 0700); the writers fill it; commit(tmp, DIR, step) renames it to the next numbered folder
 (step-<step>, or step-<step>.<n> when that step was saved before), fsyncs DIR and points
 `latest` at it. prune(DIR, keep) then removes all but the newest `keep` folders, never the
-one `latest` names (and, for an --overwrite run, any past its step: the run it replaces).
+one `latest` names, nor `also` (the best one's; an --overwrite run removes any past its step,
+the run it replaces, whatever they are).
 A kill at any point leaves the old pointer and its folder, or the new.
 
-resolve(path) finds the checkpoint to read: `path` itself when it is one (manifest.json), else
-the folder `latest` names, else the newest numbered folder (a save killed between its rename
-and the pointer). resume_dir(resume, save) is --resume, "auto" included: --save's newest
-checkpoint if it holds one, else None (start fresh), so a requeued job reruns one command.
+resolve(path) finds the checkpoint to read: `path` itself when it is one (manifest.json), the
+folder a `latest` or `best` file given by its path names, else the folder `latest` names,
+else the newest numbered folder (a save killed between its rename and the pointer).
+resume_dir(resume, save) is --resume, "auto" included: --save's newest checkpoint if it
+holds one, else None (start fresh), so a requeued job reruns one command.
 check_save(save, resume, overwrite) refuses, before any work, a --save directory whose newest
 checkpoint is newer than where this run starts (a fresh run: any checkpoint), since this run's
 saves would replace it and prune would delete it; --overwrite allows it.
@@ -35,9 +39,9 @@ import shutil
 import socket
 import time
 
-LATEST, LOCK = "latest", ".lock"
+LATEST, BEST, LOCK = "latest", "best", ".lock"
 _NUMBERED = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
-_OURS = re.compile(r"^(latest|\.lock|\.latest\.tmp-.*|\.tmp-.*|\..*\.(tmp|old)-.*|\.old-.*)$")
+_OURS = re.compile(r"^(latest|best|\.lock|\.latest\.tmp-.*|\.tmp-.*|\..*\.(tmp|old)-.*|\.old-.*)$")
 
 
 class CheckpointError(ValueError):
@@ -63,13 +67,13 @@ def numbered(directory):
     return [name for _, name in sorted(found)]
 
 
-def read_latest(directory):
-    """The folder name `latest` holds, or None without one."""
-    path = os.path.join(directory, LATEST)
+def read_latest(directory, pointer=LATEST):
+    """The folder name `latest` (or the `pointer` file, `best`) holds, or None without one."""
+    path = os.path.join(directory, pointer)
     if not os.path.isfile(path):
         return None
     with open(path, errors="replace") as f:       # (bytes not UTF-8: a traceback per rank
-        name = f.read().strip()                   # before first-use walk 37)
+        name = f.readline().strip()               # before first-use walk 37; best: line 1)
     if not _NUMBERED.match(name):
         left = numbered(directory)[-3:]
         raise CheckpointError(f"{path}: {name!r} is not a checkpoint folder name (edited?); " + (
@@ -87,20 +91,21 @@ def has_checkpoint(directory):
 def resolve(path, flag="--resume"):
     """The checkpoint folder to read for `path`: a checkpoint, a --save directory, or the
     `latest` file in one (the folder it names). `flag`: the flag the errors name."""
-    path = os.fspath(path)
-    if os.path.basename(os.path.normpath(path)) == LATEST and os.path.isfile(path):
-        path = os.path.dirname(os.path.normpath(path)) or "."     # DIR/latest: DIR's newest
+    path, pointer = os.fspath(path), LATEST
+    if os.path.basename(os.path.normpath(path)) in (LATEST, BEST) and os.path.isfile(path):
+        pointer = os.path.basename(os.path.normpath(path))      # DIR/latest: DIR's newest;
+        path = os.path.dirname(os.path.normpath(path)) or "."   # DIR/best: its best one
     if not os.path.isdir(path):
         raise CheckpointError(f"{flag} {path}: no such checkpoint directory")
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
-    name = read_latest(path)
+    name = read_latest(path, pointer)
     if name is not None:
         if not os.path.isdir(os.path.join(path, name)):
             left = [os.path.join(path, n) for n in numbered(path)[-3:]]
-            pointer = os.path.join(path, LATEST)
+            said, pointer = pointer, os.path.join(path, pointer)
             raise CheckpointError(
-                f"{flag} {path}: {LATEST} names {name}, which is missing; " + (
+                f"{flag} {path}: {said} names {name}, which is missing; " + (
                     f"remove {pointer} (then {path} means its newest, {left[-1]}), or resume "
                     f"from one by its path: {', '.join(left)}" if left else
                     f"no checkpoint is left in it: remove {pointer} to start afresh there, or "
@@ -211,7 +216,7 @@ def begin(directory, step=None, overwrite=False):
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name not in (LATEST, LOCK) and _OURS.match(name) and left_behind(path):
+        if name not in (LATEST, BEST, LOCK) and _OURS.match(name) and left_behind(path):
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else \
                 _remove_if_there(path)
     tmp = os.path.join(directory, temporary_name())
@@ -370,12 +375,13 @@ def commit(tmp, directory, step):
     return os.path.join(directory, name)
 
 
-def prune(directory, keep, replacing=False):
+def prune(directory, keep, replacing=False, also=None):
     """Remove all but the newest `keep` numbered folders (0: keep all); the one `latest`
-    names always stays. `replacing` (a run with --overwrite, which replaces the run that
-    saved here): also every folder of a step past latest's, whatever `keep`, since they are
-    that run's, and counted as the newest they would outlive this run's own. Without it
-    those stay (a `latest` set back by hand, a save killed before its pointer moved).
+    names always stays, and so does `also` (a folder name: --keep-best's, not counted in
+    `keep`). `replacing` (a run with --overwrite, which replaces the run that saved here):
+    also every folder of a step past latest's, whatever `keep` or `also`, since they are that
+    run's, and counted as the newest they would outlive this run's own. Without it those
+    stay (a `latest` set back by hand, a save killed before its pointer moved).
     Returns the names removed."""
     if not os.path.isdir(directory):
         return []
@@ -383,7 +389,7 @@ def prune(directory, keep, replacing=False):
     folders = numbered(directory)
     past = [n for n in folders if replacing and latest is not None
             and step_of(n) > step_of(latest)]
-    others = [n for n in folders if n != latest and n not in past]
+    others = [n for n in folders if n not in (latest, also) and n not in past]
     stay = keep - 1 if latest is not None else keep
     gone = past + (others[:max(len(others) - stay, 0)] if keep else [])
     for name in gone:

@@ -14,25 +14,7 @@ import sys
 
 from minidist.launcher import launcher_rank
 from minidist.train.cli import device_problem
-
-
-class Given(argparse.Action):
-    """Stores the flag's value and notes that it was given (`args.given`, a sorted list of
-    names), so --init-from can tell a size the user typed from its default."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.given = sorted({*getattr(namespace, "given", []), self.dest})
-
-
-class GivenFalse(Given):
-    """`store_false`, noted as given."""
-
-    def __init__(self, option_strings, dest, default=True, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, False, option_string)
+from minidist.train.given import Given, GivenFalse, GivenSwitch
 
 
 def add_model_args(p):
@@ -267,6 +249,10 @@ def add_train_args(p):
     g.add_argument("--keep", type=int, default=1, metavar="K", action=Given,
                    help="numbered checkpoint folders kept under --save (the newest K; 0: "
                    "all; --resume: the run's unless given)")
+    g.add_argument("--keep-best", action=GivenSwitch, default=False,
+                   help="also keep the checkpoint of the lowest val loss, named by DIR/best "
+                   "(--resume DIR/best; a checkpoint is saved at every evaluation); "
+                   "--resume: the run's unless given")
     g.add_argument("--overwrite", action="store_true",
                    help="--save into a DIR holding checkpoints of another (or a newer) run: "
                    "this run's saves then replace them (its folders of later steps too, "

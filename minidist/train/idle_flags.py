@@ -42,7 +42,8 @@ def idle_flags(args, replicas=None, ranks=None):
             ("async_save", "whether checkpoints are written on a thread while training "
              "goes on"),
             ("trace", "the file the training's collectives are traced to"),
-            ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"))]
+            ("keep", "the checkpoints kept"), ("overwrite", "whether --save may replace"),
+            ("keep_best", "whether the best val loss's checkpoint is kept"))]
         if args.attention == "recompute":
             idle.append(("--attention", "what the attention's backward recomputes", drop))
         if "dropout" in getattr(args, "given", []):   # (a checkpoint's, taken, is no flag)
@@ -80,7 +81,9 @@ def idle_flags(args, replicas=None, ranks=None):
         idle += [("--save-every", "steps between checkpoints", "add --save DIR"),
                  ("--keep", "the checkpoints kept under --save", "add --save DIR"),
                  ("--async-save", "whether checkpoints are written on a thread while "
-                  "training goes on", "add --save DIR")]
+                  "training goes on", "add --save DIR"),
+                 ("--keep-best", "whether the best val loss's checkpoint is kept under "
+                  "--save", "add --save DIR")]
     if not args.save and not args.log_json:
         idle.append(("--overwrite", "whether --save may replace another run's checkpoints "
                      "(and --log-json another run's log)", "add --save DIR"))

@@ -76,7 +76,7 @@ def take_init_from_sizes(args):
     """--init-from DIR (module docstring): the model's sizes become DIR's (--n-layer,
     --n-head, --n-embd, biases, --arch, --n-kv-head, --rope-theta, --ffn-hidden; a
     checkpoint's --moe-* too) and --block-size at most its positions, so every later check
-    sees them; one of these given (args.given: args.py's Given) with another value, or
+    sees them; one of these given (args.given: minidist/train/given.py) with another value, or
     --moe-experts for a folder (a dense model), is refused. Reads config.json or the
     checkpoint's record only. A checkpoint's tokenizer becomes --tokenizer unless given."""
     folder = getattr(args, "init_from", None)

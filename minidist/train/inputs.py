@@ -96,7 +96,7 @@ RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr
 # how the run saves and logs, which a resume takes from its run too unless given (first-use
 # walk 41: `--resume ck --steps N` fell back to --keep 1 and removed the checkpoints the run
 # had kept with --keep 100, without a word)
-RUN_SAVING = ("keep", "save_every", "log_every", "peak_tflops")
+RUN_SAVING = ("keep", "keep_best", "save_every", "log_every", "peak_tflops")
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",

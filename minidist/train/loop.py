@@ -256,7 +256,7 @@ def _train(args, world):
             t_aside += time.perf_counter() - t_eval_from
         if saving:    # every rank's host copies now; the files on a thread with --async-save
             folder = saves.save(model, opt, step, _run_state(model),
-                                background=args.async_save)
+                                background=args.async_save, val_loss=val_loss if evals else None)
             if not (args.async_save or last) and strategy.any_rank(signals.is_set()):
                 _stop(args, saves, strategy, log, model, opt, step, signals, saved=True,
                       folder=folder)

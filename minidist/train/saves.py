@@ -18,13 +18,17 @@ the end of the run (the last step's save is committed before the final summary a
 A write that fails on any rank is one CheckpointError on every rank at that commit, naming
 the --save directory (the run stops: exit 2), and `latest` still names the checkpoint before.
 claim_save, before step 0: the run's hold on --save (its .lock) and every rank seeing it.
-Tests: tests/test_async_save.py, tests/test_cli_ranks.py.
+--keep-best: at each commit of a save that followed its step's evaluation, world rank 0 points
+DIR/best at it when its val loss is the run's lowest yet, and prune keeps that folder too
+(minidist/strategy/best_checkpoint.py).
+Tests: tests/test_async_save.py, tests/test_cli_ranks.py, tests/test_keep_best.py.
 """
+import math
 import os
 import time
 
 from minidist.comm.checks import ranks_text
-from minidist.strategy import checkpoint_dirs, saving
+from minidist.strategy import best_checkpoint, checkpoint_dirs, saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.cli import UsageError
 from minidist.train.inputs import recorded_flags
@@ -38,13 +42,17 @@ class Saves:
     def __init__(self, args, strategy, log):
         self.args, self.strategy, self.log = args, strategy, log
         self.pending = None              # the save whose files are being written (async)
+        self.pending_val = None          # and the val loss of its step (None: not evaluated)
         self.seconds = 0.0
+        self.best = None                 # --keep-best, rank 0: (folder name, val loss)
+        self.committed = False           # whether this run committed a save yet
 
-    def save(self, model, opt, step, run_state, background=False, say=True):
+    def save(self, model, opt, step, run_state, background=False, say=True, val_loss=None):
         """Collective: save the state after `step` (0-based; `run_state`: the meta's "rng")
         as --save's next folder. `background`: write it on a thread and return None (a later
         commit says "saved step N"); else written and committed now: the folder on rank 0
-        (None elsewhere), said if `say`. Waits for a save still in flight first."""
+        (None elsewhere), said if `say`. `val_loss`: the step's, when it evaluated (a
+        --keep-best candidate). Waits for a save still in flight first."""
         self.finish()                    # at most one save in flight
         t = time.perf_counter()
         plan = self.strategy.save_plan(model, opt, step + 1, run_state,
@@ -53,12 +61,12 @@ class Saves:
                             overwrite=self.args.overwrite)
         if background:
             save.write_in_background()   # the writer thread: files only, no MPI
-            self.pending = save
+            self.pending, self.pending_val = save, val_loss
             self.seconds += time.perf_counter() - t
             return None
         save.write()
         self.seconds += time.perf_counter() - t
-        return self._commit(save, say)
+        return self._commit(save, say, val_loss)
 
     def commit_if_written(self):
         """At a step boundary, collective while a save is in flight: commit it if every
@@ -75,9 +83,9 @@ class Saves:
         """Collective: wait for the save in flight (if any) and commit it; its folder on rank
         0, else None."""
         save, self.pending = self.pending, None
-        return None if save is None else self._commit(save, say)
+        return None if save is None else self._commit(save, say, self.pending_val)
 
-    def _commit(self, save, say):
+    def _commit(self, save, say, val_loss):
         t = time.perf_counter()
         try:
             try:
@@ -87,14 +95,54 @@ class Saves:
                                       f"{checkpoint_dirs.kept(self.args.save)}") from None
             if self.strategy.rank == 0:  # older folders can go
                 args = self.args
-                gone = checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite)
+                best = self._keep_best(os.path.basename(folder), val_loss, say)
+                gone = checkpoint_dirs.prune(args.save, args.keep, replacing=args.overwrite,
+                                             also=self.best and self.best[0])
+                if self.best and self.best[0] in gone:   # the run --overwrite replaces
+                    best_checkpoint.drop(args.save)
+                    self.best = None
                 if say:                  # (several at once is news: walk 41 lost six)
                     self.log.print0(f"saved step {save.step} to {folder}" + (
-                        f"; removed {', '.join(gone)} (--keep {args.keep})"
-                        if len(gone) > 1 else ""))
+                        f" (the best val loss yet, {val_loss:.4f}: "
+                        f"{os.path.join(args.save, checkpoint_dirs.BEST)})" if best else "")
+                        + (f"; removed {', '.join(gone)} (--keep {args.keep})"
+                           if len(gone) > 1 else ""))
             return folder
         finally:
             self.seconds += time.perf_counter() - t
+
+    def _keep_best(self, name, val_loss, say):
+        """Rank 0, at a commit, before the prune: with --keep-best, point DIR/best at the
+        folder `name` if `val_loss` is the lowest this run has seen (True). At the run's first
+        commit, an earlier run's pointer is taken over by a resumed --keep-best run (when it
+        names a step up to the one resumed) and removed otherwise (the run --overwrite
+        replaces; --no-keep-best)."""
+        args = self.args
+        if not self.committed:
+            self.committed = True
+            earlier = best_checkpoint.read(args.save)
+            if args.keep_best and earlier and _resumed_within(args, earlier[0]):
+                self.best = earlier
+            elif best_checkpoint.drop(args.save) and say and not args.keep_best:
+                self.log.print0(f"note: removed {os.path.join(args.save, checkpoint_dirs.BEST)}"
+                                " (this run has --no-keep-best)")
+        if not args.keep_best or val_loss is None or not math.isfinite(val_loss):
+            return False
+        if self.best is not None and not val_loss < self.best[1]:
+            return False
+        best_checkpoint.mark(args.save, name, val_loss)
+        self.best = (name, val_loss)
+        return True
+
+
+def _resumed_within(args, name):
+    """Whether this run resumed from a checkpoint of --save at or past the step of its
+    folder `name` (so that folder's val loss is of this run's past)."""
+    if not args.resume:
+        return False
+    here = os.path.abspath(os.path.dirname(os.path.normpath(args.resume)))
+    return here == os.path.abspath(args.save) and \
+        checkpoint_dirs.step_of(name) <= checkpoint_dirs.step_of(args.resume)
 
 
 def claim_save(world, save):
