@@ -349,6 +349,11 @@ def test_a_resume_keeps_the_runs_checkpoints_and_cadence_unless_given(corpus, tm
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000008"]
     train(parsed("--steps", "12", "--keep", "0"))
     assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == 3   # 8, 10, 12
+    # resumed without --save: how it saved is not taken (it was refused, for a --keep 100
+    # nobody typed: "--keep 100: sets the checkpoints kept under --save, ..."); how it logs is
+    unsaved = train_parser().parse_args(bare[:-2] + ["--steps", "13"])
+    check_flags(unsaved)
+    assert (unsaved.keep, unsaved.save_every, unsaved.log_every) == (1, 0, 2)
 
 
 def test_a_resumed_log_takes_out_the_rows_a_cut_off_run_wrote_past_its_checkpoint(

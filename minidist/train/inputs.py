@@ -95,8 +95,10 @@ RUN_RESUMED = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "lr
 
 # how the run saves and logs, which a resume takes from its run too unless given (first-use
 # walk 41: `--resume ck --steps N` fell back to --keep 1 and removed the checkpoints the run
-# had kept with --keep 100, without a word)
+# had kept with --keep 100, without a word); the first three only when it saves (--save):
+# without, a run saved with --keep 3 resumed was refused for a --keep 3 nobody typed
 RUN_SAVING = ("keep", "keep_best", "save_every", "log_every", "peak_tflops")
+SAVES_ONLY = ("keep", "keep_best", "save_every")
 
 # the flags of the model a checkpoint holds (GPTConfig's fields), taken from it on --resume
 RESUMED = ("n_layer", "n_head", "n_embd", "block_size", "bias", "moe_experts", "moe_top_k",
@@ -295,6 +297,8 @@ def _take_resume_optimizer(args, folder, flags):
     if getattr(args, "eval_only", False):          # nothing steps: they stay unset
         return
     for name in ("muon_momentum", "muon_ns_steps") + RUN_RESUMED + RUN_SAVING:
+        if name in SAVES_ONLY and not args.save:
+            continue
         if name not in given and flags.get(name) is not None:
             setattr(args, name, flags[name])
 
