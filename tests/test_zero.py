@@ -191,3 +191,23 @@ def test_overlapped_parameter_gathers_equal_one_process(mpi):
         # how many gathers the next forward found still running is a measurement (4 of 5
         # here), not asserted: on shared cores all may finish first
         assert r["gathers_in_flight"] <= r["units"], r
+
+
+def test_the_summary_counts_overlapped_gathers_once_per_step(mpi):
+    """The run's last line gives the bytes a rank sent per step: ZeRO-1 sends a reduce-scatter
+    and an all-gather of the parameters, (N-1)/N Psi each, 2(N-1)/N = 1.50 x at 4 ranks, with
+    or without --overlap-param-gather (the same collectives, the gathers on a group of their
+    own, landing during the next step; the summary printed 1.80 x there until 2026-12):
+
+        mpiexec -n 4 python examples/train_gpt.py --zero 1 --overlap-param-gather \\
+            --steps 3 --n-layer 2 --n-embd 32 --block-size 32 --batch-size 8 --sample 0
+    """
+    flags = ["--zero", "1", "--steps", "3", "--n-layer", "2", "--n-embd", "32",
+             "--block-size", "32", "--batch-size", "8", "--eval-iters", "1", "--sample", "0"]
+    lines = []
+    for extra in ([], ["--overlap-param-gather"]):
+        out = mpi(4, "examples/train_gpt.py", *flags, *extra, timeout=120).stdout
+        line, = [s for s in out.splitlines() if s.startswith("ZeRO-1 over 4 ranks")]
+        lines.append(line)
+        assert "MiB of parameters (1.50 x; DDP sends 2(N-1)/N = 1.50 x)" in line, line
+    assert lines[0] == lines[1]
