@@ -154,3 +154,26 @@ def test_amp_ep2_follows_one_process(corpus, tmp_path, mpi):
     for log in (ep, zero):
         b = [r["loss"] for r in _rows(log) if "loss" in r]
         assert len(a) == len(b) == 3 and np.allclose(a, b, rtol=1e-3, atol=0)
+
+
+@pytest.mark.mpi
+def test_the_summary_counts_the_experts_gradient_traffic_over_their_replicas(mpi):
+    """ep 2 x dp 2: each expert has 2 replicas (edp), whose gradients are averaged over
+    them (DDP: all-reduced tensor by tensor; ZeRO: reduce-scattered, then the shards
+    all-gathered): 2(n-1)/n x the rank's expert bytes either way, which the ep summary line
+    gives beside the all-to-alls (no line counted them until 2026-12):
+
+        mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 \\
+            --steps 2 --n-layer 2 --n-embd 32 --block-size 32 --batch-size 8 --sample 0
+    """
+    L, C, E, ep, edp = 2, 32, 4, 2, 2
+    expert = C * 4 * C + 4 * C + 4 * C * C + C               # c_fc and c_proj, with biases
+    sent = 2 * (edp - 1) / edp * L * (E // ep) * expert * 4   # float32
+    flags = ["--moe-experts", E, "--ep", ep, "--dp", edp, "--steps", "2", "--n-layer", L,
+             "--n-embd", C, "--block-size", "32", "--batch-size", "8", "--eval-iters", "1",
+             "--sample", "0"]
+    for zero in ("0", "1"):
+        out = mpi(4, "examples/train_gpt.py", *map(str, flags), "--zero", zero,
+                  timeout=120).stdout
+        assert f"; {sent / 2**20:.2f} MiB on the edp group of 2 (the experts' gradients" \
+            in out, out

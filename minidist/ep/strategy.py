@@ -58,6 +58,7 @@ import contextlib
 import numpy as np
 
 from minidist.backend import xp_of
+from minidist.comm import trace
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
@@ -108,6 +109,7 @@ class ExpertParallel(ModelParallel):
         self.edp, self.experts = edp, []
         self.optimizer = None           # under ZeRO: dense + experts (build_optimizer)
         self.expert_engine = None       # under ZeRO: the experts' ZeRO-1 over edp
+        self.edp_sent, self._edp_mark = 0, 0    # bytes on edp in the steps (summary())
 
     def wrap(self, model):
         """This rank's experts on `model` (the rest dropped, the exchange set), then inner's
@@ -146,6 +148,16 @@ class ExpertParallel(ModelParallel):
             contextlib.nullcontext()
         with self.inner.no_sync(), experts:
             yield
+
+    def start_step(self):
+        super().start_step()
+        self._edp_mark = trace.bytes_sent(self.edp.name)
+
+    def end_step(self, activation_bytes):
+        """+ the bytes the experts' gradients (and under ZeRO their gathered shards) sent on
+        edp this step, which neither inner's summary nor the ep group's counts."""
+        super().end_step(activation_bytes)
+        self.edp_sent += trace.bytes_sent(self.edp.name) - self._edp_mark
 
     def sync_grads(self, model):
         """inner's DDP over the dense parameters; the experts' gradients summed over edp and
@@ -271,8 +283,14 @@ class ExpertParallel(ModelParallel):
 
     def summary(self):
         sent = self.sent_per_step()
+        edp = "" if self.edp.size == 1 else (
+            f"; {self.edp_sent / max(self.steps, 1) / 2**20:.2f} MiB on the edp group of "
+            f"{self.edp.size} (the experts' gradients over their replicas: "
+            + ("reduce-scattered in backward, the shards all-gathered after the step)"
+               if self._zero() else "all-reduced tensor by tensor after backward)"))
         return (f"expert parallel over {self.group.size} ranks ({self.group.algo_text()}): "
-                f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)")
+                f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)"
+                + edp)
 
     def finish(self, args, log):
         log.print0(self.summary())
