@@ -211,3 +211,28 @@ def test_the_summary_counts_overlapped_gathers_once_per_step(mpi):
         lines.append(line)
         assert "MiB of parameters (1.50 x; DDP sends 2(N-1)/N = 1.50 x)" in line, line
     assert lines[0] == lines[1]
+
+
+def test_the_zero3_summary_equals_the_gathers_that_find_no_unit_in_its_buffer(mpi):
+    """ZeRO-3's bytes per step, 3 blocks of C = 32 (b values each; the root R: wte, wpe,
+    ln_f), 4 ranks, M micro-batches: M reduce-scatters of Psi, the root gathered once, the
+    blocks in the first forward, every block but the last two in each backward, and every
+    block but the first two in each later forward (still in their buffers from the
+    backward before): (N-1)/N (M Psi + R + L b + (L-2) b + (M-1) 2 (L-2) b):
+
+        mpiexec -n 4 python examples/train_gpt.py --zero 3 --grad-accum 2 --n-layer 3 \\
+            --n-embd 32 --block-size 32 --batch-size 8 --steps 2 --sample 0
+    """
+    L, C, V, T, N = 3, 32, 256, 32, 4
+    R = V * C + T * C + 2 * C                                     # wte, wpe, ln_f
+    b = 4 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    psi = R + L * b
+    for m in (1, 2):
+        gathers = R + L * b + (L - 2) * b + (m - 1) * 2 * (L - 2) * b
+        x = (N - 1) / N * (m * psi + gathers) / psi
+        out = mpi(N, "examples/train_gpt.py", "--zero", "3", "--grad-accum", str(m),
+                  "--n-layer", str(L), "--n-embd", str(C), "--block-size", str(T),
+                  "--batch-size", "8", "--steps", "2", "--eval-iters", "1", "--sample", "0",
+                  timeout=120).stdout
+        line, = [s for s in out.splitlines() if s.startswith("ZeRO-3 over 4 ranks")]
+        assert f"MiB of parameters ({x:.2f} x; the paper's ZeRO-3" in line, (x, line)

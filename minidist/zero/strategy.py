@@ -301,11 +301,14 @@ class ZeroDataParallel(SingleProcess):
         if n == 1:                     # (was "0.00 MiB ... (0.00 x; DDP sends ... 0.00 x)")
             return (f"ZeRO-{self.stage} over 1 rank: nothing sent, the one rank owns every "
                     f"shard ({psi / 2**20:.2f} MiB of parameters)")
-        # the paper's stage 3 re-gathers every block in backward; minidist's keeps the last
-        # two blocks from forward and gathers the root once (minidist/zero/README.md). Each
-        # micro-batch (--grad-accum, a pipeline's) gathers and reduce-scatters again
-        paper = (f"; per micro-batch, the paper's ZeRO-3 3(N-1)/N = {3 * (n - 1) / n:.2f} x "
-                 "less the last two blocks' and the root's second gathers"
+        # the paper's stage 3 re-gathers every block in backward; minidist's gathers no unit
+        # still in its buffer (minidist/zero/README.md): the root once a step, the last two
+        # blocks once at the turn to backward, and under --grad-accum the first two blocks
+        # once at the next micro-batch's forward (a pipeline's order decides its own)
+        paper = (f"; the paper's ZeRO-3 3(N-1)/N = {3 * (n - 1) / n:.2f} x per micro-batch, "
+                 "less each gather of a unit still in its buffer: the root's after the "
+                 "step's first, the last two blocks' at the turn to backward, the first two "
+                 "blocks' at the next micro-batch's forward"
                  if self.stage == 3 else "")
         return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
