@@ -191,7 +191,7 @@ class ZeroDataParallel(SingleProcess):
         With --overlap-param-gather a step's all-gathers land during the next one, on the
         gather group: finish() adds their mean per step, counted apart (a window from one
         step's start to another's would hold one step's gathers more than its
-        reduce-scatters: 1.80 x printed for ZeRO-1's 1.50 x until 2026-12)."""
+        reduce-scatters: 1.80 x printed for ZeRO-1's 1.50 x until 2026-11-29)."""
         sent = tuple(now - then for now, then in zip(self._bytes_sent(), self._mark))
         self.step_bytes = sent if self.step_bytes is None else min(self.step_bytes, sent,
                                                                    key=sum)
