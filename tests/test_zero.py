@@ -13,11 +13,12 @@ import sys
 import numpy as np
 import pytest
 
+from minidist.backend import to_host
 from minidist.nn import GPT
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.strategy import memory
 from mpirun import ROOT, tagged_json, within
-from tests.zero_cases import CONFIG
+from tests.zero_cases import CONFIG, SEED, batch
 
 
 class P:
@@ -57,6 +58,29 @@ def test_gpt_units_and_placeholders():
     assert memory.unique_nbytes([p.data, placeholder((7,), p.data)]) == 4   # one float32
     with pytest.raises(ValueError, match="read-only"):   # numpy finds a writer (CuPy would not)
         p.data[...] = 0.0
+
+
+def test_zero1_reduces_a_gradient_dropped_to_none_as_zeros():
+    """ZeRO-1 keeps every .grad a view into its unit's full gradient buffer; one that someone
+    dropped (model.zero_grad(): None) and that the next backward does not reach goes into the
+    reduce-scatter as zeros, not as the last step's gradient the view still holds. One-rank
+    group, in process: after a backward through wpe alone, every other shard is zero."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.zero.engine import zero_engine
+    model = GPT(CONFIG, SEED, "float64")
+    engine = zero_engine(model, ProcessGroup(MPI.COMM_SELF, name="dp"), 1)
+    model(*batch(0, 4))[1].backward()
+    engine.sync_grads()
+    assert all(u.grad_shard.any() for u in engine.units)
+    model.zero_grad()                                     # .grad = None, not the views
+    wpe = model.transformer.wpe.weight
+    (wpe * wpe).sum().backward()                          # reaches wpe alone
+    engine.sync_grads()
+    root = engine.units[0]
+    want = root.flat.flatten([2 * wpe.data if p is wpe else None for p in root.flat.params])
+    assert np.array_equal(to_host(root.grad_shard), to_host(want))
+    assert not any(u.grad_shard.any() for u in engine.units[1:])
 
 
 def test_zero_paper_arithmetic():
