@@ -83,6 +83,39 @@ def test_zero1_reduces_a_gradient_dropped_to_none_as_zeros():
     assert not any(u.grad_shard.any() for u in engine.units[1:])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_zero_grad_between_steps_is_zeros_at_stage_1_and_refused_at_2_and_3(stage):
+    """A loop that empties the gradients with model.zero_grad() (PyTorch's habit), not the
+    optimizer's: ZeRO-1 keeps each .grad a view and takes the None as zeros, so the next
+    step's shards hold that step's gradient alone; at stages 2 and 3 .grad is None already
+    and the shards kept the step's gradients, which the next backward added to (the next
+    step took both, silently): refused there, naming opt.zero_grad(). One-rank group."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.zero.engine import zero_engine
+    from minidist.zero.optim import ShardedAdamW
+    model = GPT(CONFIG, SEED, "float64")
+    engine = zero_engine(model, ProcessGroup(MPI.COMM_SELF, name="dp"), stage)
+    opt = ShardedAdamW(engine, lr=1e-2)
+    model(*batch(0, 4))[1].backward()
+    engine.sync_grads()
+    opt.step()
+    engine.after_step()
+    model.zero_grad()
+    if stage > 1:
+        with pytest.raises(RuntimeError, match=r"without zero_grad\(\).*opt\.zero_grad\(\)"):
+            model(*batch(1, 4))[1].backward()
+        return
+    model(*batch(1, 4))[1].backward()
+    engine.sync_grads()
+    ref = GPT(CONFIG, SEED, "float64")
+    ref.load_state_dict({n: p.data.copy() for n, p in model.named_parameters()})
+    ref(*batch(1, 4))[1].backward()
+    for u, f in zip(engine.units, gpt_units(ref, 1, 0)):
+        want = f.flatten([p.grad for p in f.params])
+        assert np.array_equal(to_host(u.grad_shard), to_host(want)), f.name
+
+
 def test_zero_paper_arithmetic():
     P_ = 1000
     assert memory.zero_model_states(P_, 4, 0) == {"params": 4000, "grads": 4000,

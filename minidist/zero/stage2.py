@@ -30,13 +30,25 @@ class ZeroStage2(ZeroStage1):
                        for u in self.units for p in u.flat.params]
 
     def zero_grad(self):
+        self.grads_used = False
         for u in self.units:
             u.grad_shard.fill(0)
             for p in u.flat.params:
                 p.grad = None
 
     def _grad_ready(self, u, p):
-        """Autograd hook: p's gradient for this backward is complete."""
+        """Autograd hook: p's gradient for this backward is complete. A backward after an
+        optimizer step with no zero_grad since is refused: its gradients would be added to
+        the shards the step read. Stage 1 and DDP take .grad = None from model.zero_grad()
+        (PyTorch's habit) as zeros; here .grad is None already and only the engine's (the
+        optimizer's) zero_grad empties the shards: the step after the first took both
+        steps' gradients, silently."""
+        if self.grads_used:
+            raise RuntimeError(f"ZeRO-{self.stage}: a backward after the optimizer's step "
+                               "without zero_grad(): the gradient shards still hold that "
+                               "step's gradients and this backward would add to them (call "
+                               "opt.zero_grad() or engine.zero_grad() after each step; "
+                               "model.zero_grad() does not empty the shards)")
         self.unsynced = True
         u.ready += 1
         if u.ready == len(u.flat.params):

@@ -95,8 +95,9 @@ class ZeroStage1:
         if gather_group is not None:
             model.set_block_hooks(self)      # the next forward waits for each unit
         # where a script's own loop is in the step (check_step_ready): a backward since
-        # the last sync_grads; an optimizer step since the last after_step
-        self.unsynced, self.stepped = False, False
+        # the last sync_grads; an optimizer step since the last after_step; an optimizer
+        # step since the last zero_grad (stages 2, 3: ZeroStage2._grad_ready)
+        self.unsynced, self.stepped, self.grads_used = False, False, False
         self._init_grads()
 
     # ---- parameters: one full flat buffer per unit; model parameters are views into it -----
@@ -121,7 +122,7 @@ class ZeroStage1:
             raise RuntimeError(f"ZeRO-{self.stage}: {who}.step before engine.sync_grads(): "
                                "the gradient shards are not averaged over the ranks yet "
                                "(call engine.sync_grads() after the step's last backward)")
-        self.stepped = True
+        self.stepped = self.grads_used = True
 
     def after_step(self):
         """The updated shards to every rank: all_gather in place, unit by unit. With a
@@ -192,6 +193,7 @@ class ZeroStage1:
         self.zero_grad()
 
     def zero_grad(self):
+        self.grads_used = False
         for u in self.units:
             u.grad_full.fill(0)
             for p, view in zip(u.flat.params, u.grad_views):
