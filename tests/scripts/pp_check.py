@@ -60,7 +60,8 @@ DEFAULT_RUNS = {
     2: "pp2-m1-1f1b,pp2-m2-1f1b,pp2-m2-gpipe,pp2-m8-1f1b,pp2-m8-gpipe,pp2-m2-ga2-1f1b,"
        "pp2-m2-v2-1f1b,pp2-m8-v2-1f1b,pp2-m1-zbh1,pp2-m8-zbh1,pp2-m4-ga2-zbh1",
     4: "pp4-m2-1f1b,pp4-m8-1f1b,pp4-m8-gpipe,pp4-m8-zbh1,pp2-dp2-m4-1f1b,"
-       "pp2-dp2-m2-gpipe-ckpt,pp2-dp2-m4-v2-1f1b-ckpt-b16k,pp2-dp2-m4-zbh1-b16k",
+       "pp2-dp2-m2-ga2-1f1b,pp2-dp2-m2-gpipe-ckpt,pp2-dp2-m4-v2-1f1b-ckpt-b16k,"
+       "pp2-dp2-m4-zbh1-b16k",
     8: "dp2-tp2-pp2-m2-1f1b,dp2-tp2-pp2-m4-gpipe-sp,dp2-tp2-pp2-m2-v2-1f1b,"
        "dp2-tp2-pp2-m4-zbh1-sp"}
 
