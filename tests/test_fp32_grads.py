@@ -135,6 +135,23 @@ def test_ddp_buckets_and_zero_units_are_float32(stage):
     engine.free()
 
 
+def test_tp_sums_a_replicated_parameters_gradient_in_float32():
+    """Under sequence parallelism a replicated parameter (layer norms, wpe, row biases)
+    enters its layer through f (TensorParallelRegion.shared), whose backward all-reduces the
+    per-shard gradients over tp: in the parameter's grad_dtype, float32, not in the 16-bit
+    gradient's. One-rank tp group: the all-reduce's payload, as the group counts it, is 4
+    bytes a value (the 4-rank runs below match one process to 16-bit rounding either way)."""
+    from minidist.autograd import Tensor
+    from minidist.comm import trace
+    from minidist.tp.region import copy_to_tp
+    group = one_rank("tp-fp32-sums")
+    w = Tensor(np.ones(8, np.float16), requires_grad=True)
+    w.grad_dtype = np.float32
+    (copy_to_tp(w, group, w.grad_dtype) * Tensor(np.full(8, 3.0, np.float16))).sum().backward()
+    assert trace.counters(group.name)["all_reduce"]["bytes"] == 8 * 4
+    assert w.grad.dtype == np.float32 and to_host(w.grad).tolist() == [3.0] * 8
+
+
 # ---- 4 ranks against one process -------------------------------------------------------------
 
 @pytest.mark.mpi
@@ -143,13 +160,16 @@ def test_the_strategies_match_one_process_with_float32_gradients(mpi):
     DDP (grad-accum 2), ZeRO-1/2/3 (grad-accum 2), TP2 x DP2 + SP (grad-accum 2), PP2 x DP2
     (zero-bubble: B and W apart), EP2 x DP2 + ZeRO-1 (MoE, grad-accum 2), each against one
     process to 16-bit rounding (measured: losses within 4e-6 relative, the float32 masters
-    within 4e-5 in the mean), every gradient the optimizer reads float32."""
+    within 4e-5 in the mean), every gradient the optimizer reads float32; under SP no 16-bit
+    all-reduce on the tp group (a replicated parameter's sum over tp in float16 stays within
+    the tolerances: the script asserts it on the dtypes)."""
     out = mpi(4, "tests/scripts/fp32_grads_check.py", timeout=300)
     rows = tagged_json(out)
     assert [r["run"] for r in rows] == ["dp4+accum2", "zero1+accum2", "zero2+accum2",
                                         "zero3+accum2", "tp2xdp2+sp+accum2", "pp2xdp2+zbh1",
                                         "ep2xdp2+zero1+moe"]
     assert all(r["grad_dtypes"] == ["float32"] for r in rows)
+    assert rows[4]["tp_all_reduce_dtypes"] == ["float32", "float64"], rows[4]
 
 
 @pytest.mark.mpi

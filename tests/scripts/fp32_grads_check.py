@@ -13,8 +13,9 @@ on their own, so the runs match the reference to 16-bit rounding, not bitwise: l
 16-bit type's epsilon (2^-10 float16, 2^-7 bfloat16), and to --worst-tol at the worst
 element (AdamW's first steps move an element whose gradient is near zero by +-lr whatever
 its size, so one rounding can flip it). Every gradient the optimizer reads
-is float32, and so is every .grad left. Rank 0 prints `RESULT {json}` per run for
-tests/test_fp32_grads.py.
+is float32, and so is every .grad left; under --sequence-parallel no all-reduce on the tp
+group is 16-bit (f's sums of the replicated parameters' gradients). Rank 0 prints
+`RESULT {json}` per run for tests/test_fp32_grads.py.
 """
 import argparse
 import json
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import (max_abs, run_steps, start, whole_masters,  # noqa: E402
                    worst_over_ranks)
 
-from minidist.comm import ProcessGroup  # noqa: E402
+from minidist.comm import ProcessGroup, trace  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
 from minidist.train.amp import MixedPrecision  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
@@ -111,7 +112,13 @@ def run(name, refs, comm, cli):
                  for n, m in zip(r_opt.names, r_opt.master)} if hasattr(r_opt, "master") \
         else {}
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    trace.clear_events()
+    trace.enable()                      # the dtypes of the tp group's all-reduces (below)
     model, opt, losses, _, _ = run_steps(strategy, args, config, SEED, "float32")
+    trace.disable()
+    tp = strategy.mesh.tp.name if args.tp > 1 else None
+    tp_sums = sorted({e["dtype"] for e in trace.events()
+                      if e["op"] == "all_reduce" and e["group"] == tp})
     got = whole_masters(strategy, model, opt)
     loss_rel = max_abs([(float(a) - float(b)) / float(b) for a, b in zip(losses, r_losses)])
     diffs = [np.abs(v - r_masters[n]) for n, v in got.items()]
@@ -122,8 +129,11 @@ def run(name, refs, comm, cli):
     row = {"run": name, "loss_rel_diff": worst_over_ranks(comm, loss_rel),
            "master_mean_diff": worst_over_ranks(comm, mean),
            "master_worst_diff": worst_over_ranks(comm, worst),
-           "masters_compared": compared, "grad_dtypes": sorted(set(sum(dtypes, [])))}
+           "masters_compared": compared, "grad_dtypes": sorted(set(sum(dtypes, []))),
+           "tp_all_reduce_dtypes": tp_sums}
     assert row["grad_dtypes"] == ["float32"], row
+    if "+sp" in name:          # f's all-reduces: the replicated parameters' sums, in float32
+        assert not {"float16", "bfloat16"} & set(tp_sums), row
     assert compared >= len(r_masters), (row, len(r_masters))     # every parameter seen
     eps = EPS[strategy.amp.dtype.name]
     assert row["loss_rel_diff"] < cli.loss_tol * eps, row
