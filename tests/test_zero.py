@@ -83,6 +83,30 @@ def test_zero1_reduces_a_gradient_dropped_to_none_as_zeros():
     assert not any(u.grad_shard.any() for u in engine.units[1:])
 
 
+def test_zero1_issues_each_blocks_reduce_scatter_before_backward_reaches_the_blocks_below():
+    """ZeRO-1 issues a unit's reduce-scatter from backward's hooks as soon as the unit is
+    complete, units last to first (the order backward completes them, as DDP's buckets):
+    when block 0's first gradient is complete, blocks 3, 2 and 1 have been issued, under the
+    rest of backward. Taken first to last (the root first, whose wte completes at the very
+    end), all would be issued at the end of backward: the same numbers, and still every unit
+    issued before sync_grads waits (what zero_check.py counts), but nothing overlapped.
+    One-rank group run in sequence (sync_comm): each call is counted as it is issued."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, trace
+    from minidist.zero.engine import zero_engine
+    model = GPT(CONFIG, SEED, "float64")
+    group = ProcessGroup(MPI.COMM_SELF, name="zero1-issue-order", sync_comm=True)
+    engine = zero_engine(model, group, 1)
+    def calls():
+        return trace.counters(group.name).get("reduce_scatter", {"calls": 0})["calls"]
+    issued = []                                   # reduce-scatters issued at that moment
+    model.transformer.h[0].mlp.c_proj.weight.register_grad_hook(lambda p: issued.append(calls()))
+    model(*batch(0, 4))[1].backward()
+    engine.sync_grads()
+    assert issued == [CONFIG.n_layer - 1], issued
+    assert calls() == CONFIG.n_layer + 1                      # and h.0's and the root's
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_model_zero_grad_between_steps_is_zeros_at_stage_1_and_refused_at_2_and_3(stage):
     """A loop that empties the gradients with model.zero_grad() (PyTorch's habit), not the
