@@ -6,6 +6,9 @@ its top comment explains the fiber scheduler) and launched through ctypes on num
     lib = cuda_cpu.build(source)            # g++ once per source text, cached on disk
     cuda_cpu.run(plan)                      # a cuda_kernels.Launch, in place on its arrays
 
+A launch is refused, before any block runs, where a GPU would refuse it: a grid or block
+outside cuLaunchKernel's limits (_dims_problem), a scalar or array of another width than its
+parameter's C type, the source's typedefs T and A included (typedefs, _width_problem).
 Each array argument is copied into a buffer with 256 guard bytes on both sides, signalling NaNs
 of its dtype, so a kernel that reads past an argument computes NaN and one that writes past it
 fails the launch (KernelError); the results are copied back. A multi-tensor kernel's
@@ -149,14 +152,49 @@ C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64,
            "unsigned short": np.uint16, "unsigned char": np.uint8, "bool": np.bool_}
 
 
-def _width_problem(ctype, a):
+# the numpy dtype name of each C type a part's typedefs of T and A name (cuda_source.CTYPES)
+TYPEDEF_DTYPES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32",
+                  "double": "float64"}
+
+
+def typedefs(source):
+    """{"T": dtype name, "A": dtype name} for the source's `typedef <C type> T;` and `A;`
+    (cuda_source.source puts them on top of every part), {} for a source without them."""
+    return {name: TYPEDEF_DTYPES[ctype] for ctype, name in
+            re.findall(r"^typedef ([\w ]+?) (T|A);", source, re.M) if ctype in TYPEDEF_DTYPES}
+
+
+def _width_problem(ctype, a, types=None):
     """Why argument `a` (an array for a pointer, else a numpy scalar) is not of C type
     `ctype`'s width, or None: an np.int32 handed to a `long long` would read 4 bytes past
-    it, on the GPU and here alike, and often pass as zeros (review 40)."""
+    it, on the GPU and here alike, and often pass as zeros (review 40). T and A are the
+    dtypes `types` (typedefs(source)) gives them: a float64 `A eps` handed to a float32
+    kernel (the first GPU run's NaNs) is refused as a float64 `float` is."""
+    if ctype in (types or {}):
+        return None if a.dtype.name == types[ctype] else f"{a.dtype} for {ctype} = " \
+            f"{types[ctype]}"
     want = C_TYPES.get(ctype)
     if want is None or a.dtype == np.dtype(want):
         return None
     return f"{a.dtype} for a {ctype}"
+
+
+# cuLaunchKernel's limits on every CUDA GPU since compute capability 3.0 (Hopper's too)
+GRID_MAX = (2 ** 31 - 1, 65535, 65535)
+BLOCK_MAX = (1024, 1024, 64)
+
+
+def _dims_problem(grid, block):
+    """Why (grid, block) is not a launch a GPU takes, or None: 1 to 3 dimensions each, every
+    one at least 1 (a grid planned for an empty input is an error there, not a no-op),
+    gridDim.x <= 2^31 - 1, .y and .z <= 65535, blockDim.x, .y <= 1024, .z <= 64 (and at
+    most 1024 threads in all: the runtime's own check, cuda_host.h)."""
+    for what, dims, most in (("grid", grid, GRID_MAX), ("block", block, BLOCK_MAX)):
+        if not 1 <= len(dims) <= 3:
+            return f"{what} {dims}: CUDA allows 1 to 3 dimensions"
+        if any(not 1 <= int(d) <= m for d, m in zip(dims, most)):
+            return f"{what} {dims}: CUDA allows " + " x ".join(f"1..{m}" for m in most)
+    return None
 
 
 def launch(source, name, grid, block, args, order="low", tables=None):
@@ -169,8 +207,11 @@ def launch(source, name, grid, block, args, order="low", tables=None):
     if type(grid) is not tuple or type(block) is not tuple:
         raise KernelError(f"{name}: grid and block must be tuples, not "
                           f"{type(grid).__name__} and {type(block).__name__}")
+    wrong = _dims_problem(grid, block)
+    if wrong:
+        raise KernelError(f"{name}: {wrong}")
     lib = build(source)
-    params = cs.signature(name, source)
+    params, types = cs.signature(name, source), typedefs(source)
     if len(params) != len(args):
         raise KernelError(f"{name}: {len(args)} arguments for {len(params)} parameters")
     keep, ptrs, copies = [], [], []
@@ -178,7 +219,7 @@ def launch(source, name, grid, block, args, order="low", tables=None):
         if pointer != isinstance(a, np.ndarray) or not isinstance(a, (np.ndarray, np.generic)):
             raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): got "
                               f"{type(a).__name__}")
-        wrong = _width_problem(ctype, a)
+        wrong = _width_problem(ctype, a, types)
         if wrong:
             raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): {wrong}")
         if tables and i in tables:
@@ -268,3 +309,33 @@ def planned_widths(plan):
     from minidist.autograd import cuda_kernels as ck
     return [".u64" if kind == "array" else PTX_TYPES[dt] for kind, dt, *_ in
             ck.describe(plan.args)]
+
+
+# What one block may use on a GPU of compute capability 9.0 (H100, H200): 65536 32-bit
+# registers and 48 KiB of static shared memory (more needs a dynamic opt-in, which these
+# kernels do not make: cuda_source.py's parts use static __shared__ only)
+REGISTERS_PER_BLOCK = 65536
+STATIC_SMEM_MAX = 48 * 1024
+
+
+def nvcc_resources(source, folder):
+    """{kernel: (registers per thread, static shared bytes)} as ptxas reports them when nvcc
+    builds `source` for sm_90 (the calling test is skipped where no nvcc is on PATH). What a
+    launch needs beyond the harness's model: a block of b threads needs about b x registers
+    of the SM's 65536, and ptxas itself refuses more than 48 KiB of static shared memory."""
+    import pytest
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    src = pathlib.Path(folder) / "r.cu"
+    src.write_text(source)
+    res = subprocess.run([nvcc, "-arch=sm_90", "--std=c++14", "-cubin", "-Xptxas", "-v",
+                          str(src), "-o", str(pathlib.Path(folder) / "r.cubin")],
+                         check=True, capture_output=True, text=True, timeout=300)
+    out = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)",
+                                 res.stderr, re.S):
+        regs = re.search(r"Used (\d+) registers", body)
+        smem = re.search(r"(\d+) bytes smem", body)
+        out[name] = (int(regs.group(1)), int(smem.group(1)) if smem else 0)
+    return out

@@ -4,7 +4,9 @@ float, and floats to them: random, every tie, the overflow and subnormal edges),
 follow CUDA's lane rules, __shared__ is one copy per block (poisoned at each block's start),
 atomics add up, 2-D blocks and grids are numbered as CUDA numbers them, and a divergent
 barrier, a deadlock, a block too large, a write past an argument, a Python scalar and a grid
-or block that is not a tuple (CuPy's launch takes tuples only) are refused with a message.
+or block that is not a tuple (CuPy's launch takes tuples only) are refused with a message, as
+are a grid or block outside CUDA's limits and an argument of another dtype than the source's
+typedef T or A names.
 Run: python -m pytest -q tests/test_cuda_cpu.py
 """
 import numpy as np
@@ -187,3 +189,53 @@ def test_a_kernel_no_test_launched_is_named():
     assert cuda_cpu.never_launched(every - {"ce_pad_bwd"}) == ["ce_pad_bwd"]
     names = {p.name for p in cuda_cpu.harness_files()}
     assert {"test_cuda_kernels_cpu.py", "test_cuda_flash_cpu.py", "test_fusions.py"} <= names
+
+
+# a part's kernels are written over typedefs T (storage) and A (accumulation), as
+# minidist/autograd/cuda_source.py's source(dtype) puts them on top
+TYPED = r"""
+typedef float T;
+typedef float A;
+extern "C" __global__ void scaled(const T* x, T* y, A s, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] = x[i] * s;
+}
+"""
+
+
+@pytest.mark.parametrize("args, message", [
+    ((np.ones(4, np.float32), np.ones(4, np.float32), np.float64(2), np.int64(4)),
+     r"argument #2 \(A\): float64 for A = float32"),  # the first H100 run's NaNs: 8-byte A
+    ((np.ones(4, np.float64), np.ones(4, np.float32), np.float32(2), np.int64(4)),
+     r"argument #0 \(T\*\): float64 for T = float32"),
+])
+def test_arguments_of_the_typedef_types_are_checked_too(args, message):
+    """T and A are the source's typedefs: an A scalar or a T* array of another dtype than
+    the typedef names is refused as a named C type's is (a float64 `A eps` handed to a
+    float32 kernel reads 8 bytes where the kernel takes 4: garbage on a GPU)."""
+    with pytest.raises(cuda_cpu.KernelError, match=message):
+        cuda_cpu.launch(TYPED, "scaled", (1,), (32,), args)
+    good = (np.ones(4, np.float32), np.zeros(4, np.float32), np.float32(2), np.int64(4))
+    cuda_cpu.launch(TYPED, "scaled", (1,), (32,), good)
+    np.testing.assert_array_equal(good[1], 2)
+
+
+@pytest.mark.parametrize("grid, block, message", [
+    ((0,), (32,), r"grid \(0,\)"),                   # CUDA: an invalid launch, not a no-op
+    ((1, 0), (32,), r"grid \(1, 0\)"),
+    ((1, 65536), (32,), r"grid \(1, 65536\)"),       # gridDim.y <= 65535
+    ((1, 1, 65536), (32,), r"grid \(1, 1, 65536\)"),
+    ((2 ** 31,), (32,), r"grid \(2147483648,\)"),    # gridDim.x <= 2^31 - 1
+    ((1,), (0,), r"block \(0,\)"),
+    ((1,), (1, 1, 65), r"block \(1, 1, 65\)"),       # blockDim.z <= 64
+    ((1,), (1, 1, 1, 1), r"block \(1, 1, 1, 1\)"),
+    ((1, 1, 1, 1), (32,), r"grid \(1, 1, 1, 1\)"),
+])
+def test_launches_outside_cudas_grid_and_block_limits_are_refused(grid, block, message):
+    """What cuLaunchKernel refuses is refused here too, before any block runs: a dimension
+    of 0 (a grid planned for an empty input), gridDim.x > 2^31 - 1, gridDim.y or .z >
+    65535, blockDim.z > 64, more than three dimensions."""
+    args = (np.ones(4, np.float32), np.zeros(4, np.float32), np.float32(2), np.int64(4))
+    with pytest.raises(cuda_cpu.KernelError, match=message):
+        cuda_cpu.launch(TYPED, "scaled", grid, block, args)

@@ -115,6 +115,23 @@ def test_sources_compile_with_nvcc_and_take_the_planned_widths(dtype, tmp_path):
         assert cuda_cpu.ptx_params(text, plan.name) == cuda_cpu.planned_widths(plan), key
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_fits_a_1024_thread_block_on_sm_90(dtype, tmp_path):
+    """Where a CUDA toolkit is installed (no GPU needed), what the CPU harness does not
+    model: ptxas's registers and static shared memory of every kernel of every part. Each
+    kernel must launch with blocks of up to 1024 threads (the row kernels' largest,
+    cuda_kernels._threads): at most 64 registers a thread (65536 per block), and at most
+    48 KiB of static shared memory (more needs a dynamic opt-in the kernels do not make).
+    Measured 2026-11-29 with nvcc 13.0: at most 48 registers (multi_adamw, float64), 34048
+    bytes (flash_fwd)."""
+    for part, (_, names) in cs.PARTS.items():
+        got = cuda_cpu.nvcc_resources(cs.source(dtype, part), tmp_path)
+        assert sorted(got) == sorted(names), part
+        for name, (regs, smem) in got.items():
+            assert regs * 1024 <= cuda_cpu.REGISTERS_PER_BLOCK, (name, regs)
+            assert smem <= cuda_cpu.STATIC_SMEM_MAX, (name, smem)
+
+
 def test_importing_minidist_does_not_import_cupy():
     code = ("import sys, minidist.nn, minidist.autograd.fused, minidist.autograd.cuda_kernels;"
             "sys.exit('cupy' in sys.modules)")
