@@ -9,6 +9,7 @@ its top comment explains the fiber scheduler) and launched through ctypes on num
 A launch is refused, before any block runs, where a GPU would refuse it: a grid or block
 outside cuLaunchKernel's limits (_dims_problem), a scalar or array of another width than its
 parameter's C type, the source's typedefs T and A included (typedefs, _width_problem).
+An array handed as two arguments is one buffer, as on a GPU (_alias).
 Each array argument is copied into a buffer with 256 guard bytes on both sides, signalling NaNs
 of its dtype, so a kernel that reads past an argument computes NaN and one that writes past it
 fails the launch (KernelError); the results are copied back. A multi-tensor kernel's
@@ -214,7 +215,7 @@ def launch(source, name, grid, block, args, order="low", tables=None):
     params, types = cs.signature(name, source), typedefs(source)
     if len(params) != len(args):
         raise KernelError(f"{name}: {len(args)} arguments for {len(params)} parameters")
-    keep, ptrs, copies = [], [], []
+    keep, ptrs, copies, aliases = [], [], [], {}
     for i, ((ctype, pointer), a) in enumerate(zip(params, args)):
         if pointer != isinstance(a, np.ndarray) or not isinstance(a, (np.ndarray, np.generic)):
             raise KernelError(f"{name} argument #{i} ({ctype}{'*' * pointer}): got "
@@ -225,6 +226,12 @@ def launch(source, name, grid, block, args, order="low", tables=None):
         if tables and i in tables:
             a, made = _table_of_copies(name, i, a, tables[i])
             copies += made
+        elif pointer:
+            aliases[i] = _alias(name, i, a, args, tables)
+            if aliases[i] is not None:         # one buffer, as the GPU sees one array
+                keep.append(keep[aliases[i]])
+                ptrs.append(ptrs[aliases[i]])
+                continue
         keep.append(_guarded(a) if pointer else np.array(a))
         ptrs.append(keep[-1].ctypes.data + (GUARD if pointer else 0))
     dims = [(ctypes.c_uint * 3)(*(tuple(d) + (1, 1))[:3]) for d in (grid, block)]
@@ -235,10 +242,24 @@ def launch(source, name, grid, block, args, order="low", tables=None):
             raise KernelError(f"{name}: {lib.cuda_cpu_error().decode()}")
     LAUNCHED.add(name)
     for i, (a, buf) in enumerate(zip(args, keep)):
-        if isinstance(a, np.ndarray) and not (tables and i in tables):
+        if isinstance(a, np.ndarray) and not (tables and i in tables) and aliases.get(i) is None:
             _copy_back(name, f"argument #{i} {params[i]}", a, buf)
     for what, a, buf in copies:
         _copy_back(name, what, a, buf)
+
+
+def _alias(name, i, a, args, tables):
+    """The index of an earlier array argument that is the same memory as argument #i, `a`
+    (rope's y = x in place; ln_fwd's b = w), or None; an argument that overlaps an earlier
+    one without being it is refused (separate copies would hide what a GPU does there)."""
+    for j, b in enumerate(args[:i]):
+        if not isinstance(b, np.ndarray) or (tables and j in tables):
+            continue
+        if np.may_share_memory(a, b):
+            if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
+                return j
+            raise KernelError(f"{name} argument #{i} overlaps argument #{j} without being it")
+    return None
 
 
 def harness_files():

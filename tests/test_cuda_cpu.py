@@ -201,6 +201,10 @@ extern "C" __global__ void scaled(const T* x, T* y, A s, long long n) {
          i += (long long)gridDim.x * blockDim.x)
         y[i] = x[i] * s;
 }
+extern "C" __global__ void aliased(const T* x, T* y) {
+    y[0] = 7;
+    y[1] = x[0];                          // x[0] is y[0] when x is y: 7
+}
 """
 
 
@@ -239,3 +243,18 @@ def test_launches_outside_cudas_grid_and_block_limits_are_refused(grid, block, m
     args = (np.ones(4, np.float32), np.zeros(4, np.float32), np.float32(2), np.int64(4))
     with pytest.raises(cuda_cpu.KernelError, match=message):
         cuda_cpu.launch(TYPED, "scaled", grid, block, args)
+
+
+def test_an_array_handed_twice_is_one_buffer():
+    """An array handed as two arguments (rope's y = x in place; ln_fwd's b = w without a
+    bias) is ONE buffer to the kernel, as on a GPU: a write through one pointer is read back
+    through the other. Two arguments that overlap without being the same array are refused
+    (nothing here hands such a pair)."""
+    a = np.array([1, 2, 3], np.float32)
+    cuda_cpu.launch(TYPED, "aliased", (1,), (1,), (a, a))
+    np.testing.assert_array_equal(a, [7, 7, 3])
+    b = np.array([1, 2, 3], np.float32)
+    cuda_cpu.launch(TYPED, "aliased", (1,), (1,), (b.copy(), b))
+    np.testing.assert_array_equal(b, [7, 1, 3])
+    with pytest.raises(cuda_cpu.KernelError, match="overlaps argument #0"):
+        cuda_cpu.launch(TYPED, "aliased", (1,), (1,), (a[:2], a[1:]))
