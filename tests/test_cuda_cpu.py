@@ -201,6 +201,9 @@ extern "C" __global__ void scaled(const T* x, T* y, A s, long long n) {
          i += (long long)gridDim.x * blockDim.x)
         y[i] = x[i] * s;
 }
+extern "C" __global__ void chained(T* a) {  // block b reads what block b - 1 wrote: a race
+    if (threadIdx.x == 0 && blockIdx.x > 0) a[blockIdx.x] = a[blockIdx.x - 1] + 1;
+}
 extern "C" __global__ void aliased(const T* x, T* y) {
     y[0] = 7;
     y[1] = x[0];                          // x[0] is y[0] when x is y: 7
@@ -258,3 +261,20 @@ def test_an_array_handed_twice_is_one_buffer():
     np.testing.assert_array_equal(b, [7, 1, 3])
     with pytest.raises(cuda_cpu.KernelError, match="overlaps argument #0"):
         cuda_cpu.launch(TYPED, "aliased", (1,), (1,), (a[:2], a[1:]))
+
+
+def test_the_high_order_runs_the_blocks_backwards_too():
+    """Blocks run one after another; "high" runs the last block first (z, y, x all counted
+    down), as a GPU may, so a kernel whose block reads what an earlier block writes in the
+    same launch gets another answer in one of the two orders every kernel test runs."""
+    got = {}
+    for order in ("low", "high"):
+        got[order] = np.zeros(4, np.float32)
+        cuda_cpu.launch(TYPED, "chained", (4,), (32,), (got[order],), order)
+    np.testing.assert_array_equal(got["low"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(got["high"], [0, 1, 1, 1])
+    out = np.zeros(3 * 2 * 8 * 4, np.int32)                # numbering is the same backwards
+    cuda_cpu.launch(SRC, "numbering", (3, 2), (8, 4), (out,), "high")
+    bx, by, ty, tx = np.meshgrid(range(3), range(2), range(4), range(8), indexing="ij")
+    want = (tx + 10 * ty + 100 * bx + 1000 * by).transpose(1, 0, 2, 3).reshape(-1)
+    np.testing.assert_array_equal(out, want)

@@ -2,7 +2,8 @@
 // very text NVRTC compiles for the GPU compiles with g++ and runs here (tests/cuda_cpu.py
 // compiles it with `-include cuda_host.h` and launches kernels through ctypes).
 //
-// Execution model. A launch runs its blocks one after another; the threads of a block are
+// Execution model. A launch runs its blocks one after another (the last first in "high"
+// order, below); the threads of a block are
 // fibers (ucontext stacks) on one OS thread, and a fiber runs until a *sync point*:
 // __syncthreads (the block's barrier), a warp shuffle or __syncwarp (its warp's barrier), or
 // its end. The scheduler then resumes the LOWEST-numbered runnable thread ("low" order) or
@@ -282,10 +283,14 @@ static int launch(const unsigned* grid, const unsigned* block, int high,
     R.stacks = (char*)malloc((size_t)R.n * STACK);
     R.body = body, R.args = args, R.high = high, R.failed = false;
     error[0] = 0;
+    // blocks in order, or (high) the last first: a block reading what another block of
+    // the launch writes sees it written in one order and not in the other
     for (unsigned z = 0; z < grid[2] && !R.failed; z++)
         for (unsigned y = 0; y < grid[1] && !R.failed; y++)
             for (unsigned x = 0; x < grid[0] && !R.failed; x++) {
-                blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
+                blockIdx.x = high ? grid[0] - 1 - x : x;
+                blockIdx.y = high ? grid[1] - 1 - y : y;
+                blockIdx.z = high ? grid[2] - 1 - z : z;
                 run_block();
             }
     free(R.stacks);
