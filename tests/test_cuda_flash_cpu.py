@@ -109,6 +109,22 @@ def test_flash_kernels_equal_flash_py(dtype, order):
     check_flash(dtype, (2, 1, 5), order=order)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_nan_or_inf_in_the_scores_gives_y_nan_as_flash_py(dtype):
+    """A query row whose scores hold a NaN (or an inf: inf - inf in the softmax) has l NaN:
+    its y is NaN, as flash.py's and attention.py's, not 0 (a NaN is never > 0: the kernel
+    took it for a row that saw no key, hiding an fp16/bf16 overflow as a finite y)."""
+    q, k, v = (rand(dtype, 2, 37, 8, seed=s) for s in range(3))
+    q[0, 20, 3], q[1, 5, 0] = np.nan, np.inf
+    plan, (y, lse) = ckn.flash_fwd_launch(np, q, k, v)
+    cuda_cpu.run(plan)
+    with np.errstate(invalid="ignore"):
+        want, lse_want = flash.partial_attention(*(f64(a) for a in (q, k, v)), block=5)
+    assert np.isnan(f64(y)).any(-1).tolist() == np.isnan(want).any(-1).tolist()
+    assert np.isnan(want[0, 20]).all() and np.isnan(want[1, 5]).all()
+    close(np.nan_to_num(f64(y)), np.nan_to_num(want), dtype, "flash_fwd y, finite rows")
+
+
 @pytest.mark.parametrize("p", [0.0, 0.4])
 def test_flash_backward_kernels_are_the_forward_kernels_gradient(p):
     """Central differences of sum(R * y) through flash_fwd (run on the CPU) in float64 equal

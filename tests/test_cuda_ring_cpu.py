@@ -292,8 +292,11 @@ BROKEN = {   # name -> (old, new, occurrence) in the flash kernels' text
     "flash_fwd's causal offset off by one": ("k_start + c0 + c > q_start + r0 + r",
                                              "k_start + c0 + c > q_start + r0 + r + 1", 0),
     "keys_seen one short": ("q_start + r_last - k_start + 1", "q_start + r_last - k_start", 0),
-    "flash_fwd: a row that sees no key divides by l = 0": ("lr > 0 ? acc[e] / lr : (A)0",
+    "flash_fwd: a row that sees no key divides by l = 0": ("lr == (A)0 ? (A)0 : acc[e] / lr",
                                                           "acc[e] / lr", 0),
+    # without it, a tile no key reaches reads l before any barrier orders its initialisation
+    "flash_fwd's early exit for a tile that sees no key dropped": ("if (c_end <= 0) {",
+                                                                   "if (false) {", 0),
     "flash_fwd's dropout at local positions": ("dropout_z(blockIdx.y, q_start + i, k_start + j",
                                                "dropout_z(blockIdx.y, i, j", 0),
     "bwd_tile's mask ignores the offsets": ("if (k_start + j <= q_start + i && i < Tq",

@@ -14,6 +14,8 @@ tail beyond Tq, Tk are masked.
     flash_fwd        block (query tile, bh): m, l per row (online softmax), acc = sum p v,
                      y = acc / l, lse = m + log l; a row that sees no key of the piece
                      (ring attention: a query before every key held) y = 0, lse = -inf
+                     (l = 0; a tile no key reaches returns at once); a NaN or inf score
+                     makes l NaN: y NaN, as flash.py's (not 0: an overflow stays visible)
     flash_bwd_dot    D_i = g_i . y_i per row (sum_j P_ij dP_ij, as attention.py)
     flash_bwd_dkdv   block (key tile, bh): over the query tiles from the first that sees it,
                      p = exp(s - lse), ds = p (g v^T - D) scale; dv += p^T g, dk += ds^T q
@@ -87,6 +89,13 @@ extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A
     long long qh = blockIdx.y * Tq * hs, kh = blockIdx.y * Tk * hs;   // this head's rows
     long long r0 = (long long)blockIdx.x * FT;
     long long c_end = keys_seen((r0 + FT < Tq ? r0 + FT : Tq) - 1, q_start, Tk, k_start);
+    if (c_end <= 0) {          // no row of the tile sees a key (ring attention's pieces): y 0,
+        for (int e = threadIdx.x; e < FT * hs; e += blockDim.x)     // lse -inf, written with
+            if (r0 + e / hs < Tq) st(y, qh + r0 * hs + e, (A)0);    // no shared memory (m and
+        if (threadIdx.x < FT && r0 + threadIdx.x < Tq)              // l would be read before
+            lse[blockIdx.y * Tq + r0 + threadIdx.x] = neg_inf();    // a barrier: none comes)
+        return;                                                     // the whole block
+    }
     load_tile(qs, q + qh, r0, FT, Tq, hs, scale);              // q pre-scaled
     for (int e = threadIdx.x; e < FT * hs; e += blockDim.x) acc[e] = 0;
     if (threadIdx.x < FT) { m[threadIdx.x] = neg_inf(); l[threadIdx.x] = 0; }
@@ -130,8 +139,8 @@ extern "C" __global__ void flash_fwd(const T* q, const T* k, const T* v, T* y, A
     }
     for (int e = threadIdx.x; e < FT * hs; e += blockDim.x)    // each thread its own acc[e];
         if (r0 + e / hs < Tq) {                                 // l: settled. A row that saw
-            A lr = l[e / hs];                                   // no key: y 0, lse -inf
-            st(y, qh + r0 * hs + e, lr > 0 ? acc[e] / lr : (A)0);
+            A lr = l[e / hs];                                   // no key (l 0): y 0, lse -inf;
+            st(y, qh + r0 * hs + e, lr == (A)0 ? (A)0 : acc[e] / lr);   // l nan: y nan
         }
     if (threadIdx.x < FT && r0 + threadIdx.x < Tq) {
         A lr = l[threadIdx.x];
