@@ -235,6 +235,9 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
     with pytest.raises(ValueError, match="head sizes up to 128 and up to 65535"):
         ckn.flash_fwd_launch(np, *[np.zeros((1, 4, 129), np.float32)] * 3)
     q = np.zeros((1, 2, 4, 8), np.float32)
+    for kv in (q[:, :1], q[..., :4]):       # a grouped-query k, v not repeated; another hs
+        with pytest.raises(ValueError, match="keys and values"):
+            ckn.flash_fwd_launch(np, q, kv, kv)          # the kernel would read past them
     with pytest.raises(ValueError, match="add into contiguous dq, dk, dv"):
         ckn.flash_piece_bwd_launches(np, q, q, q, q, q[..., 0], q[..., 0],
                                      (q, q, q[..., ::2, :]), (0, 0, 4), (0, 0, 2))

@@ -57,6 +57,14 @@ def _heads(xp, a):
     return xp.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1])
 
 
+def _check_kv(q, k, v):
+    """The flash kernels read k and v at q's batch x heads and head size (a grouped-query
+    k, v must be repeated first: llama_ops.repeat_kv): anything else would be read past."""
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"flash kernels: keys and values {k.shape}, {v.shape} do not match "
+                         f"queries {q.shape} (batch x heads, T, head size)")
+
+
 def dropout_args(xp, acc, dropout):
     """The flash kernels' last ten arguments: (drows, nh, h0, dT, dcount, dlag, dk0, dk1,
     dprob, dscale) from `dropout` = (rows (B,) global batch rows, nh heads here, h0 the first
@@ -80,6 +88,7 @@ def flash_fwd_launch(xp, q, k, v, dropout=None, q_start=0, k_start=0):
     (..., Tq, hs) at global positions q_start.. over keys and values (..., Tk, hs) at
     k_start.. (a whole sequence: both 0, Tq = Tk); dropout: dropout_args' tuple, or None."""
     q, k, v = _heads(xp, q), _heads(xp, k), _heads(xp, v)
+    _check_kv(q, k, v)
     BH, Tq, hs = q.shape
     if hs > HS_MAX or BH > 65535:
         raise ValueError(f"flash kernels take head sizes up to {HS_MAX} and up to 65535 "
@@ -112,6 +121,7 @@ def flash_bwd_launches(xp, g, q, k, v, y, lse, dropout=None):
     """The plans (D = g.y per row, dk and dv, dq) and (dq, dk, dv), each (BH, T, hs), of a
     whole sequence; dropout as flash_fwd_launch's."""
     g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
+    _check_kv(q, k, v)
     BH, T, hs = q.shape
     acc = acc_dtype(q.dtype)
     lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
@@ -133,6 +143,7 @@ def flash_piece_bwd_launches(xp, g, q, k, v, lse, D, grads, q_piece, k_piece, dr
     if not all(a.flags.c_contiguous and a.dtype == q.dtype for a in grads):
         raise ValueError("the flash kernels add into contiguous dq, dk, dv of q's dtype")
     g, q, k, v = (_heads(xp, a) for a in (g, q, k, v))
+    _check_kv(q, k, v)
     dq, dk, dv = (a.reshape(-1, a.shape[-2], a.shape[-1]) for a in grads)   # views
     BH, Lq, _ = q.shape
     acc = acc_dtype(q.dtype)
