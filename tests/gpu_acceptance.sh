@@ -7,7 +7,8 @@
 #   bash tests/gpu_acceptance.sh                  # on the GPU machine, from the repo root
 #   DEVICE=cpu DRY=1 bash tests/gpu_acceptance.sh # CPU dry run: same checks, tiny sizes
 #
-# Checks: the gpu-marked suite; the whole suite with --device; GPU vs CPU (float64 1e-10,
+# Checks: the gpu-marked suite; the whole suite with --device; the kernels' gpu tests under
+# compute-sanitizer's racecheck; GPU vs CPU (float64 1e-10,
 # float32 1e-4: tests/scripts/gpu_vs_cpu.py); train_gpt.py 200 steps on the device within 2%
 # of the CPU's val loss; mpiexec -n 4 train_gpt.py --device with DDP, --zero 3, --tp 2 --amp,
 # --dp 2 --pp 2, and --cp 2 with the new kernels, each finite and decreasing (--log-json).
@@ -43,6 +44,30 @@ run gpu_suite pytest "$EMPTY" -- "$PY" -m pytest -q -rfE --tb=short -m gpu --dev
     $SUITE
 run suite_on_device pytest need-tests -- "$PY" -m pytest -q -rfE --tb=short --device "$DEVICE" \
     $SUITE
+# the kernels' gpu tests under compute-sanitizer's racecheck: a shared-memory race between two
+# barriers (a block reading what another thread of it has not written yet, the flash kernel's
+# before 2026-11-29) is invisible to the CPU harness, whose fibers run one block at a time
+# (tests/cuda_cpu.py); on the CPU (dry run) the same pytest, without the sanitizer
+# compute-sanitizer: the machine's, else unpacked from the nvidia-cuda-sanitizer-api wheel in
+# .whl/ (examples/GPU_NOTES.md), else the bare name, whose absence the check's log then says
+sanitizer() {
+    local w bin="$LOGS/sanitizer/nvidia/cuda_sanitizer_api/bin"
+    command -v compute-sanitizer && return
+    [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer \
+        && return
+    for w in .whl/nvidia_cuda_sanitizer_api*.whl; do
+        [ -f "$w" ] && "$PY" -m zipfile -e "$w" "$LOGS/sanitizer" && chmod +x "$bin"/* \
+            && echo "$bin/compute-sanitizer" && return
+    done
+    echo compute-sanitizer
+}
+RACECHECK=()
+if [ "$DEVICE" != cpu ] && [[ -z "${ONLY:-}" || " $ONLY " == *" racecheck "* ]]; then
+    RACECHECK=("$(sanitizer)" --tool racecheck --error-exitcode 3)
+fi
+run racecheck pytest "$EMPTY" -- ${RACECHECK[@]+"${RACECHECK[@]}"} "$PY" -m pytest -q -rfE \
+    --tb=short -m gpu --device "$DEVICE" tests/test_cuda_kernels.py tests/test_cuda_flash_cpu.py \
+    tests/test_cuda_ring_cpu.py tests/test_cuda_llama_cpu.py tests/test_cuda_philox_cpu.py
 
 # ---- 3. GPU vs CPU, same seed ----------------------------------------------------------------
 for dt in float64 float32; do

@@ -21,7 +21,9 @@
 #   4 speed2   (speed, LIMIT 100) fp32, tf32, bf16_new_tiled, bf16_new_g32, bf16_new_graph,
 #              torch_compile_bf16, torch_eager_tf32, bf16_new_drop, bf16_new_drop_graph
 #   5 training (acceptance, LIMIT 150) train_cpu, train_device, train_val_within_2pct
-#   6 suite    (acceptance, LIMIT 300) suite_on_device: the whole suite on the device, the
+#   6 races    (acceptance, LIMIT 120) racecheck: the kernels' gpu tests under
+#              compute-sanitizer's racecheck (shared-memory races the CPU harness cannot see)
+#   7 suite    (acceptance, LIMIT 300) suite_on_device: the whole suite on the device, the
 #              longest and least telling (most tests build their arrays on the host), last
 # Then one `speed` line (the table over parts 2 and 4, each run against part 2's peer) and
 # one `summary` line (every check; the skipped ones named apart), both also in
@@ -54,9 +56,10 @@ part ranks gpu_acceptance.sh 100 mpi4_ddp mpi4_zero_3 mpi4_tp_2_amp mpi4_dp_2_pp
 part speed2 gpu_speed.sh 100 fp32 tf32 bf16_new_tiled bf16_new_g32 bf16_new_graph \
     torch_compile_bf16 torch_eager_tf32 bf16_new_drop bf16_new_drop_graph
 part training gpu_acceptance.sh 150 train_cpu train_device train_val_within_2pct
+part races gpu_acceptance.sh 120 racecheck
 part suite gpu_acceptance.sh 300 suite_on_device
 
-PARTS=("$LOGS"/{kernels,speed,ranks,speed2,training,suite}/results.jsonl)
+PARTS=("$LOGS"/{kernels,speed,ranks,speed2,training,races,suite}/results.jsonl)
 "$PY" tests/scripts/acceptance.py speed "$LOGS/speed/results.jsonl" \
     "$LOGS/speed2/results.jsonl" | tee -a "$RESULTS"
 "$PY" tests/scripts/acceptance.py summary "${PARTS[@]}" | tee -a "$RESULTS"

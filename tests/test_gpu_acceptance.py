@@ -165,7 +165,7 @@ SESSION_ORDER = ["gpu_suite", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",      #
                  "mpi4_cp_2_new", "mpi4_cp_2_ulysses", "mpi4_zero_3_shard_2",
                  "fp32", "tf32", "bf16_new_tiled", "bf16_new_g32", "bf16_new_drop",  # speed2
                  "train_cpu", "train_device", "train_val_within_2pct",          # training
-                 "suite_on_device"]                                             # suite
+                 "racecheck", "suite_on_device"]                                # races, suite
 
 
 def _session_script(tmp_path, **env):
@@ -227,7 +227,8 @@ def test_dry_run_on_the_cpu_passes_every_check(tmp_path):
                          env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     names = [r["check"] for r in rows]
-    assert names == ["gpu_suite", "suite_on_device", "gpu_vs_cpu_float64", "gpu_vs_cpu_float32",
+    assert names == ["gpu_suite", "suite_on_device", "racecheck", "gpu_vs_cpu_float64",
+                     "gpu_vs_cpu_float32",
                      "train_cpu", "train_device", "train_val_within_2pct", "mpi4_ddp",
                      "mpi4_zero_3", "mpi4_tp_2_amp", "mpi4_dp_2_pp_2", "mpi4_cp_2_new",
                      "mpi4_cp_2_ulysses", "mpi4_zero_3_shard_2", "summary"], out.stderr
