@@ -109,6 +109,38 @@ def test_injected_overflow_skips_the_step_and_leaves_everything_untouched(bad):
     assert all(s["step"] == 1 for s in opt.inner.state.values())
 
 
+@pytest.mark.cpu_only("float16 loss scaling: on CuPy --amp picks bfloat16, scale fixed at 1")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_injected_overflow_skips_zeros_step_and_leaves_its_shards_untouched(stage):
+    """The same under ZeRO (ShardedAdamW over a one-rank engine): an inf in one gradient
+    shard skips the step, every shard, m, v and master unchanged, the scale halved; the next
+    clean step updates. Mutation testing (2026-11-29) found a ZeRO that never skipped caught
+    only through EP's runs (tests/test_ep_exact.py)."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.zero.engine import zero_engine
+    from minidist.zero.optim import ShardedAdamW
+    amp = MixedPrecision(LossScaler(init_scale=1024.0, growth_interval=2))
+    model = amp.cast_model(GPT(CFG, seed=0))
+    engine = zero_engine(model, ProcessGroup(MPI.COMM_SELF, name="dp"), stage)
+    opt = ShardedAdamW(engine, lr=1e-2, amp=amp)
+    _backward(amp, model)
+    engine.sync_grads()
+    engine.units[1].grad_shard[5] = np.inf                            # one poisoned element
+    before = {k: v.copy() for k, v in opt.shard_arrays().items()}
+    assert not np.isfinite(opt.clip_grad_norm(1.0))
+    assert opt.step() is False and amp.scaler.scale == 512.0
+    after = opt.shard_arrays()
+    assert after.keys() == before.keys()
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    engine.after_step()
+    opt.zero_grad()
+    _backward(amp, model, seed=1)                                     # a clean step updates
+    engine.sync_grads()
+    assert np.isfinite(opt.clip_grad_norm(1.0)) and opt.step() is True
+    assert not np.array_equal(opt.shard_arrays()["h.1/param"], before["h.1/param"])
+
+
 def test_an_overflow_on_another_rank_skips_here_too():
     """Another rank's inf arrives through the norm's sum over ranks (the strategy's
     reduce_sum_sq, stood for here by the function clip_grad_norm takes): this rank, whose
