@@ -129,3 +129,22 @@ def test_the_best_checkpoint_outlives_keep_and_a_resume_keeps_it(ranks, extra, c
     assert f"note: removed {ck}/best (this run has --no-keep-best)" in said
     assert best_checkpoint.read(ck) is None and checkpoint_dirs.numbered(ck) == [
         "step-00000013"]
+
+
+def test_every_evaluation_is_saved_whatever_save_every(corpus, tmp_path, device):
+    """--keep-best saves at each evaluation, not only at --save-every's steps (until review
+    44, --save-every 3 --eval-every 2 saved steps 3 and 6: the evaluations of steps 2 and 4
+    were never candidates, though the help said a checkpoint is saved at every evaluation):
+
+        python examples/train_gpt.py --steps 6 --eval-every 2 --save-every 3 --save ck \\
+            --keep 0 --keep-best
+    """
+    ck, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
+    flags = [*TINY, "--steps", "6", "--eval-every", "2", "--save-every", "3", "--save", ck,
+             "--keep", "0", "--keep-best", "--log-json", log]
+    _train(1, flags, corpus, tmp_path, device)
+    vals = _val_rows(log)
+    assert sorted(vals) == [2, 4, 6], vals
+    assert checkpoint_dirs.numbered(ck) == [f"step-{s:08d}" for s in (2, 3, 4, 6)]
+    best_step = min(vals, key=vals.get)
+    assert best_checkpoint.read(ck) == (f"step-{best_step:08d}", vals[best_step])

@@ -11,7 +11,8 @@ Its first line is what `--resume DIR/best`, `examples/sample.py --resume DIR/bes
 draws the same val batches (minidist/train/loop.py VAL_SEED), so a resumed run compares its
 evaluations with the best before it. Only a save that follows its step's evaluation is a
 candidate: one of a step that evaluated nothing (--save-every between evaluations, a
-signal's) never is. World rank 0 writes it after the commit (minidist/train/saves.py).
+signal's) never is; so a --keep-best run saves at every evaluation, whatever --save-every
+(minidist/train/loop.py). World rank 0 writes it after the commit (minidist/train/saves.py).
 Tests: tests/test_checkpoint_dirs.py, tests/test_keep_best.py.
 """
 import os

@@ -196,7 +196,8 @@ def _train(args, world):
         last, at = step == stop - 1, f"step {step + 1:5d}/{stop}"
         evals = (args.eval_every and (step + 1) % args.eval_every == 0) or last
         every = args.save_every or args.eval_every
-        saving = args.save and (last or (every and (step + 1) % every == 0))
+        saving = args.save and (last or (every and (step + 1) % every == 0)   # --keep-best:
+                                or (evals and args.keep_best))     # each evaluation's too
         printed = step == start or (step + 1) % args.log_every == 0 or last
         rows = bad = row = None
         if values.due(printed or args.log_json or evals or saving):
