@@ -148,3 +148,17 @@ def test_every_evaluation_is_saved_whatever_save_every(corpus, tmp_path, device)
     assert checkpoint_dirs.numbered(ck) == [f"step-{s:08d}" for s in (2, 3, 4, 6)]
     best_step = min(vals, key=vals.get)
     assert best_checkpoint.read(ck) == (f"step-{best_step:08d}", vals[best_step])
+
+
+def test_an_overwrite_run_without_keep_best_removes_the_pointer_naming_no_typed_flag(
+        corpus, tmp_path, device):
+    """A fresh --overwrite run into a --keep-best run's folder removes its DIR/best at its
+    first save; the note says the run has no --keep-best (until review 44 it said
+    "--no-keep-best", a flag nobody typed)."""
+    ck = str(tmp_path / "ck")
+    _train(1, [*TINY, "--steps", "2", "--save", ck, "--keep-best"], corpus, tmp_path, device)
+    assert best_checkpoint.read(ck) is not None
+    said = _train(1, [*TINY, "--steps", "2", "--save", ck, "--overwrite"], corpus, tmp_path,
+                  device)
+    assert f"note: removed {ck}/best (this run has no --keep-best)" in said, said[-2000:]
+    assert best_checkpoint.read(ck) is None

@@ -124,8 +124,10 @@ class Saves:
             if args.keep_best and earlier and _resumed_within(args, earlier[0]):
                 self.best = earlier
             elif best_checkpoint.drop(args.save) and say and not args.keep_best:
+                typed = "keep_best" in getattr(args, "given", [])    # (else an --overwrite)
+                has = "--no-keep-best" if typed else "no --keep-best"
                 self.log.print0(f"note: removed {os.path.join(args.save, checkpoint_dirs.BEST)}"
-                                " (this run has --no-keep-best)")
+                                f" (this run has {has})")
         if not args.keep_best or val_loss is None or not math.isfinite(val_loss):
             return False
         if self.best is not None and not val_loss < self.best[1]:
