@@ -42,7 +42,7 @@ try:        # (a second or so, longer on a cluster's file system: Ctrl-C here is
 
     from minidist import backend, comm
     from minidist.train.args import train_parser
-    from minidist.strategy import checkpoint_dirs
+    from minidist.strategy import save_lock
     from minidist.strategy.checkpoint import CheckpointError
     from minidist.train.cli import agree_on_flags, flag_problem, run_main
     from minidist.train.bpe import TokenizerError
@@ -80,11 +80,11 @@ def main(args):
                           "BLAS thread(s) on rank 0, one a core (--threads N sets them)")
     LOADING.stop_now()    # a SIGTERM while loading or starting MPI: exit 75 now, every rank
     # --save: this run's alone (rank 0 holds its lock until the run ends), seen by every rank
-    save_lock = claim_save(world, args.save)
+    held_save = claim_save(world, args.save)
     try:
         return train(args, world)
     finally:
-        checkpoint_dirs.release(save_lock)
+        save_lock.release(held_save)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.strategy import checkpoint, checkpoint_dirs
+from minidist.strategy import checkpoint, checkpoint_dirs, save_lock
 from minidist.strategy.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.checkpoint_cases import _trained
 
@@ -196,17 +196,17 @@ def test_a_lock_released_under_a_waiting_run_is_no_claim(tmp_path):
     file it locked (same_file), and a second hold() while C holds is refused."""
     import fcntl
     d = tmp_path / "ck"
-    a = checkpoint_dirs.hold(str(d))
+    a = save_lock.hold(str(d))
     b = open(d / ".lock", "a+")                         # B, between its open and its flock
-    checkpoint_dirs.release(a)
-    c = checkpoint_dirs.hold(str(d))
+    save_lock.release(a)
+    c = save_lock.hold(str(d))
     fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)       # the race: B's lock is granted
-    assert not checkpoint_dirs.same_file(b, str(d / ".lock"))   # ... on no file of DIR's
-    assert checkpoint_dirs.same_file(c, str(d / ".lock"))
+    assert not save_lock.same_file(b, str(d / ".lock"))   # ... on no file of DIR's
+    assert save_lock.same_file(c, str(d / ".lock"))
     with pytest.raises(CheckpointError, match="another run saves into it"):
-        checkpoint_dirs.hold(str(d))
+        save_lock.hold(str(d))
     b.close()
-    checkpoint_dirs.release(c)
+    save_lock.release(c)
     assert not (d / ".lock").exists()
 
 
@@ -231,10 +231,10 @@ def test_a_lock_that_cannot_be_removed_is_released_quietly(tmp_path):
     train_gpt.py's `finally`, raise over the save's one-line error: a two-exception
     traceback, exit 1. The lock goes with the file's close; release says nothing."""
     d = tmp_path / "ck"
-    held = checkpoint_dirs.hold(str(d))
+    held = save_lock.hold(str(d))
     os.remove(d / ".lock")
     os.mkdir(d / ".lock")                               # os.remove: IsADirectoryError
-    checkpoint_dirs.release(held)
+    save_lock.release(held)
     assert held.closed
 
 

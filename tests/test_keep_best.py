@@ -60,8 +60,9 @@ def test_the_pointer_is_read_back_and_resolved_and_a_bad_one_is_none(tmp_path):
     assert checkpoint_dirs.save_problem(d) is None           # `best` is the directory's own
     os.rmdir(os.path.join(d, "step-00000003"))               # a folder removed by hand
     assert best_checkpoint.read(d) is None
-    with pytest.raises(CheckpointError, match="best names step-00000003, which is missing"):
-        checkpoint_dirs.resolve(os.path.join(d, "best"))
+    with pytest.raises(CheckpointError, match="best names step-00000003, which is missing; "
+                       "resume from one by its path: .*step-00000007$"):
+        checkpoint_dirs.resolve(os.path.join(d, "best"))     # (not latest's "remove it")
     with open(os.path.join(d, "best"), "w") as f:          # edited: not two fields
         f.write("step-00000007\n")
     assert best_checkpoint.read(d) is None
@@ -114,6 +115,9 @@ def test_the_best_checkpoint_outlives_keep_and_a_resume_keeps_it(ranks, extra, c
     sampled = run_job([sys.executable, "examples/sample.py", "--resume",
                        os.path.join(ck, "best"), "--tokens", "5"], timeout=120)
     assert f"from step {best_step} of {ck}/{name}:" in sampled.stderr, sampled.stderr
+    tuned = _train(1, ["--init-from", os.path.join(ck, "best"), "--steps", "1", "--sample", "0",
+                       "--eval-iters", "1"], corpus, tmp_path, device)   # a fine-tune's start
+    assert f"(step {best_step} of {ck}/{name})" in tuned, tuned[-2000:]
 
     said = _train(ranks, ["--resume", ck, "--save", ck, "--log-json", log, "--sample", "0",
                           *extra], corpus, tmp_path, device)

@@ -8,7 +8,8 @@ checkpoint that --resume finds.
     DIR/.tmp-<host>-<pid>-<random>/  a save in progress, or one killed mid-way (the next
                               save removes it once its process is gone, and any .old-* an
                               older minidist left)
-    DIR/.lock                 while a run saves here: its flock (hold / release), naming it
+    DIR/.lock                 while a run saves here: its flock, naming it
+                              (minidist/strategy/save_lock.py)
     DIR/best                  --keep-best: the folder of the lowest val loss the run measured
                               (minidist/strategy/best_checkpoint.py), which prune keeps
 
@@ -30,7 +31,6 @@ checkpoint is newer than where this run starts (a fresh run: any checkpoint), si
 saves would replace it and prune would delete it; --overwrite allows it.
 Tests: tests/test_checkpoint_dirs.py, tests/test_cli_runs.py.
 """
-import fcntl
 import json
 import os
 import re
@@ -88,13 +88,19 @@ def has_checkpoint(directory):
         or read_latest(directory) is not None or bool(numbered(directory)))
 
 
+def is_pointer(path):
+    """Whether `path` is a --save directory's `latest` or `best` file, which --resume,
+    --init-from, sample.py and export_gpt2.py take for the folder it names."""
+    return os.path.basename(os.path.normpath(path)) in (LATEST, BEST) and os.path.isfile(path)
+
+
 def resolve(path, flag="--resume"):
     """The checkpoint folder to read for `path`: a checkpoint, a --save directory, or the
-    `latest` file in one (the folder it names). `flag`: the flag the errors name."""
+    `latest` or `best` file in one (the folder it names). `flag`: the flag errors name."""
     path, pointer = os.fspath(path), LATEST
-    if os.path.basename(os.path.normpath(path)) in (LATEST, BEST) and os.path.isfile(path):
-        pointer = os.path.basename(os.path.normpath(path))      # DIR/latest: DIR's newest;
-        path = os.path.dirname(os.path.normpath(path)) or "."   # DIR/best: its best one
+    if is_pointer(path):                                        # DIR/latest: DIR's newest;
+        path, pointer = os.path.split(os.path.normpath(path))   # DIR/best: its best one
+    path = path or "."
     if not os.path.isdir(path):
         raise CheckpointError(f"{flag} {path}: no such checkpoint directory")
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -106,8 +112,9 @@ def resolve(path, flag="--resume"):
             said, pointer = pointer, os.path.join(path, pointer)
             raise CheckpointError(
                 f"{flag} {path}: {said} names {name}, which is missing; " + (
-                    f"remove {pointer} (then {path} means its newest, {left[-1]}), or resume "
-                    f"from one by its path: {', '.join(left)}" if left else
+                    f"resume from one by its path: {', '.join(left)}" if left and said == BEST
+                    else f"remove {pointer} (then {path} means its newest, {left[-1]}), or "
+                    f"resume from one by its path: {', '.join(left)}" if left else
                     f"no checkpoint is left in it: remove {pointer} to start afresh there, or "
                     "--save another folder"))
         return os.path.join(path, name)
@@ -227,65 +234,6 @@ def begin(directory, step=None, overwrite=False):
 # a temporary of another machine's process is taken as left behind after this long (its
 # process cannot be asked; no save takes hours)
 FOREIGN_AFTER_S = 6 * 3600
-
-
-def hold(directory):
-    """This process's claim on `directory` (made if needed) as the one run saving into it: an
-    open file holding an exclusive flock on DIR/.lock, released when it is closed or the
-    process ends (a crashed node's, on NFS, when its lease runs out). Raises CheckpointError
-    naming the holder where another process holds it (walk 31: a second job on the same
-    --save removed the first's files mid-save, or read a checkpoint the first pruned);
-    returns None where the filesystem has no locks (Lustre mounted without flock).
-    A lock won on a file that release() unlinked in the meantime is no claim (the next run
-    makes a new .lock and locks that): it is taken again, on the file the path names now."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, LOCK)
-    while True:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "its .lock is held"
-            f.close()
-            raise CheckpointError(f"--save {directory}: another run saves into it ({holder}); "
-                                  "let it end, or --save another folder") from None
-        except OSError:                      # no locks here: nothing to hold
-            f.close()
-            return None
-        if same_file(f, path):
-            break
-        f.close()                            # released and unlinked under us: again
-    f.seek(0)
-    f.truncate()
-    job = os.environ.get("SLURM_JOB_ID")
-    f.write(f"{socket.gethostname()}, pid {os.getpid()}" + (f", job {job}" if job else "")
-            + time.strftime(", since %Y-%m-%d %H:%M:%S") + "\n")
-    f.flush()
-    return f
-
-
-def same_file(f, path):
-    """Whether the open file `f` is the one `path` names now."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(f.fileno())
-    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
-
-
-def release(held):
-    """Give up hold()'s claim (None: nothing held): DIR/.lock removed, then closed, so the
-    folder holds checkpoints only again. A run that opened the file in the instant between
-    finds, once it has the lock, that the path no longer names it, and locks again (hold)."""
-    if held is None:
-        return
-    try:
-        _remove_if_there(held.name)
-    except OSError:             # a folder turned read-only mid-run (walk 37): the lock goes
-        pass                    # with the close; the error that ended the run is the one said
-    held.close()
 
 
 def temporary_name(what="save"):

@@ -174,8 +174,7 @@ def check_flags(args):
     check_data_path(args)                 # minidist/train/inputs.py
     if args.resume not in (None, "auto") and not os.path.isdir(args.resume):
         what = "is a file" if os.path.exists(args.resume) else "does not exist"
-        pointer = os.path.basename(os.path.normpath(args.resume)) in ("latest", "best")
-        if not (pointer and os.path.isfile(args.resume)):  # DIR/latest: DIR's newest
+        if not checkpoint_dirs.is_pointer(args.resume):     # DIR/latest: DIR's newest
             raise UsageError(f"--resume {args.resume}: {what}; give a checkpoint directory "
                              "or the --save directory of an earlier run")
     if args.sequence_parallel and args.tp == 1:

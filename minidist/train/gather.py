@@ -82,8 +82,7 @@ def _existing(path):
     """`path` if it is a folder; the folder a --save directory's `latest` or `best` file
     names when given that file; else a CheckpointError."""
     path = os.fspath(path)
-    pointers = (checkpoint_dirs.LATEST, checkpoint_dirs.BEST)
-    if os.path.basename(os.path.normpath(path)) in pointers and os.path.isfile(path):
+    if checkpoint_dirs.is_pointer(path):
         return checkpoint_dirs.resolve(path)
     if not os.path.isdir(path):
         what = "is a file, not a folder" if os.path.exists(path) else "no such directory"

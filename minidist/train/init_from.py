@@ -35,6 +35,7 @@ from dataclasses import asdict
 
 from minidist.nn.config import ARCH_DEFAULTS
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
+from minidist.strategy import checkpoint_dirs
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, same_tokenizer, tokenizer_files
 from minidist.train.cli import UsageError
@@ -82,6 +83,11 @@ def take_init_from_sizes(args):
     folder = getattr(args, "init_from", None)
     if folder is None:
         return
+    if checkpoint_dirs.is_pointer(folder):       # DIR/best, DIR/latest: the folder it names
+        try:
+            folder = args.init_from = checkpoint_dirs.resolve(folder, "--init-from")
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
     _check_init_folder(folder)
     checkpoint = is_checkpoint(folder)
     saved = saved_config(folder)

@@ -28,7 +28,7 @@ import os
 import time
 
 from minidist.comm.checks import ranks_text
-from minidist.strategy import best_checkpoint, checkpoint_dirs, saving
+from minidist.strategy import best_checkpoint, checkpoint_dirs, save_lock, saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.cli import UsageError
 from minidist.train.inputs import recorded_flags
@@ -149,18 +149,18 @@ def _resumed_within(args, name):
 
 def claim_save(world, save):
     """Before step 0, collective over `world` (None: one process), first-use walk 31: world
-    rank 0 holds --save's lock for the run (checkpoint_dirs.hold: a second run saving into
+    rank 0 holds --save's lock for the run (save_lock.hold: a second run saving into
     the folder is refused, naming the first), and every rank sees a file rank 0 makes there
     (--save on a node's own disk trained until its first save, and before that check at the
     commit, it "saved" a checkpoint missing the other nodes' shards). Returns the lock, to
-    keep for the run and checkpoint_dirs.release() at its end (None: no --save, another
+    keep for the run and save_lock.release() at its end (None: no --save, another
     rank, or no locks on that filesystem); a UsageError on every rank otherwise."""
     if save is None:
         return None
     held, problem = None, None
     if world is None or world.rank == 0:
         try:
-            held = checkpoint_dirs.hold(save)
+            held = save_lock.hold(save)
         except CheckpointError as e:
             problem = str(e)
     several = world is not None and world.size > 1
@@ -172,7 +172,7 @@ def claim_save(world, save):
         try:
             _check_shared(world, save)
         except UsageError:
-            checkpoint_dirs.release(held)
+            save_lock.release(held)
             raise
     return held
 
