@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from minidist import backend, comm
-from minidist.ddp.ddp import MODES
+from minidist.ddp.sync import MODES
 from minidist.launcher import world_size_from_env
 from minidist.nn import GPTConfig
 from minidist.train.args import add_model_args, arch_fields

@@ -14,7 +14,8 @@ from minidist.autograd import Tensor
 from minidist.backend import to_host as H, xp_of
 from minidist.comm import ProcessGroup
 from minidist.nn import GPT, GPTConfig
-from minidist.ddp.ddp import DistributedDataParallel, bucket_layout
+from minidist.ddp.ddp import DistributedDataParallel
+from minidist.ddp.sync import bucket_layout
 from minidist.ddp.strategy import DataParallel
 from minidist.train.args import train_parser
 from minidist.strategy.base import SingleProcess

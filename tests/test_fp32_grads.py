@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from minidist.backend import to_host
-from minidist.ddp.ddp import Bucket
+from minidist.ddp.sync import Bucket
 from minidist.nn import GPT, GPTConfig
 from minidist.train.amp import MixedPrecision
 from mpirun import tagged_json

@@ -19,6 +19,12 @@ DataParallelBucket, plus the overlap PyTorch's DDP is known for):
                 the moment its last gradient is complete, while backward goes on computing the
                 earlier layers. sync_grads() waits for all of them.
 
+Where the code is: the three modes are minidist/ddp/sync.py's classes, a sync of any list
+of parameters over a group (GradSync, BucketedGradSync, OverlappedGradSync; expert
+parallelism syncs its experts over their replicas with one: minidist/ep/strategy.py); this
+file's DataParallel* classes are the same with a model in front (ModelSide: its parameters,
+less the experts, and its methods).
+
 Reverse order, because backward finishes the last layer's gradients first: the first bucket
 fills first. Buckets are launched strictly in order (bucket k+1 waits for bucket k), so every
 rank issues the same collectives in the same order even if hooks fire in a different order.
@@ -46,57 +52,37 @@ Tests: tests/test_ddp.py (in-process), tests/test_ddp_exact.py (4 ranks == 1 pro
 for every mode and algorithm, dp 2 x grad-accum 2, bytes = 2(N-1)/N x gradient bytes,
 clipping, the overlap trace).
 """
-import contextlib
-import time
-
-from minidist.autograd.tensor import is_grad_enabled
-from minidist.backend import xp_of
-from minidist.comm import debug
-from minidist.comm.checks import ranks_by_value, ranks_text
-
-MODES = ("naive", "bucketed", "overlapped")
+from minidist.ddp.sync import (BucketedGradSync, GradSync, OverlappedGradSync,
+                                check_mode)
 
 
 def DistributedDataParallel(model, group, mode="overlapped", bucket_mb=1.0):
     """Wrap `model` for data parallelism over `group` (a ProcessGroup): one of the classes
-    below, by `mode` ("naive", "bucketed" or "overlapped"). Broadcasts rank 0's parameters."""
-    if mode not in MODES:
-        raise ValueError(f"DDP mode must be one of {MODES}, not {mode!r}")
+    below, by `mode` ("naive", "bucketed" or "overlapped"), over its parameters that require
+    a gradient and are not `expert_parallel` (minidist/ep/'s). Broadcasts rank 0's."""
+    check_mode(mode)
     if mode == "naive":
         return DataParallelNaive(model, group)
     cls = DataParallelOverlap if mode == "overlapped" else DataParallelBucket
     return cls(model, group, bucket_mb)
 
 
-def broadcast_parameters(params, group, root=0):
-    """Every rank's parameters = `root`'s (in place), so all ranks start from one model."""
-    for p in params:
-        if not p.data.flags.c_contiguous:
-            p.data = xp_of(p.data).ascontiguousarray(p.data)
-        group.broadcast(p.data, root)
+class ModelSide:
+    """DDP's model side, put before a sync class of minidist/ddp/sync.py: the model
+    (`module`), whose parameters but the `expert_parallel` ones the sync class takes; a call
+    is a forward (counted for the debug check, the buckets attached first); and the model's
+    own methods, as torch's DDP answers them (the wrapper is no Module itself)."""
 
-
-class DataParallelNaive:
-    """One blocking all-reduce per parameter gradient, after backward."""
-    mode = "naive"
-
-    def __init__(self, model, group):
-        self.module, self.group = model, group
-        self.params = [p for p in model.parameters()             # forward order; experts
-                       if p.requires_grad and not p.expert_parallel]  # are minidist/ep/'s
-        self.sync_enabled = True      # False inside no_sync()
-        self.last_sync_s = 0.0        # time the last sync_grads() kept the caller waiting
-        self.unsynced = False         # a backward outside no_sync() since the last sync
-        self.forwards = 0             # forwards that build a graph since the last sync
-        self.grads_done = 0           # and parameter gradients backward completed (hooks)
-        self._hooks = [p.register_grad_hook(self._backward_ran) for p in self.params]
-        broadcast_parameters(self.params, group)
+    def __init__(self, model, group, *bucket_mb):
+        self.module = model
+        super().__init__([p for p in model.parameters()              # forward order; experts
+                          if p.requires_grad and not p.expert_parallel],  # are minidist/ep/'s
+                         group, *bucket_mb)
 
     def __call__(self, *args, **kwargs):
         self.before_forward()
         return self.module(*args, **kwargs)
 
-    # the wrapped model's own, as torch's DDP answers them (the wrapper is no Module itself)
     def parameters(self):
         return self.module.parameters()
 
@@ -116,255 +102,14 @@ class DataParallelNaive:
     def load_state_dict(self, state, strict=True):
         return self.module.load_state_dict(state, strict)
 
-    def _backward_ran(self, p):
-        """Autograd hook: a backward reached `p`; outside no_sync() its gradients now wait
-        for sync_grads()."""
-        self.grads_done += 1
-        if self.sync_enabled:
-            self.unsynced = True
 
-    def before_forward(self):
-        """check_synced, and a forward counted for sync_grads' check (MINIDIST_DEBUG=1)."""
-        self.check_synced()
-        self.forwards += is_grad_enabled()
-
-    def check_synced(self):
-        """A forward after a backward whose gradients were never averaged (first-use walk
-        29: a loop without sync_grads() let the replicas drift apart, silently): a
-        RuntimeError naming the call that was missed."""
-        if self.unsynced:
-            raise RuntimeError(
-                "DDP: a forward after a backward whose gradients were not averaged: call "
-                "ddp.sync_grads() after the backward of each step's last micro-batch, before "
-                "the optimizer's step; run the other micro-batches of a step inside `with "
-                "ddp.no_sync():`")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Micro-batches whose backward must not communicate (gradient accumulation)."""
-        previous, self.sync_enabled = self.sync_enabled, False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
-
-    def sync_grads(self):
-        """Average the gradients over the group, in place; returns when they are averaged.
-        Call once per optimizer step, after the last backward."""
-        start = time.perf_counter()
-        if debug.enabled():
-            self.check_same_forwards()
-        self._sync()
-        self.unsynced = False
-        self.forwards = self.grads_done = 0
-        self.last_sync_s = time.perf_counter() - start
-
-    def check_same_forwards(self):
-        """Debug mode (MINIDIST_DEBUG=1): every rank ran as many forwards since the last
-        sync, and as many backwards (parameter gradients completed), or CollectiveMismatch on
-        every rank, naming who ran how many. First-use walk 37: a rank that caught an
-        exception after its forward and skipped the rest of the step (`continue`) had its
-        next step's gradients averaged with the others' current ones, the same collectives
-        in the same order, and the replicas drifted apart without a word; walk 43's rank
-        that swallowed its backward averaged zeros in. One all_gather_object a step, only in
-        debug mode."""
-        both = self.group.all_gather_object((self.forwards, self.grads_done))
-        counts = ranks_by_value([f for f, _ in both])
-        grads = ranks_by_value([g for _, g in both])
-        if len(counts) == 1 and len(grads) > 1:             # (walk 43: a swallowed backward)
-            raise debug.CollectiveMismatch(
-                "DDP: the ranks' backwards since the last sync_grads completed different "
-                "numbers of parameter gradients (" + "; ".join(
-                    f"{ranks_text(r)}: {n}" for n, r in grads.items()) + ") after as many "
-                "forwards: a rank skipped a backward (an exception caught around "
-                "loss.backward()?), and its zeros would be averaged in")
-        if len(counts) > 1:
-            raise debug.CollectiveMismatch(
-                "DDP: the ranks ran different numbers of forwards since the last sync_grads ("
-                + "; ".join(f"{ranks_text(r)}: {n}" for n, r in counts.items())
-                + "): a rank skipped the rest of a step after its forward (an exception "
-                "caught, then `continue`?), so its gradients would be averaged with another "
-                "step's; skip a step on every rank alike, or not at all (or some ranks ran "
-                "a forward through the wrapper outside no_grad() that no backward followed)")
-
-    def _sync(self):
-        for p in reversed(self.params):       # the order backward completed them
-            if p.grad is None:                # no gradient this step: still take part
-                p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
-            self.group.all_reduce(p.grad, op="avg")
-
-    def zero_grad(self, discard=False):
-        """Drop the gradients (.grad = None, as the optimizer's zero_grad does). After a
-        backward that was never averaged, a RuntimeError unless `discard` (the step dropped
-        on purpose, on every rank alike): first-use walk 43 left sync_grads() out of the
-        recipe's loop, and this call forgave it before the next forward could, every step."""
-        self.check_dropped(discard)
-        for p in self.params:
-            p.grad = None
-
-    def check_dropped(self, discard):
-        """zero_grad's check: an unaveraged backward's gradients dropped only with `discard`."""
-        if self.unsynced and not discard:
-            raise RuntimeError(
-                "DDP: zero_grad() after a backward whose gradients were not averaged: call "
-                "ddp.sync_grads() after the backward of each step's last micro-batch, before "
-                "the optimizer's step (to drop a step's gradients on purpose, on every rank "
-                "alike: ddp.zero_grad(discard=True))")
-        self.unsynced = False
-
-    def grad_bytes(self):
-        """Bytes of gradient every step averages: the all-reduce payload (in the gradients'
-        dtype: float32 under --amp --grad-dtype float32)."""
-        return sum(p.size * p.grad_dtype.itemsize for p in self.params)
+class DataParallelNaive(ModelSide, GradSync):
+    """`model` wrapped; one blocking all-reduce per parameter gradient, after backward."""
 
 
-def bucket_layout(params, bucket_mb):
-    """Indices into `params`, last parameter first, cut into buckets of at most bucket_mb
-    (MiB) of gradient: a parameter that would overflow the current bucket starts a new one,
-    so only a parameter larger than bucket_mb on its own exceeds it. A change of gradient
-    dtype or array module also starts a new bucket (a flat buffer has one dtype, on one
-    device)."""
-    cap = bucket_mb * 2**20
-    buckets, current, nbytes, current_kind = [], [], 0, None
-    for i in reversed(range(len(params))):
-        p = params[i]
-        kind = (p.grad_dtype, type(p.data))
-        size = p.size * p.grad_dtype.itemsize
-        if current and (nbytes + size > cap or kind != current_kind):
-            buckets.append(current)
-            current, nbytes = [], 0
-        current_kind = kind
-        current.append(i)
-        nbytes += size
-    if current:
-        buckets.append(current)
-    return buckets
+class DataParallelBucket(ModelSide, BucketedGradSync):
+    """`model` wrapped; its gradients in flat buckets, one all-reduce per bucket."""
 
 
-class Bucket:
-    """One flat gradient buffer, in the parameters' grad_dtype (float32 under --amp
-    --grad-dtype float32: backward's `+=` adds each 16-bit gradient into it in float32, and
-    the all-reduce sums float32), and the parameters whose .grad are views into it."""
-
-    def __init__(self, params):
-        self.params = params
-        xp = xp_of(params[0].data)
-        self.buffer = xp.zeros(sum(p.size for p in params), dtype=params[0].grad_dtype)
-        self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.size].reshape(p.shape))
-            offset += p.size
-        self.ready = 0            # parameters whose gradient is complete in this backward
-        self.work = None          # its all-reduce in flight (overlapped mode)
-        self.attaches = 0         # attach() calls, and the gradients they copied in: each
-        self.copies = 0           # copy is a step's gradient that backward did not add in place
-
-    def attach(self):
-        """Make every parameter's .grad its view again, keeping the value it holds. Only a
-        fallback: DDP's own zero_grad() keeps the views, so backward's `+=` writes into the
-        bucket; after the optimizer's zero_grad() (.grad = None) backward leaves the engine's
-        own array, which is copied in here (one copy per gradient per step, counted in
-        `copies`)."""
-        self.attaches += 1
-        for p, view in zip(self.params, self.views):
-            if p.grad is view:
-                continue
-            if p.grad is None:
-                view.fill(0)
-            else:
-                view[...] = p.grad
-                self.copies += 1
-            p.grad = view
-
-
-class DataParallelBucket(DataParallelNaive):
-    """Gradients live in flat buckets (reverse parameter order); one all-reduce per bucket."""
-    mode = "bucketed"
-
-    def __init__(self, model, group, bucket_mb=1.0):
-        super().__init__(model, group)
-        self.bucket_mb = bucket_mb
-        self.buckets = [Bucket([self.params[i] for i in idx])
-                        for idx in bucket_layout(self.params, bucket_mb)]
-        self.zero_grad()
-
-    def __call__(self, *args, **kwargs):
-        self.before_forward()
-        for b in self.buckets:               # before backward writes: grads into the buckets
-            b.attach()
-        return self.module(*args, **kwargs)
-
-    def zero_grad(self, discard=False):
-        """Zero every gradient in place, keeping them views into the buckets (the training
-        step calls this instead of the optimizer's zero_grad: no copies in the next step);
-        `discard` as the naive mode's."""
-        self.check_dropped(discard)
-        for b in self.buckets:
-            b.buffer.fill(0)
-            b.attach()
-
-    def _sync(self):
-        for b in self.buckets:
-            b.attach()
-            self.group.all_reduce(b.buffer, op="avg")
-
-
-class DataParallelOverlap(DataParallelBucket):
-    """Buckets whose all-reduce starts from the grad hook, during backward."""
-    mode = "overlapped"
-
-    def __init__(self, model, group, bucket_mb=1.0):
-        self._next = 0                       # the next bucket to launch, in bucket order
-        super().__init__(model, group, bucket_mb)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-
-    def zero_grad(self, discard=False):
-        """As the bucketed mode's, after waiting for any all-reduce a backward started (a
-        loop that drops a step's gradients without sync_grads(), `discard`: zeroing under a
-        running all-reduce would race with its writes, and the next backward found its
-        buckets still counted full). Every rank started the same ones, so the wait is safe."""
-        self.check_dropped(discard)
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-            b.work, b.ready = None, 0
-        self._next = 0
-        super().zero_grad(discard=True)          # (checked above)
-
-    def _backward_ran(self, p):
-        """Autograd hook (the one DataParallelNaive registers): `p`'s gradient for this
-        backward is complete; outside no_sync() its bucket's all-reduce may start."""
-        super()._backward_ran(p)
-        if not self.sync_enabled:
-            return
-        b = self._bucket_of[id(p)]
-        if b.ready == len(b.params):
-            raise RuntimeError("DDP: a second backward before sync_grads(); accumulate "
-                               "gradients inside `with ddp.no_sync():`, and call "
-                               "ddp.sync_grads() after each step's last backward")
-        b.ready += 1
-        if b.ready == len(b.params):
-            self._launch_ready()
-
-    def _launch_ready(self):
-        """Start the all-reduce of every complete bucket whose predecessors have started."""
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if b.ready < len(b.params):
-                return
-            self._launch(b)
-
-    def _launch(self, b):
-        b.attach()
-        # off the calling thread: the group's communication thread runs it while backward
-        # goes on (with the group's sync_comm, for a debugger, it runs here, now, blocking)
-        b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
-        self._next += 1
-
-    def _sync(self):
-        for b in self.buckets[self._next:]:  # not started by hooks (no_sync, unused params)
-            self._launch(b)
-        for b in self.buckets:
-            b.work.wait()
-            b.work, b.ready = None, 0
-        self._next = 0
+class DataParallelOverlap(ModelSide, OverlappedGradSync):
+    """`model` wrapped; each bucket's all-reduce started from the grad hook, in backward."""
