@@ -168,7 +168,8 @@ def clear_events():
 
 
 def chrome_events(events_by_rank):
-    """Chrome trace "X" events: process = rank (one row each), thread = group."""
+    """Chrome trace "X" events: process = rank (one row each), thread = group; an async
+    collective's args carry `issued`, when it was queued (its ts is when it began to run)."""
     out, tids = [], {}
     t0 = min((e["start"] for evs in events_by_rank for e in evs), default=0.0)
     for rank, evs in enumerate(events_by_rank):
@@ -177,6 +178,8 @@ def chrome_events(events_by_rank):
         for e in evs:
             tid = tids.setdefault(e["group"], len(tids))
             args = {k: e[k] for k in ("seq", "algo", "group", "dtype", "bytes") if k in e}
+            if e.get("async"):    # when the caller queued it (a hook, say), in ts's units
+                args["issued"] = (e["issued"] - t0) * 1e6
             out.append({"name": e["op"], "cat": e["algo"], "ph": "X", "pid": rank, "tid": tid,
                         "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
                         "args": args})
