@@ -81,7 +81,9 @@ def test_moe_in_pipeline_stages_is_exact(mpi):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep4_and_compositions_are_exact(mpi):
     """ep 4, ep 2 x dp 2 (DDP, ZeRO-1/2/3 over the dense parameters, DDP with
-    --ckpt-activations; --dropout 0.1), ep 2 x tp 2 (DDP, ZeRO-1/2/3; --dropout 0.1), MoE in
+    --ckpt-activations; --dropout 0.1; the experts' own DDP over edp overlapped and bucketed
+    in 4 buckets with --grad-accum 2, naive, float16 --amp with float32 gradients), ep 2 x
+    tp 2 (DDP, ZeRO-1/2/3; --dropout 0.1), MoE in
     pp 2 x dp 2 (ZeRO-1) and pp 2 x tp 2, and ep 2 x pp 2 (1F1B; GPipe with
     --ckpt-activations; ZB-H1; ZeRO-1/3 over the dense parameters; interleaved with ZeRO-2;
     ZeRO-1 with --amp; --dropout 0.1 with --ckpt-activations), and hybrid sharding of the
@@ -99,7 +101,9 @@ def test_ep4_and_compositions_are_exact(mpi):
             "ep2xpp2+gpipe+recompute", "ep2xpp2+zbh1+ckpt", "ep2xpp2+zero1+ckpt",
             "ep2xpp2+v2+zero2+ckpt", "ep2xpp2+zero3+ckpt", "ep2xpp2+zero1+amp+ckpt",
             "ep2xpp2+drop+recompute", "ep2xdp2+zero1+zs2", "ep4+zero2+zs2",
-            "ep2xdp2+zero2+zs2+accum", "ep2xdp2+zero3+zs2+ckpt", "ep2xdp2+zero1+zs2+amp"]
+            "ep2xdp2+zero2+zs2+accum", "ep2xdp2+zero3+zs2+ckpt", "ep2xdp2+zero1+zs2+amp",
+            "ep2xdp2+accum+ckpt", "ep2xdp2+bucketed+accum", "ep2xdp2+ddpnaive",
+            "ep2xdp2+amp+ckpt"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=420)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)
@@ -162,14 +166,15 @@ def test_moe_on_split_sequences_8_ranks_is_exact(mpi):
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_ep2_x_pp2_x_tp2_is_exact(mpi):
     """ep 2 x pp 2 x tp 2 on 8 ranks (DDP, ZeRO-3), ep 2 x pp 2 x dp 2 (ZeRO-1: the experts'
-    AdamW state halved over edp 2) and ep 2 x tp 2 x dp 2 with hybrid ZeRO-1 (--zero-shard 2)
+    AdamW state halved over edp 2; DDP: the experts' buckets over edp, silent but in the
+    last micro-batch) and ep 2 x tp 2 x dp 2 with hybrid ZeRO-1 (--zero-shard 2)
     against one process in float64; their checkpoints (the experts of every stage, tp's
     pieces and ZeRO's shards gathered) resume bit-identically and load on one process.
 
         mpiexec -n 8 python tests/scripts/ep_check.py --runs ep2xpp2xtp2+ckpt,...
     """
     runs = ["ep2xpp2xtp2+ckpt", "ep2xpp2xtp2+zero3+ckpt", "ep2xpp2xdp2+zero1+ckpt",
-            "ep2xtp2xdp2+zero1+zs2+ckpt"]
+            "ep2xtp2xdp2+zero1+zs2+ckpt", "ep2xpp2xdp2+ckpt"]
     out = mpi(8, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     rows = tagged_json(out, "RESULT")
     check_rows(rows, runs)

@@ -1,5 +1,6 @@
 """examples/train_gpt.py with --ep under mpiexec against one process: the same losses and
 sample, the experts' load statistics over the global batch (under --pp too), and --amp."""
+import json
 import re
 import subprocess
 import sys
@@ -177,3 +178,40 @@ def test_the_summary_counts_the_experts_gradient_traffic_over_their_replicas(mpi
                   timeout=120).stdout
         assert f"; {sent / 2**20:.2f} MiB on the edp group of 2 (the experts' gradients" \
             in out, out
+
+
+@pytest.mark.mpi
+def test_the_experts_buckets_are_all_reduced_from_backwards_hooks(tmp_path, mpi):
+    """ep 2 x dp 2, --ddp overlapped: the experts' gradients are a DDP of their own over
+    their replicas (edp; minidist/ddp/sync.py), whose hooks issue each bucket's all-reduce
+    inside backward: per step and rank, as many edp all-reduces as buckets (4 at
+    --bucket-mb 0.04: one expert, 8C^2 + 5C float32s = 33 KB, each), every one issued
+    (the trace's `issued`) before that step's backward ended; --ddp naive: one per tensor
+    (16: 2 blocks x 2 experts x 4), all after backward (until 2026-12 that was every mode):
+
+        mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 \\
+            --steps 3 --n-layer 2 --n-embd 32 ... --bucket-mb 0.04 --trace ep.json
+    """
+    flags = ["--moe-experts", "4", "--ep", "2", "--dp", "2", "--steps", "3", "--n-layer", "2",
+             "--n-embd", "32", "--block-size", "32", "--batch-size", "8", "--eval-iters", "1",
+             "--sample", "0"]
+    for mode, calls, in_backward in (("overlapped", 4, 4), ("naive", 16, 0)):
+        path = tmp_path / f"{mode}.json"
+        size = ["--bucket-mb", "0.04"] if mode == "overlapped" else []
+        out = mpi(4, "examples/train_gpt.py", *flags, *size, "--ddp", mode, "--trace", path,
+                  timeout=120).stdout
+        if mode == "overlapped":
+            assert "(the experts' gradients over their replicas: all-reduced in 4 buckets, " \
+                "started from backward's hooks)" in out, out
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+        for rank in range(4):
+            mine = [e for e in events if e["pid"] == rank]
+            backwards = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine
+                               if e["name"] == "backward")
+            edp = [e for e in mine if e["args"].get("group") == "edp"
+                   and e["name"] != "broadcast"]   # (the replicas made equal, at the start)
+            assert len(backwards) == 3 and len(edp) == 3 * calls, (mode, rank, len(edp))
+            assert {e["name"] for e in edp} == {"all_reduce"}
+            issued = [e["args"].get("issued", e["ts"]) for e in edp]   # (blocking: ts)
+            inside = [sum(start <= t <= end for t in issued) for start, end in backwards]
+            assert inside == [in_backward] * 3, (mode, rank, inside)

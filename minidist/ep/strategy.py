@@ -22,6 +22,8 @@ experts' (`expert_parallel` parameters). Each rank holds E/ep experts; its exper
 gradients already hold the contributions of every ep rank's tokens (the combine's backward
 brought them), so the strategy sums them over the dp replicas of those experts (edp) and
 divides by |D|: the gradient of the mean loss over D, exactly what one process computes.
+Under DDP that sum is a DDP gradient sync of its own over edp (minidist/ddp/sync.py), in
+--ddp's mode: overlapped, each bucket of experts' all-reduce starts from backward's hooks.
 Also: reduce_sum_sq (grad clipping) counts each expert once (their squares summed over ep),
 global_mean is inner's. With --tp, TensorParallel (minidist/tp/strategy.py) is the outer
 strategy and this one its inner; the experts are not split by tp (every tp rank of a replica
@@ -59,6 +61,7 @@ import numpy as np
 
 from minidist.backend import xp_of
 from minidist.comm import trace
+from minidist.ddp.sync import gradient_sync
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
 from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
@@ -109,17 +112,24 @@ class ExpertParallel(ModelParallel):
         self.edp, self.experts = edp, []
         self.optimizer = None           # under ZeRO: dense + experts (build_optimizer)
         self.expert_engine = None       # under ZeRO: the experts' ZeRO-1 over edp
+        self.expert_sync = None         # under DDP: the experts' DDP over edp (wrap)
         self.edp_sent, self._edp_mark = 0, 0    # bytes on edp in the steps (summary())
 
     def wrap(self, model):
         """This rank's experts on `model` (the rest dropped, the exchange set), then inner's
         DDP (or ZeRO) over the dense parameters; under ZeRO the experts' own ZeRO-1 over
-        their replicas (minidist/ep/optim.py)."""
+        their replicas (minidist/ep/optim.py); under DDP the experts' own DDP gradient sync
+        over their replicas, in inner's --ddp mode and bucket size (minidist/ddp/sync.py:
+        overlapped, its buckets' all-reduces start from backward's hooks), summing over
+        edp and dividing by the dense group's size (module docstring)."""
         self.model = model
         self.experts = attach_experts(model, self.group)
         model = self.inner.wrap(model)
         if self._zero():
             self.expert_engine = expert_engine(model, self.edp)
+        elif self.experts and self.edp.size > 1:
+            self.expert_sync = gradient_sync(self.experts, self.edp, self.inner.mode,
+                                             self.inner.bucket_mb, self.inner.group.size)
         return model
 
     def build_optimizer(self, model, args, tp=None):
@@ -141,11 +151,12 @@ class ExpertParallel(ModelParallel):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """inner's; under ZeRO the experts' engine holds back too: its hooks start each MoE
-        block's reduce-scatter over edp only in the step's last micro-batch (ZeRO-1's
-        accumulating, minidist/zero/zero.py)."""
+        """inner's; the experts' sync holds back too: under DDP their buckets' hooks start
+        nothing; under ZeRO the experts' engine starts each MoE block's reduce-scatter over
+        edp only in the step's last micro-batch (ZeRO-1's accumulating,
+        minidist/zero/zero.py)."""
         experts = self.expert_engine.accumulating() if self._zero() else \
-            contextlib.nullcontext()
+            self.expert_sync.no_sync() if self.expert_sync else contextlib.nullcontext()
         with self.inner.no_sync(), experts:
             yield
 
@@ -169,11 +180,12 @@ class ExpertParallel(ModelParallel):
             for u in self.expert_engine.units:
                 u.grad_shard /= self.group.size
             return
-        for p in self.experts:
-            if p.grad is None:                              # no tokens this step: still sync
+        if self.expert_sync is not None:   # summed over edp (overlapped: the all-reduces
+            self.expert_sync.sync_grads()  # backward began), / dense
+            return
+        for p in self.experts:             # one replica (edp of 1): / dense only
+            if p.grad is None:                              # no tokens this step: zeros
                 p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
-            if self.edp.size > 1:
-                self.edp.all_reduce(p.grad, op="sum")
             p.grad /= dense
 
     def reduce_sum_sq(self, local):
@@ -205,9 +217,12 @@ class ExpertParallel(ModelParallel):
 
     def zero_grad(self, opt):
         """inner's (DDP: its buckets zeroed in place; ZeRO: both engines' buffers), and under
-        DDP the experts' gradients, which no DDP bucket holds, dropped."""
+        DDP the experts' sync's (its buckets zeroed in place too; naive: .grad dropped)."""
         super().zero_grad(opt)
         if self._zero():               # the experts' .grad: views into their engine's buffers
+            return
+        if self.expert_sync is not None:
+            self.expert_sync.zero_grad()
             return
         for p in self.experts:
             p.grad = None
@@ -287,10 +302,22 @@ class ExpertParallel(ModelParallel):
             f"; {self.edp_sent / max(self.steps, 1) / 2**20:.2f} MiB on the edp group of "
             f"{self.edp.size} (the experts' gradients over their replicas: "
             + ("reduce-scattered in backward, the shards all-gathered after the step)"
-               if self._zero() else "all-reduced tensor by tensor after backward)"))
+               if self._zero() else self.edp_sync_text() + ")"))
         return (f"expert parallel over {self.group.size} ranks ({self.group.algo_text()}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)"
                 + edp)
+
+    def edp_sync_text(self):
+        """How DDP's experts' sync ran: words for summary()."""
+        sync = self.expert_sync
+        if sync is None:                # (a pipeline stage without an MoE block)
+            return "none on this rank, which holds no expert"
+        if sync.mode == "naive":
+            return "all-reduced tensor by tensor after backward"
+        n = len(sync.buckets)
+        buckets = f"{n} bucket{'s' if n > 1 else ''}"
+        return (f"all-reduced in {buckets}, started from backward's hooks"
+                if sync.mode == "overlapped" else f"all-reduced in {buckets} after backward")
 
     def finish(self, args, log):
         log.print0(self.summary())

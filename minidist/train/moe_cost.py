@@ -29,9 +29,12 @@ the pairwise exchange's (N-1)(alpha + n/(N B)) on the links the ep group spans, 
 cluster's sync per blocking collective. Full recompute (--ckpt-activations) runs each block's
 forward again inside backward, its 3 all-to-alls too: 3 forward, 3 + 2 backward.
 Gradients (minidist/ep/strategy.py): the dense parameters go through DDP (or ZeRO) over
-all dp ranks as before. Under DDP each expert tensor of this rank is all-reduced over its
-dp / ep replicas (edp) one tensor at a time after backward (no buckets, no overlap), and
-gradient clipping sums one number over the ep group; the optimizer updates all dense
+all dp ranks as before. Under DDP the model charges each expert tensor of this rank an
+all-reduce over its dp / ep replicas (edp) after backward, in full (the strategy, since
+2026-12, buckets them and, --ddp overlapped, starts each bucket from backward's hooks:
+minidist/ddp/sync.py; this charge is then an upper bound, fewer latencies and partly
+hidden, not yet modelled), and gradient clipping sums one number over the ep group; the
+optimizer updates all dense
 parameters and this rank's experts. Under ZeRO (any stage) the experts are ZeRO-1 over edp
 (minidist/ep/optim.py): per MoE block one flat unit of this rank's experts, its gradient
 reduce-scattered over edp after backward and its parameters all-gathered after the step

@@ -63,6 +63,11 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2+ddpnaive+accum": ["--ddp", "naive", "--grad-accum", "2"],
         "ep2+mpi+every2": ["--comm", "mpi", "--moe-every", "2"],
         "ep4": [], "ep2xdp2": ["--dp", "2"], "ep2xtp2": ["--tp", "2"],
+        # the experts' DDP over edp (minidist/ddp/sync.py) in each --ddp mode: 4 buckets
+        "ep2xdp2+accum": ["--dp", "2", "--grad-accum", "2", "--bucket-mb", "0.02"],
+        "ep2xdp2+bucketed+accum": ["--dp", "2", "--ddp", "bucketed", "--grad-accum", "2",
+                                   "--bucket-mb", "0.02"],
+        "ep2xdp2+ddpnaive": ["--dp", "2", "--ddp", "naive"],
         "ep1xtp2": ["--tp", "2"],        # MoE under plain tensor parallelism: experts whole
         "ep1xdp2+zero1": ["--dp", "2", "--zero", "1"],      # MoE under ZeRO (experts in the
         "ep1xdp2+zero3": ["--dp", "2", "--zero", "3"],      # flat shards like any parameter)
@@ -117,6 +122,7 @@ RUNS = {"ep2": [], "ep2+top1+accum": ["--moe-top-k", "1", "--grad-accum", "2"],
         "ep2xpp2+zero3": ["--pp", "2", "--micro-batches", "2", "--zero", "3"],
         "ep2xpp2xtp2": ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
         "ep2xpp2xdp2+zero1": ["--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
+        "ep2xpp2xdp2": ["--pp", "2", "--dp", "2", "--micro-batches", "2"],    # DDP over edp
         "ep2xpp2xtp2+zero3": ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3"]}
 # a sequence split over ranks (SPLIT, and the checks of its exchange): ep_split.py
 RUNS.update(SPLIT)
@@ -124,6 +130,7 @@ AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: em
 RUNS.update({"ep2+amp": AMP, "ep2+zero1+amp": ["--zero", "1", *AMP],
              "ep2+zero3+amp": ["--zero", "3", *AMP],
              "ep2xdp2+zero2+amp": ["--dp", "2", "--zero", "2", *AMP],
+             "ep2xdp2+amp": ["--dp", "2", "--grad-dtype", "float32", *AMP],
              "ep2xtp2+zero1+amp": ["--tp", "2", "--zero", "1", *AMP],
              "ep2xpp2+zero1+amp": ["--pp", "2", "--micro-batches", "2", "--zero", "1", *AMP],
              "ep2xdp2+zero1+zs2+amp": ["--dp", "2", "--zero", "1", "--zero-shard", "2", *AMP]})
