@@ -272,8 +272,39 @@ def test_ring_self_attention_gradcheck_on_one_rank():
     ring.restore([layout(8, 1, 0, "zigzag")])            # (what RingContext.part sets)
     assert len(ring.layouts[0]) == 2                      # two pieces: both tile orders
     qkv = Tensor(np.random.default_rng(3).standard_normal((2, 8, 12)), requires_grad=True)
-    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.0, None), [qkv],
+    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.0, None, None), [qkv],
               name="RingSelfAttention")
     site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout")   # keyed masks:
-    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.25, site), [qkv],   # the same
-              name="RingSelfAttention with dropout")                          # every call
+    gradcheck(lambda t: RingSelfAttention.apply(t, 2, ring, 0.25, site, None), [qkv],
+              name="RingSelfAttention with dropout")          # the same every call
+    gqa = Tensor(np.random.default_rng(4).standard_normal((2, 8, 16)), requires_grad=True)
+    gradcheck(lambda t: RingSelfAttention.apply(t, 4, ring, 0.25, site, 2), [gqa],
+              name="RingSelfAttention, 4 q heads, 2 kv heads, with dropout")
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_the_ring_repeats_kv_heads_where_it_attends_as_repeat_kv_before_it(n_kv_head):
+    """Grouped-query attention: the ring given the nkv k and v heads (which then travel
+    unrepeated) = the ring given repeat_kv's nh of them (what it was handed before), y and
+    the gradient of qkv (repeat_kv's backward sums the copies'); float64, one rank, dropout
+    0.25 (keyed masks: the same in both), 4 q heads of size 2."""
+    from mpi4py import MPI
+    from minidist.autograd.llama_ops import repeat_kv
+    from minidist.comm import ProcessGroup
+    from minidist.cp.ring import RingSelfAttention
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank cp")
+    ring = RingContext(group, split="zigzag", block=2)
+    ring.restore([layout(8, 1, 0, "zigzag")])
+    site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 8, (4 + 2 * n_kv_head) * 2))
+    g = rng.standard_normal((2, 8, 8))
+    out = []
+    for repeated in (False, True):
+        qkv = Tensor(x.copy(), requires_grad=True)
+        y = RingSelfAttention.apply(repeat_kv(qkv, 4, n_kv_head), 4, ring, 0.25, site, None) \
+            if repeated else RingSelfAttention.apply(qkv, 4, ring, 0.25, site, n_kv_head)
+        (y * Tensor(g)).sum().backward()
+        out.append((y.data, qkv.grad))
+    (y0, d0), (y1, d1) = out
+    assert np.abs(y0 - y1).max() < 1e-14 and np.abs(d0 - d1).max() < 1e-14

@@ -50,6 +50,29 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
     assert max(checked.values()) < 1e-6, checked
 
 
+@pytest.mark.mpi
+def test_the_ring_sends_k_and_v_as_the_kv_heads(mpi):
+    """Grouped-query attention (Llama's block, 4 q heads): the ring's k/v blocks and their
+    accumulators travel as the K kv heads and are repeated to 4 only where attended to, so
+    --n-kv-head 1 sends (6N - 4)(S - S/4) per layer less than --n-kv-head 0 (S = B Tl C 8
+    bytes: k's under multi-head attention), each = ring_bytes of k's own bytes; every run
+    one process's numbers (float64, 3 steps; kv 2 also naive with recompute):
+
+        mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2+kv0,cp2+kv1,...
+    """
+    from minidist.cp.ring import ring_bytes
+    runs = ["cp2+kv0", "cp2+kv1", "cp2+naive+kv2+ckpt"]
+    out = mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=180)
+    rows = tagged_json(out, "RESULT")
+    _check_exact(rows, runs)
+    by = {r["run"]: r for r in rows}
+    n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64
+    assert by["cp2+kv0"]["bytes_sent"] == layers * ring_bytes(S, n)
+    assert by["cp2+kv0"]["bytes_sent"] - by["cp2+kv1"]["bytes_sent"] == \
+        layers * (6 * n - 4) * (S - S // 4)
+    assert by["cp2+naive+kv2+ckpt"]["bytes_sent"] == layers * ring_bytes(S // 2, n, True)
+
+
 def _check_reloads(rows, runs, ranks):
     """The --resume-runs rows: the checkpoint holds one process's parameters and Adam
     moments (1e-10), loads bitwise into the same layout, ZeRO-1 and tp 2 without cp, and
@@ -70,8 +93,10 @@ def test_cp4_and_compositions_are_exact(mpi):
     checkpoints saved and loaded back); and
     with --ckpt-activations ("+ckpt") cp 4, cp 2 x dp 2 (DDP, ZeRO-1/2, ZeRO-3 with
     grad-accum), cp 2 x tp 2 (both splits; ZeRO-3), each bit-identical to the same run
-    without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Bytes on the cp and
-    tp groups = their formulas; the activation ledger of cp x tp without and with SP.
+    without it; cp 2 x tp 2 with --sequence-parallel ("+sp": SP_RUNS). Llama's block with
+    K kv heads ("+kv<K>": k and v travel as K heads): cp 4 and cp 2 x dp 2 x ZeRO-3 with 1,
+    cp 2 x tp 2 x SP with 2 (one per tp rank), also recomputed. Bytes on the cp and tp
+    groups = their formulas; the activation ledger of cp x tp without and with SP.
 
         mpiexec -n 4 python tests/scripts/cp_check.py --runs cp4,cp4+naive,cp2xdp2,... \
             --resume-runs cp2xtp2+zero3,cp2xtp2+sp+zero3,cp2xtp2+zero3+shard1
@@ -82,7 +107,8 @@ def test_cp4_and_compositions_are_exact(mpi):
             "cp2xtp2+zero1", "cp2xtp2+zero2+naive", "cp2xtp2+zero3",
             "cp4+ckpt", "cp2xdp2+ckpt", "cp2xdp2+zero1+ckpt", "cp2xdp2+zero2+ckpt",
             "cp2xdp2+zero3+accum+ckpt", "cp2xtp2+ckpt", "cp2xtp2+naive+ckpt",
-            "cp2xtp2+zero3+ckpt", "cp2xtp2+zero3+shard1", "cp2xtp2+sp+zero2+shard1", *SP_RUNS]
+            "cp2xtp2+zero3+ckpt", "cp2xtp2+zero3+shard1", "cp2xtp2+sp+zero2+shard1",
+            "cp4+kv1", "cp2xdp2+zero3+kv1", "cp2xtp2+sp+kv2", "cp2xtp2+sp+kv2+ckpt", *SP_RUNS]
     resumed = ["cp2xtp2+zero3", "cp2xtp2+sp+zero3", "cp2xtp2+zero3+shard1"]
     out = mpi(4, "tests/scripts/cp_check.py", "--runs", ",".join(runs), "--resume-runs",
               ",".join(resumed), timeout=240)

@@ -9,6 +9,7 @@ import pytest
 from minidist.autograd import Tensor
 from minidist.cp.ring import ring_bytes
 from minidist.cp.strategy import cp_problems
+from minidist.cp.ulysses import ulysses_bytes
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
 from mpirun import ROOT, tagged_json
@@ -36,10 +37,15 @@ def test_ulysses_exchange_gradcheck_on_one_rank():
 
 def test_ulysses_bytes_formula_against_the_ring():
     """8S(N-1)/N per layer and micro-batch (12S(N-1)/N with recompute) against the ring's
-    (6N-4)S: half the ring's at N = 2, and Ulysses' falls with N where the ring's grows."""
-    from minidist.cp.ulysses import ulysses_bytes
+    (6N-4)S: half the ring's at N = 2, and Ulysses' falls with N where the ring's grows.
+    Grouped-query: 4(S + kv)(N-1)/N, kv the bytes of k as sent, lcm(K, N) of the nh heads."""
+    from minidist.cp.ulysses import kv_heads_sent, ulysses_bytes
     assert ulysses_bytes(12, 2) == 48 and ulysses_bytes(12, 4) == 72
     assert ulysses_bytes(12, 4, recompute=True) == 108
+    assert ulysses_bytes(12, 2, kv=4) == 32 and ulysses_bytes(12, 2, True, kv=4) == 48
+    assert [kv_heads_sent(8, k, 2) for k in (1, 2, 4, 8, 0)] == [2, 2, 4, 8, 8]
+    assert [kv_heads_sent(8, k, 4) for k in (1, 2, 4, 8)] == [4, 4, 4, 8]
+    assert kv_heads_sent(12, 2, 3) == 6          # 12 q heads, 3 ranks: 4 each, 2 kv heads
     assert ulysses_bytes(12, 2) * 2 == ring_bytes(12, 2)
     S0 = 4096                                                    # one sequence's B T C bytes
     ring = [ring_bytes(S0 // n, n) for n in (2, 4, 8)]
@@ -71,13 +77,16 @@ def test_cp_attention_without_cp_is_refused():
 
 
 def _check_ulysses_rows(out, runs):
-    """The RING row (Ulysses' attention = the ring's on the same input), the GRADCHECK row
-    (both exchanges' backward = central differences across the ranks, zig-zag and naive; the
-    script asserts each element) and every run exact, its cp bytes = ulysses_bytes, its
+    """The RING row (Ulysses' attention = the ring's on the same input, also with 1 and 2 kv
+    heads: grouped-query), the GRADCHECK row (both exchanges' backward = central differences
+    across the ranks, zig-zag and naive, and HeadsForTokens' with k and v narrower than q;
+    the script asserts each element) and every run exact, its cp bytes = ulysses_bytes, its
     summary naming the attention."""
-    assert max(tagged_json(out, "RING")[0].values()) < 1e-12
+    ring = tagged_json(out, "RING")[0]
+    assert max(ring.values()) < 1e-12 and "zigzag p=0.2 kv=1" in ring, ring
     checked = tagged_json(out, "GRADCHECK")[0]
-    assert sorted(checked) == sorted(f"{f} {s}" for f in ("HeadsForTokens", "TokensForHeads")
+    assert sorted(checked) == sorted(f"{f} {s}" for f in ("HeadsForTokens", "TokensForHeads",
+                                                          "HeadsForTokens q|k|v")
                                      for s in ("zigzag", "naive"))
     assert max(checked.values()) < 1e-6, checked
     rows = tagged_json(out, "RESULT")
@@ -106,22 +115,46 @@ def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
 
 
 @pytest.mark.mpi
+def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(mpi):
+    """Grouped-query attention (Llama's block, 4 q heads): k and v cross the all-to-all as
+    kv_heads_sent = lcm(K, N) heads and are repeated to each rank's q heads after it, so
+    --n-kv-head 1 (lcm 2 at cp 2) sends less than --n-kv-head 0 by exactly 4 (S - S 2/4)
+    (N-1)/N per layer (the qkv exchange, forward and backward), S = B Tl C 8 bytes; each
+    run one process's numbers (float64, 3 steps; kv 2 also naive, dropout and recompute):
+
+        mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2+kv0,u2+kv1,...
+    """
+    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt"]
+    out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
+    by = {r["run"]: r for r in _check_ulysses_rows(out, runs)}
+    n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64
+    assert by["u2+kv0"]["bytes_sent"] == layers * ulysses_bytes(S, n)
+    assert by["u2+kv0"]["bytes_sent"] - by["u2+kv1"]["bytes_sent"] == \
+        layers * 4 * (S - S * 2 // 4) * (n - 1) // n
+
+
+@pytest.mark.mpi
 def test_ulysses_cp4_and_compositions_are_exact(mpi):
     """On 4 ranks: cp 4 (naive with dropout; tiled with recompute), cp 2 x dp 2 (DDP, ZeRO-1,
     ZeRO-2 with dropout, ZeRO-3 with grad-accum and recompute), cp 2 x tp 2 (naive with
     dropout; --sequence-parallel, also naive with dropout, and with dropout and recompute;
     ZeRO-3, its sharded checkpoint loaded back into the same layout, ZeRO-1 and tp 2 x dp 2
-    without cp, and the next step's loss the same bit for bit):
+    without cp, and the next step's loss the same bit for bit); Llama's block with 1 kv head
+    at cp 4 (lcm(1, 4) = 4 heads sent: the bytes of 0) and with 2 under tp 2 x SP (one a tp
+    rank) with dropout:
 
         mpiexec -n 4 python tests/scripts/ulysses_check.py --runs u4,u4+naive+drop,... \
             --resume-runs u2xtp2+zero3
     """
     runs = ["u4", "u4+naive+drop", "u4+tiled+ckpt", "u2xdp2", "u2xdp2+zero1",
             "u2xdp2+zero2+drop", "u2xdp2+zero3+accum+ckpt", "u2xtp2+naive+drop", "u2xtp2+sp",
-            "u2xtp2+sp+naive+drop", "u2xtp2+sp+drop+ckpt", "u2xtp2+zero3"]
+            "u2xtp2+sp+naive+drop", "u2xtp2+sp+drop+ckpt", "u4+kv1", "u2xtp2+sp+kv2+drop",
+            "u2xtp2+zero3"]
     out = mpi(4, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), "--resume-runs",
               "u2xtp2+zero3", timeout=240)
     rows = _check_ulysses_rows(out, runs)
+    by = {r["run"]: r for r in rows}
+    assert by["u4+kv1"]["bytes_sent"] == by["u4"]["bytes_sent"]     # 4 heads sent either way
     reload = rows[-1]["reload"]
     assert reload["param_diff"] < 1e-10 and reload["adam_diff"] < 1e-10
     assert [reload["same"], reload["zero1"], reload["tp2xdp2+zero3"]] == ["bitwise"] * 3

@@ -16,7 +16,9 @@ v's nkv, each head hs contiguous columns. repeat_kv turns it into the (B, T, 3 n
 every attention path (materialized, tiled, the cp ring, Ulysses) takes, so grouped-query
 attention needs no attention kernel of its own: its savings are c_attn's parameters and a
 generation cache's size, not the attention's arithmetic. (Llama's reference code repeats k
-and v the same way before its attention.)
+and v the same way before its attention.) Under context parallelism the repeat comes after
+the communication, so k and v travel as nkv heads: the ring repeats each block it holds
+(minidist/cp/ring.py), Ulysses repeats its heads after the all-to-all (minidist/cp/ulysses.py).
 
 RoPE's convention is the "rotate half" one of GPT-NeoX and Hugging Face's Llama: in a head
 of hs columns, column i and column i + hs/2 form a pair turned by pos * theta^(-2i/hs).
@@ -231,41 +233,47 @@ def rotary(qkv, n_head, n_kv_head, pos, theta=10000.0):
 # ---- grouped-query attention ----------------------------------------------------------------
 
 class RepeatKV(Function):
-    """(B, T, (nh + 2 nkv) hs) -> (B, T, 3 nh hs): q as it is, each k and v head repeated
-    g = nh / nkv times in a row (q head j reads kv head j // g). Backward sums each group's
-    g gradients into its head."""
+    """(B, T, (nh + 2 nkv) hs) -> (B, T, (nh + 2 to) hs), to = nh unless given: q as it is,
+    each k and v head repeated g = to / nkv times in a row (q head j reads kv head
+    j // (nh / to)). Backward sums each group's g gradients into its head. A `to` short of
+    nh is Ulysses' (minidist/cp/ulysses.py): just enough k and v heads for every cp rank."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, n_kv_head):
+    def forward(ctx, qkv, n_head, n_kv_head, to=None):
         B, T, width = qkv.shape
-        if n_head % n_kv_head:
-            raise ValueError(f"repeat_kv: {n_head} heads do not share {n_kv_head} kv heads")
+        to = to or n_head
+        if n_head % n_kv_head or to % n_kv_head or n_head % to:
+            raise ValueError(f"repeat_kv: {n_head} heads do not share {n_kv_head} kv heads "
+                             f"repeated to {to}")
         hs = width // (n_head + 2 * n_kv_head)
-        xp, g, Q = xp_of(qkv), n_head // n_kv_head, n_head * hs
-        ctx.shape, ctx.sizes = qkv.shape, (n_head, n_kv_head, hs)
-        out = xp.empty((B, T, 3 * Q), qkv.dtype)
+        xp, g, Q = xp_of(qkv), to // n_kv_head, n_head * hs
+        ctx.shape, ctx.sizes = qkv.shape, (n_head, n_kv_head, to, hs)
+        out = xp.empty((B, T, Q + 2 * to * hs), qkv.dtype)
         out[..., :Q] = qkv[..., :Q]
         for i, lo in enumerate((Q, Q + n_kv_head * hs)):                   # k, then v
             heads = qkv[..., lo:lo + n_kv_head * hs].reshape(B, T, n_kv_head, 1, hs)
-            dst = out[..., (i + 1) * Q:(i + 2) * Q].reshape(B, T, n_kv_head, g, hs)
+            start = Q + i * to * hs
+            dst = out[..., start:start + to * hs].reshape(B, T, n_kv_head, g, hs)
             dst[...] = heads                                             # broadcast over g
         return out
 
     @staticmethod
     def backward(ctx, grad):
         B, T, _ = grad.shape
-        nh, nkv, hs = ctx.sizes
-        xp, g, Q = xp_of(grad), nh // nkv, nh * hs
+        nh, nkv, to, hs = ctx.sizes
+        xp, g, Q = xp_of(grad), to // nkv, nh * hs
         dqkv = xp.empty(ctx.shape, grad.dtype)
         dqkv[..., :Q] = grad[..., :Q]
         for i, lo in enumerate((Q, Q + nkv * hs)):
-            part = grad[..., (i + 1) * Q:(i + 2) * Q].reshape(B, T, nkv, g, hs)
+            start = Q + i * to * hs
+            part = grad[..., start:start + to * hs].reshape(B, T, nkv, g, hs)
             total = part.sum(axis=3, dtype="float32") if is_half(part.dtype) else \
                 part.sum(axis=3)                                         # 16 bits: in f32
             dqkv[..., lo:lo + nkv * hs] = total.reshape(B, T, nkv * hs)
-        return dqkv, None, None
+        return dqkv, None, None, None
 
 
-def repeat_kv(qkv, n_head, n_kv_head):
-    """qkv with nkv k and v heads -> the (B, T, 3 nh hs) of nh each; nkv = nh: qkv itself."""
-    return qkv if n_kv_head == n_head else RepeatKV.apply(qkv, n_head, n_kv_head)
+def repeat_kv(qkv, n_head, n_kv_head, to=None):
+    """qkv with nkv k and v heads -> the (B, T, 3 nh hs) of nh each (or of `to` k and v
+    heads: (B, T, (nh + 2 to) hs)); nkv already that many: qkv itself."""
+    return qkv if n_kv_head == (to or n_head) else RepeatKV.apply(qkv, n_head, n_kv_head, to)

@@ -113,13 +113,15 @@ class RingContext:
         """Set the layouts back to a snapshot() (the recompute, then None again after it)."""
         self.layouts = layouts
 
-    def self_attention(self, qkv, n_head, dropout_p=0.0, rng=None):
-        """(B, Tl, 3C) -> (B, Tl, C): ring attention over the cp group, or Ulysses' (heads
-        over the cp group: minidist/cp/ulysses.py); dropout on its weights with probability
-        dropout_p, numbers from rng (a DropoutSite)."""
+    def self_attention(self, qkv, n_head, dropout_p=0.0, rng=None, n_kv_head=None):
+        """(B, Tl, (nh + 2 nkv) hs) -> (B, Tl, C): ring attention over the cp group, or
+        Ulysses' (heads over the cp group: minidist/cp/ulysses.py); dropout on its weights
+        with probability dropout_p, numbers from rng (a DropoutSite). n_kv_head (None: nh):
+        grouped-query attention's k and v heads, which travel as they are and are repeated
+        to nh only where the attention computes (as the block's repeat_kv would)."""
         if self.attention == "ulysses":
-            return ulysses_attention(qkv, n_head, self, dropout_p, rng)
-        return RingSelfAttention.apply(qkv, n_head, self, dropout_p, rng)
+            return ulysses_attention(qkv, n_head, self, dropout_p, rng, n_kv_head)
+        return RingSelfAttention.apply(qkv, n_head, self, dropout_p, rng, n_kv_head)
 
 
 def attach_ring(model, group, split="zigzag", block=DEFAULT_BLOCK, attention="ring"):

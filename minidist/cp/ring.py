@@ -18,8 +18,12 @@ block's compute and waited for after it.
 Backward: the key/value blocks go around the ring again, in the same direction, and each
 carries its gradient accumulator (dk, dv) with it: rank r adds its queries' contribution to
 the block it holds and passes block and accumulator on; after N steps every accumulator has
-visited every rank and one last hop brings it home. Bytes sent per rank per attention layer,
-with S = B * Tl * C * itemsize (one of k or v):
+visited every rank and one last hop brings it home. Grouped-query attention (nkv k and v
+heads for nh q heads): blocks and accumulators travel as nkv heads; the rank repeats the
+block in hand to nh (`repeat_block`, repeat_kv's order) only to attend to it, and sums the
+repeated heads' gradients into the accumulator (`sum_groups`) before it moves on.
+Bytes sent per rank per attention layer, with S = B * Tl * nkv * hs * itemsize (one of k
+or v; B * Tl * C * itemsize under multi-head attention):
     forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv;
 with activation recompute (--ckpt-activations) the forward's 2 S (N - 1) again in backward.
 Split of the sequence (`layout`): "naive" gives rank r the contiguous piece r of N; causal
@@ -36,13 +40,13 @@ import math
 
 import numpy as np
 
-from minidist.autograd.attention import heads_view, saved_heads, split_heads
+from minidist.autograd.attention import per_head
 from minidist.autograd.cuda_kernels import launch
 from minidist.autograd.cuda_kernels_new import flash_partial, flash_piece_backward
 from minidist.autograd.flash import (DEFAULT_BLOCK, AttnDropout, block_pairs, kernels_ok,
                                      merge_partials, partial_attention)
 from minidist.autograd.function import Function
-from minidist.backend import matmul, xp_of
+from minidist.backend import is_half, matmul, xp_of
 
 SPLITS = ("zigzag", "naive")
 KV_TAG, DKV_TAG = 16, 17        # point-to-point tags of the ring's two kinds of message
@@ -181,22 +185,45 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, 
             dkv[0][..., cols, :] += matmul(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
 
 
+def repeat_block(kv, n_head):
+    """A held key/value block (2, B, nkv, Tl, hs) -> (2, B, nh, Tl, hs), each kv head
+    repeated nh / nkv times in a row, as repeat_kv (minidist/autograd/llama_ops.py) does
+    (q head j reads kv head j // (nh / nkv)); nkv = nh: the block itself."""
+    nkv = kv.shape[2]
+    return kv if nkv == n_head else xp_of(kv).repeat(kv, n_head // nkv, axis=2)
+
+
+def sum_groups(d_full, d_kv):
+    """repeat_block's backward: add the gradients (2, B, nh, Tl, hs) of the repeated heads,
+    summed over each kv head's nh / nkv copies (in float32 for 16-bit dtypes, as repeat_kv's
+    backward), into the block's accumulator d_kv (2, B, nkv, Tl, hs)."""
+    two, B, nh, Tl, hs = d_full.shape
+    nkv = d_kv.shape[2]
+    part = d_full.reshape(two, B, nkv, nh // nkv, Tl, hs)
+    total = part.sum(axis=3, dtype="float32") if is_half(part.dtype) else part.sum(axis=3)
+    d_kv += total.astype(d_kv.dtype, copy=False)
+
+
 def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
-    """Causal attention of this rank's queries over every rank's keys/values.
-    layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse (B, nh, Tl)."""
+    """Causal attention of this rank's queries (B, nh, Tl, hs) over every rank's keys/values
+    kv (2, B, nkv, Tl, hs), which travel as nkv heads and are repeated to nh (repeat_block)
+    only to be attended to. layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse
+    (B, nh, Tl)."""
     xp = xp_of(q)
     n, r = group.size, group.rank
     right, left = (r + 1) % n, (r - 1) % n
     y = xp.zeros(q.shape, q.dtype)
     lse = xp.full(q.shape[:-1], -math.inf, xp.result_type(q.dtype, xp.float32))
     run = tile_run(q, kv)                         # the flash kernels, or None: xp tiles
+    nh = q.shape[1]
     cur, nxt = kv, xp.empty_like(kv)
     for step in range(n):
         src = (r - step) % n                      # whose keys/values this rank holds now
         if step < n - 1:                          # posted before the compute: overlap
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block(q, layouts[r], cur, layouts[src], y, lse, block, dropout, run)
+        attend_block(q, layouts[r], repeat_block(cur, nh), layouts[src], y, lse, block,
+                     dropout, run)
         if step < n - 1:
             send.wait()
             recv.wait()
@@ -205,8 +232,10 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
 
 
 def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout=None):
-    """dq (B, nh, Tl, hs) and dkv (2, B, nh, Tl, hs) of this rank's queries and keys/values.
-    Each block travels with its accumulator; the accumulator's last hop brings it home."""
+    """dq (B, nh, Tl, hs) and dkv (2, B, nkv, Tl, hs) of this rank's queries and keys/values.
+    Each block travels with its accumulator; the accumulator's last hop brings it home. Under
+    grouped-query attention (nkv < nh) both travel as nkv heads: each held block's gradients
+    are computed for its nh repeated heads and summed into the accumulator (sum_groups)."""
     xp = xp_of(q)
     n, r = group.size, group.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -219,13 +248,21 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout
     dq = xp.zeros(q.shape, q.dtype)
     cur, nxt = kv, xp.empty_like(kv)
     d_cur, d_nxt = xp.zeros_like(kv), xp.empty_like(kv)
+    nh = q.shape[1]
+    d_full = None if kv.shape[2] == nh else xp.empty(kv.shape[:2] + q.shape[1:], kv.dtype)
     for step in range(n):
         src = (r - step) % n
         if step < n - 1:
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur, block,
-                              dropout, run)
+        if d_full is None:                    # nkv = nh: into the accumulator itself
+            attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur,
+                                  block, dropout, run)
+        else:                                 # the nh heads' gradients, then summed in
+            d_full.fill(0)
+            attend_block_backward(g, q, layouts[r], repeat_block(cur, nh), layouts[src], lse,
+                                  D, dq, d_full, block, dropout, run)
+            sum_groups(d_full, d_cur)
         d_recv = group.recv(d_nxt, left, async_op=True, tag=DKV_TAG)  # block src's dk, dv
         d_send = group.send(d_cur, right, async_op=True, tag=DKV_TAG)  # on to the next rank
         if step < n - 1:
@@ -245,31 +282,51 @@ def ring_dropout(p, rng, q, layouts):
     return AttnDropout(p, rng, q.shape[:2] + (T, T)) if p > 0 else None
 
 
+def split_gqa(qkv, n_head, n_kv_head):
+    """The fused (B, Tl, (nh + 2 nkv) hs) -> q (B, nh, Tl, hs), k and v (B, nkv, Tl, hs)
+    views (with nkv = nh heads_view's, of GPT-2's (B, Tl, 3C))."""
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    Q, K = n_head * hs, n_kv_head * hs
+    return tuple(qkv[..., lo:lo + w].reshape(B, T, w // hs, hs).transpose(0, 2, 1, 3)
+                 for lo, w in ((0, Q), (Q, K), (Q + K, K)))
+
+
 class RingSelfAttention(Function):
     """GPT-2's fused qkv (B, Tl, 3C) of this rank's tokens -> y (B, Tl, C), causal over the
     whole sequence held by the ring's ranks. `ring`: a RingContext (minidist/cp/context.py)
     in a forward (its group, block and the layouts of this sequence); dropout_p > 0: on the
-    attention weights, each tile's numbers from `rng` (a DropoutSite) by global position."""
+    attention weights, each tile's numbers from `rng` (a DropoutSite) by global position.
+    n_kv_head (grouped-query attention; None: nh): qkv is (B, Tl, (nh + 2 nkv) hs), and the
+    k/v blocks and their accumulators travel as nkv heads (ring_forward, ring_backward); the
+    gradient of each k and v head is the sum over the nh / nkv q heads that read it, as
+    repeat_kv's backward gives it."""
 
     @staticmethod
-    def forward(ctx, qkv, n_head, ring, dropout_p=0.0, rng=None):
-        q, k, v, y, yh = split_heads(qkv, n_head)
-        kv = xp_of(qkv).ascontiguousarray(xp_of(qkv).stack([k, v]))  # (2, B, nh, Tl, hs)
+    def forward(ctx, qkv, n_head, ring, dropout_p=0.0, rng=None, n_kv_head=None):
+        xp, nkv = xp_of(qkv), n_kv_head or n_head
+        q, k, v = split_gqa(qkv, n_head, nkv)
+        B, Tl, _ = qkv.shape
+        y = xp.empty((B, Tl) + (q.shape[1] * q.shape[3],), qkv.dtype)   # (B, Tl, C)
+        kv = xp.ascontiguousarray(xp.stack([k, v]))                # (2, B, nkv, Tl, hs)
         ctx.dropout = ring_dropout(dropout_p, rng, q, ring.layouts)
         out, lse = ring_forward(ring.group, ring.layouts, q, kv, ring.block, ctx.dropout)
-        yh[...] = out
+        per_head(y, n_head)[...] = out
         ctx.save_for_backward(qkv, y, lse)
-        ctx.n_head, ctx.group, ctx.layouts, ctx.block = n_head, ring.group, ring.layouts, \
-            ring.block
+        ctx.n_head, ctx.n_kv_head, ctx.group, ctx.layouts, ctx.block = n_head, nkv, \
+            ring.group, ring.layouts, ring.block
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        g, yh, q, k, v, lse = saved_heads(ctx, grad)                # (B, nh, Tl, hs) views
-        kv = xp_of(q).ascontiguousarray(xp_of(q).stack([k, v]))
-        dq, dkv = ring_backward(ctx.group, ctx.layouts, g, q, kv, yh, lse, ctx.block,
-                                ctx.dropout)
-        dqkv = xp_of(grad).empty_like(ctx.saved[0])                   # (B, Tl, 3C)
-        out = heads_view(dqkv, ctx.n_head)
-        out[0], out[1], out[2] = dq, dkv[0], dkv[1]
-        return dqkv, None, None, None, None
+        qkv, y, lse = ctx.saved
+        nh, nkv = ctx.n_head, ctx.n_kv_head
+        q, k, v = split_gqa(qkv, nh, nkv)                           # views
+        xp = xp_of(q)
+        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        dq, dkv = ring_backward(ctx.group, ctx.layouts, per_head(grad, nh), q, kv,
+                                per_head(y, nh), lse, ctx.block, ctx.dropout)
+        B, Tl, _ = qkv.shape
+        dqkv = xp.concatenate([d.transpose(0, 2, 1, 3).reshape(B, Tl, -1)   # q | k | v
+                               for d in (dq, dkv[0], dkv[1])], axis=-1)
+        return dqkv, None, None, None, None, None                # (B, Tl, (nh + 2 nkv) hs)

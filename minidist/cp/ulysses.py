@@ -21,52 +21,81 @@ undone): `HeadsForTokens` forward gathers tokens and scatters heads, backward th
 `TokensForHeads` the mirror image. Dropout on the attention weights: this rank computes heads
 [c Hl, (c+1) Hl) of all T positions, so its site is sliced by head as tensor parallelism's is
 (`head_site`: DropoutSite axis 1, parts tp x cp), and the masks are one process's.
+Grouped-query attention (nkv < H k and v heads): q, k and v cross as they are, k and v
+repeated first only to `kv_heads_sent` = lcm(nkv, N) heads, the fewest that split over the
+N ranks with each rank's q heads finding theirs (nkv where N divides it; N where nkv
+divides N: one each); each rank repeats its share to its Hl heads after the all-to-all
+(repeat_kv, minidist/autograd/llama_ops.py, whose backward sums the copies' gradients).
 Bytes each rank sends per attention layer and micro-batch (an all-to-all keeps 1/N of its
 buffer), S = B x Tl x C x itemsize: forward 3S(N-1)/N + S(N-1)/N, backward the same again:
-8S(N-1)/N; with --ckpt-activations the forward's once more: 12S(N-1)/N (`ulysses_bytes`).
+8S(N-1)/N; with --ckpt-activations the forward's once more: 12S(N-1)/N (`ulysses_bytes`);
+grouped-query, with kv = S lcm(nkv, N) / H the bytes of k as sent: 4(S + kv)(N-1)/N and
+6(S + kv)(N-1)/N.
 Tests: tests/test_cp_ulysses.py, tests/scripts/ulysses_check.py.
 """
+import math
+
 import numpy as np
 
 from minidist.autograd.attention import causal_self_attention
 from minidist.autograd.dropout_keys import DropoutSite
 from minidist.autograd.flash import tiled_self_attention
 from minidist.autograd.function import Function
+from minidist.autograd.llama_ops import repeat_kv
 from minidist.backend import xp_of
 from minidist.nn.config import uses_tiled
 
 
+def part_widths(W, parts):
+    """The widths of the parts of a last axis of W columns: `parts` equal ones (an int), or
+    `parts` itself (a tuple of widths: q | k | v under grouped-query attention)."""
+    if isinstance(parts, int):
+        return (W // parts,) * parts
+    if sum(parts) != W:
+        raise ValueError(f"parts {parts} do not make up a last axis of {W}")
+    return tuple(parts)
+
+
 def to_heads(x, group, order, parts):
-    """(B, Tl, parts*C) this rank's tokens, all heads -> (B, T, parts*C/N) every rank's tokens
-    at their global positions (`order[k]`: the position of the k-th token in rank order),
-    this rank's heads (slice `rank` of N of each of the `parts` parts: q, k, v)."""
+    """(B, Tl, W) this rank's tokens, all heads -> (B, T, W/N) every rank's tokens at their
+    global positions (`order[k]`: the position of the k-th token in rank order), this rank's
+    heads: slice `rank` of N of each part (`parts`: their number, or widths, part_widths),
+    side by side."""
     xp, n = xp_of(x), group.size
     B, Tl, W = x.shape
-    Cn = W // parts // n                                            # C/N: one rank's heads
-    send = xp.ascontiguousarray(x.reshape(B, Tl, parts, n, Cn).transpose(3, 0, 1, 2, 4))
-    recv = xp.empty_like(send)                                      # (N, B, Tl, parts, C/N)
+    pieces, lo = [], 0
+    for w in part_widths(W, parts):                  # (B, Tl, N, w/N): rank j's heads at j
+        pieces.append(x[..., lo:lo + w].reshape(B, Tl, n, w // n))
+        lo += w
+    send = xp.ascontiguousarray(xp.concatenate(pieces, axis=-1).transpose(2, 0, 1, 3))
+    recv = xp.empty_like(send)                                      # (N, B, Tl, W/N)
     group.all_to_all(recv, send)                                    # recv[i]: rank i's tokens
-    y = recv.transpose(1, 0, 2, 3, 4).reshape(B, n * Tl, parts * Cn)     # rank order
-    return y if order is None else y[:, xp.asarray(np.argsort(order))]   # (B, T, parts*C/N)
+    y = recv.transpose(1, 0, 2, 3).reshape(B, n * Tl, W // n)       # rank order
+    return y if order is None else y[:, xp.asarray(np.argsort(order))]   # (B, T, W/N)
 
 
 def to_tokens(x, group, order, parts):
-    """to_heads undone: (B, T, parts*C/N) every token, this rank's heads -> (B, Tl, parts*C)
-    this rank's tokens, every rank's heads side by side in each part."""
+    """to_heads undone: (B, T, W/N) every token, this rank's heads -> (B, Tl, W) this rank's
+    tokens, every rank's heads side by side in each part."""
     xp, n = xp_of(x), group.size
-    B, T, W = x.shape
-    Tl, Cn = T // n, W // parts
+    B, T, Wn = x.shape
+    Tl = T // n
     x = x if order is None else x[:, xp.asarray(order)]             # rank order
-    send = xp.ascontiguousarray(x.reshape(B, n, Tl, parts, Cn).transpose(1, 0, 2, 3, 4))
-    recv = xp.empty_like(send)                                      # (N, B, Tl, parts, C/N)
+    send = xp.ascontiguousarray(x.reshape(B, n, Tl, Wn).transpose(1, 0, 2, 3))
+    recv = xp.empty_like(send)                                      # (N, B, Tl, W/N)
     group.all_to_all(recv, send)                                    # recv[j]: rank j's heads
-    return recv.transpose(1, 2, 3, 0, 4).reshape(B, Tl, parts * n * Cn)   # (B, Tl, parts*C)
+    pieces, lo = [], 0
+    for w in part_widths(n * Wn, parts):
+        pieces.append(recv[..., lo:lo + w // n].transpose(1, 2, 0, 3).reshape(B, Tl, w))
+        lo += w // n
+    return xp.concatenate(pieces, axis=-1)                          # (B, Tl, W)
 
 
 class HeadsForTokens(Function):
-    """All-to-all forward: this rank's tokens of every head (B, Tl, parts*C) -> every token of
-    this rank's heads (B, T, parts*C/N), in global order (`order`, or None: already so).
-    Backward: the inverse all-to-all (each token's gradient back to the rank holding it)."""
+    """All-to-all forward: this rank's tokens of every head (B, Tl, W) -> every token of this
+    rank's heads (B, T, W/N), in global order (`order`, or None: already so), of each of the
+    `parts` (a number of equal parts, or their widths). Backward: the inverse all-to-all
+    (each token's gradient back to the rank holding it)."""
 
     @staticmethod
     def forward(ctx, x, group, order, parts):
@@ -111,14 +140,30 @@ def sequence_order(layouts):
     return None if np.array_equal(order, np.arange(len(order))) else order
 
 
-def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None):
-    """(B, Tl, 3C) Tensor -> (B, Tl, C): causal self-attention over the whole sequence with
-    this rank's n_head/N heads. context: a RingContext in a forward (its group, layouts,
-    tile size and the model's --attention)."""
-    group = context.group
-    order = sequence_order(context.layouts)
-    qkv_h = HeadsForTokens.apply(qkv, group, order, 3)                # (B, T, 3C/N)
-    heads, site = n_head // group.size, head_site(rng, group)
+def kv_heads_sent(n_head, n_kv_head, n):
+    """The k and v heads Ulysses' all-to-all carries under grouped-query attention: the
+    fewest, lcm(nkv, N), that split over the N cp ranks so that each rank gets those its
+    nh / N q heads read (nkv itself where N divides it; N where nkv divides N: one each).
+    At most nh, as N and nkv both divide nh."""
+    return math.lcm(n_kv_head or n_head, n)
+
+
+def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None, n_kv_head=None):
+    """(B, Tl, (nh + 2 nkv) hs) Tensor -> (B, Tl, C): causal self-attention over the whole
+    sequence with this rank's n_head/N heads. context: a RingContext in a forward (its
+    group, layouts, tile size and the model's --attention). Grouped-query attention (nkv
+    < nh): the k and v heads are repeated only to kv_heads_sent(nh, nkv, N) before the
+    all-to-all, and to this rank's nh/N after it, where the attention computes (repeat_kv
+    both times: its backward sums the copies' gradients)."""
+    group, nkv = context.group, n_kv_head or n_head
+    n, order = group.size, sequence_order(context.layouts)
+    sent = kv_heads_sent(n_head, nkv, n)
+    qkv = repeat_kv(qkv, n_head, nkv, sent)                     # (B, Tl, (nh + 2 sent) hs)
+    hs = qkv.shape[-1] // (n_head + 2 * sent)
+    widths = (n_head * hs, sent * hs, sent * hs)                      # q | k | v
+    qkv_h = HeadsForTokens.apply(qkv, group, order, widths)     # (B, T, (nh + 2 sent) hs/N)
+    heads, site = n_head // n, head_site(rng, group)
+    qkv_h = repeat_kv(qkv_h, heads, sent // n)                       # (B, T, 3C/N)
     if uses_tiled(context.local, qkv_h.shape[1]):
         y = tiled_self_attention(qkv_h, heads, context.block, dropout_p, site)   # (B, T, C/N)
     else:
@@ -127,10 +172,13 @@ def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None):
     return TokensForHeads.apply(y, group, order, 1)                   # (B, Tl, C)
 
 
-def ulysses_bytes(S, n, recompute=False):
+def ulysses_bytes(S, n, recompute=False, kv=None):
     """Bytes one rank sends per attention layer and micro-batch, forward + backward, where S
-    is the bytes of its tokens' (B, Tl, C): each all-to-all sends (N-1)/N of its buffer, qkv
-    3S and y S forward, their gradients backward: 8S(N-1)/N; `recompute`
-    (--ckpt-activations): the forward once more, 12S(N-1)/N. Exact when N divides S."""
-    forward = 4 * S * (n - 1) // n
+    is the bytes of its tokens' (B, Tl, C) and kv those of its k (or v) as sent
+    (kv_heads_sent of the heads; None: S, multi-head attention): each all-to-all sends
+    (N-1)/N of its buffer, qkv S + 2 kv and y S forward, their gradients backward:
+    4(S + kv)(N-1)/N, 8S(N-1)/N for multi-head; `recompute` (--ckpt-activations): the
+    forward once more, 6(S + kv)(N-1)/N. Exact when N divides S and kv."""
+    kv = S if kv is None else kv
+    forward = (2 * S + 2 * kv) * (n - 1) // n
     return forward * (3 if recompute else 2)

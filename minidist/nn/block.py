@@ -59,11 +59,13 @@ class CausalSelfAttention(Module):
         if self.rope_theta is not None:                            # turn q and k by position
             pos = self.positions(qkv.shape[1], xp_of(qkv.data))
             qkv = rotary(qkv, self.n_head, self.n_kv_head, pos, self.rope_theta)
-        qkv = repeat_kv(qkv, self.n_head, self.n_kv_head)          # (B, T, 3C)
         p, rng = (self.attn_dropout.p if self.training else 0.0), self.attn_dropout.rng
-        if self.context is not None and self.context.active:       # --cp: ring attention
-            y = self.context.self_attention(qkv, self.n_head, p, rng)      # (B, T/cp, C)
-        elif self.uses_tiled(qkv.shape[1]):                         # T (whole, under SP too)
+        if self.context is not None and self.context.active:       # --cp: ring attention;
+            y = self.context.self_attention(qkv, self.n_head, p, rng,      # k, v repeated
+                                            self.n_kv_head)        # after they travel
+            return self.resid_dropout(self.c_proj(y))              # (B, T/cp, C)
+        qkv = repeat_kv(qkv, self.n_head, self.n_kv_head)          # (B, T, 3C)
+        if self.uses_tiled(qkv.shape[1]):                          # T (whole, under SP too)
             y = tiled_self_attention(qkv, self.n_head, self.attention_block, p, rng)
         else:                                                      # dropout on the weights
             y = F.causal_self_attention(qkv, self.n_head, p, rng,  # (B, T, C)

@@ -85,6 +85,33 @@ RUNS = {"cp2": [], "cp2+naive": ["--cp-split", "naive"], "cp4": [],
                                     "2"]}
 CKPT = "+ckpt"      # any run + "+ckpt": with --ckpt-activations (the ring forward runs again
                     # inside backward); the reference stays one process without recompute
+KV = "kv"           # any run + "+kv<K>" (before "+ckpt"): Llama's block with K kv heads (0:
+                    # n_head), against one process of that block; k and v travel as K heads
+
+
+def kv_heads_of(name):
+    """(the run's name without "+kv<K>", K or None: GPT-2's block)."""
+    parts = name.split("+")
+    kv = [int(p[len(KV):]) for p in parts if p.startswith(KV)]
+    return "+".join(p for p in parts if not p.startswith(KV)), (kv[0] if kv else None)
+
+
+def config_of(name):
+    """The model of run `name`: CONFIG, or with "+kv<K>" Llama's block with K kv heads."""
+    kv = kv_heads_of(name)[1]
+    if kv is None:
+        return CONFIG
+    return GPTConfig(**{**CONFIG.to_dict(), "arch": "llama", "n_kv_head": kv, "bias": False})
+
+
+def reference(name, refs):
+    """One process on the whole global batch of run `name`'s model (one per model): (model,
+    optimizer, losses, norms); the common flags are cp2's (plain or of the same block)."""
+    kv = kv_heads_of(name)[1]
+    if kv not in refs:
+        one = flags("cp2" if kv is None else f"cp2+{KV}{kv}")
+        refs[kv] = run_steps(SingleProcess(), one, config_of(name), SEED, "float64")[:4]
+    return refs[kv]
 
 
 def reload_into(ranks):
@@ -103,13 +130,15 @@ def flags(name, *extra):
     (the last of a flag given twice wins)."""
     cp = name.split("+")[0].split("x")[0][2:]
     ckpt = ["--ckpt-activations"] if name.endswith(CKPT) else []
+    name, kv = kv_heads_of(name)
     c = CONFIG
+    arch = [] if kv is None else ["--arch", "llama", "--n-kv-head", str(kv)]
     return train_parser().parse_args([
         "--cp", cp, "--n-layer", str(c.n_layer), "--n-head", str(c.n_head), "--n-embd",
         str(c.n_embd), "--block-size", str(c.block_size), "--dropout", "0",
         "--attention-block", str(c.attention_block), "--batch-size", "4", "--steps", "3",
         "--lr", "1e-2", "--grad-clip", "0.05", "--dtype", "float64", "--seed", str(SEED),
-        *RUNS[name.removesuffix(CKPT)], *ckpt, *extra])
+        *RUNS[name.removesuffix(CKPT)], *arch, *ckpt, *extra])
 
 
 def full_params(strategy, model):
@@ -123,19 +152,22 @@ def full_params(strategy, model):
 
 
 def step_ring_bytes(args, config, mesh):
-    """Bytes one rank sends on the cp group in one step (minidist/cp/ring.py's formula)."""
+    """Bytes one rank sends on the cp group in one step (minidist/cp/ring.py's formula, S
+    the bytes of its k: kv_heads of head size C / n_head, of this tp rank)."""
     n = mesh.shape["cp"]
     rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
-    S = rows * (config.block_size // n) * (config.n_embd // mesh.shape["tp"]) * 8  # float64
+    k_width = config.kv_heads * (config.n_embd // config.n_head)
+    S = rows * (config.block_size // n) * (k_width // mesh.shape["tp"]) * 8   # float64
     return ring_bytes(S, n, args.ckpt_activations) * config.n_layer * args.grad_accum
 
 
-def run(name, ref, comm, tol, reload=False):
-    args = flags(name)
+def run(name, refs, comm, tol, reload=False):
+    args, config = flags(name), config_of(name)
+    ref = reference(name, refs)
     strategy = make_strategy(args, ProcessGroup.world(args.comm))
     mesh = strategy.mesh
     sent0, tp0 = trace.bytes_sent("cp"), trace.counters("tp")
-    model, opt, losses, norms, _ = run_steps(strategy, args, CONFIG, SEED, "float64")
+    model, opt, losses, norms, _ = run_steps(strategy, args, config, SEED, "float64")
     sent = (trace.bytes_sent("cp") - sent0) / args.steps
     tp_ops, tp_sent = tp_counted(tp0, args.steps)
     params = full_params(strategy, model)
@@ -145,13 +177,13 @@ def run(name, ref, comm, tol, reload=False):
     d_par = max_abs([max_abs(params[n] - np.asarray(p.data))
                      for n, p in r_model.named_parameters()]) if params else 0.0
     row = {"run": name, "loss_diff": d_loss, "norm_diff": d_norm, "param_diff": d_par,
-           "bytes_sent": sent, "theory_sent": step_ring_bytes(args, CONFIG, mesh),
+           "bytes_sent": sent, "theory_sent": step_ring_bytes(args, config, mesh),
            "losses": [float(v) for v in losses]}
     ok = comm.allreduce(all(d < tol for d in (d_loss, d_norm, d_par)), op=MPI.LAND)
     assert ok, (name, row)                      # NaN fails too (every comparison is False)
     assert sent == row["theory_sent"], (name, row)
     if mesh.shape["tp"] > 1:                    # the tp group's calls and bytes: the formula
-        want_ops, want_sent = step_tp_traffic(args, CONFIG, mesh, model)
+        want_ops, want_sent = step_tp_traffic(args, config, mesh, model)
         row.update(tp_sent=tp_sent, tp_theory_sent=want_sent)
         assert tp_ops == want_ops and tp_sent == want_sent, (name, tp_ops, want_ops, row)
     if reload:
@@ -274,7 +306,7 @@ def ring_gradcheck(comm, B=2, T=8, n_head=2, C=4):
         ring.restore([layout(T, n, s, split) for s in range(n)])   # (what RingContext.part sets)
         site = DropoutSite(DropoutKeys(5), "transformer.h.0.attn.attn_dropout") if p else None
         row = dist_gradcheck(f"RingSelfAttention {split} p={p}",
-                             lambda t: RingSelfAttention.apply(t, n_head, ring, p, site),
+                             lambda t: RingSelfAttention.apply(t, n_head, ring, p, site, None),
                              rng.standard_normal((B, T // n, 3 * C)), comm, "sharded", "sharded")
         out[f"{split} p={p}"] = comm.allreduce(row["max_abs_diff"], op=MPI.MAX)
     return out
@@ -288,10 +320,9 @@ def main():
     cli, comm = start(p)
     check_mesh(comm)
     runs = cli.runs.split(",") if cli.runs else ["cp2", "cp2+naive"]
-    ref_args = flags("cp2")
-    ref = run_steps(SingleProcess(), ref_args, CONFIG, SEED, "float64")[:4]
+    refs = {}
     for name in runs:
-        row = run(name, ref, comm, cli.tol, name in cli.resume_runs.split(","))
+        row = run(name, refs, comm, cli.tol, name in cli.resume_runs.split(","))
         if comm.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
     if comm.size == 2:

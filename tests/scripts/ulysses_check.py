@@ -39,11 +39,11 @@ from mpi4py import MPI  # noqa: E402  (after exact: minidist.comm.init() starts 
 from minidist.cp.context import RingContext  # noqa: E402
 from minidist.cp.strategy import ContextParallel  # noqa: E402
 from minidist.cp.ring import layout  # noqa: E402
-from minidist.cp.ulysses import (HeadsForTokens, TokensForHeads, sequence_order,  # noqa: E402
-                                  ulysses_bytes)
+from minidist.cp.ulysses import (HeadsForTokens, TokensForHeads, kv_heads_sent,  # noqa: E402
+                                  sequence_order, ulysses_bytes)
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.strategy.base import SingleProcess  # noqa: E402
-from minidist.train.args import train_parser  # noqa: E402
+from minidist.train.args import arch_fields, train_parser  # noqa: E402
 from minidist.train.strategy import make_strategy  # noqa: E402
 
 SEED = 7
@@ -51,7 +51,11 @@ AXES = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"]}
 OPTIONS = {"naive": ["--cp-split", "naive"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
            "zero3": ["--zero", "3"], "accum": ["--grad-accum", "2"],
            "sp": ["--sequence-parallel"], "tiled": ["--attention", "tiled"],
-           "drop": ["--dropout", "0.1"], "ckpt": ["--ckpt-activations"]}
+           "drop": ["--dropout", "0.1"], "ckpt": ["--ckpt-activations"],
+           # Llama's block with K kv heads (0: n_head), against one process of that block
+           "kv0": ["--arch", "llama", "--n-kv-head", "0"], "kv1": ["--arch", "llama",
+                                                               "--n-kv-head", "1"],
+           "kv2": ["--arch", "llama", "--n-kv-head", "2"]}
 
 
 def flags(name, *extra):
@@ -72,18 +76,19 @@ def config_of(args):
     c = cp_check.CONFIG
     return GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
                      block_size=c.block_size, vocab_size=c.vocab_size, dropout=args.dropout,
-                     attention=args.attention, attention_block=args.attention_block)
+                     attention=args.attention, attention_block=args.attention_block,
+                     **arch_fields(args))
 
 
 def reference(args, refs):
-    """One process on the whole global batch (no accum, no recompute), per dropout:
-    (model, optimizer, losses, norms)."""
-    if args.dropout not in refs:
+    """One process on the whole global batch (no accum, no recompute), per dropout and
+    block: (model, optimizer, losses, norms)."""
+    key = (args.dropout, args.arch, args.n_kv_head)
+    if key not in refs:
         one = copy.copy(args)
         one.grad_accum, one.ckpt_activations = 1, False
-        refs[args.dropout] = run_steps(SingleProcess(), one, config_of(args), SEED,
-                                       "float64")[:4]
-    return refs[args.dropout]
+        refs[key] = run_steps(SingleProcess(), one, config_of(args), SEED, "float64")[:4]
+    return refs[key]
 
 
 def reload_flags(name, *extra):
@@ -93,11 +98,15 @@ def reload_flags(name, *extra):
 
 
 def step_bytes(args, mesh):
-    """Bytes one rank sends on the cp group in one step (minidist/cp/ulysses.py's formula)."""
-    n, c = mesh.shape["cp"], cp_check.CONFIG
+    """Bytes one rank sends on the cp group in one step (minidist/cp/ulysses.py's formula:
+    kv the bytes of its k as sent, kv_heads_sent of this tp rank's heads)."""
+    n, c, tp = mesh.shape["cp"], cp_check.CONFIG, mesh.shape["tp"]
     rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
-    S = rows * (c.block_size // n) * (c.n_embd // mesh.shape["tp"]) * 8      # float64
-    return ulysses_bytes(S, n, args.ckpt_activations) * c.n_layer * args.grad_accum
+    S = rows * (c.block_size // n) * (c.n_embd // tp) * 8      # float64
+    heads = c.n_head // tp
+    sent = kv_heads_sent(heads, (args.n_kv_head or c.n_head) // tp, n)
+    return ulysses_bytes(S, n, args.ckpt_activations, S * sent // heads) * c.n_layer * \
+        args.grad_accum
 
 
 def cp_summary(strategy):
@@ -139,9 +148,10 @@ def attention_vs_ring(comm, n_head=4, C=16, T=16, B=2):
     group = ProcessGroup.world()
     n, r = group.size, group.rank
     rng = np.random.default_rng(0)
-    qkv_all, g_all = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
     out = {}
-    for split in ("zigzag", "naive"):
+    for split, kv in (("zigzag", None), ("naive", None), ("zigzag", 1), ("naive", 2)):
+        width = C + 2 * C // n_head * (kv or n_head)                     # q | k | v
+        qkv_all, g_all = rng.standard_normal((B, T, width)), rng.standard_normal((B, T, C))
         pos = np.concatenate([np.arange(s, s + L) for s, L in layout(T, n, r, split)])
         for p in (0.0, 0.2):
             keys = DropoutKeys(SEED)
@@ -151,10 +161,11 @@ def attention_vs_ring(comm, n_head=4, C=16, T=16, B=2):
                 ctx = RingContext(group, split, block=4, attention=kind, local="materialized")
                 ctx.layouts = [layout(T, n, s, split) for s in range(n)]
                 qkv = Tensor(qkv_all[:, pos].copy(), requires_grad=True)
-                y = ctx.self_attention(qkv, n_head, p, site)              # (B, Tl, C)
+                y = ctx.self_attention(qkv, n_head, p, site, kv)          # (B, Tl, C)
                 (y * Tensor(g_all[:, pos])).sum().backward()
                 ys.append((y.data, qkv.grad))
-            out[f"{split} p={p}"] = max_abs([a - b for a, b in zip(*ys)])
+            out[f"{split} p={p}" + (f" kv={kv}" if kv else "")] = \
+                max_abs([a - b for a, b in zip(*ys)])
     return {k: worst_over_ranks(comm, v) for k, v in out.items()}
 
 
@@ -175,7 +186,10 @@ def exchange_gradcheck(comm, B=2):
                 ("HeadsForTokens", lambda t: HeadsForTokens.apply(t, group, order, 3),
                  rng.standard_normal((B, T // n, 3 * C))),
                 ("TokensForHeads", lambda t: TokensForHeads.apply(t, group, order, 1),
-                 rng.standard_normal((B, T, C // n)))]:
+                 rng.standard_normal((B, T, C // n))),
+                ("HeadsForTokens q|k|v", lambda t: HeadsForTokens.apply(      # grouped-query:
+                    t, group, order, (C, C // 2, C // 2)),                  # k, v narrower
+                 rng.standard_normal((B, T // n, 2 * C)))]:
             row = dist_gradcheck(f"{name} {split}", fn, x, comm, "sharded", "sharded")
             out[f"{name} {split}"] = comm.allreduce(row["max_abs_diff"], op=MPI.MAX)
     return out
