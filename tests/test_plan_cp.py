@@ -53,6 +53,46 @@ def test_cp_bytes_the_model_prices_are_the_training_codes(attention):
             assert t["sync"] == pytest.approx(2 * (2 + 2 + 2 * (recompute == "full")) * 10)
 
 
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_cp_bytes_under_grouped_query_attention_are_the_kv_heads(attention):
+    """Grouped-query attention: k and v cross the cp group as the kv heads (the ring's
+    blocks: kv of them; Ulysses: cp/ulysses.py kv_heads_sent = lcm(kv/tp, N) of the
+    n_head/tp), so what cp_comm prices (1 B/s: a second is a byte) is ring_bytes of
+    K's own bytes S kv/n_head, or ulysses_bytes with kv = S lcm(kv/tp, N) / (n_head/tp);
+    8 heads, kv 1, 2, 8, at N = 2 and 4, tp 1 and 2, with and without full recompute. A
+    whole step's tp_cp of a Llama with 2 kv heads is its layers' worth of that."""
+    from math import lcm
+    from minidist.cp.ring import ring_bytes
+    from minidist.cp.ulysses import ulysses_bytes
+    from minidist.train.tp_cp_cost import cp_comm
+    b, s, h, e, nh = 1, 16, 16, 4, 8
+    for kv in (1, 2, 8):
+        for n in (2, 4):
+            for tp in (1, 2):
+                for recompute in ("none", "full"):
+                    layout = Layout(cp=n, tp=tp, sp=tp > 1, amp=False, recompute=recompute,
+                                    cp_attention=attention)
+                    S = b * s // n * h * e // tp
+                    redo = recompute == "full"
+                    if attention == "ring":
+                        want = ring_bytes(S * kv // nh, n, redo)
+                    else:
+                        local = nh // tp
+                        want = ulysses_bytes(S, n, redo, S * lcm(max(1, kv // tp), n) // local)
+                    f, bwd = cp_comm(UNIT, layout, 1, S * tp, heads=(nh, kv))
+                    assert f + bwd == pytest.approx(want), (layout, kv)
+                    if kv == nh:                                     # multi-head: as before
+                        assert f + bwd == pytest.approx(sum(cp_comm(UNIT, layout, 1, S * tp)))
+    gqa = replace(CP_MODEL, arch="llama", n_kv_head=2, bias=False)
+    layout = Layout(cp=4, amp=False, cp_attention=attention)
+    S = b * s // 4 * h * e
+    t = step_time(gqa, layout, UNIT, seq=s, global_batch=b)
+    want = ring_bytes(S // 4, 4) if attention == "ring" else ulysses_bytes(S, 4, kv=S // 2)
+    assert t["tp_cp"] == pytest.approx(2 * want)
+    assert t["tp_cp"] < step_time(replace(gqa, n_kv_head=0), layout, UNIT, seq=s,
+                                  global_batch=b)["tp_cp"]
+
+
 def test_ulysses_compute_is_the_rings():
     """The attention's FLOPs per rank are the same either way (all T queries of H/N heads,
     or T/N queries of all H): only the communication differs, where both attentions tile.

@@ -33,11 +33,13 @@ hide it; the model does not assume so) and as one more blocking collective.
 Collectives: the alpha-beta model of minidist's ring and hierarchical algorithms and of its
 pairwise all-to-all, placed on the links a group spans by the mesh order
 (minidist/train/comm_cost.py).
-Context parallelism (cp_comm), per layer and micro-batch, S = b (s/cp) (h/tp) e: the ring's
-send/recv hops of K and V blocks (2S each; N-1 forward, 2N-1 backward, N-1 more under full
-recompute), or Ulysses' two all-to-alls each way (qkv 3S and y S a rank, the forward's again
-under full recompute) on the cp group's links: the bytes of cp/ring.py ring_bytes and
-cp/ulysses.py ulysses_bytes. The attention's FLOPs are the same either way.
+Context parallelism (cp_comm), per layer and micro-batch, S = b (s/cp) (h/tp) e and Skv the
+bytes of K (S kv/n_head under grouped-query attention; Ulysses: lcm(kv/tp, cp) of the
+n_head/tp heads): the ring's send/recv hops of K and V blocks (2Skv each; N-1 forward, 2N-1
+backward, N-1 more under full recompute), or Ulysses' two all-to-alls each way (qkv S + 2Skv
+and y S a rank, the forward's again under full recompute) on the cp group's links: the bytes
+of cp/ring.py ring_bytes and cp/ulysses.py ulysses_bytes. The attention's FLOPs are the same
+either way.
 Mixture of Experts and expert parallelism (minidist/train/moe_cost.py): a MoE block's router
 and experts (k rows per token, at most the capacity), not split by tp (on s/tp tokens under
 SP); under ep its 3 + 2 blocking all-to-alls per micro-batch, the experts' gradients
@@ -229,7 +231,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
         tp_f, tp_b = tp_cp_comm(cluster, layout, layers, act, stage, comm, unsplit,
-                                 ring_block_times(config, layout, b, seq, rate))
+                                 ring_block_times(config, layout, b, seq, rate),
+                                 (config.n_head, config.kv_heads))
         s_moe = seq / layout.cp / (layout.tp if layout.sp else 1)   # an MoE block's tokens
         a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
                                               moe_load)

@@ -7,6 +7,7 @@ all-reduces, and how many of them block (each waits `Cluster.sync_s` for the ran
 The formulas: cost.py's module docstring, minidist/train/PLAN.md.
 Tests: tests/test_plan_cp.py (worked by hand).
 """
+from minidist.cp.ulysses import kv_heads_sent
 from minidist.train.comm_cost import collective_time, p2p_time, span
 
 
@@ -29,13 +30,14 @@ def ring_block_times(config, layout, b, seq, rate):
     return f, 2.5 * f
 
 
-def tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0)):
+def tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0),
+               heads=None):
     """(forward, backward) seconds of TP's all-reduces (RS + AG with SP) and CP's exchanges
     (cp_comm: the ring's key and value blocks, which hide behind `block`, one ring block's
     attention seconds forward and backward, or Ulysses' all-to-alls) for one micro-batch
     on a stage; act = b (s/cp) h e bytes. A MoE block without shared experts (`moe` of the
     layers) has one TP all-reduce each way, its attention's: no split MLP (its shared
-    experts are one, split as a dense block's).
+    experts are one, split as a dense block's). heads: cp_comm's (grouped-query attention).
     With SP backward also re-gathers each column layer's input shard (tp/gathered.py)."""
     f = b = 0.0
     if layout.tp > 1:
@@ -51,32 +53,50 @@ def tp_cp_comm(cluster, layout, layers, act, stage, comm, moe=0, block=(0.0, 0.0
         b = (per + redo + last) * one                        # + the head's input
         if layout.sp:                                        # + the column layers' re-gathers
             b += (per + last) * collective_time(cluster, "all_gather", act, layout, "tp")
-    c_f, c_b = cp_comm(cluster, layout, layers, act, *block)
+    c_f, c_b = cp_comm(cluster, layout, layers, act, *block, heads=heads)
     return f + c_f, b + c_b
 
 
-def cp_comm(cluster, layout, layers, act, block_f=0.0, block_b=0.0):
+def kv_bytes(S, layout, heads):
+    """The bytes of one rank's K (or V) as context parallelism sends them, S those of its
+    (b, s/cp, h/tp) q: heads = (n_head, kv heads) of the model (None: as many kv heads as q
+    heads). The ring's blocks carry the kv heads, S kv/n_head; Ulysses' all-to-all carries
+    cp/ulysses.py kv_heads_sent of this tp rank's heads, lcm(kv/tp, N) of n_head/tp."""
+    if heads is None:
+        return S
+    n_head, kv = heads
+    if layout.cp_attention == "ulysses":
+        local = n_head // layout.tp
+        return S * kv_heads_sent(local, max(1, kv // layout.tp), layout.cp) / local
+    return S * kv / n_head
+
+
+def cp_comm(cluster, layout, layers, act, block_f=0.0, block_b=0.0, heads=None):
     """(forward, backward) seconds of context parallelism's exchanges for one micro-batch on
-    `layers` layers, act = b (s/cp) h e; S = act / tp, one tp rank's heads. The ring
-    (cp/ring.py ring_bytes): blocks of K and V, 2S, one send/recv a hop, N - 1 hops forward,
+    `layers` layers, act = b (s/cp) h e; S = act / tp, one tp rank's heads; Skv = kv_bytes
+    (S under multi-head attention: `heads` None), its K's, smaller under grouped-query
+    attention (k and v travel unrepeated). The ring
+    (cp/ring.py ring_bytes): blocks of K and V, 2Skv, one send/recv a hop, N - 1 hops forward,
     N - 1 (k, v) + N (dk, dv) backward, N - 1 more under full recompute. Each hop is posted
     before the block in hand is attended to (cp/ring.py), so up to cluster.overlap of that
     block's attention compute (block_f, block_b seconds: one block forward, backward) hides
     it: forward, hop k behind block k (the last block is computed after the last hop);
     backward, the hops behind the n blocks' backward (and the recompute's forward blocks),
     never the last (the accumulators' way home comes after the compute).
-    Ulysses (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (3S a rank) and one of
-    y (S), backward the two reversed, full recompute the forward's again; priced as EP's, the
-    pairwise all-to-all on the links the cp group spans, blocking: nothing overlaps them."""
+    Ulysses (cp/ulysses.py ulysses_bytes): forward an all-to-all of qkv (S + 2Skv a rank) and
+    one of y (S), backward the two reversed, full recompute the forward's again; priced as
+    EP's, the pairwise all-to-all on the links the cp group spans, blocking: nothing
+    overlaps them."""
     if layout.cp == 1:
         return 0.0, 0.0
     S, n, redo = act / layout.tp, layout.cp, layout.recompute == "full"
+    kv = kv_bytes(S, layout, heads)
     if layout.cp_attention == "ulysses":
-        one = sum(collective_time(cluster, "all_to_all", parts * S, layout, "cp")
-                  for parts in (3, 1))                       # qkv, y
+        one = sum(collective_time(cluster, "all_to_all", nbytes, layout, "cp")
+                  for nbytes in (S + 2 * kv, S))            # qkv, y
         return layers * one, layers * (1 + redo) * one
     k, m = span(layout, "cp", cluster.gpus_per_node)
-    hop = p2p_time(2 * S, cluster.intra if m == 1 else cluster.inter)       # K and V
+    hop = p2p_time(2 * kv, cluster.intra if m == 1 else cluster.inter)      # K and V
     hops_b = 2 * n - 1 + redo * (n - 1)                       # per layer
     forward = (n - 1) * max(hop - cluster.overlap * block_f, 0.0)
     window_b = n * block_b + redo * (n - 1) * block_f
