@@ -207,6 +207,8 @@ CASES = [
          lambda: [T(randn(2, 3, 16))], lambda x: ref_rotary(x, 2, 1, np.array([0, 5, 2]), 100.0)),
     Case("repeat_kv", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 4, 2),
          lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 4, 2)),
+    Case("repeat_kv to 4 of 8 heads", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 8, 2, 4),
+         lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 8, 2, 4)),     # Ulysses
 ]
 
 TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
@@ -244,11 +246,11 @@ def ref_rotary(x, nh, nkv, pos, theta):
     return out
 
 
-def ref_repeat_kv(x, nh, nkv):
-    hs = x.shape[-1] // (nh + 2 * nkv)
+def ref_repeat_kv(x, nh, nkv, to=None):
+    hs, to = x.shape[-1] // (nh + 2 * nkv), to or nh
     q, k, v = np.split(x, [nh * hs, (nh + nkv) * hs], axis=-1)
     heads = lambda a: [a[..., j * hs:(j + 1) * hs] for j in range(nkv)]    # noqa: E731
-    rep = lambda a: np.concatenate([h for h in heads(a) for _ in range(nh // nkv)], -1)  # noqa
+    rep = lambda a: np.concatenate([h for h in heads(a) for _ in range(to // nkv)], -1)  # noqa
     return np.concatenate([q, rep(k), rep(v)], axis=-1)
 
 
