@@ -120,11 +120,12 @@ def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(mpi):
     kv_heads_sent = lcm(K, N) heads and are repeated to each rank's q heads after it, so
     --n-kv-head 1 (lcm 2 at cp 2) sends less than --n-kv-head 0 by exactly 4 (S - S 2/4)
     (N-1)/N per layer (the qkv exchange, forward and backward), S = B Tl C 8 bytes; each
-    run one process's numbers (float64, 3 steps; kv 2 also naive, dropout and recompute):
+    run one process's numbers (float64, 3 steps; kv 2 also naive, dropout and recompute;
+    kv 1 with dropout and --attention recompute as the local attention):
 
         mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2+kv0,u2+kv1,...
     """
-    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt"]
+    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt", "u2+kv1+redo+drop"]
     out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
     by = {r["run"]: r for r in _check_ulysses_rows(out, runs)}
     n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64

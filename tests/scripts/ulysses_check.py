@@ -51,6 +51,7 @@ AXES = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"]}
 OPTIONS = {"naive": ["--cp-split", "naive"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
            "zero3": ["--zero", "3"], "accum": ["--grad-accum", "2"],
            "sp": ["--sequence-parallel"], "tiled": ["--attention", "tiled"],
+           "redo": ["--attention", "recompute"],
            "drop": ["--dropout", "0.1"], "ckpt": ["--ckpt-activations"],
            # Llama's block with K kv heads (0: n_head), against one process of that block
            "kv0": ["--arch", "llama", "--n-kv-head", "0"], "kv1": ["--arch", "llama",
