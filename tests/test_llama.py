@@ -208,13 +208,15 @@ LLAMA = {"--arch": "llama", "--n-kv-head": 2}
     (4, {"--tp": 2, "--pp": 2, "--zero": 1}),
     (4, {"--moe-experts": 4, "--ep": 2, "--tp": 2, "--sequence-parallel": True}),
     (4, {"--dp": 2, "--tp": 2, "--zero": 3}),
+    (4, {"--n-kv-head": 1, "--cp": 2, "--pp": 2, "--dropout": 0.1, "--ckpt-activations": True}),
 ], ids=["zero3", "tp2-sp", "pp2", "cp2-ring", "cp2-ulysses", "mqa-ddp-dropout-recompute",
-        "dp2-amp", "tp2-pp2-zero1", "moe-ep2-tp2-sp", "dp2-tp2-zero3"])
+        "dp2-amp", "tp2-pp2-zero1", "moe-ep2-tp2-sp", "dp2-tp2-zero3", "mqa-cp2-pp2-dropout"])
 def test_llama_layouts_train_one_process_numbers(sweep, ranks, flags):
     """float64: each step's loss and gradient norm, the val loss and every parameter within
     1e-10 of one process (--amp: a few float16 roundings); the 4-rank ones also stopped
     after step 2 and resumed bit for bit. Rotary positions under cp: each rank's zig-zag
-    positions; GQA under tp: each rank its q heads' k and v heads."""
+    positions; GQA under tp: each rank its q heads' k and v heads; under cp k and v travel as
+    the kv heads (mqa-cp2-pp2-dropout: one, in pipeline stages, with dropout and recompute)."""
     ok, errs, run = sweep.check(ranks, {**LLAMA, **flags}, resume=ranks == 4)
     assert ok, (errs, run["stderr"][-2000:])
 
