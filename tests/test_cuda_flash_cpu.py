@@ -238,6 +238,9 @@ def test_flash_plans_hand_each_kernel_its_declared_types():
     for kv in (q[:, :1], q[..., :4]):       # a grouped-query k, v not repeated; another hs
         with pytest.raises(ValueError, match="keys and values"):
             ckn.flash_fwd_launch(np, q, kv, kv)          # the kernel would read past them
+    short = q[:, :, :3]                     # review 44 F6: keys shorter than the sequence
+    with pytest.raises(ValueError, match="of another length than the queries"):
+        ckn.flash_bwd_launches(np, q, q, short, short, q, q[..., 0])
     with pytest.raises(ValueError, match="add into contiguous dq, dk, dv"):
         ckn.flash_piece_bwd_launches(np, q, q, q, q, q[..., 0], q[..., 0],
                                      (q, q, q[..., ::2, :]), (0, 0, 4), (0, 0, 2))

@@ -123,6 +123,10 @@ def flash_bwd_launches(xp, g, q, k, v, y, lse, dropout=None):
     g, q, k, v, y = (_heads(xp, a) for a in (g, q, k, v, y))
     _check_kv(q, k, v)
     BH, T, hs = q.shape
+    if k.shape[1] != T:              # a whole sequence: its keys are its queries' positions
+        raise ValueError(f"flash backward kernels: keys {k.shape} of another length than "
+                         f"the queries {q.shape} (a whole sequence's; pieces: "
+                         "flash_piece_bwd_launches)")
     acc = acc_dtype(q.dtype)
     lse = xp.ascontiguousarray(lse, dtype=acc).reshape(BH, T)
     D, dq, dk, dv = xp.empty((BH, T), acc), xp.empty_like(q), xp.empty_like(q), xp.empty_like(q)
