@@ -166,3 +166,19 @@ def test_an_overwrite_run_without_keep_best_removes_the_pointer_naming_no_typed_
                   device)
     assert f"note: removed {ck}/best (this run has no --keep-best)" in said, said[-2000:]
     assert best_checkpoint.read(ck) is None
+
+
+@pytest.mark.mpi
+def test_a_best_edited_by_hand_is_replaced_and_said(corpus, tmp_path, device):
+    """Review 44 F3: a `best` a user wrote as `latest` takes it (one line) was removed by a
+    resumed --keep-best run without a word; now the note says why, and the resumed run's
+    evaluations start a new best."""
+    ck = str(tmp_path / "ck")
+    _train(1, [*TINY, "--save", ck, "--keep", "0", "--keep-best", "--stop-at", "2"], corpus,
+           tmp_path, device)
+    with open(os.path.join(ck, "best"), "w") as f:
+        f.write("step-00000001\n")
+    said = _train(1, ["--resume", ck, "--save", ck, "--stop-at", "3", "--sample", "0"], corpus,
+                  tmp_path, device)
+    assert f"note: removed {ck}/best (not as --keep-best writes it" in said, said[-2000:]
+    assert best_checkpoint.read(ck)[0] == "step-00000003"

@@ -123,11 +123,14 @@ class Saves:
             earlier = best_checkpoint.read(args.save)
             if args.keep_best and earlier and _resumed_within(args, earlier[0]):
                 self.best = earlier
-            elif best_checkpoint.drop(args.save) and say and not args.keep_best:
+            elif best_checkpoint.drop(args.save) and say:      # why, said (review 44 F3)
                 typed = "keep_best" in getattr(args, "given", [])    # (else an --overwrite)
-                has = "--no-keep-best" if typed else "no --keep-best"
+                why = (f"this run has {'--no-keep-best' if typed else 'no --keep-best'}"
+                       if not args.keep_best else "a run's this one does not continue"
+                       if earlier else "not as --keep-best writes it, or naming a folder no "
+                       "longer there: this run's evaluations start a new best")
                 self.log.print0(f"note: removed {os.path.join(args.save, checkpoint_dirs.BEST)}"
-                                f" (this run has {has})")
+                                f" ({why})")
         if not args.keep_best or val_loss is None or not math.isfinite(val_loss):
             return False
         if self.best is not None and not val_loss < self.best[1]:
@@ -142,8 +145,8 @@ def _resumed_within(args, name):
     folder `name` (so that folder's val loss is of this run's past)."""
     if not args.resume:
         return False
-    here = os.path.abspath(os.path.dirname(os.path.normpath(args.resume)))
-    return here == os.path.abspath(args.save) and \
+    here = os.path.realpath(os.path.dirname(os.path.normpath(args.resume)))
+    return here == os.path.realpath(args.save) and \
         checkpoint_dirs.step_of(name) <= checkpoint_dirs.step_of(args.resume)
 
 
