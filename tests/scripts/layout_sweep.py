@@ -88,9 +88,10 @@ def banner_problems(ranks, flags, stdout):
 def differences(ref, got):
     """{what: the largest relative difference} of a run against its reference: each step's
     loss and gradient norm (before clipping: AdamW alone would hide a gradient off by a
-    constant factor; `grad_norm_1` step 1's alone), the final val loss, every parameter's entries relative to its largest
-    entry (`params`), the whole model's L2 distance relative to its norm (`params_l2`), and
-    the MoE routers' biases, absolute (`router_bias`: multiples of the rate, often 0)."""
+    constant factor; `grad_norm_1` step 1's alone), the final val loss, every parameter's
+    entries relative to its largest entry (`params`), the whole model's L2 distance relative
+    to its norm (`params_l2`), and the MoE routers' biases, absolute (`router_bias`:
+    multiples of the rate, often 0)."""
     rel = lambda a, b: float(np.max(np.abs(np.subtract(a, b)) / np.abs(b)))  # noqa: E731
     if len(got["losses"]) != len(ref["losses"]) or set(got["params"]) != set(ref["params"]):
         return {"shape": float("inf")}
