@@ -85,13 +85,14 @@ def banner_problems(ranks, flags, stdout):
     return bad
 
 
-def differences(ref, got):
+def differences(ref, got, first=1):
     """{what: the largest relative difference} of a run against its reference: each step's
     loss and gradient norm (before clipping: AdamW alone would hide a gradient off by a
     constant factor; `grad_norm_1` step 1's alone), the final val loss, every parameter's
     entries relative to its largest entry (`params`), the whole model's L2 distance relative
     to its norm (`params_l2`), and the MoE routers' biases, absolute (`router_bias`:
-    multiples of the rate, often 0)."""
+    multiples of the rate, often 0). `first`: the step the runs' rows start at (a resumed
+    run's: 3), step 1's norm only when it is 1."""
     rel = lambda a, b: float(np.max(np.abs(np.subtract(a, b)) / np.abs(b)))  # noqa: E731
     if len(got["losses"]) != len(ref["losses"]) or set(got["params"]) != set(ref["params"]):
         return {"shape": float("inf")}
@@ -101,8 +102,8 @@ def differences(ref, got):
     if set(got["biases"]) != set(ref["biases"]):
         return {"router_bias_blocks": float("inf")}
     bias = [np.array([d["biases"][b] for b in sorted(ref["biases"])]) for d in (got, ref)]
-    return {"loss": rel(got["losses"], ref["losses"]),
-            "grad_norm_1": rel(got["norms"][:1], ref["norms"][:1]),
+    step_1 = {"grad_norm_1": rel(got["norms"][:1], ref["norms"][:1])} if first == 1 else {}
+    return {"loss": rel(got["losses"], ref["losses"]), **step_1,
             "grad_norm": rel(got["norms"], ref["norms"]),
             "val_loss": rel(got["val_loss"], ref["val_loss"]),
             "params": max_abs([np.max(np.abs(got["params"][n] - p)) / np.max(np.abs(p))
@@ -111,7 +112,7 @@ def differences(ref, got):
             "router_bias": float(np.max(np.abs(bias[0] - bias[1]), initial=0.0))}
 
 
-def compare(ref, got, amp=False, moe=False):
+def compare(ref, got, amp=False, moe=False, first=1):
     """(passed, differences): float64, every difference within TOL (each compared on its
     own: a NaN one fails, where max() over them would skip it); --amp (`amp`: the 16-bit
     dtype), those of AMP_TOL within it (float16's unit roundoff is 2^-11 = 4.9e-4), of
@@ -125,11 +126,12 @@ def compare(ref, got, amp=False, moe=False):
     `params` is NaN)."""
     if got["rc"] != 0:
         return False, {"rc": got["rc"]}
-    errs = differences(ref, got)
+    errs = differences(ref, got, first)
     if not amp:
         return all(e <= TOL for e in errs.values()), errs
     tols = BF16_TOL if amp == "bfloat16" else AMP_TOL
-    held = {k: t for k, t in tols.items() if not (moe and k == "params_l2")}
+    held = {k: t for k, t in tols.items() if not (moe and k == "params_l2")
+            and (first == 1 or k != "grad_norm_1")}
     within = all(errs.get(k, float("inf")) <= tol for k, tol in held.items())
     return within and not any(np.isnan(e) for e in errs.values()), errs
 
@@ -238,7 +240,8 @@ class Sweep:
             return False, {"stop_rc": first["rc"], "stderr": first["stderr"][-300:]}
         back = self.run(*into, f"back{self.runs}", ["--resume", os.path.join(self.workdir, name)])
         tail = {**ref, "losses": ref["losses"][2:], "norms": ref["norms"][2:]}
-        ok, errs = compare(tail, back, amp_dtype(flags), bool(flags.get("--moe-experts")))
+        ok, errs = compare(tail, back, amp_dtype(flags), bool(flags.get("--moe-experts")),
+                           first=3)
         if back["rc"]:
             errs["stderr"] = (back["stderr"].strip().splitlines() or ["(no stderr)"])[-1][:300]
         return ok, errs
