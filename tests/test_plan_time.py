@@ -169,9 +169,16 @@ def test_zero3_regathers_all_but_the_last_two_blocks_worked_by_hand():
     wpe, ln_f), 1024 x 4 B. Forward gathers all of it, 1/2 x 4096 = 2048 s; backward
     re-gathers the blocks but the last two (2 x 244 x 4 B, 976 s) and reduce-scatters the
     gradients (2048 s): 5072 s, 1.24x DDP's 4096 where the paper's 3 Psi says 6144
-    (minidist/zero/README.md measures the same 1.24x at L = 4)."""
+    (minidist/zero/README.md measures the same 1.24x at L = 4). Two micro-batches
+    (--grad-accum 2): the second forward finds the root and blocks 0 and 1 in their buffers
+    (the first backward left them there) and gathers blocks 2 and 3 only, 976 s: 2048 + 976
+    + 2 x (976 + 2048) = 9072 s, (N-1)/N (M Psi + R + (2M(L-2) + 2) b) (it was 2 x 5072)."""
     t = step_time(TOY4, Layout(dp=2, zero=3, amp=False), UNIT, seq=2, global_batch=2)
     assert t["zero_in_pipeline"] == pytest.approx(2048 + 976 + 2048)
+    m2 = step_time(TOY4, Layout(dp=2, zero=3, amp=False), UNIT, seq=2, global_batch=4,
+                   micro_batches=2)
+    assert m2["zero_in_pipeline"] == pytest.approx(9072)
+    assert m2["zero_in_pipeline"] == pytest.approx(1 / 2 * 4 * (2 * 1024 + 48 + 10 * 244))
     two = step_time(TOY, Layout(dp=2, zero=3, amp=False), UNIT, seq=2, global_batch=2)
     assert two["zero_in_pipeline"] == pytest.approx(2 * 1072)    # 2 blocks: none again
 

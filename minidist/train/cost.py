@@ -256,6 +256,13 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
             z_f = exposed(coll("all_gather", dense * p_bytes), c_f, cluster.overlap, layers)
             z_b = exposed(coll("all_gather", again * p_bytes) +
                           coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap, layers)
+            if layout.pp == 1 and m > 1:   # --grad-accum: a later forward finds the root and
+                # the first two blocks still in their buffers (the backward before left them
+                # there): it gathers `again` too, (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a
+                # step (zero/README.md); t_f the mean of the first forward and the others
+                later = exposed(coll("all_gather", again * p_bytes), c_f, cluster.overlap,
+                                layers)
+                z_f = (z_f + (m - 1) * later) / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
             z_b = exposed(coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap,
                           math.ceil(dense * g_bytes / (bucket_mb * 2 ** 20)))
