@@ -79,10 +79,12 @@ def test_ep2_dp2_communication_worked_by_hand():
     counts 8 E = 16 B: 8 s; forward counts + dispatch + combine = 40, backward 32: 72 s, 5
     syncs: 50 s. Parameters: dense 244 (block 0) + 104 (block 1's attention, norms, router)
     + 48 (wte, wpe, ln_f) = 396, all-reduced over the 4 ranks: 2 x 3/4 x 396 x 4 B = 2376 s;
-    each expert 148 (c_fc 64 + 16, c_proj 64 + 4), this rank's one all-reduced tensor by
-    tensor over its 2 replicas (n B each): 592 s, + clipping's 8 B over ep: 600 s.
+    each expert 148 (c_fc 64 + 16, c_proj 64 + 4), this rank's one all-reduced over its 2
+    replicas in one bucket (592 B: 592 s; nothing hidden, no overlap), + clipping's 8 B over
+    ep: 600 s.
     Optimizer: 396 + 148 = 544 s. ZeRO-1: the experts' one unit (148) over edp 2, a
-    reduce-scatter of 1/2 x 592 B and an all-gather as much: 592 s (no clipping sum of its
+    reduce-scatter of 1/2 x 592 B (from backward's hooks; no overlap here) and an all-gather
+    as much: 592 s (no clipping sum of its
     own); optimizer ceil(396 / 4) + ceil(148 / 2) = 99 + 74 = 173 s. ep = dp = 2: no edp
     sum, only the clipping's 8 s; the dense all-reduce over 2 ranks, 1584 s. Full recompute
     runs the forward's 3 all-to-alls again in backward: 72 + 40 = 112 s, 8 syncs: 80 s; the
@@ -103,6 +105,30 @@ def test_ep2_dp2_communication_worked_by_hand():
                      global_batch=4)
     assert redo["ep_all_to_all"] == pytest.approx(112) and redo["sync"] == pytest.approx(80)
     assert redo["compute"] == pytest.approx(7168)
+
+
+def test_experts_buckets_hide_behind_backward_worked_by_hand():
+    """MOE_TOY on dp 4 = ep 2 x edp 2: this rank's expert, 4 tensors of 64, 16, 64, 4 values
+    (256, 64, 256, 16 B), is a DDP of its own over edp (minidist/ddp/sync.py), bucketed as
+    the dense DDP is: at 1 MiB one bucket, 2 alpha + 592 B over 2 ranks (+ the clip's 8 B
+    over ep, 2 alpha + 8): 604 s at alpha 1 s, where one all-reduce per tensor cost 610.
+    At 200 B a bucket, last tensor first: 16 | 256 | 64 | 256 (a tensor that would overflow
+    starts the next). Overlap 1, no latency: backward computes 2/3 of the 5472 s, 3648 s;
+    the dense 2376 s in 8 buckets hide but the last, 297 s exposed, 2079 s of the window
+    filled; the experts' 592 s hide behind the 1569 s left but their last bucket, 592 / 4 =
+    148 s, + the clip's 8: 156 s."""
+    from minidist.train.moe_cost import expert_buckets, expert_tensors
+    ep2 = Layout(dp=4, ep=2, amp=False)
+    sizes = expert_tensors(MOE_TOY, ep2, 0)
+    assert sizes == [64, 16, 64, 4] and expert_buckets(sizes, 4, 1.0) == [592]
+    assert expert_buckets(sizes, 4, 200 / 2**20) == [16, 256, 64, 256]
+    slow = step_time(MOE_TOY, ep2, replace(UNIT, intra=Link(1.0, 1.0)), seq=2, global_batch=4,
+                     bucket_mb=1.0)
+    assert slow["expert_grads"] == slow["expert_comm"] == pytest.approx(604)
+    t = step_time(MOE_TOY, ep2, replace(UNIT, overlap=1.0), seq=2, global_batch=4,
+                  bucket_mb=200 / 2**20)
+    assert t["dp_exposed"] == pytest.approx(297) and t["expert_comm"] == pytest.approx(600)
+    assert t["expert_grads"] == pytest.approx(156)
 
 
 def test_plan_cli_with_experts():

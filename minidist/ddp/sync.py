@@ -171,12 +171,20 @@ def bucket_layout(params, bucket_mb):
     so only a parameter larger than bucket_mb on its own exceeds it. A change of gradient
     dtype or array module also starts a new bucket (a flat buffer has one dtype, on one
     device)."""
+    return bucket_cuts([p.size * p.grad_dtype.itemsize for p in params], bucket_mb,
+                       [(p.grad_dtype, type(p.data)) for p in params])
+
+
+def bucket_cuts(sizes, bucket_mb, kinds=None):
+    """bucket_layout's rule on gradient bytes alone: indices into `sizes` (bytes per
+    parameter, forward order), last first, cut at bucket_mb MiB or where `kinds` (None: all
+    alike) changes. The step-time model prices the buckets training cuts with it
+    (minidist/train/moe_cost.py expert_buckets)."""
     cap = bucket_mb * 2**20
+    kinds = kinds or [None] * len(sizes)
     buckets, current, nbytes, current_kind = [], [], 0, None
-    for i in reversed(range(len(params))):
-        p = params[i]
-        kind = (p.grad_dtype, type(p.data))
-        size = p.size * p.grad_dtype.itemsize
+    for i in reversed(range(len(sizes))):
+        kind, size = kinds[i], sizes[i]
         if current and (nbytes + size > cap or kind != current_kind):
             buckets.append(current)
             current, nbytes = [], 0

@@ -43,13 +43,17 @@ either way.
 Mixture of Experts and expert parallelism (minidist/train/moe_cost.py): a MoE block's router
 and experts (k rows per token, at most the capacity), not split by tp (on s/tp tokens under
 SP); under ep its 3 + 2 blocking all-to-alls per micro-batch, the experts' gradients
-all-reduced over their replicas (dp x cp / ep) after backward, the dense ones by DDP/ZeRO
+all-reduced over their replicas (dp x cp / ep) in buckets started from backward's hooks
+(ZeRO: reduce-scattered per MoE block), hidden in what backward the dense ones leave
+free, never the last bucket, the dense ones by DDP/ZeRO
 over all dp (x cp) ranks; on a sequence split by cp or SP, the routing's exchange (the
 experts' ids, the loss statistics) and under SP the router's and experts' gradient sums.
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
 a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-to-alls,
-ZeRO-3's exposed gathers, the p2p sends), then
+ZeRO-3's exposed gathers: every block in the first forward, all but the last two in each
+backward, under --grad-accum all but the first two in each later forward, the root once a
+step, as zero/stage3.py gathers no unit still in its buffer; the p2p sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
                (+ Muon's collectives; its Newton-Schulz is optimizer time: muon_cost.py)
@@ -247,15 +251,15 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         extra_b = r_b + n_b * cluster.sync_s
         # a micro-batch crosses each boundary once per chunk: v sends each way interleaved
         p2p = v * p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
-        z_f = z_b = 0.0
+        z_f = z_b = filled = 0.0       # filled: backward that ZeRO-2/3's hidden part fills
         if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per layer
             # forward gathers the root and every block; backward the blocks again but the
             # last two, still in their buffers (zero/README.md: (N-1)/N (Psi + root +
             # (2L-2)/L blocks) a step, 1.85 Psi at L = 4 where the paper's 3 Psi gives 2.25)
             again = (blocks[stage] - sum(experts)) * max(layers - 2, 0) / max(layers, 1)
             z_f = exposed(coll("all_gather", dense * p_bytes), c_f, cluster.overlap, layers)
-            z_b = exposed(coll("all_gather", again * p_bytes) +
-                          coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap, layers)
+            z_b = coll("all_gather", again * p_bytes) + coll("reduce_scatter", dense * g_bytes)
+            z_b, filled = exposed(z_b, c_b, cluster.overlap, layers), z_b
             if layout.pp == 1 and m > 1:   # --grad-accum: a later forward finds the root and
                 # the first two blocks still in their buffers (the backward before left them
                 # there): it gathers `again` too, (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a
@@ -264,7 +268,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                                 layers)
                 z_f = (z_f + (m - 1) * later) / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
-            z_b = exposed(coll("reduce_scatter", dense * g_bytes), c_b, cluster.overlap,
+            filled = coll("reduce_scatter", dense * g_bytes)
+            z_b = exposed(filled, c_b, cluster.overlap,
                           math.ceil(dense * g_bytes / (bucket_mb * 2 ** 20)))
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
@@ -272,7 +277,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
-                   t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b,
+                   t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b, filled=filled - z_b,
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         row["muon_ns"], row["muon_comm"] = muon[stage]
@@ -303,6 +308,9 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
         dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + ag_exposed
     elif layout.zero == 2:
         dp_comm, dp_exposed = ag, ag_exposed
+    # what of the last backward the dense gradients' hidden communication fills
+    filled = w["filled"] + ((dp_comm - dp_exposed) if layout.zero == 0 else
+                            (rs - (dp_exposed - ag_exposed)) if layout.zero == 1 else 0.0)
     shard = math.ceil(n / layout.zero_ranks) if layout.zero else n
     if layout.zero and layout.zero_shard:   # hybrid: the shards averaged across the replicas
         across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",
@@ -314,13 +322,17 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     edp = axis_size(layout, "edp")     # ZeRO: the experts' shards over their replicas (x cp)
     mine = sum(math.ceil(u / edp) for u in w["expert_units"]) if layout.zero else \
         sum(w["experts"])
+    # the experts' buckets (ZeRO: reduce-scatters) start from backward's hooks too: they
+    # hide behind what of the last micro-batch's backward the dense ones leave free
+    left = max(0.0, w["c_b"] - filled / cluster.overlap) if cluster.overlap else w["c_b"]
+    expert = expert_grad_time(cluster, layout, w["experts"], g_bytes, comm,
+                              w["expert_units"], p_bytes, left, bucket_mb)
     out = {"clip_norm": clip_norm_time(cluster, layout, coll),
            "compute": w["c"], "replicated": w["rep"], "tp_cp": w["tp_cp"],
            "ep_all_to_all": w["a2a"], "loss_comm": w["loss"], "sync": w["sync"],
            "pp_p2p": w["p2p"], "bubble": w["bubble"], "zero_in_pipeline": w["zero"],
            "dp_comm": dp_comm, "dp_exposed": dp_exposed,
-           "expert_grads": expert_grad_time(cluster, layout, w["experts"], g_bytes, comm,
-                                            w["expert_units"], p_bytes),
+           "expert_comm": expert[1], "expert_grads": expert[0],
            "optimizer": (shard + mine) * cluster.opt_s_per_param + w["muon_ns"],
            "muon_ns": w["muon_ns"], "muon_comm": w["muon_comm"]}
     out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"] + \

@@ -29,15 +29,18 @@ the pairwise exchange's (N-1)(alpha + n/(N B)) on the links the ep group spans, 
 cluster's sync per blocking collective. Full recompute (--ckpt-activations) runs each block's
 forward again inside backward, its 3 all-to-alls too: 3 forward, 3 + 2 backward.
 Gradients (minidist/ep/strategy.py): the dense parameters go through DDP (or ZeRO) over
-all dp ranks as before. Under DDP the model charges each expert tensor of this rank an
-all-reduce over its dp / ep replicas (edp) after backward, in full (the strategy, since
-2026-12, buckets them and, --ddp overlapped, starts each bucket from backward's hooks:
-minidist/ddp/sync.py; this charge is then an upper bound, fewer latencies and partly
-hidden, not yet modelled), and gradient clipping sums one number over the ep group; the
-optimizer updates all dense
+all dp ranks as before. Under DDP this rank's experts are a DDP of their own over their
+dp / ep replicas (edp; minidist/ddp/sync.py, --ddp overlapped): their tensors cut into
+buckets by the dense DDP's rule (expert_buckets: bucket_mb, last tensor first), each
+bucket's all-reduce started from backward's hooks, so hidden behind what of the last
+micro-batch's backward the dense gradients leave free, up to the overlap, never the last
+bucket (until 2026-12 one all-reduce per tensor after backward, in full: 16 calls where
+the run makes 1); gradient clipping sums one number over the ep group; the optimizer
+updates all dense
 parameters and this rank's experts. Under ZeRO (any stage) the experts are ZeRO-1 over edp
 (minidist/ep/optim.py): per MoE block one flat unit of this rank's experts, its gradient
-reduce-scattered over edp after backward and its parameters all-gathered after the step
+reduce-scattered over edp from backward's hooks (hidden likewise, never the last unit) and
+its parameters all-gathered after the step, in full view
 (the same bytes as the all-reduce, one unit per block instead of one call per tensor); the
 clipping's sum rides on ZeRO's over dp; the optimizer updates the dense shard and 1/edp of
 the experts (ceil per unit).
@@ -60,7 +63,9 @@ import math
 
 from minidist.nn.config import attention_weights, block_param_specs, mlp_weights
 from minidist.nn.moe import capacity
+from minidist.ddp.sync import bucket_cuts
 from minidist.train.comm_cost import collective_time
+from minidist.train.tp_cp_cost import exposed
 
 
 def check_moe_layout(config, layout):
@@ -178,17 +183,35 @@ def expert_units(config, layout, stage):
     return list(blocks.values())
 
 
-def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_bytes=0):
-    """Seconds of the experts' gradient sums: under DDP one all-reduce per tensor (`sizes`)
-    over edp (none when ep = dp) and clipping's one-number all-reduce over ep; under ZeRO
-    per unit (`units`, expert_units) a reduce-scatter of its gradients and an all-gather of
-    its `p_bytes` parameters over edp."""
+def expert_buckets(sizes, g_bytes, bucket_mb):
+    """Bytes of each all-reduce the experts' DDP over edp runs a step: `sizes` (this rank's
+    expert tensors, forward order) cut into buckets of bucket_mb MiB of `g_bytes`-byte
+    gradients, last tensor first, by training's own rule (minidist/ddp/sync.py
+    bucket_cuts: --ddp overlapped, the default, and bucketed)."""
+    nbytes = [n * g_bytes for n in sizes]
+    return [sum(nbytes[i] for i in cut) for cut in bucket_cuts(nbytes, bucket_mb)]
+
+
+def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_bytes=0,
+                     window=0.0, bucket_mb=1.0):
+    """(exposed, whole) seconds of the experts' gradient sums over edp. Under DDP the experts'
+    own DDP (minidist/ddp/sync.py; module docstring): an all-reduce per bucket (`sizes`,
+    expert_buckets at bucket_mb), started from backward's hooks, so hidden behind `window`
+    seconds of backward up to the cluster's overlap, never the last bucket (as the dense
+    DDP's, cost.py), and clipping's one-number all-reduce over ep (blocking, in full). Under
+    ZeRO per unit (`units`, expert_units) a reduce-scatter of its gradients, started from
+    backward's hooks too (ZeRO-1's), hidden likewise, and an all-gather of its `p_bytes`
+    parameters after the step, in full view. No edp sum when ep = dp (one replica)."""
     if not sizes:
-        return 0.0
+        return 0.0, 0.0
+
+    def edp(op, nbytes):
+        return collective_time(cluster, op, nbytes, layout, "edp", comm)
     if layout.zero:
-        return sum(collective_time(cluster, "reduce_scatter", n * g_bytes, layout, "edp", comm)
-                   + collective_time(cluster, "all_gather", n * p_bytes, layout, "edp", comm)
-                   for n in units)
-    edp = sum(collective_time(cluster, "all_reduce", n * g_bytes, layout, "edp", comm)
-              for n in sizes)
-    return edp + collective_time(cluster, "all_reduce", 8, layout, "ep")
+        rs = sum(edp("reduce_scatter", n * g_bytes) for n in units)
+        ag = sum(edp("all_gather", n * p_bytes) for n in units)
+        return exposed(rs, window, cluster.overlap, len(units)) + ag, rs + ag
+    buckets = expert_buckets(sizes, g_bytes, bucket_mb)
+    summed = sum(edp("all_reduce", n) for n in buckets)
+    clip = collective_time(cluster, "all_reduce", 8, layout, "ep")
+    return exposed(summed, window, cluster.overlap, len(buckets)) + clip, summed + clip
