@@ -297,10 +297,18 @@ def test_planner_prices_each_schedules_peak(schedule, micro, virtual, corpus, tm
 
 def test_tiled_attention_and_cp_in_the_memory_model():
     """Tiled (and cp's ring) attention keep 4 a s b bytes of log-sum-exp instead of the
-    (s, s) scores; cp halves s."""
+    (s, s) scores; cp halves s. Grouped-query attention (2 kv heads of 8): the ring keeps
+    k and v as their heads, h + 2h/4 for Q, K, V where 3h were (1.5 x e = 3 sbh less);
+    Ulysses and one process keep them repeated, 3h (tests/test_plan_vs_runs.py)."""
     s, b, h, a = 2048, 1, 1024, 8
     assert layer_activation_bytes(s, b, h, a, tiled=True) == s * b * h * 34 + 4 * a * s * b
     assert layer_activation_bytes(s, b, h, a, cp=2) == s / 2 * b * h * 34 + 4 * a * s / 2 * b
+    assert layer_activation_bytes(s, b, h, a, cp=2, kv=0.25) == \
+        s / 2 * b * h * 31 + 4 * a * s / 2 * b
+    assert layer_activation_bytes(s, b, h, a, cp=2, ulysses=True, tiled=True, kv=0.25) == \
+        layer_activation_bytes(s, b, h, a, cp=2, ulysses=True, tiled=True)
+    assert layer_activation_bytes(s, b, h, a, tiled=True, kv=0.25) == \
+        layer_activation_bytes(s, b, h, a, tiled=True)
     big = config_for_params(7e9, 32768)
     flat = bill(big, Layout(dp=8), 32768)["activations"]
     tiled = bill(big, Layout(dp=8, tiled=True), 32768)["activations"]

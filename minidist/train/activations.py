@@ -39,7 +39,7 @@ from minidist.pp.schedule import chunk_layers, peak_in_flight, waiting_for_weigh
 
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
-                           tiled=False, cp=1, ulysses=False, mlp=8):
+                           tiled=False, cp=1, ulysses=False, mlp=8, kv=1.0):
     """Korthikanti et al.'s bytes per transformer layer per micro-batch (module docstring).
     mlp: the values the MLP keeps per token, in units of h: GELU's input and fc2's, 4 + 4;
     a Llama-style block's (mlp_saved) SwiGLU input [gate | up] and fc2's, 3F / h.
@@ -48,14 +48,20 @@ def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dro
     cp: this rank holds s / cp of the tokens (its
     queries and, tiled by the ring, no scores). ulysses (with cp > 1): its attention's
     output in the heads layout, sbh e / (cp t) more (below); its attention is the model's
-    own on a/cp heads of all s tokens: untiled, their (s, s) scores."""
+    own on a/cp heads of all s tokens: untiled, their (s, s) scores.
+    kv: the k and v heads over the q heads (grouped-query attention, n_kv_head / n_head).
+    Only the cp ring keeps k and v as their kv heads (it repeats a block to nh heads only to
+    attend to it: minidist/cp/ring.py), h + 2 h kv for Q, K, V; the plain, tiled and Ulysses
+    attentions save q, k, v after repeat_kv, 3 h whatever kv (measured: the same ledger at
+    n_kv_head 1 and 4, tests/test_plan_vs_runs.py)."""
     d, k = int(bool(dropout)), (t if sp else 1)
     s_all, s = s, s / cp
     ulysses = ulysses and cp > 1
     if recompute == "full":
         return s * b * h * e / k
     unsplit = s * b * h * (4 * e + 2 * d)    # 2 layer-norm inputs, QKV and fc inputs, masks
-    split = s * b * h * (4 + mlp) * e        # Q, K, V, proj input, GELU input, fc2 input
+    qkv = 1 + 2 * kv if cp > 1 and not ulysses else 3      # the ring: k, v as kv heads
+    split = s * b * h * (1 + qkv + mlp) * e  # Q, K, V, proj input, GELU input, fc2 input
     if ulysses and not tiled:                # a/cp heads' scores over the whole sequence
         core = 0 if recompute == "selective" else \
             a / cp * s_all * s_all * b * (e + d * (1 + e))
@@ -172,7 +178,8 @@ def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=N
     per_layer = layer_activation_bytes(s, b, config.n_embd, config.n_head, layout.tp,
                                        layout.sp, layout.recompute, e, dropout,
                                        layout.tiled, layout.cp,
-                                       layout.cp_attention == "ulysses", mlp_saved(config))
+                                       layout.cp_attention == "ulysses", mlp_saved(config),
+                                       config.kv_heads / config.n_head)
     out = sum(held.values()) * per_layer
     moe = sum(n for i, n in held.items() if config.is_moe(i))
     if moe and layout.recompute != "full":      # k experts per token, S shared ones (split)

@@ -61,7 +61,8 @@ Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's 
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
 bucket or layer. Gradients travel in the planner's gradient bytes (planner.state_bytes: 2
 under --amp, 4 with --grad-dtype float32), parameters in their own.
-Tests: tests/test_plan_time.py (each formula on a small case worked by hand).
+Tests: tests/test_plan_time.py (each formula on a small case worked by hand),
+tests/test_plan_vs_runs.py (ZeRO-3's and the experts' bytes against the runs').
 """
 import math
 

@@ -1,0 +1,149 @@
+"""The planners' figures against what real runs measure (the bytes a rank sends per step, the
+calls the trace records, the activations the ledger holds), where the planner once priced what
+training no longer does: ZeRO-3's gathers under --grad-accum, the experts' gradient buckets
+over their replicas, grouped-query attention's k and v. At 1 B/s and no latency (UNIT) the
+step-time model's seconds are bytes sent per rank."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from minidist.nn import GPTConfig
+from minidist.train.cost import step_time
+from minidist.train.moe_cost import expert_buckets, expert_tensors
+from minidist.train.planner import Layout, bill
+
+from tests.plan_cases import UNIT
+
+SMALL = ["--block-size", "32", "--eval-iters", "1", "--sample", "0"]
+
+
+def _rows(path):
+    """The step rows of a --log-json file (the final record left out)."""
+    return [r for r in map(json.loads, open(path)) if "step" in r]
+
+
+@pytest.mark.mpi
+def test_zero3_bytes_under_grad_accum_are_the_runs(mpi, tmp_path):
+    """ZeRO-3 over 4 ranks, 3 blocks, --grad-accum M = 1, 2, 4: a step's bytes (the run's
+    comm_bytes, step 3 less step 2, less its three one-number all-reduces, 8 B each: the
+    clip's sum of squares, the loss's mean, the stop flag) = the planner's ZeRO-3 traffic,
+    (N-1)/N (M Psi + R + (2M(L-2) + 2) b) (minidist/zero/README.md). Until 2026-12 it
+    charged each micro-batch the root and the first two blocks again: 644,928 and
+    1,289,856 B at M = 2 and 4, measured 540,864 and 977,664.
+
+        mpiexec -n 4 python examples/train_gpt.py --zero 3 --grad-accum 4 --n-layer 3 \\
+            --n-embd 32 --block-size 32 --batch-size 16 --steps 3 --log-json L
+    """
+    cfg = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=32, vocab_size=256)
+    for m in (1, 2, 4):
+        log = tmp_path / f"m{m}.jsonl"
+        out = mpi(4, "examples/train_gpt.py", "--zero", "3", "--grad-accum", str(m),
+                  "--n-layer", "3", "--n-embd", "32", "--batch-size", "16", "--steps", "3",
+                  *SMALL, "--log-json", log, timeout=120).stdout
+        sent = [r["comm_bytes"] for r in _rows(log)]
+        plan = step_time(cfg, Layout(dp=4, zero=3, amp=False), UNIT, seq=32,
+                         global_batch=16, micro_batches=m)
+        assert sent[2] - sent[1] - 3 * 8 == plan["zero_in_pipeline"], (m, sent, plan)
+        psi = 4 * 47392                          # the summary's x: the same bytes over Psi
+        assert f"({plan['zero_in_pipeline'] / psi:.2f} x;" in out, out
+
+
+@pytest.mark.mpi
+def test_the_experts_buckets_are_the_runs(mpi, tmp_path):
+    """ep 2 x dp 2, 2 MoE blocks of 4 experts: each rank's 16 expert tensors are a DDP of
+    their own over their 2 replicas, in buckets cut as the dense DDP cuts them. The planner's
+    buckets (moe_cost.expert_buckets) = the trace's edp all-reduces of every step, in order:
+    one of 133,632 B at the default 1 MiB; 8 at 0.02 MiB (a 16 KiB weight that would
+    overflow a bucket starts the next); its bytes at 1 B/s = the summary's. (Until 2026-12
+    the planner priced 16 all-reduces after backward, none hidden.)
+
+        mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 --n-layer 2 \\
+            --n-embd 32 --block-size 32 --batch-size 8 --steps 3 --bucket-mb 0.02 --trace T
+    """
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=256,
+                    moe_experts=4)
+    layout = Layout(dp=4, ep=2, amp=False)
+    sizes = expert_tensors(cfg, layout, 0)
+    assert len(sizes) == 16
+    for mb, calls in ((1.0, 1), (0.02, 8)):
+        trace = tmp_path / f"ep{mb}.json"
+        out = mpi(4, "examples/train_gpt.py", "--moe-experts", "4", "--ep", "2", "--dp", "2",
+                  "--n-layer", "2", "--n-embd", "32", "--batch-size", "8", "--steps", "3",
+                  *SMALL, "--bucket-mb", str(mb), "--trace", trace, timeout=120).stdout
+        events = sorted((e for e in json.load(open(trace))["traceEvents"]
+                         if e.get("ph") == "X" and e["pid"] == 0
+                         and e["args"].get("group") == "edp" and e["name"] == "all_reduce"),
+                        key=lambda e: e["ts"])
+        buckets = expert_buckets(sizes, 4, mb)
+        assert len(buckets) == calls
+        assert [e["args"]["bytes"] for e in events] == buckets * 3, (mb, events)
+        plan = step_time(cfg, layout, UNIT, seq=32, global_batch=8, bucket_mb=mb)
+        edp = plan["expert_comm"] - 8            # less the clip's 8 B over ep
+        assert edp == sum(buckets)               # an all-reduce over 2: its buffer, sent
+        assert f"; {edp / 2**20:.2f} MiB on the edp group of 2" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_grouped_query_activations_are_the_runs(attention, mpi, tmp_path):
+    """--arch llama, 4 q heads, cp 2: the ledger's activations at --n-kv-head 1 and 4. The
+    ring keeps k and v as the kv heads (it repeats a block only to attend to it), 2 s b h
+    (1 - kv/nh) e / cp per layer less at kv 1 (196,608 B here); Ulysses, as one process's
+    attention, keeps them repeated, the same bytes at both. The planner's bill differs by
+    what the ledger's does (before 2026-12 it billed the ring 3h whatever kv: 2,629,632 B
+    at kv 1, over the 2,446,600 measured), and stays below the ledger by one amount at both
+    (what Korthikanti's count leaves out: the token ids, RoPE's tables, ...).
+
+        mpiexec -n 2 python examples/train_gpt.py --cp 2 --cp-attention ring --arch llama \\
+            --n-kv-head 1 --n-layer 2 --n-head 4 --n-embd 64 --block-size 64 --log-json L
+    """
+    held, planned = {}, {}
+    for kv in (1, 4):
+        log = tmp_path / f"kv{kv}.jsonl"
+        mpi(2, "examples/train_gpt.py", "--cp", "2", "--cp-attention", attention,
+            "--arch", "llama", "--n-kv-head", str(kv), "--n-layer", "2", "--n-head", "4",
+            "--n-embd", "64", "--block-size", "64", "--batch-size", "8", "--steps", "2",
+            "--eval-every", "0", "--eval-iters", "1", "--sample", "0", "--log-json", log,
+            timeout=120)
+        held[kv] = _rows(log)[-1]["mem"]["activations"]
+        cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                        arch="llama", bias=False, n_kv_head=kv)
+        layout = Layout(cp=2, amp=False, cp_attention=attention,
+                        tiled=attention == "ring")          # (--attention auto at T 64)
+        planned[kv] = bill(cfg, layout, 64, 8, dropout=False)["activations"]
+    fewer = 2 * 2 * 32 * 8 * 64 * (1 - 1 / 4) * 4 if attention == "ring" else 0
+    assert held[4] - held[1] == fewer and planned[4] - planned[1] == fewer
+    assert 0 < held[1] - planned[1] == held[4] - planned[4] < 0.01 * held[1]
+
+
+def test_one_process_keeps_the_repeated_k_and_v(corpus, tmp_path, mpi):
+    """Without cp the attention saves q, k, v after repeat_kv (minidist/nn/block.py): the
+    ledger holds the same activations at --n-kv-head 1 and 4 (materialised and tiled), as
+    the planner's counts (minidist's and Korthikanti's) bill 3 h a token at both.
+
+        python examples/train_gpt.py --arch llama --n-kv-head 1 --n-head 4 --n-embd 64 \\
+            --block-size 64 --attention tiled --log-json L
+    """
+    from minidist.train.args import train_parser
+    from minidist.train.loop import train
+    for attention in ("materialized", "tiled"):
+        held = []
+        for kv in (1, 4):
+            log = tmp_path / f"{attention}{kv}.jsonl"
+            train(train_parser().parse_args([
+                "--arch", "llama", "--n-kv-head", str(kv), "--n-layer", "2", "--n-head", "4",
+                "--n-embd", "64", "--block-size", "64", "--batch-size", "8", "--steps", "2",
+                "--eval-every", "0", "--eval-iters", "1", "--sample", "0", "--attention",
+                attention, "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+                "--log-json", str(log), "--device", mpi.device]))
+            held.append(_rows(log)[-1]["mem"]["activations"])
+        assert held[0] == held[1], (attention, held)
+        cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                        arch="llama", bias=False, n_kv_head=1)
+        for formula in ("minidist", "korthikanti"):
+            one, four = (bill(replace(cfg, n_kv_head=kv), Layout(amp=False,
+                                                                 tiled=attention == "tiled"),
+                              64, 8, dropout=False, formula=formula)["activations"]
+                         for kv in (1, 4))
+            assert one == four, formula
