@@ -21,7 +21,8 @@ only in dp and cp (the same model part: context parallelism averages gradients o
 `mesh.world` is the group of all ranks. A world size that is not dp x cp x tp x pp raises
 ValueError on every rank, before any communication.
 
-Tests: tests/test_comm.py::test_collectives (a 2x2 mesh: membership and sub-group collectives),
+Tests: tests/test_comm.py::test_collectives (a 2x2 mesh: membership and sub-group collectives;
+a dp 2 x cp 2 mesh: each group's rank order),
 tests/test_context_parallel.py (the cp axis: coordinates and membership).
 """
 from mpi4py import MPI

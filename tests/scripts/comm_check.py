@@ -130,6 +130,11 @@ def check_p2p(g):
         wr.wait()
         ws.wait()
         assert (got == left).all(), ("p2p async", n)
+        got[...] = -1                    # synchronize() waits for the handles dropped here
+        g.send(np.full(n, float(r)), right, async_op=True)
+        g.recv(got, left, async_op=True)
+        g.synchronize()
+        assert (got == left).all(), ("p2p async, finished by synchronize()", n)
         if N > 1:
             if r % 2 == 0:
                 g.send(np.full(n, float(r)), right)
@@ -150,6 +155,8 @@ def check_groups(world):
         evens.all_reduce(buf)
         assert buf[0] == sum(range(0, N, 2)) and evens.size == len(range(0, N, 2))
         assert evens.ranks == list(range(0, N, 2))
+    backwards = world.new_group(list(range(N))[::-1], name="backwards")   # the list's order
+    assert backwards.ranks == list(range(N))[::-1] and backwards.rank == N - 1 - world.rank
     try:
         DeviceMesh(dp=N + 1, tp=1, pp=1)
         raise AssertionError("DeviceMesh accepted a size that does not factor")
@@ -168,6 +175,10 @@ def check_groups(world):
         assert buf[0] == sum(grp.ranks), (grp.name, buf)
     grp.all_reduce(np.ones(5), async_op=True).wait()
     mesh.pp.all_reduce(np.ones(3))
+    mesh = DeviceMesh(dp=2, cp=2)    # each group in its axis' order; dpcp in world order
+    d, c = mesh.dp_rank, mesh.cp_rank
+    assert mesh.cp.ranks == [2 * d, 2 * d + 1] and mesh.dp.ranks == [c, c + 2]
+    assert mesh.dpcp.ranks == [0, 1, 2, 3] and mesh.dpcp.rank == world.rank
 
 
 def check_mpi_nonblocking(world):
