@@ -17,8 +17,9 @@ from minidist.comm import ProcessGroup
 
 
 def test_register_algo_refuses_minidists_names_and_modules_without_a_collective():
-    with pytest.raises(ValueError, match="'ring' is minidist's own; give another name"):
-        comm.register_algo("ring", types.SimpleNamespace(all_reduce=print))
+    for name in ("ring", "naive", "mpi", "hier", "nccl"):   # a group builds hier and nccl
+        with pytest.raises(ValueError, match=f"'{name}' is minidist's own; give another name"):
+            comm.register_algo(name, types.SimpleNamespace(all_reduce=print))
     with pytest.raises(TypeError, match="has none of all_reduce, reduce_scatter"):
         comm.register_algo("empty", types.ModuleType("empty"))
     for name in ("", None, 3, "two words"):               # (walk 40: taken silently)
