@@ -203,6 +203,11 @@ def test_config_mismatch_names_the_fields(tmp_path):
     dense = GPT(TINY)
     with pytest.raises(CheckpointError, match=r"\): moe_experts: 2 in the checkpoint, 0 here \("):
         load_checkpoint(tmp_path / "moe", dense)
+    # two Mixtures of Experts compare their moe_* fields: top-k routing holds the same
+    # parameters, but the checkpoint's weights were trained to route to one expert
+    top2 = GPT(GPTConfig(**{**TINY.to_dict(), "moe_experts": 2, "moe_top_k": 2}))
+    with pytest.raises(CheckpointError, match=r"\): moe_top_k: 1 in the checkpoint, 2 here \("):
+        load_checkpoint(tmp_path / "moe", top2)
     # another optimizer alone: said so, without the model flags' hint (first-use walk 39)
     from minidist.optim import SGD
     with pytest.raises(CheckpointError, match=r"\): optimizer: AdamW in the checkpoint, SGD "
