@@ -31,6 +31,20 @@ def test_numbered_folders_latest_pointer_and_keep(tmp_path):
     assert checkpoint_dirs.prune(d, keep=0) == []    # 0: keep all
 
 
+def test_a_step_saved_again_and_again_gets_the_next_free_number_in_order(tmp_path):
+    """The same step committed 12 times (a run resumed and stopped at one step, again and
+    again): step-N, step-N.1 .. step-N.11, each a new folder, and `numbered` orders them by
+    number (step-N.10 after step-N.9, not after step-N.1 as their names sort)."""
+    d = tmp_path / "ck"
+    for _ in range(12):
+        checkpoint_dirs.commit(checkpoint_dirs.begin(d, 5), d, 5)
+    names = ["step-00000005"] + [f"step-00000005.{n}" for n in range(1, 12)]
+    assert checkpoint_dirs.numbered(d) == names
+    assert checkpoint_dirs.read_latest(d) == "step-00000005.11"
+    checkpoint_dirs.commit(checkpoint_dirs.begin(d, 123456789), d, 123456789)   # 9 digits
+    assert checkpoint_dirs.numbered(d)[-1] == "step-123456789"
+
+
 def test_resume_finds_a_complete_checkpoint_at_every_instant(tmp_path):
     model, opt = _trained()
     d = tmp_path / "ck"
