@@ -236,7 +236,8 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
                                                                           mpi):
     """A TP x ZeRO checkpoint is one folder per tp rank (tp<r>-of-<T>/, each ZeRO's sharded
     files and a manifest recording how its parameters were cut). Read in another layout, its
-    parts are checked against each other first: a part missing, parts of another save, or
+    parts are checked against each other first: a part missing or one too many (another tp's
+    part 1, whose cut records no tp), parts of another save, or
     parts saved before they recorded their cut (resumable with the same --tp only) are one
     CheckpointError naming the folder, before any array is read. A corrupt shard of one tp
     rank's part stops every rank with one error line.
@@ -283,6 +284,16 @@ def test_a_tp_zero_checkpoint_is_checked_whole_before_any_layout_reads_it(corpus
         shutil.copytree(os.path.join(resolve(str(tmp_path / "other")), "tp1-of-2"),
                         os.path.join(c, "tp1-of-2"))
     assert "disagree on the step" in broken(other_save)
+
+    def third_part(c):                 # a tp-3 run's part 1 beside the two: the cut records
+        from minidist.strategy.readers import sha256_file    # no tp, so only the count shows
+        shutil.copytree(os.path.join(c, "tp1-of-2"), os.path.join(c, "tp1-of-3"))
+        path = os.path.join(c, "tp1-of-3", "manifest.json")
+        m = json.load(open(path))
+        m["tp"]["size"] = 3
+        json.dump(m, open(path, "w"))
+        open(os.path.join(c, "tp1-of-3", "manifest.sha256"), "w").write(sha256_file(path))
+    assert "not the 2 of tp 2" in broken(third_part)
 
     def saved_before(c):               # a part's manifest without "tp", its digest made anew
         from minidist.strategy.readers import sha256_file
