@@ -3,6 +3,7 @@ restores parameters, optimizer and state, a load of only the named parameters, a
 CheckpointError for a missing, corrupt, edited or mismatched one (the manifest itself
 included; a ZeRO checkpoint through the same check). The folders: tests/test_checkpoint_dirs.py."""
 import json
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -177,6 +178,13 @@ def test_rehashed_edits_are_refused_by_what_they_break(tmp_path):
     with pytest.raises(CheckpointError, match=r"corrupt checkpoint: .*manifest.json: .* "
                                               r"overlaps .* \(edited\?\)"):
         checkpoint.load(tmp_path)
+    strategy.save(str(tmp_path / "one"), model, opt, 1, {}, {})     # one element over
+    folder = tmp_path / "one" / "step-00000001"
+    _edit_json(folder / "manifest.json", lambda m: m["zero"]["units"][0]["params"][1].update(
+        offset=first["offset"] + math.prod(first["shape"]) - 1))
+    _rehashed(folder)
+    with pytest.raises(CheckpointError, match=r"overlaps .* \(edited\?\)"):
+        checkpoint.load(tmp_path / "one")
     strategy.save(str(tmp_path / "b"), model, opt, 1, {}, {})
     folder = tmp_path / "b" / "step-00000001"
     (folder / "state.json").write_text("{")
