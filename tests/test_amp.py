@@ -168,6 +168,17 @@ def test_unscaled_norm_matches_float32_and_the_step_lands_in_float16():
         np.testing.assert_array_equal(p.data, m.data.astype(np.float16))
 
 
+def test_the_masters_decay_what_the_float32_model_decays():
+    """AdamW over the float32 masters splits its groups as over the float32 model: biases,
+    layer norms and the embeddings (decay=False on their Parameters) get weight decay 0."""
+    amp, model, opt = _amp_model()
+    ref = AdamW(GPT(CFG, seed=0).named_parameters(), lr=1e-2)
+    decayed = [(g["weight_decay"], sorted(g["names"])) for g in opt.param_groups]
+    assert decayed == [(g["weight_decay"], sorted(g["names"])) for g in ref.param_groups]
+    assert len(decayed) == 2 and decayed[1][0] == 0.0 and "transformer.h.0.ln_1.bias" in \
+        decayed[1][1] and "transformer.wte.weight" in decayed[1][1]
+
+
 def test_backward_must_start_from_the_scaled_loss():
     amp, model, opt = _amp_model()
     x = np.zeros((2, CFG.block_size), np.int64)
