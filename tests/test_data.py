@@ -45,6 +45,12 @@ def test_single_file_is_split_by_its_tail_and_cached_beside_it(tmp_path):
     path.write_text("changed\n" * 100)
     os.utime(path, ns=(1, 1))
     assert TokenData(str(path)).cache != data.cache            # edited data: new cache
+    edited = TokenData(str(path))
+    path.write_text("CHANGED\n" * 100)                          # the same size: the mtime
+    os.utime(path, ns=(2, 2))                                   # tells the edit apart
+    again = TokenData(str(path))
+    assert again.cache != edited.cache and again.built
+    assert bytes(again.splits["train"][:8]) == b"CHANGED\n"
 
 
 def test_folder_holds_out_whole_files_and_skips_hidden(tmp_path):
