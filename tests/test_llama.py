@@ -190,6 +190,22 @@ def test_a_resumed_llama_run_takes_its_block_from_the_checkpoint(tmp_path):
     assert "holds a model with ffn_hidden 128" in wide.stderr, wide.stderr   # not its 0
 
 
+def test_a_kv_head_count_typed_as_the_heads_it_means_is_not_refused():
+    """A resumed run compares a typed model flag with the checkpoint's as the sizes resolve
+    (inputs.take_model_fields): --n-kv-head 0 means --n-head's heads, so 0 and 4 are one
+    model of 4 heads either way round; 2 is another, refused."""
+    from argparse import Namespace
+    from minidist.train.inputs import take_model_fields
+    for theirs in (0, 4):
+        model = {"n_head": 4, "n_kv_head": theirs, "n_embd": 32, "arch": "llama"}
+        for typed in (0, 4):
+            args = Namespace(n_kv_head=typed, given=["n_kv_head"])
+            assert take_model_fields(args, model, ["n_kv_head"]) is None, (theirs, typed)
+            assert args.n_kv_head == theirs                     # the checkpoint's value
+        args = Namespace(n_kv_head=2, given=["n_kv_head"])
+        assert take_model_fields(args, model, ["n_kv_head"]) == ("n_kv_head", 2)
+
+
 # ---- every layout: one process's numbers ----------------------------------------------------
 
 LLAMA = {"--arch": "llama", "--n-kv-head": 2}
