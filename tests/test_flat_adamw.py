@@ -99,6 +99,26 @@ def test_state_dict_moves_between_adamw_and_flat_adamw(xp):
                for p in f2.parameters())                           # put them back in
 
 
+def test_weights_loaded_after_the_optimizer_was_built_are_the_ones_stepped(xp):
+    """model.load_state_dict after FlatAdamW was built (no optimizer state to load, as
+    --init-from gives): the parameters' .data are new arrays, which step() copies into the
+    flat buffer and points back at it, so it steps the loaded weights as AdamW does."""
+    weights, _ = _train(AdamW, "float64", steps=1)
+    models = []
+    for opt_cls in (AdamW, FlatAdamW):
+        model = GPT(TINY, seed=9, dtype="float64")
+        opt = opt_cls(model.named_parameters(), lr=0.01, weight_decay=0.1)
+        model.load_state_dict(weights.state_dict())
+        for step in (1, 2):
+            _, loss = model(*_batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert np.array_equal(H(p.data), H(q.data)), name
+
+
 def test_fused_kernel_is_off_for_numpy_and_with_kernels_switched_off(monkeypatch):
     a = np.zeros(4, np.float32)
     assert not fused_adamw_ok(a, a, a, a)
