@@ -112,8 +112,11 @@ def checkpoint(fn, x, params, rng=None, context=None):
     draws the same masks (None when fn draws nothing). context: other state fn reads, with
     snapshot() and restore(state) (context parallelism's RingContext: its layouts), set back
     for the recompute as the forward saw it (None: none)."""
-    params = [p for p in params if p.requires_grad][::-1]    # hooks fire last-used first,
-    block = _Block(fn, params, rng, context)                  # as without checkpoints
+    # Reversed: the block's gradient hooks fire after later blocks', its last parameter
+    # first. Inside one block that is not always the order of a run without checkpoints (a
+    # weight and its bias may swap); DDP's and ZeRO's buckets still launch alike on all ranks.
+    params = [p for p in params if p.requires_grad][::-1]
+    block = _Block(fn, params, rng, context)
     out = Checkpoint.apply(x, block, *params)
     if block.shapes is None:
         return out
