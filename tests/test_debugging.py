@@ -239,14 +239,18 @@ def test_ring_walkthrough_pdb_recipe():
 
 
 @pytest.mark.parametrize("script, lines, shows", [
+    ("examples/zero_walkthrough.py", ["p shards[1]", "p shards[1][0].grad", "n", "c"],
+     "Shard(rank 1, root[21:42]: wte.weight[21:42])"),
     ("examples/moe_walkthrough.py", ["p sends", "c"], "array([[11,  9],"),
     ("examples/ring_attention_walkthrough.py", ["p held, src, kp", "b attend_block", "c",
                                                 "p q_pieces", "cl", "y", "c", "c", "c", "c"],
      "([0, 1, 2, 3], 1, array([ 2,  3, 12, 13]))")])
 def test_the_walkthroughs_stop_in_pdb_where_their_docstrings_say(script, lines, shows):
     """The MoE and ring-attention walkthroughs take --pdb as the ring and ZeRO ones do
-    (first-use walk 43 found none there), the names their docstrings print in scope:
+    (first-use walk 43 found none there), the names their docstrings print in scope (the
+    ZeRO one's `p shards[1]`, which minidist/zero/README.md shows too):
 
+        python examples/zero_walkthrough.py --pdb
         python examples/moe_walkthrough.py --pdb
         python examples/ring_attention_walkthrough.py --pdb
     """
@@ -254,3 +258,43 @@ def test_the_walkthroughs_stop_in_pdb_where_their_docstrings_say(script, lines, 
                           capture_output=True, text=True, input="\n".join(lines) + "\n")
     assert shows in done.stdout and "Error" not in done.stdout, done.stdout
     assert done.returncode == 0, done.stderr
+
+
+ZERO3_COMMAND = ("mpiexec -n 2 python -m minidist.comm.rankpdb examples/train_gpt.py --zero 3 "
+                 "--n-layer 2 --n-embd 32")
+
+
+def zero3_recipe():
+    """minidist/zero/README.md's ZeRO-3 session under ZERO3_COMMAND: the lines typed at
+    `(Pdb rank 0)` (their comments cut) and the lines it shows pdb printing."""
+    text = open(os.path.join(ROOT, "minidist/zero/README.md")).read()
+    block = text.split(ZERO3_COMMAND + "\n", 1)[1].split("```", 1)[0]
+    typed = [line[len("(Pdb rank 0) "):].split("#")[0].strip() for line in block.splitlines()
+             if line.startswith("(Pdb rank 0) ")]
+    shown = [line.split("#")[0].strip() for line in block.splitlines()
+             if line.strip() and not line.startswith("(Pdb rank 0) ")]
+    return typed, shown
+
+
+@pytest.mark.mpi
+def test_the_zero_chapters_zero3_session_stops_in_the_gathers_it_shows(corpus, tmp_path):
+    """The ZeRO chapter's rankpdb session, typed as written: stopped in
+    ZeroStage3.before_block, block 0's slot holds nothing, then h.0; in the backward of the
+    last block the two block buffers and the root's still hold h.0, h.1 and the root (no
+    second gather), and `w` runs through train_step (the chapter's names were untested):
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb examples/train_gpt.py --zero 3 \\
+            --n-layer 2 --n-embd 32
+    """
+    typed, shown = zero3_recipe()
+    assert typed[:2] == ["import minidist.zero.stage3",
+                         "b minidist.zero.stage3.ZeroStage3.before_block"], typed
+    assert shown == ["(1, ['h.0', 'h.1', 'root'])"], shown
+    flags = ZERO3_COMMAND.split()[6:] + [
+        "--block-size", "16", "--batch-size", "4", "--steps", "1", "--eval-iters", "1",
+        "--sample", "0", "--data", corpus, "--cache-dir", str(tmp_path / "cache")]
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            *flags], typed + ["q"])
+    for printed in ["(0, None)", *shown, "train_step()"]:
+        assert printed in out, (printed, out, err)
+    assert "Error" not in out and rc != 0, (rc, out, err)
