@@ -22,6 +22,7 @@ from minidist.strategy.base import SingleProcess
 from minidist.train.strategy import check_layout, make_strategy
 from minidist.train.cli import UsageError
 from minidist.train.step import train_step
+from mpirun import ROOT
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -88,6 +89,25 @@ def test_bucket_layout_reverse_order_and_caps():
     assert layout == [[6, 5], [4, 3], [2], [1, 0]]     # last first; dtype change cuts; 3 MiB alone
     assert sorted(i for b in layout for i in b) == list(range(len(params)))
     assert bucket_layout(params, bucket_mb=100.0) == [[6, 5], [4, 3, 2, 1, 0]]
+
+
+def test_the_chapters_counts_are_the_main_jobs_model():
+    """minidist/ddp/README.md's counts for the main job (train_gpt.py's default flags; its
+    default data is bytes, vocabulary 256): parameters, tensors, float32 gradient MiB, the
+    buckets bucket_layout cuts at --bucket-mb's default, and the ring's 2(N-1)/N = 1.5 x per
+    rank at N = 4 (tests/test_ddp_exact.py checks the ring's bytes on every mode)."""
+    args = train_parser().parse_args([])
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       block_size=args.block_size, vocab_size=256)
+    params = list(GPT(config, seed=0).parameters())
+    n, mib = sum(p.size for p in params), 4 / 2**20
+    buckets = [sum(params[i].size for i in b) * mib
+               for b in bucket_layout(params, args.bucket_mb)]
+    text = " ".join(open(f"{ROOT}/minidist/ddp/README.md").read().split())
+    for said in [f"({n:,} parameters in {len(params)} tensors, {n * mib:.2f} MiB of float32",
+                 f"| {len(buckets)} ({', '.join(f'{b:.2f}' for b in buckets)} MiB) |",
+                 f"sends {1.5 * n * mib:.2f} MiB per rank per step for its {n * mib:.2f} MiB"]:
+        assert said in text, said
 
 
 def test_grads_are_views_into_buckets_and_survive_zero_grad(device, recording):
