@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from minidist.backend import to_host
-from minidist.nn import GPT
+from minidist.nn import GPT, GPTConfig
 from minidist.zero.flat import FlatUnit, gpt_units, placeholder
 from minidist.strategy import memory
+from minidist.train.args import train_parser
 from mpirun import ROOT, tagged_json, within
 from tests.zero_cases import CONFIG, SEED, batch
 
@@ -151,6 +152,46 @@ def test_zero_paper_arithmetic():
 
 
 @pytest.mark.cpu_only("examples/zero_walkthrough.py simulates the ranks on numpy by design")
+def test_the_chapters_tables_are_the_arithmetic_for_the_main_jobs_model():
+    """minidist/zero/README.md's tables for the main job's model (train_gpt.py's defaults,
+    vocabulary 256) on 4 ranks: each stage's model states (the paper's arithmetic,
+    memory.zero_model_states, float32 and --amp; measured = predicted there, no unit padded)
+    and the bytes sent (DDP, stages 1-2: 2(N-1)/N Psi; stage 3: (N-1)/N (Psi + root +
+    (2L-2)/L blocks), 1.24x DDP, 1.41x with 12 layers). That runs measure these is
+    test_stages_match_one_process_with_clipping_accumulation_memory_and_comm's; by hand:
+
+        mpirun -n 4 python examples/bench_zero.py
+    """
+    args, n, mib = train_parser().parse_args([]), 4, 2**-20
+    text = " ".join(open(f"{ROOT}/minidist/zero/README.md").read().split())
+
+    def units(n_layer):
+        config = GPTConfig(n_layer=n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           block_size=args.block_size, vocab_size=256)
+        return [u.numel for u in gpt_units(GPT(config, seed=0), n, 0)]
+
+    def stage3_vs_ddp(sizes):
+        root, blocks, L = sizes[0], sum(sizes[1:]), len(sizes) - 1
+        return (root + blocks + root + (2 * L - 2) / L * blocks) / (2 * (root + blocks))
+
+    sizes = units(args.n_layer)
+    assert all(s % n == 0 for s in sizes)              # no padding: measured = predicted
+    psi = sum(sizes)
+    for stage, name in enumerate(["DDP", "1", "2", "3"]):
+        row = memory.zero_model_states(psi, n, stage)
+        cells = [f"{row[k] * mib:.3f} / {row[k] * mib:.3f}"
+                 for k in ("params", "grads", "optimizer", "total")]
+        assert f"| {name} | {' | '.join(cells)} |" in text, (name, cells)
+    amp = [memory.zero_model_states(psi, n, stage, amp=True)["total"] * mib
+           for stage in range(4)]
+    assert "model states {:.3f} (DDP), {:.3f}, {:.3f}, {:.3f} MiB".format(*amp) in text, amp
+    ddp, x3 = 2 * (n - 1) / n, stage3_vs_ddp(sizes)
+    assert f"| DDP | {ddp * psi * 4 * mib:.2f} | {ddp:.2f} | 1.00 |" in text
+    assert f"| 3 | {x3 * ddp * psi * 4 * mib:.2f} | {x3 * ddp:.2f} | {x3:.2f} |" in text, x3
+    assert f"{x3:.2f}x with the main job's 4 layers, {stage3_vs_ddp(units(12)):.2f}x with 12" \
+        in text
+
+
 def test_zero_walkthrough_equals_one_process(capsys):
     """python examples/zero_walkthrough.py --ranks 3 --steps 2: each simulated rank's slice
     of the reduce-scattered gradient and, after AdamW on the shards and the all-gather, every
