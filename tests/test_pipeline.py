@@ -66,6 +66,24 @@ def test_simulated_schedules(p, m):
                 assert done == list(range(m)), (name, v, c, done)
 
 
+def test_the_chapters_pictures_are_the_simulators():
+    """minidist/pp/README.md's four timelines (p = 4, m = 8: GPipe, 1F1B, interleaved 1F1B
+    with v = 2 and its chunk rows, ZB-H1), and the bubble and micro-batches held written
+    above each, are the simulator's, character for character:
+
+        python -m minidist.pp.simulate
+    """
+    text = open(f"{ROOT}/minidist/pp/README.md").read()
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)):
+        steps = simulate(name, 4, 8, v)
+        rows, bubbles = timeline(steps, chunks=v > 1)
+        assert "\n".join(rows) + "\n" in text, (name, v, rows)
+        assert len({f"{b:.3f}" for b in bubbles}) == 1, bubbles
+        said = (f"bubble {bubbles[0]:.3f} on every stage; holds "
+                + ", ".join(str(s.peak_in_flight) for s in steps))
+        assert said in text, said
+
+
 @pytest.mark.parametrize("times", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (2, 3, 2)])
 def test_simulated_bubble_formulas(times):
     """Every schedule's simulated idle share equals bubble_fraction on every stage, for
