@@ -30,7 +30,9 @@ dp x cp), as TensorParallel and ContextParallel do:
     sync_grads          inner's average over dp (once per step), then the tied embedding: the
                         first and last stages' wte gradients summed over their 2-rank group
                         (inner's local_grads: under ZeRO this rank's shard of wte, a flat
-                        unit of its own, cut alike on both stages)
+                        unit of its own, cut alike on both stages); with --tp and
+                        --sequence-parallel the stage's replicated parameters' partial
+                        gradients summed over tp, one all-reduce (as TensorParallel's)
     reduce_sum_sq       local squares (the last stage's wte copy left out: the first stage
                         counts it), TP's reduction over tp, summed over pp, then inner's
     save_plan / load    the whole model gathered to rank 0 in the one-process format (under
@@ -49,7 +51,8 @@ from minidist.pp.schedule import (SCHEDULES, bubble_fraction, chunk_layers, meas
 from minidist.pp import checkpoint as pp_checkpoint
 from minidist.strategy import memory
 from minidist.strategy.base import ModelParallel, all_reduce_number, data_axes
-from minidist.tp.state import sum_sq_over_tp, unscaled_sum_sq
+from minidist.tp.state import (partial_params, sum_partial_grads, sum_sq_over_tp,
+                               unscaled_sum_sq)
 
 
 def pp_problems(args, micro_batches):
@@ -120,6 +123,7 @@ class PipelineParallel(ModelParallel):
         self.sequence_parallel = sequence_parallel
         self.embedding = embedding_group(mesh) if mesh.shape["pp"] > 1 else None
         self.stats = {"in_flight": 0, "bytes": 0}      # summary(); bytes sent: ModelParallel
+        self.partial = []       # --tp --sequence-parallel: the gradients summed over tp
 
     @property
     def stage(self):
@@ -139,7 +143,10 @@ class PipelineParallel(ModelParallel):
         if self.amp:
             stage = self.amp.cast_model(stage)
         self.model = stage
-        return self.inner.wrap(stage)          # DDP or ZeRO across the pipelines, or as it is
+        wrapped = self.inner.wrap(stage)       # DDP or ZeRO across the pipelines, or as it is
+        if self.mesh.shape["tp"] > 1:          # left partial in backward: sync_grads sums them
+            self.partial = partial_params(stage, self.sequence_parallel)
+        return wrapped
 
     def build_optimizer(self, model, args, tp=None):
         """inner's, told the tp group inside the stage, if any (Muon gathers each split
@@ -225,6 +232,8 @@ class PipelineParallel(ModelParallel):
         super().sync_grads(model)           # DDP / ZeRO across pipelines: every bucket, once
         if self.embedding is not None:      # tied wte: first stage's + last stage's gradient
             sync_tied_embedding(self.inner.local_grads(model.tied_copies()), self.embedding)
+        if self.partial:                    # sequence parallelism: the sum over tp, coalesced
+            sum_partial_grads(self.inner.local_grads(self.partial), self.mesh.tp)
 
     def reduce_sum_sq(self, local):
         """The global sum of squares: the tied wte counted once (on the first stage), tensor

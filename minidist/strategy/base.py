@@ -335,6 +335,11 @@ class ModelParallel(SingleProcess):
     def sync_grads(self, model):
         """inner's gradient sync; this group's traffic (forward and backward) is done by now."""
         self.inner.sync_grads(model)
+        self.count_synced()
+
+    def count_synced(self):
+        """The step's bytes on `group` until now (forward, backward, the gradient sync) into
+        the summary's per-step count; what follows, until end_step, is the optimizer's."""
         self.steps += 1
         synced = trace.bytes_sent(self.group.name)
         self.sent += synced - self._mark

@@ -181,6 +181,7 @@ class TensorParallelRegion:
         self.sequence_parallel = bool(sequence_parallel) and group.size > 1
         self.keep_gathered = keep_gathered
         self.sharded = False
+        self.partial = set()        # ids of the parameters `shared` leaves partial (leave_partial)
 
     def begin(self, T, shard):
         """Start a forward of length T; `shard`: split the sequence (if sequence parallel)."""
@@ -210,10 +211,23 @@ class TensorParallelRegion:
             return reduce_scatter_to_sequence(y, self.group)
         return reduce_from_tp(y, self.group)
 
+    def leave_partial(self, params):
+        """Under sequence parallelism, `shared` passes these replicated parameters as they
+        are, not through f: their gradients stay partial (each tp rank's covers only its
+        positions) until the strategy sums them over tp once a step, all in one all-reduce
+        after the gradient sync over dp (TensorParallel.sync_grads; minidist/tp/state.py
+        sum_partial_grads), as Megatron-LM does. Only a strategy that runs that sum may say
+        so: a loop of one's own (examples/own_loop_tp.py) leaves it empty, and f sums each
+        gradient in backward."""
+        self.partial = {id(p) for p in params}
+
     def shared(self, p):
         """A replicated parameter as a layer on the sequence shards uses it (layer norms,
         row-parallel biases, wpe): through f when sharded, since each rank's gradient then
         covers only its positions and f's all-reduce sums them into the whole gradient, in
         the graph, before any hook (DDP, ZeRO) sees it: in p's grad_dtype (float32 under
-        --amp --grad-dtype float32, a float32 sum over the ranks)."""
-        return copy_to_tp(p, self.group, p.grad_dtype) if self.sharded else p
+        --amp --grad-dtype float32, a float32 sum over the ranks). A parameter the strategy
+        sums itself (leave_partial) passes as it is."""
+        if not self.sharded or id(p) in self.partial:
+            return p
+        return copy_to_tp(p, self.group, p.grad_dtype)

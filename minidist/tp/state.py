@@ -4,6 +4,11 @@ the pipeline's stages and the TensorParallel strategy both call them.
     sum_sq_over_tp(model, group, local, replicated, amp)   the global sum of squared gradients
                         from this rank's: split parameters' squares summed over the tp group,
                         replicated ones (the same on every tp rank) counted once
+    partial_params(model, sequence_parallel)   the replicated parameters whose gradients
+                        the strategy sums over tp once a step (sequence parallelism), told
+                        to the model's region
+    sum_partial_grads(grads, group)   those gradients summed over tp: one all-reduce of them
+                        all, coalesced, after the gradient sync over dp
     unscaled_sum_sq(grads, amp)       a local sum of squares as the optimizer measures it
                                       (float32, unscaled under float16 --amp)
     gather_optimizer_state(model, group, sd)   an optimizer state_dict with each split
@@ -17,8 +22,49 @@ tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
 """
 import numpy as np
 
+from minidist.backend import xp_of
 from minidist.optim.clip import local_sum_sq
 from minidist.strategy.base import all_reduce_number
+
+
+def partial_params(model, sequence_parallel):
+    """Under sequence parallelism, the replicated parameters (layer norms, row-parallel
+    biases, ln_f, wpe, an MoE router: GPT-2's 6 L + 3, Llama's 2 L + 1) whose gradients
+    `model`'s region leaves partial in backward (region.leave_partial, told here), for the
+    strategy to sum over tp once a step (sum_partial_grads); [] without it. Call it once
+    the data-parallel strategy holds the model (after inner.wrap): under --ep the experts
+    are marked `expert_parallel` then, and keep f (their gradients, summed in backward):
+    after the step's sync they live in the expert strategy's own ZeRO-1 shards over edp
+    (minidist/ep/optim.py), which the `local_grads` this sum reads does not reach."""
+    if not sequence_parallel:
+        return []
+    params = [p for p in model.parameters() if p.tp_split is None and not p.expert_parallel]
+    model.region.leave_partial(params)
+    return params
+
+
+def sum_partial_grads(grads, group):
+    """The replicated parameters' partial gradients summed over the tp `group`, in place:
+    copied into one flat buffer per dtype (one: they share the gradient dtype, float32 under
+    --amp --grad-dtype float32), all-reduced, copied back. Megatron-LM's
+    _allreduce_layernorm_grads (finalize_model_grads): once a step, after backward and the
+    data-parallel sync, not one blocking all-reduce per parameter and micro-batch inside
+    backward. The tp sum and the dp mean are both linear, so they commute; `grads` are the
+    arrays the optimizer reads (inner's local_grads after its sync: .grad, or under ZeRO the
+    pieces of this rank's flat shards, cut alike on every tp rank), so the sum runs before
+    anything reads them (the clip's norm, --amp's overflow verdict, the step). Collective
+    over `group`, in the same order on every rank."""
+    by_dtype = {}
+    for g in grads:
+        if g.size:
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = xp_of(same[0]).concatenate([g.reshape(-1) for g in same])
+        group.all_reduce(flat, op="sum")
+        lo = 0
+        for g in same:
+            g[...] = flat[lo:lo + g.size].reshape(g.shape)
+            lo += g.size
 
 
 def unscaled_sum_sq(grads, amp=None):

@@ -13,9 +13,11 @@ SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to 
     build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
     local_rows, no_sync, global_mean    inner's: rows by dp rank, loss averaged over dp
                         (every tp rank already holds the same loss)
-    sync_grads          inner's gradient sync (nothing over tp: f and g did it in backward,
-                        including, under sequence parallelism, the all-reduce of replicated
-                        parameters' gradients: region.shared)
+    sync_grads          inner's gradient sync, then under sequence parallelism the
+                        replicated parameters' gradients, left partial by backward (each
+                        tp rank's positions), summed over tp: one all-reduce of them all,
+                        once a step (sum_partial_grads, minidist/tp/state.py; Megatron-LM's
+                        finalize_model_grads). Nothing else over tp: f and g did it
     reduce_sum_sq       split parameters' squares summed over tp, replicated ones counted
                         once (every tp rank holds the same copy), then inner's reduction
     save_plan / load    the full model and optimizer state (whole_state: inner's, then
@@ -36,7 +38,8 @@ import argparse
 
 from minidist.comm import trace
 from minidist.tp.model import TensorParallelGPT, check_tp_sizes
-from minidist.tp.state import TpPiece, gather_optimizer_state, sum_sq_over_tp
+from minidist.tp.state import (TpPiece, gather_optimizer_state, partial_params,
+                               sum_partial_grads, sum_sq_over_tp)
 from minidist.strategy import checkpoint, checkpoint_dirs, saving
 from minidist.strategy.base import ModelParallel, data_axes
 from minidist.zero.checkpoint import load_sharded, shard_plan
@@ -58,6 +61,7 @@ class TensorParallel(ModelParallel):
     def __init__(self, mesh, sequence_parallel, inner):
         super().__init__(mesh, mesh.tp, inner)
         self.sequence_parallel = bool(sequence_parallel)
+        self._partial = []          # the gradients sync_grads sums over tp (partial_params)
 
     def build_model(self, config, seed, dtype, weights=None):
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel,
@@ -67,12 +71,25 @@ class TensorParallel(ModelParallel):
             model = self.amp.cast_model(model)
         self.model = model
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
-        return self.inner.wrap(model)
+        wrapped = self.inner.wrap(model)
+        # sequence parallelism: these gradients stay partial in backward, summed in sync_grads
+        self._partial = partial_params(model, self.sequence_parallel)
+        return wrapped
 
     def build_optimizer(self, model, args, tp=None):
         """inner's, told the tp group (Muon gathers each split matrix's update whole, for
         its NS on one tp rank)."""
         return self.inner.build_optimizer(model, args, self.group)
+
+    def sync_grads(self, model):
+        """inner's gradient sync over dp (DDP's all-reduce, ZeRO's reduce-scatter), then under
+        sequence parallelism the replicated parameters' partial gradients summed over tp, in
+        the arrays the optimizer reads (inner's local_grads), in one all-reduce: the dp mean
+        and the tp sum commute."""
+        self.inner.sync_grads(model)
+        if self._partial:
+            sum_partial_grads(self.inner.local_grads(self._partial), self.group)
+        self.count_synced()
 
     def reduce_sum_sq(self, local):
         """Global sum of squares from this rank's: the split part summed over tp, the

@@ -1,0 +1,138 @@
+"""Sequence parallelism's replicated gradients: one coalesced all-reduce over tp per optimizer
+step, counted, on 4 ranks in one mpiexec run.
+
+    mpiexec -n 4 python tests/scripts/tp_sp_grads.py
+    mpiexec -n 4 python tests/scripts/tp_sp_grads.py --runs tp2xdp2+sp,pp2xtp2+sp
+
+Under --sequence-parallel each tp rank's gradient of a replicated parameter (layer norms,
+row-parallel biases, ln_f, wpe: GPT-2's 6 L + 3, Llama's 2 L + 1) covers only its positions.
+A model used alone (an own loop) sums each in backward through f, one all-reduce per
+parameter and micro-batch: `before`, counted here on one forward + backward of the model as
+examples/own_loop_tp.py builds it. The strategies (TensorParallel, PipelineParallel with
+--tp) leave them partial and sum them in sync_grads, after the data-parallel sync, in one
+flat buffer (minidist/tp/state.py sum_partial_grads): each run trains 2 steps through
+train_gpt's flags (make_strategy) and the loop's train_step with the collectives traced
+(minidist/comm/trace.py events) and checks, per step, that the tp group's all-reduces are
+exactly that one (the arrays the optimizer reads, in their dtype: under ZeRO this rank's
+pieces of its shards, which over the dp group add up to every replicated parameter's
+gradient, the bytes `before` moves per micro-batch), the clip's norm, and the
+vocabulary-parallel cross-entropy's 2 per loss forward. That the numbers are one process's:
+tests/scripts/tp_check.py, pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py.
+Rank 0 prints `RESULT {json}` per run for tests/test_tp_sp_grads.py.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exact import batch, start  # noqa: E402
+
+from minidist.comm import ProcessGroup, trace  # noqa: E402
+from minidist.nn import GPTConfig  # noqa: E402
+from minidist.tp.model import TensorParallelGPT  # noqa: E402
+from minidist.train.args import arch_fields, train_parser  # noqa: E402
+from minidist.train.step import train_step  # noqa: E402
+from minidist.train.strategy import make_strategy  # noqa: E402
+
+SEED = 7
+RUNS = {"tp2xdp2+sp": ["--dp", "2"],
+        "tp2xdp2+sp+accum2": ["--dp", "2", "--grad-accum", "2"],
+        "tp2xdp2+zero1+sp": ["--dp", "2", "--zero", "1"],
+        "tp2xdp2+zero3+sp+accum2": ["--dp", "2", "--zero", "3", "--grad-accum", "2"],
+        "tp2xdp2+sp+amp": ["--dp", "2", "--amp", "--amp-dtype", "float16"],
+        "tp2xdp2+sp+bf16+fp32grads": ["--dp", "2", "--amp", "--amp-dtype", "bfloat16",
+                                      "--grad-dtype", "float32"],
+        "tp2xdp2+sp+llama": ["--dp", "2", "--arch", "llama"],
+        "tp2xcp2+sp": ["--cp", "2"],
+        "pp2xtp2+sp": ["--pp", "2", "--micro-batches", "2"]}
+
+
+def flags(name):
+    return train_parser().parse_args([
+        "--tp", "2", "--sequence-parallel", "--n-layer", "2", "--n-head", "4", "--n-embd",
+        "16", "--block-size", "8", "--batch-size", "8", "--lr", "1e-2", "--grad-clip",
+        "0.05", "--dtype", "float32", "--seed", str(SEED), *RUNS[name]])
+
+
+def config_of(args):
+    return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                     block_size=args.block_size, vocab_size=30, **arch_fields(args))
+
+
+def tp_all_reduces(group):
+    """(dtype, bytes) of every all-reduce traced on `group` since the events were cleared."""
+    return [(e["dtype"], e["bytes"]) for e in trace.events()
+            if e["op"] == "all_reduce" and e["group"] == group.name]
+
+
+def before(config, group, rows):
+    """One forward + backward of the model alone (f in backward, as an own loop runs it):
+    (the replicated parameters' all-reduces, their bytes), the cross-entropy's 2 left out."""
+    model = TensorParallelGPT(config, group, SEED, "float32", sequence_parallel=True)
+    x, y = batch(0, rows, config, SEED)
+    trace.clear_events()
+    model(x, y)[1].backward()
+    found = tp_all_reduces(group)
+    ce = [("float32", x.size * 4), ("float32", 2 * x.size * 4)]    # max; sum of exps, target
+    assert all(c in found for c in ce), found
+    return len(found) - 2, sum(b for _, b in found) - sum(b for _, b in ce)
+
+
+def run(name, comm):
+    args = flags(name)
+    config = config_of(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    model = strategy.build_model(config, SEED, "float32")
+    opt = strategy.build_optimizer(model, args)
+    part, tp = strategy.model, strategy.mesh.tp
+    replicated = [p for p in part.parameters() if p.tp_split is None]
+    pp = args.pp > 1
+    losses = args.grad_accum * ((args.micro_batches if part.last else 0) if pp else 1)
+    steps = []
+    trace.enable()
+    for step in range(2):
+        trace.clear_events()
+        x, y = batch(step, args.batch_size, config, SEED)
+        train_step(strategy, model, opt, x, y, args)
+        grads = strategy.local_grads(replicated)
+        mine = sum(g.nbytes for g in grads)
+        found = tp_all_reduces(tp)
+        sums = [f for f in found if f == (grads[0].dtype.name, mine)]
+        assert len(sums) == (1 if mine else 0), (name, step, found, mine)
+        assert len(found) == len(sums) + 1 + 2 * losses, (name, step, found, losses)
+        steps.append({"sums": len(sums), "bytes": mine, "dtype": grads[0].dtype.name})
+    trace.disable()
+    # under ZeRO each dp rank sums its pieces: together, every replicated gradient once
+    dp = strategy.mesh.dp.comm if args.zero else None
+    whole = dp.allreduce(steps[0]["bytes"]) if dp else steps[0]["bytes"]
+    item = {"float16": 2, "bfloat16": 2}.get(steps[0]["dtype"], 4)
+    assert whole == sum(p.size for p in replicated) * item, (name, whole)
+    row = {"run": name, "params": len(replicated), "steps": steps, "whole_bytes": whole,
+           "grad_accum": args.grad_accum}
+    rows = comm.gather(row, root=0)
+    if comm.rank == 0:
+        print("RESULT " + json.dumps({"run": name, "ranks": rows}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", default=",".join(RUNS))
+    cli, comm = start(parser)
+    trace.enable()
+    args = flags("tp2xdp2+sp")
+    mesh_tp = make_strategy(args, ProcessGroup.world(args.comm)).mesh.tp
+    for arch in ("gpt2", "llama"):
+        config = GPTConfig(**{**config_of(args).to_dict(), **arch_fields(
+            train_parser().parse_args(["--arch", arch]))})
+        calls, nbytes = before(config, mesh_tp, 4)
+        if comm.rank == 0:
+            print("BEFORE " + json.dumps({"arch": arch, "layers": config.n_layer,
+                                          "calls": calls, "bytes": nbytes}), flush=True)
+    trace.disable()
+    for name in cli.runs.split(","):
+        run(name, comm)
+
+
+if __name__ == "__main__":
+    main()

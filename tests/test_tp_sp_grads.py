@@ -1,0 +1,45 @@
+"""Sequence parallelism's replicated gradients summed over tp once a step, in one all-reduce
+(Megatron-LM's coalesced layer-norm all-reduce), counted by the trace's events; their
+exactness against one process is tested where each composition is (tests/scripts/tp_check.py,
+pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py).
+"""
+import pytest
+
+from mpirun import tagged_json
+
+RUNS = ["tp2xdp2+sp", "tp2xdp2+sp+accum2", "tp2xdp2+zero1+sp", "tp2xdp2+zero3+sp+accum2",
+        "tp2xdp2+sp+amp", "tp2xdp2+sp+bf16+fp32grads", "tp2xdp2+sp+llama", "tp2xcp2+sp",
+        "pp2xtp2+sp"]
+
+
+@pytest.mark.mpi
+def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
+    """The model alone (f in backward) makes one tp all-reduce per replicated parameter and
+    micro-batch: GPT-2's 6 L + 3 = 15 at L = 2, Llama's 2 L + 1 = 5. Through the strategies
+    (DDP, grad-accum 2, ZeRO-1, ZeRO-3 + grad-accum 2, float16 --amp, bfloat16 with float32
+    gradients, Llama blocks, cp 2, a 2-stage pipeline) each rank makes exactly one per step
+    besides the clip's and the cross-entropy's, in the gradients' dtype, of the same bytes
+    (under ZeRO each dp rank its shards' pieces, together the same bytes):
+
+        mpiexec -n 4 python tests/scripts/tp_sp_grads.py
+    """
+    out = mpi(4, "tests/scripts/tp_sp_grads.py", timeout=300)
+    before = {r["arch"]: r for r in tagged_json(out, "BEFORE")}
+    assert before["gpt2"]["calls"] == 6 * 2 + 3 and before["llama"]["calls"] == 2 * 2 + 1
+    rows = {r["run"]: r["ranks"] for r in tagged_json(out, "RESULT")}
+    assert sorted(rows) == sorted(RUNS)
+    for name, ranks in rows.items():
+        assert len(ranks) == 4
+        for r in ranks:
+            assert [s["sums"] for s in r["steps"]] == [1, 1], (name, r)
+        if "pp2" in name:              # each stage its own parameters: 1 block (+ wpe, ln_f)
+            assert sorted(r["params"] for r in ranks) == [7, 7, 8, 8], (name, ranks)
+            continue
+        arch = "llama" if "llama" in name else "gpt2"
+        half = any(f in name for f in ("+amp", "bf16")) and "fp32grads" not in name
+        want = before[arch]["bytes"] // (2 if half else 1)           # float32 in `before`
+        assert all(r["whole_bytes"] == want for r in ranks), (name, want, ranks)
+        assert all(r["params"] == before[arch]["calls"] for r in ranks), (name, ranks)
+    dtypes = {r["steps"][0]["dtype"] for r in rows["tp2xdp2+sp+bf16+fp32grads"]}
+    assert dtypes == {"float32"} and {r["steps"][0]["dtype"] for r in
+                                       rows["tp2xdp2+sp+amp"]} == {"float16"}
