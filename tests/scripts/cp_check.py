@@ -183,7 +183,7 @@ def run(name, refs, comm, tol, reload=False):
     assert ok, (name, row)                      # NaN fails too (every comparison is False)
     assert sent == row["theory_sent"], (name, row)
     if mesh.shape["tp"] > 1:                    # the tp group's calls and bytes: the formula
-        want_ops, want_sent = step_tp_traffic(args, config, mesh, model)
+        want_ops, want_sent = step_tp_traffic(args, config, strategy, model)
         row.update(tp_sent=tp_sent, tp_theory_sent=want_sent)
         assert tp_ops == want_ops and tp_sent == want_sent, (name, tp_ops, want_ops, row)
     if reload:

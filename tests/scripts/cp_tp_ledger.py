@@ -17,15 +17,18 @@ from minidist.nn.config import gpt_param_specs
 from minidist.strategy import memory
 
 
-def step_tp_traffic(args, config, mesh, model):
+def step_tp_traffic(args, config, strategy, model):
     """{op: (calls, payload bytes)} one rank passes to the tp group's collectives in one step,
     and the bytes it sends (ring: 2(tp-1)/tp of an all-reduce, (tp-1)/tp of the others), as
     minidist/tp/README.md counts them on this rank's Tl = T/cp tokens: per block 4 of
     B*Tl*C (all-reduces; under SP all-gathers and as many reduce-scatters), 2 more for a
     recompute's forward, 2 for the embedding and the head; the cross-entropy's 3 numbers
-    per token; under SP each replicated parameter's gradient (f), and backward's re-gather
-    of each column layer's input shard (tp/gathered.py: one more all-gather of B*Tl*C for
-    c_attn, c_fc and the head); the clip's one number."""
+    per token; under SP the replicated parameters' gradients, summed in one all-reduce a
+    step (TensorParallel.sync_grads: every one's whole gradient, or under ZeRO this rank's
+    pieces of them in its shards), and backward's re-gather of each column layer's input
+    shard (tp/gathered.py: one more all-gather of B*Tl*C for c_attn, c_fc and the head); the
+    clip's one number."""
+    mesh = strategy.mesh
     tp, dp, cp, L = mesh.shape["tp"], mesh.shape["dp"], mesh.shape["cp"], config.n_layer
     s, mb = 8, args.grad_accum                                   # float64; micro-batches
     tokens = args.batch_size // dp // mb * config.block_size // cp
@@ -34,8 +37,11 @@ def step_tp_traffic(args, config, mesh, model):
     small = [tokens * s, 2 * tokens * s] * mb + ([s] if args.grad_clip else [])
     if args.sequence_parallel:
         specs = gpt_param_specs(config)
-        small += [int(np.prod(specs[n][0])) * s for n, p in model.named_parameters()
-                  if p.tp_split is None] * mb
+        rep = [(n, p) for n, p in model.named_parameters() if p.tp_split is None]
+        whole = sum(int(np.prod(specs[n][0])) * s for n, _ in rep)
+        mine = sum(g.nbytes for g in strategy.local_grads([p for _, p in rep]))
+        assert mine == whole or args.zero, (mine, whole)
+        small += [mine] if mine else []
     gathers = pairs + mb * (2 * L + 1)                           # + backward's re-gathers
     ops = {"all_gather": (gathers, gathers * btc), "reduce_scatter": (pairs, pairs * btc)} \
         if args.sequence_parallel else {"all_reduce": (pairs, pairs * btc)}
