@@ -20,8 +20,9 @@ decisions:
 
 The experts then run on this rank's own tokens (and, with --ep, the all-to-all sends only
 them). Gradients: the router's weight and the experts' parameters are replicated over tp, so
-under SP each goes through the region's `shared` (f: its gradient summed over tp in
-backward), as the layer norms do (MoE.shared). Under CP the data-parallel strategy averages
+under SP each goes through the region's `shared` (its gradient summed over tp: by f in
+backward, or under the strategies once a step, the experts under --ep excepted), as the layer
+norms do (MoE.shared). Under CP the data-parallel strategy averages
 every gradient over the cp ranks, whose losses are each a 1/cp share of the sequence's: a
 loss every cp rank computes WHOLE (aux, z from the summed statistics) must then send cp
 times its gradient to this rank's tokens (SequenceSum's backward: grad x cp), so that the

@@ -16,7 +16,8 @@
 Every split parameter carries `.tp_split` (a Split: how to cut the full tensor and glue it
 back); replicated ones (layer norms, position embedding, row-parallel biases) carry None.
 Under sequence parallelism those replicated ones are used on sequence shards and reach the
-layers through `region.shared` (f), which all-reduces their gradients over tp.
+layers through `region.shared` (f), which all-reduces their gradients over tp, or, under the
+strategies, leaves them partial for one coalesced sum a step (TensorParallelRegion.leave_partial).
 The vocabulary is padded to a multiple of tp (Megatron does the same): the padding rows of
 wte are zero, their logits are masked out of the loss, so their gradient is zero and AdamW
 (no decay on embeddings) leaves them zero; gathering the model drops them.

@@ -166,7 +166,8 @@ class TensorParallelRegion:
     or with sequence parallelism (`sharded`) the all-gather / reduce-scatter along T, so that
     everything between leave and the next enter (layer norms, dropout, residual adds) works
     on (B, T/tp, C), with the replicated parameters they use passed through `shared`
-    (f: all-reduce of their gradients). The model calls `begin(T, shard)` at the start of each
+    (f: all-reduce of their gradients; or, for a strategy that sums them once a step,
+    left partial: `leave_partial`). The model calls `begin(T, shard)` at the start of each
     forward and says there whether this forward shards the sequence: the TP models pass
     `shard=is_grad_enabled()`, since sequence parallelism saves the activation memory of a
     forward that records a graph (training), while evaluation and sampling (no_grad, any

@@ -3,7 +3,8 @@
     this rank's rows of the global batch (and their numbers in it: dropout's keys)
     -> --grad-accum micro-batches: forward + backward each (a pipeline: its 1F1B/GPipe schedule)
        under no_sync() but the last, so data parallelism communicates once per step
-    -> gradient sync (DDP all-reduce, ZeRO reduce-scatter, the pipeline's tied embedding)
+    -> gradient sync (DDP all-reduce, ZeRO reduce-scatter, the pipeline's tied embedding,
+       sequence parallelism's replicated gradients summed over tp in one all-reduce)
     -> clip by the global gradient norm -> optimizer step -> after_step (ZeRO: all-gather)
     -> zero the gradients -> loss averaged over the replicas
 
