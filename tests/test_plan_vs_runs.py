@@ -1,7 +1,7 @@
 """The planners' figures against what real runs measure (the bytes a rank sends per step, the
 calls the trace records, the activations the ledger holds), where the planner once priced what
 training no longer does: ZeRO-3's gathers under --grad-accum, the experts' gradient buckets
-over their replicas, grouped-query attention's k and v. At 1 B/s and no latency (UNIT) the
+over their replicas, grouped-query attention's k and v, ZeRO-1/2's reduce-scatters. At 1 B/s and no latency (UNIT) the
 step-time model's seconds are bytes sent per rank."""
 import json
 from dataclasses import replace
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from minidist.nn import GPTConfig
-from minidist.train.cost import step_time
+from minidist.train.cost import step_time, zero_units
 from minidist.train.moe_cost import expert_buckets, expert_tensors
 from minidist.train.planner import Layout, bill
 
@@ -47,6 +47,48 @@ def test_zero3_bytes_under_grad_accum_are_the_runs(mpi, tmp_path):
         assert sent[2] - sent[1] - 3 * 8 == plan["zero_in_pipeline"], (m, sent, plan)
         psi = 4 * 47392                          # the summary's x: the same bytes over Psi
         assert f"({plan['zero_in_pipeline'] / psi:.2f} x;" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("zero,pp", [(1, 1), (2, 1), (2, 2)])
+def test_zero12_reduce_scatter_a_unit_at_a_time_as_the_runs(zero, pp, mpi, tmp_path):
+    """ZeRO-1 and -2 reduce-scatter each unit's gradients as backward completes it
+    (minidist/zero/zero.py, stage2.py), ZeRO-2 in every micro-batch, ZeRO-1 in the step's
+    last: the trace's dp reduce-scatters of a stage, per backward, are cost.zero_units of
+    them (3 blocks and the root: 4; under pp 2 each stage's 2 blocks, its root part and its
+    copy of the tied wte: 4), the last the root's, their bytes the stage's gradients. The
+    step-time model hides all but one of them (overlap 1, a backward far longer: 1 FLOP/s),
+    so at 1 B/s a backward leaves (N-1)/N of their bytes over the count in view. (Until
+    2026-12 it cut them by DDP's --bucket-mb, which training refuses under ZeRO.)
+
+        mpiexec -n 2 python examples/train_gpt.py --zero 2 --grad-accum 2 --n-layer 3 \\
+            --n-embd 32 --block-size 32 --batch-size 8 --steps 2 --trace T
+    """
+    n_layer, m = (3 if pp == 1 else 4), 2        # 3 blocks; 4 over two stages
+    flags = ["--pp", "2", "--dp", "2", "--micro-batches", "2"] if pp > 1 else \
+        ["--grad-accum", "2"]
+    trace = tmp_path / "zero.json"
+    mpi(2 * pp, "examples/train_gpt.py", "--zero", str(zero), *flags, "--n-layer",
+        str(n_layer), "--n-embd", "32", "--batch-size", "8", "--steps", "2", *SMALL,
+        "--trace", trace, timeout=180)
+    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, block_size=32, vocab_size=256)
+    layout = Layout(dp=2, pp=pp, zero=zero, amp=False)
+    plan = step_time(cfg, layout, replace(UNIT, overlap=1.0), seq=32, global_batch=8,
+                     micro_batches=m)
+    events = json.load(open(trace))["traceEvents"]
+    for stage in range(pp):
+        calls = sorted((e for e in events if e.get("ph") == "X" and e["pid"] == 2 * stage
+                        and e["name"] == "reduce_scatter"), key=lambda e: e["ts"])
+        units = zero_units(layout, n_layer // pp, stage)
+        backwards = 2 * (m if zero == 2 else 1)                 # two steps
+        assert len(calls) == backwards * units, (stage, calls)
+        if pp == 1:
+            assert calls[units - 1]["args"]["bytes"] == 4 * (256 * 32 + 32 * 32 + 2 * 32)
+    sent = sum(e["args"]["bytes"] for e in calls[:units]) / 2      # (N-1)/N, the last stage's
+    if zero == 2:
+        assert plan["zero_in_pipeline"] == pytest.approx(m * sent / units)
+    else:                                          # + the all-gather after the step, in view
+        assert plan["dp_exposed"] == pytest.approx(sent / units + sent)
 
 
 @pytest.mark.mpi

@@ -268,10 +268,9 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                 later = exposed(coll("all_gather", again * p_bytes), c_f, cluster.overlap,
                                 layers)
                 z_f = (z_f + (m - 1) * later) / m
-        elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward
-            filled = coll("reduce_scatter", dense * g_bytes)
-            z_b = exposed(filled, c_b, cluster.overlap,
-                          math.ceil(dense * g_bytes / (bucket_mb * 2 ** 20)))
+        elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
+            filled = coll("reduce_scatter", dense * g_bytes)      # a unit at a time
+            z_b = exposed(filled, c_b, cluster.overlap, zero_units(layout, layers, stage))
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
         row = dict(n=dense, experts=experts, expert_units=expert_units(config, layout, stage),
@@ -279,6 +278,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
                    t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b, filled=filled - z_b,
+                   units=zero_units(layout, layers, stage),
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         row["muon_ns"], row["muon_comm"] = muon[stage]
@@ -293,7 +293,7 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     the experts' all-reduce over edp) and the optimizer (with Muon's `w["muon_ns"]` and
     `w["muon_comm"]`) to the slowest stage's pipeline time `w`, and the derived figures."""
     p_bytes, g_bytes, _ = state_bytes(layout.amp, layout.grad32)
-    n, units = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))
+    n, buckets = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))   # DDP's
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
     ag = coll("all_gather", n * p_bytes) if layout.zero in (1, 2) else 0.0
     # after the step in full view, or (--overlap-param-gather) behind the next step's first
@@ -302,11 +302,11 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
         if layout.overlap_gather else ag
     if layout.zero == 0:
         dp_comm = coll("all_reduce", n * g_bytes)
-        dp_exposed = exposed(dp_comm, w["c_b"], cluster.overlap, units)
-    elif layout.zero == 1:
+        dp_exposed = exposed(dp_comm, w["c_b"], cluster.overlap, buckets)
+    elif layout.zero == 1:       # a reduce-scatter per unit in the last backward, from hooks
         rs = coll("reduce_scatter", n * g_bytes)
         dp_comm = rs + ag
-        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + ag_exposed
+        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, w["units"]) + ag_exposed
     elif layout.zero == 2:
         dp_comm, dp_exposed = ag, ag_exposed
     # what of the last backward the dense gradients' hidden communication fills
@@ -344,6 +344,18 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     out["mfu"] = model_flops(config, global_batch, seq) / (
         out["step"] * compute_units(cluster, layout.gpus) * peak * 1e12)
     return out
+
+
+def zero_units(layout, layers, stage):
+    """How many units ZeRO cuts a stage's dense parameters into (minidist/zero/flat.py
+    gpt_units), each reduce-scattered on its own as backward completes it (ZeRO-1: in the
+    step's last micro-batch; ZeRO-2: in each): one per block and the root; under a
+    pipeline the first and last stages' root (wpe; ln_f) and their copy of the tied wte,
+    a unit of its own (GPT.tied_copies), the middle stages' blocks only. ZeRO does not
+    bucket: --bucket-mb is DDP's (training refuses it under --zero)."""
+    if layout.pp == 1:
+        return layers + 1
+    return layers + 2 * ((stage == 0) + (stage == layout.pp - 1))
 
 
 def clip_norm_time(cluster, layout, coll):
