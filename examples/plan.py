@@ -44,8 +44,8 @@ from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa:
                                       number_problem)
 from minidist.train.plan_layout import LayoutError, parse_layout  # noqa: E402
 from minidist.train.planner import GiB, stage_params  # noqa: E402
-from minidist.train.search import (evaluate, fastest_first, no_layout_problem,  # noqa: E402
-                                   search, train_flags)
+from minidist.train.search import (BUCKET_MB, TRAIN_BUCKET_MB, evaluate,  # noqa: E402
+                                   fastest_first, no_layout_problem, search, train_flags)
 from minidist.train.args import example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 from minidist.launcher import load_average  # noqa: E402
@@ -98,6 +98,10 @@ def parse(argv=None):
                    "--pp-virtual)")
     p.add_argument("--comm", choices=("ring", "hier"), default="ring",
                    help="data-parallel all-reduce: flat ring or hierarchical")
+    p.add_argument("--bucket-mb", type=float, metavar="MB",
+                   help="DDP's gradient bucket, MiB, priced and in the command (h100: 25, "
+                   "PyTorch DDP's, the usual on GPUs; here: train_gpt.py's 1, as its runs "
+                   "were checked; ZeRO reduce-scatters per unit instead)")
     p.add_argument("--attention", choices=("materialized", "tiled", "recompute"),
                    default="tiled",
                    help="attention's memory: (T, T) scores (the search also tries them "
@@ -306,6 +310,8 @@ def main(argv=None):
         fail(problem)
     schedule = args.schedule
     v = args.chunks if schedule == "interleaved" else 1
+    if args.bucket_mb is None:        # a cluster's usual, or the small runs' of this machine
+        args.bucket_mb = TRAIN_BUCKET_MB if args.preset == "here" else BUCKET_MB
     if args.layout:
         try:
             layout, counts = parse_layout(args.layout, args, config, v)
@@ -315,7 +321,8 @@ def main(argv=None):
             rows = fastest_first([evaluate(config, layout, cluster, args.seq,
                                            args.global_batch, m, schedule, args.comm,
                                            args.headroom, v, args.moe_load,
-                                           args.muon_ns_steps) for m in counts])
+                                           args.muon_ns_steps, args.bucket_mb)
+                                  for m in counts])
         except ValueError as e:                # a MoE layout minidist does not run
             fail(f"--layout: {e}")
     else:
@@ -324,7 +331,7 @@ def main(argv=None):
                       recomputes=("selective", "full") if args.attention == "recompute"
                       else None, headroom=args.headroom, v=v, moe_load=args.moe_load,
                       muon=args.optimizer == "muon", ns_steps=args.muon_ns_steps,
-                      grad32=args.grad_dtype == "float32")
+                      grad32=args.grad_dtype == "float32", bucket_mb=args.bucket_mb)
         if not rows:                           # no valid layout (not: none fits)
             fail(no_layout_problem(config, args.gpus, cluster.gpus_per_node, args.seq,
                                    args.global_batch, v)

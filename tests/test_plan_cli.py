@@ -297,3 +297,33 @@ def test_the_planners_take_train_gpts_names_for_the_batch_and_the_sequence(capsy
     plan.main(["--params", "1e9", "--gpus", "8", "--block-size", "2048", "--batch-size", "64",
                "--json"])
     assert capsys.readouterr().out == ours and json.loads(ours)["global_batch"] == 64
+
+
+def test_the_command_runs_the_bucket_size_the_plan_priced(capsys):
+    """DDP's gradient bucket: on the h100 preset the plan prices 25 MiB (PyTorch DDP's
+    default, the usual on GPUs) and its command says --bucket-mb 25 (until 2026-12 it
+    priced 25 MiB and its command ran training's default, 1 MiB); --bucket-mb 4 prices and
+    runs 4; training's own 1 prints no flag, nor does --preset here, whose default it is
+    (its plans are checked against runs at 1 MiB), nor a ZeRO row (ZeRO reduce-scatters a
+    unit at a time, cost.zero_units, and training refuses the flag under --zero). The size
+    changes the step priced (the last bucket stays in view), and training runs each row."""
+    base = ["--params", "1.3e9", "--gpus", "8", "--seq", "2048", "--global-batch", "64",
+            "--json", "--layout"]
+    steps = {}
+    for layout, extra, mb, flag in (("dp=8", [], 25, " --bucket-mb 25"),
+                                    ("dp=8", ["--bucket-mb", "4"], 4, " --bucket-mb 4"),
+                                    ("dp=8", ["--bucket-mb", "1"], 1, None),
+                                    ("dp=8,zero=1", [], 25, None)):
+        plan_cli().main(base + [layout] + extra)
+        out = json.loads(capsys.readouterr().out)
+        row = out["rows"][0]
+        assert row["bucket_mb"] == mb
+        assert (flag in out["command"]) if flag else "--bucket-mb" not in out["command"]
+        config = GPTConfig(**out["config"])
+        assert training_refusal(config, row, 8) is None
+        steps[layout, mb] = row["step"]
+    assert steps["dp=8", 25] > steps["dp=8", 4] > steps["dp=8", 1]
+    plan_cli().main(["--preset", "here", "--n-layer", "2", "--n-embd", "64", "--seq", "64",
+                     "--global-batch", "8", "--gpus", "2", "--layout", "dp=2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"][0]["bucket_mb"] == 1 and "--bucket-mb" not in out["command"]

@@ -51,6 +51,9 @@ from minidist.zero.strategy import zero_shard_problem
 
 ZERO_STAGES = (0, 1, 2, 3)       # train_gpt's --zero choices (minidist/train/args.py)
 MUON_NS_STEPS = train_default("muon_ns_steps")     # its --muon-ns-steps: 5
+TRAIN_BUCKET_MB = train_default("bucket_mb")       # its --bucket-mb: 1 MiB
+BUCKET_MB = 25.0       # DDP's bucket the search prices (PyTorch DDP's default, the usual on
+                       # GPUs; train_gpt's 1 MiB suits its small models), its command's too
 CP_ATTENTIONS = ATTENTIONS             # its --cp-attention choices (minidist/cp/context.py)
 
 
@@ -103,16 +106,18 @@ def micro_batch_counts(pp, per_rank_batch, most=4, grouped=False):
 
 
 def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule="1f1b",
-             comm="ring", headroom=0.1, v=1, moe_load=1.0, ns_steps=5):
-    """One row: the layout, its memory bill on the worst stage and its step-time figures;
-    under Muon (layout.muon) also its Newton-Schulz iterations, "muon_ns_steps"."""
+             comm="ring", headroom=0.1, v=1, moe_load=1.0, ns_steps=5, bucket_mb=BUCKET_MB):
+    """One row: the layout, its memory bill on the worst stage and its step-time figures
+    (DDP's buckets of bucket_mb MiB, "bucket_mb": train_flags runs the same); under Muon
+    (layout.muon) also its Newton-Schulz iterations, "muon_ns_steps"."""
     b = global_batch // (layout.dp * micro_batches)
     mem = bill(config, layout, seq, b, dropout=False, schedule=schedule,
                micro_batches=micro_batches, v=v)
     t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v,
-                  moe_load=moe_load, ns_steps=ns_steps)
+                  bucket_mb, moe_load=moe_load, ns_steps=ns_steps)
     muon = {"muon_ns_steps": ns_steps} if layout.muon else {}
     return {"layout": layout.name(), **asdict(layout), **muon, "micro_batches": micro_batches,
+            "bucket_mb": bucket_mb,
             "micro_batch": b, "schedule": schedule, "comm": comm, "mem": mem,
             "fits": mem["total"] <= cluster.mem_gib * GiB * (1 - headroom), **t}
 
@@ -143,11 +148,12 @@ def expert_splits(config, dp):
 
 def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring", amp=True,
            tiled=True, zeros=ZERO_STAGES, recomputes=None, headroom=0.1, v=1,
-           moe_load=1.0, muon=False, ns_steps=5, grad32=False):
+           moe_load=1.0, muon=False, ns_steps=5, grad32=False, bucket_mb=BUCKET_MB):
     """Every candidate row, fastest first among those that fit, then the rest. recomputes:
     None: none and full, and selective too where the attention is not tiled (tiles keep
     no scores to recompute). muon: every row with --optimizer muon (ns_steps: its
-    Newton-Schulz iterations). grad32 (with amp): --grad-dtype float32's 4-byte gradients."""
+    Newton-Schulz iterations). grad32 (with amp): --grad-dtype float32's 4-byte gradients.
+    bucket_mb: DDP's bucket size, MiB."""
     recomputes = recomputes or (("none", "full") if tiled else ("none", "selective", "full"))
     rows = []
     for dp, tp, pp, cp in splits(config, gpus, cluster.gpus_per_node, seq, global_batch, v=v):
@@ -169,7 +175,8 @@ def search(config, cluster, gpus, seq, global_batch, schedule="1f1b", comm="ring
                                                         grouped=v > 1):
                                 rows.append(evaluate(config, layout, cluster, seq,
                                                      global_batch, m, schedule, comm,
-                                                     headroom, v, moe_load, ns_steps))
+                                                     headroom, v, moe_load, ns_steps,
+                                                     bucket_mb))
                                 if pp == 1 and rows[-1]["fits"]:
                                     break       # more accumulation: only slower
 
@@ -189,7 +196,9 @@ def train_flags(config, row, v=1):
     Micro-batches without a pipeline are train_gpt's --grad-accum (the same steps in turn).
     A row priced with Muon (row["muon"]) runs --optimizer muon, with --muon-ns-steps
     where its "muon_ns_steps" is not training's default, 5; one with float32 gradients
-    (row["grad32"]) --grad-dtype float32."""
+    (row["grad32"]) --grad-dtype float32; one priced with DDP's buckets of row["bucket_mb"]
+    MiB, --bucket-mb where that is not training's default (1) and DDP runs (--zero 0 over
+    more than one replica: training refuses the flag elsewhere, idle_flags.py)."""
     attention = "tiled" if row["tiled"] else \
         "recompute" if row["recompute"] == "selective" else "materialized"   # as priced
     flags = ["--n-layer", config.n_layer, "--n-head", config.n_head, "--n-embd",
@@ -221,6 +230,9 @@ def train_flags(config, row, v=1):
         flags += ["--grad-accum", row["micro_batches"]]
     flags += (["--sequence-parallel"] if row["sp"] else []) + (["--amp"] if row["amp"] else [])
     flags += ["--grad-dtype", "float32"] if row.get("grad32") else []
+    bucket = row.get("bucket_mb", TRAIN_BUCKET_MB)
+    if bucket != TRAIN_BUCKET_MB and not row["zero"] and row["dp"] * row["cp"] > 1:
+        flags += ["--bucket-mb", f"{bucket:g}"]
     flags += ["--ckpt-activations"] if row["recompute"] == "full" else []
     ulysses = row.get("cp_attention", "ring") == "ulysses"   # the ring: training's default
     flags += ["--cp-attention", "ulysses"] if ulysses else []
