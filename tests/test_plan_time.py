@@ -11,6 +11,7 @@ from minidist.train.cluster import Cluster, Elementwise, hbm_elementwise
 from minidist.train.comm_cost import Link, collective_time, hier_all_reduce_time, ring_time, span
 from minidist.train.cost import bubble_time, exposed, layer_flops, step_time
 from minidist.train.planner import Layout, stage_params
+from minidist.train.zero3_cost import zero3_gathers
 
 from tests.plan_cases import TOY, TOY4, UNIT
 
@@ -225,3 +226,17 @@ def test_mfu_counts_the_cores_ranks_share():
     cores = replace(UNIT, compute_slots=2, gpus_per_node=16)
     assert [compute_units(cores, g) for g in (1, 2, 4, 16)] == [1, 2, 2, 2]
     assert compute_units(UNIT, 16) == 16
+
+
+def test_zero3_gathers_without_a_pipeline_are_the_closed_form():
+    """Without a pipeline ZeRO-3's blocks gathered in a step of M micro-batches (--grad-accum,
+    zero3_cost.zero3_gathers: two buffers by parity) are the closed form of zero/README.md,
+    2M(L-2) + 2 beyond the root: every block in the first forward, L-2 in each backward and
+    each later forward (the other two still in their buffers)."""
+    for layers in (2, 3, 4, 7):
+        for m in (1, 2, 4):
+            gathers = zero3_gathers("1f1b", 1, 0, m, layers)
+            assert [kind for kind, _ in gathers] == ["F", "B"] * m
+            assert gathers[0] == ("F", layers)
+            assert sum(k for _, k in gathers) == 2 * m * (layers - 2) + 2, (layers, m)
+

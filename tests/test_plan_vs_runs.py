@@ -12,6 +12,7 @@ from minidist.nn import GPTConfig
 from minidist.train.cost import step_time, zero_units
 from minidist.train.moe_cost import expert_buckets, expert_tensors
 from minidist.train.planner import Layout, bill
+from minidist.train.zero3_cost import zero3_gathers
 
 from tests.plan_cases import UNIT
 
@@ -47,6 +48,52 @@ def test_zero3_bytes_under_grad_accum_are_the_runs(mpi, tmp_path):
         assert sent[2] - sent[1] - 3 * 8 == plan["zero_in_pipeline"], (m, sent, plan)
         psi = 4 * 47392                          # the summary's x: the same bytes over Psi
         assert f"({plan['zero_in_pipeline'] / psi:.2f} x;" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule,blocks", [("1f1b", (22, 18)), ("gpipe", (30, 30)),
+                                             ("zb-h1", (22, 18)), ("interleaved", (28, 20))])
+def test_zero3_gathers_under_a_pipeline_are_the_runs(schedule, blocks, mpi, tmp_path):
+    """pp 2 x dp 2, ZeRO-3, 4 blocks a stage, 4 micro-batches: the blocks each stage gathers
+    in a step follow the schedule's order of forwards and backwards (two buffers by parity,
+    zero3_cost.zero3_gathers): 1F1B 22 on stage 0 and 18 on stage 1, GPipe 30 on both (its
+    forwards push out what the backwards would find), ZB-H1 1F1B's (its W gathers nothing),
+    interleaved (2 chunks of 2 blocks) 28 and 20. The trace's dp all-gathers of a stage
+    = its root + those blocks (+ one forward's root and blocks after the step, the final
+    evaluation: the broadcast's bytes), and the step-time model's ZeRO-3 bytes at 1 B/s =
+    (N-1)/N of its all-gathers and reduce-scatters (the slowest stage at 1 FLOP/s, the last).
+    Until 2026-12 every micro-batch was priced as a first forward: 4.82 x Psi on stage 0
+    under 1F1B where the run's summary says 4.42 x.
+
+        mpiexec -n 4 python examples/train_gpt.py --pp 2 --dp 2 --zero 3 --micro-batches 4 \\
+            --schedule 1f1b --n-layer 8 --n-head 2 --n-embd 32 --block-size 16 --steps 1 \\
+            --trace T
+    """
+    trace, v = tmp_path / "pp.json", 2 if schedule == "interleaved" else 1
+    order = ["--schedule", "1f1b", "--pp-virtual", "2"] if v > 1 else ["--schedule", schedule]
+    out = mpi(4, "examples/train_gpt.py", "--pp", "2", "--dp", "2", "--zero", "3",
+              "--micro-batches", "4", *order, "--n-layer", "8", "--n-head",
+              "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "16", "--steps",
+              "1", "--eval-every", "0", "--eval-iters", "1", "--sample", "0", "--trace", trace,
+              timeout=180).stdout
+    cfg = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16, vocab_size=256)
+    layout = Layout(dp=2, pp=2, zero=3, amp=False)
+    events, block = json.load(open(trace))["traceEvents"], 4 * 12704
+    sent = {}
+    for stage, root in ((0, 4 * (256 * 32 + 16 * 32)), (1, 4 * (256 * 32 + 2 * 32))):
+        got = {}
+        for e in events:
+            if e.get("ph") == "X" and e["pid"] == 2 * stage and e["args"].get("group") == "dp":
+                got[e["name"]] = got.get(e["name"], 0) + e["args"]["bytes"]
+        gathers = zero3_gathers(schedule, 2, stage, 4, 4, v, n_layer=8)
+        assert sum(k for _, k in gathers) == blocks[stage]
+        assert got["all_gather"] - got["broadcast"] == root + blocks[stage] * block
+        sent[stage] = (got["all_gather"] - got["broadcast"] + got["reduce_scatter"]) / 2
+    plan = step_time(cfg, layout, UNIT, seq=16, global_batch=16, micro_batches=4,
+                     schedule=schedule, v=v)
+    assert plan["zero_in_pipeline"] == pytest.approx(sent[1])
+    psi = 4 * (4 * 12704 + 256 * 32 + 16 * 32)               # stage 0's parameters, bytes
+    assert f"({sent[0] / psi:.2f} x;" in out, out
 
 
 @pytest.mark.mpi

@@ -14,9 +14,11 @@ prints every schedule's timeline: digit i is micro-batch i's forward, a letter i
 (a = 0, b = 1, ...; 2 units when whole, 1 for B of a split one), a capital letter its W,
 '.' idle; under interleaving a second row gives each slot's chunk. Then the bubble per stage
 next to `bubble_fraction`'s formula, and the most micro-batches each stage held at once.
+`stage_order` runs one stage's schedule alone for its order of events.
 Tests: tests/test_pipeline.py::test_simulated_schedules and ::test_simulated_bubble_formulas.
 """
 import argparse
+import functools
 import queue
 import threading
 
@@ -148,6 +150,31 @@ def simulate(schedule, n_stages, n_micro, n_chunks=1, t_f=1, t_b=1, t_w=1):
     if errors:
         raise errors[0]
     return steps
+
+
+class OrderLink(SimLink):
+    """One stage's link on its own: sends go nowhere and receives return at once. A stage's
+    order of F, B, I and W is the schedule function's straight-line code, the same whatever
+    its neighbours' timing, so this runs it without the other stages (stage_order)."""
+
+    def __init__(self, stage, n_stages, n_chunks=1):
+        super().__init__(stage, n_stages, n_chunks, None, {"t": 0})
+
+    def _send(self, to, kind, chunk, i):
+        pass
+
+    def _recv(self, frm, kind, chunk, i):
+        return i
+
+
+@functools.lru_cache(maxsize=None)
+def stage_order(schedule, n_stages, stage, n_micro, n_chunks=1):
+    """The (kind, micro-batch, chunk) events stage `stage` runs in a step, in order, kind F,
+    B, I or W (as simulate's events): what the step-time model reads ZeRO-3's gathers off
+    (minidist/train/zero3_cost.py). Cached: the search asks for the same few many times."""
+    steps = SimSteps(n_micro, {"t": 0}, 1, 1, 1)
+    schedule_function(schedule, n_chunks)(OrderLink(stage, n_stages, n_chunks), steps)
+    return tuple((kind, i, chunk) for kind, i, _, chunk in steps.events)
 
 
 MARKS = {"F": lambda i: str(i % 10), "B": lambda i: chr(ord("a") + i % 26),

@@ -51,9 +51,9 @@ experts' ids, the loss statistics) and under SP the router's and experts' gradie
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
 a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-to-alls,
-ZeRO-3's exposed gathers: every block in the first forward, all but the last two in each
-backward, under --grad-accum all but the first two in each later forward, the root once a
-step, as zero/stage3.py gathers no unit still in its buffer; the p2p sends), then
+ZeRO-3's exposed gathers: the blocks not still in their two buffers, in the schedule's
+order, the root once a step, as zero/stage3.py gathers them (zero3_cost.py); the p2p
+sends), then
     pipeline = m (t_f + t_b) + bubble(schedule)
     step     = pipeline + exposed data-parallel communication + experts' gradients + optimizer
                (+ Muon's collectives; its Newton-Schulz is optimizer time: muon_cost.py)
@@ -76,6 +76,7 @@ from minidist.train.muon_cost import muon_times
 from minidist.train.planner import stage_block_params, stage_params, state_bytes
 from minidist.train.tp_cp_cost import (blocking_counts, exposed, loss_comm,  # (exposed: also
                                        ring_block_times, tp_cp_comm)          # the tests')
+from minidist.train.zero3_cost import zero3_gathers
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------
@@ -253,21 +254,24 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         # a micro-batch crosses each boundary once per chunk: v sends each way interleaved
         p2p = v * p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
         z_f = z_b = filled = 0.0       # filled: backward that ZeRO-2/3's hidden part fills
-        if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per layer
-            # forward gathers the root and every block; backward the blocks again but the
-            # last two, still in their buffers (zero/README.md: (N-1)/N (Psi + root +
-            # (2L-2)/L blocks) a step, 1.85 Psi at L = 4 where the paper's 3 Psi gives 2.25)
-            again = (blocks[stage] - sum(experts)) * max(layers - 2, 0) / max(layers, 1)
-            z_f = exposed(coll("all_gather", dense * p_bytes), c_f, cluster.overlap, layers)
-            z_b = coll("all_gather", again * p_bytes) + coll("reduce_scatter", dense * g_bytes)
-            z_b, filled = exposed(z_b, c_b, cluster.overlap, layers), z_b
-            if layout.pp == 1 and m > 1:   # --grad-accum: a later forward finds the root and
-                # the first two blocks still in their buffers (the backward before left them
-                # there): it gathers `again` too, (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a
-                # step (zero/README.md); t_f the mean of the first forward and the others
-                later = exposed(coll("all_gather", again * p_bytes), c_f, cluster.overlap,
-                                layers)
-                z_f = (z_f + (m - 1) * later) / m
+        if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per unit
+            # each forward and backward gathers the blocks not still in their two buffers, the
+            # first forward the root too (zero3_cost.py: in the schedule's order, as
+            # zero/stage3.py; the runs' traces count the same): --grad-accum M's
+            # (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a step (zero/README.md); under 1F1B fewer
+            # than GPipe's. t_f, t_b: their mean over the step's micro-batches
+            block = (blocks[stage] - sum(experts)) / max(layers, 1)
+            root, pieces = dense - block * layers, max(layers // v, 1)
+            for i, (kind, k) in enumerate(zero3_gathers(schedule, layout.pp, stage, m, layers,
+                                                        v, config.n_layer)):
+                if kind == "F":
+                    ag = coll("all_gather", (k * block + root * (i == 0)) * p_bytes)
+                    z_f += exposed(ag, c_f / v, cluster.overlap, pieces) / m
+                else:
+                    raw = coll("all_gather", k * block * p_bytes) + \
+                        coll("reduce_scatter", dense * g_bytes / v)
+                    z_b += exposed(raw, c_b / v, cluster.overlap, pieces) / m
+                    filled += raw / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
             filled = coll("reduce_scatter", dense * g_bytes)      # a unit at a time
             z_b = exposed(filled, c_b, cluster.overlap, zero_units(layout, layers, stage))
