@@ -65,6 +65,7 @@ Tests: tests/test_plan_time.py (each formula on a small case worked by hand),
 tests/test_plan_vs_runs.py (ZeRO-3's and the experts' bytes against the runs').
 """
 import math
+from collections import Counter
 
 from minidist.nn.config import attention_weights, mlp_weights
 from minidist.pp.schedule import bubble_fraction
@@ -262,16 +263,17 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
             # than GPipe's. t_f, t_b: their mean over the step's micro-batches
             block = (blocks[stage] - sum(experts)) / max(layers, 1)
             root, pieces = dense - block * layers, max(layers // v, 1)
-            for i, (kind, k) in enumerate(zero3_gathers(schedule, layout.pp, stage, m, layers,
-                                                        v, config.n_layer)):
+            counts = Counter((kind, k, i == 0) for i, (kind, k) in enumerate(
+                zero3_gathers(schedule, layout.pp, stage, m, layers, v, config.n_layer)))
+            for (kind, k, first), times in counts.items():       # (alike ones priced once)
                 if kind == "F":
-                    ag = coll("all_gather", (k * block + root * (i == 0)) * p_bytes)
-                    z_f += exposed(ag, c_f / v, cluster.overlap, pieces) / m
+                    ag = coll("all_gather", (k * block + root * first) * p_bytes)
+                    z_f += times * exposed(ag, c_f / v, cluster.overlap, pieces) / m
                 else:
                     raw = coll("all_gather", k * block * p_bytes) + \
                         coll("reduce_scatter", dense * g_bytes / v)
-                    z_b += exposed(raw, c_b / v, cluster.overlap, pieces) / m
-                    filled += raw / m
+                    z_b += times * exposed(raw, c_b / v, cluster.overlap, pieces) / m
+                    filled += times * raw / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
             filled = coll("reduce_scatter", dense * g_bytes)      # a unit at a time
             z_b = exposed(filled, c_b, cluster.overlap, zero_units(layout, layers, stage))

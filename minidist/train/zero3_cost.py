@@ -18,12 +18,14 @@ under 1F1B the order keeps more in the buffers than under GPipe (pp 2, 4 blocks 
 same). Not modelled: full recompute's forward in backward, which gathers again.
 Tests: tests/test_plan_time.py, tests/test_plan_vs_runs.py.
 """
+import functools
+
 from minidist.pp.schedule import chunk_layers
 from minidist.pp.simulate import stage_order
 
 
 def block_gathers(order, chunks):
-    """[(kind, blocks gathered)] for each F or B of `order` ((kind, micro-batch, chunk)
+    """((kind, blocks gathered), ...) for each F or B of `order` ((kind, micro-batch, chunk)
     events; I counts as B, W is left out), `chunks` the stage's block count of each chunk."""
     starts = [sum(chunks[:c]) for c in range(len(chunks))]
     total, held, out = sum(chunks), [None, None], []
@@ -45,13 +47,15 @@ def block_gathers(order, chunks):
             for b in reversed(blocks):
                 n += gather(b) + (gather(b - 1) if b > 0 else 0)
         out.append(("F" if kind == "F" else "B", n))
-    return out
+    return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def zero3_gathers(schedule, pp, stage, m, layers, v=1, n_layer=None):
-    """[(kind, blocks gathered)] for each forward and backward ZeRO-3 runs on `stage` in a
+    """((kind, blocks gathered), ...) for each forward and backward ZeRO-3 runs on `stage` in a
     step of m micro-batches (chunk-micro-batches under interleaving, v > 1: then n_layer,
-    the model's blocks, cuts the chunks as training does); layers: the stage's blocks."""
+    the model's blocks, cuts the chunks as training does); layers: the stage's blocks.
+    Cached: the search asks for the same few many times."""
     if pp == 1:
         order = tuple(e for i in range(m) for e in (("F", i, 0), ("B", i, 0)))
     else:
