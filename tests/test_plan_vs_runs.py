@@ -1,8 +1,9 @@
 """The planners' figures against what real runs measure (the bytes a rank sends per step, the
 calls the trace records, the activations the ledger holds), where the planner once priced what
-training no longer does: ZeRO-3's gathers under --grad-accum, the experts' gradient buckets
-over their replicas, grouped-query attention's k and v, ZeRO-1/2's reduce-scatters. At 1 B/s and no latency (UNIT) the
-step-time model's seconds are bytes sent per rank."""
+training no longer does: ZeRO-3's gathers under --grad-accum and under a pipeline, the
+experts' gradient buckets over their replicas, grouped-query attention's k and v, ZeRO-1/2's
+reduce-scatters. At 1 B/s and no latency (UNIT) the step-time model's seconds are bytes sent
+per rank."""
 import json
 from dataclasses import replace
 
