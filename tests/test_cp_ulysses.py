@@ -53,6 +53,46 @@ def test_ulysses_bytes_formula_against_the_ring():
     assert ring == sorted(ring) and ulysses == sorted(ulysses, reverse=True)
 
 
+def test_the_chapters_cp_bytes_are_the_formulas_for_the_main_jobs_model():
+    """minidist/cp/README.md's MiB per rank per step for train_gpt.py's default model (4
+    layers, C 128, B 16, 4 heads, float32): the ring at --cp 4 --block-size 1024 (160, with
+    recompute 208), the ring and Ulysses at --block-size 256 (32 / 16 at cp 2, 40 / 12 at
+    cp 4), one kv head (the ring's 10.00, Ulysses' 12.00 at cp 2 and at cp 4), and the table
+    in units of the whole sequence's S0; ring_bytes and ulysses_bytes are what every
+    exactness run holds the ledger to. The runs printed these on 2026-11-29."""
+    from minidist.cp.ulysses import kv_heads_sent
+    a = train_parser().parse_args([])
+    text = " ".join(open(f"{ROOT}/minidist/cp/README.md").read().split())
+
+    def per_step(T, n, kv_head=0, ulysses=False, recompute=False):
+        S = a.batch_size * T // n * a.n_embd * 4                # this rank's (B, T/N, C)
+        if ulysses:
+            kv = S * kv_heads_sent(a.n_head, kv_head, n) // a.n_head
+            return a.n_layer * ulysses_bytes(S, n, recompute, kv) / 2**20
+        return a.n_layer * ring_bytes(S * (kv_head or a.n_head) // a.n_head, n,
+                                      recompute) / 2**20
+
+    S = a.batch_size * 1024 // 4 * a.n_embd * 4 / 2**20
+    ring, ring_ckpt = per_step(1024, 4), per_step(1024, 4, recompute=True)
+    u = {(n, k): per_step(256, n, k, True) for n in (2, 4) for k in (0, 1)}
+    for said in [
+            f"S = {S:g} MiB, {ring / S / a.n_layer:g} S x {a.n_layer} layers = {ring:g} MiB",
+            f"{ring_ckpt:g} MiB sent per rank per step on the cp group instead of {ring:g} "
+            f"MiB (+ 2S(N-1) x {a.n_layer} layers = {ring_ckpt - ring:g} MiB",
+            f"ring attention): {per_step(256, 4):.2f} MiB sent per rank per step",
+            f"ulysses attention): {u[4, 0]:.2f} MiB sent per rank per step",
+            f"at `--cp 2` {per_step(256, 2):.2f} against {u[2, 0]:.2f} MiB",
+            f"{per_step(256, 4):.2f} MiB per rank per step with `--n-kv-head 0`",
+            f"{per_step(256, 4, 1):.2f} MiB with `--n-kv-head 1` now",
+            f"`--cp 2`: {u[2, 0]:.2f} MiB with `--n-kv-head 0`, {u[2, 1]:.2f} MiB with 1",
+            f"`--cp 4`: {u[4, 0]:.2f} MiB either way" if u[4, 0] == u[4, 1] else "(differ)",
+            "| ring, (6N-4)/N S0 | " + " | ".join(
+                f"{ring_bytes(1, n) / n:g} S0" for n in (2, 4, 8)) + " |",
+            "| Ulysses, 8(N-1)/N² S0 | " + " | ".join(
+                f"{ulysses_bytes(n, n) / n / n:g} S0" for n in (2, 4, 8)) + " |"]:
+        assert said in text, said
+
+
 @pytest.mark.parametrize("extra,words", [
     (["--cp", "4", "--n-head", "2", "--n-embd", "16"],
      "--cp-attention ulysses gives each of the --cp 4 ranks whole heads: --n-head 2 = 2 "
