@@ -43,6 +43,33 @@ def test_planner_counts_experts_once_per_ep_rank():
     assert Layout(dp=8, ep=4) in candidates(c, 8)
 
 
+def test_the_chapters_ep_figures_are_the_layers_sizes():
+    """minidist/ep/README.md's sizes, from the model's parameter specs and the collectives'
+    byte rules: the traced run's "16 expert tensors, 33,408 values, 133,632 bytes on edp"
+    (--n-layer 2 --n-embd 32 --moe-experts 4 --ep 2: one rank's 2 of 4 experts in 2 blocks,
+    float32), and the MoE exchange on a split sequence, "16 KiB of ids and 516 B of sums per
+    MoE block forward, against the ring's 2 S = 8 MiB" (train_gpt.py's default model at
+    --block-size 1024 --cp 2, E 8, k 2: moe_split.split_calls sent by the ring)."""
+    from minidist.comm.ring import ring_bytes
+    from minidist.nn import GPTConfig
+    from minidist.nn.config import gpt_param_specs
+    from minidist.nn.moe_split import split_calls
+    c = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=256,
+                  moe_experts=4)
+    mine = [int(np.prod(s)) for n, (s, _) in gpt_param_specs(c).items()
+            if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) < 2]
+    a = train_parser().parse_args([])
+    B, n, C = a.batch_size, 1024 // 2, a.n_embd
+    (_, _, ids, one), (_, _, sums, size) = split_calls(B, n, 2, 8, 1, 2, 4)
+    text = " ".join(open(f"{ROOT}/minidist/ep/README.md").read().split())
+    for said in [f"{len(mine)} expert tensors, {sum(mine):,} values, {4 * sum(mine):,} bytes "
+                 "on edp per step",
+                 f"each rank sends {ring_bytes('all_gather', ids, one, 0, 2) // 1024} KiB of "
+                 f"ids and {ring_bytes('all_reduce', sums, size, 0, 2)} B of sums per MoE "
+                 f"block forward, against the ring's 2 S = {2 * B * n * C * 4 // 2**20} MiB"]:
+        assert said in text, said
+
+
 def parse(*flags):
     return train_parser().parse_args(["--moe-experts", "4", *flags])
 
