@@ -10,6 +10,8 @@ docstrings of every module, class and function of minidist/, examples/ and tests
 - every bare file name in a code span (`ring.py`) exists in the document's own folder;
 - every `python -m minidist...` module exists;
 - nothing points outside the repository (no absolute path to a file, no `../`).
+- the autograd chapter's table of kernel tests counts each file's broken variants as the
+  file defines them.
 Run: python -m pytest -q tests/test_docs.py
 """
 import ast
@@ -149,3 +151,26 @@ def test_files_and_lines_keep_their_lengths():
         wide += [f"{name}:{i}" for i, line in enumerate(lines, 1) if len(line) > MAX_WIDTH]
     assert not long_files, f"split these by subject: {long_files}"
     assert not wide, f"lines over {MAX_WIDTH} characters: {wide}"
+
+
+def broken_counts(path):
+    """{name: entries} of the dicts a test file assigns at module level (BROKEN, ...)."""
+    return {t.id: len(node.value.keys) for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def test_the_autograd_chapters_broken_variant_counts_are_the_tests():
+    """minidist/autograd/README.md's table of the CUDA-on-CPU tests says how many broken
+    variants each file catches ("9 broken variants", "8 broken dropout variants"): the entries
+    of that file's BROKEN (BROKEN_DROPOUT) dict, each a defect its test must catch (read48:
+    two rows said 7 and 4 where the files held 9 and 7)."""
+    chapter = (ROOT / "minidist/autograd/README.md").read_text()
+    checked = []
+    for path, text in re.findall(r"^\| `(tests/test_\w+\.py)` \|(.*)\|$", chapter, re.M):
+        counts = broken_counts(ROOT / path)
+        for said, dropout in re.findall(r"(\d+) broken (dropout )?variants", text):
+            name = "BROKEN_DROPOUT" if dropout else "BROKEN"
+            assert counts.get(name) == int(said), (path, name, said, counts.get(name))
+            checked.append(path)
+    assert len(checked) >= 7, checked
