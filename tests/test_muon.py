@@ -24,6 +24,7 @@ from minidist.nn.module import Parameter
 from minidist.optim import AdamW
 from minidist.optim.muon import (Muon, balance, block_of, newton_schulz, ns_flops,
                                  packed_flops, takes_muon, tp_owners)
+from minidist.train.args import train_parser
 from mpirun import ROOT, mpi_env, train_tiny, within
 
 
@@ -349,3 +350,39 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
         "--optimizer muon, or leave --muon-momentum out)\n")
     bad = train_tiny("--optimizer", "muon", "--muon-momentum", "1")
     assert bad.returncode == 2 and "--muon-momentum 1.0: a decay in [0, 1)" in bad.stderr
+
+
+def _muon_shares(n_layer, n_embd, block_size, n_head):
+    """(the blocks' share of the parameters, Muon's matrix elements) of a byte-level GPT."""
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                          block_size=block_size, vocab_size=256), seed=0)
+    named = list(model.named_parameters())
+    blocks = sum(p.size for name, p in named if name.startswith("transformer.h."))
+    matrices = sum(p.size for name, p in named if takes_muon(name, p.shape, p.decay))
+    return blocks / sum(p.size for _, p in named), matrices
+
+
+def test_the_chapters_figures_are_the_main_jobs_model():
+    """minidist/optim/README.md's figures for train_gpt.py's default model (bytes: vocabulary
+    256) and for the bytes test's (--n-layer 2 --n-embd 32 --block-size 16), from the models'
+    parameters: on 2 ranks Muon's all-gather and reduce-scatter under ZeRO-1 each send half
+    of the block units (the blocks' share of the parameters in all), and under --tp 2 each
+    rank's half of every split matrix in float32 each way; c_attn's Newton-Schulz as one
+    C x 3C matrix against q, k and v (70 against 90 C^3). The commands beside them print the
+    same (tests/test_muon.py::test_zero_sends_its_bytes_and_the_updates_collectives)."""
+    args = train_parser().parse_args([])
+    share, matrices = _muon_shares(args.n_layer, args.n_embd, args.block_size, args.n_head)
+    small, small_matrices = _muon_shares(2, 32, 16, args.n_head)
+    text = " ".join(open(f"{ROOT}/minidist/optim/README.md").read().split())
+    mib = 4 / 2**20
+    for said in [f"sends {1 + share:.2f} x the parameters' bytes a step, ZeRO-1's 1.00 x plus "
+                 f"Muon's {share:.2f} x", f"the blocks are {share:.0%} of the parameters",
+                 f"{1 + small:.2f} x = 1.00 + {small:.2f}",
+                 f"{matrices * mib:.3f} MiB a step, each rank's half of the {matrices:,} matrix",
+                 f"({small_matrices * mib:.3f} MiB for the test's model; "
+                 f"{matrices * mib / 2:.3f} and {small_matrices * mib / 2:.3f} when",
+                 "its NS costs 90 C^3 FLOPs instead of 70"]:
+        assert said in text, said
+    c = args.n_embd
+    assert packed_flops((c, 3 * c)) == 70 * c**3
+    assert packed_flops((c, 3 * c), (c, c, c)) == 90 * c**3
