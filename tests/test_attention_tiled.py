@@ -5,6 +5,8 @@ memory, and the GPT picking it from its config / --attention.
 
 Run: python -m pytest -q tests/test_attention_tiled.py
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,8 @@ from minidist.optim import AdamW
 from minidist.train.args import train_parser
 from minidist.strategy.checkpoint import load_checkpoint, save_checkpoint
 from minidist.strategy.memory import activation_bytes
+from minidist.train.activations import minidist_activation_bytes
+from mpirun import ROOT
 
 
 def randn(*shape, seed=0):
@@ -244,3 +248,28 @@ def test_a_checkpoint_resumes_with_the_other_attention(tmp_path):
     load_checkpoint(tmp_path / "ck", other)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         np.testing.assert_array_equal(b, a, err_msg=name)
+
+
+def test_the_chapters_memory_table_is_the_ledgers_arithmetic():
+    """minidist/autograd/README.md's table (the default model, batch 16, float32; printed by
+    `python examples/attention_memory.py --seq 1024 4096`): materialised = the planner's count
+    of minidist's graph (minidist_activation_bytes, held to the ledger by tests/test_planner.py),
+    P being L B nh T^2 floats; tiled = the same without P and with L B nh T float32
+    log-sum-exps instead, which the ledger measures too (T 1024, batch 1, to the loss's bytes)."""
+    L, nh, B, mib = 4, 4, 16, 2**20
+    text = open(f"{ROOT}/minidist/autograd/README.md").read()
+    rows = {m.group(1): re.sub(r"(\d) (\d)", r"\1\2", m.group(0)) for m in
+            re.finditer(r"^\| activations, (materialised|tiled) attention.*$", text, re.M)}
+    for T in (1024, 4096):
+        config = GPTConfig(n_layer=L, n_head=nh, n_embd=128, block_size=T, vocab_size=256)
+        full = minidist_activation_bytes(config, T, B, dropout=False)
+        lse, p = L * nh * T * B * 4, L * nh * T * T * B * 4
+        tiled = minidist_activation_bytes(config, T, B, dropout=False, selective=True) + lse
+        assert f"| {full / mib:.0f} MiB (P: {p / mib:.0f}) |" in rows["materialised"], T
+        assert f"| {tiled / mib:.0f} MiB (lse: {lse / mib:.0f}) |" in rows["tiled"], T
+    config = GPTConfig(n_layer=L, n_head=nh, n_embd=128, block_size=1024, vocab_size=256,
+                       attention="tiled")
+    model, x = GPT(config, seed=0), np.random.default_rng(0).integers(0, 256, (1, 1024))
+    _, loss = model(x, x)
+    planned = minidist_activation_bytes(config, 1024, 1, dropout=False, selective=True)
+    assert abs(activation_bytes(loss, model.parameters()) - planned - L * nh * 1024 * 4) <= 8
