@@ -210,8 +210,8 @@ def print_table(rows, top):
         print(f"{r['layout']:<{w}}{r['micro_batches']:>4}"
               + cell(r["mem"]["total"] / size, 7, 1) + cell(r["step"], 9)
               + cell(r["tokens_per_s"], 11, 0) + cell(r["mfu"], 6, 2)
-              + "".join(cell(r[k], 8) for k in ("compute", "tp_cp", "ep_all_to_all",
-                                                "bubble", "dp_exposed"))
+              + cell(r["compute"], 8) + cell(r["tp_cp"] + r["tp_sum"], 8)  # SP's sum too
+              + "".join(cell(r[k], 8) for k in ("ep_all_to_all", "bubble", "dp_exposed"))
               + cell(r["optimizer"] + r["muon_comm"], 8)     # Muon: its NS and gathers
               + f"  {'yes' if r['fits'] else 'no'}")
 

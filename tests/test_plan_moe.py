@@ -59,16 +59,27 @@ def test_moe_on_a_split_sequence_worked_by_hand():
     split_times). TP2 + SP: the MoE block's router and experts run on s/2 tokens: (160 + 16
     + 256) + 416 + 64 = 912, x 3 = 2736 s. Its routing's exchange over tp: the ids, 1 B x k
     2 x s 2 = 4 B all-gathered (1/2 of it sent: 2 s), the sums (b E + 1) x 4 B = 12 B
-    all-reduced (12 s): 14 s forward, 2 calls; backward the gradients all-reduced over tp:
-    the router's 8 values (32 s) and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4: 592 s
-    each): 1216 s, 9 calls. CP2 (s = 1 token a rank): the ring (forward 1 hop, backward 3,
+    all-reduced (12 s): 14 s forward, 2 calls. The gradients over tp: the router's 8 values
+    and both experts' 148 (c_fc 64 + 16, c_proj 64 + 4), 304 x 4 B = 1216 B, summed by the
+    strategy once a step in one all-reduce after the dp sync (minidist/tp/state.py
+    sum_partial_grads): `tp_sum` 1216 s a step, nothing in backward (until 2026-11-29 priced
+    per micro-batch, 9 calls in backward, as f summed them). Under --ep 2 the experts keep
+    f: this rank's one expert's 4 tensors (592 s) in each backward, 4 calls; the router's 32
+    B once a step. CP2 (s = 1 token a rank): the ring (forward 1 hop, backward 3,
     of K and V: 2 x 16 B: 32 s each, in both blocks: 256 s) + the ids over cp (k 2 x 2
     tokens = 4 B: 2 s) and the sums (12 s): 270 s of the step's tp_cp."""
     from minidist.train.moe_cost import split_times
     sp = Layout(tp=2, sp=True, amp=False)
-    assert split_times(MOE_TOY, UNIT, sp, b=1, s=2, e=4, stage=0) == (14, 1216, 2, 9)
+    assert split_times(MOE_TOY, UNIT, sp, b=1, s=2, e=4, stage=0) == (14, 0, 2, 0)
     assert split_times(MOE_TOY, UNIT, Layout(tp=2, amp=False), 1, 2, 4, 0) == (0, 0, 0, 0)
-    assert step_time(MOE_TOY, sp, UNIT, seq=2, global_batch=1)["compute"] == pytest.approx(2736)
+    t = step_time(MOE_TOY, sp, UNIT, seq=2, global_batch=1)
+    assert t["compute"] == pytest.approx(2736) and t["tp_sum"] == pytest.approx(1216)
+    assert step_time(MOE_TOY, sp, UNIT, seq=2, global_batch=1, micro_batches=1)["tp_sum"] == \
+        step_time(MOE_TOY, sp, UNIT, seq=4, global_batch=2, micro_batches=2)["tp_sum"]
+    ep = Layout(dp=2, ep=2, tp=2, sp=True, amp=False)
+    assert split_times(MOE_TOY, UNIT, ep, b=1, s=2, e=4, stage=0)[1::2] == (592, 4)
+    assert step_time(MOE_TOY, ep, UNIT, seq=2, global_batch=2)["tp_sum"] == pytest.approx(32)
+    assert step_time(MOE_TOY, Layout(tp=2, amp=False), UNIT, 2, 1)["tp_sum"] == 0
     cp = step_time(MOE_TOY, Layout(cp=2, amp=False), UNIT, seq=2, global_batch=1)
     assert cp["tp_cp"] == pytest.approx(256 + 14)
 

@@ -72,7 +72,7 @@ from minidist.pp.schedule import bubble_fraction
 from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
-                                     split_times, stage_moe_blocks)
+                                     sp_summed, split_times, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
 from minidist.train.planner import stage_block_params, stage_params, state_bytes
 from minidist.train.tp_cp_cost import (blocking_counts, exposed, loss_comm,  # (exposed: also
@@ -204,7 +204,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
               comm="ring", v=1, bucket_mb=25.0, moe_load=1.0, ns_steps=5):
     """Seconds of one training step and its parts: {"compute", "replicated", "tp_cp",
     "ep_all_to_all", "loss_comm", "sync", "pp_p2p", "bubble", "dp_exposed", "dp_comm",
-    "expert_grads", "optimizer", "muon_ns", "muon_comm", "clip_norm", "step",
+    "expert_grads", "optimizer", "muon_ns", "muon_comm", "clip_norm", "tp_sum", "step",
     "tokens_per_s", "mfu"}.
     global_batch in sequences; micro_batches per step; comm "ring" or "hier" (data-parallel
     all-reduce); moe_load: the busiest rank's expert rows over a balanced routing's
@@ -288,8 +288,13 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         row["muon_ns"], row["muon_comm"] = muon[stage]
+        # SP: the MoE gradients summed over tp once a step, after the dp sync (moe_cost.py)
+        summed = sp_summed(config, layout, stage) * g_bytes
+        summed = math.ceil(summed / layout.zero_ranks) if layout.zero else summed
+        row["tp_sum"] = summed and collective_time(cluster, "all_reduce", summed, layout,
+                                                   "tp") + cluster.sync_s
         # the slowest stage: its pipeline and Muon's work after it (AdamW: the pipeline's)
-        row["slowest"] = row["pipe"] + row["muon_ns"] + row["muon_comm"]
+        row["slowest"] = row["pipe"] + row["muon_ns"] + row["muon_comm"] + row["tp_sum"]
         worst = row if worst is None or row["slowest"] > worst["slowest"] else worst
     return _finish(config, layout, cluster, seq, global_batch, worst, coll, bucket_mb, comm)
 
@@ -341,9 +346,9 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
            "dp_comm": dp_comm, "dp_exposed": dp_exposed,
            "expert_comm": expert[1], "expert_grads": expert[0],
            "optimizer": (shard + mine) * cluster.opt_s_per_param + w["muon_ns"],
-           "muon_ns": w["muon_ns"], "muon_comm": w["muon_comm"]}
+           "muon_ns": w["muon_ns"], "muon_comm": w["muon_comm"], "tp_sum": w["tp_sum"]}
     out["step"] = w["pipe"] + out["dp_exposed"] + out["expert_grads"] + out["optimizer"] + \
-        out["muon_comm"] + out["clip_norm"]
+        out["muon_comm"] + out["clip_norm"] + out["tp_sum"]
     out["tokens_per_s"] = global_batch * seq / out["step"]
     peak = cluster.peak_tflops if layout.amp else (cluster.peak_tflops_fp32
                                                     or cluster.peak_tflops)

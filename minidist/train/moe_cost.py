@@ -50,10 +50,13 @@ the cp rank's s tokens in the MoE block) routes over the whole sequence
 cp group, an all-gather of the top-k expert ids (1 byte each; the cp one gathers tp parts)
 and an all-reduce of the b E + 1 sums (e bytes each): 2 blocking collectives per group,
 again inside backward under full recompute. Under SP the router and the experts run on the
-rank's s/tp tokens (their FLOPs / tp), and each of their parameters' gradients is
-all-reduced over tp in backward (region.shared, one blocking call per tensor: the router's
-h E and the 4 tensors of each of this rank's E/ep experts), which the dense MLP, split by
-tp, does not need.
+rank's s/tp tokens (their FLOPs / tp), and their gradients, each rank's covering its
+tokens, are summed over tp, which the dense MLP, split by tp, does not need: under --ep the
+experts' in backward (region.shared, one blocking call per tensor: the 4 tensors of each of
+this rank's E/ep experts, every micro-batch), the router's h E (and without --ep the
+experts') by the strategy once a step, in the one coalesced all-reduce of the replicated
+gradients after the data-parallel sync (minidist/tp/state.py sum_partial_grads;
+`sp_summed`; ZeRO: this rank's shard of them).
 Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
@@ -127,7 +130,9 @@ def split_times(config, cluster, layout, b, s, e, stage):
     """(forward, backward) seconds and (forward, backward) counts of the blocking collectives
     of a sequence split over ranks (module docstring) for one micro-batch of b sequences on
     `stage`, s = this cp rank's tokens: the exchange of each MoE block's routing (ids,
-    sums) on tp (SP) and cp, and under SP the router's and experts' gradient all-reduces."""
+    sums) on tp (SP) and cp, and under SP and --ep the experts' gradient all-reduces (f in
+    backward; the router's, and without --ep the experts', are summed once a step:
+    `sp_summed`)."""
     blocks = stage_moe_blocks(config, layout, stage)
     tp = layout.tp if layout.sp and layout.tp > 1 else 1
     groups = [(axis, tokens) for axis, tokens, on in (("tp", s, tp > 1),
@@ -141,13 +146,25 @@ def split_times(config, cluster, layout, b, s, e, stage):
     fwd, n_fwd = blocks * one, blocks * 2 * len(groups)
     redo = layout.recompute == "full"
     bwd, n_bwd = redo * fwd, redo * n_fwd
-    if tp > 1:                      # region.shared: the router's and experts' gradients
-        sizes = collections.Counter([config.n_embd * E] * blocks + [
-            n for _, n in _own_experts(config, layout, stage)])     # one price per size
+    if tp > 1 and layout.ep > 1:    # region.shared: the experts' gradients, per tensor
+        sizes = collections.Counter(n for _, n in _own_experts(config, layout, stage))
         bwd += sum(count * collective_time(cluster, "all_reduce", n * e, layout, "tp")
                    for n, count in sizes.items())
         n_bwd += sum(sizes.values())
     return fwd, bwd, n_fwd, n_bwd
+
+
+def sp_summed(config, layout, stage):
+    """Elements of `stage`'s MoE gradients the strategy sums over tp once a step under SP
+    (minidist/tp/state.py partial_params: the router's h E per MoE block, and without --ep
+    every expert's, which are replicated on the tp ranks; --ep's experts keep f: counted per
+    micro-batch by split_times); 0 without SP. The dense replicated gradients (layer norms,
+    row biases, wpe) ride in the same all-reduce, not priced here (a few h per block)."""
+    if not (layout.sp and layout.tp > 1):
+        return 0
+    blocks = stage_moe_blocks(config, layout, stage)
+    experts = 0 if layout.ep > 1 else sum(n for _, n in _own_experts(config, layout, stage))
+    return blocks * config.n_embd * config.moe_experts + experts
 
 
 def _own_experts(config, layout, stage):
