@@ -3,6 +3,7 @@
 exactness against one process is tested where each composition is (tests/scripts/tp_check.py,
 pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py).
 """
+import numpy as np
 import pytest
 
 from mpirun import tagged_json
@@ -43,3 +44,24 @@ def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
     dtypes = {r["steps"][0]["dtype"] for r in rows["tp2xdp2+sp+bf16+fp32grads"]}
     assert dtypes == {"float32"} and {r["steps"][0]["dtype"] for r in
                                        rows["tp2xdp2+sp+amp"]} == {"float16"}
+
+
+@pytest.mark.mpi
+def test_an_overflow_in_one_ranks_partial_gradient_skips_the_step_everywhere(mpi):
+    """float16 --amp, tp 2 x dp 2 + SP (--ddp naive), an inf put into a layer norm's partial
+    gradient on one rank at step 1 of 3: only the coalesced sum over tp (then DDP's mean)
+    carries it to the others, and every rank skips that step (loss scale 4096 -> 2048 on each,
+    its norm NaN everywhere), the collectives matched; the replicated parameters stay
+    bit-equal over tp; and numpy raises no RuntimeWarning (the clip's inf - inf on each rank,
+    until 2026-11-29):
+
+        mpiexec -n 4 python tests/scripts/tp_sp_grads.py --runs tp2xdp2+sp
+    """
+    out = mpi(4, "tests/scripts/tp_sp_grads.py", "--runs", "tp2xdp2+sp", timeout=300)
+    ranks = tagged_json(out, "POISON")[0]
+    assert len(ranks) == 4
+    for r in ranks:
+        assert r["skipped"] == 1 and r["scale"] == 2048.0, r
+        assert np.isnan(r["norms"][1]) and np.isfinite([r["norms"][0], r["norms"][2]]).all(), r
+        assert r["norms"][::2] == ranks[0]["norms"][::2], (r, ranks[0])    # the same bits
+        assert r["tp_equal"] and r["warnings"] == [], r

@@ -79,7 +79,9 @@ def sum_sq_over_tp(model, group, local, replicated, amp=None):
     arrays `replicated` (equal on every tp rank) are counted: the rest summed over the
     group, those added once. Collective over `group`."""
     rep = unscaled_sum_sq(replicated, amp)
-    split = all_reduce_number(group, local - rep, "sum", model.parameters()[0].data)
+    with np.errstate(invalid="ignore"):     # --amp: inf - inf is nan, an overflow (skipped)
+        split = local - rep
+    split = all_reduce_number(group, split, "sum", model.parameters()[0].data)
     return split + rep                 # on the device (no host sync), as the clip takes it
 
 

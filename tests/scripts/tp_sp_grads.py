@@ -18,12 +18,17 @@ pieces of its shards, which over the dp group add up to every replicated paramet
 gradient, the bytes `before` moves per micro-batch), the clip's norm, and the
 vocabulary-parallel cross-entropy's 2 per loss forward. That the numbers are one process's:
 tests/scripts/tp_check.py, pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py.
-Rank 0 prints `RESULT {json}` per run for tests/test_tp_sp_grads.py.
+Last, `poisoned`: under float16 --amp an inf in one rank's partial gradient, which only the
+coalesced sum carries to the other tp rank, skips the step on every rank.
+Rank 0 prints `RESULT {json}` per run (and `POISON`) for tests/test_tp_sp_grads.py.
 """
 import argparse
 import json
 import os
 import sys
+import warnings
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import batch, start  # noqa: E402
@@ -48,11 +53,16 @@ RUNS = {"tp2xdp2+sp": ["--dp", "2"],
         "pp2xtp2+sp": ["--pp", "2", "--micro-batches", "2"]}
 
 
-def flags(name):
+# an overflow where only the coalesced sum can carry it: one rank's partial gradient
+POISON = ["--dp", "2", "--amp", "--amp-dtype", "float16", "--ddp", "naive"]
+POISONED = "transformer.h.0.ln_1.weight"        # replicated: its gradient left partial
+
+
+def flags(name, given=None):
     return train_parser().parse_args([
         "--tp", "2", "--sequence-parallel", "--n-layer", "2", "--n-head", "4", "--n-embd",
         "16", "--block-size", "8", "--batch-size", "8", "--lr", "1e-2", "--grad-clip",
-        "0.05", "--dtype", "float32", "--seed", str(SEED), *RUNS[name]])
+        "0.05", "--dtype", "float32", "--seed", str(SEED), *(given or RUNS[name])])
 
 
 def config_of(args):
@@ -115,6 +125,43 @@ def run(name, comm):
         print("RESULT " + json.dumps({"run": name, "ranks": rows}), flush=True)
 
 
+def poisoned(comm):
+    """float16 --amp, tp 2 x dp 2 (--ddp naive: the dp mean at sync_grads, after every
+    backward hook), 3 steps; at step 1 an inf put into POISONED's partial gradient on world
+    rank 1 alone (a grad hook, after its backward): the coalesced sum over tp carries it to
+    the tp partner and DDP's mean to the other replica, so every rank skips that step and
+    halves its loss scale, with the same collectives as the others. Rank 0 prints `POISON`
+    with each rank's skips, scale, norms, whether its replicated parameters are bit-equal to
+    its tp partner's, and the RuntimeWarnings numpy raised (the clip's inf - inf)."""
+    args = flags(None, POISON)
+    config = config_of(args)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    model = strategy.build_model(config, SEED, "float32")
+    opt = strategy.build_optimizer(model, args)
+    params, now = dict(model.named_parameters()), {"poison": False}
+    if comm.rank == 1:
+        params[POISONED].register_grad_hook(
+            lambda p: p.grad.__setitem__((0,), np.inf) if now["poison"] else None)
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            now["poison"] = step == 1
+            norms.append(float(train_step(strategy, model, opt,
+                                          *batch(step, args.batch_size, config, SEED),
+                                          args)[1]))
+    mine = {n: p.data for n, p in params.items() if p.tp_split is None}
+    theirs = strategy.mesh.tp.comm.allgather(mine)
+    scaler = strategy.amp.scaler
+    row = {"skipped": scaler.skipped, "scale": scaler.scale, "norms": norms,
+           "tp_equal": all(np.array_equal(a, t[n]) for t in theirs for n, a in mine.items()),
+           "warnings": [str(w.message) for w in caught
+                        if issubclass(w.category, RuntimeWarning)]}
+    rows = comm.gather(row, root=0)
+    if comm.rank == 0:
+        print("POISON " + json.dumps(rows), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", default=",".join(RUNS))
@@ -132,6 +179,7 @@ def main():
     trace.disable()
     for name in cli.runs.split(","):
         run(name, comm)
+    poisoned(comm)
 
 
 if __name__ == "__main__":
