@@ -43,10 +43,19 @@ def partial_params(model, sequence_parallel):
     return params
 
 
-def sum_partial_grads(grads, group):
+# sum_partial_grads copies at most this much at a time: under --moe-experts without --ep the
+# replicated gradients include every expert's, most of the model (one flat copy of them all
+# and the ring's scratch took 1.5x their bytes on top of the step's peak)
+SUM_PIECE_BYTES = 4 * 2 ** 20
+
+
+def sum_partial_grads(grads, group, piece_bytes=SUM_PIECE_BYTES):
     """The replicated parameters' partial gradients summed over the tp `group`, in place:
     copied into one flat buffer per dtype (one: they share the gradient dtype, float32 under
-    --amp --grad-dtype float32), all-reduced, copied back. Megatron-LM's
+    --amp --grad-dtype float32), all-reduced, copied back; where they hold more than
+    `piece_bytes` (MoE's experts without --ep), in consecutive pieces of at most that, a
+    tensor above it all-reduced alone where it lies, so the sum never holds a copy of them
+    all (the layer norms, biases and wpe of GPT-2 124M: 3.2 MiB, one piece). Megatron-LM's
     _allreduce_layernorm_grads (finalize_model_grads): once a step, after backward and the
     data-parallel sync, not one blocking all-reduce per parameter and micro-batch inside
     backward. The tp sum and the dp mean are both linear, so they commute; `grads` are the
@@ -59,12 +68,30 @@ def sum_partial_grads(grads, group):
         if g.size:
             by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        flat = xp_of(same[0]).concatenate([g.reshape(-1) for g in same])
-        group.all_reduce(flat, op="sum")
-        lo = 0
-        for g in same:
-            g[...] = flat[lo:lo + g.size].reshape(g.shape)
-            lo += g.size
+        for piece in _pieces(same, piece_bytes):
+            if len(piece) == 1 and piece[0].flags.c_contiguous:     # alone: where it lies
+                group.all_reduce(piece[0], op="sum")
+                continue
+            flat = xp_of(piece[0]).concatenate([g.reshape(-1) for g in piece])
+            group.all_reduce(flat, op="sum")
+            lo = 0
+            for g in piece:
+                g[...] = flat[lo:lo + g.size].reshape(g.shape)
+                lo += g.size
+            del flat                    # before the next piece's: one piece held at a time
+
+
+def _pieces(grads, piece_bytes):
+    """`grads` in order, cut into consecutive runs of at most `piece_bytes` (a larger tensor
+    a run of its own): the same cut on every tp rank, whose gradients have the same shapes."""
+    runs, run, size = [], [], 0
+    for g in grads:
+        if run and size + g.nbytes > piece_bytes:
+            runs.append(run)
+            run, size = [], 0
+        run.append(g)
+        size += g.nbytes
+    return runs + [run] if run else runs
 
 
 def unscaled_sum_sq(grads, amp=None):

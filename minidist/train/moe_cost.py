@@ -54,9 +54,10 @@ rank's s/tp tokens (their FLOPs / tp), and their gradients, each rank's covering
 tokens, are summed over tp, which the dense MLP, split by tp, does not need: under --ep the
 experts' in backward (region.shared, one blocking call per tensor: the 4 tensors of each of
 this rank's E/ep experts, every micro-batch), the router's h E (and without --ep the
-experts') by the strategy once a step, in the one coalesced all-reduce of the replicated
-gradients after the data-parallel sync (minidist/tp/state.py sum_partial_grads;
-`sp_summed`; ZeRO: this rank's shard of them).
+experts') by the strategy once a step, in the coalesced all-reduce of the replicated
+gradients after the data-parallel sync (minidist/tp/state.py sum_partial_grads, pieces of
+at most 4 MiB, priced as one all-reduce of their bytes; `sp_summed`; ZeRO: this rank's
+shard of them).
 Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).

@@ -19,14 +19,18 @@ gradient, the bytes `before` moves per micro-batch), the clip's norm, and the
 vocabulary-parallel cross-entropy's 2 per loss forward. That the numbers are one process's:
 tests/scripts/tp_check.py, pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py.
 Last, `poisoned`: under float16 --amp an inf in one rank's partial gradient, which only the
-coalesced sum carries to the other tp rank, skips the step on every rank.
+coalesced sum carries to the other tp rank, skips the step on every rank; and
+`held_by_the_sum`: the memory the sum holds where the replicated gradients are large (MoE's
+experts without --ep).
 Rank 0 prints `RESULT {json}` per run (and `POISON`) for tests/test_tp_sp_grads.py.
 """
 import argparse
 import json
 import os
 import sys
+import tracemalloc
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
@@ -162,6 +166,38 @@ def poisoned(comm):
         print("POISON " + json.dumps(rows), flush=True)
 
 
+def held_by_the_sum(comm):
+    """MoE without --ep (every expert replicated over tp, its gradient partial): 8 experts, C
+    128, 4 layers, tp 2 x dp 2 + SP; a step's forward and backward, then sync_grads under
+    tracemalloc (host arrays: CPU). Rank 0 prints `MEMORY` with each rank's replicated
+    gradient bytes, the most sync_grads held above what it started with, and its tp
+    all-reduces (minidist/tp/state.py SUM_PIECE_BYTES: pieces of at most 4 MiB)."""
+    args = flags(None, ["--dp", "2", "--moe-experts", "8", "--n-embd", "128", "--n-layer", "4"])
+    config = replace(config_of(args), moe_experts=8)
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    model = strategy.build_model(config, SEED, "float32")
+    replicated = [p for p in strategy.model.parameters() if p.tp_split is None]
+    x, y = batch(0, args.batch_size, config, SEED)
+    x, y, ids = strategy.local_rows(x, y, np.arange(len(x)))
+    strategy.start_step()
+    model.dropout_keys.next_step()
+    with model.dropout_keys.rows_of(ids):
+        strategy.forward_backward(model, x, y, 1.0, False)
+    trace.enable()
+    trace.clear_events()
+    tracemalloc.start()
+    start_bytes = tracemalloc.get_traced_memory()[0]
+    strategy.sync_grads(model)
+    extra = tracemalloc.get_traced_memory()[1] - start_bytes
+    tracemalloc.stop()
+    row = {"replicated": sum(p.data.nbytes for p in replicated), "extra": extra,
+           "calls": len(tp_all_reduces(strategy.mesh.tp))}
+    trace.disable()
+    rows = comm.gather(row, root=0)
+    if comm.rank == 0:
+        print("MEMORY " + json.dumps(rows), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", default=",".join(RUNS))
@@ -180,6 +216,7 @@ def main():
     for name in cli.runs.split(","):
         run(name, comm)
     poisoned(comm)
+    held_by_the_sum(comm)
 
 
 if __name__ == "__main__":
