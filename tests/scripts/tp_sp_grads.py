@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exact import batch, start  # noqa: E402
 
+from minidist import backend  # noqa: E402
 from minidist.comm import ProcessGroup, trace  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.tp.model import TensorParallelGPT  # noqa: E402
@@ -154,7 +155,7 @@ def poisoned(comm):
             norms.append(float(train_step(strategy, model, opt,
                                           *batch(step, args.batch_size, config, SEED),
                                           args)[1]))
-    mine = {n: p.data for n, p in params.items() if p.tp_split is None}
+    mine = {n: backend.to_host(p.data) for n, p in params.items() if p.tp_split is None}
     theirs = strategy.mesh.tp.comm.allgather(mine)
     scaler = strategy.amp.scaler
     row = {"skipped": scaler.skipped, "scale": scaler.scale, "norms": norms,
