@@ -5,6 +5,7 @@ Each test's docstring gives the command to run it by hand.
 """
 import json
 
+import numpy as np
 import pytest
 
 from minidist.nn import GPTConfig
@@ -148,7 +149,7 @@ def test_train_gpt_3d_trains(corpus, tmp_path, mpi):
 def test_train_gpt_pp2_amp(mpi):
     """Mixed precision through the pipeline (1F1B, interleaved, ZB-H1): the last stage scales
     the loss, every stage's overflow check sees the global norm; float16 activations cross
-    the boundary:
+    the boundary; an overflow in the tied head's gradient skips the step on both stages:
 
         mpiexec -n 2 python tests/scripts/pp_check.py --amp
     """
@@ -157,6 +158,14 @@ def test_train_gpt_pp2_amp(mpi):
     assert len(rows) == 3
     for r in rows:
         assert r["boundary_dtype"] == "float16" and r["loss_diff"] < 1e-2, r
+    # an inf in the last stage's wte gradient at step 1: skipped on both stages, NaN norm,
+    # and the clip's inf - inf (its tied copy left out) prints no RuntimeWarning
+    ranks = tagged_json(out, "OVERFLOW")[0]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["skipped"] == 1 and r["scale"] == 2048.0, r
+        assert np.isnan(r["norms"][1]) and np.isfinite([r["norms"][0], r["norms"][2]]).all(), r
+        assert r["warnings"] == [], r
 
 
 BENCH_SMALL = ["--n-layer", "2", "--n-embd", "64", "--steps", "1", "--batch-size", "8"]

@@ -43,6 +43,8 @@ Tests: tests/test_pipeline.py, tests/test_pp_zero.py, tests/test_cp_pp.py.
 import argparse
 import math
 
+import numpy as np
+
 from minidist.backend import xp_of
 from minidist.comm import trace
 from minidist.pp.microbatches import MicroBatches
@@ -243,8 +245,9 @@ class PipelineParallel(ModelParallel):
         counted once over ep), then the sum over stages. The gradients are inner's
         local_grads: .grad, or under ZeRO the pieces of this rank's shards."""
         if self.stage.last and not self.stage.first:
-            local -= unscaled_sum_sq(self.inner.local_grads(self.stage.tied_copies()),
-                                     self.amp)
+            tied = unscaled_sum_sq(self.inner.local_grads(self.stage.tied_copies()), self.amp)
+            with np.errstate(invalid="ignore"):  # --amp: inf - inf is nan, an overflow (skipped)
+                local = local - tied
         if self.mesh.shape["tp"] > 1:
             replicated = [p for p in self.stage.parameters() if p.tp_split is None]
             local = sum_sq_over_tp(self.stage, self.mesh.tp, local,

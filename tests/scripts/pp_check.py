@@ -33,6 +33,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 import zlib
 
 import numpy as np
@@ -246,6 +247,33 @@ def check_amp(comm, run, ref, steps=5):
             "loss_diff": max_abs([(a - b) / b for a, b in zip(losses, ref[2])])}
 
 
+def check_amp_overflow(comm, run="pp2-m2-1f1b", steps=3):
+    """--amp (float16) on pp 2, an inf put into the last stage's wte gradient (the tied head's,
+    a grad hook) at step 1 of 3, as an overflowing head would: the tied sum carries it to the
+    first stage and every rank skips that step (scale 4096 -> 2048), the norm NaN; the clip's
+    sum leaves the last stage's copy out (inf - inf) with no RuntimeWarning from numpy."""
+    args = flags(run, steps)
+    args.dtype, args.amp = "float32", True
+    strategy = make_strategy(args, ProcessGroup.world(args.comm))
+    model = strategy.build_model(CONFIG, args.seed, args.dtype)
+    opt = strategy.build_optimizer(model, args)
+    now = {"poison": False}
+    if strategy.stage.last:
+        strategy.stage.tied_copies()[0].register_grad_hook(
+            lambda p: p.grad.__setitem__((0, 0), np.inf) if now["poison"] else None)
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            now["poison"] = step == 1
+            norms.append(float(train_step(strategy, model, opt,
+                                          *batch(step, args.batch_size), args)[1]))
+    scaler = strategy.amp.scaler
+    return {"run": run, "skipped": scaler.skipped, "scale": scaler.scale, "norms": norms,
+            "warnings": [str(w.message) for w in caught
+                         if issubclass(w.category, RuntimeWarning)]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default=None, help="comma-separated run names (see docstring)")
@@ -270,6 +298,9 @@ def main():
             row = check_amp(comm, run, ref)
             if comm.rank == 0:
                 print("AMP " + json.dumps(row), flush=True)
+        rows = comm.gather(check_amp_overflow(comm), root=0)
+        if comm.rank == 0:
+            print("OVERFLOW " + json.dumps(rows), flush=True)
         return
     runs = (cli.runs or DEFAULT_RUNS[comm.size]).split(",")
     if cli.files is None:
