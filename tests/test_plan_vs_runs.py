@@ -140,6 +140,60 @@ def test_zero12_reduce_scatter_a_unit_at_a_time_as_the_runs(zero, pp, mpi, tmp_p
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("flags", [["--bucket-mb", "0.02"], ["--zero", "1"],
+                                   ["--zero", "3", "--grad-accum", "2"]])
+def test_dp_calls_are_the_runs(flags, mpi, tmp_path):
+    """Each DDP bucket and ZeRO unit is a collective of its own and pays its latency
+    (minidist/train/call_cost.py): dp 2, 3 blocks, two steps traced. DDP at 0.02 MiB: the
+    trace's all-reduces of each step are call_cost.ddp_buckets' bytes, in order (10, the
+    last the tied wte's alone); ZeRO-1: a reduce-scatter and an all-gather per unit
+    (zero_units: 4); ZeRO-3 at --grad-accum 2: the root's and zero3_gathers' blocks gathered
+    (7), a reduce-scatter per unit in each backward (8); the final evaluation's forward
+    gathers the root and the 3 blocks once more. On a link of 1 s latency and no transfer
+    time the step-time model's data-parallel seconds are those calls (an all-reduce over 2
+    ranks 2 alpha, the others 1): 20, 8 and 15 s (until 2026-12 one latency for all of
+    each: 2, 2 and 6 s).
+
+        mpiexec -n 2 python examples/train_gpt.py --zero 3 --grad-accum 2 --n-layer 3 \\
+            --n-embd 32 --block-size 32 --batch-size 8 --steps 2 --eval-every 0 --trace T
+    """
+    from minidist.train.call_cost import ddp_buckets
+    from minidist.train.comm_cost import Link
+    trace = tmp_path / "dp.json"
+    mpi(2, "examples/train_gpt.py", *flags, "--n-layer", "3", "--n-embd", "32",
+        "--batch-size", "8", "--steps", "2", "--eval-every", "0", *SMALL, "--trace", trace,
+        timeout=180)
+    calls = sorted((e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"
+                    and e["pid"] == 0 and e["args"].get("group") == "dp"
+                    and e["name"] != "broadcast" and e["args"]["bytes"] > 8),
+                   key=lambda e: e["ts"])
+    count = {op: sum(e["name"] == op for e in calls) for op in ("all_reduce", "reduce_scatter",
+                                                                  "all_gather")}
+    cfg = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=32, vocab_size=256)
+    zero, m = (int(flags[1]), 2 if "--grad-accum" in flags else 1) if "--zero" in flags \
+        else (0, 1)
+    layout = Layout(dp=2, zero=zero, amp=False)
+    alpha = replace(UNIT, intra=Link(1.0, 1e30))
+    plan = step_time(cfg, layout, alpha, seq=32, global_batch=8, micro_batches=m,
+                     bucket_mb=0.02)
+    units = zero_units(layout, 3, 0)
+    if zero == 0:
+        buckets = ddp_buckets(cfg, layout, 0, 4, 0.02)
+        assert len(buckets) == 10 and buckets[-1] == 4 * 256 * 32
+        assert [e["args"]["bytes"] for e in calls] == list(buckets) * 2, calls
+        assert plan["dp_comm"] == pytest.approx(2 * len(buckets))
+    elif zero == 1:
+        assert count == {"all_reduce": 0, "reduce_scatter": 2 * units, "all_gather": 2 * units}
+        assert plan["dp_comm"] == pytest.approx(2 * units)
+    else:
+        gathers = 1 + sum(k for _, k in zero3_gathers("1f1b", 1, 0, m, 3))
+        assert gathers == 7 and units == 4
+        assert count == {"all_reduce": 0, "reduce_scatter": 2 * m * units,
+                         "all_gather": 2 * gathers + 1 + 3}
+        assert plan["zero_in_pipeline"] == pytest.approx(gathers + m * units)
+
+
+@pytest.mark.mpi
 def test_the_experts_buckets_are_the_runs(mpi, tmp_path):
     """ep 2 x dp 2, 2 MoE blocks of 4 experts: each rank's 16 expert tensors are a DDP of
     their own over their 2 replicas, in buckets cut as the dense DDP cuts them. The planner's

@@ -6,6 +6,10 @@ pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py).
 import numpy as np
 import pytest
 
+from minidist.nn import GPTConfig
+from minidist.train.call_cost import sp_sum
+from minidist.train.planner import Layout
+
 from mpirun import tagged_json
 
 RUNS = ["tp2xdp2+sp", "tp2xdp2+sp+accum2", "tp2xdp2+zero1+sp", "tp2xdp2+zero3+sp+accum2",
@@ -20,7 +24,9 @@ def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
     (DDP, grad-accum 2, ZeRO-1, ZeRO-3 + grad-accum 2, float16 --amp, bfloat16 with float32
     gradients, Llama blocks, cp 2, a 2-stage pipeline) each rank makes exactly one per step
     besides the clip's and the cross-entropy's, in the gradients' dtype, of the same bytes
-    (under ZeRO each dp rank its shards' pieces, together the same bytes):
+    (under ZeRO each dp rank its shards' pieces, together the same bytes). The step-time
+model prices that call and its bytes (minidist/train/call_cost.py sp_sum; until 2026-12 the
+dense replicated gradients were not priced at all):
 
         mpiexec -n 4 python tests/scripts/tp_sp_grads.py
     """
@@ -41,6 +47,15 @@ def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
         want = before[arch]["bytes"] // (2 if half else 1)           # float32 in `before`
         assert all(r["whole_bytes"] == want for r in ranks), (name, want, ranks)
         assert all(r["params"] == before[arch]["calls"] for r in ranks), (name, ranks)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=30)
+    for name, layout, g in (("tp2xdp2+sp", Layout(tp=2, dp=2, sp=True, amp=False), 4),
+                            ("tp2xdp2+sp+amp", Layout(tp=2, dp=2, sp=True), 2),
+                            ("tp2xcp2+sp", Layout(tp=2, cp=2, sp=True, amp=False), 4)):
+        assert all(sp_sum(cfg, layout, 0, g) == (r["steps"][0]["bytes"], 1)
+                   for r in rows[name]), (name, rows[name])
+    for r in rows["pp2xtp2+sp"]:                  # stage 0 holds 7 of them, stage 1 8
+        pp = Layout(tp=2, pp=2, sp=True, amp=False)
+        assert sp_sum(cfg, pp, r["params"] - 7, 4) == (r["steps"][0]["bytes"], 1), r
     dtypes = {r["steps"][0]["dtype"] for r in rows["tp2xdp2+sp+bf16+fp32grads"]}
     assert dtypes == {"float32"} and {r["steps"][0]["dtype"] for r in
                                        rows["tp2xdp2+sp+amp"]} == {"float16"}
@@ -74,7 +89,8 @@ def test_the_sum_holds_a_piece_at_a_time_not_a_copy_of_every_gradient(mpi):
     most of the model (8 experts, C 128, 4 layers: 16.9 MB a rank). The sum copies them in
     pieces of at most SUM_PIECE_BYTES (4 MiB): sync_grads holds at most about 1.5 pieces
     (the piece and the ring's scratch), 6.4 MB measured; until 2026-11-29 one flat copy of
-    them all, 25.8 MB (1.5 x the gradients) above the step's gradients:
+    them all, 25.8 MB (1.5 x the gradients) above the step's gradients. The step-time model
+counts those pieces' all-reduces and bytes (minidist/train/call_cost.py sp_sum: 5):
 
         mpiexec -n 4 python tests/scripts/tp_sp_grads.py --runs tp2xdp2+sp
     """
@@ -86,3 +102,8 @@ def test_the_sum_holds_a_piece_at_a_time_not_a_copy_of_every_gradient(mpi):
         assert r["replicated"] > 4 * SUM_PIECE_BYTES, r
         assert r["extra"] < 2 * SUM_PIECE_BYTES, r
         assert r["calls"] >= -(-r["replicated"] // SUM_PIECE_BYTES), r
+    moe = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=8, vocab_size=30,
+                    moe_experts=8)
+    layout = Layout(tp=2, dp=2, sp=True, amp=False)
+    assert all(sp_sum(moe, layout, 0, 4) == (r["replicated"], r["calls"]) == (ranks[0][
+        "replicated"], 5) for r in ranks), ranks

@@ -85,13 +85,21 @@ def sum_partial_grads(grads, group, piece_bytes=SUM_PIECE_BYTES):
 def _pieces(grads, piece_bytes):
     """`grads` in order, cut into consecutive runs of at most `piece_bytes` (a larger tensor
     a run of its own): the same cut on every tp rank, whose gradients have the same shapes."""
+    return [[grads[i] for i in run] for run in piece_cuts([g.nbytes for g in grads],
+                                                          piece_bytes)]
+
+
+def piece_cuts(sizes, piece_bytes=SUM_PIECE_BYTES):
+    """sum_partial_grads' cut on bytes alone: indices into `sizes` (bytes per gradient, in
+    order), consecutive runs of at most piece_bytes, a larger one a run of its own. The
+    step-time model counts the sum's all-reduces with it (minidist/train/call_cost.py)."""
     runs, run, size = [], [], 0
-    for g in grads:
-        if run and size + g.nbytes > piece_bytes:
+    for i, n in enumerate(sizes):
+        if run and size + n > piece_bytes:
             runs.append(run)
             run, size = [], 0
-        run.append(g)
-        size += g.nbytes
+        run.append(i)
+        size += n
     return runs + [run] if run else runs
 
 

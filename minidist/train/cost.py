@@ -47,7 +47,7 @@ all-reduced over their replicas (dp x cp / ep) in buckets started from backward'
 (ZeRO: reduce-scattered per MoE block), hidden in what backward the dense ones leave
 free, never the last bucket, the dense ones by DDP/ZeRO
 over all dp (x cp) ranks; on a sequence split by cp or SP, the routing's exchange (the
-experts' ids, the loss statistics) and under SP the router's and experts' gradient sums.
+experts' ids, the loss statistics); SP's sum of the replicated gradients (call_cost.py).
 
 The step: m micro-batches through p stages, each micro-batch forward t_f and backward t_b on
 a stage (compute, TP's all-reduces, CP's ring or Ulysses' all-to-alls, EP's all-to-alls,
@@ -59,8 +59,8 @@ sends), then
                (+ Muon's collectives; its Newton-Schulz is optimizer time: muon_cost.py)
 Data-parallel communication overlaps with backward (DDP's buckets, ZeRO-1/2/3's reduce-scatter,
 ZeRO-3's prefetched gathers with forward) up to `Cluster.overlap` x the window, never the last
-bucket or layer. Gradients travel in the planner's gradient bytes (planner.state_bytes: 2
-under --amp, 4 with --grad-dtype float32), parameters in their own.
+bucket or layer; each bucket and unit a call (its latency: call_cost.py). Gradients travel
+in the planner's gradient bytes (planner.state_bytes: 2 or 4), parameters in their own.
 Tests: tests/test_plan_time.py (each formula on a small case worked by hand),
 tests/test_plan_vs_runs.py (ZeRO-3's and the experts' bytes against the runs').
 """
@@ -69,10 +69,11 @@ from collections import Counter
 
 from minidist.nn.config import attention_weights, mlp_weights
 from minidist.pp.schedule import bubble_fraction
+from minidist.train.call_cost import calls_time, stage_calls
 from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
-                                     sp_summed, split_times, stage_moe_blocks)
+                                     split_times, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
 from minidist.train.planner import stage_block_params, stage_params, state_bytes
 from minidist.train.tp_cp_cost import (blocking_counts, exposed, loss_comm,  # (exposed: also
@@ -224,8 +225,9 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     if layout.zero and layout.zero_shard:   # hybrid sharding: ZeRO's in the shard group
         dpcp, axis = layout.zero_shard, "shard"
 
-    def coll(op, nbytes):                   # DDP's or ZeRO's group
-        return collective_time(cluster, op, nbytes, layout, axis, comm, dpcp)
+    def coll(op, nbytes, calls=1):          # DDP's or ZeRO's group; n calls of the bytes
+        return calls_time(lambda o, n: collective_time(cluster, o, n, layout, axis, comm, dpcp),
+                          op, nbytes, calls)
     muon = muon_times(config, layout, cluster, rate32, coll, comm, ns_steps) if layout.muon \
         else [(0.0, 0.0)] * layout.pp                    # per stage: NS, gathers
     worst = None
@@ -263,20 +265,24 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
             # than GPipe's. t_f, t_b: their mean over the step's micro-batches
             block = (blocks[stage] - sum(experts)) / max(layers, 1)
             root, pieces = dense - block * layers, max(layers // v, 1)
+            units = zero_units(layout, layers, stage)       # a call per block and root unit
             counts = Counter((kind, k, i == 0) for i, (kind, k) in enumerate(
                 zero3_gathers(schedule, layout.pp, stage, m, layers, v, config.n_layer)))
             for (kind, k, first), times in counts.items():       # (alike ones priced once)
                 if kind == "F":
-                    ag = coll("all_gather", (k * block + root * first) * p_bytes)
+                    ag = coll("all_gather", (k * block + root * first) * p_bytes,
+                              k + (units - layers) * first)
                     z_f += times * exposed(ag, c_f / v, cluster.overlap, pieces) / m
                 else:
-                    raw = coll("all_gather", k * block * p_bytes) + \
-                        coll("reduce_scatter", dense * g_bytes / v)
+                    raw = coll("all_gather", k * block * p_bytes, k) + \
+                        coll("reduce_scatter", dense * g_bytes / v, units / v)
                     z_b += times * exposed(raw, c_b / v, cluster.overlap, pieces) / m
                     filled += times * raw / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
-            filled = coll("reduce_scatter", dense * g_bytes)      # a unit at a time
-            z_b = exposed(filled, c_b, cluster.overlap, zero_units(layout, layers, stage))
+            units = zero_units(layout, layers, stage)           # a unit at a time
+            filled = coll("reduce_scatter", dense * g_bytes, units)
+            z_b = exposed(filled, c_b, cluster.overlap, units)
+        calls = stage_calls(config, layout, stage, g_bytes, bucket_mb)   # DDP's, SP's sum
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
         row = dict(n=dense, experts=experts, expert_units=expert_units(config, layout, stage),
@@ -285,14 +291,15 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
                    t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b, filled=filled - z_b,
                    units=zero_units(layout, layers, stage),
+                   buckets=calls[0][0], last_bucket=calls[0][1],
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
         row["muon_ns"], row["muon_comm"] = muon[stage]
-        # SP: the MoE gradients summed over tp once a step, after the dp sync (moe_cost.py)
-        summed = sp_summed(config, layout, stage) * g_bytes
-        summed = math.ceil(summed / layout.zero_ranks) if layout.zero else summed
-        row["tp_sum"] = summed and collective_time(cluster, "all_reduce", summed, layout,
-                                                   "tp") + cluster.sync_s
+        # SP: the replicated gradients summed over tp once a step, after the dp sync, in
+        # pieces of at most 4 MiB (call_cost.py; ZeRO: this rank's shard of them)
+        summed, n_sum = calls[1]
+        row["tp_sum"] = calls_time(lambda o, n: collective_time(cluster, o, n, layout, "tp"),
+                                   "all_reduce", summed, n_sum) + n_sum * cluster.sync_s
         # the slowest stage: its pipeline and Muon's work after it (AdamW: the pipeline's)
         row["slowest"] = row["pipe"] + row["muon_ns"] + row["muon_comm"] + row["tp_sum"]
         worst = row if worst is None or row["slowest"] > worst["slowest"] else worst
@@ -304,20 +311,21 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     the experts' all-reduce over edp) and the optimizer (with Muon's `w["muon_ns"]` and
     `w["muon_comm"]`) to the slowest stage's pipeline time `w`, and the derived figures."""
     p_bytes, g_bytes, _ = state_bytes(layout.amp, layout.grad32)
-    n, buckets = w["n"], math.ceil(w["n"] * g_bytes / (bucket_mb * 2 ** 20))   # DDP's
+    n, buckets, units = w["n"], w["buckets"], w["units"]     # a call each (call_cost.py)
     dp_comm, dp_exposed = 0.0, 0.0       # ZeRO-3's (and ZeRO-2's) is in the pipeline
-    ag = coll("all_gather", n * p_bytes) if layout.zero in (1, 2) else 0.0
+    ag = coll("all_gather", n * p_bytes, units) if layout.zero in (1, 2) else 0.0
     # after the step in full view, or (--overlap-param-gather) behind the next step's first
     # forward, unit by unit, the first (the root: the embedding) never hidden
     ag_exposed = exposed(ag, w["c_f"], cluster.overlap, config.n_layer + 1) \
         if layout.overlap_gather else ag
     if layout.zero == 0:
-        dp_comm = coll("all_reduce", n * g_bytes)
-        dp_exposed = exposed(dp_comm, w["c_b"], cluster.overlap, buckets)
+        dp_comm = coll("all_reduce", n * g_bytes, buckets)      # the last bucket in view:
+        dp_exposed = exposed(dp_comm, w["c_b"], cluster.overlap, buckets,
+                             coll("all_reduce", w["last_bucket"]))
     elif layout.zero == 1:       # a reduce-scatter per unit in the last backward, from hooks
-        rs = coll("reduce_scatter", n * g_bytes)
+        rs = coll("reduce_scatter", n * g_bytes, units)
         dp_comm = rs + ag
-        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, w["units"]) + ag_exposed
+        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + ag_exposed
     elif layout.zero == 2:
         dp_comm, dp_exposed = ag, ag_exposed
     # what of the last backward the dense gradients' hidden communication fills
@@ -325,8 +333,8 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
                             (rs - (dp_exposed - ag_exposed)) if layout.zero == 1 else 0.0)
     shard = math.ceil(n / layout.zero_ranks) if layout.zero else n
     if layout.zero and layout.zero_shard:   # hybrid: the shards averaged across the replicas
-        across = collective_time(cluster, "all_reduce", shard * g_bytes, layout, "replicas",
-                                 comm)
+        across = calls_time(lambda o, b: collective_time(
+            cluster, o, b, layout, "replicas", comm), "all_reduce", shard * g_bytes, units)
         # every stage starts each unit's as its last reduce-scatter lands, under the rest of
         # backward (minidist/zero/zero.py ZeroStage1._land, stage2.py ZeroStage2._finish_oldest)
         hidden = exposed(across, w["c_b"], cluster.overlap, config.n_layer + 1)

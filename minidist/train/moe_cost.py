@@ -56,8 +56,8 @@ experts' in backward (region.shared, one blocking call per tensor: the 4 tensors
 this rank's E/ep experts, every micro-batch), the router's h E (and without --ep the
 experts') by the strategy once a step, in the coalesced all-reduce of the replicated
 gradients after the data-parallel sync (minidist/tp/state.py sum_partial_grads, pieces of
-at most 4 MiB, priced as one all-reduce of their bytes; `sp_summed`; ZeRO: this rank's
-shard of them).
+at most 4 MiB, an all-reduce each, with the dense layer norms, biases and wpe:
+minidist/train/call_cost.py sp_sum; ZeRO: this rank's shard of them).
 Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
@@ -133,7 +133,7 @@ def split_times(config, cluster, layout, b, s, e, stage):
     `stage`, s = this cp rank's tokens: the exchange of each MoE block's routing (ids,
     sums) on tp (SP) and cp, and under SP and --ep the experts' gradient all-reduces (f in
     backward; the router's, and without --ep the experts', are summed once a step:
-    `sp_summed`)."""
+    call_cost.sp_sum)."""
     blocks = stage_moe_blocks(config, layout, stage)
     tp = layout.tp if layout.sp and layout.tp > 1 else 1
     groups = [(axis, tokens) for axis, tokens, on in (("tp", s, tp > 1),
@@ -153,19 +153,6 @@ def split_times(config, cluster, layout, b, s, e, stage):
                    for n, count in sizes.items())
         n_bwd += sum(sizes.values())
     return fwd, bwd, n_fwd, n_bwd
-
-
-def sp_summed(config, layout, stage):
-    """Elements of `stage`'s MoE gradients the strategy sums over tp once a step under SP
-    (minidist/tp/state.py partial_params: the router's h E per MoE block, and without --ep
-    every expert's, which are replicated on the tp ranks; --ep's experts keep f: counted per
-    micro-batch by split_times); 0 without SP. The dense replicated gradients (layer norms,
-    row biases, wpe) ride in the same all-reduce, not priced here (a few h per block)."""
-    if not (layout.sp and layout.tp > 1):
-        return 0
-    blocks = stage_moe_blocks(config, layout, stage)
-    experts = 0 if layout.ep > 1 else sum(n for _, n in _own_experts(config, layout, stage))
-    return blocks * config.n_embd * config.moe_experts + experts
 
 
 def _own_experts(config, layout, stage):

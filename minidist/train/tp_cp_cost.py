@@ -11,12 +11,13 @@ from minidist.cp.ulysses import kv_heads_sent
 from minidist.train.comm_cost import collective_time, p2p_time, span
 
 
-def exposed(comm, window, overlap, units=1):
+def exposed(comm, window, overlap, units=1, last=None):
     """Communication left over after hiding behind `window` seconds of compute: at most
-    overlap x window hides, and never the last of `units` pieces (it starts after compute)."""
+    overlap x window hides, and never the last of `units` pieces (it starts after compute;
+    `last`: its seconds where known, else an equal share)."""
     if comm == 0:
         return 0.0
-    return max(comm - overlap * window, comm / max(1, units))
+    return max(comm - overlap * window, comm / max(1, units) if last is None else last)
 
 
 def ring_block_times(config, layout, b, seq, rate):

@@ -1,0 +1,126 @@
+"""How many collectives the data-parallel sync and sequence parallelism's sum over tp make a
+step, so that the step-time model (minidist/train/cost.py) pays each call's latency.
+
+The alpha-beta cost of one collective is affine in its bytes (minidist/train/comm_cost.py:
+so many ring steps of alpha, plus the bytes over the bandwidth), so n calls whose pieces
+add up to N bytes cost n x one call of N/n bytes, whatever the pieces' sizes (`calls_time`):
+counting the calls is enough. The calls, as training issues them:
+
+- DDP (--ddp overlapped, the default, and bucketed): the stage's gradients in buckets cut by
+  training's own rule (minidist/ddp/sync.py bucket_cuts: --bucket-mb MiB, last tensor
+  first), one all-reduce each (`ddp_buckets`);
+- ZeRO: one collective per unit (cost.zero_units: a block, the root; under a pipeline the
+  end stages' root and tied wte copy): ZeRO-1's and -2's reduce-scatter, ZeRO-1's and -2's
+  all-gather after the step, ZeRO-3's gather of each block and root unit and its
+  reduce-scatter per unit in each backward, hybrid sharding's all-reduce across the
+  replicas (cost.py counts these from zero_units and zero3_cost.py);
+- sequence parallelism (minidist/tp/state.py sum_partial_grads, once a step after the dp
+  sync): the stage's replicated parameters (GPT-2's layer norms, row-parallel biases, wpe,
+  ln_f: 6 L + 3 tensors; a MoE router; without --ep every expert) in model order, in
+  consecutive pieces of at most 4 MiB, a larger tensor alone, one all-reduce over tp each
+  (`sp_sum`; state.piece_cuts). Under ZeRO each rank sums its shard's pieces of them:
+  priced as ceil(shard bytes / 4 MiB) calls.
+Until 2026-12 each of these was priced as one call of all its bytes (and SP's dense
+replicated gradients not at all): at 7B on 64 GPUs, 25 MiB buckets, ~534 DDP calls' latency
+uncounted. Tests: tests/test_plan_vs_runs.py (the runs' traces), tests/test_tp_sp_grads.py.
+"""
+import math
+from dataclasses import replace
+
+from minidist.ddp.sync import bucket_cuts
+from minidist.nn.config import block_param_specs, gpt_param_specs
+from minidist.tp.state import SUM_PIECE_BYTES, piece_cuts
+from minidist.train.planner import local_size
+
+_SPECS = {}                 # (config, tp, pp, ep, stage) -> stage_tensors' answer
+_COUNTS = {}                # ddp_buckets' and sp_sum's answers
+
+
+def calls_time(coll, op, nbytes, n):
+    """Seconds of n calls of `op` that move nbytes together (coll(op, bytes): one call's
+    seconds): n x one call of nbytes / n, exact for any pieces (module docstring)."""
+    return n * coll(op, nbytes / n) if n and nbytes else 0.0
+
+
+def stage_tensors(config, layout, stage):
+    """((name, elements on one rank, whether tp splits it), ...) of `stage`'s parameters in
+    model order (the first stage: wte, wpe, its blocks; the last: its blocks, ln_f, the tied
+    head's copy of wte; pp 1: wte, wpe, the blocks, ln_f), an expert's 1/ep (ep > 1: not
+    every rank holds it); split: fewer elements on a rank than the tensor's (tp >= 2).
+    Cached: the search asks for the same few stages many times."""
+    key = (repr(config), layout.tp, layout.pp, layout.ep, stage)
+    if key not in _SPECS:
+        tp, pp, L = layout.tp, layout.pp, config.n_layer
+        outside = gpt_param_specs(replace(config, n_layer=1, moe_experts=0))
+        kinds = {moe: [(name, shape) for name, (shape, _) in
+                       block_param_specs(config, moe).items()]
+                 for moe in {config.is_moe(i) for i in range(L)}}
+        def held(name, shape):
+            whole = math.prod(shape)
+            mine = whole // layout.ep if ".mlp.experts." in name else \
+                local_size(name, shape, tp)
+            return name, mine, ".mlp.experts." not in name and mine < whole
+        out = []
+        if stage == 0:
+            out += [held(n, s[0]) for n, s in outside.items()
+                    if n in ("transformer.wte.weight", "transformer.wpe.weight")]
+        for i in range(L):
+            if i * pp // L == stage:
+                out += [held(n, s) for n, s in kinds[config.is_moe(i)]]
+        if stage == pp - 1:
+            out += [held(n, s[0]) for n, s in outside.items()
+                    if n.startswith("transformer.ln_f.")]
+            if pp > 1:
+                out.append(held("transformer.wte.weight", (config.vocab_size, config.n_embd)))
+        _SPECS[key] = tuple(out)
+    return _SPECS[key]
+
+
+def _dense(config, layout, stage):
+    """stage_tensors less --ep's experts (their own DDP/ZeRO over edp: moe_cost.py)."""
+    return [t for t in stage_tensors(config, layout, stage)
+            if layout.ep == 1 or ".mlp.experts." not in t[0]]
+
+
+def ddp_buckets(config, layout, stage, g_bytes, bucket_mb):
+    """Bytes of each all-reduce DDP makes a step on `stage` (its dense gradients, `g_bytes`
+    each, cut by minidist/ddp/sync.py bucket_cuts at bucket_mb MiB), last bucket first."""
+    key = ("ddp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes, bucket_mb)
+    if key not in _COUNTS:
+        sizes = [n * g_bytes for _, n, _ in _dense(config, layout, stage)]
+        _COUNTS[key] = tuple(sum(sizes[i] for i in cut) for cut in bucket_cuts(sizes,
+                                                                             bucket_mb))
+    return _COUNTS[key]
+
+
+def sp_sum(config, layout, stage, g_bytes):
+    """(bytes, all-reduces over tp) of sequence parallelism's sum of `stage`'s replicated
+    gradients, once a step (module docstring; minidist/tp/state.py partial_params: the
+    tensors tp does not split, --ep's experts left out); (0, 0) without SP. Under ZeRO this
+    rank's shard of them, ceil(its bytes / 4 MiB) calls."""
+    if not (layout.sp and layout.tp > 1):
+        return 0, 0
+    key = ("sp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes,
+           layout.zero and layout.zero_ranks)
+    if key not in _COUNTS:
+        sizes = [n * g_bytes for _, n, split in _dense(config, layout, stage) if not split]
+        total = sum(sizes)
+        if layout.zero:
+            total = math.ceil(total / layout.zero_ranks)
+            _COUNTS[key] = total, math.ceil(total / SUM_PIECE_BYTES)
+        else:
+            _COUNTS[key] = total, len(piece_cuts(sizes))
+    return _COUNTS[key]
+
+
+def stage_calls(config, layout, stage, g_bytes, bucket_mb):
+    """((DDP's all-reduces, the last one's bytes), SP's (bytes, all-reduces)) a step on
+    `stage`: ddp_buckets' count and last bucket (the first tensors', wte's: in view after
+    backward) and sp_sum, looked up once (cost.py asks for every stage of every layout)."""
+    key = ("stage", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes, bucket_mb,
+           layout.sp, layout.zero and layout.zero_ranks)
+    if key not in _COUNTS:
+        buckets = ddp_buckets(config, layout, stage, g_bytes, bucket_mb)
+        _COUNTS[key] = ((len(buckets), buckets[-1] if buckets else 0),
+                        sp_sum(config, layout, stage, g_bytes))
+    return _COUNTS[key]
