@@ -240,3 +240,18 @@ def test_zero3_gathers_without_a_pipeline_are_the_closed_form():
             assert gathers[0] == ("F", layers)
             assert sum(k for _, k in gathers) == 2 * m * (layers - 2) + 2, (layers, m)
 
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 4, 1), (2, 2, 2)])
+def test_the_calls_tensors_are_the_stages_parameters(tp, pp, ep):
+    """minidist/train/call_cost.py cuts DDP's buckets and SP's pieces from each stage's
+    tensors in model order (stage_tensors): they add up to planner.stage_params for a dense
+    GPT-2, a MoE one (every other block, 4 experts, an expert's 1/ep), a Llama one."""
+    from minidist.train.call_cost import stage_tensors
+    base = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=250)
+    for config in (base, replace(base, moe_experts=4, moe_every=2), replace(base, arch="llama")):
+        if ep > 1 and not config.moe_experts:
+            continue
+        layout = Layout(tp=tp, pp=pp, ep=ep, dp=2 * ep)
+        assert [sum(n for _, n, _ in stage_tensors(config, layout, s)) for s in range(pp)] == \
+            stage_params(config, tp, pp, ep), config
