@@ -305,7 +305,7 @@ def test_the_command_runs_the_bucket_size_the_plan_priced(capsys):
     priced 25 MiB and its command ran training's default, 1 MiB); --bucket-mb 4 prices and
     runs 4; training's own 1 prints no flag, nor does --preset here, whose default it is
     (its plans are checked against runs at 1 MiB), nor a ZeRO row (ZeRO reduce-scatters a
-    unit at a time, cost.zero_units, and training refuses the flag under --zero). The size
+    unit at a time, call_cost.zero_units, and training refuses the flag under --zero). The size
     changes the calls priced (minidist/train/call_cost.py ddp_buckets, training's own cut: 1
     and 4 MiB cut 1.3B's tensors alike, 25 into fewer, so less latency), not this step: its
     last bucket, in view after backward, is the tied wte's alone (196 MiB) at any of these

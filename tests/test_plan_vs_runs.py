@@ -102,12 +102,13 @@ def test_zero3_gathers_under_a_pipeline_are_the_runs(schedule, blocks, mpi, tmp_
 def test_zero12_reduce_scatter_a_unit_at_a_time_as_the_runs(zero, pp, mpi, tmp_path):
     """ZeRO-1 and -2 reduce-scatter each unit's gradients as backward completes it
     (minidist/zero/zero.py, stage2.py), ZeRO-2 in every micro-batch, ZeRO-1 in the step's
-    last: the trace's dp reduce-scatters of a stage, per backward, are cost.zero_units of
+    last: the trace's dp reduce-scatters of a stage, per backward, are call_cost.zero_units of
     them (3 blocks and the root: 4; under pp 2 each stage's 2 blocks, its root part and its
-    copy of the tied wte: 4), the last the root's, their bytes the stage's gradients. The
-    step-time model hides all but one of them (overlap 1, a backward far longer: 1 FLOP/s),
-    so at 1 B/s a backward leaves (N-1)/N of their bytes over the count in view. (Until
-    2026-12 it cut them by DDP's --bucket-mb, which training refuses under ZeRO.)
+    copy of the tied wte: 4), the last the root's (pp 2's last stage: its first block's),
+    their bytes the stage's gradients. The step-time model hides all but the last of them
+    (overlap 1, a backward far longer: 1 FLOP/s), so at 1 B/s a backward leaves (N-1)/N of
+    its bytes in view (call_cost.last_unit; until 2026-12 an equal share of them all; before
+    that cut by DDP's --bucket-mb, which training refuses under ZeRO).
 
         mpiexec -n 2 python examples/train_gpt.py --zero 2 --grad-accum 2 --n-layer 3 \\
             --n-embd 32 --block-size 32 --batch-size 8 --steps 2 --trace T
@@ -132,11 +133,14 @@ def test_zero12_reduce_scatter_a_unit_at_a_time_as_the_runs(zero, pp, mpi, tmp_p
         assert len(calls) == backwards * units, (stage, calls)
         if pp == 1:
             assert calls[units - 1]["args"]["bytes"] == 4 * (256 * 32 + 32 * 32 + 2 * 32)
+        elif stage == 1:                  # its first block's (the head's wte, ln_f first)
+            assert calls[units - 1]["args"]["bytes"] == 4 * 12704
     sent = sum(e["args"]["bytes"] for e in calls[:units]) / 2      # (N-1)/N, the last stage's
+    last = calls[units - 1]["args"]["bytes"] / 2
     if zero == 2:
-        assert plan["zero_in_pipeline"] == pytest.approx(m * sent / units)
+        assert plan["zero_in_pipeline"] == pytest.approx(m * last)
     else:                                          # + the all-gather after the step, in view
-        assert plan["dp_exposed"] == pytest.approx(sent / units + sent)
+        assert plan["dp_exposed"] == pytest.approx(last + sent)
 
 
 @pytest.mark.mpi

@@ -9,11 +9,12 @@ counting the calls is enough. The calls, as training issues them:
 - DDP (--ddp overlapped, the default, and bucketed): the stage's gradients in buckets cut by
   training's own rule (minidist/ddp/sync.py bucket_cuts: --bucket-mb MiB, last tensor
   first), one all-reduce each (`ddp_buckets`);
-- ZeRO: one collective per unit (cost.zero_units: a block, the root; under a pipeline the
+- ZeRO: one collective per unit (zero_units: a block, the root; under a pipeline the
   end stages' root and tied wte copy): ZeRO-1's and -2's reduce-scatter, ZeRO-1's and -2's
   all-gather after the step, ZeRO-3's gather of each block and root unit and its
   reduce-scatter per unit in each backward, hybrid sharding's all-reduce across the
-  replicas (cost.py counts these from zero_units and zero3_cost.py);
+  replicas (cost.py counts these from zero_units and zero3_cost.py); the last unit of a
+  backward, in view after it, priced by its own bytes (`last_unit`), as DDP's last bucket;
 - sequence parallelism (minidist/tp/state.py sum_partial_grads, once a step after the dp
   sync): the stage's replicated parameters (GPT-2's layer norms, row-parallel biases, wpe,
   ln_f: 6 L + 3 tensors; a MoE router; without --ep every expert) in model order, in
@@ -124,3 +125,24 @@ def stage_calls(config, layout, stage, g_bytes, bucket_mb):
         _COUNTS[key] = ((len(buckets), buckets[-1] if buckets else 0),
                         sp_sum(config, layout, stage, g_bytes))
     return _COUNTS[key]
+
+
+def zero_units(layout, layers, stage):
+    """How many units ZeRO cuts a stage's dense parameters into (minidist/zero/flat.py
+    gpt_units), each reduce-scattered on its own as backward completes it (ZeRO-1: in the
+    step's last micro-batch; ZeRO-2: in each): one per block and the root; under a
+    pipeline the first and last stages' root (wpe; ln_f) and their copy of the tied wte,
+    a unit of its own (GPT.tied_copies), the middle stages' blocks only. ZeRO does not
+    bucket: --bucket-mb is DDP's (training refuses it under --zero)."""
+    if layout.pp == 1:
+        return layers + 1
+    return layers + 2 * ((stage == 0) + (stage == layout.pp - 1))
+
+
+def last_unit(layout, stage, root, block):
+    """Elements of the unit ZeRO reduce-scatters last in a backward of `stage`, in view after
+    it (the rest hide behind backward): the root (pp 1: wte, wpe, ln_f, whose gradient the
+    embedding's backward completes last; the first stage: its root part and wte, both
+    completed by the embedding), else the stage's first block (the last stage's wte copy and
+    ln_f complete first, at the head). root, block: their elements."""
+    return root if layout.pp == 1 or stage == 0 else block

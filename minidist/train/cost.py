@@ -69,7 +69,7 @@ from collections import Counter
 
 from minidist.nn.config import attention_weights, mlp_weights
 from minidist.pp.schedule import bubble_fraction
-from minidist.train.call_cost import calls_time, stage_calls
+from minidist.train.call_cost import calls_time, last_unit, stage_calls, zero_units
 from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
@@ -257,15 +257,17 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         # a micro-batch crosses each boundary once per chunk: v sends each way interleaved
         p2p = v * p2p_time(act, p2p_link(cluster, layout)) if layout.pp > 1 else 0.0
         z_f = z_b = filled = 0.0       # filled: backward that ZeRO-2/3's hidden part fills
+        block = (blocks[stage] - sum(experts)) / max(layers, 1)
+        root, units = dense - block * layers, zero_units(layout, layers, stage)
+        last = coll("reduce_scatter", last_unit(layout, stage, root, block) * g_bytes) \
+            if layout.zero in (1, 2) else 0.0                 # ZeRO-1/2's, in view
         if layout.zero >= 3:     # gathers prefetched under compute, a reduce-scatter per unit
             # each forward and backward gathers the blocks not still in their two buffers, the
             # first forward the root too (zero3_cost.py: in the schedule's order, as
             # zero/stage3.py; the runs' traces count the same): --grad-accum M's
             # (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a step (zero/README.md); under 1F1B fewer
             # than GPipe's. t_f, t_b: their mean over the step's micro-batches
-            block = (blocks[stage] - sum(experts)) / max(layers, 1)
-            root, pieces = dense - block * layers, max(layers // v, 1)
-            units = zero_units(layout, layers, stage)       # a call per block and root unit
+            pieces = max(layers // v, 1)               # units: a call per block and root unit
             counts = Counter((kind, k, i == 0) for i, (kind, k) in enumerate(
                 zero3_gathers(schedule, layout.pp, stage, m, layers, v, config.n_layer)))
             for (kind, k, first), times in counts.items():       # (alike ones priced once)
@@ -279,9 +281,8 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                     z_b += times * exposed(raw, c_b / v, cluster.overlap, pieces) / m
                     filled += times * raw / m
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
-            units = zero_units(layout, layers, stage)           # a unit at a time
-            filled = coll("reduce_scatter", dense * g_bytes, units)
-            z_b = exposed(filled, c_b, cluster.overlap, units)
+            filled = coll("reduce_scatter", dense * g_bytes, units)     # a unit at a time,
+            z_b = exposed(filled, c_b, cluster.overlap, units, last)     # the last in view
         calls = stage_calls(config, layout, stage, g_bytes, bucket_mb)   # DDP's, SP's sum
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
@@ -290,7 +291,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,
                    t_f=t_f, t_b=t_b, c_f=c_f, c_b=c_b, filled=filled - z_b,
-                   units=zero_units(layout, layers, stage),
+                   units=units, last_unit=last,
                    buckets=calls[0][0], last_bucket=calls[0][1],
                    bubble=bubble_time(schedule, layout.pp, m, t_f, t_b, v))
         row["pipe"] = m * (t_f + t_b) + row["bubble"]
@@ -325,7 +326,8 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     elif layout.zero == 1:       # a reduce-scatter per unit in the last backward, from hooks
         rs = coll("reduce_scatter", n * g_bytes, units)
         dp_comm = rs + ag
-        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units) + ag_exposed
+        dp_exposed = exposed(rs, w["c_b"], cluster.overlap, units, w["last_unit"]) + \
+            ag_exposed
     elif layout.zero == 2:
         dp_comm, dp_exposed = ag, ag_exposed
     # what of the last backward the dense gradients' hidden communication fills
@@ -363,18 +365,6 @@ def _finish(config, layout, cluster, seq, global_batch, w, coll, bucket_mb, comm
     out["mfu"] = model_flops(config, global_batch, seq) / (
         out["step"] * compute_units(cluster, layout.gpus) * peak * 1e12)
     return out
-
-
-def zero_units(layout, layers, stage):
-    """How many units ZeRO cuts a stage's dense parameters into (minidist/zero/flat.py
-    gpt_units), each reduce-scattered on its own as backward completes it (ZeRO-1: in the
-    step's last micro-batch; ZeRO-2: in each): one per block and the root; under a
-    pipeline the first and last stages' root (wpe; ln_f) and their copy of the tied wte,
-    a unit of its own (GPT.tied_copies), the middle stages' blocks only. ZeRO does not
-    bucket: --bucket-mb is DDP's (training refuses it under --zero)."""
-    if layout.pp == 1:
-        return layers + 1
-    return layers + 2 * ((stage == 0) + (stage == layout.pp - 1))
 
 
 def clip_norm_time(cluster, layout, coll):
