@@ -5,6 +5,7 @@ Table-driven: each row is a case a user hit.
   (under mpiexec too, argparse's own errors included), exit status 2, no traceback;
   --traceback shows it. Output paths (--save, --log-json, --trace) are checked before step 0
   (BAD_FLAGS, UNDER_MPIEXEC).
+- Each range's edge is accepted: the limit an error line names (EDGES).
 - --help shows the defaults.
 
 The rest of the command line: tests/test_cli_ranks.py (the layout and the ranks),
@@ -104,6 +105,7 @@ BAD_FLAGS = [
     (["--n-embd", "130"], "--n-embd 130 does not split into --n-head 4 heads"),
     # the --moe-* flags by their names (they were GPTConfig's field names, after MPI started)
     (["--moe-experts", "1"], "--moe-experts 1: 0 (a dense model) or at least 2 experts"),
+    (["--moe-experts", "-1"], "--moe-experts -1: 0 (a dense model) or at least 2 experts"),
     (["--moe-experts", "4", "--moe-top-k", "0"], "--moe-top-k 0: experts per token, from 1 to "
      "--moe-experts 4"),
     (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5: experts per token"),
@@ -253,6 +255,34 @@ def test_a_new_run_does_not_replace_another_runs_log_unless_told(tmp_path):
     check_flags(train_parser().parse_args(["--log-json", str(log), "--overwrite"]))
     log.write_text("")
     check_flags(train_parser().parse_args(["--log-json", str(log)]))
+
+
+# each range's edge, accepted: the value an error message names as the limit, or says is
+# allowed (mutation testing: `>` for `>=` in these checks refused them, and nothing failed)
+EDGES = [
+    ["--stop-at", "10", "--steps", "10"],               # "past --steps": equal is not past
+    ["--warmup", "10", "--steps", "10"],                # "more than --steps"
+    ["--lr-schedule", "wsd", "--steps", "100", "--decay-steps", "95"],   # "give at most 95"
+    ["--min-lr", "0"],                                  # "between 0 and --lr"
+    ["--min-lr", "0.004", "--lr", "0.004"],
+    ["--warmup", "0"], ["--sample", "0"], ["--eval-every", "0"], ["--comm-timeout", "0"],
+    ["--save-every", "0"], ["--dropout", "0"], ["--beta1", "0"], ["--grad-clip", "0"],
+    ["--moe-experts", "4", "--moe-top-k", "4"],          # "from 1 to --moe-experts 4"
+    ["--moe-experts", "4", "--moe-every", "4", "--n-layer", "4"],   # "to --n-layer 4"
+    ["--moe-experts", "2", "--moe-capacity-factor", "0"],           # "0: no dropping"
+]
+
+
+@pytest.mark.parametrize("flags", EDGES, ids=[" ".join(f) for f in EDGES])
+def test_each_ranges_edge_is_accepted(flags):
+    check_flags(train_parser().parse_args(flags))
+
+
+def test_a_log_beside_save_whose_name_starts_with_it_is_not_inside(tmp_path):
+    """--save ck --log-json ck-log.jsonl: the log is beside the folder, not in it (a prefix
+    of the path is not a parent folder)."""
+    check_flags(train_parser().parse_args(["--save", str(tmp_path / "ck"), "--log-json",
+                                           str(tmp_path / "ck-log.jsonl")]))
 
 
 def test_help_shows_defaults_and_documents_save_and_resume_auto():
