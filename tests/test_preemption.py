@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from minidist.strategy import checkpoint_dirs
+from minidist.train import preemption
 from tests.mpirun import ROOT, device_flags, mpi_env, mpiexec, rank_pids, run_job
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -189,6 +191,42 @@ def test_sigterm_while_the_ranks_tokenize_exits_75(tmp_path, device, signalled):
     assert not list(cache.glob(".build-*")), list(cache.iterdir())     # nothing half-written
     if signalled != "rank 1":         # (signalled alone, rank 1 waits 2 s before its abort:
         assert not list(cache.glob("*/meta.json"))   # rank 0 may finish the cache meanwhile)
+
+
+@pytest.mark.mpi
+def test_sigterm_to_one_rank_in_the_loop_stops_every_rank_at_one_step(corpus, tmp_path,
+                                                                       device):
+    """    mpiexec -n 2 python examples/train_gpt.py --steps 100000 --save ck ..., then
+    `kill -TERM` of rank 1 alone while it trains: the step boundary's agreement
+    (strategy.any_rank, an all-reduce max) stops both ranks after the same step, which is
+    saved; exit 75, and rank 0's line names a signal on another rank. (Mutation testing: an
+    all-reduce min there, every rank signalled, passed every test, which all signalled the
+    whole job or landed before the loop.)"""
+    log, save, out_path = str(tmp_path / "log.jsonl"), str(tmp_path / "ck"), tmp_path / "out"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "examples/train_gpt.py", *TINY,
+           *device_flags(device), "--data", corpus, "--cache-dir", str(tmp_path / "cache"),
+           "--steps", "100000", "--save", save, "--log-json", log]
+    def stepping(proc):
+        return os.path.exists(log) and sum(1 for _ in open(log)) >= 3
+    rc, said = _signal_when(cmd, out_path, stepping, _sigterm("rank 1"))
+    assert rc == 75, (rc, said[-2000:])
+    done = [json.loads(line)["step"] for line in open(log)][-1] + 1
+    assert f"preempted (SIGTERM or SIGUSR1 on another rank) after step {done}: saved" in said
+    assert checkpoint_dirs.numbered(save) == [f"step-{done:08d}"], said[-2000:]
+
+
+def test_a_second_ctrl_c_is_a_keyboard_interrupt():
+    """The loop's Flag notes the first Ctrl-C (the run stops and saves at the step boundary)
+    and gives the next one back to Python: a KeyboardInterrupt, which run_main makes one
+    line and exit 130, for a step that does not end. In this process, its handlers given
+    back after (handlers_kept)."""
+    with preemption.handlers_kept():
+        flag = preemption.Flag()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.is_set() and flag.interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)                   # (the handler runs before this ends)
 
 
 def _takes_sigterm(pid):
