@@ -83,9 +83,36 @@ def test_avg_on_integers_and_a_list_as_buffer_are_clear_errors(one_rank):
         one_rank.all_reduce([1.0, 2.0])
     with pytest.raises(TypeError, match=r"not a list"):
         one_rank.all_to_all([1.0], [1.0])
+    with pytest.raises(ValueError, match=r"all_reduce: avg needs a floating buffer .* not bool"):
+        one_rank.all_reduce(np.ones(4, dtype=bool), op="avg")
     buf = np.arange(4, dtype=np.int64)
     one_rank.all_reduce(buf, op="sum")        # integers are fine for the other ops
     assert buf.tolist() == [0, 1, 2, 3]
+
+
+def test_a_chunk_of_another_dtype_is_a_clear_error(one_rank):
+    """reduce_scatter's `out` and all_gather's `inp` must be of the whole buffer's dtype
+    (checks.check_chunk): refused before any byte moves, not cast on the way."""
+    with pytest.raises(ValueError, match=r"reduce_scatter: out and inp dtypes differ "
+                                         r"\(float32 vs float64\)"):
+        one_rank.reduce_scatter(np.zeros(4, np.float32), np.zeros(4, np.float64))
+    with pytest.raises(ValueError, match=r"all_gather: out and inp dtypes differ"):
+        one_rank.all_gather(np.zeros(4, np.float64), np.zeros(4, np.float32))
+
+
+def test_an_unset_wait_variable_keeps_a_policy_set_in_code():
+    """progress.policy_from_env (comm.init) sets MINIDIST_COMM_WAIT's policy where it is set;
+    unset, a set_wait_policy("poll") made before stays (as debug.enable_from_env keeps an
+    enable())."""
+    from minidist.comm import progress
+    try:
+        progress.set_wait_policy("poll")
+        progress.policy_from_env({})
+        assert progress.wait_policy() == "poll"
+        progress.policy_from_env({"MINIDIST_COMM_WAIT": "block"})
+        assert progress.wait_policy() == "block"
+    finally:
+        progress.set_wait_policy("block")
 
 
 def test_an_mpi_error_in_a_collective_names_the_call():
