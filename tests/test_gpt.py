@@ -154,6 +154,18 @@ def test_dropout_masks_are_seeded_and_off_in_eval(device):
     assert model(x, y)[1].item() == model(x, y)[1].item()
 
 
+def test_top_k_draws_from_the_k_largest_logits_only():
+    """sample(): top_k 2 of logits 0, 1, 2, 3 draws tokens 2 and 3 alone, both; top_k 1 is
+    the argmax; temperature 0 the argmax whatever top_k."""
+    from minidist import backend
+    from minidist.nn.sampling import sample
+    logits = np.array([[0.0, 1.0, 2.0, 3.0]] * 400)
+    assert set(sample(logits, 1.0, 2, backend.rng(0)).tolist()) == {2, 3}
+    assert set(sample(logits, 1.0, 1, backend.rng(0)).tolist()) == {3}
+    assert set(sample(logits, 0, 2, backend.rng(0)).tolist()) == {3}
+    assert set(sample(logits, 1.0, None, backend.rng(0)).tolist()) == {0, 1, 2, 3}
+
+
 def test_bad_input_is_a_clear_error(device):
     model = GPT(TINY)
     with pytest.raises(ValueError, match="exceeds block_size"):
