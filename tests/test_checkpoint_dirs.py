@@ -224,6 +224,21 @@ def test_a_lock_released_under_a_waiting_run_is_no_claim(tmp_path):
     assert not (d / ".lock").exists()
 
 
+def test_a_lock_left_by_a_killed_run_names_only_the_new_holder(tmp_path):
+    """A .lock a killed run left (never released) holds its line; the next run's hold()
+    replaces that line with its own, so a third run's refusal names the run that holds it,
+    not the dead one first."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / ".lock").write_text("deadhost, pid 1, since 2026-01-01 00:00:00\n")
+    held = save_lock.hold(str(d))
+    try:
+        text = (d / ".lock").read_text()
+        assert "deadhost" not in text and text.count("\n") == 1 and f"pid {os.getpid()}" in text
+    finally:
+        save_lock.release(held)
+
+
 @pytest.mark.parametrize("held", [b"", b"\x00" * 14, b"\x00\xff junk", b"the newest\n"])
 def test_a_damaged_latest_is_one_error_naming_the_folders_left(tmp_path, held):
     """`latest` emptied, zeroed by a crash, holding bytes that are not UTF-8 (first-use walk
