@@ -149,6 +149,10 @@ def test_zero_paper_arithmetic():
     assert memory.zero_model_states(P_, 4, 2, amp=True) == {
         "params": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
     assert memory.zero_model_states(P_, 4, 3, amp=True)["total"] == 16 * P_ // 4
+    assert memory.zero_model_states(1001, 4, 3) == {       # a shard is ceil(P / N): 251
+        "params": 4 * 251, "grads": 4 * 251, "optimizer": 8 * 251, "total": 16 * 251}
+    assert memory.zero_model_states(P_, 4, 1, amp=True, grad_bytes=4) == {  # --grad-dtype
+        "params": 2000, "grads": 4000, "optimizer": 3000, "total": 9000}    # float32
 
 
 @pytest.mark.cpu_only("examples/zero_walkthrough.py simulates the ranks on numpy by design")
