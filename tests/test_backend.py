@@ -109,7 +109,9 @@ LAUNCHERS = [
       "SLURM_STEP_NUM_TASKS": "11"}, (1, 3), 11),                           # srun, node 2
     ({"SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_TASKS": "2",
       "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4", "PMI_SIZE": "4"}, (1, 4), 4),  # mpirun
-]                                                                           # inside an sbatch
+    # (inside an sbatch); a local rank without its size: at least rank + 1 on the node
+    ({"MV2_COMM_WORLD_LOCAL_RANK": "2"}, (2, 3), 1),
+]
 
 
 @pytest.mark.parametrize("env,local,world", LAUNCHERS)
