@@ -200,7 +200,8 @@ def check_mpi_nonblocking(world):
 def check_debug_mismatch(world):
     """Different sizes, then different ops, then an object collective on rank 0 against an
     array one elsewhere (first-use walk 43: the object one skipped the check and both waited
-    for ever): CollectiveMismatch on every rank, naming ranks."""
+    for ever), then broadcasts from different roots: CollectiveMismatch on every rank,
+    naming ranks."""
     if world.size == 1:
         return
     debug.enable()
@@ -208,7 +209,8 @@ def check_debug_mismatch(world):
     for call in (lambda: world.all_reduce(np.ones(n)),
                  lambda: (world.all_reduce if world.rank == 0 else world.broadcast)(np.ones(10)),
                  lambda: world.all_gather_object(1) if world.rank == 0
-                 else world.all_reduce(np.ones(1))):
+                 else world.all_reduce(np.ones(1)),
+                 lambda: world.broadcast(np.ones(10), root=0 if world.rank == 0 else 1)):
         try:
             call()
             raise AssertionError("debug mode let a mismatched collective through")
