@@ -182,3 +182,19 @@ def test_a_best_edited_by_hand_is_replaced_and_said(corpus, tmp_path, device):
                   tmp_path, device)
     assert f"note: removed {ck}/best (not as --keep-best writes it" in said, said[-2000:]
     assert best_checkpoint.read(ck)[0] == "step-00000003"
+
+
+@pytest.mark.mpi
+def test_a_resume_from_the_best_step_itself_keeps_the_best(corpus, tmp_path, device):
+    """A --keep-best run whose best is the step it was stopped at: the resumed run takes that
+    best over (its step is the resumed one, so its val loss is of this run's past), keeps
+    it where no evaluation beats it, and says nothing of removing it. (Mutation testing: a
+    resume counted only a best before the resumed step, passing every test.)"""
+    ck = str(tmp_path / "ck")
+    _train(1, [*TINY, "--save", ck, "--keep", "0", "--keep-best", "--stop-at", "2"], corpus,
+           tmp_path, device)
+    best_checkpoint.mark(ck, "step-00000002", 0.0)      # unbeatable: no later one replaces it
+    said = _train(1, ["--resume", ck, "--save", ck, "--stop-at", "3", "--sample", "0"], corpus,
+                  tmp_path, device)
+    assert "note: removed" not in said, said[-2000:]
+    assert best_checkpoint.read(ck) == ("step-00000002", 0.0)
