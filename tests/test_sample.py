@@ -87,6 +87,30 @@ def test_every_strategy_gathers_to_the_one_process_model(corpus, tmp_path, mpi):
         assert _sample(device, "--resume", save, *greedy).stdout == text, flags
 
 
+@pytest.mark.mpi
+def test_an_amp_checkpoint_gathers_its_float32_masters(corpus, tmp_path):
+    """--amp saves 16-bit parameters and the optimizer's float32 masters they were rounded
+    from: whole_model takes the masters (the 16-bit copies lose the low bits of every
+    weight). Mutation testing: whole_model returning the 16-bit parameters passed every
+    test.
+
+        python examples/train_gpt.py --amp --steps 3 --save ck ...
+    """
+    from minidist.strategy import checkpoint, checkpoint_dirs
+    ck = tmp_path / "ck"
+    flags = [f for f in TINY if f not in ("--dtype", "float64")]
+    run_job([sys.executable, "examples/train_gpt.py", *flags, "--amp", "--data", corpus,
+             "--cache-dir", str(tmp_path / "cache"), "--save", str(ck)], timeout=180)
+    _, whole, _ = whole_model(ck)
+    params, opt_state, _ = checkpoint.load(checkpoint_dirs.resolve(str(ck)))
+    masters = {n: s["master"] for n, s in opt_state["state"].items() if "master" in s}
+    assert set(masters) == set(params) == set(whole)
+    for name, master in masters.items():
+        assert whole[name].dtype == np.float32 and params[name].dtype == np.float16, name
+        assert np.array_equal(whole[name], master), name
+    assert any(not np.array_equal(whole[n], params[n].astype(np.float32)) for n in params)
+
+
 def test_a_gpt2_folder_with_byte_vocabulary_samples(tmp_path, device):
     """A GPT-2 folder (config.json + model.safetensors) with minidist's byte vocabulary loads
     and samples; one with GPT-2's BPE is refused (tests/test_cli_examples.py, SAMPLE_BAD)."""
