@@ -74,6 +74,10 @@ def test_hier_bytes_by_hand():
     # rank 0 (local 0, owns 5): RS sends chunk 1 (4), AR of 5 over 2 nodes sends 2 + 3
     # (chunk_bounds(5, 2) = 3, 2: sends the other's 2, then forwards 3), AG sends chunk 0 (5)
     assert hier_bytes(9, 1, 0, [0, 1, 2, 3], 2) == 4 + (2 + 3) + 5
+    # 3 nodes x 2, 7 elements: the across-node ring's member is the node's place, not the
+    # local index (its 4-element chunk over 3 nodes sends 5, 6 and 5 by place)
+    assert [hier_bytes(7, 1, m, list(range(6)), 2) for m in range(6)] == [
+        3 + 5 + 4, 4 + 4 + 3, 3 + 6 + 4, 4 + 4 + 3, 3 + 5 + 4, 4 + 4 + 3]
 
 
 @pytest.mark.mpi
