@@ -99,10 +99,12 @@ def test_a_planner_piped_into_head_ends_quietly(script):
     was a BrokenPipeError traceback once head had its line; now no traceback (status 141,
     as a shell tool killed by SIGPIPE, where the table did not fit the pipe's buffer)."""
     more = " --top 200" if script == "plan" else ""                # a table past 64 KiB
-    out = subprocess.run(f"{sys.executable} examples/{script}.py --params 7e9 --gpus 64{more}"
-                         " | head -c 10", shell=True, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(["bash", "-c", "set -o pipefail; " + sys.executable +
+                          f" examples/{script}.py --params 7e9 --gpus 64{more} | head -c 10"],
+                         capture_output=True, text=True, timeout=120)
     assert out.stdout == "model: 7.0" and out.stderr == "", out.stderr
+    if more:                     # (past the pipe's buffer the planner is sure to meet EPIPE)
+        assert out.returncode == 141, out.returncode      # pipefail: the planner's status
 
 
 def test_the_printed_command_carries_what_the_plan_was_priced_with():
