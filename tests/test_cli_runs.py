@@ -72,6 +72,10 @@ RUNS = [
      [f"model: {_WHOLE:,} parameters ("], []),
     ("PP: the whole model and this rank's share", 2, [], ["--pp", "2"], 0,
      [f"model: {_WHOLE:,} parameters ("], []),
+    # dp rank 1 does not sample and asks for a signal as often: 17 tokens, two agreements
+    # each (end_sample.SAMPLE_AGREE 16; one asked fewer there left rank 0 waiting for ever)
+    ("the end's sample ends on a rank that does not sample", 2, [], ["--sample", "17"], 0,
+     ["---- sample ----"], []),
 ]
 
 
