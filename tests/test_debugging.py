@@ -151,6 +151,17 @@ def test_rankpdb_bad_script_is_one_line():
 
 
 @pytest.mark.mpi
+def test_rankpdb_a_rank_the_job_lacks_is_one_line():
+    """mpiexec -n 2 python -m minidist.comm.rankpdb --rank 2 script.py: no rank 2 to stop
+    in pdb, so one error line naming the ranks there are, exit 2 (not the script run with
+    no debugger)."""
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            "--rank", "2", "tests/scripts/sync_comm_check.py"], [], timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and errors == ["error: --rank 2: this job has ranks 0 to 1"], (rc, out, err)
+
+
+@pytest.mark.mpi
 def test_attach_clear_asks_on_the_console():
     """`cl` with no argument asks "Clear all breaks?" on the attach console, not on rank 1's
     stdin; the answer clears the breakpoint, and `c` runs the job to its end. By hand:
