@@ -21,7 +21,7 @@ counting the calls is enough. The calls, as training issues them:
   consecutive pieces of at most 4 MiB, a larger tensor alone, one all-reduce over tp each
   (`sp_sum`; state.piece_cuts). Under ZeRO each rank sums its shard's pieces of them:
   priced as ceil(shard bytes / 4 MiB) calls.
-Until 2026-12 each of these was priced as one call of all its bytes (and SP's dense
+Until 2026-11-29 each of these was priced as one call of all its bytes (and SP's dense
 replicated gradients not at all): at 7B on 64 GPUs, 25 MiB buckets, ~534 DDP calls' latency
 uncounted. Tests: tests/test_plan_vs_runs.py (the runs' traces), tests/test_tp_sp_grads.py.
 """
