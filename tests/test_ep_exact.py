@@ -133,7 +133,9 @@ def test_moe_on_split_sequences_is_exact(mpi):
     dp 2, with --dropout 0.1, with ZeRO-3; ep 2 x tp 2), context parallelism (cp 2 x dp 2
     zig-zag and naive, with --dropout 0.1 and --ckpt-activations, ZeRO-3 with grad-accum 2;
     ep 2 x cp 2, naive with dropout, ZeRO-1 saved and resumed, float16 --amp (to its
-    rounding, check_amp_row); cp 2 x pp 2), and cp 2 x tp 2 x SP, against one process in float64
+    rounding, check_amp_row); cp 2 x pp 2), cp 2 x tp 2 x SP, and ep 2 x tp 2 x SP with ZeRO-1,
+    ZeRO-3 + grad-accum 2 and float16 --amp (DDP, ZeRO-1; the experts' partial gradients
+    summed over tp once a step, after their sync), against one process in float64
     (1e-10: losses with the aux and z losses, grad norms, every parameter); the same
     (token, expert) assignments dropped at capacity factor 1 (some are), the exchange's bytes
     as split_calls counts them.
@@ -142,7 +144,9 @@ def test_moe_on_split_sequences_is_exact(mpi):
     """
     runs = ["ep1xcp2", "ep1xcp2+naive", "ep1xcp2+drop+recompute", "ep1xtp2+sp+drop",
             "ep1xtp2+sp+zero3", "ep1xcp2+zero3+accum", "ep2xcp2", "ep2xcp2+naive+drop",
-            "ep2xcp2+zero1+ckpt", "ep2xcp2+amp", "ep2xtp2+sp", "ep1xcp2xtp2+sp", "ep1xcp2xpp2"]
+            "ep2xcp2+zero1+ckpt", "ep2xcp2+amp", "ep2xtp2+sp", "ep1xcp2xtp2+sp", "ep1xcp2xpp2",
+            "ep2xtp2+sp+zero1", "ep2xtp2+sp+zero3+accum", "ep2xtp2+sp+amp",
+            "ep2xtp2+sp+zero1+amp"]
     out = mpi(4, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     check_split_rows(tagged_json(out, "RESULT"), runs)
 
@@ -151,12 +155,15 @@ def test_moe_on_split_sequences_is_exact(mpi):
 @pytest.mark.slow
 @pytest.mark.cpu_only("ep_check.py's reference runs on numpy")
 def test_moe_on_split_sequences_8_ranks_is_exact(mpi):
-    """ep 2 x cp 2 x tp 2 with SP (DDP; ZeRO-3 with --dropout 0.1) and ep 2 x cp 2 x dp 2
-    (ZeRO-2, saved and resumed) on 8 ranks, against one process in float64.
+    """ep 2 x cp 2 x tp 2 with SP (DDP; ZeRO-3 with --dropout 0.1), ep 2 x cp 2 x dp 2
+    (ZeRO-2, saved and resumed), and ep 2 x tp 2 x dp 2 with SP, the experts' replicas edp 2
+    (DDP; ZeRO-2; ZeRO-1 hybrid --zero-shard 2 under float16 --amp) on 8 ranks, against one
+    process in float64 (--amp: to its rounding).
 
         mpiexec -n 8 python tests/scripts/ep_check.py --runs ep2xcp2xtp2+sp,...
     """
-    runs = ["ep2xcp2xtp2+sp", "ep2xcp2xtp2+sp+zero3+drop", "ep2xcp2xdp2+zero2+ckpt"]
+    runs = ["ep2xcp2xtp2+sp", "ep2xcp2xtp2+sp+zero3+drop", "ep2xcp2xdp2+zero2+ckpt",
+            "ep2xtp2xdp2+sp", "ep2xtp2xdp2+sp+zero2", "ep2xtp2xdp2+sp+zero1+zs2+amp"]
     out = mpi(8, "tests/scripts/ep_check.py", "--runs", ",".join(runs), timeout=300)
     check_split_rows(tagged_json(out, "RESULT"), runs)
 

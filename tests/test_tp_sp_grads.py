@@ -14,7 +14,8 @@ from mpirun import tagged_json
 
 RUNS = ["tp2xdp2+sp", "tp2xdp2+sp+accum2", "tp2xdp2+zero1+sp", "tp2xdp2+zero3+sp+accum2",
         "tp2xdp2+sp+amp", "tp2xdp2+sp+bf16+fp32grads", "tp2xdp2+sp+llama", "tp2xcp2+sp",
-        "pp2xtp2+sp"]
+        "pp2xtp2+sp", "ep2xtp2+sp", "ep2xtp2+zero1+sp", "ep2xtp2+zero3+sp+accum2",
+        "ep2xtp2+sp+amp"]
 
 
 @pytest.mark.mpi
@@ -24,7 +25,12 @@ def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
     (DDP, grad-accum 2, ZeRO-1, ZeRO-3 + grad-accum 2, float16 --amp, bfloat16 with float32
     gradients, Llama blocks, cp 2, a 2-stage pipeline) each rank makes exactly one per step
     besides the clip's and the cross-entropy's, in the gradients' dtype, of the same bytes
-    (under ZeRO each dp rank its shards' pieces, together the same bytes). The step-time
+    (under ZeRO each dp rank its shards' pieces, together the same bytes). Under --ep (ep 2 x
+    tp 2, 4 experts: DDP, ZeRO-1, ZeRO-3 + grad-accum 2, float16 --amp) this rank's 2 experts'
+    16 tensors join that call after their sync over edp (ZeRO: the pieces of the experts'
+    own shards): until 2026-11-29 they were all-reduced by f in backward, 16 calls a
+    micro-batch (34048 B) besides the one sum of the dense ones (1792 B); now one call of
+    35840 B, the same bytes. The step-time
 model prices that call and its bytes (minidist/train/call_cost.py sp_sum; until 2026-12 the
 dense replicated gradients were not priced at all):
 
@@ -39,6 +45,12 @@ dense replicated gradients were not priced at all):
         assert len(ranks) == 4
         for r in ranks:
             assert [s["sums"] for s in r["steps"]] == [1, 1], (name, r)
+        if name.startswith("ep2"):     # 15 dense + 2 experts x 4 tensors x 2 blocks
+            half = "+amp" in name
+            assert all(r["params"] == 15 + 16 and r["experts"] == 16 for r in ranks), ranks
+            assert all(r["whole_bytes"] == (35840 // (2 if half else 1)) ==
+                       r["expert_bytes"] + 1792 // (2 if half else 1) for r in ranks), ranks
+            continue
         if "pp2" in name:              # each stage its own parameters: 1 block (+ wpe, ln_f)
             assert sorted(r["params"] for r in ranks) == [7, 7, 8, 8], (name, ranks)
             continue

@@ -28,6 +28,7 @@ Tests: tests/scripts/ep_check.py (runs ep2xdp2+zero1/2/3, ep2xtp2+zero*, +amp, +
 tests/test_ep_exact.py.
 """
 from minidist.optim.clip import clip_grad_norm
+from minidist.tp.state import unscaled_sum_sq
 from minidist.zero.flat import FlatUnit
 from minidist.zero.engine import zero_engine
 from minidist.zero.strategy import sharded_optimizer
@@ -80,16 +81,20 @@ class DenseAndExperts:
         self.experts.zero_grad()
 
     def clip_grad_norm(self, max_norm, sum_sq_across_ranks=None):
-        """The dense shards' clip (their sum of squares -> the strategy's global one, which
-        adds the expert shards'), then the expert shards scaled by the same norm (--amp:
-        given the same factor). Returns the norm."""
+        """The dense shards' clip (their sum of squares, the expert shards' added, -> the
+        strategy's global one), then the expert shards scaled by the same norm (--amp: given
+        the same factor). This rank's sum holds every array it steps with, as the strategies'
+        reduce_sum_sq take it (under --tp, TensorParallel subtracts the replicated ones,
+        experts included, to count them once over tp). Returns the norm."""
+        shards = [u.grad_shard for u in self.experts.engine.units]
+
         def global_sum_sq(local):
-            self._total = sum_sq_across_ranks(local)
+            experts = unscaled_sum_sq(shards, self.amp)
+            self._total = sum_sq_across_ranks(local + experts)
             return self._total
         norm = self.dense.clip_grad_norm(max_norm, global_sum_sq)
         if self.amp is None:
-            clip_grad_norm([u.grad_shard for u in self.experts.engine.units], max_norm,
-                           lambda _: self._total)
+            clip_grad_norm(shards, max_norm, lambda _: self._total)
         else:
             self._factor = self.amp.scaler.verdict(norm, max_norm)[1]
         return norm

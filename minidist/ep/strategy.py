@@ -188,24 +188,41 @@ class ExpertParallel(ModelParallel):
                 p.grad = xp_of(p.data).zeros(p.shape, p.grad_dtype)
             p.grad /= dense
 
+    def local_grads(self, params):
+        """The arrays this rank's optimizer reads as `params`' gradients after sync_grads:
+        the dense ones inner's (.grad, or ZeRO's pieces of its shards); this rank's experts'
+        under DDP their .grad (summed over edp), under ZeRO the pieces of the experts'
+        engine's gradient shards over edp (minidist/ep/optim.py), which inner's flat shards
+        leave out. Cut alike on every tp rank (the experts are not split by tp), so
+        TensorParallel's coalesced sum over tp under --sequence-parallel reaches them too
+        (minidist/tp/state.py partial_params)."""
+        if not self._zero():
+            return self.inner.local_grads(params)
+        experts = [p for p in params if p.expert_parallel]
+        return (self.inner.local_grads([p for p in params if not p.expert_parallel])
+                + (self.expert_engine.grad_pieces(experts) if experts else []))
+
     def reduce_sum_sq(self, local):
         """The global sum of squares, each expert counted once, unscaled in float32 under
-        --amp as the optimizer sums. ZeRO: `local` is its dense shards'; with the expert
-        shards' added, inner sums over D = ep x edp (each element once). Hybrid sharding
-        (--zero-shard): the dense shards repeat in every shard group, so inner sums them
-        over its shard group, and the experts' shards (ZeRO-1 over edp) are summed over D
-        apart. DDP: `local`
+        --amp as the optimizer sums. ZeRO: `local` is its dense shards' and its expert
+        shards' (DenseAndExperts adds them: every array local_grads gives is in it, as
+        TensorParallel's clip expects); inner sums it over D = ep x edp (each element once).
+        Hybrid sharding (--zero-shard): the dense shards repeat in every shard group, so
+        inner sums them over its shard group, and the experts' shards (ZeRO-1 over edp) are
+        summed over D apart. DDP: `local`
         counts the dense gradients (equal on every rank) and this rank's experts: one sum
         over ep of dense / ep + experts, so that every rank gets the same bits (the
         replicas' clip factors, so their parameters, stay bit-identical: a checkpoint holds
         one copy)."""
         if self._zero():
-            shards = [u.grad_shard for u in self.expert_engine.units]
-            experts = unscaled_sum_sq(shards, self.amp)
             if self.inner.replicas is None:   # every rank's shards, each once: one sum over D
-                return self.inner.reduce_sum_sq(local + experts)
+                return self.inner.reduce_sum_sq(local)
+            experts = unscaled_sum_sq([u.grad_shard for u in self.expert_engine.units],
+                                      self.amp)
+            with np.errstate(invalid="ignore"):     # --amp: inf - inf is nan, an overflow
+                dense = local - experts
             like = self.inner.engine.units[0].param_shard
-            return (self.inner.reduce_sum_sq(local)
+            return (self.inner.reduce_sum_sq(dense)
                     + all_reduce_number(self.inner.group, experts, "sum", like))
         mine = unscaled_sum_sq([p.grad for p in self.experts], self.amp)
         # a pipeline stage may hold no MoE block (--moe-every): no experts, the same sum

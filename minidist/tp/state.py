@@ -29,17 +29,16 @@ from minidist.strategy.base import all_reduce_number
 
 def partial_params(model, sequence_parallel):
     """Under sequence parallelism, the replicated parameters (layer norms, row-parallel
-    biases, ln_f, wpe, an MoE router, and without --ep every expert: GPT-2's 6 L + 3
-    dense ones, Llama's 2 L + 1) whose gradients `model`'s region leaves partial in
-    backward (region.leave_partial, told here), for the strategy to sum over tp once a step
-    (sum_partial_grads); [] without it. Call it once
-    the data-parallel strategy holds the model (after inner.wrap): under --ep the experts
-    are marked `expert_parallel` then, and keep f (their gradients, summed in backward):
-    after the step's sync they live in the expert strategy's own ZeRO-1 shards over edp
-    (minidist/ep/optim.py), which the `local_grads` this sum reads does not reach."""
+    biases, ln_f, wpe, an MoE router, and its experts, replicated over tp with or without
+    --ep: GPT-2's 6 L + 3 dense ones, Llama's 2 L + 1) whose gradients `model`'s region
+    leaves partial in backward (region.leave_partial, told here), for the strategy to sum
+    over tp once a step (sum_partial_grads, on its inner's local_grads of them: under --ep
+    the experts' are ExpertParallel's, their DDP's .grad over edp or the pieces of its
+    ZeRO-1 shards, minidist/ep/optim.py); [] without it. Call it once the data-parallel
+    strategy holds the model (after inner.wrap)."""
     if not sequence_parallel:
         return []
-    params = [p for p in model.parameters() if p.tp_split is None and not p.expert_parallel]
+    params = [p for p in model.parameters() if p.tp_split is None]
     model.region.leave_partial(params)
     return params
 

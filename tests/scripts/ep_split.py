@@ -33,6 +33,17 @@ SPLIT = {"ep1xtp2+sp": ["--tp", "2", "--sequence-parallel"],
          "ep2xcp2xtp2+sp+zero3+drop": ["--cp", "2", "--tp", "2", "--sequence-parallel",
                                        "--zero", "3", "--dropout", "0.1"],
          "ep2xcp2xdp2+zero2": ["--cp", "2", "--dp", "2", "--zero", "2"]}
+# --ep's experts' partial gradients summed over tp once a step under SP, on the arrays each
+# of its syncs leaves (DDP's .grad over edp, ZeRO-1's shards over edp; 8 ranks: edp 2)
+SP = ["--tp", "2", "--sequence-parallel"]
+AMP = ["--amp", "--dtype", "float32"]          # float16 loss scaling (numpy: emulated)
+SPLIT.update({"ep2xtp2+sp+zero1": [*SP, "--zero", "1"],
+              "ep2xtp2+sp+zero3+accum": [*SP, "--zero", "3", "--grad-accum", "2"],
+              "ep2xtp2+sp+amp": [*SP, *AMP], "ep2xtp2+sp+zero1+amp": [*SP, "--zero", "1", *AMP],
+              "ep2xtp2xdp2+sp": [*SP, "--dp", "2"],                               # 8 ranks
+              "ep2xtp2xdp2+sp+zero2": [*SP, "--dp", "2", "--zero", "2"],
+              "ep2xtp2xdp2+sp+zero1+zs2+amp": [*SP, "--dp", "2", "--zero", "1",
+                                               "--zero-shard", "2", *AMP]})
 
 
 def split_traffic(args, config, strategy):

@@ -56,6 +56,12 @@ RUNS = {"tp2xdp2+sp": ["--dp", "2"],
         "tp2xdp2+sp+llama": ["--dp", "2", "--arch", "llama"],
         "tp2xcp2+sp": ["--cp", "2"],
         "pp2xtp2+sp": ["--pp", "2", "--micro-batches", "2"]}
+# --ep (ep 2 x tp 2): this rank's 2 of 4 experts, replicated over tp, summed in the same call
+# (their syncs over edp first: DDP's .grad, ZeRO-1's shards), not each in backward by f
+EP = ["--moe-experts", "4", "--ep", "2"]
+RUNS.update({"ep2xtp2+sp": EP, "ep2xtp2+zero1+sp": [*EP, "--zero", "1"],
+             "ep2xtp2+zero3+sp+accum2": [*EP, "--zero", "3", "--grad-accum", "2"],
+             "ep2xtp2+sp+amp": [*EP, "--amp", "--amp-dtype", "float16"]})
 
 
 # an overflow where only the coalesced sum can carry it: one rank's partial gradient
@@ -71,8 +77,10 @@ def flags(name, given=None):
 
 
 def config_of(args):
+    from minidist.train.loop import moe_fields
     return GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                     block_size=args.block_size, vocab_size=30, **arch_fields(args))
+                     block_size=args.block_size, vocab_size=30, **arch_fields(args),
+                     **moe_fields(args))
 
 
 def tp_all_reduces(group):
@@ -113,21 +121,40 @@ def run(name, comm):
         grads = strategy.local_grads(replicated)
         mine = sum(g.nbytes for g in grads)
         found = tp_all_reduces(tp)
+        # MoE under SP: each MoE forward's B E + 1 routing sums over tp (the model's dtype,
+        # minidist/nn/moe_split.py split_calls), B the rows of one forward
+        rows = args.batch_size // strategy.mesh.shape["dp"] // args.grad_accum
+        routing = [f for f in found if config.moe_experts and
+                   f[1] == (rows * config.moe_experts + 1) * part.parameters()[0].data.itemsize]
+        moe = sum(config.is_moe(i) for i in range(config.n_layer))
+        assert len(routing) == moe * losses, (name, step, found)
         sums = [f for f in found if f == (grads[0].dtype.name, mine)]
         assert len(sums) == (1 if mine else 0), (name, step, found, mine)
-        assert len(found) == len(sums) + 1 + 2 * losses, (name, step, found, losses)
-        steps.append({"sums": len(sums), "bytes": mine, "dtype": grads[0].dtype.name})
+        assert len(found) == len(sums) + 1 + 2 * losses + len(routing), (name, step, found)
+        steps.append({"sums": len(sums), "bytes": mine, "dtype": grads[0].dtype.name,
+                      "routing": len(routing)})
     trace.disable()
-    # under ZeRO each dp rank sums its pieces: together, every replicated gradient once
-    dp = strategy.mesh.dp.comm if args.zero else None
-    whole = dp.allreduce(steps[0]["bytes"]) if dp else steps[0]["bytes"]
+    # under ZeRO each dp rank sums its pieces (--ep: the dense ones over dp x ep, the
+    # experts' over their replicas edp): together, every replicated gradient once
+    experts = [p for p in replicated if p.expert_parallel]
+    whole = (shard_bytes(strategy, strategy.mesh.dp, args,
+                         [p for p in replicated if not p.expert_parallel])
+             + (shard_bytes(strategy, strategy.inner.edp, args, experts) if experts else 0))
     item = {"float16": 2, "bfloat16": 2}.get(steps[0]["dtype"], 4)
     assert whole == sum(p.size for p in replicated) * item, (name, whole)
     row = {"run": name, "params": len(replicated), "steps": steps, "whole_bytes": whole,
-           "grad_accum": args.grad_accum}
+           "grad_accum": args.grad_accum, "experts": len(experts),
+           "expert_bytes": sum(p.size for p in experts) * item}
     rows = comm.gather(row, root=0)
     if comm.rank == 0:
         print("RESULT " + json.dumps({"run": name, "ranks": rows}), flush=True)
+
+
+def shard_bytes(strategy, group, args, params):
+    """The bytes of `params`' gradients the optimizer reads on this rank, summed over `group`
+    under ZeRO (each rank of it holds its own pieces)."""
+    mine = sum(g.nbytes for g in strategy.local_grads(params))
+    return group.comm.allreduce(mine) if args.zero else mine
 
 
 def poisoned(comm):
