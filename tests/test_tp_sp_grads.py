@@ -68,6 +68,12 @@ dense replicated gradients were not priced at all):
     for r in rows["pp2xtp2+sp"]:                  # stage 0 holds 7 of them, stage 1 8
         pp = Layout(tp=2, pp=2, sp=True, amp=False)
         assert sp_sum(cfg, pp, r["params"] - 7, 4) == (r["steps"][0]["bytes"], 1), r
+    moe = GPTConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, vocab_size=30,
+                    moe_experts=4)                 # --ep 2: this rank's 2 experts too
+    for name, amp, g in (("ep2xtp2+sp", False, 4), ("ep2xtp2+sp+amp", True, 2)):
+        layout = Layout(tp=2, dp=2, ep=2, sp=True, amp=amp)
+        assert all(sp_sum(moe, layout, 0, g) == (r["steps"][0]["bytes"], 1)
+                   for r in rows[name]), (name, rows[name])
     dtypes = {r["steps"][0]["dtype"] for r in rows["tp2xdp2+sp+bf16+fp32grads"]}
     assert dtypes == {"float32"} and {r["steps"][0]["dtype"] for r in
                                        rows["tp2xdp2+sp+amp"]} == {"float16"}

@@ -17,10 +17,11 @@ counting the calls is enough. The calls, as training issues them:
   backward, in view after it, priced by its own bytes (`last_unit`), as DDP's last bucket;
 - sequence parallelism (minidist/tp/state.py sum_partial_grads, once a step after the dp
   sync): the stage's replicated parameters (GPT-2's layer norms, row-parallel biases, wpe,
-  ln_f: 6 L + 3 tensors; a MoE router; without --ep every expert) in model order, in
-  consecutive pieces of at most 4 MiB, a larger tensor alone, one all-reduce over tp each
-  (`sp_sum`; state.piece_cuts). Under ZeRO each rank sums its shard's pieces of them:
-  priced as ceil(shard bytes / 4 MiB) calls.
+  ln_f: 6 L + 3 tensors; a MoE router; every expert, under --ep this rank's E/ep) in model
+  order, in consecutive pieces of at most 4 MiB, a larger tensor alone, one all-reduce over
+  tp each (`sp_sum`; state.piece_cuts). Under ZeRO each rank sums its shard's pieces of them
+  (--ep's experts: of their ZeRO-1 shards over edp, ceil per MoE block): priced as
+  ceil(shard bytes / 4 MiB) calls.
 Until 2026-11-29 each of these was priced as one call of all its bytes (and SP's dense
 replicated gradients not at all): at 7B on 64 GPUs, 25 MiB buckets, ~534 DDP calls' latency
 uncounted. Tests: tests/test_plan_vs_runs.py (the runs' traces), tests/test_tp_sp_grads.py.
@@ -31,6 +32,8 @@ from dataclasses import replace
 from minidist.ddp.sync import bucket_cuts
 from minidist.nn.config import block_param_specs, gpt_param_specs
 from minidist.tp.state import SUM_PIECE_BYTES, piece_cuts
+from minidist.train.comm_cost import axis_size
+from minidist.train.moe_cost import expert_units
 from minidist.train.planner import local_size
 
 _SPECS = {}                 # (config, tp, pp, ep, stage) -> stage_tensors' answer
@@ -97,17 +100,29 @@ def ddp_buckets(config, layout, stage, g_bytes, bucket_mb):
 def sp_sum(config, layout, stage, g_bytes):
     """(bytes, all-reduces over tp) of sequence parallelism's sum of `stage`'s replicated
     gradients, once a step (module docstring; minidist/tp/state.py partial_params: the
-    tensors tp does not split, --ep's experts left out); (0, 0) without SP. Under ZeRO this
-    rank's shard of them, ceil(its bytes / 4 MiB) calls."""
+    tensors tp does not split, --ep's experts this rank's E/ep, after their sync over edp);
+    (0, 0) without SP. Under ZeRO this rank's shard of them, ceil(its bytes / 4 MiB) calls."""
     if not (layout.sp and layout.tp > 1):
         return 0, 0
     key = ("sp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes,
-           layout.zero and layout.zero_ranks)
+           layout.zero and layout.zero_ranks, axis_size(layout, "edp"))
     if key not in _COUNTS:
-        sizes = [n * g_bytes for _, n, split in _dense(config, layout, stage) if not split]
+        mine = config.moe_experts // layout.ep
+        sizes, experts = [], []
+        for name, n, split in stage_tensors(config, layout, stage):
+            if split:
+                continue
+            if layout.ep > 1 and ".mlp.experts." in name:    # this rank's E/ep, whole
+                if int(name.split(".mlp.experts.")[1].split(".")[0]) >= mine:
+                    continue
+                n *= layout.ep
+                experts.append(n)
+            sizes.append(n * g_bytes)
         total = sum(sizes)
-        if layout.zero:
-            total = math.ceil(total / layout.zero_ranks)
+        if layout.zero:             # the dense over ZeRO's ranks, the experts' units over edp
+            dense, edp = total - sum(experts) * g_bytes, axis_size(layout, "edp")
+            total = math.ceil(dense / layout.zero_ranks) + g_bytes * sum(
+                math.ceil(u / edp) for u in expert_units(config, layout, stage))
             _COUNTS[key] = total, math.ceil(total / SUM_PIECE_BYTES)
         else:
             _COUNTS[key] = total, len(piece_cuts(sizes))

@@ -51,18 +51,17 @@ cp group, an all-gather of the top-k expert ids (1 byte each; the cp one gathers
 and an all-reduce of the b E + 1 sums (e bytes each): 2 blocking collectives per group,
 again inside backward under full recompute. Under SP the router and the experts run on the
 rank's s/tp tokens (their FLOPs / tp), and their gradients, each rank's covering its
-tokens, are summed over tp, which the dense MLP, split by tp, does not need: under --ep the
-experts' in backward (region.shared, one blocking call per tensor: the 4 tensors of each of
-this rank's E/ep experts, every micro-batch), the router's h E (and without --ep the
-experts') by the strategy once a step, in the coalesced all-reduce of the replicated
-gradients after the data-parallel sync (minidist/tp/state.py sum_partial_grads, pieces of
-at most 4 MiB, an all-reduce each, with the dense layer norms, biases and wpe:
-minidist/train/call_cost.py sp_sum; ZeRO: this rank's shard of them).
+tokens, are summed over tp, which the dense MLP, split by tp, does not need: the router's
+h E and the experts' (under --ep this rank's E/ep, after their sync over edp) by the
+strategy once a step, in the coalesced all-reduce of the replicated gradients after the
+data-parallel sync (minidist/tp/state.py sum_partial_grads, pieces of at most 4 MiB, an
+all-reduce each, with the dense layer norms, biases and wpe: minidist/train/call_cost.py
+sp_sum; ZeRO: this rank's shard of them; until 2026-11-29 --ep's experts were summed in
+backward, one blocking call per tensor every micro-batch).
 Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
 """
-import collections
 import math
 
 from minidist.nn.config import attention_weights, block_param_specs, mlp_weights
@@ -131,9 +130,8 @@ def split_times(config, cluster, layout, b, s, e, stage):
     """(forward, backward) seconds and (forward, backward) counts of the blocking collectives
     of a sequence split over ranks (module docstring) for one micro-batch of b sequences on
     `stage`, s = this cp rank's tokens: the exchange of each MoE block's routing (ids,
-    sums) on tp (SP) and cp, and under SP and --ep the experts' gradient all-reduces (f in
-    backward; the router's, and without --ep the experts', are summed once a step:
-    call_cost.sp_sum)."""
+    sums) on tp (SP) and cp. (Under SP the router's and the experts' gradients, --ep's
+    too, are summed over tp once a step, not in backward: call_cost.sp_sum.)"""
     blocks = stage_moe_blocks(config, layout, stage)
     tp = layout.tp if layout.sp and layout.tp > 1 else 1
     groups = [(axis, tokens) for axis, tokens, on in (("tp", s, tp > 1),
@@ -147,11 +145,6 @@ def split_times(config, cluster, layout, b, s, e, stage):
     fwd, n_fwd = blocks * one, blocks * 2 * len(groups)
     redo = layout.recompute == "full"
     bwd, n_bwd = redo * fwd, redo * n_fwd
-    if tp > 1 and layout.ep > 1:    # region.shared: the experts' gradients, per tensor
-        sizes = collections.Counter(n for _, n in _own_experts(config, layout, stage))
-        bwd += sum(count * collective_time(cluster, "all_reduce", n * e, layout, "tp")
-                   for n, count in sizes.items())
-        n_bwd += sum(sizes.values())
     return fwd, bwd, n_fwd, n_bwd
 
 
