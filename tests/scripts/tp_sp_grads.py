@@ -16,8 +16,10 @@ train_gpt's flags (make_strategy) and the loop's train_step with the collectives
 exactly that one (the arrays the optimizer reads, in their dtype: under ZeRO this rank's
 pieces of its shards, which over the dp group add up to every replicated parameter's
 gradient, the bytes `before` moves per micro-batch), the clip's norm, and the
-vocabulary-parallel cross-entropy's 2 per loss forward. That the numbers are one process's:
-tests/scripts/tp_check.py, pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py.
+vocabulary-parallel cross-entropy's 2 per loss forward (MoE: and each MoE forward's routing
+sums). The ep2xtp2 runs (--ep 2, 4 experts) put this rank's experts' gradients in that one
+call too, after their sync over edp (ExpertParallel.local_grads). That the numbers are one
+process's: tests/scripts/tp_check.py, pp_check.py, fp32_grads_check.py, cp_check.py, ep_split.py.
 Last, `poisoned`: under float16 --amp an inf in one rank's partial gradient, which only the
 coalesced sum carries to the other tp rank, skips the step on every rank; and
 `held_by_the_sum`: the memory the sum holds where the replicated gradients are large (MoE's
