@@ -162,7 +162,7 @@ def test_the_summary_counts_the_experts_gradient_traffic_over_their_replicas(mpi
     """ep 2 x dp 2: each expert has 2 replicas (edp), whose gradients are averaged over
     them (DDP: all-reduced tensor by tensor; ZeRO: reduce-scattered, then the shards
     all-gathered): 2(n-1)/n x the rank's expert bytes either way, which the ep summary line
-    gives beside the all-to-alls (no line counted them until 2026-12):
+    gives beside the all-to-alls (no line counted them until 2026-11-29):
 
         mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 \\
             --steps 2 --n-layer 2 --n-embd 32 --block-size 32 --batch-size 8 --sample 0
@@ -187,7 +187,7 @@ def test_the_experts_buckets_are_all_reduced_from_backwards_hooks(tmp_path, mpi)
     inside backward: per step and rank, as many edp all-reduces as buckets (4 at
     --bucket-mb 0.04: one expert, 8C^2 + 5C float32s = 33 KB, each), every one issued
     (the trace's `issued`) before that step's backward ended; --ddp naive: one per tensor
-    (16: 2 blocks x 2 experts x 4), all after backward (until 2026-12 that was every mode):
+    (16: 2 blocks x 2 experts x 4), all after backward (until 2026-11-29 that was every mode):
 
         mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 \\
             --steps 3 --n-layer 2 --n-embd 32 ... --bucket-mb 0.04 --trace ep.json

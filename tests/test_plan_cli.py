@@ -301,7 +301,7 @@ def test_the_planners_take_train_gpts_names_for_the_batch_and_the_sequence(capsy
 
 def test_the_command_runs_the_bucket_size_the_plan_priced(capsys):
     """DDP's gradient bucket: on the h100 preset the plan prices 25 MiB (PyTorch DDP's
-    default, the usual on GPUs) and its command says --bucket-mb 25 (until 2026-12 it
+    default, the usual on GPUs) and its command says --bucket-mb 25 (until 2026-11-29 it
     priced 25 MiB and its command ran training's default, 1 MiB); --bucket-mb 4 prices and
     runs 4; training's own 1 prints no flag, nor does --preset here, whose default it is
     (its plans are checked against runs at 1 MiB), nor a ZeRO row (ZeRO reduce-scatters a
@@ -309,7 +309,7 @@ def test_the_command_runs_the_bucket_size_the_plan_priced(capsys):
     changes the calls priced (minidist/train/call_cost.py ddp_buckets, training's own cut: 1
     and 4 MiB cut 1.3B's tensors alike, 25 into fewer, so less latency), not this step: its
     last bucket, in view after backward, is the tied wte's alone (196 MiB) at any of these
-    sizes (until 2026-12 an equal share of one all-reduce, so 25 MiB priced slower). Training
+    sizes (until 2026-11-29 an equal share of one all-reduce, so 25 MiB priced slower). Training
     runs each row."""
     base = ["--params", "1.3e9", "--gpus", "8", "--seq", "2048", "--global-batch", "64",
             "--json", "--layout"]

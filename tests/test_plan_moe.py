@@ -65,7 +65,7 @@ def test_moe_on_a_split_sequence_worked_by_hand():
     8: 60), 364 x 4 B = 1456 B, summed by the strategy once a step in one all-reduce after the
     dp sync (minidist/tp/state.py sum_partial_grads): `tp_sum` 1456 s a step, nothing in
     backward (until 2026-11-29 priced per micro-batch, 9 calls in backward, as f summed them;
-    the dense 240 B unpriced until 2026-12). Under --ep 2 this rank's one expert's 4 tensors
+    the dense 240 B unpriced until 2026-11-29). Under --ep 2 this rank's one expert's 4 tensors
     (592 B) join the router's 32 B and the dense 240 B in that sum once a step, 864 s
     (until 2026-11-29 priced as f summed them: 592 s and 4 calls in each backward). CP2
     (s = 1 token a rank): the ring (forward 1 hop, backward 3, of K and V: 2 x 16 B: 32 s
@@ -130,7 +130,7 @@ def test_experts_buckets_hide_behind_backward_worked_by_hand():
     starts the next). Overlap 1, no latency: backward computes 2/3 of the 5472 s, 3648 s;
     the dense 2376 s in 10 buckets (training's cut: call_cost.ddp_buckets) hide but the
     last, the first tensors' 192 B (wte, wpe, h.0.ln_1: it starts after backward),
-    288 s over 4 ranks, exposed (until 2026-12 an equal share of the 2376 s in 8 buckets,
+    288 s over 4 ranks, exposed (until 2026-11-29 an equal share of the 2376 s in 8 buckets,
     297 s), 2088 s of the window filled; the experts' 592 s hide behind the 1560 s left but their
     last bucket, 592 / 4 = 148 s, + the clip's 8: 156 s."""
     from minidist.train.moe_cost import expert_buckets, expert_tensors

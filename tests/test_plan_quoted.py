@@ -2,7 +2,7 @@
 against what plan.py prints now: each quoted command is run (in this process: the planner is
 arithmetic) and its rows' figures, formatted as the docs quote them, must be in the docs'
 sentences. A change of the model that moves a quoted figure fails here, not silently (until
-2026-12 several had drifted: `ZeRO-3/8` quoted at 0.173 s where plan.py printed 0.161, the
+2026-11-29 several had drifted: `ZeRO-3/8` quoted at 0.173 s where plan.py printed 0.161, the
 search's ZeRO-1 x `--grad-accum 32` at 29.7 s where it printed 27.3, Muon's PP8 at 5.86 s
 where it printed 5.48). Historical figures ("before -> after", "was") are not checked."""
 import json

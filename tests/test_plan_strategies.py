@@ -86,7 +86,7 @@ def test_hybrid_sharding_step_and_memory_worked_by_hand():
     all but the last of L + 1 = 3 units hidden: 1072 / 3; ZeRO-1/2 the same, and its
     reduce-scatter (107.2 s) likewise, one per unit from backward's hooks, the last the
     root's (wte, wpe, ln_f: 48 of the 536 parameters, call_cost.last_unit): 9.6 s left
-    (107.2 / 3 until 2026-12; before that priced as one of DDP's 1 MiB buckets, the last
+    (107.2 / 3 until 2026-11-29; before that priced as one of DDP's 1 MiB buckets, the last
     piece, all of it in view; training refuses --bucket-mb under ZeRO)."""
     nodes = replace(UNIT, gpus_per_node=2, intra=Link(0.0, 10.0))
     plain = step_time(TOY, Layout(dp=4, zero=1, amp=False), nodes, seq=2, global_batch=4)
@@ -113,7 +113,7 @@ def test_overlapped_parameter_gather_worked_by_hand(capsys):
     """--overlap-param-gather (Layout.overlap_gather): TOY, dp 4 on 2 nodes of 2 (as above),
     ZeRO-1, overlap 1: the reduce-scatter (1608 s across the nodes) behind backward's 3584 s,
     one per unit, all but the last of L + 1 = 3, the root's 48 of 536 parameters: 144 s left
-    (call_cost.last_unit; an equal share, 536, until 2026-12), as before, the all-gather
+    (call_cost.last_unit; an equal share, 536, until 2026-11-29), as before, the all-gather
     (1608 s) behind the next forward's 1792 s, all but one of the 3 units: 536 s left in view;
     with overlap 0 nothing changes. plan.py
     --layout takes it as `ogather` (its command adds the flag) and refuses it at ZeRO-3."""

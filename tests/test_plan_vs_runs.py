@@ -30,7 +30,7 @@ def test_zero3_bytes_under_grad_accum_are_the_runs(mpi, tmp_path):
     """ZeRO-3 over 4 ranks, 3 blocks, --grad-accum M = 1, 2, 4: a step's bytes (the run's
     comm_bytes, step 3 less step 2, less its three one-number all-reduces, 8 B each: the
     clip's sum of squares, the loss's mean, the stop flag) = the planner's ZeRO-3 traffic,
-    (N-1)/N (M Psi + R + (2M(L-2) + 2) b) (minidist/zero/README.md). Until 2026-12 it
+    (N-1)/N (M Psi + R + (2M(L-2) + 2) b) (minidist/zero/README.md). Until 2026-11-29 it
     charged each micro-batch the root and the first two blocks again: 644,928 and
     1,289,856 B at M = 2 and 4, measured 540,864 and 977,664.
 
@@ -63,7 +63,7 @@ def test_zero3_gathers_under_a_pipeline_are_the_runs(schedule, blocks, mpi, tmp_
     = its root + those blocks (+ one forward's root and blocks after the step, the final
     evaluation: the broadcast's bytes), and the step-time model's ZeRO-3 bytes at 1 B/s =
     (N-1)/N of its all-gathers and reduce-scatters (the slowest stage at 1 FLOP/s, the last).
-    Until 2026-12 every micro-batch was priced as a first forward: 4.82 x Psi on stage 0
+    Until 2026-11-29 every micro-batch was priced as a first forward: 4.82 x Psi on stage 0
     under 1F1B where the run's summary says 4.42 x.
 
         mpiexec -n 4 python examples/train_gpt.py --pp 2 --dp 2 --zero 3 --micro-batches 4 \\
@@ -107,7 +107,7 @@ def test_zero12_reduce_scatter_a_unit_at_a_time_as_the_runs(zero, pp, mpi, tmp_p
     copy of the tied wte: 4), the last the root's (pp 2's last stage: its first block's),
     their bytes the stage's gradients. The step-time model hides all but the last of them
     (overlap 1, a backward far longer: 1 FLOP/s), so at 1 B/s a backward leaves (N-1)/N of
-    its bytes in view (call_cost.last_unit; until 2026-12 an equal share of them all; before
+    its bytes in view (call_cost.last_unit; until 2026-11-29 an equal share of them all; before
     that cut by DDP's --bucket-mb, which training refuses under ZeRO).
 
         mpiexec -n 2 python examples/train_gpt.py --zero 2 --grad-accum 2 --n-layer 3 \\
@@ -155,7 +155,7 @@ def test_dp_calls_are_the_runs(flags, mpi, tmp_path):
     (7), a reduce-scatter per unit in each backward (8); the final evaluation's forward
     gathers the root and the 3 blocks once more. On a link of 1 s latency and no transfer
     time the step-time model's data-parallel seconds are those calls (an all-reduce over 2
-    ranks 2 alpha, the others 1): 20, 8 and 15 s (until 2026-12 one latency for all of
+    ranks 2 alpha, the others 1): 20, 8 and 15 s (until 2026-11-29 one latency for all of
     each: 2, 2 and 6 s).
 
         mpiexec -n 2 python examples/train_gpt.py --zero 3 --grad-accum 2 --n-layer 3 \\
@@ -203,7 +203,7 @@ def test_the_experts_buckets_are_the_runs(mpi, tmp_path):
     their own over their 2 replicas, in buckets cut as the dense DDP cuts them. The planner's
     buckets (moe_cost.expert_buckets) = the trace's edp all-reduces of every step, in order:
     one of 133,632 B at the default 1 MiB; 8 at 0.02 MiB (a 16 KiB weight that would
-    overflow a bucket starts the next); its bytes at 1 B/s = the summary's. (Until 2026-12
+    overflow a bucket starts the next); its bytes at 1 B/s = the summary's. (Until 2026-11-29
     the planner priced 16 all-reduces after backward, none hidden.)
 
         mpiexec -n 4 python examples/train_gpt.py --moe-experts 4 --ep 2 --dp 2 --n-layer 2 \\
@@ -239,7 +239,7 @@ def test_grouped_query_activations_are_the_runs(attention, mpi, tmp_path):
     ring keeps k and v as the kv heads (it repeats a block only to attend to it), 2 s b h
     (1 - kv/nh) e / cp per layer less at kv 1 (196,608 B here); Ulysses, as one process's
     attention, keeps them repeated, the same bytes at both. The planner's bill differs by
-    what the ledger's does (before 2026-12 it billed the ring 3h whatever kv: 2,629,632 B
+    what the ledger's does (before 2026-11-29 it billed the ring 3h whatever kv: 2,629,632 B
     at kv 1, over the 2,446,600 measured), and stays below the ledger by one amount at both
     (what Korthikanti's count leaves out: the token ids, RoPE's tables, ...).
 

@@ -31,7 +31,7 @@ def test_sequence_parallel_sums_the_replicated_gradients_once_a_step(mpi):
     own shards): until 2026-11-29 they were all-reduced by f in backward, 16 calls a
     micro-batch (34048 B) besides the one sum of the dense ones (1792 B); now one call of
     35840 B, the same bytes. The step-time
-model prices that call and its bytes (minidist/train/call_cost.py sp_sum; until 2026-12 the
+model prices that call and its bytes (minidist/train/call_cost.py sp_sum; until 2026-11-29 the
 dense replicated gradients were not priced at all):
 
         mpiexec -n 4 python tests/scripts/tp_sp_grads.py

@@ -323,7 +323,7 @@ def test_the_summary_counts_overlapped_gathers_once_per_step(mpi):
     """The run's last line gives the bytes a rank sent per step: ZeRO-1 sends a reduce-scatter
     and an all-gather of the parameters, (N-1)/N Psi each, 2(N-1)/N = 1.50 x at 4 ranks, with
     or without --overlap-param-gather (the same collectives, the gathers on a group of their
-    own, landing during the next step; the summary printed 1.80 x there until 2026-12):
+    own, landing during the next step; the summary printed 1.80 x there until 2026-11-29):
 
         mpiexec -n 4 python examples/train_gpt.py --zero 1 --overlap-param-gather \\
             --steps 3 --n-layer 2 --n-embd 32 --block-size 32 --batch-size 8 --sample 0

@@ -34,7 +34,7 @@ dp / ep replicas (edp; minidist/ddp/sync.py, --ddp overlapped): their tensors cu
 buckets by the dense DDP's rule (expert_buckets: bucket_mb, last tensor first), each
 bucket's all-reduce started from backward's hooks, so hidden behind what of the last
 micro-batch's backward the dense gradients leave free, up to the overlap, never the last
-bucket (until 2026-12 one all-reduce per tensor after backward, in full: 16 calls where
+bucket (until 2026-11-29 one all-reduce per tensor after backward, in full: 16 calls where
 the run makes 1); gradient clipping sums one number over the ep group; the optimizer
 updates all dense
 parameters and this rank's experts. Under ZeRO (any stage) the experts are ZeRO-1 over edp
