@@ -32,20 +32,23 @@ def test_zero3_bytes_under_grad_accum_are_the_runs(mpi, tmp_path):
     clip's sum of squares, the loss's mean, the stop flag) = the planner's ZeRO-3 traffic,
     (N-1)/N (M Psi + R + (2M(L-2) + 2) b) (minidist/zero/README.md). Until 2026-11-29 it
     charged each micro-batch the root and the first two blocks again: 644,928 and
-    1,289,856 B at M = 2 and 4, measured 540,864 and 977,664.
+    1,289,856 B at M = 2 and 4, measured 540,864 and 977,664. Full recompute
+    (--ckpt-activations) sends the same bytes (its forward in backward runs on the block
+    backward's re-gather already fetched; zero/README.md), and the planner says so.
 
         mpiexec -n 4 python examples/train_gpt.py --zero 3 --grad-accum 4 --n-layer 3 \\
             --n-embd 32 --block-size 32 --batch-size 16 --steps 3 --log-json L
     """
     cfg = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=32, vocab_size=256)
-    for m in (1, 2, 4):
-        log = tmp_path / f"m{m}.jsonl"
+    for m, recompute in ((1, "none"), (2, "none"), (4, "none"), (2, "full")):
+        log = tmp_path / f"m{m}{recompute}.jsonl"
+        ckpt = ["--ckpt-activations"] if recompute == "full" else []
         out = mpi(4, "examples/train_gpt.py", "--zero", "3", "--grad-accum", str(m),
                   "--n-layer", "3", "--n-embd", "32", "--batch-size", "16", "--steps", "3",
-                  *SMALL, "--log-json", log, timeout=120).stdout
+                  *ckpt, *SMALL, "--log-json", log, timeout=120).stdout
         sent = [r["comm_bytes"] for r in _rows(log)]
-        plan = step_time(cfg, Layout(dp=4, zero=3, amp=False), UNIT, seq=32,
-                         global_batch=16, micro_batches=m)
+        plan = step_time(cfg, Layout(dp=4, zero=3, amp=False, recompute=recompute), UNIT,
+                         seq=32, global_batch=16, micro_batches=m)
         assert sent[2] - sent[1] - 3 * 8 == plan["zero_in_pipeline"], (m, sent, plan)
         psi = 4 * 47392                          # the summary's x: the same bytes over Psi
         assert f"({plan['zero_in_pipeline'] / psi:.2f} x;" in out, out

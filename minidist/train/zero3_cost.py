@@ -15,7 +15,9 @@ F0 B0 F1 B1 ...), as minidist/zero/stage3.py runs it:
 Without a pipeline that is (N-1)/N (M Psi + R + (2M(L-2) + 2) b) a step (zero/README.md);
 under 1F1B the order keeps more in the buffers than under GPipe (pp 2, 4 blocks a stage,
 4 micro-batches: 22 block gathers a step on stage 0, GPipe 30; the runs' traces count the
-same). Not modelled: full recompute's forward in backward, which gathers again.
+same). Full recompute (--ckpt-activations) gathers nothing more: its forward in backward
+runs on the block that backward's re-gather fetched (zero/README.md; a run's bytes are the
+same with it and without, tests/test_plan_vs_runs.py).
 Tests: tests/test_plan_time.py, tests/test_plan_vs_runs.py.
 """
 import functools
