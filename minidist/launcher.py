@@ -41,13 +41,14 @@ THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS")
 
 
-def launcher_rank():
+def launcher_rank(environ=os.environ):
     """This process's rank in the job, from the launcher's environment (0 without one):
-    known before MPI starts, so an error found before any communication is printed once."""
+    known before MPI starts, so an error found before any communication is printed once.
+    `environ`: another process's environment (tests/mpirun.py's rank_pids reads one)."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
                 "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
     return 0
 
 

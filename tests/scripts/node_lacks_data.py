@@ -9,8 +9,10 @@ import os
 import runpy
 import sys
 
+from minidist.launcher import launcher_rank
+
 here = os.path.dirname(os.path.abspath(__file__))
-if os.environ.get("PMI_RANK") == "1":                 # Hydra's rank, known before MPI_Init
+if launcher_rank() == 1:               # the launcher's rank (any MPI), known before MPI_Init
     i = sys.argv.index("--data") + 1
     sys.argv[i] += ".not-on-this-node"
 sys.argv[0] = os.path.join(here, "..", "..", "examples", "train_gpt.py")

@@ -10,10 +10,12 @@ import os
 import runpy
 import sys
 
+from minidist.launcher import launcher_rank
+
 here = os.path.dirname(os.path.abspath(__file__))
 i = sys.argv.index("--node-dirs")
 folders = sys.argv[i + 1].split(",")
 del sys.argv[i:i + 2]
-os.chdir(folders[int(os.environ.get("PMI_RANK", "0"))])   # Hydra's rank, before MPI_Init
+os.chdir(folders[launcher_rank()])        # the launcher's rank (any MPI), before MPI_Init
 sys.argv[0] = os.path.join(here, "..", "..", "examples", "train_gpt.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -8,7 +8,9 @@ import os
 import runpy
 import sys
 
+from minidist.launcher import launcher_rank
+
 here = os.path.dirname(os.path.abspath(__file__))
-os.environ["MINIDIST_RANKS_PER_NODE"] = "2" if os.environ.get("PMI_RANK") == "0" else "4"
+os.environ["MINIDIST_RANKS_PER_NODE"] = "2" if launcher_rank() == 0 else "4"
 sys.argv[0] = os.path.join(here, "..", "..", "examples", "train_gpt.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
