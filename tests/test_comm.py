@@ -237,3 +237,34 @@ def test_ring_walkthrough_refuses_bad_input(flags):
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert len(errors) == 1 and f"error: {' '.join(flags)}:" in errors[0], out.stderr
+
+
+@pytest.mark.cpu_only("the non-blocking calls' numpy arrays")
+def test_a_non_blocking_collective_holds_its_arrays_until_done():
+    """mpi.start_reduce_scatter & co. keep the arrays MPI reads and writes alive until the
+    request is dropped: mpi4py's request held no reference to Ireduce_scatter's send buffer
+    or Iallreduce's in-place one, so a temporary passed in was freed before Wait, and under
+    Open MPI (which does the work in Wait) rank 0's result was garbage (comm_check.py under
+    tests/test_openmpi.py's setup). On one rank, COMM_SELF: each array outlives `del` until
+    the request goes, and the results are right."""
+    import gc
+    import weakref
+
+    from mpi4py import MPI
+
+    from minidist.comm import mpi
+    out, full = np.empty(5), np.empty(5)
+    temps = [np.arange(5.0), np.ones(5), np.full(5, 3.0), np.full(5, 4.0)]
+    alive = [weakref.ref(a) for a in temps]
+    requests = [mpi.start_reduce_scatter(MPI.COMM_SELF, out, temps[0]),
+                mpi.start_all_reduce(MPI.COMM_SELF, temps[1]),
+                mpi.start_all_gather(MPI.COMM_SELF, full, temps[2]),
+                mpi.start_broadcast(MPI.COMM_SELF, temps[3])]
+    del temps
+    gc.collect()
+    assert all(ref() is not None for ref in alive)
+    MPI.Request.Waitall(requests)
+    assert out.tolist() == [0, 1, 2, 3, 4] and full.tolist() == [3.0] * 5
+    del requests
+    gc.collect()
+    assert all(ref() is None for ref in alive)

@@ -11,7 +11,9 @@ what `async_op=True` uses: MPICH moves their data only while some thread is insi
 (unless MPIR_CVAR_ASYNC_PROGRESS=1 starts a progress thread), so a request started before a
 long numpy computation mostly waits until `Wait()`. ProcessGroup instead runs the blocking
 collective on its communication thread (minidist/comm/stream.py), which keeps calling MPI.
-examples/bench_collectives.py --overlap measures both.
+examples/bench_collectives.py --overlap measures both. Each returns a `HeldRequest`: an
+MPI.Request that also holds the arrays MPI reads and writes until `Wait()`, so a temporary
+passed in (`start_reduce_scatter(comm, out, x * 2)`) lives that long (below, HeldRequest).
 
 MPI's traffic cannot be observed from Python: the counters get the ring's byte count for the
 same call, marked nominal.
@@ -118,25 +120,42 @@ def mpi_all_to_all_v(ch, out, inp, send_counts, recv_counts):
     ch.count_nominal(pairwise_bytes(sc, ch.rank, inp.itemsize))
 
 
+class HeldRequest(MPI.Request):
+    """A non-blocking collective's request that keeps its arrays (`arrays`) alive until it is
+    dropped. MPI reads and writes them until the request completes, and mpi4py 4.1's request
+    holds no reference to Ireduce_scatter's send buffer or Iallreduce's in-place one: a
+    temporary passed in was freed before Wait, and under Open MPI, which does the work in
+    Wait, the result was whatever reused that memory (the mpich wheel finished these small
+    ones at the start, so it never showed). Wait, Test and Request.Waitall take it as the
+    request it copies."""
+
+
+def held(request, *arrays):
+    """`request` as a HeldRequest holding `arrays`."""
+    request = HeldRequest(request)
+    request.arrays = arrays
+    return request
+
+
 def start_all_reduce(comm, buf, op="sum"):
     """MPI_Iallreduce in place; returns the request (avg: divide after Wait yourself)."""
     _no_bfloat16_sum(buf)
-    return call_mpi(comm.Iallreduce, MPI.IN_PLACE, buf, op=MPI_OPS[op])
+    return held(call_mpi(comm.Iallreduce, MPI.IN_PLACE, buf, op=MPI_OPS[op]), buf)
 
 
 def start_reduce_scatter(comm, out, inp, op="sum"):
     _no_bfloat16_sum(inp)
-    return call_mpi(comm.Ireduce_scatter, inp, out, _counts(inp.size, comm.Get_size())[0],
-                    op=MPI_OPS[op])
+    return held(call_mpi(comm.Ireduce_scatter, inp, out,
+                         _counts(inp.size, comm.Get_size())[0], op=MPI_OPS[op]), out, inp)
 
 
 def start_all_gather(comm, out, inp):
     counts, displs = _counts(out.size, comm.Get_size())
-    return call_mpi(comm.Iallgatherv, wire(inp), [wire(out), (counts, displs)])
+    return held(call_mpi(comm.Iallgatherv, wire(inp), [wire(out), (counts, displs)]), out, inp)
 
 
 def start_broadcast(comm, buf, root=0):
-    return call_mpi(comm.Ibcast, wire(buf), root=root)
+    return held(call_mpi(comm.Ibcast, wire(buf), root=root), buf)
 
 
 def _no_bfloat16_sum(buf):
