@@ -144,15 +144,16 @@ def test_ranks_given_different_amp_types_are_one_error_line(corpus, tmp_path):
     """MINIDIST_AMP_DTYPE set on one rank only (a node's own environment): that rank skipped
     the gather in which the others agreed on --amp's 16-bit type, and they waited in it
     (train/strategy.py amp_dtype). Every rank now takes part: one error line naming the
-    ranks, exit 2.
+    ranks, exit 2. (`env VAR=value` starts the first rank: Hydra's `-env VAR value` is
+    `-x VAR=value` under Open MPI's mpirun.)
 
-        mpiexec -n 1 -env MINIDIST_AMP_DTYPE bfloat16 python examples/train_gpt.py --amp ... \
+        mpiexec -n 1 env MINIDIST_AMP_DTYPE=bfloat16 python examples/train_gpt.py --amp ... \
             : -n 1 python examples/train_gpt.py --amp ...
     """
     rank = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--amp",
             "--data", corpus, "--steps", "2", "--n-layer", "1", "--n-embd", "16",
             "--cache-dir", str(tmp_path / "cache"), "--sample", "0", "--device", "cpu"]
-    job = run_job([mpiexec(), "-n", "1", "-env", "MINIDIST_AMP_DTYPE", "bfloat16", *rank,
+    job = run_job([mpiexec(), "-n", "1", "env", "MINIDIST_AMP_DTYPE=bfloat16", *rank,
                    ":", "-n", "1", *rank], timeout=120, check=False)
     errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
     assert job.returncode == 2 and errors == [
