@@ -1,6 +1,7 @@
 """minidist under Open MPI's mpirun (the suite itself runs under the mpich wheel's mpiexec):
 DDP, ZeRO-3 and TP 2 x DP 2 equal one process in float64, a raise on one rank ends the job,
-and --comm ring trains to the same losses, bit for bit, under both MPIs.
+--comm ring trains to the same losses, bit for bit, under both MPIs, and SIGUSR1 to mpirun
+preempts (saves, exit 75).
 
 Needs MINIDIST_OMPI_PYTHON: a Python whose mpi4py loads Open MPI's libmpi, with Open MPI's
 mpiexec beside it (a venv of its own: mpi4py's wheels pick their MPI from the libmpi they
@@ -17,10 +18,14 @@ user's job ignores them). By hand, each test's docstring gives its command; `mpi
 Open MPI's (.venv-ompi/bin/mpirun).
 """
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from mpirun import logged_losses, mpi_env, run_mpi, tagged_json, within
+from mpirun import (ROOT, device_flags, logged_losses, mpi_env, mpiexec, run_mpi, tagged_json,
+                    within)
 
 OMPI_PYTHON = os.environ.get("MINIDIST_OMPI_PYTHON", "")
 OPEN_MPI_ARGS = ["--oversubscribe"]
@@ -120,3 +125,36 @@ def test_ring_trains_to_the_same_losses_under_both_mpis(tmp_path, mpi):
     mpi(4, "examples/train_gpt.py", *flags, "--log-json", theirs, timeout=180)
     assert len(logged_losses(ours)) == 3
     assert logged_losses(ours) == logged_losses(theirs)
+
+
+def test_sigusr1_to_mpirun_saves_the_step_and_exits_75(corpus, tmp_path, mpi):
+    """Open MPI's mpirun forwards SIGUSR1 to the ranks as it is: they save at the next step
+    boundary and the job exits 75, as under MPICH (SIGTERM and Ctrl-C it turns into a kill
+    0.25 s later: minidist/comm/README.md, "Under Open MPI"). By hand:
+
+        mpirun --oversubscribe -n 2 python examples/train_gpt.py --save ck ... &
+        kill -USR1 <mpirun's pid>
+    """
+    log, save = tmp_path / "log.jsonl", tmp_path / "ck"
+    cmd = [mpiexec(OMPI_PYTHON), *OPEN_MPI_ARGS, "-n", "2", OMPI_PYTHON,
+           "examples/train_gpt.py", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+           "--block-size", "16", "--batch-size", "4", "--eval-every", "0", "--sample", "0",
+           "--log-every", "1", "--data", corpus, "--cache-dir", tmp_path / "cache",
+           "--steps", "100000", "--save", save, "--log-json", log, *device_flags(mpi.device)]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=ompi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGUSR1)                  # mpirun alone
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, (out[-2000:], err[-2000:])
+    saved = [line for line in out.splitlines() if line.startswith("preempted (SIGUSR1)")]
+    assert len(saved) == 1 and "saved to" in saved[0], out[-2000:]
+    assert (save / "latest").exists()
