@@ -9,7 +9,8 @@ Three things, all per process (per rank):
   would send for the same call and the entry says `"nominal": True`. Reset them once per
   training step to get bytes per step. DDP checks `bytes_sent == 2(N-1)/N x gradient bytes`.
 - **Events**, when tracing is on (`MINIDIST_TRACE=1` or `enable()`): one record per
-  collective with sequence number, op, algorithm, group, dtype, bytes, issue/start/end time.
+  collective with sequence number, op, algorithm, group, dtype, bytes, issue/start/end time;
+  the last `MAX_EVENTS` of them (a long run's trace is its end, `kept_note` says what fell out).
   `MINIDIST_TRACE=1` also logs one line per collective to stderr; `MINIDIST_TRACE=2` also logs
   every point-to-point step of the ring (which chunk went where), picotron's `VERBOSE=1`.
 - **A Chrome trace**: `write_chrome_trace(path, group)` gathers every rank's events to the
@@ -18,6 +19,7 @@ Three things, all per process (per rank):
 
 Tests: tests/test_comm.py (counters against 2(N-1)/N, the Chrome trace file).
 """
+import collections
 import contextlib
 import json
 import os
@@ -27,7 +29,13 @@ import time
 
 _lock = threading.Lock()          # worker threads of several groups update the same tables
 _counters = {}                    # (group name, op) -> {"calls", "bytes", "bytes_sent", ...}
-_events = []
+# the events of the last MAX_EVENTS collectives and computations of this rank: a run of hours
+# under --trace kept every one (several a step: tests/scripts/soak.py measured 3.4 MB more
+# RSS per 1000 steps, the tiny model under DDP on 2 ranks, ~34 interpreter blocks a step) and
+# gathered them all to rank 0 at the end; the window holds some tens of MB at most
+MAX_EVENTS = 50_000
+_events = collections.deque(maxlen=MAX_EVENTS)
+_recorded = [0]                   # events recorded since the last clear_events(), kept or not
 
 
 def env_level(environ=os.environ):
@@ -148,6 +156,7 @@ def record(event):
     """Keep one finished collective (a dict with at least op, group, start, end)."""
     with _lock:
         _events.append(event)
+        _recorded[0] += 1
     if not _state["log"]:
         return
     ms = (event["end"] - event["start"]) * 1e3
@@ -165,6 +174,20 @@ def events():
 def clear_events():
     with _lock:
         _events.clear()
+        _recorded[0] = 0
+
+
+def left_out():
+    """How many of this rank's events fell out of the kept window (the oldest ones)."""
+    with _lock:
+        return _recorded[0] - len(_events)
+
+
+def kept_note():
+    """'' when every event was kept, else a few words for the line that names the trace."""
+    lost = left_out()
+    return (f" (the last {MAX_EVENTS:,} events of each rank; rank {_state['rank'] or 0} left "
+            f"out {lost:,} earlier ones)") if lost else ""
 
 
 def chrome_events(events_by_rank):

@@ -137,4 +137,5 @@ class DataParallel(SingleProcess):
         if args.trace:
             trace.write_chrome_trace(args.trace, self.group)
             log.print0(f"trace of every collective written to {args.trace} "
-                       "(open it in https://ui.perfetto.dev or chrome://tracing)")
+                       "(open it in https://ui.perfetto.dev or chrome://tracing)"
+                       + trace.kept_note())

@@ -233,4 +233,5 @@ class TensorParallel(ModelParallel):
         self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)
-            log.print0(f"trace of every collective written to {args.trace}")
+            log.print0(f"trace of every collective written to {args.trace}"
+                       + trace.kept_note())
