@@ -22,6 +22,7 @@ counts); RSS and step time are noisy, read them over thousands of steps.
 Used by tests/test_soak.py (slow); how to run one: minidist/train/README.md#soak-a-long-run.
 """
 import argparse
+import collections
 import gc
 import json
 import os
@@ -46,8 +47,9 @@ from minidist.train.loop import train  # noqa: E402
 from minidist.train.saves import claim_save  # noqa: E402
 from minidist.strategy import save_lock  # noqa: E402
 
-MEASURES = ("rss_kb", "hwm_kb", "blocks", "traced_kb", "objects", "arrays", "fds", "threads",
-            "cycles_freed", "ms_per_step", "ms_median", "ms_min")
+CONTAINERS = (list, dict, set, collections.deque)
+MEASURES = ("rss_kb", "hwm_kb", "blocks", "traced_kb", "objects", "items", "arrays", "fds",
+            "threads", "cycles_freed", "ms_per_step", "ms_median", "ms_min")
 
 
 def soak_parser():
@@ -73,19 +75,23 @@ def status_kb(field):
 
 def live_objects():
     """{class name: live count} of every class gc tracks (minidist's and the rest: dict,
-    tuple, ...; and `ndarray`: the numpy arrays any gc-tracked object refers to, arrays are
-    not tracked themselves), the total, and the arrays' count."""
+    tuple, ...), the total, the numpy arrays any of them refers to (arrays are not tracked
+    themselves), and the items every list, dict, set and deque among them holds: a list
+    that grows by a tuple of numbers a step is one object throughout (a tuple of numbers is
+    not tracked), but its items grow."""
     objects = gc.get_objects()
-    counts = {}
+    counts, items = {}, 0
     for obj in objects:
         kind = type(obj)
         module = kind.__module__      # (a descriptor on some classes of classes)
         name = f"{module}.{kind.__qualname__}" if isinstance(module, str) else kind.__name__
         counts[name] = counts.get(name, 0) + 1
+        if kind in CONTAINERS:
+            items += len(obj)
     arrays = {id(o) for o in gc.get_referents(*objects) if type(o) is np.ndarray}
     total = len(objects)
     del objects
-    return counts, total, len(arrays)
+    return counts, total, len(arrays), items
 
 
 class Watcher:
@@ -95,7 +101,6 @@ class Watcher:
         self.every, self.warmup, self.trace = every, warmup, trace
         self.rows = []
         # the counts of the first sample after warm-up and of the latest one
-        # (a list: gc tracks it whatever it holds; a dict of Nones it would not, until later)
         self.counts = [None, None]
         self.own = 0         # blocks the watcher's own rows hold (taken out of "blocks")
         self.snapshots = []
@@ -111,16 +116,15 @@ class Watcher:
         self.times.clear()
         freed = gc.collect()
         blocks = sys.getallocatedblocks() - self.own
-        held = sum(c is not None for c in self.counts)    # the watcher's own dicts
-        counts, total, arrays = live_objects()
-        total -= held
-        counts["builtins.dict"] -= held
+        counts, total, arrays, items = live_objects()   # (its dicts of counts: not tracked)
+        items -= len(self.rows) + len(self.snapshots)        # (the watcher's own lists)
         row = {"step": step + 1, "ms_per_step": float(times.mean()),   # (the median and the
                "ms_median": float(times[len(times) // 2]), "ms_min": float(times[0]),  # least:
                "rss_kb": status_kb("VmRSS"),
                "hwm_kb": status_kb("VmHWM"), "blocks": blocks,
-               "objects": total, "arrays": arrays, "fds": len(os.listdir("/proc/self/fd")),
-               "threads": threading.active_count(), "cycles_freed": freed,
+               "objects": total, "items": items, "arrays": arrays,
+               "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+               "cycles_freed": freed,
                "traced_kb": tracemalloc.get_traced_memory()[0] // 1024 if self.trace else 0}
         self.rows.append(row)
         if step + 1 >= self.warmup:
@@ -157,6 +161,7 @@ class Watcher:
                                   if k} if grown else {}
         out["objects_change"] = rows[-1]["objects"] - rows[0]["objects"]
         out["arrays_change"] = rows[-1]["arrays"] - rows[0]["arrays"]
+        out["items_change"] = rows[-1]["items"] - rows[0]["items"]
         if len(self.snapshots) == 2:       # (the watcher's own allocations left out)
             mine = [tracemalloc.Filter(False, __file__, all_frames=True),
                     tracemalloc.Filter(False, tracemalloc.__file__, all_frames=True)]
