@@ -61,16 +61,17 @@ def regroup_order(recv):
 
 
 class ExpertExchange:
-    """The all-to-alls of one MoE layer over the ep `group` (E experts in all). `history`
-    gets, per `run`, (rows sent to other ranks, rows received from other ranks, whether a
-    backward follows: False for a forward without a graph, e.g. evaluation or the first
-    forward of a block under --ckpt-activations, whose recompute inside backward runs the
-    exchange again, with a graph)."""
+    """The all-to-alls of one MoE layer over the ep `group` (E experts in all). `totals`
+    adds up, per whether a backward follows (False for a forward without a graph, e.g.
+    evaluation or the first forward of a block under --ckpt-activations, whose recompute
+    inside backward runs the exchange again, with a graph), [runs, rows sent to other ranks,
+    rows received from other ranks]: sums, not a list of every run, which grew by a tuple a
+    layer and micro-batch for the whole run (tests/scripts/soak.py: 2 blocks a step)."""
 
     def __init__(self, group, n_experts):
         self.group, self.n_experts = group, n_experts
         self.per_rank = n_experts // group.size
-        self.history = []
+        self.totals = {False: [0, 0, 0], True: [0, 0, 0]}
 
     def experts_of(self, rank):
         """The experts rank `rank` of the ep group holds."""
@@ -90,10 +91,20 @@ class ExpertExchange:
         x_local = x_recv[xp.asarray(order)]                             # 3. by expert
         y_local = run_experts(x_local, recv.sum(0))                     # 4. (R, C)
         y_recv = y_local[xp.asarray(np.argsort(order))]                 # 5. by source again
-        r = self.group.rank
-        self.history.append((int(send.sum() - send[r].sum()), int(recv.sum() - recv[r].sum()),
-                             is_grad_enabled() and xin.requires_grad))
+        r, total = self.group.rank, self.totals[is_grad_enabled() and xin.requires_grad]
+        total[0] += 1
+        total[1] += int(send.sum() - send[r].sum())
+        total[2] += int(recv.sum() - recv[r].sum())
         return AllToAll.apply(y_recv, self.group, recv.sum(1), send.sum(1))     # (M, C)
+
+
+    def bytes_sent(self, C, itemsize):
+        """exchange_bytes summed over every run so far (rows of C values of `itemsize`
+        bytes): the counts once a run, the rows' bytes by their sums."""
+        N, El = self.group.size, self.per_rank      # (one run's counts: exchange_bytes(0, 0))
+        return sum(exchange_bytes(sent, received, N, El, C, itemsize, backward)
+                   + (runs - 1) * exchange_bytes(0, 0, N, El, C, itemsize, backward)
+                   for backward, (runs, sent, received) in self.totals.items())
 
 
 def exchange_bytes(sent_rows, received_rows, N, El, C, itemsize, backward=True):

@@ -45,7 +45,6 @@ from ep_split import SPLIT, split_counted, split_traffic  # noqa: E402
 from minidist import backend  # noqa: E402
 from minidist.comm import trace  # noqa: E402
 from mpi4py import MPI  # noqa: E402  (after exact, so minidist.comm.init() starts MPI)
-from minidist.ep.exchange import exchange_bytes  # noqa: E402
 from minidist.nn import GPTConfig  # noqa: E402
 from minidist.train.args import train_parser  # noqa: E402
 from minidist.train.moe_cost import expert_units  # noqa: E402
@@ -343,9 +342,8 @@ def run(name, ref_runs, comm, tol):
         assert counted == want, (name, counted, want)
     split_sent = {f"{g} {op}": v[1] for (g, op), v in counted.items()} if split else {}
     N = args.ep
-    theory = 0 if N == 1 else sum(
-        exchange_bytes(s, r, N, config.moe_experts // N, config.n_embd, 8, backward)
-        for m in model.moe_layers() for s, r, backward in m.exchange.history)
+    theory = 0 if N == 1 else sum(m.exchange.bytes_sent(config.n_embd, 8)
+                                  for m in model.moe_layers())
     (params, experts), ref = my_params(strategy, model, opt), dict(r_model.named_parameters())
     d_par = max_abs(v - np.asarray(ref[n].data) for n, v in params.items())
     d_loss = max_abs([float(a) - float(b) for a, b in zip(losses, r_losses)])
