@@ -1,10 +1,11 @@
 """Long runs: what a step leaves behind does not pile up (tests/scripts/soak.py watches a run's
-live objects, numpy arrays, file descriptors and threads every few steps), and the one record
-that grew with the run, --trace's events, keeps a bounded window.
+live objects, the items its containers hold, numpy arrays, file descriptors and threads
+every few steps), and the records that grew with the run, --ep's exchange counts and
+--trace's events, stay bounded.
 
-    mpiexec -n 2 python tests/scripts/soak.py --every 100 --warmup 200 -- --steps 600 \\
+    mpiexec -n 2 python tests/scripts/soak.py --every 100 --warmup 200 -- --steps 650 \\
         --n-layer 2 --n-embd 32 --n-head 2 --block-size 32 --batch-size 4 --sample 0 \\
-        --eval-iters 2 --data FILE --zero 1 --save DIR --save-every 100 --async-save --keep 2
+        --eval-iters 2 --data FILE --ddp bucketed --save DIR --save-every 70 --async-save
 """
 import numpy as np
 import pytest
@@ -78,30 +79,34 @@ def test_an_expert_exchange_keeps_sums_not_a_record_of_every_run():
 SOAKS = [
     (1, ["--eval-every", "100", "--grad-accum", "2"]),
     (2, ["--zero", "1", "--overlap-param-gather", "--eval-every", "100"]),
-    (2, ["--ddp", "bucketed", "--save-every", "100", "--async-save", "--keep", "2"]),
+    (2, ["--ddp", "bucketed", "--save-every", "70", "--async-save", "--keep", "2"]),
+    (2, ["--moe-experts", "4", "--ep", "2"]),
     (4, ["--tp", "2", "--dp", "2", "--sequence-parallel"]),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nprocs,flags", SOAKS, ids=["1-process", "zero1-overlap",
-                                                     "ddp-async-save", "tp2xdp2-sp"])
+                                                     "ddp-async-save", "moe-ep2",
+                                                     "tp2xdp2-sp"])
 def test_a_long_run_ends_with_the_objects_fds_and_threads_it_had_after_warm_up(
         mpi, corpus, tmp_path, nprocs, flags):
-    """600 steps of a tiny model, sampled every 100 after a gc.collect(): from step 200 to
-    600 every rank holds the same numbers of file descriptors and threads, the same live
-    objects and numpy arrays but for those of collectives in flight (--overlap-param-gather's
+    """650 steps of a tiny model, sampled every 100 after a gc.collect(): from step 200 to
+    600 (the last step's evaluation and save come after) every rank holds the same numbers
+    of file descriptors and threads, the same live objects, items in its lists, dicts, sets
+    and deques, and numpy arrays, but for those of work in flight (--overlap-param-gather's
     gathers are queued behind the step's end: a few dozen objects either way, never a drift
-    of one a step; measured 0 for the others). RSS and step time are left to the soak's own
-    runs (minidist/train/README.md#soak-a-long-run): noise here.
+    of one a step; a save on its thread holds its host copies: --save-every 70 keeps the
+    samples off them; measured 0 for the others). RSS and step time are left to the soak's
+    own runs (minidist/train/README.md#soak-a-long-run): noise here.
 
-        mpiexec -n 2 python tests/scripts/soak.py --every 100 --warmup 200 -- --steps 600 \
+        mpiexec -n 2 python tests/scripts/soak.py --every 100 --warmup 200 -- --steps 650 \
             --n-layer 2 --n-embd 32 --n-head 2 --block-size 32 --batch-size 4 --sample 0 \
             --eval-iters 2 --data FILE --zero 1 --overlap-param-gather --eval-every 100
     """
     save = ["--save", tmp_path / "ckpt"] if "--save-every" in flags else []
     out = mpi(nprocs, "tests/scripts/soak.py", "--every", 100, "--warmup", 200, "--",
-              "--steps", 600, *TINY, "--data", corpus, "--log-json", tmp_path / "log.jsonl",
+              "--steps", 650, *TINY, "--data", corpus, "--log-json", tmp_path / "log.jsonl",
               *save, *flags, timeout=600)
     verdicts = tagged_json(out, "SOAK")
     assert sorted(v["rank"] for v in verdicts) == list(range(nprocs)), out.stdout
@@ -110,4 +115,6 @@ def test_a_long_run_ends_with_the_objects_fds_and_threads_it_had_after_warm_up(
         assert v["samples"] == 5 and (first["step"], last["step"]) == (200, 600), v
         assert (first["fds"], first["threads"]) == (last["fds"], last["threads"]), v
         assert abs(v["objects_change"]) <= 40 and abs(v["arrays_change"]) <= 4, v
+        assert abs(v["items_change"]) <= 40, v       # (--ep's list grew by 808 here)
         assert abs(v["per_1000_steps"]["objects"]) < 100, v      # < 0.1 object a step
+        assert abs(v["per_1000_steps"]["items"]) < 100, v
