@@ -7,18 +7,22 @@
 Flags before `--` are the soak's, those after it examples/train_gpt.py's (checked as it checks
 them); the run is the one examples/train_gpt.py makes (minidist.train.loop.train), with an
 `after_step` watcher that, every --every steps, after a full gc.collect(), records on each
-rank: VmRSS and VmHWM (/proc/self/status), the interpreter's allocated blocks, the live
-objects of every minidist class and the numpy arrays they (or anything gc tracks) hold, open
-file descriptors (/proc/self/fd), threads, the objects gc.collect() freed (reference cycles:
-memory held until a collection) and the mean step time since the last sample. With
---trace N, tracemalloc (N frames) also records the traced bytes, and the allocation sites
-that grew most between the first sample after --warmup and the last.
+rank: VmRSS and VmHWM (/proc/self/status), the interpreter's allocated blocks (the watcher's
+own rows taken out), the live objects of every class gc tracks, the items every list, dict,
+set and deque among them holds (a list growing by a tuple of numbers stays one object: such
+tuples are not tracked), the numpy arrays they refer to, open file descriptors
+(/proc/self/fd), threads, the objects gc.collect() freed (reference cycles: memory held until
+a collection) and the mean, median and least step time of the window (other jobs on the
+cores move the mean; the least step least). With --trace N, tracemalloc (N frames) also
+records the traced bytes, and the allocation sites that grew most between the first sample
+after --warmup and the last (it slows Python ~4x: name a site the counts showed).
 
 The verdict, one `SOAK {json}` line per rank from rank 0 (and --out FILE: the rows too):
 each measure's growth per 1000 steps after --warmup (least squares over the samples), the
-live-object counts' change from the first sample after warm-up to the last, the classes that
-grew, and the top tracemalloc sites. Object counts are deterministic (same flags, same
-counts); RSS and step time are noisy, read them over thousands of steps.
+change of the objects, items and arrays from the first sample after warm-up to the last, the
+classes whose counts changed, and the top tracemalloc sites. Object and item counts are
+deterministic but for work in flight at the sample (an overlapped gather, a save on its
+thread); RSS and step time are noisy, read them over thousands of steps.
 Used by tests/test_soak.py (slow); how to run one: minidist/train/README.md#soak-a-long-run.
 """
 import argparse
@@ -118,10 +122,9 @@ class Watcher:
         blocks = sys.getallocatedblocks() - self.own
         counts, total, arrays, items = live_objects()   # (its dicts of counts: not tracked)
         items -= len(self.rows) + len(self.snapshots)        # (the watcher's own lists)
-        row = {"step": step + 1, "ms_per_step": float(times.mean()),   # (the median and the
-               "ms_median": float(times[len(times) // 2]), "ms_min": float(times[0]),  # least:
-               "rss_kb": status_kb("VmRSS"),
-               "hwm_kb": status_kb("VmHWM"), "blocks": blocks,
+        row = {"step": step + 1, "ms_per_step": float(times.mean()),
+               "ms_median": float(times[len(times) // 2]), "ms_min": float(times[0]),
+               "rss_kb": status_kb("VmRSS"), "hwm_kb": status_kb("VmHWM"), "blocks": blocks,
                "objects": total, "items": items, "arrays": arrays,
                "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
                "cycles_freed": freed,
@@ -135,8 +138,7 @@ class Watcher:
             self.snapshots.append(tracemalloc.take_snapshot())
         elif self.trace and len(self.snapshots) == 2:
             self.snapshots[1] = tracemalloc.take_snapshot()
-        self.t_mark = time.perf_counter()    # (the sample's own time left out; other jobs
-        # on the cores move the mean, less the median and the least step)
+        self.t_mark = time.perf_counter()    # (the sample's own time left out)
 
     def verdict(self, top):
         """Growth per 1000 steps after warm-up, the classes that grew, the top sites."""
