@@ -127,18 +127,18 @@ def _check_stop(args, start):
     return stop
 
 
-def train(args, world=None, after_step=None):
+def train(args, world=None, each_step=None):
     """Run the training described by the parsed flags; returns the final summary dict.
     `world`: comm.init's world group (None: one process). The caller has set up the
     backend (backend.setup: threads, device), as examples/train_gpt.py shows. The signal
     handlers it takes (preemption.py) are the caller's again when it returns or raises.
-    `after_step(step)`, if given, is called at the end of each step, after its evaluation
+    `each_step(step)`, if given, is called at the end of each step, after its evaluation
     and save (a watcher's: tests/scripts/soak.py samples memory and objects there)."""
     with preemption.handlers_kept():
-        return _train(args, world, after_step)
+        return _train(args, world, each_step)
 
 
-def _train(args, world, after_step):
+def _train(args, world, each_step):
     preemption.stop_at_once()       # SIGTERM before step 1: exit 75 at once (143: no --save)
     auto = args.resume == "auto"
     args.resume = checkpoint_dirs.resume_dir(args.resume, args.save)   # "auto": None or newest
@@ -265,8 +265,8 @@ def _train(args, world, after_step):
                       folder=folder)
         if evals or saving:              # the next step's time starts after them
             t_mark = time.perf_counter()
-        if after_step is not None:
-            after_step(step)
+        if each_step is not None:
+            each_step(step)
     saves.finish()              # the last save committed before the summary and the sample
     return _finish(args, strategy, log, model, data, val_loss, time.perf_counter() - t_start,
                    t_aside + saves.seconds, reads_before, stop, signals, saves.seconds)

@@ -6,7 +6,7 @@
 
 Flags before `--` are the soak's, those after it examples/train_gpt.py's (checked as it checks
 them); the run is the one examples/train_gpt.py makes (minidist.train.loop.train), with an
-`after_step` watcher that, every --every steps, after a full gc.collect(), records on each
+`each_step` watcher that, every --every steps, after a full gc.collect(), records on each
 rank: VmRSS and VmHWM (/proc/self/status), the interpreter's allocated blocks (the watcher's
 own rows taken out), the live objects of every class gc tracks, the items every list, dict,
 set and deque among them holds (a list growing by a tuple of numbers stays one object: such
@@ -99,7 +99,7 @@ def live_objects():
 
 
 class Watcher:
-    """The `after_step` of minidist.train.loop.train: a sample every `every` steps."""
+    """The `each_step` of minidist.train.loop.train: a sample every `every` steps."""
 
     def __init__(self, every, warmup, trace):
         self.every, self.warmup, self.trace = every, warmup, trace
@@ -192,7 +192,7 @@ def main(argv):
     watcher = Watcher(soak.every, soak.warmup, soak.trace)
     held = claim_save(world, args.save)
     try:
-        train(args, world, after_step=watcher)
+        train(args, world, each_step=watcher)
     finally:
         save_lock.release(held)
     verdict = dict(watcher.verdict(soak.top), rank=0 if world is None else world.rank)
