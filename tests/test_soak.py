@@ -76,6 +76,25 @@ def test_an_expert_exchange_keeps_sums_not_a_record_of_every_run():
         group.destroy()
 
 
+def test_an_moe_layer_keeps_no_graph_of_a_z_loss_the_loss_leaves_out():
+    """With --moe-z-loss-coef 0 (the default) the z-loss is not in the loss, but each MoE layer
+    built its graph and kept it in `z_loss` until its next forward: the soak counted 20 Nodes
+    and 16 Contexts alive between steps (--moe-experts 4, one process), with the (N, E) arrays
+    they saved (tokens x experts a layer: some MB a layer at GPT-2 sizes). Now the value is
+    computed without a graph; with a coefficient the graph is there and backward reaches the
+    router through it."""
+    from minidist.nn import GPT, GPTConfig
+    x = np.random.default_rng(0).integers(0, 16, (2, 8))
+    for coef in (0.0, 0.01):
+        config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=16,
+                           moe_experts=2, moe_z_loss_coef=coef)
+        model = GPT(config, seed=0, dtype="float64")
+        model(x, x)[1].backward()
+        for m in model.moe_layers():
+            assert (m.z_loss.grad_fn is None) == (coef == 0.0), coef
+            assert np.isfinite(m.z_loss.item()) and m.z_loss.item() > 0
+
+
 SOAKS = [
     (1, ["--eval-every", "100", "--grad-accum", "2"]),
     (2, ["--zero", "1", "--overlap-param-gather", "--eval-every", "100"]),

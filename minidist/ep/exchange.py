@@ -97,7 +97,6 @@ class ExpertExchange:
         total[2] += int(recv.sum() - recv[r].sum())
         return AllToAll.apply(y_recv, self.group, recv.sum(1), send.sum(1))     # (M, C)
 
-
     def bytes_sent(self, C, itemsize):
         """exchange_bytes summed over every run so far (rows of C values of `itemsize`
         bytes): the counts once a run, the rows' bytes by their sums."""

@@ -58,7 +58,7 @@ from dataclasses import replace
 import numpy as np
 
 from minidist import backend
-from minidist.autograd import Function, Tensor, is_grad_enabled
+from minidist.autograd import Function, Tensor, is_grad_enabled, no_grad
 from minidist.autograd import fused as F
 from minidist.autograd.indexing import concat, scatter_add_rows, where
 from minidist.nn.layers import Dropout, Linear
@@ -270,7 +270,12 @@ class MoE(Module):
         so both are one process's on every rank."""
         B, E = chosen.shape
         T = probs.shape[0] // B
-        psum, zsum = probs.reshape(B, T, E).sum(axis=1), z_sum(logits)  # (B, E), ()
+        psum = probs.reshape(B, T, E).sum(axis=1)                       # (B, E)
+        if self.z_coef:
+            zsum = z_sum(logits)                                        # ()
+        else:     # not in the loss: its value without a graph, which self.z_loss would
+            with no_grad():     # keep alive (the (N, E) exp and more) until the next forward
+                zsum = z_sum(logits)      # (tests/scripts/soak.py found it, 2026-11-29)
         if parts is not None:
             both = parts.total(concat([psum.reshape(B * E), zsum.reshape(1)], axis=0))
             psum, zsum, T = both[:B * E].reshape(B, E), both[B * E], parts.T
