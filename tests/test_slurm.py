@@ -95,6 +95,47 @@ def test_sbatch_script_requeues_after_sigterm_to_the_whole_job(tmp_path, corpus)
 
 
 @pytest.mark.mpi
+def test_sbatch_script_requeues_when_the_signal_comes_before_the_ranks_handler(tmp_path):
+    """A SIGTERM in a rank's first ~0.1 s, before Python runs the script's first line and its
+    handler, kills the rank (2026-11-29's chaos campaign met it: exit 143 or BAD
+    TERMINATION, not 75), and the script requeued only on 75: the job was not restarted. It
+    requeues now when it was itself signalled and the launch failed. Here $PYTHON is a shell
+    script that sleeps, so each rank dies of SIGTERM as Python does before that first line;
+    without a signal a failing launch is not requeued. By hand: PYTHON=... bash
+    train.sbatch, then kill -TERM -PGID."""
+    env = _fake_cluster(tmp_path)
+    ranks = tmp_path / "python"
+    ranks.write_text(f"#!/bin/bash\ntouch {tmp_path}/started.$SLURM_PROCID\n"
+                     "[ -n \"${FAIL:-}\" ] && exit 3\nexec sleep 600\n")
+    ranks.chmod(0o755)
+    env["PYTHON"] = str(ranks)
+    for fail in ("1", ""):
+        for marker in tmp_path.glob("started.*"):
+            marker.unlink()
+        proc = subprocess.Popen(["bash", "examples/slurm/train.sbatch", "--steps", "10"],
+                                cwd=ROOT, env={**env, "FAIL": fail}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            if not fail:
+                deadline = time.time() + 60
+                while len(list(tmp_path.glob("started.*"))) < 2:
+                    assert time.time() < deadline and proc.poll() is None, proc.communicate()
+                    time.sleep(0.1)
+                os.killpg(proc.pid, signal.SIGTERM)     # the batch shell, srun and the ranks
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        requeues = tmp_path / "scontrol.log"
+        if fail:
+            assert proc.returncode != 0 and not requeues.exists(), (out, err)
+        else:
+            assert proc.returncode not in (0, 75), (proc.returncode, out, err)
+            assert "without saving this step: requeueing job 42" in out, (out, err)
+            assert requeues.read_text() == "requeue 42\n"
+
+
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sbatch_script_trains_then_resumes(tmp_path, corpus):
     """The batch script trains 2 ranks through srun, saves; started again (as after a requeue)
