@@ -261,7 +261,7 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
         check_layout(train_parser().parse_args(flags), ranks)
     assert "but this job has" in str(e.value)
     if suggests is None:
-        assert "run `mpirun" not in str(e.value), str(e.value)
+        assert "`mpirun -n" not in str(e.value), str(e.value)
         return
     assert suggests in str(e.value)
     a = train_parser().parse_args(flags)
@@ -269,3 +269,27 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
     assert ("leave --dp out" in str(e.value)) == leave, str(e.value)
     ranks = int(str(e.value).split("`mpirun -n ")[1].split("`")[0])
     check_layout(train_parser().parse_args(flags), ranks)
+
+
+@pytest.mark.parametrize("ranks,flags,says,not_said", [
+    # 16 processes do not split into --pp 3 stages: there is no dp; it said "--batch-size 8
+    # does not split into dp 5", a dp of a job nobody ran (found running 16 ranks)
+    (16, ["--pp", "3", "--batch-size", "8"], "--pp 3 = 3 ranks per replica", "dp 5"),
+    (16, ["--tp", "3"], "--n-head 4 is not divisible by --tp 3", "--batch-size"),
+    # the dp it holds --zero-shard to would be 5 as well
+    (16, ["--cp", "3", "--zero", "1", "--zero-shard", "2", "--block-size", "12"],
+     "--cp 3 = 3 ranks per replica", "--zero-shard"),
+    # a batch and a --zero-shard problem on one line: the second came only once the first
+    # was fixed
+    (16, ["--zero", "2", "--zero-shard", "6", "--batch-size", "12"], "give --batch-size a "
+     "multiple of 16; --zero-shard 6: the ranks each replica is sharded over must divide dp "
+     "16", "`mpirun -n"),
+])
+def test_a_refusal_names_no_dp_the_processes_do_not_have(ranks, flags, says, not_said):
+    """With --dp not given and processes that do not split into tp x pp x cp x ep, the
+    refusal is the rank count alone (and the flags wrong whatever the count); every problem
+    of the layout is on the one `error:` line."""
+    from minidist.train.strategy import check_layout
+    with pytest.raises(UsageError) as e:
+        check_layout(train_parser().parse_args(flags), ranks)
+    assert says in str(e.value) and not_said not in str(e.value), str(e.value)

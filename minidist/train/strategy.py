@@ -135,7 +135,13 @@ def check_layout(args, size):
         m = args.micro_batches or default_micro_batches(
             args.batch_size // (rows * accum), args.pp, args.pp if args.pp_virtual > 1 else 1)
     problems = []
-    if m < 1 or args.batch_size % (rows * accum * m):
+    # --dp not given and the processes do not split into the other axes: the job has no dp
+    # to hold the batch or --zero-shard to, only the size problem does (16 processes with
+    # --pp 3 said "--batch-size 8 does not split into dp 5"); dp is that of the command the
+    # size problem may suggest (15 ranks), which is suggested only if they fit it
+    phantom = args.dp is None and size % others != 0
+    batch_bad = m < 1 or args.batch_size % (rows * accum * m)
+    if batch_bad and not phantom:
         problems.append(_batch_problem(args, dp, m))
     axis = {}                   # the parallelism whose check found each problem
     for name, found in (("tensor", tp_problems(args) if args.tp > 1 else []),
@@ -146,8 +152,11 @@ def check_layout(args, size):
         axis.update(dict.fromkeys(found, f"{name} parallelism: "))
     shard = zero_shard_problem(args, dp) if args.zero and args.zero_shard is not None else None
     if dp * others != size:     # the command it suggests must not fail on something else
-        problems.insert(0, _size_problem(dp, split, size, not (problems or shard),
+        problems.insert(0, _size_problem(dp, split, size, not (problems or shard or batch_bad),
                                           args.dp is not None))
+        shard = None if phantom else shard
+    if shard and problems:      # all on the one line (it came only once the others were fixed)
+        problems, shard = problems + [shard], None
     if problems:               # named by the check that found the first (walk 38: a tp
         what = axis.get(problems[0]) or (                   # problem said "context ...")
             "expert parallelism: " if args.ep > 1 else "context parallelism: "
