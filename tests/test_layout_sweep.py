@@ -8,6 +8,7 @@ resumes bit for bit, and resumed in another layout continues one process's run.
     python -m pytest -m slow tests/test_layout_sweep.py          # 2 and 4 ranks, resumed,
                                                                  # resharded, 8
     python tests/scripts/layout_sweep.py                         # the same, line by line
+    python tests/scripts/layout_sweep.py --large [--reshard]     # 12 and 16 ranks, by hand
 
 The default run checks the sampler and the log-line check without MPI, and what the sweep
 found broken (a pipeline stage without MoE blocks under --ep; the log lines under --ep;
@@ -248,3 +249,39 @@ def test_every_sampled_layout_resumes_in_another_with_one_process_numbers(mpi, t
 def test_sampled_layouts_on_8_ranks_train_one_process_numbers(mpi, tmp_path):
     """The first 10 of the 8-rank list (python tests/scripts/layout_sweep.py --ranks 8)."""
     _sweep(mpi, tmp_path, (8,), count=10)
+
+
+def test_the_12_and_16_rank_list_is_accepted_and_resumes_in_4_ranks_or_one_process():
+    """layout_sample.LARGE (layout_sweep --large): every layout accepted at its rank count;
+    under --reshard each resumes in a 4-rank layout of LARGE_INTO, every fourth in one
+    process, with its own model flags."""
+    chosen = layout_sample.LARGE
+    assert {r for r, _ in chosen} == {12, 16}
+    assert all(layout_sample.accepted(r, f) is None for r, f in chosen)
+    for i, (ranks, flags) in enumerate(chosen):
+        r, into = layout_sweep.partner(chosen, i, layout_sample.LARGE_INTO)
+        assert r == (1 if i % 4 == 3 else 4) and layout_sample.accepted(r, into) is None
+        assert layout_sweep.reference_flags(into) == layout_sweep.reference_flags(flags)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [False, True])
+def test_the_12_and_16_rank_layouts_train_one_process_numbers(mpi, tmp_path, reshard):
+    """layout_sample.LARGE: 38 layouts on 12 and 16 ranks with every axis > 1 at once and
+    sizes the sampler never draws (dp, pp, cp, ep and --zero-shard of 3, cp 4 inside tp 2,
+    pp 4 x 2 virtual stages, hybrid ZeRO-3 groups), each against one process; with
+    `reshard`, each stopped after step 2 and resumed on 4 ranks in another layout (every
+    fourth: one process). About 4 minutes each on 2 cores:
+
+        python tests/scripts/layout_sweep.py --large [--reshard]
+    """
+    chosen, lines = layout_sample.LARGE, []
+    sweep = layout_sweep.Sweep(str(tmp_path), mpi.device or "cpu", say=lines.append)
+    pool = layout_sample.LARGE_INTO
+    failed = [layout_sample.describe(*c) for i, c in enumerate(chosen)
+              if not (sweep.check_resharded(*c, layout_sweep.partner(chosen, i, pool))
+                      if reshard else sweep.check(*c))[0]]
+    print("\n".join(lines))
+    assert not failed, "\n".join(["12/16-rank layouts that fail:", *failed, "all runs:",
+                                  *lines])

@@ -194,6 +194,81 @@ def layouts(ranks_list=(2, 4), seed=0, count=None):
     return select(candidates(seed, list(ranks_list)), limit=count)
 
 
+# The 12- and 16-rank layouts (layout_sweep.py --large), picked by hand: every axis > 1 at
+# once, sizes the sampler (2, 4 and 8 ranks, axes of 2 and 4) never draws (dp 3, --pp 3, --cp
+# 3, --ep 3 and --zero-shard 3: rings and ZeRO shards of three, padded), hybrid ZeRO-3 groups,
+# interleaved stages over tp x dp, cp rings of 4 inside tp 2. --n-layer, --batch-size and
+# --block-size are the reference's too (layout_sweep.REF): 8 layers for 4 x 2 virtual stages,
+# 6 for 3 stages, batches of 12 for dp 3, sequences of 24 for cp 3's zigzag halves.
+LARGE = [
+    (16, {"--dp": 2, "--tp": 2, "--pp": 2, "--cp": 2, "--schedule": "1f1b"}),
+    (16, {"--tp": 2, "--pp": 2, "--cp": 2, "--cp-attention": "ulysses",
+          "--sequence-parallel": True}),
+    (16, {"--dp": 4, "--tp": 2, "--pp": 2, "--schedule": "gpipe", "--micro-batches": 2}),
+    (16, {"--tp": 2, "--pp": 2, "--cp": 2, "--zero": 1}),
+    (16, {"--tp": 2, "--pp": 2, "--cp": 2, "--zero": 2, "--sequence-parallel": True}),
+    (16, {"--tp": 2, "--pp": 2, "--cp": 2, "--zero": 3}),
+    (16, {"--tp": 2, "--cp": 2, "--zero": 3, "--zero-shard": 2}),
+    (16, {"--tp": 2, "--zero": 3, "--zero-shard": 4}),
+    (16, {"--moe-experts": 8, "--ep": 2, "--tp": 2, "--sequence-parallel": True, "--cp": 2}),
+    (16, {"--moe-experts": 8, "--ep": 4, "--tp": 2, "--sequence-parallel": True,
+          "--zero": 1}),
+    (16, {"--pp": 4, "--pp-virtual": 2, "--schedule": "1f1b", "--tp": 2, "--dp": 2,
+          "--n-layer": 8}),
+    (16, {"--pp": 4, "--schedule": "zb-h1", "--dp": 4}),
+    (16, {"--cp": 4, "--tp": 2, "--dp": 2}),
+    (16, {"--tp": 2, "--cp": 2, "--zero": 1, "--overlap-param-gather": True}),
+    (16, {"--tp": 2, "--pp": 2, "--optimizer": "muon", "--zero": 1}),
+    (16, {"--arch": "llama", "--n-kv-head": 2, "--tp": 2, "--cp": 2,
+          "--cp-attention": "ulysses"}),
+    (16, {"--arch": "llama", "--n-kv-head": 2, "--tp": 2, "--cp": 4}),
+    (12, {"--batch-size": 12}),
+    (12, {"--tp": 2, "--zero": 3, "--batch-size": 12}),
+    (12, {"--tp": 2, "--zero": 1, "--zero-shard": 3, "--batch-size": 12}),
+    (12, {"--pp": 3, "--tp": 2, "--dp": 2, "--n-layer": 6}),
+    (12, {"--cp": 3, "--tp": 2, "--dp": 2, "--block-size": 24}),
+    (12, {"--moe-experts": 6, "--ep": 3, "--tp": 2, "--zero": 2, "--batch-size": 12}),
+    # sizes and switches at 12 and 16 ranks: --comm hier's groups of 3 over nodes of 2, a
+    # bucketed ring of 3, dropout's keys, a stage without MoE blocks, --amp, tiled attention
+    (12, {"--comm": "hier", "--dp": 3, "--tp": 2, "--pp": 2, "--zero": 1, "--batch-size": 12}),
+    (12, {"--comm": "hier", "--tp": 2, "--zero": 3, "--zero-shard": 3, "--batch-size": 12}),
+    (12, {"--ddp": "bucketed", "--bucket-mb": 0.01, "--dp": 3, "--cp": 2, "--tp": 2,
+          "--cp-split": "naive", "--batch-size": 12}),
+    (16, {"--dropout": 0.1, "--tp": 2, "--cp": 2, "--sequence-parallel": True, "--pp": 2,
+          "--grad-accum": 2}),
+    (16, {"--pp": 4, "--micro-batches": 8, "--moe-experts": 8, "--moe-every": 4, "--ep": 2,
+          "--tp": 2, "--n-layer": 8, "--batch-size": 16}),
+    (16, {"--comm": "naive", "--sync-comm": True, "--zero": 2, "--ep": 4, "--moe-experts": 8,
+          "--moe-shared": 1, "--moe-bias-rate": 0.01, "--moe-top-k": 2, "--cp": 2}),
+    (16, {"--amp": True, "--tp": 2, "--pp": 2, "--dp": 4}),
+    (16, {"--attention": "tiled", "--attention-block": 8, "--cp": 4, "--cp-split": "naive",
+          "--tp": 2, "--ckpt-activations": True}),
+    (12, {"--cp": 3, "--cp-split": "naive", "--tp": 2, "--pp": 2, "--block-size": 24,
+          "--zero": 2}),
+    (12, {"--moe-experts": 6, "--ep": 3, "--moe-capacity-factor": 1.25, "--moe-top-k": 2,
+          "--pp": 2, "--schedule": "zb-h1", "--batch-size": 12}),
+    (16, {"--pp": 2, "--pp-virtual": 2, "--cp": 2, "--cp-attention": "ulysses", "--tp": 2,
+          "--zero": 1, "--overlap-param-gather": True}),
+    (12, {"--zero": 3, "--zero-shard": 4, "--batch-size": 12}),
+    (12, {"--optimizer": "muon", "--zero": 3, "--tp": 2, "--batch-size": 12}),
+    (12, {"--comm": "mpi", "--dp": 3, "--pp": 4, "--schedule": "zb-h1", "--batch-size": 12,
+          "--dropout": 0.1}),
+    (16, {"--comm": "hier", "--tp": 2, "--cp": 2, "--ep": 2, "--moe-experts": 4, "--zero": 1,
+          "--zero-shard": 2}),
+]
+
+# What LARGE's checkpoints resume in under --reshard (layout_sweep.partner; every fourth:
+# one process): 4-rank layouts, each cut otherwise than the 12 and 16 ranks that saved.
+LARGE_INTO = [
+    (4, {"--tp": 2, "--zero": 1}),
+    (4, {"--pp": 2, "--cp": 2}),
+    (4, {"--zero": 3, "--zero-shard": 2}),
+    (4, {"--tp": 4}),
+    (4, {"--pp": 2, "--tp": 2, "--zero": 2}),
+    (4, {"--cp": 2, "--dp": 2, "--zero": 1}),
+]
+
+
 def describe(ranks, flags):
     return f"-n {ranks} " + " ".join(argv(flags)[:-2] if not flags.get("--amp")
                                      else argv(flags))

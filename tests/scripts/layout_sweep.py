@@ -5,6 +5,7 @@
     python tests/scripts/layout_sweep.py --ranks 8 --count 6   # an 8-rank part
     python tests/scripts/layout_sweep.py --resume          # each also stopped and resumed
     python tests/scripts/layout_sweep.py --reshard         # each resumed in another layout
+    python tests/scripts/layout_sweep.py --large           # the 12- and 16-rank list
 
 The layouts: tests/scripts/layout_sample.py. Each runs examples/train_gpt.py under mpiexec
 (tests/mpirun.py) on a tiny float64 GPT, with --log-json and --save; its reference is one
@@ -34,7 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))         # tests/mpirun.py
 from mpirun import ROOT, logged_losses, mpi_env, run_mpi  # noqa: E402
-from layout_sample import BASE, accepted, argv, describe, layouts  # noqa: E402
+from layout_sample import BASE, LARGE, LARGE_INTO, accepted, argv, describe, layouts  # noqa: E402
 from exact import max_abs  # noqa: E402
 
 TRAIN = "examples/train_gpt.py"
@@ -54,7 +55,8 @@ BF16_TOL = {k: 8 * t for k, t in AMP_TOL.items()}        # 2^-8 against float16'
 REF = ("--dropout", "--amp-dtype", "--moe-experts", "--moe-top-k", "--moe-capacity-factor",
        "--moe-every", "--moe-aux-loss-coef", "--moe-z-loss-coef", "--moe-shared", "--amp",
        "--no-bias", "--arch", "--n-kv-head", "--rope-theta", "--ffn-hidden", "--optimizer",
-       "--muon-momentum", "--muon-ns-steps", "--moe-bias-rate")
+       "--muon-momentum", "--muon-ns-steps", "--moe-bias-rate", "--n-layer", "--batch-size",
+       "--block-size")
 
 
 def reference_flags(flags):
@@ -157,12 +159,13 @@ class Sweep:
         self.workdir, self.device, self.say = workdir, device, say
         self.data, self.refs, self.floors, self.runs = corpus(workdir), {}, {}, 0
 
-    def run(self, ranks, flags, name, extra=(), timeout=240):
+    def run(self, ranks, flags, name, extra=(), timeout=None):
         """Train one layout (ranks 1: one process, no mpiexec) with `extra` flags, saving to
         workdir/name: {rc, stdout, stderr} and, if it ran, its losses and gradient norms, the
         final val loss and the saved parameters, whole."""
         from minidist.train.gather import router_bias, whole_model
         log, ck = (os.path.join(self.workdir, name + e) for e in (".jsonl", ""))
+        timeout = timeout or 240 + 60 * max(ranks - 8, 0)      # 16 ranks on 2 cores: 12 min
         args = [*BASE, *argv(flags), "--data", self.data, "--cache-dir",
                 os.path.join(self.workdir, "cache"), "--log-json", log, "--save", ck, *extra]
         if ranks == 1:
@@ -271,18 +274,20 @@ class Sweep:
             "differs: " + ", ".join(k for k, v in same.items() if not v)
 
 
-def partner(chosen, i):
+def partner(chosen, i, pool=None):
     """The layout chosen[i] resumes into under --reshard: the next layout in the list (cyclic)
     whose strategy flags, with chosen[i]'s reference_flags (the same model, data, dropout,
     MoE and --amp), check_layout accepts and that differs from chosen[i], preferring another
-    number of ranks; every fourth layout resumes into one process instead. None if none
-    fits."""
+    number of ranks; every fourth layout resumes into one process instead. `pool`: take
+    the next of these layouts instead, from pool[i] on (--large: LARGE_INTO, 4 ranks). None
+    if none fits."""
     ranks, flags = chosen[i]
     if i % 4 == 3:
         return 1, reference_flags(flags)
+    order = ([pool[(i + k) % len(pool)] for k in range(len(pool))] if pool else
+             [chosen[(i + k) % len(chosen)] for k in range(1, len(chosen))])
     options = []
-    for k in range(1, len(chosen)):
-        r, f = chosen[(i + k) % len(chosen)]
+    for k, (r, f) in enumerate(order):
         into = {**{a: v for a, v in f.items() if a not in REF}, **reference_flags(flags)}
         if (r, into) != (ranks, flags) and accepted(r, into) is None:
             options.append((r != ranks, -k, (r, into)))
@@ -306,10 +311,13 @@ def main():
     p.add_argument("--reshard", action="store_true",
                    help="instead, stop each layout after step 2 and resume it in another "
                         "(`partner`): one process's numbers?")
+    p.add_argument("--large", action="store_true",
+                   help="run layout_sample.LARGE (12 and 16 ranks, by hand) instead")
     cli = p.parse_args()
-    chosen = layouts(cli.ranks, cli.seed, cli.count)
+    chosen = LARGE[:cli.count] if cli.large else layouts(cli.ranks, cli.seed, cli.count)
+    pool = LARGE_INTO if cli.large else None
     for i, c in enumerate(chosen):
-        into = f"  ->  {describe(*partner(chosen, i))}" if cli.reshard else ""
+        into = f"  ->  {describe(*partner(chosen, i, pool))}" if cli.reshard else ""
         print(f"{i:3d} {describe(*c)}{into}", flush=True)
     if cli.list:
         return 0
@@ -317,7 +325,7 @@ def main():
         sweep = Sweep(workdir, cli.device, say=lambda s: print(s, flush=True))
         if cli.reshard:
             failed = [i for i, c in enumerate(chosen)
-                      if not sweep.check_resharded(*c, partner(chosen, i))[0]]
+                      if not sweep.check_resharded(*c, partner(chosen, i, pool))[0]]
         else:
             failed = [i for i, c in enumerate(chosen) if not sweep.check(*c, cli.resume)[0]]
     print(json.dumps({"layouts": len(chosen), "failed": failed}))
