@@ -3,7 +3,8 @@ flags' values by a seeded sampler (`candidates`), each relevant flag set only wh
 something (--schedule only with --pp, --cp-split only with --cp, ...), kept where check_flags
 and check_layout accept them, and a deterministic greedy pick (`select`) keeps the fewest
 that show every flag value three times, each at every rank count it was accepted at, and
-every pair of strategies and switches (`_traits`) twice.
+every pair of strategies and switches (`_traits`) twice. `LARGE`: 12- and 16-rank layouts
+picked by hand instead (layout_sweep.py --large).
 
     python tests/scripts/layout_sweep.py --list      # the list this draws
 Tests: tests/test_layout_sweep.py (the sampler alone, in the default run).
