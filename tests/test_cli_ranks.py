@@ -281,6 +281,9 @@ def test_the_rank_count_error_suggests_a_command_only_when_it_would_run(ranks, f
      "--cp 3 = 3 ranks per replica", "--zero-shard"),
     # a batch and a --zero-shard problem on one line: the second came only once the first
     # was fixed
+    # fewer processes than one replica: dp 1, as any such job's, and the batch held to it
+    (1, ["--pp", "2", "--micro-batches", "2", "--batch-size", "3"], "does not split into dp 1",
+     "`mpirun -n"),
     (16, ["--zero", "2", "--zero-shard", "6", "--batch-size", "12"], "give --batch-size a "
      "multiple of 16; --zero-shard 6: the ranks each replica is sharded over must divide dp "
      "16", "`mpirun -n"),

@@ -138,8 +138,9 @@ def check_layout(args, size):
     # --dp not given and the processes do not split into the other axes: the job has no dp
     # to hold the batch or --zero-shard to, only the size problem does (16 processes with
     # --pp 3 said "--batch-size 8 does not split into dp 5"); dp is that of the command the
-    # size problem may suggest (15 ranks), which is suggested only if they fit it
-    phantom = args.dp is None and size % others != 0
+    # size problem may suggest (15 ranks), which is suggested only if they fit it. Fewer
+    # processes than one replica: dp 1 is every such job's, held to as before
+    phantom = args.dp is None and size % others != 0 and size > others
     batch_bad = m < 1 or args.batch_size % (rows * accum * m)
     if batch_bad and not phantom:
         problems.append(_batch_problem(args, dp, m))
