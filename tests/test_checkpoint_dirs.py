@@ -305,3 +305,44 @@ def test_kill_9_during_saves_always_leaves_a_complete_checkpoint(tmp_path):
     assert cut > 0, f"no kill of {trials} landed mid-save"
     save_checkpoint(d, model, opt, step=10**6)
     assert not [n for n in os.listdir(d) if n.startswith(".")]     # temporaries cleaned
+
+
+_PRUNER = """
+import os, signal, sys
+from minidist.nn import GPT, GPTConfig
+from minidist.optim import AdamW
+from minidist.strategy.checkpoint import save_checkpoint
+from minidist.strategy.checkpoint_dirs import prune
+model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64))
+opt = AdamW(model.named_parameters())
+for step in (1, 2):
+    save_checkpoint(sys.argv[1], model, opt, step=step)
+unlinks = []
+def die_at_the_second_unlink(frame, event, arg):     # a kill inside the removal: one file gone
+    if event == "c_call" and getattr(arg, "__name__", "") == "unlink":
+        unlinks.append(1)
+        if len(unlinks) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+sys.setprofile(die_at_the_second_unlink)
+prune(sys.argv[1], 1)
+"""
+
+
+def test_a_kill_while_prune_removes_a_folder_leaves_no_broken_checkpoint(tmp_path):
+    """The chaos campaign (tests/scripts/chaos.py, seed 4 trial 208) found a numbered folder
+    that did not verify (no manifest.json) after a SIGKILL: --keep's prune was removing it,
+    file by file, and it stayed, half there, for ever under --keep 0. A process killed after
+    the first file prune removes now leaves every numbered folder whole (the one being
+    removed was renamed to a temporary first), and the next save removes that temporary."""
+    import subprocess
+    import sys
+    d = tmp_path / "ck"
+    child = subprocess.run([sys.executable, "-c", _PRUNER, str(d)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == -9, child.stderr            # killed inside prune
+    for name in checkpoint_dirs.numbered(d):
+        checkpoint.verify(d / name)                       # (step-1 had lost a file)
+    assert checkpoint_dirs.numbered(d) == ["step-00000002"]
+    model, opt = _trained()
+    save_checkpoint(d, model, opt, step=3)
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]

@@ -330,7 +330,10 @@ def prune(directory, keep, replacing=False, also=None):
     also every folder of a step past latest's, whatever `keep` or `also`, since they are that
     run's, and counted as the newest they would outlive this run's own. Without it those
     stay (a `latest` set back by hand, a save killed before its pointer moved).
-    Returns the names removed."""
+    Returns the names removed. Each folder is first renamed to a temporary (atomic), then
+    removed: a kill in the middle of removing it left a numbered folder of some files, one
+    that no longer verifies, for ever under --keep 0 (tests/scripts/chaos.py found it);
+    now what it leaves is a temporary the next save removes."""
     if not os.path.isdir(directory):
         return []
     latest = read_latest(directory)
@@ -340,8 +343,15 @@ def prune(directory, keep, replacing=False, also=None):
     others = [n for n in folders if n not in (latest, also) and n not in past]
     stay = keep - 1 if latest is not None else keep
     gone = past + (others[:max(len(others) - stay, 0)] if keep else [])
+    doomed = []
     for name in gone:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        doomed.append(os.path.join(directory, temporary_name()))
+        try:
+            os.rename(os.path.join(directory, name), doomed[-1])
+        except FileNotFoundError:        # (gone already: what it was to be)
+            doomed.pop()
     if gone:
         fsync_dir(directory)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
     return gone
