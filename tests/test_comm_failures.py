@@ -82,6 +82,19 @@ def test_an_exiting_rank_waits_for_a_straggler_only_up_to_the_timeout(mpi):
 
 
 @pytest.mark.mpi
+def test_a_rank_frozen_after_the_exit_agreement_ends_the_job(mpi):
+    """Rank 1 stops (SIGSTOP, a node that hangs) right after the ranks agree to exit: rank 0
+    waited in MPI_Finalize for it for ever (MPICH's Finalize waits for every rank; found by
+    tests/scripts/chaos.py). Now it exits 1 after the timeout with a stack dump naming
+    _finish, and the launcher ends the job, the frozen rank included. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py frozen"""
+    out = mpi(2, "tests/scripts/comm_small.py", "frozen", timeout=60, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0, out.stderr
+    assert "in _finish" in out.stderr, out.stderr
+
+
+@pytest.mark.mpi
 def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
     ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump

@@ -155,14 +155,24 @@ def _wait_in_mpi_init_for_every_rank(timeout):
 
 def _finish():
     """At exit: agree with the other ranks that the job ends (watchdog.announce_exit), stop the
-    threads that call MPI, finalise MPI."""
+    threads that call MPI, finalise MPI. MPICH's MPI_Finalize waits for every rank: one that
+    froze after the agreement (a node hung; tests/scripts/chaos.py's SIGSTOP found it) held
+    the others there for ever, past --comm-timeout. Now a rank still there after the timeout
+    exits 1 with a stack dump (faulthandler's timer, as in MPI_Init: Finalize holds the GIL),
+    and the launcher ends the job."""
     if MPI.Is_finalized():
         return
+    wait_s = 0.0
     if MPI.COMM_WORLD.Get_size() > 1:
+        wait_s = watchdog.timeout_s()
         watchdog.announce_exit()
         watchdog.stop()
+    if wait_s:
+        faulthandler.dump_traceback_later(min(wait_s, MPI_INIT_AT_MOST_S), exit=True)
     shutdown_all()
     MPI.Finalize()
+    if wait_s:
+        faulthandler.cancel_dump_traceback_later()
 
 
 SWITCHES = ("MINIDIST_SYNC_COMM", "MINIDIST_DEBUG")     # on/off variables: 1 or 0

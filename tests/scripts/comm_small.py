@@ -8,6 +8,8 @@
     mpiexec -n 3 python tests/scripts/comm_small.py asyncfail  # rank 1's async op raises
     mpiexec -n 3 python tests/scripts/comm_small.py rawexit    # exits; the others gather
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py straggler
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py frozen  # rank 1
+                                                            # stops after the exit agreement
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit  # rank 1
                                                             # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
@@ -76,6 +78,18 @@ elif mode == "straggler":
     if world.rank == 1:
         time.sleep(3600)              # stuck where no watchdog looks (compute, a raw call)
     sys.exit(0)                       # the others exit and wait for it: not for ever
+elif mode == "frozen":
+    if world.rank == 1:              # at exit, once past the ranks' agreement to end, freeze
+        import atexit
+        import os
+        import signal
+        from minidist.comm import watchdog
+
+        def freeze():                # (runs before comm's own exit handler: LIFO)
+            watchdog.announce_exit()          # rank 0's exit handler meets this one
+            os.kill(os.getpid(), signal.SIGSTOP)        # a node that hangs, for good
+        atexit.register(freeze)
+    sys.exit(0)                       # rank 0 ends in MPI_Finalize: not for ever
 elif mode == "preinit":
     print("unreachable: MPI_Init cannot finish without rank 1", flush=True)
 elif mode == "finish":
