@@ -346,3 +346,28 @@ def test_a_kill_while_prune_removes_a_folder_leaves_no_broken_checkpoint(tmp_pat
     model, opt = _trained()
     save_checkpoint(d, model, opt, step=3)
     assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+
+
+def test_a_save_removes_a_temporary_whose_process_is_a_zombie(tmp_path):
+    """A rank killed with its launcher (SIGKILL of mpiexec) can stay a zombie until something
+    reaps it; kill(pid, 0) answers for a zombie, so every save of the resumed run kept the
+    killed save's temporary folder (the chaos campaign, tests/scripts/chaos.py seed 7 trial
+    9). A zombie's temporary is removed like a gone process's."""
+    import subprocess
+    import sys
+    model, opt = _trained()
+    d = tmp_path / "ck"
+    save_checkpoint(d, model, opt, step=1)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])     # not waited for: a zombie
+    deadline = time.monotonic() + 60
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    host = checkpoint_dirs.temporary_name().split("-")[1]
+    killed = d / f".tmp-{host}-{child.pid}-0abc"
+    killed.mkdir()
+    try:
+        save_checkpoint(d, model, opt, step=2)
+        assert not killed.exists()
+    finally:
+        child.wait()

@@ -270,14 +270,21 @@ def _owner(name):
 
 
 def _running(pid):
-    """Whether process `pid` runs on this host (another user's counts)."""
+    """Whether process `pid` runs on this host (another user's counts). A zombie does not: a
+    rank killed with its launcher stays one until something reaps it, and kill(pid, 0)
+    answers for it (the chaos campaign, tests/scripts/chaos.py: a resume's every save kept
+    the killed save's temporary)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:          # (Linux; elsewhere: running)
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return True
-    return True
 
 
 def _remove_if_there(path):
