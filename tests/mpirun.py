@@ -132,12 +132,8 @@ class MpiRunner:
         return run_mpi(nprocs, script, *args, device=self.device, **kwargs)
 
 
-def rank_pids(job, script="train_gpt.py"):
-    """{rank: pid} of the processes running `script` that the mpiexec `job` (a Popen) started:
-    its descendants (MPICH's proxies start the ranks in sessions of their own), each rank
-    read from the rank its launcher put in its environment (minidist.launcher.launcher_rank:
-    Hydra's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK; `job` itself when it is one
-    process). For tests that signal or limit one rank of a job."""
+def family(pid):
+    """`pid` and every process descended from it (read from /proc)."""
     parent = {}
     for name in os.listdir("/proc"):
         try:
@@ -145,13 +141,22 @@ def rank_pids(job, script="train_gpt.py"):
                 parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError):
             continue
-    family, grew = {job.pid}, True
+    found, grew = {pid}, True
     while grew:
-        more = {pid for pid, ppid in parent.items() if ppid in family} - family
-        family |= more
+        more = {p for p, pp in parent.items() if pp in found} - found
+        found |= more
         grew = bool(more)
+    return found
+
+
+def rank_pids(job, script="train_gpt.py"):
+    """{rank: pid} of the processes running `script` that the mpiexec `job` (a Popen) started:
+    its descendants (MPICH's proxies start the ranks in sessions of their own), each rank
+    read from the rank its launcher put in its environment (minidist.launcher.launcher_rank:
+    Hydra's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK; `job` itself when it is one
+    process). For tests that signal or limit one rank of a job."""
     ranks = {}
-    for pid in family:
+    for pid in family(job.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 words = f.read().split(b"\0")

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from minidist.strategy import best_checkpoint, checkpoint, checkpoint_dirs  # noqa: E402
-from tests.mpirun import mpi_env, mpiexec, rank_pids  # noqa: E402
+from tests.mpirun import family, mpi_env, mpiexec, rank_pids  # noqa: E402
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
          "--batch-size", "4", "--eval-iters", "1", "--eval-every", "10", "--sample", "0",
@@ -74,23 +74,6 @@ def start(cmd, out):
     with open(out, "w") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-
-
-def family(pid):
-    """`pid` and every process descended from it (read from /proc)."""
-    parent = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-    found, grew = {pid}, True
-    while grew:
-        more = {p for p, pp in parent.items() if pp in found} - found
-        found |= more
-        grew = bool(more)
-    return found
 
 
 def alive(pids):
