@@ -232,9 +232,7 @@ class ProcessGroup:
         node tokenizing the text: minidist/train/data_open.py open_data_shared): MPI_Ibarrier,
         then test and nap `nap_s`, so the waiting ranks leave the cores to the working one
         (MPICH's blocking wait spins). No timeout (the work takes what it takes), but a
-        rank that exits first still ends the job, and so does one that answers nothing
-        once the wait has outlived --comm-timeout (a frozen node: watchdog.py
-        _check_alive); a Ctrl-C stops the nap."""
+        rank that exits first still ends the job (watchdog.py); a Ctrl-C stops the nap."""
         self._stream.synchronize()
         self._seq += 1
         watchdog.entered(self.key, "wait_for_all", self._seq, timed=False)

@@ -37,8 +37,7 @@ ASK_S = 3.0                             # how long a timed-out rank waits for an
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
 LATER_S = 3.0                           # a rank not the first to abort waits (abort_job)
 _lock = threading.Lock()
-_active = {}      # thread id -> (key, op, seq, start, timed): the collective each thread is in
-_probed = {}      # thread id -> (seq, when): an untimed wait's last liveness probe
+_active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
@@ -87,10 +86,9 @@ def abort_job(message, code=1, first=True):
 def entered(key, op, seq, timed=True):
     """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n).
     `timed` False: no timeout (ranks waiting while one works alone, as long as it takes:
-    ProcessGroup.wait_for_all); a rank that exits before it still ends the job, and so does
-    one that does not answer at all once the wait has outlived the timeout (_check_alive)."""
+    ProcessGroup.wait_for_all); a rank that exits before it still ends the job."""
     with _lock:
-        _active[threading.get_ident()] = (key, op, seq, time.monotonic(), timed)
+        _active[threading.get_ident()] = (key, op, seq, time.monotonic() if timed else None)
         progress = _progress.setdefault(key, [0, 0, ""])
         progress[0], progress[2] = seq, op
 
@@ -98,7 +96,6 @@ def entered(key, op, seq, timed=True):
 def left(key, seq):
     with _lock:
         _active.pop(threading.get_ident(), None)
-        _probed.pop(threading.get_ident(), None)
         _progress.setdefault(key, [0, 0, ""])[1] = seq
 
 
@@ -183,7 +180,7 @@ def _check_stranded():
         calls = list(_active.values())
     me = MPI.COMM_WORLD.Get_rank()
     for rank, done in list(_state["exited"].items()):
-        for key, op, seq, _, _ in calls:
+        for key, op, seq, _ in calls:
             if rank in key[1] and done.get(key, 0) < seq:
                 stayed = [r for r in key[1] if r not in _state["exited"]]
                 abort_job(f"[rank {me}] world rank {rank} exited (end "
@@ -210,13 +207,11 @@ def _check_p2p():
 def _check_timeouts():
     _check_p2p()
     with _lock:
-        calls = list(_active.items())
+        calls = list(_active.values())
     now, timeout = time.monotonic(), _state["timeout"]
     me = MPI.COMM_WORLD.Get_rank()
-    for tid, (key, op, seq, start, timed) in calls:
-        if timeout > 0 and not timed and now - start > timeout:
-            _check_alive(tid, key, op, seq, now, timeout)
-        elif timeout > 0 and timed and now - start > timeout:
+    for key, op, seq, start in calls:
+        if timeout > 0 and start is not None and now - start > timeout:
             answers = _ask_the_others(key)
             waiting = [r for r, a in answers.items()      # in it too, and not done with it
                        if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
@@ -224,35 +219,6 @@ def _check_timeouts():
                       f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
                       + why_waiting(op, seq, answers)
                       + "; aborting the whole MPI job", first=me == min([me, *waiting]))
-
-
-def _check_alive(tid, key, op, seq, now, timeout):
-    """An untimed wait (wait_for_all: the ranks wait while others write a checkpoint or
-    tokenize, as long as that takes) has outlived the timeout: once per timeout, ask the
-    group's other ranks how far they got. A rank whose watchdog answers is alive, however
-    slow its work; one that answers nothing within `alive_wait_s` is stopped (a node that
-    hung, SIGSTOP): the others waited for it for ever (2026-11-29's chaos campaign: a rank
-    frozen while a save in the step wrote). Then the job ends, naming it."""
-    if _probed.get(tid, (None, 0.0))[0] == seq and now < _probed[tid][1] + timeout:
-        return
-    _probed[tid] = (seq, now)
-    answers = _ask_the_others(key, alive_wait_s(timeout))
-    silent = [r for r, a in answers.items() if a is None]
-    if silent:
-        me = MPI.COMM_WORLD.Get_rank()
-        waiting = [r for r, a in answers.items()
-                   if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
-        abort_job(f"[rank {me}] {op} #{seq} on {describe(key)} has waited more than "
-                  f"{timeout:g} s (no timeout of its own: {TIMEOUT_FROM} only asks then), and "
-                  f"world rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} did not "
-                  f"answer in {alive_wait_s(timeout):g} s: stopped or hung (a node that froze?)"
-                  "; aborting the whole MPI job", first=me == min([me, *waiting]))
-
-
-def alive_wait_s(timeout):
-    """How long an untimed wait's probe waits for an answer: ASK_S, or longer (up to 10 s)
-    under a longer timeout, for a rank whose work holds Python's lock for a while."""
-    return max(ASK_S, min(10.0, timeout))
 
 
 def why_waiting(op, seq, answers):
@@ -289,15 +255,15 @@ def why_waiting(op, seq, answers):
     return "; ".join(parts + ([f"ranks that did not answer: {silent}"] if silent else []))
 
 
-def _ask_the_others(key, wait_s=ASK_S):
+def _ask_the_others(key):
     """Ask the group's other ranks how far they got on `key`: {world rank: their answer,
-    [entered seq, done seq, op], or None when none came within `wait_s`}."""
+    [entered seq, done seq, op], or None when none came within ASK_S}."""
     me, comm = MPI.COMM_WORLD.Get_rank(), _state["comm"]
     others = [r for r in key[1] if r != me]
     _state["answers"].clear()
     for rank in others:
         comm.send(key, dest=rank, tag=ASK)
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + ASK_S
     while time.monotonic() < deadline and len(_state["answers"]) < len(others):
         _serve()
         time.sleep(0.05)
