@@ -128,6 +128,12 @@ MPI_INIT_AT_LEAST_S = 2.0
 MPI_INIT_AT_MOST_S = 365 * 86400.0
 
 
+# MPI_Finalize waits for every rank: one slower to reach it (its threads stopping, a loaded
+# machine) is no fault, however short the collective timeout (--comm-timeout 1 killed a
+# healthy job there: tests/test_async_save.py); a frozen one is, after this at least
+FINALIZE_AT_LEAST_S = 10.0
+
+
 def mpi_init_wait_s(timeout):
     """How long a rank waits in MPI_Init for the others (0: for ever): the collective
     timeout (`timeout`, else MINIDIST_COMM_TIMEOUT or 600 s), but at least
@@ -158,7 +164,7 @@ def _finish():
     threads that call MPI, finalise MPI. MPICH's MPI_Finalize waits for every rank: one that
     froze after the agreement (a node hung; tests/scripts/chaos.py's SIGSTOP found it) held
     the others there for ever, past --comm-timeout. Now a rank still there after the timeout
-    exits 1 with a stack dump (faulthandler's timer, as in MPI_Init: Finalize holds the GIL),
+    (FINALIZE_AT_LEAST_S at least) exits 1 with a stack dump (faulthandler's timer, as in MPI_Init: Finalize holds the GIL),
     and the launcher ends the job."""
     if MPI.Is_finalized():
         return
@@ -168,7 +174,8 @@ def _finish():
         watchdog.announce_exit()
         watchdog.stop()
     if wait_s:
-        faulthandler.dump_traceback_later(min(wait_s, MPI_INIT_AT_MOST_S), exit=True)
+        faulthandler.dump_traceback_later(min(max(wait_s, FINALIZE_AT_LEAST_S),
+                                              MPI_INIT_AT_MOST_S), exit=True)
     shutdown_all()
     MPI.Finalize()
     if wait_s:
