@@ -85,8 +85,8 @@ def test_an_exiting_rank_waits_for_a_straggler_only_up_to_the_timeout(mpi):
 def test_a_rank_frozen_after_the_exit_agreement_ends_the_job(mpi):
     """Rank 1 stops (SIGSTOP, a node that hangs) right after the ranks agree to exit: rank 0
     waited in MPI_Finalize for it for ever (MPICH's Finalize waits for every rank; found by
-    tests/scripts/chaos.py). Now it exits 1 after the timeout (10 s at least) with a stack dump naming
-    _finish, and the launcher ends the job, the frozen rank included. By hand:
+    tests/scripts/chaos.py). Now it exits 1 after the timeout (10 s at least) with a stack
+    dump naming _finish, and the launcher ends the job, the frozen rank included. By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py frozen"""
     out = mpi(2, "tests/scripts/comm_small.py", "frozen", timeout=60, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
