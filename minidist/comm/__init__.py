@@ -164,8 +164,8 @@ def _finish():
     threads that call MPI, finalise MPI. MPICH's MPI_Finalize waits for every rank: one that
     froze after the agreement (a node hung; tests/scripts/chaos.py's SIGSTOP found it) held
     the others there for ever, past --comm-timeout. Now a rank still there after the timeout
-    (FINALIZE_AT_LEAST_S at least) exits 1 with a stack dump (faulthandler's timer, as in MPI_Init: Finalize holds the GIL),
-    and the launcher ends the job."""
+    (FINALIZE_AT_LEAST_S at least) exits 1 with a stack dump (faulthandler's timer, as in
+    MPI_Init: Finalize holds the GIL), and the launcher ends the job."""
     if MPI.Is_finalized():
         return
     wait_s = 0.0
