@@ -180,20 +180,25 @@ def bucket_cuts(sizes, bucket_mb, kinds=None):
     parameter, forward order), last first, cut at bucket_mb MiB or where `kinds` (None: all
     alike) changes. The step-time model prices the buckets training cuts with it
     (minidist/train/moe_cost.py expert_buckets)."""
-    cap = bucket_mb * 2**20
+    last = len(sizes) - 1
+    runs = byte_runs(sizes[::-1], bucket_mb * 2**20, kinds[::-1] if kinds else None)
+    return [[last - i for i in run] for run in runs]
+
+
+def byte_runs(sizes, cap, kinds=None):
+    """Indices into `sizes` (bytes each), in order, cut into consecutive runs of at most
+    `cap` bytes (a larger one a run of its own) and where `kinds` (None: all alike) changes:
+    DDP's buckets (bucket_cuts, from the last parameter) and the pieces of the tensor
+    parallel sum of replicated gradients (minidist/tp/state.py piece_cuts)."""
     kinds = kinds or [None] * len(sizes)
-    buckets, current, nbytes, current_kind = [], [], 0, None
-    for i in reversed(range(len(sizes))):
-        kind, size = kinds[i], sizes[i]
-        if current and (nbytes + size > cap or kind != current_kind):
-            buckets.append(current)
-            current, nbytes = [], 0
-        current_kind = kind
-        current.append(i)
+    runs, run, nbytes = [], [], 0
+    for i, (size, kind) in enumerate(zip(sizes, kinds)):
+        if run and (nbytes + size > cap or kind != kinds[run[-1]]):
+            runs.append(run)
+            run, nbytes = [], 0
+        run.append(i)
         nbytes += size
-    if current:
-        buckets.append(current)
-    return buckets
+    return runs + [run] if run else runs
 
 
 class Bucket:

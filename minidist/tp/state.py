@@ -23,6 +23,7 @@ tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
 import numpy as np
 
 from minidist.backend import xp_of
+from minidist.ddp.sync import byte_runs
 from minidist.optim.clip import local_sum_sq
 from minidist.strategy.base import all_reduce_number
 
@@ -90,16 +91,10 @@ def _pieces(grads, piece_bytes):
 
 def piece_cuts(sizes, piece_bytes=SUM_PIECE_BYTES):
     """sum_partial_grads' cut on bytes alone: indices into `sizes` (bytes per gradient, in
-    order), consecutive runs of at most piece_bytes, a larger one a run of its own. The
-    step-time model counts the sum's all-reduces with it (minidist/train/call_cost.py)."""
-    runs, run, size = [], [], 0
-    for i, n in enumerate(sizes):
-        if run and size + n > piece_bytes:
-            runs.append(run)
-            run, size = [], 0
-        run.append(i)
-        size += n
-    return runs + [run] if run else runs
+    order), consecutive runs of at most piece_bytes, a larger one a run of its own (DDP's
+    bucket rule, minidist/ddp/sync.py byte_runs). The step-time model counts the sum's
+    all-reduces with it (minidist/train/call_cost.py)."""
+    return byte_runs(sizes, piece_bytes)
 
 
 def unscaled_sum_sq(grads, amp=None):
