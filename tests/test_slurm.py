@@ -54,6 +54,28 @@ def _fake_cluster(tmp_path):
     return env
 
 
+def _sbatch_preempted(flags, env, ready, timeout=90):
+    """Run examples/slurm/train.sbatch with `flags` under `env` and, once `ready()` holds
+    (None: no signal, the run ends by itself), send SIGTERM to its whole process group -- the
+    batch shell, srun and every rank -- as Slurm's preemption does. Returns (the finished
+    Popen, stdout, stderr); the group is killed if it outlives `timeout`."""
+    proc = subprocess.Popen(["bash", "examples/slurm/train.sbatch", *map(str, flags)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        if ready is not None:
+            deadline = time.time() + timeout
+            while not ready():
+                assert time.time() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, out, err
+
+
 @pytest.mark.mpi
 def test_fake_srun_gives_slurm_variables(tmp_path):
     """Each rank reads its local rank and the job size from Slurm's variables alone."""
@@ -76,19 +98,8 @@ def test_sbatch_script_requeues_after_sigterm_to_the_whole_job(tmp_path, corpus)
     flags = ["--data", corpus, "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
              "--block-size", "16", "--batch-size", "4", "--eval-iters", "1", "--sample", "0",
              "--device", "cpu", "--steps", "100000", "--log-json", log]
-    proc = subprocess.Popen(["bash", "examples/slurm/train.sbatch", *map(str, flags)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 90
-        while not (log.exists() and sum(1 for _ in open(log)) >= 2):
-            assert time.time() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)         # the batch shell, srun and every rank
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, out, err = _sbatch_preempted(flags, env, lambda: log.exists() and sum(
+        1 for _ in open(log)) >= 2)
     assert proc.returncode == 75, (proc.returncode, out[-2000:], err[-2000:])
     assert "requeueing job 42" in out and os.listdir(tmp_path / "ckpt"), out[-2000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
@@ -112,20 +123,9 @@ def test_sbatch_script_requeues_when_the_signal_comes_before_the_ranks_handler(t
     for fail in ("1", ""):
         for marker in tmp_path.glob("started.*"):
             marker.unlink()
-        proc = subprocess.Popen(["bash", "examples/slurm/train.sbatch", "--steps", "10"],
-                                cwd=ROOT, env={**env, "FAIL": fail}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            if not fail:
-                deadline = time.time() + 60
-                while len(list(tmp_path.glob("started.*"))) < 2:
-                    assert time.time() < deadline and proc.poll() is None, proc.communicate()
-                    time.sleep(0.1)
-                os.killpg(proc.pid, signal.SIGTERM)     # the batch shell, srun and the ranks
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        proc, out, err = _sbatch_preempted(
+            ["--steps", "10"], {**env, "FAIL": fail},
+            None if fail else lambda: len(list(tmp_path.glob("started.*"))) == 2)
         requeues = tmp_path / "scontrol.log"
         if fail:
             assert proc.returncode != 0 and not requeues.exists(), (out, err)
