@@ -95,6 +95,39 @@ def test_a_rank_frozen_after_the_exit_agreement_ends_the_job(mpi):
 
 
 @pytest.mark.mpi
+def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_job(mpi):
+    """wait_for_all has no timeout (the ranks wait while others write a checkpoint or
+    tokenize the text, as long as that takes), so a rank that froze there (SIGSTOP: a node
+    that hung while a save in the step wrote; 2026-11-29's chaos campaign) held the others
+    for ever. Past the timeout the waiting ranks now ask the others whether they are alive;
+    one that answers nothing for 10 s (the timeout when longer) is named, once, and the job
+    ends (~15 s). By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped"""
+    out = mpi(3, "tests/scripts/comm_small.py", "stopped", timeout=90, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0, out.stderr
+    assert "world rank 1 answered nothing for 10 s: stopped or hung" in out.stderr, out.stderr
+    assert out.stderr.count("answered nothing") == 1, out.stderr      # said once
+    assert "done waiting" not in out.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["alone", "held"])
+def test_a_rank_busy_or_held_past_the_timeout_is_waited_for(mpi, mode):
+    """The other side of the test above, under a 2 s timeout: rank 1 computes alone for
+    14 s (Python holding the interpreter 7 s, as a tokenizer would, then numpy), or is held
+    (SIGSTOP, then SIGCONT: a loaded node) for 8 s, while the others wait_for_all. Its
+    watchdog answers (once it runs again), so they wait, and every rank finishes (the
+    reverted first try of this check asked once and gave up after 3 s: it aborted a
+    healthy job in CI, tests/test_async_save.py's rank held 3 s under a 1 s timeout). By hand:
+    MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py alone"""
+    out = mpi(3, "tests/scripts/comm_small.py", mode, timeout=90,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=2))
+    assert out.stdout.count("done waiting") == 3, out.stdout + out.stderr
+    assert "aborting" not in out.stderr, out.stderr
+
+
+@pytest.mark.mpi
 def test_a_rank_that_dies_before_mpi_init_ends_the_job(mpi):
     """Rank 1 raises before comm.init: MPICH's launcher leaves the others in MPI_Init for
     ever (pmodels/mpich#6124). With a 3 s timeout the waiting ranks exit with a stack dump

@@ -14,6 +14,9 @@ collective a ProcessGroup runs is announced to it (`entered` / `left`). Once a s
   The exiting rank announces its exit (`announce_exit`) and waits for the others to exit too;
 - does the same for a point-to-point send or receive (a pipeline's activations): one that
   waits longer than the timeout, or whose peer exited, aborts the job naming the peer;
+- checks that the other ranks still answer once an untimed wait (`wait_for_all`: a save's
+  commit, the tokenizing wait, as long as that takes) outlives the timeout: one whose
+  watchdog answers nothing for `silent_limit_s` (a node frozen, SIGSTOP) ends the job;
 - answers the other ranks' questions about this rank's progress.
 
 An uncaught exception never gets here: debug.install_abort_handler aborts at once. A killed
@@ -31,17 +34,20 @@ import time
 
 from mpi4py import MPI
 
-EXIT, ASK, ANSWER = 11, 12, 13          # message tags on the watchdog's communicator
+EXIT, ASK, ANSWER, ALIVE, ALIVE_ANSWER = 11, 12, 13, 14, 15   # tags on the watchdog's comm
 POLL_S = 0.5                            # how often the thread looks
 ASK_S = 3.0                             # how long a timed-out rank waits for answers
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
 LATER_S = 3.0                           # a rank not the first to abort waits (abort_job)
+SILENT_AT_LEAST_S = 10.0                # an untimed wait's peer may be silent this long
 _lock = threading.Lock()
-_active = {}      # thread id -> (key, op, seq, start): the collective each thread is in
+_active = {}      # thread id -> (key, op, seq, start, timed): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
-          "exited": {}, "answers": {}, "later": None}   # later: abort_job's deferred line
+          "exited": {}, "answers": {}, "later": None,   # later: abort_job's deferred line
+          "asked": {}, "alive": {}}   # _check_alive: rank -> (key, seq, when asked) and
+#                                       rank -> (when it last answered, its answer)
 
 # where the timeout came from, for the abort line: train_gpt.py's flag, the variable, the call
 TIMEOUT_FROM = "--comm-timeout, MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)"
@@ -86,9 +92,10 @@ def abort_job(message, code=1, first=True):
 def entered(key, op, seq, timed=True):
     """The calling thread starts collective #seq `op` of the group `key` (name, ranks, n).
     `timed` False: no timeout (ranks waiting while one works alone, as long as it takes:
-    ProcessGroup.wait_for_all); a rank that exits before it still ends the job."""
+    ProcessGroup.wait_for_all); a rank that exits before it still ends the job, and so does
+    one whose watchdog stops answering once the wait has outlived the timeout (_check_alive)."""
     with _lock:
-        _active[threading.get_ident()] = (key, op, seq, time.monotonic() if timed else None)
+        _active[threading.get_ident()] = (key, op, seq, time.monotonic(), timed)
         progress = _progress.setdefault(key, [0, 0, ""])
         progress[0], progress[2] = seq, op
 
@@ -167,9 +174,13 @@ def _serve():
         msg = comm.recv(source=source, tag=tag)
         if tag == EXIT:
             _state["exited"][source] = msg
-        elif tag == ASK:
+        elif tag in (ASK, ALIVE):
             with _lock:
-                comm.send(list(_progress.get(msg, [0, 0, ""])), dest=source, tag=ANSWER)
+                answer = list(_progress.get(msg, [0, 0, ""]))
+            comm.send(answer, dest=source, tag=ANSWER if tag == ASK else ALIVE_ANSWER)
+        elif tag == ALIVE_ANSWER:
+            _state["asked"].pop(source, None)
+            _state["alive"][source] = (time.monotonic(), msg)
         else:
             _state["answers"][source] = msg
 
@@ -180,7 +191,7 @@ def _check_stranded():
         calls = list(_active.values())
     me = MPI.COMM_WORLD.Get_rank()
     for rank, done in list(_state["exited"].items()):
-        for key, op, seq, _ in calls:
+        for key, op, seq, _, _ in calls:
             if rank in key[1] and done.get(key, 0) < seq:
                 stayed = [r for r in key[1] if r not in _state["exited"]]
                 abort_job(f"[rank {me}] world rank {rank} exited (end "
@@ -210,8 +221,10 @@ def _check_timeouts():
         calls = list(_active.values())
     now, timeout = time.monotonic(), _state["timeout"]
     me = MPI.COMM_WORLD.Get_rank()
-    for key, op, seq, start in calls:
-        if timeout > 0 and start is not None and now - start > timeout:
+    for key, op, seq, start, timed in calls:
+        if timeout > 0 and not timed and now - start > timeout:
+            _check_alive(key, op, seq, now, timeout)
+        elif timeout > 0 and now - start > timeout:
             answers = _ask_the_others(key)
             waiting = [r for r, a in answers.items()      # in it too, and not done with it
                        if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
@@ -219,6 +232,44 @@ def _check_timeouts():
                       f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
                       + why_waiting(op, seq, answers)
                       + "; aborting the whole MPI job", first=me == min([me, *waiting]))
+
+
+def _check_alive(key, op, seq, now, timeout):
+    """An untimed wait (wait_for_all: the ranks wait while others write a checkpoint or
+    tokenize, as long as that takes) has outlived the timeout: ask each other rank of the
+    group whether it is alive, again every half `silent_limit_s` once it answered. A rank
+    whose watchdog answers is alive, however slow its work; one that answers nothing for
+    `silent_limit_s` is stopped or hung (a node that froze, SIGSTOP: the others waited for
+    it for ever, 2026-11-29's chaos campaign), and the job ends, naming it. Not sooner: a
+    rank held a few seconds (swapping, a loaded machine) is not a dead one."""
+    me, limit, silent = MPI.COMM_WORLD.Get_rank(), silent_limit_s(timeout), []
+    for rank in key[1]:
+        if rank == me:
+            continue
+        asked = _state["asked"].get(rank)
+        if asked is not None and asked[:2] == (key, seq):
+            if now - asked[2] > limit:
+                silent.append(rank)
+        elif now - _state["alive"].get(rank, (-limit, None))[0] > limit / 2:
+            _state["asked"][rank] = (key, seq, now)
+            _state["comm"].send(key, dest=rank, tag=ALIVE)
+    if silent:
+        waiting = [r for r, (_, a) in _state["alive"].items()    # in it too, not done with it
+                   if r in key[1] and a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
+        many = len(silent) > 1
+        abort_job(f"[rank {me}] {op} #{seq} on {describe(key)} has waited more than "
+                  f"{timeout:g} s (it has no timeout: {TIMEOUT_FROM} only starts the "
+                  f"watchdog asking), and world rank{'s' * many} "
+                  f"{', '.join(map(str, silent))} answered nothing for {limit:g} s: stopped "
+                  "or hung (a node that froze?); aborting the whole MPI job",
+                  first=me == min([me, *waiting]))
+
+
+def silent_limit_s(timeout):
+    """How long an untimed wait's peer may answer nothing before the job ends: the
+    timeout, or SILENT_AT_LEAST_S when that is longer (a short --comm-timeout is no reason
+    to end a job whose rank was held a few seconds)."""
+    return max(float(timeout), SILENT_AT_LEAST_S)
 
 
 def why_waiting(op, seq, answers):

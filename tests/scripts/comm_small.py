@@ -10,6 +10,12 @@
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py straggler
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 2 python tests/scripts/comm_small.py frozen  # rank 1
                                                             # stops after the exit agreement
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped  # rank 1
+                                                  # stops while the others wait_for_all
+    MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py alone  # rank 1
+                                                  # computes 14 s alone: they wait
+    MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py held  # rank 1
+                                                  # stopped 8 s, then goes on: they wait
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py preinit  # rank 1
                                                             # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
@@ -90,6 +96,23 @@ elif mode == "frozen":
             os.kill(os.getpid(), signal.SIGSTOP)        # a node that hangs, for good
         atexit.register(freeze)
     sys.exit(0)                       # rank 0 ends in MPI_Finalize: not for ever
+elif mode in ("stopped", "held", "alone"):  # the others wait_for_all (untimed) while rank 1
+    import os
+    import signal
+    import subprocess
+    if world.rank == 1 and mode == "stopped":
+        os.kill(os.getpid(), signal.SIGSTOP)  # ... freezes (a node that hangs mid-save)
+    elif world.rank == 1 and mode == "held":  # ... is held 8 s (a loaded node), goes on
+        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 8; "
+                          f"kill -CONT {os.getpid()}"]).wait()
+    elif world.rank == 1:                     # ... works alone past the timeout, alive:
+        start = time.monotonic()              # Python holding the interpreter (as a
+        while time.monotonic() - start < 14:  # tokenizer would) 7 s, then numpy 7 s
+            sum(i * i for i in range(10_000))
+            if time.monotonic() - start > 7:
+                xp.linalg.eigvalsh(xp.ones((300, 300)))
+    world.wait_for_all()
+    print(f"rank {world.rank} done waiting", flush=True)
 elif mode == "preinit":
     print("unreachable: MPI_Init cannot finish without rank 1", flush=True)
 elif mode == "finish":
