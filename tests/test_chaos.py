@@ -1,9 +1,9 @@
 """A small seeded fault-injection campaign (tests/scripts/chaos.py): runs of
 examples/train_gpt.py under mpiexec, each hit at a random moment by a SIGKILL of one rank or of
 the launcher, a SIGSTOP of one rank, or a preemption signal; every time the job ends, the
---save folder holds only checkpoints that verify, and --resume auto continues to the reference run's losses and
-parameters bit for bit (float64). Marked slow (a minute or more); the README's Reliability
-table cites a larger campaign.
+--save folder holds only checkpoints that verify, and --resume auto continues to the reference
+run's losses and parameters bit for bit (float64). Marked slow (a minute or more); the README's
+Reliability table cites a larger campaign.
 """
 import json
 import sys
