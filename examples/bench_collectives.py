@@ -42,7 +42,7 @@ from minidist import backend, comm
 from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
 from minidist.launcher import world_size_from_env
-from minidist.train.args import check_at_least, example_parser
+from minidist.train.args import a_path, check_at_least, example_parser
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -314,7 +314,8 @@ def main():
     p.add_argument("--overlap", action="store_true", help="measure async overlap instead")
     p.add_argument("--interleave", action="store_true",
                    help="measure a blocking all-reduce between compute instead (sync_s)")
-    p.add_argument("--trace", help="write a Chrome trace (all ranks, one row each) to FILE")
+    p.add_argument("--trace", type=a_path,
+                   help="write a Chrome trace (all ranks, one row each) to FILE")
     p.add_argument("--compute", default="matmul", choices=("matmul", "sleep"),
                    help="what the main thread does meanwhile (--overlap)")
     p.add_argument("--compute-iters", type=int, default=0,

@@ -29,7 +29,7 @@ from minidist import backend  # noqa: E402
 from minidist.nn.pretrained import save_state_pretrained, unwritten_fields  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.amp import bfloat16  # noqa: E402
-from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
+from minidist.train.args import HelpWithDefaults, Parser, a_path  # noqa: E402
 from minidist.train.bpe import (EOT, MERGES, VOCAB, BPETokenizer,  # noqa: E402
                                 TokenizerError, tokenizer_files)
 from minidist.train.cli import (UsageError, check_one_process, check_out_folder,  # noqa: E402
@@ -46,14 +46,14 @@ WRITTEN = ("config.json", "model.safetensors", VOCAB, MERGES, TOKENIZER_CONFIG) 
 def export_parser():
     p = Parser(description="Write a checkpoint as a GPT-2 (or, --arch llama, a Llama) folder "
                            "(config.json, model.safetensors).", formatter_class=HelpWithDefaults)
-    p.add_argument("--resume", required=True, metavar="DIR",
+    p.add_argument("--resume", type=a_path, required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, metavar="DIR",
+    p.add_argument("--out", type=a_path, required=True, metavar="DIR",
                    help="the folder to write: new, empty, or a GPT-2 folder whose files are "
                    "replaced (a folder of other files or of checkpoints is refused)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the parameters' type in model.safetensors")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
+    p.add_argument("--tokenizer", type=a_path, default=None, metavar="DIR",
                    help="where the model's vocab.json and merges.txt are (default: the "
                    "--tokenizer, --init-from or --data folder of the run, when it has them)")
     p.add_argument("--traceback", action="store_true",

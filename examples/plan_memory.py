@@ -26,7 +26,7 @@ from minidist.nn.config import TILED_FROM_T                            # noqa: E
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, number_problem)
 from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
-from minidist.train.args import example_parser  # noqa: E402
+from minidist.train.args import a_path, example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
 # --measure: (label, ranks, train_gpt.py flags, the planner's Layout); a strategy is one row.
@@ -76,7 +76,8 @@ def parser():
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--measure", action="store_true",
                    help="measure the train_gpt.py default model (ledger vs planner)")
-    p.add_argument("--data", default=None, help="--measure: training text (default stdlib)")
+    p.add_argument("--data", type=a_path, default=None,
+                   help="--measure: training text (default stdlib)")
     return p
 
 

@@ -25,7 +25,7 @@ import sys
 
 from ddp_timeline import read_trace, steps_of
 
-from minidist.train.args import Parser
+from minidist.train.args import Parser, a_path
 
 MiB = 2 ** 20
 # (line style, marker) per run, in order: curves that coincide still tell apart
@@ -171,7 +171,8 @@ def main():
     p.add_argument("logs", nargs="*", metavar="LOG.jsonl", help="train_gpt.py --log-json files")
     p.add_argument("-o", "--out", required=True, metavar="OUT.png", help="the PNG to write")
     p.add_argument("--labels", default=None, help="comma-separated, one per log (default: names)")
-    p.add_argument("--trace", default=None, metavar="FILE", help="train_gpt.py --trace FILE")
+    p.add_argument("--trace", type=a_path, default=None, metavar="FILE",
+                   help="train_gpt.py --trace FILE")
     p.add_argument("--step", type=int, default=-1, help="the traced step to draw (-1: last)")
     args = p.parse_args()
     if not args.logs and not args.trace:

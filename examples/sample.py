@@ -27,7 +27,7 @@ import sys  # noqa: E402
 
 from minidist import backend  # noqa: E402
 from minidist.nn import GPT  # noqa: E402
-from minidist.train.args import HelpWithDefaults, Parser  # noqa: E402
+from minidist.train.args import HelpWithDefaults, Parser, a_path  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import (UsageError, check_device, check_one_process,  # noqa: E402
                                printable, run_main)
@@ -42,7 +42,7 @@ def sample_parser():
     p = Parser(description="Generate text from a checkpoint (minidist/train/README.md: "
                            "Sampling a checkpoint).",
                formatter_class=HelpWithDefaults)
-    p.add_argument("--resume", required=True, metavar="DIR",
+    p.add_argument("--resume", type=a_path, required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "
                    "a GPT-2 or Llama folder (config.json, model.safetensors)")
     p.add_argument("--prompt", default="\n",
@@ -50,7 +50,7 @@ def sample_parser():
     p.add_argument("--tokens", "--sample", dest="tokens", type=int, default=200, metavar="N",
                    help="tokens to generate (bytes, for a model in bytes; --sample: "
                    "train_gpt.py's name)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
+    p.add_argument("--tokenizer", type=a_path, default=None, metavar="DIR",
                    help="for a model not in bytes: a folder with its vocab.json and "
                    "merges.txt (GPT-2's), or nanoGPT's meta.pkl (default: the --resume "
                    "folder's, else the --init-from or --data folder of the run)")

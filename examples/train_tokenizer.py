@@ -15,7 +15,7 @@ Tests: tests/test_bpe_train.py (test_a_trained_tokenizer_trains_samples_and_expo
 import sys
 import time
 
-from minidist.train.args import example_parser
+from minidist.train.args import a_path, example_parser
 from minidist.train.bpe import BPETokenizer, TokenizerError, tokenizer_files
 from minidist.train.bpe_train import train_bpe, write_tokenizer
 from minidist.train.cli import UsageError, check_one_process, check_out_folder, run_main
@@ -25,12 +25,12 @@ from minidist.train.data_files import left_out_text, not_utf8, text_splits
 
 def tokenizer_parser():
     p = example_parser(__doc__)
-    p.add_argument("--data", default=None, metavar="PATH",
+    p.add_argument("--data", type=a_path, default=None, metavar="PATH",
                    help="a text file or a folder of text files (default: Python's sources, "
                    "as train_gpt.py)")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="tokens, the 256 bytes and <|endoftext|> included (GPT-2: 50257)")
-    p.add_argument("--out", required=True, metavar="DIR",
+    p.add_argument("--out", type=a_path, required=True, metavar="DIR",
                    help="a new or empty folder to write vocab.json and merges.txt in (made "
                    "if missing; a tokenizer's folder is never replaced)")
     p.add_argument("--traceback", action="store_true",

@@ -309,8 +309,13 @@ def _run(device, *flags, timeout=60):
     (["--steps", "0"], "--steps 0"),
     (["--data", "/nonexistent"], "--data /nonexistent"),
     (["--batch-size", "0"], "--batch-size 0"),
+    (["--save", ""], "argument --save: an empty path"),    # a traceback from os.makedirs
+    (["--log-json", ""], "argument --log-json: an empty path"),    # no log, without a word
+    (["--cache-dir", ""], "argument --cache-dir: an empty path"),  # the default, silently
 ])
 def test_one_error_line_exit_2_no_traceback(flags, says, device):
+    """Rows past the third: found by tests/scripts/fuzz_cli.py (`--save "$CKPT"` with the
+    variable unset)."""
     out = _run(device, *flags)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and says in out.stderr

@@ -54,6 +54,27 @@ def test_sample_errors_are_one_line(flags, says, tmp_path, device):
     assert out.stderr.count("\n") == 1
 
 
+EMPTY_PATHS = [("sample.py", ["--resume", ""]),
+               ("sample.py", ["--resume", ".", "--tokenizer", ""]),
+               ("export_gpt2.py", ["--resume", ".", "--out", ""]),
+               ("train_tokenizer.py", ["--out", ""]), ("plot.py", ["--trace", "", "-o", "x"]),
+               ("plan_memory.py", ["--data", ""]), ("bench_collectives.py", ["--trace", ""])]
+
+
+@pytest.mark.parametrize("script,flags", EMPTY_PATHS,
+                         ids=[f"{s} {' '.join(f)}" for s, f in EMPTY_PATHS])
+def test_an_empty_path_is_one_line_naming_the_flag(script, flags):
+    """A flag naming a file or folder given "" (a shell variable left unset) is argparse's
+    one line (minidist/train/args.py a_path), as train_gpt.py's are (tests/test_cli.py):
+    they said "--out : cannot make the folder" or "--resume : no such directory"."""
+    flag = flags[-2] if flags[-1] == "" else flags[-4]
+    out = subprocess.run([sys.executable, f"examples/{script}", *flags], cwd=ROOT,
+                         env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"error: argument {flag}: an empty path"), out.stderr
+    assert out.stderr.count("\n") == 1
+
+
 def test_printable_escapes_control_characters():
     assert printable("a\x1b[2Jb\tc\nd\x00") == "a\\x1b[2Jb\tc\nd\\x00"
     assert printable("def f(x):\n    return x") == "def f(x):\n    return x"

@@ -206,17 +206,17 @@ def add_train_args(p):
     g.add_argument("--muon-ns-steps", type=int, default=5, action=Given,
                    help="with --optimizer muon: its Newton-Schulz iterations per step")
     g.add_argument("--grad-clip", type=float, default=1.0, action=Given, help="0: no clipping")
-    g.add_argument("--data", default=None,
+    g.add_argument("--data", default=None, type=a_path,
                    help="text file or folder of text files, or a folder of token files "
                    "(train.bin and val.bin, or shards <name>_train_<N>.bin, as nanoGPT and "
                    "llm.c write them) (default: Python's stdlib sources; --resume: the "
                    "checkpoint's)")
-    g.add_argument("--tokenizer", default=None, metavar="DIR",
+    g.add_argument("--tokenizer", default=None, type=a_path, metavar="DIR",
                    help="a folder with a BPE's vocab.json and merges.txt (a GPT-2 download's, "
                    "or examples/train_tokenizer.py's): text --data is tokenized with it, token "
                    "files are checked against it and sampled with it (default: bytes; "
                    "--init-from's, where it has them)")
-    g.add_argument("--cache-dir", default=None,
+    g.add_argument("--cache-dir", default=None, type=a_path,
                    help="where text data's tokens are cached (token files are read in place; "
                    "default: .minidist-cache/ beside --data where writable, else "
                    "$MINIDIST_CACHE or ~/.cache/minidist)")
@@ -234,7 +234,7 @@ def add_train_args(p):
     g.add_argument("--peak-tflops", type=float, default=None, action=Given,
                    help="a rank's device's dense peak, TFLOP/s: the log lines and rows add "
                    "mfu, the model's FLOP/s per rank over it")
-    g.add_argument("--save", default=None, metavar="DIR",
+    g.add_argument("--save", default=None, type=a_path, metavar="DIR",
                    help="checkpoint folder: DIR/step-<N>/ per save and DIR/latest naming the "
                    "newest, written at evals, --save-every and the end, and on SIGTERM, "
                    "SIGUSR1 or Ctrl-C. A DIR that already holds a checkpoint is refused "
@@ -258,21 +258,21 @@ def add_train_args(p):
                    "this run's saves then replace them (its folders of later steps too, "
                    "once this run's save is complete); --log-json into a file holding "
                    "another run's rows: replaced")
-    g.add_argument("--resume", default=None, metavar="DIR",
+    g.add_argument("--resume", default=None, type=a_path, metavar="DIR",
                    help="continue from a checkpoint folder or a --save DIR (its newest; the "
                    "model flags, --dtype and --amp follow it). `--resume auto`: from --save "
                    "DIR's newest if it holds one, else start fresh, so a requeued job reruns "
                    "the same command")
-    g.add_argument("--init-from", default=None, metavar="DIR",
+    g.add_argument("--init-from", default=None, type=a_path, metavar="DIR",
                    help="start a new run (fresh optimizer, step 0) from the weights of a "
                    "GPT-2 or Llama folder (config.json, model.safetensors, as Hugging Face "
                    "writes them) or of a minidist checkpoint, instead of the seed's; the "
                    "model flags follow it, --block-size at most its positions; train on data "
                    "of its vocabulary (--data: token files, or text when the folder has "
                    "vocab.json and merges.txt, or the checkpoint's run had a --tokenizer)")
-    g.add_argument("--log-json", default=None, metavar="FILE",
+    g.add_argument("--log-json", default=None, type=a_path, metavar="FILE",
                    help="rank 0 writes one JSON object per step (appended with --resume)")
-    g.add_argument("--trace", default=None, metavar="FILE",
+    g.add_argument("--trace", default=None, type=a_path, metavar="FILE",
                    help="Chrome trace of compute and communication (chrome://tracing); "
                    "needs more than one rank, or --zero")
     g.add_argument("--sample", type=int, default=400,
@@ -352,6 +352,16 @@ def check_at_least(p, args, table):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < low:
             p.error(f"{flag} {value}: must be at least {low} ({what})")
+
+
+def a_path(text):
+    """The argparse type of a flag that names a file or folder: `text`, refused when empty
+    (`--save "$CKPT"` with the variable unset crashed in os.makedirs; `--log-json ""` and
+    `--cache-dir ""` were dropped without a word, as if not given: tests/scripts/fuzz_cli.py)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (a shell variable left unset?): give "
+                                         "a file or folder, or leave the flag out")
+    return text
 
 
 def train_parser():
