@@ -84,6 +84,8 @@ BAD_FLAGS = [
      "with 5 warm-up steps, more than --steps 100; give at most --decay-steps 95"),
     (["--lr-schedule", "wsd", "--decay-steps", "0"], "--decay-steps 0: must be at least 1"),
     (["--comm-timeout", "-1"], "--comm-timeout -1.0: must be at least 0"),
+    (["--comm-timeout", "0.001"], "--comm-timeout 0.001: give 0 (never abort) or at least 1 s"),
+    (["--seed", "-1"], "--seed -1: must be at least 0 (the random seed)"),   # numpy's traceback
     (["--min-lr", "1"], "--min-lr 1.0: must be between 0 and --lr"),
     (["--dropout", "1"], "--dropout 1.0: a probability in [0, 1)"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: must not be negative (0: no weight"),
@@ -163,6 +165,7 @@ def test_check_flags_names_the_flag(flags, says, tmp_path):
 BAD_ENV = [
     ("MINIDIST_COMM_TIMEOUT", "abc", [], "MINIDIST_COMM_TIMEOUT='abc': give the seconds"),
     ("MINIDIST_COMM_TIMEOUT", "-5", [], "MINIDIST_COMM_TIMEOUT='-5': give the seconds"),
+    ("MINIDIST_COMM_TIMEOUT", "0.3", [], "MINIDIST_COMM_TIMEOUT='0.3': give 0 (never abort)"),
     ("MINIDIST_COMM_WAIT", "spin", [], "MINIDIST_COMM_WAIT='spin': give block"),
     ("MINIDIST_TRACE", "yes", [], "MINIDIST_TRACE='yes': give 0 (off), 1"),
     ("MINIDIST_TRACE", "5", [], "MINIDIST_TRACE='5': give 0 (off), 1"),      # (ran at level 2)
@@ -266,6 +269,7 @@ EDGES = [
     ["--min-lr", "0"],                                  # "between 0 and --lr"
     ["--min-lr", "0.004", "--lr", "0.004"],
     ["--warmup", "0"], ["--sample", "0"], ["--eval-every", "0"], ["--comm-timeout", "0"],
+    ["--comm-timeout", "1"], ["--seed", "0"],
     ["--save-every", "0"], ["--dropout", "0"], ["--beta1", "0"], ["--grad-clip", "0"],
     ["--moe-experts", "4", "--moe-top-k", "4"],          # "from 1 to --moe-experts 4"
     ["--moe-experts", "4", "--moe-every", "4", "--n-layer", "4"],   # "to --n-layer 4"

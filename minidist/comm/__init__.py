@@ -36,6 +36,7 @@ every entry point calls it. It never imports cupy. Tests: tests/test_comm.py.
 """
 import atexit
 import faulthandler
+import functools
 import os
 import sys
 
@@ -225,10 +226,11 @@ def env_problems(algo="ring", timeout=None):
     """What is wrong with the environment variables init() and the collectives read, as
     sentences naming each variable and what to write (empty: nothing). init() raises them
     before MPI_Init; examples/train_gpt.py's flag checks make them its one `error:` line.
-    `timeout`: init's; MINIDIST_COMM_TIMEOUT is read only without it, MINIDIST_RANKS_PER_NODE
-    only under algo "hier"."""
+    `timeout`: init's (train_gpt.py's --comm-timeout: 0 or at least 1 s); MINIDIST_COMM_TIMEOUT
+    is read only without it, MINIDIST_RANKS_PER_NODE only under algo "hier"."""
     checks = [trace.env_level, progress.env_policy, _thread_level, _switches]
-    checks += [watchdog.default_timeout] if timeout is None else []
+    checks += [watchdog.default_timeout] if timeout is None else [
+        functools.partial(watchdog.check_timeout, timeout, f"--comm-timeout {timeout:g}")]
     checks += [hier.ranks_per_node] if algo == "hier" else []
     problems = []
     for check in checks:

@@ -40,6 +40,7 @@ ASK_S = 3.0                             # how long a timed-out rank waits for an
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
 LATER_S = 3.0                           # a rank not the first to abort waits (abort_job)
 SILENT_AT_LEAST_S = 10.0                # an untimed wait's peer may be silent this long
+MIN_TIMEOUT_S = 1.0                     # the shortest timeout but 0 (check_timeout)
 _lock = threading.Lock()
 _active = {}      # thread id -> (key, op, seq, start, timed): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
@@ -64,7 +65,18 @@ def default_timeout(environ=os.environ):
     if not 0 <= seconds < float("inf"):
         raise ValueError(f"MINIDIST_COMM_TIMEOUT={value!r}: give the seconds a collective may "
                          "wait, a number >= 0 (0: never abort)")
+    check_timeout(seconds, f"MINIDIST_COMM_TIMEOUT={value!r}")
     return seconds
+
+
+def check_timeout(seconds, source):
+    """ValueError naming `source` (the flag or variable) unless `seconds` is 0 (never abort)
+    or at least MIN_TIMEOUT_S: the thread looks every POLL_S, and a shorter timeout aborted
+    healthy jobs at random (--comm-timeout 1e-3: tests/scripts/fuzz_cli.py)."""
+    if 0 < seconds < MIN_TIMEOUT_S:
+        raise ValueError(f"{source}: give 0 (never abort) or at least {MIN_TIMEOUT_S:g} s; "
+                         "the watchdog looks twice a second, so a shorter timeout aborts "
+                         "healthy collectives at random")
 
 
 def abort_job(message, code=1, first=True):
@@ -328,15 +340,18 @@ def _ask_the_others(key):
 def announce_exit(wait_s=1.0):
     """This rank is exiting: wait for every rank to exit too. If they have not all arrived
     within `wait_s`, tell them (they abort if they wait for this rank) and keep waiting, up
-    to the timeout: a rank still away by then waits where no watchdog sees it (in MPI
-    outside a ProcessGroup's calls, or in compute that never ends), so end the job."""
+    to the timeout (silent_limit_s: 10 s at least, as a rank slower to exit is no fault:
+    --comm-timeout 1e-3 aborted jobs whose ranks all exited with one error line,
+    tests/scripts/fuzz_cli.py): a rank still away by then waits where no watchdog sees it
+    (in MPI outside a ProcessGroup's calls, or in compute that never ends), so end the job."""
     comm, timeout = _state["comm"], _state["timeout"]
+    limit = silent_limit_s(timeout)
     barrier, start, told = comm.Ibarrier(), time.monotonic(), []
     while not barrier.Test():
-        if timeout > 0 and time.monotonic() - start > timeout:
+        if timeout > 0 and time.monotonic() - start > limit:
             abort_job(f"[rank {MPI.COMM_WORLD.Get_rank()}] this rank is exiting, and the "
-                      f"others have not exited {timeout:g} s later (MINIDIST_COMM_TIMEOUT or "
-                      "comm.init(timeout=...)); aborting the whole MPI job")
+                      f"others have not exited {limit:g} s later (MINIDIST_COMM_TIMEOUT or "
+                      "comm.init(timeout=...), 10 s at least); aborting the whole MPI job")
         if not told and time.monotonic() - start > wait_s:
             with _lock:
                 done = {key: p[1] for key, p in _progress.items()}

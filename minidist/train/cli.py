@@ -39,6 +39,7 @@ from minidist.train import preemption
 # (flag, attribute, lowest allowed value, what it is), checked in this order. None: unset.
 _AT_LEAST = (
     ("--steps", "steps", 1, "the number of optimizer steps"),
+    ("--seed", "seed", 0, "the random seed"),
     ("--batch-size", "batch_size", 1, "the global batch, in sequences"),
     ("--grad-accum", "grad_accum", 1, "micro-steps per optimizer step"),
     ("--log-every", "log_every", 1, "steps between log lines"),
