@@ -7,9 +7,10 @@ pipeline stage can initialise only its blocks (`names=`) and tensor parallelism 
 out of the full arrays: every layout starts from the same numbers. The model itself:
 minidist/nn/gpt.py (its blocks: minidist/nn/block.py). Tests: tests/test_gpt.py.
 """
+import functools
 import math
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -258,9 +259,29 @@ def block_param_specs(config, moe):
     Experts one; the shapes are the model's (the init stds a one-block model's). Every block
     of a model is one of the two, so a planner pricing thousands of layouts counts one block
     of each kind instead of walking every name of the model."""
-    one = replace(config, n_layer=1, moe_every=1, moe_experts=config.moe_experts * bool(moe))
-    return {name: spec for name, spec in gpt_param_specs(one).items()
-            if name.startswith("transformer.h.0.")}
+    return dict(_block_specs(config_key(config), bool(moe)))
+
+
+def config_key(config):
+    """`config`'s field values, in order: a key a cache can hold (GPTConfig is mutable, so
+    unhashable), back to a GPTConfig by config_of_key. The planner prices thousands of
+    layouts of one model and asks the same things of it for each."""
+    return tuple(getattr(config, f.name) for f in fields(config))
+
+
+def config_of_key(key):
+    """The GPTConfig of config_key's `key`."""
+    return GPTConfig(**dict(zip((f.name for f in fields(GPTConfig)), key)))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_specs(key, moe):
+    """block_param_specs of the config of `key` (config_key; the planner asks the same two
+    blocks once per layout it prices, ~130,000 times in one search)."""
+    config = config_of_key(key)
+    one = replace(config, n_layer=1, moe_every=1, moe_experts=config.moe_experts * moe)
+    return tuple((name, spec) for name, spec in gpt_param_specs(one).items()
+                 if name.startswith("transformer.h.0."))
 
 
 def gpt_init(config, seed, names=None, dtype="float32", weights=None):

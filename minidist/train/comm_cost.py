@@ -17,6 +17,8 @@ pp): a group whose ranks all sit on one node uses the intra-node link, one that 
 runs at the inter-node link's speed (every ring step waits for its slowest hop).
 Tests: tests/test_plan_time.py.
 """
+import collections
+import functools
 from dataclasses import dataclass
 
 
@@ -98,13 +100,15 @@ def members(layout, axis, size):
     return [i * axis_stride(layout, axis) for i in range(size)]
 
 
+@functools.lru_cache(maxsize=65536)
 def span(layout, axis, gpus_per_node, size=None):
     """(ranks per node k, nodes m) of the `axis` group holding rank 0 (all are alike); k is 0
     when the nodes hold different numbers of its ranks. `size`: the group size (default: the
-    axis's; "dpcp" groups are dp x cp ranks at cp's stride)."""
+    axis's; "dpcp" groups are dp x cp ranks at cp's stride). Kept per argument: the search
+    asks the same few millions of times (a 7e9 MoE of 32 experts on 64 GPUs: 2.6M calls, 28 s
+    of its 115 under cProfile, counting with list.count)."""
     size = size or axis_size(layout, axis)
-    nodes = [r // gpus_per_node for r in members(layout, axis, size)]
-    counts = {n: nodes.count(n) for n in nodes}
+    counts = collections.Counter(r // gpus_per_node for r in members(layout, axis, size))
     k = next(iter(counts.values()))
     return (k if all(c == k for c in counts.values()) else 0), len(counts)
 

@@ -67,13 +67,13 @@ tests/test_plan_vs_runs.py (ZeRO-3's and the experts' bytes against the runs').
 import math
 from collections import Counter
 
-from minidist.nn.config import attention_weights, mlp_weights
+from minidist.nn.config import attention_weights, config_key, mlp_weights
 from minidist.pp.schedule import bubble_fraction
 from minidist.train.call_cost import calls_time, last_unit, stage_calls, zero_units
 from minidist.train.comm_cost import axis_size, collective_time, p2p_link, p2p_time
 from minidist.train.moe_cost import (check_moe_layout, exchange_times, expert_grad_time,
                                      expert_tensors, expert_units, moe_block_flops,
-                                     split_times, stage_moe_blocks)
+                                     split_times, stage_blocks, stage_moe_blocks)
 from minidist.train.muon_cost import muon_times
 from minidist.train.planner import stage_block_params, stage_params, state_bytes
 from minidist.train.tp_cp_cost import (blocking_counts, exposed, loss_comm,  # (exposed: also
@@ -94,10 +94,9 @@ def forward_flops(config, b, s, active=False, load=1.0):
     """Forward FLOPs of the whole model on b sequences of s tokens (output layer included); a
     MoE block's experts on the rows capacity keeps (x load; active: k per token;
     moe_cost.py)."""
-    return sum(moe_block_flops(config, b, s, active=active, load=load) if config.is_moe(i)
-               else layer_flops(b, s, config.n_embd,
-                                attention_weights(config) + mlp_weights(config))
-               for i in range(config.n_layer)) + \
+    moe = moe_block_flops(config, b, s, active=active, load=load) if config.moe_experts else 0
+    dense = layer_flops(b, s, config.n_embd, attention_weights(config) + mlp_weights(config))
+    return sum(moe if config.is_moe(i) else dense for i in range(config.n_layer)) + \
         2 * b * s * config.n_embd * config.vocab_size
 
 
@@ -154,9 +153,8 @@ def _stage_compute(config, layout, stage, b, seq, load=1.0):
     of `stage`: its layers (and the output layer on the last), split by tp and cp; a MoE
     block's router and experts whole on every tp rank, the busiest rank's rows (`load`;
     moe_cost.py)."""
-    L, pp, h = config.n_layer, layout.pp, config.n_embd
-    layers = sum(1 for i in range(L) if i * pp // L == stage)
-    moe = stage_moe_blocks(config, layout, stage)
+    pp, h = layout.pp, config.n_embd
+    layers, moe = stage_blocks(config_key(config), pp, stage)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     # (Ulysses: all seq queries of a/cp heads, the same FLOPs)
     weights = attention_weights(config) + mlp_weights(config)          # GPT-2: 12 h^2

@@ -62,9 +62,11 @@ Tests: tests/test_plan_moe.py (test_all_to_all_time_worked_by_hand,
 test_moe_compute_worked_by_hand, test_ep2_dp2_communication_worked_by_hand,
 test_busiest_rank_load_worked_by_hand).
 """
+import functools
 import math
 
-from minidist.nn.config import attention_weights, block_param_specs, mlp_weights
+from minidist.nn.config import (attention_weights, block_param_specs, config_key, config_of_key,
+                                mlp_weights)
 from minidist.nn.moe import capacity
 from minidist.ddp.sync import bucket_cuts
 from minidist.train.comm_cost import collective_time
@@ -107,8 +109,16 @@ def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0, sp=
 
 def stage_moe_blocks(config, layout, stage):
     """MoE blocks on pipeline `stage`."""
-    L, pp = config.n_layer, layout.pp
-    return sum(1 for i in range(L) if i * pp // L == stage and config.is_moe(i))
+    return stage_blocks(config_key(config), layout.pp, stage)[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_blocks(key, pp, stage):
+    """(blocks, MoE blocks) on pipeline `stage` of `pp` of the model `key` (config_key):
+    kept, as the search asks for every layout (2,000 blocks: 7 s of a search's 50)."""
+    config = config_of_key(key)
+    mine = [i for i in range(config.n_layer) if i * pp // config.n_layer == stage]
+    return len(mine), sum(1 for i in mine if config.is_moe(i))
 
 
 def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
@@ -149,36 +159,41 @@ def split_times(config, cluster, layout, b, s, e, stage):
 
 
 def _own_experts(config, layout, stage):
-    """(block number, size) of each expert parameter tensor one rank of `stage` holds under
-    ep: E/ep experts of each MoE block (every ep rank holds as many, of the same shapes; every
-    expert's tensors are expert 0's)."""
-    L, pp, mine = config.n_layer, layout.pp, config.moe_experts // layout.ep
-    one = [math.prod(shape) for name, (shape, _) in block_param_specs(config, True).items()
-           if ".mlp.experts.0." in name]
-    for i in range(L):
-        if i * pp // L == stage and config.is_moe(i):
-            for _ in range(mine):
-                yield from ((i, size) for size in one)
+    """(MoE block numbers of `stage`, the sizes of one expert's parameter tensors, the E/ep
+    experts one rank holds of each block) under ep: every ep rank holds as many, of the same
+    shapes; every expert's tensors are expert 0's."""
+    L, pp = config.n_layer, layout.pp
+    blocks = [i for i in range(L) if i * pp // L == stage and config.is_moe(i)]
+    return blocks, list(_one_expert(config_key(config))), config.moe_experts // layout.ep
+
+
+@functools.lru_cache(maxsize=256)
+def _one_expert(key):
+    """Sizes of expert 0's parameter tensors in a MoE block of the model `key` (config_key):
+    kept, as the search asks for every layout (E 128: 8 of its 80 s under cProfile)."""
+    return tuple(math.prod(shape) for name, (shape, _) in
+                 block_param_specs(config_of_key(key), True).items()
+                 if ".mlp.experts.0." in name)
 
 
 def expert_tensors(config, layout, stage):
     """Sizes of the expert parameter tensors one rank of `stage` holds under ep > 1 (E/ep
-    experts of each MoE block); [] without expert parallelism (DDP/ZeRO then treats the
-    experts as any parameter)."""
+    experts of each MoE block, block by block, expert by expert); [] without expert
+    parallelism (DDP/ZeRO then treats the experts as any parameter)."""
     if layout.ep == 1:
         return []
-    return [size for _, size in _own_experts(config, layout, stage)]
+    blocks, one, mine = _own_experts(config, layout, stage)
+    return one * (mine * len(blocks))
 
 
 def expert_units(config, layout, stage):
     """Per MoE block of `stage`, the parameters of the E/ep experts one rank holds: the flat
-    units of the experts' ZeRO over edp (minidist/ep/optim.py); [] without ep."""
+    units of the experts' ZeRO over edp (minidist/ep/optim.py); [] without ep. (Counted per
+    block, not walked expert by expert: E 32 on 64 GPUs made this 31 s of a 115 s search.)"""
     if layout.ep == 1:
         return []
-    blocks = {}
-    for block, size in _own_experts(config, layout, stage):
-        blocks[block] = blocks.get(block, 0) + size
-    return list(blocks.values())
+    blocks, one, mine = _own_experts(config, layout, stage)
+    return [mine * sum(one)] * len(blocks)
 
 
 def expert_buckets(sizes, g_bytes, bucket_mb):
@@ -186,8 +201,14 @@ def expert_buckets(sizes, g_bytes, bucket_mb):
     expert tensors, forward order) cut into buckets of bucket_mb MiB of `g_bytes`-byte
     gradients, last tensor first, by training's own rule (minidist/ddp/sync.py
     bucket_cuts: --ddp overlapped, the default, and bucketed)."""
+    return list(_buckets(tuple(sizes), g_bytes, bucket_mb))
+
+
+@functools.lru_cache(maxsize=64)
+def _buckets(sizes, g_bytes, bucket_mb):
+    """expert_buckets, kept per argument (a search cuts the same experts for many layouts)."""
     nbytes = [n * g_bytes for n in sizes]
-    return [sum(nbytes[i] for i in cut) for cut in bucket_cuts(nbytes, bucket_mb)]
+    return tuple(sum(nbytes[i] for i in cut) for cut in bucket_cuts(nbytes, bucket_mb))
 
 
 def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_bytes=0,
@@ -203,8 +224,12 @@ def expert_grad_time(cluster, layout, sizes, g_bytes, comm="ring", units=(), p_b
     if not sizes:
         return 0.0, 0.0
 
-    def edp(op, nbytes):
-        return collective_time(cluster, op, nbytes, layout, "edp", comm)
+    times = {}                      # (op, bytes) -> seconds: buckets repeat (one per expert
+
+    def edp(op, nbytes):            # tensor past bucket_mb: E 128 made this 23 s of 80)
+        if (op, nbytes) not in times:
+            times[op, nbytes] = collective_time(cluster, op, nbytes, layout, "edp", comm)
+        return times[op, nbytes]
     if layout.zero:
         rs = sum(edp("reduce_scatter", n * g_bytes) for n in units)
         ag = sum(edp("all_gather", n * p_bytes) for n in units)

@@ -83,7 +83,26 @@ def number_problem(args):
     if args.params is not None and shape:      # the shape --params assumes would replace it
         return (f"{' '.join(shape)}: --params {args.params:g} assumes its own shape; give "
                 "--params or the shape, not both")
-    return params_problem(args)
+    return size_problem(args) or params_problem(args)
+
+
+# the largest model the planners take: a search's time grows with the layers (L = 8,000, the
+# shape of --params 1e17: 30 s on the development VM), and --params 1e30 ran for hours
+# (tests/scripts/fuzz_cli.py's neighbour: the planner's flags tried by hand); the largest
+# models trained have about 2e12 parameters and 130 layers
+MAX_PARAMS, MAX_LAYERS = 1e17, 10_000
+
+
+def size_problem(args):
+    """--params over MAX_PARAMS or --n-layer over MAX_LAYERS, as a sentence naming the flag
+    and the limit; None when the model is within both."""
+    if args.params is not None and args.params > MAX_PARAMS:
+        return (f"--params {args.params:g}: at most {MAX_PARAMS:g} (100,000T; the largest "
+                "models trained have about 2T): the search's time grows with the layers")
+    if args.params is None and args.n_layer > MAX_LAYERS:
+        return (f"--n-layer {args.n_layer}: at most {MAX_LAYERS:,} (the largest models "
+                "trained have about 130): the search's time grows with the layers")
+    return None
 
 
 def muon_problem(args):

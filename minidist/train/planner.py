@@ -39,12 +39,13 @@ Activations per rank: minidist/train/activations.py (Korthikanti et al.'s bill, 
 own graph's).
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py (tests/test_planner_cli.py).
 """
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass, replace
 
 from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
-                                gpt_param_specs, mlp_weights)
+                                config_key, config_of_key, gpt_param_specs, mlp_weights)
 from minidist.optim.muon import takes_muon
 from minidist.train.activations import minidist_activation_bytes, stage_activations
 from minidist.train.comm_cost import axis_size
@@ -197,27 +198,30 @@ def local_size(name, shape, tp=1):
     return n
 
 
-def _block_counts(config, tp, pp, ep, keep):
-    """Per pipeline stage, the elements one rank holds of the blocks' parameters for which
-    keep(name, shape) is true (an expert's on E/ep of the ranks, ep dividing E), counted per
-    kind of block (dense, MoE: the search prices thousands of layouts)."""
+@functools.lru_cache(maxsize=4096)
+def _block_counts(key, tp, pp, ep, keep=None):
+    """Per pipeline stage, the elements one rank holds of the blocks' parameters of the model
+    `key` (config_key) that keep(name, shape) keeps (None: all; an expert's on E/ep ranks),
+    per kind of block (dense, MoE); cached, as a search asks it for thousands of layouts."""
+    config = config_of_key(key)
+
     def held(specs):
         return sum(local_size(name, shape, tp) if ".mlp.experts." not in name else
                    math.prod(shape) // ep for name, (shape, _) in specs.items()
-                   if keep(name, shape))
+                   if keep is None or keep(name, shape))
     per_block = {moe: held(block_param_specs(config, moe))
                  for moe in {config.is_moe(i) for i in range(config.n_layer)}}
     counts = [0] * pp
     for i in range(config.n_layer):
         counts[i * pp // config.n_layer] += per_block[config.is_moe(i)]
-    return counts
+    return tuple(counts)
 
 
 def stage_params(config, tp=1, pp=1, ep=1):
     """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
     an expert's on E/ep of the ranks). Counted per kind of block (dense, MoE: the search
     prices thousands of layouts), each block's added to its stage."""
-    counts = _block_counts(config, tp, pp, ep, lambda name, shape: True)
+    counts = list(_block_counts(config_key(config), tp, pp, ep))
     outside = {name: spec for name, spec in
                gpt_param_specs(replace(config, n_layer=1, moe_experts=0)).items()
                if not name.startswith("transformer.h.")}
@@ -233,13 +237,13 @@ def stage_params(config, tp=1, pp=1, ep=1):
 def stage_block_params(config, tp=1, pp=1, ep=1):
     """Of stage_params, the blocks' parameters (the experts' among them), per pipeline
     stage: what ZeRO-3 gathers block by block (the rest, the root: embeddings, ln_f)."""
-    return _block_counts(config, tp, pp, ep, lambda name, shape: True)
+    return list(_block_counts(config_key(config), tp, pp, ep))
 
 
 def stage_muon_params(config, tp=1, pp=1, ep=1):
     """Of stage_params, the parameters --optimizer muon updates by Muon (takes_muon: a
     block's weights of 2 or more dimensions, all of them decayed), per pipeline stage."""
-    return _block_counts(config, tp, pp, ep, takes_muon)
+    return list(_block_counts(config_key(config), tp, pp, ep, takes_muon))
 
 
 def state_bytes(amp=True, grad32=False):
