@@ -55,6 +55,7 @@ PLANNER_BAD = [
     # a search that ran for hours (the layers of --params 1e30's shape: 1.7e8)
     ("plan", ["--params", "1e30"], "--params 1e+30: at most 1e+17 (100,000T"),
     ("plan_memory", ["--n-layer", "20000"], "--n-layer 20000: at most 10,000"),
+    ("plan", ["--params", "7e9", "--moe-experts", "1000000"], "--moe-experts 1000000: at most"),
     ("plan", ["--params", "7e9", "--seq", "0"], "--seq/--block-size 0: must be a positive"),
     ("plan", ["--params", "7e9", "--seq", "7"], "--seq 7: must be even"),
     # found by a first-use walk: the shape was dropped silently, a bad number was a usage block

@@ -91,17 +91,24 @@ def number_problem(args):
 # (tests/scripts/fuzz_cli.py's neighbour: the planner's flags tried by hand); the largest
 # models trained have about 2e12 parameters and 130 layers
 MAX_PARAMS, MAX_LAYERS = 1e17, 10_000
+# and the most experts: a layout's expert tensors are priced one by one (their buckets), so
+# a search's time and memory grow with them (1,024: 39 s, 1.2 GiB; 4,096: 153 s, 4.7 GiB);
+# DeepSeek-V3 has 256
+MAX_EXPERTS = 1024
 
 
 def size_problem(args):
-    """--params over MAX_PARAMS or --n-layer over MAX_LAYERS, as a sentence naming the flag
-    and the limit; None when the model is within both."""
+    """--params over MAX_PARAMS, --n-layer over MAX_LAYERS or --moe-experts over MAX_EXPERTS,
+    as a sentence naming the flag and the limit; None when the model is within them."""
     if args.params is not None and args.params > MAX_PARAMS:
         return (f"--params {args.params:g}: at most {MAX_PARAMS:g} (100,000T; the largest "
                 "models trained have about 2T): the search's time grows with the layers")
     if args.params is None and args.n_layer > MAX_LAYERS:
         return (f"--n-layer {args.n_layer}: at most {MAX_LAYERS:,} (the largest models "
                 "trained have about 130): the search's time grows with the layers")
+    if args.moe_experts > MAX_EXPERTS:
+        return (f"--moe-experts {args.moe_experts}: at most {MAX_EXPERTS:,} (DeepSeek-V3 has "
+                "256): the search's time and memory grow with the experts")
     return None
 
 
