@@ -73,6 +73,8 @@ def check(args):
                          "greedy)")
     if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must not be negative (0: no top-k)")
+    if args.seed < 0:                      # (was numpy's traceback)
+        raise UsageError(f"--seed {args.seed}: must not be negative")
     if not args.prompt:
         raise UsageError("--prompt '': give at least one character to continue")
     check_device(args)

@@ -27,6 +27,7 @@ SAMPLE_BAD = [
     (["--resume", ".", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
     (["--resume", "{file}"], ": is a file, not a folder (give a --save directory"),
     (["--resume", ".", "--top-k", "-1"], "--top-k -1: must not be negative"),
+    (["--resume", ".", "--seed", "-1"], "--seed -1: must not be negative"),
     (["--resume", ".", "--prompt", ""], "--prompt '': give at least one character"),
     (["--resume", "examples"], "not a minidist checkpoint"),
     (["--tokens", "5"], "the following arguments are required: --resume"),
