@@ -112,6 +112,24 @@ def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_jo
 
 
 @pytest.mark.mpi
+def test_a_rank_stopped_in_the_wait_after_it_answered_is_named_once(mpi):
+    """The test above, with the frozen rank one that had answered from the wait: rank 3
+    works alone, ranks 0-2 wait, and rank 0 stops 6 s into its wait, after its first answer.
+    The others ask it again half the silence later (10 s: 5 s), it answers nothing, and the
+    job ends naming it, once. Its answer said it waited too, so it was the lowest waiting
+    rank to ranks 1 and 2: neither was first, and both printed the line 3 s later (3 runs
+    of 3 of a like script by hand; this mode said it once in 4 of 4 even so, its ranks
+    asking at other moments: the rule's own test is tests/test_comm_misuse.py's). By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 4 python tests/scripts/comm_small.py stoppedlater"""
+    out = mpi(4, "tests/scripts/comm_small.py", "stoppedlater", timeout=90, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0, out.stderr
+    assert "world rank 0 answered nothing for 10 s" in out.stderr, out.stderr
+    assert out.stderr.count("answered nothing") == 1, out.stderr      # said once
+    assert "done waiting" not in out.stdout
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["alone", "held"])
 def test_a_rank_busy_or_held_past_the_timeout_is_waited_for(mpi, mode):
     """The other side of the test above, under a 2 s timeout: rank 1 computes alone for

@@ -149,6 +149,21 @@ def test_the_watchdog_names_the_collective_each_other_rank_is_in():
                     "broadcast_object #186, or called another collective there"), said
 
 
+
+def test_the_rank_that_says_why_is_the_lowest_waiting_one_that_answers():
+    """One line per job: the lowest rank waiting in the collective says it, the others leave
+    it to that one (abort_job's `first`). A rank that answers nothing is not counted even
+    where it answered from the wait before it froze: counted, it was the lowest "waiting"
+    rank to ranks 1 and 2 alike, none was first, and both printed the line
+    (tests/test_comm_failures.py, stoppedlater)."""
+    waiting, elsewhere = [1, 0, "wait_for_all"], [0, 0, ""]
+    assert watchdog.says_it_first(1, "wait_for_all", 1, {0: None, 2: waiting, 3: elsewhere})
+    assert not watchdog.says_it_first(2, "wait_for_all", 1, {0: None, 1: waiting, 3: None})
+    assert not watchdog.says_it_first(1, "wait_for_all", 1, {0: waiting, 2: waiting})
+    assert watchdog.says_it_first(1, "wait_for_all", 1, {0: [1, 1, "wait_for_all"]})  # done
+    assert watchdog.says_it_first(2, "all_reduce", 3, {0: [3, 2, "barrier"], 1: None})
+
+
 # ---- under mpiexec -----------------------------------------------------------------------
 
 @pytest.mark.mpi

@@ -238,12 +238,11 @@ def _check_timeouts():
             _check_alive(key, op, seq, now, timeout)
         elif timeout > 0 and now - start > timeout:
             answers = _ask_the_others(key)
-            waiting = [r for r, a in answers.items()      # in it too, and not done with it
-                       if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
             abort_job(f"[rank {me}] {op} #{seq} on {describe(key)} "
                       f"waited more than {timeout:g} s ({TIMEOUT_FROM}); "
                       + why_waiting(op, seq, answers)
-                      + "; aborting the whole MPI job", first=me == min([me, *waiting]))
+                      + "; aborting the whole MPI job",
+                      first=says_it_first(me, op, seq, answers))
 
 
 def _check_alive(key, op, seq, now, timeout):
@@ -266,15 +265,27 @@ def _check_alive(key, op, seq, now, timeout):
             _state["asked"][rank] = (key, seq, now)
             _state["comm"].send(key, dest=rank, tag=ALIVE)
     if silent:
-        waiting = [r for r, (_, a) in _state["alive"].items()    # in it too, not done with it
-                   if r in key[1] and a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
+        answers = {r: None if r in silent else a        # the silent ones' last answers are
+                   for r, (_, a) in _state["alive"].items() if r in key[1]}   # no longer true
         many = len(silent) > 1
         abort_job(f"[rank {me}] {op} #{seq} on {describe(key)} has waited more than "
                   f"{timeout:g} s (it has no timeout: {TIMEOUT_FROM} only starts the "
                   f"watchdog asking), and world rank{'s' * many} "
                   f"{', '.join(map(str, silent))} answered nothing for {limit:g} s: stopped "
                   "or hung (a node that froze?); aborting the whole MPI job",
-                  first=me == min([me, *waiting]))
+                  first=says_it_first(me, op, seq, answers))
+
+
+def says_it_first(me, op, seq, answers):
+    """Whether this rank (world rank `me`) says why `op` #`seq` waits and ends the job, or
+    leaves that to another (abort_job's `first`): the lowest of the ranks waiting in it,
+    whose `answers` ({world rank: [entered seq, done seq, op], or None: no answer}) say they
+    are in it and not done. A rank that answers nothing says nothing (None), though it
+    answered from the wait before it froze: counted, it was the lowest waiting rank to every
+    other, none was first and each printed the line (a review, 2026-11-29)."""
+    waiting = [r for r, a in answers.items()
+               if a is not None and (a[0], a[2]) == (seq, op) and a[1] < seq]
+    return me == min([me, *waiting])
 
 
 def silent_limit_s(timeout):

@@ -12,6 +12,8 @@
                                                             # stops after the exit agreement
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped  # rank 1
                                                   # stops while the others wait_for_all
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 4 python tests/scripts/comm_small.py stoppedlater
+                                   # rank 3 works alone; rank 0 stops 6 s into its wait
     MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py alone  # rank 1
                                                   # computes 14 s alone: they wait
     MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py held  # rank 1
@@ -96,19 +98,24 @@ elif mode == "frozen":
             os.kill(os.getpid(), signal.SIGSTOP)        # a node that hangs, for good
         atexit.register(freeze)
     sys.exit(0)                       # rank 0 ends in MPI_Finalize: not for ever
-elif mode in ("stopped", "held", "alone"):  # the others wait_for_all (untimed) while rank 1
-    import os
+elif mode in ("stopped", "held", "alone", "stoppedlater"):  # the others wait_for_all
+    import os                                 # (untimed) while rank 1 (stoppedlater: 3)
     import signal
     import subprocess
-    if world.rank == 1 and mode == "stopped":
+    start = time.monotonic()
+    if mode == "stoppedlater" and world.rank == 3:
+        while time.monotonic() < start + 60:   # ... works alone, alive, past the end, while
+            sum(i * i for i in range(10_000))
+    elif mode == "stoppedlater" and world.rank == 0:   # rank 0, in the wait and answering
+        subprocess.Popen(["sh", "-c", f"sleep 6; kill -STOP {os.getpid()}"])  # , freezes
+    elif world.rank == 1 and mode == "stopped":
         os.kill(os.getpid(), signal.SIGSTOP)  # ... freezes (a node that hangs mid-save)
     elif world.rank == 1 and mode == "held":  # ... is held 8 s (a loaded node), goes on
         subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 8; "
                           f"kill -CONT {os.getpid()}"]).wait()
     elif world.rank == 1:                     # ... works alone past the timeout, alive:
-        start = time.monotonic()              # Python holding the interpreter (as a
-        while time.monotonic() - start < 14:  # tokenizer would) 7 s, then numpy 7 s
-            sum(i * i for i in range(10_000))
+        while time.monotonic() - start < 14:  # Python holding the interpreter (as a
+            sum(i * i for i in range(10_000))  # tokenizer would) 7 s, then numpy 7 s
             if time.monotonic() - start > 7:
                 xp.linalg.eigvalsh(xp.ones((300, 300)))
     world.wait_for_all()
