@@ -362,3 +362,18 @@ def test_a_save_longer_than_the_collective_timeout_is_no_hang(held_s, corpus, tm
     assert job.returncode != 0 and "saved step 2" not in out, (job.returncode, out, err)
     assert err.count("world rank 0 answered nothing for 10 s: stopped or hung") == 1, err
     assert not (ck / "latest").exists()
+
+
+@pytest.mark.mpi
+def test_a_rank_late_to_a_save_is_waited_for_untimed(mpi, tmp_path):
+    """Rank 0 copies what it writes before the save begins (under DDP: the whole model and
+    its optimizer), while rank 1 has nothing to copy and waited for it in begin's
+    broadcast_object, a watched collective: a 42.7M-parameter model on 4 ranks under
+    --comm-timeout 1 aborted a healthy job there (a review, 2026-11-29). Held 3 s at each of
+    two saves under a 1 s timeout, rank 0 is now waited for (saving.begin). By hand:
+    MINIDIST_COMM_TIMEOUT=1 mpiexec -n 2 python tests/scripts/save_late.py --save ck"""
+    ck = tmp_path / "ck"
+    out = mpi(2, "tests/scripts/save_late.py", "--save", ck, timeout=90,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=1))
+    assert f"saved step 2 to {ck}" in out.stdout, out.stdout + out.stderr
+    assert checkpoint_dirs.read_latest(ck) == "step-00000002"

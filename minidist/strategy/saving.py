@@ -260,7 +260,12 @@ def begin(directory, step, plan, group=None, overwrite=False):
     """Collective over `group` (None: one process): world rank 0 makes the temporary folder
     of a save of `plan` (this rank's SavePlan) under `directory`; every rank gets the Save,
     or the same CheckpointError (a directory holding other files, one that cannot be
-    written, one whose `latest` is past `step` unless `overwrite`: checkpoint_dirs.begin)."""
+    written, one whose `latest` is past `step` unless `overwrite`: checkpoint_dirs.begin).
+    The ranks first wait for each other untimed (wait_for_all), as commit's do: rank 0
+    collects what it writes before it comes here (under DDP, the whole model and optimizer;
+    the others, nothing), and 42.7M parameters on 4 ranks sharing 2 cores took it past
+    --comm-timeout 1, which ended a healthy job in begin's broadcast (a review, 2026-11-29:
+    tests/test_async_save.py, tests/scripts/save_late.py)."""
     tmp, err = None, None
     if group is None or group.rank == 0:
         try:
@@ -269,7 +274,8 @@ def begin(directory, step, plan, group=None, overwrite=False):
             err = str(e)
         except OSError as e:
             err = f"saving {directory} failed: {e}"
-    if group is not None:
+    if group is not None:        # untimed, as commit's: rank 0 comes late, copying what it
+        group.wait_for_all()     # writes (under DDP all of it: a healthy job aborted here)
         tmp, err = group.broadcast_object((tmp, err), root=0)
     if err:
         raise CheckpointError(err)
