@@ -95,15 +95,19 @@ def test_a_rank_frozen_after_the_exit_agreement_ends_the_job(mpi):
 
 
 @pytest.mark.mpi
-def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_job(mpi):
+@pytest.mark.parametrize("mode", ["stopped", "stoppedbig"])
+def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_job(mpi, mode):
     """wait_for_all has no timeout (the ranks wait while others write a checkpoint or
     tokenize the text, as long as that takes), so a rank that froze there (SIGSTOP: a node
     that hung while a save in the step wrote; 2026-11-29's chaos campaign) held the others
     for ever. Past the timeout the waiting ranks now ask the others whether they are alive;
     one that answers nothing for 10 s (the timeout when longer) is named, once, and the job
-    ends (~15 s). By hand:
+    ends (~15 s). stoppedbig waits on a group whose key (which each question carries)
+    pickles to 16 KiB, as the ranks of a world of ~5,000 do: the watchdog's blocking send
+    of it, past MPICH's eager limit, waited for ever on the stopped rank (the job hung; a
+    review, 2026-11-29: watchdog._send). By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped"""
-    out = mpi(3, "tests/scripts/comm_small.py", "stopped", timeout=90, check=False,
+    out = mpi(3, "tests/scripts/comm_small.py", mode, timeout=90, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
     assert out.returncode != 0, out.stderr
     assert "world rank 1 answered nothing for 10 s: stopped or hung" in out.stderr, out.stderr

@@ -47,8 +47,9 @@ _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK a
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
 _state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
           "exited": {}, "answers": {}, "later": None,   # later: abort_job's deferred line
-          "asked": {}, "alive": {}}   # _check_alive: rank -> (key, seq, when asked) and
+          "asked": {}, "alive": {},   # _check_alive: rank -> (key, seq, when asked) and
 #                                       rank -> (when it last answered, its answer)
+          "sending": []}              # _send's requests not yet complete
 
 # where the timeout came from, for the abort line: train_gpt.py's flag, the variable, the call
 TIMEOUT_FROM = "--comm-timeout, MINIDIST_COMM_TIMEOUT or comm.init(timeout=...)"
@@ -189,12 +190,23 @@ def _serve():
         elif tag in (ASK, ALIVE):
             with _lock:
                 answer = list(_progress.get(msg, [0, 0, ""]))
-            comm.send(answer, dest=source, tag=ANSWER if tag == ASK else ALIVE_ANSWER)
+            _send(answer, source, ANSWER if tag == ASK else ALIVE_ANSWER)
         elif tag == ALIVE_ANSWER:
             _state["asked"].pop(source, None)
             _state["alive"][source] = (time.monotonic(), msg)
         else:
             _state["answers"][source] = msg
+
+
+def _send(obj, dest, tag):
+    """Send `obj` to world rank `dest` on the watchdog's communicator without waiting for
+    it to be received: a question carries the group's key, whose ranks pickle to ~3 bytes
+    each, and a blocking send past MPICH's eager limit (between 4 and 8 KiB on one node: a
+    group of ~2,000 ranks) waited for ever on a stopped rank, the watchdog with it, so the
+    job hung where it should end (a review, 2026-11-29: comm_small stoppedbig). The
+    requests are kept until done (mpi4py's holds the pickled buffer)."""
+    _state["sending"] = [r for r in _state["sending"] if not r.Test()]
+    _state["sending"].append(_state["comm"].isend(obj, dest=dest, tag=tag))
 
 
 def _check_stranded():
@@ -263,7 +275,7 @@ def _check_alive(key, op, seq, now, timeout):
                 silent.append(rank)
         elif now - _state["alive"].get(rank, (-limit, None))[0] > limit / 2:
             _state["asked"][rank] = (key, seq, now)
-            _state["comm"].send(key, dest=rank, tag=ALIVE)
+            _send(key, rank, ALIVE)
     if silent:
         answers = {r: None if r in silent else a        # the silent ones' last answers are
                    for r, (_, a) in _state["alive"].items() if r in key[1]}   # no longer true
@@ -332,11 +344,11 @@ def why_waiting(op, seq, answers):
 def _ask_the_others(key):
     """Ask the group's other ranks how far they got on `key`: {world rank: their answer,
     [entered seq, done seq, op], or None when none came within ASK_S}."""
-    me, comm = MPI.COMM_WORLD.Get_rank(), _state["comm"]
+    me = MPI.COMM_WORLD.Get_rank()
     others = [r for r in key[1] if r != me]
     _state["answers"].clear()
     for rank in others:
-        comm.send(key, dest=rank, tag=ASK)
+        _send(key, rank, ASK)
     deadline = time.monotonic() + ASK_S
     while time.monotonic() < deadline and len(_state["answers"]) < len(others):
         _serve()
