@@ -116,6 +116,23 @@ def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_jo
 
 
 @pytest.mark.mpi
+def test_a_rank_stopped_while_the_others_make_a_group_ends_the_job(mpi):
+    """Making a group (new_group: an all-gather and MPI_Comm_split; split) is collective, and
+    was not watched: a rank frozen before it (SIGSTOP) left the others there for ever (a
+    review, 2026-11-29: 40 s, killed). Now watched as a collective (watchdog.making_group,
+    numbered apart from the group's collectives): the job ends after the timeout, naming
+    it. By hand:
+    MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stoppedgroup"""
+    out = mpi(3, "tests/scripts/comm_small.py", "stoppedgroup", timeout=90, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
+    assert out.returncode != 0, out.stderr
+    assert "new_group #1 on group 'world (making groups)' (world ranks [0, 1, 2]) waited " \
+        "more than 3 s" in out.stderr, out.stderr
+    assert "ranks that did not answer: [1]" in out.stderr, out.stderr
+    assert "done waiting" not in out.stdout
+
+
+@pytest.mark.mpi
 def test_a_rank_stopped_in_the_wait_after_it_answered_is_named_once(mpi):
     """The test above, with the frozen rank one that had answered from the wait: rank 3
     works alone, ranks 0-2 wait, and rank 0 stops 6 s into its wait, after its first answer.

@@ -120,10 +120,11 @@ class ProcessGroup:
         one small collective beside the Split, so every rank judges the same lists)."""
         ranks = [int(r) if checks.is_int(r) else r
                  for r in ranks]             # numpy ints as ints: the lists compare alike
-        checks.check_new_group(self, self.comm.allgather(ranks))
-        member = self.rank in ranks
-        comm = self.comm.Split(0 if member else MPI.UNDEFINED,
-                               ranks.index(self.rank) if member else 0)
+        with watchdog.making_group(self.key, "new_group"):   # a rank frozen before it
+            checks.check_new_group(self, self.comm.allgather(ranks))   # ends the job
+            member = self.rank in ranks
+            comm = self.comm.Split(0 if member else MPI.UNDEFINED,
+                                   ranks.index(self.rank) if member else 0)
         if not member:
             return None
         return ProcessGroup(comm, algo or self.algo, name or f"{self.name}{ranks}",
@@ -132,7 +133,8 @@ class ProcessGroup:
     def split(self, color, key=None, algo=None, name=None):
         """MPI_Comm_split: ranks with the same `color` form a group, ordered by `key`
         (default: rank here). Collective over this group."""
-        comm = self.comm.Split(color, self.rank if key is None else key)
+        with watchdog.making_group(self.key, "split"):
+            comm = self.comm.Split(color, self.rank if key is None else key)
         return ProcessGroup(comm, algo or self.algo, name or f"{self.name}/{color}",
                             self.sync_comm)
 

@@ -132,6 +132,24 @@ def p2p_wait(label, peer):
             _p2p.pop(tid, None)
 
 
+@contextlib.contextmanager
+def making_group(key, op):
+    """The calling thread makes a group out of the group `key` (`op`: new_group's all-gather
+    and MPI_Comm_split, split's): collective over its ranks, and watched as a collective is,
+    so a rank frozen (or gone astray) before it ends the job after the timeout; unwatched,
+    the others waited there for ever (a review, 2026-11-29). Numbered on a key of its own,
+    so the group's collectives keep their numbers."""
+    name, ranks, n = key
+    made = (f"{name} (making groups)", ranks, n)
+    with _lock:
+        seq = _progress.get(made, [0])[0] + 1
+    entered(made, op, seq)
+    try:
+        yield
+    finally:
+        left(made, seq)
+
+
 def describe(key):
     name, ranks, _ = key
     return f"group {name!r} (world ranks {list(ranks)})"

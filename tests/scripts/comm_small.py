@@ -12,7 +12,8 @@
                                                             # stops after the exit agreement
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped  # rank 1
                                                   # stops while the others wait_for_all
-                                                  # (stoppedbig: a group's, key 16 KiB)
+                                                  # (stoppedbig: a group's, key 16 KiB;
+                                                  # stoppedgroup: while they make a group)
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 4 python tests/scripts/comm_small.py stoppedlater
                                    # rank 3 works alone; rank 0 stops 6 s into its wait
     MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py alone  # rank 1
@@ -99,9 +100,9 @@ elif mode == "frozen":
             os.kill(os.getpid(), signal.SIGSTOP)        # a node that hangs, for good
         atexit.register(freeze)
     sys.exit(0)                       # rank 0 ends in MPI_Finalize: not for ever
-elif mode in ("stopped", "stoppedbig", "held", "alone", "stoppedlater"):  # the others
-    import os                                 # wait_for_all (untimed) while rank 1
-    import signal                             # (stoppedlater: 3)
+elif mode in ("stopped", "stoppedbig", "stoppedgroup", "held", "alone", "stoppedlater"):
+    import os                                 # the others wait_for_all (untimed) while
+    import signal                             # rank 1 (stoppedlater: 3)
     import subprocess
     start, group = time.monotonic(), world
     if mode == "stoppedbig":                  # a group whose key pickles to 16 KiB, as a
@@ -111,7 +112,7 @@ elif mode in ("stopped", "stoppedbig", "held", "alone", "stoppedlater"):  # the 
             sum(i * i for i in range(10_000))
     elif mode == "stoppedlater" and world.rank == 0:   # rank 0, in the wait and answering
         subprocess.Popen(["sh", "-c", f"sleep 6; kill -STOP {os.getpid()}"])  # , freezes
-    elif world.rank == 1 and mode in ("stopped", "stoppedbig"):
+    elif world.rank == 1 and mode in ("stopped", "stoppedbig", "stoppedgroup"):
         os.kill(os.getpid(), signal.SIGSTOP)  # ... freezes (a node that hangs mid-save)
     elif world.rank == 1 and mode == "held":  # ... is held 8 s (a loaded node), goes on
         subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 8; "
@@ -121,6 +122,8 @@ elif mode in ("stopped", "stoppedbig", "held", "alone", "stoppedlater"):  # the 
             sum(i * i for i in range(10_000))  # tokenizer would) 7 s, then numpy 7 s
             if time.monotonic() - start > 7:
                 xp.linalg.eigvalsh(xp.ones((300, 300)))
+    if mode == "stoppedgroup":                # the others make a group (timed, as a
+        group = world.new_group(range(world.size))   # collective: it was not)
     group.wait_for_all()
     print(f"rank {world.rank} done waiting", flush=True)
 elif mode == "preinit":
