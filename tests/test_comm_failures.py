@@ -138,9 +138,9 @@ def test_a_rank_stopped_in_the_wait_after_it_answered_is_named_once(mpi):
     works alone, ranks 0-2 wait, and rank 0 stops 6 s into its wait, after its first answer.
     The others ask it again half the silence later (10 s: 5 s), it answers nothing, and the
     job ends naming it, once. Its answer said it waited too, so it was the lowest waiting
-    rank to ranks 1 and 2: neither was first, and both printed the line 3 s later (3 runs
-    of 3 of a like script by hand; this mode said it once in 4 of 4 even so, its ranks
-    asking at other moments: the rule's own test is tests/test_comm_misuse.py's). By hand:
+    rank to ranks 1 and 2: neither was first, and both printed the line 3 s later (2 runs
+    of 2; now rank 1 says it, 2 of 2; the rule's own test: tests/test_comm_misuse.py). By
+    hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 4 python tests/scripts/comm_small.py stoppedlater"""
     out = mpi(4, "tests/scripts/comm_small.py", "stoppedlater", timeout=90, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))

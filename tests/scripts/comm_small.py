@@ -117,7 +117,7 @@ elif mode in ("stopped", "stoppedbig", "stoppedgroup", "held", "alone", "stopped
     elif world.rank == 1 and mode == "held":  # ... is held 8 s (a loaded node), goes on
         subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 8; "
                           f"kill -CONT {os.getpid()}"]).wait()
-    elif world.rank == 1:                     # ... works alone past the timeout, alive:
+    elif world.rank == 1 and mode == "alone":  # ... works alone past the timeout, alive:
         while time.monotonic() - start < 14:  # Python holding the interpreter (as a
             sum(i * i for i in range(10_000))  # tokenizer would) 7 s, then numpy 7 s
             if time.monotonic() - start > 7:
