@@ -173,6 +173,24 @@ def test_a_save_folder_a_rank_does_not_see_is_an_error_not_a_checkpoint(case, sa
     assert sorted(os.listdir(ck)) == ["latest", "step-00000001"]     # no temporary left
 
 
+@pytest.mark.mpi
+def test_a_save_folder_not_shared_is_one_error_under_a_short_timeout(tmp_path, mpi):
+    """The test above ("elsewhere") under a 1 s collective timeout: rank 0 looks for rank 1's
+    shard for VISIBLE_WITHIN_S (3 s) before it says so, while rank 1 waited in commit's
+    timed broadcast: the job aborted ("world ranks that did not arrive: [0]"), exit 1,
+    beside the error line. The ranks now wait for rank 0's part untimed (Save.commit). By
+    hand: MINIDIST_COMM_TIMEOUT=1 mpiexec -n 2 python tests/scripts/commit_unseen.py
+    --node-dirs A,B --case elsewhere"""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for n in nodes:
+        n.mkdir()
+    out = mpi(2, "tests/scripts/commit_unseen.py", "--node-dirs", ",".join(map(str, nodes)),
+              "--case", "elsewhere", timeout=120, check=False,
+              env=mpi_env(MINIDIST_COMM_TIMEOUT=1))
+    assert out.returncode == 2 and "aborting" not in out.stderr, (out.stdout, out.stderr)
+    assert out.stderr.count("error: saving ck failed: rank 1's") == 1, out.stderr
+
+
 # ---- whole runs: the same files, the same numbers after a resume ------------------------------
 
 LAYOUTS = [(1, []), (2, []), (2, ["--zero", "3"]), (4, ["--tp", "2", "--dp", "2"]),

@@ -203,7 +203,10 @@ class Save:
         rank 0 (None elsewhere). The ranks first wait for every rank's files untimed
         (wait_for_all): under DDP, TP or PP rank 0 writes what the others hold too, and a
         write longer than --comm-timeout (a big model on a slow file system) aborted the job
-        in every save (first-use walk 37), however healthy."""
+        in every save (first-use walk 37), however healthy. They wait for rank 0's part
+        (_commit_here) untimed as well: under a 1 s timeout its 3 s look for a shard it did
+        not see (VISIBLE_WITHIN_S) aborted the job beside the error it was to say (a review,
+        2026-11-29)."""
         self.wait()
         if self.group is not None:
             self.group.wait_for_all()
@@ -213,7 +216,8 @@ class Save:
             errors, folder = None, None
         else:
             errors, folder = self._commit_here(everyone)
-        if self.group is not None:
+        if self.group is not None:   # untimed too: rank 0 alone writes the manifests, renames
+            self.group.wait_for_all()   # and looks for each rank's files (up to 3 s per rank)
             errors = self.group.broadcast_object(errors, root=0)
         if errors:
             raise CheckpointError(f"saving {self.directory} failed: {'; '.join(errors)}")
