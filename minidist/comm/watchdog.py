@@ -14,17 +14,14 @@ collective a ProcessGroup runs is announced to it (`entered` / `left`). Once a s
   The exiting rank announces its exit (`announce_exit`) and waits for the others to exit too;
 - does the same for a point-to-point send or receive (a pipeline's activations): one that
   waits longer than the timeout, or whose peer exited, aborts the job naming the peer;
-- checks that the other ranks still answer once an untimed wait (`wait_for_all`: a save's
-  commit, the tokenizing wait, as long as that takes) outlives the timeout: one whose
-  watchdog answers nothing for `silent_limit_s` (a node frozen, SIGSTOP) ends the job;
+- once an untimed wait (`wait_for_all`: a save's commit, the tokenizing wait) outlives the
+  timeout, ends the job when a rank answers nothing for `silent_limit_s` (a node frozen);
 - answers the other ranks' questions about this rank's progress.
 
 An uncaught exception never gets here: debug.install_abort_handler aborts at once. A killed
 rank ends the job through the launcher. All messages travel on the watchdog's own duplicate
-of COMM_WORLD, so they can never be confused with the program's traffic. `abort_job` writes
-the message and waits a moment before MPI_Abort, so the launcher forwards it before it kills.
-
-Tests: tests/test_comm_failures.py (exception, sys.exit and a blocked rank on one rank).
+of COMM_WORLD. `abort_job` writes the message, then waits a moment before MPI_Abort (so the
+launcher forwards it). Tests: tests/test_comm_failures.py, tests/test_comm_misuse.py.
 """
 import contextlib
 import os
