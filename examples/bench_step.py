@@ -184,7 +184,8 @@ AT_LEAST = (("--steps", 1, "timed steps"), ("--warmup", 0, "untimed steps"),
             ("--batch-size", 1, "sequences per step"), ("--n-layer", 1, "transformer blocks"),
             ("--n-head", 1, "attention heads"), ("--n-embd", 1, "the embedding width"),
             ("--block-size", 1, "the context length"), ("--vocab-size", 1, "token ids"),
-            ("--threads", 1, "BLAS threads"), ("--vocab-multiple", 1, "1: no padding"))
+            ("--threads", 1, "BLAS threads"), ("--vocab-multiple", 1, "1: no padding"),
+            ("--seed", 0, "the random seed"))     # (below 0: numpy's traceback)
 
 
 def check_flags(p, args):

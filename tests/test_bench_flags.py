@@ -30,6 +30,7 @@ ONE_PROCESS = [
     ("bench_step.py", ["--dropout", "1.5"], "--dropout"),
     ("bench_step.py", ["--threads", "-2"], "--threads"),
     ("bench_step.py", ["--peak-tflops", "-5"], "--peak-tflops"),
+    ("bench_step.py", ["--seed", "-1"], "--seed -1: must be at least 0"),   # numpy's traceback
     ("bench_step.py", ["--peak-tflops", "0"], "--peak-tflops"),
     ("bench_plan.py", ["--cases", "99"], "--cases"),
     ("bench_plan.py", ["--cases", "x"], "--cases"),
