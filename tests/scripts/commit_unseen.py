@@ -59,8 +59,9 @@ def main(args):
     print(f"rank {world.rank}: step 2 committed", flush=True)    # (never: commit raises)
 
 
-cli = argparse.ArgumentParser()
-cli.add_argument("--node-dirs", required=True)
-cli.add_argument("--case", choices=("unseen", "elsewhere", "truncated"), required=True)
-cli.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-run_main(main, cli.parse_args(), user_errors=(CheckpointError,))
+if __name__ == "__main__":         # (tests/scripts/save_late.py imports plan)
+    cli = argparse.ArgumentParser()
+    cli.add_argument("--node-dirs", required=True)
+    cli.add_argument("--case", choices=("unseen", "elsewhere", "truncated"), required=True)
+    cli.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run_main(main, cli.parse_args(), user_errors=(CheckpointError,))

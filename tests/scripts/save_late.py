@@ -10,17 +10,9 @@ before, rank 1 waited in begin's broadcast_object, a watched collective, and the
 import argparse
 import time
 
+from commit_unseen import plan     # (tests/scripts/commit_unseen.py: rank r's shard)
 from minidist import backend, comm
 from minidist.strategy import saving
-
-
-def plan(world, step):
-    """Rank r's shard; rank 0 also describes the checkpoint's manifest."""
-    w = backend.get_xp().full(10, float(10 * step + world.rank))
-    name = f"shard-{world.rank:05d}-of-{world.size:05d}.safetensors"
-    return saving.SavePlan(files=[saving.arrays_file(name, {"w": saving.host_copy(w)})],
-                           manifests=[saving.Manifest("", world.size)] if world.rank == 0
-                           else [])
 
 
 def main(args):
