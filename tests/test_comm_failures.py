@@ -133,6 +133,7 @@ def test_a_rank_stopped_while_the_others_make_a_group_ends_the_job(mpi):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow          # ~25 s; the rule it checks runs by default in test_comm_misuse.py
 def test_a_rank_stopped_in_the_wait_after_it_answered_is_named_once(mpi):
     """The test above, with the frozen rank one that had answered from the wait: rank 3
     works alone, ranks 0-2 wait, and rank 0 stops 6 s into its wait, after its first answer.
