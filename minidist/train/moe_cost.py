@@ -159,12 +159,11 @@ def split_times(config, cluster, layout, b, s, e, stage):
 
 
 def _own_experts(config, layout, stage):
-    """(MoE block numbers of `stage`, the sizes of one expert's parameter tensors, the E/ep
-    experts one rank holds of each block) under ep: every ep rank holds as many, of the same
-    shapes; every expert's tensors are expert 0's."""
-    L, pp = config.n_layer, layout.pp
-    blocks = [i for i in range(L) if i * pp // L == stage and config.is_moe(i)]
-    return blocks, list(_one_expert(config_key(config))), config.moe_experts // layout.ep
+    """(MoE blocks on `stage`, the sizes of one expert's parameter tensors, the E/ep experts
+    one rank holds of each block) under ep: every ep rank holds as many, of the same shapes;
+    every expert's tensors are expert 0's."""
+    return (stage_moe_blocks(config, layout, stage), list(_one_expert(config_key(config))),
+            config.moe_experts // layout.ep)
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,7 +182,7 @@ def expert_tensors(config, layout, stage):
     if layout.ep == 1:
         return []
     blocks, one, mine = _own_experts(config, layout, stage)
-    return one * (mine * len(blocks))
+    return one * (mine * blocks)
 
 
 def expert_units(config, layout, stage):
@@ -193,7 +192,7 @@ def expert_units(config, layout, stage):
     if layout.ep == 1:
         return []
     blocks, one, mine = _own_experts(config, layout, stage)
-    return [mine * sum(one)] * len(blocks)
+    return [mine * sum(one)] * blocks
 
 
 def expert_buckets(sizes, g_bytes, bucket_mb):
