@@ -30,7 +30,8 @@ from minidist.nn import GPT  # noqa: E402
 from minidist.train.args import HelpWithDefaults, Parser, a_path  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import (UsageError, check_device, check_one_process,  # noqa: E402
-                               printable, run_main)
+                               run_main)
+from minidist.train.end_sample import printable  # noqa: E402
 from minidist.train.bpe import TokenizerError  # noqa: E402
 from minidist.train.data import ByteTokenizer, DataError  # noqa: E402
 from minidist.train.gather import model_config, router_bias, whole_model  # noqa: E402

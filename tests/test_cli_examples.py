@@ -14,7 +14,7 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.train.args import train_parser
-from minidist.train.cli import printable
+from minidist.train.end_sample import printable
 from tests.mpirun import ROOT, device_flags, mpi_env
 
 

@@ -207,7 +207,7 @@ def stage_outputs(pp, stage, schedule, m, v, head):
 
 
 def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
-                              selective=False):
+                              selective=False, tiled=False):
     """What minidist's own single-process graph holds after forward (the ledger's measure):
     the values its ops saved for backward, counted buffer by buffer (a graph holds no op's
     output: minidist/autograd/tensor.py Node). Per block, e-byte inputs of the QKV, attention
@@ -222,7 +222,9 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
     v repeated to nh heads (the attention's input, 3 sbh, as GPT-2's), and RoPE's cos and
     sin tables (s hs values, float32 under amp); it has no position ids. `selective`
     (--attention recompute): no probabilities or attention mask kept (the backward computes
-    them again, minidist/autograd/attention.py Redo)."""
+    them again, minidist/autograd/attention.py Redo). `tiled` (minidist/autograd/flash.py):
+    each row's float32 log-sum-exp instead of the probabilities (its tiles' dropout is drawn
+    again from the keys in backward, nothing kept)."""
     e, h, a, V, L = (2 if amp else 4), config.n_embd, config.n_head, config.vocab_size, \
         config.n_layer
     d = int(config.dropout > 0) if dropout is None else int(bool(dropout))
@@ -231,7 +233,8 @@ def minidist_activation_bytes(config, s, b, amp=False, ckpt=False, dropout=None,
     if ckpt:
         per_layer = sbh * e
     else:
-        core = 0 if selective else a * s * s * b * (e + d)       # P and its dropout mask
+        core = 0 if selective else a * s * b * 4 if tiled else \
+            a * s * s * b * (e + d)                              # P and its dropout mask
         per_layer = (6 + mlp_saved(config)) * sbh * e + 2 * ln + core + d * 2 * sbh
         per_layer += s * (h // a) * (4 if amp else e) if config.llama else 0   # RoPE tables
     embed = 8 * sb + (0 if config.llama else 8 * s) + d * sbh

@@ -170,6 +170,9 @@ def add_parallel_args(p):
                    "2); default: --amp's 16-bit type")
     g.add_argument("--ckpt-activations", action="store_true",
                    help="keep only each block's input; recompute the rest in backward")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="start even where the planner's count of the run's memory is more "
+                   "than its hosts or GPUs have free (the `memory:` line)")
     return p
 
 

@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import tempfile
-import unicodedata
 
 from minidist.launcher import launcher_rank, thread_env_problem, world_size_from_env
 from minidist.strategy import checkpoint_dirs
@@ -354,7 +353,8 @@ def run_main(main, args=None, user_errors=(), parser=None):
     UsageError or one of `user_errors` becomes one `error:` line from rank 0 and exit status
     2 (its exit_status: 3 for a run that diverged; with --traceback or MINIDIST_DEBUG=1: the
     traceback); output piped into a reader that stops early (`| head`) ends quietly, status
-    141."""
+    141; a MemoryError is one line from the rank that met it and exit status 1, the job
+    ended (preemption.end_job)."""
     try:
         if parser is not None:
             args = parser().parse_args()
@@ -376,22 +376,17 @@ def run_main(main, args=None, user_errors=(), parser=None):
         if launcher_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(getattr(e, "exit_status", 2))
+    except MemoryError as e:    # numpy's, CuPy's OutOfMemoryError: one line, the job ends
+        if getattr(args, "traceback", False) or os.environ.get("MINIDIST_DEBUG") == "1":
+            raise
+        preemption.end_job(out_of_memory_line(e, world_size_from_env() > 1), status=1)
 
 
-# bidirectional embeddings, overrides and isolates: they reorder what follows on the screen
-BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+def out_of_memory_line(error, several):
+    """run_main's one line for a MemoryError the start's count (memory_check.py) did not
+    foresee, or a script without one met: what could not be allocated, and where."""
+    where = f" on rank {launcher_rank()}" if several else ""
+    return (f"error: out of memory{where}: {error}; a smaller model, --batch-size or "
+            "--block-size needs less (examples/train_gpt.py: its `memory:` start-up line, and "
+            "examples/plan_memory.py; --traceback shows where)")
 
-
-def printable(text):
-    """`text` with what a terminal would act on shown as escapes instead: control characters
-    but newline and tab (escape sequences), bidirectional controls, lone surrogates. An
-    untrained model's sample is random bytes. Other characters Python calls unprintable
-    are text: the zero-width joiners of emoji sequences and Indic and Persian scripts
-    (first-use walk 33: a prompt's 👩‍💻 came back as 👩\\u200d💻), no-break and ideographic
-    spaces."""
-    return "".join(repr(c)[1:-1] if _acts_on_terminal(c) else c for c in text)
-
-
-def _acts_on_terminal(c):
-    category = unicodedata.category(c)
-    return (category == "Cc" and c not in "\n\t") or category == "Cs" or c in BIDI_CONTROLS

@@ -4,10 +4,10 @@ at a signal. Called by minidist/train/loop.py. Tests: tests/test_preemption.py (
 during the sample), tests/test_sample.py.
 """
 import itertools
+import unicodedata
 
 import numpy as np
 
-from minidist.train.cli import printable
 from minidist.train.data import DataError
 
 
@@ -20,6 +20,25 @@ def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40, st
         idx = np.zeros((1, 1), dtype=np.int64)
     out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed, stop=stop)
     return data.tokenizer.decode(out[0])
+
+
+# bidirectional embeddings, overrides and isolates: they reorder what follows on the screen
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text):
+    """`text` with what a terminal would act on shown as escapes instead: control characters
+    but newline and tab (escape sequences), bidirectional controls, lone surrogates. An
+    untrained model's sample is random bytes. Other characters Python calls unprintable
+    are text: the zero-width joiners of emoji sequences and Indic and Persian scripts
+    (first-use walk 33: a prompt's 👩‍💻 came back as 👩\\u200d💻), no-break and ideographic
+    spaces."""
+    return "".join(repr(c)[1:-1] if _acts_on_terminal(c) else c for c in text)
+
+
+def _acts_on_terminal(c):
+    category = unicodedata.category(c)
+    return (category == "Cc" and c not in "\n\t") or category == "Cs" or c in BIDI_CONTROLS
 
 
 SAMPLE_AGREE = 16     # tokens between the sample's agreements on a signal

@@ -41,6 +41,7 @@ from minidist.train.saves import Saves
 from minidist.train.end_sample import sample_at_end
 from minidist.train.startup import describe_run, run_record
 from minidist.train.data_open import check_resume_vocabulary, open_data_shared, record_data
+from minidist.train.memory_check import check_memory
 from minidist.train.init_from import initial_router_bias, initial_weights
 from minidist.train.resume import lr_schedule, resume_run
 from minidist.train.step import train_step
@@ -158,6 +159,7 @@ def _train(args, world, each_step):
     data.check_block_size(args.block_size,       # both splits, before step 0
                           fixed=args.resume and f"--resume {args.resume}")
     config = _config(args, data)
+    fits = check_memory(args, config, strategy.job_group())   # the planner's bill vs free
     weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
     model = strategy.build_model(config, args.seed, args.dtype, weights)
     model.router_bias.load_state_dict(initial_router_bias(args))   # an MoE checkpoint's
@@ -173,7 +175,7 @@ def _train(args, world, each_step):
                        f"step {start} taken out (the run that wrote them stopped before "
                        "saving them; this run logs those steps again)")
     stop = start if args.eval_only else _check_stop(args, start)   # --eval-only: no steps
-    describe_run(args, strategy, log, model, data)
+    describe_run(args, strategy, log, model, data, fits)
     tokens_per_step = args.batch_size * args.block_size
     flops_per_rank = model_flops(config, args.batch_size, args.block_size) / (   # the model's
         1 if world is None else world.size)             # in theory (MFU's numerator), a rank's

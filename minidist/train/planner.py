@@ -265,9 +265,9 @@ def model_state_bytes(n_params, dp=1, zero=0, amp=True, grad32=False):
 # ---- the bill and the plan -------------------------------------------------------------------
 
 def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti",
-         schedule="1f1b", micro_batches=None, v=1):
+         schedule="1f1b", micro_batches=None, v=1, at_stage=None):
     """Per-rank bytes {"params", "grads", "optimizer", "activations", "total"} of the stage
-    whose total is largest, and that "stage". dropout: None takes config.dropout > 0.
+    whose total is largest (or of `at_stage`), and that "stage". dropout: None: config's.
     formula "minidist": activations of minidist's own graph (dp and ZeRO layouts; full or
     selective recompute). schedule, micro_batches (m), v: the pipeline's, which set how many
     micro-batches a stage holds at once (activations.held_layers; m None: enough to fill
@@ -292,14 +292,14 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         row["activations"] = int(
             minidist_activation_bytes(config, seq, micro_batch, layout.amp,
                                       layout.recompute == "full", dropout,
-                                      layout.recompute == "selective")
+                                      layout.recompute == "selective", layout.tiled)
             if formula == "minidist" else
             stage_activations(config, layout, stage, seq, micro_batch, dropout, schedule,
                               micro_batches, v))
         row["total"] = sum(row.values())
         row["stage"] = stage
         rows.append(row)
-    return max(rows, key=lambda r: r["total"])
+    return max(rows, key=lambda r: r["total"]) if at_stage is None else rows[at_stage]
 
 
 def _tp_sizes(config, gpus, gpus_per_node):

@@ -119,7 +119,8 @@ def end_job(line, status=EXIT_STATUS):
     once; another rank waits ABORT_WAIT seconds first: when the scheduler signalled every
     rank, rank 0's abort ends it in that time, unprinted, and when it was signalled alone
     (`kill` of one pid), its line is the job's only one. mpi4py is looked up, not imported:
-    a run of one process never started MPI."""
+    a run of one process never started MPI. (run_main ends an out-of-memory job the same
+    way, status 1: the ranks that ran out together print one line.)"""
     for name in SIGNALS:        # a second signal while this one ends the job: nothing more
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     mpi = sys.modules.get("mpi4py.MPI")

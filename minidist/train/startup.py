@@ -3,6 +3,7 @@ and the strategy are made): the lines a user reads to see that the run is the on
 
     data: <source> (<train / val tokens>, cache <folder>)
     model: <N> parameters (<this rank's share>), <config>, <dtype> on <device>, ...
+    memory: <GiB> a rank by the planner (...); <the ranks on this host> <GiB> of <GiB> free
     note: ...                  busy cores for the BLAS threads; a GPU run staged through host
     optimizer: Muon for ...    with --optimizer muon
     <the strategy's lines>     --amp, --ckpt-activations, how the model is split
@@ -22,9 +23,10 @@ from minidist.train.inputs import recorded_flags
 from minidist.train.resume import lr_schedule
 
 
-def describe_run(args, strategy, log, model, data):
+def describe_run(args, strategy, log, model, data, fits=None):
     """The start-up lines, from rank 0 (`log.print0`): the data; the model, the whole
-    model's parameters and this rank's share when it is split (TP, PP); the notes on where
+    model's parameters and this rank's share when it is split (TP, PP); `fits`, the memory
+    line (memory_check.check_memory: the planner's bill, what is free); the notes on where
     the time may go (busy cores, GPU buffers through host memory); Muon's split of the
     parameters; the strategy's own lines (Strategy.notes); what --stop-at does to the log."""
     full = sum(math.prod(shape) for shape, _ in gpt_param_specs(model.config).values())
@@ -35,6 +37,8 @@ def describe_run(args, strategy, log, model, data):
                f"{backend.device()}, {backend.blas_threads()} BLAS thread(s), "
                f"{strategy.world_size} process(es); unigram entropy of the data "
                f"{data.unigram_entropy:.4f} nats/token")
+    if fits:
+        log.print0(fits)
     busy = None if args.threads else busy_cores_note(backend.blas_threads())
     if busy and backend.device() == "cpu":     # (the default count; a GPU's step is not BLAS)
         log.print0(f"note: {busy}")

@@ -1,0 +1,250 @@
+"""Will the run fit? Before the model is built, the planner's bill for this run (minidist/
+train/planner.py: parameters, gradients and optimizer state to the byte, activations as
+minidist's graph keeps them for DDP and ZeRO, at least Korthikanti's count for TP, PP and CP:
+tests/test_planner.py holds both to the runs' ledger) is set beside the memory free where
+the ranks run: each host's (MemAvailable, less where its cgroup's limit leaves less; the
+address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops here,
+one `error:` line naming what it needs, what is free and what needs less, instead of a
+kernel's OOM kill (signal 9, no word why) or a MemoryError's traceback on every rank
+minutes later; one that fits says so in its start-up lines:
+
+    memory: 88.1 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
+    6.4 MiB, activations 75.2 MiB); the 4 ranks on this host: 352.4 MiB of 19.68 GiB free
+
+The bill is what the model's arrays hold; a step's transient buffers (a ZeRO-3 unit's
+gathered weights, a collective's chunks) and Python's own are not in it, so a run near the
+line may still fail later: run_main then ends it with one line too (cli.py out_of_memory_line).
+--no-memory-check starts a run whatever the count says.
+Tests: tests/test_memory_check.py.
+"""
+import os
+import resource
+import socket
+import sys
+
+from minidist import backend
+from minidist.comm.mesh import mesh_coords
+from minidist.train.cli import UsageError
+from minidist.train.planner import GiB, Layout, bill
+
+UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
+
+
+def run_layout(args, world_size):
+    """(planner.Layout, sequences per micro-batch, pipeline micro-batches) of the run the
+    flags ask for on `world_size` ranks (the flags checked: train/strategy.py check_layout)."""
+    others = args.ep * args.cp * args.tp * args.pp
+    dp = args.dp if args.dp is not None else max(world_size // others, 1)
+    m = args.micro_batches or (args.pp if args.pp > 1 else 1)
+    recompute = "full" if args.ckpt_activations else \
+        "selective" if args.attention == "recompute" else "none"
+    tiled = args.attention == "tiled" or (args.attention == "auto" and
+                                          args.block_size >= tiled_from())
+    layout = Layout(dp=dp * args.ep, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                    zero=args.zero, amp=args.amp, recompute=recompute,
+                    sp=args.sequence_parallel and args.tp > 1, tiled=tiled,
+                    cp_attention=args.cp_attention, zero_shard=args.zero_shard or 0,
+                    overlap_gather=args.overlap_param_gather, muon=args.optimizer == "muon",
+                    grad32=args.amp and args.grad_dtype == "float32")
+    micro = args.batch_size // (dp * args.ep * args.grad_accum * m)
+    return layout, max(micro, 1), m
+
+
+def tiled_from():
+    from minidist.nn.config import TILED_FROM_T        # (the model's rule for --attention auto)
+    return TILED_FROM_T
+
+
+def rank_bill(config, args, world_size, rank):
+    """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
+    "total"}): its pipeline stage's; twice the float32 count under --dtype float64; the
+    parameters alone with --eval-only (no gradients, no optimizer step, no graph kept)."""
+    layout, micro, m = run_layout(args, world_size)
+    plain = layout.tp == layout.pp == layout.cp == layout.ep == 1
+    stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
+    row = bill(config, layout, config.block_size, micro, formula="minidist" if plain else
+               "korthikanti", dropout=None if plain else False, schedule=args.schedule,
+               micro_batches=m, v=args.pp_virtual, at_stage=stage)
+    scale = 2 if args.dtype == "float64" else 1
+    row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations")}
+    if args.eval_only:
+        row.update(grads=0, optimizer=0, activations=0)
+    row["total"] = sum(row.values())
+    return row
+
+
+def where_and_room():
+    """(where this rank's memory is: its host, or its host and GPU; the bytes free there, or
+    None where nothing can be read, as on macOS)."""
+    host = socket.gethostname()
+    if backend.device() == "cuda":
+        cp = sys.modules["cupy"]
+        device = cp.cuda.Device().id
+        free, _ = cp.cuda.runtime.memGetInfo()
+        pool = cp.get_default_memory_pool()
+        return (host, cp.cuda.runtime.deviceGetPCIBusId(device)), \
+            int(free) + int(pool.free_bytes())
+    return (host,), host_room()
+
+
+def host_room(proc="/proc", cgroup_root="/sys/fs/cgroup"):
+    """Bytes this process's host can still give it: MemAvailable, or less where its cgroup's
+    limit (v2 memory.max, v1 memory.limit_in_bytes; less its usage but the reclaimable
+    inactive file cache) leaves less; None where /proc/meminfo cannot be read."""
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        room = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    limited = cgroup_room(proc, cgroup_root)
+    return room if limited is None else min(room, limited)
+
+
+def cgroup_room(proc="/proc", cgroup_root="/sys/fs/cgroup"):
+    """Bytes left under this process's memory cgroup limit, or None where it has none."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if controllers == "":                                         # cgroup v2
+            folder, names = cgroup_root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):                      # cgroup v1
+            folder, names = os.path.join(cgroup_root, "memory"), \
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        for base in (folder + path.rstrip("/"), folder):       # (a container sees its own /)
+            room = _room_in(base, *names)
+            if room is not None:
+                return room
+    return None
+
+
+def _room_in(folder, limit_file, usage_file, inactive_key):
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= UNLIMITED:
+        return None
+    inactive = 0
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                inactive = int(value) if key == inactive_key else inactive
+    except (OSError, ValueError):
+        pass
+    return max(int(limit) - usage + inactive, 0)
+
+
+def address_room(proc="/proc"):
+    """Bytes of address space `ulimit -v` (RLIMIT_AS) leaves this process, or None."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft >= UNLIMITED:
+        return None
+    try:
+        with open(os.path.join(proc, "self", "status")) as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(soft - size, 0)
+
+
+def check_memory(args, config, group=None):
+    """The start-up's `memory:` line, or UsageError on every rank (the same verdict: each
+    computes it from the same gathered numbers) where the planner's bill for the ranks on a
+    host or a GPU is more than it has free, or one rank's more than `ulimit -v` leaves it.
+    `group`: every rank of the job (strategy.job_group(); None: one process). Collective
+    over `group`."""
+    mine = (*where_and_room(), address_room())
+    seen = [mine] if group is None else group.all_gather_object(mine)
+    size, by_stage = len(seen), {}
+    layout = run_layout(args, size)[0]
+    bills = []
+    for rank in range(size):
+        stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
+        if stage not in by_stage:
+            by_stage[stage] = rank_bill(config, args, size, rank)
+        bills.append(by_stage[stage])
+    problem, line = verdict(seen, bills)
+    if problem and not args.no_memory_check:
+        text, per_rank = problem
+        raise UsageError(f"{text}; {advice(args, config, size, per_rank)}, or "
+                         "--no-memory-check to start anyway")
+    return line if not problem else f"{line}; --no-memory-check: started anyway"
+
+
+def verdict(seen, bills):
+    """(the problem or None, the `memory:` line) of the ranks' (where, room, address room)
+    `seen` and their planner bills, in rank order. The line names the largest rank's bill
+    and the place (host or GPU) whose ranks need the largest share of what it has free. A
+    problem is (its text, the bytes a rank may have there)."""
+    places = {}
+    for rank, (where, room, _) in enumerate(seen):
+        ranks, rooms = places.setdefault(where, ([], []))
+        ranks.append(rank)
+        rooms.append(room)
+    tightest, ratio = None, -1.0
+    for where, (ranks, rooms) in places.items():
+        need = sum(bills[r]["total"] for r in ranks)
+        room = min((r for r in rooms if r is not None), default=None)
+        share = need / max(room, 1) if room is not None else 0.0
+        if share > ratio:
+            tightest, ratio = (where, ranks, need, room), share
+    top = max(bills, key=lambda b: b["total"])
+    parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
+        ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
+        ("activations", "activations")))
+    where, ranks, need, room = tightest
+    what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
+    line = f"memory: {size_text(top['total'])} a rank by the planner ({parts})"
+    if room is not None:
+        line += f"; {what}: {size_text(need)} of {size_text(room)} free"
+    if room is not None and need > room:
+        return (f"memory: {what} need {size_text(need)} by the planner's count (the largest "
+                f"rank {size_text(top['total'])}: {parts}) but {size_text(room)} is free "
+                "there", room / len(ranks)), line
+    for rank, (_, _, address) in enumerate(seen):
+        if address is not None and bills[rank]["total"] > address:
+            who = f"rank {rank} needs" if len(seen) > 1 else "the run needs"
+            return (f"memory: {who} {size_text(bills[rank]['total'])} by the "
+                    f"planner's count but `ulimit -v` leaves it {size_text(address)} of "
+                    "address space", address), line
+    return None, line
+
+
+def size_text(n):
+    """Bytes as people read them: "3.21 GiB", "842.0 MiB"."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+
+
+def _place_text(where, ranks, n_places, n_hosts):
+    here = "this host" if n_hosts == 1 else f"host {where[0]}"
+    if len(where) > 1:
+        here = f"the GPU {where[1]} on {here}"
+    return (f"the {len(ranks)} ranks on {here}" if len(ranks) > 1 else
+            f"rank {ranks[0]} on {here}" if n_places > 1 else f"the run on {here}")
+
+
+def advice(args, config, size, per_rank):
+    """What needs less, with the planner's command for this model on `size` ranks of
+    `per_rank` bytes each."""
+    layout, micro, _ = run_layout(args, size)
+    ways = ["--zero 3"] if layout.dp * layout.cp > 1 and args.zero < 3 else []
+    ways += [] if args.amp else ["--amp"]
+    ways += [] if args.ckpt_activations else ["--ckpt-activations"]
+    ways += [f"--grad-accum {2 * args.grad_accum} (the same batch in smaller parts)"] \
+        if args.pp == 1 and micro > 1 else []
+    ways += ["a smaller --batch-size or --block-size"] + (["fewer ranks a host"] if size > 1
+                                                          else [])
+    return (", ".join(ways) + " need less (python examples/plan_memory.py --n-layer "
+            f"{config.n_layer} --n-head {config.n_head} --n-embd {config.n_embd} --vocab-size "
+            f"{config.vocab_size} --seq {config.block_size} --micro-batch {micro} --gpus "
+            f"{size} --gpu-mem {per_rank / GiB:.2g} prices each layout)")

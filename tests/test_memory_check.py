@@ -1,0 +1,240 @@
+"""The start's memory check (minidist/train/memory_check.py): the run's flags read into the
+planner's layout, each rank's bill, what a host has free (meminfo, cgroups v1 and v2, `ulimit
+-v`), the verdict and its lines; then runs refused before the model is built, and a run
+that runs out anyway ended with one line:
+
+    (ulimit -v 1500000; python examples/train_gpt.py --data F --n-embd 64 --n-layer 2 \\
+        --n-head 2 --batch-size 2048 --steps 1)          # error: memory: ..., exit 2
+    ... --no-memory-check                                # error: out of memory: ..., exit 1
+    (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py ...)   # the same, once
+"""
+import subprocess
+import sys
+
+import pytest
+
+from minidist.nn import GPTConfig
+from minidist.train.args import train_parser
+from minidist.train.memory_check import (address_room, advice, cgroup_room, host_room,
+                                         rank_bill, run_layout, size_text, verdict)
+from minidist.train.planner import GiB, Layout, bill
+from mpirun import ROOT, mpiexec, mpi_env, run_job
+
+CFG = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
+
+
+def _args(*flags):
+    return train_parser().parse_args([str(f) for f in flags])
+
+
+@pytest.mark.parametrize("flags, size, layout, micro, m", [
+    ([], 1, Layout(amp=False), 16, 1),
+    (["--amp", "--zero", "3"], 4, Layout(dp=4, zero=3), 4, 1),
+    (["--tp", "2", "--sequence-parallel", "--ckpt-activations"], 4,
+     Layout(dp=2, tp=2, sp=True, amp=False, recompute="full"), 8, 1),
+    (["--pp", "2", "--micro-batches", "4", "--attention", "recompute"], 4,
+     Layout(dp=2, pp=2, amp=False, recompute="selective"), 2, 4),
+    (["--ep", "2", "--moe-experts", "4", "--zero", "1", "--grad-accum", "2"], 4,
+     Layout(dp=4, ep=2, zero=1, amp=False), 2, 1),
+    (["--cp", "2", "--cp-attention", "ulysses", "--optimizer", "muon"], 2,
+     Layout(cp=2, cp_attention="ulysses", amp=False, muon=True), 16, 1),
+    (["--block-size", "256", "--amp", "--grad-dtype", "float32", "--zero", "2",
+      "--zero-shard", "2", "--overlap-param-gather"], 4,
+     Layout(dp=4, zero=2, zero_shard=2, overlap_gather=True, tiled=True, grad32=True), 4, 1),
+])
+def test_flags_read_into_the_planners_layout(flags, size, layout, micro, m):
+    """Each flag's field, --attention auto tiled from T 256, ep counted in dp (the planner's
+    convention), sequences per micro-batch after dp, --grad-accum and the pipeline's split."""
+    assert run_layout(_args(*flags), size) == (layout, micro, m)
+
+
+def test_a_ranks_bill_is_the_planners_for_its_stage():
+    """DDP: the planner's count of minidist's graph; float64 twice float32; --eval-only the
+    parameters alone; under PP each rank its own stage's (Korthikanti's, without dropout:
+    a floor of what the graph keeps), rank 2 of pp 2 x dp 2 the last stage."""
+    plain = rank_bill(CFG, _args(), 2, 1)
+    want = bill(CFG, Layout(dp=2, amp=False), 64, 8, formula="minidist")
+    assert plain == {k: want[k] for k in ("params", "grads", "optimizer", "activations",
+                                          "total")}
+    wide = rank_bill(CFG, _args("--dtype", "float64"), 2, 0)
+    assert wide == {k: 2 * v for k, v in plain.items()}
+    only = rank_bill(CFG, _args("--eval-only"), 2, 0)
+    assert only["total"] == only["params"] == plain["params"] and only["grads"] == 0
+    args = _args("--pp", "2", "--micro-batches", "2", "--dropout", "0.1")
+    first, last = (rank_bill(CFG, args, 4, r)["total"] for r in (0, 2))
+    stages = [bill(CFG, Layout(dp=2, pp=2, amp=False), 64, 4, dropout=False,
+                   micro_batches=2, at_stage=s)["total"] for s in (0, 1)]
+    assert [first, last] == stages and first != last
+
+
+def test_bill_stage_picks_a_row_and_none_the_largest():
+    layout = Layout(pp=2, amp=False)
+    rows = [bill(CFG, layout, 64, 2, at_stage=s) for s in (0, 1)]
+    assert [r["stage"] for r in rows] == [0, 1]
+    assert bill(CFG, layout, 64, 2) == max(rows, key=lambda r: r["total"])
+
+
+def test_tiled_attention_keeps_a_row_not_the_scores():
+    """minidist's graph under --attention tiled: each row's float32 log-sum-exp instead of
+    the (T, T) probabilities (the runs' ledger: 68.25 MiB at T 256 on 2 ranks, measured)."""
+    scores = bill(CFG, Layout(amp=False), 64, 4, formula="minidist")["activations"]
+    rows = bill(CFG, Layout(amp=False, tiled=True), 64, 4, formula="minidist")["activations"]
+    a, s, b = CFG.n_head, 64, 4
+    assert scores - rows == CFG.n_layer * (a * s * s * b * 4 - a * s * b * 4)
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v2 unlimited", "none"])
+def test_host_room_is_meminfo_or_the_cgroups_limit(version, tmp_path):
+    """MemAvailable, or less where the cgroup's limit (less its usage but the reclaimable
+    inactive file cache) leaves less; "max" or v1's huge number limits nothing."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    _write(proc / "meminfo", "MemTotal:  8000000 kB\nMemAvailable:  4000000 kB\n")
+    limit = "max" if version == "v2 unlimited" else str(2 * GiB)
+    if version.startswith("v2"):
+        _write(proc / "self" / "cgroup", "0::/job/step\n")
+        _write(root / "job" / "step" / "memory.max", limit + "\n")
+        _write(root / "job" / "step" / "memory.current", f"{GiB}\n")
+        _write(root / "job" / "step" / "memory.stat", f"anon 5\ninactive_file {2 ** 20}\n")
+    elif version == "v1":
+        _write(proc / "self" / "cgroup", "5:cpu,cpuacct:/\n4:memory:/slurm/job1\n0::/\n")
+        _write(root / "memory" / "slurm" / "job1" / "memory.limit_in_bytes", limit)
+        _write(root / "memory" / "slurm" / "job1" / "memory.usage_in_bytes", str(GiB))
+        _write(root / "memory" / "slurm" / "job1" / "memory.stat",
+               f"inactive_file 7\ntotal_inactive_file {2 ** 20}\n")
+    else:
+        _write(proc / "self" / "cgroup", "0::/\n")
+    room = host_room(str(proc), str(root))
+    if version in ("v1", "v2"):
+        assert cgroup_room(str(proc), str(root)) == GiB + 2 ** 20 == room
+    else:
+        assert cgroup_room(str(proc), str(root)) is None and room == 4000000 * 1024
+    assert host_room(str(tmp_path / "nothing"), str(root)) is None      # macOS: no /proc
+
+
+def test_a_container_sees_its_cgroup_at_the_root(tmp_path):
+    """Inside a container the path /proc/self/cgroup names is not under the mount: the
+    mount's own files are the container's."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    _write(proc / "self" / "cgroup", "0::/kubepods/pod1/c1\n")
+    _write(root / "memory.max", str(3 * GiB))
+    _write(root / "memory.current", str(GiB))
+    assert cgroup_room(str(proc), str(root)) == 2 * GiB
+
+
+def test_address_room_under_ulimit():
+    code = ("from minidist.train.memory_check import address_room; print(address_room())")
+    limited = subprocess.run(["bash", "-c", f'ulimit -v 2000000 && exec "$0" -c "{code}"',
+                              sys.executable], capture_output=True, text=True, cwd=ROOT,
+                             env=mpi_env(), timeout=60, check=True)
+    assert 0 < int(limited.stdout) < 2000000 * 1024
+    if address_room() is not None:
+        pytest.skip("this suite runs under a ulimit -v of its own")
+
+
+MiB = 2 ** 20
+BILL = {"params": 2 * MiB, "grads": 2 * MiB, "optimizer": 4 * MiB, "activations": 8 * MiB,
+        "total": 16 * MiB}
+
+
+def test_verdict_sums_the_ranks_of_a_host():
+    """Ranks on one host share what it has free: 4 x 16 MiB fit in 100 MiB, not in 60; on two
+    hosts the fuller one is named; a GPU is its own place; nothing known: no verdict."""
+    four = [(("a",), 100 * MiB, None)] * 4
+    problem, line = verdict(four, [BILL] * 4)
+    assert problem is None
+    assert line == ("memory: 16.0 MiB a rank by the planner (parameters 2.0 MiB, gradients "
+                    "2.0 MiB, optimizer 4.0 MiB, activations 8.0 MiB); the 4 ranks on this "
+                    "host: 64.0 MiB of 100.0 MiB free")
+    problem, _ = verdict([(("a",), 60 * MiB, None)] * 4, [BILL] * 4)
+    assert problem == ("memory: the 4 ranks on this host need 64.0 MiB by the planner's "
+                       "count (the largest rank 16.0 MiB: parameters 2.0 MiB, gradients 2.0 "
+                       "MiB, optimizer 4.0 MiB, activations 8.0 MiB) but 60.0 MiB is free "
+                       "there", 15 * MiB)
+    two = [(("a",), 100 * MiB, None)] * 2 + [(("b",), 20 * MiB, None)] * 2
+    problem, line = verdict(two, [BILL] * 4)
+    assert problem[0].startswith("memory: the 2 ranks on host b need 32.0 MiB")
+    gpus = [(("a", "0000:01:00.0"), 20 * MiB, None), (("a", "0000:02:00.0"), 20 * MiB, None)]
+    problem, line = verdict(gpus, [BILL] * 2)
+    assert problem is None and line.endswith("rank 0 on the GPU 0000:01:00.0 on this host: "
+                                             "16.0 MiB of 20.0 MiB free")
+    problem, line = verdict([(("a",), None, None)] * 2, [BILL] * 2)
+    assert problem is None and "free" not in line
+
+
+def test_verdict_holds_each_rank_to_its_address_space():
+    seen = [(("a",), GiB, None), (("a",), GiB, 10 * MiB)]
+    problem, _ = verdict(seen, [BILL] * 2)
+    assert problem == ("memory: rank 1 needs 16.0 MiB by the planner's count but `ulimit -v` "
+                       "leaves it 10.0 MiB of address space", 10 * MiB)
+    problem, _ = verdict([(("a",), GiB, 10 * MiB)], [BILL])
+    assert problem[0].startswith("memory: the run needs 16.0 MiB")
+
+
+def test_advice_names_what_would_need_less():
+    text = advice(_args("--batch-size", "8"), CFG, 2, 3 * GiB)
+    assert text.startswith("--zero 3, --amp, --ckpt-activations, --grad-accum 2 (the same "
+                           "batch in smaller parts), a smaller --batch-size or --block-size, "
+                           "fewer ranks a host need less (python examples/plan_memory.py ")
+    assert text.endswith("--micro-batch 4 --gpus 2 --gpu-mem 3 prices each layout)")
+    one = advice(_args("--amp", "--ckpt-activations", "--batch-size", "1"), CFG, 1, GiB)
+    assert one.startswith("a smaller --batch-size or --block-size need less")
+    assert size_text(3 * GiB // 2) == "1.50 GiB" and size_text(1536 * 1024) == "1.5 MiB"
+
+
+# a model whose activations (materialized attention at batch 2048) are ~2.9 GiB, params tiny
+BIG_BATCH = ["--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--batch-size", "2048",
+             "--steps", "1", "--sample", "0"]
+
+
+def _limited(ranks, corpus, *flags):
+    """examples/train_gpt.py on `ranks` (1: no mpiexec) under `ulimit -v 1500000` (1.4 GiB)."""
+    launch = [] if ranks == 1 else [mpiexec(), "-n", str(ranks)]
+    cmd = launch + [sys.executable, "examples/train_gpt.py", "--data", corpus, *BIG_BATCH,
+                    *flags]
+    return run_job(["bash", "-c", 'ulimit -v 1500000 && exec "$0" "$@"', *cmd], timeout=120,
+                   check=False)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.mpi)])
+def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, mpi):
+    """Refused before the model is built (exit 2, one line, no traceback); with
+    --no-memory-check it starts, says so, and the MemoryError of its first forward is one
+    line naming the rank (exit 1), not a traceback per rank."""
+    if mpi.device == "cuda":
+        pytest.skip("ulimit -v holds the host's allocations; a GPU's are CUDA's")
+    refused = _limited(ranks, corpus)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: memory: "), refused.stderr
+    assert "by the planner's count but `ulimit -v` leaves it" in lines[0]
+    assert "model:" not in refused.stdout
+    ran = _limited(ranks, corpus, "--no-memory-check")
+    assert ran.returncode == 1, ran.stderr
+    assert "; --no-memory-check: started anyway" in ran.stdout
+    errors = [line for line in ran.stderr.splitlines() if line.strip()]
+    rank = " on rank 0" if ranks > 1 else ""
+    assert len(errors) == 1 and errors[0].startswith(f"error: out of memory{rank}: Unable to "
+                                                      "allocate"), ran.stderr
+    assert "Traceback" not in ran.stderr + ran.stdout
+
+
+def test_the_memory_line_is_the_ledgers(corpus, tmp_path, mpi):
+    """One process, the default model's shape on the test corpus: the start's line names the
+    bytes the run's own ledger then counts (--log-json's "mem"), to 8 bytes a token."""
+    import json
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "examples/train_gpt.py", "--data", corpus, "--steps", "1",
+           "--sample", "0", "--batch-size", "4", "--block-size", "64", "--log-json", log,
+           "--cache-dir", tmp_path / "cache", "--device", mpi.device or "cpu"]
+    out = run_job(cmd, timeout=120).stdout
+    line = next(line for line in out.splitlines() if line.startswith("memory: "))
+    mem = json.loads(open(log).readline())["mem"]
+    total = float(line.split()[1]) * (GiB if line.split()[2] == "GiB" else MiB)
+    assert abs(total - mem["total"]) <= 0.05 * MiB + 8 * 4 * 64, (line, mem)
+    assert f"(parameters {size_text(mem['params'])}, gradients {size_text(mem['grads'])}, " \
+        f"optimizer {size_text(mem['optimizer'])}, " in line
