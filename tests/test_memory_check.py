@@ -34,6 +34,7 @@ def _args(*flags):
      Layout(dp=2, tp=2, sp=True, amp=False, recompute="full"), 8, 1),
     (["--pp", "2", "--micro-batches", "4", "--attention", "recompute"], 4,
      Layout(dp=2, pp=2, amp=False, recompute="selective"), 2, 4),
+    (["--pp", "2"], 4, Layout(dp=2, pp=2, amp=False), 2, 4),      # training's default m
     (["--ep", "2", "--moe-experts", "4", "--zero", "1", "--grad-accum", "2"], 4,
      Layout(dp=4, ep=2, zero=1, amp=False), 2, 1),
     (["--cp", "2", "--cp-attention", "ulysses", "--optimizer", "muon"], 2,
@@ -204,7 +205,11 @@ def _limited(ranks, corpus, *flags):
 def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, mpi):
     """Refused before the model is built (exit 2, one line, no traceback); with
     --no-memory-check it starts, says so, and the MemoryError of its first forward is one
-    line naming the rank (exit 1), not a traceback per rank."""
+    line naming the rank (exit 1), not a traceback per rank:
+
+        (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py --data F --n-embd 64 \
+            --n-layer 2 --n-head 2 --batch-size 2048 --steps 1 [--no-memory-check])
+    """
     if mpi.device == "cuda":
         pytest.skip("ulimit -v holds the host's allocations; a GPU's are CUDA's")
     refused = _limited(ranks, corpus)
@@ -225,7 +230,11 @@ def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, m
 
 def test_the_memory_line_is_the_ledgers(corpus, tmp_path, mpi):
     """One process, the default model's shape on the test corpus: the start's line names the
-    bytes the run's own ledger then counts (--log-json's "mem"), to 8 bytes a token."""
+    bytes the run's own ledger then counts (--log-json's "mem"), to 8 bytes a token:
+
+        python examples/train_gpt.py --data F --steps 1 --batch-size 4 --block-size 64 \
+            --log-json L      # its `memory:` line beside L's first row's "mem"
+    """
     import json
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, "examples/train_gpt.py", "--data", corpus, "--steps", "1",

@@ -24,6 +24,7 @@ import sys
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
+from minidist.pp.strategy import default_micro_batches
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
 
@@ -35,7 +36,9 @@ def run_layout(args, world_size):
     flags ask for on `world_size` ranks (the flags checked: train/strategy.py check_layout)."""
     others = args.ep * args.cp * args.tp * args.pp
     dp = args.dp if args.dp is not None else max(world_size // others, 1)
-    m = args.micro_batches or (args.pp if args.pp > 1 else 1)
+    rows = dp * args.ep * args.grad_accum            # (train/strategy.py check_layout's m)
+    m = 1 if args.pp == 1 else args.micro_batches or default_micro_batches(
+        args.batch_size // rows, args.pp, args.pp if args.pp_virtual > 1 else 1)
     recompute = "full" if args.ckpt_activations else \
         "selective" if args.attention == "recompute" else "none"
     tiled = args.attention == "tiled" or (args.attention == "auto" and
@@ -46,7 +49,7 @@ def run_layout(args, world_size):
                     cp_attention=args.cp_attention, zero_shard=args.zero_shard or 0,
                     overlap_gather=args.overlap_param_gather, muon=args.optimizer == "muon",
                     grad32=args.amp and args.grad_dtype == "float32")
-    micro = args.batch_size // (dp * args.ep * args.grad_accum * m)
+    micro = args.batch_size // (rows * m)
     return layout, max(micro, 1), m
 
 
