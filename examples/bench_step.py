@@ -50,6 +50,7 @@ from minidist.train.amp import MixedPrecision
 from minidist.train.args import add_model_args, arch_fields
 from minidist.train.loop import moe_fields
 from minidist.train.args import check_at_least, example_parser
+from minidist.train.cli import run_main
 
 
 def matmul_seconds(a):
@@ -199,7 +200,9 @@ def check_flags(p, args):
                 "number (leave it out for no mfu)")
 
 
-def main():
+def main(argv=None):
+    """The benchmark on the command line `argv` (None: sys.argv's); run_main below makes a
+    MemoryError one `error: out of memory` line, exit status 1."""
     p = add_model_args(example_parser(__doc__))
     p.add_argument("--vocab-size", type=int, default=256, help="the random tokens' vocabulary")
     p.add_argument("--steps", type=int, default=10, help="timed steps; the median counts")
@@ -222,7 +225,7 @@ def main():
                    help="the device's dense peak, TFLOP/s, for the mfu field (> 0)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay one captured step (CUDA graph) after the warm-up")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_flags(p, args)
     threads, device = backend.setup(threads=args.threads, device=args.device)
     refusal = graph_refusal(args, device)
@@ -314,4 +317,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

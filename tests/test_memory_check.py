@@ -247,3 +247,18 @@ def test_the_memory_line_is_the_ledgers(corpus, tmp_path, mpi):
     assert abs(total - mem["total"]) <= 0.05 * MiB + 8 * 4 * 64, (line, mem)
     assert f"(parameters {size_text(mem['params'])}, gradients {size_text(mem['grads'])}, " \
         f"optimizer {size_text(mem['optimizer'])}, " in line
+
+
+def test_a_benchmark_that_runs_out_is_one_line():
+    """examples/bench_step.py goes through run_main too: its MemoryError is the one line:
+
+        (ulimit -v 1500000; python examples/bench_step.py --n-embd 64 --n-layer 2 \
+            --n-head 2 --batch-size 2048 --steps 1 --warmup 0)
+    """
+    cmd = [sys.executable, "examples/bench_step.py", *BIG_BATCH[:8], "--steps", "1",
+           "--warmup", "0"]
+    ran = run_job(["bash", "-c", 'ulimit -v 1500000 && exec "$0" "$@"', *cmd], timeout=120,
+                  check=False)
+    assert ran.returncode == 1 and ran.stdout == "", ran.stderr
+    assert ran.stderr.startswith("error: out of memory: Unable to allocate ")
+    assert len(ran.stderr.splitlines()) == 1, ran.stderr

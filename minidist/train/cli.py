@@ -388,5 +388,5 @@ def out_of_memory_line(error, several):
     where = f" on rank {launcher_rank()}" if several else ""
     return (f"error: out of memory{where}: {error}; a smaller model, --batch-size or "
             "--block-size needs less (examples/train_gpt.py: its `memory:` start-up line, and "
-            "examples/plan_memory.py; --traceback shows where)")
+            "examples/plan_memory.py; MINIDIST_DEBUG=1 shows where)")
 
