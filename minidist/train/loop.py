@@ -160,8 +160,8 @@ def _train(args, world, each_step):
                           fixed=args.resume and f"--resume {args.resume}")
     config = _config(args, data)
     fits = check_memory(args, config, strategy.job_group())   # the planner's bill vs free
-    weights = initial_weights(args, config, data, log)   # --init-from's; None: the seed's
-    model = strategy.build_model(config, args.seed, args.dtype, weights)
+    model = strategy.build_model(config, args.seed, args.dtype,   # --init-from's weights
+                                 initial_weights(args, config, data, log))   # (None: seed's)
     model.router_bias.load_state_dict(initial_router_bias(args))   # an MoE checkpoint's
     opt = strategy.build_optimizer(model, args)
     schedule = lr_schedule(vars(args))

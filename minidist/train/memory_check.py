@@ -17,6 +17,7 @@ line may still fail later: run_main then ends it with one line too (cli.py out_o
 --no-memory-check starts a run whatever the count says.
 Tests: tests/test_memory_check.py.
 """
+import math
 import os
 import resource
 import socket
@@ -24,6 +25,7 @@ import sys
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
+from minidist.nn.config import gpt_param_specs
 from minidist.pp.strategy import default_micro_batches
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
@@ -58,10 +60,16 @@ def tiled_from():
     return TILED_FROM_T
 
 
-def rank_bill(config, args, world_size, rank):
+def rank_bill(config, args, world_size, rank, host_is_device=True):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
-    "total"}): its pipeline stage's; twice the float32 count under --dtype float64; the
-    parameters alone with --eval-only (no gradients, no optimizer step, no graph kept)."""
+    "checkpoint", "total"}): its pipeline stage's; twice the float32 count under --dtype
+    float64; --eval-only: no gradients, no optimizer state but a --resume's (loaded into
+    it), the activations a ceiling of the forward's. "checkpoint", where the device is the host (`host_is_device`: a GPU's copies go to
+    the host): the copy of the rank's state a save holds (parameters and optimizer, from
+    the step's end until written: with --async-save through the next steps, beside their
+    activations; else after them), a --resume's load the same, an --init-from's the whole
+    model's float32 weights. Measured (README): within 10% of the peak RSS of a run that
+    saves, resumes or saves asynchronously."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
@@ -70,9 +78,18 @@ def rank_bill(config, args, world_size, rank):
                micro_batches=m, v=args.pp_virtual, at_stage=stage)
     scale = 2 if args.dtype == "float64" else 1
     row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations")}
-    if args.eval_only:
-        row.update(grads=0, optimizer=0, activations=0)
-    row["total"] = sum(row.values())
+    if args.eval_only:           # no backward, no step: the optimizer's state as --resume's
+        row.update(grads=0, optimizer=row["optimizer"] if args.resume else 0)
+    copy = 0
+    if host_is_device and (args.save or args.resume):
+        copy = row["params"] + row["optimizer"]
+    if host_is_device and args.init_from:
+        whole = sum(math.prod(shape) for shape, _ in gpt_param_specs(config).values())
+        copy = max(copy, 4 * scale * whole)
+    row["checkpoint"] = copy
+    state = row["params"] + row["grads"] + row["optimizer"]
+    row["total"] = state + (row["activations"] + copy if args.async_save and args.save else
+                            max(row["activations"], copy))
     return row
 
 
@@ -168,13 +185,13 @@ def check_memory(args, config, group=None):
     over `group`."""
     mine = (*where_and_room(), address_room())
     seen = [mine] if group is None else group.all_gather_object(mine)
-    size, by_stage = len(seen), {}
+    size, by_stage, on_host = len(seen), {}, backend.device() != "cuda"
     layout = run_layout(args, size)[0]
     bills = []
     for rank in range(size):
         stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
         if stage not in by_stage:
-            by_stage[stage] = rank_bill(config, args, size, rank)
+            by_stage[stage] = rank_bill(config, args, size, rank, on_host)
         bills.append(by_stage[stage])
     problem, line = verdict(seen, bills)
     if problem and not args.no_memory_check:
@@ -204,7 +221,8 @@ def verdict(seen, bills):
     top = max(bills, key=lambda b: b["total"])
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
-        ("activations", "activations")))
+        ("activations", "activations"), ("checkpoint", "checkpoint"))
+        if key != "checkpoint" or top.get(key))
     where, ranks, need, room = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
     line = f"memory: {size_text(top['total'])} a rank by the planner ({parts})"
