@@ -68,8 +68,7 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     the host): the copy of the rank's state a save holds (parameters and optimizer, from
     the step's end until written: with --async-save through the next steps, beside their
     activations; else after them), a --resume's load the same, an --init-from's the whole
-    model's float32 weights. Measured (README): within 10% of the peak RSS of a run that
-    saves, resumes or saves asynchronously."""
+    model's float32 weights (measured against peak RSS: tests/test_memory_check.py)."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
