@@ -10,17 +10,20 @@ that runs out anyway ended with one line:
 """
 import gc
 import math
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from minidist import backend
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
 from minidist.train.memory_check import (address_room, advice, cgroup_room, host_room,
-                                         rank_bill, run_layout, size_text, verdict)
+                                         rank_bill, run_layout, size_text, verdict,
+                                         where_and_room)
 from minidist.train.planner import GiB, Layout, bill
 from mpirun import ROOT, mpiexec, mpi_env, run_job
 
@@ -175,34 +178,51 @@ BILL = {"params": 2 * MiB, "grads": 2 * MiB, "optimizer": 4 * MiB, "activations"
 def test_verdict_sums_the_ranks_of_a_host():
     """Ranks on one host share what it has free: 4 x 16 MiB fit in 100 MiB, not in 60; on two
     hosts the fuller one is named; a GPU is its own place; nothing known: no verdict."""
-    four = [(("a",), 100 * MiB, None)] * 4
+    four = [(("a",), 100 * MiB, None, True)] * 4
     problem, line = verdict(four, [BILL] * 4)
     assert problem is None
     assert line == ("memory: 16.0 MiB a rank by the planner (parameters 2.0 MiB, gradients "
                     "2.0 MiB, optimizer 4.0 MiB, activations 8.0 MiB); the 4 ranks on this "
                     "host: 64.0 MiB of 100.0 MiB free")
-    problem, _ = verdict([(("a",), 60 * MiB, None)] * 4, [BILL] * 4)
+    problem, _ = verdict([(("a",), 60 * MiB, None, True)] * 4, [BILL] * 4)
     assert problem == ("memory: the 4 ranks on this host need 64.0 MiB by the planner's "
                        "count (the largest rank 16.0 MiB: parameters 2.0 MiB, gradients 2.0 "
-                       "MiB, optimizer 4.0 MiB, activations 8.0 MiB) but 60.0 MiB is free "
-                       "there", 15 * MiB)
-    two = [(("a",), 100 * MiB, None)] * 2 + [(("b",), 20 * MiB, None)] * 2
+                       "MiB, optimizer 4.0 MiB, activations 8.0 MiB) but there is 60.0 MiB "
+                       "free there", 15 * MiB)
+    two = [(("a",), 100 * MiB, None, True)] * 2 + [(("b",), 20 * MiB, None, True)] * 2
     problem, line = verdict(two, [BILL] * 4)
     assert problem[0].startswith("memory: the 2 ranks on host b need 32.0 MiB")
-    gpus = [(("a", "0000:01:00.0"), 20 * MiB, None), (("a", "0000:02:00.0"), 20 * MiB, None)]
+    gpus = [(("a", "0000:01:00.0"), 20 * MiB, None, True),
+            (("a", "0000:02:00.0"), 20 * MiB, None, True)]
     problem, line = verdict(gpus, [BILL] * 2)
     assert problem is None and line.endswith("rank 0 on the GPU 0000:01:00.0 on this host: "
                                              "16.0 MiB of 20.0 MiB free")
-    problem, line = verdict([(("a",), None, None)] * 2, [BILL] * 2)
+    problem, line = verdict([(("a",), None, None, False)] * 2, [BILL] * 2)
     assert problem is None and "free" not in line
 
 
+def test_without_a_count_of_free_memory_all_of_it_is_the_room(tmp_path):
+    """Where /proc cannot be read (macOS), the room is the host's physical memory, and the
+    line says so: a run that needs more than all of it cannot fit anywhere there."""
+    if backend.device() == "cuda":
+        pytest.skip("a GPU's room is its free memory (cudaMemGetInfo)")
+    where, room, free = where_and_room(str(tmp_path / "no-proc"))
+    assert (room, free) == (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), False)
+    problem, line = verdict([(where, 64 * MiB, None, False)] * 2, [BILL] * 2)
+    assert problem is None and line.endswith("the 2 ranks on this host: 32.0 MiB of 64.0 MiB "
+                                             "of memory in all (no count of free memory here)")
+    problem, _ = verdict([(where, 20 * MiB, None, False)] * 2, [BILL] * 2)
+    assert problem[0].endswith("but there is 20.0 MiB of memory in all (no count of free "
+                               "memory here) there")
+    assert where_and_room()[2] is True                        # Linux: MemAvailable
+
+
 def test_verdict_holds_each_rank_to_its_address_space():
-    seen = [(("a",), GiB, None), (("a",), GiB, 10 * MiB)]
+    seen = [(("a",), GiB, None, True), (("a",), GiB, 10 * MiB, True)]
     problem, _ = verdict(seen, [BILL] * 2)
     assert problem == ("memory: rank 1 needs 16.0 MiB by the planner's count but `ulimit -v` "
                        "leaves it 10.0 MiB of address space", 10 * MiB)
-    problem, _ = verdict([(("a",), GiB, 10 * MiB)], [BILL])
+    problem, _ = verdict([(("a",), GiB, 10 * MiB, True)], [BILL])
     assert problem[0].startswith("memory: the run needs 16.0 MiB")
 
 

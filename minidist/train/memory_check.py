@@ -92,9 +92,10 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     return row
 
 
-def where_and_room():
-    """(where this rank's memory is: its host, or its host and GPU; the bytes free there, or
-    None where nothing can be read, as on macOS)."""
+def where_and_room(proc="/proc"):
+    """(where this rank's memory is: its host, or its host and GPU; the bytes free there;
+    whether that is free memory, or, where no count of it can be read (macOS: no /proc),
+    all the host's physical memory, None if not even that)."""
     host = socket.gethostname()
     if backend.device() == "cuda":
         cp = sys.modules["cupy"]
@@ -102,8 +103,17 @@ def where_and_room():
         free, _ = cp.cuda.runtime.memGetInfo()
         pool = cp.get_default_memory_pool()
         return (host, cp.cuda.runtime.deviceGetPCIBusId(device)), \
-            int(free) + int(pool.free_bytes())
-    return (host,), host_room()
+            int(free) + int(pool.free_bytes()), True
+    room = host_room(proc)
+    return ((host,), room, True) if room is not None else ((host,), physical_bytes(), False)
+
+
+def physical_bytes():
+    """The host's physical memory (POSIX sysconf), or None."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def host_room(proc="/proc", cgroup_root="/sys/fs/cgroup"):
@@ -182,7 +192,8 @@ def check_memory(args, config, group=None):
     host or a GPU is more than it has free, or one rank's more than `ulimit -v` leaves it.
     `group`: every rank of the job (strategy.job_group(); None: one process). Collective
     over `group`."""
-    mine = (*where_and_room(), address_room())
+    where, room, free = where_and_room()
+    mine = (where, room, address_room(), free)
     seen = [mine] if group is None else group.all_gather_object(mine)
     size, by_stage, on_host = len(seen), {}, backend.device() != "cuda"
     layout = run_layout(args, size)[0]
@@ -201,37 +212,39 @@ def check_memory(args, config, group=None):
 
 
 def verdict(seen, bills):
-    """(the problem or None, the `memory:` line) of the ranks' (where, room, address room)
-    `seen` and their planner bills, in rank order. The line names the largest rank's bill
-    and the place (host or GPU) whose ranks need the largest share of what it has free. A
-    problem is (its text, the bytes a rank may have there)."""
+    """(the problem or None, the `memory:` line) of the ranks' (where, room, address room,
+    whether room is free memory or all there is) `seen` and their planner bills, in rank
+    order. The line names the largest rank's bill and the place (host or GPU) whose ranks
+    need the largest share of its room. A problem is (its text, the bytes a rank may have
+    there)."""
     places = {}
-    for rank, (where, room, _) in enumerate(seen):
+    for rank, (where, room, _, free) in enumerate(seen):
         ranks, rooms = places.setdefault(where, ([], []))
         ranks.append(rank)
-        rooms.append(room)
+        rooms.append((room, free))
     tightest, ratio = None, -1.0
     for where, (ranks, rooms) in places.items():
         need = sum(bills[r]["total"] for r in ranks)
-        room = min((r for r in rooms if r is not None), default=None)
+        room, free = min(((r, f) for r, f in rooms if r is not None), default=(None, True))
         share = need / max(room, 1) if room is not None else 0.0
         if share > ratio:
-            tightest, ratio = (where, ranks, need, room), share
+            tightest, ratio = (where, ranks, need, room, free), share
     top = max(bills, key=lambda b: b["total"])
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
         ("activations", "activations"), ("checkpoint", "checkpoint"))
         if key != "checkpoint" or top.get(key))
-    where, ranks, need, room = tightest
+    where, ranks, need, room, free = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
+    has = "free" if free else "of memory in all (no count of free memory here)"
     line = f"memory: {size_text(top['total'])} a rank by the planner ({parts})"
     if room is not None:
-        line += f"; {what}: {size_text(need)} of {size_text(room)} free"
+        line += f"; {what}: {size_text(need)} of {size_text(room)} {has}"
     if room is not None and need > room:
         return (f"memory: {what} need {size_text(need)} by the planner's count (the largest "
-                f"rank {size_text(top['total'])}: {parts}) but {size_text(room)} is free "
-                "there", room / len(ranks)), line
-    for rank, (_, _, address) in enumerate(seen):
+                f"rank {size_text(top['total'])}: {parts}) but there is {size_text(room)} "
+                f"{has} there", room / len(ranks)), line
+    for rank, (_, _, address, _) in enumerate(seen):
         if address is not None and bills[rank]["total"] > address:
             who = f"rank {rank} needs" if len(seen) > 1 else "the run needs"
             return (f"memory: {who} {size_text(bills[rank]['total'])} by the "
