@@ -1,15 +1,16 @@
 """Will the run fit? Before the model is built, the planner's bill for this run (minidist/
 train/planner.py: parameters, gradients and optimizer state to the byte, activations as
 minidist's graph keeps them for DDP and ZeRO, at least Korthikanti's count for TP, PP and CP:
-tests/test_planner.py holds both to the runs' ledger) is set beside the memory free where
+tests/test_planner.py holds both to the runs' ledger; with --save, --resume or --init-from
+the copy of the state a save or a load holds: rank_bill) is set beside the memory free where
 the ranks run: each host's (MemAvailable, less where its cgroup's limit leaves less; the
 address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops here,
 one `error:` line naming what it needs, what is free and what needs less, instead of a
 kernel's OOM kill (signal 9, no word why) or a MemoryError's traceback on every rank
 minutes later; one that fits says so in its start-up lines:
 
-    memory: 88.1 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
-    6.4 MiB, activations 75.2 MiB); the 4 ranks on this host: 352.4 MiB of 19.68 GiB free
+    memory: 33.9 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
+    6.4 MiB, activations 21.0 MiB); the 4 ranks on this host: 135.5 MiB of 19.51 GiB free
 
 The bill is what the model's arrays hold; a step's transient buffers (a ZeRO-3 unit's
 gathered weights, a collective's chunks) and Python's own are not in it, so a run near the
@@ -25,7 +26,7 @@ import sys
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
-from minidist.nn.config import gpt_param_specs
+from minidist.nn.config import gpt_param_specs, uses_tiled
 from minidist.pp.strategy import default_micro_batches
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
@@ -43,8 +44,7 @@ def run_layout(args, world_size):
         args.batch_size // rows, args.pp, args.pp if args.pp_virtual > 1 else 1)
     recompute = "full" if args.ckpt_activations else \
         "selective" if args.attention == "recompute" else "none"
-    tiled = args.attention == "tiled" or (args.attention == "auto" and
-                                          args.block_size >= tiled_from())
+    tiled = uses_tiled(args.attention, args.block_size)
     layout = Layout(dp=dp * args.ep, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                     zero=args.zero, amp=args.amp, recompute=recompute,
                     sp=args.sequence_parallel and args.tp > 1, tiled=tiled,
@@ -53,11 +53,6 @@ def run_layout(args, world_size):
                     grad32=args.amp and args.grad_dtype == "float32")
     micro = args.batch_size // (rows * m)
     return layout, max(micro, 1), m
-
-
-def tiled_from():
-    from minidist.nn.config import TILED_FROM_T        # (the model's rule for --attention auto)
-    return TILED_FROM_T
 
 
 def rank_bill(config, args, world_size, rank, host_is_device=True):
