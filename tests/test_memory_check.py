@@ -21,9 +21,9 @@ from minidist import backend
 from minidist.nn import GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
-from minidist.train.memory_check import (address_room, advice, cgroup_room, host_room,
-                                         rank_bill, run_layout, size_text, verdict,
-                                         where_and_room)
+from minidist.train.memory_check import (address_room, advice, cgroup_room,
+                                         eval_activations, host_room, rank_bill, run_layout,
+                                         size_text, verdict, where_and_room)
 from minidist.train.planner import GiB, Layout, bill
 from mpirun import ROOT, mpiexec, mpi_env, run_job
 
@@ -63,13 +63,15 @@ def test_a_ranks_bill_is_the_planners_for_its_stage():
     the last stage."""
     plain = rank_bill(CFG, _args(), 2, 1)
     want = bill(CFG, Layout(dp=2, amp=False), 64, 8, formula="minidist")
+    evaluation = eval_activations(CFG, _args(), Layout(dp=2, amp=False))
     assert plain == {**{k: want[k] for k in ("params", "grads", "optimizer", "activations",
-                                             "total")}, "checkpoint": 0}
+                                             "total")}, "checkpoint": 0,
+                     "evaluation": evaluation}
     wide = rank_bill(CFG, _args("--dtype", "float64"), 2, 0)
     assert wide == {k: 2 * v for k, v in plain.items()}
     only = rank_bill(CFG, _args("--eval-only"), 2, 0)
-    assert only["grads"] == only["optimizer"] == 0
-    assert only["total"] == plain["params"] + plain["activations"]
+    assert only["grads"] == only["optimizer"] == only["evaluation"] == 0
+    assert only["total"] == plain["params"] + evaluation < plain["params"] + want["activations"]
     assert rank_bill(CFG, _args("--eval-only", "--resume", "x"), 2, 0)["optimizer"] == \
         plain["optimizer"]
     args = _args("--pp", "2", "--micro-batches", "2", "--dropout", "0.1")
@@ -99,6 +101,41 @@ def test_a_save_or_a_load_holds_a_copy_of_the_state():
     assert rank_bill(CFG, _args("--init-from", "w"), 1, 0)["checkpoint"] == 4 * whole
     gpu = rank_bill(CFG, _args("--save", "ck", "--async-save"), 1, 0, host_is_device=False)
     assert gpu == plain
+
+
+@pytest.mark.parametrize("shape, flags", [
+    (dict(n_layer=2, n_head=2, n_embd=64, block_size=128, vocab_size=8192), []),
+    (dict(n_layer=2, n_head=8, n_embd=64, block_size=512, vocab_size=256),
+     ["--attention", "materialized"]),
+    (dict(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=2048, arch="llama",
+          n_kv_head=2), []),
+])
+def test_the_evaluations_forward_is_in_the_bill(shape, flags):
+    """evaluate() runs a rank's whole share of the batch in one no-grad forward: its peak
+    (tracemalloc's count of numpy's arrays) is within eval_activations, which --eval-only
+    bills instead of a training graph (GPT-2 124M, batch 16: 7.73 GiB, was 21.16) and a
+    training run beside its steps: under --grad-accum 16 the steps' graph is a sixteenth of
+    it, and the bill was below what the evaluation holds."""
+    import tracemalloc
+    from minidist.autograd import no_grad
+    from minidist.nn import GPT
+    config = GPTConfig(attention=flags[1] if flags else "auto", **shape)
+    given = ["--batch-size", 8, "--block-size", shape["block_size"], *flags]
+    args = _args(*given)
+    model = GPT(config).eval()
+    x = np.random.default_rng(0).integers(0, config.vocab_size, (8, config.block_size))
+    tracemalloc.start()
+    try:
+        with no_grad():
+            model(x, x)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    ceiling = eval_activations(config, args, run_layout(args, 1)[0])
+    assert peak <= ceiling <= 2.2 * peak
+    accum = rank_bill(config, _args(*given, "--grad-accum", 16), 1, 0)
+    assert accum["evaluation"] == ceiling and accum["activations"] < peak
+    assert accum["total"] == accum["params"] + accum["grads"] + accum["optimizer"] + ceiling
 
 
 def test_bill_stage_picks_a_row_and_none_the_largest():

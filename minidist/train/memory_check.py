@@ -1,7 +1,8 @@
 """Will the run fit? Before the model is built, the planner's bill for this run (minidist/
 train/planner.py: parameters, gradients and optimizer state to the byte, activations as
 minidist's graph keeps them for DDP and ZeRO, at least Korthikanti's count for TP, PP and CP:
-tests/test_planner.py holds both to the runs' ledger; with --save, --resume or --init-from
+tests/test_planner.py holds both to the runs' ledger; for DDP and ZeRO the evaluation's
+no-grad forward over a rank's whole batch where it needs more; with --save, --resume or --init-from
 the copy of the state a save or a load holds: rank_bill) is set beside the memory free where
 the ranks run: each host's (MemAvailable, less where its cgroup's limit leaves less; the
 address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops here,
@@ -20,6 +21,7 @@ Tests: tests/test_memory_check.py.
 """
 import math
 import os
+from dataclasses import replace
 import resource
 import socket
 import sys
@@ -28,6 +30,7 @@ from minidist import backend
 from minidist.comm.mesh import mesh_coords
 from minidist.nn.config import gpt_param_specs, uses_tiled
 from minidist.pp.strategy import default_micro_batches
+from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
 
@@ -57,13 +60,16 @@ def run_layout(args, world_size):
 
 def rank_bill(config, args, world_size, rank, host_is_device=True):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
-    "checkpoint", "total"}): its pipeline stage's; twice the float32 count under --dtype
-    float64; --eval-only: no gradients, no optimizer state but a --resume's (loaded into
-    it), the activations a ceiling of the forward's. "checkpoint", where the device is the host (`host_is_device`: a GPU's copies go to
-    the host): the copy of the rank's state a save holds (parameters and optimizer, from
-    the step's end until written: with --async-save through the next steps, beside their
-    activations; else after them), a --resume's load the same, an --init-from's the whole
-    model's float32 weights (measured against peak RSS: tests/test_memory_check.py)."""
+    "evaluation", "checkpoint", "total"}): its pipeline stage's; twice the float32 count
+    under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
+    (loaded into it), the activations a ceiling of the forward's (eval_activations' where
+    it has one, else the training graph's). "evaluation": a training run's evaluations
+    (eval_activations; 0 where there is none), between steps. "checkpoint", where the
+    device is the host (`host_is_device`: a GPU's copies go to the host): the copy of the
+    rank's state a save holds (parameters and optimizer, from the step's end until written:
+    with --async-save through the next steps, beside their activations; else after them),
+    a --resume's load the same, an --init-from's the whole model's float32 weights
+    (measured against peak RSS: tests/test_memory_check.py)."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
@@ -74,6 +80,10 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations")}
     if args.eval_only:           # no backward, no step: the optimizer's state as --resume's
         row.update(grads=0, optimizer=row["optimizer"] if args.resume else 0)
+    evaluation = eval_activations(config, args, layout) if plain else None
+    if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
+        row["activations"] = scale * evaluation
+    row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
     copy = 0
     if host_is_device and (args.save or args.resume):
         copy = row["params"] + row["optimizer"]
@@ -82,9 +92,28 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
         copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
     state = row["params"] + row["grads"] + row["optimizer"]
-    row["total"] = state + (row["activations"] + copy if args.async_save and args.save else
-                            max(row["activations"], copy))
+    steps = max(row["activations"], row["evaluation"])        # (one after the other)
+    row["total"] = state + (steps + copy if args.async_save and args.save else
+                            max(steps, copy))
     return row
+
+
+def eval_activations(config, args, layout):
+    """Bytes the evaluation's forward (loop.py evaluate, under no_grad) holds at most on a
+    rank of a one-process or data-parallel layout of a dense model (None otherwise: the
+    training count stands): its whole share of the batch at once (batch / dp rows, not a
+    --grad-accum micro-batch), one block's worth of what a graph keeps (no graph: each
+    block's values go as the next runs; untiled, the (T, T) causal bias its scores add), and
+    at the head the float32 logits beside the probabilities that count has (tracemalloc of
+    such forwards: tests/test_memory_check.py)."""
+    if config.moe_experts:
+        return None
+    rows = max(args.batch_size // layout.dp, 1)
+    one = minidist_activation_bytes(replace(config, n_layer=1), config.block_size, rows,
+                                    layout.amp, dropout=False, tiled=layout.tiled)
+    T = config.block_size
+    bias = 0 if layout.tiled else 4 * T * T               # the (T, T) causal bias beside P
+    return int(one) + bias + 4 * rows * T * config.vocab_size
 
 
 def where_and_room(proc="/proc"):
@@ -227,8 +256,9 @@ def verdict(seen, bills):
     top = max(bills, key=lambda b: b["total"])
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
-        ("activations", "activations"), ("checkpoint", "checkpoint"))
-        if key != "checkpoint" or top.get(key))
+        ("activations", "activations"), ("evaluation", "evaluation"),
+        ("checkpoint", "checkpoint")) if key not in ("evaluation", "checkpoint") or
+        top.get(key, 0) > (top["activations"] if key == "evaluation" else 0))
     where, ranks, need, room, free = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
     has = "free" if free else "of memory in all (no count of free memory here)"
