@@ -81,6 +81,19 @@ def test_a_ranks_bill_is_the_planners_for_its_stage():
     assert [first, last] == stages and first != last
 
 
+def test_a_mixture_of_experts_is_billed_its_experts():
+    """One process of an MoE model: Korthikanti's count, which has the k experts a token
+    visits (minidist's graph count has none: `python examples/train_gpt.py --steps 2
+    --moe-experts 4 --moe-top-k 2 --log-json L` was billed 84.1 MiB of activations for L's
+    130.2; now 120.1)."""
+    moe = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                    moe_experts=4, moe_top_k=2)
+    row = rank_bill(moe, _args("--moe-experts", 4, "--moe-top-k", 2), 1, 0)
+    want = bill(moe, Layout(amp=False), 64, 16, dropout=False)
+    assert row["activations"] == want["activations"] > bill(
+        moe, Layout(amp=False), 64, 16, formula="minidist")["activations"]
+
+
 def test_a_save_or_a_load_holds_a_copy_of_the_state():
     """A save's snapshot (parameters and optimizer) outlives the step's activations with
     --async-save and follows them otherwise, a --resume's load the same; --init-from reads the

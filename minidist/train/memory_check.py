@@ -1,11 +1,13 @@
 """Will the run fit? Before the model is built, the planner's bill for this run (minidist/
 train/planner.py: parameters, gradients and optimizer state to the byte, activations as
 minidist's graph keeps them for DDP and ZeRO, at least Korthikanti's count for TP, PP and CP:
-tests/test_planner.py holds both to the runs' ledger; for DDP and ZeRO the evaluation's
-no-grad forward over a rank's whole batch where it needs more; with --save, --resume or --init-from
-the copy of the state a save or a load holds: rank_bill) is set beside the memory free where
-the ranks run: each host's (MemAvailable, less where its cgroup's limit leaves less; the
-address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops here,
+tests/test_planner.py holds both to the runs' ledger; Korthikanti's for an MoE model too,
+whose experts the graph's count has not (one process, top-k 2: 120.1 MiB for the ledger's
+130.2); for DDP and ZeRO the evaluation's no-grad forward of a rank's whole batch where it
+needs more; with --save, --resume or --init-from the copy of the state a save or a load
+holds: rank_bill) is set beside the memory free where the ranks run: each host's
+(MemAvailable, less where its cgroup's limit leaves less; the address space `ulimit -v`
+leaves each rank), or each GPU's. A run that cannot fit stops here,
 one `error:` line naming what it needs, what is free and what needs less, instead of a
 kernel's OOM kill (signal 9, no word why) or a MemoryError's traceback on every rank
 minutes later; one that fits says so in its start-up lines:
@@ -71,7 +73,7 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     a --resume's load the same, an --init-from's the whole model's float32 weights
     (measured against peak RSS: tests/test_memory_check.py)."""
     layout, micro, m = run_layout(args, world_size)
-    plain = layout.tp == layout.pp == layout.cp == layout.ep == 1
+    plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
     row = bill(config, layout, config.block_size, micro, formula="minidist" if plain else
                "korthikanti", dropout=None if plain else False, schedule=args.schedule,
