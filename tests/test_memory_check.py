@@ -138,12 +138,10 @@ def test_the_evaluations_forward_is_in_the_bill(shape, flags):
     model = GPT(config).eval()
     x = np.random.default_rng(0).integers(0, config.vocab_size, (8, config.block_size))
     tracemalloc.start()
-    try:
-        with no_grad():
-            model(x, x)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    with no_grad():
+        model(x, x)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     ceiling = eval_activations(config, args, run_layout(args, 1)[0])
     assert peak <= ceiling <= 2.2 * peak
     accum = rank_bill(config, _args(*given, "--grad-accum", 16), 1, 0)
@@ -238,7 +236,7 @@ def test_verdict_sums_the_ranks_of_a_host():
     assert problem == ("memory: the 4 ranks on this host need 64.0 MiB by the planner's "
                        "count (the largest rank 16.0 MiB: parameters 2.0 MiB, gradients 2.0 "
                        "MiB, optimizer 4.0 MiB, activations 8.0 MiB) but there is 60.0 MiB "
-                       "free there", 15 * MiB)
+                       "free there", 15 * MiB, True)
     two = [(("a",), 100 * MiB, None, True)] * 2 + [(("b",), 20 * MiB, None, True)] * 2
     problem, line = verdict(two, [BILL] * 4)
     assert problem[0].startswith("memory: the 2 ranks on host b need 32.0 MiB")
@@ -271,18 +269,29 @@ def test_verdict_holds_each_rank_to_its_address_space():
     seen = [(("a",), GiB, None, True), (("a",), GiB, 10 * MiB, True)]
     problem, _ = verdict(seen, [BILL] * 2)
     assert problem == ("memory: rank 1 needs 16.0 MiB by the planner's count but `ulimit -v` "
-                       "leaves it 10.0 MiB of address space", 10 * MiB)
+                       "leaves it 10.0 MiB of address space", 10 * MiB, False)
     problem, _ = verdict([(("a",), GiB, 10 * MiB, True)], [BILL])
     assert problem[0].startswith("memory: the run needs 16.0 MiB")
 
 
 def test_advice_names_what_would_need_less():
-    text = advice(_args("--batch-size", "8"), CFG, 2, 3 * GiB)
+    """Each flag priced again: those that alone fit first, those that need less after; none
+    that training refuses with the others (--amp under --dtype float64, --grad-accum 2 for 3
+    rows: were advised); fewer ranks a host only where they share the memory."""
+    args = _args("--batch-size", "8")
+    need = rank_bill(CFG, args, 2, 0)["total"]
+    text = advice(args, CFG, 2, need * 0.6)           # each flag alone needs 0.60-0.81
     assert text.startswith("--zero 3, --amp, --ckpt-activations, --grad-accum 2 (the same "
                            "batch in smaller parts), a smaller --batch-size or --block-size, "
                            "fewer ranks a host need less (python examples/plan_memory.py ")
-    assert text.endswith("--micro-batch 4 --gpus 2 --gpu-mem 3 prices each layout)")
-    one = advice(_args("--amp", "--ckpt-activations", "--batch-size", "1"), CFG, 1, GiB)
+    assert text.endswith("--micro-batch 4 --gpus 2 --gpu-mem 0.0051 prices each layout)")
+    text = advice(args, CFG, 2, need * 0.85, shared=False)
+    assert text.startswith("--amp or --ckpt-activations or --grad-accum 2 (the same batch in "
+                           "smaller parts) each fit by the planner's count; --zero 3, a "
+                           "smaller --batch-size or --block-size need less (")
+    wide = advice(_args("--dtype", "float64", "--batch-size", "6"), CFG, 2, 1)
+    assert wide.startswith("--zero 3, --ckpt-activations, --grad-accum 3 (the same batch in ")
+    one = advice(_args("--amp", "--ckpt-activations", "--batch-size", "1"), CFG, 1, GiB, False)
     assert one.startswith("a smaller --batch-size or --block-size need less")
     assert size_text(3 * GiB // 2) == "1.50 GiB" and size_text(1536 * 1024) == "1.5 MiB"
 

@@ -21,6 +21,7 @@ line may still fail later: run_main then ends it with one line too (cli.py out_o
 --no-memory-check starts a run whatever the count says.
 Tests: tests/test_memory_check.py.
 """
+import argparse
 import math
 import os
 from dataclasses import replace
@@ -35,8 +36,10 @@ from minidist.pp.strategy import default_micro_batches
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
+from minidist.train.strategy import check_layout
 
 UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
+MARGIN = 0.9                      # advice: a flag "fits" where it needs this share of the room
 
 
 def run_layout(args, world_size):
@@ -221,20 +224,25 @@ def check_memory(args, config, group=None):
     where, room, free = where_and_room()
     mine = (where, room, address_room(), free)
     seen = [mine] if group is None else group.all_gather_object(mine)
-    size, by_stage, on_host = len(seen), {}, backend.device() != "cuda"
-    layout = run_layout(args, size)[0]
-    bills = []
+    size, on_host = len(seen), backend.device() != "cuda"
+    bills = job_bills(config, args, size, on_host)
+    problem, line = verdict(seen, bills)
+    if problem and not args.no_memory_check:
+        text, per_rank, shared = problem
+        raise UsageError(f"{text}; {advice(args, config, size, per_rank, shared, on_host)}, "
+                         "or --no-memory-check to start anyway")
+    return line if not problem else f"{line}; --no-memory-check: started anyway"
+
+
+def job_bills(config, args, size, on_host=True):
+    """rank_bill of each of `size` ranks, in rank order (computed once a pipeline stage)."""
+    layout, by_stage, bills = run_layout(args, size)[0], {}, []
     for rank in range(size):
         stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
         if stage not in by_stage:
             by_stage[stage] = rank_bill(config, args, size, rank, on_host)
         bills.append(by_stage[stage])
-    problem, line = verdict(seen, bills)
-    if problem and not args.no_memory_check:
-        text, per_rank = problem
-        raise UsageError(f"{text}; {advice(args, config, size, per_rank)}, or "
-                         "--no-memory-check to start anyway")
-    return line if not problem else f"{line}; --no-memory-check: started anyway"
+    return bills
 
 
 def verdict(seen, bills):
@@ -242,7 +250,7 @@ def verdict(seen, bills):
     whether room is free memory or all there is) `seen` and their planner bills, in rank
     order. The line names the largest rank's bill and the place (host or GPU) whose ranks
     need the largest share of its room. A problem is (its text, the bytes a rank may have
-    there)."""
+    there, whether ranks share them: a host's or GPU's memory, not each its `ulimit -v`)."""
     places = {}
     for rank, (where, room, _, free) in enumerate(seen):
         ranks, rooms = places.setdefault(where, ([], []))
@@ -270,13 +278,13 @@ def verdict(seen, bills):
     if room is not None and need > room:
         return (f"memory: {what} need {size_text(need)} by the planner's count (the largest "
                 f"rank {size_text(top['total'])}: {parts}) but there is {size_text(room)} "
-                f"{has} there", room / len(ranks)), line
+                f"{has} there", room / len(ranks), len(ranks) > 1), line
     for rank, (_, _, address, _) in enumerate(seen):
         if address is not None and bills[rank]["total"] > address:
             who = f"rank {rank} needs" if len(seen) > 1 else "the run needs"
             return (f"memory: {who} {size_text(bills[rank]['total'])} by the "
                     f"planner's count but `ulimit -v` leaves it {size_text(address)} of "
-                    "address space", address), line
+                    "address space", address, False), line
     return None, line
 
 
@@ -293,18 +301,38 @@ def _place_text(where, ranks, n_places, n_hosts):
             f"rank {ranks[0]} on {here}" if n_places > 1 else f"the run on {here}")
 
 
-def advice(args, config, size, per_rank):
-    """What needs less, with the planner's command for this model on `size` ranks of
+def advice(args, config, size, per_rank, shared=True, on_host=True):
+    """What needs less: each flag the run could add (that training takes with the others:
+    train/strategy.py check_layout) priced again, those that alone bring every rank within
+    MARGIN of `per_rank` bytes named as fitting (a step's transient buffers are not in the
+    count: `--dtype float64 --grad-accum 2` at 1.27 GiB for 1.27 ran out), those that only
+    need less after them; a smaller batch or sequence; fewer ranks a host where they
+    `shared` the memory; then the planner's command for this model on `size` ranks of
     `per_rank` bytes each."""
     layout, micro, _ = run_layout(args, size)
-    ways = ["--zero 3"] if layout.dp * layout.cp > 1 and args.zero < 3 else []
-    ways += [] if args.amp else ["--amp"]
-    ways += [] if args.ckpt_activations else ["--ckpt-activations"]
-    ways += [f"--grad-accum {2 * args.grad_accum} (the same batch in smaller parts)"] \
-        if args.pp == 1 and micro > 1 else []
-    ways += ["a smaller --batch-size or --block-size"] + (["fewer ranks a host"] if size > 1
+    ways = [("--zero 3", dict(zero=3))] if layout.dp * layout.cp > 1 and args.zero < 3 else []
+    ways += [] if args.amp else [("--amp", dict(amp=True))]
+    ways += [] if args.ckpt_activations else [("--ckpt-activations",
+                                               dict(ckpt_activations=True))]
+    split = min((k for k in range(2, micro + 1) if micro % k == 0), default=None)
+    ways += [(f"--grad-accum {split * args.grad_accum} (the same batch in smaller parts)",
+              dict(grad_accum=split * args.grad_accum))] if args.pp == 1 and split else []
+    now = max(b["total"] for b in job_bills(config, args, size, on_host))
+    fits, less = [], []
+    for text, change in ways:
+        other = argparse.Namespace(**{**vars(args), **change})
+        try:
+            check_layout(other, size)
+        except UsageError:
+            continue                                     # training would refuse it here
+        need = max(b["total"] for b in job_bills(config, other, size, on_host))
+        (fits if need <= MARGIN * per_rank else less if need < now else []).append(text)
+    said = [" or ".join(fits) + (" fits" if len(fits) == 1 else " each fit") +
+            " by the planner's count"] if fits else []
+    less += ["a smaller --batch-size or --block-size"] + (["fewer ranks a host"] if shared
                                                           else [])
-    return (", ".join(ways) + " need less (python examples/plan_memory.py --n-layer "
-            f"{config.n_layer} --n-head {config.n_head} --n-embd {config.n_embd} --vocab-size "
-            f"{config.vocab_size} --seq {config.block_size} --micro-batch {micro} --gpus "
-            f"{size} --gpu-mem {per_rank / GiB:.2g} prices each layout)")
+    return ("; ".join(said + [", ".join(less) + " need less"]) + " (python examples/"
+            f"plan_memory.py --n-layer {config.n_layer} --n-head {config.n_head} --n-embd "
+            f"{config.n_embd} --vocab-size {config.vocab_size} --seq {config.block_size} "
+            f"--micro-batch {micro} --gpus {size} --gpu-mem {per_rank / GiB:.2g} prices each "
+            "layout)")
