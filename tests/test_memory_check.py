@@ -82,10 +82,9 @@ def test_a_ranks_bill_is_the_planners_for_its_stage():
 
 
 def test_a_mixture_of_experts_is_billed_its_experts():
-    """One process of an MoE model: Korthikanti's count, which has the k experts a token
-    visits (minidist's graph count has none: `python examples/train_gpt.py --steps 2
-    --moe-experts 4 --moe-top-k 2 --log-json L` was billed 84.1 MiB of activations for L's
-    130.2; now 120.1)."""
+    """An MoE model: Korthikanti's count, with the k experts a token visits (the graph count
+    has none: `python examples/train_gpt.py --steps 2 --moe-experts 4 --moe-top-k 2 --log-json
+    L` was billed 84.1 MiB of activations for L's 130.2; now 120.1)."""
     moe = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
                     moe_experts=4, moe_top_k=2)
     row = rank_bill(moe, _args("--moe-experts", 4, "--moe-top-k", 2), 1, 0)
@@ -125,10 +124,9 @@ def test_a_save_or_a_load_holds_a_copy_of_the_state():
 ])
 def test_the_evaluations_forward_is_in_the_bill(shape, flags):
     """evaluate() runs a rank's whole share of the batch in one no-grad forward: its peak
-    (tracemalloc's count of numpy's arrays) is within eval_activations, which --eval-only
-    bills instead of a training graph (GPT-2 124M, batch 16: 7.73 GiB, was 21.16) and a
-    training run beside its steps: under --grad-accum 16 the steps' graph is a sixteenth of
-    it, and the bill was below what the evaluation holds."""
+    (tracemalloc's count of numpy's arrays) is within eval_activations, --eval-only's bill
+    (GPT-2 124M, batch 16: 7.73 GiB, was a graph's 21.16) and a training run's beside its
+    steps (under --grad-accum 16 the steps' graph alone was below the evaluation's peak)."""
     import tracemalloc
     from minidist.autograd import no_grad
     from minidist.nn import GPT
@@ -272,6 +270,8 @@ def test_verdict_holds_each_rank_to_its_address_space():
                        "leaves it 10.0 MiB of address space", 10 * MiB, False)
     problem, _ = verdict([(("a",), GiB, 10 * MiB, True)], [BILL])
     assert problem[0].startswith("memory: the run needs 16.0 MiB")
+    problem, line = verdict([(("a",), GiB, 20 * MiB, True)], [BILL])    # fits: says the limit
+    assert not problem and line.endswith("; `ulimit -v` leaves a rank 20.0 MiB of address space")
 
 
 def test_advice_names_what_would_need_less():
@@ -329,7 +329,8 @@ def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, m
     assert "model:" not in refused.stdout
     ran = _limited(ranks, corpus, "--no-memory-check")
     assert ran.returncode == 1, ran.stderr
-    assert "; --no-memory-check: started anyway" in ran.stdout
+    assert "by the planner's count but `ulimit -v` leaves it" in ran.stdout   # (what it was)
+    assert "of address space: --no-memory-check started it anyway" in ran.stdout
     errors = [line for line in ran.stderr.splitlines() if line.strip()]
     rank = " on rank 0" if ranks > 1 else ""
     assert len(errors) == 1 and errors[0].startswith(f"error: out of memory{rank}: Unable to "

@@ -231,7 +231,9 @@ def check_memory(args, config, group=None):
         text, per_rank, shared = problem
         raise UsageError(f"{text}; {advice(args, config, size, per_rank, shared, on_host)}, "
                          "or --no-memory-check to start anyway")
-    return line if not problem else f"{line}; --no-memory-check: started anyway"
+    if not problem:
+        return line
+    return f"{line}; {problem[0][len('memory: '):]}: --no-memory-check started it anyway"
 
 
 def job_bills(config, args, size, on_host=True):
@@ -285,6 +287,9 @@ def verdict(seen, bills):
             return (f"memory: {who} {size_text(bills[rank]['total'])} by the "
                     f"planner's count but `ulimit -v` leaves it {size_text(address)} of "
                     "address space", address, False), line
+    address = min((a for _, _, a, _ in seen if a is not None), default=None)
+    if address is not None:                         # (a limit the host's count does not show)
+        line += f"; `ulimit -v` leaves a rank {size_text(address)} of address space"
     return None, line
 
 
