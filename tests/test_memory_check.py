@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from minidist import backend
-from minidist.nn import GPTConfig
+from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
 from minidist.train.memory_check import (address_room, advice, cgroup_room,
@@ -116,24 +116,24 @@ def test_a_save_or_a_load_holds_a_copy_of_the_state():
 
 
 @pytest.mark.parametrize("shape, flags", [
-    (dict(n_layer=2, n_head=2, n_embd=64, block_size=128, vocab_size=8192), []),
-    (dict(n_layer=2, n_head=8, n_embd=64, block_size=512, vocab_size=256),
-     ["--attention", "materialized"]),
-    (dict(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=2048, arch="llama",
-          n_kv_head=2), []),
+    (dict(n_head=2, block_size=128, vocab_size=8192), []),
+    (dict(n_head=8, block_size=512, vocab_size=256), ["--attention", "materialized"]),
+    (dict(n_head=4, block_size=128, vocab_size=2048, arch="llama", n_kv_head=2), []),
+    (dict(n_head=2, block_size=128, vocab_size=8192), ["--amp"]),
 ])
 def test_the_evaluations_forward_is_in_the_bill(shape, flags):
-    """evaluate() runs a rank's whole share of the batch in one no-grad forward: its peak
-    (tracemalloc's count of numpy's arrays) is within eval_activations, --eval-only's bill
-    (GPT-2 124M, batch 16: 7.73 GiB, was a graph's 21.16) and a training run's beside its
-    steps (under --grad-accum 16 the steps' graph alone was below the evaluation's peak)."""
+    """evaluate()'s one no-grad forward of a rank's whole batch peaks (tracemalloc) within
+    eval_activations: --eval-only's bill (GPT-2 124M, batch 16: 7.73 GiB, was 21.16), a
+    training run's beside its steps (--grad-accum 16's graph was below that peak)."""
     import tracemalloc
     from minidist.autograd import no_grad
-    from minidist.nn import GPT
-    config = GPTConfig(attention=flags[1] if flags else "auto", **shape)
+    from minidist.train.amp import MixedPrecision
     given = ["--batch-size", 8, "--block-size", shape["block_size"], *flags]
     args = _args(*given)
+    config = GPTConfig(n_layer=2, n_embd=64, attention=args.attention, **shape)
     model = GPT(config).eval()
+    if args.amp:                # 16-bit logits, and the loss's float32 copy of them
+        MixedPrecision().cast_model(model)
     x = np.random.default_rng(0).integers(0, config.vocab_size, (8, config.block_size))
     tracemalloc.start()
     with no_grad():

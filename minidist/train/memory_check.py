@@ -109,8 +109,9 @@ def eval_activations(config, args, layout):
     training count stands): its whole share of the batch at once (batch / dp rows, not a
     --grad-accum micro-batch), one block's worth of what a graph keeps (no graph: each
     block's values go as the next runs; untiled, the (T, T) causal bias its scores add), and
-    at the head the float32 logits beside the probabilities that count has (tracemalloc of
-    such forwards: tests/test_memory_check.py)."""
+    at the head the logits (under --amp, 16-bit, and the loss's float32 copy of them) beside
+    the probabilities that count has (tracemalloc of such forwards, and an --amp run's peak
+    RSS: tests/test_memory_check.py)."""
     if config.moe_experts:
         return None
     rows = max(args.batch_size // layout.dp, 1)
@@ -118,7 +119,8 @@ def eval_activations(config, args, layout):
                                     layout.amp, dropout=False, tiled=layout.tiled)
     T = config.block_size
     bias = 0 if layout.tiled else 4 * T * T               # the (T, T) causal bias beside P
-    return int(one) + bias + 4 * rows * T * config.vocab_size
+    logits = 6 if layout.amp else 4          # (--amp: 16-bit logits and their float32 copy)
+    return int(one) + bias + logits * rows * T * config.vocab_size
 
 
 def where_and_room(proc="/proc"):
