@@ -7,16 +7,17 @@ whose experts the graph's count has not (one process, top-k 2: 120.1 MiB for the
 needs more; with --save, --resume or --init-from the copy of the state a save or a load
 holds: rank_bill) is set beside the memory free where the ranks run: each host's
 (MemAvailable, less where its cgroup's limit leaves less; the address space `ulimit -v`
-leaves each rank), or each GPU's. A run that cannot fit stops here,
-one `error:` line naming what it needs, what is free and what needs less, instead of a
-kernel's OOM kill (signal 9, no word why) or a MemoryError's traceback on every rank
-minutes later; one that fits says so in its start-up lines:
+leaves each rank), or each GPU's. A run that cannot fit stops here, one `error:` line naming
+what it needs, what is free and what needs less, instead of a kernel's OOM kill (signal 9,
+no word why) or a MemoryError's traceback on every rank minutes later; one that fits says so
+in its start-up lines:
 
     memory: 33.9 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
     6.4 MiB, activations 21.0 MiB); the 4 ranks on this host: 135.5 MiB of 19.51 GiB free
 
 The bill is what the model's arrays hold; a step's transient buffers (a ZeRO-3 unit's
-gathered weights, a collective's chunks) and Python's own are not in it, so a run near the
+gathered weights, a collective's chunks, the loss's logits beside its probabilities,
+--ckpt-activations' recomputed block) and Python's own are not in it, so a run near the
 line may still fail later: run_main then ends it with one line too (cli.py out_of_memory_line).
 --no-memory-check starts a run whatever the count says.
 Tests: tests/test_memory_check.py.
@@ -24,10 +25,10 @@ Tests: tests/test_memory_check.py.
 import argparse
 import math
 import os
-from dataclasses import replace
 import resource
 import socket
 import sys
+from dataclasses import replace
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
