@@ -222,14 +222,15 @@ BILL = {"params": 2 * MiB, "grads": 2 * MiB, "optimizer": 4 * MiB, "activations"
 
 
 def test_verdict_sums_the_ranks_of_a_host():
-    """Ranks on one host share what it has free: 4 x 16 MiB fit in 100 MiB, not in 60; on two
-    hosts the fuller one is named; a GPU is its own place; nothing known: no verdict."""
-    four = [(("a",), 100 * MiB, None, True)] * 4
+    """Ranks on one host share what it has free: 4 x 16 MiB fit in 70 MiB (above 90% of it:
+    said), not in 60; on two hosts the fuller one is named; a GPU is its own place."""
+    four = [(("a",), 70 * MiB, None, True)] * 4
     problem, line = verdict(four, [BILL] * 4)
     assert problem is None
     assert line == ("memory: 16.0 MiB a rank by the planner (parameters 2.0 MiB, gradients "
                     "2.0 MiB, optimizer 4.0 MiB, activations 8.0 MiB); the 4 ranks on this "
-                    "host: 64.0 MiB of 100.0 MiB free")
+                    "host: 64.0 MiB of 70.0 MiB free (near the limit: a step's transient "
+                    "buffers are not in the count)")
     problem, _ = verdict([(("a",), 60 * MiB, None, True)] * 4, [BILL] * 4)
     assert problem == ("memory: the 4 ranks on this host need 64.0 MiB by the planner's "
                        "count (the largest rank 16.0 MiB: parameters 2.0 MiB, gradients 2.0 "
@@ -329,7 +330,6 @@ def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, m
     assert "model:" not in refused.stdout
     ran = _limited(ranks, corpus, "--no-memory-check")
     assert ran.returncode == 1, ran.stderr
-    assert "by the planner's count but `ulimit -v` leaves it" in ran.stdout   # (what it was)
     assert "of address space: --no-memory-check started it anyway" in ran.stdout
     errors = [line for line in ran.stderr.splitlines() if line.strip()]
     rank = " on rank 0" if ranks > 1 else ""

@@ -40,7 +40,8 @@ from minidist.train.planner import GiB, Layout, bill
 from minidist.train.strategy import check_layout
 
 UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
-MARGIN = 0.9                      # advice: a flag "fits" where it needs this share of the room
+MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
+                                  # near the limit (a step's transients are not in the bill)
 
 
 def run_layout(args, world_size):
@@ -293,6 +294,9 @@ def verdict(seen, bills):
     address = min((a for _, _, a, _ in seen if a is not None), default=None)
     if address is not None:                         # (a limit the host's count does not show)
         line += f"; `ulimit -v` leaves a rank {size_text(address)} of address space"
+    if ratio > MARGIN or any(a is not None and b["total"] > MARGIN * a
+                             for (_, _, a, _), b in zip(seen, bills)):
+        line += " (near the limit: a step's transient buffers are not in the count)"
     return None, line
 
 
