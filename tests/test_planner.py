@@ -277,7 +277,7 @@ def test_planner_prices_each_schedules_peak(schedule, micro, virtual, corpus, tm
     minidist's graph), and the busiest stage's the bill's: GPipe holds every micro-batch,
     1F1B with fewer micro-batches than stages one, not p (first-use walk 32: GPipe was
     priced as 1F1B, 4x under); ZB-H1's last stage 1F1B's one and one waiting for its W
-    (priced whole until 2026-11-30: 9% over)."""
+    (priced whole until 2026-11-29: 9% over)."""
     out = mpi(2, "examples/train_gpt.py", *FLAGS, "--data", corpus, "--cache-dir",
               str(tmp_path / "cache"), "--log-json", str(tmp_path / "log.jsonl"),
               "--attention", "materialized", "--n-layer", "4", "--pp", "2",

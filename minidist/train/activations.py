@@ -103,7 +103,7 @@ def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
     stage's blocks are i * pp // L == stage, each held peak times, the head on the last
     stage as often. ZB-H1's are 1F1B's whole ones: those past their B, waiting for their W
     (schedule.waiting_for_weights), hold less (weight_work_bytes; priced whole until
-    2026-11-30, 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
+    2026-11-29, 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
     at the end of the warmup: the chunks of the first `peak` forwards (the k-th forward's
     chunk (k mod p v) // p), each with its blocks (chunk_layers); the head is the last
     stage's last chunk's."""
