@@ -120,7 +120,8 @@ def test_evaluation_splits_each_batch_over_the_replicas_as_training_does(corpus,
     on the README's mpirun -n 4 more time than the training steps). evaluate() now takes the
     rows training would (strategy.local_rows) and averages the replicas' means
     (global_mean): here rank r of 2, played in one process, sees only its 2 rows of 4, and
-    the two ranks' mean is the whole batch's loss."""
+    the two ranks' mean is the whole batch's loss. Under --grad-accum (`parts`) a rank's rows
+    go through in training's micro-batches: the same mean, a micro-batch's memory."""
     from minidist.nn import GPT, GPTConfig
     from minidist.strategy.base import SingleProcess, dp_rows
     from minidist.train.data import TokenData
@@ -149,6 +150,9 @@ def test_evaluation_splits_each_batch_over_the_replicas_as_training_does(corpus,
     assert rows == [2] * 6 and halves[0] != halves[1]
     assert abs((halves[0] + halves[1]) / 2 - whole) < 1e-12, (halves, whole)
     assert model.training                      # evaluate puts back the mode it found
+    rows.clear()                # --grad-accum 2: each batch in two forwards of half its rows
+    parts = float(evaluate(SingleProcess(), model, data, 4, 16, 3, parts=2))
+    assert rows == [2] * 6 and abs(parts - whole) < 1e-12, (parts, whole)
 
 
 def test_a_log_json_row_that_cannot_be_written_stops_the_log_not_the_run(capsys, tmp_path):

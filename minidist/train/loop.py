@@ -58,13 +58,14 @@ VAL_SEED = 0
 
 
 @no_grad()
-def evaluate(strategy, model, data, batch_size, block_size, iters, signals=None):
+def evaluate(strategy, model, data, batch_size, block_size, iters, signals=None, parts=1):
     """Mean val loss over `iters` fixed batches (the same ones at every eval and in every
-    run, whatever its seed: VAL_SEED), a 0-d float64
-    on the device: the caller reads it (one host read per evaluation, not one per batch).
-    Split as training splits a batch: each replica evaluates its rows (local_rows), and the
-    replicas' means are averaged (global_mean; equal rows, so the mean of all of them), so
-    4 data-parallel ranks do a quarter of the work each, not the whole batch 4 times.
+    run, whatever its seed: VAL_SEED), a 0-d float64 on the device: the caller reads it
+    (one host read per evaluation, not one per batch). Split as training splits a batch:
+    each replica evaluates its rows (local_rows) in `parts` forwards (--grad-accum's: no
+    more memory than a training micro-batch's; its whole share at once took 7x a step's at
+    --grad-accum 16), the replicas' means averaged (global_mean; equal rows: the mean of all
+    of them), so 4 data-parallel ranks do a quarter of the work each, not all of it 4 times.
     `signals` (preemption.Flag): before each batch the ranks ask whether any was signalled
     (Ctrl-C; with --save SIGTERM, SIGUSR1), and all stop together: None, nothing measured."""
     was_training = model.training
@@ -76,10 +77,11 @@ def evaluate(strategy, model, data, batch_size, block_size, iters, signals=None)
                 return None
             x, y = strategy.local_rows(*data.get_batch(VAL_SEED, "val", i, batch_size,
                                                        block_size))
-            total = total + model(x, y)[1].data.astype("float64")     # summed on the device
+            for xs, ys in zip(np.split(x, parts), np.split(y, parts)):
+                total = total + model(xs, ys)[1].data.astype("float64")   # summed on device
     finally:
         model.train(was_training)
-    return strategy.global_mean(total / iters)
+    return strategy.global_mean(total / (iters * parts))
 
 
 def _run_state(model):
@@ -247,7 +249,7 @@ def _train(args, world, each_step):
             # its all-reduce also lines the ranks up, so the next step's time does not
             # include another rank's evaluation
             mean = evaluate(strategy, model, data, args.batch_size, args.block_size,
-                            args.eval_iters, signals)
+                            args.eval_iters, signals, args.grad_accum)
             if mean is None:                  # a signal during it: save this step, stop
                 _stop(args, saves, strategy, log, model, opt, step, signals,
                       " (its evaluation cut)")
@@ -332,7 +334,7 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     requeued = val_loss is None and not args.eval_only    # (nothing trained: at the end)
     if val_loss is None:              # nothing trained (resumed at the end): measure anyway
         mean = evaluate(strategy, model, data, args.batch_size, args.block_size,
-                        args.eval_iters, signals)
+                        args.eval_iters, signals, args.grad_accum)
         if mean is None:
             interrupted = strategy.any_rank(signals.interrupted())
             log.print0(f"{preemption.describe(interrupted, signals.name)} during the "

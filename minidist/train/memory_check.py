@@ -15,12 +15,12 @@ in its start-up lines:
     memory: 33.9 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
     6.4 MiB, activations 21.0 MiB); the 4 ranks on this host: 135.5 MiB of 19.51 GiB free
 
-The bill is what the model's arrays hold; a step's transient buffers (a ZeRO-3 unit's
-gathered weights, a collective's chunks, the loss's logits beside its probabilities,
---ckpt-activations' recomputed block) and Python's own are not in it, so a run near the
-line may still fail later: run_main then ends it with one line too (cli.py out_of_memory_line).
+The bill is what the model's arrays hold and the step's logits; a step's other transient
+buffers (a ZeRO-3 unit's gathered weights, a collective's chunks, --ckpt-activations'
+recomputed block) and Python's own are not in it, so a run near the line may still fail
+later: run_main then ends it with one line too (cli.py out_of_memory_line).
 --no-memory-check starts a run whatever the count says.
-Tests: tests/test_memory_check.py.
+Tests: tests/test_memory_check.py (the bill), tests/test_memory_room.py (the room, the runs).
 """
 import argparse
 import math
@@ -71,7 +71,11 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
     (loaded into it), the activations a ceiling of the forward's (eval_activations' where
     it has one, else the training graph's). "evaluation": a training run's evaluations
-    (eval_activations; 0 where there is none), between steps. "checkpoint", where the
+    (eval_activations; 0 where there is none), between steps. "logits": the step's (B, T,
+    V) logits beside the probabilities the graph keeps, on the rank holding the head (under
+    --amp 16-bit and the loss's float32 copy; not counted under TP, whose head is split):
+    a 4,096-token vocabulary at --batch-size 64 peaked at 671 MiB RSS for 477 counted
+    without them, 605 with. "checkpoint", where the
     device is the host (`host_is_device`: a GPU's copies go to the host): the copy of the
     rank's state a save holds (parameters and optimizer, from the step's end until written:
     with --async-save through the next steps, beside their activations; else after them),
@@ -91,6 +95,9 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
         row["activations"] = scale * evaluation
     row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
+    head = stage == layout.pp - 1 and layout.tp == 1 and not args.eval_only
+    row["logits"] = scale * (6 if layout.amp else 4) * micro * config.block_size // \
+        layout.cp * config.vocab_size if head else 0
     copy = 0
     if host_is_device and (args.save or args.resume):
         copy = row["params"] + row["optimizer"]
@@ -99,7 +106,7 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
         copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
     state = row["params"] + row["grads"] + row["optimizer"]
-    steps = max(row["activations"], row["evaluation"])        # (one after the other)
+    steps = max(row["activations"] + row["logits"], row["evaluation"])   # (in turn)
     row["total"] = state + (steps + copy if args.async_save and args.save else
                             max(steps, copy))
     return row
@@ -108,15 +115,15 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
 def eval_activations(config, args, layout):
     """Bytes the evaluation's forward (loop.py evaluate, under no_grad) holds at most on a
     rank of a one-process or data-parallel layout of a dense model (None otherwise: the
-    training count stands): its whole share of the batch at once (batch / dp rows, not a
-    --grad-accum micro-batch), one block's worth of what a graph keeps (no graph: each
-    block's values go as the next runs; untiled, the (T, T) causal bias its scores add), and
-    at the head the logits (under --amp, 16-bit, and the loss's float32 copy of them) beside
-    the probabilities that count has (tracemalloc of such forwards, and an --amp run's peak
-    RSS: tests/test_memory_check.py)."""
+    training count stands): a training micro-batch's rows at once (batch / (dp x
+    --grad-accum): evaluate()'s `parts`), one block's worth of what a graph keeps (no
+    graph: each block's values go as the next runs; untiled, the (T, T) causal bias its
+    scores add), and at the head the logits (under --amp, 16-bit, and the loss's float32
+    copy of them) beside the probabilities that count has (tracemalloc of such forwards,
+    and an --amp run's peak RSS: tests/test_memory_check.py)."""
     if config.moe_experts:
         return None
-    rows = max(args.batch_size // layout.dp, 1)
+    rows = max(args.batch_size // (layout.dp * args.grad_accum), 1)
     one = minidist_activation_bytes(replace(config, n_layer=1), config.block_size, rows,
                                     layout.amp, dropout=False, tiled=layout.tiled)
     T = config.block_size
@@ -272,9 +279,9 @@ def verdict(seen, bills):
     top = max(bills, key=lambda b: b["total"])
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
-        ("activations", "activations"), ("evaluation", "evaluation"),
-        ("checkpoint", "checkpoint")) if key not in ("evaluation", "checkpoint") or
-        top.get(key, 0) > (top["activations"] if key == "evaluation" else 0))
+        ("activations", "activations"), ("logits", "logits"), ("evaluation", "evaluation"),
+        ("checkpoint", "checkpoint")) if key not in ("logits", "evaluation", "checkpoint") or
+        top.get(key, 0) > (top["activations"] + top["logits"] if key == "evaluation" else 0))
     where, ranks, need, room, free = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
     has = "free" if free else "of memory in all (no count of free memory here)"
