@@ -67,7 +67,7 @@ def run_layout(args, world_size):
 
 def rank_bill(config, args, world_size, rank, host_is_device=True):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
-    "evaluation", "checkpoint", "total"}): its pipeline stage's; twice the float32 count
+    "logits", "evaluation", "checkpoint", "total"}): its pipeline stage's; twice the float32 count
     under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
     (loaded into it), the activations a ceiling of the forward's (eval_activations' where
     it has one, else the training graph's). "evaluation": a training run's evaluations
@@ -75,12 +75,12 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     V) logits beside the probabilities the graph keeps, on the rank holding the head (under
     --amp 16-bit and the loss's float32 copy; not counted under TP, whose head is split):
     a 4,096-token vocabulary at --batch-size 64 peaked at 671 MiB RSS for 477 counted
-    without them, 605 with. "checkpoint", where the
-    device is the host (`host_is_device`: a GPU's copies go to the host): the copy of the
-    rank's state a save holds (parameters and optimizer, from the step's end until written:
-    with --async-save through the next steps, beside their activations; else after them),
-    a --resume's load the same, an --init-from's the whole model's float32 weights
-    (measured against peak RSS: tests/test_memory_check.py)."""
+    without them, 605 with. "checkpoint", where the device is the host (`host_is_device`: a
+    GPU's copies go to the host): the copy of the rank's state a save holds (parameters and
+    optimizer, from the step's end until written: with --async-save through the next
+    steps, beside their activations; else after them), a --resume's load the same, an
+    --init-from's the whole model's float32 weights (measured against peak RSS:
+    tests/test_memory_check.py)."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
