@@ -155,8 +155,9 @@ def test_dp_calls_are_the_runs(flags, mpi, tmp_path):
     trace's all-reduces of each step are call_cost.ddp_buckets' bytes, in order (10, the
     last the tied wte's alone); ZeRO-1: a reduce-scatter and an all-gather per unit
     (zero_units: 4); ZeRO-3 at --grad-accum 2: the root's and zero3_gathers' blocks gathered
-    (7), a reduce-scatter per unit in each backward (8); the final evaluation's forward
-    gathers the root and the 3 blocks once more. On a link of 1 s latency and no transfer
+    (7), a reduce-scatter per unit in each backward (8); the final evaluation (in
+    --grad-accum's 2 micro-batches, as the steps) gathers the root and the 3 blocks for its
+    first forward, and 2 blocks for its second (block 1 still in its buffer). On a link of 1 s latency and no transfer
     time the step-time model's data-parallel seconds are those calls (an all-reduce over 2
     ranks 2 alpha, the others 1): 20, 8 and 15 s (until 2026-11-29 one latency for all of
     each: 2, 2 and 6 s).
@@ -196,7 +197,7 @@ def test_dp_calls_are_the_runs(flags, mpi, tmp_path):
         gathers = 1 + sum(k for _, k in zero3_gathers("1f1b", 1, 0, m, 3))
         assert gathers == 7 and units == 4
         assert count == {"all_reduce": 0, "reduce_scatter": 2 * m * units,
-                         "all_gather": 2 * gathers + 1 + 3}
+                         "all_gather": 2 * gathers + 1 + 3 + 2}
         assert plan["zero_in_pipeline"] == pytest.approx(gathers + m * units)
 
 
