@@ -156,11 +156,11 @@ def test_dp_calls_are_the_runs(flags, mpi, tmp_path):
     last the tied wte's alone); ZeRO-1: a reduce-scatter and an all-gather per unit
     (zero_units: 4); ZeRO-3 at --grad-accum 2: the root's and zero3_gathers' blocks gathered
     (7), a reduce-scatter per unit in each backward (8); the final evaluation (in
-    --grad-accum's 2 micro-batches, as the steps) gathers the root and the 3 blocks for its
-    first forward, and 2 blocks for its second (block 1 still in its buffer). On a link of 1 s latency and no transfer
-    time the step-time model's data-parallel seconds are those calls (an all-reduce over 2
-    ranks 2 alpha, the others 1): 20, 8 and 15 s (until 2026-11-29 one latency for all of
-    each: 2, 2 and 6 s).
+    --grad-accum's 2 micro-batches, as the steps) gathers the root and the 3 blocks for
+    its first forward, and 2 blocks for its second (block 1 still in its buffer). On a
+    link of 1 s latency and no transfer time the step-time model's data-parallel seconds
+    are those calls (an all-reduce over 2 ranks 2 alpha, the others 1): 20, 8 and 15 s
+    (until 2026-11-29 one latency for all of each: 2, 2 and 6 s).
 
         mpiexec -n 2 python examples/train_gpt.py --zero 3 --grad-accum 2 --n-layer 3 \\
             --n-embd 32 --block-size 32 --batch-size 8 --steps 2 --eval-every 0 --trace T

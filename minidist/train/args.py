@@ -182,7 +182,9 @@ def add_train_args(p):
                    help="optimizer steps (on --resume: its run's unless given)")
     g.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="stop (and --save) at this step; the lr schedule still spans --steps")
-    g.add_argument("--grad-accum", type=int, default=1, action=Given, help="micro-steps per step")
+    g.add_argument("--grad-accum", type=int, default=1, action=Given,
+                   help="micro-steps per step; an evaluation (--eval-only's too) runs a "
+                   "batch in as many forwards")
     g.add_argument("--lr", type=float, default=4e-3, action=Given, help="peak learning rate")
     g.add_argument("--lr-schedule", choices=("cosine", "wsd"), default="cosine", action=Given,
                    help="after --warmup: cosine decay to --min-lr over the run, or wsd: "

@@ -23,7 +23,6 @@ def idle_flags(args, replicas=None, ranks=None):
         drop = "drop --eval-only to train"
         idle += [(f"--{name.replace('_', '-')}", what, drop) for name, what in (
             ("steps", "the steps to train"), ("stop_at", "the step to stop training at"),
-            ("grad_accum", "the micro-steps of a training step"),
             ("lr", "the learning rate"), ("lr_schedule", "the learning rate's schedule"),
             ("decay_steps", "the learning rate's decay"),
             ("min_lr", "the learning rate's floor"), ("warmup", "the warmup steps"),
