@@ -41,7 +41,7 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     The run's val batches (its --batch-size and --eval-iters, taken from the checkpoint as
     its data is; any --seed: the val windows are the same for every seed): the same number,
     bit for bit; no step taken, no folder written. Given, they are this command's (another
-    number)."""
+    number). With --grad-accum 2 each batch in two forwards: the same to 1e-12."""
     ck, summary, data = trained
     before = sorted(os.listdir(ck))
     capsys.readouterr()
@@ -62,6 +62,8 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
     seeded = _run(["--resume", ck, "--eval-only", "--sample", "0", "--seed", "99"])
     assert seeded["val_loss"] == summary["val_loss"]    # (walk 41: the seed moved it)
+    parts = _run(["--resume", ck, "--eval-only", "--sample", "0", "--grad-accum", "2"])
+    assert parts["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-12)  # 2 forwards
     # first-use walk 28: the number came last, under the sample's text
     capsys.readouterr()
     _run(["--resume", ck, "--eval-only", "--sample", "8"])
