@@ -12,8 +12,9 @@ what it needs, what is free and what needs less, instead of a kernel's OOM kill 
 no word why) or a MemoryError's traceback on every rank minutes later; one that fits says so
 in its start-up lines:
 
-    memory: 33.9 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
-    6.4 MiB, activations 21.0 MiB); the 4 ranks on this host: 135.5 MiB of 19.51 GiB free
+    memory: 34.4 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
+    6.4 MiB, activations 21.0 MiB, logits 0.5 MiB); the 4 ranks on this host: 137.5 MiB of
+    19.16 GiB free
 
 The bill is what the model's arrays hold and the step's logits; a step's other transient
 buffers (a ZeRO-3 unit's gathered weights, a collective's chunks, --ckpt-activations'
