@@ -346,7 +346,10 @@ def advice(args, config, size, per_rank, shared=True, on_host=True):
         except UsageError:
             continue                                     # training would refuse it here
         need = max(b["total"] for b in job_bills(config, other, size, on_host))
-        (fits if need <= MARGIN * per_rank else less if need < now else []).append(text)
+        if need <= MARGIN * per_rank:
+            fits.append(text)
+        elif need < now:
+            less.append(text)
     said = [" or ".join(fits) + (" fits" if len(fits) == 1 else " each fit") +
             " by the planner's count"] if fits else []
     less += ["a smaller --batch-size or --block-size"] + (["fewer ranks a host"] if shared
