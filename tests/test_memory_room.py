@@ -157,7 +157,7 @@ def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, m
     --no-memory-check it starts, says so, and the MemoryError of its first forward is one
     line naming the rank (exit 1), not a traceback per rank:
 
-        (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py --data F --n-embd 64 \
+        (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py --data F --n-embd 64 \\
             --n-layer 2 --n-head 2 --batch-size 2048 --steps 1 [--no-memory-check])
     """
     if mpi.device == "cuda":
@@ -182,7 +182,7 @@ def test_the_memory_line_is_the_ledgers(corpus, tmp_path, mpi):
     """One process, the default model's shape on the test corpus: the start's line names the
     bytes the run's own ledger then counts (--log-json's "mem"), to 8 bytes a token:
 
-        python examples/train_gpt.py --data F --steps 1 --batch-size 4 --block-size 64 \
+        python examples/train_gpt.py --data F --steps 1 --batch-size 4 --block-size 64 \\
             --log-json L      # its `memory:` line beside L's first row's "mem"
     """
     import json
@@ -204,7 +204,7 @@ def test_the_memory_line_is_the_ledgers(corpus, tmp_path, mpi):
 def test_a_benchmark_that_runs_out_is_one_line():
     """examples/bench_step.py goes through run_main too: its MemoryError is the one line:
 
-        (ulimit -v 1500000; python examples/bench_step.py --n-embd 64 --n-layer 2 \
+        (ulimit -v 1500000; python examples/bench_step.py --n-embd 64 --n-layer 2 \\
             --n-head 2 --batch-size 2048 --steps 1 --warmup 0)
     """
     cmd = [sys.executable, "examples/bench_step.py", *BIG_BATCH[:8], "--steps", "1",
