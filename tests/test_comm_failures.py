@@ -95,7 +95,8 @@ def test_a_rank_frozen_after_the_exit_agreement_ends_the_job(mpi):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["stopped", "stoppedbig"])
+@pytest.mark.parametrize("mode", [pytest.param("stopped", marks=pytest.mark.slow),
+                                  "stoppedbig"])
 def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_job(mpi, mode):
     """wait_for_all has no timeout (the ranks wait while others write a checkpoint or
     tokenize the text, as long as that takes), so a rank that froze there (SIGSTOP: a node
@@ -105,7 +106,8 @@ def test_a_rank_stopped_while_the_others_wait_for_it_without_timeout_ends_the_jo
     ends (~15 s). stoppedbig waits on a group whose key (which each question carries)
     pickles to 16 KiB, as the ranks of a world of ~5,000 do: the watchdog's blocking send
     of it, past MPICH's eager limit, waited for ever on the stopped rank (the job hung; a
-    review, 2026-11-29: watchdog._send). By hand:
+    review, 2026-11-29: watchdog._send); it runs by default, the plain key (the same
+    path, ~15 s more) under -m slow. By hand:
     MINIDIST_COMM_TIMEOUT=3 mpiexec -n 3 python tests/scripts/comm_small.py stopped"""
     out = mpi(3, "tests/scripts/comm_small.py", mode, timeout=90, check=False,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=3))
@@ -152,14 +154,15 @@ def test_a_rank_stopped_in_the_wait_after_it_answered_is_named_once(mpi):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["alone", "held"])
+@pytest.mark.parametrize("mode", [pytest.param("alone", marks=pytest.mark.slow), "held"])
 def test_a_rank_busy_or_held_past_the_timeout_is_waited_for(mpi, mode):
     """The other side of the test above, under a 2 s timeout: rank 1 computes alone for
     14 s (Python holding the interpreter 7 s, as a tokenizer would, then numpy), or is held
     (SIGSTOP, then SIGCONT: a loaded node) for 8 s, while the others wait_for_all. Its
     watchdog answers (once it runs again), so they wait, and every rank finishes (the
     reverted first try of this check asked once and gave up after 3 s: it aborted a
-    healthy job in CI, tests/test_async_save.py's rank held 3 s under a 1 s timeout). By hand:
+    healthy job in CI, tests/test_async_save.py's rank held 3 s under a 1 s timeout); held
+    runs by default, alone (~15 s) under -m slow. By hand:
     MINIDIST_COMM_TIMEOUT=2 mpiexec -n 3 python tests/scripts/comm_small.py alone"""
     out = mpi(3, "tests/scripts/comm_small.py", mode, timeout=90,
               env=mpi_env(MINIDIST_COMM_TIMEOUT=2))
