@@ -34,7 +34,6 @@ from dataclasses import replace
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
 from minidist.nn.config import gpt_param_specs, uses_tiled
-from minidist.pp.strategy import default_micro_batches
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
@@ -47,12 +46,10 @@ MARGIN = 0.9                      # a run (or advice's flag) above this share of
 
 def run_layout(args, world_size):
     """(planner.Layout, sequences per micro-batch, pipeline micro-batches) of the run the
-    flags ask for on `world_size` ranks (the flags checked: train/strategy.py check_layout)."""
-    others = args.ep * args.cp * args.tp * args.pp
-    dp = args.dp if args.dp is not None else max(world_size // others, 1)
-    rows = dp * args.ep * args.grad_accum            # (train/strategy.py check_layout's m)
-    m = 1 if args.pp == 1 else args.micro_batches or default_micro_batches(
-        args.batch_size // rows, args.pp, args.pp if args.pp_virtual > 1 else 1)
+    flags ask for on `world_size` ranks: dp and the micro-batch count as training's own
+    check_layout (train/strategy.py) makes them (UsageError where it refuses the flags)."""
+    dp, m = check_layout(args, world_size)
+    rows = dp * args.ep * args.grad_accum
     recompute = "full" if args.ckpt_activations else \
         "selective" if args.attention == "recompute" else "none"
     tiled = uses_tiled(args.attention, args.block_size)
