@@ -16,10 +16,12 @@ in its start-up lines:
     6.4 MiB, activations 21.0 MiB, logits 0.5 MiB); the 4 ranks on this host: 137.5 MiB of
     19.16 GiB free
 
-The bill is what the model's arrays hold and the step's logits; a step's other transient
-buffers (a ZeRO-3 unit's gathered weights, a collective's chunks, --ckpt-activations'
-recomputed block) and Python's own are not in it, so a run near the line may still fail
-later: run_main then ends it with one line too (cli.py out_of_memory_line).
+The bill is what the model's arrays hold, the step's logits and its buffers (step_buffers.py:
+the optimizer's scratch, ZeRO's gradients in flight and gathered units, --ckpt-activations'
+recomputed block); a gradient on its way into a DDP bucket and Python's own memory are not
+in it (within a tenth of a run's live arrays: tests/test_memory_check.py), so a run near the
+line may still fail later: run_main then ends it with one line too (cli.py
+out_of_memory_line).
 --no-memory-check starts a run whatever the count says.
 Tests: tests/test_memory_check.py (the bill), tests/test_memory_room.py (the room, the runs).
 """
@@ -37,11 +39,12 @@ from minidist.nn.config import gpt_param_specs, uses_tiled
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
+from minidist.train.step_buffers import step_buffers
 from minidist.train.strategy import check_layout
 
 UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
 MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
-                                  # near the limit (a step's transients are not in the bill)
+                                  # near the limit (what the bill leaves out: a tenth, at most)
 
 
 def run_layout(args, world_size):
@@ -103,7 +106,9 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
         whole = sum(math.prod(shape) for shape, _ in gpt_param_specs(config).values())
         copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
-    state = row["params"] + row["grads"] + row["optimizer"]
+    row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
+                                          training=not args.eval_only)
+    state = row["params"] + row["grads"] + row["optimizer"] + row["buffers"]
     steps = max(row["activations"] + row["logits"], row["evaluation"])   # (in turn)
     row["total"] = state + (steps + copy if args.async_save and args.save else
                             max(steps, copy))
@@ -277,8 +282,9 @@ def verdict(seen, bills):
     top = max(bills, key=lambda b: b["total"])
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
-        ("activations", "activations"), ("logits", "logits"), ("evaluation", "evaluation"),
-        ("checkpoint", "checkpoint")) if key not in ("logits", "evaluation", "checkpoint") or
+        ("activations", "activations"), ("logits", "logits"), ("buffers", "buffers"),
+        ("evaluation", "evaluation"), ("checkpoint", "checkpoint"))
+        if key not in ("logits", "buffers", "evaluation", "checkpoint") or
         top.get(key, 0) > (top["activations"] + top["logits"] if key == "evaluation" else 0))
     where, ranks, need, room, free = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))
@@ -301,7 +307,7 @@ def verdict(seen, bills):
         line += f"; `ulimit -v` leaves a rank {size_text(address)} of address space"
     if ratio > MARGIN or any(a is not None and b["total"] > MARGIN * a
                              for (_, _, a, _), b in zip(seen, bills)):
-        line += " (near the limit: a step's transient buffers are not in the count)"
+        line += " (near the limit: Python's own memory is not in the count)"
     return None, line
 
 
@@ -321,7 +327,7 @@ def _place_text(where, ranks, n_places, n_hosts):
 def advice(args, config, size, per_rank, shared=True, on_host=True):
     """What needs less: each flag the run could add (that training takes with the others:
     train/strategy.py check_layout) priced again, those that alone bring every rank within
-    MARGIN of `per_rank` bytes named as fitting (a step's transient buffers are not in the
+    MARGIN of `per_rank` bytes named as fitting (Python's own memory is not in the
     count: `--dtype float64 --grad-accum 2` at 1.27 GiB for 1.27 ran out), those that only
     need less after them; a smaller batch or sequence; fewer ranks a host where they
     `shared` the memory; then the planner's command for this model on `size` ranks of

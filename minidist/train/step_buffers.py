@@ -1,0 +1,115 @@
+"""What a rank's step holds beyond the planner's rows, for the start-up's memory check
+(minidist/train/memory_check.py rank_bill "buffers"). The planner (train/planner.py bill)
+counts the model states as the ZeRO paper does and the activations the graph keeps; a step
+also holds, counted here from the rank's own parameter shapes:
+
+    optimizer scratch   AdamW's (and Muon's) update goes through one reusable temporary per
+                        parameter shape (optim/optimizer.py scratch), --amp's unscaling
+                        through one float32 buffer per shape (train/amp.py unscaled): kept
+                        for the run, one of each distinct shape the rank holds.
+    ZeRO, any stage     its optimizer's float32 temporary of a unit's shard (zero/optim.py
+                        _scratch_buffer, per shard size: a block's and the root's), and the
+                        communication layer's work array, grown to the largest unit a
+                        reduce-scatter took (comm/group.py _get_scratch): kept for the run.
+    ZeRO-2, 3           a block's gradients while its backward runs, whole (.grad, until the
+                        unit's hook flattens them), and the flat buffers of the reduce-
+                        scatters in flight (zero/stage2.py: max_inflight + 1 units at once);
+                        the root's (wte, tied to the head: its gradient starts at the head and
+                        ends at the embedding) whole through backward.
+    ZeRO-3              the gathered parameters: two shared block buffers (this block's and
+                        the prefetched next one, zero/stage3.py) and the root's, gathered for
+                        the step.
+    --ckpt-activations  the block whose backward runs is computed again: its activations as a
+                        graph keeps them, for one block at a time (autograd/recompute.py).
+
+Measured with tracemalloc (the live arrays' peak over a run: 4 layers of 512, 8 heads, T 128,
+batch 4, `python examples/train_gpt.py --steps 2 --n-layer 4 --n-embd 512 --n-head 8
+--block-size 128 --batch-size 4` with the flags below, 2 ranks where ZeRO): ZeRO-3 212.5 MiB
+for 135.2 billed without these, ZeRO-2 215.4 for 159.7, --ckpt-activations 243.3 for 216.5.
+Tests: tests/test_memory_check.py.
+"""
+import math
+
+from minidist.nn.config import gpt_param_specs
+from minidist.train.activations import minidist_activation_bytes
+from minidist.train.planner import local_size
+
+MAX_INFLIGHT = 2          # zero/stage2.py ZeroStage2.max_inflight: reduce-scatters in flight
+
+
+def rank_shapes(config, layout, stage):
+    """(name, whole shape, elements on this rank) of each parameter a rank of pipeline
+    `stage` holds: its blocks' (an expert's on E/ep ranks: those of its own), the embeddings
+    on the first stage, ln_f and the tied head's wte on the last; split by tp."""
+    out = []
+    for name, (shape, _) in gpt_param_specs(config).items():
+        if name.startswith("transformer.h."):
+            block = int(name.split(".")[2])
+            if block * layout.pp // config.n_layer != stage:
+                continue
+            if ".mlp.experts." in name and int(name.split(".")[5]) % layout.ep:
+                continue                        # (E/ep of them: counted by one rank's share)
+        elif name == "transformer.wte.weight":
+            if stage not in (0, layout.pp - 1):
+                continue
+        elif name == "transformer.wpe.weight" and stage != 0:
+            continue
+        elif name.startswith("transformer.ln_f.") and stage != layout.pp - 1:
+            continue
+        out.append((name, shape, local_size(name, shape, layout.tp)))
+    return out
+
+
+def optimizer_scratch(shapes, layout):
+    """Elements (float32, or the run's dtype) of the optimizer's per-shape temporaries: one
+    per distinct shape for the update, one more under --amp for the unscaling; none under
+    ZeRO (its flat shards' temporaries are the units' below)."""
+    if layout.zero:
+        return 0
+    distinct = {(shape, n) for _, shape, n in shapes}
+    return (2 if layout.amp else 1) * sum(n for _, n in distinct)
+
+
+def zero_units(shapes, layout, config):
+    """(the largest block unit's elements, the root's): what ZeRO gathers and reduce-scatters
+    a unit at a time; the experts under --ep are units of their own (ZeRO-1 over their
+    replicas, gradients whole: the planner's rows), not in a block's."""
+    blocks, root = {}, 0
+    for name, _, n in shapes:
+        if name.startswith("transformer.h."):
+            if ".mlp.experts." in name and layout.ep > 1:
+                continue
+            key = int(name.split(".")[2])
+            blocks[key] = blocks.get(key, 0) + n
+        else:
+            root += n
+    ranks = layout.zero_ranks
+    padded = [math.ceil(n / ranks) * ranks for n in (max(blocks.values(), default=0), root)]
+    return padded[0], padded[1]
+
+
+def step_buffers(config, layout, stage, micro, dropout=False, training=True):
+    """Bytes (float32 arithmetic; the caller doubles them under --dtype float64) of the
+    module docstring's buffers on a rank of pipeline `stage`, `micro` sequences a
+    micro-batch; not `training` (--eval-only): ZeRO-3's gathered parameters alone."""
+    shapes = rank_shapes(config, layout, stage)
+    total = 4 * optimizer_scratch(shapes, layout) if training else 0
+    p, g = (2, 4 if layout.grad32 else 2) if layout.amp else (4, 4)
+    if layout.zero and training:
+        block, root = zero_units(shapes, layout, config)
+        total += g * max(block, root) + 4 * (block + root) // layout.zero_ranks
+    if layout.zero >= 2 and training:
+        block, root = zero_units(shapes, layout, config)
+        inflight = max((MAX_INFLIGHT + 1) * block, root + MAX_INFLIGHT * block)
+        total += g * (block + root + inflight)
+    if layout.zero >= 3:
+        block, root = zero_units(shapes, layout, config)
+        total += p * (2 * block + root)
+    if layout.recompute == "full" and layout.tp == 1 and training:
+        one = minidist_activation_bytes(config, config.block_size // layout.cp, micro,
+                                        layout.amp, dropout=dropout, tiled=layout.tiled)
+        kept = minidist_activation_bytes(config, config.block_size // layout.cp, micro,
+                                         layout.amp, ckpt=True, dropout=dropout,
+                                         tiled=layout.tiled)
+        total += int(one - kept) // config.n_layer
+    return total
