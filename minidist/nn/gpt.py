@@ -31,7 +31,7 @@ from minidist.nn.block import Block, CausalSelfAttention
 from minidist.nn.config import attention_weights, gpt_init, mlp_weights
 from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
-from minidist.nn.module import Module, ModuleDict, ModuleList
+from minidist.nn.module import Module, ModuleDict, ModuleList, release_parameters
 from minidist.nn.moe import MoE, moe_layers
 from minidist.nn.moe_bias import RouterBias
 from minidist.nn.sampling import generate, sample
@@ -55,15 +55,22 @@ class BlockHooks:
 class GPT(Module):
     context = None      # context parallelism's RingContext (minidist/cp/context.py), or None
 
-    def __init__(self, config, seed=0, dtype="float32", layers=None, weights=None):
+    def __init__(self, config, seed=0, dtype="float32", layers=None, weights=None,
+                 materialize=True):
         """`layers`: how the layers are made (DenseLayers, the default; tensor parallelism's
         split ones: minidist/tp/model.py). `weights`: {name: host array} to start from
         instead of `seed`'s draws (gpt_init; --init-from); the dropout keys still follow
-        `seed`."""
+        `seed`. `materialize` False: every parameter is left a placeholder (nn/module.py),
+        each module's arrays freed as soon as it is made, and no numbers drawn: whoever
+        builds the model so gives each parameter gpt_init's numbers later (ZeRO-3 does, a
+        unit at a time: minidist/zero/strategy.py build_model), and no rank ever holds the
+        whole model."""
         super().__init__()
         self.config = config
+        self.materialized = materialize
         self.transformer = self.build_transformer(layers or DenseLayers(config, dtype))
-        self.init_parameters(seed, dtype, weights)
+        if materialize:
+            self.init_parameters(seed, dtype, weights)
         self.set_dropout_keys(DropoutKeys(seed))
         self.set_router_bias(RouterBias(config))
         self.checkpointing = False
@@ -71,11 +78,17 @@ class GPT(Module):
 
     def build_transformer(self, layers):
         """The modules, GPT-2's names (a pipeline stage builds only its part)."""
-        config, dtype = self.config, layers.dtype
+        config, dtype, made = self.config, layers.dtype, self.made
         return ModuleDict(
-            **embeddings(config, layers),
-            h=ModuleList([Block(config, dtype, i, layers) for i in range(config.n_layer)]),
-            ln_f=layers.norm())
+            **{name: made(m) for name, m in embeddings(config, layers).items()},
+            h=ModuleList([made(Block(config, dtype, i, layers))
+                          for i in range(config.n_layer)]),
+            ln_f=made(layers.norm()))
+
+    def made(self, module):
+        """A module build_transformer just made: as it is, or without its arrays where the
+        model is not materialized (the next one is made after these are freed)."""
+        return module if self.materialized else release_parameters(module)
 
     def init_parameters(self, seed, dtype, weights=None):
         """gpt_init's numbers for every parameter this model holds, one parameter at a time

@@ -11,6 +11,29 @@ Tests: tests/test_nn.py.
 from minidist import backend
 from minidist.autograd import Tensor
 
+_PLACEHOLDERS = {}
+
+
+def placeholder(shape, like):
+    """A NaN array of `shape`, `like`'s dtype and device, holding one element (read-only on
+    numpy; CuPy has no read-only arrays): what a parameter points at while it holds no
+    numbers (ZeRO-3's parameters between gathers, minidist/zero/flat.py; a model built with
+    materialize=False, minidist/nn/gpt.py). A forward reading one gives NaN, never plausible
+    numbers, and a stray write raises on numpy."""
+    xp = backend.xp_of(like)
+    key = (xp.__name__, like.dtype.str)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = xp.full((), float("nan"), dtype=like.dtype)
+    return xp.broadcast_to(_PLACEHOLDERS[key], shape)
+
+
+def release_parameters(module):
+    """Every parameter of `module` points at a placeholder of its shape and dtype: its
+    array is freed (where nothing else holds it). Returns `module`."""
+    for p in module.parameters():
+        p.data = placeholder(p.shape, p.data)
+    return module
+
 
 class Parameter(Tensor):
     """A leaf Tensor that requires a gradient.

@@ -49,6 +49,7 @@ import os
 import numpy as np
 
 from minidist import backend
+from minidist.nn.module import placeholder
 from minidist.optim import multi_tensor
 from minidist.optim.clip import local_sum_sq
 from minidist.train.loss_scale import LossScaler
@@ -139,18 +140,25 @@ class MixedPrecision:
         self.optimizers = []         # the MasterWeightOptimizers built here: settle()
         self._scratch = {}           # (shape, array module) -> float32 buffer: unscaled()
 
-    def cast_model(self, model):
-        """Parameters to 16 bits in place; returns the model."""
+    def cast_model(self, model, placeholders=False):
+        """Parameters to 16 bits in place, their float32 arrays kept as the masters; returns
+        the model. `placeholders`: a model built with materialize=False (nn/gpt.py), whose
+        parameters hold no numbers yet: each becomes a 16-bit placeholder and no master is
+        kept (ZeRO-3 makes each unit's master shard as it draws the unit: zero/stage3.py)."""
         params = list(model.named_parameters())
-        self.dtype = half_dtype(backend.xp_of(params[0][1].data), self.dtype_name)
+        xp = backend.xp_of(params[0][1].data)
+        self.dtype = half_dtype(xp, self.dtype_name)
         if self.dtype.name == "bfloat16":    # float32's exponent range: no scaling needed
             self.scaler.scale, self.scaler.growth_interval = 1.0, None
         for name, p in params:
             if p.dtype != np.float32:
                 raise ValueError(f"mixed precision starts from a float32 model; {name} is "
                                  f"{p.dtype} (use --dtype float32 with --amp)")
-            self.masters[name] = p.data
-            p.data = p.data.astype(self.dtype)
+            if placeholders:
+                p.data = placeholder(p.shape, xp.empty(0, self.dtype))
+            else:
+                self.masters[name] = p.data
+                p.data = p.data.astype(self.dtype)
             p.grad_dtype = self.grad_dtype           # None: the 16-bit type
         return model
 

@@ -23,8 +23,9 @@ the output head), wpe, ln_f -- and one unit per transformer block, the granulari
 A pipeline stage's tied wte (the first and the last stage each hold a copy) is a unit of its
 own, so both copies are cut alike and their gradient shards can be summed shard by shard.
 The blocks have identical shapes, so at stage 3 they can share gather buffers.
-A freed parameter (stage 3, not gathered) points at a `placeholder`: a zero-strided NaN array
-of the right shape and dtype, one element of memory shared by all of them; a forward that forgot
+A freed parameter (stage 3, not gathered) points at a `placeholder` (minidist/nn/module.py: a
+model built on placeholders uses them too): a zero-strided NaN array of the right shape and
+dtype, one element of memory shared by all of them; a forward that forgot
 to gather would give NaN, never plausible numbers. On numpy it is read-only, so a stray write
 raises, and the CPU tests, which run every code path the GPU does, would find the writer. CuPy
 has no read-only arrays (its flags are the contiguity ones and OWNDATA): there a write would
@@ -33,20 +34,8 @@ CPU tests.
 Tests: tests/test_zero.py (layout, padding, shard ranges) and tests/scripts/zero_check.py.
 """
 from minidist.backend import xp_of
+from minidist.nn.module import placeholder
 from minidist.optim.optimizer import wants_decay
-
-_PLACEHOLDERS = {}
-
-
-def placeholder(shape, like):
-    """A NaN array of `shape`, `like`'s dtype and device, holding one element (read-only on
-    numpy; CuPy has no read-only arrays: see the module's docstring)."""
-    xp = xp_of(like)
-    key = (xp.__name__, like.dtype.str)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = xp.full((), float("nan"), dtype=like.dtype)
-    return xp.broadcast_to(_PLACEHOLDERS[key], shape)
-
 
 class FlatUnit:
     """The layout of `named_params` in one flat buffer padded to a multiple of `world`, and

@@ -63,7 +63,7 @@ class ShardedOptimizer:
         self.state = {u.flat.name: self._new_state(u) for u in engine.units}
         if amp is not None:               # the full float32 copies: only shards are kept
             for n in (n for u in engine.units for n in u.flat.names):
-                amp.masters.pop(n)
+                amp.masters.pop(n, None)         # (none: the units drew their shards)
         self._factor, self._found_inf, self._scratch = None, False, {}
         self._verdict = None               # --amp's verdict of this step, on the device
         if amp is not None:
@@ -75,7 +75,9 @@ class ShardedOptimizer:
         xp, f = xp_of(u.param_shard), u.flat
         dtype = np.float32 if self.amp is not None else f.dtype
         state = {key: xp.zeros(f.shard_size, dtype) for key in self.state_keys}
-        if self.amp is not None:
+        if self.amp is not None and u.master is not None:    # drawn with the unit (stage 3)
+            state["master"], u.master = u.master, None
+        elif self.amp is not None:
             masters = [self.amp.masters[n] for n in f.names]
             state["master"] = f.flatten(masters, dtype=np.float32)[f.lo:f.hi].copy()
         return state

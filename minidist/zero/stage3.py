@@ -25,7 +25,7 @@ import functools
 
 from minidist.autograd import is_grad_enabled
 from minidist.autograd.function import Function
-from minidist.backend import xp_of
+from minidist.backend import to_device, xp_of
 from minidist.zero.stage2 import ZeroStage2
 from minidist.zero.zero import ZeroUnit
 
@@ -58,9 +58,14 @@ class ZeroStage3(ZeroStage2):
     them, minidist/nn/gpt.py)."""
     stage = 3
 
-    def __init__(self, model, group, flats, prefetch=True, replicas=None):
+    def __init__(self, model, group, flats, prefetch=True, replicas=None, initial=None):
         self.prefetch = prefetch
+        # initial: None, the parameters hold their numbers; else a model built on
+        # placeholders (GPT's materialize=False) and initial(names=...) -> {name: host
+        # array}, gpt_init's numbers of those parameters, drawn here a unit at a time
+        self.initial = initial
         super().__init__(model, group, flats, replicas)      # self.blocks, self.root
+        self.initial = None                                  # (--init-from's weights: let go)
         size = max((u.flat.padded for u in self.blocks), default=0)
         self.buffers = [GatherBuffer(size) for _ in range(min(2, len(self.blocks)))]
         for i, u in enumerate(self.blocks):
@@ -71,10 +76,20 @@ class ZeroStage3(ZeroStage2):
         model.set_block_hooks(self)
 
     def _shard_params(self, flat):
-        full = flat.flatten()
+        master = None
+        if self.initial is None:
+            full = flat.flatten()
+        else:                        # this unit's numbers now: no rank holds the whole model
+            values = self.initial(names=set(flat.names))
+            xp = xp_of(flat.params[0].data)
+            drawn = flat.flatten([to_device(values[n], xp) for n in flat.names])
+            if drawn.dtype != flat.dtype:       # --amp: 16-bit parameters, float32 masters
+                master = drawn[flat.lo:flat.hi].copy()
+            full = drawn.astype(flat.dtype, copy=False)
         self.group.broadcast(full, 0)                # every rank starts from rank 0's model
         flat.release_params()
-        return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi].copy())   # drop the rest
+        return ZeroUnit(flat, param_shard=full[flat.lo:flat.hi].copy(),   # drop the rest
+                        master=master)
 
     def gather(self, u, wait=True):
         """u's full parameters into its gather buffer (unless already there); with `wait`

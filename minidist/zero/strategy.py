@@ -29,6 +29,8 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
                         rank) and the bytes sent per step
     takes_part_in_sampling   stage 3: every rank (each block's forward is a collective)
+    build_model         stage 3: the model on placeholders, each unit's numbers drawn and
+                        sharded in turn (no rank holds the whole model); else SingleProcess's
 Hybrid sharding (--zero-shard K, `shard_groups`): the engine shards over each group of K
 neighbouring ranks and averages the gradient shards across the groups (the replicas); the
 rows, the loss and the memory table stay over the whole dp group, the clip's sum over the
@@ -37,9 +39,12 @@ shard group; the first group writes the checkpoints (README.md, "Hybrid sharding
 --tp TensorParallel writes its parts from the first shard group (writes_checkpoint).
 Tests: tests/test_zero.py, tests/test_zero_checkpoint.py, tests/test_zero_hooks.py.
 """
+import functools
 import math
 
 from minidist.comm import trace
+from minidist.nn import GPT
+from minidist.nn.config import gpt_init
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
                                     matrix_views, optimizer_settings)
@@ -119,13 +124,31 @@ class ZeroDataParallel(SingleProcess):
         self._steps, self._gathered = 0, None   # steps begun; the gathers' bytes before them
         self.step_bytes = None          # the fewest bytes this rank sent in one step
 
-    def wrap(self, model):
-        """Shard `model` (the whole model, or this rank's part built by another strategy)."""
+    def build_model(self, config, seed, dtype, weights=None):
+        """Stages 1, 2: SingleProcess's (every rank holds the whole parameters anyway).
+        Stage 3: the model built on placeholders (GPT's materialize=False: each module's
+        arrays freed as it is made), cast for --amp without float32 copies, then each unit's
+        numbers drawn (gpt_init, or --init-from's `weights`), broadcast and cut to this
+        rank's shard in turn: a rank holds its shards and one unit, never the whole model
+        (DeepSpeed's zero.Init; tests/test_zero_build.py). The same numbers as building it
+        whole: each parameter's draw has its own seed."""
+        if self.stage < 3:
+            return super().build_model(config, seed, dtype, weights)
+        model = GPT(config, seed=seed, dtype=dtype, materialize=False)
+        model.set_checkpointing(self.ckpt_activations)
+        if self.amp:
+            self.amp.cast_model(model, placeholders=True)
+        return self.wrap(model, functools.partial(gpt_init, config, seed, dtype=dtype,
+                                                  weights=weights))
+
+    def wrap(self, model, initial=None):
+        """Shard `model` (the whole model, or this rank's part built by another strategy;
+        `initial`: build_model's, for a model on placeholders)."""
         self.model, self.n_params = model, model.num_parameters()
         shards = self.shard_group
         units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())
         self.engine = zero_engine(model, shards, self.stage, units, self.prefetch,
-                                  self.replicas, self.gather_group)
+                                  self.replicas, self.gather_group, initial)
         return model
 
     def build_optimizer(self, model, args, tp=None):

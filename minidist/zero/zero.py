@@ -69,6 +69,8 @@ class ZeroUnit:
         ready         parameters whose gradient this backward has completed (stage 1: in
                       the step's last micro-batch)
         slot          stage 3: the GatherBuffer this unit's parameters are gathered into
+        master        stage 3 building a model on placeholders under --amp: the float32
+                      master shard drawn with the unit, until the optimizer takes it
     """
     flat: FlatUnit
     param_shard: Any
@@ -78,6 +80,7 @@ class ZeroUnit:
     grad_views: list = field(default_factory=list)
     ready: int = 0
     slot: Any = None
+    master: Any = None
 
 
 class ZeroStage1:
