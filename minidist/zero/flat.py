@@ -73,6 +73,15 @@ class FlatUnit:
                 flat[off:off + n] = a.reshape(-1)
         return flat
 
+    def shard_of(self, arrays, dtype):
+        """This rank's [lo, hi) of the padded flat buffer `arrays` (one per parameter) would
+        make, without making it (a new S-element array of `dtype`; the padding zeros)."""
+        shard = xp_of(arrays[0]).zeros(self.shard_size, dtype=dtype)
+        for i, start, stop in self.pieces():
+            at = self.offsets[i] + start - self.lo
+            shard[at:at + stop - start] = arrays[i].reshape(-1)[start:stop]
+        return shard
+
     def views(self, flat):
         """Each parameter's view (its shape) into a padded flat buffer."""
         return [flat[off:off + n].reshape(shape)

@@ -61,9 +61,6 @@ class ShardedOptimizer:
         self.param_groups = param_groups
         self.steps = 0                    # updates taken (AdamW's per-parameter "step")
         self.state = {u.flat.name: self._new_state(u) for u in engine.units}
-        if amp is not None:               # the full float32 copies: only shards are kept
-            for n in (n for u in engine.units for n in u.flat.names):
-                amp.masters.pop(n, None)         # (none: the units drew their shards)
         self._factor, self._found_inf, self._scratch = None, False, {}
         self._verdict = None               # --amp's verdict of this step, on the device
         if amp is not None:
@@ -77,9 +74,9 @@ class ShardedOptimizer:
         state = {key: xp.zeros(f.shard_size, dtype) for key in self.state_keys}
         if self.amp is not None and u.master is not None:    # drawn with the unit (stage 3)
             state["master"], u.master = u.master, None
-        elif self.amp is not None:
-            masters = [self.amp.masters[n] for n in f.names]
-            state["master"] = f.flatten(masters, dtype=np.float32)[f.lo:f.hi].copy()
+        elif self.amp is not None:      # the full float32 copies go as each unit's shard is
+            masters = [self.amp.masters.pop(n) for n in f.names]     # cut: only shards kept
+            state["master"] = f.shard_of(masters, np.float32)
         return state
 
     def set_lr(self, lr):
