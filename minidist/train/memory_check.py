@@ -107,7 +107,7 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
         copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
     row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
-                                          training=not args.eval_only)
+                                          training=not args.eval_only, cpu=host_is_device)
     state = row["params"] + row["grads"] + row["optimizer"] + row["buffers"]
     steps = max(row["activations"] + row["logits"], row["evaluation"])   # (in turn)
     row["total"] = state + (steps + copy if args.async_save and args.save else

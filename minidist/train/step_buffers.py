@@ -8,9 +8,10 @@ also holds, counted here from the rank's own parameter shapes:
                         through one float32 buffer per shape (train/amp.py unscaled): kept
                         for the run, one of each distinct shape the rank holds.
     ZeRO, any stage     its optimizer's float32 temporary of a unit's shard (zero/optim.py
-                        _scratch_buffer, per shard size: a block's and the root's), and the
-                        communication layer's work array, grown to the largest unit a
-                        reduce-scatter took (comm/group.py _get_scratch): kept for the run.
+                        _scratch_buffer, per shard size: a block's and the root's; --amp's
+                        unscaling one more of each), and the communication layer's work
+                        array, grown to the largest unit a reduce-scatter took (comm/
+                        group.py _get_scratch): kept for the run.
     ZeRO-2, 3           a block's gradients while its backward runs, whole (.grad, until the
                         unit's hook flattens them), and the flat buffers of the reduce-
                         scatters in flight (zero/stage2.py: max_inflight + 1 units at once);
@@ -21,11 +22,17 @@ also holds, counted here from the rank's own parameter shapes:
                         the step.
     --ckpt-activations  the block whose backward runs is computed again: its activations as a
                         graph keeps them, for one block at a time (autograd/recompute.py).
+    --amp on the CPU    numpy has no 16-bit BLAS: a matmul multiplies float32 copies of its
+                        operands into a float32 product (backend.matmul), the largest of the
+                        rank's (a weight, its rows of input and of output) at once.
 
-Measured with tracemalloc (the live arrays' peak over a run: 4 layers of 512, 8 heads, T 128,
-batch 4, `python examples/train_gpt.py --steps 2 --n-layer 4 --n-embd 512 --n-head 8
---block-size 128 --batch-size 4` with the flags below, 2 ranks where ZeRO): ZeRO-3 212.5 MiB
-for 135.2 billed without these, ZeRO-2 215.4 for 159.7, --ckpt-activations 243.3 for 216.5.
+Measured with tracemalloc (the live arrays' peak over a run, the largest rank's: `python
+examples/train_gpt.py --steps 2 --n-layer 4 --n-embd 512 --n-head 8 --block-size 128
+--batch-size 4` with the flags below): billed without these, 2 ranks, ZeRO-3 135.2 MiB for
+212.4, ZeRO-2 159.7 for 215.4, --ckpt-activations (1 process) 216.5 for 243.3; with them,
+ZeRO-3 227.3 for 208.3, ZeRO-2 226.9 for 208.6, recompute 246.3 for 237.0, and 4 ranks
+--amp ZeRO-1 113.9 for 117.5, ZeRO-2 120.0 for 110.9, ZeRO-3 114.1 for 105.0; DDP 245.7 for
+257.1, --tp 2 151.1 for 138.0, --pp 4 82.9 for 90.7, --cp 2 241.7 for 256.4.
 Tests: tests/test_memory_check.py.
 """
 import math
@@ -70,7 +77,7 @@ def optimizer_scratch(shapes, layout):
     return (2 if layout.amp else 1) * sum(n for _, n in distinct)
 
 
-def zero_units(shapes, layout, config):
+def zero_units(shapes, layout):
     """(the largest block unit's elements, the root's): what ZeRO gathers and reduce-scatters
     a unit at a time; the experts under --ep are units of their own (ZeRO-1 over their
     replicas, gradients whole: the planner's rows), not in a block's."""
@@ -88,22 +95,34 @@ def zero_units(shapes, layout, config):
     return padded[0], padded[1]
 
 
-def step_buffers(config, layout, stage, micro, dropout=False, training=True):
+def half_matmul_copies(shapes, rows):
+    """Elements of the float32 copies numpy's 16-bit matmul makes at once, at most: over the
+    rank's matrices (wte the head's), the weight, `rows` rows of its input and of its
+    output (the whole widths: an upper bound under tp)."""
+    return max((n + rows * sum(shape) for _, shape, n in shapes if len(shape) == 2),
+               default=0)
+
+
+def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu=True):
     """Bytes (float32 arithmetic; the caller doubles them under --dtype float64) of the
     module docstring's buffers on a rank of pipeline `stage`, `micro` sequences a
-    micro-batch; not `training` (--eval-only): ZeRO-3's gathered parameters alone."""
+    micro-batch; not `training` (--eval-only): ZeRO-3's gathered parameters and the 16-bit
+    matmul's copies alone; `cpu`: the device is the CPU (numpy's 16-bit matmul)."""
     shapes = rank_shapes(config, layout, stage)
     total = 4 * optimizer_scratch(shapes, layout) if training else 0
+    if layout.amp and cpu:
+        total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
     p, g = (2, 4 if layout.grad32 else 2) if layout.amp else (4, 4)
     if layout.zero and training:
-        block, root = zero_units(shapes, layout, config)
-        total += g * max(block, root) + 4 * (block + root) // layout.zero_ranks
+        block, root = zero_units(shapes, layout)
+        shard_scratch = (2 if layout.amp else 1) * (block + root) // layout.zero_ranks
+        total += g * max(block, root) + 4 * shard_scratch
     if layout.zero >= 2 and training:
-        block, root = zero_units(shapes, layout, config)
+        block, root = zero_units(shapes, layout)
         inflight = max((MAX_INFLIGHT + 1) * block, root + MAX_INFLIGHT * block)
         total += g * (block + root + inflight)
     if layout.zero >= 3:
-        block, root = zero_units(shapes, layout, config)
+        block, root = zero_units(shapes, layout)
         total += p * (2 * block + root)
     if layout.recompute == "full" and layout.tp == 1 and training:
         one = minidist_activation_bytes(config, config.block_size // layout.cp, micro,
