@@ -32,7 +32,7 @@ import time
 from mpi4py import MPI
 
 EXIT, ASK, ANSWER, ALIVE, ALIVE_ANSWER = 11, 12, 13, 14, 15   # tags on the watchdog's comm
-POLL_S = 0.5                            # how often the thread looks
+POLL_S = 0.5                            # how often the thread looks (stop() wakes it)
 ASK_S = 3.0                             # how long a timed-out rank waits for answers
 FLUSH_S = 1.0                           # output's head start before MPI_Abort kills
 LATER_S = 3.0                           # a rank not the first to abort waits (abort_job)
@@ -42,7 +42,7 @@ _lock = threading.Lock()
 _active = {}      # thread id -> (key, op, seq, start, timed): the collective each thread is in
 _progress = {}    # group key -> [entered seq, done seq, op entered]: what ASK answers
 _p2p = {}         # thread id -> (label, world rank of the peer, start): a p2p wait
-_state = {"comm": None, "thread": None, "stop": False, "timeout": 600.0,
+_state = {"comm": None, "thread": None, "stop": threading.Event(), "timeout": 600.0,
           "exited": {}, "answers": {}, "later": None,   # later: abort_job's deferred line
           "asked": {}, "alive": {},   # _check_alive: rank -> (key, seq, when asked) and
 #                                       rank -> (when it last answered, its answer)
@@ -177,21 +177,21 @@ def timeout_s():
 def stop():
     """Stop the thread and free its communicator (before MPI_Finalize)."""
     if _state["thread"] is not None:
-        _state["stop"] = True
+        _state["stop"].set()        # ends the nap (a sleep: each rank's exit waited ~0.5 s)
         _state["thread"].join()
         _state["thread"] = None
         _state["comm"].Free()
 
 
 def _loop():
-    while not _state["stop"]:
+    while not _state["stop"].is_set():
         _serve()
         if _state["later"] is None:
             _check_stranded()
             _check_timeouts()
         elif time.monotonic() > _state["later"][0]:      # the first has not ended the job
             abort_job(*_state["later"][1:])
-        time.sleep(POLL_S)
+        _state["stop"].wait(POLL_S)
 
 
 def _serve():
