@@ -4,7 +4,7 @@ and its lines; then runs refused before the model is built, a run that runs out 
 with one line, and the line beside the run's own ledger:
 
     (ulimit -v 1500000; python examples/train_gpt.py --data F --n-embd 64 --n-layer 2 \\
-        --n-head 2 --batch-size 2048 --steps 1)          # error: memory: ..., exit 2
+        --n-head 2 --batch-size 8192 --steps 1)          # error: memory: ..., exit 2
     ... --no-memory-check                                # error: out of memory: ..., exit 1
     (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py ...)   # the same, once
 The bill itself (the flags' layout, each rank's count, the advice): tests/test_memory_check.py.
@@ -139,8 +139,10 @@ def test_verdict_holds_each_rank_to_its_address_space():
     assert not problem and line.endswith("; `ulimit -v` leaves a rank 20.0 MiB of address space")
 
 
-# a model whose activations (materialized attention at batch 2048) are ~2.9 GiB, params tiny
-BIG_BATCH = ["--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--batch-size", "2048",
+# a model whose activations (materialized attention) are ~11.5 GiB at batch 8192 (5.8 a rank
+# on 2), params tiny. At 2048 (2.9 GiB) the forward that runs out anyway computed ~3 s before
+# its last allocation failed (1 rank: the logits'); at 8192 its first big one fails, <1 s
+BIG_BATCH = ["--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--batch-size", "8192",
              "--steps", "1", "--sample", "0"]
 
 
@@ -160,7 +162,7 @@ def test_a_run_that_cannot_fit_is_refused_then_ends_in_one_line(ranks, corpus, m
     line naming the rank (exit 1), not a traceback per rank:
 
         (ulimit -v 1500000; mpiexec -n 2 python examples/train_gpt.py --data F --n-embd 64 \\
-            --n-layer 2 --n-head 2 --batch-size 2048 --steps 1 [--no-memory-check])
+            --n-layer 2 --n-head 2 --batch-size 8192 --steps 1 [--no-memory-check])
     """
     if mpi.device == "cuda":
         pytest.skip("ulimit -v holds the host's allocations; a GPU's are CUDA's")
@@ -209,7 +211,7 @@ def test_a_benchmark_that_runs_out_is_one_line():
     """examples/bench_step.py goes through run_main too: its MemoryError is the one line:
 
         (ulimit -v 1500000; python examples/bench_step.py --n-embd 64 --n-layer 2 \\
-            --n-head 2 --batch-size 2048 --steps 1 --warmup 0)
+            --n-head 2 --batch-size 8192 --steps 1 --warmup 0)
     """
     cmd = [sys.executable, "examples/bench_step.py", *BIG_BATCH[:8], "--steps", "1",
            "--warmup", "0"]
