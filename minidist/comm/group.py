@@ -232,15 +232,18 @@ class ProcessGroup:
     def wait_for_all(self, nap_s=0.02):
         """A barrier for ranks that wait while another works alone (the first rank on each
         node tokenizing the text: minidist/train/data_open.py open_data_shared): MPI_Ibarrier,
-        then test and nap `nap_s`, so the waiting ranks leave the cores to the working one
-        (MPICH's blocking wait spins). No timeout (the work takes what it takes), but a
+        then test and nap, 1 ms first, doubling up to `nap_s`, so the waiting ranks leave the
+        cores to the working one (MPICH's blocking wait spins). The barrier's rounds move on
+        only in a Test: napping `nap_s` from the start, one whose ranks came together took
+        40-120 ms (a job's five: ~0.35 s). No timeout (the work takes what it takes), but a
         rank that exits first still ends the job (watchdog.py); a Ctrl-C stops the nap."""
         self._stream.synchronize()
         self._seq += 1
         watchdog.entered(self.key, "wait_for_all", self._seq, timed=False)
-        request = self._coll.Ibarrier()
+        request, nap = self._coll.Ibarrier(), min(0.001, nap_s)
         while not request.Test():
-            time.sleep(nap_s)
+            time.sleep(nap)
+            nap = min(2 * nap, nap_s)
         watchdog.left(self.key, self._seq)
 
     # ---- Python objects (pickled by mpi4py): verdicts, table rows, whole states ------------
