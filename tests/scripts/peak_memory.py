@@ -9,6 +9,7 @@ written as {"rank", "peak"} JSON to OUT/rank<r>.json (the ranks' lines would int
 
 Run by tests/test_memory_check.py.
 """
+import argparse
 import importlib
 import json
 import os
@@ -23,8 +24,14 @@ import minidist
 
 
 def main():
-    out, script, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
-    sys.argv = [script] + flags
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("script")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cli, flags = p.parse_known_args()        # flags: the training script's, handed on
+    out = cli.out
+    sys.argv = [cli.script, *flags, "--device", cli.device]
+    script = cli.script
     for module in pkgutil.walk_packages(minidist.__path__, "minidist."):
         try:
             importlib.import_module(module.name)
