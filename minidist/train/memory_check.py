@@ -12,9 +12,9 @@ what it needs, what is free and what needs less, instead of a kernel's OOM kill 
 no word why) or a MemoryError's traceback on every rank minutes later; one that fits says so
 in its start-up lines:
 
-    memory: 34.4 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
-    6.4 MiB, activations 21.0 MiB, logits 0.5 MiB); the 4 ranks on this host: 137.5 MiB of
-    19.16 GiB free
+    memory: 35.3 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
+    6.4 MiB, activations 21.0 MiB, logits 0.5 MiB, buffers 0.9 MiB); the 4 ranks on this
+    host: 141.0 MiB of 18.23 GiB free
 
 The bill is what the model's arrays hold, the step's logits and its buffers (step_buffers.py:
 the optimizer's scratch, ZeRO's gradients in flight and gathered units, --ckpt-activations'
@@ -68,7 +68,8 @@ def run_layout(args, world_size):
 
 def rank_bill(config, args, world_size, rank, host_is_device=True):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
-    "logits", "evaluation", "checkpoint", "total"}): its pipeline stage's; twice the float32 count
+    "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's; "buffers"
+    the step's beyond the planner's rows (step_buffers.py); twice the float32 count
     under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
     (loaded into it), the activations a ceiling of the forward's (eval_activations' where
     it has one, else the training graph's). "evaluation": a training run's evaluations
