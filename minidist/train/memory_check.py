@@ -39,7 +39,7 @@ from minidist.nn.config import gpt_param_specs, uses_tiled
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.planner import GiB, Layout, bill
-from minidist.train.step_buffers import step_buffers
+from minidist.train.step_buffers import kept_buffers, step_buffers
 from minidist.train.strategy import check_layout
 
 UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
@@ -82,7 +82,8 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     optimizer, from the step's end until written: with --async-save through the next
     steps, beside their activations; else after them), a --resume's load the same, an
     --init-from's the whole model's float32 weights (measured against peak RSS:
-    tests/test_memory_check.py)."""
+    tests/test_memory_check.py). "buffers": step_buffers.py's; those a step frees
+    are billed with the steps, not beside a checkpoint's copy."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
@@ -109,8 +110,13 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     row["checkpoint"] = copy
     row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
                                           training=not args.eval_only, cpu=host_is_device)
-    state = row["params"] + row["grads"] + row["optimizer"] + row["buffers"]
-    steps = max(row["activations"] + row["logits"], row["evaluation"])   # (in turn)
+    # a step's own buffers are freed by its end, so a save's (or a --resume's) copy is not
+    # beside them: billed with the steps (2 ranks --zero 2 --resume: 178.1 MiB for a peak
+    # of 113.1 when added to both); --eval-only's beside it (measured 91.1 for 98.7)
+    kept = row["buffers"] if args.eval_only else scale * kept_buffers(config, layout, stage)
+    state = row["params"] + row["grads"] + row["optimizer"] + kept
+    steps = max(row["activations"] + row["logits"], row["evaluation"]) + (   # (in turn)
+        row["buffers"] - kept)
     row["total"] = state + (steps + copy if args.async_save and args.save else
                             max(steps, copy))
     return row

@@ -103,20 +103,35 @@ def half_matmul_copies(shapes, rows):
                default=0)
 
 
-def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu=True):
-    """Bytes (float32 arithmetic; the caller doubles them under --dtype float64) of the
-    module docstring's buffers on a rank of pipeline `stage`, `micro` sequences a
-    micro-batch; not `training` (--eval-only): ZeRO-3's gathered parameters and the 16-bit
-    matmul's copies alone; `cpu`: the device is the CPU (numpy's 16-bit matmul)."""
+def kept_buffers(config, layout, stage, training=True):
+    """Bytes (as step_buffers) of the buffers kept for the run once the first step made
+    them: the optimizer's per-shape scratch, ZeRO's shard scratch and comm work array.
+    The rest of step_buffers' lives inside a step only (freed by its end: ZeRO-3's
+    gathers by after_step), so a checkpoint's copy, held after a step or before the first
+    (a --resume's load), is never beside it (memory_check.py rank_bill)."""
+    if not training:
+        return 0
     shapes = rank_shapes(config, layout, stage)
-    total = 4 * optimizer_scratch(shapes, layout) if training else 0
-    if layout.amp and cpu:
-        total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
-    p, g = (2, 4 if layout.grad32 else 2) if layout.amp else (4, 4)
-    if layout.zero and training:
+    total = 4 * optimizer_scratch(shapes, layout)
+    if layout.zero:
+        g = (4 if layout.grad32 else 2) if layout.amp else 4
         block, root = zero_units(shapes, layout)
         shard_scratch = (2 if layout.amp else 1) * (block + root) // layout.zero_ranks
         total += g * max(block, root) + 4 * shard_scratch
+    return total
+
+
+def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu=True):
+    """Bytes (float32 arithmetic; the caller doubles them under --dtype float64) of the
+    module docstring's buffers on a rank of pipeline `stage`, `micro` sequences a
+    micro-batch, kept_buffers' among them; not `training` (--eval-only): ZeRO-3's gathered
+    parameters and the 16-bit matmul's copies alone; `cpu`: the device is the CPU (numpy's
+    16-bit matmul)."""
+    shapes = rank_shapes(config, layout, stage)
+    total = kept_buffers(config, layout, stage, training)
+    if layout.amp and cpu:
+        total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
+    p, g = (2, 4 if layout.grad32 else 2) if layout.amp else (4, 4)
     if layout.zero >= 2 and training:
         block, root = zero_units(shapes, layout)
         inflight = max((MAX_INFLIGHT + 1) * block, root + MAX_INFLIGHT * block)
