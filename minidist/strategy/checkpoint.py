@@ -43,7 +43,7 @@ from minidist.nn.safetensors import SafetensorsError, load_file
 from minidist.strategy import checkpoint_dirs as dirs
 from minidist.strategy import saving
 from minidist.strategy.checkpoint_dirs import CheckpointError
-from minidist.strategy.readers import read_whole, sha256_file, verify_file
+from minidist.strategy.readers import STATE_KEYS, read_whole, sha256_file, verify_file
 from minidist.strategy.saving import DIGEST, FORMAT, VERSION
 
 __all__ = ["CheckpointError", "save", "load", "verify", "check_fits", "make_meta",
@@ -201,7 +201,7 @@ def saved_model(directory):
         raise CheckpointError(f"checkpoint {folder}: its record cannot be read ({e})") from None
 
 
-def load(directory, keep=None, only=None):
+def load(directory, keep=None, only=None, keys=STATE_KEYS):
     """(params, optimizer_state, meta) of the checkpoint `directory` (a checkpoint folder, or
     a --save directory: its latest), every file verified; ZeRO's shards assembled by name,
     a TP x ZeRO checkpoint's tp pieces glued as its parts record.
@@ -211,17 +211,20 @@ def load(directory, keep=None, only=None):
     only: the parameter names this rank holds (a pipeline stage's, an expert-parallel rank's
     own experts); the checkpoint's other parameters, their optimizer arrays and scalars, are
     not read at all. Optimizer entries that are no parameter (the loss scaler's) are kept.
-    None: every parameter."""
+    None: every parameter. keys: the parameters' optimizer arrays to read (the weights
+    alone need "master": AdamW's moments, twice the model, are then never assembled)."""
     folder = dirs.resolve(directory)
     manifest = verify(folder)
     record = read_record(folder, manifest)
     with does_not_fit(folder):
         if "zero" in manifest or "parts" in manifest:
-            params, arrays, saved_names = read_whole(folder, manifest, keep, only)
+            params, arrays, saved_names = read_whole(folder, manifest, keep, only, keys)
         else:                                   # memory-mapped: `keep` reads only its piece
             params, _ = load_file(os.path.join(folder, "model.safetensors"))
             arrays, _ = load_file(os.path.join(folder, "optimizer.safetensors"))
             saved_names = set(params)
+            arrays = {k: a for k, a in arrays.items() if k.rsplit("/", 1)[-1] not in
+                      STATE_KEYS or k.rsplit("/", 1)[-1] in keys}
             if only is not None:
                 params = {n: a for n, a in params.items() if n in only}
                 arrays = {k: a for k, a in arrays.items() if _wanted(k.rsplit("/", 1)[0],

@@ -182,19 +182,19 @@ def reader_for(directory, manifest, verified=False, keep=None):
 
 # ---- whole arrays, for checkpoint.load (one process, DDP, TP, PP) -------------------------------
 
-def read_whole(directory, manifest, keep=None, only=None):
+def read_whole(directory, manifest, keep=None, only=None, keys=STATE_KEYS):
     """(params, optimizer arrays "<name>/<key>", every parameter name saved) as whole arrays
     from the shards (ZeRO's, or a TP x ZeRO checkpoint's parts) of a folder checkpoint.verify
     has checked; keep(name, array): what of each whole array to hold (checkpoint.load's), one
     array at a time; only: the parameter names to read (None: all), the others never
-    assembled."""
+    assembled; keys: the optimizer arrays to read (the others never assembled)."""
     reader = reader_for(directory, manifest, verified=True)
     keep = keep or (lambda name, a: a)
     names = [n for n in reader.names if only is None or n in only]
     params = {n: keep(n, reader.get(n)) for n in names}
     arrays = {}
     for n in params:
-        for k in STATE_KEYS:
+        for k in keys:
             a = reader.get(n, k)
             if a is not None:
                 arrays[f"{n}/{k}"] = keep(n, a)

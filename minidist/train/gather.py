@@ -61,7 +61,7 @@ def whole_model(path):
     if os.path.isfile(os.path.join(path, "config.json")):
         return _pretrained(path)
     folder = checkpoint_dirs.resolve(path)
-    params, opt_state, meta = checkpoint.load(folder)
+    params, opt_state, meta = checkpoint.load(folder, keys=("master",))   # not the moments
     what = f"step {meta['step']} of {folder}"
     return _config(meta, folder), _masters(params, opt_state["state"]), what
 
