@@ -8,6 +8,7 @@ import pytest
 from minidist.autograd import no_grad
 from minidist.backend import to_host as H
 from minidist.nn import GPT, GPTConfig, gpt_init, gpt_param_specs
+from minidist.nn.module import Parameter
 from minidist.optim import AdamW
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, vocab_size=11)
@@ -79,6 +80,22 @@ def test_the_build_loads_a_block_at_a_time():
     full = gpt_init(config, seed=5)
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(H(p.data), full[name], err_msg=name)
+
+
+class ExtraParameterGPT(GPT):
+    """GPT with a parameter gpt_param_specs does not know."""
+
+    def build_transformer(self, layers):
+        transformer = super().build_transformer(layers)
+        transformer.extra = Parameter(np.zeros(3, np.float32))
+        return transformer
+
+
+def test_a_parameter_gpt_init_does_not_know_is_refused():
+    """The build loads a part at a time, not strictly: a parameter without gpt_init's numbers
+    would keep its zeros silently (the whole model's strict load raised KeyError)."""
+    with pytest.raises(KeyError, match="transformer.extra"):
+        ExtraParameterGPT(TINY)
 
 
 def test_init_statistics_follow_gpt2():

@@ -101,8 +101,11 @@ class GPT(Module):
             part = name.split(".")[:3] if name.startswith("transformer.h.") else [name]
             parts.setdefault(".".join(part), set()).add(name)
         for names in parts.values():
-            self.load_state_dict(gpt_init(self.config, seed, names=names, dtype=dtype,
-                                          weights=weights), strict=False)
+            state = gpt_init(self.config, seed, names=names, dtype=dtype, weights=weights)
+            if set(state) != names:     # (strict=False below: it would keep its zeros)
+                raise KeyError(f"init_parameters: gpt_init has no numbers for "
+                               f"{sorted(names - set(state))[:8]}")
+            self.load_state_dict(state, strict=False)
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)
