@@ -311,3 +311,22 @@ def gpt_init(config, seed, names=None, dtype="float32", weights=None):
             a = backend.rng([seed, zlib.crc32(name.encode())]).standard_normal(shape) * init
         out[name] = a.astype(dtype)
     return out
+
+
+def padded_wte(state, rows):
+    """`state` ({name: array}), its wte given zero rows up to `rows` (a new dict) where it
+    has fewer: config.padded_vocab_size's padding, which no draw and no GPT-2 file holds."""
+    wte = "transformer.wte.weight"
+    if wte not in state or state[wte].shape[0] >= rows:
+        return state
+    value = backend.to_host(state[wte])
+    pad = np.zeros((rows - value.shape[0],) + value.shape[1:], dtype=value.dtype)
+    return {**state, wte: np.concatenate([value, pad])}
+
+
+def model_init(config, seed, names, dtype="float32", weights=None):
+    """gpt_init's numbers for `names`, as GPT's parameters hold them (wte's vocabulary
+    padded to config.padded_vocab_size): what ZeRO-3 draws a unit at a time for a model
+    built with materialize=False (minidist/zero/strategy.py build_model)."""
+    return padded_wte(gpt_init(config, seed, names=names, dtype=dtype, weights=weights),
+                      config.padded_vocab_size)

@@ -28,7 +28,7 @@ from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
 from minidist.nn.block import Block, CausalSelfAttention
-from minidist.nn.config import attention_weights, gpt_init, mlp_weights
+from minidist.nn.config import attention_weights, gpt_init, mlp_weights, padded_wte
 from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList, release_parameters
@@ -168,12 +168,7 @@ class GPT(Module):
     def load_state_dict(self, state, strict=True):
         """Module's; a wte of vocab_size rows gets the padding rows added, zero."""
         rows = dict(self.named_parameters())[WTE].shape[0] if WTE in state else 0
-        if WTE in state and state[WTE].shape[0] < rows:
-            state = dict(state)
-            value = backend.to_host(state[WTE])
-            pad = np.zeros((rows - value.shape[0],) + value.shape[1:], dtype=value.dtype)
-            state[WTE] = np.concatenate([value, pad])
-        return super().load_state_dict(state, strict)
+        return super().load_state_dict(padded_wte(state, rows), strict)
 
     # ---- forward, in three pieces a pipeline stage can call separately ---------------------
     def forward(self, idx, targets=None):

@@ -44,7 +44,7 @@ import math
 
 from minidist.comm import trace
 from minidist.nn import GPT
-from minidist.nn.config import gpt_init
+from minidist.nn.config import model_init
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
                                     matrix_views, optimizer_settings)
@@ -128,17 +128,17 @@ class ZeroDataParallel(SingleProcess):
         """Stages 1, 2: SingleProcess's (every rank holds the whole parameters anyway).
         Stage 3: the model built on placeholders (GPT's materialize=False: each module's
         arrays freed as it is made), cast for --amp without float32 copies, then each unit's
-        numbers drawn (gpt_init, or --init-from's `weights`), broadcast and cut to this
-        rank's shard in turn: a rank holds its shards and one unit, never the whole model
-        (DeepSpeed's zero.Init; tests/test_zero_build.py). The same numbers as building it
-        whole: each parameter's draw has its own seed."""
+        numbers drawn (nn/config.py model_init: gpt_init's, or --init-from's `weights`, wte
+        padded), broadcast and cut to this rank's shard in turn: a rank holds its shards and
+        one unit, never the whole model (DeepSpeed's zero.Init; tests/test_zero_build.py).
+        The same numbers as building it whole: each parameter's draw has its own seed."""
         if self.stage < 3:
             return super().build_model(config, seed, dtype, weights)
         model = GPT(config, seed=seed, dtype=dtype, materialize=False)
         model.set_checkpointing(self.ckpt_activations)
         if self.amp:
             self.amp.cast_model(model, placeholders=True)
-        return self.wrap(model, functools.partial(gpt_init, config, seed, dtype=dtype,
+        return self.wrap(model, functools.partial(model_init, config, seed, dtype=dtype,
                                                   weights=weights))
 
     def wrap(self, model, initial=None):

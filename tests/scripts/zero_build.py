@@ -21,7 +21,9 @@ from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.zero.strategy import ZeroDataParallel
 
-CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509)
+# (wte padded from 509 rows to 512: the build pads each draw as GPT's load does)
+CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509,
+                   vocab_multiple=8)
 
 
 def traced(build):
