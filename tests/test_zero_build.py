@@ -31,12 +31,13 @@ def test_a_model_built_unmaterialized_holds_no_numbers():
 @pytest.mark.mpi
 @pytest.mark.parametrize("amp", [False, True])
 def test_zero3_builds_its_shards_without_the_whole_model(amp, mpi):
-    """4 ranks, 8 blocks, wte padded from 509 rows to 512 (--vocab-multiple's padding: each
-    draw padded as GPT's load pads it; it failed to fit the unit): the shards (and --amp's
-    float32 master shards) are the whole build's bit for bit; each rank's traced peak while building is under 0.7 x the whole
-    model's float32 bytes (0.8 x with --amp's masters beside the 16-bit shards; measured
-    0.62 x and 0.79 x: the parameter and gradient shards it keeps, one unit's draw beside
-    them), where building whole and then sharding peaked at 1.13 x (1.56 x with --amp):
+    """4 ranks, 8 blocks, wte padded from 509 rows to 512 (GPTConfig's vocab_multiple 8:
+    each draw padded as GPT's load pads it; it failed to fit the unit): the shards (and
+    --amp's float32 master shards) are the whole build's bit for bit; each rank's traced
+    peak while building is under 0.7 x the whole model's float32 bytes (0.8 x with --amp's
+    masters beside the 16-bit shards; measured 0.62 x and 0.79 x: the parameter and gradient
+    shards it keeps, one unit's draw beside them), where building whole and then sharding
+    peaked at 1.33 x (1.56 x with --amp):
 
         mpiexec -n 4 python tests/scripts/zero_build.py [--amp]
     """
