@@ -205,7 +205,6 @@ ALLOWED = {
     "pp/stage.py:PipelineStage._pipe_forward": OUTSIDE_THE_STEP + ": evaluation, sampling",
     "pp/stage.py:PipelineStage.next_token": OUTSIDE_THE_STEP,
     "nn/gpt.py:GPT.set_checkpointing": OUTSIDE_THE_STEP,
-    "nn/gpt.py:GPT.load_state_dict": OUTSIDE_THE_STEP,
     "nn/gpt.py:GPT.last_logits": OUTSIDE_THE_STEP,
     "nn/moe.py:moe_layers": OUTSIDE_THE_STEP + ": parses module names",
     "autograd/tensor.py:Tensor.__init__": HOST_VALUE + ": the requires_grad flag",
