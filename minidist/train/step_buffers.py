@@ -39,7 +39,7 @@ import math
 
 from minidist.nn.config import gpt_param_specs
 from minidist.train.activations import minidist_activation_bytes
-from minidist.train.planner import local_size
+from minidist.train.planner import local_size, state_bytes
 
 MAX_INFLIGHT = 2          # zero/stage2.py ZeroStage2.max_inflight: reduce-scatters in flight
 
@@ -109,12 +109,14 @@ def kept_buffers(config, layout, stage, training=True):
     The rest of step_buffers' lives inside a step only (freed by its end: ZeRO-3's
     gathers by after_step), so a checkpoint's copy, held after a step or before the first
     (a --resume's load), is never beside it (memory_check.py rank_bill)."""
-    if not training:
-        return 0
-    shapes = rank_shapes(config, layout, stage)
+    return _kept(rank_shapes(config, layout, stage), layout) if training else 0
+
+
+def _kept(shapes, layout):
+    """kept_buffers of a rank holding `shapes` (rank_shapes')."""
     total = 4 * optimizer_scratch(shapes, layout)
     if layout.zero:
-        g = (4 if layout.grad32 else 2) if layout.amp else 4
+        g = state_bytes(layout.amp, layout.grad32)[1]
         block, root = zero_units(shapes, layout)
         shard_scratch = (2 if layout.amp else 1) * (block + root) // layout.zero_ranks
         total += g * max(block, root) + 4 * shard_scratch
@@ -128,16 +130,15 @@ def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu
     parameters and the 16-bit matmul's copies alone; `cpu`: the device is the CPU (numpy's
     16-bit matmul)."""
     shapes = rank_shapes(config, layout, stage)
-    total = kept_buffers(config, layout, stage, training)
+    total = _kept(shapes, layout) if training else 0
     if layout.amp and cpu:
         total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
-    p, g = (2, 4 if layout.grad32 else 2) if layout.amp else (4, 4)
+    p, g, _ = state_bytes(layout.amp, layout.grad32)
+    block, root = zero_units(shapes, layout)
     if layout.zero >= 2 and training:
-        block, root = zero_units(shapes, layout)
         inflight = max((MAX_INFLIGHT + 1) * block, root + MAX_INFLIGHT * block)
         total += g * (block + root + inflight)
     if layout.zero >= 3:
-        block, root = zero_units(shapes, layout)
         total += p * (2 * block + root)
     if layout.recompute == "full" and layout.tp == 1 and training:
         one = minidist_activation_bytes(config, config.block_size // layout.cp, micro,
