@@ -215,16 +215,25 @@ def test_the_bill_holds_a_runs_live_arrays(ranks, flags, corpus, mpi, tmp_path):
     """
     if mpi.device == "cuda":
         pytest.skip("tracemalloc sees the host's arrays; a GPU's are CuPy's pool's")
+    line, billed, peaks = _billed_and_peaks(
+        mpi, ranks, tmp_path, ["--data", corpus, "--n-layer", "2", "--n-embd", "512",
+                               "--n-head", "4", "--block-size", "64", "--batch-size", "4",
+                               "--steps", "2", "--sample", "0", "--cache-dir",
+                               str(tmp_path / "cache"), *flags], timeout=180)
+    assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (line, peaks)
+
+
+def _billed_and_peaks(mpi, ranks, tmp_path, flags, timeout=120):
+    """examples/train_gpt.py `flags` on `ranks` under tests/scripts/peak_memory.py: (its
+    `memory:` line, the largest rank's bill in bytes, every rank's traced peak)."""
     out = tmp_path / "peaks"
     out.mkdir()
     run = mpi(ranks, "tests/scripts/peak_memory.py", str(out), "examples/train_gpt.py",
-              "--data", corpus, "--n-layer", "2", "--n-embd", "512", "--n-head", "4",
-              "--block-size", "64", "--batch-size", "4", "--steps", "2", "--sample", "0",
-              "--cache-dir", str(tmp_path / "cache"), *flags, timeout=180)
+              *flags, timeout=timeout)
     line = next(x for x in run.stdout.splitlines() if x.startswith("memory: "))
     billed = float(line.split()[1]) * (GiB if line.split()[2] == "GiB" else 2 ** 20)
-    peaks = [json.load(open(out / f"rank{r}.json"))["peak"] for r in range(ranks)]
-    assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (line, peaks)
+    return line, billed, [json.load(open(out / f"rank{r}.json"))["peak"]
+                          for r in range(ranks)]
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(pp=2), Layout(pp=3, tp=2),
@@ -262,11 +271,6 @@ def test_a_resumes_bill_holds_its_live_arrays(corpus, mpi, tmp_path):
              "--cache-dir", str(tmp_path / "cache")]
     mpi(2, "examples/train_gpt.py", *flags, "--steps", "2", "--save", str(tmp_path / "ck"),
         timeout=120)
-    out = tmp_path / "peaks"
-    out.mkdir()
-    run = mpi(2, "tests/scripts/peak_memory.py", str(out), "examples/train_gpt.py", *flags,
-              "--steps", "3", "--resume", str(tmp_path / "ck"), timeout=120)
-    line = next(x for x in run.stdout.splitlines() if x.startswith("memory: "))
-    billed = float(line.split()[1]) * (GiB if line.split()[2] == "GiB" else 2 ** 20)
-    peaks = [json.load(open(out / f"rank{r}.json"))["peak"] for r in range(2)]
+    line, billed, peaks = _billed_and_peaks(
+        mpi, 2, tmp_path, [*flags, "--steps", "3", "--resume", str(tmp_path / "ck")])
     assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (line, peaks)
