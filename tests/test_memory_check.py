@@ -16,8 +16,8 @@ import pytest
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import gpt_param_specs
 from minidist.train.args import train_parser
-from minidist.train.memory_check import (advice, eval_activations, rank_bill, run_layout,
-                                         size_text)
+from minidist.train.memory_check import (advice, eval_activations, loads_assembled,
+                                         rank_bill, run_layout, size_text)
 from minidist.train.planner import GiB, Layout, bill, stage_params
 from minidist.train.step_buffers import rank_shapes, step_buffers, zero_units
 from minidist.zero.flat import gpt_units
@@ -95,21 +95,26 @@ def test_a_mixture_of_experts_is_billed_its_experts():
 
 def test_a_save_or_a_load_holds_a_copy_of_the_state():
     """A save's snapshot (parameters and optimizer) outlives the step's activations with
-    --async-save and follows them otherwise, a --resume's load the same; --init-from reads the
-    whole model's float32 weights; a GPU's copies are on the host, not in its memory.
+    --async-save and follows them otherwise; a --resume's load holds a copy only where it
+    cuts or glues shards (load_copy: ZeRO's own shards, or a checkpoint of shards read
+    whole), a memory-mapped one of whole arrays none; --init-from reads the whole model's
+    float32 weights; a GPU's copies are on the host, not in its memory.
     Measured (25.4M parameters, batch 2, one process: peak RSS less the 40 MiB of an idle
-    Python with numpy): a save each step 650 MiB for 679 counted, --async-save 763 for 752,
-    --resume 627 for 679."""
+    Python with numpy): a save each step 650 MiB for 679 counted, --async-save 763 for 752."""
     plain = rank_bill(CFG, _args(), 1, 0)
     state = plain["params"] + plain["grads"] + plain["optimizer"] + plain["buffers"]
     copy = plain["params"] + plain["optimizer"]
     steps = max(plain["activations"] + plain["logits"], plain["evaluation"])
-    for flags in (["--save", "ck"], ["--resume", "ck"]):
-        row = rank_bill(CFG, _args(*flags), 1, 0)
+    for row in (rank_bill(CFG, _args("--save", "ck"), 1, 0),
+                rank_bill(CFG, _args("--resume", "ck"), 1, 0, assembled=True)):
         assert row["checkpoint"] == copy
         assert row["total"] == state + max(steps, copy)
+    assert rank_bill(CFG, _args("--resume", "ck"), 1, 0) == {**plain, "checkpoint": 0}
     row = rank_bill(CFG, _args("--save", "ck", "--async-save"), 1, 0)
     assert row["total"] == state + steps + copy
+    for stage, shards in ((1, 4), (3, 1)):
+        row = rank_bill(CFG, _args("--zero", stage, "--resume", "ck"), 4, 0)
+        assert row["checkpoint"] == row["params"] // shards + row["optimizer"]
     whole = sum(math.prod(shape) for shape, _ in gpt_param_specs(CFG).values())
     assert rank_bill(CFG, _args("--init-from", "w"), 1, 0)["checkpoint"] == 4 * whole
     gpu = rank_bill(CFG, _args("--save", "ck", "--async-save"), 1, 0, host_is_device=False)
@@ -227,7 +232,7 @@ def _billed_and_peaks(mpi, ranks, tmp_path, flags, timeout=120):
     """examples/train_gpt.py `flags` on `ranks` under tests/scripts/peak_memory.py: (its
     `memory:` line, the largest rank's bill in bytes, every rank's traced peak)."""
     out = tmp_path / "peaks"
-    out.mkdir()
+    out.mkdir(parents=True)
     run = mpi(ranks, "tests/scripts/peak_memory.py", str(out), "examples/train_gpt.py",
               *flags, timeout=timeout)
     line = next(x for x in run.stdout.splitlines() if x.startswith("memory: "))
@@ -254,11 +259,16 @@ def test_a_ranks_shapes_are_the_planners_parameters(layout):
 
 
 @pytest.mark.mpi
-def test_a_resumes_bill_holds_its_live_arrays(corpus, mpi, tmp_path):
-    """--resume (a checkpoint's copy, read before the first step) at ZeRO-2 on 2 ranks: the
-    bill is within [0.9, 1.3] x the run's live-array peak. The step's own buffers (ZeRO-2's
-    gradients in flight) are freed by its end, so they are billed with the steps, not beside
-    the copy: beside it, 178.1 MiB were billed for a peak of 113.1 (1.57 x); now 137.8:
+@pytest.mark.parametrize("ranks, layout, others", [(2, ["--zero", "2"], [[]]), (1, [], [])])
+def test_a_resumes_bill_holds_its_live_arrays(ranks, layout, others, corpus, mpi, tmp_path):
+    """--resume (read before the first step): the bill is within [0.9, 1.3] x the run's
+    live-array peak, resuming in the layout that saved (ZeRO-2 on 2 ranks: its shards cut
+    and held until all are read; one process: the checkpoint's whole arrays memory-mapped,
+    no copy) and in `others` (DDP from ZeRO-2's shards: glued whole, a copy of the state).
+    Billed for the peak: ZeRO-2 137.8 MiB for 113.1, DDP from its shards 185.4 for 173.5,
+    one process 129.4 for 113.1 (billed a copy it does not hold, 178.0: 1.57 x). The step's
+    own buffers (ZeRO-2's gradients in flight) are freed by its end, so they are billed
+    with the steps, not beside the copy (beside it: 178.1 for 113.1):
 
         mpiexec -n 2 python tests/scripts/peak_memory.py OUT examples/train_gpt.py --data F \\
             --zero 2 --n-layer 2 --n-embd 512 --n-head 4 --block-size 64 --batch-size 4 \\
@@ -266,11 +276,15 @@ def test_a_resumes_bill_holds_its_live_arrays(corpus, mpi, tmp_path):
     """
     if mpi.device == "cuda":
         pytest.skip("tracemalloc sees the host's arrays; a GPU's are CuPy's pool's")
-    flags = ["--data", corpus, "--zero", "2", "--n-layer", "2", "--n-embd", "512",
-             "--n-head", "4", "--block-size", "64", "--batch-size", "4", "--sample", "0",
+    flags = ["--data", corpus, "--n-layer", "2", "--n-embd", "512", "--n-head", "4",
+             "--block-size", "64", "--batch-size", "4", "--sample", "0",
              "--cache-dir", str(tmp_path / "cache")]
-    mpi(2, "examples/train_gpt.py", *flags, "--steps", "2", "--save", str(tmp_path / "ck"),
+    ck = tmp_path / "ck"
+    mpi(ranks, "examples/train_gpt.py", *flags, *layout, "--steps", "2", "--save", str(ck),
         timeout=120)
-    line, billed, peaks = _billed_and_peaks(
-        mpi, 2, tmp_path, [*flags, "--steps", "3", "--resume", str(tmp_path / "ck")])
-    assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (line, peaks)
+    assert loads_assembled(str(ck)) == bool(layout)
+    for i, resumed in enumerate([layout, *others]):
+        line, billed, peaks = _billed_and_peaks(
+            mpi, ranks, tmp_path / str(i), [*flags, *resumed, "--steps", "3", "--resume",
+                                            str(ck)])
+        assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (resumed, line, peaks)

@@ -1,7 +1,7 @@
-"""Where the memory check looks and what it says (minidist/train/memory_check.py): what a
-host has free (meminfo, cgroups v1 and v2, `ulimit -v`, a GPU's), the verdict over the ranks
-and its lines; then runs refused before the model is built, a run that runs out anyway ended
-with one line, and the line beside the run's own ledger:
+"""Where the memory check looks and what it says: what a host has free (meminfo, cgroups v1
+and v2, `ulimit -v`, a GPU's: minidist/train/memory_room.py), the verdict over the ranks and
+its lines (minidist/train/memory_check.py); then runs refused before the model is built, a
+run that runs out anyway ended with one line, and the line beside the run's own ledger:
 
     (ulimit -v 1500000; python examples/train_gpt.py --data F --n-embd 64 --n-layer 2 \\
         --n-head 2 --batch-size 8192 --steps 1)          # error: memory: ..., exit 2
@@ -19,8 +19,8 @@ import pytest
 
 from minidist import backend
 from minidist.train.args import train_parser
-from minidist.train.memory_check import (address_room, cgroup_room, host_room, size_text,
-                                         verdict, where_and_room)
+from minidist.train.memory_check import size_text, verdict
+from minidist.train.memory_room import address_room, cgroup_room, host_room, where_and_room
 from minidist.nn import GPTConfig
 from minidist.train.planner import GiB, Layout
 from minidist.train.step_buffers import step_buffers
@@ -71,7 +71,7 @@ def test_a_container_sees_its_cgroup_at_the_root(tmp_path):
 
 
 def test_address_room_under_ulimit():
-    code = ("from minidist.train.memory_check import address_room; print(address_room())")
+    code = ("from minidist.train.memory_room import address_room; print(address_room())")
     limited = subprocess.run(["bash", "-c", f'ulimit -v 2000000 && exec "$0" -c "{code}"',
                               sys.executable], capture_output=True, text=True, cwd=ROOT,
                              env=mpi_env(), timeout=60, check=True)

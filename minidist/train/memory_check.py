@@ -5,12 +5,12 @@ tests/test_planner.py holds both to the runs' ledger; Korthikanti's for an MoE m
 whose experts the graph's count has not (one process, top-k 2: 120.1 MiB for the ledger's
 130.2); for DDP and ZeRO the evaluation's no-grad forward of a rank's whole batch where it
 needs more; with --save, --resume or --init-from the copy of the state a save or a load
-holds: rank_bill) is set beside the memory free where the ranks run: each host's
-(MemAvailable, less where its cgroup's limit leaves less; the address space `ulimit -v`
-leaves each rank), or each GPU's. A run that cannot fit stops here, one `error:` line naming
-what it needs, what is free and what needs less, instead of a kernel's OOM kill (signal 9,
-no word why) or a MemoryError's traceback on every rank minutes later; one that fits says so
-in its start-up lines:
+holds: rank_bill, load_copy) is set beside the memory free where the ranks run
+(memory_room.py): each host's (MemAvailable, less where its cgroup's limit leaves less; the
+address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops
+here, one `error:` line naming what it needs, what is free and what needs less, instead of
+a kernel's OOM kill (signal 9, no word why) or a MemoryError's traceback on every rank
+minutes later; one that fits says so in its start-up lines:
 
     memory: 35.3 MiB a rank by the planner (parameters 3.2 MiB, gradients 3.2 MiB, optimizer
     6.4 MiB, activations 21.0 MiB, logits 0.5 MiB, buffers 0.9 MiB); the 4 ranks on this
@@ -26,23 +26,23 @@ out_of_memory_line).
 Tests: tests/test_memory_check.py (the bill), tests/test_memory_room.py (the room, the runs).
 """
 import argparse
+import json
 import math
 import os
-import resource
-import socket
-import sys
 from dataclasses import replace
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
 from minidist.nn.config import gpt_param_specs, uses_tiled
+from minidist.strategy import checkpoint_dirs
+from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
+from minidist.train.memory_room import address_room, where_and_room
 from minidist.train.planner import GiB, Layout, bill
 from minidist.train.step_buffers import kept_buffers, step_buffers
 from minidist.train.strategy import check_layout
 
-UNLIMITED = 2 ** 60               # a cgroup or rlimit at least this big limits nothing
 MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
                                   # near the limit (what the bill leaves out: a tenth, at most)
 
@@ -66,7 +66,7 @@ def run_layout(args, world_size):
     return layout, max(micro, 1), m
 
 
-def rank_bill(config, args, world_size, rank, host_is_device=True):
+def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=False):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
     "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's; "buffers"
     the step's beyond the planner's rows (step_buffers.py); twice the float32 count
@@ -80,10 +80,11 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     without them, 605 with. "checkpoint", where the device is the host (`host_is_device`: a
     GPU's copies go to the host): the copy of the rank's state a save holds (parameters and
     optimizer, from the step's end until written: with --async-save through the next
-    steps, beside their activations; else after them), a --resume's load the same, an
-    --init-from's the whole model's float32 weights (measured against peak RSS:
-    tests/test_memory_check.py). "buffers": step_buffers.py's; those a step frees
-    are billed with the steps, not beside a checkpoint's copy."""
+    steps, beside their activations; else after them), a --resume's load its load_copy
+    (`assembled`: the checkpoint's arrays are shards, loads_assembled), an --init-from's the
+    whole model's float32 weights (measured against peak RSS: tests/test_memory_check.py).
+    "buffers": step_buffers.py's; those a step frees are billed with the steps, not beside
+    a checkpoint's copy."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
@@ -101,18 +102,18 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     head = stage == layout.pp - 1 and layout.tp == 1 and not args.eval_only
     row["logits"] = scale * (6 if layout.amp else 4) * micro * config.block_size // \
         layout.cp * config.vocab_size if head else 0
-    copy = 0
-    if host_is_device and (args.save or args.resume):
-        copy = row["params"] + row["optimizer"]
+    copy = row["params"] + row["optimizer"] if host_is_device and args.save else 0
+    if host_is_device and args.resume:
+        copy = max(copy, load_copy(row, layout, assembled))
     if host_is_device and args.init_from:
         whole = sum(math.prod(shape) for shape, _ in gpt_param_specs(config).values())
         copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
     row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
                                           training=not args.eval_only, cpu=host_is_device)
-    # a step's own buffers are freed by its end, so a save's (or a --resume's) copy is not
-    # beside them: billed with the steps (2 ranks --zero 2 --resume: 178.1 MiB for a peak
-    # of 113.1 when added to both); --eval-only's beside it (measured 91.1 for 98.7)
+    # a step's own buffers are freed by its end, so a save's or a load's copy is not beside
+    # them: billed with the steps (2 ranks --zero 2 --resume: 178.1 MiB for a peak of 113.1
+    # when added to both); --eval-only's beside it (measured 91.1 for 98.7)
     kept = row["buffers"] if args.eval_only else scale * kept_buffers(config, layout, stage)
     state = row["params"] + row["grads"] + row["optimizer"] + kept
     steps = max(row["activations"] + row["logits"], row["evaluation"]) + (   # (in turn)
@@ -120,6 +121,32 @@ def rank_bill(config, args, world_size, rank, host_is_device=True):
     row["total"] = state + (steps + copy if args.async_save and args.save else
                             max(steps, copy))
     return row
+
+
+def load_copy(row, layout, assembled):
+    """Bytes a --resume's load holds beside the rank's state (`row`) before step 1: under
+    ZeRO (zero/checkpoint.py load_sharded) the shards it cuts, parameters' (ZeRO-1/2's a
+    1/zero_ranks share of the model's) and optimizer's; else the rank's parameters and
+    optimizer where the checkpoint holds shards that the load glues whole (`assembled`:
+    strategy/readers.py read_whole), and nothing where its arrays are whole: memory-mapped,
+    pages the kernel can drop (4 layers of 512, one process: 251 MiB RSS resumed, 278
+    afresh; billed a copy, 355)."""
+    if layout.zero:
+        return row["params"] // (1 if layout.zero == 3 else layout.zero_ranks) + \
+            row["optimizer"]
+    return row["params"] + row["optimizer"] if assembled else 0
+
+
+def loads_assembled(path):
+    """load_copy's `assembled`: whether --resume `path`'s manifest is ZeRO's or TP x ZeRO's
+    parts (False where it cannot be read: the load then says what is wrong)."""
+    try:
+        folder = checkpoint_dirs.resolve(path)
+        with open(os.path.join(folder, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and ("zero" in manifest or "parts" in manifest)
 
 
 def eval_activations(config, args, layout):
@@ -140,100 +167,6 @@ def eval_activations(config, args, layout):
     bias = 0 if layout.tiled else 4 * T * T               # the (T, T) causal bias beside P
     logits = 6 if layout.amp else 4          # (--amp: 16-bit logits and their float32 copy)
     return int(one) + bias + logits * rows * T * config.vocab_size
-
-
-def where_and_room(proc="/proc"):
-    """(where this rank's memory is: its host, or its host and GPU; the bytes free there;
-    whether that is free memory, or, where no count of it can be read (macOS: no /proc),
-    all the host's physical memory, None if not even that)."""
-    host = socket.gethostname()
-    if backend.device() == "cuda":
-        cp = sys.modules["cupy"]
-        device = cp.cuda.Device().id
-        free, _ = cp.cuda.runtime.memGetInfo()
-        pool = cp.get_default_memory_pool()
-        return (host, cp.cuda.runtime.deviceGetPCIBusId(device)), \
-            int(free) + int(pool.free_bytes()), True
-    room = host_room(proc)
-    return ((host,), room, True) if room is not None else ((host,), physical_bytes(), False)
-
-
-def physical_bytes():
-    """The host's physical memory (POSIX sysconf), or None."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def host_room(proc="/proc", cgroup_root="/sys/fs/cgroup"):
-    """Bytes this process's host can still give it: MemAvailable, or less where its cgroup's
-    limit (v2 memory.max, v1 memory.limit_in_bytes; less its usage but the reclaimable
-    inactive file cache) leaves less; None where /proc/meminfo cannot be read."""
-    try:
-        with open(os.path.join(proc, "meminfo")) as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        room = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    limited = cgroup_room(proc, cgroup_root)
-    return room if limited is None else min(room, limited)
-
-
-def cgroup_room(proc="/proc", cgroup_root="/sys/fs/cgroup"):
-    """Bytes left under this process's memory cgroup limit, or None where it has none."""
-    try:
-        with open(os.path.join(proc, "self", "cgroup")) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
-        return None
-    for _, controllers, path in lines:
-        if controllers == "":                                         # cgroup v2
-            folder, names = cgroup_root, ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):                      # cgroup v1
-            folder, names = os.path.join(cgroup_root, "memory"), \
-                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-        else:
-            continue
-        for base in (folder + path.rstrip("/"), folder):       # (a container sees its own /)
-            room = _room_in(base, *names)
-            if room is not None:
-                return room
-    return None
-
-
-def _room_in(folder, limit_file, usage_file, inactive_key):
-    try:
-        with open(os.path.join(folder, limit_file)) as f:
-            limit = f.read().strip()
-        with open(os.path.join(folder, usage_file)) as f:
-            usage = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max" or not limit.isdigit() or int(limit) >= UNLIMITED:
-        return None
-    inactive = 0
-    try:
-        with open(os.path.join(folder, "memory.stat")) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                inactive = int(value) if key == inactive_key else inactive
-    except (OSError, ValueError):
-        pass
-    return max(int(limit) - usage + inactive, 0)
-
-
-def address_room(proc="/proc"):
-    """Bytes of address space `ulimit -v` (RLIMIT_AS) leaves this process, or None."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY or soft >= UNLIMITED:
-        return None
-    try:
-        with open(os.path.join(proc, "self", "status")) as f:
-            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return max(soft - size, 0)
 
 
 def check_memory(args, config, group=None):
@@ -260,10 +193,11 @@ def check_memory(args, config, group=None):
 def job_bills(config, args, size, on_host=True):
     """rank_bill of each of `size` ranks, in rank order (computed once a pipeline stage)."""
     layout, by_stage, bills = run_layout(args, size)[0], {}, []
+    assembled = bool(args.resume) and loads_assembled(args.resume)
     for rank in range(size):
         stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
         if stage not in by_stage:
-            by_stage[stage] = rank_bill(config, args, size, rank, on_host)
+            by_stage[stage] = rank_bill(config, args, size, rank, on_host, assembled)
         bills.append(by_stage[stage])
     return bills
 
