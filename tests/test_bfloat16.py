@@ -9,6 +9,7 @@ collectives (uint16 views on the wire, sums right) on 3 ranks, and bf16 --amp tr
     python -m pytest -q tests/test_bfloat16.py --device cuda (the same on CuPy)
 """
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from minidist import backend
 from minidist.autograd import Tensor, fused as F
 from minidist.autograd.indexing import embedding
 from minidist.nn import GPT, GPTConfig
-from minidist.nn.safetensors import load_file, read_header, save_file
+from minidist.nn.safetensors import SafetensorsFile, load_file, read_header, save_file
 from minidist.optim import AdamW
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
@@ -257,6 +258,25 @@ def test_safetensors_writes_bf16_and_reads_it_back_exactly(tmp_path):
     assert back.dtype == np.float32 and (back.astype(BF16).view(np.uint16) ==
                                          a.view(np.uint16)).all()
     assert json.loads(json.dumps(header))["w"]["shape"] == [3, 5]
+
+
+def test_a_safetensors_file_widens_a_bfloat16_tensor_only_when_asked(tmp_path):
+    """SafetensorsFile (what a checkpoint's readers open: --init-from reads a parameter at a
+    time) makes no array on opening, and tensor(name) widens that one alone, to load_file's
+    numbers: a bfloat16 --amp checkpoint's 16-bit parameters, beside the float32 masters
+    read instead, were all widened on opening (a whole model's float32 bytes held)."""
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal((256, 64)).astype(BF16) for n in ("a", "b", "c")}
+    save_file(tensors, tmp_path / "m.safetensors")
+    tracemalloc.start()
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    opened = tracemalloc.get_traced_memory()[0]
+    b = f.tensor("b")
+    one = tracemalloc.get_traced_memory()[0] - opened
+    tracemalloc.stop()
+    assert f.names == ["a", "b", "c"] and opened < 256 * 64 and one < 1.5 * 256 * 64 * 4
+    assert b.dtype == np.float32 and np.array_equal(b, load_file(tmp_path / "m.safetensors")
+                                                    [0]["b"])
 
 
 def test_bfloat16_checkpoint_resume_is_bit_identical(corpus, tmp_path, monkeypatch, device):

@@ -7,7 +7,9 @@ object of string -> string. Data is little-endian, C order; tensors lie back to 
 cover the buffer exactly. We pad the header with spaces so every tensor starts 8-byte
 aligned, as the reference writer does. bfloat16 (ml_dtypes' type) is written as "BF16" (its
 bytes, through a uint16 view) and read widened to float32 (exact: bfloat16 is the top 16
-bits of a float32). Tests: tests/test_pretrained.py, tests/test_bfloat16.py.
+bits of a float32). load_file makes every tensor it returns; SafetensorsFile one when asked
+for (a checkpoint read a parameter at a time). Tests: tests/test_pretrained.py,
+tests/test_bfloat16.py.
 """
 import json
 import os
@@ -101,18 +103,30 @@ def _check_layout(path, header, data_bytes):
 def load_file(path, names=None):
     """name -> numpy array (memory-mapped, read-only; bfloat16 widened to float32).
     `names` limits which tensors are returned. Returns (tensors, metadata)."""
-    header, metadata, start = read_header(path)
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        if names is not None and name not in names:
-            continue
+    f = SafetensorsFile(path)
+    return {n: f.tensor(n) for n in f.names if names is None or n in names}, f.metadata
+
+
+class SafetensorsFile:
+    """One file's header read and its bytes memory-mapped; each tensor made only when
+    tensor(name) asks for it, so a bfloat16 one is widened alone (load_file widens every
+    one it returns): what reads a checkpoint's parameters one at a time
+    (minidist/strategy/readers.py PlainReader). `names`: the tensors, in the file's order."""
+
+    def __init__(self, path):
+        self.path = path
+        self.header, self.metadata, self.start = read_header(path)
+        self.raw = np.memmap(path, dtype=np.uint8, mode="r")
+        self.names = list(self.header)
+
+    def tensor(self, name):
+        """The array `name` (a view of the mapped bytes; bfloat16: a float32 copy)."""
+        info = self.header[name]
         begin, stop = info["data_offsets"]
-        buf = raw[start + begin:start + stop]
+        buf = self.raw[self.start + begin:self.start + stop]
         if info["dtype"] == "BF16":             # bfloat16 = the top 16 bits of a float32
             wide = buf.view("<u2").astype(np.uint32) << 16
             a = wide.view(np.float32)
         else:
             a = buf.view(np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<"))
-        out[name] = a.reshape(info["shape"])
-    return out, metadata
+        return a.reshape(info["shape"])

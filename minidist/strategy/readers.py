@@ -1,8 +1,10 @@
 """Reading a checkpoint's arrays by parameter name, whoever wrote it:
 
-    PlainReader    a one-process run: model.safetensors and optimizer.safetensors
+    PlainReader    a one-process run: model.safetensors and optimizer.safetensors, each
+                   array made when asked for (memory-mapped)
     ShardReader    a ZeRO run at any world size and stage: each parameter cut out of the old
-                   ranks' flat shards (memory-mapped, so only those bytes are read)
+                   ranks' flat shards (memory-mapped, so only those bytes are read; a
+                   bfloat16 shard widened only when one of its parameters is asked for)
     PartsReader    a TP x ZeRO run: one ShardReader per tp part, each split parameter's pieces
                    glued by the Split the parts record (minidist/strategy/split.py)
     DictReader     dicts already in memory: a pipeline stage's part of a one-process
@@ -20,7 +22,7 @@ import os
 
 import numpy as np
 
-from minidist.nn.safetensors import load_file
+from minidist.nn.safetensors import SafetensorsFile
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.strategy.split import Split
 
@@ -51,19 +53,22 @@ def verify_file(folder, name, info, checksum=True):
 # ---- read by parameter name ---------------------------------------------------------------------
 
 class PlainReader:
-    """Whole arrays by name from a one-process checkpoint (model / optimizer.safetensors)."""
+    """Whole arrays by name from a one-process checkpoint (model / optimizer.safetensors),
+    each made as it is asked for (memory-mapped; a bfloat16 one widened alone)."""
 
     def __init__(self, directory):
-        self.params, _ = load_file(os.path.join(directory, "model.safetensors"))
-        self.opt, _ = load_file(os.path.join(directory, "optimizer.safetensors"))
+        self.params = SafetensorsFile(os.path.join(directory, "model.safetensors"))
+        self.opt = SafetensorsFile(os.path.join(directory, "optimizer.safetensors"))
+        self.names = self.params.names
 
     def get(self, name, key="param"):
         """The whole array, or None if the checkpoint has none (optimizer state at step 0)."""
         if key == "param":
-            if name not in self.params:
+            if name not in self.params.header:
                 raise CheckpointError(f"the checkpoint has no parameter {name}")
-            return self.params[name]
-        return self.opt.get(f"{name}/{key}")
+            return self.params.tensor(name)
+        k = f"{name}/{key}"
+        return self.opt.tensor(k) if k in self.opt.header else None
 
 
 class DictReader:
@@ -102,7 +107,7 @@ class ShardReader:
             name = self.files[rank]
             if not self.verified:
                 verify_file(self.directory, name, self.manifest["files"][name])
-            self._open[rank], _ = load_file(os.path.join(self.directory, name))
+            self._open[rank] = SafetensorsFile(os.path.join(self.directory, name))
         return self._open[rank]
 
     def get(self, name, key="param"):
@@ -115,10 +120,11 @@ class ShardReader:
         pieces = []
         for q in range(off // S, (off + numel - 1) // S + 1):      # old ranks holding a piece
             shard, k = self._shard(q), f"{unit['name']}/{key}"
-            if k not in shard or shard[k].size != S:
+            flat = shard.tensor(k) if k in shard.header else None
+            if flat is None or flat.size != S:
                 raise CheckpointError(f"{os.path.join(self.directory, self.files[q])}: no "
                                       f"{k} of {S} elements (a shard of another layout?)")
-            pieces.append(shard[k][max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
+            pieces.append(flat[max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
         return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
 
 
