@@ -290,16 +290,20 @@ def gpt_init(config, seed, names=None, dtype="float32", weights=None):
     Normal draws are made in float64 from `backend.rng([seed, crc32(name)])` and then cast,
     so float32 and float64 runs start from the same numbers (to float32 precision).
     `names` restricts the result to those parameters (a pipeline stage's own).
-    `weights`: {name: host array} to start from instead, e.g. GPT-2's published parameters
-    (minidist/nn/pretrained.py pretrained_weights, --init-from): each layout cuts its part
-    out of these as out of the draws, so every layout starts from the same numbers again.
+    `weights`: the parameters to start from instead (--init-from's), read(name) giving one
+    whole host array: GivenWeights over GPT-2's published ones (minidist/nn/pretrained.py
+    pretrained_weights, memory-mapped), or a minidist checkpoint's, read as asked for
+    (minidist/train/gather.py CheckpointWeights). Only `names`' are read, one at a time, so
+    a layout holding part of the model (ZeRO-3's unit, a pipeline stage) reads that part;
+    each layout cuts its part out of these as out of the draws, so every layout starts from
+    the same numbers again.
     """
     out = {}
     for name, (shape, init) in gpt_param_specs(config).items():
         if names is not None and name not in names:
             continue
         if weights is not None:
-            a = np.asarray(weights[name])
+            a = np.asarray(weights.read(name))
             if a.shape != shape:
                 raise ValueError(f"initial weights: {name} has shape {a.shape}, the model "
                                  f"{shape}")
@@ -311,6 +315,19 @@ def gpt_init(config, seed, names=None, dtype="float32", weights=None):
             a = backend.rng([seed, zlib.crc32(name.encode())]).standard_normal(shape) * init
         out[name] = a.astype(dtype)
     return out
+
+
+class GivenWeights:
+    """Initial parameters held in a dict ({name: host array}: a GPT-2 folder's, memory-
+    mapped), read by name as gpt_init reads a checkpoint's (minidist/train/gather.py
+    CheckpointWeights, which makes each array only when read)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def read(self, name):
+        """The parameter `name`'s whole host array."""
+        return self.state[name]
 
 
 def padded_wte(state, rows):

@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from minidist import backend
+from minidist.nn.config import GivenWeights
 from minidist.nn.pretrained_llama import from_hf_llama, hf_llama_config, llama_config, \
     to_hf_llama
 from minidist.nn.safetensors import load_file, save_file
@@ -261,8 +262,8 @@ def _llama_state(raw, config, path):
 
 
 def pretrained_weights(directory, config):
-    """{name: host array (memory-mapped)} of a GPT-2 folder's parameters for a model of
-    `config` to start from (gpt_init's `weights`, --init-from): the sizes must be the
+    """A GPT-2 folder's parameters (memory-mapped host arrays, GivenWeights: read by name) for
+    a model of `config` to start from (gpt_init's `weights`, --init-from): the sizes must be the
     folder's (RoPE's base and the norms' epsilon, which no parameter holds, may differ: a
     new run's to set); a shorter block_size keeps the first rows of wpe (the positions it
     uses), as nanoGPT's crop_block_size does. ValueError names what differs."""
@@ -281,7 +282,7 @@ def pretrained_weights(directory, config):
     state = read_state(directory, saved)
     if not saved.llama:                             # rotary positions: no table to crop
         state[_PREFIX + "wpe.weight"] = state[_PREFIX + "wpe.weight"][:config.block_size]
-    return state
+    return GivenWeights(state)
 
 
 def load_pretrained(cls, directory, dtype="float32", dropout=None, vocab_multiple=1):

@@ -10,6 +10,8 @@
     DictReader     dicts already in memory: a pipeline stage's part of a one-process
                    checkpoint, which ZeRO across pipelines cuts its shards from
 
+Each reader makes one parameter's arrays at a time (get(name, key)), so --init-from under
+ZeRO-3 reads a unit at a time (minidist/train/gather.py CheckpointWeights).
 The format of the shards: minidist/zero/checkpoint.py, which writes them; this module sits
 below the strategy packages so that checkpoint.load (one process, DDP, TP, PP) reads ZeRO's
 and TP x ZeRO's checkpoints too without importing minidist/zero/ or minidist/tp/.

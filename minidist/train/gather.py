@@ -13,7 +13,13 @@ from. Every strategy's checkpoint is read back by parameter name into whole arra
 Under --amp the float32 master weights are taken where the checkpoint holds them (the 16-bit
 parameters are their rounded copies). An MoE model's router biases are the meta's
 (`router_bias`). Every file is verified as --resume verifies it.
-Tests: tests/test_sample.py.
+
+    whole_model        every parameter at once: examples/sample.py, examples/export_gpt2.py
+    CheckpointWeights  one parameter at a time, as asked for (read(name)): --init-from's
+                       weights, so a rank building part of the model reads that part only
+                       (ZeRO-3 a unit at a time: tests/test_zero_build.py); whole_model
+                       reads through it
+Tests: tests/test_sample.py, tests/test_zero_build.py.
 """
 import json
 import os
@@ -22,6 +28,7 @@ from minidist.nn import GPTConfig
 from minidist.nn.pretrained import read_config, read_state
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.checkpoint import CheckpointError
+from minidist.strategy.readers import reader_for
 
 
 def model_config(path):
@@ -60,10 +67,42 @@ def whole_model(path):
     path = _existing(path)
     if os.path.isfile(os.path.join(path, "config.json")):
         return _pretrained(path)
-    folder = checkpoint_dirs.resolve(path)
-    params, opt_state, meta = checkpoint.load(folder, keys=("master",))   # not the moments
-    what = f"step {meta['step']} of {folder}"
-    return _config(meta, folder), _masters(params, opt_state["state"]), what
+    weights = CheckpointWeights(path)
+    return weights.config, {n: weights.read(n) for n in weights.names}, weights.what
+
+
+class CheckpointWeights:
+    """A minidist checkpoint's parameters, each read when asked for: gpt_init's `weights`
+    under --init-from (minidist/nn/config.py), so a rank building part of the model (ZeRO-3
+    a unit at a time, a pipeline stage) reads that part only, never the whole model.
+
+    Opening verifies every file as --resume does (the manifest against its digest, each
+    file's size and sha256, streamed) and reads the record, no array. read(name) makes that
+    one parameter's whole host array: model.safetensors' memory-mapped, or cut out of ZeRO's
+    rank shards by name (minidist/strategy/readers.py reader_for); the float32 master where
+    the checkpoint holds one (--amp: the 16-bit parameters are its rounded copies);
+    `positions`: wpe's first rows only (a shorter --block-size). `names`: the checkpoint's
+    parameters, in its order; `config`, `what` (its step and folder): for the log."""
+
+    WPE = "transformer.wpe.weight"
+
+    def __init__(self, path, positions=None):
+        self.folder = checkpoint_dirs.resolve(_existing(path))
+        manifest = checkpoint.verify(self.folder)
+        record = checkpoint.read_record(self.folder, manifest)
+        self.config = _config(record, self.folder)
+        self.what = f"step {record['step']} of {self.folder}"
+        with checkpoint.does_not_fit(self.folder):
+            self.reader = reader_for(self.folder, manifest, verified=True)
+        self.names = list(self.reader.names)
+        self.positions = positions
+
+    def read(self, name):
+        """The parameter `name`'s whole host array (its master under --amp)."""
+        with checkpoint.does_not_fit(self.folder):
+            a = self.reader.get(name, "master")
+            a = self.reader.get(name) if a is None else a
+        return a[:self.positions] if name == self.WPE and self.positions else a
 
 
 def router_bias(path):
@@ -96,11 +135,6 @@ def _config(meta, folder):
         return GPTConfig(**meta["config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{folder}: its model config does not read ({e})") from None
-
-
-def _masters(params, state):
-    """The float32 master weights (--amp) where the optimizer state holds them."""
-    return {n: state.get(n, {}).get("master", a) for n, a in params.items()}
 
 
 def _pretrained(path):

@@ -6,13 +6,16 @@ with a fresh optimizer and learning-rate schedule from step 0 (fine-tuning). DIR
                               of any checkpoint): memory-mapped, each rank reads what it holds;
                               its tokenizer is the folder's vocab.json and merges.txt
     a minidist checkpoint     a --save directory (its newest) or one checkpoint folder, of any
-                              layout (minidist/train/gather.py reads it whole, in each rank):
-                              its parameters, the float32 masters under --amp; its run's
-                              dtype, --moe-bias-rate and --data unless given; its optimizer
-                              state, step and schedule are left (--resume continues those);
-                              an MoE's router biases come with it (initial_router_bias). Its
-                              tokenizer is its run's (model_tokenizer.own_tokenizer), taken as
-                              this run's --tokenizer. --save must be another folder. First-use
+                              layout, every file verified first, then each parameter read as
+                              the build asks for it (minidist/train/gather.py
+                              CheckpointWeights): a rank reads what it holds (ZeRO-3 its units
+                              in turn, never the whole model: tests/test_zero_build.py). Its
+                              parameters, the float32 masters under --amp; its run's dtype,
+                              --moe-bias-rate and --data unless given; its optimizer state,
+                              step and schedule are left (--resume continues those); an MoE's
+                              router biases come with it (initial_router_bias). Its tokenizer
+                              is its run's (model_tokenizer.own_tokenizer), taken as this
+                              run's --tokenizer. --save must be another folder. First-use
                               walk 33 was sent from here to --resume, which continued the old
                               run's schedule instead
 
@@ -33,14 +36,14 @@ import json
 import os
 from dataclasses import asdict
 
-from minidist.nn.config import ARCH_DEFAULTS
+from minidist.nn.config import ARCH_DEFAULTS, gpt_param_specs
 from minidist.nn.pretrained import is_gpt2_folder, pretrained_weights, read_config
 from minidist.strategy import checkpoint_dirs
 from minidist.strategy.checkpoint import CheckpointError, saved_model
 from minidist.train.bpe import BPETokenizer, TokenizerError, same_tokenizer, tokenizer_files
 from minidist.train.cli import UsageError
 from minidist.train.data import ByteTokenizer
-from minidist.train.gather import model_config, router_bias, run_flags, whole_model
+from minidist.train.gather import CheckpointWeights, model_config, router_bias, run_flags
 from minidist.train.inputs import (MAY_CHANGE, RESUMED, flag_of, resolved_size,
                                    run_tokenizer, take_model_fields)
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer
@@ -213,10 +216,11 @@ def _check_init_folder(folder):
 
 
 def initial_weights(args, config, data, log):
-    """--init-from's parameters ({name: host array}; a folder's memory-mapped, each rank
-    reading only what it holds), or None: the seed's draws. None too when resuming: the
-    checkpoint's weights are loaded over the model. The data must be in the saved model's
-    vocabulary; the log says where the weights came from."""
+    """--init-from's parameters for gpt_init (read(name): a folder's memory-mapped, a
+    checkpoint's CheckpointWeights, verified here and each parameter made as it is read, so
+    every rank reads only what it holds: ZeRO-3 a unit at a time), or None: the seed's
+    draws. None too when resuming: the checkpoint's weights are loaded over the model. The
+    data must be in the saved model's vocabulary; the log says where the weights came from."""
     if args.init_from is None or args.resume:
         return None
     folder = args.init_from
@@ -234,15 +238,17 @@ def initial_weights(args, config, data, log):
                 "or llm.c write them), or text with its tokenizer (" + (
                     "--tokenizer" if checkpoint else
                     f"its vocab.json and merges.txt in {folder}") + ")"))
-    if checkpoint:
+    if checkpoint:              # verified now; each parameter read as the build asks for it
         try:
-            _, weights, what = whole_model(folder)
+            weights = CheckpointWeights(folder, positions=config.block_size)
         except CheckpointError as e:
             raise UsageError(f"--init-from {folder}: "
                              f"{str(e).removeprefix('--resume ')}") from None
-        if not saved.llama:                     # its first positions, as a folder's below
-            weights["transformer.wpe.weight"] = \
-                weights["transformer.wpe.weight"][:config.block_size]
+        missing = [n for n in gpt_param_specs(config) if n not in weights.names]
+        if missing:
+            raise UsageError(f"--init-from {folder}: its checkpoint holds no "
+                             f"{', '.join(missing[:4])} (of the model its record describes)")
+        what = weights.what
     else:
         try:
             weights = pretrained_weights(folder, config)
