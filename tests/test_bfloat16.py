@@ -263,20 +263,25 @@ def test_safetensors_writes_bf16_and_reads_it_back_exactly(tmp_path):
 def test_a_safetensors_file_widens_a_bfloat16_tensor_only_when_asked(tmp_path):
     """SafetensorsFile (what a checkpoint's readers open: --init-from reads a parameter at a
     time) makes no array on opening, and tensor(name) widens that one alone, to load_file's
-    numbers: a bfloat16 --amp checkpoint's 16-bit parameters, beside the float32 masters
-    read instead, were all widened on opening (a whole model's float32 bytes held)."""
+    numbers, tensor(name, lo, hi) those rows alone (a ZeRO shard's piece of one parameter):
+    a bfloat16 --amp checkpoint's 16-bit parameters, beside the float32 masters read
+    instead, were all widened on opening (a whole model's float32 bytes held)."""
     rng = np.random.default_rng(0)
     tensors = {n: rng.standard_normal((256, 64)).astype(BF16) for n in ("a", "b", "c")}
     save_file(tensors, tmp_path / "m.safetensors")
     tracemalloc.start()
     f = SafetensorsFile(tmp_path / "m.safetensors")
     opened = tracemalloc.get_traced_memory()[0]
+    rows = f.tensor("c", 10, 20)
+    ten = tracemalloc.get_traced_memory()[0] - opened
     b = f.tensor("b")
-    one = tracemalloc.get_traced_memory()[0] - opened
+    one = tracemalloc.get_traced_memory()[0] - opened - ten
     tracemalloc.stop()
     assert f.names == ["a", "b", "c"] and opened < 256 * 64 and one < 1.5 * 256 * 64 * 4
-    assert b.dtype == np.float32 and np.array_equal(b, load_file(tmp_path / "m.safetensors")
-                                                    [0]["b"])
+    assert ten < 1.5 * 10 * 64 * 4
+    whole = load_file(tmp_path / "m.safetensors")[0]
+    assert b.dtype == np.float32 and np.array_equal(b, whole["b"])
+    assert rows.shape == (10, 64) and np.array_equal(rows, whole["c"][10:20])
 
 
 def test_bfloat16_checkpoint_resume_is_bit_identical(corpus, tmp_path, monkeypatch, device):

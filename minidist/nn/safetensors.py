@@ -108,10 +108,10 @@ def load_file(path, names=None):
 
 
 class SafetensorsFile:
-    """One file's header read and its bytes memory-mapped; each tensor made only when
-    tensor(name) asks for it, so a bfloat16 one is widened alone (load_file widens every
-    one it returns): what reads a checkpoint's parameters one at a time
-    (minidist/strategy/readers.py PlainReader). `names`: the tensors, in the file's order."""
+    """One file's header read and its bytes memory-mapped; each tensor (or rows of it) made
+    only when tensor(name) asks for it, so a bfloat16 one is widened alone (load_file widens
+    every one it returns): what reads a checkpoint's parameters one at a time
+    (minidist/strategy/readers.py). `names`: the tensors, in the file's order."""
 
     def __init__(self, path):
         self.path = path
@@ -119,14 +119,22 @@ class SafetensorsFile:
         self.raw = np.memmap(path, dtype=np.uint8, mode="r")
         self.names = list(self.header)
 
-    def tensor(self, name):
-        """The array `name` (a view of the mapped bytes; bfloat16: a float32 copy)."""
+    def tensor(self, name, lo=0, hi=None):
+        """The array `name` (a view of the mapped bytes; bfloat16: a float32 copy), or rows
+        lo:hi of its first axis, only those bytes read or widened (a flat ZeRO shard's piece
+        of one parameter: minidist/strategy/readers.py ShardReader)."""
         info = self.header[name]
-        begin, stop = info["data_offsets"]
+        shape, (begin, stop) = list(info["shape"]), info["data_offsets"]
+        if shape:
+            hi = shape[0] if hi is None else hi
+            if not 0 <= lo <= hi <= shape[0]:
+                raise IndexError(f"{self.path}: {name} has {shape[0]} rows, not {lo}:{hi}")
+            row = (stop - begin) // shape[0] if shape[0] else 0
+            begin, stop, shape[0] = begin + lo * row, begin + hi * row, hi - lo
         buf = self.raw[self.start + begin:self.start + stop]
         if info["dtype"] == "BF16":             # bfloat16 = the top 16 bits of a float32
             wide = buf.view("<u2").astype(np.uint32) << 16
             a = wide.view(np.float32)
         else:
             a = buf.view(np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<"))
-        return a.reshape(info["shape"])
+        return a.reshape(shape)

@@ -3,8 +3,8 @@
     PlainReader    a one-process run: model.safetensors and optimizer.safetensors, each
                    array made when asked for (memory-mapped)
     ShardReader    a ZeRO run at any world size and stage: each parameter cut out of the old
-                   ranks' flat shards (memory-mapped, so only those bytes are read; a
-                   bfloat16 shard widened only when one of its parameters is asked for)
+                   ranks' flat shards (memory-mapped, so only those bytes are read, and a
+                   bfloat16 one widened)
     PartsReader    a TP x ZeRO run: one ShardReader per tp part, each split parameter's pieces
                    glued by the Split the parts record (minidist/strategy/split.py)
     DictReader     dicts already in memory: a pipeline stage's part of a one-process
@@ -122,11 +122,11 @@ class ShardReader:
         pieces = []
         for q in range(off // S, (off + numel - 1) // S + 1):      # old ranks holding a piece
             shard, k = self._shard(q), f"{unit['name']}/{key}"
-            flat = shard.tensor(k) if k in shard.header else None
-            if flat is None or flat.size != S:
+            if k not in shard.header or shard.header[k]["shape"] != [S]:
                 raise CheckpointError(f"{os.path.join(self.directory, self.files[q])}: no "
                                       f"{k} of {S} elements (a shard of another layout?)")
-            pieces.append(flat[max(off, q * S) - q * S:min(off + numel, (q + 1) * S) - q * S])
+            pieces.append(shard.tensor(k, max(off, q * S) - q * S,     # (only these read)
+                                       min(off + numel, (q + 1) * S) - q * S))
         return np.concatenate(pieces).reshape(p["shape"]) if pieces else np.zeros(p["shape"])
 
 
