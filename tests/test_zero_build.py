@@ -61,7 +61,7 @@ def test_zero3_init_from_a_checkpoint_reads_a_unit_at_a_time(amp, mpi, corpus, t
     masters): each rank's shards are the whole build's from the checkpoint's whole arrays,
     bit for bit, and its traced peak while reading and building stays within 0.6 x the
     model's float32 bytes of what it holds after (its shards; one block is 0.24 x). Measured
-    0.01 x (0.36 x with --amp: the build's own casts); reading the whole model first
+    0.01 x (0.35 x with --amp: the build's own casts); reading the whole model first
     (minidist/train/gather.py whole_model, what --init-from did) peaked 1.0 x (1.35 x) above:
 
         mpiexec -n 2 python examples/train_gpt.py --zero 3 [--amp] --n-layer 4 --n-head 4
