@@ -64,10 +64,10 @@ def test_zero3_init_from_a_checkpoint_reads_a_unit_at_a_time(amp, mpi, corpus, t
     0.01 x (0.35 x with --amp: the build's own casts); reading the whole model first
     (minidist/train/gather.py whole_model, what --init-from did) peaked 1.0 x (1.35 x) above:
 
-        mpiexec -n 2 python examples/train_gpt.py --zero 3 [--amp] --n-layer 4 --n-head 4
-            --n-embd 128 --block-size 32 --batch-size 2 --steps 1 --eval-iters 1 --sample 0
+        mpiexec -n 2 python examples/train_gpt.py --zero 3 [--amp] --n-layer 4 --n-head 4 \\
+            --n-embd 128 --block-size 32 --batch-size 2 --steps 1 --eval-iters 1 --sample 0 \\
             --data TEXT --cache-dir DIR --save CK
-        mpiexec -n 2 python tests/scripts/zero_init_from.py --init-from CK --data TEXT
+        mpiexec -n 2 python tests/scripts/zero_init_from.py --init-from CK --data TEXT \\
             --cache-dir DIR [--amp]
     """
     flags = ["--data", corpus, "--cache-dir", str(tmp_path / "cache")] + (

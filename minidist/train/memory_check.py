@@ -4,8 +4,8 @@ minidist's graph keeps them for DDP and ZeRO, at least Korthikanti's count for T
 tests/test_planner.py holds both to the runs' ledger; Korthikanti's for an MoE model too,
 whose experts the graph's count has not (one process, top-k 2: 120.1 MiB for the ledger's
 130.2); for DDP and ZeRO the evaluation's no-grad forward of a rank's whole batch where it
-needs more; with --save, --resume or --init-from the copy of the state a save or a load
-holds: rank_bill, load_copy) is set beside the memory free where the ranks run
+needs more; with --save or --resume the copy of the state a save or a load holds:
+rank_bill, load_copy) is set beside the memory free where the ranks run
 (memory_room.py): each host's (MemAvailable, less where its cgroup's limit leaves less; the
 address space `ulimit -v` leaves each rank), or each GPU's. A run that cannot fit stops
 here, one `error:` line naming what it needs, what is free and what needs less, instead of
@@ -27,13 +27,12 @@ Tests: tests/test_memory_check.py (the bill), tests/test_memory_room.py (the roo
 """
 import argparse
 import json
-import math
 import os
 from dataclasses import replace
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
-from minidist.nn.config import gpt_param_specs, uses_tiled
+from minidist.nn.config import uses_tiled
 from minidist.strategy import checkpoint_dirs
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.activations import minidist_activation_bytes
@@ -81,10 +80,12 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     GPU's copies go to the host): the copy of the rank's state a save holds (parameters and
     optimizer, from the step's end until written: with --async-save through the next
     steps, beside their activations; else after them), a --resume's load its load_copy
-    (`assembled`: the checkpoint's arrays are shards, loads_assembled), an --init-from's the
-    whole model's float32 weights (measured against peak RSS: tests/test_memory_check.py).
-    "buffers": step_buffers.py's; those a step frees are billed with the steps, not beside
-    a checkpoint's copy."""
+    (`assembled`: the checkpoint's arrays are shards, loads_assembled); none for --init-from,
+    whose weights are read a block (ZeRO-3: a unit) at a time as the model is built, before
+    any gradient or optimizer state is (train/gather.py CheckpointWeights: one process, 4
+    layers of 512, 213.9 MiB traced peak from a checkpoint, 213.1 from the seed; billed
+    the model's float32 copy, 255.7 for 209.2). "buffers": step_buffers.py's; those a step
+    frees are billed with the steps, not beside a checkpoint's copy."""
     layout, micro, m = run_layout(args, world_size)
     plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
@@ -105,9 +106,6 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     copy = row["params"] + row["optimizer"] if host_is_device and args.save else 0
     if host_is_device and args.resume:
         copy = max(copy, load_copy(row, layout, assembled))
-    if host_is_device and args.init_from:
-        whole = sum(math.prod(shape) for shape, _ in gpt_param_specs(config).values())
-        copy = max(copy, 4 * scale * whole)
     row["checkpoint"] = copy
     row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
                                           training=not args.eval_only, cpu=host_is_device)
