@@ -14,7 +14,7 @@ import re
 import pytest
 
 from minidist.nn import GPT, GPTConfig
-from minidist.pp.schedule import chunk_layers, waiting_for_weights
+from minidist.pp.schedule import chunk_layers, split_layers, waiting_for_weights
 from minidist.pp.simulate import simulate
 from minidist.train.activations import held_layers, layer_activation_bytes, stage_activations
 from minidist.train.args import train_parser
@@ -167,6 +167,14 @@ def test_tp_and_pp_split_the_parameters():
     assert stage_params(CFG, tp=2) == [n - split // 2]
     stages = stage_params(CFG, pp=2)
     assert sum(stages) == n + V * C                           # the last stage's wte copy
+    # 6 blocks on 4 stages: 2, 2, 1, 1, as the pipeline builds them (pp/schedule.py
+    # split_layers; the planner counted 2, 1, 2, 1 until 2026-11-30)
+    six = replace(CFG, n_layer=6)
+    block = sum(p.size for name, p in GPT(six).state_dict().items()
+                if name.startswith("transformer.h.0."))
+    embed, ln_f = (V + six.block_size) * C, 2 * C
+    assert stage_params(six, pp=4) == [embed + 2 * block, 2 * block, block,
+                                       block + ln_f + V * C]
 
 
 @pytest.mark.parametrize("config", [
@@ -188,9 +196,10 @@ def test_counts_per_kind_of_block_equal_a_walk_over_every_parameter(config):
             continue
         want = [0] * pp
         experts = [[] for _ in range(pp)]
+        stages = [s for s, blocks in enumerate(split_layers(L, pp)) for _ in blocks]
         for name, (shape, _) in specs.items():
             parts = name.split(".")
-            stage = int(parts[2]) * pp // L if name.startswith("transformer.h.") else \
+            stage = stages[int(parts[2])] if name.startswith("transformer.h.") else \
                 0 if parts[1] in ("wte", "wpe") else pp - 1
             if ".mlp.experts." in name:
                 want[stage] += math.prod(shape) // ep
@@ -242,7 +251,8 @@ def test_held_layers_are_the_simulated_schedules_peaks():
     (run on the simulator's clock, chunk by chunk): GPipe m, 1F1B min(m, p - s), ZB-H1
     min(m, p) (1F1B's whole and the rest waiting for their W, both at once), interleaved
     its warmup + 1 chunk-micro-batches, each with its blocks."""
-    for p, m, L in [(2, 1, 4), (2, 8, 4), (3, 2, 7), (4, 8, 8), (3, 6, 6), (2, 4, 5)]:
+    for p, m, L in [(2, 1, 4), (2, 8, 4), (3, 2, 7), (4, 8, 8), (3, 6, 6), (2, 4, 5),
+                    (4, 4, 6)]:
         for name, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("1f1b", 2)):
             if v > 1 and (m % p or L < p * v):
                 continue

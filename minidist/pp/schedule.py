@@ -42,6 +42,14 @@ def split_layers(n_layer, n_stages):
     return [range(end - n, end) for n, end in zip(sizes, ends)]
 
 
+def block_stages(n_layer, n_stages):
+    """Each block's pipeline stage, block i's at [i]: split_layers' ranges, as the pipeline
+    builds them (the planners count each stage's parameters, activations and work from it:
+    6 blocks on 4 stages are 2, 2, 1, 1; i * p // L, counted before, made them 2, 1, 2, 1).
+    Under interleaving each stage holds as many blocks (chunk_layers), others of them."""
+    return [s for s, blocks in enumerate(split_layers(n_layer, n_stages)) for _ in blocks]
+
+
 def chunk_layers(n_layer, n_stages, n_chunks, stage):
     """The blocks of each of `stage`'s chunks under interleaving: the model cut into
     n_stages * n_chunks contiguous pieces, piece k on rank k % n_stages (chunk k // n_stages):

@@ -35,7 +35,8 @@ norms' normalised inputs in float32 and fewer other tensors than Megatron's kern
 bytes per sbh per layer, not 16e (the same in float32); the tests check it against the ledger.
 Tests: tests/test_planner.py.
 """
-from minidist.pp.schedule import chunk_layers, peak_in_flight, waiting_for_weights
+from minidist.pp.schedule import (block_stages, chunk_layers, peak_in_flight,
+                                  waiting_for_weights)
 
 
 def layer_activation_bytes(s, b, h, a, t=1, sp=False, recompute="none", e=2, dropout=True,
@@ -100,7 +101,7 @@ def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
     v chunks per stage (pp/schedule.py peak_in_flight: GPipe m, 1F1B min(m, p - s), ZB-H1
     min(m, p), interleaved Megatron's warmup + 1 chunk-micro-batches; m None: as many as
     fill the pipeline, p v; pp 1: one, gradient accumulation). Without interleaving the
-    stage's blocks are i * pp // L == stage, each held peak times, the head on the last
+    stage's blocks are block_stages', each held peak times, the head on the last
     stage as often. ZB-H1's are 1F1B's whole ones: those past their B, waiting for their W
     (schedule.waiting_for_weights), hold less (weight_work_bytes; priced whole until
     2026-11-29, 9% over the ledger's at pp 2, m 8). Interleaved, the peak is reached
@@ -113,7 +114,7 @@ def held_layers(n_layer, pp, stage, schedule="1f1b", m=None, v=1):
     peak = peak_in_flight(whole_of(schedule), pp, stage, m, v)
     last = stage == pp - 1
     if v == 1:
-        return {i: peak for i in range(n_layer) if i * pp // n_layer == stage}, \
+        return {i: peak for i, s in enumerate(block_stages(n_layer, pp)) if s == stage}, \
             peak if last else 0
     chunks = chunk_layers(n_layer, pp, v, stage)
     held, head = {}, 0

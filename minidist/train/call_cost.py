@@ -31,6 +31,7 @@ from dataclasses import replace
 
 from minidist.ddp.sync import bucket_cuts
 from minidist.nn.config import block_param_specs, gpt_param_specs
+from minidist.pp.schedule import block_stages
 from minidist.tp.state import SUM_PIECE_BYTES, piece_cuts
 from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
@@ -68,8 +69,8 @@ def stage_tensors(config, layout, stage):
         if stage == 0:
             out += [held(n, s[0]) for n, s in outside.items()
                     if n in ("transformer.wte.weight", "transformer.wpe.weight")]
-        for i in range(L):
-            if i * pp // L == stage:
+        for i, where in enumerate(block_stages(L, pp)):
+            if where == stage:
                 out += [held(n, s) for n, s in kinds[config.is_moe(i)]]
         if stage == pp - 1:
             out += [held(n, s[0]) for n, s in outside.items()

@@ -68,6 +68,7 @@ import math
 from minidist.nn.config import (attention_weights, block_param_specs, config_key, config_of_key,
                                 mlp_weights)
 from minidist.nn.moe import capacity
+from minidist.pp.schedule import block_stages
 from minidist.ddp.sync import bucket_cuts
 from minidist.train.comm_cost import collective_time
 from minidist.train.tp_cp_cost import exposed
@@ -117,7 +118,7 @@ def stage_blocks(key, pp, stage):
     """(blocks, MoE blocks) on pipeline `stage` of `pp` of the model `key` (config_key):
     kept, as the search asks for every layout (2,000 blocks: 7 s of a search's 50)."""
     config = config_of_key(key)
-    mine = [i for i in range(config.n_layer) if i * pp // config.n_layer == stage]
+    mine = [i for i, s in enumerate(block_stages(config.n_layer, pp)) if s == stage]
     return len(mine), sum(1 for i in mine if config.is_moe(i))
 
 

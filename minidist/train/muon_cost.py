@@ -54,6 +54,7 @@ import math
 
 from minidist.nn.config import block_param_specs, packed_widths
 from minidist.optim.muon import balance, packed_flops, takes_muon, tp_owners
+from minidist.pp.schedule import block_stages
 from minidist.train.comm_cost import axis_size, collective_time
 from minidist.train.planner import local_size
 
@@ -143,8 +144,7 @@ def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
                                  for op in ("all_gather", "reduce_scatter"))
         per_kind[moe] = ns, talk
     out = [(0.0, 0.0)] * pp
-    for i in range(L):
+    for i, stage in enumerate(block_stages(L, pp)):
         ns, talk = per_kind[config.is_moe(i)]
-        stage = i * pp // L
         out[stage] = (out[stage][0] + ns, out[stage][1] + talk)
     return out

@@ -23,20 +23,19 @@ small model under each strategy and compare, tests/test_planner.py):
     TP (Megatron's layout, minidist/tp/model.py): c_attn and c_fc split by output
     columns (weights and biases), both c_proj by input rows (biases replicated), wte by
     vocabulary rows (padded to a multiple of tp); wpe and the layer norms replicated.
-    PP: the blocks in pp contiguous stages (block i on stage i*pp // L); stage 0 also holds
+    PP: the blocks in pp contiguous stages (pp/schedule.py block_stages); stage 0 also holds
     wte and wpe, the last stage ln_f and, the head being tied, its own copy of wte.
     Mixture of Experts (config.moe_experts, minidist/nn/moe.py): each MoE block holds E
     expert MLPs and a router; EP (minidist/ep/, ep of the dp ranks) keeps E/ep experts per
     rank; the experts are not split by tp; under ep with ZeRO (any stage) their optimizer
     state is sharded over their dp / ep (x cp) replicas (edp), their parameters and
     gradients whole (ZeRO-1 over edp of one flat unit per block, minidist/ep/optim.py). Their
-    activations: the MLP's share of a layer's
-    (9 sbh e of it) times k (each token visits k experts; capacity ignored), plus the
-    router's probabilities, sbE e; on the rank's s/cp tokens, s/(cp t) under SP (the MoE
-    block runs on the rank's sequence shard: minidist/nn/moe_split.py).
+    activations: the MLP's share of a layer's (9 sbh e of it) times k (each token visits k
+    experts; capacity ignored), plus the router's probabilities, sbE e; on the rank's s/cp
+    tokens, s/(cp t) under SP (the MoE block runs on the rank's sequence shard:
+    minidist/nn/moe_split.py).
 
-Activations per rank: minidist/train/activations.py (Korthikanti et al.'s bill, and minidist's
-own graph's).
+Activations per rank: minidist/train/activations.py (Korthikanti et al.'s, minidist's graph's).
 Tests: tests/test_planner.py. CLI: examples/plan_memory.py (tests/test_planner_cli.py).
 """
 import functools
@@ -47,6 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
                                 config_key, config_of_key, gpt_param_specs, mlp_weights)
 from minidist.optim.muon import takes_muon
+from minidist.pp.schedule import block_stages
 from minidist.train.activations import minidist_activation_bytes, stage_activations
 from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
@@ -212,8 +212,8 @@ def _block_counts(key, tp, pp, ep, keep=None):
     per_block = {moe: held(block_param_specs(config, moe))
                  for moe in {config.is_moe(i) for i in range(config.n_layer)}}
     counts = [0] * pp
-    for i in range(config.n_layer):
-        counts[i * pp // config.n_layer] += per_block[config.is_moe(i)]
+    for i, stage in enumerate(block_stages(config.n_layer, pp)):
+        counts[stage] += per_block[config.is_moe(i)]
     return tuple(counts)
 
 

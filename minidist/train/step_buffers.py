@@ -38,6 +38,7 @@ Tests: tests/test_memory_check.py.
 import math
 
 from minidist.nn.config import gpt_param_specs
+from minidist.pp.schedule import block_stages
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.planner import local_size, state_bytes
 
@@ -48,11 +49,11 @@ def rank_shapes(config, layout, stage):
     """(name, whole shape, elements on this rank) of each parameter a rank of pipeline
     `stage` holds: its blocks' (an expert's on E/ep ranks: those of its own), the embeddings
     on the first stage, ln_f and the tied head's wte on the last; split by tp."""
-    out = []
+    out, stages = [], block_stages(config.n_layer, layout.pp)
     for name, (shape, _) in gpt_param_specs(config).items():
         if name.startswith("transformer.h."):
             block = int(name.split(".")[2])
-            if block * layout.pp // config.n_layer != stage:
+            if stages[block] != stage:
                 continue
             if ".mlp.experts." in name and int(name.split(".")[5]) % layout.ep:
                 continue                        # (E/ep of them: counted by one rank's share)

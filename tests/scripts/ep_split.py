@@ -12,6 +12,7 @@ what split_calls says (split_traffic):
 from minidist.comm import trace
 from mpi4py import MPI  # (after minidist.comm, as in ep_check.py)
 from minidist.nn.moe_split import split_calls
+from minidist.pp.schedule import block_stages
 
 
 # a sequence split over ranks (minidist/nn/moe_split.py): sequence parallelism, context
@@ -56,8 +57,8 @@ def split_traffic(args, config, strategy):
     tp = args.tp if args.sequence_parallel else 1
     n = config.block_size // args.cp // tp
     stage = strategy.stage.link.stage if pp > 1 else 0
-    moe = sum(config.is_moe(i) for i in range(config.n_layer) if i * pp // config.n_layer ==
-              stage)
+    moe = sum(config.is_moe(i) for i, s in enumerate(block_stages(config.n_layer, pp))
+              if s == stage)
     forwards = args.steps * m * moe * (2 if args.ckpt_activations else 1)
     rank = {"tp": mesh.tp_rank, "cp": mesh.cp_rank}
     out = {}
