@@ -14,8 +14,8 @@ import pytest
 
 from minidist.nn import GPT, GPTConfig
 from minidist.train.args import train_parser
-from minidist.train.memory_check import (advice, eval_activations, loads_assembled,
-                                         rank_bill, run_layout, size_text)
+from minidist.train.memory_check import (ADDRESS_MARGIN, advice, eval_activations,
+                                         loads_assembled, rank_bill, run_layout, size_text)
 from minidist.train.planner import GiB, Layout, bill, stage_params
 from minidist.train.step_buffers import rank_shapes, step_buffers, zero_units
 from minidist.zero.flat import gpt_units
@@ -191,6 +191,12 @@ def test_advice_names_what_would_need_less():
     assert wide.startswith("--zero 3, --ckpt-activations, --grad-accum 3 (the same batch in ")
     one = advice(_args("--amp", "--ckpt-activations", "--batch-size", "1"), CFG, 1, GiB, False)
     assert one.startswith("a smaller --batch-size or --block-size need less")
+    address = advice(args, CFG, 2, need * 0.85, False, margin=ADDRESS_MARGIN)  # `ulimit -v`'s
+    assert address.startswith("--zero 3, --amp, --ckpt-activations, --grad-accum 2 (the same "
+                              "batch in smaller parts), a smaller --batch-size or --block-size "
+                              "need less (")          # (0.69-0.97 x need: none within 0.75 x 0.85)
+    assert address.endswith(f"--gpu-mem {need * 0.85 / GiB:.2g} --headroom 0.25 prices each "
+                            "layout)")
     assert size_text(3 * GiB // 2) == "1.50 GiB" and size_text(1536 * 1024) == "1.5 MiB"
 
 

@@ -44,6 +44,10 @@ from minidist.train.strategy import check_layout
 
 MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
                                   # near the limit (what the bill leaves out: a tenth, at most)
+ADDRESS_MARGIN = 0.75             # the same of what `ulimit -v` leaves: it counts address
+# space, which grew 1.24 x the bill (RSS 0.98 x) over 2 ranks of ZeRO-3, 1.25 x (1.04) of DDP:
+# glibc reserves a 64 MiB arena for each thread that allocates (the comm stream's) and keeps
+# freed heap; at 0.87 of it, a run the advice called fitting ran out in its first step
 
 
 def run_layout(args, world_size):
@@ -180,8 +184,9 @@ def check_memory(args, config, group=None):
     bills = job_bills(config, args, size, on_host)
     problem, line = verdict(seen, bills)
     if problem and not args.no_memory_check:
-        text, per_rank, shared = problem
-        raise UsageError(f"{text}; {advice(args, config, size, per_rank, shared, on_host)}, "
+        text, per_rank, shared, margin = problem
+        raise UsageError(f"{text}; "
+                         f"{advice(args, config, size, per_rank, shared, on_host, margin)}, "
                          "or --no-memory-check to start anyway")
     if not problem:
         return line
@@ -205,7 +210,8 @@ def verdict(seen, bills):
     whether room is free memory or all there is) `seen` and their planner bills, in rank
     order. The line names the largest rank's bill and the place (host or GPU) whose ranks
     need the largest share of its room. A problem is (its text, the bytes a rank may have
-    there, whether ranks share them: a host's or GPU's memory, not each its `ulimit -v`)."""
+    there, whether ranks share them: a host's or GPU's memory, not each its `ulimit -v`, the
+    share of them a run may fill: MARGIN, ADDRESS_MARGIN of an address space)."""
     places = {}
     for rank, (where, room, _, free) in enumerate(seen):
         ranks, rooms = places.setdefault(where, ([], []))
@@ -234,18 +240,20 @@ def verdict(seen, bills):
     if room is not None and need > room:
         return (f"memory: {what} need {size_text(need)} by the planner's count (the largest "
                 f"rank {size_text(top['total'])}: {parts}) but there is {size_text(room)} "
-                f"{has} there", room / len(ranks), len(ranks) > 1), line
+                f"{has} there", room / len(ranks), len(ranks) > 1, MARGIN), line
     for rank, (_, _, address, _) in enumerate(seen):
         if address is not None and bills[rank]["total"] > address:
             who = f"rank {rank} needs" if len(seen) > 1 else "the run needs"
             return (f"memory: {who} {size_text(bills[rank]['total'])} by the "
                     f"planner's count but `ulimit -v` leaves it {size_text(address)} of "
-                    "address space", address, False), line
+                    "address space", address, False, ADDRESS_MARGIN), line
     address = min((a for _, _, a, _ in seen if a is not None), default=None)
     if address is not None:                         # (a limit the host's count does not show)
         line += f"; `ulimit -v` leaves a rank {size_text(address)} of address space"
-    if ratio > MARGIN or any(a is not None and b["total"] > MARGIN * a
-                             for (_, _, a, _), b in zip(seen, bills)):
+    if any(a is not None and b["total"] > ADDRESS_MARGIN * a
+           for (_, _, a, _), b in zip(seen, bills)):
+        line += " (near the limit: `ulimit -v` counts the address space malloc reserves too)"
+    elif ratio > MARGIN:
         line += " (near the limit: Python's own memory is not in the count)"
     return None, line
 
@@ -263,14 +271,15 @@ def _place_text(where, ranks, n_places, n_hosts):
             f"rank {ranks[0]} on {here}" if n_places > 1 else f"the run on {here}")
 
 
-def advice(args, config, size, per_rank, shared=True, on_host=True):
+def advice(args, config, size, per_rank, shared=True, on_host=True, margin=MARGIN):
     """What needs less: each flag the run could add (that training takes with the others:
     train/strategy.py check_layout) priced again, those that alone bring every rank within
-    MARGIN of `per_rank` bytes named as fitting (Python's own memory is not in the
-    count: `--dtype float64 --grad-accum 2` at 1.27 GiB for 1.27 ran out), those that only
-    need less after them; a smaller batch or sequence; fewer ranks a host where they
-    `shared` the memory; then the planner's command for this model on `size` ranks of
-    `per_rank` bytes each."""
+    `margin` of `per_rank` bytes named as fitting (Python's own memory is not in the
+    count: `--dtype float64 --grad-accum 2` at 1.27 GiB for 1.27 ran out; ADDRESS_MARGIN
+    where `per_rank` is what `ulimit -v` leaves), those that only need less after them; a
+    smaller batch or sequence; fewer ranks a host where they `shared` the memory; then the
+    planner's command for this model on `size` ranks of `per_rank` bytes each, the same
+    share of them kept free (its --headroom)."""
     layout, micro, _ = run_layout(args, size)
     ways = [("--zero 3", dict(zero=3))] if layout.dp * layout.cp > 1 and args.zero < 3 else []
     ways += [] if args.amp else [("--amp", dict(amp=True))]
@@ -288,7 +297,7 @@ def advice(args, config, size, per_rank, shared=True, on_host=True):
         except UsageError:
             continue                                     # training would refuse it here
         need = max(b["total"] for b in job_bills(config, other, size, on_host))
-        if need <= MARGIN * per_rank:
+        if need <= margin * per_rank:
             fits.append(text)
         elif need < now:
             less.append(text)
@@ -299,5 +308,5 @@ def advice(args, config, size, per_rank, shared=True, on_host=True):
     return ("; ".join(said + [", ".join(less) + " need less"]) + " (python examples/"
             f"plan_memory.py --n-layer {config.n_layer} --n-head {config.n_head} --n-embd "
             f"{config.n_embd} --vocab-size {config.vocab_size} --seq {config.block_size} "
-            f"--micro-batch {micro} --gpus {size} --gpu-mem {per_rank / GiB:.2g} prices each "
-            "layout)")
+            f"--micro-batch {micro} --gpus {size} --gpu-mem {per_rank / GiB:.2g}" +
+            (f" --headroom {1 - margin:g}" if margin != MARGIN else "") + " prices each layout)")
