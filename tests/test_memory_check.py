@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from minidist.nn import GPT, GPTConfig
+from minidist.pp.schedule import chunk_layers
 from minidist.train.args import train_parser
 from minidist.train.memory_check import (ADDRESS_MARGIN, advice, eval_activations,
                                          loads_assembled, rank_bill, run_layout, size_text)
@@ -259,6 +260,22 @@ def test_a_ranks_shapes_are_the_planners_parameters(layout):
     want = (max(u.padded for u in units if u.module is not None),
             sum(u.padded for u in units if u.module is None))
     assert zero_units(rank_shapes(dense, layout, 0), layout) == want
+
+
+def test_a_stages_blocks_are_the_ones_the_pipeline_builds_there():
+    """rank_shapes and rank_bill put on each stage the blocks the pipeline builds there
+    (pp/strategy.py build_model: chunk_layers): 6 blocks on 4 stages are 2, 2, 1, 1; the bill
+    had them as 2, 1, 2, 1 (`i * pp // L`), stage 1 billed half its blocks."""
+    config = replace(CFG, n_layer=6)
+    for pp in range(2, 7):
+        for stage in range(pp):
+            blocks = {int(name.split(".")[2]) for name, _, _ in
+                      rank_shapes(config, Layout(pp=pp), stage) if ".h." in name}
+            assert blocks == set(chunk_layers(6, pp, 1, stage)[0]), (pp, stage)
+    bills = [rank_bill(config, _args("--pp", 4, "--n-layer", 6), 4, r) for r in range(4)]
+    block = sum(p.size for name, p in GPT(config).state_dict().items()
+                if name.startswith("transformer.h.0."))
+    assert bills[1]["params"] == 4 * 2 * block and bills[2]["params"] == 4 * block
 
 
 @pytest.mark.mpi
