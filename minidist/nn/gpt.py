@@ -28,7 +28,7 @@ from minidist.autograd.dropout_keys import DropoutKeys, DropoutSite
 from minidist.autograd.fusions import padded_cross_entropy
 from minidist.autograd.recompute import checkpoint
 from minidist.nn.block import Block, CausalSelfAttention
-from minidist.nn.config import attention_weights, gpt_init, mlp_weights, padded_wte
+from minidist.nn.config import attention_weights, gpt_init, mlp_weights, model_init, padded_wte
 from minidist.nn.kv_cache import KVCache
 from minidist.nn.layers import DenseLayers, Dropout, Embedding
 from minidist.nn.module import Module, ModuleDict, ModuleList, release_parameters
@@ -106,6 +106,11 @@ class GPT(Module):
                 raise KeyError(f"init_parameters: gpt_init has no numbers for "
                                f"{sorted(names - set(state))[:8]}")
             self.load_state_dict(state, strict=False)
+
+    def initial_state(self, names, seed, dtype, weights=None):
+        """gpt_init's numbers for `names` as this model holds them (wte padded): what ZeRO-3
+        gives a model built with materialize=False, a unit at a time (zero/strategy.py)."""
+        return model_init(self.config, seed, names, dtype, weights)
 
     def set_block_hooks(self, hooks):
         """`hooks` (before_root(), before_block(i), after_block(i, y) -> y, as BlockHooks)

@@ -67,17 +67,18 @@ class PipelineStage:
     def build_transformer(self, factory):
         """GPT's, for the parts this stage runs: the blocks of every chunk it holds, under
         their global numbers (h.2, h.3 on the second of two stages of a 4-layer GPT), the
-        embeddings on the first stage, ln_f and the tied wte's copy on the last."""
-        config, dtype = self.config, factory.dtype
+        embeddings on the first stage, ln_f and the tied wte's copy on the last (each on
+        placeholders as it is made where the stage is not materialized: GPT.made)."""
+        config, dtype, made = self.config, factory.dtype, self.made
         parts = {}
         if self.first:
-            parts.update(embeddings(config, factory))
-        parts["h"] = ModuleList([Block(config, dtype, n, factory) for n in self.layers],
+            parts.update({name: made(m) for name, m in embeddings(config, factory).items()})
+        parts["h"] = ModuleList([made(Block(config, dtype, n, factory)) for n in self.layers],
                                 numbers=self.layers)
         if self.last:
-            parts["ln_f"] = factory.norm()
+            parts["ln_f"] = made(factory.norm())
             if not self.first:
-                parts["wte"] = factory.token_embedding()      # the tied head's copy
+                parts["wte"] = made(factory.token_embedding())    # the tied head's copy
         return ModuleDict(**parts)
 
     def tied_copies(self):
@@ -217,11 +218,13 @@ def part_of(a, pos):
 
 
 class GPTStage(PipelineStage, GPT):
-    """Blocks `layers` of GPT(config, seed) on this rank of `pp_group`."""
+    """Blocks `layers` of GPT(config, seed) on this rank of `pp_group` (`materialize`:
+    GPT's; False under ZeRO-3, minidist/pp/strategy.py build_model)."""
 
-    def __init__(self, config, pp_group, layers, seed=0, dtype="float32", weights=None):
+    def __init__(self, config, pp_group, layers, seed=0, dtype="float32", weights=None,
+                 materialize=True):
         self._init_stage(pp_group, layers)
-        super().__init__(config, seed, dtype, weights=weights)
+        super().__init__(config, seed, dtype, weights=weights, materialize=materialize)
 
 
 class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
@@ -229,9 +232,10 @@ class TensorParallelGPTStage(PipelineStage, TensorParallelGPT):
     stage of 3-D parallelism (dp x tp x pp)."""
 
     def __init__(self, config, tp_group, pp_group, layers, seed=0, dtype="float32",
-                 sequence_parallel=False, weights=None):
+                 sequence_parallel=False, weights=None, materialize=True):
         self._init_stage(pp_group, layers)
-        super().__init__(config, tp_group, seed, dtype, sequence_parallel, weights)
+        super().__init__(config, tp_group, seed, dtype, sequence_parallel, weights,
+                         materialize)
 
     def begin(self, T):
         self.region.begin(T, shard=is_grad_enabled())   # training forwards: as tp/model.py

@@ -16,7 +16,8 @@ dp x cp), as TensorParallel and ContextParallel do:
 
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
                         then inner.wrap(stage) (--cp: the ring attached, minidist/pp/stage.py
-                        says where the sequence is split)
+                        says where the sequence is split); under ZeRO-3 (no --cp, --ep)
+                        built on placeholders, a unit at a time (wrap_unbuilt)
     local_rows          inner's: rows by dp rank (every stage and tp rank of a replica: the
                         same rows)
     forward_backward    the schedule (--schedule 1f1b | gpipe | zb-h1, --pp-virtual v) over
@@ -136,16 +137,18 @@ class PipelineParallel(ModelParallel):
     def build_model(self, config, seed, dtype, weights=None):
         from minidist.pp.stage import GPTStage, TensorParallelGPTStage
         layers = chunk_layers(config.n_layer, self.group.size, self.virtual, self.group.rank)
+        whole = not self.inner.builds_by_unit()    # ZeRO-3: on placeholders, a unit at a time
         if self.mesh.shape["tp"] > 1:
             stage = TensorParallelGPTStage(config, self.mesh.tp, self.group, layers, seed,
-                                           dtype, self.sequence_parallel, weights)
+                                           dtype, self.sequence_parallel, weights, whole)
         else:
-            stage = GPTStage(config, self.group, layers, seed, dtype, weights)
+            stage = GPTStage(config, self.group, layers, seed, dtype, weights, whole)
         stage.set_checkpointing(self.ckpt_activations)
-        if self.amp:
-            stage = self.amp.cast_model(stage)
         self.model = stage
-        wrapped = self.inner.wrap(stage)       # DDP or ZeRO across the pipelines, or as it is
+        if not whole:                          # each unit of the stage drawn and sharded
+            wrapped = self.inner.wrap_unbuilt(stage, seed, dtype, weights)
+        else:                                  # DDP or ZeRO across the pipelines, or as it is
+            wrapped = self.inner.wrap(self.amp.cast_model(stage) if self.amp else stage)
         if self.mesh.shape["tp"] > 1:          # left partial in backward: sync_grads sums them
             self.partial = partial_params(stage, self.sequence_parallel)
         return wrapped

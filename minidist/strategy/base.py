@@ -158,6 +158,11 @@ class SingleProcess:
         parallelism builds, DDP or ZeRO wraps): here, nothing."""
         return model
 
+    def builds_by_unit(self):
+        """Does this strategy take this rank's part built on placeholders, and give it its
+        numbers a unit at a time (wrap_unbuilt: ZeRO-3, minidist/zero/strategy.py)? No."""
+        return False
+
     # ---- one step (minidist/train/step.py) ---------------------------------------------------
     def local_rows(self, *arrays):
         return arrays

@@ -97,24 +97,42 @@ class TensorParallelGPT(GPT):
     gathered."""
 
     def __init__(self, config, group, seed=0, dtype="float32", sequence_parallel=False,
-                 weights=None):
+                 weights=None, materialize=True):
+        """`materialize` False: GPT's (placeholders; ZeRO-3 gives each unit initial_state's
+        shards later: minidist/tp/strategy.py build_model)."""
         problems = check_tp_sizes(config, group.size)
         if problems:
             raise ValueError("tensor parallelism: " + "; ".join(problems))
         self.group = group
         self.region = TensorParallelRegion(group, sequence_parallel)
         super().__init__(config, seed, dtype, TensorParallelLayers(config, self.region, dtype),
-                         weights)
+                         weights, materialize)
+        self.mark_replicated()
         for m in self.moe_layers():         # under SP an MoE layer routes over the whole
             m.region = self.region          # sequence (minidist/nn/moe_split.py)
 
+    def mark_replicated(self):
+        """tp_split None on the parameters no split layer made: layer norms, wpe, row biases
+        (replicated on every rank)."""
+        for p in self.parameters():
+            p.tp_split = getattr(p, "tp_split", None)
+
     def init_parameters(self, seed, dtype, weights=None):
         """This rank's shard of each of gpt_init's full arrays, one parameter at a time."""
-        for p in self.parameters():                     # layer norms, wpe, row biases
-            p.tp_split = getattr(p, "tp_split", None)    # None: replicated on every rank
+        self.mark_replicated()
         for name, _ in self.named_parameters():
             self.load_full_state_dict(gpt_init(self.config, seed, names={name}, dtype=dtype,
                                                weights=weights))
+
+    def initial_state(self, names, seed, dtype, weights=None):
+        """This rank's shards of gpt_init's full arrays for `names`, as init_parameters
+        loads them: what ZeRO-3 gives a model built with materialize=False, a unit at a
+        time (one full array held at a time)."""
+        params, out = dict(self.named_parameters()), {}
+        for name in names:
+            out.update(self.local_state(gpt_init(self.config, seed, names={name}, dtype=dtype,
+                                                 weights=weights), params))
+        return out
 
     def set_dropout_keys(self, keys):
         """GPT's dropout sites; where a tensor is split, each rank keeps its slice of the
@@ -200,14 +218,19 @@ class TensorParallelGPT(GPT):
 
     def load_full_state_dict(self, state):
         """Load this rank's shards of full arrays (all of them or some, by name)."""
-        params = dict(self.named_parameters())
+        self.load_state_dict(self.local_state(state), strict=False)
+
+    def local_state(self, state, params=None):
+        """{name: this rank's shard (host)} of full arrays `state` (all or some, by name);
+        `params`: dict(self.named_parameters()), if the caller has it."""
+        params = dict(self.named_parameters()) if params is None else params
         local = {}
         for name, full in state.items():
             split = getattr(params[name], "tp_split", None)
             full = np.asarray(backend.to_host(full))
             local[name] = full if split is None else split.shard(full, self.group.size,
                                                                  self.group.rank)
-        self.load_state_dict(local, strict=False)
+        return local
 
     def save_pretrained(self, directory, dtype="float32"):
         """The FULL model in GPT-2's format, written by rank 0 of the group (collective)."""

@@ -10,7 +10,8 @@ World = dp x tp, Megatron's rank order (tp neighbours share a node: minidist/com
 All tp ranks of one dp replica read the same rows of the global batch. What it changes from
 SingleProcess (minidist/strategy/base.py), delegating the data-parallel part to `inner`:
 
-    build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp)
+    build_model         this rank's TensorParallelGPT, then inner.wrap(model) (DDP over dp);
+                        under ZeRO-3 built on placeholders, a unit at a time (wrap_unbuilt)
     local_rows, no_sync, global_mean    inner's: rows by dp rank, loss averaged over dp
                         (every tp rank already holds the same loss)
     sync_grads          inner's gradient sync, then under sequence parallelism the
@@ -64,14 +65,19 @@ class TensorParallel(ModelParallel):
         self._partial = []          # the gradients sync_grads sums over tp (partial_params)
 
     def build_model(self, config, seed, dtype, weights=None):
+        """This rank's TensorParallelGPT, held by inner. Under ZeRO-3 (inner.builds_by_unit)
+        made on placeholders, each unit's tp shards drawn and sharded over dp in turn
+        (ZeroDataParallel.wrap_unbuilt): no rank holds its whole tp part."""
+        by_unit = self.inner.builds_by_unit()
         model = TensorParallelGPT(config, self.group, seed, dtype, self.sequence_parallel,
-                                  weights)
+                                  weights, materialize=not by_unit)
         model.set_checkpointing(self.ckpt_activations)
-        if self.amp:
-            model = self.amp.cast_model(model)
         self.model = model
         self._replicated = [p for p in model.parameters() if p.tp_split is None]
-        wrapped = self.inner.wrap(model)
+        if by_unit:
+            wrapped = self.inner.wrap_unbuilt(model, seed, dtype, weights)
+        else:
+            wrapped = self.inner.wrap(self.amp.cast_model(model) if self.amp else model)
         # sequence parallelism: these gradients stay partial in backward, summed in sync_grads
         self._partial = partial_params(model, self.sequence_parallel)
         return wrapped

@@ -44,7 +44,6 @@ import math
 
 from minidist.comm import trace
 from minidist.nn import GPT
-from minidist.nn.config import model_init
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
                                     matrix_views, optimizer_settings)
@@ -136,14 +135,27 @@ class ZeroDataParallel(SingleProcess):
             return super().build_model(config, seed, dtype, weights)
         model = GPT(config, seed=seed, dtype=dtype, materialize=False)
         model.set_checkpointing(self.ckpt_activations)
+        return self.wrap_unbuilt(model, seed, dtype, weights)
+
+    def builds_by_unit(self):
+        """Stage 3: a strategy around this one (--tp, --pp: they build this rank's part)
+        builds it on placeholders and hands it to wrap_unbuilt."""
+        return self.stage == 3
+
+    def wrap_unbuilt(self, model, seed, dtype, weights=None):
+        """Stage 3's build of `model` made on placeholders (materialize=False: the GPT, or
+        this rank's part of it, a TensorParallelGPT or pipeline stage): cast for --amp
+        without float32 copies, then sharded with each unit's numbers drawn in turn as the
+        model holds them (its initial_state: gpt_init's or `weights`', wte padded, a tp
+        shard cut as its init_parameters cuts it)."""
         if self.amp:
             self.amp.cast_model(model, placeholders=True)
-        return self.wrap(model, functools.partial(model_init, config, seed, dtype=dtype,
+        return self.wrap(model, functools.partial(model.initial_state, seed=seed, dtype=dtype,
                                                   weights=weights))
 
     def wrap(self, model, initial=None):
         """Shard `model` (the whole model, or this rank's part built by another strategy;
-        `initial`: build_model's, for a model on placeholders)."""
+        `initial`: wrap_unbuilt's, for a model on placeholders)."""
         self.model, self.n_params = model, model.num_parameters()
         shards = self.shard_group
         units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())

@@ -1,0 +1,110 @@
+"""ZeRO-3's build of this rank's part under --tp and --pp (minidist/tp/strategy.py,
+minidist/pp/strategy.py build_model: the TensorParallelGPT or pipeline stage made on
+placeholders, each unit's numbers drawn as this rank holds them and sharded over dp in turn),
+against building the part whole and then sharding it (what they did until 2026-11-30), on
+every rank:
+
+    mpiexec -n 4 python tests/scripts/zero_build_parts.py --tp 2 [--amp] [--weights]
+    mpiexec -n 4 python tests/scripts/zero_build_parts.py --pp 2 [--tp 2] [--amp]
+
+Each rank checks that its parameter shards (and, with --amp, its float32 master shards, once
+the optimizer holds them) are bit for bit the whole build's; `--weights`: both builds start
+from given weights (minidist/nn/config.py GivenWeights, as --init-from's) instead of the
+seed's draws. Rank 0 prints `RESULT {json}` with every rank's traced peak (tracemalloc:
+numpy's arrays) during each build, the bytes still held after it (the shards it keeps),
+and its part's float32 bytes. Any failure raises, and the
+abort handler ends the whole job.
+"""
+import argparse
+import json
+import tracemalloc
+from dataclasses import replace
+
+import numpy as np
+
+from minidist import backend, comm
+from minidist.nn import GPTConfig
+from minidist.nn.config import GivenWeights, gpt_init
+from minidist.pp.schedule import chunk_layers
+from minidist.pp.stage import GPTStage, TensorParallelGPTStage
+from minidist.pp.strategy import PipelineParallel
+from minidist.tp.model import TensorParallelGPT
+from minidist.train.args import train_parser
+from minidist.train.strategy import make_strategy
+
+# (wte padded from 509 rows: to a multiple of 8 by GPT, of tp by the split)
+CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509,
+                   vocab_multiple=8)
+
+
+def traced(build):
+    """(what build() returns, {"peak": the traced peak while it ran, "held": what is still
+    traced after it: the shards kept}, each less what was traced before)."""
+    tracemalloc.start()
+    start = tracemalloc.get_traced_memory()[0]
+    out = build()
+    held, peak = (m - start for m in tracemalloc.get_traced_memory())
+    tracemalloc.stop()
+    return out, {"peak": peak, "held": held}
+
+
+def build_whole(strategy, seed, weights):
+    """This rank's part built whole (materialized, cast for --amp), then ZeRO's wrap: the
+    strategies' build_model before 2026-11-30. Returns the part."""
+    if isinstance(strategy, PipelineParallel):
+        pp = strategy.group
+        layers = chunk_layers(CONFIG.n_layer, pp.size, strategy.virtual, pp.rank)
+        if strategy.mesh.shape["tp"] > 1:
+            part = TensorParallelGPTStage(CONFIG, strategy.mesh.tp, pp, layers, seed,
+                                          weights=weights)
+        else:
+            part = GPTStage(CONFIG, pp, layers, seed, weights=weights)
+    else:
+        part = TensorParallelGPT(CONFIG, strategy.group, seed, weights=weights)
+    zero = strategy.inner
+    zero.wrap(zero.amp.cast_model(part) if zero.amp else part)
+    return part
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--tp", default="1")
+    p.add_argument("--pp", default="1")
+    p.add_argument("--amp", action="store_true")
+    p.add_argument("--weights", action="store_true")
+    cli = p.parse_args()
+    world = comm.init()
+    backend.set_device(cli.device)
+    args = train_parser().parse_args(["--zero", "3", "--tp", cli.tp, "--pp", cli.pp,
+                                      "--batch-size", "8", "--device", cli.device]
+                                     + (["--amp"] if cli.amp else []))
+    weights = GivenWeights(gpt_init(CONFIG, 99)) if cli.weights else None
+    tiny = replace(CONFIG, n_layer=2, n_embd=32)   # built first, untraced: the modules the
+    make_strategy(args, world).build_model(tiny, 7, "float32")  # first build imports are not
+    sharded = make_strategy(args, world)                       # either build's bytes
+    model, mine = traced(lambda: sharded.build_model(CONFIG, 7, "float32", weights))
+    whole = make_strategy(args, world)
+    reference, whole_build = traced(lambda: build_whole(whole, 7, weights))
+    units, ref_units = sharded.inner.engine.units, whole.inner.engine.units
+    assert len(units) == len(ref_units)
+    for u, r in zip(units, ref_units):
+        assert u.flat.names == r.flat.names
+        a, b = backend.to_host(u.param_shard), backend.to_host(r.param_shard)
+        assert a.dtype == b.dtype and np.array_equal(a, b), u.flat.name
+    if cli.amp:
+        opt, ref_opt = sharded.build_optimizer(model, args), whole.build_optimizer(reference,
+                                                                                   args)
+        for name, state in opt.state.items():
+            a, b = backend.to_host(state["master"]), backend.to_host(ref_opt.state[name]["master"])
+            assert a.dtype == np.float32 and np.array_equal(a, b), name
+        assert not sharded.amp.masters and not whole.amp.masters
+    rows = world.gather_object({"build": mine, "whole": whole_build,
+                                "part_bytes": 4 * model.num_parameters(),
+                                "units": len(units)}, root=0)
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"ranks": rows}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
