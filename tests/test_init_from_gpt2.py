@@ -117,7 +117,7 @@ def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):
     """GPT-2's vocabulary, nanoGPT token files: one process, 4 ranks as tp 2 x pp 2 (each
     rank cuts its tp shard of its stage's parameters out of the folder), 4 ranks as pp 2 x
     dp 2 under ZeRO-3, and 2 ranks of ZeRO-3 (each unit's weights taken from the folder's as
-    the model is built on placeholders: minidist/zero/strategy.py build_model) train to the
+    the model is built on placeholders: minidist/zero/strategy.py wrap_unbuilt) train to the
     same losses (float64, 1e-10).
 
         mpiexec -n 4 python examples/train_gpt.py --init-from gpt2 --data tokens --tp 2 --pp 2

@@ -16,7 +16,8 @@ averaged over the dp x cp ranks: the `inner` data-parallel strategy (DDP, or ZeR
 --zero) runs over the mesh's dpcp group, the simplest correct way. What changes from inner:
 
     build_model / wrap  the GPT (or the TensorParallelGPT that TensorParallel built) gets a
-                        RingContext over mesh.cp, then inner.wrap(model)
+                        RingContext over mesh.cp, then inner.wrap(model); under ZeRO-3
+                        the model on placeholders, inner.wrap_unbuilt (a unit at a time)
     local_rows          rows by dp rank only (inner would split rows over dp x cp)
     global_mean         inner's: the mean over dp x cp of each rank's token-mean loss
 With --tp, TensorParallel (minidist/tp/strategy.py) is the outer strategy and this one its
@@ -91,6 +92,18 @@ class ContextParallel(ModelParallel):
         block = model.config.attention_block                     # the tile size
         return self.inner.wrap(attach_ring(model, self.group, self.split, block,
                                            self.attention))
+
+    def builds_by_unit(self):
+        """inner's: ZeRO-3 takes the model (or TP's, PP's part) built on placeholders."""
+        return self.inner.builds_by_unit()
+
+    def wrap_unbuilt(self, model, seed, dtype, weights=None):
+        """wrap's, for a model on placeholders: the ring attached (it holds no numbers),
+        then inner's wrap_unbuilt (ZeRO-3: each unit's numbers drawn and sharded)."""
+        self.model = model
+        block = model.config.attention_block
+        return self.inner.wrap_unbuilt(attach_ring(model, self.group, self.split, block,
+                                                   self.attention), seed, dtype, weights)
 
     def local_rows(self, *arrays):
         """Rows by dp rank: every cp rank of a replica reads the same rows (inner's group is

@@ -344,6 +344,6 @@ def padded_wte(state, rows):
 def model_init(config, seed, names, dtype="float32", weights=None):
     """gpt_init's numbers for `names`, as GPT's parameters hold them (wte's vocabulary
     padded to config.padded_vocab_size): what ZeRO-3 draws a unit at a time for a model
-    built with materialize=False (minidist/zero/strategy.py build_model)."""
+    built with materialize=False (minidist/zero/strategy.py wrap_unbuilt)."""
     return padded_wte(gpt_init(config, seed, names=names, dtype=dtype, weights=weights),
                       config.padded_vocab_size)

@@ -63,7 +63,7 @@ class GPT(Module):
         `seed`. `materialize` False: every parameter is left a placeholder (nn/module.py),
         each module's arrays freed as soon as it is made, and no numbers drawn: whoever
         builds the model so gives each parameter gpt_init's numbers later (ZeRO-3 does, a
-        unit at a time: minidist/zero/strategy.py build_model), and no rank ever holds the
+        unit at a time: minidist/zero/strategy.py wrap_unbuilt), and no rank ever holds the
         whole model."""
         super().__init__()
         self.config = config

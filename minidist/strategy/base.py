@@ -135,10 +135,15 @@ class SingleProcess:
                                                    # test suite's own collectives: not its)
 
     def build_model(self, config, seed, dtype, weights=None):
-        """The model, its parameters `seed`'s draws or `weights` ({name: the whole model's
-        host array}: --init-from), cast for --amp and wrapped by this strategy."""
-        model = GPT(config, seed=seed, dtype=dtype, weights=weights)
+        """The model, its parameters `seed`'s draws or `weights` (read(name) gives a whole
+        host array: --init-from), cast for --amp and wrapped by this strategy. Where it
+        builds_by_unit (ZeRO-3, also inside --cp) the model is made on placeholders and
+        wrap_unbuilt gives it its numbers a unit at a time (minidist/zero/strategy.py)."""
+        by_unit = self.builds_by_unit()
+        model = GPT(config, seed=seed, dtype=dtype, weights=weights, materialize=not by_unit)
         model.set_checkpointing(self.ckpt_activations)
+        if by_unit:
+            return self.wrap_unbuilt(model, seed, dtype, weights)
         return self.wrap(self.amp.cast_model(model) if self.amp else model)
 
     def build_optimizer(self, model, args, tp=None):
@@ -160,7 +165,8 @@ class SingleProcess:
 
     def builds_by_unit(self):
         """Does this strategy take this rank's part built on placeholders, and give it its
-        numbers a unit at a time (wrap_unbuilt: ZeRO-3, minidist/zero/strategy.py)? No."""
+        numbers a unit at a time (wrap_unbuilt: ZeRO-3, minidist/zero/strategy.py; --cp
+        around it)? Here, no."""
         return False
 
     # ---- one step (minidist/train/step.py) ---------------------------------------------------

@@ -29,8 +29,9 @@ What it changes from SingleProcess (minidist/strategy/base.py); rows by dp rank 
     finish              the memory table (the ZeRO paper's arithmetic vs the ledger, each
                         rank) and the bytes sent per step
     takes_part_in_sampling   stage 3: every rank (each block's forward is a collective)
-    build_model         stage 3: the model on placeholders, each unit's numbers drawn and
-                        sharded in turn (no rank holds the whole model); else SingleProcess's
+    build_model         SingleProcess's; stage 3 (builds_by_unit) the model on placeholders,
+                        each unit's numbers drawn and sharded in turn (wrap_unbuilt: no rank
+                        holds the whole model; under --tp, --pp, --cp this rank's part)
 Hybrid sharding (--zero-shard K, `shard_groups`): the engine shards over each group of K
 neighbouring ranks and averages the gradient shards across the groups (the replicas); the
 rows, the loss and the memory table stay over the whole dp group, the clip's sum over the
@@ -43,7 +44,6 @@ import functools
 import math
 
 from minidist.comm import trace
-from minidist.nn import GPT
 from minidist.strategy import memory
 from minidist.strategy.base import (SingleProcess, all_reduce_number, any_rank_of, dp_rows,
                                     matrix_views, optimizer_settings)
@@ -123,23 +123,12 @@ class ZeroDataParallel(SingleProcess):
         self._steps, self._gathered = 0, None   # steps begun; the gathers' bytes before them
         self.step_bytes = None          # the fewest bytes this rank sent in one step
 
-    def build_model(self, config, seed, dtype, weights=None):
-        """Stages 1, 2: SingleProcess's (every rank holds the whole parameters anyway).
-        Stage 3: the model built on placeholders (GPT's materialize=False: each module's
-        arrays freed as it is made), cast for --amp without float32 copies, then each unit's
-        numbers drawn (nn/config.py model_init: gpt_init's, or --init-from's `weights`, wte
-        padded), broadcast and cut to this rank's shard in turn: a rank holds its shards and
-        one unit, never the whole model (DeepSpeed's zero.Init; tests/test_zero_build.py).
-        The same numbers as building it whole: each parameter's draw has its own seed."""
-        if self.stage < 3:
-            return super().build_model(config, seed, dtype, weights)
-        model = GPT(config, seed=seed, dtype=dtype, materialize=False)
-        model.set_checkpointing(self.ckpt_activations)
-        return self.wrap_unbuilt(model, seed, dtype, weights)
-
     def builds_by_unit(self):
-        """Stage 3: a strategy around this one (--tp, --pp: they build this rank's part)
-        builds it on placeholders and hands it to wrap_unbuilt."""
+        """Stage 3: build_model (SingleProcess's; or --tp's, --pp's: this rank's part) makes
+        the model on placeholders (GPT's materialize=False: each module's arrays freed as it
+        is made) and hands it to wrap_unbuilt: a rank holds its shards and one unit, never
+        its whole part (DeepSpeed's zero.Init; tests/test_zero_build.py). Stages 1, 2: no
+        (every rank holds the whole parameters anyway)."""
         return self.stage == 3
 
     def wrap_unbuilt(self, model, seed, dtype, weights=None):
@@ -147,7 +136,8 @@ class ZeroDataParallel(SingleProcess):
         this rank's part of it, a TensorParallelGPT or pipeline stage): cast for --amp
         without float32 copies, then sharded with each unit's numbers drawn in turn as the
         model holds them (its initial_state: gpt_init's or `weights`', wte padded, a tp
-        shard cut as its init_parameters cuts it)."""
+        shard cut as its init_parameters cuts it), broadcast and cut to this rank's shard.
+        The same numbers as building it whole: each parameter's draw has its own seed."""
         if self.amp:
             self.amp.cast_model(model, placeholders=True)
         return self.wrap(model, functools.partial(model.initial_state, seed=seed, dtype=dtype,

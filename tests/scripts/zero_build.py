@@ -1,4 +1,4 @@
-"""ZeRO-3's build (minidist/zero/strategy.py build_model): the model made on placeholders and
+"""ZeRO-3's build (minidist/zero/strategy.py wrap_unbuilt): the model made on placeholders and
 each unit's numbers drawn and sharded in turn, against building the whole model and then
 sharding it (what stages 1 and 2, and ZeRO-3 until 2026-11-30, do), on every rank:
 

@@ -1,19 +1,19 @@
-"""ZeRO-3's build of this rank's part under --tp and --pp (minidist/tp/strategy.py,
-minidist/pp/strategy.py build_model: the TensorParallelGPT or pipeline stage made on
-placeholders, each unit's numbers drawn as this rank holds them and sharded over dp in turn),
-against building the part whole and then sharding it (what they did until 2026-11-30), on
-every rank:
+"""ZeRO-3's build of this rank's part under --tp, --pp and --cp (minidist/tp/strategy.py,
+minidist/pp/strategy.py build_model, minidist/cp/strategy.py wrap_unbuilt: the
+TensorParallelGPT, pipeline stage or GPT made on placeholders, each unit's numbers drawn as
+this rank holds them and sharded over ZeRO's group in turn), against building the part
+whole and then sharding it (what they did until 2026-11-30), on every rank:
 
     mpiexec -n 4 python tests/scripts/zero_build_parts.py --tp 2 [--amp] [--weights]
     mpiexec -n 4 python tests/scripts/zero_build_parts.py --pp 2 [--tp 2] [--amp]
+    mpiexec -n 4 python tests/scripts/zero_build_parts.py --cp 2 [--tp 2] [--pp 2] [--amp]
 
 Each rank checks that its parameter shards (and, with --amp, its float32 master shards, once
 the optimizer holds them) are bit for bit the whole build's; `--weights`: both builds start
 from given weights (minidist/nn/config.py GivenWeights, as --init-from's) instead of the
 seed's draws. Rank 0 prints `RESULT {json}` with every rank's traced peak (tracemalloc:
 numpy's arrays) during each build, the bytes still held after it (the shards it keeps),
-and its part's float32 bytes. Any failure raises, and the
-abort handler ends the whole job.
+and its part's float32 bytes. Any failure raises, and the abort handler ends the job.
 """
 import argparse
 import json
@@ -23,14 +23,16 @@ from dataclasses import replace
 import numpy as np
 
 from minidist import backend, comm
-from minidist.nn import GPTConfig
+from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import GivenWeights, gpt_init
 from minidist.pp.schedule import chunk_layers
 from minidist.pp.stage import GPTStage, TensorParallelGPTStage
 from minidist.pp.strategy import PipelineParallel
 from minidist.tp.model import TensorParallelGPT
+from minidist.tp.strategy import TensorParallel
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
+from minidist.zero.strategy import ZeroDataParallel
 
 # (wte padded from 509 rows: to a multiple of 8 by GPT, of tp by the split)
 CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509,
@@ -48,9 +50,18 @@ def traced(build):
     return out, {"peak": peak, "held": held}
 
 
+def zero_of(strategy):
+    """The ZeroDataParallel inside `strategy` (TP's, PP's, CP's inner, or its inner)."""
+    while not isinstance(strategy, ZeroDataParallel):
+        strategy = strategy.inner
+    return strategy
+
+
 def build_whole(strategy, seed, weights):
-    """This rank's part built whole (materialized, cast for --amp), then ZeRO's wrap: the
-    strategies' build_model before 2026-11-30. Returns the part."""
+    """This rank's part built whole (materialized, cast for --amp), then wrapped by the
+    strategy inside (ZeRO, or CP's ring then ZeRO): the strategies' build_model before
+    2026-11-30. Returns the part."""
+    inner = strategy.inner
     if isinstance(strategy, PipelineParallel):
         pp = strategy.group
         layers = chunk_layers(CONFIG.n_layer, pp.size, strategy.virtual, pp.rank)
@@ -59,10 +70,11 @@ def build_whole(strategy, seed, weights):
                                           weights=weights)
         else:
             part = GPTStage(CONFIG, pp, layers, seed, weights=weights)
-    else:
+    elif isinstance(strategy, TensorParallel):
         part = TensorParallelGPT(CONFIG, strategy.group, seed, weights=weights)
-    zero = strategy.inner
-    zero.wrap(zero.amp.cast_model(part) if zero.amp else part)
+    else:                                       # --cp alone: the outermost rings the GPT
+        part, inner = GPT(CONFIG, seed=seed, weights=weights), strategy
+    inner.wrap(inner.amp.cast_model(part) if inner.amp else part)
     return part
 
 
@@ -71,13 +83,14 @@ def main():
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--tp", default="1")
     p.add_argument("--pp", default="1")
+    p.add_argument("--cp", default="1")
     p.add_argument("--amp", action="store_true")
     p.add_argument("--weights", action="store_true")
     cli = p.parse_args()
     world = comm.init()
     backend.set_device(cli.device)
-    args = train_parser().parse_args(["--zero", "3", "--tp", cli.tp, "--pp", cli.pp,
-                                      "--batch-size", "8", "--device", cli.device]
+    args = train_parser().parse_args(["--zero", "3", "--tp", cli.tp, "--pp", cli.pp, "--cp",
+                                      cli.cp, "--batch-size", "8", "--device", cli.device]
                                      + (["--amp"] if cli.amp else []))
     weights = GivenWeights(gpt_init(CONFIG, 99)) if cli.weights else None
     tiny = replace(CONFIG, n_layer=2, n_embd=32)   # built first, untraced: the modules the
@@ -86,7 +99,7 @@ def main():
     model, mine = traced(lambda: sharded.build_model(CONFIG, 7, "float32", weights))
     whole = make_strategy(args, world)
     reference, whole_build = traced(lambda: build_whole(whole, 7, weights))
-    units, ref_units = sharded.inner.engine.units, whole.inner.engine.units
+    units, ref_units = zero_of(sharded).engine.units, zero_of(whole).engine.units
     assert len(units) == len(ref_units)
     for u, r in zip(units, ref_units):
         assert u.flat.names == r.flat.names

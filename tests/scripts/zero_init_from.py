@@ -1,5 +1,5 @@
 """ZeRO-3's build from --init-from CKPT (minidist/train/init_from.py initial_weights, then
-minidist/zero/strategy.py build_model) on every rank, against building the whole model from
+minidist/zero/strategy.py wrap_unbuilt) on every rank, against building the whole model from
 the checkpoint's whole arrays (minidist/train/gather.py whole_model) and then sharding it:
 
     mpiexec -n 2 python tests/scripts/zero_init_from.py --init-from CKPT --data TEXT
