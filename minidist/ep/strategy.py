@@ -40,7 +40,9 @@ parameters all-gathered after the step), clipped by the same global norm, skippe
 ZeRO's step on an overflow under --amp. With --zero-shard K (hybrid sharding) the dense
 shards are over each K neighbouring ranks of D (a shard group: with K = ep, one replica's
 ep ranks) and averaged across the groups; the experts, already split over ep, stay ZeRO-1
-over edp.
+over edp. Under ZeRO-3 the model (or TP's, PP's part) is built on placeholders
+(wrap_unbuilt): the dense units drawn a unit at a time by ZeRO-3, this rank's experts a
+block at a time here, the other ranks' experts never (tests/test_zero_build.py).
 --dropout: masks are keyed by the rows' places in the global batch
 (minidist/autograd/dropout_keys.py), so they are one process's, with any --grad-accum.
 --ckpt-activations: each block's forward, its all-to-alls included, runs again inside
@@ -59,7 +61,7 @@ import contextlib
 
 import numpy as np
 
-from minidist.backend import xp_of
+from minidist.backend import to_device, xp_of
 from minidist.comm import trace
 from minidist.ddp.sync import gradient_sync
 from minidist.ep import checkpoint as ep_checkpoint
@@ -124,7 +126,38 @@ class ExpertParallel(ModelParallel):
         edp and dividing by the dense group's size (module docstring)."""
         self.model = model
         self.experts = attach_experts(model, self.group)
-        model = self.inner.wrap(model)
+        return self._sync_experts(self.inner.wrap(model))
+
+    def builds_by_unit(self):
+        """inner's: ZeRO-3 takes the model (or TP's part) built on placeholders."""
+        return self.inner.builds_by_unit()
+
+    def wrap_unbuilt(self, model, seed, dtype, weights=None):
+        """wrap's, for a model on placeholders (ZeRO-3 inside): this rank's experts kept
+        (the others never hold numbers), inner's wrap_unbuilt gives the dense parameters
+        theirs a unit at a time (--amp: every parameter a 16-bit placeholder), then this
+        rank's experts get theirs, a block at a time, as the model holds them (its
+        initial_state: a tp shard under --tp), with --amp's float32 masters, as wrap's
+        model built whole and cast had them: their ZeRO-1 over edp keeps them whole."""
+        self.model = model
+        self.experts = attach_experts(model, self.group)
+        model = self.inner.wrap_unbuilt(model, seed, dtype, weights)
+        blocks = {}
+        for n, p in model.named_parameters():
+            if p.expert_parallel:
+                blocks.setdefault(n.split(".mlp.experts.")[0], set()).add(n)
+        for names in blocks.values():
+            state = model.initial_state(names, seed, dtype, weights)
+            if self.amp:
+                xp = xp_of(self.experts[0].data)
+                self.amp.masters.update({n: to_device(np.asarray(a, np.float32), xp)
+                                         for n, a in state.items()})
+            model.load_state_dict(state, strict=False)     # (cast to the 16-bit type)
+        return self._sync_experts(model)
+
+    def _sync_experts(self, model):
+        """After inner's hold on `model`: under ZeRO the experts' own ZeRO-1 over edp, under
+        DDP their gradient sync over edp. Returns `model`."""
         if self._zero():
             self.expert_engine = expert_engine(model, self.edp)
         elif self.experts and self.edp.size > 1:

@@ -16,7 +16,7 @@ dp x cp), as TensorParallel and ContextParallel do:
 
     build_model         this rank's stage: GPTStage, or TensorParallelGPTStage when tp > 1;
                         then inner.wrap(stage) (--cp: the ring attached, minidist/pp/stage.py
-                        says where the sequence is split); under ZeRO-3 (not with --ep)
+                        says where the sequence is split); under ZeRO-3 (also inside --cp, --ep)
                         built on placeholders, a unit at a time (wrap_unbuilt)
     local_rows          inner's: rows by dp rank (every stage and tp rank of a replica: the
                         same rows)

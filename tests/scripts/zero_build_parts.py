@@ -1,19 +1,22 @@
-"""ZeRO-3's build of this rank's part under --tp, --pp and --cp (minidist/tp/strategy.py,
-minidist/pp/strategy.py build_model, minidist/cp/strategy.py wrap_unbuilt: the
-TensorParallelGPT, pipeline stage or GPT made on placeholders, each unit's numbers drawn as
-this rank holds them and sharded over ZeRO's group in turn), against building the part
-whole and then sharding it (what they did until 2026-11-30), on every rank:
+"""ZeRO-3's build of this rank's part under --tp, --pp, --cp and --ep (minidist/tp/strategy.py,
+minidist/pp/strategy.py build_model, minidist/cp/strategy.py, minidist/ep/strategy.py
+wrap_unbuilt: the TensorParallelGPT, pipeline stage or GPT made on placeholders, each unit's
+numbers drawn as this rank holds them and sharded over ZeRO's group in turn; under --ep
+this rank's experts only, 4 per MoE block in all), against building the part whole and
+then sharding it (what they did until 2026-11-30), on every rank:
 
     mpiexec -n 4 python tests/scripts/zero_build_parts.py --tp 2 [--amp] [--weights]
     mpiexec -n 4 python tests/scripts/zero_build_parts.py --pp 2 [--tp 2] [--amp]
     mpiexec -n 4 python tests/scripts/zero_build_parts.py --cp 2 [--tp 2] [--pp 2] [--amp]
+    mpiexec -n 4 python tests/scripts/zero_build_parts.py --ep 2 [--tp 2] [--amp]
 
 Each rank checks that its parameter shards (and, with --amp, its float32 master shards, once
-the optimizer holds them) are bit for bit the whole build's; `--weights`: both builds start
-from given weights (minidist/nn/config.py GivenWeights, as --init-from's) instead of the
-seed's draws. Rank 0 prints `RESULT {json}` with every rank's traced peak (tracemalloc:
-numpy's arrays) during each build, the bytes still held after it (the shards it keeps),
-and its part's float32 bytes. Any failure raises, and the abort handler ends the job.
+the optimizer holds them; --ep: the experts' ZeRO-1 shards too) are bit for bit the whole
+build's; `--weights`: both builds start from given weights (minidist/nn/config.py
+GivenWeights, as --init-from's) instead of the seed's draws. Rank 0 prints `RESULT {json}`
+with every rank's traced peak (tracemalloc: numpy's arrays) during each build, the bytes
+still held after it (the shards it keeps), and its part's float32 bytes. Any failure
+raises, and the abort handler ends the job.
 """
 import argparse
 import json
@@ -25,6 +28,8 @@ import numpy as np
 from minidist import backend, comm
 from minidist.nn import GPT, GPTConfig
 from minidist.nn.config import GivenWeights, gpt_init
+from minidist.ep.optim import DenseAndExperts
+from minidist.ep.strategy import ExpertParallel
 from minidist.pp.schedule import chunk_layers
 from minidist.pp.stage import GPTStage, TensorParallelGPTStage
 from minidist.pp.strategy import PipelineParallel
@@ -50,30 +55,32 @@ def traced(build):
     return out, {"peak": peak, "held": held}
 
 
-def zero_of(strategy):
-    """The ZeroDataParallel inside `strategy` (TP's, PP's, CP's inner, or its inner)."""
-    while not isinstance(strategy, ZeroDataParallel):
-        strategy = strategy.inner
+def inside(strategy, kind):
+    """The strategy of class `kind` in `strategy` (itself, its inner, ...), or None."""
+    while not isinstance(strategy, kind):
+        strategy = getattr(strategy, "inner", None)
+        if strategy is None:
+            return None
     return strategy
 
 
-def build_whole(strategy, seed, weights):
+def build_whole(strategy, config, seed, weights):
     """This rank's part built whole (materialized, cast for --amp), then wrapped by the
-    strategy inside (ZeRO, or CP's ring then ZeRO): the strategies' build_model before
-    2026-11-30. Returns the part."""
+    strategy inside (ZeRO, or CP's ring, EP's experts, then ZeRO): the strategies'
+    build_model before 2026-11-30. Returns the part."""
     inner = strategy.inner
     if isinstance(strategy, PipelineParallel):
         pp = strategy.group
-        layers = chunk_layers(CONFIG.n_layer, pp.size, strategy.virtual, pp.rank)
+        layers = chunk_layers(config.n_layer, pp.size, strategy.virtual, pp.rank)
         if strategy.mesh.shape["tp"] > 1:
-            part = TensorParallelGPTStage(CONFIG, strategy.mesh.tp, pp, layers, seed,
+            part = TensorParallelGPTStage(config, strategy.mesh.tp, pp, layers, seed,
                                           weights=weights)
         else:
-            part = GPTStage(CONFIG, pp, layers, seed, weights=weights)
+            part = GPTStage(config, pp, layers, seed, weights=weights)
     elif isinstance(strategy, TensorParallel):
-        part = TensorParallelGPT(CONFIG, strategy.group, seed, weights=weights)
-    else:                                       # --cp alone: the outermost rings the GPT
-        part, inner = GPT(CONFIG, seed=seed, weights=weights), strategy
+        part = TensorParallelGPT(config, strategy.group, seed, weights=weights)
+    else:                                       # --cp, --ep: the outermost holds the GPT
+        part, inner = GPT(config, seed=seed, weights=weights), strategy
     inner.wrap(inner.amp.cast_model(part) if inner.amp else part)
     return part
 
@@ -84,22 +91,29 @@ def main():
     p.add_argument("--tp", default="1")
     p.add_argument("--pp", default="1")
     p.add_argument("--cp", default="1")
+    p.add_argument("--ep", default="1")
     p.add_argument("--amp", action="store_true")
     p.add_argument("--weights", action="store_true")
     cli = p.parse_args()
     world = comm.init()
     backend.set_device(cli.device)
     args = train_parser().parse_args(["--zero", "3", "--tp", cli.tp, "--pp", cli.pp, "--cp",
-                                      cli.cp, "--batch-size", "8", "--device", cli.device]
+                                      cli.cp, "--ep", cli.ep, "--moe-experts",
+                                      "4" if cli.ep != "1" else "0", "--batch-size", "8",
+                                      "--device", cli.device]
                                      + (["--amp"] if cli.amp else []))
-    weights = GivenWeights(gpt_init(CONFIG, 99)) if cli.weights else None
-    tiny = replace(CONFIG, n_layer=2, n_embd=32)   # built first, untraced: the modules the
+    config = replace(CONFIG, moe_experts=4) if cli.ep != "1" else CONFIG
+    weights = GivenWeights(gpt_init(config, 99)) if cli.weights else None
+    tiny = replace(config, n_layer=2, n_embd=32)   # built first, untraced: the modules the
     make_strategy(args, world).build_model(tiny, 7, "float32")  # first build imports are not
     sharded = make_strategy(args, world)                       # either build's bytes
-    model, mine = traced(lambda: sharded.build_model(CONFIG, 7, "float32", weights))
+    model, mine = traced(lambda: sharded.build_model(config, 7, "float32", weights))
     whole = make_strategy(args, world)
-    reference, whole_build = traced(lambda: build_whole(whole, 7, weights))
-    units, ref_units = zero_of(sharded).engine.units, zero_of(whole).engine.units
+    reference, whole_build = traced(lambda: build_whole(whole, config, 7, weights))
+    units, ref_units = (inside(s, ZeroDataParallel).engine.units for s in (sharded, whole))
+    if cli.ep != "1":                           # + the experts' ZeRO-1 over edp
+        units, ref_units = (units + inside(s, ExpertParallel).expert_engine.units
+                            for s, units in ((sharded, units), (whole, ref_units)))
     assert len(units) == len(ref_units)
     for u, r in zip(units, ref_units):
         assert u.flat.names == r.flat.names
@@ -108,9 +122,14 @@ def main():
     if cli.amp:
         opt, ref_opt = sharded.build_optimizer(model, args), whole.build_optimizer(reference,
                                                                                    args)
-        for name, state in opt.state.items():
-            a, b = backend.to_host(state["master"]), backend.to_host(ref_opt.state[name]["master"])
-            assert a.dtype == np.float32 and np.array_equal(a, b), name
+        if isinstance(opt, DenseAndExperts):
+            opt, ref_opt = [opt.dense, opt.experts], [ref_opt.dense, ref_opt.experts]
+        else:
+            opt, ref_opt = [opt], [ref_opt]
+        for o, ref in zip(opt, ref_opt):
+            for name, state in o.state.items():
+                a, b = (backend.to_host(x.state[name]["master"]) for x in (o, ref))
+                assert a.dtype == np.float32 and np.array_equal(a, b), name
         assert not sharded.amp.masters and not whole.amp.masters
     rows = world.gather_object({"build": mine, "whole": whole_build,
                                 "part_bytes": 4 * model.num_parameters(),
