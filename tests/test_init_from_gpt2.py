@@ -116,9 +116,10 @@ def test_init_from_needs_data_in_its_vocabulary(tmp_path, corpus):
 def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):
     """GPT-2's vocabulary, nanoGPT token files: one process, 4 ranks as tp 2 x pp 2 (each
     rank cuts its tp shard of its stage's parameters out of the folder), 4 ranks as pp 2 x
-    dp 2 under ZeRO-3, and 2 ranks of ZeRO-3 (each unit's weights taken from the folder's as
-    the model is built on placeholders: minidist/zero/strategy.py wrap_unbuilt) train to the
-    same losses (float64, 1e-10).
+    dp 2 and as tp 2 x dp 2 under ZeRO-3, and 2 ranks of ZeRO-3 (each unit's weights, its
+    tp shards, taken from the folder's as the model or this rank's part is built on
+    placeholders: minidist/zero/strategy.py wrap_unbuilt) train to the same losses (float64,
+    1e-10).
 
         mpiexec -n 4 python examples/train_gpt.py --init-from gpt2 --data tokens --tp 2 --pp 2
         mpiexec -n 2 python examples/train_gpt.py --init-from gpt2 --data tokens --zero 3
@@ -131,7 +132,8 @@ def test_init_from_every_layout_starts_from_the_folders_weights(tmp_path, mpi):
     want = logged_losses(tmp_path / "one.jsonl")
     assert len(want) == 3 and abs(want[0] - np.log(50257)) < 0.05      # a near-uniform start
     for n, layout in ((4, ["--tp", "2", "--pp", "2"]),
-                      (4, ["--pp", "2", "--dp", "2", "--zero", "3"]), (2, ["--zero", "3"])):
+                      (4, ["--pp", "2", "--dp", "2", "--zero", "3"]),
+                      (4, ["--tp", "2", "--dp", "2", "--zero", "3"]), (2, ["--zero", "3"])):
         log = tmp_path / f"{'_'.join(layout)}.jsonl"
         mpi(n, "examples/train_gpt.py", *common, *layout, "--log-json", log, timeout=240)
         got = logged_losses(log)
