@@ -137,7 +137,7 @@ class SingleProcess:
     def build_model(self, config, seed, dtype, weights=None):
         """The model, its parameters `seed`'s draws or `weights` (read(name) gives a whole
         host array: --init-from), cast for --amp and wrapped by this strategy. Where it
-        builds_by_unit (ZeRO-3, also inside --cp) the model is made on placeholders and
+        builds_by_unit (ZeRO-3, also inside --cp, --ep) the model is made on placeholders and
         wrap_unbuilt gives it its numbers a unit at a time (minidist/zero/strategy.py)."""
         by_unit = self.builds_by_unit()
         model = GPT(config, seed=seed, dtype=dtype, weights=weights, materialize=not by_unit)
@@ -165,8 +165,8 @@ class SingleProcess:
 
     def builds_by_unit(self):
         """Does this strategy take this rank's part built on placeholders, and give it its
-        numbers a unit at a time (wrap_unbuilt: ZeRO-3, minidist/zero/strategy.py; --cp
-        around it)? Here, no."""
+        numbers a unit at a time (wrap_unbuilt: ZeRO-3, minidist/zero/strategy.py; --cp,
+        --ep around it)? Here, no."""
         return False
 
     # ---- one step (minidist/train/step.py) ---------------------------------------------------
