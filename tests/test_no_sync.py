@@ -201,7 +201,7 @@ ALLOWED = {
     "tp/strategy.py:TensorParallel.__init__": OUTSIDE_THE_STEP,
     "tp/model.py:TensorParallelGPT.parameter_counts": OUTSIDE_THE_STEP,
     "tp/model.py:TensorParallelGPT.full_state_dict": OUTSIDE_THE_STEP,
-    "tp/model.py:TensorParallelGPT.load_full_state_dict": OUTSIDE_THE_STEP,
+    "tp/model.py:TensorParallelGPT.local_state": OUTSIDE_THE_STEP,
     "pp/stage.py:PipelineStage._pipe_forward": OUTSIDE_THE_STEP + ": evaluation, sampling",
     "pp/stage.py:PipelineStage.next_token": OUTSIDE_THE_STEP,
     "nn/gpt.py:GPT.set_checkpointing": OUTSIDE_THE_STEP,
