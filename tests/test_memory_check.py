@@ -72,6 +72,10 @@ def test_a_ranks_bill_is_the_planners_for_its_stage():
     assert only["total"] == plain["params"] + evaluation < plain["params"] + want["activations"]
     assert rank_bill(CFG, _args("--eval-only", "--resume", "x"), 2, 0)["optimizer"] == \
         plain["optimizer"]
+    for split in (["--tp", 2], ["--cp", 2]):   # no graph: the plain forward's ceiling, not
+        row = rank_bill(CFG, _args("--eval-only", *split), 2, 0)   # every layer's training
+        assert row["activations"] == eval_activations(CFG, _args(), Layout(amp=False)) < \
+            rank_bill(CFG, _args(*split), 2, 0)["activations"]
     args = _args("--pp", "2", "--micro-batches", "2", "--dropout", "0.1")
     first, last = (rank_bill(CFG, args, 4, r)["total"] for r in (0, 2))
     stages = [bill(CFG, Layout(dp=2, pp=2, amp=False), 64, 4, dropout=False,
@@ -310,3 +314,26 @@ def test_a_resumes_bill_holds_its_live_arrays(ranks, layout, others, corpus, mpi
         line, billed, peaks = _billed_and_peaks(mpi, ranks, tmp_path / str(i),
                                                 [*flags, *run, "--steps", "3"])
         assert 0.9 * max(peaks) <= billed <= 1.3 * max(peaks), (run, line, peaks)
+
+
+@pytest.mark.mpi
+def test_an_evaluation_under_tp_is_billed_a_forward_not_every_layer(corpus, mpi, tmp_path):
+    """--eval-only --tp 2 (and --cp 2) keeps no graph: the bill is the plain forward's ceiling
+    (every head, the whole sequence, on the rank's rows), above the live peak and within 3 x
+    of it; it was the training graph's every layer: 106.9 MiB for a peak of 23.9, now 57.1:
+
+        python examples/train_gpt.py --data F --n-layer 4 --n-embd 128 --block-size 128 \\
+            --steps 1 --save CKPT
+        mpiexec -n 2 python tests/scripts/peak_memory.py OUT examples/train_gpt.py --data F \\
+            --resume CKPT --eval-only --batch-size 32 --eval-iters 1 --tp 2
+    """
+    if mpi.device == "cuda":
+        pytest.skip("tracemalloc sees the host's arrays; a GPU's are CuPy's pool's")
+    cache = ["--data", corpus, "--cache-dir", str(tmp_path / "cache")]
+    mpi(1, "examples/train_gpt.py", *cache, "--n-layer", "4", "--n-embd", "128",
+        "--block-size", "128", "--steps", "1", "--eval-iters", "1", "--sample", "0",
+        "--save", str(tmp_path / "ck"), timeout=120)
+    line, billed, peaks = _billed_and_peaks(
+        mpi, 2, tmp_path, [*cache, "--resume", str(tmp_path / "ck"), "--eval-only",
+                           "--batch-size", "32", "--eval-iters", "1", "--tp", "2"])
+    assert max(peaks) <= billed <= 3 * max(peaks), (line, peaks)

@@ -74,11 +74,12 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's; "buffers"
     the step's beyond the planner's rows (step_buffers.py); twice the float32 count
     under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
-    (loaded into it), the activations a ceiling of the forward's (eval_activations' where
-    it has one, else the training graph's). "evaluation": a training run's evaluations
-    (eval_activations; 0 where there is none), between steps. "logits": the step's (B, T,
-    V) logits beside the probabilities the graph keeps, on the rank holding the head (under
-    --amp 16-bit and the loss's float32 copy; not counted under TP, whose head is split):
+    (loaded into it), the activations a ceiling of the forward's (eval_activations', the
+    plain forward's under TP and CP, else the training graph's: PP, MoE). "evaluation": a
+    training run's evaluations (eval_activations; 0 where there is none), between steps.
+    "logits": the step's (B, T, V) logits beside the probabilities the graph keeps, on the
+    rank holding the head (under --amp 16-bit and the loss's float32 copy; not counted under
+    TP, whose head is split):
     a 4,096-token vocabulary at --batch-size 64 peaked at 671 MiB RSS for 477 counted
     without them, 605 with. "checkpoint", where the device is the host (`host_is_device`: a
     GPU's copies go to the host): the copy of the rank's state a save holds (parameters and
@@ -103,6 +104,12 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     evaluation = eval_activations(config, args, layout) if plain else None
     if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
         row["activations"] = scale * evaluation
+    elif args.eval_only and layout.pp == 1 and not config.moe_experts:
+        # TP, CP: no graph either, and the plain forward's ceiling (every head, the whole
+        # sequence and head, on the rank's rows) is above theirs; the training graph's count
+        # (every layer) was 4.5 x a --tp 2 evaluation's live peak (tests/test_memory_check.py)
+        row["activations"] = min(row["activations"],
+                                 scale * eval_activations(config, args, layout))
     row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
     head = stage == layout.pp - 1 and layout.tp == 1 and not args.eval_only
     row["logits"] = scale * (6 if layout.amp else 4) * micro * config.block_size // \
