@@ -72,6 +72,22 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
         "sampling 8 tokens"), out
 
 
+def test_an_amp_checkpoint_evaluates_its_16_bit_weights_with_no_optimizer(corpus, tmp_path,
+                                                                         capsys):
+    """    python examples/train_gpt.py --amp --steps 2 --save ck ...
+    python examples/train_gpt.py --resume ck --eval-only
+    The forward the training ran, on the checkpoint's 16-bit parameters (its float32
+    masters and AdamW's moments never read: no optimizer is built): its final val loss, bit
+    for bit, and the --amp line says so."""
+    data = ["--data", corpus, "--cache-dir", str(tmp_path / "cache")]
+    flags = [f for f in SMALL if f not in ("--dtype", "float64")]
+    summary = _run(flags + data + ["--amp", "--steps", "2", "--save", str(tmp_path / "ck")])
+    capsys.readouterr()
+    got = _run(["--resume", str(tmp_path / "ck"), "--eval-only", "--sample", "0"])
+    assert got["val_loss"] == summary["val_loss"]
+    assert "no float32 masters or optimizer state (nothing steps)" in capsys.readouterr().out
+
+
 def test_its_exported_folder_evaluates_to_the_same_number(trained, tmp_path):
     """    python examples/export_gpt2.py --resume ck --out hf
     python examples/train_gpt.py --init-from hf --eval-only

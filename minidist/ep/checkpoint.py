@@ -54,7 +54,8 @@ def whole_state(strategy, model, optimizer):
 def load_whole_state(strategy, model, optimizer, params, opt_sd):
     """This rank's part of whole arrays by name (`params`, `opt_sd` as checkpoint.load returns
     them; under --tp already cut to this rank's tp shards): its experts here, the rest to the
-    data-parallel strategy. Collective over the dense group (ZeRO's all-gather)."""
+    data-parallel strategy. Collective over the dense group (ZeRO's all-gather). `optimizer`
+    None: the parameters alone (ZeRO: into the dense and the experts' engines)."""
     here = [n for n, _ in model.named_parameters()]
     missing = [n for n in here if n not in params]
     if missing:
@@ -62,16 +63,17 @@ def load_whole_state(strategy, model, optimizer, params, opt_sd):
     experts = set(expert_names(model))
     state = {n: s for n, s in opt_sd["state"].items()
              if n in here or n not in params}             # (amp: the loss scaler kept)
-    if not isinstance(optimizer, DenseAndExperts):
+    if strategy.expert_engine is None:         # DDP: no experts' engine
         strategy.inner.load_whole_state(model, optimizer, {n: params[n] for n in here},
                                         {"groups": opt_sd["groups"], "state": state})
         return
     dense = {n: s for n, s in state.items() if n not in experts}
-    strategy.inner.load_whole_state(model, optimizer.dense, params,
+    mine = (None, None) if optimizer is None else (optimizer.dense, optimizer.experts)
+    strategy.inner.load_whole_state(model, mine[0], params,
                                     {"groups": opt_sd["groups"], "state": dense})
     # the experts always hold matrices (decay, AdamW's first group); biases (no decay, the
     # second) only with config.bias: the saved groups' hyperparameters in that order
-    groups = opt_sd["groups"][:len(optimizer.experts.param_groups)]
+    groups = opt_sd["groups"][:0 if mine[1] is None else len(mine[1].param_groups)]
     load_whole(params, {"groups": groups, "state": {n: s for n, s in state.items() if n in
                                                      experts or n not in params}},  # (scaler)
-               optimizer.experts)                  # this rank's shards; all-gather over edp
+               mine[1], engine=strategy.expert_engine)   # this rank's shards; all-gather

@@ -148,7 +148,7 @@ class ExpertParallel(ModelParallel):
                 blocks.setdefault(n.split(".mlp.experts.")[0], set()).add(n)
         for names in blocks.values():
             state = model.initial_state(names, seed, dtype, weights)
-            if self.amp:
+            if self.amp and self.amp.keep_masters:     # (--eval-only: none)
                 xp = xp_of(self.experts[0].data)
                 self.amp.masters.update({n: to_device(np.asarray(a, np.float32), xp)
                                          for n, a in state.items()})
@@ -159,7 +159,8 @@ class ExpertParallel(ModelParallel):
         """After inner's hold on `model`: under ZeRO the experts' own ZeRO-1 over edp, under
         DDP their gradient sync over edp. Returns `model`."""
         if self._zero():
-            self.expert_engine = expert_engine(model, self.edp)
+            self.expert_engine = expert_engine(model, self.edp,
+                                               training=self.inner.training)
         elif self.experts and self.edp.size > 1:
             self.expert_sync = gradient_sync(self.experts, self.edp, self.inner.mode,
                                              self.inner.bucket_mb, self.inner.group.size)
@@ -301,14 +302,19 @@ class ExpertParallel(ModelParallel):
         (minidist/zero/checkpoint.py load_sharded: the dense ones over dp x ep, this rank's
         experts' over their replicas edp), one array at a time. Under DDP every rank reads the
         dense parameters and its own experts (`only`: the other ranks' experts are not read)
-        and keeps them. Returns meta."""
+        and keeps them. `optimizer` None: the parameters alone (no optimizer array read).
+        Returns meta."""
         if self._zero():
-            meta = self.inner.load(directory, model, optimizer.dense)
-            load_sharded(directory, model, optimizer.experts, self.edp, leading_groups=True,
-                         world=self.mesh.world)    # one edp group's failure stops every rank
+            dense, experts = (None, None) if optimizer is None else \
+                (optimizer.dense, optimizer.experts)
+            meta = self.inner.load(directory, model, dense)
+            load_sharded(directory, model, experts, self.edp, leading_groups=True,
+                         world=self.mesh.world,    # one edp group's failure stops every rank
+                         engine=self.expert_engine)
             return meta
         params, opt_sd, meta = checkpoint.load(
-            directory, only={n for n, _ in model.named_parameters()})
+            directory, only={n for n, _ in model.named_parameters()},
+            keys=checkpoint.optimizer_keys(optimizer))
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(model), self.optimizer_type(optimizer))
         with checkpoint.does_not_fit(meta["folder"]):
@@ -324,8 +330,10 @@ class ExpertParallel(ModelParallel):
         ep_checkpoint.load_whole_state(self, model, optimizer, params, opt_sd)
 
     def optimizer_type(self, optimizer):
-        """One process's optimizer name (AdamW, or MasterWeightOptimizer under --amp)."""
-        return self.inner.optimizer_type(optimizer.dense if self._zero() else optimizer)
+        """One process's optimizer name (AdamW, or MasterWeightOptimizer under --amp; None
+        for no optimizer, a weights-only load)."""
+        return self.inner.optimizer_type(optimizer.dense if self._zero() and
+                                         optimizer is not None else optimizer)
 
     def takes_part_in_sampling(self):
         """Every rank: the MoE layers' all-to-alls need the whole ep group (each rank samples

@@ -66,10 +66,12 @@ def save_plan(strategy, model, optimizer, step, rng_states, extra):
 def load(strategy, directory, model, optimizer):
     """Every rank reads its stage's part of the checkpoint: only its parameters (`only`), each
     array cut to its tp shard as it is read (TpPiece); returns the checkpoint's meta (its
-    "rng"/"dropout", the keys' step, is every stage's)."""
+    "rng"/"dropout", the keys' step, is every stage's). `optimizer` None: the parameters
+    alone (no optimizer array read)."""
     piece = TpPiece(model, strategy.mesh.tp) if strategy.mesh.shape["tp"] > 1 else None
     mine = {n for n, _ in model.named_parameters()}
-    params, opt_sd, meta = checkpoint.load(directory, keep=piece, only=mine)
+    params, opt_sd, meta = checkpoint.load(directory, keep=piece, only=mine,
+                                           keys=checkpoint.optimizer_keys(optimizer))
     folder = meta["folder"]
     checkpoint.check_fits(folder, meta, model.config, checkpoint.model_dtype(model),
                           strategy.inner.optimizer_type(optimizer))

@@ -244,8 +244,9 @@ class SingleProcess:
     def notes(self, training=True):
         """Lines for the log: how this run computes (precision, activation checkpointing).
         `training` False (--eval-only): the EP and CP lines leave out the gradients'
-        averaging (the other lines describe the layout, and stay)."""
-        lines = [self.amp.describe()] if self.amp else []
+        averaging, --amp's its masters and loss scale (the other lines describe the layout,
+        and stay)."""
+        lines = [self.amp.describe(training)] if self.amp else []
         if self.ckpt_activations:
             lines.append("activation checkpointing: each block keeps its input and is "
                          "recomputed in backward (same numbers, ~1/3 more compute)")
@@ -274,6 +275,9 @@ class SingleProcess:
         return saving.save_now(directory, step, plan, self.job_group())
 
     def load(self, directory, model, optimizer):
+        """The checkpoint `directory` into `model` and `optimizer`; returns its meta. Every
+        strategy's load takes `optimizer` None: the parameters alone (--eval-only: no
+        optimizer is built, and none of its state is read or allocated)."""
         return checkpoint.load_checkpoint(directory, model, optimizer)
 
     # ---- whole arrays by name, for a strategy around this one (a pipeline's checkpoints) --
@@ -286,13 +290,16 @@ class SingleProcess:
 
     def load_whole_state(self, model, optimizer, params, opt_sd):
         """The inverse of whole_state: `params` and `opt_sd` (by name) into model and
-        optimizer (ZeRO: this rank's shards cut from them)."""
+        optimizer (ZeRO: this rank's shards cut from them); `optimizer` None: the
+        parameters alone."""
         model.load_state_dict(params)
-        optimizer.load_state_dict(opt_sd)
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
 
     def optimizer_type(self, optimizer):
-        """The optimizer's name in a checkpoint's state.json (ZeRO: one process's name)."""
-        return type(optimizer).__name__
+        """The optimizer's name in a checkpoint's state.json (ZeRO: one process's name);
+        None for no optimizer (a weights-only load: checkpoint.check_fits compares none)."""
+        return None if optimizer is None else type(optimizer).__name__
 
     def zero_strategy(self):
         """The ZeroDataParallel strategy that shards this rank's whole part of the model, for

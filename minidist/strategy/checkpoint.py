@@ -320,9 +320,18 @@ def save_checkpoint(directory, model, optimizer, step, rng_states=None, extra=No
     return saving.save_now(directory, step, plan, overwrite=overwrite)
 
 
+def optimizer_keys(optimizer):
+    """load()'s `keys` for a load into `optimizer`: every optimizer array, or with None (a
+    weights-only load: --eval-only) none, so that AdamW's moments and --amp's float32 masters
+    are never read (a one-process checkpoint's are memory-mapped and left unread; a sharded
+    one's never assembled)."""
+    return STATE_KEYS if optimizer is not None else ()
+
+
 def load_checkpoint(directory, model, optimizer=None):
-    """load() into a whole model (and optimizer), after check_fits; returns meta."""
-    params, optimizer_state, meta = load(directory)
+    """load() into a whole model (and optimizer; None: its parameters alone, no optimizer
+    array read), after check_fits; returns meta."""
+    params, optimizer_state, meta = load(directory, keys=optimizer_keys(optimizer))
     check_fits(meta["folder"], meta, model.config, model_dtype(model),
                type(optimizer).__name__ if optimizer is not None else None)
     with does_not_fit(meta["folder"]):

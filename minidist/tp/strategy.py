@@ -196,23 +196,26 @@ class TensorParallel(ModelParallel):
         rank's part (only the bytes of its shards are read); from any other (another tp, one
         process, any layout), each array cut to this rank's tp shard as it is read (TpPiece),
         one at a time. Otherwise the shards are handed to inner as whole arrays by name.
-        Returns the meta."""
+        `optimizer` None: the parameters alone (no optimizer array read). Returns the meta."""
         group = self._zero_group()
+        engine = None if group is None else self.inner.zero_strategy().engine
         folder = checkpoint_dirs.resolve(directory)
         # every rank agrees on the verdict, not only its tp rank's ZeRO group: a bad part of
         # one tp rank must stop every rank, with its message, before any shard changes
         agree = None if group is None else self.mesh.world
         if group is not None and os.path.isdir(os.path.join(folder, self._part())):
             return load_sharded(os.path.join(folder, self._part()), model, optimizer, group,
-                                world=agree)
+                                world=agree, engine=engine)
         if group is not None:
             return load_sharded(folder, model, optimizer, group,
-                                keep=TpPiece(self.model, self.group), world=agree)
+                                keep=TpPiece(self.model, self.group), world=agree,
+                                engine=engine)
         # this rank's tp shards cut as each array is read: never every whole array at once;
         # only this rank's parameters (under --ep its own experts, not the other ranks')
         params, opt_sd, meta = checkpoint.load(
             folder, keep=TpPiece(self.model, self.group),
-            only={n for n, _ in self.model.named_parameters()})
+            only={n for n, _ in self.model.named_parameters()},
+            keys=checkpoint.optimizer_keys(optimizer))
         checkpoint.check_fits(meta["folder"], meta, model.config,
                               checkpoint.model_dtype(self.model),
                               self.inner.optimizer_type(optimizer))

@@ -124,8 +124,11 @@ class MixedPrecision:
     """The --amp policy: casts a float32 model to 16 bits (keeping its float32 arrays as the
     master weights), scales losses, and builds the master-weight optimizer."""
 
-    def __init__(self, scaler=None, dtype=None, grad_dtype=None):
+    def __init__(self, scaler=None, dtype=None, grad_dtype=None, masters=True):
         self.scaler = scaler or LossScaler()
+        # masters False (--eval-only): no step will read a float32 master, so cast_model
+        # keeps none (4 bytes a parameter held for nothing; nor ZeRO-3's: zero/stage3.py)
+        self.keep_masters = masters
         # None: chosen by cast_model, once the device is known; MINIDIST_AMP_DTYPE=bfloat16
         # asks for bfloat16 on numpy too (the CPU tests of the bfloat16 path through the
         # strategies: tests/test_bfloat16.py)
@@ -157,7 +160,8 @@ class MixedPrecision:
             if placeholders:
                 p.data = placeholder(p.shape, xp.empty(0, self.dtype))
             else:
-                self.masters[name] = p.data
+                if self.keep_masters:
+                    self.masters[name] = p.data
                 p.data = p.data.astype(self.dtype)
             p.grad_dtype = self.grad_dtype           # None: the 16-bit type
         return model
@@ -237,7 +241,12 @@ class MixedPrecision:
         return self.scaler.decide_on_device(self.unscaled_sum_sq(grads), max_norm,
                                             reduce_sum_sq, self.dtype, group)
 
-    def describe(self):
+    def describe(self, training=True):
+        """The log's --amp line; `training` False (--eval-only): the 16-bit weights alone."""
+        if not training:
+            return (f"mixed precision: {self.dtype} weights and compute (the checkpoint's "
+                    "16-bit parameters, which its training's forward used); no float32 "
+                    "masters or optimizer state (nothing steps)")
         s = self.scaler
         scaling = (f"dynamic loss scale from {s.scale:g} (x{s.backoff_factor:g} on overflow, "
                    f"x{s.growth_factor:g} after {s.growth_interval} good steps)"

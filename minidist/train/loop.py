@@ -165,7 +165,7 @@ def _train(args, world, each_step):
     model = strategy.build_model(config, args.seed, args.dtype,   # --init-from's weights
                                  initial_weights(args, config, data, log))   # (None: seed's)
     model.router_bias.load_state_dict(initial_router_bias(args))   # an MoE checkpoint's
-    opt = strategy.build_optimizer(model, args)
+    opt = None if args.eval_only else strategy.build_optimizer(model, args)  # (weights only)
     schedule = lr_schedule(vars(args))
     start = resume_run(args, strategy, log, model, opt) if args.resume else 0
     folder, name = os.path.split(os.path.abspath(args.resume or "."))

@@ -27,6 +27,7 @@ Tests: tests/test_memory_check.py (the bill), tests/test_memory_room.py (the roo
 """
 import argparse
 import json
+import math
 import os
 from dataclasses import replace
 
@@ -39,7 +40,7 @@ from minidist.train.activations import minidist_activation_bytes
 from minidist.train.cli import UsageError
 from minidist.train.memory_room import address_room, where_and_room
 from minidist.train.planner import GiB, Layout, bill
-from minidist.train.step_buffers import kept_buffers, step_buffers
+from minidist.train.step_buffers import kept_buffers, rank_shapes, step_buffers
 from minidist.train.strategy import check_layout
 
 MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
@@ -73,13 +74,14 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
     "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's; "buffers"
     the step's beyond the planner's rows (step_buffers.py); twice the float32 count
-    under --dtype float64; --eval-only: no gradients, no optimizer state but a --resume's
-    (loaded into it), the activations a ceiling of the forward's (eval_activations', the
-    plain forward's under TP and CP, else the training graph's: PP, MoE). "evaluation": a
-    training run's evaluations (eval_activations; 0 where there is none), between steps.
-    "logits": the step's (B, T, V) logits beside the probabilities the graph keeps, on the
-    rank holding the head (under --amp 16-bit and the loss's float32 copy; not counted under
-    TP, whose head is split):
+    under --dtype float64; --eval-only: no gradients, no optimizer state (none is built; a
+    --resume reads the parameters alone; DDP and ZeRO make no gradient buffers), the
+    activations a ceiling of the forward's (eval_activations', the plain forward's under TP
+    and CP, else the training graph's: PP, MoE), and "build", the model's build
+    (build_bytes), where it holds more. "evaluation": a training run's evaluations
+    (eval_activations; 0 where there is none), between steps. "logits": the step's (B, T, V)
+    logits beside the probabilities the graph keeps, on the rank holding the head (under
+    --amp 16-bit and the loss's float32 copy; not counted under TP, whose head is split):
     a 4,096-token vocabulary at --batch-size 64 peaked at 671 MiB RSS for 477 counted
     without them, 605 with. "checkpoint", where the device is the host (`host_is_device`: a
     GPU's copies go to the host): the copy of the rank's state a save holds (parameters and
@@ -99,8 +101,8 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
                micro_batches=m, v=args.pp_virtual, at_stage=stage)
     scale = 2 if args.dtype == "float64" else 1
     row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations")}
-    if args.eval_only:           # no backward, no step: the optimizer's state as --resume's
-        row.update(grads=0, optimizer=row["optimizer"] if args.resume else 0)
+    if args.eval_only:           # no backward, no step, no optimizer (loop.py), and no
+        row.update(grads=0, optimizer=0)     # gradient buffers (train/strategy.py)
     evaluation = eval_activations(config, args, layout) if plain else None
     if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
         row["activations"] = scale * evaluation
@@ -122,14 +124,41 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
                                           training=not args.eval_only, cpu=host_is_device)
     # a step's own buffers are freed by its end, so a save's or a load's copy is not beside
     # them: billed with the steps (2 ranks --zero 2 --resume: 178.1 MiB for a peak of 113.1
-    # when added to both); --eval-only's beside it (measured 91.1 for 98.7)
-    kept = row["buffers"] if args.eval_only else scale * kept_buffers(config, layout, stage)
+    # when added to both); --eval-only's (ZeRO-3's gathered units, the 16-bit matmul's
+    # copies) are made by the forward, after the load: with it too (2 ranks --zero 3, 4
+    # layers of 512: 59.8 MiB for a peak of 57.1; 73.7 beside the load's copy)
+    kept = 0 if args.eval_only else scale * kept_buffers(config, layout, stage)
     state = row["params"] + row["grads"] + row["optimizer"] + kept
     steps = max(row["activations"] + row["logits"], row["evaluation"]) + (   # (in turn)
         row["buffers"] - kept)
     row["total"] = state + (steps + copy if args.async_save and args.save else
                             max(steps, copy))
+    if args.eval_only:           # no gradients or optimizer state: the build may be larger
+        row["build"] = build_bytes(config, layout, stage, scale, row["params"])
+        row["total"] = max(row["total"], row["build"])
     return row
+
+
+def build_bytes(config, layout, stage, scale=1, shards=0):
+    """Bytes a rank holds while its model is built (nn/gpt.py init_parameters; --init-from's
+    weights read as drawn ones are): its parameters in float32 (cast to 16 bits for --amp
+    only once built) and one part's numbers beside them (a block, or a root parameter:
+    gpt_init's float64 normals of its largest whole parameter, made and scaled, beside the
+    part's float32 numbers). ZeRO-3 builds a unit at a time on placeholders: the `shards`
+    made so far (the rank's parameter bytes) and one unit's draws (and its 16-bit copy under
+    --amp). Billed under --eval-only, whose state is the parameters alone: 4 layers of 512,
+    the build's traced peak 81.8 MiB of one process's 81.6, billed 76.9; ZeRO-3 --amp on 2
+    ranks 43.0 MiB, billed 46.3."""
+    shapes = rank_shapes(config, layout, stage)
+    parts = {}
+    for name, shape, k in shapes:
+        part = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else name
+        elements, largest = parts.get(part, (0, 0))
+        parts[part] = (elements + k, max(largest, math.prod(shape)))
+    draws = max(scale * 4 * e + 16 * n for e, n in parts.values())
+    if layout.zero >= 3:
+        return shards + draws + (2 * max(e for e, _ in parts.values()) if layout.amp else 0)
+    return scale * 4 * sum(k for _, _, k in shapes) + draws
 
 
 def load_copy(row, layout, assembled):
@@ -235,8 +264,8 @@ def verdict(seen, bills):
     parts = ", ".join(f"{name} {size_text(top[key])}" for name, key in (
         ("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
         ("activations", "activations"), ("logits", "logits"), ("buffers", "buffers"),
-        ("evaluation", "evaluation"), ("checkpoint", "checkpoint"))
-        if key not in ("logits", "buffers", "evaluation", "checkpoint") or
+        ("evaluation", "evaluation"), ("checkpoint", "checkpoint"), ("build", "build"))
+        if key not in ("logits", "buffers", "evaluation", "checkpoint", "build") or
         top.get(key, 0) > (top["activations"] + top["logits"] if key == "evaluation" else 0))
     where, ranks, need, room, free = tightest
     what = _place_text(where, ranks, len(places), len({w[0] for w in places}))

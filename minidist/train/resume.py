@@ -111,8 +111,11 @@ def _other_contents(saved, ours):
 def resume_run(args, strategy, log, model, opt):
     """Load --resume into the model and optimizer (and the run's dropout keys and MoE
     biases), say so in one line with what differs from the checkpoint's run (the flags that
-    change its numbers, its schedule's, a learning-rate jump); returns its step."""
-    flags = opt.hyperparameters()        # this run's (its flags'), which the load replaces
+    change its numbers, its schedule's, a learning-rate jump); returns its step. `opt` None
+    (--eval-only): the model's parameters alone, as the checkpoint holds them (--amp's
+    16-bit ones, which its forward used); no optimizer state is read (one process, 4 layers
+    of 512: a traced peak of 81.6 MiB, 160.4 with AdamW's state: minidist/train/README.md)."""
+    flags = None if opt is None else opt.hyperparameters()   # this run's: the load replaces
     try:
         state = strategy.load(args.resume, model, opt)
     except CheckpointError as e:
@@ -130,9 +133,10 @@ def resume_run(args, strategy, log, model, opt):
         seed_may_change=True)                    # (--seed given: the line below notes it)
     model.router_bias.load_state_dict(state["rng"].get("moe_bias", {}))   # before: all 0
     saved, ours = recorded_flags(state.get("extra", {})), recorded_flags(vars(args))
-    if saved:       # a run's checkpoint: its settings are this run's flags (RUN_RESUMED took
-        opt.set_hyperparameters(flags)   # the run's where not given; a resume given
-    # --weight-decay 0.5 trained on with the checkpoint's 0.1, its line saying it changed).
+    if saved and opt is not None:   # a run's checkpoint: its settings are this run's flags
+        opt.set_hyperparameters(flags)   # (RUN_RESUMED took the run's where not given; a
+    # resume given --weight-decay 0.5 trained on with the checkpoint's 0.1, its line saying it
+    # changed).
     # One of your own loop's, which records no flags, keeps the settings it saved: said so
     kept = [] if saved or args.eval_only else [f"--{k.replace('_', '-')}" for k in OPTIMIZER
                                                if k in getattr(args, "given", [])]

@@ -56,7 +56,8 @@ def make_strategy(args, world=None):
     # cp rank holds the replica)
     strategy = make_data_parallel(args, None if mesh is None else mesh.dpcp,
                                   MixedPrecision(dtype=amp_dtype(args, world),
-                                                 grad_dtype=args.grad_dtype)
+                                                 grad_dtype=args.grad_dtype,
+                                                 masters=not getattr(args, "eval_only", False))
                                   if args.amp else None)
     # 3'. expert parallelism: this rank's experts over ep, the tokens sent by all-to-all
     if args.ep > 1:
@@ -101,15 +102,18 @@ def agreed_half_dtype(names):
 
 
 def make_data_parallel(args, group, amp):
-    """ZeRO-k (--zero k), DDP (more than one replica), or one replica, over `group`."""
-    ckpt = args.ckpt_activations
+    """ZeRO-k (--zero k), DDP (more than one replica), or one replica, over `group`.
+    --eval-only: no gradient buffers (nothing runs backward): ZeRO's engines make none, and
+    DDP is its naive mode, which has no buckets (--ddp is refused under --eval-only)."""
+    ckpt, training = args.ckpt_activations, not getattr(args, "eval_only", False)
     if args.zero:
         return ZeroDataParallel(group, args.zero, amp=amp, ckpt_activations=ckpt,
                                 shard_size=args.zero_shard,
-                                overlap_gather=args.overlap_param_gather)
+                                overlap_gather=args.overlap_param_gather, training=training)
     if group is None or group.size == 1:
         return SingleProcess(amp, ckpt)
-    return DataParallel(group, args.ddp, args.bucket_mb, amp=amp, ckpt_activations=ckpt)
+    return DataParallel(group, args.ddp if training else "naive", args.bucket_mb, amp=amp,
+                        ckpt_activations=ckpt)
 
 
 def check_layout(args, size):

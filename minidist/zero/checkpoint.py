@@ -112,7 +112,10 @@ def _state(model, optimizer, step, rng_states, extra, tp):
 
 def optimizer_type(optimizer):
     """The class a one-process run of the same flags uses (a checkpoint loads in either);
-    a sharded optimizer that names none (one_process), its own class (walk 40: "None")."""
+    a sharded optimizer that names none (one_process), its own class (walk 40: "None");
+    no optimizer (a weights-only load), None: check_fits compares none."""
+    if optimizer is None:
+        return None
     if optimizer.amp is not None:
         return "MasterWeightOptimizer"
     return optimizer.one_process or type(optimizer).__name__
@@ -121,7 +124,7 @@ def optimizer_type(optimizer):
 # ---- load into ZeRO: this rank's flat[lo:hi) of every unit, from any checkpoint ---------------
 
 def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=False,
-                 world=None):
+                 world=None, engine=None):
     """Collective over `world` (default: `group`, the ranks `optimizer` is sharded over):
     this rank's shards (parameters, m, v, masters) from a checkpoint written at any world
     size and stage, or by one process (`directory`: a checkpoint folder, or a --save
@@ -130,26 +133,40 @@ def load_sharded(directory, model, optimizer, group, keep=None, leading_groups=F
     shard group). keep(name, array): what of each whole array the model holds (under TP:
     TpPiece, its tp shard), applied as it is read. leading_groups: `optimizer` holds the
     checkpoint's first parameter groups only (the experts' engine, minidist/ep/optim.py:
-    matrices, biases only with config.bias). Returns the checkpoint's meta."""
-    optimizer.engine.wait_params()     # --overlap-param-gather: none still reading a shard
+    matrices, biases only with config.bias). `optimizer` None: the parameters' shards alone,
+    into `engine` (--eval-only: only the "param" key is read, no m, v or master). Returns the
+    checkpoint's meta."""
+    engine = engine if optimizer is None else optimizer.engine
+    engine.wait_params()               # --overlap-param-gather: none still reading a shard
     err, new, record = None, None, None
     try:
         folder = dirs.resolve(directory)
         manifest = checkpoint.verify(folder, shard_checksums=False)   # shards: when read
         record = checkpoint.read_record(folder, manifest)
         meta = {**record, "optimizer": record["optimizer"]["type"]}
-        checkpoint.check_fits(folder, meta, model.config, optimizer.engine.units[0].flat.dtype,
+        checkpoint.check_fits(folder, meta, model.config, engine.units[0].flat.dtype,
                               optimizer_type(optimizer))
-        _check_groups(folder, record["optimizer"]["groups"], optimizer, leading_groups)
+        if optimizer is not None:
+            _check_groups(folder, record["optimizer"]["groups"], optimizer, leading_groups)
         reader = reader_for(folder, manifest, keep=keep)
-        units = optimizer.engine.units
-        keys = ["param"] + [k for k in STATE_KEYS if k in optimizer.state[units[0].flat.name]]
-        new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
+        keys = _keys(engine, optimizer)
+        new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in engine.units
+               for k in keys}
     except _ERRORS as e:
         err = str(e)
     _agree(directory, (world or group).all_gather_object(err))
-    _assign(new, record["optimizer"]["groups"], record["optimizer"]["scalars"], optimizer)
+    _assign(new, record["optimizer"]["groups"], record["optimizer"]["scalars"], optimizer,
+            engine)
     return {**meta, "folder": folder}              # as checkpoint.load's meta
+
+
+def _keys(engine, optimizer):
+    """The arrays a load cuts for each unit: "param", and the optimizer's state arrays (none
+    without an optimizer; no units: an expert engine on a pipeline stage holding no MoE
+    block, --moe-every)."""
+    held = optimizer.state[engine.units[0].flat.name] \
+        if optimizer is not None and engine.units else {}
+    return ["param"] + [k for k in STATE_KEYS if k in held]
 
 
 def _agree(directory, verdicts):
@@ -186,21 +203,23 @@ def _cut(reader, u, key, optimizer):
     return out
 
 
-def _assign(new, groups, scalars, optimizer):
-    """The shards `new` ((unit, key) -> host array), the groups' hyperparameters and the
-    scalars (name -> {"step"}, the loss scaler's) into `optimizer`; then the engine's
-    after_step (stages 1, 2: all-gather, a collective)."""
-    steps = {s["step"] for n, s in scalars.items() if n != SCALER_KEY and "step" in s}
-    optimizer.steps = max(steps, default=0)
-    optimizer.set_hyperparameters([{k: v for k, v in g.items() if k not in ("params", "names")}
-                                   for g in groups])
-    if optimizer.amp is not None and SCALER_KEY in scalars:
-        optimizer.amp.scaler.load_state_dict(scalars[SCALER_KEY])
+def _assign(new, groups, scalars, optimizer, engine):
+    """The shards `new` ((unit, key) -> host array) into `engine`'s units and `optimizer`
+    (None: parameters alone), with the groups' hyperparameters and the scalars (name ->
+    {"step"}, the loss scaler's); then the engine's after_step (stages 1, 2: all-gather, a
+    collective)."""
+    if optimizer is not None:
+        steps = {s["step"] for n, s in scalars.items() if n != SCALER_KEY and "step" in s}
+        optimizer.steps = max(steps, default=0)
+        optimizer.set_hyperparameters([{k: v for k, v in g.items()
+                                        if k not in ("params", "names")} for g in groups])
+        if optimizer.amp is not None and SCALER_KEY in scalars:
+            optimizer.amp.scaler.load_state_dict(scalars[SCALER_KEY])
     for (unit, key), host in new.items():
-        u = next(u for u in optimizer.engine.units if u.flat.name == unit)
+        u = next(u for u in engine.units if u.flat.name == unit)
         target = u.param_shard if key == "param" else optimizer.state[unit][key]
         target[...] = backend.to_device(host, backend.xp_of(u.param_shard))
-    optimizer.engine.after_step()      # stages 1, 2: all-gather; stage 3: drop stale copies
+    engine.after_step()                # stages 1, 2: all-gather; stage 3: drop stale copies
 
 
 # ---- whole arrays by name: a pipeline's checkpoints (minidist/pp/checkpoint.py) ----------------
@@ -232,18 +251,19 @@ def gather_whole(optimizer, root=0):
     return params, {"groups": groups, "state": state}
 
 
-def load_whole(params, opt_sd, optimizer):
+def load_whole(params, opt_sd, optimizer, engine=None):
     """This rank's shards of every unit cut from whole arrays by name: `params` and `opt_sd`
     (an optimizer state_dict, as checkpoint.load returns them: one process's, or a pipeline
-    stage's part of it). Collective over the engine's group (after_step's all-gather)."""
-    optimizer.engine.wait_params()     # --overlap-param-gather: none still reading a shard
-    units = optimizer.engine.units
-    _check_groups("the checkpoint", opt_sd["groups"], optimizer)
-    reader = DictReader(params, opt_sd["state"])
-    # no units: an expert engine on a pipeline stage holding no MoE block (--moe-every)
-    held = optimizer.state[units[0].flat.name] if units else {}
-    keys = ["param"] + [k for k in STATE_KEYS if k in held]
-    new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in units for k in keys}
-    scalars = {n: {k: v for k, v in s.items() if not hasattr(v, "shape")}
-               for n, s in opt_sd["state"].items()}
-    _assign(new, opt_sd["groups"], scalars, optimizer)
+    stage's part of it); `optimizer` None: `params` alone into `engine`'s shards (opt_sd
+    unread). Collective over the engine's group (after_step's all-gather)."""
+    engine = engine if optimizer is None else optimizer.engine
+    engine.wait_params()               # --overlap-param-gather: none still reading a shard
+    if optimizer is not None:
+        _check_groups("the checkpoint", opt_sd["groups"], optimizer)
+    reader = DictReader(params, {} if optimizer is None else opt_sd["state"])
+    keys = _keys(engine, optimizer)
+    new = {(u.flat.name, k): _cut(reader, u, k, optimizer) for u in engine.units for k in keys}
+    scalars = {} if optimizer is None else {
+        n: {k: v for k, v in s.items() if not hasattr(v, "shape")}
+        for n, s in opt_sd["state"].items()}
+    _assign(new, None if optimizer is None else opt_sd["groups"], scalars, optimizer, engine)

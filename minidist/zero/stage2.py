@@ -20,7 +20,7 @@ class ZeroStage2(ZeroStage1):
     max_inflight = 2                 # reduce-scatters running before we wait for the oldest
 
     def _init_grads(self):
-        for u in self.units:
+        for u in self.units if self.training else []:     # (--eval-only: none)
             u.grad_shard = xp_of(u.param_shard).zeros(u.flat.shard_size, u.flat.grad_dtype)
         self._inflight = []          # (unit, flat buffer, Work, last), oldest first; last:
                                      # issued in a step's last micro-batch (not deferring)

@@ -58,13 +58,14 @@ class ZeroStage3(ZeroStage2):
     them, minidist/nn/gpt.py)."""
     stage = 3
 
-    def __init__(self, model, group, flats, prefetch=True, replicas=None, initial=None):
+    def __init__(self, model, group, flats, prefetch=True, replicas=None, initial=None,
+                 training=True):
         self.prefetch = prefetch
         # initial: None, the parameters hold their numbers; else a model built on
         # placeholders (GPT's materialize=False) and initial(names=...) -> {name: host
         # array}, gpt_init's numbers of those parameters, drawn here a unit at a time
         self.initial = initial
-        super().__init__(model, group, flats, replicas)      # self.blocks, self.root
+        super().__init__(model, group, flats, replicas, training=training)  # blocks, root
         self.initial = None                                  # (--init-from's weights: let go)
         size = max((u.flat.padded for u in self.blocks), default=0)
         self.buffers = [GatherBuffer(size) for _ in range(min(2, len(self.blocks)))]
@@ -83,8 +84,8 @@ class ZeroStage3(ZeroStage2):
             values = self.initial(names=set(flat.names))
             xp = xp_of(flat.params[0].data)
             drawn = flat.flatten([to_device(values[n], xp) for n in flat.names])
-            if drawn.dtype != flat.dtype:       # --amp: 16-bit parameters, float32 masters
-                master = drawn[flat.lo:flat.hi].copy()
+            if drawn.dtype != flat.dtype and self.training:   # --amp: 16-bit parameters,
+                master = drawn[flat.lo:flat.hi].copy()        # float32 masters (to step)
             full = drawn.astype(flat.dtype, copy=False)
         self.group.broadcast(full, 0)                # every rank starts from rank 0's model
         flat.release_params()

@@ -104,8 +104,9 @@ class ZeroDataParallel(SingleProcess):
     reports_memory = True               # finish() prints the memory table: measure every step
 
     def __init__(self, group, stage, prefetch=True, amp=None, ckpt_activations=False,
-                 shard_size=None, overlap_gather=False):
+                 shard_size=None, overlap_gather=False, training=True):
         super().__init__(amp, ckpt_activations)
+        self.training = training        # False (--eval-only): the engines make no gradients
         self.group, self.stage, self.prefetch = group, stage, prefetch
         self.rank, self.world_size = group.rank, group.size
         # the state is sharded over shard_group; hybrid sharding (--zero-shard K < the
@@ -150,7 +151,7 @@ class ZeroDataParallel(SingleProcess):
         shards = self.shard_group
         units = gpt_units(model, shards.size, shards.rank, apart=model.tied_copies())
         self.engine = zero_engine(model, shards, self.stage, units, self.prefetch,
-                                  self.replicas, self.gather_group, initial)
+                                  self.replicas, self.gather_group, initial, self.training)
         return model
 
     def build_optimizer(self, model, args, tp=None):
@@ -260,8 +261,10 @@ class ZeroDataParallel(SingleProcess):
 
     def load(self, directory, model, optimizer):
         """Each shard group reads its shards (any checkpoint, any layout); under hybrid
-        sharding every rank of the dp group agrees before any shard changes."""
-        return load_sharded(directory, model, optimizer, self.shard_group, world=self.group)
+        sharding every rank of the dp group agrees before any shard changes. `optimizer`
+        None: the parameters' shards alone, into the engine (no m, v or master read)."""
+        return load_sharded(directory, model, optimizer, self.shard_group, world=self.group,
+                            engine=self.engine)
 
     def whole_state(self, model, optimizer):
         """(params, optimizer state_dict) in one process's format, gathered to dp rank 0
@@ -269,8 +272,9 @@ class ZeroDataParallel(SingleProcess):
         return gather_whole(optimizer, root=0)
 
     def load_whole_state(self, model, optimizer, params, opt_sd):
-        """This rank's shards cut from whole arrays by name. Collective over the dp group."""
-        load_whole(params, opt_sd, optimizer)
+        """This rank's shards cut from whole arrays by name (`optimizer` None: the
+        parameters' alone). Collective over the dp group."""
+        load_whole(params, opt_sd, optimizer, engine=self.engine)
 
     def optimizer_type(self, optimizer):
         return optimizer_type(optimizer)

@@ -87,8 +87,9 @@ class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
     stage = 1
 
-    def __init__(self, model, group, flats, replicas=None, gather_group=None):
+    def __init__(self, model, group, flats, replicas=None, gather_group=None, training=True):
         self.module, self.group, self.replicas = model, group, replicas
+        self.training = training     # False (--eval-only): no gradient buffers, no masters
         self.transient_peak = 0      # bytes of short-lived buffers (stage 2 and 3), at most
         self.units = [self._shard_params(f) for f in flats]
         self.blocks = [u for u in self.units if u.flat.module is not None]
@@ -182,7 +183,7 @@ class ZeroStage1:
 
     # ---- gradients: full flat buffers, each reduce-scattered when backward completes it ---
     def _init_grads(self):
-        for u in self.units:
+        for u in self.units if self.training else []:
             u.grad_full = xp_of(u.full).zeros(u.flat.padded, u.flat.grad_dtype)
             u.grad_shard = u.grad_full[u.flat.lo:u.flat.hi]
             u.grad_views = u.flat.views(u.grad_full)
@@ -197,7 +198,7 @@ class ZeroStage1:
 
     def zero_grad(self):
         self.grads_used = False
-        for u in self.units:
+        for u in self.units if self.training else []:
             u.grad_full.fill(0)
             for p, view in zip(u.flat.params, u.grad_views):
                 p.grad = view
