@@ -75,6 +75,10 @@ def test_a_ranks_bill_is_the_planners_for_its_stage():
         row = rank_bill(CFG, _args("--eval-only", *split), 2, 0)   # every layer's training
         assert row["activations"] == eval_activations(CFG, _args(), Layout(amp=False)) < \
             rank_bill(CFG, _args(*split), 2, 0)["activations"]
+    deep, sends = replace(CFG, n_layer=16), 16 * 64 * 64 * 4    # a stage's (rows, T, C) sent
+    assert rank_bill(deep, _args("--eval-only", "--pp", 2), 2, 0)["activations"] == \
+        eval_activations(deep, _args(), Layout(amp=False)) + sends < \
+        rank_bill(deep, _args("--pp", 2), 2, 0)["activations"]
     args = _args("--pp", "2", "--micro-batches", "2", "--dropout", "0.1")
     first, last = (rank_bill(CFG, args, 4, r)["total"] for r in (0, 2))
     stages = [bill(CFG, Layout(dp=2, pp=2, amp=False), 64, 4, dropout=False,

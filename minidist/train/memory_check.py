@@ -76,8 +76,8 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     the step's beyond the planner's rows (step_buffers.py); twice the float32 count
     under --dtype float64; --eval-only: no gradients, no optimizer state (none is built; a
     --resume reads the parameters alone; DDP and ZeRO make no gradient buffers), the
-    activations a ceiling of the forward's (eval_activations', the plain forward's under TP
-    and CP, else the training graph's: PP, MoE), and "build", the model's build
+    activations a ceiling of the forward's (eval_activations', the plain forward's under TP,
+    CP and PP, else the training graph's: MoE), and "build", the model's build
     (build_bytes), where it holds more. "evaluation": a training run's evaluations
     (eval_activations; 0 where there is none), between steps. "logits": the step's (B, T, V)
     logits beside the probabilities the graph keeps, on the rank holding the head (under
@@ -106,12 +106,19 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     evaluation = eval_activations(config, args, layout) if plain else None
     if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
         row["activations"] = scale * evaluation
-    elif args.eval_only and layout.pp == 1 and not config.moe_experts:
-        # TP, CP: no graph either, and the plain forward's ceiling (every head, the whole
-        # sequence and head, on the rank's rows) is above theirs; the training graph's count
-        # (every layer) was 4.5 x a --tp 2 evaluation's live peak (tests/test_memory_check.py)
+    elif args.eval_only and not config.moe_experts:
+        # TP, CP, PP: no graph either, and the plain forward's ceiling (every head, the whole
+        # sequence and head, on the rank's rows) is above theirs, with a pipeline's sends of
+        # each chunk's (rows, T, C) output (pp/stage.py _pipe_forward: the rows as one
+        # micro-batch); the training graph's count (every layer) was 4.5 x a --tp 2
+        # evaluation's live peak (tests/test_memory_check.py), 2.9 x a --pp 2 one's (8 layers
+        # of 128, `--resume CKPT --eval-only --batch-size 64 --pp 2` under tests/scripts/
+        # peak_memory.py: 171.6 MiB for 59.7, now 117.9)
+        rows = max(args.batch_size // (layout.dp * args.grad_accum), 1)
+        sends = args.pp_virtual * rows * config.block_size * config.n_embd * 4 \
+            if layout.pp > 1 else 0
         row["activations"] = min(row["activations"],
-                                 scale * eval_activations(config, args, layout))
+                                 scale * (eval_activations(config, args, layout) + sends))
     row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
     head = stage == layout.pp - 1 and layout.tp == 1 and not args.eval_only
     row["logits"] = scale * (6 if layout.amp else 4) * micro * config.block_size // \
