@@ -46,8 +46,7 @@ def test_zero3_builds_its_shards_without_the_whole_model(amp, mpi):
         mpiexec -n 4 python tests/scripts/zero_build.py [--amp]
     """
     run = mpi(4, "tests/scripts/zero_build.py", *(["--amp"] if amp else []), timeout=120)
-    result = json.loads(next(line for line in run.stdout.splitlines()
-                             if line.startswith("RESULT "))[len("RESULT "):])
+    result = _result(run)
     model, ranks = result["model_bytes"], result["ranks"]
     assert result["units"] == 9                                     # the root and 8 blocks
     if mpi.device == "cuda":
@@ -80,8 +79,7 @@ def test_zero3_init_from_a_checkpoint_reads_a_unit_at_a_time(amp, mpi, corpus, t
         timeout=120)
     run = mpi(2, "tests/scripts/zero_init_from.py", "--init-from", str(tmp_path / "ck"),
               *flags, timeout=120)
-    result = json.loads(next(line for line in run.stdout.splitlines()
-                             if line.startswith("RESULT "))[len("RESULT "):])
+    result = _result(run)
     model, ranks = result["model_bytes"], result["ranks"]
     assert result["units"] == 5                                     # the root and 4 blocks
     if mpi.device == "cuda":
@@ -123,8 +121,7 @@ def test_zero3_builds_a_tp_pp_cp_or_ep_part_a_unit_at_a_time(layout, amp, mpi):
              "cp-pp": ["--pp", "2", "--cp", "2", "--weights"]}[layout]
     run = mpi(4, "tests/scripts/zero_build_parts.py", *flags, *(["--amp"] if amp else []),
               timeout=120)
-    ranks = json.loads(next(line for line in run.stdout.splitlines()
-                            if line.startswith("RESULT "))[len("RESULT "):])["ranks"]
+    ranks = _result(run)["ranks"]
     units = 6 if "pp" in layout else 17 if "ep" in layout else 9   # (8 experts' units)
     assert all(r["units"] == units for r in ranks), ranks
     if mpi.device == "cuda" or layout in ("pp-tp", "cp-pp"):
@@ -135,3 +132,9 @@ def test_zero3_builds_a_tp_pp_cp_or_ep_part_a_unit_at_a_time(layout, amp, mpi):
         part = r["part_bytes"]
         assert r["build"]["peak"] < bound * part, ranks
         assert r["whole"]["peak"] > was * part, ranks
+
+
+def _result(run):
+    """The `RESULT {json}` line rank 0 of a build script printed, read."""
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])

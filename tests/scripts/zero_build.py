@@ -11,29 +11,17 @@ model's float32 bytes. Any failure raises, and the abort handler ends the whole 
 """
 import argparse
 import json
-import tracemalloc
-
-import numpy as np
 
 from minidist import backend, comm
 from minidist.nn import GPT, GPTConfig
 from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.zero.strategy import ZeroDataParallel
+from zero_shards import assert_same_masters, assert_same_shards, traced
 
 # (wte padded from 509 rows to 512: the build pads each draw as GPT's load does)
 CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509,
                    vocab_multiple=8)
-
-
-def traced(build):
-    """(what build() returns, the traced peak while it ran less what was traced before)."""
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    out = build()
-    peak = tracemalloc.get_traced_memory()[1] - start
-    tracemalloc.stop()
-    return out, peak
 
 
 def main():
@@ -48,24 +36,20 @@ def main():
     def policy():
         return MixedPrecision(dtype="float16") if cli.amp else None
     sharded = ZeroDataParallel(world, 3, amp=policy())
-    model, peak = traced(lambda: sharded.build_model(CONFIG, 7, "float32"))
+    model, build = traced(lambda: sharded.build_model(CONFIG, 7, "float32"))
     whole = ZeroDataParallel(world, 3, amp=policy())
 
     def build_whole():                          # SingleProcess.build_model's steps, then wrap
         m = GPT(CONFIG, seed=7, dtype="float32")
         return whole.wrap(whole.amp.cast_model(m) if whole.amp else m)
-    reference, whole_peak = traced(build_whole)
-    for u, r in zip(sharded.engine.units, whole.engine.units):
-        assert u.flat.names == r.flat.names
-        a, b = backend.to_host(u.param_shard), backend.to_host(r.param_shard)
-        assert a.dtype == b.dtype and np.array_equal(a, b), u.flat.name
+    reference, whole_build = traced(build_whole)
+    assert_same_shards(sharded.engine.units, whole.engine.units)
     if cli.amp:
-        opt, ref_opt = sharded.build_optimizer(model, args), whole.build_optimizer(reference, args)
-        for name, state in opt.state.items():
-            a, b = backend.to_host(state["master"]), backend.to_host(ref_opt.state[name]["master"])
-            assert a.dtype == np.float32 and np.array_equal(a, b), name
+        assert_same_masters([sharded.build_optimizer(model, args)],
+                            [whole.build_optimizer(reference, args)])
         assert not sharded.amp.masters and not whole.amp.masters
-    rows = world.gather_object({"peak": peak, "whole_peak": whole_peak}, root=0)
+    rows = world.gather_object({"peak": build["peak"], "whole_peak": whole_build["peak"]},
+                               root=0)
     if world.rank == 0:
         print("RESULT " + json.dumps({"ranks": rows, "model_bytes": 4 * model.num_parameters(),
                                       "units": len(sharded.engine.units)}), flush=True)

@@ -20,10 +20,7 @@ raises, and the abort handler ends the job.
 """
 import argparse
 import json
-import tracemalloc
 from dataclasses import replace
-
-import numpy as np
 
 from minidist import backend, comm
 from minidist.nn import GPT, GPTConfig
@@ -38,21 +35,11 @@ from minidist.tp.strategy import TensorParallel
 from minidist.train.args import train_parser
 from minidist.train.strategy import make_strategy
 from minidist.zero.strategy import ZeroDataParallel
+from zero_shards import assert_same_masters, assert_same_shards, traced
 
 # (wte padded from 509 rows: to a multiple of 8 by GPT, of tp by the split)
 CONFIG = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=32, vocab_size=509,
                    vocab_multiple=8)
-
-
-def traced(build):
-    """(what build() returns, {"peak": the traced peak while it ran, "held": what is still
-    traced after it: the shards kept}, each less what was traced before)."""
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    out = build()
-    held, peak = (m - start for m in tracemalloc.get_traced_memory())
-    tracemalloc.stop()
-    return out, {"peak": peak, "held": held}
 
 
 def inside(strategy, kind):
@@ -114,11 +101,7 @@ def main():
     if cli.ep != "1":                           # + the experts' ZeRO-1 over edp
         units, ref_units = (units + inside(s, ExpertParallel).expert_engine.units
                             for s, units in ((sharded, units), (whole, ref_units)))
-    assert len(units) == len(ref_units)
-    for u, r in zip(units, ref_units):
-        assert u.flat.names == r.flat.names
-        a, b = backend.to_host(u.param_shard), backend.to_host(r.param_shard)
-        assert a.dtype == b.dtype and np.array_equal(a, b), u.flat.name
+    assert_same_shards(units, ref_units)
     if cli.amp:
         opt, ref_opt = sharded.build_optimizer(model, args), whole.build_optimizer(reference,
                                                                                    args)
@@ -126,10 +109,7 @@ def main():
             opt, ref_opt = [opt.dense, opt.experts], [ref_opt.dense, ref_opt.experts]
         else:
             opt, ref_opt = [opt], [ref_opt]
-        for o, ref in zip(opt, ref_opt):
-            for name, state in o.state.items():
-                a, b = (backend.to_host(x.state[name]["master"]) for x in (o, ref))
-                assert a.dtype == np.float32 and np.array_equal(a, b), name
+        assert_same_masters(opt, ref_opt)
         assert not sharded.amp.masters and not whole.amp.masters
     rows = world.gather_object({"build": mine, "whole": whole_build,
                                 "part_bytes": 4 * model.num_parameters(),

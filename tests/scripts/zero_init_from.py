@@ -15,9 +15,6 @@ handler ends the whole job.
 """
 import argparse
 import json
-import tracemalloc
-
-import numpy as np
 
 from minidist import backend, comm
 from minidist.nn import GPT
@@ -28,6 +25,7 @@ from minidist.train.gather import model_config, whole_model
 from minidist.train.init_from import initial_weights
 from minidist.train.progress import Logger
 from minidist.train.strategy import make_strategy
+from zero_shards import assert_same_masters, assert_same_shards, traced
 
 
 def main():
@@ -49,29 +47,20 @@ def main():
     log = Logger(world.rank, None)
     sharded = make_strategy(args, world)
 
-    tracemalloc.start()
-    start = tracemalloc.get_traced_memory()[0]
-    model = sharded.build_model(config, args.seed, args.dtype,
-                                initial_weights(args, config, data, log))
-    held, peak = (m - start for m in tracemalloc.get_traced_memory())
-    tracemalloc.stop()
+    model, build = traced(lambda: sharded.build_model(config, args.seed, args.dtype,
+                                                      initial_weights(args, config, data,
+                                                                      log)))
 
     whole = make_strategy(args, world)          # SingleProcess.build_model's steps, then wrap
     _, params, _ = whole_model(cli.init_from)   # (the float32 masters under --amp)
     reference = GPT(config, seed=args.seed, dtype=args.dtype)
     reference.load_state_dict(params)          # (wte padded as GPT's load pads it)
     reference = whole.wrap(whole.amp.cast_model(reference) if whole.amp else reference)
-    for u, r in zip(sharded.engine.units, whole.engine.units):
-        assert u.flat.names == r.flat.names
-        a, b = backend.to_host(u.param_shard), backend.to_host(r.param_shard)
-        assert a.dtype == b.dtype and np.array_equal(a, b), u.flat.name
+    assert_same_shards(sharded.engine.units, whole.engine.units)
     if cli.amp:
-        opt, ref_opt = sharded.build_optimizer(model, args), whole.build_optimizer(reference,
-                                                                                   args)
-        for name, state in opt.state.items():
-            a, b = backend.to_host(state["master"]), backend.to_host(ref_opt.state[name]["master"])
-            assert a.dtype == np.float32 and np.array_equal(a, b), name
-    rows = world.gather_object({"peak": peak, "held": held}, root=0)
+        assert_same_masters([sharded.build_optimizer(model, args)],
+                            [whole.build_optimizer(reference, args)])
+    rows = world.gather_object(build, root=0)
     if world.rank == 0:
         print("RESULT " + json.dumps({"ranks": rows, "model_bytes": 4 * model.num_parameters(),
                                       "units": len(sharded.engine.units)}), flush=True)
