@@ -217,6 +217,8 @@ def test_advice_names_what_would_need_less():
                               "need less (")          # (0.69-0.97 x need: none within 0.75 x 0.85)
     assert address.endswith(f"--gpu-mem {need * 0.85 / GiB:.2g} --headroom 0.25 prices each "
                             "layout)")
+    bucketed = advice(_args("--batch-size", "8", "--bucket-mb", "4"), CFG, 2, need * 0.6)
+    assert bucketed.startswith("--zero 3 (without --bucket-mb), --amp, ")   # (was left out)
     assert size_text(3 * GiB // 2) == "1.50 GiB" and size_text(1536 * 1024) == "1.5 MiB"
 
 

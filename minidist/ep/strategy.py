@@ -148,10 +148,10 @@ class ExpertParallel(ModelParallel):
                 blocks.setdefault(n.split(".mlp.experts.")[0], set()).add(n)
         for names in blocks.values():
             state = model.initial_state(names, seed, dtype, weights)
-            if self.amp and self.amp.keep_masters:     # (--eval-only: none)
+            if self.amp:
                 xp = xp_of(self.experts[0].data)
-                self.amp.masters.update({n: to_device(np.asarray(a, np.float32), xp)
-                                         for n, a in state.items()})
+                for n, a in state.items():
+                    self.amp.keep_master(n, to_device(np.asarray(a, np.float32), xp))
             model.load_state_dict(state, strict=False)     # (cast to the 16-bit type)
         return self._sync_experts(model)
 

@@ -166,6 +166,13 @@ class MixedPrecision:
             p.grad_dtype = self.grad_dtype           # None: the 16-bit type
         return model
 
+    def keep_master(self, name, value):
+        """`value` (a float32 array) as parameter `name`'s master, as cast_model keeps one;
+        for a parameter that got its numbers after a placeholders cast (--ep's experts under
+        ZeRO-3's unit build: minidist/ep/strategy.py). Not under --eval-only (no masters)."""
+        if self.keep_masters:
+            self.masters[name] = value
+
     def grad_bytes(self):
         """Bytes of a parameter's gradient: 2, or 4 with float32 gradients."""
         return 4 if self.grad_dtype is not None else 2

@@ -37,6 +37,7 @@ from minidist.nn.config import uses_tiled
 from minidist.strategy import checkpoint_dirs
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.activations import minidist_activation_bytes
+from minidist.train.args import train_default
 from minidist.train.cli import UsageError
 from minidist.train.memory_room import address_room, where_and_room
 from minidist.train.planner import GiB, Layout, bill
@@ -314,6 +315,16 @@ def _place_text(where, ranks, n_places, n_hosts):
             f"rank {ranks[0]} on {here}" if n_places > 1 else f"the run on {here}")
 
 
+def zero3_way(args):
+    """(the advice's text, the flags' change) for --zero 3: DDP's own flags given (--ddp,
+    --bucket-mb, which training refuses under ZeRO) go with it, and the text says so (the
+    walk found --zero 3 left out of the advice whenever --bucket-mb was given)."""
+    ddp = [f for f in ("ddp", "bucket_mb") if getattr(args, f) != train_default(f)]
+    text = "--zero 3" + (" (without " + " and ".join("--" + f.replace("_", "-") for f in ddp)
+                         + ")" if ddp else "")
+    return text, dict(zero=3, **{f: train_default(f) for f in ddp})
+
+
 def advice(args, config, size, per_rank, shared=True, on_host=True, margin=MARGIN):
     """What needs less: each flag the run could add (that training takes with the others:
     train/strategy.py check_layout) priced again, those that alone bring every rank within
@@ -324,7 +335,7 @@ def advice(args, config, size, per_rank, shared=True, on_host=True, margin=MARGI
     planner's command for this model on `size` ranks of `per_rank` bytes each, the same
     share of them kept free (its --headroom)."""
     layout, micro, _ = run_layout(args, size)
-    ways = [("--zero 3", dict(zero=3))] if layout.dp * layout.cp > 1 and args.zero < 3 else []
+    ways = [zero3_way(args)] if layout.dp * layout.cp > 1 and args.zero < 3 else []
     ways += [] if args.amp else [("--amp", dict(amp=True))]
     ways += [] if args.ckpt_activations else [("--ckpt-activations",
                                                dict(ckpt_activations=True))]
