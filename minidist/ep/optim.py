@@ -38,13 +38,18 @@ def expert_engine(model, edp, training=True):
     """ZeRO-1 over `edp` (the replicas of this rank's experts) of this rank's experts: one
     flat unit per MoE block (`training` False, --eval-only: no gradient buffers). Collective
     over edp (it broadcasts rank 0's values)."""
+    units = [FlatUnit(f"{block}.experts", named, edp.size, edp.rank)
+             for block, named in expert_blocks(model).items()]
+    return zero_engine(model, edp, 1, units, training=training)
+
+
+def expert_blocks(model):
+    """{MoE block's name: [(name, Parameter) of this rank's experts in it]}, in model order."""
     blocks = {}
     for n, p in model.named_parameters():
         if p.expert_parallel:
             blocks.setdefault(n.split(".mlp.experts.")[0], []).append((n, p))
-    units = [FlatUnit(f"{block}.experts", named, edp.size, edp.rank)
-             for block, named in blocks.items()]
-    return zero_engine(model, edp, 1, units, training=training)
+    return blocks
 
 
 def experts_optimizer(engine, args, amp=None, views=None):

@@ -66,7 +66,8 @@ from minidist.comm import trace
 from minidist.ddp.sync import gradient_sync
 from minidist.ep import checkpoint as ep_checkpoint
 from minidist.ep.exchange import attach_experts
-from minidist.ep.optim import DenseAndExperts, expert_engine, experts_optimizer
+from minidist.ep.optim import (DenseAndExperts, expert_blocks, expert_engine,
+                               experts_optimizer)
 from minidist.strategy import checkpoint, memory, saving
 from minidist.strategy.base import ModelParallel, all_reduce_number, matrix_views
 from minidist.tp.state import unscaled_sum_sq
@@ -142,12 +143,8 @@ class ExpertParallel(ModelParallel):
         self.model = model
         self.experts = attach_experts(model, self.group)
         model = self.inner.wrap_unbuilt(model, seed, dtype, weights)
-        blocks = {}
-        for n, p in model.named_parameters():
-            if p.expert_parallel:
-                blocks.setdefault(n.split(".mlp.experts.")[0], set()).add(n)
-        for names in blocks.values():
-            state = model.initial_state(names, seed, dtype, weights)
+        for named in expert_blocks(model).values():
+            state = model.initial_state({n for n, _ in named}, seed, dtype, weights)
             if self.amp:
                 xp = xp_of(self.experts[0].data)
                 for n, a in state.items():

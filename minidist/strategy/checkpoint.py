@@ -217,7 +217,7 @@ def load(directory, keep=None, only=None, keys=STATE_KEYS):
     manifest = verify(folder)
     record = read_record(folder, manifest)
     with does_not_fit(folder):
-        if "zero" in manifest or "parts" in manifest:
+        if holds_shards(manifest):
             params, arrays, saved_names = read_whole(folder, manifest, keep, only, keys)
         else:                                   # memory-mapped: `keep` reads only its piece
             params, _ = load_file(os.path.join(folder, "model.safetensors"))
@@ -240,6 +240,12 @@ def load(directory, keep=None, only=None, keys=STATE_KEYS):
         per_param.setdefault(name, {})[k] = a
     meta = {**{k: record[k] for k in META_KEYS}, "optimizer": saved["type"], "folder": folder}
     return params, {"groups": saved["groups"], "state": per_param}, meta
+
+
+def holds_shards(manifest):
+    """Whether a checkpoint's manifest is ZeRO's rank shards or TP x ZeRO's parts, which load
+    glues into whole arrays (read_whole), not one process's whole arrays (memory-mapped)."""
+    return "zero" in manifest or "parts" in manifest
 
 
 def _wanted(name, saved_names, only):

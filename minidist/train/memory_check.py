@@ -34,7 +34,7 @@ from dataclasses import replace
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
 from minidist.nn.config import uses_tiled
-from minidist.strategy import checkpoint_dirs
+from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.activations import minidist_activation_bytes
 from minidist.train.args import train_default
@@ -115,9 +115,8 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
         # evaluation's live peak (tests/test_memory_check.py), 2.9 x a --pp 2 one's (8 layers
         # of 128, `--resume CKPT --eval-only --batch-size 64 --pp 2` under tests/scripts/
         # peak_memory.py: 171.6 MiB for 59.7, now 117.9)
-        rows = max(args.batch_size // (layout.dp * args.grad_accum), 1)
-        sends = args.pp_virtual * rows * config.block_size * config.n_embd * 4 \
-            if layout.pp > 1 else 0
+        sends = args.pp_virtual * eval_rows(args, layout) * config.block_size * \
+            config.n_embd * 4 if layout.pp > 1 else 0
         row["activations"] = min(row["activations"],
                                  scale * (eval_activations(config, args, layout) + sends))
     row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
@@ -192,7 +191,13 @@ def loads_assembled(path):
             manifest = json.load(f)
     except (CheckpointError, OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and ("zero" in manifest or "parts" in manifest)
+    return isinstance(manifest, dict) and checkpoint.holds_shards(manifest)
+
+
+def eval_rows(args, layout):
+    """The sequences an evaluation's forward takes at once on a rank: a training
+    micro-batch's, batch / (dp x --grad-accum) (loop.py evaluate's `parts`)."""
+    return max(args.batch_size // (layout.dp * args.grad_accum), 1)
 
 
 def eval_activations(config, args, layout):
@@ -206,7 +211,7 @@ def eval_activations(config, args, layout):
     and an --amp run's peak RSS: tests/test_memory_check.py)."""
     if config.moe_experts:
         return None
-    rows = max(args.batch_size // (layout.dp * args.grad_accum), 1)
+    rows = eval_rows(args, layout)
     one = minidist_activation_bytes(replace(config, n_layer=1), config.block_size, rows,
                                     layout.amp, dropout=False, tiled=layout.tiled)
     T = config.block_size
