@@ -15,7 +15,7 @@ from minidist.backend import to_host as H, xp_of
 from minidist.comm import ProcessGroup
 from minidist.nn import GPT, GPTConfig
 from minidist.ddp.ddp import DistributedDataParallel
-from minidist.ddp.sync import bucket_layout
+from minidist.ddp.sync import broadcast_buckets, bucket_layout
 from minidist.ddp.strategy import DataParallel
 from minidist.train.args import train_parser
 from minidist.strategy.base import SingleProcess
@@ -89,6 +89,19 @@ def test_bucket_layout_reverse_order_and_caps():
     assert layout == [[6, 5], [4, 3], [2], [1, 0]]     # last first; dtype change cuts; 3 MiB alone
     assert sorted(i for b in layout for i in b) == list(range(len(params)))
     assert bucket_layout(params, bucket_mb=100.0) == [[6, 5], [4, 3, 2, 1, 0]]
+
+
+def test_broadcast_buckets_big_tensors_alone_small_ones_packed_by_kind():
+    """The start-up broadcast's buckets (minidist/ddp/sync.py broadcast_parameters): a
+    tensor of bucket_mb or more alone (broadcast in place, no copy); the smaller ones of
+    each dtype together whatever their order (--amp's 16-bit matrices beside float32 norms
+    would otherwise cut a bucket at every change), cut at bucket_mb; every tensor in
+    exactly one bucket."""
+    mib = 2**20 // 4
+    params = [_param(mib // 2), _param(10, "float64"), _param(mib // 4), _param(3 * mib),
+              _param(10, "float64"), _param(mib // 2), _param(mib // 2), _param(mib)]
+    assert broadcast_buckets(params, 1.0) == [[3], [7], [0, 2], [5, 6], [1, 4]]
+    assert broadcast_buckets(params, 100.0) == [[0, 2, 3, 5, 6, 7], [1, 4]]
 
 
 def test_the_chapters_counts_are_the_main_jobs_model():
@@ -266,7 +279,8 @@ def test_naive_mode_one_all_reduce_per_parameter_in_reverse_order(recording):
     ddp.sync_grads()
     sizes = [c[1] for c in group.reduces()]
     assert sizes == [p.size for p in reversed(ddp.params)]
-    assert [c[1] for c in group.calls if c[0] == "broadcast"] == [p.size for p in ddp.params]
+    broadcasts = [c[1] for c in group.calls if c[0] == "broadcast"]
+    assert broadcasts == [sum(p.size for p in ddp.params)]     # one bucket at start-up
 
 
 def test_bad_mode_is_refused(recording):

@@ -112,3 +112,21 @@ def test_a_rank_that_skips_a_step_is_named_in_debug_mode(mpi):
                      r"collective: ranks \[0\] called #\d+ all_reduce avg\(count=\d+, float32\); "
                      r"ranks \[1\] called #\d+ all_gather_object\(\)", out.stderr), \
         out.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_the_start_up_broadcast_is_one_per_bucket_and_gives_every_rank_the_roots_params(mpi):
+    """Every rank draws other parameters (its own seed); after the wrap each equals its DDP
+    group's root's draw bit for bit, under dp, --ddp naive, --amp, tp x dp, pp x dp, cp x dp,
+    ep x dp (the experts over edp too) and ep x tp; each group saw one broadcast per bucket
+    of broadcast_buckets (trace counters), not one per tensor (28 tensors, 1 broadcast here);
+    broadcast_parameters itself from root 1 in 4 buckets of 7 float32 and float64 tensors,
+    one not contiguous:
+
+        mpiexec -n 4 python tests/scripts/bcast_check.py
+    """
+    results = tagged_json(mpi(4, "tests/scripts/bcast_check.py", timeout=180))
+    got = {r["run"]: (r["tensors"], r["broadcasts"]) for r in results}
+    assert got == {"direct": (7, 4), "dp4": (28, 1), "dp4+naive": (28, 1),
+                   "dp4+amp": (28, 1), "tp2xdp2": (28, 1), "pp2xdp2": (14, 1),
+                   "cp2xdp2": (28, 1), "ep2xdp2": (38, 2), "ep2xtp2": (22, 1)}, got
