@@ -165,7 +165,7 @@ def _row_block(q_i, k, v, tiles, starts, scale, dropout=None):
         acc *= alpha
         if dropout is not None:                              # p Z: this tile's numbers
             p *= dropout.tile(q_start + r0, q_start + r1, k_start + c0, k_start + c1, xp,
-                              p.dtype)
+                              p.dtype).reshape(p.shape)      # (ring attention's grouped q)
         acc += _mm(p.astype(v.dtype, copy=False), v[..., c0:c1, :])
         m = m_new
     seen = l > 0                                             # False: every key was masked

@@ -19,9 +19,12 @@ Backward: the key/value blocks go around the ring again, in the same direction, 
 carries its gradient accumulator (dk, dv) with it: rank r adds its queries' contribution to
 the block it holds and passes block and accumulator on; after N steps every accumulator has
 visited every rank and one last hop brings it home. Grouped-query attention (nkv k and v
-heads for nh q heads): blocks and accumulators travel as nkv heads; the rank repeats the
-block in hand to nh (`repeat_block`, repeat_kv's order) only to attend to it, and sums the
-repeated heads' gradients into the accumulator (`sum_groups`) before it moves on.
+heads for nh q heads): blocks and accumulators travel as nkv heads; the rank attends to the
+block in hand with its q heads seen as nkv groups of nh / nkv (`grouped`, repeat_kv's order)
+and the block broadcast over each group, and sums each tile's dk and dv over the group
+straight into the accumulator (`group_sum`): nothing is held nh heads wide but a tile
+(the flash kernels, which take nh heads, still get the block repeated, `repeat_block`, and
+its gradients summed back, `sum_groups`).
 Bytes sent per rank per attention layer, with S = B * Tl * nkv * hs * itemsize (one of k
 or v; B * Tl * C * itemsize under multi-head attention):
     forward 2 S (N - 1),  backward 2 S (N - 1) for k/v + 2 S N for dk/dv;
@@ -119,12 +122,20 @@ def tile_run(*arrays):
 
 def attend_block(q, q_pieces, kv, k_pieces, y, lse, block, dropout=None, run=None):
     """Merge the attention of queries q (B, nh, Tl, hs) over one held key/value block
-    kv (2, B, nh, Tl, hs) into the running (y, lse), in place; dropout: flash.py's
+    kv (2, B, nkv, Tl, hs) into the running (y, lse), in place (grouped-query, nkv < nh:
+    q, y and lse seen as (B, nkv, nh / nkv, ...) and the block broadcast over each group,
+    never repeated, where no kernels run); dropout: flash.py's
     AttnDropout over the whole (B, nh, T, T) weights (positions global), or None.
     run: executes the flash kernels' plans, one launch per pair of pieces (ring_forward
     passes tile_run's; a test the CPU harness), or None: partial_attention."""
     xp = xp_of(q)
     drop = None if run is None or dropout is None else dropout.kernel_args(xp)
+    nh, nkv = q.shape[1], kv.shape[2]
+    if run is None and nkv != nh:     # grouped-query: the q heads as (nkv, nh / nkv), k and
+        q, y, lse = (grouped(a, nkv) for a in (q, y, lse))   # v broadcast over the group
+        kv = kv[:, :, :, None]
+    elif nkv != nh:                   # the kernels take nh heads: the block repeated
+        kv = repeat_block(kv, nh)
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
         rows, cols = slice(qo, qo + ql), slice(ko, ko + kl)
         q_i, k_j, v_j = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
@@ -150,7 +161,10 @@ def _kernels_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, dropout, ru
 def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, dropout=None,
                           run=None, matmul=matmul):
     """Gradients of one held block: dq (B, nh, Tl, hs) and the block's accumulator dkv
-    (2, B, nh, Tl, hs), added to in place. Each tile's probabilities (and dropout's
+    (2, B, nkv, Tl, hs), added to in place (grouped-query, nkv < nh, in the xp code: q, g,
+    dq, lse and D seen as (B, nkv, nh / nkv, ...), each tile's dk and dv summed over the
+    group (group_sum) straight into dkv: nothing nh heads wide but a tile; the kernels take
+    kv and dkv nh heads wide). Each tile's probabilities (and dropout's
     Z = keep / (1 - p)) are recomputed, as flash.py's backward does; D = rowsum(g * y).
     run: executes the flash kernels' plans (_kernels_backward), or None: the xp code below.
     matmul: the xp code's products (backend.matmul; another gives products of another
@@ -160,6 +174,11 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, 
         return
     xp = xp_of(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    nh, nkv = q.shape[1], kv.shape[2]
+    fold = (lambda a: a) if nkv == nh else group_sum
+    if nkv != nh:            # grouped-query: the q heads as (nkv, nh / nkv), k and v (and
+        q, g, dq, lse, D = (grouped(a, nkv) for a in (q, g, dq, lse, D))   # dk, dv) with
+        kv, dkv = kv[:, :, :, None], dkv[:, :, :, None]   # a group axis of 1 broadcast over it
     for qo, qs, ql, ko, ks, kl in _pairs(q_pieces, k_pieces):
         for r0, r1, c0, c1, masked in block_pairs(ql, block, True, qs, ks, kl):
             rows, cols = slice(qo + r0, qo + r1), slice(ko + c0, ko + c1)
@@ -175,14 +194,29 @@ def attend_block_backward(g, q, q_pieces, kv, k_pieces, lse, D, dq, dkv, block, 
             dpz = matmul(g_i, xp.swapaxes(v_j, -1, -2))               # d(p z) = g v^T
             if dropout is not None:                                   # y = (p z) v
                 z = dropout.tile(qs + r0, qs + r1, ks + c0, ks + c1, xp, p.dtype)
+                z = z.reshape(p.shape)                                # (grouped: as p)
                 dpz *= z
                 p_used = p * z
             else:
                 p_used = p
-            dkv[1][..., cols, :] += matmul(xp.swapaxes(p_used, -1, -2), g_i)  # dv = (p z)^T g
-            ds = p * (dpz - D[..., rows, None]) * scale
+            dkv[1][..., cols, :] += fold(matmul(xp.swapaxes(p_used, -1, -2), g_i))  # dv =
+            ds = p * (dpz - D[..., rows, None]) * scale               # (p z)^T g
             dq[..., rows, :] += matmul(ds, k_j)                       # dq = ds k
-            dkv[0][..., cols, :] += matmul(xp.swapaxes(ds, -1, -2), q_i)  # dk = ds^T q
+            dkv[0][..., cols, :] += fold(matmul(xp.swapaxes(ds, -1, -2), q_i))  # dk = ds^T q
+
+
+def grouped(a, nkv):
+    """(B, nh, ...) -> its (B, nkv, nh / nkv, ...) view: q head j as (j // (nh / nkv), j %
+    (nh / nkv)), the kv head it reads first (repeat_kv's order)."""
+    return a.reshape(a.shape[:1] + (nkv, a.shape[1] // nkv) + a.shape[2:])
+
+
+def group_sum(a):
+    """A tile's gradients of k or v for each q head, (B, nkv, nh / nkv, bk, hs) -> summed
+    over the group, (B, nkv, 1, bk, hs): what each kv head gets (in float32 for 16-bit
+    dtypes, as repeat_kv's backward sums)."""
+    total = a.sum(axis=2, keepdims=True, dtype="float32" if is_half(a.dtype) else None)
+    return total.astype(a.dtype, copy=False)
 
 
 def repeat_block(kv, n_head):
@@ -206,8 +240,8 @@ def sum_groups(d_full, d_kv):
 
 def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
     """Causal attention of this rank's queries (B, nh, Tl, hs) over every rank's keys/values
-    kv (2, B, nkv, Tl, hs), which travel as nkv heads and are repeated to nh (repeat_block)
-    only to be attended to. layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse
+    kv (2, B, nkv, Tl, hs), which travel as nkv heads (attend_block: grouped, not repeated,
+    but for the kernels). layouts[r]: rank r's pieces. Returns y (B, nh, Tl, hs) and lse
     (B, nh, Tl)."""
     xp = xp_of(q)
     n, r = group.size, group.rank
@@ -215,15 +249,13 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
     y = xp.zeros(q.shape, q.dtype)
     lse = xp.full(q.shape[:-1], -math.inf, xp.result_type(q.dtype, xp.float32))
     run = tile_run(q, kv)                         # the flash kernels, or None: xp tiles
-    nh = q.shape[1]
     cur, nxt = kv, xp.empty_like(kv)
     for step in range(n):
         src = (r - step) % n                      # whose keys/values this rank holds now
         if step < n - 1:                          # posted before the compute: overlap
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        attend_block(q, layouts[r], repeat_block(cur, nh), layouts[src], y, lse, block,
-                     dropout, run)
+        attend_block(q, layouts[r], cur, layouts[src], y, lse, block, dropout, run)
         if step < n - 1:
             send.wait()
             recv.wait()
@@ -234,8 +266,10 @@ def ring_forward(group, layouts, q, kv, block=DEFAULT_BLOCK, dropout=None):
 def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout=None):
     """dq (B, nh, Tl, hs) and dkv (2, B, nkv, Tl, hs) of this rank's queries and keys/values.
     Each block travels with its accumulator; the accumulator's last hop brings it home. Under
-    grouped-query attention (nkv < nh) both travel as nkv heads: each held block's gradients
-    are computed for its nh repeated heads and summed into the accumulator (sum_groups)."""
+    grouped-query attention (nkv < nh) both travel as nkv heads, and each held block's
+    gradients are summed over each group of q heads into the accumulator tile by tile
+    (attend_block_backward; the kernels: computed for the nh repeated heads into one
+    scratch of nh heads and summed in, sum_groups)."""
     xp = xp_of(q)
     n, r = group.size, group.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -249,16 +283,17 @@ def ring_backward(group, layouts, g, q, kv, y, lse, block=DEFAULT_BLOCK, dropout
     cur, nxt = kv, xp.empty_like(kv)
     d_cur, d_nxt = xp.zeros_like(kv), xp.empty_like(kv)
     nh = q.shape[1]
-    d_full = None if kv.shape[2] == nh else xp.empty(kv.shape[:2] + q.shape[1:], kv.dtype)
+    d_full = None if kv.shape[2] == nh or run is None else \
+        xp.empty(kv.shape[:2] + q.shape[1:], kv.dtype)
     for step in range(n):
         src = (r - step) % n
         if step < n - 1:
             recv = group.recv(nxt, left, async_op=True, tag=KV_TAG)
             send = group.send(cur, right, async_op=True, tag=KV_TAG)
-        if d_full is None:                    # nkv = nh: into the accumulator itself
+        if d_full is None:                    # into the accumulator itself, nkv heads wide
             attend_block_backward(g, q, layouts[r], cur, layouts[src], lse, D, dq, d_cur,
                                   block, dropout, run)
-        else:                                 # the nh heads' gradients, then summed in
+        else:                                 # kernels: nh heads' gradients, summed in
             d_full.fill(0)
             attend_block_backward(g, q, layouts[r], repeat_block(cur, nh), layouts[src], lse,
                                   D, dq, d_full, block, dropout, run)
