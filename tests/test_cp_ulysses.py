@@ -38,7 +38,8 @@ def test_ulysses_exchange_gradcheck_on_one_rank():
 def test_ulysses_bytes_formula_against_the_ring():
     """8S(N-1)/N per layer and micro-batch (12S(N-1)/N with recompute) against the ring's
     (6N-4)S: half the ring's at N = 2, and Ulysses' falls with N where the ring's grows.
-    Grouped-query: 4(S + kv)(N-1)/N, kv the bytes of k as sent, lcm(K, N) of the nh heads."""
+    Grouped-query: 4(S + kv)(N-1)/N, kv the bytes of k as sent, kv_heads_sent of the nh
+    heads: lcm(K, N) where N divides K or K divides N, fewer where neither does."""
     from minidist.cp.ulysses import kv_heads_sent, ulysses_bytes
     assert ulysses_bytes(12, 2) == 48 and ulysses_bytes(12, 4) == 72
     assert ulysses_bytes(12, 4, recompute=True) == 108
@@ -46,11 +47,50 @@ def test_ulysses_bytes_formula_against_the_ring():
     assert [kv_heads_sent(8, k, 2) for k in (1, 2, 4, 8, 0)] == [2, 2, 4, 8, 8]
     assert [kv_heads_sent(8, k, 4) for k in (1, 2, 4, 8)] == [4, 4, 4, 8]
     assert kv_heads_sent(12, 2, 3) == 6          # 12 q heads, 3 ranks: 4 each, 2 kv heads
+    # K and N coprime: lcm(K, N) = K N sent each rank all K heads; the windows send 2 each
+    assert [kv_heads_sent(h, k, n) for h, k, n in ((6, 3, 2), (12, 3, 4), (12, 6, 4),
+                                                    (40, 8, 5))] == [4, 8, 8, 15]
     assert ulysses_bytes(12, 2) * 2 == ring_bytes(12, 2)
     S0 = 4096                                                    # one sequence's B T C bytes
     ring = [ring_bytes(S0 // n, n) for n in (2, 4, 8)]
     ulysses = [ulysses_bytes(S0 // n, n) for n in (2, 4, 8)]
     assert ring == sorted(ring) and ulysses == sorted(ulysses, reverse=True)
+
+
+def test_kv_windows_give_each_rank_every_kv_head_its_q_heads_read():
+    """Every (nh, K, N) with K and N dividing nh up to 48 heads: each cp rank's window of c
+    kv heads lies in 0 .. K-1 and holds the kv head floor(q / (nh / K)) of each of its nh / N
+    q heads (repeat_kv's order); N c is at most lcm(K, N) (what repeating k and v to lcm
+    heads sent) and equals it where N divides K or K divides N."""
+    from math import lcm
+    from minidist.cp.ulysses import kv_windows
+    for nh in range(1, 49):
+        for k in (k for k in range(1, nh + 1) if nh % k == 0):
+            for n in (n for n in range(1, nh + 1) if nh % n == 0):
+                starts, c = kv_windows(nh, k, n)
+                per, g = nh // n, nh // k
+                assert n * c <= lcm(k, n) and (n * c == lcm(k, n) or (k % n and n % k))
+                for j, s in enumerate(starts):
+                    assert 0 <= s and s + c <= k
+                    assert all(s <= (j * per + i) // g < s + c for i in range(per))
+
+
+def test_pick_kv_gradcheck():
+    """PickKV (Ulysses' kv windows, minidist/cp/ulysses.py): q as it is, then the k and v
+    heads picked, repeats allowed (a kv head two ranks' windows share, or two q heads read),
+    = numpy's take; its backward (each pick's gradient added into its head) = central
+    differences, float64."""
+    from minidist.autograd.gradcheck import gradcheck
+    from minidist.cp.ulysses import PickKV, pick_kv
+    x = np.random.default_rng(2).standard_normal((2, 3, (4 + 2 * 3) * 2))
+    heads = [1, 0, 1, 2, 2]
+    q, k, v = np.split(x, [8, 14], axis=-1)
+    pick = [np.take(a.reshape(2, 3, 3, 2), heads, axis=2).reshape(2, 3, 10) for a in (k, v)]
+    got = pick_kv(Tensor(x), 4, 3, heads).data
+    assert np.array_equal(got, np.concatenate([q] + pick, axis=-1))
+    gradcheck(lambda t: PickKV.apply(t, 4, 3, heads), [Tensor(x, requires_grad=True)],
+              name="PickKV")
+    assert pick_kv(x, 4, 3, [0, 1, 2]) is x                       # every head in order
 
 
 def test_the_chapters_cp_bytes_are_the_formulas_for_the_main_jobs_model():
@@ -157,21 +197,28 @@ def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
 @pytest.mark.mpi
 def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(mpi):
     """Grouped-query attention (Llama's block, 4 q heads): k and v cross the all-to-all as
-    kv_heads_sent = lcm(K, N) heads and are repeated to each rank's q heads after it, so
-    --n-kv-head 1 (lcm 2 at cp 2) sends less than --n-kv-head 0 by exactly 4 (S - S 2/4)
-    (N-1)/N per layer (the qkv exchange, forward and backward), S = B Tl C 8 bytes; each
-    run one process's numbers (float64, 3 steps; kv 2 also naive, dropout and recompute;
-    kv 1 with dropout and --attention recompute as the local attention):
+    kv_heads_sent heads (each rank the window of kv heads its q heads read, kv_windows) and
+    are picked for each rank's q heads after it, so --n-kv-head 1 (2 heads at cp 2) sends
+    less than --n-kv-head 0 by exactly 4 (S - S 2/4) (N-1)/N per layer (the qkv exchange,
+    forward and backward), S = B Tl C 8 bytes; with 6 q heads (24 wide) and 3 kv heads,
+    coprime with cp 2, 4 heads where lcm(3, 2) = 6 sent as many as multi-head attention
+    (49,152 bytes a step, measured before this change; now 40,960). Each run one process's
+    numbers (float64, 3 steps; kv 2 also naive, dropout and recompute; kv 1 with dropout
+    and --attention recompute as the local attention; kv 3 also naive, dropout, recompute):
 
         mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2+kv0,u2+kv1,...
     """
-    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt", "u2+kv1+redo+drop"]
+    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt", "u2+kv1+redo+drop", "u2+h6",
+            "u2+h6+kv3", "u2+h6+kv3+naive+drop+ckpt"]
     out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
     by = {r["run"]: r for r in _check_ulysses_rows(out, runs)}
     n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64
     assert by["u2+kv0"]["bytes_sent"] == layers * ulysses_bytes(S, n)
     assert by["u2+kv0"]["bytes_sent"] - by["u2+kv1"]["bytes_sent"] == \
         layers * 4 * (S - S * 2 // 4) * (n - 1) // n
+    S = 4 * 8 * 24 * 8                                     # C 24
+    assert by["u2+h6"]["bytes_sent"] == layers * ulysses_bytes(S, n) == 49152
+    assert by["u2+h6+kv3"]["bytes_sent"] == layers * ulysses_bytes(S, n, kv=S * 4 // 6)
 
 
 @pytest.mark.mpi
@@ -182,7 +229,8 @@ def test_ulysses_cp4_and_compositions_are_exact(mpi):
     ZeRO-3, its sharded checkpoint loaded back into the same layout, ZeRO-1 and tp 2 x dp 2
     without cp, and the next step's loss the same bit for bit); Llama's block with 1 kv head
     at cp 4 (lcm(1, 4) = 4 heads sent: the bytes of 0) and with 2 under tp 2 x SP (one a tp
-    rank) with dropout:
+    rank) with dropout; 12 q heads (48 wide) with 3 kv heads at cp 4, coprime: 2 kv heads
+    a rank (kv_windows), where lcm(3, 4) = 12 sent multi-head attention's bytes:
 
         mpiexec -n 4 python tests/scripts/ulysses_check.py --runs u4,u4+naive+drop,... \
             --resume-runs u2xtp2+zero3
@@ -190,12 +238,14 @@ def test_ulysses_cp4_and_compositions_are_exact(mpi):
     runs = ["u4", "u4+naive+drop", "u4+tiled+ckpt", "u2xdp2", "u2xdp2+zero1",
             "u2xdp2+zero2+drop", "u2xdp2+zero3+accum+ckpt", "u2xtp2+naive+drop", "u2xtp2+sp",
             "u2xtp2+sp+naive+drop", "u2xtp2+sp+drop+ckpt", "u4+kv1", "u2xtp2+sp+kv2+drop",
-            "u2xtp2+zero3"]
+            "u4+h12+kv3+drop", "u2xtp2+zero3"]
     out = mpi(4, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), "--resume-runs",
               "u2xtp2+zero3", timeout=240)
     rows = _check_ulysses_rows(out, runs)
     by = {r["run"]: r for r in rows}
     assert by["u4+kv1"]["bytes_sent"] == by["u4"]["bytes_sent"]     # 4 heads sent either way
+    S = 4 * 4 * 48 * 8                                     # B 4, Tl 16/4, C 48, float64
+    assert by["u4+h12+kv3+drop"]["bytes_sent"] == 2 * ulysses_bytes(S, 4, kv=S * 8 // 12)
     reload = rows[-1]["reload"]
     assert reload["param_diff"] < 1e-10 and reload["adam_diff"] < 1e-10
     assert [reload["same"], reload["zero1"], reload["tp2xdp2+zero3"]] == ["bitwise"] * 3

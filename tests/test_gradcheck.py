@@ -208,7 +208,7 @@ CASES = [
     Case("repeat_kv", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 4, 2),
          lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 4, 2)),
     Case("repeat_kv to 4 of 8 heads", (LL.RepeatKV,), lambda x: LL.repeat_kv(x, 8, 2, 4),
-         lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 8, 2, 4)),     # Ulysses
+         lambda: [T(randn(2, 3, 24))], lambda x: ref_repeat_kv(x, 8, 2, 4)),     # to < nh
 ]
 
 TARGETS = np.array([[1, -1, 3], [0, 2, -1]])
@@ -329,9 +329,9 @@ CHECKED_ELSEWHERE = {
         "tests/test_checkpointing.py::test_gradcheck_through_the_recompute",
     "minidist.cp.ring.RingSelfAttention":        # 2 ranks (cp_check.py's ring_gradcheck)
         "tests/test_cp_exact.py::test_cp2_is_exact_and_sends_the_formula",
-    **{f"minidist.cp.ulysses.{name}": "tests/test_cp_ulysses.py::"     # (ulysses_check.py)
-       "test_ulysses_cp2_is_exact_and_sends_the_formula" for name in ("HeadsForTokens",
-                                                                      "TokensForHeads")},
+    **{f"minidist.cp.ulysses.{name}": "tests/test_cp_ulysses.py::test_ulysses_cp2_is_exact_"
+       "and_sends_the_formula" for name in ("HeadsForTokens", "TokensForHeads")},  # 2 ranks
+    "minidist.cp.ulysses.PickKV": "tests/test_cp_ulysses.py::test_pick_kv_gradcheck",
     "minidist.ep.exchange.AllToAll": "tests/test_alltoall.py::test_all_to_all",  # 2-4 ranks
     "minidist.nn.moe.IndexAddRows": "tests/test_moe.py::test_gradcheck_index_add_rows",
     "minidist.nn.moe_split.SequenceSum": "tests/test_moe.py::test_gradcheck_sequence_sum",

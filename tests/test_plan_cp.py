@@ -56,7 +56,7 @@ def test_cp_bytes_the_model_prices_are_the_training_codes(attention):
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
 def test_cp_bytes_under_grouped_query_attention_are_the_kv_heads(attention):
     """Grouped-query attention: k and v cross the cp group as the kv heads (the ring's
-    blocks: kv of them; Ulysses: cp/ulysses.py kv_heads_sent = lcm(kv/tp, N) of the
+    blocks: kv of them; Ulysses: cp/ulysses.py kv_heads_sent, here lcm(kv/tp, N), of the
     n_head/tp), so what cp_comm prices (1 B/s: a second is a byte) is ring_bytes of
     K's own bytes S kv/n_head, or ulysses_bytes with kv = S lcm(kv/tp, N) / (n_head/tp);
     8 heads, kv 1, 2, 8, at N = 2 and 4, tp 1 and 2, with and without full recompute. A

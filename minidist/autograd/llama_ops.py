@@ -236,7 +236,8 @@ class RepeatKV(Function):
     """(B, T, (nh + 2 nkv) hs) -> (B, T, (nh + 2 to) hs), to = nh unless given: q as it is,
     each k and v head repeated g = to / nkv times in a row (q head j reads kv head
     j // (nh / to)). Backward sums each group's g gradients into its head. A `to` short of
-    nh is Ulysses' (minidist/cp/ulysses.py): just enough k and v heads for every cp rank."""
+    nh: fewer k and v heads than q (Ulysses sends each cp rank a window of the kv heads
+    instead: minidist/cp/ulysses.py kv_windows, pick_kv)."""
 
     @staticmethod
     def forward(ctx, qkv, n_head, n_kv_head, to=None):

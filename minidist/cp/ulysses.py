@@ -21,28 +21,28 @@ undone): `HeadsForTokens` forward gathers tokens and scatters heads, backward th
 `TokensForHeads` the mirror image. Dropout on the attention weights: this rank computes heads
 [c Hl, (c+1) Hl) of all T positions, so its site is sliced by head as tensor parallelism's is
 (`head_site`: DropoutSite axis 1, parts tp x cp), and the masks are one process's.
-Grouped-query attention (nkv < H k and v heads): q, k and v cross as they are, k and v
-repeated first only to `kv_heads_sent` = lcm(nkv, N) heads, the fewest that split over the
-N ranks with each rank's q heads finding theirs (nkv where N divides it; N where nkv
-divides N: one each); each rank repeats its share to its Hl heads after the all-to-all
-(repeat_kv, minidist/autograd/llama_ops.py, whose backward sums the copies' gradients).
+Grouped-query attention (nkv < H k and v heads): q crosses as it is; of k and v each rank
+is sent the window of c consecutive kv heads its Hl q heads read (`kv_windows`: c the most
+any rank reads, as an all-to-all sends equal chunks; `kv_heads_sent` = N c heads in all:
+nkv where N divides it, N where nkv divides N), picked before the all-to-all (`pick_kv`),
+and picks each of its q heads' kv head out of its window after it (`pick_kv` again; its
+backward sums the picks' gradients). Repeating k and v to lcm(nkv, N) heads instead, as
+this did before 2026-11-30, sent each rank all nkv heads where nkv and N are coprime
+(--n-head 6 --n-kv-head 3 --cp 2: 3 kv heads a rank, as many as its q heads; c = 2).
 Bytes each rank sends per attention layer and micro-batch (an all-to-all keeps 1/N of its
 buffer), S = B x Tl x C x itemsize: forward 3S(N-1)/N + S(N-1)/N, backward the same again:
 8S(N-1)/N; with --ckpt-activations the forward's once more: 12S(N-1)/N (`ulysses_bytes`);
-grouped-query, with kv = S lcm(nkv, N) / H the bytes of k as sent: 4(S + kv)(N-1)/N and
+grouped-query, with kv = S kv_heads_sent / H the bytes of k as sent: 4(S + kv)(N-1)/N and
 6(S + kv)(N-1)/N.
 Tests: tests/test_cp_ulysses.py, tests/scripts/ulysses_check.py.
 """
-import math
-
 import numpy as np
 
 from minidist.autograd.attention import causal_self_attention
 from minidist.autograd.dropout_keys import DropoutSite
 from minidist.autograd.flash import tiled_self_attention
 from minidist.autograd.function import Function
-from minidist.autograd.llama_ops import repeat_kv
-from minidist.backend import xp_of
+from minidist.backend import is_half, xp_of
 from minidist.nn.config import uses_tiled
 
 
@@ -140,30 +140,90 @@ def sequence_order(layouts):
     return None if np.array_equal(order, np.arange(len(order))) else order
 
 
+def kv_windows(n_head, n_kv_head, n):
+    """Grouped-query attention's k and v heads for each cp rank: (starts, c), rank j getting
+    the c consecutive kv heads [starts[j], starts[j] + c). Rank j's nh / N q heads read kv
+    heads floor(q / g), g = nh / nkv; an all-to-all sends every rank the same count, so c
+    is the most any rank reads, and each window is moved inside 0 .. nkv - 1. Where N
+    divides nkv the windows are its N parts (c = nkv / N); where nkv divides N, one head
+    each (c = 1): lcm(nkv, N) / N, what repeating k and v to lcm(nkv, N) heads sent. Where
+    neither divides the other that repeat sent every rank nkv heads (lcm = nkv N: as many
+    as its q heads at --n-head 6 --n-kv-head 3 --cp 2, nothing saved); the windows send
+    c = 2 there (tests/test_cp_ulysses.py)."""
+    nkv = n_kv_head or n_head
+    g, per = n_head // nkv, n_head // n
+    firsts = [j * per // g for j in range(n)]
+    c = max(((j + 1) * per - 1) // g - firsts[j] + 1 for j in range(n))
+    return [min(f, nkv - c) for f in firsts], c
+
+
 def kv_heads_sent(n_head, n_kv_head, n):
-    """The k and v heads Ulysses' all-to-all carries under grouped-query attention: the
-    fewest, lcm(nkv, N), that split over the N cp ranks so that each rank gets those its
-    nh / N q heads read (nkv itself where N divides it; N where nkv divides N: one each).
-    At most nh, as N and nkv both divide nh."""
-    return math.lcm(n_kv_head or n_head, n)
+    """The k and v heads Ulysses' all-to-all carries under grouped-query attention: N
+    windows of kv_windows' c heads (nkv itself where N divides it; N where nkv divides N:
+    one each). At most nh (multi-head attention's), and at most lcm(nkv, N)."""
+    return n * kv_windows(n_head, n_kv_head, n)[1]
+
+
+class PickKV(Function):
+    """(B, T, (nh + 2 nkv) hs) -> (B, T, (nh + 2 len(heads)) hs): q as it is, then k and v
+    heads `heads` (indices into the nkv, repeats allowed) in that order. Backward adds each
+    pick's gradient into its head (in float32 for 16-bit dtypes, as repeat_kv's sums)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, n_kv_head, heads):
+        B, T, width = qkv.shape
+        hs = width // (n_head + 2 * n_kv_head)
+        xp, Q, K = xp_of(qkv), n_head * hs, n_kv_head * hs
+        ctx.shape, ctx.sizes, ctx.heads = qkv.shape, (n_head, n_kv_head, hs), list(heads)
+        index = xp.asarray(ctx.heads)
+        parts = [qkv[..., :Q]] + [
+            xp.take(qkv[..., lo:lo + K].reshape(B, T, n_kv_head, hs), index, axis=2)
+            .reshape(B, T, len(ctx.heads) * hs) for lo in (Q, Q + K)]
+        return xp.concatenate(parts, axis=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        B, T, _ = grad.shape
+        nh, nkv, hs = ctx.sizes
+        xp, Q, m = xp_of(grad), nh * hs, len(ctx.heads)
+        wide = "float32" if is_half(grad.dtype) else grad.dtype
+        dqkv = xp.empty(ctx.shape, grad.dtype)
+        dqkv[..., :Q] = grad[..., :Q]
+        for i in range(2):                                                 # k, then v
+            picked = grad[..., Q + i * m * hs:Q + (i + 1) * m * hs].reshape(B, T, m, hs)
+            total = xp.zeros((B, T, nkv, hs), wide)
+            for at, head in enumerate(ctx.heads):
+                total[:, :, head] += picked[:, :, at]
+            dqkv[..., Q + i * nkv * hs:Q + (i + 1) * nkv * hs] = \
+                total.reshape(B, T, nkv * hs).astype(grad.dtype, copy=False)
+        return dqkv, None, None, None
+
+
+def pick_kv(qkv, n_head, n_kv_head, heads):
+    """PickKV, or qkv itself where `heads` is every kv head in order."""
+    if list(heads) == list(range(n_kv_head)):
+        return qkv
+    return PickKV.apply(qkv, n_head, n_kv_head, heads)
 
 
 def ulysses_attention(qkv, n_head, context, dropout_p=0.0, rng=None, n_kv_head=None):
     """(B, Tl, (nh + 2 nkv) hs) Tensor -> (B, Tl, C): causal self-attention over the whole
     sequence with this rank's n_head/N heads. context: a RingContext in a forward (its
     group, layouts, tile size and the model's --attention). Grouped-query attention (nkv
-    < nh): the k and v heads are repeated only to kv_heads_sent(nh, nkv, N) before the
-    all-to-all, and to this rank's nh/N after it, where the attention computes (repeat_kv
-    both times: its backward sums the copies' gradients)."""
+    < nh): each rank is sent only the window of kv heads its q heads read (kv_windows:
+    pick_kv picks every rank's window before the all-to-all), and picks each of its q
+    heads' kv head out of its window after it (pick_kv again: its backward sums the picks'
+    gradients)."""
     group, nkv = context.group, n_kv_head or n_head
-    n, order = group.size, sequence_order(context.layouts)
-    sent = kv_heads_sent(n_head, nkv, n)
-    qkv = repeat_kv(qkv, n_head, nkv, sent)                     # (B, Tl, (nh + 2 sent) hs)
-    hs = qkv.shape[-1] // (n_head + 2 * sent)
-    widths = (n_head * hs, sent * hs, sent * hs)                      # q | k | v
-    qkv_h = HeadsForTokens.apply(qkv, group, order, widths)     # (B, T, (nh + 2 sent) hs/N)
-    heads, site = n_head // n, head_site(rng, group)
-    qkv_h = repeat_kv(qkv_h, heads, sent // n)                       # (B, T, 3C/N)
+    n, r, order = group.size, group.rank, sequence_order(context.layouts)
+    starts, c = kv_windows(n_head, nkv, n)
+    qkv = pick_kv(qkv, n_head, nkv, [s + i for s in starts for i in range(c)])
+    hs = qkv.shape[-1] // (n_head + 2 * n * c)                   # (B, Tl, (nh + 2 N c) hs)
+    widths = (n_head * hs, n * c * hs, n * c * hs)                   # q | k | v
+    qkv_h = HeadsForTokens.apply(qkv, group, order, widths)     # (B, T, (nh/N + 2 c) hs)
+    heads, site, g = n_head // n, head_site(rng, group), n_head // nkv
+    qkv_h = pick_kv(qkv_h, heads, c, [(r * heads + i) // g - starts[r]      # (B, T, 3C/N)
+                                      for i in range(heads)])
     if uses_tiled(context.local, qkv_h.shape[1]):
         y = tiled_self_attention(qkv_h, heads, context.block, dropout_p, site)   # (B, T, C/N)
     else:

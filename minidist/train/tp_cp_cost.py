@@ -62,7 +62,8 @@ def kv_bytes(S, layout, heads):
     """The bytes of one rank's K (or V) as context parallelism sends them, S those of its
     (b, s/cp, h/tp) q: heads = (n_head, kv heads) of the model (None: as many kv heads as q
     heads). The ring's blocks carry the kv heads, S kv/n_head; Ulysses' all-to-all carries
-    cp/ulysses.py kv_heads_sent of this tp rank's heads, lcm(kv/tp, N) of n_head/tp."""
+    cp/ulysses.py kv_heads_sent of this tp rank's heads (N windows of the kv/tp heads
+    each rank's q heads read; lcm(kv/tp, N) where one divides the other)."""
     if heads is None:
         return S
     n_head, kv = heads

@@ -56,7 +56,12 @@ OPTIONS = {"naive": ["--cp-split", "naive"], "zero1": ["--zero", "1"], "zero2": 
            # Llama's block with K kv heads (0: n_head), against one process of that block
            "kv0": ["--arch", "llama", "--n-kv-head", "0"], "kv1": ["--arch", "llama",
                                                                "--n-kv-head", "1"],
-           "kv2": ["--arch", "llama", "--n-kv-head", "2"]}
+           "kv2": ["--arch", "llama", "--n-kv-head", "2"],
+           # heads whose kv count and cp are coprime (kv_windows: 2 kv heads a rank, not
+           # lcm(3, N) / N = 3): 6 heads (24 wide) at cp 2, 12 (48 wide) at cp 4
+           "kv3": ["--arch", "llama", "--n-kv-head", "3"],
+           "h6": ["--n-head", "6", "--n-embd", "24"], "h12": ["--n-head", "12", "--n-embd",
+                                                             "48"]}
 
 
 def flags(name, *extra):
@@ -75,7 +80,7 @@ def flags(name, *extra):
 
 def config_of(args):
     c = cp_check.CONFIG
-    return GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
+    return GPTConfig(n_layer=c.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                      block_size=c.block_size, vocab_size=c.vocab_size, dropout=args.dropout,
                      attention=args.attention, attention_block=args.attention_block,
                      **arch_fields(args))
@@ -84,7 +89,7 @@ def config_of(args):
 def reference(args, refs):
     """One process on the whole global batch (no accum, no recompute), per dropout and
     block: (model, optimizer, losses, norms)."""
-    key = (args.dropout, args.arch, args.n_kv_head)
+    key = (args.dropout, args.arch, args.n_kv_head, args.n_head)
     if key not in refs:
         one = copy.copy(args)
         one.grad_accum, one.ckpt_activations = 1, False
@@ -103,9 +108,9 @@ def step_bytes(args, mesh):
     kv the bytes of its k as sent, kv_heads_sent of this tp rank's heads)."""
     n, c, tp = mesh.shape["cp"], cp_check.CONFIG, mesh.shape["tp"]
     rows = args.batch_size // mesh.shape["dp"] // args.grad_accum
-    S = rows * (c.block_size // n) * (c.n_embd // tp) * 8      # float64
-    heads = c.n_head // tp
-    sent = kv_heads_sent(heads, (args.n_kv_head or c.n_head) // tp, n)
+    S = rows * (c.block_size // n) * (args.n_embd // tp) * 8      # float64
+    heads = args.n_head // tp
+    sent = kv_heads_sent(heads, (args.n_kv_head or args.n_head) // tp, n)
     return ulysses_bytes(S, n, args.ckpt_activations, S * sent // heads) * c.n_layer * \
         args.grad_accum
 
