@@ -120,6 +120,33 @@ def test_a_host_buffer_is_posted_itself_with_no_device_wait():
             assert host is buf and [what for what, _ in log] == ["post"], (op, aware)
 
 
+def test_group_send_and_recv_hand_their_buffers_through_post_and_write_back():
+    """The code under test above (post, write_back) is what a GPU's send and recv rely on;
+    here group.send and group.recv themselves, on the CPU: a real one-rank group sends to
+    itself, and staging's own counts (handed_counts: each helper's calls, by placement)
+    show one post per call, and the recv's completion one write_back; numpy buffers are
+    handed "itself" (buffer_plan), bfloat16 ones as their uint16 view (wire, inside post:
+    MPI would refuse the dtype), and arrive bit for bit. A send or recv that called MPI
+    itself, skipping the staging a device buffer needs, shows here as missing counts."""
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup, staging
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    group = ProcessGroup(MPI.COMM_SELF, "ring", name="one-rank p2p")
+    try:
+        for dtype in (np.float64, bf16):
+            staging.reset_handed_counts()
+            x, y = np.arange(6.0).astype(dtype), np.zeros(6, dtype)
+            work = group.recv(y, 0, async_op=True)
+            group.send(x, 0)
+            work.wait()
+            assert y.tobytes() == x.tobytes(), dtype
+            assert staging.handed_counts() == {("post", "itself"): 2,
+                                               ("write_back", "itself"): 1}, dtype
+    finally:
+        group.destroy()
+        trace.reset_counters()
+
+
 # ---- staging.buffer_plan: which buffers are staged, where the device is waited for --------
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")

@@ -23,13 +23,16 @@ add uint16s, so the ring adds the bfloat16 arrays themselves (channel.py moves t
 mpi.py's library reductions go through float32 copies.
 
 Tests: tests/test_comm.py::test_import_does_not_import_cupy_and_detects_cuda_awareness
-(detection on this CPU-only machine), tests/test_comm_cuda_aware.py (the plans, and the
-order in which post, write_back and staged_collective carry them out),
+(detection on this CPU-only machine), tests/test_comm_cuda_aware.py (the plans, the
+order in which post, write_back and staged_collective carry them out, and by
+handed_counts that group.send and group.recv go through post and write_back),
 tests/test_bfloat16.py (bfloat16 collectives on 3 ranks), tests/test_comm_gpu.py (marked gpu).
 """
+import collections
 import contextlib
 import ctypes
 import os
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +40,32 @@ import numpy as np
 from minidist.backend import is_cupy, to_host
 
 _cache = {}
+# what the helpers below did, per process: (helper, placement) -> calls, where helper is
+# "post" (a send's or recv's buffer handed to MPI), "collective" (a collective's out, by
+# staged_collective) or "write_back" (a staged buffer copied back, or its wait); worker
+# threads of several groups count too
+_handed = collections.Counter()
+_handed_lock = threading.Lock()
+
+
+def _count(helper, handed):
+    with _handed_lock:
+        _handed[(helper, handed)] += 1
+
+
+def handed_counts():
+    """{(helper, placement): calls} since the last reset_handed_counts(): how many buffers
+    post, staged_collective and write_back handed to MPI as "itself", "host copy" or "host
+    empty" (placement). On the CPU every one is "itself"; a GPU run without CUDA-aware MPI
+    counts its staging copies here. tests/test_comm_cuda_aware.py sees group.send and
+    group.recv go through post and write_back by these counts."""
+    with _handed_lock:
+        return dict(_handed)
+
+
+def reset_handed_counts():
+    with _handed_lock:
+        _handed.clear()
 
 
 def _loaded_mpi_libraries():
@@ -197,6 +226,7 @@ def post(plan, buf, start, ready=device_ready):
     host = wire(staged(buf, plan.handed))
     if plan.wait_before:
         ready(buf)
+    _count("post", plan.handed)
     return start(host), host
 
 
@@ -205,6 +235,7 @@ def write_back(a, host, plan, ready=device_ready):
     `a` if it was staged (a device array's set(), host to device; a host array, as a test's
     plan may stage one, by assignment), then `ready(a)` where the plan says so
     (wait_after: the copy back, or the collective's last kernels, done)."""
+    _count("write_back", plan.handed)
     if plan.handed != "itself":
         if is_cupy(a):
             a.set(host.view(a.dtype))
@@ -232,6 +263,7 @@ def staged_collective(plan, aware, out, *inputs, ready=device_ready):
     under `aware` (an array passed twice staged once); on exit write_back(out, ..., plan,
     ready). tests/test_comm_cuda_aware.py runs it with plans and a list-appending ready."""
     handed = {id(out): staged(out, plan.handed)}   # no uint16 views: the ring adds these
+    _count("collective", plan.handed)
     for a in inputs:
         if a is not None and id(a) not in handed:
             handed[id(a)] = staged(a, placement(is_cupy(a), aware, read=True))
