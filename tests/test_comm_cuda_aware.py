@@ -193,6 +193,33 @@ def test_staging_copies_to_the_host_only_the_buffers_mpi_reads():
     assert placement(True, False, read=True) == "host copy"    # a collective's inputs
 
 
+def test_a_staged_broadcast_copies_each_way_only_what_moves():
+    """A broadcast reads its buffer on the root and writes it on the others, and staging
+    copied it both ways on every rank (DDP's start-up broadcast of a whole model: twice its
+    bytes through the host on each rank). Told the root (group.py passes whether this rank
+    is it): the root's is copied to the host and not back, another rank's handed empty and
+    copied back. Not told (root None): as before. write_back of the root's plan leaves the
+    buffer as it was (a numpy out stands for the device one, another array for its host
+    copy); of another rank's, the host array's bytes land in it."""
+    from minidist.comm.staging import Plan, buffer_plan, staged_collective, write_back
+    assert buffer_plan("broadcast", True, False, root=True) == \
+        Plan("host copy", False, True, copy_back=False)
+    assert buffer_plan("broadcast", True, False, root=False) == Plan("host empty", False, True)
+    assert buffer_plan("broadcast", True, False) == Plan("host copy", False, True)
+    assert buffer_plan("broadcast", True, True, root=True) == \
+        Plan("itself", False, True, copy_back=False)
+    assert buffer_plan("all_reduce", True, False, root=False) == Plan("host copy", False, True)
+    out, log = np.arange(4.0), []
+    write_back(out, np.full(4, -1.0), buffer_plan("broadcast", True, False, root=True),
+               lambda a: log.append("ready"))
+    assert out.tolist() == [0, 1, 2, 3] and log == ["ready"]
+    with staged_collective(buffer_plan("broadcast", True, False, root=False), False,
+                           out) as (h_out,):
+        assert not np.shares_memory(h_out, out)       # empty: nothing copied in
+        h_out[...] = 7                                 # what the root sent
+    assert out.tolist() == [7, 7, 7, 7]
+
+
 def test_an_unstaged_device_collective_waits_for_its_last_kernels():
     """With a CUDA-aware MPI the ring works on the device arrays themselves, and its last
     step (the final adds of a reduce-scatter, an average's division) runs as kernels on the

@@ -314,7 +314,7 @@ class ProcessGroup:
                 if self.algo == "nccl" or out is None:
                     body(ch, out, inp)
                 else:
-                    with host_staging(op, out, inp) as (h_out, h_inp):
+                    with host_staging(op, out, inp, root=self.rank == root) as (h_out, h_inp):
                         body(ch, h_out, h_inp)
             except MPI.Exception as e:   # costs nothing until MPI fails: say what failed
                 watchdog.left(self.key, seq)

@@ -162,11 +162,15 @@ WRITE_ONLY = ("reduce_scatter", "all_gather", "all_to_all")   # collectives neve
 P2P = ("send", "recv")
 
 
-def reads_out(op, in_place=False):
+def reads_out(op, in_place=False, root=None):
     """Whether MPI reads the buffer `op` writes (a collective's `out`, a send's or recv's
     buf): all-reduce, broadcast and send do; recv and the WRITE_ONLY collectives do not
     (their algorithms never read it, which tests/scripts/comm_check.py proves by filling it
-    with NaN), unless `out` is also the collective's input (`in_place`: it is read then)."""
+    with NaN), unless `out` is also the collective's input (`in_place`: it is read then).
+    A broadcast's buffer is read on its root only (`root`: whether this rank is it; None:
+    not known, read)."""
+    if op == "broadcast" and root is not None:
+        return root
     return op not in WRITE_ONLY + ("recv",) or (in_place and op != "recv")
 
 
@@ -187,9 +191,10 @@ class Plan(NamedTuple):
     handed: str         # placement(): "itself", "host copy" or "host empty"
     wait_before: bool   # device_ready(buf) before MPI is handed it
     wait_after: bool    # device_ready(buf) once the call is done (after the copy back)
+    copy_back: bool = True   # a staged buffer copied back (False: MPI only read it)
 
 
-def buffer_plan(op, on_device, aware, in_place=False):
+def buffer_plan(op, on_device, aware, in_place=False, root=None):
     """The Plan for the buffer `op` writes (a collective's `out`; send's and recv's `buf`),
     from plain values: the op, whether the buffer is a device array, whether MPI is
     CUDA-aware, whether `out` is also the input. A device buffer MPI is handed itself may
@@ -200,12 +205,15 @@ def buffer_plan(op, on_device, aware, in_place=False):
     the collective is done, staged or not: its last adds (or the copy back) ran as kernels
     on the stream of the thread running it, an async one's worker thread, and the caller's
     wait() means "done". (Inside a collective the algorithms wait before each MPI call:
-    channel.py, mpi.py.)"""
-    handed = placement(on_device, aware, reads_out(op, in_place))
+    channel.py, mpi.py.) A broadcast's `root` (whether this rank is it; None: not known)
+    stages only what the broadcast moves: the root's buffer copied to the host and not
+    back (MPI only reads it), another rank's made empty and copied back (one copy each way,
+    not two on every rank)."""
+    handed = placement(on_device, aware, reads_out(op, in_place, root))
     if op in P2P:
         return Plan(handed, on_device and (op == "send" or handed == "itself"),
                     on_device and op == "recv" and handed != "itself")
-    return Plan(handed, False, on_device)
+    return Plan(handed, False, on_device, copy_back=not (op == "broadcast" and root))
 
 
 def staged(a, handed):
@@ -234,9 +242,10 @@ def write_back(a, host, plan, ready=device_ready):
     """After MPI wrote into `host` (the buffer handed for `a` under `plan`): copy it into
     `a` if it was staged (a device array's set(), host to device; a host array, as a test's
     plan may stage one, by assignment), then `ready(a)` where the plan says so
-    (wait_after: the copy back, or the collective's last kernels, done)."""
+    (wait_after: the copy back, or the collective's last kernels, done). A plan without
+    copy_back (a broadcast's root) copies nothing back."""
     _count("write_back", plan.handed)
-    if plan.handed != "itself":
+    if plan.handed != "itself" and plan.copy_back:
         if is_cupy(a):
             a.set(host.view(a.dtype))
         else:
@@ -246,12 +255,13 @@ def write_back(a, host, plan, ready=device_ready):
 
 
 @contextlib.contextmanager
-def host_staging(op, out, *inputs):
+def host_staging(op, out, *inputs, root=None):
     """Yield `(out, *inputs)` as buffers MPI can use for the collective `op` (placement);
     on exit `out` is written back to the GPU if it was staged and waited for (buffer_plan).
-    An array passed twice (an in-place all-reduce: out is the input) is staged once."""
+    An array passed twice (an in-place all-reduce: out is the input) is staged once.
+    `root`: whether this rank is the broadcast's root (buffer_plan; other ops ignore it)."""
     aware = cuda_aware_mpi()
-    plan = buffer_plan(op, is_cupy(out), aware, any(out is a for a in inputs))
+    plan = buffer_plan(op, is_cupy(out), aware, any(out is a for a in inputs), root)
     with staged_collective(plan, aware, out, *inputs) as handed:
         yield handed
 
