@@ -8,7 +8,10 @@
     python examples/plan_memory.py --params 7e9 --gpus 8 --seq 4096 --optimizer muon
     python examples/plan_memory.py --params 7e9 --gpus 8 --seq 4096 --grad-dtype float32
 
-The formulas and their assumptions: minidist/train/planner.py. --measure trains the
+Each row is what the start-up's memory check (minidist/train/memory_check.py) bills that
+layout's run on GPUs: the model states and activations (minidist/train/planner.py), the
+step's logits and buffers (minidist/train/run_bill.py, step_buffers.py); the total holds a
+training run's evaluation forward where it needs more than the step. --measure trains the
 train_gpt.py default model for 2 steps under each strategy that exists (mpiexec for several
 ranks) and prints the ledger's per-rank bytes beside both predictions (README table);
 with --optimizer muon, trained and planned with Muon.
@@ -25,7 +28,8 @@ from minidist.nn import GPTConfig                                      # noqa: E
 from minidist.nn.config import TILED_FROM_T                            # noqa: E402
 from minidist.train.plan_args import (add_model_args, config_from_args,  # noqa: E402
                                       model_text, number_problem)
-from minidist.train.planner import GiB, Layout, bill, plan, stage_params  # noqa: E402
+from minidist.train.planner import GiB, Layout, bill, stage_params   # noqa: E402
+from minidist.train.run_bill import plan                               # noqa: E402
 from minidist.train.args import a_path, example_parser  # noqa: E402
 from minidist.train.cli import check_one_process, run_main  # noqa: E402
 
@@ -110,19 +114,30 @@ def print_plan(result):
     print(f"model: {model_text(result['params'], c)}, seq {result['seq']}, "
           f"micro-batch {result['micro_batch']} per rank{muon}, {result['gpus']} GPUs, "
           f"budget {result['budget_bytes'] / GiB:.1f} GiB per GPU")
-    keys = ("params", "grads", "optimizer", "activations", "total")
+    keys = ("params", "grads", "optimizer", "activations", "logits", "buffers", "total")
     # 8 wide, or wider where a value needs it (a 1T model's 15255.66 GiB), one space between
     w = max(8, *(len(f"{r[k] / GiB:.2f}") + 1 for r in result["rows"] for k in keys))
     print(f"{'layout (per-rank GiB)':<48}{'params':>{w}}{'grads':>{w}}{'optim':>{w}}"
-          f"{'activ':>{w}}{'total':>{w}}  fits")
+          f"{'activ':>{w}}{'logits':>{w}}{'buffers':>{w}}{'total':>{w}}  fits")
     for r in result["rows"]:
-        cols = "".join(f"{r[k] / GiB:{w}.2f}" for k in keys)
+        shown = {**r, "activations": shown_activations(r)}
+        cols = "".join(f"{shown[k] / GiB:{w}.2f}" for k in keys)
         print(f"{r['layout']:<48}{cols}  {'yes' if r['fits'] else 'no'}")
+    if any(shown_activations(r) != r["activations"] for r in result["rows"]):
+        print("activ: the step's graph, or where it holds more (ckpt rows) the evaluation's "
+              "forward, one block at a time (with the logits)")
     best = result["recommendation"]
     print(f"recommendation: {best}" if best else
           "recommendation: nothing fits; add GPUs, shorten --seq or --micro-batch")
     if "note" in result:
         print(f"note: {result['note']}")
+
+
+def shown_activations(row):
+    """A row's activations as the table prints them, so that its columns add up to its total
+    (run_bill.step_total): the step's, or the evaluation's forward less the logits where it
+    holds more than the step (its activations and logits) in turn."""
+    return max(row["activations"], row["evaluation"] - row["logits"])
 
 
 # first-use walk 38: a 131072-token plan priced the scores train_gpt.py would never keep

@@ -18,7 +18,8 @@ from minidist.train.amp import MixedPrecision
 from minidist.train.args import train_parser
 from minidist.train.cli import UsageError, check_flags
 from minidist.train.loop import train
-from minidist.train.planner import Layout, bill, layout_from_name, plan, state_bytes
+from minidist.train.planner import Layout, bill, layout_from_name, state_bytes
+from minidist.train.run_bill import plan
 from minidist.train.search import train_flags
 from mpirun import ROOT
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from minidist.nn import GPTConfig
-from minidist.train.planner import Layout, config_for_params, plan, stage_params
+from minidist.train.planner import Layout, config_for_params, stage_params
+from minidist.train.run_bill import plan
 
 from tests.plan_cases import PROPOSAL_MODELS, plan_cli, plan_error, training_refusal
 

@@ -9,7 +9,8 @@ import pytest
 from minidist.nn import GPT, GPTConfig
 from minidist.train.args import train_parser
 from minidist.train.cost import step_time
-from minidist.train.planner import Layout, bill, plan, stage_params
+from minidist.train.planner import Layout, bill, stage_params
+from minidist.train.run_bill import plan
 
 from tests.plan_cases import MOE_TOY, PROPOSAL_MODELS, TOY, UNIT, plan_cli, training_refusal
 

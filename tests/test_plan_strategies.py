@@ -10,7 +10,8 @@ import pytest
 
 from minidist.train.comm_cost import Link, span
 from minidist.train.cost import step_time
-from minidist.train.planner import Layout, bill, plan
+from minidist.train.planner import Layout, bill
+from minidist.train.run_bill import plan
 
 from tests.plan_cases import PROPOSAL_MODELS, TOY, UNIT, plan_cli, plan_error, training_refusal
 
@@ -56,20 +57,21 @@ def test_every_layout_the_memory_planner_proposes_is_one_training_accepts():
 
 def test_plan_memory_table_keeps_large_values_apart():
     """python examples/plan_memory.py --params 1e12 --gpus 8: the header says 1T (not
-    1e+03B) and every row still reads as a layout, five numbers and yes/no."""
+    1e+03B) and every row still reads as a layout, seven numbers and yes/no."""
     out = subprocess.run([sys.executable, "examples/plan_memory.py", "--params", "1e12",
                           "--gpus", "8"], capture_output=True, text=True, timeout=60,
                          check=True).stdout.splitlines()
     assert out[0].startswith("model: 1T parameters (")
-    assert out[1].split()[-6:] == ["params", "grads", "optim", "activ", "total", "fits"]
+    assert out[1].split()[-8:] == ["params", "grads", "optim", "activ", "logits", "buffers",
+                                   "total", "fits"]
     end = next(i for i, line in enumerate(out) if line.startswith("recommendation:"))
-    rows = out[2:end]
+    rows = [line for line in out[2:end] if not line.startswith("activ: ")]   # (its note)
     assert rows and len(out) == end + 2 and out[-1].startswith(      # (--seq 2048: tiled)
         "note: activations are priced with the attention's (T, T) scores kept")
     assert float(rows[0].split()[-2]) > 1e4           # a total that once ran into its neighbour
     for line in rows:
         *numbers, fits = line[48:].split()
-        assert len(numbers) == 5 and all(float(n) >= 0 for n in numbers), line
+        assert len(numbers) == 7 and all(float(n) >= 0 for n in numbers), line
         assert fits in ("yes", "no"), line
 
 

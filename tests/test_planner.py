@@ -19,8 +19,9 @@ from minidist.pp.simulate import simulate
 from minidist.train.activations import held_layers, layer_activation_bytes, stage_activations
 from minidist.train.args import train_parser
 from minidist.train.loop import train
-from minidist.train.planner import (Layout, bill, config_for_params, model_state_bytes, plan,
+from minidist.train.planner import (Layout, bill, config_for_params, model_state_bytes,
                                     stage_params)
+from minidist.train.run_bill import plan
 
 from tests.plan_cases import CFG
 
@@ -227,15 +228,16 @@ def test_decision_order():
     assert names[:7] == ["DDP (fp32)", "DDP (amp)", "DDP (amp, selective recompute)",
                          "DDP (amp, ckpt)", "ZeRO-1 (amp)", "ZeRO-1 (amp, selective recompute)",
                          "ZeRO-1 (amp, ckpt)"]
-    # Korthikanti's 5as/h of 34 + 5as/h per sbh gone: 51.83 -> 17.83 GiB at s 4096, a 32
+    # the graph's L a s^2 b e bytes of scores gone (no dropout: no mask): 53.99 -> 19.99 GiB
     act = {row["layout"]: row["activations"] for row in r["rows"]}
-    assert act["ZeRO-1 (amp)"] / act["ZeRO-1 (amp, selective recompute)"] == pytest.approx(
-        51.83 / 17.83, rel=1e-3)
+    assert act["ZeRO-1 (amp)"] - act["ZeRO-1 (amp, selective recompute)"] == \
+        34 * 32 * 4096 ** 2 * 2
     small = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)   # GPT-2 124M
     assert plan(small, gpus=1, gpu_mem_gib=80)["recommendation"] == "DDP (fp32)"
     assert [plan(small, gpus=1, gpu_mem_gib=12, micro_batch=b)["recommendation"]
-            for b in (4, 8, 16, 64)] == ["DDP (fp32)", "DDP (amp)",
-                                         "DDP (amp, selective recompute)", None]
+            for b in (4, 6, 8, 12, 16)] == ["DDP (fp32)", "DDP (amp)",
+                                            "DDP (amp, selective recompute)",
+                                            "DDP (amp, ckpt)", None]    # (16: 4.9 GiB logits)
     assert plan(config_for_params(70e9, 4096), gpus=8, gpu_mem_gib=80,
                 seq=4096)["recommendation"] is None
 

@@ -29,19 +29,18 @@ import argparse
 import json
 import math
 import os
-from dataclasses import replace
 
 from minidist import backend
 from minidist.comm.mesh import mesh_coords
 from minidist.nn.config import uses_tiled
 from minidist.strategy import checkpoint, checkpoint_dirs
 from minidist.strategy.checkpoint_dirs import CheckpointError
-from minidist.train.activations import minidist_activation_bytes
 from minidist.train.args import train_default
 from minidist.train.cli import UsageError
 from minidist.train.memory_room import address_room, where_and_room
-from minidist.train.planner import GiB, Layout, bill
-from minidist.train.step_buffers import kept_buffers, rank_shapes, step_buffers
+from minidist.train.planner import GiB, Layout
+from minidist.train.run_bill import eval_bytes, graph_counted, step_bill, step_total
+from minidist.train.step_buffers import kept_buffers, rank_shapes
 from minidist.train.strategy import check_layout
 
 MARGIN = 0.9                      # a run (or advice's flag) above this share of the room is
@@ -73,8 +72,10 @@ def run_layout(args, world_size):
 
 def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=False):
     """The planner's bytes for `rank` ({"params", "grads", "optimizer", "activations",
-    "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's; "buffers"
-    the step's beyond the planner's rows (step_buffers.py); twice the float32 count
+    "logits", "buffers", "evaluation", "checkpoint", "total"}): its pipeline stage's training
+    step (run_bill.py step_bill, the memory planner's row for the same layout: model states,
+    activations, logits, "buffers" the step's beyond the planner's rows, step_buffers.py),
+    and this run's own terms below; twice the float32 count
     under --dtype float64; --eval-only: no gradients, no optimizer state (none is built; a
     --resume reads the parameters alone; DDP and ZeRO make no gradient buffers), the
     activations a ceiling of the forward's (eval_activations', the plain forward's under TP,
@@ -95,19 +96,16 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     the model's float32 copy, 255.7 for 209.2). "buffers": step_buffers.py's; those a step
     frees are billed with the steps, not beside a checkpoint's copy."""
     layout, micro, m = run_layout(args, world_size)
-    plain = layout.tp == layout.pp == layout.cp == layout.ep == 1 and not config.moe_experts
     stage = mesh_coords(rank, layout.dp, layout.tp, layout.pp, layout.cp)[2]
-    row = bill(config, layout, config.block_size, micro, formula="minidist" if plain else
-               "korthikanti", dropout=None if plain else False, schedule=args.schedule,
-               micro_batches=m, v=args.pp_virtual, at_stage=stage)
+    row = step_bill(config, layout, micro, args.schedule, m, args.pp_virtual, at_stage=stage,
+                    cpu=host_is_device, training=not args.eval_only)
     scale = 2 if args.dtype == "float64" else 1
-    row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations")}
-    if args.eval_only:           # no backward, no step, no optimizer (loop.py), and no
-        row.update(grads=0, optimizer=0)     # gradient buffers (train/strategy.py)
-    evaluation = eval_activations(config, args, layout) if plain else None
-    if args.eval_only and evaluation is not None:     # no graph: the forward's own ceiling
+    row = {k: scale * row[k] for k in ("params", "grads", "optimizer", "activations",
+                                       "logits", "evaluation", "buffers")}
+    evaluation = eval_activations(config, args, layout)
+    if args.eval_only and graph_counted(config, layout):  # no graph: the forward's ceiling
         row["activations"] = scale * evaluation
-    elif args.eval_only and not config.moe_experts:
+    elif args.eval_only and evaluation is not None:
         # TP, CP, PP: no graph either, and the plain forward's ceiling (every head, the whole
         # sequence and head, on the rank's rows) is above theirs, with a pipeline's sends of
         # each chunk's (rows, T, C) output (pp/stage.py _pipe_forward: the rows as one
@@ -117,29 +115,18 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
         # peak_memory.py: 171.6 MiB for 59.7, now 117.9)
         sends = args.pp_virtual * eval_rows(args, layout) * config.block_size * \
             config.n_embd * 4 if layout.pp > 1 else 0
-        row["activations"] = min(row["activations"],
-                                 scale * (eval_activations(config, args, layout) + sends))
-    row["evaluation"] = 0 if args.eval_only or evaluation is None else scale * evaluation
-    head = stage == layout.pp - 1 and layout.tp == 1 and not args.eval_only
-    row["logits"] = scale * (6 if layout.amp else 4) * micro * config.block_size // \
-        layout.cp * config.vocab_size if head else 0
+        row["activations"] = min(row["activations"], scale * (evaluation + sends))
     copy = row["params"] + row["optimizer"] if host_is_device and args.save else 0
     if host_is_device and args.resume:
         copy = max(copy, load_copy(row, layout, assembled))
     row["checkpoint"] = copy
-    row["buffers"] = scale * step_buffers(config, layout, stage, micro, dropout=False,
-                                          training=not args.eval_only, cpu=host_is_device)
     # a step's own buffers are freed by its end, so a save's or a load's copy is not beside
     # them: billed with the steps (2 ranks --zero 2 --resume: 178.1 MiB for a peak of 113.1
     # when added to both); --eval-only's (ZeRO-3's gathered units, the 16-bit matmul's
     # copies) are made by the forward, after the load: with it too (2 ranks --zero 3, 4
     # layers of 512: 59.8 MiB for a peak of 57.1; 73.7 beside the load's copy)
     kept = 0 if args.eval_only else scale * kept_buffers(config, layout, stage)
-    state = row["params"] + row["grads"] + row["optimizer"] + kept
-    steps = max(row["activations"] + row["logits"], row["evaluation"]) + (   # (in turn)
-        row["buffers"] - kept)
-    row["total"] = state + (steps + copy if args.async_save and args.save else
-                            max(steps, copy))
+    row["total"] = step_total(row, kept, copy, args.async_save and args.save)
     if args.eval_only:           # no gradients or optimizer state: the build may be larger
         row["build"] = build_bytes(config, layout, stage, scale, row["params"])
         row["total"] = max(row["total"], row["build"])
@@ -201,23 +188,12 @@ def eval_rows(args, layout):
 
 
 def eval_activations(config, args, layout):
-    """Bytes the evaluation's forward (loop.py evaluate, under no_grad) holds at most on a
-    rank of a one-process or data-parallel layout of a dense model (None otherwise: the
-    training count stands): a training micro-batch's rows at once (batch / (dp x
-    --grad-accum): evaluate()'s `parts`), one block's worth of what a graph keeps (no
-    graph: each block's values go as the next runs; untiled, the (T, T) causal bias its
-    scores add), and at the head the logits (under --amp, 16-bit, and the loss's float32
-    copy of them) beside the probabilities that count has (tracemalloc of such forwards,
-    and an --amp run's peak RSS: tests/test_memory_check.py)."""
+    """run_bill.eval_bytes of the evaluation's forward on a rank of a dense model, its
+    training micro-batch's rows at once (eval_rows); None for an MoE model (the training
+    count stands)."""
     if config.moe_experts:
         return None
-    rows = eval_rows(args, layout)
-    one = minidist_activation_bytes(replace(config, n_layer=1), config.block_size, rows,
-                                    layout.amp, dropout=False, tiled=layout.tiled)
-    T = config.block_size
-    bias = 0 if layout.tiled else 4 * T * T               # the (T, T) causal bias beside P
-    logits = 6 if layout.amp else 4          # (--amp: 16-bit logits and their float32 copy)
-    return int(one) + bias + logits * rows * T * config.vocab_size
+    return eval_bytes(config, layout, eval_rows(args, layout))
 
 
 def check_memory(args, config, group=None):

@@ -36,12 +36,14 @@ small model under each strategy and compare, tests/test_planner.py):
     minidist/nn/moe_split.py).
 
 Activations per rank: minidist/train/activations.py (Korthikanti et al.'s, minidist's graph's).
-Tests: tests/test_planner.py. CLI: examples/plan_memory.py (tests/test_planner_cli.py).
+Tests: tests/test_planner.py. The table of every layout: run_bill.py plan (what the start-up's
+memory check bills, the step's logits and buffers too); CLI: examples/plan_memory.py
+(tests/test_planner_cli.py).
 """
 import functools
 import math
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from minidist.nn.config import (GPTConfig, attention_weights, block_param_specs,
                                 config_key, config_of_key, gpt_param_specs, mlp_weights)
@@ -347,26 +349,6 @@ def candidates(config, gpus, gpus_per_node=8, seq=None, muon=False, grad32=False
             out += [Layout(dp=gpus // (t * p), tp=t, pp=p, zero=int(gpus > t * p),
                            sp=_sp(config, seq, t), recompute=r) for r in recomputes]
     return [replace(layout, muon=muon, grad32=grad32 and layout.amp) for layout in out]
-
-
-def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=8,
-         headroom=0.1, dropout=None, muon=False, grad32=False):
-    """Every candidate's per-rank bill, whether it fits in (1 - headroom) x gpu memory, and
-    the first that fits (None if none does); `muon`: with --optimizer muon; `grad32`: the
-    mixed-precision rows with --grad-dtype float32."""
-    seq = seq or config.block_size
-    budget = gpu_mem_gib * GiB * (1 - headroom)
-    rows = []
-    for layout in candidates(config, gpus, gpus_per_node, seq, muon, grad32):
-        row = {"layout": layout.name(), **asdict(layout),
-               **bill(config, layout, seq, micro_batch, dropout)}
-        row["fits"] = row["total"] <= budget
-        rows.append(row)
-    best = next((r["layout"] for r in rows if r["fits"]), None)
-    return {"config": config.to_dict(), "params": sum(stage_params(config)),
-            "gpus": gpus, "seq": seq, "micro_batch": micro_batch,
-            "optimizer": "muon" if muon else "adamw",
-            "budget_bytes": int(budget), "rows": rows, "recommendation": best}
 
 
 def config_for_params(n_params, seq=2048, vocab_size=50257, **block):
