@@ -9,6 +9,7 @@ float64, --eval-only, a checkpoint's copy, none of them in these runs).
 
     python -m pytest -q tests/test_plan_check.py
 """
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import pytest
 
 from minidist.nn import GPTConfig
 from minidist.train.args import train_parser
-from minidist.train.memory_check import rank_bill, run_layout
+from minidist.train.memory_check import plan_command, rank_bill, run_layout
+from minidist.train.plan_args import config_from_args
 from minidist.train.planner import Layout
 from minidist.train.run_bill import plan, step_bill
 from minidist.train.search import train_flags
@@ -25,6 +27,9 @@ from minidist.train.search import train_flags
 DENSE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
 MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
                 moe_experts=4, moe_top_k=2)
+LLAMA_MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                      arch="llama", n_kv_head=2, bias=False, moe_experts=4, moe_top_k=2,
+                      moe_every=2)
 
 
 def _check(config, flags, ranks):
@@ -93,3 +98,38 @@ def test_the_table_prints_the_logits_and_buffers_it_totals():
                                              128, "--batch-size", 16, "--zero", 3, "--amp",
                                              "--attention", "materialized"], 2)["total"]
     assert Layout(dp=2, zero=3).name() == "ZeRO-3 (amp)"
+
+
+def _plan_memory():
+    """examples/plan_memory.py as a module (its parser and main run in this process)."""
+    spec = importlib.util.spec_from_file_location("plan_memory", "examples/plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config, flags, ranks, micro", [
+    (DENSE, ["--cp", 2], 2, 4), (DENSE, ["--zero", 1, "--cp", 2], 4, 2),
+    (DENSE, ["--cp", 4], 4, 2), (DENSE, ["--cp", 4, "--grad-accum", 8], 4, 1),
+    (DENSE, [], 2, 4),
+    (LLAMA_MOE, ["--moe-experts", 4, "--moe-top-k", 2, "--moe-every", 2, "--arch", "llama",
+                 "--n-kv-head", 2, "--optimizer", "muon"], 1, 8)])
+def test_the_refusals_plan_memory_command_prices_the_runs_model_and_tokens(config, flags,
+                                                                           ranks, micro):
+    """memory_check.plan_command, the command every refusal names: the run's model (a Llama
+    block, grouped-query heads, experts: it named a dense GPT-2 of the same width) and as
+    many tokens a rank as the run holds: under --cp micro / cp whole sequences (rounded
+    up), where it passed the run's micro-batch, cp x the tokens (--cp 2, --batch-size 8 on 2
+    ranks: --micro-batch 8 for a rank holding 8 half sequences); its DDP row is then the
+    check's bill of a DDP run of as many tokens a rank."""
+    args = train_parser().parse_args([str(f) for f in ["--batch-size", 8, *flags]])
+    command = plan_command(args, config, ranks, 2 ** 30).split()
+    assert command[:2] == ["python", "examples/plan_memory.py"]
+    module = _plan_memory()
+    parsed = module.parser().parse_args(command[2:])
+    assert config_from_args(parsed) == config and parsed.micro_batch == micro
+    assert parsed.optimizer == args.optimizer
+    if args.cp > 1 and args.grad_accum == 1:
+        row = plan(config, ranks, micro_batch=micro)["rows"][0]
+        assert row["layout"] == "DDP (fp32)" and row["total"] == _check(
+            config, ["--batch-size", micro * ranks], ranks)["total"]

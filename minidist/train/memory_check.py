@@ -313,8 +313,8 @@ def advice(args, config, size, per_rank, shared=True, on_host=True, margin=MARGI
     count: `--dtype float64 --grad-accum 2` at 1.27 GiB for 1.27 ran out; ADDRESS_MARGIN
     where `per_rank` is what `ulimit -v` leaves), those that only need less after them; a
     smaller batch or sequence; fewer ranks a host where they `shared` the memory; then the
-    planner's command for this model on `size` ranks of `per_rank` bytes each, the same
-    share of them kept free (its --headroom)."""
+    planner's command for this run on `size` ranks of `per_rank` bytes each
+    (plan_command)."""
     layout, micro, _ = run_layout(args, size)
     ways = [zero3_way(args)] if layout.dp * layout.cp > 1 and args.zero < 3 else []
     ways += [] if args.amp else [("--amp", dict(amp=True))]
@@ -340,8 +340,33 @@ def advice(args, config, size, per_rank, shared=True, on_host=True, margin=MARGI
             " by the planner's count"] if fits else []
     less += ["a smaller --batch-size or --block-size"] + (["fewer ranks a host"] if shared
                                                           else [])
-    return ("; ".join(said + [", ".join(less) + " need less"]) + " (python examples/"
-            f"plan_memory.py --n-layer {config.n_layer} --n-head {config.n_head} --n-embd "
-            f"{config.n_embd} --vocab-size {config.vocab_size} --seq {config.block_size} "
-            f"--micro-batch {micro} --gpus {size} --gpu-mem {per_rank / GiB:.2g}" +
-            (f" --headroom {1 - margin:g}" if margin != MARGIN else "") + " prices each layout)")
+    return "; ".join(said + [", ".join(less) + " need less"]) + \
+        f" ({plan_command(args, config, size, per_rank, margin)} prices each layout)"
+
+
+def plan_command(args, config, size, per_rank, margin=MARGIN):
+    """The memory planner's command (examples/plan_memory.py) for this run's model (its
+    block, grouped-query heads, MLP width, experts, dropout), optimizer and gradient dtype
+    on `size` GPUs of `per_rank` bytes, the same share of them kept free (--headroom), and
+    as many tokens a rank as the run holds: its micro-batch of whole sequences, or under
+    --cp, whose ranks hold T/cp of each sequence's tokens, micro / cp of them (rounded up;
+    the command priced cp x the run's tokens, and a dense GPT-2 of the same width for a
+    Llama or MoE run, until 2026-11-30)."""
+    layout, micro, _ = run_layout(args, size)
+    words = ["python examples/plan_memory.py", "--n-layer", config.n_layer, "--n-head",
+             config.n_head, "--n-embd", config.n_embd, "--vocab-size", config.vocab_size,
+             "--seq", config.block_size]
+    words += ["--arch", "llama"] if config.llama else []
+    words += ["--n-kv-head", config.n_kv_head] if config.n_kv_head else []
+    words += ["--ffn-hidden", config.ffn_hidden] if config.ffn_hidden else []
+    if config.moe_experts:
+        words += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k]
+        words += ["--moe-every", config.moe_every] if config.moe_every != 1 else []
+        words += ["--moe-shared", config.moe_shared] if config.moe_shared else []
+    words += ["--dropout"] if config.dropout > 0 else []
+    words += ["--optimizer", "muon"] if args.optimizer == "muon" else []
+    words += ["--grad-dtype", "float32"] if layout.grad32 else []
+    words += ["--micro-batch", -(-micro // layout.cp), "--gpus", size, "--gpu-mem",
+              f"{per_rank / GiB:.2g}"]
+    words += ["--headroom", f"{1 - margin:g}"] if margin != MARGIN else []
+    return " ".join(str(w) for w in words)
