@@ -102,13 +102,18 @@ def test_a_tp_recompute_bills_its_recomputed_split_block():
 def test_a_mixture_of_experts_is_billed_its_experts():
     """An MoE model: Korthikanti's count, with the k experts a token visits (the graph count
     has none: `python examples/train_gpt.py --steps 2 --moe-experts 4 --moe-top-k 2 --log-json
-    L` was billed 84.1 MiB of activations for L's 130.2; now 120.1)."""
+    L` was billed 84.1 MiB of activations for L's 130.2; now 120.1); --eval-only its
+    forward's ceiling, a dense one's and its MoE block's experts (was the training count)."""
     moe = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
                     moe_experts=4, moe_top_k=2)
     row = rank_bill(moe, _args("--moe-experts", 4, "--moe-top-k", 2), 1, 0)
     want = bill(moe, Layout(amp=False), 64, 16, dropout=False)
     assert row["activations"] == want["activations"] > bill(
         moe, Layout(amp=False), 64, 16, formula="minidist")["activations"]
+    only = rank_bill(moe, _args("--moe-experts", 4, "--moe-top-k", 2, "--eval-only"), 1, 0)
+    dense = eval_activations(CFG, _args(), Layout(amp=False))     # (--eval-only: a forward's)
+    assert dense < only["activations"] == eval_activations(moe, _args(), Layout(amp=False)) \
+        < row["activations"]
 
 
 def test_a_save_or_a_load_holds_a_copy_of_the_state():
@@ -342,23 +347,29 @@ def test_a_resumes_bill_holds_its_live_arrays(ranks, layout, others, corpus, mpi
 
 
 @pytest.mark.mpi
-def test_an_evaluation_under_tp_is_billed_a_forward_not_every_layer(corpus, mpi, tmp_path):
+@pytest.mark.parametrize("ranks, model, split", [
+    (2, [], ["--tp", "2"]), (1, ["--moe-experts", "4", "--moe-top-k", "2"], []),
+    (2, ["--moe-experts", "4", "--moe-top-k", "2"], ["--ep", "2"])])
+def test_an_evaluation_under_tp_is_billed_a_forward_not_every_layer(ranks, model, split,
+                                                                    corpus, mpi, tmp_path):
     """--eval-only --tp 2 (and --cp 2) keeps no graph: the bill is the plain forward's ceiling
     (every head, the whole sequence, on the rank's rows), above the live peak and within 3 x
-    of it; it was the training graph's every layer: 106.9 MiB for a peak of 23.9, now 57.1:
+    of it; it was the training graph's every layer: 106.9 MiB for a peak of 23.9, now 57.1.
+    An MoE model's too (its MoE block's experts: run_bill.eval_bytes): one process 249.5 MiB
+    for a peak of 36.8, now 79.5; --ep 2 125.4 for 28.3, now 40.4:
 
         python examples/train_gpt.py --data F --n-layer 4 --n-embd 128 --block-size 128 \\
-            --steps 1 --save CKPT
+            --steps 1 --save CKPT [--moe-experts 4 --moe-top-k 2]
         mpiexec -n 2 python tests/scripts/peak_memory.py OUT examples/train_gpt.py --data F \\
-            --resume CKPT --eval-only --batch-size 32 --eval-iters 1 --tp 2
+            --resume CKPT --eval-only --batch-size 32 --eval-iters 1 --tp 2    # (or --ep 2)
     """
     if mpi.device == "cuda":
         pytest.skip("tracemalloc sees the host's arrays; a GPU's are CuPy's pool's")
     cache = ["--data", corpus, "--cache-dir", str(tmp_path / "cache")]
     mpi(1, "examples/train_gpt.py", *cache, "--n-layer", "4", "--n-embd", "128",
         "--block-size", "128", "--steps", "1", "--eval-iters", "1", "--sample", "0",
-        "--save", str(tmp_path / "ck"), timeout=120)
+        "--save", str(tmp_path / "ck"), *model, timeout=120)
     line, billed, peaks = _billed_and_peaks(
-        mpi, 2, tmp_path, [*cache, "--resume", str(tmp_path / "ck"), "--eval-only",
-                           "--batch-size", "32", "--eval-iters", "1", "--tp", "2"])
+        mpi, ranks, tmp_path, [*cache, "--resume", str(tmp_path / "ck"), "--eval-only",
+                               "--batch-size", "32", "--eval-iters", "1", *split])
     assert max(peaks) <= billed <= 3 * max(peaks), (line, peaks)

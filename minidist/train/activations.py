@@ -183,16 +183,24 @@ def stage_activations(config, layout, stage, s, b, dropout, schedule="1f1b", m=N
                                        config.kv_heads / config.n_head)
     out = sum(held.values()) * per_layer
     moe = sum(n for i, n in held.items() if config.is_moe(i))
-    if moe and layout.recompute != "full":      # k experts per token, S shared ones (split)
-        extra = (config.moe_top_k - 1) * (1 + mlp_saved(config)) * s * b * config.n_embd * e \
-            / layout.tp \
-            + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1) \
-            + config.moe_shared * mlp_saved(config) * s * b * config.n_embd * e / layout.tp
-        out += moe * extra / layout.cp                # this rank's tokens
+    if moe and layout.recompute != "full":
+        out += moe_block_extra(config, layout, s, b, e, moe)
     out += head * head_activation_bytes(s / layout.cp, b, config.n_embd, config.vocab_size,
                                         layout.tp, layout.sp, e, dropout)
     return out + waiting + stage_outputs(layout.pp, stage, schedule, m, v, head) * s * b \
         * config.n_embd * e / (layout.tp if layout.sp else 1) / layout.cp
+
+
+def moe_block_extra(config, layout, s, b, e, blocks=1):
+    """Bytes `blocks` MoE blocks keep beyond dense ones, for b sequences of s tokens (this
+    rank's s / cp of them): the k experts each token visits (the MLP's input and saved values
+    k - 1 times more; capacity ignored), the router's probabilities (sbE e) and the shared
+    experts' MLPs, split as tp splits them (the experts are not: an upper bound)."""
+    h, mlp = config.n_embd, mlp_saved(config)
+    extra = (config.moe_top_k - 1) * (1 + mlp) * s * b * h * e / layout.tp \
+        + s * b * config.moe_experts * e / (layout.tp if layout.sp else 1) \
+        + config.moe_shared * mlp * s * b * h * e / layout.tp
+    return blocks * extra / layout.cp                 # this rank's tokens
 
 
 def stage_outputs(pp, stage, schedule, m, v, head):

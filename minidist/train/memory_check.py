@@ -79,7 +79,7 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     under --dtype float64; --eval-only: no gradients, no optimizer state (none is built; a
     --resume reads the parameters alone; DDP and ZeRO make no gradient buffers), the
     activations a ceiling of the forward's (eval_activations', the plain forward's under TP,
-    CP and PP, else the training graph's: MoE), and "build", the model's build
+    CP, PP and for an MoE model), and "build", the model's build
     (build_bytes), where it holds more. "evaluation": a training run's evaluations
     (eval_activations; 0 where there is none), between steps. "logits": the step's (B, T, V)
     logits beside the probabilities the graph keeps, on the rank holding the head (under
@@ -105,11 +105,11 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     evaluation = eval_activations(config, args, layout)
     if args.eval_only and graph_counted(config, layout):  # no graph: the forward's ceiling
         row["activations"] = scale * evaluation
-    elif args.eval_only and evaluation is not None:
-        # TP, CP, PP: no graph either, and the plain forward's ceiling (every head, the whole
-        # sequence and head, on the rank's rows) is above theirs, with a pipeline's sends of
-        # each chunk's (rows, T, C) output (pp/stage.py _pipe_forward: the rows as one
-        # micro-batch); the training graph's count (every layer) was 4.5 x a --tp 2
+    elif args.eval_only:
+        # TP, CP, PP, MoE: no graph either, and the plain forward's ceiling (every head, the
+        # whole sequence and head, on the rank's rows) is above theirs, with a pipeline's
+        # sends of each chunk's (rows, T, C) output (pp/stage.py _pipe_forward: the rows as
+        # one micro-batch); the training graph's count (every layer) was 4.5 x a --tp 2
         # evaluation's live peak (tests/test_memory_check.py), 2.9 x a --pp 2 one's (8 layers
         # of 128, `--resume CKPT --eval-only --batch-size 64 --pp 2` under tests/scripts/
         # peak_memory.py: 171.6 MiB for 59.7, now 117.9)
@@ -188,11 +188,9 @@ def eval_rows(args, layout):
 
 
 def eval_activations(config, args, layout):
-    """run_bill.eval_bytes of the evaluation's forward on a rank of a dense model, its
-    training micro-batch's rows at once (eval_rows); None for an MoE model (the training
-    count stands)."""
-    if config.moe_experts:
-        return None
+    """run_bill.eval_bytes of the evaluation's forward on a rank, its training
+    micro-batch's rows at once (eval_rows); an MoE model's too (until 2026-11-30 None: its
+    --eval-only was billed the training graph's every layer)."""
     return eval_bytes(config, layout, eval_rows(args, layout))
 
 
