@@ -114,6 +114,8 @@ def test_a_mixture_of_experts_is_billed_its_experts():
     dense = eval_activations(CFG, _args(), Layout(amp=False))     # (--eval-only: a forward's)
     assert dense < only["activations"] == eval_activations(moe, _args(), Layout(amp=False)) \
         < row["activations"]
+    every = replace(moe, moe_every=2)              # (a one-block copy of it is no MoE model)
+    assert eval_activations(every, _args(), Layout(amp=False)) == only["activations"]
 
 
 def test_a_save_or_a_load_holds_a_copy_of_the_state():

@@ -49,8 +49,9 @@ def eval_bytes(config, layout, rows):
     activations.moe_block_extra's more, on the whole sequence (--eval-only of 4 layers of
     128, 4 experts top-2, 32 rows: billed 249.5 MiB, every layer's training count, for a
     live peak of 36.8 MiB; now 79.5; under --ep 2 125.4, now 40.4, for 28.3)."""
-    one = minidist_activation_bytes(replace(config, n_layer=1), config.block_size, rows,
-                                    layout.amp, dropout=False, tiled=layout.tiled)
+    one = minidist_activation_bytes(replace(config, n_layer=1, moe_experts=0),  # (a dense
+                                    config.block_size, rows, layout.amp,       # one's count)
+                                    dropout=False, tiled=layout.tiled)
     if any(config.is_moe(i) for i in range(config.n_layer)):
         one += moe_block_extra(config, replace(layout, tp=1, sp=False, cp=1),
                                config.block_size, rows, 2 if layout.amp else 4)
