@@ -295,7 +295,8 @@ def test_a_ranks_shapes_are_the_planners_parameters(layout):
 def test_a_stages_blocks_are_the_ones_the_pipeline_builds_there():
     """rank_shapes and rank_bill put on each stage the blocks the pipeline builds there
     (pp/strategy.py build_model: chunk_layers): 6 blocks on 4 stages are 2, 2, 1, 1; the bill
-    had them as 2, 1, 2, 1 (`i * pp // L`), stage 1 billed half its blocks."""
+    had them as 2, 1, 2, 1 (`i * pp // L`), stage 1 billed half its blocks. Interleaved, the
+    blocks of the stage's chunks, an MoE model's MoE blocks among them."""
     config = replace(CFG, n_layer=6)
     for pp in range(2, 7):
         for stage in range(pp):
@@ -306,6 +307,23 @@ def test_a_stages_blocks_are_the_ones_the_pipeline_builds_there():
     block = sum(p.size for name, p in GPT(config).state_dict().items()
                 if name.startswith("transformer.h.0."))
     assert bills[1]["params"] == 4 * 2 * block and bills[2]["params"] == 4 * block
+    # interleaved (--pp-virtual 2), an MoE block every second: stage 0 holds blocks 0 and 2
+    # (dense), stage 1 blocks 1 and 3 (both MoE); split_layers' stages were billed one each
+    moe = replace(CFG, moe_experts=4, moe_top_k=2, moe_every=2)
+    sizes = {name: p.size for name, p in GPT(moe).state_dict().items()}
+    flags = _args("--pp", 2, "--pp-virtual", 2, "--micro-batches", 4, "--moe-experts", 4,
+                  "--moe-top-k", 2, "--moe-every", 2)
+    for stage in range(2):
+        mine = [i for c in chunk_layers(4, 2, 2, stage) for i in c]
+        assert {int(n.split(".")[2]) for n, _, _ in rank_shapes(moe, Layout(pp=2), stage, 2)
+                if ".h." in n} == set(mine) == ({0, 2} if stage == 0 else {1, 3})
+        blocks = sum(n for name, n in sizes.items()
+                     if name.startswith("transformer.h.") and int(name.split(".")[2]) in mine)
+        root = sizes["transformer.wte.weight"] + (sizes["transformer.wpe.weight"] if stage == 0
+                                                  else sum(n for name, n in sizes.items()
+                                                           if ".ln_f." in name))
+        assert stage_params(moe, pp=2, v=2)[stage] == blocks + root
+        assert rank_bill(moe, flags, 2, stage)["params"] == 4 * (blocks + root)
 
 
 @pytest.mark.mpi

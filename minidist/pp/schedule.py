@@ -42,12 +42,15 @@ def split_layers(n_layer, n_stages):
     return [range(end - n, end) for n, end in zip(sizes, ends)]
 
 
-def block_stages(n_layer, n_stages):
+def block_stages(n_layer, n_stages, n_chunks=1):
     """Each block's pipeline stage, block i's at [i]: split_layers' ranges, as the pipeline
     builds them (the planners count each stage's parameters, activations and work from it:
     6 blocks on 4 stages are 2, 2, 1, 1; i * p // L, counted before, made them 2, 1, 2, 1).
-    Under interleaving each stage holds as many blocks (chunk_layers), others of them."""
-    return [s for s, blocks in enumerate(split_layers(n_layer, n_stages)) for _ in blocks]
+    Under interleaving (n_chunks v > 1) chunk_layers' pieces, piece k on stage k % p: about
+    as many blocks a stage, but others of them (4 blocks, p = v = 2: stage 0 holds blocks 0
+    and 2, not 0 and 1; with an MoE block every second one, stage 1 holds both MoE blocks)."""
+    pieces = split_layers(n_layer, n_stages * n_chunks)
+    return [k % n_stages for k, blocks in enumerate(pieces) for _ in blocks]
 
 
 def chunk_layers(n_layer, n_stages, n_chunks, stage):

@@ -125,15 +125,17 @@ def rank_bill(config, args, world_size, rank, host_is_device=True, assembled=Fal
     # when added to both); --eval-only's (ZeRO-3's gathered units, the 16-bit matmul's
     # copies) are made by the forward, after the load: with it too (2 ranks --zero 3, 4
     # layers of 512: 59.8 MiB for a peak of 57.1; 73.7 beside the load's copy)
-    kept = 0 if args.eval_only else scale * kept_buffers(config, layout, stage)
+    kept = 0 if args.eval_only else scale * kept_buffers(config, layout, stage,
+                                                         v=args.pp_virtual)
     row["total"] = step_total(row, kept, copy, args.async_save and args.save)
     if args.eval_only:           # no gradients or optimizer state: the build may be larger
-        row["build"] = build_bytes(config, layout, stage, scale, row["params"])
+        row["build"] = build_bytes(config, layout, stage, scale, row["params"],
+                                   args.pp_virtual)
         row["total"] = max(row["total"], row["build"])
     return row
 
 
-def build_bytes(config, layout, stage, scale=1, shards=0):
+def build_bytes(config, layout, stage, scale=1, shards=0, v=1):
     """Bytes a rank holds while its model is built (nn/gpt.py init_parameters; --init-from's
     weights read as drawn ones are): its parameters in float32 (cast to 16 bits for --amp
     only once built) and one part's numbers beside them (a block, or a root parameter:
@@ -143,7 +145,7 @@ def build_bytes(config, layout, stage, scale=1, shards=0):
     --amp). Billed under --eval-only, whose state is the parameters alone: 4 layers of 512,
     the build's traced peak 81.8 MiB of one process's 81.6, billed 76.9; ZeRO-3 --amp on 2
     ranks 43.0 MiB, billed 46.3."""
-    shapes = rank_shapes(config, layout, stage)
+    shapes = rank_shapes(config, layout, stage, v)
     parts = {}
     for name, shape, k in shapes:
         part = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else name

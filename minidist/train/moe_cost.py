@@ -108,17 +108,18 @@ def moe_block_flops(config, b, s, tp=1, s_keys=None, active=False, load=1.0, sp=
     return attention + (moe / tp if sp else moe) + shared
 
 
-def stage_moe_blocks(config, layout, stage):
-    """MoE blocks on pipeline `stage`."""
-    return stage_blocks(config_key(config), layout.pp, stage)[1]
+def stage_moe_blocks(config, layout, stage, v=1):
+    """MoE blocks on pipeline `stage` (of v chunks under interleaving)."""
+    return stage_blocks(config_key(config), layout.pp, stage, v)[1]
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_blocks(key, pp, stage):
-    """(blocks, MoE blocks) on pipeline `stage` of `pp` of the model `key` (config_key):
-    kept, as the search asks for every layout (2,000 blocks: 7 s of a search's 50)."""
+def stage_blocks(key, pp, stage, v=1):
+    """(blocks, MoE blocks) on pipeline `stage` of `pp` of the model `key` (config_key), v
+    chunks a stage (block_stages): kept, as the search asks for every layout (2,000 blocks:
+    7 s of a search's 50)."""
     config = config_of_key(key)
-    mine = [i for i, s in enumerate(block_stages(config.n_layer, pp)) if s == stage]
+    mine = [i for i, s in enumerate(block_stages(config.n_layer, pp, v)) if s == stage]
     return len(mine), sum(1 for i in mine if config.is_moe(i))
 
 
@@ -159,11 +160,11 @@ def split_times(config, cluster, layout, b, s, e, stage):
     return fwd, bwd, n_fwd, n_bwd
 
 
-def _own_experts(config, layout, stage):
+def _own_experts(config, layout, stage, v=1):
     """(MoE blocks on `stage`, the sizes of one expert's parameter tensors, the E/ep experts
     one rank holds of each block) under ep: every ep rank holds as many, of the same shapes;
     every expert's tensors are expert 0's."""
-    return (stage_moe_blocks(config, layout, stage), list(_one_expert(config_key(config))),
+    return (stage_moe_blocks(config, layout, stage, v), list(_one_expert(config_key(config))),
             config.moe_experts // layout.ep)
 
 
@@ -186,13 +187,14 @@ def expert_tensors(config, layout, stage):
     return one * (mine * blocks)
 
 
-def expert_units(config, layout, stage):
-    """Per MoE block of `stage`, the parameters of the E/ep experts one rank holds: the flat
-    units of the experts' ZeRO over edp (minidist/ep/optim.py); [] without ep. (Counted per
-    block, not walked expert by expert: E 32 on 64 GPUs made this 31 s of a 115 s search.)"""
+def expert_units(config, layout, stage, v=1):
+    """Per MoE block of `stage` (v chunks a stage), the parameters of the E/ep experts one
+    rank holds: the flat units of the experts' ZeRO over edp (minidist/ep/optim.py); []
+    without ep. (Counted per block, not walked expert by expert: E 32 on 64 GPUs made this
+    31 s of a 115 s search.)"""
     if layout.ep == 1:
         return []
-    blocks, one, mine = _own_experts(config, layout, stage)
+    blocks, one, mine = _own_experts(config, layout, stage, v)
     return [mine * sum(one)] * blocks
 
 

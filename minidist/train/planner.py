@@ -201,10 +201,11 @@ def local_size(name, shape, tp=1):
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_counts(key, tp, pp, ep, keep=None):
+def _block_counts(key, tp, pp, ep, keep=None, v=1):
     """Per pipeline stage, the elements one rank holds of the blocks' parameters of the model
     `key` (config_key) that keep(name, shape) keeps (None: all; an expert's on E/ep ranks),
-    per kind of block (dense, MoE); cached, as a search asks it for thousands of layouts."""
+    per kind of block (dense, MoE), its blocks block_stages' under v chunks a stage; cached,
+    as a search asks it for thousands of layouts."""
     config = config_of_key(key)
 
     def held(specs):
@@ -214,16 +215,19 @@ def _block_counts(key, tp, pp, ep, keep=None):
     per_block = {moe: held(block_param_specs(config, moe))
                  for moe in {config.is_moe(i) for i in range(config.n_layer)}}
     counts = [0] * pp
-    for i, stage in enumerate(block_stages(config.n_layer, pp)):
+    for i, stage in enumerate(block_stages(config.n_layer, pp, v)):
         counts[stage] += per_block[config.is_moe(i)]
     return tuple(counts)
 
 
-def stage_params(config, tp=1, pp=1, ep=1):
+def stage_params(config, tp=1, pp=1, ep=1, v=1):
     """Parameters on one rank of each pipeline stage (every tp rank of a stage holds as many;
     an expert's on E/ep of the ranks). Counted per kind of block (dense, MoE: the search
-    prices thousands of layouts), each block's added to its stage."""
-    counts = list(_block_counts(config_key(config), tp, pp, ep))
+    prices thousands of layouts), each block's added to its stage: under interleaving (v
+    chunks a stage) the blocks of its chunks (block_stages), which for an MoE model every
+    k-th block may hold other counts of MoE blocks than v = 1's stages (they were counted
+    so until 2026-11-30)."""
+    counts = list(_block_counts(config_key(config), tp, pp, ep, None, v))
     outside = {name: spec for name, spec in
                gpt_param_specs(replace(config, n_layer=1, moe_experts=0)).items()
                if not name.startswith("transformer.h.")}
@@ -236,16 +240,16 @@ def stage_params(config, tp=1, pp=1, ep=1):
     return counts
 
 
-def stage_block_params(config, tp=1, pp=1, ep=1):
+def stage_block_params(config, tp=1, pp=1, ep=1, v=1):
     """Of stage_params, the blocks' parameters (the experts' among them), per pipeline
     stage: what ZeRO-3 gathers block by block (the rest, the root: embeddings, ln_f)."""
-    return list(_block_counts(config_key(config), tp, pp, ep))
+    return list(_block_counts(config_key(config), tp, pp, ep, None, v))
 
 
-def stage_muon_params(config, tp=1, pp=1, ep=1):
+def stage_muon_params(config, tp=1, pp=1, ep=1, v=1):
     """Of stage_params, the parameters --optimizer muon updates by Muon (takes_muon: a
     block's weights of 2 or more dimensions, all of them decayed), per pipeline stage."""
-    return list(_block_counts(config_key(config), tp, pp, ep, takes_muon))
+    return list(_block_counts(config_key(config), tp, pp, ep, takes_muon, v))
 
 
 def state_bytes(amp=True, grad32=False):
@@ -278,10 +282,10 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
     if formula == "minidist" and (layout.tp > 1 or layout.pp > 1):
         raise ValueError("the minidist activation count covers dp and ZeRO layouts only")
     rows = []
-    muon = stage_muon_params(config, layout.tp, layout.pp, layout.ep) \
+    muon = stage_muon_params(config, layout.tp, layout.pp, layout.ep, v) \
         if layout.muon and not layout.zero else [0] * layout.pp     # per parameter: M alone
-    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
-        units = expert_units(config, layout, stage)       # ep > 1: the experts, per block
+    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep, v)):
+        units = expert_units(config, layout, stage, v)    # ep > 1: the experts, per block
         experts = sum(units)
         row = model_state_bytes(n - experts, layout.zero_ranks, layout.zero, layout.amp,
                                 layout.grad32)

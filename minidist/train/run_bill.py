@@ -95,7 +95,7 @@ def step_bill(config, layout, micro, schedule="1f1b", micro_batches=None, v=1,
         row["logits"] = logits_bytes(config, layout, stage, micro) if training else 0
         row["evaluation"] = eval_bytes(config, layout, micro) if graph and training else 0
         row["buffers"] = step_buffers(config, layout, stage, micro, dropout=bool(dropout),
-                                      training=training, cpu=cpu)
+                                      training=training, cpu=cpu, v=v)
         row["total"] = step_total(row)
         row["stage"] = stage
         rows.append(row)

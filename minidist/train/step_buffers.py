@@ -47,11 +47,12 @@ from minidist.train.planner import local_size, state_bytes
 MAX_INFLIGHT = 2          # zero/stage2.py ZeroStage2.max_inflight: reduce-scatters in flight
 
 
-def rank_shapes(config, layout, stage):
+def rank_shapes(config, layout, stage, v=1):
     """(name, whole shape, elements on this rank) of each parameter a rank of pipeline
-    `stage` holds: its blocks' (an expert's on E/ep ranks: those of its own), the embeddings
-    on the first stage, ln_f and the tied head's wte on the last; split by tp."""
-    out, stages = [], block_stages(config.n_layer, layout.pp)
+    `stage` holds: its blocks' (block_stages', of its v chunks under interleaving; an
+    expert's on E/ep ranks: those of its own), the embeddings on the first stage, ln_f and
+    the tied head's wte on the last; split by tp."""
+    out, stages = [], block_stages(config.n_layer, layout.pp, v)
     for name, (shape, _) in gpt_param_specs(config).items():
         if name.startswith("transformer.h."):
             block = int(name.split(".")[2])
@@ -106,13 +107,13 @@ def half_matmul_copies(shapes, rows):
                default=0)
 
 
-def kept_buffers(config, layout, stage, training=True):
+def kept_buffers(config, layout, stage, training=True, v=1):
     """Bytes (as step_buffers) of the buffers kept for the run once the first step made
     them: the optimizer's per-shape scratch, ZeRO's shard scratch and comm work array.
     The rest of step_buffers' lives inside a step only (freed by its end: ZeRO-3's
     gathers by after_step), so a checkpoint's copy, held after a step or before the first
     (a --resume's load), is never beside it (memory_check.py rank_bill)."""
-    return _kept(rank_shapes(config, layout, stage), layout) if training else 0
+    return _kept(rank_shapes(config, layout, stage, v), layout) if training else 0
 
 
 def _kept(shapes, layout):
@@ -126,13 +127,13 @@ def _kept(shapes, layout):
     return total
 
 
-def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu=True):
+def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu=True, v=1):
     """Bytes (float32 arithmetic; the caller doubles them under --dtype float64) of the
     module docstring's buffers on a rank of pipeline `stage`, `micro` sequences a
     micro-batch, kept_buffers' among them; not `training` (--eval-only): ZeRO-3's gathered
     parameters and the 16-bit matmul's copies alone; `cpu`: the device is the CPU (numpy's
-    16-bit matmul)."""
-    shapes = rank_shapes(config, layout, stage)
+    16-bit matmul); v: chunks a stage (rank_shapes)."""
+    shapes = rank_shapes(config, layout, stage, v)
     total = _kept(shapes, layout) if training else 0
     if layout.amp and cpu:
         total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
