@@ -16,7 +16,8 @@ minutes later; one that fits says so in its start-up lines:
     6.4 MiB, activations 21.0 MiB, logits 0.5 MiB, buffers 0.9 MiB); the 4 ranks on this
     host: 141.0 MiB of 18.23 GiB free
 
-The bill is what the model's arrays hold, the step's logits and its buffers (step_buffers.py:
+The bill (run_bill.py step_bill: the same count examples/plan_memory.py prints for each
+layout) is what the model's arrays hold, the step's logits and its buffers (step_buffers.py:
 the optimizer's scratch, ZeRO's gradients in flight and gathered units, --ckpt-activations'
 recomputed block); a gradient on its way into a DDP bucket and Python's own memory are not
 in it (within a tenth of a run's live arrays: tests/test_memory_check.py), so a run near the
