@@ -35,7 +35,8 @@ INTERRUPTED = 130                   # 128 + SIGINT: the shell's status for Ctrl-
 TERMINATED = 143                    # 128 + SIGTERM: a scheduler's signal without --save
 SIGNALS = ("SIGTERM", "SIGUSR1")    # a scheduler's
 SIGINT = "SIGINT"
-ABORT_WAIT = 2.0                    # seconds a rank but 0 waits for rank 0's abort (end_job)
+ABORT_WAIT = 4.0                    # seconds a rank but 0 waits for rank 0's abort (end_job):
+#   FLUSH_S and 3 s for rank 0 to meet the same end later (2.0 printed two lines under load)
 FLUSH_S = 1.0                       # the line's head start before MPI_Abort (as the watchdog's)
 
 
