@@ -140,6 +140,34 @@ def test_a_launcher_of_another_mpi_is_one_error_line_not_n_separate_runs(corpus,
     assert all("step " not in out for out, _ in outs) and not os.listdir(tmp_path / "ck")
 
 
+def test_a_pmix_launcher_for_an_mpich_without_pmix_is_one_error_line(corpus, tmp_path):
+    """The first-use walk of 2026-11-30: Open MPI 5's mpirun (PRRTE, PMIx) with the mpich
+    wheel's python: MPICH aborted inside MPI_Init ("Runtime environment uses unsupported PMI
+    version PMIx"), an error stack per rank. Two processes with what that mpirun sets
+    (PMIX_NAMESPACE, OMPI_COMM_WORLD_*) now stop before MPI_Init: one error line from the
+    launcher's rank 0, exit 2 on both, nothing trained. (`pmix_mismatch` alone: an MPICH
+    built with PMIx, another library or no PMIx launcher passes.)"""
+    from minidist.comm import pmix_mismatch
+    wheel = "MPICH Version:      5.0.2\nMPICH configure:    --with-pm=hydra:gforker\n"
+    assert pmix_mismatch({}, wheel) is None
+    assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, wheel.replace("hydra", "--with-pmix")) is None
+    assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, "Open MPI v5.0.11, ...") is None
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--data", corpus,
+         "--steps", "2", "--n-layer", "1", "--n-embd", "16", "--cache-dir",
+         str(tmp_path / "cache")],
+        cwd=tmp_path, env=mpi_env(PMIX_NAMESPACE="prterun-host-1@1", PMIX_RANK=str(r),
+                                  OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK=str(r)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    said = "".join(err for _, err in outs)
+    assert said.startswith("error: the launcher speaks PMIx (Open MPI's mpirun, or srun "
+                           "--mpi=pmix) but mpi4py loaded an MPI without it (MPICH Version: ")
+    assert said.count("\n") == 1 and "Abort" not in said, outs
+    assert all("step " not in out for out, _ in outs)
+
+
 def test_ranks_given_different_amp_types_are_one_error_line(corpus, tmp_path):
     """MINIDIST_AMP_DTYPE set on one rank only (a node's own environment): that rank skipped
     the gather in which the others agreed on --amp's 16-bit type, and they waited in it

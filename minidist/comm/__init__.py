@@ -88,6 +88,9 @@ def init(algo="ring", timeout=None, sync_comm=None):
         progress.policy_from_env()
         mpich.apply_defaults()
         if not MPI.Is_initialized():
+            unsupported = pmix_mismatch(os.environ, MPI.Get_library_version())
+            if unsupported:             # MPICH would abort inside MPI_Init, a block per rank
+                raise LaunchMismatch(unsupported)
             _wait_in_mpi_init_for_every_rank(mpi_init_wait_s(timeout))
         mismatch = launch_mismatch(world_size_from_env(), MPI.COMM_WORLD.Get_size())
         if mismatch:                    # every process alone: no collective could tell
@@ -119,6 +122,24 @@ def launch_mismatch(launched, in_mpi):
             f"another MPI than the launcher's ({' '.join(library.split())}); start the job "
             "with that MPI's mpiexec, or point mpi4py at the cluster's MPI (MPI4PY_LIBMPI; "
             "examples/slurm/README.md, \"The cluster's own MPI\")")
+
+
+def pmix_mismatch(environ, library):
+    """Why MPI_Init would abort, or None: a PMIx launcher (PMIX_NAMESPACE set: Open MPI 5's
+    mpirun, `srun --mpi=pmix`) starting ranks whose mpi4py loaded an MPICH built without
+    PMIx (the mpich wheel: "Runtime environment uses unsupported PMI version PMIx" and an
+    error stack on every rank, then the launcher's report; the first-use walk of
+    2026-11-30). `library`: MPI_Get_library_version's text, which MPI allows before MPI_Init
+    and MPICH's holds its configure line."""
+    if "PMIX_NAMESPACE" not in environ or not library.startswith("MPICH") \
+            or "pmix" in library.lower():
+        return None
+    version = library.strip().splitlines()[0]
+    return (f"the launcher speaks PMIx (Open MPI's mpirun, or srun --mpi=pmix) but mpi4py "
+            f"loaded an MPI without it ({' '.join(version.split())}); start the job with "
+            "the mpiexec beside that Python (the virtual environment's own), or point mpi4py at "
+            "the cluster's MPI (MPI4PY_LIBMPI; examples/slurm/README.md, \"The cluster's own "
+            "MPI\")")
 
 
 # MPI_Init of a few ranks on a busy machine takes up to a second: a collective timeout below
