@@ -228,7 +228,7 @@ def test_plan_layout_takes_the_name_its_table_prints(capsys):
         plan_cli().main(gpus8 + ["--layout", text, "--json"])
         rows = json.loads(capsys.readouterr().out)["rows"]
         assert {r["layout"] for r in rows} == {"ZeRO-1 (amp, tiled)"}, text
-        assert rows[0]["fits"] and rows[0]["micro_batches"] == 32, text
+        assert rows[0]["fits"] and rows[0]["micro_batches"] == 64, text
     assert plan_error(gpus8 + ["--layout", "TP2+SP x ZeRO-1 x4 (amp, tiled"], capsys) == (
         "error: --layout: 'TP2+SP x ZeRO-1 x4 (amp, tiled': its parentheses are not closed")
     assert plan_error(gpus8 + ["--layout", "TP2 x ZeRO-9 x4"], capsys).startswith(

@@ -227,7 +227,14 @@ def stage_params(config, tp=1, pp=1, ep=1, v=1):
     chunks a stage) the blocks of its chunks (block_stages), which for an MoE model every
     k-th block may hold other counts of MoE blocks than v = 1's stages (they were counted
     so until 2026-11-30)."""
-    counts = list(_block_counts(config_key(config), tp, pp, ep, None, v))
+    return list(_stage_params(config_key(config), tp, pp, ep, v))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_params(key, tp, pp, ep, v):
+    """stage_params of the model `key` (config_key), cached (a search bills every stage)."""
+    config = config_of_key(key)
+    counts = list(_block_counts(key, tp, pp, ep, None, v))
     outside = {name: spec for name, spec in
                gpt_param_specs(replace(config, n_layer=1, moe_experts=0)).items()
                if not name.startswith("transformer.h.")}
@@ -237,7 +244,7 @@ def stage_params(config, tp=1, pp=1, ep=1, v=1):
     if pp > 1:                                                   # the tied head's copy
         counts[-1] += local_size("transformer.wte.weight",
                                  (config.vocab_size, config.n_embd), tp)
-    return counts
+    return tuple(counts)
 
 
 def stage_block_params(config, tp=1, pp=1, ep=1, v=1):
@@ -285,6 +292,8 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
     muon = stage_muon_params(config, layout.tp, layout.pp, layout.ep, v) \
         if layout.muon and not layout.zero else [0] * layout.pp     # per parameter: M alone
     for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep, v)):
+        if at_stage not in (None, stage):
+            continue             # (step_bill asks each stage in turn: pp^2 rows otherwise)
         units = expert_units(config, layout, stage, v)    # ep > 1: the experts, per block
         experts = sum(units)
         row = model_state_bytes(n - experts, layout.zero_ranks, layout.zero, layout.amp,
@@ -305,7 +314,7 @@ def bill(config, layout, seq, micro_batch=1, dropout=None, formula="korthikanti"
         row["total"] = sum(row.values())
         row["stage"] = stage
         rows.append(row)
-    return max(rows, key=lambda r: r["total"]) if at_stage is None else rows[at_stage]
+    return max(rows, key=lambda r: r["total"])
 
 
 def _tp_sizes(config, gpus, gpus_per_node):

@@ -1,7 +1,9 @@
 """The layout search: every dp x tp x pp x cp split of a cluster, ZeRO stage, recompute and
-micro-batch count; its per-rank memory (planner.bill) and step time (cost.step_time); the
-fastest that fit. The CLI is examples/plan.py; tests: tests/test_plan_search.py,
-tests/test_plan_cli.py.
+micro-batch count; its per-rank memory (run_bill.step_bill: the start-up's memory check's
+bill of the run train_flags makes of the row, logits and step buffers in it; planner.bill's
+states and activations alone until 2026-11-30) and step time (cost.step_time); the fastest
+that fit. The CLI is examples/plan.py; tests: tests/test_plan_search.py,
+tests/test_plan_cli.py, tests/test_plan_search_check.py (the rows' memory is the check's).
 
 Which splits are tried: tp a power of two inside one node dividing the heads (TP's
 all-reduces are the chattiest traffic, so mesh.py puts tp fastest, on neighbouring ranks);
@@ -32,7 +34,7 @@ checks on its train_flags, so the planner prices only what train_gpt runs. The s
 a subset of those (powers of two, tp inside a node, cp up to 8: the likely fastest);
 `no_layout_problem` says why it found none.
 """
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from minidist.cp.context import ATTENTIONS
 from minidist.cp.strategy import cp_problems, ulysses_problems
@@ -45,7 +47,8 @@ from minidist.train.cli import UsageError
 from minidist.train.cluster import fills_nodes
 from minidist.train.cost import step_time
 from minidist.train.moe_cost import check_moe_layout
-from minidist.train.planner import GiB, Layout, bill
+from minidist.train.planner import GiB, Layout
+from minidist.train.run_bill import step_bill
 from minidist.train.strategy import check_layout
 from minidist.zero.strategy import zero_shard_problem
 
@@ -107,12 +110,13 @@ def micro_batch_counts(pp, per_rank_batch, most=4, grouped=False):
 
 def evaluate(config, layout, cluster, seq, global_batch, micro_batches, schedule="1f1b",
              comm="ring", headroom=0.1, v=1, moe_load=1.0, ns_steps=5, bucket_mb=BUCKET_MB):
-    """One row: the layout, its memory bill on the worst stage and its step-time figures
+    """One row: the layout, its memory bill on the worst stage (step_bill, on GPUs, of the
+    model at `seq` tokens: what the check bills its run) and its step-time figures
     (DDP's buckets of bucket_mb MiB, "bucket_mb": train_flags runs the same); under Muon
     (layout.muon) also its Newton-Schulz iterations, "muon_ns_steps"."""
     b = global_batch // (layout.dp * micro_batches)
-    mem = bill(config, layout, seq, b, dropout=False, schedule=schedule,
-               micro_batches=micro_batches, v=v)
+    sized = config if config.block_size == seq else replace(config, block_size=seq)
+    mem = step_bill(sized, layout, b, schedule, micro_batches, v)
     t = step_time(config, layout, cluster, seq, global_batch, micro_batches, schedule, comm, v,
                   bucket_mb, moe_load=moe_load, ns_steps=ns_steps)
     muon = {"muon_ns_steps": ns_steps} if layout.muon else {}

@@ -36,13 +36,14 @@ ZeRO-3 227.3 for 208.3, ZeRO-2 226.9 for 208.6, recompute 246.3 for 237.0, and 4
 257.1, --tp 2 151.1 for 138.0, --pp 4 82.9 for 90.7, --cp 2 241.7 for 256.4.
 Tests: tests/test_memory_check.py.
 """
+import functools
 import math
 
-from minidist.nn.config import gpt_param_specs
+from minidist.nn.config import config_key, config_of_key, gpt_param_specs
 from minidist.pp.schedule import block_stages
 from minidist.train.activations import (layer_activation_bytes, minidist_activation_bytes,
                                         mlp_saved)
-from minidist.train.planner import local_size, state_bytes
+from minidist.train.planner import Layout, local_size, state_bytes
 
 MAX_INFLIGHT = 2          # zero/stage2.py ZeroStage2.max_inflight: reduce-scatters in flight
 
@@ -77,34 +78,73 @@ def optimizer_scratch(shapes, layout):
     ZeRO (its flat shards' temporaries are the units' below)."""
     if layout.zero:
         return 0
-    distinct = {(shape, n) for _, shape, n in shapes}
-    return (2 if layout.amp else 1) * sum(n for _, n in distinct)
+    return (2 if layout.amp else 1) * _distinct(shapes)
+
+
+def _distinct(shapes):
+    """Elements of one of each distinct (shape, elements) among `shapes`."""
+    return sum(n for _, n in {(shape, n) for _, shape, n in shapes})
 
 
 def zero_units(shapes, layout):
     """(the largest block unit's elements, the root's): what ZeRO gathers and reduce-scatters
     a unit at a time; the experts under --ep are units of their own (ZeRO-1 over their
     replicas, gradients whole: the planner's rows), not in a block's."""
+    return _padded(_units(shapes, layout.ep), layout)
+
+
+def _units(shapes, ep):
+    """zero_units' (block, root) before padding to a multiple of ZeRO's ranks."""
     blocks, root = {}, 0
     for name, _, n in shapes:
         if name.startswith("transformer.h."):
-            if ".mlp.experts." in name and layout.ep > 1:
+            if ".mlp.experts." in name and ep > 1:
                 continue
             key = int(name.split(".")[2])
             blocks[key] = blocks.get(key, 0) + n
         else:
             root += n
+    return max(blocks.values(), default=0), root
+
+
+def _padded(units, layout):
+    """Each of `units` rounded up to a multiple of ZeRO's ranks (its flat shards' padding)."""
     ranks = layout.zero_ranks
-    padded = [math.ceil(n / ranks) * ranks for n in (max(blocks.values(), default=0), root)]
-    return padded[0], padded[1]
+    block, root = (math.ceil(n / ranks) * ranks for n in units)
+    return block, root
 
 
 def half_matmul_copies(shapes, rows):
     """Elements of the float32 copies numpy's 16-bit matmul makes at once, at most: over the
     rank's matrices (wte the head's), the weight, `rows` rows of its input and of its
     output (the whole widths: an upper bound under tp)."""
-    return max((n + rows * sum(shape) for _, shape, n in shapes if len(shape) == 2),
-               default=0)
+    return _matmul_copies(_matrices(shapes), rows)
+
+
+def _matrices(shapes):
+    """(elements on the rank, rows + columns) of each distinct matrix among `shapes`."""
+    return tuple(sorted({(n, sum(shape)) for _, shape, n in shapes if len(shape) == 2}))
+
+
+def _matmul_copies(matrices, rows):
+    """half_matmul_copies of a rank holding `matrices` (_matrices')."""
+    return max((n + rows * width for n, width in matrices), default=0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(key, tp, pp, ep, stage, v):
+    """What the buffers need of rank_shapes of the model `key` (config_key) on a rank of
+    `stage` (tp, pp, ep: the layout's; nothing else of it decides which parameters a rank
+    holds): (_distinct, _units, _matrices) of them. Cached: the layout search (search.py
+    evaluate) bills every stage of thousands of layouts of one model, and walking the
+    parameters for each made a 64-GPU search of a 7B model 12.4 s instead of 1.7."""
+    shapes = rank_shapes(config_of_key(key), Layout(tp=tp, pp=pp, ep=ep), stage, v)
+    return _distinct(shapes), _units(shapes, ep), _matrices(shapes)
+
+
+def _rank_held(config, layout, stage, v):
+    """_held of this layout's rank of `stage`."""
+    return _held(config_key(config), layout.tp, layout.pp, layout.ep, stage, v)
 
 
 def kept_buffers(config, layout, stage, training=True, v=1):
@@ -113,15 +153,16 @@ def kept_buffers(config, layout, stage, training=True, v=1):
     The rest of step_buffers' lives inside a step only (freed by its end: ZeRO-3's
     gathers by after_step), so a checkpoint's copy, held after a step or before the first
     (a --resume's load), is never beside it (memory_check.py rank_bill)."""
-    return _kept(rank_shapes(config, layout, stage, v), layout) if training else 0
+    return _kept(_rank_held(config, layout, stage, v), layout) if training else 0
 
 
-def _kept(shapes, layout):
-    """kept_buffers of a rank holding `shapes` (rank_shapes')."""
-    total = 4 * optimizer_scratch(shapes, layout)
+def _kept(held, layout):
+    """kept_buffers of a rank holding `held` (_held's)."""
+    distinct, units, _ = held
+    total = 4 * (0 if layout.zero else (2 if layout.amp else 1) * distinct)
     if layout.zero:
         g = state_bytes(layout.amp, layout.grad32)[1]
-        block, root = zero_units(shapes, layout)
+        block, root = _padded(units, layout)
         shard_scratch = (2 if layout.amp else 1) * (block + root) // layout.zero_ranks
         total += g * max(block, root) + 4 * shard_scratch
     return total
@@ -133,12 +174,12 @@ def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu
     micro-batch, kept_buffers' among them; not `training` (--eval-only): ZeRO-3's gathered
     parameters and the 16-bit matmul's copies alone; `cpu`: the device is the CPU (numpy's
     16-bit matmul); v: chunks a stage (rank_shapes)."""
-    shapes = rank_shapes(config, layout, stage, v)
-    total = _kept(shapes, layout) if training else 0
+    held = _rank_held(config, layout, stage, v)
+    total = _kept(held, layout) if training else 0
     if layout.amp and cpu:
-        total += 4 * half_matmul_copies(shapes, micro * config.block_size // layout.cp)
+        total += 4 * _matmul_copies(held[2], micro * config.block_size // layout.cp)
     p, g, _ = state_bytes(layout.amp, layout.grad32)
-    block, root = zero_units(shapes, layout)
+    block, root = _padded(held[1], layout)
     if layout.zero >= 2 and training:
         inflight = max((MAX_INFLIGHT + 1) * block, root + MAX_INFLIGHT * block)
         total += g * (block + root + inflight)
