@@ -203,3 +203,40 @@ def test_zero_under_ep_shards_the_experts_optimizer_over_their_replicas():
     assert (row["params"], row["grads"], row["optimizer"]) == (4 * 247, 4 * 247, 8 * 173)
     ddp = bill(MOE_TOY, Layout(dp=4, ep=2, amp=False), seq=2)
     assert ddp["params"] == 4 * 544
+
+
+def test_an_interleaved_stage_is_priced_the_blocks_it_holds():
+    """MOE_TOY of 4 blocks (1 and 3 MoE), pp 2, v 2: the pipeline builds blocks 0, 2 on stage 0
+    and 1, 3 on stage 1 (pp/schedule.py chunk_layers), so stage 1 runs both MoE blocks; until
+    2026-11-30 the step-time model priced v = 1's stages (0, 1 and 2, 3: one MoE block each).
+    b = 1, s = 2, 1 FLOP/s (test_moe_compute_worked_by_hand's blocks: dense 832, MoE 864, the
+    output layer 128): stage 1's forward 2 x 864 + 128 = 1856, m = 2 micro-batches x 3 x
+    1856 = 11136 s (v = 1's stages: 1824, 10944); the bubble (p - 1)(t_f + t_b) / v with the
+    sends of 32 B twice a micro-batch each way: (1856 + 64 + 3712 + 64) / 2 = 2848. DDP's
+    tensors, the experts' (ep 2: one expert of each MoE block) and Muon's work per stage are
+    those blocks' too (Muon: stage 0 twice pp 4's dense stage 0, stage 1 twice its MoE one)."""
+    from minidist.pp.schedule import chunk_layers
+    from minidist.train.call_cost import stage_tensors
+    from minidist.train.moe_cost import expert_tensors
+    from minidist.train.muon_cost import muon_times
+    config = replace(MOE_TOY, n_layer=4)
+    assert [config.is_moe(i) for i in range(4)] == [False, True, False, True]
+    t = step_time(config, Layout(pp=2, amp=False), UNIT, seq=2, global_batch=2,
+                  micro_batches=2, schedule="interleaved", v=2)
+    assert t["compute"] == pytest.approx(11136) and t["bubble"] == pytest.approx(2848)
+    assert step_time(config, Layout(pp=2, amp=False), UNIT, seq=2, global_batch=2,
+                     micro_batches=2)["compute"] == pytest.approx(10944)
+    assert [[i for c in chunk_layers(4, 2, 2, s) for i in c] for s in (0, 1)] == [[0, 2],
+                                                                                  [1, 3]]
+    experts = [sum(".mlp.experts." in name for name, _, _ in       # 2 experts x 4 tensors
+                   stage_tensors(config, Layout(pp=2), s, v=2)) for s in (0, 1)]
+    assert experts == [0, 2 * 8]
+    ep2 = Layout(dp=2, ep=2, pp=2, amp=False)
+    assert expert_tensors(config, ep2, 0, v=2) == [] and \
+        expert_tensors(config, ep2, 1, v=2) == [64, 16, 64, 4] * 2
+    assert [sum(n for _, n, _ in stage_tensors(config, Layout(pp=2), s, v=2)) for s in (0, 1)] \
+        == stage_params(config, 1, 2, 1, v=2)
+    one = muon_times(config, Layout(pp=4, muon=True, amp=False), UNIT, 1.0, lambda o, n: n)
+    two = muon_times(config, Layout(pp=2, muon=True, amp=False), UNIT, 1.0, lambda o, n: n,
+                     v=2)
+    assert one[0] != one[1] and two == [tuple(2 * x for x in one[s]) for s in (0, 1)]

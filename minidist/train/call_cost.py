@@ -37,7 +37,7 @@ from minidist.train.comm_cost import axis_size
 from minidist.train.moe_cost import expert_units
 from minidist.train.planner import local_size
 
-_SPECS = {}                 # (config, tp, pp, ep, stage) -> stage_tensors' answer
+_SPECS = {}                 # (config, tp, pp, ep, stage, v) -> stage_tensors' answer
 _COUNTS = {}                # ddp_buckets' and sp_sum's answers
 
 
@@ -47,13 +47,15 @@ def calls_time(coll, op, nbytes, n):
     return n * coll(op, nbytes / n) if n and nbytes else 0.0
 
 
-def stage_tensors(config, layout, stage):
+def stage_tensors(config, layout, stage, v=1):
     """((name, elements on one rank, whether tp splits it), ...) of `stage`'s parameters in
     model order (the first stage: wte, wpe, its blocks; the last: its blocks, ln_f, the tied
     head's copy of wte; pp 1: wte, wpe, the blocks, ln_f), an expert's 1/ep (ep > 1: not
     every rank holds it); split: fewer elements on a rank than the tensor's (tp >= 2).
+    v chunks a stage (interleaved): its chunks' blocks (block_stages), which for an MoE
+    model may hold other MoE blocks than v = 1's stages (counted so until 2026-11-30).
     Cached: the search asks for the same few stages many times."""
-    key = (repr(config), layout.tp, layout.pp, layout.ep, stage)
+    key = (repr(config), layout.tp, layout.pp, layout.ep, stage, v)
     if key not in _SPECS:
         tp, pp, L = layout.tp, layout.pp, config.n_layer
         outside = gpt_param_specs(replace(config, n_layer=1, moe_experts=0))
@@ -69,7 +71,7 @@ def stage_tensors(config, layout, stage):
         if stage == 0:
             out += [held(n, s[0]) for n, s in outside.items()
                     if n in ("transformer.wte.weight", "transformer.wpe.weight")]
-        for i, where in enumerate(block_stages(L, pp)):
+        for i, where in enumerate(block_stages(L, pp, v)):
             if where == stage:
                 out += [held(n, s) for n, s in kinds[config.is_moe(i)]]
         if stage == pp - 1:
@@ -81,36 +83,38 @@ def stage_tensors(config, layout, stage):
     return _SPECS[key]
 
 
-def _dense(config, layout, stage):
+def _dense(config, layout, stage, v=1):
     """stage_tensors less --ep's experts (their own DDP/ZeRO over edp: moe_cost.py)."""
-    return [t for t in stage_tensors(config, layout, stage)
+    return [t for t in stage_tensors(config, layout, stage, v)
             if layout.ep == 1 or ".mlp.experts." not in t[0]]
 
 
-def ddp_buckets(config, layout, stage, g_bytes, bucket_mb):
+def ddp_buckets(config, layout, stage, g_bytes, bucket_mb, v=1):
     """Bytes of each all-reduce DDP makes a step on `stage` (its dense gradients, `g_bytes`
-    each, cut by minidist/ddp/sync.py bucket_cuts at bucket_mb MiB), last bucket first."""
-    key = ("ddp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes, bucket_mb)
+    each, cut by minidist/ddp/sync.py bucket_cuts at bucket_mb MiB), last bucket first; v:
+    chunks a stage (stage_tensors)."""
+    key = ("ddp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes, bucket_mb, v)
     if key not in _COUNTS:
-        sizes = [n * g_bytes for _, n, _ in _dense(config, layout, stage)]
+        sizes = [n * g_bytes for _, n, _ in _dense(config, layout, stage, v)]
         _COUNTS[key] = tuple(sum(sizes[i] for i in cut) for cut in bucket_cuts(sizes,
                                                                              bucket_mb))
     return _COUNTS[key]
 
 
-def sp_sum(config, layout, stage, g_bytes):
+def sp_sum(config, layout, stage, g_bytes, v=1):
     """(bytes, all-reduces over tp) of sequence parallelism's sum of `stage`'s replicated
     gradients, once a step (module docstring; minidist/tp/state.py partial_params: the
     tensors tp does not split, --ep's experts this rank's E/ep, after their sync over edp);
-    (0, 0) without SP. Under ZeRO this rank's shard of them, ceil(its bytes / 4 MiB) calls."""
+    (0, 0) without SP. Under ZeRO this rank's shard of them, ceil(its bytes / 4 MiB) calls.
+    v: chunks a stage (stage_tensors)."""
     if not (layout.sp and layout.tp > 1):
         return 0, 0
     key = ("sp", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes,
-           layout.zero and layout.zero_ranks, axis_size(layout, "edp"))
+           layout.zero and layout.zero_ranks, axis_size(layout, "edp"), v)
     if key not in _COUNTS:
         mine = config.moe_experts // layout.ep
         sizes, experts = [], []
-        for name, n, split in stage_tensors(config, layout, stage):
+        for name, n, split in stage_tensors(config, layout, stage, v):
             if split:
                 continue
             if layout.ep > 1 and ".mlp.experts." in name:    # this rank's E/ep, whole
@@ -123,23 +127,24 @@ def sp_sum(config, layout, stage, g_bytes):
         if layout.zero:             # the dense over ZeRO's ranks, the experts' units over edp
             dense, edp = total - sum(experts) * g_bytes, axis_size(layout, "edp")
             total = math.ceil(dense / layout.zero_ranks) + g_bytes * sum(
-                math.ceil(u / edp) for u in expert_units(config, layout, stage))
+                math.ceil(u / edp) for u in expert_units(config, layout, stage, v))
             _COUNTS[key] = total, math.ceil(total / SUM_PIECE_BYTES)
         else:
             _COUNTS[key] = total, len(piece_cuts(sizes))
     return _COUNTS[key]
 
 
-def stage_calls(config, layout, stage, g_bytes, bucket_mb):
+def stage_calls(config, layout, stage, g_bytes, bucket_mb, v=1):
     """((DDP's all-reduces, the last one's bytes), SP's (bytes, all-reduces)) a step on
     `stage`: ddp_buckets' count and last bucket (the first tensors', wte's: in view after
-    backward) and sp_sum, looked up once (cost.py asks for every stage of every layout)."""
+    backward) and sp_sum, looked up once (cost.py asks for every stage of every layout);
+    v: chunks a stage."""
     key = ("stage", repr(config), layout.tp, layout.pp, layout.ep, stage, g_bytes, bucket_mb,
-           layout.sp, layout.zero and layout.zero_ranks)
+           layout.sp, layout.zero and layout.zero_ranks, v)
     if key not in _COUNTS:
-        buckets = ddp_buckets(config, layout, stage, g_bytes, bucket_mb)
+        buckets = ddp_buckets(config, layout, stage, g_bytes, bucket_mb, v)
         _COUNTS[key] = ((len(buckets), buckets[-1] if buckets else 0),
-                        sp_sum(config, layout, stage, g_bytes))
+                        sp_sum(config, layout, stage, g_bytes, v))
     return _COUNTS[key]
 
 

@@ -148,13 +148,13 @@ def _rate(cluster, layout, float32=False):
     return peak * 1e12 * cluster.efficiency / _share(cluster, layout)
 
 
-def _stage_compute(config, layout, stage, b, seq, load=1.0):
+def _stage_compute(config, layout, stage, b, seq, load=1.0, v=1):
     """(forward FLOPs, extra backward FLOPs beyond 2 x forward) of one micro-batch on one rank
-    of `stage`: its layers (and the output layer on the last), split by tp and cp; a MoE
-    block's router and experts whole on every tp rank, the busiest rank's rows (`load`;
-    moe_cost.py)."""
+    of `stage`: its layers (of its v chunks under interleaving; and the output layer on the
+    last), split by tp and cp; a MoE block's router and experts whole on every tp rank, the
+    busiest rank's rows (`load`; moe_cost.py)."""
     pp, h = layout.pp, config.n_embd
-    layers, moe = stage_blocks(config_key(config), pp, stage)
+    layers, moe = stage_blocks(config_key(config), pp, stage, v)
     s_local = seq / layout.cp                # this rank's queries, against all seq keys
     # (Ulysses: all seq queries of a/cp heads, the same FLOPs)
     weights = attention_weights(config) + mlp_weights(config)          # GPT-2: 12 h^2
@@ -226,15 +226,15 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
     def coll(op, nbytes, calls=1):          # DDP's or ZeRO's group; n calls of the bytes
         return calls_time(lambda o, n: collective_time(cluster, o, n, layout, axis, comm, dpcp),
                           op, nbytes, calls)
-    muon = muon_times(config, layout, cluster, rate32, coll, comm, ns_steps) if layout.muon \
-        else [(0.0, 0.0)] * layout.pp                    # per stage: NS, gathers
-    worst = None
-    blocks = stage_block_params(config, layout.tp, layout.pp, layout.ep)
-    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep)):
-        fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load)
-        moe = stage_moe_blocks(config, layout, stage)
+    muon = muon_times(config, layout, cluster, rate32, coll, comm, ns_steps, v) \
+        if layout.muon else [(0.0, 0.0)] * layout.pp        # per stage: NS, gathers
+    worst = None            # each stage's blocks: of its v chunks (block_stages; v = 1's
+    blocks = stage_block_params(config, layout.tp, layout.pp, layout.ep, v)  # until 11-30)
+    for stage, n in enumerate(stage_params(config, layout.tp, layout.pp, layout.ep, v)):
+        fwd, extra, layers = _stage_compute(config, layout, stage, b, seq, moe_load, v)
+        moe = stage_moe_blocks(config, layout, stage, v)
         unsplit = 0 if config.moe_shared else moe            # MoE blocks with no tp-split MLP
-        experts = expert_tensors(config, layout, stage)      # ep > 1: outside DDP/ZeRO
+        experts = expert_tensors(config, layout, stage, v)   # ep > 1: outside DDP/ZeRO
         dense = n - sum(experts)
         c_f, c_b = fwd / rate, (2 * fwd + extra) / rate
         tp_f, tp_b = tp_cp_comm(cluster, layout, layers, act, stage, comm, unsplit,
@@ -244,7 +244,7 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         a_f, a_b, na_f, na_b = exchange_times(config, cluster, layout, b, s_moe, e, moe,
                                               moe_load)
         q_f, q_b, nq_f, nq_b = split_times(config, cluster, layout, b, seq / layout.cp, e,
-                                           stage)
+                                           stage, v)
         tp_f, tp_b = tp_f + q_f, tp_b + q_b                  # + the routing's exchange
         r_f, r_b = _replicated(cluster, layout, layers, act, stage)
         n_f, n_b = blocking_counts(layout, layers, stage, unsplit)
@@ -281,10 +281,10 @@ def step_time(config, layout, cluster, seq, global_batch, micro_batches=1, sched
         elif layout.zero == 2:   # each micro-batch's gradients reduce-scattered in backward,
             filled = coll("reduce_scatter", dense * g_bytes, units)     # a unit at a time,
             z_b = exposed(filled, c_b, cluster.overlap, units, last)     # the last in view
-        calls = stage_calls(config, layout, stage, g_bytes, bucket_mb)   # DDP's, SP's sum
+        calls = stage_calls(config, layout, stage, g_bytes, bucket_mb, v)  # DDP's, SP's sum
         t_f = c_f + tp_f + a_f + extra_f + p2p + z_f
         t_b = c_b + tp_b + a_b + extra_b + p2p + z_b
-        row = dict(n=dense, experts=experts, expert_units=expert_units(config, layout, stage),
+        row = dict(n=dense, experts=experts, expert_units=expert_units(config, layout, stage, v),
                    c=m * (c_f + c_b), tp_cp=m * (tp_f + tp_b),
                    a2a=m * (a_f + a_b), p2p=m * 2 * p2p, zero=m * (z_f + z_b),
                    rep=m * (r_f + r_b), loss=m * loss, sync=m * (n_f + n_b) * cluster.sync_s,

@@ -138,13 +138,14 @@ def exchange_times(config, cluster, layout, b, s, e, blocks, load=1.0):
     return fwd, blocks * 2 * data + redo * fwd, n_fwd, 2 * blocks + redo * n_fwd
 
 
-def split_times(config, cluster, layout, b, s, e, stage):
+def split_times(config, cluster, layout, b, s, e, stage, v=1):
     """(forward, backward) seconds and (forward, backward) counts of the blocking collectives
     of a sequence split over ranks (module docstring) for one micro-batch of b sequences on
     `stage`, s = this cp rank's tokens: the exchange of each MoE block's routing (ids,
     sums) on tp (SP) and cp. (Under SP the router's and the experts' gradients, --ep's
-    too, are summed over tp once a step, not in backward: call_cost.sp_sum.)"""
-    blocks = stage_moe_blocks(config, layout, stage)
+    too, are summed over tp once a step, not in backward: call_cost.sp_sum.) v: chunks a
+    stage (stage_moe_blocks)."""
+    blocks = stage_moe_blocks(config, layout, stage, v)
     tp = layout.tp if layout.sp and layout.tp > 1 else 1
     groups = [(axis, tokens) for axis, tokens, on in (("tp", s, tp > 1),
                                                       ("cp", s * layout.cp, layout.cp > 1)) if on]
@@ -177,13 +178,13 @@ def _one_expert(key):
                  if ".mlp.experts.0." in name)
 
 
-def expert_tensors(config, layout, stage):
-    """Sizes of the expert parameter tensors one rank of `stage` holds under ep > 1 (E/ep
-    experts of each MoE block, block by block, expert by expert); [] without expert
-    parallelism (DDP/ZeRO then treats the experts as any parameter)."""
+def expert_tensors(config, layout, stage, v=1):
+    """Sizes of the expert parameter tensors one rank of `stage` (v chunks a stage) holds
+    under ep > 1 (E/ep experts of each MoE block, block by block, expert by expert); []
+    without expert parallelism (DDP/ZeRO then treats the experts as any parameter)."""
     if layout.ep == 1:
         return []
-    blocks, one, mine = _own_experts(config, layout, stage)
+    blocks, one, mine = _own_experts(config, layout, stage, v)
     return one * (mine * blocks)
 
 

@@ -120,11 +120,12 @@ def _busiest(pieces, n, layout, cluster, rate, steps):
     return ns, talk, padded
 
 
-def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
+def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5, v=1):
     """[(NS seconds, communication seconds)] of Muon in one step on one rank of each pipeline
     stage (module docstring): `rate` the float32 FLOP/s of one rank; `coll(op, nbytes)` a
     collective over ZeRO's shard group (cost.step_time's). Priced once per kind of block
-    (dense, MoE: every block of a kind is laid out alike), then added up per stage."""
+    (dense, MoE: every block of a kind is laid out alike), then added up per stage: its
+    blocks, of its v chunks under interleaving (block_stages)."""
     L, pp = config.n_layer, layout.pp
     per_kind = {}
     for moe in {config.is_moe(i) for i in range(L)}:
@@ -144,7 +145,7 @@ def muon_times(config, layout, cluster, rate, coll, comm="ring", steps=5):
                                  for op in ("all_gather", "reduce_scatter"))
         per_kind[moe] = ns, talk
     out = [(0.0, 0.0)] * pp
-    for i, stage in enumerate(block_stages(L, pp)):
+    for i, stage in enumerate(block_stages(L, pp, v)):
         ns, talk = per_kind[config.is_moe(i)]
         out[stage] = (out[stage][0] + ns, out[stage][1] + talk)
     return out
