@@ -19,8 +19,9 @@ The model: minidist/train/cost.py (compute, the elementwise work TP repeats with
 sync of blocking collectives, alpha-beta collectives on the links each group spans, overlap,
 the bubble; a Mixture of Experts' router, experts and expert parallelism's all-to-alls in
 minidist/train/moe_cost.py; --optimizer muon's Newton-Schulz, at the float32 rate, and its
-gathers in minidist/train/muon_cost.py); memory: minidist/train/planner.py
-(examples/plan_memory.py is its memory-only table); the search: minidist/train/search.py.
+gathers in minidist/train/muon_cost.py); memory: minidist/train/run_bill.py step_bill, the
+start-up memory check's bill of the row's run (examples/plan_memory.py is its memory-only
+table); the search: minidist/train/search.py.
 --preset h100 is H100 SXM nodes (8 GPUs, NVLink, a 400 Gb/s InfiniBand NIC per GPU);
 --preset here is this machine as examples/calibrate_here.py measured it
 (examples/calibration_here.json, or --calibration FILE), its efficiency the one measured for
