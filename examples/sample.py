@@ -31,9 +31,9 @@ from minidist.train.args import HelpWithDefaults, Parser, a_path  # noqa: E402
 from minidist.strategy.checkpoint import CheckpointError  # noqa: E402
 from minidist.train.cli import (UsageError, check_device, check_one_process,  # noqa: E402
                                run_main)
-from minidist.train.end_sample import printable  # noqa: E402
 from minidist.train.bpe import TokenizerError  # noqa: E402
 from minidist.train.data import ByteTokenizer, DataError  # noqa: E402
+from minidist.train.end_sample import printable, start_ids  # noqa: E402
 from minidist.train.gather import model_config, router_bias, whole_model  # noqa: E402
 from minidist.train.model_tokenizer import not_its_tokenizer, own_tokenizer  # noqa: E402
 from minidist.train.token_files import tokenizer_in  # noqa: E402
@@ -46,8 +46,9 @@ def sample_parser():
     p.add_argument("--resume", type=a_path, required=True, metavar="DIR",
                    help="a --save directory (its newest checkpoint), a checkpoint folder, or "
                    "a GPT-2 or Llama folder (config.json, model.safetensors)")
-    p.add_argument("--prompt", default="\n",
-                   help="the text to continue (default: %(default)r, a newline)")
+    p.add_argument("--prompt", default=None,
+                   help="the text to continue (default: a newline; the first token of a "
+                   "character vocabulary without one, as train_gpt.py's sample)")
     p.add_argument("--tokens", "--sample", dest="tokens", type=int, default=200, metavar="N",
                    help="tokens to generate (bytes, for a model in bytes; --sample: "
                    "train_gpt.py's name)")
@@ -76,7 +77,7 @@ def check(args):
         raise UsageError(f"--top-k {args.top_k}: must not be negative (0: no top-k)")
     if args.seed < 0:                      # (was numpy's traceback)
         raise UsageError(f"--seed {args.seed}: must not be negative")
-    if not args.prompt:
+    if args.prompt == "":
         raise UsageError("--prompt '': give at least one character to continue")
     check_device(args)
 
@@ -115,7 +116,8 @@ def main(args):
     config = model_config(args.resume)          # state.json / config.json only: cheap
     tokenizer = pick_tokenizer(args, config.vocab_size)
     try:
-        idx = tokenizer.encode(args.prompt)[None, :]
+        idx = start_ids(tokenizer) if args.prompt is None else \
+            tokenizer.encode(args.prompt)[None, :]
     except (DataError, TokenizerError) as e:
         raise UsageError(f"--prompt {args.prompt!r}: {e}") from None
     backend.setup(device=args.device)

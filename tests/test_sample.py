@@ -7,6 +7,7 @@ included) is a table in tests/test_cli_examples.py.
     python examples/sample.py --resume ck_tpz --prompt "def " --temperature 0
 """
 import json
+import pickle
 import subprocess
 import sys
 
@@ -154,7 +155,26 @@ def test_prompt_help_names_its_newline_default():
     out = subprocess.run([sys.executable, "examples/sample.py", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     prompt = " ".join(out.split("--prompt PROMPT", 2)[2].split("--tokens")[0].split())
-    assert prompt == "the text to continue (default: '\\n', a newline)", prompt
+    assert prompt == ("the text to continue (default: a newline; the first token of a "
+                      "character vocabulary without one, as train_gpt.py's sample)"), prompt
+
+
+def test_no_prompt_starts_a_vocabulary_without_a_newline_as_training_does(tmp_path, device):
+    """python examples/sample.py --resume CK, CK trained on nanoGPT character files with no
+    newline in them: the default prompt was "\\n", refused as `error: --prompt '\\n': the
+    text has characters outside the vocabulary` though no --prompt was typed, while the
+    training run's own sample starts from token 0 there (end_sample.start_ids; first-use
+    walk, session 35). A prompt typed is still held to the vocabulary."""
+    folder = tmp_path / "chars"
+    GPT(GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=8, vocab_size=3)).save_pretrained(
+        folder)
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"},
+                     "stoi": {"a": 0, "b": 1, "c": 2}}, f)
+    out = _sample(device, "--resume", folder, "--tokens", "5")
+    assert len(out.stdout) == 7 and set(out.stdout[:6]) <= set("abc"), out.stdout
+    out = _sample(device, "--resume", folder, "--prompt", "\n", check=False)
+    assert out.returncode == 2 and "outside the vocabulary" in out.stderr, out.stderr
 
 
 @pytest.mark.mpi

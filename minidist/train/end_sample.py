@@ -11,15 +11,21 @@ import numpy as np
 from minidist.train.data import DataError
 
 
-def sample_text(model, data, n, seed, prompt="\n", temperature=0.8, top_k=40, stop=None):
-    """`n` tokens sampled after `prompt`, as text (the prompt's included); fewer where
+def sample_text(model, data, n, seed, temperature=0.8, top_k=40, stop=None):
+    """`n` tokens sampled after `start_ids`, as text (the start included); fewer where
     `stop`, asked before each token, says so (GPT.generate)."""
-    try:
-        idx = data.tokenizer.encode(prompt)[None, :]
-    except DataError:        # a character vocabulary without "\n": start from its token 0
-        idx = np.zeros((1, 1), dtype=np.int64)
-    out = model.generate(idx, n, temperature=temperature, top_k=top_k, seed=seed, stop=stop)
+    out = model.generate(start_ids(data.tokenizer), n, temperature=temperature, top_k=top_k,
+                         seed=seed, stop=stop)
     return data.tokenizer.decode(out[0])
+
+
+def start_ids(tokenizer):
+    """The (1, t) ids a sample with no prompt starts from: a newline, or token 0 of a
+    character vocabulary without one (examples/sample.py without --prompt starts here too)."""
+    try:
+        return tokenizer.encode("\n")[None, :]
+    except DataError:
+        return np.zeros((1, 1), dtype=np.int64)
 
 
 # bidirectional embeddings, overrides and isolates: they reorder what follows on the screen
