@@ -28,7 +28,7 @@ from minidist import backend, comm
 from minidist.ddp.sync import MODES
 from minidist.launcher import world_size_from_env
 from minidist.nn import GPTConfig
-from minidist.train.args import add_model_args, arch_fields
+from minidist.train.args import add_model_args, arch_fields, train_parser
 from minidist.train.loop import moe_fields
 from minidist.ddp.strategy import DataParallel
 from minidist.train.step import train_step
@@ -135,10 +135,12 @@ def _median_ms(stats, key):
 
 
 def main():
-    args, config = parse()
-    args.lr, args.weight_decay, args.grad_accum, args.grad_clip = 1e-4, 0.1, 1, 1.0
-    args.optimizer = "adamw"                # (the optimizer is not what this times)
-    args.log_json = None
+    cli, config = parse()
+    # the step's and the optimizer's settings at train_gpt.py's defaults (AdamW, --lr 1e-4;
+    # the optimizer is not what this times), then this bench's own flags: set one by one
+    # here, the optimizer's --beta1 and --beta2 were missing (an AttributeError on every rank)
+    args = SimpleNamespace(**{**vars(train_parser().parse_args(["--lr", "1e-4"])),
+                              **vars(cli)})
     backend.setup(threads=args.threads, device=args.device)   # before the first numpy work
     group = comm.init(args.comm)          # MPI_Init, abort hooks, watchdog; the world group
     runs = [setup("single process", SingleProcess(), config, args)] if group.size == 1 else []

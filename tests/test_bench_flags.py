@@ -129,6 +129,21 @@ def test_bench_zero_prints_json_lines_and_its_tables_on_stderr(mpi):
     assert "| stage | params | grads | optimizer |" in out.stderr
 
 
+@pytest.mark.mpi
+def test_bench_ddp_prints_a_json_line_per_mode(mpi):
+    """mpiexec -n 2 python examples/bench_ddp.py --n-layer 1 --n-embd 32 --n-head 2
+    --block-size 16 --batch-size 2 --steps 1 --rounds 1 --warmup 1: one JSON line per DDP
+    mode. It stopped on every rank with AttributeError: 'Namespace' object has no attribute
+    'beta1' once the optimizer took --beta1/--beta2 (it set the training's flags one by
+    one; now train_gpt.py's defaults: first-use walk, session 35)."""
+    out = mpi(2, "examples/bench_ddp.py", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+              "--block-size", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1",
+              "--warmup", "1", timeout=120)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["mode"] for r in rows] == ["naive", "bucketed", "overlapped"], out.stdout
+    assert all(r["ranks"] == 2 and r["tokens_per_s"] > 0 for r in rows), rows
+
+
 def test_bench_polling_prints_json_lines_and_says_which_runs_failed(monkeypatch):
     """python examples/bench_polling.py --ranks 2 --sizes 4K --repeats 1 (about 8 s here): a
     JSON line per setting and size, the table on stderr; a run that fails carries its error
