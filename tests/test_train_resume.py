@@ -228,8 +228,12 @@ def test_resuming_past_the_last_step_is_refused(corpus, tmp_path, device, capsys
     assert "loss and norm" not in done["host_reads"] and done["val_loss"] == first["val_loss"]
     # a requeued run that finished writes no second summary (walk 41), and says so
     assert [r["steps"] for r in _rows(log) if r.get("final")] == [4]
-    assert "holds this run's summary of 4 steps already: not written again" in \
-        capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "holds this run's summary of 4 steps already: not written again" in said
+    # and says why nothing trains (it printed "0.0 s of training" and no word why: first-use
+    # walk, session 35)
+    assert "at step 4: the run is done (--steps 4), nothing to train, only its evaluation " \
+        "(--steps above 4 trains it further)" in said, said
 
 
 def test_a_resume_on_other_contents_at_the_same_path_says_so(corpus, tmp_path, device, capsys):

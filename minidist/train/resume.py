@@ -154,8 +154,13 @@ def resume_run(args, strategy, log, model, opt):
         if saved.get(k) is not None and saved[k] != ours[k]]
     jump = None if args.eval_only or not saved else _lr_jump(args, saved, ours,
                                                              state["step"])
+    end = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    flag = "--stop-at" if end < args.steps else "--steps"
+    done = not args.eval_only and state["step"] >= end   # a requeued finished run
     log.print0((f"evaluating {args.resume}, trained {state['step']} steps" if args.eval_only
                 else f"resumed from {args.resume} at step {state['step']}") + (
+        f": the run is done ({flag} {end}), nothing to train, only its evaluation ({flag} "
+        f"above {end} trains it further)" if done else "") + (
         f" (note: {', '.join(changed)} changed, so the run will differ from an uninterrupted"
         " one)" if changed else "")
         + (f"; note: the checkpoint's run had {' '.join(other)} (the same numbers under "
