@@ -11,8 +11,9 @@ paths a run writes (--log-json, --save, --trace, ...) and its own BLAS threads a
 Per run: the steps done of the schedule's, how it ended (finished, stopped by --stop-at,
 diverged, or no summary: still running, or cut off by a kill or a signal, which write none;
 such a run's flags are unknown, "-"), the final val loss, the best
-val loss seen and at which step (the rows' "step" counts from 0: step 9 is the console's
-10/N), the last train loss and the median tokens/s. A resumed run's log holds a summary per
+val loss seen and at which step (the console's `step N/total` and the checkpoint folder's
+step-0000000N: the rows' "step", which counts from 0, plus 1), the last train loss and the
+median tokens/s. A resumed run's log holds a summary per
 part; the last one is the run's. The curves themselves: examples/plot.py.
 Tests: tests/test_compare_runs.py.
 """
@@ -79,7 +80,7 @@ def summarize(path, rows):
             "ended": ending(last),
             "val_loss": None if last is None or last.get("diverged") else last.get("val_loss"),
             "best_val_loss": best[1] if best else None,
-            "best_val_step": best[0] if best else None,
+            "best_val_step": best[0] + 1 if best else None,     # the console's step
             "last_loss": steps[-1]["loss"] if steps else None,
             "tokens_per_s": statistics.median(speeds) if speeds else None}
 

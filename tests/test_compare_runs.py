@@ -52,6 +52,12 @@ def test_the_runs_side_by_side_best_first(sweep):
             for n, log in sweep.items()}
     assert list(rows) == sorted(best, key=best.get)                # best val loss first
     assert "4/6" in rows["cut"] and "stopped at 4" in rows["cut"] and " 0.99 " in rows["cut"]
+    # the best val loss's step is the console's (`step 4/6 | val loss`), as "stopped at 4"
+    # is: it was the rows' (3), counted from 0 (first-use walk, session 35)
+    for name, log in sweep.items():
+        step = min((r["val_loss"], r["step"]) for r in _rows(log) if "val_loss" in r
+                   and "step" in r)[1]
+        assert f" ({step + 1}) " in rows[name], rows[name]
     assert "6/6" in rows["fast"] and "finished" in rows["fast"] and " 0.95 " in rows["fast"]
 
 
@@ -64,7 +70,8 @@ def test_the_json_rows_are_the_logs_numbers(sweep):
         summary = rows[-1]
         evals = [(x["step"], x["val_loss"]) for x in rows if "step" in x and "val_loss" in x]
         assert r["val_loss"] == summary["val_loss"] and r["steps"] == summary["steps"]
-        assert (r["best_val_step"], r["best_val_loss"]) == min(evals, key=lambda e: e[1])
+        step, loss = min(evals, key=lambda e: e[1])     # the rows' step counts from 0
+        assert (r["best_val_step"], r["best_val_loss"]) == (step + 1, loss)
         assert r["last_loss"] == [x["loss"] for x in rows if "loss" in x][-1]
         assert "log_json" not in r["flags"] and r["flags"]["lr"] in (1e-3, 1e-2, 3e-2)
     assert {r["run"]: r["ended"] for r in runs} == {"slow": "finished", "fast": "finished",
