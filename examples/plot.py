@@ -186,6 +186,7 @@ def main():
         fail('examples/plot.py needs matplotlib: pip install -e ".[plot]"')
     matplotlib.use("Agg")          # files only, no window
     from matplotlib import pyplot as plt
+    check_out(args.out, plt.figure().canvas.get_supported_filetypes())
     logs = [read_log(f) for f in args.logs]
     events = None
     if args.trace:
@@ -204,8 +205,26 @@ def main():
         plot_expert_load(fig.add_subplot(grid[1, :2]), *moe[0])
     if events:
         plot_timeline(fig.add_subplot(grid[rows - 1, :]), events, args.step)
-    fig.savefig(args.out, dpi=80)
+    try:
+        fig.savefig(args.out, dpi=80)
+    except OSError as e:
+        fail(f"-o {args.out}: {e.strerror or e}")
     print(f"wrote {args.out}")
+
+
+def check_out(out, kinds):
+    """-o before any log is read: a file name ending in a format matplotlib writes (`kinds`:
+    its extensions), its folder made. Both were a traceback after the plotting (first-use
+    walk, session 35): `-o x.txt` matplotlib's ValueError, `-o new/x.png` a
+    FileNotFoundError; `-o x` was written as x.png."""
+    kind = os.path.splitext(out)[1][1:].lower()
+    if kind not in kinds:
+        fail(f"-o {out!r}: give a file name ending in one of the formats matplotlib writes: "
+             f"{', '.join(sorted(kinds))} (e.g. -o curves.png)")
+    try:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    except OSError as e:
+        fail(f"-o {out}: cannot make its folder ({e.strerror or e})")
 
 
 if __name__ == "__main__":

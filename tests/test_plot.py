@@ -82,6 +82,24 @@ def test_bad_input_is_one_line(tmp_path):
             args, done.stderr)
 
 
+def test_the_output_is_checked_before_plotting(tmp_path):
+    """-o x.txt (a format matplotlib does not write) or -o x (none: it wrote x.png) is one
+    `error:` line, exit 2; -o into a folder that does not exist makes it (each was a
+    traceback after the plotting: first-use walk, session 35)."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "a.jsonl", 3)
+    for out in ("x.txt", "x"):
+        done = plot(tmp_path / "a.jsonl", "-o", tmp_path / out)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith(f"error: -o '{tmp_path / out}': give a file name ending "
+                                   "in one of the formats matplotlib writes: "), lines[0]
+        assert "png" in lines[0] and not os.path.exists(tmp_path / out)
+    done = plot(tmp_path / "a.jsonl", "-o", tmp_path / "new" / "c.png")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "new" / "c.png").read_bytes().startswith(PNG)
+
+
 def test_ddp_timeline_text(tmp_path):
     """examples/ddp_timeline.py names the step it draws (not `step -1`), refuses a step the
     trace lacks in one line, and its --help is the whole docstring."""
