@@ -43,6 +43,7 @@ from minidist.backend import get_xp, synchronize
 from minidist.comm import mpi as mpi_algo, trace
 from minidist.launcher import world_size_from_env
 from minidist.train.args import a_path, check_at_least, example_parser
+from minidist.train.cli import UsageError, check_out_file
 from mpi4py import MPI   # after minidist.comm: MPI starts in comm.init(), not on import
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -288,6 +289,11 @@ def check_flags(p, args):
     problems = comm.env_problems("hier" if "hier" in args.algos else "ring")
     if problems:
         p.error("; ".join(problems))
+    try:                # a folder, or one that cannot be made: it was a traceback at the end
+        if args.trace:
+            check_out_file("--trace", args.trace)
+    except UsageError as e:
+        p.error(str(e))
 
 
 def main():

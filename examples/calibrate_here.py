@@ -45,6 +45,7 @@ from minidist.nn import GPT, GPTConfig                                # noqa: E4
 from minidist.optim import AdamW, clip_grad_norm                      # noqa: E402
 from minidist.train.cost import forward_flops                         # noqa: E402
 from minidist.train.args import example_parser  # noqa: E402
+from minidist.train.cli import UsageError, check_out_file  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)          # bench_plan.py's
 BATCH = 16
@@ -209,8 +210,10 @@ def main():
     if min(args.ranks) < 2:         # (bench_collectives.py refuses one rank: no collective)
         p.error(f"--ranks {','.join(map(str, args.ranks))}: the collectives need 2 ranks or "
                 "more at each count")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        p.error(f"--out {args.out}: no such folder; give a file in an existing folder")
+    try:                            # before the minute of measuring, not after it
+        check_out_file("--out", args.out)
+    except UsageError as e:
+        p.error(str(e))
     config = GPTConfig(**MODEL, vocab_size=256)
     cal = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_before": os.getloadavg()[0], "cores": os.cpu_count(),

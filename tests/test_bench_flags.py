@@ -44,6 +44,8 @@ ONE_PROCESS = [
     ("bench_resume_memory.py", ["--n-layer", "2", "--n-embd", "64", "--n-head", "2",
                                 "--scenario", "tp"], "--n-head"),
     ("calibrate_here.py", ["--ranks", "1,2"], "--ranks"),
+    # first-use walk, session 35: a traceback after the measuring (a minute), not before it
+    ("calibrate_here.py", ["--out", "examples"], "--out examples: is a folder"),
     # review 38: tracebacks, --seq 1024 0 after measuring T = 1024 first
     ("attention_memory.py", ["--seq", "1024", "0"], "--seq 0"),
     ("attention_memory.py", ["--attention-block", "0"], "--attention-block"),
@@ -70,6 +72,7 @@ TWO_RANKS = [
      "it has no reduce_scatter(ch, ...), which --ops reduce_scatter times"),
     ("bench_collectives.py", ["--ops", "foo"], "--ops"),
     ("bench_collectives.py", ["--dtype", "int7"], "--dtype"),
+    ("bench_collectives.py", ["--trace", "examples"], "--trace examples: is a folder"),
     ("bench_ddp.py", ["--steps", "0"], "--steps"),
     ("bench_ddp.py", ["--rounds", "0"], "--rounds"),
     ("bench_ddp.py", ["--modes", "foo"], "--modes"),

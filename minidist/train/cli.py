@@ -269,13 +269,11 @@ def check_outputs(args):
         _writable_folder("--cache-dir", args.cache_dir, args.cache_dir)
     for flag, path in (("--log-json", args.log_json), ("--trace", args.trace)):
         if path:
-            if os.path.isdir(path):
-                raise UsageError(f"{flag} {path}: is a folder; give a file name")
             if args.save and _inside(path, args.save):
                 raise UsageError(f"{flag} {path}: inside --save {args.save}, which must hold "
                                  "checkpoints only (the first save would refuse it); write "
                                  "it beside the folder")
-            _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
+            check_out_file(flag, path)
     if args.log_json and not args.resume and not args.overwrite:   # (a resume appends)
         _check_fresh_log(args.log_json)
 
@@ -293,6 +291,14 @@ def _check_fresh_log(path):
         raise UsageError(f"--log-json {path}: holds {rows} rows of an earlier run, which a "
                          "new run would replace; give another file, --overwrite to replace "
                          "it, or --resume that run's checkpoint (a resume appends)")
+
+
+def check_out_file(flag, path):
+    """An output file (--log-json, --trace; the benches' --trace and --out): not a folder,
+    its folder made if missing and checked writable, before any work (_writable_folder)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    _writable_folder(flag, path, os.path.dirname(os.path.abspath(path)))
 
 
 def check_out_folder(flag, out, replaced=(), replaced_note=""):
