@@ -339,8 +339,12 @@ def test_a_resumed_run_takes_its_optimizer_and_refuses_another(tmp_path):
     assert other.returncode == 2 and other.stderr == (
         f"error: --optimizer adamw: --resume {muon}/step-00000002 was trained with muon, "
         "whose state it holds; leave --optimizer out (a resumed run takes its optimizer "
-        f"from the checkpoint), or start a new run from its weights: examples/export_gpt2.py "
-        f"--resume {muon}/step-00000002 --out W, then --init-from W --optimizer adamw\n")
+        f"from the checkpoint), or start a new run from its weights: --init-from "
+        f"{muon}/step-00000002 --optimizer adamw (step 0, a fresh optimizer; --save a new "
+        "folder)\n")
+    # the advice runs (it sent the user through an export: first-use walk, session 35)
+    assert train_tiny("--steps", "2", "--init-from", f"{muon}/step-00000002", "--optimizer",
+                      "adamw").returncode == 0
     assert train_tiny("--save", adamw).returncode == 0
     into = train_tiny("--steps", "2", "--resume", adamw, "--optimizer", "muon")
     assert into.returncode == 2 and "was trained with adamw" in into.stderr

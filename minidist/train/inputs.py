@@ -291,8 +291,8 @@ def _take_resume_optimizer(args, folder, flags):
         raise UsageError(f"--optimizer {args.optimizer}: --resume {folder} was trained with "
                          f"{theirs}, whose state it holds; leave --optimizer out (a resumed "
                          "run takes its optimizer from the checkpoint), or start a new run "
-                         f"from its weights: examples/export_gpt2.py --resume {folder} --out "
-                         f"W, then --init-from W --optimizer {args.optimizer}")
+                         f"from its weights: --init-from {folder} --optimizer "
+                         f"{args.optimizer} (step 0, a fresh optimizer; --save a new folder)")
     args.optimizer = theirs
     if getattr(args, "eval_only", False):          # nothing steps: they stay unset
         return
