@@ -172,6 +172,12 @@ def test_what_eval_only_cannot_use_is_refused(flags, says, tmp_path, monkeypatch
      r"run does not use \(drop --eval-only"),
     (["--dropout", "0.5"], r"^--dropout 0.5: sets the training's dropout \(an evaluation "
      r"drops nothing\), which this run does not use"),
+    # another context: --init-from's, which --resume's refusal now names (it said "a resumed
+    # run takes its model from the checkpoint" only: first-use walk, session 35)
+    (["--block-size", "8"], r"^--block-size 8: --resume .* holds a model with block_size 16; "
+     r"leave --block-size out \(--eval-only --resume evaluates the model its run trained; "
+     r"--init-from .*step-00000003 --eval-only --block-size 8 evaluates its weights at "
+     r"another context\)$"),
 ])
 def test_a_training_flag_is_refused_by_name(trained, flag, says):
     """Every flag only training reads (the learning rate's, the steps', --save...) is

@@ -262,8 +262,11 @@ def take_resume_model(args):
         said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
                 else f"{flag_of(name)} {value}: --resume {folder} holds a model with {name} "
                 f"{resolved_size(name, config[name], config)}")
-        raise UsageError(f"{said}; leave {flag_of(name)} out (a resumed run takes its model "
-                         "from the checkpoint)")
+        why = (f"--eval-only --resume evaluates the model its run trained; --init-from "
+               f"{folder} --eval-only {flag_of(name)} {value} evaluates its weights at another "
+               "context") if name == "block_size" and getattr(args, "eval_only", False) else \
+            "a resumed run takes its model from the checkpoint"
+        raise UsageError(f"{said}; leave {flag_of(name)} out ({why})")
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
             raise UsageError(f"--dtype {args.dtype}: --resume {folder} was trained in {dtype}; "
