@@ -60,6 +60,7 @@ def test_a_checkpoint_evaluates_to_the_val_loss_its_run_ended_with(trained, caps
     assert out.startswith(f"evaluating {ck}/step-00000003, trained 3 steps\n"), out
     other = _run(["--resume", ck, "--eval-only", "--sample", "0", "--eval-iters", "1"])
     assert other["eval_tokens"] == 4 * 16 and other["val_loss"] != summary["val_loss"]
+    assert "(1 batch of 4 x 16 windows" in capsys.readouterr().out     # (was "1 batches")
     seeded = _run(["--resume", ck, "--eval-only", "--sample", "0", "--seed", "99"])
     assert seeded["val_loss"] == summary["val_loss"]    # (walk 41: the seed moved it)
     parts = _run(["--resume", ck, "--eval-only", "--sample", "0", "--grad-accum", "2"])

@@ -344,11 +344,11 @@ def _finish(args, strategy, log, model, data, val_loss, seconds, aside, reads_be
     if args.eval_only:                # the number asked for, before the sample's text
         tokens = args.eval_iters * args.batch_size * args.block_size
         split = data.meta["val_tokens"]        # (windows drawn at random: some repeat)
-        log.print0(f"val loss {val_loss:.4f} nats/token, perplexity "
-                   f"{math.exp(val_loss):.2f}, over {tokens:,} tokens of the val split "
-                   f"({args.eval_iters} batches of {args.batch_size} x {args.block_size} "
-                   f"windows drawn at random from its {split:,} tokens) "
-                   f"vs unigram entropy {data.unigram_entropy:.4f}; nothing trained")
+        batches = f"{args.eval_iters} batch{'es' * (args.eval_iters != 1)}"
+        log.print0(f"val loss {val_loss:.4f} nats/token, perplexity {math.exp(val_loss):.2f}, "
+                   f"over {tokens:,} tokens of the val split ({batches} of {args.batch_size} x "
+                   f"{args.block_size} windows drawn at random from its {split:,} tokens) vs "
+                   f"unigram entropy {data.unigram_entropy:.4f}; nothing trained")
     text, cut, interrupted = "", False, False
     if args.sample and data.tokenizer is None:
         log.print0(f"no sample: no tokenizer for {data.source} to turn tokens into text "
