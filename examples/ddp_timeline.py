@@ -84,15 +84,17 @@ def draw(events, step, width, only=None):
     hi = max(end for _, end in windows.values())
     print(f"step {step} (traced: 0 to {count - 1}): {(hi - lo) / 1e3:.1f} ms shown, {width} "
           f"columns ({(hi - lo) / 1e3 / width:.2f} ms each)")
-    for r in ranks:
+    lines = []                         # (rank, label, event); labels right-aligned to the
+    for r in ranks:                    # longest (ZeRO's "reduce_scatter 0.01 MiB" broke 22)
         start, end = windows[r]
         rows = sorted((e for e in events if e.get("pid") == r and e.get("ph") == "X"
                        and start <= e["ts"] <= end), key=lambda e: e["ts"])
-        for e in rows:
-            label = e["name"] if e["cat"] == "compute" else (
-                f"{e['name']} {e['args'].get('bytes', 0) / 2**20:.2f} MiB")
-            print(f"rank {r} {label:>22s} |{bar(e['ts'], e['ts'] + e['dur'], lo, hi, width)}| "
-                  f"{(e['ts'] - lo) / 1e3:7.1f} -{(e['ts'] + e['dur'] - lo) / 1e3:7.1f} ms")
+        lines += [(r, e["name"] if e["cat"] == "compute" else
+                   f"{e['name']} {e['args'].get('bytes', 0) / 2**20:.2f} MiB", e) for e in rows]
+    w = max([22] + [len(label) for _, label, _ in lines])
+    for r, label, e in lines:
+        print(f"rank {r} {label:>{w}s} |{bar(e['ts'], e['ts'] + e['dur'], lo, hi, width)}| "
+              f"{(e['ts'] - lo) / 1e3:7.1f} -{(e['ts'] + e['dur'] - lo) / 1e3:7.1f} ms")
 
 
 def main():

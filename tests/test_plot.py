@@ -110,6 +110,14 @@ def test_ddp_timeline_text(tmp_path):
     assert done.returncode == 0 and done.stdout.startswith("step 2 (traced: 0 to 2)"), \
         done.stdout
     assert "step -1" not in done.stdout and done.stdout.count("all_reduce") == 4, done.stdout
+    # every bar starts in one column, a ZeRO trace's long "reduce_scatter 0.01 MiB" too
+    events = json.loads(t.read_text())["traceEvents"]
+    for e in events:
+        e["name"] = "reduce_scatter" if e["name"] == "all_reduce" else e["name"]
+    t.write_text(json.dumps({"traceEvents": events}))
+    done = subprocess.run(run + [str(t)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bars = {line.index("|") for line in done.stdout.splitlines()[1:]}
+    assert len(bars) == 1 and "reduce_scatter" in done.stdout, done.stdout
     bad = subprocess.run(run + [str(t), "--step", "3"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --step 3"), bad.stderr

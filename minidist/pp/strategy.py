@@ -300,7 +300,8 @@ class PipelineParallel(ModelParallel):
         self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:
             trace.write_chrome_trace(args.trace, self.mesh.world)
-            log.print0(f"trace of every collective and micro-batch written to {args.trace}"
+            log.print0(f"trace of every collective and micro-batch written to {args.trace} "
+                       "(open it in https://ui.perfetto.dev or chrome://tracing)"
                        + trace.kept_note())
 
 

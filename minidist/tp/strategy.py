@@ -242,5 +242,6 @@ class TensorParallel(ModelParallel):
         self.inner.finish(argparse.Namespace(**{**vars(args), "trace": None}), log)
         if args.trace:                                     # one trace for the whole mesh
             trace.write_chrome_trace(args.trace, self.mesh.world)
-            log.print0(f"trace of every collective written to {args.trace}"
+            log.print0(f"trace of every collective written to {args.trace} "
+                       "(open it in https://ui.perfetto.dev or chrome://tracing)"
                        + trace.kept_note())

@@ -365,5 +365,6 @@ class ZeroDataParallel(SingleProcess):
                 None if self.replicas is None else self.shard_group.size))
         if args.trace:
             trace.write_chrome_trace(args.trace, self.group)
-            log.print0(f"trace of every collective written to {args.trace}"
+            log.print0(f"trace of every collective written to {args.trace} "
+                       "(open it in https://ui.perfetto.dev or chrome://tracing)"
                        + trace.kept_note())
