@@ -133,6 +133,17 @@ def test_simulate_refuses_sizes_it_cannot_draw(argv, says):
     assert "Traceback" not in out.stderr
 
 
+def test_simulate_takes_any_stage_count_alone(monkeypatch, capsys):
+    """python -m minidist.pp.simulate --stages 3: 2 x 3 micro-batches by default (training's
+    default), so the interleaved timeline fits; a fixed 8 refused it, naming --virtual 2."""
+    import sys
+    from minidist.pp import simulate as sim
+    monkeypatch.setattr(sys, "argv", ["simulate", "--stages", "3"])
+    sim.main()
+    out = capsys.readouterr().out
+    assert "interleaved 1F1B, v = 2: p = 3, m = 6;" in out and out.count("stage 2 |") == 4
+
+
 def test_bubble_formulas_compare():
     """Interleaving divides 1F1B's idle time by v; ZB-H1's is a third of it (equal times)."""
     p, m = 4, 8

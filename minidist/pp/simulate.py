@@ -200,10 +200,15 @@ def timeline(steps, chunks=False):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--virtual", type=int, default=2, help="chunks per rank (interleaved)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages, p (default: 4)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step, m (default: 2 x --stages, as training's)")
+    p.add_argument("--virtual", type=int, default=2,
+                   help="chunks per rank, for the interleaved timeline (default: 2)")
     a = p.parse_args()
+    # (first-use walk, session 35: a fixed default of 8 refused --stages 3 alone, naming the
+    # --virtual 2 it had not typed)
+    a.micro_batches = 2 * a.stages if a.micro_batches is None else a.micro_batches
     # (first-use walk 29: --stages 0 was "max() arg is an empty sequence", --virtual 2 with
     # 3 micro-batches a KeyError in a thread, after two timelines)
     for flag, value in (("--stages", a.stages), ("--micro-batches", a.micro_batches),
