@@ -25,6 +25,13 @@ def start(p, per_rank_split):
     config with --dropout). `per_rank_split(args)`: the count this rank's rows must split
     into (micro-batches; 1), refused by `p` where the global batch does not split so."""
     args = p.parse_args()
+    for bad, said in ((args.steps < 1, f"--steps {args.steps}: give at least 1 (0 compared "
+                       "nothing and passed)"),
+                      (not 0 <= args.dropout < 1, f"--dropout {args.dropout}: a probability "
+                       "in [0, 1)"),
+                      (not args.tol >= 0, f"--tol {args.tol}: give a difference >= 0")):
+        if bad:          # before MPI: one line from every rank's parser, not MPI_Abort
+            p.error(said)
     backend.setup(device=args.device)
     group = comm.init("ring")
     split = per_rank_split(args)

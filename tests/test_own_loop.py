@@ -55,3 +55,18 @@ def test_own_loop_trains_one_process_numbers(script, ranks, mpi):
     diffs = [float(line.rsplit("= ", 1)[1]) for line in out.splitlines()
              if "max |parameter - one process| = " in line]
     assert len(diffs) == SCRIPTS[script] and all(d <= 1e-10 for d in diffs), out
+
+
+@pytest.mark.parametrize("flags, says", [(["--dropout", "2"], "--dropout 2.0: a probability"),
+                                         (["--steps", "0"], "--steps 0: give at least 1"),
+                                         (["--tol", "nan"], "--tol nan: give a difference")])
+def test_a_bad_check_flag_is_one_line(flags, says):
+    """python examples/own_loop_tp.py --dropout 2: the GPT's ValueError, a traceback and
+    MPI_Abort; --steps 0 compared nothing and passed (first-use walk, session 35)."""
+    import subprocess
+    import sys
+    from mpirun import mpi_env
+    out = subprocess.run([sys.executable, "examples/own_loop_tp.py", *flags], cwd=ROOT,
+                         env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {says}"), out.stderr
+    assert out.stderr.count("\n") == 1 and out.stdout == ""
