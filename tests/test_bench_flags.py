@@ -51,6 +51,7 @@ ONE_PROCESS = [
     ("attention_memory.py", ["--attention-block", "0"], "--attention-block"),
     ("attention_memory.py", ["--n-head", "3", "--n-embd", "10"], "n_head"),
     ("attention_memory.py", ["--batch-size", "0"], "--batch-size"),
+    ("attention_memory.py", ["--max-gib", "nan"], "--max-gib nan"),    # (allocated 16 GiB)
     ("plot.py", ["--bogus", "-o", "x.png"], "--bogus"),        # (argparse's usage block)
     ("ddp_timeline.py", [], "trace"),
     ("bench_collectives.py", [], "mpiexec -n"),          # one process: no collective

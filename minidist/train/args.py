@@ -351,11 +351,12 @@ def example_parser(doc, cpu_only=None):
 
 def check_at_least(p, args, table):
     """The benches' range checks: for each (flag, lowest value, what it is) of `table`, a
-    value given below its lowest is p.error's one `error:` line, exit status 2 (None, a flag
-    left unset, is not checked)."""
+    value given below its lowest, or NaN (attention_memory.py --max-gib nan allocated the
+    whole batch's 16 GiB), is p.error's one `error:` line, exit status 2 (None, a flag left
+    unset, is not checked)."""
     for flag, low, what in table:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < low:
+        if value is not None and not value >= low:
             p.error(f"{flag} {value}: must be at least {low} ({what})")
 
 
