@@ -9,8 +9,8 @@ table shows only the flags whose values differ (those the runs share, where not 
 defaults, are printed once, above it); the
 paths a run writes (--log-json, --save, --trace, ...) and its own BLAS threads are left out.
 Per run: the steps done of the schedule's, how it ended (finished, stopped by --stop-at,
-diverged, or no summary: still running, or cut off by a kill or a signal, which write none;
-such a run's flags are unknown, "-"), the final val loss, the best
+diverged, evaluated by --eval-only, or no summary: still running, or cut off by a kill or a
+signal, which write none; such a run's flags are unknown, "-"), the final val loss, the best
 val loss seen and at which step (the console's `step N/total` and the checkpoint folder's
 step-0000000N: the rows' "step", which counts from 0, plus 1), the last train loss and the
 median tokens/s. A resumed run's log holds a summary per
@@ -61,7 +61,7 @@ def ending(summary):
         return f"diverged at step {summary['steps']}"
     if summary.get("stopped_at") is not None:
         return f"stopped at {summary['stopped_at']}"
-    return "finished"
+    return "evaluated (--eval-only)" if summary.get("eval_only") else "finished"
 
 
 def summarize(path, rows):
@@ -110,9 +110,10 @@ def _cell(value):
 
 
 def table(runs, keys):
-    """The text table: run, the differing flags `keys`, then the results."""
-    head = ["run", *keys, "steps", "ended", "val loss", "best val (step)", "last loss",
-            "tokens/s"]
+    """The text table: run, the differing flags `keys` (as flags: a sweep over --steps had
+    two "steps" columns, the flag's and the steps done), then the results."""
+    head = ["run", *[f"--{k.replace('_', '-')}" for k in keys], "steps", "ended", "val loss",
+            "best val (step)", "last loss", "tokens/s"]
     body = [[r["run"], *[_cell(r["flags"].get(k)) if r["flags"] else "-" for k in keys],
              f"{r['steps']}/{_cell(r['schedule_steps'])}", r["ended"], _cell(r["val_loss"]),
              "-" if r["best_val_loss"] is None else

@@ -45,8 +45,8 @@ def test_the_runs_side_by_side_best_first(sweep):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("the same in every run, off train_gpt.py's defaults: n_layer 1")
-    assert lines[1].split() == ["run", "lr", "beta2", "steps", "ended", "val", "loss", "best",
-                                "val", "(step)", "last", "loss", "tokens/s"]
+    assert lines[1].split() == ["run", "--lr", "--beta2", "steps", "ended", "val", "loss",
+                                "best", "val", "(step)", "last", "loss", "tokens/s"]
     rows = {line.split()[0]: line for line in lines[2:]}
     best = {n: min(r["val_loss"] for r in _rows(log) if "step" in r and "val_loss" in r)
             for n, log in sweep.items()}
@@ -88,7 +88,7 @@ def test_a_cut_off_log_is_read_and_a_file_that_is_no_log_is_one_error_line(sweep
     out = _run(cut, *sweep.values())            # beside finished runs: its flags unknown
     head, = [line for line in out.stdout.splitlines() if line.startswith("run ")]
     row, = [line for line in out.stdout.splitlines() if "no summary" in line]
-    assert head.split()[:3] == ["run", "lr", "beta2"] and row.split()[:4] == \
+    assert head.split()[:3] == ["run", "--lr", "--beta2"] and row.split()[:4] == \
         ["killed", "-", "-", "3/-"], out.stdout
     bad = tmp_path / "notes.jsonl"
     bad.write_text("my notes\n{}\n")
@@ -98,3 +98,14 @@ def test_a_cut_off_log_is_read_and_a_file_that_is_no_log_is_one_error_line(sweep
         len(out.stderr.splitlines()) == 1
     out = _run(tmp_path / "missing.jsonl")
     assert out.returncode == 2 and "missing.jsonl: No such file" in out.stderr
+
+
+def test_an_eval_only_log_says_it_was_evaluated(sweep, tmp_path):
+    """An --eval-only run's log (its summary row alone) ended "evaluated (--eval-only)",
+    not "finished" as if it had trained (first-use walk, session 35)."""
+    log = tmp_path / "eval.jsonl"
+    log.write_text(json.dumps({"final": True, "val_loss": 4.5, "steps": 6, "eval_only": True,
+                               "schedule_steps": None}) + "\n")
+    out = _run(log, sweep["fast"], "--json")
+    ended = {r["run"]: r["ended"] for r in map(json.loads, out.stdout.splitlines())}
+    assert ended == {"eval": "evaluated (--eval-only)", "fast": "finished"}, out.stderr
