@@ -100,6 +100,31 @@ def test_the_output_is_checked_before_plotting(tmp_path):
     assert (tmp_path / "new" / "c.png").read_bytes().startswith(PNG)
 
 
+def test_curves_are_drawn_at_the_consoles_steps(tmp_path, monkeypatch):
+    """A row's "step" counts from 0; the curves and val markers are drawn at the console's
+    `step N/total` (and the checkpoint folder's) N = step + 1: an evaluation printed at
+    step 10/20 was drawn at 9 (first-use walk, session 35)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import plot as plot_module
+    log = tmp_path / "a.jsonl"
+    write_log(log, 20)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows[9]["val_loss"] = 4.2                        # evaluated after the 10th step
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plt.figure()
+    axes = [fig.add_subplot(1, 3, c + 1) for c in range(3)]
+    plot_module.plot_curves(axes, [plot_module.read_log(str(log))], ["a"])
+    loss, val = axes[0].lines[:2]
+    assert list(loss.get_xdata()) == list(range(1, 21))
+    assert list(val.get_xdata()) == [10] and list(val.get_ydata()) == [4.2]
+    assert list(axes[1].lines[0].get_xdata())[0] == 1 and axes[2].lines[0].get_xdata()[0] == 1
+    plt.close(fig)
+
+
 def test_ddp_timeline_text(tmp_path):
     """examples/ddp_timeline.py names the step it draws (not `step -1`), refuses a step the
     trace lacks in one line, and its --help is the whole docstring."""
