@@ -1,7 +1,8 @@
 """The small models and the toy cluster the planners' tests work cases by hand on
 (tests/test_planner.py, test_planner_cli.py, test_plan_time.py, test_plan_calibration.py,
 test_plan_search.py, test_plan_strategies.py, test_plan_moe.py, test_plan_cp.py,
-test_plan_muon.py, test_plan_cli.py), and examples/plan.py run in-process."""
+test_plan_muon.py, test_plan_cli.py, test_plan_check.py, test_plan_search_check.py), and
+examples/plan.py run in-process."""
 import importlib.util
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from minidist.train.args import train_parser
 from minidist.train.cli import UsageError
 from minidist.train.cluster import Cluster
 from minidist.train.comm_cost import Link
+from minidist.train.memory_check import rank_bill
 from minidist.train.planner import config_for_params
 from minidist.train.search import train_flags
 from minidist.train.strategy import check_layout
@@ -30,6 +32,22 @@ PROPOSAL_MODELS = [
     config_for_params(1e9, seq=2048),
     GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=64, vocab_size=256, moe_experts=4,
               moe_top_k=2)]
+# the models the planners' bills are held to the memory check's on (test_plan_check.py,
+# test_plan_search_check.py): dense, MoE in every block, Llama GQA with MoE every 2nd block
+DENSE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
+MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                moe_experts=4, moe_top_k=2)
+LLAMA_MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
+                      arch="llama", n_kv_head=2, bias=False, moe_experts=4, moe_top_k=2,
+                      moe_every=2)
+
+
+def largest_check_bill(config, flags, gpus):
+    """The memory check's bill (memory_check.rank_bill) of train_gpt.py `flags` on `gpus`
+    GPUs, its largest rank's (host_is_device False: no checkpoint's copy to bill)."""
+    args = train_parser().parse_args([str(f) for f in flags])
+    return max((rank_bill(config, args, gpus, r, False) for r in range(gpus)),
+               key=lambda b: b["total"])
 
 
 def training_refusal(config, row, gpus, v=1):

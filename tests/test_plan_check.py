@@ -18,25 +18,13 @@ import pytest
 
 from minidist.nn import GPTConfig
 from minidist.train.args import train_parser
-from minidist.train.memory_check import plan_command, rank_bill, run_layout
+from minidist.train.memory_check import plan_command, run_layout
 from minidist.train.plan_args import config_from_args
 from minidist.train.planner import Layout
 from minidist.train.run_bill import plan, step_bill
 from minidist.train.search import train_flags
 
-DENSE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
-MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
-                moe_experts=4, moe_top_k=2)
-LLAMA_MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
-                      arch="llama", n_kv_head=2, bias=False, moe_experts=4, moe_top_k=2,
-                      moe_every=2)
-
-
-def _check(config, flags, ranks):
-    """The largest rank's bill of `flags` on `ranks` GPUs (host_is_device False)."""
-    args = train_parser().parse_args([str(f) for f in flags])
-    return max((rank_bill(config, args, ranks, r, False) for r in range(ranks)),
-               key=lambda b: b["total"])
+from tests.plan_cases import DENSE, LLAMA_MOE, MOE, largest_check_bill
 
 
 @pytest.mark.parametrize("config, micro", [(DENSE, 2), (MOE, 3)])
@@ -48,7 +36,7 @@ def test_every_row_of_the_plan_is_the_checks_bill_of_its_run(config, micro):
     seen = set()
     for row in plan(config, 8, micro_batch=micro, gpus_per_node=2)["rows"]:
         run = {**row, "micro_batch": micro, "micro_batches": row["pp"], "schedule": "1f1b"}
-        check = _check(config, train_flags(config, run), 8)
+        check = largest_check_bill(config, train_flags(config, run), 8)
         for key in ("params", "grads", "optimizer", "activations", "logits", "buffers",
                     "evaluation", "total"):
             assert row[key] == check[key], (row["layout"], key)
@@ -71,7 +59,7 @@ def test_a_layout_the_table_has_no_row_for_is_billed_by_the_same_step_bill(flags
     args = train_parser().parse_args([str(f) for f in ["--batch-size", 8, *flags]])
     layout, micro, m = run_layout(args, ranks)
     want = step_bill(DENSE, layout, micro, args.schedule, m, args.pp_virtual)
-    check = _check(DENSE, ["--batch-size", 8, *flags], ranks)
+    check = largest_check_bill(DENSE, ["--batch-size", 8, *flags], ranks)
     assert {k: check[k] for k in want if k != "stage"} == \
         {k: v for k, v in want.items() if k != "stage"}
 
@@ -94,9 +82,9 @@ def test_the_table_prints_the_logits_and_buffers_it_totals():
     zero3 = rows["ZeRO-3 (amp)"]
     assert f"{zero3['total'] / 2 ** 20:.1f}" == "302.4" and not zero3["fits"]
     config = GPTConfig(n_layer=4, n_head=4, n_embd=512, block_size=128, vocab_size=4096)
-    assert zero3["total"] == _check(config, ["--n-layer", 4, "--n-embd", 512, "--block-size",
-                                             128, "--batch-size", 16, "--zero", 3, "--amp",
-                                             "--attention", "materialized"], 2)["total"]
+    flags = ["--n-layer", 4, "--n-embd", 512, "--block-size", 128, "--batch-size", 16,
+             "--zero", 3, "--amp", "--attention", "materialized"]
+    assert zero3["total"] == largest_check_bill(config, flags, 2)["total"]
     assert Layout(dp=2, zero=3).name() == "ZeRO-3 (amp)"
 
 
@@ -131,5 +119,5 @@ def test_the_refusals_plan_memory_command_prices_the_runs_model_and_tokens(confi
     assert parsed.optimizer == args.optimizer
     if args.cp > 1 and args.grad_accum == 1:
         row = plan(config, ranks, micro_batch=micro)["rows"][0]
-        assert row["layout"] == "DDP (fp32)" and row["total"] == _check(
+        assert row["layout"] == "DDP (fp32)" and row["total"] == largest_check_bill(
             config, ["--batch-size", micro * ranks], ranks)["total"]

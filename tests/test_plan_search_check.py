@@ -14,33 +14,21 @@ from dataclasses import replace
 
 import pytest
 
-from minidist.nn import GPTConfig
-from minidist.train.args import train_parser
 from minidist.train.cluster import H100_IB
-from minidist.train.memory_check import rank_bill
 from minidist.train.planner import GiB, Layout
 from minidist.train.run_bill import step_bill
 from minidist.train.search import evaluate, search, train_flags
 
-from tests.plan_cases import plan_cli
+from tests.plan_cases import DENSE, LLAMA_MOE, MOE, largest_check_bill, plan_cli
 
-DENSE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256)
-MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
-                moe_experts=4, moe_top_k=2)
-LLAMA_MOE = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=256,
-                      arch="llama", n_kv_head=2, bias=False, moe_experts=4, moe_top_k=2,
-                      moe_every=2)
 PARTS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "evaluation",
          "total")
 SMALL = replace(H100_IB, gpus_per_node=2, mem_gib=0.004)     # 4.1 MiB: some rows do not fit
 
 
 def _check(config, row, gpus, v):
-    """The memory check's bill of the run train_flags makes of `row`: its largest rank's,
-    on GPUs (host_is_device False: no --save in a proposal, so no checkpoint's copy)."""
-    args = train_parser().parse_args(train_flags(config, row, v))
-    return max((rank_bill(config, args, gpus, r, False) for r in range(gpus)),
-               key=lambda b: b["total"])
+    """The memory check's bill of the run train_flags makes of `row` (its largest rank's)."""
+    return largest_check_bill(config, train_flags(config, row, v), gpus)
 
 
 @pytest.mark.parametrize("config, schedule", [
