@@ -142,6 +142,29 @@ def test_rankpdb_finishing_ends_the_job_without_restarting():
 
 
 @pytest.mark.mpi
+def test_rankpdb_stops_in_post_mortem_where_the_debugged_rank_raised():
+    """An uncaught exception on the debugged rank stops it in pdb where it was raised, as
+    `python -m pdb` does (the abort handler ended the job at once, the frames gone: first-use
+    walk of 2026-11-30), the other rank waiting in its next all-reduce; `q` there, or `c`,
+    ends the job once, nothing run past the error. By hand:
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb tests/scripts/comm_small.py raise
+    """
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+           "tests/scripts/comm_small.py", "raise"]
+    rc, out, err = run_fed(cmd, ["c", "p seen, world.rank", "q"], timeout=60)
+    assert "[rank 0] uncaught KeyError: post mortem debugging" in out, (out, err)
+    assert "({'sum': 3.0}, 0)" in out and "KeyError: 'mean'" in err, (out, err)
+    assert (out + err).count("[rank 0] debugger quit: ending the whole MPI job") == 1, (out,
+                                                                                       err)
+    assert rc != 0 and "done" not in out, (rc, out, err)
+    rc, out, err = run_fed(cmd, ["c", "c"], timeout=60)
+    assert "[rank 0] uncaught KeyError (above): ending the whole MPI job" in out + err, (out,
+                                                                                         err)
+    assert rc != 0 and "done" not in out, (rc, out, err)
+
+
+@pytest.mark.mpi
 def test_rankpdb_bad_script_is_one_line():
     """mpiexec -n 2 python -m minidist.comm.rankpdb nonexistent.py"""
     rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",

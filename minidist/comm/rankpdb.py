@@ -19,6 +19,9 @@ What plain pdb gets wrong under mpiexec, and RankPdb does instead:
                        forever for the others: RankPdb lets the rank finish.
     cl (clear all)     pdb asks "Clear all breaks?" on the process's own stdin, where a served
                        rank has nobody: RankPdb asks on its own console.
+    an exception       `python -m pdb` stops in post mortem where it was raised; the debugged
+                       rank does too (the abort handler ended the job at once, the frames
+                       gone), the others waiting; leaving it (q, Ctrl-D, c) ends the job.
 `debug.breakpoint_on(rank)` stops a rank in RankPdb from inside the code instead.
 
 Tests: tests/test_debugging.py (each of the above under mpiexec, commands fed on stdin).
@@ -31,6 +34,7 @@ import pdb
 import signal
 import socket
 import sys
+import traceback
 
 from minidist import comm
 from minidist.comm import watchdog
@@ -123,8 +127,28 @@ def run_script(path, args, rank, port_base=None):
         return                            # own handler still wins (train_gpt.py's)
     os.environ.setdefault("MINIDIST_SYNC_COMM", "1")
     debugger = debugger_for(rank, port_base)
-    debugger.run(code, scope)
+    try:
+        debugger.run(code, scope)
+    except Exception as e:       # not SystemExit: a script's own exit status stands
+        post_mortem(debugger, rank, e)
     debugger.message(f"[rank {rank}] {path} finished; not restarted (the job ends here)")
+
+
+def post_mortem(debugger, rank, error):
+    """The debugged rank raised: its traceback on the job's stderr (and the console of a
+    served rank), then pdb in the frames that raised, as `python -m pdb` does (`u`, `p`, `w`
+    there); the other ranks wait for it in their next collective (no timeout under rankpdb).
+    Leaving it ends the job: `q` or Ctrl-D through RankPdb's quit, `c` here."""
+    text = "".join(traceback.format_exception(error))
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    if debugger.stdout is not sys.stdout:
+        debugger.message(text.rstrip())
+    name = type(error).__name__
+    debugger.message(f"[rank {rank}] uncaught {name}: post mortem debugging (q ends the job)")
+    debugger.interaction(None, error.__traceback__)
+    watchdog.abort_job(f"[rank {rank}] uncaught {name} (above): ending the whole MPI job")
+    os._exit(1)
 
 
 def main(argv=None):

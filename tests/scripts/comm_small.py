@@ -24,6 +24,8 @@
                                                             # dies before MPI_Init
     MINIDIST_TRACE=2 mpiexec -n 2 python tests/scripts/comm_small.py log
     mpiexec -n 2 python tests/scripts/comm_small.py breakpoint   # (or builtin: breakpoint())
+    mpiexec -n 2 python -m minidist.comm.rankpdb tests/scripts/comm_small.py raise  # rank 0
+                                                  # raises: pdb's post mortem there
     python -m minidist.comm.attach 4445          # in a second terminal: pdb on rank 1
     mpiexec -n 2 python tests/scripts/comm_small.py finish --device cuda   # cupy buffers
 
@@ -142,6 +144,14 @@ elif mode == "handlers":     # under rankpdb: what Ctrl-C does on each rank, and
     ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     print(f"rank {world.rank} SIGINT ignored {ignored}, wait {progress.wait_policy()}",
           flush=True)
+elif mode == "raise":        # under rankpdb: rank 0 raises, the others wait in the next call
+    buf = xp.full(4, world.rank + 1.0)
+    world.all_reduce(buf)
+    seen = {"sum": float(buf[0])}
+    if world.rank == 0:
+        print(seen["mean"])      # KeyError
+    world.all_reduce(buf)
+    print(f"rank {world.rank} done {buf[0]}")
 elif mode in ("breakpoint", "builtin"):
     from minidist.comm import debug
     buf = xp.full(4, world.rank + 1.0)
