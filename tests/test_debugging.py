@@ -7,6 +7,7 @@ Each test's docstring gives the command to run it by hand.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -216,6 +217,29 @@ def test_the_builtin_breakpoint_on_rank_1_is_served_to_the_attach_console():
         "array([2., 2., 2., 2.])" in console, (console, err)       # stopped in the script
     assert "array([3., 3., 3., 3.])" in console, (console, err)    # again, the same console
     assert rc == 0 and "rank 0 done 6.0" in out and "rank 1 done 6.0" in out, (out, err)
+
+
+@pytest.mark.mpi
+def test_a_debugger_port_in_use_is_one_line_naming_the_variable():
+    """Rank 1's pdb port held by another program (another job's debugger on a shared node):
+    one `error:` line naming the port and MINIDIST_PDB_PORT, the job ended (it was OSError's
+    traceback, "Address already in use", and no word of the variable: first-use walk of
+    2026-11-30). By hand, with port 4445 taken:
+
+        mpiexec -n 2 python tests/scripts/comm_small.py breakpoint
+    """
+    base = 20000 + (os.getpid() * 7 + 5) % 20000
+    holder = socket.create_server(("127.0.0.1", base + 1))
+    try:
+        job = run_job([mpiexec(), "-n", "2", sys.executable, "tests/scripts/comm_small.py",
+                       "breakpoint"], timeout=60, check=False,
+                      env=mpi_env(MINIDIST_PDB_PORT=base, MINIDIST_COMM_TIMEOUT=0))
+    finally:
+        holder.close()
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"127.0.0.1:{base + 1}" in errors[0], job.stderr
+    assert "MINIDIST_PDB_PORT" in errors[0] and "Traceback" not in job.stderr, job.stderr
+    assert job.returncode != 0 and "done" not in job.stdout, (job.returncode, job.stdout)
 
 
 @pytest.mark.mpi

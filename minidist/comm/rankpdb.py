@@ -102,7 +102,14 @@ def debugger_for(rank, port_base=None):
 def _served(rank, port_base):
     """A RankPdb on the connection an attach console makes to 127.0.0.1:port_base + rank."""
     base = port_base or int(os.environ.get("MINIDIST_PDB_PORT", DEFAULT_PORT))
-    server = socket.create_server(("127.0.0.1", base + rank))
+    try:
+        server = socket.create_server(("127.0.0.1", base + rank))
+    except OSError as e:     # another job's debugger on this node (a shared login node)
+        watchdog.abort_job(f"error: [rank {rank}] cannot serve pdb on 127.0.0.1:{base + rank}"
+                           f" ({os.strerror(e.errno)}: another debugger or program holds it); set "
+                           "MINIDIST_PDB_PORT (rankpdb: --port-base) to another base, rank r "
+                           "serving on base + r")
+        os._exit(1)
     sys.stderr.write(f"[rank {rank}] waiting for a debugger: "
                      f"python -m minidist.comm.attach {base + rank}\n")
     sys.stderr.flush()
