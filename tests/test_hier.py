@@ -115,3 +115,19 @@ def test_train_gpt_says_how_hier_splits_before_step_one(mpi, tmp_path):
     said = out.stdout.split("step     1/1")[0]
     assert ("DDP over 4 ranks: hier, run as the flat ring: nodes holding different numbers of "
             "its ranks\n") in said, out.stdout
+
+
+@pytest.mark.mpi
+def test_zero_under_hier_says_its_collectives_run_the_flat_ring(mpi):
+    """    MINIDIST_RANKS_PER_NODE=2 mpiexec -n 4 python examples/train_gpt.py --comm hier --zero 1
+    said 'ZeRO stage 1 over 4 ranks (hier: 2 nodes x 2 ranks)', but hier splits all-reduces
+    alone and ZeRO runs reduce-scatters and all-gathers: every byte went on the flat ring
+    (first-use walk of 2026-11-30). Its lines now say so; DDP's still say the split."""
+    out = mpi(4, "examples/train_gpt.py", "--comm", "hier", "--zero", "1", "--n-layer", "1",
+              "--n-embd", "16", "--block-size", "8", "--batch-size", "4", "--steps", "1",
+              "--eval-iters", "1", "--sample", "0", timeout=240,
+              env=mpi_env(MINIDIST_RANKS_PER_NODE=2))
+    said = ("(hier, run as the flat ring: hier splits all-reduces alone, not ZeRO's "
+            "reduce-scatters and all-gathers; 2 nodes x 2 ranks)")
+    assert f"ZeRO stage 1 over 4 ranks {said}" in out.stdout, out.stdout
+    assert f"ZeRO-1 over 4 ranks {said}" in out.stdout, out.stdout

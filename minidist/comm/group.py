@@ -142,10 +142,10 @@ class ProcessGroup:
         """(start, stop) of this rank's chunk of a length-n buffer (see chunk_bounds)."""
         return chunk_bounds(n, self.size)[self.rank]
 
-    def algo_text(self):
-        """The algorithm, for the logs: its name, and under "hier" the node split it runs
-        (or why it runs the flat ring: hier.Hierarchy.describe)."""
-        return self._hier.describe() if self._hier is not None else self.algo
+    def algo_text(self, ring_ops=None):
+        """The algorithm, for the logs: its name, and under "hier" the node split it runs (or
+        why it runs the flat ring, `ring_ops` one reason: hier.Hierarchy.describe)."""
+        return self._hier.describe(ring_ops) if self._hier is not None else self.algo
 
     def __repr__(self):
         return (f"ProcessGroup(name={self.name!r}, algo={self.algo!r}, rank={self.rank}, "

@@ -112,9 +112,16 @@ class Hierarchy:
         self.inter = comm.Split(self.local, me)
         self._scratch = scratch
 
-    def describe(self):
+    def describe(self, ring_ops=None):
         """'hier: 2 nodes x 2 ranks', or why the group runs the flat ring (the logs say it:
-        a run that set --comm hier and got the ring was told nothing)."""
+        a run that set --comm hier and got the ring was told nothing). `ring_ops`: what a
+        strategy that runs no all-reduce on the group runs instead (ZeRO's reduce-scatters
+        and all-gathers, EP's all-to-alls): hier splits all-reduces alone, so those are the
+        ring's on any nodes (a ZeRO-3 run said 'hier: 2 nodes x 2 ranks', every byte sent on
+        the flat ring: first-use walk of 2026-11-30)."""
+        if not self.flat and ring_ops:
+            return (f"hier, run as the flat ring: hier splits all-reduces alone, not "
+                    f"{ring_ops}; {self.m} nodes x {self.k} ranks")
         if not self.flat:
             return f"hier: {self.m} nodes x {self.k} ranks"
         why = ("all its ranks on one node" if self.m == 1 else "one rank per node"

@@ -358,7 +358,8 @@ class ExpertParallel(ModelParallel):
             f"{self.edp.size} (the experts' gradients over their replicas: "
             + ("reduce-scattered in backward, the shards all-gathered after the step)"
                if self._zero() else self.edp_sync_text() + ")"))
-        return (f"expert parallel over {self.group.size} ranks ({self.group.algo_text()}): "
+        algo = self.group.algo_text("the all-to-alls")     # hier splits all-reduces alone
+        return (f"expert parallel over {self.group.size} ranks ({algo}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step on the ep group (all-to-all)"
                 + edp)
 

@@ -54,6 +54,8 @@ from minidist.zero.optim import ShardedAdamW
 from minidist.zero.flat import gpt_units
 from minidist.zero.engine import zero_engine
 
+RING_OPS = "ZeRO's reduce-scatters and all-gathers"   # --comm hier splits all-reduces alone
+
 
 def ranks(n):
     """'1 rank', '4 ranks' (a pipeline can leave ZeRO one rank: --pp 2 --zero 1 on 2)."""
@@ -166,7 +168,7 @@ class ZeroDataParallel(SingleProcess):
     def notes(self, training=True):
         pad = sum(u.flat.padding for u in self.engine.units)
         return super().notes(training) + [
-            f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo_text()}): "
+            f"ZeRO stage {self.stage} over {self.over()} ({self.group.algo_text(RING_OPS)}): "
             f"{len(self.engine.units)} flat units, {pad} padding elements in all; this rank "
             f"owns {sum(u.flat.shard_size for u in self.engine.units):,} of "
             f"{sum(u.flat.padded for u in self.engine.units):,} elements of each flat state"]
@@ -339,7 +341,7 @@ class ZeroDataParallel(SingleProcess):
                  "step's first, the last two blocks' at the turn to backward, the first two "
                  "blocks' at the next micro-batch's forward"
                  if self.stage == 3 else "")
-        return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text()}): "
+        return (f"ZeRO-{self.stage} over {self.over()} ({self.group.algo_text(RING_OPS)}): "
                 f"{sent / 2**20:.2f} MiB sent per rank per step for {psi / 2**20:.2f} MiB "
                 f"of parameters ({sent / psi:.2f} x{hybrid}{paper}; DDP sends "
                 f"2(N-1)/N = {2 * (n - 1) / n:.2f} x"

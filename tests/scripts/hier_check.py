@@ -49,6 +49,9 @@ def main():
     per_node = ranks_per_node()
     assert world._hier.k == per_node and not world._hier.flat, "expected 2 nodes x 2 ranks"
     assert world.algo_text() == "hier: 2 nodes x 2 ranks", world.algo_text()   # the logs'
+    assert world.algo_text("ZeRO's reduce-scatters") == ("hier, run as the flat ring: hier "
+                                                         "splits all-reduces alone, not ZeRO's "
+                                                         "reduce-scatters; 2 nodes x 2 ranks")
     check(world, per_node)
     odd = world.new_group([0, 2])          # one rank on each node: the flat ring
     if odd is not None:
