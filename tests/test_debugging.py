@@ -244,11 +244,16 @@ def test_a_debugger_port_in_use_is_one_line_naming_the_variable():
 
 @pytest.mark.mpi
 def test_attach_quit_ends_the_job():
-    """`q` on rank 1 ends the job, rank 0 (waiting in the all-reduce) included."""
+    """`q` on rank 1 ends the job, rank 0 (waiting in the all-reduce) included; the line it
+    waited with named its host, where attach must run on a cluster (first-use walk of
+    2026-11-30: it named the port alone)."""
     console, rc, out, err = attach_to_rank1(["tests/scripts/comm_small.py", "breakpoint"],
                                             ["q"], port_offset=2)
     assert "[rank 1] debugger quit: ending the whole MPI job" in console, (console, err)
     assert rc != 0 and "done" not in out, (rc, out, err)
+    # the host to attach on: a rank on another node listens on that node's 127.0.0.1
+    assert f"[rank 1] waiting for a debugger on {socket.gethostname()}: python -m " \
+        "minidist.comm.attach" in err, err
 
 
 @pytest.mark.mpi

@@ -100,7 +100,8 @@ def debugger_for(rank, port_base=None):
 
 
 def _served(rank, port_base):
-    """A RankPdb on the connection an attach console makes to 127.0.0.1:port_base + rank."""
+    """A RankPdb on the connection an attach console makes to 127.0.0.1:port_base + rank,
+    from a terminal on this rank's host (which the waiting line names)."""
     base = port_base or int(os.environ.get("MINIDIST_PDB_PORT", DEFAULT_PORT))
     try:
         server = socket.create_server(("127.0.0.1", base + rank))
@@ -110,8 +111,9 @@ def _served(rank, port_base):
                            "MINIDIST_PDB_PORT (rankpdb: --port-base) to another base, rank r "
                            "serving on base + r")
         os._exit(1)
-    sys.stderr.write(f"[rank {rank}] waiting for a debugger: "
-                     f"python -m minidist.comm.attach {base + rank}\n")
+    # the host too: on a cluster the rank's node, where attach must run (127.0.0.1 there)
+    sys.stderr.write(f"[rank {rank}] waiting for a debugger on {socket.gethostname()}: "
+                     f"python -m minidist.comm.attach {base + rank} (run it there)\n")
     sys.stderr.flush()
     conn, _ = server.accept()
     # two files: one text file for both directions drops read-ahead lines when written to
