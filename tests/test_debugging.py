@@ -166,6 +166,23 @@ def test_rankpdb_stops_in_post_mortem_where_the_debugged_rank_raised():
 
 
 @pytest.mark.mpi
+def test_rankpdb_warns_of_an_exported_timeout_at_its_first_stop():
+    """rankpdb keeps an exported MINIDIST_COMM_TIMEOUT (train.sbatch exports one), and the
+    others then end the job that long into a person's stepping: its first stop says so, as
+    breakpoint_on's does (it said nothing: first-use walk of 2026-11-30). By hand:
+
+        MINIDIST_COMM_TIMEOUT=60 mpiexec -n 2 python -m minidist.comm.rankpdb \
+            tests/scripts/comm_small.py finish
+    """
+    rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                            "tests/scripts/comm_small.py", "finish"], ["c"], timeout=60,
+                           env=mpi_env(MINIDIST_COMM_TIMEOUT=60))
+    assert out.count("[rank 0] note: the other ranks end the job once they wait 60 s for "
+                     "this one; MINIDIST_COMM_TIMEOUT=0") == 1, (out, err)
+    assert rc == 0 and "rank 1 finished" in out, (rc, out, err)
+
+
+@pytest.mark.mpi
 def test_rankpdb_bad_script_is_one_line():
     """mpiexec -n 2 python -m minidist.comm.rankpdb nonexistent.py"""
     rc, out, err = run_fed([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",

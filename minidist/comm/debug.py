@@ -160,13 +160,9 @@ def breakpoint_on(rank, port_base=None, frame=None):
     if MPI.COMM_WORLD.Get_rank() != rank:
         return
     # imported here, not at the top: `python -m minidist.comm.rankpdb` needs it unimported
-    from minidist.comm.rankpdb import debugger_for
+    from minidist.comm.rankpdb import debugger_for, warn_of_the_timeout
     debugger = debugger_for(rank, port_base)
-    if watchdog.timeout_s() > 0:
-        debugger.message(f"[rank {rank}] note: the other ranks end the job once they wait "
-                         f"{watchdog.timeout_s():g} s for this one; MINIDIST_COMM_TIMEOUT=0 "
-                         "lets you step for as long as you like (python -m "
-                         "minidist.comm.rankpdb sets it)")
+    warn_of_the_timeout(debugger, rank)
     debugger.set_trace(frame or sys._getframe().f_back)
 
 

@@ -99,6 +99,17 @@ def debugger_for(rank, port_base=None):
     return _debuggers[rank]
 
 
+def warn_of_the_timeout(debugger, rank):
+    """Say on the debugger's console how long the other ranks wait for this one, where a
+    timeout is set (an exported MINIDIST_COMM_TIMEOUT, which rankpdb keeps: it ended a
+    session 3 s into a step, unwarned, first-use walk of 2026-11-30; breakpoint_on)."""
+    if watchdog.timeout_s() > 0:
+        debugger.message(f"[rank {rank}] note: the other ranks end the job once they wait "
+                         f"{watchdog.timeout_s():g} s for this one; MINIDIST_COMM_TIMEOUT=0 "
+                         "lets you step for as long as you like (python -m "
+                         "minidist.comm.rankpdb sets it where it is not exported)")
+
+
 def _served(rank, port_base):
     """A RankPdb on the connection an attach console makes to 127.0.0.1:port_base + rank,
     from a terminal on this rank's host (which the waiting line names)."""
@@ -136,6 +147,7 @@ def run_script(path, args, rank, port_base=None):
         return                            # own handler still wins (train_gpt.py's)
     os.environ.setdefault("MINIDIST_SYNC_COMM", "1")
     debugger = debugger_for(rank, port_base)
+    warn_of_the_timeout(debugger, rank)    # one exported (train.sbatch does) is kept
     try:
         debugger.run(code, scope)
     except Exception as e:       # not SystemExit: a script's own exit status stands
