@@ -259,6 +259,19 @@ def test_a_debugger_port_in_use_is_one_line_naming_the_variable():
     assert job.returncode != 0 and "done" not in job.stdout, (job.returncode, job.stdout)
 
 
+def test_attach_with_nothing_listening_says_to_run_it_on_the_ranks_host():
+    """python -m minidist.comm.attach PORT, nothing listening: one error line, exit 2, that
+    says to run it on the host the rank's waiting line names (a rank of a job on another node
+    listens on that node's 127.0.0.1: first-use walk of 2026-11-30)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]          # a port nothing listens on once closed
+    done = subprocess.run([sys.executable, "-m", "minidist.comm.attach", str(port)], cwd=ROOT,
+                          timeout=60, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith(
+        f"error: nothing listens on 127.0.0.1:{port}"), done.stderr
+    assert "'waiting for a debugger on HOST' line, then run this on HOST" in done.stderr
+
+
 @pytest.mark.mpi
 def test_attach_quit_ends_the_job():
     """`q` on rank 1 ends the job, rank 0 (waiting in the all-reduce) included; the line it

@@ -57,7 +57,8 @@ def main(argv=None):
         attach(a.port, a.host, a.wait)
     except ConnectionRefusedError:
         sys.stderr.write(f"error: nothing listens on {a.host}:{a.port} (ConnectionRefusedError):"
-                         " start the job first and wait for its 'waiting for a debugger' line,"
+                         " start the job first and wait for its 'waiting for a debugger on HOST'"
+                         " line, then run this on HOST (the rank listens on its own 127.0.0.1),"
                          " or pass --wait SECONDS\n")
         sys.exit(2)
 
