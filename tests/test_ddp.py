@@ -140,6 +140,22 @@ def test_grads_are_views_into_buckets_and_survive_zero_grad(device, recording):
     assert all(p.grad is v for b in ddp.buckets for p, v in zip(b.params, b.views))
 
 
+def test_a_bucket_says_what_it_holds_in_a_debugger(recording):
+    """`p b` in a debugger stopped in DataParallelOverlap._launch (the DDP chapter's place to
+    break) showed `<minidist.ddp.sync.Bucket object at 0x...>`: its repr says its size, the
+    gradients complete and where its all-reduce is (first-use walk of 2026-11-30)."""
+    ddp = DistributedDataParallel(GPT(CONFIG, seed=0), recording(), mode="overlapped")
+    b = ddp.buckets[0]
+    n = sum(p.size for p in b.params)
+    assert repr(b) == (f"Bucket({len(b.params)} params, {n:,} float32 = "
+                       f"{n * 4 / 2**20:.2f} MiB, 0 gradients complete, all-reduce not "
+                       "started)"), repr(b)
+    _backward(ddp)                              # the hooks start its all-reduce
+    b.work.wait()
+    assert repr(b).endswith(f", {len(b.params)} gradients complete, all-reduce done)"), b
+    ddp.sync_grads()
+
+
 @pytest.mark.parametrize("mode", ["bucketed", "overlapped"])
 def test_the_training_step_keeps_every_gradient_a_view_into_its_bucket(mode, device,
                                                                         recording):

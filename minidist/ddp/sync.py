@@ -261,6 +261,14 @@ class Bucket:
         self.attaches = 0         # attach() calls, and the gradients they copied in: each
         self.copies = 0           # copy is a step's gradient that backward did not add in place
 
+    def __repr__(self):
+        """What `p b` shows in a debugger stopped in _launch (it showed an address)."""
+        state = ("not started" if self.work is None else
+                 "done" if self.work.is_completed() else "in flight")
+        return (f"Bucket({len(self.params)} params, {self.buffer.size:,} {self.buffer.dtype} = "
+                f"{self.buffer.nbytes / 2**20:.2f} MiB, {self.ready} gradients complete, "
+                f"all-reduce {state})")
+
     def attach(self):
         """Make every parameter's .grad its view again, keeping the value it holds. Only a
         fallback: DDP's own zero_grad() keeps the views, so backward's `+=` writes into the
