@@ -110,3 +110,20 @@ def test_before_backward_gradcheck_calls_its_function_first():
     calls.clear()
     (BeforeBackward.apply(x, lambda: calls.append(1)) * 2.0).sum().backward()
     assert calls == [1]
+
+
+def test_a_units_and_a_gather_buffers_reprs_are_a_line_each():
+    """`p u` in a debugger stopped in ZeRO's reduce-scatter printed every array the unit
+    holds (hundreds of lines) and `p self.buffers` addresses: one line each now, saying
+    what this rank holds and which unit a buffer holds (first-use walk of 2026-11-30)."""
+    from minidist.zero.engine import zero_engine
+    model = GPT(CONFIG, SEED, "float64")
+    engine = zero_engine(model, one_rank("dp"), 3)
+    model(*batch(0, 4))                               # forward: block gathers into buffers
+    u = engine.units[1]
+    assert repr(u) == (f"ZeroUnit('h.0': this rank's [0, {u.flat.padded}) of "
+                       f"{u.flat.padded:,}, 0 of {len(u.flat.params)} gradients ready, "
+                       f"holding param_shard, grad_shard; its slot holds {u.slot!r})"), repr(u)
+    assert repr(u.slot) in (f"GatherBuffer({u.flat.padded:,} elements, holding {name!r})"
+                            for name in ("h.0", f"h.{CONFIG.n_layer - 2}")), repr(u.slot)
+    engine.free()

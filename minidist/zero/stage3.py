@@ -36,6 +36,12 @@ class GatherBuffer:
     def __init__(self, size):
         self.size, self.buffer, self.holder, self.work = size, None, None, None
 
+    def __repr__(self):
+        held = None if self.holder is None else self.holder.flat.name
+        gathering = self.work is not None and not self.work.is_completed()
+        return (f"GatherBuffer({self.size:,} elements, holding {held!r}"
+                + (", its gather in flight)" if gathering else ")"))
+
 
 class BeforeBackward(Function):
     """Identity forward; backward first calls `fn()`, then passes the gradient through. Placed

@@ -82,6 +82,16 @@ class ZeroUnit:
     slot: Any = None
     master: Any = None
 
+    def __repr__(self):
+        """Short, for a debugger (`p u` printed every array the unit holds, hundreds of
+        lines: first-use walk of 2026-11-30): the unit, this rank's range, what it holds."""
+        held = [name for name in ("param_shard", "full", "grad_shard", "grad_full", "master")
+                if getattr(self, name) is not None]
+        slot = "" if self.slot is None else f"; its slot holds {self.slot!r}"
+        return (f"ZeroUnit({self.flat.name!r}: this rank's [{self.flat.lo}, {self.flat.hi}) "
+                f"of {self.flat.padded:,}, {self.ready} of {len(self.flat.params)} gradients "
+                f"ready, holding {', '.join(held)}{slot})")
+
 
 class ZeroStage1:
     """Optimizer state sharded; full parameters and full gradients on every rank."""
