@@ -157,6 +157,28 @@ def test_bubble_formulas_compare():
         bubble_fraction("gpipe", p, m, 2)
 
 
+def test_a_link_and_the_micro_batches_say_where_a_schedule_is_in_a_debugger():
+    """`p link` and `p steps` in a debugger stopped in a schedule (one_f_one_b(link, steps))
+    printed object addresses: one line each now, the stage and its neighbours' activation
+    shape, the micro-batches in flight (first-use walk of 2026-11-30). A one-rank pipeline
+    holding every block, one forward run."""
+    import numpy as np
+    from mpi4py import MPI
+    from minidist.comm import ProcessGroup
+    from minidist.nn import GPTConfig
+    from minidist.pp.microbatches import MicroBatches
+    from minidist.pp.stage import GPTStage
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    stage = GPTStage(config, ProcessGroup(MPI.COMM_SELF, name="pp"), range(2), 0, "float64")
+    x = np.random.default_rng(0).integers(0, 32, (4, 8))
+    steps = MicroBatches(stage, x, np.roll(x, -1, axis=1), 2, lambda loss: loss.backward())
+    steps.forward(0, None)
+    assert repr(steps) == "MicroBatches(2 of 2 rows, in flight [(0, 0)], peak 1, 1 loss(es) " \
+        "at the head)", repr(steps)
+    assert repr(stage.link) == "StageLink(stage 0 of 1, 1 chunk(s) a rank, 0 send(s) not " \
+        "waited, activations None None)", repr(stage.link)
+
+
 @pytest.mark.mpi
 def test_stage_names_are_gpt2_names_with_global_block_numbers(mpi):
     """Two stages' parameters are exactly GPT's, split, the tied wte on both ends, with

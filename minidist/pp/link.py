@@ -39,6 +39,12 @@ class StageLink:
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
         self.shape = self.dtype = self.xp = None
 
+    def __repr__(self):
+        """For a debugger in a schedule (`p link`): which stage, its neighbours, the shape."""
+        return (f"StageLink(stage {self.stage} of {self.n_stages}, {self.n_chunks} chunk(s) a "
+                f"rank, {len(self.posted)} send(s) not waited, activations {self.shape} "
+                f"{self.dtype})")
+
     def expect(self, shape, dtype, xp):
         self.shape, self.dtype, self.xp = tuple(shape), dtype, xp
 

@@ -56,6 +56,13 @@ class MicroBatches:
         self.router, self.router_values = {}, []
         self.peak_in_flight, self.peak_bytes = 0, 0
 
+    def __repr__(self):
+        """For a debugger in a schedule (`p steps`): the micro-batches, which are in flight
+        (forward run, backward not: (chunk, micro-batch), held activations), the peak."""
+        return (f"MicroBatches({self.n_micro} of {len(self.idx[0])} rows, in flight "
+                f"{sorted(self.live)}, peak {self.peak_in_flight}, "
+                f"{len(self.losses)} loss(es) at the head)")
+
     def forward(self, i, inp, chunk=0):
         """Run micro-batch i through this rank's chunk; returns its output (the loss after
         the head)."""
