@@ -8,6 +8,9 @@ tests/test_pipeline_train.py.
 The distributed checks run tests/scripts/pp_check.py, which batches many comparisons into one
 mpiexec start; each test's docstring gives the command to run it by hand.
 """
+import os
+import sys
+
 import pytest
 
 from minidist.pp.schedule import bubble_fraction, chunk_layers, peak_in_flight, split_layers
@@ -15,7 +18,7 @@ from minidist.pp.simulate import simulate, timeline
 from minidist.pp.strategy import default_micro_batches
 from minidist.train.strategy import check_layout
 from minidist.train.cli import UsageError
-from mpirun import ROOT, tagged_json, within
+from mpirun import ROOT, mpiexec, run_job, tagged_json, within
 from tests.pipeline_cases import _parse
 
 
@@ -324,3 +327,28 @@ def test_verbose_logs_every_send_and_receive(mpi):
     assert sum("send forward" in line for line in lines) == 2
     assert any("stage 1 recv forward" in line and "(4, 8, 16) float64" in line
                for line in lines)
+
+
+@pytest.mark.mpi
+def test_the_chapters_rankpdb_session_stops_in_one_f_one_b(corpus, tmp_path):
+    """The PP chapter's debugger session, typed as written (the default 4 micro-batches of a
+    --pp 2 run): rank 0 stops in one_f_one_b as stage 0, `p link, steps` shows both, and three
+    `n` later the warmup and steady counts are (1, 3). By hand:
+
+        mpiexec -n 2 python -m minidist.comm.rankpdb examples/train_gpt.py --pp 2
+    """
+    text = open(os.path.join(ROOT, "minidist/pp/README.md")).read()
+    typed = ["import minidist.pp.schedule", "b minidist.pp.schedule.one_f_one_b", "c",
+             "p link, steps"]
+    for line in typed:
+        assert f"(Pdb rank 0) {line}" in text, line
+    assert "mpiexec -n 2 python -m minidist.comm.rankpdb examples/train_gpt.py --pp 2" in text
+    flags = ["--n-layer", "2", "--n-embd", "16", "--block-size", "16", "--steps", "1",
+             "--eval-iters", "1", "--sample", "0", "--data", corpus,
+             "--cache-dir", str(tmp_path / "cache")]
+    job = run_job([mpiexec(), "-n", "2", sys.executable, "-m", "minidist.comm.rankpdb",
+                   "examples/train_gpt.py", "--pp", "2", *flags], timeout=120, check=False,
+                  input="\n".join(typed + ["n", "n", "n", "p n_warmup, n_steady", "q"]) + "\n")
+    assert "(StageLink(stage 0 of 2, 1 chunk(s) a rank" in job.stdout, (job.stdout, job.stderr)
+    assert "MicroBatches(4 of 4 rows, in flight []" in job.stdout, job.stdout
+    assert "(Pdb rank 0) (1, 3)" in job.stdout and "Error" not in job.stdout, job.stdout
