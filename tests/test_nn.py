@@ -107,3 +107,15 @@ def test_parameter_flags():
     assert Parameter(np.zeros(2)).requires_grad
     assert not Linear(2, 2).bias.decay and Linear(2, 2).weight.decay
     assert not Embedding(2, 2).weight.decay and not LayerNorm(2).weight.decay
+
+
+def test_a_modules_repr_is_one_line_for_a_debugger():
+    """`p self` in a layer's forward printed `<minidist.nn.layers.Linear object at 0x...>`:
+    one line now, its own parameters' shapes, its children by name (a long ModuleList cut),
+    the parameters in all (first-use walk of 2026-11-30)."""
+    layer = Linear(4, 3)
+    assert repr(layer) == "Linear(weight (4, 3), bias (3,); 15 parameters)"
+    blocks = ModuleList([LayerNorm(2) for _ in range(8)])
+    assert repr(blocks) == "ModuleList(0, 1, 2, ..., 7; 32 parameters)"
+    assert repr(ModuleDict(ln=LayerNorm(2), fc=layer)) == \
+        "ModuleDict(ln, fc; 19 parameters)"

@@ -64,6 +64,17 @@ class Module:
     def forward(self, *args, **kwargs):
         raise NotImplementedError
 
+    def __repr__(self):
+        """One line, for a debugger (`p self` in a layer's forward printed an address): the
+        class, its own parameters' shapes, its children's names, the parameters in all."""
+        own = [f"{name} {tuple(v.shape)}" for name, v in vars(self).items()
+               if isinstance(v, Parameter)]
+        children = [name for name, _ in self.named_children()]
+        if len(children) > 6:                       # a ModuleList of many blocks
+            children = children[:3] + ["...", children[-1]]
+        return (f"{type(self).__name__}({', '.join(own + children)}; "
+                f"{self.num_parameters():,} parameters)")
+
     # ---- the tree --------------------------------------------------------------------------
     def named_children(self):
         for name, value in vars(self).items():
