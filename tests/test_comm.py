@@ -268,3 +268,13 @@ def test_a_non_blocking_collective_holds_its_arrays_until_done():
     del requests
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+def test_a_channel_says_its_collective_group_and_rank_in_a_debugger():
+    """`p ch` in a debugger stopped in ring.py (the comm chapter's recipe prints
+    `p ch.rank, buf.size`) printed an address: the collective, the group and this rank now
+    (first-use walk of 2026-11-30)."""
+    from mpi4py import MPI
+    from minidist.comm.channel import Channel
+    assert repr(Channel(MPI.COMM_SELF, "dp", "reduce_scatter")) == \
+        "Channel('reduce_scatter' on group 'dp', rank 0 of 1)"

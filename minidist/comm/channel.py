@@ -28,6 +28,11 @@ class Channel:
         self.nccl = nccl            # the group's NCCL communicator, for algo "nccl"
         self._scratch = scratch     # callable (slot, n, like) -> array, owned by the group
 
+    def __repr__(self):
+        """For a debugger in ring.py (`p ch`): the collective, the group, this rank of it."""
+        return (f"Channel({self.op!r} on group {self.group!r}, rank {self.rank} of "
+                f"{self.size})")
+
     def sendrecv(self, sendbuf, dest, recvbuf, source, note=""):
         """Send `sendbuf` to `dest` while receiving `recvbuf` from `source` (either may be
         MPI.PROC_NULL). Both at once, so a ring of blocking calls cannot deadlock: MPI_Sendrecv,
