@@ -48,8 +48,8 @@ def harness(src=None, order="low"):
     return functools.partial(cuda_cpu.run, source=src, order=order)
 
 
-def attn_dropout(p, T):
-    """AttnDropout p over (B, NH, T, T) weights, keyed numbers of a tensor-parallel rank's
+def attn_dropout(p, T, heads=NH):
+    """AttnDropout p over (B, heads, T, T) weights, keyed numbers of a tensor-parallel rank's
     site (heads 3..5 of 6), batch rows 5 and 2, step 3, drawn after the keys moved on to
     step 4 (the kernels read the step on the device: counter 4, lag 1); None for p 0."""
     if not p:
@@ -59,7 +59,7 @@ def attn_dropout(p, T):
     for _ in range(3):
         site.keys.next_step()
     with site.keys.rows_of([5, 2]):
-        drop = flash.AttnDropout(p, site, (B, NH, T, T))
+        drop = flash.AttnDropout(p, site, (B, heads, T, T))
     site.keys.next_step()
     return drop
 
@@ -273,6 +273,38 @@ def test_simulated_ring_with_kernels_equals_tiled_attention(n, split, T, p, dtyp
     want = tiled_reference(q, k, v, g, drop)
     for name, a, b in zip(("y", "lse", "dq", "dk", "dv"), got, want):
         close(a, b, dtype, f"{name}: {split} ring of {n}, dropout {p}")
+
+
+@pytest.mark.parametrize("nkv", [1, 2])
+def test_grouped_query_blocks_by_the_kernels_equal_the_xp_code(nkv):
+    """Grouped-query attention (4 q heads, nkv k/v heads) as ring.py hands it to the kernels
+    on a GPU (attend_block repeats the block itself; ring_backward sums an nh-wide scratch
+    into the accumulator, sum_groups) = the xp code's grouped path (group_sum), which
+    tests/test_context_parallel.py holds to repeat_kv: zig-zag ring of 2, dropout 0.3."""
+    nh, T, n = 4, 28, 2
+    q, g, k, v = (rand("float64", B, h, T, HS, seed=s) for s, h in enumerate((nh, nh, nkv, nkv)))
+    drop, run = attn_dropout(0.3, T, nh), harness()
+    lays, at = ([f(T, n, r, "zigzag") for r in range(n)] for f in (ring.layout, ring.positions))
+    kvs = [np.ascontiguousarray(np.stack([k[..., p, :], v[..., p, :]])) for p in at]
+    for r in range(n):
+        qr, gr = np.ascontiguousarray(q[..., at[r], :]), np.ascontiguousarray(g[..., at[r], :])
+        got, want = ([np.zeros(qr.shape), np.full(qr.shape[:-1], -np.inf)] for _ in "ab")
+        for held in range(n):
+            ring.attend_block(qr, lays[r], kvs[held], lays[held], *got, 5, drop, run)
+            ring.attend_block(qr, lays[r], kvs[held], lays[held], *want, 5, drop)
+        for name, a, b in zip(("y", "lse"), got, want):
+            close(a, b, "float64", f"{name}, rank {r}")
+        D = (gr * want[0]).sum(axis=-1)                 # the whole attention's, as ring.py's
+        for held, kv in enumerate(kvs):
+            dq, dq_want, dkv, dkv_want = (np.zeros(a.shape) for a in (qr, qr, kv, kv))
+            d_full = np.zeros(kv.shape[:2] + (nh,) + kv.shape[3:])
+            ring.attend_block_backward(gr, qr, lays[r], ring.repeat_block(kv, nh), lays[held],
+                                       want[1], D, dq, d_full, 5, drop, run)
+            ring.sum_groups(d_full, dkv)
+            ring.attend_block_backward(gr, qr, lays[r], kv, lays[held], want[1], D, dq_want,
+                                       dkv_want, 5, drop)
+            for name, a, b in (("dq", dq, dq_want), ("dkv", dkv, dkv_want)):
+                close(a, b, "float64", f"{name}, rank {r} holding block {held}")
 
 
 # ---- broken variants: defects a whole sequence (offsets 0, Tq = Tk) cannot show ------------
