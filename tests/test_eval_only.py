@@ -208,3 +208,22 @@ def test_a_llama_folder_evaluates_at_its_own_context_and_a_dropout_run_is_not_re
     folder = _run(["--init-from", hf, "--eval-only", "--batch-size", "4", "--eval-iters",
                    "3", "--sample", "0"] + data)
     assert folder["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("size", ["8", "32"])
+def test_the_block_size_refusal_names_an_init_from_that_runs(trained, size):
+    """--eval-only --resume ck --block-size N (ck's run: 16) is refused; the --init-from
+    command it names passes the checks. 32 is past a GPT-2's 16 learned positions, which
+    --init-from refuses too: its refusal names none there, and says how far it reads."""
+    ck, _, data = trained
+    args = train_parser().parse_args(["--eval-only", "--resume", ck, "--block-size", size]
+                                     + data)
+    with pytest.raises(UsageError) as e:
+        check_flags(args)
+    advice = re.search(r"--init-from (\S+) --eval-only --block-size (\d+)", str(e.value))
+    assert (advice is not None) == (size == "8"), str(e.value)
+    if advice:
+        check_flags(train_parser().parse_args(
+            ["--init-from", advice[1], "--eval-only", "--block-size", advice[2]] + data))
+    else:
+        assert "its 16 learned positions" in str(e.value), str(e.value)

@@ -262,10 +262,15 @@ def take_resume_model(args):
         said = (f"--no-bias: --resume {folder} holds a model with biases" if name == "bias"
                 else f"{flag_of(name)} {value}: --resume {folder} holds a model with {name} "
                 f"{resolved_size(name, config[name], config)}")
-        why = (f"--eval-only --resume evaluates the model its run trained; --init-from "
-               f"{folder} --eval-only {flag_of(name)} {value} evaluates its weights at another "
-               "context") if name == "block_size" and getattr(args, "eval_only", False) else \
-            "a resumed run takes its model from the checkpoint"
+        why = "a resumed run takes its model from the checkpoint"
+        if name == "block_size" and getattr(args, "eval_only", False):   # another context:
+            reads = value <= config[name] or config["arch"] == "llama"    # --init-from's, but
+            why = (f"--eval-only --resume evaluates the model its run trained; --init-from "
+                   f"{folder} --eval-only {flag_of(name)} {value} evaluates its weights at "
+                   "another context") if reads else (       # past GPT-2's learned positions
+                f"its {config[name]} learned positions are as far as it reads; --init-from "
+                f"{folder} --eval-only --block-size N, N < {config[name]}, evaluates its "
+                "weights at a shorter context")
         raise UsageError(f"{said}; leave {flag_of(name)} out ({why})")
     if dtype in ("float32", "float64"):
         if "dtype" in given and args.dtype != dtype:
