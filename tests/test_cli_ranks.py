@@ -146,12 +146,16 @@ def test_a_pmix_launcher_for_an_mpich_without_pmix_is_one_error_line(corpus, tmp
     version PMIx"), an error stack per rank. Two processes with what that mpirun sets
     (PMIX_NAMESPACE, OMPI_COMM_WORLD_*) now stop before MPI_Init: one error line from the
     launcher's rank 0, exit 2 on both, nothing trained. (`pmix_mismatch` alone: an MPICH
-    built with PMIx, another library or no PMIx launcher passes.)"""
+    built with PMIx, another library, no PMIx launcher, or PMI 1 named passes: hydra's
+    `PMIX_NAMESPACE=x MPIR_CVAR_PMI_VERSION=1 mpiexec -n 2` initialises, without it aborts.)"""
     from minidist.comm import pmix_mismatch
     wheel = "MPICH Version:      5.0.2\nMPICH configure:    --with-pm=hydra:gforker\n"
     assert pmix_mismatch({}, wheel) is None
     assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, wheel.replace("hydra", "--with-pmix")) is None
     assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, "Open MPI v5.0.11, ...") is None
+    for var in ("MPIR_CVAR_PMI_VERSION", "MPICH_PMI_VERSION"):   # PMI 1 asked: MPICH ignores
+        assert pmix_mismatch({"PMIX_NAMESPACE": "x", var: "1"}, wheel) is None   # PMIX_*
+    assert pmix_mismatch({"PMIX_NAMESPACE": "x", "MPIR_CVAR_PMI_VERSION": "x"}, wheel)
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--data", corpus,
          "--steps", "2", "--n-layer", "1", "--n-embd", "16", "--cache-dir",

@@ -124,15 +124,22 @@ def launch_mismatch(launched, in_mpi):
             "examples/slurm/README.md, \"The cluster's own MPI\")")
 
 
+# MPICH's names of its PMI version setting (MPIR_CVAR_PMI_VERSION's aliases)
+PMI_VERSION_VARS = ("MPIR_CVAR_PMI_VERSION", "MPIR_PARAM_PMI_VERSION", "MPICH_PMI_VERSION")
+
+
 def pmix_mismatch(environ, library):
     """Why MPI_Init would abort, or None: a PMIx launcher (PMIX_NAMESPACE set: Open MPI 5's
     mpirun, `srun --mpi=pmix`) starting ranks whose mpi4py loaded an MPICH built without
     PMIx (the mpich wheel: "Runtime environment uses unsupported PMI version PMIx" and an
     error stack on every rank, then the launcher's report; the first-use walk of
     2026-11-30). `library`: MPI_Get_library_version's text, which MPI allows before MPI_Init
-    and MPICH's holds its configure line."""
+    and MPICH's holds its configure line. A PMI version named (MPIR_CVAR_PMI_VERSION 1 or 2:
+    MPICH then reads no PMIX_* variable; hydra's mpiexec run inside an srun --mpi=pmix step,
+    whose PMIX_NAMESPACE its ranks inherit, starts so) passes."""
+    named = {environ.get(v) for v in PMI_VERSION_VARS}
     if "PMIX_NAMESPACE" not in environ or not library.startswith("MPICH") \
-            or "pmix" in library.lower():
+            or "pmix" in library.lower() or named & {"1", "2"}:
         return None
     version = library.strip().splitlines()[0]
     return (f"the launcher speaks PMIx (Open MPI's mpirun, or srun --mpi=pmix) but mpi4py "
