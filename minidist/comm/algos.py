@@ -12,6 +12,8 @@ traced send/recv/sendrecv, scratch buffers) first, as ring.py's do:
 Chunks are chunk_bounds(n, size)'s. `out` may be inp's own chunk (ZeRO reduce-scatters its
 gradient buffer in place, all-gathers its parameters from their own shard): read a chunk of
 inp before writing out (walk 40: an out zeroed first broke ZeRO, 6e-2 off, while DDP passed).
+A broadcast must not read a non-root's buf before writing it: on GPUs without CUDA-aware MPI
+it is handed an empty host copy there (comm/staging.py buffer_plan).
 op "avg" is a sum divided by the group's size. Every rank must register the same module under
 the same name: nothing can compare them.
 Tests: tests/test_own_algorithm.py (a recursive-doubling all-reduce and broadcast registered
