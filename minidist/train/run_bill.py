@@ -79,9 +79,10 @@ def step_bill(config, layout, micro, schedule="1f1b", micro_batches=None, v=1,
     "total", "stage"} of a rank of pipeline stage `at_stage` (None: the stage whose total is
     largest), `micro` sequences of config.block_size tokens a micro-batch; schedule,
     micro_batches, v: the pipeline's (planner.bill). `cpu`: the device is the host (numpy's
-    16-bit matmul copies, step_buffers). dropout None: the config's for the graph's count,
-    none for Korthikanti's (its floor). Not `training` (--eval-only): no gradients,
-    optimizer state, logits kept for a backward, nor training's buffers (step_buffers)."""
+    16-bit matmul copies, step_buffers). dropout None: the config's for the graph's count
+    and a recomputed block's masks, none for Korthikanti's (its floor). Not `training`
+    (--eval-only): no gradients, optimizer state, logits kept for a backward, nor
+    training's buffers (step_buffers)."""
     graph = graph_counted(config, layout)
     rows = []
     for stage in range(layout.pp) if at_stage is None else [at_stage]:
@@ -94,7 +95,8 @@ def step_bill(config, layout, micro, schedule="1f1b", micro_batches=None, v=1,
             row.update(grads=0, optimizer=0)
         row["logits"] = logits_bytes(config, layout, stage, micro) if training else 0
         row["evaluation"] = eval_bytes(config, layout, micro) if graph and training else 0
-        row["buffers"] = step_buffers(config, layout, stage, micro, dropout=bool(dropout),
+        masks = config.dropout > 0 if dropout is None else bool(dropout)   # (recomputed)
+        row["buffers"] = step_buffers(config, layout, stage, micro, dropout=masks,
                                       training=training, cpu=cpu, v=v)
         row["total"] = step_total(row)
         row["stage"] = stage
@@ -103,7 +105,7 @@ def step_bill(config, layout, micro, schedule="1f1b", micro_batches=None, v=1,
 
 
 def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=8,
-         headroom=0.1, dropout=None, muon=False, grad32=False):
+         headroom=0.1, muon=False, grad32=False):
     """Every candidate's (planner.candidates) per-rank bill (step_bill on GPUs: what the
     start-up's check bills that layout's run), whether it fits in (1 - headroom) x gpu
     memory, and the first that fits (None if none does); `muon`: with --optimizer muon;
@@ -114,7 +116,7 @@ def plan(config, gpus, gpu_mem_gib=80.0, seq=None, micro_batch=1, gpus_per_node=
     rows = []
     for layout in candidates(config, gpus, gpus_per_node, seq, muon, grad32):
         row = {"layout": layout.name(), **asdict(layout),
-               **step_bill(config, layout, micro_batch, dropout=dropout)}
+               **step_bill(config, layout, micro_batch)}
         row["fits"] = row["total"] <= budget
         rows.append(row)
     best = next((r["layout"] for r in rows if r["fits"]), None)
