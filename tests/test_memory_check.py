@@ -381,7 +381,7 @@ def test_an_evaluation_under_tp_is_billed_a_forward_not_every_layer(ranks, model
         python examples/train_gpt.py --data F --n-layer 4 --n-embd 128 --block-size 128 \\
             --steps 1 --save CKPT [--moe-experts 4 --moe-top-k 2]
         mpiexec -n 2 python tests/scripts/peak_memory.py OUT examples/train_gpt.py --data F \\
-            --resume CKPT --eval-only --batch-size 32 --eval-iters 1 --tp 2    # (or --ep 2)
+            --resume CKPT --eval-only --batch-size 32 --eval-iters 1 --sample 0 --tp 2  # or --ep 2
     """
     if mpi.device == "cuda":
         pytest.skip("tracemalloc sees the host's arrays; a GPU's are CuPy's pool's")
@@ -391,5 +391,6 @@ def test_an_evaluation_under_tp_is_billed_a_forward_not_every_layer(ranks, model
         "--save", str(tmp_path / "ck"), *model, timeout=120)
     line, billed, peaks = _billed_and_peaks(
         mpi, ranks, tmp_path, [*cache, "--resume", str(tmp_path / "ck"), "--eval-only",
-                               "--batch-size", "32", "--eval-iters", "1", *split])
+                               "--batch-size", "32", "--eval-iters", "1", "--sample", "0",
+                               *split])
     assert max(peaks) <= billed <= 3 * max(peaks), (line, peaks)
