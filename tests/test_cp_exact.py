@@ -30,7 +30,29 @@ def _check_memory(row, n):
     assert row["per_rank_ckpt"] < row["per_rank"] / 2
 
 
-def test_cp2_is_exact_and_sends_the_formula(mpi):
+CP2_RUNS = ["cp2", "cp2+naive", "cp2+ckpt", "cp2+naive+ckpt"]
+KV_RUNS = ["cp2+kv0", "cp2+kv1", "cp2+naive+kv2+ckpt"]
+
+
+@pytest.fixture(scope="module")
+def cp2_out(mpi):
+    """One 2-rank cp_check.py job for the two tests below (each reads its own runs' rows):
+    every 2-rank job also runs the ring's gradcheck and the memory rows, so two jobs ran
+    them twice.
+
+        mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2,cp2+naive,...,cp2+kv0,...
+    """
+    return mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(CP2_RUNS + KV_RUNS),
+               timeout=240)
+
+
+def _rows(out, runs):
+    """The RESULT rows of `runs`, in the job's order."""
+    return [r for r in tagged_json(out, "RESULT") if r["run"] in runs]
+
+
+@pytest.mark.mpi
+def test_cp2_is_exact_and_sends_the_formula(cp2_out):
     """cp 2, zig-zag and naive, also with --ckpt-activations (the ring forward recomputed
     inside backward), against one process without recompute in float64 (and bit-identical
     to the same run without it); bytes; activations; RingSelfAttention's backward against
@@ -39,10 +61,9 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
 
         mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2,cp2+naive,cp2+ckpt,...
     """
-    runs = ["cp2", "cp2+naive", "cp2+ckpt", "cp2+naive+ckpt"]
-    out = mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=180)
-    rows = tagged_json(out, "RESULT")
-    _check_exact(rows, runs)
+    out = cp2_out
+    rows = _rows(out, CP2_RUNS)
+    _check_exact(rows, CP2_RUNS)
     _check_recompute_is_bitwise(rows)
     _check_memory(tagged_json(out, "MEMORY")[0], 2)
     checked = tagged_json(out, "GRADCHECK")[0]
@@ -51,7 +72,7 @@ def test_cp2_is_exact_and_sends_the_formula(mpi):
 
 
 @pytest.mark.mpi
-def test_the_ring_sends_k_and_v_as_the_kv_heads(mpi):
+def test_the_ring_sends_k_and_v_as_the_kv_heads(cp2_out):
     """Grouped-query attention (Llama's block, 4 q heads): the ring's k/v blocks and their
     accumulators travel as the K kv heads and are repeated to 4 only where attended to, so
     --n-kv-head 1 sends (6N - 4)(S - S/4) per layer less than --n-kv-head 0 (S = B Tl C 8
@@ -61,10 +82,8 @@ def test_the_ring_sends_k_and_v_as_the_kv_heads(mpi):
         mpiexec -n 2 python tests/scripts/cp_check.py --runs cp2+kv0,cp2+kv1,...
     """
     from minidist.cp.ring import ring_bytes
-    runs = ["cp2+kv0", "cp2+kv1", "cp2+naive+kv2+ckpt"]
-    out = mpi(2, "tests/scripts/cp_check.py", "--runs", ",".join(runs), timeout=180)
-    rows = tagged_json(out, "RESULT")
-    _check_exact(rows, runs)
+    rows = _rows(cp2_out, KV_RUNS)
+    _check_exact(rows, KV_RUNS)
     by = {r["run"]: r for r in rows}
     n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64
     assert by["cp2+kv0"]["bytes_sent"] == layers * ring_bytes(S, n)
