@@ -169,14 +169,31 @@ def _check_ulysses_rows(out, runs):
                                                           "HeadsForTokens q|k|v")
                                      for s in ("zigzag", "naive"))
     assert max(checked.values()) < 1e-6, checked
-    rows = tagged_json(out, "RESULT")
+    rows = [r for r in tagged_json(out, "RESULT") if r["run"] in runs]
     _check_exact(rows, runs)
     assert all("ulysses attention" in r["summary"] for r in rows)
     return rows
 
 
+U2_RUNS = ["u2", "u2+naive", "u2+drop", "u2+ckpt", "u2+naive+drop+ckpt", "u2+tiled+drop",
+           "u2+accum"]
+U2_KV_RUNS = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt", "u2+kv1+redo+drop", "u2+h6",
+              "u2+h6+kv3", "u2+h6+kv3+naive+drop+ckpt"]
+
+
+@pytest.fixture(scope="module")
+def u2_out(mpi):
+    """One 2-rank ulysses_check.py job for the two tests below (each checks its own runs'
+    rows): every job also runs the RING and GRADCHECK checks, so two jobs ran them twice.
+
+        mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2,u2+naive,...,u2+kv0,...
+    """
+    return mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(U2_RUNS + U2_KV_RUNS),
+               timeout=300)
+
+
 @pytest.mark.mpi
-def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
+def test_ulysses_cp2_is_exact_and_sends_the_formula(u2_out):
     """--cp 2 --cp-attention ulysses, float64, 3 steps against one process: zig-zag and
     naive, dropout 0.1, --ckpt-activations (the all-to-alls redone inside backward), tiled
     local attention, grad-accum; cp bytes = 8S(N-1)/N per layer (12S(N-1)/N with recompute);
@@ -184,10 +201,7 @@ def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
 
         mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2,u2+naive,u2+drop,...
     """
-    runs = ["u2", "u2+naive", "u2+drop", "u2+ckpt", "u2+naive+drop+ckpt", "u2+tiled+drop",
-            "u2+accum"]
-    out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
-    rows = _check_ulysses_rows(out, runs)
+    rows = _check_ulysses_rows(u2_out, U2_RUNS)
     by = {r["run"]: r for r in rows}
     assert by["u2+ckpt"]["losses"] == by["u2"]["losses"]              # recompute: bitwise
     assert by["u2+ckpt"]["bytes_sent"] == 1.5 * by["u2"]["bytes_sent"]
@@ -195,7 +209,7 @@ def test_ulysses_cp2_is_exact_and_sends_the_formula(mpi):
 
 
 @pytest.mark.mpi
-def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(mpi):
+def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(u2_out):
     """Grouped-query attention (Llama's block, 4 q heads): k and v cross the all-to-all as
     kv_heads_sent heads (each rank the window of kv heads its q heads read, kv_windows) and
     are picked for each rank's q heads after it, so --n-kv-head 1 (2 heads at cp 2) sends
@@ -208,10 +222,7 @@ def test_ulysses_sends_k_and_v_as_the_kv_heads_it_needs(mpi):
 
         mpiexec -n 2 python tests/scripts/ulysses_check.py --runs u2+kv0,u2+kv1,...
     """
-    runs = ["u2+kv0", "u2+kv1", "u2+kv2+naive+drop+ckpt", "u2+kv1+redo+drop", "u2+h6",
-            "u2+h6+kv3", "u2+h6+kv3+naive+drop+ckpt"]
-    out = mpi(2, "tests/scripts/ulysses_check.py", "--runs", ",".join(runs), timeout=180)
-    by = {r["run"]: r for r in _check_ulysses_rows(out, runs)}
+    by = {r["run"]: r for r in _check_ulysses_rows(u2_out, U2_KV_RUNS)}
     n, layers, S = 2, 2, 4 * 8 * 16 * 8                    # B 4, Tl 16/2, C 16, float64
     assert by["u2+kv0"]["bytes_sent"] == layers * ulysses_bytes(S, n)
     assert by["u2+kv0"]["bytes_sent"] - by["u2+kv1"]["bytes_sent"] == \
