@@ -147,12 +147,15 @@ def test_a_pmix_launcher_for_an_mpich_without_pmix_is_one_error_line(corpus, tmp
     (PMIX_NAMESPACE, OMPI_COMM_WORLD_*) now stop before MPI_Init: one error line from the
     launcher's rank 0, exit 2 on both, nothing trained. (`pmix_mismatch` alone: an MPICH
     built with PMIx, another library, no PMIx launcher, or PMI 1 named passes: hydra's
-    `PMIX_NAMESPACE=x MPIR_CVAR_PMI_VERSION=1 mpiexec -n 2` initialises, without it aborts.)"""
+    `PMIX_NAMESPACE=x MPIR_CVAR_PMI_VERSION=1 mpiexec -n 2` initialises, without it aborts:
+    that, hydra's rank with an inherited PMIX_NAMESPACE, is its own line.)"""
     from minidist.comm import pmix_mismatch
     wheel = "MPICH Version:      5.0.2\nMPICH configure:    --with-pm=hydra:gforker\n"
     assert pmix_mismatch({}, wheel) is None
     assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, wheel.replace("hydra", "--with-pmix")) is None
     assert pmix_mismatch({"PMIX_NAMESPACE": "x"}, "Open MPI v5.0.11, ...") is None
+    inherited = pmix_mismatch({"PMIX_NAMESPACE": "x", "PMI_FD": "9"}, wheel)  # hydra's rank
+    assert inherited.startswith("PMIX_NAMESPACE is set, inherited from an outer PMIx launch")
     for var in ("MPIR_CVAR_PMI_VERSION", "MPICH_PMI_VERSION"):   # PMI 1 asked: MPICH ignores
         assert pmix_mismatch({"PMIX_NAMESPACE": "x", var: "1"}, wheel) is None   # PMIX_*
     assert pmix_mismatch({"PMIX_NAMESPACE": "x", "MPIR_CVAR_PMI_VERSION": "x"}, wheel)

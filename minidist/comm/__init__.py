@@ -142,6 +142,11 @@ def pmix_mismatch(environ, library):
             or "pmix" in library.lower() or named & {"1", "2"}:
         return None
     version = library.strip().splitlines()[0]
+    if "PMI_FD" in environ or "PMI_PORT" in environ:     # MPICH's own mpiexec started it
+        return ("PMIX_NAMESPACE is set, inherited from an outer PMIx launch (srun "
+                "--mpi=pmix?), though mpiexec started this rank over PMI, and MPICH "
+                f"({' '.join(version.split())}) would abort in MPI_Init reading it; unset "
+                "PMIX_NAMESPACE for the job, or set MPIR_CVAR_PMI_VERSION=1")
     return (f"the launcher speaks PMIx (Open MPI's mpirun, or srun --mpi=pmix) but mpi4py "
             f"loaded an MPI without it ({' '.join(version.split())}); start the job with "
             "the mpiexec beside that Python (the virtual environment's own), or point mpi4py at "
