@@ -47,23 +47,10 @@ def broadcast_parameters(params, group, root=0, bucket_mb=BROADCAST_MB):
     broadcasts (tests/scripts/bcast_check.py counts them in the trace counters)."""
     params = list(params)
     buckets = broadcast_buckets(params, bucket_mb)
+    at_root = group.rank == root        # the root's values fill the bucket; the others' land
     for idx in buckets:
-        ps = [params[i] for i in idx]
-        if len(ps) == 1 and ps[0].data.flags.c_contiguous:
-            group.broadcast(ps[0].data, root)
-            continue
-        xp = xp_of(ps[0].data)
-        if group.rank == root:
-            flat = xp.concatenate([p.data.reshape(-1) for p in ps])
-        else:
-            flat = xp.empty(sum(p.size for p in ps), dtype=ps[0].data.dtype)
-        group.broadcast(flat, root)
-        if group.rank != root:
-            offset = 0
-            for p in ps:
-                p.data[...] = flat[offset:offset + p.size].reshape(p.shape)
-                offset += p.size
-        del flat
+        through_flat([params[i].data for i in idx], lambda buf: group.broadcast(buf, root),
+                     fill=at_root, copy_back=not at_root)
     return len(buckets)
 
 
@@ -241,6 +228,28 @@ def byte_runs(sizes, cap, kinds=None):
         run.append(i)
         nbytes += size
     return runs + [run] if run else runs
+
+
+def through_flat(arrays, collective, fill=True, copy_back=True):
+    """`collective(buf)`, a collective that works in place, run on `arrays` (one dtype, one
+    array module) as one: on the array itself where it is one contiguous array, else on a
+    flat buffer holding them end to end (filled from them where `fill`, empty where the
+    collective only writes it), copied back into each where `copy_back`; the buffer is
+    freed on return, so a caller cutting its arrays into pieces holds one piece's copy at a
+    time. The start-up broadcast's buckets (broadcast_parameters) and the tensor parallel
+    sum of replicated gradients (minidist/tp/state.py sum_partial_grads)."""
+    if len(arrays) == 1 and arrays[0].flags.c_contiguous:
+        collective(arrays[0])
+        return
+    xp = xp_of(arrays[0])
+    flat = xp.concatenate([a.reshape(-1) for a in arrays]) if fill else \
+        xp.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
+    collective(flat)
+    if copy_back:
+        lo = 0
+        for a in arrays:
+            a[...] = flat[lo:lo + a.size].reshape(a.shape)
+            lo += a.size
 
 
 class Bucket:

@@ -22,8 +22,7 @@ tests/test_pipeline.py (tests/scripts/pp_check.py: pp x tp).
 """
 import numpy as np
 
-from minidist.backend import xp_of
-from minidist.ddp.sync import byte_runs
+from minidist.ddp.sync import byte_runs, through_flat
 from minidist.optim.clip import local_sum_sq
 from minidist.strategy.base import all_reduce_number
 
@@ -69,18 +68,8 @@ def sum_partial_grads(grads, group, piece_bytes=SUM_PIECE_BYTES):
         if g.size:
             by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        for piece in _pieces(same, piece_bytes):
-            if len(piece) == 1 and piece[0].flags.c_contiguous:     # alone: where it lies
-                group.all_reduce(piece[0], op="sum")
-                continue
-            flat = xp_of(piece[0]).concatenate([g.reshape(-1) for g in piece])
-            group.all_reduce(flat, op="sum")
-            lo = 0
-            for g in piece:
-                g[...] = flat[lo:lo + g.size].reshape(g.shape)
-                lo += g.size
-            del flat                    # before the next piece's: one piece held at a time
-
+        for piece in _pieces(same, piece_bytes):     # one piece's copy held at a time
+            through_flat(piece, lambda buf: group.all_reduce(buf, op="sum"))
 
 def _pieces(grads, piece_bytes):
     """`grads` in order, cut into consecutive runs of at most `piece_bytes` (a larger tensor
