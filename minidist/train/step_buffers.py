@@ -72,13 +72,12 @@ def rank_shapes(config, layout, stage, v=1):
     return out
 
 
-def optimizer_scratch(shapes, layout):
-    """Elements (float32, or the run's dtype) of the optimizer's per-shape temporaries: one
-    per distinct shape for the update, one more under --amp for the unscaling; none under
-    ZeRO (its flat shards' temporaries are the units' below)."""
-    if layout.zero:
-        return 0
-    return (2 if layout.amp else 1) * _distinct(shapes)
+def optimizer_scratch(distinct, layout):
+    """Elements (float32, or the run's dtype) of the optimizer's per-shape temporaries, for a
+    rank whose distinct shapes hold `distinct` elements (_distinct): one per distinct shape
+    for the update, one more under --amp for the unscaling; none under ZeRO (its flat
+    shards' temporaries are the units' below)."""
+    return 0 if layout.zero else (2 if layout.amp else 1) * distinct
 
 
 def _distinct(shapes):
@@ -114,20 +113,15 @@ def _padded(units, layout):
     return block, root
 
 
-def half_matmul_copies(shapes, rows):
-    """Elements of the float32 copies numpy's 16-bit matmul makes at once, at most: over the
-    rank's matrices (wte the head's), the weight, `rows` rows of its input and of its
-    output (the whole widths: an upper bound under tp)."""
-    return _matmul_copies(_matrices(shapes), rows)
-
-
 def _matrices(shapes):
     """(elements on the rank, rows + columns) of each distinct matrix among `shapes`."""
     return tuple(sorted({(n, sum(shape)) for _, shape, n in shapes if len(shape) == 2}))
 
 
-def _matmul_copies(matrices, rows):
-    """half_matmul_copies of a rank holding `matrices` (_matrices')."""
+def half_matmul_copies(matrices, rows):
+    """Elements of the float32 copies numpy's 16-bit matmul makes at once, at most, for a
+    rank holding `matrices` (_matrices': wte the head's): the weight, `rows` rows of its
+    input and of its output (the whole widths: an upper bound under tp)."""
     return max((n + rows * width for n, width in matrices), default=0)
 
 
@@ -159,7 +153,7 @@ def kept_buffers(config, layout, stage, training=True, v=1):
 def _kept(held, layout):
     """kept_buffers of a rank holding `held` (_held's)."""
     distinct, units, _ = held
-    total = 4 * (0 if layout.zero else (2 if layout.amp else 1) * distinct)
+    total = 4 * optimizer_scratch(distinct, layout)
     if layout.zero:
         g = state_bytes(layout.amp, layout.grad32)[1]
         block, root = _padded(units, layout)
@@ -177,7 +171,7 @@ def step_buffers(config, layout, stage, micro, dropout=False, training=True, cpu
     held = _rank_held(config, layout, stage, v)
     total = _kept(held, layout) if training else 0
     if layout.amp and cpu:
-        total += 4 * _matmul_copies(held[2], micro * config.block_size // layout.cp)
+        total += 4 * half_matmul_copies(held[2], micro * config.block_size // layout.cp)
     p, g, _ = state_bytes(layout.amp, layout.grad32)
     block, root = _padded(held[1], layout)
     if layout.zero >= 2 and training:
