@@ -39,6 +39,7 @@ from minidist.strategy.checkpoint_dirs import CheckpointError
 from minidist.train.args import train_default
 from minidist.train.cli import UsageError
 from minidist.train.memory_room import address_room, where_and_room
+from minidist.train.plan_args import block_flags
 from minidist.train.planner import GiB, Layout
 from minidist.train.run_bill import eval_bytes, graph_counted, step_bill, step_total
 from minidist.train.step_buffers import kept_buffers, rank_shapes
@@ -357,13 +358,7 @@ def plan_command(args, config, size, per_rank, margin=MARGIN):
     words = ["python examples/plan_memory.py", "--n-layer", config.n_layer, "--n-head",
              config.n_head, "--n-embd", config.n_embd, "--vocab-size", config.vocab_size,
              "--seq", config.block_size]
-    words += ["--arch", "llama"] if config.llama else []
-    words += ["--n-kv-head", config.n_kv_head] if config.n_kv_head else []
-    words += ["--ffn-hidden", config.ffn_hidden] if config.ffn_hidden else []
-    if config.moe_experts:
-        words += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k]
-        words += ["--moe-every", config.moe_every] if config.moe_every != 1 else []
-        words += ["--moe-shared", config.moe_shared] if config.moe_shared else []
+    words += block_flags(config)
     words += ["--dropout"] if config.dropout > 0 else []
     words += ["--optimizer", "muon"] if args.optimizer == "muon" else []
     words += ["--grad-dtype", "float32"] if layout.grad32 else []

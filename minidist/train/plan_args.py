@@ -43,6 +43,27 @@ def add_model_args(p):
     return add_moe_args(p)
 
 
+def block_flags(config):
+    """The flags (examples/train_gpt.py's, which the planners take too: add_model_args) of
+    `config`'s block beyond its layers, heads and width: Llama's block and its kv heads, the
+    MLP's width, the experts (their capacity, the losses' weights and the shared experts
+    where not the defaults). A search row's run (search.train_flags) and a refusal's
+    plan_memory.py command (memory_check.plan_command) both say the model so."""
+    flags = []
+    if config.moe_experts:
+        flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
+                  "--moe-every", config.moe_every]
+        defaults = GPTConfig()          # the capacity, the losses' weights and the shared
+        flags += [f for name in ("moe_capacity_factor", "moe_aux_loss_coef",  # experts, where
+                                 "moe_z_loss_coef", "moe_shared")       # not the default
+                  if getattr(config, name) != getattr(defaults, name)
+                  for f in ("--" + name.replace("_", "-"), getattr(config, name))]
+    if config.llama:
+        flags += ["--arch", "llama"] + (["--n-kv-head", config.n_kv_head]
+                                        if config.n_kv_head else [])
+    return flags + (["--ffn-hidden", config.ffn_hidden] if config.ffn_hidden else [])
+
+
 # the planners' numeric flags that may be 0 (the others must be positive)
 MAY_BE_ZERO = ("n_kv_head", "ffn_hidden", "moe_experts", "moe_shared", "moe_capacity_factor",
                "moe_aux_loss_coef", "moe_z_loss_coef", "headroom", "intra_lat", "inter_lat",

@@ -39,7 +39,6 @@ from dataclasses import asdict, replace
 from minidist.cp.context import ATTENTIONS
 from minidist.cp.strategy import cp_problems, ulysses_problems
 from minidist.ep.strategy import ep_problems, moe_problems
-from minidist.nn.config import GPTConfig
 from minidist.pp.strategy import pp_problems
 from minidist.tp.strategy import tp_problems
 from minidist.train.args import parse_train_flags, train_default
@@ -47,6 +46,7 @@ from minidist.train.cli import UsageError
 from minidist.train.cluster import fills_nodes
 from minidist.train.cost import step_time
 from minidist.train.moe_cost import check_moe_layout
+from minidist.train.plan_args import block_flags
 from minidist.train.planner import GiB, Layout
 from minidist.train.run_bill import step_bill
 from minidist.train.strategy import check_layout
@@ -213,18 +213,7 @@ def train_flags(config, row, v=1):
     if row.get("zero_shard"):
         flags += ["--zero-shard", row["zero_shard"]]
     flags += ["--overlap-param-gather"] if row.get("overlap_gather") else []
-    if config.moe_experts:
-        flags += ["--moe-experts", config.moe_experts, "--moe-top-k", config.moe_top_k,
-                  "--moe-every", config.moe_every]
-        defaults = GPTConfig()          # the capacity, the losses' weights and the shared
-        flags += [f for name in ("moe_capacity_factor", "moe_aux_loss_coef",  # experts, where
-                                 "moe_z_loss_coef", "moe_shared")       # not the default
-                  if getattr(config, name) != getattr(defaults, name)
-                  for f in ("--" + name.replace("_", "-"), getattr(config, name))]
-    if config.llama:
-        flags += ["--arch", "llama"] + (["--n-kv-head", config.n_kv_head]
-                                        if config.n_kv_head else [])
-    flags += ["--ffn-hidden", config.ffn_hidden] if config.ffn_hidden else []
+    flags += block_flags(config)
     if row["pp"] > 1:
         interleaved = row["schedule"] == "interleaved"
         flags += ["--micro-batches", row["micro_batches"], "--schedule",
