@@ -69,28 +69,33 @@ def run_style(i, n_points, runs):
             "markevery": (i * every // max(runs, 1) % every, every)}
 
 
+def console_step(row):
+    """A log row's step as the console printed it (`step N/total`, the checkpoint folders'
+    step-0000000N): its "step", which counts from 0, plus 1 (first-use walk, session 35: an
+    evaluation the console printed at step 10 was drawn at 9)."""
+    return row["step"] + 1
+
+
 def plot_curves(axes, logs, labels):
-    """Loss, tokens/s and memory per rank against step, one color, line style and marker per
-    run (run_style). The steps are the console's (`step N/total`, the checkpoint folders'
-    step-0000000N): the rows' "step", which counts from 0, plus 1 (first-use walk, session
-    35: an evaluation the console printed at step 10 was drawn at 9)."""
+    """Loss, tokens/s and memory per rank against step (console_step), one color, line
+    style and marker per run (run_style)."""
     ax_loss, ax_tok, ax_mem = axes
     for i, ((rows, final), label) in enumerate(zip(logs, labels)):
         color = f"C{i}"
-        steps = [r["step"] + 1 for r in rows]
+        steps = [console_step(r) for r in rows]
         style = run_style(i, len(rows), len(logs))
         ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, label=label, **style)
-        val = [(r["step"] + 1, r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        val = [(console_step(r), r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         if final is not None and final.get("val_loss") is not None and not val:
             # a log from before the evaluating steps' rows held their val loss: the end's
             val.append((final.get("steps", steps[-1]), final["val_loss"]))
         if val:
             ax_loss.plot(*zip(*val), "*", color=color, ms=9, ls="none",
                          label=f"{label} (val)")
-        timed = [(r["step"] + 1, r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
+        timed = [(console_step(r), r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
         if timed:
             ax_tok.plot(*zip(*timed), lw=1.2, label=label, **style)
-        mem = [(r["step"] + 1, r["mem"]) for r in rows if isinstance(r.get("mem"), dict)]
+        mem = [(console_step(r), r["mem"]) for r in rows if isinstance(r.get("mem"), dict)]
         if mem:
             x = [s for s, _ in mem]
             ax_mem.plot(x, [m.get("total", 0) / MiB for _, m in mem], lw=1.2,
@@ -113,7 +118,7 @@ def plot_expert_load(ax, log, label):
     summed over the MoE blocks, per step (1/E each when balanced), and the share dropped for
     lack of capacity (dashed). Over the global batch (each rank's last micro-batch)."""
     rows = [r for r in log[0] if "moe_tokens" in r]
-    steps = [r["step"] + 1 for r in rows]                 # the console's (plot_curves)
+    steps = [console_step(r) for r in rows]
     kept = [[sum(col) for col in zip(*r["moe_tokens"])] for r in rows]     # (steps, E)
     routed = [sum(k) + sum(r["moe_dropped"]) for k, r in zip(kept, rows)]
     for e in range(len(kept[0])):
